@@ -1,0 +1,84 @@
+//! The call context that travels with every invocation: depth, chain and deadline.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ActorId, Deadline};
+
+/// Where an invocation sits in a tree of calls between actors.
+///
+/// - `depth`: 0 for a call from outside the runtime; a call made from a turn at depth
+///   `d` runs at depth `d + 1`.
+/// - `chain`: the actors whose turns are waiting, outermost first; the callee is not in
+///   it. A call whose target is in `chain`, or is the caller itself, would deadlock a
+///   non-reentrant actor and is refused by admission.
+/// - `deadline`: absolute; a child's deadline is never later than its parent's.
+///
+/// It is plain data so it can cross a network inside a request envelope.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallContext {
+    depth: u32,
+    chain: Vec<ActorId>,
+    deadline: Deadline,
+}
+
+impl CallContext {
+    /// The context of a call from outside the runtime: depth 0, empty chain.
+    pub fn root(deadline: Deadline) -> Self {
+        Self { depth: 0, chain: Vec::new(), deadline }
+    }
+
+    /// How many calls between actors lead to this one.
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// The actors waiting on this call, outermost first.
+    pub fn chain(&self) -> &[ActorId] {
+        &self.chain
+    }
+
+    /// When this call must have finished.
+    pub fn deadline(&self) -> Deadline {
+        self.deadline
+    }
+
+    /// Whether `actor` is waiting somewhere up this call's chain.
+    pub fn contains(&self, actor: &ActorId) -> bool {
+        self.chain.iter().any(|waiting| waiting == actor)
+    }
+
+    /// The context of a call that `caller`, running under `self`, makes with `deadline`.
+    ///
+    /// The child's deadline is clipped to the parent's: it is the earlier of the two.
+    /// This does not check admission; see [`crate::admit_call`].
+    pub fn child(&self, caller: ActorId, deadline: Deadline) -> Self {
+        let mut chain = Vec::with_capacity(self.chain.len() + 1);
+        chain.extend(self.chain.iter().cloned());
+        chain.push(caller);
+        let child = Self {
+            depth: self.depth.saturating_add(1),
+            chain,
+            deadline: self.deadline.min(deadline),
+        };
+        assert!(child.deadline <= self.deadline, "a child deadline grew: {child:?} > {self:?}");
+        child
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_deadline_never_exceeds_its_parents() {
+        let root = CallContext::root(Deadline::from_micros(100));
+        let a = ActorId::new("agent", "a").unwrap();
+        let child = root.child(a.clone(), Deadline::from_micros(500));
+        assert_eq!(child.deadline(), Deadline::from_micros(100));
+        assert_eq!(child.depth(), 1);
+        assert_eq!(child.chain(), &[a.clone()]);
+        let grandchild = child.child(ActorId::new("agent", "b").unwrap(), Deadline::from_micros(40));
+        assert_eq!(grandchild.deadline(), Deadline::from_micros(40));
+        assert!(grandchild.contains(&a));
+    }
+}

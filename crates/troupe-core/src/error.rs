@@ -1,0 +1,103 @@
+//! The typed errors of an invocation.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ActorId;
+
+/// Why an invocation did not produce a reply.
+///
+/// Serializable so a remote node can return it unchanged. Nothing in Troupe matches on
+/// the `Display` text; match on the variant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum InvokeError {
+    /// The deadline passed before a reply arrived. The request may have been dropped
+    /// before it ran; if it was running, its turn was cancelled and its writes rolled back.
+    #[error("invocation of {target} timed out after {timeout_ms} ms")]
+    Timeout {
+        /// The actor invoked.
+        target: ActorId,
+        /// The time the caller allowed, in milliseconds.
+        timeout_ms: u64,
+    },
+    /// The target's mailbox is full; nothing was queued. Retry later.
+    #[error("{target} is busy: its mailbox of {capacity} messages is full")]
+    Busy {
+        /// The actor whose mailbox is full.
+        target: ActorId,
+        /// The mailbox capacity, in messages.
+        capacity: usize,
+    },
+    /// No factory is registered for the target's kind.
+    #[error("no actor kind {kind:?} is registered (invoked {target})")]
+    ActorNotFound {
+        /// The actor invoked.
+        target: ActorId,
+        /// Its unknown kind.
+        kind: String,
+    },
+    /// The actor's turn returned an error; its writes were rolled back.
+    #[error("{target} failed: {cause}")]
+    ActorFailed {
+        /// The actor that failed.
+        target: ActorId,
+        /// What the actor said went wrong.
+        cause: String,
+    },
+    /// The actor, or the runtime on its behalf, refused the request without running it.
+    #[error("{target} rejected the request: {reason}")]
+    Rejected {
+        /// The actor that refused.
+        target: ActorId,
+        /// Why.
+        reason: String,
+    },
+    /// Loading or committing the actor's state failed; the caller's request did not
+    /// take effect and the actor's last committed state is intact.
+    #[error("storage failed for {target}: {cause}")]
+    StorageFailed {
+        /// The actor whose state could not be loaded or committed.
+        target: ActorId,
+        /// The storage error.
+        cause: String,
+    },
+    /// Waiting on this call would close a cycle of actors waiting on each other; nothing
+    /// was queued. The cycle starts and ends with the caller.
+    #[error("deadlock detected: {}", display_cycle(cycle))]
+    DeadlockDetected {
+        /// The actors in the cycle, caller first and last.
+        cycle: Vec<ActorId>,
+    },
+    /// The dispatcher's command queue stayed full until the deadline.
+    #[error("the dispatcher is overloaded: its queue of {capacity} commands is full")]
+    DispatcherBusy {
+        /// The queue capacity, in commands.
+        capacity: usize,
+    },
+    /// The runtime has shut down.
+    #[error("the runtime has shut down")]
+    Shutdown,
+}
+
+impl InvokeError {
+    /// Whether retrying the same request later may succeed (busy, overloaded, timed out).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Busy { .. } | Self::DispatcherBusy { .. } | Self::Timeout { .. })
+    }
+}
+
+fn display_cycle(cycle: &[ActorId]) -> String {
+    cycle.iter().map(ToString::to_string).collect::<Vec<_>>().join(" -> ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadlock_error_names_the_cycle_in_order() {
+        let a = ActorId::new("agent", "a").unwrap();
+        let b = ActorId::new("agent", "b").unwrap();
+        let error = InvokeError::DeadlockDetected { cycle: vec![a.clone(), b, a] };
+        assert_eq!(error.to_string(), "deadlock detected: agent/a -> agent/b -> agent/a");
+    }
+}
