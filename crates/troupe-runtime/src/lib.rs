@@ -1,1 +1,29 @@
-//! runtime
+//! Troupe's runtime: the single-threaded dispatcher, bounded mailboxes, the activation
+//! lifecycle of virtual actors, and the state stores.
+//!
+//! ```text
+//! caller ──invoke(target, payload, deadline)──► dispatcher task (owns the activation table)
+//!                                                 │ active?   → try_send into the bounded mailbox
+//!                                                 │             (full → InvokeError::Busy at once)
+//!                                                 │ inactive? → spawn the actor task, queue the message
+//!                                                 ▼
+//!                        actor task: load state → on_activate → loop { next message;
+//!                          drop it if its deadline passed; run one turn; commit state
+//!                          and writes atomically; reply }   idle → ask to deactivate
+//! ```
+//!
+//! The dispatcher never awaits a turn, storage or the network; turns run in each
+//! actor's own task, one at a time per actor.
+
+#![warn(missing_docs)]
+
+mod memory_store;
+mod sqlite_store;
+mod state_store;
+
+pub use memory_store::{MemoryStore, MemoryStoreFaults};
+pub use sqlite_store::SqliteStore;
+pub use state_store::{
+    check_key, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX,
+    STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
+};

@@ -1,0 +1,218 @@
+//! An in-memory [`StateStore`] with fault injection, for tests and the simulator.
+//!
+//! Faults are switched on through [`MemoryStoreFaults`]:
+//! - failing loads, commits or reads (the next `n`, or all until switched off);
+//! - write-back mode, which models a disk cache: commits are visible at once but only
+//!   durable after [`MemoryStore::flush`]; [`MemoryStore::crash`] loses what was not
+//!   flushed. The simulator uses it for the "lost unflushed writes" fault.
+//!
+//! The store itself is shared by reference counting, so a simulated node that is killed
+//! and restarted can be given the same store: that models its disk.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::ActorId;
+
+use crate::state_store::{check_key, StateStore, StoreError, TurnCommit, STATE_SCAN_LIMIT_MAX};
+
+#[derive(Clone, Default)]
+struct Tables {
+    states: BTreeMap<ActorId, Bytes>,
+    entries: BTreeMap<(ActorId, String), Bytes>,
+}
+
+impl Tables {
+    fn apply(&mut self, actor: &ActorId, commit: &TurnCommit) {
+        if let Some(state) = &commit.state {
+            self.states.insert(actor.clone(), state.clone());
+        }
+        for (key, value) in &commit.writes {
+            let entry_key = (actor.clone(), key.clone());
+            match value {
+                Some(value) => self.entries.insert(entry_key, value.clone()),
+                None => self.entries.remove(&entry_key),
+            };
+        }
+    }
+}
+
+#[derive(Default)]
+struct Disk {
+    visible: Tables,
+    durable: Tables,
+}
+
+/// Switches for the faults a [`MemoryStore`] can inject. Cheap to clone; all clones
+/// control the same store.
+#[derive(Clone, Default)]
+pub struct MemoryStoreFaults {
+    inner: Arc<FaultSwitches>,
+}
+
+#[derive(Default)]
+struct FaultSwitches {
+    fail_loads: AtomicU64,
+    fail_commits: AtomicU64,
+    fail_reads: AtomicU64,
+    write_back: AtomicBool,
+    injected: AtomicU64,
+}
+
+/// Fail every operation of a kind until switched off.
+const FAIL_ALWAYS: u64 = u64::MAX;
+
+impl MemoryStoreFaults {
+    /// Fails the next `count` loads.
+    pub fn fail_next_loads(&self, count: u64) {
+        self.inner.fail_loads.store(count, Ordering::SeqCst);
+    }
+
+    /// Fails the next `count` commits.
+    pub fn fail_next_commits(&self, count: u64) {
+        self.inner.fail_commits.store(count, Ordering::SeqCst);
+    }
+
+    /// Fails the next `count` reads (`get` and `scan`).
+    pub fn fail_next_reads(&self, count: u64) {
+        self.inner.fail_reads.store(count, Ordering::SeqCst);
+    }
+
+    /// Fails every load, commit and read until [`MemoryStoreFaults::heal`].
+    pub fn fail_all(&self) {
+        self.fail_next_loads(FAIL_ALWAYS);
+        self.fail_next_commits(FAIL_ALWAYS);
+        self.fail_next_reads(FAIL_ALWAYS);
+    }
+
+    /// Stops every failure (write-back mode stays as it is).
+    pub fn heal(&self) {
+        self.fail_next_loads(0);
+        self.fail_next_commits(0);
+        self.fail_next_reads(0);
+    }
+
+    /// Turns write-back mode on or off; see the module documentation.
+    pub fn set_write_back(&self, on: bool) {
+        self.inner.write_back.store(on, Ordering::SeqCst);
+    }
+
+    /// How many operations have failed by injection so far.
+    pub fn injected_count(&self) -> u64 {
+        self.inner.injected.load(Ordering::SeqCst)
+    }
+
+    fn write_back(&self) -> bool {
+        self.inner.write_back.load(Ordering::SeqCst)
+    }
+
+    fn take(&self, counter: &AtomicU64, operation: &'static str) -> Result<(), StoreError> {
+        let mut current = counter.load(Ordering::SeqCst);
+        loop {
+            if current == 0 {
+                return Ok(());
+            }
+            let next = if current == FAIL_ALWAYS { current } else { current - 1 };
+            match counter.compare_exchange(current, next, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => {
+                    self.inner.injected.fetch_add(1, Ordering::SeqCst);
+                    return Err(StoreError::Injected { operation });
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+/// An in-memory [`StateStore`]; clones share the same data.
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    disk: Arc<Mutex<Disk>>,
+    faults: MemoryStoreFaults,
+}
+
+impl MemoryStore {
+    /// An empty store with no faults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The switches that inject faults into this store.
+    pub fn faults(&self) -> &MemoryStoreFaults {
+        &self.faults
+    }
+
+    /// Makes everything committed so far durable (a no-op unless write-back is on).
+    pub fn flush(&self) {
+        let mut disk = self.lock();
+        disk.durable = disk.visible.clone();
+    }
+
+    /// Models a power loss: everything committed but not flushed is lost. Without
+    /// write-back mode every commit is durable at once and nothing is lost.
+    pub fn crash(&self) {
+        let mut disk = self.lock();
+        disk.visible = disk.durable.clone();
+    }
+
+    /// How many actors have a committed state blob.
+    pub fn actor_count(&self) -> usize {
+        self.lock().visible.states.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Disk> {
+        self.disk.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[async_trait]
+impl StateStore for MemoryStore {
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.faults.take(&self.faults.inner.fail_loads, "load")?;
+        Ok(self.lock().visible.states.get(actor).cloned())
+    }
+
+    async fn commit(&self, actor: &ActorId, commit: TurnCommit) -> Result<(), StoreError> {
+        commit.validate()?;
+        self.faults.take(&self.faults.inner.fail_commits, "commit")?;
+        let write_back = self.faults.write_back();
+        let mut disk = self.lock();
+        disk.visible.apply(actor, &commit);
+        if !write_back {
+            disk.durable.apply(actor, &commit);
+        }
+        Ok(())
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        check_key(key)?;
+        self.faults.take(&self.faults.inner.fail_reads, "get")?;
+        Ok(self.lock().visible.entries.get(&(actor.clone(), key.to_string())).cloned())
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        check_key(prefix)?;
+        self.faults.take(&self.faults.inner.fail_reads, "scan")?;
+        let limit = limit.min(STATE_SCAN_LIMIT_MAX);
+        let start = (actor.clone(), after.unwrap_or(prefix).to_string());
+        let disk = self.lock();
+        Ok(disk
+            .visible
+            .entries
+            .range(start..)
+            .take_while(|((owner, key), _)| owner == actor && key.starts_with(prefix))
+            .filter(|((_, key), _)| after.is_none_or(|after| key.as_str() > after))
+            .take(limit)
+            .map(|((_, key), value)| (key.clone(), value.clone()))
+            .collect())
+    }
+}
