@@ -8,6 +8,8 @@
 //!    └──────────────────────┴─────────────────────────────────────────┘
 //! ```
 //!
+//! `Crashed` (a panic in the actor's task) leads from any live state to `Inactive`.
+//!
 //! The dispatcher holds one [`Lifecycle`] per actor id and applies every event through
 //! [`Lifecycle::apply`], which panics on an illegal transition: an illegal transition is
 //! a bug in the runtime, never an operating error. This is the state machine of
@@ -42,6 +44,9 @@ pub enum LifecycleEvent {
     Deactivate,
     /// `on_deactivate` ran and the task has ended.
     Deactivated,
+    /// The actor's task ended abnormally (a panic, or its state could not be restored
+    /// after a failed turn); whatever it had not committed is gone.
+    Crashed,
 }
 
 /// An illegal transition: the event cannot happen in that state.
@@ -77,6 +82,7 @@ impl Lifecycle {
             (S::Activating, E::ActivationFailed) => Some(S::Inactive),
             (S::Active, E::Deactivate) => Some(S::Deactivating),
             (S::Deactivating, E::Deactivated) => Some(S::Inactive),
+            (S::Activating | S::Active | S::Deactivating, E::Crashed) => Some(S::Inactive),
             _ => None,
         }
     }
@@ -122,16 +128,22 @@ mod tests {
     use LifecycleState as S;
 
     const STATES: [S; 4] = [S::Inactive, S::Activating, S::Active, S::Deactivating];
-    const EVENTS: [E; 5] =
-        [E::Activate, E::Activated, E::ActivationFailed, E::Deactivate, E::Deactivated];
+    const EVENTS: [E; 6] = [
+        E::Activate,
+        E::Activated,
+        E::ActivationFailed,
+        E::Deactivate,
+        E::Deactivated,
+        E::Crashed,
+    ];
 
     #[test]
-    fn exactly_five_transitions_are_legal() {
+    fn exactly_eight_transitions_are_legal() {
         let legal: usize = STATES
             .iter()
             .map(|s| EVENTS.iter().filter(|e| Lifecycle::next(*s, **e).is_some()).count())
             .sum();
-        assert_eq!(legal, 5);
+        assert_eq!(legal, 8);
     }
 
     #[test]

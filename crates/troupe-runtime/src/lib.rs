@@ -17,11 +17,25 @@
 
 #![warn(missing_docs)]
 
+mod activation;
+mod actor;
+mod clock;
+mod dispatcher;
+mod envelope;
+mod kind_config;
 mod memory_store;
+mod runtime;
 mod sqlite_store;
 mod state_store;
+mod turn;
+mod wait_for_graph;
 
+pub use actor::{Actor, ActorError, ActorFactory};
+pub use clock::Clock;
+pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
+pub use runtime::{DispatcherStats, Runtime, RuntimeBuilder, RuntimeCounters, RuntimeHandle};
+pub use turn::Turn;
 pub use sqlite_store::SqliteStore;
 pub use state_store::{
     check_key, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX,

@@ -1,0 +1,234 @@
+//! One activation of one actor: the task that loads its state, runs its turns one at a
+//! time, commits each turn atomically, and deactivates it when the dispatcher agrees.
+//!
+//! ```text
+//! load state ─► factory.create ─► on_activate ─► Activated
+//!     │ error: fail every queued request, ActivationFailed
+//!     ▼
+//! loop { next message (or idle check after idle_timeout of silence)
+//!        deadline passed or caller gone? → drop it unrun (Timeout)
+//!        handle(turn) under the deadline
+//!        ok → snapshot; commit state + writes atomically if anything changed; reply
+//!        error / timeout / commit failure → rebuild the actor from the last committed
+//!        snapshot (the in-memory state never runs ahead of the store); reply the error }
+//! mailbox closed by the dispatcher ─► on_deactivate ─► save if changed ─► Deactivated
+//! ```
+//!
+//! A panic in the actor ends the task; a guard reports `Crashed` so the dispatcher frees
+//! the entry, and callers of the queued requests see `ActorFailed`.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use troupe_core::{ActorId, InvokeError};
+
+use crate::envelope::{Control, Envelope, MailboxReceiver};
+use crate::runtime::Counters;
+use crate::{Actor, ActorError, ActorFactory, KindConfig, RuntimeHandle, StateStore, Turn, TurnCommit};
+
+pub(crate) struct ActivationStart {
+    pub(crate) id: ActorId,
+    pub(crate) generation: u64,
+    pub(crate) receiver: MailboxReceiver,
+    pub(crate) handle: RuntimeHandle,
+}
+
+/// Reports `Crashed` unless disarmed: runs when the task unwinds from a panic.
+struct CrashGuard {
+    control: mpsc::UnboundedSender<Control>,
+    id: ActorId,
+    generation: u64,
+    armed: bool,
+}
+
+impl CrashGuard {
+    fn finish(mut self, notice: Control) {
+        self.armed = false;
+        let _ = self.control.send(notice);
+    }
+}
+
+impl Drop for CrashGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self
+                .control
+                .send(Control::Crashed { id: self.id.clone(), generation: self.generation });
+        }
+    }
+}
+
+pub(crate) fn spawn(start: ActivationStart) {
+    tokio::spawn(run(start));
+}
+
+/// The actor as it runs, with what it needs to roll back.
+struct Live {
+    id: ActorId,
+    actor: Box<dyn Actor>,
+    factory: Arc<dyn ActorFactory>,
+    /// The last committed snapshot: what the store holds for this actor.
+    committed: Option<Bytes>,
+}
+
+impl Live {
+    /// Rebuilds the actor from the last committed snapshot.
+    ///
+    /// # Panics
+    /// If the factory cannot rebuild from a snapshot the actor itself produced; the
+    /// crash guard then ends the activation.
+    fn roll_back(&mut self) {
+        match self.factory.create(&self.id, self.committed.clone()) {
+            Ok(actor) => self.actor = actor,
+            Err(error) => panic!("{} cannot be rebuilt from its own committed snapshot: {error}", self.id),
+        }
+    }
+}
+
+async fn run(start: ActivationStart) {
+    let ActivationStart { id, generation, mut receiver, handle } = start;
+    let shared = Arc::clone(&handle.shared);
+    let guard = CrashGuard { control: shared.control.clone(), id: id.clone(), generation, armed: true };
+    let kind = shared.kinds.get(id.kind()).expect("activations are spawned for registered kinds only");
+    let config: KindConfig = kind.config;
+    let factory = Arc::clone(&kind.factory);
+
+    let mut live = match start_actor(&id, &factory, shared.store.as_ref()).await {
+        Ok(live) => live,
+        Err(error) => {
+            receiver.close();
+            while let Some(envelope) = receiver.recv().await {
+                let _ = envelope.reply.send(Err(error.clone()));
+            }
+            guard.finish(Control::ActivationFailed { id, generation });
+            return;
+        }
+    };
+    let _ = shared.control.send(Control::Activated { id: id.clone(), generation });
+
+    let mut received: u64 = 0;
+    // The timer is not reset per message (that would cost a timer update per turn); when
+    // it fires it re-arms from the last activity.
+    let mut last_activity = tokio::time::Instant::now();
+    let idle_timer = tokio::time::sleep(config.idle_timeout);
+    tokio::pin!(idle_timer);
+    loop {
+        let envelope = tokio::select! {
+            biased;
+            envelope = receiver.recv() => match envelope {
+                Some(envelope) => envelope,
+                None => break,
+            },
+            () = &mut idle_timer => {
+                let now = tokio::time::Instant::now();
+                let idle_at = last_activity + config.idle_timeout;
+                if now >= idle_at {
+                    // Idle for a whole period: ask to be deactivated. If the dispatcher
+                    // refuses (something was routed meanwhile, or calls are in flight), ask
+                    // again after another period.
+                    let _ = shared.control.send(Control::IdleCheck { id: id.clone(), generation, received });
+                    last_activity = now;
+                }
+                idle_timer.as_mut().reset(last_activity + config.idle_timeout);
+                continue;
+            }
+        };
+        received += 1;
+        run_turn(&mut live, &handle, *envelope).await;
+        last_activity = tokio::time::Instant::now();
+    }
+
+    // The dispatcher closed the mailbox: deactivate.
+    if let Err(error) = live.actor.on_deactivate(&id).await {
+        tracing::warn!(actor = %id, %error, "on_deactivate failed");
+    }
+    let saved = match live.actor.snapshot() {
+        Ok(snapshot) if snapshot != live.committed => {
+            let commit = TurnCommit { state: snapshot, writes: Vec::new() };
+            shared.store.commit(&id, commit).await.map_err(|error| error.to_string())
+        }
+        Ok(_) => Ok(()),
+        Err(error) => Err(error.to_string()),
+    };
+    if let Err(error) = saved {
+        Counters::add(&shared.counters.deactivation_saves_failed);
+        tracing::warn!(actor = %id, %error, "saving state on deactivation failed; the last turn's state stays committed");
+    }
+    guard.finish(Control::Deactivated { id, generation });
+}
+
+async fn start_actor(
+    id: &ActorId,
+    factory: &Arc<dyn ActorFactory>,
+    store: &dyn StateStore,
+) -> Result<Live, InvokeError> {
+    let saved = store
+        .load(id)
+        .await
+        .map_err(|error| InvokeError::StorageFailed { target: id.clone(), cause: error.to_string() })?;
+    let failed = |error: ActorError| InvokeError::ActorFailed { target: id.clone(), cause: error.to_string() };
+    let mut actor = factory.create(id, saved.clone()).map_err(failed)?;
+    actor.on_activate(id).await.map_err(failed)?;
+    Ok(Live { id: id.clone(), actor, factory: Arc::clone(factory), committed: saved })
+}
+
+async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
+    let shared = &handle.shared;
+    let Envelope { payload, context, reply } = envelope;
+    let now = shared.clock.now();
+    if reply.is_closed() || context.deadline().has_passed(now) {
+        // Expired or abandoned: never run it.
+        Counters::add(&shared.counters.expired_dropped);
+        let _ = reply.send(Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms: 0 }));
+        return;
+    }
+    let deadline = context.deadline();
+    let at = shared.clock.instant(deadline);
+    let mut turn = Turn::new(live.id.clone(), context, handle.clone());
+    let outcome = tokio::time::timeout_at(at, live.actor.handle(&mut turn, payload)).await;
+    Counters::add(&shared.counters.turns_run);
+    let result = match outcome {
+        Err(_elapsed) => {
+            let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
+            Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms })
+        }
+        Ok(Err(error)) => Err(actor_error(&live.id, error)),
+        Ok(Ok(answer)) => commit(live, shared.store.as_ref(), turn).await.map(|()| answer),
+    };
+    if result.is_err() {
+        Counters::add(&shared.counters.turns_failed);
+        live.roll_back();
+    }
+    let _ = reply.send(result);
+}
+
+/// Commits the turn's snapshot and writes atomically; skips the store when nothing changed.
+async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(), InvokeError> {
+    let snapshot = live.actor.snapshot().map_err(|error| actor_error(&live.id, error))?;
+    let changed = snapshot != live.committed;
+    let writes = turn.into_writes();
+    if !changed && writes.is_empty() {
+        return Ok(());
+    }
+    let commit = TurnCommit { state: if changed { snapshot.clone() } else { None }, writes };
+    store
+        .commit(&live.id, commit)
+        .await
+        .map_err(|error| InvokeError::StorageFailed { target: live.id.clone(), cause: error.to_string() })?;
+    if changed {
+        live.committed = snapshot;
+    }
+    Ok(())
+}
+
+fn actor_error(id: &ActorId, error: ActorError) -> InvokeError {
+    match error {
+        ActorError::Failed { cause } => InvokeError::ActorFailed { target: id.clone(), cause },
+        ActorError::Rejected { reason } => InvokeError::Rejected { target: id.clone(), reason },
+        // A failed call passes through unchanged: the root caller sees the real cause
+        // (a deadlock, a nested timeout) rather than a string.
+        ActorError::Invoke(inner) => inner,
+        ActorError::Store(inner) => InvokeError::StorageFailed { target: id.clone(), cause: inner.to_string() },
+    }
+}

@@ -1,0 +1,334 @@
+//! The dispatcher: one task that owns the activation table and routes every invocation.
+//!
+//! It never awaits a turn, storage or the network: each loop iteration takes one
+//! command or notice, updates its tables and hands messages to mailboxes with
+//! `try_send`. Everything slow runs in actor tasks ([`crate::activation`]).
+//!
+//! Guarantees:
+//! - **Single activation** (SingleActivation in `docs/tla/ActorLifecycle.tla`): the table
+//!   has at most one entry per actor id, and a new activation is spawned only when the
+//!   entry is absent or its previous activation has reported `Deactivated`/`Crashed`.
+//!   Messages that arrive while an activation deactivates are held (at most the kind's
+//!   mailbox capacity) and delivered to the next activation.
+//! - **Backpressure**: a full mailbox answers `Busy` at once; nothing is queued unbounded.
+//! - **No deactivation with work in flight** (NoDeactivationWithCallsInFlight): an idle
+//!   check is granted only if the activation has taken every message routed to it and
+//!   its turn is not waiting on any call.
+//! - **Wait-for graph** (WaitForGraphAcyclic): a call from inside a turn adds an edge;
+//!   an edge that would close a cycle is refused with `DeadlockDetected` before any
+//!   message is queued.
+//!
+//! It does not retry, reorder or persist messages: a mailbox is memory, and a request
+//! is acknowledged only by its reply.
+
+use std::collections::{HashMap, VecDeque};
+
+use tokio::sync::{mpsc, oneshot};
+use troupe_core::limits::ACTIVATIONS_MAX;
+use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleState};
+
+use crate::activation::{self, ActivationStart};
+use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender};
+use crate::runtime::Counters;
+use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
+use crate::{DispatcherStats, RuntimeHandle};
+
+struct Activation {
+    lifecycle: Lifecycle,
+    generation: u64,
+    /// `None` once the mailbox is closed for deactivation.
+    mailbox: Option<MailboxSender>,
+    capacity: usize,
+    /// Messages routed into this activation's mailbox.
+    delivered: u64,
+    /// Messages for the next activation, held while this one deactivates.
+    held: VecDeque<Box<Envelope>>,
+}
+
+pub(crate) struct Dispatcher {
+    handle: RuntimeHandle,
+    commands: mpsc::Receiver<Command>,
+    control: mpsc::UnboundedReceiver<Control>,
+    table: HashMap<ActorId, Activation>,
+    waits: WaitForGraph,
+    next_generation: u64,
+    shutdown: Option<oneshot::Sender<()>>,
+    shutting_down: bool,
+}
+
+impl Dispatcher {
+    pub(crate) fn new(
+        handle: RuntimeHandle,
+        commands: mpsc::Receiver<Command>,
+        control: mpsc::UnboundedReceiver<Control>,
+    ) -> Self {
+        Self {
+            handle,
+            commands,
+            control,
+            table: HashMap::new(),
+            waits: WaitForGraph::default(),
+            next_generation: 1,
+            shutdown: None,
+            shutting_down: false,
+        }
+    }
+
+    pub(crate) async fn run(mut self) {
+        loop {
+            tokio::select! {
+                biased;
+                Some(control) = self.control.recv() => self.on_control(control),
+                command = self.commands.recv(), if !self.shutting_down => match command {
+                    Some(command) => self.on_command(command),
+                    None => self.begin_shutdown(None),
+                },
+                else => break,
+            }
+            if self.shutting_down && self.table.is_empty() {
+                break;
+            }
+        }
+        // Refuse whatever is still queued.
+        self.commands.close();
+        while let Ok(command) = self.commands.try_recv() {
+            self.refuse_after_shutdown(command);
+        }
+        if let Some(done) = self.shutdown.take() {
+            let _ = done.send(());
+        }
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Invoke { target, envelope, edge } => self.route(target, envelope, edge),
+            Command::Stats { reply } => {
+                let _ = reply.send(self.stats());
+            }
+            Command::Shutdown { reply } => self.begin_shutdown(Some(reply)),
+        }
+    }
+
+    fn refuse_after_shutdown(&mut self, command: Command) {
+        match command {
+            Command::Invoke { envelope, .. } => {
+                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+            }
+            Command::Stats { reply } => {
+                let _ = reply.send(self.stats());
+            }
+            Command::Shutdown { reply } => {
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    fn stats(&self) -> DispatcherStats {
+        DispatcherStats {
+            activations: self.table.len(),
+            deactivating: self
+                .table
+                .values()
+                .filter(|a| a.lifecycle.state() == LifecycleState::Deactivating)
+                .count(),
+            held_messages: self.table.values().map(|a| a.held.len()).sum(),
+            wait_for_edges: self.waits.len(),
+        }
+    }
+
+    fn route(&mut self, target: ActorId, envelope: Box<Envelope>, edge: Option<CallEdge>) {
+        if envelope.reply.is_closed() {
+            // The caller stopped waiting before we got here: do not run it.
+            return;
+        }
+        let now = self.handle.shared.clock.now();
+        if envelope.context.deadline().has_passed(now) {
+            Counters::add(&self.handle.shared.counters.expired_dropped);
+            let _ = envelope.reply.send(Err(InvokeError::Timeout { target, timeout_ms: 0 }));
+            return;
+        }
+        let Some(kind) = self.handle.shared.kinds.get(target.kind()) else {
+            let kind = target.kind().to_string();
+            let _ = envelope.reply.send(Err(InvokeError::ActorNotFound { target, kind }));
+            return;
+        };
+        let capacity = kind.config.mailbox_capacity;
+        if let Some(edge) = &edge {
+            match self.waits.try_add(edge.id, &edge.caller, &target) {
+                Ok(()) => {}
+                Err(EdgeRefused::Cycle(cycle)) => {
+                    Counters::add(&self.handle.shared.counters.deadlocks_refused);
+                    let _ = envelope.reply.send(Err(InvokeError::DeadlockDetected { cycle }));
+                    return;
+                }
+                Err(EdgeRefused::Full) => {
+                    let _ = envelope.reply.send(Err(InvokeError::Rejected {
+                        target,
+                        reason: "the wait-for graph is full".to_string(),
+                    }));
+                    return;
+                }
+            }
+        }
+        let call = edge.map(|edge| edge.id);
+        let table_full = self.table.len() >= ACTIVATIONS_MAX;
+        let shutting_down = self.shutting_down;
+        let refused = match self.table.get_mut(&target) {
+            Some(activation) => Self::deliver(activation, &target, envelope),
+            None if shutting_down => Some((envelope, InvokeError::Shutdown)),
+            None if table_full => {
+                let reason = format!("the runtime holds {ACTIVATIONS_MAX} activations");
+                Some((envelope, InvokeError::Rejected { target: target.clone(), reason }))
+            }
+            None => {
+                self.activate(target.clone(), capacity, VecDeque::from([envelope]));
+                None
+            }
+        };
+        if let Some((envelope, error)) = refused {
+            if let Some(call) = call {
+                self.waits.remove(call);
+            }
+            if matches!(error, InvokeError::Busy { .. }) {
+                Counters::add(&self.handle.shared.counters.busy_refused);
+            }
+            let _ = envelope.reply.send(Err(error));
+        }
+    }
+
+    /// Hands `envelope` to a live activation, or gives it back with the refusal.
+    fn deliver(
+        activation: &mut Activation,
+        target: &ActorId,
+        envelope: Box<Envelope>,
+    ) -> Option<(Box<Envelope>, InvokeError)> {
+        let busy = || InvokeError::Busy { target: target.clone(), capacity: activation.capacity };
+        match &activation.mailbox {
+            Some(mailbox) => match mailbox.try_send(envelope) {
+                Ok(()) => {
+                    activation.delivered += 1;
+                    None
+                }
+                Err(mpsc::error::TrySendError::Full(envelope)) => Some((envelope, busy())),
+                Err(mpsc::error::TrySendError::Closed(envelope)) => Some((
+                    envelope,
+                    InvokeError::ActorFailed {
+                        target: target.clone(),
+                        cause: "the activation ended before the message was delivered".to_string(),
+                    },
+                )),
+            },
+            None if activation.held.len() < activation.capacity => {
+                activation.held.push_back(envelope);
+                None
+            }
+            None => Some((envelope, busy())),
+        }
+    }
+
+    /// Spawns a new activation of `id` with `messages` already in its mailbox.
+    fn activate(&mut self, id: ActorId, capacity: usize, messages: VecDeque<Box<Envelope>>) {
+        assert!(messages.len() <= capacity, "{} messages for a mailbox of {capacity}", messages.len());
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let (mailbox, receiver) = mpsc::channel(capacity);
+        let delivered = messages.len() as u64;
+        for message in messages {
+            if let Err(error) = mailbox.try_send(message) {
+                unreachable!("a new mailbox of {capacity} refused a message: {error}");
+            }
+        }
+        let mut lifecycle = Lifecycle::default();
+        lifecycle.apply(LifecycleEvent::Activate);
+        let previous = self.table.insert(
+            id.clone(),
+            Activation { lifecycle, generation, mailbox: Some(mailbox), capacity, delivered, held: VecDeque::new() },
+        );
+        assert!(previous.is_none(), "a second activation of {id} while one was live");
+        Counters::add(&self.handle.shared.counters.activations_started);
+        activation::spawn(ActivationStart { id, generation, receiver, handle: self.handle.clone() });
+    }
+
+    fn on_control(&mut self, control: Control) {
+        match control {
+            Control::ReleaseCall { call } => self.waits.remove(call),
+            Control::Activated { id, generation } => {
+                let Some(activation) = self.current(&id, generation) else { return };
+                activation.lifecycle.apply(LifecycleEvent::Activated);
+                if activation.mailbox.is_none() {
+                    // Shutdown closed the mailbox while the activation was starting.
+                    activation.lifecycle.apply(LifecycleEvent::Deactivate);
+                }
+            }
+            Control::IdleCheck { id, generation, received } => {
+                let waiting = self.waits.is_waiting(&id);
+                let Some(activation) = self.current(&id, generation) else { return };
+                let idle = activation.lifecycle.state() == LifecycleState::Active
+                    && activation.mailbox.is_some()
+                    && activation.delivered == received
+                    && !waiting;
+                if idle {
+                    // Closing the mailbox is the deactivation order: the task sees the
+                    // end of its mailbox, runs on_deactivate, saves and reports back.
+                    activation.mailbox = None;
+                    activation.lifecycle.apply(LifecycleEvent::Deactivate);
+                }
+            }
+            Control::Deactivated { id, generation } => {
+                self.finish(id, generation, LifecycleEvent::Deactivated);
+            }
+            Control::ActivationFailed { id, generation } => {
+                self.finish(id, generation, LifecycleEvent::ActivationFailed);
+            }
+            Control::Crashed { id, generation } => {
+                self.finish(id, generation, LifecycleEvent::Crashed);
+            }
+        }
+    }
+
+    /// The live activation of `id` if it is generation `generation`.
+    fn current(&mut self, id: &ActorId, generation: u64) -> Option<&mut Activation> {
+        self.table.get_mut(id).filter(|activation| activation.generation == generation)
+    }
+
+    /// Removes an activation whose task has ended; starts the next one if messages were
+    /// held for it.
+    fn finish(&mut self, id: ActorId, generation: u64, event: LifecycleEvent) {
+        let Some(activation) = self.current(&id, generation) else { return };
+        let state = activation.lifecycle.apply(event);
+        assert_eq!(state, LifecycleState::Inactive);
+        let Some(activation) = self.table.remove(&id) else { unreachable!() };
+        if event == LifecycleEvent::Deactivated {
+            Counters::add(&self.handle.shared.counters.deactivations_finished);
+        }
+        let held: VecDeque<Box<Envelope>> =
+            activation.held.into_iter().filter(|envelope| !envelope.reply.is_closed()).collect();
+        if held.is_empty() {
+            return;
+        }
+        if self.shutting_down {
+            for envelope in held {
+                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+            }
+            return;
+        }
+        self.activate(id, activation.capacity, held);
+    }
+
+    fn begin_shutdown(&mut self, reply: Option<oneshot::Sender<()>>) {
+        self.shutting_down = true;
+        if let Some(reply) = reply {
+            self.shutdown = Some(reply);
+        }
+        for activation in self.table.values_mut() {
+            if activation.mailbox.take().is_some()
+                && activation.lifecycle.state() == LifecycleState::Active
+            {
+                activation.lifecycle.apply(LifecycleEvent::Deactivate);
+            }
+            for envelope in activation.held.drain(..) {
+                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+            }
+        }
+    }
+}

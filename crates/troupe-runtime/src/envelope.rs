@@ -1,0 +1,56 @@
+//! What travels from a caller to an actor's mailbox, and what comes back.
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use troupe_core::{ActorId, CallContext, InvokeError};
+
+use crate::wait_for_graph::CallId;
+
+/// The answer to one invocation.
+pub(crate) type Reply = Result<Bytes, InvokeError>;
+
+/// One request in a mailbox. Boxed in the mailbox so an idle mailbox stays small.
+pub(crate) struct Envelope {
+    pub(crate) payload: Bytes,
+    pub(crate) context: CallContext,
+    pub(crate) reply: oneshot::Sender<Reply>,
+}
+
+/// A mailbox's sending side, owned by the dispatcher only.
+pub(crate) type MailboxSender = mpsc::Sender<Box<Envelope>>;
+/// A mailbox's receiving side, owned by the actor's task.
+pub(crate) type MailboxReceiver = mpsc::Receiver<Box<Envelope>>;
+
+/// A call made from inside a turn: the dispatcher records `caller → target`.
+pub(crate) struct CallEdge {
+    pub(crate) id: CallId,
+    pub(crate) caller: ActorId,
+}
+
+/// Requests from callers, through the dispatcher's bounded queue.
+pub(crate) enum Command {
+    /// Route `envelope` to `target`.
+    Invoke { target: ActorId, envelope: Box<Envelope>, edge: Option<CallEdge> },
+    /// Report the dispatcher's tables.
+    Stats { reply: oneshot::Sender<crate::DispatcherStats> },
+    /// Deactivate every actor, then stop.
+    Shutdown { reply: oneshot::Sender<()> },
+}
+
+/// Notices from actor tasks and call guards. Their number is bounded by construction:
+/// at most four per activation (activated or failed, one idle check per idle period,
+/// deactivated or crashed) and one per admitted call, so the channel is unbounded.
+pub(crate) enum Control {
+    /// The caller of this call stopped waiting.
+    ReleaseCall { call: CallId },
+    /// The activation loaded its state and ran `on_activate`.
+    Activated { id: ActorId, generation: u64 },
+    /// The activation failed to start; its mailbox is closed and drained.
+    ActivationFailed { id: ActorId, generation: u64 },
+    /// The activation has been idle since it took its `received`-th message.
+    IdleCheck { id: ActorId, generation: u64, received: u64 },
+    /// The activation ran `on_deactivate`, saved, and its task is ending.
+    Deactivated { id: ActorId, generation: u64 },
+    /// The activation's task ended abnormally.
+    Crashed { id: ActorId, generation: u64 },
+}

@@ -1,0 +1,172 @@
+//! The wait-for graph: which actor's turn is blocked on which actor.
+//!
+//! An edge `caller → target` exists from the moment the dispatcher routes a call made
+//! inside `caller`'s turn until the caller stops waiting (reply, error, timeout or
+//! cancellation). Actors are non-reentrant, so a cycle in this graph is a deadlock that
+//! only deadlines would break. [`WaitForGraph::try_add`] refuses an edge that would close
+//! a cycle and returns the cycle; the graph therefore stays acyclic (WaitForGraphAcyclic
+//! in `docs/tla/MultiAgentInvocation.tla`).
+//!
+//! This catches what the call chain cannot: two independent requests where A waits on B
+//! while B waits on A. Edges are keyed by call id, so several concurrent calls between
+//! the same pair are counted separately and released exactly.
+
+use std::collections::HashMap;
+
+use troupe_core::limits::WAIT_FOR_EDGES_MAX;
+use troupe_core::ActorId;
+
+/// A unique id of one call between actors.
+pub(crate) type CallId = u64;
+
+/// Why an edge was not added.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum EdgeRefused {
+    /// The edge would close this cycle (caller first and last).
+    Cycle(Vec<ActorId>),
+    /// The graph holds [`WAIT_FOR_EDGES_MAX`] edges.
+    Full,
+}
+
+/// The blocked-on relation between actors, with multiplicities.
+#[derive(Debug, Default)]
+pub(crate) struct WaitForGraph {
+    /// Each live call: who waits on whom.
+    calls: HashMap<CallId, (ActorId, ActorId)>,
+    /// Out-edges with the number of calls behind each.
+    out_edges: HashMap<ActorId, HashMap<ActorId, u32>>,
+}
+
+impl WaitForGraph {
+    /// Number of live calls (edges counted with multiplicity).
+    pub(crate) fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Whether `actor` waits on anyone.
+    pub(crate) fn is_waiting(&self, actor: &ActorId) -> bool {
+        self.out_edges.contains_key(actor)
+    }
+
+    /// Adds `caller → target` for `call`, unless it would close a cycle.
+    pub(crate) fn try_add(
+        &mut self,
+        call: CallId,
+        caller: &ActorId,
+        target: &ActorId,
+    ) -> Result<(), EdgeRefused> {
+        assert!(!self.calls.contains_key(&call), "call id {call} added twice");
+        if let Some(path) = self.path(target, caller) {
+            let mut cycle = Vec::with_capacity(path.len() + 1);
+            cycle.push(caller.clone());
+            cycle.extend(path);
+            return Err(EdgeRefused::Cycle(cycle));
+        }
+        if self.calls.len() >= WAIT_FOR_EDGES_MAX {
+            return Err(EdgeRefused::Full);
+        }
+        self.calls.insert(call, (caller.clone(), target.clone()));
+        *self.out_edges.entry(caller.clone()).or_default().entry(target.clone()).or_insert(0) += 1;
+        Ok(())
+    }
+
+    /// Removes the edge of `call`; a call that was never added (refused, or routed after
+    /// its caller gave up) is ignored.
+    pub(crate) fn remove(&mut self, call: CallId) {
+        let Some((caller, target)) = self.calls.remove(&call) else {
+            return;
+        };
+        let targets = self.out_edges.get_mut(&caller).expect("an edge without out-edges");
+        let count = targets.get_mut(&target).expect("an edge without a count");
+        assert!(*count >= 1);
+        *count -= 1;
+        if *count == 0 {
+            targets.remove(&target);
+            if targets.is_empty() {
+                self.out_edges.remove(&caller);
+            }
+        }
+    }
+
+    /// A path `from → … → to` (both ends included), or `None`. A path from an actor to
+    /// itself is the one-element path: a self-call is a cycle.
+    fn path(&self, from: &ActorId, to: &ActorId) -> Option<Vec<ActorId>> {
+        if from == to {
+            return Some(vec![from.clone()]);
+        }
+        // Depth-first search with parent links; the graph holds only blocked actors, so
+        // it is small compared with the activation table.
+        let mut parent: HashMap<&ActorId, &ActorId> = HashMap::new();
+        let mut stack = vec![from];
+        while let Some(node) = stack.pop() {
+            let Some(targets) = self.out_edges.get(node) else { continue };
+            for next in targets.keys() {
+                if next == from || parent.contains_key(next) {
+                    continue;
+                }
+                parent.insert(next, node);
+                if next == to {
+                    let mut path = vec![to.clone()];
+                    let mut current = to;
+                    while let Some(previous) = parent.get(current) {
+                        path.push((*previous).clone());
+                        current = previous;
+                    }
+                    path.reverse();
+                    return Some(path);
+                }
+                stack.push(next);
+            }
+        }
+        None
+    }
+
+    /// Whether the graph has a cycle (for tests and invariant checks).
+    #[cfg(test)]
+    pub(crate) fn has_cycle(&self) -> bool {
+        self.out_edges
+            .keys()
+            .any(|actor| self.out_edges[actor].keys().any(|next| self.path(next, actor).is_some()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn actor(key: &str) -> ActorId {
+        ActorId::new("test", key).unwrap()
+    }
+
+    #[test]
+    fn an_edge_closing_a_cycle_is_refused_with_the_cycle() {
+        let (a, b, c) = (actor("a"), actor("b"), actor("c"));
+        let mut graph = WaitForGraph::default();
+        graph.try_add(1, &a, &b).unwrap();
+        graph.try_add(2, &b, &c).unwrap();
+        assert_eq!(
+            graph.try_add(3, &c, &a),
+            Err(EdgeRefused::Cycle(vec![c.clone(), a.clone(), b.clone(), c.clone()]))
+        );
+        assert_eq!(graph.try_add(4, &a, &a), Err(EdgeRefused::Cycle(vec![a.clone(), a.clone()])));
+        assert!(!graph.has_cycle());
+        graph.remove(2);
+        graph.try_add(5, &c, &a).unwrap();
+        assert!(graph.is_waiting(&c));
+        assert_eq!(graph.len(), 2);
+    }
+
+    #[test]
+    fn parallel_calls_between_one_pair_are_released_one_by_one() {
+        let (a, b) = (actor("a"), actor("b"));
+        let mut graph = WaitForGraph::default();
+        graph.try_add(1, &a, &b).unwrap();
+        graph.try_add(2, &a, &b).unwrap();
+        graph.remove(1);
+        assert!(matches!(graph.try_add(3, &b, &a), Err(EdgeRefused::Cycle(_))));
+        graph.remove(2);
+        graph.remove(2);
+        assert!(!graph.is_waiting(&a));
+        graph.try_add(3, &b, &a).unwrap();
+    }
+}
