@@ -95,7 +95,7 @@ async fn a_full_mailbox_answers_busy_at_once_and_queued_messages_still_complete(
     let started = tokio::time::Instant::now();
     let refused = invoke(&rt, "m", Op::Add(100)).await;
     assert_eq!(refused, Err(InvokeError::Busy { target: counter("m"), capacity: 2 }));
-    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert!(started.elapsed() < Duration::from_micros(100), "busy took {:?}", started.elapsed());
     let mut replies = Vec::new();
     for task in pending {
         replies.push(task.await.unwrap().unwrap());

@@ -184,9 +184,8 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         return;
     }
     let deadline = context.deadline();
-    let at = shared.clock.instant(deadline);
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
-    let outcome = tokio::time::timeout_at(at, live.actor.handle(&mut turn, payload)).await;
+    let outcome = shared.clock.run_until(deadline, live.actor.handle(&mut turn, payload)).await;
     Counters::add(&shared.counters.turns_run);
     let result = match outcome {
         Err(_elapsed) => {

@@ -28,11 +28,19 @@ impl Clock {
         Deadline::after(self.now(), duration)
     }
 
-    /// The `tokio::time::Instant` of `deadline`, for `tokio::time::timeout_at`.
-    pub fn instant(&self, deadline: Deadline) -> tokio::time::Instant {
-        // Far-future deadlines are capped so the addition cannot overflow.
-        const HORIZON_US: u64 = 100 * 365 * 24 * 3_600 * 1_000_000;
-        self.epoch + Duration::from_micros(deadline.as_micros().min(HORIZON_US))
+    /// Runs `future` until `deadline`; `Err` if the deadline passes first (at once if it
+    /// already has).
+    ///
+    /// # Errors
+    /// [`tokio::time::error::Elapsed`] when the deadline passes first.
+    pub async fn run_until<F: std::future::Future>(
+        &self,
+        deadline: Deadline,
+        future: F,
+    ) -> Result<F::Output, tokio::time::error::Elapsed> {
+        // madsim's tokio has no `timeout_at`; a relative timeout from the same clock
+        // reading is equivalent.
+        tokio::time::timeout(deadline.remaining(self.now()), future).await
     }
 }
 

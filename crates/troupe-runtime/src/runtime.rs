@@ -234,8 +234,7 @@ impl RuntimeHandle {
         let (reply, answer) = oneshot::channel();
         let envelope = Box::new(Envelope { payload, context, reply });
         let command = Command::Invoke { target: target.clone(), envelope, edge };
-        let at = clock.instant(deadline);
-        let waited = tokio::time::timeout_at(at, async {
+        let waited = clock.run_until(deadline, async {
             match self.shared.commands.try_send(command) {
                 Ok(()) => {}
                 Err(mpsc::error::TrySendError::Full(command)) => {
