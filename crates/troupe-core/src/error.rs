@@ -67,6 +67,15 @@ pub enum InvokeError {
         /// The actors in the cycle, caller first and last.
         cycle: Vec<ActorId>,
     },
+    /// The node that hosts the target could not be reached, or the connection broke
+    /// before a reply arrived. The request may or may not have run.
+    #[error("{target} is unreachable: {cause}")]
+    Unreachable {
+        /// The actor invoked.
+        target: ActorId,
+        /// What failed (connect refused, connection reset, frame error).
+        cause: String,
+    },
     /// The dispatcher's command queue stayed full until the deadline.
     #[error("the dispatcher is overloaded: its queue of {capacity} commands is full")]
     DispatcherBusy {
@@ -81,7 +90,10 @@ pub enum InvokeError {
 impl InvokeError {
     /// Whether retrying the same request later may succeed (busy, overloaded, timed out).
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Busy { .. } | Self::DispatcherBusy { .. } | Self::Timeout { .. })
+        matches!(
+            self,
+            Self::Busy { .. } | Self::DispatcherBusy { .. } | Self::Timeout { .. } | Self::Unreachable { .. }
+        )
     }
 }
 

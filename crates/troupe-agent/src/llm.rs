@@ -1,0 +1,143 @@
+//! The language-model boundary: [`LlmClient`] and the chat types it speaks.
+//!
+//! Everything the agent layer needs from a model goes through this trait, so the
+//! simulator and tests use a scripted, deterministic client while production uses an
+//! HTTP client; HTTP never runs inside simulated code.
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use troupe_core::{ActorId, Deadline};
+
+/// Who wrote a chat message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    /// Instructions that frame the conversation.
+    System,
+    /// The input the agent answers (a person or another agent).
+    User,
+    /// The model's own output.
+    Assistant,
+    /// The result of a tool call the model asked for.
+    Tool,
+}
+
+/// One tool call the model asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The model's id for this call; the tool result refers to it.
+    pub id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The arguments, a JSON object that is validated against the tool's schema.
+    pub arguments: serde_json::Value,
+}
+
+/// One message of a chat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// Who wrote it.
+    pub role: Role,
+    /// Its text (may be empty for an assistant message that only calls tools).
+    pub content: String,
+    /// Tool calls requested (assistant messages only).
+    pub tool_calls: Vec<ToolCall>,
+    /// The call this message answers (tool messages only).
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message with `role` and `content` and nothing else.
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Self { role, content: content.into(), tool_calls: Vec::new(), tool_call_id: None }
+    }
+
+    /// The result of tool call `tool_call_id`.
+    pub fn tool_result(tool_call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: Role::Tool,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: Some(tool_call_id.into()),
+        }
+    }
+}
+
+/// A tool as the model sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// Its name, as the model will call it.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// A JSON schema of its arguments (an object schema).
+    pub parameters: serde_json::Value,
+}
+
+/// One request to the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlmRequest {
+    /// The agent asking (scripted clients pick their script by it).
+    pub agent: ActorId,
+    /// The model name from the agent's settings.
+    pub model: String,
+    /// The chat so far, system prompt first.
+    pub messages: Vec<ChatMessage>,
+    /// The tools the model may call.
+    pub tools: Vec<ToolSpec>,
+    /// When the answer must have arrived, on the runtime's clock.
+    pub deadline: Deadline,
+}
+
+/// The model's answer: text, tool calls, or both.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlmReply {
+    /// The assistant message.
+    pub message: ChatMessage,
+}
+
+/// Why the model gave no answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum LlmError {
+    /// No answer before the deadline.
+    #[error("the model did not answer within {timeout_ms} ms")]
+    Timeout {
+        /// The time allowed, in milliseconds.
+        timeout_ms: u64,
+    },
+    /// The provider answered with an error status.
+    #[error("the model provider answered {status}: {body}")]
+    Provider {
+        /// The HTTP status.
+        status: u16,
+        /// The start of the response body.
+        body: String,
+    },
+    /// The provider could not be reached.
+    #[error("the model provider is unreachable: {cause}")]
+    Unreachable {
+        /// What failed.
+        cause: String,
+    },
+    /// The answer could not be understood.
+    #[error("the model's answer is malformed: {cause}")]
+    Malformed {
+        /// What was wrong.
+        cause: String,
+    },
+    /// A failure injected by a script or the simulator.
+    #[error("injected model failure: {cause}")]
+    Injected {
+        /// What the script said.
+        cause: String,
+    },
+}
+
+/// A chat-completions model with tool calling.
+#[async_trait]
+pub trait LlmClient: Send + Sync + 'static {
+    /// Asks the model for the next assistant message.
+    ///
+    /// # Errors
+    /// [`LlmError`]; the agent's turn reports it to its caller.
+    async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError>;
+}
