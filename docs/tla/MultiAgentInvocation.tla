@@ -1,0 +1,351 @@
+------------------------------ MODULE MultiAgentInvocation ------------------------------
+(***************************************************************************)
+(* Agent-to-agent calls in Troupe (call_agent), as seen by one dispatcher.  *)
+(*                                                                         *)
+(* - Agents are non-reentrant actors: one turn at a time, fed from a       *)
+(*   bounded mailbox. A full mailbox answers Busy.                         *)
+(* - A turn may call another agent and then BLOCKS until the reply, a      *)
+(*   timeout, or a rejection. The blocking wait is modelled explicitly     *)
+(*   (waiting[a]), because that is where a deadlock lives.                 *)
+(* - Every call carries call_depth, call_chain and an absolute deadline.   *)
+(*   Admission (pure, crates/troupe-core/src/admission.rs) rejects a call  *)
+(*   whose target is in the chain (or is the caller) and a call made from  *)
+(*   a context whose depth is >= MAX_DEPTH. The child deadline is the      *)
+(*   requested timeout clipped to the caller's deadline.                   *)
+(* - The dispatcher keeps a wait-for graph (wfg) and refuses an edge that  *)
+(*   would close a cycle (DeadlockDetected). Its view is updated           *)
+(*   asynchronously: an edge is added when the call is admitted and only   *)
+(*   forgotten some time after the caller stopped waiting.                 *)
+(* - Requests and replies travel through a network that may delay,         *)
+(*   reorder and (if LOSS) lose them. Timeouts fire at the deadline.       *)
+(* - The workload is bounded (MAX_CALLS call attempts, MAX_ROOTS client    *)
+(*   requests) so the state space is finite and every behaviour can end;  *)
+(*   Terminated is a stuttering step allowed only once all work is done,   *)
+(*   so TLC's deadlock check stays meaningful.                             *)
+(*                                                                         *)
+(* Each BUG_* constant removes one protection; the buggy configs set one   *)
+(* of them and TLC must produce a counterexample.                          *)
+(***************************************************************************)
+EXTENDS Naturals, Sequences, FiniteSets, TLC
+
+CONSTANTS
+    Agents,                \* agent ids (model values)
+    Client,                \* the external caller of root requests (model value)
+    MAX_DEPTH,             \* AGENT_CALL_DEPTH_MAX
+    MAILBOX_CAP,           \* capacity of each agent's mailbox
+    MAX_CALLS,             \* bound on call attempts (root + agent calls, incl. refused)
+    MAX_ROOTS,             \* bound on requests from the client
+    ROOT_TIMEOUT,          \* ticks the client waits for a root request
+    CHILD_TIMEOUT,         \* ticks an agent requests for a child call, before clipping
+    LOSS,                  \* TRUE: the network may lose requests and replies
+    BUG_NO_CHAIN_CHECK,    \* admission forgets "target in call_chain / target = self"
+    BUG_NO_DEPTH_CHECK,    \* admission forgets "call_depth >= MAX_DEPTH"
+    BUG_NO_WAITFOR_CHECK,  \* dispatcher does not consult the wait-for graph
+    BUG_NO_DEADLINE_CLIP,  \* child deadline = now + timeout, not clipped to parent's
+    BUG_UNBOUNDED_MAILBOX, \* mailbox accepts beyond MAILBOX_CAP instead of Busy
+    BUG_NO_TIMEOUT         \* waits never time out
+
+ASSUME /\ MAX_DEPTH \in Nat /\ MAILBOX_CAP \in Nat \ {0}
+       /\ MAX_CALLS \in Nat \ {0} /\ MAX_ROOTS \in 1..MAX_CALLS
+       /\ ROOT_TIMEOUT \in Nat \ {0} /\ CHILD_TIMEOUT \in Nat \ {0}
+       /\ Client \notin Agents
+       /\ \A b \in {LOSS, BUG_NO_CHAIN_CHECK, BUG_NO_DEPTH_CHECK, BUG_NO_WAITFOR_CHECK,
+                    BUG_NO_DEADLINE_CLIP, BUG_UNBOUNDED_MAILBOX, BUG_NO_TIMEOUT} :
+              b \in BOOLEAN
+
+VARIABLES
+    now,       \* global clock (ticks)
+    calls,     \* call id -> call record
+    nCalls,    \* call ids 1..nCalls are used
+    nRoots,    \* client requests issued
+    mailbox,   \* agent -> Seq(call id): delivered requests not yet started
+    turn,      \* agent -> call id of the running turn, 0 if idle
+    waiting,   \* agent -> call id the running turn is blocked on, 0 if not blocked
+    net,       \* set of messages in flight (unordered: delay and reordering)
+    wfg        \* dispatcher's wait-for graph: set of call ids, edge caller -> target
+
+vars == <<now, calls, nCalls, nRoots, mailbox, turn, waiting, net, wfg>>
+
+CallIds == 1..MAX_CALLS
+Callers == Agents \cup {Client}
+Statuses == {"none", "refused", "pending", "ok", "busy", "timedout"}
+Resolved == {"ok", "busy", "timedout"}       \* final states of an admitted call
+Reasons == {"-", "cycle", "depth", "deadlock"}
+
+NoCall == [status |-> "none", caller |-> Client, parent |-> 0, target |-> Client,
+           depth |-> 0, chain |-> << >>, deadline |-> 0, reason |-> "-"]
+
+Range(s) == {s[i] : i \in DOMAIN s}
+Min(x, y) == IF x <= y THEN x ELSE y
+Admitted(c) == calls[c].status \notin {"none", "refused"}
+
+ReqMsg(c) == [kind |-> "req", call |-> c, result |-> "-"]
+RepMsg(c, r) == [kind |-> "rep", call |-> c, result |-> r]
+
+(* Reachability over a relation R on Agents: the agents reachable from S. *)
+RECURSIVE Reach(_, _, _)
+Reach(S, R, k) ==
+    IF k = 0 THEN S
+    ELSE Reach(S \cup {y \in Agents : \E x \in S : <<x, y>> \in R}, R, k - 1)
+Succ(x, R) == {y \in Agents : <<x, y>> \in R}
+\* there is a path of length >= 1 from x to y
+Path(x, y, R) == y \in Reach(Succ(x, R), R, Cardinality(Agents))
+Acyclic(R) == \A a \in Agents : ~Path(a, a, R)
+
+(* The dispatcher's view: edge caller -> target for each remembered call. *)
+DispatcherEdges == {<<calls[c].caller, calls[c].target>> : c \in wfg}
+
+(* The real blocked-on relation: agent a's turn is blocked awaiting the reply *)
+(* to a call to agent b. This is derived from the agents' state, not from    *)
+(* the dispatcher's bookkeeping.                                              *)
+BlockedOn == {<<a, calls[waiting[a]].target>> : a \in {x \in Agents : waiting[x] # 0}}
+
+-----------------------------------------------------------------------------
+Init ==
+    /\ now = 0
+    /\ calls = [c \in CallIds |-> NoCall]
+    /\ nCalls = 0
+    /\ nRoots = 0
+    /\ mailbox = [a \in Agents |-> << >>]
+    /\ turn = [a \in Agents |-> 0]
+    /\ waiting = [a \in Agents |-> 0]
+    /\ net = {}
+    /\ wfg = {}
+
+(* The client sends a request to agent t. *)
+ClientCall(t) ==
+    /\ nRoots < MAX_ROOTS
+    /\ nCalls < MAX_CALLS
+    /\ LET c == nCalls + 1 IN
+       /\ calls' = [calls EXCEPT ![c] =
+                      [status |-> "pending", caller |-> Client, parent |-> 0,
+                       target |-> t, depth |-> 0, chain |-> << >>,
+                       deadline |-> now + ROOT_TIMEOUT, reason |-> "-"]]
+       /\ nCalls' = c
+       /\ nRoots' = nRoots + 1
+       /\ net' = net \cup {ReqMsg(c)}
+    /\ UNCHANGED <<now, mailbox, turn, waiting, wfg>>
+
+(* Agent a, inside its turn, calls agent t (call_agent). Admission first,   *)
+(* then the dispatcher's wait-for check; if both pass the turn blocks.      *)
+AgentCall(a, t) ==
+    /\ turn[a] # 0
+    /\ waiting[a] = 0
+    /\ nCalls < MAX_CALLS
+    /\ LET p == turn[a]
+           ctx == calls[p]
+           c == nCalls + 1
+           cycle == ~BUG_NO_CHAIN_CHECK /\ (t = a \/ t \in Range(ctx.chain))
+           tooDeep == ~BUG_NO_DEPTH_CHECK /\ ctx.depth >= MAX_DEPTH
+           \* dispatcher: would the edge a -> t close a cycle in its graph?
+           deadlock == ~BUG_NO_WAITFOR_CHECK /\ (t = a \/ Path(t, a, DispatcherEdges))
+           reason == IF cycle THEN "cycle"
+                     ELSE IF tooDeep THEN "depth"
+                     ELSE IF deadlock THEN "deadlock"
+                     ELSE "-"
+           dl == IF BUG_NO_DEADLINE_CLIP THEN now + CHILD_TIMEOUT
+                 ELSE Min(now + CHILD_TIMEOUT, ctx.deadline)
+           rec == [status |-> IF reason = "-" THEN "pending" ELSE "refused",
+                   caller |-> a, parent |-> p, target |-> t,
+                   depth |-> ctx.depth + 1, chain |-> Append(ctx.chain, a),
+                   deadline |-> dl, reason |-> reason]
+       IN /\ calls' = [calls EXCEPT ![c] = rec]
+          /\ nCalls' = c
+          /\ IF reason = "-"
+               THEN /\ waiting' = [waiting EXCEPT ![a] = c]
+                    /\ wfg' = wfg \cup {c}
+                    /\ net' = net \cup {ReqMsg(c)}
+               \* refused: the error is returned to the turn as a tool result
+               ELSE UNCHANGED <<waiting, wfg, net>>
+    /\ UNCHANGED <<now, nRoots, mailbox, turn>>
+
+(* The dispatcher receives a request: into the mailbox, or Busy if full. *)
+DeliverReq(m) ==
+    /\ m.kind = "req"
+    /\ LET t == calls[m.call].target IN
+       IF Len(mailbox[t]) < MAILBOX_CAP \/ BUG_UNBOUNDED_MAILBOX
+         THEN /\ mailbox' = [mailbox EXCEPT ![t] = Append(@, m.call)]
+              /\ net' = net \ {m}
+         ELSE /\ net' = (net \ {m}) \cup {RepMsg(m.call, "busy")}
+              /\ UNCHANGED mailbox
+    /\ UNCHANGED <<now, calls, nCalls, nRoots, turn, waiting, wfg>>
+
+(* A reply reaches the caller. A reply to a call that already timed out is  *)
+(* discarded.                                                                *)
+DeliverRep(m) ==
+    /\ m.kind = "rep"
+    /\ net' = net \ {m}
+    /\ LET c == m.call IN
+       IF calls[c].status = "pending"
+         THEN /\ calls' = [calls EXCEPT ![c].status = m.result]
+              /\ IF calls[c].caller \in Agents
+                   THEN waiting' = [waiting EXCEPT ![calls[c].caller] = 0]
+                   ELSE UNCHANGED waiting
+         ELSE UNCHANGED <<calls, waiting>>
+    /\ UNCHANGED <<now, nCalls, nRoots, mailbox, turn, wfg>>
+
+Deliver(m) == DeliverReq(m) \/ DeliverRep(m)
+
+Lose(m) ==
+    /\ LOSS
+    /\ net' = net \ {m}
+    /\ UNCHANGED <<now, calls, nCalls, nRoots, mailbox, turn, waiting, wfg>>
+
+(* An idle agent takes the next message; expired work is dropped unrun. *)
+DropExpired(a) ==
+    /\ turn[a] = 0
+    /\ mailbox[a] # << >>
+    /\ now >= calls[Head(mailbox[a])].deadline
+    /\ mailbox' = [mailbox EXCEPT ![a] = Tail(@)]
+    /\ UNCHANGED <<now, calls, nCalls, nRoots, turn, waiting, net, wfg>>
+
+StartTurn(a) ==
+    /\ turn[a] = 0
+    /\ mailbox[a] # << >>
+    /\ now < calls[Head(mailbox[a])].deadline
+    /\ turn' = [turn EXCEPT ![a] = Head(mailbox[a])]
+    /\ mailbox' = [mailbox EXCEPT ![a] = Tail(@)]
+    /\ UNCHANGED <<now, calls, nCalls, nRoots, waiting, net, wfg>>
+
+(* The turn ends (state committed) and the reply is sent. *)
+FinishTurn(a) ==
+    /\ turn[a] # 0
+    /\ waiting[a] = 0
+    /\ net' = net \cup {RepMsg(turn[a], "ok")}
+    /\ turn' = [turn EXCEPT ![a] = 0]
+    /\ UNCHANGED <<now, calls, nCalls, nRoots, mailbox, waiting, wfg>>
+
+(* The caller's wait reaches the deadline. *)
+Timeout(c) ==
+    /\ ~BUG_NO_TIMEOUT
+    /\ calls[c].status = "pending"
+    /\ now >= calls[c].deadline
+    /\ calls' = [calls EXCEPT ![c].status = "timedout"]
+    /\ IF calls[c].caller \in Agents
+         THEN waiting' = [waiting EXCEPT ![calls[c].caller] = 0]
+         ELSE UNCHANGED waiting
+    /\ UNCHANGED <<now, nCalls, nRoots, mailbox, turn, net, wfg>>
+
+(* The dispatcher learns (asynchronously) that a wait has ended. *)
+ForgetEdge(c) ==
+    /\ c \in wfg
+    /\ calls[c].status # "pending"
+    /\ wfg' = wfg \ {c}
+    /\ UNCHANGED <<now, calls, nCalls, nRoots, mailbox, turn, waiting, net>>
+
+(* Time passes while some admitted call still waits for a future deadline. *)
+Tick ==
+    /\ \E c \in CallIds : calls[c].status = "pending" /\ calls[c].deadline > now
+    /\ now' = now + 1
+    /\ UNCHANGED <<calls, nCalls, nRoots, mailbox, turn, waiting, net, wfg>>
+
+Quiescent ==
+    /\ \A c \in CallIds : calls[c].status # "pending"
+    /\ \A a \in Agents : turn[a] = 0 /\ mailbox[a] = << >>
+    /\ net = {}
+    /\ wfg = {}
+
+(* All work finished: stutter. Only allowed when quiescent. *)
+Terminated == Quiescent /\ UNCHANGED vars
+
+Next ==
+    \/ \E t \in Agents : ClientCall(t)
+    \/ \E a, t \in Agents : AgentCall(a, t)
+    \/ \E m \in net : Deliver(m) \/ Lose(m)
+    \/ \E a \in Agents : DropExpired(a) \/ StartTurn(a) \/ FinishTurn(a)
+    \/ \E c \in CallIds : Timeout(c) \/ ForgetEdge(c)
+    \/ Tick
+    \/ Terminated
+
+(* Fairness: the runtime keeps running; the client and the network's losses *)
+(* are not fair. Turns end (LLM calls are bounded by deadlines in the real  *)
+(* system).                                                                  *)
+Fairness ==
+    /\ WF_vars(\E m \in net : Deliver(m))
+    /\ \A a \in Agents : WF_vars(DropExpired(a) \/ StartTurn(a))
+    /\ \A a \in Agents : WF_vars(FinishTurn(a))
+    /\ \A c \in CallIds : WF_vars(Timeout(c))
+    /\ \A c \in CallIds : WF_vars(ForgetEdge(c))
+    /\ WF_vars(Tick)
+
+Spec == Init /\ [][Next]_vars /\ Fairness
+
+-----------------------------------------------------------------------------
+(* Safety *)
+
+MaxTime == MAX_ROOTS * ROOT_TIMEOUT + MAX_CALLS * CHILD_TIMEOUT
+
+TypeOK ==
+    /\ now \in 0..MaxTime
+    /\ nCalls \in 0..MAX_CALLS
+    /\ nRoots \in 0..MAX_ROOTS
+    /\ \A c \in CallIds :
+         /\ calls[c].status \in Statuses
+         /\ calls[c].reason \in Reasons
+         /\ (c > nCalls) <=> (calls[c].status = "none")
+         /\ calls[c].status # "none" =>
+              /\ calls[c].caller \in Callers
+              /\ calls[c].target \in Agents
+              /\ calls[c].parent \in 0..nCalls
+              /\ calls[c].depth \in Nat
+              /\ calls[c].chain \in Seq(Agents)
+              /\ calls[c].deadline \in 0..MaxTime
+    /\ \A a \in Agents :
+         /\ mailbox[a] \in Seq(1..nCalls)
+         /\ turn[a] \in 0..nCalls
+         /\ waiting[a] \in 0..nCalls
+    /\ \A m \in net : m.kind \in {"req", "rep"} /\ m.call \in 1..nCalls
+                      /\ m.result \in {"-", "ok", "busy"}
+    /\ wfg \subseteq 1..nCalls
+
+(* No admitted call goes deeper than MAX_DEPTH hops. *)
+DepthBounded ==
+    \A c \in CallIds : Admitted(c) => calls[c].depth <= MAX_DEPTH
+
+(* The agents along an admitted call (chain, then target) are all distinct: *)
+(* no agent is re-entered through its own call chain.                        *)
+NoCycleInCallChain ==
+    \A c \in CallIds : Admitted(c) =>
+        LET full == Append(calls[c].chain, calls[c].target) IN
+        \A i, j \in DOMAIN full : i # j => full[i] # full[j]
+
+(* Deadlock freedom: the real blocked-on relation between agents (a turn     *)
+(* waiting for a reply) never contains a cycle.                              *)
+WaitForGraphAcyclic == Acyclic(BlockedOn)
+
+(* A child's deadline never exceeds its parent's. *)
+DeadlineMonotone ==
+    \A c \in CallIds :
+        (Admitted(c) /\ calls[c].caller \in Agents) =>
+            calls[c].deadline <= calls[calls[c].parent].deadline
+
+BoundedMailboxes == \A a \in Agents : Len(mailbox[a]) <= MAILBOX_CAP
+
+(* Helper invariants (consistency of the model, and why the wait-for check  *)
+(* works: the dispatcher's view always covers the real blocking).            *)
+WaitingConsistent ==
+    /\ \A a \in Agents : waiting[a] # 0 =>
+          /\ turn[a] # 0
+          /\ calls[waiting[a]].status = "pending"
+          /\ calls[waiting[a]].caller = a
+    /\ \A c \in CallIds : (calls[c].status = "pending" /\ calls[c].caller \in Agents)
+          => waiting[calls[c].caller] = c
+DispatcherViewCoversBlocking == BlockedOn \subseteq DispatcherEdges
+
+-----------------------------------------------------------------------------
+(* Liveness *)
+
+(* Every admitted call eventually completes, fails (Busy) or times out. *)
+EveryCallResolves ==
+    \A c \in CallIds : calls[c].status = "pending" ~> calls[c].status \in Resolved
+
+(* No agent stays blocked forever, and every turn ends. *)
+NoAgentBlockedForever ==
+    \A a \in Agents : waiting[a] # 0 ~> waiting[a] = 0
+EveryTurnEnds ==
+    \A a \in Agents : turn[a] # 0 ~> turn[a] = 0
+
+(* For SYMMETRY in safety-only configs. *)
+AgentSymmetry == Permutations(Agents)
+
+=============================================================================
