@@ -1,8 +1,71 @@
 //! Troupe's agent layer: agents as virtual actors that think with an LLM, use tools and
 //! call each other through `call_agent`.
+//!
+//! - [`AgentSystem`]: a runtime with the `"agent"` actor kind, a model client
+//!   ([`LlmClient`]; [`ScriptedLlm`] for tests, the simulator and the demo), the agents'
+//!   definitions ([`AgentSpec`], kept in an [`AgentDirectory`]) and extra [`Tool`]s.
+//! - Each agent is a virtual actor (`agent/{id}`): one turn handles one message, runs up
+//!   to [`limits::AGENT_TURN_STEPS_MAX`] model steps with tool calls, and commits its
+//!   conversation (bounded window in the snapshot, full log in the store) atomically.
+//! - [`call_agent`] (also a tool every agent has) admits a call with
+//!   `troupe_core::admit_call`: no cycles, depth at most 5, known targets, at most 10
+//!   calls in flight per agent, and a deadline that only shrinks along a chain.
+//! - [`AgentObserver`] sees every call and turn; [`CallRecorder`] renders the call tree.
+//!
+//! # Examples
+//! Two agents on the scripted model: `coordinator` asks `analyst`, which answers.
+//! ```
+//! use std::sync::Arc;
+//! use serde_json::json;
+//! use troupe_agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let llm = ScriptedLlm::new()
+//!     .rule(ScriptRule::agent("coordinator").on_user_containing("forecast")
+//!         .call("call_agent", json!({"agent_id": "analyst", "message": "{input}"})))
+//!     .rule(ScriptRule::agent("coordinator").on_tool_result().reply("analyst says: {tool_result}"))
+//!     .rule(ScriptRule::agent("analyst").reply("sunny"));
+//! let system = AgentSystem::builder()
+//!     .llm(Arc::new(llm))
+//!     .agent(AgentSpec::new("coordinator").role("plans the work"))
+//!     .agent(AgentSpec::new("analyst").role("answers questions about data"))
+//!     .start()?;
+//! let reply = system.ask("coordinator", "what is the forecast?").await?;
+//! assert_eq!(reply.text, "analyst says: sunny");
+//! system.shutdown().await;
+//! # Ok(())
+//! # }
+//! ```
 
 #![warn(missing_docs)]
 
+mod agent;
+mod call_agent;
+mod join;
+pub mod limits;
 mod llm;
+mod observer;
+#[cfg(not(madsim))]
+mod openai;
+mod schema;
+mod scripted_llm;
+mod system;
+mod tool;
 
+pub use agent::{
+    agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
+};
+pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CALL_AGENT_TOOL_NAME};
 pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall, ToolSpec};
+#[cfg(not(madsim))]
+pub use openai::{
+    OpenAiClient, OpenAiConfig, OpenAiConfigError, OPENAI_BASE_URL_DEFAULT, OPENAI_MODEL_DEFAULT,
+    OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, PROVIDER_ERROR_BODY_BYTES_MAX,
+    RESPONSE_BODY_BYTES_MAX,
+};
+pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
+pub use schema::{validate, SchemaError};
+pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
+pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError};
+pub use tool::{Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError};

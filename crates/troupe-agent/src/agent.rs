@@ -1,0 +1,557 @@
+//! The agent actor: an LLM-driven virtual actor of kind `"agent"`.
+//!
+//! One turn handles one inbound [`AgentRequest`]:
+//!
+//! ```text
+//! decode request ─► user message ─► loop (≤ AGENT_TURN_STEPS_MAX model steps) {
+//!     prompt = system prompt + directory of peers + history window + this turn's messages
+//!     model.complete(prompt, tool specs)   clipped to the turn's deadline
+//!     no tool calls? → final answer, stop
+//!     run this step's tool calls concurrently (each validated, clipped to the deadline)
+//!     append the tool results }
+//! ─► append this turn's messages to the log (`log/{seq:020}`, one write each) and to
+//!    the bounded window in the snapshot ─► reply (capped at AGENT_REPLY_SIZE_MAX_BYTES)
+//! ```
+//!
+//! The runtime commits the log writes and the snapshot atomically after the turn, so a
+//! failed, timed-out or cancelled turn leaves no trace of its messages. State and log are
+//! JSON (tool arguments are arbitrary JSON), readable with `sqlite3` in the SQLite store.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use troupe_core::{truncate_utf8, ActorId, IdError};
+use troupe_runtime::{Actor, ActorError, ActorFactory, Turn};
+
+use crate::join::{join_all, JoinFuture};
+use crate::limits::{
+    AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_REPLY_SIZE_MAX_BYTES,
+    AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
+    AGENT_TURN_STEPS_MAX,
+};
+use crate::{
+    AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, ToolCall,
+    ToolExecutionContext, ToolRegistry,
+};
+
+/// The actor kind of every agent.
+pub const AGENT_KIND: &str = "agent";
+
+/// The actor id of the agent with key `key`.
+///
+/// # Errors
+/// [`IdError`] if `key` cannot be an actor key.
+pub fn agent_id(key: &str) -> Result<ActorId, IdError> {
+    ActorId::new(AGENT_KIND, key)
+}
+
+/// Which model an agent uses and how many steps a turn may take.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSettings {
+    /// The model's name, passed to the [`LlmClient`].
+    pub model: String,
+    /// Most model steps per turn; clipped to [`AGENT_TURN_STEPS_MAX`].
+    pub max_steps: u32,
+}
+
+impl Default for ModelSettings {
+    fn default() -> Self {
+        Self { model: "default".to_string(), max_steps: AGENT_TURN_STEPS_MAX }
+    }
+}
+
+/// Why an agent definition was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentSpecError {
+    /// The id cannot be an actor key.
+    #[error("agent id {id:?} is invalid: {cause}")]
+    InvalidId {
+        /// The id.
+        id: String,
+        /// Why.
+        cause: IdError,
+    },
+    /// The system prompt is too long.
+    #[error("the system prompt of {id} is {size} bytes, more than the limit of {limit}")]
+    SystemPromptTooLong {
+        /// The agent.
+        id: String,
+        /// Its size in bytes.
+        size: usize,
+        /// [`AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES`].
+        limit: usize,
+    },
+    /// An agent with this id is already defined.
+    #[error("agent {id:?} is already defined")]
+    Duplicate {
+        /// The id.
+        id: String,
+    },
+}
+
+/// The definition of an agent: who it is and how it thinks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentSpec {
+    /// Its id, the key of its actor id (`agent/{id}`); what `call_agent` names.
+    pub id: String,
+    /// A display name.
+    pub name: String,
+    /// The instructions its model gets first.
+    pub system_prompt: String,
+    /// A one-line description of its job, shown to the other agents.
+    pub role: String,
+    /// Its model settings.
+    pub model: ModelSettings,
+}
+
+impl AgentSpec {
+    /// An agent named and identified `id`, with empty prompt and role.
+    pub fn new(id: impl Into<String>) -> Self {
+        let id = id.into();
+        Self {
+            name: id.clone(),
+            id,
+            system_prompt: String::new(),
+            role: String::new(),
+            model: ModelSettings::default(),
+        }
+    }
+
+    /// Sets the display name.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Sets the system prompt.
+    pub fn system_prompt(mut self, prompt: impl Into<String>) -> Self {
+        self.system_prompt = prompt.into();
+        self
+    }
+
+    /// Sets the role.
+    pub fn role(mut self, role: impl Into<String>) -> Self {
+        self.role = role.into();
+        self
+    }
+
+    /// Sets the model name.
+    pub fn model(mut self, model: impl Into<String>) -> Self {
+        self.model.model = model.into();
+        self
+    }
+
+    /// Sets the most model steps per turn.
+    pub fn max_steps(mut self, steps: u32) -> Self {
+        self.model.max_steps = steps;
+        self
+    }
+
+    /// Checks the id and the prompt size.
+    ///
+    /// # Errors
+    /// [`AgentSpecError`].
+    pub fn validate(&self) -> Result<(), AgentSpecError> {
+        agent_id(&self.id).map_err(|cause| AgentSpecError::InvalidId { id: self.id.clone(), cause })?;
+        if self.system_prompt.len() > AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES {
+            return Err(AgentSpecError::SystemPromptTooLong {
+                id: self.id.clone(),
+                size: self.system_prompt.len(),
+                limit: AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The agents that exist, by id; shared by the factory, `call_agent` admission and the
+/// embedding API. An agent not in the directory cannot be called or activated.
+#[derive(Debug, Clone, Default)]
+pub struct AgentDirectory {
+    agents: Arc<RwLock<BTreeMap<String, AgentSpec>>>,
+}
+
+impl AgentDirectory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds or replaces an agent; its next turn uses the new definition and keeps its
+    /// history.
+    ///
+    /// # Errors
+    /// [`AgentSpecError`] if the definition is invalid.
+    pub fn upsert(&self, spec: AgentSpec) -> Result<(), AgentSpecError> {
+        spec.validate()?;
+        self.agents.write().unwrap().insert(spec.id.clone(), spec);
+        Ok(())
+    }
+
+    /// The definition of agent `id`.
+    pub fn get(&self, id: &str) -> Option<AgentSpec> {
+        self.agents.read().unwrap().get(id).cloned()
+    }
+
+    /// Whether agent `id` exists.
+    pub fn contains(&self, id: &str) -> bool {
+        self.agents.read().unwrap().contains_key(id)
+    }
+
+    /// Every definition, by id.
+    pub fn list(&self) -> Vec<AgentSpec> {
+        self.agents.read().unwrap().values().cloned().collect()
+    }
+}
+
+/// What one agent sends another (bincode on the wire).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentRequest {
+    /// The message.
+    pub text: String,
+    /// The calling agent; `None` from outside.
+    pub from: Option<ActorId>,
+    /// The observer's id of this call, if it is recorded.
+    pub call: Option<u64>,
+}
+
+/// An agent's answer (bincode on the wire).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentReply {
+    /// The final assistant text, at most [`AGENT_REPLY_SIZE_MAX_BYTES`].
+    pub text: String,
+    /// Whether `text` was cut to fit.
+    pub truncated: bool,
+    /// Model steps the turn took.
+    pub steps: u32,
+}
+
+impl AgentRequest {
+    /// Encodes with bincode.
+    pub fn encode(&self) -> Bytes {
+        Bytes::from(bincode::serialize(self).expect("an agent request always serializes"))
+    }
+
+    /// Decodes from bincode.
+    ///
+    /// # Errors
+    /// The decoding error, as text.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        bincode::deserialize(bytes).map_err(|error| error.to_string())
+    }
+}
+
+impl AgentReply {
+    /// Encodes with bincode.
+    pub fn encode(&self) -> Bytes {
+        Bytes::from(bincode::serialize(self).expect("an agent reply always serializes"))
+    }
+
+    /// Decodes from bincode.
+    ///
+    /// # Errors
+    /// The decoding error, as text.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        bincode::deserialize(bytes).map_err(|error| error.to_string())
+    }
+}
+
+/// What every agent of one system shares.
+pub(crate) struct AgentShared {
+    pub(crate) directory: AgentDirectory,
+    pub(crate) llm: Arc<dyn LlmClient>,
+    pub(crate) tools: ToolRegistry,
+    pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
+    next_call: AtomicU64,
+}
+
+impl AgentShared {
+    pub(crate) fn new(
+        directory: AgentDirectory,
+        llm: Arc<dyn LlmClient>,
+        tools: ToolRegistry,
+        observers: Vec<Arc<dyn AgentObserver>>,
+    ) -> Self {
+        Self { directory, llm, tools, observers, next_call: AtomicU64::new(1) }
+    }
+
+    pub(crate) fn next_call_id(&self) -> u64 {
+        self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn emit(&self, event: &AgentEvent) {
+        for observer in &self.observers {
+            observer.on_event(event);
+        }
+    }
+}
+
+/// An agent's persistent state: its definition, the recent conversation and how long
+/// its full log is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct AgentState {
+    pub(crate) spec: AgentSpec,
+    pub(crate) window: Vec<ChatMessage>,
+    pub(crate) log_length: u64,
+    pub(crate) turns: u64,
+}
+
+impl AgentState {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(bytes).map_err(|error| error.to_string())
+    }
+
+    /// Appends `messages`, keeps the last [`AGENT_HISTORY_WINDOW_MAX`], and never starts
+    /// the window in the middle of an exchange (a tool result without its call).
+    fn remember(&mut self, messages: &[ChatMessage]) {
+        self.window.extend_from_slice(messages);
+        if self.window.len() > AGENT_HISTORY_WINDOW_MAX {
+            let excess = self.window.len() - AGENT_HISTORY_WINDOW_MAX;
+            self.window.drain(..excess);
+        }
+        let first_user = self.window.iter().position(|m| m.role == Role::User).unwrap_or(self.window.len());
+        self.window.drain(..first_user);
+        assert!(self.window.len() <= AGENT_HISTORY_WINDOW_MAX);
+    }
+}
+
+/// The key of entry `seq` of the conversation log.
+pub(crate) fn log_key(seq: u64) -> String {
+    format!("log/{seq:020}")
+}
+
+/// Builds agents from the directory and their snapshots.
+pub(crate) struct AgentFactory {
+    pub(crate) shared: Arc<AgentShared>,
+}
+
+impl ActorFactory for AgentFactory {
+    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+        let Some(spec) = self.shared.directory.get(id.key()) else {
+            return Err(ActorError::rejected(format!("agent {} is not in the directory", id.key())));
+        };
+        let state = match saved {
+            Some(bytes) => {
+                let mut state = AgentState::decode(&bytes)
+                    .map_err(|cause| ActorError::failed(format!("the state of {id} cannot be decoded: {cause}")))?;
+                state.spec = spec;
+                state
+            }
+            None => AgentState { spec, window: Vec::new(), log_length: 0, turns: 0 },
+        };
+        Ok(Box::new(AgentActor {
+            id: id.clone(),
+            state,
+            shared: Arc::clone(&self.shared),
+            calls_in_flight: Arc::new(AtomicU32::new(0)),
+        }))
+    }
+}
+
+/// One activation of one agent.
+struct AgentActor {
+    id: ActorId,
+    state: AgentState,
+    shared: Arc<AgentShared>,
+    /// `call_agent` calls of this activation in flight.
+    calls_in_flight: Arc<AtomicU32>,
+}
+
+impl fmt::Debug for AgentActor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentActor").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl AgentActor {
+    /// The system message: the agent's prompt, its role, and the peers it may call.
+    fn system_message(&self) -> ChatMessage {
+        let spec = &self.state.spec;
+        let mut text = spec.system_prompt.clone();
+        if !text.is_empty() {
+            text.push_str("\n\n");
+        }
+        text.push_str(&format!("You are {} (agent id \"{}\")", spec.name, spec.id));
+        if !spec.role.is_empty() {
+            text.push_str(&format!(", {}", spec.role));
+        }
+        text.push('.');
+        let peers: Vec<String> = self
+            .shared
+            .directory
+            .list()
+            .into_iter()
+            .filter(|peer| peer.id != spec.id)
+            .map(|peer| format!("- {}: {}", peer.id, peer.role))
+            .collect();
+        if !peers.is_empty() {
+            text.push_str("\nAgents you can ask with the call_agent tool:\n");
+            text.push_str(&peers.join("\n"));
+        }
+        ChatMessage::new(Role::System, text)
+    }
+
+    /// Runs one step's tool calls concurrently; one result text per call, in order.
+    async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
+        let registry = &self.shared.tools;
+        let futures: Vec<JoinFuture<'_, String>> = calls
+            .iter()
+            .enumerate()
+            .map(|(index, call)| -> JoinFuture<'_, String> {
+                Box::pin(async move {
+                    if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
+                        return format!(
+                            "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
+                        );
+                    }
+                    let arguments = match &call.arguments {
+                        // Some providers send the arguments as a JSON string.
+                        serde_json::Value::String(text) => {
+                            serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone())
+                        }
+                        other => other.clone(),
+                    };
+                    let result = match registry.execute(context, &call.name, arguments).await {
+                        Ok(text) => text,
+                        Err(error) => format!("error: {error}"),
+                    };
+                    truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
+                })
+            })
+            .collect();
+        join_all(futures).await
+    }
+}
+
+#[async_trait]
+impl Actor for AgentActor {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let request = AgentRequest::decode(&payload)
+            .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
+        if let Some(spec) = self.shared.directory.get(self.id.key()) {
+            self.state.spec = spec;
+        }
+        let runtime = turn.handle().clone();
+        let clock = runtime.clock();
+        let context = turn.context().clone();
+        let deadline = context.deadline();
+        self.shared.emit(&AgentEvent::TurnStarted {
+            agent: self.id.clone(),
+            call: request.call,
+            depth: context.depth(),
+            chain: context.chain().to_vec(),
+            deadline,
+            at: clock.now(),
+        });
+        let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
+        let content = match &request.from {
+            Some(from) => format!("[message from agent {}] {text}", from.key()),
+            None => text.to_string(),
+        };
+        let mut fresh = vec![ChatMessage::new(Role::User, content)];
+        let tools = ToolExecutionContext::new(
+            self.id.clone(),
+            context,
+            request.call,
+            runtime,
+            Arc::clone(&self.calls_in_flight),
+            Arc::clone(&self.shared),
+        );
+        let specs = self.shared.tools.specs();
+        let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
+        let mut steps = 0;
+        let answer = loop {
+            if steps == max_steps {
+                return Err(ActorError::failed(format!(
+                    "{} used all {max_steps} model steps without a final answer",
+                    self.id
+                )));
+            }
+            steps += 1;
+            let mut messages = Vec::with_capacity(1 + self.state.window.len() + fresh.len());
+            messages.push(self.system_message());
+            messages.extend_from_slice(&self.state.window);
+            messages.extend_from_slice(&fresh);
+            let llm_request = LlmRequest {
+                agent: self.id.clone(),
+                model: self.state.spec.model.model.clone(),
+                messages,
+                tools: specs.clone(),
+                deadline,
+            };
+            let reply = match clock.run_until(deadline, self.shared.llm.complete(llm_request)).await {
+                Ok(Ok(reply)) => reply,
+                Ok(Err(error)) => return Err(ActorError::failed(format!("the model failed: {error}"))),
+                Err(_elapsed) => {
+                    let timeout_ms = u64::try_from(deadline.remaining(clock.now()).as_millis()).unwrap_or(0);
+                    return Err(ActorError::failed(format!("the model failed: {}", LlmError::Timeout { timeout_ms })));
+                }
+            };
+            let mut message = reply.message;
+            message.role = Role::Assistant;
+            message.tool_call_id = None;
+            let calls = message.tool_calls.clone();
+            let content = message.content.clone();
+            fresh.push(message);
+            if calls.is_empty() {
+                break content;
+            }
+            let results = self.run_tools(&tools, &calls).await;
+            for (call, result) in calls.iter().zip(results) {
+                fresh.push(ChatMessage::tool_result(call.id.clone(), result));
+            }
+        };
+        for message in &fresh {
+            let bytes = serde_json::to_vec(message).map_err(|error| ActorError::failed(error.to_string()))?;
+            turn.put(log_key(self.state.log_length), Bytes::from(bytes))?;
+            self.state.log_length += 1;
+        }
+        self.state.remember(&fresh);
+        self.state.turns += 1;
+        let text = truncate_utf8(&answer, AGENT_REPLY_SIZE_MAX_BYTES);
+        let reply = AgentReply { text: text.to_string(), truncated: text.len() < answer.len(), steps };
+        Ok(reply.encode())
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        let bytes = serde_json::to_vec(&self.state).map_err(|error| ActorError::failed(error.to_string()))?;
+        Ok(Some(Bytes::from(bytes)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_stays_bounded_and_starts_at_a_user_message() {
+        let mut state = AgentState { spec: AgentSpec::new("a"), window: Vec::new(), log_length: 0, turns: 0 };
+        for turn in 0..100 {
+            let mut assistant = ChatMessage::new(Role::Assistant, "");
+            assistant.tool_calls.push(ToolCall { id: format!("c{turn}"), name: "t".into(), arguments: serde_json::json!({}) });
+            state.remember(&[
+                ChatMessage::new(Role::User, format!("q{turn}")),
+                assistant,
+                ChatMessage::tool_result(format!("c{turn}"), "r"),
+                ChatMessage::new(Role::Assistant, format!("a{turn}")),
+            ]);
+            assert!(state.window.len() <= AGENT_HISTORY_WINDOW_MAX);
+            assert_eq!(state.window[0].role, Role::User);
+        }
+        assert_eq!(state.window.last().unwrap().content, "a99");
+    }
+
+    #[test]
+    fn requests_and_replies_round_trip_through_bincode() {
+        let request = AgentRequest { text: "héllo".into(), from: Some(agent_id("b").unwrap()), call: Some(7) };
+        assert_eq!(AgentRequest::decode(&request.encode()), Ok(request));
+        let reply = AgentReply { text: "ok".into(), truncated: false, steps: 2 };
+        assert_eq!(AgentReply::decode(&reply.encode()), Ok(reply));
+        assert!(AgentReply::decode(b"\x01").is_err());
+    }
+}

@@ -1,0 +1,36 @@
+//! The agent layer's limits, as named constants with their unit last.
+//!
+//! The limits of calls between agents (depth, timeouts, concurrency) live in
+//! `troupe_core::limits` because admission is decided there; these are the agent's own.
+
+use troupe_core::limits::{AGENT_CALL_TIMEOUT_MS_MAX, INVOKE_TIMEOUT_MS_MAX};
+
+/// Most model steps (LLM calls) in one turn; a turn that still asks for tools after this
+/// many steps fails.
+pub const AGENT_TURN_STEPS_MAX: u32 = 8;
+/// Largest inbound message an agent accepts, in bytes; longer ones are truncated on a
+/// character boundary.
+pub const AGENT_MESSAGE_SIZE_MAX_BYTES: usize = 32 * 1024;
+/// Largest reply an agent sends, in bytes; longer ones are truncated on a character
+/// boundary and marked `truncated`.
+pub const AGENT_REPLY_SIZE_MAX_BYTES: usize = 32 * 1024;
+/// Largest tool result fed back to the model, in bytes.
+pub const AGENT_TOOL_RESULT_SIZE_MAX_BYTES: usize = 16 * 1024;
+/// Most messages kept in the conversation window of the agent's snapshot (the full log
+/// is in the store).
+pub const AGENT_HISTORY_WINDOW_MAX: usize = 64;
+/// Most tool calls of one model step that are executed; extra ones get an error result.
+pub const AGENT_TOOL_CALLS_PER_STEP_MAX: usize = 16;
+/// Default time an outside caller waits for an agent's reply, in milliseconds.
+pub const AGENT_ASK_TIMEOUT_MS_DEFAULT: u64 = 120_000;
+/// Longest system prompt an agent may have, in bytes.
+pub const AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES: usize = 16 * 1024;
+
+const _: () = assert!(AGENT_TURN_STEPS_MAX >= 1);
+const _: () = assert!(AGENT_HISTORY_WINDOW_MAX >= 2);
+const _: () = assert!(AGENT_ASK_TIMEOUT_MS_DEFAULT <= INVOKE_TIMEOUT_MS_MAX);
+const _: () = assert!(AGENT_CALL_TIMEOUT_MS_MAX <= INVOKE_TIMEOUT_MS_MAX);
+// A message that fits must also fit as a tool result's worth of reply, and a reply must
+// fit into the next agent's inbound message.
+const _: () = assert!(AGENT_REPLY_SIZE_MAX_BYTES <= AGENT_MESSAGE_SIZE_MAX_BYTES);
+const _: () = assert!(AGENT_TOOL_CALLS_PER_STEP_MAX as u32 > troupe_core::limits::AGENT_CONCURRENT_CALLS_MAX);

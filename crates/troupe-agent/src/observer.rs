@@ -1,0 +1,219 @@
+//! Watching what agents do: the [`AgentObserver`] hook and a [`CallRecorder`] that turns
+//! the events into a call tree.
+//!
+//! The agent layer reports every call (from outside, and every `call_agent`, admitted or
+//! refused) and the start of every turn. Observers are called synchronously on the
+//! agent's task, so they must be quick and must not block; the recorder only pushes to a
+//! vector. Times are on the runtime's clock (virtual under madsim).
+
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+
+use troupe_core::{ActorId, CallRefused, Deadline, InvokeError};
+
+/// How a call ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// The callee replied with this many bytes of text.
+    Replied {
+        /// Length of the reply text, in bytes.
+        bytes: usize,
+    },
+    /// Admission refused the call; nothing was sent.
+    Refused(CallRefused),
+    /// The call was sent and failed (timed out, the callee failed, ...).
+    Failed(InvokeError),
+    /// Anything else (an invalid agent id, a reply that could not be decoded).
+    Other {
+        /// What went wrong.
+        cause: String,
+    },
+}
+
+impl CallOutcome {
+    /// A short label: `ok`, `refused`, `timeout`, `failed`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Replied { .. } => "ok",
+            Self::Refused(_) => "refused",
+            Self::Failed(InvokeError::Timeout { .. }) => "timeout",
+            Self::Failed(_) | Self::Other { .. } => "failed",
+        }
+    }
+}
+
+/// Something an agent did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentEvent {
+    /// A call was made (and maybe refused at once; then `CallFinished` follows).
+    CallStarted {
+        /// Unique within one agent system.
+        call: u64,
+        /// The call whose turn made this one; `None` for a call from outside.
+        parent: Option<u64>,
+        /// The calling agent; `None` for a call from outside.
+        caller: Option<ActorId>,
+        /// The agent called.
+        target: ActorId,
+        /// The depth the callee runs at.
+        depth: u32,
+        /// When it started.
+        at: Deadline,
+    },
+    /// A call ended.
+    CallFinished {
+        /// As in `CallStarted`.
+        call: u64,
+        /// How.
+        outcome: CallOutcome,
+        /// When.
+        at: Deadline,
+    },
+    /// An agent started a turn.
+    TurnStarted {
+        /// The agent.
+        agent: ActorId,
+        /// The call it serves, if known.
+        call: Option<u64>,
+        /// Its depth.
+        depth: u32,
+        /// The agents waiting on it, outermost first.
+        chain: Vec<ActorId>,
+        /// Its deadline.
+        deadline: Deadline,
+        /// When it started.
+        at: Deadline,
+    },
+}
+
+/// Receives [`AgentEvent`]s. Called on the agent's task: keep it quick.
+pub trait AgentObserver: Send + Sync + 'static {
+    /// One event.
+    fn on_event(&self, event: &AgentEvent);
+}
+
+/// Records every event; renders the call tree. Cheap to clone (shared log).
+#[derive(Debug, Clone, Default)]
+pub struct CallRecorder {
+    events: Arc<Mutex<Vec<AgentEvent>>>,
+}
+
+impl AgentObserver for CallRecorder {
+    fn on_event(&self, event: &AgentEvent) {
+        self.events.lock().unwrap().push(event.clone());
+    }
+}
+
+/// One call of a [`CallRecorder`]'s tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallNode {
+    /// The call's id.
+    pub call: u64,
+    /// The caller (`None`: outside).
+    pub caller: Option<ActorId>,
+    /// The callee.
+    pub target: ActorId,
+    /// The callee's depth.
+    pub depth: u32,
+    /// When it started.
+    pub started: Deadline,
+    /// When it finished, and how; `None` while running.
+    pub finished: Option<(Deadline, CallOutcome)>,
+    /// Calls made by the callee's turn, in start order.
+    pub children: Vec<CallNode>,
+}
+
+impl CallRecorder {
+    /// A recorder with no events.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Every event so far, in order.
+    pub fn events(&self) -> Vec<AgentEvent> {
+        self.events.lock().unwrap().clone()
+    }
+
+    /// The calls as trees, roots (calls from outside, or whose parent is unknown) first
+    /// in start order.
+    pub fn call_trees(&self) -> Vec<CallNode> {
+        let events = self.events();
+        let mut nodes: Vec<(Option<u64>, CallNode)> = Vec::new();
+        for event in &events {
+            match event {
+                AgentEvent::CallStarted { call, parent, caller, target, depth, at } => nodes.push((
+                    *parent,
+                    CallNode {
+                        call: *call,
+                        caller: caller.clone(),
+                        target: target.clone(),
+                        depth: *depth,
+                        started: *at,
+                        finished: None,
+                        children: Vec::new(),
+                    },
+                )),
+                AgentEvent::CallFinished { call, outcome, at } => {
+                    if let Some((_, node)) = nodes.iter_mut().find(|(_, node)| node.call == *call) {
+                        node.finished = Some((*at, outcome.clone()));
+                    }
+                }
+                AgentEvent::TurnStarted { .. } => {}
+            }
+        }
+        // Attach children to parents, last first so each parent is complete when moved.
+        let known: Vec<u64> = nodes.iter().map(|(_, node)| node.call).collect();
+        let mut roots = Vec::new();
+        while let Some((parent, node)) = nodes.pop() {
+            match parent.filter(|p| known.contains(p)) {
+                Some(parent) => {
+                    if let Some((_, parent_node)) = nodes.iter_mut().find(|(_, n)| n.call == parent) {
+                        parent_node.children.insert(0, node);
+                    } else {
+                        roots.insert(0, node);
+                    }
+                }
+                None => roots.insert(0, node),
+            }
+        }
+        roots
+    }
+
+    /// The call tree as indented text: one line per call with its depth, duration and
+    /// outcome (refusals and failures with their reason).
+    pub fn render_tree(&self) -> String {
+        let mut out = String::new();
+        for root in self.call_trees() {
+            render_node(&root, 0, &mut out);
+        }
+        out
+    }
+}
+
+fn render_node(node: &CallNode, indent: usize, out: &mut String) {
+    let caller = node.caller.as_ref().map_or_else(|| "user".to_string(), |c| c.key().to_string());
+    let (duration, outcome) = match &node.finished {
+        Some((at, outcome)) => {
+            let micros = at.as_micros().saturating_sub(node.started.as_micros());
+            let detail = match outcome {
+                CallOutcome::Replied { bytes } => format!("ok ({bytes} bytes)"),
+                CallOutcome::Refused(reason) => format!("refused: {reason}"),
+                CallOutcome::Failed(error) => format!("{}: {error}", outcome.label()),
+                CallOutcome::Other { cause } => format!("failed: {cause}"),
+            };
+            (format!("{:>5}.{:03} s", micros / 1_000_000, (micros / 1_000) % 1_000), detail)
+        }
+        None => ("    running".to_string(), String::new()),
+    };
+    let _ = writeln!(
+        out,
+        "{:indent$}{caller} -> {}  [depth {}] {duration}  {outcome}",
+        "",
+        node.target.key(),
+        node.depth,
+        indent = indent * 2
+    );
+    for child in &node.children {
+        render_node(child, indent + 1, out);
+    }
+}

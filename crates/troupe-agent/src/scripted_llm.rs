@@ -1,0 +1,396 @@
+//! A scripted, deterministic [`LlmClient`] for tests, the simulator and the demo.
+//!
+//! A script is an ordered list of [`ScriptRule`]s. For each request the first rule whose
+//! agent and condition match decides the answer: a text, one or more tool calls, or an
+//! injected failure, after an optional latency (a `tokio::time::sleep`, so virtual time
+//! under madsim and paused tokio). No rule matching is an error, so a script mistake
+//! shows up in a test instead of a silent default. There is no randomness: the same
+//! requests in the same order get the same answers.
+//!
+//! Templates in texts and in string arguments of tool calls:
+//! `{input}` is the last user message, `{tool_result}` the tool results since the last
+//! assistant message (joined with `"; "`), `{agent}` the asking agent's key.
+//!
+//! Every request is recorded ([`ScriptedLlm::requests`]), and every answer that was
+//! actually delivered ([`ScriptedLlm::answers`]): a request whose turn was cancelled
+//! during the latency is in the first list and not in the second.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::Value;
+use troupe_core::ActorId;
+
+use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall};
+
+/// When a rule applies, judged on the request's last message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScriptCondition {
+    /// Always.
+    Always,
+    /// The last message is from the user (a person or another agent) and contains this.
+    UserContains(String),
+    /// The last message is a tool result.
+    ToolResult,
+    /// The last message is a tool result containing this.
+    ToolResultContains(String),
+}
+
+/// What a rule answers.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScriptAction {
+    /// An assistant text (a template).
+    Reply(String),
+    /// Tool calls, each a tool name and arguments (string values are templates).
+    CallTools(Vec<(String, Value)>),
+    /// An [`LlmError::Injected`] with this cause.
+    Fail(String),
+}
+
+/// One rule of a script: which agent, when, what, and how slowly.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScriptRule {
+    agent: Option<String>,
+    condition: ScriptCondition,
+    action: ScriptAction,
+    latency: Duration,
+    uses_left: Option<u32>,
+}
+
+impl ScriptRule {
+    /// A rule for the agent with key `agent` that answers an empty text.
+    pub fn agent(agent: impl Into<String>) -> Self {
+        Self {
+            agent: Some(agent.into()),
+            condition: ScriptCondition::Always,
+            action: ScriptAction::Reply(String::new()),
+            latency: Duration::ZERO,
+            uses_left: None,
+        }
+    }
+
+    /// A rule for every agent.
+    pub fn any_agent() -> Self {
+        Self { agent: None, ..Self::agent("") }
+    }
+
+    /// Applies when the last message is from the user and contains `needle`.
+    pub fn on_user_containing(mut self, needle: impl Into<String>) -> Self {
+        self.condition = ScriptCondition::UserContains(needle.into());
+        self
+    }
+
+    /// Applies when the last message is a tool result.
+    pub fn on_tool_result(mut self) -> Self {
+        self.condition = ScriptCondition::ToolResult;
+        self
+    }
+
+    /// Applies when the last message is a tool result containing `needle`.
+    pub fn on_tool_result_containing(mut self, needle: impl Into<String>) -> Self {
+        self.condition = ScriptCondition::ToolResultContains(needle.into());
+        self
+    }
+
+    /// Answers with the text `template`.
+    pub fn reply(mut self, template: impl Into<String>) -> Self {
+        self.action = ScriptAction::Reply(template.into());
+        self
+    }
+
+    /// Answers with a call of tool `name` with `arguments` (added to any calls already
+    /// set on this rule, so one step can request several).
+    pub fn call(mut self, name: impl Into<String>, arguments: Value) -> Self {
+        let call = (name.into(), arguments);
+        match &mut self.action {
+            ScriptAction::CallTools(calls) => calls.push(call),
+            _ => self.action = ScriptAction::CallTools(vec![call]),
+        }
+        self
+    }
+
+    /// Answers with an injected failure.
+    pub fn fail(mut self, cause: impl Into<String>) -> Self {
+        self.action = ScriptAction::Fail(cause.into());
+        self
+    }
+
+    /// Waits `latency` before answering.
+    pub fn latency(mut self, latency: Duration) -> Self {
+        self.latency = latency;
+        self
+    }
+
+    /// Applies at most `count` times, then is skipped.
+    pub fn times(mut self, count: u32) -> Self {
+        self.uses_left = Some(count);
+        self
+    }
+
+    fn matches(&self, request: &LlmRequest) -> bool {
+        if self.uses_left == Some(0) {
+            return false;
+        }
+        if self.agent.as_deref().is_some_and(|agent| agent != request.agent.key()) {
+            return false;
+        }
+        let last = request.messages.last();
+        let is = |role: Role| last.is_some_and(|m| m.role == role);
+        let contains = |needle: &str| last.is_some_and(|m| m.content.contains(needle));
+        match &self.condition {
+            ScriptCondition::Always => true,
+            ScriptCondition::UserContains(needle) => is(Role::User) && contains(needle),
+            ScriptCondition::ToolResult => is(Role::Tool),
+            ScriptCondition::ToolResultContains(needle) => is(Role::Tool) && contains(needle),
+        }
+    }
+}
+
+/// A request the scripted model answered, with the answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScriptedAnswer {
+    /// The agent that asked.
+    pub agent: ActorId,
+    /// What it was given.
+    pub message: ChatMessage,
+}
+
+#[derive(Default)]
+struct Recorded {
+    requests: Vec<LlmRequest>,
+    answers: Vec<ScriptedAnswer>,
+}
+
+/// The scripted model; see the module documentation. Cheap to clone (shared state).
+#[derive(Clone, Default)]
+pub struct ScriptedLlm {
+    rules: Arc<Mutex<Vec<ScriptRule>>>,
+    recorded: Arc<Mutex<Recorded>>,
+    next_call: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for ScriptedLlm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScriptedLlm").field("rules", &self.rules.lock().unwrap().len()).finish()
+    }
+}
+
+impl ScriptedLlm {
+    /// A model with an empty script.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `rule` to the script (rules are tried in the order added).
+    pub fn rule(self, rule: ScriptRule) -> Self {
+        self.push(rule);
+        self
+    }
+
+    /// Appends `rule` to a shared script.
+    pub fn push(&self, rule: ScriptRule) {
+        self.rules.lock().unwrap().push(rule);
+    }
+
+    /// Every request received so far, in order.
+    pub fn requests(&self) -> Vec<LlmRequest> {
+        self.recorded.lock().unwrap().requests.clone()
+    }
+
+    /// The requests of the agent with key `agent`, in order.
+    pub fn requests_of(&self, agent: &str) -> Vec<LlmRequest> {
+        self.requests().into_iter().filter(|r| r.agent.key() == agent).collect()
+    }
+
+    /// Every tool result the agent with key `agent` was shown, in order (each once, at
+    /// the request where it was new).
+    pub fn tool_results_seen_by(&self, agent: &str) -> Vec<String> {
+        self.requests_of(agent)
+            .iter()
+            .flat_map(|request| {
+                request
+                    .messages
+                    .iter()
+                    .rev()
+                    .take_while(|m| m.role == Role::Tool)
+                    .map(|m| m.content.clone())
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+            })
+            .collect()
+    }
+
+    /// Every answer delivered so far, in order.
+    pub fn answers(&self) -> Vec<ScriptedAnswer> {
+        self.recorded.lock().unwrap().answers.clone()
+    }
+
+    /// Picks the rule for `request` and consumes one of its uses.
+    fn choose(&self, request: &LlmRequest) -> Option<ScriptRule> {
+        let mut rules = self.rules.lock().unwrap();
+        let rule = rules.iter_mut().find(|rule| rule.matches(request))?;
+        if let Some(left) = &mut rule.uses_left {
+            *left -= 1;
+        }
+        Some(rule.clone())
+    }
+}
+
+/// The values templates refer to.
+struct TemplateValues {
+    input: String,
+    tool_result: String,
+    agent: String,
+}
+
+impl TemplateValues {
+    fn of(request: &LlmRequest) -> Self {
+        let input = request
+            .messages
+            .iter()
+            .rev()
+            .find(|m| m.role == Role::User)
+            .map(|m| m.content.clone())
+            .unwrap_or_default();
+        let mut results: Vec<&str> =
+            request.messages.iter().rev().take_while(|m| m.role == Role::Tool).map(|m| m.content.as_str()).collect();
+        results.reverse();
+        Self { input, tool_result: results.join("; "), agent: request.agent.key().to_string() }
+    }
+
+    fn fill(&self, template: &str) -> String {
+        template
+            .replace("{input}", &self.input)
+            .replace("{tool_result}", &self.tool_result)
+            .replace("{agent}", &self.agent)
+    }
+
+    fn fill_json(&self, value: &Value) -> Value {
+        match value {
+            Value::String(text) => Value::String(self.fill(text)),
+            Value::Array(items) => Value::Array(items.iter().map(|v| self.fill_json(v)).collect()),
+            Value::Object(fields) => {
+                Value::Object(fields.iter().map(|(k, v)| (k.clone(), self.fill_json(v))).collect())
+            }
+            other => other.clone(),
+        }
+    }
+}
+
+#[async_trait]
+impl LlmClient for ScriptedLlm {
+    async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
+        self.recorded.lock().unwrap().requests.push(request.clone());
+        let Some(rule) = self.choose(&request) else {
+            let last = request.messages.last().map(|m| format!("{:?}: {}", m.role, m.content)).unwrap_or_default();
+            return Err(LlmError::Malformed {
+                cause: format!("scripted model: no rule for {} matches the last message ({last})", request.agent),
+            });
+        };
+        if !rule.latency.is_zero() {
+            tokio::time::sleep(rule.latency).await;
+        }
+        let values = TemplateValues::of(&request);
+        let message = match &rule.action {
+            ScriptAction::Fail(cause) => return Err(LlmError::Injected { cause: values.fill(cause) }),
+            ScriptAction::Reply(template) => ChatMessage::new(Role::Assistant, values.fill(template)),
+            ScriptAction::CallTools(calls) => {
+                let mut message = ChatMessage::new(Role::Assistant, "");
+                for (name, arguments) in calls {
+                    let id = format!("call_{}", self.next_call.fetch_add(1, Ordering::Relaxed) + 1);
+                    message.tool_calls.push(ToolCall { id, name: name.clone(), arguments: values.fill_json(arguments) });
+                }
+                message
+            }
+        };
+        let answer = ScriptedAnswer { agent: request.agent.clone(), message: message.clone() };
+        self.recorded.lock().unwrap().answers.push(answer);
+        Ok(LlmReply { message })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use troupe_core::Deadline;
+
+    fn request(agent: &str, messages: Vec<ChatMessage>) -> LlmRequest {
+        LlmRequest {
+            agent: ActorId::new("agent", agent).unwrap(),
+            model: "scripted".into(),
+            messages,
+            tools: Vec::new(),
+            deadline: Deadline::from_micros(u64::MAX),
+        }
+    }
+
+    fn script() -> ScriptedLlm {
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("researcher")
+                    .on_user_containing("papers")
+                    .call("call_agent", json!({"agent_id": "analyst", "message": "check: {input}"})),
+            )
+            .rule(ScriptRule::agent("researcher").on_tool_result().reply("summary: {tool_result}"))
+            .rule(ScriptRule::agent("flaky").fail("overloaded").times(1))
+            .rule(ScriptRule::agent("flaky").reply("recovered"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_matching_rule_answers_with_templates_filled() {
+        let llm = script();
+        let user = ChatMessage::new(Role::User, "find papers");
+        let first = llm.complete(request("researcher", vec![user.clone()])).await.unwrap();
+        assert_eq!(first.message.tool_calls.len(), 1);
+        assert_eq!(first.message.tool_calls[0].name, "call_agent");
+        assert_eq!(first.message.tool_calls[0].arguments, json!({"agent_id": "analyst", "message": "check: find papers"}));
+        let id = first.message.tool_calls[0].id.clone();
+        let second = llm
+            .complete(request("researcher", vec![user, first.message, ChatMessage::tool_result(id, "42")]))
+            .await
+            .unwrap();
+        assert_eq!(second.message.content, "summary: 42");
+        assert_eq!(llm.tool_results_seen_by("researcher"), vec!["42".to_string()]);
+        assert_eq!(llm.answers().len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_matching_rule_is_an_error_and_limited_rules_run_out() {
+        let llm = script();
+        let unknown = llm.complete(request("nobody", vec![ChatMessage::new(Role::User, "hi")])).await;
+        assert!(matches!(unknown, Err(LlmError::Malformed { .. })), "{unknown:?}");
+        let hello = || request("flaky", vec![ChatMessage::new(Role::User, "hi")]);
+        assert_eq!(llm.complete(hello()).await, Err(LlmError::Injected { cause: "overloaded".into() }));
+        assert_eq!(llm.complete(hello()).await.unwrap().message.content, "recovered");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn latency_is_slept_on_the_clock_and_a_dropped_request_records_no_answer() {
+        let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("late").latency(Duration::from_secs(5)));
+        let started = tokio::time::Instant::now();
+        let cut = tokio::time::timeout(Duration::from_secs(1), llm.complete(request("a", Vec::new()))).await;
+        assert!(cut.is_err());
+        assert_eq!(llm.requests().len(), 1);
+        assert!(llm.answers().is_empty(), "a cancelled request must not deliver an answer");
+        let answer = llm.complete(request("a", Vec::new())).await.unwrap();
+        assert_eq!(answer.message.content, "late");
+        assert_eq!(started.elapsed(), Duration::from_secs(6));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_same_requests_get_the_same_answers() {
+        let run = || async {
+            let llm = script();
+            let mut out = Vec::new();
+            for text in ["papers please", "more papers"] {
+                out.push(llm.complete(request("researcher", vec![ChatMessage::new(Role::User, text)])).await.unwrap());
+            }
+            out
+        };
+        assert_eq!(run().await, run().await);
+    }
+}

@@ -1,0 +1,296 @@
+//! Tools an agent's model may call: [`Tool`], the [`ToolRegistry`], and the
+//! [`ToolExecutionContext`] every handler receives.
+//!
+//! Arguments come from a model and are untrusted: they are checked against the tool's
+//! JSON schema ([`crate::validate`]) before the handler runs, and every failure (unknown
+//! tool, bad arguments, handler error, deadline) becomes a [`ToolError`] whose text is
+//! handed back to the model as the tool result. Nothing here panics on model input.
+//! A handler runs under the calling turn's deadline and is cancelled (dropped) when the
+//! turn is.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde_json::Value;
+use troupe_core::{ActorId, CallContext, Deadline};
+use troupe_runtime::RuntimeHandle;
+
+use crate::agent::AgentShared;
+use crate::{SchemaError, ToolSpec};
+
+/// Why a tool call produced no result. Its `Display` is what the model reads.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolError {
+    /// The model named a tool that does not exist.
+    #[error("unknown tool {name:?}; available tools: {}", available.join(", "))]
+    UnknownTool {
+        /// The name asked for.
+        name: String,
+        /// The registered names.
+        available: Vec<String>,
+    },
+    /// The arguments do not match the tool's schema.
+    #[error("invalid arguments for {tool}: {error}")]
+    InvalidArguments {
+        /// The tool.
+        tool: String,
+        /// What is wrong.
+        error: SchemaError,
+    },
+    /// The handler ran and failed.
+    #[error("{tool} failed: {message}")]
+    Failed {
+        /// The tool.
+        tool: String,
+        /// What the handler said.
+        message: String,
+    },
+    /// The turn's deadline passed while the tool ran.
+    #[error("{tool} did not finish before the turn's deadline")]
+    DeadlineExceeded {
+        /// The tool.
+        tool: String,
+    },
+}
+
+impl ToolError {
+    /// A [`ToolError::Failed`] of `tool` with `message`.
+    pub fn failed(tool: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Failed { tool: tool.into(), message: message.into() }
+    }
+}
+
+/// What a tool handler knows about the turn that called it.
+///
+/// `agent_id`, `call_depth`, `call_chain` and `deadline` describe the calling agent's
+/// turn; `runtime` is the dispatcher handle for calling other actors. The calls-in-flight
+/// counter is shared by every tool call of one agent activation, so `call_agent` can
+/// enforce `AGENT_CONCURRENT_CALLS_MAX`.
+#[derive(Clone)]
+pub struct ToolExecutionContext {
+    /// The agent whose model called the tool.
+    pub agent_id: ActorId,
+    /// The depth of the agent's turn (0 when asked from outside).
+    pub call_depth: u32,
+    /// The agents waiting on this turn, outermost first (the agent itself not included).
+    pub call_chain: Vec<ActorId>,
+    /// When the turn must have replied.
+    pub deadline: Deadline,
+    /// The runtime (dispatcher) handle.
+    pub runtime: RuntimeHandle,
+    pub(crate) context: CallContext,
+    pub(crate) inbound_call: Option<u64>,
+    pub(crate) calls_in_flight: Arc<AtomicU32>,
+    pub(crate) shared: Arc<AgentShared>,
+}
+
+impl fmt::Debug for ToolExecutionContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolExecutionContext")
+            .field("agent_id", &self.agent_id)
+            .field("call_depth", &self.call_depth)
+            .field("call_chain", &self.call_chain)
+            .field("deadline", &self.deadline)
+            .field("calls_in_flight", &self.calls_in_flight())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ToolExecutionContext {
+    pub(crate) fn new(
+        agent_id: ActorId,
+        context: CallContext,
+        inbound_call: Option<u64>,
+        runtime: RuntimeHandle,
+        calls_in_flight: Arc<AtomicU32>,
+        shared: Arc<AgentShared>,
+    ) -> Self {
+        Self {
+            call_depth: context.depth(),
+            call_chain: context.chain().to_vec(),
+            deadline: context.deadline(),
+            agent_id,
+            runtime,
+            context,
+            inbound_call,
+            calls_in_flight,
+            shared,
+        }
+    }
+
+    /// The call context of the agent's turn.
+    pub fn call_context(&self) -> &CallContext {
+        &self.context
+    }
+
+    /// Calls this agent activation has in flight now.
+    pub fn calls_in_flight(&self) -> u32 {
+        self.calls_in_flight.load(Ordering::SeqCst)
+    }
+}
+
+/// The body of a tool.
+#[async_trait]
+pub trait ToolHandler: Send + Sync + 'static {
+    /// Runs the tool with arguments already validated against its schema.
+    ///
+    /// # Errors
+    /// A [`ToolError`], shown to the model.
+    async fn call(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError>;
+}
+
+type BoxedToolFuture = Pin<Box<dyn Future<Output = Result<String, ToolError>> + Send>>;
+
+struct FnHandler<F>(F);
+
+#[async_trait]
+impl<F> ToolHandler for FnHandler<F>
+where
+    F: Fn(ToolExecutionContext, Value) -> BoxedToolFuture + Send + Sync + 'static,
+{
+    async fn call(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
+        (self.0)(context.clone(), arguments).await
+    }
+}
+
+/// A tool: what the model sees ([`ToolSpec`]) and the handler that runs.
+#[derive(Clone)]
+pub struct Tool {
+    spec: ToolSpec,
+    handler: Arc<dyn ToolHandler>,
+}
+
+impl fmt::Debug for Tool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tool").field("name", &self.spec.name).finish_non_exhaustive()
+    }
+}
+
+impl Tool {
+    /// A tool with a [`ToolHandler`].
+    ///
+    /// # Panics
+    /// If `parameters` is not a JSON object (a programmer error in the tool's definition).
+    pub fn new(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        parameters: Value,
+        handler: impl ToolHandler,
+    ) -> Self {
+        let name = name.into();
+        assert!(parameters.is_object(), "the schema of tool {name} must be a JSON object");
+        Self { spec: ToolSpec { name, description: description.into(), parameters }, handler: Arc::new(handler) }
+    }
+
+    /// A tool whose handler is an async closure taking the context and the arguments.
+    ///
+    /// # Panics
+    /// As [`Tool::new`].
+    pub fn from_fn<F, Fut>(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        parameters: Value,
+        handler: F,
+    ) -> Self
+    where
+        F: Fn(ToolExecutionContext, Value) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<String, ToolError>> + Send + 'static,
+    {
+        let boxed = move |context, arguments| -> BoxedToolFuture { Box::pin(handler(context, arguments)) };
+        Self::new(name, description, parameters, FnHandler(boxed))
+    }
+
+    /// What the model sees.
+    pub fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    /// Validates `arguments` against the schema, then runs the handler until the turn's
+    /// deadline.
+    ///
+    /// # Errors
+    /// [`ToolError::InvalidArguments`], [`ToolError::DeadlineExceeded`] or the handler's
+    /// error.
+    pub async fn execute(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
+        crate::validate(&self.spec.parameters, &arguments)
+            .map_err(|error| ToolError::InvalidArguments { tool: self.spec.name.clone(), error })?;
+        let clock = context.runtime.clock();
+        match clock.run_until(context.deadline, self.handler.call(context, arguments)).await {
+            Ok(result) => result,
+            Err(_elapsed) => Err(ToolError::DeadlineExceeded { tool: self.spec.name.clone() }),
+        }
+    }
+}
+
+/// Why a tool could not be registered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolRegistryError {
+    /// A tool of that name exists.
+    #[error("a tool named {name:?} is already registered")]
+    Duplicate {
+        /// The name.
+        name: String,
+    },
+}
+
+/// Tools by name.
+#[derive(Debug, Clone, Default)]
+pub struct ToolRegistry {
+    tools: BTreeMap<String, Tool>,
+}
+
+impl ToolRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `tool`.
+    ///
+    /// # Errors
+    /// [`ToolRegistryError::Duplicate`] if its name is taken.
+    pub fn register(&mut self, tool: Tool) -> Result<(), ToolRegistryError> {
+        let name = tool.spec.name.clone();
+        if self.tools.contains_key(&name) {
+            return Err(ToolRegistryError::Duplicate { name });
+        }
+        self.tools.insert(name, tool);
+        Ok(())
+    }
+
+    /// The tool called `name`.
+    pub fn get(&self, name: &str) -> Option<&Tool> {
+        self.tools.get(name)
+    }
+
+    /// Every tool's spec, by name.
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        self.tools.values().map(|tool| tool.spec.clone()).collect()
+    }
+
+    /// The registered names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.tools.keys().cloned().collect()
+    }
+
+    /// Runs the tool `name` with `arguments`.
+    ///
+    /// # Errors
+    /// [`ToolError::UnknownTool`], or as [`Tool::execute`].
+    pub async fn execute(
+        &self,
+        context: &ToolExecutionContext,
+        name: &str,
+        arguments: Value,
+    ) -> Result<String, ToolError> {
+        let Some(tool) = self.tools.get(name) else {
+            return Err(ToolError::UnknownTool { name: name.to_string(), available: self.names() });
+        };
+        tool.execute(context, arguments).await
+    }
+}
