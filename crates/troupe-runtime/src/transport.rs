@@ -1,0 +1,87 @@
+//! The network transport: lets one node invoke actors hosted by another node's runtime.
+//!
+//! ```text
+//!  caller node                                          host node
+//!  TransportClient::invoke(target, payload, context)    TransportServer (one task per connection)
+//!    │ lazy connect (one TCP connection, multiplexed)     │ read frame → spawn one task per request:
+//!    │ register request_id in the bounded pending map     │   rebuild CallContext (depth, chain,
+//!    │ frame → writer queue ──── Request frame ────────►  │   deadline = now + remaining_us)
+//!    │ wait for the reply until the LOCAL deadline        │   RuntimeHandle::invoke / invoke_from
+//!    ◄───────────────────────── Response frame ────────── │ reply frame → bounded writer queue
+//!    reader task: request_id → waiting caller (late replies are dropped)
+//! ```
+//!
+//! Owns: the frame codec (a `u32` big-endian length prefix, then a bincode body of at
+//! most [`FRAME_SIZE_MAX_BYTES`]), the wire messages, [`TransportClient`] and
+//! [`TransportServer`]. It is plain `tokio::net` code; under `--cfg madsim` the simulator
+//! swaps in its own TCP, so partitions, latency and node kills hit this exact code.
+//!
+//! Guarantees:
+//! - A call never outlives its deadline on the caller's clock: the wait is bounded by
+//!   [`crate::Clock::run_until`]; connecting and waiting for an in-flight slot are inside
+//!   that bound.
+//! - The deadline crosses the network as the time remaining when the request is encoded
+//!   and is rebuilt on the receiving clock, so clocks of different nodes never mix. The
+//!   transit time is not subtracted: the host may work on a request for up to one transit
+//!   time past the caller's deadline, and its late reply is discarded.
+//! - Depth and chain arrive intact: the host replays the chain with
+//!   [`CallContext::child`], so cycle and depth checks hold across nodes. When the request
+//!   names a caller (or the chain does) the host records the wait-for edge with
+//!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from).
+//! - When a connection breaks (reset, EOF, an oversized or undecodable frame) every call
+//!   pending on it fails at once with [`InvokeError::Unreachable`]; none waits for its
+//!   deadline. The next call opens a new connection.
+//! - Nothing grows without bound: the client's pending map holds at most
+//!   [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] entries (a caller over it waits for a slot until its
+//!   deadline), an entry is freed when its caller stops waiting for any reason, the
+//!   server runs at most [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests per connection (it
+//!   stops reading until one finishes), and both write queues are bounded.
+//! - A bad frame from the network is a typed [`FrameError`] that closes that connection;
+//!   it never panics the node.
+//!
+//! What it deliberately does not do:
+//! - No retries, and no at-most-once across reconnects: a request may have run even if
+//!   its caller saw `Unreachable` or `Timeout`. Callers that need exactly-once effects
+//!   deduplicate in the actor.
+//! - No routing or placement: a client talks to one address. The directory decides which
+//!   node hosts an actor and keeps one client per node.
+//! - No authentication or encryption.
+//! - No wait-for edges across nodes on the caller's side: the host's dispatcher sees the
+//!   edge `caller → target`; the caller's dispatcher does not see the remote call.
+//!   Cross-node cycles end at their deadline.
+
+#[cfg(doc)]
+use troupe_core::{CallContext, InvokeError};
+
+mod client;
+mod frame;
+mod server;
+mod wire;
+
+pub use client::{TransportClient, TransportClientStats};
+pub use frame::{FrameError, FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES};
+pub use server::TransportServer;
+
+/// Most requests one [`TransportClient`] has in flight at once; a caller over it waits
+/// for a slot until its deadline.
+pub const CLIENT_REQUESTS_IN_FLIGHT_MAX: usize = 1_024;
+/// Most requests a [`TransportServer`] runs at once for one connection; past it the
+/// server stops reading that connection until one finishes.
+pub const SERVER_REQUESTS_IN_FLIGHT_MAX: usize = 1_024;
+/// Capacity of each connection's queue of encoded frames waiting to be written, in frames.
+pub const WRITE_QUEUE_CAPACITY: usize = 256;
+/// Most frames written before one flush.
+pub const WRITE_BATCH_FRAMES_MAX: usize = 64;
+/// Longest call chain a request may carry, in actors; a longer one is rejected unrun.
+pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
+/// Pause after a failed `accept` (for example, out of file descriptors), in milliseconds.
+pub const ACCEPT_RETRY_DELAY_MS: u64 = 10;
+
+const _: () = assert!(CLIENT_REQUESTS_IN_FLIGHT_MAX >= 1);
+const _: () = assert!(SERVER_REQUESTS_IN_FLIGHT_MAX >= 1);
+// One client at its limit never stalls on the server's per-connection limit.
+const _: () = assert!(CLIENT_REQUESTS_IN_FLIGHT_MAX <= SERVER_REQUESTS_IN_FLIGHT_MAX);
+const _: () = assert!(WRITE_QUEUE_CAPACITY >= 1);
+const _: () = assert!(WRITE_BATCH_FRAMES_MAX >= 1);
+const _: () = assert!(CALL_CHAIN_LENGTH_MAX >= troupe_core::limits::AGENT_CALL_DEPTH_MAX as usize);
+const _: () = assert!(FRAME_SIZE_MAX_BYTES <= u32::MAX as usize);

@@ -1,0 +1,527 @@
+//! The network transport: [`TransportClient`] invoking actors behind a [`TransportServer`].
+//!
+//! Goal: every claim of the transport's module documentation, checked end to end over
+//! real sockets. A tiny probe actor echoes, reports the context its turn received, or
+//! sleeps. The first section runs on real TCP on loopback (`#[tokio::test]`); the second
+//! runs only in the simulator, with two simulated nodes (server 10.0.0.1, client
+//! 10.0.0.2), and partitions the link, kills and restarts the server node, and adds
+//! latency, checking that no call outlives its deadline and that service comes back
+//! once the fault heals.
+//!
+//! Run with `cargo nextest run -p troupe-runtime --test transport`, and under simulation
+//! with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p
+//! troupe-runtime --test transport`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use troupe_core::{ActorId, ActorKind, CallContext, InvokeError};
+use troupe_runtime::{
+    Actor, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, Turn,
+};
+
+// ---------------------------------------------------------------------------------------
+// The probe actor
+// ---------------------------------------------------------------------------------------
+
+const PROBE_KIND: &str = "probe";
+
+/// What the probe is asked to do.
+#[derive(Debug, Serialize, Deserialize)]
+enum Probe {
+    /// Reply with these bytes.
+    Echo(Vec<u8>),
+    /// Reply with a [`ContextReport`] of this turn.
+    ReportContext,
+    /// Sleep this long, then reply with nothing.
+    Sleep { milliseconds: u64 },
+}
+
+/// The context a turn received, with its deadline as the time left on the host's clock.
+#[derive(Debug, Serialize, Deserialize)]
+struct ContextReport {
+    depth: u32,
+    chain: Vec<ActorId>,
+    remaining_us: u64,
+}
+
+struct ProbeActor;
+
+#[async_trait]
+impl Actor for ProbeActor {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let probe: Probe = bincode::deserialize(&payload).map_err(|error| ActorError::failed(error.to_string()))?;
+        match probe {
+            Probe::Echo(bytes) => Ok(Bytes::from(bytes)),
+            Probe::ReportContext => {
+                let context = turn.context();
+                let report = ContextReport {
+                    depth: context.depth(),
+                    chain: context.chain().to_vec(),
+                    remaining_us: u64::try_from(turn.deadline().remaining(turn.handle().now()).as_micros())
+                        .unwrap(),
+                };
+                Ok(Bytes::from(bincode::serialize(&report).unwrap()))
+            }
+            Probe::Sleep { milliseconds } => {
+                tokio::time::sleep(Duration::from_millis(milliseconds)).await;
+                Ok(Bytes::new())
+            }
+        }
+    }
+}
+
+fn probe_runtime() -> Runtime {
+    Runtime::builder()
+        .register(
+            ActorKind::new(PROBE_KIND).unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(ProbeActor)) },
+            KindConfig::default(),
+        )
+        .unwrap()
+        .start()
+}
+
+fn probe(key: &str) -> ActorId {
+    ActorId::new(PROBE_KIND, key).unwrap()
+}
+
+fn encode(probe: &Probe) -> Bytes {
+    Bytes::from(bincode::serialize(probe).unwrap())
+}
+
+/// A root context `timeout` from now on `clock`.
+fn root_context(clock: &Clock, timeout: Duration) -> CallContext {
+    CallContext::root(clock.deadline_in(timeout))
+}
+
+async fn echo(client: &TransportClient, clock: &Clock, key: &str, bytes: &[u8], timeout: Duration) -> Result<Bytes, InvokeError> {
+    client.invoke(&probe(key), encode(&Probe::Echo(bytes.to_vec())), root_context(clock, timeout), None).await
+}
+
+/// Time on `clock` since `since`.
+fn elapsed(clock: &Clock, since: troupe_core::Deadline) -> Duration {
+    Duration::from_micros(clock.now().as_micros().saturating_sub(since.as_micros()))
+}
+
+// ---------------------------------------------------------------------------------------
+// Real TCP on loopback
+// ---------------------------------------------------------------------------------------
+
+#[cfg(not(madsim))]
+mod loopback {
+    use std::sync::Arc;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::*;
+
+    const LOOPBACK: &str = "127.0.0.1:0";
+
+    async fn start_server() -> (Runtime, TransportServer) {
+        let runtime = probe_runtime();
+        let address: SocketAddr = LOOPBACK.parse().unwrap();
+        let server = TransportServer::bind(address, runtime.handle()).await.unwrap();
+        (runtime, server)
+    }
+
+    /// Goal: the basic round trip. Method: echo through a server on loopback.
+    #[tokio::test]
+    async fn a_remote_invoke_returns_the_actors_reply() {
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+        let reply = echo(&client, &clock, "a", b"hello", Duration::from_secs(5)).await.unwrap();
+        assert_eq!(&reply[..], b"hello");
+        assert_eq!(client.stats().connections_opened, 1);
+        assert_eq!(client.stats().requests_in_flight, 0);
+    }
+
+    /// Goal: the remote turn sees the caller's depth and chain exactly, and no more time
+    /// than the caller had left. Method: the probe reports its turn's context, for a
+    /// call two hops deep (clock of the client unrelated to the server's) and for a root call.
+    #[tokio::test]
+    async fn depth_chain_and_deadline_arrive_intact() {
+        let (_runtime, server) = start_server().await;
+        // Advance the client's clock apart from the server's: deadlines are per clock.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+        let (outer, inner) = (probe("outer"), probe("inner"));
+        let budget = Duration::from_secs(5);
+        let context = root_context(&clock, Duration::from_secs(60))
+            .child(outer.clone(), clock.deadline_in(Duration::from_secs(60)))
+            .child(inner.clone(), clock.deadline_in(budget));
+        let reply = client
+            .invoke(&probe("target"), encode(&Probe::ReportContext), context, Some(&inner))
+            .await
+            .unwrap();
+        let report: ContextReport = bincode::deserialize(&reply).unwrap();
+        assert_eq!(report.depth, 2);
+        assert_eq!(report.chain, vec![outer, inner]);
+        let remaining = Duration::from_micros(report.remaining_us);
+        assert!(remaining <= budget, "the remote deadline grew: {remaining:?} > {budget:?}");
+        assert!(remaining >= budget - Duration::from_secs(1), "the remote deadline shrank to {remaining:?}");
+
+        let reply = client
+            .invoke(&probe("target"), encode(&Probe::ReportContext), root_context(&clock, budget), None)
+            .await
+            .unwrap();
+        let report: ContextReport = bincode::deserialize(&reply).unwrap();
+        assert_eq!(report.depth, 0);
+        assert!(report.chain.is_empty());
+    }
+
+    /// Goal: an already expired deadline fails at once and sends nothing; a reply slower
+    /// than the deadline fails with Timeout at the deadline, frees its slot, and leaves
+    /// the connection usable. Method: a deadline of now; a probe sleeping past the deadline.
+    #[tokio::test]
+    async fn an_expired_deadline_returns_timeout_and_frees_its_slot() {
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+
+        let expired = CallContext::root(clock.now());
+        let result = client.invoke(&probe("a"), encode(&Probe::Echo(vec![1])), expired, None).await;
+        assert!(matches!(result, Err(InvokeError::Timeout { timeout_ms: 0, .. })), "{result:?}");
+        assert_eq!(client.stats().connections_opened, 0, "an expired call must not connect");
+
+        let started = clock.now();
+        let sleepy = encode(&Probe::Sleep { milliseconds: 2_000 });
+        let result =
+            client.invoke(&probe("sleepy"), sleepy, root_context(&clock, Duration::from_millis(100)), None).await;
+        assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
+        let waited = elapsed(&clock, started);
+        assert!(waited < Duration::from_millis(1_000), "waited {waited:?} for a 100 ms deadline");
+        assert_eq!(client.stats().requests_in_flight, 0);
+
+        let reply = echo(&client, &clock, "b", b"still", Duration::from_secs(5)).await.unwrap();
+        assert_eq!(&reply[..], b"still");
+        assert_eq!(client.stats().connections_opened, 1);
+    }
+
+    /// Goal: one slow actor does not hold up other calls on the same connection, and
+    /// concurrent calls share one connection. Method: a 2 s sleeper in flight while 20
+    /// echoes run concurrently.
+    #[tokio::test]
+    async fn a_slow_actor_does_not_block_other_calls_on_the_connection() {
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(server.local_address(), clock));
+        let sleeper = {
+            let client = Arc::clone(&client);
+            tokio::spawn(async move {
+                let sleepy = encode(&Probe::Sleep { milliseconds: 2_000 });
+                client.invoke(&probe("sleepy"), sleepy, root_context(&clock, Duration::from_secs(10)), None).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let started = clock.now();
+        let echoes: Vec<_> = (0..20_u8)
+            .map(|i| {
+                let client = Arc::clone(&client);
+                tokio::spawn(async move {
+                    let key = format!("echo-{i}");
+                    (i, echo(&client, &clock, &key, &[i], Duration::from_secs(10)).await)
+                })
+            })
+            .collect();
+        for echoed in echoes {
+            let (i, reply) = echoed.await.unwrap();
+            assert_eq!(&reply.unwrap()[..], &[i]);
+        }
+        let waited = elapsed(&clock, started);
+        assert!(waited < Duration::from_millis(1_500), "echoes waited {waited:?} behind the sleeper");
+        assert!(!sleeper.is_finished(), "the sleeper should still be running");
+        sleeper.await.unwrap().unwrap();
+        assert_eq!(client.stats().connections_opened, 1);
+        assert_eq!(client.stats().requests_in_flight, 0);
+    }
+
+    /// Goal: when the server goes away, every pending call fails at once with
+    /// Unreachable (none waits for its 30 s deadline), a call while it is down fails with
+    /// Unreachable, and the next call after it is back reconnects. Method: three calls
+    /// to sleeping probes in flight, drop the server, then bind a new one on the same port.
+    #[tokio::test]
+    async fn a_server_that_goes_away_fails_pending_calls_with_unreachable_and_the_next_call_reconnects() {
+        let (runtime, server) = start_server().await;
+        let address = server.local_address();
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(address, clock));
+        let started = clock.now();
+        let pending: Vec<_> = (0..3)
+            .map(|i| {
+                let client = Arc::clone(&client);
+                tokio::spawn(async move {
+                    let sleepy = encode(&Probe::Sleep { milliseconds: 20_000 });
+                    let target = probe(&format!("sleepy-{i}"));
+                    client.invoke(&target, sleepy, root_context(&clock, Duration::from_secs(30)), None).await
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(client.stats().requests_in_flight, 3);
+        drop(server);
+        for call in pending {
+            let result = call.await.unwrap();
+            assert!(matches!(result, Err(InvokeError::Unreachable { .. })), "{result:?}");
+        }
+        let waited = elapsed(&clock, started);
+        assert!(waited < Duration::from_secs(5), "pending calls waited {waited:?}");
+        assert_eq!(client.stats().requests_in_flight, 0);
+
+        let result = echo(&client, &clock, "a", b"down", Duration::from_secs(5)).await;
+        assert!(matches!(result, Err(InvokeError::Unreachable { .. })), "{result:?}");
+
+        let _server = TransportServer::bind(address, runtime.handle()).await.unwrap();
+        let reply = echo(&client, &clock, "a", b"back", Duration::from_secs(5)).await.unwrap();
+        assert_eq!(&reply[..], b"back");
+        assert_eq!(client.stats().connections_opened, 2);
+    }
+
+    /// Reads from `stream` until the peer closes it; fails the test after 5 s.
+    async fn expect_closed_by_peer(stream: &mut TcpStream) {
+        let mut buffer = [0_u8; 64];
+        let closed = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match stream.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "the server kept a connection open after a bad frame");
+    }
+
+    /// Goal: a bad frame closes only its own connection, without crashing the server.
+    /// Method: an oversized length prefix, then a well-sized frame of junk, each on its
+    /// own raw connection; then a normal call on a new connection.
+    #[tokio::test]
+    async fn a_garbage_frame_closes_its_connection_and_the_server_keeps_serving() {
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+
+        let mut oversized = TcpStream::connect(server.local_address()).await.unwrap();
+        oversized.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        expect_closed_by_peer(&mut oversized).await;
+
+        let mut junk = TcpStream::connect(server.local_address()).await.unwrap();
+        let body = [0xFF_u8; 32];
+        junk.write_all(&u32::try_from(body.len()).unwrap().to_be_bytes()).await.unwrap();
+        junk.write_all(&body).await.unwrap();
+        expect_closed_by_peer(&mut junk).await;
+
+        let client = TransportClient::new(server.local_address(), clock);
+        let reply = echo(&client, &clock, "a", b"fine", Duration::from_secs(5)).await.unwrap();
+        assert_eq!(&reply[..], b"fine");
+    }
+
+    /// Goal: a garbage reply breaks the client's connection and fails its pending call
+    /// at once with Unreachable. Method: a fake server that answers with junk.
+    #[tokio::test]
+    async fn a_garbage_reply_fails_the_pending_call_with_unreachable() {
+        let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut header = [0_u8; 4];
+            stream.read_exact(&mut header).await.unwrap();
+            stream.write_all(&[0, 0, 0, 3, 0xFF, 0xFF, 0xFF]).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let clock = Clock::new();
+        let client = TransportClient::new(address, clock);
+        let started = clock.now();
+        let result = echo(&client, &clock, "a", b"x", Duration::from_secs(20)).await;
+        assert!(matches!(result, Err(InvokeError::Unreachable { .. })), "{result:?}");
+        assert!(elapsed(&clock, started) < Duration::from_secs(5));
+        assert_eq!(client.stats().connections_broken, 1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Simulated nodes (madsim only)
+// ---------------------------------------------------------------------------------------
+
+#[cfg(madsim)]
+mod simulated {
+    use std::net::IpAddr;
+
+    use madsim::net::NetSim;
+    use madsim::runtime::{Handle, NodeHandle};
+
+    use super::*;
+
+    const SERVER_IP: &str = "10.0.0.1";
+    const CLIENT_IP: &str = "10.0.0.2";
+    const SERVER_PORT: u16 = 7_000;
+
+    fn server_address() -> SocketAddr {
+        SocketAddr::new(SERVER_IP.parse().unwrap(), SERVER_PORT)
+    }
+
+    /// A node running a probe runtime behind a transport server; restarts run it anew.
+    fn start_server_node(handle: &Handle) -> NodeHandle {
+        handle
+            .create_node()
+            .name("server")
+            .ip(SERVER_IP.parse::<IpAddr>().unwrap())
+            .init(|| async {
+                let runtime = probe_runtime();
+                let _server = TransportServer::bind(server_address(), runtime.handle()).await.unwrap();
+                std::future::pending::<()>().await;
+            })
+            .build()
+    }
+
+    fn client_node(handle: &Handle) -> NodeHandle {
+        handle.create_node().name("client").ip(CLIENT_IP.parse::<IpAddr>().unwrap()).build()
+    }
+
+    /// Asserts that a call under a partition failed the way it may, and not after its deadline.
+    fn assert_failed_by_deadline(result: &Result<Bytes, InvokeError>, waited: Duration, deadline: Duration) {
+        assert!(
+            matches!(result, Err(InvokeError::Unreachable { .. } | InvokeError::Timeout { .. })),
+            "{result:?}"
+        );
+        assert!(waited <= deadline, "a call waited {waited:?}, past its deadline of {deadline:?}");
+    }
+
+    /// Goal: under a partition calls fail with Unreachable or Timeout and never wait past
+    /// their deadline (safety); once it heals, calls succeed again (liveness). Method:
+    /// warm a connection, clog both directions, call on the old connection and from a
+    /// fresh client, unclog, call again on both.
+    #[madsim::test]
+    async fn a_partition_fails_calls_by_their_deadline_and_healing_restores_service() {
+        let handle = Handle::current();
+        let server = start_server_node(&handle);
+        let client = client_node(&handle);
+        let server_id = server.id();
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let warm = TransportClient::new(server_address(), clock);
+                echo(&warm, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+
+                let net = NetSim::current();
+                let client_id = madsim::runtime::Handle::current().get_node("client").unwrap().id();
+                net.clog_link(client_id, server_id);
+                net.clog_link(server_id, client_id);
+                let deadline = Duration::from_secs(1);
+                for round in 0..3 {
+                    let started = clock.now();
+                    let result = echo(&warm, &clock, "a", &[round], deadline).await;
+                    assert_failed_by_deadline(&result, elapsed(&clock, started), deadline);
+                    let fresh = TransportClient::new(server_address(), clock);
+                    let started = clock.now();
+                    let result = echo(&fresh, &clock, "a", &[round], deadline).await;
+                    assert_failed_by_deadline(&result, elapsed(&clock, started), deadline);
+                }
+
+                net.unclog_link(client_id, server_id);
+                net.unclog_link(server_id, client_id);
+                let reply = echo(&warm, &clock, "a", b"healed", Duration::from_secs(30)).await.unwrap();
+                assert_eq!(&reply[..], b"healed");
+                let fresh = TransportClient::new(server_address(), clock);
+                let reply = echo(&fresh, &clock, "b", b"fresh", Duration::from_secs(30)).await.unwrap();
+                assert_eq!(&reply[..], b"fresh");
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                assert_eq!(warm.stats().requests_in_flight, 0);
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: killing the server node fails pending calls at once with Unreachable (not at
+    /// their 30 s deadline), calls while it is down fail, and after a restart the next
+    /// call reconnects and succeeds. Method: a call to a sleeping probe in flight, kill,
+    /// call, restart, call.
+    #[madsim::test]
+    async fn killing_the_server_node_fails_pending_calls_at_once_and_a_restart_restores_service() {
+        let handle = Handle::current();
+        let server = start_server_node(&handle);
+        let client = client_node(&handle);
+        let server_id = server.id();
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = std::sync::Arc::new(TransportClient::new(server_address(), clock));
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+
+                let pending = {
+                    let transport = std::sync::Arc::clone(&transport);
+                    tokio::spawn(async move {
+                        let sleepy = encode(&Probe::Sleep { milliseconds: 20_000 });
+                        let started = clock.now();
+                        let result = transport
+                            .invoke(&probe("sleepy"), sleepy, root_context(&clock, Duration::from_secs(30)), None)
+                            .await;
+                        (result, elapsed(&clock, started))
+                    })
+                };
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Handle::current().kill(server_id);
+                let (result, waited) = pending.await.unwrap();
+                assert!(matches!(result, Err(InvokeError::Unreachable { .. })), "{result:?}");
+                assert!(waited < Duration::from_secs(2), "the pending call waited {waited:?}");
+
+                let result = echo(&transport, &clock, "a", b"down", Duration::from_secs(5)).await;
+                assert!(matches!(result, Err(InvokeError::Unreachable { .. })), "{result:?}");
+
+                Handle::current().restart(server_id);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let reply = echo(&transport, &clock, "a", b"restarted", Duration::from_secs(5)).await.unwrap();
+                assert_eq!(&reply[..], b"restarted");
+                let stats = transport.stats();
+                assert_eq!(stats.connections_opened, 2, "{stats:?}");
+                assert_eq!(stats.requests_in_flight, 0);
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: a deadline shorter than the round trip times out exactly at the deadline, and
+    /// the reply that arrives later is discarded with its entry already freed; a longer
+    /// deadline succeeds over the same slow link. Method: 200 ms one-way latency, a
+    /// 300 ms deadline, then a 5 s one.
+    #[madsim::test]
+    async fn a_deadline_shorter_than_the_round_trip_times_out_and_the_late_reply_is_discarded() {
+        let handle = Handle::current();
+        let _server = start_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+
+                NetSim::current().update_config(|config| {
+                    config.send_latency = Duration::from_millis(200)..Duration::from_millis(201);
+                });
+                let deadline = Duration::from_millis(300);
+                let started = clock.now();
+                let result = echo(&transport, &clock, "a", b"slow", deadline).await;
+                assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
+                let waited = elapsed(&clock, started);
+                assert!(waited <= deadline, "waited {waited:?} for a {deadline:?} deadline");
+                assert_eq!(transport.stats().requests_in_flight, 0);
+
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                assert_eq!(transport.stats().late_replies_discarded, 1);
+
+                let reply = echo(&transport, &clock, "a", b"patient", Duration::from_secs(5)).await.unwrap();
+                assert_eq!(&reply[..], b"patient");
+                assert_eq!(transport.stats().connections_opened, 1);
+            })
+            .await
+            .unwrap();
+    }
+}
