@@ -1,4 +1,434 @@
-//! Placeholder while the SQLite backend is being written (replaced in the same session).
+//! The embedded durable [`StateStore`]: one SQLite file that a user can open with `sqlite3`.
+//!
+//! Owns the file and its schema:
+//!
+//! ```text
+//! actor_state (kind, key, state)             PRIMARY KEY (kind, key)             one state blob per actor
+//! actor_entry (kind, key, entry_key, value)  PRIMARY KEY (kind, key, entry_key)  the actor's key-value space
+//! PRAGMA user_version = SQLITE_SCHEMA_VERSION
+//! ```
+//!
+//! Guarantees:
+//! - a commit is one SQLite transaction: its state and all its writes become visible, and
+//!   durable, together or not at all; a commit refused by [`TurnCommit::validate`] touches
+//!   nothing;
+//! - a commit that returned `Ok` survives a crash or power loss: the file runs in WAL
+//!   journal mode with `synchronous = FULL`;
+//! - a file written by a newer Troupe (a higher `user_version`) is refused with
+//!   [`StoreError::Backend`] rather than read or migrated by guess;
+//! - [`StateStore::scan`] matches prefixes byte for byte, so `%` and `_` in keys are
+//!   ordinary characters, and keys are ordered as bytes, the same order as Rust's `str`.
+//!
+//! Every operation runs on a blocking thread through `tokio::task::spawn_blocking`
+//! (inline under madsim); clones share one connection behind a mutex, so operations on
+//! one store run one at a time. Dropping an operation's future does not stop its
+//! blocking work: a commit whose caller gave up may still be applied, whole.
+//!
+//! Deliberately not done: no connection pool, no caching of states in memory, no
+//! migrations yet (there is one schema version), no fault injection (use
+//! [`crate::MemoryStore`] for that).
 
-/// The embedded durable store (in progress).
-pub struct SqliteStore;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use rusqlite::{params, Connection, OptionalExtension};
+use troupe_core::ActorId;
+
+use crate::state_store::{check_key, StateStore, StoreError, TurnCommit, STATE_SCAN_LIMIT_MAX};
+
+/// The schema version this code writes and reads, stored in `PRAGMA user_version`.
+const SQLITE_SCHEMA_VERSION: i64 = 1;
+
+/// How long an operation waits for a lock held by another process (say, `sqlite3`).
+const SQLITE_BUSY_TIMEOUT_MS: u64 = 5_000;
+
+const SQLITE_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS actor_state (
+        kind  TEXT NOT NULL,
+        key   TEXT NOT NULL,
+        state BLOB NOT NULL,
+        PRIMARY KEY (kind, key)
+    ) WITHOUT ROWID;
+    CREATE TABLE IF NOT EXISTS actor_entry (
+        kind      TEXT NOT NULL,
+        key       TEXT NOT NULL,
+        entry_key TEXT NOT NULL,
+        value     BLOB NOT NULL,
+        PRIMARY KEY (kind, key, entry_key)
+    ) WITHOUT ROWID;
+";
+
+/// An actor's entries from a lower bound on, in key order; `?3` is the bound.
+const SCAN_FROM: &str = "SELECT entry_key, value FROM actor_entry
+    WHERE kind = ?1 AND key = ?2 AND entry_key >= ?3 ORDER BY entry_key LIMIT ?4";
+/// As [`SCAN_FROM`], but strictly after the bound.
+const SCAN_STRICTLY_AFTER: &str = "SELECT entry_key, value FROM actor_entry
+    WHERE kind = ?1 AND key = ?2 AND entry_key > ?3 ORDER BY entry_key LIMIT ?4";
+
+/// A [`StateStore`] in one SQLite file; clones share the same connection.
+#[derive(Clone)]
+pub struct SqliteStore {
+    connection: Arc<Mutex<Connection>>,
+}
+
+impl SqliteStore {
+    /// Opens the store in the file at `path`, creating the file and its schema if needed.
+    ///
+    /// The file is switched to WAL journal mode with `synchronous = FULL`, so a commit
+    /// that returned `Ok` survives a crash. Opening does blocking I/O; call it at startup
+    /// or from a blocking task.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] with operation `"open"` if the file cannot be opened or is
+    /// not an SQLite database, or if its schema version is newer than this code knows.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let connection = Connection::open(path.as_ref()).map_err(open_error)?;
+        let journal_mode: String = connection
+            .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
+            .map_err(open_error)?;
+        if !journal_mode.eq_ignore_ascii_case("wal") {
+            // Rollback journaling with synchronous = FULL is still durable, only slower.
+            tracing::warn!(
+                path = %path.as_ref().display(),
+                journal_mode,
+                "sqlite store could not switch to wal journal mode"
+            );
+        }
+        Self::from_connection(connection)
+    }
+
+    /// An empty store that lives in memory only, for tests.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] with operation `"open"` if SQLite cannot create it.
+    pub fn open_in_memory() -> Result<Self, StoreError> {
+        Self::from_connection(Connection::open_in_memory().map_err(open_error)?)
+    }
+
+    fn from_connection(mut connection: Connection) -> Result<Self, StoreError> {
+        connection.pragma_update(None, "synchronous", "FULL").map_err(open_error)?;
+        connection
+            .busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))
+            .map_err(open_error)?;
+        from_connection_create_schema(&mut connection)?;
+        Ok(Self { connection: Arc::new(Mutex::new(connection)) })
+    }
+
+    /// Runs `work` with the connection on a blocking thread.
+    ///
+    /// madsim marks `spawn_blocking` deprecated because it runs the closure inline as a
+    /// task, blocking the simulated node. That is acceptable here: SQLite is not simulated
+    /// (the simulator uses [`crate::MemoryStore`]), and the code path stays the same.
+    #[cfg_attr(madsim, allow(deprecated))]
+    async fn run<T, F>(&self, operation: &'static str, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+    {
+        let connection = Arc::clone(&self.connection);
+        tokio::task::spawn_blocking(move || work(&mut run_lock(&connection)))
+            .await
+            .map_err(|error| StoreError::Backend { operation, cause: error.to_string() })?
+            .map_err(|error| StoreError::Backend { operation, cause: error.to_string() })
+    }
+}
+
+/// Creates the schema in a fresh file, checks the version of an existing one.
+fn from_connection_create_schema(connection: &mut Connection) -> Result<(), StoreError> {
+    let transaction = connection.transaction().map_err(open_error)?;
+    let version: i64 =
+        transaction.query_row("PRAGMA user_version", [], |row| row.get(0)).map_err(open_error)?;
+    if version > SQLITE_SCHEMA_VERSION {
+        return Err(StoreError::Backend {
+            operation: "open",
+            cause: format!(
+                "schema version {version} is newer than version {SQLITE_SCHEMA_VERSION}, \
+                 the newest this build of troupe understands"
+            ),
+        });
+    }
+    if version < SQLITE_SCHEMA_VERSION {
+        transaction.execute_batch(SQLITE_SCHEMA).map_err(open_error)?;
+        transaction
+            .pragma_update(None, "user_version", SQLITE_SCHEMA_VERSION)
+            .map_err(open_error)?;
+    }
+    transaction.commit().map_err(open_error)
+}
+
+fn open_error(error: rusqlite::Error) -> StoreError {
+    StoreError::Backend { operation: "open", cause: error.to_string() }
+}
+
+fn run_lock(connection: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
+    // A panic while holding the lock leaves no half-done transaction behind: rusqlite
+    // rolls back a dropped transaction, so the connection is safe to keep using.
+    connection.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// An actor's id as the two columns that store it.
+fn actor_columns(actor: &ActorId) -> (String, String) {
+    (actor.kind().as_str().to_string(), actor.key().to_string())
+}
+
+#[async_trait]
+impl StateStore for SqliteStore {
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        let (kind, key) = actor_columns(actor);
+        self.run("load", move |connection| {
+            connection
+                .prepare_cached("SELECT state FROM actor_state WHERE kind = ?1 AND key = ?2")?
+                .query_row(params![kind, key], |row| row.get::<_, Vec<u8>>(0))
+                .optional()
+        })
+        .await
+        .map(|state| state.map(Bytes::from))
+    }
+
+    async fn commit(&self, actor: &ActorId, commit: TurnCommit) -> Result<(), StoreError> {
+        commit.validate()?;
+        if commit.is_empty() {
+            return Ok(());
+        }
+        let (kind, key) = actor_columns(actor);
+        self.run("commit", move |connection| {
+            let transaction = connection.transaction()?;
+            if let Some(state) = &commit.state {
+                transaction
+                    .prepare_cached(
+                        "INSERT INTO actor_state (kind, key, state) VALUES (?1, ?2, ?3)
+                         ON CONFLICT (kind, key) DO UPDATE SET state = excluded.state",
+                    )?
+                    .execute(params![kind, key, state.as_ref()])?;
+            }
+            for (entry_key, value) in &commit.writes {
+                match value {
+                    Some(value) => transaction
+                        .prepare_cached(
+                            "INSERT INTO actor_entry (kind, key, entry_key, value)
+                             VALUES (?1, ?2, ?3, ?4)
+                             ON CONFLICT (kind, key, entry_key) DO UPDATE SET value = excluded.value",
+                        )?
+                        .execute(params![kind, key, entry_key, value.as_ref()])?,
+                    None => transaction
+                        .prepare_cached(
+                            "DELETE FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3",
+                        )?
+                        .execute(params![kind, key, entry_key])?,
+                };
+            }
+            // Dropping the transaction on an error above rolls all of it back.
+            transaction.commit()
+        })
+        .await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        check_key(key)?;
+        let (kind, actor_key) = actor_columns(actor);
+        let entry_key = key.to_string();
+        self.run("get", move |connection| {
+            connection
+                .prepare_cached(
+                    "SELECT value FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3",
+                )?
+                .query_row(params![kind, actor_key, entry_key], |row| row.get::<_, Vec<u8>>(0))
+                .optional()
+        })
+        .await
+        .map(|value| value.map(Bytes::from))
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        check_key(prefix)?;
+        let limit = limit.min(STATE_SCAN_LIMIT_MAX);
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let (kind, key) = actor_columns(actor);
+        let prefix = prefix.to_string();
+        // Keys that start with `prefix` sort together, right from `prefix` itself, and
+        // TEXT compares bytewise; so the keys wanted are the first rows at or after the
+        // lower bound, and the scan stops at the first key without the prefix. No LIKE:
+        // it would treat `%` and `_` in the prefix as wildcards.
+        let (lower_bound, select) = match after {
+            Some(after) if after >= prefix.as_str() => (after.to_string(), SCAN_STRICTLY_AFTER),
+            _ => (prefix.clone(), SCAN_FROM),
+        };
+        let limit = i64::try_from(limit).expect("a scan limit is at most STATE_SCAN_LIMIT_MAX");
+        self.run("scan", move |connection| {
+            let mut statement = connection.prepare_cached(select)?;
+            let rows = statement.query_map(params![kind, key, lower_bound, limit], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, Vec<u8>>(1)?))
+            })?;
+            let mut entries = Vec::new();
+            for row in rows {
+                let (entry_key, value) = row?;
+                if !entry_key.starts_with(prefix.as_str()) {
+                    break;
+                }
+                entries.push((entry_key, Bytes::from(value)));
+            }
+            Ok(entries)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    /// A directory of its own for one test, removed when dropped.
+    struct TestDirectory(PathBuf);
+
+    impl TestDirectory {
+        fn new(test_name: &str) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("troupe-sqlite-store-{test_name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).expect("create the test directory");
+            Self(path)
+        }
+
+        fn file(&self) -> PathBuf {
+            self.0.join("state.sqlite")
+        }
+    }
+
+    impl Drop for TestDirectory {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn agent(key: &str) -> ActorId {
+        ActorId::new("agent", key).expect("a valid actor id")
+    }
+
+    /// Goal: a turn committed to a file is there after the store is closed and opened
+    /// again. Method: commit state and an entry, drop every handle, open the file anew.
+    #[tokio::test]
+    async fn reopened_file_holds_the_committed_state_and_entries() {
+        let directory = TestDirectory::new("reopened_file_holds_the_committed_state_and_entries");
+        let actor = agent("a");
+        {
+            let store = SqliteStore::open(directory.file()).expect("open a new file");
+            let commit = TurnCommit {
+                state: Some(Bytes::from_static(b"state one")),
+                writes: vec![("note/1".to_string(), Some(Bytes::from_static(b"value one")))],
+            };
+            store.commit(&actor, commit).await.expect("commit");
+        }
+        let store = SqliteStore::open(directory.file()).expect("reopen the file");
+        assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"state one")));
+        assert_eq!(
+            store.get(&actor, "note/1").await.expect("get"),
+            Some(Bytes::from_static(b"value one"))
+        );
+    }
+
+    /// Goal: a file written by a newer schema is refused, not misread. Method: raise
+    /// `user_version` past ours with a plain connection, then open the file.
+    #[tokio::test]
+    async fn file_with_a_newer_schema_version_is_refused() {
+        let directory = TestDirectory::new("file_with_a_newer_schema_version_is_refused");
+        drop(SqliteStore::open(directory.file()).expect("open a new file"));
+        {
+            let connection = Connection::open(directory.file()).expect("open with rusqlite");
+            connection
+                .pragma_update(None, "user_version", SQLITE_SCHEMA_VERSION + 1)
+                .expect("raise the schema version");
+        }
+        match SqliteStore::open(directory.file()) {
+            Err(StoreError::Backend { operation, cause }) => {
+                assert_eq!(operation, "open");
+                assert!(cause.contains("schema version 2"), "unexpected cause: {cause}");
+            }
+            Err(other) => panic!("expected a backend error, got {other:?}"),
+            Ok(_) => panic!("a file with a newer schema version was opened"),
+        }
+    }
+
+    /// Goal: opening a file twice keeps the schema version and the data. Method: open,
+    /// reopen, read `user_version` directly.
+    #[tokio::test]
+    async fn reopening_keeps_the_schema_version() {
+        let directory = TestDirectory::new("reopening_keeps_the_schema_version");
+        drop(SqliteStore::open(directory.file()).expect("open a new file"));
+        drop(SqliteStore::open(directory.file()).expect("reopen the file"));
+        let connection = Connection::open(directory.file()).expect("open with rusqlite");
+        let version: i64 = connection
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .expect("read user_version");
+        assert_eq!(version, SQLITE_SCHEMA_VERSION);
+        let journal_mode: String = connection
+            .query_row("PRAGMA journal_mode", [], |row| row.get(0))
+            .expect("read journal_mode");
+        assert_eq!(journal_mode, "wal");
+    }
+
+    /// Goal: a commit that fails inside SQLite, after some of its rows were written, is
+    /// rolled back whole. Method: a trigger aborts the insert of one key; the commit also
+    /// carries a new state, a new key and a delete that come before it.
+    #[tokio::test]
+    async fn commit_failing_midway_in_sqlite_leaves_nothing_of_it_visible() {
+        let store = SqliteStore::open_in_memory().expect("open in memory");
+        let actor = agent("a");
+        let first = TurnCommit {
+            state: Some(Bytes::from_static(b"A")),
+            writes: vec![("kept".to_string(), Some(Bytes::from_static(b"1")))],
+        };
+        store.commit(&actor, first).await.expect("first commit");
+        run_lock(&store.connection)
+            .execute_batch(
+                "CREATE TRIGGER poison BEFORE INSERT ON actor_entry
+                 WHEN NEW.entry_key = 'poison'
+                 BEGIN SELECT RAISE(ABORT, 'poisoned key'); END;",
+            )
+            .expect("create the trigger");
+
+        let failing = TurnCommit {
+            state: Some(Bytes::from_static(b"B")),
+            writes: vec![
+                ("new".to_string(), Some(Bytes::from_static(b"2"))),
+                ("kept".to_string(), None),
+                ("poison".to_string(), Some(Bytes::from_static(b"3"))),
+            ],
+        };
+        match store.commit(&actor, failing).await {
+            Err(StoreError::Backend { operation: "commit", cause }) => {
+                assert!(cause.contains("poisoned key"), "unexpected cause: {cause}");
+            }
+            other => panic!("expected a backend error from the commit, got {other:?}"),
+        }
+        assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"A")));
+        assert_eq!(store.get(&actor, "kept").await.expect("get"), Some(Bytes::from_static(b"1")));
+        assert_eq!(store.get(&actor, "new").await.expect("get"), None);
+
+        let next = TurnCommit { state: Some(Bytes::from_static(b"C")), writes: vec![] };
+        store.commit(&actor, next).await.expect("the connection still commits");
+        assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"C")));
+    }
+
+    /// Goal: a file that is not a database is an error, not a panic or an empty store.
+    #[test]
+    fn file_that_is_not_a_database_is_refused() {
+        let directory = TestDirectory::new("file_that_is_not_a_database_is_refused");
+        std::fs::write(directory.file(), vec![b'x'; 4096]).expect("write garbage");
+        assert!(matches!(
+            SqliteStore::open(directory.file()),
+            Err(StoreError::Backend { operation: "open", .. })
+        ));
+    }
+}
