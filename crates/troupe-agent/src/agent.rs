@@ -506,6 +506,12 @@ impl Actor for AgentActor {
                 fresh.push(ChatMessage::tool_result(call.id.clone(), result));
             }
         };
+        // A future that finishes at the very instant of its deadline wins the race with
+        // the timer, but the caller has given up by then (a deadline equal to now has
+        // passed): such a turn must not commit.
+        if deadline.has_passed(clock.now()) {
+            return Err(ActorError::failed(format!("{} reached its deadline before it could answer", self.id)));
+        }
         for message in &fresh {
             let bytes = serde_json::to_vec(message).map_err(|error| ActorError::failed(error.to_string()))?;
             turn.put(log_key(self.state.log_length), Bytes::from(bytes))?;

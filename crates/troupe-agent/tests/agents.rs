@@ -1,0 +1,402 @@
+//! Agents end to end through the real runtime: the dispatcher, agent actors, their
+//! tools and `call_agent`; only the model is scripted, and it really emits the tool calls.
+//!
+//! Runs in both builds: `cargo test -p troupe-agent --test agents` (tokio with paused
+//! time) and `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo test -p
+//! troupe-agent --test agents` (the madsim simulator).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::json;
+use troupe_agent::limits::AGENT_REPLY_SIZE_MAX_BYTES;
+use troupe_agent::{
+    agent_id, call_agent, AgentCallError, AgentEvent, AgentSpec, AgentSystem, CallRecorder, Role, ScriptRule,
+    ScriptedLlm, Tool, ToolError,
+};
+use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
+use troupe_core::{CallRefused, Deadline, InvokeError};
+use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn start(llm: &ScriptedLlm, agents: &[&str], recorder: &CallRecorder) -> AgentSystem {
+    start_on(llm, agents, recorder, Arc::new(MemoryStore::new()))
+}
+
+fn start_on(llm: &ScriptedLlm, agents: &[&str], recorder: &CallRecorder, store: Arc<dyn StateStore>) -> AgentSystem {
+    let mut builder = AgentSystem::builder().store(store).llm(Arc::new(llm.clone())).observer(Arc::new(recorder.clone()));
+    for agent in agents {
+        builder = builder.agent(AgentSpec::new(*agent).role(format!("the {agent}")));
+    }
+    builder.start().expect("the system starts")
+}
+
+fn ask_rule(agent: &str, target: &str, message: &str) -> ScriptRule {
+    ScriptRule::agent(agent)
+        .on_user_containing("")
+        .call("call_agent", json!({"agent_id": target, "message": message}))
+}
+
+/// (agent key, depth, chain keys, deadline) of every turn started, in order.
+fn turns(recorder: &CallRecorder) -> Vec<(String, u32, Vec<String>, Deadline)> {
+    recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            AgentEvent::TurnStarted { agent, depth, chain, deadline, .. } => Some((
+                agent.key().to_string(),
+                depth,
+                chain.iter().map(|a| a.key().to_string()).collect(),
+                deadline,
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Goal: the basic ask. Method: A's model calls `call_agent(b)`; B's own model answers;
+/// A's model sees B's answer as the tool result and answers with it.
+#[tokio::test(start_paused = true)]
+async fn an_agent_asks_another_and_gets_its_answer() {
+    let llm = ScriptedLlm::new()
+        .rule(ask_rule("a", "b", "what is 6 x 7?"))
+        .rule(ScriptRule::agent("a").on_tool_result().reply("b says {tool_result}"))
+        .rule(ScriptRule::agent("b").on_user_containing("6 x 7").reply("42"));
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &["a", "b"], &recorder);
+    let reply = system.ask("a", "ask b").await.unwrap();
+    assert_eq!(reply.text, "b says 42");
+    assert_eq!(reply.steps, 2);
+    assert_eq!(llm.tool_results_seen_by("a"), vec!["42".to_string()]);
+    let b_input = llm.requests_of("b")[0].messages.last().unwrap().content.clone();
+    assert_eq!(b_input, "[message from agent a] what is 6 x 7?");
+    let b_tools: Vec<String> = llm.requests_of("b")[0].tools.iter().map(|t| t.name.clone()).collect();
+    assert_eq!(b_tools, vec!["call_agent".to_string()], "call_agent is registered for every agent");
+
+    // Both turns were committed: A's log holds user, tool call, tool result, answer.
+    let a_log = system.conversation_log("a").await.unwrap();
+    let roles: Vec<Role> = a_log.iter().map(|m| m.role).collect();
+    assert_eq!(roles, vec![Role::User, Role::Assistant, Role::Tool, Role::Assistant]);
+    assert_eq!(system.conversation_log("b").await.unwrap().len(), 2);
+    let tree = recorder.call_trees();
+    assert_eq!(tree.len(), 1);
+    assert_eq!(tree[0].children.len(), 1);
+    assert_eq!(tree[0].children[0].target, agent_id("b").unwrap());
+    assert_eq!(tree[0].children[0].depth, 1);
+    system.shutdown().await;
+}
+
+/// Goal: A→B→A is refused before anything is sent, with the chain in the error, and the
+/// refusal reaches the models as a readable tool result. Method: B's model calls A back;
+/// B's model must see the refusal, and A's model sees it inside B's answer.
+#[tokio::test(start_paused = true)]
+async fn a_call_back_up_the_chain_is_refused_with_the_chain_and_the_models_see_it() {
+    let llm = ScriptedLlm::new()
+        .rule(ask_rule("a", "b", "help"))
+        .rule(ScriptRule::agent("a").on_tool_result().reply("a got: {tool_result}"))
+        .rule(ask_rule("b", "a", "can you clarify?"))
+        .rule(ScriptRule::agent("b").on_tool_result().reply("b could not ask a: {tool_result}"));
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &["a", "b"], &recorder);
+    let started = tokio::time::Instant::now();
+    let reply = system.ask("a", "go").await.unwrap();
+    assert!(started.elapsed() < Duration::from_millis(1), "the refusal must be immediate");
+    let refusal = "error: call_agent failed: call refused: cycle detected: agent/a -> agent/b -> agent/a";
+    let b_saw = llm.tool_results_seen_by("b");
+    assert_eq!(b_saw.len(), 1);
+    assert!(b_saw[0].starts_with(refusal), "{}", b_saw[0]);
+    let a_saw = llm.tool_results_seen_by("a");
+    assert!(a_saw[0].starts_with(&format!("b could not ask a: {refusal}")), "{}", a_saw[0]);
+    assert!(reply.text.contains("agent/a -> agent/b -> agent/a"));
+    // A was asked exactly once: the refused call never reached it.
+    assert_eq!(llm.requests_of("a").len(), 2, "A's two steps, no turn for the refused call");
+    assert_eq!(turns(&recorder).iter().filter(|t| t.0 == "a").count(), 1);
+    let refused = &recorder.call_trees()[0].children[0].children[0];
+    match &refused.finished {
+        Some((_, troupe_agent::CallOutcome::Refused(CallRefused::CycleDetected { chain }))) => {
+            let keys: Vec<&str> = chain.iter().map(|a| a.key()).collect();
+            assert_eq!(keys, vec!["a", "b", "a"]);
+        }
+        other => panic!("expected a cycle refusal, got {other:?}"),
+    }
+    system.shutdown().await;
+}
+
+/// Goal: depth is bounded at 5. Method: a0 → a1 → … → a5 each ask the next; a5's call to
+/// a6 must be refused with DepthExceeded, and a6 must never run.
+#[tokio::test(start_paused = true)]
+async fn a_chain_of_depth_five_succeeds_and_the_sixth_call_is_refused() {
+    let names: Vec<String> = (0..7).map(|i| format!("a{i}")).collect();
+    let mut llm = ScriptedLlm::new();
+    for i in 0..6 {
+        llm = llm
+            .rule(ask_rule(&names[i], &names[i + 1], &format!("hop {}", i + 1)))
+            .rule(ScriptRule::agent(names[i].clone()).on_tool_result().reply(format!("{}<{{tool_result}}", names[i])));
+    }
+    llm = llm.rule(ScriptRule::agent("a6").reply("unreachable"));
+    let recorder = CallRecorder::new();
+    let agents: Vec<&str> = names.iter().map(String::as_str).collect();
+    let system = start(&llm, &agents, &recorder);
+    let reply = system.ask("a0", "start").await.unwrap();
+    let refusal = format!(
+        "error: call_agent failed: call refused: call depth {AGENT_CALL_DEPTH_MAX} has reached the limit of {AGENT_CALL_DEPTH_MAX}"
+    );
+    assert!(reply.text.starts_with(&format!("a0<a1<a2<a3<a4<a5<{refusal}")), "{}", reply.text);
+    assert!(llm.requests_of("a6").is_empty(), "a6 must never run");
+    let depths: Vec<(String, u32)> = turns(&recorder).into_iter().map(|t| (t.0, t.1)).collect();
+    let expected: Vec<(String, u32)> = (0..6).map(|i| (names[i].clone(), i as u32)).collect();
+    assert_eq!(depths, expected);
+    let chain_of_a5 = &turns(&recorder)[5].2;
+    assert_eq!(chain_of_a5, &names[..5].to_vec());
+    system.shutdown().await;
+}
+
+/// Goal: a callee slower than the caller's timeout yields Timeout, and its late reply
+/// is discarded: the callee's turn is cancelled at its deadline and commits nothing.
+/// Method: `slow`'s model takes 5 s; A calls it with timeout_ms 1000.
+#[tokio::test(start_paused = true)]
+async fn a_callee_slower_than_the_timeout_yields_timeout_and_its_late_reply_is_discarded() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "slow", "message": "take your time", "timeout_ms": 1000})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("slow").reply("late answer").latency(5 * SECOND));
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &["a", "slow"], &recorder);
+    let started = tokio::time::Instant::now();
+    let reply = system.ask("a", "go").await.unwrap();
+    assert_eq!(started.elapsed(), SECOND, "A waits exactly its timeout");
+    assert!(
+        reply.text.starts_with("error: call_agent failed: call failed: invocation of agent/slow timed out"),
+        "{}",
+        reply.text
+    );
+    let call = &recorder.call_trees()[0].children[0];
+    assert!(matches!(&call.finished, Some((_, troupe_agent::CallOutcome::Failed(InvokeError::Timeout { .. })))));
+
+    // Let the slow model's latency run out: nothing may arrive or be committed.
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(llm.requests_of("slow").len(), 1, "the slow turn started once");
+    assert!(llm.answers().iter().all(|a| a.agent.key() != "slow"), "the late answer was never produced");
+    assert!(system.conversation_log("slow").await.unwrap().is_empty(), "the cancelled turn committed nothing");
+    assert!(system.history_window("slow").await.unwrap().is_empty());
+    assert!(system.runtime().counters().turns_failed >= 1);
+    // A's own turn did commit, with the timeout as the tool result.
+    let a_log = system.conversation_log("a").await.unwrap();
+    assert!(a_log[2].content.contains("timed out"));
+    system.shutdown().await;
+}
+
+/// Goal: the deadline only shrinks along a chain, and a chain never outlives its root.
+/// Method: a0 → … → a5, each model step takes 1 s and hop i asks for (40 − 5i) s; record
+/// each turn's deadline. Then a root with a 3 s deadline: the whole chain must give up by
+/// then and no turn may have a later deadline.
+#[tokio::test(start_paused = true)]
+async fn the_deadline_shrinks_along_a_five_hop_chain_and_never_outlives_the_root() {
+    let names: Vec<String> = (0..6).map(|i| format!("a{i}")).collect();
+    let mut llm = ScriptedLlm::new();
+    for i in 0..5 {
+        let timeout_ms = (40 - 5 * i as u64) * 1_000;
+        llm = llm
+            .rule(
+                ScriptRule::agent(names[i].clone())
+                    .on_user_containing("")
+                    .call("call_agent", json!({"agent_id": names[i + 1], "message": "next", "timeout_ms": timeout_ms}))
+                    .latency(SECOND),
+            )
+            .rule(ScriptRule::agent(names[i].clone()).on_tool_result().reply("{tool_result}"));
+    }
+    llm = llm.rule(ScriptRule::agent("a5").reply("bottom").latency(SECOND));
+    let recorder = CallRecorder::new();
+    let agents: Vec<&str> = names.iter().map(String::as_str).collect();
+    let system = start(&llm, &agents, &recorder);
+
+    let root_deadline = system.runtime().deadline_in(60 * SECOND);
+    let reply = system.ask_with_timeout("a0", "go", 60 * SECOND).await.unwrap();
+    assert_eq!(reply.text, "bottom");
+    let deadlines: Vec<Deadline> = turns(&recorder).into_iter().map(|t| t.3).collect();
+    assert_eq!(deadlines.len(), 6);
+    assert_eq!(deadlines[0], root_deadline);
+    for pair in deadlines.windows(2) {
+        assert!(pair[1] < pair[0], "the deadline must shrink: {deadlines:?}");
+    }
+    // Hop 1 starts after a0's 1 s step and asks for 40 s: 41 s after the root started.
+    assert_eq!(root_deadline.as_micros() - deadlines[1].as_micros(), 19_000_000);
+
+    // A root with 3 s: five 1 s steps do not fit; everything ends at the root deadline.
+    let short = CallRecorder::new();
+    let system2 = start(&llm, &agents, &short);
+    let started = tokio::time::Instant::now();
+    let root_deadline = system2.runtime().deadline_in(3 * SECOND);
+    let result = system2.ask_with_timeout("a0", "go", 3 * SECOND).await;
+    assert!(matches!(result, Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))), "{result:?}");
+    assert_eq!(started.elapsed(), 3 * SECOND);
+    let late = turns(&short);
+    assert!(!late.is_empty());
+    assert!(late.iter().all(|t| t.3 <= root_deadline), "{late:?}");
+    tokio::time::sleep(60 * SECOND).await;
+    assert!(system2.conversation_log("a0").await.unwrap().is_empty());
+    system.shutdown().await;
+    system2.shutdown().await;
+}
+
+/// Goal: at most 10 calls in flight per agent. Method: A's model emits 11 `call_agent`
+/// calls in one step, to 11 workers that each take 1 s; the calls run concurrently, the
+/// first ten are answered and the eleventh is refused with TooManyCalls.
+#[tokio::test(start_paused = true)]
+async fn the_eleventh_concurrent_call_from_one_agent_is_refused_with_too_many_calls() {
+    let workers: Vec<String> = (0..11).map(|i| format!("w{i}")).collect();
+    let mut fan_out = ScriptRule::agent("a").on_user_containing("");
+    for worker in &workers {
+        fan_out = fan_out.call("call_agent", json!({"agent_id": worker, "message": "work"}));
+    }
+    let llm = ScriptedLlm::new()
+        .rule(fan_out)
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::any_agent().reply("done by {agent}").latency(SECOND));
+    let recorder = CallRecorder::new();
+    let mut agents = vec!["a"];
+    agents.extend(workers.iter().map(String::as_str));
+    let system = start(&llm, &agents, &recorder);
+    let started = tokio::time::Instant::now();
+    system.ask("a", "fan out").await.unwrap();
+    assert_eq!(started.elapsed(), SECOND, "the ten admitted calls ran concurrently");
+    let results = llm.tool_results_seen_by("a");
+    assert_eq!(results.len(), 11);
+    for (i, result) in results[..10].iter().enumerate() {
+        assert_eq!(result, &format!("done by w{i}"));
+    }
+    assert_eq!(
+        results[10],
+        "error: call_agent failed: call refused: too many calls in flight: 10 already, the limit is 10"
+    );
+    assert!(llm.requests_of("w10").is_empty(), "the refused call was never sent");
+    // The slots were freed: the next turn can call again.
+    system.ask("a", "fan out again").await.unwrap();
+    assert_eq!(llm.tool_results_seen_by("a").len(), 22);
+    system.shutdown().await;
+}
+
+/// Goal: conversation history survives a restart. Method: talk to an agent, shut the
+/// runtime down, build a new one on the same SQLite store, talk again: the model must
+/// see the first exchange, and the full log must hold both.
+#[tokio::test(start_paused = true)]
+async fn an_agent_restarted_between_two_messages_keeps_its_conversation_history() {
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let first = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("noted, Ada"));
+    let system = start_on(&first, &["a"], &CallRecorder::new(), Arc::clone(&store));
+    assert_eq!(system.ask("a", "my name is Ada").await.unwrap().text, "noted, Ada");
+    system.shutdown().await;
+
+    let second = ScriptedLlm::new().rule(ScriptRule::agent("a").on_user_containing("my name?").reply("you are Ada"));
+    let system = start_on(&second, &["a"], &CallRecorder::new(), Arc::clone(&store));
+    assert_eq!(system.ask("a", "what is my name?").await.unwrap().text, "you are Ada");
+    let seen: Vec<(Role, String)> =
+        second.requests_of("a")[0].messages.iter().map(|m| (m.role, m.content.clone())).collect();
+    assert_eq!(seen[1..].to_vec(), vec![
+        (Role::User, "my name is Ada".to_string()),
+        (Role::Assistant, "noted, Ada".to_string()),
+        (Role::User, "what is my name?".to_string()),
+    ]);
+    assert_eq!(seen[0].0, Role::System);
+    let log: Vec<String> = system.conversation_log("a").await.unwrap().into_iter().map(|m| m.content).collect();
+    assert_eq!(log, vec!["my name is Ada", "noted, Ada", "what is my name?", "you are Ada"]);
+    system.shutdown().await;
+}
+
+/// Goal: Rust callers get typed errors, unknown agents are refused, and bad tool
+/// arguments come back to the model as a clear error. Method: a Rust tool `probe` calls
+/// `call_agent` and keeps the typed results; A's model calls probe on itself and on a
+/// missing agent, and calls `call_agent` with a wrong argument type.
+#[tokio::test(start_paused = true)]
+async fn rust_callers_get_typed_errors_and_bad_arguments_reach_the_model_as_errors() {
+    let typed: Arc<Mutex<Vec<Result<String, AgentCallError>>>> = Arc::default();
+    let kept = Arc::clone(&typed);
+    let probe = Tool::from_fn(
+        "probe",
+        "calls an agent from Rust",
+        json!({"type": "object", "properties": {"agent_id": {"type": "string"}}, "required": ["agent_id"],
+               "additionalProperties": false}),
+        move |context, arguments| {
+            let kept = Arc::clone(&kept);
+            async move {
+                let target = arguments["agent_id"].as_str().unwrap().to_string();
+                let result = call_agent(&context, &target, "hi", None).await.map(|reply| reply.text);
+                kept.lock().unwrap().push(result.clone());
+                result.map_err(|error| ToolError::failed("probe", error.to_string()))
+            }
+        },
+    );
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("probe", json!({"agent_id": "a"}))
+                .call("probe", json!({"agent_id": "ghost"}))
+                .call("call_agent", json!({"agent_id": "b", "message": 7}))
+                .call("probe", json!({"agent": "b"}))
+                .call("no_such_tool", json!({})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("done"));
+    let recorder = CallRecorder::new();
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .observer(Arc::new(recorder))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .tool(probe)
+        .start()
+        .unwrap();
+    assert_eq!(system.ask("a", "probe").await.unwrap().text, "done");
+    let a = agent_id("a").unwrap();
+    let ghost = agent_id("ghost").unwrap();
+    assert_eq!(
+        typed.lock().unwrap().clone(),
+        vec![
+            Err(AgentCallError::Refused(CallRefused::CycleDetected { chain: vec![a.clone(), a] })),
+            Err(AgentCallError::Refused(CallRefused::AgentNotFound { target: ghost.clone() })),
+        ]
+    );
+    let results = llm.tool_results_seen_by("a");
+    assert!(results[0].starts_with("error: probe failed: call refused: cycle detected: agent/a -> agent/a"));
+    assert_eq!(results[1], "error: probe failed: call refused: agent agent/ghost not found");
+    assert_eq!(results[2], "error: invalid arguments for call_agent: $.message: expected string, got integer");
+    assert!(results[3].starts_with("error: invalid arguments for probe: $: missing required property \"agent_id\""));
+    assert_eq!(results[4], "error: unknown tool \"no_such_tool\"; available tools: call_agent, probe");
+    // An outside caller asking a missing agent gets the same typed refusal.
+    assert_eq!(
+        system.ask("ghost", "hello").await,
+        Err(AgentCallError::Refused(CallRefused::AgentNotFound { target: ghost }))
+    );
+    system.shutdown().await;
+}
+
+/// Goal: a failing model fails the turn and nothing of it is committed; replies are
+/// capped without splitting a character. Method: inject a model failure, then a reply
+/// of multi-byte characters longer than the cap.
+#[tokio::test(start_paused = true)]
+async fn a_model_failure_commits_nothing_and_long_replies_are_capped_on_a_character_boundary() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_user_containing("fail").fail("provider down").times(1))
+        .rule(ScriptRule::agent("a").on_user_containing("long").reply("é".repeat(AGENT_REPLY_SIZE_MAX_BYTES)));
+    let system = start(&llm, &["a"], &CallRecorder::new());
+    let failed = system.ask("a", "please fail").await;
+    match failed {
+        Err(AgentCallError::Invoke(InvokeError::ActorFailed { cause, .. })) => {
+            assert_eq!(cause, "the model failed: injected model failure: provider down");
+        }
+        other => panic!("expected ActorFailed, got {other:?}"),
+    }
+    assert!(system.conversation_log("a").await.unwrap().is_empty());
+    let long = system.ask("a", "something long").await.unwrap();
+    assert!(long.truncated);
+    assert!(long.text.len() <= AGENT_REPLY_SIZE_MAX_BYTES);
+    assert_eq!(long.text.len(), AGENT_REPLY_SIZE_MAX_BYTES, "é is 2 bytes and the cap is even");
+    assert!(long.text.chars().all(|c| c == 'é'));
+    assert_eq!(system.conversation_log("a").await.unwrap().len(), 2);
+    system.shutdown().await;
+}
