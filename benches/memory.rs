@@ -1,0 +1,109 @@
+//! Memory per idle activated actor, measured with a counting global allocator: the
+//! live heap after activating 100 000 actors (each answered one request and sits idle
+//! in its task), minus the heap before, divided by the count. A bare tokio task with a
+//! bounded mpsc mailbox is measured the same way as the floor.
+//!
+//! Run: `cargo bench --bench memory` (10 000 actors when `CI` is set).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use troupe::core::{ActorId, ActorKind};
+use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+
+struct Counting;
+
+static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+struct Echo;
+
+#[async_trait]
+impl Actor for Echo {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        Ok(payload)
+    }
+}
+
+fn live() -> isize {
+    LIVE_BYTES.load(Ordering::Relaxed)
+}
+
+async fn troupe_bytes_per_actor(count: u64) -> f64 {
+    let config = KindConfig::default().with_idle_timeout(Duration::from_secs(3_600));
+    let runtime = Runtime::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .register(
+            ActorKind::new("echo").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+            config,
+        )
+        .unwrap()
+        .start();
+    // Warm the runtime (first activation, table allocation patterns) before measuring.
+    let warm = ActorId::new("echo", "warm").unwrap();
+    runtime.invoke(&warm, Bytes::new(), runtime.deadline_in(Duration::from_secs(60))).await.unwrap();
+    let ids: Vec<ActorId> = (0..count).map(|k| ActorId::new("echo", k.to_string()).unwrap()).collect();
+    let before = live();
+    for id in &ids {
+        runtime.invoke(id, Bytes::new(), runtime.deadline_in(Duration::from_secs(60))).await.unwrap();
+    }
+    assert_eq!(runtime.stats().await.unwrap().activations as u64, count + 1);
+    let after = live();
+    (after - before) as f64 / count as f64
+}
+
+async fn tokio_bytes_per_task(count: u64) -> f64 {
+    let before = live();
+    let mut senders = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let (sender, mut receiver) = mpsc::channel::<(Bytes, oneshot::Sender<Bytes>)>(64);
+        tokio::spawn(async move {
+            while let Some((payload, reply)) = receiver.recv().await {
+                let _ = reply.send(payload);
+            }
+        });
+        let (reply, answer) = oneshot::channel();
+        sender.send((Bytes::new(), reply)).await.unwrap();
+        answer.await.unwrap();
+        senders.push(sender);
+    }
+    let after = live();
+    (after - before) as f64 / count as f64
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` passes nothing: run small then.
+    let benching = std::env::args().any(|a| a == "--bench");
+    let count: u64 = if std::env::var_os("CI").is_some() || !benching { 10_000 } else { 100_000 };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let floor = rt.block_on(tokio_bytes_per_task(count));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let troupe = rt.block_on(troupe_bytes_per_actor(count));
+    println!("memory per idle activated actor ({count} actors)");
+    println!("  bare tokio task + mpsc mailbox (floor): {floor:>8.0} bytes");
+    println!("  troupe activation (table entry, task, mailbox): {troupe:>8.0} bytes");
+    println!("  ratio: {:.2}x; target <= 2048 bytes: {}", troupe / floor, if troupe <= 2048.0 { "met" } else { "NOT met" });
+}
