@@ -1,0 +1,251 @@
+//! The simulated deployment: server nodes running the real runtime with probe actors,
+//! each with a disk that outlives it, and the client side that routes requests.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use troupe_core::{ActorId, InvokeError};
+use troupe_runtime::{KindConfig, MemoryStore, Runtime, RuntimeHandle};
+
+use crate::probe::{probe_kind, AdmissionMode, ProbeConfig, ProbeFactory};
+use crate::stores::{StoreMode, SyncingStore};
+use crate::trace::{Event, Trace};
+
+/// A server node's number, 1-based.
+pub type NodeId = u32;
+
+/// Where the nodes keep their state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Disk {
+    /// Each node has its own disk (each actor lives on its owner's).
+    #[default]
+    PerNode,
+    /// One store shared by every node (a networked database); it does not crash with a
+    /// node.
+    Shared,
+}
+
+/// Which node hosts an actor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// A fixed owner per actor: FNV hash of its key modulo the node count.
+    #[default]
+    Owner,
+    /// Planted bug: every request goes to a node picked at random, as a placement that
+    /// ignores the directory would; two nodes host one actor (SingleActivation).
+    BugSplitBrain,
+}
+
+/// How clients treat failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClientMode {
+    /// One attempt per request, bounded by its deadline.
+    #[default]
+    Honest,
+    /// Planted bug: a transient failure is retried every 5 ms with a fresh budget,
+    /// ignoring the request's deadline (EveryCallResolves).
+    BugRetryIgnoresDeadline,
+}
+
+struct Node {
+    madsim_id: madsim::task::NodeId,
+    disk: MemoryStore,
+    handle: Arc<Mutex<Option<RuntimeHandle>>>,
+    alive: bool,
+}
+
+/// What a cluster is built from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClusterConfig {
+    pub(crate) nodes: u32,
+    pub(crate) disk: Disk,
+    pub(crate) store: StoreMode,
+    pub(crate) admission: AdmissionMode,
+    pub(crate) placement: Placement,
+    pub(crate) kind: KindConfig,
+}
+
+/// The simulated server nodes. Cheap to clone; clones share the nodes.
+#[derive(Clone)]
+pub struct SimCluster {
+    nodes: Arc<Mutex<Vec<Node>>>,
+    config: ClusterConfig,
+    trace: Trace,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn fnv(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+impl SimCluster {
+    /// Creates and starts the server nodes; returns once every runtime is up.
+    pub(crate) async fn start(config: ClusterConfig, trace: Trace) -> Self {
+        assert!(config.nodes >= 1, "a cluster needs a node");
+        let handle = madsim::runtime::Handle::current();
+        let shared_disk = MemoryStore::new();
+        let mut nodes = Vec::new();
+        for number in 1..=config.nodes {
+            let disk = match config.disk {
+                Disk::PerNode => MemoryStore::new(),
+                Disk::Shared => shared_disk.clone(),
+            };
+            let slot: Arc<Mutex<Option<RuntimeHandle>>> = Arc::default();
+            let (init_disk, init_slot, init_trace) = (disk.clone(), Arc::clone(&slot), trace.clone());
+            let ip = IpAddr::V4(Ipv4Addr::new(10, 0, 0, u8::try_from(number).expect("at most 255 nodes")));
+            let node = handle
+                .create_node()
+                .name(format!("node-{number}"))
+                .ip(ip)
+                .init(move || {
+                    let (disk, slot, trace) = (init_disk.clone(), Arc::clone(&init_slot), init_trace.clone());
+                    async move { serve(number, config, disk, slot, trace).await }
+                })
+                .build();
+            nodes.push(Node { madsim_id: node.id(), disk, handle: slot, alive: true });
+        }
+        let cluster = Self { nodes: Arc::new(Mutex::new(nodes)), config, trace };
+        for number in 1..=config.nodes {
+            cluster.wait_up(number).await;
+        }
+        cluster
+    }
+
+    async fn wait_up(&self, node: NodeId) {
+        loop {
+            if lock(&self.nodes)[node as usize - 1].handle.lock().map(|h| h.is_some()).unwrap_or(false) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_micros(10)).await;
+        }
+    }
+
+    /// How many server nodes there are.
+    pub fn len(&self) -> u32 {
+        self.config.nodes
+    }
+
+    /// Whether there are no nodes (never: a cluster has at least one).
+    pub fn is_empty(&self) -> bool {
+        self.config.nodes == 0
+    }
+
+    /// The owner of actor `key` under [`Placement::Owner`].
+    pub fn owner(&self, key: &str) -> NodeId {
+        (fnv(key) % u64::from(self.config.nodes)) as NodeId + 1
+    }
+
+    /// The disk of `node` (the shared one under [`Disk::Shared`]).
+    pub fn disk(&self, node: NodeId) -> MemoryStore {
+        lock(&self.nodes)[node as usize - 1].disk.clone()
+    }
+
+    /// The live runtime of `node`, if it is up.
+    pub fn runtime(&self, node: NodeId) -> Option<RuntimeHandle> {
+        let nodes = lock(&self.nodes);
+        let slot = &nodes[node as usize - 1];
+        if !slot.alive {
+            return None;
+        }
+        let handle = lock(&slot.handle).clone();
+        handle
+    }
+
+    /// Whether `node` is up.
+    pub fn is_alive(&self, node: NodeId) -> bool {
+        lock(&self.nodes)[node as usize - 1].alive
+    }
+
+    /// The madsim id of `node`, for network faults.
+    pub fn madsim_id(&self, node: NodeId) -> madsim::task::NodeId {
+        lock(&self.nodes)[node as usize - 1].madsim_id
+    }
+
+    /// Kills `node`: every task on it dies at once (runtime, dispatcher, actors), its
+    /// memory is gone. Its disk survives; with `crash_disk`, it loses what it had not
+    /// flushed, as after a power loss.
+    pub fn kill(&self, node: NodeId, crash_disk: bool) {
+        let mut nodes = lock(&self.nodes);
+        let slot = &mut nodes[node as usize - 1];
+        if !slot.alive {
+            return;
+        }
+        slot.alive = false;
+        *lock(&slot.handle) = None;
+        madsim::runtime::Handle::current().kill(slot.madsim_id);
+        let disk = slot.disk.clone();
+        drop(nodes);
+        self.trace.record(Event::NodeKilled { node });
+        if crash_disk {
+            disk.crash();
+            self.trace.record(Event::DiskCrashed { node });
+        }
+    }
+
+    /// Restarts a killed `node` from its disk; returns once its runtime is up.
+    pub async fn restart(&self, node: NodeId) {
+        {
+            let mut nodes = lock(&self.nodes);
+            let slot = &mut nodes[node as usize - 1];
+            if slot.alive {
+                return;
+            }
+            slot.alive = true;
+            madsim::runtime::Handle::current().restart(slot.madsim_id);
+        }
+        self.wait_up(node).await;
+    }
+
+    /// Invokes actor `target` on the node that hosts it, from outside any actor.
+    pub(crate) async fn invoke(
+        &self,
+        node: NodeId,
+        target: &ActorId,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, InvokeError> {
+        let Some(runtime) = self.runtime(node) else {
+            return Err(InvokeError::Unreachable { target: target.clone(), cause: format!("node {node} is down") });
+        };
+        runtime.invoke(target, payload, runtime.deadline_in(timeout)).await
+    }
+
+    pub(crate) fn placement(&self) -> Placement {
+        self.config.placement
+    }
+}
+
+/// A server node's main task: start the runtime over its disk, publish its handle, and
+/// live until the node is killed.
+async fn serve(
+    node: NodeId,
+    config: ClusterConfig,
+    disk: MemoryStore,
+    slot: Arc<Mutex<Option<RuntimeHandle>>>,
+    trace: Trace,
+) {
+    let store = SyncingStore::new(disk.clone(), config.store);
+    let probes = ProbeFactory::new(ProbeConfig { node, trace: trace.clone(), admission: config.admission });
+    let runtime: Runtime = Runtime::builder()
+        .store(store)
+        .register(probe_kind(), probes, config.kind)
+        .expect("the probe kind registers")
+        .start();
+    if let StoreMode::BugAckBeforeFlush { flush_every_ms } = config.store {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(flush_every_ms)).await;
+                disk.flush();
+            }
+        });
+    }
+    trace.record(Event::NodeStarted { node });
+    *lock(&slot) = Some(runtime.handle());
+    std::future::pending::<()>().await;
+    drop(runtime);
+}

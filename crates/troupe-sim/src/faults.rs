@@ -1,0 +1,57 @@
+//! The faults a scenario can inject into a simulated deployment.
+//!
+//! Node and storage faults act on the real runtime's environment: a killed node's tasks
+//! die (madsim `Handle::kill`), a crashed disk drops unflushed commits
+//! (`MemoryStore::crash`), storage failures come from `MemoryStoreFaults`. Faults of
+//! the calls between actors (a callee that times out, rejects, does not exist or is
+//! busy) are workload shapes, built with [`crate::ProbeOp`] in the scenarios.
+
+use crate::cluster::NodeId;
+
+/// One fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Kill a node: its runtime and every actor task die; memory is lost.
+    KillNode(NodeId),
+    /// Kill a node and crash its disk: also lose every commit not yet flushed.
+    CrashNode(NodeId),
+    /// Restart a killed node from its disk.
+    RestartNode(NodeId),
+    /// Fail the next `count` commits on a node's disk.
+    FailCommits {
+        /// The node whose disk fails.
+        node: NodeId,
+        /// How many commits.
+        count: u64,
+    },
+    /// Fail the next `count` loads on a node's disk (activations fail).
+    FailLoads {
+        /// The node whose disk fails.
+        node: NodeId,
+        /// How many loads.
+        count: u64,
+    },
+    /// Fail the next `count` reads on a node's disk (`get`/`scan` inside turns).
+    FailReads {
+        /// The node whose disk fails.
+        node: NodeId,
+        /// How many reads.
+        count: u64,
+    },
+    /// Fail every storage operation of a node's disk until healed.
+    FailStorage(NodeId),
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::KillNode(node) => write!(f, "kill node {node}"),
+            Self::CrashNode(node) => write!(f, "kill node {node} and crash its disk"),
+            Self::RestartNode(node) => write!(f, "restart node {node}"),
+            Self::FailCommits { node, count } => write!(f, "fail the next {count} commits on node {node}"),
+            Self::FailLoads { node, count } => write!(f, "fail the next {count} loads on node {node}"),
+            Self::FailReads { node, count } => write!(f, "fail the next {count} reads on node {node}"),
+            Self::FailStorage(node) => write!(f, "fail all storage on node {node}"),
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! The harness: one simulated run of one scenario, in phases, with invariants checked
+//! after every event and a replay command printed on any failure.
+//!
+//! ```text
+//! Sim::start ─► phase("safety"): workload + faults, check() after each step
+//!            ─► heal() ─► phase("liveness"): drain every pending request; no faults
+//!            ─► finish(): end-of-run checks (nothing pending), trace hash + report
+//! ```
+
+use std::time::Duration;
+
+use troupe_core::InvokeError;
+use troupe_runtime::KindConfig;
+
+use crate::cluster::{ClientMode, ClusterConfig, Disk, NodeId, Placement, SimCluster};
+use crate::faults::Fault;
+use crate::invariants::{Invariants, Violation};
+use crate::probe::{probe, AdmissionMode, ProbeOp, ProbeReply, ProbeRequest};
+use crate::replay::{self, replay_command, Running, Scenario};
+use crate::rng::SimRng;
+use crate::stores::StoreMode;
+use crate::trace::{Event, Trace};
+
+/// What a request came back with.
+pub type Outcome = Result<ProbeReply, InvokeError>;
+
+/// How a simulated deployment is built.
+#[derive(Debug, Clone, Copy)]
+pub struct SimConfig {
+    /// Server nodes.
+    pub nodes: u32,
+    /// Per-node or shared disk.
+    pub disk: Disk,
+    /// When commits are acknowledged (and the planted storage bugs).
+    pub store: StoreMode,
+    /// How probes admit calls (and the planted admission bugs).
+    pub admission: AdmissionMode,
+    /// Which node hosts an actor (and the planted split brain).
+    pub placement: Placement,
+    /// How clients treat failures (and the planted retry bug).
+    pub client: ClientMode,
+    /// The probe kind's mailbox capacity, in messages.
+    pub mailbox_capacity: usize,
+    /// The probe kind's idle timeout: short, so activations churn.
+    pub idle_timeout: Duration,
+    /// For planted-bug tests: the invariant expected to be violated. Violations then do
+    /// not fail the run; [`Sim::finish`] asserts that this one was found.
+    pub expect_violation: Option<&'static str>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            nodes: 1,
+            disk: Disk::PerNode,
+            store: StoreMode::Durable,
+            admission: AdmissionMode::Real,
+            placement: Placement::Owner,
+            client: ClientMode::Honest,
+            mailbox_capacity: 8,
+            idle_timeout: Duration::from_millis(20),
+            expect_violation: None,
+        }
+    }
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The scenario.
+    pub scenario: Scenario,
+    /// madsim's seed.
+    pub seed: u64,
+    /// The hash of the whole trace.
+    pub trace_hash: u64,
+    /// Events recorded.
+    pub events: usize,
+    /// Virtual time simulated, in microseconds.
+    pub virtual_us: u64,
+    /// Violations found (empty unless a planted bug was expected).
+    pub violations: Vec<Violation>,
+}
+
+/// The client side: sends requests to the cluster and records what it was told.
+/// Cheap to clone into spawned tasks.
+#[derive(Clone)]
+pub struct SimClient {
+    cluster: SimCluster,
+    trace: Trace,
+    mode: ClientMode,
+}
+
+impl SimClient {
+    fn route(&self, key: &str) -> NodeId {
+        match self.cluster.placement() {
+            Placement::Owner => self.cluster.owner(key),
+            Placement::BugSplitBrain => SimRng::new().range(1, u64::from(self.cluster.len()) + 1) as NodeId,
+        }
+    }
+
+    /// Sends `op` to probe `key` with `timeout` and records the request, its outcome
+    /// and what the reference model needs (adds, gets, audits).
+    pub async fn request(&self, key: &str, op: ProbeOp, timeout: Duration) -> Outcome {
+        let trace = &self.trace;
+        let actor = probe(key);
+        let name = actor.to_string();
+        let request = trace.next_id();
+        let deadline_us = trace.clock().after_us(timeout);
+        trace.record(Event::RequestSent { request, target: name.clone(), deadline_us });
+        match &op {
+            ProbeOp::Add { amount } => trace.record(Event::AddSent { request, actor: name.clone(), amount: *amount }),
+            ProbeOp::Get => trace.record(Event::GetSent { request, actor: name.clone() }),
+            _ => {}
+        }
+        let payload = ProbeRequest { op: op.clone(), parent_deadline_us: deadline_us }.encode();
+        let mut attempt_timeout = timeout;
+        let outcome = loop {
+            let node = self.route(key);
+            let result = self.cluster.invoke(node, &actor, payload.clone(), attempt_timeout).await;
+            match (self.mode, result) {
+                (ClientMode::BugRetryIgnoresDeadline, Err(error)) if error.is_transient() => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    attempt_timeout = timeout;
+                }
+                (_, result) => break result.map(|bytes| ProbeReply::decode(&bytes)),
+            }
+        };
+        match (&op, &outcome) {
+            (ProbeOp::Add { .. }, Ok(ProbeReply::Count(value))) => {
+                trace.record(Event::AddAcked { request, actor: name.clone(), value: *value });
+            }
+            (ProbeOp::Get, Ok(ProbeReply::Count(value))) => {
+                trace.record(Event::GetReplied { request, actor: name.clone(), value: *value });
+            }
+            (ProbeOp::Audit, Ok(ProbeReply::Audit { batches, groups })) => {
+                trace.record(Event::Audited { actor: name.clone(), batches: *batches, groups: groups.clone() });
+            }
+            _ => {}
+        }
+        let described = match &outcome {
+            Ok(reply) => format!("ok {reply:?}"),
+            Err(error) => format!("error {error:?}"),
+        };
+        trace.record(Event::RequestResolved { request, outcome: described });
+        outcome
+    }
+}
+
+/// One simulated run. See the module documentation.
+pub struct Sim {
+    scenario: Scenario,
+    seed: u64,
+    config: SimConfig,
+    trace: Trace,
+    cluster: SimCluster,
+    client: SimClient,
+    rng: SimRng,
+    pending: Vec<tokio::task::JoinHandle<Outcome>>,
+    longest_timeout: Duration,
+    finished: bool,
+}
+
+/// How long the liveness phase waits past the longest request timeout before it
+/// declares the pending requests hung.
+const LIVENESS_GRACE: Duration = Duration::from_secs(1);
+
+impl Sim {
+    /// Builds the deployment for `scenario` under the current madsim seed.
+    ///
+    /// # Panics
+    /// Outside the simulator ([`crate::require_simulator`]).
+    pub async fn start(scenario: Scenario, config: SimConfig) -> Self {
+        crate::require_simulator();
+        let seed = madsim::runtime::Handle::current().seed();
+        let trace = Trace::new(Invariants::all());
+        let described = trace.clone();
+        replay::register(Running {
+            scenario,
+            seed,
+            describe: Box::new(move || {
+                let violations: Vec<String> = described.violations().iter().map(ToString::to_string).collect();
+                format!(
+                    "trace hash {:016x} after {} events\nviolations:\n  {}\nlast events:\n{}",
+                    described.hash(),
+                    described.len(),
+                    if violations.is_empty() { "(none)".to_string() } else { violations.join("\n  ") },
+                    described.tail()
+                )
+            }),
+        });
+        trace.record(Event::Phase { name: "setup" });
+        let kind = KindConfig::default()
+            .with_mailbox_capacity(config.mailbox_capacity)
+            .with_idle_timeout(config.idle_timeout);
+        let cluster = SimCluster::start(
+            ClusterConfig {
+                nodes: config.nodes,
+                disk: config.disk,
+                store: config.store,
+                admission: config.admission,
+                placement: config.placement,
+                kind,
+            },
+            trace.clone(),
+        )
+        .await;
+        let client = SimClient { cluster: cluster.clone(), trace: trace.clone(), mode: config.client };
+        Self {
+            scenario,
+            seed,
+            config,
+            trace,
+            cluster,
+            client,
+            rng: SimRng::new(),
+            pending: Vec::new(),
+            longest_timeout: Duration::ZERO,
+            finished: false,
+        }
+    }
+
+    /// The seed of this run.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The run's random generator (drawn from the seed).
+    pub fn rng(&mut self) -> &mut SimRng {
+        &mut self.rng
+    }
+
+    /// The trace.
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    /// The deployment.
+    pub fn cluster(&self) -> &SimCluster {
+        &self.cluster
+    }
+
+    /// A client handle for spawned tasks.
+    pub fn client(&self) -> SimClient {
+        self.client.clone()
+    }
+
+    /// Enters a phase.
+    pub fn phase(&self, name: &'static str) {
+        self.trace.record(Event::Phase { name });
+        self.check();
+    }
+
+    /// Sends a request and waits for its outcome; checks the invariants after it.
+    pub async fn request(&mut self, key: &str, op: ProbeOp, timeout: Duration) -> Outcome {
+        self.longest_timeout = self.longest_timeout.max(timeout);
+        let outcome = self.client.request(key, op, timeout).await;
+        self.check();
+        outcome
+    }
+
+    /// Sends a request in the background; [`Sim::drain`] waits for it.
+    pub fn spawn_request(&mut self, key: &str, op: ProbeOp, timeout: Duration) {
+        self.longest_timeout = self.longest_timeout.max(timeout);
+        let client = self.client.clone();
+        let key = key.to_string();
+        self.pending.push(tokio::spawn(async move { client.request(&key, op, timeout).await }));
+    }
+
+    /// Lets `duration` of virtual time pass, then checks the invariants.
+    pub async fn advance(&self, duration: Duration) {
+        tokio::time::sleep(duration).await;
+        self.check();
+    }
+
+    /// Injects `fault`.
+    pub async fn inject(&self, fault: Fault) {
+        self.trace.record(Event::FaultInjected { fault: fault.to_string() });
+        match fault {
+            Fault::KillNode(node) => self.cluster.kill(node, false),
+            Fault::CrashNode(node) => self.cluster.kill(node, true),
+            Fault::RestartNode(node) => self.cluster.restart(node).await,
+            Fault::FailCommits { node, count } => self.cluster.disk(node).faults().fail_next_commits(count),
+            Fault::FailLoads { node, count } => self.cluster.disk(node).faults().fail_next_loads(count),
+            Fault::FailReads { node, count } => self.cluster.disk(node).faults().fail_next_reads(count),
+            Fault::FailStorage(node) => self.cluster.disk(node).faults().fail_all(),
+        }
+        self.check();
+    }
+
+    /// Heals every fault: storage failures stop, killed nodes restart.
+    pub async fn heal(&self) {
+        for node in 1..=self.cluster.len() {
+            self.cluster.disk(node).faults().heal();
+            if !self.cluster.is_alive(node) {
+                self.cluster.restart(node).await;
+            }
+        }
+        self.trace.record(Event::FaultsHealed);
+        self.check();
+    }
+
+    /// Waits for every background request. Each must resolve by its deadline; one that
+    /// has not resolved `LIVENESS_GRACE` after the longest timeout is left pending, and
+    /// [`Sim::finish`] reports it as a hang (EveryCallResolves).
+    pub async fn drain(&mut self) -> Vec<Outcome> {
+        let bound = self.longest_timeout + LIVENESS_GRACE;
+        let started = tokio::time::Instant::now();
+        let mut outcomes = Vec::new();
+        for task in std::mem::take(&mut self.pending) {
+            let left = bound.saturating_sub(started.elapsed());
+            match tokio::time::timeout(left, task).await {
+                Ok(Ok(outcome)) => outcomes.push(outcome),
+                Ok(Err(join_error)) => panic!("a request task failed: {join_error}"),
+                Err(_) => {}
+            }
+        }
+        self.check();
+        outcomes
+    }
+
+    /// Audits every probe in `keys` through the runtime (TurnWritesAtomic), retrying
+    /// transient failures until one audit of each succeeds.
+    pub async fn audit(&mut self, keys: &[&str]) {
+        for key in keys {
+            for _ in 0..20 {
+                if self.request(key, ProbeOp::Audit, Duration::from_secs(2)).await.is_ok() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// Reads every probe in `keys` through the runtime (NoAckedStateLost compares each
+    /// read with the acknowledged floor), retrying transient failures.
+    pub async fn read_back(&mut self, keys: &[&str]) -> Vec<u64> {
+        let mut values = Vec::new();
+        for key in keys {
+            for attempt in 0..20 {
+                match self.request(key, ProbeOp::Get, Duration::from_secs(2)).await {
+                    Ok(ProbeReply::Count(value)) => {
+                        values.push(value);
+                        break;
+                    }
+                    outcome => {
+                        assert!(attempt < 19, "probe {key} could not be read after healing: {outcome:?}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        }
+        values
+    }
+
+    /// The violations found so far.
+    pub fn violations(&self) -> Vec<Violation> {
+        self.trace.violations()
+    }
+
+    /// Fails the run (with its replay command) if any invariant is violated, unless a
+    /// planted bug is expected.
+    ///
+    /// # Panics
+    /// On the first violation.
+    pub fn check(&self) {
+        if self.config.expect_violation.is_some() {
+            return;
+        }
+        if let Some(first) = self.trace.violations().first() {
+            panic!("invariant violated: {first}");
+        }
+    }
+
+    /// Ends the run: end-of-run checks (nothing pending), the final verdict, and the
+    /// report line with the trace hash (also appended to `$TROUPE_DST_REPORT`).
+    ///
+    /// # Panics
+    /// If an invariant is violated; in a planted-bug run, if the expected invariant was
+    /// *not* violated.
+    pub async fn finish(mut self) -> Report {
+        self.trace.record(Event::Phase { name: "finish" });
+        self.trace.finish();
+        self.finished = true;
+        let report = Report {
+            scenario: self.scenario,
+            seed: self.seed,
+            trace_hash: self.trace.hash(),
+            events: self.trace.len(),
+            virtual_us: self.trace.clock().now_us(),
+            violations: self.trace.violations(),
+        };
+        let verdict = match self.config.expect_violation {
+            None => {
+                self.check();
+                "ok".to_string()
+            }
+            Some(expected) => {
+                let caught = report.violations.iter().find(|v| v.invariant == expected);
+                match caught {
+                    Some(violation) => format!("caught planted bug: {violation}"),
+                    None => panic!(
+                        "the planted bug was NOT caught: expected a {expected} violation, found {:?}",
+                        report.violations
+                    ),
+                }
+            }
+        };
+        let line = format!(
+            "dst scenario={}::{} seed={} trace_hash={:016x} events={} virtual_ms={:.3} verdict={}",
+            self.scenario.test,
+            self.scenario.name,
+            self.seed,
+            report.trace_hash,
+            report.events,
+            report.virtual_us as f64 / 1000.0,
+            verdict
+        );
+        println!("{line}");
+        if let Ok(path) = std::env::var("TROUPE_DST_REPORT") {
+            use std::io::Write;
+            if let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                let _ = writeln!(file, "{line}");
+            }
+        }
+        replay::unregister();
+        report
+    }
+
+    /// The replay command of this run.
+    pub fn replay_command(&self) -> String {
+        replay_command(self.scenario, self.seed)
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        if !self.finished {
+            // Unwinding from a failure (the hook has printed the replay command), or a
+            // scenario that forgot finish(): either way this run is over.
+            replay::unregister();
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! The simulated disk behind each node's runtime, and the planted storage bugs.
+//!
+//! A [`MemoryStore`] is the disk: its `Arc` lives outside the simulated node, so it
+//! survives a kill. [`SyncingStore`] is what the runtime commits to; its [`StoreMode`]
+//! decides when a commit is acknowledged relative to when it is durable.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::ActorId;
+use troupe_runtime::{MemoryStore, StateStore, StoreError, TurnCommit};
+
+/// When a commit is acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StoreMode {
+    /// Write-through: every commit is durable when it returns.
+    #[default]
+    Durable,
+    /// A disk with a write cache and an fsync of `latency_ms`: the commit is visible at
+    /// once, durable after the fsync, acknowledged only after the fsync. A crash during
+    /// the fsync loses the unflushed commit, which was never acknowledged.
+    Fsync {
+        /// How long an fsync takes, in virtual milliseconds.
+        latency_ms: u64,
+    },
+    /// Planted bug: the commit is acknowledged before it is durable; a lazy writer
+    /// flushes every `flush_every_ms`. A crash loses acknowledged turns.
+    BugAckBeforeFlush {
+        /// The lazy writer's period, in virtual milliseconds.
+        flush_every_ms: u64,
+    },
+    /// Planted bug: a turn's writes are committed one by one, 1 ms apart, then its
+    /// state; a crash or a storage failure in between leaves a partial turn.
+    BugSplitCommit,
+}
+
+impl StoreMode {
+    /// Whether the disk runs with its write cache on.
+    pub fn write_back(self) -> bool {
+        !matches!(self, Self::Durable | Self::BugSplitCommit)
+    }
+}
+
+/// The store a simulated node's runtime commits to. See the module documentation.
+pub struct SyncingStore {
+    disk: MemoryStore,
+    mode: StoreMode,
+}
+
+impl SyncingStore {
+    /// A store over `disk` behaving as `mode`; sets the disk's write-back mode to match.
+    pub fn new(disk: MemoryStore, mode: StoreMode) -> Arc<Self> {
+        disk.faults().set_write_back(mode.write_back());
+        Arc::new(Self { disk, mode })
+    }
+
+    /// The disk underneath.
+    pub fn disk(&self) -> &MemoryStore {
+        &self.disk
+    }
+}
+
+#[async_trait]
+impl StateStore for SyncingStore {
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.disk.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, commit: TurnCommit) -> Result<(), StoreError> {
+        match self.mode {
+            StoreMode::Durable | StoreMode::BugAckBeforeFlush { .. } => self.disk.commit(actor, commit).await,
+            StoreMode::Fsync { latency_ms } => {
+                self.disk.commit(actor, commit).await?;
+                tokio::time::sleep(Duration::from_millis(latency_ms)).await;
+                self.disk.flush();
+                Ok(())
+            }
+            StoreMode::BugSplitCommit => {
+                commit.validate()?;
+                for write in commit.writes {
+                    let piece = TurnCommit { state: None, writes: vec![write] };
+                    self.disk.commit(actor, piece).await?;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                self.disk.commit(actor, TurnCommit { state: commit.state, writes: Vec::new() }).await
+            }
+        }
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.disk.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.disk.scan(actor, prefix, after, limit).await
+    }
+}

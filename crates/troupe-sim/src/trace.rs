@@ -1,0 +1,335 @@
+//! The trace: every observable event of a simulated run, stamped with virtual time,
+//! hashed as it is recorded, and fed to the invariants at once.
+//!
+//! The hash (FNV-1a 64 over each event and its time) is what the determinism test
+//! compares between two runs of one seed, and what every report prints with the seed.
+
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::invariants::{Invariants, Violation};
+use crate::probe::{AuditGroup, RefusalKind};
+
+/// Reads virtual time (madsim's clock under `--cfg madsim`) relative to the start of
+/// the run, in microseconds. One clock for every node: madsim's time is global.
+#[derive(Debug, Clone, Copy)]
+pub struct TraceClock {
+    epoch: tokio::time::Instant,
+}
+
+impl TraceClock {
+    /// A clock whose zero is now.
+    pub fn new() -> Self {
+        Self { epoch: tokio::time::Instant::now() }
+    }
+
+    /// Microseconds since the clock's zero.
+    pub fn now_us(&self) -> u64 {
+        u64::try_from(tokio::time::Instant::now().saturating_duration_since(self.epoch).as_micros())
+            .unwrap_or(u64::MAX)
+    }
+
+    /// The trace time `remaining` from now.
+    pub fn after_us(&self, remaining: std::time::Duration) -> u64 {
+        self.now_us().saturating_add(u64::try_from(remaining.as_micros()).unwrap_or(u64::MAX))
+    }
+}
+
+impl Default for TraceClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Something that happened in a simulated run. Actors are named by their full id
+/// (`probe/a`); nodes by number (1-based). Times are trace microseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Event {
+    /// The harness entered a phase (`setup`, `safety`, `liveness`, `check`).
+    Phase {
+        /// The phase.
+        name: &'static str,
+    },
+    /// A node's runtime started (first start or restart).
+    NodeStarted {
+        /// The node.
+        node: u32,
+    },
+    /// A node was killed: every task on it died, its memory is gone.
+    NodeKilled {
+        /// The node.
+        node: u32,
+    },
+    /// A node's disk lost what it had not flushed.
+    DiskCrashed {
+        /// The node whose disk crashed (0 for the shared disk).
+        node: u32,
+    },
+    /// A fault was injected.
+    FaultInjected {
+        /// What, in words.
+        fault: String,
+    },
+    /// Every fault was healed.
+    FaultsHealed,
+    /// An activation ran `on_activate`.
+    Activated {
+        /// Where.
+        node: u32,
+        /// Which actor.
+        actor: String,
+        /// Its count as loaded.
+        count: u64,
+    },
+    /// An activation ran `on_deactivate`.
+    Deactivated {
+        /// Where.
+        node: u32,
+        /// Which actor.
+        actor: String,
+        /// Its count at the end.
+        count: u64,
+    },
+    /// A turn started under a context.
+    TurnStarted {
+        /// Where.
+        node: u32,
+        /// Which actor.
+        actor: String,
+        /// The context's depth.
+        depth: u32,
+        /// The context's chain, outermost first.
+        chain: Vec<String>,
+        /// The context's deadline, as trace time.
+        deadline_us: u64,
+        /// The deadline of the caller (the root request or the calling turn).
+        parent_deadline_us: u64,
+    },
+    /// A turn's handler returned (before its commit).
+    TurnEnded {
+        /// Where.
+        node: u32,
+        /// Which actor.
+        actor: String,
+        /// Whether the handler succeeded.
+        ok: bool,
+    },
+    /// A probe's call to another actor was admitted.
+    CallAdmitted {
+        /// The call's id.
+        call: u64,
+        /// The calling actor.
+        caller: String,
+        /// The called actor.
+        target: String,
+        /// The callee's depth.
+        depth: u32,
+        /// The callee's chain.
+        chain: Vec<String>,
+        /// The callee's deadline, as trace time.
+        deadline_us: u64,
+        /// The caller's own deadline, as trace time.
+        parent_deadline_us: u64,
+    },
+    /// A probe's call was refused by admission before anything was sent.
+    CallRefused {
+        /// The calling actor.
+        caller: String,
+        /// The actor it wanted.
+        target: String,
+        /// Why.
+        reason: RefusalKind,
+    },
+    /// A caller's turn began waiting on a call.
+    WaitBegin {
+        /// The call's id.
+        call: u64,
+        /// Who waits.
+        caller: String,
+        /// On whom.
+        target: String,
+    },
+    /// The wait ended (reply, error, timeout or the caller was cancelled).
+    WaitEnd {
+        /// The call's id.
+        call: u64,
+        /// How, in words.
+        outcome: String,
+    },
+    /// A client sent a request.
+    RequestSent {
+        /// The request's id.
+        request: u64,
+        /// The actor.
+        target: String,
+        /// Its deadline, as trace time.
+        deadline_us: u64,
+    },
+    /// A client's request resolved.
+    RequestResolved {
+        /// The request's id.
+        request: u64,
+        /// How, in words.
+        outcome: String,
+    },
+    /// A client asked to add `amount`.
+    AddSent {
+        /// The request's id.
+        request: u64,
+        /// The actor.
+        actor: String,
+        /// How much.
+        amount: u64,
+    },
+    /// The runtime acknowledged an add: the count is now `value`.
+    AddAcked {
+        /// The request's id.
+        request: u64,
+        /// The actor.
+        actor: String,
+        /// The count after the add.
+        value: u64,
+    },
+    /// A client asked for the count.
+    GetSent {
+        /// The request's id.
+        request: u64,
+        /// The actor.
+        actor: String,
+    },
+    /// The runtime answered a get.
+    GetReplied {
+        /// The request's id.
+        request: u64,
+        /// The actor.
+        actor: String,
+        /// The count read.
+        value: u64,
+    },
+    /// An audit read an actor's batches back through the runtime.
+    Audited {
+        /// The actor.
+        actor: String,
+        /// Batches its state counts.
+        batches: u64,
+        /// What its key-value space holds.
+        groups: Vec<AuditGroup>,
+    },
+}
+
+/// An event and when it happened.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Stamped {
+    /// Trace time, in microseconds.
+    pub at_us: u64,
+    /// What happened.
+    pub event: Event,
+}
+
+struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.0 ^= u64::from(*byte);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+/// Events kept for the failure report.
+const TRACE_TAIL_LENGTH: usize = 60;
+
+struct Inner {
+    events: Vec<Stamped>,
+    hash: Fnv,
+    invariants: Invariants,
+    next_id: u64,
+}
+
+/// A shared, append-only trace. Clones record into the same trace.
+#[derive(Clone)]
+pub struct Trace {
+    clock: TraceClock,
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl Trace {
+    /// An empty trace checked by `invariants`, whose clock starts now.
+    pub fn new(invariants: Invariants) -> Self {
+        let inner = Inner { events: Vec::new(), hash: Fnv(FNV_OFFSET), invariants, next_id: 1 };
+        Self { clock: TraceClock::new(), inner: Arc::new(Mutex::new(inner)) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The trace's clock.
+    pub fn clock(&self) -> TraceClock {
+        self.clock
+    }
+
+    /// A fresh id for a request or call, unique in this trace.
+    pub fn next_id(&self) -> u64 {
+        let mut inner = self.lock();
+        let id = inner.next_id;
+        inner.next_id += 1;
+        id
+    }
+
+    /// Records `event` now: stamps it, hashes it and runs every invariant over it.
+    pub fn record(&self, event: Event) {
+        let stamped = Stamped { at_us: self.clock.now_us(), event };
+        let mut inner = self.lock();
+        stamped.hash(&mut inner.hash);
+        inner.invariants.observe(&stamped);
+        inner.events.push(stamped);
+    }
+
+    /// Runs every invariant's end-of-run check (liveness: nothing still pending).
+    pub fn finish(&self) {
+        let now = self.clock.now_us();
+        self.lock().invariants.finish(now);
+    }
+
+    /// The hash of everything recorded so far.
+    pub fn hash(&self) -> u64 {
+        self.lock().hash.0
+    }
+
+    /// How many events were recorded.
+    pub fn len(&self) -> usize {
+        self.lock().events.len()
+    }
+
+    /// Whether nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every event so far.
+    pub fn events(&self) -> Vec<Stamped> {
+        self.lock().events.clone()
+    }
+
+    /// The violations found so far, first first.
+    pub fn violations(&self) -> Vec<Violation> {
+        self.lock().invariants.violations().to_vec()
+    }
+
+    /// The last events, one per line, for a failure report.
+    pub fn tail(&self) -> String {
+        let inner = self.lock();
+        let start = inner.events.len().saturating_sub(TRACE_TAIL_LENGTH);
+        inner.events[start..]
+            .iter()
+            .map(|s| format!("  {:>10.3} ms  {:?}", s.at_us as f64 / 1000.0, s.event))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
