@@ -175,12 +175,10 @@ impl OpenAiConfig {
     ///
     /// # Errors
     /// As [`OpenAiConfig::from_env`].
-    pub fn from_lookup(
-        lookup: impl Fn(&str) -> Option<String>,
-    ) -> Result<Self, OpenAiConfigError> {
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, OpenAiConfigError> {
         let read = |name: &'static str| lookup(name).filter(|value| !value.trim().is_empty());
-        let api_key =
-            read("OPENAI_API_KEY").ok_or(OpenAiConfigError::MissingEnv { name: "OPENAI_API_KEY" })?;
+        let api_key = read("OPENAI_API_KEY")
+            .ok_or(OpenAiConfigError::MissingEnv { name: "OPENAI_API_KEY" })?;
         let mut config = Self::new(api_key.trim());
         if let Some(base_url) = read("OPENAI_BASE_URL") {
             config.base_url = base_url.trim().to_owned();
@@ -189,12 +187,11 @@ impl OpenAiConfig {
             config.model = model.trim().to_owned();
         }
         if let Some(timeout_ms) = read("OPENAI_REQUEST_TIMEOUT_MS") {
-            let timeout_ms: u64 = timeout_ms.trim().parse().map_err(|error| {
-                OpenAiConfigError::InvalidEnv {
+            let timeout_ms: u64 =
+                timeout_ms.trim().parse().map_err(|error| OpenAiConfigError::InvalidEnv {
                     name: "OPENAI_REQUEST_TIMEOUT_MS",
                     cause: format!("{timeout_ms:?} is not a whole number of milliseconds: {error}"),
-                }
-            })?;
+                })?;
             config.request_timeout = Duration::from_millis(timeout_ms);
         }
         config.validate()?;
@@ -284,8 +281,11 @@ impl LlmClient for OpenAiClient {
         if budget.is_zero() {
             return Err(LlmError::Timeout { timeout_ms });
         }
-        let model =
-            if request.model.is_empty() { self.config.model.clone() } else { request.model.clone() };
+        let model = if request.model.is_empty() {
+            self.config.model.clone()
+        } else {
+            request.model.clone()
+        };
         let body = serde_json::to_vec(&WireRequest::from_request(&model, &request))
             .expect("a request of strings and JSON values always serializes");
         let http_request = self
@@ -302,9 +302,9 @@ impl LlmClient for OpenAiClient {
             Ok(Err(join_error)) if join_error.is_panic() => {
                 std::panic::resume_unwind(join_error.into_panic())
             }
-            Ok(Err(join_error)) => {
-                Err(LlmError::Unreachable { cause: format!("the HTTP call was cancelled: {join_error}") })
-            }
+            Ok(Err(join_error)) => Err(LlmError::Unreachable {
+                cause: format!("the HTTP call was cancelled: {join_error}"),
+            }),
             Ok(Ok(result)) => result.map_err(|failure| failure.into_llm_error(timeout_ms)),
         }
     }
@@ -591,7 +591,10 @@ mod tests {
         assert_eq!(config.api_key, "sk-test");
         assert_eq!(config.base_url, OPENAI_BASE_URL_DEFAULT);
         assert_eq!(config.model, OPENAI_MODEL_DEFAULT);
-        assert_eq!(config.request_timeout, Duration::from_millis(OPENAI_REQUEST_TIMEOUT_MS_DEFAULT));
+        assert_eq!(
+            config.request_timeout,
+            Duration::from_millis(OPENAI_REQUEST_TIMEOUT_MS_DEFAULT)
+        );
     }
 
     #[test]
@@ -612,7 +615,10 @@ mod tests {
             ("OPENAI_REQUEST_TIMEOUT_MS", "soon"),
         ]))
         .unwrap_err();
-        assert!(matches!(error, OpenAiConfigError::InvalidEnv { name: "OPENAI_REQUEST_TIMEOUT_MS", .. }));
+        assert!(matches!(
+            error,
+            OpenAiConfigError::InvalidEnv { name: "OPENAI_REQUEST_TIMEOUT_MS", .. }
+        ));
 
         let error = OpenAiConfig::from_lookup(lookup(&[
             ("OPENAI_API_KEY", "k"),

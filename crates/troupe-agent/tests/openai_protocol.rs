@@ -13,6 +13,9 @@
 //! Run: `cargo nextest run -p troupe-agent --test openai_protocol`.
 
 #![cfg(not(madsim))]
+// Real sockets, a server thread and wall-clock timing are the point of this test, which
+// never runs under the simulator.
+#![allow(clippy::disallowed_methods)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -263,8 +266,16 @@ async fn tool_calls_reply_returns_tool_calls_with_parsed_arguments() {
     assert_eq!(
         message.tool_calls,
         vec![
-            ToolCall { id: "call_7".to_owned(), name: "add".to_owned(), arguments: json!({"a": 40, "b": 2}) },
-            ToolCall { id: "call_8".to_owned(), name: "add".to_owned(), arguments: json!({"a": -1, "b": 1}) },
+            ToolCall {
+                id: "call_7".to_owned(),
+                name: "add".to_owned(),
+                arguments: json!({"a": 40, "b": 2})
+            },
+            ToolCall {
+                id: "call_8".to_owned(),
+                name: "add".to_owned(),
+                arguments: json!({"a": -1, "b": 1})
+            },
         ]
     );
     assert_is_chat_completions_request(&provider.recorded_request());
