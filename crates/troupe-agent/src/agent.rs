@@ -53,7 +53,7 @@ pub fn agent_id(key: &str) -> Result<ActorId, IdError> {
 /// Which model an agent uses and how many steps a turn may take.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSettings {
-    /// The model's name, passed to the [`LlmClient`].
+    /// The model's name, passed to the [`LlmClient`]; empty means the client's default.
     pub model: String,
     /// Most model steps per turn; clipped to [`AGENT_TURN_STEPS_MAX`].
     pub max_steps: u32,
@@ -61,7 +61,7 @@ pub struct ModelSettings {
 
 impl Default for ModelSettings {
     fn default() -> Self {
-        Self { model: "default".to_string(), max_steps: AGENT_TURN_STEPS_MAX }
+        Self { model: String::new(), max_steps: AGENT_TURN_STEPS_MAX }
     }
 }
 

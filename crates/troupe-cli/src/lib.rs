@@ -1,0 +1,189 @@
+//! The demo organisation behind `troupe demo`, as a library so tests can run it.
+//!
+//! Five agents, each a virtual actor with its own model turns and tools:
+//!
+//! ```text
+//! user ─► coordinator ─┬─► researcher ─► analyst ─✗─► coordinator   (refused: cycle)
+//!                      └─► archivist (slow, asked with a 1.5 s timeout: times out)
+//! ```
+//!
+//! On the scripted model the story is fixed: the coordinator fans out to the researcher
+//! and the archivist in one step, the researcher asks the analyst, the analyst tries to
+//! ask the coordinator back (refused at once: the coordinator is waiting up the chain),
+//! and the archivist is too slow for its timeout. On a real model the same agents and
+//! prompts run, and the model decides.
+
+#![warn(missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use troupe_agent::{
+    AgentCallError, AgentReply, AgentSpec, AgentSystem, AgentSystemError, CallNode, CallOutcome, CallRecorder,
+    LlmClient, ScriptRule, ScriptedLlm,
+};
+use troupe_runtime::{RuntimeCounters, StateStore};
+
+/// What the user asks the coordinator.
+pub const DEMO_QUESTION: &str = "Prepare a short brief on grid-scale battery storage.";
+/// How long the user waits for the coordinator, in milliseconds.
+pub const DEMO_ASK_TIMEOUT_MS: u64 = 240_000;
+/// The timeout the coordinator gives the slow archivist, in milliseconds.
+pub const DEMO_ARCHIVIST_TIMEOUT_MS: u64 = 1_500;
+
+/// The organisation's agents.
+pub fn demo_agents(model: &str) -> Vec<AgentSpec> {
+    let spec = |id: &str, role: &str, prompt: &str| {
+        AgentSpec::new(id).role(role).system_prompt(prompt).model(model).max_steps(4)
+    };
+    vec![
+        spec(
+            "coordinator",
+            "plans the work and writes the final brief",
+            "You coordinate a small research team. For every request, ask the researcher for \
+             findings and the archivist for past reports (give the archivist timeout_ms 1500), \
+             in the same step, then write a brief of at most three sentences from their answers.",
+        ),
+        spec(
+            "researcher",
+            "finds facts and asks the analyst for numbers",
+            "You are a researcher. Ask the analyst for the key numbers, then summarise them in \
+             two sentences.",
+        ),
+        spec(
+            "analyst",
+            "analyses numbers",
+            "You are an analyst. Before answering, ask the coordinator which region to focus on; \
+             if that is not possible, answer with global figures in one sentence.",
+        ),
+        spec(
+            "archivist",
+            "searches old reports, slowly",
+            "You are an archivist. Answer with the titles of relevant past reports, or say there \
+             are none.",
+        ),
+        spec("critic", "reviews briefs on request", "You review briefs in one sentence."),
+    ]
+}
+
+/// The scripted model that plays the demo's story.
+pub fn demo_script() -> ScriptedLlm {
+    let step = Duration::from_millis(150);
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_user_containing("brief")
+                .call("call_agent", json!({"agent_id": "researcher", "message": "Find the key facts for: {input}"}))
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "archivist", "message": "Any past reports on: {input}",
+                           "timeout_ms": DEMO_ARCHIVIST_TIMEOUT_MS}),
+                )
+                .latency(step),
+        )
+        .rule(ScriptRule::agent("coordinator").on_tool_result().reply("Brief. {tool_result}").latency(step))
+        .rule(
+            ScriptRule::agent("researcher")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "analyst", "message": "What are the key numbers?"}))
+                .latency(step * 2),
+        )
+        .rule(ScriptRule::agent("researcher").on_tool_result().reply("Findings: {tool_result}").latency(step))
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "coordinator", "message": "Which region should I focus on?"}))
+                .latency(step),
+        )
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_tool_result()
+                .reply("Globally, lithium-ion pack prices fell by about 80% over the last decade.")
+                .latency(step),
+        )
+        .rule(ScriptRule::agent("archivist").reply("Reports: none found.").latency(Duration::from_secs(4)))
+        .rule(ScriptRule::agent("critic").reply("Looks fine."))
+}
+
+/// What a demo run produced.
+#[derive(Debug)]
+pub struct DemoReport {
+    /// The coordinator's answer to [`DEMO_QUESTION`].
+    pub answer: Result<AgentReply, AgentCallError>,
+    /// The recorded calls, as trees.
+    pub calls: Vec<CallNode>,
+    /// The call tree as text.
+    pub tree: String,
+    /// The runtime's counters at the end.
+    pub counters: RuntimeCounters,
+    /// (agent, messages in its conversation log) for every agent.
+    pub log_lengths: Vec<(String, usize)>,
+}
+
+impl DemoReport {
+    /// Every call in the trees, depth first.
+    pub fn all_calls(&self) -> Vec<&CallNode> {
+        fn walk<'a>(node: &'a CallNode, out: &mut Vec<&'a CallNode>) {
+            out.push(node);
+            for child in &node.children {
+                walk(child, out);
+            }
+        }
+        let mut out = Vec::new();
+        for root in &self.calls {
+            walk(root, &mut out);
+        }
+        out
+    }
+
+    /// How many calls ended with `label` (`ok`, `refused`, `timeout`, `failed`).
+    pub fn count(&self, label: &str) -> usize {
+        self.all_calls()
+            .iter()
+            .filter(|call| call.finished.as_ref().is_some_and(|(_, outcome)| outcome.label() == label))
+            .count()
+    }
+
+    /// Whether the scripted story happened: an answer, a refused cycle, a timeout.
+    pub fn scripted_story_happened(&self) -> bool {
+        let cycle = self.all_calls().iter().any(|call| {
+            matches!(
+                &call.finished,
+                Some((_, CallOutcome::Refused(troupe_core::CallRefused::CycleDetected { .. })))
+            )
+        });
+        self.answer.is_ok() && cycle && self.count("timeout") == 1 && self.count("ok") == 3
+    }
+}
+
+/// Runs the demo organisation on `store` with `llm`: asks the coordinator
+/// [`DEMO_QUESTION`] and records every call.
+///
+/// # Errors
+/// [`AgentSystemError`] if the system cannot start.
+pub async fn run_demo(
+    store: Arc<dyn StateStore>,
+    llm: Arc<dyn LlmClient>,
+    model: &str,
+) -> Result<DemoReport, AgentSystemError> {
+    let recorder = CallRecorder::new();
+    let mut builder = AgentSystem::builder().store(store).llm(llm).observer(Arc::new(recorder.clone()));
+    for spec in demo_agents(model) {
+        builder = builder.agent(spec);
+    }
+    let system = builder.start()?;
+    let answer = system
+        .ask_with_timeout("coordinator", DEMO_QUESTION, Duration::from_millis(DEMO_ASK_TIMEOUT_MS))
+        .await;
+    // Let abandoned turns (the archivist's) reach their deadline before reading counters.
+    tokio::time::sleep(Duration::from_millis(DEMO_ARCHIVIST_TIMEOUT_MS)).await;
+    let mut log_lengths = Vec::new();
+    for spec in system.directory().list() {
+        let length = system.conversation_log(&spec.id).await.map(|log| log.len()).unwrap_or(0);
+        log_lengths.push((spec.id, length));
+    }
+    let counters = system.runtime().counters();
+    system.shutdown().await;
+    Ok(DemoReport { answer, calls: recorder.call_trees(), tree: recorder.render_tree(), counters, log_lengths })
+}
