@@ -211,7 +211,8 @@ impl TransportClient {
             return Err(InvokeError::Timeout { target: target.clone(), timeout_ms: 0 });
         }
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
-        let waited = self.clock.run_until(deadline, self.invoke_until_reply(target, payload, &context, caller));
+        let waited =
+            self.clock.run_until(deadline, self.invoke_until_reply(target, payload, &context, caller));
         match waited.await {
             Ok(result) => result,
             Err(_elapsed) => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),

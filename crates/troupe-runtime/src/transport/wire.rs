@@ -78,8 +78,8 @@ impl WireRequest {
                 self.chain.len()
             )));
         }
-        let remaining = Duration::from_micros(self.remaining_us)
-            .min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+        let remaining =
+            Duration::from_micros(self.remaining_us).min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
         let deadline = Deadline::after(now, remaining);
         let mut context = CallContext::root(deadline);
         for waiting in &self.chain {
@@ -109,10 +109,9 @@ mod tests {
     fn a_context_rebuilt_on_another_clock_keeps_depth_chain_and_remaining_time() {
         let sent_at = Deadline::from_micros(1_000_000);
         let root = CallContext::root(Deadline::after(sent_at, Duration::from_millis(800)));
-        let context = root.child(actor("a"), Deadline::from_micros(u64::MAX)).child(
-            actor("b"),
-            Deadline::after(sent_at, Duration::from_millis(500)),
-        );
+        let context = root
+            .child(actor("a"), Deadline::from_micros(u64::MAX))
+            .child(actor("b"), Deadline::after(sent_at, Duration::from_millis(500)));
         let request =
             WireRequest::new(9, actor("c"), Bytes::from_static(b"x"), &context, Some(actor("b")), sent_at);
         assert_eq!(request.remaining_us, 500_000);
