@@ -293,6 +293,42 @@ mod loopback {
         assert_eq!(client.stats().connections_opened, 2);
     }
 
+    /// Goal: a call from a remote turn holds its wait-for edge on the host only while its
+    /// connection lives: when the client goes away, the host releases the edge at once,
+    /// not at the call's 30 s deadline. Method: a call naming its caller to a sleeping
+    /// probe, read the host's wait-for graph, drop the client, read it again.
+    #[tokio::test]
+    async fn closing_a_connection_releases_its_calls_wait_for_edges_at_once() {
+        let (runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(server.local_address(), clock));
+        let caller = probe("remote-caller");
+        let call = {
+            let client = Arc::clone(&client);
+            tokio::spawn(async move {
+                let context = root_context(&clock, Duration::from_secs(30))
+                    .child(caller.clone(), clock.deadline_in(Duration::from_secs(30)));
+                let sleepy = encode(&Probe::Sleep { milliseconds: 20_000 });
+                client.invoke(&probe("sleepy"), sleepy, context, Some(&caller)).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(runtime.stats().await.unwrap().wait_for_edges, 1);
+
+        call.abort();
+        let _ = call.await;
+        drop(client);
+        let mut released = false;
+        for _ in 0..100 {
+            if runtime.stats().await.unwrap().wait_for_edges == 0 {
+                released = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(released, "the host kept the wait-for edge of a closed connection");
+    }
+
     /// Reads from `stream` until the peer closes it; fails the test after 5 s.
     async fn expect_closed_by_peer(stream: &mut TcpStream) {
         let mut buffer = [0_u8; 64];
@@ -364,6 +400,7 @@ mod simulated {
 
     use madsim::net::NetSim;
     use madsim::runtime::{Handle, NodeHandle};
+    use troupe_runtime::CLIENT_REQUESTS_IN_FLIGHT_MAX;
 
     use super::*;
 
@@ -515,6 +552,53 @@ mod simulated {
                 let stats = transport.stats();
                 assert_eq!(stats.connections_opened, 2, "{stats:?}");
                 assert_eq!(stats.requests_in_flight, 0);
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: the client's pending map is bounded: with the limit of calls in flight, one
+    /// more call waits for a slot and times out at its own deadline without registering;
+    /// once the calls finish, slots are free again. Method: the limit of calls to distinct
+    /// sleeping probes, one more with a 1 s deadline, then one after they finish.
+    #[madsim::test]
+    async fn a_call_over_the_in_flight_limit_waits_for_a_slot_until_its_deadline() {
+        let handle = Handle::current();
+        let _server = start_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = std::sync::Arc::new(TransportClient::new(server_address(), clock));
+                let sleepers: Vec<_> = (0..CLIENT_REQUESTS_IN_FLIGHT_MAX)
+                    .map(|i| {
+                        let transport = std::sync::Arc::clone(&transport);
+                        tokio::spawn(async move {
+                            let sleepy = encode(&Probe::Sleep { milliseconds: 5_000 });
+                            let target = probe(&format!("sleepy-{i}"));
+                            let context = root_context(&clock, Duration::from_secs(10));
+                            transport.invoke(&target, sleepy, context, None).await
+                        })
+                    })
+                    .collect();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                assert_eq!(transport.stats().requests_in_flight, CLIENT_REQUESTS_IN_FLIGHT_MAX);
+
+                let deadline = Duration::from_secs(1);
+                let started = clock.now();
+                let result = echo(&transport, &clock, "over", b"x", deadline).await;
+                assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
+                let waited = elapsed(&clock, started);
+                assert!(waited <= deadline + DEADLINE_SLACK, "waited {waited:?}");
+                assert_eq!(transport.stats().requests_in_flight, CLIENT_REQUESTS_IN_FLIGHT_MAX);
+
+                for sleeper in sleepers {
+                    sleeper.await.unwrap().unwrap();
+                }
+                assert_eq!(transport.stats().requests_in_flight, 0);
+                let reply = echo(&transport, &clock, "over", b"room", deadline).await.unwrap();
+                assert_eq!(&reply[..], b"room");
             })
             .await
             .unwrap();

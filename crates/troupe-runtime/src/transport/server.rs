@@ -22,10 +22,12 @@ use crate::RuntimeHandle;
 /// blocks the other requests of its connection. Responses go to the connection's writer
 /// through a bounded queue of [`WRITE_QUEUE_CAPACITY`] frames.
 ///
+/// When a connection closes, the calls it carried are abandoned on the runtime: a
+/// request that has not started never runs, a running turn finishes (within its
+/// deadline) and its reply is dropped, and wait-for edges are released at once.
+///
 /// Dropping the server stops accepting and closes every connection at once; clients
-/// then fail their pending calls with [`InvokeError::Unreachable`]. Requests already
-/// running finish on the runtime (each within its deadline) and their replies are
-/// dropped.
+/// then fail their pending calls with [`InvokeError::Unreachable`].
 #[derive(Debug)]
 pub struct TransportServer {
     local_address: SocketAddr,
@@ -112,8 +114,15 @@ async fn serve_connection(
             let handle = handle.clone();
             let responses = responses.clone();
             tokio::spawn(async move {
-                let response = serve_connection_request(&handle, request).await;
-                // The connection may be gone; the reply is then dropped.
+                let response = tokio::select! {
+                    biased;
+                    // The connection closed: nobody can receive the reply. Dropping the
+                    // call abandons it (unrun if it has not started) and releases its
+                    // wait-for edge now rather than at its deadline.
+                    () = responses.closed() => return,
+                    response = serve_connection_request(&handle, request) => response,
+                };
+                // The connection may close meanwhile; the reply is then dropped.
                 let _ = responses.send(response).await;
                 drop(slot);
             });
