@@ -38,6 +38,14 @@
 //!   stops reading until one finishes), and both write queues are bounded.
 //! - A bad frame from the network is a typed [`FrameError`] that closes that connection;
 //!   it never panics the node.
+//! - When a connection closes, the host abandons the calls it carried: a request not yet
+//!   started never runs, and the wait-for edges of those calls are released at once.
+//!
+//! TLA+ (`docs/tla/MultiAgentInvocation.tla`): the client side implements
+//! `EveryCallResolves` for remote calls (each ends by its deadline, with a reply,
+//! `Timeout` or `Unreachable`); the replayed chain keeps `DepthBounded` and
+//! `NoCycleInCallChain` checkable on the host. `DeadlineMonotone` holds on each node's
+//! clock but, across the wire, only up to one transit time (see above).
 //!
 //! What it deliberately does not do:
 //! - No retries, and no at-most-once across reconnects: a request may have run even if
@@ -45,7 +53,10 @@
 //!   deduplicate in the actor.
 //! - No routing or placement: a client talks to one address. The directory decides which
 //!   node hosts an actor and keeps one client per node.
-//! - No authentication or encryption.
+//! - No cancel message: a caller that times out on an open connection does not stop the
+//!   remote call; the host stops it at its own (rebuilt) deadline.
+//! - No authentication or encryption, and no defence beyond the frame limit against a
+//!   hostile peer (a maximal frame of tiny actor ids decodes into many allocations).
 //! - No wait-for edges across nodes on the caller's side: the host's dispatcher sees the
 //!   edge `caller → target`; the caller's dispatcher does not see the remote call.
 //!   Cross-node cycles end at their deadline.
