@@ -37,7 +37,7 @@ pub struct TransportClient {
 /// What a [`TransportClient`] did, for tests, the simulator and metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TransportClientStats {
-    /// Calls now registered and waiting for a reply (at most
+    /// Calls now holding an in-flight slot: connecting, or sent and waiting for a reply (at most
     /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`](super::CLIENT_REQUESTS_IN_FLIGHT_MAX)).
     pub requests_in_flight: usize,
     /// Connections opened since the client was created.
