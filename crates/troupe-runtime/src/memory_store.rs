@@ -203,7 +203,9 @@ impl StateStore for MemoryStore {
         check_key(prefix)?;
         self.faults.take(&self.faults.inner.fail_reads, "scan")?;
         let limit = limit.min(STATE_SCAN_LIMIT_MAX);
-        let start = (actor.clone(), after.unwrap_or(prefix).to_string());
+        // Start at the later of the prefix and `after`: an `after` that sorts before the
+        // prefix must not start the range on keys outside it.
+        let start = (actor.clone(), after.map_or(prefix, |after| after.max(prefix)).to_string());
         let disk = self.lock();
         Ok(disk
             .visible
