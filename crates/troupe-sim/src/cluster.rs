@@ -2,14 +2,14 @@
 //! each with a disk that outlives it, and the client side that routes requests.
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use troupe_core::{ActorId, InvokeError};
-use troupe_runtime::{KindConfig, MemoryStore, Runtime, RuntimeHandle};
+use troupe_core::{ActorId, CallContext, InvokeError};
+use troupe_runtime::{Clock, KindConfig, MemoryStore, Runtime, RuntimeHandle, TransportClient, TransportServer};
 
-use crate::probe::{probe_kind, AdmissionMode, ProbeConfig, ProbeFactory};
+use crate::probe::{node_address, owner_of, probe_kind, AdmissionMode, ProbeConfig, ProbeFactory, Router};
 use crate::stores::{StoreMode, SyncingStore};
 use crate::trace::{Event, Trace};
 
@@ -67,20 +67,25 @@ pub(crate) struct ClusterConfig {
     pub(crate) kind: KindConfig,
 }
 
-/// The simulated server nodes. Cheap to clone; clones share the nodes.
+/// The simulated server nodes and the client node. Cheap to clone; clones share the
+/// nodes.
+///
+/// Clients run on their own node (`client`, 10.0.1.1) and reach the servers only over
+/// the real transport (madsim's simulated TCP), so network faults hit the real code;
+/// probes reach probes on other nodes the same way. Node 0 in network faults means the
+/// client node.
 #[derive(Clone)]
 pub struct SimCluster {
     nodes: Arc<Mutex<Vec<Node>>>,
+    client_node: madsim::runtime::NodeHandle,
+    clients: Arc<Vec<TransportClient>>,
+    client_clock: Clock,
     config: ClusterConfig,
     trace: Trace,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn fnv(key: &str) -> u64 {
-    key.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 impl SimCluster {
@@ -97,7 +102,7 @@ impl SimCluster {
             };
             let slot: Arc<Mutex<Option<RuntimeHandle>>> = Arc::default();
             let (init_disk, init_slot, init_trace) = (disk.clone(), Arc::clone(&slot), trace.clone());
-            let ip = IpAddr::V4(Ipv4Addr::new(10, 0, 0, u8::try_from(number).expect("at most 255 nodes")));
+            let ip = node_address(number).ip();
             let node = handle
                 .create_node()
                 .name(format!("node-{number}"))
@@ -109,7 +114,21 @@ impl SimCluster {
                 .build();
             nodes.push(Node { madsim_id: node.id(), disk, handle: slot, alive: true });
         }
-        let cluster = Self { nodes: Arc::new(Mutex::new(nodes)), config, trace };
+        let client_node = handle
+            .create_node()
+            .name("client")
+            .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 1, 1)))
+            .build();
+        let client_clock = Clock::new();
+        let clients = (1..=config.nodes).map(|node| TransportClient::new(node_address(node), client_clock)).collect();
+        let cluster = Self {
+            nodes: Arc::new(Mutex::new(nodes)),
+            client_node,
+            clients: Arc::new(clients),
+            client_clock,
+            config,
+            trace,
+        };
         for number in 1..=config.nodes {
             cluster.wait_up(number).await;
         }
@@ -137,7 +156,26 @@ impl SimCluster {
 
     /// The owner of actor `key` under [`Placement::Owner`].
     pub fn owner(&self, key: &str) -> NodeId {
-        (fnv(key) % u64::from(self.config.nodes)) as NodeId + 1
+        owner_of(key, self.config.nodes)
+    }
+
+    /// The madsim id of `node`, or of the client node for 0.
+    pub fn network_id(&self, node: NodeId) -> madsim::task::NodeId {
+        if node == 0 {
+            self.client_node.id()
+        } else {
+            self.madsim_id(node)
+        }
+    }
+
+    /// Runs `future` on the client node (where client requests must run: it is the
+    /// node with the client's network address).
+    pub fn spawn_on_client<F>(&self, future: F) -> madsim::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.client_node.spawn(future)
     }
 
     /// The disk of `node` (the shared one under [`Disk::Shared`]).
@@ -201,7 +239,8 @@ impl SimCluster {
         self.wait_up(node).await;
     }
 
-    /// Invokes actor `target` on the node that hosts it, from outside any actor.
+    /// Invokes actor `target` on `node` over the transport, from outside any actor.
+    /// Must run on the client node ([`SimCluster::spawn_on_client`]).
     pub(crate) async fn invoke(
         &self,
         node: NodeId,
@@ -209,10 +248,8 @@ impl SimCluster {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, InvokeError> {
-        let Some(runtime) = self.runtime(node) else {
-            return Err(InvokeError::Unreachable { target: target.clone(), cause: format!("node {node} is down") });
-        };
-        runtime.invoke(target, payload, runtime.deadline_in(timeout)).await
+        let context = CallContext::root(self.client_clock.deadline_in(timeout));
+        self.clients[node as usize - 1].invoke(target, payload, context, None).await
     }
 
     pub(crate) fn placement(&self) -> Placement {
@@ -230,12 +267,22 @@ async fn serve(
     trace: Trace,
 ) {
     let store = SyncingStore::new(disk.clone(), config.store);
-    let probes = ProbeFactory::new(ProbeConfig { node, trace: trace.clone(), admission: config.admission });
+    let router = Arc::new(OnceLock::new());
+    let probes = ProbeFactory::new(ProbeConfig {
+        node,
+        trace: trace.clone(),
+        admission: config.admission,
+        router: Arc::clone(&router),
+    });
     let runtime: Runtime = Runtime::builder()
         .store(store)
         .register(probe_kind(), probes, config.kind)
         .expect("the probe kind registers")
         .start();
+    let _ = router.set(Router::new(node, config.nodes, runtime.clock()));
+    let server = TransportServer::bind(node_address(node), runtime.handle())
+        .await
+        .expect("the node's transport binds its address");
     if let StoreMode::BugAckBeforeFlush { flush_every_ms } = config.store {
         tokio::spawn(async move {
             loop {
@@ -247,5 +294,5 @@ async fn serve(
     trace.record(Event::NodeStarted { node });
     *lock(&slot) = Some(runtime.handle());
     std::future::pending::<()>().await;
-    drop(runtime);
+    drop((server, runtime));
 }

@@ -40,6 +40,31 @@ pub enum Fault {
     },
     /// Fail every storage operation of a node's disk until healed.
     FailStorage(NodeId),
+    /// Cut the link between two nodes both ways (0 is the client node). Packets wait
+    /// in madsim's TCP until the link heals; new connections are refused.
+    Partition(NodeId, NodeId),
+    /// Cut the link from the first node to the second only.
+    OneWay {
+        /// The sender whose packets are dropped.
+        from: NodeId,
+        /// The receiver.
+        to: NodeId,
+    },
+    /// Cut a node off from everyone, both ways.
+    Isolate(NodeId),
+    /// Set every link's latency to `min_ms..max_ms`.
+    Latency {
+        /// Shortest, in milliseconds.
+        min_ms: u64,
+        /// Longest (exclusive), in milliseconds.
+        max_ms: u64,
+    },
+    /// Lose `percent` of packets (madsim's TCP retransmits with backoff: lost packets
+    /// arrive late; connection attempts fail).
+    PacketLoss {
+        /// Percent of packets lost.
+        percent: u8,
+    },
 }
 
 impl std::fmt::Display for Fault {
@@ -52,6 +77,11 @@ impl std::fmt::Display for Fault {
             Self::FailLoads { node, count } => write!(f, "fail the next {count} loads on node {node}"),
             Self::FailReads { node, count } => write!(f, "fail the next {count} reads on node {node}"),
             Self::FailStorage(node) => write!(f, "fail all storage on node {node}"),
+            Self::Partition(a, b) => write!(f, "partition nodes {a} and {b}"),
+            Self::OneWay { from, to } => write!(f, "drop packets from node {from} to node {to}"),
+            Self::Isolate(node) => write!(f, "isolate node {node}"),
+            Self::Latency { min_ms, max_ms } => write!(f, "latency {min_ms}..{max_ms} ms"),
+            Self::PacketLoss { percent } => write!(f, "lose {percent}% of packets"),
         }
     }
 }

@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use madsim::net::NetSim;
 use troupe_core::InvokeError;
 use troupe_runtime::KindConfig;
 
@@ -98,21 +99,34 @@ impl SimClient {
         }
     }
 
-    /// Sends `op` to probe `key` with `timeout` and records the request, its outcome
-    /// and what the reference model needs (adds, gets, audits).
+    /// Sends `op` to probe `key` with `timeout` from the client node and records the
+    /// request, its outcome and what the reference model needs (adds, gets, audits).
     pub async fn request(&self, key: &str, op: ProbeOp, timeout: Duration) -> Outcome {
+        let client = self.clone();
+        let key = key.to_string();
+        self.cluster
+            .spawn_on_client(async move { client.request_here(&key, op, timeout).await })
+            .await
+            .expect("a client request task never panics")
+    }
+
+    async fn request_here(&self, key: &str, op: ProbeOp, timeout: Duration) -> Outcome {
         let trace = &self.trace;
         let actor = probe(key);
         let name = actor.to_string();
         let request = trace.next_id();
         let deadline_us = trace.clock().after_us(timeout);
         trace.record(Event::RequestSent { request, target: name.clone(), deadline_us });
-        match &op {
-            ProbeOp::Add { amount } => trace.record(Event::AddSent { request, actor: name.clone(), amount: *amount }),
-            ProbeOp::Get => trace.record(Event::GetSent { request, actor: name.clone() }),
+        let (leaf_target, leaf) = op.leaf();
+        let leaf_actor = leaf_target.map_or_else(|| name.clone(), str::to_string);
+        match leaf {
+            ProbeOp::Add { amount } => {
+                trace.record(Event::AddSent { request, actor: leaf_actor.clone(), amount: *amount });
+            }
+            ProbeOp::Get => trace.record(Event::GetSent { request, actor: leaf_actor.clone() }),
             _ => {}
         }
-        let payload = ProbeRequest { op: op.clone(), parent_deadline_us: deadline_us }.encode();
+        let payload = ProbeRequest { op: op.clone(), parent_deadline_us: deadline_us, sender_node: 0 }.encode();
         let mut attempt_timeout = timeout;
         let outcome = loop {
             let node = self.route(key);
@@ -125,15 +139,15 @@ impl SimClient {
                 (_, result) => break result.map(|bytes| ProbeReply::decode(&bytes)),
             }
         };
-        match (&op, &outcome) {
+        match (leaf, &outcome) {
             (ProbeOp::Add { .. }, Ok(ProbeReply::Count(value))) => {
-                trace.record(Event::AddAcked { request, actor: name.clone(), value: *value });
+                trace.record(Event::AddAcked { request, actor: leaf_actor.clone(), value: *value });
             }
             (ProbeOp::Get, Ok(ProbeReply::Count(value))) => {
-                trace.record(Event::GetReplied { request, actor: name.clone(), value: *value });
+                trace.record(Event::GetReplied { request, actor: leaf_actor.clone(), value: *value });
             }
             (ProbeOp::Audit, Ok(ProbeReply::Audit { batches, groups })) => {
-                trace.record(Event::Audited { actor: name.clone(), batches: *batches, groups: groups.clone() });
+                trace.record(Event::Audited { actor: leaf_actor.clone(), batches: *batches, groups: groups.clone() });
             }
             _ => {}
         }
@@ -205,6 +219,9 @@ impl Sim {
         )
         .await;
         let client = SimClient { cluster: cluster.clone(), trace: trace.clone(), mode: config.client };
+        let mut longest = Duration::ZERO;
+        NetSim::current().update_config(|net| longest = net.send_latency.end);
+        trace.record(Event::LinkLatencyMax { us: u64::try_from(longest.as_micros()).unwrap_or(u64::MAX) });
         Self {
             scenario,
             seed,
@@ -283,12 +300,54 @@ impl Sim {
             Fault::FailLoads { node, count } => self.cluster.disk(node).faults().fail_next_loads(count),
             Fault::FailReads { node, count } => self.cluster.disk(node).faults().fail_next_reads(count),
             Fault::FailStorage(node) => self.cluster.disk(node).faults().fail_all(),
+            Fault::Partition(a, b) => {
+                let (a, b) = (self.cluster.network_id(a), self.cluster.network_id(b));
+                NetSim::current().clog_link(a, b);
+                NetSim::current().clog_link(b, a);
+            }
+            Fault::OneWay { from, to } => {
+                NetSim::current().clog_link(self.cluster.network_id(from), self.cluster.network_id(to));
+            }
+            Fault::Isolate(node) => NetSim::current().clog_node(self.cluster.network_id(node)),
+            Fault::Latency { min_ms, max_ms } => {
+                NetSim::current().update_config(|config| {
+                    config.send_latency = Duration::from_millis(min_ms)..Duration::from_millis(max_ms.max(min_ms + 1));
+                });
+                self.record_latency();
+            }
+            Fault::PacketLoss { percent } => NetSim::current().update_config(|config| {
+                config.packet_loss_rate = f64::from(percent) / 100.0;
+            }),
         }
         self.check();
     }
 
-    /// Heals every fault: storage failures stop, killed nodes restart.
+    fn heal_network(&self) {
+        let net = NetSim::current();
+        let ids: Vec<_> = (0..=self.cluster.len()).map(|node| self.cluster.network_id(node)).collect();
+        for a in &ids {
+            net.unclog_node(*a);
+            for b in &ids {
+                net.unclog_link(*a, *b);
+            }
+        }
+        net.update_config(|config| *config = madsim::net::Config::default());
+        self.record_latency();
+    }
+
+    /// Tells the trace the network's longest one-way latency (DeadlineMonotone allows
+    /// one transit per network hop; see its documentation).
+    fn record_latency(&self) {
+        let mut longest = Duration::ZERO;
+        NetSim::current().update_config(|config| longest = config.send_latency.end);
+        let us = u64::try_from(longest.as_micros()).unwrap_or(u64::MAX);
+        self.trace.record(Event::LinkLatencyMax { us });
+    }
+
+    /// Heals every fault: links reconnect, latency and loss return to madsim's
+    /// defaults, storage failures stop, killed nodes restart.
     pub async fn heal(&self) {
+        self.heal_network();
         for node in 1..=self.cluster.len() {
             self.cluster.disk(node).faults().heal();
             if !self.cluster.is_alive(node) {

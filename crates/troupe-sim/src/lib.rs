@@ -47,12 +47,14 @@ mod cluster;
 mod faults;
 #[cfg(madsim)]
 mod harness;
+#[cfg(madsim)]
+pub mod workload;
 mod replay;
 
 pub use guard::{require_simulator, SIMULATOR_REQUIRED};
 pub use invariants::{Invariants, Violation};
 pub use probe::{
-    probe, probe_kind, AdmissionMode, AuditGroup, ProbeConfig, ProbeFactory, ProbeOp, ProbeReply,
+    node_address, owner_of, probe, probe_kind, Router, TRANSPORT_PORT, AdmissionMode, AuditGroup, ProbeConfig, ProbeFactory, ProbeOp, ProbeReply,
     ProbeRequest, RefusalKind,
 };
 pub use replay::{replay_cargo_command, replay_command, Scenario};

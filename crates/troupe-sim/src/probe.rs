@@ -10,13 +10,15 @@
 //! modes are planted bugs for the tests that prove the invariants can fail.
 
 use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallAdmitted, CallContext, CallRefused, Deadline};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Turn};
+use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, TransportClient, Turn};
 
 use crate::trace::{Event, Trace};
 
@@ -24,6 +26,54 @@ use crate::trace::{Event, Trace};
 const PROBE_KIND: &str = "probe";
 /// Prefix of batch entries in a probe's key-value space.
 const BATCH_PREFIX: &str = "b/";
+
+/// The port every simulated node's transport server listens on.
+pub const TRANSPORT_PORT: u16 = 7_000;
+
+/// The owner of probe `key` among `nodes` nodes (1-based): FNV-1a of the key modulo the
+/// node count. The simulation's stand-in for the directory.
+pub fn owner_of(key: &str, nodes: u32) -> u32 {
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    (hash % u64::from(nodes.max(1))) as u32 + 1
+}
+
+/// The transport address of simulated node `node`.
+pub fn node_address(node: u32) -> SocketAddr {
+    let host = u8::try_from(node).expect("at most 255 nodes");
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, host)), TRANSPORT_PORT)
+}
+
+/// Routes a probe's calls: local targets through its own runtime, remote ones through
+/// a [`TransportClient`] to their owner (one per peer, created on first use).
+pub struct Router {
+    node: u32,
+    nodes: u32,
+    clock: Clock,
+    clients: Mutex<BTreeMap<u32, Arc<TransportClient>>>,
+}
+
+impl Router {
+    /// The router of node `node` of `nodes`, on the runtime clock `clock`.
+    pub fn new(node: u32, nodes: u32, clock: Clock) -> Self {
+        Self { node, nodes, clock, clients: Mutex::new(BTreeMap::new()) }
+    }
+
+    /// The node hosting `target`: its owner for probes; this node for other kinds.
+    pub fn host(&self, target: &ActorId) -> u32 {
+        if *target.kind() == probe_kind() {
+            owner_of(target.key(), self.nodes)
+        } else {
+            self.node
+        }
+    }
+
+    fn client(&self, node: u32) -> Arc<TransportClient> {
+        let mut clients = self.clients.lock().unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(clients.entry(node).or_insert_with(|| Arc::new(TransportClient::new(node_address(node), self.clock))))
+    }
+}
 
 /// The probe kind.
 pub fn probe_kind() -> ActorKind {
@@ -109,6 +159,23 @@ pub enum ProbeOp {
 }
 
 impl ProbeOp {
+    /// The operation that finally runs, and the actor (`kind/key`) it runs in if that
+    /// is not the first receiver: follows `Call` and `Sleep`.
+    pub fn leaf(&self) -> (Option<&str>, &ProbeOp) {
+        let mut target = None;
+        let mut op = self;
+        loop {
+            match op {
+                ProbeOp::Call { target: next, op: inner, .. } => {
+                    target = Some(next.as_str());
+                    op = inner;
+                }
+                ProbeOp::Sleep { then, .. } => op = then,
+                _ => return (target, op),
+            }
+        }
+    }
+
     /// A chain of calls through `hops` (probe keys), ending with `leaf` at the last hop.
     pub fn chain(hops: &[&str], leaf: ProbeOp, timeout_ms: u64) -> ProbeOp {
         hops.iter().rev().fold(leaf, |inner, hop| ProbeOp::Call {
@@ -128,6 +195,8 @@ pub struct ProbeRequest {
     pub op: ProbeOp,
     /// The sender's deadline, as trace time.
     pub parent_deadline_us: u64,
+    /// The sender's node (0 for the client node).
+    pub sender_node: u32,
 }
 
 impl ProbeRequest {
@@ -217,6 +286,8 @@ pub struct ProbeConfig {
     pub trace: Trace,
     /// How they admit calls.
     pub admission: AdmissionMode,
+    /// How they reach other nodes; set once the node's runtime (and its clock) exists.
+    pub router: Arc<OnceLock<Router>>,
 }
 
 /// Builds probes from their snapshots.
@@ -342,10 +413,20 @@ impl Probe {
             deadline_us,
             parent_deadline_us,
         });
-        let payload = ProbeRequest { op, parent_deadline_us: deadline_us }.encode();
-        trace.record(Event::WaitBegin { call, caller: self.name.clone(), target: target.to_string() });
+        let payload = ProbeRequest { op, parent_deadline_us: deadline_us, sender_node: self.config.node }.encode();
+        let router = self.config.router.get().expect("the router is set before any turn runs");
+        let host = router.host(&target);
+        trace.record(Event::WaitBegin { call, caller: self.name.clone(), target: target.to_string(), host });
         let mut guard = WaitGuard { trace: trace.clone(), call, outcome: None };
         let result = match self.config.admission {
+            _ if host != router.node => {
+                let client = router.client(host);
+                let (context, caller) = match self.config.admission {
+                    AdmissionMode::BugNoWaitForEdge => (CallContext::root(admitted.child.deadline()), None),
+                    _ => (admitted.child, Some(turn.id())),
+                };
+                client.invoke(&target, payload, context, caller).await
+            }
             AdmissionMode::BugNoWaitForEdge => {
                 turn.handle().invoke(&target, payload, admitted.child.deadline()).await
             }
@@ -446,6 +527,7 @@ impl Actor for Probe {
             chain: context.chain().iter().map(ToString::to_string).collect(),
             deadline_us: self.deadline_us(turn),
             parent_deadline_us: request.parent_deadline_us,
+            remote: request.sender_node != self.config.node,
         });
         let result = self.run(turn, request.op).await;
         self.config.trace.record(Event::TurnEnded {

@@ -72,6 +72,11 @@ pub enum Event {
     },
     /// Every fault was healed.
     FaultsHealed,
+    /// The longest one-way link latency the network is now configured with.
+    LinkLatencyMax {
+        /// In microseconds.
+        us: u64,
+    },
     /// An activation ran `on_activate`.
     Activated {
         /// Where.
@@ -104,6 +109,8 @@ pub enum Event {
         deadline_us: u64,
         /// The deadline of the caller (the root request or the calling turn).
         parent_deadline_us: u64,
+        /// Whether the request crossed the network (from the client or another node).
+        remote: bool,
     },
     /// A turn's handler returned (before its commit).
     TurnEnded {
@@ -148,6 +155,8 @@ pub enum Event {
         caller: String,
         /// On whom.
         target: String,
+        /// The node whose dispatcher routes the call (the target's host).
+        host: u32,
     },
     /// The wait ended (reply, error, timeout or the caller was cancelled).
     WaitEnd {

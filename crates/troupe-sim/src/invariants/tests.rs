@@ -25,6 +25,7 @@ fn turn(actor: &str, depth: u32, chain: &[&str], deadline_us: u64, parent_deadli
         chain: chain.iter().map(|s| s.to_string()).collect(),
         deadline_us,
         parent_deadline_us,
+        remote: false,
     }
 }
 
@@ -50,13 +51,13 @@ fn no_cycle_catches_an_actor_running_inside_its_own_chain() {
 
 #[test]
 fn deadline_monotone_catches_a_child_outliving_its_parent() {
-    assert!(run(DeadlineMonotone, vec![(0, turn("b", 1, &["a"], 2_000, 1_000))]).is_err());
-    assert!(run(DeadlineMonotone, vec![(0, turn("b", 1, &["a"], 1_000, 1_000))]).is_ok());
+    assert!(run(DeadlineMonotone::default(), vec![(0, turn("b", 1, &["a"], 2_000, 1_000))]).is_err());
+    assert!(run(DeadlineMonotone::default(), vec![(0, turn("b", 1, &["a"], 1_000, 1_000))]).is_ok());
 }
 
 #[test]
 fn wait_for_cycle_may_not_outlive_its_grace() {
-    let begin = |call, caller: &str, target: &str| Event::WaitBegin { call, caller: caller.into(), target: target.into() };
+    let begin = |call, caller: &str, target: &str| Event::WaitBegin { call, caller: caller.into(), target: target.into(), host: 1 };
     let end = |call| Event::WaitEnd { call, outcome: "x".into() };
     let refused_at_once = vec![(0, begin(1, "a", "b")), (0, begin(2, "b", "a")), (10, end(2)), (500, end(1))];
     assert!(run(WaitForGraphAcyclic::default(), refused_at_once).is_ok());
