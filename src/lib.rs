@@ -7,3 +7,4 @@
 
 pub use troupe_core as core;
 pub use troupe_runtime as runtime;
+pub use troupe_agent as agent;

@@ -201,9 +201,9 @@ fn render_node(node: &CallNode, indent: usize, out: &mut String) {
                 CallOutcome::Failed(error) => format!("{}: {error}", outcome.label()),
                 CallOutcome::Other { cause } => format!("failed: {cause}"),
             };
-            (format!("{:>5}.{:03} s", micros / 1_000_000, (micros / 1_000) % 1_000), detail)
+            (format!("{:>3}.{:03} s", micros / 1_000_000, (micros / 1_000) % 1_000), detail)
         }
-        None => ("    running".to_string(), String::new()),
+        None => ("running".to_string(), String::new()),
     };
     let _ = writeln!(
         out,

@@ -1,0 +1,157 @@
+//! Agent-layer benchmarks, in one run so the ratios are meaningful.
+//!
+//! - `agent ask vs plain invoke`: a plain runtime invoke of an echo actor (the floor);
+//!   an agent that answers in one scripted model step; an agent that asks another
+//!   agent through `call_agent` (two agent turns, three model steps, admission, the
+//!   wait-for edge, JSON log writes and snapshots committed to the in-memory store).
+//! - `call admission`: one `admit_call` decision at depth 2 (target: < 1 µs).
+//!
+//! Run: `cargo bench --bench agents` (shorter measurement when `CI` is set).
+
+// Benches measure wall-clock time by design; the determinism lints are for library code.
+#![allow(clippy::disallowed_methods, missing_docs)]
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use criterion::{criterion_group, criterion_main, Criterion};
+use serde_json::json;
+use troupe::agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe::core::limits::AGENT_CALL_TIMEOUT_MS_DEFAULT;
+use troupe::core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, Deadline};
+use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+
+struct Echo;
+
+#[async_trait]
+impl Actor for Echo {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        Ok(payload)
+    }
+}
+
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn long_lived() -> KindConfig {
+    KindConfig::default().with_idle_timeout(Duration::from_secs(3_600))
+}
+
+fn agent_system() -> AgentSystem {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("asker")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "answerer", "message": "{input}"})),
+        )
+        .rule(ScriptRule::agent("asker").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("answerer").reply("42"));
+    AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm))
+        .kind_config(long_lived())
+        .agent(AgentSpec::new("asker"))
+        .agent(AgentSpec::new("answerer"))
+        .start()
+        .unwrap()
+}
+
+fn ask_vs_invoke(c: &mut Criterion) {
+    let rt = current_thread();
+    let mut group = c.benchmark_group("agent ask vs plain invoke");
+    if std::env::var_os("CI").is_some() {
+        group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    }
+    group.bench_function("plain runtime invoke of an echo actor", |b| {
+        let runtime = rt.block_on(async {
+            let runtime = Runtime::builder()
+                .register(
+                    ActorKind::new("echo").unwrap(),
+                    |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+                    long_lived(),
+                )
+                .unwrap()
+                .start();
+            let target = ActorId::new("echo", "e").unwrap();
+            runtime.invoke(&target, Bytes::from_static(b"x"), runtime.deadline_in(Duration::from_secs(10))).await.unwrap();
+            runtime
+        });
+        let target = ActorId::new("echo", "e").unwrap();
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let deadline = runtime.deadline_in(Duration::from_secs(10));
+                    black_box(runtime.invoke(&target, Bytes::from_static(b"x"), deadline).await.unwrap());
+                }
+                start.elapsed()
+            })
+        });
+    });
+    group.bench_function("agent answers in one scripted model step", |b| {
+        let system = rt.block_on(async {
+            let system = agent_system();
+            system.ask("answerer", "warm up").await.unwrap();
+            system
+        });
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    black_box(system.ask("answerer", "what is 6 x 7?").await.unwrap());
+                }
+                start.elapsed()
+            })
+        });
+    });
+    group.bench_function("agent asks another agent through call_agent", |b| {
+        let system = rt.block_on(async {
+            let system = agent_system();
+            system.ask("asker", "warm up").await.unwrap();
+            system
+        });
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let reply = system.ask("asker", "what is 6 x 7?").await.unwrap();
+                    assert_eq!(reply.text, "42");
+                }
+                start.elapsed()
+            })
+        });
+    });
+    group.finish();
+}
+
+fn admission(c: &mut Criterion) {
+    let mut group = c.benchmark_group("call admission");
+    let (a, b, target) = (
+        ActorId::new("agent", "a").unwrap(),
+        ActorId::new("agent", "b").unwrap(),
+        ActorId::new("agent", "c").unwrap(),
+    );
+    let far = Deadline::from_micros(3_600_000_000);
+    let context = CallContext::root(far).child(a, far).child(b.clone(), far);
+    group.bench_function("admit_call at depth 2", |bench| {
+        bench.iter(|| {
+            black_box(admit_call(AdmissionRequest {
+                caller: black_box(&b),
+                context: black_box(&context),
+                target: black_box(&target),
+                target_known: true,
+                calls_in_flight: 3,
+                requested_timeout_ms: Some(AGENT_CALL_TIMEOUT_MS_DEFAULT),
+                now: Deadline::from_micros(1_000),
+            }))
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, ask_vs_invoke, admission);
+criterion_main!(benches);
