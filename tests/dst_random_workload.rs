@@ -7,15 +7,16 @@
 //! then everything heals and all pending work must finish, every probe must read back
 //! at least what was acknowledged and its batches must be whole.
 //!
-//! Faults: node kill/restart, disk crash with lost unflushed writes, commit/load/read
-//! failures, callee timeout, callee rejects, agent (kind) not found, cycle, depth.
+//! Faults: symmetric and one-way partitions, node isolation, latency, packet loss, node
+//! kill/restart, disk crash with lost unflushed writes, commit/load/read failures,
+//! callee timeout, callee rejects, agent (kind) not found, cycle, depth.
 //! Invariants: all eight (`troupe_sim::Invariants::all`).
 #![cfg(madsim)]
 
 use std::time::Duration;
 
 use troupe_sim::workload::{run_standard, FaultMix, Standard};
-use troupe_sim::{Scenario, Sim, SimConfig, StoreMode};
+use troupe_sim::{KnownIssues, Scenario, Sim, SimConfig, StoreMode};
 
 const TEST: &str = "dst_random_workload";
 
@@ -23,7 +24,14 @@ const TEST: &str = "dst_random_workload";
 #[madsim::test]
 async fn random_workload_with_every_fault_keeps_every_invariant() {
     let scenario = Scenario { test: TEST, name: "random_workload_with_every_fault_keeps_every_invariant" };
-    let config = SimConfig { nodes: 2, store: StoreMode::Fsync { latency_ms: 2 }, ..SimConfig::default() };
+    let config = SimConfig {
+        nodes: 2,
+        store: StoreMode::Fsync { latency_ms: 2 },
+        // Partitions and loss hit the transport's late-delivery bug (docs/dst.md, known
+        // issues); counted in the report line, pinned by dst_partition.
+        known_issues: KnownIssues { late_network_delivery: true },
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start(scenario, config).await;
     run_standard(&mut sim, Standard { faults: FaultMix::all(), ..Standard::default() }).await;
     sim.finish().await;

@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use troupe_core::{ActorId, CallContext, InvokeError};
+use troupe_agent::{AgentClient, AgentSystem};
 use troupe_runtime::{Clock, KindConfig, MemoryStore, Runtime, RuntimeHandle, TransportClient, TransportServer};
 
+use crate::agents::{AgentSetup, FaultyLlm, LlmFaults, TraceObserver, AGENT_NODE};
 use crate::probe::{node_address, owner_of, probe_kind, AdmissionMode, ProbeConfig, ProbeFactory, Router};
 use crate::stores::{StoreMode, SyncingStore};
 use crate::trace::{Event, Trace};
@@ -49,15 +51,22 @@ pub enum ClientMode {
     BugRetryIgnoresDeadline,
 }
 
+/// What a node publishes once its runtime is up.
+#[derive(Clone)]
+struct Published {
+    runtime: RuntimeHandle,
+    agents: Option<AgentClient>,
+}
+
 struct Node {
     madsim_id: madsim::task::NodeId,
     disk: MemoryStore,
-    handle: Arc<Mutex<Option<RuntimeHandle>>>,
+    handle: Arc<Mutex<Option<Published>>>,
     alive: bool,
 }
 
 /// What a cluster is built from.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct ClusterConfig {
     pub(crate) nodes: u32,
     pub(crate) disk: Disk,
@@ -65,6 +74,8 @@ pub(crate) struct ClusterConfig {
     pub(crate) admission: AdmissionMode,
     pub(crate) placement: Placement,
     pub(crate) kind: KindConfig,
+    pub(crate) agents: Option<AgentSetup>,
+    pub(crate) llm_faults: LlmFaults,
 }
 
 /// The simulated server nodes and the client node. Cheap to clone; clones share the
@@ -100,8 +111,9 @@ impl SimCluster {
                 Disk::PerNode => MemoryStore::new(),
                 Disk::Shared => shared_disk.clone(),
             };
-            let slot: Arc<Mutex<Option<RuntimeHandle>>> = Arc::default();
+            let slot: Arc<Mutex<Option<Published>>> = Arc::default();
             let (init_disk, init_slot, init_trace) = (disk.clone(), Arc::clone(&slot), trace.clone());
+            let init_config = config.clone();
             let ip = node_address(number).ip();
             let node = handle
                 .create_node()
@@ -109,6 +121,7 @@ impl SimCluster {
                 .ip(ip)
                 .init(move || {
                     let (disk, slot, trace) = (init_disk.clone(), Arc::clone(&init_slot), init_trace.clone());
+                    let config = init_config.clone();
                     async move { serve(number, config, disk, slot, trace).await }
                 })
                 .build();
@@ -126,7 +139,7 @@ impl SimCluster {
             client_node,
             clients: Arc::new(clients),
             client_clock,
-            config,
+            config: config.clone(),
             trace,
         };
         for number in 1..=config.nodes {
@@ -185,13 +198,22 @@ impl SimCluster {
 
     /// The live runtime of `node`, if it is up.
     pub fn runtime(&self, node: NodeId) -> Option<RuntimeHandle> {
+        self.published(node).map(|published| published.runtime)
+    }
+
+    /// The agent client of the agent node's live system, if it is up and has agents.
+    pub fn agent_client(&self) -> Option<AgentClient> {
+        self.published(AGENT_NODE).and_then(|published| published.agents)
+    }
+
+    fn published(&self, node: NodeId) -> Option<Published> {
         let nodes = lock(&self.nodes);
         let slot = &nodes[node as usize - 1];
         if !slot.alive {
             return None;
         }
-        let handle = lock(&slot.handle).clone();
-        handle
+        let published = lock(&slot.handle).clone();
+        published
     }
 
     /// Whether `node` is up.
@@ -263,7 +285,7 @@ async fn serve(
     node: NodeId,
     config: ClusterConfig,
     disk: MemoryStore,
-    slot: Arc<Mutex<Option<RuntimeHandle>>>,
+    slot: Arc<Mutex<Option<Published>>>,
     trace: Trace,
 ) {
     let store = SyncingStore::new(disk.clone(), config.store);
@@ -274,13 +296,35 @@ async fn serve(
         admission: config.admission,
         router: Arc::clone(&router),
     });
-    let runtime: Runtime = Runtime::builder()
-        .store(store)
-        .register(probe_kind(), probes, config.kind)
-        .expect("the probe kind registers")
-        .start();
-    let _ = router.set(Router::new(node, config.nodes, runtime.clock()));
-    let server = TransportServer::bind(node_address(node), runtime.handle())
+    let builder = Runtime::builder().store(store).register(probe_kind(), probes, config.kind).expect("the probe kind registers");
+    let (runtime, agents): (Option<Runtime>, Option<AgentSystem>) = match &config.agents {
+        Some(setup) if node == AGENT_NODE => {
+            let llm = Arc::new(FaultyLlm::new(Arc::clone(&setup.llm), config.llm_faults.clone()));
+            let mut system = AgentSystem::builder()
+                .runtime(builder)
+                .llm(llm)
+                .kind_config(config.kind)
+                .observer(Arc::new(TraceObserver::new(node, trace.clone())));
+            for spec in &setup.agents {
+                system = system.agent(spec.clone());
+            }
+            for tool in &setup.tools {
+                system = system.tool(tool.clone());
+            }
+            for observer in &setup.observers {
+                system = system.observer(Arc::clone(observer));
+            }
+            (None, Some(system.start().expect("the simulated agent system starts")))
+        }
+        _ => (Some(builder.start()), None),
+    };
+    let handle = match (&runtime, &agents) {
+        (Some(runtime), _) => runtime.handle(),
+        (None, Some(system)) => system.client().runtime().clone(),
+        (None, None) => unreachable!("a node runs a runtime or an agent system"),
+    };
+    let _ = router.set(Router::new(node, config.nodes, handle.clock()));
+    let server = TransportServer::bind(node_address(node), handle.clone())
         .await
         .expect("the node's transport binds its address");
     if let StoreMode::BugAckBeforeFlush { flush_every_ms } = config.store {
@@ -292,7 +336,7 @@ async fn serve(
         });
     }
     trace.record(Event::NodeStarted { node });
-    *lock(&slot) = Some(runtime.handle());
+    *lock(&slot) = Some(Published { runtime: handle, agents: agents.as_ref().map(AgentSystem::client) });
     std::future::pending::<()>().await;
-    drop((server, runtime));
+    drop((server, runtime, agents));
 }

@@ -59,6 +59,21 @@ pub enum Fault {
         /// Longest (exclusive), in milliseconds.
         max_ms: u64,
     },
+    /// Every model answer takes `ms` longer.
+    LlmLatency {
+        /// Added latency, in milliseconds.
+        ms: u64,
+    },
+    /// The next `count` model requests fail.
+    LlmFail {
+        /// How many.
+        count: u64,
+    },
+    /// The next `count` calls of the `lookup` tool fail.
+    ToolFail {
+        /// How many.
+        count: u64,
+    },
     /// Lose `percent` of packets (madsim's TCP retransmits with backoff: lost packets
     /// arrive late; connection attempts fail).
     PacketLoss {
@@ -82,6 +97,9 @@ impl std::fmt::Display for Fault {
             Self::Isolate(node) => write!(f, "isolate node {node}"),
             Self::Latency { min_ms, max_ms } => write!(f, "latency {min_ms}..{max_ms} ms"),
             Self::PacketLoss { percent } => write!(f, "lose {percent}% of packets"),
+            Self::LlmLatency { ms } => write!(f, "model answers {ms} ms slower"),
+            Self::LlmFail { count } => write!(f, "fail the next {count} model requests"),
+            Self::ToolFail { count } => write!(f, "fail the next {count} tool calls"),
         }
     }
 }

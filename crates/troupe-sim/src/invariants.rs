@@ -22,7 +22,7 @@ mod single_activation;
 mod turn_writes_atomic;
 mod wait_for_graph_acyclic;
 
-pub use deadline_monotone::DeadlineMonotone;
+pub use deadline_monotone::{DeadlineMonotone, TRANSIT_SLACK_US};
 pub use every_call_resolves::RESOLVE_SLACK_US;
 pub use wait_for_graph_acyclic::WAIT_FOR_CYCLE_GRACE_US;
 pub use depth_bounded::DepthBounded;
@@ -53,6 +53,23 @@ pub trait Invariant: Send {
     fn finish(&mut self, _now_us: u64) -> Result<(), String> {
         Ok(())
     }
+
+    /// Violations of a known issue that this run tolerates (counted, reported, not
+    /// failed).
+    fn tolerated(&self) -> u64 {
+        0
+    }
+}
+
+/// Known bugs of other components that a scenario may tolerate explicitly while they
+/// are being fixed. Each is counted and printed in the run's report line; each has a
+/// test pinning that it still happens (so its removal is noticed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KnownIssues {
+    /// The transport rebuilds a request's deadline as `arrival + remaining`, so a
+    /// request held up by a partition or packet loss runs with its whole budget after
+    /// its caller gave up (DeadlineMonotone across a network hop).
+    pub late_network_delivery: bool,
 }
 
 /// A broken invariant.
@@ -84,12 +101,22 @@ const VIOLATIONS_KEPT_MAX: usize = 16;
 impl Invariants {
     /// Every invariant Troupe promises.
     pub fn all() -> Self {
+        Self::all_tolerating(KnownIssues::default())
+    }
+
+    /// Every invariant, tolerating `known` issues (see [`KnownIssues`]).
+    pub fn all_tolerating(known: KnownIssues) -> Self {
+        let deadline_monotone = if known.late_network_delivery {
+            DeadlineMonotone::tolerating_late_delivery()
+        } else {
+            DeadlineMonotone::default()
+        };
         Self::of(vec![
             Box::new(SingleActivation::default()),
             Box::new(DepthBounded::default()),
             Box::new(NoCycleInCallChain::default()),
             Box::new(WaitForGraphAcyclic::default()),
-            Box::new(DeadlineMonotone::default()),
+            Box::new(deadline_monotone),
             Box::new(EveryCallResolves::default()),
             Box::new(NoAckedStateLost::default()),
             Box::new(TurnWritesAtomic::default()),
@@ -131,6 +158,11 @@ impl Invariants {
     /// The violations found, in order.
     pub fn violations(&self) -> &[Violation] {
         &self.violations
+    }
+
+    /// Tolerated known-issue violations, by invariant (only those with any).
+    pub fn tolerated(&self) -> Vec<(&'static str, u64)> {
+        self.checks.iter().map(|check| (check.name(), check.tolerated())).filter(|(_, count)| *count > 0).collect()
     }
 }
 

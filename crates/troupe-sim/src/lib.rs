@@ -34,6 +34,7 @@
 
 #![warn(missing_docs)]
 
+pub mod agents;
 mod guard;
 pub mod invariants;
 mod probe;
@@ -52,7 +53,7 @@ pub mod workload;
 mod replay;
 
 pub use guard::{require_simulator, SIMULATOR_REQUIRED};
-pub use invariants::{Invariants, Violation};
+pub use invariants::{Invariants, KnownIssues, Violation};
 pub use probe::{
     node_address, owner_of, probe, probe_kind, Router, TRANSPORT_PORT, AdmissionMode, AuditGroup, ProbeConfig, ProbeFactory, ProbeOp, ProbeReply,
     ProbeRequest, RefusalKind,
@@ -67,4 +68,4 @@ pub use cluster::{ClientMode, Disk, NodeId, Placement, SimCluster};
 #[cfg(madsim)]
 pub use faults::Fault;
 #[cfg(madsim)]
-pub use harness::{Outcome, Report, Sim, SimClient, SimConfig};
+pub use harness::{AgentOutcome, Outcome, Report, Sim, SimClient, SimConfig};

@@ -147,6 +147,27 @@ pub enum Event {
         /// Why.
         reason: RefusalKind,
     },
+    /// An agent's `call_agent` was refused by admission.
+    AgentCallRefused {
+        /// The trace id of the call.
+        call: u64,
+        /// Why.
+        reason: RefusalKind,
+    },
+    /// A client was told an agent's answer to `text`.
+    AgentAcked {
+        /// The agent.
+        agent: String,
+        /// The message it answered.
+        text: String,
+    },
+    /// The user messages found in an agent's committed conversation log.
+    AgentLogRead {
+        /// The agent.
+        agent: String,
+        /// Every user message in the log, oldest first.
+        user_texts: Vec<String>,
+    },
     /// A caller's turn began waiting on a call.
     WaitBegin {
         /// The call's id.
@@ -329,6 +350,11 @@ impl Trace {
     /// The violations found so far, first first.
     pub fn violations(&self) -> Vec<Violation> {
         self.lock().invariants.violations().to_vec()
+    }
+
+    /// Tolerated known-issue violations, by invariant.
+    pub fn tolerated(&self) -> Vec<(&'static str, u64)> {
+        self.lock().invariants.tolerated()
     }
 
     /// The last events, one per line, for a failure report.

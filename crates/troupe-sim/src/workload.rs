@@ -23,12 +23,15 @@ pub struct FaultMix {
     pub disk_crashes: bool,
     /// Fail commits, loads and reads.
     pub storage: bool,
+    /// Partitions (symmetric, one-way, isolation), latency and packet loss; healed
+    /// again at random.
+    pub network: bool,
 }
 
 impl FaultMix {
     /// Every fault.
     pub fn all() -> Self {
-        Self { kills: true, disk_crashes: true, storage: true }
+        Self { kills: true, disk_crashes: true, storage: true, network: true }
     }
 }
 
@@ -143,7 +146,23 @@ async fn random_fault(sim: &mut Sim, mix: FaultMix) {
             choices.push(Fault::FailReads { node, count });
         }
     }
+    if mix.network {
+        // Node 0 is the client node.
+        let a = sim.rng().range(0, u64::from(nodes) + 1) as u32;
+        let b = (a + 1 + sim.rng().range(0, u64::from(nodes)) as u32) % (nodes + 1);
+        let max_ms = sim.rng().range(5, 60);
+        let percent = sim.rng().range(5, 40) as u8;
+        choices.push(Fault::Partition(a, b));
+        choices.push(Fault::OneWay { from: a, to: b });
+        choices.push(Fault::Isolate(node));
+        choices.push(Fault::Latency { min_ms: 1, max_ms });
+        choices.push(Fault::PacketLoss { percent });
+    }
     if choices.is_empty() {
+        return;
+    }
+    if mix.network && sim.rng().chance(30) {
+        sim.heal_network_now();
         return;
     }
     let fault = *sim.rng().pick(&choices);

@@ -14,6 +14,12 @@
 //! more. A request
 //! held up by a partition or packet loss and delivered later runs with its whole
 //! original budget, and this check reports it.
+//!
+//! That late delivery is a known transport bug (found by this check; see
+//! `docs/dst.md`, "Known issues"). A scenario with network faults may tolerate it
+//! explicitly ([`KnownIssues::late_network_delivery`](super::KnownIssues)): such
+//! violations are then counted and printed in the run's report line instead of failing
+//! it. Local hops are never tolerated.
 
 use super::Invariant;
 use crate::trace::{Event, Stamped};
@@ -31,6 +37,17 @@ pub const TRANSIT_SLACK_US: u64 = 5_000;
 pub struct DeadlineMonotone {
     /// The longest one-way latency seen configured so far, in microseconds.
     transit_allowance_us: u64,
+    /// Whether late network delivery is tolerated (counted, not failed).
+    tolerate_late_delivery: bool,
+    tolerated: u64,
+}
+
+impl DeadlineMonotone {
+    /// A check that counts, rather than fails on, remote turns whose deadline grew by
+    /// more than one transit (the known late-delivery transport bug).
+    pub fn tolerating_late_delivery() -> Self {
+        Self { tolerate_late_delivery: true, ..Self::default() }
+    }
 }
 
 impl Invariant for DeadlineMonotone {
@@ -54,6 +71,10 @@ impl Invariant for DeadlineMonotone {
             Event::TurnStarted { actor, deadline_us, parent_deadline_us, chain, remote, .. } => {
                 let allowance = DEADLINE_ROUNDING_US + if *remote { self.transit_allowance_us + TRANSIT_SLACK_US } else { 0 };
                 if *deadline_us > parent_deadline_us + allowance {
+                    if *remote && self.tolerate_late_delivery {
+                        self.tolerated += 1;
+                        return Ok(());
+                    }
                     return Err(format!(
                         "a turn of {actor} (chain {chain:?}, {}) runs until {deadline_us} us, later than its caller's \
                          deadline {parent_deadline_us} us by {} us (allowed {allowance} us)",
@@ -65,5 +86,9 @@ impl Invariant for DeadlineMonotone {
             }
             _ => Ok(()),
         }
+    }
+
+    fn tolerated(&self) -> u64 {
+        self.tolerated
     }
 }

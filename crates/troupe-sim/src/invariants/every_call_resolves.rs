@@ -20,6 +20,8 @@ pub const RESOLVE_SLACK_US: u64 = 1_000;
 pub struct EveryCallResolves {
     requests: BTreeMap<u64, (String, u64)>,
     calls: BTreeMap<u64, (String, u64)>,
+    /// Waits whose call has no recorded deadline (agents' calls): they must end too.
+    waits: BTreeMap<u64, (String, u64)>,
 }
 
 fn late(what: &str, name: &str, deadline_us: u64, now_us: u64) -> Result<(), String> {
@@ -64,7 +66,11 @@ impl Invariant for EveryCallResolves {
             Event::CallAdmitted { call, caller, target, deadline_us, .. } => {
                 self.calls.insert(*call, (format!("{caller} -> {target}"), *deadline_us));
             }
+            Event::WaitBegin { call, caller, target, .. } => {
+                self.waits.insert(*call, (format!("{caller} -> {target}"), u64::MAX));
+            }
             Event::WaitEnd { call, .. } => {
+                self.waits.remove(call);
                 if let Some((name, deadline_us)) = self.calls.remove(call) {
                     late("call", &name, deadline_us, now)?;
                 }
@@ -76,6 +82,7 @@ impl Invariant for EveryCallResolves {
 
     fn finish(&mut self, now_us: u64) -> Result<(), String> {
         pending("request", &self.requests, now_us)?;
-        pending("call", &self.calls, now_us)
+        pending("call", &self.calls, now_us)?;
+        pending("wait", &self.waits, now_us)
     }
 }

@@ -7,6 +7,9 @@
 //! could not know may or may not have happened). Every read made through the runtime
 //! (`GetReplied`) must lie between the floor when the read was sent and the ceiling;
 //! every acknowledged add must be at least the floor when it was sent plus its amount.
+//!
+//! Agents: every message whose answer a client was told (`AgentAcked`) must be in the
+//! agent's committed conversation log whenever the log is read (`AgentLogRead`).
 
 use std::collections::BTreeMap;
 
@@ -25,6 +28,8 @@ pub struct NoAckedStateLost {
     actors: BTreeMap<String, Model>,
     /// Open requests: id → (floor when sent, amount added).
     open: BTreeMap<u64, (u64, u64)>,
+    /// Agent → messages whose answers were acknowledged.
+    agent_acks: BTreeMap<String, Vec<String>>,
 }
 
 impl Invariant for NoAckedStateLost {
@@ -70,6 +75,20 @@ impl Invariant for NoAckedStateLost {
             }
             Event::RequestResolved { request, .. } => {
                 self.open.remove(request);
+            }
+            Event::AgentAcked { agent, text } => {
+                self.agent_acks.entry(agent.clone()).or_default().push(text.clone());
+            }
+            Event::AgentLogRead { agent, user_texts } => {
+                for acked in self.agent_acks.get(agent).into_iter().flatten() {
+                    if !user_texts.contains(acked) {
+                        return Err(format!(
+                            "{agent} answered {acked:?} to a client, but its committed log has no such message \
+                             ({} user messages)",
+                            user_texts.len()
+                        ));
+                    }
+                }
             }
             _ => {}
         }
