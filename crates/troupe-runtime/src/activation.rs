@@ -25,7 +25,7 @@ use troupe_core::{ActorId, InvokeError};
 
 use crate::envelope::{Control, Envelope, MailboxReceiver};
 use crate::runtime::Counters;
-use crate::{Actor, ActorError, ActorFactory, KindConfig, RuntimeHandle, StateStore, Turn, TurnCommit};
+use crate::{Actor, ActorError, ActorFactory, RuntimeHandle, StateStore, Turn, TurnCommit};
 
 pub(crate) struct ActivationStart {
     pub(crate) id: ActorId,
@@ -70,6 +70,8 @@ struct Live {
     factory: Arc<dyn ActorFactory>,
     /// The last committed snapshot: what the store holds for this actor.
     committed: Option<Bytes>,
+    /// The kind's idle timeout.
+    idle_timeout: std::time::Duration,
 }
 
 impl Live {
@@ -88,30 +90,30 @@ impl Live {
 
 async fn run(start: ActivationStart) {
     let ActivationStart { id, generation, mut receiver, handle } = start;
-    let shared = Arc::clone(&handle.shared);
-    let guard = CrashGuard { control: shared.control.clone(), id: id.clone(), generation, armed: true };
-    let kind = shared.kinds.get(id.kind()).expect("activations are spawned for registered kinds only");
-    let config: KindConfig = kind.config;
-    let factory = Arc::clone(&kind.factory);
-
-    let mut live = match start_actor(&id, &factory, shared.store.as_ref()).await {
+    // The task's own state is what an idle actor costs for as long as it stays active,
+    // so it holds each thing once, and the sub-futures of starting, turns and stopping
+    // are boxed (one allocation per turn) instead of being inlined into it.
+    let guard = CrashGuard { control: handle.shared.control.clone(), id, generation, armed: true };
+    let mut live = match Box::pin(start_actor(&guard.id, &handle)).await {
         Ok(live) => live,
         Err(error) => {
             receiver.close();
             while let Some(envelope) = receiver.recv().await {
                 let _ = envelope.reply.send(Err(error.clone()));
             }
+            let id = guard.id.clone();
             guard.finish(Control::ActivationFailed { id, generation });
             return;
         }
     };
-    let _ = shared.control.send(Control::Activated { id: id.clone(), generation });
+    let _ = guard.control.send(Control::Activated { id: guard.id.clone(), generation });
 
+    let idle_timeout = live.idle_timeout;
     let mut received: u64 = 0;
     // The timer is not reset per message (that would cost a timer update per turn); when
     // it fires it re-arms from the last activity.
     let mut last_activity = tokio::time::Instant::now();
-    let idle_timer = tokio::time::sleep(config.idle_timeout);
+    let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
     loop {
         let envelope = tokio::select! {
@@ -122,31 +124,58 @@ async fn run(start: ActivationStart) {
             },
             () = &mut idle_timer => {
                 let now = tokio::time::Instant::now();
-                let idle_at = last_activity + config.idle_timeout;
-                if now >= idle_at {
+                if now >= last_activity + idle_timeout {
                     // Idle for a whole period: ask to be deactivated. If the dispatcher
                     // refuses (something was routed meanwhile, or calls are in flight), ask
                     // again after another period.
-                    let _ = shared.control.send(Control::IdleCheck { id: id.clone(), generation, received });
+                    let id = guard.id.clone();
+                    let _ = guard.control.send(Control::IdleCheck { id, generation, received });
                     last_activity = now;
                 }
-                idle_timer.as_mut().reset(last_activity + config.idle_timeout);
+                idle_timer.as_mut().reset(last_activity + idle_timeout);
                 continue;
             }
         };
         received += 1;
-        run_turn(&mut live, &handle, *envelope).await;
+        Box::pin(run_turn(&mut live, &handle, *envelope)).await;
         last_activity = tokio::time::Instant::now();
     }
 
     // The dispatcher closed the mailbox: deactivate.
-    if let Err(error) = live.actor.on_deactivate(&id).await {
+    Box::pin(deactivate(&mut live, &handle.shared)).await;
+    let id = guard.id.clone();
+    guard.finish(Control::Deactivated { id, generation });
+}
+
+async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, InvokeError> {
+    let shared = &handle.shared;
+    let kind = shared.kinds.get(id.kind()).expect("activations are spawned for registered kinds only");
+    let saved = shared
+        .store
+        .load(id)
+        .await
+        .map_err(|error| InvokeError::StorageFailed { target: id.clone(), cause: error.to_string() })?;
+    let failed = |error: ActorError| InvokeError::ActorFailed { target: id.clone(), cause: error.to_string() };
+    let mut actor = kind.factory.create(id, saved.clone()).map_err(failed)?;
+    actor.on_activate(id).await.map_err(failed)?;
+    Ok(Live {
+        id: id.clone(),
+        actor,
+        factory: Arc::clone(&kind.factory),
+        committed: saved,
+        idle_timeout: kind.config.idle_timeout,
+    })
+}
+
+async fn deactivate(live: &mut Live, shared: &crate::runtime::Shared) {
+    let id = &live.id;
+    if let Err(error) = live.actor.on_deactivate(id).await {
         tracing::warn!(actor = %id, %error, "on_deactivate failed");
     }
     let saved = match live.actor.snapshot() {
         Ok(snapshot) if snapshot != live.committed => {
             let commit = TurnCommit { state: snapshot, writes: Vec::new() };
-            shared.store.commit(&id, commit).await.map_err(|error| error.to_string())
+            shared.store.commit(id, commit).await.map_err(|error| error.to_string())
         }
         Ok(_) => Ok(()),
         Err(error) => Err(error.to_string()),
@@ -155,22 +184,6 @@ async fn run(start: ActivationStart) {
         Counters::add(&shared.counters.deactivation_saves_failed);
         tracing::warn!(actor = %id, %error, "saving state on deactivation failed; the last turn's state stays committed");
     }
-    guard.finish(Control::Deactivated { id, generation });
-}
-
-async fn start_actor(
-    id: &ActorId,
-    factory: &Arc<dyn ActorFactory>,
-    store: &dyn StateStore,
-) -> Result<Live, InvokeError> {
-    let saved = store
-        .load(id)
-        .await
-        .map_err(|error| InvokeError::StorageFailed { target: id.clone(), cause: error.to_string() })?;
-    let failed = |error: ActorError| InvokeError::ActorFailed { target: id.clone(), cause: error.to_string() };
-    let mut actor = factory.create(id, saved.clone()).map_err(failed)?;
-    actor.on_activate(id).await.map_err(failed)?;
-    Ok(Live { id: id.clone(), actor, factory: Arc::clone(factory), committed: saved })
 }
 
 async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
