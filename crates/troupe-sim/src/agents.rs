@@ -192,6 +192,8 @@ struct Calls {
     open: BTreeMap<u64, (u64, Option<u64>)>,
     /// Agent call id → the deadline of the turn serving it, in trace microseconds.
     turn_deadlines: BTreeMap<u64, u64>,
+    /// Agent → the deadline of its current turn, in trace microseconds.
+    current_turn_deadline: BTreeMap<String, u64>,
 }
 
 /// Maps agent events into the trace (see the module documentation).
@@ -220,11 +222,13 @@ impl AgentObserver for TraceObserver {
                 let Some(caller) = caller else { return };
                 let id = self.trace.next_id();
                 calls.open.insert(*call, (id, *parent));
+                let expires_us = calls.current_turn_deadline.get(&caller.to_string()).copied();
                 self.trace.record(Event::WaitBegin {
                     call: id,
                     caller: caller.to_string(),
                     target: target.to_string(),
                     host: self.node,
+                    expires_us,
                 });
             }
             AgentEvent::CallFinished { call, outcome, .. } => {
@@ -246,6 +250,7 @@ impl AgentObserver for TraceObserver {
                 if let Some(call) = call {
                     calls.turn_deadlines.insert(*call, deadline_us);
                 }
+                calls.current_turn_deadline.insert(agent.to_string(), deadline_us);
                 self.trace.record(Event::TurnStarted {
                     node: self.node,
                     actor: agent.to_string(),

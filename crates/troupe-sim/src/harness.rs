@@ -215,7 +215,6 @@ pub struct Sim {
     trace: Trace,
     cluster: SimCluster,
     client: SimClient,
-    rng: SimRng,
     pending: Vec<tokio::task::JoinHandle<Outcome>>,
     pending_asks: Vec<tokio::task::JoinHandle<AgentOutcome>>,
     llm_faults: LlmFaults,
@@ -296,7 +295,6 @@ impl Sim {
             trace,
             cluster,
             client,
-            rng: SimRng::new(),
             pending: Vec::new(),
             pending_asks: Vec::new(),
             llm_faults,
@@ -311,9 +309,9 @@ impl Sim {
         self.seed
     }
 
-    /// The run's random generator (drawn from the seed).
-    pub fn rng(&mut self) -> &mut SimRng {
-        &mut self.rng
+    /// The run's random generator (madsim's, seeded by the run's seed).
+    pub fn rng(&self) -> SimRng {
+        SimRng::new()
     }
 
     /// The trace.
@@ -421,6 +419,12 @@ impl Sim {
     /// The tool fault switches.
     pub fn tool_faults(&self) -> &ToolFaults {
         &self.tool_faults
+    }
+
+    /// Waits until work the server side may still run for requests already resolved at
+    /// the client has finished: the longest timeout used so far, plus one transit.
+    pub async fn quiesce(&self) {
+        self.advance(self.longest_timeout + Duration::from_millis(100)).await;
     }
 
     /// Lets `duration` of virtual time pass, then checks the invariants.

@@ -34,6 +34,11 @@
 
 #![warn(missing_docs)]
 
+/// The agent layer, re-exported for scenarios (the facade does not export it).
+pub use troupe_agent as agent;
+/// JSON for scripted tool calls in scenarios.
+pub use serde_json;
+
 pub mod agents;
 mod guard;
 pub mod invariants;

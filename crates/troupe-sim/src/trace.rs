@@ -178,6 +178,10 @@ pub enum Event {
         target: String,
         /// The node whose dispatcher routes the call (the target's host).
         host: u32,
+        /// For waits whose end may go unreported (an agent's `call_agent` cancelled with
+        /// its caller's turn emits no `CallFinished`): the caller turn's deadline, by
+        /// which the runtime has ended the wait either way.
+        expires_us: Option<u64>,
     },
     /// The wait ended (reply, error, timeout or the caller was cancelled).
     WaitEnd {

@@ -178,7 +178,7 @@ pub async fn run_standard(sim: &mut Sim, shape: Standard) {
     sim.phase("safety");
     let started = tokio::time::Instant::now();
     while started.elapsed() < shape.safety {
-        let (key, op, timeout) = random_op(sim.rng(), &keys);
+        let (key, op, timeout) = random_op(&mut sim.rng(), &keys);
         sim.spawn_request(&key, op, timeout);
         if sim.rng().chance(shape.fault_percent) {
             random_fault(sim, shape.faults).await;

@@ -27,6 +27,8 @@ pub const WAIT_FOR_CYCLE_GRACE_US: u64 = 1_000;
 pub struct WaitForGraphAcyclic {
     /// Live waits: call → (caller, target, host node).
     waits: BTreeMap<u64, (String, String, u32)>,
+    /// Waits that end by a deadline even if unreported: call → deadline.
+    expiring: BTreeMap<u64, u64>,
     /// Since when the current cycle exists, and what it is.
     cycle_since: Option<(u64, Vec<String>)>,
 }
@@ -114,13 +116,23 @@ impl Invariant for WaitForGraphAcyclic {
     fn observe(&mut self, stamped: &Stamped) -> Result<(), String> {
         // Any event is a moment at which a surviving cycle can be seen.
         let aged = self.check_age(stamped.at_us);
+        let expired: Vec<u64> =
+            self.expiring.iter().filter(|(_, until)| **until < stamped.at_us).map(|(call, _)| *call).collect();
+        for call in expired {
+            self.expiring.remove(&call);
+            self.waits.remove(&call);
+        }
         match &stamped.event {
-            Event::WaitBegin { call, caller, target, host } => {
+            Event::WaitBegin { call, caller, target, host, expires_us } => {
                 self.waits.insert(*call, (caller.clone(), target.clone(), *host));
+                if let Some(until) = expires_us {
+                    self.expiring.insert(*call, *until);
+                }
                 self.update(stamped.at_us);
             }
             Event::WaitEnd { call, .. } => {
                 self.waits.remove(call);
+                self.expiring.remove(call);
                 self.update(stamped.at_us);
             }
             _ => {}
