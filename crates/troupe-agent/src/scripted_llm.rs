@@ -395,4 +395,41 @@ mod tests {
         };
         assert_eq!(run().await, run().await);
     }
+
+    proptest::proptest! {
+        /// Over random request sequences: a rule limited to `n` uses answers exactly the
+        /// first `min(n, matching requests)` of them, the fallback the rest, other agents
+        /// never match, and the choice depends on nothing but the script and the requests.
+        #[test]
+        fn limited_rules_answer_exactly_their_first_uses_and_choices_are_reproducible(
+            limit in 0u32..5,
+            agents in proptest::collection::vec(proptest::prop_oneof![proptest::strategy::Just("a"), proptest::strategy::Just("b")], 0..20),
+        ) {
+            let build = || {
+                ScriptedLlm::new()
+                    .rule(ScriptRule::agent("a").reply("limited").times(limit))
+                    .rule(ScriptRule::agent("a").reply("fallback"))
+            };
+            let (first, second) = (build(), build());
+            let mut limited_seen = 0;
+            for agent in &agents {
+                let req = request(agent, vec![ChatMessage::new(Role::User, "x")]);
+                let chosen = first.choose(&req).map(|rule| rule.action);
+                proptest::prop_assert_eq!(&chosen, &second.choose(&req).map(|rule| rule.action));
+                match (*agent, chosen) {
+                    ("b", None) => {}
+                    ("a", Some(ScriptAction::Reply(text))) if text == "limited" => {
+                        limited_seen += 1;
+                        proptest::prop_assert!(limited_seen <= limit);
+                    }
+                    ("a", Some(ScriptAction::Reply(text))) if text == "fallback" => {
+                        proptest::prop_assert_eq!(limited_seen, limit);
+                    }
+                    other => proptest::prop_assert!(false, "unexpected choice {:?}", other),
+                }
+            }
+            let a_requests = agents.iter().filter(|a| **a == "a").count() as u32;
+            proptest::prop_assert_eq!(limited_seen, limit.min(a_requests));
+        }
+    }
 }

@@ -415,3 +415,22 @@ async fn a_model_failure_commits_nothing_and_long_replies_are_capped_on_a_charac
     assert_eq!(system.conversation_log("a").await.unwrap().len(), 2);
     system.shutdown().await;
 }
+
+/// Goal: one agent stuck in a slow model call never delays another agent. Method: A's
+/// model takes 10 s; while A waits, B must answer in (virtually) no time.
+#[tokio::test(start_paused = true)]
+async fn an_agent_answers_while_another_is_stuck_in_a_slow_model_call() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").reply("slow answer").latency(10 * SECOND))
+        .rule(ScriptRule::agent("b").reply("quick answer"));
+    let system = start(&llm, &["a", "b"], &CallRecorder::new());
+    let client = system.client();
+    let slow = tokio::spawn(async move { client.ask("a", "think hard").await });
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let started = tokio::time::Instant::now();
+    assert_eq!(system.ask("b", "quick?").await.unwrap().text, "quick answer");
+    assert_about(started.elapsed(), Duration::ZERO, "b must not wait for a");
+    assert!(!slow.is_finished(), "a is still thinking");
+    assert_eq!(slow.await.unwrap().unwrap().text, "slow answer");
+    system.shutdown().await;
+}
