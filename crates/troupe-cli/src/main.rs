@@ -65,9 +65,12 @@ fn parse_demo(args: &[String]) -> Result<DemoArgs, String> {
     Ok(parsed)
 }
 
+/// A real model client and a description of it.
+type RealModel = (Arc<dyn LlmClient>, String);
+
 /// The real model, when `OPENAI_API_KEY` is set and the client is built in.
 #[cfg(not(madsim))]
-fn real_model() -> Result<Option<(Arc<dyn LlmClient>, String)>, String> {
+fn real_model() -> Result<Option<RealModel>, String> {
     if std::env::var("OPENAI_API_KEY").map_or(true, |key| key.trim().is_empty()) {
         return Ok(None);
     }
@@ -81,11 +84,12 @@ fn real_model() -> Result<Option<(Arc<dyn LlmClient>, String)>, String> {
 }
 
 #[cfg(madsim)]
-fn real_model() -> Result<Option<(Arc<dyn LlmClient>, String)>, String> {
+fn real_model() -> Result<Option<RealModel>, String> {
     Ok(None)
 }
 
 async fn demo(args: DemoArgs) -> Result<bool, String> {
+    let real = if args.scripted { None } else { real_model()? };
     let (directory, temporary) = match &args.data_dir {
         Some(dir) => (dir.clone(), false),
         None => (std::env::temp_dir().join(format!("troupe-demo-{}", std::process::id())), true),
@@ -94,7 +98,6 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     let path = directory.join("troupe.db");
     let store: Arc<dyn StateStore> =
         Arc::new(SqliteStore::open(&path).map_err(|error| format!("cannot open {}: {error}", path.display()))?);
-    let real = if args.scripted { None } else { real_model()? };
     let scripted = real.is_none();
     let (llm, model, description): (Arc<dyn LlmClient>, String, String) = match real {
         Some((client, description)) => (client, String::new(), format!("real model: {description}")),
