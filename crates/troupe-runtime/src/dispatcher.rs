@@ -28,19 +28,18 @@ use troupe_core::limits::ACTIVATIONS_MAX;
 use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleState};
 
 use crate::activation::{self, ActivationStart};
-use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender};
-use crate::runtime::Counters;
+use crate::envelope::{CallEdge, Command, Control, Envelope};
+use crate::runtime::{Counters, Route, Routes};
 use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
 use crate::{DispatcherStats, RuntimeHandle};
 
 struct Activation {
     lifecycle: Lifecycle,
     generation: u64,
-    /// `None` once the mailbox is closed for deactivation.
-    mailbox: Option<MailboxSender>,
+    /// Whether its mailbox is open (its route is in `Shared::routes`); closed for
+    /// deactivation and shutdown.
+    open: bool,
     capacity: usize,
-    /// Messages routed into this activation's mailbox.
-    delivered: u64,
     /// Messages for the next activation, held while this one deactivates.
     held: VecDeque<Box<Envelope>>,
 }
@@ -174,7 +173,9 @@ impl Dispatcher {
         let table_full = self.table.len() >= ACTIVATIONS_MAX;
         let shutting_down = self.shutting_down;
         let refused = match self.table.get_mut(&target) {
-            Some(activation) => Self::deliver(activation, &target, envelope),
+            Some(activation) => {
+                Self::deliver(&self.handle.shared.routes, activation, &target, envelope)
+            }
             None if shutting_down => Some((envelope, InvokeError::Shutdown)),
             None if table_full => {
                 let reason = format!("the runtime holds {ACTIVATIONS_MAX} activations");
@@ -198,31 +199,34 @@ impl Dispatcher {
 
     /// Hands `envelope` to a live activation, or gives it back with the refusal.
     fn deliver(
+        routes: &Routes,
         activation: &mut Activation,
         target: &ActorId,
         envelope: Box<Envelope>,
     ) -> Option<(Box<Envelope>, InvokeError)> {
         let busy = || InvokeError::Busy { target: target.clone(), capacity: activation.capacity };
-        match &activation.mailbox {
-            Some(mailbox) => match mailbox.try_send(envelope) {
-                Ok(()) => {
-                    activation.delivered += 1;
-                    None
-                }
-                Err(mpsc::error::TrySendError::Full(envelope)) => Some((envelope, busy())),
-                Err(mpsc::error::TrySendError::Closed(envelope)) => Some((
-                    envelope,
-                    InvokeError::ActorFailed {
-                        target: target.clone(),
-                        cause: "the activation ended before the message was delivered".to_string(),
-                    },
-                )),
-            },
-            None if activation.held.len() < activation.capacity => {
+        if !activation.open {
+            if activation.held.len() < activation.capacity {
                 activation.held.push_back(envelope);
+                return None;
+            }
+            return Some((envelope, busy()));
+        }
+        let mut routes = routes.lock();
+        let route = routes.get_mut(target).expect("an open activation has a route");
+        match route.mailbox.try_send(envelope) {
+            Ok(()) => {
+                route.delivered += 1;
                 None
             }
-            None => Some((envelope, busy())),
+            Err(mpsc::error::TrySendError::Full(envelope)) => Some((envelope, busy())),
+            Err(mpsc::error::TrySendError::Closed(envelope)) => Some((
+                envelope,
+                InvokeError::ActorFailed {
+                    target: target.clone(),
+                    cause: "the activation ended before the message was delivered".to_string(),
+                },
+            )),
         }
     }
 
@@ -242,9 +246,11 @@ impl Dispatcher {
         lifecycle.apply(LifecycleEvent::Activate);
         let previous = self.table.insert(
             id.clone(),
-            Activation { lifecycle, generation, mailbox: Some(mailbox), capacity, delivered, held: VecDeque::new() },
+            Activation { lifecycle, generation, open: true, capacity, held: VecDeque::new() },
         );
         assert!(previous.is_none(), "a second activation of {id} while one was live");
+        let previous = self.handle.shared.routes.lock().insert(id.clone(), Route { mailbox, delivered });
+        assert!(previous.is_none(), "a route to {id} outlived its activation");
         Counters::add(&self.handle.shared.counters.activations_started);
         activation::spawn(ActivationStart { id, generation, receiver, handle: self.handle.clone() });
     }
@@ -255,22 +261,27 @@ impl Dispatcher {
             Control::Activated { id, generation } => {
                 let Some(activation) = self.current(&id, generation) else { return };
                 activation.lifecycle.apply(LifecycleEvent::Activated);
-                if activation.mailbox.is_none() {
+                if !activation.open {
                     // Shutdown closed the mailbox while the activation was starting.
                     activation.lifecycle.apply(LifecycleEvent::Deactivate);
                 }
             }
             Control::IdleCheck { id, generation, received } => {
                 let waiting = self.waits.is_waiting(&id);
-                let Some(activation) = self.current(&id, generation) else { return };
-                let idle = activation.lifecycle.state() == LifecycleState::Active
-                    && activation.mailbox.is_some()
-                    && activation.delivered == received
-                    && !waiting;
-                if idle {
-                    // Closing the mailbox is the deactivation order: the task sees the
-                    // end of its mailbox, runs on_deactivate, saves and reports back.
-                    activation.mailbox = None;
+                let routes = &self.handle.shared.routes;
+                let current = self.table.get_mut(&id).filter(|a| a.generation == generation);
+                let Some(activation) = current else { return };
+                if activation.lifecycle.state() != LifecycleState::Active || !activation.open || waiting {
+                    return;
+                }
+                let mut routes = routes.lock();
+                let delivered = routes.get(&id).expect("an open activation has a route").delivered;
+                if delivered == received {
+                    // Dropping the only sender closes the mailbox: that is the order to
+                    // deactivate. The task sees the end of its mailbox, runs
+                    // on_deactivate, saves and reports back.
+                    routes.remove(&id);
+                    activation.open = false;
                     activation.lifecycle.apply(LifecycleEvent::Deactivate);
                 }
             }
@@ -297,6 +308,10 @@ impl Dispatcher {
         let Some(activation) = self.current(&id, generation) else { return };
         let state = activation.lifecycle.apply(event);
         assert_eq!(state, LifecycleState::Inactive);
+        if activation.open {
+            // Crashed or failed to start while its mailbox was open.
+            self.handle.shared.routes.lock().remove(&id);
+        }
         let Some(activation) = self.table.remove(&id) else { unreachable!() };
         if event == LifecycleEvent::Deactivated {
             Counters::add(&self.handle.shared.counters.deactivations_finished);
@@ -320,11 +335,14 @@ impl Dispatcher {
         if let Some(reply) = reply {
             self.shutdown = Some(reply);
         }
-        for activation in self.table.values_mut() {
-            if activation.mailbox.take().is_some()
-                && activation.lifecycle.state() == LifecycleState::Active
-            {
-                activation.lifecycle.apply(LifecycleEvent::Deactivate);
+        let mut routes = self.handle.shared.routes.lock();
+        for (id, activation) in self.table.iter_mut() {
+            if activation.open {
+                routes.remove(id);
+                activation.open = false;
+                if activation.lifecycle.state() == LifecycleState::Active {
+                    activation.lifecycle.apply(LifecycleEvent::Deactivate);
+                }
             }
             for envelope in activation.held.drain(..) {
                 let _ = envelope.reply.send(Err(InvokeError::Shutdown));

@@ -1,10 +1,10 @@
 //! Building a runtime and talking to it: [`RuntimeBuilder`], [`Runtime`], [`RuntimeHandle`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,7 +13,7 @@ use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, ActorKind, CallContext, Deadline, InvokeError};
 
 use crate::dispatcher::Dispatcher;
-use crate::envelope::{CallEdge, Command, Control, Envelope};
+use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender};
 use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, StateStore};
 
 /// A registered actor kind: its factory and configuration.
@@ -75,6 +75,37 @@ pub struct DispatcherStats {
     pub wait_for_edges: usize,
 }
 
+/// The open mailbox of one live activation, with the count of messages put into it.
+pub(crate) struct Route {
+    pub(crate) mailbox: MailboxSender,
+    pub(crate) delivered: u64,
+}
+
+/// Open mailboxes by actor id, shared by the dispatcher and the callers' fast path.
+///
+/// Only the dispatcher inserts and removes routes (it alone activates and deactivates);
+/// a caller without a wait-for edge may put a message into an open mailbox directly,
+/// under the lock, which keeps `delivered` exact for the idle handshake. Removing a
+/// route drops the only sender, which closes the mailbox.
+#[derive(Default)]
+pub(crate) struct Routes(Mutex<HashMap<ActorId, Route>>);
+
+impl Routes {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, HashMap<ActorId, Route>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What the fast path did with a message.
+enum FastPath {
+    /// Put into the open mailbox.
+    Delivered,
+    /// Refused at once (full mailbox).
+    Refused(InvokeError),
+    /// No open mailbox: the dispatcher must route it (and maybe activate).
+    ToDispatcher(Box<Envelope>),
+}
+
 pub(crate) struct Shared {
     pub(crate) commands: mpsc::Sender<Command>,
     pub(crate) control: mpsc::UnboundedSender<Control>,
@@ -82,7 +113,31 @@ pub(crate) struct Shared {
     pub(crate) kinds: BTreeMap<ActorKind, KindEntry>,
     pub(crate) store: Arc<dyn StateStore>,
     pub(crate) counters: Counters,
+    pub(crate) routes: Routes,
     next_call: AtomicU64,
+}
+
+impl Shared {
+    /// Delivers straight into an open mailbox, skipping the dispatcher's queue.
+    fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>) -> FastPath {
+        let mut routes = self.routes.lock();
+        let Some(route) = routes.get_mut(target) else {
+            return FastPath::ToDispatcher(envelope);
+        };
+        match route.mailbox.try_send(envelope) {
+            Ok(()) => {
+                route.delivered += 1;
+                FastPath::Delivered
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                Counters::add(&self.counters.busy_refused);
+                let capacity = route.mailbox.max_capacity();
+                FastPath::Refused(InvokeError::Busy { target: target.clone(), capacity })
+            }
+            // The activation ended; the dispatcher knows what to do next.
+            Err(mpsc::error::TrySendError::Closed(envelope)) => FastPath::ToDispatcher(envelope),
+        }
+    }
 }
 
 /// A cheap, cloneable handle to a running runtime: invoke actors, read the clock.
@@ -232,7 +287,18 @@ impl RuntimeHandle {
             .as_ref()
             .map(|edge| ReleaseOnDrop { control: &self.shared.control, call: edge.id });
         let (reply, answer) = oneshot::channel();
-        let envelope = Box::new(Envelope { payload, context, reply });
+        let mut envelope = Box::new(Envelope { payload, context, reply });
+        if edge.is_none() {
+            // A call from outside any turn adds no wait-for edge, so it may skip the
+            // dispatcher when the target's mailbox is open.
+            match self.shared.fast_path(target, envelope) {
+                FastPath::Delivered => {
+                    return self.await_reply(target, deadline, timeout_ms, answer).await;
+                }
+                FastPath::Refused(error) => return Err(error),
+                FastPath::ToDispatcher(back) => envelope = back,
+            }
+        }
         let command = Command::Invoke { target: target.clone(), envelope, edge };
         let waited = clock.run_until(deadline, async {
             match self.shared.commands.try_send(command) {
@@ -250,6 +316,23 @@ impl RuntimeHandle {
         .await;
         match waited {
             Ok(result) => result,
+            Err(_elapsed) => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),
+        }
+    }
+
+    async fn await_reply(
+        &self,
+        target: &ActorId,
+        deadline: Deadline,
+        timeout_ms: u64,
+        answer: oneshot::Receiver<crate::envelope::Reply>,
+    ) -> Result<Bytes, InvokeError> {
+        match self.shared.clock.run_until(deadline, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_closed)) => Err(InvokeError::ActorFailed {
+                target: target.clone(),
+                cause: "the actor's activation ended before it replied".to_string(),
+            }),
             Err(_elapsed) => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),
         }
     }
@@ -342,6 +425,7 @@ impl RuntimeBuilder {
             kinds: self.kinds,
             store: self.store,
             counters: Counters::default(),
+            routes: Routes::default(),
             next_call: AtomicU64::new(1),
         });
         let handle = RuntimeHandle { shared };
