@@ -193,3 +193,8 @@ pub async fn run_standard(sim: &mut Sim, shape: Standard) {
     sim.read_back(&keys).await;
     sim.audit(&keys).await;
 }
+
+/// `count` probe keys owned by `node` of `nodes` (searched in order `k0`, `k1`, ...).
+pub fn keys_on(node: u32, nodes: u32, count: usize) -> Vec<String> {
+    (0..).map(|index| format!("k{index}")).filter(|key| crate::probe::owner_of(key, nodes) == node).take(count).collect()
+}
