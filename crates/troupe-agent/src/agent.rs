@@ -396,6 +396,13 @@ impl AgentActor {
         ChatMessage::new(Role::System, text)
     }
 
+    /// The error of a turn that reached its deadline: the same [`InvokeError::Timeout`]
+    /// the runtime gives when it cancels the turn, so a caller sees a timeout whichever
+    /// fires first at that instant (the model call's clip, or the runtime's).
+    fn timed_out(&self, timeout_ms: u64) -> ActorError {
+        ActorError::Invoke(troupe_core::InvokeError::Timeout { target: self.id.clone(), timeout_ms })
+    }
+
     /// Runs one step's tool calls concurrently; one result text per call, in order.
     async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
         let registry = &self.shared.tools;
@@ -440,13 +447,16 @@ impl Actor for AgentActor {
         let clock = runtime.clock();
         let context = turn.context().clone();
         let deadline = context.deadline();
+        let started = clock.now();
+        let timeout_ms =
+            |from: troupe_core::Deadline| u64::try_from(deadline.remaining(from).as_millis()).unwrap_or(u64::MAX);
         self.shared.emit(&AgentEvent::TurnStarted {
             agent: self.id.clone(),
             call: request.call,
             depth: context.depth(),
             chain: context.chain().to_vec(),
             deadline,
-            at: clock.now(),
+            at: started,
         });
         let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
         let content = match &request.from {
@@ -488,8 +498,8 @@ impl Actor for AgentActor {
                 Ok(Ok(reply)) => reply,
                 Ok(Err(error)) => return Err(ActorError::failed(format!("the model failed: {error}"))),
                 Err(_elapsed) => {
-                    let timeout_ms = u64::try_from(deadline.remaining(clock.now()).as_millis()).unwrap_or(0);
-                    return Err(ActorError::failed(format!("the model failed: {}", LlmError::Timeout { timeout_ms })));
+                    tracing::debug!(agent = %self.id, "{}", LlmError::Timeout { timeout_ms: timeout_ms(clock.now()) });
+                    return Err(self.timed_out(timeout_ms(started)));
                 }
             };
             let mut message = reply.message;
@@ -510,7 +520,7 @@ impl Actor for AgentActor {
         // the timer, but the caller has given up by then (a deadline equal to now has
         // passed): such a turn must not commit.
         if deadline.has_passed(clock.now()) {
-            return Err(ActorError::failed(format!("{} reached its deadline before it could answer", self.id)));
+            return Err(self.timed_out(timeout_ms(started)));
         }
         for message in &fresh {
             let bytes = serde_json::to_vec(message).map_err(|error| ActorError::failed(error.to_string()))?;
