@@ -533,6 +533,21 @@ impl Sim {
         outcomes
     }
 
+    /// Sends `op` to `key` until it succeeds (at most `attempts` times, 50 ms apart):
+    /// after a heal, links come back only when madsim's TCP retransmission backoff
+    /// expires, as real TCP's would.
+    pub async fn request_until_ok(&mut self, key: &str, op: ProbeOp, timeout: Duration, attempts: u32) -> Outcome {
+        let mut outcome = self.request(key, op.clone(), timeout).await;
+        for _ in 1..attempts {
+            if outcome.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            outcome = self.request(key, op.clone(), timeout).await;
+        }
+        outcome
+    }
+
     /// Audits every probe in `keys` through the runtime (TurnWritesAtomic), retrying
     /// transient failures until one audit of each succeeds.
     pub async fn audit(&mut self, keys: &[&str]) {

@@ -1,0 +1,131 @@
+//! Calls under network partitions: symmetric, one-way, isolation and packet loss.
+//! Calls across a cut fail by their deadline (`Timeout`, or `Unreachable` when a
+//! connection cannot be opened); nothing hangs; after healing, everything works again.
+//!
+//! Faults: symmetric partition (client ↔ node, node ↔ node), one-way partition, node
+//! isolation, packet loss. Invariants: all eight. Late delivery after a partition heals
+//! is a known transport issue (docs/dst.md): tolerated and counted in the first three
+//! scenarios, and pinned by the last one.
+#![cfg(madsim)]
+
+use std::time::Duration;
+
+use troupe_core::InvokeError;
+use troupe_sim::workload::keys_on;
+use troupe_sim::{Fault, KnownIssues, ProbeOp, ProbeReply, Scenario, Sim, SimConfig};
+
+const TEST: &str = "dst_partition";
+
+fn config() -> SimConfig {
+    SimConfig { nodes: 2, known_issues: KnownIssues { late_network_delivery: true }, ..SimConfig::default() }
+}
+
+fn failed_by_cut(outcome: &Result<ProbeReply, InvokeError>) -> bool {
+    matches!(outcome, Err(InvokeError::Timeout { .. } | InvokeError::Unreachable { .. }))
+}
+
+/// Goal: while the client is cut off from node 2 (both ways), requests to node 2's
+/// probes fail by their deadline and requests to node 1's still succeed; after the
+/// heal both succeed. Method: a warm connection first (so the cut hits an open
+/// connection), then requests at random moments during the cut.
+#[madsim::test]
+async fn a_symmetric_partition_fails_calls_across_it_by_their_deadline() {
+    let scenario = Scenario { test: TEST, name: "a_symmetric_partition_fails_calls_across_it_by_their_deadline" };
+    let mut sim = Sim::start(scenario, config()).await;
+    let (near, far) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
+    sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(200)).await.expect("warm-up");
+    sim.phase("safety");
+    sim.inject(Fault::Partition(0, 2)).await;
+    for _ in 0..4 {
+        let far_outcome = sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(100)).await;
+        assert!(failed_by_cut(&far_outcome), "across the cut: {far_outcome:?}");
+        let near_outcome = sim.request(&near, ProbeOp::Add { amount: 1 }, Duration::from_millis(100)).await;
+        assert!(matches!(near_outcome, Ok(ProbeReply::Count(_))), "beside the cut: {near_outcome:?}");
+        let gap = sim.rng().range(1, 30);
+        sim.advance(Duration::from_millis(gap)).await;
+    }
+    sim.phase("liveness");
+    sim.heal().await;
+    sim.quiesce().await;
+    let after = sim.request_until_ok(&far, ProbeOp::Add { amount: 1 }, Duration::from_secs(1), 20).await;
+    assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
+    sim.read_back(&[&near, &far]).await;
+    sim.finish().await;
+}
+
+/// Goal: a one-way cut between the nodes. Calls from node 1 to node 2 cannot arrive;
+/// calls from node 2 to node 1 arrive and run, but their replies cannot come back:
+/// both fail by their deadline, and the second kind's effect may have happened
+/// (NoAckedStateLost's model treats it as unknown). Method: cut node 1 → node 2 only,
+/// then calls in both directions.
+#[madsim::test]
+async fn a_one_way_partition_fails_calls_both_ways_by_their_deadline() {
+    let scenario = Scenario { test: TEST, name: "a_one_way_partition_fails_calls_both_ways_by_their_deadline" };
+    let mut sim = Sim::start(scenario, config()).await;
+    let (one, two) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
+    let call = |target: &str| ProbeOp::Call {
+        target: format!("probe/{target}"),
+        op: Box::new(ProbeOp::Add { amount: 1 }),
+        timeout_ms: 80,
+        delay_ms: 0,
+    };
+    // Warm both node-to-node connections.
+    sim.request(&one, call(&two), Duration::from_millis(300)).await.expect("warm-up 1 -> 2");
+    sim.request(&two, call(&one), Duration::from_millis(300)).await.expect("warm-up 2 -> 1");
+    sim.phase("safety");
+    sim.inject(Fault::OneWay { from: 1, to: 2 }).await;
+    for _ in 0..3 {
+        let forward = sim.request(&one, call(&two), Duration::from_millis(300)).await;
+        assert!(failed_by_cut(&forward), "1 -> 2 across a 1 -> 2 cut: {forward:?}");
+        let backward = sim.request(&two, call(&one), Duration::from_millis(300)).await;
+        assert!(failed_by_cut(&backward), "2 -> 1 whose replies cross the cut: {backward:?}");
+    }
+    sim.phase("liveness");
+    sim.heal().await;
+    sim.quiesce().await;
+    let after = sim.request_until_ok(&one, call(&two), Duration::from_secs(1), 20).await;
+    assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
+    sim.read_back(&[&one, &two]).await;
+    sim.finish().await;
+}
+
+/// Goal: random isolation, partitions and packet loss during a steady workload: every
+/// request resolves by its deadline, and once healed every probe is reachable and reads
+/// at least what was acknowledged. Method: the standard workload with network faults
+/// only, at a high fault rate. (The effect of each network fault is shown by the
+/// scenarios above; this one is about composing them.)
+#[madsim::test]
+async fn random_partitions_isolation_and_loss_never_hang_a_call() {
+    use troupe_sim::workload::{run_standard, FaultMix, Standard};
+    let scenario = Scenario { test: TEST, name: "random_partitions_isolation_and_loss_never_hang_a_call" };
+    let mut sim = Sim::start(scenario, config()).await;
+    let faults = FaultMix { network: true, ..FaultMix::default() };
+    run_standard(&mut sim, Standard { faults, fault_percent: 12, ..Standard::default() }).await;
+    sim.finish().await;
+}
+
+/// Pins a known transport bug (docs/dst.md): a request held up by a partition is
+/// delivered when the partition heals and runs with its whole original budget, long
+/// after its caller gave up. DeadlineMonotone must see it. When the transport is fixed
+/// this test fails: then remove `late_network_delivery` from the scenarios above.
+#[madsim::test]
+async fn known_issue_a_request_delivered_after_a_partition_runs_with_its_whole_budget() {
+    let scenario =
+        Scenario { test: TEST, name: "known_issue_a_request_delivered_after_a_partition_runs_with_its_whole_budget" };
+    let config = SimConfig { nodes: 2, expect_violation: Some("DeadlineMonotone"), ..SimConfig::default() };
+    let mut sim = Sim::start(scenario, config).await;
+    let far = keys_on(2, 2, 1).remove(0);
+    sim.request(&far, ProbeOp::Get, Duration::from_millis(200)).await.expect("warm-up");
+    sim.phase("safety");
+    sim.inject(Fault::Partition(0, 2)).await;
+    let cut = sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(300)).await;
+    assert!(failed_by_cut(&cut), "{cut:?}");
+    let held = sim.rng().range(50, 500);
+    sim.advance(Duration::from_millis(held)).await;
+    sim.phase("liveness");
+    sim.heal().await;
+    sim.quiesce().await;
+    sim.read_back(&[&far]).await;
+    let report = sim.finish().await;
+    assert!(report.violations.iter().any(|v| v.invariant == "DeadlineMonotone" && v.detail.contains("over the network")));
+}
