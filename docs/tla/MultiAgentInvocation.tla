@@ -33,7 +33,7 @@ CONSTANTS
     Client,                \* the external caller of root requests (model value)
     MAX_DEPTH,             \* AGENT_CALL_DEPTH_MAX
     MAILBOX_CAP,           \* capacity of each agent's mailbox
-    MAX_CALLS,             \* bound on call attempts (root + agent calls, incl. refused)
+    MAX_CALLS,             \* bound on admitted calls (root requests + agent calls)
     MAX_ROOTS,             \* bound on requests from the client
     ROOT_TIMEOUT,          \* ticks the client waits for a root request
     CHILD_TIMEOUT,         \* ticks an agent requests for a child call, before clipping
@@ -57,27 +57,25 @@ VARIABLES
     now,       \* global clock (ticks)
     calls,     \* call id -> call record
     nCalls,    \* call ids 1..nCalls are used
-    nRoots,    \* client requests issued
     mailbox,   \* agent -> Seq(call id): delivered requests not yet started
     turn,      \* agent -> call id of the running turn, 0 if idle
     waiting,   \* agent -> call id the running turn is blocked on, 0 if not blocked
     net,       \* set of messages in flight (unordered: delay and reordering)
     wfg        \* dispatcher's wait-for graph: set of call ids, edge caller -> target
 
-vars == <<now, calls, nCalls, nRoots, mailbox, turn, waiting, net, wfg>>
+vars == <<now, calls, nCalls, mailbox, turn, waiting, net, wfg>>
 
 CallIds == 1..MAX_CALLS
 Callers == Agents \cup {Client}
-Statuses == {"none", "refused", "pending", "ok", "busy", "timedout"}
+Statuses == {"none", "pending", "ok", "busy", "timedout"}
 Resolved == {"ok", "busy", "timedout"}       \* final states of an admitted call
-Reasons == {"-", "cycle", "depth", "deadlock"}
 
 NoCall == [status |-> "none", caller |-> Client, parent |-> 0, target |-> Client,
-           depth |-> 0, chain |-> << >>, deadline |-> 0, reason |-> "-"]
+           depth |-> 0, chain |-> << >>, deadline |-> 0]
 
 Range(s) == {s[i] : i \in DOMAIN s}
 Min(x, y) == IF x <= y THEN x ELSE y
-Admitted(c) == calls[c].status \notin {"none", "refused"}
+Admitted(c) == calls[c].status # "none"
 
 ReqMsg(c) == [kind |-> "req", call |-> c, result |-> "-"]
 RepMsg(c, r) == [kind |-> "rep", call |-> c, result |-> r]
@@ -101,63 +99,54 @@ DispatcherEdges == {<<calls[c].caller, calls[c].target>> : c \in wfg}
 BlockedOn == {<<a, calls[waiting[a]].target>> : a \in {x \in Agents : waiting[x] # 0}}
 
 -----------------------------------------------------------------------------
+(* The client's MAX_ROOTS requests are all sent at time 0 to any agents;   *)
+(* the network delays (and may lose) them, so they still arrive at any time. *)
+RootCall(t) == [status |-> "pending", caller |-> Client, parent |-> 0,
+                target |-> t, depth |-> 0, chain |-> << >>,
+                deadline |-> ROOT_TIMEOUT]
+
 Init ==
     /\ now = 0
-    /\ calls = [c \in CallIds |-> NoCall]
-    /\ nCalls = 0
-    /\ nRoots = 0
+    /\ \E targets \in [1..MAX_ROOTS -> Agents] :
+         calls = [c \in CallIds |-> IF c <= MAX_ROOTS THEN RootCall(targets[c]) ELSE NoCall]
+    /\ nCalls = MAX_ROOTS
     /\ mailbox = [a \in Agents |-> << >>]
     /\ turn = [a \in Agents |-> 0]
     /\ waiting = [a \in Agents |-> 0]
-    /\ net = {}
+    /\ net = {ReqMsg(c) : c \in 1..MAX_ROOTS}
     /\ wfg = {}
 
-(* The client sends a request to agent t. *)
-ClientCall(t) ==
-    /\ nRoots < MAX_ROOTS
-    /\ nCalls < MAX_CALLS
-    /\ LET c == nCalls + 1 IN
-       /\ calls' = [calls EXCEPT ![c] =
-                      [status |-> "pending", caller |-> Client, parent |-> 0,
-                       target |-> t, depth |-> 0, chain |-> << >>,
-                       deadline |-> now + ROOT_TIMEOUT, reason |-> "-"]]
-       /\ nCalls' = c
-       /\ nRoots' = nRoots + 1
-       /\ net' = net \cup {ReqMsg(c)}
-    /\ UNCHANGED <<now, mailbox, turn, waiting, wfg>>
+(* Agent a, inside its turn, calls agent t (call_agent). Admission first     *)
+(* (cycle, depth), then the dispatcher's wait-for check; if both pass, the    *)
+(* call is admitted and the turn BLOCKS until reply, Busy or timeout.         *)
+(* A refused call returns an error to the turn as a tool result and changes   *)
+(* nothing else, so it is a stuttering step and is not written out.           *)
+Cycle(a, t) == ~BUG_NO_CHAIN_CHECK /\ (t = a \/ t \in Range(calls[turn[a]].chain))
+TooDeep(a) == ~BUG_NO_DEPTH_CHECK /\ calls[turn[a]].depth >= MAX_DEPTH
+\* dispatcher: would the edge a -> t close a cycle in its wait-for graph?
+ClosesCycle(a, t) == ~BUG_NO_WAITFOR_CHECK /\ (t = a \/ Path(t, a, DispatcherEdges))
 
-(* Agent a, inside its turn, calls agent t (call_agent). Admission first,   *)
-(* then the dispatcher's wait-for check; if both pass the turn blocks.      *)
 AgentCall(a, t) ==
     /\ turn[a] # 0
     /\ waiting[a] = 0
     /\ nCalls < MAX_CALLS
+    /\ ~Cycle(a, t)
+    /\ ~TooDeep(a)
+    /\ ~ClosesCycle(a, t)
     /\ LET p == turn[a]
            ctx == calls[p]
            c == nCalls + 1
-           cycle == ~BUG_NO_CHAIN_CHECK /\ (t = a \/ t \in Range(ctx.chain))
-           tooDeep == ~BUG_NO_DEPTH_CHECK /\ ctx.depth >= MAX_DEPTH
-           \* dispatcher: would the edge a -> t close a cycle in its graph?
-           deadlock == ~BUG_NO_WAITFOR_CHECK /\ (t = a \/ Path(t, a, DispatcherEdges))
-           reason == IF cycle THEN "cycle"
-                     ELSE IF tooDeep THEN "depth"
-                     ELSE IF deadlock THEN "deadlock"
-                     ELSE "-"
            dl == IF BUG_NO_DEADLINE_CLIP THEN now + CHILD_TIMEOUT
                  ELSE Min(now + CHILD_TIMEOUT, ctx.deadline)
-           rec == [status |-> IF reason = "-" THEN "pending" ELSE "refused",
-                   caller |-> a, parent |-> p, target |-> t,
-                   depth |-> ctx.depth + 1, chain |-> Append(ctx.chain, a),
-                   deadline |-> dl, reason |-> reason]
-       IN /\ calls' = [calls EXCEPT ![c] = rec]
+       IN /\ calls' = [calls EXCEPT ![c] =
+                         [status |-> "pending", caller |-> a, parent |-> p, target |-> t,
+                          depth |-> ctx.depth + 1, chain |-> Append(ctx.chain, a),
+                          deadline |-> dl]]
           /\ nCalls' = c
-          /\ IF reason = "-"
-               THEN /\ waiting' = [waiting EXCEPT ![a] = c]
-                    /\ wfg' = wfg \cup {c}
-                    /\ net' = net \cup {ReqMsg(c)}
-               \* refused: the error is returned to the turn as a tool result
-               ELSE UNCHANGED <<waiting, wfg, net>>
-    /\ UNCHANGED <<now, nRoots, mailbox, turn>>
+          /\ waiting' = [waiting EXCEPT ![a] = c]
+          /\ wfg' = wfg \cup {c}
+          /\ net' = net \cup {ReqMsg(c)}
+    /\ UNCHANGED <<now, mailbox, turn>>
 
 (* The dispatcher receives a request: into the mailbox, or Busy if full. *)
 DeliverReq(m) ==
@@ -168,7 +157,7 @@ DeliverReq(m) ==
               /\ net' = net \ {m}
          ELSE /\ net' = (net \ {m}) \cup {RepMsg(m.call, "busy")}
               /\ UNCHANGED mailbox
-    /\ UNCHANGED <<now, calls, nCalls, nRoots, turn, waiting, wfg>>
+    /\ UNCHANGED <<now, calls, nCalls, turn, waiting, wfg>>
 
 (* A reply reaches the caller. A reply to a call that already timed out is  *)
 (* discarded.                                                                *)
@@ -182,14 +171,14 @@ DeliverRep(m) ==
                    THEN waiting' = [waiting EXCEPT ![calls[c].caller] = 0]
                    ELSE UNCHANGED waiting
          ELSE UNCHANGED <<calls, waiting>>
-    /\ UNCHANGED <<now, nCalls, nRoots, mailbox, turn, wfg>>
+    /\ UNCHANGED <<now, nCalls, mailbox, turn, wfg>>
 
 Deliver(m) == DeliverReq(m) \/ DeliverRep(m)
 
 Lose(m) ==
     /\ LOSS
     /\ net' = net \ {m}
-    /\ UNCHANGED <<now, calls, nCalls, nRoots, mailbox, turn, waiting, wfg>>
+    /\ UNCHANGED <<now, calls, nCalls, mailbox, turn, waiting, wfg>>
 
 (* An idle agent takes the next message; expired work is dropped unrun. *)
 DropExpired(a) ==
@@ -197,7 +186,7 @@ DropExpired(a) ==
     /\ mailbox[a] # << >>
     /\ now >= calls[Head(mailbox[a])].deadline
     /\ mailbox' = [mailbox EXCEPT ![a] = Tail(@)]
-    /\ UNCHANGED <<now, calls, nCalls, nRoots, turn, waiting, net, wfg>>
+    /\ UNCHANGED <<now, calls, nCalls, turn, waiting, net, wfg>>
 
 StartTurn(a) ==
     /\ turn[a] = 0
@@ -205,15 +194,18 @@ StartTurn(a) ==
     /\ now < calls[Head(mailbox[a])].deadline
     /\ turn' = [turn EXCEPT ![a] = Head(mailbox[a])]
     /\ mailbox' = [mailbox EXCEPT ![a] = Tail(@)]
-    /\ UNCHANGED <<now, calls, nCalls, nRoots, waiting, net, wfg>>
+    /\ UNCHANGED <<now, calls, nCalls, waiting, net, wfg>>
 
-(* The turn ends (state committed) and the reply is sent. *)
+(* The turn ends (state committed) and the reply is sent. A reply to a call *)
+(* that is no longer pending would be discarded on arrival, so it is not     *)
+(* sent at all (a reduction that changes no observable behaviour).          *)
 FinishTurn(a) ==
     /\ turn[a] # 0
     /\ waiting[a] = 0
-    /\ net' = net \cup {RepMsg(turn[a], "ok")}
+    /\ net' = IF calls[turn[a]].status = "pending"
+                THEN net \cup {RepMsg(turn[a], "ok")} ELSE net
     /\ turn' = [turn EXCEPT ![a] = 0]
-    /\ UNCHANGED <<now, calls, nCalls, nRoots, mailbox, waiting, wfg>>
+    /\ UNCHANGED <<now, calls, nCalls, mailbox, waiting, wfg>>
 
 (* The caller's wait reaches the deadline. *)
 Timeout(c) ==
@@ -224,20 +216,22 @@ Timeout(c) ==
     /\ IF calls[c].caller \in Agents
          THEN waiting' = [waiting EXCEPT ![calls[c].caller] = 0]
          ELSE UNCHANGED waiting
-    /\ UNCHANGED <<now, nCalls, nRoots, mailbox, turn, net, wfg>>
+    \* a reply still in flight is now stale: drop it (same reduction as above)
+    /\ net' = {m \in net : ~(m.kind = "rep" /\ m.call = c)}
+    /\ UNCHANGED <<now, nCalls, mailbox, turn, wfg>>
 
 (* The dispatcher learns (asynchronously) that a wait has ended. *)
 ForgetEdge(c) ==
     /\ c \in wfg
     /\ calls[c].status # "pending"
     /\ wfg' = wfg \ {c}
-    /\ UNCHANGED <<now, calls, nCalls, nRoots, mailbox, turn, waiting, net>>
+    /\ UNCHANGED <<now, calls, nCalls, mailbox, turn, waiting, net>>
 
 (* Time passes while some admitted call still waits for a future deadline. *)
 Tick ==
     /\ \E c \in CallIds : calls[c].status = "pending" /\ calls[c].deadline > now
     /\ now' = now + 1
-    /\ UNCHANGED <<calls, nCalls, nRoots, mailbox, turn, waiting, net, wfg>>
+    /\ UNCHANGED <<calls, nCalls, mailbox, turn, waiting, net, wfg>>
 
 Quiescent ==
     /\ \A c \in CallIds : calls[c].status # "pending"
@@ -249,7 +243,6 @@ Quiescent ==
 Terminated == Quiescent /\ UNCHANGED vars
 
 Next ==
-    \/ \E t \in Agents : ClientCall(t)
     \/ \E a, t \in Agents : AgentCall(a, t)
     \/ \E m \in net : Deliver(m) \/ Lose(m)
     \/ \E a \in Agents : DropExpired(a) \/ StartTurn(a) \/ FinishTurn(a)
@@ -257,31 +250,33 @@ Next ==
     \/ Tick
     \/ Terminated
 
-(* Fairness: the runtime keeps running; the client and the network's losses *)
-(* are not fair. Turns end (LLM calls are bounded by deadlines in the real  *)
-(* system).                                                                  *)
-Fairness ==
-    /\ WF_vars(\E m \in net : Deliver(m))
-    /\ \A a \in Agents : WF_vars(DropExpired(a) \/ StartTurn(a))
-    /\ \A a \in Agents : WF_vars(FinishTurn(a))
-    /\ \A c \in CallIds : WF_vars(Timeout(c))
-    /\ \A c \in CallIds : WF_vars(ForgetEdge(c))
-    /\ WF_vars(Tick)
+(* Fairness: the runtime keeps running; the agents' decisions to call, the *)
+(* network's losses and the client are not fair. One weak-fairness          *)
+(* condition over all runtime steps suffices: every non-stuttering step     *)
+(* consumes a bounded resource (calls, messages, ticks), so a behaviour     *)
+(* ends in a state where no runtime step is enabled; WF forbids stopping    *)
+(* anywhere else. Turns end (in the real system an LLM step is bounded by   *)
+(* its own timeout).                                                         *)
+RuntimeStep ==
+    \/ \E m \in net : Deliver(m)
+    \/ \E a \in Agents : DropExpired(a) \/ StartTurn(a) \/ FinishTurn(a)
+    \/ \E c \in CallIds : Timeout(c) \/ ForgetEdge(c)
+    \/ Tick
+
+Fairness == WF_vars(RuntimeStep)
 
 Spec == Init /\ [][Next]_vars /\ Fairness
 
 -----------------------------------------------------------------------------
 (* Safety *)
 
-MaxTime == MAX_ROOTS * ROOT_TIMEOUT + MAX_CALLS * CHILD_TIMEOUT
+MaxTime == ROOT_TIMEOUT + MAX_CALLS * CHILD_TIMEOUT
 
 TypeOK ==
     /\ now \in 0..MaxTime
     /\ nCalls \in 0..MAX_CALLS
-    /\ nRoots \in 0..MAX_ROOTS
     /\ \A c \in CallIds :
          /\ calls[c].status \in Statuses
-         /\ calls[c].reason \in Reasons
          /\ (c > nCalls) <=> (calls[c].status = "none")
          /\ calls[c].status # "none" =>
               /\ calls[c].caller \in Callers
