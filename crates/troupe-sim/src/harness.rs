@@ -608,6 +608,9 @@ impl Sim {
     /// If an invariant is violated; in a planted-bug run, if the expected invariant was
     /// *not* violated.
     pub async fn finish(mut self) -> Report {
+        // Liveness: wait out every deadline still running, so whatever is pending now
+        // is a hang, not work in progress.
+        self.quiesce().await;
         self.trace.record(Event::Phase { name: "finish" });
         self.trace.finish();
         self.finished = true;

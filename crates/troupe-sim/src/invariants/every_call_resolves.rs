@@ -22,6 +22,8 @@ pub struct EveryCallResolves {
     calls: BTreeMap<u64, (String, u64)>,
     /// Waits whose call has no recorded deadline (agents' calls): they must end too.
     waits: BTreeMap<u64, (String, u64)>,
+    /// The host node of each wait that may end unreported.
+    unreported_hosts: BTreeMap<u64, u32>,
 }
 
 fn late(what: &str, name: &str, deadline_us: u64, now_us: u64) -> Result<(), String> {
@@ -66,11 +68,24 @@ impl Invariant for EveryCallResolves {
             Event::CallAdmitted { call, caller, target, deadline_us, .. } => {
                 self.calls.insert(*call, (format!("{caller} -> {target}"), *deadline_us));
             }
-            Event::WaitBegin { call, caller, target, expires_us, .. } => {
+            Event::WaitBegin { call, caller, target, expires_us, host } => {
                 self.waits.insert(*call, (format!("{caller} -> {target}"), expires_us.unwrap_or(u64::MAX)));
+                if expires_us.is_some() {
+                    self.unreported_hosts.insert(*call, *host);
+                }
+            }
+            Event::NodeKilled { node } => {
+                // Waits that cannot report their end (agents') die with their node.
+                let dead: Vec<u64> =
+                    self.unreported_hosts.iter().filter(|(_, host)| *host == node).map(|(call, _)| *call).collect();
+                for call in dead {
+                    self.unreported_hosts.remove(&call);
+                    self.waits.remove(&call);
+                }
             }
             Event::WaitEnd { call, .. } => {
                 self.waits.remove(call);
+                self.unreported_hosts.remove(call);
                 if let Some((name, deadline_us)) = self.calls.remove(call) {
                     late("call", &name, deadline_us, now)?;
                 }

@@ -130,6 +130,20 @@ impl Invariant for WaitForGraphAcyclic {
                 }
                 self.update(stamped.at_us);
             }
+            Event::NodeKilled { node } => {
+                // Waits that cannot report their end (agents') die with their node.
+                let dead: Vec<u64> = self
+                    .expiring
+                    .keys()
+                    .filter(|call| self.waits.get(call).is_some_and(|(_, _, host)| host == node))
+                    .copied()
+                    .collect();
+                for call in dead {
+                    self.expiring.remove(&call);
+                    self.waits.remove(&call);
+                }
+                self.update(stamped.at_us);
+            }
             Event::WaitEnd { call, .. } => {
                 self.waits.remove(call);
                 self.expiring.remove(call);
