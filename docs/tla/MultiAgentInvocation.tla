@@ -43,7 +43,7 @@ CONSTANTS
     BUG_NO_WAITFOR_CHECK,  \* dispatcher does not consult the wait-for graph
     BUG_NO_DEADLINE_CLIP,  \* child deadline = now + timeout, not clipped to parent's
     BUG_UNBOUNDED_MAILBOX, \* mailbox accepts beyond MAILBOX_CAP instead of Busy
-    BUG_NO_TIMEOUT         \* waits never time out
+    BUG_NO_TIMEOUT         \* no deadlines: waits never time out, work never expires
 
 ASSUME /\ MAX_DEPTH \in Nat /\ MAILBOX_CAP \in Nat \ {0}
        /\ MAX_CALLS \in Nat \ {0} /\ MAX_ROOTS \in 1..MAX_CALLS
@@ -182,6 +182,7 @@ Lose(m) ==
 
 (* An idle agent takes the next message; expired work is dropped unrun. *)
 DropExpired(a) ==
+    /\ ~BUG_NO_TIMEOUT
     /\ turn[a] = 0
     /\ mailbox[a] # << >>
     /\ now >= calls[Head(mailbox[a])].deadline
@@ -191,7 +192,7 @@ DropExpired(a) ==
 StartTurn(a) ==
     /\ turn[a] = 0
     /\ mailbox[a] # << >>
-    /\ now < calls[Head(mailbox[a])].deadline
+    /\ BUG_NO_TIMEOUT \/ now < calls[Head(mailbox[a])].deadline
     /\ turn' = [turn EXCEPT ![a] = Head(mailbox[a])]
     /\ mailbox' = [mailbox EXCEPT ![a] = Tail(@)]
     /\ UNCHANGED <<now, calls, nCalls, waiting, net, wfg>>
@@ -229,6 +230,7 @@ ForgetEdge(c) ==
 
 (* Time passes while some admitted call still waits for a future deadline. *)
 Tick ==
+    /\ ~BUG_NO_TIMEOUT
     /\ \E c \in CallIds : calls[c].status = "pending" /\ calls[c].deadline > now
     /\ now' = now + 1
     /\ UNCHANGED <<calls, nCalls, mailbox, turn, waiting, net, wfg>>
