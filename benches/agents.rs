@@ -49,7 +49,8 @@ fn agent_system() -> AgentSystem {
                 .call("call_agent", json!({"agent_id": "answerer", "message": "{input}"})),
         )
         .rule(ScriptRule::agent("asker").on_tool_result().reply("{tool_result}"))
-        .rule(ScriptRule::agent("answerer").reply("42"));
+        .rule(ScriptRule::agent("answerer").reply("42"))
+        .without_recording();
     AgentSystem::builder()
         .store(Arc::new(MemoryStore::new()))
         .llm(Arc::new(llm))

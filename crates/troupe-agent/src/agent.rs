@@ -30,7 +30,7 @@ use troupe_runtime::{Actor, ActorError, ActorFactory, Turn};
 
 use crate::join::{join_all, JoinFuture};
 use crate::limits::{
-    AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_REPLY_SIZE_MAX_BYTES,
+    AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_PEERS_LISTED_MAX, AGENT_REPLY_SIZE_MAX_BYTES,
     AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
     AGENT_TURN_STEPS_MAX,
 };
@@ -201,6 +201,12 @@ impl AgentDirectory {
     /// Whether agent `id` exists.
     pub fn contains(&self, id: &str) -> bool {
         self.agents.read().unwrap().contains_key(id)
+    }
+
+    /// Up to `limit` lines `- {id}: {role}` for the agents other than `id`, by id.
+    fn peers_of(&self, id: &str, limit: usize) -> Vec<String> {
+        let agents = self.agents.read().unwrap();
+        agents.values().filter(|peer| peer.id != id).take(limit).map(|peer| format!("- {}: {}", peer.id, peer.role)).collect()
     }
 
     /// Every definition, by id.
@@ -381,14 +387,7 @@ impl AgentActor {
             text.push_str(&format!(", {}", spec.role));
         }
         text.push('.');
-        let peers: Vec<String> = self
-            .shared
-            .directory
-            .list()
-            .into_iter()
-            .filter(|peer| peer.id != spec.id)
-            .map(|peer| format!("- {}: {}", peer.id, peer.role))
-            .collect();
+        let peers = self.shared.directory.peers_of(&spec.id, AGENT_PEERS_LISTED_MAX);
         if !peers.is_empty() {
             text.push_str("\nAgents you can ask with the call_agent tool:\n");
             text.push_str(&peers.join("\n"));

@@ -23,6 +23,12 @@ pub const AGENT_HISTORY_WINDOW_MAX: usize = 64;
 pub const AGENT_TOOL_CALLS_PER_STEP_MAX: usize = 16;
 /// Default time an outside caller waits for an agent's reply, in milliseconds.
 pub const AGENT_ASK_TIMEOUT_MS_DEFAULT: u64 = 120_000;
+/// Most peers listed in an agent's system message (the directory may hold many more;
+/// `call_agent` reaches any of them).
+pub const AGENT_PEERS_LISTED_MAX: usize = 32;
+/// Most requests and answers a [`crate::ScriptedLlm`] keeps for inspection; older ones are
+/// dropped first.
+pub const SCRIPTED_LLM_RECORDED_MAX: usize = 100_000;
 /// Longest system prompt an agent may have, in bytes.
 pub const AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES: usize = 16 * 1024;
 

@@ -11,10 +11,12 @@
 //! `{input}` is the last user message, `{tool_result}` the tool results since the last
 //! assistant message (joined with `"; "`), `{agent}` the asking agent's key.
 //!
-//! Every request is recorded ([`ScriptedLlm::requests`]), and every answer that was
+//! Every request is recorded ([`ScriptedLlm::requests`], unless
+//! [`ScriptedLlm::without_recording`]), and every answer that was
 //! actually delivered ([`ScriptedLlm::answers`]): a request whose turn was cancelled
 //! during the latency is in the first list and not in the second.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,6 +25,7 @@ use async_trait::async_trait;
 use serde_json::Value;
 use troupe_core::ActorId;
 
+use crate::limits::SCRIPTED_LLM_RECORDED_MAX;
 use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall};
 
 /// When a rule applies, judged on the request's last message.
@@ -157,10 +160,24 @@ pub struct ScriptedAnswer {
     pub message: ChatMessage,
 }
 
-#[derive(Default)]
 struct Recorded {
-    requests: Vec<LlmRequest>,
-    answers: Vec<ScriptedAnswer>,
+    on: bool,
+    requests: VecDeque<LlmRequest>,
+    answers: VecDeque<ScriptedAnswer>,
+}
+
+impl Default for Recorded {
+    fn default() -> Self {
+        Self { on: true, requests: VecDeque::new(), answers: VecDeque::new() }
+    }
+}
+
+/// Appends `item`, dropping the oldest past [`SCRIPTED_LLM_RECORDED_MAX`].
+fn record<T>(queue: &mut VecDeque<T>, item: T) {
+    if queue.len() == SCRIPTED_LLM_RECORDED_MAX {
+        queue.pop_front();
+    }
+    queue.push_back(item);
 }
 
 /// The scripted model; see the module documentation. Cheap to clone (shared state).
@@ -194,9 +211,16 @@ impl ScriptedLlm {
         self.rules.lock().unwrap().push(rule);
     }
 
-    /// Every request received so far, in order.
+    /// Stops recording requests and answers (for benchmarks and long simulations).
+    pub fn without_recording(self) -> Self {
+        self.recorded.lock().unwrap().on = false;
+        self
+    }
+
+    /// Every request received so far, in order (the last
+    /// [`SCRIPTED_LLM_RECORDED_MAX`]).
     pub fn requests(&self) -> Vec<LlmRequest> {
-        self.recorded.lock().unwrap().requests.clone()
+        self.recorded.lock().unwrap().requests.iter().cloned().collect()
     }
 
     /// The requests of the agent with key `agent`, in order.
@@ -225,7 +249,7 @@ impl ScriptedLlm {
 
     /// Every answer delivered so far, in order.
     pub fn answers(&self) -> Vec<ScriptedAnswer> {
-        self.recorded.lock().unwrap().answers.clone()
+        self.recorded.lock().unwrap().answers.iter().cloned().collect()
     }
 
     /// Picks the rule for `request` and consumes one of its uses.
@@ -283,7 +307,12 @@ impl TemplateValues {
 #[async_trait]
 impl LlmClient for ScriptedLlm {
     async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
-        self.recorded.lock().unwrap().requests.push(request.clone());
+        {
+            let mut recorded = self.recorded.lock().unwrap();
+            if recorded.on {
+                record(&mut recorded.requests, request.clone());
+            }
+        }
         let Some(rule) = self.choose(&request) else {
             let last = request.messages.last().map(|m| format!("{:?}: {}", m.role, m.content)).unwrap_or_default();
             return Err(LlmError::Malformed {
@@ -306,8 +335,11 @@ impl LlmClient for ScriptedLlm {
                 message
             }
         };
-        let answer = ScriptedAnswer { agent: request.agent.clone(), message: message.clone() };
-        self.recorded.lock().unwrap().answers.push(answer);
+        let mut recorded = self.recorded.lock().unwrap();
+        if recorded.on {
+            record(&mut recorded.answers, ScriptedAnswer { agent: request.agent.clone(), message: message.clone() });
+        }
+        drop(recorded);
         Ok(LlmReply { message })
     }
 }
