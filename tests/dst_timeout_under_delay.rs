@@ -94,12 +94,6 @@ async fn a_slow_callee_agent_yields_a_timeout_tool_result() {
             assert!(analyst_ms >= 190, "a {analyst_ms} ms callee timed out at 200 ms");
             assert!(reply.text.contains("timed out"), "{reply:?}");
         }
-        // Finding: when the callee's model runs into the same deadline, the callee's turn
-        // fails first ("the model did not answer within 0 ms") and the caller sees
-        // ActorFailed rather than Timeout (reported to the agent layer's owner).
-        Some(CallOutcome::Failed(InvokeError::ActorFailed { .. })) => {
-            assert!(analyst_ms >= 190, "a {analyst_ms} ms callee failed");
-        }
         Some(CallOutcome::Replied { .. }) => {
             assert!(analyst_ms < 200, "a {analyst_ms} ms callee answered within 200 ms");
             assert_eq!(reply.text, "done");
