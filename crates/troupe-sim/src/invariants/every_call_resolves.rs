@@ -6,6 +6,10 @@
 //! `CallAdmitted`/`WaitEnd`. A resolution later than the deadline (plus one
 //! millisecond of scheduling slack) is a violation as soon as it happens; anything still
 //! pending when the run ends (after the liveness phase) is a hang.
+//!
+//! Turns too (EveryTurnEnds): a probe's turn that ends (`TurnEnded`) later than its
+//! context's deadline plus the slack ran past its deadline: its caller had already been
+//! told `Timeout`, so expired work was running.
 
 use std::collections::BTreeMap;
 
@@ -24,6 +28,8 @@ pub struct EveryCallResolves {
     waits: BTreeMap<u64, (String, u64)>,
     /// The host node of each wait that may end unreported.
     unreported_hosts: BTreeMap<u64, u32>,
+    /// The running turn of each actor: (node, deadline).
+    turns: BTreeMap<String, (u32, u64)>,
 }
 
 fn late(what: &str, name: &str, deadline_us: u64, now_us: u64) -> Result<(), String> {
@@ -74,7 +80,22 @@ impl Invariant for EveryCallResolves {
                     self.unreported_hosts.insert(*call, *host);
                 }
             }
+            Event::TurnStarted { node, actor, deadline_us, .. } => {
+                self.turns.insert(actor.clone(), (*node, *deadline_us));
+            }
+            Event::TurnEnded { actor, .. } => {
+                if let Some((_, deadline_us)) = self.turns.remove(actor) {
+                    if now > deadline_us + RESOLVE_SLACK_US {
+                        return Err(format!(
+                            "a turn of {actor} ran until {:.3} ms, past its deadline {:.3} ms",
+                            now as f64 / 1000.0,
+                            deadline_us as f64 / 1000.0
+                        ));
+                    }
+                }
+            }
             Event::NodeKilled { node } => {
+                self.turns.retain(|_, (host, _)| host != node);
                 // Waits that cannot report their end (agents') die with their node.
                 let dead: Vec<u64> =
                     self.unreported_hosts.iter().filter(|(_, host)| *host == node).map(|(call, _)| *call).collect();

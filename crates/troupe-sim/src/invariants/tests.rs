@@ -97,3 +97,10 @@ fn turn_writes_atomic_catches_a_partial_batch_and_a_state_that_disagrees() {
     assert!(run(TurnWritesAtomic, vec![(0, audit(2, vec![group(0, 3), group(1, 2)]))]).is_err());
     assert!(run(TurnWritesAtomic, vec![(0, audit(1, vec![group(0, 3), group(1, 3)]))]).is_err());
 }
+
+#[test]
+fn every_call_resolves_catches_a_turn_that_outlives_its_deadline() {
+    let ended = Event::TurnEnded { node: 1, actor: "a".into(), ok: true };
+    assert!(run(EveryCallResolves::default(), vec![(0, turn("a", 0, &[], 1_000, 1_000)), (900, ended.clone())]).is_ok());
+    assert!(run(EveryCallResolves::default(), vec![(0, turn("a", 0, &[], 1_000, 1_000)), (9_000, ended)]).is_err());
+}
