@@ -171,6 +171,12 @@ impl AgentSpec {
 
 /// The agents that exist, by id; shared by the factory, `call_agent` admission and the
 /// embedding API. An agent not in the directory cannot be called or activated.
+///
+/// The directory lives in memory: agent definitions are the application's code or
+/// configuration, registered again when it starts (as [`crate::AgentSystemBuilder::agent`]
+/// does). What must survive a restart, each agent's conversation, is in the store; each
+/// snapshot also keeps the definition the agent last ran with, and the directory's
+/// current definition replaces it on the next turn.
 #[derive(Debug, Clone, Default)]
 pub struct AgentDirectory {
     agents: Arc<RwLock<BTreeMap<String, AgentSpec>>>,

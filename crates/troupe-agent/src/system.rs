@@ -59,7 +59,8 @@ impl Default for AgentSystemBuilder {
 
 impl AgentSystemBuilder {
     /// Starts from `runtime`, a runtime builder that may already have other actor kinds
-    /// registered (and its store set).
+    /// registered (and its store set). Call it before [`AgentSystemBuilder::store`], which
+    /// sets the store on the builder held at that moment.
     pub fn runtime(mut self, runtime: RuntimeBuilder) -> Self {
         self.runtime = runtime;
         self
