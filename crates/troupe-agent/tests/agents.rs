@@ -444,3 +444,40 @@ async fn an_agent_answers_while_another_is_stuck_in_a_slow_model_call() {
     assert_eq!(slow.await.unwrap().unwrap().text, "slow answer");
     system.shutdown().await;
 }
+
+/// Goal: a cycle that no call chain shows (two independent requests: A waits on B while
+/// B waits on A) is caught by the runtime's wait-for graph, at once, and reaches B's
+/// model as a readable tool result; both requests then complete. Method: ask A and B
+/// concurrently; A's model calls B at 0.5 s, B's model calls A at 1 s.
+#[tokio::test(start_paused = true)]
+async fn crossing_calls_from_independent_requests_are_refused_as_a_deadlock_and_both_complete() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("start")
+                .call("call_agent", json!({"agent_id": "b", "message": "question from a"}))
+                .latency(SECOND / 2),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("a got: {tool_result}"))
+        .rule(ScriptRule::agent("b").on_user_containing("question from a").reply("b answers a"))
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("start")
+                .call("call_agent", json!({"agent_id": "a", "message": "question from b"}))
+                .latency(SECOND),
+        )
+        .rule(ScriptRule::agent("b").on_tool_result().reply("b got: {tool_result}"));
+    let system = start(&llm, &["a", "b"], &CallRecorder::new());
+    let client = system.client();
+    let from_a = tokio::spawn(async move { client.ask("a", "start").await });
+    let b_reply = system.ask("b", "start").await.unwrap();
+    assert!(
+        b_reply.text.starts_with("b got: error: call_agent failed: call failed: deadlock detected: agent/b -> agent/a -> agent/b"),
+        "{}",
+        b_reply.text
+    );
+    assert_eq!(from_a.await.unwrap().unwrap().text, "a got: b answers a");
+    assert_eq!(system.runtime().counters().deadlocks_refused, 1);
+    assert!(llm.requests_of("a").iter().all(|r| !r.messages.iter().any(|m| m.content.contains("question from b"))));
+    system.shutdown().await;
+}
