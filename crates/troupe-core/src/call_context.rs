@@ -76,7 +76,7 @@ mod tests {
         let child = root.child(a.clone(), Deadline::from_micros(500));
         assert_eq!(child.deadline(), Deadline::from_micros(100));
         assert_eq!(child.depth(), 1);
-        assert_eq!(child.chain(), &[a.clone()]);
+        assert_eq!(child.chain(), std::slice::from_ref(&a));
         let grandchild = child.child(ActorId::new("agent", "b").unwrap(), Deadline::from_micros(40));
         assert_eq!(grandchild.deadline(), Deadline::from_micros(40));
         assert!(grandchild.contains(&a));
