@@ -139,10 +139,16 @@ pub async fn call_agent(
                 from: Some(context.agent_id.clone()),
                 call: Some(call),
             };
+            let allowed_ms = u64::try_from(admitted.timeout.as_millis()).unwrap_or(u64::MAX);
             let sent = context.runtime.invoke_from(&context.agent_id, &target, request.encode(), admitted.child).await;
             match sent {
                 Ok(bytes) => AgentReply::decode(&bytes)
                     .map_err(|cause| AgentCallError::MalformedReply { target: target.clone(), cause }),
+                // The callee's turn and this wait end at the same instant; whichever timer
+                // fires first, report the time this caller allowed.
+                Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == target => {
+                    Err(AgentCallError::Invoke(InvokeError::Timeout { target: timed_out, timeout_ms: allowed_ms }))
+                }
                 Err(error) => Err(AgentCallError::Invoke(error)),
             }
         }

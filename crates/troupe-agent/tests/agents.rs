@@ -182,7 +182,7 @@ async fn a_callee_slower_than_the_timeout_yields_timeout_and_its_late_reply_is_d
     let reply = system.ask("a", "go").await.unwrap();
     assert_about(started.elapsed(), SECOND, "A waits its timeout");
     assert!(
-        reply.text.starts_with("error: call_agent failed: call failed: invocation of agent/slow timed out"),
+        reply.text.starts_with("error: call_agent failed: call failed: invocation of agent/slow timed out after 1000 ms"),
         "{}",
         reply.text
     );

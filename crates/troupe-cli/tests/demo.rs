@@ -15,7 +15,7 @@ async fn the_demo_answers_refuses_the_cycle_and_times_out_the_slow_agent() {
     assert!(report.scripted_story_happened(), "{}", report.tree);
     let answer = report.answer.as_ref().unwrap().text.clone();
     assert!(answer.starts_with("Brief. Findings: Globally"), "{answer}");
-    assert!(answer.contains("invocation of agent/archivist timed out"), "{answer}");
+    assert!(answer.contains("invocation of agent/archivist timed out after 1500 ms"), "{answer}");
     let lines: Vec<&str> = report.tree.lines().collect();
     assert_eq!(lines.len(), 5, "{}", report.tree);
     assert!(lines[0].starts_with("user -> coordinator  [depth 0]"), "{}", report.tree);
