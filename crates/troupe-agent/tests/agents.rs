@@ -481,3 +481,33 @@ async fn crossing_calls_from_independent_requests_are_refused_as_a_deadlock_and_
     assert!(llm.requests_of("a").iter().all(|r| !r.messages.iter().any(|m| m.content.contains("question from b"))));
     system.shutdown().await;
 }
+
+/// Goal: storage failures are errors the caller sees, never silent loss. Method: fail
+/// the next commit: the ask fails with StorageFailed and the conversation does not
+/// advance; fail the next load of a fresh activation: the ask fails with StorageFailed
+/// and the agent does not start from an empty state; after healing, both work.
+#[tokio::test(start_paused = true)]
+async fn storage_failures_reach_the_caller_and_the_conversation_never_silently_advances() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("ok: {input}"));
+    let store = Arc::new(MemoryStore::new());
+    let system = start_on(&llm, &["a"], &CallRecorder::new(), store.clone());
+    assert_eq!(system.ask("a", "one").await.unwrap().text, "ok: one");
+
+    store.faults().fail_next_commits(1);
+    let failed = system.ask("a", "two").await;
+    assert!(matches!(failed, Err(AgentCallError::Invoke(InvokeError::StorageFailed { .. }))), "{failed:?}");
+    let log: Vec<String> = system.conversation_log("a").await.unwrap().into_iter().map(|m| m.content).collect();
+    assert_eq!(log, vec!["one", "ok: one"], "the failed turn left nothing behind");
+    assert_eq!(system.ask("a", "three").await.unwrap().text, "ok: three");
+    system.shutdown().await;
+
+    // A new runtime on the same store: the first load fails, and must not start empty.
+    let system = start_on(&llm, &["a"], &CallRecorder::new(), store.clone());
+    store.faults().fail_next_loads(1);
+    let failed = system.ask("a", "four").await;
+    assert!(matches!(failed, Err(AgentCallError::Invoke(InvokeError::StorageFailed { .. }))), "{failed:?}");
+    assert_eq!(system.ask("a", "five").await.unwrap().text, "ok: five");
+    let window: Vec<String> = system.history_window("a").await.unwrap().into_iter().map(|m| m.content).collect();
+    assert_eq!(window, vec!["one", "ok: one", "three", "ok: three", "five", "ok: five"]);
+    system.shutdown().await;
+}
