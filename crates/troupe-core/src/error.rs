@@ -10,8 +10,10 @@ use crate::ActorId;
 /// the `Display` text; match on the variant.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum InvokeError {
-    /// The deadline passed before a reply arrived. The request may have been dropped
-    /// before it ran; if it was running, its turn was cancelled and its writes rolled back.
+    /// The deadline passed before a reply arrived. The request was dropped unrun if it
+    /// was still queued, and its turn cancelled and rolled back if it was running; but a
+    /// turn that had finished and was committing when the deadline passed keeps its
+    /// commit, so a timeout does not prove the request had no effect.
     #[error("invocation of {target} timed out after {timeout_ms} ms")]
     Timeout {
         /// The actor invoked.

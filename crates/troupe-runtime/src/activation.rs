@@ -200,11 +200,16 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
     let outcome = shared.clock.run_until(deadline, live.actor.handle(&mut turn, payload)).await;
     Counters::add(&shared.counters.turns_run);
+    let timed_out = || {
+        let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
+        Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms })
+    };
     let result = match outcome {
-        Err(_elapsed) => {
-            let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
-            Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms })
-        }
+        Err(_elapsed) => timed_out(),
+        // A turn that ends exactly at its deadline may have won the race with the timer,
+        // but its caller's own timer fires at the same instant: it must not commit what
+        // the caller will never see acknowledged.
+        Ok(_) if deadline.has_passed(shared.clock.now()) => timed_out(),
         Ok(Err(error)) => Err(actor_error(&live.id, error)),
         Ok(Ok(answer)) => commit(live, shared.store.as_ref(), turn).await.map(|()| answer),
     };
