@@ -113,13 +113,13 @@ impl Invariants {
         };
         Self::of(vec![
             Box::new(SingleActivation::default()),
-            Box::new(DepthBounded::default()),
-            Box::new(NoCycleInCallChain::default()),
+            Box::new(DepthBounded),
+            Box::new(NoCycleInCallChain),
             Box::new(WaitForGraphAcyclic::default()),
             Box::new(deadline_monotone),
             Box::new(EveryCallResolves::default()),
             Box::new(NoAckedStateLost::default()),
-            Box::new(TurnWritesAtomic::default()),
+            Box::new(TurnWritesAtomic),
         ])
     }
 
