@@ -3,7 +3,7 @@
 //! connection cannot be opened); nothing hangs; after healing, everything works again.
 //!
 //! Faults: symmetric partition (client ↔ node, node ↔ node), one-way partition, node
-//! isolation, packet loss. Invariants: all eight. Late delivery after a partition heals
+//! isolation, packet loss, latency. Invariants: all eight. Late delivery after a partition heals
 //! is a known transport issue (docs/dst.md): tolerated and counted in the first three
 //! scenarios, and pinned by the last one.
 #![cfg(madsim)]
@@ -86,6 +86,41 @@ async fn a_one_way_partition_fails_calls_both_ways_by_their_deadline() {
     let after = sim.request_until_ok(&one, call(&two), Duration::from_secs(1), 20).await;
     assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
     sim.read_back(&[&one, &two]).await;
+    sim.finish().await;
+}
+
+/// Goal: heavy packet loss on real TCP (madsim retransmits lost packets with a backoff
+/// from 1 ms, as TCP does) makes calls slow enough to miss short deadlines, which they
+/// do as `Timeout`/`Unreachable` by the deadline; after healing they succeed. Method:
+/// 90% loss, ten requests with 50 ms timeouts (each needs several packets through; all
+/// ten succeeding has a probability below 1e-7), then a heal.
+#[madsim::test]
+async fn heavy_packet_loss_makes_calls_miss_their_deadlines_and_healing_restores_them() {
+    let scenario = Scenario {
+        test: TEST,
+        name: "heavy_packet_loss_makes_calls_miss_their_deadlines_and_healing_restores_them",
+    };
+    let mut sim = Sim::start(scenario, config()).await;
+    let key = keys_on(1, 2, 1).remove(0);
+    sim.request(&key, ProbeOp::Get, Duration::from_millis(200)).await.expect("warm-up");
+    sim.phase("safety");
+    sim.inject(Fault::PacketLoss { percent: 90 }).await;
+    let mut missed = 0;
+    for _ in 0..10 {
+        let outcome = sim.request(&key, ProbeOp::Add { amount: 1 }, Duration::from_millis(50)).await;
+        match outcome {
+            Ok(ProbeReply::Count(_)) => {}
+            ref failed if failed_by_cut(failed) => missed += 1,
+            other => panic!("unexpected outcome under loss: {other:?}"),
+        }
+    }
+    assert!(missed >= 1, "90% packet loss never made a 50 ms call miss its deadline");
+    sim.phase("liveness");
+    sim.heal().await;
+    sim.quiesce().await;
+    let after = sim.request_until_ok(&key, ProbeOp::Add { amount: 1 }, Duration::from_secs(1), 20).await;
+    assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
+    sim.read_back(&[&key]).await;
     sim.finish().await;
 }
 
