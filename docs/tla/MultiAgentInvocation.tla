@@ -43,14 +43,16 @@ CONSTANTS
     BUG_NO_WAITFOR_CHECK,  \* dispatcher does not consult the wait-for graph
     BUG_NO_DEADLINE_CLIP,  \* child deadline = now + timeout, not clipped to parent's
     BUG_UNBOUNDED_MAILBOX, \* mailbox accepts beyond MAILBOX_CAP instead of Busy
-    BUG_NO_TIMEOUT         \* no deadlines: waits never time out, work never expires
+    BUG_NO_TIMEOUT,        \* no deadlines: waits never time out, work never expires
+    BUG_CALL_AFTER_DEADLINE \* admission lets a turn past its own deadline call out
 
 ASSUME /\ MAX_DEPTH \in Nat /\ MAILBOX_CAP \in Nat \ {0}
        /\ MAX_CALLS \in Nat \ {0} /\ MAX_ROOTS \in 1..MAX_CALLS
        /\ ROOT_TIMEOUT \in Nat \ {0} /\ CHILD_TIMEOUT \in Nat \ {0}
        /\ Client \notin Agents
        /\ \A b \in {LOSS, BUG_NO_CHAIN_CHECK, BUG_NO_DEPTH_CHECK, BUG_NO_WAITFOR_CHECK,
-                    BUG_NO_DEADLINE_CLIP, BUG_UNBOUNDED_MAILBOX, BUG_NO_TIMEOUT} :
+                    BUG_NO_DEADLINE_CLIP, BUG_UNBOUNDED_MAILBOX, BUG_NO_TIMEOUT,
+                    BUG_CALL_AFTER_DEADLINE} :
               b \in BOOLEAN
 
 VARIABLES
@@ -117,12 +119,16 @@ Init ==
     /\ wfg = {}
 
 (* Agent a, inside its turn, calls agent t (call_agent). Admission first     *)
-(* (cycle, depth), then the dispatcher's wait-for check; if both pass, the    *)
+(* (cycle, depth, the caller's own deadline already passed), then the         *)
+(* dispatcher's wait-for check; if both pass, the                             *)
 (* call is admitted and the turn BLOCKS until reply, Busy or timeout.         *)
 (* A refused call returns an error to the turn as a tool result and changes   *)
 (* nothing else, so it is a stuttering step and is not written out.           *)
 Cycle(a, t) == ~BUG_NO_CHAIN_CHECK /\ (t = a \/ t \in Range(calls[turn[a]].chain))
 TooDeep(a) == ~BUG_NO_DEPTH_CHECK /\ calls[turn[a]].depth >= MAX_DEPTH
+\* DeadlineExpired: the turn runs on (an LLM step is not preempted at once) but
+\* may not start a call once its own deadline has passed.
+Expired(a) == ~BUG_NO_TIMEOUT /\ ~BUG_CALL_AFTER_DEADLINE /\ now >= calls[turn[a]].deadline
 \* dispatcher: would the edge a -> t close a cycle in its wait-for graph?
 ClosesCycle(a, t) == ~BUG_NO_WAITFOR_CHECK /\ (t = a \/ Path(t, a, DispatcherEdges))
 
@@ -132,6 +138,7 @@ AgentCall(a, t) ==
     /\ nCalls < MAX_CALLS
     /\ ~Cycle(a, t)
     /\ ~TooDeep(a)
+    /\ ~Expired(a)
     /\ ~ClosesCycle(a, t)
     /\ LET p == turn[a]
            ctx == calls[p]
