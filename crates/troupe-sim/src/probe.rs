@@ -24,6 +24,8 @@ use crate::trace::{Event, Trace};
 
 /// The probe kind's name.
 const PROBE_KIND: &str = "probe";
+/// How long a probe's `on_deactivate` takes, in virtual time.
+const PROBE_DEACTIVATION: Duration = Duration::from_millis(1);
 /// Prefix of batch entries in a probe's key-value space.
 const BATCH_PREFIX: &str = "b/";
 
@@ -539,6 +541,10 @@ impl Actor for Probe {
     }
 
     async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
+        // Deactivation takes time (an actor may flush or say goodbye); the activation is
+        // live until it ends, which is when it is recorded. This widens the window in
+        // which a second activation would overlap (SingleActivation).
+        tokio::time::sleep(PROBE_DEACTIVATION).await;
         self.config.trace.record(Event::Deactivated {
             node: self.config.node,
             actor: self.name.clone(),
