@@ -1,7 +1,8 @@
 //! Runtime benchmarks against a raw tokio floor, in one run so ratios are meaningful.
 //!
 //! - `hot invoke round trip`: invoke an active, stateless actor and await the reply,
-//!   against a raw tokio mpsc + oneshot request/reply on the same runtime.
+//!   against a raw tokio mpsc + oneshot request/reply on the same runtime, and the same
+//!   floor waiting under `tokio::time::timeout` (every troupe invoke has a deadline).
 //! - `cold activation and first reply`: invoke a never-seen actor id (spawn its task,
 //!   load from the store, first turn), against a bare tokio spawn + first reply.
 //! - `routing with N activated actors`: the hot round trip while the activation table
@@ -67,8 +68,10 @@ fn spawn_floor_server() -> mpsc::Sender<Request> {
 fn hot_round_trip(c: &mut Criterion) {
     let rt = current_thread();
     let mut group = c.benchmark_group("hot invoke round trip");
+    // Set-up happens once, outside the closures: criterion calls them many times.
+    let sender = rt.block_on(async { spawn_floor_server() });
+    let runtime = rt.block_on(async { echo_runtime() });
     group.bench_function("raw tokio mpsc + oneshot (floor)", |b| {
-        let sender = rt.block_on(async { spawn_floor_server() });
         b.iter_custom(|iters| {
             rt.block_on(async {
                 let start = Instant::now();
@@ -81,12 +84,24 @@ fn hot_round_trip(c: &mut Criterion) {
             })
         });
     });
-    group.bench_function("troupe invoke of an active actor", |b| {
-        let runtime = rt.block_on(async { echo_runtime() });
-        let target = echo(0);
-        rt.block_on(async {
-            runtime.invoke(&target, Bytes::new(), runtime.deadline_in(Duration::from_secs(5))).await.unwrap();
+    let target = echo(0);
+    rt.block_on(async {
+        runtime.invoke(&target, Bytes::new(), runtime.deadline_in(Duration::from_secs(5))).await.unwrap();
+    });
+    group.bench_function("raw tokio mpsc + oneshot under tokio::time::timeout (floor with a deadline)", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let (reply, answer) = oneshot::channel();
+                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    tokio::time::timeout(Duration::from_secs(5), answer).await.unwrap().unwrap();
+                }
+                start.elapsed()
+            })
         });
+    });
+    group.bench_function("troupe invoke of an active actor", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
                 let start = Instant::now();
@@ -122,9 +137,9 @@ fn cold_activation(c: &mut Criterion) {
         });
     });
     drop(floor_servers);
+    let runtime = rt.block_on(async { echo_runtime() });
+    let mut next_key = 0u64;
     group.bench_function("troupe first invoke of a new actor id", |b| {
-        let runtime = rt.block_on(async { echo_runtime() });
-        let mut next_key = 0u64;
         b.iter_custom(|iters| {
             // Ids are built before the clock starts: the floor has no ids to build.
             let ids: Vec<ActorId> = (0..iters).map(|i| echo(next_key + i)).collect();
@@ -151,19 +166,24 @@ fn routing_is_flat(c: &mut Criterion) {
     let mut group = c.benchmark_group("hot invoke with N activated actors");
     group.sample_size(20);
     for &size in sizes {
-        let rt = current_thread();
-        let ids: Vec<ActorId> = (0..size).map(echo).collect();
-        let runtime = rt.block_on(async {
-            let runtime = echo_runtime();
-            for id in &ids {
-                let deadline = runtime.deadline_in(Duration::from_secs(60));
-                runtime.invoke(id, Bytes::new(), deadline).await.unwrap();
-            }
-            assert_eq!(runtime.stats().await.unwrap().activations as u64, size);
-            runtime
-        });
+        // Built on first use inside the closure, so a filtered-out size costs nothing.
+        let mut setup: Option<(tokio::runtime::Runtime, Runtime, Vec<ActorId>)> = None;
         let mut key = 0u64;
         group.bench_with_input(BenchmarkId::from_parameter(size), &size, |b, &size| {
+            let (rt, runtime, ids) = setup.get_or_insert_with(|| {
+                let rt = current_thread();
+                let ids: Vec<ActorId> = (0..size).map(echo).collect();
+                let runtime = rt.block_on(async {
+                    let runtime = echo_runtime();
+                    for id in &ids {
+                        let deadline = runtime.deadline_in(Duration::from_secs(60));
+                        runtime.invoke(id, Bytes::new(), deadline).await.unwrap();
+                    }
+                    assert_eq!(runtime.stats().await.unwrap().activations as u64, size);
+                    runtime
+                });
+                (rt, runtime, ids)
+            });
             b.iter_custom(|iters| {
                 rt.block_on(async {
                     let start = Instant::now();
@@ -177,8 +197,6 @@ fn routing_is_flat(c: &mut Criterion) {
                 })
             });
         });
-        drop(runtime);
-        drop(rt);
     }
     group.finish();
 }

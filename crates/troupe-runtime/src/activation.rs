@@ -110,9 +110,12 @@ async fn run(start: ActivationStart) {
 
     let idle_timeout = live.idle_timeout;
     let mut received: u64 = 0;
-    // The timer is not reset per message (that would cost a timer update per turn); when
-    // it fires it re-arms from the last activity.
-    let mut last_activity = tokio::time::Instant::now();
+    // The timer is never touched per message (that would cost a clock read and a timer
+    // update per turn). When it fires, it checks whether any message came in during the
+    // last period: if none, the actor has been idle for a whole period and asks to be
+    // deactivated; otherwise it waits another period. So an actor is deactivated between
+    // one and two idle timeouts after its last message.
+    let mut received_at_last_check: u64 = 0;
     let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
     loop {
@@ -123,22 +126,19 @@ async fn run(start: ActivationStart) {
                 None => break,
             },
             () = &mut idle_timer => {
-                let now = tokio::time::Instant::now();
-                if now >= last_activity + idle_timeout {
-                    // Idle for a whole period: ask to be deactivated. If the dispatcher
-                    // refuses (something was routed meanwhile, or calls are in flight), ask
-                    // again after another period.
+                if received == received_at_last_check {
+                    // If the dispatcher refuses (something was routed meanwhile, or
+                    // calls are in flight), the actor asks again after another period.
                     let id = guard.id.clone();
                     let _ = guard.control.send(Control::IdleCheck { id, generation, received });
-                    last_activity = now;
                 }
-                idle_timer.as_mut().reset(last_activity + idle_timeout);
+                received_at_last_check = received;
+                idle_timer.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
                 continue;
             }
         };
         received += 1;
         Box::pin(run_turn(&mut live, &handle, *envelope)).await;
-        last_activity = tokio::time::Instant::now();
     }
 
     // The dispatcher closed the mailbox: deactivate.
@@ -198,7 +198,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     }
     let deadline = context.deadline();
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
-    let outcome = shared.clock.run_until(deadline, live.actor.handle(&mut turn, payload)).await;
+    let outcome = shared.clock.run_until_from(now, deadline, live.actor.handle(&mut turn, payload)).await;
     Counters::add(&shared.counters.turns_run);
     let timed_out = || {
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);

@@ -40,7 +40,20 @@ impl Clock {
     ) -> Result<F::Output, tokio::time::error::Elapsed> {
         // madsim's tokio has no `timeout_at`; a relative timeout from the same clock
         // reading is equivalent.
-        tokio::time::timeout(deadline.remaining(self.now()), future).await
+        self.run_until_from(self.now(), deadline, future).await
+    }
+
+    /// As [`Clock::run_until`], with the current time already read as `now`.
+    ///
+    /// # Errors
+    /// [`tokio::time::error::Elapsed`] when the deadline passes first.
+    pub async fn run_until_from<F: std::future::Future>(
+        &self,
+        now: Deadline,
+        deadline: Deadline,
+        future: F,
+    ) -> Result<F::Output, tokio::time::error::Elapsed> {
+        tokio::time::timeout(deadline.remaining(now), future).await
     }
 }
 

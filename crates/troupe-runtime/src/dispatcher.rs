@@ -21,7 +21,7 @@
 //! It does not retry, reorder or persist messages: a mailbox is memory, and a request
 //! is acknowledged only by its reply.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use tokio::sync::{mpsc, oneshot};
 use troupe_core::limits::ACTIVATIONS_MAX;
@@ -29,6 +29,7 @@ use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleStat
 
 use crate::activation::{self, ActivationStart};
 use crate::envelope::{CallEdge, Command, Control, Envelope};
+use crate::fast_hash::FastMap;
 use crate::runtime::{Counters, Route, Routes};
 use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
 use crate::{DispatcherStats, RuntimeHandle};
@@ -48,7 +49,7 @@ pub(crate) struct Dispatcher {
     handle: RuntimeHandle,
     commands: mpsc::Receiver<Command>,
     control: mpsc::UnboundedReceiver<Control>,
-    table: HashMap<ActorId, Activation>,
+    table: FastMap<ActorId, Activation>,
     waits: WaitForGraph,
     next_generation: u64,
     shutdown: Option<oneshot::Sender<()>>,
@@ -65,7 +66,7 @@ impl Dispatcher {
             handle,
             commands,
             control,
-            table: HashMap::new(),
+            table: FastMap::default(),
             waits: WaitForGraph::default(),
             next_generation: 1,
             shutdown: None,

@@ -22,6 +22,7 @@ mod actor;
 mod clock;
 mod dispatcher;
 mod envelope;
+mod fast_hash;
 mod kind_config;
 mod memory_store;
 mod runtime;

@@ -1,6 +1,6 @@
 //! Building a runtime and talking to it: [`RuntimeBuilder`], [`Runtime`], [`RuntimeHandle`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +14,7 @@ use troupe_core::{ActorId, ActorKind, CallContext, Deadline, InvokeError};
 
 use crate::dispatcher::Dispatcher;
 use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender};
+use crate::fast_hash::FastMap;
 use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, StateStore};
 
 /// A registered actor kind: its factory and configuration.
@@ -88,10 +89,10 @@ pub(crate) struct Route {
 /// under the lock, which keeps `delivered` exact for the idle handshake. Removing a
 /// route drops the only sender, which closes the mailbox.
 #[derive(Default)]
-pub(crate) struct Routes(Mutex<HashMap<ActorId, Route>>);
+pub(crate) struct Routes(Mutex<FastMap<ActorId, Route>>);
 
 impl Routes {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, HashMap<ActorId, Route>> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, FastMap<ActorId, Route>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -293,14 +294,14 @@ impl RuntimeHandle {
             // dispatcher when the target's mailbox is open.
             match self.shared.fast_path(target, envelope) {
                 FastPath::Delivered => {
-                    return self.await_reply(target, deadline, timeout_ms, answer).await;
+                    return self.await_reply(target, now, deadline, timeout_ms, answer).await;
                 }
                 FastPath::Refused(error) => return Err(error),
                 FastPath::ToDispatcher(back) => envelope = back,
             }
         }
         let command = Command::Invoke { target: target.clone(), envelope, edge };
-        let waited = clock.run_until(deadline, async {
+        let waited = clock.run_until_from(now, deadline, async {
             match self.shared.commands.try_send(command) {
                 Ok(()) => {}
                 Err(mpsc::error::TrySendError::Full(command)) => {
@@ -323,11 +324,12 @@ impl RuntimeHandle {
     async fn await_reply(
         &self,
         target: &ActorId,
+        now: Deadline,
         deadline: Deadline,
         timeout_ms: u64,
         answer: oneshot::Receiver<crate::envelope::Reply>,
     ) -> Result<Bytes, InvokeError> {
-        match self.shared.clock.run_until(deadline, answer).await {
+        match self.shared.clock.run_until_from(now, deadline, answer).await {
             Ok(Ok(result)) => result,
             Ok(Err(_closed)) => Err(InvokeError::ActorFailed {
                 target: target.clone(),
