@@ -8,3 +8,8 @@
 pub use troupe_core as core;
 pub use troupe_runtime as runtime;
 pub use troupe_agent as agent;
+
+/// The README's code examples, compiled as doctests so they cannot drift from the API.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
