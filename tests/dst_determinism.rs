@@ -43,6 +43,9 @@ async fn multi_agent_run() -> u64 {
     sim.finish().await.trace_hash
 }
 
+// A madsim runtime must be built on a fresh OS thread (it owns thread-local state);
+// this is test code, outside the simulated world.
+#[allow(clippy::disallowed_methods)]
 fn run_seed(seed: u64) -> u64 {
     std::thread::spawn(move || {
         let runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());

@@ -15,7 +15,7 @@ fn a_dst_scenario_outside_the_simulator_fails_loudly() {
 #[cfg(madsim)]
 #[madsim::test]
 async fn the_simulator_is_active_in_the_dst_build() {
-    assert!(cfg!(madsim));
+    const _: () = assert!(cfg!(madsim), "the DST build must set --cfg madsim");
     troupe_sim::require_simulator();
     // madsim's handle exists only inside the simulator; its clock is virtual, so an
     // minute of sleep costs no wall time (the whole test takes milliseconds).
