@@ -119,9 +119,23 @@ fn hot_round_trip(c: &mut Criterion) {
 fn cold_activation(c: &mut Criterion) {
     let rt = current_thread();
     let mut group = c.benchmark_group("cold activation and first reply");
+    group.bench_function("bare tokio spawn + first reply, task ends after (floor)", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let sender = spawn_floor_server();
+                    let (reply, answer) = oneshot::channel();
+                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    answer.await.unwrap();
+                }
+                start.elapsed()
+            })
+        });
+    });
     // Both sides keep what they activate alive, as an activated actor stays alive.
     let mut floor_servers = Vec::new();
-    group.bench_function("bare tokio spawn + first reply (floor)", |b| {
+    group.bench_function("bare tokio spawn + first reply, task kept alive (floor)", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
                 let start = Instant::now();
@@ -166,10 +180,34 @@ fn routing_is_flat(c: &mut Criterion) {
     let mut group = c.benchmark_group("hot invoke with N activated actors");
     group.sample_size(20);
     for &size in sizes {
+        // The floor: N raw tokio tasks, each with its mailbox, reached by index (no
+        // lookup). It shows what N live tasks cost in caches, apart from routing.
+        let mut floor: Option<(tokio::runtime::Runtime, Vec<mpsc::Sender<Request>>)> = None;
+        let mut index = 0u64;
+        group.bench_with_input(BenchmarkId::new("raw tokio tasks by index (floor)", size), &size, |b, &size| {
+            let (rt, senders) = floor.get_or_insert_with(|| {
+                let rt = current_thread();
+                let senders = rt.block_on(async { (0..size).map(|_| spawn_floor_server()).collect() });
+                (rt, senders)
+            });
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        index = (index + 7_919) % size;
+                        let (reply, answer) = oneshot::channel();
+                        senders[index as usize].send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                        tokio::time::timeout(Duration::from_secs(5), answer).await.unwrap().unwrap();
+                    }
+                    start.elapsed()
+                })
+            });
+        });
+        drop(floor);
         // Built on first use inside the closure, so a filtered-out size costs nothing.
         let mut setup: Option<(tokio::runtime::Runtime, Runtime, Vec<ActorId>)> = None;
         let mut key = 0u64;
-        group.bench_with_input(BenchmarkId::from_parameter(size), &size, |b, &size| {
+        group.bench_with_input(BenchmarkId::new("troupe invoke by id", size), &size, |b, &size| {
             let (rt, runtime, ids) = setup.get_or_insert_with(|| {
                 let rt = current_thread();
                 let ids: Vec<ActorId> = (0..size).map(echo).collect();

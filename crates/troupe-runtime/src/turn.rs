@@ -27,6 +27,9 @@ impl Turn {
     }
 
     pub(crate) fn into_writes(self) -> Vec<(String, Option<Bytes>)> {
+        if self.writes.is_empty() {
+            return Vec::new();
+        }
         self.writes.into_iter().collect()
     }
 
