@@ -20,13 +20,13 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use troupe_core::{truncate_utf8, ActorId, IdError};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Turn};
+use troupe_core::{truncate_utf8, ActorId, Deadline, IdError};
+use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, Turn};
 
 use crate::join::{join_all, JoinFuture};
 use crate::limits::{
@@ -280,6 +280,9 @@ pub(crate) struct AgentShared {
     pub(crate) tools: ToolRegistry,
     pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
     next_call: AtomicU64,
+    /// The runtime's clock, set once the runtime has started (before any agent can
+    /// activate): the time of the events the hooks report, which have no turn at hand.
+    clock: OnceLock<Clock>,
 }
 
 impl AgentShared {
@@ -289,7 +292,21 @@ impl AgentShared {
         tools: ToolRegistry,
         observers: Vec<Arc<dyn AgentObserver>>,
     ) -> Self {
-        Self { directory, llm, tools, observers, next_call: AtomicU64::new(1) }
+        Self { directory, llm, tools, observers, next_call: AtomicU64::new(1), clock: OnceLock::new() }
+    }
+
+    /// Records the clock of the runtime the agents run in; the first call wins.
+    pub(crate) fn set_clock(&self, clock: Clock) {
+        let _ = self.clock.set(clock);
+    }
+
+    /// The current time on the runtime's clock.
+    ///
+    /// # Panics
+    /// Before [`AgentShared::set_clock`]: the system sets it as soon as its runtime
+    /// starts, before any agent can be activated.
+    fn now(&self) -> Deadline {
+        self.clock.get().expect("the agent system sets the runtime's clock when it starts").now()
     }
 
     pub(crate) fn next_call_id(&self) -> u64 {
@@ -442,6 +459,20 @@ impl AgentActor {
 
 #[async_trait]
 impl Actor for AgentActor {
+    async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
+        if !self.shared.observers.is_empty() {
+            self.shared.emit(&AgentEvent::Activated { agent: self.id.clone(), at: self.shared.now() });
+        }
+        Ok(())
+    }
+
+    async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
+        if !self.shared.observers.is_empty() {
+            self.shared.emit(&AgentEvent::Deactivated { agent: self.id.clone(), at: self.shared.now() });
+        }
+        Ok(())
+    }
+
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let request = AgentRequest::decode(&payload)
             .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;

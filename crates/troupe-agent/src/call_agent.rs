@@ -87,6 +87,40 @@ impl Drop for InFlightSlot {
     }
 }
 
+/// Reports the end of a call to the observers exactly once: with its outcome when the
+/// call returns ([`CallEndReport::finish`]), or as [`CallOutcome::Cancelled`] when the
+/// future is dropped first (the caller's turn was cut while the call was in flight).
+struct CallEndReport<'a> {
+    context: &'a ToolExecutionContext,
+    call: u64,
+    /// Whether the end is still to be reported (never, when nobody observes).
+    armed: bool,
+}
+
+impl CallEndReport<'_> {
+    fn report(&mut self, outcome: CallOutcome) {
+        self.armed = false;
+        let at = self.context.runtime.now();
+        self.context.shared.emit(&AgentEvent::CallFinished { call: self.call, outcome, at });
+    }
+
+    /// Reports how the call ended.
+    fn finish(mut self, outcome: CallOutcome) {
+        if self.armed {
+            self.report(outcome);
+        }
+    }
+}
+
+impl Drop for CallEndReport<'_> {
+    fn drop(&mut self) {
+        // Not while panicking: an observer that panics now would abort the process.
+        if self.armed && !std::thread::panicking() {
+            self.report(CallOutcome::Cancelled);
+        }
+    }
+}
+
 /// Asks agent `agent_id` with `message` on behalf of the tool call's agent, and waits for
 /// its reply for `timeout_ms` (default 30 s, capped at 300 s, clipped to the caller's
 /// remaining deadline). `message` is cut to [`AGENT_MESSAGE_SIZE_MAX_BYTES`] on a
@@ -98,8 +132,9 @@ impl Drop for InFlightSlot {
 /// shutdown), [`AgentCallError::InvalidAgentId`], [`AgentCallError::MalformedReply`].
 ///
 /// # Cancel safety
-/// Dropping the future abandons the call: the in-flight slot is freed and the dispatcher
-/// drops the request if it has not run, or the callee finds its caller gone.
+/// Dropping the future abandons the call: the in-flight slot is freed, the dispatcher
+/// drops the request if it has not run, or the callee finds its caller gone, and the
+/// observers get `CallFinished` with [`CallOutcome::Cancelled`].
 pub async fn call_agent(
     context: &ToolExecutionContext,
     agent_id_text: &str,
@@ -131,6 +166,7 @@ pub async fn call_agent(
         depth: context.call_depth.saturating_add(1),
         at: now,
     });
+    let finished = CallEndReport { context, call, armed: !shared.observers.is_empty() };
     let result = match admission {
         Err(refused) => Err(AgentCallError::Refused(refused)),
         Ok(admitted) => {
@@ -158,7 +194,7 @@ pub async fn call_agent(
         Ok(reply) => CallOutcome::Replied { bytes: reply.text.len() },
         Err(error) => error.outcome(),
     };
-    shared.emit(&AgentEvent::CallFinished { call, outcome, at: context.runtime.now() });
+    finished.finish(outcome);
     result
 }
 

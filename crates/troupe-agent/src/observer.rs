@@ -2,7 +2,10 @@
 //! the events into a call tree.
 //!
 //! The agent layer reports every call (from outside, and every `call_agent`, admitted or
-//! refused) and the start of every turn. Observers are called synchronously on the
+//! refused), the start of every turn, and every activation and deactivation of an agent
+//! (from the runtime's `on_activate`/`on_deactivate` hooks). Every `call_agent` that
+//! reports `CallStarted` reports exactly one `CallFinished`, even when its caller's turn
+//! is cut while the call is in flight ([`CallOutcome::Cancelled`]). Observers are called synchronously on the
 //! agent's task, so they must be quick and must not block; the recorder only pushes to a
 //! vector. Times are on the runtime's clock (virtual under madsim).
 
@@ -28,16 +31,22 @@ pub enum CallOutcome {
         /// What went wrong.
         cause: String,
     },
+    /// The caller stopped waiting before the call ended: its turn was cut (its deadline
+    /// passed, or the runtime dropped it) while the call was in flight. The callee's turn
+    /// runs under a deadline no later than the caller's, so it is cancelled by then too
+    /// and commits nothing.
+    Cancelled,
 }
 
 impl CallOutcome {
-    /// A short label: `ok`, `refused`, `timeout`, `failed`.
+    /// A short label: `ok`, `refused`, `timeout`, `failed`, `cancelled`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Replied { .. } => "ok",
             Self::Refused(_) => "refused",
             Self::Failed(InvokeError::Timeout { .. }) => "timeout",
             Self::Failed(_) | Self::Other { .. } => "failed",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -82,6 +91,24 @@ pub enum AgentEvent {
         /// Its deadline.
         deadline: Deadline,
         /// When it started.
+        at: Deadline,
+    },
+    /// An activation of an agent started: its state is loaded and it ran the runtime's
+    /// `on_activate` hook; turns may follow. Until the matching `Deactivated`, this
+    /// activation is live (a node that dies ends it without a `Deactivated`).
+    Activated {
+        /// The agent.
+        agent: ActorId,
+        /// When its `on_activate` ran.
+        at: Deadline,
+    },
+    /// An activation of an agent is ending: it ran the runtime's `on_deactivate` hook
+    /// (idle, or the runtime shutting down) after its last turn; it runs no more turns,
+    /// and the runtime then saves its state and forgets it.
+    Deactivated {
+        /// The agent.
+        agent: ActorId,
+        /// When its `on_deactivate` ran.
         at: Deadline,
     },
 }
@@ -158,7 +185,7 @@ impl CallRecorder {
                         node.finished = Some((*at, outcome.clone()));
                     }
                 }
-                AgentEvent::TurnStarted { .. } => {}
+                AgentEvent::TurnStarted { .. } | AgentEvent::Activated { .. } | AgentEvent::Deactivated { .. } => {}
             }
         }
         // Attach children to parents, last first so each parent is complete when moved.
@@ -200,6 +227,7 @@ fn render_node(node: &CallNode, indent: usize, out: &mut String) {
                 CallOutcome::Refused(reason) => format!("refused: {reason}"),
                 CallOutcome::Failed(error) => format!("{}: {error}", outcome.label()),
                 CallOutcome::Other { cause } => format!("failed: {cause}"),
+                CallOutcome::Cancelled => "cancelled: the caller's turn was cut".to_string(),
             };
             (format!("{:>3}.{:03} s", micros / 1_000_000, (micros / 1_000) % 1_000), detail)
         }

@@ -127,6 +127,7 @@ impl AgentSystemBuilder {
         let kind = ActorKind::new(AGENT_KIND).expect("the agent kind name is valid");
         let factory = AgentFactory { shared: Arc::clone(&shared) };
         let runtime = self.runtime.register(kind, factory, self.kind_config)?.start();
+        shared.set_clock(runtime.handle().clock());
         let client = AgentClient { runtime: runtime.handle(), shared };
         Ok(AgentSystem { runtime, client })
     }

@@ -11,12 +11,12 @@ use std::time::Duration;
 use serde_json::json;
 use troupe_agent::limits::AGENT_REPLY_SIZE_MAX_BYTES;
 use troupe_agent::{
-    agent_id, call_agent, AgentCallError, AgentEvent, AgentSpec, AgentSystem, CallRecorder, Role, ScriptRule,
-    ScriptedLlm, Tool, ToolError,
+    agent_id, call_agent, AgentCallError, AgentEvent, AgentSpec, AgentSystem, CallOutcome, CallRecorder, Role,
+    ScriptRule, ScriptedLlm, Tool, ToolError,
 };
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{CallRefused, Deadline, InvokeError};
-use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
+use troupe_runtime::{KindConfig, MemoryStore, SqliteStore, StateStore};
 
 const SECOND: Duration = Duration::from_secs(1);
 /// Virtual time is exact under paused tokio; madsim adds microseconds of scheduling jitter.
@@ -509,5 +509,128 @@ async fn storage_failures_reach_the_caller_and_the_conversation_never_silently_a
     assert_eq!(system.ask("a", "five").await.unwrap().text, "ok: five");
     let window: Vec<String> = system.history_window("a").await.unwrap().into_iter().map(|m| m.content).collect();
     assert_eq!(window, vec!["one", "ok: one", "three", "ok: three", "five", "ok: five"]);
+    system.shutdown().await;
+}
+
+/// (event name, agent key) of every activation and deactivation, in order.
+fn lifecycle(recorder: &CallRecorder) -> Vec<(&'static str, String, Deadline)> {
+    recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            AgentEvent::Activated { agent, at } => Some(("activated", agent.key().to_string(), at)),
+            AgentEvent::Deactivated { agent, at } => Some(("deactivated", agent.key().to_string(), at)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Goal: observers see every activation and deactivation of an agent, from the
+/// runtime's real hooks, in order and at the right times. Method: an agent with a 50 ms
+/// idle timeout is asked, left idle (it deactivates), asked again (a second activation),
+/// and the system is shut down while it is active (it deactivates again).
+#[tokio::test(start_paused = true)]
+async fn an_agent_reports_activation_and_deactivation_to_observers() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("hello"));
+    let recorder = CallRecorder::new();
+    let idle = Duration::from_millis(50);
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm))
+        .observer(Arc::new(recorder.clone()))
+        .kind_config(KindConfig { idle_timeout: idle, ..KindConfig::default() })
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .unwrap();
+    let origin = system.runtime().now();
+    assert!(lifecycle(&recorder).is_empty(), "nothing is active before the first ask");
+
+    assert_eq!(system.ask("a", "hi").await.unwrap().text, "hello");
+    let events = recorder.events();
+    let activated = events.iter().position(|e| matches!(e, AgentEvent::Activated { .. })).unwrap();
+    let turn = events.iter().position(|e| matches!(e, AgentEvent::TurnStarted { .. })).unwrap();
+    assert!(activated < turn, "the activation is reported before its first turn: {events:?}");
+    assert_eq!(lifecycle(&recorder).len(), 1);
+
+    // Idle for longer than two idle timeouts: deactivated (between one and two after).
+    tokio::time::sleep(idle * 3).await;
+    let seen = lifecycle(&recorder);
+    assert_eq!(seen.iter().map(|(what, agent, _)| (*what, agent.as_str())).collect::<Vec<_>>(), vec![
+        ("activated", "a"),
+        ("deactivated", "a")
+    ]);
+    let idle_for = Duration::from_micros(seen[1].2.as_micros() - seen[0].2.as_micros());
+    assert!(idle_for >= idle && idle_for <= idle * 2 + JITTER, "deactivated after {idle_for:?} idle");
+    assert_deadline_about(seen[0].2, origin, "activated at the ask");
+
+    // Asked again: a second activation; shutdown ends it.
+    assert_eq!(system.ask("a", "again").await.unwrap().text, "hello");
+    system.shutdown().await;
+    let seen: Vec<(&str, String)> = lifecycle(&recorder).into_iter().map(|(what, agent, _)| (what, agent)).collect();
+    let expected: Vec<(&str, String)> = ["activated", "deactivated", "activated", "deactivated"]
+        .into_iter()
+        .map(|what| (what, "a".to_string()))
+        .collect();
+    assert_eq!(seen, expected, "b was never asked, so never activated");
+}
+
+/// Goal: a `call_agent` whose caller stops waiting (its future is dropped, as when the
+/// caller's turn is cut) still reports its end, as `Cancelled`, exactly once. Method: a
+/// tool of A runs `call_agent(b)` under a 20 ms timeout while B's model takes 1 s; the
+/// timeout drops the call mid-flight. A then answers, B's turn is abandoned.
+#[tokio::test(start_paused = true)]
+async fn a_cut_caller_reports_its_in_flight_call_as_cancelled() {
+    let impatient = Tool::from_fn(
+        "impatient",
+        "asks b but gives up after 20 ms",
+        json!({"type": "object"}),
+        |context, _arguments| async move {
+            match tokio::time::timeout(Duration::from_millis(20), call_agent(&context, "b", "slow?", Some(5_000))).await {
+                Ok(result) => result.map(|reply| reply.text).map_err(|e| ToolError::failed("impatient", e.to_string())),
+                Err(_) => Ok("gave up".to_string()),
+            }
+        },
+    );
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_user_containing("").call("impatient", json!({})))
+        .rule(ScriptRule::agent("a").on_tool_result().reply("a: {tool_result}"))
+        .rule(ScriptRule::agent("b").reply("late").latency(SECOND));
+    let recorder = CallRecorder::new();
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm))
+        .observer(Arc::new(recorder.clone()))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .tool(impatient)
+        .start()
+        .unwrap();
+    assert_eq!(system.ask("a", "go").await.unwrap().text, "a: gave up");
+
+    let events = recorder.events();
+    let started: Vec<(u64, Deadline)> = events
+        .iter()
+        .filter_map(|event| match event {
+            AgentEvent::CallStarted { call, caller: Some(caller), target, at, .. } => {
+                assert_eq!((caller.key(), target.key()), ("a", "b"));
+                Some((*call, *at))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(started.len(), 1, "{events:?}");
+    let (call, at) = started[0];
+    let finished: Vec<(CallOutcome, Deadline)> = events
+        .iter()
+        .filter_map(|event| match event {
+            AgentEvent::CallFinished { call: finished, outcome, at } if *finished == call => Some((outcome.clone(), *at)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(finished.len(), 1, "exactly one end: {events:?}");
+    assert_eq!(finished[0].0, CallOutcome::Cancelled);
+    assert_eq!(finished[0].0.label(), "cancelled");
+    assert_deadline_about(finished[0].1, Deadline::from_micros(at.as_micros() + 20_000), "cancelled when dropped");
+    let tree = recorder.render_tree();
+    assert!(tree.contains("a -> b") && tree.contains("cancelled: the caller's turn was cut"), "{tree}");
     system.shutdown().await;
 }

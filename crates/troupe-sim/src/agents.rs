@@ -9,7 +9,9 @@
 //! - [`flaky_tool`]: a tool with switchable failures ([`ToolFaults`]): the "tool error"
 //!   fault.
 //! - [`TraceObserver`]: turns the agent layer's [`AgentEvent`]s into trace events, so
-//!   the depth, chain, deadline, wait-for and liveness invariants check real agents.
+//!   the depth, chain, deadline, wait-for and liveness invariants check real agents, and
+//!   SingleActivation checks their activations (the agent actor's real `on_activate` and
+//!   `on_deactivate` hooks, recorded as the probes' `Activated`/`Deactivated`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -192,8 +194,6 @@ struct Calls {
     open: BTreeMap<u64, (u64, Option<u64>)>,
     /// Agent call id → the deadline of the turn serving it, in trace microseconds.
     turn_deadlines: BTreeMap<u64, u64>,
-    /// Agent → the deadline of its current turn, in trace microseconds.
-    current_turn_deadline: BTreeMap<String, u64>,
 }
 
 /// Maps agent events into the trace (see the module documentation).
@@ -222,13 +222,16 @@ impl AgentObserver for TraceObserver {
                 let Some(caller) = caller else { return };
                 let id = self.trace.next_id();
                 calls.open.insert(*call, (id, *parent));
-                let expires_us = calls.current_turn_deadline.get(&caller.to_string()).copied();
+                // Every `call_agent` reports its end, even when its caller's turn is cut
+                // (`CallOutcome::Cancelled`, from a drop guard that also runs when a
+                // killed node's tasks are dropped): the wait must end explicitly, as a
+                // probe's does, and one that never ends is a hang.
                 self.trace.record(Event::WaitBegin {
                     call: id,
                     caller: caller.to_string(),
                     target: target.to_string(),
                     host: self.node,
-                    expires_us,
+                    expires_us: None,
                 });
             }
             AgentEvent::CallFinished { call, outcome, .. } => {
@@ -250,7 +253,6 @@ impl AgentObserver for TraceObserver {
                 if let Some(call) = call {
                     calls.turn_deadlines.insert(*call, deadline_us);
                 }
-                calls.current_turn_deadline.insert(agent.to_string(), deadline_us);
                 self.trace.record(Event::TurnStarted {
                     node: self.node,
                     actor: agent.to_string(),
@@ -260,6 +262,13 @@ impl AgentObserver for TraceObserver {
                     parent_deadline_us,
                     remote: call.is_none(),
                 });
+            }
+            // Agents have no counter: their activations record a count of 0.
+            AgentEvent::Activated { agent, .. } => {
+                self.trace.record(Event::Activated { node: self.node, actor: agent.to_string(), count: 0 });
+            }
+            AgentEvent::Deactivated { agent, .. } => {
+                self.trace.record(Event::Deactivated { node: self.node, actor: agent.to_string(), count: 0 });
             }
         }
     }
