@@ -13,7 +13,7 @@ use troupe_sim::agent::{AgentSpec, ScriptRule, ScriptedLlm};
 use troupe_sim::agents::AgentSetup;
 use troupe_sim::serde_json::json;
 use troupe_sim::workload::{run_standard, FaultMix, Standard};
-use troupe_sim::{Fault, KnownIssues, Scenario, Sim, SimConfig};
+use troupe_sim::{Fault, Scenario, Sim, SimConfig};
 
 const TEST: &str = "dst_determinism";
 
@@ -28,7 +28,7 @@ async fn multi_agent_run() -> u64 {
         .rule(ScriptRule::agent("left").on_tool_result().reply("{tool_result}"))
         .rule(ScriptRule::agent("right").reply("right"));
     let agents = vec![AgentSpec::new("lead"), AgentSpec::new("left"), AgentSpec::new("right")];
-    let config = SimConfig { nodes: 2, known_issues: KnownIssues { late_network_delivery: true }, ..SimConfig::default() };
+    let config = SimConfig { nodes: 2, ..SimConfig::default() };
     let mut sim = Sim::start_with_agents(scenario, config, AgentSetup::new(Arc::new(llm), agents)).await;
     for index in 0..6 {
         let ms = sim.rng().range(0, 40);

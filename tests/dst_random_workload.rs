@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use troupe_sim::workload::{run_standard, FaultMix, Standard};
-use troupe_sim::{KnownIssues, Scenario, Sim, SimConfig, StoreMode};
+use troupe_sim::{Scenario, Sim, SimConfig, StoreMode};
 
 const TEST: &str = "dst_random_workload";
 
@@ -27,9 +27,6 @@ async fn random_workload_with_every_fault_keeps_every_invariant() {
     let config = SimConfig {
         nodes: 2,
         store: StoreMode::Fsync { latency_ms: 2 },
-        // Partitions and loss hit the transport's late-delivery bug (docs/dst.md, known
-        // issues); counted in the report line, pinned by dst_partition.
-        known_issues: KnownIssues { late_network_delivery: true },
         ..SimConfig::default()
     };
     let mut sim = Sim::start(scenario, config).await;

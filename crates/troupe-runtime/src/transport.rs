@@ -65,6 +65,7 @@
 use troupe_core::{CallContext, InvokeError};
 
 mod client;
+mod clock_sync;
 mod frame;
 mod server;
 mod wire;
@@ -85,6 +86,22 @@ pub const WRITE_QUEUE_CAPACITY: usize = 256;
 pub const WRITE_BATCH_FRAMES_MAX: usize = 64;
 /// Longest call chain a request may carry, in actors; a longer one is rejected unrun.
 pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
+/// The transport protocol's version, sent in the opening hello of every connection; a
+/// peer of another version fails the handshake with both versions in the cause.
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 2;
+/// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
+/// whole microseconds, so the offset bound may be this much too generous; it is taken
+/// off every translated deadline.
+pub(crate) const CLOCK_ROUNDING_US: u64 = 1;
+/// Largest difference in rate between two nodes' monotonic clocks the transport allows
+/// for, in parts per million (NTP slews a clock by at most 500 ppm; two clocks slewed
+/// in opposite directions differ by up to 1,000 ppm). A translated deadline is made
+/// earlier by this fraction of the clock bound's age.
+pub(crate) const CLOCK_DRIFT_PPM_MAX: u64 = 1_000;
+/// Age after which a connection's clock bound is refreshed by another hello (sent with
+/// the next request, never on a timer), in milliseconds. Bounds the drift allowance to
+/// about `CLOCK_DRIFT_PPM_MAX` x this, plus the time until the next request.
+pub(crate) const CLOCK_RESYNC_INTERVAL_MS: u64 = 1_000;
 /// Pause after a failed `accept` (for example, out of file descriptors), in milliseconds.
 pub const ACCEPT_RETRY_DELAY_MS: u64 = 10;
 
@@ -96,3 +113,5 @@ const _: () = assert!(WRITE_QUEUE_CAPACITY >= 1);
 const _: () = assert!(WRITE_BATCH_FRAMES_MAX >= 1);
 const _: () = assert!(CALL_CHAIN_LENGTH_MAX >= troupe_core::limits::AGENT_CALL_DEPTH_MAX as usize);
 const _: () = assert!(FRAME_SIZE_MAX_BYTES <= u32::MAX as usize);
+// The drift allowance accumulated between refreshes stays below a millisecond or so.
+const _: () = assert!(CLOCK_DRIFT_PPM_MAX * CLOCK_RESYNC_INTERVAL_MS <= 1_000_000);

@@ -2,17 +2,22 @@
 //!
 //! Goal: every claim of the transport's module documentation, checked end to end over
 //! real sockets. A tiny probe actor echoes, reports the context its turn received, or
-//! sleeps. The first section runs on real TCP on loopback (`#[tokio::test]`); the second
+//! sleeps, or counts its turns. The first section runs on real TCP on loopback
+//! (`#[tokio::test]`); the second
 //! runs only in the simulator, with two simulated nodes (server 10.0.0.1, client
 //! 10.0.0.2), and partitions the link, kills and restarts the server node, and adds
-//! latency, checking that no call outlives its deadline and that service comes back
-//! once the fault heals.
+//! latency, checking that no call outlives its deadline, that a request delivered after
+//! its deadline never runs, that the clock handshake bounds the offset between nodes
+//! whose clocks started at different times, and that service comes back once the fault
+//! heals.
 //!
 //! Run with `cargo nextest run -p troupe-runtime --test transport`, and under simulation
 //! with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p
 //! troupe-runtime --test transport`.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -36,6 +41,17 @@ enum Probe {
     ReportContext,
     /// Sleep this long, then reply with nothing.
     Sleep { milliseconds: u64 },
+    /// Count this turn (see [`turns_of`]) and reply with the count so far.
+    Count,
+}
+
+/// Turns run by `Probe::Count`, by actor key, across every runtime of this process (keys
+/// are unique per test).
+static TURNS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+
+/// How many `Probe::Count` turns the probe `key` has run.
+fn turns_of(key: &str) -> u64 {
+    TURNS.lock().unwrap().get(key).copied().unwrap_or(0)
 }
 
 /// The context a turn received, with its deadline as the time left on the host's clock.
@@ -44,6 +60,8 @@ struct ContextReport {
     depth: u32,
     chain: Vec<ActorId>,
     remaining_us: u64,
+    /// The turn's deadline on the host's clock.
+    deadline_us: u64,
 }
 
 struct ProbeActor;
@@ -62,12 +80,19 @@ impl Actor for ProbeActor {
                     chain: context.chain().to_vec(),
                     remaining_us: u64::try_from(turn.deadline().remaining(turn.handle().now()).as_micros())
                         .unwrap(),
+                    deadline_us: turn.deadline().as_micros(),
                 };
                 Ok(Bytes::from(bincode::serialize(&report).unwrap()))
             }
             Probe::Sleep { milliseconds } => {
                 tokio::time::sleep(Duration::from_millis(milliseconds)).await;
                 Ok(Bytes::new())
+            }
+            Probe::Count => {
+                let mut turns = TURNS.lock().unwrap();
+                let count = turns.entry(turn.id().key().to_string()).or_insert(0);
+                *count += 1;
+                Ok(Bytes::from(count.to_be_bytes().to_vec()))
             }
         }
     }
@@ -107,6 +132,22 @@ async fn echo(
     timeout: Duration,
 ) -> Result<Bytes, InvokeError> {
     client.invoke(&probe(key), encode(&Probe::Echo(bytes.to_vec())), root_context(clock, timeout), None).await
+}
+
+async fn count(client: &TransportClient, clock: &Clock, key: &str, timeout: Duration) -> Result<u64, InvokeError> {
+    let reply = client.invoke(&probe(key), encode(&Probe::Count), root_context(clock, timeout), None).await?;
+    Ok(u64::from_be_bytes(reply[..].try_into().unwrap()))
+}
+
+/// Waits (up to 10 s) until `client` has discarded `late` late replies.
+async fn until_late_replies(client: &TransportClient, late: u64) {
+    for _ in 0..1_000 {
+        if client.stats().late_replies_discarded >= late {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("expected {late} late replies: {:?}", client.stats());
 }
 
 /// Time on `clock` since `since`.
@@ -329,6 +370,68 @@ mod loopback {
         assert!(released, "the host kept the wait-for edge of a closed connection");
     }
 
+    /// A loopback proxy for one connection whose client → server direction can be held:
+    /// bytes read while it is held are delivered in order once released, as a healed
+    /// partition (or TCP retransmission after loss) delivers them. Set the returned
+    /// switch to `true` to hold, `false` to release.
+    async fn holding_proxy(server: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
+        let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (hold, mut held) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            let (inbound, _) = listener.accept().await.unwrap();
+            let outbound = TcpStream::connect(server).await.unwrap();
+            let (mut from_client, mut to_client) = inbound.into_split();
+            let (mut from_server, mut to_server) = outbound.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
+            });
+            let mut buffer = vec![0_u8; 64 * 1024];
+            loop {
+                let read = match from_client.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(read) => read,
+                };
+                if held.wait_for(|held| !*held).await.is_err() {
+                    return;
+                }
+                if to_server.write_all(&buffer[..read]).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (address, hold)
+    }
+
+    /// Goal: a request delivered after its caller's deadline never runs: the host
+    /// answers it `Timeout` unrun, and that late reply is discarded by the client, not
+    /// taken as a success. Method: a proxy holds the request back past its 200 ms
+    /// deadline, then delivers it; the probe counts its turns.
+    #[tokio::test]
+    async fn a_request_that_arrives_after_its_deadline_never_runs() {
+        let (_runtime, server) = start_server().await;
+        let (proxy, hold) = holding_proxy(server.local_address()).await;
+        let clock = Clock::new();
+        let client = TransportClient::new(proxy, clock);
+        let key = "late-on-loopback";
+        assert_eq!(count(&client, &clock, key, Duration::from_secs(5)).await.unwrap(), 1);
+
+        hold.send(true).unwrap();
+        let deadline = Duration::from_millis(200);
+        let started = clock.now();
+        let result = count(&client, &clock, key, deadline).await;
+        assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
+        assert!(elapsed(&clock, started) < deadline + Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        hold.send(false).unwrap();
+
+        until_late_replies(&client, 1).await;
+        assert_eq!(turns_of(key), 1, "the expired request ran on the host");
+        // The connection is still good, and the next turn is the second one.
+        assert_eq!(count(&client, &clock, key, Duration::from_secs(5)).await.unwrap(), 2);
+        assert_eq!(client.stats().connections_opened, 1);
+    }
+
     /// Reads from `stream` until the peer closes it; fails the test after 5 s.
     async fn expect_closed_by_peer(stream: &mut TcpStream) {
         let mut buffer = [0_u8; 64];
@@ -435,7 +538,7 @@ mod simulated {
     const DEADLINE_SLACK: Duration = Duration::from_millis(1);
 
     /// Asserts that a call under a partition failed the way it may, and not after its deadline.
-    fn assert_failed_by_deadline(result: &Result<Bytes, InvokeError>, waited: Duration, deadline: Duration) {
+    fn assert_failed_by_deadline<T: std::fmt::Debug>(result: &Result<T, InvokeError>, waited: Duration, deadline: Duration) {
         assert!(
             matches!(result, Err(InvokeError::Unreachable { .. } | InvokeError::Timeout { .. })),
             "{result:?}"
@@ -490,8 +593,9 @@ mod simulated {
                 let fresh = TransportClient::new(server_address(), clock);
                 let reply = echo(&fresh, &clock, "b", b"fresh", Duration::from_secs(30)).await.unwrap();
                 assert_eq!(&reply[..], b"fresh");
-                // The three requests held by the partition ran after it healed; their
-                // replies came too late and were dropped.
+                // The three requests held by the partition arrived after their deadline
+                // once it healed: the host answered them `Timeout` without running them,
+                // and those replies came too late and were dropped.
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 let stats = warm.stats();
                 assert_eq!(stats.requests_in_flight, 0);
@@ -599,6 +703,136 @@ mod simulated {
                 assert_eq!(transport.stats().requests_in_flight, 0);
                 let reply = echo(&transport, &clock, "over", b"room", deadline).await.unwrap();
                 assert_eq!(&reply[..], b"room");
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: a request held by a partition and delivered after its deadline never runs:
+    /// the host answers it `Timeout` unrun, the late reply is discarded (not counted as a
+    /// success), and the connection serves the next call. Method: clog both directions
+    /// of a warm connection, call a turn-counting probe with a 200 ms deadline, wait past
+    /// it, unclog.
+    #[madsim::test]
+    async fn a_request_delivered_after_a_partition_heals_past_its_deadline_never_runs() {
+        let handle = Handle::current();
+        let server = start_server_node(&handle);
+        let client = client_node(&handle);
+        let server_id = server.id();
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                let key = "late-after-partition";
+                assert_eq!(count(&transport, &clock, key, Duration::from_secs(5)).await.unwrap(), 1);
+
+                let net = NetSim::current();
+                let client_id = Handle::current().get_node("client").unwrap().id();
+                net.clog_link(client_id, server_id);
+                net.clog_link(server_id, client_id);
+                let deadline = Duration::from_millis(200);
+                let started = clock.now();
+                let result = count(&transport, &clock, key, deadline).await;
+                assert_failed_by_deadline(&result, elapsed(&clock, started), deadline);
+                assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                net.unclog_link(client_id, server_id);
+                net.unclog_link(server_id, client_id);
+
+                until_late_replies(&transport, 1).await;
+                assert_eq!(turns_of(key), 1, "the request delivered after its deadline ran");
+                assert_eq!(count(&transport, &clock, key, Duration::from_secs(5)).await.unwrap(), 2);
+                let stats = transport.stats();
+                assert_eq!((stats.connections_opened, stats.requests_in_flight), (1, 0), "{stats:?}");
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: the clock handshake bounds the server's clock offset correctly when the two
+    /// runtimes' clocks started at different times, and a remote turn's deadline is never
+    /// later (in real time) than its caller's. Method: the server starts its runtime
+    /// 3.5 s after the client's clock started, on a link with 1-10 ms of random latency;
+    /// compare the client's estimate with the true offset (both epochs read from the
+    /// simulator's one clock), then check a reported remote deadline; after 2 s a call
+    /// refreshes the bound.
+    #[madsim::test]
+    async fn the_clock_handshake_bounds_the_offset_between_runtimes_started_at_different_times() {
+        let handle = Handle::current();
+        // One clock for the whole simulation (virtual time is global): each runtime's
+        // epoch is read on it, in microseconds.
+        let reference = Clock::new();
+        let epoch_on = move |clock_now: troupe_core::Deadline| {
+            i64::try_from(reference.now().as_micros()).unwrap() - i64::try_from(clock_now.as_micros()).unwrap()
+        };
+        let server_epoch = std::sync::Arc::new(Mutex::new(None::<i64>));
+        let recorded = std::sync::Arc::clone(&server_epoch);
+        let _server = handle
+            .create_node()
+            .name("server")
+            .ip(SERVER_IP.parse::<IpAddr>().unwrap())
+            .init(move || {
+                let recorded = std::sync::Arc::clone(&recorded);
+                async move {
+                    tokio::time::sleep(Duration::from_millis(3_500)).await;
+                    let runtime = probe_runtime();
+                    *recorded.lock().unwrap() = Some(epoch_on(runtime.handle().now()));
+                    let _server = TransportServer::bind(server_address(), runtime.handle()).await.unwrap();
+                    std::future::pending::<()>().await;
+                }
+            })
+            .build();
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                NetSim::current().update_config(|config| {
+                    config.send_latency = Duration::from_millis(1)..Duration::from_millis(10);
+                });
+                let clock = Clock::new();
+                let client_epoch = epoch_on(clock.now());
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                let transport = TransportClient::new(server_address(), clock);
+                let key = "handshake";
+                let budget = Duration::from_secs(2);
+                let context = root_context(&clock, budget);
+                let caller_deadline = client_epoch + i64::try_from(context.deadline().as_micros()).unwrap();
+                let reply =
+                    transport.invoke(&probe(key), encode(&Probe::ReportContext), context, None).await.unwrap();
+                let report: ContextReport = bincode::deserialize(&reply).unwrap();
+
+                let server_epoch = server_epoch.lock().unwrap().expect("the server started");
+                // server clock - client clock: negative, the server started later.
+                let true_offset_us = client_epoch - server_epoch;
+                assert!(true_offset_us <= -3_400_000, "the epochs should differ by about 3.5 s: {true_offset_us}");
+                let stats = transport.stats();
+                let estimate = stats.clock_offset_estimate_us.expect("connected");
+                let error = stats.clock_offset_error_us.expect("connected");
+                assert!((1_000..=10_000).contains(&error), "half a 2-20 ms round trip: {stats:?}");
+                assert!(
+                    estimate.abs_diff(true_offset_us) <= error + 1,
+                    "estimate {estimate} us, true {true_offset_us} us, bound {error} us"
+                );
+                assert_eq!(stats.clock_syncs, 1);
+
+                // The remote turn's deadline, in real (simulated) time, is not after the
+                // caller's, and is earlier by at most the round trip plus allowances.
+                let remote_deadline = server_epoch + i64::try_from(report.deadline_us).unwrap();
+                assert!(remote_deadline <= caller_deadline, "{remote_deadline} us > {caller_deadline} us");
+                let shortened_us = caller_deadline - remote_deadline;
+                assert!(shortened_us <= 2 * i64::try_from(error).unwrap() + 10, "shortened by {shortened_us} us");
+
+                // An old bound is refreshed by the next call (not on a timer).
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                assert_eq!(transport.stats().clock_syncs, 1, "no refresh without traffic");
+                assert_eq!(count(&transport, &clock, key, budget).await.unwrap(), 1);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let stats = transport.stats();
+                assert_eq!(stats.clock_syncs, 2, "{stats:?}");
+                let estimate = stats.clock_offset_estimate_us.unwrap();
+                let error = stats.clock_offset_error_us.unwrap();
+                assert!(estimate.abs_diff(true_offset_us) <= error + 1, "after refresh: {stats:?}");
+                assert_eq!(stats.connections_opened, 1);
             })
             .await
             .unwrap();

@@ -17,7 +17,7 @@ use troupe_runtime::KindConfig;
 use crate::agents::{AgentSetup, LlmFaults, ToolFaults, AGENT_NODE};
 use crate::cluster::{ClientMode, ClusterConfig, Disk, NodeId, Placement, SimCluster};
 use crate::faults::Fault;
-use crate::invariants::{Invariants, KnownIssues, Violation};
+use crate::invariants::{Invariants, Violation};
 use crate::probe::{probe, AdmissionMode, ProbeOp, ProbeReply, ProbeRequest};
 use crate::replay::{self, replay_command, Running, Scenario};
 use crate::rng::SimRng;
@@ -52,8 +52,6 @@ pub struct SimConfig {
     /// For planted-bug tests: the invariant expected to be violated. Violations then do
     /// not fail the run; [`Sim::finish`] asserts that this one was found.
     pub expect_violation: Option<&'static str>,
-    /// Known bugs of other components this scenario tolerates (counted and reported).
-    pub known_issues: KnownIssues,
 }
 
 impl Default for SimConfig {
@@ -68,7 +66,6 @@ impl Default for SimConfig {
             mailbox_capacity: 8,
             idle_timeout: Duration::from_millis(20),
             expect_violation: None,
-            known_issues: KnownIssues::default(),
         }
     }
 }
@@ -248,7 +245,7 @@ impl Sim {
     async fn start_with(scenario: Scenario, config: SimConfig, agents: Option<AgentSetup>) -> Self {
         crate::require_simulator();
         let seed = madsim::runtime::Handle::current().seed();
-        let trace = Trace::new(Invariants::all_tolerating(config.known_issues));
+        let trace = Trace::new(Invariants::all());
         let described = trace.clone();
         replay::register(Running {
             scenario,

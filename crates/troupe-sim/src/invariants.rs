@@ -22,7 +22,7 @@ mod single_activation;
 mod turn_writes_atomic;
 mod wait_for_graph_acyclic;
 
-pub use deadline_monotone::{DeadlineMonotone, TRANSIT_SLACK_US};
+pub use deadline_monotone::DeadlineMonotone;
 pub use every_call_resolves::RESOLVE_SLACK_US;
 pub use wait_for_graph_acyclic::WAIT_FOR_CYCLE_GRACE_US;
 pub use depth_bounded::DepthBounded;
@@ -54,22 +54,14 @@ pub trait Invariant: Send {
         Ok(())
     }
 
-    /// Violations of a known issue that this run tolerates (counted, reported, not
-    /// failed).
+    /// Violations of a known issue that this run tolerates (counted, reported in the
+    /// run's report line as `known_issues=`, not failed). No invariant tolerates
+    /// anything today: the last known issue (late network delivery) is fixed, and its
+    /// tolerance removed. A new known issue would be tolerated here, explicitly, with a
+    /// test pinning it.
     fn tolerated(&self) -> u64 {
         0
     }
-}
-
-/// Known bugs of other components that a scenario may tolerate explicitly while they
-/// are being fixed. Each is counted and printed in the run's report line; each has a
-/// test pinning that it still happens (so its removal is noticed).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KnownIssues {
-    /// The transport rebuilds a request's deadline as `arrival + remaining`, so a
-    /// request held up by a partition or packet loss runs with its whole budget after
-    /// its caller gave up (DeadlineMonotone across a network hop).
-    pub late_network_delivery: bool,
 }
 
 /// A broken invariant.
@@ -101,22 +93,12 @@ const VIOLATIONS_KEPT_MAX: usize = 16;
 impl Invariants {
     /// Every invariant Troupe promises.
     pub fn all() -> Self {
-        Self::all_tolerating(KnownIssues::default())
-    }
-
-    /// Every invariant, tolerating `known` issues (see [`KnownIssues`]).
-    pub fn all_tolerating(known: KnownIssues) -> Self {
-        let deadline_monotone = if known.late_network_delivery {
-            DeadlineMonotone::tolerating_late_delivery()
-        } else {
-            DeadlineMonotone::default()
-        };
         Self::of(vec![
             Box::new(SingleActivation::default()),
             Box::new(DepthBounded),
             Box::new(NoCycleInCallChain),
             Box::new(WaitForGraphAcyclic::default()),
-            Box::new(deadline_monotone),
+            Box::new(DeadlineMonotone::default()),
             Box::new(EveryCallResolves::default()),
             Box::new(NoAckedStateLost::default()),
             Box::new(TurnWritesAtomic),

@@ -58,7 +58,7 @@ pub mod workload;
 mod replay;
 
 pub use guard::{require_simulator, SIMULATOR_REQUIRED};
-pub use invariants::{Invariants, KnownIssues, Violation};
+pub use invariants::{Invariants, Violation};
 pub use probe::{
     node_address, owner_of, probe, probe_kind, Router, TRANSPORT_PORT, AdmissionMode, AuditGroup, ProbeConfig, ProbeFactory, ProbeOp, ProbeReply,
     ProbeRequest, RefusalKind,

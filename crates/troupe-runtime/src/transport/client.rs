@@ -2,25 +2,29 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use troupe_core::{ActorId, CallContext, InvokeError};
 
+use super::clock_sync::ClockSync;
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
-use super::wire::{WireRequest, WireResponse};
-use super::{CLIENT_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY};
+use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
+use super::{CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, WRITE_QUEUE_CAPACITY};
 use crate::Clock;
 
 /// Invokes actors hosted by the runtime behind one [`TransportServer`](super::TransportServer).
 ///
 /// Connects lazily on the first call and multiplexes every concurrent call over that one
-/// connection, matching replies to calls by request id. When the connection breaks, every
-/// call pending on it fails at once with [`InvokeError::Unreachable`] and the next call
-/// connects again. Never retries a request.
+/// connection, matching replies to calls by request id. Each new connection starts with
+/// a clock handshake, so deadlines cross it as absolute instants on the server's clock
+/// (see the transport module's documentation in the source). When the connection breaks, every call
+/// pending on it fails at once with [`InvokeError::Unreachable`] and the next call
+/// connects (and handshakes) again. Never retries a request.
 ///
 /// Share it (`Arc<TransportClient>`); every method takes `&self`.
 #[derive(Debug)]
@@ -46,6 +50,15 @@ pub struct TransportClientStats {
     pub connections_broken: u64,
     /// Replies that arrived after their caller stopped waiting, and were dropped.
     pub late_replies_discarded: u64,
+    /// Clock handshakes completed: one per connection opened, plus refreshes.
+    pub clock_syncs: u64,
+    /// The current connection's estimate of the server's clock minus this client's, in
+    /// microseconds (`None` without an open connection).
+    pub clock_offset_estimate_us: Option<i64>,
+    /// The error bound of that estimate (half the handshake's round trip), in
+    /// microseconds; deadlines are sent this much (plus rounding and drift allowance)
+    /// earlier than the estimate says.
+    pub clock_offset_error_us: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -53,6 +66,7 @@ struct Counters {
     connections_opened: AtomicU64,
     connections_broken: AtomicU64,
     late_replies_discarded: AtomicU64,
+    clock_syncs: AtomicU64,
 }
 
 /// How a pending call ended on the connection's side.
@@ -62,12 +76,36 @@ enum Outcome {
     Broken(String),
 }
 
-/// One open connection: the queue to its writer and the calls waiting on it. Dropping
-/// the last `Arc` closes the queue, which ends the connection's task and closes the socket.
+/// One open connection: the queue to its writer, the calls waiting on it and its clock
+/// bound. Dropping the last `Arc` closes the queue, which ends the connection's task and
+/// closes the socket.
 #[derive(Debug)]
 struct Connection {
     frames: mpsc::Sender<Bytes>,
     pending: Arc<Pending>,
+    sync: Arc<SyncState>,
+}
+
+/// The connection's clock bound, refreshed by hellos on the open connection.
+#[derive(Debug)]
+struct SyncState {
+    current: Mutex<ClockSync>,
+    /// A refresh hello is queued or in flight; at most one at a time.
+    refreshing: AtomicBool,
+}
+
+impl SyncState {
+    fn get(&self) -> ClockSync {
+        *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps whichever of the current and `fresh` bounds gives more time at `now`
+    /// (both are valid lower bounds).
+    fn offer(&self, fresh: ClockSync, now: troupe_core::Deadline) {
+        let mut current = self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *current = current.tighter(fresh, now);
+        self.refreshing.store(false, Ordering::Relaxed);
+    }
 }
 
 /// The calls waiting on one connection, by request id.
@@ -166,11 +204,26 @@ impl TransportClient {
     /// What this client did so far.
     pub fn stats(&self) -> TransportClientStats {
         let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        // Not waiting for a connection being opened: stats never block.
+        let sync = self
+            .connection
+            .try_lock()
+            .ok()
+            .and_then(|slot| slot.as_ref().filter(|c| !c.pending.is_broken()).map(|c| c.sync.get()));
         TransportClientStats {
             requests_in_flight: CLIENT_REQUESTS_IN_FLIGHT_MAX - self.slots.available_permits(),
             connections_opened: load(&self.counters.connections_opened),
             connections_broken: load(&self.counters.connections_broken),
             late_replies_discarded: load(&self.counters.late_replies_discarded),
+            clock_syncs: load(&self.counters.clock_syncs),
+            clock_offset_estimate_us: sync.map(|sync| {
+                i64::try_from(sync.offset_estimate_us()).unwrap_or(if sync.offset_estimate_us() < 0 {
+                    i64::MIN
+                } else {
+                    i64::MAX
+                })
+            }),
+            clock_offset_error_us: sync.map(|sync| sync.error_bound_us()),
         }
     }
 
@@ -180,7 +233,10 @@ impl TransportClient {
     /// `caller` is the actor whose turn waits on this call, if any: the remote dispatcher
     /// records the wait-for edge `caller → target` (when `None`, the end of the context's
     /// chain is taken as the caller; a root context has none). The remote side rebuilds
-    /// `context` with the same depth and chain and the same remaining time.
+    /// `context` with the same depth and chain and the same deadline, translated to its
+    /// clock and made earlier by the handshake's error bound: the remote call never has
+    /// more time than this caller, and a request that arrives after its deadline is
+    /// answered [`InvokeError::Timeout`] without running.
     ///
     /// Connects first if there is no open connection. Waits for an in-flight slot if
     /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`](super::CLIENT_REQUESTS_IN_FLIGHT_MAX) calls are
@@ -233,9 +289,10 @@ impl TransportClient {
             .expect("the client's in-flight semaphore is never closed");
         let connection = self.invoke_connection().await.map_err(unreachable)?;
         let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
-        let request =
-            WireRequest::new(request_id, target.clone(), payload, context, caller.cloned(), self.clock.now());
-        let frame = encode_frame(&request).map_err(|error| InvokeError::Rejected {
+        let now = self.clock.now();
+        let sync = connection.clock_sync(now);
+        let request = WireRequest::new(request_id, target.clone(), payload, context, caller.cloned(), &sync, now);
+        let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| InvokeError::Rejected {
             target: target.clone(),
             reason: format!("the request cannot be sent: {error}"),
         })?;
@@ -252,10 +309,11 @@ impl TransportClient {
         }
     }
 
-    /// The open connection, or a new one if there is none or it broke.
+    /// The open connection, or a new one if there is none or it broke. A new connection
+    /// is usable only once its clock handshake is done.
     ///
     /// # Cancel safety
-    /// Cancel safe: a connection is stored only once it is open.
+    /// Cancel safe: a connection is stored only once it is open and synced.
     async fn invoke_connection(&self) -> Result<Arc<Connection>, String> {
         let mut slot = self.connection.lock().await;
         if let Some(connection) = slot.as_ref() {
@@ -264,32 +322,91 @@ impl TransportClient {
             }
         }
         *slot = None;
-        let stream = TcpStream::connect(self.address)
+        let mut stream = TcpStream::connect(self.address)
             .await
             .map_err(|error| format!("connecting to {} failed: {error}", self.address))?;
         // Nagle would hold small requests back; failing to disable it only costs latency.
         let _ = stream.set_nodelay(true);
         self.counters.connections_opened.fetch_add(1, Ordering::Relaxed);
-        let connection = Connection::open(stream, self.address, Arc::clone(&self.counters));
+        let sync = handshake(&mut stream, &self.clock).await.map_err(|error| {
+            self.counters.connections_broken.fetch_add(1, Ordering::Relaxed);
+            format!("the clock handshake with {} failed: {error}", self.address)
+        })?;
+        self.counters.clock_syncs.fetch_add(1, Ordering::Relaxed);
+        let connection = Connection::open(stream, self.address, Arc::clone(&self.counters), self.clock, sync);
         *slot = Some(Arc::clone(&connection));
         Ok(connection)
     }
 }
 
+/// The clock handshake on a new connection: sends a [`Hello`] stamped with `clock`, reads
+/// the answer, and bounds the server's clock from the round trip.
+///
+/// # Errors
+/// Any [`FrameError`]; [`FrameError::Handshake`] when the peer is not a Troupe server,
+/// speaks another protocol version, or answers with something else than a hello.
+///
+/// # Cancel safety
+/// Not cancel safe: cancelling leaves the stream mid-handshake; drop the stream.
+async fn handshake(stream: &mut TcpStream, clock: &Clock) -> Result<ClockSync, FrameError> {
+    let hello = encode_frame(&ClientMessage::Hello(Hello::new(clock.now())))?;
+    stream.write_all(&hello).await?;
+    stream.flush().await?;
+    match read_frame::<ServerMessage, _>(stream).await? {
+        ServerMessage::HelloAck(ack) => ack.clock_sync(clock.now()).map_err(|cause| FrameError::Handshake { cause }),
+        ServerMessage::Response(_) => {
+            Err(FrameError::Handshake { cause: "the server answered the hello with a response".to_string() })
+        }
+    }
+}
+
 impl Connection {
+    /// The clock bound for a request sent at `now`. When the bound is older than
+    /// [`CLOCK_RESYNC_INTERVAL_MS`], also queues a refresh hello (at most one at a
+    /// time, never waiting: if the write queue is full the next call tries again);
+    /// meanwhile the old bound stays valid, with a growing drift allowance.
+    fn clock_sync(&self, now: troupe_core::Deadline) -> ClockSync {
+        let sync = self.sync.get();
+        if sync.age_us(now) >= CLOCK_RESYNC_INTERVAL_MS * 1_000 && !self.sync.refreshing.swap(true, Ordering::Relaxed) {
+            let queued = encode_frame(&ClientMessage::Hello(Hello::new(now)))
+                .is_ok_and(|frame| self.frames.try_send(frame).is_ok());
+            if !queued {
+                self.sync.refreshing.store(false, Ordering::Relaxed);
+            }
+        }
+        sync
+    }
+
     /// Starts the connection's task: it writes queued frames, reads replies and hands
-    /// each to its caller, and on any failure fails every pending call at once.
-    fn open(stream: TcpStream, address: SocketAddr, counters: Arc<Counters>) -> Arc<Self> {
+    /// each to its caller (and refreshed clock bounds to the connection), and on any
+    /// failure fails every pending call at once.
+    fn open(
+        stream: TcpStream,
+        address: SocketAddr,
+        counters: Arc<Counters>,
+        clock: Clock,
+        sync: ClockSync,
+    ) -> Arc<Self> {
         let (frames, mut frame_queue) = mpsc::channel::<Bytes>(WRITE_QUEUE_CAPACITY);
         let pending = Arc::new(Pending::default());
-        let connection = Arc::new(Self { frames, pending: Arc::clone(&pending) });
+        let sync = Arc::new(SyncState { current: Mutex::new(sync), refreshing: AtomicBool::new(false) });
+        let connection = Arc::new(Self { frames, pending: Arc::clone(&pending), sync: Arc::clone(&sync) });
         tokio::spawn(async move {
             let (mut reader, mut writer) = tokio::io::split(stream);
             let read_replies = async {
                 loop {
-                    let response: WireResponse = read_frame(&mut reader).await?;
-                    if !pending.complete(response) {
-                        counters.late_replies_discarded.fetch_add(1, Ordering::Relaxed);
+                    match read_frame::<ServerMessage, _>(&mut reader).await? {
+                        ServerMessage::Response(response) => {
+                            if !pending.complete(response) {
+                                counters.late_replies_discarded.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        ServerMessage::HelloAck(ack) => {
+                            let now = clock.now();
+                            let fresh = ack.clock_sync(now).map_err(|cause| FrameError::Handshake { cause })?;
+                            sync.offer(fresh, now);
+                            counters.clock_syncs.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
             };

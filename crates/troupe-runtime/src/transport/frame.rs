@@ -44,6 +44,13 @@ pub enum FrameError {
         /// The encoder's error.
         cause: String,
     },
+    /// The connection's opening handshake failed: the peer is not a Troupe transport,
+    /// speaks another protocol version, or sent a frame out of turn.
+    #[error("handshake failed: {cause}")]
+    Handshake {
+        /// What went wrong.
+        cause: String,
+    },
     /// The peer closed the connection between two frames.
     #[error("connection closed by the peer")]
     Closed,

@@ -11,16 +11,23 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use troupe_core::InvokeError;
 
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
-use super::wire::{WireRequest, WireResponse};
+use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
 use super::{ACCEPT_RETRY_DELAY_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY};
+
+/// How long a server waits for its answer to a refused hello (another protocol version)
+/// to be written before it closes the connection, in milliseconds.
+const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 use crate::RuntimeHandle;
 
 /// Serves the actors of one runtime to other nodes over TCP.
 ///
-/// One task accepts connections; one task per connection reads request frames and
-/// writes response frames; one task per request invokes the actor, so a slow actor never
+/// One task accepts connections; one task per connection answers the client's clock
+/// handshake, then reads request frames and writes response frames; one task per request invokes the actor, so a slow actor never
 /// blocks the other requests of its connection. Responses go to the connection's writer
 /// through a bounded queue of [`WRITE_QUEUE_CAPACITY`] frames.
+///
+/// A request whose deadline (sent on this runtime's clock) has passed when it is read is
+/// answered [`InvokeError::Timeout`] and never runs.
 ///
 /// When a connection closes, the calls it carried are abandoned on the runtime: a
 /// request that has not started never runs, a running turn finishes (within its
@@ -105,12 +112,28 @@ async fn serve_connection(
     let (responses, mut response_queue) = mpsc::channel::<Bytes>(WRITE_QUEUE_CAPACITY);
     let slots = Arc::new(Semaphore::new(SERVER_REQUESTS_IN_FLIGHT_MAX));
     let read_requests = async {
+        // The first frame must be a hello: no request is served before the client
+        // knows this runtime's clock.
+        match read_frame::<ClientMessage, _>(&mut reader).await? {
+            ClientMessage::Hello(hello) => answer_hello(&hello, &handle, &responses).await?,
+            ClientMessage::Request(_) => {
+                return Err(FrameError::Handshake {
+                    cause: "the first frame was a request, not a hello (an older or foreign client?)".to_string(),
+                })
+            }
+        }
         loop {
             let slot = Arc::clone(&slots)
                 .acquire_owned()
                 .await
                 .expect("the connection's request semaphore is never closed");
-            let request: WireRequest = read_frame(&mut reader).await?;
+            let request = match read_frame::<ClientMessage, _>(&mut reader).await? {
+                ClientMessage::Request(request) => request,
+                ClientMessage::Hello(hello) => {
+                    answer_hello(&hello, &handle, &responses).await?;
+                    continue;
+                }
+            };
             let handle = handle.clone();
             let responses = responses.clone();
             tokio::spawn(async move {
@@ -140,7 +163,34 @@ async fn serve_connection(
     }
 }
 
-/// Runs one request on the runtime and encodes its response frame.
+/// Answers a hello with this runtime's clock reading, read now (after the hello
+/// arrived, before the answer leaves: inside the client's round trip). Queues the
+/// answer behind replies already queued, which only widens the client's bound.
+///
+/// # Errors
+/// [`FrameError::Handshake`] when the client is not a Troupe client or speaks another
+/// protocol version; a client of another version is answered first, so it can report
+/// both versions. [`FrameError::Closed`] if the connection's writer is gone.
+async fn answer_hello(hello: &Hello, handle: &RuntimeHandle, responses: &mpsc::Sender<Bytes>) -> Result<(), FrameError> {
+    let refusal = hello.refusal();
+    if refusal.is_none() || hello.magic == super::wire::WIRE_MAGIC {
+        let ack = encode_frame(&ServerMessage::HelloAck(hello.ack(handle.now())))?;
+        if responses.send(ack).await.is_err() {
+            return Err(FrameError::Closed);
+        }
+    }
+    match refusal {
+        None => Ok(()),
+        Some(cause) => {
+            // Give the writer a moment to send the answer before the connection closes.
+            let _ = tokio::time::timeout(Duration::from_millis(HANDSHAKE_REFUSAL_LINGER_MS), responses.closed()).await;
+            Err(FrameError::Handshake { cause })
+        }
+    }
+}
+
+/// Runs one request on the runtime and encodes its response frame. A request whose
+/// deadline has passed on this runtime's clock is answered `Timeout` without running.
 async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest) -> Bytes {
     let request_id = request.request_id;
     let target = request.target.clone();
@@ -155,12 +205,12 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest) 
             }
         }
     };
-    match encode_frame(&WireResponse { request_id, result }) {
+    match encode_frame(&ServerMessage::Response(WireResponse { request_id, result })) {
         Ok(frame) => frame,
         Err(error) => {
             let cause = format!("the reply cannot be sent: {error}");
             let result = Err(InvokeError::ActorFailed { target, cause });
-            encode_frame(&WireResponse { request_id, result })
+            encode_frame(&ServerMessage::Response(WireResponse { request_id, result }))
                 .expect("a response holding only an error fits a frame")
         }
     }

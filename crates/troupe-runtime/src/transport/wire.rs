@@ -1,4 +1,7 @@
-//! The messages on the wire: [`WireRequest`] from client to server, [`WireResponse`] back.
+//! The messages on the wire. A client opens each connection with a [`Hello`], the
+//! server answers [`HelloAck`] (the clock handshake, see [`ClockSync`]); then the client
+//! sends [`WireRequest`]s and the server answers [`WireResponse`]s. A client may send
+//! another [`Hello`] at any time to refresh its clock bound.
 
 use std::time::Duration;
 
@@ -7,12 +10,111 @@ use serde::{Deserialize, Serialize};
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
-use super::CALL_CHAIN_LENGTH_MAX;
+use super::clock_sync::ClockSync;
+use super::{CALL_CHAIN_LENGTH_MAX, WIRE_PROTOCOL_VERSION};
+
+/// The first field of every [`Hello`] and [`HelloAck`]: "TRPE". A peer that is not a
+/// Troupe transport fails the handshake with a clear cause.
+pub(crate) const WIRE_MAGIC: u32 = u32::from_be_bytes(*b"TRPE");
+
+/// A frame from client to server.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ClientMessage {
+    /// Must be the first frame of a connection; may be repeated.
+    Hello(Hello),
+    Request(WireRequest),
+}
+
+/// A frame from server to client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ServerMessage {
+    HelloAck(HelloAck),
+    Response(WireResponse),
+}
+
+/// The client's side of the clock handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Hello {
+    /// [`WIRE_MAGIC`].
+    pub(crate) magic: u32,
+    /// The client's [`WIRE_PROTOCOL_VERSION`].
+    pub(crate) version: u16,
+    /// The client's clock when it encoded this hello, in microseconds.
+    pub(crate) client_now_us: u64,
+}
+
+/// The server's answer to a [`Hello`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct HelloAck {
+    /// [`WIRE_MAGIC`].
+    pub(crate) magic: u32,
+    /// The server's [`WIRE_PROTOCOL_VERSION`]; on a mismatch the server closes the
+    /// connection after this answer.
+    pub(crate) version: u16,
+    /// The hello's `client_now_us`, echoed.
+    pub(crate) client_now_us: u64,
+    /// The server's clock when it read the hello, in microseconds.
+    pub(crate) server_now_us: u64,
+}
+
+impl Hello {
+    /// This build's hello, sent at `now` on the client's clock.
+    pub(crate) fn new(now: Deadline) -> Self {
+        Self { magic: WIRE_MAGIC, version: WIRE_PROTOCOL_VERSION, client_now_us: now.as_micros() }
+    }
+
+    /// Why this hello cannot be served, if it cannot.
+    pub(crate) fn refusal(&self) -> Option<String> {
+        if self.magic != WIRE_MAGIC {
+            return Some(format!("the peer is not a Troupe transport client (magic {:#010x})", self.magic));
+        }
+        if self.version != WIRE_PROTOCOL_VERSION {
+            return Some(format!(
+                "the client speaks transport protocol version {}, this server {WIRE_PROTOCOL_VERSION}",
+                self.version
+            ));
+        }
+        None
+    }
+
+    /// The answer, with the server's clock reading `now`.
+    pub(crate) fn ack(&self, now: Deadline) -> HelloAck {
+        HelloAck {
+            magic: WIRE_MAGIC,
+            version: WIRE_PROTOCOL_VERSION,
+            client_now_us: self.client_now_us,
+            server_now_us: now.as_micros(),
+        }
+    }
+}
+
+impl HelloAck {
+    /// The clock bound this answer gives, received at `received` on the client's clock.
+    ///
+    /// # Errors
+    /// Why the handshake failed: not a Troupe server, or another protocol version.
+    pub(crate) fn clock_sync(&self, received: Deadline) -> Result<ClockSync, String> {
+        if self.magic != WIRE_MAGIC {
+            return Err(format!("the peer is not a Troupe transport server (magic {:#010x})", self.magic));
+        }
+        if self.version != WIRE_PROTOCOL_VERSION {
+            return Err(format!(
+                "the server speaks transport protocol version {}, this client {WIRE_PROTOCOL_VERSION}",
+                self.version
+            ));
+        }
+        Ok(ClockSync::from_handshake(
+            Deadline::from_micros(self.client_now_us),
+            Deadline::from_micros(self.server_now_us),
+            received,
+        ))
+    }
+}
 
 /// One invocation, as sent by a client.
 ///
-/// The context travels as its parts: the deadline as the time remaining when the frame
-/// was encoded (a deadline is absolute on its own node's clock), depth and chain as is.
+/// The context travels as its parts: the deadline already translated to the server's
+/// clock (conservatively, see [`ClockSync::server_deadline`]), depth and chain as is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct WireRequest {
     /// Chosen by the client, unique per client; the response carries it back.
@@ -21,7 +123,8 @@ pub(crate) struct WireRequest {
     pub(crate) payload: Bytes,
     pub(crate) depth: u32,
     pub(crate) chain: Vec<ActorId>,
-    pub(crate) remaining_us: u64,
+    /// The deadline on the server's clock, in microseconds since its epoch.
+    pub(crate) deadline_us: u64,
     /// The actor whose turn waits on this call, if any.
     pub(crate) caller: Option<ActorId>,
 }
@@ -34,35 +137,38 @@ pub(crate) struct WireResponse {
 }
 
 impl WireRequest {
-    /// The request for `context`, whose deadline is on the clock that reads `now`.
+    /// The request for `context`, whose deadline is on the client's clock, which reads
+    /// `now`; `sync` translates it to the server's clock.
     pub(crate) fn new(
         request_id: u64,
         target: ActorId,
         payload: Bytes,
         context: &CallContext,
         caller: Option<ActorId>,
+        sync: &ClockSync,
         now: Deadline,
     ) -> Self {
-        let remaining = context.deadline().remaining(now);
         Self {
             request_id,
             target,
             payload,
             depth: context.depth(),
             chain: context.chain().to_vec(),
-            remaining_us: u64::try_from(remaining.as_micros()).unwrap_or(u64::MAX),
+            deadline_us: sync.server_deadline(context.deadline(), now).as_micros(),
             caller,
         }
     }
 
     /// Rebuilds the call context on the receiving clock, which reads `now`: root with the
-    /// deadline `now + remaining` (capped at [`INVOKE_TIMEOUT_MS_MAX`]), then one
+    /// sent deadline (capped at `now +` [`INVOKE_TIMEOUT_MS_MAX`]), then one
     /// [`CallContext::child`] per actor of the chain, so depth and chain come out exactly
     /// as they were sent.
     ///
     /// # Errors
-    /// [`InvokeError::Rejected`] if the chain is longer than [`CALL_CHAIN_LENGTH_MAX`] or
-    /// the depth does not match it; such a context was not built by [`CallContext`].
+    /// - [`InvokeError::Timeout`] if the deadline has already passed: the request arrived
+    ///   after its caller gave up (held up by a partition or packet loss) and must not run.
+    /// - [`InvokeError::Rejected`] if the chain is longer than [`CALL_CHAIN_LENGTH_MAX`] or
+    ///   the depth does not match it; such a context was not built by [`CallContext`].
     pub(crate) fn context(&self, now: Deadline) -> Result<CallContext, InvokeError> {
         let rejected = |reason: String| InvokeError::Rejected { target: self.target.clone(), reason };
         if self.chain.len() > CALL_CHAIN_LENGTH_MAX {
@@ -78,9 +184,11 @@ impl WireRequest {
                 self.chain.len()
             )));
         }
-        let remaining =
-            Duration::from_micros(self.remaining_us).min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
-        let deadline = Deadline::after(now, remaining);
+        let deadline = Deadline::from_micros(self.deadline_us)
+            .min(Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+        if deadline.has_passed(now) {
+            return Err(InvokeError::Timeout { target: self.target.clone(), timeout_ms: 0 });
+        }
         let mut context = CallContext::root(deadline);
         for waiting in &self.chain {
             context = context.child(waiting.clone(), deadline);
@@ -100,34 +208,93 @@ impl WireRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::{CLOCK_DRIFT_PPM_MAX, CLOCK_ROUNDING_US};
 
     fn actor(key: &str) -> ActorId {
         ActorId::new("agent", key).unwrap()
     }
 
+    fn sync(client_sent_us: u64, server_now_us: u64, client_received_us: u64) -> ClockSync {
+        Hello::new(Deadline::from_micros(client_sent_us))
+            .ack(Deadline::from_micros(server_now_us))
+            .clock_sync(Deadline::from_micros(client_received_us))
+            .unwrap()
+    }
+
     #[test]
-    fn a_context_rebuilt_on_another_clock_keeps_depth_chain_and_remaining_time() {
-        let sent_at = Deadline::from_micros(1_000_000);
+    fn a_context_rebuilt_on_another_clock_keeps_depth_chain_and_an_absolute_deadline() {
+        // The server's clock reads 2 s less than the client's; the handshake took 4 ms.
+        let sync = sync(10_000_000, 8_002_000, 10_004_000);
+        // Sent 1 s after the handshake ended.
+        let sent_at = Deadline::from_micros(11_004_000);
         let root = CallContext::root(Deadline::after(sent_at, Duration::from_millis(800)));
         let context = root
             .child(actor("a"), Deadline::from_micros(u64::MAX))
             .child(actor("b"), Deadline::after(sent_at, Duration::from_millis(500)));
-        let request =
-            WireRequest::new(9, actor("c"), Bytes::from_static(b"x"), &context, Some(actor("b")), sent_at);
-        assert_eq!(request.remaining_us, 500_000);
+        let request = WireRequest::new(
+            9,
+            actor("c"),
+            Bytes::from_static(b"x"),
+            &context,
+            Some(actor("b")),
+            &sync,
+            sent_at,
+        );
+        // 11.504 s on the client is 9.504 s on the server, minus the error bound (the
+        // whole 4 ms round trip could have been on the way back: 2 ms more than the
+        // estimate), rounding, and 1 s of drift allowance.
+        let expected_us = 9_504_000 - 2_000 - CLOCK_ROUNDING_US - CLOCK_DRIFT_PPM_MAX;
+        assert_eq!(request.deadline_us, expected_us);
 
-        let received_at = Deadline::from_micros(42);
+        // However late it arrives, it keeps that deadline: the transit is not given back.
+        let received_at = Deadline::from_micros(9_400_000);
         let rebuilt = request.context(received_at).unwrap();
         assert_eq!(rebuilt.depth(), 2);
         assert_eq!(rebuilt.chain(), &[actor("a"), actor("b")]);
-        assert_eq!(rebuilt.deadline(), Deadline::after(received_at, Duration::from_millis(500)));
+        assert_eq!(rebuilt.deadline(), Deadline::from_micros(expected_us));
+    }
+
+    #[test]
+    fn a_request_arriving_after_its_deadline_is_refused_as_timeout() {
+        let sync = sync(0, 0, 0);
+        let context = CallContext::root(Deadline::from_micros(50_000));
+        let request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, &sync, Deadline::from_micros(0));
+        assert!(request.context(Deadline::from_micros(49_000)).is_ok());
+        let late = request.context(Deadline::from_micros(50_000));
+        assert!(matches!(late, Err(InvokeError::Timeout { timeout_ms: 0, .. })), "{late:?}");
+    }
+
+    #[test]
+    fn a_far_deadline_is_capped_on_arrival() {
+        let sync = sync(0, 0, 0);
+        let context = CallContext::root(Deadline::from_micros(u64::MAX));
+        let request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, &sync, Deadline::from_micros(0));
+        let now = Deadline::from_micros(7);
+        let rebuilt = request.context(now).unwrap();
+        assert_eq!(rebuilt.deadline(), Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+    }
+
+    #[test]
+    fn a_foreign_or_other_version_peer_fails_the_handshake_clearly() {
+        let mut hello = Hello::new(Deadline::from_micros(1));
+        assert_eq!(hello.refusal(), None);
+        hello.version = WIRE_PROTOCOL_VERSION + 1;
+        assert!(hello.refusal().unwrap().contains("protocol version"));
+        hello.magic = 0x4854_5450; // "HTTP"
+        assert!(hello.refusal().unwrap().contains("not a Troupe transport client"));
+
+        let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
+        ack.version = 1;
+        assert!(ack.clock_sync(Deadline::from_micros(3)).unwrap_err().contains("protocol version 1"));
+        ack.magic = 0;
+        assert!(ack.clock_sync(Deadline::from_micros(3)).unwrap_err().contains("not a Troupe transport server"));
     }
 
     #[test]
     fn a_forged_depth_or_overlong_chain_is_rejected() {
         let now = Deadline::from_micros(0);
         let context = CallContext::root(Deadline::from_micros(10));
-        let mut request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, now);
+        let mut request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, &sync(0, 0, 0), now);
         request.depth = 3;
         assert!(matches!(request.context(now), Err(InvokeError::Rejected { .. })));
         request.chain = (0..=CALL_CHAIN_LENGTH_MAX).map(|i| actor(&i.to_string())).collect();

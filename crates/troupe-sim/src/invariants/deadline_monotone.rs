@@ -6,49 +6,29 @@
 //! its caller sent along in the payload). Deadlines are converted to trace time on the
 //! node that reads them, so they compare across runtimes and nodes.
 //!
-//! Network hops: the transport sends the time remaining and the host rebuilds the
-//! deadline on its own clock without subtracting the transit time (documented in
-//! `troupe_runtime::transport`). A remote turn may therefore end up to one transit
-//! later than its caller's deadline; this check allows exactly the longest one-way
-//! latency the network was configured with (`LinkLatencyMax`) plus [`TRANSIT_SLACK_US`], no
-//! more. A request
-//! held up by a partition or packet loss and delivered later runs with its whole
-//! original budget, and this check reports it.
-//!
-//! That late delivery is a known transport bug (found by this check; see
-//! `docs/dst.md`, "Known issues"). A scenario with network faults may tolerate it
-//! explicitly ([`KnownIssues::late_network_delivery`](super::KnownIssues)): such
-//! violations are then counted and printed in the run's report line instead of failing
-//! it. Local hops are never tolerated.
+//! Network hops get no allowance beyond rounding. The transport sends each deadline as
+//! an absolute instant on the host's clock, translated with the lower bound of a clock
+//! handshake, and the host refuses a request whose deadline passed before it arrived
+//! (see `troupe_runtime::transport`). So a remote turn runs under a deadline no later
+//! than its caller's, whatever the latency, loss or partition in between; a request
+//! delivered after its caller gave up never starts a turn. (Until that fix the transport
+//! rebuilt deadlines as arrival + remaining, and this check, then allowing one transit
+//! per hop, found requests held by partitions running hundreds of milliseconds late;
+//! see `docs/dst.md`, "Known issues".)
 
 use super::Invariant;
 use crate::trace::{Event, Stamped};
 
-/// Rounding between a runtime's clock and the trace clock, in microseconds.
+/// Rounding between a runtime's clock and the trace clock, in microseconds: each side
+/// of a comparison is converted from whole microseconds of its own clock, so two
+/// conversions of one instant may differ by this much.
 const DEADLINE_ROUNDING_US: u64 = 1;
-/// Virtual CPU time between the transport encoding a request and the host decoding it,
-/// on top of the link latency, in microseconds. madsim advances its clock by 50-100 ns
-/// per task poll, so a busy instant costs a millisecond or more (11.1 ms transits were
-/// seen on 10 ms links).
-pub const TRANSIT_SLACK_US: u64 = 5_000;
 
-/// See the module documentation.
+/// See the module documentation. Stateless; `#[non_exhaustive]` so it is built with
+/// `DeadlineMonotone::default()` like the other invariants.
 #[derive(Debug, Default)]
-pub struct DeadlineMonotone {
-    /// The longest one-way latency seen configured so far, in microseconds.
-    transit_allowance_us: u64,
-    /// Whether late network delivery is tolerated (counted, not failed).
-    tolerate_late_delivery: bool,
-    tolerated: u64,
-}
-
-impl DeadlineMonotone {
-    /// A check that counts, rather than fails on, remote turns whose deadline grew by
-    /// more than one transit (the known late-delivery transport bug).
-    pub fn tolerating_late_delivery() -> Self {
-        Self { tolerate_late_delivery: true, ..Self::default() }
-    }
-}
+#[non_exhaustive]
+pub struct DeadlineMonotone;
 
 impl Invariant for DeadlineMonotone {
     fn name(&self) -> &'static str {
@@ -64,31 +44,45 @@ impl Invariant for DeadlineMonotone {
                     "{caller} -> {target} was admitted with deadline {deadline_us} us, later than the caller's {parent_deadline_us} us"
                 ))
             }
-            Event::LinkLatencyMax { us } => {
-                self.transit_allowance_us = self.transit_allowance_us.max(*us);
-                Ok(())
-            }
-            Event::TurnStarted { actor, deadline_us, parent_deadline_us, chain, remote, .. } => {
-                let allowance = DEADLINE_ROUNDING_US + if *remote { self.transit_allowance_us + TRANSIT_SLACK_US } else { 0 };
-                if *deadline_us > parent_deadline_us + allowance {
-                    if *remote && self.tolerate_late_delivery {
-                        self.tolerated += 1;
-                        return Ok(());
-                    }
-                    return Err(format!(
-                        "a turn of {actor} (chain {chain:?}, {}) runs until {deadline_us} us, later than its caller's \
-                         deadline {parent_deadline_us} us by {} us (allowed {allowance} us)",
-                        if *remote { "over the network" } else { "local" },
-                        deadline_us - parent_deadline_us
-                    ));
-                }
-                Ok(())
+            Event::TurnStarted { actor, deadline_us, parent_deadline_us, chain, remote, .. }
+                if *deadline_us > parent_deadline_us + DEADLINE_ROUNDING_US =>
+            {
+                Err(format!(
+                    "a turn of {actor} (chain {chain:?}, {}) runs until {deadline_us} us, later than its caller's \
+                     deadline {parent_deadline_us} us by {} us (allowed {DEADLINE_ROUNDING_US} us)",
+                    if *remote { "over the network" } else { "local" },
+                    deadline_us - parent_deadline_us
+                ))
             }
             _ => Ok(()),
         }
     }
+}
 
-    fn tolerated(&self) -> u64 {
-        self.tolerated
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remote_turn(deadline_us: u64, parent_deadline_us: u64) -> Stamped {
+        let event = Event::TurnStarted {
+            node: 2,
+            actor: "probe/b".into(),
+            depth: 1,
+            chain: vec!["probe/a".into()],
+            deadline_us,
+            parent_deadline_us,
+            remote: true,
+        };
+        Stamped { at_us: 0, event }
+    }
+
+    #[test]
+    fn a_remote_turn_gets_no_transit_allowance_whatever_the_link_latency() {
+        let mut check = DeadlineMonotone::default();
+        check.observe(&Stamped { at_us: 0, event: Event::LinkLatencyMax { us: 50_000 } }).unwrap();
+        assert!(check.observe(&remote_turn(1_000, 1_000)).is_ok());
+        assert!(check.observe(&remote_turn(1_001, 1_000)).is_ok(), "rounding");
+        let late = check.observe(&remote_turn(1_002, 1_000));
+        assert!(late.is_err_and(|detail| detail.contains("over the network")));
     }
 }
