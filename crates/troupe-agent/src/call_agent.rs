@@ -114,8 +114,7 @@ impl CallEndReport<'_> {
 
 impl Drop for CallEndReport<'_> {
     fn drop(&mut self) {
-        // Not while panicking: an observer that panics now would abort the process.
-        if self.armed && !std::thread::panicking() {
+        if self.armed {
             self.report(CallOutcome::Cancelled);
         }
     }

@@ -113,7 +113,8 @@ pub enum AgentEvent {
     },
 }
 
-/// Receives [`AgentEvent`]s. Called on the agent's task: keep it quick.
+/// Receives [`AgentEvent`]s. Called on the agent's task: keep it quick, and do not
+/// panic (a cancelled call is reported from a drop guard, possibly while unwinding).
 pub trait AgentObserver: Send + Sync + 'static {
     /// One event.
     fn on_event(&self, event: &AgentEvent);
