@@ -3,39 +3,88 @@
 //! ```text
 //!  caller node                                          host node
 //!  TransportClient::invoke(target, payload, context)    TransportServer (one task per connection)
-//!    │ lazy connect (one TCP connection, multiplexed)     │ read frame → spawn one task per request:
-//!    │ register request_id in the bounded pending map     │   rebuild CallContext (depth, chain,
-//!    │ frame → writer queue ──── Request frame ────────►  │   deadline = now + remaining_us)
-//!    │ wait for the reply until the LOCAL deadline        │   RuntimeHandle::invoke / invoke_from
+//!    │ lazy connect (one TCP connection, multiplexed)     │
+//!    │ ── Hello { magic, version, client_now } ───────►   │ check magic and version
+//!    │ ◄── HelloAck { echoed client_now, server_now } ──  │   (server_now read on arrival)
+//!    │ ClockSync: server clock bounded from the round trip│
+//!    │ register request_id in the bounded pending map     │ read frame → spawn one task per request:
+//!    │ deadline translated to the HOST's clock, made      │   deadline already passed? → Timeout,
+//!    │ earlier by the bound's error (never later)         │     never runs
+//!    │ frame → writer queue ──── Request frame ────────►  │   rebuild CallContext (depth, chain,
+//!    │ wait for the reply until the LOCAL deadline        │   the sent absolute deadline)
+//!    │                                                    │   RuntimeHandle::invoke / invoke_from
 //!    ◄───────────────────────── Response frame ────────── │ reply frame → bounded writer queue
 //!    reader task: request_id → waiting caller (late replies are dropped)
 //! ```
 //!
 //! Owns: the frame codec (a `u32` big-endian length prefix, then a bincode body of at
-//! most [`FRAME_SIZE_MAX_BYTES`]), the wire messages, [`TransportClient`] and
-//! [`TransportServer`]. It is plain `tokio::net` code; under `--cfg madsim` the simulator
-//! swaps in its own TCP, so partitions, latency and node kills hit this exact code.
+//! most [`FRAME_SIZE_MAX_BYTES`]), the wire messages and the clock handshake,
+//! [`TransportClient`] and [`TransportServer`]. It is plain `tokio::net` code; under
+//! `--cfg madsim` the simulator swaps in its own TCP, so partitions, latency and node
+//! kills hit this exact code.
 //!
-//! Guarantees:
+//! # Deadlines across nodes
+//!
+//! Each runtime's [`Clock`](crate::Clock) counts from its own epoch, so a deadline is
+//! translated when it crosses the wire. Every new connection (and so every reconnect)
+//! starts with a handshake: the client sends `Hello` stamped with its clock (`sent`),
+//! the server answers `HelloAck` with the stamp echoed and its own clock read when the
+//! hello arrived, and the client reads its clock when the answer arrives (`received`).
+//! The server's reading happened inside `[sent, received]`, so the offset
+//! `server − client` is within half the round trip of `server_now − (sent + rtt/2)`. A
+//! request carries its deadline as an absolute instant on the server's clock, computed
+//! with the LOWER end of that interval (`server_now − received`), minus
+//! `CLOCK_ROUNDING_US` (both clocks are read in whole microseconds) and a drift
+//! allowance of `CLOCK_DRIFT_PPM_MAX` (1,000 ppm) of the bound's age. The bound is
+//! refreshed by another hello on the open connection once it is older than
+//! `CLOCK_RESYNC_INTERVAL_MS` (1 s), sent with the next request rather than on a timer;
+//! the tighter of the old (drift-discounted) and new bound is kept. The server refuses a
+//! request whose deadline has passed when it is read, answering `Timeout`; the
+//! dispatcher and the activation check again before the turn starts.
+//!
+//! Why this design rather than the alternatives: sending the time remaining (what this
+//! transport did first) gives the transit time back to the host, and a request held up
+//! by a partition or retransmissions ran with its whole budget after its caller had
+//! given up. Sending deadlines on a shared wall clock needs synchronized clocks and
+//! `SystemTime`, which the runtime does not read (it would also not be simulated). A
+//! cancel message from the caller cannot stop a request that has not arrived yet. The
+//! handshake needs no clock synchronization beyond the connection, costs one round trip
+//! per connection, and errs only on the safe side: a remote call gets at most one
+//! handshake round trip (plus the allowances) less time than its caller, never more.
+//!
+//! # Guarantees
+//!
 //! - A call never outlives its deadline on the caller's clock: the wait is bounded by
-//!   [`crate::Clock::run_until`]; connecting and waiting for an in-flight slot are inside
-//!   that bound.
-//! - The deadline crosses the network as the time remaining when the request is encoded
-//!   and is rebuilt on the receiving clock, so clocks of different nodes never mix. The
-//!   transit time is not subtracted: the host may work on a request for up to one transit
-//!   time past the caller's deadline, and its late reply is discarded.
+//!   [`crate::Clock::run_until`]; connecting, the handshake and waiting for an in-flight
+//!   slot are inside that bound.
+//! - The host's deadline for a request is never later than its caller's, whatever the
+//!   latency, loss or partition in between (assuming the two clocks' rates differ by at
+//!   most `CLOCK_DRIFT_PPM_MAX`; `tokio::time` is monotonic and, under madsim, exact).
+//!   It is earlier by at most the handshake's round trip, plus 1 µs and the drift
+//!   allowance.
+//! - Expired work never runs: a request that arrives after its deadline (on the host's
+//!   clock, hence after its caller's deadline) is answered [`InvokeError::Timeout`]
+//!   without starting a turn; that reply reaches a caller who has stopped waiting and is
+//!   discarded (counted in `late_replies_discarded`).
+//! - A peer that is not a Troupe transport, or speaks another protocol version
+//!   (`WIRE_PROTOCOL_VERSION`), fails the handshake with a [`FrameError::Handshake`]
+//!   naming both versions; the caller sees [`InvokeError::Unreachable`]. A server
+//!   answers a hello of another version before closing, so the client can say which
+//!   version it met; it serves nothing before a valid hello.
 //! - Depth and chain arrive intact: the host replays the chain with
 //!   [`CallContext::child`], so cycle and depth checks hold across nodes. When the request
 //!   names a caller (or the chain does) the host records the wait-for edge with
 //!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from).
-//! - When a connection breaks (reset, EOF, an oversized or undecodable frame) every call
-//!   pending on it fails at once with [`InvokeError::Unreachable`]; none waits for its
-//!   deadline. The next call opens a new connection.
+//! - When a connection breaks (reset, EOF, an oversized or undecodable frame, a failed
+//!   handshake) every call pending on it fails at once with
+//!   [`InvokeError::Unreachable`]; none waits for its deadline. The next call opens a
+//!   new connection, with a new handshake.
 //! - Nothing grows without bound: the client's pending map holds at most
 //!   [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] entries (a caller over it waits for a slot until its
 //!   deadline), an entry is freed when its caller stops waiting for any reason, the
 //!   server runs at most [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests per connection (it
-//!   stops reading until one finishes), and both write queues are bounded.
+//!   stops reading until one finishes), both write queues are bounded, and at most one
+//!   refresh hello per connection is outstanding.
 //! - A bad frame from the network is a typed [`FrameError`] that closes that connection;
 //!   it never panics the node.
 //! - When a connection closes, the host abandons the calls it carried: a request not yet
@@ -44,19 +93,25 @@
 //! TLA+ (`docs/tla/MultiAgentInvocation.tla`): the client side implements
 //! `EveryCallResolves` for remote calls (each ends by its deadline, with a reply,
 //! `Timeout` or `Unreachable`); the replayed chain keeps `DepthBounded` and
-//! `NoCycleInCallChain` checkable on the host. `DeadlineMonotone` holds on each node's
-//! clock but, across the wire, only up to one transit time (see above).
+//! `NoCycleInCallChain` checkable on the host; `DeadlineMonotone` holds across the wire
+//! as on one node (the DST check allows only 1 µs of rounding per comparison).
 //!
 //! What it deliberately does not do:
 //! - No retries, and no at-most-once across reconnects: a request may have run even if
-//!   its caller saw `Unreachable` or `Timeout`. Callers that need exactly-once effects
-//!   deduplicate in the actor.
+//!   its caller saw `Unreachable` or `Timeout` (it arrived in time, but its reply did
+//!   not). Callers that need exactly-once effects deduplicate in the actor.
 //! - No routing or placement: a client talks to one address. The directory decides which
 //!   node hosts an actor and keeps one client per node.
-//! - No cancel message: a caller that times out on an open connection does not stop the
-//!   remote call; the host stops it at its own (rebuilt) deadline.
+//! - No cancel message: a caller that times out on an open connection does not stop a
+//!   remote call already running; the host stops it at its (translated) deadline, which
+//!   is no later than the caller's.
+//! - No clock synchronization between nodes beyond each connection's bound, and no
+//!   defence against a clock that jumps (the runtime clock is monotonic) or drifts
+//!   faster than `CLOCK_DRIFT_PPM_MAX`.
 //! - No authentication or encryption, and no defence beyond the frame limit against a
-//!   hostile peer (a maximal frame of tiny actor ids decodes into many allocations).
+//!   hostile peer (a maximal frame of tiny actor ids decodes into many allocations; a
+//!   hostile client can also claim any clock in its hello, which only shortens or
+//!   lengthens its own requests' deadlines, still capped at `INVOKE_TIMEOUT_MS_MAX`).
 //! - No wait-for edges across nodes on the caller's side: the host's dispatcher sees the
 //!   edge `caller → target`; the caller's dispatcher does not see the remote call.
 //!   Cross-node cycles end at their deadline.

@@ -486,8 +486,10 @@ impl Sim {
         self.record_latency();
     }
 
-    /// Tells the trace the network's longest one-way latency (DeadlineMonotone allows
-    /// one transit per network hop; see its documentation).
+    /// Tells the trace the network's longest one-way latency: a record of the network's
+    /// configuration for failure reports. (DeadlineMonotone no longer uses it: remote
+    /// deadlines are absolute since the transport's clock handshake, so no transit is
+    /// allowed.)
     fn record_latency(&self) {
         let mut longest = Duration::ZERO;
         NetSim::current().update_config(|config| longest = config.send_latency.end);

@@ -53,7 +53,7 @@ pub struct TransportClientStats {
     /// Clock handshakes completed: one per connection opened, plus refreshes.
     pub clock_syncs: u64,
     /// The current connection's estimate of the server's clock minus this client's, in
-    /// microseconds (`None` without an open connection).
+    /// microseconds (`None` without an open connection, or while one is being opened).
     pub clock_offset_estimate_us: Option<i64>,
     /// The error bound of that estimate (half the handshake's round trip), in
     /// microseconds; deadlines are sent this much (plus rounding and drift allowance)
