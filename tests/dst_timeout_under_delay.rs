@@ -28,6 +28,17 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
     let scenario = Scenario { test: TEST, name: "calls_to_slow_callees_time_out_by_their_deadline_under_latency" };
     let mut sim = Sim::start(scenario, SimConfig { nodes: 2, ..SimConfig::default() }).await;
     let (caller, callee) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
+    // Warm both connections (client -> node 1, node 1 -> node 2) at the default latency:
+    // the bound below is about a call over an open connection. A cold one also pays the
+    // TCP connect and the transport's clock handshake (one round trip each), and the
+    // callee's deadline is then earlier by up to half the handshake's round trip.
+    let warm_up = ProbeOp::Call {
+        target: format!("probe/{callee}"),
+        op: Box::new(ProbeOp::Get),
+        timeout_ms: 200,
+        delay_ms: 0,
+    };
+    sim.request(&caller, warm_up, Duration::from_millis(500)).await.expect("warm-up");
     sim.phase("safety");
     let max_ms = sim.rng().range(5, 40);
     sim.inject(Fault::Latency { min_ms: 1, max_ms }).await;
@@ -47,6 +58,9 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
             }
             Err(InvokeError::Timeout { .. }) => {
                 timeouts += 1;
+                // One round trip of at most 2 x max_ms; the 10 ms also covers the
+                // callee's deadline being earlier by the warm-up handshake's error (half
+                // a round trip at madsim's default 1-10 ms latency).
                 assert!(work_ms + 2 * max_ms + 10 > 60, "{work_ms} ms of work at {max_ms} ms latency timed out");
             }
             other => panic!("unexpected outcome {other:?}"),
