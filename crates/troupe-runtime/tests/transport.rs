@@ -432,6 +432,91 @@ mod loopback {
         assert_eq!(client.stats().connections_opened, 1);
     }
 
+    /// The handshake frames as the wire encodes them, mirrored here (serde encodes an
+    /// enum by variant index, so a mirror with the same variants in the same order
+    /// encodes the same bytes).
+    mod mirror {
+        use bincode::Options;
+        use serde::{Deserialize, Serialize};
+
+        pub(super) const MAGIC: u32 = u32::from_be_bytes(*b"TRPE");
+
+        #[derive(Debug, Serialize, Deserialize)]
+        pub(super) enum ClientMessage {
+            Hello { magic: u32, version: u16, client_now_us: u64 },
+        }
+
+        #[derive(Debug, Serialize, Deserialize)]
+        pub(super) enum ServerMessage {
+            HelloAck { magic: u32, version: u16, client_now_us: u64, server_now_us: u64 },
+        }
+
+        pub(super) fn frame<T: Serialize>(message: &T) -> Vec<u8> {
+            let body = bincode::DefaultOptions::new().serialize(message).unwrap();
+            let mut frame = u32::try_from(body.len()).unwrap().to_be_bytes().to_vec();
+            frame.extend_from_slice(&body);
+            frame
+        }
+
+        pub(super) fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> T {
+            bincode::DefaultOptions::new().deserialize(body).unwrap()
+        }
+    }
+
+    async fn read_raw_frame(stream: &mut TcpStream) -> Vec<u8> {
+        let mut header = [0_u8; 4];
+        stream.read_exact(&mut header).await.unwrap();
+        let mut body = vec![0_u8; usize::try_from(u32::from_be_bytes(header)).unwrap()];
+        stream.read_exact(&mut body).await.unwrap();
+        body
+    }
+
+    /// Goal: a client of another protocol version is told the server's version, then
+    /// the connection closes; nothing is served. Method: a raw client says hello with
+    /// version 999.
+    #[tokio::test]
+    async fn a_client_of_another_protocol_version_gets_the_servers_version_and_is_closed() {
+        let (_runtime, server) = start_server().await;
+        let mut stream = TcpStream::connect(server.local_address()).await.unwrap();
+        let hello = mirror::ClientMessage::Hello { magic: mirror::MAGIC, version: 999, client_now_us: 42 };
+        stream.write_all(&mirror::frame(&hello)).await.unwrap();
+        let answer: mirror::ServerMessage = mirror::decode(&read_raw_frame(&mut stream).await);
+        let mirror::ServerMessage::HelloAck { magic, version, client_now_us, .. } = answer;
+        assert_eq!((magic, client_now_us), (mirror::MAGIC, 42));
+        assert_ne!(version, 999);
+        expect_closed_by_peer(&mut stream).await;
+    }
+
+    /// Goal: a server of another protocol version fails the call at once with
+    /// `Unreachable` naming both versions, not at the deadline. Method: a fake server
+    /// answers the hello with version 999.
+    #[tokio::test]
+    async fn a_server_of_another_protocol_version_fails_the_call_clearly() {
+        let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let hello: mirror::ClientMessage = mirror::decode(&read_raw_frame(&mut stream).await);
+            let mirror::ClientMessage::Hello { client_now_us, .. } = hello;
+            let ack =
+                mirror::ServerMessage::HelloAck { magic: mirror::MAGIC, version: 999, client_now_us, server_now_us: 0 };
+            stream.write_all(&mirror::frame(&ack)).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let clock = Clock::new();
+        let client = TransportClient::new(address, clock);
+        let started = clock.now();
+        let result = echo(&client, &clock, "a", b"x", Duration::from_secs(20)).await;
+        match &result {
+            Err(InvokeError::Unreachable { cause, .. }) => {
+                assert!(cause.contains("protocol version 999"), "{cause}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(elapsed(&clock, started) < Duration::from_secs(5));
+        assert_eq!(client.stats().connections_broken, 1);
+    }
+
     /// Reads from `stream` until the peer closes it; fails the test after 5 s.
     async fn expect_closed_by_peer(stream: &mut TcpStream) {
         let mut buffer = [0_u8; 64];

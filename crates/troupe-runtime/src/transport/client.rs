@@ -46,7 +46,8 @@ pub struct TransportClientStats {
     pub requests_in_flight: usize,
     /// Connections opened since the client was created.
     pub connections_opened: u64,
-    /// Connections that broke (reset, end of stream, bad frame) while in use.
+    /// Connections that broke (reset, end of stream, bad frame) while in use, or failed
+    /// their clock handshake.
     pub connections_broken: u64,
     /// Replies that arrived after their caller stopped waiting, and were dropped.
     pub late_replies_discarded: u64,

@@ -12,18 +12,19 @@ use troupe_core::InvokeError;
 
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
 use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
+use super::wire::WIRE_MAGIC;
 use super::{ACCEPT_RETRY_DELAY_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY};
+use crate::RuntimeHandle;
 
 /// How long a server waits for its answer to a refused hello (another protocol version)
 /// to be written before it closes the connection, in milliseconds.
 const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
-use crate::RuntimeHandle;
 
 /// Serves the actors of one runtime to other nodes over TCP.
 ///
 /// One task accepts connections; one task per connection answers the client's clock
-/// handshake, then reads request frames and writes response frames; one task per request invokes the actor, so a slow actor never
-/// blocks the other requests of its connection. Responses go to the connection's writer
+/// handshake, then reads request frames and writes response frames; one task per request
+/// invokes the actor, so a slow actor never blocks the other requests of its connection. Responses go to the connection's writer
 /// through a bounded queue of [`WRITE_QUEUE_CAPACITY`] frames.
 ///
 /// A request whose deadline (sent on this runtime's clock) has passed when it is read is
@@ -171,9 +172,14 @@ async fn serve_connection(
 /// [`FrameError::Handshake`] when the client is not a Troupe client or speaks another
 /// protocol version; a client of another version is answered first, so it can report
 /// both versions. [`FrameError::Closed`] if the connection's writer is gone.
-async fn answer_hello(hello: &Hello, handle: &RuntimeHandle, responses: &mpsc::Sender<Bytes>) -> Result<(), FrameError> {
+async fn answer_hello(
+    hello: &Hello,
+    handle: &RuntimeHandle,
+    responses: &mpsc::Sender<Bytes>,
+) -> Result<(), FrameError> {
     let refusal = hello.refusal();
-    if refusal.is_none() || hello.magic == super::wire::WIRE_MAGIC {
+    // A foreign peer gets no answer; a Troupe client of another version gets ours.
+    if refusal.is_none() || hello.magic == WIRE_MAGIC {
         let ack = encode_frame(&ServerMessage::HelloAck(hello.ack(handle.now())))?;
         if responses.send(ack).await.is_err() {
             return Err(FrameError::Closed);
@@ -182,8 +188,10 @@ async fn answer_hello(hello: &Hello, handle: &RuntimeHandle, responses: &mpsc::S
     match refusal {
         None => Ok(()),
         Some(cause) => {
-            // Give the writer a moment to send the answer before the connection closes.
-            let _ = tokio::time::timeout(Duration::from_millis(HANDSHAKE_REFUSAL_LINGER_MS), responses.closed()).await;
+            // Give the writer (polled beside this reader) a moment to send the answer
+            // before the connection closes.
+            let linger = Duration::from_millis(HANDSHAKE_REFUSAL_LINGER_MS);
+            let _ = tokio::time::timeout(linger, responses.closed()).await;
             Err(FrameError::Handshake { cause })
         }
     }
