@@ -34,6 +34,11 @@ async fn crash_during_call_loses_nothing_acknowledged() {
             .await
             .expect("a warm-up batch");
     }
+    // Warm node 1's connection to node 2 too, so the slow calls below reach node 2 within
+    // their two hops (a cold connection also pays the TCP connect and the transport's
+    // clock handshake; seed 646 crashed node 2 before they got there).
+    let warm_call = ProbeOp::Call { target: format!("probe/{}", victims[0]), op: Box::new(ProbeOp::Get), timeout_ms: 300, delay_ms: 0 };
+    sim.request(&callers[0], warm_call, Duration::from_millis(500)).await.expect("a warm-up call");
     sim.phase("safety");
     let slow_ms = sim.rng().range(40, 80);
     // One call per caller (a caller's turns are serial), two per victim.
