@@ -30,8 +30,9 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
     let (caller, callee) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
     // Warm both connections (client -> node 1, node 1 -> node 2) at the default latency:
     // the bound below is about a call over an open connection. A cold one also pays the
-    // TCP connect and the transport's clock handshake (one round trip each), and the
-    // callee's deadline is then earlier by up to half the handshake's round trip.
+    // TCP connect and the transport's clock handshake (one round trip each). Either way
+    // the callee's deadline is earlier than the caller's by the one-way transit of the
+    // handshake's answer (at most 10 ms at madsim's default latency).
     let warm_up = ProbeOp::Call {
         target: format!("probe/{callee}"),
         op: Box::new(ProbeOp::Get),
@@ -58,9 +59,10 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
             }
             Err(InvokeError::Timeout { .. }) => {
                 timeouts += 1;
-                // One round trip of at most 2 x max_ms; the 10 ms also covers the
-                // callee's deadline being earlier by the warm-up handshake's error (half
-                // a round trip at madsim's default 1-10 ms latency).
+                // The request's transit (≤ max_ms), the work, then whichever is longer
+                // of the reply's transit (≤ max_ms) and how much earlier the callee's
+                // deadline is (≤ 10 ms, the warm-up handshake's answer transit): all
+                // within work + 2 x max_ms + 10.
                 assert!(work_ms + 2 * max_ms + 10 > 60, "{work_ms} ms of work at {max_ms} ms latency timed out");
             }
             other => panic!("unexpected outcome {other:?}"),

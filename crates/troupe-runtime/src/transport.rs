@@ -60,8 +60,8 @@
 //! - The host's deadline for a request is never later than its caller's, whatever the
 //!   latency, loss or partition in between (assuming the two clocks' rates differ by at
 //!   most `CLOCK_DRIFT_PPM_MAX`; `tokio::time` is monotonic and, under madsim, exact).
-//!   It is earlier by at most the handshake's round trip, plus 1 µs and the drift
-//!   allowance.
+//!   It is earlier by the time the handshake's answer took to come back (at most the
+//!   handshake's round trip), plus 1 µs and the drift allowance.
 //! - Expired work never runs: a request that arrives after its deadline (on the host's
 //!   clock, hence after its caller's deadline) is answered [`InvokeError::Timeout`]
 //!   without starting a turn; that reply reaches a caller who has stopped waiting and is

@@ -12,8 +12,8 @@
 //! A deadline is translated with the LOWER end of that interval, minus the rounding of
 //! the two microsecond readings and a clock-rate drift allowance that grows with the
 //! age of the sample. The server therefore sees a deadline that is never later than the
-//! caller's (a request can only get less time, never more), and at most one round trip
-//! (plus the allowances) earlier.
+//! caller's (a request can only get less time, never more), and earlier by exactly the
+//! time the answer took to come back (at most the round trip), plus the allowances.
 
 use troupe_core::Deadline;
 
