@@ -9,9 +9,10 @@ use serde::{Deserialize, Serialize};
 ///
 /// The runtime reads its clock from `tokio::time`, so under madsim deadlines are virtual
 /// time. A deadline is absolute: a child call carries its parent's deadline or an earlier
-/// one, never a fresh budget, so a chain of calls can never outlive its root. To cross a
-/// network, send [`Deadline::remaining`] and rebuild with [`Deadline::after`] on the
-/// receiving clock.
+/// one, never a fresh budget, so a chain of calls can never outlive its root. Clocks of
+/// two nodes have different epochs: the transport translates a deadline to the peer's
+/// clock through a bound on the offset measured at connection time, rounded so the
+/// remote deadline is never later than the local one.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Deadline {
     at_us: u64,

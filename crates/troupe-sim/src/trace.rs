@@ -178,9 +178,9 @@ pub enum Event {
         target: String,
         /// The node whose dispatcher routes the call (the target's host).
         host: u32,
-        /// For waits whose end may go unreported (an agent's `call_agent` cancelled with
-        /// its caller's turn emits no `CallFinished`): the caller turn's deadline, by
-        /// which the runtime has ended the wait either way.
+        /// For a wait whose end may go unreported, the time by which the runtime has ended
+        /// it either way. Every wait source reports its end today (agents report a
+        /// cancelled `call_agent` too), so every recorder passes `None`.
         expires_us: Option<u64>,
     },
     /// The wait ended (reply, error, timeout or the caller was cancelled).
