@@ -231,7 +231,6 @@ impl AgentObserver for TraceObserver {
                     caller: caller.to_string(),
                     target: target.to_string(),
                     host: self.node,
-                    expires_us: None,
                 });
             }
             AgentEvent::CallFinished { call, outcome, .. } => {

@@ -418,7 +418,7 @@ impl Probe {
         let payload = ProbeRequest { op, parent_deadline_us: deadline_us, sender_node: self.config.node }.encode();
         let router = self.config.router.get().expect("the router is set before any turn runs");
         let host = router.host(&target);
-        trace.record(Event::WaitBegin { call, caller: self.name.clone(), target: target.to_string(), host, expires_us: None });
+        trace.record(Event::WaitBegin { call, caller: self.name.clone(), target: target.to_string(), host });
         let mut guard = WaitGuard { trace: trace.clone(), call, outcome: None };
         let result = match self.config.admission {
             _ if host != router.node => {

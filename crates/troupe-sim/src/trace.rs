@@ -178,10 +178,6 @@ pub enum Event {
         target: String,
         /// The node whose dispatcher routes the call (the target's host).
         host: u32,
-        /// For a wait whose end may go unreported, the time by which the runtime has ended
-        /// it either way. Every wait source reports its end today (agents report a
-        /// cancelled `call_agent` too), so every recorder passes `None`.
-        expires_us: Option<u64>,
     },
     /// The wait ended (reply, error, timeout or the caller was cancelled).
     WaitEnd {

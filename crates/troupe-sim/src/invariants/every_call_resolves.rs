@@ -24,10 +24,8 @@ pub const RESOLVE_SLACK_US: u64 = 1_000;
 pub struct EveryCallResolves {
     requests: BTreeMap<u64, (String, u64)>,
     calls: BTreeMap<u64, (String, u64)>,
-    /// Waits whose call has no recorded deadline (agents' calls): they must end too.
-    waits: BTreeMap<u64, (String, u64)>,
-    /// The host node of each wait that may end unreported.
-    unreported_hosts: BTreeMap<u64, u32>,
+    /// Live waits (every wait source reports its end, cancellations included).
+    waits: BTreeMap<u64, String>,
     /// The running turn of each actor: (node, deadline).
     turns: BTreeMap<String, (u32, u64)>,
 }
@@ -74,11 +72,8 @@ impl Invariant for EveryCallResolves {
             Event::CallAdmitted { call, caller, target, deadline_us, .. } => {
                 self.calls.insert(*call, (format!("{caller} -> {target}"), *deadline_us));
             }
-            Event::WaitBegin { call, caller, target, expires_us, host } => {
-                self.waits.insert(*call, (format!("{caller} -> {target}"), expires_us.unwrap_or(u64::MAX)));
-                if expires_us.is_some() {
-                    self.unreported_hosts.insert(*call, *host);
-                }
+            Event::WaitBegin { call, caller, target, .. } => {
+                self.waits.insert(*call, format!("{caller} -> {target}"));
             }
             Event::TurnStarted { node, actor, deadline_us, .. } => {
                 self.turns.insert(actor.clone(), (*node, *deadline_us));
@@ -96,17 +91,9 @@ impl Invariant for EveryCallResolves {
             }
             Event::NodeKilled { node } => {
                 self.turns.retain(|_, (host, _)| host != node);
-                // Waits that cannot report their end (agents') die with their node.
-                let dead: Vec<u64> =
-                    self.unreported_hosts.iter().filter(|(_, host)| *host == node).map(|(call, _)| *call).collect();
-                for call in dead {
-                    self.unreported_hosts.remove(&call);
-                    self.waits.remove(&call);
-                }
             }
             Event::WaitEnd { call, .. } => {
                 self.waits.remove(call);
-                self.unreported_hosts.remove(call);
                 if let Some((name, deadline_us)) = self.calls.remove(call) {
                     late("call", &name, deadline_us, now)?;
                 }
@@ -117,10 +104,15 @@ impl Invariant for EveryCallResolves {
     }
 
     fn finish(&mut self, now_us: u64) -> Result<(), String> {
-        // A wait that may end unreported has ended by its caller turn's deadline.
-        self.waits.retain(|_, (_, until)| *until == u64::MAX || *until + RESOLVE_SLACK_US >= now_us);
         pending("request", &self.requests, now_us)?;
         pending("call", &self.calls, now_us)?;
-        pending("wait", &self.waits, now_us)
+        match self.waits.iter().next() {
+            Some((id, name)) => Err(format!(
+                "{} waits never ended; wait {id} of {name} is still open at {:.3} ms",
+                self.waits.len(),
+                now_us as f64 / 1000.0
+            )),
+            None => Ok(()),
+        }
     }
 }

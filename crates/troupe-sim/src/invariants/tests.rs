@@ -57,7 +57,7 @@ fn deadline_monotone_catches_a_child_outliving_its_parent() {
 
 #[test]
 fn wait_for_cycle_may_not_outlive_its_grace() {
-    let begin = |call, caller: &str, target: &str| Event::WaitBegin { call, caller: caller.into(), target: target.into(), host: 1, expires_us: None };
+    let begin = |call, caller: &str, target: &str| Event::WaitBegin { call, caller: caller.into(), target: target.into(), host: 1 };
     let end = |call| Event::WaitEnd { call, outcome: "x".into() };
     let refused_at_once = vec![(0, begin(1, "a", "b")), (0, begin(2, "b", "a")), (10, end(2)), (500, end(1))];
     assert!(run(WaitForGraphAcyclic::default(), refused_at_once).is_ok());

@@ -27,8 +27,6 @@ pub const WAIT_FOR_CYCLE_GRACE_US: u64 = 1_000;
 pub struct WaitForGraphAcyclic {
     /// Live waits: call → (caller, target, host node).
     waits: BTreeMap<u64, (String, String, u32)>,
-    /// Waits that end by a deadline even if unreported: call → deadline.
-    expiring: BTreeMap<u64, u64>,
     /// Since when the current cycle exists, and what it is.
     cycle_since: Option<(u64, Vec<String>)>,
 }
@@ -116,37 +114,13 @@ impl Invariant for WaitForGraphAcyclic {
     fn observe(&mut self, stamped: &Stamped) -> Result<(), String> {
         // Any event is a moment at which a surviving cycle can be seen.
         let aged = self.check_age(stamped.at_us);
-        let expired: Vec<u64> =
-            self.expiring.iter().filter(|(_, until)| **until < stamped.at_us).map(|(call, _)| *call).collect();
-        for call in expired {
-            self.expiring.remove(&call);
-            self.waits.remove(&call);
-        }
         match &stamped.event {
-            Event::WaitBegin { call, caller, target, host, expires_us } => {
+            Event::WaitBegin { call, caller, target, host } => {
                 self.waits.insert(*call, (caller.clone(), target.clone(), *host));
-                if let Some(until) = expires_us {
-                    self.expiring.insert(*call, *until);
-                }
-                self.update(stamped.at_us);
-            }
-            Event::NodeKilled { node } => {
-                // Waits that cannot report their end (agents') die with their node.
-                let dead: Vec<u64> = self
-                    .expiring
-                    .keys()
-                    .filter(|call| self.waits.get(call).is_some_and(|(_, _, host)| host == node))
-                    .copied()
-                    .collect();
-                for call in dead {
-                    self.expiring.remove(&call);
-                    self.waits.remove(&call);
-                }
                 self.update(stamped.at_us);
             }
             Event::WaitEnd { call, .. } => {
                 self.waits.remove(call);
-                self.expiring.remove(call);
                 self.update(stamped.at_us);
             }
             _ => {}
