@@ -34,7 +34,10 @@ impl Actor for Echo {
 }
 
 fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 fn long_lived() -> KindConfig {
@@ -65,7 +68,9 @@ fn ask_vs_invoke(c: &mut Criterion) {
     let rt = current_thread();
     let mut group = c.benchmark_group("agent ask vs plain invoke");
     if std::env::var_os("CI").is_some() {
-        group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+        group
+            .measurement_time(Duration::from_secs(2))
+            .warm_up_time(Duration::from_millis(500));
     }
     group.bench_function("plain runtime invoke of an echo actor", |b| {
         let runtime = rt.block_on(async {
@@ -78,7 +83,14 @@ fn ask_vs_invoke(c: &mut Criterion) {
                 .unwrap()
                 .start();
             let target = ActorId::new("echo", "e").unwrap();
-            runtime.invoke(&target, Bytes::from_static(b"x"), runtime.deadline_in(Duration::from_secs(10))).await.unwrap();
+            runtime
+                .invoke(
+                    &target,
+                    Bytes::from_static(b"x"),
+                    runtime.deadline_in(Duration::from_secs(10)),
+                )
+                .await
+                .unwrap();
             runtime
         });
         let target = ActorId::new("echo", "e").unwrap();
@@ -87,7 +99,12 @@ fn ask_vs_invoke(c: &mut Criterion) {
                 let start = Instant::now();
                 for _ in 0..iters {
                     let deadline = runtime.deadline_in(Duration::from_secs(10));
-                    black_box(runtime.invoke(&target, Bytes::from_static(b"x"), deadline).await.unwrap());
+                    black_box(
+                        runtime
+                            .invoke(&target, Bytes::from_static(b"x"), deadline)
+                            .await
+                            .unwrap(),
+                    );
                 }
                 start.elapsed()
             })

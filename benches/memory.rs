@@ -64,11 +64,19 @@ async fn troupe_bytes_per_actor(count: u64) -> f64 {
         .start();
     // Warm the runtime (first activation, table allocation patterns) before measuring.
     let warm = ActorId::new("echo", "warm").unwrap();
-    runtime.invoke(&warm, Bytes::new(), runtime.deadline_in(Duration::from_secs(60))).await.unwrap();
-    let ids: Vec<ActorId> = (0..count).map(|k| ActorId::new("echo", k.to_string()).unwrap()).collect();
+    runtime
+        .invoke(&warm, Bytes::new(), runtime.deadline_in(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let ids: Vec<ActorId> = (0..count)
+        .map(|k| ActorId::new("echo", k.to_string()).unwrap())
+        .collect();
     let before = live();
     for id in &ids {
-        runtime.invoke(id, Bytes::new(), runtime.deadline_in(Duration::from_secs(60))).await.unwrap();
+        runtime
+            .invoke(id, Bytes::new(), runtime.deadline_in(Duration::from_secs(60)))
+            .await
+            .unwrap();
     }
     assert_eq!(runtime.stats().await.unwrap().activations as u64, count + 1);
     let after = live();
@@ -97,13 +105,27 @@ async fn tokio_bytes_per_task(count: u64) -> f64 {
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` passes nothing: run small then.
     let benching = std::env::args().any(|a| a == "--bench");
-    let count: u64 = if std::env::var_os("CI").is_some() || !benching { 10_000 } else { 100_000 };
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let count: u64 = if std::env::var_os("CI").is_some() || !benching {
+        10_000
+    } else {
+        100_000
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let floor = rt.block_on(tokio_bytes_per_task(count));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let troupe = rt.block_on(troupe_bytes_per_actor(count));
     println!("memory per idle activated actor ({count} actors)");
     println!("  bare tokio task + mpsc mailbox (floor): {floor:>8.0} bytes");
     println!("  troupe activation (table entry, task, mailbox): {troupe:>8.0} bytes");
-    println!("  ratio: {:.2}x; target <= 2048 bytes: {}", troupe / floor, if troupe <= 2048.0 { "met" } else { "NOT met" });
+    println!(
+        "  ratio: {:.2}x; target <= 2048 bytes: {}",
+        troupe / floor,
+        if troupe <= 2048.0 { "met" } else { "NOT met" }
+    );
 }

@@ -33,7 +33,10 @@ impl Actor for Echo {
 }
 
 fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 fn echo_runtime() -> Runtime {
@@ -86,28 +89,40 @@ fn hot_round_trip(c: &mut Criterion) {
     });
     let target = echo(0);
     rt.block_on(async {
-        runtime.invoke(&target, Bytes::new(), runtime.deadline_in(Duration::from_secs(5))).await.unwrap();
+        runtime
+            .invoke(&target, Bytes::new(), runtime.deadline_in(Duration::from_secs(5)))
+            .await
+            .unwrap();
     });
-    group.bench_function("raw tokio mpsc + oneshot under tokio::time::timeout (floor with a deadline)", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    let (reply, answer) = oneshot::channel();
-                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                    tokio::time::timeout(Duration::from_secs(5), answer).await.unwrap().unwrap();
-                }
-                start.elapsed()
-            })
-        });
-    });
+    group.bench_function(
+        "raw tokio mpsc + oneshot under tokio::time::timeout (floor with a deadline)",
+        |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let (reply, answer) = oneshot::channel();
+                        sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                        tokio::time::timeout(Duration::from_secs(5), answer)
+                            .await
+                            .unwrap()
+                            .unwrap();
+                    }
+                    start.elapsed()
+                })
+            });
+        },
+    );
     group.bench_function("troupe invoke of an active actor", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
                 let start = Instant::now();
                 for _ in 0..iters {
                     let deadline = runtime.deadline_in(Duration::from_secs(5));
-                    runtime.invoke(&target, Bytes::from_static(b"x"), deadline).await.unwrap();
+                    runtime
+                        .invoke(&target, Bytes::from_static(b"x"), deadline)
+                        .await
+                        .unwrap();
                 }
                 start.elapsed()
             })
@@ -184,25 +199,35 @@ fn routing_is_flat(c: &mut Criterion) {
         // lookup). It shows what N live tasks cost in caches, apart from routing.
         let mut floor: Option<(tokio::runtime::Runtime, Vec<mpsc::Sender<Request>>)> = None;
         let mut index = 0u64;
-        group.bench_with_input(BenchmarkId::new("raw tokio tasks by index (floor)", size), &size, |b, &size| {
-            let (rt, senders) = floor.get_or_insert_with(|| {
-                let rt = current_thread();
-                let senders = rt.block_on(async { (0..size).map(|_| spawn_floor_server()).collect() });
-                (rt, senders)
-            });
-            b.iter_custom(|iters| {
-                rt.block_on(async {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        index = (index + 7_919) % size;
-                        let (reply, answer) = oneshot::channel();
-                        senders[index as usize].send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                        tokio::time::timeout(Duration::from_secs(5), answer).await.unwrap().unwrap();
-                    }
-                    start.elapsed()
-                })
-            });
-        });
+        group.bench_with_input(
+            BenchmarkId::new("raw tokio tasks by index (floor)", size),
+            &size,
+            |b, &size| {
+                let (rt, senders) = floor.get_or_insert_with(|| {
+                    let rt = current_thread();
+                    let senders = rt.block_on(async { (0..size).map(|_| spawn_floor_server()).collect() });
+                    (rt, senders)
+                });
+                b.iter_custom(|iters| {
+                    rt.block_on(async {
+                        let start = Instant::now();
+                        for _ in 0..iters {
+                            index = (index + 7_919) % size;
+                            let (reply, answer) = oneshot::channel();
+                            senders[index as usize]
+                                .send((Bytes::from_static(b"x"), reply))
+                                .await
+                                .unwrap();
+                            tokio::time::timeout(Duration::from_secs(5), answer)
+                                .await
+                                .unwrap()
+                                .unwrap();
+                        }
+                        start.elapsed()
+                    })
+                });
+            },
+        );
         drop(floor);
         // Built on first use inside the closure, so a filtered-out size costs nothing.
         let mut setup: Option<(tokio::runtime::Runtime, Runtime, Vec<ActorId>)> = None;
@@ -229,7 +254,10 @@ fn routing_is_flat(c: &mut Criterion) {
                         // Stride through the table so lookups are not all one hot entry.
                         key = (key + 7_919) % size;
                         let deadline = runtime.deadline_in(Duration::from_secs(5));
-                        runtime.invoke(&ids[key as usize], Bytes::from_static(b"x"), deadline).await.unwrap();
+                        runtime
+                            .invoke(&ids[key as usize], Bytes::from_static(b"x"), deadline)
+                            .await
+                            .unwrap();
                     }
                     start.elapsed()
                 })

@@ -5,9 +5,9 @@
 
 #![warn(missing_docs)]
 
+pub use troupe_agent as agent;
 pub use troupe_core as core;
 pub use troupe_runtime as runtime;
-pub use troupe_agent as agent;
 
 /// The README's code examples, compiled as doctests so they cannot drift from the API.
 #[doc = include_str!("../README.md")]

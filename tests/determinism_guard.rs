@@ -40,7 +40,11 @@ fn library_sources() -> Vec<PathBuf> {
         }
         rust_files(&entry.path().join("src"), &mut files);
     }
-    assert!(files.len() >= 10, "found only {} library files; is the layout right?", files.len());
+    assert!(
+        files.len() >= 10,
+        "found only {} library files; is the layout right?",
+        files.len()
+    );
     files
 }
 
@@ -64,11 +68,19 @@ fn library_code_has_no_wall_clock_threads_or_unseeded_randomness() {
             }
             // `tokio::time::Instant::now` is virtual under madsim; `std`'s is not.
             if line.contains("Instant::now") && !line.contains("tokio::time::Instant::now") {
-                violations.push(format!("{}:{}: Instant::now outside tokio::time", file.display(), number + 1));
+                violations.push(format!(
+                    "{}:{}: Instant::now outside tokio::time",
+                    file.display(),
+                    number + 1
+                ));
             }
         }
     }
-    assert!(violations.is_empty(), "nondeterminism in library code:\n{}", violations.join("\n"));
+    assert!(
+        violations.is_empty(),
+        "nondeterminism in library code:\n{}",
+        violations.join("\n")
+    );
 }
 
 #[test]
@@ -86,7 +98,11 @@ fn every_select_in_library_code_is_biased() {
             }
         }
     }
-    assert!(violations.is_empty(), "select! without `biased;` as its first line:\n{}", violations.join("\n"));
+    assert!(
+        violations.is_empty(),
+        "select! without `biased;` as its first line:\n{}",
+        violations.join("\n")
+    );
 }
 
 #[test]

@@ -26,13 +26,20 @@ const TEST: &str = "dst_agent_calls_agent";
 
 fn script() -> ScriptedLlm {
     ScriptedLlm::new()
+        .rule(ScriptRule::agent("coordinator").on_user_containing("ask").call(
+            "call_agent",
+            json!({"agent_id": "analyst", "message": "{input}", "timeout_ms": 400}),
+        ))
         .rule(
             ScriptRule::agent("coordinator")
-                .on_user_containing("ask")
-                .call("call_agent", json!({"agent_id": "analyst", "message": "{input}", "timeout_ms": 400})),
+                .on_tool_result()
+                .reply("analyst says: {tool_result}"),
         )
-        .rule(ScriptRule::agent("coordinator").on_tool_result().reply("analyst says: {tool_result}"))
-        .rule(ScriptRule::agent("analyst").on_user_containing("ask").call("lookup", json!({"key": "{input}"})))
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("ask")
+                .call("lookup", json!({"key": "{input}"})),
+        )
         .rule(ScriptRule::agent("analyst").on_tool_result().reply("{tool_result}"))
 }
 
@@ -57,9 +64,24 @@ async fn agent_calls_agent_and_the_answer_comes_back_through_the_callees_model_a
     sim.phase("safety");
     for round in 0..12 {
         match sim.rng().range(0, 4) {
-            0 => sim.inject(Fault::LlmLatency { ms: sim.rng().range(1, 150) }).await,
-            1 => sim.inject(Fault::LlmFail { count: sim.rng().range(1, 3) }).await,
-            2 => sim.inject(Fault::ToolFail { count: sim.rng().range(1, 3) }).await,
+            0 => {
+                sim.inject(Fault::LlmLatency {
+                    ms: sim.rng().range(1, 150),
+                })
+                .await
+            }
+            1 => {
+                sim.inject(Fault::LlmFail {
+                    count: sim.rng().range(1, 3),
+                })
+                .await
+            }
+            2 => {
+                sim.inject(Fault::ToolFail {
+                    count: sim.rng().range(1, 3),
+                })
+                .await
+            }
             _ => {}
         }
         sim.spawn_ask("coordinator", &format!("ask q{round}"), Duration::from_millis(800));
@@ -71,13 +93,19 @@ async fn agent_calls_agent_and_the_answer_comes_back_through_the_callees_model_a
     // Then each fault alone, so its effect is certain on every seed.
     sim.heal().await;
     sim.inject(Fault::ToolFail { count: 1 }).await;
-    let tool_error = sim.ask("coordinator", "ask with a broken tool", Duration::from_millis(800)).await;
+    let tool_error = sim
+        .ask("coordinator", "ask with a broken tool", Duration::from_millis(800))
+        .await;
     sim.heal().await;
     sim.inject(Fault::LlmFail { count: 1 }).await;
-    let model_error = sim.ask("coordinator", "ask with a broken model", Duration::from_millis(800)).await;
+    let model_error = sim
+        .ask("coordinator", "ask with a broken model", Duration::from_millis(800))
+        .await;
     sim.heal().await;
     sim.inject(Fault::LlmLatency { ms: 1_000 }).await;
-    let too_slow = sim.ask("coordinator", "ask a slow model", Duration::from_millis(300)).await;
+    let too_slow = sim
+        .ask("coordinator", "ask a slow model", Duration::from_millis(300))
+        .await;
 
     sim.phase("liveness");
     sim.heal().await;
@@ -100,10 +128,19 @@ async fn agent_calls_agent_and_the_answer_comes_back_through_the_callees_model_a
     assert!(matches!(too_slow, Err(InvokeError::Timeout { .. })), "{too_slow:?}");
     // After healing, the whole path works.
     let answer = answer.expect("after healing the ask must succeed");
-    assert_eq!(answer.text, "analyst says: value-of-[message from agent coordinator] ask final");
+    assert_eq!(
+        answer.text,
+        "analyst says: value-of-[message from agent coordinator] ask final"
+    );
     // The call tree shows a real agent-to-agent call that was answered.
     let replied = recorder.events().iter().any(|event| {
-        matches!(event, AgentEvent::CallFinished { outcome: CallOutcome::Replied { .. }, .. })
+        matches!(
+            event,
+            AgentEvent::CallFinished {
+                outcome: CallOutcome::Replied { .. },
+                ..
+            }
+        )
     });
     assert!(replied, "no call_agent was answered:\n{}", recorder.render_tree());
     sim.finish().await;

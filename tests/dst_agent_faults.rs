@@ -19,9 +19,10 @@ use troupe_sim::{Fault, Scenario, Sim, SimConfig};
 const TEST: &str = "dst_agent_faults";
 
 fn ask_rule(needle: &str, target: &str, timeout_ms: u64) -> ScriptRule {
-    ScriptRule::agent("boss")
-        .on_user_containing(needle)
-        .call("call_agent", json!({"agent_id": target, "message": "please", "timeout_ms": timeout_ms}))
+    ScriptRule::agent("boss").on_user_containing(needle).call(
+        "call_agent",
+        json!({"agent_id": target, "message": "please", "timeout_ms": timeout_ms}),
+    )
 }
 
 /// The outcomes of every `call_agent` finished so far, in order.
@@ -42,8 +43,10 @@ fn outcomes(recorder: &CallRecorder) -> Vec<CallOutcome> {
 /// is checked, the boss answers every time, and after healing a normal call works.
 #[madsim::test]
 async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result() {
-    let scenario =
-        Scenario { test: TEST, name: "every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result",
+    };
     let mut fan_out = ScriptRule::agent("boss").on_user_containing("crowd");
     for _ in 0..4 {
         fan_out = fan_out.call("call_agent", json!({"agent_id": "worker", "message": "work"}));
@@ -54,14 +57,32 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
         .rule(fan_out)
         .rule(ask_rule("slow", "sloth", 100))
         .rule(ask_rule("normal", "worker", 2_000))
-        .rule(ScriptRule::agent("boss").on_tool_result().reply("boss heard: {tool_result}"))
+        .rule(
+            ScriptRule::agent("boss")
+                .on_tool_result()
+                .reply("boss heard: {tool_result}"),
+        )
         .rule(ScriptRule::agent("grumpy").fail("grumpy refuses to work"))
-        .rule(ScriptRule::agent("worker").reply("worked").latency(Duration::from_millis(200)))
-        .rule(ScriptRule::agent("sloth").reply("eventually").latency(Duration::from_secs(1)));
+        .rule(
+            ScriptRule::agent("worker")
+                .reply("worked")
+                .latency(Duration::from_millis(200)),
+        )
+        .rule(
+            ScriptRule::agent("sloth")
+                .reply("eventually")
+                .latency(Duration::from_secs(1)),
+        );
     let recorder = CallRecorder::new();
-    let agents = ["boss", "grumpy", "worker", "sloth"].into_iter().map(AgentSpec::new).collect();
+    let agents = ["boss", "grumpy", "worker", "sloth"]
+        .into_iter()
+        .map(AgentSpec::new)
+        .collect();
     let setup = AgentSetup::new(Arc::new(llm), agents).observer(Arc::new(recorder.clone()));
-    let config = SimConfig { mailbox_capacity: 1, ..SimConfig::default() };
+    let config = SimConfig {
+        mailbox_capacity: 1,
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start_with_agents(scenario, config, setup).await;
     let timeout = Duration::from_secs(5);
 
@@ -76,7 +97,10 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
         other => panic!("a callee whose turn fails must be ActorFailed, got {other:?}"),
     }
 
-    let reply = sim.ask("boss", "call a ghost", timeout).await.expect("the boss answers");
+    let reply = sim
+        .ask("boss", "call a ghost", timeout)
+        .await
+        .expect("the boss answers");
     assert!(reply.text.contains("not found"), "{reply:?}");
     match outcomes(&recorder).pop() {
         Some(CallOutcome::Refused(CallRefused::AgentNotFound { target })) => assert_eq!(target.key(), "nobody"),
@@ -84,11 +108,20 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
     }
 
     let before = outcomes(&recorder).len();
-    let reply = sim.ask("boss", "a crowd of calls", timeout).await.expect("the boss answers");
+    let reply = sim
+        .ask("boss", "a crowd of calls", timeout)
+        .await
+        .expect("the boss answers");
     assert!(reply.text.starts_with("boss heard: "), "{reply:?}");
     let crowd: Vec<CallOutcome> = outcomes(&recorder).split_off(before);
-    let busy = crowd.iter().filter(|o| matches!(o, CallOutcome::Failed(InvokeError::Busy { .. }))).count();
-    let worked = crowd.iter().filter(|o| matches!(o, CallOutcome::Replied { .. })).count();
+    let busy = crowd
+        .iter()
+        .filter(|o| matches!(o, CallOutcome::Failed(InvokeError::Busy { .. })))
+        .count();
+    let worked = crowd
+        .iter()
+        .filter(|o| matches!(o, CallOutcome::Replied { .. }))
+        .count();
     // At most one running and one queued in a mailbox of one (only one while the worker
     // is still activating: its first message holds the slot until the task takes it).
     assert_eq!(worked + busy, 4, "{crowd:?}");
@@ -96,7 +129,10 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
 
     let reply = sim.ask("boss", "be slow", timeout).await.expect("the boss answers");
     assert!(reply.text.contains("timed out"), "{reply:?}");
-    assert!(matches!(outcomes(&recorder).pop(), Some(CallOutcome::Failed(InvokeError::Timeout { .. }))));
+    assert!(matches!(
+        outcomes(&recorder).pop(),
+        Some(CallOutcome::Failed(InvokeError::Timeout { .. }))
+    ));
 
     sim.phase("liveness");
     sim.heal().await;

@@ -39,12 +39,20 @@ fn script() -> ScriptedLlm {
     let mut llm = ScriptedLlm::new().without_recording();
     for coordinator in COORDINATORS {
         for worker in WORKERS {
-            llm = llm.rule(ScriptRule::agent(coordinator).on_user_containing(format!("via {worker}")).call(
-                "call_agent",
-                json!({"agent_id": worker, "message": "{input}", "timeout_ms": 300}),
-            ));
+            llm = llm.rule(
+                ScriptRule::agent(coordinator)
+                    .on_user_containing(format!("via {worker}"))
+                    .call(
+                        "call_agent",
+                        json!({"agent_id": worker, "message": "{input}", "timeout_ms": 300}),
+                    ),
+            );
         }
-        llm = llm.rule(ScriptRule::agent(coordinator).on_tool_result().reply("{agent} relays: {tool_result}"));
+        llm = llm.rule(
+            ScriptRule::agent(coordinator)
+                .on_tool_result()
+                .reply("{agent} relays: {tool_result}"),
+        );
     }
     for worker in WORKERS {
         llm = llm.rule(ScriptRule::agent(worker).reply("{agent} did it"));
@@ -61,7 +69,11 @@ fn agents() -> Vec<AgentSpec> {
 }
 
 fn config() -> SimConfig {
-    SimConfig { idle_timeout: Duration::from_millis(3), mailbox_capacity: 16, ..SimConfig::default() }
+    SimConfig {
+        idle_timeout: Duration::from_millis(3),
+        mailbox_capacity: 16,
+        ..SimConfig::default()
+    }
 }
 
 /// Activations per agent (full id), from the trace.
@@ -121,13 +133,18 @@ async fn agents_under_activation_churn_and_concurrent_asks_never_have_two_live_a
     sim.heal().await;
     for (index, coordinator) in COORDINATORS.iter().enumerate() {
         let worker = WORKERS[index % WORKERS.len()];
-        let reply = sim.ask(coordinator, &format!("via {worker} final"), Duration::from_secs(2)).await;
+        let reply = sim
+            .ask(coordinator, &format!("via {worker} final"), Duration::from_secs(2))
+            .await;
         let reply = reply.unwrap_or_else(|error| panic!("{coordinator} must answer after healing: {error}"));
         assert_eq!(reply.text, format!("{coordinator} relays: {worker} did it"));
     }
     for worker in WORKERS {
         let reply = sim.ask(worker, "direct final", Duration::from_secs(2)).await;
-        assert_eq!(reply.expect("a worker answers after healing").text, format!("{worker} did it"));
+        assert_eq!(
+            reply.expect("a worker answers after healing").text,
+            format!("{worker} did it")
+        );
     }
     // Idle: every agent deactivates.
     sim.advance(Duration::from_millis(50)).await;
@@ -138,14 +155,19 @@ async fn agents_under_activation_churn_and_concurrent_asks_never_have_two_live_a
     let counts = activations(&sim);
     for name in &names {
         let count = counts.get(&format!("agent/{name}")).copied().unwrap_or(0);
-        assert!(count >= 2, "agent {name} was activated {count} times: no churn ({counts:?})");
+        assert!(
+            count >= 2,
+            "agent {name} was activated {count} times: no churn ({counts:?})"
+        );
     }
     // Every call_agent that started reported exactly one end.
     let events = recorder.events();
     let mut ends: BTreeMap<u64, usize> = BTreeMap::new();
     for event in &events {
         match event {
-            AgentEvent::CallStarted { call, caller: Some(_), .. } => {
+            AgentEvent::CallStarted {
+                call, caller: Some(_), ..
+            } => {
                 ends.entry(*call).or_insert(0);
             }
             AgentEvent::CallFinished { call, .. } => {
@@ -158,7 +180,12 @@ async fn agents_under_activation_churn_and_concurrent_asks_never_have_two_live_a
     }
     assert!(!ends.is_empty(), "no agent called another");
     for (call, count) in &ends {
-        assert_eq!(*count, 1, "call_agent {call} reported {count} ends:\n{}", recorder.render_tree());
+        assert_eq!(
+            *count,
+            1,
+            "call_agent {call} reported {count} ends:\n{}",
+            recorder.render_tree()
+        );
     }
     sim.finish().await;
 }
@@ -176,12 +203,19 @@ async fn a_second_agent_system_answering_the_same_agent_is_caught_by_single_acti
         test: TEST,
         name: "a_second_agent_system_answering_the_same_agent_is_caught_by_single_activation",
     };
-    let config = SimConfig { disk: Disk::Shared, expect_violation: Some("SingleActivation"), ..config() };
+    let config = SimConfig {
+        disk: Disk::Shared,
+        expect_violation: Some("SingleActivation"),
+        ..config()
+    };
     let mut sim = Sim::start_with_agents(scenario, config, AgentSetup::new(Arc::new(script()), agents())).await;
     let mut rogue = AgentSystem::builder()
         .store(Arc::new(sim.cluster().disk(1)))
         .llm(Arc::new(FaultyLlm::new(Arc::new(script()), sim.llm_faults().clone())))
-        .kind_config(KindConfig { idle_timeout: Duration::from_millis(3), ..KindConfig::default() })
+        .kind_config(KindConfig {
+            idle_timeout: Duration::from_millis(3),
+            ..KindConfig::default()
+        })
         .observer(Arc::new(TraceObserver::new(ROGUE_NODE, sim.trace().clone())));
     for spec in agents() {
         rogue = rogue.agent(spec);
@@ -192,7 +226,9 @@ async fn a_second_agent_system_answering_the_same_agent_is_caught_by_single_acti
     sim.inject(Fault::LlmLatency { ms: 50 }).await;
     sim.spawn_ask("w0", "direct to the real system", Duration::from_secs(1));
     sim.advance(Duration::from_millis(10)).await;
-    let rogue_answer = rogue.ask_with_timeout("w0", "direct to the rogue", Duration::from_secs(1)).await;
+    let rogue_answer = rogue
+        .ask_with_timeout("w0", "direct to the rogue", Duration::from_secs(1))
+        .await;
     assert!(rogue_answer.is_ok(), "{rogue_answer:?}");
     sim.drain_asks().await;
 

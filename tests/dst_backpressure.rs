@@ -22,13 +22,29 @@ const CAPACITY: usize = 2;
 /// (4-16), link latency 1-2 ms so the burst lands during the slow turn.
 #[madsim::test]
 async fn a_burst_beyond_the_mailbox_is_refused_busy_at_once_and_the_rest_completes() {
-    let scenario =
-        Scenario { test: TEST, name: "a_burst_beyond_the_mailbox_is_refused_busy_at_once_and_the_rest_completes" };
-    let mut sim = Sim::start(scenario, SimConfig { mailbox_capacity: CAPACITY, ..SimConfig::default() }).await;
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_burst_beyond_the_mailbox_is_refused_busy_at_once_and_the_rest_completes",
+    };
+    let mut sim = Sim::start(
+        scenario,
+        SimConfig {
+            mailbox_capacity: CAPACITY,
+            ..SimConfig::default()
+        },
+    )
+    .await;
     sim.inject(Fault::Latency { min_ms: 1, max_ms: 2 }).await;
     sim.phase("safety");
     let burst = sim.rng().range(4, 17) as usize;
-    sim.spawn_request("hot", ProbeOp::Sleep { ms: 100, then: Box::new(ProbeOp::Add { amount: 1 }) }, Duration::from_secs(1));
+    sim.spawn_request(
+        "hot",
+        ProbeOp::Sleep {
+            ms: 100,
+            then: Box::new(ProbeOp::Add { amount: 1 }),
+        },
+        Duration::from_secs(1),
+    );
     sim.advance(Duration::from_millis(10)).await;
     let started = tokio::time::Instant::now();
     let client = sim.client();
@@ -36,7 +52,9 @@ async fn a_burst_beyond_the_mailbox_is_refused_busy_at_once_and_the_rest_complet
     for _ in 0..burst {
         let client = client.clone();
         burst_tasks.push(tokio::spawn(async move {
-            let outcome = client.request("hot", ProbeOp::Add { amount: 1 }, Duration::from_secs(1)).await;
+            let outcome = client
+                .request("hot", ProbeOp::Add { amount: 1 }, Duration::from_secs(1))
+                .await;
             (outcome, tokio::time::Instant::now())
         }));
     }
@@ -49,7 +67,10 @@ async fn a_burst_beyond_the_mailbox_is_refused_busy_at_once_and_the_rest_complet
                 busy += 1;
                 let waited = at - started;
                 // Not after the 100 ms turn: the refusal does not wait for the actor.
-                assert!(waited < Duration::from_millis(50), "Busy came after {waited:?}: it waited for the actor");
+                assert!(
+                    waited < Duration::from_millis(50),
+                    "Busy came after {waited:?}: it waited for the actor"
+                );
             }
             Ok(ProbeReply::Count(_)) => done += 1,
             other => panic!("unexpected outcome {other:?}"),
@@ -61,7 +82,11 @@ async fn a_burst_beyond_the_mailbox_is_refused_busy_at_once_and_the_rest_complet
     sim.phase("liveness");
     sim.heal().await;
     let values = sim.read_back(&["hot"]).await;
-    assert_eq!(values, vec![1 + CAPACITY as u64], "the slow add and the queued ones, nothing else");
+    assert_eq!(
+        values,
+        vec![1 + CAPACITY as u64],
+        "the slow add and the queued ones, nothing else"
+    );
     sim.finish().await;
 }
 
@@ -69,10 +94,20 @@ async fn a_burst_beyond_the_mailbox_is_refused_busy_at_once_and_the_rest_complet
 /// asks gets the overflow refused with `Busy` at once; the queued asks are answered.
 #[madsim::test]
 async fn a_burst_of_asks_beyond_an_agents_mailbox_is_refused_busy() {
-    let scenario = Scenario { test: TEST, name: "a_burst_of_asks_beyond_an_agents_mailbox_is_refused_busy" };
-    let llm = ScriptedLlm::new().rule(ScriptRule::agent("worker").reply("done").latency(Duration::from_millis(50)));
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_burst_of_asks_beyond_an_agents_mailbox_is_refused_busy",
+    };
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::agent("worker")
+            .reply("done")
+            .latency(Duration::from_millis(50)),
+    );
     let setup = AgentSetup::new(Arc::new(llm), vec![AgentSpec::new("worker")]);
-    let config = SimConfig { mailbox_capacity: CAPACITY, ..SimConfig::default() };
+    let config = SimConfig {
+        mailbox_capacity: CAPACITY,
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start_with_agents(scenario, config, setup).await;
     sim.inject(Fault::Latency { min_ms: 1, max_ms: 2 }).await;
     sim.phase("safety");
@@ -83,8 +118,14 @@ async fn a_burst_of_asks_beyond_an_agents_mailbox_is_refused_busy() {
         sim.spawn_ask("worker", &format!("burst {index}"), Duration::from_secs(2));
     }
     let outcomes = sim.drain_asks().await;
-    let busy = outcomes.iter().filter(|o| matches!(o, Err(InvokeError::Busy { .. }))).count();
-    let answered = outcomes.iter().filter(|o| o.as_ref().is_ok_and(|reply| reply.text == "done")).count();
+    let busy = outcomes
+        .iter()
+        .filter(|o| matches!(o, Err(InvokeError::Busy { .. })))
+        .count();
+    let answered = outcomes
+        .iter()
+        .filter(|o| o.as_ref().is_ok_and(|reply| reply.text == "done"))
+        .count();
     assert_eq!(answered, 1 + CAPACITY, "{outcomes:?}");
     assert_eq!(busy, burst - CAPACITY, "{outcomes:?}");
     sim.phase("liveness");

@@ -23,22 +23,45 @@ const TEST: &str = "dst_crash";
 /// crash) lands at a random moment inside them; a restart after a random down time.
 #[madsim::test]
 async fn crash_during_call_loses_nothing_acknowledged() {
-    let scenario = Scenario { test: TEST, name: "crash_during_call_loses_nothing_acknowledged" };
-    let config = SimConfig { nodes: 2, store: StoreMode::Fsync { latency_ms: 3 }, ..SimConfig::default() };
+    let scenario = Scenario {
+        test: TEST,
+        name: "crash_during_call_loses_nothing_acknowledged",
+    };
+    let config = SimConfig {
+        nodes: 2,
+        store: StoreMode::Fsync { latency_ms: 3 },
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start(scenario, config).await;
     let (callers, victims) = (keys_on(1, 2, 4), keys_on(2, 2, 2));
     for key in victims.iter().chain(&callers) {
         let amount = sim.rng().range(1, 10);
-        sim.request(key, ProbeOp::Add { amount }, Duration::from_millis(500)).await.expect("a warm-up add");
-        sim.request(key, ProbeOp::Batch { keys: 3, fail_after: None }, Duration::from_millis(500))
+        sim.request(key, ProbeOp::Add { amount }, Duration::from_millis(500))
             .await
-            .expect("a warm-up batch");
+            .expect("a warm-up add");
+        sim.request(
+            key,
+            ProbeOp::Batch {
+                keys: 3,
+                fail_after: None,
+            },
+            Duration::from_millis(500),
+        )
+        .await
+        .expect("a warm-up batch");
     }
     // Warm node 1's connection to node 2 too, so the slow calls below reach node 2 within
     // their two hops (a cold connection also pays the TCP connect and the transport's
     // clock handshake; seed 646 crashed node 2 before they got there).
-    let warm_call = ProbeOp::Call { target: format!("probe/{}", victims[0]), op: Box::new(ProbeOp::Get), timeout_ms: 300, delay_ms: 0 };
-    sim.request(&callers[0], warm_call, Duration::from_millis(500)).await.expect("a warm-up call");
+    let warm_call = ProbeOp::Call {
+        target: format!("probe/{}", victims[0]),
+        op: Box::new(ProbeOp::Get),
+        timeout_ms: 300,
+        delay_ms: 0,
+    };
+    sim.request(&callers[0], warm_call, Duration::from_millis(500))
+        .await
+        .expect("a warm-up call");
     sim.phase("safety");
     let slow_ms = sim.rng().range(40, 80);
     // One call per caller (a caller's turns are serial), two per victim.
@@ -46,14 +69,24 @@ async fn crash_during_call_loses_nothing_acknowledged() {
         let victim = &victims[index % victims.len()];
         let op = ProbeOp::Call {
             target: format!("probe/{victim}"),
-            op: Box::new(ProbeOp::Sleep { ms: slow_ms, then: Box::new(ProbeOp::Add { amount: 1 }) }),
+            op: Box::new(ProbeOp::Sleep {
+                ms: slow_ms,
+                then: Box::new(ProbeOp::Add { amount: 1 }),
+            }),
             timeout_ms: 300,
             delay_ms: 0,
         };
         sim.spawn_request(caller, op, Duration::from_millis(400));
     }
     for victim in &victims {
-        sim.spawn_request(victim, ProbeOp::Batch { keys: 4, fail_after: None }, Duration::from_millis(400));
+        sim.spawn_request(
+            victim,
+            ProbeOp::Batch {
+                keys: 4,
+                fail_after: None,
+            },
+            Duration::from_millis(400),
+        );
     }
     // After every call has reached node 2 (two hops of at most 10 ms), before any can
     // have finished.
@@ -69,7 +102,10 @@ async fn crash_during_call_loses_nothing_acknowledged() {
     assert_eq!(slow_ok, 0, "a call into a crashed node succeeded: {outcomes:?}");
     for outcome in outcomes.iter().take(callers.len()) {
         assert!(
-            matches!(outcome, Err(InvokeError::Unreachable { .. } | InvokeError::Timeout { .. } | InvokeError::ActorFailed { .. })),
+            matches!(
+                outcome,
+                Err(InvokeError::Unreachable { .. } | InvokeError::Timeout { .. } | InvokeError::ActorFailed { .. })
+            ),
             "{outcome:?}"
         );
     }
@@ -90,25 +126,45 @@ async fn crash_during_call_loses_nothing_acknowledged() {
 /// commit was on it, only its acknowledgement was lost).
 #[madsim::test]
 async fn lost_unflushed_writes_are_never_acknowledged_ones() {
-    let scenario = Scenario { test: TEST, name: "lost_unflushed_writes_are_never_acknowledged_ones" };
-    let config = SimConfig { store: StoreMode::Fsync { latency_ms: 20 }, ..SimConfig::default() };
+    let scenario = Scenario {
+        test: TEST,
+        name: "lost_unflushed_writes_are_never_acknowledged_ones",
+    };
+    let config = SimConfig {
+        store: StoreMode::Fsync { latency_ms: 20 },
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start(scenario, config).await;
     sim.inject(Fault::Latency { min_ms: 1, max_ms: 2 }).await;
     for _ in 0..3 {
-        sim.request("d", ProbeOp::Add { amount: 1 }, Duration::from_millis(500)).await.expect("acknowledged");
+        sim.request("d", ProbeOp::Add { amount: 1 }, Duration::from_millis(500))
+            .await
+            .expect("acknowledged");
     }
     sim.phase("safety");
     sim.spawn_request("d", ProbeOp::Add { amount: 100 }, Duration::from_millis(500));
     sim.advance(Duration::from_millis(5)).await;
     let crash_disk = sim.rng().chance(50);
-    sim.inject(if crash_disk { Fault::CrashNode(1) } else { Fault::KillNode(1) }).await;
+    sim.inject(if crash_disk {
+        Fault::CrashNode(1)
+    } else {
+        Fault::KillNode(1)
+    })
+    .await;
     sim.inject(Fault::RestartNode(1)).await;
     let outcomes = sim.drain().await;
-    assert!(outcomes[0].is_err(), "the add in its fsync window cannot have been acknowledged: {outcomes:?}");
+    assert!(
+        outcomes[0].is_err(),
+        "the add in its fsync window cannot have been acknowledged: {outcomes:?}"
+    );
     sim.phase("liveness");
     sim.heal().await;
     let values = sim.read_back(&["d"]).await;
-    assert_eq!(values, vec![if crash_disk { 3 } else { 103 }], "disk crashed: {crash_disk}");
+    assert_eq!(
+        values,
+        vec![if crash_disk { 3 } else { 103 }],
+        "disk crashed: {crash_disk}"
+    );
     sim.finish().await;
 }
 
@@ -119,8 +175,14 @@ async fn lost_unflushed_writes_are_never_acknowledged_ones() {
 /// acknowledged model and every batch is whole.
 #[madsim::test]
 async fn storage_failures_surface_as_errors_and_roll_turns_back() {
-    let scenario = Scenario { test: TEST, name: "storage_failures_surface_as_errors_and_roll_turns_back" };
-    let config = SimConfig { idle_timeout: Duration::from_millis(3), ..SimConfig::default() };
+    let scenario = Scenario {
+        test: TEST,
+        name: "storage_failures_surface_as_errors_and_roll_turns_back",
+    };
+    let config = SimConfig {
+        idle_timeout: Duration::from_millis(3),
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start(scenario, config).await;
     sim.phase("safety");
     for round in 0..30 {
@@ -134,8 +196,13 @@ async fn storage_failures_surface_as_errors_and_roll_turns_back() {
             sim.inject(fault).await;
         }
         let op = match sim.rng().range(0, 3) {
-            0 => ProbeOp::Add { amount: sim.rng().range(1, 5) },
-            1 => ProbeOp::Batch { keys: 3, fail_after: None },
+            0 => ProbeOp::Add {
+                amount: sim.rng().range(1, 5),
+            },
+            1 => ProbeOp::Batch {
+                keys: 3,
+                fail_after: None,
+            },
             _ => ProbeOp::Audit,
         };
         let key = if sim.rng().chance(50) { "s1" } else { "s2" };
@@ -149,7 +216,9 @@ async fn storage_failures_surface_as_errors_and_roll_turns_back() {
         sim.advance(Duration::from_millis(gap)).await;
     }
     sim.inject(Fault::FailCommits { node: 1, count: 1 }).await;
-    let failed = sim.request("s1", ProbeOp::Add { amount: 1 }, Duration::from_millis(300)).await;
+    let failed = sim
+        .request("s1", ProbeOp::Add { amount: 1 }, Duration::from_millis(300))
+        .await;
     assert!(matches!(failed, Err(InvokeError::StorageFailed { .. })), "{failed:?}");
     sim.phase("liveness");
     sim.heal().await;

@@ -25,13 +25,27 @@ const TEST: &str = "dst_cycle_detection";
 /// before its deadline, and the observer must show `CycleDetected` with chain A, B, A.
 #[madsim::test]
 async fn a_call_back_up_the_chain_between_agents_is_refused_at_once_with_the_chain() {
-    let scenario =
-        Scenario { test: TEST, name: "a_call_back_up_the_chain_between_agents_is_refused_at_once_with_the_chain" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_call_back_up_the_chain_between_agents_is_refused_at_once_with_the_chain",
+    };
     let llm = ScriptedLlm::new()
-        .rule(ScriptRule::agent("a").on_user_containing("").call("call_agent", json!({"agent_id": "b", "message": "{input}"})))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "b", "message": "{input}"})),
+        )
         .rule(ScriptRule::agent("a").on_tool_result().reply("a got: {tool_result}"))
-        .rule(ScriptRule::agent("b").on_user_containing("").call("call_agent", json!({"agent_id": "a", "message": "back"})))
-        .rule(ScriptRule::agent("b").on_tool_result().reply("b could not ask a: {tool_result}"));
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "a", "message": "back"})),
+        )
+        .rule(
+            ScriptRule::agent("b")
+                .on_tool_result()
+                .reply("b could not ask a: {tool_result}"),
+        );
     let recorder = CallRecorder::new();
     let setup = AgentSetup::new(Arc::new(llm), vec![AgentSpec::new("a"), AgentSpec::new("b")])
         .observer(Arc::new(recorder.clone()));
@@ -42,19 +56,29 @@ async fn a_call_back_up_the_chain_between_agents_is_refused_at_once_with_the_cha
     sim.inject(Fault::LlmLatency { ms: model_ms }).await;
     let timeout = Duration::from_secs(10);
     let started = tokio::time::Instant::now();
-    let reply = sim.ask("a", "start a cycle", timeout).await.expect("a refused call is a tool result");
+    let reply = sim
+        .ask("a", "start a cycle", timeout)
+        .await
+        .expect("a refused call is a tool result");
     let elapsed = started.elapsed();
     // Four model steps and two network hops, nothing waits for a timeout.
     let bound = Duration::from_millis(4 * model_ms + 100);
-    assert!(elapsed < bound, "the cycle took {elapsed:?} (bound {bound:?}): it waited instead of being refused");
+    assert!(
+        elapsed < bound,
+        "the cycle took {elapsed:?} (bound {bound:?}): it waited instead of being refused"
+    );
     assert!(reply.text.contains("cycle detected"), "{reply:?}");
     let refused_chain = recorder.events().into_iter().find_map(|event| match event {
-        AgentEvent::CallFinished { outcome: CallOutcome::Refused(CallRefused::CycleDetected { chain }), .. } => {
-            Some(chain.iter().map(|id| id.key().to_string()).collect::<Vec<_>>())
-        }
+        AgentEvent::CallFinished {
+            outcome: CallOutcome::Refused(CallRefused::CycleDetected { chain }),
+            ..
+        } => Some(chain.iter().map(|id| id.key().to_string()).collect::<Vec<_>>()),
         _ => None,
     });
-    assert_eq!(refused_chain, Some(vec!["a".to_string(), "b".to_string(), "a".to_string()]));
+    assert_eq!(
+        refused_chain,
+        Some(vec!["a".to_string(), "b".to_string(), "a".to_string()])
+    );
 
     sim.phase("liveness");
     sim.heal().await;
@@ -70,7 +94,10 @@ async fn a_call_back_up_the_chain_between_agents_is_refused_at_once_with_the_cha
 /// cycle that lived longer than 1 ms).
 #[madsim::test]
 async fn crossing_calls_from_independent_requests_never_deadlock() {
-    let scenario = Scenario { test: TEST, name: "crossing_calls_from_independent_requests_never_deadlock" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "crossing_calls_from_independent_requests_never_deadlock",
+    };
     let mut sim = Sim::start(scenario, SimConfig::default()).await;
     let keys = keys_on(1, 1, 2);
     let (x, y) = (keys[0].clone(), keys[1].clone());
@@ -81,24 +108,36 @@ async fn crossing_calls_from_independent_requests_never_deadlock() {
         let (dx, dy) = (sim.rng().range(0, 4), sim.rng().range(0, 4));
         let x_to_y = ProbeOp::Call {
             target: format!("probe/{y}"),
-            op: Box::new(ProbeOp::Sleep { ms: 5, then: Box::new(ProbeOp::Get) }),
+            op: Box::new(ProbeOp::Sleep {
+                ms: 5,
+                then: Box::new(ProbeOp::Get),
+            }),
             timeout_ms: 500,
             delay_ms: dx,
         };
         let y_to_x = ProbeOp::Call {
             target: format!("probe/{x}"),
-            op: Box::new(ProbeOp::Sleep { ms: 5, then: Box::new(ProbeOp::Get) }),
+            op: Box::new(ProbeOp::Sleep {
+                ms: 5,
+                then: Box::new(ProbeOp::Get),
+            }),
             timeout_ms: 500,
             delay_ms: dy,
         };
         sim.spawn_request(&x, x_to_y, Duration::from_secs(1));
         sim.spawn_request(&y, y_to_x, Duration::from_secs(1));
         let outcomes = sim.drain().await;
-        deadlocks += outcomes.iter().filter(|o| matches!(o, Err(InvokeError::DeadlockDetected { .. }))).count();
+        deadlocks += outcomes
+            .iter()
+            .filter(|o| matches!(o, Err(InvokeError::DeadlockDetected { .. })))
+            .count();
         assert_eq!(outcomes.len(), 2);
         for outcome in &outcomes {
             assert!(
-                matches!(outcome, Ok(ProbeReply::Count(_)) | Err(InvokeError::DeadlockDetected { .. })),
+                matches!(
+                    outcome,
+                    Ok(ProbeReply::Count(_)) | Err(InvokeError::DeadlockDetected { .. })
+                ),
                 "{outcome:?}"
             );
         }
@@ -117,8 +156,18 @@ async fn crossing_calls_from_independent_requests_never_deadlock() {
 /// nodes; the model expects a refusal exactly when a probe repeats.
 #[madsim::test]
 async fn chains_that_revisit_an_actor_are_refused_across_nodes() {
-    let scenario = Scenario { test: TEST, name: "chains_that_revisit_an_actor_are_refused_across_nodes" };
-    let mut sim = Sim::start(scenario, SimConfig { nodes: 2, ..SimConfig::default() }).await;
+    let scenario = Scenario {
+        test: TEST,
+        name: "chains_that_revisit_an_actor_are_refused_across_nodes",
+    };
+    let mut sim = Sim::start(
+        scenario,
+        SimConfig {
+            nodes: 2,
+            ..SimConfig::default()
+        },
+    )
+    .await;
     let mut keys = keys_on(1, 2, 2);
     keys.extend(keys_on(2, 2, 2));
     sim.phase("safety");
@@ -133,7 +182,10 @@ async fn chains_that_revisit_an_actor_are_refused_across_nodes() {
         if repeats {
             assert_eq!(outcome, Ok(ProbeReply::Refused(RefusalKind::Cycle)), "chain {hops:?}");
         } else {
-            assert!(matches!(outcome, Ok(ProbeReply::Count(_))), "chain {hops:?}: {outcome:?}");
+            assert!(
+                matches!(outcome, Ok(ProbeReply::Count(_))),
+                "chain {hops:?}: {outcome:?}"
+            );
         }
     }
     sim.phase("liveness");

@@ -25,7 +25,10 @@ const TEST: &str = "dst_depth_limit";
 /// turns must reach depth 5 and never 6.
 #[madsim::test]
 async fn a_chain_of_agents_stops_at_depth_five() {
-    let scenario = Scenario { test: TEST, name: "a_chain_of_agents_stops_at_depth_five" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_chain_of_agents_stops_at_depth_five",
+    };
     let names: Vec<String> = (0..7).map(|i| format!("a{i}")).collect();
     let mut llm = ScriptedLlm::new();
     for i in 0..6 {
@@ -35,7 +38,11 @@ async fn a_chain_of_agents_stops_at_depth_five() {
                     .on_user_containing("")
                     .call("call_agent", json!({"agent_id": names[i + 1], "message": "go deeper"})),
             )
-            .rule(ScriptRule::agent(names[i].clone()).on_tool_result().reply(format!("{}<{{tool_result}}", names[i])));
+            .rule(
+                ScriptRule::agent(names[i].clone())
+                    .on_tool_result()
+                    .reply(format!("{}<{{tool_result}}", names[i])),
+            );
     }
     llm = llm.rule(ScriptRule::agent("a6").reply("a6 must never run"));
     let recorder = CallRecorder::new();
@@ -46,7 +53,10 @@ async fn a_chain_of_agents_stops_at_depth_five() {
     sim.phase("safety");
     let model_ms = sim.rng().range(0, 30);
     sim.inject(Fault::LlmLatency { ms: model_ms }).await;
-    let reply = sim.ask("a0", "start", Duration::from_secs(20)).await.expect("a refused call is a tool result");
+    let reply = sim
+        .ask("a0", "start", Duration::from_secs(20))
+        .await
+        .expect("a refused call is a tool result");
     assert!(reply.text.starts_with("a0<a1<a2<a3<a4<a5<"), "{reply:?}");
     assert!(reply.text.contains("call depth 5 has reached the limit"), "{reply:?}");
     let depths: Vec<u32> = recorder
@@ -57,9 +67,19 @@ async fn a_chain_of_agents_stops_at_depth_five() {
             _ => None,
         })
         .collect();
-    assert_eq!(depths.iter().max(), Some(&AGENT_CALL_DEPTH_MAX), "turn depths {depths:?}");
+    assert_eq!(
+        depths.iter().max(),
+        Some(&AGENT_CALL_DEPTH_MAX),
+        "turn depths {depths:?}"
+    );
     let refused = recorder.events().iter().any(|event| {
-        matches!(event, AgentEvent::CallFinished { outcome: CallOutcome::Refused(CallRefused::DepthExceeded { depth: 5, .. }), .. })
+        matches!(
+            event,
+            AgentEvent::CallFinished {
+                outcome: CallOutcome::Refused(CallRefused::DepthExceeded { depth: 5, .. }),
+                ..
+            }
+        )
     });
     assert!(refused, "no DepthExceeded refusal:\n{}", recorder.render_tree());
 
@@ -73,17 +93,37 @@ async fn a_chain_of_agents_stops_at_depth_five() {
 /// chain lengths from 1 to 8 hops, with random link latency.
 #[madsim::test]
 async fn chains_across_nodes_are_admitted_to_five_hops_and_refused_beyond() {
-    let scenario = Scenario { test: TEST, name: "chains_across_nodes_are_admitted_to_five_hops_and_refused_beyond" };
-    let mut sim = Sim::start(scenario, SimConfig { nodes: 2, ..SimConfig::default() }).await;
+    let scenario = Scenario {
+        test: TEST,
+        name: "chains_across_nodes_are_admitted_to_five_hops_and_refused_beyond",
+    };
+    let mut sim = Sim::start(
+        scenario,
+        SimConfig {
+            nodes: 2,
+            ..SimConfig::default()
+        },
+    )
+    .await;
     let (on_one, on_two) = (keys_on(1, 2, 5), keys_on(2, 2, 5));
-    let alternating: Vec<String> = on_one.iter().zip(&on_two).flat_map(|(a, b)| [a.clone(), b.clone()]).collect();
+    let alternating: Vec<String> = on_one
+        .iter()
+        .zip(&on_two)
+        .flat_map(|(a, b)| [a.clone(), b.clone()])
+        .collect();
     sim.phase("safety");
     let max_ms = sim.rng().range(2, 30);
     sim.inject(Fault::Latency { min_ms: 1, max_ms }).await;
     for _ in 0..8 {
         let hops = sim.rng().range(1, 9) as usize;
         let rest: Vec<&str> = alternating[1..=hops].iter().map(String::as_str).collect();
-        let outcome = sim.request(&alternating[0], ProbeOp::chain(&rest, ProbeOp::Get, 2_000), Duration::from_secs(5)).await;
+        let outcome = sim
+            .request(
+                &alternating[0],
+                ProbeOp::chain(&rest, ProbeOp::Get, 2_000),
+                Duration::from_secs(5),
+            )
+            .await;
         if hops <= AGENT_CALL_DEPTH_MAX as usize {
             assert!(matches!(outcome, Ok(ProbeReply::Count(_))), "{hops} hops: {outcome:?}");
         } else {

@@ -20,15 +20,30 @@ const TEST: &str = "dst_determinism";
 /// A multi-agent run: three agents calling each other with random model latency and
 /// failures, probes under the standard workload with every fault, on two nodes.
 async fn multi_agent_run() -> u64 {
-    let scenario = Scenario { test: TEST, name: "one_seed_run_twice_gives_the_same_trace_hash" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "one_seed_run_twice_gives_the_same_trace_hash",
+    };
     let llm = ScriptedLlm::new()
-        .rule(ScriptRule::agent("lead").on_user_containing("").call("call_agent", json!({"agent_id": "left", "message": "{input}"})).call("call_agent", json!({"agent_id": "right", "message": "{input}"})))
+        .rule(
+            ScriptRule::agent("lead")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "left", "message": "{input}"}))
+                .call("call_agent", json!({"agent_id": "right", "message": "{input}"})),
+        )
         .rule(ScriptRule::agent("lead").on_tool_result().reply("lead: {tool_result}"))
-        .rule(ScriptRule::agent("left").on_user_containing("").call("lookup", json!({"key": "left"})))
+        .rule(
+            ScriptRule::agent("left")
+                .on_user_containing("")
+                .call("lookup", json!({"key": "left"})),
+        )
         .rule(ScriptRule::agent("left").on_tool_result().reply("{tool_result}"))
         .rule(ScriptRule::agent("right").reply("right"));
     let agents = vec![AgentSpec::new("lead"), AgentSpec::new("left"), AgentSpec::new("right")];
-    let config = SimConfig { nodes: 2, ..SimConfig::default() };
+    let config = SimConfig {
+        nodes: 2,
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start_with_agents(scenario, config, AgentSetup::new(Arc::new(llm), agents)).await;
     for index in 0..6 {
         let ms = sim.rng().range(0, 40);
@@ -38,7 +53,14 @@ async fn multi_agent_run() -> u64 {
         }
         sim.spawn_ask("lead", &format!("question {index}"), Duration::from_millis(500));
     }
-    run_standard(&mut sim, Standard { faults: FaultMix::all(), ..Standard::default() }).await;
+    run_standard(
+        &mut sim,
+        Standard {
+            faults: FaultMix::all(),
+            ..Standard::default()
+        },
+    )
+    .await;
     sim.drain_asks().await;
     sim.finish().await.trace_hash
 }
@@ -59,8 +81,14 @@ fn run_seed(seed: u64) -> u64 {
 /// set (so the sweep covers many), else 1.
 #[test]
 fn one_seed_run_twice_gives_the_same_trace_hash() {
-    let seed = std::env::var("MADSIM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
-    let count: u64 = std::env::var("MADSIM_TEST_NUM").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let seed = std::env::var("MADSIM_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let count: u64 = std::env::var("MADSIM_TEST_NUM")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     for seed in seed..seed + count {
         let (first, second) = (run_seed(seed), run_seed(seed));
         assert_eq!(
@@ -69,6 +97,11 @@ fn one_seed_run_twice_gives_the_same_trace_hash() {
              replay: MADSIM_TEST_SEED={seed} bash scripts/dst --replay {TEST}::one_seed_run_twice_gives_the_same_trace_hash"
         );
         let other = run_seed(seed ^ 0x5eed);
-        assert_ne!(first, other, "seeds {seed} and {} gave the same trace: the hash ignores the seed", seed ^ 0x5eed);
+        assert_ne!(
+            first,
+            other,
+            "seeds {seed} and {} gave the same trace: the hash ignores the seed",
+            seed ^ 0x5eed
+        );
     }
 }

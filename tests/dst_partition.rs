@@ -17,11 +17,17 @@ use troupe_sim::{Event, Fault, ProbeOp, ProbeReply, Scenario, Sim, SimConfig};
 const TEST: &str = "dst_partition";
 
 fn config() -> SimConfig {
-    SimConfig { nodes: 2, ..SimConfig::default() }
+    SimConfig {
+        nodes: 2,
+        ..SimConfig::default()
+    }
 }
 
 fn failed_by_cut(outcome: &Result<ProbeReply, InvokeError>) -> bool {
-    matches!(outcome, Err(InvokeError::Timeout { .. } | InvokeError::Unreachable { .. }))
+    matches!(
+        outcome,
+        Err(InvokeError::Timeout { .. } | InvokeError::Unreachable { .. })
+    )
 }
 
 /// Goal: while the client is cut off from node 2 (both ways), requests to node 2's
@@ -30,24 +36,38 @@ fn failed_by_cut(outcome: &Result<ProbeReply, InvokeError>) -> bool {
 /// connection), then requests at random moments during the cut.
 #[madsim::test]
 async fn a_symmetric_partition_fails_calls_across_it_by_their_deadline() {
-    let scenario = Scenario { test: TEST, name: "a_symmetric_partition_fails_calls_across_it_by_their_deadline" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_symmetric_partition_fails_calls_across_it_by_their_deadline",
+    };
     let mut sim = Sim::start(scenario, config()).await;
     let (near, far) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
-    sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(200)).await.expect("warm-up");
+    sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(200))
+        .await
+        .expect("warm-up");
     sim.phase("safety");
     sim.inject(Fault::Partition(0, 2)).await;
     for _ in 0..4 {
-        let far_outcome = sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(100)).await;
+        let far_outcome = sim
+            .request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(100))
+            .await;
         assert!(failed_by_cut(&far_outcome), "across the cut: {far_outcome:?}");
-        let near_outcome = sim.request(&near, ProbeOp::Add { amount: 1 }, Duration::from_millis(100)).await;
-        assert!(matches!(near_outcome, Ok(ProbeReply::Count(_))), "beside the cut: {near_outcome:?}");
+        let near_outcome = sim
+            .request(&near, ProbeOp::Add { amount: 1 }, Duration::from_millis(100))
+            .await;
+        assert!(
+            matches!(near_outcome, Ok(ProbeReply::Count(_))),
+            "beside the cut: {near_outcome:?}"
+        );
         let gap = sim.rng().range(1, 30);
         sim.advance(Duration::from_millis(gap)).await;
     }
     sim.phase("liveness");
     sim.heal().await;
     sim.quiesce().await;
-    let after = sim.request_until_ok(&far, ProbeOp::Add { amount: 1 }, Duration::from_secs(1), 20).await;
+    let after = sim
+        .request_until_ok(&far, ProbeOp::Add { amount: 1 }, Duration::from_secs(1), 20)
+        .await;
     assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
     sim.read_back(&[&near, &far]).await;
     sim.finish().await;
@@ -60,7 +80,10 @@ async fn a_symmetric_partition_fails_calls_across_it_by_their_deadline() {
 /// then calls in both directions.
 #[madsim::test]
 async fn a_one_way_partition_fails_calls_both_ways_by_their_deadline() {
-    let scenario = Scenario { test: TEST, name: "a_one_way_partition_fails_calls_both_ways_by_their_deadline" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_one_way_partition_fails_calls_both_ways_by_their_deadline",
+    };
     let mut sim = Sim::start(scenario, config()).await;
     let (one, two) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
     let call = |target: &str| ProbeOp::Call {
@@ -70,15 +93,22 @@ async fn a_one_way_partition_fails_calls_both_ways_by_their_deadline() {
         delay_ms: 0,
     };
     // Warm both node-to-node connections.
-    sim.request(&one, call(&two), Duration::from_millis(300)).await.expect("warm-up 1 -> 2");
-    sim.request(&two, call(&one), Duration::from_millis(300)).await.expect("warm-up 2 -> 1");
+    sim.request(&one, call(&two), Duration::from_millis(300))
+        .await
+        .expect("warm-up 1 -> 2");
+    sim.request(&two, call(&one), Duration::from_millis(300))
+        .await
+        .expect("warm-up 2 -> 1");
     sim.phase("safety");
     sim.inject(Fault::OneWay { from: 1, to: 2 }).await;
     for _ in 0..3 {
         let forward = sim.request(&one, call(&two), Duration::from_millis(300)).await;
         assert!(failed_by_cut(&forward), "1 -> 2 across a 1 -> 2 cut: {forward:?}");
         let backward = sim.request(&two, call(&one), Duration::from_millis(300)).await;
-        assert!(failed_by_cut(&backward), "2 -> 1 whose replies cross the cut: {backward:?}");
+        assert!(
+            failed_by_cut(&backward),
+            "2 -> 1 whose replies cross the cut: {backward:?}"
+        );
     }
     sim.phase("liveness");
     sim.heal().await;
@@ -102,12 +132,16 @@ async fn heavy_packet_loss_makes_calls_miss_their_deadlines_and_healing_restores
     };
     let mut sim = Sim::start(scenario, config()).await;
     let key = keys_on(1, 2, 1).remove(0);
-    sim.request(&key, ProbeOp::Get, Duration::from_millis(200)).await.expect("warm-up");
+    sim.request(&key, ProbeOp::Get, Duration::from_millis(200))
+        .await
+        .expect("warm-up");
     sim.phase("safety");
     sim.inject(Fault::PacketLoss { percent: 90 }).await;
     let mut missed = 0;
     for _ in 0..10 {
-        let outcome = sim.request(&key, ProbeOp::Add { amount: 1 }, Duration::from_millis(50)).await;
+        let outcome = sim
+            .request(&key, ProbeOp::Add { amount: 1 }, Duration::from_millis(50))
+            .await;
         match outcome {
             Ok(ProbeReply::Count(_)) => {}
             ref failed if failed_by_cut(failed) => missed += 1,
@@ -118,7 +152,9 @@ async fn heavy_packet_loss_makes_calls_miss_their_deadlines_and_healing_restores
     sim.phase("liveness");
     sim.heal().await;
     sim.quiesce().await;
-    let after = sim.request_until_ok(&key, ProbeOp::Add { amount: 1 }, Duration::from_secs(1), 20).await;
+    let after = sim
+        .request_until_ok(&key, ProbeOp::Add { amount: 1 }, Duration::from_secs(1), 20)
+        .await;
     assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
     sim.read_back(&[&key]).await;
     sim.finish().await;
@@ -132,10 +168,24 @@ async fn heavy_packet_loss_makes_calls_miss_their_deadlines_and_healing_restores
 #[madsim::test]
 async fn random_partitions_isolation_and_loss_never_hang_a_call() {
     use troupe_sim::workload::{run_standard, FaultMix, Standard};
-    let scenario = Scenario { test: TEST, name: "random_partitions_isolation_and_loss_never_hang_a_call" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "random_partitions_isolation_and_loss_never_hang_a_call",
+    };
     let mut sim = Sim::start(scenario, config()).await;
-    let faults = FaultMix { network: true, ..FaultMix::default() };
-    run_standard(&mut sim, Standard { faults, fault_percent: 12, ..Standard::default() }).await;
+    let faults = FaultMix {
+        network: true,
+        ..FaultMix::default()
+    };
+    run_standard(
+        &mut sim,
+        Standard {
+            faults,
+            fault_percent: 12,
+            ..Standard::default()
+        },
+    )
+    .await;
     sim.finish().await;
 }
 
@@ -149,23 +199,33 @@ async fn random_partitions_isolation_and_loss_never_hang_a_call() {
 /// 50-500 ms, the heal; then count the target's turns in the trace.
 #[madsim::test]
 async fn a_request_delivered_after_a_partition_runs_no_longer_than_its_callers_deadline() {
-    let scenario =
-        Scenario { test: TEST, name: "a_request_delivered_after_a_partition_runs_no_longer_than_its_callers_deadline" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_request_delivered_after_a_partition_runs_no_longer_than_its_callers_deadline",
+    };
     let mut sim = Sim::start(scenario, config()).await;
     let far = keys_on(2, 2, 1).remove(0);
     let far_actor = format!("probe/{far}");
-    sim.request(&far, ProbeOp::Get, Duration::from_millis(200)).await.expect("warm-up");
+    sim.request(&far, ProbeOp::Get, Duration::from_millis(200))
+        .await
+        .expect("warm-up");
     sim.phase("safety");
     sim.inject(Fault::Partition(0, 2)).await;
     let turns_before = turns_of(&sim, &far_actor);
-    let cut = sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(100)).await;
+    let cut = sim
+        .request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(100))
+        .await;
     assert!(failed_by_cut(&cut), "{cut:?}");
     let held = sim.rng().range(50, 500);
     sim.advance(Duration::from_millis(held)).await;
     sim.phase("liveness");
     sim.heal().await;
     sim.quiesce().await;
-    assert_eq!(turns_of(&sim, &far_actor), turns_before, "the request delivered after its deadline ran");
+    assert_eq!(
+        turns_of(&sim, &far_actor),
+        turns_before,
+        "the request delivered after its deadline ran"
+    );
     sim.read_back(&[&far]).await;
     let report = sim.finish().await;
     assert!(report.violations.is_empty(), "{:?}", report.violations);
@@ -174,5 +234,9 @@ async fn a_request_delivered_after_a_partition_runs_no_longer_than_its_callers_d
 
 /// Turns of `actor` started so far, from the trace.
 fn turns_of(sim: &Sim, actor: &str) -> usize {
-    sim.trace().events().iter().filter(|e| matches!(&e.event, Event::TurnStarted { actor: a, .. } if a == actor)).count()
+    sim.trace()
+        .events()
+        .iter()
+        .filter(|e| matches!(&e.event, Event::TurnStarted { actor: a, .. } if a == actor))
+        .count()
 }

@@ -27,14 +27,21 @@ const TEST: &str = "dst_planted_bugs";
 
 fn caught(report: &Report, invariant: &str) {
     let violation = report.violations.iter().find(|v| v.invariant == invariant);
-    assert!(violation.is_some(), "{invariant} missed the planted bug: {:?}", report.violations);
+    assert!(
+        violation.is_some(),
+        "{invariant} missed the planted bug: {:?}",
+        report.violations
+    );
 }
 
 /// Two nodes share a database, and the client sends each request to a random node, as
 /// a placement that ignores the directory would: both nodes activate the same probe.
 #[madsim::test]
 async fn split_brain_placement_is_caught_by_single_activation() {
-    let scenario = Scenario { test: TEST, name: "split_brain_placement_is_caught_by_single_activation" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "split_brain_placement_is_caught_by_single_activation",
+    };
     let config = SimConfig {
         nodes: 2,
         disk: Disk::Shared,
@@ -47,7 +54,9 @@ async fn split_brain_placement_is_caught_by_single_activation() {
     sim.phase("safety");
     // 20 random placements of one actor: both nodes are hit with probability 1 - 2^-19.
     for _ in 0..20 {
-        let _ = sim.request("shared", ProbeOp::Add { amount: 1 }, Duration::from_millis(200)).await;
+        let _ = sim
+            .request("shared", ProbeOp::Add { amount: 1 }, Duration::from_millis(200))
+            .await;
         if !sim.violations().is_empty() {
             break;
         }
@@ -60,7 +69,10 @@ async fn split_brain_placement_is_caught_by_single_activation() {
 /// depth 6.
 #[madsim::test]
 async fn skipping_the_depth_check_is_caught_by_depth_bounded() {
-    let scenario = Scenario { test: TEST, name: "skipping_the_depth_check_is_caught_by_depth_bounded" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "skipping_the_depth_check_is_caught_by_depth_bounded",
+    };
     let config = SimConfig {
         nodes: 2,
         admission: AdmissionMode::BugSkipDepthCheck,
@@ -71,7 +83,13 @@ async fn skipping_the_depth_check_is_caught_by_depth_bounded() {
     let keys: Vec<String> = keys_on(1, 2, 4).into_iter().chain(keys_on(2, 2, 4)).collect();
     let hops: Vec<&str> = keys[1..8].iter().map(String::as_str).collect();
     sim.phase("safety");
-    let _ = sim.request(&keys[0], ProbeOp::chain(&hops, ProbeOp::Get, 2_000), Duration::from_secs(5)).await;
+    let _ = sim
+        .request(
+            &keys[0],
+            ProbeOp::chain(&hops, ProbeOp::Get, 2_000),
+            Duration::from_secs(5),
+        )
+        .await;
     let report = sim.finish().await;
     caught(&report, "DepthBounded");
 }
@@ -80,7 +98,10 @@ async fn skipping_the_depth_check_is_caught_by_depth_bounded() {
 /// dispatcher sees both edges).
 #[madsim::test]
 async fn skipping_the_chain_check_is_caught_by_no_cycle_in_call_chain() {
-    let scenario = Scenario { test: TEST, name: "skipping_the_chain_check_is_caught_by_no_cycle_in_call_chain" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "skipping_the_chain_check_is_caught_by_no_cycle_in_call_chain",
+    };
     let config = SimConfig {
         nodes: 2,
         admission: AdmissionMode::BugSkipChainCheck,
@@ -90,7 +111,9 @@ async fn skipping_the_chain_check_is_caught_by_no_cycle_in_call_chain() {
     let mut sim = Sim::start(scenario, config).await;
     let (a, b) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
     sim.phase("safety");
-    let _ = sim.request(&a, ProbeOp::chain(&[&b, &a], ProbeOp::Get, 300), Duration::from_secs(1)).await;
+    let _ = sim
+        .request(&a, ProbeOp::chain(&[&b, &a], ProbeOp::Get, 300), Duration::from_secs(1))
+        .await;
     let report = sim.finish().await;
     caught(&report, "NoCycleInCallChain");
 }
@@ -99,7 +122,10 @@ async fn skipping_the_chain_check_is_caught_by_no_cycle_in_call_chain() {
 /// independent requests, X calling Y while Y calls X, deadlock until their timeouts.
 #[madsim::test]
 async fn bypassing_the_wait_for_graph_is_caught_by_wait_for_graph_acyclic() {
-    let scenario = Scenario { test: TEST, name: "bypassing_the_wait_for_graph_is_caught_by_wait_for_graph_acyclic" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "bypassing_the_wait_for_graph_is_caught_by_wait_for_graph_acyclic",
+    };
     let config = SimConfig {
         admission: AdmissionMode::BugNoWaitForEdge,
         expect_violation: Some("WaitForGraphAcyclic"),
@@ -126,7 +152,10 @@ async fn bypassing_the_wait_for_graph_is_caught_by_wait_for_graph_acyclic() {
 /// time.
 #[madsim::test]
 async fn a_growing_deadline_is_caught_by_deadline_monotone() {
-    let scenario = Scenario { test: TEST, name: "a_growing_deadline_is_caught_by_deadline_monotone" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_growing_deadline_is_caught_by_deadline_monotone",
+    };
     let config = SimConfig {
         admission: AdmissionMode::BugDeadlineGrows,
         expect_violation: Some("DeadlineMonotone"),
@@ -134,7 +163,13 @@ async fn a_growing_deadline_is_caught_by_deadline_monotone() {
     };
     let mut sim = Sim::start(scenario, config).await;
     sim.phase("safety");
-    let _ = sim.request("caller", ProbeOp::chain(&["callee"], ProbeOp::Get, 100), Duration::from_millis(500)).await;
+    let _ = sim
+        .request(
+            "caller",
+            ProbeOp::chain(&["callee"], ProbeOp::Get, 100),
+            Duration::from_millis(500),
+        )
+        .await;
     let report = sim.finish().await;
     caught(&report, "DeadlineMonotone");
 }
@@ -143,7 +178,10 @@ async fn a_growing_deadline_is_caught_by_deadline_monotone() {
 /// deadline: while the node is down, its request resolves long after the deadline.
 #[madsim::test]
 async fn retrying_past_the_deadline_is_caught_by_every_call_resolves() {
-    let scenario = Scenario { test: TEST, name: "retrying_past_the_deadline_is_caught_by_every_call_resolves" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "retrying_past_the_deadline_is_caught_by_every_call_resolves",
+    };
     let config = SimConfig {
         client: ClientMode::BugRetryIgnoresDeadline,
         expect_violation: Some("EveryCallResolves"),
@@ -166,7 +204,10 @@ async fn retrying_past_the_deadline_is_caught_by_every_call_resolves() {
 /// 50 ms): a crash after an acknowledged add loses it.
 #[madsim::test]
 async fn acking_before_persisting_is_caught_by_no_acked_state_lost() {
-    let scenario = Scenario { test: TEST, name: "acking_before_persisting_is_caught_by_no_acked_state_lost" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "acking_before_persisting_is_caught_by_no_acked_state_lost",
+    };
     let config = SimConfig {
         store: StoreMode::BugAckBeforeFlush { flush_every_ms: 50 },
         expect_violation: Some("NoAckedStateLost"),
@@ -178,7 +219,9 @@ async fn acking_before_persisting_is_caught_by_no_acked_state_lost() {
     // Within one flush period: acknowledged, not yet durable.
     sim.advance(Duration::from_millis(55)).await;
     let amount = sim.rng().range(1, 10);
-    sim.request("ledger", ProbeOp::Add { amount }, Duration::from_millis(20)).await.expect("acknowledged");
+    sim.request("ledger", ProbeOp::Add { amount }, Duration::from_millis(20))
+        .await
+        .expect("acknowledged");
     sim.inject(Fault::CrashNode(1)).await;
     sim.inject(Fault::RestartNode(1)).await;
     sim.phase("liveness");
@@ -192,7 +235,10 @@ async fn acking_before_persisting_is_caught_by_no_acked_state_lost() {
 /// middle of a batch's commit leaves part of it on the disk.
 #[madsim::test]
 async fn a_split_commit_is_caught_by_turn_writes_atomic() {
-    let scenario = Scenario { test: TEST, name: "a_split_commit_is_caught_by_turn_writes_atomic" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_split_commit_is_caught_by_turn_writes_atomic",
+    };
     let config = SimConfig {
         store: StoreMode::BugSplitCommit,
         expect_violation: Some("TurnWritesAtomic"),
@@ -202,11 +248,18 @@ async fn a_split_commit_is_caught_by_turn_writes_atomic() {
     sim.inject(Fault::Latency { min_ms: 1, max_ms: 2 }).await;
     sim.phase("safety");
     let keys = sim.rng().range(6, 10) as u32;
-    sim.spawn_request("books", ProbeOp::Batch { keys, fail_after: None }, Duration::from_secs(1));
+    sim.spawn_request(
+        "books",
+        ProbeOp::Batch { keys, fail_after: None },
+        Duration::from_secs(1),
+    );
     // Wait for the batch's turn to start; its commit then takes `keys` ms: kill in the
     // middle of it.
     let started = |sim: &Sim| {
-        sim.trace().events().iter().any(|e| matches!(&e.event, Event::TurnEnded { actor, .. } if actor == "probe/books"))
+        sim.trace()
+            .events()
+            .iter()
+            .any(|e| matches!(&e.event, Event::TurnEnded { actor, .. } if actor == "probe/books"))
     };
     while !started(&sim) {
         sim.advance(Duration::from_micros(100)).await;

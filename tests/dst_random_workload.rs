@@ -23,14 +23,24 @@ const TEST: &str = "dst_random_workload";
 /// The standard scenario: the one the seed sweep's speed target is measured on.
 #[madsim::test]
 async fn random_workload_with_every_fault_keeps_every_invariant() {
-    let scenario = Scenario { test: TEST, name: "random_workload_with_every_fault_keeps_every_invariant" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "random_workload_with_every_fault_keeps_every_invariant",
+    };
     let config = SimConfig {
         nodes: 2,
         store: StoreMode::Fsync { latency_ms: 2 },
         ..SimConfig::default()
     };
     let mut sim = Sim::start(scenario, config).await;
-    run_standard(&mut sim, Standard { faults: FaultMix::all(), ..Standard::default() }).await;
+    run_standard(
+        &mut sim,
+        Standard {
+            faults: FaultMix::all(),
+            ..Standard::default()
+        },
+    )
+    .await;
     sim.finish().await;
 }
 
@@ -38,8 +48,25 @@ async fn random_workload_with_every_fault_keeps_every_invariant() {
 /// refused by design must succeed.
 #[madsim::test]
 async fn random_workload_without_faults_keeps_every_invariant() {
-    let scenario = Scenario { test: TEST, name: "random_workload_without_faults_keeps_every_invariant" };
-    let mut sim = Sim::start(scenario, SimConfig { nodes: 2, ..SimConfig::default() }).await;
-    run_standard(&mut sim, Standard { safety: Duration::from_millis(200), ..Standard::default() }).await;
+    let scenario = Scenario {
+        test: TEST,
+        name: "random_workload_without_faults_keeps_every_invariant",
+    };
+    let mut sim = Sim::start(
+        scenario,
+        SimConfig {
+            nodes: 2,
+            ..SimConfig::default()
+        },
+    )
+    .await;
+    run_standard(
+        &mut sim,
+        Standard {
+            safety: Duration::from_millis(200),
+            ..Standard::default()
+        },
+    )
+    .await;
     sim.finish().await;
 }

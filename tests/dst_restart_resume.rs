@@ -23,8 +23,15 @@ const TEST: &str = "dst_restart_resume";
 /// quiet moment, restart, exact reads, more adds, exact reads again.
 #[madsim::test]
 async fn every_actor_resumes_from_its_acknowledged_state_after_a_full_restart() {
-    let scenario = Scenario { test: TEST, name: "every_actor_resumes_from_its_acknowledged_state_after_a_full_restart" };
-    let config = SimConfig { nodes: 2, store: StoreMode::Fsync { latency_ms: 2 }, ..SimConfig::default() };
+    let scenario = Scenario {
+        test: TEST,
+        name: "every_actor_resumes_from_its_acknowledged_state_after_a_full_restart",
+    };
+    let config = SimConfig {
+        nodes: 2,
+        store: StoreMode::Fsync { latency_ms: 2 },
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start(scenario, config).await;
     let mut keys = keys_on(1, 2, 2);
     keys.extend(keys_on(2, 2, 2));
@@ -34,7 +41,9 @@ async fn every_actor_resumes_from_its_acknowledged_state_after_a_full_restart() 
         for _ in 0..10 {
             let index = sim.rng().range(0, keys.len() as u64) as usize;
             let amount = sim.rng().range(1, 10);
-            let outcome = sim.request(&keys[index], ProbeOp::Add { amount }, Duration::from_millis(500)).await;
+            let outcome = sim
+                .request(&keys[index], ProbeOp::Add { amount }, Duration::from_millis(500))
+                .await;
             expected[index] += amount;
             assert_eq!(outcome, Ok(ProbeReply::Count(expected[index])));
         }
@@ -60,15 +69,24 @@ async fn every_actor_resumes_from_its_acknowledged_state_after_a_full_restart() 
 /// carry the earlier messages.
 #[madsim::test]
 async fn an_agent_resumes_its_conversation_after_its_node_crashes() {
-    let scenario = Scenario { test: TEST, name: "an_agent_resumes_its_conversation_after_its_node_crashes" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "an_agent_resumes_its_conversation_after_its_node_crashes",
+    };
     let llm = Arc::new(ScriptedLlm::new().rule(ScriptRule::agent("memo").reply("noted: {input}")));
     let setup = AgentSetup::new(llm.clone(), vec![AgentSpec::new("memo")]);
-    let config = SimConfig { store: StoreMode::Fsync { latency_ms: 2 }, ..SimConfig::default() };
+    let config = SimConfig {
+        store: StoreMode::Fsync { latency_ms: 2 },
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start_with_agents(scenario, config, setup).await;
     sim.phase("safety");
     let asks = sim.rng().range(1, 4);
     for index in 0..asks {
-        let reply = sim.ask("memo", &format!("fact {index}"), Duration::from_secs(1)).await.expect("acknowledged");
+        let reply = sim
+            .ask("memo", &format!("fact {index}"), Duration::from_secs(1))
+            .await
+            .expect("acknowledged");
         assert_eq!(reply.text, format!("noted: fact {index}"));
     }
     sim.inject(Fault::CrashNode(1)).await;
@@ -76,11 +94,21 @@ async fn an_agent_resumes_its_conversation_after_its_node_crashes() {
     sim.advance(Duration::from_millis(down)).await;
     sim.inject(Fault::RestartNode(1)).await;
     sim.read_agent_logs(&["memo"]).await;
-    let reply = sim.ask("memo", "what do you know?", Duration::from_secs(1)).await.expect("resumed");
+    let reply = sim
+        .ask("memo", "what do you know?", Duration::from_secs(1))
+        .await
+        .expect("resumed");
     assert_eq!(reply.text, "noted: what do you know?");
     let last = llm.requests_of("memo").pop().expect("the model was asked");
-    let remembered = last.messages.iter().filter(|m| m.role == Role::User && m.content.starts_with("fact ")).count();
-    assert_eq!(remembered as u64, asks, "the model saw {remembered} of {asks} earlier facts after the restart");
+    let remembered = last
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::User && m.content.starts_with("fact "))
+        .count();
+    assert_eq!(
+        remembered as u64, asks,
+        "the model saw {remembered} of {asks} earlier facts after the restart"
+    );
     sim.phase("liveness");
     sim.heal().await;
     sim.read_agent_logs(&["memo"]).await;

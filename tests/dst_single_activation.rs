@@ -18,9 +18,15 @@ const TEST: &str = "dst_single_activation";
 /// several times (the churn is real), and never twice at once.
 #[madsim::test]
 async fn cross_calls_with_activation_churn_and_kills_never_activate_an_actor_twice() {
-    let scenario =
-        Scenario { test: TEST, name: "cross_calls_with_activation_churn_and_kills_never_activate_an_actor_twice" };
-    let config = SimConfig { nodes: 2, idle_timeout: Duration::from_millis(5), ..SimConfig::default() };
+    let scenario = Scenario {
+        test: TEST,
+        name: "cross_calls_with_activation_churn_and_kills_never_activate_an_actor_twice",
+    };
+    let config = SimConfig {
+        nodes: 2,
+        idle_timeout: Duration::from_millis(5),
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start(scenario, config).await;
     let mut keys = keys_on(1, 2, 2);
     keys.extend(keys_on(2, 2, 2));
@@ -49,8 +55,16 @@ async fn cross_calls_with_activation_churn_and_kills_never_activate_an_actor_twi
     sim.drain().await;
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     sim.read_back(&key_refs).await;
-    let activations = sim.trace().events().iter().filter(|e| matches!(e.event, Event::Activated { .. })).count();
-    assert!(activations > keys.len(), "only {activations} activations: the churn did not happen");
+    let activations = sim
+        .trace()
+        .events()
+        .iter()
+        .filter(|e| matches!(e.event, Event::Activated { .. }))
+        .count();
+    assert!(
+        activations > keys.len(),
+        "only {activations} activations: the churn did not happen"
+    );
     sim.finish().await;
 }
 
@@ -58,10 +72,29 @@ async fn cross_calls_with_activation_churn_and_kills_never_activate_an_actor_twi
 /// nodes.
 #[madsim::test]
 async fn random_workload_on_three_nodes_with_kills_keeps_single_activation() {
-    let scenario = Scenario { test: TEST, name: "random_workload_on_three_nodes_with_kills_keeps_single_activation" };
-    let config = SimConfig { nodes: 3, idle_timeout: Duration::from_millis(5), ..SimConfig::default() };
+    let scenario = Scenario {
+        test: TEST,
+        name: "random_workload_on_three_nodes_with_kills_keeps_single_activation",
+    };
+    let config = SimConfig {
+        nodes: 3,
+        idle_timeout: Duration::from_millis(5),
+        ..SimConfig::default()
+    };
     let mut sim = Sim::start(scenario, config).await;
-    let faults = FaultMix { kills: true, ..FaultMix::default() };
-    run_standard(&mut sim, Standard { actors: 6, faults, fault_percent: 6, ..Standard::default() }).await;
+    let faults = FaultMix {
+        kills: true,
+        ..FaultMix::default()
+    };
+    run_standard(
+        &mut sim,
+        Standard {
+            actors: 6,
+            faults,
+            fault_percent: 6,
+            ..Standard::default()
+        },
+    )
+    .await;
     sim.finish().await;
 }

@@ -25,8 +25,18 @@ const TEST: &str = "dst_timeout_under_delay";
 /// timed-out add was cancelled at the callee's deadline and rolled back.
 #[madsim::test]
 async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
-    let scenario = Scenario { test: TEST, name: "calls_to_slow_callees_time_out_by_their_deadline_under_latency" };
-    let mut sim = Sim::start(scenario, SimConfig { nodes: 2, ..SimConfig::default() }).await;
+    let scenario = Scenario {
+        test: TEST,
+        name: "calls_to_slow_callees_time_out_by_their_deadline_under_latency",
+    };
+    let mut sim = Sim::start(
+        scenario,
+        SimConfig {
+            nodes: 2,
+            ..SimConfig::default()
+        },
+    )
+    .await;
     let (caller, callee) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
     // Warm both connections (client -> node 1, node 1 -> node 2) at the default latency:
     // the bound below is about a call over an open connection. A cold one also pays the
@@ -39,7 +49,9 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
         timeout_ms: 200,
         delay_ms: 0,
     };
-    sim.request(&caller, warm_up, Duration::from_millis(500)).await.expect("warm-up");
+    sim.request(&caller, warm_up, Duration::from_millis(500))
+        .await
+        .expect("warm-up");
     sim.phase("safety");
     let max_ms = sim.rng().range(5, 40);
     sim.inject(Fault::Latency { min_ms: 1, max_ms }).await;
@@ -48,7 +60,10 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
         let work_ms = sim.rng().range(0, 120);
         let op = ProbeOp::Call {
             target: format!("probe/{callee}"),
-            op: Box::new(ProbeOp::Sleep { ms: work_ms, then: Box::new(ProbeOp::Add { amount: 1 }) }),
+            op: Box::new(ProbeOp::Sleep {
+                ms: work_ms,
+                then: Box::new(ProbeOp::Add { amount: 1 }),
+            }),
             timeout_ms: 60,
             delay_ms: 0,
         };
@@ -63,7 +78,10 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
                 // of the reply's transit (≤ max_ms) and how much earlier the callee's
                 // deadline is (≤ 10 ms, the warm-up handshake's answer transit): all
                 // within work + 2 x max_ms + 10.
-                assert!(work_ms + 2 * max_ms + 10 > 60, "{work_ms} ms of work at {max_ms} ms latency timed out");
+                assert!(
+                    work_ms + 2 * max_ms + 10 > 60,
+                    "{work_ms} ms of work at {max_ms} ms latency timed out"
+                );
             }
             other => panic!("unexpected outcome {other:?}"),
         }
@@ -84,22 +102,34 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
 /// random 0-400 ms; the coordinator allows 200 ms.
 #[madsim::test]
 async fn a_slow_callee_agent_yields_a_timeout_tool_result() {
-    let scenario = Scenario { test: TEST, name: "a_slow_callee_agent_yields_a_timeout_tool_result" };
+    let scenario = Scenario {
+        test: TEST,
+        name: "a_slow_callee_agent_yields_a_timeout_tool_result",
+    };
     let analyst_ms = troupe_sim::SimRng::new().range(0, 400);
     let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("coordinator")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "analyst", "message": "{input}", "timeout_ms": 200})),
-        )
+        .rule(ScriptRule::agent("coordinator").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "analyst", "message": "{input}", "timeout_ms": 200}),
+        ))
         .rule(ScriptRule::agent("coordinator").on_tool_result().reply("{tool_result}"))
-        .rule(ScriptRule::agent("analyst").reply("done").latency(Duration::from_millis(analyst_ms)));
+        .rule(
+            ScriptRule::agent("analyst")
+                .reply("done")
+                .latency(Duration::from_millis(analyst_ms)),
+        );
     let recorder = CallRecorder::new();
-    let setup = AgentSetup::new(Arc::new(llm), vec![AgentSpec::new("coordinator"), AgentSpec::new("analyst")])
-        .observer(Arc::new(recorder.clone()));
+    let setup = AgentSetup::new(
+        Arc::new(llm),
+        vec![AgentSpec::new("coordinator"), AgentSpec::new("analyst")],
+    )
+    .observer(Arc::new(recorder.clone()));
     let mut sim = Sim::start_with_agents(scenario, SimConfig::default(), setup).await;
     sim.phase("safety");
-    let reply = sim.ask("coordinator", "question", Duration::from_secs(2)).await.expect("the coordinator answers");
+    let reply = sim
+        .ask("coordinator", "question", Duration::from_secs(2))
+        .await
+        .expect("the coordinator answers");
     // The only call_agent: coordinator -> analyst.
     let call_outcome = recorder.events().into_iter().find_map(|event| match event {
         AgentEvent::CallFinished { outcome, .. } => Some(outcome),

@@ -24,7 +24,9 @@ fn start(store: Arc<dyn StateStore>, config: KindConfig, log: &EventLog) -> Runt
 }
 
 async fn invoke(rt: &RuntimeHandle, key: &str, message: Op) -> Result<u64, InvokeError> {
-    rt.invoke(&counter(key), op(message), rt.deadline_in(LONG)).await.map(count)
+    rt.invoke(&counter(key), op(message), rt.deadline_in(LONG))
+        .await
+        .map(count)
 }
 
 /// Goal: the lifecycle of a virtual actor against a given store. Method: invoke, wait
@@ -39,11 +41,19 @@ async fn lifecycle_round_trip(store: Arc<dyn StateStore>) {
     assert_eq!(rt.stats().await.unwrap().activations, 1);
 
     tokio::time::sleep(IDLE * 3).await;
-    assert_eq!(rt.stats().await.unwrap().activations, 0, "an idle actor must be deactivated");
+    assert_eq!(
+        rt.stats().await.unwrap().activations,
+        0,
+        "an idle actor must be deactivated"
+    );
     assert!(log.events().contains(&actors::Event::Deactivated("c".into(), 7)));
     assert_eq!(rt.counters().deactivations_finished, 1);
 
-    assert_eq!(invoke(&rt, "c", Op::Get).await, Ok(7), "reactivated with its persisted state");
+    assert_eq!(
+        invoke(&rt, "c", Op::Get).await,
+        Ok(7),
+        "reactivated with its persisted state"
+    );
     assert_eq!(log.activations_of("c"), 2);
     assert!(log.events().contains(&actors::Event::Activated("c".into(), 7)));
     rt.shutdown().await;
@@ -71,7 +81,11 @@ async fn a_slow_turn_in_one_actor_does_not_delay_a_reply_from_another() {
     tokio::time::sleep(Duration::from_millis(1)).await;
     let started = tokio::time::Instant::now();
     assert_eq!(invoke(&rt, "b", Op::Add(1)).await, Ok(1));
-    assert!(started.elapsed() < Duration::from_millis(1), "b waited {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(1),
+        "b waited {:?}",
+        started.elapsed()
+    );
     assert!(!slow.is_finished(), "a's slow turn should still be running");
     assert_eq!(slow.await.unwrap(), Ok(1));
 }
@@ -82,10 +96,16 @@ async fn a_slow_turn_in_one_actor_does_not_delay_a_reply_from_another() {
 #[tokio::test(start_paused = true)]
 async fn a_full_mailbox_answers_busy_at_once_and_queued_messages_still_complete() {
     let log = EventLog::default();
-    let rt = start(Arc::new(MemoryStore::new()), KindConfig::default().with_mailbox_capacity(2), &log);
+    let rt = start(
+        Arc::new(MemoryStore::new()),
+        KindConfig::default().with_mailbox_capacity(2),
+        &log,
+    );
     let mut pending = Vec::new();
     let handle = rt.handle();
-    pending.push(tokio::spawn(async move { invoke(&handle, "m", Op::SlowAdd(1_000)).await }));
+    pending.push(tokio::spawn(
+        async move { invoke(&handle, "m", Op::SlowAdd(1_000)).await },
+    ));
     tokio::time::sleep(Duration::from_millis(1)).await;
     for _ in 0..2 {
         let handle = rt.handle();
@@ -94,8 +114,18 @@ async fn a_full_mailbox_answers_busy_at_once_and_queued_messages_still_complete(
     tokio::time::sleep(Duration::from_millis(1)).await;
     let started = tokio::time::Instant::now();
     let refused = invoke(&rt, "m", Op::Add(100)).await;
-    assert_eq!(refused, Err(InvokeError::Busy { target: counter("m"), capacity: 2 }));
-    assert!(started.elapsed() < Duration::from_micros(100), "busy took {:?}", started.elapsed());
+    assert_eq!(
+        refused,
+        Err(InvokeError::Busy {
+            target: counter("m"),
+            capacity: 2
+        })
+    );
+    assert!(
+        started.elapsed() < Duration::from_micros(100),
+        "busy took {:?}",
+        started.elapsed()
+    );
     let mut replies = Vec::new();
     for task in pending {
         replies.push(task.await.unwrap().unwrap());
@@ -118,8 +148,16 @@ async fn an_expired_request_is_never_run() {
     let expired = rt.invoke(&counter("e"), op(Op::Add(50)), short).await;
     assert!(matches!(expired, Err(InvokeError::Timeout { .. })), "{expired:?}");
     assert_eq!(slow.await.unwrap(), Ok(1));
-    assert_eq!(invoke(&rt, "e", Op::Get).await, Ok(1), "the expired Add must not have run");
-    let turns = log.events().iter().filter(|e| matches!(e, actors::Event::TurnStarted(_))).count();
+    assert_eq!(
+        invoke(&rt, "e", Op::Get).await,
+        Ok(1),
+        "the expired Add must not have run"
+    );
+    let turns = log
+        .events()
+        .iter()
+        .filter(|e| matches!(e, actors::Event::TurnStarted(_)))
+        .count();
     assert_eq!(turns, 2, "only the slow add and the get ran");
     assert_eq!(rt.counters().expired_dropped, 1);
 }
@@ -134,9 +172,15 @@ async fn a_call_back_into_the_chain_is_refused_with_deadlock_detected_at_once() 
     let result = invoke(&rt, "a", call("b", call("a", Op::Add(1), 30_000, 0), 30_000, 0)).await;
     assert_eq!(
         result,
-        Err(InvokeError::DeadlockDetected { cycle: vec![counter("b"), counter("a"), counter("b")] })
+        Err(InvokeError::DeadlockDetected {
+            cycle: vec![counter("b"), counter("a"), counter("b")]
+        })
     );
-    assert!(started.elapsed() < Duration::from_micros(100), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_micros(100),
+        "took {:?}",
+        started.elapsed()
+    );
     assert_eq!(rt.counters().deadlocks_refused, 1);
     assert_eq!(rt.stats().await.unwrap().wait_for_edges, 0, "edges are released");
 }
@@ -154,7 +198,10 @@ async fn crossing_calls_from_independent_callers_are_refused_with_deadlock_detec
     let b = tokio::spawn(async move { invoke(&second, "b", call("a", Op::Add(1), 30_000, 1)).await });
     let (a, b) = (a.await.unwrap(), b.await.unwrap());
     let elapsed = started.elapsed();
-    assert!(elapsed < Duration::from_micros(1_100), "took {elapsed:?}, a={a:?}, b={b:?}");
+    assert!(
+        elapsed < Duration::from_micros(1_100),
+        "took {elapsed:?}, a={a:?}, b={b:?}"
+    );
     let deadlocks = [&a, &b]
         .iter()
         .filter(|r| matches!(r, Err(InvokeError::DeadlockDetected { cycle }) if cycle.len() == 3))
@@ -170,7 +217,11 @@ async fn crossing_calls_from_independent_callers_are_refused_with_deadlock_detec
 async fn a_failed_state_save_surfaces_as_an_error_and_the_in_memory_state_is_not_corrupted() {
     let log = EventLog::default();
     let store = MemoryStore::new();
-    let rt = start(Arc::new(store.clone()), KindConfig::default().with_idle_timeout(IDLE), &log);
+    let rt = start(
+        Arc::new(store.clone()),
+        KindConfig::default().with_idle_timeout(IDLE),
+        &log,
+    );
     store.faults().fail_next_commits(1);
     let failed = invoke(&rt, "s", Op::Add(5)).await;
     assert!(matches!(failed, Err(InvokeError::StorageFailed { .. })), "{failed:?}");
@@ -187,7 +238,11 @@ async fn a_failed_state_save_surfaces_as_an_error_and_the_in_memory_state_is_not
 async fn a_failed_state_load_is_an_error_not_a_default_state() {
     let log = EventLog::default();
     let store = MemoryStore::new();
-    let rt = start(Arc::new(store.clone()), KindConfig::default().with_idle_timeout(IDLE), &log);
+    let rt = start(
+        Arc::new(store.clone()),
+        KindConfig::default().with_idle_timeout(IDLE),
+        &log,
+    );
     assert_eq!(invoke(&rt, "l", Op::Add(9)).await, Ok(9));
     tokio::time::sleep(IDLE * 3).await;
     store.faults().fail_next_loads(1);
@@ -207,17 +262,30 @@ async fn a_failed_turn_rolls_back_its_writes_and_state() {
     assert!(matches!(failed, Err(InvokeError::ActorFailed { ref cause, .. }) if cause == "planned failure"));
     assert_eq!(invoke(&rt, "w", Op::Get).await, Ok(0));
     assert_eq!(store.get(&counter("w"), "doomed").await, Ok(None));
-    let put = Op::Put { key: "k".into(), value: "v".into() };
+    let put = Op::Put {
+        key: "k".into(),
+        value: "v".into(),
+    };
     assert_eq!(invoke(&rt, "w", put).await, Ok(1));
     assert_eq!(store.get(&counter("w"), "k").await, Ok(Some(Bytes::from_static(b"v"))));
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_unregistered_kind_is_actor_not_found() {
-    let rt = start(Arc::new(MemoryStore::new()), KindConfig::default(), &EventLog::default());
+    let rt = start(
+        Arc::new(MemoryStore::new()),
+        KindConfig::default(),
+        &EventLog::default(),
+    );
     let target = ActorId::new("ghost", "x").unwrap();
     let result = rt.invoke(&target, Bytes::new(), rt.deadline_in(LONG)).await;
-    assert_eq!(result, Err(InvokeError::ActorNotFound { target, kind: "ghost".into() }));
+    assert_eq!(
+        result,
+        Err(InvokeError::ActorNotFound {
+            target,
+            kind: "ghost".into()
+        })
+    );
 }
 
 /// Goal: shutdown deactivates every actor through its hook and then refuses work.
@@ -230,7 +298,11 @@ async fn shutdown_deactivates_every_actor_and_then_refuses_invocations() {
     }
     let handle = rt.handle();
     rt.shutdown().await;
-    let deactivated = log.events().iter().filter(|e| matches!(e, actors::Event::Deactivated(..))).count();
+    let deactivated = log
+        .events()
+        .iter()
+        .filter(|e| matches!(e, actors::Event::Deactivated(..)))
+        .count();
     assert_eq!(deactivated, 3);
     assert_eq!(invoke(&handle, "x", Op::Get).await, Err(InvokeError::Shutdown));
 }

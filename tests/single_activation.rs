@@ -33,7 +33,13 @@ async fn contend(delays_ms: Vec<u64>, idle_ms: u64) -> Outcome {
         let handle = rt.handle();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(delay)).await;
-            handle.invoke(&counter("hot"), op(Op::Add(1)), handle.deadline_in(Duration::from_secs(10))).await
+            handle
+                .invoke(
+                    &counter("hot"),
+                    op(Op::Add(1)),
+                    handle.deadline_in(Duration::from_secs(10)),
+                )
+                .await
         }));
     }
     let mut failures = Vec::new();
@@ -43,7 +49,9 @@ async fn contend(delays_ms: Vec<u64>, idle_ms: u64) -> Outcome {
         }
     }
     let final_count = count(
-        rt.invoke(&counter("hot"), op(Op::Get), rt.deadline_in(Duration::from_secs(10))).await.unwrap(),
+        rt.invoke(&counter("hot"), op(Op::Get), rt.deadline_in(Duration::from_secs(10)))
+            .await
+            .unwrap(),
     );
     rt.shutdown().await;
     Outcome {

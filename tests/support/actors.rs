@@ -26,12 +26,22 @@ pub enum Op {
     /// Buffer a write of `value` under `key` and add one.
     Put { key: String, value: String },
     /// Call `target` with `op` (timeout in ms) and reply with its answer.
-    Call { target: String, op: Box<Op>, timeout_ms: u64, after_ms: u64 },
+    Call {
+        target: String,
+        op: Box<Op>,
+        timeout_ms: u64,
+        after_ms: u64,
+    },
 }
 
 /// A call to counter `target` with `op`.
 pub fn call(target: &str, inner: Op, timeout_ms: u64, after_ms: u64) -> Op {
-    Op::Call { target: target.to_string(), op: Box::new(inner), timeout_ms, after_ms }
+    Op::Call {
+        target: target.to_string(),
+        op: Box::new(inner),
+        timeout_ms,
+        after_ms,
+    }
 }
 
 /// Encodes an op.
@@ -64,7 +74,10 @@ impl EventLog {
         self.0.lock().unwrap().clone()
     }
     pub fn activations_of(&self, key: &str) -> usize {
-        self.events().iter().filter(|e| matches!(e, Event::Activated(k, _) if k == key)).count()
+        self.events()
+            .iter()
+            .filter(|e| matches!(e, Event::Activated(k, _) if k == key))
+            .count()
     }
     /// The most activations of one actor alive at the same moment, over the log.
     pub fn max_concurrent_activations(&self) -> usize {
@@ -117,7 +130,12 @@ impl Actor for Counter {
                 turn.put(key, Bytes::from(value))?;
                 self.count += 1;
             }
-            Op::Call { target, op: inner, timeout_ms, after_ms } => {
+            Op::Call {
+                target,
+                op: inner,
+                timeout_ms,
+                after_ms,
+            } => {
                 if after_ms > 0 {
                     tokio::time::sleep(Duration::from_millis(after_ms)).await;
                 }
@@ -162,7 +180,11 @@ pub fn with_counters(builder: RuntimeBuilder, config: KindConfig, log: &EventLog
                     Some(bytes) => bincode::deserialize(&bytes).map_err(|e| ActorError::failed(e.to_string()))?,
                     None => 0,
                 };
-                Ok(Box::new(Counter { key: id.key().to_string(), count, log: log.clone() }))
+                Ok(Box::new(Counter {
+                    key: id.key().to_string(),
+                    count,
+                    log: log.clone(),
+                }))
             },
             config,
         )

@@ -35,8 +35,8 @@ use crate::limits::{
     AGENT_TURN_STEPS_MAX,
 };
 use crate::{
-    AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, ToolCall,
-    ToolExecutionContext, ToolRegistry,
+    AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, ToolCall, ToolExecutionContext,
+    ToolRegistry,
 };
 
 /// The actor kind of every agent.
@@ -61,7 +61,10 @@ pub struct ModelSettings {
 
 impl Default for ModelSettings {
     fn default() -> Self {
-        Self { model: String::new(), max_steps: AGENT_TURN_STEPS_MAX }
+        Self {
+            model: String::new(),
+            max_steps: AGENT_TURN_STEPS_MAX,
+        }
     }
 }
 
@@ -157,7 +160,10 @@ impl AgentSpec {
     /// # Errors
     /// [`AgentSpecError`].
     pub fn validate(&self) -> Result<(), AgentSpecError> {
-        agent_id(&self.id).map_err(|cause| AgentSpecError::InvalidId { id: self.id.clone(), cause })?;
+        agent_id(&self.id).map_err(|cause| AgentSpecError::InvalidId {
+            id: self.id.clone(),
+            cause,
+        })?;
         if self.system_prompt.len() > AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES {
             return Err(AgentSpecError::SystemPromptTooLong {
                 id: self.id.clone(),
@@ -212,7 +218,12 @@ impl AgentDirectory {
     /// Up to `limit` lines `- {id}: {role}` for the agents other than `id`, by id.
     fn peers_of(&self, id: &str, limit: usize) -> Vec<String> {
         let agents = self.agents.read().unwrap();
-        agents.values().filter(|peer| peer.id != id).take(limit).map(|peer| format!("- {}: {}", peer.id, peer.role)).collect()
+        agents
+            .values()
+            .filter(|peer| peer.id != id)
+            .take(limit)
+            .map(|peer| format!("- {}: {}", peer.id, peer.role))
+            .collect()
     }
 
     /// Every definition, by id.
@@ -292,7 +303,14 @@ impl AgentShared {
         tools: ToolRegistry,
         observers: Vec<Arc<dyn AgentObserver>>,
     ) -> Self {
-        Self { directory, llm, tools, observers, next_call: AtomicU64::new(1), clock: OnceLock::new() }
+        Self {
+            directory,
+            llm,
+            tools,
+            observers,
+            next_call: AtomicU64::new(1),
+            clock: OnceLock::new(),
+        }
     }
 
     /// Records the clock of the runtime the agents run in; the first call wins.
@@ -306,7 +324,10 @@ impl AgentShared {
     /// Before [`AgentShared::set_clock`]: the system sets it as soon as its runtime
     /// starts, before any agent can be activated.
     fn now(&self) -> Deadline {
-        self.clock.get().expect("the agent system sets the runtime's clock when it starts").now()
+        self.clock
+            .get()
+            .expect("the agent system sets the runtime's clock when it starts")
+            .now()
     }
 
     pub(crate) fn next_call_id(&self) -> u64 {
@@ -343,7 +364,11 @@ impl AgentState {
             let excess = self.window.len() - AGENT_HISTORY_WINDOW_MAX;
             self.window.drain(..excess);
         }
-        let first_user = self.window.iter().position(|m| m.role == Role::User).unwrap_or(self.window.len());
+        let first_user = self
+            .window
+            .iter()
+            .position(|m| m.role == Role::User)
+            .unwrap_or(self.window.len());
         self.window.drain(..first_user);
         assert!(self.window.len() <= AGENT_HISTORY_WINDOW_MAX);
     }
@@ -362,7 +387,10 @@ pub(crate) struct AgentFactory {
 impl ActorFactory for AgentFactory {
     fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
         let Some(spec) = self.shared.directory.get(id.key()) else {
-            return Err(ActorError::rejected(format!("agent {} is not in the directory", id.key())));
+            return Err(ActorError::rejected(format!(
+                "agent {} is not in the directory",
+                id.key()
+            )));
         };
         let state = match saved {
             Some(bytes) => {
@@ -371,7 +399,12 @@ impl ActorFactory for AgentFactory {
                 state.spec = spec;
                 state
             }
-            None => AgentState { spec, window: Vec::new(), log_length: 0, turns: 0 },
+            None => AgentState {
+                spec,
+                window: Vec::new(),
+                log_length: 0,
+                turns: 0,
+            },
         };
         Ok(Box::new(AgentActor {
             id: id.clone(),
@@ -393,7 +426,9 @@ struct AgentActor {
 
 impl fmt::Debug for AgentActor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AgentActor").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("AgentActor")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -422,7 +457,10 @@ impl AgentActor {
     /// the runtime gives when it cancels the turn, so a caller sees a timeout whichever
     /// fires first at that instant (the model call's clip, or the runtime's).
     fn timed_out(&self, timeout_ms: u64) -> ActorError {
-        ActorError::Invoke(troupe_core::InvokeError::Timeout { target: self.id.clone(), timeout_ms })
+        ActorError::Invoke(troupe_core::InvokeError::Timeout {
+            target: self.id.clone(),
+            timeout_ms,
+        })
     }
 
     /// Runs one step's tool calls concurrently; one result text per call, in order.
@@ -461,14 +499,20 @@ impl AgentActor {
 impl Actor for AgentActor {
     async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         if !self.shared.observers.is_empty() {
-            self.shared.emit(&AgentEvent::Activated { agent: self.id.clone(), at: self.shared.now() });
+            self.shared.emit(&AgentEvent::Activated {
+                agent: self.id.clone(),
+                at: self.shared.now(),
+            });
         }
         Ok(())
     }
 
     async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         if !self.shared.observers.is_empty() {
-            self.shared.emit(&AgentEvent::Deactivated { agent: self.id.clone(), at: self.shared.now() });
+            self.shared.emit(&AgentEvent::Deactivated {
+                agent: self.id.clone(),
+                at: self.shared.now(),
+            });
         }
         Ok(())
     }
@@ -566,7 +610,11 @@ impl Actor for AgentActor {
         self.state.remember(&fresh);
         self.state.turns += 1;
         let text = truncate_utf8(&answer, AGENT_REPLY_SIZE_MAX_BYTES);
-        let reply = AgentReply { text: text.to_string(), truncated: text.len() < answer.len(), steps };
+        let reply = AgentReply {
+            text: text.to_string(),
+            truncated: text.len() < answer.len(),
+            steps,
+        };
         Ok(reply.encode())
     }
 
@@ -582,10 +630,19 @@ mod tests {
 
     #[test]
     fn the_window_stays_bounded_and_starts_at_a_user_message() {
-        let mut state = AgentState { spec: AgentSpec::new("a"), window: Vec::new(), log_length: 0, turns: 0 };
+        let mut state = AgentState {
+            spec: AgentSpec::new("a"),
+            window: Vec::new(),
+            log_length: 0,
+            turns: 0,
+        };
         for turn in 0..100 {
             let mut assistant = ChatMessage::new(Role::Assistant, "");
-            assistant.tool_calls.push(ToolCall { id: format!("c{turn}"), name: "t".into(), arguments: serde_json::json!({}) });
+            assistant.tool_calls.push(ToolCall {
+                id: format!("c{turn}"),
+                name: "t".into(),
+                arguments: serde_json::json!({}),
+            });
             state.remember(&[
                 ChatMessage::new(Role::User, format!("q{turn}")),
                 assistant,
@@ -600,9 +657,17 @@ mod tests {
 
     #[test]
     fn requests_and_replies_round_trip_through_bincode() {
-        let request = AgentRequest { text: "héllo".into(), from: Some(agent_id("b").unwrap()), call: Some(7) };
+        let request = AgentRequest {
+            text: "héllo".into(),
+            from: Some(agent_id("b").unwrap()),
+            call: Some(7),
+        };
         assert_eq!(AgentRequest::decode(&request.encode()), Ok(request));
-        let reply = AgentReply { text: "ok".into(), truncated: false, steps: 2 };
+        let reply = AgentReply {
+            text: "ok".into(),
+            truncated: false,
+            steps: 2,
+        };
         assert_eq!(AgentReply::decode(&reply.encode()), Ok(reply));
         assert!(AgentReply::decode(b"\x01").is_err());
     }

@@ -62,9 +62,9 @@ impl AgentCallError {
         match self {
             Self::Refused(refused) => CallOutcome::Refused(refused.clone()),
             Self::Invoke(error) => CallOutcome::Failed(error.clone()),
-            Self::InvalidAgentId { .. } | Self::MalformedReply { .. } => {
-                CallOutcome::Other { cause: self.to_string() }
-            }
+            Self::InvalidAgentId { .. } | Self::MalformedReply { .. } => CallOutcome::Other {
+                cause: self.to_string(),
+            },
         }
     }
 }
@@ -101,7 +101,11 @@ impl CallEndReport<'_> {
     fn report(&mut self, outcome: CallOutcome) {
         self.armed = false;
         let at = self.context.runtime.now();
-        self.context.shared.emit(&AgentEvent::CallFinished { call: self.call, outcome, at });
+        self.context.shared.emit(&AgentEvent::CallFinished {
+            call: self.call,
+            outcome,
+            at,
+        });
     }
 
     /// Reports how the call ended.
@@ -165,7 +169,11 @@ pub async fn call_agent(
         depth: context.call_depth.saturating_add(1),
         at: now,
     });
-    let finished = CallEndReport { context, call, armed: !shared.observers.is_empty() };
+    let finished = CallEndReport {
+        context,
+        call,
+        armed: !shared.observers.is_empty(),
+    };
     let result = match admission {
         Err(refused) => Err(AgentCallError::Refused(refused)),
         Ok(admitted) => {
@@ -175,14 +183,22 @@ pub async fn call_agent(
                 call: Some(call),
             };
             let allowed_ms = u64::try_from(admitted.timeout.as_millis()).unwrap_or(u64::MAX);
-            let sent = context.runtime.invoke_from(&context.agent_id, &target, request.encode(), admitted.child).await;
+            let sent = context
+                .runtime
+                .invoke_from(&context.agent_id, &target, request.encode(), admitted.child)
+                .await;
             match sent {
-                Ok(bytes) => AgentReply::decode(&bytes)
-                    .map_err(|cause| AgentCallError::MalformedReply { target: target.clone(), cause }),
+                Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
+                    target: target.clone(),
+                    cause,
+                }),
                 // The callee's turn and this wait end at the same instant; whichever timer
                 // fires first, report the time this caller allowed.
                 Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == target => {
-                    Err(AgentCallError::Invoke(InvokeError::Timeout { target: timed_out, timeout_ms: allowed_ms }))
+                    Err(AgentCallError::Invoke(InvokeError::Timeout {
+                        target: timed_out,
+                        timeout_ms: allowed_ms,
+                    }))
                 }
                 Err(error) => Err(AgentCallError::Invoke(error)),
             }
@@ -190,7 +206,9 @@ pub async fn call_agent(
     };
     drop(slot);
     let outcome = match &result {
-        Ok(reply) => CallOutcome::Replied { bytes: reply.text.len() },
+        Ok(reply) => CallOutcome::Replied {
+            bytes: reply.text.len(),
+        },
         Err(error) => error.outcome(),
     };
     finished.finish(outcome);

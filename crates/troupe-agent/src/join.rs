@@ -31,7 +31,12 @@ pub(crate) async fn join_all<T>(futures: Vec<JoinFuture<'_, T>>) -> Vec<T> {
             }
         }
         if all_done {
-            Poll::Ready(outputs.iter_mut().map(|o| o.take().expect("every future finished")).collect())
+            Poll::Ready(
+                outputs
+                    .iter_mut()
+                    .map(|o| o.take().expect("every future finished"))
+                    .collect(),
+            )
         } else {
             Poll::Pending
         }
@@ -59,6 +64,9 @@ mod tests {
         assert_eq!(join_all(futures).await, vec![30, 10, 20]);
         // madsim adds a few microseconds of scheduling jitter to virtual time.
         let elapsed = started.elapsed();
-        assert!(elapsed >= Duration::from_millis(30) && elapsed < Duration::from_millis(31), "{elapsed:?}");
+        assert!(
+            elapsed >= Duration::from_millis(30) && elapsed < Duration::from_millis(31),
+            "{elapsed:?}"
+        );
     }
 }

@@ -58,13 +58,13 @@ pub use agent::{
 };
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CALL_AGENT_TOOL_NAME};
 pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall, ToolSpec};
+pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]
 pub use openai::{
     OpenAiClient, OpenAiConfig, OpenAiConfigError, OPENAI_BASE_URL_DEFAULT, OPENAI_MODEL_DEFAULT,
     OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, PROVIDER_ERROR_BODY_BYTES_MAX,
     RESPONSE_BODY_BYTES_MAX,
 };
-pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 pub use schema::{validate, SchemaError};
 pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
 pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError};

@@ -48,7 +48,12 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with `role` and `content` and nothing else.
     pub fn new(role: Role, content: impl Into<String>) -> Self {
-        Self { role, content: content.into(), tool_calls: Vec::new(), tool_call_id: None }
+        Self {
+            role,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
     }
 
     /// The result of tool call `tool_call_id`.

@@ -169,7 +169,14 @@ impl CallRecorder {
         let mut nodes: Vec<(Option<u64>, CallNode)> = Vec::new();
         for event in &events {
             match event {
-                AgentEvent::CallStarted { call, parent, caller, target, depth, at } => nodes.push((
+                AgentEvent::CallStarted {
+                    call,
+                    parent,
+                    caller,
+                    target,
+                    depth,
+                    at,
+                } => nodes.push((
                     *parent,
                     CallNode {
                         call: *call,
@@ -219,7 +226,10 @@ impl CallRecorder {
 }
 
 fn render_node(node: &CallNode, indent: usize, out: &mut String) {
-    let caller = node.caller.as_ref().map_or_else(|| "user".to_string(), |c| c.key().to_string());
+    let caller = node
+        .caller
+        .as_ref()
+        .map_or_else(|| "user".to_string(), |c| c.key().to_string());
     let (duration, outcome) = match &node.finished {
         Some((at, outcome)) => {
             let micros = at.as_micros().saturating_sub(node.started.as_micros());
@@ -230,7 +240,10 @@ fn render_node(node: &CallNode, indent: usize, out: &mut String) {
                 CallOutcome::Other { cause } => format!("failed: {cause}"),
                 CallOutcome::Cancelled => "cancelled: the caller's turn was cut".to_string(),
             };
-            (format!("{:>3}.{:03} s", micros / 1_000_000, (micros / 1_000) % 1_000), detail)
+            (
+                format!("{:>3}.{:03} s", micros / 1_000_000, (micros / 1_000) % 1_000),
+                detail,
+            )
         }
         None => ("running".to_string(), String::new()),
     };

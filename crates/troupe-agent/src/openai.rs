@@ -177,8 +177,7 @@ impl OpenAiConfig {
     /// As [`OpenAiConfig::from_env`].
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, OpenAiConfigError> {
         let read = |name: &'static str| lookup(name).filter(|value| !value.trim().is_empty());
-        let api_key = read("OPENAI_API_KEY")
-            .ok_or(OpenAiConfigError::MissingEnv { name: "OPENAI_API_KEY" })?;
+        let api_key = read("OPENAI_API_KEY").ok_or(OpenAiConfigError::MissingEnv { name: "OPENAI_API_KEY" })?;
         let mut config = Self::new(api_key.trim());
         if let Some(base_url) = read("OPENAI_BASE_URL") {
             config.base_url = base_url.trim().to_owned();
@@ -187,8 +186,10 @@ impl OpenAiConfig {
             config.model = model.trim().to_owned();
         }
         if let Some(timeout_ms) = read("OPENAI_REQUEST_TIMEOUT_MS") {
-            let timeout_ms: u64 =
-                timeout_ms.trim().parse().map_err(|error| OpenAiConfigError::InvalidEnv {
+            let timeout_ms: u64 = timeout_ms
+                .trim()
+                .parse()
+                .map_err(|error| OpenAiConfigError::InvalidEnv {
                     name: "OPENAI_REQUEST_TIMEOUT_MS",
                     cause: format!("{timeout_ms:?} is not a whole number of milliseconds: {error}"),
                 })?;
@@ -207,14 +208,15 @@ impl OpenAiConfig {
         if self.api_key.is_empty() {
             return Err(OpenAiConfigError::EmptyApiKey);
         }
-        let scheme_ok =
-            self.base_url.starts_with("http://") || self.base_url.starts_with("https://");
+        let scheme_ok = self.base_url.starts_with("http://") || self.base_url.starts_with("https://");
         let host_present = self
             .base_url
             .split_once("://")
             .is_some_and(|(_, rest)| !rest.trim_start_matches('/').is_empty());
         if !scheme_ok || !host_present {
-            return Err(OpenAiConfigError::InvalidBaseUrl { base_url: self.base_url.clone() });
+            return Err(OpenAiConfigError::InvalidBaseUrl {
+                base_url: self.base_url.clone(),
+            });
         }
         if self.model.is_empty() {
             return Err(OpenAiConfigError::EmptyModel);
@@ -276,7 +278,10 @@ impl OpenAiClient {
 #[async_trait]
 impl LlmClient for OpenAiClient {
     async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
-        let budget = self.config.request_timeout.min(request.deadline.remaining(self.clock.now()));
+        let budget = self
+            .config
+            .request_timeout
+            .min(request.deadline.remaining(self.clock.now()));
         let timeout_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
         if budget.is_zero() {
             return Err(LlmError::Timeout { timeout_ms });
@@ -299,9 +304,7 @@ impl LlmClient for OpenAiClient {
         // blocking thread is slow to start. The thread still finishes within the budget.
         match tokio::time::timeout(budget, call).await {
             Err(_elapsed) => Err(LlmError::Timeout { timeout_ms }),
-            Ok(Err(join_error)) if join_error.is_panic() => {
-                std::panic::resume_unwind(join_error.into_panic())
-            }
+            Ok(Err(join_error)) if join_error.is_panic() => std::panic::resume_unwind(join_error.into_panic()),
             Ok(Err(join_error)) => Err(LlmError::Unreachable {
                 cause: format!("the HTTP call was cancelled: {join_error}"),
             }),
@@ -340,8 +343,7 @@ fn complete_blocking(request: ureq::Request, body: &[u8]) -> Result<LlmReply, Ca
         Err(ureq::Error::Status(status, response)) => {
             // A body that cannot be read (or is not UTF-8) still reports the status; the
             // cut lands on a character boundary.
-            let bytes = complete_blocking_read_body(response, PROVIDER_ERROR_BODY_BYTES_MAX)
-                .unwrap_or_default();
+            let bytes = complete_blocking_read_body(response, PROVIDER_ERROR_BODY_BYTES_MAX).unwrap_or_default();
             let text = String::from_utf8_lossy(&bytes);
             let body = troupe_core::truncate_utf8(&text, PROVIDER_ERROR_BODY_BYTES_MAX).to_owned();
             Err(CallFailure::Llm(LlmError::Provider { status, body }))
@@ -352,10 +354,7 @@ fn complete_blocking(request: ureq::Request, body: &[u8]) -> Result<LlmReply, Ca
 
 /// Reads at most `limit_bytes + 1` bytes of the body, so a caller can tell "exactly at
 /// the limit" from "over it".
-fn complete_blocking_read_body(
-    response: ureq::Response,
-    limit_bytes: usize,
-) -> Result<Vec<u8>, CallFailure> {
+fn complete_blocking_read_body(response: ureq::Response, limit_bytes: usize) -> Result<Vec<u8>, CallFailure> {
     let limit_plus_one = u64::try_from(limit_bytes).unwrap_or(u64::MAX).saturating_add(1);
     let mut bytes = Vec::new();
     match response.into_reader().take(limit_plus_one).read_to_end(&mut bytes) {
@@ -370,8 +369,7 @@ fn complete_blocking_read_body(
 /// Classifies a ureq transport error: a timed-out socket anywhere in the chain is a
 /// timeout, a broken HTTP framing is a malformed answer, the rest is unreachable.
 fn transport_failure(transport: &ureq::Transport) -> CallFailure {
-    let mut source: Option<&(dyn std::error::Error + 'static)> =
-        std::error::Error::source(transport);
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(transport);
     while let Some(error) = source {
         if error.downcast_ref::<std::io::Error>().is_some_and(is_timeout_io) {
             return CallFailure::Timeout;
@@ -379,24 +377,31 @@ fn transport_failure(transport: &ureq::Transport) -> CallFailure {
         source = error.source();
     }
     match transport.kind() {
-        ureq::ErrorKind::BadStatus | ureq::ErrorKind::BadHeader => {
-            CallFailure::Llm(LlmError::Malformed { cause: transport.to_string() })
-        }
-        _ => CallFailure::Llm(LlmError::Unreachable { cause: transport.to_string() }),
+        ureq::ErrorKind::BadStatus | ureq::ErrorKind::BadHeader => CallFailure::Llm(LlmError::Malformed {
+            cause: transport.to_string(),
+        }),
+        _ => CallFailure::Llm(LlmError::Unreachable {
+            cause: transport.to_string(),
+        }),
     }
 }
 
 fn is_timeout_io(error: &std::io::Error) -> bool {
-    matches!(error.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock)
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+    )
 }
 
 /// Decodes a successful chat-completions body into the first choice's message.
 fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
-    let response: WireResponse = serde_json::from_slice(bytes).map_err(|error| {
-        LlmError::Malformed { cause: format!("the response is not a chat completion: {error}") }
+    let response: WireResponse = serde_json::from_slice(bytes).map_err(|error| LlmError::Malformed {
+        cause: format!("the response is not a chat completion: {error}"),
     })?;
     let Some(choice) = response.choices.into_iter().next() else {
-        return Err(LlmError::Malformed { cause: "the response has no choices".to_owned() });
+        return Err(LlmError::Malformed {
+            cause: "the response has no choices".to_owned(),
+        });
     };
     let mut tool_calls = Vec::with_capacity(choice.message.tool_calls.len());
     for call in choice.message.tool_calls {
@@ -410,7 +415,11 @@ fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
                 ),
             })?
         };
-        tool_calls.push(ToolCall { id: call.id, name: call.function.name, arguments });
+        tool_calls.push(ToolCall {
+            id: call.id,
+            name: call.function.name,
+            arguments,
+        });
     }
     let message = ChatMessage {
         role: Role::Assistant,
@@ -574,7 +583,12 @@ mod tests {
     use super::*;
 
     fn lookup(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-        move |name| pairs.iter().find(|(key, _)| *key == name).map(|(_, value)| (*value).to_owned())
+        move |name| {
+            pairs
+                .iter()
+                .find(|(key, _)| *key == name)
+                .map(|(_, value)| (*value).to_owned())
+        }
     }
 
     #[test]
@@ -617,7 +631,10 @@ mod tests {
         .unwrap_err();
         assert!(matches!(
             error,
-            OpenAiConfigError::InvalidEnv { name: "OPENAI_REQUEST_TIMEOUT_MS", .. }
+            OpenAiConfigError::InvalidEnv {
+                name: "OPENAI_REQUEST_TIMEOUT_MS",
+                ..
+            }
         ));
 
         let error = OpenAiConfig::from_lookup(lookup(&[
@@ -632,7 +649,10 @@ mod tests {
     fn validate_states_the_violated_timeout_bound() {
         let mut config = OpenAiConfig::new("k");
         config.request_timeout = Duration::ZERO;
-        assert!(matches!(config.validate(), Err(OpenAiConfigError::InvalidRequestTimeout { .. })));
+        assert!(matches!(
+            config.validate(),
+            Err(OpenAiConfigError::InvalidRequestTimeout { .. })
+        ));
         config.request_timeout = Duration::from_millis(OPENAI_REQUEST_TIMEOUT_MS_MAX + 1);
         let error = config.validate().unwrap_err();
         assert!(error.to_string().contains("<= 600000 ms"), "{error}");
@@ -678,10 +698,9 @@ mod tests {
         assert_eq!(reply.message.tool_calls[0].arguments, serde_json::json!({}));
         assert_eq!(reply.message.content, "");
 
-        let reply = parse_response(
-            br#"{"choices":[{"message":{"role":"assistant","content":"hi","tool_calls":null}}]}"#,
-        )
-        .unwrap();
+        let reply =
+            parse_response(br#"{"choices":[{"message":{"role":"assistant","content":"hi","tool_calls":null}}]}"#)
+                .unwrap();
         assert!(reply.message.tool_calls.is_empty());
     }
 

@@ -38,7 +38,10 @@ pub fn validate(schema: &Value, value: &Value) -> Result<(), SchemaError> {
 }
 
 fn fail(path: &str, problem: impl Into<String>) -> Result<(), SchemaError> {
-    Err(SchemaError { path: path.to_string(), problem: problem.into() })
+    Err(SchemaError {
+        path: path.to_string(),
+        problem: problem.into(),
+    })
 }
 
 fn type_name(value: &Value) -> &'static str {
@@ -81,7 +84,10 @@ fn validate_at(schema: &Value, value: &Value, path: &mut String) -> Result<(), S
             _ => Vec::new(),
         };
         if !allowed.is_empty() && !allowed.iter().any(|t| has_type(value, t)) {
-            return fail(path, format!("expected {}, got {}", allowed.join(" or "), type_name(value)));
+            return fail(
+                path,
+                format!("expected {}, got {}", allowed.join(" or "), type_name(value)),
+            );
         }
     }
     if let Some(Value::Array(options)) = schema.get("enum") {
@@ -106,12 +112,18 @@ fn validate_at(schema: &Value, value: &Value, path: &mut String) -> Result<(), S
         let length = text.chars().count();
         if let Some(min) = schema.get("minLength").and_then(Value::as_u64) {
             if (length as u64) < min {
-                return fail(path, format!("string of {length} characters is shorter than minLength {min}"));
+                return fail(
+                    path,
+                    format!("string of {length} characters is shorter than minLength {min}"),
+                );
             }
         }
         if let Some(max) = schema.get("maxLength").and_then(Value::as_u64) {
             if length as u64 > max {
-                return fail(path, format!("string of {length} characters is longer than maxLength {max}"));
+                return fail(
+                    path,
+                    format!("string of {length} characters is longer than maxLength {max}"),
+                );
             }
         }
     }
@@ -143,8 +155,9 @@ fn validate_at(schema: &Value, value: &Value, path: &mut String) -> Result<(), S
                     path.truncate(saved);
                 }
                 None if closed => {
-                    let known: Vec<&str> =
-                        properties.map(|p| p.keys().map(String::as_str).collect()).unwrap_or_default();
+                    let known: Vec<&str> = properties
+                        .map(|p| p.keys().map(String::as_str).collect())
+                        .unwrap_or_default();
                     return fail(
                         path,
                         format!("unknown property \"{name}\" (allowed: {})", known.join(", ")),
@@ -194,8 +207,14 @@ mod tests {
     #[test]
     fn each_violation_is_reported_with_its_path_and_reason() {
         assert_eq!(error_of(json!("text")), "$: expected object, got string");
-        assert_eq!(error_of(json!({"message": "m"})), "$: missing required property \"agent_id\"");
-        assert_eq!(error_of(json!({"agent_id": 3, "message": "m"})), "$.agent_id: expected string, got integer");
+        assert_eq!(
+            error_of(json!({"message": "m"})),
+            "$: missing required property \"agent_id\""
+        );
+        assert_eq!(
+            error_of(json!({"agent_id": 3, "message": "m"})),
+            "$.agent_id: expected string, got integer"
+        );
         assert_eq!(
             error_of(json!({"agent_id": "b", "message": "m", "timeout_ms": 0})),
             "$.timeout_ms: 0 is less than the minimum 1"

@@ -76,7 +76,10 @@ impl ScriptRule {
 
     /// A rule for every agent.
     pub fn any_agent() -> Self {
-        Self { agent: None, ..Self::agent("") }
+        Self {
+            agent: None,
+            ..Self::agent("")
+        }
     }
 
     /// Applies when the last message is from the user and contains `needle`.
@@ -168,7 +171,11 @@ struct Recorded {
 
 impl Default for Recorded {
     fn default() -> Self {
-        Self { on: true, requests: VecDeque::new(), answers: VecDeque::new() }
+        Self {
+            on: true,
+            requests: VecDeque::new(),
+            answers: VecDeque::new(),
+        }
     }
 }
 
@@ -190,7 +197,9 @@ pub struct ScriptedLlm {
 
 impl std::fmt::Debug for ScriptedLlm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ScriptedLlm").field("rules", &self.rules.lock().unwrap().len()).finish()
+        f.debug_struct("ScriptedLlm")
+            .field("rules", &self.rules.lock().unwrap().len())
+            .finish()
     }
 }
 
@@ -279,10 +288,19 @@ impl TemplateValues {
             .find(|m| m.role == Role::User)
             .map(|m| m.content.clone())
             .unwrap_or_default();
-        let mut results: Vec<&str> =
-            request.messages.iter().rev().take_while(|m| m.role == Role::Tool).map(|m| m.content.as_str()).collect();
+        let mut results: Vec<&str> = request
+            .messages
+            .iter()
+            .rev()
+            .take_while(|m| m.role == Role::Tool)
+            .map(|m| m.content.as_str())
+            .collect();
         results.reverse();
-        Self { input, tool_result: results.join("; "), agent: request.agent.key().to_string() }
+        Self {
+            input,
+            tool_result: results.join("; "),
+            agent: request.agent.key().to_string(),
+        }
     }
 
     fn fill(&self, template: &str) -> String {
@@ -314,9 +332,16 @@ impl LlmClient for ScriptedLlm {
             }
         }
         let Some(rule) = self.choose(&request) else {
-            let last = request.messages.last().map(|m| format!("{:?}: {}", m.role, m.content)).unwrap_or_default();
+            let last = request
+                .messages
+                .last()
+                .map(|m| format!("{:?}: {}", m.role, m.content))
+                .unwrap_or_default();
             return Err(LlmError::Malformed {
-                cause: format!("scripted model: no rule for {} matches the last message ({last})", request.agent),
+                cause: format!(
+                    "scripted model: no rule for {} matches the last message ({last})",
+                    request.agent
+                ),
             });
         };
         if !rule.latency.is_zero() {
@@ -324,20 +349,34 @@ impl LlmClient for ScriptedLlm {
         }
         let values = TemplateValues::of(&request);
         let message = match &rule.action {
-            ScriptAction::Fail(cause) => return Err(LlmError::Injected { cause: values.fill(cause) }),
+            ScriptAction::Fail(cause) => {
+                return Err(LlmError::Injected {
+                    cause: values.fill(cause),
+                })
+            }
             ScriptAction::Reply(template) => ChatMessage::new(Role::Assistant, values.fill(template)),
             ScriptAction::CallTools(calls) => {
                 let mut message = ChatMessage::new(Role::Assistant, "");
                 for (name, arguments) in calls {
                     let id = format!("call_{}", self.next_call.fetch_add(1, Ordering::Relaxed) + 1);
-                    message.tool_calls.push(ToolCall { id, name: name.clone(), arguments: values.fill_json(arguments) });
+                    message.tool_calls.push(ToolCall {
+                        id,
+                        name: name.clone(),
+                        arguments: values.fill_json(arguments),
+                    });
                 }
                 message
             }
         };
         let mut recorded = self.recorded.lock().unwrap();
         if recorded.on {
-            record(&mut recorded.answers, ScriptedAnswer { agent: request.agent.clone(), message: message.clone() });
+            record(
+                &mut recorded.answers,
+                ScriptedAnswer {
+                    agent: request.agent.clone(),
+                    message: message.clone(),
+                },
+            );
         }
         drop(recorded);
         Ok(LlmReply { message })
@@ -362,12 +401,15 @@ mod tests {
 
     fn script() -> ScriptedLlm {
         ScriptedLlm::new()
+            .rule(ScriptRule::agent("researcher").on_user_containing("papers").call(
+                "call_agent",
+                json!({"agent_id": "analyst", "message": "check: {input}"}),
+            ))
             .rule(
                 ScriptRule::agent("researcher")
-                    .on_user_containing("papers")
-                    .call("call_agent", json!({"agent_id": "analyst", "message": "check: {input}"})),
+                    .on_tool_result()
+                    .reply("summary: {tool_result}"),
             )
-            .rule(ScriptRule::agent("researcher").on_tool_result().reply("summary: {tool_result}"))
             .rule(ScriptRule::agent("flaky").fail("overloaded").times(1))
             .rule(ScriptRule::agent("flaky").reply("recovered"))
     }
@@ -379,10 +421,16 @@ mod tests {
         let first = llm.complete(request("researcher", vec![user.clone()])).await.unwrap();
         assert_eq!(first.message.tool_calls.len(), 1);
         assert_eq!(first.message.tool_calls[0].name, "call_agent");
-        assert_eq!(first.message.tool_calls[0].arguments, json!({"agent_id": "analyst", "message": "check: find papers"}));
+        assert_eq!(
+            first.message.tool_calls[0].arguments,
+            json!({"agent_id": "analyst", "message": "check: find papers"})
+        );
         let id = first.message.tool_calls[0].id.clone();
         let second = llm
-            .complete(request("researcher", vec![user, first.message, ChatMessage::tool_result(id, "42")]))
+            .complete(request(
+                "researcher",
+                vec![user, first.message, ChatMessage::tool_result(id, "42")],
+            ))
             .await
             .unwrap();
         assert_eq!(second.message.content, "summary: 42");
@@ -393,10 +441,17 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn no_matching_rule_is_an_error_and_limited_rules_run_out() {
         let llm = script();
-        let unknown = llm.complete(request("nobody", vec![ChatMessage::new(Role::User, "hi")])).await;
+        let unknown = llm
+            .complete(request("nobody", vec![ChatMessage::new(Role::User, "hi")]))
+            .await;
         assert!(matches!(unknown, Err(LlmError::Malformed { .. })), "{unknown:?}");
         let hello = || request("flaky", vec![ChatMessage::new(Role::User, "hi")]);
-        assert_eq!(llm.complete(hello()).await, Err(LlmError::Injected { cause: "overloaded".into() }));
+        assert_eq!(
+            llm.complete(hello()).await,
+            Err(LlmError::Injected {
+                cause: "overloaded".into()
+            })
+        );
         assert_eq!(llm.complete(hello()).await.unwrap().message.content, "recovered");
     }
 
@@ -407,12 +462,18 @@ mod tests {
         let cut = tokio::time::timeout(Duration::from_secs(1), llm.complete(request("a", Vec::new()))).await;
         assert!(cut.is_err());
         assert_eq!(llm.requests().len(), 1);
-        assert!(llm.answers().is_empty(), "a cancelled request must not deliver an answer");
+        assert!(
+            llm.answers().is_empty(),
+            "a cancelled request must not deliver an answer"
+        );
         let answer = llm.complete(request("a", Vec::new())).await.unwrap();
         assert_eq!(answer.message.content, "late");
         // madsim adds a few microseconds of scheduling jitter to virtual time.
         let elapsed = started.elapsed();
-        assert!(elapsed >= Duration::from_secs(6) && elapsed < Duration::from_millis(6_010), "{elapsed:?}");
+        assert!(
+            elapsed >= Duration::from_secs(6) && elapsed < Duration::from_millis(6_010),
+            "{elapsed:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -421,7 +482,11 @@ mod tests {
             let llm = script();
             let mut out = Vec::new();
             for text in ["papers please", "more papers"] {
-                out.push(llm.complete(request("researcher", vec![ChatMessage::new(Role::User, text)])).await.unwrap());
+                out.push(
+                    llm.complete(request("researcher", vec![ChatMessage::new(Role::User, text)]))
+                        .await
+                        .unwrap(),
+                );
             }
             out
         };

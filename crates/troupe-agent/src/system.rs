@@ -13,8 +13,8 @@ use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, AgentState, AGE
 use crate::call_agent::call_agent_tool;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
-    AgentCallError, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec,
-    AgentSpecError, CallOutcome, ChatMessage, LlmClient, Tool, ToolRegistry, ToolRegistryError,
+    AgentCallError, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec, AgentSpecError,
+    CallOutcome, ChatMessage, LlmClient, Tool, ToolRegistry, ToolRegistryError,
 };
 
 /// Why an [`AgentSystem`] could not start.
@@ -125,10 +125,15 @@ impl AgentSystemBuilder {
         }
         let shared = Arc::new(AgentShared::new(directory, llm, tools, self.observers));
         let kind = ActorKind::new(AGENT_KIND).expect("the agent kind name is valid");
-        let factory = AgentFactory { shared: Arc::clone(&shared) };
+        let factory = AgentFactory {
+            shared: Arc::clone(&shared),
+        };
         let runtime = self.runtime.register(kind, factory, self.kind_config)?.start();
         shared.set_clock(runtime.handle().clock());
-        let client = AgentClient { runtime: runtime.handle(), shared };
+        let client = AgentClient {
+            runtime: runtime.handle(),
+            shared,
+        };
         Ok(AgentSystem { runtime, client })
     }
 }
@@ -142,7 +147,9 @@ pub struct AgentClient {
 
 impl std::fmt::Debug for AgentClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AgentClient").field("agents", &self.shared.directory.list().len()).finish()
+        f.debug_struct("AgentClient")
+            .field("agents", &self.shared.directory.list().len())
+            .finish()
     }
 }
 
@@ -163,7 +170,8 @@ impl AgentClient {
     /// # Errors
     /// As [`AgentClient::ask_with_timeout`].
     pub async fn ask(&self, agent: &str, text: &str) -> Result<AgentReply, AgentCallError> {
-        self.ask_with_timeout(agent, text, Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT)).await
+        self.ask_with_timeout(agent, text, Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT))
+            .await
     }
 
     /// Sends `text` (cut to `AGENT_MESSAGE_SIZE_MAX_BYTES`) to agent `agent` from
@@ -181,8 +189,10 @@ impl AgentClient {
         text: &str,
         timeout: Duration,
     ) -> Result<AgentReply, AgentCallError> {
-        let target = agent_id(agent)
-            .map_err(|error| AgentCallError::InvalidAgentId { agent_id: agent.to_string(), cause: error.to_string() })?;
+        let target = agent_id(agent).map_err(|error| AgentCallError::InvalidAgentId {
+            agent_id: agent.to_string(),
+            cause: error.to_string(),
+        })?;
         let call = self.shared.next_call_id();
         let now = self.runtime.now();
         self.shared.emit(&AgentEvent::CallStarted {
@@ -200,19 +210,33 @@ impl AgentClient {
                 from: None,
                 call: Some(call),
             };
-            match self.runtime.invoke(&target, request.encode(), self.runtime.deadline_in(timeout)).await {
-                Ok(bytes) => AgentReply::decode(&bytes)
-                    .map_err(|cause| AgentCallError::MalformedReply { target: target.clone(), cause }),
+            match self
+                .runtime
+                .invoke(&target, request.encode(), self.runtime.deadline_in(timeout))
+                .await
+            {
+                Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
+                    target: target.clone(),
+                    cause,
+                }),
                 Err(error) => Err(AgentCallError::Invoke(error)),
             }
         } else {
-            Err(AgentCallError::Refused(CallRefused::AgentNotFound { target: target.clone() }))
+            Err(AgentCallError::Refused(CallRefused::AgentNotFound {
+                target: target.clone(),
+            }))
         };
         let outcome = match &result {
-            Ok(reply) => CallOutcome::Replied { bytes: reply.text.len() },
+            Ok(reply) => CallOutcome::Replied {
+                bytes: reply.text.len(),
+            },
             Err(error) => error.outcome(),
         };
-        self.shared.emit(&AgentEvent::CallFinished { call, outcome, at: self.runtime.now() });
+        self.shared.emit(&AgentEvent::CallFinished {
+            call,
+            outcome,
+            at: self.runtime.now(),
+        });
         result
     }
 
@@ -228,12 +252,14 @@ impl AgentClient {
         let mut messages = Vec::new();
         let mut after: Option<String> = None;
         loop {
-            let page = store.scan(&id, "log/", after.as_deref(), troupe_runtime::STATE_SCAN_LIMIT_MAX).await?;
+            let page = store
+                .scan(&id, "log/", after.as_deref(), troupe_runtime::STATE_SCAN_LIMIT_MAX)
+                .await?;
             let Some((last, _)) = page.last() else { break };
             after = Some(last.clone());
             for (key, value) in &page {
-                let message: ChatMessage = serde_json::from_slice(value)
-                    .map_err(|error| decode_error(format!("{key}: {error}")))?;
+                let message: ChatMessage =
+                    serde_json::from_slice(value).map_err(|error| decode_error(format!("{key}: {error}")))?;
                 messages.push(message);
             }
         }
@@ -256,7 +282,10 @@ impl AgentClient {
 }
 
 fn decode_error(cause: String) -> StoreError {
-    StoreError::Backend { operation: "decode", cause }
+    StoreError::Backend {
+        operation: "decode",
+        cause,
+    }
 }
 
 /// A running agent system: a [`Runtime`] with the agent kind registered, and an
@@ -268,7 +297,9 @@ pub struct AgentSystem {
 
 impl std::fmt::Debug for AgentSystem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AgentSystem").field("client", &self.client).finish_non_exhaustive()
+        f.debug_struct("AgentSystem")
+            .field("client", &self.client)
+            .finish_non_exhaustive()
     }
 }
 

@@ -61,7 +61,10 @@ pub enum ToolError {
 impl ToolError {
     /// A [`ToolError::Failed`] of `tool` with `message`.
     pub fn failed(tool: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Failed { tool: tool.into(), message: message.into() }
+        Self::Failed {
+            tool: tool.into(),
+            message: message.into(),
+        }
     }
 }
 
@@ -167,7 +170,9 @@ pub struct Tool {
 
 impl fmt::Debug for Tool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Tool").field("name", &self.spec.name).finish_non_exhaustive()
+        f.debug_struct("Tool")
+            .field("name", &self.spec.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -183,8 +188,18 @@ impl Tool {
         handler: impl ToolHandler,
     ) -> Self {
         let name = name.into();
-        assert!(parameters.is_object(), "the schema of tool {name} must be a JSON object");
-        Self { spec: ToolSpec { name, description: description.into(), parameters }, handler: Arc::new(handler) }
+        assert!(
+            parameters.is_object(),
+            "the schema of tool {name} must be a JSON object"
+        );
+        Self {
+            spec: ToolSpec {
+                name,
+                description: description.into(),
+                parameters,
+            },
+            handler: Arc::new(handler),
+        }
     }
 
     /// A tool whose handler is an async closure taking the context and the arguments.
@@ -217,12 +232,19 @@ impl Tool {
     /// [`ToolError::InvalidArguments`], [`ToolError::DeadlineExceeded`] or the handler's
     /// error.
     pub async fn execute(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
-        crate::validate(&self.spec.parameters, &arguments)
-            .map_err(|error| ToolError::InvalidArguments { tool: self.spec.name.clone(), error })?;
+        crate::validate(&self.spec.parameters, &arguments).map_err(|error| ToolError::InvalidArguments {
+            tool: self.spec.name.clone(),
+            error,
+        })?;
         let clock = context.runtime.clock();
-        match clock.run_until(context.deadline, self.handler.call(context, arguments)).await {
+        match clock
+            .run_until(context.deadline, self.handler.call(context, arguments))
+            .await
+        {
             Ok(result) => result,
-            Err(_elapsed) => Err(ToolError::DeadlineExceeded { tool: self.spec.name.clone() }),
+            Err(_elapsed) => Err(ToolError::DeadlineExceeded {
+                tool: self.spec.name.clone(),
+            }),
         }
     }
 }
@@ -289,7 +311,10 @@ impl ToolRegistry {
         arguments: Value,
     ) -> Result<String, ToolError> {
         let Some(tool) = self.tools.get(name) else {
-            return Err(ToolError::UnknownTool { name: name.to_string(), available: self.names() });
+            return Err(ToolError::UnknownTool {
+                name: name.to_string(),
+                available: self.names(),
+            });
         };
         tool.execute(context, arguments).await
     }

@@ -23,12 +23,18 @@ const SECOND: Duration = Duration::from_secs(1);
 const JITTER: Duration = Duration::from_millis(10);
 
 fn assert_about(actual: Duration, expected: Duration, what: &str) {
-    assert!(actual >= expected && actual < expected + JITTER, "{what}: {actual:?}, expected {expected:?}");
+    assert!(
+        actual >= expected && actual < expected + JITTER,
+        "{what}: {actual:?}, expected {expected:?}"
+    );
 }
 
 fn assert_deadline_about(actual: Deadline, expected: Deadline, what: &str) {
     let (a, e) = (actual.as_micros(), expected.as_micros());
-    assert!(a.abs_diff(e) < JITTER.as_micros() as u64, "{what}: {actual:?}, expected {expected:?}");
+    assert!(
+        a.abs_diff(e) < JITTER.as_micros() as u64,
+        "{what}: {actual:?}, expected {expected:?}"
+    );
 }
 
 fn start(llm: &ScriptedLlm, agents: &[&str], recorder: &CallRecorder) -> AgentSystem {
@@ -36,7 +42,10 @@ fn start(llm: &ScriptedLlm, agents: &[&str], recorder: &CallRecorder) -> AgentSy
 }
 
 fn start_on(llm: &ScriptedLlm, agents: &[&str], recorder: &CallRecorder, store: Arc<dyn StateStore>) -> AgentSystem {
-    let mut builder = AgentSystem::builder().store(store).llm(Arc::new(llm.clone())).observer(Arc::new(recorder.clone()));
+    let mut builder = AgentSystem::builder()
+        .store(store)
+        .llm(Arc::new(llm.clone()))
+        .observer(Arc::new(recorder.clone()));
     for agent in agents {
         builder = builder.agent(AgentSpec::new(*agent).role(format!("the {agent}")));
     }
@@ -55,7 +64,13 @@ fn turns(recorder: &CallRecorder) -> Vec<(String, u32, Vec<String>, Deadline)> {
         .events()
         .into_iter()
         .filter_map(|event| match event {
-            AgentEvent::TurnStarted { agent, depth, chain, deadline, .. } => Some((
+            AgentEvent::TurnStarted {
+                agent,
+                depth,
+                chain,
+                deadline,
+                ..
+            } => Some((
                 agent.key().to_string(),
                 depth,
                 chain.iter().map(|a| a.key().to_string()).collect(),
@@ -83,7 +98,11 @@ async fn an_agent_asks_another_and_gets_its_answer() {
     let b_input = llm.requests_of("b")[0].messages.last().unwrap().content.clone();
     assert_eq!(b_input, "[message from agent a] what is 6 x 7?");
     let b_tools: Vec<String> = llm.requests_of("b")[0].tools.iter().map(|t| t.name.clone()).collect();
-    assert_eq!(b_tools, vec!["call_agent".to_string()], "call_agent is registered for every agent");
+    assert_eq!(
+        b_tools,
+        vec!["call_agent".to_string()],
+        "call_agent is registered for every agent"
+    );
 
     // Both turns were committed: A's log holds user, tool call, tool result, answer.
     let a_log = system.conversation_log("a").await.unwrap();
@@ -107,7 +126,11 @@ async fn a_call_back_up_the_chain_is_refused_with_the_chain_and_the_models_see_i
         .rule(ask_rule("a", "b", "help"))
         .rule(ScriptRule::agent("a").on_tool_result().reply("a got: {tool_result}"))
         .rule(ask_rule("b", "a", "can you clarify?"))
-        .rule(ScriptRule::agent("b").on_tool_result().reply("b could not ask a: {tool_result}"));
+        .rule(
+            ScriptRule::agent("b")
+                .on_tool_result()
+                .reply("b could not ask a: {tool_result}"),
+        );
     let recorder = CallRecorder::new();
     let system = start(&llm, &["a", "b"], &recorder);
     let started = tokio::time::Instant::now();
@@ -118,10 +141,18 @@ async fn a_call_back_up_the_chain_is_refused_with_the_chain_and_the_models_see_i
     assert_eq!(b_saw.len(), 1);
     assert!(b_saw[0].starts_with(refusal), "{}", b_saw[0]);
     let a_saw = llm.tool_results_seen_by("a");
-    assert!(a_saw[0].starts_with(&format!("b could not ask a: {refusal}")), "{}", a_saw[0]);
+    assert!(
+        a_saw[0].starts_with(&format!("b could not ask a: {refusal}")),
+        "{}",
+        a_saw[0]
+    );
     assert!(reply.text.contains("agent/a -> agent/b -> agent/a"));
     // A was asked exactly once: the refused call never reached it.
-    assert_eq!(llm.requests_of("a").len(), 2, "A's two steps, no turn for the refused call");
+    assert_eq!(
+        llm.requests_of("a").len(),
+        2,
+        "A's two steps, no turn for the refused call"
+    );
     assert_eq!(turns(&recorder).iter().filter(|t| t.0 == "a").count(), 1);
     let refused = &recorder.call_trees()[0].children[0].children[0];
     match &refused.finished {
@@ -143,7 +174,11 @@ async fn a_chain_of_depth_five_succeeds_and_the_sixth_call_is_refused() {
     for i in 0..6 {
         llm = llm
             .rule(ask_rule(&names[i], &names[i + 1], &format!("hop {}", i + 1)))
-            .rule(ScriptRule::agent(names[i].clone()).on_tool_result().reply(format!("{}<{{tool_result}}", names[i])));
+            .rule(
+                ScriptRule::agent(names[i].clone())
+                    .on_tool_result()
+                    .reply(format!("{}<{{tool_result}}", names[i])),
+            );
     }
     llm = llm.rule(ScriptRule::agent("a6").reply("unreachable"));
     let recorder = CallRecorder::new();
@@ -153,7 +188,11 @@ async fn a_chain_of_depth_five_succeeds_and_the_sixth_call_is_refused() {
     let refusal = format!(
         "error: call_agent failed: call refused: call depth {AGENT_CALL_DEPTH_MAX} has reached the limit of {AGENT_CALL_DEPTH_MAX}"
     );
-    assert!(reply.text.starts_with(&format!("a0<a1<a2<a3<a4<a5<{refusal}")), "{}", reply.text);
+    assert!(
+        reply.text.starts_with(&format!("a0<a1<a2<a3<a4<a5<{refusal}")),
+        "{}",
+        reply.text
+    );
     assert!(llm.requests_of("a6").is_empty(), "a6 must never run");
     let depths: Vec<(String, u32)> = turns(&recorder).into_iter().map(|t| (t.0, t.1)).collect();
     let expected: Vec<(String, u32)> = (0..6).map(|i| (names[i].clone(), i as u32)).collect();
@@ -169,11 +208,10 @@ async fn a_chain_of_depth_five_succeeds_and_the_sixth_call_is_refused() {
 #[tokio::test(start_paused = true)]
 async fn a_callee_slower_than_the_timeout_yields_timeout_and_its_late_reply_is_discarded() {
     let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("a")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "slow", "message": "take your time", "timeout_ms": 1000})),
-        )
+        .rule(ScriptRule::agent("a").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "slow", "message": "take your time", "timeout_ms": 1000}),
+        ))
         .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
         .rule(ScriptRule::agent("slow").reply("late answer").latency(5 * SECOND));
     let recorder = CallRecorder::new();
@@ -182,18 +220,29 @@ async fn a_callee_slower_than_the_timeout_yields_timeout_and_its_late_reply_is_d
     let reply = system.ask("a", "go").await.unwrap();
     assert_about(started.elapsed(), SECOND, "A waits its timeout");
     assert!(
-        reply.text.starts_with("error: call_agent failed: call failed: invocation of agent/slow timed out after 1000 ms"),
+        reply
+            .text
+            .starts_with("error: call_agent failed: call failed: invocation of agent/slow timed out after 1000 ms"),
         "{}",
         reply.text
     );
     let call = &recorder.call_trees()[0].children[0];
-    assert!(matches!(&call.finished, Some((_, troupe_agent::CallOutcome::Failed(InvokeError::Timeout { .. })))));
+    assert!(matches!(
+        &call.finished,
+        Some((_, troupe_agent::CallOutcome::Failed(InvokeError::Timeout { .. })))
+    ));
 
     // Let the slow model's latency run out: nothing may arrive or be committed.
     tokio::time::sleep(10 * SECOND).await;
     assert_eq!(llm.requests_of("slow").len(), 1, "the slow turn started once");
-    assert!(llm.answers().iter().all(|a| a.agent.key() != "slow"), "the late answer was never produced");
-    assert!(system.conversation_log("slow").await.unwrap().is_empty(), "the cancelled turn committed nothing");
+    assert!(
+        llm.answers().iter().all(|a| a.agent.key() != "slow"),
+        "the late answer was never produced"
+    );
+    assert!(
+        system.conversation_log("slow").await.unwrap().is_empty(),
+        "the cancelled turn committed nothing"
+    );
     assert!(system.history_window("slow").await.unwrap().is_empty());
     assert!(system.runtime().counters().turns_failed >= 1);
     // A's own turn did commit, with the timeout as the tool result.
@@ -216,10 +265,17 @@ async fn the_deadline_shrinks_along_a_five_hop_chain_and_never_outlives_the_root
             .rule(
                 ScriptRule::agent(names[i].clone())
                     .on_user_containing("")
-                    .call("call_agent", json!({"agent_id": names[i + 1], "message": "next", "timeout_ms": timeout_ms}))
+                    .call(
+                        "call_agent",
+                        json!({"agent_id": names[i + 1], "message": "next", "timeout_ms": timeout_ms}),
+                    )
                     .latency(SECOND),
             )
-            .rule(ScriptRule::agent(names[i].clone()).on_tool_result().reply("{tool_result}"));
+            .rule(
+                ScriptRule::agent(names[i].clone())
+                    .on_tool_result()
+                    .reply("{tool_result}"),
+            );
     }
     llm = llm.rule(ScriptRule::agent("a5").reply("bottom").latency(SECOND));
     let recorder = CallRecorder::new();
@@ -236,7 +292,11 @@ async fn the_deadline_shrinks_along_a_five_hop_chain_and_never_outlives_the_root
         assert!(pair[1] < pair[0], "the deadline must shrink: {deadlines:?}");
     }
     // Hop 1 starts after a0's 1 s step and asks for 40 s: 41 s after the root started.
-    assert_deadline_about(deadlines[1], Deadline::from_micros(root_deadline.as_micros() - 19_000_000), "hop 1");
+    assert_deadline_about(
+        deadlines[1],
+        Deadline::from_micros(root_deadline.as_micros() - 19_000_000),
+        "hop 1",
+    );
 
     // A root with 3 s: five 1 s steps do not fit; everything ends at the root deadline.
     let short = CallRecorder::new();
@@ -244,7 +304,10 @@ async fn the_deadline_shrinks_along_a_five_hop_chain_and_never_outlives_the_root
     let started = tokio::time::Instant::now();
     let root_deadline = system2.runtime().deadline_in(3 * SECOND);
     let result = system2.ask_with_timeout("a0", "go", 3 * SECOND).await;
-    assert!(matches!(result, Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))), "{result:?}");
+    assert!(
+        matches!(result, Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))),
+        "{result:?}"
+    );
     assert_about(started.elapsed(), 3 * SECOND, "the short root");
     let late = turns(&short);
     assert!(!late.is_empty());
@@ -305,19 +368,38 @@ async fn restart_keeps_history(store: Arc<dyn StateStore>) {
     assert_eq!(system.ask("a", "my name is Ada").await.unwrap().text, "noted, Ada");
     system.shutdown().await;
 
-    let second = ScriptedLlm::new().rule(ScriptRule::agent("a").on_user_containing("my name?").reply("you are Ada"));
+    let second = ScriptedLlm::new().rule(
+        ScriptRule::agent("a")
+            .on_user_containing("my name?")
+            .reply("you are Ada"),
+    );
     let system = start_on(&second, &["a"], &CallRecorder::new(), Arc::clone(&store));
     assert_eq!(system.ask("a", "what is my name?").await.unwrap().text, "you are Ada");
-    let seen: Vec<(Role, String)> =
-        second.requests_of("a")[0].messages.iter().map(|m| (m.role, m.content.clone())).collect();
-    assert_eq!(seen[1..].to_vec(), vec![
-        (Role::User, "my name is Ada".to_string()),
-        (Role::Assistant, "noted, Ada".to_string()),
-        (Role::User, "what is my name?".to_string()),
-    ]);
+    let seen: Vec<(Role, String)> = second.requests_of("a")[0]
+        .messages
+        .iter()
+        .map(|m| (m.role, m.content.clone()))
+        .collect();
+    assert_eq!(
+        seen[1..].to_vec(),
+        vec![
+            (Role::User, "my name is Ada".to_string()),
+            (Role::Assistant, "noted, Ada".to_string()),
+            (Role::User, "what is my name?".to_string()),
+        ]
+    );
     assert_eq!(seen[0].0, Role::System);
-    let log: Vec<String> = system.conversation_log("a").await.unwrap().into_iter().map(|m| m.content).collect();
-    assert_eq!(log, vec!["my name is Ada", "noted, Ada", "what is my name?", "you are Ada"]);
+    let log: Vec<String> = system
+        .conversation_log("a")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
+    assert_eq!(
+        log,
+        vec!["my name is Ada", "noted, Ada", "what is my name?", "you are Ada"]
+    );
     system.shutdown().await;
 }
 
@@ -382,16 +464,29 @@ async fn rust_callers_get_typed_errors_and_bad_arguments_reach_the_model_as_erro
     assert_eq!(
         typed.lock().unwrap().clone(),
         vec![
-            Err(AgentCallError::Refused(CallRefused::CycleDetected { chain: vec![a.clone(), a] })),
-            Err(AgentCallError::Refused(CallRefused::AgentNotFound { target: ghost.clone() })),
+            Err(AgentCallError::Refused(CallRefused::CycleDetected {
+                chain: vec![a.clone(), a]
+            })),
+            Err(AgentCallError::Refused(CallRefused::AgentNotFound {
+                target: ghost.clone()
+            })),
         ]
     );
     let results = llm.tool_results_seen_by("a");
     assert!(results[0].starts_with("error: probe failed: call refused: cycle detected: agent/a -> agent/a"));
-    assert_eq!(results[1], "error: probe failed: call refused: agent agent/ghost not found");
-    assert_eq!(results[2], "error: invalid arguments for call_agent: $.message: expected string, got integer");
+    assert_eq!(
+        results[1],
+        "error: probe failed: call refused: agent agent/ghost not found"
+    );
+    assert_eq!(
+        results[2],
+        "error: invalid arguments for call_agent: $.message: expected string, got integer"
+    );
     assert!(results[3].starts_with("error: invalid arguments for probe: $: missing required property \"agent_id\""));
-    assert_eq!(results[4], "error: unknown tool \"no_such_tool\"; available tools: call_agent, probe");
+    assert_eq!(
+        results[4],
+        "error: unknown tool \"no_such_tool\"; available tools: call_agent, probe"
+    );
     // An outside caller asking a missing agent gets the same typed refusal.
     assert_eq!(
         system.ask("ghost", "hello").await,
@@ -406,8 +501,17 @@ async fn rust_callers_get_typed_errors_and_bad_arguments_reach_the_model_as_erro
 #[tokio::test(start_paused = true)]
 async fn a_model_failure_commits_nothing_and_long_replies_are_capped_on_a_character_boundary() {
     let llm = ScriptedLlm::new()
-        .rule(ScriptRule::agent("a").on_user_containing("fail").fail("provider down").times(1))
-        .rule(ScriptRule::agent("a").on_user_containing("long").reply("é".repeat(AGENT_REPLY_SIZE_MAX_BYTES)));
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("fail")
+                .fail("provider down")
+                .times(1),
+        )
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("long")
+                .reply("é".repeat(AGENT_REPLY_SIZE_MAX_BYTES)),
+        );
     let system = start(&llm, &["a"], &CallRecorder::new());
     let failed = system.ask("a", "please fail").await;
     match failed {
@@ -420,7 +524,11 @@ async fn a_model_failure_commits_nothing_and_long_replies_are_capped_on_a_charac
     let long = system.ask("a", "something long").await.unwrap();
     assert!(long.truncated);
     assert!(long.text.len() <= AGENT_REPLY_SIZE_MAX_BYTES);
-    assert_eq!(long.text.len(), AGENT_REPLY_SIZE_MAX_BYTES, "é is 2 bytes and the cap is even");
+    assert_eq!(
+        long.text.len(),
+        AGENT_REPLY_SIZE_MAX_BYTES,
+        "é is 2 bytes and the cap is even"
+    );
     assert!(long.text.chars().all(|c| c == 'é'));
     assert_eq!(system.conversation_log("a").await.unwrap().len(), 2);
     system.shutdown().await;
@@ -459,7 +567,11 @@ async fn crossing_calls_from_independent_requests_are_refused_as_a_deadlock_and_
                 .latency(SECOND / 2),
         )
         .rule(ScriptRule::agent("a").on_tool_result().reply("a got: {tool_result}"))
-        .rule(ScriptRule::agent("b").on_user_containing("question from a").reply("b answers a"))
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("question from a")
+                .reply("b answers a"),
+        )
         .rule(
             ScriptRule::agent("b")
                 .on_user_containing("start")
@@ -472,13 +584,18 @@ async fn crossing_calls_from_independent_requests_are_refused_as_a_deadlock_and_
     let from_a = tokio::spawn(async move { client.ask("a", "start").await });
     let b_reply = system.ask("b", "start").await.unwrap();
     assert!(
-        b_reply.text.starts_with("b got: error: call_agent failed: call failed: deadlock detected: agent/b -> agent/a -> agent/b"),
+        b_reply.text.starts_with(
+            "b got: error: call_agent failed: call failed: deadlock detected: agent/b -> agent/a -> agent/b"
+        ),
         "{}",
         b_reply.text
     );
     assert_eq!(from_a.await.unwrap().unwrap().text, "a got: b answers a");
     assert_eq!(system.runtime().counters().deadlocks_refused, 1);
-    assert!(llm.requests_of("a").iter().all(|r| !r.messages.iter().any(|m| m.content.contains("question from b"))));
+    assert!(llm
+        .requests_of("a")
+        .iter()
+        .all(|r| !r.messages.iter().any(|m| m.content.contains("question from b"))));
     system.shutdown().await;
 }
 
@@ -495,8 +612,17 @@ async fn storage_failures_reach_the_caller_and_the_conversation_never_silently_a
 
     store.faults().fail_next_commits(1);
     let failed = system.ask("a", "two").await;
-    assert!(matches!(failed, Err(AgentCallError::Invoke(InvokeError::StorageFailed { .. }))), "{failed:?}");
-    let log: Vec<String> = system.conversation_log("a").await.unwrap().into_iter().map(|m| m.content).collect();
+    assert!(
+        matches!(failed, Err(AgentCallError::Invoke(InvokeError::StorageFailed { .. }))),
+        "{failed:?}"
+    );
+    let log: Vec<String> = system
+        .conversation_log("a")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
     assert_eq!(log, vec!["one", "ok: one"], "the failed turn left nothing behind");
     assert_eq!(system.ask("a", "three").await.unwrap().text, "ok: three");
     system.shutdown().await;
@@ -505,9 +631,18 @@ async fn storage_failures_reach_the_caller_and_the_conversation_never_silently_a
     let system = start_on(&llm, &["a"], &CallRecorder::new(), store.clone());
     store.faults().fail_next_loads(1);
     let failed = system.ask("a", "four").await;
-    assert!(matches!(failed, Err(AgentCallError::Invoke(InvokeError::StorageFailed { .. }))), "{failed:?}");
+    assert!(
+        matches!(failed, Err(AgentCallError::Invoke(InvokeError::StorageFailed { .. }))),
+        "{failed:?}"
+    );
     assert_eq!(system.ask("a", "five").await.unwrap().text, "ok: five");
-    let window: Vec<String> = system.history_window("a").await.unwrap().into_iter().map(|m| m.content).collect();
+    let window: Vec<String> = system
+        .history_window("a")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.content)
+        .collect();
     assert_eq!(window, vec!["one", "ok: one", "three", "ok: three", "five", "ok: five"]);
     system.shutdown().await;
 }
@@ -537,36 +672,59 @@ async fn an_agent_reports_activation_and_deactivation_to_observers() {
     let system = AgentSystem::builder()
         .llm(Arc::new(llm))
         .observer(Arc::new(recorder.clone()))
-        .kind_config(KindConfig { idle_timeout: idle, ..KindConfig::default() })
+        .kind_config(KindConfig {
+            idle_timeout: idle,
+            ..KindConfig::default()
+        })
         .agent(AgentSpec::new("a"))
         .agent(AgentSpec::new("b"))
         .start()
         .unwrap();
     let origin = system.runtime().now();
-    assert!(lifecycle(&recorder).is_empty(), "nothing is active before the first ask");
+    assert!(
+        lifecycle(&recorder).is_empty(),
+        "nothing is active before the first ask"
+    );
 
     assert_eq!(system.ask("a", "hi").await.unwrap().text, "hello");
     let events = recorder.events();
-    let activated = events.iter().position(|e| matches!(e, AgentEvent::Activated { .. })).unwrap();
-    let turn = events.iter().position(|e| matches!(e, AgentEvent::TurnStarted { .. })).unwrap();
-    assert!(activated < turn, "the activation is reported before its first turn: {events:?}");
+    let activated = events
+        .iter()
+        .position(|e| matches!(e, AgentEvent::Activated { .. }))
+        .unwrap();
+    let turn = events
+        .iter()
+        .position(|e| matches!(e, AgentEvent::TurnStarted { .. }))
+        .unwrap();
+    assert!(
+        activated < turn,
+        "the activation is reported before its first turn: {events:?}"
+    );
     assert_eq!(lifecycle(&recorder).len(), 1);
 
     // Idle for longer than two idle timeouts: deactivated (between one and two after).
     tokio::time::sleep(idle * 3).await;
     let seen = lifecycle(&recorder);
-    assert_eq!(seen.iter().map(|(what, agent, _)| (*what, agent.as_str())).collect::<Vec<_>>(), vec![
-        ("activated", "a"),
-        ("deactivated", "a")
-    ]);
+    assert_eq!(
+        seen.iter()
+            .map(|(what, agent, _)| (*what, agent.as_str()))
+            .collect::<Vec<_>>(),
+        vec![("activated", "a"), ("deactivated", "a")]
+    );
     let idle_for = Duration::from_micros(seen[1].2.as_micros() - seen[0].2.as_micros());
-    assert!(idle_for >= idle && idle_for <= idle * 2 + JITTER, "deactivated after {idle_for:?} idle");
+    assert!(
+        idle_for >= idle && idle_for <= idle * 2 + JITTER,
+        "deactivated after {idle_for:?} idle"
+    );
     assert_deadline_about(seen[0].2, origin, "activated at the ask");
 
     // Asked again: a second activation; shutdown ends it.
     assert_eq!(system.ask("a", "again").await.unwrap().text, "hello");
     system.shutdown().await;
-    let seen: Vec<(&str, String)> = lifecycle(&recorder).into_iter().map(|(what, agent, _)| (what, agent)).collect();
+    let seen: Vec<(&str, String)> = lifecycle(&recorder)
+        .into_iter()
+        .map(|(what, agent, _)| (what, agent))
+        .collect();
     let expected: Vec<(&str, String)> = ["activated", "deactivated", "activated", "deactivated"]
         .into_iter()
         .map(|what| (what, "a".to_string()))
@@ -585,14 +743,25 @@ async fn a_cut_caller_reports_its_in_flight_call_as_cancelled() {
         "asks b but gives up after 20 ms",
         json!({"type": "object"}),
         |context, _arguments| async move {
-            match tokio::time::timeout(Duration::from_millis(20), call_agent(&context, "b", "slow?", Some(5_000))).await {
-                Ok(result) => result.map(|reply| reply.text).map_err(|e| ToolError::failed("impatient", e.to_string())),
+            match tokio::time::timeout(
+                Duration::from_millis(20),
+                call_agent(&context, "b", "slow?", Some(5_000)),
+            )
+            .await
+            {
+                Ok(result) => result
+                    .map(|reply| reply.text)
+                    .map_err(|e| ToolError::failed("impatient", e.to_string())),
                 Err(_) => Ok("gave up".to_string()),
             }
         },
     );
     let llm = ScriptedLlm::new()
-        .rule(ScriptRule::agent("a").on_user_containing("").call("impatient", json!({})))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("impatient", json!({})),
+        )
         .rule(ScriptRule::agent("a").on_tool_result().reply("a: {tool_result}"))
         .rule(ScriptRule::agent("b").reply("late").latency(SECOND));
     let recorder = CallRecorder::new();
@@ -610,7 +779,13 @@ async fn a_cut_caller_reports_its_in_flight_call_as_cancelled() {
     let started: Vec<(u64, Deadline)> = events
         .iter()
         .filter_map(|event| match event {
-            AgentEvent::CallStarted { call, caller: Some(caller), target, at, .. } => {
+            AgentEvent::CallStarted {
+                call,
+                caller: Some(caller),
+                target,
+                at,
+                ..
+            } => {
                 assert_eq!((caller.key(), target.key()), ("a", "b"));
                 Some((*call, *at))
             }
@@ -622,15 +797,26 @@ async fn a_cut_caller_reports_its_in_flight_call_as_cancelled() {
     let finished: Vec<(CallOutcome, Deadline)> = events
         .iter()
         .filter_map(|event| match event {
-            AgentEvent::CallFinished { call: finished, outcome, at } if *finished == call => Some((outcome.clone(), *at)),
+            AgentEvent::CallFinished {
+                call: finished,
+                outcome,
+                at,
+            } if *finished == call => Some((outcome.clone(), *at)),
             _ => None,
         })
         .collect();
     assert_eq!(finished.len(), 1, "exactly one end: {events:?}");
     assert_eq!(finished[0].0, CallOutcome::Cancelled);
     assert_eq!(finished[0].0.label(), "cancelled");
-    assert_deadline_about(finished[0].1, Deadline::from_micros(at.as_micros() + 20_000), "cancelled when dropped");
+    assert_deadline_about(
+        finished[0].1,
+        Deadline::from_micros(at.as_micros() + 20_000),
+        "cancelled when dropped",
+    );
     let tree = recorder.render_tree();
-    assert!(tree.contains("a -> b") && tree.contains("cancelled: the caller's turn was cut"), "{tree}");
+    assert!(
+        tree.contains("a -> b") && tree.contains("cancelled: the caller's turn was cut"),
+        "{tree}"
+    );
     system.shutdown().await;
 }

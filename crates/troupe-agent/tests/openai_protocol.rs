@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use troupe_agent::{
-    ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig, Role, ToolCall,
-    ToolSpec, PROVIDER_ERROR_BODY_BYTES_MAX,
+    ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig, Role, ToolCall, ToolSpec,
+    PROVIDER_ERROR_BODY_BYTES_MAX,
 };
 use troupe_core::ActorId;
 use troupe_runtime::Clock;
@@ -79,7 +79,9 @@ impl FakeProvider {
         let (release_sender, release_receiver) = mpsc::channel::<()>();
         let recorded = std::thread::spawn(move || {
             let (stream, _) = listener.accept().expect("accept");
-            stream.set_read_timeout(Some(Duration::from_millis(TEST_WAIT_MS_MAX))).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_millis(TEST_WAIT_MS_MAX)))
+                .unwrap();
             let (request, mut stream) = read_request(stream);
             match answer {
                 Answer::Respond { status, body } => {
@@ -98,7 +100,11 @@ impl FakeProvider {
             }
             request
         });
-        Self { base_url: format!("http://{address}/v1"), recorded, _release: release_sender }
+        Self {
+            base_url: format!("http://{address}/v1"),
+            recorded,
+            _release: release_sender,
+        }
     }
 
     fn recorded_request(self) -> RecordedRequest {
@@ -132,7 +138,15 @@ fn read_request(stream: TcpStream) -> (RecordedRequest, TcpStream) {
     let mut body = vec![0; length];
     reader.read_exact(&mut body).expect("body");
     let body = serde_json::from_slice(&body).expect("the request body is JSON");
-    (RecordedRequest { method, path, headers, body }, reader.into_inner())
+    (
+        RecordedRequest {
+            method,
+            path,
+            headers,
+            body,
+        },
+        reader.into_inner(),
+    )
 }
 
 fn completion(message: Value) -> String {
@@ -194,7 +208,10 @@ fn request_after_tool_round(clock: &Clock, deadline_in: Duration) -> LlmRequest 
 fn assert_is_chat_completions_request(recorded: &RecordedRequest) {
     assert_eq!(recorded.method, "POST");
     assert_eq!(recorded.path, "/v1/chat/completions");
-    assert_eq!(recorded.header("authorization"), Some(format!("Bearer {API_KEY}").as_str()));
+    assert_eq!(
+        recorded.header("authorization"),
+        Some(format!("Bearer {API_KEY}").as_str())
+    );
     assert_eq!(recorded.header("content-type"), Some("application/json"));
     let body = &recorded.body;
     assert_eq!(body["model"], MODEL, "the request's model wins over the config default");
@@ -231,7 +248,9 @@ async fn text_reply_becomes_assistant_message_and_request_speaks_chat_completion
     let clock = Clock::new();
     let client = client(&provider.base_url, Duration::from_secs(10), clock);
 
-    let reply = client.complete(request_after_tool_round(&clock, Duration::from_secs(10))).await;
+    let reply = client
+        .complete(request_after_tool_round(&clock, Duration::from_secs(10)))
+        .await;
 
     let reply = reply.expect("a text answer");
     assert_eq!(reply.message, ChatMessage::new(Role::Assistant, "2 + 3 = 5."));
@@ -258,7 +277,9 @@ async fn tool_calls_reply_returns_tool_calls_with_parsed_arguments() {
     let clock = Clock::new();
     let client = client(&provider.base_url, Duration::from_secs(10), clock);
 
-    let reply = client.complete(request_after_tool_round(&clock, Duration::from_secs(10))).await;
+    let reply = client
+        .complete(request_after_tool_round(&clock, Duration::from_secs(10)))
+        .await;
 
     let message = reply.expect("a tool-call answer").message;
     assert_eq!(message.role, Role::Assistant);
@@ -287,9 +308,11 @@ async fn tool_calls_reply_returns_tool_calls_with_parsed_arguments() {
 async fn status_429_is_provider_error_with_status_and_truncated_body() {
     let long_tail = "é".repeat(PROVIDER_ERROR_BODY_BYTES_MAX);
     let error_body =
-        json!({"error": {"message": format!("Rate limit reached {long_tail}"), "type": "rate_limit"}})
-            .to_string();
-    let provider = FakeProvider::start(Answer::Respond { status: 429, body: error_body.clone() });
+        json!({"error": {"message": format!("Rate limit reached {long_tail}"), "type": "rate_limit"}}).to_string();
+    let provider = FakeProvider::start(Answer::Respond {
+        status: 429,
+        body: error_body.clone(),
+    });
     let clock = Clock::new();
     let client = client(&provider.base_url, Duration::from_secs(10), clock);
 
@@ -302,10 +325,19 @@ async fn status_429_is_provider_error_with_status_and_truncated_body() {
         panic!("expected LlmError::Provider, got {error:?}");
     };
     assert_eq!(status, 429);
-    assert!(body.starts_with("{\"error\":{\"message\":\"Rate limit reached"), "{body}");
+    assert!(
+        body.starts_with("{\"error\":{\"message\":\"Rate limit reached"),
+        "{body}"
+    );
     assert!(body.len() <= PROVIDER_ERROR_BODY_BYTES_MAX, "{} bytes", body.len());
-    assert!(body.len() > PROVIDER_ERROR_BODY_BYTES_MAX - 4, "cut no shorter than needed");
-    assert!(error_body.starts_with(&body), "the kept body is a prefix of the real one");
+    assert!(
+        body.len() > PROVIDER_ERROR_BODY_BYTES_MAX - 4,
+        "cut no shorter than needed"
+    );
+    assert!(
+        error_body.starts_with(&body),
+        "the kept body is a prefix of the real one"
+    );
     provider.recorded_request();
 }
 
@@ -353,7 +385,10 @@ async fn silent_provider_times_out_within_request_timeout() {
     let elapsed = started.elapsed();
 
     assert_eq!(error, LlmError::Timeout { timeout_ms: 300 });
-    assert!(elapsed >= request_timeout, "returned after {elapsed:?}, before the budget");
+    assert!(
+        elapsed >= request_timeout,
+        "returned after {elapsed:?}, before the budget"
+    );
     assert!(
         elapsed <= request_timeout + Duration::from_millis(TIMEOUT_SLACK_MS_MAX),
         "returned after {elapsed:?}"
@@ -417,5 +452,8 @@ async fn nothing_listening_is_unreachable() {
         .await
         .expect_err("nobody answers");
 
-    assert!(matches!(error, LlmError::Unreachable { .. }), "expected Unreachable, got {error:?}");
+    assert!(
+        matches!(error, LlmError::Unreachable { .. }),
+        "expected Unreachable, got {error:?}"
+    );
 }

@@ -35,7 +35,11 @@ pub const DEMO_ARCHIVIST_TIMEOUT_MS: u64 = 1_500;
 /// The organisation's agents.
 pub fn demo_agents(model: &str) -> Vec<AgentSpec> {
     let spec = |id: &str, role: &str, prompt: &str| {
-        AgentSpec::new(id).role(role).system_prompt(prompt).model(model).max_steps(4)
+        AgentSpec::new(id)
+            .role(role)
+            .system_prompt(prompt)
+            .model(model)
+            .max_steps(4)
     };
     vec![
         spec(
@@ -63,7 +67,11 @@ pub fn demo_agents(model: &str) -> Vec<AgentSpec> {
             "You are an archivist. Answer with the titles of relevant past reports, or say there \
              are none.",
         ),
-        spec("critic", "reviews briefs on request", "You review briefs in one sentence."),
+        spec(
+            "critic",
+            "reviews briefs on request",
+            "You review briefs in one sentence.",
+        ),
     ]
 }
 
@@ -74,7 +82,10 @@ pub fn demo_script() -> ScriptedLlm {
         .rule(
             ScriptRule::agent("coordinator")
                 .on_user_containing("brief")
-                .call("call_agent", json!({"agent_id": "researcher", "message": "Find the key facts for: {input}"}))
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "researcher", "message": "Find the key facts for: {input}"}),
+                )
                 .call(
                     "call_agent",
                     json!({"agent_id": "archivist", "message": "Any past reports on: {input}",
@@ -82,18 +93,34 @@ pub fn demo_script() -> ScriptedLlm {
                 )
                 .latency(step),
         )
-        .rule(ScriptRule::agent("coordinator").on_tool_result().reply("Brief. {tool_result}").latency(step))
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_tool_result()
+                .reply("Brief. {tool_result}")
+                .latency(step),
+        )
         .rule(
             ScriptRule::agent("researcher")
                 .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "analyst", "message": "What are the key numbers?"}))
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "analyst", "message": "What are the key numbers?"}),
+                )
                 .latency(step * 2),
         )
-        .rule(ScriptRule::agent("researcher").on_tool_result().reply("Findings: {tool_result}").latency(step))
+        .rule(
+            ScriptRule::agent("researcher")
+                .on_tool_result()
+                .reply("Findings: {tool_result}")
+                .latency(step),
+        )
         .rule(
             ScriptRule::agent("analyst")
                 .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "coordinator", "message": "Which region should I focus on?"}))
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "coordinator", "message": "Which region should I focus on?"}),
+                )
                 .latency(step),
         )
         .rule(
@@ -102,7 +129,11 @@ pub fn demo_script() -> ScriptedLlm {
                 .reply("Globally, lithium-ion pack prices fell by about 80% over the last decade.")
                 .latency(step),
         )
-        .rule(ScriptRule::agent("archivist").reply("Reports: none found.").latency(Duration::from_secs(4)))
+        .rule(
+            ScriptRule::agent("archivist")
+                .reply("Reports: none found.")
+                .latency(Duration::from_secs(4)),
+        )
         .rule(ScriptRule::agent("critic").reply("Looks fine."))
 }
 
@@ -141,7 +172,11 @@ impl DemoReport {
     pub fn count(&self, label: &str) -> usize {
         self.all_calls()
             .iter()
-            .filter(|call| call.finished.as_ref().is_some_and(|(_, outcome)| outcome.label() == label))
+            .filter(|call| {
+                call.finished
+                    .as_ref()
+                    .is_some_and(|(_, outcome)| outcome.label() == label)
+            })
             .count()
     }
 
@@ -168,7 +203,10 @@ pub async fn run_demo(
     model: &str,
 ) -> Result<DemoReport, AgentSystemError> {
     let recorder = CallRecorder::new();
-    let mut builder = AgentSystem::builder().store(store).llm(llm).observer(Arc::new(recorder.clone()));
+    let mut builder = AgentSystem::builder()
+        .store(store)
+        .llm(llm)
+        .observer(Arc::new(recorder.clone()));
     for spec in demo_agents(model) {
         builder = builder.agent(spec);
     }
@@ -180,10 +218,20 @@ pub async fn run_demo(
     tokio::time::sleep(Duration::from_millis(DEMO_ARCHIVIST_TIMEOUT_MS)).await;
     let mut log_lengths = Vec::new();
     for spec in system.directory().list() {
-        let length = system.conversation_log(&spec.id).await.map(|log| log.len()).unwrap_or(0);
+        let length = system
+            .conversation_log(&spec.id)
+            .await
+            .map(|log| log.len())
+            .unwrap_or(0);
         log_lengths.push((spec.id, length));
     }
     let counters = system.runtime().counters();
     system.shutdown().await;
-    Ok(DemoReport { answer, calls: recorder.call_trees(), tree: recorder.render_tree(), counters, log_lengths })
+    Ok(DemoReport {
+        answer,
+        calls: recorder.call_trees(),
+        tree: recorder.render_tree(),
+        counters,
+        log_lengths,
+    })
 }

@@ -49,7 +49,10 @@ struct DemoArgs {
 }
 
 fn parse_demo(args: &[String]) -> Result<DemoArgs, String> {
-    let mut parsed = DemoArgs { data_dir: None, scripted: false };
+    let mut parsed = DemoArgs {
+        data_dir: None,
+        scripted: false,
+    };
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         match arg.as_str() {
@@ -78,8 +81,8 @@ fn real_model() -> Result<Option<RealModel>, String> {
     let description = format!("{} at {}", config.model, config.base_url);
     // The client reads deadlines on a clock whose epoch is now, a moment before the
     // runtime's: its time budgets come out a few microseconds short, never long.
-    let client = troupe_agent::OpenAiClient::new(config, troupe_runtime::Clock::new())
-        .map_err(|error| error.to_string())?;
+    let client =
+        troupe_agent::OpenAiClient::new(config, troupe_runtime::Clock::new()).map_err(|error| error.to_string())?;
     Ok(Some((Arc::new(client), description)))
 }
 
@@ -92,7 +95,10 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     let real = if args.scripted { None } else { real_model()? };
     let (directory, temporary) = match &args.data_dir {
         Some(dir) => (dir.clone(), false),
-        None => (std::env::temp_dir().join(format!("troupe-demo-{}", std::process::id())), true),
+        None => (
+            std::env::temp_dir().join(format!("troupe-demo-{}", std::process::id())),
+            true,
+        ),
     };
     std::fs::create_dir_all(&directory).map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
     let path = directory.join("troupe.db");
@@ -101,10 +107,18 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     let scripted = real.is_none();
     let (llm, model, description): (Arc<dyn LlmClient>, String, String) = match real {
         Some((client, description)) => (client, String::new(), format!("real model: {description}")),
-        None => (Arc::new(demo_script()), "scripted".to_string(), "scripted model (no API key needed)".to_string()),
+        None => (
+            Arc::new(demo_script()),
+            "scripted".to_string(),
+            "scripted model (no API key needed)".to_string(),
+        ),
     };
     println!("Troupe demo: five agents as virtual actors, {description}");
-    println!("state: {} (SQLite){}", path.display(), if temporary { ", removed at exit" } else { "" });
+    println!(
+        "state: {} (SQLite){}",
+        path.display(),
+        if temporary { ", removed at exit" } else { "" }
+    );
     println!();
     println!("user -> coordinator: {DEMO_QUESTION}");
     let report = run_demo(store, llm, &model).await.map_err(|error| error.to_string())?;
@@ -125,7 +139,11 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
         report.counters.turns_run,
         report.counters.turns_failed,
     );
-    let logs: Vec<String> = report.log_lengths.iter().map(|(agent, n)| format!("{agent} {n}")).collect();
+    let logs: Vec<String> = report
+        .log_lengths
+        .iter()
+        .map(|(agent, n)| format!("{agent} {n}"))
+        .collect();
     println!("messages in each agent's durable log: {}", logs.join(", "));
     if temporary {
         let _ = std::fs::remove_dir_all(&directory);

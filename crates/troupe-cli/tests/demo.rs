@@ -15,22 +15,60 @@ async fn the_demo_answers_refuses_the_cycle_and_times_out_the_slow_agent() {
     assert!(report.scripted_story_happened(), "{}", report.tree);
     let answer = report.answer.as_ref().unwrap().text.clone();
     assert!(answer.starts_with("Brief. Findings: Globally"), "{answer}");
-    assert!(answer.contains("invocation of agent/archivist timed out after 1500 ms"), "{answer}");
+    assert!(
+        answer.contains("invocation of agent/archivist timed out after 1500 ms"),
+        "{answer}"
+    );
     let lines: Vec<&str> = report.tree.lines().collect();
     assert_eq!(lines.len(), 5, "{}", report.tree);
-    assert!(lines[0].starts_with("user -> coordinator  [depth 0]"), "{}", report.tree);
-    assert!(lines[1].starts_with("  coordinator -> researcher  [depth 1]"), "{}", report.tree);
-    assert!(lines[2].starts_with("    researcher -> analyst  [depth 2]"), "{}", report.tree);
-    assert!(lines[3].starts_with("      analyst -> coordinator  [depth 3]"), "{}", report.tree);
+    assert!(
+        lines[0].starts_with("user -> coordinator  [depth 0]"),
+        "{}",
+        report.tree
+    );
+    assert!(
+        lines[1].starts_with("  coordinator -> researcher  [depth 1]"),
+        "{}",
+        report.tree
+    );
+    assert!(
+        lines[2].starts_with("    researcher -> analyst  [depth 2]"),
+        "{}",
+        report.tree
+    );
+    assert!(
+        lines[3].starts_with("      analyst -> coordinator  [depth 3]"),
+        "{}",
+        report.tree
+    );
     assert!(lines[3].contains(
         "refused: cycle detected: agent/coordinator -> agent/researcher -> agent/analyst -> agent/coordinator"
     ));
-    assert!(lines[4].starts_with("  coordinator -> archivist  [depth 1]"), "{}", report.tree);
-    assert!(lines[4].contains("1.50") && lines[4].contains("timeout"), "{}", report.tree);
-    let archivist = report.log_lengths.iter().find(|(agent, _)| agent == "archivist").unwrap();
+    assert!(
+        lines[4].starts_with("  coordinator -> archivist  [depth 1]"),
+        "{}",
+        report.tree
+    );
+    assert!(
+        lines[4].contains("1.50") && lines[4].contains("timeout"),
+        "{}",
+        report.tree
+    );
+    let archivist = report
+        .log_lengths
+        .iter()
+        .find(|(agent, _)| agent == "archivist")
+        .unwrap();
     assert_eq!(archivist.1, 0, "the timed-out archivist committed nothing");
-    let coordinator = report.log_lengths.iter().find(|(agent, _)| agent == "coordinator").unwrap();
-    assert_eq!(coordinator.1, 5, "user, two tool calls in one message, two results, answer");
+    let coordinator = report
+        .log_lengths
+        .iter()
+        .find(|(agent, _)| agent == "coordinator")
+        .unwrap();
+    assert_eq!(
+        coordinator.1, 5,
+        "user, two tool calls in one message, two results, answer"
+    );
 }
 
 /// Goal: the demo on the durable default store, twice: the second run's agents keep the
@@ -38,9 +76,15 @@ async fn the_demo_answers_refuses_the_cycle_and_times_out_the_slow_agent() {
 #[tokio::test(start_paused = true)]
 async fn a_second_demo_run_on_the_same_sqlite_store_continues_the_conversations() {
     let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
-    run_demo(Arc::clone(&store), Arc::new(demo_script()), "scripted").await.unwrap();
+    run_demo(Arc::clone(&store), Arc::new(demo_script()), "scripted")
+        .await
+        .unwrap();
     let second = run_demo(store, Arc::new(demo_script()), "scripted").await.unwrap();
     assert!(second.scripted_story_happened(), "{}", second.tree);
-    let coordinator = second.log_lengths.iter().find(|(agent, _)| agent == "coordinator").unwrap();
+    let coordinator = second
+        .log_lengths
+        .iter()
+        .find(|(agent, _)| agent == "coordinator")
+        .unwrap();
     assert_eq!(coordinator.1, 10);
 }

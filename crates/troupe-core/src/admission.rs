@@ -23,8 +23,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::limits::{
-    AGENT_CALL_DEPTH_MAX, AGENT_CALL_TIMEOUT_MS_DEFAULT, AGENT_CALL_TIMEOUT_MS_MAX,
-    AGENT_CONCURRENT_CALLS_MAX,
+    AGENT_CALL_DEPTH_MAX, AGENT_CALL_TIMEOUT_MS_DEFAULT, AGENT_CALL_TIMEOUT_MS_MAX, AGENT_CONCURRENT_CALLS_MAX,
 };
 use crate::{ActorId, CallContext, Deadline};
 
@@ -60,7 +59,10 @@ pub struct CallAdmitted {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum CallRefused {
     /// The target already waits in the chain (or is the caller): the call would deadlock.
-    #[error("cycle detected: {} (an agent in a call chain cannot be called again until it answers)", display_chain(chain))]
+    #[error(
+        "cycle detected: {} (an agent in a call chain cannot be called again until it answers)",
+        display_chain(chain)
+    )]
     CycleDetected {
         /// The chain with the caller and the repeated target appended.
         chain: Vec<ActorId>,
@@ -119,7 +121,10 @@ pub fn admit_call(request: AdmissionRequest<'_>) -> Result<CallAdmitted, CallRef
         return Err(CallRefused::CycleDetected { chain });
     }
     if context.depth() >= AGENT_CALL_DEPTH_MAX {
-        return Err(CallRefused::DepthExceeded { depth: context.depth(), max: AGENT_CALL_DEPTH_MAX });
+        return Err(CallRefused::DepthExceeded {
+            depth: context.depth(),
+            max: AGENT_CALL_DEPTH_MAX,
+        });
     }
     if !target_known {
         return Err(CallRefused::AgentNotFound { target: target.clone() });
@@ -159,11 +164,7 @@ mod tests {
         ActorId::new("agent", key).unwrap()
     }
 
-    fn request<'a>(
-        caller: &'a ActorId,
-        context: &'a CallContext,
-        target: &'a ActorId,
-    ) -> AdmissionRequest<'a> {
+    fn request<'a>(caller: &'a ActorId, context: &'a CallContext, target: &'a ActorId) -> AdmissionRequest<'a> {
         AdmissionRequest {
             caller,
             context,
@@ -180,10 +181,18 @@ mod tests {
     #[test]
     fn a_call_back_up_the_chain_is_refused_with_the_whole_chain() {
         let (a, b) = (agent("a"), agent("b"));
-        let context = CallContext::root(Deadline::from_micros(HOUR_US)).child(a.clone(), Deadline::from_micros(HOUR_US));
+        let context =
+            CallContext::root(Deadline::from_micros(HOUR_US)).child(a.clone(), Deadline::from_micros(HOUR_US));
         let refused = admit_call(request(&b, &context, &a)).unwrap_err();
-        assert_eq!(refused, CallRefused::CycleDetected { chain: vec![a.clone(), b.clone(), a] });
-        assert!(refused.to_string().starts_with("cycle detected: agent/a -> agent/b -> agent/a"));
+        assert_eq!(
+            refused,
+            CallRefused::CycleDetected {
+                chain: vec![a.clone(), b.clone(), a]
+            }
+        );
+        assert!(refused
+            .to_string()
+            .starts_with("cycle detected: agent/a -> agent/b -> agent/a"));
     }
 
     #[test]
@@ -192,7 +201,9 @@ mod tests {
         let context = CallContext::root(Deadline::from_micros(HOUR_US));
         assert_eq!(
             admit_call(request(&a, &context, &a)),
-            Err(CallRefused::CycleDetected { chain: vec![a.clone(), a] })
+            Err(CallRefused::CycleDetected {
+                chain: vec![a.clone(), a]
+            })
         );
     }
 
@@ -207,7 +218,10 @@ mod tests {
         assert_eq!(context.depth(), 5);
         assert_eq!(
             admit_call(request(&agents[5], &context, &agents[6])),
-            Err(CallRefused::DepthExceeded { depth: 5, max: AGENT_CALL_DEPTH_MAX })
+            Err(CallRefused::DepthExceeded {
+                depth: 5,
+                max: AGENT_CALL_DEPTH_MAX
+            })
         );
     }
 
@@ -217,10 +231,16 @@ mod tests {
         let context = CallContext::root(Deadline::from_micros(1_000));
         let mut unknown = request(&a, &context, &b);
         unknown.target_known = false;
-        assert_eq!(admit_call(unknown), Err(CallRefused::AgentNotFound { target: b.clone() }));
+        assert_eq!(
+            admit_call(unknown),
+            Err(CallRefused::AgentNotFound { target: b.clone() })
+        );
         let mut busy = request(&a, &context, &b);
         busy.calls_in_flight = AGENT_CONCURRENT_CALLS_MAX;
-        assert_eq!(admit_call(busy), Err(CallRefused::TooManyCalls { in_flight: 10, max: 10 }));
+        assert_eq!(
+            admit_call(busy),
+            Err(CallRefused::TooManyCalls { in_flight: 10, max: 10 })
+        );
         let mut zero = request(&a, &context, &b);
         zero.requested_timeout_ms = Some(0);
         assert_eq!(admit_call(zero), Err(CallRefused::InvalidTimeout { requested_ms: 0 }));
@@ -237,7 +257,10 @@ mod tests {
         assert_eq!(default.timeout, Duration::from_millis(AGENT_CALL_TIMEOUT_MS_DEFAULT));
         let mut huge = request(&a, &long, &b);
         huge.requested_timeout_ms = Some(10_000_000);
-        assert_eq!(admit_call(huge).unwrap().timeout, Duration::from_millis(AGENT_CALL_TIMEOUT_MS_MAX));
+        assert_eq!(
+            admit_call(huge).unwrap().timeout,
+            Duration::from_millis(AGENT_CALL_TIMEOUT_MS_MAX)
+        );
         let short = CallContext::root(Deadline::from_micros(2_000_000));
         let clipped = admit_call(request(&a, &short, &b)).unwrap();
         assert_eq!(clipped.timeout, Duration::from_secs(2));

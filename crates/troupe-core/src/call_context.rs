@@ -24,7 +24,11 @@ pub struct CallContext {
 impl CallContext {
     /// The context of a call from outside the runtime: depth 0, empty chain.
     pub fn root(deadline: Deadline) -> Self {
-        Self { depth: 0, chain: Vec::new(), deadline }
+        Self {
+            depth: 0,
+            chain: Vec::new(),
+            deadline,
+        }
     }
 
     /// How many calls between actors lead to this one.
@@ -60,7 +64,10 @@ impl CallContext {
             chain,
             deadline: self.deadline.min(deadline),
         };
-        assert!(child.deadline <= self.deadline, "a child deadline grew: {child:?} > {self:?}");
+        assert!(
+            child.deadline <= self.deadline,
+            "a child deadline grew: {child:?} > {self:?}"
+        );
         child
     }
 }

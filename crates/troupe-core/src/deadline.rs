@@ -32,7 +32,9 @@ impl Deadline {
     /// The instant `duration` after `now`, saturating at the end of time.
     pub fn after(now: Deadline, duration: Duration) -> Self {
         let micros = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
-        Self { at_us: now.at_us.saturating_add(micros) }
+        Self {
+            at_us: now.at_us.saturating_add(micros),
+        }
     }
 
     /// Time left from `now` until this deadline; zero once it has passed.

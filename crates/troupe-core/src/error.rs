@@ -111,7 +111,9 @@ mod tests {
     fn deadlock_error_names_the_cycle_in_order() {
         let a = ActorId::new("agent", "a").unwrap();
         let b = ActorId::new("agent", "b").unwrap();
-        let error = InvokeError::DeadlockDetected { cycle: vec![a.clone(), b, a] };
+        let error = InvokeError::DeadlockDetected {
+            cycle: vec![a.clone(), b, a],
+        };
         assert_eq!(error.to_string(), "deadlock detected: agent/a -> agent/b -> agent/a");
     }
 }

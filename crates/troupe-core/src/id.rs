@@ -73,7 +73,10 @@ impl ActorKind {
             .chars()
             .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_' || *c == '-'))
         {
-            return Err(IdError::BadCharacter { what: "kind", character });
+            return Err(IdError::BadCharacter {
+                what: "kind",
+                character,
+            });
         }
         Ok(Self(Arc::from(name)))
     }
@@ -154,7 +157,10 @@ impl ActorId {
         if let Some(character) = key.chars().find(|c| c.is_control()) {
             return Err(IdError::BadCharacter { what: "key", character });
         }
-        Ok(Self { kind, key: Arc::from(key) })
+        Ok(Self {
+            kind,
+            key: Arc::from(key),
+        })
     }
 
     /// The actor's kind.
@@ -196,7 +202,10 @@ impl TryFrom<ActorIdWire> for ActorId {
 
 impl From<ActorId> for ActorIdWire {
     fn from(id: ActorId) -> Self {
-        Self { kind: id.kind, key: id.key.to_string() }
+        Self {
+            kind: id.kind,
+            key: id.key.to_string(),
+        }
     }
 }
 
@@ -205,7 +214,11 @@ fn check_length(what: &'static str, value: &str, limit: usize) -> Result<(), IdE
         return Err(IdError::Empty { what });
     }
     if value.len() > limit {
-        return Err(IdError::TooLong { what, length: value.len(), limit });
+        return Err(IdError::TooLong {
+            what,
+            length: value.len(),
+            limit,
+        });
     }
     Ok(())
 }
@@ -228,13 +241,22 @@ mod tests {
         assert_eq!(ActorKind::new(""), Err(IdError::Empty { what: "kind" }));
         assert_eq!(
             ActorKind::new("Agent"),
-            Err(IdError::BadCharacter { what: "kind", character: 'A' })
+            Err(IdError::BadCharacter {
+                what: "kind",
+                character: 'A'
+            })
         );
         let long = "k".repeat(ACTOR_KEY_LENGTH_MAX + 1);
-        assert!(matches!(ActorId::new("agent", &long), Err(IdError::TooLong { what: "key", .. })));
+        assert!(matches!(
+            ActorId::new("agent", &long),
+            Err(IdError::TooLong { what: "key", .. })
+        ));
         assert!(matches!(
             ActorId::new("agent", "a\nb"),
-            Err(IdError::BadCharacter { what: "key", character: '\n' })
+            Err(IdError::BadCharacter {
+                what: "key",
+                character: '\n'
+            })
         ));
     }
 

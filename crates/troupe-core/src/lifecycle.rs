@@ -67,7 +67,9 @@ pub struct Lifecycle {
 
 impl Default for Lifecycle {
     fn default() -> Self {
-        Self { state: LifecycleState::Inactive }
+        Self {
+            state: LifecycleState::Inactive,
+        }
     }
 }
 
@@ -97,8 +99,10 @@ impl Lifecycle {
     /// # Errors
     /// [`IllegalTransition`] if the table has no entry for the current state and `event`.
     pub fn try_apply(&mut self, event: LifecycleEvent) -> Result<LifecycleState, IllegalTransition> {
-        let next = Self::next(self.state, event)
-            .ok_or(IllegalTransition { state: self.state, event })?;
+        let next = Self::next(self.state, event).ok_or(IllegalTransition {
+            state: self.state,
+            event,
+        })?;
         self.state = next;
         Ok(next)
     }
@@ -154,7 +158,10 @@ mod tests {
         lifecycle.apply(E::Deactivate);
         assert_eq!(
             lifecycle.try_apply(E::Activate),
-            Err(IllegalTransition { state: S::Deactivating, event: E::Activate })
+            Err(IllegalTransition {
+                state: S::Deactivating,
+                event: E::Activate
+            })
         );
         assert_eq!(lifecycle.state(), S::Deactivating);
         assert_eq!(lifecycle.apply(E::Deactivated), S::Inactive);

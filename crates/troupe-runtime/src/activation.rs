@@ -52,9 +52,10 @@ impl CrashGuard {
 impl Drop for CrashGuard {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self
-                .control
-                .send(Control::Crashed { id: self.id.clone(), generation: self.generation });
+            let _ = self.control.send(Control::Crashed {
+                id: self.id.clone(),
+                generation: self.generation,
+            });
         }
     }
 }
@@ -89,11 +90,21 @@ impl Live {
 }
 
 async fn run(start: ActivationStart) {
-    let ActivationStart { id, generation, mut receiver, handle } = start;
+    let ActivationStart {
+        id,
+        generation,
+        mut receiver,
+        handle,
+    } = start;
     // The task's own state is what an idle actor costs for as long as it stays active,
     // so it holds each thing once, and the sub-futures of starting, turns and stopping
     // are boxed (one allocation per turn) instead of being inlined into it.
-    let guard = CrashGuard { control: handle.shared.control.clone(), id, generation, armed: true };
+    let guard = CrashGuard {
+        control: handle.shared.control.clone(),
+        id,
+        generation,
+        armed: true,
+    };
     let mut live = match Box::pin(start_actor(&guard.id, &handle)).await {
         Ok(live) => live,
         Err(error) => {
@@ -106,7 +117,10 @@ async fn run(start: ActivationStart) {
             return;
         }
     };
-    let _ = guard.control.send(Control::Activated { id: guard.id.clone(), generation });
+    let _ = guard.control.send(Control::Activated {
+        id: guard.id.clone(),
+        generation,
+    });
 
     let idle_timeout = live.idle_timeout;
     let mut received: u64 = 0;
@@ -149,13 +163,22 @@ async fn run(start: ActivationStart) {
 
 async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, InvokeError> {
     let shared = &handle.shared;
-    let kind = shared.kinds.get(id.kind()).expect("activations are spawned for registered kinds only");
+    let kind = shared
+        .kinds
+        .get(id.kind())
+        .expect("activations are spawned for registered kinds only");
     let saved = shared
         .store
         .load(id)
         .await
-        .map_err(|error| InvokeError::StorageFailed { target: id.clone(), cause: error.to_string() })?;
-    let failed = |error: ActorError| InvokeError::ActorFailed { target: id.clone(), cause: error.to_string() };
+        .map_err(|error| InvokeError::StorageFailed {
+            target: id.clone(),
+            cause: error.to_string(),
+        })?;
+    let failed = |error: ActorError| InvokeError::ActorFailed {
+        target: id.clone(),
+        cause: error.to_string(),
+    };
     let mut actor = kind.factory.create(id, saved.clone()).map_err(failed)?;
     actor.on_activate(id).await.map_err(failed)?;
     Ok(Live {
@@ -174,7 +197,10 @@ async fn deactivate(live: &mut Live, shared: &crate::runtime::Shared) {
     }
     let saved = match live.actor.snapshot() {
         Ok(snapshot) if snapshot != live.committed => {
-            let commit = TurnCommit { state: snapshot, writes: Vec::new() };
+            let commit = TurnCommit {
+                state: snapshot,
+                writes: Vec::new(),
+            };
             shared.store.commit(id, commit).await.map_err(|error| error.to_string())
         }
         Ok(_) => Ok(()),
@@ -188,21 +214,34 @@ async fn deactivate(live: &mut Live, shared: &crate::runtime::Shared) {
 
 async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     let shared = &handle.shared;
-    let Envelope { payload, context, reply } = envelope;
+    let Envelope {
+        payload,
+        context,
+        reply,
+    } = envelope;
     let now = shared.clock.now();
     if reply.is_closed() || context.deadline().has_passed(now) {
         // Expired or abandoned: never run it.
         Counters::add(&shared.counters.expired_dropped);
-        let _ = reply.send(Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms: 0 }));
+        let _ = reply.send(Err(InvokeError::Timeout {
+            target: live.id.clone(),
+            timeout_ms: 0,
+        }));
         return;
     }
     let deadline = context.deadline();
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
-    let outcome = shared.clock.run_until_from(now, deadline, live.actor.handle(&mut turn, payload)).await;
+    let outcome = shared
+        .clock
+        .run_until_from(now, deadline, live.actor.handle(&mut turn, payload))
+        .await;
     Counters::add(&shared.counters.turns_run);
     let timed_out = || {
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
-        Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms })
+        Err(InvokeError::Timeout {
+            target: live.id.clone(),
+            timeout_ms,
+        })
     };
     let result = match outcome {
         Err(_elapsed) => timed_out(),
@@ -228,11 +267,17 @@ async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(
     if !changed && writes.is_empty() {
         return Ok(());
     }
-    let commit = TurnCommit { state: if changed { snapshot.clone() } else { None }, writes };
+    let commit = TurnCommit {
+        state: if changed { snapshot.clone() } else { None },
+        writes,
+    };
     store
         .commit(&live.id, commit)
         .await
-        .map_err(|error| InvokeError::StorageFailed { target: live.id.clone(), cause: error.to_string() })?;
+        .map_err(|error| InvokeError::StorageFailed {
+            target: live.id.clone(),
+            cause: error.to_string(),
+        })?;
     if changed {
         live.committed = snapshot;
     }
@@ -241,11 +286,20 @@ async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(
 
 fn actor_error(id: &ActorId, error: ActorError) -> InvokeError {
     match error {
-        ActorError::Failed { cause } => InvokeError::ActorFailed { target: id.clone(), cause },
-        ActorError::Rejected { reason } => InvokeError::Rejected { target: id.clone(), reason },
+        ActorError::Failed { cause } => InvokeError::ActorFailed {
+            target: id.clone(),
+            cause,
+        },
+        ActorError::Rejected { reason } => InvokeError::Rejected {
+            target: id.clone(),
+            reason,
+        },
         // A failed call passes through unchanged: the root caller sees the real cause
         // (a deadlock, a nested timeout) rather than a string.
         ActorError::Invoke(inner) => inner,
-        ActorError::Store(inner) => InvokeError::StorageFailed { target: id.clone(), cause: inner.to_string() },
+        ActorError::Store(inner) => InvokeError::StorageFailed {
+            target: id.clone(),
+            cause: inner.to_string(),
+        },
     }
 }

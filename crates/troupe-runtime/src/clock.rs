@@ -14,7 +14,9 @@ pub struct Clock {
 impl Clock {
     /// A clock whose epoch is now.
     pub fn new() -> Self {
-        Self { epoch: tokio::time::Instant::now() }
+        Self {
+            epoch: tokio::time::Instant::now(),
+        }
     }
 
     /// The current time.

@@ -174,13 +174,17 @@ impl Dispatcher {
         let table_full = self.table.len() >= ACTIVATIONS_MAX;
         let shutting_down = self.shutting_down;
         let refused = match self.table.get_mut(&target) {
-            Some(activation) => {
-                Self::deliver(&self.handle.shared.routes, activation, &target, envelope)
-            }
+            Some(activation) => Self::deliver(&self.handle.shared.routes, activation, &target, envelope),
             None if shutting_down => Some((envelope, InvokeError::Shutdown)),
             None if table_full => {
                 let reason = format!("the runtime holds {ACTIVATIONS_MAX} activations");
-                Some((envelope, InvokeError::Rejected { target: target.clone(), reason }))
+                Some((
+                    envelope,
+                    InvokeError::Rejected {
+                        target: target.clone(),
+                        reason,
+                    },
+                ))
             }
             None => {
                 self.activate(target.clone(), capacity, VecDeque::from([envelope]));
@@ -205,7 +209,10 @@ impl Dispatcher {
         target: &ActorId,
         envelope: Box<Envelope>,
     ) -> Option<(Box<Envelope>, InvokeError)> {
-        let busy = || InvokeError::Busy { target: target.clone(), capacity: activation.capacity };
+        let busy = || InvokeError::Busy {
+            target: target.clone(),
+            capacity: activation.capacity,
+        };
         if !activation.open {
             if activation.held.len() < activation.capacity {
                 activation.held.push_back(envelope);
@@ -233,7 +240,11 @@ impl Dispatcher {
 
     /// Spawns a new activation of `id` with `messages` already in its mailbox.
     fn activate(&mut self, id: ActorId, capacity: usize, messages: VecDeque<Box<Envelope>>) {
-        assert!(messages.len() <= capacity, "{} messages for a mailbox of {capacity}", messages.len());
+        assert!(
+            messages.len() <= capacity,
+            "{} messages for a mailbox of {capacity}",
+            messages.len()
+        );
         let generation = self.next_generation;
         self.next_generation += 1;
         let (mailbox, receiver) = mpsc::channel(capacity);
@@ -247,27 +258,49 @@ impl Dispatcher {
         lifecycle.apply(LifecycleEvent::Activate);
         let previous = self.table.insert(
             id.clone(),
-            Activation { lifecycle, generation, open: true, capacity, held: VecDeque::new() },
+            Activation {
+                lifecycle,
+                generation,
+                open: true,
+                capacity,
+                held: VecDeque::new(),
+            },
         );
         assert!(previous.is_none(), "a second activation of {id} while one was live");
-        let previous = self.handle.shared.routes.lock().insert(id.clone(), Route { mailbox, delivered });
+        let previous = self
+            .handle
+            .shared
+            .routes
+            .lock()
+            .insert(id.clone(), Route { mailbox, delivered });
         assert!(previous.is_none(), "a route to {id} outlived its activation");
         Counters::add(&self.handle.shared.counters.activations_started);
-        activation::spawn(ActivationStart { id, generation, receiver, handle: self.handle.clone() });
+        activation::spawn(ActivationStart {
+            id,
+            generation,
+            receiver,
+            handle: self.handle.clone(),
+        });
     }
 
     fn on_control(&mut self, control: Control) {
         match control {
             Control::ReleaseCall { call } => self.waits.remove(call),
             Control::Activated { id, generation } => {
-                let Some(activation) = self.current(&id, generation) else { return };
+                let Some(activation) = self.current(&id, generation) else {
+                    return;
+                };
                 activation.lifecycle.apply(LifecycleEvent::Activated);
                 if !activation.open {
                     // Shutdown closed the mailbox while the activation was starting.
                     activation.lifecycle.apply(LifecycleEvent::Deactivate);
                 }
             }
-            Control::IdleCheck { id, generation, received } => {
+            Control::IdleCheck {
+                id,
+                generation,
+                received,
+            } => {
                 let waiting = self.waits.is_waiting(&id);
                 let routes = &self.handle.shared.routes;
                 let current = self.table.get_mut(&id).filter(|a| a.generation == generation);
@@ -300,25 +333,34 @@ impl Dispatcher {
 
     /// The live activation of `id` if it is generation `generation`.
     fn current(&mut self, id: &ActorId, generation: u64) -> Option<&mut Activation> {
-        self.table.get_mut(id).filter(|activation| activation.generation == generation)
+        self.table
+            .get_mut(id)
+            .filter(|activation| activation.generation == generation)
     }
 
     /// Removes an activation whose task has ended; starts the next one if messages were
     /// held for it.
     fn finish(&mut self, id: ActorId, generation: u64, event: LifecycleEvent) {
-        let Some(activation) = self.current(&id, generation) else { return };
+        let Some(activation) = self.current(&id, generation) else {
+            return;
+        };
         let state = activation.lifecycle.apply(event);
         assert_eq!(state, LifecycleState::Inactive);
         if activation.open {
             // Crashed or failed to start while its mailbox was open.
             self.handle.shared.routes.lock().remove(&id);
         }
-        let Some(activation) = self.table.remove(&id) else { unreachable!() };
+        let Some(activation) = self.table.remove(&id) else {
+            unreachable!()
+        };
         if event == LifecycleEvent::Deactivated {
             Counters::add(&self.handle.shared.counters.deactivations_finished);
         }
-        let held: VecDeque<Box<Envelope>> =
-            activation.held.into_iter().filter(|envelope| !envelope.reply.is_closed()).collect();
+        let held: VecDeque<Box<Envelope>> = activation
+            .held
+            .into_iter()
+            .filter(|envelope| !envelope.reply.is_closed())
+            .collect();
         if held.is_empty() {
             return;
         }

@@ -30,9 +30,15 @@ pub(crate) struct CallEdge {
 /// Requests from callers, through the dispatcher's bounded queue.
 pub(crate) enum Command {
     /// Route `envelope` to `target`.
-    Invoke { target: ActorId, envelope: Box<Envelope>, edge: Option<CallEdge> },
+    Invoke {
+        target: ActorId,
+        envelope: Box<Envelope>,
+        edge: Option<CallEdge>,
+    },
     /// Report the dispatcher's tables.
-    Stats { reply: oneshot::Sender<crate::DispatcherStats> },
+    Stats {
+        reply: oneshot::Sender<crate::DispatcherStats>,
+    },
     /// Deactivate every actor, then stop.
     Shutdown { reply: oneshot::Sender<()> },
 }
@@ -48,7 +54,11 @@ pub(crate) enum Control {
     /// The activation failed to start; its mailbox is closed and drained.
     ActivationFailed { id: ActorId, generation: u64 },
     /// The activation has been idle since it took its `received`-th message.
-    IdleCheck { id: ActorId, generation: u64, received: u64 },
+    IdleCheck {
+        id: ActorId,
+        generation: u64,
+        received: u64,
+    },
     /// The activation ran `on_deactivate`, saved, and its task is ending.
     Deactivated { id: ActorId, generation: u64 },
     /// The activation's task ended abnormally.

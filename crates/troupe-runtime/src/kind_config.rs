@@ -3,8 +3,7 @@
 use std::time::Duration;
 
 use troupe_core::limits::{
-    ACTOR_IDLE_TIMEOUT_MS_DEFAULT, ACTOR_IDLE_TIMEOUT_MS_MIN, MAILBOX_CAPACITY_DEFAULT,
-    MAILBOX_CAPACITY_MAX,
+    ACTOR_IDLE_TIMEOUT_MS_DEFAULT, ACTOR_IDLE_TIMEOUT_MS_MIN, MAILBOX_CAPACITY_DEFAULT, MAILBOX_CAPACITY_MAX,
 };
 
 /// A configuration value out of range; the message states the violated inequality.

@@ -37,15 +37,14 @@ pub use clock::Clock;
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use runtime::{DispatcherStats, Runtime, RuntimeBuilder, RuntimeCounters, RuntimeHandle};
-pub use transport::{
-    FrameError, TransportClient, TransportClientStats, TransportServer, ACCEPT_RETRY_DELAY_MS,
-    CALL_CHAIN_LENGTH_MAX, CLIENT_REQUESTS_IN_FLIGHT_MAX, FRAME_HEADER_SIZE_BYTES,
-    FRAME_SIZE_MAX_BYTES, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_BATCH_FRAMES_MAX,
-    WRITE_QUEUE_CAPACITY,
-};
-pub use turn::Turn;
 pub use sqlite_store::SqliteStore;
 pub use state_store::{
-    check_key, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX,
-    STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
+    check_key, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX,
+    TURN_WRITES_MAX,
 };
+pub use transport::{
+    FrameError, TransportClient, TransportClientStats, TransportServer, ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX,
+    CLIENT_REQUESTS_IN_FLIGHT_MAX, FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, SERVER_REQUESTS_IN_FLIGHT_MAX,
+    WRITE_BATCH_FRAMES_MAX, WRITE_QUEUE_CAPACITY,
+};
+pub use turn::Turn;

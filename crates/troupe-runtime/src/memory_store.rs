@@ -190,7 +190,12 @@ impl StateStore for MemoryStore {
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
         check_key(key)?;
         self.faults.take(&self.faults.inner.fail_reads, "get")?;
-        Ok(self.lock().visible.entries.get(&(actor.clone(), key.to_string())).cloned())
+        Ok(self
+            .lock()
+            .visible
+            .entries
+            .get(&(actor.clone(), key.to_string()))
+            .cloned())
     }
 
     async fn scan(
@@ -205,7 +210,10 @@ impl StateStore for MemoryStore {
         let limit = limit.min(STATE_SCAN_LIMIT_MAX);
         // Start at the later of the prefix and `after`: an `after` that sorts before the
         // prefix must not start the range on keys outside it.
-        let start = (actor.clone(), after.map_or(prefix, |after| after.max(prefix)).to_string());
+        let start = (
+            actor.clone(),
+            after.map_or(prefix, |after| after.max(prefix)).to_string(),
+        );
         let disk = self.lock();
         Ok(disk
             .visible

@@ -133,7 +133,10 @@ impl Shared {
             Err(mpsc::error::TrySendError::Full(_)) => {
                 Counters::add(&self.counters.busy_refused);
                 let capacity = route.mailbox.max_capacity();
-                FastPath::Refused(InvokeError::Busy { target: target.clone(), capacity })
+                FastPath::Refused(InvokeError::Busy {
+                    target: target.clone(),
+                    capacity,
+                })
             }
             // The activation ended; the dispatcher knows what to do next.
             Err(mpsc::error::TrySendError::Closed(envelope)) => FastPath::ToDispatcher(envelope),
@@ -149,7 +152,9 @@ pub struct RuntimeHandle {
 
 impl fmt::Debug for RuntimeHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RuntimeHandle").field("kinds", &self.shared.kinds.keys()).finish()
+        f.debug_struct("RuntimeHandle")
+            .field("kinds", &self.shared.kinds.keys())
+            .finish()
     }
 }
 
@@ -181,7 +186,9 @@ impl RuntimeHandle {
 
     /// The deadline `timeout` from now, capped at [`INVOKE_TIMEOUT_MS_MAX`].
     pub fn deadline_in(&self, timeout: Duration) -> Deadline {
-        self.shared.clock.deadline_in(timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)))
+        self.shared
+            .clock
+            .deadline_in(timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)))
     }
 
     /// Whether actors of `kind` can be invoked.
@@ -206,13 +213,9 @@ impl RuntimeHandle {
     /// # Cancel safety
     /// Dropping the future abandons the request; if it has not started running it never
     /// will, since its reply channel is closed.
-    pub async fn invoke(
-        &self,
-        target: &ActorId,
-        payload: Bytes,
-        deadline: Deadline,
-    ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, payload, CallContext::root(deadline), None).await
+    pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+        self.send_and_wait(target, payload, CallContext::root(deadline), None)
+            .await
     }
 
     /// Sends `payload` to `target` on behalf of `caller`'s running turn under `context`
@@ -277,18 +280,26 @@ impl RuntimeHandle {
         };
         let now = clock.now();
         if deadline.has_passed(now) {
-            return Err(InvokeError::Timeout { target: target.clone(), timeout_ms: 0 });
+            return Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: 0,
+            });
         }
         let timeout_ms = timeout_ms(now);
         let edge = caller.map(|caller| CallEdge {
             id: self.shared.next_call.fetch_add(1, Ordering::Relaxed),
             caller: caller.clone(),
         });
-        let _release = edge
-            .as_ref()
-            .map(|edge| ReleaseOnDrop { control: &self.shared.control, call: edge.id });
+        let _release = edge.as_ref().map(|edge| ReleaseOnDrop {
+            control: &self.shared.control,
+            call: edge.id,
+        });
         let (reply, answer) = oneshot::channel();
-        let mut envelope = Box::new(Envelope { payload, context, reply });
+        let mut envelope = Box::new(Envelope {
+            payload,
+            context,
+            reply,
+        });
         if edge.is_none() {
             // A call from outside any turn adds no wait-for edge, so it may skip the
             // dispatcher when the target's mailbox is open.
@@ -300,24 +311,35 @@ impl RuntimeHandle {
                 FastPath::ToDispatcher(back) => envelope = back,
             }
         }
-        let command = Command::Invoke { target: target.clone(), envelope, edge };
-        let waited = clock.run_until_from(now, deadline, async {
-            match self.shared.commands.try_send(command) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(command)) => {
-                    self.shared.commands.send(command).await.map_err(|_| InvokeError::Shutdown)?
+        let command = Command::Invoke {
+            target: target.clone(),
+            envelope,
+            edge,
+        };
+        let waited = clock
+            .run_until_from(now, deadline, async {
+                match self.shared.commands.try_send(command) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(command)) => self
+                        .shared
+                        .commands
+                        .send(command)
+                        .await
+                        .map_err(|_| InvokeError::Shutdown)?,
+                    Err(mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
                 }
-                Err(mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
-            }
-            answer.await.map_err(|_| InvokeError::ActorFailed {
-                target: target.clone(),
-                cause: "the actor's activation ended before it replied".to_string(),
-            })?
-        })
-        .await;
+                answer.await.map_err(|_| InvokeError::ActorFailed {
+                    target: target.clone(),
+                    cause: "the actor's activation ended before it replied".to_string(),
+                })?
+            })
+            .await;
         match waited {
             Ok(result) => result,
-            Err(_elapsed) => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),
+            Err(_elapsed) => Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms,
+            }),
         }
     }
 
@@ -335,7 +357,10 @@ impl RuntimeHandle {
                 target: target.clone(),
                 cause: "the actor's activation ended before it replied".to_string(),
             }),
-            Err(_elapsed) => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),
+            Err(_elapsed) => Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms,
+            }),
         }
     }
 }
@@ -368,7 +393,14 @@ impl Runtime {
     /// dispatcher. Invocations after this fail with [`InvokeError::Shutdown`].
     pub async fn shutdown(self) {
         let (reply, done) = oneshot::channel();
-        if self.handle.shared.commands.send(Command::Shutdown { reply }).await.is_ok() {
+        if self
+            .handle
+            .shared
+            .commands
+            .send(Command::Shutdown { reply })
+            .await
+            .is_ok()
+        {
             let _ = done.await;
         }
         let _ = self.dispatcher.await;
@@ -383,7 +415,10 @@ pub struct RuntimeBuilder {
 
 impl Default for RuntimeBuilder {
     fn default() -> Self {
-        Self { store: Arc::new(MemoryStore::new()), kinds: BTreeMap::new() }
+        Self {
+            store: Arc::new(MemoryStore::new()),
+            kinds: BTreeMap::new(),
+        }
     }
 }
 
@@ -409,7 +444,13 @@ impl RuntimeBuilder {
         if self.kinds.contains_key(&kind) {
             return Err(ConfigError::DuplicateKind { kind: kind.to_string() });
         }
-        self.kinds.insert(kind, KindEntry { factory: Arc::new(factory), config });
+        self.kinds.insert(
+            kind,
+            KindEntry {
+                factory: Arc::new(factory),
+                config,
+            },
+        );
         Ok(self)
     }
 

@@ -108,12 +108,16 @@ impl SqliteStore {
     }
 
     fn from_connection(mut connection: Connection) -> Result<Self, StoreError> {
-        connection.pragma_update(None, "synchronous", "FULL").map_err(open_error)?;
+        connection
+            .pragma_update(None, "synchronous", "FULL")
+            .map_err(open_error)?;
         connection
             .busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))
             .map_err(open_error)?;
         from_connection_create_schema(&mut connection)?;
-        Ok(Self { connection: Arc::new(Mutex::new(connection)) })
+        Ok(Self {
+            connection: Arc::new(Mutex::new(connection)),
+        })
     }
 
     /// Runs `work` with the connection on a blocking thread.
@@ -130,16 +134,23 @@ impl SqliteStore {
         let connection = Arc::clone(&self.connection);
         tokio::task::spawn_blocking(move || work(&mut run_lock(&connection)))
             .await
-            .map_err(|error| StoreError::Backend { operation, cause: error.to_string() })?
-            .map_err(|error| StoreError::Backend { operation, cause: error.to_string() })
+            .map_err(|error| StoreError::Backend {
+                operation,
+                cause: error.to_string(),
+            })?
+            .map_err(|error| StoreError::Backend {
+                operation,
+                cause: error.to_string(),
+            })
     }
 }
 
 /// Creates the schema in a fresh file, checks the version of an existing one.
 fn from_connection_create_schema(connection: &mut Connection) -> Result<(), StoreError> {
     let transaction = connection.transaction().map_err(open_error)?;
-    let version: i64 =
-        transaction.query_row("PRAGMA user_version", [], |row| row.get(0)).map_err(open_error)?;
+    let version: i64 = transaction
+        .query_row("PRAGMA user_version", [], |row| row.get(0))
+        .map_err(open_error)?;
     if version > SQLITE_SCHEMA_VERSION {
         return Err(StoreError::Backend {
             operation: "open",
@@ -159,7 +170,10 @@ fn from_connection_create_schema(connection: &mut Connection) -> Result<(), Stor
 }
 
 fn open_error(error: rusqlite::Error) -> StoreError {
-    StoreError::Backend { operation: "open", cause: error.to_string() }
+    StoreError::Backend {
+        operation: "open",
+        cause: error.to_string(),
+    }
 }
 
 fn run_lock(connection: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
@@ -213,9 +227,7 @@ impl StateStore for SqliteStore {
                         )?
                         .execute(params![kind, key, entry_key, value.as_ref()])?,
                     None => transaction
-                        .prepare_cached(
-                            "DELETE FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3",
-                        )?
+                        .prepare_cached("DELETE FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3")?
                         .execute(params![kind, key, entry_key])?,
                 };
             }
@@ -231,9 +243,7 @@ impl StateStore for SqliteStore {
         let entry_key = key.to_string();
         self.run("get", move |connection| {
             connection
-                .prepare_cached(
-                    "SELECT value FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3",
-                )?
+                .prepare_cached("SELECT value FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3")?
                 .query_row(params![kind, actor_key, entry_key], |row| row.get::<_, Vec<u8>>(0))
                 .optional()
         })
@@ -294,8 +304,7 @@ mod tests {
 
     impl TestDirectory {
         fn new(test_name: &str) -> Self {
-            let path = std::env::temp_dir()
-                .join(format!("troupe-sqlite-store-{test_name}-{}", std::process::id()));
+            let path = std::env::temp_dir().join(format!("troupe-sqlite-store-{test_name}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&path);
             std::fs::create_dir_all(&path).expect("create the test directory");
             Self(path)
@@ -331,7 +340,10 @@ mod tests {
             store.commit(&actor, commit).await.expect("commit");
         }
         let store = SqliteStore::open(directory.file()).expect("reopen the file");
-        assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"state one")));
+        assert_eq!(
+            store.load(&actor).await.expect("load"),
+            Some(Bytes::from_static(b"state one"))
+        );
         assert_eq!(
             store.get(&actor, "note/1").await.expect("get"),
             Some(Bytes::from_static(b"value one"))
@@ -407,16 +419,25 @@ mod tests {
             ],
         };
         match store.commit(&actor, failing).await {
-            Err(StoreError::Backend { operation: "commit", cause }) => {
+            Err(StoreError::Backend {
+                operation: "commit",
+                cause,
+            }) => {
                 assert!(cause.contains("poisoned key"), "unexpected cause: {cause}");
             }
             other => panic!("expected a backend error from the commit, got {other:?}"),
         }
         assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"A")));
-        assert_eq!(store.get(&actor, "kept").await.expect("get"), Some(Bytes::from_static(b"1")));
+        assert_eq!(
+            store.get(&actor, "kept").await.expect("get"),
+            Some(Bytes::from_static(b"1"))
+        );
         assert_eq!(store.get(&actor, "new").await.expect("get"), None);
 
-        let next = TurnCommit { state: Some(Bytes::from_static(b"C")), writes: vec![] };
+        let next = TurnCommit {
+            state: Some(Bytes::from_static(b"C")),
+            writes: vec![],
+        };
         store.commit(&actor, next).await.expect("the connection still commits");
         assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"C")));
     }

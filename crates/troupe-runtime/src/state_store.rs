@@ -84,7 +84,10 @@ impl TurnCommit {
     /// [`StoreError::TooLarge`] or [`StoreError::TooManyWrites`].
     pub fn validate(&self) -> Result<(), StoreError> {
         if self.writes.len() > TURN_WRITES_MAX {
-            return Err(StoreError::TooManyWrites { count: self.writes.len(), limit: TURN_WRITES_MAX });
+            return Err(StoreError::TooManyWrites {
+                count: self.writes.len(),
+                limit: TURN_WRITES_MAX,
+            });
         }
         if let Some(state) = &self.state {
             check_value(state)?;
@@ -114,14 +117,22 @@ impl fmt::Debug for TurnCommit {
 /// [`StoreError::TooLarge`] if the key is longer than the limit.
 pub fn check_key(key: &str) -> Result<(), StoreError> {
     if key.len() > STATE_KEY_LENGTH_MAX {
-        return Err(StoreError::TooLarge { what: "key", size: key.len(), limit: STATE_KEY_LENGTH_MAX });
+        return Err(StoreError::TooLarge {
+            what: "key",
+            size: key.len(),
+            limit: STATE_KEY_LENGTH_MAX,
+        });
     }
     Ok(())
 }
 
 fn check_value(value: &Bytes) -> Result<(), StoreError> {
     if value.len() > STATE_VALUE_SIZE_MAX {
-        return Err(StoreError::TooLarge { what: "value", size: value.len(), limit: STATE_VALUE_SIZE_MAX });
+        return Err(StoreError::TooLarge {
+            what: "value",
+            size: value.len(),
+            limit: STATE_VALUE_SIZE_MAX,
+        });
     }
     Ok(())
 }

@@ -23,7 +23,12 @@ pub struct Turn {
 
 impl Turn {
     pub(crate) fn new(id: ActorId, context: CallContext, handle: RuntimeHandle) -> Self {
-        Self { id, context, handle, writes: BTreeMap::new() }
+        Self {
+            id,
+            context,
+            handle,
+            writes: BTreeMap::new(),
+        }
     }
 
     pub(crate) fn into_writes(self) -> Vec<(String, Option<Bytes>)> {
@@ -61,13 +66,10 @@ impl Turn {
     /// # Errors
     /// [`InvokeError`], including `DeadlockDetected` if `target` (directly or through
     /// others) is waiting on this actor.
-    pub async fn invoke(
-        &self,
-        target: &ActorId,
-        payload: Bytes,
-        timeout: Duration,
-    ) -> Result<Bytes, InvokeError> {
-        let child = self.context.child(self.id.clone(), self.handle.shared.clock.deadline_in(timeout));
+    pub async fn invoke(&self, target: &ActorId, payload: Bytes, timeout: Duration) -> Result<Bytes, InvokeError> {
+        let child = self
+            .context
+            .child(self.id.clone(), self.handle.shared.clock.deadline_in(timeout));
         self.handle.invoke_from(&self.id, target, payload, child).await
     }
 
@@ -86,8 +88,15 @@ impl Turn {
         payload: Bytes,
         child: CallContext,
     ) -> Result<Bytes, InvokeError> {
-        assert!(child.deadline() <= self.deadline(), "a child deadline outlives its parent turn");
-        assert_eq!(child.chain().last(), Some(&self.id), "the child chain must end with the caller");
+        assert!(
+            child.deadline() <= self.deadline(),
+            "a child deadline outlives its parent turn"
+        );
+        assert_eq!(
+            child.chain().last(),
+            Some(&self.id),
+            "the child chain must end with the caller"
+        );
         self.handle.invoke_from(&self.id, target, payload, child).await
     }
 
@@ -111,7 +120,10 @@ impl Turn {
     fn buffer(&mut self, key: String, value: Option<Bytes>) -> Result<(), StoreError> {
         check_key(&key)?;
         if !self.writes.contains_key(&key) && self.writes.len() >= TURN_WRITES_MAX {
-            return Err(StoreError::TooManyWrites { count: self.writes.len() + 1, limit: TURN_WRITES_MAX });
+            return Err(StoreError::TooManyWrites {
+                count: self.writes.len() + 1,
+                limit: TURN_WRITES_MAX,
+            });
         }
         self.writes.insert(key, value);
         Ok(())
@@ -140,10 +152,8 @@ impl Turn {
         limit: usize,
     ) -> Result<Vec<(String, Bytes)>, StoreError> {
         let limit = limit.min(STATE_SCAN_LIMIT_MAX);
-        let in_range =
-            |key: &str| key.starts_with(prefix) && after.is_none_or(|after| key > after);
-        let buffered: Vec<(&String, &Option<Bytes>)> =
-            self.writes.iter().filter(|(key, _)| in_range(key)).collect();
+        let in_range = |key: &str| key.starts_with(prefix) && after.is_none_or(|after| key > after);
+        let buffered: Vec<(&String, &Option<Bytes>)> = self.writes.iter().filter(|(key, _)| in_range(key)).collect();
         // Ask for enough that buffered deletions cannot leave the page short.
         let committed = self
             .handle

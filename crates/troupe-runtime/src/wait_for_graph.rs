@@ -49,12 +49,7 @@ impl WaitForGraph {
     }
 
     /// Adds `caller → target` for `call`, unless it would close a cycle.
-    pub(crate) fn try_add(
-        &mut self,
-        call: CallId,
-        caller: &ActorId,
-        target: &ActorId,
-    ) -> Result<(), EdgeRefused> {
+    pub(crate) fn try_add(&mut self, call: CallId, caller: &ActorId, target: &ActorId) -> Result<(), EdgeRefused> {
         assert!(!self.calls.contains_key(&call), "call id {call} added twice");
         if let Some(path) = self.path(target, caller) {
             let mut cycle = Vec::with_capacity(path.len() + 1);
@@ -66,7 +61,12 @@ impl WaitForGraph {
             return Err(EdgeRefused::Full);
         }
         self.calls.insert(call, (caller.clone(), target.clone()));
-        *self.out_edges.entry(caller.clone()).or_default().entry(target.clone()).or_insert(0) += 1;
+        *self
+            .out_edges
+            .entry(caller.clone())
+            .or_default()
+            .entry(target.clone())
+            .or_insert(0) += 1;
         Ok(())
     }
 
@@ -99,7 +99,9 @@ impl WaitForGraph {
         let mut parent: HashMap<&ActorId, &ActorId> = HashMap::new();
         let mut stack = vec![from];
         while let Some(node) = stack.pop() {
-            let Some(targets) = self.out_edges.get(node) else { continue };
+            let Some(targets) = self.out_edges.get(node) else {
+                continue;
+            };
             for next in targets.keys() {
                 if next == from || parent.contains_key(next) {
                     continue;
@@ -124,9 +126,11 @@ impl WaitForGraph {
     /// Whether the graph has a cycle (for tests and invariant checks).
     #[cfg(test)]
     pub(crate) fn has_cycle(&self) -> bool {
-        self.out_edges
-            .keys()
-            .any(|actor| self.out_edges[actor].keys().any(|next| self.path(next, actor).is_some()))
+        self.out_edges.keys().any(|actor| {
+            self.out_edges[actor]
+                .keys()
+                .any(|next| self.path(next, actor).is_some())
+        })
     }
 }
 
@@ -148,7 +152,10 @@ mod tests {
             graph.try_add(3, &c, &a),
             Err(EdgeRefused::Cycle(vec![c.clone(), a.clone(), b.clone(), c.clone()]))
         );
-        assert_eq!(graph.try_add(4, &a, &a), Err(EdgeRefused::Cycle(vec![a.clone(), a.clone()])));
+        assert_eq!(
+            graph.try_add(4, &a, &a),
+            Err(EdgeRefused::Cycle(vec![a.clone(), a.clone()]))
+        );
         assert!(!graph.has_cycle());
         graph.remove(2);
         graph.try_add(5, &c, &a).unwrap();

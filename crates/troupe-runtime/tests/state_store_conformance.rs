@@ -19,8 +19,8 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use troupe_core::ActorId;
 use troupe_runtime::{
-    MemoryStore, SqliteStore, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX,
-    STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
+    MemoryStore, SqliteStore, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX,
+    STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -32,8 +32,7 @@ struct TestDirectory(PathBuf);
 
 impl TestDirectory {
     fn new(test_name: &str) -> Self {
-        let path = std::env::temp_dir()
-            .join(format!("troupe-conformance-{test_name}-{}", std::process::id()));
+        let path = std::env::temp_dir().join(format!("troupe-conformance-{test_name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create the test directory");
         Self(path)
@@ -57,18 +56,27 @@ struct Backend {
 }
 
 fn memory_backend(_test_name: &str) -> Backend {
-    Backend { store: Box::new(MemoryStore::new()), _directory: None }
+    Backend {
+        store: Box::new(MemoryStore::new()),
+        _directory: None,
+    }
 }
 
 fn sqlite_in_memory_backend(_test_name: &str) -> Backend {
     let store = SqliteStore::open_in_memory().expect("open an in-memory sqlite store");
-    Backend { store: Box::new(store), _directory: None }
+    Backend {
+        store: Box::new(store),
+        _directory: None,
+    }
 }
 
 fn sqlite_file_backend(test_name: &str) -> Backend {
     let directory = TestDirectory::new(test_name);
     let store = SqliteStore::open(directory.file()).expect("open a sqlite file store");
-    Backend { store: Box::new(store), _directory: Some(directory) }
+    Backend {
+        store: Box::new(store),
+        _directory: Some(directory),
+    }
 }
 
 /// Runs every check against the backend that `$open` builds, in a module named `$backend`.
@@ -150,7 +158,10 @@ fn delete(key: &str) -> (String, Option<Bytes>) {
 }
 
 fn state_commit(state: &str, writes: Vec<(String, Option<Bytes>)>) -> TurnCommit {
-    TurnCommit { state: Some(bytes(state)), writes }
+    TurnCommit {
+        state: Some(bytes(state)),
+        writes,
+    }
 }
 
 fn writes_commit(writes: Vec<(String, Option<Bytes>)>) -> TurnCommit {
@@ -189,7 +200,12 @@ fn strings(keys: &[&str]) -> Vec<String> {
 /// Commits state `"A"` with keys `a1`, `a2`, then checks a refused commit left them alone.
 async fn refused_commit_leaves_nothing(store: &dyn StateStore, refused: TurnCommit) {
     let owner = actor("agent", "a");
-    commit(store, &owner, state_commit("A", vec![put("a1", "one"), put("a2", "two")])).await;
+    commit(
+        store,
+        &owner,
+        state_commit("A", vec![put("a1", "one"), put("a2", "two")]),
+    )
+    .await;
 
     let error = store.commit(&owner, refused).await.expect_err("the commit is refused");
     assert!(
@@ -220,7 +236,11 @@ async fn committed_state_and_writes_are_all_visible_after_commit(store: &dyn Sta
 
     assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("state")));
     for (key, value) in [("a", "one"), ("b", "two"), ("c", "three")] {
-        assert_eq!(store.get(&owner, key).await.expect("get"), Some(bytes(value)), "key {key}");
+        assert_eq!(
+            store.get(&owner, key).await.expect("get"),
+            Some(bytes(value)),
+            "key {key}"
+        );
     }
     let entries = store.scan(&owner, "", None, 10).await.expect("scan");
     assert_eq!(
@@ -246,7 +266,12 @@ async fn commit_without_state_keeps_the_previous_state(store: &dyn StateStore) {
 async fn delete_write_removes_the_key(store: &dyn StateStore) {
     let owner = actor("agent", "a");
     commit(store, &owner, writes_commit(vec![put("keep", "1"), put("drop", "2")])).await;
-    commit(store, &owner, writes_commit(vec![delete("drop"), delete("never-existed")])).await;
+    commit(
+        store,
+        &owner,
+        writes_commit(vec![delete("drop"), delete("never-existed")]),
+    )
+    .await;
     assert_eq!(store.get(&owner, "drop").await.expect("get"), None);
     assert_eq!(store.get(&owner, "keep").await.expect("get"), Some(bytes("1")));
     assert_eq!(scan_keys(store, &owner, "").await, strings(&["keep"]));
@@ -264,14 +289,24 @@ async fn writes_in_one_commit_apply_in_order(store: &dyn StateStore) {
     ];
     commit(store, &owner, writes_commit(writes)).await;
     assert_eq!(store.get(&owner, "put-then-delete").await.expect("get"), None);
-    assert_eq!(store.get(&owner, "delete-then-put").await.expect("get"), Some(bytes("y")));
+    assert_eq!(
+        store.get(&owner, "delete-then-put").await.expect("get"),
+        Some(bytes("y"))
+    );
     assert_eq!(store.get(&owner, "overwritten").await.expect("get"), Some(bytes("new")));
 }
 
 async fn empty_value_is_stored_and_differs_from_an_absent_key(store: &dyn StateStore) {
     let owner = actor("agent", "a");
-    commit(store, &owner, TurnCommit { state: Some(Bytes::new()), writes: vec![put("empty", "")] })
-        .await;
+    commit(
+        store,
+        &owner,
+        TurnCommit {
+            state: Some(Bytes::new()),
+            writes: vec![put("empty", "")],
+        },
+    )
+    .await;
     assert_eq!(store.load(&owner).await.expect("load"), Some(Bytes::new()));
     assert_eq!(store.get(&owner, "empty").await.expect("get"), Some(Bytes::new()));
     assert_eq!(scan_keys(store, &owner, "").await, strings(&["empty"]));
@@ -306,22 +341,23 @@ async fn oversized_state_is_refused_and_nothing_of_that_commit_is_visible(store:
 
 async fn oversized_key_is_refused_and_nothing_of_that_commit_is_visible(store: &dyn StateStore) {
     let oversized_key = "k".repeat(STATE_KEY_LENGTH_MAX + 1);
-    let refused =
-        state_commit("B", vec![put("new", "fresh"), delete("a1"), put(&oversized_key, "v")]);
+    let refused = state_commit("B", vec![put("new", "fresh"), delete("a1"), put(&oversized_key, "v")]);
     refused_commit_leaves_nothing(store, refused).await;
 }
 
 async fn too_many_writes_are_refused_and_nothing_of_that_commit_is_visible(store: &dyn StateStore) {
-    let mut writes: Vec<_> =
-        (0..TURN_WRITES_MAX).map(|index| put(&format!("new{index:05}"), "v")).collect();
+    let mut writes: Vec<_> = (0..TURN_WRITES_MAX)
+        .map(|index| put(&format!("new{index:05}"), "v"))
+        .collect();
     writes.push(delete("a1"));
     refused_commit_leaves_nothing(store, state_commit("B", writes)).await;
 }
 
 async fn most_writes_allowed_in_one_commit_are_accepted(store: &dyn StateStore) {
     let owner = actor("agent", "a");
-    let writes: Vec<_> =
-        (0..TURN_WRITES_MAX).map(|index| put(&format!("key{index:05}"), "v")).collect();
+    let writes: Vec<_> = (0..TURN_WRITES_MAX)
+        .map(|index| put(&format!("key{index:05}"), "v"))
+        .collect();
     let longest_key = "k".repeat(STATE_KEY_LENGTH_MAX);
     commit(store, &owner, writes_commit(writes)).await;
     commit(store, &owner, writes_commit(vec![put(&longest_key, "v")])).await;
@@ -356,7 +392,10 @@ async fn scan_returns_only_keys_with_the_prefix_in_key_order(store: &dyn StateSt
     ];
     commit(store, &owner, writes_commit(writes)).await;
 
-    assert_eq!(scan_keys(store, &owner, "note/").await, strings(&["note/1", "note/2", "note/3"]));
+    assert_eq!(
+        scan_keys(store, &owner, "note/").await,
+        strings(&["note/1", "note/2", "note/3"])
+    );
     assert_eq!(
         scan_keys(store, &owner, "note").await,
         strings(&["note", "note/1", "note/2", "note/3", "notes"])
@@ -369,8 +408,12 @@ async fn scan_returns_only_keys_with_the_prefix_in_key_order(store: &dyn StateSt
 
 async fn scan_with_an_empty_prefix_returns_every_key_of_the_actor(store: &dyn StateStore) {
     let owner = actor("agent", "a");
-    commit(store, &owner, writes_commit(vec![put("b", "2"), put("a", "1"), put("", "empty key")]))
-        .await;
+    commit(
+        store,
+        &owner,
+        writes_commit(vec![put("b", "2"), put("a", "1"), put("", "empty key")]),
+    )
+    .await;
     assert_eq!(scan_keys(store, &owner, "").await, strings(&["", "a", "b"]));
 }
 
@@ -379,9 +422,15 @@ async fn scan_starts_strictly_after_the_given_key(store: &dyn StateStore) {
     let writes = vec![put("p/1", "1"), put("p/2", "2"), put("p/3", "3"), put("q", "4")];
     commit(store, &owner, writes_commit(writes)).await;
 
-    assert_eq!(scan_page(store, &owner, "p/", Some("p/1"), 10).await, strings(&["p/2", "p/3"]));
+    assert_eq!(
+        scan_page(store, &owner, "p/", Some("p/1"), 10).await,
+        strings(&["p/2", "p/3"])
+    );
     // `after` need not be a stored key.
-    assert_eq!(scan_page(store, &owner, "p/", Some("p/15"), 10).await, strings(&["p/2", "p/3"]));
+    assert_eq!(
+        scan_page(store, &owner, "p/", Some("p/15"), 10).await,
+        strings(&["p/2", "p/3"])
+    );
     // `after` before the prefix: the whole prefix.
     assert_eq!(
         scan_page(store, &owner, "p/", Some("a"), 10).await,
@@ -397,14 +446,15 @@ async fn scan_starts_strictly_after_the_given_key(store: &dyn StateStore) {
     );
 }
 
-async fn scan_after_a_key_before_the_prefix_returns_the_prefix_from_its_start(
-    store: &dyn StateStore,
-) {
+async fn scan_after_a_key_before_the_prefix_returns_the_prefix_from_its_start(store: &dyn StateStore) {
     let owner = actor("agent", "a");
     let writes = vec![put("a", "between after and prefix"), put("m/1", "1"), put("m/2", "2")];
     commit(store, &owner, writes_commit(writes)).await;
     // Key `a` sorts after `after` but before the prefix; it must not end the scan.
-    assert_eq!(scan_page(store, &owner, "m/", Some("0"), 10).await, strings(&["m/1", "m/2"]));
+    assert_eq!(
+        scan_page(store, &owner, "m/", Some("0"), 10).await,
+        strings(&["m/1", "m/2"])
+    );
     assert_eq!(scan_page(store, &owner, "m/", Some("0"), 1).await, strings(&["m/1"]));
 }
 
@@ -413,8 +463,14 @@ async fn scan_returns_at_most_limit_entries(store: &dyn StateStore) {
     let writes = (0..10).map(|index| put(&format!("k{index}"), "v")).collect();
     commit(store, &owner, writes_commit(writes)).await;
 
-    assert_eq!(scan_page(store, &owner, "k", None, 3).await, strings(&["k0", "k1", "k2"]));
-    assert_eq!(scan_page(store, &owner, "k", Some("k7"), 5).await, strings(&["k8", "k9"]));
+    assert_eq!(
+        scan_page(store, &owner, "k", None, 3).await,
+        strings(&["k0", "k1", "k2"])
+    );
+    assert_eq!(
+        scan_page(store, &owner, "k", Some("k7"), 5).await,
+        strings(&["k8", "k9"])
+    );
     assert_eq!(scan_page(store, &owner, "k", None, 1).await, strings(&["k0"]));
     assert!(scan_page(store, &owner, "k", None, 0).await.is_empty());
 }
@@ -424,7 +480,12 @@ async fn scan_pages_through_every_entry_with_after_and_limit(store: &dyn StateSt
     let expected: Vec<String> = (0..25).map(|index| format!("page/{index:03}")).collect();
     let writes = expected.iter().rev().map(|key| put(key, "v")).collect();
     commit(store, &owner, writes_commit(writes)).await;
-    commit(store, &owner, writes_commit(vec![put("pagf", "outside"), put("pag", "outside")])).await;
+    commit(
+        store,
+        &owner,
+        writes_commit(vec![put("pagf", "outside"), put("pag", "outside")]),
+    )
+    .await;
 
     let mut seen = Vec::new();
     let mut after: Option<String> = None;
@@ -445,7 +506,12 @@ async fn scan_returns_at_most_the_scan_limit_maximum(store: &dyn StateStore) {
     let total = STATE_SCAN_LIMIT_MAX + 5;
     let keys: Vec<String> = (0..total).map(|index| format!("k{index:06}")).collect();
     for chunk in keys.chunks(TURN_WRITES_MAX) {
-        commit(store, &owner, writes_commit(chunk.iter().map(|key| put(key, "")).collect())).await;
+        commit(
+            store,
+            &owner,
+            writes_commit(chunk.iter().map(|key| put(key, "")).collect()),
+        )
+        .await;
     }
     let page = scan_page(store, &owner, "k", None, usize::MAX).await;
     assert_eq!(page.len(), STATE_SCAN_LIMIT_MAX);
@@ -457,7 +523,12 @@ async fn scan_does_not_leak_keys_of_an_actor_whose_id_extends_this_one(store: &d
     let long = actor("agent", "ab");
     let slashed = actor("agent", "a/b");
     let other_kind = actor("tool", "a");
-    commit(store, &short, writes_commit(vec![put("b/1", "short"), put("x", "short")])).await;
+    commit(
+        store,
+        &short,
+        writes_commit(vec![put("b/1", "short"), put("x", "short")]),
+    )
+    .await;
     commit(
         store,
         &long,
@@ -469,7 +540,10 @@ async fn scan_does_not_leak_keys_of_an_actor_whose_id_extends_this_one(store: &d
 
     assert_eq!(scan_keys(store, &short, "").await, strings(&["b/1", "x"]));
     assert_eq!(scan_keys(store, &short, "b").await, strings(&["b/1"]));
-    assert_eq!(scan_page(store, &short, "b", Some("b/1"), 10).await, Vec::<String>::new());
+    assert_eq!(
+        scan_page(store, &short, "b", Some("b/1"), 10).await,
+        Vec::<String>::new()
+    );
     assert_eq!(scan_keys(store, &long, "b").await, strings(&["b/1", "b/2"]));
     assert_eq!(scan_keys(store, &slashed, "").await, strings(&["b/3"]));
     assert_eq!(scan_keys(store, &other_kind, "").await, strings(&["b/4"]));
@@ -513,8 +587,12 @@ async fn scan_orders_non_ascii_keys_by_their_bytes(store: &dyn StateStore) {
 async fn keys_and_states_of_two_actors_never_mix(store: &dyn StateStore) {
     let first = actor("agent", "a");
     let second = actor("agent", "ab");
-    commit(store, &first, state_commit("first", vec![put("shared", "1"), put("only-first", "1")]))
-        .await;
+    commit(
+        store,
+        &first,
+        state_commit("first", vec![put("shared", "1"), put("only-first", "1")]),
+    )
+    .await;
     commit(store, &second, state_commit("second", vec![put("shared", "2")])).await;
     commit(store, &second, writes_commit(vec![delete("only-first")])).await;
     commit(store, &first, writes_commit(vec![delete("shared")])).await;
@@ -584,7 +662,11 @@ async fn random_commits_and_scans_match_a_btreemap_model(store: &dyn StateStore)
             }
             commit(store, &owners[owner], TurnCommit { state, writes }).await;
         } else {
-            let prefix = if random.below(4) == 0 { String::new() } else { random.key(&FRAGMENTS) };
+            let prefix = if random.below(4) == 0 {
+                String::new()
+            } else {
+                random.key(&FRAGMENTS)
+            };
             let after = (random.below(2) == 0).then(|| random.key(&FRAGMENTS));
             let limit = random.below(6);
             let expected: Vec<(String, Bytes)> = entries
@@ -597,8 +679,10 @@ async fn random_commits_and_scans_match_a_btreemap_model(store: &dyn StateStore)
                 .take(limit)
                 .map(|((_, entry_key), value)| (entry_key.clone(), value.clone()))
                 .collect();
-            let actual =
-                store.scan(&owners[owner], &prefix, after.as_deref(), limit).await.expect("scan");
+            let actual = store
+                .scan(&owners[owner], &prefix, after.as_deref(), limit)
+                .await
+                .expect("scan");
             assert_eq!(
                 actual, expected,
                 "step {step}: prefix {prefix:?}, after {after:?}, limit {limit}"

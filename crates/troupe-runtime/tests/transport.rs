@@ -69,8 +69,7 @@ struct ProbeActor;
 #[async_trait]
 impl Actor for ProbeActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
-        let probe: Probe =
-            bincode::deserialize(&payload).map_err(|error| ActorError::failed(error.to_string()))?;
+        let probe: Probe = bincode::deserialize(&payload).map_err(|error| ActorError::failed(error.to_string()))?;
         match probe {
             Probe::Echo(bytes) => Ok(Bytes::from(bytes)),
             Probe::ReportContext => {
@@ -78,8 +77,7 @@ impl Actor for ProbeActor {
                 let report = ContextReport {
                     depth: context.depth(),
                     chain: context.chain().to_vec(),
-                    remaining_us: u64::try_from(turn.deadline().remaining(turn.handle().now()).as_micros())
-                        .unwrap(),
+                    remaining_us: u64::try_from(turn.deadline().remaining(turn.handle().now()).as_micros()).unwrap(),
                     deadline_us: turn.deadline().as_micros(),
                 };
                 Ok(Bytes::from(bincode::serialize(&report).unwrap()))
@@ -102,9 +100,7 @@ fn probe_runtime() -> Runtime {
     Runtime::builder()
         .register(
             ActorKind::new(PROBE_KIND).unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-                Ok(Box::new(ProbeActor))
-            },
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(ProbeActor)) },
             KindConfig::default(),
         )
         .unwrap()
@@ -131,11 +127,20 @@ async fn echo(
     bytes: &[u8],
     timeout: Duration,
 ) -> Result<Bytes, InvokeError> {
-    client.invoke(&probe(key), encode(&Probe::Echo(bytes.to_vec())), root_context(clock, timeout), None).await
+    client
+        .invoke(
+            &probe(key),
+            encode(&Probe::Echo(bytes.to_vec())),
+            root_context(clock, timeout),
+            None,
+        )
+        .await
 }
 
 async fn count(client: &TransportClient, clock: &Clock, key: &str, timeout: Duration) -> Result<u64, InvokeError> {
-    let reply = client.invoke(&probe(key), encode(&Probe::Count), root_context(clock, timeout), None).await?;
+    let reply = client
+        .invoke(&probe(key), encode(&Probe::Count), root_context(clock, timeout), None)
+        .await?;
     Ok(u64::from_be_bytes(reply[..].try_into().unwrap()))
 }
 
@@ -183,7 +188,9 @@ mod loopback {
         let (_runtime, server) = start_server().await;
         let clock = Clock::new();
         let client = TransportClient::new(server.local_address(), clock);
-        let reply = echo(&client, &clock, "a", b"hello", Duration::from_secs(5)).await.unwrap();
+        let reply = echo(&client, &clock, "a", b"hello", Duration::from_secs(5))
+            .await
+            .unwrap();
         assert_eq!(&reply[..], b"hello");
         assert_eq!(client.stats().connections_opened, 1);
         assert_eq!(client.stats().requests_in_flight, 0);
@@ -212,11 +219,22 @@ mod loopback {
         assert_eq!(report.depth, 2);
         assert_eq!(report.chain, vec![outer, inner]);
         let remaining = Duration::from_micros(report.remaining_us);
-        assert!(remaining <= budget, "the remote deadline grew: {remaining:?} > {budget:?}");
-        assert!(remaining >= budget - Duration::from_secs(1), "the remote deadline shrank to {remaining:?}");
+        assert!(
+            remaining <= budget,
+            "the remote deadline grew: {remaining:?} > {budget:?}"
+        );
+        assert!(
+            remaining >= budget - Duration::from_secs(1),
+            "the remote deadline shrank to {remaining:?}"
+        );
 
         let reply = client
-            .invoke(&probe("target"), encode(&Probe::ReportContext), root_context(&clock, budget), None)
+            .invoke(
+                &probe("target"),
+                encode(&Probe::ReportContext),
+                root_context(&clock, budget),
+                None,
+            )
             .await
             .unwrap();
         let report: ContextReport = bincode::deserialize(&reply).unwrap();
@@ -234,21 +252,36 @@ mod loopback {
         let client = TransportClient::new(server.local_address(), clock);
 
         let expired = CallContext::root(clock.now());
-        let result = client.invoke(&probe("a"), encode(&Probe::Echo(vec![1])), expired, None).await;
-        assert!(matches!(result, Err(InvokeError::Timeout { timeout_ms: 0, .. })), "{result:?}");
+        let result = client
+            .invoke(&probe("a"), encode(&Probe::Echo(vec![1])), expired, None)
+            .await;
+        assert!(
+            matches!(result, Err(InvokeError::Timeout { timeout_ms: 0, .. })),
+            "{result:?}"
+        );
         assert_eq!(client.stats().connections_opened, 0, "an expired call must not connect");
 
         let started = clock.now();
         let sleepy = encode(&Probe::Sleep { milliseconds: 2_000 });
         let result = client
-            .invoke(&probe("sleepy"), sleepy, root_context(&clock, Duration::from_millis(100)), None)
+            .invoke(
+                &probe("sleepy"),
+                sleepy,
+                root_context(&clock, Duration::from_millis(100)),
+                None,
+            )
             .await;
         assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
         let waited = elapsed(&clock, started);
-        assert!(waited < Duration::from_millis(1_000), "waited {waited:?} for a 100 ms deadline");
+        assert!(
+            waited < Duration::from_millis(1_000),
+            "waited {waited:?} for a 100 ms deadline"
+        );
         assert_eq!(client.stats().requests_in_flight, 0);
 
-        let reply = echo(&client, &clock, "b", b"still", Duration::from_secs(5)).await.unwrap();
+        let reply = echo(&client, &clock, "b", b"still", Duration::from_secs(5))
+            .await
+            .unwrap();
         assert_eq!(&reply[..], b"still");
         assert_eq!(client.stats().connections_opened, 1);
     }
@@ -266,7 +299,12 @@ mod loopback {
             tokio::spawn(async move {
                 let sleepy = encode(&Probe::Sleep { milliseconds: 2_000 });
                 client
-                    .invoke(&probe("sleepy"), sleepy, root_context(&clock, Duration::from_secs(10)), None)
+                    .invoke(
+                        &probe("sleepy"),
+                        sleepy,
+                        root_context(&clock, Duration::from_secs(10)),
+                        None,
+                    )
                     .await
             })
         };
@@ -286,7 +324,10 @@ mod loopback {
             assert_eq!(&reply.unwrap()[..], &[i]);
         }
         let waited = elapsed(&clock, started);
-        assert!(waited < Duration::from_millis(1_500), "echoes waited {waited:?} behind the sleeper");
+        assert!(
+            waited < Duration::from_millis(1_500),
+            "echoes waited {waited:?} behind the sleeper"
+        );
         assert!(!sleeper.is_finished(), "the sleeper should still be running");
         sleeper.await.unwrap().unwrap();
         assert_eq!(client.stats().connections_opened, 1);
@@ -310,7 +351,9 @@ mod loopback {
                 tokio::spawn(async move {
                     let sleepy = encode(&Probe::Sleep { milliseconds: 20_000 });
                     let target = probe(&format!("sleepy-{i}"));
-                    client.invoke(&target, sleepy, root_context(&clock, Duration::from_secs(30)), None).await
+                    client
+                        .invoke(&target, sleepy, root_context(&clock, Duration::from_secs(30)), None)
+                        .await
                 })
             })
             .collect();
@@ -329,7 +372,9 @@ mod loopback {
         assert!(matches!(result, Err(InvokeError::Unreachable { .. })), "{result:?}");
 
         let _server = TransportServer::bind(address, runtime.handle()).await.unwrap();
-        let reply = echo(&client, &clock, "a", b"back", Duration::from_secs(5)).await.unwrap();
+        let reply = echo(&client, &clock, "a", b"back", Duration::from_secs(5))
+            .await
+            .unwrap();
         assert_eq!(&reply[..], b"back");
         assert_eq!(client.stats().connections_opened, 2);
     }
@@ -443,12 +488,21 @@ mod loopback {
 
         #[derive(Debug, Serialize, Deserialize)]
         pub(super) enum ClientMessage {
-            Hello { magic: u32, version: u16, client_now_us: u64 },
+            Hello {
+                magic: u32,
+                version: u16,
+                client_now_us: u64,
+            },
         }
 
         #[derive(Debug, Serialize, Deserialize)]
         pub(super) enum ServerMessage {
-            HelloAck { magic: u32, version: u16, client_now_us: u64, server_now_us: u64 },
+            HelloAck {
+                magic: u32,
+                version: u16,
+                client_now_us: u64,
+                server_now_us: u64,
+            },
         }
 
         pub(super) fn frame<T: Serialize>(message: &T) -> Vec<u8> {
@@ -478,10 +532,19 @@ mod loopback {
     async fn a_client_of_another_protocol_version_gets_the_servers_version_and_is_closed() {
         let (_runtime, server) = start_server().await;
         let mut stream = TcpStream::connect(server.local_address()).await.unwrap();
-        let hello = mirror::ClientMessage::Hello { magic: mirror::MAGIC, version: 999, client_now_us: 42 };
+        let hello = mirror::ClientMessage::Hello {
+            magic: mirror::MAGIC,
+            version: 999,
+            client_now_us: 42,
+        };
         stream.write_all(&mirror::frame(&hello)).await.unwrap();
         let answer: mirror::ServerMessage = mirror::decode(&read_raw_frame(&mut stream).await);
-        let mirror::ServerMessage::HelloAck { magic, version, client_now_us, .. } = answer;
+        let mirror::ServerMessage::HelloAck {
+            magic,
+            version,
+            client_now_us,
+            ..
+        } = answer;
         assert_eq!((magic, client_now_us), (mirror::MAGIC, 42));
         assert_ne!(version, 999);
         expect_closed_by_peer(&mut stream).await;
@@ -498,8 +561,12 @@ mod loopback {
             let (mut stream, _) = listener.accept().await.unwrap();
             let hello: mirror::ClientMessage = mirror::decode(&read_raw_frame(&mut stream).await);
             let mirror::ClientMessage::Hello { client_now_us, .. } = hello;
-            let ack =
-                mirror::ServerMessage::HelloAck { magic: mirror::MAGIC, version: 999, client_now_us, server_now_us: 0 };
+            let ack = mirror::ServerMessage::HelloAck {
+                magic: mirror::MAGIC,
+                version: 999,
+                client_now_us,
+                server_now_us: 0,
+            };
             stream.write_all(&mirror::frame(&ack)).await.unwrap();
             tokio::time::sleep(Duration::from_secs(30)).await;
         });
@@ -546,12 +613,16 @@ mod loopback {
 
         let mut junk = TcpStream::connect(server.local_address()).await.unwrap();
         let body = [0xFF_u8; 32];
-        junk.write_all(&u32::try_from(body.len()).unwrap().to_be_bytes()).await.unwrap();
+        junk.write_all(&u32::try_from(body.len()).unwrap().to_be_bytes())
+            .await
+            .unwrap();
         junk.write_all(&body).await.unwrap();
         expect_closed_by_peer(&mut junk).await;
 
         let client = TransportClient::new(server.local_address(), clock);
-        let reply = echo(&client, &clock, "a", b"fine", Duration::from_secs(5)).await.unwrap();
+        let reply = echo(&client, &clock, "a", b"fine", Duration::from_secs(5))
+            .await
+            .unwrap();
         assert_eq!(&reply[..], b"fine");
     }
 
@@ -615,7 +686,11 @@ mod simulated {
     }
 
     fn client_node(handle: &Handle) -> NodeHandle {
-        handle.create_node().name("client").ip(CLIENT_IP.parse::<IpAddr>().unwrap()).build()
+        handle
+            .create_node()
+            .name("client")
+            .ip(CLIENT_IP.parse::<IpAddr>().unwrap())
+            .build()
     }
 
     /// How late past its deadline a call may return: the simulator advances virtual time
@@ -623,9 +698,16 @@ mod simulated {
     const DEADLINE_SLACK: Duration = Duration::from_millis(1);
 
     /// Asserts that a call under a partition failed the way it may, and not after its deadline.
-    fn assert_failed_by_deadline<T: std::fmt::Debug>(result: &Result<T, InvokeError>, waited: Duration, deadline: Duration) {
+    fn assert_failed_by_deadline<T: std::fmt::Debug>(
+        result: &Result<T, InvokeError>,
+        waited: Duration,
+        deadline: Duration,
+    ) {
         assert!(
-            matches!(result, Err(InvokeError::Unreachable { .. } | InvokeError::Timeout { .. })),
+            matches!(
+                result,
+                Err(InvokeError::Unreachable { .. } | InvokeError::Timeout { .. })
+            ),
             "{result:?}"
         );
         assert!(
@@ -673,10 +755,14 @@ mod simulated {
 
                 net.unclog_link(client_id, server_id);
                 net.unclog_link(server_id, client_id);
-                let reply = echo(&warm, &clock, "a", b"healed", Duration::from_secs(30)).await.unwrap();
+                let reply = echo(&warm, &clock, "a", b"healed", Duration::from_secs(30))
+                    .await
+                    .unwrap();
                 assert_eq!(&reply[..], b"healed");
                 let fresh = TransportClient::new(server_address(), clock);
-                let reply = echo(&fresh, &clock, "b", b"fresh", Duration::from_secs(30)).await.unwrap();
+                let reply = echo(&fresh, &clock, "b", b"fresh", Duration::from_secs(30))
+                    .await
+                    .unwrap();
                 assert_eq!(&reply[..], b"fresh");
                 // The three requests held by the partition arrived after their deadline
                 // once it healed: the host answered them `Timeout` without running them,
@@ -706,7 +792,9 @@ mod simulated {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let clock = Clock::new();
                 let transport = std::sync::Arc::new(TransportClient::new(server_address(), clock));
-                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5))
+                    .await
+                    .unwrap();
 
                 let pending = {
                     let transport = std::sync::Arc::clone(&transport);
@@ -735,8 +823,9 @@ mod simulated {
 
                 Handle::current().restart(server_id);
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                let reply =
-                    echo(&transport, &clock, "a", b"restarted", Duration::from_secs(5)).await.unwrap();
+                let reply = echo(&transport, &clock, "a", b"restarted", Duration::from_secs(5))
+                    .await
+                    .unwrap();
                 assert_eq!(&reply[..], b"restarted");
                 let stats = transport.stats();
                 assert_eq!(stats.connections_opened, 2, "{stats:?}");
@@ -829,7 +918,11 @@ mod simulated {
                 assert_eq!(turns_of(key), 1, "the request delivered after its deadline ran");
                 assert_eq!(count(&transport, &clock, key, Duration::from_secs(5)).await.unwrap(), 2);
                 let stats = transport.stats();
-                assert_eq!((stats.connections_opened, stats.requests_in_flight), (1, 0), "{stats:?}");
+                assert_eq!(
+                    (stats.connections_opened, stats.requests_in_flight),
+                    (1, 0),
+                    "{stats:?}"
+                );
             })
             .await
             .unwrap();
@@ -882,18 +975,26 @@ mod simulated {
                 let budget = Duration::from_secs(2);
                 let context = root_context(&clock, budget);
                 let caller_deadline = client_epoch + i64::try_from(context.deadline().as_micros()).unwrap();
-                let reply =
-                    transport.invoke(&probe(key), encode(&Probe::ReportContext), context, None).await.unwrap();
+                let reply = transport
+                    .invoke(&probe(key), encode(&Probe::ReportContext), context, None)
+                    .await
+                    .unwrap();
                 let report: ContextReport = bincode::deserialize(&reply).unwrap();
 
                 let server_epoch = server_epoch.lock().unwrap().expect("the server started");
                 // server clock - client clock: negative, the server started later.
                 let true_offset_us = client_epoch - server_epoch;
-                assert!(true_offset_us <= -3_400_000, "the epochs should differ by about 3.5 s: {true_offset_us}");
+                assert!(
+                    true_offset_us <= -3_400_000,
+                    "the epochs should differ by about 3.5 s: {true_offset_us}"
+                );
                 let stats = transport.stats();
                 let estimate = stats.clock_offset_estimate_us.expect("connected");
                 let error = stats.clock_offset_error_us.expect("connected");
-                assert!((1_000..=10_000).contains(&error), "half a 2-20 ms round trip: {stats:?}");
+                assert!(
+                    (1_000..=10_000).contains(&error),
+                    "half a 2-20 ms round trip: {stats:?}"
+                );
                 assert!(
                     estimate.abs_diff(true_offset_us) <= error + 1,
                     "estimate {estimate} us, true {true_offset_us} us, bound {error} us"
@@ -903,9 +1004,15 @@ mod simulated {
                 // The remote turn's deadline, in real (simulated) time, is not after the
                 // caller's, and is earlier by at most the round trip plus allowances.
                 let remote_deadline = server_epoch + i64::try_from(report.deadline_us).unwrap();
-                assert!(remote_deadline <= caller_deadline, "{remote_deadline} us > {caller_deadline} us");
+                assert!(
+                    remote_deadline <= caller_deadline,
+                    "{remote_deadline} us > {caller_deadline} us"
+                );
                 let shortened_us = caller_deadline - remote_deadline;
-                assert!(shortened_us <= 2 * i64::try_from(error).unwrap() + 10, "shortened by {shortened_us} us");
+                assert!(
+                    shortened_us <= 2 * i64::try_from(error).unwrap() + 10,
+                    "shortened by {shortened_us} us"
+                );
 
                 // An old bound is refreshed by the next call (not on a timer).
                 tokio::time::sleep(Duration::from_secs(2)).await;
@@ -916,7 +1023,10 @@ mod simulated {
                 assert_eq!(stats.clock_syncs, 2, "{stats:?}");
                 let estimate = stats.clock_offset_estimate_us.unwrap();
                 let error = stats.clock_offset_error_us.unwrap();
-                assert!(estimate.abs_diff(true_offset_us) <= error + 1, "after refresh: {stats:?}");
+                assert!(
+                    estimate.abs_diff(true_offset_us) <= error + 1,
+                    "after refresh: {stats:?}"
+                );
                 assert_eq!(stats.connections_opened, 1);
             })
             .await
@@ -937,7 +1047,9 @@ mod simulated {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let clock = Clock::new();
                 let transport = TransportClient::new(server_address(), clock);
-                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5))
+                    .await
+                    .unwrap();
 
                 NetSim::current().update_config(|config| {
                     config.send_latency = Duration::from_millis(200)..Duration::from_millis(201);
@@ -948,13 +1060,18 @@ mod simulated {
                 assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
                 let waited = elapsed(&clock, started);
                 assert!(waited >= deadline, "timed out early, after {waited:?}");
-                assert!(waited <= deadline + DEADLINE_SLACK, "waited {waited:?} for a {deadline:?} deadline");
+                assert!(
+                    waited <= deadline + DEADLINE_SLACK,
+                    "waited {waited:?} for a {deadline:?} deadline"
+                );
                 assert_eq!(transport.stats().requests_in_flight, 0);
 
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 assert_eq!(transport.stats().late_replies_discarded, 1);
 
-                let reply = echo(&transport, &clock, "a", b"patient", Duration::from_secs(5)).await.unwrap();
+                let reply = echo(&transport, &clock, "a", b"patient", Duration::from_secs(5))
+                    .await
+                    .unwrap();
                 assert_eq!(&reply[..], b"patient");
                 assert_eq!(transport.stats().connections_opened, 1);
             })

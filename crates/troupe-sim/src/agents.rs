@@ -53,7 +53,13 @@ impl AgentSetup {
     /// A setup with `llm` and `agents`, the [`flaky_tool`] and no extra observers.
     pub fn new(llm: Arc<dyn LlmClient>, agents: Vec<AgentSpec>) -> Self {
         let tool_faults = ToolFaults::default();
-        Self { llm, agents, tools: vec![flaky_tool(tool_faults.clone())], observers: Vec::new(), tool_faults }
+        Self {
+            llm,
+            agents,
+            tools: vec![flaky_tool(tool_faults.clone())],
+            observers: Vec::new(),
+            tool_faults,
+        }
     }
 
     /// Adds an observer.
@@ -74,7 +80,8 @@ pub struct LlmFaults {
 impl LlmFaults {
     /// Every model answer takes `latency` longer.
     pub fn set_latency(&self, latency: Duration) {
-        self.latency_us.store(u64::try_from(latency.as_micros()).unwrap_or(u64::MAX), Ordering::SeqCst);
+        self.latency_us
+            .store(u64::try_from(latency.as_micros()).unwrap_or(u64::MAX), Ordering::SeqCst);
     }
 
     /// The next `count` model requests fail with `LlmError::Injected`.
@@ -121,7 +128,9 @@ impl LlmClient for FaultyLlm {
             .is_ok();
         if fail {
             self.faults.injected.fetch_add(1, Ordering::SeqCst);
-            return Err(LlmError::Injected { cause: "simulated provider outage".to_string() });
+            return Err(LlmError::Injected {
+                cause: "simulated provider outage".to_string(),
+            });
         }
         self.inner.complete(request).await
     }
@@ -178,7 +187,10 @@ struct FlakyTool {
 impl troupe_agent::ToolHandler for FlakyTool {
     async fn call(&self, _context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
         self.faults.calls.fetch_add(1, Ordering::SeqCst);
-        let fail = self.faults.fail_next.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1));
+        let fail = self
+            .faults
+            .fail_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1));
         if fail.is_ok() {
             self.faults.injected.fetch_add(1, Ordering::SeqCst);
             return Err(ToolError::failed(LOOKUP_TOOL_NAME, "simulated tool outage"));
@@ -206,7 +218,11 @@ pub struct TraceObserver {
 impl TraceObserver {
     /// An observer recording into `trace` for agents on `node`.
     pub fn new(node: u32, trace: Trace) -> Self {
-        Self { node, trace, calls: Mutex::default() }
+        Self {
+            node,
+            trace,
+            calls: Mutex::default(),
+        }
     }
 
     fn trace_time(&self, deadline: Deadline, at: Deadline) -> u64 {
@@ -218,7 +234,13 @@ impl AgentObserver for TraceObserver {
     fn on_event(&self, event: &AgentEvent) {
         let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
         match event {
-            AgentEvent::CallStarted { call, parent, caller, target, .. } => {
+            AgentEvent::CallStarted {
+                call,
+                parent,
+                caller,
+                target,
+                ..
+            } => {
                 let Some(caller) = caller else { return };
                 let id = self.trace.next_id();
                 calls.open.insert(*call, (id, *parent));
@@ -241,9 +263,19 @@ impl AgentObserver for TraceObserver {
                         self.trace.record(Event::AgentCallRefused { call: id, reason });
                     }
                 }
-                self.trace.record(Event::WaitEnd { call: id, outcome: outcome.label().to_string() });
+                self.trace.record(Event::WaitEnd {
+                    call: id,
+                    outcome: outcome.label().to_string(),
+                });
             }
-            AgentEvent::TurnStarted { agent, call, depth, chain, deadline, at } => {
+            AgentEvent::TurnStarted {
+                agent,
+                call,
+                depth,
+                chain,
+                deadline,
+                at,
+            } => {
                 let deadline_us = self.trace_time(*deadline, *at);
                 let parent_deadline_us = call
                     .and_then(|call| calls.open.get(&call).and_then(|(_, parent)| *parent))
@@ -264,10 +296,18 @@ impl AgentObserver for TraceObserver {
             }
             // Agents have no counter: their activations record a count of 0.
             AgentEvent::Activated { agent, .. } => {
-                self.trace.record(Event::Activated { node: self.node, actor: agent.to_string(), count: 0 });
+                self.trace.record(Event::Activated {
+                    node: self.node,
+                    actor: agent.to_string(),
+                    count: 0,
+                });
             }
             AgentEvent::Deactivated { agent, .. } => {
-                self.trace.record(Event::Deactivated { node: self.node, actor: agent.to_string(), count: 0 });
+                self.trace.record(Event::Deactivated {
+                    node: self.node,
+                    actor: agent.to_string(),
+                    count: 0,
+                });
             }
         }
     }

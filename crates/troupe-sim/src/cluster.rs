@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use troupe_core::{ActorId, CallContext, InvokeError};
 use troupe_agent::{AgentClient, AgentSystem};
+use troupe_core::{ActorId, CallContext, InvokeError};
 use troupe_runtime::{Clock, KindConfig, MemoryStore, Runtime, RuntimeHandle, TransportClient, TransportServer};
 
 use crate::agents::{AgentSetup, FaultyLlm, LlmFaults, TraceObserver, AGENT_NODE};
@@ -125,7 +125,12 @@ impl SimCluster {
                     async move { serve(number, config, disk, slot, trace).await }
                 })
                 .build();
-            nodes.push(Node { madsim_id: node.id(), disk, handle: slot, alive: true });
+            nodes.push(Node {
+                madsim_id: node.id(),
+                disk,
+                handle: slot,
+                alive: true,
+            });
         }
         let client_node = handle
             .create_node()
@@ -133,7 +138,9 @@ impl SimCluster {
             .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 1, 1)))
             .build();
         let client_clock = Clock::new();
-        let clients = (1..=config.nodes).map(|node| TransportClient::new(node_address(node), client_clock)).collect();
+        let clients = (1..=config.nodes)
+            .map(|node| TransportClient::new(node_address(node), client_clock))
+            .collect();
         let cluster = Self {
             nodes: Arc::new(Mutex::new(nodes)),
             client_node,
@@ -150,7 +157,12 @@ impl SimCluster {
 
     async fn wait_up(&self, node: NodeId) {
         loop {
-            if lock(&self.nodes)[node as usize - 1].handle.lock().map(|h| h.is_some()).unwrap_or(false) {
+            if lock(&self.nodes)[node as usize - 1]
+                .handle
+                .lock()
+                .map(|h| h.is_some())
+                .unwrap_or(false)
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_micros(10)).await;
@@ -271,7 +283,9 @@ impl SimCluster {
         timeout: Duration,
     ) -> Result<Bytes, InvokeError> {
         let context = CallContext::root(self.client_clock.deadline_in(timeout));
-        self.clients[node as usize - 1].invoke(target, payload, context, None).await
+        self.clients[node as usize - 1]
+            .invoke(target, payload, context, None)
+            .await
     }
 
     pub(crate) fn placement(&self) -> Placement {
@@ -296,7 +310,10 @@ async fn serve(
         admission: config.admission,
         router: Arc::clone(&router),
     });
-    let builder = Runtime::builder().store(store).register(probe_kind(), probes, config.kind).expect("the probe kind registers");
+    let builder = Runtime::builder()
+        .store(store)
+        .register(probe_kind(), probes, config.kind)
+        .expect("the probe kind registers");
     let (runtime, agents): (Option<Runtime>, Option<AgentSystem>) = match &config.agents {
         Some(setup) if node == AGENT_NODE => {
             let llm = Arc::new(FaultyLlm::new(Arc::clone(&setup.llm), config.llm_faults.clone()));
@@ -336,7 +353,10 @@ async fn serve(
         });
     }
     trace.record(Event::NodeStarted { node });
-    *lock(&slot) = Some(Published { runtime: handle, agents: agents.as_ref().map(AgentSystem::client) });
+    *lock(&slot) = Some(Published {
+        runtime: handle,
+        agents: agents.as_ref().map(AgentSystem::client),
+    });
     std::future::pending::<()>().await;
     drop((server, runtime, agents));
 }

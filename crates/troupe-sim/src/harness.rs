@@ -137,20 +137,31 @@ impl SimClient {
             target: target.to_string(),
             deadline_us: trace.clock().after_us(timeout),
         });
-        let payload = AgentRequest { text: text.to_string(), from: None, call: None }.encode();
+        let payload = AgentRequest {
+            text: text.to_string(),
+            from: None,
+            call: None,
+        }
+        .encode();
         let outcome = self
             .cluster
             .invoke(AGENT_NODE, &target, payload, timeout)
             .await
             .map(|bytes| AgentReply::decode(&bytes).expect("an agent reply decodes"));
         if outcome.is_ok() {
-            trace.record(Event::AgentAcked { agent: target.to_string(), text: text.to_string() });
+            trace.record(Event::AgentAcked {
+                agent: target.to_string(),
+                text: text.to_string(),
+            });
         }
         let described = match &outcome {
             Ok(reply) => format!("ok {:?}", reply.text),
             Err(error) => format!("error {error:?}"),
         };
-        trace.record(Event::RequestResolved { request, outcome: described });
+        trace.record(Event::RequestResolved {
+            request,
+            outcome: described,
+        });
         outcome
     }
 
@@ -160,21 +171,40 @@ impl SimClient {
         let name = actor.to_string();
         let request = trace.next_id();
         let deadline_us = trace.clock().after_us(timeout);
-        trace.record(Event::RequestSent { request, target: name.clone(), deadline_us });
+        trace.record(Event::RequestSent {
+            request,
+            target: name.clone(),
+            deadline_us,
+        });
         let (leaf_target, leaf) = op.leaf();
         let leaf_actor = leaf_target.map_or_else(|| name.clone(), str::to_string);
         match leaf {
             ProbeOp::Add { amount } => {
-                trace.record(Event::AddSent { request, actor: leaf_actor.clone(), amount: *amount });
+                trace.record(Event::AddSent {
+                    request,
+                    actor: leaf_actor.clone(),
+                    amount: *amount,
+                });
             }
-            ProbeOp::Get => trace.record(Event::GetSent { request, actor: leaf_actor.clone() }),
+            ProbeOp::Get => trace.record(Event::GetSent {
+                request,
+                actor: leaf_actor.clone(),
+            }),
             _ => {}
         }
-        let payload = ProbeRequest { op: op.clone(), parent_deadline_us: deadline_us, sender_node: 0 }.encode();
+        let payload = ProbeRequest {
+            op: op.clone(),
+            parent_deadline_us: deadline_us,
+            sender_node: 0,
+        }
+        .encode();
         let mut attempt_timeout = timeout;
         let outcome = loop {
             let node = self.route(key);
-            let result = self.cluster.invoke(node, &actor, payload.clone(), attempt_timeout).await;
+            let result = self
+                .cluster
+                .invoke(node, &actor, payload.clone(), attempt_timeout)
+                .await;
             match (self.mode, result) {
                 (ClientMode::BugRetryIgnoresDeadline, Err(error)) if error.is_transient() => {
                     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -185,13 +215,25 @@ impl SimClient {
         };
         match (leaf, &outcome) {
             (ProbeOp::Add { .. }, Ok(ProbeReply::Count(value))) => {
-                trace.record(Event::AddAcked { request, actor: leaf_actor.clone(), value: *value });
+                trace.record(Event::AddAcked {
+                    request,
+                    actor: leaf_actor.clone(),
+                    value: *value,
+                });
             }
             (ProbeOp::Get, Ok(ProbeReply::Count(value))) => {
-                trace.record(Event::GetReplied { request, actor: leaf_actor.clone(), value: *value });
+                trace.record(Event::GetReplied {
+                    request,
+                    actor: leaf_actor.clone(),
+                    value: *value,
+                });
             }
             (ProbeOp::Audit, Ok(ProbeReply::Audit { batches, groups })) => {
-                trace.record(Event::Audited { actor: leaf_actor.clone(), batches: *batches, groups: groups.clone() });
+                trace.record(Event::Audited {
+                    actor: leaf_actor.clone(),
+                    batches: *batches,
+                    groups: groups.clone(),
+                });
             }
             _ => {}
         }
@@ -199,7 +241,10 @@ impl SimClient {
             Ok(reply) => format!("ok {reply:?}"),
             Err(error) => format!("error {error:?}"),
         };
-        trace.record(Event::RequestResolved { request, outcome: described });
+        trace.record(Event::RequestResolved {
+            request,
+            outcome: described,
+        });
         outcome
     }
 }
@@ -256,7 +301,11 @@ impl Sim {
                     "trace hash {:016x} after {} events\nviolations:\n  {}\nlast events:\n{}",
                     described.hash(),
                     described.len(),
-                    if violations.is_empty() { "(none)".to_string() } else { violations.join("\n  ") },
+                    if violations.is_empty() {
+                        "(none)".to_string()
+                    } else {
+                        violations.join("\n  ")
+                    },
                     described.tail()
                 )
             }),
@@ -266,7 +315,10 @@ impl Sim {
             .with_mailbox_capacity(config.mailbox_capacity)
             .with_idle_timeout(config.idle_timeout);
         let llm_faults = LlmFaults::default();
-        let tool_faults = agents.as_ref().map(|setup| setup.tool_faults.clone()).unwrap_or_default();
+        let tool_faults = agents
+            .as_ref()
+            .map(|setup| setup.tool_faults.clone())
+            .unwrap_or_default();
         let cluster = SimCluster::start(
             ClusterConfig {
                 nodes: config.nodes,
@@ -281,10 +333,16 @@ impl Sim {
             trace.clone(),
         )
         .await;
-        let client = SimClient { cluster: cluster.clone(), trace: trace.clone(), mode: config.client };
+        let client = SimClient {
+            cluster: cluster.clone(),
+            trace: trace.clone(),
+            mode: config.client,
+        };
         let mut longest = Duration::ZERO;
         NetSim::current().update_config(|net| longest = net.send_latency.end);
-        trace.record(Event::LinkLatencyMax { us: u64::try_from(longest.as_micros()).unwrap_or(u64::MAX) });
+        trace.record(Event::LinkLatencyMax {
+            us: u64::try_from(longest.as_micros()).unwrap_or(u64::MAX),
+        });
         Self {
             scenario,
             seed,
@@ -345,7 +403,8 @@ impl Sim {
         self.longest_timeout = self.longest_timeout.max(timeout);
         let client = self.client.clone();
         let key = key.to_string();
-        self.pending.push(tokio::spawn(async move { client.request(&key, op, timeout).await }));
+        self.pending
+            .push(tokio::spawn(async move { client.request(&key, op, timeout).await }));
     }
 
     /// Asks agent `agent` and waits for the answer; checks the invariants after it.
@@ -361,7 +420,8 @@ impl Sim {
         self.longest_timeout = self.longest_timeout.max(timeout);
         let client = self.client.clone();
         let (agent, text) = (agent.to_string(), text.to_string());
-        self.pending_asks.push(tokio::spawn(async move { client.ask(&agent, &text, timeout).await }));
+        self.pending_asks
+            .push(tokio::spawn(async move { client.ask(&agent, &text, timeout).await }));
     }
 
     /// Waits for every background ask (as [`Sim::drain`] does for requests).
@@ -432,7 +492,9 @@ impl Sim {
 
     /// Injects `fault`.
     pub async fn inject(&self, fault: Fault) {
-        self.trace.record(Event::FaultInjected { fault: fault.to_string() });
+        self.trace.record(Event::FaultInjected {
+            fault: fault.to_string(),
+        });
         match fault {
             Fault::KillNode(node) => self.cluster.kill(node, false),
             Fault::CrashNode(node) => self.cluster.kill(node, true),
@@ -468,14 +530,18 @@ impl Sim {
 
     /// Heals the network only (links, latency, loss), in the middle of a phase.
     pub fn heal_network_now(&self) {
-        self.trace.record(Event::FaultInjected { fault: "heal the network".to_string() });
+        self.trace.record(Event::FaultInjected {
+            fault: "heal the network".to_string(),
+        });
         self.heal_network();
         self.check();
     }
 
     fn heal_network(&self) {
         let net = NetSim::current();
-        let ids: Vec<_> = (0..=self.cluster.len()).map(|node| self.cluster.network_id(node)).collect();
+        let ids: Vec<_> = (0..=self.cluster.len())
+            .map(|node| self.cluster.network_id(node))
+            .collect();
         for a in &ids {
             net.unclog_node(*a);
             for b in &ids {
@@ -638,7 +704,11 @@ impl Sim {
                 }
             }
         };
-        let tolerated: Vec<String> = report.tolerated.iter().map(|(name, count)| format!("{name}:{count}")).collect();
+        let tolerated: Vec<String> = report
+            .tolerated
+            .iter()
+            .map(|(name, count)| format!("{name}:{count}"))
+            .collect();
         let line = format!(
             "dst scenario={}::{} seed={} trace_hash={:016x} events={} virtual_ms={:.3} known_issues={} verdict={}",
             self.scenario.test,
@@ -647,7 +717,11 @@ impl Sim {
             report.trace_hash,
             report.events,
             report.virtual_us as f64 / 1000.0,
-            if tolerated.is_empty() { "none".to_string() } else { tolerated.join(",") },
+            if tolerated.is_empty() {
+                "none".to_string()
+            } else {
+                tolerated.join(",")
+            },
             verdict
         );
         println!("{line}");

@@ -23,15 +23,15 @@ mod turn_writes_atomic;
 mod wait_for_graph_acyclic;
 
 pub use deadline_monotone::DeadlineMonotone;
-pub use every_call_resolves::RESOLVE_SLACK_US;
-pub use wait_for_graph_acyclic::WAIT_FOR_CYCLE_GRACE_US;
 pub use depth_bounded::DepthBounded;
 pub use every_call_resolves::EveryCallResolves;
+pub use every_call_resolves::RESOLVE_SLACK_US;
 pub use no_acked_state_lost::NoAckedStateLost;
 pub use no_cycle_in_call_chain::NoCycleInCallChain;
 pub use single_activation::SingleActivation;
 pub use turn_writes_atomic::TurnWritesAtomic;
 pub use wait_for_graph_acyclic::WaitForGraphAcyclic;
+pub use wait_for_graph_acyclic::WAIT_FOR_CYCLE_GRACE_US;
 
 use crate::trace::Stamped;
 
@@ -77,7 +77,13 @@ pub struct Violation {
 
 impl std::fmt::Display for Violation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} violated at {:.3} ms: {}", self.invariant, self.at_us as f64 / 1000.0, self.detail)
+        write!(
+            f,
+            "{} violated at {:.3} ms: {}",
+            self.invariant,
+            self.at_us as f64 / 1000.0,
+            self.detail
+        )
     }
 }
 
@@ -107,7 +113,10 @@ impl Invariants {
 
     /// Exactly `checks`.
     pub fn of(checks: Vec<Box<dyn Invariant>>) -> Self {
-        Self { checks, violations: Vec::new() }
+        Self {
+            checks,
+            violations: Vec::new(),
+        }
     }
 
     /// The names of the invariants in this set.
@@ -120,7 +129,11 @@ impl Invariants {
         for check in &mut self.checks {
             if let Err(detail) = check.observe(event) {
                 if self.violations.len() < VIOLATIONS_KEPT_MAX {
-                    self.violations.push(Violation { invariant: check.name(), at_us: event.at_us, detail });
+                    self.violations.push(Violation {
+                        invariant: check.name(),
+                        at_us: event.at_us,
+                        detail,
+                    });
                 }
             }
         }
@@ -131,7 +144,11 @@ impl Invariants {
         for check in &mut self.checks {
             if let Err(detail) = check.finish(now_us) {
                 if self.violations.len() < VIOLATIONS_KEPT_MAX {
-                    self.violations.push(Violation { invariant: check.name(), at_us: now_us, detail });
+                    self.violations.push(Violation {
+                        invariant: check.name(),
+                        at_us: now_us,
+                        detail,
+                    });
                 }
             }
         }
@@ -144,7 +161,11 @@ impl Invariants {
 
     /// Tolerated known-issue violations, by invariant (only those with any).
     pub fn tolerated(&self) -> Vec<(&'static str, u64)> {
-        self.checks.iter().map(|check| (check.name(), check.tolerated())).filter(|(_, count)| *count > 0).collect()
+        self.checks
+            .iter()
+            .map(|check| (check.name(), check.tolerated()))
+            .filter(|(_, count)| *count > 0)
+            .collect()
     }
 }
 

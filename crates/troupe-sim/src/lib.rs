@@ -34,10 +34,10 @@
 
 #![warn(missing_docs)]
 
-/// The agent layer, re-exported for scenarios (the facade does not export it).
-pub use troupe_agent as agent;
 /// JSON for scripted tool calls in scenarios.
 pub use serde_json;
+/// The agent layer, re-exported for scenarios (the facade does not export it).
+pub use troupe_agent as agent;
 
 pub mod agents;
 mod guard;
@@ -53,15 +53,15 @@ mod cluster;
 mod faults;
 #[cfg(madsim)]
 mod harness;
+mod replay;
 #[cfg(madsim)]
 pub mod workload;
-mod replay;
 
 pub use guard::{require_simulator, SIMULATOR_REQUIRED};
 pub use invariants::{Invariants, Violation};
 pub use probe::{
-    node_address, owner_of, probe, probe_kind, Router, TRANSPORT_PORT, AdmissionMode, AuditGroup, ProbeConfig, ProbeFactory, ProbeOp, ProbeReply,
-    ProbeRequest, RefusalKind,
+    node_address, owner_of, probe, probe_kind, AdmissionMode, AuditGroup, ProbeConfig, ProbeFactory, ProbeOp,
+    ProbeReply, ProbeRequest, RefusalKind, Router, TRANSPORT_PORT,
 };
 pub use replay::{replay_cargo_command, replay_command, Scenario};
 pub use rng::SimRng;

@@ -59,7 +59,12 @@ pub struct Router {
 impl Router {
     /// The router of node `node` of `nodes`, on the runtime clock `clock`.
     pub fn new(node: u32, nodes: u32, clock: Clock) -> Self {
-        Self { node, nodes, clock, clients: Mutex::new(BTreeMap::new()) }
+        Self {
+            node,
+            nodes,
+            clock,
+            clients: Mutex::new(BTreeMap::new()),
+        }
     }
 
     /// The node hosting `target`: its owner for probes; this node for other kinds.
@@ -73,7 +78,11 @@ impl Router {
 
     fn client(&self, node: u32) -> Arc<TransportClient> {
         let mut clients = self.clients.lock().unwrap_or_else(PoisonError::into_inner);
-        Arc::clone(clients.entry(node).or_insert_with(|| Arc::new(TransportClient::new(node_address(node), self.clock))))
+        Arc::clone(
+            clients
+                .entry(node)
+                .or_insert_with(|| Arc::new(TransportClient::new(node_address(node), self.clock))),
+        )
     }
 }
 
@@ -168,7 +177,11 @@ impl ProbeOp {
         let mut op = self;
         loop {
             match op {
-                ProbeOp::Call { target: next, op: inner, .. } => {
+                ProbeOp::Call {
+                    target: next,
+                    op: inner,
+                    ..
+                } => {
                     target = Some(next.as_str());
                     op = inner;
                 }
@@ -310,7 +323,11 @@ impl ActorFactory for ProbeFactory {
             Some(bytes) => bincode::deserialize(&bytes).map_err(|error| ActorError::failed(error.to_string()))?,
             None => ProbeState::default(),
         };
-        Ok(Box::new(Probe { name: id.to_string(), state, config: self.config.clone() }))
+        Ok(Box::new(Probe {
+            name: id.to_string(),
+            state,
+            config: self.config.clone(),
+        }))
     }
 }
 
@@ -331,7 +348,10 @@ struct WaitGuard {
 impl Drop for WaitGuard {
     fn drop(&mut self) {
         let outcome = self.outcome.take().unwrap_or_else(|| "abandoned".to_string());
-        self.trace.record(Event::WaitEnd { call: self.call, outcome });
+        self.trace.record(Event::WaitEnd {
+            call: self.call,
+            outcome,
+        });
     }
 }
 
@@ -345,11 +365,17 @@ struct ForgedContext {
 
 impl Probe {
     fn deadline_us(&self, turn: &Turn) -> u64 {
-        self.config.trace.clock().after_us(turn.deadline().remaining(turn.handle().now()))
+        self.config
+            .trace
+            .clock()
+            .after_us(turn.deadline().remaining(turn.handle().now()))
     }
 
     fn context_deadline_us(&self, turn: &Turn, context: &CallContext) -> u64 {
-        self.config.trace.clock().after_us(context.deadline().remaining(turn.handle().now()))
+        self.config
+            .trace
+            .clock()
+            .after_us(context.deadline().remaining(turn.handle().now()))
     }
 
     fn admit(&self, turn: &Turn, target: &ActorId, timeout_ms: u64) -> Result<CallAdmitted, CallRefused> {
@@ -364,7 +390,10 @@ impl Probe {
         };
         let now = request.now;
         let forced = |context: &CallContext| {
-            let child = context.child(turn.id().clone(), Deadline::after(now, Duration::from_millis(timeout_ms)));
+            let child = context.child(
+                turn.id().clone(),
+                Deadline::after(now, Duration::from_millis(timeout_ms)),
+            );
             let timeout = child.deadline().remaining(now);
             CallAdmitted { child, timeout }
         };
@@ -379,19 +408,16 @@ impl Probe {
                 };
                 let bytes = bincode::serialize(&forged).expect("a context encodes");
                 let child: CallContext = bincode::deserialize(&bytes).expect("the forged context decodes");
-                Ok(CallAdmitted { timeout: child.deadline().remaining(now), child })
+                Ok(CallAdmitted {
+                    timeout: child.deadline().remaining(now),
+                    child,
+                })
             }
             (_, decision) => decision,
         }
     }
 
-    async fn call(
-        &self,
-        turn: &Turn,
-        target: &str,
-        op: ProbeOp,
-        timeout_ms: u64,
-    ) -> Result<ProbeReply, ActorError> {
+    async fn call(&self, turn: &Turn, target: &str, op: ProbeOp, timeout_ms: u64) -> Result<ProbeReply, ActorError> {
         let trace = &self.config.trace;
         let (kind, key) = target.split_once('/').unwrap_or((PROBE_KIND, target));
         let target = ActorId::new(kind, key).map_err(|error| ActorError::failed(error.to_string()))?;
@@ -399,7 +425,11 @@ impl Probe {
             Ok(admitted) => admitted,
             Err(refused) => {
                 let reason = RefusalKind::from(&refused);
-                trace.record(Event::CallRefused { caller: self.name.clone(), target: target.to_string(), reason });
+                trace.record(Event::CallRefused {
+                    caller: self.name.clone(),
+                    target: target.to_string(),
+                    reason,
+                });
                 return Ok(ProbeReply::Refused(reason));
             }
         };
@@ -415,11 +445,29 @@ impl Probe {
             deadline_us,
             parent_deadline_us,
         });
-        let payload = ProbeRequest { op, parent_deadline_us: deadline_us, sender_node: self.config.node }.encode();
-        let router = self.config.router.get().expect("the router is set before any turn runs");
+        let payload = ProbeRequest {
+            op,
+            parent_deadline_us: deadline_us,
+            sender_node: self.config.node,
+        }
+        .encode();
+        let router = self
+            .config
+            .router
+            .get()
+            .expect("the router is set before any turn runs");
         let host = router.host(&target);
-        trace.record(Event::WaitBegin { call, caller: self.name.clone(), target: target.to_string(), host });
-        let mut guard = WaitGuard { trace: trace.clone(), call, outcome: None };
+        trace.record(Event::WaitBegin {
+            call,
+            caller: self.name.clone(),
+            target: target.to_string(),
+            host,
+        });
+        let mut guard = WaitGuard {
+            trace: trace.clone(),
+            call,
+            outcome: None,
+        };
         let result = match self.config.admission {
             _ if host != router.node => {
                 let client = router.client(host);
@@ -429,11 +477,11 @@ impl Probe {
                 };
                 client.invoke(&target, payload, context, caller).await
             }
-            AdmissionMode::BugNoWaitForEdge => {
-                turn.handle().invoke(&target, payload, admitted.child.deadline()).await
-            }
+            AdmissionMode::BugNoWaitForEdge => turn.handle().invoke(&target, payload, admitted.child.deadline()).await,
             AdmissionMode::BugDeadlineGrows | AdmissionMode::BugSkipChainCheck | AdmissionMode::BugSkipDepthCheck => {
-                turn.handle().invoke_from(turn.id(), &target, payload, admitted.child).await
+                turn.handle()
+                    .invoke_from(turn.id(), &target, payload, admitted.child)
+                    .await
             }
             AdmissionMode::Real => turn.invoke_with_context(&target, payload, admitted.child).await,
         };
@@ -486,12 +534,24 @@ impl Probe {
                             .get(..4)
                             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                             .unwrap_or(0);
-                        let group = groups.entry(batch).or_insert(AuditGroup { batch, present: 0, expected });
+                        let group = groups.entry(batch).or_insert(AuditGroup {
+                            batch,
+                            present: 0,
+                            expected,
+                        });
                         group.present += 1;
                     }
-                    Ok(ProbeReply::Audit { batches: self.state.batches, groups: groups.into_values().collect() })
+                    Ok(ProbeReply::Audit {
+                        batches: self.state.batches,
+                        groups: groups.into_values().collect(),
+                    })
                 }
-                ProbeOp::Call { target, op, timeout_ms, delay_ms } => {
+                ProbeOp::Call {
+                    target,
+                    op,
+                    timeout_ms,
+                    delay_ms,
+                } => {
                     if delay_ms > 0 {
                         tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                     }
@@ -554,6 +614,8 @@ impl Actor for Probe {
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        Ok(Some(Bytes::from(bincode::serialize(&self.state).expect("a probe state encodes"))))
+        Ok(Some(Bytes::from(
+            bincode::serialize(&self.state).expect("a probe state encodes"),
+        )))
     }
 }

@@ -15,7 +15,10 @@ pub struct Scenario {
 
 /// The command that replays `scenario` with `seed`.
 pub fn replay_command(scenario: Scenario, seed: u64) -> String {
-    format!("MADSIM_TEST_SEED={seed} bash scripts/dst --replay {}::{}", scenario.test, scenario.name)
+    format!(
+        "MADSIM_TEST_SEED={seed} bash scripts/dst --replay {}::{}",
+        scenario.test, scenario.name
+    )
 }
 
 /// The raw cargo command the script runs for a replay.

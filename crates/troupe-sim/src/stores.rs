@@ -80,11 +80,22 @@ impl StateStore for SyncingStore {
             StoreMode::BugSplitCommit => {
                 commit.validate()?;
                 for write in commit.writes {
-                    let piece = TurnCommit { state: None, writes: vec![write] };
+                    let piece = TurnCommit {
+                        state: None,
+                        writes: vec![write],
+                    };
                     self.disk.commit(actor, piece).await?;
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-                self.disk.commit(actor, TurnCommit { state: commit.state, writes: Vec::new() }).await
+                self.disk
+                    .commit(
+                        actor,
+                        TurnCommit {
+                            state: commit.state,
+                            writes: Vec::new(),
+                        },
+                    )
+                    .await
             }
         }
     }

@@ -20,18 +20,25 @@ pub struct TraceClock {
 impl TraceClock {
     /// A clock whose zero is now.
     pub fn new() -> Self {
-        Self { epoch: tokio::time::Instant::now() }
+        Self {
+            epoch: tokio::time::Instant::now(),
+        }
     }
 
     /// Microseconds since the clock's zero.
     pub fn now_us(&self) -> u64 {
-        u64::try_from(tokio::time::Instant::now().saturating_duration_since(self.epoch).as_micros())
-            .unwrap_or(u64::MAX)
+        u64::try_from(
+            tokio::time::Instant::now()
+                .saturating_duration_since(self.epoch)
+                .as_micros(),
+        )
+        .unwrap_or(u64::MAX)
     }
 
     /// The trace time `remaining` from now.
     pub fn after_us(&self, remaining: std::time::Duration) -> u64 {
-        self.now_us().saturating_add(u64::try_from(remaining.as_micros()).unwrap_or(u64::MAX))
+        self.now_us()
+            .saturating_add(u64::try_from(remaining.as_micros()).unwrap_or(u64::MAX))
     }
 }
 
@@ -291,8 +298,16 @@ pub struct Trace {
 impl Trace {
     /// An empty trace checked by `invariants`, whose clock starts now.
     pub fn new(invariants: Invariants) -> Self {
-        let inner = Inner { events: Vec::new(), hash: Fnv(FNV_OFFSET), invariants, next_id: 1 };
-        Self { clock: TraceClock::new(), inner: Arc::new(Mutex::new(inner)) }
+        let inner = Inner {
+            events: Vec::new(),
+            hash: Fnv(FNV_OFFSET),
+            invariants,
+            next_id: 1,
+        };
+        Self {
+            clock: TraceClock::new(),
+            inner: Arc::new(Mutex::new(inner)),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -314,7 +329,10 @@ impl Trace {
 
     /// Records `event` now: stamps it, hashes it and runs every invariant over it.
     pub fn record(&self, event: Event) {
-        let stamped = Stamped { at_us: self.clock.now_us(), event };
+        let stamped = Stamped {
+            at_us: self.clock.now_us(),
+            event,
+        };
         let mut inner = self.lock();
         stamped.hash(&mut inner.hash);
         inner.invariants.observe(&stamped);

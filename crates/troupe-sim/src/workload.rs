@@ -31,7 +31,12 @@ pub struct FaultMix {
 impl FaultMix {
     /// Every fault.
     pub fn all() -> Self {
-        Self { kills: true, disk_crashes: true, storage: true, network: true }
+        Self {
+            kills: true,
+            disk_crashes: true,
+            storage: true,
+            network: true,
+        }
     }
 }
 
@@ -78,16 +83,28 @@ pub fn random_op(rng: &mut SimRng, keys: &[String]) -> (String, ProbeOp, Duratio
     let timeout = Duration::from_millis(rng.range(20, 200));
     let roll = rng.range(0, 100);
     let op = match roll {
-        0..=29 => ProbeOp::Add { amount: rng.range(1, 6) },
+        0..=29 => ProbeOp::Add {
+            amount: rng.range(1, 6),
+        },
         30..=39 => ProbeOp::Get,
         40..=49 => {
             let keys = rng.range(1, 5) as u32;
-            let fail_after = if rng.chance(25) { Some(rng.range(0, u64::from(keys)) as u32) } else { None };
+            let fail_after = if rng.chance(25) {
+                Some(rng.range(0, u64::from(keys)) as u32)
+            } else {
+                None
+            };
             ProbeOp::Batch { keys, fail_after }
         }
         50..=64 => ProbeOp::Call {
             target: target(&other),
-            op: Box::new(if rng.chance(70) { ProbeOp::Add { amount: rng.range(1, 4) } } else { ProbeOp::Get }),
+            op: Box::new(if rng.chance(70) {
+                ProbeOp::Add {
+                    amount: rng.range(1, 4),
+                }
+            } else {
+                ProbeOp::Get
+            }),
             timeout_ms: rng.range(5, 150),
             delay_ms: rng.range(0, 3),
         },
@@ -99,7 +116,9 @@ pub fn random_op(rng: &mut SimRng, keys: &[String]) -> (String, ProbeOp, Duratio
         }
         75..=82 => ProbeOp::Sleep {
             ms: rng.range(1, 60),
-            then: Box::new(ProbeOp::Add { amount: rng.range(1, 4) }),
+            then: Box::new(ProbeOp::Add {
+                amount: rng.range(1, 4),
+            }),
         },
         83..=87 => ProbeOp::Fail,
         88..=91 => ProbeOp::Reject,
@@ -196,5 +215,9 @@ pub async fn run_standard(sim: &mut Sim, shape: Standard) {
 
 /// `count` probe keys owned by `node` of `nodes` (searched in order `k0`, `k1`, ...).
 pub fn keys_on(node: u32, nodes: u32, count: usize) -> Vec<String> {
-    (0..).map(|index| format!("k{index}")).filter(|key| crate::probe::owner_of(key, nodes) == node).take(count).collect()
+    (0..)
+        .map(|index| format!("k{index}"))
+        .filter(|key| crate::probe::owner_of(key, nodes) == node)
+        .take(count)
+        .collect()
 }

@@ -265,14 +265,21 @@ impl TransportClient {
         let deadline = context.deadline();
         let now = self.clock.now();
         if deadline.has_passed(now) {
-            return Err(InvokeError::Timeout { target: target.clone(), timeout_ms: 0 });
+            return Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: 0,
+            });
         }
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
-        let waited =
-            self.clock.run_until(deadline, self.invoke_until_reply(target, payload, &context, caller));
+        let waited = self
+            .clock
+            .run_until(deadline, self.invoke_until_reply(target, payload, &context, caller));
         match waited.await {
             Ok(result) => result,
-            Err(_elapsed) => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),
+            Err(_elapsed) => Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms,
+            }),
         }
     }
 
@@ -283,7 +290,10 @@ impl TransportClient {
         context: &CallContext,
         caller: Option<&ActorId>,
     ) -> Result<Bytes, InvokeError> {
-        let unreachable = |cause: String| InvokeError::Unreachable { target: target.clone(), cause };
+        let unreachable = |cause: String| InvokeError::Unreachable {
+            target: target.clone(),
+            cause,
+        };
         let slot = Arc::clone(&self.slots)
             .acquire_owned()
             .await
@@ -292,14 +302,26 @@ impl TransportClient {
         let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
         let now = self.clock.now();
         let sync = connection.clock_sync(now);
-        let request = WireRequest::new(request_id, target.clone(), payload, context, caller.cloned(), &sync, now);
+        let request = WireRequest::new(
+            request_id,
+            target.clone(),
+            payload,
+            context,
+            caller.cloned(),
+            &sync,
+            now,
+        );
         let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| InvokeError::Rejected {
             target: target.clone(),
             reason: format!("the request cannot be sent: {error}"),
         })?;
         let (waiter, reply) = oneshot::channel();
         connection.pending.register(request_id, waiter).map_err(unreachable)?;
-        let _entry = PendingEntry { pending: Arc::clone(&connection.pending), request_id, _slot: slot };
+        let _entry = PendingEntry {
+            pending: Arc::clone(&connection.pending),
+            request_id,
+            _slot: slot,
+        };
         if connection.frames.send(frame).await.is_err() {
             return Err(unreachable("the connection closed".to_string()));
         }
@@ -354,10 +376,12 @@ async fn handshake(stream: &mut TcpStream, clock: &Clock) -> Result<ClockSync, F
     stream.write_all(&hello).await?;
     stream.flush().await?;
     match read_frame::<ServerMessage, _>(stream).await? {
-        ServerMessage::HelloAck(ack) => ack.clock_sync(clock.now()).map_err(|cause| FrameError::Handshake { cause }),
-        ServerMessage::Response(_) => {
-            Err(FrameError::Handshake { cause: "the server answered the hello with a response".to_string() })
-        }
+        ServerMessage::HelloAck(ack) => ack
+            .clock_sync(clock.now())
+            .map_err(|cause| FrameError::Handshake { cause }),
+        ServerMessage::Response(_) => Err(FrameError::Handshake {
+            cause: "the server answered the hello with a response".to_string(),
+        }),
     }
 }
 
@@ -390,8 +414,15 @@ impl Connection {
     ) -> Arc<Self> {
         let (frames, mut frame_queue) = mpsc::channel::<Bytes>(WRITE_QUEUE_CAPACITY);
         let pending = Arc::new(Pending::default());
-        let sync = Arc::new(SyncState { current: Mutex::new(sync), refreshing: AtomicBool::new(false) });
-        let connection = Arc::new(Self { frames, pending: Arc::clone(&pending), sync: Arc::clone(&sync) });
+        let sync = Arc::new(SyncState {
+            current: Mutex::new(sync),
+            refreshing: AtomicBool::new(false),
+        });
+        let connection = Arc::new(Self {
+            frames,
+            pending: Arc::clone(&pending),
+            sync: Arc::clone(&sync),
+        });
         tokio::spawn(async move {
             let (mut reader, mut writer) = tokio::io::split(stream);
             let read_replies = async {

@@ -89,8 +89,7 @@ impl ClockSync {
             // The end of time stays the end of time (the server caps it anyway).
             return deadline;
         }
-        let at_us =
-            i128::from(deadline.as_micros()) + self.bound_at_us(now) - i128::from(CLOCK_ROUNDING_US);
+        let at_us = i128::from(deadline.as_micros()) + self.bound_at_us(now) - i128::from(CLOCK_ROUNDING_US);
         Deadline::from_micros(u64::try_from(at_us.max(0)).unwrap_or(u64::MAX))
     }
 }
@@ -143,6 +142,10 @@ mod tests {
         let now = at(1_000 + 1_000_000);
         let refreshed = ClockSync::from_handshake(at(1_000_000), at(1_000_300), at(1_001_000));
         assert_eq!(sync.tighter(refreshed, now), refreshed);
-        assert_eq!(sync.tighter(refreshed, at(1_000)), sync, "a fresh narrow sample beats a wide one");
+        assert_eq!(
+            sync.tighter(refreshed, at(1_000)),
+            sync,
+            "a fresh narrow sample beats a wide one"
+        );
     }
 }

@@ -74,17 +74,24 @@ pub(crate) fn encode_frame<T: Serialize>(message: &T) -> Result<Bytes, FrameErro
     // Measured without the limit so an oversized message reports its real size.
     let size = bincode::DefaultOptions::new()
         .serialized_size(message)
-        .map_err(|error| FrameError::Unencodable { cause: error.to_string() })?;
+        .map_err(|error| FrameError::Unencodable {
+            cause: error.to_string(),
+        })?;
     let size_bytes = usize::try_from(size).unwrap_or(usize::MAX);
     if size_bytes > FRAME_SIZE_MAX_BYTES {
-        return Err(FrameError::TooLarge { size_bytes: size, limit_bytes: FRAME_SIZE_MAX_BYTES });
+        return Err(FrameError::TooLarge {
+            size_bytes: size,
+            limit_bytes: FRAME_SIZE_MAX_BYTES,
+        });
     }
     let mut frame = Vec::with_capacity(FRAME_HEADER_SIZE_BYTES + size_bytes);
     let length = u32::try_from(size_bytes).expect("a frame within FRAME_SIZE_MAX_BYTES fits a u32");
     frame.extend_from_slice(&length.to_be_bytes());
     wire_options()
         .serialize_into(&mut frame, message)
-        .map_err(|error| FrameError::Unencodable { cause: error.to_string() })?;
+        .map_err(|error| FrameError::Unencodable {
+            cause: error.to_string(),
+        })?;
     assert_eq!(
         frame.len(),
         FRAME_HEADER_SIZE_BYTES + size_bytes,
@@ -132,7 +139,10 @@ where
     reader.read_exact(&mut body).await?;
     wire_options()
         .deserialize(&body)
-        .map_err(|error| FrameError::Undecodable { size_bytes, cause: error.to_string() })
+        .map_err(|error| FrameError::Undecodable {
+            size_bytes,
+            cause: error.to_string(),
+        })
 }
 
 /// Writes every frame from `frames` to `writer` until the queue closes, flushing after
@@ -141,10 +151,7 @@ where
 ///
 /// # Errors
 /// [`FrameError::Io`] when a write fails; the connection is then broken.
-pub(crate) async fn write_frames<W>(
-    writer: &mut W,
-    frames: &mut mpsc::Receiver<Bytes>,
-) -> Result<(), FrameError>
+pub(crate) async fn write_frames<W>(writer: &mut W, frames: &mut mpsc::Receiver<Bytes>) -> Result<(), FrameError>
 where
     W: AsyncWrite + Unpin,
 {
@@ -171,7 +178,10 @@ mod tests {
         let mut reader: &[u8] = &frame;
         let decoded: (String, u64) = read_frame(&mut reader).await.unwrap();
         assert_eq!(decoded, ("hello".to_string(), 7));
-        assert!(matches!(read_frame::<(String, u64), _>(&mut reader).await, Err(FrameError::Closed)));
+        assert!(matches!(
+            read_frame::<(String, u64), _>(&mut reader).await,
+            Err(FrameError::Closed)
+        ));
 
         let oversized = u32::MAX.to_be_bytes();
         let mut reader: &[u8] = &oversized;
@@ -187,10 +197,16 @@ mod tests {
         with_trailing[3] += 1;
         with_trailing.push(0xAB);
         let mut reader: &[u8] = &with_trailing;
-        assert!(matches!(read_frame::<u8, _>(&mut reader).await, Err(FrameError::Undecodable { .. })));
+        assert!(matches!(
+            read_frame::<u8, _>(&mut reader).await,
+            Err(FrameError::Undecodable { .. })
+        ));
 
         let frame = encode_frame(&"truncated".to_string()).unwrap();
         let mut reader: &[u8] = &frame[..frame.len() - 1];
-        assert!(matches!(read_frame::<String, _>(&mut reader).await, Err(FrameError::Io(_))));
+        assert!(matches!(
+            read_frame::<String, _>(&mut reader).await,
+            Err(FrameError::Io(_))
+        ));
     }
 }

@@ -11,8 +11,8 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use troupe_core::InvokeError;
 
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
-use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
 use super::wire::WIRE_MAGIC;
+use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
 use super::{ACCEPT_RETRY_DELAY_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY};
 use crate::RuntimeHandle;
 
@@ -64,7 +64,10 @@ impl TransportServer {
         let local_address = listener.local_addr()?;
         let (stop, stopped) = watch::channel(());
         tokio::spawn(accept_connections(listener, handle, stopped));
-        Ok(Self { local_address, _stop: stop })
+        Ok(Self {
+            local_address,
+            _stop: stop,
+        })
     }
 
     /// The address the server listens on (with the real port if it bound port 0).

@@ -60,13 +60,20 @@ pub(crate) struct HelloAck {
 impl Hello {
     /// This build's hello, sent at `now` on the client's clock.
     pub(crate) fn new(now: Deadline) -> Self {
-        Self { magic: WIRE_MAGIC, version: WIRE_PROTOCOL_VERSION, client_now_us: now.as_micros() }
+        Self {
+            magic: WIRE_MAGIC,
+            version: WIRE_PROTOCOL_VERSION,
+            client_now_us: now.as_micros(),
+        }
     }
 
     /// Why this hello cannot be served, if it cannot.
     pub(crate) fn refusal(&self) -> Option<String> {
         if self.magic != WIRE_MAGIC {
-            return Some(format!("the peer is not a Troupe transport client (magic {:#010x})", self.magic));
+            return Some(format!(
+                "the peer is not a Troupe transport client (magic {:#010x})",
+                self.magic
+            ));
         }
         if self.version != WIRE_PROTOCOL_VERSION {
             return Some(format!(
@@ -95,7 +102,10 @@ impl HelloAck {
     /// Why the handshake failed: not a Troupe server, or another protocol version.
     pub(crate) fn clock_sync(&self, received: Deadline) -> Result<ClockSync, String> {
         if self.magic != WIRE_MAGIC {
-            return Err(format!("the peer is not a Troupe transport server (magic {:#010x})", self.magic));
+            return Err(format!(
+                "the peer is not a Troupe transport server (magic {:#010x})",
+                self.magic
+            ));
         }
         if self.version != WIRE_PROTOCOL_VERSION {
             return Err(format!(
@@ -170,7 +180,10 @@ impl WireRequest {
     /// - [`InvokeError::Rejected`] if the chain is longer than [`CALL_CHAIN_LENGTH_MAX`] or
     ///   the depth does not match it; such a context was not built by [`CallContext`].
     pub(crate) fn context(&self, now: Deadline) -> Result<CallContext, InvokeError> {
-        let rejected = |reason: String| InvokeError::Rejected { target: self.target.clone(), reason };
+        let rejected = |reason: String| InvokeError::Rejected {
+            target: self.target.clone(),
+            reason,
+        };
         if self.chain.len() > CALL_CHAIN_LENGTH_MAX {
             return Err(rejected(format!(
                 "the call chain of {} actors exceeds the transport limit of {CALL_CHAIN_LENGTH_MAX}",
@@ -187,14 +200,21 @@ impl WireRequest {
         let deadline = Deadline::from_micros(self.deadline_us)
             .min(Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
         if deadline.has_passed(now) {
-            return Err(InvokeError::Timeout { target: self.target.clone(), timeout_ms: 0 });
+            return Err(InvokeError::Timeout {
+                target: self.target.clone(),
+                timeout_ms: 0,
+            });
         }
         let mut context = CallContext::root(deadline);
         for waiting in &self.chain {
             context = context.child(waiting.clone(), deadline);
         }
         assert_eq!(context.depth(), self.depth, "a replayed chain must give the sent depth");
-        assert_eq!(context.chain(), &self.chain[..], "a replayed chain must be the sent one");
+        assert_eq!(
+            context.chain(),
+            &self.chain[..],
+            "a replayed chain must be the sent one"
+        );
         Ok(context)
     }
 
@@ -258,20 +278,42 @@ mod tests {
     fn a_request_arriving_after_its_deadline_is_refused_as_timeout() {
         let sync = sync(0, 0, 0);
         let context = CallContext::root(Deadline::from_micros(50_000));
-        let request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, &sync, Deadline::from_micros(0));
+        let request = WireRequest::new(
+            1,
+            actor("c"),
+            Bytes::new(),
+            &context,
+            None,
+            &sync,
+            Deadline::from_micros(0),
+        );
         assert!(request.context(Deadline::from_micros(49_000)).is_ok());
         let late = request.context(Deadline::from_micros(50_000));
-        assert!(matches!(late, Err(InvokeError::Timeout { timeout_ms: 0, .. })), "{late:?}");
+        assert!(
+            matches!(late, Err(InvokeError::Timeout { timeout_ms: 0, .. })),
+            "{late:?}"
+        );
     }
 
     #[test]
     fn a_far_deadline_is_capped_on_arrival() {
         let sync = sync(0, 0, 0);
         let context = CallContext::root(Deadline::from_micros(u64::MAX));
-        let request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, &sync, Deadline::from_micros(0));
+        let request = WireRequest::new(
+            1,
+            actor("c"),
+            Bytes::new(),
+            &context,
+            None,
+            &sync,
+            Deadline::from_micros(0),
+        );
         let now = Deadline::from_micros(7);
         let rebuilt = request.context(now).unwrap();
-        assert_eq!(rebuilt.deadline(), Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+        assert_eq!(
+            rebuilt.deadline(),
+            Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX))
+        );
     }
 
     #[test]
@@ -285,9 +327,15 @@ mod tests {
 
         let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
         ack.version = 1;
-        assert!(ack.clock_sync(Deadline::from_micros(3)).unwrap_err().contains("protocol version 1"));
+        assert!(ack
+            .clock_sync(Deadline::from_micros(3))
+            .unwrap_err()
+            .contains("protocol version 1"));
         ack.magic = 0;
-        assert!(ack.clock_sync(Deadline::from_micros(3)).unwrap_err().contains("not a Troupe transport server"));
+        assert!(ack
+            .clock_sync(Deadline::from_micros(3))
+            .unwrap_err()
+            .contains("not a Troupe transport server"));
     }
 
     #[test]

@@ -79,7 +79,12 @@ mod tests {
     #[test]
     fn a_remote_turn_gets_no_transit_allowance_whatever_the_link_latency() {
         let mut check = DeadlineMonotone::default();
-        check.observe(&Stamped { at_us: 0, event: Event::LinkLatencyMax { us: 50_000 } }).unwrap();
+        check
+            .observe(&Stamped {
+                at_us: 0,
+                event: Event::LinkLatencyMax { us: 50_000 },
+            })
+            .unwrap();
         assert!(check.observe(&remote_turn(1_000, 1_000)).is_ok());
         assert!(check.observe(&remote_turn(1_001, 1_000)).is_ok(), "rounding");
         let late = check.observe(&remote_turn(1_002, 1_000));

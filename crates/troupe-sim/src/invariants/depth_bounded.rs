@@ -19,13 +19,19 @@ impl Invariant for DepthBounded {
 
     fn observe(&mut self, stamped: &Stamped) -> Result<(), String> {
         match &stamped.event {
-            Event::TurnStarted { actor, depth, chain, .. } if *depth > AGENT_CALL_DEPTH_MAX => Err(format!(
+            Event::TurnStarted {
+                actor, depth, chain, ..
+            } if *depth > AGENT_CALL_DEPTH_MAX => Err(format!(
                 "a turn of {actor} runs at depth {depth} > {AGENT_CALL_DEPTH_MAX} (chain {chain:?})"
             )),
-            Event::CallAdmitted { caller, target, depth, .. } if *depth > AGENT_CALL_DEPTH_MAX => Err(
-                format!("{caller} -> {target} was admitted at depth {depth} > {AGENT_CALL_DEPTH_MAX}"),
-            ),
-            Event::TurnStarted { actor, depth, chain, .. } if *depth as usize != chain.len() => Err(format!(
+            Event::CallAdmitted {
+                caller, target, depth, ..
+            } if *depth > AGENT_CALL_DEPTH_MAX => Err(format!(
+                "{caller} -> {target} was admitted at depth {depth} > {AGENT_CALL_DEPTH_MAX}"
+            )),
+            Event::TurnStarted {
+                actor, depth, chain, ..
+            } if *depth as usize != chain.len() => Err(format!(
                 "a turn of {actor} runs at depth {depth} with a chain of {} ({chain:?})",
                 chain.len()
             )),

@@ -61,7 +61,11 @@ impl Invariant for EveryCallResolves {
     fn observe(&mut self, stamped: &Stamped) -> Result<(), String> {
         let now = stamped.at_us;
         match &stamped.event {
-            Event::RequestSent { request, target, deadline_us } => {
+            Event::RequestSent {
+                request,
+                target,
+                deadline_us,
+            } => {
                 self.requests.insert(*request, (target.clone(), *deadline_us));
             }
             Event::RequestResolved { request, .. } => {
@@ -69,13 +73,27 @@ impl Invariant for EveryCallResolves {
                     late("request to", &target, deadline_us, now)?;
                 }
             }
-            Event::CallAdmitted { call, caller, target, deadline_us, .. } => {
-                self.calls.insert(*call, (format!("{caller} -> {target}"), *deadline_us));
+            Event::CallAdmitted {
+                call,
+                caller,
+                target,
+                deadline_us,
+                ..
+            } => {
+                self.calls
+                    .insert(*call, (format!("{caller} -> {target}"), *deadline_us));
             }
-            Event::WaitBegin { call, caller, target, .. } => {
+            Event::WaitBegin {
+                call, caller, target, ..
+            } => {
                 self.waits.insert(*call, format!("{caller} -> {target}"));
             }
-            Event::TurnStarted { node, actor, deadline_us, .. } => {
+            Event::TurnStarted {
+                node,
+                actor,
+                deadline_us,
+                ..
+            } => {
                 self.turns.insert(actor.clone(), (*node, *deadline_us));
             }
             Event::TurnEnded { actor, .. } => {

@@ -70,7 +70,10 @@ impl Invariant for NoAckedStateLost {
                     ));
                 }
                 if *value > model.ceiling {
-                    return Err(format!("{actor} reads {value}, more than the {} ever sent", model.ceiling));
+                    return Err(format!(
+                        "{actor} reads {value}, more than the {} ever sent",
+                        model.ceiling
+                    ));
                 }
             }
             Event::RequestResolved { request, .. } => {

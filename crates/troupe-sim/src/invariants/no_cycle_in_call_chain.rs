@@ -15,7 +15,10 @@ pub struct NoCycleInCallChain;
 
 fn repeated<'a>(chain: &'a [String], last: &'a String) -> Option<&'a String> {
     let mut seen = BTreeSet::new();
-    chain.iter().chain(std::iter::once(last)).find(|actor| !seen.insert(*actor))
+    chain
+        .iter()
+        .chain(std::iter::once(last))
+        .find(|actor| !seen.insert(*actor))
 }
 
 impl Invariant for NoCycleInCallChain {
@@ -25,14 +28,18 @@ impl Invariant for NoCycleInCallChain {
 
     fn observe(&mut self, stamped: &Stamped) -> Result<(), String> {
         match &stamped.event {
-            Event::CallAdmitted { caller, target, chain, .. } => match repeated(chain, target) {
+            Event::CallAdmitted {
+                caller, target, chain, ..
+            } => match repeated(chain, target) {
                 Some(actor) => Err(format!(
                     "{caller} -> {target} was admitted with {actor} twice in its chain {chain:?} + {target}"
                 )),
                 None => Ok(()),
             },
             Event::TurnStarted { actor, chain, .. } => match repeated(chain, actor) {
-                Some(again) => Err(format!("a turn of {actor} runs with {again} twice in chain {chain:?} + {actor}")),
+                Some(again) => Err(format!(
+                    "a turn of {actor} runs with {again} twice in chain {chain:?} + {actor}"
+                )),
                 None => Ok(()),
             },
             _ => Ok(()),

@@ -36,7 +36,9 @@ impl Invariant for SingleActivation {
             Event::Deactivated { node, actor, .. } => match self.live.remove(actor) {
                 Some(host) if host == *node => {}
                 Some(host) => {
-                    return Err(format!("{actor} deactivated on node {node} but was live on node {host}"));
+                    return Err(format!(
+                        "{actor} deactivated on node {node} but was live on node {host}"
+                    ));
                 }
                 None => return Err(format!("{actor} deactivated on node {node} without a live activation")),
             },

@@ -19,7 +19,9 @@ impl Invariant for TurnWritesAtomic {
     }
 
     fn observe(&mut self, stamped: &Stamped) -> Result<(), String> {
-        let Event::Audited { actor, batches, groups } = &stamped.event else { return Ok(()) };
+        let Event::Audited { actor, batches, groups } = &stamped.event else {
+            return Ok(());
+        };
         for group in groups {
             if group.present != group.expected {
                 return Err(format!(
@@ -28,10 +30,15 @@ impl Invariant for TurnWritesAtomic {
                 ));
             }
         }
-        let numbered = groups.iter().enumerate().all(|(index, group)| group.batch == index as u64);
+        let numbered = groups
+            .iter()
+            .enumerate()
+            .all(|(index, group)| group.batch == index as u64);
         if groups.len() as u64 != *batches || !numbered {
             let found: Vec<u64> = groups.iter().map(|group| group.batch).collect();
-            return Err(format!("{actor}: its state counts {batches} batches but its writes hold batches {found:?}"));
+            return Err(format!(
+                "{actor}: its state counts {batches} batches but its writes hold batches {found:?}"
+            ));
         }
         Ok(())
     }

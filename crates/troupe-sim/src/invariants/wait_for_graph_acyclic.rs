@@ -115,7 +115,12 @@ impl Invariant for WaitForGraphAcyclic {
         // Any event is a moment at which a surviving cycle can be seen.
         let aged = self.check_age(stamped.at_us);
         match &stamped.event {
-            Event::WaitBegin { call, caller, target, host } => {
+            Event::WaitBegin {
+                call,
+                caller,
+                target,
+                host,
+            } => {
                 self.waits.insert(*call, (caller.clone(), target.clone(), *host));
                 self.update(stamped.at_us);
             }
