@@ -19,7 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use async_trait::async_trait;
@@ -203,6 +203,13 @@ impl AgentDirectory {
         spec.validate()?;
         self.agents.write().unwrap().insert(spec.id.clone(), spec);
         Ok(())
+    }
+
+    /// Removes agent `id` from the directory and returns its definition. It can no
+    /// longer be called or activated; an activation that is live keeps running until it
+    /// is deactivated (see [`crate::AgentClient::remove_agent`], which does both).
+    pub fn remove(&self, id: &str) -> Option<AgentSpec> {
+        self.agents.write().unwrap().remove(id)
     }
 
     /// The definition of agent `id`.
@@ -410,7 +417,6 @@ impl ActorFactory for AgentFactory {
             id: id.clone(),
             state,
             shared: Arc::clone(&self.shared),
-            calls_in_flight: Arc::new(AtomicU32::new(0)),
         }))
     }
 }
@@ -420,8 +426,6 @@ struct AgentActor {
     id: ActorId,
     state: AgentState,
     shared: Arc<AgentShared>,
-    /// `call_agent` calls of this activation in flight.
-    calls_in_flight: Arc<AtomicU32>,
 }
 
 impl fmt::Debug for AgentActor {
@@ -523,8 +527,7 @@ impl Actor for AgentActor {
         if let Some(spec) = self.shared.directory.get(self.id.key()) {
             self.state.spec = spec;
         }
-        let runtime = turn.handle().clone();
-        let clock = runtime.clock();
+        let clock = turn.clock();
         let context = turn.context().clone();
         let deadline = context.deadline();
         let started = clock.now();
@@ -544,14 +547,7 @@ impl Actor for AgentActor {
             None => text.to_string(),
         };
         let mut fresh = vec![ChatMessage::new(Role::User, content)];
-        let tools = ToolExecutionContext::new(
-            self.id.clone(),
-            context,
-            request.call,
-            runtime,
-            Arc::clone(&self.calls_in_flight),
-            Arc::clone(&self.shared),
-        );
+        let tools = ToolExecutionContext::new(turn.caller().clone(), request.call, Arc::clone(&self.shared));
         let specs = self.shared.tools.specs();
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;

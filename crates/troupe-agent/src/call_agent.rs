@@ -2,25 +2,24 @@
 //!
 //! ```text
 //! model of A ──tool call call_agent{agent_id: b, message, timeout_ms?}──► schema check
-//!   ──► reserve an in-flight slot (per activation of A)
-//!   ──► troupe_core::admit_call: cycle? depth? known? too many? timeout → child context
+//!   ──► Caller::admit (the turn's handle: identity, chain, depth, deadline from the
+//!        runtime): turn ended? shutting down? cycle? depth? known? too many? timeout
+//!        → an in-flight slot and the child context
 //!        refused → tool result "call_agent failed: call refused: ..." (nothing sent)
-//!   ──► RuntimeHandle::invoke_from(A, B, AgentRequest, child)   (wait-for edge A→B)
+//!   ──► Caller::invoke(admitted, AgentRequest)   (wait-for edge A→B until B replies)
 //!        B's whole turn runs under child: depth+1, chain+A, deadline ≤ A's
 //!   ──► reply text (capped) or "call_agent failed: ..." (timeout, B failed, deadlock)
 //! ```
 //!
 //! Rust callers use [`call_agent`] and get a typed [`AgentCallError`]; the model gets the
-//! same error as readable text. The callee's deadline is the caller's wait: when the
-//! caller gives up, the callee's turn is cancelled at the same instant and commits
-//! nothing, so a late reply never lands anywhere.
-
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+//! same error as readable text. When the caller gives up (its wait times out, its future
+//! is dropped, or its own turn ends), the callee's turn for the call is cancelled at its
+//! next `.await`: no further model or tool calls, nothing committed, and its own calls
+//! are cancelled the same way.
 
 use serde_json::{json, Value};
 use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, AGENT_CALL_TIMEOUT_MS_DEFAULT, AGENT_CALL_TIMEOUT_MS_MAX};
-use troupe_core::{admit_call, truncate_utf8, ActorId, AdmissionRequest, CallRefused, InvokeError};
+use troupe_core::{truncate_utf8, ActorId, CallRefused, InvokeError};
 
 use crate::agent::{agent_id, AgentReply, AgentRequest};
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
@@ -69,24 +68,6 @@ impl AgentCallError {
     }
 }
 
-/// Frees an in-flight slot when the call ends, however it ends (including cancellation).
-struct InFlightSlot(Arc<AtomicU32>);
-
-impl InFlightSlot {
-    /// Takes a slot; returns it with the number of calls that were in flight before.
-    fn take(counter: &Arc<AtomicU32>) -> (Self, u32) {
-        let before = counter.fetch_add(1, Ordering::SeqCst);
-        (Self(Arc::clone(counter)), before)
-    }
-}
-
-impl Drop for InFlightSlot {
-    fn drop(&mut self) {
-        let before = self.0.fetch_sub(1, Ordering::SeqCst);
-        assert!(before >= 1, "in-flight call count underflow");
-    }
-}
-
 /// Reports the end of a call to the observers exactly once: with its outcome when the
 /// call returns ([`CallEndReport::finish`]), or as [`CallOutcome::Cancelled`] when the
 /// future is dropped first (the caller's turn was cut while the call was in flight).
@@ -100,8 +81,8 @@ struct CallEndReport<'a> {
 impl CallEndReport<'_> {
     fn report(&mut self, outcome: CallOutcome) {
         self.armed = false;
-        let at = self.context.runtime.now();
-        self.context.shared.emit(&AgentEvent::CallFinished {
+        let at = self.context.now();
+        self.context.shared().emit(&AgentEvent::CallFinished {
             call: self.call,
             outcome,
             at,
@@ -148,63 +129,43 @@ pub async fn call_agent(
         agent_id: agent_id_text.to_string(),
         cause: error.to_string(),
     })?;
-    let shared = &context.shared;
+    let shared = context.shared();
     let call = shared.next_call_id();
-    let now = context.runtime.now();
-    let (slot, calls_in_flight) = InFlightSlot::take(&context.calls_in_flight);
-    let admission = admit_call(AdmissionRequest {
-        caller: &context.agent_id,
-        context: &context.context,
-        target: &target,
-        target_known: shared.directory.contains(agent_id_text),
-        calls_in_flight,
-        requested_timeout_ms: timeout_ms,
-        now,
-    });
+    let now = context.now();
+    // Admission through the turn's caller handle: the in-flight slot, the cycle and
+    // depth rules and the deadline all come from the runtime, not from the tool.
+    let admission = context.caller().admit(&target, shared.directory.contains(agent_id_text), timeout_ms);
     shared.emit(&AgentEvent::CallStarted {
         call,
-        parent: context.inbound_call,
-        caller: Some(context.agent_id.clone()),
+        parent: context.inbound_call(),
+        caller: Some(context.agent_id().clone()),
         target: target.clone(),
-        depth: context.call_depth.saturating_add(1),
+        depth: context.call_depth().saturating_add(1),
         at: now,
     });
-    let finished = CallEndReport {
-        context,
-        call,
-        armed: !shared.observers.is_empty(),
-    };
+    let finished = CallEndReport { context, call, armed: !shared.observers.is_empty() };
     let result = match admission {
         Err(refused) => Err(AgentCallError::Refused(refused)),
         Ok(admitted) => {
             let request = AgentRequest {
                 text: truncate_utf8(message, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
-                from: Some(context.agent_id.clone()),
+                from: Some(context.agent_id().clone()),
                 call: Some(call),
             };
-            let allowed_ms = u64::try_from(admitted.timeout.as_millis()).unwrap_or(u64::MAX);
-            let sent = context
-                .runtime
-                .invoke_from(&context.agent_id, &target, request.encode(), admitted.child)
-                .await;
-            match sent {
-                Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
-                    target: target.clone(),
-                    cause,
-                }),
+            let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
+            match context.caller().invoke(admitted, request.encode()).await {
+                Ok(bytes) => AgentReply::decode(&bytes)
+                    .map_err(|cause| AgentCallError::MalformedReply { target: target.clone(), cause }),
                 // The callee's turn and this wait end at the same instant; whichever timer
                 // fires first, report the time this caller allowed.
                 Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == target => {
-                    Err(AgentCallError::Invoke(InvokeError::Timeout {
-                        target: timed_out,
-                        timeout_ms: allowed_ms,
-                    }))
+                    Err(AgentCallError::Invoke(InvokeError::Timeout { target: timed_out, timeout_ms: allowed_ms }))
                 }
+                Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
                 Err(error) => Err(AgentCallError::Invoke(error)),
             }
         }
     };
-    drop(slot);
     let outcome = match &result {
         Ok(reply) => CallOutcome::Replied {
             bytes: reply.text.len(),

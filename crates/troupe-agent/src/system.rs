@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{truncate_utf8, ActorKind, CallRefused};
+use troupe_core::{truncate_utf8, ActorKind, CallRefused, InvokeError};
 use troupe_runtime::{ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError};
 
 use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, AgentState, AGENT_KIND};
@@ -162,6 +162,25 @@ impl AgentClient {
     /// The agent directory; agents added here can be asked at once.
     pub fn directory(&self) -> &AgentDirectory {
         &self.shared.directory
+    }
+
+    /// Removes agent `agent`: it leaves the directory (new calls to it are refused with
+    /// `AgentNotFound`), then its live activation, if any, is deactivated with the same
+    /// handshake as idle deactivation (its running turn and already queued requests
+    /// finish, then it saves and stops). Requests that reach it afterwards are refused.
+    /// Its stored conversation is kept. Returns its definition, or `None` if there was
+    /// no such agent.
+    ///
+    /// # Errors
+    /// [`InvokeError::Shutdown`] if the runtime has stopped.
+    pub async fn remove_agent(&self, agent: &str) -> Result<Option<AgentSpec>, InvokeError> {
+        let removed = self.shared.directory.remove(agent);
+        if removed.is_some() {
+            if let Ok(id) = agent_id(agent) {
+                self.runtime.deactivate(&id).await?;
+            }
+        }
+        Ok(removed)
     }
 
     /// Sends `text` to agent `agent` from outside and waits up to

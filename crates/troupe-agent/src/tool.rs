@@ -12,13 +12,12 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde_json::Value;
 use troupe_core::{ActorId, CallContext, Deadline};
-use troupe_runtime::RuntimeHandle;
+use troupe_runtime::{Caller, Clock};
 
 use crate::agent::AgentShared;
 use crate::{SchemaError, ToolSpec};
@@ -68,72 +67,90 @@ impl ToolError {
     }
 }
 
-/// What a tool handler knows about the turn that called it.
+/// What a tool handler knows about the turn that called it, read-only.
 ///
-/// `agent_id`, `call_depth`, `call_chain` and `deadline` describe the calling agent's
-/// turn; `runtime` is the dispatcher handle for calling other actors. The calls-in-flight
-/// counter is shared by every tool call of one agent activation, so `call_agent` can
-/// enforce `AGENT_CONCURRENT_CALLS_MAX`.
+/// The agent's identity, depth, chain and deadline come from the runtime (the turn's
+/// [`Caller`]) and cannot be edited: a tool cannot call as another agent, step out of
+/// its chain or stretch its deadline. Calls to other agents go through
+/// [`crate::call_agent`] (admission, then the dispatcher's wait-for graph); the
+/// calls-in-flight count is shared by every call of one agent activation, so
+/// `AGENT_CONCURRENT_CALLS_MAX` holds across concurrent tool calls.
 #[derive(Clone)]
 pub struct ToolExecutionContext {
-    /// The agent whose model called the tool.
-    pub agent_id: ActorId,
-    /// The depth of the agent's turn (0 when asked from outside).
-    pub call_depth: u32,
-    /// The agents waiting on this turn, outermost first (the agent itself not included).
-    pub call_chain: Vec<ActorId>,
-    /// When the turn must have replied.
-    pub deadline: Deadline,
-    /// The runtime (dispatcher) handle.
-    pub runtime: RuntimeHandle,
-    pub(crate) context: CallContext,
-    pub(crate) inbound_call: Option<u64>,
-    pub(crate) calls_in_flight: Arc<AtomicU32>,
-    pub(crate) shared: Arc<AgentShared>,
+    caller: Caller,
+    inbound_call: Option<u64>,
+    shared: Arc<AgentShared>,
 }
 
 impl fmt::Debug for ToolExecutionContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ToolExecutionContext")
-            .field("agent_id", &self.agent_id)
-            .field("call_depth", &self.call_depth)
-            .field("call_chain", &self.call_chain)
-            .field("deadline", &self.deadline)
+            .field("agent_id", self.agent_id())
+            .field("call_depth", &self.call_depth())
+            .field("call_chain", &self.call_chain())
+            .field("deadline", &self.deadline())
             .field("calls_in_flight", &self.calls_in_flight())
             .finish_non_exhaustive()
     }
 }
 
 impl ToolExecutionContext {
-    pub(crate) fn new(
-        agent_id: ActorId,
-        context: CallContext,
-        inbound_call: Option<u64>,
-        runtime: RuntimeHandle,
-        calls_in_flight: Arc<AtomicU32>,
-        shared: Arc<AgentShared>,
-    ) -> Self {
-        Self {
-            call_depth: context.depth(),
-            call_chain: context.chain().to_vec(),
-            deadline: context.deadline(),
-            agent_id,
-            runtime,
-            context,
-            inbound_call,
-            calls_in_flight,
-            shared,
-        }
+    pub(crate) fn new(caller: Caller, inbound_call: Option<u64>, shared: Arc<AgentShared>) -> Self {
+        Self { caller, inbound_call, shared }
+    }
+
+    /// The agent whose model called the tool.
+    pub fn agent_id(&self) -> &ActorId {
+        self.caller.id()
+    }
+
+    /// The depth of the agent's turn (0 when asked from outside).
+    pub fn call_depth(&self) -> u32 {
+        self.caller.depth()
+    }
+
+    /// The agents waiting on this turn, outermost first (the agent itself not included).
+    pub fn call_chain(&self) -> &[ActorId] {
+        self.caller.chain()
+    }
+
+    /// When the turn must have replied.
+    pub fn deadline(&self) -> Deadline {
+        self.caller.deadline()
     }
 
     /// The call context of the agent's turn.
     pub fn call_context(&self) -> &CallContext {
-        &self.context
+        self.caller.context()
+    }
+
+    /// The current time on the runtime's clock.
+    pub fn now(&self) -> Deadline {
+        self.caller.now()
+    }
+
+    /// The runtime's clock.
+    pub fn clock(&self) -> Clock {
+        self.caller.clock()
+    }
+
+    /// The turn's caller handle, for calling actors that are not agents (with the same
+    /// admission, wait-for graph and deadline rules).
+    pub fn caller(&self) -> &Caller {
+        &self.caller
     }
 
     /// Calls this agent activation has in flight now.
     pub fn calls_in_flight(&self) -> u32 {
-        self.calls_in_flight.load(Ordering::SeqCst)
+        self.caller.calls_in_flight()
+    }
+
+    pub(crate) fn inbound_call(&self) -> Option<u64> {
+        self.inbound_call
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<AgentShared> {
+        &self.shared
     }
 }
 
@@ -236,9 +253,9 @@ impl Tool {
             tool: self.spec.name.clone(),
             error,
         })?;
-        let clock = context.runtime.clock();
+        let clock = context.clock();
         match clock
-            .run_until(context.deadline, self.handler.call(context, arguments))
+            .run_until(context.deadline(), self.handler.call(context, arguments))
             .await
         {
             Ok(result) => result,

@@ -98,6 +98,16 @@ pub enum CallRefused {
     /// The caller's own deadline has passed: there is no time left to call anyone.
     #[error("the caller's deadline has passed; no time is left for a call")]
     DeadlineExpired,
+    /// The turn the call was made from has already ended (a task it spawned outlived
+    /// it): calls belong to a running turn.
+    #[error("the calling turn of {caller} has ended; a call must be made while its turn runs")]
+    CallerTurnEnded {
+        /// The actor whose turn ended.
+        caller: ActorId,
+    },
+    /// The runtime is shutting down and admits no new calls.
+    #[error("the runtime is shutting down")]
+    ShuttingDown,
 }
 
 /// Decides whether a call may go ahead; see the module documentation for the rules.

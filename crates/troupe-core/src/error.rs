@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ActorId;
+use crate::{ActorId, CallRefused};
 
 /// Why an invocation did not produce a reply.
 ///
@@ -84,9 +84,24 @@ pub enum InvokeError {
         /// The queue capacity, in commands.
         capacity: usize,
     },
-    /// The runtime has shut down.
+    /// The runtime has shut down, or is shutting down and accepts no new work: the
+    /// request was not run, or its turn was cancelled and rolled back when the shutdown
+    /// grace period ended.
     #[error("the runtime has shut down")]
     Shutdown,
+    /// Admission refused a call from inside a turn (cycle in the chain, depth, unknown
+    /// target, too many calls in flight, no time left, the calling turn has ended);
+    /// nothing was sent.
+    #[error("call refused: {0}")]
+    Refused(#[from] CallRefused),
+    /// The turn that made this call ended (it returned, failed or was itself cancelled)
+    /// while the call was in flight: the call was abandoned and the callee's turn for it
+    /// cancelled.
+    #[error("the call to {target} was cancelled: the calling turn ended")]
+    Cancelled {
+        /// The actor called.
+        target: ActorId,
+    },
 }
 
 impl InvokeError {

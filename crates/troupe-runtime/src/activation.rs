@@ -7,25 +7,43 @@
 //!     ▼
 //! loop { next message (or idle check after idle_timeout of silence)
 //!        deadline passed or caller gone? → drop it unrun (Timeout)
-//!        handle(turn) under the deadline
-//!        ok → snapshot; commit state + writes atomically if anything changed; reply
-//!        error / timeout / commit failure → rebuild the actor from the last committed
-//!        snapshot (the in-memory state never runs ahead of the store); reply the error }
+//!        handle(turn) under the deadline, while watching the caller and the abort signal
+//!        ok and the caller still waits → snapshot; commit state + writes atomically if
+//!          anything changed; release the wait-for edge; reply
+//!        error / timeout / commit failure / caller gone → rebuild the actor from the last
+//!          committed snapshot (the in-memory state never runs ahead of the store);
+//!          release the edge; reply the error }
 //! mailbox closed by the dispatcher ─► on_deactivate ─► save if changed ─► Deactivated
+//! abort (shutdown grace over, or the runtime dropped) ─► cancel the turn, roll back,
+//!   answer it and every queued request `Shutdown` ─► Crashed (nothing else is saved)
 //! ```
+//!
+//! **A caller that gives up cancels its callee** (NoCommitAfterAbandon in the
+//! simulator): the turn is raced against its reply channel closing. When the caller
+//! stops waiting (timeout, its future dropped, its own turn ended), the turn future is
+//! dropped at its next `.await`: it makes no further model, tool or actor calls (its own
+//! calls' waits are dropped with it, which cancels their callees in turn), and it
+//! commits nothing. The commit decision is the last check: a turn whose caller is still
+//! waiting when it finishes commits, even if the caller gives up while the commit is in
+//! flight.
+//!
+//! **Rollback** rebuilds the actor with its factory from the last committed snapshot. A
+//! rebuild is not a new activation: `on_activate` and `on_deactivate` do not run for it.
 //!
 //! A panic in the actor ends the task; a guard reports `Crashed` so the dispatcher frees
 //! the entry, and callers of the queued requests see `ActorFailed`.
 
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot, watch};
 use troupe_core::{ActorId, InvokeError};
 
-use crate::envelope::{Control, Envelope, MailboxReceiver};
-use crate::runtime::Counters;
-use crate::{Actor, ActorError, ActorFactory, RuntimeHandle, StateStore, Turn, TurnCommit};
+use crate::envelope::{Control, Envelope, MailboxReceiver, Reply};
+use crate::runtime::{Counters, Shared};
+use crate::wait_for_graph::CallId;
+use crate::{Actor, ActorError, ActorFactory, Caller, RuntimeEvent, RuntimeHandle, StateStore, Turn, TurnCommit};
 
 pub(crate) struct ActivationStart {
     pub(crate) id: ActorId,
@@ -73,6 +91,8 @@ struct Live {
     committed: Option<Bytes>,
     /// The kind's idle timeout.
     idle_timeout: std::time::Duration,
+    /// Calls this activation's turns have in flight (the per-caller cap).
+    in_flight: Arc<AtomicU32>,
 }
 
 impl Live {
@@ -89,38 +109,37 @@ impl Live {
     }
 }
 
+/// Whether the runtime told every activation to stop at once.
+fn aborted(abort: &watch::Receiver<bool>) -> bool {
+    *abort.borrow()
+}
+
 async fn run(start: ActivationStart) {
-    let ActivationStart {
-        id,
-        generation,
-        mut receiver,
-        handle,
-    } = start;
+    let ActivationStart { id, generation, mut receiver, handle } = start;
     // The task's own state is what an idle actor costs for as long as it stays active,
     // so it holds each thing once, and the sub-futures of starting, turns and stopping
     // are boxed (one allocation per turn) instead of being inlined into it.
-    let guard = CrashGuard {
-        control: handle.shared.control.clone(),
-        id,
-        generation,
-        armed: true,
+    let guard = CrashGuard { control: handle.shared.control.clone(), id, generation, armed: true };
+    let mut abort = handle.shared.abort.subscribe();
+    let started = tokio::select! {
+        biased;
+        _ = abort.changed() => None,
+        started = Box::pin(start_actor(&guard.id, &handle)) => Some(started),
     };
-    let mut live = match Box::pin(start_actor(&guard.id, &handle)).await {
-        Ok(live) => live,
-        Err(error) => {
+    let mut live = match started {
+        None => return abort_activation(guard, receiver, &handle.shared),
+        Some(Ok(live)) => live,
+        Some(Err(error)) => {
             receiver.close();
             while let Some(envelope) = receiver.recv().await {
-                let _ = envelope.reply.send(Err(error.clone()));
+                respond(&handle.shared, envelope.call, envelope.edge, envelope.reply, Err(error.clone()));
             }
             let id = guard.id.clone();
             guard.finish(Control::ActivationFailed { id, generation });
             return;
         }
     };
-    let _ = guard.control.send(Control::Activated {
-        id: guard.id.clone(),
-        generation,
-    });
+    let _ = guard.control.send(Control::Activated { id: guard.id.clone(), generation });
 
     let idle_timeout = live.idle_timeout;
     let mut received: u64 = 0;
@@ -133,8 +152,12 @@ async fn run(start: ActivationStart) {
     let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
     loop {
+        if aborted(&abort) {
+            return abort_activation(guard, receiver, &handle.shared);
+        }
         let envelope = tokio::select! {
             biased;
+            _ = abort.changed() => return abort_activation(guard, receiver, &handle.shared),
             envelope = receiver.recv() => match envelope {
                 Some(envelope) => envelope,
                 None => break,
@@ -152,13 +175,44 @@ async fn run(start: ActivationStart) {
             }
         };
         received += 1;
-        Box::pin(run_turn(&mut live, &handle, *envelope)).await;
+        if let TurnEnd::Aborted = Box::pin(run_turn(&mut live, &handle, *envelope, &mut abort)).await {
+            return abort_activation(guard, receiver, &handle.shared);
+        }
     }
 
     // The dispatcher closed the mailbox: deactivate.
-    Box::pin(deactivate(&mut live, &handle.shared)).await;
+    let deactivated = tokio::select! {
+        biased;
+        _ = abort.changed() => false,
+        () = Box::pin(deactivate(&mut live, &handle.shared)) => true,
+    };
+    if !deactivated {
+        return abort_activation(guard, receiver, &handle.shared);
+    }
     let id = guard.id.clone();
     guard.finish(Control::Deactivated { id, generation });
+}
+
+/// Ends an activation told to stop at once: every request still in its mailbox is
+/// answered `Shutdown`, nothing is saved beyond the last committed turn, and the
+/// dispatcher hears `Crashed` (the lifecycle's "ended without `on_deactivate`").
+fn abort_activation(guard: CrashGuard, mut receiver: MailboxReceiver, shared: &Shared) {
+    receiver.close();
+    while let Ok(envelope) = receiver.try_recv() {
+        respond(shared, envelope.call, envelope.edge, envelope.reply, Err(InvokeError::Shutdown));
+    }
+    let (id, generation) = (guard.id.clone(), guard.generation);
+    guard.finish(Control::Crashed { id, generation });
+}
+
+/// Answers one request: releases its wait-for edge first, so that no call made after
+/// the caller has its reply can meet the edge, then replies (a caller that is gone is
+/// ignored).
+fn respond(shared: &Shared, call: CallId, edge: bool, reply: oneshot::Sender<Reply>, result: Reply) {
+    if edge {
+        let _ = shared.control.send(Control::ReleaseCall { call });
+    }
+    let _ = reply.send(result);
 }
 
 async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, InvokeError> {
@@ -187,20 +241,22 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
         factory: Arc::clone(&kind.factory),
         committed: saved,
         idle_timeout: kind.config.idle_timeout,
+        in_flight: Arc::new(AtomicU32::new(0)),
     })
 }
 
-async fn deactivate(live: &mut Live, shared: &crate::runtime::Shared) {
+async fn deactivate(live: &mut Live, shared: &Shared) {
     let id = &live.id;
     if let Err(error) = live.actor.on_deactivate(id).await {
-        tracing::warn!(actor = %id, %error, "on_deactivate failed");
+        // Its state may be half-way through whatever on_deactivate was doing: keep the
+        // last committed turn's state instead.
+        Counters::add(&shared.counters.deactivation_saves_failed);
+        tracing::warn!(actor = %id, %error, "on_deactivate failed; nothing saved, the last turn's state stays committed");
+        return;
     }
     let saved = match live.actor.snapshot() {
         Ok(snapshot) if snapshot != live.committed => {
-            let commit = TurnCommit {
-                state: snapshot,
-                writes: Vec::new(),
-            };
+            let commit = TurnCommit { state: snapshot, writes: Vec::new() };
             shared.store.commit(id, commit).await.map_err(|error| error.to_string())
         }
         Ok(_) => Ok(()),
@@ -212,51 +268,97 @@ async fn deactivate(live: &mut Live, shared: &crate::runtime::Shared) {
     }
 }
 
-async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
-    let shared = &handle.shared;
-    let Envelope {
-        payload,
-        context,
-        reply,
-    } = envelope;
+/// How a turn ended for the activation's loop.
+enum TurnEnd {
+    /// Answered (or dropped unrun); take the next message.
+    Done,
+    /// The abort signal cancelled it: stop the activation.
+    Aborted,
+}
+
+/// What the race between a turn, its caller and the abort signal produced.
+enum Raced<T> {
+    Finished(T),
+    /// The caller stopped waiting.
+    Abandoned,
+    /// The runtime is stopping at once.
+    Aborted,
+}
+
+async fn run_turn(
+    live: &mut Live,
+    handle: &RuntimeHandle,
+    envelope: Envelope,
+    abort: &mut watch::Receiver<bool>,
+) -> TurnEnd {
+    let shared = &*handle.shared;
+    let Envelope { payload, context, mut reply, call, edge } = envelope;
     let now = shared.clock.now();
     if reply.is_closed() || context.deadline().has_passed(now) {
         // Expired or abandoned: never run it.
         Counters::add(&shared.counters.expired_dropped);
-        let _ = reply.send(Err(InvokeError::Timeout {
-            target: live.id.clone(),
-            timeout_ms: 0,
-        }));
-        return;
+        let error = InvokeError::Timeout { target: live.id.clone(), timeout_ms: 0 };
+        respond(shared, call, edge, reply, Err(error));
+        return TurnEnd::Done;
     }
     let deadline = context.deadline();
-    let mut turn = Turn::new(live.id.clone(), context, handle.clone());
-    let outcome = shared
-        .clock
-        .run_until_from(now, deadline, live.actor.handle(&mut turn, payload))
-        .await;
+    // The turn holds the only sender; dropping it tells every clone of its caller handle
+    // (and their calls in flight) that the turn has ended.
+    let (turn_end, turn_end_seen) = watch::channel(());
+    let caller = Caller::new(handle.clone(), live.id.clone(), context, turn_end_seen, Arc::clone(&live.in_flight));
+    let mut turn = Turn::new(live.id.clone(), caller, handle.clone());
+    let raced = {
+        let work = shared.clock.run_until_from(now, deadline, live.actor.handle(&mut turn, payload));
+        tokio::select! {
+            biased;
+            _ = abort.changed() => Raced::Aborted,
+            () = reply.closed() => Raced::Abandoned,
+            outcome = work => Raced::Finished(outcome),
+        }
+    };
+    drop(turn_end);
     Counters::add(&shared.counters.turns_run);
     let timed_out = || {
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
-        Err(InvokeError::Timeout {
-            target: live.id.clone(),
-            timeout_ms,
-        })
+        Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms })
     };
-    let result = match outcome {
-        Err(_elapsed) => timed_out(),
+    let result = match raced {
+        Raced::Aborted => {
+            Counters::add(&shared.counters.turns_cancelled_at_shutdown);
+            live.roll_back();
+            respond(shared, call, edge, reply, Err(InvokeError::Shutdown));
+            return TurnEnd::Aborted;
+        }
+        Raced::Abandoned => return abandon(live, shared, call, edge, reply),
+        Raced::Finished(Err(_elapsed)) => timed_out(),
         // A turn that ends exactly at its deadline may have won the race with the timer,
         // but its caller's own timer fires at the same instant: it must not commit what
         // the caller will never see acknowledged.
-        Ok(_) if deadline.has_passed(shared.clock.now()) => timed_out(),
-        Ok(Err(error)) => Err(actor_error(&live.id, error)),
-        Ok(Ok(answer)) => commit(live, shared.store.as_ref(), turn).await.map(|()| answer),
+        Raced::Finished(Ok(_)) if deadline.has_passed(shared.clock.now()) => timed_out(),
+        Raced::Finished(Ok(Err(error))) => Err(actor_error(&live.id, error)),
+        // The commit decision: only while the caller still waits.
+        Raced::Finished(Ok(Ok(_))) if reply.is_closed() => return abandon(live, shared, call, edge, reply),
+        Raced::Finished(Ok(Ok(answer))) => {
+            shared.emit(|| RuntimeEvent::TurnCommitting { actor: live.id.clone(), request: call });
+            commit(live, shared.store.as_ref(), turn).await.map(|()| answer)
+        }
     };
     if result.is_err() {
         Counters::add(&shared.counters.turns_failed);
         live.roll_back();
     }
-    let _ = reply.send(result);
+    respond(shared, call, edge, reply, result);
+    TurnEnd::Done
+}
+
+/// Rolls back a turn whose caller stopped waiting; it commits nothing.
+fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: oneshot::Sender<Reply>) -> TurnEnd {
+    Counters::add(&shared.counters.turns_abandoned);
+    live.roll_back();
+    shared.emit(|| RuntimeEvent::TurnAbandoned { actor: live.id.clone(), request: call });
+    let error = InvokeError::Cancelled { target: live.id.clone() };
+    respond(shared, call, edge, reply, Err(error));
+    TurnEnd::Done
 }
 
 /// Commits the turn's snapshot and writes atomically; skips the store when nothing changed.

@@ -43,6 +43,8 @@ struct Activation {
     capacity: usize,
     /// Messages for the next activation, held while this one deactivates.
     held: VecDeque<Box<Envelope>>,
+    /// Callers of `RuntimeHandle::deactivate` waiting for this activation to end.
+    deactivation_waiters: Vec<oneshot::Sender<bool>>,
 }
 
 pub(crate) struct Dispatcher {
@@ -79,20 +81,25 @@ impl Dispatcher {
             tokio::select! {
                 biased;
                 Some(control) = self.control.recv() => self.on_control(control),
-                command = self.commands.recv(), if !self.shutting_down => match command {
-                    Some(command) => self.on_command(command),
-                    None => self.begin_shutdown(None),
-                },
+                Some(command) = self.commands.recv() => {
+                    // Notices sent before this command (causally) are applied first: a
+                    // callee releases its wait-for edge before it replies, so a call made
+                    // after that reply never meets the stale edge.
+                    while let Ok(control) = self.control.try_recv() {
+                        self.on_control(control);
+                    }
+                    self.on_command(command);
+                }
                 else => break,
             }
             if self.shutting_down && self.table.is_empty() {
                 break;
             }
         }
-        // Refuse whatever is still queued.
+        // Refuse whatever is still queued; later sends fail (the receiver is dropped).
         self.commands.close();
         while let Ok(command) = self.commands.try_recv() {
-            self.refuse_after_shutdown(command);
+            self.on_command(command);
         }
         if let Some(done) = self.shutdown.take() {
             let _ = done.send(());
@@ -101,25 +108,34 @@ impl Dispatcher {
 
     fn on_command(&mut self, command: Command) {
         match command {
+            Command::Invoke { envelope, .. } if self.shutting_down => {
+                // A new request, or a call made by a turn still finishing: refused at
+                // once, never left to wait out its deadline.
+                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+            }
             Command::Invoke { target, envelope, edge } => self.route(target, envelope, edge),
             Command::Stats { reply } => {
                 let _ = reply.send(self.stats());
             }
-            Command::Shutdown { reply } => self.begin_shutdown(Some(reply)),
+            Command::Deactivate { target, reply } => self.deactivate(target, reply),
         }
     }
 
-    fn refuse_after_shutdown(&mut self, command: Command) {
-        match command {
-            Command::Invoke { envelope, .. } => {
-                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+    /// Closes `target`'s mailbox as the idle handshake does, without waiting for it to
+    /// be idle; `reply` is answered when the activation has ended.
+    fn deactivate(&mut self, target: ActorId, reply: oneshot::Sender<bool>) {
+        let Some(activation) = self.table.get_mut(&target) else {
+            let _ = reply.send(false);
+            return;
+        };
+        activation.deactivation_waiters.push(reply);
+        if activation.open {
+            self.handle.shared.routes.lock().remove(&target);
+            activation.open = false;
+            if activation.lifecycle.state() == LifecycleState::Active {
+                activation.lifecycle.apply(LifecycleEvent::Deactivate);
             }
-            Command::Stats { reply } => {
-                let _ = reply.send(self.stats());
-            }
-            Command::Shutdown { reply } => {
-                let _ = reply.send(());
-            }
+            // Still activating: `Activated` sees the closed mailbox and deactivates.
         }
     }
 
@@ -264,6 +280,7 @@ impl Dispatcher {
                 open: true,
                 capacity,
                 held: VecDeque::new(),
+                deactivation_waiters: Vec::new(),
             },
         );
         assert!(previous.is_none(), "a second activation of {id} while one was live");
@@ -286,6 +303,7 @@ impl Dispatcher {
     fn on_control(&mut self, control: Control) {
         match control {
             Control::ReleaseCall { call } => self.waits.remove(call),
+            Control::Shutdown { reply } => self.begin_shutdown(reply),
             Control::Activated { id, generation } => {
                 let Some(activation) = self.current(&id, generation) else {
                     return;
@@ -355,6 +373,9 @@ impl Dispatcher {
         };
         if event == LifecycleEvent::Deactivated {
             Counters::add(&self.handle.shared.counters.deactivations_finished);
+        }
+        for waiter in activation.deactivation_waiters {
+            let _ = waiter.send(true);
         }
         let held: VecDeque<Box<Envelope>> = activation
             .held

@@ -14,6 +14,12 @@ pub(crate) struct Envelope {
     pub(crate) payload: Bytes,
     pub(crate) context: CallContext,
     pub(crate) reply: oneshot::Sender<Reply>,
+    /// The request's id, unique within the runtime (also the id of its wait-for edge).
+    pub(crate) call: CallId,
+    /// Whether the call has a wait-for edge (made from inside a turn): the callee
+    /// releases it before it replies, so the edge ends with the call, not with the
+    /// caller's future.
+    pub(crate) edge: bool,
 }
 
 /// A mailbox's sending side, owned by the dispatcher only.
@@ -39,16 +45,30 @@ pub(crate) enum Command {
     Stats {
         reply: oneshot::Sender<crate::DispatcherStats>,
     },
-    /// Deactivate every actor, then stop.
-    Shutdown { reply: oneshot::Sender<()> },
+    /// Deactivate one actor now; answer whether an activation was live once it is gone.
+    Deactivate {
+        target: ActorId,
+        reply: oneshot::Sender<bool>,
+    },
 }
 
 /// Notices from actor tasks and call guards. Their number is bounded by construction:
 /// at most four per activation (activated or failed, one idle check per idle period,
-/// deactivated or crashed) and one per admitted call, so the channel is unbounded.
+/// deactivated or crashed), two per admitted call (the callee's release and the
+/// caller's) and one shutdown per runtime, so the channel is unbounded.
+///
+/// Ordering: the dispatcher drains this channel before it handles each command, so a
+/// notice sent before a command (by the same task, or causally before it) is always
+/// applied first. That is what keeps the wait-for graph exact: a callee releases its
+/// edge before it replies, so no call made after the reply can see the stale edge.
 pub(crate) enum Control {
-    /// The caller of this call stopped waiting.
+    /// The call ended: its callee replied (or dropped it unrun), or its caller stopped
+    /// waiting. Sent by both; the second is ignored.
     ReleaseCall { call: CallId },
+    /// Stop: refuse new work, close every mailbox; `reply` is answered when every
+    /// activation has ended. Sent by `Runtime::shutdown` (with a reply) and by dropping
+    /// the `Runtime` (without).
+    Shutdown { reply: Option<oneshot::Sender<()>> },
     /// The activation loaded its state and ran `on_activate`.
     Activated { id: ActorId, generation: u64 },
     /// The activation failed to start; its mailbox is closed and drained.

@@ -25,6 +25,14 @@ pub enum ConfigError {
         /// [`ACTOR_IDLE_TIMEOUT_MS_MIN`].
         min_ms: u64,
     },
+    /// The shutdown grace period is too long.
+    #[error("shutdown_grace must satisfy {value_ms} ms <= {max_ms} ms")]
+    ShutdownGrace {
+        /// The value given, in milliseconds.
+        value_ms: u128,
+        /// [`crate::SHUTDOWN_GRACE_MS_MAX`].
+        max_ms: u64,
+    },
     /// The kind was registered twice.
     #[error("actor kind {kind:?} is already registered")]
     DuplicateKind {

@@ -19,12 +19,14 @@
 
 mod activation;
 mod actor;
+mod caller;
 mod clock;
 mod dispatcher;
 mod envelope;
 mod fast_hash;
 mod kind_config;
 mod memory_store;
+mod observer;
 mod runtime;
 mod sqlite_store;
 mod state_store;
@@ -33,10 +35,15 @@ mod turn;
 mod wait_for_graph;
 
 pub use actor::{Actor, ActorError, ActorFactory};
+pub use caller::{Admitted, Caller};
 pub use clock::Clock;
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
-pub use runtime::{DispatcherStats, Runtime, RuntimeBuilder, RuntimeCounters, RuntimeHandle};
+pub use observer::{RuntimeEvent, RuntimeObserver};
+pub use runtime::{
+    DispatcherStats, Runtime, RuntimeBuilder, RuntimeCounters, RuntimeHandle, SHUTDOWN_ABORT_WAIT_MS,
+    SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX,
+};
 pub use sqlite_store::SqliteStore;
 pub use state_store::{
     check_key, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX,

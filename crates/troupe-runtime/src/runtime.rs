@@ -8,14 +8,25 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, ActorKind, CallContext, Deadline, InvokeError};
 
 use crate::dispatcher::Dispatcher;
-use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender};
+use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Reply};
 use crate::fast_hash::FastMap;
-use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, StateStore};
+use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, RuntimeEvent, RuntimeObserver, StateStore};
+
+/// How long [`Runtime::shutdown`] lets running turns and queued requests finish by
+/// default, in milliseconds, before it cancels what is left.
+pub const SHUTDOWN_GRACE_MS_DEFAULT: u64 = 5_000;
+/// The longest shutdown grace period a runtime accepts, in milliseconds.
+pub const SHUTDOWN_GRACE_MS_MAX: u64 = 300_000;
+/// How long [`Runtime::shutdown`] waits, after the grace period, for cancelled
+/// activations to report that they have ended, in milliseconds. An actor blocked in
+/// synchronous code (not at an `.await`) cannot be cancelled; shutdown returns anyway.
+pub const SHUTDOWN_ABORT_WAIT_MS: u64 = 1_000;
+const _: () = assert!(SHUTDOWN_GRACE_MS_DEFAULT <= SHUTDOWN_GRACE_MS_MAX);
 
 /// A registered actor kind: its factory and configuration.
 pub(crate) struct KindEntry {
@@ -34,6 +45,9 @@ pub(crate) struct Counters {
     pub(crate) busy_refused: AtomicU64,
     pub(crate) deadlocks_refused: AtomicU64,
     pub(crate) deactivation_saves_failed: AtomicU64,
+    pub(crate) turns_abandoned: AtomicU64,
+    pub(crate) turns_cancelled_at_shutdown: AtomicU64,
+    pub(crate) dispatcher_busy_refused: AtomicU64,
 }
 
 impl Counters {
@@ -59,8 +73,16 @@ pub struct RuntimeCounters {
     pub busy_refused: u64,
     /// Calls refused with `DeadlockDetected`.
     pub deadlocks_refused: u64,
-    /// Deactivation saves that failed (the last turn's state was already committed).
+    /// Deactivation saves that failed, or were skipped because `on_deactivate` failed
+    /// (the last turn's state was already committed).
     pub deactivation_saves_failed: u64,
+    /// Turns cancelled and rolled back because their caller stopped waiting (timed out,
+    /// was cancelled, or its own turn ended).
+    pub turns_abandoned: u64,
+    /// Turns cancelled and rolled back because the shutdown grace period ended.
+    pub turns_cancelled_at_shutdown: u64,
+    /// Requests refused with `DispatcherBusy` (the dispatcher's queue was full).
+    pub dispatcher_busy_refused: u64,
 }
 
 /// The dispatcher's tables at one moment.
@@ -115,10 +137,27 @@ pub(crate) struct Shared {
     pub(crate) store: Arc<dyn StateStore>,
     pub(crate) counters: Counters,
     pub(crate) routes: Routes,
+    pub(crate) observer: Option<Arc<dyn RuntimeObserver>>,
+    /// Set once when running turns must stop at once: the shutdown grace period ended,
+    /// or the `Runtime` was dropped. Every activation watches it.
+    pub(crate) abort: watch::Sender<bool>,
+    shutdown_grace: Duration,
     next_call: AtomicU64,
 }
 
 impl Shared {
+    /// Tells the observer, if there is one.
+    pub(crate) fn emit(&self, event: impl FnOnce() -> RuntimeEvent) {
+        if let Some(observer) = &self.observer {
+            observer.on_event(&event());
+        }
+    }
+
+    /// A fresh request id.
+    pub(crate) fn next_call(&self) -> u64 {
+        self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Delivers straight into an open mailbox, skipping the dispatcher's queue.
     fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>) -> FastPath {
         let mut routes = self.routes.lock();
@@ -158,18 +197,31 @@ impl fmt::Debug for RuntimeHandle {
     }
 }
 
-/// Stops waiting on a call: tells the dispatcher to drop the wait-for edge. Declared
-/// before the reply receiver so the receiver is dropped first; the dispatcher then sees
-/// a closed reply if it routes the call after the release.
-struct ReleaseOnDrop<'a> {
-    control: &'a mpsc::UnboundedSender<Control>,
+/// Owns the reply receiver of one request while its caller waits. When the wait ends
+/// without a reply (timeout, the caller's future dropped, its turn ended), dropping the
+/// guard closes the receiver first, so the callee's turn sees its caller gone and is
+/// cancelled, and the dispatcher never routes the request; then it releases the wait-for
+/// edge (the callee releases it too when it replies: the first release wins) and reports
+/// the abandonment.
+struct WaitGuard<'a> {
+    shared: &'a Shared,
+    target: &'a ActorId,
     call: u64,
+    edge: bool,
+    answer: Option<oneshot::Receiver<Reply>>,
+    answered: bool,
 }
 
-impl Drop for ReleaseOnDrop<'_> {
+impl Drop for WaitGuard<'_> {
     fn drop(&mut self) {
-        // The dispatcher may already be gone at shutdown; nothing to release then.
-        let _ = self.control.send(Control::ReleaseCall { call: self.call });
+        drop(self.answer.take());
+        if self.edge {
+            // The dispatcher may already be gone at shutdown; nothing to release then.
+            let _ = self.shared.control.send(Control::ReleaseCall { call: self.call });
+        }
+        if !self.answered {
+            self.shared.emit(|| RuntimeEvent::RequestAbandoned { target: self.target.clone(), request: self.call });
+        }
     }
 }
 
@@ -208,31 +260,35 @@ impl RuntimeHandle {
     /// [`InvokeError`]: `Timeout` when the deadline passes first (the request is then
     /// dropped unrun, or its turn cancelled and rolled back), `Busy` when the mailbox is
     /// full, `ActorNotFound` for an unregistered kind, `ActorFailed`, `Rejected`,
-    /// `StorageFailed`, `DispatcherBusy`, `Shutdown`.
+    /// `StorageFailed`, `DispatcherBusy` (the dispatcher's queue is full: nothing was
+    /// queued), `Shutdown`.
     ///
     /// # Cancel safety
-    /// Dropping the future abandons the request; if it has not started running it never
-    /// will, since its reply channel is closed.
+    /// Dropping the future abandons the request: if it has not started running it never
+    /// will, and if its turn is running, the turn is cancelled at its next `.await` and
+    /// rolled back (a turn already committing keeps its commit).
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
         self.send_and_wait(target, payload, CallContext::root(deadline), None)
             .await
     }
 
     /// Sends `payload` to `target` on behalf of `caller`'s running turn under `context`
-    /// (the callee's context: depth, chain and deadline already derived). The dispatcher
-    /// records the wait-for edge `caller → target` while this call waits, and refuses the
-    /// call at once with `DeadlockDetected` if the edge would close a cycle.
+    /// (the callee's context: depth, chain and deadline already derived by admission).
+    /// The dispatcher records the wait-for edge `caller → target` until the callee
+    /// replies or the caller stops waiting, and refuses the call at once with
+    /// `DeadlockDetected` if the edge would close a cycle. The wait also ends, with
+    /// `Cancelled`, when `turn_end` reports that the calling turn has ended.
     ///
-    /// # Errors
-    /// As [`RuntimeHandle::invoke`], plus `DeadlockDetected`.
-    pub async fn invoke_from(
+    /// Only [`crate::Caller`] calls this: identity and context come from the runtime.
+    pub(crate) async fn invoke_from(
         &self,
         caller: &ActorId,
         target: &ActorId,
         payload: Bytes,
         context: CallContext,
+        turn_end: Option<watch::Receiver<()>>,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, payload, context, Some(caller)).await
+        self.send_and_wait(target, payload, context, Some((caller, turn_end))).await
     }
 
     /// The runtime's counters since it started.
@@ -248,7 +304,29 @@ impl RuntimeHandle {
             busy_refused: load(&c.busy_refused),
             deadlocks_refused: load(&c.deadlocks_refused),
             deactivation_saves_failed: load(&c.deactivation_saves_failed),
+            turns_abandoned: load(&c.turns_abandoned),
+            turns_cancelled_at_shutdown: load(&c.turns_cancelled_at_shutdown),
+            dispatcher_busy_refused: load(&c.dispatcher_busy_refused),
         }
+    }
+
+    /// Deactivates `target` now, whether or not it is idle, and waits until it has.
+    ///
+    /// The same handshake as idle deactivation: the dispatcher closes the mailbox, so
+    /// the running turn (if any) and the requests already queued still run, then
+    /// `on_deactivate` runs and the state is saved; requests that arrive meanwhile are
+    /// held and start the next activation. Nothing accepted is dropped, and at most one
+    /// activation exists throughout.
+    ///
+    /// Returns whether an activation was live (`false`: nothing to do).
+    ///
+    /// # Errors
+    /// [`InvokeError::Shutdown`] if the runtime has stopped (or stops meanwhile).
+    pub async fn deactivate(&self, target: &ActorId) -> Result<bool, InvokeError> {
+        let (reply, answer) = oneshot::channel();
+        let command = Command::Deactivate { target: target.clone(), reply };
+        self.shared.commands.send(command).await.map_err(|_| InvokeError::Shutdown)?;
+        answer.await.map_err(|_| InvokeError::Shutdown)
     }
 
     /// The dispatcher's tables now.
@@ -270,105 +348,129 @@ impl RuntimeHandle {
         target: &ActorId,
         payload: Bytes,
         context: CallContext,
-        caller: Option<&ActorId>,
+        caller: Option<(&ActorId, Option<watch::Receiver<()>>)>,
     ) -> Result<Bytes, InvokeError> {
-        let clock = self.shared.clock;
+        let shared = &*self.shared;
+        let clock = shared.clock;
         let deadline = context.deadline();
-        let timeout_ms = |now: Deadline| {
-            let allowed = deadline.remaining(now);
-            u64::try_from(allowed.as_millis()).unwrap_or(u64::MAX)
-        };
         let now = clock.now();
         if deadline.has_passed(now) {
-            return Err(InvokeError::Timeout {
-                target: target.clone(),
-                timeout_ms: 0,
-            });
+            return Err(InvokeError::Timeout { target: target.clone(), timeout_ms: 0 });
         }
-        let timeout_ms = timeout_ms(now);
-        let edge = caller.map(|caller| CallEdge {
-            id: self.shared.next_call.fetch_add(1, Ordering::Relaxed),
-            caller: caller.clone(),
-        });
-        let _release = edge.as_ref().map(|edge| ReleaseOnDrop {
-            control: &self.shared.control,
-            call: edge.id,
-        });
+        let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
+        let call = shared.next_call();
         let (reply, answer) = oneshot::channel();
-        let mut envelope = Box::new(Envelope {
-            payload,
-            context,
-            reply,
-        });
+        let (edge, turn_end) = match caller {
+            Some((caller, turn_end)) => (Some(CallEdge { id: call, caller: caller.clone() }), turn_end),
+            None => (None, None),
+        };
+        let mut guard =
+            WaitGuard { shared, target, call, edge: edge.is_some(), answer: Some(answer), answered: false };
+        let mut envelope = Box::new(Envelope { payload, context, reply, call, edge: edge.is_some() });
         if edge.is_none() {
             // A call from outside any turn adds no wait-for edge, so it may skip the
             // dispatcher when the target's mailbox is open.
-            match self.shared.fast_path(target, envelope) {
+            match shared.fast_path(target, envelope) {
                 FastPath::Delivered => {
-                    return self.await_reply(target, now, deadline, timeout_ms, answer).await;
+                    return Self::await_reply(&mut guard, clock, now, deadline, timeout_ms, None).await;
                 }
-                FastPath::Refused(error) => return Err(error),
+                FastPath::Refused(error) => {
+                    guard.answered = true;
+                    return Err(error);
+                }
                 FastPath::ToDispatcher(back) => envelope = back,
             }
         }
-        let command = Command::Invoke {
-            target: target.clone(),
-            envelope,
-            edge,
-        };
-        let waited = clock
-            .run_until_from(now, deadline, async {
-                match self.shared.commands.try_send(command) {
-                    Ok(()) => {}
-                    Err(mpsc::error::TrySendError::Full(command)) => self
-                        .shared
-                        .commands
-                        .send(command)
-                        .await
-                        .map_err(|_| InvokeError::Shutdown)?,
-                    Err(mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
-                }
-                answer.await.map_err(|_| InvokeError::ActorFailed {
-                    target: target.clone(),
-                    cause: "the actor's activation ended before it replied".to_string(),
-                })?
-            })
-            .await;
-        match waited {
-            Ok(result) => result,
-            Err(_elapsed) => Err(InvokeError::Timeout {
-                target: target.clone(),
-                timeout_ms,
-            }),
+        let command = Command::Invoke { target: target.clone(), envelope, edge };
+        match shared.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                // Backpressure at the dispatcher too: refuse at once, never wait in line.
+                Counters::add(&shared.counters.dispatcher_busy_refused);
+                guard.answered = true;
+                return Err(InvokeError::DispatcherBusy { capacity: DISPATCHER_QUEUE_CAPACITY });
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                guard.answered = true;
+                return Err(InvokeError::Shutdown);
+            }
         }
+        Self::await_reply(&mut guard, clock, now, deadline, timeout_ms, turn_end).await
     }
 
+    /// Waits for the reply in `guard` until `deadline`, or until the calling turn ends.
     async fn await_reply(
-        &self,
-        target: &ActorId,
+        guard: &mut WaitGuard<'_>,
+        clock: Clock,
         now: Deadline,
         deadline: Deadline,
         timeout_ms: u64,
-        answer: oneshot::Receiver<crate::envelope::Reply>,
+        turn_end: Option<watch::Receiver<()>>,
     ) -> Result<Bytes, InvokeError> {
-        match self.shared.clock.run_until_from(now, deadline, answer).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_closed)) => Err(InvokeError::ActorFailed {
-                target: target.clone(),
-                cause: "the actor's activation ended before it replied".to_string(),
-            }),
-            Err(_elapsed) => Err(InvokeError::Timeout {
-                target: target.clone(),
-                timeout_ms,
-            }),
+        let target = guard.target;
+        let answer = guard.answer.as_mut().expect("a waiting guard holds its receiver");
+        let waited = clock
+            .run_until_from(now, deadline, async move {
+                match turn_end {
+                    None => Waited::from(answer.await),
+                    Some(mut turn_end) => tokio::select! {
+                        biased;
+                        answer = answer => Waited::from(answer),
+                        // The turn drops the sending side when it ends: `changed` then
+                        // fails. Nothing is ever sent on it.
+                        _ = turn_end.changed() => Waited::TurnEnded,
+                    },
+                }
+            })
+            .await
+            .unwrap_or(Waited::Elapsed);
+        match waited {
+            Waited::Reply(result) => {
+                guard.answered = true;
+                result
+            }
+            Waited::Closed => {
+                guard.answered = true;
+                Err(InvokeError::ActorFailed {
+                    target: target.clone(),
+                    cause: "the actor's activation ended before it replied".to_string(),
+                })
+            }
+            Waited::TurnEnded => Err(InvokeError::Cancelled { target: target.clone() }),
+            Waited::Elapsed => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),
+        }
+    }
+}
+
+/// How a wait for a reply ended.
+enum Waited {
+    Reply(Reply),
+    /// The reply channel closed without a reply: the activation ended.
+    Closed,
+    TurnEnded,
+    Elapsed,
+}
+
+impl From<Result<Reply, oneshot::error::RecvError>> for Waited {
+    fn from(received: Result<Reply, oneshot::error::RecvError>) -> Self {
+        match received {
+            Ok(reply) => Self::Reply(reply),
+            Err(_closed) => Self::Closed,
         }
     }
 }
 
 /// A running runtime. Dereferences to its [`RuntimeHandle`].
+///
+/// Stop it with [`Runtime::shutdown`]. Dropping it without a shutdown stops it too, at
+/// once and without a grace period: the dispatcher refuses everything from then on,
+/// running turns are cancelled at their next `.await` and rolled back, queued and held
+/// requests are answered with [`InvokeError::Shutdown`], `on_deactivate` does not run,
+/// and nothing is saved beyond each actor's last committed turn. Every task the runtime
+/// spawned ends (an actor blocked in synchronous code ends when it next yields).
 pub struct Runtime {
     handle: RuntimeHandle,
-    dispatcher: tokio::task::JoinHandle<()>,
+    dispatcher: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Deref for Runtime {
@@ -389,21 +491,46 @@ impl Runtime {
         self.handle.clone()
     }
 
-    /// Deactivates every actor (each runs `on_deactivate` and saves), then stops the
-    /// dispatcher. Invocations after this fail with [`InvokeError::Shutdown`].
-    pub async fn shutdown(self) {
+    /// Stops the runtime within a bounded time.
+    ///
+    /// 1. At once: new requests, and calls made by running turns, are refused with
+    ///    [`InvokeError::Shutdown`]; every mailbox is closed.
+    /// 2. For the grace period ([`RuntimeBuilder::shutdown_grace`], default
+    ///    [`SHUTDOWN_GRACE_MS_DEFAULT`] ms): running turns and the requests already in
+    ///    mailboxes finish; each actor then runs `on_deactivate` and saves.
+    /// 3. When the grace period ends: whatever still runs is cancelled and rolled back;
+    ///    its caller, and every request still queued, gets [`InvokeError::Shutdown`];
+    ///    `on_deactivate` does not run for those actors.
+    ///
+    /// Returns when every activation has ended, or [`SHUTDOWN_ABORT_WAIT_MS`] after the
+    /// grace period at the latest.
+    pub async fn shutdown(mut self) {
+        let shared = Arc::clone(&self.handle.shared);
         let (reply, done) = oneshot::channel();
-        if self
-            .handle
-            .shared
-            .commands
-            .send(Command::Shutdown { reply })
-            .await
-            .is_ok()
-        {
-            let _ = done.await;
+        let _ = shared.control.send(Control::Shutdown { reply: Some(reply) });
+        let mut done = std::pin::pin!(done);
+        if tokio::time::timeout(shared.shutdown_grace, &mut done).await.is_err() {
+            shared.abort.send_replace(true);
+            let _ = tokio::time::timeout(Duration::from_millis(SHUTDOWN_ABORT_WAIT_MS), &mut done).await;
         }
-        let _ = self.dispatcher.await;
+        if let Some(dispatcher) = self.dispatcher.take() {
+            // It has ended, or ends as soon as the last stuck activation yields.
+            if !dispatcher.is_finished() {
+                return;
+            }
+            let _ = dispatcher.await;
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if self.dispatcher.is_none() {
+            return; // shut down already
+        }
+        let shared = &self.handle.shared;
+        shared.abort.send_replace(true);
+        let _ = shared.control.send(Control::Shutdown { reply: None });
     }
 }
 
@@ -411,6 +538,8 @@ impl Runtime {
 pub struct RuntimeBuilder {
     store: Arc<dyn StateStore>,
     kinds: BTreeMap<ActorKind, KindEntry>,
+    observer: Option<Arc<dyn RuntimeObserver>>,
+    shutdown_grace: Duration,
 }
 
 impl Default for RuntimeBuilder {
@@ -418,6 +547,8 @@ impl Default for RuntimeBuilder {
         Self {
             store: Arc::new(MemoryStore::new()),
             kinds: BTreeMap::new(),
+            observer: None,
+            shutdown_grace: Duration::from_millis(SHUTDOWN_GRACE_MS_DEFAULT),
         }
     }
 }
@@ -427,6 +558,25 @@ impl RuntimeBuilder {
     pub fn store(mut self, store: Arc<dyn StateStore>) -> Self {
         self.store = store;
         self
+    }
+
+    /// Reports the runtime's events (abandoned requests, commits, cancelled turns) to
+    /// `observer`, for tests, the simulator and metrics.
+    pub fn observer(mut self, observer: Arc<dyn RuntimeObserver>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// How long [`Runtime::shutdown`] lets running turns finish before it cancels them.
+    ///
+    /// # Errors
+    /// [`ConfigError::ShutdownGrace`] if `grace` is longer than [`SHUTDOWN_GRACE_MS_MAX`].
+    pub fn shutdown_grace(mut self, grace: Duration) -> Result<Self, ConfigError> {
+        if grace > Duration::from_millis(SHUTDOWN_GRACE_MS_MAX) {
+            return Err(ConfigError::ShutdownGrace { value_ms: grace.as_millis(), max_ms: SHUTDOWN_GRACE_MS_MAX });
+        }
+        self.shutdown_grace = grace;
+        Ok(self)
     }
 
     /// Registers a kind of actor with its factory and configuration.
@@ -469,11 +619,14 @@ impl RuntimeBuilder {
             store: self.store,
             counters: Counters::default(),
             routes: Routes::default(),
+            observer: self.observer,
+            abort: watch::Sender::new(false),
+            shutdown_grace: self.shutdown_grace,
             next_call: AtomicU64::new(1),
         });
         let handle = RuntimeHandle { shared };
         let dispatcher = Dispatcher::new(handle.clone(), command_queue, control_queue);
         let dispatcher = tokio::spawn(dispatcher.run());
-        Runtime { handle, dispatcher }
+        Runtime { handle, dispatcher: Some(dispatcher) }
     }
 }

@@ -7,28 +7,26 @@ use bytes::Bytes;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
 use crate::state_store::{check_key, STATE_SCAN_LIMIT_MAX, TURN_WRITES_MAX};
-use crate::{RuntimeHandle, StoreError};
+use crate::{Caller, Clock, RuntimeHandle, StoreError};
 
 /// The context of one turn of one actor.
 ///
 /// Writes are buffered here and committed atomically with the actor's snapshot when the
 /// turn succeeds; if the turn fails or times out they are discarded. Reads see the
 /// turn's own buffered writes first.
+///
+/// Calls to other actors go through the turn's [`Caller`] ([`Turn::caller`],
+/// [`Turn::invoke`]): its identity, chain, depth and deadline come from the runtime.
 pub struct Turn {
     id: ActorId,
-    context: CallContext,
+    caller: Caller,
     handle: RuntimeHandle,
     writes: BTreeMap<String, Option<Bytes>>,
 }
 
 impl Turn {
-    pub(crate) fn new(id: ActorId, context: CallContext, handle: RuntimeHandle) -> Self {
-        Self {
-            id,
-            context,
-            handle,
-            writes: BTreeMap::new(),
-        }
+    pub(crate) fn new(id: ActorId, caller: Caller, handle: RuntimeHandle) -> Self {
+        Self { id, caller, handle, writes: BTreeMap::new() }
     }
 
     pub(crate) fn into_writes(self) -> Vec<(String, Option<Bytes>)> {
@@ -45,59 +43,39 @@ impl Turn {
 
     /// Depth, chain and deadline of the request this turn handles.
     pub fn context(&self) -> &CallContext {
-        &self.context
+        self.caller.context()
     }
 
     /// When this turn must have replied; it is cancelled then.
     pub fn deadline(&self) -> Deadline {
-        self.context.deadline()
+        self.caller.deadline()
     }
 
-    /// The runtime this turn runs in.
-    pub fn handle(&self) -> &RuntimeHandle {
-        &self.handle
+    /// The current time on the runtime's clock.
+    pub fn now(&self) -> Deadline {
+        self.handle.now()
+    }
+
+    /// The runtime's clock.
+    pub fn clock(&self) -> Clock {
+        self.handle.clock()
+    }
+
+    /// This turn's handle for calling other actors; clone it into tools and tasks.
+    pub fn caller(&self) -> &Caller {
+        &self.caller
     }
 
     /// Calls `target` and waits for its reply for at most `timeout`, clipped to this
-    /// turn's own deadline. The callee runs at depth + 1 with this actor appended to the
-    /// chain. While waiting, the dispatcher records the wait-for edge from this actor to
-    /// `target`.
+    /// turn's own deadline: admission first (cycle in the chain, depth, registered
+    /// kind, calls in flight), then the dispatcher's wait-for graph. The callee runs at
+    /// depth + 1 with this actor appended to the chain. See [`Caller::call`].
     ///
     /// # Errors
-    /// [`InvokeError`], including `DeadlockDetected` if `target` (directly or through
-    /// others) is waiting on this actor.
+    /// [`InvokeError`]: `Refused` (nothing sent), `DeadlockDetected` if `target`
+    /// (directly or through others) is waiting on this actor, `Timeout`, and the rest.
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, timeout: Duration) -> Result<Bytes, InvokeError> {
-        let child = self
-            .context
-            .child(self.id.clone(), self.handle.shared.clock.deadline_in(timeout));
-        self.handle.invoke_from(&self.id, target, payload, child).await
-    }
-
-    /// Calls `target` under `child`, a context already derived from this turn's (by call
-    /// admission in the agent layer).
-    ///
-    /// # Errors
-    /// As [`Turn::invoke`].
-    ///
-    /// # Panics
-    /// If `child` was not derived from this turn: its deadline is later than the turn's or
-    /// its chain does not end with this actor.
-    pub async fn invoke_with_context(
-        &self,
-        target: &ActorId,
-        payload: Bytes,
-        child: CallContext,
-    ) -> Result<Bytes, InvokeError> {
-        assert!(
-            child.deadline() <= self.deadline(),
-            "a child deadline outlives its parent turn"
-        );
-        assert_eq!(
-            child.chain().last(),
-            Some(&self.id),
-            "the child chain must end with the caller"
-        );
-        self.handle.invoke_from(&self.id, target, payload, child).await
+        self.caller.call(target, payload, timeout).await
     }
 
     /// Buffers a write of `value` under `key`, committed with the turn.

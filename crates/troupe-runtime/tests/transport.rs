@@ -77,7 +77,7 @@ impl Actor for ProbeActor {
                 let report = ContextReport {
                     depth: context.depth(),
                     chain: context.chain().to_vec(),
-                    remaining_us: u64::try_from(turn.deadline().remaining(turn.handle().now()).as_micros()).unwrap(),
+                    remaining_us: u64::try_from(turn.deadline().remaining(turn.now()).as_micros()).unwrap(),
                     deadline_us: turn.deadline().as_micros(),
                 };
                 Ok(Bytes::from(bincode::serialize(&report).unwrap()))

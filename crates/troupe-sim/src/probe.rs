@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallAdmitted, CallContext, CallRefused, Deadline};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, TransportClient, Turn};
+use troupe_runtime::{Admitted, Actor, ActorError, ActorFactory, Clock, TransportClient, Turn};
 
 use crate::trace::{Event, Trace};
 
@@ -236,6 +236,10 @@ pub enum RefusalKind {
     InvalidTimeout,
     /// `DeadlineExpired`.
     DeadlineExpired,
+    /// `CallerTurnEnded`.
+    CallerTurnEnded,
+    /// `ShuttingDown`.
+    ShuttingDown,
 }
 
 impl From<&CallRefused> for RefusalKind {
@@ -247,6 +251,8 @@ impl From<&CallRefused> for RefusalKind {
             CallRefused::TooManyCalls { .. } => Self::TooManyCalls,
             CallRefused::InvalidTimeout { .. } => Self::InvalidTimeout,
             CallRefused::DeadlineExpired => Self::DeadlineExpired,
+            CallRefused::CallerTurnEnded { .. } => Self::CallerTurnEnded,
+            CallRefused::ShuttingDown => Self::ShuttingDown,
         }
     }
 }
@@ -368,25 +374,38 @@ impl Probe {
         self.config
             .trace
             .clock()
-            .after_us(turn.deadline().remaining(turn.handle().now()))
+            .after_us(turn.deadline().remaining(turn.now()))
     }
 
     fn context_deadline_us(&self, turn: &Turn, context: &CallContext) -> u64 {
         self.config
             .trace
             .clock()
-            .after_us(context.deadline().remaining(turn.handle().now()))
+            .after_us(context.deadline().remaining(turn.now()))
     }
 
-    fn admit(&self, turn: &Turn, target: &ActorId, timeout_ms: u64) -> Result<CallAdmitted, CallRefused> {
+    /// Admits a call: in the real mode through the turn's caller handle (the admission
+    /// every actor gets, returned as well so the call is made with it); in a planted-bug
+    /// mode through `admit_call` with that bug's rule broken.
+    fn admit(
+        &self,
+        turn: &Turn,
+        target: &ActorId,
+        timeout_ms: u64,
+    ) -> Result<(CallAdmitted, Option<Admitted>), CallRefused> {
+        if self.config.admission == AdmissionMode::Real {
+            let real = turn.caller().admit(target, true, Some(timeout_ms))?;
+            let admitted = CallAdmitted { child: real.child().clone(), timeout: real.timeout() };
+            return Ok((admitted, Some(real)));
+        }
         let request = AdmissionRequest {
             caller: turn.id(),
             context: turn.context(),
             target,
-            target_known: turn.handle().is_registered(target.kind()),
+            target_known: turn.caller().is_registered(target.kind()),
             calls_in_flight: 0,
             requested_timeout_ms: Some(timeout_ms),
-            now: turn.handle().now(),
+            now: turn.now(),
         };
         let now = request.now;
         let forced = |context: &CallContext| {
@@ -415,13 +434,14 @@ impl Probe {
             }
             (_, decision) => decision,
         }
+        .map(|admitted| (admitted, None))
     }
 
     async fn call(&self, turn: &Turn, target: &str, op: ProbeOp, timeout_ms: u64) -> Result<ProbeReply, ActorError> {
         let trace = &self.config.trace;
         let (kind, key) = target.split_once('/').unwrap_or((PROBE_KIND, target));
         let target = ActorId::new(kind, key).map_err(|error| ActorError::failed(error.to_string()))?;
-        let admitted = match self.admit(turn, &target, timeout_ms) {
+        let (admitted, real_admission) = match self.admit(turn, &target, timeout_ms) {
             Ok(admitted) => admitted,
             Err(refused) => {
                 let reason = RefusalKind::from(&refused);
@@ -477,13 +497,17 @@ impl Probe {
                 };
                 client.invoke(&target, payload, context, caller).await
             }
-            AdmissionMode::BugNoWaitForEdge => turn.handle().invoke(&target, payload, admitted.child.deadline()).await,
-            AdmissionMode::BugDeadlineGrows | AdmissionMode::BugSkipChainCheck | AdmissionMode::BugSkipDepthCheck => {
-                turn.handle()
-                    .invoke_from(turn.id(), &target, payload, admitted.child)
-                    .await
+            AdmissionMode::BugNoWaitForEdge => {
+                let timeout = admitted.child.deadline().remaining(turn.now());
+                turn.caller().invoke_as_root(&target, payload, timeout).await
             }
-            AdmissionMode::Real => turn.invoke_with_context(&target, payload, admitted.child).await,
+            AdmissionMode::BugDeadlineGrows | AdmissionMode::BugSkipChainCheck | AdmissionMode::BugSkipDepthCheck => {
+                turn.caller().invoke_unchecked(&target, payload, admitted.child).await
+            }
+            AdmissionMode::Real => match real_admission {
+                Some(real) => turn.caller().invoke(real, payload).await,
+                None => unreachable!("the real admission mode admits through the caller handle"),
+            },
         };
         guard.outcome = Some(match &result {
             Ok(_) => "ok".to_string(),

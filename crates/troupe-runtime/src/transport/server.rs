@@ -211,7 +211,7 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest) 
             let caller = request.waiting_caller().cloned();
             let payload = request.payload;
             match caller {
-                Some(caller) => handle.invoke_from(&caller, &target, payload, context).await,
+                Some(caller) => handle.invoke_from(&caller, &target, payload, context, None).await,
                 None => handle.invoke(&target, payload, context.deadline()).await,
             }
         }

@@ -1,0 +1,298 @@
+//! The one checked way to call other actors from inside a turn: [`Caller`].
+//!
+//! A turn's caller handle is made by the runtime when the turn starts. Its identity
+//! (the actor running the turn), chain, depth and deadline come from the request the
+//! turn handles and cannot be edited: there are read-only accessors and no public
+//! fields. Every call goes through admission (`troupe_core::admit_call`) and then the
+//! dispatcher's wait-for graph:
+//!
+//! ```text
+//! Caller::admit(target, known, timeout?)   turn ended? shutting down? cycle in chain?
+//!   │                                     depth ≥ 5? unknown? ≥ 10 in flight? no time?
+//!   ▼ Admitted (holds an in-flight slot and the child context: depth+1, chain+self,
+//!   │           deadline clipped to this turn's)
+//! Caller::invoke(admitted, payload)  ──►  dispatcher: wait-for edge self → target
+//!   │                                      (refused with DeadlockDetected if it closes a cycle)
+//!   ▼ reply, or the error; the edge ends when the callee replies or this wait ends
+//! ```
+//!
+//! Cancellation: a call's wait ends when its deadline passes, when its future is
+//! dropped, or when the turn that made it ends (a task spawned by the turn may hold a
+//! clone of the handle: its calls end with [`InvokeError::Cancelled`] then, and new ones
+//! are refused with [`CallRefused::CallerTurnEnded`]). Ending the wait closes the reply
+//! channel, and the callee's turn for that call is cancelled at its next `.await` and
+//! commits nothing; its own calls end the same way, so a whole subtree stops.
+//!
+//! The one exception is [`Caller::invoke_as_root`], named as what it is: an independent
+//! request that is not part of this turn's chain (no cycle, depth or deadlock check),
+//! still bounded by this turn's deadline and cancelled with it.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::watch;
+use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, CallRefused, Deadline, InvokeError};
+
+use crate::{Clock, RuntimeHandle};
+
+/// A turn's handle for calling other actors. Cheap to clone; every clone speaks for the
+/// same turn and stops working when the turn ends.
+#[derive(Clone)]
+pub struct Caller {
+    inner: Arc<CallerInner>,
+}
+
+struct CallerInner {
+    handle: RuntimeHandle,
+    id: ActorId,
+    context: CallContext,
+    /// Closed when the turn ends (the turn holds the only sender).
+    turn_end: watch::Receiver<()>,
+    /// Calls in flight from this activation (shared by its turns and their clones).
+    in_flight: Arc<AtomicU32>,
+}
+
+impl fmt::Debug for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Caller")
+            .field("id", &self.inner.id)
+            .field("depth", &self.inner.context.depth())
+            .field("chain", &self.inner.context.chain())
+            .field("deadline", &self.inner.context.deadline())
+            .field("calls_in_flight", &self.calls_in_flight())
+            .field("turn_ended", &self.turn_ended())
+            .finish()
+    }
+}
+
+/// A call that admission let through: it holds one of the caller's in-flight slots
+/// until it is invoked and answered, or dropped. Only [`Caller::admit`] makes one.
+#[derive(Debug)]
+#[must_use = "an admitted call holds an in-flight slot until it is invoked or dropped"]
+pub struct Admitted {
+    target: ActorId,
+    child: CallContext,
+    timeout: Duration,
+    /// Whose admission this is, so it cannot be spent by another turn's caller.
+    caller: ActorId,
+    _slot: InFlightSlot,
+}
+
+impl Admitted {
+    /// The actor to call.
+    pub fn target(&self) -> &ActorId {
+        &self.target
+    }
+
+    /// The context the callee will run under: depth + 1, chain + caller, deadline
+    /// clipped to the caller's.
+    pub fn child(&self) -> &CallContext {
+        &self.child
+    }
+
+    /// How long the caller will wait: the child's deadline minus the time of admission.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+/// One of an activation's in-flight call slots; freed on drop.
+#[derive(Debug)]
+struct InFlightSlot(Arc<AtomicU32>);
+
+impl Drop for InFlightSlot {
+    fn drop(&mut self) {
+        let before = self.0.fetch_sub(1, Ordering::SeqCst);
+        assert!(before >= 1, "in-flight call count underflow");
+    }
+}
+
+impl Caller {
+    pub(crate) fn new(
+        handle: RuntimeHandle,
+        id: ActorId,
+        context: CallContext,
+        turn_end: watch::Receiver<()>,
+        in_flight: Arc<AtomicU32>,
+    ) -> Self {
+        Self { inner: Arc::new(CallerInner { handle, id, context, turn_end, in_flight }) }
+    }
+
+    /// The actor whose turn this is.
+    pub fn id(&self) -> &ActorId {
+        &self.inner.id
+    }
+
+    /// Depth, chain and deadline of the request the turn handles.
+    pub fn context(&self) -> &CallContext {
+        &self.inner.context
+    }
+
+    /// How many calls between actors lead to this turn (0 when asked from outside).
+    pub fn depth(&self) -> u32 {
+        self.inner.context.depth()
+    }
+
+    /// The actors waiting on this turn, outermost first (this actor not included).
+    pub fn chain(&self) -> &[ActorId] {
+        self.inner.context.chain()
+    }
+
+    /// When the turn must have replied.
+    pub fn deadline(&self) -> Deadline {
+        self.inner.context.deadline()
+    }
+
+    /// The runtime's clock.
+    pub fn clock(&self) -> Clock {
+        self.inner.handle.clock()
+    }
+
+    /// The current time on the runtime's clock.
+    pub fn now(&self) -> Deadline {
+        self.inner.handle.now()
+    }
+
+    /// Whether actors of `kind` can be called in this runtime.
+    pub fn is_registered(&self, kind: &ActorKind) -> bool {
+        self.inner.handle.is_registered(kind)
+    }
+
+    /// Calls this actor's activation has in flight now.
+    pub fn calls_in_flight(&self) -> u32 {
+        self.inner.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Whether the turn has ended; calls are refused from then on.
+    pub fn turn_ended(&self) -> bool {
+        self.inner.turn_end.has_changed().is_err()
+    }
+
+    /// Decides whether this turn may call `target` (see the module documentation for
+    /// the rules and their order) and takes an in-flight slot if so. `target_known`
+    /// says whether the target exists for the layer above (an agent directory, say);
+    /// an actor kind that is not registered is unknown whatever it says.
+    /// `requested_timeout_ms` of `None` means the default call timeout.
+    ///
+    /// # Errors
+    /// [`CallRefused`]: `CallerTurnEnded`, `ShuttingDown`, `CycleDetected`,
+    /// `DepthExceeded`, `AgentNotFound`, `TooManyCalls`, `InvalidTimeout`,
+    /// `DeadlineExpired`. Nothing was sent.
+    pub fn admit(
+        &self,
+        target: &ActorId,
+        target_known: bool,
+        requested_timeout_ms: Option<u64>,
+    ) -> Result<Admitted, CallRefused> {
+        let inner = &*self.inner;
+        if self.turn_ended() {
+            return Err(CallRefused::CallerTurnEnded { caller: inner.id.clone() });
+        }
+        if inner.handle.shared.commands.is_closed() || *inner.handle.shared.abort.borrow() {
+            return Err(CallRefused::ShuttingDown);
+        }
+        let before = inner.in_flight.fetch_add(1, Ordering::SeqCst);
+        let slot = InFlightSlot(Arc::clone(&inner.in_flight));
+        let admitted = admit_call(AdmissionRequest {
+            caller: &inner.id,
+            context: &inner.context,
+            target,
+            target_known: target_known && inner.handle.is_registered(target.kind()),
+            calls_in_flight: before,
+            requested_timeout_ms,
+            now: inner.handle.now(),
+        })?;
+        Ok(Admitted {
+            target: target.clone(),
+            child: admitted.child,
+            timeout: admitted.timeout,
+            caller: inner.id.clone(),
+            _slot: slot,
+        })
+    }
+
+    /// Sends `payload` for an admitted call and waits for the reply until the child's
+    /// deadline. The dispatcher records the wait-for edge from this actor to the target
+    /// while the call is open and refuses it with `DeadlockDetected` if the edge would
+    /// close a cycle of waiting actors.
+    ///
+    /// # Errors
+    /// [`InvokeError`]: `DeadlockDetected`, `Timeout`, `Busy`, `DispatcherBusy`,
+    /// `ActorNotFound`, `ActorFailed`, `Rejected`, `StorageFailed`, `Shutdown`, and
+    /// `Cancelled` when this turn ends while the call is in flight.
+    ///
+    /// # Panics
+    /// If `admitted` was admitted by another actor's caller (a programmer error).
+    ///
+    /// # Cancel safety
+    /// Dropping the future abandons the call: the callee's turn for it is cancelled and
+    /// commits nothing (unless it was already committing), and the slot is freed.
+    pub async fn invoke(&self, admitted: Admitted, payload: Bytes) -> Result<Bytes, InvokeError> {
+        assert_eq!(admitted.caller, self.inner.id, "an admission is spent by the caller it was made for");
+        let inner = &*self.inner;
+        let result = inner
+            .handle
+            .invoke_from(&inner.id, &admitted.target, payload, admitted.child.clone(), Some(inner.turn_end.clone()))
+            .await;
+        drop(admitted);
+        result
+    }
+
+    /// Admits and invokes in one step: calls `target` with `payload` and waits at most
+    /// `timeout` (clipped to this turn's deadline and to the maximum call timeout).
+    ///
+    /// # Errors
+    /// [`InvokeError::Refused`] with the admission's refusal, or as [`Caller::invoke`].
+    pub async fn call(&self, target: &ActorId, payload: Bytes, timeout: Duration) -> Result<Bytes, InvokeError> {
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let admitted = self.admit(target, true, Some(timeout_ms))?;
+        self.invoke(admitted, payload).await
+    }
+
+    /// Sends `payload` to `target` as an independent root request, not as a call of this
+    /// turn: it is not in this turn's chain and adds no wait-for edge, so no cycle,
+    /// depth or deadlock check applies to it. Use it only for work that is not part of
+    /// answering this request. It is still bounded: its deadline is at most this
+    /// turn's, and it is cancelled when this turn ends.
+    ///
+    /// # Errors
+    /// As [`crate::RuntimeHandle::invoke`], plus `Cancelled` when the turn ends first,
+    /// and [`InvokeError::Refused`] if the turn has already ended.
+    pub async fn invoke_as_root(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, InvokeError> {
+        if self.turn_ended() {
+            return Err(CallRefused::CallerTurnEnded { caller: self.inner.id.clone() }.into());
+        }
+        let deadline = self.inner.handle.deadline_in(timeout).min(self.deadline());
+        let mut turn_end = self.inner.turn_end.clone();
+        tokio::select! {
+            biased;
+            result = self.inner.handle.invoke(target, payload, deadline) => result,
+            _ = turn_end.changed() => Err(InvokeError::Cancelled { target: target.clone() }),
+        }
+    }
+
+    /// Sends `payload` under `child` with no admission at all. For planted-bug tests of
+    /// the simulator only (feature `planted-bugs`): it breaks the guarantees admission
+    /// gives.
+    ///
+    /// # Errors
+    /// As [`Caller::invoke`].
+    #[cfg(feature = "planted-bugs")]
+    pub async fn invoke_unchecked(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        child: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        let inner = &*self.inner;
+        inner.handle.invoke_from(&inner.id, target, payload, child, Some(inner.turn_end.clone())).await
+    }
+}
