@@ -181,7 +181,11 @@ async fn a_call_back_into_the_chain_is_refused_with_the_chain_at_once() {
         "took {:?}",
         started.elapsed()
     );
-    assert_eq!(rt.counters().deadlocks_refused, 0, "refused by admission, never sent to the dispatcher");
+    assert_eq!(
+        rt.counters().deadlocks_refused,
+        0,
+        "refused by admission, never sent to the dispatcher"
+    );
     assert_eq!(rt.stats().await.unwrap().wait_for_edges, 0, "edges are released");
 }
 

@@ -134,7 +134,9 @@ pub async fn call_agent(
     let now = context.now();
     // Admission through the turn's caller handle: the in-flight slot, the cycle and
     // depth rules and the deadline all come from the runtime, not from the tool.
-    let admission = context.caller().admit(&target, shared.directory.contains(agent_id_text), timeout_ms);
+    let admission = context
+        .caller()
+        .admit(&target, shared.directory.contains(agent_id_text), timeout_ms);
     shared.emit(&AgentEvent::CallStarted {
         call,
         parent: context.inbound_call(),
@@ -143,7 +145,11 @@ pub async fn call_agent(
         depth: context.call_depth().saturating_add(1),
         at: now,
     });
-    let finished = CallEndReport { context, call, armed: !shared.observers.is_empty() };
+    let finished = CallEndReport {
+        context,
+        call,
+        armed: !shared.observers.is_empty(),
+    };
     let result = match admission {
         Err(refused) => Err(AgentCallError::Refused(refused)),
         Ok(admitted) => {
@@ -154,12 +160,17 @@ pub async fn call_agent(
             };
             let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
             match context.caller().invoke(admitted, request.encode()).await {
-                Ok(bytes) => AgentReply::decode(&bytes)
-                    .map_err(|cause| AgentCallError::MalformedReply { target: target.clone(), cause }),
+                Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
+                    target: target.clone(),
+                    cause,
+                }),
                 // The callee's turn and this wait end at the same instant; whichever timer
                 // fires first, report the time this caller allowed.
                 Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == target => {
-                    Err(AgentCallError::Invoke(InvokeError::Timeout { target: timed_out, timeout_ms: allowed_ms }))
+                    Err(AgentCallError::Invoke(InvokeError::Timeout {
+                        target: timed_out,
+                        timeout_ms: allowed_ms,
+                    }))
                 }
                 Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
                 Err(error) => Err(AgentCallError::Invoke(error)),

@@ -96,7 +96,11 @@ impl fmt::Debug for ToolExecutionContext {
 
 impl ToolExecutionContext {
     pub(crate) fn new(caller: Caller, inbound_call: Option<u64>, shared: Arc<AgentShared>) -> Self {
-        Self { caller, inbound_call, shared }
+        Self {
+            caller,
+            inbound_call,
+            shared,
+        }
     }
 
     /// The agent whose model called the tool.

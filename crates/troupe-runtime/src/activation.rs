@@ -115,11 +115,21 @@ fn aborted(abort: &watch::Receiver<bool>) -> bool {
 }
 
 async fn run(start: ActivationStart) {
-    let ActivationStart { id, generation, mut receiver, handle } = start;
+    let ActivationStart {
+        id,
+        generation,
+        mut receiver,
+        handle,
+    } = start;
     // The task's own state is what an idle actor costs for as long as it stays active,
     // so it holds each thing once, and the sub-futures of starting, turns and stopping
     // are boxed (one allocation per turn) instead of being inlined into it.
-    let guard = CrashGuard { control: handle.shared.control.clone(), id, generation, armed: true };
+    let guard = CrashGuard {
+        control: handle.shared.control.clone(),
+        id,
+        generation,
+        armed: true,
+    };
     let mut abort = handle.shared.abort.subscribe();
     let started = tokio::select! {
         biased;
@@ -132,14 +142,23 @@ async fn run(start: ActivationStart) {
         Some(Err(error)) => {
             receiver.close();
             while let Some(envelope) = receiver.recv().await {
-                respond(&handle.shared, envelope.call, envelope.edge, envelope.reply, Err(error.clone()));
+                respond(
+                    &handle.shared,
+                    envelope.call,
+                    envelope.edge,
+                    envelope.reply,
+                    Err(error.clone()),
+                );
             }
             let id = guard.id.clone();
             guard.finish(Control::ActivationFailed { id, generation });
             return;
         }
     };
-    let _ = guard.control.send(Control::Activated { id: guard.id.clone(), generation });
+    let _ = guard.control.send(Control::Activated {
+        id: guard.id.clone(),
+        generation,
+    });
 
     let idle_timeout = live.idle_timeout;
     let mut received: u64 = 0;
@@ -199,7 +218,13 @@ async fn run(start: ActivationStart) {
 fn abort_activation(guard: CrashGuard, mut receiver: MailboxReceiver, shared: &Shared) {
     receiver.close();
     while let Ok(envelope) = receiver.try_recv() {
-        respond(shared, envelope.call, envelope.edge, envelope.reply, Err(InvokeError::Shutdown));
+        respond(
+            shared,
+            envelope.call,
+            envelope.edge,
+            envelope.reply,
+            Err(InvokeError::Shutdown),
+        );
     }
     let (id, generation) = (guard.id.clone(), guard.generation);
     guard.finish(Control::Crashed { id, generation });
@@ -256,7 +281,10 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
     }
     let saved = match live.actor.snapshot() {
         Ok(snapshot) if snapshot != live.committed => {
-            let commit = TurnCommit { state: snapshot, writes: Vec::new() };
+            let commit = TurnCommit {
+                state: snapshot,
+                writes: Vec::new(),
+            };
             shared.store.commit(id, commit).await.map_err(|error| error.to_string())
         }
         Ok(_) => Ok(()),
@@ -292,12 +320,21 @@ async fn run_turn(
     abort: &mut watch::Receiver<bool>,
 ) -> TurnEnd {
     let shared = &*handle.shared;
-    let Envelope { payload, context, mut reply, call, edge } = envelope;
+    let Envelope {
+        payload,
+        context,
+        mut reply,
+        call,
+        edge,
+    } = envelope;
     let now = shared.clock.now();
     if reply.is_closed() || context.deadline().has_passed(now) {
         // Expired or abandoned: never run it.
         Counters::add(&shared.counters.expired_dropped);
-        let error = InvokeError::Timeout { target: live.id.clone(), timeout_ms: 0 };
+        let error = InvokeError::Timeout {
+            target: live.id.clone(),
+            timeout_ms: 0,
+        };
         respond(shared, call, edge, reply, Err(error));
         return TurnEnd::Done;
     }
@@ -305,10 +342,18 @@ async fn run_turn(
     // The turn holds the only sender; dropping it tells every clone of its caller handle
     // (and their calls in flight) that the turn has ended.
     let (turn_end, turn_end_seen) = watch::channel(());
-    let caller = Caller::new(handle.clone(), live.id.clone(), context, turn_end_seen, Arc::clone(&live.in_flight));
+    let caller = Caller::new(
+        handle.clone(),
+        live.id.clone(),
+        context,
+        turn_end_seen,
+        Arc::clone(&live.in_flight),
+    );
     let mut turn = Turn::new(live.id.clone(), caller, handle.clone());
     let raced = {
-        let work = shared.clock.run_until_from(now, deadline, live.actor.handle(&mut turn, payload));
+        let work = shared
+            .clock
+            .run_until_from(now, deadline, live.actor.handle(&mut turn, payload));
         tokio::select! {
             biased;
             _ = abort.changed() => Raced::Aborted,
@@ -320,7 +365,10 @@ async fn run_turn(
     Counters::add(&shared.counters.turns_run);
     let timed_out = || {
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
-        Err(InvokeError::Timeout { target: live.id.clone(), timeout_ms })
+        Err(InvokeError::Timeout {
+            target: live.id.clone(),
+            timeout_ms,
+        })
     };
     let result = match raced {
         Raced::Aborted => {
@@ -339,7 +387,10 @@ async fn run_turn(
         // The commit decision: only while the caller still waits.
         Raced::Finished(Ok(Ok(_))) if reply.is_closed() => return abandon(live, shared, call, edge, reply),
         Raced::Finished(Ok(Ok(answer))) => {
-            shared.emit(|| RuntimeEvent::TurnCommitting { actor: live.id.clone(), request: call });
+            shared.emit(|| RuntimeEvent::TurnCommitting {
+                actor: live.id.clone(),
+                request: call,
+            });
             commit(live, shared.store.as_ref(), turn).await.map(|()| answer)
         }
     };
@@ -355,8 +406,13 @@ async fn run_turn(
 fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: oneshot::Sender<Reply>) -> TurnEnd {
     Counters::add(&shared.counters.turns_abandoned);
     live.roll_back();
-    shared.emit(|| RuntimeEvent::TurnAbandoned { actor: live.id.clone(), request: call });
-    let error = InvokeError::Cancelled { target: live.id.clone() };
+    shared.emit(|| RuntimeEvent::TurnAbandoned {
+        actor: live.id.clone(),
+        request: call,
+    });
+    let error = InvokeError::Cancelled {
+        target: live.id.clone(),
+    };
     respond(shared, call, edge, reply, Err(error));
     TurnEnd::Done
 }

@@ -118,7 +118,15 @@ impl Caller {
         turn_end: watch::Receiver<()>,
         in_flight: Arc<AtomicU32>,
     ) -> Self {
-        Self { inner: Arc::new(CallerInner { handle, id, context, turn_end, in_flight }) }
+        Self {
+            inner: Arc::new(CallerInner {
+                handle,
+                id,
+                context,
+                turn_end,
+                in_flight,
+            }),
+        }
     }
 
     /// The actor whose turn this is.
@@ -189,7 +197,9 @@ impl Caller {
     ) -> Result<Admitted, CallRefused> {
         let inner = &*self.inner;
         if self.turn_ended() {
-            return Err(CallRefused::CallerTurnEnded { caller: inner.id.clone() });
+            return Err(CallRefused::CallerTurnEnded {
+                caller: inner.id.clone(),
+            });
         }
         if inner.handle.shared.commands.is_closed() || *inner.handle.shared.abort.borrow() {
             return Err(CallRefused::ShuttingDown);
@@ -231,11 +241,20 @@ impl Caller {
     /// Dropping the future abandons the call: the callee's turn for it is cancelled and
     /// commits nothing (unless it was already committing), and the slot is freed.
     pub async fn invoke(&self, admitted: Admitted, payload: Bytes) -> Result<Bytes, InvokeError> {
-        assert_eq!(admitted.caller, self.inner.id, "an admission is spent by the caller it was made for");
+        assert_eq!(
+            admitted.caller, self.inner.id,
+            "an admission is spent by the caller it was made for"
+        );
         let inner = &*self.inner;
         let result = inner
             .handle
-            .invoke_from(&inner.id, &admitted.target, payload, admitted.child.clone(), Some(inner.turn_end.clone()))
+            .invoke_from(
+                &inner.id,
+                &admitted.target,
+                payload,
+                admitted.child.clone(),
+                Some(inner.turn_end.clone()),
+            )
             .await;
         drop(admitted);
         result
@@ -268,7 +287,10 @@ impl Caller {
         timeout: Duration,
     ) -> Result<Bytes, InvokeError> {
         if self.turn_ended() {
-            return Err(CallRefused::CallerTurnEnded { caller: self.inner.id.clone() }.into());
+            return Err(CallRefused::CallerTurnEnded {
+                caller: self.inner.id.clone(),
+            }
+            .into());
         }
         let deadline = self.inner.handle.deadline_in(timeout).min(self.deadline());
         let mut turn_end = self.inner.turn_end.clone();
@@ -293,6 +315,9 @@ impl Caller {
         child: CallContext,
     ) -> Result<Bytes, InvokeError> {
         let inner = &*self.inner;
-        inner.handle.invoke_from(&inner.id, target, payload, child, Some(inner.turn_end.clone())).await
+        inner
+            .handle
+            .invoke_from(&inner.id, target, payload, child, Some(inner.turn_end.clone()))
+            .await
     }
 }

@@ -220,7 +220,10 @@ impl Drop for WaitGuard<'_> {
             let _ = self.shared.control.send(Control::ReleaseCall { call: self.call });
         }
         if !self.answered {
-            self.shared.emit(|| RuntimeEvent::RequestAbandoned { target: self.target.clone(), request: self.call });
+            self.shared.emit(|| RuntimeEvent::RequestAbandoned {
+                target: self.target.clone(),
+                request: self.call,
+            });
         }
     }
 }
@@ -288,7 +291,8 @@ impl RuntimeHandle {
         context: CallContext,
         turn_end: Option<watch::Receiver<()>>,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, payload, context, Some((caller, turn_end))).await
+        self.send_and_wait(target, payload, context, Some((caller, turn_end)))
+            .await
     }
 
     /// The runtime's counters since it started.
@@ -324,8 +328,15 @@ impl RuntimeHandle {
     /// [`InvokeError::Shutdown`] if the runtime has stopped (or stops meanwhile).
     pub async fn deactivate(&self, target: &ActorId) -> Result<bool, InvokeError> {
         let (reply, answer) = oneshot::channel();
-        let command = Command::Deactivate { target: target.clone(), reply };
-        self.shared.commands.send(command).await.map_err(|_| InvokeError::Shutdown)?;
+        let command = Command::Deactivate {
+            target: target.clone(),
+            reply,
+        };
+        self.shared
+            .commands
+            .send(command)
+            .await
+            .map_err(|_| InvokeError::Shutdown)?;
         answer.await.map_err(|_| InvokeError::Shutdown)
     }
 
@@ -355,18 +366,39 @@ impl RuntimeHandle {
         let deadline = context.deadline();
         let now = clock.now();
         if deadline.has_passed(now) {
-            return Err(InvokeError::Timeout { target: target.clone(), timeout_ms: 0 });
+            return Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: 0,
+            });
         }
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
         let call = shared.next_call();
         let (reply, answer) = oneshot::channel();
         let (edge, turn_end) = match caller {
-            Some((caller, turn_end)) => (Some(CallEdge { id: call, caller: caller.clone() }), turn_end),
+            Some((caller, turn_end)) => (
+                Some(CallEdge {
+                    id: call,
+                    caller: caller.clone(),
+                }),
+                turn_end,
+            ),
             None => (None, None),
         };
-        let mut guard =
-            WaitGuard { shared, target, call, edge: edge.is_some(), answer: Some(answer), answered: false };
-        let mut envelope = Box::new(Envelope { payload, context, reply, call, edge: edge.is_some() });
+        let mut guard = WaitGuard {
+            shared,
+            target,
+            call,
+            edge: edge.is_some(),
+            answer: Some(answer),
+            answered: false,
+        };
+        let mut envelope = Box::new(Envelope {
+            payload,
+            context,
+            reply,
+            call,
+            edge: edge.is_some(),
+        });
         if edge.is_none() {
             // A call from outside any turn adds no wait-for edge, so it may skip the
             // dispatcher when the target's mailbox is open.
@@ -381,14 +413,20 @@ impl RuntimeHandle {
                 FastPath::ToDispatcher(back) => envelope = back,
             }
         }
-        let command = Command::Invoke { target: target.clone(), envelope, edge };
+        let command = Command::Invoke {
+            target: target.clone(),
+            envelope,
+            edge,
+        };
         match shared.commands.try_send(command) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 // Backpressure at the dispatcher too: refuse at once, never wait in line.
                 Counters::add(&shared.counters.dispatcher_busy_refused);
                 guard.answered = true;
-                return Err(InvokeError::DispatcherBusy { capacity: DISPATCHER_QUEUE_CAPACITY });
+                return Err(InvokeError::DispatcherBusy {
+                    capacity: DISPATCHER_QUEUE_CAPACITY,
+                });
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
                 guard.answered = true;
@@ -437,7 +475,10 @@ impl RuntimeHandle {
                 })
             }
             Waited::TurnEnded => Err(InvokeError::Cancelled { target: target.clone() }),
-            Waited::Elapsed => Err(InvokeError::Timeout { target: target.clone(), timeout_ms }),
+            Waited::Elapsed => Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms,
+            }),
         }
     }
 }
@@ -573,7 +614,10 @@ impl RuntimeBuilder {
     /// [`ConfigError::ShutdownGrace`] if `grace` is longer than [`SHUTDOWN_GRACE_MS_MAX`].
     pub fn shutdown_grace(mut self, grace: Duration) -> Result<Self, ConfigError> {
         if grace > Duration::from_millis(SHUTDOWN_GRACE_MS_MAX) {
-            return Err(ConfigError::ShutdownGrace { value_ms: grace.as_millis(), max_ms: SHUTDOWN_GRACE_MS_MAX });
+            return Err(ConfigError::ShutdownGrace {
+                value_ms: grace.as_millis(),
+                max_ms: SHUTDOWN_GRACE_MS_MAX,
+            });
         }
         self.shutdown_grace = grace;
         Ok(self)
@@ -627,6 +671,9 @@ impl RuntimeBuilder {
         let handle = RuntimeHandle { shared };
         let dispatcher = Dispatcher::new(handle.clone(), command_queue, control_queue);
         let dispatcher = tokio::spawn(dispatcher.run());
-        Runtime { handle, dispatcher: Some(dispatcher) }
+        Runtime {
+            handle,
+            dispatcher: Some(dispatcher),
+        }
     }
 }

@@ -26,7 +26,12 @@ pub struct Turn {
 
 impl Turn {
     pub(crate) fn new(id: ActorId, caller: Caller, handle: RuntimeHandle) -> Self {
-        Self { id, caller, handle, writes: BTreeMap::new() }
+        Self {
+            id,
+            caller,
+            handle,
+            writes: BTreeMap::new(),
+        }
     }
 
     pub(crate) fn into_writes(self) -> Vec<(String, Option<Bytes>)> {

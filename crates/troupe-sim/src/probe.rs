@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallAdmitted, CallContext, CallRefused, Deadline};
-use troupe_runtime::{Admitted, Actor, ActorError, ActorFactory, Clock, TransportClient, Turn};
+use troupe_runtime::{Actor, ActorError, ActorFactory, Admitted, Clock, TransportClient, Turn};
 
 use crate::trace::{Event, Trace};
 
@@ -395,7 +395,10 @@ impl Probe {
     ) -> Result<(CallAdmitted, Option<Admitted>), CallRefused> {
         if self.config.admission == AdmissionMode::Real {
             let real = turn.caller().admit(target, true, Some(timeout_ms))?;
-            let admitted = CallAdmitted { child: real.child().clone(), timeout: real.timeout() };
+            let admitted = CallAdmitted {
+                child: real.child().clone(),
+                timeout: real.timeout(),
+            };
             return Ok((admitted, Some(real)));
         }
         let request = AdmissionRequest {
