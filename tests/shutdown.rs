@@ -26,6 +26,8 @@ enum Job {
     Sleep { ms: u64 },
     /// Sleep, then call `target` with `Add`.
     SleepThenCall { ms: u64, target: String },
+    /// Add one, and make the next `on_deactivate` change the count and then fail.
+    AddAndBreakDeactivation,
 }
 
 /// Live actor instances (built minus dropped), and hooks that ran.
@@ -40,6 +42,7 @@ struct Worker {
     key: String,
     count: u64,
     tally: Arc<Tally>,
+    break_deactivation: bool,
 }
 
 impl Drop for Worker {
@@ -53,6 +56,7 @@ impl Actor for Worker {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         match bincode::deserialize::<Job>(&payload).map_err(|e| ActorError::failed(e.to_string()))? {
             Job::Add => {}
+            Job::AddAndBreakDeactivation => self.break_deactivation = true,
             Job::Sleep { ms } => tokio::time::sleep(Duration::from_millis(ms)).await,
             Job::SleepThenCall { ms, target } => {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -74,6 +78,10 @@ impl Actor for Worker {
 
     async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         self.tally.deactivated.lock().unwrap().push(self.key.clone());
+        if self.break_deactivation {
+            self.count += 1_000;
+            return Err(ActorError::failed("on_deactivate failed half-way"));
+        }
         Ok(())
     }
 
@@ -99,6 +107,7 @@ fn start(tally: &Arc<Tally>, grace: Duration) -> Runtime {
             key: id.key().to_string(),
             count,
             tally: Arc::clone(&tally),
+            break_deactivation: false,
         }))
     };
     Runtime::builder()
@@ -362,4 +371,23 @@ async fn shutdown_on_the_multi_thread_runtime_is_bounded_and_answers_every_calle
         assert_eq!(caller.await.unwrap(), Err(InvokeError::Shutdown));
     }
     assert_eq!(tally.live.load(Ordering::SeqCst), 0);
+}
+
+/// Goal: a failed `on_deactivate` saves nothing: the half-finished state it left is
+/// dropped and the last committed turn's state stays. Method: the hook adds 1,000 to
+/// the count and then fails.
+#[tokio::test(start_paused = true)]
+async fn a_failed_on_deactivate_saves_nothing_and_the_last_committed_state_stays() {
+    let tally = Arc::new(Tally::default());
+    let rt = start(&tally, Duration::from_secs(5));
+    assert_eq!(count(&send(&rt, "a", Job::AddAndBreakDeactivation).await.unwrap()), 1);
+    assert_eq!(rt.deactivate(&worker("a")).await, Ok(true));
+    assert_eq!(rt.counters().deactivation_saves_failed, 1);
+    assert_eq!(rt.store().load(&worker("a")).await.unwrap().map(|b| count(&b)), Some(1));
+    assert_eq!(
+        count(&send(&rt, "a", Job::Add).await.unwrap()),
+        2,
+        "reactivated from the committed state"
+    );
+    rt.shutdown().await;
 }
