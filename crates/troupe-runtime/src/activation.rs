@@ -350,6 +350,10 @@ async fn run_turn(
         Arc::clone(&live.in_flight),
     );
     let mut turn = Turn::new(live.id.clone(), caller, handle.clone());
+    #[cfg(feature = "planted-bugs")]
+    let watch_caller = !shared.planted_commit_after_abandon;
+    #[cfg(not(feature = "planted-bugs"))]
+    let watch_caller = true;
     let raced = {
         let work = shared
             .clock
@@ -357,7 +361,7 @@ async fn run_turn(
         tokio::select! {
             biased;
             _ = abort.changed() => Raced::Aborted,
-            () = reply.closed() => Raced::Abandoned,
+            () = reply.closed(), if watch_caller => Raced::Abandoned,
             outcome = work => Raced::Finished(outcome),
         }
     };
@@ -385,7 +389,9 @@ async fn run_turn(
         Raced::Finished(Ok(_)) if deadline.has_passed(shared.clock.now()) => timed_out(),
         Raced::Finished(Ok(Err(error))) => Err(actor_error(&live.id, error)),
         // The commit decision: only while the caller still waits.
-        Raced::Finished(Ok(Ok(_))) if reply.is_closed() => return abandon(live, shared, call, edge, reply),
+        Raced::Finished(Ok(Ok(_))) if watch_caller && reply.is_closed() => {
+            return abandon(live, shared, call, edge, reply)
+        }
         Raced::Finished(Ok(Ok(answer))) => {
             shared.emit(|| RuntimeEvent::TurnCommitting {
                 actor: live.id.clone(),

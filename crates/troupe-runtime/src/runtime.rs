@@ -143,6 +143,9 @@ pub(crate) struct Shared {
     pub(crate) abort: watch::Sender<bool>,
     shutdown_grace: Duration,
     next_call: AtomicU64,
+    /// Planted bug (simulator only): turns ignore that their caller gave up.
+    #[cfg(feature = "planted-bugs")]
+    pub(crate) planted_commit_after_abandon: bool,
 }
 
 impl Shared {
@@ -581,6 +584,8 @@ pub struct RuntimeBuilder {
     kinds: BTreeMap<ActorKind, KindEntry>,
     observer: Option<Arc<dyn RuntimeObserver>>,
     shutdown_grace: Duration,
+    #[cfg(feature = "planted-bugs")]
+    planted_commit_after_abandon: bool,
 }
 
 impl Default for RuntimeBuilder {
@@ -590,6 +595,8 @@ impl Default for RuntimeBuilder {
             kinds: BTreeMap::new(),
             observer: None,
             shutdown_grace: Duration::from_millis(SHUTDOWN_GRACE_MS_DEFAULT),
+            #[cfg(feature = "planted-bugs")]
+            planted_commit_after_abandon: false,
         }
     }
 }
@@ -621,6 +628,14 @@ impl RuntimeBuilder {
         }
         self.shutdown_grace = grace;
         Ok(self)
+    }
+
+    /// Plants a bug for the simulator's planted-bug tests (feature `planted-bugs`): turns
+    /// no longer notice that their caller gave up, so they run on and commit.
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant_bug_commit_after_abandon(mut self) -> Self {
+        self.planted_commit_after_abandon = true;
+        self
     }
 
     /// Registers a kind of actor with its factory and configuration.
@@ -667,6 +682,8 @@ impl RuntimeBuilder {
             abort: watch::Sender::new(false),
             shutdown_grace: self.shutdown_grace,
             next_call: AtomicU64::new(1),
+            #[cfg(feature = "planted-bugs")]
+            planted_commit_after_abandon: self.planted_commit_after_abandon,
         });
         let handle = RuntimeHandle { shared };
         let dispatcher = Dispatcher::new(handle.clone(), command_queue, control_queue);

@@ -12,6 +12,7 @@ use troupe_runtime::{Clock, KindConfig, MemoryStore, Runtime, RuntimeHandle, Tra
 
 use crate::agents::{AgentSetup, FaultyLlm, LlmFaults, TraceObserver, AGENT_NODE};
 use crate::probe::{node_address, owner_of, probe_kind, AdmissionMode, ProbeConfig, ProbeFactory, Router};
+use crate::runtime_observer::TraceRuntimeObserver;
 use crate::stores::{StoreMode, SyncingStore};
 use crate::trace::{Event, Trace};
 
@@ -73,6 +74,7 @@ pub(crate) struct ClusterConfig {
     pub(crate) store: StoreMode,
     pub(crate) admission: AdmissionMode,
     pub(crate) placement: Placement,
+    pub(crate) plant_commit_after_abandon: bool,
     pub(crate) kind: KindConfig,
     pub(crate) agents: Option<AgentSetup>,
     pub(crate) llm_faults: LlmFaults,
@@ -310,10 +312,14 @@ async fn serve(
         admission: config.admission,
         router: Arc::clone(&router),
     });
-    let builder = Runtime::builder()
+    let mut builder = Runtime::builder()
         .store(store)
+        .observer(Arc::new(TraceRuntimeObserver::new(node, trace.clone())))
         .register(probe_kind(), probes, config.kind)
         .expect("the probe kind registers");
+    if config.plant_commit_after_abandon {
+        builder = builder.plant_bug_commit_after_abandon();
+    }
     let (runtime, agents): (Option<Runtime>, Option<AgentSystem>) = match &config.agents {
         Some(setup) if node == AGENT_NODE => {
             let llm = Arc::new(FaultyLlm::new(Arc::clone(&setup.llm), config.llm_faults.clone()));

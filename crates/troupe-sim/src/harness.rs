@@ -52,6 +52,9 @@ pub struct SimConfig {
     /// For planted-bug tests: the invariant expected to be violated. Violations then do
     /// not fail the run; [`Sim::finish`] asserts that this one was found.
     pub expect_violation: Option<&'static str>,
+    /// Planted bug: turns ignore that their caller gave up and commit anyway
+    /// (NoCommitAfterAbandon).
+    pub plant_commit_after_abandon: bool,
 }
 
 impl Default for SimConfig {
@@ -66,6 +69,7 @@ impl Default for SimConfig {
             mailbox_capacity: 8,
             idle_timeout: Duration::from_millis(20),
             expect_violation: None,
+            plant_commit_after_abandon: false,
         }
     }
 }
@@ -326,6 +330,7 @@ impl Sim {
                 store: config.store,
                 admission: config.admission,
                 placement: config.placement,
+                plant_commit_after_abandon: config.plant_commit_after_abandon,
                 kind,
                 agents,
                 llm_faults: llm_faults.clone(),

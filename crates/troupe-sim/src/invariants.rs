@@ -12,11 +12,13 @@
 //! | `every_call_resolves`      | EveryCallResolves (liveness)   | each request and call ends by its deadline; none pending at the end |
 //! | `no_acked_state_lost`      | NoAckedStateLost               | reads through the runtime against a reference model of acks |
 //! | `turn_writes_atomic`       | TurnWritesAtomic               | audits of each actor's writes against its state    |
+//! | `no_commit_after_abandon`  | NoCommitAfterAbandon           | runtime events: a caller gave up; a turn commits   |
 
 mod deadline_monotone;
 mod depth_bounded;
 mod every_call_resolves;
 mod no_acked_state_lost;
+mod no_commit_after_abandon;
 mod no_cycle_in_call_chain;
 mod single_activation;
 mod turn_writes_atomic;
@@ -27,6 +29,7 @@ pub use depth_bounded::DepthBounded;
 pub use every_call_resolves::EveryCallResolves;
 pub use every_call_resolves::RESOLVE_SLACK_US;
 pub use no_acked_state_lost::NoAckedStateLost;
+pub use no_commit_after_abandon::NoCommitAfterAbandon;
 pub use no_cycle_in_call_chain::NoCycleInCallChain;
 pub use single_activation::SingleActivation;
 pub use turn_writes_atomic::TurnWritesAtomic;
@@ -108,6 +111,7 @@ impl Invariants {
             Box::new(EveryCallResolves::default()),
             Box::new(NoAckedStateLost::default()),
             Box::new(TurnWritesAtomic),
+            Box::new(NoCommitAfterAbandon::default()),
         ])
     }
 

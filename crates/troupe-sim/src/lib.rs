@@ -44,6 +44,8 @@ mod guard;
 pub mod invariants;
 mod probe;
 mod rng;
+#[cfg(madsim)]
+mod runtime_observer;
 mod stores;
 mod trace;
 

@@ -79,6 +79,26 @@ pub enum Event {
     },
     /// Every fault was healed.
     FaultsHealed,
+    /// A caller on `node`'s runtime stopped waiting for `request` before its reply
+    /// (`RuntimeEvent::RequestAbandoned`).
+    RequestAbandoned {
+        /// The node whose runtime the request was made on.
+        node: u32,
+        /// The actor called.
+        target: String,
+        /// The request's id within that runtime incarnation.
+        request: u64,
+    },
+    /// `actor`'s turn for `request` on `node` decided to commit
+    /// (`RuntimeEvent::TurnCommitting`).
+    TurnCommitting {
+        /// The node.
+        node: u32,
+        /// The actor.
+        actor: String,
+        /// The request the turn handled.
+        request: u64,
+    },
     /// The longest one-way link latency the network is now configured with.
     LinkLatencyMax {
         /// In microseconds.
