@@ -258,3 +258,66 @@ fn a_refusal_inside_an_invoke_error_reads_as_the_refusal() {
     let error = InvokeError::Refused(CallRefused::ShuttingDown);
     assert_eq!(error.to_string(), "call refused: the runtime is shutting down");
 }
+
+/// Goal: a root invocation from inside a turn, through a handle the tool captured
+/// (here an `AgentClient`), is refused at once: it would skip the chain, the wait-for
+/// graph and the turn's deadline (before, a tool could ask its own agent this way and
+/// hang until the ask's timeout). Method: a tool that holds the system's client asks its
+/// own agent and another agent.
+#[tokio::test(start_paused = true)]
+async fn a_root_invoke_from_inside_a_turn_through_a_captured_handle_is_refused_at_once() {
+    let client: Arc<std::sync::OnceLock<troupe_agent::AgentClient>> = Arc::default();
+    let captured = Arc::clone(&client);
+    let sneaky = Tool::from_fn(
+        "sneaky",
+        "asks agents around the caller handle",
+        json!({"type": "object"}),
+        move |context, _arguments| {
+            let client = captured.get().expect("the client is set before any ask").clone();
+            async move {
+                let started = context.now();
+                let own = client.ask("worker", "me?").await;
+                let other = client.ask("boss", "you?").await;
+                let waited_us = context.now().as_micros() - started.as_micros();
+                let refused = |result: &Result<troupe_agent::AgentReply, AgentCallError>| {
+                    matches!(
+                        result,
+                        Err(AgentCallError::Invoke(InvokeError::Refused(CallRefused::RootInvokeInsideTurn { caller })))
+                            if caller.key() == "worker"
+                    )
+                };
+                Ok(format!(
+                    "own refused={} other refused={} waited_us={waited_us}",
+                    refused(&own),
+                    refused(&other)
+                ))
+            }
+        },
+    );
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("worker")
+                .on_user_containing("")
+                .call("sneaky", json!({})),
+        )
+        .rule(ScriptRule::agent("worker").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("boss").reply("boss here"));
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("boss"))
+        .agent(AgentSpec::new("worker"))
+        .tool(sneaky)
+        .start()
+        .unwrap();
+    client.set(system.client()).unwrap();
+    assert_eq!(
+        system.ask("worker", "go").await.unwrap().text,
+        "own refused=true other refused=true waited_us=0"
+    );
+    assert_eq!(
+        system.ask("boss", "hi").await.unwrap().text,
+        "boss here",
+        "outside a turn, asking works"
+    );
+    system.shutdown().await;
+}

@@ -105,6 +105,18 @@ pub enum CallRefused {
         /// The actor whose turn ended.
         caller: ActorId,
     },
+    /// A root invocation (`RuntimeHandle::invoke`, `AgentClient::ask`, through a handle
+    /// captured by the actor or tool) was made from inside a turn: it would skip the
+    /// chain, depth, wait-for graph and deadline checks, so a deadlock through it could
+    /// only end at a timeout.
+    #[error(
+        "a root invocation from inside the turn of {caller} is refused: call through the turn's caller \
+         (call_agent, Turn::invoke, Caller::call), or use Caller::invoke_as_root for independent work"
+    )]
+    RootInvokeInsideTurn {
+        /// The actor whose turn made it.
+        caller: ActorId,
+    },
     /// The runtime is shutting down and admits no new calls.
     #[error("the runtime is shutting down")]
     ShuttingDown,

@@ -355,9 +355,10 @@ async fn run_turn(
     #[cfg(not(feature = "planted-bugs"))]
     let watch_caller = true;
     let raced = {
-        let work = shared
-            .clock
-            .run_until_from(now, deadline, live.actor.handle(&mut turn, payload));
+        // Marks the task as running this actor's turn, so that a root invocation from
+        // inside it (through a captured handle) is refused.
+        let handler = crate::runtime::TURN_OF.scope(live.id.clone(), live.actor.handle(&mut turn, payload));
+        let work = shared.clock.run_until_from(now, deadline, handler);
         tokio::select! {
             biased;
             _ = abort.changed() => Raced::Aborted,

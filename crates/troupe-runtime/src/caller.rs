@@ -296,7 +296,7 @@ impl Caller {
         let mut turn_end = self.inner.turn_end.clone();
         tokio::select! {
             biased;
-            result = self.inner.handle.invoke(target, payload, deadline) => result,
+            result = self.inner.handle.invoke_root(target, payload, deadline) => result,
             _ = turn_end.changed() => Err(InvokeError::Cancelled { target: target.clone() }),
         }
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
-use troupe_core::{ActorId, ActorKind, CallContext, Deadline, InvokeError};
+use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::dispatcher::Dispatcher;
 use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Reply};
@@ -27,6 +27,12 @@ pub const SHUTDOWN_GRACE_MS_MAX: u64 = 300_000;
 /// synchronous code (not at an `.await`) cannot be cancelled; shutdown returns anyway.
 pub const SHUTDOWN_ABORT_WAIT_MS: u64 = 1_000;
 const _: () = assert!(SHUTDOWN_GRACE_MS_DEFAULT <= SHUTDOWN_GRACE_MS_MAX);
+
+tokio::task_local! {
+    /// The actor whose turn the current task is running, if any: set around every turn's
+    /// handler, so a root invocation from inside a turn can be refused.
+    pub(crate) static TURN_OF: ActorId;
+}
 
 /// A registered actor kind: its factory and configuration.
 pub(crate) struct KindEntry {
@@ -267,13 +273,28 @@ impl RuntimeHandle {
     /// dropped unrun, or its turn cancelled and rolled back), `Busy` when the mailbox is
     /// full, `ActorNotFound` for an unregistered kind, `ActorFailed`, `Rejected`,
     /// `StorageFailed`, `DispatcherBusy` (the dispatcher's queue is full: nothing was
-    /// queued), `Shutdown`.
+    /// queued), `Shutdown`, and `Refused(RootInvokeInsideTurn)` when called from inside
+    /// an actor's turn (through a captured handle): calls from a turn go through its
+    /// [`crate::Caller`].
     ///
     /// # Cancel safety
     /// Dropping the future abandons the request: if it has not started running it never
     /// will, and if its turn is running, the turn is cancelled at its next `.await` and
     /// rolled back (a turn already committing keeps its commit).
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+        if let Ok(caller) = TURN_OF.try_with(ActorId::clone) {
+            return Err(CallRefused::RootInvokeInsideTurn { caller }.into());
+        }
+        self.invoke_root(target, payload, deadline).await
+    }
+
+    /// A root invocation without the inside-a-turn check: for `Caller::invoke_as_root`.
+    pub(crate) async fn invoke_root(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
         self.send_and_wait(target, payload, CallContext::root(deadline), None)
             .await
     }

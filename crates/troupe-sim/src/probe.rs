@@ -240,6 +240,8 @@ pub enum RefusalKind {
     CallerTurnEnded,
     /// `ShuttingDown`.
     ShuttingDown,
+    /// `RootInvokeInsideTurn`.
+    RootInvokeInsideTurn,
 }
 
 impl From<&CallRefused> for RefusalKind {
@@ -253,6 +255,7 @@ impl From<&CallRefused> for RefusalKind {
             CallRefused::DeadlineExpired => Self::DeadlineExpired,
             CallRefused::CallerTurnEnded { .. } => Self::CallerTurnEnded,
             CallRefused::ShuttingDown => Self::ShuttingDown,
+            CallRefused::RootInvokeInsideTurn { .. } => Self::RootInvokeInsideTurn,
         }
     }
 }
