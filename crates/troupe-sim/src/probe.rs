@@ -5,9 +5,11 @@
 //! hook and turn records an [`Event`] with the node it runs on and the context it runs
 //! under, which is what the invariants check.
 //!
-//! Calls go through [`AdmissionMode`]: `Real` is `troupe_core::admit_call` followed by
-//! `Turn::invoke_with_context`, exactly what an agent's `call_agent` does; the other
-//! modes are planted bugs for the tests that prove the invariants can fail.
+//! Calls go through [`AdmissionMode`]: `Real` is the turn's `Caller::admit` followed by
+//! `Caller::invoke`, exactly what an agent's `call_agent` does; the other modes are
+//! planted bugs for the tests that prove the invariants can fail (they use
+//! `troupe_core::admit_call` with one rule broken, then `Caller::invoke_unchecked`,
+//! which exists only with the runtime's `planted-bugs` feature).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -102,7 +104,7 @@ pub fn probe(key: &str) -> ActorId {
 /// How a probe admits its calls to other actors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AdmissionMode {
-    /// The real thing: `troupe_core::admit_call`, then `Turn::invoke_with_context`.
+    /// The real thing: the turn's `Caller::admit`, then `Caller::invoke`.
     #[default]
     Real,
     /// Planted bug: a call refused for a cycle is made anyway (NoCycleInCallChain).
