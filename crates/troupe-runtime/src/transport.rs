@@ -119,6 +119,7 @@
 #[cfg(doc)]
 use troupe_core::{CallContext, InvokeError};
 
+mod budget;
 mod client;
 mod clock_sync;
 mod frame;
@@ -127,7 +128,7 @@ mod wire;
 
 pub use client::{TransportClient, TransportClientStats};
 pub use frame::{FrameError, FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES};
-pub use server::TransportServer;
+pub use server::{TransportServer, TransportServerStats};
 
 /// Most requests one [`TransportClient`] has in flight at once; a caller over it waits
 /// for a slot until its deadline.
@@ -159,6 +160,46 @@ pub(crate) const CLOCK_DRIFT_PPM_MAX: u64 = 1_000;
 pub(crate) const CLOCK_RESYNC_INTERVAL_MS: u64 = 1_000;
 /// Pause after a failed `accept` (for example, out of file descriptors), in milliseconds.
 pub const ACCEPT_RETRY_DELAY_MS: u64 = 10;
+/// Longest a [`TransportServer`] waits, from accepting a connection, for the client's
+/// valid hello; a connection that sends nothing, trickles, or sends something else is
+/// closed then (counted in [`TransportServerStats::connections_closed_handshake_timeout`]).
+pub const HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
+/// Largest frame body accepted before the handshake is done, in bytes (each side's
+/// first frame: a hello or its answer, under 40 bytes). An unauthenticated peer
+/// cannot make a server buffer more.
+pub const HANDSHAKE_FRAME_SIZE_MAX_BYTES: usize = 64;
+/// Longest a [`TransportClient`] spends opening a connection (TCP connect and clock
+/// handshake), in milliseconds. The attempt runs in its own task, whatever its callers'
+/// deadlines: a caller stops waiting at its own deadline, the attempt goes on for the
+/// next callers.
+pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
+/// How long a [`TransportServer`] keeps a connection on which no request is running
+/// and no frame has been read or written, in milliseconds. A peer that trickles a frame
+/// without finishing it is closed this long after its last whole frame.
+pub const SERVER_CONNECTION_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// How long a [`TransportClient`] keeps its connection with no call pending and no frame
+/// sent or received, in milliseconds. Shorter than the server's, so it is the client
+/// that closes an idle connection, never the server under a request that is on its way.
+pub const CLIENT_CONNECTION_IDLE_TIMEOUT_MS: u64 = 30_000;
+/// Longest a [`TransportServer`] waits for a peer to accept any bytes of a reply
+/// (a write or flush that makes no progress), in milliseconds; then the peer is taken
+/// not to read and the connection is closed.
+pub const WRITE_STALL_TIMEOUT_MS: u64 = 10_000;
+/// Most connections one [`TransportServer`] (one node) holds open at once, in
+/// connections; one accepted over it is closed at once, unread (counted in
+/// [`TransportServerStats::connections_refused`]).
+pub const CONNECTIONS_PER_NODE_MAX: usize = 256;
+/// Most connections one [`TransportServer`] holds open at once from one peer IP
+/// address, in connections, so one peer cannot take every connection of a node. A
+/// node keeps one connection per peer (plus one being replaced); the rest is slack for
+/// several runtimes behind one address.
+pub const CONNECTIONS_PER_PEER_MAX: usize = 32;
+/// Most bytes one connection holds buffered at once, in bytes: on a server, request
+/// frames read whose turn has not ended plus reply frames not yet written; on a
+/// client, request frames not yet written. Past it the server stops reading the
+/// connection and a client caller waits (within its deadline). Frames are counted
+/// whole, length prefix included.
+pub const CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES: usize = 32 * 1024 * 1024;
 
 const _: () = assert!(CLIENT_REQUESTS_IN_FLIGHT_MAX >= 1);
 const _: () = assert!(SERVER_REQUESTS_IN_FLIGHT_MAX >= 1);
@@ -168,5 +209,18 @@ const _: () = assert!(WRITE_QUEUE_CAPACITY >= 1);
 const _: () = assert!(WRITE_BATCH_FRAMES_MAX >= 1);
 const _: () = assert!(CALL_CHAIN_LENGTH_MAX >= troupe_core::limits::AGENT_CALL_DEPTH_MAX as usize);
 const _: () = assert!(FRAME_SIZE_MAX_BYTES <= u32::MAX as usize);
+const _: () = assert!(HANDSHAKE_FRAME_SIZE_MAX_BYTES <= FRAME_SIZE_MAX_BYTES);
+// One whole frame always fits an empty budget, so no frame waits forever.
+const _: () = assert!(FRAME_HEADER_SIZE_BYTES + FRAME_SIZE_MAX_BYTES <= CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES);
+// A budget is taken in one semaphore call, which counts in u32.
+const _: () = assert!(CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES <= u32::MAX as usize);
+const _: () = assert!(CONNECTIONS_PER_PEER_MAX >= 2);
+const _: () = assert!(CONNECTIONS_PER_PEER_MAX <= CONNECTIONS_PER_NODE_MAX);
+// A client gives up on a handshake no later than the server does.
+const _: () = assert!(CONNECT_TIMEOUT_MS <= HANDSHAKE_TIMEOUT_MS);
+// The client closes an idle connection before the server would.
+const _: () = assert!(CLIENT_CONNECTION_IDLE_TIMEOUT_MS < SERVER_CONNECTION_IDLE_TIMEOUT_MS);
+const _: () = assert!(HANDSHAKE_TIMEOUT_MS < SERVER_CONNECTION_IDLE_TIMEOUT_MS);
+const _: () = assert!(WRITE_STALL_TIMEOUT_MS >= 1);
 // The drift allowance accumulated between refreshes stays below a millisecond or so.
 const _: () = assert!(CLOCK_DRIFT_PPM_MAX * CLOCK_RESYNC_INTERVAL_MS <= 1_000_000);
