@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -43,16 +43,14 @@ enum Probe {
     Sleep { milliseconds: u64 },
     /// Count this turn (see [`turns_of`]) and reply with the count so far.
     Count,
+    /// Reply with how many `Count` turns the probe of this key has run on this runtime.
+    TurnsOf(String),
 }
 
-/// Turns run by `Probe::Count`, by actor key, across every runtime of this process (keys
-/// are unique per test).
-static TURNS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
-
-/// How many `Probe::Count` turns the probe `key` has run.
-fn turns_of(key: &str) -> u64 {
-    TURNS.lock().unwrap().get(key).copied().unwrap_or(0)
-}
+/// Turns run by `Probe::Count` on one runtime, by actor key. Owned by the runtime's
+/// factory, never a static: a static would outlive the runtime and carry counts from
+/// one simulated seed into the next (`MADSIM_TEST_NUM` runs seeds in one process).
+type Turns = Arc<Mutex<BTreeMap<String, u64>>>;
 
 /// The context a turn received, with its deadline as the time left on the host's clock.
 #[derive(Debug, Serialize, Deserialize)]
@@ -64,7 +62,9 @@ struct ContextReport {
     deadline_us: u64,
 }
 
-struct ProbeActor;
+struct ProbeActor {
+    turns: Turns,
+}
 
 #[async_trait]
 impl Actor for ProbeActor {
@@ -87,9 +87,13 @@ impl Actor for ProbeActor {
                 Ok(Bytes::new())
             }
             Probe::Count => {
-                let mut turns = TURNS.lock().unwrap();
+                let mut turns = self.turns.lock().unwrap();
                 let count = turns.entry(turn.id().key().to_string()).or_insert(0);
                 *count += 1;
+                Ok(Bytes::from(count.to_be_bytes().to_vec()))
+            }
+            Probe::TurnsOf(key) => {
+                let count = self.turns.lock().unwrap().get(&key).copied().unwrap_or(0);
                 Ok(Bytes::from(count.to_be_bytes().to_vec()))
             }
         }
@@ -97,10 +101,15 @@ impl Actor for ProbeActor {
 }
 
 fn probe_runtime() -> Runtime {
+    let turns = Turns::default();
     Runtime::builder()
         .register(
             ActorKind::new(PROBE_KIND).unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(ProbeActor)) },
+            move |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+                Ok(Box::new(ProbeActor {
+                    turns: Arc::clone(&turns),
+                }))
+            },
             KindConfig::default(),
         )
         .unwrap()
@@ -144,6 +153,20 @@ async fn count(client: &TransportClient, clock: &Clock, key: &str, timeout: Dura
     Ok(u64::from_be_bytes(reply[..].try_into().unwrap()))
 }
 
+/// How many `Probe::Count` turns the probe `key` has run on the runtime behind `client`.
+async fn turns_of(client: &TransportClient, clock: &Clock, key: &str) -> u64 {
+    let reply = client
+        .invoke(
+            &probe("turns-reader"),
+            encode(&Probe::TurnsOf(key.to_string())),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    u64::from_be_bytes(reply[..].try_into().unwrap())
+}
+
 /// Waits (up to 10 s) until `client` has discarded `late` late replies.
 async fn until_late_replies(client: &TransportClient, late: u64) {
     for _ in 0..1_000 {
@@ -166,7 +189,6 @@ fn elapsed(clock: &Clock, since: troupe_core::Deadline) -> Duration {
 
 #[cfg(not(madsim))]
 mod loopback {
-    use std::sync::Arc;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
@@ -471,7 +493,11 @@ mod loopback {
         hold.send(false).unwrap();
 
         until_late_replies(&client, 1).await;
-        assert_eq!(turns_of(key), 1, "the expired request ran on the host");
+        assert_eq!(
+            turns_of(&client, &clock, key).await,
+            1,
+            "the expired request ran on the host"
+        );
         // The connection is still good, and the next turn is the second one.
         assert_eq!(count(&client, &clock, key, Duration::from_secs(5)).await.unwrap(), 2);
         assert_eq!(client.stats().connections_opened, 1);
@@ -791,13 +817,13 @@ mod simulated {
             .spawn(async move {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let clock = Clock::new();
-                let transport = std::sync::Arc::new(TransportClient::new(server_address(), clock));
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
                 echo(&transport, &clock, "a", b"warm", Duration::from_secs(5))
                     .await
                     .unwrap();
 
                 let pending = {
-                    let transport = std::sync::Arc::clone(&transport);
+                    let transport = Arc::clone(&transport);
                     tokio::spawn(async move {
                         let sleepy = encode(&Probe::Sleep { milliseconds: 20_000 });
                         let started = clock.now();
@@ -848,10 +874,10 @@ mod simulated {
             .spawn(async move {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let clock = Clock::new();
-                let transport = std::sync::Arc::new(TransportClient::new(server_address(), clock));
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
                 let sleepers: Vec<_> = (0..CLIENT_REQUESTS_IN_FLIGHT_MAX)
                     .map(|i| {
-                        let transport = std::sync::Arc::clone(&transport);
+                        let transport = Arc::clone(&transport);
                         tokio::spawn(async move {
                             let sleepy = encode(&Probe::Sleep { milliseconds: 5_000 });
                             let target = probe(&format!("sleepy-{i}"));
@@ -915,7 +941,11 @@ mod simulated {
                 net.unclog_link(server_id, client_id);
 
                 until_late_replies(&transport, 1).await;
-                assert_eq!(turns_of(key), 1, "the request delivered after its deadline ran");
+                assert_eq!(
+                    turns_of(&transport, &clock, key).await,
+                    1,
+                    "the request delivered after its deadline ran"
+                );
                 assert_eq!(count(&transport, &clock, key, Duration::from_secs(5)).await.unwrap(), 2);
                 let stats = transport.stats();
                 assert_eq!(
@@ -944,14 +974,14 @@ mod simulated {
         let epoch_on = move |clock_now: troupe_core::Deadline| {
             i64::try_from(reference.now().as_micros()).unwrap() - i64::try_from(clock_now.as_micros()).unwrap()
         };
-        let server_epoch = std::sync::Arc::new(Mutex::new(None::<i64>));
-        let recorded = std::sync::Arc::clone(&server_epoch);
+        let server_epoch = Arc::new(Mutex::new(None::<i64>));
+        let recorded = Arc::clone(&server_epoch);
         let _server = handle
             .create_node()
             .name("server")
             .ip(SERVER_IP.parse::<IpAddr>().unwrap())
             .init(move || {
-                let recorded = std::sync::Arc::clone(&recorded);
+                let recorded = Arc::clone(&recorded);
                 async move {
                     tokio::time::sleep(Duration::from_millis(3_500)).await;
                     let runtime = probe_runtime();

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
 use super::budget::{BudgetedFrame, ByteBudget};
@@ -99,15 +99,17 @@ struct ClientShared {
 }
 
 /// How a connection attempt ended, as its waiting callers see it.
-type ConnectOutcome = Option<Result<Arc<Connection>, String>>;
+type ConnectOutcome = Result<Arc<Connection>, String>;
 
 /// The client's connection, or the attempt to open one.
 #[derive(Debug)]
 enum ConnectionSlot {
     /// No connection, and none being opened.
     Empty,
-    /// A connect task is opening one; it reports here.
-    Connecting(watch::Receiver<ConnectOutcome>),
+    /// A connect task is opening one; it reports to each of these callers (one
+    /// oneshot each rather than a `watch`: tokio's `watch` wakes its waiters in an order
+    /// drawn from an unseeded random generator, which breaks seed replay under madsim).
+    Connecting(Vec<oneshot::Sender<ConnectOutcome>>),
     /// The connection of the last successful attempt (possibly closed since).
     Open(Arc<Connection>),
 }
@@ -340,18 +342,26 @@ impl ClientShared {
 }
 
 /// The connect task: opens a connection, stores it in the client's slot (or empties the
-/// slot on failure) and reports the outcome to every caller waiting for it. Runs to its
-/// end whatever happens to the callers: bounded by [`CONNECT_TIMEOUT_MS`], not by them.
-async fn connect_task(shared: Arc<ClientShared>, report: watch::Sender<ConnectOutcome>) {
+/// slot on failure) and reports the outcome to every caller waiting for it, in the
+/// order they came. Runs to its end whatever happens to the callers: bounded by
+/// [`CONNECT_TIMEOUT_MS`], not by them.
+async fn connect_task(shared: Arc<ClientShared>) {
     let outcome = shared.connect().await;
-    *shared.lock_connection() = match &outcome {
+    let next = match &outcome {
         Ok(connection) => ConnectionSlot::Open(Arc::clone(connection)),
         Err(cause) => {
             tracing::debug!(address = %shared.address, %cause, "transport connect failed");
             ConnectionSlot::Empty
         }
     };
-    report.send_replace(Some(outcome));
+    let previous = std::mem::replace(&mut *shared.lock_connection(), next);
+    let ConnectionSlot::Connecting(waiters) = previous else {
+        unreachable!("only the connect task ends an attempt, found {previous:?}");
+    };
+    for waiter in waiters {
+        // A caller past its deadline has stopped waiting.
+        let _ = waiter.send(outcome.clone());
+    }
 }
 
 impl TransportClient {
@@ -532,29 +542,33 @@ impl TransportClient {
     /// # Cancel safety
     /// Cancel safe: the attempt runs in its own task and stores its connection itself.
     async fn invoke_connection(&self) -> Result<Arc<Connection>, String> {
-        let mut outcome = {
+        let (waiter, outcome) = oneshot::channel();
+        {
             let mut slot = self.shared.lock_connection();
-            match &*slot {
+            match &mut *slot {
                 ConnectionSlot::Open(connection) if !connection.pending.is_closed() => {
                     return Ok(Arc::clone(connection));
                 }
-                ConnectionSlot::Connecting(outcome) => outcome.clone(),
+                ConnectionSlot::Connecting(waiters) => {
+                    // Forget callers that stopped waiting, so the list stays within the
+                    // callers holding an in-flight slot.
+                    if waiters.len() >= CLIENT_REQUESTS_IN_FLIGHT_MAX {
+                        waiters.retain(|waiter| !waiter.is_closed());
+                    }
+                    waiters.push(waiter);
+                }
                 ConnectionSlot::Open(_) | ConnectionSlot::Empty => {
-                    let (report, outcome) = watch::channel(None);
-                    *slot = ConnectionSlot::Connecting(outcome.clone());
-                    tokio::spawn(connect_task(Arc::clone(&self.shared), report));
-                    outcome
+                    *slot = ConnectionSlot::Connecting(vec![waiter]);
+                    tokio::spawn(connect_task(Arc::clone(&self.shared)));
                 }
             }
-        };
-        let reported = outcome.wait_for(Option::is_some).await;
-        match reported.as_deref() {
-            Ok(Some(outcome)) => outcome.clone(),
-            Ok(None) | Err(_) => Err(format!(
+        }
+        outcome.await.unwrap_or_else(|_| {
+            Err(format!(
                 "the attempt to connect to {} ended without an outcome (runtime shutting down?)",
                 self.shared.address
-            )),
-        }
+            ))
+        })
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use troupe_core::{Deadline, InvokeError};
 
 use super::budget::{BudgetedFrame, ByteBudget};
@@ -60,8 +60,31 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 pub struct TransportServer {
     local_address: SocketAddr,
     shared: Arc<ServerShared>,
-    /// Dropped with the server; every task of the server watches it.
-    _stop: watch::Sender<()>,
+    stop: StopSignal,
+}
+
+/// Closed when the server is dropped; every task of the server waits on it. A closed
+/// semaphore wakes its waiters in the order they came (tokio's `watch` would wake them
+/// in an order drawn from an unseeded random generator, breaking seed replay).
+#[derive(Debug, Clone)]
+struct StopSignal(Arc<Semaphore>);
+
+impl StopSignal {
+    fn new() -> Self {
+        Self(Arc::new(Semaphore::new(0)))
+    }
+
+    /// Returns once the server is dropped.
+    async fn stopped(&self) {
+        // No permit is ever added: the only way out is the close.
+        let _closed = self.0.acquire().await;
+    }
+}
+
+impl Drop for TransportServer {
+    fn drop(&mut self) {
+        self.stop.0.close();
+    }
 }
 
 /// What a [`TransportServer`] did, for tests, the simulator and metrics.
@@ -184,13 +207,13 @@ impl TransportServer {
     /// Outside a tokio (or madsim) runtime.
     pub fn serve(listener: TcpListener, handle: RuntimeHandle) -> io::Result<Self> {
         let local_address = listener.local_addr()?;
-        let (stop, stopped) = watch::channel(());
+        let stop = StopSignal::new();
         let shared = Arc::new(ServerShared::default());
-        tokio::spawn(accept_connections(listener, handle, Arc::clone(&shared), stopped));
+        tokio::spawn(accept_connections(listener, handle, Arc::clone(&shared), stop.clone()));
         Ok(Self {
             local_address,
             shared,
-            _stop: stop,
+            stop,
         })
     }
 
@@ -216,16 +239,11 @@ impl TransportServer {
     }
 }
 
-async fn accept_connections(
-    listener: TcpListener,
-    handle: RuntimeHandle,
-    shared: Arc<ServerShared>,
-    mut stopped: watch::Receiver<()>,
-) {
+async fn accept_connections(listener: TcpListener, handle: RuntimeHandle, shared: Arc<ServerShared>, stop: StopSignal) {
     loop {
         let accepted = tokio::select! {
             biased;
-            _ = stopped.changed() => return,
+            () = stop.stopped() => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {
@@ -233,7 +251,7 @@ async fn accept_connections(
                 Some(ticket) => {
                     shared.connections_accepted.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%peer, "transport connection accepted");
-                    tokio::spawn(serve_connection(stream, peer, handle.clone(), ticket, stopped.clone()));
+                    tokio::spawn(serve_connection(stream, peer, handle.clone(), ticket, stop.clone()));
                 }
                 None => {
                     // Dropping the stream closes it before anything is read.
@@ -247,7 +265,7 @@ async fn accept_connections(
                 tracing::warn!(%error, "transport accept failed");
                 tokio::select! {
                     biased;
-                    _ = stopped.changed() => return,
+                    () = stop.stopped() => return,
                     () = tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_DELAY_MS)) => {}
                 }
             }
@@ -370,7 +388,7 @@ async fn serve_connection(
     peer: SocketAddr,
     handle: RuntimeHandle,
     ticket: ConnectionTicket,
-    mut stopped: watch::Receiver<()>,
+    stop: StopSignal,
 ) {
     let shared = Arc::clone(&ticket.shared);
     // Nagle would hold small replies back; failing to disable it only costs latency.
@@ -454,7 +472,7 @@ async fn serve_connection(
     );
     let ended: ConnectionEnd = tokio::select! {
         biased;
-        _ = stopped.changed() => ConnectionEnd::Stopped,
+        () = stop.stopped() => ConnectionEnd::Stopped,
         read = read_requests => {
             let read: Result<std::convert::Infallible, ConnectionEnd> = read;
             match read {
