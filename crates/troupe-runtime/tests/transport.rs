@@ -38,7 +38,7 @@ const PROBE_KIND: &str = "probe";
 #[derive(Debug, Serialize, Deserialize)]
 enum Probe {
     /// Reply with these bytes.
-    Echo(Vec<u8>),
+    Echo(Bytes),
     /// Reply with a [`ContextReport`] of this turn.
     ReportContext,
     /// Sleep this long, then reply with nothing.
@@ -75,7 +75,7 @@ impl Actor for ProbeActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let probe: Probe = bincode::deserialize(&payload).map_err(|error| ActorError::failed(error.to_string()))?;
         match probe {
-            Probe::Echo(bytes) => Ok(Bytes::from(bytes)),
+            Probe::Echo(bytes) => Ok(bytes),
             Probe::ReportContext => {
                 let context = turn.context();
                 let report = ContextReport {
@@ -143,7 +143,7 @@ async fn echo(
     client
         .invoke(
             &probe(key),
-            encode(&Probe::Echo(bytes.to_vec())),
+            encode(&Probe::Echo(Bytes::copy_from_slice(bytes))),
             root_context(clock, timeout),
             None,
         )
@@ -257,6 +257,8 @@ async fn closed_by_peer_within<R: tokio::io::AsyncRead + Unpin>(reader: &mut R, 
 
 #[cfg(not(madsim))]
 mod loopback {
+    use troupe_runtime::{CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES, WRITE_STALL_TIMEOUT_MS};
+
     use super::*;
 
     const LOOPBACK: &str = "127.0.0.1:0";
@@ -339,7 +341,12 @@ mod loopback {
 
         let expired = CallContext::root(clock.now());
         let result = client
-            .invoke(&probe("a"), encode(&Probe::Echo(vec![1])), expired, None)
+            .invoke(
+                &probe("a"),
+                encode(&Probe::Echo(Bytes::from_static(&[1]))),
+                expired,
+                None,
+            )
             .await;
         assert!(
             matches!(result, Err(InvokeError::Timeout { timeout_ms: 0, .. })),
@@ -624,6 +631,129 @@ mod loopback {
         }
         assert!(elapsed(&clock, started) < Duration::from_secs(5));
         assert_eq!(client.stats().connections_broken, 1);
+    }
+
+    /// A loopback proxy for one connection whose server → client direction can be
+    /// frozen: while frozen it reads nothing from the server, like a client that stopped
+    /// reading its replies. Set the returned switch to `true` to freeze.
+    async fn freezing_proxy(server: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
+        let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (freeze, mut frozen) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            let (inbound, _) = listener.accept().await.unwrap();
+            let outbound = TcpStream::connect(server).await.unwrap();
+            let (mut from_client, mut to_client) = inbound.into_split();
+            let (mut from_server, mut to_server) = outbound.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+            });
+            let mut buffer = vec![0_u8; 64 * 1024];
+            loop {
+                if frozen.wait_for(|frozen| !*frozen).await.is_err() {
+                    return;
+                }
+                let read = match from_server.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(read) => read,
+                };
+                if to_client.write_all(&buffer[..read]).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (address, freeze)
+    }
+
+    /// Goal: a peer that stops reading its replies cannot stall other peers' calls or
+    /// make the server buffer without bound: the server holds at most
+    /// `CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES` for it (then stops reading it), closes it
+    /// `WRITE_STALL_TIMEOUT_MS` after its socket stopped taking bytes, and frees what it
+    /// held; another client is served throughout. Method: a client behind a proxy that
+    /// stops reading from the server sends 64 echoes of 1 MiB (more than the budget and
+    /// the kernel's buffers); a second client calls every 100 ms; the server's stats are
+    /// sampled until the stalled connection is closed.
+    #[tokio::test]
+    async fn a_peer_that_never_reads_is_closed_after_the_write_stall_timeout_and_others_are_served() {
+        const ECHO_BYTES: usize = 1024 * 1024;
+        const ECHOES: usize = 64;
+        let (_runtime, server) = start_server().await;
+        let (proxy, freeze) = freezing_proxy(server.local_address()).await;
+        let clock = Clock::new();
+        let stalled = Arc::new(TransportClient::new(proxy, clock));
+        echo(&stalled, &clock, "warm", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let served = TransportClient::new(server.local_address(), clock);
+        echo(&served, &clock, "warm", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+
+        freeze.send(true).unwrap();
+        let frozen_at = clock.now();
+        let echoes: Vec<_> = (0..ECHOES)
+            .map(|index| {
+                let stalled = Arc::clone(&stalled);
+                tokio::spawn(async move {
+                    let key = format!("big-{index}");
+                    echo(&stalled, &clock, &key, &vec![0x5A; ECHO_BYTES], Duration::from_secs(30)).await
+                })
+            })
+            .collect();
+
+        let limit = Duration::from_millis(WRITE_STALL_TIMEOUT_MS + 5_000);
+        let (mut most_bytes, mut slowest_call, mut calls) = (0, Duration::ZERO, 0);
+        let closed_after = loop {
+            let stats = server.stats();
+            most_bytes = most_bytes.max(stats.bytes_in_flight);
+            if stats.connections_closed_write_stalled == 1 {
+                break elapsed(&clock, frozen_at);
+            }
+            assert!(
+                elapsed(&clock, frozen_at) < limit,
+                "the stalled peer was never closed: {stats:?}"
+            );
+            let started = clock.now();
+            let reply = echo(&served, &clock, "served", &[7], Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert_eq!(&reply[..], &[7]);
+            slowest_call = slowest_call.max(elapsed(&clock, started));
+            calls += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        println!("stalled peer closed {closed_after:?} after it stopped reading; {calls} calls of another peer, slowest {slowest_call:?}; at most {most_bytes} bytes buffered");
+        assert!(
+            closed_after >= Duration::from_millis(WRITE_STALL_TIMEOUT_MS),
+            "closed after {closed_after:?}"
+        );
+        assert!(
+            most_bytes > CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES - 2 * ECHO_BYTES,
+            "the budget was never reached ({most_bytes} bytes): the peer did not stall the server"
+        );
+        // The budget, plus at most one small call of the other client.
+        assert!(
+            most_bytes <= CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES + 1_024,
+            "{most_bytes} bytes buffered"
+        );
+        assert!(
+            slowest_call < Duration::from_millis(500),
+            "another peer's call took {slowest_call:?}"
+        );
+        assert!(calls >= 50, "only {calls} calls in {closed_after:?}");
+
+        for _ in 0..100 {
+            if server.stats().bytes_in_flight == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let stats = server.stats();
+        assert_eq!((stats.bytes_in_flight, stats.requests_running), (0, 0), "{stats:?}");
+        assert_eq!(stats.connections_open, 1, "only the served client: {stats:?}");
+        for echo in echoes {
+            echo.abort();
+        }
     }
 
     /// Reads from `stream` until the peer closes it; fails the test after 5 s.
