@@ -32,10 +32,10 @@ use crate::Clock;
 /// call connects (and handshakes) again. Never retries a request.
 ///
 /// A connection is opened by a task of its own, bounded by
-/// [`CONNECT_TIMEOUT_MS`](super::CONNECT_TIMEOUT_MS) and not by any caller's deadline:
+/// [`CONNECT_TIMEOUT_MS`] and not by any caller's deadline:
 /// every caller that needs it waits for that one attempt until its own deadline, and a
 /// caller that gives up early does not cancel it for the others. A connection with no
-/// call pending for [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`](super::CLIENT_CONNECTION_IDLE_TIMEOUT_MS)
+/// call pending for [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`]
 /// is closed; the next call opens a new one (nothing had been sent on the old one, so
 /// nothing fails).
 ///
@@ -52,7 +52,7 @@ pub struct TransportClient {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TransportClientStats {
     /// Calls now holding an in-flight slot: connecting, or sent and waiting for a reply (at most
-    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`](super::CLIENT_REQUESTS_IN_FLIGHT_MAX)).
+    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`]).
     pub requests_in_flight: usize,
     /// Connections opened (TCP connected) since the client was created.
     pub connections_opened: u64,
@@ -60,7 +60,7 @@ pub struct TransportClientStats {
     /// or timed out in their clock handshake.
     pub connections_broken: u64,
     /// Connections this client closed after
-    /// [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`](super::CLIENT_CONNECTION_IDLE_TIMEOUT_MS)
+    /// [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`]
     /// without a call.
     pub connections_closed_idle: u64,
     /// Replies that arrived after their caller stopped waiting, and were dropped.
@@ -428,8 +428,8 @@ impl TransportClient {
     ///
     /// Waits for an open connection if there is none (joining the attempt under way, or
     /// starting one that runs on its own for up to
-    /// [`CONNECT_TIMEOUT_MS`](super::CONNECT_TIMEOUT_MS)). Waits for an in-flight slot if
-    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`](super::CLIENT_REQUESTS_IN_FLIGHT_MAX) calls are
+    /// [`CONNECT_TIMEOUT_MS`]). Waits for an in-flight slot if
+    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] calls are
     /// already waiting, and for room in the connection's byte budget. All of this counts
     /// against the deadline.
     ///

@@ -40,12 +40,12 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 ///
 /// Defends itself against slow and hostile peers (see the transport module's
 /// documentation in the source): at most
-/// [`CONNECTIONS_PER_NODE_MAX`](super::CONNECTIONS_PER_NODE_MAX) connections, at most
-/// [`CONNECTIONS_PER_PEER_MAX`](super::CONNECTIONS_PER_PEER_MAX) from one IP address
+/// [`CONNECTIONS_PER_NODE_MAX`] connections, at most
+/// [`CONNECTIONS_PER_PEER_MAX`] from one IP address
 /// (one over either is closed at once); a hello within
-/// [`HANDSHAKE_TIMEOUT_MS`](super::HANDSHAKE_TIMEOUT_MS); idle connections closed after
-/// [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`](super::SERVER_CONNECTION_IDLE_TIMEOUT_MS); a
-/// peer that reads nothing for [`WRITE_STALL_TIMEOUT_MS`](super::WRITE_STALL_TIMEOUT_MS)
+/// [`HANDSHAKE_TIMEOUT_MS`]; idle connections closed after
+/// [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`]; a
+/// peer that reads nothing for [`WRITE_STALL_TIMEOUT_MS`]
 /// closed; at most
 /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)
 /// buffered per connection. [`TransportServer::stats`] counts each of these.
@@ -91,7 +91,7 @@ impl Drop for TransportServer {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TransportServerStats {
     /// Connections open now (at most
-    /// [`CONNECTIONS_PER_NODE_MAX`](super::CONNECTIONS_PER_NODE_MAX)).
+    /// [`CONNECTIONS_PER_NODE_MAX`]).
     pub connections_open: usize,
     /// Connections accepted and served since the server started.
     pub connections_accepted: u64,
@@ -99,14 +99,14 @@ pub struct TransportServerStats {
     /// address, had its most connections open.
     pub connections_refused: u64,
     /// Connections closed because no valid hello arrived within
-    /// [`HANDSHAKE_TIMEOUT_MS`](super::HANDSHAKE_TIMEOUT_MS).
+    /// [`HANDSHAKE_TIMEOUT_MS`].
     pub connections_closed_handshake_timeout: u64,
     /// Connections closed after
-    /// [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`](super::SERVER_CONNECTION_IDLE_TIMEOUT_MS)
+    /// [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`]
     /// with no request running and no frame read or written.
     pub connections_closed_idle: u64,
     /// Connections closed because the peer accepted no reply bytes for
-    /// [`WRITE_STALL_TIMEOUT_MS`](super::WRITE_STALL_TIMEOUT_MS).
+    /// [`WRITE_STALL_TIMEOUT_MS`].
     pub connections_closed_write_stalled: u64,
     /// Requests read and not yet answered (their turn running, or their reply waiting
     /// for room in the write queue), over all connections.
