@@ -1601,14 +1601,17 @@ mod simulated {
     }
 
     /// Goal: connecting is not tied to the first caller's deadline: callers whose
-    /// deadlines are too short for a handshake plus a call do not cancel the connection
-    /// attempt, so the callers after them find it open and succeed, over one connection.
-    /// (Before, each caller connected under a lock until its own deadline and took the
-    /// attempt down with it, so on a slow link no caller ever got through.) Method:
-    /// 100 ms one-way latency (a handshake and a call take 200 ms each); ten callers
-    /// 50 ms apart, each with a 270 ms deadline.
+    /// deadlines end mid-handshake do not cancel the connection attempt, and a patient
+    /// caller behind them is served over that one connection as soon as it is up.
+    /// (Before, each caller connected under a lock until its own deadline: every short
+    /// caller opened a connection and dropped it mid-handshake, and the patient caller
+    /// started its own handshake only after them and missed its deadline.) Method:
+    /// 100 ms one-way latency (a handshake and a call take 200 ms each); five callers
+    /// 10 ms apart with 50 ms deadlines, then one at 45 ms with a 420 ms deadline (its
+    /// reply comes at about 400 ms; behind a handshake begun at 90 ms, at about 490 ms).
     #[madsim::test]
     async fn a_short_first_deadline_does_not_stop_later_callers_from_connecting() {
+        const SHORT_CALLERS: u8 = 5;
         let handle = Handle::current();
         let _server = start_server_node(&handle);
         let client = client_node(&handle);
@@ -1620,28 +1623,27 @@ mod simulated {
                 });
                 let clock = Clock::new();
                 let transport = Arc::new(TransportClient::new(server_address(), clock));
-                let callers: Vec<_> = (0..10_u8)
+                let short: Vec<_> = (0..SHORT_CALLERS)
                     .map(|index| {
                         let transport = Arc::clone(&transport);
                         tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_millis(50 * u64::from(index))).await;
-                            echo(&transport, &clock, "a", &[index], Duration::from_millis(270)).await
+                            tokio::time::sleep(Duration::from_millis(10 * u64::from(index))).await;
+                            echo(&transport, &clock, "a", &[index], Duration::from_millis(50)).await
                         })
                     })
                     .collect();
-                for (index, caller) in callers.into_iter().enumerate() {
+                tokio::time::sleep(Duration::from_millis(45)).await;
+                let started = clock.now();
+                let patient = echo(&transport, &clock, "a", b"patient", Duration::from_millis(420)).await;
+                let waited = elapsed(&clock, started);
+                for (index, caller) in short.into_iter().enumerate() {
                     let result = caller.await.unwrap();
-                    // Callers 0-2 start before the connection is up (about 200 ms) and
-                    // end before a reply could come (about 400 ms).
-                    if index < 3 {
-                        assert!(
-                            matches!(result, Err(InvokeError::Timeout { .. })),
-                            "caller {index}: {result:?}"
-                        );
-                    } else {
-                        assert_eq!(&result.unwrap()[..], &[u8::try_from(index).unwrap()], "caller {index}");
-                    }
+                    assert!(
+                        matches!(result, Err(InvokeError::Timeout { .. })),
+                        "caller {index}: {result:?}"
+                    );
                 }
+                assert_eq!(&patient.unwrap()[..], b"patient", "after {waited:?}");
                 let stats = transport.stats();
                 assert_eq!(
                     (stats.connections_opened, stats.connections_broken),
