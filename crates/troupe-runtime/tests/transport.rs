@@ -9,7 +9,14 @@
 //! latency, checking that no call outlives its deadline, that a request delivered after
 //! its deadline never runs, that the clock handshake bounds the offset between nodes
 //! whose clocks started at different times, and that service comes back once the fault
-//! heals.
+//! heals. Both sections also play slow and hostile peers against the server's limits:
+//! silent and trickling handshakes, idle connections, connection hoarding over the
+//! per-peer and per-node caps, a frame announced and trickled, a peer that never reads
+//! its replies (loopback only: madsim's TCP never pushes back on a writer), a mute
+//! server, callers with deadlines shorter than the handshake, and the byte budget.
+//!
+//! Nothing here is process-global: `MADSIM_TEST_NUM` runs many seeds in one process and
+//! `MADSIM_TEST_CHECK_DETERMINISM` runs each twice, so state lives in each runtime.
 //!
 //! Run with `cargo nextest run -p troupe-runtime --test transport`, and under simulation
 //! with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p
