@@ -3,18 +3,21 @@
 //! ```text
 //!  caller node                                          host node
 //!  TransportClient::invoke(target, payload, context)    TransportServer (one task per connection)
-//!    │ lazy connect (one TCP connection, multiplexed)     │
-//!    │ ── Hello { magic, version, client_now } ───────►   │ check magic and version
-//!    │ ◄── HelloAck { echoed client_now, server_now } ──  │   (server_now read on arrival)
-//!    │ ClockSync: server clock bounded from the round trip│
-//!    │ register request_id in the bounded pending map     │ read frame → spawn one task per request:
-//!    │ deadline translated to the HOST's clock, made      │   deadline already passed? → Timeout,
-//!    │ earlier by the bound's error (never later)         │     never runs
-//!    │ frame → writer queue ──── Request frame ────────►  │   rebuild CallContext (depth, chain,
-//!    │ wait for the reply until the LOCAL deadline        │   the sent absolute deadline)
+//!    │ lazy connect by a connect task of its own          │ accept: over a connection cap? → close
+//!    │ (one TCP connection, multiplexed; callers wait     │   at once, unread
+//!    │ for it until their own deadlines)                  │
+//!    │ ── Hello { magic, version, client_now } ───────►   │ within HANDSHAKE_TIMEOUT_MS: check
+//!    │ ◄── HelloAck { echoed client_now, server_now } ──  │   magic and version (server_now read
+//!    │ ClockSync: server clock bounded from the round trip│   on arrival)
+//!    │ register request_id in the bounded pending map     │ read length → take that many bytes of
+//!    │ deadline translated to the HOST's clock, made      │   the connection's budget → read body
+//!    │ earlier by the bound's error (never later)         │   → spawn one task per request:
+//!    │ frame → budget → writer ── Request frame ───────►  │   deadline already passed? → Timeout,
+//!    │ wait for the reply until the LOCAL deadline        │     never runs; rebuild CallContext;
 //!    │                                                    │   RuntimeHandle::invoke / invoke_from
-//!    ◄───────────────────────── Response frame ────────── │ reply frame → bounded writer queue
-//!    reader task: request_id → waiting caller (late replies are dropped)
+//!    ◄───────────────────────── Response frame ────────── │ reply → budget → bounded writer queue
+//!    reader task: request_id → waiting caller (late       │ idle timer, write-stall timer
+//!    replies are dropped); idle timer
 //! ```
 //!
 //! Owns: the frame codec (a `u32` big-endian length prefix, then a bincode body of at
@@ -55,8 +58,9 @@
 //! # Guarantees
 //!
 //! - A call never outlives its deadline on the caller's clock: the wait is bounded by
-//!   [`crate::Clock::run_until`]; connecting, the handshake and waiting for an in-flight
-//!   slot are inside that bound.
+//!   [`crate::Clock::run_until`]; waiting for the connection (whose attempt goes on for
+//!   other callers, within [`CONNECT_TIMEOUT_MS`]), for an in-flight slot and for room in
+//!   the connection's byte budget are inside that bound.
 //! - The host's deadline for a request is never later than its caller's, whatever the
 //!   latency, loss or partition in between (assuming the two clocks' rates differ by at
 //!   most `CLOCK_DRIFT_PPM_MAX`; `tokio::time` is monotonic and, under madsim, exact).
@@ -83,10 +87,48 @@
 //!   [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] entries (a caller over it waits for a slot until its
 //!   deadline), an entry is freed when its caller stops waiting for any reason, the
 //!   server runs at most [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests per connection (it
-//!   stops reading until one finishes), both write queues are bounded, and at most one
-//!   refresh hello per connection is outstanding.
+//!   stops reading until one finishes), both write queues are bounded in frames
+//!   ([`WRITE_QUEUE_CAPACITY`]) and in bytes (below), and at most one refresh hello per
+//!   connection is outstanding.
 //! - A bad frame from the network is a typed [`FrameError`] that closes that connection;
-//!   it never panics the node.
+//!   it never panics the node (a property test feeds the decoder garbage). A length over
+//!   the limit is refused before anything is allocated, and a body's buffer grows with
+//!   the bytes that arrive, not with the length announced.
+//! - Connecting is not tied to any caller: a connect task opens the connection (TCP
+//!   connect and handshake) within [`CONNECT_TIMEOUT_MS`] and stores it for every caller;
+//!   each caller waits for it until its own deadline. A caller with a short deadline no
+//!   longer takes the attempt down with it, and a server that accepts but never answers
+//!   fails its callers with `Unreachable` at the connect timeout.
+//!
+//! # Slow and hostile peers
+//!
+//! A server protects itself and its other peers, each limit a constant of this module:
+//!
+//! | Limit | Value | What happens past it |
+//! |---|---|---|
+//! | [`CONNECTIONS_PER_NODE_MAX`] | 256 connections | a new one is closed at once, unread; counted in [`TransportServerStats::connections_refused`] |
+//! | [`CONNECTIONS_PER_PEER_MAX`] | 32 per peer IP address | the same; one peer cannot take a node's every connection |
+//! | [`HANDSHAKE_TIMEOUT_MS`] | 5 s from accept to a valid hello | closed, however many bytes trickled in meanwhile |
+//! | [`HANDSHAKE_FRAME_SIZE_MAX_BYTES`] | 64 bytes before the handshake | a longer first frame is refused unread |
+//! | [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`] | 60 s without a request running or a whole frame read or written | closed (so a peer trickling a frame is closed 60 s after its last whole frame) |
+//! | [`WRITE_STALL_TIMEOUT_MS`] | 10 s without the peer taking any reply bytes | closed: the peer is not reading |
+//! | [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`] | 32 MiB per connection: requests read and not answered plus replies not written | the server stops reading that connection until bytes are freed |
+//!
+//! A connection over a limit affects only itself: each connection has its own task,
+//! budget and timers, so a peer that trickles, hoards connections or never reads does not
+//! delay another peer's calls (tests: `hostile_peers_that_hoard_or_trickle_connections_*`,
+//! `a_peer_that_never_reads_*`). The client's side: a connection with no call for
+//! [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`] (30 s, below the server's 60 s, so the client
+//! closes first and never loses a request to the server's idle close) is closed by the
+//! client, and the next call opens a new one; its queued requests are bounded by the
+//! same byte budget, and it has no write-stall timeout (a server stops reading on
+//! purpose under its limits; callers are bounded by their deadlines).
+//!
+//! Worst case, a node's transport buffers `CONNECTIONS_PER_NODE_MAX ×
+//! CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES` = 8 GiB (plus the replies its actors have
+//! produced and not yet queued): the budget must hold one whole frame of
+//! [`FRAME_SIZE_MAX_BYTES`] (16 MiB). A node that cannot afford that should lower the
+//! frame limit.
 //! - When a connection closes, the host abandons the calls it carried: a request not yet
 //!   started never runs, and the wait-for edges of those calls are released at once.
 //!
@@ -108,10 +150,17 @@
 //! - No clock synchronization between nodes beyond each connection's bound, and no
 //!   defence against a clock that jumps (the runtime clock is monotonic) or drifts
 //!   faster than `CLOCK_DRIFT_PPM_MAX`.
-//! - No authentication or encryption, and no defence beyond the frame limit against a
-//!   hostile peer (a maximal frame of tiny actor ids decodes into many allocations; a
-//!   hostile client can also claim any clock in its hello, which only shortens or
-//!   lengthens its own requests' deadlines, still capped at `INVOKE_TIMEOUT_MS_MAX`).
+//! - No authentication or encryption. The limits above bound what a peer can hold; they
+//!   do not tell a hostile peer from a busy one (a peer may keep up to
+//!   `CONNECTIONS_PER_PEER_MAX` connections busy with long calls, each within
+//!   `INVOKE_TIMEOUT_MS_MAX`; many addresses together can fill `CONNECTIONS_PER_NODE_MAX`
+//!   and refuse everyone else until their connections time out). No rate limiting. A
+//!   frame's bytes are counted, not the memory its decoding takes (a maximal frame of
+//!   tiny actor ids decodes into many allocations). A hostile client can claim any clock
+//!   in its hello, which only shortens or lengthens its own requests' deadlines, still
+//!   capped at `INVOKE_TIMEOUT_MS_MAX`.
+//! - No retry of a connection attempt: when one fails, its waiting callers fail with
+//!   `Unreachable` and the next call starts a new attempt.
 //! - No wait-for edges across nodes on the caller's side: the host's dispatcher sees the
 //!   edge `caller → target`; the caller's dispatcher does not see the remote call.
 //!   Cross-node cycles end at their deadline.
@@ -119,6 +168,7 @@
 #[cfg(doc)]
 use troupe_core::{CallContext, InvokeError};
 
+mod budget;
 mod client;
 mod clock_sync;
 mod frame;
@@ -127,7 +177,7 @@ mod wire;
 
 pub use client::{TransportClient, TransportClientStats};
 pub use frame::{FrameError, FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES};
-pub use server::TransportServer;
+pub use server::{TransportServer, TransportServerStats};
 
 /// Most requests one [`TransportClient`] has in flight at once; a caller over it waits
 /// for a slot until its deadline.
@@ -159,6 +209,46 @@ pub(crate) const CLOCK_DRIFT_PPM_MAX: u64 = 1_000;
 pub(crate) const CLOCK_RESYNC_INTERVAL_MS: u64 = 1_000;
 /// Pause after a failed `accept` (for example, out of file descriptors), in milliseconds.
 pub const ACCEPT_RETRY_DELAY_MS: u64 = 10;
+/// Longest a [`TransportServer`] waits, from accepting a connection, for the client's
+/// valid hello; a connection that sends nothing, trickles, or sends something else is
+/// closed then (counted in [`TransportServerStats::connections_closed_handshake_timeout`]).
+pub const HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
+/// Largest frame body accepted before the handshake is done, in bytes (each side's
+/// first frame: a hello or its answer, under 40 bytes). An unauthenticated peer
+/// cannot make a server buffer more.
+pub const HANDSHAKE_FRAME_SIZE_MAX_BYTES: usize = 64;
+/// Longest a [`TransportClient`] spends opening a connection (TCP connect and clock
+/// handshake), in milliseconds. The attempt runs in its own task, whatever its callers'
+/// deadlines: a caller stops waiting at its own deadline, the attempt goes on for the
+/// next callers.
+pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
+/// How long a [`TransportServer`] keeps a connection on which no request is running
+/// and no frame has been read or written, in milliseconds. A peer that trickles a frame
+/// without finishing it is closed this long after its last whole frame.
+pub const SERVER_CONNECTION_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// How long a [`TransportClient`] keeps its connection with no call pending and no frame
+/// sent or received, in milliseconds. Shorter than the server's, so it is the client
+/// that closes an idle connection, never the server under a request that is on its way.
+pub const CLIENT_CONNECTION_IDLE_TIMEOUT_MS: u64 = 30_000;
+/// Longest a [`TransportServer`] waits for a peer to accept any bytes of a reply
+/// (a write or flush that makes no progress), in milliseconds; then the peer is taken
+/// not to read and the connection is closed.
+pub const WRITE_STALL_TIMEOUT_MS: u64 = 10_000;
+/// Most connections one [`TransportServer`] (one node) holds open at once, in
+/// connections; one accepted over it is closed at once, unread (counted in
+/// [`TransportServerStats::connections_refused`]).
+pub const CONNECTIONS_PER_NODE_MAX: usize = 256;
+/// Most connections one [`TransportServer`] holds open at once from one peer IP
+/// address, in connections, so one peer cannot take every connection of a node. A
+/// node keeps one connection per peer (plus one being replaced); the rest is slack for
+/// several runtimes behind one address.
+pub const CONNECTIONS_PER_PEER_MAX: usize = 32;
+/// Most bytes one connection holds buffered at once, in bytes: on a server, request
+/// frames read whose turn has not ended plus reply frames not yet written; on a
+/// client, request frames not yet written. Past it the server stops reading the
+/// connection and a client caller waits (within its deadline). Frames are counted
+/// whole, length prefix included.
+pub const CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES: usize = 32 * 1024 * 1024;
 
 const _: () = assert!(CLIENT_REQUESTS_IN_FLIGHT_MAX >= 1);
 const _: () = assert!(SERVER_REQUESTS_IN_FLIGHT_MAX >= 1);
@@ -168,5 +258,18 @@ const _: () = assert!(WRITE_QUEUE_CAPACITY >= 1);
 const _: () = assert!(WRITE_BATCH_FRAMES_MAX >= 1);
 const _: () = assert!(CALL_CHAIN_LENGTH_MAX >= troupe_core::limits::AGENT_CALL_DEPTH_MAX as usize);
 const _: () = assert!(FRAME_SIZE_MAX_BYTES <= u32::MAX as usize);
+const _: () = assert!(HANDSHAKE_FRAME_SIZE_MAX_BYTES <= FRAME_SIZE_MAX_BYTES);
+// One whole frame always fits an empty budget, so no frame waits forever.
+const _: () = assert!(FRAME_HEADER_SIZE_BYTES + FRAME_SIZE_MAX_BYTES <= CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES);
+// A budget is taken in one semaphore call, which counts in u32.
+const _: () = assert!(CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES <= u32::MAX as usize);
+const _: () = assert!(CONNECTIONS_PER_PEER_MAX >= 2);
+const _: () = assert!(CONNECTIONS_PER_PEER_MAX <= CONNECTIONS_PER_NODE_MAX);
+// A client gives up on a handshake no later than the server does.
+const _: () = assert!(CONNECT_TIMEOUT_MS <= HANDSHAKE_TIMEOUT_MS);
+// The client closes an idle connection before the server would.
+const _: () = assert!(CLIENT_CONNECTION_IDLE_TIMEOUT_MS < SERVER_CONNECTION_IDLE_TIMEOUT_MS);
+const _: () = assert!(HANDSHAKE_TIMEOUT_MS < SERVER_CONNECTION_IDLE_TIMEOUT_MS);
+const _: () = assert!(WRITE_STALL_TIMEOUT_MS >= 1);
 // The drift allowance accumulated between refreshes stays below a millisecond or so.
 const _: () = assert!(CLOCK_DRIFT_PPM_MAX * CLOCK_RESYNC_INTERVAL_MS <= 1_000_000);

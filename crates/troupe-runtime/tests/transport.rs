@@ -9,7 +9,14 @@
 //! latency, checking that no call outlives its deadline, that a request delivered after
 //! its deadline never runs, that the clock handshake bounds the offset between nodes
 //! whose clocks started at different times, and that service comes back once the fault
-//! heals.
+//! heals. Both sections also play slow and hostile peers against the server's limits:
+//! silent and trickling handshakes, idle connections, connection hoarding over the
+//! per-peer and per-node caps, a frame announced and trickled, a peer that never reads
+//! its replies (loopback only: madsim's TCP never pushes back on a writer), a mute
+//! server, callers with deadlines shorter than the handshake, and the byte budget.
+//!
+//! Nothing here is process-global: `MADSIM_TEST_NUM` runs many seeds in one process and
+//! `MADSIM_TEST_CHECK_DETERMINISM` runs each twice, so state lives in each runtime.
 //!
 //! Run with `cargo nextest run -p troupe-runtime --test transport`, and under simulation
 //! with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p
@@ -17,12 +24,14 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 use troupe_core::{ActorId, ActorKind, CallContext, InvokeError};
 use troupe_runtime::{Actor, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, Turn};
 
@@ -36,23 +45,23 @@ const PROBE_KIND: &str = "probe";
 #[derive(Debug, Serialize, Deserialize)]
 enum Probe {
     /// Reply with these bytes.
-    Echo(Vec<u8>),
+    Echo(Bytes),
     /// Reply with a [`ContextReport`] of this turn.
     ReportContext,
     /// Sleep this long, then reply with nothing.
     Sleep { milliseconds: u64 },
+    /// As `Sleep`, with a ballast that makes the request this large.
+    SleepCarrying { milliseconds: u64, ballast: Bytes },
     /// Count this turn (see [`turns_of`]) and reply with the count so far.
     Count,
+    /// Reply with how many `Count` turns the probe of this key has run on this runtime.
+    TurnsOf(String),
 }
 
-/// Turns run by `Probe::Count`, by actor key, across every runtime of this process (keys
-/// are unique per test).
-static TURNS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
-
-/// How many `Probe::Count` turns the probe `key` has run.
-fn turns_of(key: &str) -> u64 {
-    TURNS.lock().unwrap().get(key).copied().unwrap_or(0)
-}
+/// Turns run by `Probe::Count` on one runtime, by actor key. Owned by the runtime's
+/// factory, never a static: a static would outlive the runtime and carry counts from
+/// one simulated seed into the next (`MADSIM_TEST_NUM` runs seeds in one process).
+type Turns = Arc<Mutex<BTreeMap<String, u64>>>;
 
 /// The context a turn received, with its deadline as the time left on the host's clock.
 #[derive(Debug, Serialize, Deserialize)]
@@ -64,14 +73,16 @@ struct ContextReport {
     deadline_us: u64,
 }
 
-struct ProbeActor;
+struct ProbeActor {
+    turns: Turns,
+}
 
 #[async_trait]
 impl Actor for ProbeActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let probe: Probe = bincode::deserialize(&payload).map_err(|error| ActorError::failed(error.to_string()))?;
         match probe {
-            Probe::Echo(bytes) => Ok(Bytes::from(bytes)),
+            Probe::Echo(bytes) => Ok(bytes),
             Probe::ReportContext => {
                 let context = turn.context();
                 let report = ContextReport {
@@ -82,14 +93,18 @@ impl Actor for ProbeActor {
                 };
                 Ok(Bytes::from(bincode::serialize(&report).unwrap()))
             }
-            Probe::Sleep { milliseconds } => {
+            Probe::Sleep { milliseconds } | Probe::SleepCarrying { milliseconds, .. } => {
                 tokio::time::sleep(Duration::from_millis(milliseconds)).await;
                 Ok(Bytes::new())
             }
             Probe::Count => {
-                let mut turns = TURNS.lock().unwrap();
+                let mut turns = self.turns.lock().unwrap();
                 let count = turns.entry(turn.id().key().to_string()).or_insert(0);
                 *count += 1;
+                Ok(Bytes::from(count.to_be_bytes().to_vec()))
+            }
+            Probe::TurnsOf(key) => {
+                let count = self.turns.lock().unwrap().get(&key).copied().unwrap_or(0);
                 Ok(Bytes::from(count.to_be_bytes().to_vec()))
             }
         }
@@ -97,10 +112,15 @@ impl Actor for ProbeActor {
 }
 
 fn probe_runtime() -> Runtime {
+    let turns = Turns::default();
     Runtime::builder()
         .register(
             ActorKind::new(PROBE_KIND).unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(ProbeActor)) },
+            move |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+                Ok(Box::new(ProbeActor {
+                    turns: Arc::clone(&turns),
+                }))
+            },
             KindConfig::default(),
         )
         .unwrap()
@@ -130,7 +150,7 @@ async fn echo(
     client
         .invoke(
             &probe(key),
-            encode(&Probe::Echo(bytes.to_vec())),
+            encode(&Probe::Echo(Bytes::copy_from_slice(bytes))),
             root_context(clock, timeout),
             None,
         )
@@ -142,6 +162,20 @@ async fn count(client: &TransportClient, clock: &Clock, key: &str, timeout: Dura
         .invoke(&probe(key), encode(&Probe::Count), root_context(clock, timeout), None)
         .await?;
     Ok(u64::from_be_bytes(reply[..].try_into().unwrap()))
+}
+
+/// How many `Probe::Count` turns the probe `key` has run on the runtime behind `client`.
+async fn turns_of(client: &TransportClient, clock: &Clock, key: &str) -> u64 {
+    let reply = client
+        .invoke(
+            &probe("turns-reader"),
+            encode(&Probe::TurnsOf(key.to_string())),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    u64::from_be_bytes(reply[..].try_into().unwrap())
 }
 
 /// Waits (up to 10 s) until `client` has discarded `late` late replies.
@@ -160,16 +194,77 @@ fn elapsed(clock: &Clock, since: troupe_core::Deadline) -> Duration {
     Duration::from_micros(clock.now().as_micros().saturating_sub(since.as_micros()))
 }
 
+/// The handshake frames as the wire encodes them, mirrored here (serde encodes an
+/// enum by variant index, so a mirror with the same variants in the same order
+/// encodes the same bytes).
+mod mirror {
+    use bincode::Options;
+    use serde::{Deserialize, Serialize};
+
+    pub(super) const MAGIC: u32 = u32::from_be_bytes(*b"TRPE");
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub(super) enum ClientMessage {
+        Hello {
+            magic: u32,
+            version: u16,
+            client_now_us: u64,
+        },
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub(super) enum ServerMessage {
+        HelloAck {
+            magic: u32,
+            version: u16,
+            client_now_us: u64,
+            server_now_us: u64,
+        },
+    }
+
+    pub(super) fn frame<T: Serialize>(message: &T) -> Vec<u8> {
+        let body = bincode::DefaultOptions::new().serialize(message).unwrap();
+        let mut frame = u32::try_from(body.len()).unwrap().to_be_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        frame
+    }
+
+    pub(super) fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> T {
+        bincode::DefaultOptions::new().deserialize(body).unwrap()
+    }
+}
+
+/// Reads one frame's body from a raw connection.
+async fn read_raw_frame(stream: &mut TcpStream) -> Vec<u8> {
+    let mut header = [0_u8; 4];
+    stream.read_exact(&mut header).await.unwrap();
+    let mut body = vec![0_u8; usize::try_from(u32::from_be_bytes(header)).unwrap()];
+    stream.read_exact(&mut body).await.unwrap();
+    body
+}
+
+/// Reads `reader` until its peer closes the connection (end of stream or an error);
+/// `false` if it is still open after `limit`.
+async fn closed_by_peer_within<R: tokio::io::AsyncRead + Unpin>(reader: &mut R, limit: Duration) -> bool {
+    let mut buffer = [0_u8; 64];
+    let closed = tokio::time::timeout(limit, async {
+        loop {
+            match reader.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    });
+    closed.await.is_ok()
+}
+
 // ---------------------------------------------------------------------------------------
 // Real TCP on loopback
 // ---------------------------------------------------------------------------------------
 
 #[cfg(not(madsim))]
 mod loopback {
-    use std::sync::Arc;
-
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpStream;
+    use troupe_runtime::{CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES, WRITE_STALL_TIMEOUT_MS};
 
     use super::*;
 
@@ -253,7 +348,12 @@ mod loopback {
 
         let expired = CallContext::root(clock.now());
         let result = client
-            .invoke(&probe("a"), encode(&Probe::Echo(vec![1])), expired, None)
+            .invoke(
+                &probe("a"),
+                encode(&Probe::Echo(Bytes::from_static(&[1]))),
+                expired,
+                None,
+            )
             .await;
         assert!(
             matches!(result, Err(InvokeError::Timeout { timeout_ms: 0, .. })),
@@ -471,58 +571,14 @@ mod loopback {
         hold.send(false).unwrap();
 
         until_late_replies(&client, 1).await;
-        assert_eq!(turns_of(key), 1, "the expired request ran on the host");
+        assert_eq!(
+            turns_of(&client, &clock, key).await,
+            1,
+            "the expired request ran on the host"
+        );
         // The connection is still good, and the next turn is the second one.
         assert_eq!(count(&client, &clock, key, Duration::from_secs(5)).await.unwrap(), 2);
         assert_eq!(client.stats().connections_opened, 1);
-    }
-
-    /// The handshake frames as the wire encodes them, mirrored here (serde encodes an
-    /// enum by variant index, so a mirror with the same variants in the same order
-    /// encodes the same bytes).
-    mod mirror {
-        use bincode::Options;
-        use serde::{Deserialize, Serialize};
-
-        pub(super) const MAGIC: u32 = u32::from_be_bytes(*b"TRPE");
-
-        #[derive(Debug, Serialize, Deserialize)]
-        pub(super) enum ClientMessage {
-            Hello {
-                magic: u32,
-                version: u16,
-                client_now_us: u64,
-            },
-        }
-
-        #[derive(Debug, Serialize, Deserialize)]
-        pub(super) enum ServerMessage {
-            HelloAck {
-                magic: u32,
-                version: u16,
-                client_now_us: u64,
-                server_now_us: u64,
-            },
-        }
-
-        pub(super) fn frame<T: Serialize>(message: &T) -> Vec<u8> {
-            let body = bincode::DefaultOptions::new().serialize(message).unwrap();
-            let mut frame = u32::try_from(body.len()).unwrap().to_be_bytes().to_vec();
-            frame.extend_from_slice(&body);
-            frame
-        }
-
-        pub(super) fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> T {
-            bincode::DefaultOptions::new().deserialize(body).unwrap()
-        }
-    }
-
-    async fn read_raw_frame(stream: &mut TcpStream) -> Vec<u8> {
-        let mut header = [0_u8; 4];
-        stream.read_exact(&mut header).await.unwrap();
-        let mut body = vec![0_u8; usize::try_from(u32::from_be_bytes(header)).unwrap()];
-        stream.read_exact(&mut body).await.unwrap();
-        body
     }
 
     /// Goal: a client of another protocol version is told the server's version, then
@@ -584,19 +640,133 @@ mod loopback {
         assert_eq!(client.stats().connections_broken, 1);
     }
 
-    /// Reads from `stream` until the peer closes it; fails the test after 5 s.
-    async fn expect_closed_by_peer(stream: &mut TcpStream) {
-        let mut buffer = [0_u8; 64];
-        let closed = tokio::time::timeout(Duration::from_secs(5), async {
+    /// A loopback proxy for one connection whose server → client direction can be
+    /// frozen: while frozen it reads nothing from the server, like a client that stopped
+    /// reading its replies. Set the returned switch to `true` to freeze.
+    async fn freezing_proxy(server: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
+        let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (freeze, mut frozen) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            let (inbound, _) = listener.accept().await.unwrap();
+            let outbound = TcpStream::connect(server).await.unwrap();
+            let (mut from_client, mut to_client) = inbound.into_split();
+            let (mut from_server, mut to_server) = outbound.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+            });
+            let mut buffer = vec![0_u8; 64 * 1024];
             loop {
-                match stream.read(&mut buffer).await {
+                if frozen.wait_for(|frozen| !*frozen).await.is_err() {
+                    return;
+                }
+                let read = match from_server.read(&mut buffer).await {
                     Ok(0) | Err(_) => return,
-                    Ok(_) => {}
+                    Ok(read) => read,
+                };
+                if to_client.write_all(&buffer[..read]).await.is_err() {
+                    return;
                 }
             }
-        })
-        .await;
-        assert!(closed.is_ok(), "the server kept a connection open after a bad frame");
+        });
+        (address, freeze)
+    }
+
+    /// Goal: a peer that stops reading its replies cannot stall other peers' calls or
+    /// make the server buffer without bound: the server holds at most
+    /// `CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES` for it (then stops reading it), closes it
+    /// `WRITE_STALL_TIMEOUT_MS` after its socket stopped taking bytes, and frees what it
+    /// held; another client is served throughout. Method: a client behind a proxy that
+    /// stops reading from the server sends 64 echoes of 1 MiB (more than the budget and
+    /// the kernel's buffers); a second client calls every 100 ms; the server's stats are
+    /// sampled until the stalled connection is closed.
+    #[tokio::test]
+    async fn a_peer_that_never_reads_is_closed_after_the_write_stall_timeout_and_others_are_served() {
+        const ECHO_BYTES: usize = 1024 * 1024;
+        const ECHOES: usize = 64;
+        let (_runtime, server) = start_server().await;
+        let (proxy, freeze) = freezing_proxy(server.local_address()).await;
+        let clock = Clock::new();
+        let stalled = Arc::new(TransportClient::new(proxy, clock));
+        echo(&stalled, &clock, "warm", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let served = TransportClient::new(server.local_address(), clock);
+        echo(&served, &clock, "warm", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+
+        freeze.send(true).unwrap();
+        let frozen_at = clock.now();
+        let echoes: Vec<_> = (0..ECHOES)
+            .map(|index| {
+                let stalled = Arc::clone(&stalled);
+                tokio::spawn(async move {
+                    let key = format!("big-{index}");
+                    echo(&stalled, &clock, &key, &vec![0x5A; ECHO_BYTES], Duration::from_secs(30)).await
+                })
+            })
+            .collect();
+
+        let limit = Duration::from_millis(WRITE_STALL_TIMEOUT_MS + 5_000);
+        let (mut most_bytes, mut slowest_call, mut calls) = (0, Duration::ZERO, 0);
+        let closed_after = loop {
+            let stats = server.stats();
+            most_bytes = most_bytes.max(stats.bytes_in_flight);
+            if stats.connections_closed_write_stalled == 1 {
+                break elapsed(&clock, frozen_at);
+            }
+            assert!(
+                elapsed(&clock, frozen_at) < limit,
+                "the stalled peer was never closed: {stats:?}"
+            );
+            let started = clock.now();
+            let reply = echo(&served, &clock, "served", &[7], Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert_eq!(&reply[..], &[7]);
+            slowest_call = slowest_call.max(elapsed(&clock, started));
+            calls += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        println!("stalled peer closed {closed_after:?} after it stopped reading; {calls} calls of another peer, slowest {slowest_call:?}; at most {most_bytes} bytes buffered");
+        assert!(
+            closed_after >= Duration::from_millis(WRITE_STALL_TIMEOUT_MS),
+            "closed after {closed_after:?}"
+        );
+        assert!(
+            most_bytes > CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES - 2 * ECHO_BYTES,
+            "the budget was never reached ({most_bytes} bytes): the peer did not stall the server"
+        );
+        // The budget, plus at most one small call of the other client.
+        assert!(
+            most_bytes <= CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES + 1_024,
+            "{most_bytes} bytes buffered"
+        );
+        assert!(
+            slowest_call < Duration::from_millis(500),
+            "another peer's call took {slowest_call:?}"
+        );
+        assert!(calls >= 50, "only {calls} calls in {closed_after:?}");
+
+        for _ in 0..100 {
+            if server.stats().bytes_in_flight == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let stats = server.stats();
+        assert_eq!((stats.bytes_in_flight, stats.requests_running), (0, 0), "{stats:?}");
+        assert_eq!(stats.connections_open, 1, "only the served client: {stats:?}");
+        for echo in echoes {
+            echo.abort();
+        }
+    }
+
+    /// Reads from `stream` until the peer closes it; fails the test after 5 s.
+    async fn expect_closed_by_peer(stream: &mut TcpStream) {
+        let closed = closed_by_peer_within(stream, Duration::from_secs(5)).await;
+        assert!(closed, "the server kept a connection open after a bad frame");
     }
 
     /// Goal: a bad frame closes only its own connection, without crashing the server.
@@ -659,7 +829,11 @@ mod simulated {
 
     use madsim::net::NetSim;
     use madsim::runtime::{Handle, NodeHandle};
-    use troupe_runtime::CLIENT_REQUESTS_IN_FLIGHT_MAX;
+    use troupe_runtime::{
+        TransportServerStats, CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX,
+        CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX, CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES, CONNECT_TIMEOUT_MS,
+        FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
+    };
 
     use super::*;
 
@@ -791,13 +965,13 @@ mod simulated {
             .spawn(async move {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let clock = Clock::new();
-                let transport = std::sync::Arc::new(TransportClient::new(server_address(), clock));
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
                 echo(&transport, &clock, "a", b"warm", Duration::from_secs(5))
                     .await
                     .unwrap();
 
                 let pending = {
-                    let transport = std::sync::Arc::clone(&transport);
+                    let transport = Arc::clone(&transport);
                     tokio::spawn(async move {
                         let sleepy = encode(&Probe::Sleep { milliseconds: 20_000 });
                         let started = clock.now();
@@ -848,10 +1022,10 @@ mod simulated {
             .spawn(async move {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let clock = Clock::new();
-                let transport = std::sync::Arc::new(TransportClient::new(server_address(), clock));
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
                 let sleepers: Vec<_> = (0..CLIENT_REQUESTS_IN_FLIGHT_MAX)
                     .map(|i| {
-                        let transport = std::sync::Arc::clone(&transport);
+                        let transport = Arc::clone(&transport);
                         tokio::spawn(async move {
                             let sleepy = encode(&Probe::Sleep { milliseconds: 5_000 });
                             let target = probe(&format!("sleepy-{i}"));
@@ -915,7 +1089,11 @@ mod simulated {
                 net.unclog_link(server_id, client_id);
 
                 until_late_replies(&transport, 1).await;
-                assert_eq!(turns_of(key), 1, "the request delivered after its deadline ran");
+                assert_eq!(
+                    turns_of(&transport, &clock, key).await,
+                    1,
+                    "the request delivered after its deadline ran"
+                );
                 assert_eq!(count(&transport, &clock, key, Duration::from_secs(5)).await.unwrap(), 2);
                 let stats = transport.stats();
                 assert_eq!(
@@ -944,14 +1122,14 @@ mod simulated {
         let epoch_on = move |clock_now: troupe_core::Deadline| {
             i64::try_from(reference.now().as_micros()).unwrap() - i64::try_from(clock_now.as_micros()).unwrap()
         };
-        let server_epoch = std::sync::Arc::new(Mutex::new(None::<i64>));
-        let recorded = std::sync::Arc::clone(&server_epoch);
+        let server_epoch = Arc::new(Mutex::new(None::<i64>));
+        let recorded = Arc::clone(&server_epoch);
         let _server = handle
             .create_node()
             .name("server")
             .ip(SERVER_IP.parse::<IpAddr>().unwrap())
             .init(move || {
-                let recorded = std::sync::Arc::clone(&recorded);
+                let recorded = Arc::clone(&recorded);
                 async move {
                     tokio::time::sleep(Duration::from_millis(3_500)).await;
                     let runtime = probe_runtime();
@@ -1074,6 +1252,619 @@ mod simulated {
                     .unwrap();
                 assert_eq!(&reply[..], b"patient");
                 assert_eq!(transport.stats().connections_opened, 1);
+            })
+            .await
+            .unwrap();
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Slow and hostile peers, connection caps, budgets and timeouts
+    // -----------------------------------------------------------------------------------
+
+    /// The server's transport protocol version, learned the way a client of another
+    /// version learns it: from the answer to a hello of version 999 (once the server has
+    /// closed that connection).
+    async fn server_protocol_version(address: SocketAddr) -> u16 {
+        let mut stream = TcpStream::connect(address).await.unwrap();
+        let hello = mirror::ClientMessage::Hello {
+            magic: mirror::MAGIC,
+            version: 999,
+            client_now_us: 0,
+        };
+        stream.write_all(&mirror::frame(&hello)).await.unwrap();
+        stream.flush().await.unwrap();
+        let mirror::ServerMessage::HelloAck { version, .. } = mirror::decode(&read_raw_frame(&mut stream).await);
+        // Wait for the server to close it, so it no longer counts against any cap.
+        assert!(closed_by_peer_within(&mut stream, Duration::from_secs(1)).await);
+        version
+    }
+
+    /// A raw connection that has completed the handshake (and then does whatever the
+    /// test makes it do).
+    async fn raw_handshake(address: SocketAddr) -> TcpStream {
+        let version = server_protocol_version(address).await;
+        let mut stream = TcpStream::connect(address).await.unwrap();
+        let hello = mirror::ClientMessage::Hello {
+            magic: mirror::MAGIC,
+            version,
+            client_now_us: 0,
+        };
+        stream.write_all(&mirror::frame(&hello)).await.unwrap();
+        stream.flush().await.unwrap();
+        let mirror::ServerMessage::HelloAck { version: answered, .. } =
+            mirror::decode(&read_raw_frame(&mut stream).await);
+        assert_eq!(answered, version);
+        stream
+    }
+
+    /// The server of a node started by [`start_observed_server_node`], for its stats.
+    type ServerSlot = Arc<Mutex<Option<Arc<TransportServer>>>>;
+
+    /// As [`start_server_node`], keeping the server where the test can read its stats.
+    fn start_observed_server_node(handle: &Handle) -> (NodeHandle, ServerSlot) {
+        let slot = ServerSlot::default();
+        let recorded = Arc::clone(&slot);
+        let node = handle
+            .create_node()
+            .name("server")
+            .ip(SERVER_IP.parse::<IpAddr>().unwrap())
+            .init(move || {
+                let recorded = Arc::clone(&recorded);
+                async move {
+                    let runtime = probe_runtime();
+                    let server = TransportServer::bind(server_address(), runtime.handle()).await.unwrap();
+                    *recorded.lock().unwrap() = Some(Arc::new(server));
+                    std::future::pending::<()>().await;
+                }
+            })
+            .build();
+        (node, slot)
+    }
+
+    fn server_stats(slot: &ServerSlot) -> TransportServerStats {
+        slot.lock().unwrap().as_ref().expect("the server started").stats()
+    }
+
+    /// How far from a server timeout the test may see its effect: the close reaches the
+    /// peer after one transit (madsim's default one-way latency is 1-10 ms), and a test
+    /// that starts its clock on a reply starts it up to one transit after the server did.
+    const TRANSIT_SLACK: Duration = Duration::from_millis(10);
+
+    /// Asserts `waited` is `timeout_ms`, within [`TRANSIT_SLACK`] either way.
+    fn assert_waited(waited: Duration, timeout_ms: u64, what: &str) {
+        let timeout = Duration::from_millis(timeout_ms);
+        assert!(
+            waited + TRANSIT_SLACK >= timeout && waited <= timeout + TRANSIT_SLACK,
+            "{what} after {waited:?}, expected {timeout:?}"
+        );
+    }
+
+    /// Goal: a connection that never completes its handshake is closed by the server
+    /// after `HANDSHAKE_TIMEOUT_MS`, whether it sends nothing or trickles a hello too
+    /// slowly; bytes arriving do not extend the deadline; the server keeps serving.
+    /// Method: one silent raw connection and one sending a hello one byte every 400 ms
+    /// (whole only after about 7 s); time each until the server closes it.
+    #[madsim::test]
+    async fn a_connection_that_sends_nothing_or_trickles_its_hello_is_closed_at_the_handshake_timeout() {
+        let handle = Handle::current();
+        let (_node, server) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let hello = mirror::frame(&mirror::ClientMessage::Hello {
+                    magic: mirror::MAGIC,
+                    version: 0,
+                    client_now_us: u64::MAX,
+                });
+                assert!(hello.len() >= 15, "the trickle must outlast the timeout");
+
+                let started = clock.now();
+                let mut silent = TcpStream::connect(server_address()).await.unwrap();
+                let trickler = TcpStream::connect(server_address()).await.unwrap();
+                let (mut trickle_reader, mut trickle_writer) = tokio::io::split(trickler);
+                tokio::spawn(async move {
+                    for byte in hello {
+                        let sent = trickle_writer
+                            .write_all(&[byte])
+                            .await
+                            .and(trickle_writer.flush().await);
+                        if sent.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(400)).await;
+                    }
+                });
+                let limit = Duration::from_millis(2 * HANDSHAKE_TIMEOUT_MS);
+                assert!(
+                    closed_by_peer_within(&mut silent, limit).await,
+                    "a silent connection stayed open"
+                );
+                assert_waited(
+                    elapsed(&clock, started),
+                    HANDSHAKE_TIMEOUT_MS,
+                    "the silent connection closed",
+                );
+                assert!(
+                    closed_by_peer_within(&mut trickle_reader, limit).await,
+                    "a trickler stayed open"
+                );
+                assert_waited(elapsed(&clock, started), HANDSHAKE_TIMEOUT_MS, "the trickler closed");
+
+                let stats = server_stats(&server);
+                assert_eq!(stats.connections_closed_handshake_timeout, 2, "{stats:?}");
+                assert_eq!((stats.connections_open, stats.bytes_in_flight), (0, 0), "{stats:?}");
+                let transport = TransportClient::new(server_address(), clock);
+                let reply = echo(&transport, &clock, "a", b"served", Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                assert_eq!(&reply[..], b"served");
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: the server closes a connection that completed its handshake and then sent
+    /// nothing for `SERVER_CONNECTION_IDLE_TIMEOUT_MS`, but never one whose request is
+    /// still running, however long. Method: a raw client that says hello and falls
+    /// silent, timed until closed; then a real client's call to a probe that sleeps
+    /// 1.5 idle timeouts.
+    #[madsim::test]
+    async fn an_idle_connection_is_closed_by_the_server_but_not_while_its_request_runs() {
+        let handle = Handle::current();
+        let (_node, server) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let mut silent = raw_handshake(server_address()).await;
+                let started = clock.now();
+                let limit = Duration::from_millis(2 * SERVER_CONNECTION_IDLE_TIMEOUT_MS);
+                assert!(
+                    closed_by_peer_within(&mut silent, limit).await,
+                    "an idle connection stayed open"
+                );
+                assert_waited(
+                    elapsed(&clock, started),
+                    SERVER_CONNECTION_IDLE_TIMEOUT_MS,
+                    "closed idle",
+                );
+                let stats = server_stats(&server);
+                assert_eq!(stats.connections_closed_idle, 1, "{stats:?}");
+
+                let transport = TransportClient::new(server_address(), clock);
+                let sleep_ms = SERVER_CONNECTION_IDLE_TIMEOUT_MS * 3 / 2;
+                let long = encode(&Probe::Sleep { milliseconds: sleep_ms });
+                let context = root_context(&clock, Duration::from_millis(2 * SERVER_CONNECTION_IDLE_TIMEOUT_MS));
+                let started = clock.now();
+                transport.invoke(&probe("long"), long, context, None).await.unwrap();
+                assert!(elapsed(&clock, started) >= Duration::from_millis(sleep_ms));
+                let stats = server_stats(&server);
+                assert_eq!(
+                    stats.connections_closed_idle, 1,
+                    "the running request's connection closed: {stats:?}"
+                );
+                let client_stats = transport.stats();
+                assert_eq!(
+                    (client_stats.connections_opened, client_stats.connections_broken),
+                    (1, 0),
+                    "{client_stats:?}"
+                );
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: a client closes its own connection after `CLIENT_CONNECTION_IDLE_TIMEOUT_MS`
+    /// without calls (before the server would), and the next call opens a new one
+    /// without failing. Method: a call, a wait past the client's idle timeout, a call.
+    #[madsim::test]
+    async fn an_idle_client_connection_is_closed_by_the_client_and_the_next_call_reconnects() {
+        let handle = Handle::current();
+        let (_node, server) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                echo(&transport, &clock, "a", b"first", Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(CLIENT_CONNECTION_IDLE_TIMEOUT_MS - 100)).await;
+                assert_eq!(
+                    transport.stats().connections_closed_idle,
+                    0,
+                    "closed before its idle timeout"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let stats = transport.stats();
+                assert_eq!(stats.connections_closed_idle, 1, "{stats:?}");
+                assert_eq!(server_stats(&server).connections_open, 0);
+
+                let reply = echo(&transport, &clock, "a", b"again", Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                assert_eq!(&reply[..], b"again");
+                let stats = transport.stats();
+                assert_eq!(
+                    (stats.connections_opened, stats.connections_broken),
+                    (2, 0),
+                    "{stats:?}"
+                );
+                assert_eq!(
+                    server_stats(&server).connections_closed_idle,
+                    0,
+                    "the client closed it first"
+                );
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Opens `count` connections to the server from a new node at `ip` and keeps them
+    /// open without sending a byte; returns how many the server closed at once (within
+    /// 1 ms of opening, far below the handshake timeout).
+    async fn open_silent_connections(name: &str, ip: IpAddr, count: usize) -> usize {
+        let node = Handle::current().create_node().name(name).ip(ip).build();
+        let (report, reported) = tokio::sync::oneshot::channel();
+        node.spawn(async move {
+            let mut streams = Vec::new();
+            for _ in 0..count {
+                streams.push(TcpStream::connect(server_address()).await.unwrap());
+            }
+            let mut closed_at_once = 0;
+            for stream in &mut streams {
+                if closed_by_peer_within(stream, Duration::from_millis(1)).await {
+                    closed_at_once += 1;
+                }
+            }
+            report.send(closed_at_once).unwrap();
+            std::future::pending::<()>().await;
+            drop(streams);
+        });
+        reported.await.unwrap()
+    }
+
+    fn peer_ip(index: u8) -> IpAddr {
+        IpAddr::from([10, 0, 1, index])
+    }
+
+    /// Goal: one peer address holds at most `CONNECTIONS_PER_PEER_MAX` connections and
+    /// the node at most `CONNECTIONS_PER_NODE_MAX`; a connection over either cap is
+    /// closed at once and counted, and a client over it fails fast with `Unreachable`;
+    /// once the hoarded connections time out, service returns. Method: one peer opens
+    /// its cap plus one; more peers fill the node; one more peer and a real client try.
+    #[madsim::test]
+    async fn connections_over_the_per_peer_and_per_node_caps_are_closed_at_once_and_counted() {
+        let handle = Handle::current();
+        let (_node, server) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let started = clock.now();
+                let refused = open_silent_connections("peer-0", peer_ip(0), CONNECTIONS_PER_PEER_MAX + 1).await;
+                assert_eq!(refused, 1, "one over the per-peer cap");
+                let stats = server_stats(&server);
+                assert_eq!(
+                    (stats.connections_open, stats.connections_refused),
+                    (CONNECTIONS_PER_PEER_MAX, 1)
+                );
+
+                let peers_to_fill = CONNECTIONS_PER_NODE_MAX / CONNECTIONS_PER_PEER_MAX;
+                for index in 1..peers_to_fill {
+                    let index = u8::try_from(index).unwrap();
+                    let refused =
+                        open_silent_connections(&format!("peer-{index}"), peer_ip(index), CONNECTIONS_PER_PEER_MAX)
+                            .await;
+                    assert_eq!(refused, 0, "peer {index} is within both caps");
+                }
+                let last = u8::try_from(peers_to_fill).unwrap();
+                assert_eq!(
+                    open_silent_connections("peer-last", peer_ip(last), 1).await,
+                    1,
+                    "over the node cap"
+                );
+                let stats = server_stats(&server);
+                assert_eq!(
+                    (stats.connections_open, stats.connections_refused),
+                    (CONNECTIONS_PER_NODE_MAX, 2)
+                );
+
+                let transport = TransportClient::new(server_address(), clock);
+                let call_started = clock.now();
+                let result = echo(&transport, &clock, "a", b"full", Duration::from_secs(3)).await;
+                assert!(matches!(result, Err(InvokeError::Unreachable { .. })), "{result:?}");
+                assert!(
+                    elapsed(&clock, call_started) < Duration::from_millis(10),
+                    "a refusal should be fast"
+                );
+                assert_eq!(server_stats(&server).connections_refused, 3);
+                let filled = elapsed(&clock, started);
+                assert!(
+                    filled < Duration::from_millis(HANDSHAKE_TIMEOUT_MS),
+                    "filling took {filled:?}"
+                );
+
+                // The hoarders never said hello: they are closed at the handshake timeout.
+                tokio::time::sleep(Duration::from_millis(HANDSHAKE_TIMEOUT_MS + 1_000)).await;
+                let stats = server_stats(&server);
+                assert_eq!(stats.connections_open, 0, "{stats:?}");
+                assert_eq!(
+                    stats.connections_closed_handshake_timeout,
+                    CONNECTIONS_PER_NODE_MAX as u64
+                );
+                let reply = echo(&transport, &clock, "a", b"room", Duration::from_secs(3))
+                    .await
+                    .unwrap();
+                assert_eq!(&reply[..], b"room");
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: connecting is not tied to the first caller's deadline: callers whose
+    /// deadlines end mid-handshake do not cancel the connection attempt, and a patient
+    /// caller behind them is served over that one connection as soon as it is up.
+    /// (Before, each caller connected under a lock until its own deadline: every short
+    /// caller opened a connection and dropped it mid-handshake, and the patient caller
+    /// started its own handshake only after them and missed its deadline.) Method:
+    /// 100 ms one-way latency (a handshake and a call take 200 ms each); five callers
+    /// 10 ms apart with 50 ms deadlines, then one at 45 ms with a 420 ms deadline (its
+    /// reply comes at about 400 ms; behind a handshake begun at 90 ms, at about 490 ms).
+    #[madsim::test]
+    async fn a_short_first_deadline_does_not_stop_later_callers_from_connecting() {
+        const SHORT_CALLERS: u8 = 5;
+        let handle = Handle::current();
+        let _server = start_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                NetSim::current().update_config(|config| {
+                    config.send_latency = Duration::from_millis(100)..Duration::from_millis(101);
+                });
+                let clock = Clock::new();
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
+                let short: Vec<_> = (0..SHORT_CALLERS)
+                    .map(|index| {
+                        let transport = Arc::clone(&transport);
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_millis(10 * u64::from(index))).await;
+                            echo(&transport, &clock, "a", &[index], Duration::from_millis(50)).await
+                        })
+                    })
+                    .collect();
+                tokio::time::sleep(Duration::from_millis(45)).await;
+                let started = clock.now();
+                let patient = echo(&transport, &clock, "a", b"patient", Duration::from_millis(420)).await;
+                let waited = elapsed(&clock, started);
+                for (index, caller) in short.into_iter().enumerate() {
+                    let result = caller.await.unwrap();
+                    assert!(
+                        matches!(result, Err(InvokeError::Timeout { .. })),
+                        "caller {index}: {result:?}"
+                    );
+                }
+                assert_eq!(&patient.unwrap()[..], b"patient", "after {waited:?}");
+                let stats = transport.stats();
+                assert_eq!(
+                    (stats.connections_opened, stats.connections_broken),
+                    (1, 0),
+                    "{stats:?}"
+                );
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: a connection attempt is bounded by `CONNECT_TIMEOUT_MS`, not by its callers:
+    /// a server that accepts but never answers the hello fails a caller with a long
+    /// deadline with `Unreachable` at the connect timeout, not at its deadline; a caller
+    /// with a shorter deadline times out at its own deadline without ending the attempt,
+    /// which the long caller joined. Method: a node that accepts connections and reads
+    /// nothing; a caller with 1 s, then one with 60 s.
+    #[madsim::test]
+    async fn a_connect_attempt_to_a_server_that_never_answers_ends_at_the_connect_timeout() {
+        let handle = Handle::current();
+        handle
+            .create_node()
+            .name("mute")
+            .ip(SERVER_IP.parse::<IpAddr>().unwrap())
+            .init(|| async {
+                let listener = tokio::net::TcpListener::bind(server_address()).await.unwrap();
+                let mut held = Vec::new();
+                loop {
+                    let (stream, _) = listener.accept().await.unwrap();
+                    held.push(stream);
+                }
+            })
+            .build();
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
+                let started = clock.now();
+                let short = {
+                    let transport = Arc::clone(&transport);
+                    tokio::spawn(async move { echo(&transport, &clock, "a", b"short", Duration::from_secs(1)).await })
+                };
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let long = echo(&transport, &clock, "a", b"long", Duration::from_secs(60)).await;
+                let waited = elapsed(&clock, started);
+                let short = short.await.unwrap();
+                assert!(matches!(short, Err(InvokeError::Timeout { .. })), "{short:?}");
+                match &long {
+                    Err(InvokeError::Unreachable { cause, .. }) => assert!(cause.contains("timed out"), "{cause}"),
+                    other => panic!("{other:?}"),
+                }
+                assert_waited(waited, CONNECT_TIMEOUT_MS, "the long caller failed");
+                let stats = transport.stats();
+                assert_eq!(
+                    (stats.connections_opened, stats.connections_broken),
+                    (1, 1),
+                    "{stats:?}"
+                );
+                assert_eq!(stats.requests_in_flight, 0);
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: a server holds at most `CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES` of one
+    /// connection's unanswered requests; past it, it stops reading (backpressure) rather
+    /// than buffering, and every call still completes once room is made. Method: 48
+    /// concurrent calls of 1 MiB each to probes sleeping 2 s; after 1 s count what the
+    /// server admitted (31 frames of 1 MiB and a few bytes fit 32 MiB; 32 do not).
+    #[madsim::test]
+    async fn a_connection_holds_at_most_its_byte_budget_of_unanswered_requests() {
+        const BALLAST_BYTES: usize = 1024 * 1024;
+        const CALLS: usize = 48;
+        let admitted = CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES / (BALLAST_BYTES + 1024);
+        assert_eq!(admitted, 31);
+        let handle = Handle::current();
+        let (_node, server) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
+                let calls: Vec<_> = (0..CALLS)
+                    .map(|index| {
+                        let transport = Arc::clone(&transport);
+                        tokio::spawn(async move {
+                            let heavy = encode(&Probe::SleepCarrying {
+                                milliseconds: 2_000,
+                                ballast: Bytes::from(vec![0xA5; BALLAST_BYTES]),
+                            });
+                            let context = root_context(&clock, Duration::from_secs(30));
+                            transport
+                                .invoke(&probe(&format!("heavy-{index}")), heavy, context, None)
+                                .await
+                        })
+                    })
+                    .collect();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let stats = server_stats(&server);
+                assert_eq!(stats.requests_running, admitted, "{stats:?}");
+                assert!(
+                    stats.bytes_in_flight <= CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES
+                        && stats.bytes_in_flight > admitted * BALLAST_BYTES,
+                    "{stats:?}"
+                );
+                for call in calls {
+                    call.await.unwrap().unwrap();
+                }
+                let stats = server_stats(&server);
+                assert_eq!((stats.requests_running, stats.bytes_in_flight), (0, 0), "{stats:?}");
+                assert_eq!(transport.stats().bytes_in_flight, 0);
+                assert_eq!(transport.stats().connections_opened, 1);
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: hostile peers cannot stall other peers' calls: a peer that takes every
+    /// connection its address may have, and keeps them silent, trickles hellos, or
+    /// announces a 16 MiB frame and trickles it, delays no call of another peer, and is
+    /// shed on schedule: silent and trickling handshakes at `HANDSHAKE_TIMEOUT_MS`, the
+    /// trickled frame `SERVER_CONNECTION_IDLE_TIMEOUT_MS` after its hello, with its byte
+    /// budget held only meanwhile. Method: the hostile node opens its cap plus 8; the
+    /// client node makes 100 calls 100 ms apart with 1 s deadlines, each timed.
+    #[madsim::test]
+    async fn hostile_peers_that_hoard_or_trickle_connections_do_not_stall_other_peers_calls() {
+        const CALLS: u32 = 100;
+        let handle = Handle::current();
+        let (_node, server) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        let hostile = handle.create_node().name("hostile").ip(peer_ip(66)).build();
+        hostile.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            // One completes its handshake, announces the largest frame and trickles it.
+            let mut framer = raw_handshake(server_address()).await;
+            framer
+                .write_all(&u32::try_from(FRAME_SIZE_MAX_BYTES).unwrap().to_be_bytes())
+                .await
+                .unwrap();
+            framer.flush().await.unwrap();
+            let mut held = Vec::new();
+            for index in 0..CONNECTIONS_PER_PEER_MAX + 8 {
+                let stream = TcpStream::connect(server_address()).await.unwrap();
+                let (reader, mut writer) = tokio::io::split(stream);
+                held.push(reader);
+                if index % 2 == 0 {
+                    // Trickles a hello, a byte a second.
+                    tokio::spawn(async move {
+                        for byte in mirror::frame(&mirror::ClientMessage::Hello {
+                            magic: mirror::MAGIC,
+                            version: 0,
+                            client_now_us: u64::MAX,
+                        }) {
+                            if writer.write_all(&[byte]).await.and(writer.flush().await).is_err() {
+                                return;
+                            }
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                    });
+                }
+            }
+            let chunk = [0_u8; 1024];
+            loop {
+                if framer.write_all(&chunk).await.and(framer.flush().await).is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            std::future::pending::<()>().await;
+            drop(held);
+        });
+        client
+            .spawn(async move {
+                // The hostile peer is in place after about 250 ms (its probe for the
+                // protocol version lingers 100 ms).
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let clock = Clock::new();
+                let stats = server_stats(&server);
+                assert_eq!(stats.connections_open, CONNECTIONS_PER_PEER_MAX, "{stats:?}");
+                assert_eq!(stats.connections_refused, 8 + 1, "{stats:?}");
+                let transport = TransportClient::new(server_address(), clock);
+                let mut slowest = Duration::ZERO;
+                for call in 0..CALLS {
+                    let started = clock.now();
+                    let key = format!("victim-{call}");
+                    let reply = echo(&transport, &clock, &key, b"served", Duration::from_secs(1))
+                        .await
+                        .unwrap();
+                    assert_eq!(&reply[..], b"served");
+                    slowest = slowest.max(elapsed(&clock, started));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                // At most four transits (the first call also connects), whatever the
+                // hostile peer does; stalled calls would have waited seconds.
+                assert!(slowest <= 4 * TRANSIT_SLACK, "a call took {slowest:?}");
+
+                // 10 s in: the handshakes are long gone, the trickled frame is not.
+                let stats = server_stats(&server);
+                let hoarders = CONNECTIONS_PER_PEER_MAX as u64 - 1;
+                assert_eq!(stats.connections_closed_handshake_timeout, hoarders, "{stats:?}");
+                assert_eq!(stats.connections_open, 2, "the framer and this client: {stats:?}");
+                assert_eq!(
+                    stats.bytes_in_flight,
+                    FRAME_HEADER_SIZE_BYTES + FRAME_SIZE_MAX_BYTES,
+                    "{stats:?}"
+                );
+
+                tokio::time::sleep(Duration::from_millis(SERVER_CONNECTION_IDLE_TIMEOUT_MS)).await;
+                let stats = server_stats(&server);
+                assert_eq!(stats.connections_closed_idle, 1, "the framer: {stats:?}");
+                assert_eq!((stats.connections_open, stats.bytes_in_flight), (0, 0), "{stats:?}");
             })
             .await
             .unwrap();

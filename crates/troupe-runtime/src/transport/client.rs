@@ -2,19 +2,24 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
-use troupe_core::{ActorId, CallContext, InvokeError};
+use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
+use super::budget::{BudgetedFrame, ByteBudget};
 use super::clock_sync::ClockSync;
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
 use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
-use super::{CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, WRITE_QUEUE_CAPACITY};
+use super::{
+    CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, CONNECT_TIMEOUT_MS,
+    FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, WRITE_QUEUE_CAPACITY,
+};
 use crate::Clock;
 
 /// Invokes actors hosted by the runtime behind one [`TransportServer`](super::TransportServer).
@@ -22,33 +27,42 @@ use crate::Clock;
 /// Connects lazily on the first call and multiplexes every concurrent call over that one
 /// connection, matching replies to calls by request id. Each new connection starts with
 /// a clock handshake, so deadlines cross it as absolute instants on the server's clock
-/// (see the transport module's documentation in the source). When the connection breaks, every call
-/// pending on it fails at once with [`InvokeError::Unreachable`] and the next call
-/// connects (and handshakes) again. Never retries a request.
+/// (see the transport module's documentation in the source). When the connection breaks,
+/// every call pending on it fails at once with [`InvokeError::Unreachable`] and the next
+/// call connects (and handshakes) again. Never retries a request.
+///
+/// A connection is opened by a task of its own, bounded by
+/// [`CONNECT_TIMEOUT_MS`] and not by any caller's deadline:
+/// every caller that needs it waits for that one attempt until its own deadline, and a
+/// caller that gives up early does not cancel it for the others. A connection with no
+/// call pending for [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`]
+/// is closed; the next call opens a new one (nothing had been sent on the old one, so
+/// nothing fails).
 ///
 /// Share it (`Arc<TransportClient>`); every method takes `&self`.
 #[derive(Debug)]
 pub struct TransportClient {
-    address: SocketAddr,
-    clock: Clock,
+    shared: Arc<ClientShared>,
     next_request_id: AtomicU64,
     /// One permit per request in flight; a permit lives as long as its pending entry.
     slots: Arc<Semaphore>,
-    connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
-    counters: Arc<Counters>,
 }
 
 /// What a [`TransportClient`] did, for tests, the simulator and metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TransportClientStats {
     /// Calls now holding an in-flight slot: connecting, or sent and waiting for a reply (at most
-    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`](super::CLIENT_REQUESTS_IN_FLIGHT_MAX)).
+    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`]).
     pub requests_in_flight: usize,
-    /// Connections opened since the client was created.
+    /// Connections opened (TCP connected) since the client was created.
     pub connections_opened: u64,
     /// Connections that broke (reset, end of stream, bad frame) while in use, or failed
-    /// their clock handshake.
+    /// or timed out in their clock handshake.
     pub connections_broken: u64,
+    /// Connections this client closed after
+    /// [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`]
+    /// without a call.
+    pub connections_closed_idle: u64,
     /// Replies that arrived after their caller stopped waiting, and were dropped.
     pub late_replies_discarded: u64,
     /// Clock handshakes completed: one per connection opened, plus refreshes.
@@ -60,14 +74,44 @@ pub struct TransportClientStats {
     /// microseconds; deadlines are sent this much (plus rounding and drift allowance)
     /// earlier than the estimate says.
     pub clock_offset_error_us: Option<u64>,
+    /// Bytes of request frames queued and not yet written (at most
+    /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)).
+    pub bytes_in_flight: usize,
 }
 
 #[derive(Debug, Default)]
 struct Counters {
     connections_opened: AtomicU64,
     connections_broken: AtomicU64,
+    connections_closed_idle: AtomicU64,
     late_replies_discarded: AtomicU64,
     clock_syncs: AtomicU64,
+    bytes_in_flight: Arc<AtomicUsize>,
+}
+
+/// What the client shares with its connect and connection tasks.
+#[derive(Debug)]
+struct ClientShared {
+    address: SocketAddr,
+    clock: Clock,
+    counters: Arc<Counters>,
+    connection: Mutex<ConnectionSlot>,
+}
+
+/// How a connection attempt ended, as its waiting callers see it.
+type ConnectOutcome = Result<Arc<Connection>, String>;
+
+/// The client's connection, or the attempt to open one.
+#[derive(Debug)]
+enum ConnectionSlot {
+    /// No connection, and none being opened.
+    Empty,
+    /// A connect task is opening one; it reports to each of these callers (one
+    /// oneshot each rather than a `watch`: tokio's `watch` wakes its waiters in an order
+    /// drawn from an unseeded random generator, which breaks seed replay under madsim).
+    Connecting(Vec<oneshot::Sender<ConnectOutcome>>),
+    /// The connection of the last successful attempt (possibly closed since).
+    Open(Arc<Connection>),
 }
 
 /// How a pending call ended on the connection's side.
@@ -82,7 +126,8 @@ enum Outcome {
 /// closes the socket.
 #[derive(Debug)]
 struct Connection {
-    frames: mpsc::Sender<Bytes>,
+    frames: mpsc::Sender<BudgetedFrame>,
+    budget: ByteBudget,
     pending: Arc<Pending>,
     sync: Arc<SyncState>,
 }
@@ -102,7 +147,7 @@ impl SyncState {
 
     /// Keeps whichever of the current and `fresh` bounds gives more time at `now`
     /// (both are valid lower bounds).
-    fn offer(&self, fresh: ClockSync, now: troupe_core::Deadline) {
+    fn offer(&self, fresh: ClockSync, now: Deadline) {
         let mut current = self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         *current = current.tighter(fresh, now);
         self.refreshing.store(false, Ordering::Relaxed);
@@ -110,42 +155,80 @@ impl SyncState {
 }
 
 /// The calls waiting on one connection, by request id.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Pending {
+    clock: Clock,
     state: Mutex<PendingState>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct PendingState {
     waiting: BTreeMap<u64, oneshot::Sender<Outcome>>,
-    /// Set once, when the connection breaks; nothing registers after that.
-    broken: Option<String>,
+    /// Set once, when the connection closes; nothing registers after that.
+    closed: Option<Closure>,
+    /// When a call last registered or ended on this connection.
+    last_active: Deadline,
+}
+
+/// Why a connection takes no more calls.
+#[derive(Debug, Clone)]
+enum Closure {
+    /// Closed by this client after being idle: nothing was lost, use a new one.
+    Retired,
+    /// Broke, with this cause.
+    Broken(String),
 }
 
 impl Pending {
+    fn new(clock: Clock) -> Self {
+        Self {
+            clock,
+            state: Mutex::new(PendingState {
+                waiting: BTreeMap::new(),
+                closed: None,
+                last_active: clock.now(),
+            }),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, PendingState> {
         // Nothing panics while holding the lock; recover the data if something did.
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn is_broken(&self) -> bool {
-        self.lock().broken.is_some()
+    fn is_closed(&self) -> bool {
+        self.lock().closed.is_some()
     }
 
-    /// Registers a call, unless the connection is already broken.
-    fn register(&self, request_id: u64, waiter: oneshot::Sender<Outcome>) -> Result<(), String> {
+    /// Registers a call, unless the connection is already closed.
+    fn register(&self, request_id: u64, waiter: oneshot::Sender<Outcome>) -> Result<(), Closure> {
+        let now = self.clock.now();
         let mut state = self.lock();
-        if let Some(cause) = &state.broken {
-            return Err(cause.clone());
+        if let Some(closure) = &state.closed {
+            return Err(closure.clone());
         }
         let previous = state.waiting.insert(request_id, waiter);
         assert!(previous.is_none(), "request id {request_id} registered twice");
+        state.last_active = state.last_active.max(now);
         Ok(())
+    }
+
+    /// Removes a call that stopped waiting.
+    fn remove(&self, request_id: u64) {
+        let now = self.clock.now();
+        let mut state = self.lock();
+        state.waiting.remove(&request_id);
+        state.last_active = state.last_active.max(now);
     }
 
     /// Hands a reply to its caller; `false` if nobody waits for it any more.
     fn complete(&self, response: WireResponse) -> bool {
-        let waiter = self.lock().waiting.remove(&response.request_id);
+        let now = self.clock.now();
+        let waiter = {
+            let mut state = self.lock();
+            state.last_active = state.last_active.max(now);
+            state.waiting.remove(&response.request_id)
+        };
         match waiter {
             Some(waiter) => waiter.send(Outcome::Reply(response.result)).is_ok(),
             None => false,
@@ -156,12 +239,40 @@ impl Pending {
     fn break_all(&self, cause: &str) {
         let waiting = {
             let mut state = self.lock();
-            state.broken.get_or_insert_with(|| cause.to_string());
+            state.closed.get_or_insert_with(|| Closure::Broken(cause.to_string()));
             std::mem::take(&mut state.waiting)
         };
         for waiter in waiting.into_values() {
             // The caller may have stopped waiting already.
             let _ = waiter.send(Outcome::Broken(cause.to_string()));
+        }
+    }
+
+    /// Returns once no call has been pending for [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`],
+    /// having marked the connection retired (atomically with that check, so no call
+    /// registers on a connection being closed).
+    async fn until_retired(&self) {
+        let idle_timeout = Duration::from_millis(CLIENT_CONNECTION_IDLE_TIMEOUT_MS);
+        loop {
+            let now = self.clock.now();
+            let wait = {
+                let mut state = self.lock();
+                if state.closed.is_some() {
+                    // Broken meanwhile: the connection task ends on its own.
+                    idle_timeout
+                } else if !state.waiting.is_empty() {
+                    // Every call that ends touches `last_active`; look again within one timeout.
+                    idle_timeout
+                } else {
+                    let idle_until = Deadline::after(state.last_active, idle_timeout);
+                    if idle_until.has_passed(now) {
+                        state.closed = Some(Closure::Retired);
+                        return;
+                    }
+                    idle_until.remaining(now)
+                }
+            };
+            tokio::time::sleep(wait).await;
         }
     }
 }
@@ -176,7 +287,80 @@ struct PendingEntry {
 
 impl Drop for PendingEntry {
     fn drop(&mut self) {
-        self.pending.lock().waiting.remove(&self.request_id);
+        self.pending.remove(self.request_id);
+    }
+}
+
+impl ClientShared {
+    fn lock_connection(&self) -> std::sync::MutexGuard<'_, ConnectionSlot> {
+        // Nothing panics while holding the lock; recover the data if something did.
+        self.connection
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Opens a connection and does its clock handshake, within [`CONNECT_TIMEOUT_MS`].
+    ///
+    /// # Errors
+    /// Why no connection could be opened: refused, timed out, or the handshake failed.
+    async fn connect(&self) -> Result<Arc<Connection>, String> {
+        let deadline = self.clock.deadline_in(Duration::from_millis(CONNECT_TIMEOUT_MS));
+        let address = self.address;
+        let mut stream = match self.clock.run_until(deadline, TcpStream::connect(address)).await {
+            Err(_elapsed) => {
+                return Err(format!(
+                    "connecting to {address} timed out after {CONNECT_TIMEOUT_MS} ms"
+                ))
+            }
+            Ok(connected) => connected.map_err(|error| format!("connecting to {address} failed: {error}"))?,
+        };
+        // Nagle would hold small requests back; failing to disable it only costs latency.
+        let _ = stream.set_nodelay(true);
+        self.counters.connections_opened.fetch_add(1, Ordering::Relaxed);
+        let handshake = match self
+            .clock
+            .run_until(deadline, handshake(&mut stream, &self.clock))
+            .await
+        {
+            Err(_elapsed) => Err(format!(
+                "the clock handshake with {address} timed out (connecting has {CONNECT_TIMEOUT_MS} ms in all)"
+            )),
+            Ok(handshake) => handshake.map_err(|error| format!("the clock handshake with {address} failed: {error}")),
+        };
+        let sync = handshake.inspect_err(|_| {
+            self.counters.connections_broken.fetch_add(1, Ordering::Relaxed);
+        })?;
+        self.counters.clock_syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(Connection::open(
+            stream,
+            address,
+            Arc::clone(&self.counters),
+            self.clock,
+            sync,
+        ))
+    }
+}
+
+/// The connect task: opens a connection, stores it in the client's slot (or empties the
+/// slot on failure) and reports the outcome to every caller waiting for it, in the
+/// order they came. Runs to its end whatever happens to the callers: bounded by
+/// [`CONNECT_TIMEOUT_MS`], not by them.
+async fn connect_task(shared: Arc<ClientShared>) {
+    let outcome = shared.connect().await;
+    let next = match &outcome {
+        Ok(connection) => ConnectionSlot::Open(Arc::clone(connection)),
+        Err(cause) => {
+            tracing::debug!(address = %shared.address, %cause, "transport connect failed");
+            ConnectionSlot::Empty
+        }
+    };
+    let previous = std::mem::replace(&mut *shared.lock_connection(), next);
+    let ConnectionSlot::Connecting(waiters) = previous else {
+        unreachable!("only the connect task ends an attempt, found {previous:?}");
+    };
+    for waiter in waiters {
+        // A caller past its deadline has stopped waiting.
+        let _ = waiter.send(outcome.clone());
     }
 }
 
@@ -188,35 +372,37 @@ impl TransportClient {
     /// absolute on it.
     pub fn new(address: SocketAddr, clock: Clock) -> Self {
         Self {
-            address,
-            clock,
+            shared: Arc::new(ClientShared {
+                address,
+                clock,
+                counters: Arc::new(Counters::default()),
+                connection: Mutex::new(ConnectionSlot::Empty),
+            }),
             next_request_id: AtomicU64::new(1),
             slots: Arc::new(Semaphore::new(CLIENT_REQUESTS_IN_FLIGHT_MAX)),
-            connection: tokio::sync::Mutex::new(None),
-            counters: Arc::new(Counters::default()),
         }
     }
 
     /// The server's address.
     pub fn address(&self) -> SocketAddr {
-        self.address
+        self.shared.address
     }
 
     /// What this client did so far.
     pub fn stats(&self) -> TransportClientStats {
+        let counters = &self.shared.counters;
         let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        // Not waiting for a connection being opened: stats never block.
-        let sync = self
-            .connection
-            .try_lock()
-            .ok()
-            .and_then(|slot| slot.as_ref().filter(|c| !c.pending.is_broken()).map(|c| c.sync.get()));
+        let sync = match &*self.shared.lock_connection() {
+            ConnectionSlot::Open(connection) if !connection.pending.is_closed() => Some(connection.sync.get()),
+            ConnectionSlot::Open(_) | ConnectionSlot::Connecting(_) | ConnectionSlot::Empty => None,
+        };
         TransportClientStats {
             requests_in_flight: CLIENT_REQUESTS_IN_FLIGHT_MAX - self.slots.available_permits(),
-            connections_opened: load(&self.counters.connections_opened),
-            connections_broken: load(&self.counters.connections_broken),
-            late_replies_discarded: load(&self.counters.late_replies_discarded),
-            clock_syncs: load(&self.counters.clock_syncs),
+            connections_opened: load(&counters.connections_opened),
+            connections_broken: load(&counters.connections_broken),
+            connections_closed_idle: load(&counters.connections_closed_idle),
+            late_replies_discarded: load(&counters.late_replies_discarded),
+            clock_syncs: load(&counters.clock_syncs),
             clock_offset_estimate_us: sync.map(|sync| {
                 i64::try_from(sync.offset_estimate_us()).unwrap_or(if sync.offset_estimate_us() < 0 {
                     i64::MIN
@@ -225,6 +411,7 @@ impl TransportClient {
                 })
             }),
             clock_offset_error_us: sync.map(|sync| sync.error_bound_us()),
+            bytes_in_flight: counters.bytes_in_flight.load(Ordering::Relaxed),
         }
     }
 
@@ -239,9 +426,12 @@ impl TransportClient {
     /// more time than this caller, and a request that arrives after its deadline is
     /// answered [`InvokeError::Timeout`] without running.
     ///
-    /// Connects first if there is no open connection. Waits for an in-flight slot if
-    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`](super::CLIENT_REQUESTS_IN_FLIGHT_MAX) calls are
-    /// already waiting. All of this counts against the deadline.
+    /// Waits for an open connection if there is none (joining the attempt under way, or
+    /// starting one that runs on its own for up to
+    /// [`CONNECT_TIMEOUT_MS`]). Waits for an in-flight slot if
+    /// [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] calls are
+    /// already waiting, and for room in the connection's byte budget. All of this counts
+    /// against the deadline.
     ///
     /// # Errors
     /// - [`InvokeError::Timeout`] when the deadline passes first (at once if it already
@@ -254,7 +444,8 @@ impl TransportClient {
     ///
     /// # Cancel safety
     /// Dropping the future frees the call's slot and pending entry; a reply arriving
-    /// later is dropped. The request may still run remotely.
+    /// later is dropped. The request may still run remotely. A connection attempt it
+    /// started goes on for other callers.
     pub async fn invoke(
         &self,
         target: &ActorId,
@@ -263,7 +454,8 @@ impl TransportClient {
         caller: Option<&ActorId>,
     ) -> Result<Bytes, InvokeError> {
         let deadline = context.deadline();
-        let now = self.clock.now();
+        let clock = self.shared.clock;
+        let now = clock.now();
         if deadline.has_passed(now) {
             return Err(InvokeError::Timeout {
                 target: target.clone(),
@@ -271,9 +463,11 @@ impl TransportClient {
             });
         }
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
-        let waited = self
-            .clock
-            .run_until(deadline, self.invoke_until_reply(target, payload, &context, caller));
+        let waited = clock.run_until_from(
+            now,
+            deadline,
+            self.invoke_until_reply(target, payload, &context, caller),
+        );
         match waited.await {
             Ok(result) => result,
             Err(_elapsed) => Err(InvokeError::Timeout {
@@ -298,9 +492,23 @@ impl TransportClient {
             .acquire_owned()
             .await
             .expect("the client's in-flight semaphore is never closed");
-        let connection = self.invoke_connection().await.map_err(unreachable)?;
-        let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
-        let now = self.clock.now();
+        let (connection, request_id, reply) = loop {
+            let connection = self.invoke_connection().await.map_err(unreachable)?;
+            let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+            let (waiter, reply) = oneshot::channel();
+            match connection.pending.register(request_id, waiter) {
+                Ok(()) => break (connection, request_id, reply),
+                // Closed for idleness before anything was sent on it: take a new one.
+                Err(Closure::Retired) => {}
+                Err(Closure::Broken(cause)) => return Err(unreachable(cause)),
+            }
+        };
+        let _entry = PendingEntry {
+            pending: Arc::clone(&connection.pending),
+            request_id,
+            _slot: slot,
+        };
+        let now = self.shared.clock.now();
         let sync = connection.clock_sync(now);
         let request = WireRequest::new(
             request_id,
@@ -315,14 +523,9 @@ impl TransportClient {
             target: target.clone(),
             reason: format!("the request cannot be sent: {error}"),
         })?;
-        let (waiter, reply) = oneshot::channel();
-        connection.pending.register(request_id, waiter).map_err(unreachable)?;
-        let _entry = PendingEntry {
-            pending: Arc::clone(&connection.pending),
-            request_id,
-            _slot: slot,
-        };
-        if connection.frames.send(frame).await.is_err() {
+        let permit = connection.budget.acquire(frame.len()).await;
+        let queued = BudgetedFrame { frame, _permit: permit };
+        if connection.frames.send(queued).await.is_err() {
             return Err(unreachable("the connection closed".to_string()));
         }
         match reply.await {
@@ -332,33 +535,40 @@ impl TransportClient {
         }
     }
 
-    /// The open connection, or a new one if there is none or it broke. A new connection
-    /// is usable only once its clock handshake is done.
+    /// The open connection; or the outcome of the attempt to open one that is under way,
+    /// or of one started now if there is none. A new connection is usable only once its
+    /// clock handshake is done.
     ///
     /// # Cancel safety
-    /// Cancel safe: a connection is stored only once it is open and synced.
+    /// Cancel safe: the attempt runs in its own task and stores its connection itself.
     async fn invoke_connection(&self) -> Result<Arc<Connection>, String> {
-        let mut slot = self.connection.lock().await;
-        if let Some(connection) = slot.as_ref() {
-            if !connection.pending.is_broken() {
-                return Ok(Arc::clone(connection));
+        let (waiter, outcome) = oneshot::channel();
+        {
+            let mut slot = self.shared.lock_connection();
+            match &mut *slot {
+                ConnectionSlot::Open(connection) if !connection.pending.is_closed() => {
+                    return Ok(Arc::clone(connection));
+                }
+                ConnectionSlot::Connecting(waiters) => {
+                    // Forget callers that stopped waiting, so the list stays within the
+                    // callers holding an in-flight slot.
+                    if waiters.len() >= CLIENT_REQUESTS_IN_FLIGHT_MAX {
+                        waiters.retain(|waiter| !waiter.is_closed());
+                    }
+                    waiters.push(waiter);
+                }
+                ConnectionSlot::Open(_) | ConnectionSlot::Empty => {
+                    *slot = ConnectionSlot::Connecting(vec![waiter]);
+                    tokio::spawn(connect_task(Arc::clone(&self.shared)));
+                }
             }
         }
-        *slot = None;
-        let mut stream = TcpStream::connect(self.address)
-            .await
-            .map_err(|error| format!("connecting to {} failed: {error}", self.address))?;
-        // Nagle would hold small requests back; failing to disable it only costs latency.
-        let _ = stream.set_nodelay(true);
-        self.counters.connections_opened.fetch_add(1, Ordering::Relaxed);
-        let sync = handshake(&mut stream, &self.clock).await.map_err(|error| {
-            self.counters.connections_broken.fetch_add(1, Ordering::Relaxed);
-            format!("the clock handshake with {} failed: {error}", self.address)
-        })?;
-        self.counters.clock_syncs.fetch_add(1, Ordering::Relaxed);
-        let connection = Connection::open(stream, self.address, Arc::clone(&self.counters), self.clock, sync);
-        *slot = Some(Arc::clone(&connection));
-        Ok(connection)
+        outcome.await.unwrap_or_else(|_| {
+            Err(format!(
+                "the attempt to connect to {} ended without an outcome (runtime shutting down?)",
+                self.shared.address
+            ))
+        })
     }
 }
 
@@ -375,7 +585,7 @@ async fn handshake(stream: &mut TcpStream, clock: &Clock) -> Result<ClockSync, F
     let hello = encode_frame(&ClientMessage::Hello(Hello::new(clock.now())))?;
     stream.write_all(&hello).await?;
     stream.flush().await?;
-    match read_frame::<ServerMessage, _>(stream).await? {
+    match read_frame::<ServerMessage, _>(stream, HANDSHAKE_FRAME_SIZE_MAX_BYTES).await? {
         ServerMessage::HelloAck(ack) => ack
             .clock_sync(clock.now())
             .map_err(|cause| FrameError::Handshake { cause }),
@@ -388,13 +598,16 @@ async fn handshake(stream: &mut TcpStream, clock: &Clock) -> Result<ClockSync, F
 impl Connection {
     /// The clock bound for a request sent at `now`. When the bound is older than
     /// [`CLOCK_RESYNC_INTERVAL_MS`], also queues a refresh hello (at most one at a
-    /// time, never waiting: if the write queue is full the next call tries again);
-    /// meanwhile the old bound stays valid, with a growing drift allowance.
-    fn clock_sync(&self, now: troupe_core::Deadline) -> ClockSync {
+    /// time, never waiting: if the write queue or the byte budget is full the next call
+    /// tries again); meanwhile the old bound stays valid, with a growing drift allowance.
+    fn clock_sync(&self, now: Deadline) -> ClockSync {
         let sync = self.sync.get();
         if sync.age_us(now) >= CLOCK_RESYNC_INTERVAL_MS * 1_000 && !self.sync.refreshing.swap(true, Ordering::Relaxed) {
-            let queued = encode_frame(&ClientMessage::Hello(Hello::new(now)))
-                .is_ok_and(|frame| self.frames.try_send(frame).is_ok());
+            let queued = encode_frame(&ClientMessage::Hello(Hello::new(now))).is_ok_and(|frame| {
+                self.budget
+                    .try_acquire(frame.len())
+                    .is_some_and(|permit| self.frames.try_send(BudgetedFrame { frame, _permit: permit }).is_ok())
+            });
             if !queued {
                 self.sync.refreshing.store(false, Ordering::Relaxed);
             }
@@ -403,8 +616,8 @@ impl Connection {
     }
 
     /// Starts the connection's task: it writes queued frames, reads replies and hands
-    /// each to its caller (and refreshed clock bounds to the connection), and on any
-    /// failure fails every pending call at once.
+    /// each to its caller (and refreshed clock bounds to the connection), closes the
+    /// connection once idle, and on any failure fails every pending call at once.
     fn open(
         stream: TcpStream,
         address: SocketAddr,
@@ -412,14 +625,15 @@ impl Connection {
         clock: Clock,
         sync: ClockSync,
     ) -> Arc<Self> {
-        let (frames, mut frame_queue) = mpsc::channel::<Bytes>(WRITE_QUEUE_CAPACITY);
-        let pending = Arc::new(Pending::default());
+        let (frames, mut frame_queue) = mpsc::channel::<BudgetedFrame>(WRITE_QUEUE_CAPACITY);
+        let pending = Arc::new(Pending::new(clock));
         let sync = Arc::new(SyncState {
             current: Mutex::new(sync),
             refreshing: AtomicBool::new(false),
         });
         let connection = Arc::new(Self {
             frames,
+            budget: ByteBudget::for_connection(Arc::clone(&counters.bytes_in_flight)),
             pending: Arc::clone(&pending),
             sync: Arc::clone(&sync),
         });
@@ -427,7 +641,7 @@ impl Connection {
             let (mut reader, mut writer) = tokio::io::split(stream);
             let read_replies = async {
                 loop {
-                    match read_frame::<ServerMessage, _>(&mut reader).await? {
+                    match read_frame::<ServerMessage, _>(&mut reader, FRAME_SIZE_MAX_BYTES).await? {
                         ServerMessage::Response(response) => {
                             if !pending.complete(response) {
                                 counters.late_replies_discarded.fetch_add(1, Ordering::Relaxed);
@@ -442,12 +656,20 @@ impl Connection {
                     }
                 }
             };
+            // No write stall timeout here: a server stops reading on purpose when its
+            // limits are reached, and every caller waiting behind it has a deadline.
+            let write_requests = write_frames(&mut writer, &mut frame_queue, None, || {});
             let ended: Result<(), FrameError> = tokio::select! {
                 biased;
                 read = read_replies => read,
                 // Ends with `Ok` when the last `Arc<Connection>` is dropped: nobody can
                 // send on this connection any more.
-                written = write_frames(&mut writer, &mut frame_queue) => written,
+                written = write_requests => written,
+                () = pending.until_retired() => {
+                    counters.connections_closed_idle.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%address, "transport connection closed: idle for {CLIENT_CONNECTION_IDLE_TIMEOUT_MS} ms");
+                    return;
+                }
             };
             let cause = match ended {
                 Ok(()) => "the connection was closed by its client".to_string(),

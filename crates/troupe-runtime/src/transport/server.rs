@@ -1,20 +1,27 @@
 //! [`TransportServer`]: accepts connections and runs their requests on a runtime.
 
+use std::collections::BTreeMap;
 use std::io;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch, Semaphore};
-use troupe_core::InvokeError;
+use tokio::sync::{mpsc, Semaphore};
+use troupe_core::{Deadline, InvokeError};
 
-use super::frame::{encode_frame, read_frame, write_frames, FrameError};
+use super::budget::{BudgetedFrame, ByteBudget};
+use super::frame::{encode_frame, read_frame, read_frame_body, read_frame_length, write_frames, FrameError};
 use super::wire::WIRE_MAGIC;
 use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
-use super::{ACCEPT_RETRY_DELAY_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY};
-use crate::RuntimeHandle;
+use super::{
+    ACCEPT_RETRY_DELAY_MS, CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX, FRAME_HEADER_SIZE_BYTES,
+    FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
+    SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
+};
+use crate::{Clock, RuntimeHandle};
 
 /// How long a server waits for its answer to a refused hello (another protocol version)
 /// to be written before it closes the connection, in milliseconds.
@@ -24,11 +31,24 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 ///
 /// One task accepts connections; one task per connection answers the client's clock
 /// handshake, then reads request frames and writes response frames; one task per request
-/// invokes the actor, so a slow actor never blocks the other requests of its connection. Responses go to the connection's writer
-/// through a bounded queue of [`WRITE_QUEUE_CAPACITY`] frames.
+/// invokes the actor, so a slow actor never blocks the other requests of its connection.
+/// Responses go to the connection's writer through a bounded queue of
+/// [`WRITE_QUEUE_CAPACITY`] frames.
 ///
 /// A request whose deadline (sent on this runtime's clock) has passed when it is read is
 /// answered [`InvokeError::Timeout`] and never runs.
+///
+/// Defends itself against slow and hostile peers (see the transport module's
+/// documentation in the source): at most
+/// [`CONNECTIONS_PER_NODE_MAX`] connections, at most
+/// [`CONNECTIONS_PER_PEER_MAX`] from one IP address
+/// (one over either is closed at once); a hello within
+/// [`HANDSHAKE_TIMEOUT_MS`]; idle connections closed after
+/// [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`]; a
+/// peer that reads nothing for [`WRITE_STALL_TIMEOUT_MS`]
+/// closed; at most
+/// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)
+/// buffered per connection. [`TransportServer::stats`] counts each of these.
 ///
 /// When a connection closes, the calls it carried are abandoned on the runtime: a
 /// request that has not started never runs, a running turn finishes (within its
@@ -39,8 +59,133 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 #[derive(Debug)]
 pub struct TransportServer {
     local_address: SocketAddr,
-    /// Dropped with the server; every task of the server watches it.
-    _stop: watch::Sender<()>,
+    shared: Arc<ServerShared>,
+    stop: StopSignal,
+}
+
+/// Closed when the server is dropped; every task of the server waits on it. A closed
+/// semaphore wakes its waiters in the order they came (tokio's `watch` would wake them
+/// in an order drawn from an unseeded random generator, breaking seed replay).
+#[derive(Debug, Clone)]
+struct StopSignal(Arc<Semaphore>);
+
+impl StopSignal {
+    fn new() -> Self {
+        Self(Arc::new(Semaphore::new(0)))
+    }
+
+    /// Returns once the server is dropped.
+    async fn stopped(&self) {
+        // No permit is ever added: the only way out is the close.
+        let _closed = self.0.acquire().await;
+    }
+}
+
+impl Drop for TransportServer {
+    fn drop(&mut self) {
+        self.stop.0.close();
+    }
+}
+
+/// What a [`TransportServer`] did, for tests, the simulator and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransportServerStats {
+    /// Connections open now (at most
+    /// [`CONNECTIONS_PER_NODE_MAX`]).
+    pub connections_open: usize,
+    /// Connections accepted and served since the server started.
+    pub connections_accepted: u64,
+    /// Connections closed at once on arrival because the server, or their peer's
+    /// address, had its most connections open.
+    pub connections_refused: u64,
+    /// Connections closed because no valid hello arrived within
+    /// [`HANDSHAKE_TIMEOUT_MS`].
+    pub connections_closed_handshake_timeout: u64,
+    /// Connections closed after
+    /// [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`]
+    /// with no request running and no frame read or written.
+    pub connections_closed_idle: u64,
+    /// Connections closed because the peer accepted no reply bytes for
+    /// [`WRITE_STALL_TIMEOUT_MS`].
+    pub connections_closed_write_stalled: u64,
+    /// Requests read and not yet answered (their turn running, or their reply waiting
+    /// for room in the write queue), over all connections.
+    pub requests_running: usize,
+    /// Bytes of frames the server holds buffered now, over all connections: requests
+    /// not yet answered and replies not yet written (at most
+    /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)
+    /// per connection).
+    pub bytes_in_flight: usize,
+}
+
+/// State shared by the server's tasks.
+#[derive(Debug, Default)]
+struct ServerShared {
+    open: Mutex<OpenConnections>,
+    connections_accepted: AtomicU64,
+    connections_refused: AtomicU64,
+    connections_closed_handshake_timeout: AtomicU64,
+    connections_closed_idle: AtomicU64,
+    connections_closed_write_stalled: AtomicU64,
+    requests_running: AtomicUsize,
+    bytes_in_flight: Arc<AtomicUsize>,
+}
+
+/// The connections open now, in all and by peer address.
+#[derive(Debug, Default)]
+struct OpenConnections {
+    total: usize,
+    by_peer: BTreeMap<IpAddr, usize>,
+}
+
+/// A connection's place under the connection caps; frees it when dropped.
+#[derive(Debug)]
+struct ConnectionTicket {
+    shared: Arc<ServerShared>,
+    peer: IpAddr,
+}
+
+impl ServerShared {
+    fn lock_open(&self) -> std::sync::MutexGuard<'_, OpenConnections> {
+        // Nothing panics while holding the lock; recover the data if something did.
+        self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A place for a new connection from `peer`, unless the server or that peer has its
+    /// most connections open.
+    fn admit(self: &Arc<Self>, peer: IpAddr) -> Option<ConnectionTicket> {
+        let mut open = self.lock_open();
+        let from_peer = open.by_peer.get(&peer).copied().unwrap_or(0);
+        if open.total >= CONNECTIONS_PER_NODE_MAX || from_peer >= CONNECTIONS_PER_PEER_MAX {
+            return None;
+        }
+        open.total += 1;
+        open.by_peer.insert(peer, from_peer + 1);
+        assert!(
+            open.total <= CONNECTIONS_PER_NODE_MAX,
+            "open connections {} over the cap",
+            open.total
+        );
+        Some(ConnectionTicket {
+            shared: Arc::clone(self),
+            peer,
+        })
+    }
+}
+
+impl Drop for ConnectionTicket {
+    fn drop(&mut self) {
+        let mut open = self.shared.lock_open();
+        open.total = open
+            .total
+            .checked_sub(1)
+            .expect("a ticket's connection was counted open");
+        let from_peer = open.by_peer.get_mut(&self.peer).expect("a ticket's peer was counted");
+        *from_peer -= 1;
+        if *from_peer == 0 {
+            open.by_peer.remove(&self.peer);
+        }
+    }
 }
 
 impl TransportServer {
@@ -62,11 +207,13 @@ impl TransportServer {
     /// Outside a tokio (or madsim) runtime.
     pub fn serve(listener: TcpListener, handle: RuntimeHandle) -> io::Result<Self> {
         let local_address = listener.local_addr()?;
-        let (stop, stopped) = watch::channel(());
-        tokio::spawn(accept_connections(listener, handle, stopped));
+        let stop = StopSignal::new();
+        let shared = Arc::new(ServerShared::default());
+        tokio::spawn(accept_connections(listener, handle, Arc::clone(&shared), stop.clone()));
         Ok(Self {
             local_address,
-            _stop: stop,
+            shared,
+            stop,
         })
     }
 
@@ -74,26 +221,51 @@ impl TransportServer {
     pub fn local_address(&self) -> SocketAddr {
         self.local_address
     }
+
+    /// What this server did so far.
+    pub fn stats(&self) -> TransportServerStats {
+        let shared = &self.shared;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        TransportServerStats {
+            connections_open: shared.lock_open().total,
+            connections_accepted: load(&shared.connections_accepted),
+            connections_refused: load(&shared.connections_refused),
+            connections_closed_handshake_timeout: load(&shared.connections_closed_handshake_timeout),
+            connections_closed_idle: load(&shared.connections_closed_idle),
+            connections_closed_write_stalled: load(&shared.connections_closed_write_stalled),
+            requests_running: shared.requests_running.load(Ordering::Relaxed),
+            bytes_in_flight: shared.bytes_in_flight.load(Ordering::Relaxed),
+        }
+    }
 }
 
-async fn accept_connections(listener: TcpListener, handle: RuntimeHandle, mut stopped: watch::Receiver<()>) {
+async fn accept_connections(listener: TcpListener, handle: RuntimeHandle, shared: Arc<ServerShared>, stop: StopSignal) {
     loop {
         let accepted = tokio::select! {
             biased;
-            _ = stopped.changed() => return,
+            () = stop.stopped() => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((stream, peer)) => {
-                tracing::debug!(%peer, "transport connection accepted");
-                tokio::spawn(serve_connection(stream, peer, handle.clone(), stopped.clone()));
-            }
+            Ok((stream, peer)) => match shared.admit(peer.ip()) {
+                Some(ticket) => {
+                    shared.connections_accepted.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, "transport connection accepted");
+                    tokio::spawn(serve_connection(stream, peer, handle.clone(), ticket, stop.clone()));
+                }
+                None => {
+                    // Dropping the stream closes it before anything is read.
+                    shared.connections_refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, "transport connection refused: too many connections open");
+                    drop(stream);
+                }
+            },
             Err(error) => {
                 // Usually out of file descriptors; pause rather than spin.
                 tracing::warn!(%error, "transport accept failed");
                 tokio::select! {
                     biased;
-                    _ = stopped.changed() => return,
+                    () = stop.stopped() => return,
                     () = tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_DELAY_MS)) => {}
                 }
             }
@@ -101,45 +273,169 @@ async fn accept_connections(listener: TcpListener, handle: RuntimeHandle, mut st
     }
 }
 
-/// Runs one connection until the peer closes it, a frame is bad, a write fails, or the
-/// server is dropped. Reading and writing run in this one task, so when either ends the
-/// socket is closed at once.
+/// Why a connection ended.
+#[derive(Debug)]
+enum ConnectionEnd {
+    /// The server was dropped.
+    Stopped,
+    /// No valid hello within [`HANDSHAKE_TIMEOUT_MS`].
+    HandshakeTimeout,
+    /// Nothing to do for [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`].
+    Idle,
+    /// The peer closed it, a frame was bad, or a write failed or stalled.
+    Frame(FrameError),
+}
+
+impl From<FrameError> for ConnectionEnd {
+    fn from(error: FrameError) -> Self {
+        Self::Frame(error)
+    }
+}
+
+/// When a connection last did something, and how many of its requests are running:
+/// the idle timer's input.
+#[derive(Debug)]
+struct Activity {
+    clock: Clock,
+    state: Mutex<ActivityState>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ActivityState {
+    last: Deadline,
+    requests_running: usize,
+}
+
+impl Activity {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ActivityState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn touch(&self) {
+        let now = self.clock.now();
+        let mut state = self.lock();
+        state.last = state.last.max(now);
+    }
+
+    fn request_started(&self) {
+        self.lock().requests_running += 1;
+    }
+
+    /// A request ended: the connection is active until now.
+    fn request_ended(&self) {
+        let now = self.clock.now();
+        let mut state = self.lock();
+        state.requests_running = state
+            .requests_running
+            .checked_sub(1)
+            .expect("a running request was counted");
+        state.last = state.last.max(now);
+    }
+
+    /// Returns once the connection has been idle (no request running, no frame read or
+    /// written) for [`SERVER_CONNECTION_IDLE_TIMEOUT_MS`].
+    async fn until_idle(&self) {
+        let idle_timeout = Duration::from_millis(SERVER_CONNECTION_IDLE_TIMEOUT_MS);
+        loop {
+            let now = self.clock.now();
+            let state = *self.lock();
+            let wait = if state.requests_running > 0 {
+                // Ending a request touches the connection; look again within one timeout.
+                idle_timeout
+            } else {
+                let idle_until = Deadline::after(state.last, idle_timeout);
+                if idle_until.has_passed(now) {
+                    return;
+                }
+                idle_until.remaining(now)
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// A request of a connection counted as running (in the server's stats and the
+/// connection's idle timer) until dropped.
+struct RunningRequest {
+    shared: Arc<ServerShared>,
+    activity: Arc<Activity>,
+}
+
+impl RunningRequest {
+    fn start(shared: &Arc<ServerShared>, activity: &Arc<Activity>) -> Self {
+        shared.requests_running.fetch_add(1, Ordering::Relaxed);
+        activity.request_started();
+        Self {
+            shared: Arc::clone(shared),
+            activity: Arc::clone(activity),
+        }
+    }
+}
+
+impl Drop for RunningRequest {
+    fn drop(&mut self) {
+        self.shared.requests_running.fetch_sub(1, Ordering::Relaxed);
+        self.activity.request_ended();
+    }
+}
+
+/// Runs one connection until the peer closes it, a frame is bad, a write fails or
+/// stalls, the handshake or the idle timer runs out, or the server is dropped. Reading,
+/// writing and the idle timer run in this one task, so when any ends the socket is
+/// closed at once.
 async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
     handle: RuntimeHandle,
-    mut stopped: watch::Receiver<()>,
+    ticket: ConnectionTicket,
+    stop: StopSignal,
 ) {
+    let shared = Arc::clone(&ticket.shared);
     // Nagle would hold small replies back; failing to disable it only costs latency.
     let _ = stream.set_nodelay(true);
     let (mut reader, mut writer) = tokio::io::split(stream);
-    let (responses, mut response_queue) = mpsc::channel::<Bytes>(WRITE_QUEUE_CAPACITY);
+    let (responses, mut response_queue) = mpsc::channel::<BudgetedFrame>(WRITE_QUEUE_CAPACITY);
     let slots = Arc::new(Semaphore::new(SERVER_REQUESTS_IN_FLIGHT_MAX));
+    let budget = ByteBudget::for_connection(Arc::clone(&shared.bytes_in_flight));
+    let activity = Arc::new(Activity {
+        clock: handle.clock(),
+        state: Mutex::new(ActivityState {
+            last: handle.now(),
+            requests_running: 0,
+        }),
+    });
     let read_requests = async {
         // The first frame must be a hello: no request is served before the client
         // knows this runtime's clock.
-        match read_frame::<ClientMessage, _>(&mut reader).await? {
-            ClientMessage::Hello(hello) => answer_hello(&hello, &handle, &responses).await?,
-            ClientMessage::Request(_) => {
-                return Err(FrameError::Handshake {
-                    cause: "the first frame was a request, not a hello (an older or foreign client?)".to_string(),
-                })
-            }
+        let handshake = serve_connection_handshake(&mut reader, &handle, &budget, &responses);
+        match tokio::time::timeout(Duration::from_millis(HANDSHAKE_TIMEOUT_MS), handshake).await {
+            Err(_elapsed) => return Err(ConnectionEnd::HandshakeTimeout),
+            Ok(handshake) => handshake?,
         }
+        activity.touch();
         loop {
             let slot = Arc::clone(&slots)
                 .acquire_owned()
                 .await
                 .expect("the connection's request semaphore is never closed");
-            let request = match read_frame::<ClientMessage, _>(&mut reader).await? {
+            // Bytes are budgeted before the body is read: past the budget, the server
+            // stops reading this connection until a request ends or a reply is written.
+            let size_bytes = read_frame_length(&mut reader, FRAME_SIZE_MAX_BYTES).await?;
+            let request_bytes = budget.acquire(FRAME_HEADER_SIZE_BYTES + size_bytes).await;
+            let message = read_frame_body::<ClientMessage, _>(&mut reader, size_bytes).await?;
+            activity.touch();
+            let request = match message {
                 ClientMessage::Request(request) => request,
                 ClientMessage::Hello(hello) => {
-                    answer_hello(&hello, &handle, &responses).await?;
+                    drop(request_bytes);
+                    answer_hello(&hello, &handle, &budget, &responses).await?;
                     continue;
                 }
             };
+            let running = RunningRequest::start(&shared, &activity);
             let handle = handle.clone();
             let responses = responses.clone();
+            let budget = budget.clone();
             tokio::spawn(async move {
                 let response = tokio::select! {
                     biased;
@@ -149,21 +445,87 @@ async fn serve_connection(
                     () = responses.closed() => return,
                     response = serve_connection_request(&handle, request) => response,
                 };
+                // The request is gone; its bytes now go to the reply.
+                drop(request_bytes);
+                let response_bytes = tokio::select! {
+                    biased;
+                    () = responses.closed() => return,
+                    permit = budget.acquire(response.len()) => permit,
+                };
                 // The connection may close meanwhile; the reply is then dropped.
-                let _ = responses.send(response).await;
+                let _ = responses
+                    .send(BudgetedFrame {
+                        frame: response,
+                        _permit: response_bytes,
+                    })
+                    .await;
+                drop(running);
                 drop(slot);
             });
         }
     };
-    let ended: Result<(), FrameError> = tokio::select! {
+    let write_replies = write_frames(
+        &mut writer,
+        &mut response_queue,
+        Some(Duration::from_millis(WRITE_STALL_TIMEOUT_MS)),
+        || activity.touch(),
+    );
+    let ended: ConnectionEnd = tokio::select! {
         biased;
-        _ = stopped.changed() => Ok(()),
-        read = read_requests => read,
-        written = write_frames(&mut writer, &mut response_queue) => written,
+        () = stop.stopped() => ConnectionEnd::Stopped,
+        read = read_requests => {
+            let read: Result<std::convert::Infallible, ConnectionEnd> = read;
+            match read {
+                Err(end) => end,
+            }
+        }
+        // The queue never closes while the reader holds a sender: `Ok` is unreachable.
+        written = write_replies => ConnectionEnd::Frame(written.err().unwrap_or(FrameError::Closed)),
+        () = activity.until_idle() => ConnectionEnd::Idle,
     };
-    match ended {
-        Ok(()) | Err(FrameError::Closed) => tracing::debug!(%peer, "transport connection closed"),
-        Err(error) => tracing::warn!(%peer, %error, "transport connection closed on error"),
+    match &ended {
+        ConnectionEnd::Stopped | ConnectionEnd::Frame(FrameError::Closed) => {
+            tracing::debug!(%peer, "transport connection closed");
+        }
+        ConnectionEnd::HandshakeTimeout => {
+            shared
+                .connections_closed_handshake_timeout
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%peer, "transport connection closed: no hello within {HANDSHAKE_TIMEOUT_MS} ms");
+        }
+        ConnectionEnd::Idle => {
+            shared.connections_closed_idle.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%peer, "transport connection closed: idle for {SERVER_CONNECTION_IDLE_TIMEOUT_MS} ms");
+        }
+        ConnectionEnd::Frame(error @ FrameError::WriteStalled { .. }) => {
+            shared.connections_closed_write_stalled.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, %error, "transport connection closed");
+        }
+        ConnectionEnd::Frame(error) => tracing::warn!(%peer, %error, "transport connection closed on error"),
+    }
+    drop(ticket);
+}
+
+/// Reads the connection's first frame, which must be a valid hello of at most
+/// [`HANDSHAKE_FRAME_SIZE_MAX_BYTES`], and answers it.
+///
+/// # Errors
+/// As [`read_frame`] and [`answer_hello`]; [`FrameError::Handshake`] if the first frame
+/// is a request.
+async fn serve_connection_handshake<R>(
+    reader: &mut R,
+    handle: &RuntimeHandle,
+    budget: &ByteBudget,
+    responses: &mpsc::Sender<BudgetedFrame>,
+) -> Result<(), FrameError>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    match read_frame::<ClientMessage, _>(reader, HANDSHAKE_FRAME_SIZE_MAX_BYTES).await? {
+        ClientMessage::Hello(hello) => answer_hello(&hello, handle, budget, responses).await,
+        ClientMessage::Request(_) => Err(FrameError::Handshake {
+            cause: "the first frame was a request, not a hello (an older or foreign client?)".to_string(),
+        }),
     }
 }
 
@@ -178,12 +540,17 @@ async fn serve_connection(
 async fn answer_hello(
     hello: &Hello,
     handle: &RuntimeHandle,
-    responses: &mpsc::Sender<Bytes>,
+    budget: &ByteBudget,
+    responses: &mpsc::Sender<BudgetedFrame>,
 ) -> Result<(), FrameError> {
     let refusal = hello.refusal();
     // A foreign peer gets no answer; a Troupe client of another version gets ours.
     if refusal.is_none() || hello.magic == WIRE_MAGIC {
-        let ack = encode_frame(&ServerMessage::HelloAck(hello.ack(handle.now())))?;
+        let frame = encode_frame(&ServerMessage::HelloAck(hello.ack(handle.now())))?;
+        let ack = BudgetedFrame {
+            _permit: budget.acquire(frame.len()).await,
+            frame,
+        };
         if responses.send(ack).await.is_err() {
             return Err(FrameError::Closed);
         }

@@ -339,6 +339,26 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_hello_and_answer_fit_the_handshake_frame_limit() {
+        use crate::transport::frame::encode_frame;
+        use crate::transport::{FRAME_HEADER_SIZE_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES};
+
+        let mut hello = Hello::new(Deadline::from_micros(u64::MAX));
+        hello.version = u16::MAX;
+        let mut ack = hello.ack(Deadline::from_micros(u64::MAX));
+        ack.version = u16::MAX;
+        let hello = encode_frame(&ClientMessage::Hello(hello)).unwrap();
+        let ack = encode_frame(&ServerMessage::HelloAck(ack)).unwrap();
+        assert!(hello.len() - FRAME_HEADER_SIZE_BYTES <= HANDSHAKE_FRAME_SIZE_MAX_BYTES);
+        assert!(ack.len() - FRAME_HEADER_SIZE_BYTES <= HANDSHAKE_FRAME_SIZE_MAX_BYTES);
+        assert_eq!(
+            ack.len() - FRAME_HEADER_SIZE_BYTES,
+            27,
+            "variant, magic, version and two clocks"
+        );
+    }
+
+    #[test]
     fn a_forged_depth_or_overlong_chain_is_rejected() {
         let now = Deadline::from_micros(0);
         let context = CallContext::root(Deadline::from_micros(10));
