@@ -39,8 +39,8 @@ pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use runtime::{DispatcherStats, Runtime, RuntimeBuilder, RuntimeCounters, RuntimeHandle};
 pub use sqlite_store::SqliteStore;
 pub use state_store::{
-    check_key, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX,
-    TURN_WRITES_MAX,
+    check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreItem, StoreOperation, TurnCommit,
+    STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 pub use transport::{
     FrameError, TransportClient, TransportClientStats, TransportServer, ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX,
