@@ -33,12 +33,19 @@
 //! Version 1 files (no `actor_owner`) are upgraded in place when opened: the table is
 //! created empty, and each actor's first claim issues [`Fence::FIRST`].
 //!
-//! Under the simulator (`--cfg madsim`), opening a store reseeds SQLite's pseudo-random
-//! generator with a number drawn from the simulation's own generator, so everything
-//! SQLite randomizes (WAL salts, journal nonces, temporary file names, `random()`)
-//! is a function of the simulation seed; outside it SQLite seeds from `/dev/urandom`
-//! as usual. SQLite's generator is global to the process: two simulations running in
-//! one process at once (`MADSIM_TEST_JOBS` > 1) share it, and are not deterministic.
+//! Determinism under the simulator (`--cfg madsim`), where two runs of one seed must
+//! draw the same random numbers at the same virtual times:
+//! - rusqlite's statement cache hashes SQL with `ahash`, whose process-wide seeds come
+//!   from `getrandom` on first use; madsim serves `getrandom` from the simulation's
+//!   generator, so the first simulation in a process drew once more than the next, and
+//!   every SQLite-backed test failed `MADSIM_TEST_CHECK_DETERMINISM`. Under the simulator
+//!   statements are prepared afresh instead ([`prepared`]).
+//! - SQLite's own generator seeds from `/dev/urandom`; what it randomizes (WAL salts,
+//!   journal nonces, temporary file names, `random()`) reaches only the file's bytes,
+//!   never a result, a timing or a draw of this store. Still, so that it cannot, opening
+//!   a store under the simulator reseeds it with a number drawn from the simulation.
+//!   That generator is global to the process: simulations running in one process at once
+//!   (`MADSIM_TEST_JOBS` > 1) share it.
 //!
 //! Deliberately not done: no connection pool, no caching of states in memory, no
 //! fault injection (use [`crate::MemoryStore`] for that).
@@ -48,7 +55,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, CachedStatement, Connection, OptionalExtension, Statement, TransactionBehavior};
 use troupe_core::ActorId;
 
 use crate::state_store::{
@@ -257,6 +264,49 @@ fn from_connection_seed_randomness() {}
 #[cfg(madsim)]
 const SQLITE_PRNG_SEED_OUTSIDE_SIMULATION: u32 = 0x7472_6f75;
 
+/// A prepared statement: from rusqlite's statement cache, or prepared afresh.
+enum Prepared<'connection> {
+    Cached(CachedStatement<'connection>),
+    Fresh(Statement<'connection>),
+}
+
+impl<'connection> std::ops::Deref for Prepared<'connection> {
+    type Target = Statement<'connection>;
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Self::Cached(statement) => statement,
+            Self::Fresh(statement) => statement,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Prepared<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        match self {
+            Self::Cached(statement) => statement,
+            Self::Fresh(statement) => statement,
+        }
+    }
+}
+
+/// Prepares `sql`, through rusqlite's statement cache except under the simulator.
+///
+/// The cache finds statements by hashing their SQL with `ahash`, whose process-wide
+/// seeds are drawn, the first time anything hashes, through `getrandom`; madsim
+/// intercepts `getrandom` and serves it from the simulation's generator. So the first
+/// simulation in a process to use the cache draws from its generator once more than any
+/// later one: two runs of one seed differ (`MADSIM_TEST_CHECK_DETERMINISM` fails) and a
+/// seed of a `MADSIM_TEST_NUM` batch does not replay alone. Preparing afresh hashes
+/// nothing; it costs microseconds per statement, which only the simulator pays.
+fn prepared<'connection>(connection: &'connection Connection, sql: &str) -> rusqlite::Result<Prepared<'connection>> {
+    if cfg!(madsim) {
+        connection.prepare(sql).map(Prepared::Fresh)
+    } else {
+        connection.prepare_cached(sql).map(Prepared::Cached)
+    }
+}
+
 /// A fence as stored in `actor_owner`; a token that no claim can have issued (zero or
 /// negative, say after a hand edit of the file) is a backend error, not a panic.
 fn fence_from_column(operation: StoreOperation, token: i64) -> Result<Fence, StoreError> {
@@ -279,16 +329,15 @@ fn commit_state(
     match change {
         StateChange::Unchanged => {}
         StateChange::Set(state) => {
-            transaction
-                .prepare_cached(
-                    "INSERT INTO actor_state (kind, key, state) VALUES (?1, ?2, ?3)
+            prepared(
+                transaction,
+                "INSERT INTO actor_state (kind, key, state) VALUES (?1, ?2, ?3)
                      ON CONFLICT (kind, key) DO UPDATE SET state = excluded.state",
-                )?
-                .execute(params![kind, key, state.as_ref()])?;
+            )?
+            .execute(params![kind, key, state.as_ref()])?;
         }
         StateChange::Deleted => {
-            transaction
-                .prepare_cached("DELETE FROM actor_state WHERE kind = ?1 AND key = ?2")?
+            prepared(transaction, "DELETE FROM actor_state WHERE kind = ?1 AND key = ?2")?
                 .execute(params![kind, key])?;
         }
     }
@@ -323,11 +372,9 @@ impl StateStore for SqliteStore {
                 // IMMEDIATE takes the write lock up front: a claim in another process waits
                 // (busy timeout) instead of failing when the read would have to upgrade.
                 let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                let token: i64 = transaction
-                    .prepare_cached(CLAIM_NEXT_FENCE)?
-                    .query_row(params![kind, key], |row| row.get(0))?;
-                let state: Option<Vec<u8>> = transaction
-                    .prepare_cached(SELECT_STATE)?
+                let token: i64 =
+                    prepared(&transaction, CLAIM_NEXT_FENCE)?.query_row(params![kind, key], |row| row.get(0))?;
+                let state: Option<Vec<u8>> = prepared(&transaction, SELECT_STATE)?
                     .query_row(params![kind, key], |row| row.get(0))
                     .optional()?;
                 transaction.commit()?;
@@ -343,8 +390,7 @@ impl StateStore for SqliteStore {
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
         let (kind, key) = actor_columns(actor);
         self.run(StoreOperation::Load, move |connection| {
-            connection
-                .prepare_cached(SELECT_STATE)?
+            prepared(connection, SELECT_STATE)?
                 .query_row(params![kind, key], |row| row.get::<_, Vec<u8>>(0))
                 .optional()
         })
@@ -360,8 +406,7 @@ impl StateStore for SqliteStore {
                 // IMMEDIATE: the fence is read under the write lock, so no claim can come
                 // between the check and the writes.
                 let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                let current: Option<i64> = transaction
-                    .prepare_cached(SELECT_FENCE)?
+                let current: Option<i64> = prepared(&transaction, SELECT_FENCE)?
                     .query_row(params![kind, key], |row| row.get(0))
                     .optional()?;
                 if current != i64::try_from(fence.token()).ok() {
@@ -371,16 +416,18 @@ impl StateStore for SqliteStore {
                 commit_state(&transaction, &kind, &key, &commit.state)?;
                 for (entry_key, value) in &commit.writes {
                     match value {
-                        Some(value) => transaction
-                            .prepare_cached(
-                                "INSERT INTO actor_entry (kind, key, entry_key, value)
+                        Some(value) => prepared(
+                            &transaction,
+                            "INSERT INTO actor_entry (kind, key, entry_key, value)
                              VALUES (?1, ?2, ?3, ?4)
                              ON CONFLICT (kind, key, entry_key) DO UPDATE SET value = excluded.value",
-                            )?
-                            .execute(params![kind, key, entry_key, value.as_ref()])?,
-                        None => transaction
-                            .prepare_cached("DELETE FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3")?
-                            .execute(params![kind, key, entry_key])?,
+                        )?
+                        .execute(params![kind, key, entry_key, value.as_ref()])?,
+                        None => prepared(
+                            &transaction,
+                            "DELETE FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3",
+                        )?
+                        .execute(params![kind, key, entry_key])?,
                     };
                 }
                 // Dropping the transaction on an error above rolls all of it back.
@@ -405,10 +452,12 @@ impl StateStore for SqliteStore {
         let (kind, actor_key) = actor_columns(actor);
         let entry_key = key.to_string();
         self.run(StoreOperation::Get, move |connection| {
-            connection
-                .prepare_cached("SELECT value FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3")?
-                .query_row(params![kind, actor_key, entry_key], |row| row.get::<_, Vec<u8>>(0))
-                .optional()
+            prepared(
+                connection,
+                "SELECT value FROM actor_entry WHERE kind = ?1 AND key = ?2 AND entry_key = ?3",
+            )?
+            .query_row(params![kind, actor_key, entry_key], |row| row.get::<_, Vec<u8>>(0))
+            .optional()
         })
         .await
         .map(|value| value.map(Bytes::from))
@@ -438,7 +487,7 @@ impl StateStore for SqliteStore {
         };
         let limit = i64::try_from(limit).expect("a scan limit is at most STATE_SCAN_LIMIT_MAX");
         self.run(StoreOperation::Scan, move |connection| {
-            let mut statement = connection.prepare_cached(select)?;
+            let mut statement = prepared(connection, select)?;
             let rows = statement.query_map(params![kind, key, lower_bound, limit], |row| {
                 Ok((row.get::<_, String>(0)?, row.get::<_, Vec<u8>>(1)?))
             })?;
