@@ -710,8 +710,7 @@ mod tests {
     }
 
     /// Goal: an owner row that no claim can have written is an error, not a panic.
-    /// Method: set a fence of 0 by hand, then claim (which bumps it to 1, fine) and set
-    /// it to -5, then commit.
+    /// Method: claim, overwrite the owner row's fence with -5 by hand, commit.
     #[tokio::test]
     async fn owner_row_with_an_impossible_fence_is_a_backend_error() {
         let store = SqliteStore::open_in_memory().expect("open in memory");
