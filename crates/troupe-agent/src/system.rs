@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{truncate_utf8, ActorKind, CallRefused, InvokeError};
-use troupe_runtime::{ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError};
+use troupe_runtime::{
+    ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
+};
 
 use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, AgentState, AGENT_KIND};
 use crate::call_agent::call_agent_tool;
@@ -264,7 +266,7 @@ impl AgentClient {
     ///
     /// # Errors
     /// [`StoreError`] if the store fails or an entry cannot be decoded (operation
-    /// `"decode"`).
+    /// [`StoreOperation::Decode`]).
     pub async fn conversation_log(&self, agent: &str) -> Result<Vec<ChatMessage>, StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
         let store = self.runtime.store();
@@ -302,7 +304,7 @@ impl AgentClient {
 
 fn decode_error(cause: String) -> StoreError {
     StoreError::Backend {
-        operation: "decode",
+        operation: StoreOperation::Decode,
         cause,
     }
 }

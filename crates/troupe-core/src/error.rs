@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ActorId, CallRefused};
+use crate::{ActorId, CallRefused, StoreError};
 
 /// Why an invocation did not produce a reply.
 ///
@@ -53,14 +53,22 @@ pub enum InvokeError {
         /// Why.
         reason: String,
     },
-    /// Loading or committing the actor's state failed; the caller's request did not
-    /// take effect and the actor's last committed state is intact.
-    #[error("storage failed for {target}: {cause}")]
+    /// Claiming, reading or committing the actor's state failed; the caller's request
+    /// did not take effect and the actor's last committed state is intact. The store's
+    /// error is both in the message and, typed, in `source()`.
+    ///
+    /// With `source` [`StoreError::Fenced`], the activation that ran the turn is stale:
+    /// the actor was claimed since by another activation (another runtime on the same
+    /// store). That activation then fails every later turn with this same error, without
+    /// committing, until it deactivates; the next request after that activates the actor
+    /// again, from the newest committed state.
+    #[error("storage failed for {target}: {source}")]
     StorageFailed {
-        /// The actor whose state could not be loaded or committed.
+        /// The actor whose state could not be claimed, read or committed.
         target: ActorId,
         /// The storage error.
-        cause: String,
+        #[source]
+        source: StoreError,
     },
     /// Waiting on this call would close a cycle of actors waiting on each other; nothing
     /// was queued. The cycle starts and ends with the caller.
@@ -121,6 +129,23 @@ fn display_cycle(cycle: &[ActorId]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn storage_failure_keeps_the_store_error_as_its_source() {
+        let store_error = StoreError::Injected {
+            operation: crate::StoreOperation::Commit,
+        };
+        let error = InvokeError::StorageFailed {
+            target: ActorId::new("agent", "a").unwrap(),
+            source: store_error.clone(),
+        };
+        let source = std::error::Error::source(&error).expect("a storage failure has a source");
+        assert_eq!(source.downcast_ref::<StoreError>(), Some(&store_error));
+        assert_eq!(
+            error.to_string(),
+            "storage failed for agent/a: commit failed: injected fault"
+        );
+    }
 
     #[test]
     fn deadlock_error_names_the_cycle_in_order() {

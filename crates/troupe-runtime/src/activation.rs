@@ -43,7 +43,10 @@ use troupe_core::{ActorId, InvokeError};
 use crate::envelope::{Control, Envelope, MailboxReceiver, Reply};
 use crate::runtime::{Counters, Shared};
 use crate::wait_for_graph::CallId;
-use crate::{Actor, ActorError, ActorFactory, Caller, RuntimeEvent, RuntimeHandle, StateStore, Turn, TurnCommit};
+use crate::{
+    Actor, ActorError, ActorFactory, Caller, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StateStore,
+    StoreError, Turn, TurnCommit,
+};
 
 pub(crate) struct ActivationStart {
     pub(crate) id: ActorId,
@@ -89,6 +92,11 @@ struct Live {
     factory: Arc<dyn ActorFactory>,
     /// The last committed snapshot: what the store holds for this actor.
     committed: Option<Bytes>,
+    /// The fence this activation claimed; every commit is made under it.
+    fence: Fence,
+    /// The refusal of a commit under `fence`, once the store has refused one: the actor
+    /// was claimed since, so this activation is stale and every later turn fails with it.
+    fenced: Option<StoreError>,
     /// The kind's idle timeout.
     idle_timeout: std::time::Duration,
     /// Calls this activation's turns have in flight (the per-caller cap).
@@ -246,14 +254,15 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
         .kinds
         .get(id.kind())
         .expect("activations are spawned for registered kinds only");
-    let saved = shared
-        .store
-        .load(id)
-        .await
-        .map_err(|error| InvokeError::StorageFailed {
-            target: id.clone(),
-            cause: error.to_string(),
-        })?;
+    let Claimed { fence, state: saved } =
+        shared
+            .store
+            .claim(id)
+            .await
+            .map_err(|source| InvokeError::StorageFailed {
+                target: id.clone(),
+                source,
+            })?;
     let failed = |error: ActorError| InvokeError::ActorFailed {
         target: id.clone(),
         cause: error.to_string(),
@@ -265,6 +274,8 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
         actor,
         factory: Arc::clone(&kind.factory),
         committed: saved,
+        fence,
+        fenced: None,
         idle_timeout: kind.config.idle_timeout,
         in_flight: Arc::new(AtomicU32::new(0)),
     })
@@ -280,14 +291,21 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
         return;
     }
     let saved = match live.actor.snapshot() {
-        Ok(snapshot) if snapshot != live.committed => {
+        Ok(snapshot) => {
             let commit = TurnCommit {
-                state: snapshot,
+                state: StateChange::between(live.committed.as_ref(), snapshot),
                 writes: Vec::new(),
             };
-            shared.store.commit(id, commit).await.map_err(|error| error.to_string())
+            if commit.is_empty() {
+                Ok(())
+            } else {
+                shared
+                    .store
+                    .commit(id, live.fence, commit)
+                    .await
+                    .map_err(|error| error.to_string())
+            }
         }
-        Ok(_) => Ok(()),
         Err(error) => Err(error.to_string()),
     };
     if let Err(error) = saved {
@@ -424,29 +442,39 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: on
     TurnEnd::Done
 }
 
-/// Commits the turn's snapshot and writes atomically; skips the store when nothing changed.
+/// Commits the turn's state change and writes atomically under the activation's fence;
+/// skips the store when nothing changed. Once fenced, fails every turn the same way.
 async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(), InvokeError> {
+    if let Some(fenced) = &live.fenced {
+        return Err(InvokeError::StorageFailed {
+            target: live.id.clone(),
+            source: fenced.clone(),
+        });
+    }
     let snapshot = live.actor.snapshot().map_err(|error| actor_error(&live.id, error))?;
-    let changed = snapshot != live.committed;
-    let writes = turn.into_writes();
-    if !changed && writes.is_empty() {
+    let commit = TurnCommit {
+        state: StateChange::between(live.committed.as_ref(), snapshot),
+        writes: turn.into_writes(),
+    };
+    if commit.is_empty() {
         return Ok(());
     }
-    let commit = TurnCommit {
-        state: if changed { snapshot.clone() } else { None },
-        writes,
-    };
-    store
-        .commit(&live.id, commit)
-        .await
-        .map_err(|error| InvokeError::StorageFailed {
-            target: live.id.clone(),
-            cause: error.to_string(),
-        })?;
-    if changed {
-        live.committed = snapshot;
+    let committed = commit.state.applied_to(live.committed.clone());
+    match store.commit(&live.id, live.fence, commit).await {
+        Ok(()) => {
+            live.committed = committed;
+            Ok(())
+        }
+        Err(source) => {
+            if matches!(source, StoreError::Fenced { .. }) {
+                live.fenced = Some(source.clone());
+            }
+            Err(InvokeError::StorageFailed {
+                target: live.id.clone(),
+                source,
+            })
+        }
     }
-    Ok(())
 }
 
 fn actor_error(id: &ActorId, error: ActorError) -> InvokeError {
@@ -462,9 +490,9 @@ fn actor_error(id: &ActorId, error: ActorError) -> InvokeError {
         // A failed call passes through unchanged: the root caller sees the real cause
         // (a deadlock, a nested timeout) rather than a string.
         ActorError::Invoke(inner) => inner,
-        ActorError::Store(inner) => InvokeError::StorageFailed {
+        ActorError::Store(source) => InvokeError::StorageFailed {
             target: id.clone(),
-            cause: inner.to_string(),
+            source,
         },
     }
 }

@@ -46,8 +46,8 @@ pub use runtime::{
 };
 pub use sqlite_store::SqliteStore;
 pub use state_store::{
-    check_key, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX,
-    TURN_WRITES_MAX,
+    check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreItem, StoreOperation, TurnCommit,
+    STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 pub use transport::{
     FrameError, TransportClient, TransportClientStats, TransportServer, TransportServerStats, ACCEPT_RETRY_DELAY_MS,

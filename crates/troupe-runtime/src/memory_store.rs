@@ -7,7 +7,11 @@
 //!   flushed. The simulator uses it for the "lost unflushed writes" fault.
 //!
 //! The store itself is shared by reference counting, so a simulated node that is killed
-//! and restarted can be given the same store: that models its disk.
+//! and restarted can be given the same store: that models its disk. Clones share the
+//! fences too: a claim through one clone fences off commits through every other.
+//!
+//! Fences are written through even in write-back mode: a claim is durable when it
+//! returns, so a crash never makes the store issue the same fence twice.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,7 +21,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::ActorId;
 
-use crate::state_store::{check_key, StateStore, StoreError, TurnCommit, STATE_SCAN_LIMIT_MAX};
+use crate::state_store::{
+    check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreOperation, TurnCommit, STATE_SCAN_LIMIT_MAX,
+};
 
 #[derive(Clone, Default)]
 struct Tables {
@@ -27,8 +33,14 @@ struct Tables {
 
 impl Tables {
     fn apply(&mut self, actor: &ActorId, commit: &TurnCommit) {
-        if let Some(state) = &commit.state {
-            self.states.insert(actor.clone(), state.clone());
+        match &commit.state {
+            StateChange::Unchanged => {}
+            StateChange::Set(state) => {
+                self.states.insert(actor.clone(), state.clone());
+            }
+            StateChange::Deleted => {
+                self.states.remove(actor);
+            }
         }
         for (key, value) in &commit.writes {
             let entry_key = (actor.clone(), key.clone());
@@ -44,6 +56,8 @@ impl Tables {
 struct Disk {
     visible: Tables,
     durable: Tables,
+    /// Each claimed actor's newest fence; never lost by [`MemoryStore::crash`].
+    fences: BTreeMap<ActorId, Fence>,
 }
 
 /// Switches for the faults a [`MemoryStore`] can inject. Cheap to clone; all clones
@@ -66,7 +80,8 @@ struct FaultSwitches {
 const FAIL_ALWAYS: u64 = u64::MAX;
 
 impl MemoryStoreFaults {
-    /// Fails the next `count` loads.
+    /// Fails the next `count` loads and claims (a claim is the load that starts an
+    /// activation).
     pub fn fail_next_loads(&self, count: u64) {
         self.inner.fail_loads.store(count, Ordering::SeqCst);
     }
@@ -81,7 +96,7 @@ impl MemoryStoreFaults {
         self.inner.fail_reads.store(count, Ordering::SeqCst);
     }
 
-    /// Fails every load, commit and read until [`MemoryStoreFaults::heal`].
+    /// Fails every load, claim, commit and read until [`MemoryStoreFaults::heal`].
     pub fn fail_all(&self) {
         self.fail_next_loads(FAIL_ALWAYS);
         self.fail_next_commits(FAIL_ALWAYS);
@@ -109,7 +124,7 @@ impl MemoryStoreFaults {
         self.inner.write_back.load(Ordering::SeqCst)
     }
 
-    fn take(&self, counter: &AtomicU64, operation: &'static str) -> Result<(), StoreError> {
+    fn take(&self, counter: &AtomicU64, operation: StoreOperation) -> Result<(), StoreError> {
         let mut current = counter.load(Ordering::SeqCst);
         loop {
             if current == 0 {
@@ -170,16 +185,34 @@ impl MemoryStore {
 
 #[async_trait]
 impl StateStore for MemoryStore {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.faults.take(&self.faults.inner.fail_loads, StoreOperation::Claim)?;
+        let mut disk = self.lock();
+        let fence = disk.fences.get(actor).map_or(Fence::FIRST, |newest| newest.next());
+        disk.fences.insert(actor.clone(), fence);
+        let state = disk.visible.states.get(actor).cloned();
+        Ok(Claimed { fence, state })
+    }
+
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.faults.take(&self.faults.inner.fail_loads, "load")?;
+        self.faults.take(&self.faults.inner.fail_loads, StoreOperation::Load)?;
         Ok(self.lock().visible.states.get(actor).cloned())
     }
 
-    async fn commit(&self, actor: &ActorId, commit: TurnCommit) -> Result<(), StoreError> {
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
         commit.validate()?;
-        self.faults.take(&self.faults.inner.fail_commits, "commit")?;
+        self.faults
+            .take(&self.faults.inner.fail_commits, StoreOperation::Commit)?;
         let write_back = self.faults.write_back();
         let mut disk = self.lock();
+        let current = disk.fences.get(actor).copied();
+        if current != Some(fence) {
+            return Err(StoreError::Fenced {
+                actor: actor.clone(),
+                held: fence,
+                current,
+            });
+        }
         disk.visible.apply(actor, &commit);
         if !write_back {
             disk.durable.apply(actor, &commit);
@@ -189,7 +222,7 @@ impl StateStore for MemoryStore {
 
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
         check_key(key)?;
-        self.faults.take(&self.faults.inner.fail_reads, "get")?;
+        self.faults.take(&self.faults.inner.fail_reads, StoreOperation::Get)?;
         Ok(self
             .lock()
             .visible
@@ -206,7 +239,7 @@ impl StateStore for MemoryStore {
         limit: usize,
     ) -> Result<Vec<(String, Bytes)>, StoreError> {
         check_key(prefix)?;
-        self.faults.take(&self.faults.inner.fail_reads, "scan")?;
+        self.faults.take(&self.faults.inner.fail_reads, StoreOperation::Scan)?;
         let limit = limit.min(STATE_SCAN_LIMIT_MAX);
         // Start at the later of the prefix and `after`: an `after` that sorts before the
         // prefix must not start the range on keys outside it.

@@ -2,9 +2,26 @@
 //!
 //! An actor has one state blob and a small key-value space of its own. A turn's writes
 //! are buffered by the runtime and handed to [`StateStore::commit`] together with the
-//! actor's new state at the end of the turn; a backend applies the whole commit
-//! atomically or not at all. A failed load or commit is an error the runtime returns to
-//! the caller; it never falls back to a default state.
+//! change to the actor's state ([`StateChange`]: unchanged, set or deleted) at the end
+//! of the turn; a backend applies the whole commit atomically or not at all. A failed
+//! claim or commit is an error the runtime returns to the caller; it never falls back to
+//! a default state.
+//!
+//! Exclusive ownership is fenced ([`Fence`]): an activation starts with
+//! [`StateStore::claim`], which issues the actor a fence newer than any before and
+//! loads its state in one atomic step, and makes every commit under that fence. A store
+//! refuses a commit under any fence but the actor's newest with [`StoreError::Fenced`],
+//! writing nothing, so two runtimes on one store cannot both commit for one actor and
+//! lose each other's updates: the older activation's commits fail.
+//!
+//! ```text
+//! runtime A: claim(c) → fence 1, state s0      commit(c, fence 1, …) ✓
+//! runtime B:            claim(c) → fence 2, s1  commit(c, fence 2, …) ✓
+//! runtime A:                                    commit(c, fence 1, …) ✗ Fenced { held 1, current 2 }
+//! ```
+//!
+//! Reads ([`StateStore::load`], [`StateStore::get`], [`StateStore::scan`]) are not
+//! fenced: a stale activation may read, but what it computes from them never commits.
 //!
 //! Backends: [`crate::MemoryStore`] (tests and simulation, with fault injection) and
 //! [`crate::SqliteStore`] (the embedded durable default, one file). Both pass the
@@ -14,8 +31,8 @@ use std::fmt;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use troupe_core::ActorId;
+pub use troupe_core::{Fence, StoreError, StoreItem, StoreOperation};
 
 /// Longest key in an actor's key-value space, in bytes.
 pub const STATE_KEY_LENGTH_MAX: usize = 512;
@@ -26,48 +43,61 @@ pub const TURN_WRITES_MAX: usize = 4_096;
 /// Most entries one [`StateStore::scan`] returns.
 pub const STATE_SCAN_LIMIT_MAX: usize = 10_000;
 
-/// What a store could not do.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
-pub enum StoreError {
-    /// The backend failed (I/O, lock, database error).
-    #[error("{operation} failed: {cause}")]
-    Backend {
-        /// `"load"`, `"commit"`, `"get"` or `"scan"`.
-        operation: &'static str,
-        /// The backend's error.
-        cause: String,
-    },
-    /// A fault injected by a test or the simulator.
-    #[error("{operation} failed: injected fault")]
-    Injected {
-        /// The operation that was made to fail.
-        operation: &'static str,
-    },
-    /// A key or value is over its limit; nothing was written.
-    #[error("{what} is {size} bytes, more than the limit of {limit}")]
-    TooLarge {
-        /// `"key"` or `"value"`.
-        what: &'static str,
-        /// Its size in bytes.
-        size: usize,
-        /// The limit in bytes.
-        limit: usize,
-    },
-    /// A turn buffered more writes than [`TURN_WRITES_MAX`].
-    #[error("a turn buffered {count} writes, more than the limit of {limit}")]
-    TooManyWrites {
-        /// Writes buffered.
-        count: usize,
-        /// [`TURN_WRITES_MAX`].
-        limit: usize,
-    },
+/// What a commit does to the actor's state blob.
+///
+/// Three values, because "leave it as it is" and "it has none now" differ: an actor
+/// whose snapshot goes from `Some` to `None` has cleared its state, and must be built
+/// from `None` when it is next activated.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub enum StateChange {
+    /// The state blob stays as it is (or absent, if there is none).
+    #[default]
+    Unchanged,
+    /// The state blob becomes these bytes.
+    Set(Bytes),
+    /// The state blob is removed: [`StateStore::load`] and [`StateStore::claim`] return
+    /// `None` afterwards. The actor's key-value space is not touched.
+    Deleted,
+}
+
+impl StateChange {
+    /// The change that turns the committed snapshot `before` into `after`: `Unchanged`
+    /// if they are equal, else `Set` or, for `after == None`, `Deleted`.
+    pub fn between(before: Option<&Bytes>, after: Option<Bytes>) -> Self {
+        if before == after.as_ref() {
+            return Self::Unchanged;
+        }
+        match after {
+            Some(state) => Self::Set(state),
+            None => Self::Deleted,
+        }
+    }
+
+    /// The state blob after this change is applied to `before`.
+    pub fn applied_to(&self, before: Option<Bytes>) -> Option<Bytes> {
+        match self {
+            Self::Unchanged => before,
+            Self::Set(state) => Some(state.clone()),
+            Self::Deleted => None,
+        }
+    }
+}
+
+impl fmt::Debug for StateChange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unchanged => f.write_str("Unchanged"),
+            Self::Set(state) => write!(f, "Set({} bytes)", state.len()),
+            Self::Deleted => f.write_str("Deleted"),
+        }
+    }
 }
 
 /// Everything one turn changes, applied atomically.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct TurnCommit {
-    /// The actor's new state blob, or `None` to leave it as it is.
-    pub state: Option<Bytes>,
+    /// What happens to the actor's state blob.
+    pub state: StateChange,
     /// Key-value writes in order; `None` deletes the key.
     pub writes: Vec<(String, Option<Bytes>)>,
 }
@@ -75,7 +105,7 @@ pub struct TurnCommit {
 impl TurnCommit {
     /// Whether the commit changes nothing.
     pub fn is_empty(&self) -> bool {
-        self.state.is_none() && self.writes.is_empty()
+        self.state == StateChange::Unchanged && self.writes.is_empty()
     }
 
     /// Checks every limit; backends call this before writing anything.
@@ -89,7 +119,7 @@ impl TurnCommit {
                 limit: TURN_WRITES_MAX,
             });
         }
-        if let Some(state) = &self.state {
+        if let StateChange::Set(state) = &self.state {
             check_value(state)?;
         }
         for (key, value) in &self.writes {
@@ -105,7 +135,7 @@ impl TurnCommit {
 impl fmt::Debug for TurnCommit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TurnCommit")
-            .field("state_bytes", &self.state.as_ref().map(Bytes::len))
+            .field("state", &self.state)
             .field("writes", &self.writes.len())
             .finish()
     }
@@ -118,7 +148,7 @@ impl fmt::Debug for TurnCommit {
 pub fn check_key(key: &str) -> Result<(), StoreError> {
     if key.len() > STATE_KEY_LENGTH_MAX {
         return Err(StoreError::TooLarge {
-            what: "key",
+            what: StoreItem::Key,
             size: key.len(),
             limit: STATE_KEY_LENGTH_MAX,
         });
@@ -129,7 +159,7 @@ pub fn check_key(key: &str) -> Result<(), StoreError> {
 fn check_value(value: &Bytes) -> Result<(), StoreError> {
     if value.len() > STATE_VALUE_SIZE_MAX {
         return Err(StoreError::TooLarge {
-            what: "value",
+            what: StoreItem::Value,
             size: value.len(),
             limit: STATE_VALUE_SIZE_MAX,
         });
@@ -137,24 +167,64 @@ fn check_value(value: &Bytes) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// What [`StateStore::claim`] returns: the new fence and the state it was issued with.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Claimed {
+    /// The actor's new fence, newer than every fence issued for it before; commits under
+    /// it are accepted until the actor is claimed again.
+    pub fence: Fence,
+    /// The actor's last committed state blob at the moment of the claim, or `None` if it
+    /// has none (never committed one, or deleted it).
+    pub state: Option<Bytes>,
+}
+
+impl fmt::Debug for Claimed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Claimed")
+            .field("fence", &self.fence)
+            .field("state_bytes", &self.state.as_ref().map(Bytes::len))
+            .finish()
+    }
+}
+
 /// Where actors keep their state between activations.
 ///
 /// Implementations must be safe to share between actor tasks. Every method may fail;
 /// callers surface the error, they never substitute a default.
+///
+/// The fencing contract, which the conformance suite checks: per actor, the fences that
+/// [`StateStore::claim`] issues strictly increase, across every handle on the same
+/// underlying data (two [`crate::SqliteStore`]s opened on one file, clones of one
+/// [`crate::MemoryStore`]); a commit is applied only if its fence is the actor's
+/// newest, checked in the same atomic step that applies it.
 #[async_trait]
 pub trait StateStore: Send + Sync + 'static {
-    /// The actor's last committed state blob, or `None` if it never committed one.
+    /// Claims `actor`'s state for a new activation: in one atomic step, issues a fence
+    /// newer than any issued for `actor` before (which fences off every older one) and
+    /// reads the actor's last committed state blob.
+    ///
+    /// # Errors
+    /// [`StoreError`] if the backend fails; then no fence was issued, and the caller
+    /// must not start the actor from a default state.
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError>;
+
+    /// The actor's last committed state blob, or `None` if it has none; a plain read
+    /// that claims nothing (for tools that inspect state, not for activations).
     ///
     /// # Errors
     /// [`StoreError`] if the backend fails; the caller must not treat that as `None`.
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError>;
 
-    /// Applies `commit` atomically: afterwards either all of it is visible or none.
+    /// Applies `commit` atomically if `fence` is `actor`'s newest fence: afterwards
+    /// either all of it is visible or none. Every commit is checked, an empty one too.
     ///
     /// # Errors
-    /// [`StoreError`] if the commit was refused or the backend failed; then nothing of
-    /// it is visible.
-    async fn commit(&self, actor: &ActorId, commit: TurnCommit) -> Result<(), StoreError>;
+    /// [`StoreError::Fenced`] if `actor` was claimed after `fence` was issued, or never
+    /// under `fence`; [`StoreError::TooLarge`] or [`StoreError::TooManyWrites`] if the
+    /// commit breaks a limit ([`TurnCommit::validate`]); [`StoreError::Backend`] (or
+    /// [`StoreError::Injected`]) if the backend fails. In every case nothing of the
+    /// commit is visible.
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError>;
 
     /// One committed value from the actor's key-value space.
     ///
@@ -174,4 +244,39 @@ pub trait StateStore: Send + Sync + 'static {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<(String, Bytes)>, StoreError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_change_between_snapshots_tells_unchanged_set_and_deleted_apart() {
+        let one = Bytes::from_static(b"1");
+        let two = Bytes::from_static(b"2");
+        assert_eq!(StateChange::between(None, None), StateChange::Unchanged);
+        assert_eq!(
+            StateChange::between(Some(&one), Some(one.clone())),
+            StateChange::Unchanged
+        );
+        assert_eq!(
+            StateChange::between(None, Some(one.clone())),
+            StateChange::Set(one.clone())
+        );
+        assert_eq!(
+            StateChange::between(Some(&one), Some(two.clone())),
+            StateChange::Set(two.clone())
+        );
+        assert_eq!(StateChange::between(Some(&one), None), StateChange::Deleted);
+    }
+
+    #[test]
+    fn state_change_applied_to_a_snapshot_gives_the_new_snapshot() {
+        let one = Bytes::from_static(b"1");
+        let two = Bytes::from_static(b"2");
+        assert_eq!(StateChange::Unchanged.applied_to(Some(one.clone())), Some(one.clone()));
+        assert_eq!(StateChange::Unchanged.applied_to(None), None);
+        assert_eq!(StateChange::Set(two.clone()).applied_to(Some(one.clone())), Some(two));
+        assert_eq!(StateChange::Deleted.applied_to(Some(one)), None);
+    }
 }

@@ -123,8 +123,10 @@ impl Turn {
         self.handle.shared.store.get(&self.id, key).await
     }
 
-    /// Up to `limit` entries whose keys start with `prefix`, after `after`, in key order,
-    /// with this turn's buffered writes applied.
+    /// Up to `limit` (at most [`STATE_SCAN_LIMIT_MAX`]) entries whose keys start with
+    /// `prefix`, after `after`, in key order, with this turn's buffered writes applied.
+    /// The page is short only when no more entries exist: committed entries that the
+    /// turn deleted are made up for by reading on, in as many store scans as needed.
     ///
     /// # Errors
     /// [`StoreError`] if the store fails.
@@ -137,19 +139,36 @@ impl Turn {
         let limit = limit.min(STATE_SCAN_LIMIT_MAX);
         let in_range = |key: &str| key.starts_with(prefix) && after.is_none_or(|after| key > after);
         let buffered: Vec<(&String, &Option<Bytes>)> = self.writes.iter().filter(|(key, _)| in_range(key)).collect();
-        // Ask for enough that buffered deletions cannot leave the page short.
-        let committed = self
-            .handle
-            .shared
-            .store
-            .scan(&self.id, prefix, after, limit.saturating_add(buffered.len()))
-            .await?;
+        let deletions = buffered.iter().filter(|(_, value)| value.is_none()).count();
+        // Ask for enough that the buffered deletions rarely leave a page short; the store
+        // caps a page at STATE_SCAN_LIMIT_MAX, so read on until `limit` committed entries
+        // that the turn did not overwrite are in hand, or the store has no more.
+        let page_limit = limit.saturating_add(deletions).min(STATE_SCAN_LIMIT_MAX);
+        let mut committed: Vec<(String, Bytes)> = Vec::new();
+        let mut cursor: Option<String> = after.map(str::to_string);
+        loop {
+            let page = self
+                .handle
+                .shared
+                .store
+                .scan(&self.id, prefix, cursor.as_deref(), page_limit)
+                .await?;
+            let exhausted = page.len() < page_limit;
+            if let Some((last, _)) = page.last() {
+                cursor = Some(last.clone());
+            }
+            committed.extend(page.into_iter().filter(|(key, _)| !self.writes.contains_key(key)));
+            // Every committed key up to `cursor` is in hand; with `limit` of them, the
+            // first `limit` of the merged view are all at or before `cursor`.
+            if exhausted || committed.len() >= limit {
+                break;
+            }
+        }
         let mut merged: BTreeMap<String, Bytes> = committed.into_iter().collect();
         for (key, value) in buffered {
-            match value {
-                Some(value) => merged.insert(key.clone(), value.clone()),
-                None => merged.remove(key),
-            };
+            if let Some(value) = value {
+                merged.insert(key.clone(), value.clone());
+            }
         }
         Ok(merged.into_iter().take(limit).collect())
     }

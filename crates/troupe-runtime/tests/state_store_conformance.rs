@@ -3,12 +3,15 @@
 //! Each check is written once against `&dyn StateStore` and run for every backend by
 //! [`conformance_suite!`]: adding a backend is one line at the bottom of the backend list.
 //! The checks are claims about the trait's contract: loads of unknown actors, atomic
-//! commits, refused commits leaving nothing behind, ordered prefix scans with paging,
-//! and isolation between actors. A deterministic reference model (a `BTreeMap`) checks
-//! random sequences of commits and scans.
+//! commits, refused commits leaving nothing behind, the three kinds of state change
+//! (unchanged, set, deleted), fencing (each claim fences off the commits of every older
+//! one), ordered prefix scans with paging, and isolation between actors. A
+//! deterministic reference model (a `BTreeMap`) checks random sequences of commits and
+//! scans.
 //!
 //! After the shared checks come tests that only make sense for one backend: reopening a
-//! SQLite file, and the fault injection of [`MemoryStore`].
+//! SQLite file, two stores opened on one SQLite file fencing each other, and the fault
+//! injection of [`MemoryStore`].
 //!
 //! Run with `cargo nextest run -p troupe-runtime`, and under simulation with
 //! `RUSTFLAGS="--cfg madsim" cargo nextest run -p troupe-runtime`.
@@ -19,8 +22,8 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use troupe_core::ActorId;
 use troupe_runtime::{
-    MemoryStore, SqliteStore, StateStore, StoreError, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX,
-    STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
+    Fence, MemoryStore, SqliteStore, StateChange, StateStore, StoreError, StoreItem, StoreOperation, TurnCommit,
+    STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -93,7 +96,18 @@ macro_rules! conformance_suite {
             conformance_suite!(@tests $backend, $open, [cfg(all())];
                 load_of_an_unknown_actor_is_none,
                 committed_state_and_writes_are_all_visible_after_commit,
-                commit_without_state_keeps_the_previous_state,
+                unchanged_state_keeps_the_previous_state,
+                deleted_state_loads_and_claims_as_none_and_keeps_the_entries,
+                deleting_a_state_that_was_never_set_leaves_none,
+                state_set_after_a_delete_is_visible_again,
+                claim_of_an_unknown_actor_issues_the_first_fence_and_no_state,
+                claim_returns_the_last_committed_state,
+                each_claim_issues_a_newer_fence_than_the_last,
+                commit_under_an_older_fence_is_refused_and_writes_nothing,
+                commit_of_an_actor_never_claimed_is_refused,
+                commit_under_another_actors_fence_is_refused,
+                empty_commit_under_an_older_fence_is_refused,
+                fences_of_two_actors_are_independent,
                 delete_write_removes_the_key,
                 writes_in_one_commit_apply_in_order,
                 empty_value_is_stored_and_differs_from_an_absent_key,
@@ -159,17 +173,46 @@ fn delete(key: &str) -> (String, Option<Bytes>) {
 
 fn state_commit(state: &str, writes: Vec<(String, Option<Bytes>)>) -> TurnCommit {
     TurnCommit {
-        state: Some(bytes(state)),
+        state: StateChange::Set(bytes(state)),
         writes,
     }
 }
 
 fn writes_commit(writes: Vec<(String, Option<Bytes>)>) -> TurnCommit {
-    TurnCommit { state: None, writes }
+    TurnCommit {
+        state: StateChange::Unchanged,
+        writes,
+    }
 }
 
+fn delete_state_commit() -> TurnCommit {
+    TurnCommit {
+        state: StateChange::Deleted,
+        writes: Vec::new(),
+    }
+}
+
+/// A new fence for `owner`, as an activation gets one.
+async fn claim(store: &dyn StateStore, owner: &ActorId) -> Fence {
+    store.claim(owner).await.expect("claim").fence
+}
+
+/// Claims `owner` and commits under the new fence, as one activation with one turn.
 async fn commit(store: &dyn StateStore, owner: &ActorId, commit: TurnCommit) {
-    store.commit(owner, commit).await.expect("a valid commit succeeds");
+    let fence = claim(store, owner).await;
+    store
+        .commit(owner, fence, commit)
+        .await
+        .expect("a valid commit succeeds");
+}
+
+/// The refusal a commit of `owner` under `held` must get when `current` is the newest.
+fn fenced(owner: &ActorId, held: Fence, current: Option<Fence>) -> StoreError {
+    StoreError::Fenced {
+        actor: owner.clone(),
+        held,
+        current,
+    }
 }
 
 /// Every key of `owner` under `prefix`, in one scan.
@@ -207,7 +250,11 @@ async fn refused_commit_leaves_nothing(store: &dyn StateStore, refused: TurnComm
     )
     .await;
 
-    let error = store.commit(&owner, refused).await.expect_err("the commit is refused");
+    let fence = claim(store, &owner).await;
+    let error = store
+        .commit(&owner, fence, refused)
+        .await
+        .expect_err("the commit is refused");
     assert!(
         matches!(error, StoreError::TooLarge { .. } | StoreError::TooManyWrites { .. }),
         "unexpected error: {error:?}"
@@ -253,7 +300,7 @@ async fn committed_state_and_writes_are_all_visible_after_commit(store: &dyn Sta
     );
 }
 
-async fn commit_without_state_keeps_the_previous_state(store: &dyn StateStore) {
+async fn unchanged_state_keeps_the_previous_state(store: &dyn StateStore) {
     let owner = actor("agent", "a");
     commit(store, &owner, state_commit("first", vec![])).await;
     commit(store, &owner, writes_commit(vec![put("k", "v")])).await;
@@ -261,6 +308,150 @@ async fn commit_without_state_keeps_the_previous_state(store: &dyn StateStore) {
     commit(store, &owner, state_commit("second", vec![])).await;
     assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("second")));
     assert_eq!(store.get(&owner, "k").await.expect("get"), Some(bytes("v")));
+}
+
+async fn deleted_state_loads_and_claims_as_none_and_keeps_the_entries(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    commit(store, &owner, state_commit("A", vec![put("k", "v")])).await;
+    commit(store, &owner, delete_state_commit()).await;
+    assert_eq!(store.load(&owner).await.expect("load"), None);
+    assert_eq!(store.claim(&owner).await.expect("claim").state, None);
+    assert_eq!(store.get(&owner, "k").await.expect("get"), Some(bytes("v")));
+    // An unchanged state after the delete stays deleted.
+    commit(store, &owner, writes_commit(vec![put("k2", "v2")])).await;
+    assert_eq!(store.load(&owner).await.expect("load"), None);
+}
+
+async fn deleting_a_state_that_was_never_set_leaves_none(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    commit(
+        store,
+        &owner,
+        TurnCommit {
+            state: StateChange::Deleted,
+            writes: vec![put("k", "v")],
+        },
+    )
+    .await;
+    assert_eq!(store.load(&owner).await.expect("load"), None);
+    assert_eq!(store.get(&owner, "k").await.expect("get"), Some(bytes("v")));
+}
+
+async fn state_set_after_a_delete_is_visible_again(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    commit(store, &owner, state_commit("A", vec![])).await;
+    commit(store, &owner, delete_state_commit()).await;
+    commit(store, &owner, state_commit("B", vec![])).await;
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("B")));
+}
+
+async fn claim_of_an_unknown_actor_issues_the_first_fence_and_no_state(store: &dyn StateStore) {
+    let owner = actor("agent", "never-claimed");
+    let claimed = store.claim(&owner).await.expect("claim");
+    assert_eq!(claimed.fence, Fence::FIRST);
+    assert_eq!(claimed.state, None);
+}
+
+async fn claim_returns_the_last_committed_state(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    commit(store, &owner, state_commit("A", vec![])).await;
+    commit(store, &owner, state_commit("B", vec![])).await;
+    assert_eq!(store.claim(&owner).await.expect("claim").state, Some(bytes("B")));
+}
+
+async fn each_claim_issues_a_newer_fence_than_the_last(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    let mut expected = Fence::FIRST;
+    for _ in 0..5 {
+        assert_eq!(claim(store, &owner).await, expected);
+        expected = expected.next();
+    }
+}
+
+async fn commit_under_an_older_fence_is_refused_and_writes_nothing(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    let older = claim(store, &owner).await;
+    store
+        .commit(&owner, older, state_commit("A", vec![put("k", "old")]))
+        .await
+        .expect("the only claim commits");
+    let newer = claim(store, &owner).await;
+    assert_eq!(newer, older.next());
+
+    let refused = store
+        .commit(
+            &owner,
+            older,
+            state_commit("stale", vec![put("k", "stale"), put("new", "stale"), delete("k")]),
+        )
+        .await;
+    assert_eq!(refused, Err(fenced(&owner, older, Some(newer))));
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("A")));
+    assert_eq!(store.get(&owner, "k").await.expect("get"), Some(bytes("old")));
+    assert_eq!(store.get(&owner, "new").await.expect("get"), None);
+
+    store
+        .commit(&owner, newer, state_commit("B", vec![put("k", "new")]))
+        .await
+        .expect("the newest claim commits");
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("B")));
+    // Refused again: a newer fence never makes an older one current again.
+    let refused = store.commit(&owner, older, state_commit("stale", vec![])).await;
+    assert_eq!(refused, Err(fenced(&owner, older, Some(newer))));
+}
+
+async fn commit_of_an_actor_never_claimed_is_refused(store: &dyn StateStore) {
+    let owner = actor("agent", "never-claimed");
+    let refused = store
+        .commit(&owner, Fence::FIRST, state_commit("A", vec![put("k", "v")]))
+        .await;
+    assert_eq!(refused, Err(fenced(&owner, Fence::FIRST, None)));
+    assert_eq!(store.load(&owner).await.expect("load"), None);
+    assert_eq!(store.get(&owner, "k").await.expect("get"), None);
+}
+
+async fn commit_under_another_actors_fence_is_refused(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    let other = actor("agent", "b");
+    let owner_fence = claim(store, &owner).await;
+    for _ in 0..3 {
+        claim(store, &other).await;
+    }
+    let other_fence = claim(store, &other).await;
+    assert_ne!(owner_fence, other_fence);
+    let refused = store.commit(&owner, other_fence, state_commit("A", vec![])).await;
+    assert_eq!(refused, Err(fenced(&owner, other_fence, Some(owner_fence))));
+    assert_eq!(store.load(&owner).await.expect("load"), None);
+}
+
+async fn empty_commit_under_an_older_fence_is_refused(store: &dyn StateStore) {
+    let owner = actor("agent", "a");
+    let older = claim(store, &owner).await;
+    let newer = claim(store, &owner).await;
+    let refused = store.commit(&owner, older, TurnCommit::default()).await;
+    assert_eq!(refused, Err(fenced(&owner, older, Some(newer))));
+    store
+        .commit(&owner, newer, TurnCommit::default())
+        .await
+        .expect("an empty commit under the newest fence");
+}
+
+async fn fences_of_two_actors_are_independent(store: &dyn StateStore) {
+    let first = actor("agent", "a");
+    let second = actor("agent", "ab");
+    let first_fence = claim(store, &first).await;
+    let second_fence = claim(store, &second).await;
+    claim(store, &actor("agent", "b")).await;
+    store
+        .commit(&first, first_fence, state_commit("first", vec![]))
+        .await
+        .expect("claims of other actors do not fence this one");
+    store
+        .commit(&second, second_fence, state_commit("second", vec![]))
+        .await
+        .expect("claims of other actors do not fence this one");
+    assert_eq!(store.load(&first).await.expect("load"), Some(bytes("first")));
+    assert_eq!(store.load(&second).await.expect("load"), Some(bytes("second")));
 }
 
 async fn delete_write_removes_the_key(store: &dyn StateStore) {
@@ -302,7 +493,7 @@ async fn empty_value_is_stored_and_differs_from_an_absent_key(store: &dyn StateS
         store,
         &owner,
         TurnCommit {
-            state: Some(Bytes::new()),
+            state: StateChange::Set(Bytes::new()),
             writes: vec![put("empty", "")],
         },
     )
@@ -325,7 +516,7 @@ async fn empty_commit_changes_nothing(store: &dyn StateStore) {
 async fn oversized_value_is_refused_and_nothing_of_that_commit_is_visible(store: &dyn StateStore) {
     let oversized = Bytes::from(vec![0_u8; STATE_VALUE_SIZE_MAX + 1]);
     let refused = TurnCommit {
-        state: Some(bytes("B")),
+        state: StateChange::Set(bytes("B")),
         writes: vec![put("new", "fresh"), delete("a1"), ("huge".to_string(), Some(oversized))],
     };
     refused_commit_leaves_nothing(store, refused).await;
@@ -333,7 +524,7 @@ async fn oversized_value_is_refused_and_nothing_of_that_commit_is_visible(store:
 
 async fn oversized_state_is_refused_and_nothing_of_that_commit_is_visible(store: &dyn StateStore) {
     let refused = TurnCommit {
-        state: Some(Bytes::from(vec![0_u8; STATE_VALUE_SIZE_MAX + 1])),
+        state: StateChange::Set(Bytes::from(vec![0_u8; STATE_VALUE_SIZE_MAX + 1])),
         writes: vec![put("new", "fresh"), delete("a1")],
     };
     refused_commit_leaves_nothing(store, refused).await;
@@ -370,11 +561,17 @@ async fn get_and_scan_refuse_an_oversized_key(store: &dyn StateStore) {
     let oversized_key = "k".repeat(STATE_KEY_LENGTH_MAX + 1);
     assert!(matches!(
         store.get(&owner, &oversized_key).await,
-        Err(StoreError::TooLarge { what: "key", .. })
+        Err(StoreError::TooLarge {
+            what: StoreItem::Key,
+            ..
+        })
     ));
     assert!(matches!(
         store.scan(&owner, &oversized_key, None, 10).await,
-        Err(StoreError::TooLarge { what: "key", .. })
+        Err(StoreError::TooLarge {
+            what: StoreItem::Key,
+            ..
+        })
     ));
 }
 
@@ -650,9 +847,19 @@ async fn random_commits_and_scans_match_a_btreemap_model(store: &dyn StateStore)
                     }
                 })
                 .collect();
-            let state = (random.below(2) == 0).then(|| bytes(&format!("state {step}")));
-            if let Some(state) = &state {
-                states.insert(owner, state.clone());
+            let state = match random.below(3) {
+                0 => StateChange::Unchanged,
+                1 => StateChange::Set(bytes(&format!("state {step}"))),
+                _ => StateChange::Deleted,
+            };
+            match &state {
+                StateChange::Unchanged => {}
+                StateChange::Set(value) => {
+                    states.insert(owner, value.clone());
+                }
+                StateChange::Deleted => {
+                    states.remove(&owner);
+                }
             }
             for (entry_key, value) in &writes {
                 match value {
@@ -719,6 +926,68 @@ async fn sqlite_file_state_survives_reopening() {
     assert_eq!(store.get(&second, "k1").await.expect("get"), Some(bytes("other")));
 }
 
+/// Goal: fencing holds between two stores opened on one file, as between two runtimes
+/// or two processes: the second's claim fences off the first, whose commit is refused
+/// and writes nothing, and no acknowledged update is lost. Method: two stores on one
+/// file act as two activations of one counter, each adding one to the count it last
+/// saw and committing under its fence, in an interleaving that loses an update without
+/// fencing; the first then claims again and wins back. A third store reads the result.
+#[tokio::test]
+async fn sqlite_second_store_on_one_file_fences_the_first_and_no_update_is_lost() {
+    let directory = TestDirectory::new("sqlite_second_store_on_one_file_fences_the_first_and_no_update_is_lost");
+    let owner = actor("counter", "c");
+    let first = SqliteStore::open(directory.file()).expect("open the file");
+    let second = SqliteStore::open(directory.file()).expect("open the file a second time");
+
+    let first_claim = first.claim(&owner).await.expect("claim");
+    assert_eq!((first_claim.fence, first_claim.state), (Fence::FIRST, None));
+    first
+        .commit(&owner, first_claim.fence, state_commit("1", vec![put("by", "first")]))
+        .await
+        .expect("the only claim commits");
+
+    let second_claim = second.claim(&owner).await.expect("claim");
+    assert_eq!(second_claim.fence, Fence::FIRST.next());
+    assert_eq!(second_claim.state, Some(bytes("1")));
+    second
+        .commit(&owner, second_claim.fence, state_commit("2", vec![put("by", "second")]))
+        .await
+        .expect("the newest claim commits");
+
+    // The first still believes the count is 1: without the fence this would write 2
+    // over 2 and lose the second's increment.
+    let refused = first
+        .commit(&owner, first_claim.fence, state_commit("2", vec![put("by", "first")]))
+        .await;
+    assert_eq!(
+        refused,
+        Err(fenced(&owner, first_claim.fence, Some(second_claim.fence)))
+    );
+    assert_eq!(second.load(&owner).await.expect("load"), Some(bytes("2")));
+    assert_eq!(second.get(&owner, "by").await.expect("get"), Some(bytes("second")));
+
+    second
+        .commit(&owner, second_claim.fence, state_commit("3", vec![]))
+        .await
+        .expect("the newest claim commits again");
+    let reclaim = first.claim(&owner).await.expect("claim again");
+    assert_eq!(reclaim.fence, Fence::FIRST.next().next());
+    assert_eq!(reclaim.state, Some(bytes("3")));
+    first
+        .commit(&owner, reclaim.fence, state_commit("4", vec![]))
+        .await
+        .expect("the new claim commits");
+    let refused = second
+        .commit(&owner, second_claim.fence, state_commit("4", vec![]))
+        .await;
+    assert_eq!(refused, Err(fenced(&owner, second_claim.fence, Some(reclaim.fence))));
+
+    drop((first, second));
+    let reader = SqliteStore::open(directory.file()).expect("reopen the file");
+    // Four commits were acknowledged, each adding one: the count is 4.
+    assert_eq!(reader.load(&owner).await.expect("load"), Some(bytes("4")));
+}
+
 // ---------------------------------------------------------------------------------------
 // MemoryStore fault injection only
 // ---------------------------------------------------------------------------------------
@@ -731,12 +1000,18 @@ async fn memory_injected_commit_failure_makes_nothing_visible_and_the_next_commi
     let owner = actor("agent", "a");
     commit(&store, &owner, state_commit("A", vec![put("k", "1")])).await;
 
+    let fence = claim(&store, &owner).await;
     store.faults().fail_next_commits(1);
     let error = store
-        .commit(&owner, state_commit("B", vec![put("k", "2"), put("new", "x")]))
+        .commit(&owner, fence, state_commit("B", vec![put("k", "2"), put("new", "x")]))
         .await
         .expect_err("the injected fault fails the commit");
-    assert_eq!(error, StoreError::Injected { operation: "commit" });
+    assert_eq!(
+        error,
+        StoreError::Injected {
+            operation: StoreOperation::Commit
+        }
+    );
     assert_eq!(store.faults().injected_count(), 1);
     assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("A")));
     assert_eq!(store.get(&owner, "k").await.expect("get"), Some(bytes("1")));

@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::ActorId;
-use troupe_runtime::{MemoryStore, StateStore, StoreError, TurnCommit};
+use troupe_runtime::{Claimed, Fence, MemoryStore, StateChange, StateStore, StoreError, TurnCommit};
 
 /// When a commit is acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -64,15 +64,19 @@ impl SyncingStore {
 
 #[async_trait]
 impl StateStore for SyncingStore {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.disk.claim(actor).await
+    }
+
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
         self.disk.load(actor).await
     }
 
-    async fn commit(&self, actor: &ActorId, commit: TurnCommit) -> Result<(), StoreError> {
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
         match self.mode {
-            StoreMode::Durable | StoreMode::BugAckBeforeFlush { .. } => self.disk.commit(actor, commit).await,
+            StoreMode::Durable | StoreMode::BugAckBeforeFlush { .. } => self.disk.commit(actor, fence, commit).await,
             StoreMode::Fsync { latency_ms } => {
-                self.disk.commit(actor, commit).await?;
+                self.disk.commit(actor, fence, commit).await?;
                 tokio::time::sleep(Duration::from_millis(latency_ms)).await;
                 self.disk.flush();
                 Ok(())
@@ -81,15 +85,16 @@ impl StateStore for SyncingStore {
                 commit.validate()?;
                 for write in commit.writes {
                     let piece = TurnCommit {
-                        state: None,
+                        state: StateChange::Unchanged,
                         writes: vec![write],
                     };
-                    self.disk.commit(actor, piece).await?;
+                    self.disk.commit(actor, fence, piece).await?;
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
                 self.disk
                     .commit(
                         actor,
+                        fence,
                         TurnCommit {
                             state: commit.state,
                             writes: Vec::new(),
