@@ -202,8 +202,16 @@ async fn run(start: ActivationStart) {
             }
         };
         received += 1;
+        let was_fenced = live.fenced.is_some();
         if let TurnEnd::Aborted = Box::pin(run_turn(&mut live, &handle, *envelope, &mut abort)).await {
             return abort_activation(guard, receiver, &handle.shared);
+        }
+        if !was_fenced && live.fenced.is_some() {
+            // Another activation claimed this actor since (another runtime on the same
+            // store): this one is stale. Ask to be deactivated at once rather than when
+            // idle, so the next request activates the actor afresh from the newest state.
+            let id = guard.id.clone();
+            let _ = guard.control.send(Control::Fenced { id, generation });
         }
     }
 
@@ -352,6 +360,17 @@ async fn run_turn(
         let error = InvokeError::Timeout {
             target: live.id.clone(),
             timeout_ms: 0,
+        };
+        respond(shared, call, edge, reply, Err(error));
+        return TurnEnd::Done;
+    }
+    if let Some(fenced) = &live.fenced {
+        // A stale activation answers nothing from its stale state, not even reads: the
+        // requests still in its mailbox fail with the fence; later ones are held for the
+        // next activation.
+        let error = InvokeError::StorageFailed {
+            target: live.id.clone(),
+            source: fenced.clone(),
         };
         respond(shared, call, edge, reply, Err(error));
         return TurnEnd::Done;

@@ -129,8 +129,18 @@ impl Dispatcher {
             return;
         };
         activation.deactivation_waiters.push(reply);
+        self.close(&target);
+    }
+
+    /// Closes `target`'s mailbox (if it is open) and starts its deactivation: the running
+    /// turn and queued requests finish, then the activation saves and ends; later
+    /// requests are held for the next activation.
+    fn close(&mut self, target: &ActorId) {
+        let Some(activation) = self.table.get_mut(target) else {
+            return;
+        };
         if activation.open {
-            self.handle.shared.routes.lock().remove(&target);
+            self.handle.shared.routes.lock().remove(target);
             activation.open = false;
             if activation.lifecycle.state() == LifecycleState::Active {
                 activation.lifecycle.apply(LifecycleEvent::Deactivate);
@@ -304,6 +314,11 @@ impl Dispatcher {
         match control {
             Control::ReleaseCall { call } => self.waits.remove(call),
             Control::Shutdown { reply } => self.begin_shutdown(reply),
+            Control::Fenced { id, generation } => {
+                if self.current(&id, generation).is_some() {
+                    self.close(&id);
+                }
+            }
             Control::Activated { id, generation } => {
                 let Some(activation) = self.current(&id, generation) else {
                     return;

@@ -79,6 +79,9 @@ pub(crate) enum Control {
         generation: u64,
         received: u64,
     },
+    /// The store refused the activation's commit for a newer claim: close its mailbox
+    /// now (held messages start the next activation).
+    Fenced { id: ActorId, generation: u64 },
     /// The activation ran `on_deactivate`, saved, and its task is ending.
     Deactivated { id: ActorId, generation: u64 },
     /// The activation's task ended abnormally.
