@@ -229,7 +229,7 @@ async fn a_second_agent_system_answering_the_same_agent_is_caught_by_single_acti
     let rogue_answer = rogue
         .ask_with_timeout("w0", "direct to the rogue", Duration::from_secs(1))
         .await;
-    assert!(rogue_answer.is_ok(), "{rogue_answer:?}");
+    assert_eq!(rogue_answer.map(|reply| reply.text), Ok("w0 did it".to_string()));
     sim.drain_asks().await;
 
     sim.phase("liveness");
