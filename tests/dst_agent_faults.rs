@@ -95,7 +95,13 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
     let reply = sim.ask("boss", "reject me", timeout).await.expect("the boss answers");
     assert!(reply.text.starts_with("boss heard: "), "{reply:?}");
     match outcomes(&recorder).pop() {
-        Some(CallOutcome::Failed(InvokeError::ActorFailed { target, .. })) => assert_eq!(target.key(), "grumpy"),
+        Some(CallOutcome::Failed(InvokeError::ActorFailed { target, cause })) => assert_eq!(
+            (target.key(), cause.as_str()),
+            (
+                "grumpy",
+                "the model failed: injected model failure: grumpy refuses to work"
+            )
+        ),
         other => panic!("a callee whose turn fails must be ActorFailed, got {other:?}"),
     }
 
