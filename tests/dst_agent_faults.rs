@@ -38,9 +38,11 @@ fn outcomes(recorder: &CallRecorder) -> Vec<CallOutcome> {
 }
 
 /// Goal and method: the boss agent calls, in turn, an agent whose model fails, an agent
-/// that does not exist, a busy agent (four calls at once into a mailbox of one while it
-/// thinks for 200 ms: at least two are refused with `Busy`), and a slow agent with a short timeout. Each call's typed outcome
-/// is checked, the boss answers every time, and after healing a normal call works.
+/// that does not exist, a busy agent (four calls at once into a mailbox of one while the
+/// worker is already thinking for 200 ms about a direct ask: exactly one is queued and
+/// answered, three are refused with `Busy`), and a slow agent with a short timeout. Each
+/// call's typed outcome is checked, the boss answers every time, and after healing a
+/// normal call works.
 #[madsim::test]
 async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result() {
     let scenario = Scenario {
@@ -93,7 +95,13 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
     let reply = sim.ask("boss", "reject me", timeout).await.expect("the boss answers");
     assert!(reply.text.starts_with("boss heard: "), "{reply:?}");
     match outcomes(&recorder).pop() {
-        Some(CallOutcome::Failed(InvokeError::ActorFailed { target, .. })) => assert_eq!(target.key(), "grumpy"),
+        Some(CallOutcome::Failed(InvokeError::ActorFailed { target, cause })) => assert_eq!(
+            (target.key(), cause.as_str()),
+            (
+                "grumpy",
+                "the model failed: injected model failure: grumpy refuses to work"
+            )
+        ),
         other => panic!("a callee whose turn fails must be ActorFailed, got {other:?}"),
     }
 
@@ -107,6 +115,10 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
         other => panic!("an unknown agent must be AgentNotFound, got {other:?}"),
     }
 
+    // The worker is busy with a direct ask (its turn has taken the message, so its
+    // mailbox of one is empty) when the boss's four calls arrive.
+    sim.spawn_ask("worker", "direct work", timeout);
+    sim.advance(Duration::from_millis(20)).await;
     let before = outcomes(&recorder).len();
     let reply = sim
         .ask("boss", "a crowd of calls", timeout)
@@ -122,10 +134,17 @@ async fn every_agent_level_fault_is_a_typed_outcome_and_a_readable_tool_result()
         .iter()
         .filter(|o| matches!(o, CallOutcome::Replied { .. }))
         .count();
-    // At most one running and one queued in a mailbox of one (only one while the worker
-    // is still activating: its first message holds the slot until the task takes it).
-    assert_eq!(worked + busy, 4, "{crowd:?}");
-    assert!((1..=2).contains(&worked), "{crowd:?}");
+    // One running (the direct ask) and one queued in a mailbox of one: the other three
+    // are refused at once.
+    assert_eq!((worked, busy), (1, 3), "{crowd:?}");
+    let direct = sim.drain_asks().await;
+    assert_eq!(
+        direct
+            .into_iter()
+            .map(|outcome| outcome.map(|reply| reply.text))
+            .collect::<Vec<_>>(),
+        vec![Ok("worked".to_string())]
+    );
 
     let reply = sim.ask("boss", "be slow", timeout).await.expect("the boss answers");
     assert!(reply.text.contains("timed out"), "{reply:?}");

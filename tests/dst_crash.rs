@@ -8,11 +8,12 @@
 //! TurnWritesAtomic (audits of batches).
 #![cfg(madsim)]
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use troupe_core::InvokeError;
 use troupe_sim::workload::keys_on;
-use troupe_sim::{Fault, ProbeOp, Scenario, Sim, SimConfig, StoreMode};
+use troupe_sim::{probe, AuditGroup, Fault, ProbeOp, ProbeReply, Scenario, Sim, SimConfig, StoreMode};
 
 const TEST: &str = "dst_crash";
 
@@ -97,16 +98,27 @@ async fn crash_during_call_loses_nothing_acknowledged() {
     sim.advance(Duration::from_millis(down)).await;
     sim.inject(Fault::RestartNode(2)).await;
     let outcomes = sim.drain().await;
-    // The slow calls were cut by the crash: none of them may have succeeded.
-    let slow_ok = outcomes.iter().take(callers.len()).filter(|o| o.is_ok()).count();
-    assert_eq!(slow_ok, 0, "a call into a crashed node succeeded: {outcomes:?}");
-    for outcome in outcomes.iter().take(callers.len()) {
+    assert_eq!(
+        outcomes.len(),
+        callers.len() + victims.len(),
+        "a request hung: {outcomes:?}"
+    );
+    // The slow calls were cut by the crash, which broke node 1's connection to node 2
+    // while each waited: every one is `Unreachable`, naming its victim.
+    for (index, outcome) in outcomes.iter().take(callers.len()).enumerate() {
+        let victim = probe(&victims[index % victims.len()]);
         assert!(
-            matches!(
-                outcome,
-                Err(InvokeError::Unreachable { .. } | InvokeError::Timeout { .. } | InvokeError::ActorFailed { .. })
-            ),
-            "{outcome:?}"
+            matches!(outcome, Err(InvokeError::Unreachable { target, .. }) if *target == victim),
+            "a call into a crashed node: {outcome:?}"
+        );
+    }
+    // A victim's batch either ran before the crash (its second batch) or was still
+    // queued behind the slow calls when the crash broke its connection.
+    for (victim, outcome) in victims.iter().zip(&outcomes[callers.len()..]) {
+        assert!(
+            *outcome == Ok(ProbeReply::Count(2))
+                || matches!(outcome, Err(InvokeError::Unreachable { target, .. }) if *target == probe(victim)),
+            "the batch of {victim}: {outcome:?}"
         );
     }
     sim.phase("liveness");
@@ -154,8 +166,8 @@ async fn lost_unflushed_writes_are_never_acknowledged_ones() {
     sim.inject(Fault::RestartNode(1)).await;
     let outcomes = sim.drain().await;
     assert!(
-        outcomes[0].is_err(),
-        "the add in its fsync window cannot have been acknowledged: {outcomes:?}"
+        matches!(&outcomes[..], [Err(InvokeError::Unreachable { target, .. })] if *target == probe("d")),
+        "the add in its fsync window cannot have been acknowledged: the kill breaks its connection: {outcomes:?}"
     );
     sim.phase("liveness");
     sim.heal().await;
@@ -171,8 +183,9 @@ async fn lost_unflushed_writes_are_never_acknowledged_ones() {
 /// Goal: storage failures are errors the caller sees, never silent: a failed commit
 /// rolls the turn back (count and batch writes), a failed load fails the activation
 /// (no default state), a failed read fails the turn. Method: random adds, batches and
-/// audits under random commit, load and read failures; afterwards the reads equal the
-/// acknowledged model and every batch is whole.
+/// audits under random commit, load and read failures; every reply equals what a model
+/// of the acknowledged operations predicts (a `StorageFailed` operation changed
+/// nothing), and afterwards the reads equal the model and every batch is whole.
 #[madsim::test]
 async fn storage_failures_surface_as_errors_and_roll_turns_back() {
     let scenario = Scenario {
@@ -184,6 +197,8 @@ async fn storage_failures_surface_as_errors_and_roll_turns_back() {
         ..SimConfig::default()
     };
     let mut sim = Sim::start(scenario, config).await;
+    // (count, batches) of each probe, from the acknowledged operations.
+    let mut model: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     sim.phase("safety");
     for round in 0..30 {
         let count = sim.rng().range(1, 3);
@@ -206,11 +221,30 @@ async fn storage_failures_surface_as_errors_and_roll_turns_back() {
             _ => ProbeOp::Audit,
         };
         let key = if sim.rng().chance(50) { "s1" } else { "s2" };
-        let outcome = sim.request(key, op, Duration::from_millis(300)).await;
-        assert!(
-            matches!(outcome, Ok(_) | Err(InvokeError::StorageFailed { .. })),
-            "storage faults must surface as StorageFailed: {outcome:?}"
-        );
+        let outcome = sim.request(key, op.clone(), Duration::from_millis(300)).await;
+        let (count, batches) = model.entry(key).or_default();
+        match (&op, outcome) {
+            (_, Err(InvokeError::StorageFailed { target, .. })) => assert_eq!(target, probe(key)),
+            (ProbeOp::Add { amount }, Ok(ProbeReply::Count(value))) => {
+                *count += amount;
+                assert_eq!(value, *count, "the add to {key}");
+            }
+            (ProbeOp::Batch { .. }, Ok(ProbeReply::Count(value))) => {
+                *batches += 1;
+                assert_eq!(value, *batches, "the batch of {key}");
+            }
+            (ProbeOp::Audit, Ok(ProbeReply::Audit { batches: found, groups })) => {
+                let whole: Vec<AuditGroup> = (0..*batches)
+                    .map(|batch| AuditGroup {
+                        batch,
+                        present: 3,
+                        expected: 3,
+                    })
+                    .collect();
+                assert_eq!((found, groups), (*batches, whole), "the audit of {key}");
+            }
+            (op, outcome) => panic!("{op:?} on {key}: storage faults must surface as StorageFailed: {outcome:?}"),
+        }
         // Let idle actors deactivate so loads happen too.
         let gap = sim.rng().range(0, 8);
         sim.advance(Duration::from_millis(gap)).await;
@@ -219,10 +253,18 @@ async fn storage_failures_surface_as_errors_and_roll_turns_back() {
     let failed = sim
         .request("s1", ProbeOp::Add { amount: 1 }, Duration::from_millis(300))
         .await;
-    assert!(matches!(failed, Err(InvokeError::StorageFailed { .. })), "{failed:?}");
+    assert!(
+        matches!(&failed, Err(InvokeError::StorageFailed { target, .. }) if *target == probe("s1")),
+        "{failed:?}"
+    );
     sim.phase("liveness");
     sim.heal().await;
-    sim.read_back(&["s1", "s2"]).await;
+    let counts = sim.read_back(&["s1", "s2"]).await;
+    let expected: Vec<u64> = ["s1", "s2"]
+        .iter()
+        .map(|key| model.get(key).map_or(0, |(count, _)| *count))
+        .collect();
+    assert_eq!(counts, expected, "the counts of s1 and s2");
     sim.audit(&["s1", "s2"]).await;
     sim.finish().await;
 }

@@ -42,12 +42,14 @@ async fn a_symmetric_partition_fails_calls_across_it_by_their_deadline() {
     };
     let mut sim = Sim::start(scenario, config()).await;
     let (near, far) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
+    let far_actor = format!("probe/{far}");
     sim.request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(200))
         .await
         .expect("warm-up");
     sim.phase("safety");
     sim.inject(Fault::Partition(0, 2)).await;
-    for _ in 0..4 {
+    let far_turns_before = turns_of(&sim, &far_actor, None);
+    for round in 0..4 {
         let far_outcome = sim
             .request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(100))
             .await;
@@ -55,21 +57,29 @@ async fn a_symmetric_partition_fails_calls_across_it_by_their_deadline() {
         let near_outcome = sim
             .request(&near, ProbeOp::Add { amount: 1 }, Duration::from_millis(100))
             .await;
-        assert!(
-            matches!(near_outcome, Ok(ProbeReply::Count(_))),
-            "beside the cut: {near_outcome:?}"
-        );
+        assert_eq!(near_outcome, Ok(ProbeReply::Count(round + 1)), "beside the cut");
         let gap = sim.rng().range(1, 30);
         sim.advance(Duration::from_millis(gap)).await;
     }
     sim.phase("liveness");
     sim.heal().await;
     sim.quiesce().await;
+    // None of the adds sent across the cut ran: each was delivered, if at all, after its
+    // deadline, and refused unrun.
+    assert_eq!(
+        turns_of(&sim, &far_actor, None),
+        far_turns_before,
+        "an add sent across the cut ran"
+    );
     let after = sim
         .request_until_ok(&far, ProbeOp::Add { amount: 1 }, Duration::from_secs(1), 20)
         .await;
-    assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
-    sim.read_back(&[&near, &far]).await;
+    // The warm-up's add, and one per attempt that ran (the last one answered; an earlier
+    // one may have run and lost its reply to the reconnecting link).
+    let attempts_run = turns_of(&sim, &far_actor, None) - far_turns_before;
+    assert!(attempts_run >= 1, "the answered attempt ran");
+    assert_eq!(after, Ok(ProbeReply::Count(1 + attempts_run as u64)), "after the heal");
+    assert_eq!(sim.read_back(&[&near, &far]).await, vec![4, 1 + attempts_run as u64]);
     sim.finish().await;
 }
 
@@ -86,6 +96,7 @@ async fn a_one_way_partition_fails_calls_both_ways_by_their_deadline() {
     };
     let mut sim = Sim::start(scenario, config()).await;
     let (one, two) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
+    let (one_actor, two_actor) = (format!("probe/{one}"), format!("probe/{two}"));
     let call = |target: &str| ProbeOp::Call {
         target: format!("probe/{target}"),
         op: Box::new(ProbeOp::Add { amount: 1 }),
@@ -101,6 +112,7 @@ async fn a_one_way_partition_fails_calls_both_ways_by_their_deadline() {
         .expect("warm-up 2 -> 1");
     sim.phase("safety");
     sim.inject(Fault::OneWay { from: 1, to: 2 }).await;
+    let called_turns_before = (turns_of(&sim, &one_actor, Some(1)), turns_of(&sim, &two_actor, Some(1)));
     for _ in 0..3 {
         let forward = sim.request(&one, call(&two), Duration::from_millis(300)).await;
         assert!(failed_by_cut(&forward), "1 -> 2 across a 1 -> 2 cut: {forward:?}");
@@ -113,9 +125,25 @@ async fn a_one_way_partition_fails_calls_both_ways_by_their_deadline() {
     sim.phase("liveness");
     sim.heal().await;
     sim.quiesce().await;
+    // Every call 2 -> 1 ran its add on node 1 (only its reply was lost); no call 1 -> 2
+    // ran on node 2 (delivered, if at all, after its deadline, and refused unrun).
+    let called_turns = (turns_of(&sim, &one_actor, Some(1)), turns_of(&sim, &two_actor, Some(1)));
+    assert_eq!(
+        (
+            called_turns.0 - called_turns_before.0,
+            called_turns.1 - called_turns_before.1
+        ),
+        (3, 0),
+        "(called turns on node 1, called turns on node 2) during the cut"
+    );
     let after = sim.request_until_ok(&one, call(&two), Duration::from_secs(1), 20).await;
-    assert!(matches!(after, Ok(ProbeReply::Count(_))), "after the heal: {after:?}");
-    sim.read_back(&[&one, &two]).await;
+    // The warm-up's add on node 2, and one per attempt that ran (the last one answered;
+    // an earlier one may have run and lost its reply to the reconnecting link).
+    let attempts_run = (turns_of(&sim, &two_actor, Some(1)) - called_turns.1) as u64;
+    assert!(attempts_run >= 1, "the answered attempt ran");
+    assert_eq!(after, Ok(ProbeReply::Count(1 + attempts_run)), "after the heal");
+    // Node 1's probe: the warm-up's add and the three adds whose replies were lost.
+    assert_eq!(sim.read_back(&[&one, &two]).await, vec![4, 1 + attempts_run]);
     sim.finish().await;
 }
 
@@ -211,7 +239,7 @@ async fn a_request_delivered_after_a_partition_runs_no_longer_than_its_callers_d
         .expect("warm-up");
     sim.phase("safety");
     sim.inject(Fault::Partition(0, 2)).await;
-    let turns_before = turns_of(&sim, &far_actor);
+    let turns_before = turns_of(&sim, &far_actor, None);
     let cut = sim
         .request(&far, ProbeOp::Add { amount: 1 }, Duration::from_millis(100))
         .await;
@@ -222,7 +250,7 @@ async fn a_request_delivered_after_a_partition_runs_no_longer_than_its_callers_d
     sim.heal().await;
     sim.quiesce().await;
     assert_eq!(
-        turns_of(&sim, &far_actor),
+        turns_of(&sim, &far_actor, None),
         turns_before,
         "the request delivered after its deadline ran"
     );
@@ -232,11 +260,14 @@ async fn a_request_delivered_after_a_partition_runs_no_longer_than_its_callers_d
     assert!(report.tolerated.is_empty(), "{:?}", report.tolerated);
 }
 
-/// Turns of `actor` started so far, from the trace.
-fn turns_of(sim: &Sim, actor: &str) -> usize {
+/// Turns of `actor` started so far (at call depth `depth` only, if given), from the trace.
+fn turns_of(sim: &Sim, actor: &str, depth: Option<u32>) -> usize {
     sim.trace()
         .events()
         .iter()
-        .filter(|e| matches!(&e.event, Event::TurnStarted { actor: a, .. } if a == actor))
+        .filter(|e| {
+            matches!(&e.event, Event::TurnStarted { actor: a, depth: d, .. }
+                if a == actor && depth.is_none_or(|depth| depth == *d))
+        })
         .count()
 }

@@ -18,9 +18,11 @@
 
 use std::time::Duration;
 
+use troupe_core::InvokeError;
 use troupe_sim::workload::keys_on;
 use troupe_sim::{
-    AdmissionMode, ClientMode, Disk, Event, Fault, Placement, ProbeOp, Report, Scenario, Sim, SimConfig, StoreMode,
+    probe, AdmissionMode, ClientMode, Disk, Event, Fault, Placement, ProbeOp, ProbeReply, Report, Scenario, Sim,
+    SimConfig, StoreMode,
 };
 
 const TEST: &str = "dst_planted_bugs";
@@ -54,9 +56,12 @@ async fn split_brain_placement_is_caught_by_single_activation() {
     sim.phase("safety");
     // 20 random placements of one actor: both nodes are hit with probability 1 - 2^-19.
     for _ in 0..20 {
-        let _ = sim
+        let outcome = sim
             .request("shared", ProbeOp::Add { amount: 1 }, Duration::from_millis(200))
             .await;
+        // Both activations answer (from whatever count each holds): the bug is silent
+        // to the client.
+        assert!(matches!(outcome, Ok(ProbeReply::Count(_))), "{outcome:?}");
         if !sim.violations().is_empty() {
             break;
         }
@@ -83,13 +88,15 @@ async fn skipping_the_depth_check_is_caught_by_depth_bounded() {
     let keys: Vec<String> = keys_on(1, 2, 4).into_iter().chain(keys_on(2, 2, 4)).collect();
     let hops: Vec<&str> = keys[1..8].iter().map(String::as_str).collect();
     sim.phase("safety");
-    let _ = sim
+    let outcome = sim
         .request(
             &keys[0],
             ProbeOp::chain(&hops, ProbeOp::Get, 2_000),
             Duration::from_secs(5),
         )
         .await;
+    // The bug took effect: the seven-hop chain ran to its end (nothing ever adds).
+    assert_eq!(outcome, Ok(ProbeReply::Count(0)));
     let report = sim.finish().await;
     caught(&report, "DepthBounded");
 }
@@ -111,9 +118,16 @@ async fn skipping_the_chain_check_is_caught_by_no_cycle_in_call_chain() {
     let mut sim = Sim::start(scenario, config).await;
     let (a, b) = (keys_on(1, 2, 1).remove(0), keys_on(2, 2, 1).remove(0));
     sim.phase("safety");
-    let _ = sim
+    let outcome = sim
         .request(&a, ProbeOp::chain(&[&b, &a], ProbeOp::Get, 300), Duration::from_secs(1))
         .await;
+    // The bug took effect: B's call back into A (busy waiting on B) was admitted, and
+    // the cycle lasted until one of the two calls timed out (whichever deadline came
+    // first after the transport's clock adjustments).
+    assert!(
+        matches!(&outcome, Err(InvokeError::Timeout { target, .. }) if *target == probe(&a) || *target == probe(&b)),
+        "{outcome:?}"
+    );
     let report = sim.finish().await;
     caught(&report, "NoCycleInCallChain");
 }
@@ -143,7 +157,17 @@ async fn bypassing_the_wait_for_graph_is_caught_by_wait_for_graph_acyclic() {
     sim.phase("safety");
     sim.spawn_request("x", crossing("y"), Duration::from_secs(1));
     sim.spawn_request("y", crossing("x"), Duration::from_secs(1));
-    sim.drain().await;
+    let outcomes = sim.drain().await;
+    // The bug took effect: neither call was refused; the cycle lasted until the earlier
+    // call timed out. The later one then either ran (its callee's turn had ended) or had
+    // timed out too (when the two calls were almost simultaneous).
+    assert_eq!(outcomes.len(), 2, "{outcomes:?}");
+    let timed_out = |outcome: &troupe_sim::Outcome, callee: &str| matches!(outcome, Err(InvokeError::Timeout { target, .. }) if target.key() == callee);
+    assert!(
+        (timed_out(&outcomes[0], "y") && (timed_out(&outcomes[1], "x") || outcomes[1] == Ok(ProbeReply::Count(0))))
+            || (timed_out(&outcomes[1], "x") && outcomes[0] == Ok(ProbeReply::Count(0))),
+        "{outcomes:?}"
+    );
     let report = sim.finish().await;
     caught(&report, "WaitForGraphAcyclic");
 }
@@ -163,13 +187,15 @@ async fn a_growing_deadline_is_caught_by_deadline_monotone() {
     };
     let mut sim = Sim::start(scenario, config).await;
     sim.phase("safety");
-    let _ = sim
+    let outcome = sim
         .request(
             "caller",
             ProbeOp::chain(&["callee"], ProbeOp::Get, 100),
             Duration::from_millis(500),
         )
         .await;
+    // The bug does not change the answer (nothing ever adds); only the callee's budget.
+    assert_eq!(outcome, Ok(ProbeReply::Count(0)));
     let report = sim.finish().await;
     caught(&report, "DeadlineMonotone");
 }

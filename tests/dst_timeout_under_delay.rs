@@ -17,6 +17,8 @@ use troupe_sim::workload::keys_on;
 use troupe_sim::{Fault, ProbeOp, ProbeReply, Scenario, Sim, SimConfig};
 
 const TEST: &str = "dst_timeout_under_delay";
+/// The coordinator's `timeout_ms` for its call to the analyst.
+const CALLEE_TIMEOUT_MS: u64 = 200;
 
 /// Goal: under random link latency, a probe on node 1 calling a probe on node 2 whose
 /// turn takes a random time gets the answer when the work fits in the timeout and
@@ -98,19 +100,24 @@ async fn calls_to_slow_callees_time_out_by_their_deadline_under_latency() {
 }
 
 /// Goal: a callee agent slower than the caller's `timeout_ms` yields a typed `Timeout`
-/// tool result, and the caller answers anyway. Method: the analyst's model takes a
-/// random 0-400 ms; the coordinator allows 200 ms.
+/// tool result, and the caller answers anyway; one faster answers. Method: the analyst's
+/// model takes a random 0-400 ms other than exactly 200 (a tie with the deadline could
+/// go either way); the coordinator allows 200 ms. Both agents are on one node, so the
+/// outcome is exactly `Timeout` above 200 ms and the answer below.
 #[madsim::test]
 async fn a_slow_callee_agent_yields_a_timeout_tool_result() {
     let scenario = Scenario {
         test: TEST,
         name: "a_slow_callee_agent_yields_a_timeout_tool_result",
     };
-    let analyst_ms = troupe_sim::SimRng::new().range(0, 400);
+    let analyst_ms = match troupe_sim::SimRng::new().range(0, 399) {
+        below if below < CALLEE_TIMEOUT_MS => below,
+        above => above + 1,
+    };
     let llm = ScriptedLlm::new()
         .rule(ScriptRule::agent("coordinator").on_user_containing("").call(
             "call_agent",
-            json!({"agent_id": "analyst", "message": "{input}", "timeout_ms": 200}),
+            json!({"agent_id": "analyst", "message": "{input}", "timeout_ms": CALLEE_TIMEOUT_MS}),
         ))
         .rule(ScriptRule::agent("coordinator").on_tool_result().reply("{tool_result}"))
         .rule(
@@ -136,12 +143,22 @@ async fn a_slow_callee_agent_yields_a_timeout_tool_result() {
         _ => None,
     });
     match call_outcome {
-        Some(CallOutcome::Failed(InvokeError::Timeout { .. })) => {
-            assert!(analyst_ms >= 190, "a {analyst_ms} ms callee timed out at 200 ms");
-            assert!(reply.text.contains("timed out"), "{reply:?}");
+        Some(CallOutcome::Failed(InvokeError::Timeout { target, timeout_ms })) => {
+            assert!(
+                analyst_ms > CALLEE_TIMEOUT_MS,
+                "a {analyst_ms} ms callee timed out at 200 ms"
+            );
+            assert_eq!((target.key(), timeout_ms), ("analyst", CALLEE_TIMEOUT_MS));
+            assert_eq!(
+                reply.text,
+                "error: call_agent failed: call failed: invocation of agent/analyst timed out after 200 ms"
+            );
         }
         Some(CallOutcome::Replied { .. }) => {
-            assert!(analyst_ms < 200, "a {analyst_ms} ms callee answered within 200 ms");
+            assert!(
+                analyst_ms < CALLEE_TIMEOUT_MS,
+                "a {analyst_ms} ms callee answered within 200 ms"
+            );
             assert_eq!(reply.text, "done");
         }
         other => panic!("unexpected call outcome {other:?}:\n{}", recorder.render_tree()),

@@ -314,12 +314,14 @@ async fn the_deadline_shrinks_along_a_five_hop_chain_and_never_outlives_the_root
         "{result:?}"
     );
     assert_about(started.elapsed(), 3 * SECOND, "the short root");
+    // a0, a1 and a2 each start a turn one step apart (at 0, 1 and 2 s); a2's step ends
+    // at the root deadline, so a3 never runs. Every hop asked for more than is left, so
+    // every turn has the root's deadline.
     let late = turns(&short);
-    assert!(!late.is_empty());
-    let root_limit = Deadline::from_micros(root_deadline.as_micros() + JITTER.as_micros() as u64);
-    assert!(late.iter().all(|t| t.3 <= root_limit), "{late:?}");
-    for pair in late.windows(2) {
-        assert!(pair[1].3 <= pair[0].3, "{late:?}");
+    let agents_late: Vec<&str> = late.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(agents_late, vec!["a0", "a1", "a2"], "{late:?}");
+    for turn in &late {
+        assert_deadline_about(turn.3, root_deadline, &format!("the deadline of {}", turn.0));
     }
     tokio::time::sleep(60 * SECOND).await;
     assert!(system2.conversation_log("a0").await.unwrap().is_empty());
@@ -528,7 +530,6 @@ async fn a_model_failure_commits_nothing_and_long_replies_are_capped_on_a_charac
     assert!(system.conversation_log("a").await.unwrap().is_empty());
     let long = system.ask("a", "something long").await.unwrap();
     assert!(long.truncated);
-    assert!(long.text.len() <= AGENT_REPLY_SIZE_MAX_BYTES);
     assert_eq!(
         long.text.len(),
         AGENT_REPLY_SIZE_MAX_BYTES,
@@ -716,11 +717,10 @@ async fn an_agent_reports_activation_and_deactivation_to_observers() {
             .collect::<Vec<_>>(),
         vec![("activated", "a"), ("deactivated", "a")]
     );
+    // The idle timer checks once per idle timeout from the activation: the first check
+    // finds the ask, the second finds nothing and deactivates.
     let idle_for = Duration::from_micros(seen[1].2.as_micros() - seen[0].2.as_micros());
-    assert!(
-        idle_for >= idle && idle_for <= idle * 2 + JITTER,
-        "deactivated after {idle_for:?} idle"
-    );
+    assert_about(idle_for, idle * 2, "deactivated at the second idle check");
     assert_deadline_about(seen[0].2, origin, "activated at the ask");
 
     // Asked again: a second activation; shutdown ends it.

@@ -35,44 +35,63 @@ fn turn(actor: &str, depth: u32, chain: &[&str], deadline_us: u64, parent_deadli
 
 #[test]
 fn single_activation_catches_two_live_activations_and_forgets_killed_nodes() {
-    assert!(run(
-        SingleActivation::default(),
-        vec![(0, activated(1, "a")), (1, activated(2, "a"))]
-    )
-    .is_err());
+    assert_eq!(
+        run(
+            SingleActivation::default(),
+            vec![(0, activated(1, "a")), (1, activated(2, "a"))]
+        ),
+        Err(String::from(
+            "a activated on node 2 while its activation on node 1 is live"
+        ))
+    );
     let killed = vec![
         (0, activated(1, "a")),
         (1, Event::NodeKilled { node: 1 }),
         (2, activated(2, "a")),
     ];
-    assert!(run(SingleActivation::default(), killed).is_ok());
+    assert_eq!(run(SingleActivation::default(), killed), Ok(()));
 }
 
 #[test]
 fn depth_bounded_catches_a_turn_at_depth_six() {
     let chain = ["a", "b", "c", "d", "e", "f"];
-    assert!(run(DepthBounded, vec![(0, turn("g", 6, &chain, 1, 1))]).is_err());
-    assert!(run(DepthBounded, vec![(0, turn("f", 5, &chain[..5], 1, 1))]).is_ok());
+    assert_eq!(
+        run(DepthBounded, vec![(0, turn("g", 6, &chain, 1, 1))]),
+        Err(String::from(
+            "a turn of g runs at depth 6 > 5 (chain [\"a\", \"b\", \"c\", \"d\", \"e\", \"f\"])"
+        ))
+    );
+    assert_eq!(run(DepthBounded, vec![(0, turn("f", 5, &chain[..5], 1, 1))]), Ok(()));
 }
 
 #[test]
 fn no_cycle_catches_an_actor_running_inside_its_own_chain() {
-    assert!(run(NoCycleInCallChain, vec![(0, turn("a", 2, &["a", "b"], 1, 1))]).is_err());
-    assert!(run(NoCycleInCallChain, vec![(0, turn("c", 2, &["a", "b"], 1, 1))]).is_ok());
+    assert_eq!(
+        run(NoCycleInCallChain, vec![(0, turn("a", 2, &["a", "b"], 1, 1))]),
+        Err(String::from(
+            "a turn of a runs with a twice in chain [\"a\", \"b\"] + a"
+        ))
+    );
+    assert_eq!(
+        run(NoCycleInCallChain, vec![(0, turn("c", 2, &["a", "b"], 1, 1))]),
+        Ok(())
+    );
 }
 
 #[test]
 fn deadline_monotone_catches_a_child_outliving_its_parent() {
-    assert!(run(
+    assert_eq!(run(
         DeadlineMonotone::default(),
         vec![(0, turn("b", 1, &["a"], 2_000, 1_000))]
     )
-    .is_err());
-    assert!(run(
-        DeadlineMonotone::default(),
-        vec![(0, turn("b", 1, &["a"], 1_000, 1_000))]
-    )
-    .is_ok());
+    , Err(String::from("a turn of b (chain [\"a\"], local) runs until 2000 us, later than its caller's deadline 1000 us by 1000 us (allowed 1 us)")));
+    assert_eq!(
+        run(
+            DeadlineMonotone::default(),
+            vec![(0, turn("b", 1, &["a"], 1_000, 1_000))]
+        ),
+        Ok(())
+    );
 }
 
 #[test]
@@ -93,14 +112,19 @@ fn wait_for_cycle_may_not_outlive_its_grace() {
         (10, end(2)),
         (500, end(1)),
     ];
-    assert!(run(WaitForGraphAcyclic::default(), refused_at_once).is_ok());
+    assert_eq!(run(WaitForGraphAcyclic::default(), refused_at_once), Ok(()));
     let survives = vec![
         (0, begin(1, "a", "b")),
         (0, begin(2, "b", "a")),
         (30_000, end(2)),
         (30_000, end(1)),
     ];
-    assert!(run(WaitForGraphAcyclic::default(), survives).is_err());
+    assert_eq!(
+        run(WaitForGraphAcyclic::default(), survives),
+        Err(String::from(
+            "the wait-for cycle a -> b -> a has survived 30.000 ms (grace 1.000 ms)"
+        ))
+    );
 }
 
 #[test]
@@ -114,9 +138,22 @@ fn every_call_resolves_catches_late_and_missing_resolutions() {
         request,
         outcome: "ok".into(),
     };
-    assert!(run(EveryCallResolves::default(), vec![(0, sent(1)), (900, resolved(1))]).is_ok());
-    assert!(run(EveryCallResolves::default(), vec![(0, sent(1)), (5_000, resolved(1))]).is_err());
-    assert!(run(EveryCallResolves::default(), vec![(0, sent(1))]).is_err());
+    assert_eq!(
+        run(EveryCallResolves::default(), vec![(0, sent(1)), (900, resolved(1))]),
+        Ok(())
+    );
+    assert_eq!(
+        run(EveryCallResolves::default(), vec![(0, sent(1)), (5_000, resolved(1))]),
+        Err(String::from(
+            "request to a resolved at 5.000 ms, after its deadline 1.000 ms"
+        ))
+    );
+    assert_eq!(
+        run(EveryCallResolves::default(), vec![(0, sent(1))]),
+        Err(String::from(
+            "1 requests never resolved; request 1 to a is still pending at 1000.000 ms, its deadline was 1.000 ms"
+        ))
+    );
 }
 
 #[test]
@@ -156,9 +193,17 @@ fn no_acked_state_lost_catches_a_read_below_the_acknowledged_floor() {
             ),
         ]
     };
-    assert!(run(NoAckedStateLost::default(), events(5)).is_ok());
-    assert!(run(NoAckedStateLost::default(), events(0)).is_err());
-    assert!(run(NoAckedStateLost::default(), events(6)).is_err());
+    assert_eq!(run(NoAckedStateLost::default(), events(5)), Ok(()));
+    assert_eq!(
+        run(NoAckedStateLost::default(), events(0)),
+        Err(String::from(
+            "a reads 0, but 5 had been acknowledged before the read: acknowledged state was lost"
+        ))
+    );
+    assert_eq!(
+        run(NoAckedStateLost::default(), events(6)),
+        Err(String::from("a reads 6, more than the 5 ever sent"))
+    );
 }
 
 #[test]
@@ -173,9 +218,20 @@ fn turn_writes_atomic_catches_a_partial_batch_and_a_state_that_disagrees() {
         batches,
         groups,
     };
-    assert!(run(TurnWritesAtomic, vec![(0, audit(2, vec![group(0, 3), group(1, 3)]))]).is_ok());
-    assert!(run(TurnWritesAtomic, vec![(0, audit(2, vec![group(0, 3), group(1, 2)]))]).is_err());
-    assert!(run(TurnWritesAtomic, vec![(0, audit(1, vec![group(0, 3), group(1, 3)]))]).is_err());
+    assert_eq!(
+        run(TurnWritesAtomic, vec![(0, audit(2, vec![group(0, 3), group(1, 3)]))]),
+        Ok(())
+    );
+    assert_eq!(
+        run(TurnWritesAtomic, vec![(0, audit(2, vec![group(0, 3), group(1, 2)]))]),
+        Err(String::from("a: batch 1 has 2 of its 3 writes"))
+    );
+    assert_eq!(
+        run(TurnWritesAtomic, vec![(0, audit(1, vec![group(0, 3), group(1, 3)]))]),
+        Err(String::from(
+            "a: its state counts 1 batches but its writes hold batches [0, 1]"
+        ))
+    );
 }
 
 #[test]
@@ -185,14 +241,20 @@ fn every_call_resolves_catches_a_turn_that_outlives_its_deadline() {
         actor: "a".into(),
         ok: true,
     };
-    assert!(run(
-        EveryCallResolves::default(),
-        vec![(0, turn("a", 0, &[], 1_000, 1_000)), (900, ended.clone())]
-    )
-    .is_ok());
-    assert!(run(
-        EveryCallResolves::default(),
-        vec![(0, turn("a", 0, &[], 1_000, 1_000)), (9_000, ended)]
-    )
-    .is_err());
+    assert_eq!(
+        run(
+            EveryCallResolves::default(),
+            vec![(0, turn("a", 0, &[], 1_000, 1_000)), (900, ended.clone())]
+        ),
+        Ok(())
+    );
+    assert_eq!(
+        run(
+            EveryCallResolves::default(),
+            vec![(0, turn("a", 0, &[], 1_000, 1_000)), (9_000, ended)]
+        ),
+        Err(String::from(
+            "a turn of a ran until 9.000 ms, past its deadline 1.000 ms"
+        ))
+    );
 }
