@@ -33,19 +33,18 @@
 //! A panic in the actor ends the task; a guard reports `Crashed` so the dispatcher frees
 //! the entry, and callers of the queued requests see `ActorFailed`.
 
-use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 use troupe_core::{ActorId, InvokeError};
 
 use crate::envelope::{Control, Envelope, MailboxReceiver, Reply};
 use crate::runtime::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
-    Actor, ActorError, ActorFactory, Caller, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StateStore,
-    StoreError, Turn, TurnCommit,
+    Actor, ActorError, ActorFactory, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StateStore, StoreError,
+    Turn, TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -96,11 +95,9 @@ struct Live {
     fence: Fence,
     /// The refusal of a commit under `fence`, once the store has refused one: the actor
     /// was claimed since, so this activation is stale and every later turn fails with it.
-    fenced: Option<StoreError>,
+    fenced: Option<Box<StoreError>>,
     /// The kind's idle timeout.
     idle_timeout: std::time::Duration,
-    /// Calls this activation's turns have in flight (the per-caller cap).
-    in_flight: Arc<AtomicU32>,
 }
 
 impl Live {
@@ -118,8 +115,8 @@ impl Live {
 }
 
 /// Whether the runtime told every activation to stop at once.
-fn aborted(abort: &watch::Receiver<bool>) -> bool {
-    *abort.borrow()
+fn aborted(shared: &Shared) -> bool {
+    shared.abort.is_set()
 }
 
 async fn run(start: ActivationStart) {
@@ -138,10 +135,10 @@ async fn run(start: ActivationStart) {
         generation,
         armed: true,
     };
-    let mut abort = handle.shared.abort.subscribe();
+    let abort = &handle.shared.abort;
     let started = tokio::select! {
         biased;
-        _ = abort.changed() => None,
+        () = abort.wait() => None,
         started = Box::pin(start_actor(&guard.id, &handle)) => Some(started),
     };
     let mut live = match started {
@@ -179,12 +176,12 @@ async fn run(start: ActivationStart) {
     let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
     loop {
-        if aborted(&abort) {
+        if aborted(&handle.shared) {
             return abort_activation(guard, receiver, &handle.shared);
         }
         let envelope = tokio::select! {
             biased;
-            _ = abort.changed() => return abort_activation(guard, receiver, &handle.shared),
+            () = abort.wait() => return abort_activation(guard, receiver, &handle.shared),
             envelope = receiver.recv() => match envelope {
                 Some(envelope) => envelope,
                 None => break,
@@ -203,7 +200,7 @@ async fn run(start: ActivationStart) {
         };
         received += 1;
         let was_fenced = live.fenced.is_some();
-        if let TurnEnd::Aborted = Box::pin(run_turn(&mut live, &handle, *envelope, &mut abort)).await {
+        if let TurnEnd::Aborted = Box::pin(run_turn(&mut live, &handle, *envelope)).await {
             return abort_activation(guard, receiver, &handle.shared);
         }
         if !was_fenced && live.fenced.is_some() {
@@ -218,7 +215,7 @@ async fn run(start: ActivationStart) {
     // The dispatcher closed the mailbox: deactivate.
     let deactivated = tokio::select! {
         biased;
-        _ = abort.changed() => false,
+        () = abort.wait() => false,
         () = Box::pin(deactivate(&mut live, &handle.shared)) => true,
     };
     if !deactivated {
@@ -285,7 +282,6 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
         fence,
         fenced: None,
         idle_timeout: kind.config.idle_timeout,
-        in_flight: Arc::new(AtomicU32::new(0)),
     })
 }
 
@@ -339,12 +335,7 @@ enum Raced<T> {
     Aborted,
 }
 
-async fn run_turn(
-    live: &mut Live,
-    handle: &RuntimeHandle,
-    envelope: Envelope,
-    abort: &mut watch::Receiver<bool>,
-) -> TurnEnd {
+async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) -> TurnEnd {
     let shared = &*handle.shared;
     let Envelope {
         payload,
@@ -370,23 +361,13 @@ async fn run_turn(
         // next activation.
         let error = InvokeError::StorageFailed {
             target: live.id.clone(),
-            source: fenced.clone(),
+            source: (**fenced).clone(),
         };
         respond(shared, call, edge, reply, Err(error));
         return TurnEnd::Done;
     }
     let deadline = context.deadline();
-    // The turn holds the only sender; dropping it tells every clone of its caller handle
-    // (and their calls in flight) that the turn has ended.
-    let (turn_end, turn_end_seen) = watch::channel(());
-    let caller = Caller::new(
-        handle.clone(),
-        live.id.clone(),
-        context,
-        turn_end_seen,
-        Arc::clone(&live.in_flight),
-    );
-    let mut turn = Turn::new(live.id.clone(), caller, handle.clone());
+    let mut turn = Turn::new(live.id.clone(), context, handle.clone());
     #[cfg(feature = "planted-bugs")]
     let watch_caller = !shared.planted_commit_after_abandon;
     #[cfg(not(feature = "planted-bugs"))]
@@ -398,12 +379,13 @@ async fn run_turn(
         let work = shared.clock.run_until_from(now, deadline, handler);
         tokio::select! {
             biased;
-            _ = abort.changed() => Raced::Aborted,
+            () = shared.abort.wait() => Raced::Aborted,
             () = reply.closed(), if watch_caller => Raced::Abandoned,
             outcome = work => Raced::Finished(outcome),
         }
     };
-    drop(turn_end);
+    // The turn has ended: calls still in flight from tasks it spawned are cancelled.
+    turn.end();
     Counters::add(&shared.counters.turns_run);
     let timed_out = || {
         let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
@@ -467,7 +449,7 @@ async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(
     if let Some(fenced) = &live.fenced {
         return Err(InvokeError::StorageFailed {
             target: live.id.clone(),
-            source: fenced.clone(),
+            source: (**fenced).clone(),
         });
     }
     let snapshot = live.actor.snapshot().map_err(|error| actor_error(&live.id, error))?;
@@ -486,7 +468,7 @@ async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(
         }
         Err(source) => {
             if matches!(source, StoreError::Fenced { .. }) {
-                live.fenced = Some(source.clone());
+                live.fenced = Some(Box::new(source.clone()));
             }
             Err(InvokeError::StorageFailed {
                 target: live.id.clone(),

@@ -33,9 +33,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::watch;
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, CallRefused, Deadline, InvokeError};
 
+use crate::signal::Signal;
 use crate::{Clock, RuntimeHandle};
 
 /// A turn's handle for calling other actors. Cheap to clone; every clone speaks for the
@@ -45,14 +45,22 @@ pub struct Caller {
     inner: Arc<CallerInner>,
 }
 
-struct CallerInner {
+pub(crate) struct CallerInner {
     handle: RuntimeHandle,
     id: ActorId,
     context: CallContext,
-    /// Closed when the turn ends (the turn holds the only sender).
-    turn_end: watch::Receiver<()>,
-    /// Calls in flight from this activation (shared by its turns and their clones).
-    in_flight: Arc<AtomicU32>,
+    /// Calls in flight from this turn. Calls end with their turn, and an actor's turns
+    /// run one at a time, so this is also the activation's count.
+    in_flight: AtomicU32,
+    /// Set once when the turn ends.
+    ended: Signal,
+}
+
+impl CallerInner {
+    /// Resolves when the turn has ended.
+    pub(crate) async fn turn_ended(&self) {
+        self.ended.wait().await;
+    }
 }
 
 impl fmt::Debug for Caller {
@@ -99,34 +107,39 @@ impl Admitted {
     }
 }
 
-/// One of an activation's in-flight call slots; freed on drop.
-#[derive(Debug)]
-struct InFlightSlot(Arc<AtomicU32>);
+/// One of a turn's in-flight call slots; freed on drop.
+struct InFlightSlot(Arc<CallerInner>);
+
+impl fmt::Debug for InFlightSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("InFlightSlot").field(&self.0.id).finish()
+    }
+}
 
 impl Drop for InFlightSlot {
     fn drop(&mut self) {
-        let before = self.0.fetch_sub(1, Ordering::SeqCst);
+        let before = self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
         assert!(before >= 1, "in-flight call count underflow");
     }
 }
 
 impl Caller {
-    pub(crate) fn new(
-        handle: RuntimeHandle,
-        id: ActorId,
-        context: CallContext,
-        turn_end: watch::Receiver<()>,
-        in_flight: Arc<AtomicU32>,
-    ) -> Self {
+    pub(crate) fn new(handle: RuntimeHandle, id: ActorId, context: CallContext) -> Self {
         Self {
             inner: Arc::new(CallerInner {
                 handle,
                 id,
                 context,
-                turn_end,
-                in_flight,
+                in_flight: AtomicU32::new(0),
+                ended: Signal::default(),
             }),
         }
+    }
+
+    /// Marks the turn as ended: calls in flight from any clone end with `Cancelled`
+    /// (their callees are cancelled), new ones are refused.
+    pub(crate) fn end_turn(&self) {
+        self.inner.ended.set();
     }
 
     /// The actor whose turn this is.
@@ -176,7 +189,7 @@ impl Caller {
 
     /// Whether the turn has ended; calls are refused from then on.
     pub fn turn_ended(&self) -> bool {
-        self.inner.turn_end.has_changed().is_err()
+        self.inner.ended.is_set()
     }
 
     /// Decides whether this turn may call `target` (see the module documentation for
@@ -201,11 +214,11 @@ impl Caller {
                 caller: inner.id.clone(),
             });
         }
-        if inner.handle.shared.commands.is_closed() || *inner.handle.shared.abort.borrow() {
+        if inner.handle.shared.commands.is_closed() || inner.handle.shared.abort.is_set() {
             return Err(CallRefused::ShuttingDown);
         }
         let before = inner.in_flight.fetch_add(1, Ordering::SeqCst);
-        let slot = InFlightSlot(Arc::clone(&inner.in_flight));
+        let slot = InFlightSlot(Arc::clone(&self.inner));
         let admitted = admit_call(AdmissionRequest {
             caller: &inner.id,
             context: &inner.context,
@@ -253,7 +266,7 @@ impl Caller {
                 &admitted.target,
                 payload,
                 admitted.child.clone(),
-                Some(inner.turn_end.clone()),
+                Some(inner),
             )
             .await;
         drop(admitted);
@@ -293,11 +306,10 @@ impl Caller {
             .into());
         }
         let deadline = self.inner.handle.deadline_in(timeout).min(self.deadline());
-        let mut turn_end = self.inner.turn_end.clone();
         tokio::select! {
             biased;
             result = self.inner.handle.invoke_root(target, payload, deadline) => result,
-            _ = turn_end.changed() => Err(InvokeError::Cancelled { target: target.clone() }),
+            () = self.inner.turn_ended() => Err(InvokeError::Cancelled { target: target.clone() }),
         }
     }
 
@@ -317,7 +329,7 @@ impl Caller {
         let inner = &*self.inner;
         inner
             .handle
-            .invoke_from(&inner.id, target, payload, child, Some(inner.turn_end.clone()))
+            .invoke_from(&inner.id, target, payload, child, Some(inner))
             .await
     }
 }

@@ -28,6 +28,7 @@ mod kind_config;
 mod memory_store;
 mod observer;
 mod runtime;
+mod signal;
 mod sqlite_store;
 mod state_store;
 mod transport;

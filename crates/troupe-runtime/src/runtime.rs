@@ -8,13 +8,15 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
+use crate::caller::CallerInner;
 use crate::dispatcher::Dispatcher;
 use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Reply};
 use crate::fast_hash::FastMap;
+use crate::signal::Signal;
 use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, RuntimeEvent, RuntimeObserver, StateStore};
 
 /// How long [`Runtime::shutdown`] lets running turns and queued requests finish by
@@ -146,7 +148,7 @@ pub(crate) struct Shared {
     pub(crate) observer: Option<Arc<dyn RuntimeObserver>>,
     /// Set once when running turns must stop at once: the shutdown grace period ended,
     /// or the `Runtime` was dropped. Every activation watches it.
-    pub(crate) abort: watch::Sender<bool>,
+    pub(crate) abort: Signal,
     shutdown_grace: Duration,
     next_call: AtomicU64,
     /// Planted bug (simulator only): turns ignore that their caller gave up.
@@ -313,10 +315,9 @@ impl RuntimeHandle {
         target: &ActorId,
         payload: Bytes,
         context: CallContext,
-        turn_end: Option<watch::Receiver<()>>,
+        turn: Option<&CallerInner>,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, payload, context, Some((caller, turn_end)))
-            .await
+        self.send_and_wait(target, payload, context, Some((caller, turn))).await
     }
 
     /// The runtime's counters since it started.
@@ -383,7 +384,7 @@ impl RuntimeHandle {
         target: &ActorId,
         payload: Bytes,
         context: CallContext,
-        caller: Option<(&ActorId, Option<watch::Receiver<()>>)>,
+        caller: Option<(&ActorId, Option<&CallerInner>)>,
     ) -> Result<Bytes, InvokeError> {
         let shared = &*self.shared;
         let clock = shared.clock;
@@ -467,7 +468,7 @@ impl RuntimeHandle {
         now: Deadline,
         deadline: Deadline,
         timeout_ms: u64,
-        turn_end: Option<watch::Receiver<()>>,
+        turn_end: Option<&CallerInner>,
     ) -> Result<Bytes, InvokeError> {
         let target = guard.target;
         let answer = guard.answer.as_mut().expect("a waiting guard holds its receiver");
@@ -475,12 +476,10 @@ impl RuntimeHandle {
             .run_until_from(now, deadline, async move {
                 match turn_end {
                     None => Waited::from(answer.await),
-                    Some(mut turn_end) => tokio::select! {
+                    Some(turn) => tokio::select! {
                         biased;
                         answer = answer => Waited::from(answer),
-                        // The turn drops the sending side when it ends: `changed` then
-                        // fails. Nothing is ever sent on it.
-                        _ = turn_end.changed() => Waited::TurnEnded,
+                        () = turn.turn_ended() => Waited::TurnEnded,
                     },
                 }
             })
@@ -575,7 +574,7 @@ impl Runtime {
         let _ = shared.control.send(Control::Shutdown { reply: Some(reply) });
         let mut done = std::pin::pin!(done);
         if tokio::time::timeout(shared.shutdown_grace, &mut done).await.is_err() {
-            shared.abort.send_replace(true);
+            shared.abort.set();
             let _ = tokio::time::timeout(Duration::from_millis(SHUTDOWN_ABORT_WAIT_MS), &mut done).await;
         }
         if let Some(dispatcher) = self.dispatcher.take() {
@@ -594,7 +593,7 @@ impl Drop for Runtime {
             return; // shut down already
         }
         let shared = &self.handle.shared;
-        shared.abort.send_replace(true);
+        shared.abort.set();
         let _ = shared.control.send(Control::Shutdown { reply: None });
     }
 }
@@ -700,7 +699,7 @@ impl RuntimeBuilder {
             counters: Counters::default(),
             routes: Routes::default(),
             observer: self.observer,
-            abort: watch::Sender::new(false),
+            abort: Signal::default(),
             shutdown_grace: self.shutdown_grace,
             next_call: AtomicU64::new(1),
             #[cfg(feature = "planted-bugs")]

@@ -1,6 +1,7 @@
 //! What a turn can do: read its context, call other actors, read and buffer writes.
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,18 +20,29 @@ use crate::{Caller, Clock, RuntimeHandle, StoreError};
 /// [`Turn::invoke`]): its identity, chain, depth and deadline come from the runtime.
 pub struct Turn {
     id: ActorId,
-    caller: Caller,
+    context: CallContext,
+    /// Made on first use: a turn that calls nobody costs no allocation for it.
+    caller: OnceLock<Caller>,
     handle: RuntimeHandle,
     writes: BTreeMap<String, Option<Bytes>>,
 }
 
 impl Turn {
-    pub(crate) fn new(id: ActorId, caller: Caller, handle: RuntimeHandle) -> Self {
+    pub(crate) fn new(id: ActorId, context: CallContext, handle: RuntimeHandle) -> Self {
         Self {
             id,
-            caller,
+            context,
+            caller: OnceLock::new(),
             handle,
             writes: BTreeMap::new(),
+        }
+    }
+
+    /// Ends the turn for its caller handle and every clone of it: calls still in flight
+    /// are cancelled, new ones refused.
+    pub(crate) fn end(&self) {
+        if let Some(caller) = self.caller.get() {
+            caller.end_turn();
         }
     }
 
@@ -48,12 +60,12 @@ impl Turn {
 
     /// Depth, chain and deadline of the request this turn handles.
     pub fn context(&self) -> &CallContext {
-        self.caller.context()
+        &self.context
     }
 
     /// When this turn must have replied; it is cancelled then.
     pub fn deadline(&self) -> Deadline {
-        self.caller.deadline()
+        self.context.deadline()
     }
 
     /// The current time on the runtime's clock.
@@ -68,7 +80,8 @@ impl Turn {
 
     /// This turn's handle for calling other actors; clone it into tools and tasks.
     pub fn caller(&self) -> &Caller {
-        &self.caller
+        self.caller
+            .get_or_init(|| Caller::new(self.handle.clone(), self.id.clone(), self.context.clone()))
     }
 
     /// Calls `target` and waits for its reply for at most `timeout`, clipped to this
@@ -80,7 +93,7 @@ impl Turn {
     /// [`InvokeError`]: `Refused` (nothing sent), `DeadlockDetected` if `target`
     /// (directly or through others) is waiting on this actor, `Timeout`, and the rest.
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, timeout: Duration) -> Result<Bytes, InvokeError> {
-        self.caller.call(target, payload, timeout).await
+        self.caller().call(target, payload, timeout).await
     }
 
     /// Buffers a write of `value` under `key`, committed with the turn.
