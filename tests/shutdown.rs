@@ -147,7 +147,7 @@ async fn shutdown_with_a_stuck_turn_returns_after_the_grace_period_and_its_calle
     );
     assert_eq!(stuck.await.unwrap(), Err(InvokeError::Shutdown));
     let counters = handle.counters();
-    assert_eq!(counters.turns_cancelled_at_shutdown, 1, "{counters:?}");
+    assert_eq!(counters.activations_aborted, 1, "{counters:?}");
     assert!(
         tally.deactivated.lock().unwrap().is_empty(),
         "on_deactivate does not run after the grace period"

@@ -282,8 +282,9 @@ async fn a_root_invoke_from_inside_a_turn_through_a_captured_handle_is_refused_a
                 let refused = |result: &Result<troupe_agent::AgentReply, AgentCallError>| {
                     matches!(
                         result,
-                        Err(AgentCallError::Invoke(InvokeError::Refused(CallRefused::RootInvokeInsideTurn { caller })))
-                            if caller.key() == "worker"
+                        Err(AgentCallError::Invoke(InvokeError::Refused(
+                            CallRefused::RootInvokeInsideTurn
+                        )))
                     )
                 };
                 Ok(format!(

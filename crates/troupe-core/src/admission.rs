@@ -110,13 +110,10 @@ pub enum CallRefused {
     /// chain, depth, wait-for graph and deadline checks, so a deadlock through it could
     /// only end at a timeout.
     #[error(
-        "a root invocation from inside the turn of {caller} is refused: call through the turn's caller \
+        "a root invocation from inside an actor's turn is refused: call through the turn's caller \
          (call_agent, Turn::invoke, Caller::call), or use Caller::invoke_as_root for independent work"
     )]
-    RootInvokeInsideTurn {
-        /// The actor whose turn made it.
-        caller: ActorId,
-    },
+    RootInvokeInsideTurn,
     /// The runtime is shutting down and admits no new calls.
     #[error("the runtime is shutting down")]
     ShuttingDown,

@@ -7,15 +7,16 @@
 //!     ▼
 //! loop { next message (or idle check after idle_timeout of silence)
 //!        deadline passed or caller gone? → drop it unrun (Timeout)
-//!        handle(turn) under the deadline, while watching the caller and the abort signal
+//!        handle(turn) under the deadline, while watching the caller
 //!        ok and the caller still waits → snapshot; commit state + writes atomically if
 //!          anything changed; release the wait-for edge; reply
 //!        error / timeout / commit failure / caller gone → rebuild the actor from the last
 //!          committed snapshot (the in-memory state never runs ahead of the store);
 //!          release the edge; reply the error }
 //! mailbox closed by the dispatcher ─► on_deactivate ─► save if changed ─► Deactivated
-//! abort (shutdown grace over, or the runtime dropped) ─► cancel the turn, roll back,
-//!   answer it and every queued request `Shutdown` ─► Crashed (nothing else is saved)
+//! abort (shutdown grace over, or the runtime dropped): the dispatcher aborts the task at
+//!   its next `.await`: the turn is dropped (nothing more is committed), the mailbox with
+//!   it (callers see `Shutdown`), and the crash guard reports `Crashed`; no on_deactivate
 //! ```
 //!
 //! **A caller that gives up cancels its callee** (NoCommitAfterAbandon in the
@@ -80,8 +81,9 @@ impl Drop for CrashGuard {
     }
 }
 
-pub(crate) fn spawn(start: ActivationStart) {
-    tokio::spawn(run(start));
+/// Spawns the activation's task; the handle lets the dispatcher abort it at shutdown.
+pub(crate) fn spawn(start: ActivationStart) -> tokio::task::AbortHandle {
+    tokio::spawn(run(start)).abort_handle()
 }
 
 /// The actor as it runs, with what it needs to roll back.
@@ -114,11 +116,6 @@ impl Live {
     }
 }
 
-/// Whether the runtime told every activation to stop at once.
-fn aborted(shared: &Shared) -> bool {
-    shared.abort.is_set()
-}
-
 async fn run(start: ActivationStart) {
     let ActivationStart {
         id,
@@ -135,16 +132,9 @@ async fn run(start: ActivationStart) {
         generation,
         armed: true,
     };
-    let abort = &handle.shared.abort;
-    let started = tokio::select! {
-        biased;
-        () = abort.wait() => None,
-        started = Box::pin(start_actor(&guard.id, &handle)) => Some(started),
-    };
-    let mut live = match started {
-        None => return abort_activation(guard, receiver, &handle.shared),
-        Some(Ok(live)) => live,
-        Some(Err(error)) => {
+    let mut live = match Box::pin(start_actor(&guard.id, &handle)).await {
+        Ok(live) => live,
+        Err(error) => {
             receiver.close();
             while let Some(envelope) = receiver.recv().await {
                 respond(
@@ -176,12 +166,8 @@ async fn run(start: ActivationStart) {
     let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
     loop {
-        if aborted(&handle.shared) {
-            return abort_activation(guard, receiver, &handle.shared);
-        }
         let envelope = tokio::select! {
             biased;
-            () = abort.wait() => return abort_activation(guard, receiver, &handle.shared),
             envelope = receiver.recv() => match envelope {
                 Some(envelope) => envelope,
                 None => break,
@@ -200,9 +186,7 @@ async fn run(start: ActivationStart) {
         };
         received += 1;
         let was_fenced = live.fenced.is_some();
-        if let TurnEnd::Aborted = Box::pin(run_turn(&mut live, &handle, *envelope)).await {
-            return abort_activation(guard, receiver, &handle.shared);
-        }
+        Box::pin(run_turn(&mut live, &handle, *envelope)).await;
         if !was_fenced && live.fenced.is_some() {
             // Another activation claimed this actor since (another runtime on the same
             // store): this one is stale. Ask to be deactivated at once rather than when
@@ -213,34 +197,9 @@ async fn run(start: ActivationStart) {
     }
 
     // The dispatcher closed the mailbox: deactivate.
-    let deactivated = tokio::select! {
-        biased;
-        () = abort.wait() => false,
-        () = Box::pin(deactivate(&mut live, &handle.shared)) => true,
-    };
-    if !deactivated {
-        return abort_activation(guard, receiver, &handle.shared);
-    }
+    Box::pin(deactivate(&mut live, &handle.shared)).await;
     let id = guard.id.clone();
     guard.finish(Control::Deactivated { id, generation });
-}
-
-/// Ends an activation told to stop at once: every request still in its mailbox is
-/// answered `Shutdown`, nothing is saved beyond the last committed turn, and the
-/// dispatcher hears `Crashed` (the lifecycle's "ended without `on_deactivate`").
-fn abort_activation(guard: CrashGuard, mut receiver: MailboxReceiver, shared: &Shared) {
-    receiver.close();
-    while let Ok(envelope) = receiver.try_recv() {
-        respond(
-            shared,
-            envelope.call,
-            envelope.edge,
-            envelope.reply,
-            Err(InvokeError::Shutdown),
-        );
-    }
-    let (id, generation) = (guard.id.clone(), guard.generation);
-    guard.finish(Control::Crashed { id, generation });
 }
 
 /// Answers one request: releases its wait-for edge first, so that no call made after
@@ -318,24 +277,14 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
     }
 }
 
-/// How a turn ended for the activation's loop.
-enum TurnEnd {
-    /// Answered (or dropped unrun); take the next message.
-    Done,
-    /// The abort signal cancelled it: stop the activation.
-    Aborted,
-}
-
-/// What the race between a turn, its caller and the abort signal produced.
+/// What the race between a turn and its caller produced.
 enum Raced<T> {
     Finished(T),
     /// The caller stopped waiting.
     Abandoned,
-    /// The runtime is stopping at once.
-    Aborted,
 }
 
-async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) -> TurnEnd {
+async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     let shared = &*handle.shared;
     let Envelope {
         payload,
@@ -353,7 +302,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) -
             timeout_ms: 0,
         };
         respond(shared, call, edge, reply, Err(error));
-        return TurnEnd::Done;
+        return;
     }
     if let Some(fenced) = &live.fenced {
         // A stale activation answers nothing from its stale state, not even reads: the
@@ -364,7 +313,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) -
             source: (**fenced).clone(),
         };
         respond(shared, call, edge, reply, Err(error));
-        return TurnEnd::Done;
+        return;
     }
     let deadline = context.deadline();
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
@@ -375,11 +324,10 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) -
     let raced = {
         // Marks the task as running this actor's turn, so that a root invocation from
         // inside it (through a captured handle) is refused.
-        let handler = crate::runtime::TURN_OF.scope(live.id.clone(), live.actor.handle(&mut turn, payload));
+        let handler = crate::runtime::InTurn(live.actor.handle(&mut turn, payload));
         let work = shared.clock.run_until_from(now, deadline, handler);
         tokio::select! {
             biased;
-            () = shared.abort.wait() => Raced::Aborted,
             () = reply.closed(), if watch_caller => Raced::Abandoned,
             outcome = work => Raced::Finished(outcome),
         }
@@ -395,12 +343,6 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) -
         })
     };
     let result = match raced {
-        Raced::Aborted => {
-            Counters::add(&shared.counters.turns_cancelled_at_shutdown);
-            live.roll_back();
-            respond(shared, call, edge, reply, Err(InvokeError::Shutdown));
-            return TurnEnd::Aborted;
-        }
         Raced::Abandoned => return abandon(live, shared, call, edge, reply),
         Raced::Finished(Err(_elapsed)) => timed_out(),
         // A turn that ends exactly at its deadline may have won the race with the timer,
@@ -425,11 +367,10 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) -
         live.roll_back();
     }
     respond(shared, call, edge, reply, result);
-    TurnEnd::Done
 }
 
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.
-fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: oneshot::Sender<Reply>) -> TurnEnd {
+fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: oneshot::Sender<Reply>) {
     Counters::add(&shared.counters.turns_abandoned);
     live.roll_back();
     shared.emit(|| RuntimeEvent::TurnAbandoned {
@@ -440,7 +381,6 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: on
         target: live.id.clone(),
     };
     respond(shared, call, edge, reply, Err(error));
-    TurnEnd::Done
 }
 
 /// Commits the turn's state change and writes atomically under the activation's fence;

@@ -214,7 +214,7 @@ impl Caller {
                 caller: inner.id.clone(),
             });
         }
-        if inner.handle.shared.commands.is_closed() || inner.handle.shared.abort.is_set() {
+        if inner.handle.shared.commands.is_closed() || inner.handle.shared.abort.load(Ordering::Acquire) {
             return Err(CallRefused::ShuttingDown);
         }
         let before = inner.in_flight.fetch_add(1, Ordering::SeqCst);

@@ -43,6 +43,8 @@ struct Activation {
     capacity: usize,
     /// Messages for the next activation, held while this one deactivates.
     held: VecDeque<Box<Envelope>>,
+    /// Stops the activation's task at once (shutdown grace over, runtime dropped).
+    task: tokio::task::AbortHandle,
     /// Callers of `RuntimeHandle::deactivate` waiting for this activation to end.
     deactivation_waiters: Vec<oneshot::Sender<bool>>,
 }
@@ -282,6 +284,17 @@ impl Dispatcher {
         }
         let mut lifecycle = Lifecycle::default();
         lifecycle.apply(LifecycleEvent::Activate);
+        assert!(
+            !self.table.contains_key(&id),
+            "a second activation of {id} while one was live"
+        );
+        // Its notices are handled by this loop, so none can arrive before the entry.
+        let task = activation::spawn(ActivationStart {
+            id: id.clone(),
+            generation,
+            receiver,
+            handle: self.handle.clone(),
+        });
         let previous = self.table.insert(
             id.clone(),
             Activation {
@@ -290,6 +303,7 @@ impl Dispatcher {
                 open: true,
                 capacity,
                 held: VecDeque::new(),
+                task,
                 deactivation_waiters: Vec::new(),
             },
         );
@@ -302,18 +316,13 @@ impl Dispatcher {
             .insert(id.clone(), Route { mailbox, delivered });
         assert!(previous.is_none(), "a route to {id} outlived its activation");
         Counters::add(&self.handle.shared.counters.activations_started);
-        activation::spawn(ActivationStart {
-            id,
-            generation,
-            receiver,
-            handle: self.handle.clone(),
-        });
     }
 
     fn on_control(&mut self, control: Control) {
         match control {
             Control::ReleaseCall { call } => self.waits.remove(call),
             Control::Shutdown { reply } => self.begin_shutdown(reply),
+            Control::Abort => self.abort(),
             Control::Fenced { id, generation } => {
                 if self.current(&id, generation).is_some() {
                     self.close(&id);
@@ -407,6 +416,24 @@ impl Dispatcher {
             return;
         }
         self.activate(id, activation.capacity, held);
+    }
+
+    /// Stops every activation at once (the shutdown grace period is over, or the
+    /// runtime was dropped): each task is aborted at its next `.await`; its crash guard
+    /// reports `Crashed`, which frees its entry. Callers whose requests die with it see
+    /// `Shutdown` (their reply channel closes while the runtime aborts).
+    fn abort(&mut self) {
+        self.handle
+            .shared
+            .abort
+            .store(true, std::sync::atomic::Ordering::Release);
+        if !self.shutting_down {
+            self.begin_shutdown(None);
+        }
+        for activation in self.table.values() {
+            activation.task.abort();
+            Counters::add(&self.handle.shared.counters.activations_aborted);
+        }
     }
 
     fn begin_shutdown(&mut self, reply: Option<oneshot::Sender<()>>) {

@@ -69,6 +69,9 @@ pub(crate) enum Control {
     /// activation has ended. Sent by `Runtime::shutdown` (with a reply) and by dropping
     /// the `Runtime` (without).
     Shutdown { reply: Option<oneshot::Sender<()>> },
+    /// Stop every activation at once: the shutdown grace period is over, or the
+    /// `Runtime` was dropped.
+    Abort,
     /// The activation loaded its state and ran `on_activate`.
     Activated { id: ActorId, generation: u64 },
     /// The activation failed to start; its mailbox is closed and drained.

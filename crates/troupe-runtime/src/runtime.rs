@@ -1,10 +1,14 @@
 //! Building a runtime and talking to it: [`RuntimeBuilder`], [`Runtime`], [`RuntimeHandle`].
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::future::Future;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,7 +20,6 @@ use crate::caller::CallerInner;
 use crate::dispatcher::Dispatcher;
 use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Reply};
 use crate::fast_hash::FastMap;
-use crate::signal::Signal;
 use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, RuntimeEvent, RuntimeObserver, StateStore};
 
 /// How long [`Runtime::shutdown`] lets running turns and queued requests finish by
@@ -30,10 +33,30 @@ pub const SHUTDOWN_GRACE_MS_MAX: u64 = 300_000;
 pub const SHUTDOWN_ABORT_WAIT_MS: u64 = 1_000;
 const _: () = assert!(SHUTDOWN_GRACE_MS_DEFAULT <= SHUTDOWN_GRACE_MS_MAX);
 
-tokio::task_local! {
-    /// The actor whose turn the current task is running, if any: set around every turn's
-    /// handler, so a root invocation from inside a turn can be refused.
-    pub(crate) static TURN_OF: ActorId;
+thread_local! {
+    /// Whether the current thread is polling an actor's turn right now: set around every
+    /// poll of a turn's handler ([`InTurn`]), so a root invocation from inside a turn can
+    /// be refused. A plain flag: the check sits on the hot path.
+    static IN_TURN: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Polls a turn's handler with [`IN_TURN`] set.
+pub(crate) struct InTurn<F>(pub(crate) F);
+
+impl<F: Future + Unpin> Future for InTurn<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        /// Restores the flag even if the handler panics.
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                IN_TURN.set(self.0);
+            }
+        }
+        let _restore = Restore(IN_TURN.replace(true));
+        Pin::new(&mut self.0).poll(cx)
+    }
 }
 
 /// A registered actor kind: its factory and configuration.
@@ -54,7 +77,7 @@ pub(crate) struct Counters {
     pub(crate) deadlocks_refused: AtomicU64,
     pub(crate) deactivation_saves_failed: AtomicU64,
     pub(crate) turns_abandoned: AtomicU64,
-    pub(crate) turns_cancelled_at_shutdown: AtomicU64,
+    pub(crate) activations_aborted: AtomicU64,
     pub(crate) dispatcher_busy_refused: AtomicU64,
 }
 
@@ -87,8 +110,10 @@ pub struct RuntimeCounters {
     /// Turns cancelled and rolled back because their caller stopped waiting (timed out,
     /// was cancelled, or its own turn ended).
     pub turns_abandoned: u64,
-    /// Turns cancelled and rolled back because the shutdown grace period ended.
-    pub turns_cancelled_at_shutdown: u64,
+    /// Activations stopped at once because the shutdown grace period ended or the
+    /// runtime was dropped (a running turn among them was cancelled: nothing of it was
+    /// committed unless its commit was already in flight).
+    pub activations_aborted: u64,
     /// Requests refused with `DispatcherBusy` (the dispatcher's queue was full).
     pub dispatcher_busy_refused: u64,
 }
@@ -148,7 +173,7 @@ pub(crate) struct Shared {
     pub(crate) observer: Option<Arc<dyn RuntimeObserver>>,
     /// Set once when running turns must stop at once: the shutdown grace period ended,
     /// or the `Runtime` was dropped. Every activation watches it.
-    pub(crate) abort: Signal,
+    pub(crate) abort: AtomicBool,
     shutdown_grace: Duration,
     next_call: AtomicU64,
     /// Planted bug (simulator only): turns ignore that their caller gave up.
@@ -284,8 +309,8 @@ impl RuntimeHandle {
     /// will, and if its turn is running, the turn is cancelled at its next `.await` and
     /// rolled back (a turn already committing keeps its commit).
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
-        if let Ok(caller) = TURN_OF.try_with(ActorId::clone) {
-            return Err(CallRefused::RootInvokeInsideTurn { caller }.into());
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
         }
         self.invoke_root(target, payload, deadline).await
     }
@@ -334,7 +359,7 @@ impl RuntimeHandle {
             deadlocks_refused: load(&c.deadlocks_refused),
             deactivation_saves_failed: load(&c.deactivation_saves_failed),
             turns_abandoned: load(&c.turns_abandoned),
-            turns_cancelled_at_shutdown: load(&c.turns_cancelled_at_shutdown),
+            activations_aborted: load(&c.activations_aborted),
             dispatcher_busy_refused: load(&c.dispatcher_busy_refused),
         }
     }
@@ -492,10 +517,16 @@ impl RuntimeHandle {
             }
             Waited::Closed => {
                 guard.answered = true;
-                Err(InvokeError::ActorFailed {
-                    target: target.clone(),
-                    cause: "the actor's activation ended before it replied".to_string(),
-                })
+                if guard.shared.abort.load(Ordering::Acquire) {
+                    // The runtime stopped the activation at once (shutdown grace over, or
+                    // the runtime dropped).
+                    Err(InvokeError::Shutdown)
+                } else {
+                    Err(InvokeError::ActorFailed {
+                        target: target.clone(),
+                        cause: "the actor's activation ended before it replied".to_string(),
+                    })
+                }
             }
             Waited::TurnEnded => Err(InvokeError::Cancelled { target: target.clone() }),
             Waited::Elapsed => Err(InvokeError::Timeout {
@@ -574,7 +605,7 @@ impl Runtime {
         let _ = shared.control.send(Control::Shutdown { reply: Some(reply) });
         let mut done = std::pin::pin!(done);
         if tokio::time::timeout(shared.shutdown_grace, &mut done).await.is_err() {
-            shared.abort.set();
+            let _ = shared.control.send(Control::Abort);
             let _ = tokio::time::timeout(Duration::from_millis(SHUTDOWN_ABORT_WAIT_MS), &mut done).await;
         }
         if let Some(dispatcher) = self.dispatcher.take() {
@@ -593,8 +624,8 @@ impl Drop for Runtime {
             return; // shut down already
         }
         let shared = &self.handle.shared;
-        shared.abort.set();
         let _ = shared.control.send(Control::Shutdown { reply: None });
+        let _ = shared.control.send(Control::Abort);
     }
 }
 
@@ -699,7 +730,7 @@ impl RuntimeBuilder {
             counters: Counters::default(),
             routes: Routes::default(),
             observer: self.observer,
-            abort: Signal::default(),
+            abort: AtomicBool::new(false),
             shutdown_grace: self.shutdown_grace,
             next_call: AtomicU64::new(1),
             #[cfg(feature = "planted-bugs")]

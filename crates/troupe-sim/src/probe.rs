@@ -257,7 +257,7 @@ impl From<&CallRefused> for RefusalKind {
             CallRefused::DeadlineExpired => Self::DeadlineExpired,
             CallRefused::CallerTurnEnded { .. } => Self::CallerTurnEnded,
             CallRefused::ShuttingDown => Self::ShuttingDown,
-            CallRefused::RootInvokeInsideTurn { .. } => Self::RootInvokeInsideTurn,
+            CallRefused::RootInvokeInsideTurn => Self::RootInvokeInsideTurn,
         }
     }
 }
