@@ -65,7 +65,12 @@ pub use openai::{
     OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, PROVIDER_ERROR_BODY_BYTES_MAX,
     RESPONSE_BODY_BYTES_MAX,
 };
-pub use schema::{validate, SchemaError};
+pub use schema::{
+    validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,
+    SCHEMA_ERROR_PROBLEM_BYTES_MAX,
+};
 pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
 pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError};
-pub use tool::{Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError};
+pub use tool::{
+    tool_parameters_schema, Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError,
+};

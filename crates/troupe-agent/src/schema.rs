@@ -1,28 +1,207 @@
-//! A small JSON-schema validator for tool arguments.
+//! JSON Schema validation of tool arguments, with the `jsonschema` crate.
 //!
-//! Supports the subset tool schemas in Troupe use: `type` (`object`, `string`,
-//! `integer`, `number`, `boolean`, `array`, `null`), `properties`, `required`,
-//! `additionalProperties: false`, `enum`, `minimum`, `maximum`, `minLength`,
-//! `maxLength` (in characters, as JSON schema counts them) and `items`. Other keywords
-//! are ignored. Arguments come from a model, so every failure is a [`SchemaError`]
-//! telling the model what to fix; nothing here panics on input.
+//! A tool's schema is compiled once, when the tool is built ([`ArgumentSchema::compile`]),
+//! as JSON Schema draft 2020-12 (the draft `schemars` derives): `$ref`/`$defs`, `anyOf`,
+//! `oneOf`, `allOf`, `enum`, `const`, nested objects, `additionalProperties`, numeric and
+//! length bounds and every other keyword of the draft are checked. `format` is not
+//! asserted (an annotation, as the draft says).
+//!
+//! Arguments come from a model, so every failure is a [`SchemaError`] telling the model
+//! what to fix: at most [`SCHEMA_ERRORS_REPORTED_MAX`] violations, each a path (`$` is
+//! the root, `$.a[0].b` below it) and a reason cut to [`SCHEMA_ERROR_PROBLEM_BYTES_MAX`]
+//! bytes, sorted by path then reason so the text does not depend on the order in which
+//! the validator visits keywords. Nothing here panics on model input.
+//!
+//! What it deliberately does not do: fetch anything. A `$ref` that points outside the
+//! schema (`http://...`, `file:...`) fails at compile time instead of being retrieved, so
+//! validation does no I/O, never blocks, and runs the same under the simulator.
 
+use std::fmt;
+
+use jsonschema::{Draft, Retrieve, Uri, Validator};
 use serde_json::Value;
+use troupe_core::truncate_utf8;
 
-/// Why arguments do not match a schema: where, and what was expected.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{path}: {problem}")]
-pub struct SchemaError {
-    /// Where in the arguments, as a JSON pointer-like path (`$` is the root).
+/// At most this many violations are reported in one [`SchemaError`]; the rest are counted.
+pub const SCHEMA_ERRORS_REPORTED_MAX: usize = 4;
+
+/// Each violation's reason is cut to this many bytes (on a character boundary): reasons
+/// quote the offending value, which the model controls.
+pub const SCHEMA_ERROR_PROBLEM_BYTES_MAX: usize = 200;
+
+/// One way the arguments do not match the schema: where, and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaViolation {
+    /// Where in the arguments: `$` is the root, `$.a[0].b` below it.
     pub path: String,
     /// What is wrong there.
     pub problem: String,
 }
 
-/// Checks `value` against `schema`.
+impl fmt::Display for SchemaViolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.problem)
+    }
+}
+
+/// Why arguments do not match a schema: the first violations (sorted by path, at most
+/// [`SCHEMA_ERRORS_REPORTED_MAX`]) and how many more there were.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaError {
+    /// The reported violations; never empty.
+    pub violations: Vec<SchemaViolation>,
+    /// How many violations were found beyond those reported.
+    pub omitted: usize,
+}
+
+impl SchemaError {
+    /// An error with one violation at `path`.
+    pub fn at(path: impl Into<String>, problem: impl Into<String>) -> Self {
+        let problem = problem.into();
+        Self {
+            violations: vec![SchemaViolation {
+                path: path.into(),
+                problem: truncate_utf8(&problem, SCHEMA_ERROR_PROBLEM_BYTES_MAX).to_string(),
+            }],
+            omitted: 0,
+        }
+    }
+
+    /// The first violation (the one at the smallest path).
+    pub fn first(&self) -> &SchemaViolation {
+        &self.violations[0]
+    }
+}
+
+impl std::error::Error for SchemaError {}
+
+impl fmt::Display for SchemaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (index, violation) in self.violations.iter().enumerate() {
+            if index > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{violation}")?;
+        }
+        if self.omitted > 0 {
+            write!(f, "; and {} more", self.omitted)?;
+        }
+        Ok(())
+    }
+}
+
+/// A schema that cannot be compiled: malformed, or with a `$ref` to outside itself.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid JSON schema: {cause}")]
+pub struct InvalidSchema {
+    /// What the compiler said.
+    pub cause: String,
+}
+
+/// Refuses every external resource: tool schemas must be self-contained.
+struct NoRetrieval;
+
+impl Retrieve for NoRetrieval {
+    fn retrieve(&self, uri: &Uri<String>) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
+        Err(format!("{uri} is not fetched: tool schemas must be self-contained").into())
+    }
+}
+
+/// A tool's argument schema, compiled once.
+#[derive(Clone)]
+pub struct ArgumentSchema {
+    schema: Value,
+    validator: std::sync::Arc<Validator>,
+}
+
+impl fmt::Debug for ArgumentSchema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ArgumentSchema")
+            .field("schema", &self.schema)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ArgumentSchema {
+    /// Compiles `schema` as draft 2020-12 (whatever its `$schema` says), without fetching
+    /// anything.
+    ///
+    /// # Errors
+    /// [`InvalidSchema`] if `schema` is not a valid schema or refers outside itself.
+    pub fn compile(schema: &Value) -> Result<Self, InvalidSchema> {
+        let validator = jsonschema::options()
+            .with_draft(Draft::Draft202012)
+            .with_retriever(NoRetrieval)
+            .should_validate_formats(false)
+            .build(schema)
+            .map_err(|error| InvalidSchema {
+                cause: error.to_string(),
+            })?;
+        Ok(Self {
+            schema: schema.clone(),
+            validator: std::sync::Arc::new(validator),
+        })
+    }
+
+    /// The schema as given.
+    pub fn schema(&self) -> &Value {
+        &self.schema
+    }
+
+    /// Checks `value`.
+    ///
+    /// # Errors
+    /// A [`SchemaError`] with every violation found, sorted by path then reason, at most
+    /// [`SCHEMA_ERRORS_REPORTED_MAX`] of them reported.
+    pub fn validate(&self, value: &Value) -> Result<(), SchemaError> {
+        if self.validator.is_valid(value) {
+            return Ok(());
+        }
+        let mut violations: Vec<SchemaViolation> = self
+            .validator
+            .iter_errors(value)
+            .map(|error| SchemaViolation {
+                path: readable_path(error.instance_path().as_str()),
+                problem: truncate_utf8(&error.to_string(), SCHEMA_ERROR_PROBLEM_BYTES_MAX).to_string(),
+            })
+            .collect();
+        if violations.is_empty() {
+            // `is_valid` and `iter_errors` disagree: report the refusal all the same.
+            violations.push(SchemaViolation {
+                path: "$".to_string(),
+                problem: "does not match the schema".to_string(),
+            });
+        }
+        violations.sort_by(|a, b| (&a.path, &a.problem).cmp(&(&b.path, &b.problem)));
+        violations.dedup();
+        let omitted = violations.len().saturating_sub(SCHEMA_ERRORS_REPORTED_MAX);
+        violations.truncate(SCHEMA_ERRORS_REPORTED_MAX);
+        Err(SchemaError { violations, omitted })
+    }
+}
+
+/// A JSON pointer (`/a/0/b`) as `$.a[0].b`.
+fn readable_path(pointer: &str) -> String {
+    let mut path = String::from("$");
+    for segment in pointer.split('/').skip(1) {
+        let segment = segment.replace("~1", "/").replace("~0", "~");
+        if !segment.is_empty() && segment.bytes().all(|byte| byte.is_ascii_digit()) {
+            path.push('[');
+            path.push_str(&segment);
+            path.push(']');
+        } else {
+            path.push('.');
+            path.push_str(&segment);
+        }
+    }
+    path
+}
+
+/// Checks `value` against `schema`, compiling the schema for this one check (a tool
+/// compiles its schema once instead: [`ArgumentSchema`]).
 ///
 /// # Errors
-/// The first [`SchemaError`] found, in document order.
+/// A [`SchemaError`]; an invalid schema is reported at `$` as such.
 ///
 /// # Examples
 /// ```
@@ -31,143 +210,13 @@ pub struct SchemaError {
 ///                     "required": ["n"], "additionalProperties": false});
 /// assert!(troupe_agent::validate(&schema, &json!({"n": 2})).is_ok());
 /// let error = troupe_agent::validate(&schema, &json!({"n": 0})).unwrap_err();
-/// assert_eq!(error.to_string(), "$.n: 0 is less than the minimum 1");
+/// assert_eq!(error.to_string(), "$.n: 0 is less than the minimum of 1");
 /// ```
 pub fn validate(schema: &Value, value: &Value) -> Result<(), SchemaError> {
-    validate_at(schema, value, &mut String::from("$"))
-}
-
-fn fail(path: &str, problem: impl Into<String>) -> Result<(), SchemaError> {
-    Err(SchemaError {
-        path: path.to_string(),
-        problem: problem.into(),
-    })
-}
-
-fn type_name(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(number) if number.is_i64() || number.is_u64() => "integer",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
+    match ArgumentSchema::compile(schema) {
+        Ok(compiled) => compiled.validate(value),
+        Err(invalid) => Err(SchemaError::at("$", invalid.to_string())),
     }
-}
-
-fn has_type(value: &Value, expected: &str) -> bool {
-    match expected {
-        "integer" => match value {
-            Value::Number(number) => {
-                number.is_i64() || number.is_u64() || number.as_f64().is_some_and(|f| f.fract() == 0.0)
-            }
-            _ => false,
-        },
-        "number" => value.is_number(),
-        other => type_name(value) == other,
-    }
-}
-
-fn validate_at(schema: &Value, value: &Value, path: &mut String) -> Result<(), SchemaError> {
-    let Some(schema) = schema.as_object() else {
-        // `true` or an empty schema accepts anything; `false` accepts nothing.
-        if schema == &Value::Bool(false) {
-            return fail(path, "no value is allowed here");
-        }
-        return Ok(());
-    };
-    if let Some(expected) = schema.get("type") {
-        let allowed: Vec<&str> = match expected {
-            Value::String(one) => vec![one.as_str()],
-            Value::Array(many) => many.iter().filter_map(Value::as_str).collect(),
-            _ => Vec::new(),
-        };
-        if !allowed.is_empty() && !allowed.iter().any(|t| has_type(value, t)) {
-            return fail(
-                path,
-                format!("expected {}, got {}", allowed.join(" or "), type_name(value)),
-            );
-        }
-    }
-    if let Some(Value::Array(options)) = schema.get("enum") {
-        if !options.contains(value) {
-            let listed: Vec<String> = options.iter().map(Value::to_string).collect();
-            return fail(path, format!("{value} is not one of {}", listed.join(", ")));
-        }
-    }
-    if let Some(number) = value.as_f64().filter(|_| value.is_number()) {
-        if let Some(minimum) = schema.get("minimum").and_then(Value::as_f64) {
-            if number < minimum {
-                return fail(path, format!("{value} is less than the minimum {}", schema["minimum"]));
-            }
-        }
-        if let Some(maximum) = schema.get("maximum").and_then(Value::as_f64) {
-            if number > maximum {
-                return fail(path, format!("{value} is more than the maximum {}", schema["maximum"]));
-            }
-        }
-    }
-    if let Value::String(text) = value {
-        let length = text.chars().count();
-        if let Some(min) = schema.get("minLength").and_then(Value::as_u64) {
-            if (length as u64) < min {
-                return fail(
-                    path,
-                    format!("string of {length} characters is shorter than minLength {min}"),
-                );
-            }
-        }
-        if let Some(max) = schema.get("maxLength").and_then(Value::as_u64) {
-            if length as u64 > max {
-                return fail(
-                    path,
-                    format!("string of {length} characters is longer than maxLength {max}"),
-                );
-            }
-        }
-    }
-    if let (Value::Array(items), Some(item_schema)) = (value, schema.get("items")) {
-        for (index, item) in items.iter().enumerate() {
-            let saved = path.len();
-            path.push_str(&format!("[{index}]"));
-            validate_at(item_schema, item, path)?;
-            path.truncate(saved);
-        }
-    }
-    if let Value::Object(fields) = value {
-        let properties = schema.get("properties").and_then(Value::as_object);
-        if let Some(Value::Array(required)) = schema.get("required") {
-            for name in required.iter().filter_map(Value::as_str) {
-                if !fields.contains_key(name) {
-                    return fail(path, format!("missing required property \"{name}\""));
-                }
-            }
-        }
-        let closed = schema.get("additionalProperties") == Some(&Value::Bool(false));
-        for (name, field) in fields {
-            match properties.and_then(|properties| properties.get(name)) {
-                Some(field_schema) => {
-                    let saved = path.len();
-                    path.push('.');
-                    path.push_str(name);
-                    validate_at(field_schema, field, path)?;
-                    path.truncate(saved);
-                }
-                None if closed => {
-                    let known: Vec<&str> = properties
-                        .map(|p| p.keys().map(String::as_str).collect())
-                        .unwrap_or_default();
-                    return fail(
-                        path,
-                        format!("unknown property \"{name}\" (allowed: {})", known.join(", ")),
-                    );
-                }
-                None => {}
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -206,55 +255,95 @@ mod tests {
 
     #[test]
     fn each_violation_is_reported_with_its_path_and_reason() {
-        assert_eq!(error_of(json!("text")), "$: expected object, got string");
-        assert_eq!(
-            error_of(json!({"message": "m"})),
-            "$: missing required property \"agent_id\""
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": 3, "message": "m"})),
-            "$.agent_id: expected string, got integer"
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": "b", "message": "m", "timeout_ms": 0})),
-            "$.timeout_ms: 0 is less than the minimum 1"
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": "b", "message": "m", "timeout_ms": 300001})),
-            "$.timeout_ms: 300001 is more than the maximum 300000"
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": "b", "message": "m", "timeout_ms": 1.5})),
-            "$.timeout_ms: expected integer, got number"
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": "b", "message": "m", "mode": "shout"})),
-            "$.mode: \"shout\" is not one of \"ask\", \"tell\""
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": "ééééééééé", "message": "m"})),
-            "$.agent_id: string of 9 characters is longer than maxLength 8"
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": "", "message": "m"})),
-            "$.agent_id: string of 0 characters is shorter than minLength 1"
-        );
-        assert_eq!(
-            error_of(json!({"agent_id": "b", "message": "m", "tags": ["a", 1]})),
-            "$.tags[1]: expected string, got integer"
-        );
-        assert!(error_of(json!({"agent_id": "b", "message": "m", "extra": 1}))
-            .starts_with("$: unknown property \"extra\" (allowed: "));
-        assert_eq!(
-            error_of(json!({"agent_id": "b", "message": "m", "urgent": "yes"})),
-            "$.urgent: expected boolean, got string"
-        );
+        let cases = [
+            (json!("text"), "$: \"text\" is not of type \"object\""),
+            (json!({"message": "m"}), "$: \"agent_id\" is a required property"),
+            (
+                json!({"agent_id": 3, "message": "m"}),
+                "$.agent_id: 3 is not of type \"string\"",
+            ),
+            (
+                json!({"agent_id": "b", "message": "m", "timeout_ms": 0}),
+                "$.timeout_ms: 0 is less than the minimum of 1",
+            ),
+            (
+                json!({"agent_id": "b", "message": "m", "timeout_ms": 300001}),
+                "$.timeout_ms: 300001 is greater than the maximum of 300000",
+            ),
+            (
+                json!({"agent_id": "b", "message": "m", "timeout_ms": 1.5}),
+                "$.timeout_ms: 1.5 is not of type \"integer\"",
+            ),
+            (
+                json!({"agent_id": "b", "message": "m", "mode": "shout"}),
+                "$.mode: \"shout\" is not one of \"ask\" or \"tell\"",
+            ),
+            (
+                json!({"agent_id": "ééééééééé", "message": "m"}),
+                "$.agent_id: \"ééééééééé\" is longer than 8 characters",
+            ),
+            (
+                json!({"agent_id": "", "message": "m"}),
+                "$.agent_id: \"\" is shorter than 1 character",
+            ),
+            (
+                json!({"agent_id": "b", "message": "m", "tags": ["a", 1]}),
+                "$.tags[1]: 1 is not of type \"string\"",
+            ),
+            (
+                json!({"agent_id": "b", "message": "m", "urgent": "yes"}),
+                "$.urgent: \"yes\" is not of type \"boolean\"",
+            ),
+        ];
+        for (value, expected) in cases {
+            assert_eq!(error_of(value), expected);
+        }
+        assert!(error_of(json!({"agent_id": "b", "message": "m", "extra": 1})).contains("'extra' was unexpected"));
     }
 
     #[test]
     fn integral_floats_count_as_integers_and_integers_as_numbers() {
         let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}});
         assert_eq!(validate(&schema, &json!({"n": 3.0, "x": 2})), Ok(()));
+    }
+
+    /// Many violations are reported sorted by path, capped, with the rest counted.
+    #[test]
+    fn many_violations_are_capped_sorted_and_counted() {
+        let schema = json!({"type": "array", "items": {"type": "string"}});
+        let error = validate(&schema, &json!([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])).unwrap_err();
+        assert_eq!(error.violations.len(), SCHEMA_ERRORS_REPORTED_MAX);
+        assert_eq!(error.omitted, 12 - SCHEMA_ERRORS_REPORTED_MAX);
+        assert_eq!(error.first().path, "$[0]");
+        assert!(error.to_string().ends_with("; and 8 more"), "{error}");
+    }
+
+    /// A reason quoting a huge value is cut, so a model cannot blow up its own context
+    /// through an error message.
+    #[test]
+    fn a_reason_quoting_a_huge_value_is_cut() {
+        let error = error_of(json!({"agent_id": "x".repeat(100_000), "message": "m"}));
+        assert!(
+            error.len() <= SCHEMA_ERROR_PROBLEM_BYTES_MAX + 16,
+            "{} bytes",
+            error.len()
+        );
+    }
+
+    /// A `$ref` to outside the schema is refused when compiling; nothing is fetched.
+    #[test]
+    fn remote_references_are_refused_not_fetched() {
+        for reference in ["http://127.0.0.1:9/schema.json", "file:///etc/passwd"] {
+            let schema = json!({"type": "object", "properties": {"a": {"$ref": reference}}});
+            let invalid = ArgumentSchema::compile(&schema).unwrap_err();
+            assert!(invalid.cause.contains("is not fetched"), "{invalid}");
+        }
+    }
+
+    #[test]
+    fn json_pointers_read_as_dotted_paths() {
+        assert_eq!(readable_path(""), "$");
+        assert_eq!(readable_path("/a/0/b~1c~0d"), "$.a[0].b/c~d");
     }
 
     fn arbitrary_json() -> impl Strategy<Value = Value> {
@@ -275,14 +364,20 @@ mod tests {
     }
 
     proptest! {
-        /// Any JSON a model could send is either accepted or refused with an error; the
-        /// validator never panics, and what it accepts has the required fields with the
-        /// right types.
+        /// Any JSON a model could send is either accepted or refused with a bounded,
+        /// non-empty error; the validator never panics, and what it accepts has the
+        /// required fields with the right types.
         #[test]
         fn arbitrary_arguments_never_panic_and_accepted_ones_conform(value in arbitrary_json()) {
-            if validate(&call_agent_schema(), &value).is_ok() {
-                prop_assert!(value["agent_id"].as_str().is_some_and(|s| !s.is_empty() && s.chars().count() <= 8));
-                prop_assert!(value["message"].is_string());
+            match validate(&call_agent_schema(), &value) {
+                Ok(()) => {
+                    prop_assert!(value["agent_id"].as_str().is_some_and(|s| !s.is_empty() && s.chars().count() <= 8));
+                    prop_assert!(value["message"].is_string());
+                }
+                Err(error) => {
+                    prop_assert!(!error.violations.is_empty());
+                    prop_assert!(error.violations.len() <= SCHEMA_ERRORS_REPORTED_MAX);
+                }
             }
         }
 

@@ -1,12 +1,26 @@
 //! Tools an agent's model may call: [`Tool`], the [`ToolRegistry`], and the
 //! [`ToolExecutionContext`] every handler receives.
 //!
-//! Arguments come from a model and are untrusted: they are checked against the tool's
-//! JSON schema ([`crate::validate`]) before the handler runs, and every failure (unknown
-//! tool, bad arguments, handler error, deadline) becomes a [`ToolError`] whose text is
-//! handed back to the model as the tool result. Nothing here panics on model input.
-//! A handler runs under the calling turn's deadline and is cancelled (dropped) when the
-//! turn is.
+//! ```text
+//! model's tool call {name, arguments: JSON}
+//!   ──► registry: unknown name?                  → ToolError::UnknownTool
+//!   ──► ArgumentSchema (compiled when the tool was built, jsonschema, no I/O)
+//!                                                → ToolError::InvalidArguments
+//!   ──► typed tools only: serde_json::from_value::<Args>
+//!                                                → ToolError::InvalidArguments
+//!   ──► handler, until the turn's deadline      → its error / DeadlineExceeded
+//!   ──► result text (or the error's text) back to the model as the tool result
+//! ```
+//!
+//! A typed tool ([`Tool::typed`]) declares a Rust argument type deriving
+//! `serde::Deserialize` and `schemars::JsonSchema`: the schema the model sees is derived
+//! from the type, and the handler receives the type. [`Tool::new`] and [`Tool::from_fn`]
+//! take a hand-written schema and hand the handler raw JSON.
+//!
+//! Arguments come from a model and are untrusted: every failure becomes a [`ToolError`]
+//! whose text is handed back to the model as the tool result. Nothing here panics on
+//! model input. A handler runs under the calling turn's deadline and is cancelled
+//! (dropped) when the turn is.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -15,12 +29,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 use troupe_core::{ActorId, CallContext, Deadline};
 use troupe_runtime::{Caller, Clock};
 
 use crate::agent::AgentShared;
-use crate::{SchemaError, ToolSpec};
+use crate::{ArgumentSchema, SchemaError, ToolSpec};
 
 /// Why a tool call produced no result. Its `Display` is what the model reads.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,7 +49,8 @@ pub enum ToolError {
         /// The registered names.
         available: Vec<String>,
     },
-    /// The arguments do not match the tool's schema.
+    /// The arguments do not match the tool's schema, or (typed tools) do not
+    /// deserialize into its argument type.
     #[error("invalid arguments for {tool}: {error}")]
     InvalidArguments {
         /// The tool.
@@ -182,10 +199,55 @@ where
     }
 }
 
-/// A tool: what the model sees ([`ToolSpec`]) and the handler that runs.
+/// Deserializes the validated arguments into `A`, then runs the typed handler.
+struct TypedHandler<A, F> {
+    tool: String,
+    handler: F,
+    arguments: std::marker::PhantomData<fn() -> A>,
+}
+
+#[async_trait]
+impl<A, F, Fut> ToolHandler for TypedHandler<A, F>
+where
+    A: DeserializeOwned + Send + 'static,
+    F: Fn(ToolExecutionContext, A) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<String, ToolError>> + Send + 'static,
+{
+    async fn call(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
+        let arguments = serde_json::from_value::<A>(arguments).map_err(|error| ToolError::InvalidArguments {
+            tool: self.tool.clone(),
+            error: SchemaError::at("$", error.to_string()),
+        })?;
+        (self.handler)(context.clone(), arguments).await
+    }
+}
+
+/// The JSON schema `schemars` derives for `A`, as the model sees it: draft 2020-12
+/// without the `$schema` marker (providers take the bare schema).
+///
+/// # Panics
+/// If the derived schema is not an object schema (`A` is not a struct or map): a tool's
+/// arguments are a JSON object.
+pub fn tool_parameters_schema<A: JsonSchema>() -> Value {
+    let mut schema = schemars::schema_for!(A).to_value();
+    if let Some(fields) = schema.as_object_mut() {
+        fields.remove("$schema");
+    }
+    assert_eq!(
+        schema.get("type"),
+        Some(&Value::String("object".to_string())),
+        "the arguments of a tool must be a JSON object; {} derives {schema}",
+        std::any::type_name::<A>()
+    );
+    schema
+}
+
+/// A tool: what the model sees ([`ToolSpec`]), its compiled argument schema and the
+/// handler that runs.
 #[derive(Clone)]
 pub struct Tool {
     spec: ToolSpec,
+    schema: ArgumentSchema,
     handler: Arc<dyn ToolHandler>,
 }
 
@@ -198,10 +260,11 @@ impl fmt::Debug for Tool {
 }
 
 impl Tool {
-    /// A tool with a [`ToolHandler`].
+    /// A tool with a [`ToolHandler`] and a hand-written JSON schema, compiled here once.
     ///
     /// # Panics
-    /// If `parameters` is not a JSON object (a programmer error in the tool's definition).
+    /// If `parameters` is not a JSON object, or not a valid self-contained JSON schema
+    /// (a programmer error in the tool's definition).
     pub fn new(
         name: impl Into<String>,
         description: impl Into<String>,
@@ -213,14 +276,66 @@ impl Tool {
             parameters.is_object(),
             "the schema of tool {name} must be a JSON object"
         );
+        let schema = match ArgumentSchema::compile(&parameters) {
+            Ok(schema) => schema,
+            Err(invalid) => panic!("the schema of tool {name} does not compile: {invalid}"),
+        };
         Self {
             spec: ToolSpec {
                 name,
                 description: description.into(),
                 parameters,
             },
+            schema,
             handler: Arc::new(handler),
         }
+    }
+
+    /// A typed tool: the model sees the JSON schema `schemars` derives for `A`, and the
+    /// handler receives the arguments deserialized into `A`. Arguments that break the
+    /// schema or do not deserialize are refused with [`ToolError::InvalidArguments`]
+    /// before the handler runs; the model reads the reason as the tool result.
+    ///
+    /// # Panics
+    /// If `A`'s schema is not an object schema (see [`tool_parameters_schema`]).
+    ///
+    /// # Examples
+    /// ```
+    /// use schemars::JsonSchema;
+    /// use serde::Deserialize;
+    /// use troupe_agent::{Tool, ToolExecutionContext};
+    ///
+    /// /// Adds two numbers.
+    /// #[derive(Deserialize, JsonSchema)]
+    /// struct AddArguments {
+    ///     /// The first term.
+    ///     a: i64,
+    ///     /// The second term.
+    ///     b: i64,
+    /// }
+    ///
+    /// let add = Tool::typed::<AddArguments, _, _>(
+    ///     "add",
+    ///     "Adds two integers.",
+    ///     |_context: ToolExecutionContext, arguments: AddArguments| async move {
+    ///         Ok((arguments.a + arguments.b).to_string())
+    ///     },
+    /// );
+    /// assert_eq!(add.spec().parameters["required"], serde_json::json!(["a", "b"]));
+    /// ```
+    pub fn typed<A, F, Fut>(name: impl Into<String>, description: impl Into<String>, handler: F) -> Self
+    where
+        A: DeserializeOwned + JsonSchema + Send + 'static,
+        F: Fn(ToolExecutionContext, A) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<String, ToolError>> + Send + 'static,
+    {
+        let name = name.into();
+        let typed = TypedHandler {
+            tool: name.clone(),
+            handler,
+            arguments: std::marker::PhantomData,
+        };
+        Self::new(name, description, tool_parameters_schema::<A>(), typed)
     }
 
     /// A tool whose handler is an async closure taking the context and the arguments.
@@ -253,10 +368,12 @@ impl Tool {
     /// [`ToolError::InvalidArguments`], [`ToolError::DeadlineExceeded`] or the handler's
     /// error.
     pub async fn execute(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
-        crate::validate(&self.spec.parameters, &arguments).map_err(|error| ToolError::InvalidArguments {
-            tool: self.spec.name.clone(),
-            error,
-        })?;
+        self.schema
+            .validate(&arguments)
+            .map_err(|error| ToolError::InvalidArguments {
+                tool: self.spec.name.clone(),
+                error,
+            })?;
         let clock = context.clock();
         match clock
             .run_until(context.deadline(), self.handler.call(context, arguments))

@@ -487,9 +487,9 @@ async fn rust_callers_get_typed_errors_and_bad_arguments_reach_the_model_as_erro
     );
     assert_eq!(
         results[2],
-        "error: invalid arguments for call_agent: $.message: expected string, got integer"
+        "error: invalid arguments for call_agent: $.message: 7 is not of type \"string\""
     );
-    assert!(results[3].starts_with("error: invalid arguments for probe: $: missing required property \"agent_id\""));
+    assert!(results[3].starts_with("error: invalid arguments for probe: $: \"agent_id\" is a required property"));
     assert_eq!(
         results[4],
         "error: unknown tool \"no_such_tool\"; available tools: call_agent, probe"
