@@ -17,13 +17,15 @@
 //! next `.await`: no further model or tool calls, nothing committed, and its own calls
 //! are cancelled the same way.
 
-use serde_json::{json, Value};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::Value;
 use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, AGENT_CALL_TIMEOUT_MS_DEFAULT, AGENT_CALL_TIMEOUT_MS_MAX};
 use troupe_core::{truncate_utf8, ActorId, CallRefused, InvokeError};
 
 use crate::agent::{agent_id, AgentReply, AgentRequest};
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
-use crate::{AgentEvent, CallOutcome, Tool, ToolError, ToolExecutionContext};
+use crate::{tool_parameters_schema, AgentEvent, CallOutcome, Tool, ToolError, ToolExecutionContext};
 
 /// The name of the tool every agent has.
 pub const CALL_AGENT_TOOL_NAME: &str = "call_agent";
@@ -187,48 +189,43 @@ pub async fn call_agent(
     result
 }
 
-/// The JSON schema of `call_agent`'s arguments.
+/// The arguments of the `call_agent` tool, as the model sends them; their JSON schema
+/// ([`call_agent_schema`]) is derived from this type.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CallAgentArguments {
+    /// The id of the agent to ask.
+    #[schemars(length(min = 1, max = ACTOR_KEY_LENGTH_MAX))]
+    pub agent_id: String,
+    /// What to ask or tell it.
+    #[schemars(length(max = AGENT_MESSAGE_SIZE_MAX_BYTES))]
+    pub message: String,
+    /// How long to wait for the answer, in milliseconds.
+    #[schemars(range(min = 1), description = call_agent_timeout_description())]
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+fn call_agent_timeout_description() -> String {
+    format!(
+        "How long to wait for the answer, in milliseconds (default {AGENT_CALL_TIMEOUT_MS_DEFAULT}, at most {AGENT_CALL_TIMEOUT_MS_MAX})."
+    )
+}
+
+/// The JSON schema of `call_agent`'s arguments, derived from [`CallAgentArguments`].
 pub fn call_agent_schema() -> Value {
-    json!({
-        "type": "object",
-        "properties": {
-            "agent_id": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": ACTOR_KEY_LENGTH_MAX,
-                "description": "The id of the agent to ask."
-            },
-            "message": {
-                "type": "string",
-                "maxLength": AGENT_MESSAGE_SIZE_MAX_BYTES,
-                "description": "What to ask or tell it."
-            },
-            "timeout_ms": {
-                "type": "integer",
-                "minimum": 1,
-                "description": format!(
-                    "How long to wait for the answer, in milliseconds (default {AGENT_CALL_TIMEOUT_MS_DEFAULT}, at most {AGENT_CALL_TIMEOUT_MS_MAX})."
-                )
-            }
-        },
-        "required": ["agent_id", "message"],
-        "additionalProperties": false
-    })
+    tool_parameters_schema::<CallAgentArguments>()
 }
 
 /// The `call_agent` tool, registered for every agent.
 pub(crate) fn call_agent_tool() -> Tool {
-    Tool::from_fn(
+    Tool::typed::<CallAgentArguments, _, _>(
         CALL_AGENT_TOOL_NAME,
         "Ask another agent and wait for its answer. Agents waiting on you cannot be called \
          (that would deadlock), chains are at most 5 calls deep, and the answer must arrive \
          before your own deadline.",
-        call_agent_schema(),
-        |context, arguments| async move {
-            let agent = arguments["agent_id"].as_str().unwrap_or_default().to_string();
-            let message = arguments["message"].as_str().unwrap_or_default().to_string();
-            let timeout_ms = arguments.get("timeout_ms").and_then(Value::as_f64).map(|ms| ms as u64);
-            call_agent(&context, &agent, &message, timeout_ms)
+        |context, arguments: CallAgentArguments| async move {
+            call_agent(&context, &arguments.agent_id, &arguments.message, arguments.timeout_ms)
                 .await
                 .map(|reply| reply.text)
                 .map_err(|error| ToolError::failed(CALL_AGENT_TOOL_NAME, error.to_string()))

@@ -56,7 +56,7 @@ mod tool;
 pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
-pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CALL_AGENT_TOOL_NAME};
+pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall, ToolSpec};
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]

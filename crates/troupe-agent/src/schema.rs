@@ -15,6 +15,14 @@
 //! What it deliberately does not do: fetch anything. A `$ref` that points outside the
 //! schema (`http://...`, `file:...`) fails at compile time instead of being retrieved, so
 //! validation does no I/O, never blocks, and runs the same under the simulator.
+//!
+//! Determinism under the simulator (`--cfg madsim`): `jsonschema` hashes with `ahash`,
+//! whose process-wide seeds come from one `getrandom` call on first use; madsim serves
+//! `getrandom` from the simulation's generator, so the first simulation in a process to
+//! compile a schema would draw once more than the next (`MADSIM_TEST_CHECK_DETERMINISM`
+//! fails, a seed of a batch does not replay alone). Under the simulator a constructor
+//! seeds `ahash` before `main`, outside any simulation. Hash order never reaches a
+//! result: the violations are sorted before they are reported.
 
 use std::fmt;
 
@@ -178,6 +186,14 @@ impl ArgumentSchema {
         violations.truncate(SCHEMA_ERRORS_REPORTED_MAX);
         Err(SchemaError { violations, omitted })
     }
+}
+
+/// Seeds `ahash`'s process-wide keys before `main`, outside any simulation, so no
+/// simulation serves that `getrandom` draw (see the module's top comment).
+#[cfg(madsim)]
+#[ctor::ctor(unsafe)]
+fn schema_hasher_seeds_drawn_before_any_simulation() {
+    let _ = ahash::RandomState::new();
 }
 
 /// A JSON pointer (`/a/0/b`) as `$.a[0].b`.

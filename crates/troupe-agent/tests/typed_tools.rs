@@ -336,3 +336,34 @@ async fn a_scripted_model_calls_a_typed_tool_and_reads_its_argument_errors() {
     }
     system.shutdown().await;
 }
+
+/// Goal: `call_agent`'s argument schema is derived from `CallAgentArguments` and keeps
+/// the bounds the hand-written one had.
+#[test]
+fn call_agent_arguments_are_a_derived_typed_schema() {
+    let schema = troupe_agent::call_agent_schema();
+    assert_eq!(schema, tool_parameters_schema::<troupe_agent::CallAgentArguments>());
+    assert_eq!(schema["required"], json!(["agent_id", "message"]));
+    assert_eq!(schema["additionalProperties"], false);
+    let agent_id = &schema["properties"]["agent_id"];
+    assert_eq!(agent_id["minLength"], 1);
+    assert_eq!(agent_id["maxLength"], troupe_core::limits::ACTOR_KEY_LENGTH_MAX);
+    assert_eq!(
+        schema["properties"]["message"]["maxLength"],
+        troupe_agent::limits::AGENT_MESSAGE_SIZE_MAX_BYTES
+    );
+    let timeout = &schema["properties"]["timeout_ms"];
+    assert_eq!(timeout["minimum"], 1);
+    assert!(
+        timeout["description"].as_str().unwrap().contains("default"),
+        "{timeout}"
+    );
+    for refused in [
+        json!({"agent_id": "", "message": "m"}),
+        json!({"agent_id": "b", "message": "m", "timeout_ms": 0}),
+        json!({"agent_id": "b", "message": "m", "extra": true}),
+    ] {
+        assert!(validate(&schema, &refused).is_err(), "{refused}");
+    }
+    assert!(validate(&schema, &json!({"agent_id": "b", "message": "m", "timeout_ms": 5})).is_ok());
+}
