@@ -202,8 +202,25 @@ pub struct CallAgentArguments {
     pub message: String,
     /// How long to wait for the answer, in milliseconds.
     #[schemars(range(min = 1), description = call_agent_timeout_description())]
-    #[serde(default)]
+    #[serde(default, deserialize_with = "call_agent_timeout_whole_milliseconds")]
     pub timeout_ms: Option<u64>,
+}
+
+/// `timeout_ms` as JSON Schema reads `integer`: `5000` and `5000.0` alike (the schema
+/// has already refused fractions and negatives).
+fn call_agent_timeout_whole_milliseconds<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
+    let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    match (number.as_u64(), number.as_f64()) {
+        (Some(whole), _) => Ok(Some(whole)),
+        (None, Some(float)) if float.fract() == 0.0 && float >= 0.0 => Ok(Some(float as u64)),
+        _ => Err(serde::de::Error::custom(format!(
+            "timeout_ms must be a whole number of milliseconds, got {number}"
+        ))),
+    }
 }
 
 fn call_agent_timeout_description() -> String {

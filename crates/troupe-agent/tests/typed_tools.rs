@@ -367,3 +367,24 @@ fn call_agent_arguments_are_a_derived_typed_schema() {
     }
     assert!(validate(&schema, &json!({"agent_id": "b", "message": "m", "timeout_ms": 5})).is_ok());
 }
+
+/// Goal: `timeout_ms` reads as JSON Schema's `integer` does, as the hand-written
+/// handler did: `5000.0` is 5000 ms; absent or null is the default.
+#[test]
+fn call_agent_timeout_accepts_integral_floats() {
+    let parse = |value: Value| serde_json::from_value::<troupe_agent::CallAgentArguments>(value).map(|a| a.timeout_ms);
+    assert_eq!(
+        parse(json!({"agent_id": "b", "message": "m", "timeout_ms": 5000.0})).unwrap(),
+        Some(5000)
+    );
+    assert_eq!(
+        parse(json!({"agent_id": "b", "message": "m", "timeout_ms": 7})).unwrap(),
+        Some(7)
+    );
+    assert_eq!(
+        parse(json!({"agent_id": "b", "message": "m", "timeout_ms": null})).unwrap(),
+        None
+    );
+    assert_eq!(parse(json!({"agent_id": "b", "message": "m"})).unwrap(), None);
+    assert!(parse(json!({"agent_id": "b", "message": "m", "timeout_ms": 1.5})).is_err());
+}
