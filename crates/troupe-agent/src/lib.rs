@@ -69,6 +69,9 @@ pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,
     SCHEMA_ERROR_PROBLEM_BYTES_MAX,
 };
+/// The `schemars` crate, for deriving the argument types of [`Tool::typed`] without a
+/// direct dependency: `#[derive(JsonSchema)] #[schemars(crate = "troupe_agent::schemars")]`.
+pub use schemars;
 pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
 pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError};
 pub use tool::{

@@ -75,9 +75,10 @@ impl SchemaError {
         }
     }
 
-    /// The first violation (the one at the smallest path).
-    pub fn first(&self) -> &SchemaViolation {
-        &self.violations[0]
+    /// The first violation (the one at the smallest path); `None` only for an error
+    /// built by hand without any.
+    pub fn first(&self) -> Option<&SchemaViolation> {
+        self.violations.first()
     }
 }
 
@@ -330,7 +331,7 @@ mod tests {
         let error = validate(&schema, &json!([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])).unwrap_err();
         assert_eq!(error.violations.len(), SCHEMA_ERRORS_REPORTED_MAX);
         assert_eq!(error.omitted, 12 - SCHEMA_ERRORS_REPORTED_MAX);
-        assert_eq!(error.first().path, "$[0]");
+        assert_eq!(error.first().unwrap().path, "$[0]");
         assert!(error.to_string().ends_with("; and 8 more"), "{error}");
     }
 

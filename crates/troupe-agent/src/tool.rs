@@ -301,12 +301,13 @@ impl Tool {
     ///
     /// # Examples
     /// ```
-    /// use schemars::JsonSchema;
     /// use serde::Deserialize;
+    /// use troupe_agent::schemars::JsonSchema;
     /// use troupe_agent::{Tool, ToolExecutionContext};
     ///
     /// /// Adds two numbers.
     /// #[derive(Deserialize, JsonSchema)]
+    /// #[schemars(crate = "troupe_agent::schemars")]
     /// struct AddArguments {
     ///     /// The first term.
     ///     a: i64,
