@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 
 /// troupe: a virtual-actor runtime for AI agents.
 #[derive(Debug, Parser)]
-#[command(name = "troupe", version, about, long_about = None, arg_required_else_help = true)]
+#[command(name = "troupe", version, arg_required_else_help = true)]
 pub struct Cli {
     /// What to run.
     #[command(subcommand)]

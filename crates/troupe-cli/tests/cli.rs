@@ -21,6 +21,10 @@ fn help_is_printed_for_the_program_and_every_command() {
     let program = troupe(&["--help"]);
     assert!(program.status.success(), "{program:?}");
     let stdout = text(&program.stdout);
+    assert!(
+        stdout.starts_with("troupe: a virtual-actor runtime for AI agents"),
+        "{stdout}"
+    );
     assert!(stdout.contains("Usage: troupe"), "{stdout}");
     assert!(stdout.contains("demo"), "{stdout}");
 
