@@ -511,13 +511,14 @@ mod tests {
 
     use super::*;
 
-    /// A directory of its own for one test (`tempfile`), removed when dropped.
+    /// A directory of its own for one test (`tempfile`), removed when dropped; named after
+    /// the test and the process, so that a leftover one tells whose it was.
     struct TestDirectory(tempfile::TempDir);
 
     impl TestDirectory {
         fn new(test_name: &str) -> Self {
             let directory = tempfile::Builder::new()
-                .prefix(&format!("troupe-sqlite-store-{test_name}-"))
+                .prefix(&format!("troupe-sqlite-store-{test_name}-{}-", std::process::id()))
                 .tempdir()
                 .expect("create the test directory");
             Self(directory)

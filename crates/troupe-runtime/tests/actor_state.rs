@@ -159,13 +159,14 @@ async fn send(runtime: &RuntimeHandle, target: &ActorId, command: &str) -> Resul
         .map(|reply| String::from_utf8(reply.to_vec()).expect("a text reply"))
 }
 
-/// A directory of its own for one test (`tempfile`), removed when dropped.
+/// A directory of its own for one test (`tempfile`), removed when dropped; named after
+/// the test and the process, so that a leftover one tells whose it was.
 struct TestDirectory(tempfile::TempDir);
 
 impl TestDirectory {
     fn new(test_name: &str) -> Self {
         let directory = tempfile::Builder::new()
-            .prefix(&format!("troupe-actor-state-{test_name}-"))
+            .prefix(&format!("troupe-actor-state-{test_name}-{}-", std::process::id()))
             .tempdir()
             .expect("create the test directory");
         Self(directory)
