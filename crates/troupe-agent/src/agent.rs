@@ -28,7 +28,6 @@ use serde::{Deserialize, Serialize};
 use troupe_core::{truncate_utf8, ActorId, Deadline, IdError};
 use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, Turn};
 
-use crate::join::{join_all, JoinFuture};
 use crate::limits::{
     AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_PEERS_LISTED_MAX, AGENT_REPLY_SIZE_MAX_BYTES,
     AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
@@ -470,32 +469,28 @@ impl AgentActor {
     /// Runs one step's tool calls concurrently; one result text per call, in order.
     async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
         let registry = &self.shared.tools;
-        let futures: Vec<JoinFuture<'_, String>> = calls
-            .iter()
-            .enumerate()
-            .map(|(index, call)| -> JoinFuture<'_, String> {
-                Box::pin(async move {
-                    if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
-                        return format!(
-                            "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
-                        );
-                    }
-                    let arguments = match &call.arguments {
-                        // Some providers send the arguments as a JSON string.
-                        serde_json::Value::String(text) => {
-                            serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone())
-                        }
-                        other => other.clone(),
-                    };
-                    let result = match registry.execute(context, &call.name, arguments).await {
-                        Ok(text) => text,
-                        Err(error) => format!("error: {error}"),
-                    };
-                    truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
-                })
-            })
-            .collect();
-        join_all(futures).await
+        // Polled in place on the turn's task (no spawned tasks, which would outlive a
+        // cancelled turn), first in input order; dropped with the turn.
+        let futures = calls.iter().enumerate().map(|(index, call)| async move {
+            if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
+                return format!(
+                    "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
+                );
+            }
+            let arguments = match &call.arguments {
+                // Some providers send the arguments as a JSON string.
+                serde_json::Value::String(text) => {
+                    serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone())
+                }
+                other => other.clone(),
+            };
+            let result = match registry.execute(context, &call.name, arguments).await {
+                Ok(text) => text,
+                Err(error) => format!("error: {error}"),
+            };
+            truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
+        });
+        futures::future::join_all(futures).await
     }
 }
 
@@ -531,8 +526,7 @@ impl Actor for AgentActor {
         let context = turn.context().clone();
         let deadline = context.deadline();
         let started = clock.now();
-        let timeout_ms =
-            |from: troupe_core::Deadline| u64::try_from(deadline.remaining(from).as_millis()).unwrap_or(u64::MAX);
+        let timeout_ms = |from: troupe_core::Deadline| deadline.remaining_ms(from);
         self.shared.emit(&AgentEvent::TurnStarted {
             agent: self.id.clone(),
             call: request.call,

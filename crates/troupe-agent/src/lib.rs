@@ -42,7 +42,6 @@
 
 mod agent;
 mod call_agent;
-mod join;
 pub mod limits;
 mod llm;
 mod observer;

@@ -15,6 +15,10 @@
 
 #![warn(missing_docs)]
 
+mod cli;
+
+pub use cli::{Cli, Command, DemoArgs};
+
 use std::sync::Arc;
 use std::time::Duration;
 

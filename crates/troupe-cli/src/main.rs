@@ -3,70 +3,13 @@
 //!
 //! Run it with `cargo run --release -p troupe-cli -- demo`.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use clap::Parser;
 use troupe_agent::LlmClient;
-use troupe_cli::{demo_script, run_demo, DEMO_QUESTION};
+use troupe_cli::{demo_script, run_demo, Cli, Command, DemoArgs, DEMO_QUESTION};
 use troupe_runtime::{SqliteStore, StateStore};
-
-const HELP: &str = "\
-troupe: a virtual-actor runtime for AI agents
-
-USAGE:
-    troupe demo [--data-dir DIR] [--scripted]
-    troupe help | --help | -h
-    troupe --version
-
-COMMANDS:
-    demo    Run a small organisation of five agents, each a virtual actor with its own
-            model and tools. A user asks the coordinator for a brief; the coordinator asks
-            the researcher and the archivist at once; the researcher asks the analyst; the
-            analyst tries to call the coordinator back up the chain and is refused (the
-            coordinator is waiting on it: a deadlock avoided); the archivist is too slow
-            for its 1.5 s timeout and its late answer is discarded. Prints the answer and
-            the call tree with depths, durations and outcomes.
-
-            Without OPENAI_API_KEY the agents think with a scripted, deterministic model:
-            no key or network needed. With it, they use a real model.
-
-OPTIONS (demo):
-    --data-dir DIR   Keep the agents' state in DIR/troupe.db (SQLite; open it with
-                     sqlite3). Agents then remember earlier runs. Default: a new
-                     temporary directory, removed at the end.
-    --scripted       Use the scripted model even if OPENAI_API_KEY is set.
-
-ENVIRONMENT:
-    OPENAI_API_KEY   Run the demo on an OpenAI-compatible chat-completions API.
-    OPENAI_BASE_URL  The API root (default https://api.openai.com/v1).
-    OPENAI_MODEL     The model (default gpt-4o-mini).
-";
-
-struct DemoArgs {
-    data_dir: Option<PathBuf>,
-    scripted: bool,
-}
-
-fn parse_demo(args: &[String]) -> Result<DemoArgs, String> {
-    let mut parsed = DemoArgs {
-        data_dir: None,
-        scripted: false,
-    };
-    let mut rest = args.iter();
-    while let Some(arg) = rest.next() {
-        match arg.as_str() {
-            "--data-dir" => {
-                let dir = rest.next().ok_or("--data-dir needs a directory")?;
-                parsed.data_dir = Some(PathBuf::from(dir));
-            }
-            "--scripted" => parsed.scripted = true,
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown option {other:?} for demo")),
-        }
-    }
-    Ok(parsed)
-}
 
 /// A real model client and a description of it.
 type RealModel = (Arc<dyn LlmClient>, String);
@@ -93,12 +36,16 @@ fn real_model() -> Result<Option<RealModel>, String> {
 
 async fn demo(args: DemoArgs) -> Result<bool, String> {
     let real = if args.scripted { None } else { real_model()? };
+    // Without --data-dir, a new temporary directory, removed when `temporary` drops.
     let (directory, temporary) = match &args.data_dir {
-        Some(dir) => (dir.clone(), false),
-        None => (
-            std::env::temp_dir().join(format!("troupe-demo-{}", std::process::id())),
-            true,
-        ),
+        Some(dir) => (dir.clone(), None),
+        None => {
+            let temporary = tempfile::Builder::new()
+                .prefix("troupe-demo-")
+                .tempdir()
+                .map_err(|error| format!("cannot create a temporary directory: {error}"))?;
+            (temporary.path().to_path_buf(), Some(temporary))
+        }
     };
     std::fs::create_dir_all(&directory).map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
     let path = directory.join("troupe.db");
@@ -117,7 +64,7 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     println!(
         "state: {} (SQLite){}",
         path.display(),
-        if temporary { ", removed at exit" } else { "" }
+        if temporary.is_some() { ", removed at exit" } else { "" }
     );
     println!();
     println!("user -> coordinator: {DEMO_QUESTION}");
@@ -145,9 +92,7 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
         .map(|(agent, n)| format!("{agent} {n}"))
         .collect();
     println!("messages in each agent's durable log: {}", logs.join(", "));
-    if temporary {
-        let _ = std::fs::remove_dir_all(&directory);
-    }
+    drop(temporary);
     if scripted && !report.scripted_story_happened() {
         return Err("the scripted demo did not play out as expected (see the call tree above)".to_string());
     }
@@ -156,37 +101,16 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        None | Some("help" | "-h" | "--help") => {
-            print!("{HELP}");
-            ExitCode::SUCCESS
-        }
-        Some("--version" | "-V") => {
-            println!("troupe {}", env!("CARGO_PKG_VERSION"));
-            ExitCode::SUCCESS
-        }
-        Some("demo") => match parse_demo(&args[1..]) {
-            Err(message) if message.is_empty() => {
-                print!("{HELP}");
-                ExitCode::SUCCESS
-            }
+    // `--help`, `--version` and parse errors print and exit here (errors with code 2).
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo(demo_args) => match demo(demo_args).await {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
             Err(message) => {
-                eprintln!("troupe: {message}\n\n{HELP}");
-                ExitCode::from(2)
+                eprintln!("troupe: {message}");
+                ExitCode::FAILURE
             }
-            Ok(demo_args) => match demo(demo_args).await {
-                Ok(true) => ExitCode::SUCCESS,
-                Ok(false) => ExitCode::FAILURE,
-                Err(message) => {
-                    eprintln!("troupe: {message}");
-                    ExitCode::FAILURE
-                }
-            },
         },
-        Some(other) => {
-            eprintln!("troupe: unknown command {other:?}\n\n{HELP}");
-            ExitCode::from(2)
-        }
     }
 }

@@ -42,6 +42,12 @@ impl Deadline {
         Duration::from_micros(self.at_us.saturating_sub(now.at_us))
     }
 
+    /// The time left until this deadline at `now`, in whole milliseconds (rounded down);
+    /// 0 once it has passed. What timeout errors report as `timeout_ms`.
+    pub fn remaining_ms(self, now: Deadline) -> u64 {
+        self.at_us.saturating_sub(now.at_us) / 1_000
+    }
+
     /// Whether this deadline has passed at `now` (a deadline equal to `now` has passed).
     pub fn has_passed(self, now: Deadline) -> bool {
         self.at_us <= now.at_us
@@ -73,6 +79,17 @@ mod tests {
         let deadline = Deadline::after(now, Duration::from_millis(2));
         assert_eq!(deadline.remaining(now), Duration::from_millis(2));
         assert_eq!(deadline.remaining(Deadline::from_micros(10_000)), Duration::ZERO);
+        assert_eq!(deadline.remaining_ms(now), 2);
+        assert_eq!(
+            Deadline::from_micros(2_999).remaining_ms(Deadline::from_micros(0)),
+            2,
+            "rounded down"
+        );
+        assert_eq!(deadline.remaining_ms(Deadline::from_micros(10_000)), 0);
+        assert_eq!(
+            Deadline::from_micros(u64::MAX).remaining_ms(Deadline::from_micros(0)),
+            u64::MAX / 1_000
+        );
         assert!(deadline.has_passed(deadline));
         assert!(!deadline.has_passed(now));
         assert_eq!(Deadline::after(deadline, Duration::MAX).as_micros(), u64::MAX);

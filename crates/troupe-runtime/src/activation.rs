@@ -336,7 +336,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     turn.end();
     Counters::add(&shared.counters.turns_run);
     let timed_out = || {
-        let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
+        let timeout_ms = deadline.remaining_ms(now);
         Err(InvokeError::Timeout {
             target: live.id.clone(),
             timeout_ms,

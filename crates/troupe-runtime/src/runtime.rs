@@ -421,7 +421,7 @@ impl RuntimeHandle {
                 timeout_ms: 0,
             });
         }
-        let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
+        let timeout_ms = deadline.remaining_ms(now);
         let call = shared.next_call();
         let (reply, answer) = oneshot::channel();
         let (edge, turn_end) = match caller {

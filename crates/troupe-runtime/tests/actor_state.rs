@@ -159,25 +159,21 @@ async fn send(runtime: &RuntimeHandle, target: &ActorId, command: &str) -> Resul
         .map(|reply| String::from_utf8(reply.to_vec()).expect("a text reply"))
 }
 
-/// A directory of its own for one test, removed when dropped.
-struct TestDirectory(PathBuf);
+/// A directory of its own for one test (`tempfile`), removed when dropped; named after
+/// the test and the process, so that a leftover one tells whose it was.
+struct TestDirectory(tempfile::TempDir);
 
 impl TestDirectory {
     fn new(test_name: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("troupe-actor-state-{test_name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("create the test directory");
-        Self(path)
+        let directory = tempfile::Builder::new()
+            .prefix(&format!("troupe-actor-state-{test_name}-{}-", std::process::id()))
+            .tempdir()
+            .expect("create the test directory");
+        Self(directory)
     }
 
     fn file(&self) -> PathBuf {
-        self.0.join("state.sqlite")
-    }
-}
-
-impl Drop for TestDirectory {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path().join("state.sqlite")
     }
 }
 

@@ -12,6 +12,7 @@
 //! which exists only with the runtime's `planted-bugs` feature).
 
 use std::collections::BTreeMap;
+use std::hash::Hasher;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
@@ -37,9 +38,9 @@ pub const TRANSPORT_PORT: u16 = 7_000;
 /// The owner of probe `key` among `nodes` nodes (1-based): FNV-1a of the key modulo the
 /// node count. The simulation's stand-in for the directory.
 pub fn owner_of(key: &str, nodes: u32) -> u32 {
-    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
+    let mut hasher = fnv::FnvHasher::default();
+    hasher.write(key.as_bytes());
+    let hash = hasher.finish();
     (hash % u64::from(nodes.max(1))) as u32 + 1
 }
 

@@ -1,11 +1,13 @@
 //! The trace: every observable event of a simulated run, stamped with virtual time,
 //! hashed as it is recorded, and fed to the invariants at once.
 //!
-//! The hash (FNV-1a 64 over each event and its time) is what the determinism test
+//! The hash (FNV-1a 64, the `fnv` crate, over each event and its time) is what the determinism test
 //! compares between two runs of one seed, and what every report prints with the seed.
 
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use fnv::FnvHasher;
 
 use crate::invariants::{Invariants, Violation};
 use crate::probe::{AuditGroup, RefusalKind};
@@ -283,27 +285,12 @@ pub struct Stamped {
     pub event: Event,
 }
 
-struct Fnv(u64);
-
-impl Hasher for Fnv {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for byte in bytes {
-            self.0 ^= u64::from(*byte);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 /// Events kept for the failure report.
 const TRACE_TAIL_LENGTH: usize = 60;
 
 struct Inner {
     events: Vec<Stamped>,
-    hash: Fnv,
+    hash: FnvHasher,
     invariants: Invariants,
     next_id: u64,
 }
@@ -320,7 +307,7 @@ impl Trace {
     pub fn new(invariants: Invariants) -> Self {
         let inner = Inner {
             events: Vec::new(),
-            hash: Fnv(FNV_OFFSET),
+            hash: FnvHasher::default(),
             invariants,
             next_id: 1,
         };
@@ -367,7 +354,7 @@ impl Trace {
 
     /// The hash of everything recorded so far.
     pub fn hash(&self) -> u64 {
-        self.lock().hash.0
+        self.lock().hash.finish()
     }
 
     /// How many events were recorded.

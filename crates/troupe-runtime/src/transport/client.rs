@@ -462,7 +462,7 @@ impl TransportClient {
                 timeout_ms: 0,
             });
         }
-        let timeout_ms = u64::try_from(deadline.remaining(now).as_millis()).unwrap_or(u64::MAX);
+        let timeout_ms = deadline.remaining_ms(now);
         let waited = clock.run_until_from(
             now,
             deadline,

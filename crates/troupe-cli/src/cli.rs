@@ -1,0 +1,101 @@
+//! The `troupe` command line, parsed by `clap` (derive): every command has `--help`, and
+//! an unknown command or flag fails with clap's error (exit code 2) naming it.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// troupe: a virtual-actor runtime for AI agents.
+#[derive(Debug, Parser)]
+#[command(name = "troupe", version, arg_required_else_help = true)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands of `troupe`.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a small organisation of five agents, each a virtual actor with its own model
+    /// and tools.
+    ///
+    /// A user asks the coordinator for a brief; the coordinator asks the researcher and
+    /// the archivist at once; the researcher asks the analyst; the analyst tries to call
+    /// the coordinator back up the chain and is refused (the coordinator is waiting on
+    /// it: a deadlock avoided); the archivist is too slow for its 1.5 s timeout and its
+    /// late answer is discarded. Prints the answer and the call tree with depths,
+    /// durations and outcomes.
+    ///
+    /// Without OPENAI_API_KEY the agents think with a scripted, deterministic model: no
+    /// key or network needed. With it, they use a real model on an OpenAI-compatible
+    /// chat-completions API (OPENAI_BASE_URL, default https://api.openai.com/v1;
+    /// OPENAI_MODEL, default gpt-4o-mini).
+    Demo(DemoArgs),
+}
+
+/// The options of `troupe demo`.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct DemoArgs {
+    /// Keep the agents' state in DIR/troupe.db (SQLite; open it with sqlite3); agents
+    /// then remember earlier runs. Default: a new temporary directory, removed at the
+    /// end.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Use the scripted model even if OPENAI_API_KEY is set.
+    #[arg(long)]
+    pub scripted: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn demo_flags_parse() {
+        let cli = Cli::try_parse_from(["troupe", "demo", "--data-dir", "/tmp/x", "--scripted"]).unwrap();
+        let Command::Demo(args) = cli.command;
+        assert_eq!(
+            args,
+            DemoArgs {
+                data_dir: Some(PathBuf::from("/tmp/x")),
+                scripted: true
+            }
+        );
+    }
+
+    #[test]
+    fn every_command_has_help() {
+        for argv in [
+            &["troupe", "--help"][..],
+            &["troupe", "help"],
+            &["troupe", "demo", "--help"],
+        ] {
+            let error = Cli::try_parse_from(argv).expect_err("help stops parsing");
+            assert_eq!(error.kind(), ErrorKind::DisplayHelp, "{argv:?}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_flag_is_refused_and_named() {
+        let error = Cli::try_parse_from(["troupe", "demo", "--bogus"]).expect_err("unknown flag");
+        assert_eq!(error.kind(), ErrorKind::UnknownArgument);
+        assert!(error.to_string().contains("--bogus"), "{error}");
+    }
+
+    #[test]
+    fn a_missing_command_or_value_is_refused() {
+        let error = Cli::try_parse_from(["troupe", "demo", "--data-dir"]).expect_err("missing value");
+        assert_eq!(error.kind(), ErrorKind::InvalidValue);
+        let error = Cli::try_parse_from(["troupe", "launch"]).expect_err("unknown command");
+        assert_eq!(error.kind(), ErrorKind::InvalidSubcommand);
+    }
+}
