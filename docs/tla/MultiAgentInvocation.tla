@@ -1,6 +1,7 @@
 ------------------------------ MODULE MultiAgentInvocation ------------------------------
 (***************************************************************************)
-(* Agent-to-agent calls in Troupe (call_agent), as seen by one dispatcher.  *)
+(* Agent-to-agent calls in Troupe (call_agent) on one or two nodes, each  *)
+(* node with its own dispatcher and wait-for graph (Remote: node 2).        *)
 (*                                                                         *)
 (* - Agents are non-reentrant actors: one turn at a time, fed from a       *)
 (*   bounded mailbox. A full mailbox answers Busy.                         *)
