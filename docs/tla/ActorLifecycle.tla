@@ -20,9 +20,16 @@
 (*   routed after the actor reported idle). The key is released only once  *)
 (*   the activation has finished deactivating.                             *)
 (* - Nodes crash (memory lost, in-flight calls fail and the client retries)*)
-(*   and restart with a new lease. A node whose keep-alives fail stops     *)
-(*   serving before the server-side TTL runs out (bounded clock drift);    *)
-(*   in this model that is the same as a crash followed by a restart.     *)
+(*   and restart with a new lease.                                         *)
+(* - With ZOMBIES, a node that is still running may lose its lease (cut    *)
+(*   off from etcd, or paused longer than the TTL): the server deletes the *)
+(*   key and another node may claim the actor while the old owner still    *)
+(*   runs turns until it notices (a zombie). Every commit carries the      *)
+(*   owner's fence (the lease, standing for the claim's revision) and the  *)
+(*   store refuses it unless the key still names this node and lease.      *)
+(*   Without ZOMBIES a node whose keep-alives fail stops serving before    *)
+(*   the server-side TTL runs out (bounded clock drift and pauses), which  *)
+(*   is the same as a crash followed by a restart.                         *)
 (*                                                                         *)
 (* Each BUG_* constant breaks one rule; buggy configs must fail.           *)
 (***************************************************************************)
@@ -32,20 +39,23 @@ CONSTANTS
     Nodes,                      \* node ids (model values)
     Writes,                     \* client writes, each acknowledged at most once (model values)
     NoNode,                     \* "key absent" (model value)
-    MAX_CRASHES,                \* bound on node crashes
+    MAX_CRASHES,                \* bound on faults: node crashes and lease losses
+    ZOMBIES,                    \* a running node may lose its lease and run on
     BUG_READ_THEN_WRITE,        \* claim = read "absent", later put: not a CAS
     BUG_DEACTIVATE_WITH_CALLS,  \* dispatcher trusts the actor's idle report
+    BUG_NO_FENCE,               \* the store accepts a commit without checking the fence
     BUG_ACK_BEFORE_PERSIST,     \* turn acks the client, persists later
     BUG_EARLY_RELEASE           \* key released when deactivation starts, not ends
 
 ASSUME /\ MAX_CRASHES \in Nat
        /\ NoNode \notin Nodes
-       /\ \A b \in {BUG_READ_THEN_WRITE, BUG_DEACTIVATE_WITH_CALLS,
+       /\ \A b \in {ZOMBIES, BUG_NO_FENCE, BUG_READ_THEN_WRITE, BUG_DEACTIVATE_WITH_CALLS,
                     BUG_ACK_BEFORE_PERSIST, BUG_EARLY_RELEASE} : b \in BOOLEAN
 
 VARIABLES
     up,         \* node -> BOOLEAN
     lease,      \* node -> its current lease id
+    alive,      \* node -> BOOLEAN, its lease is alive on the server (FALSE: a zombie)
     nextLease,  \* next unused lease id
     crashes,    \* crashes so far
     dir,        \* the directory key: [owner |-> node or NoNode, lease |-> id]
@@ -59,7 +69,7 @@ VARIABLES
     store,      \* SUBSET Writes, the durable actor state
     acked       \* SUBSET Writes, acknowledged to clients
 
-vars == <<up, lease, nextLease, crashes, dir, act, sawFree, mem, dirty, inflight,
+vars == <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, dirty, inflight,
           idleReq, pending, store, acked>>
 
 States == {"inactive", "activating", "active", "deactivating"}
@@ -75,6 +85,7 @@ Init ==
     \* distinct lease ids 1..NodeCount
     /\ lease = CHOOSE f \in [Nodes -> 1..NodeCount] :
                   \A x, y \in Nodes : x # y => f[x] # f[y]
+    /\ alive = [n \in Nodes |-> TRUE]
     /\ nextLease = NodeCount + 1
     /\ crashes = 0
     /\ dir = Absent
@@ -94,30 +105,30 @@ Init ==
 \* Correct claim: atomic compare-and-swap "create the key if absent".
 ClaimCAS(n) ==
     /\ ~BUG_READ_THEN_WRITE
-    /\ up[n] /\ act[n] = "inactive" /\ pending # {}
+    /\ up[n] /\ alive[n] /\ act[n] = "inactive" /\ pending # {}
     /\ dir.owner = NoNode
     /\ dir' = [owner |-> n, lease |-> lease[n]]
     /\ act' = [act EXCEPT ![n] = "activating"]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, sawFree, mem, dirty, inflight,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, sawFree, mem, dirty, inflight,
                    idleReq, pending, store, acked>>
 
 \* Buggy claim, step 1: read the key, see it absent.
 ClaimRead(n) ==
     /\ BUG_READ_THEN_WRITE
-    /\ up[n] /\ act[n] = "inactive" /\ pending # {} /\ ~sawFree[n]
+    /\ up[n] /\ alive[n] /\ act[n] = "inactive" /\ pending # {} /\ ~sawFree[n]
     /\ dir.owner = NoNode
     /\ sawFree' = [sawFree EXCEPT ![n] = TRUE]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, dir, act, mem, dirty, inflight,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, mem, dirty, inflight,
                    idleReq, pending, store, acked>>
 
 \* Buggy claim, step 2: put the key unconditionally.
 ClaimWrite(n) ==
     /\ BUG_READ_THEN_WRITE
-    /\ up[n] /\ act[n] = "inactive" /\ sawFree[n]
+    /\ up[n] /\ alive[n] /\ act[n] = "inactive" /\ sawFree[n]
     /\ dir' = [owner |-> n, lease |-> lease[n]]
     /\ act' = [act EXCEPT ![n] = "activating"]
     /\ sawFree' = [sawFree EXCEPT ![n] = FALSE]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, mem, dirty, inflight,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, mem, dirty, inflight,
                    idleReq, pending, store, acked>>
 
 \* Load the persisted state; the activation is now Active.
@@ -125,7 +136,7 @@ Load(n) ==
     /\ up[n] /\ act[n] = "activating"
     /\ mem' = [mem EXCEPT ![n] = store]
     /\ act' = [act EXCEPT ![n] = "active"]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, dir, sawFree, dirty, inflight,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, sawFree, dirty, inflight,
                    idleReq, pending, store, acked>>
 
 -----------------------------------------------------------------------------
@@ -137,14 +148,16 @@ Route(n, w) ==
     /\ w \in pending
     /\ pending' = pending \ {w}
     /\ inflight' = [inflight EXCEPT ![n] = @ \cup {w}]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, dir, act, sawFree, mem, dirty,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, dirty,
                    idleReq, store, acked>>
 
 \* One turn: apply the write, commit the whole state (fenced by the lease),
 \* then acknowledge. If the fence fails the turn rolls back and the client
-\* retries.
+\* retries. Turns also run while the activation deactivates: closing the
+\* mailbox (dropping its sender) still lets the actor task receive every
+\* message routed before (crates/troupe-runtime/src/activation.rs).
 Turn(n, w) ==
-    /\ up[n] /\ act[n] = "active"
+    /\ up[n] /\ act[n] \in {"active", "deactivating"}
     /\ w \in inflight[n]
     /\ inflight' = [inflight EXCEPT ![n] = @ \ {w}]
     /\ IF BUG_ACK_BEFORE_PERSIST
@@ -152,21 +165,21 @@ Turn(n, w) ==
               /\ dirty' = [dirty EXCEPT ![n] = @ \cup {w}]
               /\ acked' = acked \cup {w}
               /\ UNCHANGED <<store, pending>>
-         ELSE IF Owns(n)
+         ELSE IF Owns(n) \/ BUG_NO_FENCE
            THEN /\ mem' = [mem EXCEPT ![n] = @ \cup {w}]
                 /\ store' = mem[n] \cup {w}
                 /\ acked' = acked \cup {w}
                 /\ UNCHANGED <<dirty, pending>>
            ELSE /\ pending' = pending \cup {w}
                 /\ UNCHANGED <<mem, dirty, store, acked>>
-    /\ UNCHANGED <<up, lease, nextLease, crashes, dir, act, sawFree, idleReq>>
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, idleReq>>
 
 \* BUG_ACK_BEFORE_PERSIST only: the deferred commit of acked writes.
 Persist(n) ==
     /\ up[n] /\ dirty[n] # {}
     /\ store' = IF Owns(n) THEN mem[n] ELSE store
     /\ dirty' = [dirty EXCEPT ![n] = {}]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, dir, act, sawFree, mem, inflight,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, inflight,
                    idleReq, pending, acked>>
 
 -----------------------------------------------------------------------------
@@ -177,7 +190,7 @@ ReportIdle(n) ==
     /\ up[n] /\ act[n] = "active" /\ ~idleReq[n]
     /\ inflight[n] = {} /\ dirty[n] = {}
     /\ idleReq' = [idleReq EXCEPT ![n] = TRUE]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, dir, act, sawFree, mem, dirty,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, dirty,
                    inflight, pending, store, acked>>
 
 \* The dispatcher decides. Calls may have been routed since the report.
@@ -188,22 +201,21 @@ DecideDeactivate(n) ==
          THEN /\ act' = [act EXCEPT ![n] = "deactivating"]
               /\ dir' = IF BUG_EARLY_RELEASE /\ Owns(n) THEN Absent ELSE dir
          ELSE UNCHANGED <<act, dir>>          \* refused: stays Active
-    /\ UNCHANGED <<up, lease, nextLease, crashes, sawFree, mem, dirty, inflight,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, sawFree, mem, dirty, inflight,
                    pending, store, acked>>
 
 \* Deactivation ends: flush (nothing left to flush when turns commit before
 \* acking), drop the memory, release the key (CAS delete if still ours).
-\* Calls still attached to the activation fail and the clients retry.
 FinishDeactivate(n) ==
     /\ up[n] /\ act[n] = "deactivating"
+    /\ inflight[n] = {}            \* the task sees the end of its mailbox last
     /\ store' = IF dirty[n] # {} /\ Owns(n) THEN mem[n] ELSE store
     /\ dirty' = [dirty EXCEPT ![n] = {}]
     /\ dir' = IF Owns(n) THEN Absent ELSE dir
     /\ act' = [act EXCEPT ![n] = "inactive"]
     /\ mem' = [mem EXCEPT ![n] = {}]
-    /\ pending' = pending \cup inflight[n]
-    /\ inflight' = [inflight EXCEPT ![n] = {}]
-    /\ UNCHANGED <<up, lease, nextLease, crashes, sawFree, idleReq, acked>>
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, sawFree, inflight, idleReq,
+                   pending, acked>>
 
 -----------------------------------------------------------------------------
 (* Faults *)
@@ -219,23 +231,51 @@ Crash(n) ==
     /\ inflight' = [inflight EXCEPT ![n] = {}]
     /\ idleReq' = [idleReq EXCEPT ![n] = FALSE]
     /\ sawFree' = [sawFree EXCEPT ![n] = FALSE]
-    /\ UNCHANGED <<lease, nextLease, dir, store, acked>>
+    /\ UNCHANGED <<lease, alive, nextLease, dir, store, acked>>
 
 \* A restarted node gets a fresh lease.
 Restart(n) ==
     /\ ~up[n]
     /\ up' = [up EXCEPT ![n] = TRUE]
     /\ lease' = [lease EXCEPT ![n] = nextLease]
+    /\ alive' = [alive EXCEPT ![n] = TRUE]
     /\ nextLease' = nextLease + 1
     /\ UNCHANGED <<crashes, dir, act, sawFree, mem, dirty, inflight, idleReq,
                    pending, store, acked>>
+
+\* A running node loses its lease (ZOMBIES only): cut off from etcd, or paused
+\* past the TTL. The server deletes the key if it names that lease; the node
+\* does not know yet and keeps its activation (a zombie).
+LoseLease(n) ==
+    /\ ZOMBIES /\ up[n] /\ alive[n] /\ crashes < MAX_CRASHES
+    /\ crashes' = crashes + 1
+    /\ alive' = [alive EXCEPT ![n] = FALSE]
+    /\ dir' = IF Owns(n) THEN Absent ELSE dir
+    /\ UNCHANGED <<up, lease, nextLease, act, sawFree, mem, dirty, inflight,
+                   idleReq, pending, store, acked>>
+
+\* The zombie notices (its keep-alive fails): it drops the activation without
+\* saving (calls in flight fail, the clients retry) and takes a new lease.
+NoticeLeaseLost(n) ==
+    /\ up[n] /\ ~alive[n]
+    /\ alive' = [alive EXCEPT ![n] = TRUE]
+    /\ lease' = [lease EXCEPT ![n] = nextLease]
+    /\ nextLease' = nextLease + 1
+    /\ act' = [act EXCEPT ![n] = "inactive"]
+    /\ mem' = [mem EXCEPT ![n] = {}]
+    /\ dirty' = [dirty EXCEPT ![n] = {}]
+    /\ pending' = pending \cup inflight[n]
+    /\ inflight' = [inflight EXCEPT ![n] = {}]
+    /\ idleReq' = [idleReq EXCEPT ![n] = FALSE]
+    /\ sawFree' = [sawFree EXCEPT ![n] = FALSE]
+    /\ UNCHANGED <<up, crashes, dir, store, acked>>
 
 \* The server expires a lease whose keep-alives stopped; the key goes with it.
 ExpireLease ==
     /\ dir.owner # NoNode
     /\ ~up[dir.owner] \/ lease[dir.owner] # dir.lease
     /\ dir' = Absent
-    /\ UNCHANGED <<up, lease, nextLease, crashes, act, sawFree, mem, dirty, inflight,
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, act, sawFree, mem, dirty, inflight,
                    idleReq, pending, store, acked>>
 
 -----------------------------------------------------------------------------
@@ -251,12 +291,12 @@ RuntimeStep ==
          \/ ClaimCAS(n) \/ ClaimRead(n) \/ ClaimWrite(n) \/ Load(n)
          \/ \E w \in Writes : Route(n, w) \/ Turn(n, w)
          \/ Persist(n) \/ DecideDeactivate(n) \/ FinishDeactivate(n)
-         \/ Restart(n)
+         \/ Restart(n) \/ NoticeLeaseLost(n)
     \/ ExpireLease
 
 Next ==
     \/ RuntimeStep
-    \/ \E n \in Nodes : ReportIdle(n) \/ Crash(n)
+    \/ \E n \in Nodes : ReportIdle(n) \/ Crash(n) \/ LoseLease(n)
     \/ Terminated
 
 (* The runtime keeps running (weak fairness over its steps); a write that   *)
@@ -275,6 +315,7 @@ Spec == Init /\ [][Next]_vars /\ Fairness
 TypeOK ==
     /\ up \in [Nodes -> BOOLEAN]
     /\ lease \in [Nodes -> 1..MaxLease]
+    /\ alive \in [Nodes -> BOOLEAN]
     /\ nextLease \in 1..(MaxLease + 1)
     /\ crashes \in 0..MAX_CRASHES
     /\ dir \in [owner : Nodes \cup {NoNode}, lease : 0..MaxLease]
@@ -288,23 +329,26 @@ TypeOK ==
     /\ store \subseteq Writes
     /\ acked \subseteq Writes
 
-(* At most one node holds an activation of the actor, in any non-inactive   *)
-(* state (activating, active or deactivating).                              *)
+(* At most one node whose lease is alive holds an activation of the actor, *)
+(* in any non-inactive state (activating, active or deactivating). Without *)
+(* ZOMBIES every lease of a running node is alive, so this is "at most one  *)
+(* activation"; with ZOMBIES a zombie may still run (see                    *)
+(* AL_zombie_runs_twice.cfg) and the fence is what keeps the state safe.    *)
 SingleActivation ==
+    Cardinality({n \in Nodes : act[n] # "inactive" /\ alive[n]}) <= 1
+
+(* The stronger statement, which needs bounded clocks and pauses (no        *)
+(* zombies): at most one activation at all.                                 *)
+NoTwoActivations ==
     Cardinality({n \in Nodes : act[n] # "inactive"}) <= 1
 
-(* An activation is never deactivating (or gone) while calls routed to it   *)
-(* are still in flight.                                                      *)
-NoDeactivationWithCallsInFlight ==
-    \A n \in Nodes : act[n] \in {"deactivating", "inactive"} => inflight[n] = {}
-
 (* Every acknowledged write is durable (or, under the ack-before-persist    *)
-(* bug, still waiting to be flushed by a live activation), and every active *)
-(* activation's state contains every acknowledged write.                    *)
+(* bug, still waiting to be flushed by a live activation), and the state of *)
+(* the activation that owns the key contains every acknowledged write.      *)
 NoAckedStateLost ==
     /\ \A w \in acked :
           w \in store \/ \E n \in Nodes : up[n] /\ w \in dirty[n]
-    /\ \A n \in Nodes : act[n] = "active" => acked \subseteq mem[n]
+    /\ \A n \in Nodes : (act[n] = "active" /\ Owns(n)) => acked \subseteq mem[n]
 
 (* Liveness: every client write is eventually acknowledged. *)
 EveryWriteAcked == \A w \in Writes : <>(w \in acked)

@@ -1,6 +1,7 @@
 ------------------------------ MODULE MultiAgentInvocation ------------------------------
 (***************************************************************************)
-(* Agent-to-agent calls in Troupe (call_agent), as seen by one dispatcher.  *)
+(* Agent-to-agent calls in Troupe (call_agent) on one or two nodes, each  *)
+(* node with its own dispatcher and wait-for graph (Remote: node 2).        *)
 (*                                                                         *)
 (* - Agents are non-reentrant actors: one turn at a time, fed from a       *)
 (*   bounded mailbox. A full mailbox answers Busy.                         *)
@@ -30,6 +31,7 @@ EXTENDS Naturals, Sequences, FiniteSets, TLC
 
 CONSTANTS
     Agents,                \* agent ids (model values)
+    Remote,                \* agents hosted on a second node ({} = one node)
     Client,                \* the external caller of root requests (model value)
     MAX_DEPTH,             \* AGENT_CALL_DEPTH_MAX
     MAILBOX_CAP,           \* capacity of each agent's mailbox
@@ -42,7 +44,6 @@ CONSTANTS
     BUG_NO_DEPTH_CHECK,    \* admission forgets "call_depth >= MAX_DEPTH"
     BUG_NO_WAITFOR_CHECK,  \* dispatcher does not consult the wait-for graph
     BUG_NO_DEADLINE_CLIP,  \* child deadline = now + timeout, not clipped to parent's
-    BUG_UNBOUNDED_MAILBOX, \* mailbox accepts beyond MAILBOX_CAP instead of Busy
     BUG_NO_TIMEOUT,        \* no deadlines: waits never time out, work never expires
     BUG_CALL_AFTER_DEADLINE \* admission lets a turn past its own deadline call out
 
@@ -50,8 +51,9 @@ ASSUME /\ MAX_DEPTH \in Nat /\ MAILBOX_CAP \in Nat \ {0}
        /\ MAX_CALLS \in Nat \ {0} /\ MAX_ROOTS \in 1..MAX_CALLS
        /\ ROOT_TIMEOUT \in Nat \ {0} /\ CHILD_TIMEOUT \in Nat \ {0}
        /\ Client \notin Agents
+       /\ Remote \subseteq Agents
        /\ \A b \in {LOSS, BUG_NO_CHAIN_CHECK, BUG_NO_DEPTH_CHECK, BUG_NO_WAITFOR_CHECK,
-                    BUG_NO_DEADLINE_CLIP, BUG_UNBOUNDED_MAILBOX, BUG_NO_TIMEOUT,
+                    BUG_NO_DEADLINE_CLIP, BUG_NO_TIMEOUT,
                     BUG_CALL_AFTER_DEADLINE} :
               b \in BOOLEAN
 
@@ -92,8 +94,16 @@ Succ(x, R) == {y \in Agents : <<x, y>> \in R}
 Path(x, y, R) == y \in Reach(Succ(x, R), R, Cardinality(Agents))
 Acyclic(R) == \A a \in Agents : ~Path(a, a, R)
 
-(* The dispatcher's view: edge caller -> target for each remembered call. *)
-DispatcherEdges == {<<calls[c].caller, calls[c].target>> : c \in wfg}
+(* Two nodes at most: node 2 hosts the agents in Remote, node 1 the others.  *)
+(* Each node's dispatcher records the edges of the calls it routes, i.e. the  *)
+(* calls made by its own agents (crates/troupe-runtime/src/dispatcher.rs; the  *)
+(* transport does not share them), and checks a new edge against those only. *)
+NodeOf(a) == IF a \in Remote THEN 2 ELSE 1
+EdgesOf(S) == {<<calls[c].caller, calls[c].target>> : c \in S}
+(* The union of the dispatchers' views (the graph of one node when Remote = {}). *)
+DispatcherEdges == EdgesOf(wfg)
+(* The view of the dispatcher of node n. *)
+NodeEdges(n) == EdgesOf({c \in wfg : NodeOf(calls[c].caller) = n})
 
 (* The real blocked-on relation: agent a's turn is blocked awaiting the reply *)
 (* to a call to agent b. This is derived from the agents' state, not from    *)
@@ -130,7 +140,8 @@ TooDeep(a) == ~BUG_NO_DEPTH_CHECK /\ calls[turn[a]].depth >= MAX_DEPTH
 \* may not start a call once its own deadline has passed.
 Expired(a) == ~BUG_NO_TIMEOUT /\ ~BUG_CALL_AFTER_DEADLINE /\ now >= calls[turn[a]].deadline
 \* dispatcher: would the edge a -> t close a cycle in its wait-for graph?
-ClosesCycle(a, t) == ~BUG_NO_WAITFOR_CHECK /\ (t = a \/ Path(t, a, DispatcherEdges))
+\* Only the edges routed by a's own node are known to its dispatcher.
+ClosesCycle(a, t) == ~BUG_NO_WAITFOR_CHECK /\ (t = a \/ Path(t, a, NodeEdges(NodeOf(a))))
 
 AgentCall(a, t) ==
     /\ turn[a] # 0
@@ -159,7 +170,7 @@ AgentCall(a, t) ==
 DeliverReq(m) ==
     /\ m.kind = "req"
     /\ LET t == calls[m.call].target IN
-       IF Len(mailbox[t]) < MAILBOX_CAP \/ BUG_UNBOUNDED_MAILBOX
+       IF Len(mailbox[t]) < MAILBOX_CAP
          THEN /\ mailbox' = [mailbox EXCEPT ![t] = Append(@, m.call)]
               /\ net' = net \ {m}
          ELSE /\ net' = (net \ {m}) \cup {RepMsg(m.call, "busy")}
@@ -295,16 +306,21 @@ TypeOK ==
               /\ calls[c].chain \in Seq(Agents)
               /\ calls[c].deadline \in 0..MaxTime
     /\ \A a \in Agents :
-         /\ mailbox[a] \in Seq(1..nCalls)
+         \* a bounded channel: its capacity is part of its type (no bug switch:
+         \* the runtime's bound is structural, a tokio bounded mpsc)
+         /\ mailbox[a] \in Seq(1..nCalls) /\ Len(mailbox[a]) <= MAILBOX_CAP
          /\ turn[a] \in 0..nCalls
          /\ waiting[a] \in 0..nCalls
     /\ \A m \in net : m.kind \in {"req", "rep"} /\ m.call \in 1..nCalls
                       /\ m.result \in {"-", "ok", "busy"}
     /\ wfg \subseteq 1..nCalls
 
-(* No admitted call goes deeper than MAX_DEPTH hops. *)
-DepthBounded ==
-    \A c \in CallIds : Admitted(c) => calls[c].depth <= MAX_DEPTH
+(* The depth limit is a policy (AGENT_CALL_DEPTH_MAX), so its property is   *)
+(* the limit itself, but stated on what RUNS, not on what admission decided: *)
+(* no turn ever executes work nested deeper than MAX_DEPTH calls below the   *)
+(* client's request.                                                          *)
+NoTurnTooDeep ==
+    \A a \in Agents : turn[a] # 0 => calls[turn[a]].depth <= MAX_DEPTH
 
 (* The agents along an admitted call (chain, then target) are all distinct: *)
 (* no agent is re-entered through its own call chain.                        *)
@@ -317,13 +333,17 @@ NoCycleInCallChain ==
 (* waiting for a reply) never contains a cycle.                              *)
 WaitForGraphAcyclic == Acyclic(BlockedOn)
 
-(* A child's deadline never exceeds its parent's. *)
-DeadlineMonotone ==
+(* The client's deadline bounds all work done on its behalf: no call of a    *)
+(* request's tree is still pending once the time is past the deadline of    *)
+(* the client request at its root. (The model's clock only advances while   *)
+(* some call waits for a later deadline, and every client request has the    *)
+(* same deadline, so a timeout that has not fired yet cannot make this fail  *)
+(* spuriously.)                                                              *)
+RECURSIVE RootOf(_)
+RootOf(c) == IF calls[c].caller = Client THEN c ELSE RootOf(calls[c].parent)
+NoCallOutlivesItsRequest ==
     \A c \in CallIds :
-        (Admitted(c) /\ calls[c].caller \in Agents) =>
-            calls[c].deadline <= calls[calls[c].parent].deadline
-
-BoundedMailboxes == \A a \in Agents : Len(mailbox[a]) <= MAILBOX_CAP
+        calls[c].status = "pending" => now <= calls[RootOf(c)].deadline
 
 (* Helper invariants (consistency of the model, and why the wait-for check  *)
 (* works: the dispatcher's view always covers the real blocking).            *)
@@ -349,7 +369,8 @@ NoAgentBlockedForever ==
 EveryTurnEnds ==
     \A a \in Agents : turn[a] # 0 ~> turn[a] = 0
 
-(* For SYMMETRY in safety-only configs. *)
-AgentSymmetry == Permutations(Agents)
+(* For SYMMETRY in safety-only configs (agents on the same node are        *)
+(* interchangeable).                                                        *)
+AgentSymmetry == Permutations(Agents \ Remote) \cup Permutations(Remote)
 
 =============================================================================
