@@ -16,6 +16,18 @@ use troupe_core::{CallRefused, InvokeError};
 
 const MS: Duration = Duration::from_millis(1);
 
+/// A scripted model whose boss asks worker `message` through `call_agent`, then answers
+/// with `reply` (a template that may use `{tool_result}`).
+fn boss_asks_worker(message: &str, reply: &str) -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("boss")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "worker", "message": message})),
+        )
+        .rule(ScriptRule::agent("boss").on_tool_result().reply(reply))
+}
+
 /// A tool that sleeps `ms` and counts how often it started.
 fn step_tool(started: &Arc<AtomicU32>, ms: u64) -> Tool {
     let started = Arc::clone(started);
@@ -42,13 +54,7 @@ fn step_tool(started: &Arc<AtomicU32>, ms: u64) -> Tool {
 #[tokio::test(start_paused = true)]
 async fn a_caller_that_gives_up_stops_its_callees_model_and_tool_calls_and_nothing_commits() {
     let steps = Arc::new(AtomicU32::new(0));
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("boss")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "worker", "message": "work"})),
-        )
-        .rule(ScriptRule::agent("boss").on_tool_result().reply("{tool_result}"))
+    let llm = boss_asks_worker("work", "{tool_result}")
         .rule(
             ScriptRule::agent("worker")
                 .on_user_containing("")
@@ -143,18 +149,7 @@ async fn a_call_agent_made_after_shutdown_began_fails_at_once_and_the_model_read
 /// calls are refused with `AgentNotFound`.
 #[tokio::test(start_paused = true)]
 async fn a_removed_agent_is_deactivated_and_later_calls_to_it_are_refused() {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("boss")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "worker", "message": "help"})),
-        )
-        .rule(
-            ScriptRule::agent("boss")
-                .on_tool_result()
-                .reply("boss saw: {tool_result}"),
-        )
-        .rule(ScriptRule::agent("worker").reply("helped"));
+    let llm = boss_asks_worker("help", "boss saw: {tool_result}").rule(ScriptRule::agent("worker").reply("helped"));
     let recorder = CallRecorder::new();
     let system = AgentSystem::builder()
         .llm(Arc::new(llm))
@@ -220,13 +215,7 @@ async fn a_tool_sees_its_turn_read_only_and_a_call_to_its_own_agent_is_refused_a
             ))
         },
     );
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("boss")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "worker", "message": "probe"})),
-        )
-        .rule(ScriptRule::agent("boss").on_tool_result().reply("{tool_result}"))
+    let llm = boss_asks_worker("probe", "{tool_result}")
         .rule(
             ScriptRule::agent("worker")
                 .on_user_containing("")

@@ -384,14 +384,9 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: on
 }
 
 /// Commits the turn's state change and writes atomically under the activation's fence;
-/// skips the store when nothing changed. Once fenced, fails every turn the same way.
+/// skips the store when nothing changed. A refusal for a newer claim marks the
+/// activation fenced: `run_turn` then answers every later request with it, unrun.
 async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(), InvokeError> {
-    if let Some(fenced) = &live.fenced {
-        return Err(InvokeError::StorageFailed {
-            target: live.id.clone(),
-            source: (**fenced).clone(),
-        });
-    }
     let snapshot = live.actor.snapshot().map_err(|error| actor_error(&live.id, error))?;
     let commit = TurnCommit {
         state: StateChange::between(live.committed.as_ref(), snapshot),

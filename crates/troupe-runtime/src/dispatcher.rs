@@ -49,6 +49,23 @@ struct Activation {
     deactivation_waiters: Vec<oneshot::Sender<bool>>,
 }
 
+impl Activation {
+    /// Closes the mailbox, if it is open, by removing its route (the only sender), and
+    /// starts deactivating: the running turn and queued requests finish, then the
+    /// activation saves and ends. Still activating: `Activated` sees the closed mailbox
+    /// and deactivates then.
+    fn close(&mut self, id: &ActorId, routes: &mut FastMap<ActorId, Route>) {
+        if !self.open {
+            return;
+        }
+        routes.remove(id);
+        self.open = false;
+        if self.lifecycle.state() == LifecycleState::Active {
+            self.lifecycle.apply(LifecycleEvent::Deactivate);
+        }
+    }
+}
+
 pub(crate) struct Dispatcher {
     handle: RuntimeHandle,
     commands: mpsc::Receiver<Command>,
@@ -138,16 +155,8 @@ impl Dispatcher {
     /// turn and queued requests finish, then the activation saves and ends; later
     /// requests are held for the next activation.
     fn close(&mut self, target: &ActorId) {
-        let Some(activation) = self.table.get_mut(target) else {
-            return;
-        };
-        if activation.open {
-            self.handle.shared.routes.lock().remove(target);
-            activation.open = false;
-            if activation.lifecycle.state() == LifecycleState::Active {
-                activation.lifecycle.apply(LifecycleEvent::Deactivate);
-            }
-            // Still activating: `Activated` sees the closed mailbox and deactivates.
+        if let Some(activation) = self.table.get_mut(target) {
+            activation.close(target, &mut self.handle.shared.routes.lock());
         }
     }
 
@@ -443,13 +452,7 @@ impl Dispatcher {
         }
         let mut routes = self.handle.shared.routes.lock();
         for (id, activation) in self.table.iter_mut() {
-            if activation.open {
-                routes.remove(id);
-                activation.open = false;
-                if activation.lifecycle.state() == LifecycleState::Active {
-                    activation.lifecycle.apply(LifecycleEvent::Deactivate);
-                }
-            }
+            activation.close(id, &mut routes);
             for envelope in activation.held.drain(..) {
                 let _ = envelope.reply.send(Err(InvokeError::Shutdown));
             }
