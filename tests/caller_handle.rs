@@ -2,13 +2,13 @@
 //! the turn's chain, but bounded by the turn's deadline and cancelled with the turn.
 //! Both builds.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use troupe::core::{ActorId, ActorKind, Deadline, InvokeError};
-use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
+use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeHandle, Turn};
 
 const KIND: &str = "node";
 
@@ -26,6 +26,8 @@ struct Node {
     key: String,
     results: Results,
     deadlines: Deadlines,
+    /// The runtime's own handle, captured as an actor or tool might.
+    captured: Arc<OnceLock<RuntimeHandle>>,
 }
 
 #[async_trait]
@@ -37,6 +39,13 @@ impl Actor for Node {
         match parts.as_slice() {
             ["sleep", ms] => {
                 tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+            }
+            ["captured", target] => {
+                let handle = self.captured.get().expect("set when the runtime started");
+                let started = tokio::time::Instant::now();
+                let deadline = handle.deadline_in(Duration::from_secs(1));
+                let result = handle.invoke(&node(target), Bytes::from("sleep:0"), deadline).await;
+                self.results.lock().unwrap().push((result, started.elapsed()));
             }
             [mode @ ("root" | "spawn"), target, ms] => {
                 let caller = turn.caller().clone();
@@ -62,17 +71,22 @@ impl Actor for Node {
 
 fn start(results: &Results, deadlines: &Deadlines) -> Runtime {
     let (results, deadlines) = (Arc::clone(results), Arc::clone(deadlines));
+    let captured = Arc::new(OnceLock::new());
+    let handle_slot = Arc::clone(&captured);
     let factory = move |id: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
         Ok(Box::new(Node {
             key: id.key().to_string(),
             results: Arc::clone(&results),
             deadlines: Arc::clone(&deadlines),
+            captured: Arc::clone(&handle_slot),
         }))
     };
-    Runtime::builder()
+    let runtime = Runtime::builder()
         .register(ActorKind::new(KIND).unwrap(), factory, KindConfig::default())
         .unwrap()
-        .start()
+        .start();
+    captured.set(runtime.handle()).expect("set once");
+    runtime
 }
 
 /// Goal: a root invocation from a turn never outlives the turn's deadline, whatever
@@ -138,5 +152,47 @@ async fn a_root_invoke_from_a_spawned_task_is_cancelled_when_the_turn_ends() {
         results[0].1
     );
     assert_eq!(rt.counters().turns_abandoned, 1, "B's turn was cancelled");
+    rt.shutdown().await;
+}
+
+/// Goal: on the multi-thread runtime too, a root invocation through a handle captured
+/// inside a turn is refused at once (the turn marker follows the task's polls across
+/// worker threads), while the same handle works from outside any turn. Method: 200 turns
+/// on 4 worker threads each invoke another actor through the captured handle.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_root_invoke_through_a_captured_handle_is_refused_inside_turns_on_worker_threads() {
+    let (results, deadlines) = (Results::default(), Deadlines::default());
+    let rt = start(&results, &deadlines);
+    let mut requests = Vec::new();
+    for index in 0..200 {
+        let handle = rt.handle();
+        requests.push(tokio::spawn(async move {
+            let deadline = handle.deadline_in(Duration::from_secs(5));
+            handle
+                .invoke(&node(&format!("a{index}")), Bytes::from("captured:b"), deadline)
+                .await
+        }));
+    }
+    for request in requests {
+        request.await.unwrap().unwrap();
+    }
+    let results = results.lock().unwrap().clone();
+    assert_eq!(results.len(), 200);
+    for (result, took) in &results {
+        assert_eq!(
+            result,
+            &Err(InvokeError::Refused(troupe::core::CallRefused::RootInvokeInsideTurn))
+        );
+        assert!(*took < Duration::from_millis(100), "refused at once: {took:?}");
+    }
+    let outside = rt
+        .invoke(
+            &node("b"),
+            Bytes::from("sleep:0"),
+            rt.deadline_in(Duration::from_secs(1)),
+        )
+        .await;
+    assert_eq!(outside, Ok(Bytes::new()), "outside a turn the handle works");
     rt.shutdown().await;
 }

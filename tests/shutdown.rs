@@ -34,6 +34,8 @@ enum Job {
 #[derive(Default)]
 struct Tally {
     live: AtomicI64,
+    /// The most instances ever live at once (one actor per test: its activations).
+    live_max: AtomicI64,
     deactivated: Mutex<Vec<String>>,
     call_results: Mutex<Vec<(Result<Bytes, InvokeError>, Duration)>>,
 }
@@ -101,7 +103,8 @@ fn count(reply: &Bytes) -> u64 {
 fn start(tally: &Arc<Tally>, grace: Duration) -> Runtime {
     let tally = Arc::clone(tally);
     let factory = move |id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-        tally.live.fetch_add(1, Ordering::SeqCst);
+        let live = tally.live.fetch_add(1, Ordering::SeqCst) + 1;
+        tally.live_max.fetch_max(live, Ordering::SeqCst);
         let count = saved.map(|b| count(&b)).unwrap_or(0);
         Ok(Box::new(Worker {
             key: id.key().to_string(),
@@ -388,6 +391,51 @@ async fn a_failed_on_deactivate_saves_nothing_and_the_last_committed_state_stays
         count(&send(&rt, "a", Job::Add).await.unwrap()),
         2,
         "reactivated from the committed state"
+    );
+    rt.shutdown().await;
+}
+
+/// Goal: forced deactivation keeps single activation and loses nothing on the
+/// multi-thread runtime. Method: 4 tasks send 50 adds each to one actor while another
+/// task forces its deactivation 20 times; every add is acknowledged, the final count is
+/// exactly 200, and never more than one instance of the actor is live.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forced_deactivation_under_concurrent_callers_keeps_one_activation_and_loses_nothing() {
+    let tally = Arc::new(Tally::default());
+    let rt = start(&tally, Duration::from_secs(5));
+    let mut senders = Vec::new();
+    for _ in 0..4 {
+        let handle = rt.handle();
+        senders.push(tokio::spawn(async move {
+            for _ in 0..50 {
+                send(&handle, "a", Job::Add).await.expect("every add is acknowledged");
+            }
+        }));
+    }
+    let deactivator = tokio::spawn({
+        let handle = rt.handle();
+        async move {
+            let mut live = 0;
+            for _ in 0..20 {
+                if handle.deactivate(&worker("a")).await.unwrap() {
+                    live += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            live
+        }
+    });
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    let deactivated = deactivator.await.unwrap();
+    assert_eq!(count(&send(&rt, "a", Job::Add).await.unwrap()), 201, "no add was lost");
+    assert_eq!(tally.live_max.load(Ordering::SeqCst), 1, "never two instances at once");
+    assert!(deactivated >= 1, "the deactivations really happened: {deactivated}");
+    assert_eq!(
+        rt.counters().activations_started,
+        1 + rt.counters().deactivations_finished
     );
     rt.shutdown().await;
 }
