@@ -21,7 +21,7 @@ use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokio::sync::{mpsc, oneshot};
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn, TypedActor};
 
 struct Echo;
 
@@ -68,67 +68,179 @@ fn spawn_floor_server() -> mpsc::Sender<Request> {
     sender
 }
 
+fn multi_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs `iters` rounds of `round` in a task spawned on `rt` (as a server's request
+/// handler would), not in `block_on`'s own future: on current_thread, a `block_on`
+/// future that is woken makes the scheduler poll the I/O driver (a syscall) before it
+/// runs again, which a spawned task does not pay on every round.
+fn time_in_task<S, F, Fut>(rt: &tokio::runtime::Runtime, iters: u64, state: &S, round: F) -> Duration
+where
+    S: Clone + Send + 'static,
+    F: Fn(S) -> Fut + Send + Copy + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let state = state.clone();
+    rt.block_on(async move {
+        tokio::spawn(async move {
+            let start = Instant::now();
+            for _ in 0..iters {
+                round(state.clone()).await;
+            }
+            start.elapsed()
+        })
+        .await
+        .unwrap()
+    })
+}
+
 fn hot_round_trip(c: &mut Criterion) {
-    let rt = current_thread();
-    let mut group = c.benchmark_group("hot invoke round trip");
-    // Set-up happens once, outside the closures: criterion calls them many times.
-    let sender = rt.block_on(async { spawn_floor_server() });
-    let runtime = rt.block_on(async { echo_runtime() });
-    group.bench_function("raw tokio mpsc + oneshot (floor)", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let start = Instant::now();
-                for _ in 0..iters {
+    for (flavor, rt) in [
+        ("current_thread", current_thread()),
+        ("multi_thread (2 workers)", multi_thread()),
+    ] {
+        let mut group = c.benchmark_group(format!("hot invoke round trip, {flavor}"));
+        // Set-up happens once, outside the closures: criterion calls them many times.
+        let sender = rt.block_on(async { spawn_floor_server() });
+        let runtime = rt.block_on(async { echo_runtime() });
+        let handle = runtime.handle();
+        group.bench_function("raw tokio mpsc + oneshot (floor)", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &sender, |sender| async move {
                     let (reply, answer) = oneshot::channel();
                     sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
                     answer.await.unwrap();
-                }
-                start.elapsed()
-            })
+                })
+            });
         });
-    });
-    let target = echo(0);
-    rt.block_on(async {
-        runtime
-            .invoke(&target, Bytes::new(), runtime.deadline_in(Duration::from_secs(5)))
-            .await
-            .unwrap();
-    });
-    group.bench_function(
-        "raw tokio mpsc + oneshot under tokio::time::timeout (floor with a deadline)",
-        |b| {
-            b.iter_custom(|iters| {
-                rt.block_on(async {
-                    let start = Instant::now();
-                    for _ in 0..iters {
+        let target = echo(0);
+        rt.block_on(async {
+            runtime
+                .invoke(&target, Bytes::new(), runtime.deadline_in(Duration::from_secs(5)))
+                .await
+                .unwrap();
+        });
+        group.bench_function(
+            "raw tokio mpsc + oneshot under tokio::time::timeout (floor with a deadline)",
+            |b| {
+                b.iter_custom(|iters| {
+                    time_in_task(&rt, iters, &sender, |sender| async move {
                         let (reply, answer) = oneshot::channel();
                         sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
                         tokio::time::timeout(Duration::from_secs(5), answer)
                             .await
                             .unwrap()
                             .unwrap();
-                    }
-                    start.elapsed()
-                })
-            });
-        },
-    );
-    group.bench_function("troupe invoke of an active actor", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    let deadline = runtime.deadline_in(Duration::from_secs(5));
-                    runtime
-                        .invoke(&target, Bytes::from_static(b"x"), deadline)
+                    })
+                });
+            },
+        );
+        let state = (handle, target.clone());
+        group.bench_function("troupe invoke of an active actor", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &state, |(handle, target)| async move {
+                    handle
+                        .invoke_within(&target, Bytes::from_static(b"x"), Duration::from_secs(5))
                         .await
                         .unwrap();
-                }
-                start.elapsed()
-            })
+                })
+            });
         });
-    });
-    group.finish();
+        group.finish();
+        rt.block_on(runtime.shutdown());
+    }
+}
+
+/// Messages per batch in the fire-and-forget benchmark: below the default mailbox
+/// capacity, so no tell is refused with `Busy`.
+const TELL_BATCH: u64 = 32;
+
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct TypedEcho;
+
+#[async_trait]
+impl TypedActor for TypedEcho {
+    type Message = u64;
+    type Reply = u64;
+
+    async fn handle(&mut self, _turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
+        Ok(message)
+    }
+}
+
+/// Fire-and-forget: a batch of `TELL_BATCH` messages, then one request-reply as the
+/// barrier that shows all were handled; reported per message. The floor does the same
+/// with a raw bounded mpsc send to a task that drains it.
+fn tell_and_typed(c: &mut Criterion) {
+    for (flavor, rt) in [
+        ("current_thread", current_thread()),
+        ("multi_thread (2 workers)", multi_thread()),
+    ] {
+        let mut group = c.benchmark_group(format!("tell and typed ask, {flavor}"));
+        let sender = rt.block_on(async { spawn_floor_server() });
+        let runtime = rt.block_on(async {
+            Runtime::builder()
+                .register_typed::<TypedEcho>(
+                    ActorKind::new("typed").unwrap(),
+                    KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
+                )
+                .unwrap()
+                .start()
+        });
+        let typed = runtime
+            .actor_ref::<TypedEcho>(ActorId::new("typed", "0").unwrap())
+            .unwrap();
+        rt.block_on(async { typed.ask(0, Duration::from_secs(5)).await.unwrap() });
+        group.throughput(criterion::Throughput::Elements(TELL_BATCH));
+        group.bench_function("raw tokio bounded mpsc send, batch + barrier (floor)", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &sender, |sender| async move {
+                    for _ in 0..TELL_BATCH {
+                        let (reply, _answer) = oneshot::channel();
+                        sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    }
+                    let (reply, answer) = oneshot::channel();
+                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    answer.await.unwrap();
+                })
+            });
+        });
+        group.bench_function("troupe typed tell, batch + barrier", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &typed, |typed| async move {
+                    for i in 0..TELL_BATCH {
+                        typed.tell(i, Duration::from_secs(5)).await.unwrap();
+                    }
+                    typed.ask(0, Duration::from_secs(5)).await.unwrap();
+                })
+            });
+        });
+        group.throughput(criterion::Throughput::Elements(1));
+        group.bench_function("raw tokio mpsc + oneshot (floor)", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &sender, |sender| async move {
+                    let (reply, answer) = oneshot::channel();
+                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    answer.await.unwrap();
+                })
+            });
+        });
+        group.bench_function("troupe typed ask of an active actor", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &typed, |typed| async move {
+                    typed.ask(7, Duration::from_secs(5)).await.unwrap();
+                })
+            });
+        });
+        group.finish();
+        rt.block_on(runtime.shutdown());
+    }
 }
 
 fn cold_activation(c: &mut Criterion) {
@@ -275,5 +387,5 @@ fn config() -> Criterion {
         .measurement_time(Duration::from_millis(if quick { 500 } else { 3_000 }))
 }
 
-criterion_group! { name = benches; config = config(); targets = hot_round_trip, cold_activation, routing_is_flat }
+criterion_group! { name = benches; config = config(); targets = hot_round_trip, tell_and_typed, cold_activation, routing_is_flat }
 criterion_main!(benches);

@@ -34,13 +34,17 @@
 //! A panic in the actor ends the task; a guard reports `Crashed` so the dispatcher frees
 //! the entry, and callers of the queued requests see `ActorFailed`.
 
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 
 use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use troupe_core::{ActorId, InvokeError};
 
-use crate::envelope::{Control, Envelope, MailboxReceiver, Reply};
+use crate::envelope::{Control, Envelope, MailboxReceiver, Payload, Reply, ReplyTo};
 use crate::runtime::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
@@ -205,11 +209,11 @@ async fn run(start: ActivationStart) {
 /// Answers one request: releases its wait-for edge first, so that no call made after
 /// the caller has its reply can meet the edge, then replies (a caller that is gone is
 /// ignored).
-fn respond(shared: &Shared, call: CallId, edge: bool, reply: oneshot::Sender<Reply>, result: Reply) {
+fn respond(shared: &Shared, call: CallId, edge: bool, reply: ReplyTo, result: Reply) {
     if edge {
         let _ = shared.control.send(Control::ReleaseCall { call });
     }
-    let _ = reply.send(result);
+    reply.send(result);
 }
 
 async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, InvokeError> {
@@ -277,6 +281,26 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
     }
 }
 
+/// A turn's handler: for bytes or for an in-process value.
+enum Handler<'a> {
+    Bytes(BoxedTurn<'a, Bytes>),
+    Value(BoxedTurn<'a, Box<dyn Any + Send>>),
+}
+
+/// The future of one [`Actor`] handler, as `async_trait` boxes it.
+type BoxedTurn<'a, T> = Pin<Box<dyn Future<Output = Result<T, ActorError>> + Send + 'a>>;
+
+impl Future for Handler<'_> {
+    type Output = Result<Payload, ActorError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            Self::Bytes(future) => future.as_mut().poll(cx).map(|done| done.map(Payload::Bytes)),
+            Self::Value(future) => future.as_mut().poll(cx).map(|done| done.map(Payload::Value)),
+        }
+    }
+}
+
 /// What the race between a turn and its caller produced.
 enum Raced<T> {
     Finished(T),
@@ -293,9 +317,12 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         call,
         edge,
     } = envelope;
-    let now = shared.clock.now();
-    if reply.is_closed() || context.deadline().has_passed(now) {
-        // Expired or abandoned: never run it.
+    if reply.is_closed() {
+        // Abandoned (its caller timed out, or gave up): never run it. No clock read
+        // here: a caller's wait ends at its deadline, which closes the reply channel, so
+        // an expired request is an abandoned one. (Between the deadline and the moment
+        // the caller's timer is handled, a request may still start; its caller then
+        // takes the reply if it arrives first, or the turn is cancelled.)
         Counters::add(&shared.counters.expired_dropped);
         let error = InvokeError::Timeout {
             target: live.id.clone(),
@@ -318,37 +345,64 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     let deadline = context.deadline();
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
     #[cfg(feature = "planted-bugs")]
-    let watch_caller = !shared.planted_commit_after_abandon;
+    let watch_caller = !shared.planted_commit_after_abandon && reply.has_caller();
     #[cfg(not(feature = "planted-bugs"))]
-    let watch_caller = true;
+    // A fire-and-forget message has nobody to watch: its turn is timed by its own timer.
+    let watch_caller = reply.has_caller();
+    // Whether the turn's handler had to wait at least once.
+    let mut waited = false;
     let raced = {
         // Marks the task as running this actor's turn, so that a root invocation from
         // inside it (through a captured handle) is refused.
-        let handler = crate::runtime::InTurn(live.actor.handle(&mut turn, payload));
-        let work = shared.clock.run_until_from(now, deadline, handler);
-        tokio::select! {
-            biased;
-            () = reply.closed(), if watch_caller => Raced::Abandoned,
-            outcome = work => Raced::Finished(outcome),
+        let mut handler = crate::runtime::InTurn(match payload {
+            Payload::Bytes(bytes) => Handler::Bytes(live.actor.handle(&mut turn, bytes)),
+            Payload::Value(value) => Handler::Value(live.actor.handle_value(&mut turn, value)),
+        });
+        if watch_caller {
+            // No timer of its own: the caller's wait ends at the deadline (its timer is
+            // armed at the deadline's instant), which closes the reply channel, which
+            // cancels the turn here. One timer per call instead of two.
+            std::future::poll_fn(|cx| {
+                // The caller is checked before every poll of the handler, so a turn
+                // whose caller has gone makes no further progress; its waker is only
+                // registered with the reply channel once the turn has to wait.
+                if reply.is_closed() {
+                    return Poll::Ready(Raced::Abandoned);
+                }
+                if let Poll::Ready(outcome) = Pin::new(&mut handler).poll(cx) {
+                    return Poll::Ready(Raced::Finished(Ok(outcome)));
+                }
+                waited = true;
+                match reply.poll_closed(cx) {
+                    Poll::Ready(()) => Poll::Ready(Raced::Abandoned),
+                    Poll::Pending => Poll::Pending,
+                }
+            })
+            .await
+        } else {
+            waited = true;
+            let now = shared.clock.now();
+            Raced::Finished(shared.clock.run_until_from(now, deadline, handler).await)
         }
     };
     // The turn has ended: calls still in flight from tasks it spawned are cancelled.
     turn.end();
     Counters::add(&shared.counters.turns_run);
+    // The caller puts the time it allowed into the error.
     let timed_out = || {
-        let timeout_ms = deadline.remaining_ms(now);
         Err(InvokeError::Timeout {
             target: live.id.clone(),
-            timeout_ms,
+            timeout_ms: 0,
         })
     };
     let result = match raced {
         Raced::Abandoned => return abandon(live, shared, call, edge, reply),
         Raced::Finished(Err(_elapsed)) => timed_out(),
-        // A turn that ends exactly at its deadline may have won the race with the timer,
-        // but its caller's own timer fires at the same instant: it must not commit what
-        // the caller will never see acknowledged.
-        Raced::Finished(Ok(_)) if deadline.has_passed(shared.clock.now()) => timed_out(),
+        // A turn that ends at or after its deadline may finish before its caller's timer
+        // is handled: it must not commit what the caller will never see acknowledged.
+        // A turn that never waited ran straight after the deadline check at dequeue, so
+        // only one that waited reads the clock again.
+        Raced::Finished(Ok(_)) if waited && deadline.has_passed(shared.clock.now()) => timed_out(),
         Raced::Finished(Ok(Err(error))) => Err(actor_error(&live.id, error)),
         // The commit decision: only while the caller still waits.
         Raced::Finished(Ok(Ok(_))) if watch_caller && reply.is_closed() => {
@@ -370,7 +424,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
 }
 
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.
-fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: oneshot::Sender<Reply>) {
+fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: ReplyTo) {
     Counters::add(&shared.counters.turns_abandoned);
     live.roll_back();
     shared.emit(|| RuntimeEvent::TurnAbandoned {

@@ -1,5 +1,7 @@
 //! What an actor is: the [`Actor`] trait, its [`ActorFactory`] and [`ActorError`].
 
+use std::any::Any;
+
 use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, InvokeError};
@@ -69,6 +71,22 @@ pub trait Actor: Send + 'static {
     /// The future is dropped when the request's deadline passes; the runtime then
     /// rebuilds the actor from its last committed snapshot.
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError>;
+
+    /// Handles one message passed as a value within this process, by a typed
+    /// [`crate::ActorRef`]; returns the reply as a value. Typed actors get it from
+    /// [`crate::TypedActor`]'s adapter; the default refuses.
+    ///
+    /// # Errors
+    /// As [`Actor::handle`]; the default rejects the message.
+    async fn handle_value(
+        &mut self,
+        _turn: &mut Turn,
+        _message: Box<dyn Any + Send>,
+    ) -> Result<Box<dyn Any + Send>, ActorError> {
+        Err(ActorError::rejected(
+            "this actor takes bytes only; register it as a TypedActor to send it values",
+        ))
+    }
 
     /// Runs once before the actor is deactivated; its snapshot is committed afterwards.
     ///

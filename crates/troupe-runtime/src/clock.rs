@@ -25,6 +25,12 @@ impl Clock {
         Deadline::from_micros(u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX))
     }
 
+    /// The `tokio::time::Instant` of `deadline`, without reading the clock: for timers
+    /// armed at an absolute instant (`tokio::time::sleep_until`).
+    pub fn instant_of(&self, deadline: Deadline) -> tokio::time::Instant {
+        self.epoch + Duration::from_micros(deadline.as_micros())
+    }
+
     /// The deadline `duration` from now.
     pub fn deadline_in(&self, duration: Duration) -> Deadline {
         Deadline::after(self.now(), duration)

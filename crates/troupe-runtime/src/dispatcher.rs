@@ -130,7 +130,7 @@ impl Dispatcher {
             Command::Invoke { envelope, .. } if self.shutting_down => {
                 // A new request, or a call made by a turn still finishing: refused at
                 // once, never left to wait out its deadline.
-                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+                envelope.reply.send(Err(InvokeError::Shutdown));
             }
             Command::Invoke { target, envelope, edge } => self.route(target, envelope, edge),
             Command::Stats { reply } => {
@@ -181,12 +181,12 @@ impl Dispatcher {
         let now = self.handle.shared.clock.now();
         if envelope.context.deadline().has_passed(now) {
             Counters::add(&self.handle.shared.counters.expired_dropped);
-            let _ = envelope.reply.send(Err(InvokeError::Timeout { target, timeout_ms: 0 }));
+            envelope.reply.send(Err(InvokeError::Timeout { target, timeout_ms: 0 }));
             return;
         }
         let Some(kind) = self.handle.shared.kinds.get(target.kind()) else {
             let kind = target.kind().to_string();
-            let _ = envelope.reply.send(Err(InvokeError::ActorNotFound { target, kind }));
+            envelope.reply.send(Err(InvokeError::ActorNotFound { target, kind }));
             return;
         };
         let capacity = kind.config.mailbox_capacity;
@@ -195,11 +195,11 @@ impl Dispatcher {
                 Ok(()) => {}
                 Err(EdgeRefused::Cycle(cycle)) => {
                     Counters::add(&self.handle.shared.counters.deadlocks_refused);
-                    let _ = envelope.reply.send(Err(InvokeError::DeadlockDetected { cycle }));
+                    envelope.reply.send(Err(InvokeError::DeadlockDetected { cycle }));
                     return;
                 }
                 Err(EdgeRefused::Full) => {
-                    let _ = envelope.reply.send(Err(InvokeError::Rejected {
+                    envelope.reply.send(Err(InvokeError::Rejected {
                         target,
                         reason: "the wait-for graph is full".to_string(),
                     }));
@@ -208,6 +208,9 @@ impl Dispatcher {
             }
         }
         let call = edge.map(|edge| edge.id);
+        // A fire-and-forget message is accepted once it is in the mailbox or held.
+        let mut envelope = envelope;
+        let acceptance = envelope.reply.take_acceptance();
         let table_full = self.table.len() >= ACTIVATIONS_MAX;
         let shutting_down = self.shutting_down;
         let refused = match self.table.get_mut(&target) {
@@ -235,7 +238,14 @@ impl Dispatcher {
             if matches!(error, InvokeError::Busy { .. }) {
                 Counters::add(&self.handle.shared.counters.busy_refused);
             }
-            let _ = envelope.reply.send(Err(error));
+            match acceptance {
+                Some(acceptance) => {
+                    let _ = acceptance.send(Err(error));
+                }
+                None => envelope.reply.send(Err(error)),
+            }
+        } else if let Some(acceptance) = acceptance {
+            let _ = acceptance.send(Ok(()));
         }
     }
 
@@ -420,7 +430,7 @@ impl Dispatcher {
         }
         if self.shutting_down {
             for envelope in held {
-                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+                envelope.reply.send(Err(InvokeError::Shutdown));
             }
             return;
         }
@@ -454,7 +464,7 @@ impl Dispatcher {
         for (id, activation) in self.table.iter_mut() {
             activation.close(id, &mut routes);
             for envelope in activation.held.drain(..) {
-                let _ = envelope.reply.send(Err(InvokeError::Shutdown));
+                envelope.reply.send(Err(InvokeError::Shutdown));
             }
         }
     }

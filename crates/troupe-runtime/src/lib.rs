@@ -33,6 +33,7 @@ mod sqlite_store;
 mod state_store;
 mod transport;
 mod turn;
+mod typed;
 mod wait_for_graph;
 
 pub use actor::{Actor, ActorError, ActorFactory};
@@ -58,3 +59,4 @@ pub use transport::{
     SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_BATCH_FRAMES_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
 };
 pub use turn::Turn;
+pub use typed::{ActorRef, ActorRefError, TypedActor};

@@ -18,7 +18,7 @@ use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, Invoke
 
 use crate::caller::CallerInner;
 use crate::dispatcher::Dispatcher;
-use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Reply};
+use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
 use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, RuntimeEvent, RuntimeObserver, StateStore};
 
@@ -37,7 +37,7 @@ thread_local! {
     /// Whether the current thread is polling an actor's turn right now: set around every
     /// poll of a turn's handler ([`InTurn`]), so a root invocation from inside a turn can
     /// be refused. A plain flag: the check sits on the hot path.
-    static IN_TURN: Cell<bool> = const { Cell::new(false) };
+    pub(crate) static IN_TURN: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Polls a turn's handler with [`IN_TURN`] set.
@@ -63,6 +63,8 @@ impl<F: Future + Unpin> Future for InTurn<F> {
 pub(crate) struct KindEntry {
     pub(crate) factory: Arc<dyn ActorFactory>,
     pub(crate) config: KindConfig,
+    /// The [`crate::TypedActor`] type of a typed kind, with its name.
+    pub(crate) typed: Option<(std::any::TypeId, &'static str)>,
 }
 
 /// Counters of what the runtime did, for tests, the simulator and metrics.
@@ -315,6 +317,28 @@ impl RuntimeHandle {
         self.invoke_root(target, payload, deadline).await
     }
 
+    /// As [`RuntimeHandle::invoke`], with the deadline `timeout` from now (capped at
+    /// [`INVOKE_TIMEOUT_MS_MAX`]). Reads the clock once for both the deadline and the
+    /// call, where `invoke(target, payload, handle.deadline_in(timeout))` reads it twice.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke`].
+    pub async fn invoke_within(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        let now = self.shared.clock.now();
+        let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+        self.send_and_wait_from(now, target, Payload::Bytes(payload), CallContext::root(deadline), None)
+            .await?
+            .into_bytes(target)
+    }
+
     /// A root invocation without the inside-a-turn check: for `Caller::invoke_as_root`.
     pub(crate) async fn invoke_root(
         &self,
@@ -322,8 +346,9 @@ impl RuntimeHandle {
         payload: Bytes,
         deadline: Deadline,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, payload, CallContext::root(deadline), None)
-            .await
+        self.send_and_wait(target, Payload::Bytes(payload), CallContext::root(deadline), None)
+            .await?
+            .into_bytes(target)
     }
 
     /// Sends `payload` to `target` on behalf of `caller`'s running turn under `context`
@@ -342,7 +367,77 @@ impl RuntimeHandle {
         context: CallContext,
         turn: Option<&CallerInner>,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, payload, context, Some((caller, turn))).await
+        self.send_and_wait(target, Payload::Bytes(payload), context, Some((caller, turn)))
+            .await?
+            .into_bytes(target)
+    }
+
+    /// Sends `payload` to `target` from outside any actor without waiting for a reply
+    /// (fire-and-forget). Returns once the message is accepted: in the actor's mailbox,
+    /// or held for its next activation (activating it if it is inactive). Its turn runs
+    /// under `deadline` like any other, with nobody waiting: its reply and its errors
+    /// go nowhere (the counters show failed turns).
+    ///
+    /// The runtime keeps accepted messages in memory only: they are lost if the process
+    /// stops before they run. (Durable delivery is the agent inbox's job.)
+    ///
+    /// # Errors
+    /// The same refusals as [`RuntimeHandle::invoke`], at once: `Timeout` (the deadline
+    /// has passed: nothing was sent), `Busy`, `ActorNotFound`, `DispatcherBusy`,
+    /// `Rejected`, `Shutdown`, and `Refused(RootInvokeInsideTurn)` inside a turn.
+    pub async fn tell(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<(), InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        self.send_only(target, Payload::Bytes(payload), deadline).await
+    }
+
+    /// Fire-and-forget delivery of `payload` (see [`RuntimeHandle::tell`]).
+    pub(crate) async fn send_only(
+        &self,
+        target: &ActorId,
+        payload: Payload,
+        deadline: Deadline,
+    ) -> Result<(), InvokeError> {
+        let shared = &*self.shared;
+        if deadline.has_passed(shared.clock.now()) {
+            return Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: 0,
+            });
+        }
+        let envelope = Box::new(Envelope {
+            payload,
+            context: CallContext::root(deadline),
+            reply: ReplyTo::Nobody,
+            call: shared.next_call(),
+            edge: false,
+        });
+        let mut envelope = match shared.fast_path(target, envelope) {
+            FastPath::Delivered => return Ok(()),
+            FastPath::Refused(error) => return Err(error),
+            FastPath::ToDispatcher(back) => back,
+        };
+        let (acceptance, accepted) = oneshot::channel();
+        envelope.reply = ReplyTo::Acceptance(acceptance);
+        let command = Command::Invoke {
+            target: target.clone(),
+            envelope,
+            edge: None,
+        };
+        match shared.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                Counters::add(&shared.counters.dispatcher_busy_refused);
+                return Err(InvokeError::DispatcherBusy {
+                    capacity: DISPATCHER_QUEUE_CAPACITY,
+                });
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
+        }
+        // The dispatcher answers at once (it never waits on anything); it is gone only
+        // when the runtime has stopped.
+        accepted.await.unwrap_or(Err(InvokeError::Shutdown))
     }
 
     /// The runtime's counters since it started.
@@ -404,17 +499,29 @@ impl RuntimeHandle {
         answer.await.map_err(|_| InvokeError::Shutdown)
     }
 
-    async fn send_and_wait(
+    pub(crate) async fn send_and_wait(
         &self,
         target: &ActorId,
-        payload: Bytes,
+        payload: Payload,
         context: CallContext,
         caller: Option<(&ActorId, Option<&CallerInner>)>,
-    ) -> Result<Bytes, InvokeError> {
+    ) -> Result<Payload, InvokeError> {
+        self.send_and_wait_from(self.shared.clock.now(), target, payload, context, caller)
+            .await
+    }
+
+    /// As `send_and_wait`, with the clock already read as `now`.
+    pub(crate) async fn send_and_wait_from(
+        &self,
+        now: Deadline,
+        target: &ActorId,
+        payload: Payload,
+        context: CallContext,
+        caller: Option<(&ActorId, Option<&CallerInner>)>,
+    ) -> Result<Payload, InvokeError> {
         let shared = &*self.shared;
         let clock = shared.clock;
         let deadline = context.deadline();
-        let now = clock.now();
         if deadline.has_passed(now) {
             return Err(InvokeError::Timeout {
                 target: target.clone(),
@@ -445,7 +552,7 @@ impl RuntimeHandle {
         let mut envelope = Box::new(Envelope {
             payload,
             context,
-            reply,
+            reply: ReplyTo::Caller(reply),
             call,
             edge: edge.is_some(),
         });
@@ -454,7 +561,7 @@ impl RuntimeHandle {
             // dispatcher when the target's mailbox is open.
             match shared.fast_path(target, envelope) {
                 FastPath::Delivered => {
-                    return Self::await_reply(&mut guard, clock, now, deadline, timeout_ms, None).await;
+                    return Self::await_reply(&mut guard, clock, deadline, timeout_ms, None).await;
                 }
                 FastPath::Refused(error) => {
                     guard.answered = true;
@@ -483,37 +590,34 @@ impl RuntimeHandle {
                 return Err(InvokeError::Shutdown);
             }
         }
-        Self::await_reply(&mut guard, clock, now, deadline, timeout_ms, turn_end).await
+        Self::await_reply(&mut guard, clock, deadline, timeout_ms, turn_end).await
     }
 
     /// Waits for the reply in `guard` until `deadline`, or until the calling turn ends.
     async fn await_reply(
         guard: &mut WaitGuard<'_>,
         clock: Clock,
-        now: Deadline,
         deadline: Deadline,
         timeout_ms: u64,
         turn_end: Option<&CallerInner>,
-    ) -> Result<Bytes, InvokeError> {
+    ) -> Result<Payload, InvokeError> {
         let target = guard.target;
         let answer = guard.answer.as_mut().expect("a waiting guard holds its receiver");
-        let waited = clock
-            .run_until_from(now, deadline, async move {
-                match turn_end {
-                    None => Waited::from(answer.await),
-                    Some(turn) => tokio::select! {
-                        biased;
-                        answer = answer => Waited::from(answer),
-                        () = turn.turn_ended() => Waited::TurnEnded,
-                    },
-                }
-            })
-            .await
-            .unwrap_or(Waited::Elapsed);
+        let waited = wait_for_reply(answer, clock.instant_of(deadline), turn_end).await;
         match waited {
             Waited::Reply(result) => {
                 guard.answered = true;
-                result
+                match result {
+                    // The callee timed the turn out itself: report the time this caller
+                    // allowed, as when the caller's own timer fires.
+                    Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == *target => {
+                        Err(InvokeError::Timeout {
+                            target: timed_out,
+                            timeout_ms,
+                        })
+                    }
+                    result => result,
+                }
             }
             Waited::Closed => {
                 guard.answered = true;
@@ -534,6 +638,52 @@ impl RuntimeHandle {
                 timeout_ms,
             }),
         }
+    }
+}
+
+/// Waits for `answer` until the instant `until`, or until the calling turn ends.
+///
+/// The timer is armed late. An active actor usually replies within one scheduling round
+/// (its task runs as soon as the caller yields), while a timer costs a registration in
+/// the timer wheel and, on the multi-thread runtime, often the wake of a parked worker.
+/// So the caller first yields once without a timer; only a reply that has not arrived
+/// by then arms one, at the deadline's absolute instant, so the wait still ends exactly
+/// at the deadline. Safety does not depend on which path is taken: the callee checks
+/// the deadline when it dequeues the request, and a turn whose caller stops waiting is
+/// cancelled (see `activation.rs`).
+async fn wait_for_reply(
+    answer: &mut oneshot::Receiver<Reply>,
+    until: tokio::time::Instant,
+    turn_end: Option<&CallerInner>,
+) -> Waited {
+    let mut yielded = false;
+    let early = std::future::poll_fn(|cx| match Pin::new(&mut *answer).poll(cx) {
+        Poll::Ready(received) => Poll::Ready(Some(Waited::from(received))),
+        Poll::Pending if !yielded => {
+            yielded = true;
+            // Wakes this task again after the tasks already scheduled (the callee's
+            // among them) have run: tokio treats a task that wakes itself while it is
+            // being polled as a yield.
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await;
+    if let Some(waited) = early {
+        return waited;
+    }
+    let turn_ended = async {
+        match turn_end {
+            Some(turn) => turn.turn_ended().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        answer = answer => Waited::from(answer),
+        () = turn_ended => Waited::TurnEnded,
+        () = tokio::time::sleep_until(until) => Waited::Elapsed,
     }
 }
 
@@ -709,9 +859,28 @@ impl RuntimeBuilder {
             KindEntry {
                 factory: Arc::new(factory),
                 config,
+                typed: None,
             },
         );
         Ok(self)
+    }
+
+    /// Registers a kind of typed actor `A` (see [`crate::TypedActor`]): built with
+    /// `Default` the first time, from its last committed state afterwards, and reached
+    /// with [`RuntimeHandle::actor_ref`].
+    ///
+    /// # Errors
+    /// As [`RuntimeBuilder::register`].
+    pub fn register_typed<A: crate::TypedActor>(
+        self,
+        kind: ActorKind,
+        config: KindConfig,
+    ) -> Result<Self, ConfigError> {
+        let mut builder = self.register(kind.clone(), crate::typed::typed_factory::<A>(), config)?;
+        if let Some(entry) = builder.kinds.get_mut(&kind) {
+            entry.typed = Some(crate::typed::type_of::<A>());
+        }
+        Ok(builder)
     }
 
     /// Starts the dispatcher task.

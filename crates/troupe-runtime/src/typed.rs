@@ -1,0 +1,261 @@
+//! Typed actors: [`TypedActor`] declares its message and reply types, [`ActorRef`]
+//! sends them with typed `ask` and `tell`.
+//!
+//! In this process, messages and replies travel as values (a `Box<dyn Any>` in the
+//! envelope, downcast by the adapter): nothing is serialized. Serialization (bincode)
+//! happens only where bytes are needed: the actor's state at commit and load, and a
+//! message that arrives as bytes (the untyped [`RuntimeHandle::invoke`], the transport
+//! from another node), which the adapter decodes and answers in kind.
+//!
+//! ```text
+//! ActorRef<A>::ask(msg) ─► Envelope { Payload::Value(Box<A::Message>) } ─► mailbox
+//!                                                   │
+//!   TypedAdapter<A>::handle_value: downcast ─► A::handle(turn, msg) ─► Box<A::Reply>
+//! RuntimeHandle::invoke(bytes) ─► TypedAdapter<A>::handle: bincode ─► A::handle ─► bincode
+//! state: bincode(A) committed after a turn that changed it; bincode → A on activation
+//! ```
+//!
+//! The actor is its own state: `A: Serialize + DeserializeOwned + Default`, built with
+//! `Default` the first time and from its last committed encoding afterwards. Fields that
+//! are not state (a connection, a cache) are `#[serde(skip)]`.
+
+use std::any::{Any, TypeId};
+use std::fmt;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+use troupe_core::{ActorId, ActorKind, CallRefused, Deadline, InvokeError};
+
+use crate::envelope::Payload;
+use crate::runtime::IN_TURN;
+use crate::{Actor, ActorError, RuntimeHandle, Turn};
+
+/// An actor with typed messages and replies, whose state is the actor itself.
+///
+/// Register it with [`crate::RuntimeBuilder::register_typed`]; reach it with
+/// [`RuntimeHandle::actor_ref`].
+#[async_trait]
+pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
+    /// What it accepts. `Serialize + DeserializeOwned` so it can also arrive as bytes
+    /// (from another node, or through the untyped API).
+    type Message: Serialize + DeserializeOwned + Send + 'static;
+    /// What it answers.
+    type Reply: Serialize + DeserializeOwned + Send + 'static;
+
+    /// Handles one message. After it returns `Ok`, the actor's new state is committed
+    /// (if it changed) before the reply is sent.
+    ///
+    /// # Errors
+    /// [`ActorError`]; the turn is rolled back to the last committed state.
+    async fn handle(&mut self, turn: &mut Turn, message: Self::Message) -> Result<Self::Reply, ActorError>;
+}
+
+/// Runs a [`TypedActor`] as an [`Actor`].
+struct TypedAdapter<A>(A);
+
+fn encode<T: Serialize>(value: &T, what: &str) -> Result<Bytes, ActorError> {
+    bincode::serialize(value)
+        .map(Bytes::from)
+        .map_err(|error| ActorError::failed(format!("cannot encode the {what}: {error}")))
+}
+
+#[async_trait]
+impl<A: TypedActor> Actor for TypedAdapter<A> {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let message: A::Message = bincode::deserialize(&payload).map_err(|error| {
+            ActorError::rejected(format!(
+                "the message is not a bincode-encoded {}: {error}",
+                std::any::type_name::<A::Message>()
+            ))
+        })?;
+        let reply = self.0.handle(turn, message).await?;
+        encode(&reply, "reply")
+    }
+
+    async fn handle_value(
+        &mut self,
+        turn: &mut Turn,
+        message: Box<dyn Any + Send>,
+    ) -> Result<Box<dyn Any + Send>, ActorError> {
+        let message = message.downcast::<A::Message>().map_err(|_| {
+            ActorError::rejected(format!("the message is not a {}", std::any::type_name::<A::Message>()))
+        })?;
+        let reply = self.0.handle(turn, *message).await?;
+        Ok(Box::new(reply))
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        encode(&self.0, "state").map(Some)
+    }
+}
+
+/// Builds the [`Actor`] for a typed kind: from `Default`, or from its saved encoding.
+pub(crate) fn typed_factory<A: TypedActor>(
+) -> impl Fn(&ActorId, Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> + Send + Sync + 'static {
+    |id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+        let actor = match saved {
+            None => A::default(),
+            Some(bytes) => bincode::deserialize(&bytes).map_err(|error| {
+                ActorError::failed(format!(
+                    "the saved state of {id} is not a bincode-encoded {}: {error}",
+                    std::any::type_name::<A>()
+                ))
+            })?,
+        };
+        Ok(Box::new(TypedAdapter(actor)))
+    }
+}
+
+/// The type a typed kind was registered with, to check [`ActorRef`]s against.
+pub(crate) fn type_of<A: TypedActor>() -> (TypeId, &'static str) {
+    (TypeId::of::<A>(), std::any::type_name::<A>())
+}
+
+/// Why [`RuntimeHandle::actor_ref`] refused to make a reference.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ActorRefError {
+    /// No kind of that name is registered.
+    #[error("no actor kind `{kind}` is registered")]
+    UnknownKind {
+        /// The kind asked for.
+        kind: String,
+    },
+    /// The kind is registered, but not as a typed actor of the requested type.
+    #[error("actor kind `{kind}` is registered as {registered}, not as the typed actor {requested}")]
+    WrongType {
+        /// The kind asked for.
+        kind: String,
+        /// What it was registered as (`untyped` for an [`Actor`] factory).
+        registered: &'static str,
+        /// The type asked for.
+        requested: &'static str,
+    },
+}
+
+/// A typed reference to one actor: `ask` and `tell` with its own message and reply
+/// types, passed as values in this process. Cheap to clone.
+pub struct ActorRef<A> {
+    id: ActorId,
+    handle: RuntimeHandle,
+    _actor: PhantomData<fn() -> A>,
+}
+
+impl<A> Clone for ActorRef<A> {
+    fn clone(&self) -> Self {
+        Self {
+            id: self.id.clone(),
+            handle: self.handle.clone(),
+            _actor: PhantomData,
+        }
+    }
+}
+
+impl<A> fmt::Debug for ActorRef<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ActorRef")
+            .field("id", &self.id)
+            .field("type", &std::any::type_name::<A>())
+            .finish()
+    }
+}
+
+impl<A: TypedActor> ActorRef<A> {
+    /// The actor it refers to.
+    pub fn id(&self) -> &ActorId {
+        &self.id
+    }
+
+    /// Sends `message` and waits for the reply at most `timeout` (capped at
+    /// [`INVOKE_TIMEOUT_MS_MAX`]). Activates the actor if it is inactive.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke`]. From inside a turn it is refused
+    /// (`Refused(RootInvokeInsideTurn)`): calls from a turn go through its
+    /// [`crate::Caller`], which records who waits for whom.
+    ///
+    /// # Cancel safety
+    /// As [`RuntimeHandle::invoke`].
+    pub async fn ask(&self, message: A::Message, timeout: Duration) -> Result<A::Reply, InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        let shared = &self.handle.shared;
+        let now = shared.clock.now();
+        let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+        let reply = self
+            .handle
+            .send_and_wait_from(
+                now,
+                &self.id,
+                Payload::Value(Box::new(message)),
+                troupe_core::CallContext::root(deadline),
+                None,
+            )
+            .await?;
+        match reply {
+            Payload::Value(value) => {
+                value
+                    .downcast::<A::Reply>()
+                    .map(|reply| *reply)
+                    .map_err(|_| InvokeError::ActorFailed {
+                        target: self.id.clone(),
+                        cause: format!(
+                            "the actor replied with something other than a {}",
+                            std::any::type_name::<A::Reply>()
+                        ),
+                    })
+            }
+            Payload::Bytes(_) => Err(InvokeError::ActorFailed {
+                target: self.id.clone(),
+                cause: "the actor replied with bytes to a message sent as a value".to_string(),
+            }),
+        }
+    }
+
+    /// Sends `message` without waiting for a reply (fire-and-forget); returns once it is
+    /// accepted (see [`RuntimeHandle::tell`]). Its turn must finish within `timeout`.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::tell`].
+    pub async fn tell(&self, message: A::Message, timeout: Duration) -> Result<(), InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        let deadline = self.handle.deadline_in(timeout);
+        self.handle
+            .send_only(&self.id, Payload::Value(Box::new(message)), deadline)
+            .await
+    }
+}
+
+impl RuntimeHandle {
+    /// A typed reference to the actor `key` of `kind`, registered with
+    /// [`crate::RuntimeBuilder::register_typed`] for `A`.
+    ///
+    /// # Errors
+    /// [`ActorRefError`] if `kind` is not registered, or not for `A`.
+    pub fn actor_ref<A: TypedActor>(&self, id: ActorId) -> Result<ActorRef<A>, ActorRefError> {
+        let kind: &ActorKind = id.kind();
+        let Some(entry) = self.shared.kinds.get(kind) else {
+            return Err(ActorRefError::UnknownKind { kind: kind.to_string() });
+        };
+        let (wanted, requested) = type_of::<A>();
+        match entry.typed {
+            Some((registered, _)) if registered == wanted => Ok(ActorRef {
+                id,
+                handle: self.clone(),
+                _actor: PhantomData,
+            }),
+            other => Err(ActorRefError::WrongType {
+                kind: kind.to_string(),
+                registered: other.map_or("untyped", |(_, name)| name),
+                requested,
+            }),
+        }
+    }
+}
