@@ -37,7 +37,6 @@
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::Poll;
 
 use bytes::Bytes;
@@ -48,8 +47,8 @@ use crate::envelope::{Control, Envelope, MailboxReceiver, Payload, Reply, ReplyT
 use crate::runtime::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
-    Actor, ActorError, ActorFactory, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StateStore, StoreError,
-    Turn, TurnCommit,
+    Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StateStore, StoreError, Turn,
+    TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -94,7 +93,6 @@ pub(crate) fn spawn(start: ActivationStart) -> tokio::task::AbortHandle {
 struct Live {
     id: ActorId,
     actor: Box<dyn Actor>,
-    factory: Arc<dyn ActorFactory>,
     /// The last committed snapshot: what the store holds for this actor.
     committed: Option<Bytes>,
     /// The fence this activation claimed; every commit is made under it.
@@ -102,8 +100,6 @@ struct Live {
     /// The refusal of a commit under `fence`, once the store has refused one: the actor
     /// was claimed since, so this activation is stale and every later turn fails with it.
     fenced: Option<Box<StoreError>>,
-    /// The kind's idle timeout.
-    idle_timeout: std::time::Duration,
 }
 
 impl Live {
@@ -112,8 +108,12 @@ impl Live {
     /// # Panics
     /// If the factory cannot rebuild from a snapshot the actor itself produced; the
     /// crash guard then ends the activation.
-    fn roll_back(&mut self) {
-        match self.factory.create(&self.id, self.committed.clone()) {
+    fn roll_back(&mut self, shared: &Shared) {
+        let kind = shared
+            .kinds
+            .get(self.id.kind())
+            .expect("activations are spawned for registered kinds only");
+        match kind.factory.create(&self.id, self.committed.clone()) {
             Ok(actor) => self.actor = actor,
             Err(error) => panic!("{} cannot be rebuilt from its own committed snapshot: {error}", self.id),
         }
@@ -159,7 +159,13 @@ async fn run(start: ActivationStart) {
         generation,
     });
 
-    let idle_timeout = live.idle_timeout;
+    let idle_timeout = handle
+        .shared
+        .kinds
+        .get(guard.id.kind())
+        .expect("activations are spawned for registered kinds only")
+        .config
+        .idle_timeout;
     let mut received: u64 = 0;
     // The timer is never touched per message (that would cost a clock read and a timer
     // update per turn). When it fires, it checks whether any message came in during the
@@ -240,11 +246,9 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
     Ok(Live {
         id: id.clone(),
         actor,
-        factory: Arc::clone(&kind.factory),
         committed: saved,
         fence,
         fenced: None,
-        idle_timeout: kind.config.idle_timeout,
     })
 }
 
@@ -418,7 +422,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     };
     if result.is_err() {
         Counters::add(&shared.counters.turns_failed);
-        live.roll_back();
+        live.roll_back(shared);
     }
     respond(shared, call, edge, reply, result);
 }
@@ -426,7 +430,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.
 fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: ReplyTo) {
     Counters::add(&shared.counters.turns_abandoned);
-    live.roll_back();
+    live.roll_back(shared);
     shared.emit(|| RuntimeEvent::TurnAbandoned {
         actor: live.id.clone(),
         request: call,

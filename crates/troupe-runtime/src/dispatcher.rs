@@ -40,13 +40,30 @@ struct Activation {
     /// Whether its mailbox is open (its route is in `Shared::routes`); closed for
     /// deactivation and shutdown.
     open: bool,
-    capacity: usize,
-    /// Messages for the next activation, held while this one deactivates.
-    held: VecDeque<Box<Envelope>>,
     /// Stops the activation's task at once (shutdown grace over, runtime dropped).
     task: tokio::task::AbortHandle,
+    /// What only a deactivating activation has; boxed, and made on first use, so that
+    /// the table entry of an idle actor stays small (one entry per active actor).
+    waiting: Option<Box<Waiting>>,
+}
+
+/// Messages and callers waiting for a deactivating activation to end.
+#[derive(Default)]
+struct Waiting {
+    /// Messages for the next activation, held while this one deactivates.
+    held: VecDeque<Box<Envelope>>,
     /// Callers of `RuntimeHandle::deactivate` waiting for this activation to end.
     deactivation_waiters: Vec<oneshot::Sender<bool>>,
+}
+
+impl Activation {
+    fn held_len(&self) -> usize {
+        self.waiting.as_ref().map_or(0, |waiting| waiting.held.len())
+    }
+
+    fn waiting(&mut self) -> &mut Waiting {
+        self.waiting.get_or_insert_with(Box::default)
+    }
 }
 
 impl Activation {
@@ -147,7 +164,7 @@ impl Dispatcher {
             let _ = reply.send(false);
             return;
         };
-        activation.deactivation_waiters.push(reply);
+        activation.waiting().deactivation_waiters.push(reply);
         self.close(&target);
     }
 
@@ -168,7 +185,7 @@ impl Dispatcher {
                 .values()
                 .filter(|a| a.lifecycle.state() == LifecycleState::Deactivating)
                 .count(),
-            held_messages: self.table.values().map(|a| a.held.len()).sum(),
+            held_messages: self.table.values().map(Activation::held_len).sum(),
             wait_for_edges: self.waits.len(),
         }
     }
@@ -214,7 +231,7 @@ impl Dispatcher {
         let table_full = self.table.len() >= ACTIVATIONS_MAX;
         let shutting_down = self.shutting_down;
         let refused = match self.table.get_mut(&target) {
-            Some(activation) => Self::deliver(&self.handle.shared.routes, activation, &target, envelope),
+            Some(activation) => Self::deliver(&self.handle.shared.routes, activation, &target, capacity, envelope),
             None if shutting_down => Some((envelope, InvokeError::Shutdown)),
             None if table_full => {
                 let reason = format!("the runtime holds {ACTIVATIONS_MAX} activations");
@@ -254,15 +271,16 @@ impl Dispatcher {
         routes: &Routes,
         activation: &mut Activation,
         target: &ActorId,
+        capacity: usize,
         envelope: Box<Envelope>,
     ) -> Option<(Box<Envelope>, InvokeError)> {
         let busy = || InvokeError::Busy {
             target: target.clone(),
-            capacity: activation.capacity,
+            capacity,
         };
         if !activation.open {
-            if activation.held.len() < activation.capacity {
-                activation.held.push_back(envelope);
+            if activation.held_len() < capacity {
+                activation.waiting().held.push_back(envelope);
                 return None;
             }
             return Some((envelope, busy()));
@@ -320,10 +338,8 @@ impl Dispatcher {
                 lifecycle,
                 generation,
                 open: true,
-                capacity,
-                held: VecDeque::new(),
                 task,
-                deactivation_waiters: Vec::new(),
+                waiting: None,
             },
         );
         assert!(previous.is_none(), "a second activation of {id} while one was live");
@@ -417,11 +433,14 @@ impl Dispatcher {
         if event == LifecycleEvent::Deactivated {
             Counters::add(&self.handle.shared.counters.deactivations_finished);
         }
-        for waiter in activation.deactivation_waiters {
+        let Waiting {
+            held,
+            deactivation_waiters,
+        } = activation.waiting.map(|waiting| *waiting).unwrap_or_default();
+        for waiter in deactivation_waiters {
             let _ = waiter.send(true);
         }
-        let held: VecDeque<Box<Envelope>> = activation
-            .held
+        let held: VecDeque<Box<Envelope>> = held
             .into_iter()
             .filter(|envelope| !envelope.reply.is_closed())
             .collect();
@@ -434,7 +453,15 @@ impl Dispatcher {
             }
             return;
         }
-        self.activate(id, activation.capacity, held);
+        let capacity = self
+            .handle
+            .shared
+            .kinds
+            .get(id.kind())
+            .expect("activations are of registered kinds only")
+            .config
+            .mailbox_capacity;
+        self.activate(id, capacity, held);
     }
 
     /// Stops every activation at once (the shutdown grace period is over, or the
@@ -463,8 +490,10 @@ impl Dispatcher {
         let mut routes = self.handle.shared.routes.lock();
         for (id, activation) in self.table.iter_mut() {
             activation.close(id, &mut routes);
-            for envelope in activation.held.drain(..) {
-                envelope.reply.send(Err(InvokeError::Shutdown));
+            if let Some(waiting) = &mut activation.waiting {
+                for envelope in waiting.held.drain(..) {
+                    envelope.reply.send(Err(InvokeError::Shutdown));
+                }
             }
         }
     }
