@@ -35,7 +35,7 @@ use crate::limits::{
 };
 use crate::{
     AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, ToolCall, ToolExecutionContext,
-    ToolRegistry,
+    ToolRegistry, ToolSpec,
 };
 
 /// The actor kind of every agent.
@@ -295,6 +295,8 @@ pub(crate) struct AgentShared {
     pub(crate) directory: AgentDirectory,
     pub(crate) llm: Arc<dyn LlmClient>,
     pub(crate) tools: ToolRegistry,
+    /// The registry's specs, built once: every model request offers this list.
+    tool_specs: Arc<[ToolSpec]>,
     pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
     next_call: AtomicU64,
     /// The runtime's clock, set once the runtime has started (before any agent can
@@ -312,6 +314,7 @@ impl AgentShared {
         Self {
             directory,
             llm,
+            tool_specs: tools.specs().into(),
             tools,
             observers,
             next_call: AtomicU64::new(1),
@@ -347,19 +350,91 @@ impl AgentShared {
     }
 }
 
-/// An agent's persistent state: its definition, the recent conversation and how long
-/// its full log is.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// An agent in memory: its definition, the recent conversation (the window: the last
+/// messages of its log) and how long its full log is.
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct AgentState {
     pub(crate) spec: AgentSpec,
     pub(crate) window: Vec<ChatMessage>,
+    /// Whether `window` holds the log's last `saved_window` messages yet: after an
+    /// activation it is read from the log at the first turn.
+    window_loaded: bool,
+    /// The window's length when the state was loaded.
+    saved_window: u64,
     pub(crate) log_length: u64,
     pub(crate) turns: u64,
 }
 
-impl AgentState {
+/// What an agent commits after each turn: counters only. The definition comes from
+/// the directory, and the window is the tail of the log (each message is already
+/// committed there, once), so a turn's snapshot costs a few bytes, not the whole chat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SavedAgent {
+    pub(crate) log_length: u64,
+    pub(crate) turns: u64,
+    /// How many of the log's last messages make up the window.
+    pub(crate) window: u64,
+}
+
+impl SavedAgent {
     pub(crate) fn decode(bytes: &[u8]) -> Result<Self, String> {
         serde_json::from_slice(bytes).map_err(|error| error.to_string())
+    }
+
+    /// The log key after which the window starts (`None`: at the log's start).
+    pub(crate) fn window_after(&self) -> Option<String> {
+        let start = self.log_length - self.window.min(self.log_length);
+        start.checked_sub(1).map(log_key)
+    }
+}
+
+impl AgentState {
+    fn new(spec: AgentSpec, saved: Option<SavedAgent>) -> Self {
+        let saved = saved.unwrap_or(SavedAgent {
+            log_length: 0,
+            turns: 0,
+            window: 0,
+        });
+        Self {
+            spec,
+            window: Vec::new(),
+            window_loaded: saved.window == 0,
+            saved_window: saved.window,
+            log_length: saved.log_length,
+            turns: saved.turns,
+        }
+    }
+
+    fn saved(&self) -> SavedAgent {
+        SavedAgent {
+            log_length: self.log_length,
+            turns: self.turns,
+            window: self.window.len() as u64,
+        }
+    }
+
+    /// Reads the window from the log, once per activation.
+    async fn load_window(&mut self, turn: &Turn) -> Result<(), ActorError> {
+        if self.window_loaded {
+            return Ok(());
+        }
+        let saved = SavedAgent {
+            log_length: self.log_length,
+            turns: self.turns,
+            window: self.saved_window,
+        };
+        let after = saved.window_after();
+        let limit = usize::try_from(saved.window).unwrap_or(usize::MAX);
+        let page = turn.scan("log/", after.as_deref(), limit).await?;
+        let mut window = Vec::with_capacity(page.len());
+        for (key, value) in page {
+            let message: ChatMessage = serde_json::from_slice(&value)
+                .map_err(|error| ActorError::failed(format!("log entry {key} cannot be decoded: {error}")))?;
+            window.push(message);
+        }
+        self.window = window;
+        self.window_loaded = true;
+        Ok(())
     }
 
     /// Appends `messages`, keeps the last [`AGENT_HISTORY_WINDOW_MAX`], and never starts
@@ -398,20 +473,14 @@ impl ActorFactory for AgentFactory {
                 id.key()
             )));
         };
-        let state = match saved {
-            Some(bytes) => {
-                let mut state = AgentState::decode(&bytes)
-                    .map_err(|cause| ActorError::failed(format!("the state of {id} cannot be decoded: {cause}")))?;
-                state.spec = spec;
-                state
-            }
-            None => AgentState {
-                spec,
-                window: Vec::new(),
-                log_length: 0,
-                turns: 0,
-            },
+        let saved = match saved {
+            Some(bytes) => Some(
+                SavedAgent::decode(&bytes)
+                    .map_err(|cause| ActorError::failed(format!("the state of {id} cannot be decoded: {cause}")))?,
+            ),
+            None => None,
         };
+        let state = AgentState::new(spec, saved);
         Ok(Box::new(AgentActor {
             id: id.clone(),
             state,
@@ -519,6 +588,7 @@ impl Actor for AgentActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let request = AgentRequest::decode(&payload)
             .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
+        self.state.load_window(turn).await?;
         if let Some(spec) = self.shared.directory.get(self.id.key()) {
             self.state.spec = spec;
         }
@@ -542,7 +612,7 @@ impl Actor for AgentActor {
         };
         let mut fresh = vec![ChatMessage::new(Role::User, content)];
         let tools = ToolExecutionContext::new(turn.caller().clone(), request.call, Arc::clone(&self.shared));
-        let specs = self.shared.tools.specs();
+        let specs = &self.shared.tool_specs;
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
         let answer = loop {
@@ -561,7 +631,7 @@ impl Actor for AgentActor {
                 agent: self.id.clone(),
                 model: self.state.spec.model.model.clone(),
                 messages,
-                tools: specs.clone(),
+                tools: Arc::clone(specs),
                 deadline,
             };
             let reply = match clock.run_until(deadline, self.shared.llm.complete(llm_request)).await {
@@ -609,7 +679,7 @@ impl Actor for AgentActor {
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        let bytes = serde_json::to_vec(&self.state).map_err(|error| ActorError::failed(error.to_string()))?;
+        let bytes = serde_json::to_vec(&self.state.saved()).map_err(|error| ActorError::failed(error.to_string()))?;
         Ok(Some(Bytes::from(bytes)))
     }
 }
@@ -620,12 +690,7 @@ mod tests {
 
     #[test]
     fn the_window_stays_bounded_and_starts_at_a_user_message() {
-        let mut state = AgentState {
-            spec: AgentSpec::new("a"),
-            window: Vec::new(),
-            log_length: 0,
-            turns: 0,
-        };
+        let mut state = AgentState::new(AgentSpec::new("a"), None);
         for turn in 0..100 {
             let mut assistant = ChatMessage::new(Role::Assistant, "");
             assistant.tool_calls.push(ToolCall {

@@ -4,6 +4,8 @@
 //! simulator and tests use a scripted, deterministic client while production uses an
 //! HTTP client; HTTP never runs inside simulated code.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, Deadline};
@@ -87,8 +89,9 @@ pub struct LlmRequest {
     pub model: String,
     /// The chat so far, system prompt first.
     pub messages: Vec<ChatMessage>,
-    /// The tools the model may call.
-    pub tools: Vec<ToolSpec>,
+    /// The tools the model may call: shared, as every step of every turn offers the
+    /// same list (`vec![...].into()` makes one).
+    pub tools: Arc<[ToolSpec]>,
     /// When the answer must have arrived, on the runtime's clock.
     pub deadline: Deadline,
 }

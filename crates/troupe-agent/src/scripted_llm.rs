@@ -394,7 +394,7 @@ mod tests {
             agent: ActorId::new("agent", agent).unwrap(),
             model: "scripted".into(),
             messages,
-            tools: Vec::new(),
+            tools: Vec::new().into(),
             deadline: Deadline::from_micros(u64::MAX),
         }
     }

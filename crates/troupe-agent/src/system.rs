@@ -11,7 +11,7 @@ use troupe_runtime::{
     ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
 };
 
-use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, AgentState, AGENT_KIND};
+use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, SavedAgent, AGENT_KIND};
 use crate::call_agent::call_agent_tool;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
@@ -295,10 +295,17 @@ impl AgentClient {
     /// As [`AgentClient::conversation_log`].
     pub async fn history_window(&self, agent: &str) -> Result<Vec<ChatMessage>, StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
-        match self.runtime.store().load(&id).await? {
-            None => Ok(Vec::new()),
-            Some(bytes) => Ok(AgentState::decode(&bytes).map_err(decode_error)?.window),
-        }
+        let store = self.runtime.store();
+        let Some(bytes) = store.load(&id).await? else {
+            return Ok(Vec::new());
+        };
+        let saved = SavedAgent::decode(&bytes).map_err(decode_error)?;
+        let after = saved.window_after();
+        let limit = usize::try_from(saved.window).unwrap_or(usize::MAX);
+        let page = store.scan(&id, "log/", after.as_deref(), limit).await?;
+        page.into_iter()
+            .map(|(key, value)| serde_json::from_slice(&value).map_err(|error| decode_error(format!("{key}: {error}"))))
+            .collect()
     }
 }
 

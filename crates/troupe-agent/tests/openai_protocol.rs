@@ -198,7 +198,7 @@ fn request_after_tool_round(clock: &Clock, deadline_in: Duration) -> LlmRequest 
             assistant,
             ChatMessage::tool_result("call_1", "5"),
         ],
-        tools: vec![add_tool()],
+        tools: vec![add_tool()].into(),
         deadline: clock.deadline_in(deadline_in),
     }
 }
