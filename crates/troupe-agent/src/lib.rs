@@ -56,13 +56,15 @@ pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
-pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall, ToolSpec};
+pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall, ToolSpec};
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]
 pub use openai::{
-    OpenAiClient, OpenAiConfig, OpenAiConfigError, OPENAI_BASE_URL_DEFAULT, OPENAI_MODEL_DEFAULT,
-    OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, PROVIDER_ERROR_BODY_BYTES_MAX,
-    RESPONSE_BODY_BYTES_MAX,
+    OpenAiClient, OpenAiConfig, OpenAiConfigError, StreamDelta, StreamObserver, OPENAI_BASE_URL_DEFAULT,
+    OPENAI_MODEL_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, OPENAI_RETRIES_DEFAULT,
+    OPENAI_RETRIES_MAX, OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT, OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT,
+    OPENAI_RETRY_JITTER_SEED_DEFAULT, PROVIDER_ERROR_BODY_BYTES_MAX, RESPONSE_BODY_BYTES_MAX, RETRY_AFTER_MS_MAX,
+    STREAM_TOOL_CALLS_MAX,
 };
 pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,

@@ -93,11 +93,39 @@ pub struct LlmRequest {
     pub deadline: Deadline,
 }
 
+/// How many tokens one model call used, as the provider counted them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TokenUsage {
+    /// Tokens of the request (the chat and the tool specs).
+    pub prompt_tokens: u64,
+    /// Tokens of the answer.
+    pub completion_tokens: u64,
+    /// Their sum, as reported (not recomputed).
+    pub total_tokens: u64,
+}
+
 /// The model's answer: text, tool calls, or both.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlmReply {
     /// The assistant message.
     pub message: ChatMessage,
+    /// The tokens the call used; `None` when the provider did not say.
+    #[serde(default)]
+    pub usage: Option<TokenUsage>,
+}
+
+impl LlmReply {
+    /// A reply of `message` with no usage reported.
+    pub fn new(message: ChatMessage) -> Self {
+        Self { message, usage: None }
+    }
+
+    /// This reply with `usage`.
+    #[must_use]
+    pub fn with_usage(mut self, usage: TokenUsage) -> Self {
+        self.usage = Some(usage);
+        self
+    }
 }
 
 /// Why the model gave no answer.
