@@ -44,6 +44,8 @@ mod agent;
 mod call_agent;
 pub mod limits;
 mod llm;
+#[cfg(not(madsim))]
+mod mcp;
 mod observer;
 #[cfg(not(madsim))]
 mod openai;
@@ -57,6 +59,8 @@ pub use agent::{
 };
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall, ToolSpec};
+#[cfg(not(madsim))]
+pub use mcp::{McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_RESULT_BYTES_MAX};
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]
 pub use openai::{
