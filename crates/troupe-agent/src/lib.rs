@@ -11,6 +11,10 @@
 //!   `troupe_core::admit_call`: no cycles, depth at most 5, known targets, at most 10
 //!   calls in flight per agent, and a deadline that only shrinks along a chain.
 //! - [`AgentObserver`] sees every call and turn; [`CallRecorder`] renders the call tree.
+//! - Normal build only (HTTP and processes stay out of simulated code): `OpenAiClient`,
+//!   an async OpenAI-compatible [`LlmClient`] (streaming, retries, token usage), and
+//!   `McpServer`, which turns the tools of an MCP server (stdio child process or
+//!   streamable HTTP) into [`Tool`]s.
 //!
 //! # Examples
 //! Two agents on the scripted model: `coordinator` asks `analyst`, which answers.
