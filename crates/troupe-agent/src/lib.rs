@@ -62,7 +62,9 @@ pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
-pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall, ToolSpec};
+pub use llm::{
+    ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, LlmRouter, Role, TokenUsage, ToolCall, ToolSpec,
+};
 #[cfg(not(madsim))]
 pub use mcp::{McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_RESULT_BYTES_MAX};
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
