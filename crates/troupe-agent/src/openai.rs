@@ -24,8 +24,9 @@
 //!   whole answer. A deadline that has already passed fails with [`LlmError::Timeout`]
 //!   at once, without sending anything; a budget that runs out mid-call is
 //!   [`LlmError::Timeout`].
-//! - **Retries.** A 429, 408 or 5xx status, or a failure to connect or send, is retried
-//!   up to [`OpenAiConfig::retries_max`] times. The wait is the response's
+//! - **Retries.** A 429, 408 or 5xx status, a failure to connect or send, or a
+//!   connection lost while reading a non-streamed answer, is retried up to
+//!   [`OpenAiConfig::retries_max`] times. The wait is the response's
 //!   `retry-after-ms` or `Retry-After` (seconds) header when present (capped at
 //!   [`RETRY_AFTER_MS_MAX`]; the HTTP-date form is ignored, as it needs the wall clock),
 //!   otherwise exponential backoff with full jitter: uniform in `[0, min(backoff_max,
