@@ -31,9 +31,10 @@
 //!   [`RETRY_AFTER_MS_MAX`]; the HTTP-date form is ignored, as it needs the wall clock),
 //!   otherwise exponential backoff with full jitter: uniform in `[0, min(backoff_max,
 //!   backoff_initial * 2^retry)]`, drawn from a SplitMix64 generator seeded by
-//!   [`OpenAiConfig::retry_jitter_seed`] (shared by clones; no OS randomness). A wait
-//!   that would end past the budget is not started: the call fails with the last error
-//!   (e.g. [`LlmError::Provider`] 500) before the deadline. Other statuses (400, 401,
+//!   [`OpenAiConfig::retry_jitter_seed`] (shared by clones; no OS randomness). A retry
+//!   whose wait would leave less than [`RETRY_ATTEMPT_MS_MIN`] of the budget is not
+//!   started: the call fails with the last error (e.g. [`LlmError::Provider`] 500)
+//!   before the deadline, instead of starting an attempt that cannot finish. Other statuses (400, 401,
 //!   404, ...) and malformed answers are not retried. A streamed answer is never
 //!   retried once its body has started (its deltas were already shown).
 //! - **Streaming.** With [`OpenAiConfig::stream`] the request asks for `stream: true`
@@ -125,6 +126,10 @@ pub const OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT: u64 = 8_000;
 /// The longest `Retry-After` that is honoured as given, in milliseconds; a longer one is
 /// cut to this (and then still bounded by the call's budget).
 pub const RETRY_AFTER_MS_MAX: u64 = 60_000;
+
+/// The least budget, in milliseconds, that must remain after a retry's wait for the
+/// retry to be started.
+pub const RETRY_ATTEMPT_MS_MIN: u64 = 100;
 
 /// The jitter seed by default ([`OpenAiConfig::retry_jitter_seed`]).
 pub const OPENAI_RETRY_JITTER_SEED_DEFAULT: u64 = 0x7201_0BE5_EED5_0001;
@@ -597,7 +602,8 @@ impl LlmClient for OpenAiClient {
                 return Err(error);
             }
             let wait = retry_after.unwrap_or_else(|| self.backoff(retries));
-            if wait >= end.remaining(self.clock.now()) {
+            let remaining = end.remaining(self.clock.now());
+            if wait.saturating_add(Duration::from_millis(RETRY_ATTEMPT_MS_MIN)) > remaining {
                 tracing::debug!(?error, ?wait, "model call: no time left to retry");
                 return Err(error);
             }
