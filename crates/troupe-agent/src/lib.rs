@@ -11,6 +11,10 @@
 //!   `troupe_core::admit_call`: no cycles, depth at most 5, known targets, at most 10
 //!   calls in flight per agent, and a deadline that only shrinks along a chain.
 //! - [`AgentObserver`] sees every call and turn; [`CallRecorder`] renders the call tree.
+//! - Normal build only (HTTP and processes stay out of simulated code): `OpenAiClient`,
+//!   an async OpenAI-compatible [`LlmClient`] (streaming, retries, token usage), and
+//!   `McpServer`, which turns the tools of an MCP server (stdio child process or
+//!   streamable HTTP) into [`Tool`]s.
 //!
 //! # Examples
 //! Two agents on the scripted model: `coordinator` asks `analyst`, which answers.
@@ -44,6 +48,8 @@ mod agent;
 mod call_agent;
 pub mod limits;
 mod llm;
+#[cfg(not(madsim))]
+mod mcp;
 mod observer;
 #[cfg(not(madsim))]
 mod openai;
@@ -56,13 +62,19 @@ pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
-pub use llm::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall, ToolSpec};
+pub use llm::{
+    ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, LlmRouter, Role, TokenUsage, ToolCall, ToolSpec,
+};
+#[cfg(not(madsim))]
+pub use mcp::{McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_RESULT_BYTES_MAX};
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]
 pub use openai::{
-    OpenAiClient, OpenAiConfig, OpenAiConfigError, OPENAI_BASE_URL_DEFAULT, OPENAI_MODEL_DEFAULT,
-    OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, PROVIDER_ERROR_BODY_BYTES_MAX,
-    RESPONSE_BODY_BYTES_MAX,
+    OpenAiClient, OpenAiConfig, OpenAiConfigError, StreamDelta, StreamObserver, OPENAI_BASE_URL_DEFAULT,
+    OPENAI_MODEL_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, OPENAI_RETRIES_DEFAULT,
+    OPENAI_RETRIES_MAX, OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT, OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT,
+    OPENAI_RETRY_JITTER_SEED_DEFAULT, PROVIDER_ERROR_BODY_BYTES_MAX, RESPONSE_BODY_BYTES_MAX, RETRY_AFTER_MS_MAX,
+    RETRY_ATTEMPT_MS_MIN, STREAM_TOOL_CALLS_MAX,
 };
 pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,

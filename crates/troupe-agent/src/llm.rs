@@ -4,6 +4,7 @@
 //! simulator and tests use a scripted, deterministic client while production uses an
 //! HTTP client; HTTP never runs inside simulated code.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -96,11 +97,39 @@ pub struct LlmRequest {
     pub deadline: Deadline,
 }
 
+/// How many tokens one model call used, as the provider counted them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TokenUsage {
+    /// Tokens of the request (the chat and the tool specs).
+    pub prompt_tokens: u64,
+    /// Tokens of the answer.
+    pub completion_tokens: u64,
+    /// Their sum, as reported (not recomputed).
+    pub total_tokens: u64,
+}
+
 /// The model's answer: text, tool calls, or both.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlmReply {
     /// The assistant message.
     pub message: ChatMessage,
+    /// The tokens the call used; `None` when the provider did not say.
+    #[serde(default)]
+    pub usage: Option<TokenUsage>,
+}
+
+impl LlmReply {
+    /// A reply of `message` with no usage reported.
+    pub fn new(message: ChatMessage) -> Self {
+        Self { message, usage: None }
+    }
+
+    /// This reply with `usage`.
+    #[must_use]
+    pub fn with_usage(mut self, usage: TokenUsage) -> Self {
+        self.usage = Some(usage);
+        self
+    }
 }
 
 /// Why the model gave no answer.
@@ -148,4 +177,96 @@ pub trait LlmClient: Send + Sync + 'static {
     /// # Errors
     /// [`LlmError`]; the agent's turn reports it to its caller.
     async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError>;
+}
+
+/// An [`LlmClient`] that sends each agent's requests to the client chosen for it, and
+/// every other agent's to a default: per-agent models and providers (a local model for
+/// one agent, a hosted one for the rest) while [`crate::AgentSpec`] stays plain data.
+/// The agent is `LlmRequest::agent`'s key, the id given to `AgentSpec::new`.
+///
+/// # Examples
+/// ```
+/// use std::sync::Arc;
+/// use troupe_agent::{LlmRouter, ScriptRule, ScriptedLlm};
+/// let cheap = Arc::new(ScriptedLlm::new().rule(ScriptRule::agent("summarizer").reply("short")));
+/// let default = Arc::new(ScriptedLlm::new());
+/// let llm = LlmRouter::new(default).route("summarizer", cheap);
+/// assert_eq!(llm.routed_agents(), vec!["summarizer"]);
+/// ```
+#[derive(Clone)]
+pub struct LlmRouter {
+    default: Arc<dyn LlmClient>,
+    routes: BTreeMap<String, Arc<dyn LlmClient>>,
+}
+
+impl std::fmt::Debug for LlmRouter {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("LlmRouter")
+            .field("routed_agents", &self.routed_agents())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LlmRouter {
+    /// A router sending every agent to `default`.
+    pub fn new(default: Arc<dyn LlmClient>) -> Self {
+        Self {
+            default,
+            routes: BTreeMap::new(),
+        }
+    }
+
+    /// This router, sending agent `agent_id`'s requests to `client` (a later route for
+    /// the same agent replaces an earlier one).
+    #[must_use]
+    pub fn route(mut self, agent_id: impl Into<String>, client: Arc<dyn LlmClient>) -> Self {
+        self.routes.insert(agent_id.into(), client);
+        self
+    }
+
+    /// The agents with a client of their own, in order.
+    pub fn routed_agents(&self) -> Vec<&str> {
+        self.routes.keys().map(String::as_str).collect()
+    }
+}
+
+#[async_trait]
+impl LlmClient for LlmRouter {
+    async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
+        let client = self.routes.get(request.agent.key()).unwrap_or(&self.default);
+        client.complete(request).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ScriptRule, ScriptedLlm};
+
+    fn request(agent: &str) -> LlmRequest {
+        LlmRequest {
+            agent: ActorId::new("agent", agent).unwrap(),
+            model: String::new(),
+            messages: vec![ChatMessage::new(Role::User, "hi")],
+            tools: Vec::new().into(),
+            deadline: Deadline::from_micros(u64::MAX),
+        }
+    }
+
+    #[tokio::test]
+    async fn each_agent_reaches_its_own_client_and_the_rest_the_default() {
+        let local = Arc::new(ScriptedLlm::new().rule(ScriptRule::agent("summarizer").reply("from local")));
+        let hosted = Arc::new(ScriptedLlm::new().rule(ScriptRule::agent("planner").reply("from hosted")));
+        let router = LlmRouter::new(hosted.clone()).route("summarizer", local.clone());
+
+        let summarizer = router.complete(request("summarizer")).await.unwrap();
+        let planner = router.complete(request("planner")).await.unwrap();
+
+        assert_eq!(summarizer.message.content, "from local");
+        assert_eq!(planner.message.content, "from hosted");
+        assert_eq!(local.requests().len(), 1);
+        assert_eq!(hosted.requests().len(), 1);
+        assert_eq!(hosted.requests()[0].agent.key(), "planner");
+    }
 }

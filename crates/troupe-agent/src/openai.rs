@@ -1,29 +1,62 @@
 //! [`OpenAiClient`]: an [`LlmClient`] that speaks the OpenAI-compatible
-//! chat-completions protocol over HTTP, with tool calling.
+//! chat-completions protocol over HTTP (async, reqwest on tokio), with tool calling,
+//! optional streaming, token usage and retries.
 //!
-//! It owns the wire format and the time budget of one model call; the agent layer owns
-//! everything else (the chat, tool dispatch, schema validation of arguments, retries).
+//! It owns the wire format, the retries and the time budget of one model call; the
+//! agent layer owns everything else (the chat, tool dispatch, schema validation of
+//! arguments).
 //!
 //! ```text
 //!  LlmRequest ──► request body (JSON) ──► POST {base_url}/chat/completions
-//!                                                    │ (blocking ureq call on a
-//!                                                    │  spawn_blocking thread)
-//!  LlmReply   ◄── choices[0].message  ◄── response body (at most
-//!                                          RESPONSE_BODY_BYTES_MAX bytes)
+//!                                            │  429 / 5xx / no connection:
+//!                                            │  wait (Retry-After, or backoff with
+//!                                            │  full jitter) and send again, while the
+//!                                            │  budget lasts and retries remain
+//!  LlmReply   ◄── choices[0].message  ◄──────┘  body (≤ RESPONSE_BODY_BYTES_MAX), or
+//!  (+ usage)      or the assembled stream       SSE `data:` chunks until `[DONE]`
 //! ```
 //!
 //! # Guarantees and edge behaviour
 //! - **Time budget.** Each call gets `min(config.request_timeout, request.deadline -
 //!   clock.now())`, read from the [`Clock`] given to [`OpenAiClient::new`] (the
 //!   runtime's clock, so the deadline and the budget share one epoch). The budget covers
-//!   connecting, sending and reading the whole answer. A deadline that has already
-//!   passed fails with [`LlmError::Timeout`] at once, without sending anything.
-//! - **Errors.** HTTP status >= 400 → [`LlmError::Provider`] with the start of the body
-//!   (at most [`PROVIDER_ERROR_BODY_BYTES_MAX`] bytes, cut on a UTF-8 boundary); no
-//!   connection (refused, DNS, TLS, reset) → [`LlmError::Unreachable`]; the budget ran
-//!   out → [`LlmError::Timeout`]; an answer that is not the protocol (bad JSON, no
-//!   choices, tool-call arguments that are not JSON, a body over
-//!   [`RESPONSE_BODY_BYTES_MAX`]) → [`LlmError::Malformed`].
+//!   every attempt, every wait between attempts, connecting, sending and reading the
+//!   whole answer. A deadline that has already passed fails with [`LlmError::Timeout`]
+//!   at once, without sending anything; a budget that runs out mid-call is
+//!   [`LlmError::Timeout`].
+//! - **Retries.** A 429, 408 or 5xx status, a failure to connect or send, or a
+//!   connection lost while reading a non-streamed answer, is retried up to
+//!   [`OpenAiConfig::retries_max`] times. The wait is the response's
+//!   `retry-after-ms` or `Retry-After` (seconds) header when present (capped at
+//!   [`RETRY_AFTER_MS_MAX`]; the HTTP-date form is ignored, as it needs the wall clock),
+//!   otherwise exponential backoff with full jitter: uniform in `[0, min(backoff_max,
+//!   backoff_initial * 2^retry)]`, drawn from a SplitMix64 generator seeded by
+//!   [`OpenAiConfig::retry_jitter_seed`] (shared by clones; no OS randomness). A retry
+//!   whose wait would leave less than [`RETRY_ATTEMPT_MS_MIN`] of the budget is not
+//!   started: the call fails with the last error (e.g. [`LlmError::Provider`] 500)
+//!   before the deadline, instead of starting an attempt that cannot finish. Other statuses (400, 401,
+//!   404, ...) and malformed answers are not retried. A streamed answer is never
+//!   retried once its body has started (its deltas were already shown).
+//! - **Streaming.** With [`OpenAiConfig::stream`] the request asks for `stream: true`
+//!   (and usage in the last chunk); the SSE `data:` chunks are assembled into one reply:
+//!   text deltas are concatenated, tool-call deltas are merged by `index` (id and name
+//!   from the first delta that has them, argument fragments concatenated). Every delta
+//!   is also handed to the [`StreamObserver`] set by
+//!   [`OpenAiClient::with_stream_observer`], as it arrives. A stream that ends without
+//!   `data: [DONE]`, a chunk that is not JSON, an `error` chunk, or a tool-call index of
+//!   [`STREAM_TOOL_CALLS_MAX`] or more is [`LlmError::Malformed`].
+//! - **Usage.** The provider's `usage` (prompt, completion, total tokens) is returned in
+//!   [`LlmReply::usage`]; `None` when the provider sent none.
+//! - **Errors.** HTTP status >= 400 (after retries) → [`LlmError::Provider`] with the
+//!   start of the body (at most [`PROVIDER_ERROR_BODY_BYTES_MAX`] bytes, cut on a UTF-8
+//!   boundary); no connection (refused, DNS, TLS, reset before an answer) →
+//!   [`LlmError::Unreachable`]; the budget ran out → [`LlmError::Timeout`]; an answer
+//!   that is not the protocol (bad JSON, no choices, tool-call arguments that are not
+//!   JSON, a body over [`RESPONSE_BODY_BYTES_MAX`], a truncated stream) →
+//!   [`LlmError::Malformed`].
+//! - **Cancellation.** Dropping the future of [`LlmClient::complete`] (the turn was
+//!   cancelled or its deadline passed) drops the HTTP request: the connection is closed
+//!   and no further attempt is made.
 //! - **Model.** `request.model` is sent when it is not empty; otherwise
 //!   [`OpenAiConfig::model`].
 //! - **Messages.** An assistant message with tool calls and empty text is sent with
@@ -36,26 +69,26 @@
 //!   appears in `Debug` output or errors.
 //!
 //! # What it does not do
-//! No retries, no streaming, no rate limiting, no request-size limit beyond what the
-//! provider enforces. It is excluded from the madsim build (`#[cfg(not(madsim))]`):
-//! simulated code uses a scripted [`LlmClient`] instead.
+//! No client-side rate limiting, no request-size limit beyond what the provider
+//! enforces, no HTTP/2, no proxy configuration beyond reqwest's environment defaults.
+//! It is excluded from the madsim build (`#[cfg(not(madsim))]`): simulated code uses a
+//! scripted [`LlmClient`] instead.
 //!
-//! # Why ureq
-//! ureq 2 is a small synchronous client (rustls, no async runtime of its own, no hyper,
-//! no tower), so it cannot register timers with a tokio reactor that is not there; one
-//! call runs on `tokio::task::spawn_blocking`, which suits a handful of concurrent model
-//! calls that each take seconds. It has an overall per-request timeout, which is the
-//! whole budget we need. reqwest would add hyper, tower and a second dependency on the
-//! real tokio to the workspace for no feature this client uses.
+//! # Why reqwest
+//! An async client on the tokio the runtime already runs on: one model call is a future
+//! (no blocking thread), dropping it cancels the request, and the body can be read as it
+//! arrives, which streaming needs. TLS is rustls with the `ring` provider (no C build of
+//! aws-lc); the provider is installed as the process default when none is.
 
-use std::io::Read;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use troupe_core::{ActorId, Deadline};
 use troupe_runtime::Clock;
 
-use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall, ToolSpec};
+use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall, ToolSpec};
 
 /// The base URL used when `OPENAI_BASE_URL` is not set.
 pub const OPENAI_BASE_URL_DEFAULT: &str = "https://api.openai.com/v1";
@@ -72,13 +105,45 @@ pub const OPENAI_REQUEST_TIMEOUT_MS_MAX: u64 = 600_000;
 /// How much of an error response body is kept in [`LlmError::Provider`], in bytes.
 pub const PROVIDER_ERROR_BODY_BYTES_MAX: usize = 2_048;
 
-/// The largest successful response body that is read, in bytes; a longer body is
-/// [`LlmError::Malformed`].
+/// The largest successful response body that is read, in bytes (a whole streamed
+/// answer counts too); a longer body is [`LlmError::Malformed`].
 pub const RESPONSE_BODY_BYTES_MAX: usize = 8 * 1024 * 1024;
+
+/// Retries after the first attempt, by default ([`OpenAiConfig::retries_max`]).
+pub const OPENAI_RETRIES_DEFAULT: u32 = 3;
+
+/// The most retries a config may set.
+pub const OPENAI_RETRIES_MAX: u32 = 10;
+
+/// The first backoff ceiling, in milliseconds, by default
+/// ([`OpenAiConfig::retry_backoff_initial`]).
+pub const OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT: u64 = 250;
+
+/// The largest backoff ceiling, in milliseconds, by default
+/// ([`OpenAiConfig::retry_backoff_max`]).
+pub const OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT: u64 = 8_000;
+
+/// The longest `Retry-After` that is honoured as given, in milliseconds; a longer one is
+/// cut to this (and then still bounded by the call's budget).
+pub const RETRY_AFTER_MS_MAX: u64 = 60_000;
+
+/// The least budget, in milliseconds, that must remain after a retry's wait for the
+/// retry to be started.
+pub const RETRY_ATTEMPT_MS_MIN: u64 = 100;
+
+/// The jitter seed by default ([`OpenAiConfig::retry_jitter_seed`]).
+pub const OPENAI_RETRY_JITTER_SEED_DEFAULT: u64 = 0x7201_0BE5_EED5_0001;
+
+/// The number of distinct tool calls one streamed answer may carry (indices
+/// `0..STREAM_TOOL_CALLS_MAX`); a higher index is [`LlmError::Malformed`].
+pub const STREAM_TOOL_CALLS_MAX: usize = 128;
 
 const _: () = assert!(OPENAI_REQUEST_TIMEOUT_MS_DEFAULT > 0);
 const _: () = assert!(OPENAI_REQUEST_TIMEOUT_MS_DEFAULT <= OPENAI_REQUEST_TIMEOUT_MS_MAX);
 const _: () = assert!(PROVIDER_ERROR_BODY_BYTES_MAX <= RESPONSE_BODY_BYTES_MAX);
+const _: () = assert!(OPENAI_RETRIES_DEFAULT <= OPENAI_RETRIES_MAX);
+const _: () = assert!(0 < OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT);
+const _: () = assert!(OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT <= OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT);
 
 /// Why an [`OpenAiConfig`] could not be built or was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -117,6 +182,21 @@ pub enum OpenAiConfigError {
         /// [`OPENAI_REQUEST_TIMEOUT_MS_MAX`].
         max_ms: u64,
     },
+    /// The retry settings are outside their bounds.
+    #[error(
+        "retries must satisfy retries_max <= {OPENAI_RETRIES_MAX} and \
+         0 < retry_backoff_initial <= retry_backoff_max: {cause}"
+    )]
+    InvalidRetry {
+        /// Which rule is broken.
+        cause: String,
+    },
+    /// The HTTP client could not be built (TLS set-up).
+    #[error("the HTTP client could not be built: {cause}")]
+    HttpClient {
+        /// What failed.
+        cause: String,
+    },
 }
 
 /// Where and how [`OpenAiClient`] talks to an OpenAI-compatible provider.
@@ -131,8 +211,21 @@ pub struct OpenAiConfig {
     pub api_key: String,
     /// The model used when a request names none (default [`OPENAI_MODEL_DEFAULT`]).
     pub model: String,
-    /// The longest one call may take; the request's deadline may shorten it.
+    /// The longest one call may take, retries included; the request's deadline may
+    /// shorten it.
     pub request_timeout: Duration,
+    /// Ask for a streamed answer (`stream: true`, SSE); default `false`.
+    pub stream: bool,
+    /// Retries after the first attempt (default [`OPENAI_RETRIES_DEFAULT`], at most
+    /// [`OPENAI_RETRIES_MAX`]); 0 turns retries off.
+    pub retries_max: u32,
+    /// The backoff ceiling before the first retry (default
+    /// [`OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT`] ms); it doubles per retry.
+    pub retry_backoff_initial: Duration,
+    /// The largest backoff ceiling (default [`OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT`] ms).
+    pub retry_backoff_max: Duration,
+    /// Seeds the jitter generator (default [`OPENAI_RETRY_JITTER_SEED_DEFAULT`]).
+    pub retry_jitter_seed: u64,
 }
 
 impl std::fmt::Debug for OpenAiConfig {
@@ -143,6 +236,11 @@ impl std::fmt::Debug for OpenAiConfig {
             .field("api_key", &"<redacted>")
             .field("model", &self.model)
             .field("request_timeout", &self.request_timeout)
+            .field("stream", &self.stream)
+            .field("retries_max", &self.retries_max)
+            .field("retry_backoff_initial", &self.retry_backoff_initial)
+            .field("retry_backoff_max", &self.retry_backoff_max)
+            .field("retry_jitter_seed", &self.retry_jitter_seed)
             .finish()
     }
 }
@@ -155,12 +253,18 @@ impl OpenAiConfig {
             api_key: api_key.into(),
             model: OPENAI_MODEL_DEFAULT.to_owned(),
             request_timeout: Duration::from_millis(OPENAI_REQUEST_TIMEOUT_MS_DEFAULT),
+            stream: false,
+            retries_max: OPENAI_RETRIES_DEFAULT,
+            retry_backoff_initial: Duration::from_millis(OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT),
+            retry_backoff_max: Duration::from_millis(OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT),
+            retry_jitter_seed: OPENAI_RETRY_JITTER_SEED_DEFAULT,
         }
     }
 
     /// Reads the config from the process environment: `OPENAI_API_KEY` (required),
     /// `OPENAI_BASE_URL`, `OPENAI_MODEL` and `OPENAI_REQUEST_TIMEOUT_MS` (optional; an
-    /// empty variable counts as unset), then validates it.
+    /// empty variable counts as unset), then validates it. The other fields keep their
+    /// defaults.
     ///
     /// # Errors
     /// [`OpenAiConfigError::MissingEnv`] without an API key,
@@ -203,7 +307,8 @@ impl OpenAiConfig {
     ///
     /// # Errors
     /// The first violated rule: a non-empty API key and model, an `http(s)://` base URL,
-    /// and `0 < request_timeout <= OPENAI_REQUEST_TIMEOUT_MS_MAX` ms.
+    /// `0 < request_timeout <= OPENAI_REQUEST_TIMEOUT_MS_MAX` ms, `retries_max <=
+    /// OPENAI_RETRIES_MAX` and `0 < retry_backoff_initial <= retry_backoff_max`.
     pub fn validate(&self) -> Result<(), OpenAiConfigError> {
         if self.api_key.is_empty() {
             return Err(OpenAiConfigError::EmptyApiKey);
@@ -228,6 +333,19 @@ impl OpenAiConfig {
                 max_ms: OPENAI_REQUEST_TIMEOUT_MS_MAX,
             });
         }
+        if self.retries_max > OPENAI_RETRIES_MAX {
+            return Err(OpenAiConfigError::InvalidRetry {
+                cause: format!("retries_max is {}", self.retries_max),
+            });
+        }
+        if self.retry_backoff_initial.is_zero() || self.retry_backoff_initial > self.retry_backoff_max {
+            return Err(OpenAiConfigError::InvalidRetry {
+                cause: format!(
+                    "retry_backoff_initial is {:?}, retry_backoff_max is {:?}",
+                    self.retry_backoff_initial, self.retry_backoff_max
+                ),
+            });
+        }
         Ok(())
     }
 
@@ -237,9 +355,71 @@ impl OpenAiConfig {
     }
 }
 
+/// One piece of a streamed answer, as it arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamDelta<'a> {
+    /// More of the assistant's text.
+    Text(&'a str),
+    /// More of tool call number `index` (in the order the model started them).
+    ToolCall {
+        /// The call's position in the answer.
+        index: usize,
+        /// The call's id, on the delta that carries it (usually the first).
+        id: Option<&'a str>,
+        /// The tool's name, on the delta that carries it (usually the first).
+        name: Option<&'a str>,
+        /// The next fragment of the arguments' JSON text (may be empty).
+        arguments: &'a str,
+    },
+}
+
+/// Sees a streamed answer's deltas as they arrive (tokens to a UI, a log, a metric).
+///
+/// Called on the task that runs the model call, between reads: keep it quick and do
+/// not block. A closure `Fn(&ActorId, &StreamDelta)` is an observer.
+pub trait StreamObserver: Send + Sync + 'static {
+    /// One delta of the answer `agent` is receiving.
+    fn on_delta(&self, agent: &ActorId, delta: &StreamDelta<'_>);
+}
+
+impl<F> StreamObserver for F
+where
+    F: Fn(&ActorId, &StreamDelta<'_>) + Send + Sync + 'static,
+{
+    fn on_delta(&self, agent: &ActorId, delta: &StreamDelta<'_>) {
+        self(agent, delta);
+    }
+}
+
+/// SplitMix64: a tiny seeded generator for backoff jitter (no OS randomness).
+#[derive(Debug)]
+struct Jitter {
+    state: u64,
+}
+
+impl Jitter {
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Installs rustls' `ring` provider as the process default unless one is installed
+/// (reqwest and rmcp's HTTP transport are built without a provider of their own).
+pub(crate) fn ensure_tls_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Losing a race to another installer is fine: some provider is then installed.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
 /// An [`LlmClient`] for OpenAI-compatible chat-completions providers.
 ///
-/// Cheap to clone (connections are pooled and shared between clones).
+/// Cheap to clone (connections are pooled and shared between clones, and so is the
+/// jitter generator).
 ///
 /// # Examples
 /// ```no_run
@@ -248,11 +428,23 @@ impl OpenAiConfig {
 /// let client = OpenAiClient::new(OpenAiConfig::from_env()?, troupe_runtime::Clock::new())?;
 /// # let _ = client; Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct OpenAiClient {
     config: OpenAiConfig,
     clock: Clock,
-    agent: ureq::Agent,
+    http: reqwest::Client,
+    jitter: Arc<Mutex<Jitter>>,
+    observer: Option<Arc<dyn StreamObserver>>,
+}
+
+impl std::fmt::Debug for OpenAiClient {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("OpenAiClient")
+            .field("config", &self.config)
+            .field("observer", &self.observer.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl OpenAiClient {
@@ -260,137 +452,390 @@ impl OpenAiClient {
     /// runtime's clock (`RuntimeHandle::clock()`) so deadlines share its epoch.
     ///
     /// # Errors
-    /// Any error of [`OpenAiConfig::validate`].
+    /// Any error of [`OpenAiConfig::validate`], or [`OpenAiConfigError::HttpClient`].
     pub fn new(config: OpenAiConfig, clock: Clock) -> Result<Self, OpenAiConfigError> {
         config.validate()?;
-        let agent = ureq::AgentBuilder::new()
+        ensure_tls_provider();
+        let http = reqwest::Client::builder()
             .user_agent(concat!("troupe-agent/", env!("CARGO_PKG_VERSION")))
-            .build();
-        Ok(Self { config, clock, agent })
+            .build()
+            .map_err(|error| OpenAiConfigError::HttpClient {
+                cause: error.to_string(),
+            })?;
+        let jitter = Arc::new(Mutex::new(Jitter {
+            state: config.retry_jitter_seed,
+        }));
+        Ok(Self {
+            config,
+            clock,
+            http,
+            jitter,
+            observer: None,
+        })
+    }
+
+    /// This client, handing every delta of a streamed answer to `observer` (only when
+    /// [`OpenAiConfig::stream`] is on).
+    #[must_use]
+    pub fn with_stream_observer(mut self, observer: Arc<dyn StreamObserver>) -> Self {
+        self.observer = Some(observer);
+        self
     }
 
     /// The config this client was built with.
     pub fn config(&self) -> &OpenAiConfig {
         &self.config
     }
+
+    /// The full-jitter wait before retry number `retry` (0-based): uniform in
+    /// `[0, min(backoff_max, backoff_initial * 2^retry)]`, whole milliseconds.
+    fn backoff(&self, retry: u32) -> Duration {
+        let initial_ms = u64::try_from(self.config.retry_backoff_initial.as_millis()).unwrap_or(u64::MAX);
+        let max_ms = u64::try_from(self.config.retry_backoff_max.as_millis()).unwrap_or(u64::MAX);
+        let ceiling_ms = initial_ms
+            .checked_shl(retry.min(63))
+            .filter(|shifted| shifted >> retry.min(63) == initial_ms)
+            .unwrap_or(u64::MAX)
+            .min(max_ms);
+        let draw = self
+            .jitter
+            .lock()
+            .expect("the jitter lock is never poisoned")
+            .next_u64();
+        Duration::from_millis(draw % ceiling_ms.saturating_add(1))
+    }
+
+    /// One HTTP exchange: send, then read the whole answer (or stream).
+    async fn attempt(&self, body: &[u8], agent: &ActorId) -> Result<LlmReply, Attempt> {
+        let response = self
+            .http
+            .post(self.config.chat_completions_url())
+            .bearer_auth(&self.config.api_key)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_vec())
+            .send()
+            .await
+            .map_err(|error| Attempt::Retryable {
+                error: LlmError::Unreachable {
+                    cause: describe_reqwest_error(&error),
+                },
+                retry_after: None,
+            })?;
+        let status = response.status().as_u16();
+        if status >= 400 {
+            let retry_after = retry_after(response.headers());
+            let (bytes, _) = read_capped(response, PROVIDER_ERROR_BODY_BYTES_MAX)
+                .await
+                .unwrap_or_default();
+            let text = String::from_utf8_lossy(&bytes);
+            let error = LlmError::Provider {
+                status,
+                body: troupe_core::truncate_utf8(&text, PROVIDER_ERROR_BODY_BYTES_MAX).to_owned(),
+            };
+            return Err(if status == 408 || status == 429 || status >= 500 {
+                Attempt::Retryable { error, retry_after }
+            } else {
+                Attempt::Final(error)
+            });
+        }
+        if self.config.stream {
+            return read_stream(response, agent, self.observer.as_deref())
+                .await
+                .map_err(Attempt::Final);
+        }
+        let (bytes, over) =
+            read_capped(response, RESPONSE_BODY_BYTES_MAX)
+                .await
+                .map_err(|error| Attempt::Retryable {
+                    error,
+                    retry_after: None,
+                })?;
+        if over {
+            return Err(Attempt::Final(LlmError::Malformed {
+                cause: format!("the response body exceeds {RESPONSE_BODY_BYTES_MAX} bytes"),
+            }));
+        }
+        parse_response(&bytes).map_err(Attempt::Final)
+    }
+}
+
+/// How one attempt failed.
+enum Attempt {
+    /// Worth another attempt, after `retry_after` if the provider said.
+    Retryable {
+        error: LlmError,
+        retry_after: Option<Duration>,
+    },
+    /// Not worth another attempt.
+    Final(LlmError),
 }
 
 #[async_trait]
 impl LlmClient for OpenAiClient {
     async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
-        let budget = self
-            .config
-            .request_timeout
-            .min(request.deadline.remaining(self.clock.now()));
+        let started = self.clock.now();
+        let budget = self.config.request_timeout.min(request.deadline.remaining(started));
         let timeout_ms = u64::try_from(budget.as_millis()).unwrap_or(u64::MAX);
         if budget.is_zero() {
             return Err(LlmError::Timeout { timeout_ms });
         }
+        let end = Deadline::after(started, budget);
         let model = if request.model.is_empty() {
-            self.config.model.clone()
+            self.config.model.as_str()
         } else {
-            request.model.clone()
+            request.model.as_str()
         };
-        let body = serde_json::to_vec(&WireRequest::from_request(&model, &request))
+        let body = serde_json::to_vec(&WireRequest::from_request(model, &request, self.config.stream))
             .expect("a request of strings and JSON values always serializes");
-        let http_request = self
-            .agent
-            .post(&self.config.chat_completions_url())
-            .set("Authorization", &format!("Bearer {}", self.config.api_key))
-            .set("Content-Type", "application/json")
-            .timeout(budget);
-        let call = tokio::task::spawn_blocking(move || complete_blocking(http_request, &body));
-        // ureq enforces the budget itself; this outer timeout only bounds the wait if a
-        // blocking thread is slow to start. The thread still finishes within the budget.
-        match tokio::time::timeout(budget, call).await {
-            Err(_elapsed) => Err(LlmError::Timeout { timeout_ms }),
-            Ok(Err(join_error)) if join_error.is_panic() => std::panic::resume_unwind(join_error.into_panic()),
-            Ok(Err(join_error)) => Err(LlmError::Unreachable {
-                cause: format!("the HTTP call was cancelled: {join_error}"),
-            }),
-            Ok(Ok(result)) => result.map_err(|failure| failure.into_llm_error(timeout_ms)),
-        }
-    }
-}
-
-/// What went wrong on the blocking side, before the budget is known to the message.
-enum CallFailure {
-    Timeout,
-    Llm(LlmError),
-}
-
-impl CallFailure {
-    fn into_llm_error(self, timeout_ms: u64) -> LlmError {
-        match self {
-            CallFailure::Timeout => LlmError::Timeout { timeout_ms },
-            CallFailure::Llm(error) => error,
-        }
-    }
-}
-
-/// Sends the request and decodes the answer; runs on a blocking thread.
-fn complete_blocking(request: ureq::Request, body: &[u8]) -> Result<LlmReply, CallFailure> {
-    match request.send_bytes(body) {
-        Ok(response) => {
-            let bytes = complete_blocking_read_body(response, RESPONSE_BODY_BYTES_MAX)?;
-            if bytes.len() > RESPONSE_BODY_BYTES_MAX {
-                return Err(CallFailure::Llm(LlmError::Malformed {
-                    cause: format!("the response body exceeds {RESPONSE_BODY_BYTES_MAX} bytes"),
-                }));
+        let mut retries = 0;
+        loop {
+            let outcome = match self.clock.run_until(end, self.attempt(&body, &request.agent)).await {
+                Err(_elapsed) => return Err(LlmError::Timeout { timeout_ms }),
+                Ok(outcome) => outcome,
+            };
+            let (error, retry_after) = match outcome {
+                Ok(reply) => return Ok(reply),
+                Err(Attempt::Final(error)) => return Err(error),
+                Err(Attempt::Retryable { error, retry_after }) => (error, retry_after),
+            };
+            if retries >= self.config.retries_max {
+                return Err(error);
             }
-            parse_response(&bytes).map_err(CallFailure::Llm)
+            let wait = retry_after.unwrap_or_else(|| self.backoff(retries));
+            let remaining = end.remaining(self.clock.now());
+            if wait.saturating_add(Duration::from_millis(RETRY_ATTEMPT_MS_MIN)) > remaining {
+                tracing::debug!(?error, ?wait, "model call: no time left to retry");
+                return Err(error);
+            }
+            tracing::debug!(?error, ?wait, retry = retries + 1, "model call: retrying");
+            tokio::time::sleep(wait).await;
+            retries += 1;
         }
-        Err(ureq::Error::Status(status, response)) => {
-            // A body that cannot be read (or is not UTF-8) still reports the status; the
-            // cut lands on a character boundary.
-            let bytes = complete_blocking_read_body(response, PROVIDER_ERROR_BODY_BYTES_MAX).unwrap_or_default();
-            let text = String::from_utf8_lossy(&bytes);
-            let body = troupe_core::truncate_utf8(&text, PROVIDER_ERROR_BODY_BYTES_MAX).to_owned();
-            Err(CallFailure::Llm(LlmError::Provider { status, body }))
-        }
-        Err(ureq::Error::Transport(transport)) => Err(transport_failure(&transport)),
     }
 }
 
-/// Reads at most `limit_bytes + 1` bytes of the body, so a caller can tell "exactly at
-/// the limit" from "over it".
-fn complete_blocking_read_body(response: ureq::Response, limit_bytes: usize) -> Result<Vec<u8>, CallFailure> {
-    let limit_plus_one = u64::try_from(limit_bytes).unwrap_or(u64::MAX).saturating_add(1);
+/// The wait a 429/5xx asks for: `retry-after-ms` (OpenAI's, milliseconds) or
+/// `Retry-After` in seconds, capped at [`RETRY_AFTER_MS_MAX`]; `None` when absent or in
+/// the HTTP-date form.
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let number = |name: &str| -> Option<f64> {
+        let value = headers.get(name)?.to_str().ok()?.trim().parse::<f64>().ok()?;
+        (value.is_finite() && value >= 0.0).then_some(value)
+    };
+    let ms = number("retry-after-ms").or_else(|| number("retry-after").map(|seconds| seconds * 1_000.0))?;
+    // The cap keeps the float-to-int conversion in range.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let ms = ms.min(RETRY_AFTER_MS_MAX as f64).ceil() as u64;
+    Some(Duration::from_millis(ms))
+}
+
+/// A reqwest error's text with its chain of causes (the URL is in it, never the key).
+fn describe_reqwest_error(error: &reqwest::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Reads at most `limit_bytes` of the body; `true` when there was more.
+async fn read_capped(mut response: reqwest::Response, limit_bytes: usize) -> Result<(Vec<u8>, bool), LlmError> {
     let mut bytes = Vec::new();
-    match response.into_reader().take(limit_plus_one).read_to_end(&mut bytes) {
-        Ok(_) => Ok(bytes),
-        Err(error) if is_timeout_io(&error) => Err(CallFailure::Timeout),
-        Err(error) => Err(CallFailure::Llm(LlmError::Unreachable {
-            cause: format!("reading the response failed: {error}"),
-        })),
-    }
-}
-
-/// Classifies a ureq transport error: a timed-out socket anywhere in the chain is a
-/// timeout, a broken HTTP framing is a malformed answer, the rest is unreachable.
-fn transport_failure(transport: &ureq::Transport) -> CallFailure {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(transport);
-    while let Some(error) = source {
-        if error.downcast_ref::<std::io::Error>().is_some_and(is_timeout_io) {
-            return CallFailure::Timeout;
+    loop {
+        match response.chunk().await {
+            Ok(None) => return Ok((bytes, false)),
+            Ok(Some(chunk)) => {
+                let room = limit_bytes - bytes.len();
+                if chunk.len() > room {
+                    bytes.extend_from_slice(&chunk[..room]);
+                    return Ok((bytes, true));
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Err(error) => {
+                return Err(LlmError::Unreachable {
+                    cause: format!("reading the response failed: {}", describe_reqwest_error(&error)),
+                })
+            }
         }
-        source = error.source();
-    }
-    match transport.kind() {
-        ureq::ErrorKind::BadStatus | ureq::ErrorKind::BadHeader => CallFailure::Llm(LlmError::Malformed {
-            cause: transport.to_string(),
-        }),
-        _ => CallFailure::Llm(LlmError::Unreachable {
-            cause: transport.to_string(),
-        }),
     }
 }
 
-fn is_timeout_io(error: &std::io::Error) -> bool {
-    matches!(
-        error.kind(),
-        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
-    )
+/// A streamed answer being put together.
+#[derive(Default)]
+struct StreamAssembly {
+    content: String,
+    calls: Vec<PartialToolCall>,
+    usage: Option<TokenUsage>,
+    done: bool,
+}
+
+#[derive(Default)]
+struct PartialToolCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+impl StreamAssembly {
+    /// Takes one SSE line (without its newline).
+    fn line(&mut self, line: &[u8], agent: &ActorId, observer: Option<&dyn StreamObserver>) -> Result<(), LlmError> {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(data) = line.strip_prefix(b"data:") else {
+            // Blank separators, comments (`:`), `event:`, `id:`, `retry:`.
+            return Ok(());
+        };
+        let data = data.strip_prefix(b" ").unwrap_or(data);
+        if self.done {
+            return Err(LlmError::Malformed {
+                cause: "the stream went on after [DONE]".to_owned(),
+            });
+        }
+        if data == b"[DONE]" {
+            self.done = true;
+            return Ok(());
+        }
+        let chunk: WireChunk = serde_json::from_slice(data).map_err(|error| LlmError::Malformed {
+            cause: format!("a stream chunk is not JSON: {error}"),
+        })?;
+        if let Some(error) = chunk.error {
+            let text = error.to_string();
+            return Err(LlmError::Malformed {
+                cause: format!(
+                    "the stream carried an error: {}",
+                    troupe_core::truncate_utf8(&text, PROVIDER_ERROR_BODY_BYTES_MAX)
+                ),
+            });
+        }
+        if let Some(usage) = chunk.usage {
+            self.usage = Some(usage.into());
+        }
+        for choice in chunk.choices.into_iter().filter(|choice| choice.index == 0) {
+            if let Some(text) = choice.delta.content.filter(|text| !text.is_empty()) {
+                if let Some(observer) = observer {
+                    observer.on_delta(agent, &StreamDelta::Text(&text));
+                }
+                self.content.push_str(&text);
+            }
+            for call in choice.delta.tool_calls {
+                if call.index >= STREAM_TOOL_CALLS_MAX {
+                    return Err(LlmError::Malformed {
+                        cause: format!("tool call index {} is not below {STREAM_TOOL_CALLS_MAX}", call.index),
+                    });
+                }
+                if self.calls.len() <= call.index {
+                    self.calls.resize_with(call.index + 1, PartialToolCall::default);
+                }
+                let function = call.function.unwrap_or_default();
+                if let Some(observer) = observer {
+                    observer.on_delta(
+                        agent,
+                        &StreamDelta::ToolCall {
+                            index: call.index,
+                            id: call.id.as_deref(),
+                            name: function.name.as_deref(),
+                            arguments: function.arguments.as_deref().unwrap_or(""),
+                        },
+                    );
+                }
+                let partial = &mut self.calls[call.index];
+                if let Some(id) = call.id.filter(|_| partial.id.is_empty()) {
+                    partial.id = id;
+                }
+                if let Some(name) = function.name.filter(|_| partial.name.is_empty()) {
+                    partial.name = name;
+                }
+                if let Some(arguments) = function.arguments {
+                    partial.arguments.push_str(&arguments);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Result<LlmReply, LlmError> {
+        if !self.done {
+            return Err(LlmError::Malformed {
+                cause: "the stream ended before data: [DONE]".to_owned(),
+            });
+        }
+        let mut tool_calls = Vec::with_capacity(self.calls.len());
+        for call in self.calls {
+            if call.name.is_empty() {
+                return Err(LlmError::Malformed {
+                    cause: format!("streamed tool call {:?} has no name", call.id),
+                });
+            }
+            let arguments = decode_arguments(&call.id, &call.name, &call.arguments)?;
+            tool_calls.push(ToolCall {
+                id: call.id,
+                name: call.name,
+                arguments,
+            });
+        }
+        let message = ChatMessage {
+            role: Role::Assistant,
+            content: self.content,
+            tool_calls,
+            tool_call_id: None,
+        };
+        Ok(LlmReply {
+            message,
+            usage: self.usage,
+        })
+    }
+}
+
+/// Reads an SSE body line by line into one reply, at most [`RESPONSE_BODY_BYTES_MAX`].
+async fn read_stream(
+    mut response: reqwest::Response,
+    agent: &ActorId,
+    observer: Option<&dyn StreamObserver>,
+) -> Result<LlmReply, LlmError> {
+    let mut assembly = StreamAssembly::default();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut total_bytes = 0_usize;
+    loop {
+        let chunk = match response.chunk().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(error) => {
+                return Err(LlmError::Malformed {
+                    cause: format!("the stream broke off: {}", describe_reqwest_error(&error)),
+                })
+            }
+        };
+        total_bytes = total_bytes.saturating_add(chunk.len());
+        if total_bytes > RESPONSE_BODY_BYTES_MAX {
+            return Err(LlmError::Malformed {
+                cause: format!("the streamed response exceeds {RESPONSE_BODY_BYTES_MAX} bytes"),
+            });
+        }
+        pending.extend_from_slice(&chunk);
+        let mut consumed = 0;
+        while let Some(newline) = pending[consumed..].iter().position(|byte| *byte == b'\n') {
+            assembly.line(&pending[consumed..consumed + newline], agent, observer)?;
+            consumed += newline + 1;
+        }
+        pending.drain(..consumed);
+    }
+    if !pending.is_empty() {
+        assembly.line(&pending, agent, observer)?;
+    }
+    assembly.finish()
+}
+
+/// Parses one tool call's JSON-string arguments; empty means `{}`.
+fn decode_arguments(id: &str, name: &str, arguments: &str) -> Result<serde_json::Value, LlmError> {
+    if arguments.trim().is_empty() {
+        return Ok(serde_json::Value::Object(serde_json::Map::new()));
+    }
+    serde_json::from_str(arguments).map_err(|error| LlmError::Malformed {
+        cause: format!("the arguments of tool call {id:?} ({name}) are not JSON: {error}"),
+    })
 }
 
 /// Decodes a successful chat-completions body into the first choice's message.
@@ -405,16 +850,7 @@ fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
     };
     let mut tool_calls = Vec::with_capacity(choice.message.tool_calls.len());
     for call in choice.message.tool_calls {
-        let arguments = if call.function.arguments.trim().is_empty() {
-            serde_json::Value::Object(serde_json::Map::new())
-        } else {
-            serde_json::from_str(&call.function.arguments).map_err(|error| LlmError::Malformed {
-                cause: format!(
-                    "the arguments of tool call {:?} ({}) are not JSON: {error}",
-                    call.id, call.function.name
-                ),
-            })?
-        };
+        let arguments = decode_arguments(&call.id, &call.function.name, &call.function.arguments)?;
         tool_calls.push(ToolCall {
             id: call.id,
             name: call.function.name,
@@ -427,7 +863,10 @@ fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
         tool_calls,
         tool_call_id: None,
     };
-    Ok(LlmReply { message })
+    Ok(LlmReply {
+        message,
+        usage: response.usage.map(TokenUsage::from),
+    })
 }
 
 // ---- The wire format (only the fields this client uses). ----
@@ -438,14 +877,25 @@ struct WireRequest<'a> {
     messages: Vec<WireMessage<'a>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tools: Vec<WireTool<'a>>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<WireStreamOptions>,
+}
+
+#[derive(Serialize)]
+struct WireStreamOptions {
+    include_usage: bool,
 }
 
 impl<'a> WireRequest<'a> {
-    fn from_request(model: &'a str, request: &'a LlmRequest) -> Self {
+    fn from_request(model: &'a str, request: &'a LlmRequest, stream: bool) -> Self {
         Self {
             model,
             messages: request.messages.iter().map(WireMessage::from_message).collect(),
             tools: request.tools.iter().map(WireTool::from_spec).collect(),
+            stream,
+            stream_options: stream.then_some(WireStreamOptions { include_usage: true }),
         }
     }
 }
@@ -541,6 +991,73 @@ struct WireFunction<'a> {
 #[derive(Deserialize)]
 struct WireResponse {
     choices: Vec<WireChoice>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+#[derive(Deserialize)]
+struct WireUsage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+    #[serde(default)]
+    total_tokens: u64,
+}
+
+impl From<WireUsage> for TokenUsage {
+    fn from(usage: WireUsage) -> Self {
+        Self {
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
+            total_tokens: usage.total_tokens,
+        }
+    }
+}
+
+/// One `data:` chunk of a streamed answer.
+#[derive(Deserialize)]
+struct WireChunk {
+    #[serde(default, deserialize_with = "null_as_empty")]
+    choices: Vec<WireChunkChoice>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+    #[serde(default)]
+    error: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct WireChunkChoice {
+    #[serde(default)]
+    index: u32,
+    #[serde(default)]
+    delta: WireDelta,
+}
+
+#[derive(Deserialize, Default)]
+struct WireDelta {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default, deserialize_with = "null_as_empty")]
+    tool_calls: Vec<WireToolCallDelta>,
+}
+
+#[derive(Deserialize)]
+struct WireToolCallDelta {
+    #[serde(default)]
+    index: usize,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    function: Option<WireFunctionDelta>,
+}
+
+#[derive(Deserialize, Default)]
+struct WireFunctionDelta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -702,6 +1219,82 @@ mod tests {
             parse_response(br#"{"choices":[{"message":{"role":"assistant","content":"hi","tool_calls":null}}]}"#)
                 .unwrap();
         assert!(reply.message.tool_calls.is_empty());
+    }
+
+    #[tokio::test]
+    async fn backoff_is_full_jitter_under_a_doubling_ceiling_and_reproducible_from_the_seed() {
+        let mut config = OpenAiConfig::new("k");
+        config.retry_backoff_initial = Duration::from_millis(100);
+        config.retry_backoff_max = Duration::from_millis(700);
+        let draws = |config: OpenAiConfig| {
+            let client = OpenAiClient::new(config, Clock::new()).unwrap();
+            (0..40).map(|retry| client.backoff(retry % 8)).collect::<Vec<_>>()
+        };
+        let first = draws(config.clone());
+        assert_eq!(first, draws(config.clone()), "same seed, same waits");
+        for (index, wait) in first.iter().enumerate() {
+            let retry = u32::try_from(index % 8).unwrap();
+            let ceiling_ms = (100_u64 << retry).min(700);
+            assert!(wait.as_millis() <= u128::from(ceiling_ms), "retry {retry}: {wait:?}");
+        }
+        // Full jitter spreads: not every wait is at the ceiling or at zero.
+        assert!(first.iter().any(|wait| wait.as_millis() > 0 && wait.as_millis() < 100));
+        config.retry_jitter_seed ^= 1;
+        assert_ne!(first, draws(config), "another seed, other waits");
+    }
+
+    #[test]
+    fn retry_after_reads_milliseconds_or_seconds_and_caps_them() {
+        let headers = |pairs: &[(&'static str, &str)]| {
+            let mut map = reqwest::header::HeaderMap::new();
+            for (name, value) in pairs {
+                map.insert(*name, value.parse().unwrap());
+            }
+            map
+        };
+        assert_eq!(retry_after(&headers(&[])), None);
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", "2")])),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", "2"), ("retry-after-ms", "150")])),
+            Some(Duration::from_millis(150))
+        );
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", "86400")])),
+            Some(Duration::from_millis(RETRY_AFTER_MS_MAX))
+        );
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", "Wed, 21 Oct 2015 07:28:00 GMT")])),
+            None
+        );
+        assert_eq!(retry_after(&headers(&[("retry-after", "-1")])), None);
+    }
+
+    #[test]
+    fn validate_bounds_the_retry_settings() {
+        let mut config = OpenAiConfig::new("k");
+        config.retries_max = OPENAI_RETRIES_MAX + 1;
+        assert!(matches!(config.validate(), Err(OpenAiConfigError::InvalidRetry { .. })));
+        config.retries_max = OPENAI_RETRIES_MAX;
+        config.retry_backoff_initial = Duration::ZERO;
+        assert!(matches!(config.validate(), Err(OpenAiConfigError::InvalidRetry { .. })));
+        config.retry_backoff_initial = config.retry_backoff_max + Duration::from_millis(1);
+        assert!(matches!(config.validate(), Err(OpenAiConfigError::InvalidRetry { .. })));
+        config.retry_backoff_initial = config.retry_backoff_max;
+        assert_eq!(config.validate(), Ok(()));
+    }
+
+    #[test]
+    fn stream_tool_call_index_out_of_range_is_malformed() {
+        let agent = ActorId::new("agent", "a").unwrap();
+        let mut assembly = StreamAssembly::default();
+        let line = format!(
+            r#"data: {{"choices":[{{"index":0,"delta":{{"tool_calls":[{{"index":{STREAM_TOOL_CALLS_MAX},"id":"x"}}]}}}}]}}"#
+        );
+        let error = assembly.line(line.as_bytes(), &agent, None).unwrap_err();
+        assert!(matches!(error, LlmError::Malformed { .. }), "{error:?}");
     }
 
     #[test]

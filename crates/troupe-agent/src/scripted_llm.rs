@@ -15,6 +15,10 @@
 //! [`ScriptedLlm::without_recording`]), and every answer that was
 //! actually delivered ([`ScriptedLlm::answers`]): a request whose turn was cancelled
 //! during the latency is in the first list and not in the second.
+//!
+//! Token usage: every reply reports [`TokenUsage`] counted as whitespace-separated words
+//! (prompt: every message's text and every tool call's arguments; completion: the
+//! reply's), so it is deterministic and roughly the size a real model would report.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +30,7 @@ use serde_json::Value;
 use troupe_core::ActorId;
 
 use crate::limits::SCRIPTED_LLM_RECORDED_MAX;
-use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ToolCall};
+use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall};
 
 /// When a rule applies, judged on the request's last message.
 #[derive(Debug, Clone, PartialEq)]
@@ -379,7 +383,30 @@ impl LlmClient for ScriptedLlm {
             );
         }
         drop(recorded);
-        Ok(LlmReply { message })
+        let usage = scripted_usage(&request.messages, &message);
+        Ok(LlmReply::new(message).with_usage(usage))
+    }
+}
+
+/// Words (whitespace-separated) of a message's text and its tool calls' arguments.
+fn message_words(message: &ChatMessage) -> u64 {
+    let text = message.content.split_whitespace().count();
+    let arguments: usize = message
+        .tool_calls
+        .iter()
+        .map(|call| 1 + call.arguments.to_string().split_whitespace().count())
+        .sum();
+    u64::try_from(text + arguments).unwrap_or(u64::MAX)
+}
+
+/// The scripted model's token count: one token per word (see the module doc).
+fn scripted_usage(prompt: &[ChatMessage], reply: &ChatMessage) -> TokenUsage {
+    let prompt_tokens = prompt.iter().map(message_words).fold(0_u64, u64::saturating_add);
+    let completion_tokens = message_words(reply);
+    TokenUsage {
+        prompt_tokens,
+        completion_tokens,
+        total_tokens: prompt_tokens.saturating_add(completion_tokens),
     }
 }
 
@@ -434,6 +461,17 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(second.message.content, "summary: 42");
+        // One token per word: "find papers" (2) + the call (1 for the call, 3 for its
+        // compact JSON `{..."check: find papers"}`) + "42" (1) = 7 prompt tokens;
+        // "summary: 42" = 2 completion tokens.
+        assert_eq!(
+            second.usage,
+            Some(TokenUsage {
+                prompt_tokens: 7,
+                completion_tokens: 2,
+                total_tokens: 9
+            })
+        );
         assert_eq!(llm.tool_results_seen_by("researcher"), vec!["42".to_string()]);
         assert_eq!(llm.answers().len(), 2);
     }

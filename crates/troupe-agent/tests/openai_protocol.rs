@@ -6,6 +6,9 @@
 //! with JSON-string arguments, error statuses, malformed arguments, silence past the
 //! budget, and nobody listening.
 //!
+//! Retries are off here (`retries_max = 0`): each test is one exchange. Retries,
+//! streaming, cancellation and misbehaving servers are in `openai_resilience.rs`.
+//!
 //! Method: each test starts a one-connection HTTP/1.1 server on `127.0.0.1:0` in a
 //! thread (`std::net`), which records the request it receives and answers with a canned
 //! response; the test then checks both the client's result and the recorded request.
@@ -25,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use troupe_agent::{
-    ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig, Role, ToolCall, ToolSpec,
+    ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig, Role, TokenUsage, ToolCall, ToolSpec,
     PROVIDER_ERROR_BODY_BYTES_MAX,
 };
 use troupe_core::ActorId;
@@ -165,6 +168,7 @@ fn client(base_url: &str, request_timeout: Duration, clock: Clock) -> OpenAiClie
     config.base_url = base_url.to_owned();
     config.model = "config-default-model".to_owned();
     config.request_timeout = request_timeout;
+    config.retries_max = 0;
     OpenAiClient::new(config, clock).expect("valid config")
 }
 
@@ -254,6 +258,14 @@ async fn text_reply_becomes_assistant_message_and_request_speaks_chat_completion
 
     let reply = reply.expect("a text answer");
     assert_eq!(reply.message, ChatMessage::new(Role::Assistant, "2 + 3 = 5."));
+    assert_eq!(
+        reply.usage,
+        Some(TokenUsage {
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            total_tokens: 2
+        })
+    );
     assert_is_chat_completions_request(&provider.recorded_request());
 }
 

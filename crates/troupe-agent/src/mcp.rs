@@ -1,0 +1,314 @@
+//! [`McpServer`]: the tools of a Model Context Protocol server as Troupe [`Tool`]s,
+//! through the official `rmcp` SDK.
+//!
+//! ```text
+//!  McpServer::connect_stdio(program, args)   (child process, JSON-RPC on its stdio)
+//!  McpServer::connect_http(url)              (streamable HTTP)
+//!     │  initialize + tools/list, bounded by MCP_CONNECT_TIMEOUT_MS_DEFAULT
+//!     ▼
+//!  McpServer::tools() ─► Vec<Tool>: name, description and input schema from the server
+//!     │  the model calls one ─► schema check (as every Tool) ─► tools/call
+//!     ▼
+//!  text content joined ─► tool result; isError ─► ToolError::Failed (the model reads it)
+//! ```
+//!
+//! # Guarantees and edge behaviour
+//! - **Deadline.** A call runs inside [`Tool::execute`] like every built-in tool: it is
+//!   bounded by the turn's remaining deadline and ends as
+//!   [`ToolError::DeadlineExceeded`] (a tool result the model reads) when the server is
+//!   slower. The call's future is then dropped, and rmcp tells the server with
+//!   `notifications/cancelled`.
+//! - **Connecting** (start, `initialize`, `tools/list`) happens outside any turn and is
+//!   bounded by the `timeout` given to the `connect_*` functions: [`McpError::Timeout`].
+//! - **Schemas.** Each tool's `inputSchema` is compiled like a hand-written one; a
+//!   schema that does not compile is [`McpError::InvalidToolSchema`] (not a panic). A
+//!   server with more than [`MCP_TOOLS_MAX`] tools is [`McpError::TooManyTools`].
+//! - **Results.** Text blocks are joined with newlines; other blocks (images, audio,
+//!   resources) are named, not inlined; structured content is appended as JSON when
+//!   there is no text. The result is cut to [`MCP_TOOL_RESULT_BYTES_MAX`] bytes on a
+//!   UTF-8 boundary. A result with `isError: true`, or a protocol error, is
+//!   [`ToolError::Failed`] with that text.
+//! - **Lifetime.** The connection stays open while the [`McpServer`] or any tool made
+//!   from it is alive; a stdio child process is killed when the connection closes.
+//! - **Names.** Tools keep the server's names, or get `{prefix}{name}` with
+//!   [`McpServer::tools_with_prefix`] when two servers (or a built-in tool) clash.
+//!
+//! Not under madsim (`#[cfg(not(madsim))]`): child processes and sockets are not
+//! simulated.
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rmcp::model::{CallToolRequestParams, ContentBlock};
+use rmcp::service::RunningService;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::{RoleClient, ServiceExt};
+use serde_json::Value;
+
+use crate::{ArgumentSchema, Tool, ToolError, ToolExecutionContext, ToolHandler};
+
+/// How long connecting (start, `initialize`, `tools/list`) may take by default, in
+/// milliseconds.
+pub const MCP_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
+
+/// The most tools one server may offer.
+pub const MCP_TOOLS_MAX: usize = 256;
+
+/// The longest tool result handed to the model, in bytes.
+pub const MCP_TOOL_RESULT_BYTES_MAX: usize = 64 * 1024;
+
+/// Why an MCP server could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum McpError {
+    /// The child process could not be started.
+    #[error("MCP server {server:?} could not be started: {cause}")]
+    Spawn {
+        /// The server's name.
+        server: String,
+        /// What failed.
+        cause: String,
+    },
+    /// The connection or the `initialize` handshake failed.
+    #[error("MCP server {server:?} did not connect: {cause}")]
+    Connect {
+        /// The server's name.
+        server: String,
+        /// What failed.
+        cause: String,
+    },
+    /// Connecting or listing took longer than allowed.
+    #[error("MCP server {server:?} did not connect within {timeout_ms} ms")]
+    Timeout {
+        /// The server's name.
+        server: String,
+        /// The time allowed, in milliseconds.
+        timeout_ms: u64,
+    },
+    /// `tools/list` failed.
+    #[error("MCP server {server:?} did not list its tools: {cause}")]
+    ListTools {
+        /// The server's name.
+        server: String,
+        /// What failed.
+        cause: String,
+    },
+    /// The server offers more than [`MCP_TOOLS_MAX`] tools.
+    #[error("MCP server {server:?} offers {count} tools, more than {MCP_TOOLS_MAX}")]
+    TooManyTools {
+        /// The server's name.
+        server: String,
+        /// How many it offers.
+        count: usize,
+    },
+    /// A tool's input schema is not a schema this crate can compile.
+    #[error("MCP tool {tool:?} has an invalid input schema: {cause}")]
+    InvalidToolSchema {
+        /// The tool's name.
+        tool: String,
+        /// What is wrong.
+        cause: String,
+    },
+}
+
+type Connection = RunningService<RoleClient, ()>;
+
+/// A connected MCP server and the tools it listed.
+///
+/// # Examples
+/// ```no_run
+/// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use troupe_agent::McpServer;
+/// let server = McpServer::connect_stdio("files", "my-mcp-server", ["--root", "."], Duration::from_secs(10)).await?;
+/// let tools = server.tools()?; // register them with AgentSystemBuilder::tool
+/// # let _ = tools; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct McpServer {
+    name: String,
+    connection: Arc<Connection>,
+    tools: Vec<rmcp::model::Tool>,
+}
+
+impl std::fmt::Debug for McpServer {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("McpServer")
+            .field("name", &self.name)
+            .field("tools", &self.tool_names())
+            .finish_non_exhaustive()
+    }
+}
+
+impl McpServer {
+    /// Starts `program args…` as a child process speaking MCP on its stdin/stdout,
+    /// initializes it and lists its tools, all within `timeout`. Its stderr is
+    /// inherited.
+    ///
+    /// # Errors
+    /// [`McpError::Spawn`], [`McpError::Connect`], [`McpError::Timeout`],
+    /// [`McpError::ListTools`] or [`McpError::TooManyTools`].
+    pub async fn connect_stdio<I, A>(
+        name: impl Into<String>,
+        program: impl AsRef<OsStr>,
+        args: I,
+        timeout: Duration,
+    ) -> Result<Self, McpError>
+    where
+        I: IntoIterator<Item = A>,
+        A: AsRef<OsStr>,
+    {
+        let name = name.into();
+        let mut command = tokio::process::Command::new(program);
+        command.args(args);
+        let transport = TokioChildProcess::new(command).map_err(|error| McpError::Spawn {
+            server: name.clone(),
+            cause: error.to_string(),
+        })?;
+        Self::connect_with(name, timeout, async move { ().serve(transport).await }).await
+    }
+
+    /// Connects to a streamable-HTTP MCP endpoint at `url` (for example
+    /// `http://127.0.0.1:8000/mcp`), initializes the session and lists its tools, all
+    /// within `timeout`.
+    ///
+    /// # Errors
+    /// [`McpError::Connect`], [`McpError::Timeout`], [`McpError::ListTools`] or
+    /// [`McpError::TooManyTools`].
+    pub async fn connect_http(name: impl Into<String>, url: &str, timeout: Duration) -> Result<Self, McpError> {
+        crate::openai::ensure_tls_provider();
+        let transport = StreamableHttpClientTransport::from_uri(url.to_owned());
+        Self::connect_with(name.into(), timeout, async move { ().serve(transport).await }).await
+    }
+
+    async fn connect_with<F, E>(name: String, timeout: Duration, connect: F) -> Result<Self, McpError>
+    where
+        F: std::future::Future<Output = Result<Connection, E>>,
+        E: std::fmt::Display,
+    {
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let setup = async {
+            let connection = connect.await.map_err(|error| McpError::Connect {
+                server: name.clone(),
+                cause: error.to_string(),
+            })?;
+            let tools = connection.list_all_tools().await.map_err(|error| McpError::ListTools {
+                server: name.clone(),
+                cause: error.to_string(),
+            })?;
+            Ok::<_, McpError>((connection, tools))
+        };
+        let (connection, tools) =
+            tokio::time::timeout(timeout, setup)
+                .await
+                .map_err(|_elapsed| McpError::Timeout {
+                    server: name.clone(),
+                    timeout_ms,
+                })??;
+        if tools.len() > MCP_TOOLS_MAX {
+            return Err(McpError::TooManyTools {
+                server: name,
+                count: tools.len(),
+            });
+        }
+        Ok(Self {
+            name,
+            connection: Arc::new(connection),
+            tools,
+        })
+    }
+
+    /// The name given when connecting.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The server's tool names, as it listed them.
+    pub fn tool_names(&self) -> Vec<String> {
+        self.tools.iter().map(|tool| tool.name.to_string()).collect()
+    }
+
+    /// Every tool of the server as a Troupe [`Tool`], under the server's names.
+    ///
+    /// # Errors
+    /// [`McpError::InvalidToolSchema`] for the first tool whose schema does not compile.
+    pub fn tools(&self) -> Result<Vec<Tool>, McpError> {
+        self.tools_with_prefix("")
+    }
+
+    /// As [`McpServer::tools`], each named `{prefix}{name}` (the server is still called
+    /// with its own name).
+    ///
+    /// # Errors
+    /// As [`McpServer::tools`].
+    pub fn tools_with_prefix(&self, prefix: &str) -> Result<Vec<Tool>, McpError> {
+        self.tools
+            .iter()
+            .map(|tool| {
+                let parameters = Value::Object((*tool.input_schema).clone());
+                ArgumentSchema::compile(&parameters).map_err(|invalid| McpError::InvalidToolSchema {
+                    tool: tool.name.to_string(),
+                    cause: invalid.to_string(),
+                })?;
+                let exposed = format!("{prefix}{}", tool.name);
+                let handler = McpToolHandler {
+                    exposed: exposed.clone(),
+                    remote: tool.name.to_string(),
+                    connection: self.connection.clone(),
+                };
+                let description = tool.description.as_deref().unwrap_or_default().to_owned();
+                Ok(Tool::new(exposed, description, parameters, handler))
+            })
+            .collect()
+    }
+}
+
+/// Calls one remote tool.
+struct McpToolHandler {
+    exposed: String,
+    remote: String,
+    connection: Arc<Connection>,
+}
+
+#[async_trait]
+impl ToolHandler for McpToolHandler {
+    async fn call(&self, _context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
+        let mut params = CallToolRequestParams::new(self.remote.clone());
+        if let Value::Object(arguments) = arguments {
+            params = params.with_arguments(arguments);
+        }
+        // Bounded by the turn's deadline in `Tool::execute`; dropping this future
+        // cancels the request on the server.
+        let result = self
+            .connection
+            .call_tool(params)
+            .await
+            .map_err(|error| ToolError::failed(&self.exposed, format!("the MCP call failed: {error}")))?;
+        let mut parts: Vec<String> = result
+            .content
+            .iter()
+            .map(|block| match block {
+                ContentBlock::Text(text) => text.text.clone(),
+                ContentBlock::Image(_) => "[image]".to_owned(),
+                ContentBlock::Audio(_) => "[audio]".to_owned(),
+                ContentBlock::Resource(_) => "[embedded resource]".to_owned(),
+                ContentBlock::ResourceLink(link) => format!("[resource {}]", link.uri),
+                _ => "[content of an unknown kind]".to_owned(),
+            })
+            .collect();
+        if parts.is_empty() {
+            if let Some(structured) = &result.structured_content {
+                parts.push(structured.to_string());
+            }
+        }
+        let text = parts.join("\n");
+        let text = troupe_core::truncate_utf8(&text, MCP_TOOL_RESULT_BYTES_MAX).to_owned();
+        if result.is_error == Some(true) {
+            Err(ToolError::failed(&self.exposed, text))
+        } else {
+            Ok(text)
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! `McpServer`: the tools of a real MCP server (rmcp) as Troupe tools.
+//!
+//! Goal: show that a server started as a child process (stdio) and one reached over
+//! streamable HTTP list their tools with names, descriptions and schemas; that an agent
+//! calls them end to end through `AgentSystem` (arguments validated against the
+//! server's schema first); that an error result reaches the model as a tool error; that
+//! a slow tool is bounded by the turn's deadline and the connection stays usable; and
+//! that connecting fails with typed errors (no such program, nobody listening).
+//!
+//! Method: the stdio server is this crate's `troupe-mcp-echo` binary
+//! (`src/bin/troupe-mcp-echo`); the HTTP server serves the same tools in-process with
+//! rmcp's `StreamableHttpService` under axum on `127.0.0.1:0`. The model is scripted.
+//!
+//! Run: `cargo nextest run -p troupe-agent --test mcp_tools`.
+
+#![cfg(not(madsim))]
+// Wall-clock timing of a real child process is the point here; never simulated.
+#![allow(clippy::disallowed_methods)]
+
+#[path = "../src/bin/troupe-mcp-echo/echo.rs"]
+mod echo;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use troupe_agent::{AgentCallError, AgentSpec, AgentSystem, McpError, McpServer, ScriptRule, ScriptedLlm};
+
+const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// How much later than its deadline a turn may end.
+const DEADLINE_SLACK_MS_MAX: u64 = 1_500;
+
+async fn stdio_server() -> McpServer {
+    McpServer::connect_stdio("echo", ECHO_SERVER, std::iter::empty::<&str>(), CONNECT_TIMEOUT)
+        .await
+        .expect("the echo server starts")
+}
+
+/// An agent `calc` that calls `tool` with `arguments`, then replies with the result.
+fn calling_agent(tool: &str, arguments: serde_json::Value) -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("calc").on_user_containing("go").call(tool, arguments))
+        .rule(
+            ScriptRule::agent("calc")
+                .on_tool_result()
+                .reply("result: {tool_result}"),
+        )
+}
+
+#[tokio::test]
+async fn stdio_server_lists_its_tools_with_descriptions_and_schemas() {
+    let server = stdio_server().await;
+
+    assert_eq!(server.tool_names(), vec!["echo", "add", "sleep", "fail"]);
+    let tools = server.tools().unwrap();
+    let add = tools.iter().find(|tool| tool.spec().name == "add").unwrap();
+    assert_eq!(add.spec().description, "Adds two integers.");
+    assert_eq!(
+        add.spec().parameters,
+        json!({"type": "object",
+               "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+               "required": ["a", "b"]})
+    );
+    let prefixed = server.tools_with_prefix("echo_").unwrap();
+    let names: Vec<&str> = prefixed.iter().map(|tool| tool.spec().name.as_str()).collect();
+    assert_eq!(names, vec!["echo_echo", "echo_add", "echo_sleep", "echo_fail"]);
+}
+
+#[tokio::test]
+async fn an_agent_calls_a_stdio_mcp_tool_end_to_end() {
+    let server = stdio_server().await;
+    let llm = Arc::new(calling_agent("add", json!({"a": 40, "b": 2})));
+    let mut builder = AgentSystem::builder().llm(llm.clone()).agent(AgentSpec::new("calc"));
+    for tool in server.tools().unwrap() {
+        builder = builder.tool(tool);
+    }
+    let system = builder.start().unwrap();
+
+    let reply = system.ask("calc", "go").await.unwrap();
+
+    assert_eq!(reply.text, "result: 42");
+    assert_eq!(llm.tool_results_seen_by("calc"), vec!["42".to_owned()]);
+    system.shutdown().await;
+}
+
+#[tokio::test]
+async fn schema_violations_and_error_results_reach_the_model_as_tool_errors() {
+    let server = stdio_server().await;
+    let llm = Arc::new(
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("calc")
+                    .on_user_containing("bad")
+                    .call("add", json!({"a": "forty"})),
+            )
+            .rule(
+                ScriptRule::agent("calc")
+                    .on_user_containing("fail")
+                    .call("fail", json!({})),
+            )
+            .rule(
+                ScriptRule::agent("calc")
+                    .on_tool_result()
+                    .reply("result: {tool_result}"),
+            ),
+    );
+    let mut builder = AgentSystem::builder().llm(llm.clone()).agent(AgentSpec::new("calc"));
+    for tool in server.tools().unwrap() {
+        builder = builder.tool(tool);
+    }
+    let system = builder.start().unwrap();
+
+    let bad = system.ask("calc", "bad").await.unwrap();
+    assert_eq!(
+        bad.text,
+        r#"result: error: invalid arguments for add: $: "b" is a required property; $.a: "forty" is not of type "integer""#
+    );
+    let failed = system.ask("calc", "fail").await.unwrap();
+    assert_eq!(failed.text, "result: error: fail failed: this tool always fails");
+    system.shutdown().await;
+}
+
+/// A tool slower than the turn: the turn ends at its deadline (not when the tool would
+/// have finished), and the server still answers the next call.
+#[tokio::test]
+async fn a_slow_mcp_tool_is_bounded_by_the_turns_deadline() {
+    let server = stdio_server().await;
+    let llm = Arc::new(calling_agent("sleep", json!({"ms": 10_000})));
+    let mut builder = AgentSystem::builder().llm(llm).agent(AgentSpec::new("calc"));
+    for tool in server.tools().unwrap() {
+        builder = builder.tool(tool);
+    }
+    let system = builder.start().unwrap();
+    let timeout = Duration::from_millis(500);
+
+    let started = Instant::now();
+    let result = system.ask_with_timeout("calc", "go", timeout).await;
+    let elapsed = started.elapsed();
+
+    assert!(
+        elapsed <= timeout + Duration::from_millis(DEADLINE_SLACK_MS_MAX),
+        "the turn outlived its deadline: {elapsed:?}"
+    );
+    match result {
+        // The turn timed out while the tool ran.
+        Err(AgentCallError::Invoke(_)) => {}
+        // Or the tool's DeadlineExceeded reached the model in the turn's last instant.
+        Ok(reply) => assert_eq!(
+            reply.text,
+            "result: error: sleep did not finish before the turn's deadline"
+        ),
+        Err(other) => panic!("unexpected error {other:?}"),
+    }
+    system.shutdown().await;
+
+    // The connection survived the cancelled call.
+    let echo = server.tools().unwrap();
+    let llm = Arc::new(calling_agent("echo", json!({"text": "still here"})));
+    let mut builder = AgentSystem::builder().llm(llm).agent(AgentSpec::new("calc"));
+    for tool in echo {
+        builder = builder.tool(tool);
+    }
+    let system = builder.start().unwrap();
+    assert_eq!(system.ask("calc", "go").await.unwrap().text, "result: still here");
+    system.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_missing_program_is_a_spawn_error() {
+    let error = McpServer::connect_stdio(
+        "ghost",
+        "/nonexistent/troupe-no-such-mcp-server",
+        std::iter::empty::<&str>(),
+        CONNECT_TIMEOUT,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&error, McpError::Spawn { server, .. } if server == "ghost"),
+        "{error:?}"
+    );
+}
+
+/// A program that never speaks MCP (it reads stdin forever) times out.
+#[tokio::test]
+async fn a_silent_program_times_out() {
+    let started = Instant::now();
+    let error = McpServer::connect_stdio("cat", "cat", std::iter::empty::<&str>(), Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error,
+        McpError::Timeout {
+            server: "cat".to_owned(),
+            timeout_ms: 300
+        }
+    );
+    assert!(started.elapsed() < Duration::from_millis(300 + DEADLINE_SLACK_MS_MAX));
+}
+
+/// Serves the echo tools over streamable HTTP on loopback; returns the endpoint URL.
+async fn http_server() -> (String, tokio_util_like::Shutdown) {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+
+    let service: StreamableHttpService<echo::EchoServer, LocalSessionManager> = StreamableHttpService::new(
+        || Ok(echo::EchoServer),
+        Default::default(),
+        StreamableHttpServerConfig::default(),
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    (format!("http://{address}/mcp"), tokio_util_like::Shutdown(task))
+}
+
+mod tokio_util_like {
+    /// Stops the HTTP server when dropped.
+    pub(crate) struct Shutdown(pub(crate) tokio::task::JoinHandle<()>);
+
+    impl Drop for Shutdown {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_agent_calls_a_streamable_http_mcp_tool_end_to_end() {
+    let (url, _shutdown) = http_server().await;
+    let server = McpServer::connect_http("echo-http", &url, CONNECT_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(server.tool_names(), vec!["echo", "add", "sleep", "fail"]);
+
+    let llm = Arc::new(calling_agent("echo", json!({"text": "over http"})));
+    let mut builder = AgentSystem::builder().llm(llm).agent(AgentSpec::new("calc"));
+    for tool in server.tools().unwrap() {
+        builder = builder.tool(tool);
+    }
+    let system = builder.start().unwrap();
+
+    assert_eq!(system.ask("calc", "go").await.unwrap().text, "result: over http");
+    system.shutdown().await;
+}
+
+#[tokio::test]
+async fn nobody_listening_over_http_is_a_connect_error() {
+    let address = {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        listener.local_addr().unwrap()
+    };
+    let error = McpServer::connect_http("gone", &format!("http://{address}/mcp"), CONNECT_TIMEOUT)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, McpError::Connect { server, .. } if server == "gone"),
+        "{error:?}"
+    );
+}
