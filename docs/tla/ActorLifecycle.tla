@@ -41,6 +41,7 @@ CONSTANTS
     NoNode,                     \* "key absent" (model value)
     MAX_CRASHES,                \* bound on faults: node crashes and lease losses
     ZOMBIES,                    \* a running node may lose its lease and run on
+    PARTITIONS,                 \* (with ZOMBIES) a node may be cut off from etcd, then heal
     BUG_READ_THEN_WRITE,        \* claim = read "absent", later put: not a CAS
     BUG_DEACTIVATE_WITH_CALLS,  \* dispatcher trusts the actor's idle report
     BUG_NO_FENCE,               \* the store accepts a commit without checking the fence
@@ -49,7 +50,7 @@ CONSTANTS
 
 ASSUME /\ MAX_CRASHES \in Nat
        /\ NoNode \notin Nodes
-       /\ \A b \in {ZOMBIES, BUG_NO_FENCE, BUG_READ_THEN_WRITE, BUG_DEACTIVATE_WITH_CALLS,
+       /\ \A b \in {ZOMBIES, PARTITIONS, BUG_NO_FENCE, BUG_READ_THEN_WRITE, BUG_DEACTIVATE_WITH_CALLS,
                     BUG_ACK_BEFORE_PERSIST, BUG_EARLY_RELEASE} : b \in BOOLEAN
 
 VARIABLES
@@ -67,10 +68,12 @@ VARIABLES
     idleReq,    \* node -> BOOLEAN, the activation reported idle
     pending,    \* SUBSET Writes, sent (or retried) by clients, not yet routed
     store,      \* SUBSET Writes, the durable actor state
-    acked       \* SUBSET Writes, acknowledged to clients
+    acked,      \* SUBSET Writes, acknowledged to clients
+    cut,        \* node -> BOOLEAN, partitioned from etcd (ZOMBIES only)
+    fenced      \* history: some commit was refused by the fence
 
 vars == <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, dirty, inflight,
-          idleReq, pending, store, acked>>
+          idleReq, pending, store, acked, cut, fenced>>
 
 States == {"inactive", "activating", "active", "deactivating"}
 NodeCount == Cardinality(Nodes)
@@ -98,6 +101,8 @@ Init ==
     /\ pending = Writes
     /\ store = {}
     /\ acked = {}
+    /\ cut = [n \in Nodes |-> FALSE]
+    /\ fenced = FALSE
 
 -----------------------------------------------------------------------------
 (* Activation, triggered by a request for the actor arriving at node n. *)
@@ -105,12 +110,12 @@ Init ==
 \* Correct claim: atomic compare-and-swap "create the key if absent".
 ClaimCAS(n) ==
     /\ ~BUG_READ_THEN_WRITE
-    /\ up[n] /\ alive[n] /\ act[n] = "inactive" /\ pending # {}
+    /\ up[n] /\ alive[n] /\ ~cut[n] /\ act[n] = "inactive" /\ pending # {}
     /\ dir.owner = NoNode
     /\ dir' = [owner |-> n, lease |-> lease[n]]
     /\ act' = [act EXCEPT ![n] = "activating"]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, sawFree, mem, dirty, inflight,
-                   idleReq, pending, store, acked>>
+                   idleReq, pending, store, acked, cut, fenced>>
 
 \* Buggy claim, step 1: read the key, see it absent.
 ClaimRead(n) ==
@@ -119,7 +124,7 @@ ClaimRead(n) ==
     /\ dir.owner = NoNode
     /\ sawFree' = [sawFree EXCEPT ![n] = TRUE]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, mem, dirty, inflight,
-                   idleReq, pending, store, acked>>
+                   idleReq, pending, store, acked, cut, fenced>>
 
 \* Buggy claim, step 2: put the key unconditionally.
 ClaimWrite(n) ==
@@ -129,7 +134,7 @@ ClaimWrite(n) ==
     /\ act' = [act EXCEPT ![n] = "activating"]
     /\ sawFree' = [sawFree EXCEPT ![n] = FALSE]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, mem, dirty, inflight,
-                   idleReq, pending, store, acked>>
+                   idleReq, pending, store, acked, cut, fenced>>
 
 \* Load the persisted state; the activation is now Active.
 Load(n) ==
@@ -137,7 +142,7 @@ Load(n) ==
     /\ mem' = [mem EXCEPT ![n] = store]
     /\ act' = [act EXCEPT ![n] = "active"]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, sawFree, dirty, inflight,
-                   idleReq, pending, store, acked>>
+                   idleReq, pending, store, acked, cut, fenced>>
 
 -----------------------------------------------------------------------------
 (* Calls *)
@@ -149,7 +154,7 @@ Route(n, w) ==
     /\ pending' = pending \ {w}
     /\ inflight' = [inflight EXCEPT ![n] = @ \cup {w}]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, dirty,
-                   idleReq, store, acked>>
+                   idleReq, store, acked, cut, fenced>>
 
 \* One turn: apply the write, commit the whole state (fenced by the lease),
 \* then acknowledge. If the fence fails the turn rolls back and the client
@@ -164,15 +169,16 @@ Turn(n, w) ==
          THEN /\ mem' = [mem EXCEPT ![n] = @ \cup {w}]
               /\ dirty' = [dirty EXCEPT ![n] = @ \cup {w}]
               /\ acked' = acked \cup {w}
-              /\ UNCHANGED <<store, pending>>
+              /\ UNCHANGED <<store, pending, fenced>>
          ELSE IF Owns(n) \/ BUG_NO_FENCE
            THEN /\ mem' = [mem EXCEPT ![n] = @ \cup {w}]
                 /\ store' = mem[n] \cup {w}
                 /\ acked' = acked \cup {w}
-                /\ UNCHANGED <<dirty, pending>>
+                /\ UNCHANGED <<dirty, pending, fenced>>
            ELSE /\ pending' = pending \cup {w}
-                /\ UNCHANGED <<mem, dirty, store, acked>>
-    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, idleReq>>
+                /\ fenced' = TRUE                  \* the store refused the commit
+                /\ UNCHANGED <<mem, dirty, store, acked, cut>>
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, idleReq, cut>>
 
 \* BUG_ACK_BEFORE_PERSIST only: the deferred commit of acked writes.
 Persist(n) ==
@@ -180,7 +186,7 @@ Persist(n) ==
     /\ store' = IF Owns(n) THEN mem[n] ELSE store
     /\ dirty' = [dirty EXCEPT ![n] = {}]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, inflight,
-                   idleReq, pending, acked>>
+                   idleReq, pending, acked, cut, fenced>>
 
 -----------------------------------------------------------------------------
 (* Idle deactivation *)
@@ -191,7 +197,7 @@ ReportIdle(n) ==
     /\ inflight[n] = {} /\ dirty[n] = {}
     /\ idleReq' = [idleReq EXCEPT ![n] = TRUE]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, dirty,
-                   inflight, pending, store, acked>>
+                   inflight, pending, store, acked, cut, fenced>>
 
 \* The dispatcher decides. Calls may have been routed since the report.
 DecideDeactivate(n) ==
@@ -200,9 +206,9 @@ DecideDeactivate(n) ==
     /\ IF inflight[n] = {} \/ BUG_DEACTIVATE_WITH_CALLS
          THEN /\ act' = [act EXCEPT ![n] = "deactivating"]
               /\ dir' = IF BUG_EARLY_RELEASE /\ Owns(n) THEN Absent ELSE dir
-         ELSE UNCHANGED <<act, dir>>          \* refused: stays Active
+         ELSE UNCHANGED <<act, dir, cut, fenced>>          \* refused: stays Active
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, sawFree, mem, dirty, inflight,
-                   pending, store, acked>>
+                   pending, store, acked, cut, fenced>>
 
 \* Deactivation ends: flush (nothing left to flush when turns commit before
 \* acking), drop the memory, release the key (CAS delete if still ours).
@@ -215,7 +221,7 @@ FinishDeactivate(n) ==
     /\ act' = [act EXCEPT ![n] = "inactive"]
     /\ mem' = [mem EXCEPT ![n] = {}]
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, sawFree, inflight, idleReq,
-                   pending, acked>>
+                   pending, acked, cut, fenced>>
 
 -----------------------------------------------------------------------------
 (* Faults *)
@@ -231,7 +237,8 @@ Crash(n) ==
     /\ inflight' = [inflight EXCEPT ![n] = {}]
     /\ idleReq' = [idleReq EXCEPT ![n] = FALSE]
     /\ sawFree' = [sawFree EXCEPT ![n] = FALSE]
-    /\ UNCHANGED <<lease, alive, nextLease, dir, store, acked>>
+    /\ cut' = [cut EXCEPT ![n] = FALSE]
+    /\ UNCHANGED <<lease, alive, nextLease, dir, store, acked, fenced>>
 
 \* A restarted node gets a fresh lease.
 Restart(n) ==
@@ -241,7 +248,7 @@ Restart(n) ==
     /\ alive' = [alive EXCEPT ![n] = TRUE]
     /\ nextLease' = nextLease + 1
     /\ UNCHANGED <<crashes, dir, act, sawFree, mem, dirty, inflight, idleReq,
-                   pending, store, acked>>
+                   pending, store, acked, cut, fenced>>
 
 \* A running node loses its lease (ZOMBIES only): cut off from etcd, or paused
 \* past the TTL. The server deletes the key if it names that lease; the node
@@ -252,12 +259,12 @@ LoseLease(n) ==
     /\ alive' = [alive EXCEPT ![n] = FALSE]
     /\ dir' = IF Owns(n) THEN Absent ELSE dir
     /\ UNCHANGED <<up, lease, nextLease, act, sawFree, mem, dirty, inflight,
-                   idleReq, pending, store, acked>>
+                   idleReq, pending, store, acked, cut, fenced>>
 
 \* The zombie notices (its keep-alive fails): it drops the activation without
 \* saving (calls in flight fail, the clients retry) and takes a new lease.
 NoticeLeaseLost(n) ==
-    /\ up[n] /\ ~alive[n]
+    /\ up[n] /\ ~alive[n] /\ ~cut[n]
     /\ alive' = [alive EXCEPT ![n] = TRUE]
     /\ lease' = [lease EXCEPT ![n] = nextLease]
     /\ nextLease' = nextLease + 1
@@ -268,7 +275,34 @@ NoticeLeaseLost(n) ==
     /\ inflight' = [inflight EXCEPT ![n] = {}]
     /\ idleReq' = [idleReq EXCEPT ![n] = FALSE]
     /\ sawFree' = [sawFree EXCEPT ![n] = FALSE]
-    /\ UNCHANGED <<up, crashes, dir, store, acked>>
+    /\ UNCHANGED <<up, crashes, dir, store, acked, cut, fenced>>
+
+\* ZOMBIES only: the node is cut off from etcd (not from its clients or the
+\* store). Its keep-alives fail; it cannot claim; its lease is still alive on
+\* the server until the TTL runs out (ExpireCut).
+Partition(n) ==
+    /\ ZOMBIES /\ PARTITIONS /\ up[n] /\ alive[n] /\ ~cut[n] /\ crashes < MAX_CRASHES
+    /\ crashes' = crashes + 1
+    /\ cut' = [cut EXCEPT ![n] = TRUE]
+    /\ UNCHANGED <<up, lease, alive, nextLease, dir, act, sawFree, mem, dirty, inflight,
+                   idleReq, pending, store, acked, fenced>>
+
+\* The TTL of a cut-off node's lease runs out on the server: the key goes with
+\* it, and the node, which has not noticed, is now a zombie.
+ExpireCut(n) ==
+    /\ cut[n] /\ alive[n]
+    /\ alive' = [alive EXCEPT ![n] = FALSE]
+    /\ dir' = IF Owns(n) THEN Absent ELSE dir
+    /\ UNCHANGED <<up, lease, nextLease, crashes, act, sawFree, mem, dirty, inflight,
+                   idleReq, pending, store, acked, cut, fenced>>
+
+\* The partition heals (before or after the TTL ran out; in the second case
+\* the node then notices, NoticeLeaseLost).
+Heal(n) ==
+    /\ cut[n]
+    /\ cut' = [cut EXCEPT ![n] = FALSE]
+    /\ UNCHANGED <<up, lease, alive, nextLease, crashes, dir, act, sawFree, mem, dirty,
+                   inflight, idleReq, pending, store, acked, fenced>>
 
 \* The server expires a lease whose keep-alives stopped; the key goes with it.
 ExpireLease ==
@@ -276,7 +310,7 @@ ExpireLease ==
     /\ ~up[dir.owner] \/ lease[dir.owner] # dir.lease
     /\ dir' = Absent
     /\ UNCHANGED <<up, lease, alive, nextLease, crashes, act, sawFree, mem, dirty, inflight,
-                   idleReq, pending, store, acked>>
+                   idleReq, pending, store, acked, cut, fenced>>
 
 -----------------------------------------------------------------------------
 Done ==
@@ -291,12 +325,12 @@ RuntimeStep ==
          \/ ClaimCAS(n) \/ ClaimRead(n) \/ ClaimWrite(n) \/ Load(n)
          \/ \E w \in Writes : Route(n, w) \/ Turn(n, w)
          \/ Persist(n) \/ DecideDeactivate(n) \/ FinishDeactivate(n)
-         \/ Restart(n) \/ NoticeLeaseLost(n)
+         \/ Restart(n) \/ NoticeLeaseLost(n) \/ ExpireCut(n) \/ Heal(n)
     \/ ExpireLease
 
 Next ==
     \/ RuntimeStep
-    \/ \E n \in Nodes : ReportIdle(n) \/ Crash(n) \/ LoseLease(n)
+    \/ \E n \in Nodes : ReportIdle(n) \/ Crash(n) \/ LoseLease(n) \/ Partition(n)
     \/ Terminated
 
 (* The runtime keeps running (weak fairness over its steps); a write that   *)
@@ -328,6 +362,8 @@ TypeOK ==
     /\ pending \subseteq Writes
     /\ store \subseteq Writes
     /\ acked \subseteq Writes
+    /\ cut \in [Nodes -> BOOLEAN]
+    /\ fenced \in BOOLEAN
 
 (* At most one node whose lease is alive holds an activation of the actor, *)
 (* in any non-inactive state (activating, active or deactivating). Without *)
@@ -352,6 +388,11 @@ NoAckedStateLost ==
 
 (* Liveness: every client write is eventually acknowledged. *)
 EveryWriteAcked == \A w \in Writes : <>(w \in acked)
+
+(* Reachability witness, not a property: a config that lists it must FAIL, *)
+(* showing that the fence really refuses a commit there (AL_zombie_fence_fires; *)
+(* AL_safe lists it and passes: without zombies the fence never refuses).  *)
+FenceNeverRefuses == ~fenced
 
 Symmetry == Permutations(Nodes) \cup Permutations(Writes)
 =============================================================================
