@@ -126,21 +126,18 @@ fn hot_round_trip(c: &mut Criterion) {
                 .await
                 .unwrap();
         });
-        group.bench_function(
-            "raw tokio mpsc + oneshot under tokio::time::timeout (floor with a deadline)",
-            |b| {
-                b.iter_custom(|iters| {
-                    time_in_task(&rt, iters, &sender, |sender| async move {
-                        let (reply, answer) = oneshot::channel();
-                        sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                        tokio::time::timeout(Duration::from_secs(5), answer)
-                            .await
-                            .unwrap()
-                            .unwrap();
-                    })
-                });
-            },
-        );
+        group.bench_function("raw tokio mpsc + oneshot + timeout (floor with a deadline)", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &sender, |sender| async move {
+                    let (reply, answer) = oneshot::channel();
+                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    tokio::time::timeout(Duration::from_secs(5), answer)
+                        .await
+                        .unwrap()
+                        .unwrap();
+                })
+            });
+        });
         let state = (handle, target.clone());
         group.bench_function("troupe invoke of an active actor", |b| {
             b.iter_custom(|iters| {

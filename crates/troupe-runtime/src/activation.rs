@@ -321,12 +321,14 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         call,
         edge,
     } = envelope;
-    if reply.is_closed() {
-        // Abandoned (its caller timed out, or gave up): never run it. No clock read
-        // here: a caller's wait ends at its deadline, which closes the reply channel, so
-        // an expired request is an abandoned one. (Between the deadline and the moment
-        // the caller's timer is handled, a request may still start; its caller then
-        // takes the reply if it arrives first, or the turn is cancelled.)
+    // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
+    // request with a caller: its wait ends at its deadline, which closes the reply
+    // channel, so an expired request is an abandoned one. (Between the deadline and the
+    // moment the caller's timer is handled, a request may still start; its caller then
+    // takes the reply if it arrives first, or the turn is cancelled.) A fire-and-forget
+    // message has no caller to close anything: its deadline is read here.
+    let expired = || !reply.has_caller() && context.deadline().has_passed(shared.clock.now());
+    if reply.is_closed() || expired() {
         Counters::add(&shared.counters.expired_dropped);
         let error = InvokeError::Timeout {
             target: live.id.clone(),
@@ -384,9 +386,22 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
             })
             .await
         } else {
-            waited = true;
-            let now = shared.clock.now();
-            Raced::Finished(shared.clock.run_until_from(now, deadline, handler).await)
+            // Nobody waits (a fire-and-forget message): the turn times itself, with the
+            // timer armed only if the handler does not finish in its first poll.
+            let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
+            std::future::poll_fn(|cx| {
+                if let Poll::Ready(outcome) = Pin::new(&mut handler).poll(cx) {
+                    return Poll::Ready(Raced::Finished(Ok(outcome)));
+                }
+                waited = true;
+                let timer =
+                    timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(shared.clock.instant_of(deadline))));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Raced::Finished(Err(()))),
+                    Poll::Pending => Poll::Pending,
+                }
+            })
+            .await
         }
     };
     // The turn has ended: calls still in flight from tasks it spawned are cancelled.

@@ -399,8 +399,20 @@ impl RuntimeHandle {
         payload: Payload,
         deadline: Deadline,
     ) -> Result<(), InvokeError> {
+        self.send_only_from(self.shared.clock.now(), target, payload, deadline)
+            .await
+    }
+
+    /// As `send_only`, with the clock already read as `now`.
+    pub(crate) async fn send_only_from(
+        &self,
+        now: Deadline,
+        target: &ActorId,
+        payload: Payload,
+        deadline: Deadline,
+    ) -> Result<(), InvokeError> {
         let shared = &*self.shared;
-        if deadline.has_passed(shared.clock.now()) {
+        if deadline.has_passed(now) {
             return Err(InvokeError::Timeout {
                 target: target.clone(),
                 timeout_ms: 0,

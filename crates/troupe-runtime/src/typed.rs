@@ -226,9 +226,10 @@ impl<A: TypedActor> ActorRef<A> {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        let deadline = self.handle.deadline_in(timeout);
+        let now = self.handle.shared.clock.now();
+        let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
         self.handle
-            .send_only(&self.id, Payload::Value(Box::new(message)), deadline)
+            .send_only_from(now, &self.id, Payload::Value(Box::new(message)), deadline)
             .await
     }
 }
