@@ -34,8 +34,8 @@ use crate::limits::{
     AGENT_TURN_STEPS_MAX,
 };
 use crate::{
-    AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, ToolCall, ToolExecutionContext,
-    ToolRegistry, ToolSpec,
+    AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, TokenUsage, ToolCall,
+    ToolExecutionContext, ToolRegistry, ToolSpec,
 };
 
 /// The actor kind of every agent.
@@ -258,6 +258,9 @@ pub struct AgentReply {
     pub truncated: bool,
     /// Model steps the turn took.
     pub steps: u32,
+    /// Tokens the turn's model calls used, summed (calls that reported none add
+    /// nothing); the turns of agents it called are not included.
+    pub usage: TokenUsage,
 }
 
 impl AgentRequest {
@@ -615,6 +618,7 @@ impl Actor for AgentActor {
         let specs = &self.shared.tool_specs;
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
+        let mut usage = TokenUsage::default();
         let answer = loop {
             if steps == max_steps {
                 return Err(ActorError::failed(format!(
@@ -642,6 +646,11 @@ impl Actor for AgentActor {
                     return Err(self.timed_out(timeout_ms(started)));
                 }
             };
+            if let Some(used) = reply.usage {
+                usage.prompt_tokens += used.prompt_tokens;
+                usage.completion_tokens += used.completion_tokens;
+                usage.total_tokens += used.total_tokens;
+            }
             let mut message = reply.message;
             message.role = Role::Assistant;
             message.tool_call_id = None;
@@ -674,6 +683,7 @@ impl Actor for AgentActor {
             text: text.to_string(),
             truncated: text.len() < answer.len(),
             steps,
+            usage,
         };
         Ok(reply.encode())
     }
@@ -720,8 +730,13 @@ mod tests {
         assert_eq!(AgentRequest::decode(&request.encode()), Ok(request));
         let reply = AgentReply {
             text: "ok".into(),
-            truncated: false,
+                        truncated: false,
             steps: 2,
+            usage: TokenUsage {
+                prompt_tokens: 3,
+                completion_tokens: 1,
+                total_tokens: 4,
+            },
         };
         assert_eq!(AgentReply::decode(&reply.encode()), Ok(reply));
         assert!(AgentReply::decode(b"\x01").is_err());
