@@ -29,6 +29,7 @@ mod memory_store;
 mod observer;
 mod runtime;
 mod signal;
+#[cfg(feature = "sqlite")]
 mod sqlite_store;
 mod state_store;
 mod transport;
@@ -46,6 +47,7 @@ pub use runtime::{
     DispatcherStats, Runtime, RuntimeBuilder, RuntimeCounters, RuntimeHandle, SHUTDOWN_ABORT_WAIT_MS,
     SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX,
 };
+#[cfg(feature = "sqlite")]
 pub use sqlite_store::SqliteStore;
 pub use state_store::{
     check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreItem, StoreOperation, TurnCommit,
