@@ -1,0 +1,583 @@
+//! `PostgresStore` against a real PostgreSQL server that each test starts and stops.
+//!
+//! Each test runs `initdb` into a temporary directory and starts `postgres` on a free
+//! loopback port with `pg_ctl` (stopped again when the test's [`TestServer`] is
+//! dropped). The server binaries come from the Debian package `postgresql`: `pg_config
+//! --bindir`, else `/usr/lib/postgresql/*/bin`. Without them every test here fails and
+//! says to install the package; none is skipped. PostgreSQL refuses to run as root, so
+//! when the tests run as root the server runs as the `postgres` user (which the package
+//! creates), else as `nobody`, through `runuser`.
+//!
+//! The whole `troupe_runtime::conformance` suite runs against the store, each case on a
+//! database of its own on one server; then the tests only a shared database makes
+//! sense for: two stores (two processes) fencing each other, claims racing commits,
+//! concurrent commits under one fence, schema versions, and a latency comparison with
+//! the SQLite file store that prints its numbers.
+//!
+//! Run with `cargo nextest run -p troupe-postgres` (add `--no-capture` to see the
+//! latencies).
+#![cfg(not(madsim))]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use tokio::time::Instant;
+use troupe_postgres::{tokio_postgres, PostgresStore, POSTGRES_SCHEMA_VERSION};
+use troupe_runtime::conformance::{actor, bytes, fenced, put, run_all, state_commit, strings, writes_commit};
+use troupe_runtime::{Fence, SqliteStore, StateStore, StoreError, StoreOperation};
+
+/// How many times a test tries to start its server, each time on a newly chosen free
+/// port (another process may take the port between choosing and binding it).
+const SERVER_START_ATTEMPTS: usize = 5;
+/// How long `pg_ctl` waits for the server to accept connections, in seconds.
+const SERVER_START_TIMEOUT_S: u32 = 60;
+/// The database superuser that `initdb` creates; trusted on loopback, no password.
+const SUPERUSER: &str = "troupe";
+
+// ---------------------------------------------------------------------------------------
+// The throwaway server
+// ---------------------------------------------------------------------------------------
+
+/// A PostgreSQL server of one test, in a temporary directory; stopped and removed when
+/// dropped.
+struct TestServer {
+    directory: tempfile::TempDir,
+    bindir: PathBuf,
+    run_as: Option<&'static str>,
+    port: u16,
+}
+
+impl TestServer {
+    fn start(test_name: &str) -> Self {
+        let bindir = server_bindir();
+        let directory = tempfile::Builder::new()
+            .prefix(&format!("troupe-pg-{test_name}-{}-", std::process::id()))
+            .tempdir()
+            .expect("create the server's directory");
+        let run_as = server_user();
+        if let Some(user) = run_as {
+            run(Command::new("chown").arg("-R").arg(user).arg(directory.path()));
+        }
+        let mut server = Self {
+            directory,
+            bindir,
+            run_as,
+            port: 0,
+        };
+        let data = server.data().to_string_lossy().into_owned();
+        server.run_tool(
+            "initdb",
+            &[
+                "-D",
+                &data,
+                "-U",
+                SUPERUSER,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
+        );
+        let log = server.directory.path().join("server.log").to_string_lossy().into_owned();
+        let socket_directory = server.directory.path().to_string_lossy().into_owned();
+        for attempt in 1..=SERVER_START_ATTEMPTS {
+            let port = free_port();
+            let options = format!("-p {port} -h 127.0.0.1 -k {socket_directory}");
+            let timeout = SERVER_START_TIMEOUT_S.to_string();
+            let output = server.tool_output(
+                "pg_ctl",
+                &["-D", &data, "-l", &log, "-o", &options, "-w", "-t", &timeout, "start"],
+            );
+            if output.status.success() {
+                server.port = port;
+                return server;
+            }
+            let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+            assert!(
+                attempt < SERVER_START_ATTEMPTS,
+                "pg_ctl start failed {SERVER_START_ATTEMPTS} times; last: {}\n{}\nserver log:\n{log_text}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        unreachable!("the loop returns or panics")
+    }
+
+    fn data(&self) -> PathBuf {
+        self.directory.path().join("data")
+    }
+
+    /// Connection parameters for `database` on this server.
+    fn config(&self, database: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={SUPERUSER} dbname={database}",
+            self.port
+        )
+    }
+
+    /// Creates an empty database and returns its connection parameters.
+    async fn create_database(&self, database: &str) -> String {
+        let (client, connection) = tokio_postgres::connect(&self.config("postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("connect to the server's postgres database");
+        let connection = tokio::spawn(connection);
+        client
+            .batch_execute(&format!("CREATE DATABASE {database}"))
+            .await
+            .expect("create a database");
+        drop(client);
+        connection.await.expect("the connection task").expect("the connection");
+        self.config(database)
+    }
+
+    /// A store on a new database of its own.
+    async fn store(&self, database: &str) -> PostgresStore {
+        let config = self.create_database(database).await;
+        PostgresStore::connect(&config).await.expect("connect a store")
+    }
+
+    fn tool_output(&self, tool: &str, arguments: &[&str]) -> Output {
+        let program = self.bindir.join(tool);
+        let mut command = match self.run_as {
+            Some(user) => {
+                let mut command = Command::new("runuser");
+                command.arg("-u").arg(user).arg("--").arg(&program);
+                command
+            }
+            None => Command::new(&program),
+        };
+        command
+            .args(arguments)
+            .current_dir(self.directory.path())
+            .output()
+            .unwrap_or_else(|error| panic!("run {}: {error}", program.display()))
+    }
+
+    fn run_tool(&self, tool: &str, arguments: &[&str]) {
+        let output = self.tool_output(tool, arguments);
+        assert!(
+            output.status.success(),
+            "{tool} failed: {}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if self.port != 0 {
+            let data = self.data().to_string_lossy().into_owned();
+            // Immediate: the data is thrown away anyway.
+            let _ = self.tool_output("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+        }
+    }
+}
+
+/// Where `initdb` and `pg_ctl` are; panics, saying what to install, if nowhere.
+fn server_bindir() -> PathBuf {
+    let has_tools = |directory: &Path| directory.join("initdb").is_file() && directory.join("pg_ctl").is_file();
+    if let Ok(output) = Command::new("pg_config").arg("--bindir").output() {
+        let directory = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+        if output.status.success() && has_tools(&directory) {
+            return directory;
+        }
+    }
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("bin"))
+        .filter(|directory| has_tools(directory))
+        .collect();
+    // The newest major version last.
+    candidates.sort_by_key(|directory| {
+        directory
+            .parent()
+            .and_then(Path::file_name)
+            .and_then(|name| name.to_str())
+            .and_then(|name| name.parse::<u32>().ok())
+            .unwrap_or(0)
+    });
+    candidates.pop().unwrap_or_else(|| {
+        panic!(
+            "the PostgreSQL server binaries (initdb, pg_ctl) were found neither through \
+             `pg_config --bindir` nor in /usr/lib/postgresql/*/bin: install the Debian package \
+             `postgresql` (apt-get install postgresql) to run these tests"
+        )
+    })
+}
+
+/// The user to run the server as: none (ourselves) unless we are root, which
+/// PostgreSQL refuses.
+fn server_user() -> Option<&'static str> {
+    let output = Command::new("id").arg("-u").output().expect("run id -u");
+    if String::from_utf8_lossy(&output.stdout).trim() != "0" {
+        return None;
+    }
+    let postgres_exists = Command::new("id")
+        .arg("postgres")
+        .output()
+        .is_ok_and(|output| output.status.success());
+    Some(if postgres_exists { "postgres" } else { "nobody" })
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
+    listener.local_addr().expect("the listener's address").port()
+}
+
+fn run(command: &mut Command) {
+    let output = command.output().expect("run a command");
+    assert!(
+        output.status.success(),
+        "{command:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The conformance suite
+// ---------------------------------------------------------------------------------------
+
+/// Goal: the PostgreSQL store keeps the whole `StateStore` contract. Method: every case
+/// of `troupe_runtime::conformance`, each on a fresh database of one server.
+#[tokio::test]
+async fn postgres_store_passes_the_whole_conformance_suite() {
+    let server = TestServer::start("conformance");
+    let mut case_index = 0_usize;
+    run_all(|_case_name| {
+        case_index += 1;
+        let database = format!("case_{case_index}");
+        let server = &server;
+        async move { server.store(&database).await }
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Two stores on one database
+// ---------------------------------------------------------------------------------------
+
+/// Goal: fencing holds between two stores on one database, as between two processes:
+/// the second's claim fences off the first, whose commit (a zombie owner's) is refused
+/// and leaves nothing visible, and no acknowledged update is lost. Method: two stores,
+/// each with its own pool, act as two activations of one counter in the interleaving
+/// that loses an update without fencing; then the first claims again and wins back.
+#[tokio::test]
+async fn second_store_fences_the_first_and_the_zombie_cannot_overwrite() {
+    let server = TestServer::start("two-stores");
+    let config = server.create_database("shared").await;
+    let first = PostgresStore::connect(&config).await.expect("connect the first store");
+    let second = PostgresStore::connect(&config).await.expect("connect the second store");
+    let owner = actor("counter", "c");
+
+    let first_claim = first.claim(&owner).await.expect("claim");
+    assert_eq!((first_claim.fence, first_claim.state), (Fence::FIRST, None));
+    first
+        .commit(&owner, first_claim.fence, state_commit("1", vec![put("by", "first")]))
+        .await
+        .expect("the only claim commits");
+
+    let second_claim = second.claim(&owner).await.expect("claim");
+    assert_eq!(second_claim.fence, Fence::FIRST.next());
+    assert_eq!(second_claim.state, Some(bytes("1")));
+    second
+        .commit(&owner, second_claim.fence, state_commit("2", vec![put("by", "second")]))
+        .await
+        .expect("the newest claim commits");
+
+    // The zombie still believes the count is 1, and writes a key of its own too.
+    let refused = first
+        .commit(
+            &owner,
+            first_claim.fence,
+            state_commit("2", vec![put("by", "first"), put("zombie", "was here")]),
+        )
+        .await;
+    assert_eq!(
+        refused,
+        Err(fenced(&owner, first_claim.fence, Some(second_claim.fence)))
+    );
+    for reader in [&first, &second] {
+        assert_eq!(reader.load(&owner).await.expect("load"), Some(bytes("2")));
+        assert_eq!(reader.get(&owner, "by").await.expect("get"), Some(bytes("second")));
+        assert_eq!(reader.get(&owner, "zombie").await.expect("get"), None);
+    }
+    // An empty commit of the zombie is refused as well.
+    assert_eq!(
+        first.commit(&owner, first_claim.fence, Default::default()).await,
+        Err(fenced(&owner, first_claim.fence, Some(second_claim.fence)))
+    );
+
+    let reclaim = first.claim(&owner).await.expect("claim again");
+    assert_eq!(reclaim.fence, Fence::FIRST.next().next());
+    assert_eq!(reclaim.state, Some(bytes("2")));
+    first
+        .commit(&owner, reclaim.fence, state_commit("3", vec![]))
+        .await
+        .expect("the new claim commits");
+    let refused = second
+        .commit(&owner, second_claim.fence, state_commit("3", vec![put("zombie", "2")]))
+        .await;
+    assert_eq!(refused, Err(fenced(&owner, second_claim.fence, Some(reclaim.fence))));
+
+    drop((first, second));
+    let reader = PostgresStore::connect(&config).await.expect("connect a third store");
+    // Three commits were acknowledged, each adding one: the count is 3.
+    assert_eq!(reader.load(&owner).await.expect("load"), Some(bytes("3")));
+    assert_eq!(reader.get(&owner, "zombie").await.expect("get"), None);
+}
+
+/// Goal: a commit racing a claim from another store is either applied before the claim
+/// (and the claim returns it) or refused; never accepted yet missing from the claim's
+/// state. Method: many rounds, each a zombie commit and a claim started at once on two
+/// multi-threaded tasks with two stores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn commit_racing_a_claim_is_either_seen_by_the_claim_or_refused() {
+    const ROUNDS: usize = 200;
+    let server = TestServer::start("claim-race");
+    let config = server.create_database("shared").await;
+    let first = Arc::new(PostgresStore::connect(&config).await.expect("connect"));
+    let second = Arc::new(PostgresStore::connect(&config).await.expect("connect"));
+    let owner = actor("counter", "raced");
+    let mut fence = first.claim(&owner).await.expect("claim").fence;
+    let (mut applied, mut refused) = (0_usize, 0_usize);
+    for round in 0..ROUNDS {
+        let value = format!("round {round}");
+        let committer = {
+            let (first, owner, value) = (Arc::clone(&first), owner.clone(), value.clone());
+            tokio::spawn(async move { first.commit(&owner, fence, state_commit(&value, vec![])).await })
+        };
+        let claimer = {
+            let (second, owner) = (Arc::clone(&second), owner.clone());
+            tokio::spawn(async move { second.claim(&owner).await })
+        };
+        let committed = committer.await.expect("the commit task");
+        let claimed = claimer.await.expect("the claim task").expect("claim");
+        match committed {
+            Ok(()) => {
+                applied += 1;
+                assert_eq!(
+                    claimed.state,
+                    Some(bytes(&value)),
+                    "round {round}: an accepted commit is missing from the claim after it"
+                );
+            }
+            Err(error) => {
+                refused += 1;
+                assert_eq!(error, fenced(&owner, fence, Some(claimed.fence)), "round {round}");
+                assert_ne!(claimed.state, Some(bytes(&value)), "round {round}");
+            }
+        }
+        // The next round's zombie commit is under the claim just made, by the first
+        // store: reclaim there so that its fence is the newest again.
+        fence = first.claim(&owner).await.expect("reclaim").fence;
+    }
+    println!("claim race: {applied} commits applied before the claim, {refused} refused");
+}
+
+// ---------------------------------------------------------------------------------------
+// Concurrency under one fence
+// ---------------------------------------------------------------------------------------
+
+/// Goal: concurrent commits of many tasks under one fence, on a multi-threaded runtime
+/// and over every pooled connection, lose no write. Method: 32 tasks each commit 20
+/// keys of their own, one commit per key, then every key is read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_commits_under_one_fence_lose_no_write() {
+    const TASKS: usize = 32;
+    const COMMITS_PER_TASK: usize = 20;
+    let server = TestServer::start("concurrent");
+    let store = Arc::new(server.store("concurrent").await);
+    let owner = actor("agent", "busy");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let (store, owner) = (Arc::clone(&store), owner.clone());
+            tokio::spawn(async move {
+                for index in 0..COMMITS_PER_TASK {
+                    let key = format!("task{task:02}/{index:02}");
+                    store
+                        .commit(&owner, fence, writes_commit(vec![put(&key, &key)]))
+                        .await
+                        .expect("a commit under the newest fence");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("a committing task");
+    }
+    let entries = store.scan(&owner, "task", None, TASKS * COMMITS_PER_TASK + 1).await.expect("scan");
+    assert_eq!(entries.len(), TASKS * COMMITS_PER_TASK);
+    for (key, value) in entries {
+        assert_eq!(value, bytes(&key));
+    }
+    let keys: Vec<String> = store
+        .scan(&owner, "task07/", None, 100)
+        .await
+        .expect("scan")
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect();
+    let expected: Vec<String> = (0..COMMITS_PER_TASK).map(|index| format!("task07/{index:02}")).collect();
+    assert_eq!(keys, expected);
+}
+
+// ---------------------------------------------------------------------------------------
+// Schema, keys and errors
+// ---------------------------------------------------------------------------------------
+
+/// Goal: connecting again keeps the data and the schema version; a database with a
+/// newer schema version is refused, not misread. Method: connect, commit, connect
+/// again, then raise the version by hand.
+#[tokio::test]
+async fn schema_is_kept_on_reconnect_and_a_newer_version_is_refused() {
+    let server = TestServer::start("schema");
+    let config = server.create_database("schema").await;
+    let owner = actor("agent", "a");
+    {
+        let store = PostgresStore::connect(&config).await.expect("connect");
+        let fence = store.claim(&owner).await.expect("claim").fence;
+        store
+            .commit(&owner, fence, state_commit("kept", vec![put("k", "v")]))
+            .await
+            .expect("commit");
+    }
+    let store = PostgresStore::connect(&config).await.expect("connect again");
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("kept")));
+    // The fence survives too: the next claim is the second.
+    assert_eq!(store.claim(&owner).await.expect("claim").fence, Fence::FIRST.next());
+
+    let (client, connection) = tokio_postgres::connect(&config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    let connection = tokio::spawn(connection);
+    let versions: Vec<i64> = client
+        .query("SELECT version FROM troupe_schema", &[])
+        .await
+        .expect("read the version")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(versions, vec![POSTGRES_SCHEMA_VERSION]);
+    client
+        .execute("UPDATE troupe_schema SET version = version + 1", &[])
+        .await
+        .expect("raise the version");
+    drop(client);
+    connection.await.expect("the connection task").expect("the connection");
+    match PostgresStore::connect(&config).await {
+        Err(StoreError::Backend { operation, cause }) => {
+            assert_eq!(operation, StoreOperation::Open);
+            assert!(cause.contains("schema version 2"), "unexpected cause: {cause}");
+        }
+        Err(other) => panic!("expected a backend error, got {other:?}"),
+        Ok(_) => panic!("a database with a newer schema version was opened"),
+    }
+}
+
+/// Goal: an unreachable server and a malformed configuration are backend errors of
+/// `open`, not panics. Method: connect to a closed port, and with a bad string.
+#[tokio::test]
+async fn unreachable_server_and_bad_configuration_are_open_errors() {
+    let port = free_port();
+    let unreachable = PostgresStore::connect(&format!("host=127.0.0.1 port={port} user=nobody dbname=x")).await;
+    assert!(
+        matches!(
+            unreachable,
+            Err(StoreError::Backend {
+                operation: StoreOperation::Open,
+                ..
+            })
+        ),
+        "{unreachable:?}"
+    );
+    let malformed = PostgresStore::connect("host=127.0.0.1 port=not-a-number").await;
+    assert!(
+        matches!(
+            malformed,
+            Err(StoreError::Backend {
+                operation: StoreOperation::Open,
+                ..
+            })
+        ),
+        "{malformed:?}"
+    );
+}
+
+/// Goal: a key with a NUL character, which a PostgreSQL `TEXT` cannot hold, is stored
+/// and scanned like any other (keys are `BYTEA`). Method: commit, get, scan.
+#[tokio::test]
+async fn keys_with_a_nul_character_are_stored_and_scanned() {
+    let server = TestServer::start("nul");
+    let store = server.store("nul").await;
+    let owner = actor("agent", "a");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    store
+        .commit(&owner, fence, writes_commit(vec![put("a\0b", "nul"), put("a", "plain")]))
+        .await
+        .expect("commit");
+    assert_eq!(store.get(&owner, "a\0b").await.expect("get"), Some(bytes("nul")));
+    let keys: Vec<String> = store
+        .scan(&owner, "a", None, 10)
+        .await
+        .expect("scan")
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect();
+    assert_eq!(keys, strings(&["a", "a\0b"]));
+}
+
+// ---------------------------------------------------------------------------------------
+// Latency, printed (no assertion on time)
+// ---------------------------------------------------------------------------------------
+
+/// Median and 99th percentile of `samples`, in microseconds.
+fn percentiles(mut samples: Vec<u128>) -> (u128, u128) {
+    samples.sort_unstable();
+    let at = |fraction: f64| {
+        let index = ((samples.len() - 1) as f64 * fraction).round() as usize;
+        samples[index]
+    };
+    (at(0.5), at(0.99))
+}
+
+/// The latency of `COMMITS` single-key commits (one new key each, state unchanged)
+/// under one fence, in microseconds each.
+async fn commit_latencies(store: &dyn StateStore) -> Vec<u128> {
+    const COMMITS: usize = 300;
+    let owner = actor("agent", "timed");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    let mut samples = Vec::with_capacity(COMMITS);
+    for index in 0..COMMITS {
+        let key = format!("k{index:04}");
+        let started = Instant::now();
+        store
+            .commit(&owner, fence, writes_commit(vec![put(&key, "v")]))
+            .await
+            .expect("commit");
+        samples.push(started.elapsed().as_micros());
+    }
+    samples
+}
+
+/// Measures, and prints, the median and 99th percentile latency of single-key commits:
+/// PostgreSQL on loopback (default durability: `fsync` and `synchronous_commit` on)
+/// against the SQLite file store (WAL, `synchronous = FULL`). Asserts nothing about time.
+#[tokio::test]
+async fn commit_latency_of_postgres_and_sqlite_file_is_printed() {
+    let server = TestServer::start("latency");
+    let postgres = server.store("latency").await;
+    let directory = tempfile::tempdir().expect("a directory for the SQLite file");
+    let sqlite = SqliteStore::open(directory.path().join("state.sqlite")).expect("open a SQLite file");
+
+    let (postgres_median, postgres_p99) = percentiles(commit_latencies(&postgres).await);
+    let (sqlite_median, sqlite_p99) = percentiles(commit_latencies(&sqlite).await);
+    println!("single-key commit latency, 300 commits each:");
+    println!("  postgres (loopback): median {postgres_median} us, p99 {postgres_p99} us");
+    println!("  sqlite file:         median {sqlite_median} us, p99 {sqlite_p99} us");
+}
