@@ -209,7 +209,10 @@ impl PostgresStore {
             .map_err(backend(operation))?;
         match versions.as_slice() {
             [] => {
-                transaction.batch_execute(CREATE_TABLES).await.map_err(backend(operation))?;
+                transaction
+                    .batch_execute(CREATE_TABLES)
+                    .await
+                    .map_err(backend(operation))?;
                 transaction
                     .execute(
                         "INSERT INTO troupe_schema (version) VALUES ($1)",

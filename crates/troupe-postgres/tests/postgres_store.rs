@@ -80,7 +80,12 @@ impl TestServer {
                 "--no-sync",
             ],
         );
-        let log = server.directory.path().join("server.log").to_string_lossy().into_owned();
+        let log = server
+            .directory
+            .path()
+            .join("server.log")
+            .to_string_lossy()
+            .into_owned();
         let socket_directory = server.directory.path().to_string_lossy().into_owned();
         for attempt in 1..=SERVER_START_ATTEMPTS {
             let port = free_port();
@@ -111,10 +116,7 @@ impl TestServer {
 
     /// Connection parameters for `database` on this server.
     fn config(&self, database: &str) -> String {
-        format!(
-            "host=127.0.0.1 port={} user={SUPERUSER} dbname={database}",
-            self.port
-        )
+        format!("host=127.0.0.1 port={} user={SUPERUSER} dbname={database}", self.port)
     }
 
     /// Creates an empty database and returns its connection parameters.
@@ -411,7 +413,10 @@ async fn concurrent_commits_under_one_fence_lose_no_write() {
     for task in tasks {
         task.await.expect("a committing task");
     }
-    let entries = store.scan(&owner, "task", None, TASKS * COMMITS_PER_TASK + 1).await.expect("scan");
+    let entries = store
+        .scan(&owner, "task", None, TASKS * COMMITS_PER_TASK + 1)
+        .await
+        .expect("scan");
     assert_eq!(entries.len(), TASKS * COMMITS_PER_TASK);
     for (key, value) in entries {
         assert_eq!(value, bytes(&key));
@@ -423,7 +428,9 @@ async fn concurrent_commits_under_one_fence_lose_no_write() {
         .into_iter()
         .map(|(key, _)| key)
         .collect();
-    let expected: Vec<String> = (0..COMMITS_PER_TASK).map(|index| format!("task07/{index:02}")).collect();
+    let expected: Vec<String> = (0..COMMITS_PER_TASK)
+        .map(|index| format!("task07/{index:02}"))
+        .collect();
     assert_eq!(keys, expected);
 }
 
@@ -518,7 +525,11 @@ async fn keys_with_a_nul_character_are_stored_and_scanned() {
     let owner = actor("agent", "a");
     let fence = store.claim(&owner).await.expect("claim").fence;
     store
-        .commit(&owner, fence, writes_commit(vec![put("a\0b", "nul"), put("a", "plain")]))
+        .commit(
+            &owner,
+            fence,
+            writes_commit(vec![put("a\0b", "nul"), put("a", "plain")]),
+        )
         .await
         .expect("commit");
     assert_eq!(store.get(&owner, "a\0b").await.expect("get"), Some(bytes("nul")));
