@@ -7,6 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::types::ToSql;
 use tokio_postgres::NoTls;
 use troupe_core::ActorId;
 use troupe_runtime::{
@@ -124,8 +125,10 @@ const SCAN_STRICTLY_AFTER: &str = "
 ///
 /// A commit's writes are applied in order by keeping the last write per key: a delete
 /// and an upsert statement, each for many keys, whatever the number of writes (an
-/// upsert is split at [`POSTGRES_BATCH_BYTES_MAX`]). An empty commit only reads the
-/// fence.
+/// upsert is split at [`POSTGRES_BATCH_BYTES_MAX`]). Round trips: a commit takes three
+/// (`BEGIN`; the fence check pipelined with the writes; `COMMIT`), a claim three
+/// (`BEGIN`; the fence bump pipelined with the state read; `COMMIT`), an empty commit
+/// one (it only reads the fence), a read one.
 ///
 /// Clones share one pool of at most [`POSTGRES_POOL_SIZE`] connections. Connections are
 /// plain TCP or Unix sockets (`NoTls`): put the database on a trusted network, or in
@@ -328,20 +331,22 @@ impl StateStore for PostgresStore {
             .prepare_cached(CLAIM_NEXT_FENCE)
             .await
             .map_err(backend(operation))?;
-        let token: i64 = transaction
-            .query_one(&claim, &[&kind, &key])
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(backend(operation))?;
-        // Under READ COMMITTED this statement reads a snapshot taken after the owner
-        // row's lock was granted: every commit accepted before this claim is in it.
         let select = transaction
             .prepare_cached(SELECT_STATE)
             .await
             .map_err(backend(operation))?;
-        let state: Option<Vec<u8>> = transaction
-            .query_opt(&select, &[&kind, &key])
-            .await
+        // Pipelined, in this order (`join!` polls its futures in the order given, and
+        // each sends its statement when first polled): the server runs the read after
+        // the upsert, and under READ COMMITTED it reads a snapshot taken after the
+        // owner row's lock was granted, so every commit accepted before this claim is
+        // in it.
+        let actor_columns: [&(dyn ToSql + Sync); 2] = [&kind, &key];
+        let (token, state) = futures::join!(
+            transaction.query_one(&claim, &actor_columns),
+            transaction.query_opt(&select, &actor_columns),
+        );
+        let token: i64 = token.and_then(|row| row.try_get(0)).map_err(backend(operation))?;
+        let state: Option<Vec<u8>> = state
             .and_then(|row| row.map(|row| row.try_get(0)).transpose())
             .map_err(backend(operation))?;
         transaction.commit().await.map_err(backend(operation))?;
@@ -396,65 +401,82 @@ impl StateStore for PostgresStore {
         }
 
         let transaction = client.transaction().await.map_err(backend(operation))?;
-        let select = transaction
+        let check_statement = transaction
             .prepare_cached(SELECT_FENCE_FOR_UPDATE)
             .await
             .map_err(backend(operation))?;
-        let current: Option<i64> = transaction
-            .query_opt(&select, &[&kind, &key])
-            .await
+        let (state_bytes, state_statement) = match &commit.state {
+            StateChange::Unchanged => (None, None),
+            StateChange::Set(state) => (Some(state.as_ref()), Some(UPSERT_STATE)),
+            StateChange::Deleted => (None, Some(DELETE_STATE)),
+        };
+        let state_statement = match state_statement {
+            Some(sql) => Some(transaction.prepare_cached(sql).await.map_err(backend(operation))?),
+            None => None,
+        };
+        let (deleted, batches) = write_batches(&commit.writes);
+        let delete_statement = match deleted.is_empty() {
+            true => None,
+            false => Some(
+                transaction
+                    .prepare_cached(DELETE_ENTRIES)
+                    .await
+                    .map_err(backend(operation))?,
+            ),
+        };
+        let upsert_statement = match batches.is_empty() {
+            true => None,
+            false => Some(
+                transaction
+                    .prepare_cached(UPSERT_ENTRIES)
+                    .await
+                    .map_err(backend(operation))?,
+            ),
+        };
+
+        // The fence check and the writes are pipelined: sent together, run by the server
+        // one after the other in this transaction. Whatever the order, the check's row
+        // lock is held until the transaction ends, so a claim either came before the
+        // check (which then sees its newer fence, and the writes are rolled back) or
+        // waits for this commit (and then reads its writes).
+        let actor_columns: [&(dyn ToSql + Sync); 2] = [&kind, &key];
+        let check = transaction.query_opt(&check_statement, &actor_columns);
+        let state_write = async {
+            match (&state_statement, state_bytes) {
+                (None, _) => Ok(0),
+                (Some(statement), Some(state)) => transaction.execute(statement, &[&kind, &key, &state]).await,
+                (Some(statement), None) => transaction.execute(statement, &[&kind, &key]).await,
+            }
+        };
+        let entry_deletes = async {
+            match &delete_statement {
+                None => Ok(0),
+                Some(statement) => transaction.execute(statement, &[&kind, &key, &deleted]).await,
+            }
+        };
+        let entry_upserts = async {
+            let mut rows = 0;
+            if let Some(statement) = &upsert_statement {
+                for (batch_keys, batch_values) in &batches {
+                    rows += transaction
+                        .execute(statement, &[&kind, &key, batch_keys, batch_values])
+                        .await?;
+                }
+            }
+            Ok::<_, tokio_postgres::Error>(rows)
+        };
+        let (current, state_written, entries_deleted, entries_upserted) =
+            futures::join!(check, state_write, entry_deletes, entry_upserts);
+        let current: Option<i64> = current
             .and_then(|row| row.map(|row| row.try_get(0)).transpose())
             .map_err(backend(operation))?;
         if current.is_none() || current != held {
-            // Dropping the transaction rolls it back; it wrote nothing.
+            // Dropping the transaction rolls it back: none of the writes is visible.
             return Err(fenced(current));
         }
-
-        match &commit.state {
-            StateChange::Unchanged => {}
-            StateChange::Set(state) => {
-                let upsert = transaction
-                    .prepare_cached(UPSERT_STATE)
-                    .await
-                    .map_err(backend(operation))?;
-                transaction
-                    .execute(&upsert, &[&kind, &key, &state.as_ref()])
-                    .await
-                    .map_err(backend(operation))?;
-            }
-            StateChange::Deleted => {
-                let delete = transaction
-                    .prepare_cached(DELETE_STATE)
-                    .await
-                    .map_err(backend(operation))?;
-                transaction
-                    .execute(&delete, &[&kind, &key])
-                    .await
-                    .map_err(backend(operation))?;
-            }
-        }
-
-        let (deleted, batches) = write_batches(&commit.writes);
-        if !deleted.is_empty() {
-            let delete = transaction
-                .prepare_cached(DELETE_ENTRIES)
-                .await
-                .map_err(backend(operation))?;
-            transaction
-                .execute(&delete, &[&kind, &key, &deleted])
-                .await
-                .map_err(backend(operation))?;
-        }
-        for (batch_keys, batch_values) in &batches {
-            let upsert = transaction
-                .prepare_cached(UPSERT_ENTRIES)
-                .await
-                .map_err(backend(operation))?;
-            transaction
-                .execute(&upsert, &[&kind, &key, batch_keys, batch_values])
-                .await
-                .map_err(backend(operation))?;
-        }
+        state_written.map_err(backend(operation))?;
+        entries_deleted.map_err(backend(operation))?;
+        entries_upserted.map_err(backend(operation))?;
         // Dropping the transaction on an error above rolls all of it back.
         transaction.commit().await.map_err(backend(operation))
     }

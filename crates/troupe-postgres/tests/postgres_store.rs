@@ -586,9 +586,32 @@ async fn commit_latency_of_postgres_and_sqlite_file_is_printed() {
     let directory = tempfile::tempdir().expect("a directory for the SQLite file");
     let sqlite = SqliteStore::open(directory.path().join("state.sqlite")).expect("open a SQLite file");
 
+    let config = server.config("latency");
+    let (client, connection) = tokio_postgres::connect(&config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    let connection = tokio::spawn(connection);
+    let mut settings = Vec::new();
+    for setting in ["server_version", "fsync", "synchronous_commit", "wal_sync_method"] {
+        let rows = client
+            .simple_query(&format!("SHOW {setting}"))
+            .await
+            .expect("show a setting");
+        for row in rows {
+            if let tokio_postgres::SimpleQueryMessage::Row(row) = row {
+                settings.push(format!("{setting} = {}", row.get(0).unwrap_or("?")));
+            }
+        }
+    }
+    drop(client);
+    connection.await.expect("the connection task").expect("the connection");
+
     let (postgres_median, postgres_p99) = percentiles(commit_latencies(&postgres).await);
     let (sqlite_median, sqlite_p99) = percentiles(commit_latencies(&sqlite).await);
-    println!("single-key commit latency, 300 commits each:");
+    println!(
+        "single-key commit latency, 300 commits each; postgres: {}",
+        settings.join(", ")
+    );
     println!("  postgres (loopback): median {postgres_median} us, p99 {postgres_p99} us");
     println!("  sqlite file:         median {sqlite_median} us, p99 {sqlite_p99} us");
 }
