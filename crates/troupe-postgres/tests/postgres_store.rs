@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 use troupe_postgres::{tokio_postgres, PostgresStore, POSTGRES_SCHEMA_VERSION};
-use troupe_runtime::conformance::{actor, bytes, fenced, put, run_all, state_commit, strings, writes_commit};
+use troupe_runtime::conformance::{actor, bytes, delete, fenced, put, run_all, state_commit, strings, writes_commit};
 use troupe_runtime::{Fence, SqliteStore, StateStore, StoreError, StoreOperation};
 
 /// How many times a test tries to start its server, each time on a newly chosen free
@@ -541,6 +541,98 @@ async fn keys_with_a_nul_character_are_stored_and_scanned() {
         .map(|(key, _)| key)
         .collect();
     assert_eq!(keys, strings(&["a", "a\0b"]));
+}
+
+/// A plain connection to `config`, for a test to change the database by hand; its
+/// connection task runs until the client is dropped.
+async fn direct_client(config: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    tokio::spawn(connection);
+    client
+}
+
+/// Goal: a commit that fails inside PostgreSQL after some of its statements ran is
+/// rolled back whole, and the store goes on committing. Method: a trigger raises on
+/// the insert of the key `poison`; the commit also sets the state, adds a key and
+/// deletes one, all pipelined with the fence check.
+#[tokio::test]
+async fn commit_failing_inside_postgres_leaves_nothing_of_it_visible() {
+    let server = TestServer::start("poison");
+    let config = server.create_database("poison").await;
+    let store = PostgresStore::connect(&config).await.expect("connect");
+    let owner = actor("agent", "a");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    store
+        .commit(&owner, fence, state_commit("A", vec![put("kept", "1")]))
+        .await
+        .expect("first commit");
+    direct_client(&config)
+        .await
+        .batch_execute(
+            "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.entry_key = convert_to('poison', 'UTF8') THEN RAISE EXCEPTION 'poisoned key'; END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER poison BEFORE INSERT ON troupe_actor_entry FOR EACH ROW EXECUTE FUNCTION poison();",
+        )
+        .await
+        .expect("create the trigger");
+
+    let failing = state_commit("B", vec![put("new", "2"), delete("kept"), put("poison", "3")]);
+    match store.commit(&owner, fence, failing).await {
+        Err(StoreError::Backend {
+            operation: StoreOperation::Commit,
+            cause,
+        }) => assert!(cause.contains("poisoned key"), "unexpected cause: {cause}"),
+        other => panic!("expected a backend error from the commit, got {other:?}"),
+    }
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("A")));
+    assert_eq!(store.get(&owner, "kept").await.expect("get"), Some(bytes("1")));
+    assert_eq!(store.get(&owner, "new").await.expect("get"), None);
+    store
+        .commit(&owner, fence, state_commit("C", vec![]))
+        .await
+        .expect("the store still commits");
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("C")));
+}
+
+/// Goal: a commit whose caller gives up while it waits inside its transaction is rolled
+/// back, and leaves no lock behind that would stall the next claim. Method: hold the
+/// owner row's lock from another connection, so the commit blocks on its fence check;
+/// drop the commit after 200 ms; release the lock; claim (bounded by 10 s) and read.
+#[tokio::test]
+async fn dropped_commit_is_rolled_back_and_holds_no_lock() {
+    const COMMIT_WAIT_MS: u64 = 200;
+    const CLAIM_WAIT_MS: u64 = 10_000;
+    let server = TestServer::start("dropped");
+    let config = server.create_database("dropped").await;
+    let store = PostgresStore::connect(&config).await.expect("connect");
+    let owner = actor("agent", "a");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+
+    let locker = direct_client(&config).await;
+    locker
+        .batch_execute("BEGIN; SELECT fence FROM troupe_actor_owner FOR UPDATE")
+        .await
+        .expect("lock the owner row");
+    let commit = store.commit(&owner, fence, state_commit("dropped", vec![put("k", "dropped")]));
+    let outcome = tokio::time::timeout(std::time::Duration::from_millis(COMMIT_WAIT_MS), commit).await;
+    assert!(
+        outcome.is_err(),
+        "the commit finished while the row was locked: {outcome:?}"
+    );
+    locker.batch_execute("ROLLBACK").await.expect("release the lock");
+
+    let claim = tokio::time::timeout(std::time::Duration::from_millis(CLAIM_WAIT_MS), store.claim(&owner))
+        .await
+        .expect("a claim after the dropped commit is not blocked by its lock")
+        .expect("claim");
+    assert_eq!(claim.fence, fence.next());
+    assert_eq!(claim.state, None);
+    assert_eq!(store.get(&owner, "k").await.expect("get"), None);
 }
 
 // ---------------------------------------------------------------------------------------
