@@ -11,8 +11,9 @@
 //! The whole `troupe_runtime::conformance` suite runs against the store, each case on a
 //! database of its own on one server; then the tests only a shared database makes
 //! sense for: two stores (two processes) fencing each other, claims racing commits,
-//! concurrent commits under one fence, schema versions, and a latency comparison with
-//! the SQLite file store that prints its numbers.
+//! concurrent commits under one fence, two runtimes racing on one counter, rollback of
+//! failed and dropped commits, schema versions, and a latency comparison with the
+//! SQLite file store that prints its numbers.
 //!
 //! Run with `cargo nextest run -p troupe-postgres` (add `--no-capture` to see the
 //! latencies).
@@ -24,9 +25,13 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 
 use tokio::time::Instant;
+use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_postgres::{tokio_postgres, PostgresStore, POSTGRES_SCHEMA_VERSION};
 use troupe_runtime::conformance::{actor, bytes, delete, fenced, put, run_all, state_commit, strings, writes_commit};
-use troupe_runtime::{Fence, SqliteStore, StateStore, StoreError, StoreOperation};
+use troupe_runtime::{
+    Actor, ActorError, Fence, KindConfig, Runtime, RuntimeHandle, SqliteStore, StateStore, StoreError, StoreOperation,
+    Turn,
+};
 
 /// How many times a test tries to start its server, each time on a newly chosen free
 /// port (another process may take the port between choosing and binding it).
@@ -432,6 +437,107 @@ async fn concurrent_commits_under_one_fence_lose_no_write() {
         .map(|index| format!("task07/{index:02}"))
         .collect();
     assert_eq!(keys, expected);
+}
+
+// ---------------------------------------------------------------------------------------
+// Two runtimes on one database
+// ---------------------------------------------------------------------------------------
+
+/// A count, saved as text. Commands: `add` (one more), `get`; replies with the count.
+struct Counter(u64);
+
+#[async_trait::async_trait]
+impl Actor for Counter {
+    async fn handle(&mut self, _turn: &mut Turn, payload: bytes::Bytes) -> Result<bytes::Bytes, ActorError> {
+        match payload.as_ref() {
+            b"add" => self.0 += 1,
+            b"get" => {}
+            other => return Err(ActorError::rejected(format!("unknown command {other:?}"))),
+        }
+        Ok(bytes(&self.0.to_string()))
+    }
+
+    fn snapshot(&self) -> Result<Option<bytes::Bytes>, ActorError> {
+        Ok(Some(bytes(&self.0.to_string())))
+    }
+}
+
+fn start_runtime(store: PostgresStore) -> Runtime {
+    Runtime::builder()
+        .store(Arc::new(store))
+        .register(
+            ActorKind::new("counter").expect("a valid kind"),
+            |_: &ActorId, saved: Option<bytes::Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+                let count = saved.map_or(0, |saved| {
+                    std::str::from_utf8(&saved)
+                        .expect("a count is text")
+                        .parse()
+                        .expect("a count is a number")
+                });
+                Ok(Box::new(Counter(count)))
+            },
+            KindConfig::default(),
+        )
+        .expect("register the counter")
+        .start()
+}
+
+async fn send(runtime: &RuntimeHandle, target: &ActorId, command: &str) -> Result<bytes::Bytes, InvokeError> {
+    /// How long one request may take, in seconds.
+    const INVOKE_DEADLINE_S: u64 = 60;
+    let deadline = runtime.deadline_in(std::time::Duration::from_secs(INVOKE_DEADLINE_S));
+    runtime.invoke(target, bytes(command), deadline).await
+}
+
+/// Goal: two runtimes (as on two machines) sharing one PostgreSQL database lose no
+/// acknowledged increment of one counter: whenever one activates the counter, the
+/// other's activation is fenced off, its commit refused as `Fenced`. Method: on worker
+/// threads, both runtimes activate the counter, wait for each other, then send their
+/// increments, each restarting itself after a refusal (so activations keep fencing each
+/// other off); the committed count must equal the acknowledged increments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_runtimes_on_one_database_lose_no_acknowledged_increment() {
+    const INCREMENTS_PER_RUNTIME: u64 = 40;
+    let server = TestServer::start("runtimes");
+    let config = server.create_database("runtimes").await;
+    let id = actor("counter", "c");
+    let both_started = Arc::new(tokio::sync::Barrier::new(2));
+    let race = |config: String, id: ActorId, both_started: Arc<tokio::sync::Barrier>| async move {
+        let connect = || async { PostgresStore::connect(&config).await.expect("connect a store") };
+        let mut runtime = start_runtime(connect().await);
+        send(&runtime, &id, "get").await.expect("activate the counter");
+        both_started.wait().await;
+        let (mut acknowledged, mut refused) = (0_u64, 0_u64);
+        for _ in 0..INCREMENTS_PER_RUNTIME {
+            tokio::task::yield_now().await;
+            match send(&runtime, &id, "add").await {
+                Ok(_) => acknowledged += 1,
+                Err(InvokeError::StorageFailed {
+                    source: StoreError::Fenced { .. },
+                    ..
+                }) => {
+                    refused += 1;
+                    runtime.shutdown().await;
+                    runtime = start_runtime(connect().await);
+                }
+                Err(other) => panic!("an increment failed with {other:?}"),
+            }
+        }
+        runtime.shutdown().await;
+        (acknowledged, refused)
+    };
+    let first = tokio::spawn(race(config.clone(), id.clone(), Arc::clone(&both_started)));
+    let second = tokio::spawn(race(config.clone(), id.clone(), both_started));
+    let (first, second) = (
+        first.await.expect("first runtime"),
+        second.await.expect("second runtime"),
+    );
+    println!("racing runtimes: (acknowledged, refused) per runtime: {first:?} {second:?}");
+    assert_eq!(first.0 + first.1, INCREMENTS_PER_RUNTIME);
+    assert_eq!(second.0 + second.1, INCREMENTS_PER_RUNTIME);
+    let reader = PostgresStore::connect(&config).await.expect("connect a reader");
+    let committed = reader.load(&id).await.expect("load");
+    assert_eq!(committed, Some(bytes(&(first.0 + second.0).to_string())));
 }
 
 // ---------------------------------------------------------------------------------------
