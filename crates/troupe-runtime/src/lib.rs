@@ -21,6 +21,8 @@ mod activation;
 mod actor;
 mod caller;
 mod clock;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod dispatcher;
 mod envelope;
 mod fast_hash;

@@ -1,0 +1,867 @@
+//! `PostgresStore` against a real PostgreSQL server that each test starts and stops.
+//!
+//! Each test runs `initdb` into a temporary directory and starts `postgres` on a free
+//! loopback port with `pg_ctl` (stopped again when the test's [`TestServer`] is
+//! dropped). The server binaries come from the Debian package `postgresql`: `pg_config
+//! --bindir`, else `/usr/lib/postgresql/*/bin`. Without them every test here fails and
+//! says to install the package; none is skipped. PostgreSQL refuses to run as root, so
+//! when the tests run as root the server runs as the `postgres` user (which the package
+//! creates), else as `nobody`, through `runuser`.
+//!
+//! The whole `troupe_runtime::conformance` suite runs against the store, each case on a
+//! database of its own on one server; then the tests only a shared database makes
+//! sense for: two stores (two processes) fencing each other, claims racing commits,
+//! concurrent commits under one fence, two runtimes racing on one counter, rollback of
+//! failed and dropped commits, schema versions, and a latency comparison with the
+//! SQLite file store that prints its numbers.
+//!
+//! Run with `cargo nextest run -p troupe-postgres` (add `--no-capture` to see the
+//! latencies).
+#![cfg(not(madsim))]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use tokio::time::Instant;
+use troupe_core::{ActorId, ActorKind, InvokeError};
+use troupe_postgres::{tokio_postgres, PostgresStore, POSTGRES_SCHEMA_VERSION};
+use troupe_runtime::conformance::{actor, bytes, delete, fenced, put, run_all, state_commit, strings, writes_commit};
+use troupe_runtime::{
+    Actor, ActorError, Fence, KindConfig, Runtime, RuntimeHandle, SqliteStore, StateStore, StoreError, StoreOperation,
+    Turn,
+};
+
+/// How many times a test tries to start its server, each time on a newly chosen free
+/// port (another process may take the port between choosing and binding it).
+const SERVER_START_ATTEMPTS: usize = 5;
+/// How long `pg_ctl` waits for the server to accept connections, in seconds.
+const SERVER_START_TIMEOUT_S: u32 = 60;
+/// The database superuser that `initdb` creates; trusted on loopback, no password.
+const SUPERUSER: &str = "troupe";
+
+// ---------------------------------------------------------------------------------------
+// The throwaway server
+// ---------------------------------------------------------------------------------------
+
+/// A PostgreSQL server of one test, in a temporary directory; stopped and removed when
+/// dropped.
+struct TestServer {
+    directory: tempfile::TempDir,
+    bindir: PathBuf,
+    run_as: Option<&'static str>,
+    port: u16,
+}
+
+impl TestServer {
+    fn start(test_name: &str) -> Self {
+        let bindir = server_bindir();
+        stop_servers_of_dead_tests(&bindir);
+        let directory = tempfile::Builder::new()
+            .prefix(&format!("troupe-pg-{test_name}-{}-", std::process::id()))
+            .tempdir()
+            .expect("create the server's directory");
+        let run_as = server_user();
+        if let Some(user) = run_as {
+            run(Command::new("chown").arg("-R").arg(user).arg(directory.path()));
+        }
+        let mut server = Self {
+            directory,
+            bindir,
+            run_as,
+            port: 0,
+        };
+        let data = server.data().to_string_lossy().into_owned();
+        server.run_tool(
+            "initdb",
+            &[
+                "-D",
+                &data,
+                "-U",
+                SUPERUSER,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
+        );
+        let log = server
+            .directory
+            .path()
+            .join("server.log")
+            .to_string_lossy()
+            .into_owned();
+        let socket_directory = server.directory.path().to_string_lossy().into_owned();
+        for attempt in 1..=SERVER_START_ATTEMPTS {
+            let port = free_port();
+            let options = format!("-p {port} -h 127.0.0.1 -k {socket_directory}");
+            let timeout = SERVER_START_TIMEOUT_S.to_string();
+            let output = server.tool_output(
+                "pg_ctl",
+                &["-D", &data, "-l", &log, "-o", &options, "-w", "-t", &timeout, "start"],
+            );
+            if output.status.success() {
+                server.port = port;
+                return server;
+            }
+            let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+            assert!(
+                attempt < SERVER_START_ATTEMPTS,
+                "pg_ctl start failed {SERVER_START_ATTEMPTS} times; last: {}\n{}\nserver log:\n{log_text}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        unreachable!("the loop returns or panics")
+    }
+
+    fn data(&self) -> PathBuf {
+        self.directory.path().join("data")
+    }
+
+    /// Connection parameters for `database` on this server.
+    fn config(&self, database: &str) -> String {
+        format!("host=127.0.0.1 port={} user={SUPERUSER} dbname={database}", self.port)
+    }
+
+    /// Creates an empty database and returns its connection parameters.
+    async fn create_database(&self, database: &str) -> String {
+        let (client, connection) = tokio_postgres::connect(&self.config("postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("connect to the server's postgres database");
+        let connection = tokio::spawn(connection);
+        client
+            .batch_execute(&format!("CREATE DATABASE {database}"))
+            .await
+            .expect("create a database");
+        drop(client);
+        connection.await.expect("the connection task").expect("the connection");
+        self.config(database)
+    }
+
+    /// A store on a new database of its own.
+    async fn store(&self, database: &str) -> PostgresStore {
+        let config = self.create_database(database).await;
+        PostgresStore::connect(&config).await.expect("connect a store")
+    }
+
+    fn tool_output(&self, tool: &str, arguments: &[&str]) -> Output {
+        let program = self.bindir.join(tool);
+        let mut command = match self.run_as {
+            Some(user) => {
+                let mut command = Command::new("runuser");
+                command.arg("-u").arg(user).arg("--").arg(&program);
+                command
+            }
+            None => Command::new(&program),
+        };
+        command
+            .args(arguments)
+            .current_dir(self.directory.path())
+            .output()
+            .unwrap_or_else(|error| panic!("run {}: {error}", program.display()))
+    }
+
+    fn run_tool(&self, tool: &str, arguments: &[&str]) {
+        let output = self.tool_output(tool, arguments);
+        assert!(
+            output.status.success(),
+            "{tool} failed: {}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if self.port != 0 {
+            let data = self.data().to_string_lossy().into_owned();
+            // Immediate: the data is thrown away anyway.
+            let _ = self.tool_output("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+        }
+    }
+}
+
+/// Stops and removes the servers of test processes that died without dropping their
+/// [`TestServer`] (killed, say, by a timeout): their directories are named
+/// `troupe-pg-{test}-{pid}-{random}` in the temporary directory.
+fn stop_servers_of_dead_tests(bindir: &Path) {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("troupe-pg-") {
+            continue;
+        }
+        let mut parts = name.rsplit('-');
+        let (Some(_random), Some(pid)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        if pid.parse::<u32>().is_err() || Path::new("/proc").join(pid).exists() {
+            continue;
+        }
+        let data = entry.path().join("data");
+        if data.join("postmaster.pid").exists() {
+            let data = data.to_string_lossy().into_owned();
+            let stop_arguments = ["-D", data.as_str(), "-m", "immediate", "-w", "stop"];
+            let program = bindir.join("pg_ctl");
+            let _ = match server_user() {
+                Some(user) => Command::new("runuser")
+                    .arg("-u")
+                    .arg(user)
+                    .arg("--")
+                    .arg(&program)
+                    .args(stop_arguments)
+                    .output(),
+                None => Command::new(&program).args(stop_arguments).output(),
+            };
+        }
+        let _ = std::fs::remove_dir_all(entry.path());
+    }
+}
+
+/// Where `initdb` and `pg_ctl` are; panics, saying what to install, if nowhere.
+fn server_bindir() -> PathBuf {
+    let has_tools = |directory: &Path| directory.join("initdb").is_file() && directory.join("pg_ctl").is_file();
+    if let Ok(output) = Command::new("pg_config").arg("--bindir").output() {
+        let directory = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+        if output.status.success() && has_tools(&directory) {
+            return directory;
+        }
+    }
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("bin"))
+        .filter(|directory| has_tools(directory))
+        .collect();
+    // The newest major version last.
+    candidates.sort_by_key(|directory| {
+        directory
+            .parent()
+            .and_then(Path::file_name)
+            .and_then(|name| name.to_str())
+            .and_then(|name| name.parse::<u32>().ok())
+            .unwrap_or(0)
+    });
+    candidates.pop().unwrap_or_else(|| {
+        panic!(
+            "the PostgreSQL server binaries (initdb, pg_ctl) were found neither through \
+             `pg_config --bindir` nor in /usr/lib/postgresql/*/bin: install the Debian package \
+             `postgresql` (apt-get install postgresql) to run these tests"
+        )
+    })
+}
+
+/// The user to run the server as: none (ourselves) unless we are root, which
+/// PostgreSQL refuses.
+fn server_user() -> Option<&'static str> {
+    let output = Command::new("id").arg("-u").output().expect("run id -u");
+    if String::from_utf8_lossy(&output.stdout).trim() != "0" {
+        return None;
+    }
+    let postgres_exists = Command::new("id")
+        .arg("postgres")
+        .output()
+        .is_ok_and(|output| output.status.success());
+    Some(if postgres_exists { "postgres" } else { "nobody" })
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
+    listener.local_addr().expect("the listener's address").port()
+}
+
+fn run(command: &mut Command) {
+    let output = command.output().expect("run a command");
+    assert!(
+        output.status.success(),
+        "{command:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The conformance suite
+// ---------------------------------------------------------------------------------------
+
+/// Goal: the PostgreSQL store keeps the whole `StateStore` contract. Method: every case
+/// of `troupe_runtime::conformance`, each on a fresh database of one server.
+#[tokio::test]
+async fn postgres_store_passes_the_whole_conformance_suite() {
+    let server = TestServer::start("conformance");
+    let mut case_index = 0_usize;
+    run_all(|_case_name| {
+        case_index += 1;
+        let database = format!("case_{case_index}");
+        let server = &server;
+        async move { server.store(&database).await }
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Two stores on one database
+// ---------------------------------------------------------------------------------------
+
+/// Goal: fencing holds between two stores on one database, as between two processes:
+/// the second's claim fences off the first, whose commit (a zombie owner's) is refused
+/// and leaves nothing visible, and no acknowledged update is lost. Method: two stores,
+/// each with its own pool, act as two activations of one counter in the interleaving
+/// that loses an update without fencing; then the first claims again and wins back.
+#[tokio::test]
+async fn second_store_fences_the_first_and_the_zombie_cannot_overwrite() {
+    let server = TestServer::start("two-stores");
+    let config = server.create_database("shared").await;
+    let first = PostgresStore::connect(&config).await.expect("connect the first store");
+    let second = PostgresStore::connect(&config).await.expect("connect the second store");
+    let owner = actor("counter", "c");
+
+    let first_claim = first.claim(&owner).await.expect("claim");
+    assert_eq!((first_claim.fence, first_claim.state), (Fence::FIRST, None));
+    first
+        .commit(&owner, first_claim.fence, state_commit("1", vec![put("by", "first")]))
+        .await
+        .expect("the only claim commits");
+
+    let second_claim = second.claim(&owner).await.expect("claim");
+    assert_eq!(second_claim.fence, Fence::FIRST.next());
+    assert_eq!(second_claim.state, Some(bytes("1")));
+    second
+        .commit(&owner, second_claim.fence, state_commit("2", vec![put("by", "second")]))
+        .await
+        .expect("the newest claim commits");
+
+    // The zombie still believes the count is 1, and writes a key of its own too.
+    let refused = first
+        .commit(
+            &owner,
+            first_claim.fence,
+            state_commit("2", vec![put("by", "first"), put("zombie", "was here")]),
+        )
+        .await;
+    assert_eq!(
+        refused,
+        Err(fenced(&owner, first_claim.fence, Some(second_claim.fence)))
+    );
+    for reader in [&first, &second] {
+        assert_eq!(reader.load(&owner).await.expect("load"), Some(bytes("2")));
+        assert_eq!(reader.get(&owner, "by").await.expect("get"), Some(bytes("second")));
+        assert_eq!(reader.get(&owner, "zombie").await.expect("get"), None);
+    }
+    // An empty commit of the zombie is refused as well.
+    assert_eq!(
+        first.commit(&owner, first_claim.fence, Default::default()).await,
+        Err(fenced(&owner, first_claim.fence, Some(second_claim.fence)))
+    );
+
+    let reclaim = first.claim(&owner).await.expect("claim again");
+    assert_eq!(reclaim.fence, Fence::FIRST.next().next());
+    assert_eq!(reclaim.state, Some(bytes("2")));
+    first
+        .commit(&owner, reclaim.fence, state_commit("3", vec![]))
+        .await
+        .expect("the new claim commits");
+    let refused = second
+        .commit(&owner, second_claim.fence, state_commit("3", vec![put("zombie", "2")]))
+        .await;
+    assert_eq!(refused, Err(fenced(&owner, second_claim.fence, Some(reclaim.fence))));
+
+    drop((first, second));
+    let reader = PostgresStore::connect(&config).await.expect("connect a third store");
+    // Three commits were acknowledged, each adding one: the count is 3.
+    assert_eq!(reader.load(&owner).await.expect("load"), Some(bytes("3")));
+    assert_eq!(reader.get(&owner, "zombie").await.expect("get"), None);
+}
+
+/// Goal: a commit racing a claim from another store is either applied before the claim
+/// (and the claim returns it) or refused; never accepted yet missing from the claim's
+/// state. Method: many rounds, each a zombie commit and a claim started at once on two
+/// multi-threaded tasks with two stores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn commit_racing_a_claim_is_either_seen_by_the_claim_or_refused() {
+    const ROUNDS: usize = 200;
+    let server = TestServer::start("claim-race");
+    let config = server.create_database("shared").await;
+    let first = Arc::new(PostgresStore::connect(&config).await.expect("connect"));
+    let second = Arc::new(PostgresStore::connect(&config).await.expect("connect"));
+    let owner = actor("counter", "raced");
+    let mut fence = first.claim(&owner).await.expect("claim").fence;
+    let (mut applied, mut refused) = (0_usize, 0_usize);
+    for round in 0..ROUNDS {
+        let value = format!("round {round}");
+        let committer = {
+            let (first, owner, value) = (Arc::clone(&first), owner.clone(), value.clone());
+            tokio::spawn(async move { first.commit(&owner, fence, state_commit(&value, vec![])).await })
+        };
+        let claimer = {
+            let (second, owner) = (Arc::clone(&second), owner.clone());
+            tokio::spawn(async move { second.claim(&owner).await })
+        };
+        let committed = committer.await.expect("the commit task");
+        let claimed = claimer.await.expect("the claim task").expect("claim");
+        match committed {
+            Ok(()) => {
+                applied += 1;
+                assert_eq!(
+                    claimed.state,
+                    Some(bytes(&value)),
+                    "round {round}: an accepted commit is missing from the claim after it"
+                );
+            }
+            Err(error) => {
+                refused += 1;
+                assert_eq!(error, fenced(&owner, fence, Some(claimed.fence)), "round {round}");
+                assert_ne!(claimed.state, Some(bytes(&value)), "round {round}");
+            }
+        }
+        // The next round's zombie commit is under the claim just made, by the first
+        // store: reclaim there so that its fence is the newest again.
+        fence = first.claim(&owner).await.expect("reclaim").fence;
+    }
+    println!("claim race: {applied} commits applied before the claim, {refused} refused");
+}
+
+// ---------------------------------------------------------------------------------------
+// Concurrency under one fence
+// ---------------------------------------------------------------------------------------
+
+/// Goal: concurrent commits of many tasks under one fence, on a multi-threaded runtime
+/// and over every pooled connection, lose no write. Method: 32 tasks each commit 20
+/// keys of their own, one commit per key, then every key is read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_commits_under_one_fence_lose_no_write() {
+    const TASKS: usize = 32;
+    const COMMITS_PER_TASK: usize = 20;
+    let server = TestServer::start("concurrent");
+    let store = Arc::new(server.store("concurrent").await);
+    let owner = actor("agent", "busy");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let (store, owner) = (Arc::clone(&store), owner.clone());
+            tokio::spawn(async move {
+                for index in 0..COMMITS_PER_TASK {
+                    let key = format!("task{task:02}/{index:02}");
+                    store
+                        .commit(&owner, fence, writes_commit(vec![put(&key, &key)]))
+                        .await
+                        .expect("a commit under the newest fence");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("a committing task");
+    }
+    let entries = store
+        .scan(&owner, "task", None, TASKS * COMMITS_PER_TASK + 1)
+        .await
+        .expect("scan");
+    assert_eq!(entries.len(), TASKS * COMMITS_PER_TASK);
+    for (key, value) in entries {
+        assert_eq!(value, bytes(&key));
+    }
+    let keys: Vec<String> = store
+        .scan(&owner, "task07/", None, 100)
+        .await
+        .expect("scan")
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect();
+    let expected: Vec<String> = (0..COMMITS_PER_TASK)
+        .map(|index| format!("task07/{index:02}"))
+        .collect();
+    assert_eq!(keys, expected);
+}
+
+// ---------------------------------------------------------------------------------------
+// Two runtimes on one database
+// ---------------------------------------------------------------------------------------
+
+/// A count, saved as text. Commands: `add` (one more), `get`; replies with the count.
+struct Counter(u64);
+
+#[async_trait::async_trait]
+impl Actor for Counter {
+    async fn handle(&mut self, _turn: &mut Turn, payload: bytes::Bytes) -> Result<bytes::Bytes, ActorError> {
+        match payload.as_ref() {
+            b"add" => self.0 += 1,
+            b"get" => {}
+            other => return Err(ActorError::rejected(format!("unknown command {other:?}"))),
+        }
+        Ok(bytes(&self.0.to_string()))
+    }
+
+    fn snapshot(&self) -> Result<Option<bytes::Bytes>, ActorError> {
+        Ok(Some(bytes(&self.0.to_string())))
+    }
+}
+
+fn start_runtime(store: PostgresStore) -> Runtime {
+    Runtime::builder()
+        .store(Arc::new(store))
+        .register(
+            ActorKind::new("counter").expect("a valid kind"),
+            |_: &ActorId, saved: Option<bytes::Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+                let count = saved.map_or(0, |saved| {
+                    std::str::from_utf8(&saved)
+                        .expect("a count is text")
+                        .parse()
+                        .expect("a count is a number")
+                });
+                Ok(Box::new(Counter(count)))
+            },
+            KindConfig::default(),
+        )
+        .expect("register the counter")
+        .start()
+}
+
+async fn send(runtime: &RuntimeHandle, target: &ActorId, command: &str) -> Result<bytes::Bytes, InvokeError> {
+    /// How long one request may take, in seconds.
+    const INVOKE_DEADLINE_S: u64 = 60;
+    let deadline = runtime.deadline_in(std::time::Duration::from_secs(INVOKE_DEADLINE_S));
+    runtime.invoke(target, bytes(command), deadline).await
+}
+
+/// Goal: two runtimes (as on two machines) sharing one PostgreSQL database lose no
+/// acknowledged increment of one counter: whenever one activates the counter, the
+/// other's activation is fenced off, its commit refused as `Fenced`. Method: on worker
+/// threads, both runtimes activate the counter, wait for each other, then send their
+/// increments, each restarting itself after a refusal (so activations keep fencing each
+/// other off); the committed count must equal the acknowledged increments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_runtimes_on_one_database_lose_no_acknowledged_increment() {
+    const INCREMENTS_PER_RUNTIME: u64 = 40;
+    let server = TestServer::start("runtimes");
+    let config = server.create_database("runtimes").await;
+    let id = actor("counter", "c");
+    let both_started = Arc::new(tokio::sync::Barrier::new(2));
+    let race = |config: String, id: ActorId, both_started: Arc<tokio::sync::Barrier>| async move {
+        let connect = || async { PostgresStore::connect(&config).await.expect("connect a store") };
+        let mut runtime = start_runtime(connect().await);
+        // Activating: the other runtime's activation may fence this one's first turn
+        // off already; restart then, as after a refused increment.
+        loop {
+            match send(&runtime, &id, "get").await {
+                Ok(_) => break,
+                Err(InvokeError::StorageFailed {
+                    source: StoreError::Fenced { .. },
+                    ..
+                }) => {
+                    runtime.shutdown().await;
+                    runtime = start_runtime(connect().await);
+                }
+                Err(other) => panic!("activating the counter failed with {other:?}"),
+            }
+        }
+        both_started.wait().await;
+        let (mut acknowledged, mut refused) = (0_u64, 0_u64);
+        for _ in 0..INCREMENTS_PER_RUNTIME {
+            tokio::task::yield_now().await;
+            match send(&runtime, &id, "add").await {
+                Ok(_) => acknowledged += 1,
+                Err(InvokeError::StorageFailed {
+                    source: StoreError::Fenced { .. },
+                    ..
+                }) => {
+                    refused += 1;
+                    runtime.shutdown().await;
+                    runtime = start_runtime(connect().await);
+                }
+                Err(other) => panic!("an increment failed with {other:?}"),
+            }
+        }
+        runtime.shutdown().await;
+        (acknowledged, refused)
+    };
+    let first = tokio::spawn(race(config.clone(), id.clone(), Arc::clone(&both_started)));
+    let second = tokio::spawn(race(config.clone(), id.clone(), both_started));
+    // Either task's panic ends the test at once (the other would wait at the barrier).
+    let (first, second) = tokio::try_join!(first, second).expect("both runtimes finish");
+    println!("racing runtimes: (acknowledged, refused) per runtime: {first:?} {second:?}");
+    assert_eq!(first.0 + first.1, INCREMENTS_PER_RUNTIME);
+    assert_eq!(second.0 + second.1, INCREMENTS_PER_RUNTIME);
+    let reader = PostgresStore::connect(&config).await.expect("connect a reader");
+    let committed = reader.load(&id).await.expect("load");
+    assert_eq!(committed, Some(bytes(&(first.0 + second.0).to_string())));
+}
+
+// ---------------------------------------------------------------------------------------
+// Schema, keys and errors
+// ---------------------------------------------------------------------------------------
+
+/// Goal: connecting again keeps the data and the schema version; a database with a
+/// newer schema version is refused, not misread. Method: connect, commit, connect
+/// again, then raise the version by hand.
+#[tokio::test]
+async fn schema_is_kept_on_reconnect_and_a_newer_version_is_refused() {
+    let server = TestServer::start("schema");
+    let config = server.create_database("schema").await;
+    let owner = actor("agent", "a");
+    {
+        let store = PostgresStore::connect(&config).await.expect("connect");
+        let fence = store.claim(&owner).await.expect("claim").fence;
+        store
+            .commit(&owner, fence, state_commit("kept", vec![put("k", "v")]))
+            .await
+            .expect("commit");
+    }
+    let store = PostgresStore::connect(&config).await.expect("connect again");
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("kept")));
+    // The fence survives too: the next claim is the second.
+    assert_eq!(store.claim(&owner).await.expect("claim").fence, Fence::FIRST.next());
+
+    let (client, connection) = tokio_postgres::connect(&config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    let connection = tokio::spawn(connection);
+    let versions: Vec<i64> = client
+        .query("SELECT version FROM troupe_schema", &[])
+        .await
+        .expect("read the version")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(versions, vec![POSTGRES_SCHEMA_VERSION]);
+    client
+        .execute("UPDATE troupe_schema SET version = version + 1", &[])
+        .await
+        .expect("raise the version");
+    drop(client);
+    connection.await.expect("the connection task").expect("the connection");
+    match PostgresStore::connect(&config).await {
+        Err(StoreError::Backend { operation, cause }) => {
+            assert_eq!(operation, StoreOperation::Open);
+            assert!(cause.contains("schema version 2"), "unexpected cause: {cause}");
+        }
+        Err(other) => panic!("expected a backend error, got {other:?}"),
+        Ok(_) => panic!("a database with a newer schema version was opened"),
+    }
+}
+
+/// Goal: an unreachable server and a malformed configuration are backend errors of
+/// `open`, not panics. Method: connect to a closed port, and with a bad string.
+#[tokio::test]
+async fn unreachable_server_and_bad_configuration_are_open_errors() {
+    let port = free_port();
+    let unreachable = PostgresStore::connect(&format!("host=127.0.0.1 port={port} user=nobody dbname=x")).await;
+    assert!(
+        matches!(
+            unreachable,
+            Err(StoreError::Backend {
+                operation: StoreOperation::Open,
+                ..
+            })
+        ),
+        "{unreachable:?}"
+    );
+    let malformed = PostgresStore::connect("host=127.0.0.1 port=not-a-number").await;
+    assert!(
+        matches!(
+            malformed,
+            Err(StoreError::Backend {
+                operation: StoreOperation::Open,
+                ..
+            })
+        ),
+        "{malformed:?}"
+    );
+}
+
+/// Goal: a key with a NUL character, which a PostgreSQL `TEXT` cannot hold, is stored
+/// and scanned like any other (keys are `BYTEA`). Method: commit, get, scan.
+#[tokio::test]
+async fn keys_with_a_nul_character_are_stored_and_scanned() {
+    let server = TestServer::start("nul");
+    let store = server.store("nul").await;
+    let owner = actor("agent", "a");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    store
+        .commit(
+            &owner,
+            fence,
+            writes_commit(vec![put("a\0b", "nul"), put("a", "plain")]),
+        )
+        .await
+        .expect("commit");
+    assert_eq!(store.get(&owner, "a\0b").await.expect("get"), Some(bytes("nul")));
+    let keys: Vec<String> = store
+        .scan(&owner, "a", None, 10)
+        .await
+        .expect("scan")
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect();
+    assert_eq!(keys, strings(&["a", "a\0b"]));
+}
+
+/// A plain connection to `config`, for a test to change the database by hand; its
+/// connection task runs until the client is dropped.
+async fn direct_client(config: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    tokio::spawn(connection);
+    client
+}
+
+/// Goal: a commit that fails inside PostgreSQL after some of its statements ran is
+/// rolled back whole, and the store goes on committing. Method: a trigger raises on
+/// the insert of the key `poison`; the commit also sets the state, adds a key and
+/// deletes one, all pipelined with the fence check.
+#[tokio::test]
+async fn commit_failing_inside_postgres_leaves_nothing_of_it_visible() {
+    let server = TestServer::start("poison");
+    let config = server.create_database("poison").await;
+    let store = PostgresStore::connect(&config).await.expect("connect");
+    let owner = actor("agent", "a");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    store
+        .commit(&owner, fence, state_commit("A", vec![put("kept", "1")]))
+        .await
+        .expect("first commit");
+    direct_client(&config)
+        .await
+        .batch_execute(
+            "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.entry_key = convert_to('poison', 'UTF8') THEN RAISE EXCEPTION 'poisoned key'; END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER poison BEFORE INSERT ON troupe_actor_entry FOR EACH ROW EXECUTE FUNCTION poison();",
+        )
+        .await
+        .expect("create the trigger");
+
+    let failing = state_commit("B", vec![put("new", "2"), delete("kept"), put("poison", "3")]);
+    match store.commit(&owner, fence, failing).await {
+        Err(StoreError::Backend {
+            operation: StoreOperation::Commit,
+            cause,
+        }) => assert!(cause.contains("poisoned key"), "unexpected cause: {cause}"),
+        other => panic!("expected a backend error from the commit, got {other:?}"),
+    }
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("A")));
+    assert_eq!(store.get(&owner, "kept").await.expect("get"), Some(bytes("1")));
+    assert_eq!(store.get(&owner, "new").await.expect("get"), None);
+    store
+        .commit(&owner, fence, state_commit("C", vec![]))
+        .await
+        .expect("the store still commits");
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("C")));
+}
+
+/// Goal: a commit whose caller gives up while it waits inside its transaction is rolled
+/// back, and leaves no lock behind that would stall the next claim. Method: hold the
+/// owner row's lock from another connection, so the commit blocks on its fence check;
+/// drop the commit after 200 ms; release the lock; claim (bounded by 10 s) and read.
+#[tokio::test]
+async fn dropped_commit_is_rolled_back_and_holds_no_lock() {
+    const COMMIT_WAIT_MS: u64 = 200;
+    const CLAIM_WAIT_MS: u64 = 10_000;
+    let server = TestServer::start("dropped");
+    let config = server.create_database("dropped").await;
+    let store = PostgresStore::connect(&config).await.expect("connect");
+    let owner = actor("agent", "a");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+
+    let locker = direct_client(&config).await;
+    locker
+        .batch_execute("BEGIN; SELECT fence FROM troupe_actor_owner FOR UPDATE")
+        .await
+        .expect("lock the owner row");
+    let commit = store.commit(&owner, fence, state_commit("dropped", vec![put("k", "dropped")]));
+    let outcome = tokio::time::timeout(std::time::Duration::from_millis(COMMIT_WAIT_MS), commit).await;
+    assert!(
+        outcome.is_err(),
+        "the commit finished while the row was locked: {outcome:?}"
+    );
+    locker.batch_execute("ROLLBACK").await.expect("release the lock");
+
+    let claim = tokio::time::timeout(std::time::Duration::from_millis(CLAIM_WAIT_MS), store.claim(&owner))
+        .await
+        .expect("a claim after the dropped commit is not blocked by its lock")
+        .expect("claim");
+    assert_eq!(claim.fence, fence.next());
+    assert_eq!(claim.state, None);
+    assert_eq!(store.get(&owner, "k").await.expect("get"), None);
+}
+
+// ---------------------------------------------------------------------------------------
+// Latency, printed (no assertion on time)
+// ---------------------------------------------------------------------------------------
+
+/// Median and 99th percentile of `samples`, in microseconds.
+fn percentiles(mut samples: Vec<u128>) -> (u128, u128) {
+    samples.sort_unstable();
+    let at = |fraction: f64| {
+        let index = ((samples.len() - 1) as f64 * fraction).round() as usize;
+        samples[index]
+    };
+    (at(0.5), at(0.99))
+}
+
+/// The latency of `COMMITS` single-key commits (one new key each, state unchanged)
+/// under one fence, in microseconds each.
+async fn commit_latencies(store: &dyn StateStore) -> Vec<u128> {
+    const COMMITS: usize = 300;
+    let owner = actor("agent", "timed");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    let mut samples = Vec::with_capacity(COMMITS);
+    for index in 0..COMMITS {
+        let key = format!("k{index:04}");
+        let started = Instant::now();
+        store
+            .commit(&owner, fence, writes_commit(vec![put(&key, "v")]))
+            .await
+            .expect("commit");
+        samples.push(started.elapsed().as_micros());
+    }
+    samples
+}
+
+/// Measures, and prints, the median and 99th percentile latency of single-key commits:
+/// PostgreSQL on loopback (default durability: `fsync` and `synchronous_commit` on)
+/// against the SQLite file store (WAL, `synchronous = FULL`). Asserts nothing about time.
+#[tokio::test]
+async fn commit_latency_of_postgres_and_sqlite_file_is_printed() {
+    let server = TestServer::start("latency");
+    let postgres = server.store("latency").await;
+    let directory = tempfile::tempdir().expect("a directory for the SQLite file");
+    let sqlite = SqliteStore::open(directory.path().join("state.sqlite")).expect("open a SQLite file");
+
+    let config = server.config("latency");
+    let (client, connection) = tokio_postgres::connect(&config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    let connection = tokio::spawn(connection);
+    let mut settings = Vec::new();
+    for setting in ["server_version", "fsync", "synchronous_commit", "wal_sync_method"] {
+        let rows = client
+            .simple_query(&format!("SHOW {setting}"))
+            .await
+            .expect("show a setting");
+        for row in rows {
+            if let tokio_postgres::SimpleQueryMessage::Row(row) = row {
+                settings.push(format!("{setting} = {}", row.get(0).unwrap_or("?")));
+            }
+        }
+    }
+    drop(client);
+    connection.await.expect("the connection task").expect("the connection");
+
+    let (postgres_median, postgres_p99) = percentiles(commit_latencies(&postgres).await);
+    let (sqlite_median, sqlite_p99) = percentiles(commit_latencies(&sqlite).await);
+    println!(
+        "single-key commit latency, 300 commits each; postgres: {}",
+        settings.join(", ")
+    );
+    println!("  postgres (loopback): median {postgres_median} us, p99 {postgres_p99} us");
+    println!("  sqlite file:         median {sqlite_median} us, p99 {sqlite_p99} us");
+}
