@@ -730,7 +730,7 @@ mod tests {
         assert_eq!(AgentRequest::decode(&request.encode()), Ok(request));
         let reply = AgentReply {
             text: "ok".into(),
-                        truncated: false,
+            truncated: false,
             steps: 2,
             usage: TokenUsage {
                 prompt_tokens: 3,

@@ -24,12 +24,15 @@ fn words(message: &ChatMessage) -> u64 {
 async fn a_reply_reports_the_summed_usage_of_its_own_model_calls() {
     let llm = Arc::new(
         ScriptedLlm::new()
+            .rule(ScriptRule::agent("boss").on_user_containing("").call(
+                "call_agent",
+                json!({"agent_id": "worker", "message": "count the stars"}),
+            ))
             .rule(
                 ScriptRule::agent("boss")
-                    .on_user_containing("")
-                    .call("call_agent", json!({"agent_id": "worker", "message": "count the stars"})),
+                    .on_tool_result()
+                    .reply("the worker says {tool_result}"),
             )
-            .rule(ScriptRule::agent("boss").on_tool_result().reply("the worker says {tool_result}"))
             .rule(ScriptRule::agent("worker").reply("about four hundred billion")),
     );
     let system = AgentSystem::builder()
