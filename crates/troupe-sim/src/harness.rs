@@ -55,6 +55,9 @@ pub struct SimConfig {
     /// Planted bug: turns ignore that their caller gave up and commit anyway
     /// (NoCommitAfterAbandon).
     pub plant_commit_after_abandon: bool,
+    /// Planted bug: a turn whose handler failed commits anyway. No DST invariant flags
+    /// it; trace validation does (`scripts/trace-check`).
+    pub plant_commit_failed_turn: bool,
 }
 
 impl Default for SimConfig {
@@ -70,6 +73,7 @@ impl Default for SimConfig {
             idle_timeout: Duration::from_millis(20),
             expect_violation: None,
             plant_commit_after_abandon: false,
+            plant_commit_failed_turn: false,
         }
     }
 }
@@ -331,6 +335,7 @@ impl Sim {
                 admission: config.admission,
                 placement: config.placement,
                 plant_commit_after_abandon: config.plant_commit_after_abandon,
+                plant_commit_failed_turn: config.plant_commit_failed_turn,
                 kind,
                 agents,
                 llm_faults: llm_faults.clone(),
@@ -736,8 +741,26 @@ impl Sim {
                 let _ = writeln!(file, "{line}");
             }
         }
+        self.write_trace_file();
         replay::unregister();
         report
+    }
+
+    /// With `TROUPE_TRACE_OUT=DIR` set, writes the whole trace to
+    /// `DIR/<test>__<scenario>__<seed>.ndjson` (see [`Trace::write_ndjson`]) for trace
+    /// validation against the TLA+ model (`scripts/trace-check`). Nothing when unset.
+    fn write_trace_file(&self) {
+        let Some(dir) = std::env::var_os("TROUPE_TRACE_OUT") else {
+            return;
+        };
+        let dir = std::path::PathBuf::from(dir);
+        let path = dir.join(format!(
+            "{}__{}__{}.ndjson",
+            self.scenario.test, self.scenario.name, self.seed
+        ));
+        if let Err(error) = std::fs::create_dir_all(&dir).and_then(|()| self.trace.write_ndjson(&path)) {
+            panic!("could not write the trace to {}: {error}", path.display());
+        }
     }
 
     /// The replay command of this run.
