@@ -9,9 +9,9 @@ OUT_DIR/TraceCallPath.cfg. TLC 2.15 has no JSON module, hence the generated modu
 
 Every event becomes one record with the same fields (k, n, a, t, d, ch, ok, c, r, o),
 defaults where the event has none, so every record has one shape. Events that the spec
-does not model become k = "Other" (consumed by the spec's Skip step); so do runtime
-events (TurnCommitting, TurnAbandoned) of actors that are not probes, whose turns the
-trace does not show (agents).
+does not model become k = "Other" (consumed by the spec's Skip step); so do the events
+of actors that are not probes (agents: their calls go through call_agent, whose
+admission the trace records as AgentCallRefused only, so the model does not cover them).
 """
 import json
 import sys
@@ -42,13 +42,17 @@ def outcome_class(text):
 
 
 def convert(events):
-    records, nodes, actors = [], set(), set()
+    records, nodes, actors, agent_calls = [], set(), set(), set()
     for e in events:
         k = e["kind"]
         actor = e.get("actor") or e.get("caller") or ""
         if k not in MODELLED:
             k = "Other"
-        elif k in ("TurnCommitting", "TurnAbandoned") and not actor.startswith("probe/"):
+        elif actor and not actor.startswith("probe/"):
+            k = "Other"
+            if "call" in e:
+                agent_calls.add(e["call"])
+        elif k == "WaitEnd" and e["call"] in agent_calls:
             k = "Other"
         rec = {
             "k": k,
