@@ -3,6 +3,8 @@
 that TraceCallPath.tla checks (docs/tla/README.md, "Trace validation").
 
     python3 scripts/trace2tla.py TRACE.ndjson OUT_DIR
+    python3 scripts/trace2tla.py --mutate NAME TRACE.ndjson OUT_DIR   (a corrupted copy)
+    python3 scripts/trace2tla.py --mutations                         (the names)
 
 writes OUT_DIR/TraceData.tla (the constants Trace, Nodes, Actors, MaxDepth) and
 OUT_DIR/TraceCallPath.cfg. TLC 2.15 has no JSON module, hence the generated module.
@@ -98,10 +100,55 @@ def render(records, nodes, actors, source):
     return "\n".join(lines) + "\n"
 
 
+def _first(events, kind, pred=lambda e: True):
+    return next(j for j, e in enumerate(events) if e["kind"] == kind and pred(e))
+
+
+def mutate(events, name):
+    """One corruption of an accepted trace, each of which the spec must refuse: shows
+    that each family of actions constrains real traces (scripts/trace-check)."""
+    m = [dict(e) for e in events]
+    if name == "admitted-chain-dropped":
+        m[_first(m, "CallAdmitted")]["chain"] = []
+    elif name == "second-activation":
+        j = _first(m, "Activated")
+        twin = dict(m[j])
+        twin["node"] = twin["node"] % 3 + 1
+        m.insert(j + 1, twin)
+    elif name == "turn-end-dropped":
+        del m[_first(m, "TurnEnded", lambda e: e["ok"])]
+    elif name == "forged-depth-refusal":
+        j = _first(m, "CallAdmitted")
+        m[j]["kind"], m[j]["reason"] = "CallRefused", "Depth"
+    elif name == "forged-deadlock":
+        m[_first(m, "WaitEnd", lambda e: e["outcome"] == "ok")]["outcome"] = "DeadlockDetected { cycle: [] }"
+    elif name == "unsent-context":
+        j = _first(m, "TurnStarted", lambda e: e["depth"] > 0)
+        m[j]["chain"] = m[j]["chain"][:-1] + ["probe/never-called"]
+    else:
+        raise SystemExit(f"unknown mutation {name}")
+    return m
+
+
+MUTATIONS = [
+    "admitted-chain-dropped", "second-activation", "turn-end-dropped",
+    "forged-depth-refusal", "forged-deadlock", "unsent-context",
+]
+
+
 def main():
-    src, out_dir = sys.argv[1], sys.argv[2]
+    args = sys.argv[1:]
+    mutation = None
+    if args and args[0] == "--mutations":
+        print(" ".join(MUTATIONS))
+        return
+    if args and args[0] == "--mutate":
+        mutation, args = args[1], args[2:]
+    src, out_dir = args[0], args[1]
     with open(src) as f:
         events = [json.loads(line) for line in f if line.strip()]
+    if mutation:
+        events = mutate(events, mutation)
     records, nodes, actors = convert(events)
     with open(f"{out_dir}/TraceData.tla", "w") as f:
         f.write(render(records, nodes, actors, src.rsplit("/", 1)[-1]))
