@@ -689,6 +689,10 @@ impl Sim {
         self.trace.record(Event::Phase { name: "finish" });
         self.trace.finish();
         self.finished = true;
+        // Before the verdict, so that a failing run's trace is written too.
+        if let Err(error) = self.write_trace_file() {
+            panic!("{error}");
+        }
         let report = Report {
             scenario: self.scenario,
             seed: self.seed,
@@ -741,26 +745,26 @@ impl Sim {
                 let _ = writeln!(file, "{line}");
             }
         }
-        self.write_trace_file();
         replay::unregister();
         report
     }
 
     /// With `TROUPE_TRACE_OUT=DIR` set, writes the whole trace to
     /// `DIR/<test>__<scenario>__<seed>.ndjson` (see [`Trace::write_ndjson`]) for trace
-    /// validation against the TLA+ model (`scripts/trace-check`). Nothing when unset.
-    fn write_trace_file(&self) {
+    /// validation against the TLA+ model (`scripts/trace-check`); a run that fails
+    /// writes what it recorded up to the failure (from `Drop`). Nothing when unset.
+    fn write_trace_file(&self) -> Result<(), String> {
         let Some(dir) = std::env::var_os("TROUPE_TRACE_OUT") else {
-            return;
+            return Ok(());
         };
         let dir = std::path::PathBuf::from(dir);
         let path = dir.join(format!(
             "{}__{}__{}.ndjson",
             self.scenario.test, self.scenario.name, self.seed
         ));
-        if let Err(error) = std::fs::create_dir_all(&dir).and_then(|()| self.trace.write_ndjson(&path)) {
-            panic!("could not write the trace to {}: {error}", path.display());
-        }
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| self.trace.write_ndjson(&path))
+            .map_err(|error| format!("could not write the trace to {}: {error}", path.display()))
     }
 
     /// The replay command of this run.
@@ -773,7 +777,9 @@ impl Drop for Sim {
     fn drop(&mut self) {
         if !self.finished {
             // Unwinding from a failure (the hook has printed the replay command), or a
-            // scenario that forgot finish(): either way this run is over.
+            // scenario that forgot finish(): either way this run is over. Its trace so
+            // far is written if asked for; an error is ignored (no panic while unwinding).
+            let _ = self.write_trace_file();
             replay::unregister();
         }
     }
