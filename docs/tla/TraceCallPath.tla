@@ -38,7 +38,7 @@ VARIABLES
     admitted,   \* contexts sent by admitted calls: set of [t, d, ch]
     calls,      \* admitted calls: set of [c, a, t]
     waits,      \* open waits: set of [c, a, t]
-    requested   \* actors a client sent a request to
+    requested   \* per actor: client requests sent and not yet started as a turn
 
 vars == <<i, active, st, dep, chn, admitted, calls, waits, requested>>
 
@@ -59,7 +59,7 @@ Init ==
     /\ admitted = {}
     /\ calls = {}
     /\ waits = {}
-    /\ requested = {}
+    /\ requested = [a \in Actors |-> 0]
 
 E == Trace[i + 1]          \* the event this step consumes
 Consume == i' = i + 1
@@ -72,10 +72,11 @@ Reach(S, edges) ==
     LET next == S \cup {e[2] : e \in {e \in edges : e[1] \in S}}
     IN IF next = S THEN S ELSE Reach(next, edges)
 
-(* A client sent a request (harness SimClient::request_here; RequestSent). *)
+(* A client sent a request (harness SimClient::request_here; RequestSent): *)
+(* one more depth-0 turn of the target may start.                         *)
 ClientRequest ==
     /\ E.k = "RequestSent"
-    /\ requested' = requested \cup {E.t}
+    /\ requested' = [requested EXCEPT ![E.t] = @ + 1]
     /\ UNCHANGED <<active, st, dep, chn, admitted, calls, waits>>
 
 (* Dispatcher spawns an activation: start_actor, Actor::on_activate       *)
@@ -107,7 +108,8 @@ Kill ==
 
 (* run_turn polls the actor's handler (activation.rs; probe TurnStarted):  *)
 (* one turn at a time, under a context a client request or an admitted    *)
-(* call produced; the chain never holds the actor; depth = Len(chain).    *)
+(* call produced (a depth-0 turn uses up one client request: a request    *)
+(* runs at most once); the chain never holds the actor; depth = Len(chain).*)
 StartTurn ==
     /\ E.k = "TurnStarted"
     /\ <<E.n, E.a>> \in active
@@ -115,12 +117,14 @@ StartTurn ==
     /\ E.d = Len(E.ch)
     /\ E.d <= MaxDepth
     /\ E.a \notin Range(E.ch)
-    /\ IF E.d = 0 THEN E.a \in requested
+    /\ IF E.d = 0 THEN requested[E.a] > 0
                   ELSE [t |-> E.a, d |-> E.d, ch |-> E.ch] \in admitted
+    /\ requested' = IF E.d = 0 THEN [requested EXCEPT ![E.a] = @ - 1]
+                                ELSE requested
     /\ st' = [st EXCEPT ![<<E.n, E.a>>] = "running"]
     /\ dep' = [dep EXCEPT ![<<E.n, E.a>>] = E.d]
     /\ chn' = [chn EXCEPT ![<<E.n, E.a>>] = E.ch]
-    /\ UNCHANGED <<active, admitted, calls, waits, requested>>
+    /\ UNCHANGED <<active, admitted, calls, waits>>
 
 (* The handler returns (probe TurnEnded ok / not ok).                      *)
 EndHandler ==
