@@ -16,6 +16,7 @@ of actors that are not probes (agents: their calls go through call_agent, whose
 admission the trace records as AgentCallRefused only, so the model does not cover them).
 """
 import json
+import re
 import sys
 
 MODELLED = {
@@ -35,18 +36,25 @@ def tla_seq(items):
     return "<<" + ", ".join(tla_str(x) for x in items) + ">>"
 
 
-def outcome_class(text):
+def outcome_class(text, caller):
+    """ok, deadlock (the dispatcher refused this very call: the reported cycle starts
+    at its caller, or names nobody) or error (anything else, including a
+    DeadlockDetected refused deeper down and passed up unchanged by the callee's
+    failed turn: its cycle starts at another caller)."""
     if text == "ok":
         return "ok"
     if text.startswith("DeadlockDetected"):
-        return "deadlock"
+        cycle = re.findall(r"ActorId\(([^)]*)\)", text)
+        return "deadlock" if not cycle or cycle[0] == caller else "error"
     return "error"
 
 
 def convert(events):
-    records, nodes, actors, agent_calls = [], set(), set(), set()
+    records, nodes, actors, agent_calls, callers = [], set(), set(), set(), {}
     for e in events:
         k = e["kind"]
+        if k == "WaitBegin":
+            callers[e["call"]] = e["caller"]
         actor = e.get("actor") or e.get("caller") or ""
         if k not in MODELLED:
             k = "Other"
@@ -66,7 +74,7 @@ def convert(events):
             "ok": bool(e.get("ok", True)),
             "c": e.get("call", 0),
             "r": str(e.get("reason", "")),
-            "o": outcome_class(e.get("outcome", "ok")) if k == "WaitEnd" else "",
+            "o": outcome_class(e.get("outcome", "ok"), callers.get(e.get("call"))) if k == "WaitEnd" else "",
         }
         if k in ("NodeStarted", "NodeKilled") or (rec["n"] and k != "Other"):
             nodes.add(rec["n"])
