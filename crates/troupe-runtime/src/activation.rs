@@ -422,6 +422,15 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         // A turn that never waited ran straight after the deadline check at dequeue, so
         // only one that waited reads the clock again.
         Raced::Finished(Ok(_)) if waited && deadline.has_passed(shared.clock.now()) => timed_out(),
+        #[cfg(feature = "planted-bugs")]
+        Raced::Finished(Ok(Err(error))) if shared.planted_commit_failed_turn => {
+            shared.emit(|| RuntimeEvent::TurnCommitting {
+                actor: live.id.clone(),
+                request: call,
+            });
+            let _ = commit(live, shared.store.as_ref(), turn).await;
+            Err(actor_error(&live.id, error))
+        }
         Raced::Finished(Ok(Err(error))) => Err(actor_error(&live.id, error)),
         // The commit decision: only while the caller still waits.
         Raced::Finished(Ok(Ok(_))) if watch_caller && reply.is_closed() => {

@@ -181,6 +181,9 @@ pub(crate) struct Shared {
     /// Planted bug (simulator only): turns ignore that their caller gave up.
     #[cfg(feature = "planted-bugs")]
     pub(crate) planted_commit_after_abandon: bool,
+    /// Planted bug (simulator only): a turn whose handler failed commits anyway.
+    #[cfg(feature = "planted-bugs")]
+    pub(crate) planted_commit_failed_turn: bool,
 }
 
 impl Shared {
@@ -799,6 +802,8 @@ pub struct RuntimeBuilder {
     shutdown_grace: Duration,
     #[cfg(feature = "planted-bugs")]
     planted_commit_after_abandon: bool,
+    #[cfg(feature = "planted-bugs")]
+    planted_commit_failed_turn: bool,
 }
 
 impl Default for RuntimeBuilder {
@@ -810,6 +815,8 @@ impl Default for RuntimeBuilder {
             shutdown_grace: Duration::from_millis(SHUTDOWN_GRACE_MS_DEFAULT),
             #[cfg(feature = "planted-bugs")]
             planted_commit_after_abandon: false,
+            #[cfg(feature = "planted-bugs")]
+            planted_commit_failed_turn: false,
         }
     }
 }
@@ -848,6 +855,16 @@ impl RuntimeBuilder {
     #[cfg(feature = "planted-bugs")]
     pub fn plant_bug_commit_after_abandon(mut self) -> Self {
         self.planted_commit_after_abandon = true;
+        self
+    }
+
+    /// Plants a bug for trace validation (feature `planted-bugs`): a turn whose handler
+    /// returned an error (failed or rejected) still commits its changes, then answers
+    /// with the error. No DST invariant sees it when the turn changed nothing that is
+    /// read back; the trace spec (`docs/tla/TraceCallPath.tla`) refuses the commit.
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant_bug_commit_failed_turn(mut self) -> Self {
+        self.planted_commit_failed_turn = true;
         self
     }
 
@@ -916,6 +933,8 @@ impl RuntimeBuilder {
             next_call: AtomicU64::new(1),
             #[cfg(feature = "planted-bugs")]
             planted_commit_after_abandon: self.planted_commit_after_abandon,
+            #[cfg(feature = "planted-bugs")]
+            planted_commit_failed_turn: self.planted_commit_failed_turn,
         });
         let handle = RuntimeHandle { shared };
         let dispatcher = Dispatcher::new(handle.clone(), command_queue, control_queue);

@@ -75,6 +75,7 @@ pub(crate) struct ClusterConfig {
     pub(crate) admission: AdmissionMode,
     pub(crate) placement: Placement,
     pub(crate) plant_commit_after_abandon: bool,
+    pub(crate) plant_commit_failed_turn: bool,
     pub(crate) kind: KindConfig,
     pub(crate) agents: Option<AgentSetup>,
     pub(crate) llm_faults: LlmFaults,
@@ -319,6 +320,9 @@ async fn serve(
         .expect("the probe kind registers");
     if config.plant_commit_after_abandon {
         builder = builder.plant_bug_commit_after_abandon();
+    }
+    if config.plant_commit_failed_turn {
+        builder = builder.plant_bug_commit_failed_turn();
     }
     let (runtime, agents): (Option<Runtime>, Option<AgentSystem>) = match &config.agents {
         Some(setup) if node == AGENT_NODE => {

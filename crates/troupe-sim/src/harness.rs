@@ -55,6 +55,9 @@ pub struct SimConfig {
     /// Planted bug: turns ignore that their caller gave up and commit anyway
     /// (NoCommitAfterAbandon).
     pub plant_commit_after_abandon: bool,
+    /// Planted bug: a turn whose handler failed commits anyway. No DST invariant flags
+    /// it; trace validation does (`scripts/trace-check`).
+    pub plant_commit_failed_turn: bool,
 }
 
 impl Default for SimConfig {
@@ -70,6 +73,7 @@ impl Default for SimConfig {
             idle_timeout: Duration::from_millis(20),
             expect_violation: None,
             plant_commit_after_abandon: false,
+            plant_commit_failed_turn: false,
         }
     }
 }
@@ -331,6 +335,7 @@ impl Sim {
                 admission: config.admission,
                 placement: config.placement,
                 plant_commit_after_abandon: config.plant_commit_after_abandon,
+                plant_commit_failed_turn: config.plant_commit_failed_turn,
                 kind,
                 agents,
                 llm_faults: llm_faults.clone(),
@@ -684,6 +689,10 @@ impl Sim {
         self.trace.record(Event::Phase { name: "finish" });
         self.trace.finish();
         self.finished = true;
+        // Before the verdict, so that a failing run's trace is written too.
+        if let Err(error) = self.write_trace_file() {
+            panic!("{error}");
+        }
         let report = Report {
             scenario: self.scenario,
             seed: self.seed,
@@ -740,6 +749,24 @@ impl Sim {
         report
     }
 
+    /// With `TROUPE_TRACE_OUT=DIR` set, writes the whole trace to
+    /// `DIR/<test>__<scenario>__<seed>.ndjson` (see [`Trace::write_ndjson`]) for trace
+    /// validation against the TLA+ model (`scripts/trace-check`); a run that fails
+    /// writes what it recorded up to the failure (from `Drop`). Nothing when unset.
+    fn write_trace_file(&self) -> Result<(), String> {
+        let Some(dir) = std::env::var_os("TROUPE_TRACE_OUT") else {
+            return Ok(());
+        };
+        let dir = std::path::PathBuf::from(dir);
+        let path = dir.join(format!(
+            "{}__{}__{}.ndjson",
+            self.scenario.test, self.scenario.name, self.seed
+        ));
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| self.trace.write_ndjson(&path))
+            .map_err(|error| format!("could not write the trace to {}: {error}", path.display()))
+    }
+
     /// The replay command of this run.
     pub fn replay_command(&self) -> String {
         replay_command(self.scenario, self.seed)
@@ -750,7 +777,9 @@ impl Drop for Sim {
     fn drop(&mut self) {
         if !self.finished {
             // Unwinding from a failure (the hook has printed the replay command), or a
-            // scenario that forgot finish(): either way this run is over.
+            // scenario that forgot finish(): either way this run is over. Its trace so
+            // far is written if asked for; an error is ignored (no panic while unwinding).
+            let _ = self.write_trace_file();
             replay::unregister();
         }
     }

@@ -31,7 +31,11 @@ impl RuntimeObserver for TraceRuntimeObserver {
                 actor: actor.to_string(),
                 request: *request,
             }),
-            RuntimeEvent::TurnAbandoned { .. } => {}
+            RuntimeEvent::TurnAbandoned { actor, request } => self.trace.record(Event::TurnAbandoned {
+                node,
+                actor: actor.to_string(),
+                request: *request,
+            }),
         }
     }
 }

@@ -52,7 +52,10 @@ impl Default for TraceClock {
 
 /// Something that happened in a simulated run. Actors are named by their full id
 /// (`probe/a`); nodes by number (1-based). Times are trace microseconds.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+///
+/// Serialized (for [`Trace::write_ndjson`]) as one flat JSON object tagged by `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(tag = "kind")]
 pub enum Event {
     /// The harness entered a phase (`setup`, `safety`, `liveness`, `check`).
     Phase {
@@ -94,6 +97,17 @@ pub enum Event {
     /// `actor`'s turn for `request` on `node` decided to commit
     /// (`RuntimeEvent::TurnCommitting`).
     TurnCommitting {
+        /// The node.
+        node: u32,
+        /// The actor.
+        actor: String,
+        /// The request the turn handled.
+        request: u64,
+    },
+    /// `actor`'s turn for `request` on `node` was cancelled because its caller stopped
+    /// waiting; it committed nothing (`RuntimeEvent::TurnAbandoned`). The handler may
+    /// have been dropped mid-turn, so no `TurnEnded` need precede it.
+    TurnAbandoned {
         /// The node.
         node: u32,
         /// The actor.
@@ -380,6 +394,30 @@ impl Trace {
     /// Tolerated known-issue violations, by invariant.
     pub fn tolerated(&self) -> Vec<(&'static str, u64)> {
         self.lock().invariants.tolerated()
+    }
+
+    /// Writes every event so far to `path` as NDJSON: one JSON object per line, in
+    /// trace order, `{"seq":N,"at_us":T,"kind":"…",…fields}` (the fields of [`Event`]).
+    /// Test support: plain file IO outside the simulated clock, so it changes nothing
+    /// in the run. Trace validation (`scripts/trace-check`) reads these files.
+    ///
+    /// # Errors
+    /// If the file cannot be written.
+    pub fn write_ndjson(&self, path: &std::path::Path) -> std::io::Result<()> {
+        use std::io::Write;
+        let events = self.events();
+        let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+        for (seq, stamped) in events.iter().enumerate() {
+            let mut object = serde_json::Map::new();
+            object.insert("seq".to_string(), seq.into());
+            object.insert("at_us".to_string(), stamped.at_us.into());
+            if let serde_json::Value::Object(fields) = serde_json::to_value(&stamped.event)? {
+                object.extend(fields);
+            }
+            serde_json::to_writer(&mut out, &object)?;
+            out.write_all(b"\n")?;
+        }
+        out.flush()
     }
 
     /// The last events, one per line, for a failure report.
