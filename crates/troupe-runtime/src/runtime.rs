@@ -389,7 +389,8 @@ impl RuntimeHandle {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        self.send_only(target, Payload::Bytes(payload), deadline).await
+        self.send_only(target, Payload::Bytes(payload), CallContext::root(deadline))
+            .await
     }
 
     /// Fire-and-forget delivery of `payload` (see [`RuntimeHandle::tell`]).
@@ -397,9 +398,10 @@ impl RuntimeHandle {
         &self,
         target: &ActorId,
         payload: Payload,
-        deadline: Deadline,
+        context: CallContext,
     ) -> Result<(), InvokeError> {
         let shared = &*self.shared;
+        let deadline = context.deadline();
         if deadline.has_passed(shared.clock.now()) {
             return Err(InvokeError::Timeout {
                 target: target.clone(),
@@ -408,7 +410,7 @@ impl RuntimeHandle {
         }
         let envelope = Box::new(Envelope {
             payload,
-            context: CallContext::root(deadline),
+            context,
             reply: ReplyTo::Nobody,
             call: shared.next_call(),
             edge: false,

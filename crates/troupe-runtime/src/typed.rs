@@ -29,7 +29,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{ActorId, ActorKind, CallRefused, Deadline, InvokeError};
+use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::envelope::Payload;
 use crate::runtime::IN_TURN;
@@ -228,7 +228,7 @@ impl<A: TypedActor> ActorRef<A> {
         }
         let deadline = self.handle.deadline_in(timeout);
         self.handle
-            .send_only(&self.id, Payload::Value(Box::new(message)), deadline)
+            .send_only(&self.id, Payload::Value(Box::new(message)), CallContext::root(deadline))
             .await
     }
 }
