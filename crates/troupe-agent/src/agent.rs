@@ -26,7 +26,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{truncate_utf8, ActorId, Deadline, IdError};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, Turn};
+use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, RuntimeHandle, Turn};
 
 use crate::inbox::{AgentCommand, PendingSends, SharedSends};
 use crate::limits::{
@@ -308,6 +308,8 @@ pub(crate) struct AgentShared {
     /// The runtime's clock, set once the runtime has started (before any agent can
     /// activate): the time of the events the hooks report, which have no turn at hand.
     clock: OnceLock<Clock>,
+    /// The runtime, set once it has started: delivery tasks invoke through it.
+    runtime: OnceLock<RuntimeHandle>,
 }
 
 impl AgentShared {
@@ -326,18 +328,25 @@ impl AgentShared {
             stream: tokio::sync::broadcast::channel(crate::limits::AGENT_EVENT_STREAM_CAPACITY).0,
             next_call: AtomicU64::new(1),
             clock: OnceLock::new(),
+            runtime: OnceLock::new(),
         }
     }
 
-    /// Records the clock of the runtime the agents run in; the first call wins.
-    pub(crate) fn set_clock(&self, clock: Clock) {
-        let _ = self.clock.set(clock);
+    /// Records the runtime the agents run in (and its clock); the first call wins.
+    pub(crate) fn set_runtime(&self, runtime: RuntimeHandle) {
+        let _ = self.clock.set(runtime.clock());
+        let _ = self.runtime.set(runtime);
+    }
+
+    /// The runtime, once started.
+    pub(crate) fn runtime(&self) -> Option<RuntimeHandle> {
+        self.runtime.get().cloned()
     }
 
     /// The current time on the runtime's clock.
     ///
     /// # Panics
-    /// Before [`AgentShared::set_clock`]: the system sets it as soon as its runtime
+    /// Before [`AgentShared::set_runtime`]: the system sets it as soon as its runtime
     /// starts, before any agent can be activated.
     pub(crate) fn now(&self) -> Deadline {
         self.clock
@@ -529,6 +538,7 @@ impl ActorFactory for AgentFactory {
             id: id.clone(),
             state,
             shared: Arc::clone(&self.shared),
+            relaying: std::collections::BTreeSet::new(),
         }))
     }
 }
@@ -538,6 +548,8 @@ pub(crate) struct AgentActor {
     pub(crate) id: ActorId,
     pub(crate) state: AgentState,
     pub(crate) shared: Arc<AgentShared>,
+    /// Outbox seqs a delivery task of this activation is delivering.
+    pub(crate) relaying: std::collections::BTreeSet<u64>,
 }
 
 /// One conversation turn to run: the user message and who it serves.

@@ -19,9 +19,12 @@
 //!      admission (cycle, depth, known, in-flight, deadline) → child chain and depth
 //!      outbox/{s} + task/{A.s}=submitted     committed with A's turn
 //!      self-tell Relay{s}                    runs after the commit
-//! A: Relay{s}   invoke_as_root(B, Enqueue)  ── ack = B committed ──►  delete outbox/{s}
-//!               no ack: retry (after AGENT_DELIVERY_RETRY_MS) until the deadline;
-//!               a task that cannot be delivered resolves failed/rejected at A
+//! A: Relay{s}   spawns a delivery task (outside any turn: A's mailbox never waits on B)
+//!      task:    invoke(B, Enqueue)  ── ack = B committed ──►  tell A Delivered{s}
+//!               no ack: retry (after AGENT_DELIVERY_RETRY_MS) until the deadline
+//!               (results: until acknowledged); then tell A Undeliverable{s}
+//! A: Delivered{s}      delete outbox/{s}
+//! A: Undeliverable{s}  delete outbox/{s}; a task resolves failed/rejected at A
 //! B: Enqueue    seen? → Duplicate (ack again, no entry) · full? → Full (nothing kept)
 //!               inbox/{n} + seen/{id} (+ tasks_in/{task})  committed, then the ack
 //!               self-tell Process{n} under the entry's chain, depth and deadline
@@ -240,6 +243,10 @@ pub(crate) enum AgentCommand {
     Process { seq: u64 },
     /// Deliver outbox entry `seq` (no-op if it is gone).
     Relay { seq: u64 },
+    /// A delivery task's report: outbox entry `seq` was acknowledged.
+    Delivered { seq: u64 },
+    /// A delivery task's report: outbox entry `seq` cannot be delivered.
+    Undeliverable { seq: u64, cause: String, state: TaskState },
     /// Re-schedule pending inbox and outbox entries after the given seqs.
     Resume {
         inbox_after: Option<u64>,

@@ -41,6 +41,10 @@ impl AgentActor {
             AgentCommand::Enqueue(entry) => self.enqueue(turn, entry).await,
             AgentCommand::Process { seq } => self.process(turn, seq).await.map(|()| Bytes::new()),
             AgentCommand::Relay { seq } => self.relay(turn, seq).await.map(|()| Bytes::new()),
+            AgentCommand::Delivered { seq } => self.delivered(turn, seq).await.map(|()| Bytes::new()),
+            AgentCommand::Undeliverable { seq, cause, state } => {
+                self.undeliverable(turn, seq, cause, state).await.map(|()| Bytes::new())
+            }
             AgentCommand::Resume {
                 inbox_after,
                 outbox_after,
@@ -287,90 +291,66 @@ impl AgentActor {
         Ok(())
     }
 
-    /// Delivers outbox entry `seq` to its target's inbox: deleted once acknowledged;
-    /// retried after a transient failure; given up at its deadline or on a permanent
-    /// refusal, except results, which are retried until acknowledged.
+    /// Starts delivering outbox entry `seq` to its target's inbox, outside this turn (a
+    /// delivery task waits for the acknowledgement, so this agent's mailbox never waits
+    /// on another agent's): `Delivered` deletes it once acknowledged; a transient failure
+    /// is retried; at its deadline or on a permanent refusal, `Undeliverable` gives it
+    /// up, except results, which are retried until acknowledged.
     async fn relay(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
         let key = outbox_key(seq);
+        if self.relaying.contains(&seq) {
+            return Ok(()); // a delivery task of this activation has it
+        }
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(()); // delivered already
         };
         let out: OutboxEntry = from_json(&key, &bytes)?;
-        let payload = AgentCommand::Enqueue(out.entry.clone()).encode();
-        let target_known = self.shared.directory.contains(out.to.key());
-        let result = if target_known {
-            turn.caller()
-                .invoke_as_root(&out.to, payload, Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS))
-                .await
-        } else {
-            Err(InvokeError::Refused(CallRefused::AgentNotFound {
-                target: out.to.clone(),
-            }))
+        let Some(runtime) = self.shared.runtime() else {
+            return Err(ActorError::failed("the agent system has not started"));
         };
-        let permanent = match result {
-            Ok(reply) => match bincode::deserialize::<EnqueueReply>(&reply) {
-                Ok(EnqueueReply::Accepted | EnqueueReply::Duplicate) => {
-                    turn.delete(key)?;
-                    self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
-                    self.shared.emit(&AgentEvent::MessageSent {
-                        msg_id: out.entry.msg_id.clone(),
-                        from: Some(self.id.clone()),
-                        to: out.to.clone(),
-                        kind: out.entry.body.kind(),
-                        at: turn.now(),
-                    });
-                    return Ok(());
-                }
-                Ok(EnqueueReply::Full { .. }) => None,
-                Err(error) => Some(format!("malformed acknowledgement: {error}")),
-            },
-            Err(InvokeError::Shutdown) => return Ok(()), // resumed at the next start
-            Err(
-                error @ (InvokeError::Refused(CallRefused::AgentNotFound { .. })
-                | InvokeError::ActorNotFound { .. }
-                | InvokeError::Rejected { .. }),
-            ) => Some(error.to_string()),
-            Err(_transient) => None,
-        };
-        let is_result = matches!(out.entry.body, InboxBody::TaskUpdate { .. });
-        let expired = out.entry.context.deadline().has_passed(turn.now());
-        match permanent {
-            Some(cause) if !is_result || !target_known => {
-                self.give_up(turn, seq, out, cause, TaskState::Rejected).await
-            }
-            _ if expired && !is_result => {
-                let cause = "the deadline passed before it could be delivered".to_string();
-                self.give_up(turn, seq, out, cause, TaskState::Failed).await
-            }
-            _ => {
-                tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await;
-                turn.caller()
-                    .tell(&self.id, AgentCommand::Relay { seq }.encode(), WAKE_TIMEOUT)
-                    .await
-                    .map_err(wake_failed)
-            }
-        }
+        self.relaying.insert(seq);
+        let shared = std::sync::Arc::clone(&self.shared);
+        let sender = self.id.clone();
+        tokio::spawn(deliver(runtime, shared, sender, seq, out));
+        Ok(())
     }
 
-    /// Drops an undeliverable outbox entry; a task resolves at once (its delegator is
-    /// this agent) and its failure is processed as a new turn.
-    async fn give_up(
+    /// The delivery task's report: outbox entry `seq` was acknowledged.
+    async fn delivered(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
+        self.relaying.remove(&seq);
+        let key = outbox_key(seq);
+        if turn.get(&key).await?.is_some() {
+            turn.delete(key)?;
+            self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    /// The delivery task's report: outbox entry `seq` cannot be delivered. It is
+    /// dropped; a task resolves at once (its delegator is this agent) and its failure is
+    /// processed as a new turn.
+    async fn undeliverable(
         &mut self,
         turn: &mut Turn,
         seq: u64,
-        out: OutboxEntry,
         cause: String,
         state: TaskState,
     ) -> Result<(), ActorError> {
+        self.relaying.remove(&seq);
+        let key = outbox_key(seq);
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(());
+        };
+        let out: OutboxEntry = from_json(&key, &bytes)?;
         tracing::warn!(agent = %self.id, msg = %out.entry.msg_id, to = %out.to, %cause, "giving up a delivery");
-        turn.delete(outbox_key(seq))?;
+        turn.delete(key)?;
         self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
         let InboxBody::Task { task_id, .. } = &out.entry.body else {
             return Ok(());
         };
         // Deliver the failure to itself, through its own inbox (deduplicated by task).
         let entry = InboxEntry {
-            msg_id: format!("{}.undeliverable", task_id),
+            msg_id: format!("{task_id}.undeliverable"),
             from: None,
             body: InboxBody::TaskUpdate {
                 task_id: task_id.clone(),
@@ -579,3 +559,85 @@ pub(crate) fn notify_tool() -> Tool {
 pub fn send_schema() -> serde_json::Value {
     tool_parameters_schema::<SendArguments>()
 }
+
+/// Delivers one outbox entry from outside any turn: retries until acknowledged, until
+/// its deadline (results: forever, while the target exists), or until the runtime stops;
+/// then reports to the sender (`Delivered` or `Undeliverable`; if that report is lost,
+/// the entry stays in the outbox and the next resume delivers it again, deduplicated).
+async fn deliver(
+    runtime: troupe_runtime::RuntimeHandle,
+    shared: std::sync::Arc<crate::agent::AgentShared>,
+    sender: troupe_core::ActorId,
+    seq: u64,
+    out: OutboxEntry,
+) {
+    let payload = AgentCommand::Enqueue(out.entry.clone()).encode();
+    let is_result = matches!(out.entry.body, InboxBody::TaskUpdate { .. });
+    let report = loop {
+        let target_known = shared.directory.contains(out.to.key());
+        let result = if target_known {
+            runtime
+                .invoke_within(
+                    &out.to,
+                    payload.clone(),
+                    Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS),
+                )
+                .await
+        } else {
+            Err(InvokeError::Refused(CallRefused::AgentNotFound {
+                target: out.to.clone(),
+            }))
+        };
+        let permanent = match result {
+            Ok(reply) => match bincode::deserialize::<EnqueueReply>(&reply) {
+                Ok(EnqueueReply::Accepted | EnqueueReply::Duplicate) => {
+                    shared.emit(&AgentEvent::MessageSent {
+                        msg_id: out.entry.msg_id.clone(),
+                        from: Some(sender.clone()),
+                        to: out.to.clone(),
+                        kind: out.entry.body.kind(),
+                        at: runtime.now(),
+                    });
+                    break AgentCommand::Delivered { seq };
+                }
+                Ok(EnqueueReply::Full { .. }) => None,
+                Err(error) => Some(format!("malformed acknowledgement: {error}")),
+            },
+            Err(InvokeError::Shutdown) => return, // resumed at the next start
+            Err(
+                error @ (InvokeError::Refused(CallRefused::AgentNotFound { .. })
+                | InvokeError::ActorNotFound { .. }
+                | InvokeError::Rejected { .. }),
+            ) => Some(error.to_string()),
+            Err(_transient) => None,
+        };
+        match permanent {
+            Some(cause) if !is_result || !target_known => {
+                break AgentCommand::Undeliverable {
+                    seq,
+                    cause,
+                    state: TaskState::Rejected,
+                }
+            }
+            _ if !is_result && out.entry.context.deadline().has_passed(runtime.now()) => {
+                break AgentCommand::Undeliverable {
+                    seq,
+                    cause: "the deadline passed before it could be delivered".to_string(),
+                    state: TaskState::Failed,
+                }
+            }
+            _ => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
+        }
+    };
+    let deadline = runtime.deadline_in(WAKE_TIMEOUT);
+    for _ in 0..REPORT_ATTEMPTS {
+        match runtime.tell(&sender, report.encode(), deadline).await {
+            Ok(()) | Err(InvokeError::Shutdown) => return,
+            Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
+        }
+    }
+    tracing::warn!(agent = %sender, seq, "could not report a delivery; the next resume delivers it again");
+}
+
+/// How often a delivery task tries to report its outcome to the sender.
+const REPORT_ATTEMPTS: u32 = 10;

@@ -51,9 +51,11 @@ pub const AGENT_TASKS_OPEN_MAX: u64 = 64;
 /// Entries one agent's outbox holds (notifications, tasks, results and cancellations
 /// not yet acknowledged by their target); one more is refused.
 pub const AGENT_OUTBOX_CAPACITY: u64 = 256;
-/// How long a relay waits for the target's acknowledgement (= persisted) of one
-/// delivery, in milliseconds, before it retries.
-pub const AGENT_DELIVERY_ACK_TIMEOUT_MS: u64 = 2_000;
+/// How long a delivery waits for the target's acknowledgement (= persisted) of one
+/// append, in milliseconds, before it retries: the append queues behind the target's
+/// running turn (a model call), so this is as long as a long model turn. Delivery
+/// tasks wait outside any turn, so the wait blocks no agent.
+pub const AGENT_DELIVERY_ACK_TIMEOUT_MS: u64 = 30_000;
 /// The pause before a failed delivery is retried, in milliseconds.
 pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;
 /// The deadline of a delegated task or a notification when none is given, in

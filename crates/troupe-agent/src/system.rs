@@ -139,7 +139,7 @@ impl AgentSystemBuilder {
             shared: Arc::clone(&shared),
         };
         let runtime = self.runtime.register(kind, factory, self.kind_config)?.start();
-        shared.set_clock(runtime.handle().clock());
+        shared.set_runtime(runtime.handle());
         let client = AgentClient {
             runtime: runtime.handle(),
             shared,
@@ -315,6 +315,7 @@ impl AgentClient {
             },
             context: CallContext::root(task_deadline(now, timeout_ms)),
         };
+        // The agent may be in a long turn: the append waits for it.
         let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
         let reply = self
             .runtime
@@ -478,12 +479,15 @@ impl AgentClient {
     /// [`StoreError`] if reading a snapshot fails.
     pub async fn resume_pending(&self) -> Result<usize, StoreError> {
         let mut woken = 0;
+        let store = self.runtime.store();
         for spec in self.shared.directory.list() {
-            let (inbox, outbox) = self.pending(&spec.id).await?;
-            if inbox == 0 && outbox == 0 {
+            let Ok(id) = agent_id(&spec.id) else { continue };
+            // The entries themselves, not the snapshot's counters: a plain key read.
+            let inbox = store.scan(&id, "inbox/", None, 1).await?;
+            let outbox = store.scan(&id, "outbox/", None, 1).await?;
+            if inbox.is_empty() && outbox.is_empty() {
                 continue;
             }
-            let Ok(id) = agent_id(&spec.id) else { continue };
             let resume = AgentCommand::Resume {
                 inbox_after: None,
                 outbox_after: None,

@@ -445,3 +445,91 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
         run_with_crash(crash_at).await;
     }
 }
+
+/// Goal: on tokio's multi-thread runtime, many concurrent notifications and delegations
+/// between four agents (each delegating to the next, notifying the one after) are each
+/// processed exactly once and every delegation resolves completed exactly once.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_notifications_and_delegations_on_the_multi_thread_runtime_are_processed_once() {
+    const AGENTS: [&str; 4] = ["a0", "a1", "a2", "a3"];
+    const ROUNDS: usize = 10;
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("[task")
+                .reply("done {input}"),
+        )
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("[notification")
+                .reply("noted"),
+        )
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("you delegated is")
+                .reply("thanks"),
+        )
+        .without_recording();
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &AGENTS, Arc::new(MemoryStore::new()), &recorder);
+    let mut handles = Vec::new();
+    for round in 0..ROUNDS {
+        for (i, agent) in AGENTS.iter().enumerate() {
+            let client = system.client();
+            let next = AGENTS[(i + 1) % AGENTS.len()];
+            let after = AGENTS[(i + 2) % AGENTS.len()];
+            handles.push(tokio::spawn(async move {
+                let task = client
+                    .delegate(agent, next, &format!("job {agent}-{round}"), None)
+                    .await
+                    .unwrap();
+                let note = format!("note {agent}-{round}");
+                client.notify_as(agent, after, &note).await.unwrap();
+                client
+                    .notify_with_id(
+                        after,
+                        &format!("ext-{agent}-{round}"),
+                        &format!("ext {agent}-{round}"),
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                (agent.to_string(), task)
+            }));
+        }
+    }
+    let mut tasks = Vec::new();
+    for handle in handles {
+        tasks.push(handle.await.unwrap());
+    }
+    // Real time here: wait until every inbox and outbox is empty (bounded).
+    for _ in 0..200 {
+        let mut pending = 0;
+        for agent in AGENTS {
+            let (inbox, outbox) = system.pending(agent).await.unwrap();
+            pending += inbox + outbox;
+        }
+        if pending == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (agent, task) in &tasks {
+        let status = system.task(agent, task).await.unwrap().unwrap();
+        assert_eq!(status.state, TaskState::Completed, "{agent} {task}");
+    }
+    for (i, agent) in AGENTS.iter().enumerate() {
+        let log = system.conversation_log(agent).await.unwrap();
+        let before = AGENTS[(i + AGENTS.len() - 1) % AGENTS.len()];
+        let two_before = AGENTS[(i + AGENTS.len() - 2) % AGENTS.len()];
+        for round in 0..ROUNDS {
+            assert_eq!(user_messages_containing(&log, &format!("job {before}-{round}")), 1);
+            assert_eq!(user_messages_containing(&log, &format!("note {two_before}-{round}")), 1);
+            assert_eq!(user_messages_containing(&log, &format!("ext {two_before}-{round}")), 1);
+        }
+        assert_eq!(user_messages_containing(&log, "you delegated is completed"), ROUNDS);
+        assert_eq!(system.pending(agent).await.unwrap(), (0, 0));
+    }
+    system.shutdown().await;
+}
