@@ -165,6 +165,9 @@ pub enum InboxError {
         /// Why.
         cause: String,
     },
+    /// A caller-chosen message id must not be empty.
+    #[error("a message id must not be empty")]
+    EmptyMessageId,
     /// No such task among the agent's delegations.
     #[error("{agent} has no task {task_id:?}")]
     UnknownTask {
@@ -279,10 +282,10 @@ impl AgentCommand {
 }
 
 /// The acknowledgement of an `Enqueue`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum EnqueueReply {
-    /// Appended and committed.
-    Accepted,
+    /// Appended and committed, under this id.
+    Accepted { msg_id: String },
     /// Seen before (or a result of a task already resolved): nothing new kept.
     Duplicate,
     /// The inbox is full: nothing kept.

@@ -95,6 +95,11 @@ impl AgentActor {
     /// reply (the acknowledgement) leaves only after the commit.
     async fn enqueue(&mut self, turn: &mut Turn, mut entry: InboxEntry) -> Result<Bytes, ActorError> {
         let now = turn.now();
+        if entry.msg_id.is_empty() {
+            // An id-less message (`AgentClient::notify`): the inbox names it, uniquely
+            // for good (its seq is committed with it); there is nothing to dedupe.
+            entry.msg_id = format!("{}.in{}", self.id.key(), self.state.boxes.inbox_next);
+        }
         let kind = entry.body.kind();
         let seen = seen_key(&entry.msg_id);
         let received = |duplicate: bool| AgentEvent::MessageReceived {
@@ -148,7 +153,9 @@ impl AgentActor {
                     if turn.get(&seen_key(task_id)).await?.is_none() {
                         turn.put(canceled_key(task_id), Bytes::new())?;
                     }
-                    return Ok(encode_reply(&EnqueueReply::Accepted));
+                    return Ok(encode_reply(&EnqueueReply::Accepted {
+                        msg_id: entry.msg_id.clone(),
+                    }));
                 };
                 {
                     // Not started yet: drop it and tell the delegator.
@@ -167,7 +174,9 @@ impl AgentActor {
                         self.flush_sends(turn, sends).await?;
                     }
                 }
-                return Ok(encode_reply(&EnqueueReply::Accepted));
+                return Ok(encode_reply(&EnqueueReply::Accepted {
+                    msg_id: entry.msg_id.clone(),
+                }));
             }
             InboxBody::Task { task_id, .. } if turn.get(&canceled_key(task_id)).await?.is_some() => {
                 turn.delete(canceled_key(task_id))?;
@@ -183,7 +192,9 @@ impl AgentActor {
                     sends.push_raw(to, body, CallContext::root(entry.context.deadline()));
                     self.flush_sends(turn, sends).await?;
                 }
-                return Ok(encode_reply(&EnqueueReply::Accepted));
+                return Ok(encode_reply(&EnqueueReply::Accepted {
+                    msg_id: entry.msg_id.clone(),
+                }));
             }
             InboxBody::Notify { .. } | InboxBody::Task { .. } => {
                 if self.state.boxes.inbox_len >= AGENT_INBOX_CAPACITY {
@@ -203,7 +214,9 @@ impl AgentActor {
         self.state.boxes.inbox_len += 1;
         self.shared.emit(&received(false));
         self.schedule_process(turn, seq, &entry.context).await?;
-        Ok(encode_reply(&EnqueueReply::Accepted))
+        Ok(encode_reply(&EnqueueReply::Accepted {
+            msg_id: entry.msg_id.clone(),
+        }))
     }
 
     fn pending_sends(&self) -> PendingSends {
@@ -590,7 +603,7 @@ async fn deliver(
         };
         let permanent = match result {
             Ok(reply) => match bincode::deserialize::<EnqueueReply>(&reply) {
-                Ok(EnqueueReply::Accepted | EnqueueReply::Duplicate) => {
+                Ok(EnqueueReply::Accepted { .. } | EnqueueReply::Duplicate) => {
                     shared.emit(&AgentEvent::MessageSent {
                         msg_id: out.entry.msg_id.clone(),
                         from: Some(sender.clone()),

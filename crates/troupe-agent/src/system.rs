@@ -276,28 +276,27 @@ impl AgentClient {
         result
     }
 
-    /// Sends agent `agent` a notification from outside, with a fresh message id, and
-    /// returns the id once the notification is persisted in its inbox. The agent
-    /// processes it in a turn of its own, exactly once.
+    /// Sends agent `agent` a notification from outside and returns its id once it is
+    /// persisted in the agent's inbox, which names it (`{agent}.in{seq}`, unique for
+    /// good). The agent processes it in a turn of its own, exactly once. A retry after an
+    /// error may append it twice: use [`AgentClient::notify_with_id`] to retry safely.
     ///
     /// # Errors
     /// As [`AgentClient::notify_with_id`].
     pub async fn notify(&self, agent: &str, text: &str) -> Result<String, InboxError> {
-        let n = self.shared.next_call_id();
-        let msg_id = format!("client.{}.{n}", self.runtime.now().as_micros());
-        self.notify_with_id(agent, &msg_id, text, None).await?;
-        Ok(msg_id)
+        self.append_notification(agent, "", text, None).await
     }
 
-    /// Sends agent `agent` notification `msg_id` from outside, to be processed before
-    /// `timeout_ms` (default and cap as for tasks); returns once it is persisted in the
-    /// agent's inbox (acknowledged), or was already there: retrying with the same id
-    /// never makes a second entry.
+    /// Sends agent `agent` notification `msg_id` (non-empty, chosen by the caller) from
+    /// outside, to be processed before `timeout_ms` (default and cap as for tasks);
+    /// returns once it is persisted in the agent's inbox (acknowledged), or was already
+    /// there: retrying with the same id never makes a second entry.
     ///
     /// # Errors
     /// [`InboxError::Full`] (nothing kept), [`InboxError::Refused`] (`AgentNotFound`),
-    /// [`InboxError::InvalidAgentId`], [`InboxError::Invoke`] (timeout, storage,
-    /// shutdown: whether it was kept is unknown; retry with the same id).
+    /// [`InboxError::InvalidAgentId`], [`InboxError::EmptyMessageId`],
+    /// [`InboxError::Invoke`] (timeout, storage, shutdown: whether it was kept is
+    /// unknown; retry with the same id).
     pub async fn notify_with_id(
         &self,
         agent: &str,
@@ -305,6 +304,21 @@ impl AgentClient {
         text: &str,
         timeout_ms: Option<u64>,
     ) -> Result<(), InboxError> {
+        if msg_id.is_empty() {
+            return Err(InboxError::EmptyMessageId);
+        }
+        self.append_notification(agent, msg_id, text, timeout_ms)
+            .await
+            .map(|_| ())
+    }
+
+    async fn append_notification(
+        &self,
+        agent: &str,
+        msg_id: &str,
+        text: &str,
+        timeout_ms: Option<u64>,
+    ) -> Result<String, InboxError> {
         let target = self.known_agent(agent)?;
         let now = self.runtime.now();
         let entry = InboxEntry {
@@ -321,19 +335,19 @@ impl AgentClient {
             .runtime
             .invoke_within(&target, AgentCommand::Enqueue(entry).encode(), ack)
             .await?;
-        match decode_reply::<EnqueueReply>(&reply)? {
-            EnqueueReply::Accepted | EnqueueReply::Duplicate => {
-                self.shared.emit(&AgentEvent::MessageSent {
-                    msg_id: msg_id.to_string(),
-                    from: None,
-                    to: target,
-                    kind: MessageKind::Notification,
-                    at: self.runtime.now(),
-                });
-                Ok(())
-            }
-            EnqueueReply::Full { capacity } => Err(InboxError::Full { target, capacity }),
-        }
+        let msg_id = match decode_reply::<EnqueueReply>(&reply)? {
+            EnqueueReply::Accepted { msg_id } => msg_id,
+            EnqueueReply::Duplicate => msg_id.to_string(),
+            EnqueueReply::Full { capacity } => return Err(InboxError::Full { target, capacity }),
+        };
+        self.shared.emit(&AgentEvent::MessageSent {
+            msg_id: msg_id.clone(),
+            from: None,
+            to: target,
+            kind: MessageKind::Notification,
+            at: self.runtime.now(),
+        });
+        Ok(msg_id)
     }
 
     /// Makes agent `from` send agent `to` a notification, as its `notify_agent` tool
