@@ -227,7 +227,10 @@ impl AgentActor {
     /// Tells itself to process inbox entry `seq` under the entry's context (plus the
     /// grace that lets a timed-out model loop commit its failure).
     async fn schedule_process(&self, turn: &Turn, seq: u64, context: &CallContext) -> Result<(), ActorError> {
-        let deadline = troupe_core::Deadline::after(context.deadline(), Duration::from_millis(PROCESS_GRACE_MS));
+        // An entry already past its deadline is still scheduled (now + grace): its turn
+        // resolves it as failed instead of leaving it to the next resume.
+        let latest = context.deadline().max(turn.now());
+        let deadline = troupe_core::Deadline::after(latest, Duration::from_millis(PROCESS_GRACE_MS));
         turn.caller()
             .tell_self_in(AgentCommand::Process { seq }.encode(), context.with_deadline(deadline))
             .await
@@ -383,6 +386,12 @@ impl AgentActor {
         inbox_after: Option<u64>,
         outbox_after: Option<u64>,
     ) -> Result<(), ActorError> {
+        if inbox_after.is_none() && outbox_after.is_none() {
+            // A fresh resume re-sends every delivery, also those this activation believes
+            // in flight (a delivery task whose report was lost would otherwise hold its
+            // seq here until the activation ends; a second delivery is deduplicated).
+            self.relaying.clear();
+        }
         let after = inbox_after.map(inbox_key);
         let inbox = turn.scan("inbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
         let mut next_inbox = None;

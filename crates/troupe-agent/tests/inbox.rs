@@ -316,12 +316,7 @@ async fn refused_delegations_keep_nothing_and_an_expired_task_resolves_failed_un
     let status = system.task("coordinator", &short).await.unwrap().unwrap();
     assert_eq!(
         (status.state, status.result.as_deref()),
-        // Its append came after its deadline (and its processing deadline) had passed:
-        // the append could not schedule it, so the sender gave the delivery up.
-        (
-            TaskState::Failed,
-            Some("the deadline passed before it could be delivered")
-        )
+        (TaskState::Failed, Some("the deadline passed before work started"))
     );
     let analyst = system.conversation_log("analyst").await.unwrap();
     assert_eq!(user_messages_containing(&analyst, "short one"), 0);
