@@ -333,7 +333,20 @@ async fn run_handoff(system: &AgentSystem) -> (Vec<String>, Option<TaskState>) {
     let review = tokio::time::timeout(Duration::from_millis(DEMO_HANDOFF_TIMEOUT_MS), follow)
         .await
         .unwrap_or(None);
-    // Let the coordinator's turn on the review finish before the logs are read.
+    // Let the coordinator's turn on the review (and the researcher's append, which races
+    // with the delegation) finish before the logs are read; keep their events.
     tokio::time::sleep(Duration::from_secs(1)).await;
+    while let Ok(event) = events.try_recv() {
+        if let AgentEvent::MessageReceived {
+            msg_id,
+            agent,
+            kind,
+            duplicate: false,
+            ..
+        } = event
+        {
+            lines.push(format!("{} received {kind:?} {msg_id}", agent.key()));
+        }
+    }
     (lines, review)
 }

@@ -74,13 +74,18 @@ async fn the_demo_answers_refuses_the_cycle_and_times_out_the_slow_agent() {
          hand-off notification: user, delegate + notify calls, two results, answer (5); \
          the review coming back: user, answer (2)"
     );
+    // The researcher's append races with the delegation (its place depends on the seed
+    // under the simulator): compare what follows the first two lines as a set.
+    let mut handoff = report.handoff.clone();
+    handoff[2..].sort();
     assert_eq!(
-        report.handoff,
+        handoff,
         [
             "coordinator received Notification coordinator.in0",
             "coordinator delegated task coordinator.0 to critic",
-            "researcher received Notification coordinator.1",
+            "coordinator received TaskUpdate critic.0",
             "critic received Task coordinator.0",
+            "researcher received Notification coordinator.1",
             "task coordinator.0 completed (back at coordinator)",
         ]
     );

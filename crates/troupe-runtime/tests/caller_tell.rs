@@ -111,6 +111,8 @@ async fn tells_follow_the_call_rules_and_self_tells_keep_the_chain() {
         .invoke(&node("a"), Bytes::from("hop:b:tell:c:done"), a_deadline)
         .await
         .unwrap();
+    // Told turns run on their own: let each finish before the next request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     runtime
         .invoke(
             &node("a"),
@@ -119,6 +121,8 @@ async fn tells_follow_the_call_rules_and_self_tells_keep_the_chain() {
         )
         .await
         .unwrap();
+    // Told turns run on their own: let each finish before the next request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     runtime
         .invoke(
             &node("a"),
@@ -127,6 +131,8 @@ async fn tells_follow_the_call_rules_and_self_tells_keep_the_chain() {
         )
         .await
         .unwrap();
+    // Told turns run on their own: let each finish before the next request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     runtime
         .invoke(
             &node("a"),
@@ -135,6 +141,8 @@ async fn tells_follow_the_call_rules_and_self_tells_keep_the_chain() {
         )
         .await
         .unwrap();
+    // Told turns run on their own: let each finish before the next request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     runtime
         .invoke(
             &node("a"),
