@@ -626,3 +626,108 @@ async fn concurrent_notifications_and_delegations_on_the_multi_thread_runtime_ar
     }
     system.shutdown().await;
 }
+
+/// Goal: a full inbox refuses at append time with `Full` and keeps nothing, never drops
+/// an acknowledged entry. Method: while the analyst is in a 5 s turn, 300 appends queue
+/// in its (enlarged) mailbox; they then run back to back, before any processing turn
+/// (those are told to the back of the mailbox), so exactly 256 fill the inbox and 44
+/// are refused.
+#[tokio::test(start_paused = true)]
+async fn a_full_inbox_refuses_at_append_time_and_every_acknowledged_entry_is_processed() {
+    const SENT: usize = 300;
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(Duration::from_secs(5)),
+        )
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("[notification")
+                .reply("noted")
+                .latency(Duration::from_millis(100)),
+        )
+        .without_recording();
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("analyst"))
+        .kind_config(troupe_runtime::KindConfig::default().with_mailbox_capacity(1_024))
+        .start()
+        .unwrap();
+    let client = system.client();
+    let hold = tokio::spawn(async move { client.ask("analyst", "hold").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut sends = Vec::new();
+    for i in 0..SENT {
+        let client = system.client();
+        sends.push(tokio::spawn(async move {
+            client
+                .notify_with_id("analyst", &format!("n{i}"), &format!("note {i};"), Some(300_000))
+                .await
+        }));
+    }
+    let mut accepted = Vec::new();
+    let mut full = Vec::new();
+    for (i, send) in sends.into_iter().enumerate() {
+        match send.await.unwrap() {
+            Ok(()) => accepted.push(i),
+            Err(InboxError::Full { capacity, .. }) => {
+                assert_eq!(capacity, troupe_agent::limits::AGENT_INBOX_CAPACITY);
+                full.push(i);
+            }
+            Err(other) => panic!("{other}"),
+        }
+    }
+    assert_eq!(hold.await.unwrap().unwrap().text, "held");
+    assert_eq!((accepted.len(), full.len()), (256, 44));
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let log = system.conversation_log("analyst").await.unwrap();
+    assert_eq!(user_messages_containing(&log, "[notification"), 256);
+    for i in accepted {
+        assert_eq!(user_messages_containing(&log, &format!("note {i};")), 1, "note {i}");
+    }
+    for i in full {
+        assert_eq!(user_messages_containing(&log, &format!("note {i};")), 0, "note {i}");
+    }
+    assert_eq!(system.pending("analyst").await.unwrap(), (0, 0));
+    system.shutdown().await;
+}
+
+/// Goal: the chain travels with the task: the delegatee cannot delegate back to its
+/// delegator (refused as a cycle), so a delegate ping-pong is refused at the first
+/// bounce, and the refusal reaches the delegator as the task's result.
+#[tokio::test(start_paused = true)]
+async fn a_task_cannot_be_delegated_back_to_its_delegator() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("analyst").on_user_containing("[task").call(
+            "delegate_to_agent",
+            json!({"agent_id": "coordinator", "message": "you do it"}),
+        ))
+        .rule(ScriptRule::agent("analyst").on_tool_result().reply("{tool_result}"))
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_user_containing("you delegated is")
+                .reply("ok"),
+        );
+    let recorder = CallRecorder::new();
+    let system = start(
+        &llm,
+        &["coordinator", "analyst"],
+        Arc::new(MemoryStore::new()),
+        &recorder,
+    );
+    let task = system.delegate("coordinator", "analyst", "work", None).await.unwrap();
+    settle().await;
+    let status = system.task("coordinator", &task).await.unwrap().unwrap();
+    assert_eq!(status.state, TaskState::Completed);
+    assert_eq!(
+        status.result.as_deref(),
+        Some(
+            "error: delegate_to_agent failed: refused: cycle detected: agent/coordinator -> agent/analyst -> \
+             agent/coordinator (an agent in a call chain cannot be called again until it answers)"
+        )
+    );
+    assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0));
+    system.shutdown().await;
+}
