@@ -335,7 +335,7 @@ async fn refused_delegations_keep_nothing_and_an_expired_task_resolves_failed_un
 /// A store that "crashes the process" at its k-th commit: that commit is applied but
 /// reported failed, and every later operation fails.
 struct CrashStore {
-    inner: MemoryStore,
+    inner: Arc<dyn StateStore>,
     commits: AtomicU64,
     crash_at: u64,
     crashed: AtomicBool,
@@ -411,12 +411,11 @@ impl StateStore for CrashStore {
 
 /// Runs delegate + notify with a crash at commit `crash_at` (0: never), restarts on
 /// the same data, and checks the invariants. Returns the commits of the first run.
-async fn run_with_crash(crash_at: u64) -> Vec<String> {
+async fn run_with_crash(crash_at: u64, data: Arc<dyn StateStore>) -> Vec<String> {
     let llm = delegation_script();
     let recorder = CallRecorder::new();
-    let data = MemoryStore::new();
     let crash = Arc::new(CrashStore {
-        inner: data.clone(),
+        inner: Arc::clone(&data),
         commits: AtomicU64::new(0),
         crash_at,
         crashed: AtomicBool::new(false),
@@ -433,7 +432,7 @@ async fn run_with_crash(crash_at: u64) -> Vec<String> {
     settle().await;
     let commits = crash.log.lock().unwrap().clone();
     drop(first); // the process dies (if it has not already, in effect)
-    let second = start(&llm, &["coordinator", "analyst"], Arc::new(data.clone()), &recorder);
+    let second = start(&llm, &["coordinator", "analyst"], data, &recorder);
     settle().await;
     let coordinator = second.conversation_log("coordinator").await.unwrap();
     let analyst = second.conversation_log("analyst").await.unwrap();
@@ -491,7 +490,7 @@ async fn run_with_crash(crash_at: u64) -> Vec<String> {
 /// after), then restarting on the same data.
 #[tokio::test(start_paused = true)]
 async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
-    let commits = run_with_crash(0).await;
+    let commits = run_with_crash(0, Arc::new(MemoryStore::new())).await;
     // The crash points, in the order the fault-free run commits them (docs/architecture.md).
     let expected = [
         "coordinator: log/0 log/1 log/2 log/3 outbox/0 task/coordinator.0",
@@ -535,7 +534,19 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
         );
     }
     for crash_at in 1..=commits.len() as u64 {
-        run_with_crash(crash_at).await;
+        run_with_crash(crash_at, Arc::new(MemoryStore::new())).await;
+    }
+}
+
+/// Goal: the same crash points on the SQLite store (one in-memory database shared by
+/// the crashed system and its successor).
+#[tokio::test(start_paused = true)]
+async fn delegate_and_notify_survive_a_crash_at_every_commit_in_sqlite() {
+    let sqlite = || Arc::new(SqliteStore::open_in_memory().unwrap()) as Arc<dyn StateStore>;
+    let commits = run_with_crash(0, sqlite()).await;
+    assert_eq!(commits.len(), 9);
+    for crash_at in 1..=commits.len() as u64 {
+        run_with_crash(crash_at, sqlite()).await;
     }
 }
 
