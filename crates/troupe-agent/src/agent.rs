@@ -20,14 +20,15 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{truncate_utf8, ActorId, Deadline, IdError};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, Turn};
+use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, RuntimeHandle, Turn};
 
+use crate::inbox::{AgentCommand, PendingSends, SharedSends};
 use crate::limits::{
     AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_PEERS_LISTED_MAX, AGENT_REPLY_SIZE_MAX_BYTES,
     AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
@@ -264,17 +265,20 @@ pub struct AgentReply {
 }
 
 impl AgentRequest {
-    /// Encodes with bincode.
+    /// Encodes with bincode, as the ask command an agent's actor handles.
     pub fn encode(&self) -> Bytes {
-        Bytes::from(bincode::serialize(self).expect("an agent request always serializes"))
+        AgentCommand::Ask(self.clone()).encode()
     }
 
-    /// Decodes from bincode.
+    /// Decodes an ask command from bincode.
     ///
     /// # Errors
-    /// The decoding error, as text.
+    /// The decoding error, as text, or a command that is not an ask.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
-        bincode::deserialize(bytes).map_err(|error| error.to_string())
+        match AgentCommand::decode(bytes)? {
+            AgentCommand::Ask(request) => Ok(request),
+            other => Err(format!("not an ask: {other:?}")),
+        }
     }
 }
 
@@ -299,12 +303,16 @@ pub(crate) struct AgentShared {
     pub(crate) llm: Arc<dyn LlmClient>,
     pub(crate) tools: ToolRegistry,
     /// The registry's specs, built once: every model request offers this list.
-    tool_specs: Arc<[ToolSpec]>,
+    pub(crate) tool_specs: Arc<[ToolSpec]>,
     pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
+    /// The broadcast event stream ([`crate::AgentClient::subscribe`]).
+    pub(crate) stream: tokio::sync::broadcast::Sender<AgentEvent>,
     next_call: AtomicU64,
     /// The runtime's clock, set once the runtime has started (before any agent can
     /// activate): the time of the events the hooks report, which have no turn at hand.
     clock: OnceLock<Clock>,
+    /// The runtime, set once it has started: delivery tasks invoke through it.
+    runtime: OnceLock<RuntimeHandle>,
 }
 
 impl AgentShared {
@@ -320,22 +328,30 @@ impl AgentShared {
             tool_specs: tools.specs().into(),
             tools,
             observers,
+            stream: tokio::sync::broadcast::channel(crate::limits::AGENT_EVENT_STREAM_CAPACITY).0,
             next_call: AtomicU64::new(1),
             clock: OnceLock::new(),
+            runtime: OnceLock::new(),
         }
     }
 
-    /// Records the clock of the runtime the agents run in; the first call wins.
-    pub(crate) fn set_clock(&self, clock: Clock) {
-        let _ = self.clock.set(clock);
+    /// Records the runtime the agents run in (and its clock); the first call wins.
+    pub(crate) fn set_runtime(&self, runtime: RuntimeHandle) {
+        let _ = self.clock.set(runtime.clock());
+        let _ = self.runtime.set(runtime);
+    }
+
+    /// The runtime, once started.
+    pub(crate) fn runtime(&self) -> Option<RuntimeHandle> {
+        self.runtime.get().cloned()
     }
 
     /// The current time on the runtime's clock.
     ///
     /// # Panics
-    /// Before [`AgentShared::set_clock`]: the system sets it as soon as its runtime
+    /// Before [`AgentShared::set_runtime`]: the system sets it as soon as its runtime
     /// starts, before any agent can be activated.
-    fn now(&self) -> Deadline {
+    pub(crate) fn now(&self) -> Deadline {
         self.clock
             .get()
             .expect("the agent system sets the runtime's clock when it starts")
@@ -350,6 +366,15 @@ impl AgentShared {
         for observer in &self.observers {
             observer.on_event(event);
         }
+        if self.stream.receiver_count() > 0 {
+            // Never waits: a slow subscriber loses the oldest events and sees `Lagged`.
+            let _ = self.stream.send(event.clone());
+        }
+    }
+
+    /// Whether anyone receives events (an observer or a stream subscriber).
+    pub(crate) fn has_listeners(&self) -> bool {
+        !self.observers.is_empty() || self.stream.receiver_count() > 0
     }
 }
 
@@ -366,6 +391,27 @@ pub(crate) struct AgentState {
     saved_window: u64,
     pub(crate) log_length: u64,
     pub(crate) turns: u64,
+    pub(crate) boxes: BoxCounters,
+}
+
+/// The counters of an agent's inbox and outbox (see `inbox.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct BoxCounters {
+    /// The seq of the next inbox entry.
+    #[serde(default)]
+    pub(crate) inbox_next: u64,
+    /// Entries in the inbox.
+    #[serde(default)]
+    pub(crate) inbox_len: u64,
+    /// The seq of the next outbox entry (also names message and task ids).
+    #[serde(default)]
+    pub(crate) outbox_next: u64,
+    /// Entries in the outbox.
+    #[serde(default)]
+    pub(crate) outbox_len: u64,
+    /// Delegations not yet resolved.
+    #[serde(default)]
+    pub(crate) tasks_open: u64,
 }
 
 /// What an agent commits after each turn: counters only. The definition comes from
@@ -377,6 +423,9 @@ pub(crate) struct SavedAgent {
     pub(crate) turns: u64,
     /// How many of the log's last messages make up the window.
     pub(crate) window: u64,
+    /// Inbox and outbox counters.
+    #[serde(default)]
+    pub(crate) boxes: BoxCounters,
 }
 
 impl SavedAgent {
@@ -397,6 +446,7 @@ impl AgentState {
             log_length: 0,
             turns: 0,
             window: 0,
+            boxes: BoxCounters::default(),
         });
         Self {
             spec,
@@ -405,6 +455,7 @@ impl AgentState {
             saved_window: saved.window,
             log_length: saved.log_length,
             turns: saved.turns,
+            boxes: saved.boxes,
         }
     }
 
@@ -413,6 +464,7 @@ impl AgentState {
             log_length: self.log_length,
             turns: self.turns,
             window: self.window.len() as u64,
+            boxes: self.boxes,
         }
     }
 
@@ -425,6 +477,7 @@ impl AgentState {
             log_length: self.log_length,
             turns: self.turns,
             window: self.saved_window,
+            boxes: self.boxes,
         };
         let after = saved.window_after();
         let limit = usize::try_from(saved.window).unwrap_or(usize::MAX);
@@ -488,15 +541,28 @@ impl ActorFactory for AgentFactory {
             id: id.clone(),
             state,
             shared: Arc::clone(&self.shared),
+            relaying: std::collections::BTreeSet::new(),
         }))
     }
 }
 
 /// One activation of one agent.
-struct AgentActor {
-    id: ActorId,
-    state: AgentState,
-    shared: Arc<AgentShared>,
+pub(crate) struct AgentActor {
+    pub(crate) id: ActorId,
+    pub(crate) state: AgentState,
+    pub(crate) shared: Arc<AgentShared>,
+    /// Outbox seqs a delivery task of this activation is delivering.
+    pub(crate) relaying: std::collections::BTreeSet<u64>,
+}
+
+/// One conversation turn to run: the user message and who it serves.
+pub(crate) struct Conversation {
+    /// The user message, as the model sees it.
+    pub(crate) content: String,
+    /// The observer's call id, if any.
+    pub(crate) call: Option<u64>,
+    /// When the model loop must be done (at or before the turn's deadline).
+    pub(crate) deadline: Deadline,
 }
 
 impl fmt::Debug for AgentActor {
@@ -531,90 +597,47 @@ impl AgentActor {
     /// The error of a turn that reached its deadline: the same [`InvokeError::Timeout`]
     /// the runtime gives when it cancels the turn, so a caller sees a timeout whichever
     /// fires first at that instant (the model call's clip, or the runtime's).
-    fn timed_out(&self, timeout_ms: u64) -> ActorError {
+    pub(crate) fn timed_out(&self, timeout_ms: u64) -> ActorError {
         ActorError::Invoke(troupe_core::InvokeError::Timeout {
             target: self.id.clone(),
             timeout_ms,
         })
     }
 
-    /// Runs one step's tool calls concurrently; one result text per call, in order.
-    async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
-        let registry = &self.shared.tools;
-        // Polled in place on the turn's task (no spawned tasks, which would outlive a
-        // cancelled turn), first in input order; dropped with the turn.
-        let futures = calls.iter().enumerate().map(|(index, call)| async move {
-            if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
-                return format!(
-                    "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
-                );
-            }
-            let arguments = match &call.arguments {
-                // Some providers send the arguments as a JSON string.
-                serde_json::Value::String(text) => {
-                    serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone())
-                }
-                other => other.clone(),
-            };
-            let result = match registry.execute(context, &call.name, arguments).await {
-                Ok(text) => text,
-                Err(error) => format!("error: {error}"),
-            };
-            truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
-        });
-        futures::future::join_all(futures).await
-    }
-}
-
-#[async_trait]
-impl Actor for AgentActor {
-    async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
-        if !self.shared.observers.is_empty() {
-            self.shared.emit(&AgentEvent::Activated {
-                agent: self.id.clone(),
-                at: self.shared.now(),
-            });
-        }
-        Ok(())
-    }
-
-    async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
-        if !self.shared.observers.is_empty() {
-            self.shared.emit(&AgentEvent::Deactivated {
-                agent: self.id.clone(),
-                at: self.shared.now(),
-            });
-        }
-        Ok(())
-    }
-
-    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
-        let request = AgentRequest::decode(&payload)
-            .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
-        self.state.load_window(turn).await?;
-        if let Some(spec) = self.shared.directory.get(self.id.key()) {
-            self.state.spec = spec;
-        }
+    /// Runs one conversation turn: the model loop (until `conversation.deadline`), then
+    /// the log writes and the turn's sends (outbox entries, task records, relays).
+    pub(crate) async fn converse(
+        &mut self,
+        turn: &mut Turn,
+        conversation: Conversation,
+    ) -> Result<AgentReply, ActorError> {
         let clock = turn.clock();
         let context = turn.context().clone();
-        let deadline = context.deadline();
+        let deadline = conversation.deadline.min(context.deadline());
         let started = clock.now();
         let timeout_ms = |from: troupe_core::Deadline| deadline.remaining_ms(from);
         self.shared.emit(&AgentEvent::TurnStarted {
             agent: self.id.clone(),
-            call: request.call,
+            call: conversation.call,
             depth: context.depth(),
             chain: context.chain().to_vec(),
             deadline,
             at: started,
         });
-        let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
-        let content = match &request.from {
-            Some(from) => format!("[message from agent {}] {text}", from.key()),
-            None => text.to_string(),
-        };
-        let mut fresh = vec![ChatMessage::new(Role::User, content)];
-        let tools = ToolExecutionContext::new(turn.caller().clone(), request.call, Arc::clone(&self.shared));
+        let mut fresh = vec![ChatMessage::new(Role::User, conversation.content)];
+        let boxes = self.state.boxes;
+        let sends: SharedSends = Arc::new(Mutex::new(PendingSends::new(
+            self.id.clone(),
+            boxes.outbox_next,
+            boxes.outbox_len,
+            boxes.tasks_open,
+        )));
+        let tools = ToolExecutionContext::new(
+            turn.caller().clone(),
+            conversation.call,
+            Arc::clone(&self.shared),
+            Some(Arc::clone(&sends)),
+        );
         let specs = &self.shared.tool_specs;
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
@@ -660,7 +683,9 @@ impl Actor for AgentActor {
             if calls.is_empty() {
                 break content;
             }
-            let results = self.run_tools(&tools, &calls).await;
+            let Ok(results) = clock.run_until(deadline, self.run_tools(&tools, &calls)).await else {
+                return Err(self.timed_out(timeout_ms(started)));
+            };
             for (call, result) in calls.iter().zip(results) {
                 fresh.push(ChatMessage::tool_result(call.id.clone(), result));
             }
@@ -676,16 +701,97 @@ impl Actor for AgentActor {
             turn.put(log_key(self.state.log_length), Bytes::from(bytes))?;
             self.state.log_length += 1;
         }
+        drop(tools);
+        let sends = std::mem::replace(
+            &mut *sends.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            PendingSends::new(self.id.clone(), 0, 0, 0),
+        );
+        self.flush_sends(turn, sends).await?;
         self.state.remember(&fresh);
         self.state.turns += 1;
         let text = truncate_utf8(&answer, AGENT_REPLY_SIZE_MAX_BYTES);
-        let reply = AgentReply {
+        Ok(AgentReply {
             text: text.to_string(),
             truncated: text.len() < answer.len(),
             steps,
             usage,
-        };
-        Ok(reply.encode())
+        })
+    }
+
+    /// Runs one step's tool calls concurrently; one result text per call, in order.
+    async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
+        let registry = &self.shared.tools;
+        // Polled in place on the turn's task (no spawned tasks, which would outlive a
+        // cancelled turn), first in input order; dropped with the turn.
+        let futures = calls.iter().enumerate().map(|(index, call)| async move {
+            if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
+                return format!(
+                    "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
+                );
+            }
+            let arguments = match &call.arguments {
+                // Some providers send the arguments as a JSON string.
+                serde_json::Value::String(text) => {
+                    serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone())
+                }
+                other => other.clone(),
+            };
+            let result = match registry.execute(context, &call.name, arguments).await {
+                Ok(text) => text,
+                Err(error) => format!("error: {error}"),
+            };
+            truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
+        });
+        futures::future::join_all(futures).await
+    }
+}
+
+#[async_trait]
+impl Actor for AgentActor {
+    async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
+        if self.shared.has_listeners() {
+            self.shared.emit(&AgentEvent::Activated {
+                agent: self.id.clone(),
+                at: self.shared.now(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
+        if self.shared.has_listeners() {
+            self.shared.emit(&AgentEvent::Deactivated {
+                agent: self.id.clone(),
+                at: self.shared.now(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let command = AgentCommand::decode(&payload)
+            .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
+        self.state.load_window(turn).await?;
+        if let Some(spec) = self.shared.directory.get(self.id.key()) {
+            self.state.spec = spec;
+        }
+        match command {
+            AgentCommand::Ask(request) => {
+                let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
+                let content = match &request.from {
+                    Some(from) => format!("[message from agent {}] {text}", from.key()),
+                    None => text.to_string(),
+                };
+                let conversation = Conversation {
+                    content,
+                    call: request.call,
+                    deadline: turn.context().deadline(),
+                };
+                let reply = self.converse(turn, conversation).await?;
+                Ok(reply.encode())
+            }
+            other => self.handle_box(turn, other).await,
+        }
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {

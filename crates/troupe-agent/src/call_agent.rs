@@ -150,7 +150,7 @@ pub async fn call_agent(
     let finished = CallEndReport {
         context,
         call,
-        armed: !shared.observers.is_empty(),
+        armed: shared.has_listeners(),
     };
     let result = match admission {
         Err(refused) => Err(AgentCallError::Refused(refused)),

@@ -46,6 +46,8 @@
 
 mod agent;
 mod call_agent;
+mod inbox;
+mod inbox_turns;
 pub mod limits;
 mod llm;
 #[cfg(not(madsim))]
@@ -62,6 +64,8 @@ pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
+pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
+pub use inbox_turns::{send_schema, SendArguments};
 pub use llm::{
     ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, LlmRouter, Role, TokenUsage, ToolCall, ToolSpec,
 };

@@ -40,3 +40,37 @@ const _: () = assert!(AGENT_CALL_TIMEOUT_MS_MAX <= INVOKE_TIMEOUT_MS_MAX);
 // fit into the next agent's inbound message.
 const _: () = assert!(AGENT_REPLY_SIZE_MAX_BYTES <= AGENT_MESSAGE_SIZE_MAX_BYTES);
 const _: () = assert!(AGENT_TOOL_CALLS_PER_STEP_MAX as u32 > troupe_core::limits::AGENT_CONCURRENT_CALLS_MAX);
+
+/// Entries one agent's durable inbox holds; one more notification or task is refused
+/// with [`crate::InboxError::Full`] at append time (never dropped). Results of the
+/// agent's own delegations are always accepted: [`AGENT_TASKS_OPEN_MAX`] bounds them.
+pub const AGENT_INBOX_CAPACITY: u64 = 256;
+/// Delegations one agent may have open (delegated, not yet resolved); one more is
+/// refused.
+pub const AGENT_TASKS_OPEN_MAX: u64 = 64;
+/// Entries one agent's outbox holds (notifications, tasks, results and cancellations
+/// not yet acknowledged by their target); one more is refused.
+pub const AGENT_OUTBOX_CAPACITY: u64 = 256;
+/// How long a delivery waits for the target's acknowledgement (= persisted) of one
+/// append, in milliseconds, before it retries: the append queues behind the target's
+/// running turn (a model call), so this is as long as a long model turn. Delivery
+/// tasks wait outside any turn, so the wait blocks no agent.
+pub const AGENT_DELIVERY_ACK_TIMEOUT_MS: u64 = 30_000;
+/// The pause before a failed delivery is retried, in milliseconds.
+pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;
+/// The deadline of a delegated task or a notification when none is given, in
+/// milliseconds from when it is sent.
+pub const AGENT_TASK_TIMEOUT_MS_DEFAULT: u64 = 120_000;
+/// The longest deadline of a delegated task or a notification, in milliseconds.
+pub const AGENT_TASK_TIMEOUT_MS_MAX: u64 = 300_000;
+/// Inbox or outbox entries one resume turn re-schedules before it continues in the
+/// next turn (it must fit in a mailbox: below `MAILBOX_CAPACITY_DEFAULT`).
+pub const AGENT_RESUME_BATCH: usize = 16;
+/// Events the broadcast stream ([`crate::AgentClient::subscribe`]) buffers per
+/// subscriber; a subscriber that falls further behind sees `Lagged`.
+pub const AGENT_EVENT_STREAM_CAPACITY: usize = 1_024;
+
+const _: () = assert!(AGENT_TASKS_OPEN_MAX <= AGENT_OUTBOX_CAPACITY);
+const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX);
+const _: () = assert!(AGENT_TASK_TIMEOUT_MS_MAX <= troupe_core::limits::INVOKE_TIMEOUT_MS_MAX);
+const _: () = assert!(AGENT_RESUME_BATCH * 2 < troupe_core::limits::MAILBOX_CAPACITY_DEFAULT);

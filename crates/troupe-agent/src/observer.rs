@@ -14,6 +14,8 @@ use std::sync::{Arc, Mutex};
 
 use troupe_core::{ActorId, CallRefused, Deadline, InvokeError};
 
+use crate::inbox::{MessageKind, TaskState};
+
 /// How a call ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallOutcome {
@@ -53,7 +55,61 @@ impl CallOutcome {
 
 /// Something an agent did.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum AgentEvent {
+    /// A message (notification, task, task result or cancellation) was acknowledged by
+    /// its target: it is persisted in the target's inbox (or was a duplicate).
+    MessageSent {
+        /// Its id.
+        msg_id: String,
+        /// The sending agent; `None` from outside.
+        from: Option<ActorId>,
+        /// The target.
+        to: ActorId,
+        /// What it is.
+        kind: MessageKind,
+        /// When the acknowledgement arrived.
+        at: Deadline,
+    },
+    /// An agent's inbox took in a message (`duplicate`: it had it already; nothing new
+    /// was kept). Reported by the appending turn, before its commit.
+    MessageReceived {
+        /// Its id.
+        msg_id: String,
+        /// The receiving agent.
+        agent: ActorId,
+        /// What it is.
+        kind: MessageKind,
+        /// Whether it was seen before.
+        duplicate: bool,
+        /// When.
+        at: Deadline,
+    },
+    /// An agent delegated a task (reported by the delegating turn, before its commit).
+    DelegationStarted {
+        /// The task.
+        task_id: String,
+        /// The delegator.
+        from: ActorId,
+        /// The delegatee.
+        to: ActorId,
+        /// When.
+        at: Deadline,
+    },
+    /// A delegation reached its final state at the delegator: completed, failed,
+    /// canceled or rejected (reported by the turn that records it, before its commit).
+    DelegationFinished {
+        /// The task.
+        task_id: String,
+        /// The delegator.
+        from: ActorId,
+        /// The delegatee.
+        to: ActorId,
+        /// The final state.
+        state: TaskState,
+        /// When.
+        at: Deadline,
+    },
     /// A call was made (and maybe refused at once; then `CallFinished` follows).
     CallStarted {
         /// Unique within one agent system.
@@ -193,7 +249,7 @@ impl CallRecorder {
                         node.finished = Some((*at, outcome.clone()));
                     }
                 }
-                AgentEvent::TurnStarted { .. } | AgentEvent::Activated { .. } | AgentEvent::Deactivated { .. } => {}
+                _ => {}
             }
         }
         // Attach children to parents, last first so each parent is complete when moved.

@@ -6,17 +6,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{truncate_utf8, ActorKind, CallRefused, InvokeError};
+use troupe_core::{truncate_utf8, ActorId, ActorKind, CallContext, CallRefused, InvokeError};
 use troupe_runtime::{
     ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
 };
 
 use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, SavedAgent, AGENT_KIND};
 use crate::call_agent::call_agent_tool;
+use crate::inbox::{
+    decode_reply, task_deadline, task_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, SendReply,
+};
+use crate::inbox_turns::{delegate_tool, notify_tool};
+use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
     AgentCallError, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec, AgentSpecError,
-    CallOutcome, ChatMessage, LlmClient, Tool, ToolRegistry, ToolRegistryError,
+    CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool, ToolRegistry,
+    ToolRegistryError,
 };
 
 /// Why an [`AgentSystem`] could not start.
@@ -122,6 +128,8 @@ impl AgentSystemBuilder {
         }
         let mut tools = ToolRegistry::new();
         tools.register(call_agent_tool())?;
+        tools.register(delegate_tool())?;
+        tools.register(notify_tool())?;
         for tool in self.tools {
             tools.register(tool)?;
         }
@@ -131,11 +139,18 @@ impl AgentSystemBuilder {
             shared: Arc::clone(&shared),
         };
         let runtime = self.runtime.register(kind, factory, self.kind_config)?.start();
-        shared.set_clock(runtime.handle().clock());
+        shared.set_runtime(runtime.handle());
         let client = AgentClient {
             runtime: runtime.handle(),
             shared,
         };
+        // Inbox and outbox entries left by an earlier run are scheduled again.
+        let resumer = client.clone();
+        tokio::spawn(async move {
+            if let Err(error) = resumer.resume_pending().await {
+                tracing::warn!(%error, "resuming pending inbox and outbox entries failed");
+            }
+        });
         Ok(AgentSystem { runtime, client })
     }
 }
@@ -259,6 +274,255 @@ impl AgentClient {
             at: self.runtime.now(),
         });
         result
+    }
+
+    /// Sends agent `agent` a notification from outside and returns its id once it is
+    /// persisted in the agent's inbox, which names it (`{agent}.in{seq}`, unique for
+    /// good). The agent processes it in a turn of its own, exactly once. A retry after an
+    /// error may append it twice: use [`AgentClient::notify_with_id`] to retry safely.
+    ///
+    /// # Errors
+    /// As [`AgentClient::notify_with_id`].
+    pub async fn notify(&self, agent: &str, text: &str) -> Result<String, InboxError> {
+        self.append_notification(agent, "", text, None).await
+    }
+
+    /// Sends agent `agent` notification `msg_id` (non-empty, chosen by the caller) from
+    /// outside, to be processed before `timeout_ms` (default and cap as for tasks);
+    /// returns once it is persisted in the agent's inbox (acknowledged), or was already
+    /// there: retrying with the same id never makes a second entry.
+    ///
+    /// # Errors
+    /// [`InboxError::Full`] (nothing kept), [`InboxError::Refused`] (`AgentNotFound`),
+    /// [`InboxError::InvalidAgentId`], [`InboxError::EmptyMessageId`],
+    /// [`InboxError::Invoke`] (timeout, storage, shutdown: whether it was kept is
+    /// unknown; retry with the same id).
+    pub async fn notify_with_id(
+        &self,
+        agent: &str,
+        msg_id: &str,
+        text: &str,
+        timeout_ms: Option<u64>,
+    ) -> Result<(), InboxError> {
+        if msg_id.is_empty() {
+            return Err(InboxError::EmptyMessageId);
+        }
+        self.append_notification(agent, msg_id, text, timeout_ms)
+            .await
+            .map(|_| ())
+    }
+
+    async fn append_notification(
+        &self,
+        agent: &str,
+        msg_id: &str,
+        text: &str,
+        timeout_ms: Option<u64>,
+    ) -> Result<String, InboxError> {
+        let target = self.known_agent(agent)?;
+        let now = self.runtime.now();
+        let entry = InboxEntry {
+            msg_id: msg_id.to_string(),
+            from: None,
+            body: InboxBody::Notify {
+                text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
+            },
+            context: CallContext::root(task_deadline(now, timeout_ms)),
+        };
+        // The agent may be in a long turn: the append waits for it.
+        let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
+        let reply = self
+            .runtime
+            .invoke_within(&target, AgentCommand::Enqueue(entry).encode(), ack)
+            .await?;
+        let msg_id = match decode_reply::<EnqueueReply>(&reply)? {
+            EnqueueReply::Accepted { msg_id } => msg_id,
+            EnqueueReply::Duplicate => msg_id.to_string(),
+            EnqueueReply::Full { capacity } => return Err(InboxError::Full { target, capacity }),
+        };
+        self.shared.emit(&AgentEvent::MessageSent {
+            msg_id: msg_id.clone(),
+            from: None,
+            to: target,
+            kind: MessageKind::Notification,
+            at: self.runtime.now(),
+        });
+        Ok(msg_id)
+    }
+
+    /// Makes agent `from` send agent `to` a notification, as its `notify_agent` tool
+    /// does: admission as for a call, then the notification is committed to `from`'s
+    /// outbox and delivered until acknowledged. Returns the message id.
+    ///
+    /// # Errors
+    /// [`InboxError::Refused`], [`InboxError::OutboxFull`],
+    /// [`InboxError::InvalidAgentId`], [`InboxError::Invoke`].
+    pub async fn notify_as(&self, from: &str, to: &str, text: &str) -> Result<String, InboxError> {
+        self.send_as(from, to, text, None, false).await
+    }
+
+    /// Makes agent `from` delegate `text` to agent `to`, as its `delegate_to_agent`
+    /// tool does, with a deadline `timeout_ms` from now (default
+    /// [`crate::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT`]). Returns the task id at once;
+    /// the task is committed to `from`'s outbox and delivered until acknowledged; `to`
+    /// works on it in a turn of its own, and the result, failure or cancellation comes
+    /// back to `from` as a new turn, exactly once ([`AgentClient::task`] shows it).
+    ///
+    /// # Errors
+    /// As [`AgentClient::notify_as`].
+    pub async fn delegate(
+        &self,
+        from: &str,
+        to: &str,
+        text: &str,
+        timeout_ms: Option<u64>,
+    ) -> Result<String, InboxError> {
+        self.send_as(from, to, text, timeout_ms, true).await
+    }
+
+    async fn send_as(
+        &self,
+        from: &str,
+        to: &str,
+        text: &str,
+        timeout_ms: Option<u64>,
+        task: bool,
+    ) -> Result<String, InboxError> {
+        let sender = self.known_agent(from)?;
+        let command = if task {
+            AgentCommand::Delegate {
+                to: to.to_string(),
+                text: text.to_string(),
+                timeout_ms,
+            }
+        } else {
+            AgentCommand::Notify {
+                to: to.to_string(),
+                text: text.to_string(),
+                timeout_ms,
+            }
+        };
+        match self.command(&sender, command).await? {
+            SendReply::Sent(id) => Ok(id),
+            SendReply::Refused(refused) => Err(InboxError::Refused(refused)),
+            SendReply::OutboxFull { limit } => Err(InboxError::OutboxFull { agent: sender, limit }),
+            SendReply::InvalidAgentId { agent_id, cause } => Err(InboxError::InvalidAgentId { agent_id, cause }),
+            other => Err(InboxError::Malformed {
+                cause: format!("unexpected reply {other:?}"),
+            }),
+        }
+    }
+
+    /// Cancels task `task_id` that agent `agent` delegated. Returns `Ok(None)` once the
+    /// cancellation is queued (the task then resolves as canceled if its delegatee had
+    /// not started it, else with its result), or `Ok(Some(state))` if it had already
+    /// ended.
+    ///
+    /// # Errors
+    /// [`InboxError::UnknownTask`], [`InboxError::InvalidAgentId`],
+    /// [`InboxError::Invoke`].
+    pub async fn cancel(&self, agent: &str, task_id: &str) -> Result<Option<TaskState>, InboxError> {
+        let delegator = self.known_agent(agent)?;
+        let command = AgentCommand::Cancel {
+            task_id: task_id.to_string(),
+        };
+        match self.command(&delegator, command).await? {
+            SendReply::CancelSent => Ok(None),
+            SendReply::AlreadyFinal(state) => Ok(Some(state)),
+            SendReply::UnknownTask => Err(InboxError::UnknownTask {
+                agent: delegator,
+                task_id: task_id.to_string(),
+            }),
+            other => Err(InboxError::Malformed {
+                cause: format!("unexpected reply {other:?}"),
+            }),
+        }
+    }
+
+    async fn command(&self, agent: &ActorId, command: AgentCommand) -> Result<SendReply, InboxError> {
+        // The agent may be in a long turn: wait as long as for an ask.
+        let timeout = Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT);
+        let reply = self.runtime.invoke_within(agent, command.encode(), timeout).await?;
+        decode_reply(&reply)
+    }
+
+    fn known_agent(&self, agent: &str) -> Result<ActorId, InboxError> {
+        let id = agent_id(agent).map_err(|error| InboxError::InvalidAgentId {
+            agent_id: agent.to_string(),
+            cause: error.to_string(),
+        })?;
+        if !self.shared.directory.contains(agent) {
+            return Err(InboxError::Refused(CallRefused::AgentNotFound { target: id }));
+        }
+        Ok(id)
+    }
+
+    /// Agent `agent`'s committed record of task `task_id` it delegated.
+    ///
+    /// # Errors
+    /// As [`AgentClient::conversation_log`].
+    pub async fn task(&self, agent: &str, task_id: &str) -> Result<Option<TaskStatus>, StoreError> {
+        let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
+        let Some(bytes) = self.runtime.store().get(&id, &task_key(task_id)).await? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|error| decode_error(format!("task {task_id}: {error}")))
+    }
+
+    /// How many entries agent `agent` has in its inbox and its outbox, committed.
+    ///
+    /// # Errors
+    /// As [`AgentClient::conversation_log`].
+    pub async fn pending(&self, agent: &str) -> Result<(u64, u64), StoreError> {
+        let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
+        let Some(bytes) = self.runtime.store().load(&id).await? else {
+            return Ok((0, 0));
+        };
+        let saved = SavedAgent::decode(&bytes).map_err(decode_error)?;
+        Ok((saved.boxes.inbox_len, saved.boxes.outbox_len))
+    }
+
+    /// Wakes every agent of the directory that has committed inbox or outbox entries,
+    /// so they are processed and delivered: after a restart (the system does it when
+    /// it starts), or whenever the embedder wants (it is idempotent). Returns how many
+    /// agents were woken.
+    ///
+    /// # Errors
+    /// [`StoreError`] if reading a snapshot fails.
+    pub async fn resume_pending(&self) -> Result<usize, StoreError> {
+        let mut woken = 0;
+        let store = self.runtime.store();
+        for spec in self.shared.directory.list() {
+            let Ok(id) = agent_id(&spec.id) else { continue };
+            // The entries themselves, not the snapshot's counters: a plain key read.
+            let inbox = store.scan(&id, "inbox/", None, 1).await?;
+            let outbox = store.scan(&id, "outbox/", None, 1).await?;
+            if inbox.is_empty() && outbox.is_empty() {
+                continue;
+            }
+            let resume = AgentCommand::Resume {
+                inbox_after: None,
+                outbox_after: None,
+            };
+            let deadline = self
+                .runtime
+                .deadline_in(Duration::from_millis(troupe_core::limits::INVOKE_TIMEOUT_MS_MAX));
+            match self.runtime.tell(&id, resume.encode(), deadline).await {
+                Ok(()) => woken += 1,
+                Err(error) => tracing::warn!(agent = %id, %error, "could not resume"),
+            }
+        }
+        Ok(woken)
+    }
+
+    /// A stream of every [`AgentEvent`] from now on: a bounded broadcast
+    /// ([`crate::limits::AGENT_EVENT_STREAM_CAPACITY`] per subscriber) that never slows
+    /// the agents; a subscriber that falls behind gets
+    /// `RecvError::Lagged(missed)` and continues with the oldest event kept.
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<AgentEvent> {
+        self.shared.stream.subscribe()
     }
 
     /// Agent `agent`'s full conversation log from the store, oldest first: every user,

@@ -36,6 +36,7 @@ use troupe_core::{ActorId, CallContext, Deadline};
 use troupe_runtime::{Caller, Clock};
 
 use crate::agent::AgentShared;
+use crate::inbox::SharedSends;
 use crate::{ArgumentSchema, SchemaError, ToolSpec};
 
 /// Why a tool call produced no result. Its `Display` is what the model reads.
@@ -97,6 +98,9 @@ pub struct ToolExecutionContext {
     caller: Caller,
     inbound_call: Option<u64>,
     shared: Arc<AgentShared>,
+    /// The turn's queued notifications and delegations, written to the outbox when the
+    /// turn commits.
+    sends: Option<SharedSends>,
 }
 
 impl fmt::Debug for ToolExecutionContext {
@@ -112,12 +116,22 @@ impl fmt::Debug for ToolExecutionContext {
 }
 
 impl ToolExecutionContext {
-    pub(crate) fn new(caller: Caller, inbound_call: Option<u64>, shared: Arc<AgentShared>) -> Self {
+    pub(crate) fn new(
+        caller: Caller,
+        inbound_call: Option<u64>,
+        shared: Arc<AgentShared>,
+        sends: Option<SharedSends>,
+    ) -> Self {
         Self {
             caller,
             inbound_call,
             shared,
+            sends,
         }
+    }
+
+    pub(crate) fn sends(&self) -> Option<&SharedSends> {
+        self.sends.as_ref()
     }
 
     /// The agent whose model called the tool.

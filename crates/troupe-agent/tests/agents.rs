@@ -100,8 +100,8 @@ async fn an_agent_asks_another_and_gets_its_answer() {
     let b_tools: Vec<String> = llm.requests_of("b")[0].tools.iter().map(|t| t.name.clone()).collect();
     assert_eq!(
         b_tools,
-        vec!["call_agent".to_string()],
-        "call_agent is registered for every agent"
+        vec!["call_agent", "delegate_to_agent", "notify_agent"],
+        "call_agent, delegate_to_agent and notify_agent are registered for every agent"
     );
 
     // Both turns were committed: A's log holds user, tool call, tool result, answer.
@@ -492,7 +492,7 @@ async fn rust_callers_get_typed_errors_and_bad_arguments_reach_the_model_as_erro
     assert!(results[3].starts_with("error: invalid arguments for probe: $: \"agent_id\" is a required property"));
     assert_eq!(
         results[4],
-        "error: unknown tool \"no_such_tool\"; available tools: call_agent, probe"
+        "error: unknown tool \"no_such_tool\"; available tools: call_agent, delegate_to_agent, notify_agent, probe"
     );
     // An outside caller asking a missing agent gets the same typed refusal.
     assert_eq!(

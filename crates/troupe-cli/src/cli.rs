@@ -25,7 +25,10 @@ pub enum Command {
     /// the coordinator back up the chain and is refused (the coordinator is waiting on
     /// it: a deadlock avoided); the archivist is too slow for its 1.5 s timeout and its
     /// late answer is discarded. Prints the answer and the call tree with depths,
-    /// durations and outcomes.
+    /// durations and outcomes. Then the user notifies the coordinator that the report is
+    /// ready (fire-and-forget, persisted in its inbox): in its own turn it delegates a
+    /// review to the critic and notifies the researcher, and the critic's review comes
+    /// back to it as a new turn; the demo prints these inbox events.
     ///
     /// Without OPENAI_API_KEY the agents think with a scripted, deterministic model: no
     /// key or network needed. With it, they use a real model on an OpenAI-compatible

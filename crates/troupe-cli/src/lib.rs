@@ -10,8 +10,11 @@
 //! On the scripted model the story is fixed: the coordinator fans out to the researcher
 //! and the archivist in one step, the researcher asks the analyst, the analyst tries to
 //! ask the coordinator back (refused at once: the coordinator is waiting up the chain),
-//! and the archivist is too slow for its timeout. On a real model the same agents and
-//! prompts run, and the model decides.
+//! and the archivist is too slow for its timeout. Then the user notifies the coordinator
+//! that the brief is out (fire-and-forget, persisted in its inbox); in its own turn it
+//! delegates a review to the critic and notifies the researcher, and the critic's review
+//! comes back to it as a new turn. On a real model the same agents and prompts run, and
+//! the model decides.
 
 #![warn(missing_docs)]
 
@@ -24,8 +27,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use troupe_agent::{
-    AgentCallError, AgentReply, AgentSpec, AgentSystem, AgentSystemError, CallNode, CallOutcome, CallRecorder,
-    LlmClient, ScriptRule, ScriptedLlm,
+    AgentCallError, AgentEvent, AgentReply, AgentSpec, AgentSystem, AgentSystemError, CallNode, CallOutcome,
+    CallRecorder, LlmClient, ScriptRule, ScriptedLlm, TaskState,
 };
 use troupe_runtime::{RuntimeCounters, StateStore};
 
@@ -33,6 +36,11 @@ use troupe_runtime::{RuntimeCounters, StateStore};
 pub const DEMO_QUESTION: &str = "Prepare a short brief on grid-scale battery storage.";
 /// How long the user waits for the coordinator, in milliseconds.
 pub const DEMO_ASK_TIMEOUT_MS: u64 = 240_000;
+/// What the user then sends the coordinator as a notification (fire-and-forget): in its
+/// own turn, its model delegates a review to the critic and notifies the researcher.
+pub const DEMO_HANDOFF: &str = "The report is ready: get it reviewed and tell the researcher.";
+/// How long the demo waits for the delegated review to come back, in milliseconds.
+pub const DEMO_HANDOFF_TIMEOUT_MS: u64 = 60_000;
 /// The timeout the coordinator gives the slow archivist, in milliseconds.
 pub const DEMO_ARCHIVIST_TIMEOUT_MS: u64 = 1_500;
 
@@ -51,7 +59,9 @@ pub fn demo_agents(model: &str) -> Vec<AgentSpec> {
             "plans the work and writes the final brief",
             "You coordinate a small research team. For every request, ask the researcher for \
              findings and the archivist for past reports (give the archivist timeout_ms 1500), \
-             in the same step, then write a brief of at most three sentences from their answers.",
+             in the same step, then write a brief of at most three sentences from their answers. \
+             When told a report is ready, delegate a review to the critic and notify the \
+             researcher.",
         ),
         spec(
             "researcher",
@@ -83,6 +93,38 @@ pub fn demo_agents(model: &str) -> Vec<AgentSpec> {
 pub fn demo_script() -> ScriptedLlm {
     let step = Duration::from_millis(150);
     ScriptedLlm::new()
+        // The hand-off, after the ask: delegate and notify, then read the review.
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_user_containing("get it reviewed")
+                .call(
+                    "delegate_to_agent",
+                    json!({"agent_id": "critic", "message": "Review the brief we just wrote."}),
+                )
+                .call(
+                    "notify_agent",
+                    json!({"agent_id": "researcher", "message": "The brief is out; thanks for the findings."}),
+                )
+                .latency(step),
+        )
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_tool_result_containing("delegated as task")
+                .reply("Review requested; researcher told.")
+                .latency(step),
+        )
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_user_containing("you delegated is")
+                .reply("Review received.")
+                .latency(step),
+        )
+        .rule(
+            ScriptRule::agent("researcher")
+                .on_user_containing("[notification")
+                .reply("Glad it helped.")
+                .latency(step),
+        )
         .rule(
             ScriptRule::agent("coordinator")
                 .on_user_containing("brief")
@@ -154,6 +196,11 @@ pub struct DemoReport {
     pub counters: RuntimeCounters,
     /// (agent, messages in its conversation log) for every agent.
     pub log_lengths: Vec<(String, usize)>,
+    /// The hand-off after the ask, one line per inbox event: notifications and the
+    /// delegation, as the event stream reported them.
+    pub handoff: Vec<String>,
+    /// The final state of the delegated review, if it resolved in time.
+    pub review: Option<TaskState>,
 }
 
 impl DemoReport {
@@ -192,7 +239,11 @@ impl DemoReport {
                 Some((_, CallOutcome::Refused(troupe_core::CallRefused::CycleDetected { .. })))
             )
         });
-        self.answer.is_ok() && cycle && self.count("timeout") == 1 && self.count("ok") == 3
+        self.answer.is_ok()
+            && cycle
+            && self.count("timeout") == 1
+            && self.count("ok") == 3
+            && self.review == Some(TaskState::Completed)
     }
 }
 
@@ -220,6 +271,7 @@ pub async fn run_demo(
         .await;
     // Let abandoned turns (the archivist's) reach their deadline before reading counters.
     tokio::time::sleep(Duration::from_millis(DEMO_ARCHIVIST_TIMEOUT_MS)).await;
+    let (handoff, review) = run_handoff(&system).await;
     let mut log_lengths = Vec::new();
     for spec in system.directory().list() {
         let length = system
@@ -237,5 +289,64 @@ pub async fn run_demo(
         tree: recorder.render_tree(),
         counters,
         log_lengths,
+        handoff,
+        review,
     })
+}
+
+/// Notifies the coordinator of [`DEMO_HANDOFF`] and follows the event stream until the
+/// delegation it starts resolves (or [`DEMO_HANDOFF_TIMEOUT_MS`] passes).
+async fn run_handoff(system: &AgentSystem) -> (Vec<String>, Option<TaskState>) {
+    let mut events = system.subscribe();
+    let mut lines = Vec::new();
+    if let Err(error) = system.notify("coordinator", DEMO_HANDOFF).await {
+        lines.push(format!("notify failed: {error}"));
+        return (lines, None);
+    }
+    let follow = async {
+        loop {
+            match events.recv().await {
+                Ok(AgentEvent::MessageReceived {
+                    msg_id,
+                    agent,
+                    kind,
+                    duplicate: false,
+                    ..
+                }) => lines.push(format!("{} received {kind:?} {msg_id}", agent.key())),
+                Ok(AgentEvent::DelegationStarted { task_id, from, to, .. }) => {
+                    lines.push(format!("{} delegated task {task_id} to {}", from.key(), to.key()));
+                }
+                Ok(AgentEvent::DelegationFinished {
+                    task_id, from, state, ..
+                }) => {
+                    lines.push(format!("task {task_id} {} (back at {})", state.as_str(), from.key()));
+                    return Some(state);
+                }
+                Ok(_) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                    lines.push(format!("(missed {missed} events)"));
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    };
+    let review = tokio::time::timeout(Duration::from_millis(DEMO_HANDOFF_TIMEOUT_MS), follow)
+        .await
+        .unwrap_or(None);
+    // Let the coordinator's turn on the review (and the researcher's append, which races
+    // with the delegation) finish before the logs are read; keep their events.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    while let Ok(event) = events.try_recv() {
+        if let AgentEvent::MessageReceived {
+            msg_id,
+            agent,
+            kind,
+            duplicate: false,
+            ..
+        } = event
+        {
+            lines.push(format!("{} received {kind:?} {msg_id}", agent.key()));
+        }
+    }
+    (lines, review)
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use troupe_agent::LlmClient;
-use troupe_cli::{demo_script, run_demo, Cli, Command, DemoArgs, DEMO_QUESTION};
+use troupe_cli::{demo_script, run_demo, Cli, Command, DemoArgs, DEMO_HANDOFF, DEMO_QUESTION};
 use troupe_runtime::{SqliteStore, StateStore};
 
 /// A real model client and a description of it.
@@ -91,6 +91,11 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
         .iter()
         .map(|(agent, n)| format!("{agent} {n}"))
         .collect();
+    println!();
+    println!("user -> coordinator (notification): {DEMO_HANDOFF}");
+    for line in &report.handoff {
+        println!("  {line}");
+    }
     println!("messages in each agent's durable log: {}", logs.join(", "));
     drop(temporary);
     if scripted && !report.scripted_story_happened() {

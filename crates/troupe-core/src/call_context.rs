@@ -51,6 +51,23 @@ impl CallContext {
         self.chain.iter().any(|waiting| waiting == actor)
     }
 
+    /// The same depth and chain with another deadline: for a message an actor sends
+    /// itself to run later (nobody waits on it, so its deadline is not clipped to this
+    /// one's; see `Caller::tell`).
+    pub fn with_deadline(&self, deadline: Deadline) -> Self {
+        Self {
+            depth: self.depth,
+            chain: self.chain.clone(),
+            deadline,
+        }
+    }
+
+    /// Whether `self` is at least as restrictive as `base` for admission: its chain
+    /// starts with `base`'s chain and it is at least as deep (deadlines aside).
+    pub fn extends(&self, base: &CallContext) -> bool {
+        self.depth >= base.depth && self.chain.starts_with(&base.chain)
+    }
+
     /// The context of a call that `caller`, running under `self`, makes with `deadline`.
     ///
     /// The child's deadline is clipped to the parent's: it is the earlier of the two.

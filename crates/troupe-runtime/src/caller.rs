@@ -23,6 +23,17 @@
 //! channel, and the callee's turn for that call is cancelled at its next `.await` and
 //! commits nothing; its own calls end the same way, so a whole subtree stops.
 //!
+//! Fire-and-forget from a turn: [`Caller::tell`] runs the same admission as a call (to
+//! another actor: cycle, depth, known, in-flight cap, deadline clipped to this turn's),
+//! then hands the message over and returns once it is accepted (in the mailbox, or held
+//! for the next activation); no wait-for edge is recorded and the in-flight slot is
+//! freed at acceptance. A turn may tell *itself*: the message runs after this turn,
+//! with this turn's chain and depth and its own deadline (nobody waits on it, so the
+//! deadline is not clipped to this turn's; it is capped at the longest invoke timeout).
+//! [`Caller::tell_self_in`] sends itself a message under a context that is at least as
+//! restrictive as this turn's (a persisted one, say). Like [`crate::RuntimeHandle::tell`],
+//! told messages live in memory only until they run.
+//!
 //! The one exception is [`Caller::invoke_as_root`], named as what it is: an independent
 //! request that is not part of this turn's chain (no cycle, depth or deadlock check),
 //! still bounded by this turn's deadline and cancelled with it.
@@ -33,8 +44,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, CallRefused, Deadline, InvokeError};
 
+use crate::envelope::Payload;
 use crate::signal::Signal;
 use crate::{Clock, RuntimeHandle};
 
@@ -282,6 +295,75 @@ impl Caller {
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
         let admitted = self.admit(target, true, Some(timeout_ms))?;
         self.invoke(admitted, payload).await
+    }
+
+    /// Fire-and-forget: sends `payload` to `target` and returns once it is accepted (in
+    /// the target's mailbox, or held for its next activation, activating it if needed).
+    ///
+    /// To another actor: the same admission as [`Caller::admit`] with `timeout` (so the
+    /// target runs at depth + 1 with this actor in its chain and a deadline clipped to
+    /// this turn's); the in-flight slot is held only until acceptance and no wait-for
+    /// edge is recorded. To this actor itself: no cycle or depth check; the message runs
+    /// after this turn ends, with this turn's depth and chain, under the deadline
+    /// `timeout` from now (capped at the longest invoke timeout, not clipped to this
+    /// turn's deadline: nobody waits on it). The reply and errors of its turn go nowhere.
+    ///
+    /// # Errors
+    /// [`InvokeError::Refused`] with the admission's refusal (nothing sent); at
+    /// acceptance `Busy`, `DispatcherBusy`, `ActorNotFound`, `Rejected`, `Shutdown`.
+    pub async fn tell(&self, target: &ActorId, payload: Bytes, timeout: Duration) -> Result<(), InvokeError> {
+        let inner = &*self.inner;
+        if target == &inner.id {
+            let context = inner.context.with_deadline(inner.handle.deadline_in(timeout));
+            return self.tell_self_in(payload, context).await;
+        }
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let admitted = self.admit(target, true, Some(timeout_ms))?;
+        let result = inner
+            .handle
+            .send_only(target, Payload::Bytes(payload), admitted.child.clone())
+            .await;
+        drop(admitted);
+        result
+    }
+
+    /// Sends `payload` to this actor itself, to run after this turn under `context`,
+    /// which must be at least as restrictive as this turn's ([`CallContext::extends`]:
+    /// its chain starts with this turn's chain, its depth is no smaller and at most the
+    /// maximum depth). Its deadline is `context`'s, capped at the longest invoke timeout
+    /// from now. For resuming work whose context was persisted, such as an agent's inbox
+    /// entry.
+    ///
+    /// # Errors
+    /// [`InvokeError::Refused`] with `CallerTurnEnded` or `ShuttingDown`;
+    /// [`InvokeError::Rejected`] if `context` does not extend this turn's; otherwise as
+    /// [`Caller::tell`].
+    pub async fn tell_self_in(&self, payload: Bytes, context: CallContext) -> Result<(), InvokeError> {
+        let inner = &*self.inner;
+        if self.turn_ended() {
+            return Err(CallRefused::CallerTurnEnded {
+                caller: inner.id.clone(),
+            }
+            .into());
+        }
+        if inner.handle.shared.commands.is_closed() || inner.handle.shared.abort.load(Ordering::Acquire) {
+            return Err(CallRefused::ShuttingDown.into());
+        }
+        if !context.extends(&inner.context) || context.depth() > AGENT_CALL_DEPTH_MAX {
+            return Err(InvokeError::Rejected {
+                target: inner.id.clone(),
+                reason: format!(
+                    "a message to itself must run under a context at least as restrictive as its turn's ({:?}), got {context:?}",
+                    inner.context
+                ),
+            });
+        }
+        let latest = inner.handle.deadline_in(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+        let context = context.with_deadline(context.deadline().min(latest));
+        inner
+            .handle
+            .send_only(&inner.id, Payload::Bytes(payload), context)
+            .await
     }
 
     /// Sends `payload` to `target` as an independent root request, not as a call of this

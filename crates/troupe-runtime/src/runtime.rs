@@ -392,7 +392,8 @@ impl RuntimeHandle {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        self.send_only(target, Payload::Bytes(payload), deadline).await
+        self.send_only(target, Payload::Bytes(payload), CallContext::root(deadline))
+            .await
     }
 
     /// Fire-and-forget delivery of `payload` (see [`RuntimeHandle::tell`]).
@@ -400,9 +401,9 @@ impl RuntimeHandle {
         &self,
         target: &ActorId,
         payload: Payload,
-        deadline: Deadline,
+        context: CallContext,
     ) -> Result<(), InvokeError> {
-        self.send_only_from(self.shared.clock.now(), target, payload, deadline)
+        self.send_only_from(self.shared.clock.now(), target, payload, context)
             .await
     }
 
@@ -412,9 +413,10 @@ impl RuntimeHandle {
         now: Deadline,
         target: &ActorId,
         payload: Payload,
-        deadline: Deadline,
+        context: CallContext,
     ) -> Result<(), InvokeError> {
         let shared = &*self.shared;
+        let deadline = context.deadline();
         if deadline.has_passed(now) {
             return Err(InvokeError::Timeout {
                 target: target.clone(),
@@ -423,7 +425,7 @@ impl RuntimeHandle {
         }
         let envelope = Box::new(Envelope {
             payload,
-            context: CallContext::root(deadline),
+            context,
             reply: ReplyTo::Nobody,
             call: shared.next_call(),
             edge: false,

@@ -29,7 +29,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{ActorId, ActorKind, CallRefused, Deadline, InvokeError};
+use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::envelope::Payload;
 use crate::runtime::IN_TURN;
@@ -229,7 +229,12 @@ impl<A: TypedActor> ActorRef<A> {
         let now = self.handle.shared.clock.now();
         let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
         self.handle
-            .send_only_from(now, &self.id, Payload::Value(Box::new(message)), deadline)
+            .send_only_from(
+                now,
+                &self.id,
+                Payload::Value(Box::new(message)),
+                CallContext::root(deadline),
+            )
             .await
     }
 }

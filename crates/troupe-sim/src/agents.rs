@@ -309,6 +309,8 @@ impl AgentObserver for TraceObserver {
                     count: 0,
                 });
             }
+            // Inbox traffic is not part of the simulator's trace yet.
+            _ => {}
         }
     }
 }

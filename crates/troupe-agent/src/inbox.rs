@@ -1,0 +1,503 @@
+//! Delegate, notify and the durable inbox: agents that hand work off and never lose a
+//! message.
+//!
+//! Every agent has, in its own key space (committed atomically with its turns):
+//!
+//! ```text
+//! inbox/{seq:020}     entries to process, oldest first (notifications, tasks, results)
+//! seen/{msg_id}       dedupe marks: one per message ever appended
+//! tasks_in/{task_id}  → the inbox seq of a task not yet started (for cancel)
+//! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
+//! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
+//! task/{task_id}      the delegator's record of a task it delegated (A2A state)
+//! ```
+//!
+//! and counters in its snapshot (next inbox and outbox seq, lengths, open tasks).
+//!
+//! ```text
+//! A: turn (tool delegate_to_agent / notify_agent, or the Rust API)
+//!      admission (cycle, depth, known, in-flight, deadline) → child chain and depth
+//!      outbox/{s} + task/{A.s}=submitted     committed with A's turn
+//!      self-tell Relay{s}                    runs after the commit
+//! A: Relay{s}   spawns a delivery task (outside any turn: A's mailbox never waits on B)
+//!      task:    invoke(B, Enqueue)  ── ack = B committed ──►  tell A Delivered{s}
+//!               no ack: retry (after AGENT_DELIVERY_RETRY_MS) until the deadline
+//!               (results: until acknowledged); then tell A Undeliverable{s}
+//! A: Delivered{s}      delete outbox/{s}
+//! A: Undeliverable{s}  delete outbox/{s}; a task resolves failed/rejected at A
+//! B: Enqueue    seen? → Duplicate (ack again, no entry) · full? → Full (nothing kept)
+//!               inbox/{n} + seen/{id} (+ tasks_in/{task})  committed, then the ack
+//!               self-tell Process{n} under the entry's chain, depth and deadline
+//! B: Process{n} delete inbox/{n}; run the model (a new turn); a task's result or
+//!               failure → outbox/{m} (TaskUpdate to A) + self-tell Relay{m}
+//! A: Enqueue    TaskUpdate: task/{id} already final? → Duplicate; else final state,
+//!               inbox/{k}; A's Process{k} shows the result to A's model, once
+//! ```
+//!
+//! Wake-ups are in-memory self-tells; what survives a crash is the store. After a
+//! restart, [`crate::AgentClient::resume_pending`] (run by the system at start) sends
+//! every agent with pending inbox or outbox entries a `Resume`, which re-schedules them
+//! in batches of [`AGENT_RESUME_BATCH`]. Processing, relaying and enqueueing are
+//! idempotent (entries are looked up by seq, messages deduplicated by id, task results
+//! by the task's record), so any number of duplicate wake-ups or deliveries is safe.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use troupe_core::{ActorId, CallContext, CallRefused, Deadline, InvokeError};
+use troupe_runtime::ActorError;
+
+use crate::agent::AgentRequest;
+use crate::limits::{
+    AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_OUTBOX_CAPACITY, AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_TASK_TIMEOUT_MS_MAX,
+};
+
+/// The name of the tool that delegates a task.
+pub const DELEGATE_TOOL_NAME: &str = "delegate_to_agent";
+/// The name of the tool that sends a notification.
+pub const NOTIFY_TOOL_NAME: &str = "notify_agent";
+
+/// The state of a delegated task, as in A2A's task lifecycle.
+///
+/// The delegator's record moves `submitted` → one final state; `working` is the
+/// delegatee's view while its turn runs. `input-required` is part of the vocabulary (so a
+/// server can expose states unchanged) but no agent produces it yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TaskState {
+    /// Accepted, not started.
+    Submitted,
+    /// Being worked on.
+    Working,
+    /// Waiting for more input from the delegator.
+    InputRequired,
+    /// Done; the result is the delegatee's answer.
+    Completed,
+    /// The delegatee's model failed, ran out of steps or time.
+    Failed,
+    /// Cancelled by the delegator before it started.
+    Canceled,
+    /// It could not be delivered (unknown agent, or refused).
+    Rejected,
+}
+
+impl TaskState {
+    /// Whether the task has ended.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Completed | Self::Failed | Self::Canceled | Self::Rejected)
+    }
+
+    /// The A2A name: `submitted`, `working`, `input-required`, `completed`, `failed`,
+    /// `canceled`, `rejected`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Submitted => "submitted",
+            Self::Working => "working",
+            Self::InputRequired => "input-required",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Canceled => "canceled",
+            Self::Rejected => "rejected",
+        }
+    }
+}
+
+/// The delegator's record of one task (`task/{task_id}` in its key space).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskStatus {
+    /// `{delegator key}.{outbox seq}`: unique per delegator, forever.
+    pub task_id: String,
+    /// The agent doing it.
+    pub to: ActorId,
+    /// Its state.
+    pub state: TaskState,
+    /// The delegatee's answer (completed) or the reason (failed, canceled, rejected).
+    pub result: Option<String>,
+    /// When it must be done.
+    pub deadline: Deadline,
+    /// The delegator's chain and depth when it delegated: its result is processed
+    /// under them.
+    pub(crate) context: CallContext,
+}
+
+/// What kind of message an inbox entry is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MessageKind {
+    /// A notification (fire-and-forget).
+    Notification,
+    /// A delegated task.
+    Task,
+    /// A task's final state, back to its delegator.
+    TaskUpdate,
+    /// A delegator's cancellation of a task.
+    Cancel,
+}
+
+/// Why a notification, delegation or cancellation was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InboxError {
+    /// Admission refused it (cycle, depth, unknown agent, ...); nothing was kept.
+    #[error("refused: {0}")]
+    Refused(#[from] CallRefused),
+    /// The target's inbox is full; nothing was kept. Retry later.
+    #[error("the inbox of {target} is full ({capacity} entries)")]
+    Full {
+        /// The agent.
+        target: ActorId,
+        /// [`crate::limits::AGENT_INBOX_CAPACITY`].
+        capacity: u64,
+    },
+    /// The sender's outbox, or its open delegations, are at their limit.
+    #[error("{agent} has too many undelivered messages or open delegations ({limit})")]
+    OutboxFull {
+        /// The sender.
+        agent: ActorId,
+        /// The limit reached.
+        limit: u64,
+    },
+    /// The agent id cannot name an actor.
+    #[error("agent id {agent_id:?} is not valid: {cause}")]
+    InvalidAgentId {
+        /// The id given.
+        agent_id: String,
+        /// Why.
+        cause: String,
+    },
+    /// A caller-chosen message id must not be empty.
+    #[error("a message id must not be empty")]
+    EmptyMessageId,
+    /// No such task among the agent's delegations.
+    #[error("{agent} has no task {task_id:?}")]
+    UnknownTask {
+        /// The delegator.
+        agent: ActorId,
+        /// The id given.
+        task_id: String,
+    },
+    /// The request failed in the runtime (timeout, storage, shutdown, ...): whether
+    /// it was kept is unknown; retrying with the same message id is safe.
+    #[error("{0}")]
+    Invoke(#[from] InvokeError),
+    /// A reply could not be decoded.
+    #[error("malformed reply: {cause}")]
+    Malformed {
+        /// The decoding error.
+        cause: String,
+    },
+}
+
+/// One entry of an agent's inbox (and, on its way, of a sender's outbox).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct InboxEntry {
+    pub(crate) msg_id: String,
+    pub(crate) from: Option<ActorId>,
+    pub(crate) body: InboxBody,
+    /// The chain and depth it is processed under, and its deadline.
+    pub(crate) context: CallContext,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum InboxBody {
+    Notify {
+        text: String,
+    },
+    Task {
+        task_id: String,
+        text: String,
+    },
+    TaskUpdate {
+        task_id: String,
+        state: TaskState,
+        text: String,
+    },
+    Cancel {
+        task_id: String,
+    },
+}
+
+impl InboxBody {
+    pub(crate) fn kind(&self) -> MessageKind {
+        match self {
+            Self::Notify { .. } => MessageKind::Notification,
+            Self::Task { .. } => MessageKind::Task,
+            Self::TaskUpdate { .. } => MessageKind::TaskUpdate,
+            Self::Cancel { .. } => MessageKind::Cancel,
+        }
+    }
+}
+
+/// An entry waiting in the sender's outbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct OutboxEntry {
+    pub(crate) to: ActorId,
+    pub(crate) entry: InboxEntry,
+}
+
+/// Everything an agent's actor handles (bincode on the wire).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum AgentCommand {
+    /// A synchronous ask (`call_agent`, `AgentClient::ask`).
+    Ask(AgentRequest),
+    /// Append to the inbox; the reply is an [`EnqueueReply`], sent after the commit.
+    Enqueue(InboxEntry),
+    /// Process inbox entry `seq` (no-op if it is gone).
+    Process { seq: u64 },
+    /// Deliver outbox entry `seq` (no-op if it is gone).
+    Relay { seq: u64 },
+    /// A delivery task's report: outbox entry `seq` was acknowledged.
+    Delivered { seq: u64 },
+    /// A delivery task's report: outbox entry `seq` cannot be delivered.
+    Undeliverable { seq: u64, cause: String, state: TaskState },
+    /// Re-schedule pending inbox and outbox entries after the given seqs.
+    Resume {
+        inbox_after: Option<u64>,
+        outbox_after: Option<u64>,
+    },
+    /// Delegate (Rust API): the reply is a [`SendReply`].
+    Delegate {
+        to: String,
+        text: String,
+        timeout_ms: Option<u64>,
+    },
+    /// Notify as this agent (Rust API): the reply is a [`SendReply`].
+    Notify {
+        to: String,
+        text: String,
+        timeout_ms: Option<u64>,
+    },
+    /// Cancel a task this agent delegated: the reply is a [`SendReply`].
+    Cancel { task_id: String },
+}
+
+impl AgentCommand {
+    pub(crate) fn encode(&self) -> Bytes {
+        Bytes::from(bincode::serialize(self).expect("an agent command always serializes"))
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, String> {
+        bincode::deserialize(bytes).map_err(|error| error.to_string())
+    }
+}
+
+/// The acknowledgement of an `Enqueue`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum EnqueueReply {
+    /// Appended and committed, under this id.
+    Accepted { msg_id: String },
+    /// Seen before (or a result of a task already resolved): nothing new kept.
+    Duplicate,
+    /// The inbox is full: nothing kept.
+    Full { capacity: u64 },
+}
+
+/// The reply to `Delegate`, `Notify` and `Cancel` commands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum SendReply {
+    /// The message or task id.
+    Sent(String),
+    /// The cancellation was queued.
+    CancelSent,
+    /// The task has already ended.
+    AlreadyFinal(TaskState),
+    UnknownTask,
+    Refused(CallRefused),
+    OutboxFull {
+        limit: u64,
+    },
+    InvalidAgentId {
+        agent_id: String,
+        cause: String,
+    },
+}
+
+pub(crate) fn encode_reply<T: Serialize>(reply: &T) -> Bytes {
+    Bytes::from(bincode::serialize(reply).expect("a reply always serializes"))
+}
+
+pub(crate) fn decode_reply<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, InboxError> {
+    bincode::deserialize(bytes).map_err(|error| InboxError::Malformed {
+        cause: error.to_string(),
+    })
+}
+
+pub(crate) fn inbox_key(seq: u64) -> String {
+    format!("inbox/{seq:020}")
+}
+
+pub(crate) fn outbox_key(seq: u64) -> String {
+    format!("outbox/{seq:020}")
+}
+
+pub(crate) fn seen_key(msg_id: &str) -> String {
+    format!("seen/{msg_id}")
+}
+
+pub(crate) fn task_key(task_id: &str) -> String {
+    format!("task/{task_id}")
+}
+
+pub(crate) fn canceled_key(task_id: &str) -> String {
+    format!("canceled/{task_id}")
+}
+
+pub(crate) fn tasks_in_key(task_id: &str) -> String {
+    format!("tasks_in/{task_id}")
+}
+
+/// The seq at the end of an `inbox/` or `outbox/` key.
+pub(crate) fn seq_of(key: &str) -> Option<u64> {
+    key.rsplit('/').next()?.parse().ok()
+}
+
+pub(crate) fn to_json<T: Serialize>(value: &T) -> Result<Bytes, ActorError> {
+    serde_json::to_vec(value)
+        .map(Bytes::from)
+        .map_err(|error| ActorError::failed(error.to_string()))
+}
+
+pub(crate) fn from_json<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, ActorError> {
+    serde_json::from_slice(bytes).map_err(|error| ActorError::failed(format!("{key} cannot be decoded: {error}")))
+}
+
+/// The deadline `timeout_ms` (default [`AGENT_TASK_TIMEOUT_MS_DEFAULT`], capped at
+/// [`AGENT_TASK_TIMEOUT_MS_MAX`]) after `now`.
+pub(crate) fn task_deadline(now: Deadline, timeout_ms: Option<u64>) -> Deadline {
+    let ms = timeout_ms
+        .unwrap_or(AGENT_TASK_TIMEOUT_MS_DEFAULT)
+        .clamp(1, AGENT_TASK_TIMEOUT_MS_MAX);
+    Deadline::after(now, Duration::from_millis(ms))
+}
+
+/// Sends made during one turn: written to the outbox (and task records) when the turn
+/// succeeds, dropped with it otherwise. Seqs are allocated from the committed counter,
+/// so a failed turn's seqs (and ids) are reused by the next turn, which is safe: none of
+/// them was ever written.
+#[derive(Debug)]
+pub(crate) struct PendingSends {
+    pub(crate) agent: ActorId,
+    pub(crate) next_seq: u64,
+    outbox_len: u64,
+    tasks_open: u64,
+    pub(crate) entries: Vec<(u64, OutboxEntry)>,
+    pub(crate) tasks: Vec<TaskStatus>,
+}
+
+pub(crate) type SharedSends = Arc<Mutex<PendingSends>>;
+
+impl PendingSends {
+    pub(crate) fn new(agent: ActorId, next_seq: u64, outbox_len: u64, tasks_open: u64) -> Self {
+        Self {
+            agent,
+            next_seq,
+            outbox_len,
+            tasks_open,
+            entries: Vec::new(),
+            tasks: Vec::new(),
+        }
+    }
+
+    /// Queues a notification or a task to `to` under `child` (the admitted context);
+    /// returns the message id (the task id, for a task).
+    pub(crate) fn push(
+        &mut self,
+        to: ActorId,
+        text: &str,
+        task: bool,
+        child: CallContext,
+        own: &CallContext,
+    ) -> Result<String, InboxError> {
+        let queued = self.entries.len() as u64;
+        if self.outbox_len + queued >= AGENT_OUTBOX_CAPACITY {
+            return Err(InboxError::OutboxFull {
+                agent: self.agent.clone(),
+                limit: AGENT_OUTBOX_CAPACITY,
+            });
+        }
+        if task && self.tasks_open + self.tasks.len() as u64 >= AGENT_TASKS_OPEN_MAX {
+            return Err(InboxError::OutboxFull {
+                agent: self.agent.clone(),
+                limit: AGENT_TASKS_OPEN_MAX,
+            });
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let msg_id = format!("{}.{seq}", self.agent.key());
+        let text = troupe_core::truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
+        let body = if task {
+            self.tasks.push(TaskStatus {
+                task_id: msg_id.clone(),
+                to: to.clone(),
+                state: TaskState::Submitted,
+                result: None,
+                deadline: child.deadline(),
+                context: own.with_deadline(child.deadline()),
+            });
+            InboxBody::Task {
+                task_id: msg_id.clone(),
+                text,
+            }
+        } else {
+            InboxBody::Notify { text }
+        };
+        self.push_entry(seq, to, msg_id.clone(), body, child);
+        Ok(msg_id)
+    }
+
+    /// Queues an entry with a seq of its own (results and cancellations).
+    pub(crate) fn push_raw(&mut self, to: ActorId, body: InboxBody, context: CallContext) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let msg_id = format!("{}.{seq}", self.agent.key());
+        self.push_entry(seq, to, msg_id, body, context);
+        seq
+    }
+
+    fn push_entry(&mut self, seq: u64, to: ActorId, msg_id: String, body: InboxBody, context: CallContext) {
+        let entry = InboxEntry {
+            msg_id,
+            from: Some(self.agent.clone()),
+            body,
+            context,
+        };
+        self.entries.push((seq, OutboxEntry { to, entry }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_round_trip_and_states_have_their_a2a_names() {
+        let command = AgentCommand::Process { seq: 7 };
+        assert_eq!(AgentCommand::decode(&command.encode()), Ok(command));
+        let names: Vec<&str> = [
+            TaskState::Submitted,
+            TaskState::Working,
+            TaskState::InputRequired,
+            TaskState::Completed,
+            TaskState::Failed,
+            TaskState::Canceled,
+            TaskState::Rejected,
+        ]
+        .iter()
+        .map(|state| state.as_str())
+        .collect();
+        assert_eq!(
+            names,
+            [
+                "submitted",
+                "working",
+                "input-required",
+                "completed",
+                "failed",
+                "canceled",
+                "rejected"
+            ]
+        );
+        assert_eq!(seq_of(&inbox_key(42)), Some(42));
+        assert_eq!(seq_of(&outbox_key(0)), Some(0));
+    }
+}

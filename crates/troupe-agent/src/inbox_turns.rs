@@ -1,0 +1,665 @@
+//! The agent's inbox and outbox turns (see `inbox.rs` for the protocol), and the
+//! `delegate_to_agent` and `notify_agent` tools.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use schemars::JsonSchema;
+use serde::Deserialize;
+use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, INVOKE_TIMEOUT_MS_MAX};
+use troupe_core::{CallContext, CallRefused, InvokeError};
+use troupe_runtime::{ActorError, Turn};
+
+use crate::agent::{agent_id, AgentActor, Conversation};
+use crate::inbox::{
+    canceled_key, encode_reply, from_json, inbox_key, outbox_key, seen_key, seq_of, task_deadline, task_key,
+    tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PendingSends,
+    SendReply, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+};
+use crate::limits::{
+    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MESSAGE_SIZE_MAX_BYTES,
+    AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+};
+use crate::{tool_parameters_schema, AgentEvent, Tool, ToolError, ToolExecutionContext};
+
+/// How long a self-told wake-up (process, relay, resume) may wait in the mailbox.
+const WAKE_TIMEOUT: Duration = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
+
+/// Extra time a processing turn gets past its entry's deadline, so that a model loop cut
+/// at the deadline still commits the failure (the runtime would roll it back).
+pub(crate) const PROCESS_GRACE_MS: u64 = 1_000;
+
+fn wake_failed(error: InvokeError) -> ActorError {
+    ActorError::failed(format!("could not schedule inbox work: {error}"))
+}
+
+impl AgentActor {
+    /// Everything but an ask.
+    pub(crate) async fn handle_box(&mut self, turn: &mut Turn, command: AgentCommand) -> Result<Bytes, ActorError> {
+        match command {
+            AgentCommand::Ask(_) => unreachable!("asks are handled by `handle`"),
+            AgentCommand::Enqueue(entry) => self.enqueue(turn, entry).await,
+            AgentCommand::Process { seq } => self.process(turn, seq).await.map(|()| Bytes::new()),
+            AgentCommand::Relay { seq } => self.relay(turn, seq).await.map(|()| Bytes::new()),
+            AgentCommand::Delivered { seq } => self.delivered(turn, seq).await.map(|()| Bytes::new()),
+            AgentCommand::Undeliverable { seq, cause, state } => {
+                self.undeliverable(turn, seq, cause, state).await.map(|()| Bytes::new())
+            }
+            AgentCommand::Resume {
+                inbox_after,
+                outbox_after,
+            } => self
+                .resume(turn, inbox_after, outbox_after)
+                .await
+                .map(|()| Bytes::new()),
+            AgentCommand::Delegate { to, text, timeout_ms } => {
+                self.send_from_api(turn, &to, &text, timeout_ms, true).await
+            }
+            AgentCommand::Notify { to, text, timeout_ms } => {
+                self.send_from_api(turn, &to, &text, timeout_ms, false).await
+            }
+            AgentCommand::Cancel { task_id } => self.cancel(turn, &task_id).await,
+        }
+    }
+
+    /// Writes a turn's sends to the outbox (and the delegator's task records) and
+    /// schedules their relays, which run after this turn commits.
+    pub(crate) async fn flush_sends(&mut self, turn: &mut Turn, sends: PendingSends) -> Result<(), ActorError> {
+        let now = turn.now();
+        for task in &sends.tasks {
+            turn.put(task_key(&task.task_id), to_json(task)?)?;
+            self.state.boxes.tasks_open += 1;
+            self.shared.emit(&AgentEvent::DelegationStarted {
+                task_id: task.task_id.clone(),
+                from: self.id.clone(),
+                to: task.to.clone(),
+                at: now,
+            });
+        }
+        for (seq, entry) in &sends.entries {
+            turn.put(outbox_key(*seq), to_json(entry)?)?;
+            self.state.boxes.outbox_len += 1;
+        }
+        self.state.boxes.outbox_next = self.state.boxes.outbox_next.max(sends.next_seq);
+        for (seq, _) in &sends.entries {
+            let wake = AgentCommand::Relay { seq: *seq }.encode();
+            turn.caller()
+                .tell(&self.id, wake, WAKE_TIMEOUT)
+                .await
+                .map_err(wake_failed)?;
+        }
+        Ok(())
+    }
+
+    /// Appends `entry` to the inbox, unless it is a duplicate or the inbox is full; the
+    /// reply (the acknowledgement) leaves only after the commit.
+    async fn enqueue(&mut self, turn: &mut Turn, mut entry: InboxEntry) -> Result<Bytes, ActorError> {
+        let now = turn.now();
+        if entry.msg_id.is_empty() {
+            // An id-less message (`AgentClient::notify`): the inbox names it, uniquely
+            // for good (its seq is committed with it); there is nothing to dedupe.
+            entry.msg_id = format!("{}.in{}", self.id.key(), self.state.boxes.inbox_next);
+        }
+        let kind = entry.body.kind();
+        let seen = seen_key(&entry.msg_id);
+        let received = |duplicate: bool| AgentEvent::MessageReceived {
+            msg_id: entry.msg_id.clone(),
+            agent: self.id.clone(),
+            kind,
+            duplicate,
+            at: now,
+        };
+        if turn.get(&seen).await?.is_some() {
+            self.shared.emit(&received(true));
+            return Ok(encode_reply(&EnqueueReply::Duplicate));
+        }
+        match &entry.body {
+            InboxBody::TaskUpdate { task_id, state, text } => {
+                // Dedupe by task: the first final state wins; later ones are dropped.
+                let key = task_key(task_id);
+                let Some(bytes) = turn.get(&key).await? else {
+                    self.shared.emit(&received(true));
+                    return Ok(encode_reply(&EnqueueReply::Duplicate));
+                };
+                let mut record: TaskStatus = from_json(&key, &bytes)?;
+                if record.state.is_final() {
+                    turn.put(seen, Bytes::new())?;
+                    self.shared.emit(&received(true));
+                    return Ok(encode_reply(&EnqueueReply::Duplicate));
+                }
+                record.state = *state;
+                record.result = Some(text.clone());
+                turn.put(key, to_json(&record)?)?;
+                self.state.boxes.tasks_open = self.state.boxes.tasks_open.saturating_sub(1);
+                self.shared.emit(&AgentEvent::DelegationFinished {
+                    task_id: task_id.clone(),
+                    from: self.id.clone(),
+                    to: record.to.clone(),
+                    state: *state,
+                    at: now,
+                });
+                // The result is processed under the chain and depth the delegator had.
+                entry.context = record
+                    .context
+                    .with_deadline(task_deadline(now, Some(AGENT_TASK_TIMEOUT_MS_DEFAULT)));
+            }
+            InboxBody::Cancel { task_id } => {
+                turn.put(seen, Bytes::new())?;
+                self.shared.emit(&received(false));
+                let index = tasks_in_key(task_id);
+                let Some(bytes) = turn.get(&index).await? else {
+                    // Not here yet (the cancellation overtook the task), or done: a
+                    // tombstone makes a task arriving later resolve canceled at once.
+                    if turn.get(&seen_key(task_id)).await?.is_none() {
+                        turn.put(canceled_key(task_id), Bytes::new())?;
+                    }
+                    return Ok(encode_reply(&EnqueueReply::Accepted {
+                        msg_id: entry.msg_id.clone(),
+                    }));
+                };
+                {
+                    // Not started yet: drop it and tell the delegator.
+                    let seq: u64 = from_json(&index, &bytes)?;
+                    turn.delete(inbox_key(seq))?;
+                    turn.delete(index)?;
+                    self.state.boxes.inbox_len = self.state.boxes.inbox_len.saturating_sub(1);
+                    if let Some(to) = entry.from.clone() {
+                        let mut sends = self.pending_sends();
+                        let body = InboxBody::TaskUpdate {
+                            task_id: task_id.clone(),
+                            state: TaskState::Canceled,
+                            text: "canceled before it started".to_string(),
+                        };
+                        sends.push_raw(to, body, CallContext::root(entry.context.deadline()));
+                        self.flush_sends(turn, sends).await?;
+                    }
+                }
+                return Ok(encode_reply(&EnqueueReply::Accepted {
+                    msg_id: entry.msg_id.clone(),
+                }));
+            }
+            InboxBody::Task { task_id, .. } if turn.get(&canceled_key(task_id)).await?.is_some() => {
+                turn.delete(canceled_key(task_id))?;
+                turn.put(seen, Bytes::new())?;
+                self.shared.emit(&received(false));
+                if let Some(to) = entry.from.clone() {
+                    let mut sends = self.pending_sends();
+                    let body = InboxBody::TaskUpdate {
+                        task_id: task_id.clone(),
+                        state: TaskState::Canceled,
+                        text: "canceled before it started".to_string(),
+                    };
+                    sends.push_raw(to, body, CallContext::root(entry.context.deadline()));
+                    self.flush_sends(turn, sends).await?;
+                }
+                return Ok(encode_reply(&EnqueueReply::Accepted {
+                    msg_id: entry.msg_id.clone(),
+                }));
+            }
+            InboxBody::Notify { .. } | InboxBody::Task { .. } => {
+                if self.state.boxes.inbox_len >= AGENT_INBOX_CAPACITY {
+                    return Ok(encode_reply(&EnqueueReply::Full {
+                        capacity: AGENT_INBOX_CAPACITY,
+                    }));
+                }
+            }
+        }
+        let seq = self.state.boxes.inbox_next;
+        turn.put(inbox_key(seq), to_json(&entry)?)?;
+        turn.put(seen, Bytes::new())?;
+        if let InboxBody::Task { task_id, .. } = &entry.body {
+            turn.put(tasks_in_key(task_id), to_json(&seq)?)?;
+        }
+        self.state.boxes.inbox_next += 1;
+        self.state.boxes.inbox_len += 1;
+        self.shared.emit(&received(false));
+        self.schedule_process(turn, seq, &entry.context).await?;
+        Ok(encode_reply(&EnqueueReply::Accepted {
+            msg_id: entry.msg_id.clone(),
+        }))
+    }
+
+    fn pending_sends(&self) -> PendingSends {
+        let boxes = self.state.boxes;
+        PendingSends::new(self.id.clone(), boxes.outbox_next, boxes.outbox_len, boxes.tasks_open)
+    }
+
+    /// Tells itself to process inbox entry `seq` under the entry's context (plus the
+    /// grace that lets a timed-out model loop commit its failure).
+    async fn schedule_process(&self, turn: &Turn, seq: u64, context: &CallContext) -> Result<(), ActorError> {
+        // An entry already past its deadline is still scheduled (now + grace): its turn
+        // resolves it as failed instead of leaving it to the next resume.
+        let latest = context.deadline().max(turn.now());
+        let deadline = troupe_core::Deadline::after(latest, Duration::from_millis(PROCESS_GRACE_MS));
+        turn.caller()
+            .tell_self_in(AgentCommand::Process { seq }.encode(), context.with_deadline(deadline))
+            .await
+            .map_err(wake_failed)
+    }
+
+    /// Processes inbox entry `seq` once: the entry's deletion commits with the model's
+    /// turn and with whatever it sends, or with the failure it reports.
+    async fn process(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
+        let key = inbox_key(seq);
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(()); // processed already (a duplicate wake-up)
+        };
+        let entry: InboxEntry = from_json(&key, &bytes)?;
+        turn.delete(key)?;
+        self.state.boxes.inbox_len = self.state.boxes.inbox_len.saturating_sub(1);
+        let from = entry
+            .from
+            .as_ref()
+            .map_or_else(|| "outside".to_string(), |from| format!("agent {}", from.key()));
+        let deadline = entry.context.deadline();
+        let expired = deadline.has_passed(turn.now());
+        match entry.body {
+            InboxBody::Notify { text } => {
+                if !expired {
+                    let content = format!("[notification {} from {from}] {text}", entry.msg_id);
+                    let conversation = Conversation {
+                        content,
+                        call: None,
+                        deadline,
+                    };
+                    if let Err(error) = self.converse(turn, conversation).await {
+                        tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
+                    }
+                }
+            }
+            InboxBody::Task { task_id, text } => {
+                turn.delete(tasks_in_key(&task_id))?;
+                let (state, result) = if expired {
+                    (TaskState::Failed, "the deadline passed before work started".to_string())
+                } else {
+                    let content = format!("[task {task_id} delegated by {from}] {text}");
+                    let conversation = Conversation {
+                        content,
+                        call: None,
+                        deadline,
+                    };
+                    match self.converse(turn, conversation).await {
+                        Ok(reply) => (TaskState::Completed, reply.text),
+                        Err(error) => (TaskState::Failed, error.to_string()),
+                    }
+                };
+                if let Some(to) = entry.from {
+                    let mut sends = self.pending_sends();
+                    let text = troupe_core::truncate_utf8(&result, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
+                    let body = InboxBody::TaskUpdate { task_id, state, text };
+                    sends.push_raw(to, body, CallContext::root(deadline));
+                    self.flush_sends(turn, sends).await?;
+                }
+            }
+            InboxBody::TaskUpdate { task_id, state, text } => {
+                let content = format!("[task {task_id} you delegated is {}] {text}", state.as_str());
+                let conversation = Conversation {
+                    content,
+                    call: None,
+                    deadline,
+                };
+                if let Err(error) = self.converse(turn, conversation).await {
+                    tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
+                }
+            }
+            InboxBody::Cancel { .. } => {} // handled at enqueue; never stored
+        }
+        Ok(())
+    }
+
+    /// Starts delivering outbox entry `seq` to its target's inbox, outside this turn (a
+    /// delivery task waits for the acknowledgement, so this agent's mailbox never waits
+    /// on another agent's): `Delivered` deletes it once acknowledged; a transient failure
+    /// is retried; at its deadline or on a permanent refusal, `Undeliverable` gives it
+    /// up, except results, which are retried until acknowledged.
+    async fn relay(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
+        let key = outbox_key(seq);
+        if self.relaying.contains(&seq) {
+            return Ok(()); // a delivery task of this activation has it
+        }
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(()); // delivered already
+        };
+        let out: OutboxEntry = from_json(&key, &bytes)?;
+        let Some(runtime) = self.shared.runtime() else {
+            return Err(ActorError::failed("the agent system has not started"));
+        };
+        self.relaying.insert(seq);
+        let shared = std::sync::Arc::clone(&self.shared);
+        let sender = self.id.clone();
+        tokio::spawn(deliver(runtime, shared, sender, seq, out));
+        Ok(())
+    }
+
+    /// The delivery task's report: outbox entry `seq` was acknowledged.
+    async fn delivered(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
+        self.relaying.remove(&seq);
+        let key = outbox_key(seq);
+        if turn.get(&key).await?.is_some() {
+            turn.delete(key)?;
+            self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    /// The delivery task's report: outbox entry `seq` cannot be delivered. It is
+    /// dropped; a task resolves at once (its delegator is this agent) and its failure is
+    /// processed as a new turn.
+    async fn undeliverable(
+        &mut self,
+        turn: &mut Turn,
+        seq: u64,
+        cause: String,
+        state: TaskState,
+    ) -> Result<(), ActorError> {
+        self.relaying.remove(&seq);
+        let key = outbox_key(seq);
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(());
+        };
+        let out: OutboxEntry = from_json(&key, &bytes)?;
+        tracing::warn!(agent = %self.id, msg = %out.entry.msg_id, to = %out.to, %cause, "giving up a delivery");
+        turn.delete(key)?;
+        self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
+        let InboxBody::Task { task_id, .. } = &out.entry.body else {
+            return Ok(());
+        };
+        // Deliver the failure to itself, through its own inbox (deduplicated by task).
+        let entry = InboxEntry {
+            msg_id: format!("{task_id}.undeliverable"),
+            from: None,
+            body: InboxBody::TaskUpdate {
+                task_id: task_id.clone(),
+                state,
+                text: cause,
+            },
+            context: CallContext::root(out.entry.context.deadline()),
+        };
+        self.enqueue(turn, entry).await.map(|_| ())
+    }
+
+    /// Re-schedules pending entries (after a restart): up to [`AGENT_RESUME_BATCH`] of
+    /// each box, then continues in a later turn.
+    async fn resume(
+        &mut self,
+        turn: &mut Turn,
+        inbox_after: Option<u64>,
+        outbox_after: Option<u64>,
+    ) -> Result<(), ActorError> {
+        if inbox_after.is_none() && outbox_after.is_none() {
+            // A fresh resume re-sends every delivery, also those this activation believes
+            // in flight (a delivery task whose report was lost would otherwise hold its
+            // seq here until the activation ends; a second delivery is deduplicated).
+            self.relaying.clear();
+        }
+        let after = inbox_after.map(inbox_key);
+        let inbox = turn.scan("inbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
+        let mut next_inbox = None;
+        for (key, bytes) in &inbox {
+            let entry: InboxEntry = from_json(key, bytes)?;
+            let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad inbox key {key}")))?;
+            self.schedule_process(turn, seq, &entry.context).await?;
+            next_inbox = Some(seq);
+        }
+        let after = outbox_after.map(outbox_key);
+        let outbox = turn.scan("outbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
+        let mut next_outbox = None;
+        for (key, _) in &outbox {
+            let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad outbox key {key}")))?;
+            turn.caller()
+                .tell(&self.id, AgentCommand::Relay { seq }.encode(), WAKE_TIMEOUT)
+                .await
+                .map_err(wake_failed)?;
+            next_outbox = Some(seq);
+        }
+        let more_inbox = inbox.len() == AGENT_RESUME_BATCH;
+        let more_outbox = outbox.len() == AGENT_RESUME_BATCH;
+        if more_inbox || more_outbox {
+            let next = AgentCommand::Resume {
+                inbox_after: if more_inbox { next_inbox } else { Some(u64::MAX) },
+                outbox_after: if more_outbox { next_outbox } else { Some(u64::MAX) },
+            };
+            turn.caller()
+                .tell(&self.id, next.encode(), WAKE_TIMEOUT)
+                .await
+                .map_err(wake_failed)?;
+        }
+        Ok(())
+    }
+
+    /// `AgentClient::delegate` and `AgentClient::notify_as`: this agent sends, with the
+    /// same admission as its tools.
+    async fn send_from_api(
+        &mut self,
+        turn: &mut Turn,
+        to: &str,
+        text: &str,
+        timeout_ms: Option<u64>,
+        task: bool,
+    ) -> Result<Bytes, ActorError> {
+        let mut sends = self.pending_sends();
+        let reply = match queue_send(turn.caller(), &self.shared, &mut sends, to, text, timeout_ms, task) {
+            Ok(id) => {
+                self.flush_sends(turn, sends).await?;
+                SendReply::Sent(id)
+            }
+            Err(InboxError::Refused(refused)) => SendReply::Refused(refused),
+            Err(InboxError::OutboxFull { limit, .. }) => SendReply::OutboxFull { limit },
+            Err(InboxError::InvalidAgentId { agent_id, cause }) => SendReply::InvalidAgentId { agent_id, cause },
+            Err(other) => return Err(ActorError::failed(other.to_string())),
+        };
+        Ok(encode_reply(&reply))
+    }
+
+    /// Cancels a task this agent delegated: queues a cancellation to its delegatee. The
+    /// task resolves when the delegatee answers: canceled if it had not started, else
+    /// with its result.
+    async fn cancel(&mut self, turn: &mut Turn, task_id: &str) -> Result<Bytes, ActorError> {
+        let key = task_key(task_id);
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(encode_reply(&SendReply::UnknownTask));
+        };
+        let record: TaskStatus = from_json(&key, &bytes)?;
+        if record.state.is_final() {
+            return Ok(encode_reply(&SendReply::AlreadyFinal(record.state)));
+        }
+        let mut sends = self.pending_sends();
+        let body = InboxBody::Cancel {
+            task_id: task_id.to_string(),
+        };
+        sends.push_raw(record.to.clone(), body, CallContext::root(record.deadline));
+        self.flush_sends(turn, sends).await?;
+        Ok(encode_reply(&SendReply::CancelSent))
+    }
+}
+
+/// Admission, then queues a notification or task from the turn of `caller`; returns the
+/// message (task) id.
+fn queue_send(
+    caller: &troupe_runtime::Caller,
+    shared: &crate::agent::AgentShared,
+    sends: &mut PendingSends,
+    to: &str,
+    text: &str,
+    timeout_ms: Option<u64>,
+    task: bool,
+) -> Result<String, InboxError> {
+    let target = agent_id(to).map_err(|error| InboxError::InvalidAgentId {
+        agent_id: to.to_string(),
+        cause: error.to_string(),
+    })?;
+    // The call rules (cycle, depth, known agent, in-flight cap, time left) give the
+    // chain and depth the target will work under; the slot is not held: nothing waits.
+    let admitted = caller.admit(&target, shared.directory.contains(to), None)?;
+    let child = admitted.child().with_deadline(task_deadline(caller.now(), timeout_ms));
+    drop(admitted);
+    sends.push(target, text, task, child, caller.context())
+}
+
+/// Queues a send from a tool of the running turn.
+fn tool_send(
+    context: &ToolExecutionContext,
+    to: &str,
+    text: &str,
+    timeout_ms: Option<u64>,
+    task: bool,
+) -> Result<String, InboxError> {
+    let Some(sends) = context.sends() else {
+        return Err(InboxError::Invoke(InvokeError::Rejected {
+            target: context.agent_id().clone(),
+            reason: "this turn cannot send messages".to_string(),
+        }));
+    };
+    let mut sends = sends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    queue_send(
+        context.caller(),
+        context.shared(),
+        &mut sends,
+        to,
+        text,
+        timeout_ms,
+        task,
+    )
+}
+
+/// The arguments of `delegate_to_agent` and `notify_agent`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SendArguments {
+    /// The id of the agent.
+    #[schemars(length(min = 1, max = ACTOR_KEY_LENGTH_MAX))]
+    pub agent_id: String,
+    /// The task or the notification.
+    #[schemars(length(max = AGENT_MESSAGE_SIZE_MAX_BYTES))]
+    pub message: String,
+    /// Its deadline, in milliseconds from now (default 120000, at most 300000).
+    #[schemars(range(min = 1))]
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+/// The `delegate_to_agent` tool, registered for every agent.
+pub(crate) fn delegate_tool() -> Tool {
+    Tool::typed::<SendArguments, _, _>(
+        DELEGATE_TOOL_NAME,
+        "Hand a task to another agent and continue at once: returns a task id; the result \
+         (or failure) comes back to you later as a new message. Sent when your turn ends.",
+        |context, arguments: SendArguments| async move {
+            tool_send(
+                &context,
+                &arguments.agent_id,
+                &arguments.message,
+                arguments.timeout_ms,
+                true,
+            )
+            .map(|task_id| format!("delegated as task {task_id}; the result will come back as a message"))
+            .map_err(|error| ToolError::failed(DELEGATE_TOOL_NAME, error.to_string()))
+        },
+    )
+}
+
+/// The `notify_agent` tool, registered for every agent.
+pub(crate) fn notify_tool() -> Tool {
+    Tool::typed::<SendArguments, _, _>(
+        NOTIFY_TOOL_NAME,
+        "Send another agent a notification (no answer comes back). Sent when your turn ends.",
+        |context, arguments: SendArguments| async move {
+            tool_send(
+                &context,
+                &arguments.agent_id,
+                &arguments.message,
+                arguments.timeout_ms,
+                false,
+            )
+            .map(|msg_id| format!("notification {msg_id} queued"))
+            .map_err(|error| ToolError::failed(NOTIFY_TOOL_NAME, error.to_string()))
+        },
+    )
+}
+
+/// The JSON schema of the `delegate_to_agent` and `notify_agent` arguments.
+pub fn send_schema() -> serde_json::Value {
+    tool_parameters_schema::<SendArguments>()
+}
+
+/// Delivers one outbox entry from outside any turn: retries until acknowledged, until
+/// its deadline (results: forever, while the target exists), or until the runtime stops;
+/// then reports to the sender (`Delivered` or `Undeliverable`; if that report is lost,
+/// the entry stays in the outbox and the next resume delivers it again, deduplicated).
+async fn deliver(
+    runtime: troupe_runtime::RuntimeHandle,
+    shared: std::sync::Arc<crate::agent::AgentShared>,
+    sender: troupe_core::ActorId,
+    seq: u64,
+    out: OutboxEntry,
+) {
+    let payload = AgentCommand::Enqueue(out.entry.clone()).encode();
+    let is_result = matches!(out.entry.body, InboxBody::TaskUpdate { .. });
+    let report = loop {
+        let target_known = shared.directory.contains(out.to.key());
+        let result = if target_known {
+            runtime
+                .invoke_within(
+                    &out.to,
+                    payload.clone(),
+                    Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS),
+                )
+                .await
+        } else {
+            Err(InvokeError::Refused(CallRefused::AgentNotFound {
+                target: out.to.clone(),
+            }))
+        };
+        let permanent = match result {
+            Ok(reply) => match bincode::deserialize::<EnqueueReply>(&reply) {
+                Ok(EnqueueReply::Accepted { .. } | EnqueueReply::Duplicate) => {
+                    shared.emit(&AgentEvent::MessageSent {
+                        msg_id: out.entry.msg_id.clone(),
+                        from: Some(sender.clone()),
+                        to: out.to.clone(),
+                        kind: out.entry.body.kind(),
+                        at: runtime.now(),
+                    });
+                    break AgentCommand::Delivered { seq };
+                }
+                Ok(EnqueueReply::Full { .. }) => None,
+                Err(error) => Some(format!("malformed acknowledgement: {error}")),
+            },
+            Err(InvokeError::Shutdown) => return, // resumed at the next start
+            Err(
+                error @ (InvokeError::Refused(CallRefused::AgentNotFound { .. })
+                | InvokeError::ActorNotFound { .. }
+                | InvokeError::Rejected { .. }),
+            ) => Some(error.to_string()),
+            Err(_transient) => None,
+        };
+        match permanent {
+            Some(cause) if !is_result || !target_known => {
+                break AgentCommand::Undeliverable {
+                    seq,
+                    cause,
+                    state: TaskState::Rejected,
+                }
+            }
+            _ if !is_result && out.entry.context.deadline().has_passed(runtime.now()) => {
+                break AgentCommand::Undeliverable {
+                    seq,
+                    cause: "the deadline passed before it could be delivered".to_string(),
+                    state: TaskState::Failed,
+                }
+            }
+            _ => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
+        }
+    };
+    let deadline = runtime.deadline_in(WAKE_TIMEOUT);
+    for _ in 0..REPORT_ATTEMPTS {
+        match runtime.tell(&sender, report.encode(), deadline).await {
+            Ok(()) | Err(InvokeError::Shutdown) => return,
+            Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
+        }
+    }
+    tracing::warn!(agent = %sender, seq, "could not report a delivery; the next resume delivers it again");
+}
+
+/// How often a delivery task tries to report its outcome to the sender.
+const REPORT_ATTEMPTS: u32 = 10;
