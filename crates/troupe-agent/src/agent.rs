@@ -604,13 +604,35 @@ impl AgentActor {
         })
     }
 
-    /// Runs one conversation turn: the model loop (until `conversation.deadline`), then
-    /// the log writes and the turn's sends (outbox entries, task records, relays).
+    /// Runs one conversation turn (see `converse_steps`) and reports its end
+    /// ([`AgentEvent::TurnEnded`]) when anyone listens.
     pub(crate) async fn converse(
         &mut self,
         turn: &mut Turn,
         conversation: Conversation,
     ) -> Result<AgentReply, ActorError> {
+        let call = conversation.call;
+        let result = self.converse_steps(turn, conversation).await;
+        if self.shared.has_listeners() {
+            let (ok, steps, usage) = match &result {
+                Ok(reply) => (true, reply.steps, reply.usage),
+                Err(_) => (false, 0, TokenUsage::default()),
+            };
+            self.shared.emit(&AgentEvent::TurnEnded {
+                agent: self.id.clone(),
+                call,
+                ok,
+                steps,
+                usage,
+                at: self.shared.now(),
+            });
+        }
+        result
+    }
+
+    /// The model loop (until `conversation.deadline`), then the log writes and the
+    /// turn's sends (outbox entries, task records, relays).
+    async fn converse_steps(&mut self, turn: &mut Turn, conversation: Conversation) -> Result<AgentReply, ActorError> {
         let clock = turn.clock();
         let context = turn.context().clone();
         let deadline = conversation.deadline.min(context.deadline());
@@ -674,6 +696,16 @@ impl AgentActor {
                 usage.completion_tokens += used.completion_tokens;
                 usage.total_tokens += used.total_tokens;
             }
+            if self.shared.has_listeners() {
+                self.shared.emit(&AgentEvent::ModelResponded {
+                    agent: self.id.clone(),
+                    call: conversation.call,
+                    step: steps,
+                    usage: reply.usage,
+                    tool_calls: reply.message.tool_calls.len(),
+                    at: clock.now(),
+                });
+            }
             let mut message = reply.message;
             message.role = Role::Assistant;
             message.tool_call_id = None;
@@ -736,7 +768,16 @@ impl AgentActor {
                 }
                 other => other.clone(),
             };
-            let result = match registry.execute(context, &call.name, arguments).await {
+            let executed = registry.execute(context, &call.name, arguments).await;
+            if self.shared.has_listeners() {
+                self.shared.emit(&AgentEvent::ToolFinished {
+                    agent: self.id.clone(),
+                    tool: call.name.clone(),
+                    ok: executed.is_ok(),
+                    at: self.shared.now(),
+                });
+            }
+            let result = match executed {
                 Ok(text) => text,
                 Err(error) => format!("error: {error}"),
             };

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use troupe_core::{ActorId, CallRefused, Deadline, InvokeError};
 
 use crate::inbox::{MessageKind, TaskState};
+use crate::TokenUsage;
 
 /// How a call ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -147,6 +148,48 @@ pub enum AgentEvent {
         /// Its deadline.
         deadline: Deadline,
         /// When it started.
+        at: Deadline,
+    },
+    /// A model call of a turn answered (`step` counts from 1).
+    ModelResponded {
+        /// The agent.
+        agent: ActorId,
+        /// The call its turn serves, if known.
+        call: Option<u64>,
+        /// Which model step of the turn.
+        step: u32,
+        /// The tokens the provider reported for this call.
+        usage: Option<TokenUsage>,
+        /// How many tool calls the model asked for.
+        tool_calls: usize,
+        /// When the answer arrived.
+        at: Deadline,
+    },
+    /// A tool call of a turn finished (`ok: false`: the model reads an error result).
+    ToolFinished {
+        /// The agent.
+        agent: ActorId,
+        /// The tool's name.
+        tool: String,
+        /// Whether it succeeded.
+        ok: bool,
+        /// When it finished.
+        at: Deadline,
+    },
+    /// A turn ended with a reply (`ok`) or an error. A failed turn reports 0 steps and no
+    /// usage; a turn cut by its deadline or its caller reports no end.
+    TurnEnded {
+        /// The agent.
+        agent: ActorId,
+        /// The call it served, if known.
+        call: Option<u64>,
+        /// Whether it replied.
+        ok: bool,
+        /// Model steps it took.
+        steps: u32,
+        /// Its model calls' tokens, summed.
+        usage: TokenUsage,
+        /// When it ended.
         at: Deadline,
     },
     /// An activation of an agent started: its state is loaded and it ran the runtime's

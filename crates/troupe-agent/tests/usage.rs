@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use serde_json::json;
-use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, ScriptRule, ScriptedLlm, TokenUsage};
+use troupe_agent::{
+    AgentEvent, AgentObserver, AgentSpec, AgentSystem, ChatMessage, ScriptRule, ScriptedLlm, TokenUsage,
+};
 
 /// The scripted model's documented count: one token per whitespace-separated word, a
 /// tool call counting one plus the words of its JSON arguments.
@@ -67,5 +69,100 @@ async fn a_reply_reports_the_summed_usage_of_its_own_model_calls() {
     let worker = system.ask("worker", "count the stars").await.unwrap();
     assert_eq!(worker.steps, 1);
     assert_eq!(worker.usage.completion_tokens, 4, "about four hundred billion");
+    system.shutdown().await;
+}
+
+/// Keeps every event, in order.
+#[derive(Default)]
+struct Recorder(std::sync::Mutex<Vec<AgentEvent>>);
+
+impl AgentObserver for Recorder {
+    fn on_event(&self, event: &AgentEvent) {
+        self.0.lock().unwrap().push(event.clone());
+    }
+}
+
+/// What one agent's turn reported, in order, without times.
+fn steps_of(events: &[AgentEvent], agent: &str) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|event| match event {
+            AgentEvent::TurnStarted { agent: a, depth, .. } if a.key() == agent => Some(format!("turn depth {depth}")),
+            AgentEvent::ModelResponded {
+                agent: a,
+                step,
+                tool_calls,
+                usage,
+                ..
+            } if a.key() == agent => Some(format!(
+                "model step {step}: {tool_calls} tool calls, {} tokens",
+                usage.map_or(0, |u| u.total_tokens)
+            )),
+            AgentEvent::ToolFinished { agent: a, tool, ok, .. } if a.key() == agent => {
+                Some(format!("tool {tool} ok={ok}"))
+            }
+            AgentEvent::TurnEnded {
+                agent: a,
+                ok,
+                steps,
+                usage,
+                ..
+            } if a.key() == agent => Some(format!(
+                "turn ended ok={ok} steps {steps}, {} tokens",
+                usage.total_tokens
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Goal: a turn reports each model response with its usage, each tool call's end, and
+/// its own end with the summed usage, in order; the callee's turn reports its own.
+#[tokio::test(start_paused = true)]
+async fn a_turn_reports_model_responses_tool_calls_and_its_end_with_usage() {
+    let llm = Arc::new(
+        ScriptedLlm::new()
+            .rule(ScriptRule::agent("boss").on_user_containing("").call(
+                "call_agent",
+                json!({"agent_id": "worker", "message": "count the stars"}),
+            ))
+            .rule(
+                ScriptRule::agent("boss")
+                    .on_tool_result()
+                    .reply("the worker says {tool_result}"),
+            )
+            .rule(ScriptRule::agent("worker").reply("about four hundred billion")),
+    );
+    let recorder = Arc::new(Recorder::default());
+    let system = AgentSystem::builder()
+        .llm(Arc::clone(&llm) as Arc<dyn troupe_agent::LlmClient>)
+        .observer(Arc::clone(&recorder) as Arc<dyn AgentObserver>)
+        .agent(AgentSpec::new("boss"))
+        .agent(AgentSpec::new("worker"))
+        .start()
+        .unwrap();
+    let reply = system.ask("boss", "how many stars are there").await.unwrap();
+    let events = recorder.0.lock().unwrap().clone();
+    let requests = llm.requests_of("boss");
+    let step_tokens =
+        |index: usize, completion: u64| -> u64 { requests[index].messages.iter().map(words).sum::<u64>() + completion };
+    let call_step = 1 + json!({"agent_id": "worker", "message": "count the stars"})
+        .to_string()
+        .split_whitespace()
+        .count() as u64;
+    assert_eq!(
+        steps_of(&events, "boss"),
+        vec![
+            "turn depth 0".to_string(),
+            format!("model step 1: 1 tool calls, {} tokens", step_tokens(0, call_step)),
+            "tool call_agent ok=true".to_string(),
+            format!("model step 2: 0 tool calls, {} tokens", step_tokens(1, 7)),
+            format!("turn ended ok=true steps 2, {} tokens", reply.usage.total_tokens),
+        ]
+    );
+    assert_eq!(reply.usage.total_tokens, step_tokens(0, call_step) + step_tokens(1, 7));
+    let worker = steps_of(&events, "worker");
+    assert_eq!(worker.len(), 3, "{worker:?}");
+    assert_eq!(worker[0], "turn depth 1");
     system.shutdown().await;
 }
