@@ -683,7 +683,11 @@ impl AgentActor {
                 tools: Arc::clone(specs),
                 deadline,
             };
-            let reply = match clock.run_until(deadline, self.shared.llm.complete(llm_request)).await {
+            let model_call = tracing::Instrument::instrument(
+                self.shared.llm.complete(llm_request),
+                tracing::debug_span!("model_call", agent = %self.id, step = steps),
+            );
+            let reply = match clock.run_until(deadline, model_call).await {
                 Ok(Ok(reply)) => reply,
                 Ok(Err(error)) => return Err(ActorError::failed(format!("the model failed: {error}"))),
                 Err(_elapsed) => {
@@ -768,7 +772,11 @@ impl AgentActor {
                 }
                 other => other.clone(),
             };
-            let executed = registry.execute(context, &call.name, arguments).await;
+            let executed = tracing::Instrument::instrument(
+                registry.execute(context, &call.name, arguments),
+                tracing::debug_span!("tool_call", agent = %self.id, tool = %call.name),
+            )
+            .await;
             if self.shared.has_listeners() {
                 self.shared.emit(&AgentEvent::ToolFinished {
                     agent: self.id.clone(),

@@ -320,6 +320,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         mut reply,
         call,
         edge,
+        span,
     } = envelope;
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
     // request with a caller: its wait ends at its deadline, which closes the reply
@@ -349,6 +350,13 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         return;
     }
     let deadline = context.deadline();
+    let span = tracing::debug_span!(
+        parent: &span,
+        "turn",
+        actor = %live.id,
+        depth = context.depth(),
+        chain = ?context.chain(),
+    );
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
     #[cfg(feature = "planted-bugs")]
     let watch_caller = !shared.planted_commit_after_abandon && reply.has_caller();
@@ -375,7 +383,10 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
                 if reply.is_closed() {
                     return Poll::Ready(Raced::Abandoned);
                 }
-                if let Poll::Ready(outcome) = Pin::new(&mut handler).poll(cx) {
+                let entered = span.enter();
+                let polled = Pin::new(&mut handler).poll(cx);
+                drop(entered);
+                if let Poll::Ready(outcome) = polled {
                     return Poll::Ready(Raced::Finished(Ok(outcome)));
                 }
                 waited = true;
@@ -390,7 +401,10 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
             // timer armed only if the handler does not finish in its first poll.
             let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
             std::future::poll_fn(|cx| {
-                if let Poll::Ready(outcome) = Pin::new(&mut handler).poll(cx) {
+                let entered = span.enter();
+                let polled = Pin::new(&mut handler).poll(cx);
+                drop(entered);
+                if let Poll::Ready(outcome) = polled {
                     return Poll::Ready(Raced::Finished(Ok(outcome)));
                 }
                 waited = true;

@@ -106,6 +106,9 @@ pub(crate) struct Envelope {
     /// releases it before it replies, so the edge ends with the call, not with the
     /// caller's future.
     pub(crate) edge: bool,
+    /// The caller's `invoke` (or `tell`) span: the parent of the callee's `turn` span
+    /// (disabled, and free, when no `tracing` subscriber wants it).
+    pub(crate) span: tracing::Span,
 }
 
 /// A mailbox's sending side, owned by the dispatcher only.

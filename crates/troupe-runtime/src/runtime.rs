@@ -423,12 +423,15 @@ impl RuntimeHandle {
                 timeout_ms: 0,
             });
         }
+        let call = shared.next_call();
+        let span = tracing::debug_span!("tell", target = %target, request = call, depth = context.depth());
         let envelope = Box::new(Envelope {
             payload,
             context,
             reply: ReplyTo::Nobody,
-            call: shared.next_call(),
+            call,
             edge: false,
+            span,
         });
         let mut envelope = match shared.fast_path(target, envelope) {
             FastPath::Delivered => return Ok(()),
@@ -566,12 +569,16 @@ impl RuntimeHandle {
             answer: Some(answer),
             answered: false,
         };
+        // The parent of the callee's turn span: a child of the caller's current span (its
+        // own turn's, for a call from a turn), so one request is one tree of spans.
+        let span = tracing::debug_span!("invoke", target = %target, request = call, depth = context.depth());
         let mut envelope = Box::new(Envelope {
             payload,
             context,
             reply: ReplyTo::Caller(reply),
             call,
             edge: edge.is_some(),
+            span,
         });
         if edge.is_none() {
             // A call from outside any turn adds no wait-for edge, so it may skip the
