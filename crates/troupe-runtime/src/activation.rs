@@ -44,7 +44,7 @@ use tokio::sync::mpsc;
 use troupe_core::{ActorId, InvokeError};
 
 use crate::envelope::{Control, Envelope, MailboxReceiver, Payload, Reply, ReplyTo};
-use crate::runtime::{Counters, Shared};
+use crate::handle::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
     Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StateStore, StoreError, Turn,
@@ -368,7 +368,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
     let raced = {
         // Marks the task as running this actor's turn, so that a root invocation from
         // inside it (through a captured handle) is refused.
-        let mut handler = crate::runtime::InTurn(match payload {
+        let mut handler = crate::handle::InTurn(match payload {
             Payload::Bytes(bytes) => Handler::Bytes(live.actor.handle(&mut turn, bytes)),
             Payload::Value(value) => Handler::Value(live.actor.handle_value(&mut turn, value)),
         });

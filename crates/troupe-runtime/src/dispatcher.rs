@@ -30,7 +30,7 @@ use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleStat
 use crate::activation::{self, ActivationStart};
 use crate::envelope::{CallEdge, Command, Control, Envelope};
 use crate::fast_hash::FastMap;
-use crate::runtime::{Counters, Route, Routes};
+use crate::handle::{Counters, Route, Routes};
 use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
 use crate::{DispatcherStats, RuntimeHandle};
 

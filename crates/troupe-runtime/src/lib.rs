@@ -26,6 +26,7 @@ pub mod conformance;
 mod dispatcher;
 mod envelope;
 mod fast_hash;
+mod handle;
 mod kind_config;
 mod memory_store;
 mod observer;
@@ -42,13 +43,11 @@ mod wait_for_graph;
 pub use actor::{Actor, ActorError, ActorFactory};
 pub use caller::{Admitted, Caller};
 pub use clock::Clock;
+pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle};
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use observer::{RuntimeEvent, RuntimeObserver};
-pub use runtime::{
-    DispatcherStats, Runtime, RuntimeBuilder, RuntimeCounters, RuntimeHandle, SHUTDOWN_ABORT_WAIT_MS,
-    SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX,
-};
+pub use runtime::{Runtime, RuntimeBuilder, SHUTDOWN_ABORT_WAIT_MS, SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX};
 #[cfg(feature = "sqlite")]
 pub use sqlite_store::SqliteStore;
 pub use state_store::{

@@ -32,7 +32,7 @@ use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::envelope::Payload;
-use crate::runtime::IN_TURN;
+use crate::handle::IN_TURN;
 use crate::{Actor, ActorError, RuntimeHandle, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.

@@ -1,0 +1,721 @@
+//! The runtime's shared core and the handle callers use: [`RuntimeHandle`] (invoke,
+//! tell, deactivate, stats), the route map of open mailboxes and its fast path, the
+//! counters, and the caller's wait for a reply. The dispatcher and the activations import
+//! from here; nothing here imports the dispatcher or the builder ([`crate::Runtime`],
+//! `runtime.rs`), so the arrows go one way.
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
+use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
+
+use crate::caller::CallerInner;
+use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Payload, Reply, ReplyTo};
+use crate::fast_hash::FastMap;
+use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
+
+thread_local! {
+    /// Whether the current thread is polling an actor's turn right now: set around every
+    /// poll of a turn's handler ([`InTurn`]), so a root invocation from inside a turn can
+    /// be refused. A plain flag: the check sits on the hot path.
+    pub(crate) static IN_TURN: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Polls a turn's handler with [`IN_TURN`] set.
+pub(crate) struct InTurn<F>(pub(crate) F);
+
+impl<F: Future + Unpin> Future for InTurn<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        /// Restores the flag even if the handler panics.
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                IN_TURN.set(self.0);
+            }
+        }
+        let _restore = Restore(IN_TURN.replace(true));
+        Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+/// A registered actor kind: its factory and configuration.
+pub(crate) struct KindEntry {
+    pub(crate) factory: Arc<dyn ActorFactory>,
+    pub(crate) config: KindConfig,
+    /// The [`crate::TypedActor`] type of a typed kind, with its name.
+    pub(crate) typed: Option<(std::any::TypeId, &'static str)>,
+}
+
+/// Counters of what the runtime did, for tests, the simulator and metrics.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) activations_started: AtomicU64,
+    pub(crate) deactivations_finished: AtomicU64,
+    pub(crate) turns_run: AtomicU64,
+    pub(crate) turns_failed: AtomicU64,
+    pub(crate) expired_dropped: AtomicU64,
+    pub(crate) busy_refused: AtomicU64,
+    pub(crate) deadlocks_refused: AtomicU64,
+    pub(crate) deactivation_saves_failed: AtomicU64,
+    pub(crate) turns_abandoned: AtomicU64,
+    pub(crate) activations_aborted: AtomicU64,
+    pub(crate) dispatcher_busy_refused: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn add(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of the runtime's counters since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuntimeCounters {
+    /// Activations spawned (first messages to inactive actors).
+    pub activations_started: u64,
+    /// Activations that finished deactivating.
+    pub deactivations_finished: u64,
+    /// Turns that ran to completion (successfully or not).
+    pub turns_run: u64,
+    /// Turns that failed, timed out or whose commit failed.
+    pub turns_failed: u64,
+    /// Requests dropped unrun because their deadline had passed.
+    pub expired_dropped: u64,
+    /// Requests refused with `Busy`.
+    pub busy_refused: u64,
+    /// Calls refused with `DeadlockDetected`.
+    pub deadlocks_refused: u64,
+    /// Deactivation saves that failed, or were skipped because `on_deactivate` failed
+    /// (the last turn's state was already committed).
+    pub deactivation_saves_failed: u64,
+    /// Turns cancelled and rolled back because their caller stopped waiting (timed out,
+    /// was cancelled, or its own turn ended).
+    pub turns_abandoned: u64,
+    /// Activations stopped at once because the shutdown grace period ended or the
+    /// runtime was dropped (a running turn among them was cancelled: nothing of it was
+    /// committed unless its commit was already in flight).
+    pub activations_aborted: u64,
+    /// Requests refused with `DispatcherBusy` (the dispatcher's queue was full).
+    pub dispatcher_busy_refused: u64,
+}
+
+/// The dispatcher's tables at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DispatcherStats {
+    /// Entries in the activation table (any live state).
+    pub activations: usize,
+    /// Of those, how many are deactivating.
+    pub deactivating: usize,
+    /// Messages held for actors whose previous activation is still deactivating.
+    pub held_messages: usize,
+    /// Live calls in the wait-for graph.
+    pub wait_for_edges: usize,
+}
+
+/// The open mailbox of one live activation, with the count of messages put into it.
+pub(crate) struct Route {
+    pub(crate) mailbox: MailboxSender,
+    pub(crate) delivered: u64,
+}
+
+/// Open mailboxes by actor id, shared by the dispatcher and the callers' fast path.
+///
+/// Only the dispatcher inserts and removes routes (it alone activates and deactivates);
+/// a caller without a wait-for edge may put a message into an open mailbox directly,
+/// under the lock, which keeps `delivered` exact for the idle handshake. Removing a
+/// route drops the only sender, which closes the mailbox.
+#[derive(Default)]
+pub(crate) struct Routes(Mutex<FastMap<ActorId, Route>>);
+
+impl Routes {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, FastMap<ActorId, Route>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What the fast path did with a message.
+enum FastPath {
+    /// Put into the open mailbox.
+    Delivered,
+    /// Refused at once (full mailbox).
+    Refused(InvokeError),
+    /// No open mailbox: the dispatcher must route it (and maybe activate).
+    ToDispatcher(Box<Envelope>),
+}
+
+pub(crate) struct Shared {
+    pub(crate) commands: mpsc::Sender<Command>,
+    pub(crate) control: mpsc::UnboundedSender<Control>,
+    pub(crate) clock: Clock,
+    pub(crate) kinds: BTreeMap<ActorKind, KindEntry>,
+    pub(crate) store: Arc<dyn StateStore>,
+    pub(crate) counters: Counters,
+    pub(crate) routes: Routes,
+    pub(crate) observer: Option<Arc<dyn RuntimeObserver>>,
+    /// Set once when running turns must stop at once: the shutdown grace period ended,
+    /// or the `Runtime` was dropped. Every activation watches it.
+    pub(crate) abort: AtomicBool,
+    pub(crate) shutdown_grace: Duration,
+    pub(crate) next_call: AtomicU64,
+    /// Planted bug (simulator only): turns ignore that their caller gave up.
+    #[cfg(feature = "planted-bugs")]
+    pub(crate) planted_commit_after_abandon: bool,
+    /// Planted bug (simulator only): a turn whose handler failed commits anyway.
+    #[cfg(feature = "planted-bugs")]
+    pub(crate) planted_commit_failed_turn: bool,
+}
+
+impl Shared {
+    /// Tells the observer, if there is one.
+    pub(crate) fn emit(&self, event: impl FnOnce() -> RuntimeEvent) {
+        if let Some(observer) = &self.observer {
+            observer.on_event(&event());
+        }
+    }
+
+    /// A fresh request id.
+    pub(crate) fn next_call(&self) -> u64 {
+        self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Delivers straight into an open mailbox, skipping the dispatcher's queue.
+    fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>) -> FastPath {
+        let mut routes = self.routes.lock();
+        let Some(route) = routes.get_mut(target) else {
+            return FastPath::ToDispatcher(envelope);
+        };
+        match route.mailbox.try_send(envelope) {
+            Ok(()) => {
+                route.delivered += 1;
+                FastPath::Delivered
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                Counters::add(&self.counters.busy_refused);
+                let capacity = route.mailbox.max_capacity();
+                FastPath::Refused(InvokeError::Busy {
+                    target: target.clone(),
+                    capacity,
+                })
+            }
+            // The activation ended; the dispatcher knows what to do next.
+            Err(mpsc::error::TrySendError::Closed(envelope)) => FastPath::ToDispatcher(envelope),
+        }
+    }
+}
+
+/// A cheap, cloneable handle to a running runtime: invoke actors, read the clock.
+#[derive(Clone)]
+pub struct RuntimeHandle {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl fmt::Debug for RuntimeHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RuntimeHandle")
+            .field("kinds", &self.shared.kinds.keys())
+            .finish()
+    }
+}
+
+/// Owns the reply receiver of one request while its caller waits. When the wait ends
+/// without a reply (timeout, the caller's future dropped, its turn ended), dropping the
+/// guard closes the receiver first, so the callee's turn sees its caller gone and is
+/// cancelled, and the dispatcher never routes the request; then it releases the wait-for
+/// edge (the callee releases it too when it replies: the first release wins) and reports
+/// the abandonment.
+struct WaitGuard<'a> {
+    shared: &'a Shared,
+    target: &'a ActorId,
+    call: u64,
+    edge: bool,
+    answer: Option<oneshot::Receiver<Reply>>,
+    answered: bool,
+}
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.answer.take());
+        if self.edge {
+            // The dispatcher may already be gone at shutdown; nothing to release then.
+            let _ = self.shared.control.send(Control::ReleaseCall { call: self.call });
+        }
+        if !self.answered {
+            self.shared.emit(|| RuntimeEvent::RequestAbandoned {
+                target: self.target.clone(),
+                request: self.call,
+            });
+        }
+    }
+}
+
+impl RuntimeHandle {
+    /// The runtime's clock.
+    pub fn clock(&self) -> Clock {
+        self.shared.clock
+    }
+
+    /// The current time on the runtime's clock.
+    pub fn now(&self) -> Deadline {
+        self.shared.clock.now()
+    }
+
+    /// The deadline `timeout` from now, capped at [`INVOKE_TIMEOUT_MS_MAX`].
+    pub fn deadline_in(&self, timeout: Duration) -> Deadline {
+        self.shared
+            .clock
+            .deadline_in(timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)))
+    }
+
+    /// Whether actors of `kind` can be invoked.
+    pub fn is_registered(&self, kind: &ActorKind) -> bool {
+        self.shared.kinds.contains_key(kind)
+    }
+
+    /// The store actors of this runtime commit to.
+    pub fn store(&self) -> &Arc<dyn StateStore> {
+        &self.shared.store
+    }
+
+    /// Sends `payload` to `target` from outside any actor and waits for the reply until
+    /// `deadline`. Activates the actor if it is inactive.
+    ///
+    /// # Errors
+    /// [`InvokeError`]: `Timeout` when the deadline passes first (the request is then
+    /// dropped unrun, or its turn cancelled and rolled back), `Busy` when the mailbox is
+    /// full, `ActorNotFound` for an unregistered kind, `ActorFailed`, `Rejected`,
+    /// `StorageFailed`, `DispatcherBusy` (the dispatcher's queue is full: nothing was
+    /// queued), `Shutdown`, and `Refused(RootInvokeInsideTurn)` when called from inside
+    /// an actor's turn (through a captured handle): calls from a turn go through its
+    /// [`crate::Caller`].
+    ///
+    /// # Cancel safety
+    /// Dropping the future abandons the request: if it has not started running it never
+    /// will, and if its turn is running, the turn is cancelled at its next `.await` and
+    /// rolled back (a turn already committing keeps its commit).
+    pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        self.invoke_root(target, payload, deadline).await
+    }
+
+    /// As [`RuntimeHandle::invoke`], with the deadline `timeout` from now (capped at
+    /// [`INVOKE_TIMEOUT_MS_MAX`]). Reads the clock once for both the deadline and the
+    /// call, where `invoke(target, payload, handle.deadline_in(timeout))` reads it twice.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke`].
+    pub async fn invoke_within(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        let now = self.shared.clock.now();
+        let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+        self.send_and_wait_from(now, target, Payload::Bytes(payload), CallContext::root(deadline), None)
+            .await?
+            .into_bytes(target)
+    }
+
+    /// A root invocation without the inside-a-turn check: for `Caller::invoke_as_root`.
+    pub(crate) async fn invoke_root(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        self.send_and_wait(target, Payload::Bytes(payload), CallContext::root(deadline), None)
+            .await?
+            .into_bytes(target)
+    }
+
+    /// Sends `payload` to `target` on behalf of `caller`'s running turn under `context`
+    /// (the callee's context: depth, chain and deadline already derived by admission).
+    /// The dispatcher records the wait-for edge `caller → target` until the callee
+    /// replies or the caller stops waiting, and refuses the call at once with
+    /// `DeadlockDetected` if the edge would close a cycle. The wait also ends, with
+    /// `Cancelled`, when `turn_end` reports that the calling turn has ended.
+    ///
+    /// Only [`crate::Caller`] calls this: identity and context come from the runtime.
+    pub(crate) async fn invoke_from(
+        &self,
+        caller: &ActorId,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+        turn: Option<&CallerInner>,
+    ) -> Result<Bytes, InvokeError> {
+        self.send_and_wait(target, Payload::Bytes(payload), context, Some((caller, turn)))
+            .await?
+            .into_bytes(target)
+    }
+
+    /// Sends `payload` to `target` from outside any actor without waiting for a reply
+    /// (fire-and-forget). Returns once the message is accepted: in the actor's mailbox,
+    /// or held for its next activation (activating it if it is inactive). Its turn runs
+    /// under `deadline` like any other, with nobody waiting: its reply and its errors
+    /// go nowhere (the counters show failed turns).
+    ///
+    /// The runtime keeps accepted messages in memory only: they are lost if the process
+    /// stops before they run. (Durable delivery is the agent inbox's job.)
+    ///
+    /// # Errors
+    /// The same refusals as [`RuntimeHandle::invoke`], at once: `Timeout` (the deadline
+    /// has passed: nothing was sent), `Busy`, `ActorNotFound`, `DispatcherBusy`,
+    /// `Rejected`, `Shutdown`, and `Refused(RootInvokeInsideTurn)` inside a turn.
+    pub async fn tell(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<(), InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        self.send_only(target, Payload::Bytes(payload), CallContext::root(deadline))
+            .await
+    }
+
+    /// Fire-and-forget delivery of `payload` (see [`RuntimeHandle::tell`]).
+    pub(crate) async fn send_only(
+        &self,
+        target: &ActorId,
+        payload: Payload,
+        context: CallContext,
+    ) -> Result<(), InvokeError> {
+        self.send_only_from(self.shared.clock.now(), target, payload, context)
+            .await
+    }
+
+    /// As `send_only`, with the clock already read as `now`.
+    pub(crate) async fn send_only_from(
+        &self,
+        now: Deadline,
+        target: &ActorId,
+        payload: Payload,
+        context: CallContext,
+    ) -> Result<(), InvokeError> {
+        let shared = &*self.shared;
+        let deadline = context.deadline();
+        if deadline.has_passed(now) {
+            return Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: 0,
+            });
+        }
+        let call = shared.next_call();
+        let span = tracing::debug_span!("tell", target = %target, request = call, depth = context.depth());
+        let envelope = Box::new(Envelope {
+            payload,
+            context,
+            reply: ReplyTo::Nobody,
+            call,
+            edge: false,
+            span,
+        });
+        let mut envelope = match shared.fast_path(target, envelope) {
+            FastPath::Delivered => return Ok(()),
+            FastPath::Refused(error) => return Err(error),
+            FastPath::ToDispatcher(back) => back,
+        };
+        let (acceptance, accepted) = oneshot::channel();
+        envelope.reply = ReplyTo::Acceptance(acceptance);
+        let command = Command::Invoke {
+            target: target.clone(),
+            envelope,
+            edge: None,
+        };
+        match shared.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                Counters::add(&shared.counters.dispatcher_busy_refused);
+                return Err(InvokeError::DispatcherBusy {
+                    capacity: DISPATCHER_QUEUE_CAPACITY,
+                });
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
+        }
+        // The dispatcher answers at once (it never waits on anything); it is gone only
+        // when the runtime has stopped.
+        accepted.await.unwrap_or(Err(InvokeError::Shutdown))
+    }
+
+    /// The runtime's counters since it started.
+    pub fn counters(&self) -> RuntimeCounters {
+        let c = &self.shared.counters;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        RuntimeCounters {
+            activations_started: load(&c.activations_started),
+            deactivations_finished: load(&c.deactivations_finished),
+            turns_run: load(&c.turns_run),
+            turns_failed: load(&c.turns_failed),
+            expired_dropped: load(&c.expired_dropped),
+            busy_refused: load(&c.busy_refused),
+            deadlocks_refused: load(&c.deadlocks_refused),
+            deactivation_saves_failed: load(&c.deactivation_saves_failed),
+            turns_abandoned: load(&c.turns_abandoned),
+            activations_aborted: load(&c.activations_aborted),
+            dispatcher_busy_refused: load(&c.dispatcher_busy_refused),
+        }
+    }
+
+    /// Deactivates `target` now, whether or not it is idle, and waits until it has.
+    ///
+    /// The same handshake as idle deactivation: the dispatcher closes the mailbox, so
+    /// the running turn (if any) and the requests already queued still run, then
+    /// `on_deactivate` runs and the state is saved; requests that arrive meanwhile are
+    /// held and start the next activation. Nothing accepted is dropped, and at most one
+    /// activation exists throughout.
+    ///
+    /// Returns whether an activation was live (`false`: nothing to do).
+    ///
+    /// # Errors
+    /// [`InvokeError::Shutdown`] if the runtime has stopped (or stops meanwhile).
+    pub async fn deactivate(&self, target: &ActorId) -> Result<bool, InvokeError> {
+        let (reply, answer) = oneshot::channel();
+        let command = Command::Deactivate {
+            target: target.clone(),
+            reply,
+        };
+        self.shared
+            .commands
+            .send(command)
+            .await
+            .map_err(|_| InvokeError::Shutdown)?;
+        answer.await.map_err(|_| InvokeError::Shutdown)
+    }
+
+    /// The dispatcher's tables now.
+    ///
+    /// # Errors
+    /// [`InvokeError::Shutdown`] if the dispatcher has stopped.
+    pub async fn stats(&self) -> Result<DispatcherStats, InvokeError> {
+        let (reply, answer) = oneshot::channel();
+        self.shared
+            .commands
+            .send(Command::Stats { reply })
+            .await
+            .map_err(|_| InvokeError::Shutdown)?;
+        answer.await.map_err(|_| InvokeError::Shutdown)
+    }
+
+    pub(crate) async fn send_and_wait(
+        &self,
+        target: &ActorId,
+        payload: Payload,
+        context: CallContext,
+        caller: Option<(&ActorId, Option<&CallerInner>)>,
+    ) -> Result<Payload, InvokeError> {
+        self.send_and_wait_from(self.shared.clock.now(), target, payload, context, caller)
+            .await
+    }
+
+    /// As `send_and_wait`, with the clock already read as `now`.
+    pub(crate) async fn send_and_wait_from(
+        &self,
+        now: Deadline,
+        target: &ActorId,
+        payload: Payload,
+        context: CallContext,
+        caller: Option<(&ActorId, Option<&CallerInner>)>,
+    ) -> Result<Payload, InvokeError> {
+        let shared = &*self.shared;
+        let clock = shared.clock;
+        let deadline = context.deadline();
+        if deadline.has_passed(now) {
+            return Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: 0,
+            });
+        }
+        let timeout_ms = deadline.remaining_ms(now);
+        let call = shared.next_call();
+        let (reply, answer) = oneshot::channel();
+        let (edge, turn_end) = match caller {
+            Some((caller, turn_end)) => (
+                Some(CallEdge {
+                    id: call,
+                    caller: caller.clone(),
+                }),
+                turn_end,
+            ),
+            None => (None, None),
+        };
+        let mut guard = WaitGuard {
+            shared,
+            target,
+            call,
+            edge: edge.is_some(),
+            answer: Some(answer),
+            answered: false,
+        };
+        // The parent of the callee's turn span: a child of the caller's current span (its
+        // own turn's, for a call from a turn), so one request is one tree of spans.
+        let span = tracing::debug_span!("invoke", target = %target, request = call, depth = context.depth());
+        let mut envelope = Box::new(Envelope {
+            payload,
+            context,
+            reply: ReplyTo::Caller(reply),
+            call,
+            edge: edge.is_some(),
+            span,
+        });
+        if edge.is_none() {
+            // A call from outside any turn adds no wait-for edge, so it may skip the
+            // dispatcher when the target's mailbox is open.
+            match shared.fast_path(target, envelope) {
+                FastPath::Delivered => {
+                    return Self::await_reply(&mut guard, clock, deadline, timeout_ms, None).await;
+                }
+                FastPath::Refused(error) => {
+                    guard.answered = true;
+                    return Err(error);
+                }
+                FastPath::ToDispatcher(back) => envelope = back,
+            }
+        }
+        let command = Command::Invoke {
+            target: target.clone(),
+            envelope,
+            edge,
+        };
+        match shared.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                // Backpressure at the dispatcher too: refuse at once, never wait in line.
+                Counters::add(&shared.counters.dispatcher_busy_refused);
+                guard.answered = true;
+                return Err(InvokeError::DispatcherBusy {
+                    capacity: DISPATCHER_QUEUE_CAPACITY,
+                });
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                guard.answered = true;
+                return Err(InvokeError::Shutdown);
+            }
+        }
+        Self::await_reply(&mut guard, clock, deadline, timeout_ms, turn_end).await
+    }
+
+    /// Waits for the reply in `guard` until `deadline`, or until the calling turn ends.
+    async fn await_reply(
+        guard: &mut WaitGuard<'_>,
+        clock: Clock,
+        deadline: Deadline,
+        timeout_ms: u64,
+        turn_end: Option<&CallerInner>,
+    ) -> Result<Payload, InvokeError> {
+        let target = guard.target;
+        let answer = guard.answer.as_mut().expect("a waiting guard holds its receiver");
+        let waited = wait_for_reply(answer, clock.instant_of(deadline), turn_end).await;
+        match waited {
+            Waited::Reply(result) => {
+                guard.answered = true;
+                match result {
+                    // The callee timed the turn out itself: report the time this caller
+                    // allowed, as when the caller's own timer fires.
+                    Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == *target => {
+                        Err(InvokeError::Timeout {
+                            target: timed_out,
+                            timeout_ms,
+                        })
+                    }
+                    result => result,
+                }
+            }
+            Waited::Closed => {
+                guard.answered = true;
+                if guard.shared.abort.load(Ordering::Acquire) {
+                    // The runtime stopped the activation at once (shutdown grace over, or
+                    // the runtime dropped).
+                    Err(InvokeError::Shutdown)
+                } else {
+                    Err(InvokeError::ActorFailed {
+                        target: target.clone(),
+                        cause: "the actor's activation ended before it replied".to_string(),
+                    })
+                }
+            }
+            Waited::TurnEnded => Err(InvokeError::Cancelled { target: target.clone() }),
+            Waited::Elapsed => Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms,
+            }),
+        }
+    }
+}
+
+/// Waits for `answer` until the instant `until`, or until the calling turn ends.
+///
+/// The timer is armed late. An active actor usually replies within one scheduling round
+/// (its task runs as soon as the caller yields), while a timer costs a registration in
+/// the timer wheel and, on the multi-thread runtime, often the wake of a parked worker.
+/// So the caller first yields once without a timer; only a reply that has not arrived
+/// by then arms one, at the deadline's absolute instant, so the wait still ends exactly
+/// at the deadline. Safety does not depend on which path is taken: the callee checks
+/// the deadline when it dequeues the request, and a turn whose caller stops waiting is
+/// cancelled (see `activation.rs`).
+async fn wait_for_reply(
+    answer: &mut oneshot::Receiver<Reply>,
+    until: tokio::time::Instant,
+    turn_end: Option<&CallerInner>,
+) -> Waited {
+    let mut yielded = false;
+    let early = std::future::poll_fn(|cx| match Pin::new(&mut *answer).poll(cx) {
+        Poll::Ready(received) => Poll::Ready(Some(Waited::from(received))),
+        Poll::Pending if !yielded => {
+            yielded = true;
+            // Wakes this task again after the tasks already scheduled (the callee's
+            // among them) have run: tokio treats a task that wakes itself while it is
+            // being polled as a yield.
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await;
+    if let Some(waited) = early {
+        return waited;
+    }
+    let turn_ended = async {
+        match turn_end {
+            Some(turn) => turn.turn_ended().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        answer = answer => Waited::from(answer),
+        () = turn_ended => Waited::TurnEnded,
+        () = tokio::time::sleep_until(until) => Waited::Elapsed,
+    }
+}
+
+/// How a wait for a reply ended.
+enum Waited {
+    Reply(Reply),
+    /// The reply channel closed without a reply: the activation ended.
+    Closed,
+    TurnEnded,
+    Elapsed,
+}
+
+impl From<Result<Reply, oneshot::error::RecvError>> for Waited {
+    fn from(received: Result<Reply, oneshot::error::RecvError>) -> Self {
+        match received {
+            Ok(reply) => Self::Reply(reply),
+            Err(_closed) => Self::Closed,
+        }
+    }
+}
