@@ -43,7 +43,8 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use troupe_core::{ActorId, InvokeError};
 
-use crate::envelope::{Control, Envelope, MailboxReceiver, Payload, Reply, ReplyTo};
+use crate::control::Control;
+use crate::envelope::{Envelope, MailboxReceiver, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{

@@ -28,7 +28,8 @@ use troupe_core::limits::ACTIVATIONS_MAX;
 use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleState};
 
 use crate::activation::{self, ActivationStart};
-use crate::envelope::{CallEdge, Command, Control, Envelope};
+use crate::control::{CallEdge, Command, Control};
+use crate::envelope::Envelope;
 use crate::fast_hash::FastMap;
 use crate::handle::{Counters, Route, Routes};
 use crate::wait_for_graph::{EdgeRefused, WaitForGraph};

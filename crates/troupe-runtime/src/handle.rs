@@ -20,7 +20,8 @@ use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::caller::CallerInner;
-use crate::envelope::{CallEdge, Command, Control, Envelope, MailboxSender, Payload, Reply, ReplyTo};
+use crate::control::{CallEdge, Command, Control};
+use crate::envelope::{Envelope, MailboxSender, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
 

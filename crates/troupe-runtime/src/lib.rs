@@ -23,6 +23,7 @@ mod caller;
 mod clock;
 #[cfg(feature = "conformance")]
 pub mod conformance;
+mod control;
 mod dispatcher;
 mod envelope;
 mod fast_hash;

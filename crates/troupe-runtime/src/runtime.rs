@@ -10,8 +10,8 @@ use tokio::sync::{mpsc, oneshot};
 use troupe_core::limits::DISPATCHER_QUEUE_CAPACITY;
 use troupe_core::ActorKind;
 
+use crate::control::Control;
 use crate::dispatcher::Dispatcher;
-use crate::envelope::Control;
 use crate::handle::{Counters, KindEntry, Routes, Shared};
 use crate::{ActorFactory, Clock, ConfigError, KindConfig, MemoryStore, RuntimeHandle, RuntimeObserver, StateStore};
 

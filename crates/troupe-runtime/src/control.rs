@@ -1,0 +1,73 @@
+//! What the dispatcher is told: [`Command`]s from callers (through its bounded queue) and
+//! [`Control`] notices from actor tasks and call guards (drained first, before each
+//! command). The messages themselves, and their replies, are in `envelope.rs`.
+
+use tokio::sync::oneshot;
+use troupe_core::ActorId;
+
+use crate::envelope::Envelope;
+use crate::wait_for_graph::CallId;
+
+/// A call made from inside a turn: the dispatcher records `caller → target`.
+pub(crate) struct CallEdge {
+    pub(crate) id: CallId,
+    pub(crate) caller: ActorId,
+}
+
+/// Requests from callers, through the dispatcher's bounded queue.
+pub(crate) enum Command {
+    /// Route `envelope` to `target`.
+    Invoke {
+        target: ActorId,
+        envelope: Box<Envelope>,
+        edge: Option<CallEdge>,
+    },
+    /// Report the dispatcher's tables.
+    Stats {
+        reply: oneshot::Sender<crate::DispatcherStats>,
+    },
+    /// Deactivate one actor now; answer whether an activation was live once it is gone.
+    Deactivate {
+        target: ActorId,
+        reply: oneshot::Sender<bool>,
+    },
+}
+
+/// Notices from actor tasks and call guards. Their number is bounded by construction:
+/// at most four per activation (activated or failed, one idle check per idle period,
+/// deactivated or crashed), two per admitted call (the callee's release and the
+/// caller's) and one shutdown per runtime, so the channel is unbounded.
+///
+/// Ordering: the dispatcher drains this channel before it handles each command, so a
+/// notice sent before a command (by the same task, or causally before it) is always
+/// applied first. That is what keeps the wait-for graph exact: a callee releases its
+/// edge before it replies, so no call made after the reply can see the stale edge.
+pub(crate) enum Control {
+    /// The call ended: its callee replied (or dropped it unrun), or its caller stopped
+    /// waiting. Sent by both; the second is ignored.
+    ReleaseCall { call: CallId },
+    /// Stop: refuse new work, close every mailbox; `reply` is answered when every
+    /// activation has ended. Sent by `Runtime::shutdown` (with a reply) and by dropping
+    /// the `Runtime` (without).
+    Shutdown { reply: Option<oneshot::Sender<()>> },
+    /// Stop every activation at once: the shutdown grace period is over, or the
+    /// `Runtime` was dropped.
+    Abort,
+    /// The activation loaded its state and ran `on_activate`.
+    Activated { id: ActorId, generation: u64 },
+    /// The activation failed to start; its mailbox is closed and drained.
+    ActivationFailed { id: ActorId, generation: u64 },
+    /// The activation has been idle since it took its `received`-th message.
+    IdleCheck {
+        id: ActorId,
+        generation: u64,
+        received: u64,
+    },
+    /// The store refused the activation's commit for a newer claim: close its mailbox
+    /// now (held messages start the next activation).
+    Fenced { id: ActorId, generation: u64 },
+    /// The activation ran `on_deactivate`, saved, and its task is ending.
+    Deactivated { id: ActorId, generation: u64 },
+    /// The activation's task ended abnormally.
+    Crashed { id: ActorId, generation: u64 },
+}
