@@ -163,16 +163,7 @@ impl AgentActor {
                     turn.delete(inbox_key(seq))?;
                     turn.delete(index)?;
                     self.state.boxes.inbox_len = self.state.boxes.inbox_len.saturating_sub(1);
-                    if let Some(to) = entry.from.clone() {
-                        let mut sends = self.pending_sends();
-                        let body = InboxBody::TaskUpdate {
-                            task_id: task_id.clone(),
-                            state: TaskState::Canceled,
-                            text: "canceled before it started".to_string(),
-                        };
-                        sends.push_raw(to, body, CallContext::root(entry.context.deadline()));
-                        self.flush_sends(turn, sends).await?;
-                    }
+                    self.report_canceled_before_start(turn, &entry, task_id).await?;
                 }
                 return Ok(encode_reply(&EnqueueReply::Accepted {
                     msg_id: entry.msg_id.clone(),
@@ -182,16 +173,7 @@ impl AgentActor {
                 turn.delete(canceled_key(task_id))?;
                 turn.put(seen, Bytes::new())?;
                 self.shared.emit(&received(false));
-                if let Some(to) = entry.from.clone() {
-                    let mut sends = self.pending_sends();
-                    let body = InboxBody::TaskUpdate {
-                        task_id: task_id.clone(),
-                        state: TaskState::Canceled,
-                        text: "canceled before it started".to_string(),
-                    };
-                    sends.push_raw(to, body, CallContext::root(entry.context.deadline()));
-                    self.flush_sends(turn, sends).await?;
-                }
+                self.report_canceled_before_start(turn, &entry, task_id).await?;
                 return Ok(encode_reply(&EnqueueReply::Accepted {
                     msg_id: entry.msg_id.clone(),
                 }));
@@ -217,6 +199,27 @@ impl AgentActor {
         Ok(encode_reply(&EnqueueReply::Accepted {
             msg_id: entry.msg_id.clone(),
         }))
+    }
+
+    /// Tells the delegator of the task in `entry` (if it has one) that the task was
+    /// canceled before it started, through the outbox of this turn.
+    async fn report_canceled_before_start(
+        &mut self,
+        turn: &mut Turn,
+        entry: &InboxEntry,
+        task_id: &str,
+    ) -> Result<(), ActorError> {
+        let Some(to) = entry.from.clone() else {
+            return Ok(());
+        };
+        let mut sends = self.pending_sends();
+        let body = InboxBody::TaskUpdate {
+            task_id: task_id.to_string(),
+            state: TaskState::Canceled,
+            text: "canceled before it started".to_string(),
+        };
+        sends.push_raw(to, body, CallContext::root(entry.context.deadline()));
+        self.flush_sends(turn, sends).await
     }
 
     fn pending_sends(&self) -> PendingSends {

@@ -20,23 +20,27 @@ fn words(message: &ChatMessage) -> u64 {
     (text + calls) as u64
 }
 
+/// The boss asks the worker to count the stars through `call_agent`, then answers with
+/// the worker's reply; the worker answers "about four hundred billion".
+fn boss_asks_worker() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("boss").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "worker", "message": "count the stars"}),
+        ))
+        .rule(
+            ScriptRule::agent("boss")
+                .on_tool_result()
+                .reply("the worker says {tool_result}"),
+        )
+        .rule(ScriptRule::agent("worker").reply("about four hundred billion"))
+}
+
 /// Goal: a turn of two model steps (a call_agent, then the answer) reports the sum of
 /// both steps' usage, and the callee's turn reports its own one step only.
 #[tokio::test(start_paused = true)]
 async fn a_reply_reports_the_summed_usage_of_its_own_model_calls() {
-    let llm = Arc::new(
-        ScriptedLlm::new()
-            .rule(ScriptRule::agent("boss").on_user_containing("").call(
-                "call_agent",
-                json!({"agent_id": "worker", "message": "count the stars"}),
-            ))
-            .rule(
-                ScriptRule::agent("boss")
-                    .on_tool_result()
-                    .reply("the worker says {tool_result}"),
-            )
-            .rule(ScriptRule::agent("worker").reply("about four hundred billion")),
-    );
+    let llm = Arc::new(boss_asks_worker());
     let system = AgentSystem::builder()
         .llm(Arc::clone(&llm) as Arc<dyn troupe_agent::LlmClient>)
         .agent(AgentSpec::new("boss"))
@@ -120,19 +124,7 @@ fn steps_of(events: &[AgentEvent], agent: &str) -> Vec<String> {
 /// its own end with the summed usage, in order; the callee's turn reports its own.
 #[tokio::test(start_paused = true)]
 async fn a_turn_reports_model_responses_tool_calls_and_its_end_with_usage() {
-    let llm = Arc::new(
-        ScriptedLlm::new()
-            .rule(ScriptRule::agent("boss").on_user_containing("").call(
-                "call_agent",
-                json!({"agent_id": "worker", "message": "count the stars"}),
-            ))
-            .rule(
-                ScriptRule::agent("boss")
-                    .on_tool_result()
-                    .reply("the worker says {tool_result}"),
-            )
-            .rule(ScriptRule::agent("worker").reply("about four hundred billion")),
-    );
+    let llm = Arc::new(boss_asks_worker());
     let recorder = Arc::new(Recorder::default());
     let system = AgentSystem::builder()
         .llm(Arc::clone(&llm) as Arc<dyn troupe_agent::LlmClient>)
