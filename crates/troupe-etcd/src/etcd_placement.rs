@@ -80,17 +80,19 @@ impl EtcdPlacement {
     /// Joins the cluster: connects to etcd, grants this node a lease, writes its
     /// membership record under the lease and starts renewing it.
     ///
+    /// A node of the same name that is still a member (an earlier incarnation) has its
+    /// membership record overwritten; its placements stay until its lease ends, and this
+    /// node's `place` reports them as [`PlacementError::PlacementConflict`] until then.
+    ///
     /// # Errors
     /// [`PlacementError::Config`] if the configuration is invalid (nothing is sent);
     /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time;
-    /// [`PlacementError::PlacementConflict`]-free: a node of the same name that is still
-    /// a member is replaced (its record is overwritten; its placements stay until its
-    /// lease ends).
+    /// [`PlacementError::EtcdRefused`] if etcd refuses the lease or the record.
     pub async fn join(config: EtcdConfig) -> Result<Self, PlacementError> {
         config.validate()?;
         let endpoints = config.endpoints.join(",");
         let timeout = config.request_timeout();
-        let client = bounded(&endpoints, timeout, PlacementOperation::Connect, connect(&config)).await?;
+        let client = bounded(&endpoints, timeout, PlacementOperation::Connect, None, connect(&config)).await?;
         let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
         let mut lease_client = client.lease_client();
         let granted_at = Instant::now();
@@ -98,6 +100,7 @@ impl EtcdPlacement {
             &endpoints,
             timeout,
             PlacementOperation::GrantLease,
+            None,
             lease_client.grant(ttl_s, None),
         )
         .await?;
@@ -112,7 +115,12 @@ impl EtcdPlacement {
             &endpoints,
             timeout,
             PlacementOperation::Join,
-            kv.put(node_key, config.address.clone(), Some(PutOptions::new().with_lease(lease))),
+            Some((&config.node, lease)),
+            kv.put(
+                node_key,
+                config.address.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
         )
         .await?;
         let keep_alive_task = tokio::spawn(lease::keep_alive(
@@ -167,13 +175,23 @@ impl EtcdPlacement {
         self.inner.keep_alive_task.abort();
         self.inner.standing.lose(LeaseLostReason::Left);
         let mut lease_client = self.inner.client.lease_client();
-        self.request(PlacementOperation::Leave, lease_client.revoke(self.inner.lease))
+        match self
+            .request(PlacementOperation::Leave, lease_client.revoke(self.inner.lease))
             .await
-            .map(drop)
+        {
+            // etcd no longer knows the lease: it already ended, which is what leaving wants.
+            Ok(_) | Err(PlacementError::LeaseExpired { .. }) => Ok(()),
+            Err(other) => Err(other),
+        }
     }
 
     fn placement_key(&self, actor: &ActorId) -> String {
-        format!("{}placement/{}/{}", self.inner.prefix, actor.kind().as_str(), actor.key())
+        format!(
+            "{}placement/{}/{}",
+            self.inner.prefix,
+            actor.kind().as_str(),
+            actor.key()
+        )
     }
 
     async fn request<T>(
@@ -181,20 +199,22 @@ impl EtcdPlacement {
         operation: PlacementOperation,
         future: impl Future<Output = Result<T, etcd_client::Error>>,
     ) -> Result<T, PlacementError> {
+        let uses_lease = matches!(
+            operation,
+            PlacementOperation::Place | PlacementOperation::Release | PlacementOperation::Leave
+        );
         let result = bounded(
             &self.inner.config.endpoints.join(","),
             self.inner.config.request_timeout(),
             operation,
+            uses_lease.then_some((&self.inner.config.node, self.inner.lease)),
             future,
         )
         .await;
         if let Err(PlacementError::LeaseExpired { reason, .. }) = &result {
             self.inner.standing.lose(reason.clone());
         }
-        result.map_err(|error| match error {
-            PlacementError::LeaseExpired { reason, .. } => self.lease_expired(reason),
-            other => other,
-        })
+        result
     }
 
     fn lease_expired(&self, reason: LeaseLostReason) -> PlacementError {
@@ -298,7 +318,9 @@ impl Placement for EtcdPlacement {
     async fn lookup(&self, actor: &ActorId) -> Result<Option<PlacementRecord>, PlacementError> {
         let key = self.placement_key(actor);
         let mut kv = self.inner.client.kv_client();
-        let response = self.request(PlacementOperation::Lookup, kv.get(key.clone(), None)).await?;
+        let response = self
+            .request(PlacementOperation::Lookup, kv.get(key.clone(), None))
+            .await?;
         response
             .kvs()
             .first()
@@ -362,15 +384,19 @@ async fn connect(config: &EtcdConfig) -> Result<Client, etcd_client::Error> {
 }
 
 /// Runs one etcd request within `timeout` and types its failure.
+///
+/// `lease_holder` is the node and lease the request uses, if it uses one: etcd saying
+/// "not found" to such a request means the lease is gone.
 async fn bounded<T>(
     endpoints: &str,
     timeout: Duration,
     operation: PlacementOperation,
+    lease_holder: Option<(&NodeId, i64)>,
     future: impl Future<Output = Result<T, etcd_client::Error>>,
 ) -> Result<T, PlacementError> {
     match tokio::time::timeout(timeout, future).await {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(classify(endpoints, operation, &error)),
+        Ok(Err(error)) => Err(classify(endpoints, operation, lease_holder, &error)),
         Err(_elapsed) => Err(PlacementError::EtcdUnavailable {
             endpoints: endpoints.to_string(),
             operation,
@@ -389,7 +415,12 @@ pub(crate) fn says_lease_gone(error: &etcd_client::Error) -> bool {
     }
 }
 
-fn classify(endpoints: &str, operation: PlacementOperation, error: &etcd_client::Error) -> PlacementError {
+fn classify(
+    endpoints: &str,
+    operation: PlacementOperation,
+    lease_holder: Option<(&NodeId, i64)>,
+    error: &etcd_client::Error,
+) -> PlacementError {
     let unavailable = || PlacementError::EtcdUnavailable {
         endpoints: endpoints.to_string(),
         operation,
@@ -402,11 +433,14 @@ fn classify(endpoints: &str, operation: PlacementOperation, error: &etcd_client:
             | tonic::Code::Cancelled
             | tonic::Code::Aborted
             | tonic::Code::Unknown => unavailable(),
-            tonic::Code::NotFound if operation != PlacementOperation::Lookup => PlacementError::LeaseExpired {
-                node: NodeId::new("unknown").expect("a valid name"),
-                lease: 0,
-                reason: LeaseLostReason::ExpiredOnServer,
-            },
+            tonic::Code::NotFound if lease_holder.is_some() => {
+                let (node, lease) = lease_holder.expect("checked by the guard");
+                PlacementError::LeaseExpired {
+                    node: node.clone(),
+                    lease,
+                    reason: LeaseLostReason::ExpiredOnServer,
+                }
+            }
             _ => PlacementError::EtcdRefused {
                 operation,
                 cause: error.to_string(),

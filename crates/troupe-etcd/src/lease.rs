@@ -108,11 +108,11 @@ pub(crate) async fn keep_alive(
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     loop {
         let sent = Instant::now();
-        let renewal = match tokio::time::timeout(request_timeout, renew(&mut client, lease, granted_ttl_s, &mut stream)).await
-        {
-            Ok(renewal) => renewal,
-            Err(_elapsed) => Renewal::Failed,
-        };
+        let renewal =
+            match tokio::time::timeout(request_timeout, renew(&mut client, lease, granted_ttl_s, &mut stream)).await {
+                Ok(renewal) => renewal,
+                Err(_elapsed) => Renewal::Failed,
+            };
         match renewal {
             Renewal::Renewed(ttl_s) if ttl_s > 0 => {
                 let ttl = Duration::from_secs(ttl_s.unsigned_abs());

@@ -63,8 +63,18 @@ impl TestEtcd {
             let child = Command::new(&binary)
                 .arg("--data-dir")
                 .arg(directory.path().join("data"))
-                .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
-                .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+                .args([
+                    "--listen-client-urls",
+                    &client_url,
+                    "--advertise-client-urls",
+                    &client_url,
+                ])
+                .args([
+                    "--listen-peer-urls",
+                    &peer_url,
+                    "--initial-advertise-peer-urls",
+                    &peer_url,
+                ])
                 .args(["--initial-cluster", &format!("default={peer_url}")])
                 .stdout(Stdio::null())
                 .stderr(Stdio::from(
@@ -202,7 +212,11 @@ async fn racing_nodes_place_each_actor_exactly_once() {
     for (actor, won) in &winners {
         assert_eq!(won.len(), 1, "{actor} was placed by exactly one node, not {won:?}");
         let (winner, fence) = &won[0];
-        assert_eq!(losers.get(actor), Some(winner), "the loser of {actor} was told the winner");
+        assert_eq!(
+            losers.get(actor),
+            Some(winner),
+            "the loser of {actor} was told the winner"
+        );
         let looked_up = nodes[0].lookup(actor).await.expect("lookup").expect("a placement");
         assert_eq!((&looked_up.owner, looked_up.fence), (winner, *fence));
     }
@@ -262,7 +276,11 @@ async fn expired_lease_lets_another_node_place_with_a_newer_fence_and_the_zombie
         placed_a.fence
     );
     let claimed_b = store_b.claim_with_fence(&x, placed_b.fence).await.expect("B claims x");
-    assert_eq!(claimed_b.state.as_deref(), Some(&b"from A"[..]), "B starts from A's last commit");
+    assert_eq!(
+        claimed_b.state.as_deref(),
+        Some(&b"from A"[..]),
+        "B starts from A's last commit"
+    );
 
     match store_a.commit(&x, placed_a.fence, set_state("zombie A")).await {
         Err(StoreError::Fenced { held, current, .. }) => {
@@ -306,7 +324,11 @@ async fn revoked_lease_fires_lease_lost_and_the_node_places_nothing_more() {
     assert_eq!(reason, LeaseLostReason::ExpiredOnServer);
     assert!(!node.holds_lease());
     match node.place(&actor("y")).await {
-        Err(PlacementError::LeaseExpired { node: name, lease, reason }) => {
+        Err(PlacementError::LeaseExpired {
+            node: name,
+            lease,
+            reason,
+        }) => {
             assert_eq!(name.as_str(), "node-a");
             assert_eq!(lease, node.lease());
             assert_eq!(reason, LeaseLostReason::ExpiredOnServer);
@@ -333,7 +355,11 @@ async fn node_list_follows_joins_leaves_and_crashes() {
     node_b.leave().await.expect("B leaves");
     assert_eq!(node_b.lease_lost().await, LeaseLostReason::Left);
     assert_eq!(node_names(&node_a.nodes().await.expect("list")), ["node-a", "node-c"]);
-    assert_eq!(node_a.lookup(&z).await.expect("lookup"), None, "a leaver's placements go with it");
+    assert_eq!(
+        node_a.lookup(&z).await.expect("lookup"),
+        None,
+        "a leaver's placements go with it"
+    );
 
     drop(node_c);
     let crashed = Instant::now();
@@ -368,7 +394,10 @@ async fn stopped_etcd_gives_etcd_unavailable_within_the_request_timeout() {
     }
     assert!(started.elapsed() < bound, "place took {:?}", started.elapsed());
     let started = Instant::now();
-    assert!(matches!(node.nodes().await, Err(PlacementError::EtcdUnavailable { .. })));
+    assert!(matches!(
+        node.nodes().await,
+        Err(PlacementError::EtcdUnavailable { .. })
+    ));
     assert!(started.elapsed() < bound, "nodes took {:?}", started.elapsed());
     let started = Instant::now();
     match EtcdPlacement::join(config).await {
@@ -387,8 +416,14 @@ async fn stopped_etcd_gives_etcd_unavailable_within_the_request_timeout() {
 /// Bad configurations are refused before anything is sent, naming the field and bound.
 #[tokio::test]
 async fn invalid_configurations_are_refused_with_the_violated_bound() {
-    assert!(matches!(NodeId::new("a/b"), Err(ConfigError::BadName { what: "node", .. })));
-    assert!(matches!(NodeId::new(""), Err(ConfigError::BadName { what: "node", .. })));
+    assert!(matches!(
+        NodeId::new("a/b"),
+        Err(ConfigError::BadName { what: "node", .. })
+    ));
+    assert!(matches!(
+        NodeId::new(""),
+        Err(ConfigError::BadName { what: "node", .. })
+    ));
     let node = NodeId::new("n1").expect("valid");
     let base = EtcdConfig::new(vec!["127.0.0.1:1".to_string()], "c", node.clone(), "n1:1");
     assert_eq!(base.validate(), Ok(()));
@@ -397,7 +432,12 @@ async fn invalid_configurations_are_refused_with_the_violated_bound() {
         (base.clone().with_lease_ttl_s(301), "lease_ttl_s", 3, 300),
         // TTL 3 s leaves 3000 − 1000 (slack) − 1000 (TTL/3) − 1 = 999 ms for a request.
         (base.clone().with_lease_ttl_s(3), "request_timeout_ms", 50, 999),
-        (base.clone().with_request_timeout_ms(10), "request_timeout_ms", 50, 2_333),
+        (
+            base.clone().with_request_timeout_ms(10),
+            "request_timeout_ms",
+            50,
+            2_333,
+        ),
     ];
     for (config, field, min, max) in cases {
         match EtcdPlacement::join(config).await {
@@ -414,5 +454,8 @@ async fn invalid_configurations_are_refused_with_the_violated_bound() {
     no_endpoints.endpoints.clear();
     assert_eq!(no_endpoints.validate(), Err(ConfigError::NoEndpoints));
     let bad_cluster = EtcdConfig::new(vec!["127.0.0.1:1".to_string()], "a b", node, "n1:1");
-    assert!(matches!(bad_cluster.validate(), Err(ConfigError::BadName { what: "cluster", .. })));
+    assert!(matches!(
+        bad_cluster.validate(),
+        Err(ConfigError::BadName { what: "cluster", .. })
+    ));
 }

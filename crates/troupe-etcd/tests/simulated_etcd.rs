@@ -177,7 +177,10 @@ async fn partition_and_kill_scenario() -> Vec<String> {
         .await
         .expect("B's task");
     let moved_after = cut.elapsed();
-    assert!(fence_b > fence_a, "B's fence {fence_b} must be newer than A's {fence_a}");
+    assert!(
+        fence_b > fence_a,
+        "B's fence {fence_b} must be newer than A's {fence_a}"
+    );
     note(format!("x moved to B with {fence_b}"));
     eprintln!("A knew its lease lost {lost_after:?} after the cut; x moved to B {moved_after:?} after it");
 
@@ -197,7 +200,10 @@ async fn partition_and_kill_scenario() -> Vec<String> {
                     store.claim_with_fence(&x, fence_a).await,
                     Err(StoreError::Fenced { .. })
                 ));
-                assert!(matches!(placement.place(&x).await, Err(PlacementError::LeaseExpired { .. })));
+                assert!(matches!(
+                    placement.place(&x).await,
+                    Err(PlacementError::LeaseExpired { .. })
+                ));
             }
         })
         .await
@@ -224,7 +230,10 @@ async fn partition_and_kill_scenario() -> Vec<String> {
             async move {
                 let placement = EtcdPlacement::join(config("node-a")).await.expect("A joins again");
                 let placed = place_when_free(&placement, &x).await;
-                let claimed = store.claim_with_fence(&x, placed.fence).await.expect("A claims x again");
+                let claimed = store
+                    .claim_with_fence(&x, placed.fence)
+                    .await
+                    .expect("A claims x again");
                 assert_eq!(claimed.state.as_deref(), Some(&b"B1"[..]));
                 assert_eq!(
                     member_names(&placement).await,
@@ -236,7 +245,10 @@ async fn partition_and_kill_scenario() -> Vec<String> {
         })
         .await
         .expect("A's task");
-    assert!(fence_c > fence_b, "A's new fence {fence_c} must be newer than B's {fence_b}");
+    assert!(
+        fence_c > fence_b,
+        "A's new fence {fence_c} must be newer than B's {fence_b}"
+    );
     note(format!("B killed; x back on A with {fence_c}"));
     record
 }

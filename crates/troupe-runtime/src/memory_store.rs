@@ -22,7 +22,8 @@ use bytes::Bytes;
 use troupe_core::ActorId;
 
 use crate::state_store::{
-    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit, STATE_SCAN_LIMIT_MAX,
+    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit,
+    STATE_SCAN_LIMIT_MAX,
 };
 
 #[derive(Clone, Default)]

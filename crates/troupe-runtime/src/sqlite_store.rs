@@ -59,7 +59,8 @@ use rusqlite::{params, CachedStatement, Connection, OptionalExtension, Statement
 use troupe_core::ActorId;
 
 use crate::state_store::{
-    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit, STATE_SCAN_LIMIT_MAX,
+    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit,
+    STATE_SCAN_LIMIT_MAX,
 };
 
 /// The schema version this code writes and reads, stored in `PRAGMA user_version`.
