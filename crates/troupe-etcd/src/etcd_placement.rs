@@ -95,7 +95,7 @@ impl EtcdPlacement {
         let client = bounded(&endpoints, timeout, PlacementOperation::Connect, None, connect(&config)).await?;
         let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
         let mut lease_client = client.lease_client();
-        let granted_at = Instant::now();
+        let granted_at = tokio::time::Instant::now();
         let granted = bounded(
             &endpoints,
             timeout,
@@ -152,7 +152,7 @@ impl EtcdPlacement {
 
     /// Whether the lease is still held (not lost, and its last renewal recent enough).
     pub fn holds_lease(&self) -> bool {
-        self.inner.standing.lost().is_none() && Instant::now() < self.inner.standing.valid_until()
+        self.inner.standing.lost().is_none() && tokio::time::Instant::now() < self.inner.standing.valid_until()
     }
 
     /// Resolves when this node's lease is lost, with the reason: the signal for the
@@ -231,7 +231,7 @@ impl EtcdPlacement {
         if let Some(reason) = self.inner.standing.lost() {
             return Err(self.lease_expired(reason));
         }
-        let now = Instant::now();
+        let now = tokio::time::Instant::now();
         let valid_until = self.inner.standing.valid_until();
         if now >= valid_until {
             self.inner.standing.lose(LeaseLostReason::NotRenewedInTime);

@@ -107,7 +107,7 @@ pub(crate) async fn keep_alive(
     let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     loop {
-        let sent = Instant::now();
+        let sent = tokio::time::Instant::now();
         let renewal =
             match tokio::time::timeout(request_timeout, renew(&mut client, lease, granted_ttl_s, &mut stream)).await {
                 Ok(renewal) => renewal,
@@ -128,12 +128,12 @@ pub(crate) async fn keep_alive(
             }
         }
         let valid_until = standing.valid_until();
-        if Instant::now() >= valid_until {
+        if tokio::time::Instant::now() >= valid_until {
             standing.lose(LeaseLostReason::NotRenewedInTime);
             return;
         }
         tokio::time::sleep_until((sent + interval).min(valid_until)).await;
-        if Instant::now() >= standing.valid_until() && standing.lost().is_none() {
+        if tokio::time::Instant::now() >= standing.valid_until() && standing.lost().is_none() {
             // The next renewal may still succeed, but the bound has passed: from here on
             // the server may have expired the lease.
             standing.lose(LeaseLostReason::NotRenewedInTime);
