@@ -7,7 +7,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use etcd_client::{Client, Compare, CompareOp, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse};
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use troupe_core::ActorId;
 use troupe_runtime::Fence;
 
