@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use troupe_core::{truncate_utf8, ActorId, Deadline, IdError};
 use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, RuntimeHandle, Turn};
 
+use crate::budget::BudgetMeter;
 use crate::inbox::{AgentCommand, PendingSends, SharedSends};
 use crate::limits::{
     AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_PEERS_LISTED_MAX, AGENT_REPLY_SIZE_MAX_BYTES,
@@ -35,6 +36,7 @@ use crate::limits::{
     AGENT_TURN_STEPS_MAX,
 };
 use crate::{
+    Budget, BudgetExhausted, BudgetResource, Spend, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
     AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, TokenUsage, ToolCall,
     ToolExecutionContext, ToolRegistry, ToolSpec,
 };
@@ -248,6 +250,10 @@ pub struct AgentRequest {
     pub from: Option<ActorId>,
     /// The observer's id of this call, if it is recorded.
     pub call: Option<u64>,
+    /// What the turn may spend, the calls it makes included ([`Budget::UNLIMITED`]
+    /// from `AgentClient::ask`; a grant of what the caller had left from `call_agent`).
+    #[serde(default)]
+    pub budget: Budget,
 }
 
 /// An agent's answer (bincode on the wire).
@@ -262,6 +268,16 @@ pub struct AgentReply {
     /// Tokens the turn's model calls used, summed (calls that reported none add
     /// nothing); the turns of agents it called are not included.
     pub usage: TokenUsage,
+    /// What the turn spent against its budget: its own model tokens and tool calls plus
+    /// what it charged for the calls it made (their reported spend, or their whole grant
+    /// when unknown). This is what its caller charges.
+    #[serde(default)]
+    pub spent: Spend,
+    /// Set when the turn's budget ran out before a final answer (`text` is then empty
+    /// and nothing of the turn is committed); `call_agent` and `AgentClient::ask_with`
+    /// turn it into `AgentCallError::BudgetExhausted`.
+    #[serde(default)]
+    pub exhausted: Option<BudgetExhausted>,
 }
 
 impl AgentRequest {
@@ -563,6 +579,8 @@ pub(crate) struct Conversation {
     pub(crate) call: Option<u64>,
     /// When the model loop must be done (at or before the turn's deadline).
     pub(crate) deadline: Deadline,
+    /// What the turn may spend.
+    pub(crate) budget: Budget,
 }
 
 impl fmt::Debug for AgentActor {
@@ -615,7 +633,7 @@ impl AgentActor {
         let result = self.converse_steps(turn, conversation).await;
         if self.shared.has_listeners() {
             let (ok, steps, usage) = match &result {
-                Ok(reply) => (true, reply.steps, reply.usage),
+                Ok(reply) => (reply.exhausted.is_none(), reply.steps, reply.usage),
                 Err(_) => (false, 0, TokenUsage::default()),
             };
             self.shared.emit(&AgentEvent::TurnEnded {
@@ -654,16 +672,28 @@ impl AgentActor {
             boxes.outbox_len,
             boxes.tasks_open,
         )));
+        let meter = Arc::new(BudgetMeter::new(self.id.clone(), conversation.budget));
         let tools = ToolExecutionContext::new(
             turn.caller().clone(),
             conversation.call,
             Arc::clone(&self.shared),
             Some(Arc::clone(&sends)),
+            Arc::clone(&meter),
         );
         let specs = &self.shared.tool_specs;
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
         let mut usage = TokenUsage::default();
+        // A turn whose budget runs out replies with the typed error and commits nothing
+        // (its spend is reported all the same: the tokens are gone).
+        let exhausted = |steps, usage, error: BudgetExhausted| AgentReply {
+            text: String::new(),
+            truncated: false,
+            steps,
+            usage,
+            spent: meter.spent(),
+            exhausted: Some(error),
+        };
         let answer = loop {
             if steps == max_steps {
                 return Err(ActorError::failed(format!(
@@ -671,6 +701,10 @@ impl AgentActor {
                     self.id
                 )));
             }
+            let max_tokens = match meter.model_call_cap() {
+                Ok(cap) => cap,
+                Err(error) => return Ok(exhausted(steps, usage, error)),
+            };
             steps += 1;
             let mut messages = Vec::with_capacity(1 + self.state.window.len() + fresh.len());
             messages.push(self.system_message());
@@ -682,6 +716,7 @@ impl AgentActor {
                 messages,
                 tools: Arc::clone(specs),
                 deadline,
+                max_tokens,
             };
             let model_call = tracing::Instrument::instrument(
                 self.shared.llm.complete(llm_request),
@@ -689,6 +724,16 @@ impl AgentActor {
             );
             let reply = match clock.run_until(deadline, model_call).await {
                 Ok(Ok(reply)) => reply,
+                Ok(Err(LlmError::OverTokenLimit { max_tokens, .. })) => {
+                    let limit = meter.limit().tokens.unwrap_or(u64::MAX);
+                    let error = BudgetExhausted {
+                        agent: self.id.clone(),
+                        resource: BudgetResource::Tokens,
+                        spent: limit.saturating_sub(max_tokens),
+                        limit,
+                    };
+                    return Ok(exhausted(steps, usage, error));
+                }
                 Ok(Err(error)) => return Err(ActorError::failed(format!("the model failed: {error}"))),
                 Err(_elapsed) => {
                     tracing::debug!(agent = %self.id, "{}", LlmError::Timeout { timeout_ms: timeout_ms(clock.now()) });
@@ -700,6 +745,7 @@ impl AgentActor {
                 usage.completion_tokens += used.completion_tokens;
                 usage.total_tokens += used.total_tokens;
             }
+            let charged = reply.usage.map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
             if self.shared.has_listeners() {
                 self.shared.emit(&AgentEvent::ModelResponded {
                     agent: self.id.clone(),
@@ -716,6 +762,9 @@ impl AgentActor {
             let calls = message.tool_calls.clone();
             let content = message.content.clone();
             fresh.push(message);
+            if let Err(error) = charged {
+                return Ok(exhausted(steps, usage, error));
+            }
             if calls.is_empty() {
                 break content;
             }
@@ -751,12 +800,20 @@ impl AgentActor {
             truncated: text.len() < answer.len(),
             steps,
             usage,
+            spent: meter.spent(),
+            exhausted: None,
         })
     }
 
     /// Runs one step's tool calls concurrently; one result text per call, in order.
     async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
         let registry = &self.shared.tools;
+        let granting = calls
+            .iter()
+            .take(AGENT_TOOL_CALLS_PER_STEP_MAX)
+            .filter(|call| [CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME].contains(&call.name.as_str()))
+            .count();
+        context.budget().begin_step(granting);
         // Polled in place on the turn's task (no spawned tasks, which would outlive a
         // cancelled turn), first in input order; dropped with the turn.
         let futures = calls.iter().enumerate().map(|(index, call)| async move {
@@ -772,6 +829,9 @@ impl AgentActor {
                 }
                 other => other.clone(),
             };
+            if let Err(error) = context.budget().charge_tool_call() {
+                return format!("error: {error}");
+            }
             let executed = tracing::Instrument::instrument(
                 registry.execute(context, &call.name, arguments),
                 tracing::debug_span!("tool_call", agent = %self.id, tool = %call.name),
@@ -835,6 +895,7 @@ impl Actor for AgentActor {
                     content,
                     call: request.call,
                     deadline: turn.context().deadline(),
+                    budget: request.budget,
                 };
                 let reply = self.converse(turn, conversation).await?;
                 Ok(reply.encode())
@@ -881,6 +942,7 @@ mod tests {
             text: "héllo".into(),
             from: Some(agent_id("b").unwrap()),
             call: Some(7),
+            budget: Budget::tokens(9).with_tool_calls(2),
         };
         assert_eq!(AgentRequest::decode(&request.encode()), Ok(request));
         let reply = AgentReply {
@@ -892,6 +954,16 @@ mod tests {
                 completion_tokens: 1,
                 total_tokens: 4,
             },
+            spent: Spend {
+                tokens: 40,
+                tool_calls: 1,
+            },
+            exhausted: Some(BudgetExhausted {
+                agent: agent_id("b").unwrap(),
+                resource: BudgetResource::Tokens,
+                spent: 40,
+                limit: 40,
+            }),
         };
         assert_eq!(AgentReply::decode(&reply.encode()), Ok(reply));
         assert!(AgentReply::decode(b"\x01").is_err());

@@ -149,6 +149,7 @@ impl SimClient {
             text: text.to_string(),
             from: None,
             call: None,
+            budget: troupe_agent::Budget::UNLIMITED,
         }
         .encode();
         let outcome = self
