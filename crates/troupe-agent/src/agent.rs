@@ -36,9 +36,9 @@ use crate::limits::{
     AGENT_TURN_STEPS_MAX,
 };
 use crate::{
-    Budget, BudgetExhausted, BudgetResource, Spend, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
-    AgentEvent, AgentObserver, ChatMessage, LlmClient, LlmError, LlmRequest, Role, TokenUsage, ToolCall,
-    ToolExecutionContext, ToolRegistry, ToolSpec,
+    AgentEvent, AgentObserver, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmClient, LlmError, LlmRequest,
+    Role, Spend, TokenUsage, ToolCall, ToolExecutionContext, ToolRegistry, ToolSpec, CALL_AGENT_TOOL_NAME,
+    DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
 };
 
 /// The actor kind of every agent.
@@ -745,7 +745,9 @@ impl AgentActor {
                 usage.completion_tokens += used.completion_tokens;
                 usage.total_tokens += used.total_tokens;
             }
-            let charged = reply.usage.map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
+            let charged = reply
+                .usage
+                .map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
             if self.shared.has_listeners() {
                 self.shared.emit(&AgentEvent::ModelResponded {
                     agent: self.id.clone(),

@@ -366,7 +366,10 @@ mod tests {
         assert_eq!(meter.model_call_cap(), Ok(Some(40)));
         meter.charge_tokens(40).unwrap();
         let refused = meter.model_call_cap().unwrap_err();
-        assert_eq!((refused.resource, refused.spent, refused.limit), (BudgetResource::Tokens, 100, 100));
+        assert_eq!(
+            (refused.resource, refused.spent, refused.limit),
+            (BudgetResource::Tokens, 100, 100)
+        );
         assert_eq!(new_meter(Budget::UNLIMITED).model_call_cap(), Ok(None));
     }
 
@@ -384,7 +387,10 @@ mod tests {
         meter.charge_tool_call().unwrap();
         meter.charge_tool_call().unwrap();
         let refused = meter.charge_tool_call().unwrap_err();
-        assert_eq!((refused.resource, refused.spent, refused.limit), (BudgetResource::ToolCalls, 2, 2));
+        assert_eq!(
+            (refused.resource, refused.spent, refused.limit),
+            (BudgetResource::ToolCalls, 2, 2)
+        );
         assert_eq!(meter.spent().tool_calls, 2);
     }
 
@@ -401,10 +407,28 @@ mod tests {
         assert_eq!(meter.left(), Budget::tokens(0).with_tool_calls(0));
         assert_eq!(meter.grant().unwrap_err().resource, BudgetResource::Tokens);
         // Each child reports what it spent; the rest comes back.
-        meter.settle(grants[0], Spend { tokens: 5, tool_calls: 1 });
-        meter.settle(grants[1], Spend { tokens: 30, tool_calls: 3 });
+        meter.settle(
+            grants[0],
+            Spend {
+                tokens: 5,
+                tool_calls: 1,
+            },
+        );
+        meter.settle(
+            grants[1],
+            Spend {
+                tokens: 30,
+                tool_calls: 3,
+            },
+        );
         meter.settle(grants[2], Spend::all_of(grants[2])); // unknown: the whole grant
-        assert_eq!(meter.spent(), Spend { tokens: 75, tool_calls: 7 });
+        assert_eq!(
+            meter.spent(),
+            Spend {
+                tokens: 75,
+                tool_calls: 7
+            }
+        );
         assert_eq!(meter.left(), Budget::tokens(25).with_tool_calls(2));
     }
 
@@ -418,7 +442,9 @@ mod tests {
             let mut open: Vec<Budget> = Vec::new();
             let mut x = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
             for _ in 0..60 {
-                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
                 match (x >> 33) % 5 {
                     0 => meter.begin_step(1 + ((x >> 40) % 4) as usize),
                     1 => {

@@ -50,11 +50,11 @@ use troupe_core::{ActorId, CallContext, CallRefused, Deadline, InvokeError};
 use troupe_runtime::ActorError;
 
 use crate::agent::AgentRequest;
-use crate::Budget;
 use crate::limits::{
     AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_OUTBOX_CAPACITY, AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT,
     AGENT_TASK_TIMEOUT_MS_MAX,
 };
+use crate::Budget;
 
 /// The name of the tool that delegates a task.
 pub const DELEGATE_TOOL_NAME: &str = "delegate_to_agent";

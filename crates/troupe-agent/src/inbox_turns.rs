@@ -301,7 +301,11 @@ impl AgentActor {
                                 Some(exhausted) => (TaskState::Failed, exhausted.to_string(), left),
                             }
                         }
-                        Err(error) => (TaskState::Failed, error.to_string(), entry.budget.after(Spend::all_of(entry.budget))),
+                        Err(error) => (
+                            TaskState::Failed,
+                            error.to_string(),
+                            entry.budget.after(Spend::all_of(entry.budget)),
+                        ),
                     }
                 };
                 if let Some(to) = entry.from {

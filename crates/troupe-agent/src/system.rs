@@ -21,8 +21,8 @@ use crate::inbox_turns::{delegate_tool, notify_tool};
 use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
-    AgentCallError, AgentDirectory, Budget, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec, AgentSpecError,
-    CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool, ToolRegistry,
+    AgentCallError, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec, AgentSpecError,
+    Budget, CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool, ToolRegistry,
     ToolRegistryError,
 };
 

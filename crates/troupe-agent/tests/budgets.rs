@@ -25,10 +25,20 @@ fn boss_asks_two_workers() -> ScriptedLlm {
         .rule(
             ScriptRule::agent("boss")
                 .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "north", "message": "count the northern stars"}))
-                .call("call_agent", json!({"agent_id": "south", "message": "count the southern stars"})),
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "north", "message": "count the northern stars"}),
+                )
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "south", "message": "count the southern stars"}),
+                ),
         )
-        .rule(ScriptRule::agent("boss").on_tool_result().reply("the workers say {tool_result}"))
+        .rule(
+            ScriptRule::agent("boss")
+                .on_tool_result()
+                .reply("the workers say {tool_result}"),
+        )
         .rule(ScriptRule::agent("north").reply("about two hundred billion"))
         .rule(ScriptRule::agent("south").reply("about two hundred billion"))
 }
@@ -68,7 +78,9 @@ fn spend_per_root(recorder: &CallRecorder) -> BTreeMap<u64, u64> {
                 root_of.insert(call, root);
             }
             AgentEvent::ModelResponded {
-                call: Some(call), usage, ..
+                call: Some(call),
+                usage,
+                ..
             } => {
                 *spend.entry(root_of[&call]).or_default() += usage.map_or(0, |usage| usage.total_tokens);
             }
@@ -113,7 +125,14 @@ async fn measure() -> Costs {
     costs
 }
 
-async fn ask(budget: Budget) -> (Arc<ScriptedLlm>, CallRecorder, AgentSystem, Result<troupe_agent::AgentReply, AgentCallError>) {
+async fn ask(
+    budget: Budget,
+) -> (
+    Arc<ScriptedLlm>,
+    CallRecorder,
+    AgentSystem,
+    Result<troupe_agent::AgentReply, AgentCallError>,
+) {
     let llm = Arc::new(boss_asks_two_workers());
     let recorder = CallRecorder::new();
     let system = start(&llm, &recorder);
@@ -138,7 +157,10 @@ async fn parallel_workers_share_the_bosss_budget_and_the_unused_part_comes_back(
     assert_eq!(llm.requests_of("north")[0].max_tokens, Some(share));
     assert_eq!(llm.requests_of("south")[0].max_tokens, Some(share));
     assert_eq!(llm.requests_of("boss")[1].max_tokens, Some(costs.boss_answer));
-    assert_eq!(spend_per_root(&recorder).into_values().collect::<Vec<_>>(), vec![budget]);
+    assert_eq!(
+        spend_per_root(&recorder).into_values().collect::<Vec<_>>(),
+        vec![budget]
+    );
     system.shutdown().await;
 }
 
@@ -157,7 +179,11 @@ async fn one_token_short_the_root_gets_budget_exhausted() {
     assert_eq!(exhausted.resource, BudgetResource::Tokens);
     assert_eq!(exhausted.limit, budget);
     assert_eq!(exhausted.spent, costs.boss_call + costs.north + costs.south);
-    assert_eq!(llm.requests_of("boss").len(), 2, "the last step was tried under its cap");
+    assert_eq!(
+        llm.requests_of("boss").len(),
+        2,
+        "the last step was tried under its cap"
+    );
     assert_eq!(llm.answers().iter().filter(|a| a.agent.key() == "boss").count(), 1);
     let spent = spend_per_root(&recorder).into_values().collect::<Vec<_>>();
     assert_eq!(spent, vec![costs.boss_call + costs.north + costs.south]);
@@ -251,7 +277,9 @@ async fn concurrent_requests_each_stay_within_their_budget_on_the_multi_thread_r
         let client = system.client();
         handles.push(tokio::spawn(async move {
             let options = AskOptions::default().budget(Budget::tokens(budget));
-            client.ask_with("boss", &format!("how many stars {index}"), options).await
+            client
+                .ask_with("boss", &format!("how many stars {index}"), options)
+                .await
         }));
     }
     let (mut answered, mut exhausted) = (0, 0);
@@ -270,7 +298,10 @@ async fn concurrent_requests_each_stay_within_their_budget_on_the_multi_thread_r
     }
     assert_eq!(answered + exhausted, REQUESTS);
     // The history window grows each turn, so later requests cost more and run out.
-    assert!(answered >= 1 && exhausted >= 1, "answered {answered}, exhausted {exhausted}");
+    assert!(
+        answered >= 1 && exhausted >= 1,
+        "answered {answered}, exhausted {exhausted}"
+    );
     let spend = spend_per_root(&recorder);
     assert_eq!(spend.len(), REQUESTS);
     for (root, spent) in spend {
