@@ -32,6 +32,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 use troupe_core::ActorId;
 
+use crate::limits::AGENT_SEND_GRANT_DIVISOR;
 use crate::{AgentCallError, AgentReply};
 
 /// What a call may spend, its own model and tool calls and every call it makes
@@ -297,11 +298,25 @@ impl BudgetMeter {
     /// [`BudgetExhausted`] when the grant would hold no token: the call must not be
     /// sent (its turn could not call its model).
     pub(crate) fn grant(&self) -> Result<Budget, BudgetExhausted> {
+        self.grant_part(1)
+    }
+
+    /// Reserves a grant for a delegated task or a notification: as [`BudgetMeter::grant`],
+    /// divided by [`AGENT_SEND_GRANT_DIVISOR`] (the grant is charged whole and never comes
+    /// back to this turn, so the turn keeps the rest for its own next steps).
+    ///
+    /// # Errors
+    /// As [`BudgetMeter::grant`].
+    pub(crate) fn grant_for_send(&self) -> Result<Budget, BudgetExhausted> {
+        self.grant_part(AGENT_SEND_GRANT_DIVISOR)
+    }
+
+    fn grant_part(&self, divisor: u64) -> Result<Budget, BudgetExhausted> {
         let mut state = self.state();
         let left = self.limit.after(state.spent.plus(state.reserved));
         let grant = Budget {
-            tokens: min_limit(left.tokens, state.share.tokens),
-            tool_calls: min_limit(left.tool_calls, state.share.tool_calls),
+            tokens: min_limit(left.tokens, state.share.tokens).map(|tokens| tokens / divisor),
+            tool_calls: min_limit(left.tool_calls, state.share.tool_calls).map(|calls| calls / divisor),
         };
         if grant.tokens == Some(0) {
             return Err(self.exhausted(BudgetResource::Tokens, &state));
@@ -474,5 +489,43 @@ mod tests {
                 assert!(limit.covers(state.spent.plus(state.reserved)), "seed {seed}: {state:?}");
             }
         }
+    }
+
+    /// Goal: on tokio's multi-thread runtime, children racing for grants on one meter
+    /// (each spending all of its grant, or a random part, and settling) never make the
+    /// turn's spent plus reserved exceed its limit, and the final spend is exactly the
+    /// sum the children reported.
+    #[cfg(not(madsim))]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_children_never_jointly_overspend_on_the_multi_thread_runtime() {
+        const CHILDREN: u64 = 64;
+        const LIMIT: u64 = 10_000;
+        let meter = std::sync::Arc::new(new_meter(Budget::tokens(LIMIT).with_tool_calls(CHILDREN)));
+        meter.begin_step(8);
+        let mut tasks = Vec::new();
+        for child in 0..CHILDREN {
+            let meter = std::sync::Arc::clone(&meter);
+            tasks.push(tokio::spawn(async move {
+                let Ok(grant) = meter.grant() else {
+                    return Spend::default();
+                };
+                tokio::task::yield_now().await;
+                {
+                    let state = meter.state();
+                    assert!(Budget::tokens(LIMIT).covers(state.spent.plus(state.reserved)));
+                }
+                let tokens = grant.tokens.unwrap() * (child % 4) / 3;
+                let spent = Spend { tokens, tool_calls: 0 };
+                meter.settle(grant, spent);
+                spent
+            }));
+        }
+        let mut reported = 0;
+        for task in tasks {
+            reported += task.await.unwrap().tokens;
+        }
+        assert_eq!(meter.spent().tokens, reported);
+        assert!(reported <= LIMIT, "{reported} > {LIMIT}");
+        assert_eq!(meter.left(), Budget::tokens(LIMIT - reported).with_tool_calls(CHILDREN));
     }
 }

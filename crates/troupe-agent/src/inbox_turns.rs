@@ -548,7 +548,7 @@ fn tool_send(
         }));
     };
     // Its turn runs later, after this one has replied: the grant is charged whole.
-    let grant = context.budget().grant()?;
+    let grant = context.budget().grant_for_send()?;
     let mut sends = sends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let queued = queue_send(
         context.caller(),

@@ -309,3 +309,65 @@ async fn concurrent_requests_each_stay_within_their_budget_on_the_multi_thread_r
     }
     system.shutdown().await;
 }
+
+/// Goal: a delegated task carries its grant with it (persisted in the inbox entry), the
+/// delegating turn is charged the whole grant at once (its reply's spend includes it),
+/// and the delegator's turn that reads the result runs on what the task left.
+#[tokio::test(start_paused = true)]
+async fn a_delegated_task_runs_on_its_grant_and_the_result_on_what_it_left() {
+    let llm = Arc::new(
+        ScriptedLlm::new()
+            .rule(ScriptRule::agent("boss").on_user_containing("plan").call(
+                "delegate_to_agent",
+                json!({"agent_id": "north", "message": "count the stars", "timeout_ms": 60000}),
+            ))
+            .rule(ScriptRule::agent("boss").on_tool_result().reply("delegated"))
+            .rule(
+                ScriptRule::agent("boss")
+                    .on_user_containing("you delegated is")
+                    .reply("thanks"),
+            )
+            .rule(ScriptRule::agent("north").on_user_containing("[task").reply("many")),
+    );
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &recorder);
+    const BUDGET: u64 = 1_000;
+    const SEND_GRANT_DIVISOR: u64 = troupe_agent::limits::AGENT_SEND_GRANT_DIVISOR;
+    let reply = system
+        .ask_with(
+            "boss",
+            "plan the count",
+            AskOptions::default().budget(Budget::tokens(BUDGET)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "delegated");
+    tokio::time::sleep(std::time::Duration::from_secs(20)).await;
+
+    let boss = llm.requests_of("boss");
+    let north = llm.requests_of("north");
+    assert_eq!(
+        (boss.len(), north.len()),
+        (3, 1),
+        "two steps of the asked turn, one of the result"
+    );
+    let first_step = steps(&recorder)["boss"][0];
+    // One delegation in the step: half of what is left (a send keeps the other half for
+    // the rest of the turn, as its grant never comes back to it).
+    let grant = (BUDGET - first_step) / SEND_GRANT_DIVISOR;
+    assert_eq!(north[0].max_tokens, Some(grant));
+    assert_eq!(
+        boss[1].max_tokens,
+        Some(BUDGET - first_step - grant),
+        "charged whole, at once"
+    );
+    let answer_step = steps(&recorder)["boss"][1];
+    assert_eq!(reply.spent.tokens, first_step + grant + answer_step);
+    let north_spent = steps(&recorder)["north"][0];
+    assert_eq!(
+        boss[2].max_tokens,
+        Some(grant - north_spent),
+        "the result's turn runs on what the task left"
+    );
+    system.shutdown().await;
+}
