@@ -269,6 +269,9 @@ async fn no_chain_spends_more_than_its_roots_budget_under_model_faults() {
     let exhausted = starved.exhausted.expect("half a first step cannot answer");
     assert_eq!(exhausted.limit, first_step / 2);
     let starved_root = *roots(&recorder).iter().max().unwrap_or(&ample_root);
+    // NoAckedStateLost over the log: every answered ask is in it (an exhausted one, which
+    // committed nothing, is not an answer).
+    sim.read_agent_logs(&["boss", "north", "south"]).await;
 
     let mut extra = vec![(ample_root, BUDGET_TOKENS_AMPLE)];
     if starved_root != ample_root {

@@ -173,7 +173,8 @@ impl SimClient {
             .invoke(AGENT_NODE, &target, payload, timeout)
             .await
             .map(|bytes| AgentReply::decode(&bytes).expect("an agent reply decodes"));
-        if outcome.is_ok() {
+        // A reply whose budget ran out answered nothing and committed nothing.
+        if matches!(&outcome, Ok(reply) if reply.exhausted.is_none()) {
             trace.record(Event::AgentAcked {
                 agent: target.to_string(),
                 text: text.to_string(),
