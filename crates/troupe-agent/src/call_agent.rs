@@ -162,38 +162,39 @@ pub async fn call_agent(
         call,
         armed: shared.has_listeners(),
     };
+    // The grant is reserved only once the call is admitted; refused, it is not sent.
+    let admission = admission.map_err(AgentCallError::Refused).and_then(|admitted| {
+        let grant = context.budget().grant()?;
+        Ok((admitted, grant))
+    });
     let result = match admission {
-        Err(refused) => Err(AgentCallError::Refused(refused)),
-        // The grant is reserved only once the call is admitted; refused, it is not sent.
-        Ok(admitted) => match context.budget().grant() {
-            Err(exhausted) => Err(AgentCallError::BudgetExhausted(exhausted)),
-            Ok(grant) => {
-                let request = AgentRequest {
-                    text: truncate_utf8(message, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
-                    from: Some(context.agent_id().clone()),
-                    call: Some(call),
-                    budget: grant,
-                };
-                let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
-                let result = match context.caller().invoke(admitted, request.encode()).await {
-                    Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
-                        target: target.clone(),
-                        cause,
-                    }),
-                    // The callee's turn and this wait end at the same instant; whichever timer
-                    // fires first, report the time this caller allowed.
-                    Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == target => {
-                        Err(AgentCallError::Invoke(InvokeError::Timeout {
-                            target: timed_out,
-                            timeout_ms: allowed_ms,
-                        }))
-                    }
-                    Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
-                    Err(error) => Err(AgentCallError::Invoke(error)),
-                };
-                settle_call(context.budget(), grant, result)
-            }
-        },
+        Err(error) => Err(error),
+        Ok((admitted, grant)) => {
+            let request = AgentRequest {
+                text: truncate_utf8(message, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
+                from: Some(context.agent_id().clone()),
+                call: Some(call),
+                budget: grant,
+            };
+            let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
+            let result = match context.caller().invoke(admitted, request.encode()).await {
+                Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
+                    target: target.clone(),
+                    cause,
+                }),
+                // The callee's turn and this wait end at the same instant; whichever timer
+                // fires first, report the time this caller allowed.
+                Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == target => {
+                    Err(AgentCallError::Invoke(InvokeError::Timeout {
+                        target: timed_out,
+                        timeout_ms: allowed_ms,
+                    }))
+                }
+                Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
+                Err(error) => Err(AgentCallError::Invoke(error)),
+            };
+            settle_call(context.budget(), grant, result)
+        }
     };
     let outcome = match &result {
         Ok(reply) => CallOutcome::Replied {
