@@ -28,11 +28,12 @@
 //! back with what the task left, and the delegator's turn that reads it runs on that.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use troupe_core::ActorId;
 
-use crate::limits::AGENT_SEND_GRANT_DIVISOR;
+use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_SEND_GRANT_DIVISOR};
 use crate::{AgentCallError, AgentReply};
 
 /// What a call may spend, its own model and tool calls and every call it makes
@@ -167,6 +168,41 @@ pub struct BudgetExhausted {
     pub spent: u64,
     /// The turn's limit (its grant).
     pub limit: u64,
+}
+
+/// How [`crate::AgentClient::ask_with`] asks: how long to wait and what the request may spend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AskOptions {
+    /// How long to wait for the reply (capped at the runtime's maximum); default
+    /// [`AGENT_ASK_TIMEOUT_MS_DEFAULT`].
+    pub timeout: Duration,
+    /// What the request may spend; default [`Budget::UNLIMITED`] (see [`Budget`]).
+    pub budget: Budget,
+}
+
+impl Default for AskOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT),
+            budget: Budget::UNLIMITED,
+        }
+    }
+}
+
+impl AskOptions {
+    /// These options with `timeout`.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// These options with `budget`.
+    #[must_use]
+    pub fn budget(mut self, budget: Budget) -> Self {
+        self.budget = budget;
+        self
+    }
 }
 
 #[derive(Debug, Default)]

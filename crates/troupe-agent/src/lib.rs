@@ -68,7 +68,7 @@ mod tool;
 pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
-pub use budget::{Budget, BudgetExhausted, BudgetResource, Spend};
+pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};
@@ -94,7 +94,7 @@ pub use schema::{
 /// direct dependency: `#[derive(JsonSchema)] #[schemars(crate = "troupe_agent::schemars")]`.
 pub use schemars;
 pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
-pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError, AskOptions};
+pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError};
 pub use tool::{
     tool_parameters_schema, Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError,
 };

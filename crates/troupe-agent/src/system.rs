@@ -12,7 +12,7 @@ use troupe_runtime::{
 };
 
 use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, SavedAgent, AGENT_KIND};
-use crate::budget::reply_or_exhausted;
+use crate::budget::{reply_or_exhausted, AskOptions};
 use crate::call_agent::call_agent_tool;
 use crate::inbox::{
     decode_reply, task_deadline, task_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, SendReply,
@@ -153,41 +153,6 @@ impl AgentSystemBuilder {
             }
         });
         Ok(AgentSystem { runtime, client })
-    }
-}
-
-/// How [`AgentClient::ask_with`] asks: how long to wait and what the request may spend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AskOptions {
-    /// How long to wait for the reply (capped at the runtime's maximum); default
-    /// [`AGENT_ASK_TIMEOUT_MS_DEFAULT`].
-    pub timeout: Duration,
-    /// What the request may spend; default [`Budget::UNLIMITED`] (see [`Budget`]).
-    pub budget: Budget,
-}
-
-impl Default for AskOptions {
-    fn default() -> Self {
-        Self {
-            timeout: Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT),
-            budget: Budget::UNLIMITED,
-        }
-    }
-}
-
-impl AskOptions {
-    /// These options with `timeout`.
-    #[must_use]
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// These options with `budget`.
-    #[must_use]
-    pub fn budget(mut self, budget: Budget) -> Self {
-        self.budget = budget;
-        self
     }
 }
 
