@@ -54,6 +54,7 @@ use crate::limits::{
     AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_OUTBOX_CAPACITY, AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT,
     AGENT_TASK_TIMEOUT_MS_MAX,
 };
+use crate::Budget;
 
 /// The name of the tool that delegates a task.
 pub const DELEGATE_TOOL_NAME: &str = "delegate_to_agent";
@@ -141,6 +142,9 @@ pub enum InboxError {
     /// Admission refused it (cycle, depth, unknown agent, ...); nothing was kept.
     #[error("refused: {0}")]
     Refused(#[from] CallRefused),
+    /// The sending turn had no budget left to grant; nothing was kept.
+    #[error(transparent)]
+    BudgetExhausted(#[from] crate::BudgetExhausted),
     /// The target's inbox is full; nothing was kept. Retry later.
     #[error("the inbox of {target} is full ({capacity} entries)")]
     Full {
@@ -196,6 +200,10 @@ pub(crate) struct InboxEntry {
     pub(crate) body: InboxBody,
     /// The chain and depth it is processed under, and its deadline.
     pub(crate) context: CallContext,
+    /// What the turn that processes it may spend (a task or notification sent from a
+    /// turn: the grant charged to that turn; a task's result: what the task left).
+    #[serde(default)]
+    pub(crate) budget: Budget,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -460,6 +468,7 @@ impl PendingSends {
             from: Some(self.agent.clone()),
             body,
             context,
+            budget: Budget::UNLIMITED,
         };
         self.entries.push((seq, OutboxEntry { to, entry }));
     }
