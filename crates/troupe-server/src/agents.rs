@@ -278,7 +278,7 @@ pub(crate) async fn history(
         .map(|(message, index)| {
             json!({
                 "index": index,
-                "role": message.role,
+                "role": format!("{:?}", message.role).to_lowercase(),
                 "content": message.content,
                 "tool_calls": message.tool_calls,
                 "tool_call_id": message.tool_call_id,
