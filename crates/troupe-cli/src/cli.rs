@@ -118,7 +118,15 @@ mod tests {
         };
         assert_eq!(args.bind, SERVE_BIND_DEFAULT.parse::<SocketAddr>().unwrap());
         let cli = Cli::try_parse_from([
-            "troupe", "serve", "--bind", "0.0.0.0:9000", "--db", "/tmp/d", "--token", "t", "--scripted",
+            "troupe",
+            "serve",
+            "--bind",
+            "0.0.0.0:9000",
+            "--db",
+            "/tmp/d",
+            "--token",
+            "t",
+            "--scripted",
         ])
         .unwrap();
         let Command::Serve(args) = cli.command else {

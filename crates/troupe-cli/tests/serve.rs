@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The longest the binary may take to start or to stop, in milliseconds.
 const SERVE_WAIT_MS_MAX: u64 = 20_000;
@@ -37,29 +37,32 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut response = String::new();
     stream.read_to_string(&mut response).unwrap();
     let status = response[9..12].parse().unwrap();
-    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap();
     (status, body)
 }
 
-fn wait(child: &mut Child) -> std::process::ExitStatus {
-    let started = Instant::now();
-    loop {
+/// How often a stopping child is checked, in milliseconds.
+const SERVE_POLL_MS: u64 = 20;
+
+async fn wait(child: &mut Child) -> std::process::ExitStatus {
+    for _ in 0..SERVE_WAIT_MS_MAX / SERVE_POLL_MS {
         if let Some(status) = child.try_wait().unwrap() {
             return status;
         }
-        assert!(
-            started.elapsed() < Duration::from_millis(SERVE_WAIT_MS_MAX),
-            "troupe serve did not stop"
-        );
-        std::thread::sleep(Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(SERVE_POLL_MS)).await;
     }
+    let _ = child.kill();
+    panic!("troupe serve did not stop within {SERVE_WAIT_MS_MAX} ms of SIGTERM");
 }
 
 /// Goal: the binary serves the default organisation on a free loopback port and stops
 /// on SIGTERM with exit code 0. Method: start it on 127.0.0.1:0, read the address it
 /// prints, ask /health and the critic agent, send SIGTERM.
-#[test]
-fn serve_answers_on_loopback_and_stops_cleanly_on_sigterm() {
+#[tokio::test]
+async fn serve_answers_on_loopback_and_stops_cleanly_on_sigterm() {
     let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -87,7 +90,7 @@ fn serve_answers_on_loopback_and_stops_cleanly_on_sigterm() {
         .status()
         .unwrap();
     assert!(killed.success());
-    let status = wait(&mut child);
+    let status = wait(&mut child).await;
     let mut rest = String::new();
     stdout.read_to_string(&mut rest).unwrap();
     assert!(status.success(), "{status:?}; stdout: {rest}");

@@ -154,7 +154,10 @@ pub(crate) async fn create(State(state): Shared, ApiJson(body): ApiJson<AgentBod
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "agent_exists",
-            format!("agent {:?} already exists; PUT /v1/agents/{} replaces it", spec.id, spec.id),
+            format!(
+                "agent {:?} already exists; PUT /v1/agents/{} replaces it",
+                spec.id, spec.id
+            ),
         ));
     }
     state
@@ -344,10 +347,7 @@ pub(crate) async fn delegate(
     known(&state, &agent)?;
     check_text(&body.text)?;
     let timeout_ms = check_timeout(body.timeout_ms)?;
-    let task_id = state
-        .client
-        .delegate(&agent, &body.to, &body.text, timeout_ms)
-        .await?;
+    let task_id = state.client.delegate(&agent, &body.to, &body.text, timeout_ms).await?;
     Ok((StatusCode::ACCEPTED, Json(json!({ "task_id": task_id }))).into_response())
 }
 

@@ -198,7 +198,11 @@ where
     async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(value)) => Ok(Self(value)),
-            Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_query", rejection.body_text())),
+            Err(rejection) => Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_query",
+                rejection.body_text(),
+            )),
         }
     }
 }

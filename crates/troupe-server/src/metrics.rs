@@ -37,17 +37,61 @@ impl Metrics {
         }
         let counters = client.runtime().counters();
         let runtime = [
-            ("activations_started", "Activations spawned.", counters.activations_started),
-            ("deactivations_finished", "Activations that finished deactivating.", counters.deactivations_finished),
-            ("turns_run", "Turns that ran to completion, successfully or not.", counters.turns_run),
-            ("turns_failed", "Turns that failed, timed out or whose commit failed.", counters.turns_failed),
-            ("expired_dropped", "Requests dropped unrun because their deadline had passed.", counters.expired_dropped),
-            ("busy_refused", "Requests refused because a mailbox was full.", counters.busy_refused),
-            ("deadlocks_refused", "Calls refused with DeadlockDetected.", counters.deadlocks_refused),
-            ("deactivation_saves_failed", "Deactivation saves that failed.", counters.deactivation_saves_failed),
-            ("turns_abandoned", "Turns cancelled because their caller stopped waiting.", counters.turns_abandoned),
-            ("activations_aborted", "Activations stopped at the end of the shutdown grace.", counters.activations_aborted),
-            ("dispatcher_busy_refused", "Requests refused because the dispatcher queue was full.", counters.dispatcher_busy_refused),
+            (
+                "activations_started",
+                "Activations spawned.",
+                counters.activations_started,
+            ),
+            (
+                "deactivations_finished",
+                "Activations that finished deactivating.",
+                counters.deactivations_finished,
+            ),
+            (
+                "turns_run",
+                "Turns that ran to completion, successfully or not.",
+                counters.turns_run,
+            ),
+            (
+                "turns_failed",
+                "Turns that failed, timed out or whose commit failed.",
+                counters.turns_failed,
+            ),
+            (
+                "expired_dropped",
+                "Requests dropped unrun because their deadline had passed.",
+                counters.expired_dropped,
+            ),
+            (
+                "busy_refused",
+                "Requests refused because a mailbox was full.",
+                counters.busy_refused,
+            ),
+            (
+                "deadlocks_refused",
+                "Calls refused with DeadlockDetected.",
+                counters.deadlocks_refused,
+            ),
+            (
+                "deactivation_saves_failed",
+                "Deactivation saves that failed.",
+                counters.deactivation_saves_failed,
+            ),
+            (
+                "turns_abandoned",
+                "Turns cancelled because their caller stopped waiting.",
+                counters.turns_abandoned,
+            ),
+            (
+                "activations_aborted",
+                "Activations stopped at the end of the shutdown grace.",
+                counters.activations_aborted,
+            ),
+            (
+                "dispatcher_busy_refused",
+                "Requests refused because the dispatcher queue was full.",
+                counters.dispatcher_busy_refused,
+            ),
         ];
         for (name, help, value) in runtime {
             let _ = writeln!(out, "# HELP troupe_runtime_{name}_total {help}");
@@ -55,8 +99,16 @@ impl Metrics {
             let _ = writeln!(out, "troupe_runtime_{name}_total {value}");
         }
         let gauges = [
-            ("troupe_agents", "Agents in the directory.", client.directory().list().len()),
-            ("troupe_event_streams_open", "Open SSE streams of /v1/events.", event_streams_open),
+            (
+                "troupe_agents",
+                "Agents in the directory.",
+                client.directory().list().len(),
+            ),
+            (
+                "troupe_event_streams_open",
+                "Open SSE streams of /v1/events.",
+                event_streams_open,
+            ),
         ];
         for (name, help, value) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}");

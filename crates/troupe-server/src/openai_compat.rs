@@ -78,7 +78,10 @@ pub(crate) async fn chat_completions(
         ApiError::new(
             StatusCode::NOT_FOUND,
             "model_not_found",
-            format!("no agent {:?}: the model is an agent id; GET /v1/models lists them", body.model),
+            format!(
+                "no agent {:?}: the model is an agent id; GET /v1/models lists them",
+                body.model
+            ),
         )
     })?;
     let Some(last_user) = body.messages.iter().rev().find(|message| message.role == "user") else {

@@ -144,7 +144,9 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
     if (status.is_client_error() || status.is_server_error()) && !is_json {
         response = plain_error(status, method.as_str(), &route);
     }
-    state.metrics.record(method.as_str(), &route, response.status().as_u16());
+    state
+        .metrics
+        .record(method.as_str(), &route, response.status().as_u16());
     response
 }
 
@@ -225,7 +227,11 @@ async fn not_found(request: Request<Body>) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "route_not_found",
-        format!("no route {} {}; see docs/serve.md", request.method(), request.uri().path()),
+        format!(
+            "no route {} {}; see docs/serve.md",
+            request.method(),
+            request.uri().path()
+        ),
     )
 }
 

@@ -30,12 +30,15 @@ fn script() -> ScriptedLlm {
                 .reply("slow done")
                 .latency(Duration::from_millis(SLOW_TURN_MS)),
         )
+        .rule(ScriptRule::agent("caller").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "echo", "message": "from caller: {input}"}),
+        ))
         .rule(
             ScriptRule::agent("caller")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "echo", "message": "from caller: {input}"})),
+                .on_tool_result()
+                .reply("caller heard: {tool_result}"),
         )
-        .rule(ScriptRule::agent("caller").on_tool_result().reply("caller heard: {tool_result}"))
         .rule(ScriptRule::agent("boss").reply("noted"))
 }
 
@@ -212,7 +215,11 @@ async fn agents_are_listed_created_updated_and_deleted() {
     assert_eq!(body["inbox"], 0);
 
     let (status, body) = server
-        .send(reqwest::Method::PUT, "/v1/agents/helper", Some(json!({"role": "helps more"})))
+        .send(
+            reqwest::Method::PUT,
+            "/v1/agents/helper",
+            Some(json!({"role": "helps more"})),
+        )
         .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(server.get("/v1/agents/helper").await.1["role"], "helps more");
@@ -304,7 +311,10 @@ async fn a_message_gets_the_agents_reply_and_errors_map_to_their_statuses() {
     assert_eq!(body["steps"], 1);
     let (status, body) = server.post("/v1/agents/caller/messages", json!({"text": "ping"})).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["text"], "caller heard: echo: [message from agent caller] from caller: ping");
+    assert_eq!(
+        body["text"],
+        "caller heard: echo: [message from agent caller] from caller: ping"
+    );
 
     let (status, body) = server.post("/v1/agents/nobody/messages", json!({"text": "hi"})).await;
     assert_eq!((status, error_code(&body)), (404, "agent_not_found"));
@@ -320,7 +330,9 @@ async fn a_message_gets_the_agents_reply_and_errors_map_to_their_statuses() {
         .post("/v1/agents/echo/messages", json!({"text": "hi", "timeout_ms": 0}))
         .await;
     assert_eq!((status, error_code(&body)), (422, "invalid_timeout"));
-    let (status, body) = server.post("/v1/agents/echo/messages?stream=maybe", json!({"text": "hi"})).await;
+    let (status, body) = server
+        .post("/v1/agents/echo/messages?stream=maybe", json!({"text": "hi"}))
+        .await;
     assert_eq!((status, error_code(&body)), (400, "invalid_query"));
 
     // The agent's own deadline: 504 `timeout`.
@@ -359,9 +371,15 @@ async fn a_streamed_message_sends_the_turns_events_then_the_reply() {
     assert_eq!(by_query.headers()["content-type"], "text/event-stream");
     let events = parse_sse(&by_query.text().await.unwrap());
     let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
-    let data: Vec<Value> = events.iter().map(|(_, data)| serde_json::from_str(data).unwrap()).collect();
+    let data: Vec<Value> = events
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).unwrap())
+        .collect();
     assert_eq!(names.last(), Some(&"reply"), "{names:?}");
-    assert_eq!(data.last().unwrap()["text"], "caller heard: echo: [message from agent caller] from caller: ping");
+    assert_eq!(
+        data.last().unwrap()["text"],
+        "caller heard: echo: [message from agent caller] from caller: ping"
+    );
     // The root call to caller, its turn, its nested call to echo and echo's turn.
     let root = data
         .iter()
@@ -376,7 +394,8 @@ async fn a_streamed_message_sends_the_turns_events_then_the_reply() {
     assert_eq!(nested["depth"], 1);
     for agent in ["agent/caller", "agent/echo"] {
         assert!(
-            data.iter().any(|event| event["type"] == "turn_started" && event["agent"] == agent),
+            data.iter()
+                .any(|event| event["type"] == "turn_started" && event["agent"] == agent),
             "{agent}: {names:?}"
         );
         assert!(
@@ -386,7 +405,11 @@ async fn a_streamed_message_sends_the_turns_events_then_the_reply() {
         );
     }
     assert!(names.contains(&"tool_finished"), "{names:?}");
-    assert_eq!(names.iter().filter(|name| **name == "call_finished").count(), 2, "{names:?}");
+    assert_eq!(
+        names.iter().filter(|name| **name == "call_finished").count(),
+        2,
+        "{names:?}"
+    );
 
     // Accept: text/event-stream, and an error as the final event.
     let by_accept = server
@@ -515,7 +538,8 @@ async fn notifications_and_delegated_tasks_are_accepted_tracked_and_cancelled() 
 /// then two more messages race for the one queue slot: exactly one is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_mailbox_is_429_busy_with_retry_after() {
-    let server = Arc::new(Harness::start(ServerConfig::default(), KindConfig::default().with_mailbox_capacity(1)).await);
+    let server =
+        Arc::new(Harness::start(ServerConfig::default(), KindConfig::default().with_mailbox_capacity(1)).await);
     let mut events = server.system().subscribe();
     let first = {
         let server = Arc::clone(&server);
@@ -573,11 +597,7 @@ async fn over_the_concurrency_limit_the_server_answers_503_at_once() {
         tokio::spawn(async move { server.post("/v1/agents/slow/messages", json!({"text": "a"})).await })
     };
     turn_started(&mut events, "slow").await;
-    let refused = server
-        .request(reqwest::Method::GET, "/v1/agents")
-        .send()
-        .await
-        .unwrap();
+    let refused = server.request(reqwest::Method::GET, "/v1/agents").send().await.unwrap();
     assert_eq!(refused.status().as_u16(), 503);
     assert_eq!(refused.headers()["retry-after"], "1");
     let body: Value = serde_json::from_str(&refused.text().await.unwrap()).unwrap();
@@ -594,11 +614,7 @@ async fn over_the_concurrency_limit_the_server_answers_503_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_event_stream_carries_agent_events_as_they_happen() {
     let server = Harness::default().await;
-    let mut stream = server
-        .request(reqwest::Method::GET, "/v1/events")
-        .send()
-        .await
-        .unwrap();
+    let mut stream = server.request(reqwest::Method::GET, "/v1/events").send().await.unwrap();
     assert_eq!(stream.status().as_u16(), 200);
     assert_eq!(stream.headers()["content-type"], "text/event-stream");
     // The stream is open once its headers arrived: events from now on are in it.
@@ -621,7 +637,13 @@ async fn the_event_stream_carries_agent_events_as_they_happen() {
     .await
     .expect("the turn's end arrives on the stream");
     let names: Vec<&str> = seen.iter().map(|(name, _)| name.as_str()).collect();
-    for expected in ["call_started", "activated", "turn_started", "model_responded", "turn_ended"] {
+    for expected in [
+        "call_started",
+        "activated",
+        "turn_started",
+        "model_responded",
+        "turn_ended",
+    ] {
         assert!(names.contains(&expected), "{expected} missing from {names:?}");
     }
     for (name, data) in &seen {
@@ -638,7 +660,10 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
     let (status, models) = server.get("/v1/models").await;
     assert_eq!(status, 200);
     assert_eq!(models["object"], "list");
-    assert_eq!(models["data"][0], json!({"id": "boss", "object": "model", "created": 0, "owned_by": "troupe"}));
+    assert_eq!(
+        models["data"][0],
+        json!({"id": "boss", "object": "model", "created": 0, "owned_by": "troupe"})
+    );
 
     let request = json!({
         "model": "echo",
@@ -654,7 +679,10 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["model"], "echo");
-    assert_eq!(body["choices"][0]["message"], json!({"role": "assistant", "content": "echo: second"}));
+    assert_eq!(
+        body["choices"][0]["message"],
+        json!({"role": "assistant", "content": "echo: second"})
+    );
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
     assert!(body["usage"]["total_tokens"].is_u64());
 
@@ -684,15 +712,24 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
 
     let (status, body) = server
-        .post("/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}))
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
+        )
         .await;
     assert_eq!((status, error_code(&body)), (404, "model_not_found"));
     let (status, body) = server
-        .post("/v1/chat/completions", json!({"model": "echo", "messages": [{"role": "system", "content": "x"}]}))
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "echo", "messages": [{"role": "system", "content": "x"}]}),
+        )
         .await;
     assert_eq!((status, error_code(&body)), (422, "no_user_message"));
     let (status, body) = server
-        .post("/v1/chat/completions", json!({"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}))
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        )
         .await;
     assert_eq!((status, error_code(&body)), (422, "unsupported_content"));
     server.stop().await;
@@ -701,7 +738,10 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_by_route_and_status_and_show_the_runtimes_counters() {
     let server = Harness::default().await;
-    assert_eq!(server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await.0, 200);
+    assert_eq!(
+        server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await.0,
+        200
+    );
     assert_eq!(server.get("/v1/agents/nobody").await.0, 404);
     assert_eq!(server.get("/v1/agents/nobody").await.0, 404);
     let response = server.request(reqwest::Method::GET, "/metrics").send().await.unwrap();
@@ -731,14 +771,24 @@ async fn a_non_loopback_address_without_a_token_is_refused_with_what_to_do() {
     let error = ServerConfig::default().check_bind(anywhere).unwrap_err();
     assert!(matches!(error, ServeError::TokenRequired { addr } if addr == anywhere));
     let message = error.to_string();
-    assert!(message.contains("--token") && message.contains("127.0.0.1"), "{message}");
+    assert!(
+        message.contains("--token") && message.contains("127.0.0.1"),
+        "{message}"
+    );
     assert!(ServerConfig::default().token(TOKEN).check_bind(anywhere).is_ok());
-    assert!(ServerConfig::default().check_bind("127.0.0.1:8080".parse().unwrap()).is_ok());
-    assert!(ServerConfig::default().check_bind("[::1]:8080".parse().unwrap()).is_ok());
+    assert!(ServerConfig::default()
+        .check_bind("127.0.0.1:8080".parse().unwrap())
+        .is_ok());
+    assert!(ServerConfig::default()
+        .check_bind("[::1]:8080".parse().unwrap())
+        .is_ok());
     let short = ServerConfig::default().token("short").check_bind(anywhere).unwrap_err();
     assert!(matches!(short, ServeError::TokenTooShort { length: 5, .. }), "{short}");
     let none = ServerConfig::default().concurrent_requests_max(0);
-    assert!(matches!(none.check_bind("127.0.0.1:1".parse().unwrap()), Err(ServeError::NoConcurrency)));
+    assert!(matches!(
+        none.check_bind("127.0.0.1:1".parse().unwrap()),
+        Err(ServeError::NoConcurrency)
+    ));
 
     // `serve` itself refuses such a listener before serving anything.
     let system = AgentSystem::builder()
@@ -747,7 +797,13 @@ async fn a_non_loopback_address_without_a_token_is_refused_with_what_to_do() {
         .start()
         .unwrap();
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
-    let served = troupe_server::serve(listener, system.client(), ServerConfig::default(), std::future::pending()).await;
+    let served = troupe_server::serve(
+        listener,
+        system.client(),
+        ServerConfig::default(),
+        std::future::pending(),
+    )
+    .await;
     assert!(matches!(served, Err(ServeError::TokenRequired { .. })), "{served:?}");
     system.shutdown().await;
 }
@@ -759,11 +815,7 @@ async fn a_non_loopback_address_without_a_token_is_refused_with_what_to_do() {
 async fn shutdown_lets_requests_in_flight_finish_and_ends_event_streams() {
     let mut server = Harness::default().await;
     let mut events = server.system().subscribe();
-    let stream = server
-        .request(reqwest::Method::GET, "/v1/events")
-        .send()
-        .await
-        .unwrap();
+    let stream = server.request(reqwest::Method::GET, "/v1/events").send().await.unwrap();
     let url = format!("{}/v1/agents/slow/messages", server.base);
     let http = server.http.clone();
     let in_flight = tokio::spawn(async move {
@@ -795,6 +847,9 @@ async fn shutdown_lets_requests_in_flight_finish_and_ends_event_streams() {
         .get(format!("{}/health", server.base))
         .send()
         .await;
-    assert!(refused.is_err(), "a new connection was accepted after shutdown: {refused:?}");
+    assert!(
+        refused.is_err(),
+        "a new connection was accepted after shutdown: {refused:?}"
+    );
     server.system.take().unwrap().shutdown().await;
 }
