@@ -17,7 +17,7 @@ use troupe_runtime::KindConfig;
 use troupe_server::{ServeError, ServerConfig};
 
 /// How long the `slow` agent's model takes, in milliseconds.
-const SLOW_TURN_MS: u64 = 1_500;
+const SLOW_TURN_MS: u64 = 3_000;
 /// The longest any wait of these tests may take, in milliseconds.
 const TEST_WAIT_MS_MAX: u64 = 15_000;
 const TOKEN: &str = "test-token-0123456789";
