@@ -1,6 +1,7 @@
 //! The `troupe` command line, parsed by `clap` (derive): every command has `--help`, and
 //! an unknown command or flag fails with clap's error (exit code 2) naming it.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +36,38 @@ pub enum Command {
     /// chat-completions API (OPENAI_BASE_URL, default https://api.openai.com/v1;
     /// OPENAI_MODEL, default gpt-4o-mini).
     Demo(DemoArgs),
+    /// Serve an organisation of agents over HTTP: REST + SSE, /health, /metrics, and the
+    /// OpenAI-compatible /v1/chat/completions and /v1/models (the model is the agent id).
+    /// See docs/serve.md.
+    ///
+    /// Serves the demo's five agents (until a configuration file can name others), on
+    /// the scripted model, or on a real one if OPENAI_API_KEY is set (as `troupe demo`).
+    /// Prints `listening on http://ADDR` once it accepts connections. On SIGTERM or
+    /// ctrl-c it stops accepting, lets requests in flight finish (up to 10 s), then
+    /// shuts the agents down.
+    Serve(ServeArgs),
+}
+
+/// The default address of `troupe serve`.
+pub const SERVE_BIND_DEFAULT: &str = "127.0.0.1:8080";
+
+/// The options of `troupe serve`.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct ServeArgs {
+    /// The address to listen on (port 0: any free port). A non-loopback address needs a
+    /// token.
+    #[arg(long, value_name = "ADDR", default_value = SERVE_BIND_DEFAULT)]
+    pub bind: SocketAddr,
+    /// Keep the agents' state in DIR/troupe.db (SQLite). Default: a new temporary
+    /// directory, removed at exit.
+    #[arg(long, value_name = "DIR")]
+    pub db: Option<PathBuf>,
+    /// The bearer token every request but GET /health must carry (at least 16 bytes).
+    #[arg(long, value_name = "TOKEN", env = "TROUPE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Use the scripted model even if OPENAI_API_KEY is set.
+    #[arg(long)]
+    pub scripted: bool,
 }
 
 /// The options of `troupe demo`.
@@ -65,7 +98,9 @@ mod tests {
     #[test]
     fn demo_flags_parse() {
         let cli = Cli::try_parse_from(["troupe", "demo", "--data-dir", "/tmp/x", "--scripted"]).unwrap();
-        let Command::Demo(args) = cli.command;
+        let Command::Demo(args) = cli.command else {
+            panic!("not demo")
+        };
         assert_eq!(
             args,
             DemoArgs {
@@ -76,11 +111,43 @@ mod tests {
     }
 
     #[test]
+    fn serve_flags_parse_and_a_bad_address_is_refused() {
+        let cli = Cli::try_parse_from(["troupe", "serve"]).unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
+        assert_eq!(args.bind, SERVE_BIND_DEFAULT.parse::<SocketAddr>().unwrap());
+        let cli = Cli::try_parse_from([
+            "troupe",
+            "serve",
+            "--bind",
+            "0.0.0.0:9000",
+            "--db",
+            "/tmp/d",
+            "--token",
+            "t",
+            "--scripted",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
+        assert_eq!(args.bind, "0.0.0.0:9000".parse::<SocketAddr>().unwrap());
+        assert_eq!(args.db, Some(PathBuf::from("/tmp/d")));
+        assert_eq!(args.token.as_deref(), Some("t"));
+        assert!(args.scripted);
+        let error = Cli::try_parse_from(["troupe", "serve", "--bind", "localhost"]).expect_err("not an address");
+        assert_eq!(error.kind(), ErrorKind::ValueValidation);
+        assert!(error.to_string().contains("localhost"), "{error}");
+    }
+
+    #[test]
     fn every_command_has_help() {
         for argv in [
             &["troupe", "--help"][..],
             &["troupe", "help"],
             &["troupe", "demo", "--help"],
+            &["troupe", "serve", "--help"],
         ] {
             let error = Cli::try_parse_from(argv).expect_err("help stops parsing");
             assert_eq!(error.kind(), ErrorKind::DisplayHelp, "{argv:?}");

@@ -20,7 +20,7 @@
 
 mod cli;
 
-pub use cli::{Cli, Command, DemoArgs};
+pub use cli::{Cli, Command, DemoArgs, ServeArgs, SERVE_BIND_DEFAULT};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,6 +87,13 @@ pub fn demo_agents(model: &str) -> Vec<AgentSpec> {
             "You review briefs in one sentence.",
         ),
     ]
+}
+
+/// The agents `troupe serve` serves and the scripted model they think with when no real
+/// model is configured: for now the demo's organisation. The one place that decides
+/// what `troupe serve` serves; a configuration file loader replaces it.
+pub fn serve_organisation(model: &str) -> (Vec<AgentSpec>, ScriptedLlm) {
+    (demo_agents(model), demo_script())
 }
 
 /// The scripted model that plays the demo's story.

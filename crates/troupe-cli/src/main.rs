@@ -9,6 +9,8 @@ use std::sync::Arc;
 use clap::Parser;
 use troupe_agent::LlmClient;
 use troupe_cli::{demo_script, run_demo, Cli, Command, DemoArgs, DEMO_HANDOFF, DEMO_QUESTION};
+#[cfg(not(madsim))]
+use troupe_cli::{serve_organisation, ServeArgs};
 use troupe_runtime::{SqliteStore, StateStore};
 
 /// A real model client and a description of it.
@@ -104,6 +106,85 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     Ok(report.answer.is_ok())
 }
 
+/// `troupe serve`: the organisation of [`serve_organisation`] over HTTP until SIGTERM
+/// or ctrl-c.
+#[cfg(not(madsim))]
+async fn serve(args: ServeArgs) -> Result<(), String> {
+    use std::io::Write as _;
+    use troupe_agent::AgentSystem;
+    use troupe_server::ServerConfig;
+
+    let mut config = ServerConfig::default();
+    if let Some(token) = args.token.clone().filter(|token| !token.is_empty()) {
+        config = config.token(token);
+    }
+    // Refuse a bad address or token before anything starts.
+    config.check_bind(args.bind).map_err(|error| error.to_string())?;
+    let real = if args.scripted { None } else { real_model()? };
+    let (directory, temporary) = match &args.db {
+        Some(dir) => (dir.clone(), None),
+        None => {
+            let temporary = tempfile::Builder::new()
+                .prefix("troupe-serve-")
+                .tempdir()
+                .map_err(|error| format!("cannot create a temporary directory: {error}"))?;
+            (temporary.path().to_path_buf(), Some(temporary))
+        }
+    };
+    std::fs::create_dir_all(&directory).map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
+    let path = directory.join("troupe.db");
+    let store: Arc<dyn StateStore> =
+        Arc::new(SqliteStore::open(&path).map_err(|error| format!("cannot open {}: {error}", path.display()))?);
+    let (agents, script) = serve_organisation(if real.is_some() { "" } else { "scripted" });
+    let (llm, description): (Arc<dyn LlmClient>, String) = match real {
+        Some((client, description)) => (client, format!("real model: {description}")),
+        None => (Arc::new(script), "scripted model".to_string()),
+    };
+    let mut builder = AgentSystem::builder().store(store).llm(llm);
+    let count = agents.len();
+    for spec in agents {
+        builder = builder.agent(spec);
+    }
+    let system = builder.start().map_err(|error| error.to_string())?;
+    let listener = tokio::net::TcpListener::bind(args.bind)
+        .await
+        .map_err(|error| format!("cannot listen on {}: {error}", args.bind))?;
+    let local = listener
+        .local_addr()
+        .map_err(|error| format!("cannot read the listening address: {error}"))?;
+    println!(
+        "troupe serve: {count} agents, {description}, state in {}{}",
+        path.display(),
+        if temporary.is_some() { " (removed at exit)" } else { "" }
+    );
+    println!("listening on http://{local}");
+    let _ = std::io::stdout().flush();
+    let served = troupe_server::serve(listener, system.client(), config, shutdown_signal()).await;
+    system.shutdown().await;
+    drop(temporary);
+    served.map_err(|error| error.to_string())?;
+    println!("troupe serve: stopped");
+    Ok(())
+}
+
+/// Completes on SIGTERM or ctrl-c (SIGINT).
+#[cfg(not(madsim))]
+async fn shutdown_signal() {
+    let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(terminate) => terminate,
+        Err(error) => {
+            eprintln!("troupe serve: cannot watch SIGTERM ({error}); ctrl-c still stops the server");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        biased;
+        _ = terminate.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     // `--help`, `--version` and parse errors print and exit here (errors with code 2).
@@ -117,5 +198,18 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        #[cfg(not(madsim))]
+        Command::Serve(serve_args) => match serve(serve_args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(message) => {
+                eprintln!("troupe: {message}");
+                ExitCode::FAILURE
+            }
+        },
+        #[cfg(madsim)]
+        Command::Serve(_) => {
+            eprintln!("troupe: serve is not built under the simulator (--cfg madsim)");
+            ExitCode::FAILURE
+        }
     }
 }

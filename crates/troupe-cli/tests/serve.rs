@@ -1,0 +1,111 @@
+//! `troupe serve` run as a user runs it: it prints where it listens, answers HTTP on
+//! loopback, and stops cleanly on SIGTERM; it refuses a non-loopback address without a
+//! token. Normal build only (the server is not built under madsim).
+#![cfg(not(madsim))]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// The longest the binary may take to start or to stop, in milliseconds.
+const SERVE_WAIT_MS_MAX: u64 = 20_000;
+
+fn troupe_serve(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_troupe"));
+    command
+        .arg("serve")
+        .args(args)
+        .env_remove("TROUPE_TOKEN")
+        .env_remove("OPENAI_API_KEY");
+    command
+}
+
+/// One HTTP/1.1 request over a fresh connection; the status and the body.
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_millis(SERVE_WAIT_MS_MAX)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response[9..12].parse().unwrap();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap();
+    (status, body)
+}
+
+/// How often a stopping child is checked, in milliseconds.
+const SERVE_POLL_MS: u64 = 20;
+
+async fn wait(child: &mut Child) -> std::process::ExitStatus {
+    for _ in 0..SERVE_WAIT_MS_MAX / SERVE_POLL_MS {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(SERVE_POLL_MS)).await;
+    }
+    let _ = child.kill();
+    panic!("troupe serve did not stop within {SERVE_WAIT_MS_MAX} ms of SIGTERM");
+}
+
+/// Goal: the binary serves the default organisation on a free loopback port and stops
+/// on SIGTERM with exit code 0. Method: start it on 127.0.0.1:0, read the address it
+/// prints, ask /health and the critic agent, send SIGTERM.
+#[tokio::test]
+async fn serve_answers_on_loopback_and_stops_cleanly_on_sigterm() {
+    let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut addr = None;
+    let mut line = String::new();
+    while stdout.read_line(&mut line).unwrap() > 0 {
+        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
+            addr = Some(rest.to_string());
+            break;
+        }
+        line.clear();
+    }
+    let addr = addr.expect("troupe serve prints its address");
+    let (status, body) = http(&addr, "GET", "/health", "");
+    assert_eq!((status, body.as_str()), (200, "{\"agents\":5,\"status\":\"ok\"}"));
+    let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"text\":\"Looks fine.\""), "{body}");
+
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = wait(&mut child).await;
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(status.success(), "{status:?}; stdout: {rest}");
+    assert!(rest.contains("troupe serve: stopped"), "{rest}");
+}
+
+/// Goal: serving every interface without a token is refused with what to do. Method:
+/// run `troupe serve --bind 0.0.0.0:0` with no token.
+#[test]
+fn serve_refuses_a_public_address_without_a_token() {
+    let output = troupe_serve(&["--bind", "0.0.0.0:0", "--scripted"]).output().unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("refusing to serve on 0.0.0.0:0 without a bearer token") && stderr.contains("--token"),
+        "{stderr}"
+    );
+}

@@ -1,0 +1,387 @@
+//! The agent routes: definitions (list, get, create, update, delete), messages (a reply,
+//! or the turn's events and the reply over SSE), history pages, notifications and
+//! delegated tasks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use troupe_agent::{AgentReply, AgentSpec, TaskStatus};
+
+use crate::error::{ApiError, ApiJson, ApiQuery};
+use crate::limits::{
+    SERVER_HISTORY_PAGE_DEFAULT, SERVER_HISTORY_PAGE_MAX, SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX,
+};
+use crate::server::AppState;
+
+type Shared = State<Arc<AppState>>;
+
+/// An agent definition as JSON.
+fn agent_json(spec: &AgentSpec) -> Value {
+    json!({
+        "id": spec.id,
+        "name": spec.name,
+        "role": spec.role,
+        "system_prompt": spec.system_prompt,
+        "model": spec.model.model,
+        "max_steps": spec.model.max_steps,
+    })
+}
+
+/// A reply as JSON.
+pub(crate) fn reply_json(agent: &str, reply: &AgentReply) -> Value {
+    json!({
+        "agent": agent,
+        "text": reply.text,
+        "truncated": reply.truncated,
+        "steps": reply.steps,
+        "usage": reply.usage,
+    })
+}
+
+fn task_json(status: &TaskStatus) -> Value {
+    json!({
+        "task_id": status.task_id,
+        "to": status.to.key(),
+        "state": status.state.as_str(),
+        "result": status.result,
+        "deadline_us": status.deadline.as_micros(),
+    })
+}
+
+/// The agent's definition, or 404.
+pub(crate) fn known(state: &AppState, agent: &str) -> Result<AgentSpec, ApiError> {
+    state
+        .client
+        .directory()
+        .get(agent)
+        .ok_or_else(|| ApiError::agent_not_found(agent))
+}
+
+/// `text` checked against the message limits: 422 if empty or too long.
+pub(crate) fn check_text(text: &str) -> Result<(), ApiError> {
+    if text.is_empty() {
+        return Err(ApiError::unprocessable("empty_message", "the message text is empty"));
+    }
+    if text.len() > SERVER_MESSAGE_SIZE_MAX_BYTES {
+        return Err(ApiError::unprocessable(
+            "message_too_long",
+            format!(
+                "the message is {} bytes, more than the limit of {SERVER_MESSAGE_SIZE_MAX_BYTES}",
+                text.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `timeout_ms` checked: 422 unless 1..=[`SERVER_MESSAGE_TIMEOUT_MS_MAX`].
+pub(crate) fn check_timeout(timeout_ms: Option<u64>) -> Result<Option<u64>, ApiError> {
+    match timeout_ms {
+        Some(ms) if ms == 0 || ms > SERVER_MESSAGE_TIMEOUT_MS_MAX => Err(ApiError::unprocessable(
+            "invalid_timeout",
+            format!("timeout_ms must be between 1 and {SERVER_MESSAGE_TIMEOUT_MS_MAX}, got {ms}"),
+        )),
+        other => Ok(other),
+    }
+}
+
+/// `GET /v1/agents`.
+pub(crate) async fn list(State(state): Shared) -> Json<Value> {
+    let agents: Vec<Value> = state.client.directory().list().iter().map(agent_json).collect();
+    Json(json!({ "agents": agents }))
+}
+
+/// `GET /v1/agents/{id}`: the definition and the committed inbox and outbox lengths.
+pub(crate) async fn get_one(State(state): Shared, Path(agent): Path<String>) -> Result<Json<Value>, ApiError> {
+    let spec = known(&state, &agent)?;
+    let (inbox, outbox) = state.client.pending(&agent).await?;
+    let mut value = agent_json(&spec);
+    value["inbox"] = json!(inbox);
+    value["outbox"] = json!(outbox);
+    Ok(Json(value))
+}
+
+/// The body of `POST /v1/agents` and `PUT /v1/agents/{id}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AgentBody {
+    id: Option<String>,
+    name: Option<String>,
+    #[serde(default)]
+    role: String,
+    #[serde(default)]
+    system_prompt: String,
+    #[serde(default)]
+    model: String,
+    max_steps: Option<u32>,
+}
+
+impl AgentBody {
+    fn into_spec(self, id: String) -> Result<AgentSpec, ApiError> {
+        let mut spec = AgentSpec::new(id)
+            .role(self.role)
+            .system_prompt(self.system_prompt)
+            .model(self.model);
+        if let Some(name) = self.name {
+            spec = spec.name(name);
+        }
+        if let Some(steps) = self.max_steps {
+            if steps == 0 {
+                return Err(ApiError::unprocessable("invalid_agent", "max_steps must be at least 1"));
+            }
+            spec = spec.max_steps(steps);
+        }
+        spec.validate()
+            .map_err(|error| ApiError::unprocessable("invalid_agent", error.to_string()))?;
+        Ok(spec)
+    }
+}
+
+/// `POST /v1/agents`: 201 with the definition; 409 if the id exists.
+pub(crate) async fn create(State(state): Shared, ApiJson(body): ApiJson<AgentBody>) -> Result<Response, ApiError> {
+    let Some(id) = body.id.clone() else {
+        return Err(ApiError::unprocessable("invalid_agent", "the agent needs an \"id\""));
+    };
+    let spec = body.into_spec(id)?;
+    let _writes = state.directory_writes.lock().await;
+    if state.client.directory().contains(&spec.id) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "agent_exists",
+            format!(
+                "agent {:?} already exists; PUT /v1/agents/{} replaces it",
+                spec.id, spec.id
+            ),
+        ));
+    }
+    state
+        .client
+        .directory()
+        .upsert(spec.clone())
+        .map_err(|error| ApiError::unprocessable("invalid_agent", error.to_string()))?;
+    Ok((StatusCode::CREATED, Json(agent_json(&spec))).into_response())
+}
+
+/// `PUT /v1/agents/{id}`: replaces an existing definition (its next turn uses it and
+/// keeps its history); 404 if there is none.
+pub(crate) async fn update(
+    State(state): Shared,
+    Path(agent): Path<String>,
+    ApiJson(body): ApiJson<AgentBody>,
+) -> Result<Json<Value>, ApiError> {
+    if let Some(id) = &body.id {
+        if *id != agent {
+            return Err(ApiError::unprocessable(
+                "invalid_agent",
+                format!("the body's id {id:?} differs from the path's {agent:?}; an agent cannot be renamed"),
+            ));
+        }
+    }
+    let spec = body.into_spec(agent.clone())?;
+    let _writes = state.directory_writes.lock().await;
+    known(&state, &agent)?;
+    state
+        .client
+        .directory()
+        .upsert(spec.clone())
+        .map_err(|error| ApiError::unprocessable("invalid_agent", error.to_string()))?;
+    Ok(Json(agent_json(&spec)))
+}
+
+/// `DELETE /v1/agents/{id}`: 204; the agent leaves the directory and its activation
+/// deactivates after its running and queued requests; its stored conversation is kept.
+pub(crate) async fn delete(State(state): Shared, Path(agent): Path<String>) -> Result<StatusCode, ApiError> {
+    // Held across the deactivation (which may wait for a running turn) so that a PUT
+    // racing with the delete cannot put the agent back.
+    let _writes = state.directory_writes.lock().await;
+    match state.client.remove_agent(&agent).await {
+        Ok(Some(_)) => Ok(StatusCode::NO_CONTENT),
+        Ok(None) => Err(ApiError::agent_not_found(&agent)),
+        Err(error) => Err((&error).into()),
+    }
+}
+
+/// The body of `POST /v1/agents/{id}/messages`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct MessageBody {
+    text: String,
+    timeout_ms: Option<u64>,
+}
+
+/// The query of `POST /v1/agents/{id}/messages`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct MessageQuery {
+    #[serde(default)]
+    stream: bool,
+}
+
+/// `POST /v1/agents/{id}/messages`: the reply as JSON, or, with `?stream=true` or
+/// `Accept: text/event-stream`, the turn's events and then the reply over SSE.
+pub(crate) async fn message(
+    State(state): Shared,
+    Path(agent): Path<String>,
+    ApiQuery(query): ApiQuery<MessageQuery>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<MessageBody>,
+) -> Result<Response, ApiError> {
+    known(&state, &agent)?;
+    check_text(&body.text)?;
+    let timeout = Duration::from_millis(
+        check_timeout(body.timeout_ms)?.unwrap_or(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT),
+    );
+    let wants_stream = query.stream
+        || headers
+            .get(header::ACCEPT)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|accept| accept.contains("text/event-stream"));
+    if wants_stream {
+        return Ok(crate::agents_stream::streamed_turn(&state, agent, body.text, timeout));
+    }
+    let reply = state.client.ask_with_timeout(&agent, &body.text, timeout).await?;
+    Ok(Json(reply_json(&agent, &reply)).into_response())
+}
+
+/// The query of `GET /v1/agents/{id}/history`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HistoryQuery {
+    limit: Option<usize>,
+    before: Option<usize>,
+}
+
+/// `GET /v1/agents/{id}/history?limit&before`: a page of the conversation log, oldest
+/// first, ending before index `before` (default: the end); `next_before` pages back.
+pub(crate) async fn history(
+    State(state): Shared,
+    Path(agent): Path<String>,
+    ApiQuery(query): ApiQuery<HistoryQuery>,
+) -> Result<Json<Value>, ApiError> {
+    known(&state, &agent)?;
+    let limit = query.limit.unwrap_or(SERVER_HISTORY_PAGE_DEFAULT);
+    if limit == 0 || limit > SERVER_HISTORY_PAGE_MAX {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+            format!("limit must be between 1 and {SERVER_HISTORY_PAGE_MAX}, got {limit}"),
+        ));
+    }
+    let log = state.client.conversation_log(&agent).await?;
+    let total = log.len();
+    let end = query.before.unwrap_or(total).min(total);
+    let start = end.saturating_sub(limit);
+    let messages: Vec<Value> = log[start..end]
+        .iter()
+        .zip(start..)
+        .map(|(message, index)| {
+            json!({
+                "index": index,
+                "role": format!("{:?}", message.role).to_lowercase(),
+                "content": message.content,
+                "tool_calls": message.tool_calls,
+                "tool_call_id": message.tool_call_id,
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "agent": agent,
+        "total": total,
+        "messages": messages,
+        "next_before": if start > 0 { Some(start) } else { None },
+    })))
+}
+
+/// The body of `POST /v1/agents/{id}/notify`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NotifyBody {
+    text: String,
+    msg_id: Option<String>,
+    timeout_ms: Option<u64>,
+}
+
+/// `POST /v1/agents/{id}/notify`: 202 once the notification is persisted in the agent's
+/// inbox. With `msg_id`, retrying never makes a second entry.
+pub(crate) async fn notify(
+    State(state): Shared,
+    Path(agent): Path<String>,
+    ApiJson(body): ApiJson<NotifyBody>,
+) -> Result<Response, ApiError> {
+    known(&state, &agent)?;
+    check_text(&body.text)?;
+    let timeout_ms = check_timeout(body.timeout_ms)?;
+    let msg_id = match body.msg_id {
+        Some(msg_id) => {
+            state
+                .client
+                .notify_with_id(&agent, &msg_id, &body.text, timeout_ms)
+                .await?;
+            msg_id
+        }
+        None => state.client.notify(&agent, &body.text).await?,
+    };
+    Ok((StatusCode::ACCEPTED, Json(json!({ "msg_id": msg_id }))).into_response())
+}
+
+/// The body of `POST /v1/agents/{id}/tasks`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DelegateBody {
+    to: String,
+    text: String,
+    timeout_ms: Option<u64>,
+}
+
+/// `POST /v1/agents/{id}/tasks`: agent `id` delegates `text` to agent `to`; 202 with the
+/// task id once the task is committed to its outbox.
+pub(crate) async fn delegate(
+    State(state): Shared,
+    Path(agent): Path<String>,
+    ApiJson(body): ApiJson<DelegateBody>,
+) -> Result<Response, ApiError> {
+    known(&state, &agent)?;
+    check_text(&body.text)?;
+    let timeout_ms = check_timeout(body.timeout_ms)?;
+    let task_id = state.client.delegate(&agent, &body.to, &body.text, timeout_ms).await?;
+    Ok((StatusCode::ACCEPTED, Json(json!({ "task_id": task_id }))).into_response())
+}
+
+/// `GET /v1/agents/{id}/tasks/{task}`: the delegator's committed record of the task.
+pub(crate) async fn task(
+    State(state): Shared,
+    Path((agent, task_id)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    known(&state, &agent)?;
+    match state.client.task(&agent, &task_id).await? {
+        Some(status) => Ok(Json(task_json(&status))),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "task_not_found",
+            format!("agent {agent:?} has no task {task_id:?}"),
+        )),
+    }
+}
+
+/// `POST /v1/agents/{id}/tasks/{task}/cancel`: 202 `cancel_queued`, or 200 with the
+/// final state if the task had already ended.
+pub(crate) async fn cancel(
+    State(state): Shared,
+    Path((agent, task_id)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    known(&state, &agent)?;
+    match state.client.cancel(&agent, &task_id).await? {
+        None => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({"task_id": task_id, "cancel": "queued"})),
+        )
+            .into_response()),
+        Some(final_state) => Ok(Json(json!({"task_id": task_id, "state": final_state.as_str()})).into_response()),
+    }
+}

@@ -1,0 +1,113 @@
+//! The server's configuration, and why a server refuses to start.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::limits::{
+    SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_DEFAULT, SERVER_TOKEN_LENGTH_MIN_BYTES,
+};
+
+/// How a server behaves: its bearer token and its limits.
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// The bearer token every request but `GET /health` must carry
+    /// (`Authorization: Bearer TOKEN`); `None`: no authentication (loopback only, see
+    /// [`ServerConfig::check_bind`]).
+    pub token: Option<String>,
+    /// Requests handled at once; one more gets 503 `overloaded`.
+    pub concurrent_requests_max: usize,
+    /// How long a request may take until its response headers.
+    pub request_timeout: Duration,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("ServerConfig")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("concurrent_requests_max", &self.concurrent_requests_max)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            token: None,
+            concurrent_requests_max: SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
+            request_timeout: Duration::from_millis(SERVER_REQUEST_TIMEOUT_MS_DEFAULT),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// Requires `token` on every request but `GET /health`.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// Handles at most `max` requests at once.
+    pub fn concurrent_requests_max(mut self, max: usize) -> Self {
+        self.concurrent_requests_max = max;
+        self
+    }
+
+    /// Answers 504 to a request that takes longer than `timeout` to its headers.
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// Checks the configuration for serving on `addr`.
+    ///
+    /// # Errors
+    /// [`ServeError::TokenTooShort`] for a token under [`SERVER_TOKEN_LENGTH_MIN_BYTES`];
+    /// [`ServeError::TokenRequired`] for a non-loopback address without a token;
+    /// [`ServeError::NoConcurrency`] if no request may run.
+    pub fn check_bind(&self, addr: SocketAddr) -> Result<(), ServeError> {
+        if let Some(token) = &self.token {
+            if token.len() < SERVER_TOKEN_LENGTH_MIN_BYTES {
+                return Err(ServeError::TokenTooShort {
+                    length: token.len(),
+                    min: SERVER_TOKEN_LENGTH_MIN_BYTES,
+                });
+            }
+        } else if !addr.ip().is_loopback() {
+            return Err(ServeError::TokenRequired { addr });
+        }
+        if self.concurrent_requests_max == 0 {
+            return Err(ServeError::NoConcurrency);
+        }
+        Ok(())
+    }
+}
+
+/// Why a server did not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A non-loopback address without a token would serve the agents to anyone.
+    #[error(
+        "refusing to serve on {addr} without a bearer token: give --token TOKEN (or set TROUPE_TOKEN), \
+         or bind a loopback address such as 127.0.0.1"
+    )]
+    TokenRequired {
+        /// The address asked for.
+        addr: SocketAddr,
+    },
+    /// The token is too short to be a secret.
+    #[error("the bearer token is {length} bytes, shorter than the minimum of {min}: use a longer random token")]
+    TokenTooShort {
+        /// Its length, in bytes.
+        length: usize,
+        /// [`SERVER_TOKEN_LENGTH_MIN_BYTES`].
+        min: usize,
+    },
+    /// `concurrent_requests_max` is 0.
+    #[error("concurrent_requests_max is 0: no request could ever be served; give at least 1")]
+    NoConcurrency,
+    /// Reading the listener's address or serving failed.
+    #[error("serving failed: {0}")]
+    Io(#[from] std::io::Error),
+}

@@ -1,0 +1,208 @@
+//! The one error shape of every route: `{"error": {"code": "...", "message": "..."}}`,
+//! with the status and (for 429 and 503) `Retry-After` decided from the typed error.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use troupe_agent::{AgentCallError, InboxError};
+use troupe_core::{CallRefused, InvokeError};
+use troupe_runtime::StoreError;
+
+use crate::limits::SERVER_RETRY_AFTER_S;
+
+/// An error answered to an HTTP client: a status, a stable machine-readable `code` and
+/// a message for people saying what was wrong and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// A stable snake_case code, e.g. `agent_not_found`, `busy`, `timeout`.
+    pub code: &'static str,
+    /// What went wrong, for people.
+    pub message: String,
+    /// Seconds to wait before retrying, sent as `Retry-After`.
+    pub retry_after_s: Option<u64>,
+}
+
+impl ApiError {
+    /// An error with `status`, `code` and `message` and no `Retry-After`.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after_s: None,
+        }
+    }
+
+    fn retry_after(mut self) -> Self {
+        self.retry_after_s = Some(SERVER_RETRY_AFTER_S);
+        self
+    }
+
+    /// 400 `bad_request`.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+
+    /// 422 with `code`.
+    pub fn unprocessable(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+    }
+
+    /// 404 `agent_not_found` for agent `agent`.
+    pub fn agent_not_found(agent: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "agent_not_found",
+            format!("agent {agent:?} not found; GET /v1/agents lists the agents"),
+        )
+    }
+
+    /// 503 `overloaded`, with `Retry-After`.
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message).retry_after()
+    }
+
+    /// 500 `internal`.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+}
+
+impl From<&CallRefused> for ApiError {
+    fn from(refused: &CallRefused) -> Self {
+        let message = refused.to_string();
+        match refused {
+            CallRefused::AgentNotFound { .. } => Self::new(StatusCode::NOT_FOUND, "agent_not_found", message),
+            CallRefused::TooManyCalls { .. } => Self::new(StatusCode::TOO_MANY_REQUESTS, "busy", message).retry_after(),
+            CallRefused::InvalidTimeout { .. } => Self::unprocessable("invalid_timeout", message),
+            CallRefused::DeadlineExpired => Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message),
+            _ => Self::new(StatusCode::CONFLICT, "refused", message),
+        }
+    }
+}
+
+impl From<&InvokeError> for ApiError {
+    fn from(error: &InvokeError) -> Self {
+        let message = error.to_string();
+        match error {
+            InvokeError::Timeout { .. } => Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message),
+            InvokeError::Busy { .. } => Self::new(StatusCode::TOO_MANY_REQUESTS, "busy", message).retry_after(),
+            InvokeError::DispatcherBusy { .. } => Self::overloaded(message),
+            InvokeError::Refused(refused) => refused.into(),
+            InvokeError::ActorFailed { .. } => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "agent_failed", message),
+            InvokeError::Rejected { .. } | InvokeError::DeadlockDetected { .. } => {
+                Self::new(StatusCode::CONFLICT, "refused", message)
+            }
+            InvokeError::StorageFailed { .. } => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message)
+            }
+            InvokeError::Unreachable { .. } => Self::new(StatusCode::BAD_GATEWAY, "unreachable", message),
+            InvokeError::Shutdown | InvokeError::Cancelled { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
+            }
+            InvokeError::ActorNotFound { .. } => Self::internal(message),
+        }
+    }
+}
+
+impl From<AgentCallError> for ApiError {
+    fn from(error: AgentCallError) -> Self {
+        match &error {
+            AgentCallError::Refused(refused) => refused.into(),
+            AgentCallError::Invoke(invoke) => invoke.into(),
+            AgentCallError::InvalidAgentId { .. } => Self::bad_request(error.to_string()),
+            AgentCallError::MalformedReply { .. } => Self::internal(error.to_string()),
+        }
+    }
+}
+
+impl From<InboxError> for ApiError {
+    fn from(error: InboxError) -> Self {
+        let message = error.to_string();
+        match &error {
+            InboxError::Refused(refused) => refused.into(),
+            InboxError::Invoke(invoke) => invoke.into(),
+            InboxError::Full { .. } => Self::new(StatusCode::TOO_MANY_REQUESTS, "inbox_full", message).retry_after(),
+            InboxError::OutboxFull { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, "outbox_full", message).retry_after()
+            }
+            InboxError::InvalidAgentId { .. } => Self::bad_request(message),
+            InboxError::EmptyMessageId => Self::unprocessable("invalid_message_id", message),
+            InboxError::UnknownTask { .. } => Self::new(StatusCode::NOT_FOUND, "task_not_found", message),
+            InboxError::Malformed { .. } => Self::internal(message),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(error: StoreError) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", error.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(seconds) = self.retry_after_s {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+/// A JSON body whose rejections are [`ApiError`]s: 400 `invalid_json` (syntax), 422
+/// `invalid_body` (wrong fields or types), 415 `unsupported_media_type` (no
+/// `Content-Type: application/json`), 413 `body_too_large`.
+pub(crate) struct ApiJson<T>(pub(crate) T);
+
+impl<T, S> axum::extract::FromRequest<S> for ApiJson<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        match axum::Json::<T>::from_request(request, state).await {
+            Ok(axum::Json(value)) => Ok(Self(value)),
+            Err(rejection) => {
+                let status = rejection.status();
+                let code = match status {
+                    StatusCode::BAD_REQUEST => "invalid_json",
+                    StatusCode::UNPROCESSABLE_ENTITY => "invalid_body",
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+                    StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+                    _ => "bad_request",
+                };
+                Err(ApiError::new(status, code, rejection.body_text()))
+            }
+        }
+    }
+}
+
+/// A query string whose rejection is 400 `invalid_query`.
+pub(crate) struct ApiQuery<T>(pub(crate) T);
+
+impl<T, S> axum::extract::FromRequestParts<S> for ApiQuery<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(value)) => Ok(Self(value)),
+            Err(rejection) => Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_query",
+                rejection.body_text(),
+            )),
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! `troupe serve`: an [`AgentClient`](troupe_agent::AgentClient) behind HTTP.
+//!
+//! ```text
+//! client ─HTTP─► auth ─► concurrency limit ─► body limit ─► timeout ─► route ─► AgentClient
+//!                 401        503 overloaded      413            504       404/422/429/...
+//! ```
+//!
+//! [`router`] builds an `axum::Router` over an agent client: REST for agents, messages
+//! (a JSON reply, or the turn's events and the reply over SSE), history, notifications
+//! and delegated tasks; an SSE stream of every [`AgentEvent`](troupe_agent::AgentEvent);
+//! `/health` and `/metrics` (Prometheus text); and the OpenAI-compatible
+//! `/v1/chat/completions` and `/v1/models`, where the model is the agent id. Every error
+//! has one JSON shape, `{"error": {"code", "message"}}` ([`ApiError`]). [`serve`] runs the
+//! router on a listener until a shutdown signal, then lets requests in flight finish
+//! within [`limits::SERVER_SHUTDOWN_GRACE_MS`].
+//!
+//! The server does not run agents itself and holds no state of its own beyond its
+//! counters: the agent system behind the client does the work. It does not speak A2A,
+//! call remote agents or serve a topology page (yet).
+//!
+//! Under `--cfg madsim` (the simulator build) the crate is empty: HTTP is not simulated.
+
+#![warn(missing_docs)]
+
+#[cfg(not(madsim))]
+mod agents;
+#[cfg(not(madsim))]
+mod agents_stream;
+#[cfg(not(madsim))]
+mod config;
+#[cfg(not(madsim))]
+mod error;
+#[cfg(not(madsim))]
+mod events;
+pub mod limits;
+#[cfg(not(madsim))]
+mod metrics;
+#[cfg(not(madsim))]
+mod openai_compat;
+#[cfg(not(madsim))]
+mod server;
+
+#[cfg(not(madsim))]
+pub use config::{ServeError, ServerConfig};
+#[cfg(not(madsim))]
+pub use error::ApiError;
+#[cfg(not(madsim))]
+pub use events::event_json;
+#[cfg(not(madsim))]
+pub use server::{router, serve};

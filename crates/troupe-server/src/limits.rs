@@ -1,0 +1,38 @@
+//! The server's limits, as named constants with their unit last.
+
+use troupe_agent::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
+use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+
+/// Largest request body accepted, in bytes; a larger one is refused with 413 before it
+/// is read. Room for a full agent message in JSON, and an OpenAI-style conversation.
+pub const SERVER_REQUEST_BODY_SIZE_MAX_BYTES: usize = 256 * 1024;
+/// Requests handled at once by default; one more is refused at once with 503
+/// `overloaded` and `Retry-After`. A streamed response counts until its headers are sent.
+pub const SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT: usize = 256;
+/// Open SSE streams of `/v1/events` at once; one more is refused with 503 `overloaded`.
+pub const SERVER_EVENT_STREAMS_MAX: usize = 64;
+/// How long a request may take until its response headers, by default, in
+/// milliseconds; then it is answered 504 `request_timeout`. Longer than an agent's
+/// default ask timeout, so the agent's own timeout (504 `timeout`) comes first.
+pub const SERVER_REQUEST_TIMEOUT_MS_DEFAULT: u64 = AGENT_ASK_TIMEOUT_MS_DEFAULT + 10_000;
+/// The `timeout_ms` a message request may ask for, at most, in milliseconds.
+pub const SERVER_MESSAGE_TIMEOUT_MS_MAX: u64 = INVOKE_TIMEOUT_MS_MAX;
+/// Largest message text accepted, in bytes (the agent's own limit); a longer one is
+/// refused with 422 `message_too_long` rather than cut.
+pub const SERVER_MESSAGE_SIZE_MAX_BYTES: usize = AGENT_MESSAGE_SIZE_MAX_BYTES;
+/// The `Retry-After` sent with 429 (agent busy) and 503 (server overloaded), in seconds.
+pub const SERVER_RETRY_AFTER_S: u64 = 1;
+/// Most history entries one page returns; `limit` above it is refused with 400.
+pub const SERVER_HISTORY_PAGE_MAX: usize = 1_000;
+/// History entries one page returns when no `limit` is given.
+pub const SERVER_HISTORY_PAGE_DEFAULT: usize = 100;
+/// How long in-flight requests may run after a shutdown signal, in milliseconds; then
+/// the server stops and the rest are cut.
+pub const SERVER_SHUTDOWN_GRACE_MS: u64 = 10_000;
+/// Shortest bearer token accepted, in bytes.
+pub const SERVER_TOKEN_LENGTH_MIN_BYTES: usize = 16;
+
+const _: () = assert!(SERVER_MESSAGE_SIZE_MAX_BYTES < SERVER_REQUEST_BODY_SIZE_MAX_BYTES);
+const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT > AGENT_ASK_TIMEOUT_MS_DEFAULT);
+const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
+const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);

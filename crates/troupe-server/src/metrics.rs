@@ -1,0 +1,120 @@
+//! `GET /metrics`: the server's request counts and the runtime's counters, in the
+//! Prometheus text format (version 0.0.4).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+
+use troupe_agent::AgentClient;
+
+/// Requests answered, by (method, route template, status). Routes are the matched
+/// templates (`/v1/agents/{id}`), so the number of series is bounded by the routes;
+/// an unmatched path counts as `unmatched`.
+#[derive(Debug, Default)]
+pub(crate) struct Metrics {
+    requests: Mutex<BTreeMap<(String, String, u16), u64>>,
+}
+
+impl Metrics {
+    pub(crate) fn record(&self, method: &str, route: &str, status: u16) {
+        let mut requests = self.requests.lock().expect("the metrics lock is never poisoned");
+        *requests
+            .entry((method.to_string(), route.to_string(), status))
+            .or_insert(0) += 1;
+    }
+
+    /// The text of `/metrics`.
+    pub(crate) fn render(&self, client: &AgentClient, event_streams_open: usize) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP troupe_http_requests_total HTTP requests answered, by method, route and status.\n");
+        out.push_str("# TYPE troupe_http_requests_total counter\n");
+        for ((method, route, status), count) in self.requests.lock().expect("the metrics lock is never poisoned").iter()
+        {
+            let _ = writeln!(
+                out,
+                "troupe_http_requests_total{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} {count}"
+            );
+        }
+        let counters = client.runtime().counters();
+        let runtime = [
+            (
+                "activations_started",
+                "Activations spawned.",
+                counters.activations_started,
+            ),
+            (
+                "deactivations_finished",
+                "Activations that finished deactivating.",
+                counters.deactivations_finished,
+            ),
+            (
+                "turns_run",
+                "Turns that ran to completion, successfully or not.",
+                counters.turns_run,
+            ),
+            (
+                "turns_failed",
+                "Turns that failed, timed out or whose commit failed.",
+                counters.turns_failed,
+            ),
+            (
+                "expired_dropped",
+                "Requests dropped unrun because their deadline had passed.",
+                counters.expired_dropped,
+            ),
+            (
+                "busy_refused",
+                "Requests refused because a mailbox was full.",
+                counters.busy_refused,
+            ),
+            (
+                "deadlocks_refused",
+                "Calls refused with DeadlockDetected.",
+                counters.deadlocks_refused,
+            ),
+            (
+                "deactivation_saves_failed",
+                "Deactivation saves that failed.",
+                counters.deactivation_saves_failed,
+            ),
+            (
+                "turns_abandoned",
+                "Turns cancelled because their caller stopped waiting.",
+                counters.turns_abandoned,
+            ),
+            (
+                "activations_aborted",
+                "Activations stopped at the end of the shutdown grace.",
+                counters.activations_aborted,
+            ),
+            (
+                "dispatcher_busy_refused",
+                "Requests refused because the dispatcher queue was full.",
+                counters.dispatcher_busy_refused,
+            ),
+        ];
+        for (name, help, value) in runtime {
+            let _ = writeln!(out, "# HELP troupe_runtime_{name}_total {help}");
+            let _ = writeln!(out, "# TYPE troupe_runtime_{name}_total counter");
+            let _ = writeln!(out, "troupe_runtime_{name}_total {value}");
+        }
+        let gauges = [
+            (
+                "troupe_agents",
+                "Agents in the directory.",
+                client.directory().list().len(),
+            ),
+            (
+                "troupe_event_streams_open",
+                "Open SSE streams of /v1/events.",
+                event_streams_open,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            let _ = writeln!(out, "{name} {value}");
+        }
+        out
+    }
+}

@@ -1,0 +1,150 @@
+//! The OpenAI-compatible routes, so any OpenAI client can talk to an agent:
+//! `POST /v1/chat/completions` (the model is the agent id; the last user message is
+//! sent to the agent, the rest of the conversation is ignored: the agent keeps its own)
+//! and `GET /v1/models` (every agent as a model).
+//!
+//! With `"stream": true` the answer comes as OpenAI `chat.completion.chunk` SSE messages
+//! once the agent's turn has ended: one with the role, one with the whole reply text,
+//! one with `finish_reason: "stop"`, then `data: [DONE]`. The agent does not stream
+//! tokens through the client API, so the text is one chunk. Errors before the answer
+//! keep their HTTP status and the one error shape. `created` is 0: the server reads no
+//! wall clock.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::agents::{check_text, known};
+use crate::error::{ApiError, ApiJson};
+use crate::server::AppState;
+
+/// One message of a chat-completions request; other fields are ignored.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatMessageBody {
+    role: String,
+    #[serde(default)]
+    content: Value,
+}
+
+/// A chat-completions request; fields other than these (temperature, ...) are ignored.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatCompletionBody {
+    model: String,
+    messages: Vec<ChatMessageBody>,
+    #[serde(default)]
+    stream: bool,
+}
+
+/// The text of a message's `content`: a string, or the `text` parts of an array.
+fn content_text(content: &Value) -> Result<String, ApiError> {
+    match content {
+        Value::String(text) => Ok(text.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part["type"].as_str(), part["text"].as_str()) {
+                    (Some("text"), Some(piece)) => text.push_str(piece),
+                    _ => {
+                        return Err(ApiError::unprocessable(
+                            "unsupported_content",
+                            "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::unprocessable(
+            "unsupported_content",
+            "a message's content must be a string or an array of text parts",
+        )),
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    ApiJson(body): ApiJson<ChatCompletionBody>,
+) -> Result<Response, ApiError> {
+    known(&state, &body.model).map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!(
+                "no agent {:?}: the model is an agent id; GET /v1/models lists them",
+                body.model
+            ),
+        )
+    })?;
+    let Some(last_user) = body.messages.iter().rev().find(|message| message.role == "user") else {
+        return Err(ApiError::unprocessable(
+            "no_user_message",
+            "messages has no message with role \"user\"; the last one is sent to the agent",
+        ));
+    };
+    let text = content_text(&last_user.content)?;
+    check_text(&text)?;
+    let timeout = Duration::from_millis(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT);
+    let reply = state.client.ask_with_timeout(&body.model, &text, timeout).await?;
+    let id = format!("chatcmpl-troupe-{}", state.completions.fetch_add(1, Ordering::Relaxed));
+    let finish_reason = if reply.truncated { "length" } else { "stop" };
+    if !body.stream {
+        return Ok(Json(json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": reply.text},
+                "finish_reason": finish_reason,
+            }],
+            "usage": {
+                "prompt_tokens": reply.usage.prompt_tokens,
+                "completion_tokens": reply.usage.completion_tokens,
+                "total_tokens": reply.usage.total_tokens,
+            },
+        }))
+        .into_response());
+    }
+    let chunk = |delta: Value, finish: Option<&str>| {
+        Event::default().data(
+            json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": body.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            })
+            .to_string(),
+        )
+    };
+    let events = vec![
+        chunk(json!({"role": "assistant", "content": ""}), None),
+        chunk(json!({"content": reply.text}), None),
+        chunk(json!({}), Some(finish_reason)),
+        Event::default().data("[DONE]"),
+    ];
+    let stream = futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>));
+    Ok(Sse::new(stream).into_response())
+}
+
+/// `GET /v1/models`: every agent as a model.
+pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let data: Vec<Value> = state
+        .client
+        .directory()
+        .list()
+        .iter()
+        .map(|spec| json!({"id": spec.id, "object": "model", "created": 0, "owned_by": "troupe"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}

@@ -1,0 +1,247 @@
+//! The router, its middleware (metrics, auth, concurrency, timeout, body limit) and
+//! [`serve`] with graceful shutdown.
+
+use std::future::Future;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tower_http::limit::RequestBodyLimitLayer;
+use troupe_agent::AgentClient;
+
+use crate::config::{ServeError, ServerConfig};
+use crate::error::ApiError;
+use crate::limits::{SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS};
+use crate::metrics::Metrics;
+use crate::{agents, events, openai_compat};
+
+/// What every handler shares.
+pub(crate) struct AppState {
+    pub(crate) client: AgentClient,
+    pub(crate) config: ServerConfig,
+    pub(crate) metrics: Metrics,
+    /// One permit per request being handled.
+    pub(crate) requests: Arc<Semaphore>,
+    /// One permit per open `/v1/events` stream.
+    pub(crate) event_streams: Arc<Semaphore>,
+    /// Set to `true` when the server shuts down: event streams end.
+    pub(crate) shutdown: watch::Sender<bool>,
+    /// Serializes the server's changes to the agent directory (create, update, delete),
+    /// so "create" of an existing id is refused, never an overwrite.
+    pub(crate) directory_writes: tokio::sync::Mutex<()>,
+    /// Numbers the OpenAI-compatible completions (`chatcmpl-troupe-N`).
+    pub(crate) completions: AtomicU64,
+}
+
+/// The HTTP API over `client`, configured by `config`: every route, with the error
+/// shape, auth, limits and metrics. Event streams it serves end only when their client
+/// goes away; [`serve`] also ends them at shutdown.
+///
+/// The configuration is not checked against an address here: [`serve`] does that.
+pub fn router(client: AgentClient, config: ServerConfig) -> Router {
+    build(client, config).0
+}
+
+fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
+    let state = Arc::new(AppState {
+        client,
+        requests: Arc::new(Semaphore::new(config.concurrent_requests_max)),
+        config,
+        metrics: Metrics::default(),
+        event_streams: Arc::new(Semaphore::new(SERVER_EVENT_STREAMS_MAX)),
+        shutdown: watch::channel(false).0,
+        directory_writes: tokio::sync::Mutex::new(()),
+        completions: AtomicU64::new(0),
+    });
+    let api = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/agents", get(agents::list).post(agents::create))
+        .route(
+            "/v1/agents/{id}",
+            get(agents::get_one).put(agents::update).delete(agents::delete),
+        )
+        .route("/v1/agents/{id}/messages", post(agents::message))
+        .route("/v1/agents/{id}/history", get(agents::history))
+        .route("/v1/agents/{id}/notify", post(agents::notify))
+        .route("/v1/agents/{id}/tasks", post(agents::delegate))
+        .route("/v1/agents/{id}/tasks/{task}", get(agents::task))
+        .route("/v1/agents/{id}/tasks/{task}/cancel", post(agents::cancel))
+        .route("/v1/events", get(events::events))
+        .route("/v1/chat/completions", post(openai_compat::chat_completions))
+        .route("/v1/models", get(openai_compat::models))
+        .fallback(not_found)
+        // Layers run outside in: the last added runs first.
+        .layer(RequestBodyLimitLayer::new(SERVER_REQUEST_BODY_SIZE_MAX_BYTES))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), limit))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), authenticate))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), observe))
+        .with_state(Arc::clone(&state));
+    (api, state)
+}
+
+/// Serves `client` on `listener` until `shutdown` completes; then accepts no new
+/// connection, lets the requests in flight finish for up to
+/// [`SERVER_SHUTDOWN_GRACE_MS`] (event streams end at once) and returns. The agent
+/// system is left running: the caller shuts it down afterwards.
+///
+/// # Errors
+/// [`ServeError`] if the configuration does not allow this address
+/// ([`ServerConfig::check_bind`]) or serving fails.
+pub async fn serve(
+    listener: TcpListener,
+    client: AgentClient,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    config.check_bind(listener.local_addr()?)?;
+    let (app, state) = build(client, config);
+    let mut stopping = state.shutdown.subscribe();
+    let stopped = async move {
+        // `changed` fails only if the sender is gone, which `state` prevents.
+        let _ = stopping.wait_for(|stop| *stop).await;
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(stopped);
+    let trigger = async {
+        shutdown.await;
+        tracing::info!("shutting down: no new connections; requests in flight may finish");
+        state.shutdown.send_replace(true);
+        tokio::time::sleep(Duration::from_millis(SERVER_SHUTDOWN_GRACE_MS)).await;
+    };
+    tokio::select! {
+        biased;
+        served = server => served?,
+        () = trigger => tracing::warn!(grace_ms = SERVER_SHUTDOWN_GRACE_MS, "requests still in flight at the end of the shutdown grace were cut"),
+    }
+    Ok(())
+}
+
+/// Counts every answer by route and status, and gives every error the one JSON shape
+/// (errors made outside the handlers, such as axum's 405 or tower-http's 413, come as
+/// plain text).
+async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let method = request.method().clone();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |path| path.as_str().to_string());
+    let mut response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/json"));
+    if (status.is_client_error() || status.is_server_error()) && !is_json {
+        response = plain_error(status, method.as_str(), &route);
+    }
+    state
+        .metrics
+        .record(method.as_str(), &route, response.status().as_u16());
+    response
+}
+
+fn plain_error(status: StatusCode, method: &str, route: &str) -> Response {
+    let (code, message) = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => (
+            "body_too_large",
+            format!("the request body is larger than the limit of {SERVER_REQUEST_BODY_SIZE_MAX_BYTES} bytes"),
+        ),
+        StatusCode::METHOD_NOT_ALLOWED => ("method_not_allowed", format!("{method} is not allowed on {route}")),
+        other => ("http_error", format!("the request failed with status {other}")),
+    };
+    ApiError::new(status, code, message).into_response()
+}
+
+/// Requires `Authorization: Bearer TOKEN` when a token is configured, except on
+/// `GET /health`.
+async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Some(token) = &state.config.token else {
+        return next.run(request).await;
+    };
+    if request.method() == Method::GET && request.uri().path() == "/health" {
+        return next.run(request).await;
+    }
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    match given {
+        Some(given) if same_secret(given.as_bytes(), token.as_bytes()) => next.run(request).await,
+        Some(_) => unauthorized("the bearer token is not valid"),
+        None => unauthorized("this server needs Authorization: Bearer TOKEN (the token given to troupe serve)"),
+    }
+}
+
+fn unauthorized(message: &str) -> Response {
+    let mut response = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message).into_response();
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// Compares without an early exit on the first differing byte.
+fn same_secret(given: &[u8], expected: &[u8]) -> bool {
+    if given.len() != expected.len() {
+        return false;
+    }
+    given.iter().zip(expected).fold(0_u8, |diff, (a, b)| diff | (a ^ b)) == 0
+}
+
+/// Admits at most `concurrent_requests_max` requests at once (one more: 503 at once),
+/// and answers 504 to one that takes longer than `request_timeout` to its headers.
+async fn limit(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Ok(_permit) = Arc::clone(&state.requests).try_acquire_owned() else {
+        return ApiError::overloaded(format!(
+            "the server is handling {} requests, its limit; retry later",
+            state.config.concurrent_requests_max
+        ))
+        .into_response();
+    };
+    match tokio::time::timeout(state.config.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "request_timeout",
+            format!(
+                "the request took longer than the server's limit of {} ms",
+                state.config.request_timeout.as_millis()
+            ),
+        )
+        .into_response(),
+    }
+}
+
+async fn not_found(request: Request<Body>) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "route_not_found",
+        format!(
+            "no route {} {}; see docs/serve.md",
+            request.method(),
+            request.uri().path()
+        ),
+    )
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let agents = state.client.directory().list().len();
+    axum::Json(json!({"status": "ok", "agents": agents})).into_response()
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let open = SERVER_EVENT_STREAMS_MAX - state.event_streams.available_permits();
+    let text = state.metrics.render(&state.client, open);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}

@@ -1,0 +1,855 @@
+//! The HTTP API end to end: a real `troupe_server::serve` on 127.0.0.1:0, the real
+//! `AgentSystem` on the scripted model, and real HTTP requests (reqwest). Every route's
+//! happy path, the error mapping (401, 404, 400/422, 413, 429, 503, 504), the SSE
+//! streams parsed, and graceful shutdown.
+//!
+//! Normal build only: HTTP is not simulated (the crate is empty under madsim).
+#![cfg(not(madsim))]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe_runtime::KindConfig;
+use troupe_server::{ServeError, ServerConfig};
+
+/// How long the `slow` agent's model takes, in milliseconds.
+const SLOW_TURN_MS: u64 = 3_000;
+/// The longest any wait of these tests may take, in milliseconds.
+const TEST_WAIT_MS_MAX: u64 = 15_000;
+const TOKEN: &str = "test-token-0123456789";
+
+fn script() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("echo").reply("echo: {input}"))
+        .rule(
+            ScriptRule::agent("slow")
+                .reply("slow done")
+                .latency(Duration::from_millis(SLOW_TURN_MS)),
+        )
+        .rule(ScriptRule::agent("caller").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "echo", "message": "from caller: {input}"}),
+        ))
+        .rule(
+            ScriptRule::agent("caller")
+                .on_tool_result()
+                .reply("caller heard: {tool_result}"),
+        )
+        .rule(ScriptRule::agent("boss").reply("noted"))
+}
+
+struct Harness {
+    base: String,
+    http: reqwest::Client,
+    system: Option<AgentSystem>,
+    stop: Option<oneshot::Sender<()>>,
+    served: Option<tokio::task::JoinHandle<Result<(), ServeError>>>,
+}
+
+impl Harness {
+    async fn start(config: ServerConfig, kind: KindConfig) -> Self {
+        let mut builder = AgentSystem::builder().llm(Arc::new(script())).kind_config(kind);
+        for id in ["echo", "slow", "caller", "boss"] {
+            builder = builder.agent(AgentSpec::new(id).role(format!("the {id} agent")));
+        }
+        let system = builder.start().expect("the agent system starts");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr: SocketAddr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served = tokio::spawn(troupe_server::serve(listener, system.client(), config, async move {
+            let _ = stopped.await;
+        }));
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        Self {
+            base: format!("http://{addr}"),
+            http: reqwest::Client::builder().build().unwrap(),
+            system: Some(system),
+            stop: Some(stop),
+            served: Some(served),
+        }
+    }
+
+    async fn default() -> Self {
+        Self::start(ServerConfig::default(), KindConfig::default()).await
+    }
+
+    fn system(&self) -> &AgentSystem {
+        self.system.as_ref().unwrap()
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http.request(method, format!("{}{path}", self.base))
+    }
+
+    async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut request = self.request(method, path).bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request
+                .header("content-type", "application/json")
+                .body(body.to_string());
+        }
+        let response = request.send().await.expect("the server answers");
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        let value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|error| panic!("not JSON ({error}): {text}"))
+        };
+        (status, value)
+    }
+
+    async fn get(&self, path: &str) -> (u16, Value) {
+        self.send(reqwest::Method::GET, path, None).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.send(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// Stops the server, then the agent system.
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.served.take().unwrap().await.unwrap().expect("serve ends cleanly");
+        self.system.take().unwrap().shutdown().await;
+    }
+}
+
+/// The `(event, data)` pairs of an SSE body.
+fn parse_sse(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for block in text.split("\n\n") {
+        let mut event = String::from("message");
+        let mut data = Vec::new();
+        for line in block.lines() {
+            if let Some(name) = line.strip_prefix("event:") {
+                event = name.trim().to_string();
+            } else if let Some(value) = line.strip_prefix("data:") {
+                data.push(value.trim_start().to_string());
+            }
+        }
+        if !data.is_empty() {
+            out.push((event, data.join("\n")));
+        }
+    }
+    out
+}
+
+fn error_code(body: &Value) -> &str {
+    body["error"]["code"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not the error shape: {body}"))
+}
+
+/// Waits until agent `agent` starts a turn.
+async fn turn_started(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, agent: &str) {
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            if let Ok(AgentEvent::TurnStarted { agent: started, .. }) = events.recv().await {
+                if started.key() == agent {
+                    return;
+                }
+            }
+        }
+    })
+    .await
+    .expect("the turn starts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_open_and_every_other_route_needs_the_bearer_token() {
+    let server = Harness::start(ServerConfig::default().token(TOKEN), KindConfig::default()).await;
+    let health = server.request(reqwest::Method::GET, "/health").send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 200);
+    let health: Value = serde_json::from_str(&health.text().await.unwrap()).unwrap();
+    assert_eq!(health, json!({"status": "ok", "agents": 4}));
+    for path in ["/v1/agents", "/metrics", "/v1/models", "/v1/agents/echo/history"] {
+        let missing = server.request(reqwest::Method::GET, path).send().await.unwrap();
+        assert_eq!(missing.status().as_u16(), 401, "{path}");
+        assert_eq!(missing.headers()["www-authenticate"], "Bearer");
+        let body: Value = serde_json::from_str(&missing.text().await.unwrap()).unwrap();
+        assert_eq!(error_code(&body), "unauthorized");
+        let wrong = server
+            .request(reqwest::Method::GET, path)
+            .bearer_auth("test-token-0123456780")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(wrong.status().as_u16(), 401, "{path}");
+    }
+    let (status, body) = server.get("/v1/agents").await;
+    assert_eq!(status, 200);
+    assert_eq!(body["agents"].as_array().unwrap().len(), 4);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_are_listed_created_updated_and_deleted() {
+    let server = Harness::default().await;
+    let (status, body) = server.get("/v1/agents").await;
+    assert_eq!(status, 200);
+    let ids: Vec<&str> = body["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|agent| agent["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["boss", "caller", "echo", "slow"]);
+
+    let helper = json!({"id": "helper", "role": "helps", "system_prompt": "Be brief.", "max_steps": 3});
+    let (status, body) = server.post("/v1/agents", helper.clone()).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["role"], "helps");
+    assert_eq!(body["max_steps"], 3);
+    let (status, body) = server.post("/v1/agents", helper).await;
+    assert_eq!(status, 409);
+    assert_eq!(error_code(&body), "agent_exists");
+
+    let (status, body) = server.get("/v1/agents/helper").await;
+    assert_eq!(status, 200);
+    assert_eq!(body["system_prompt"], "Be brief.");
+    assert_eq!(body["inbox"], 0);
+
+    let (status, body) = server
+        .send(
+            reqwest::Method::PUT,
+            "/v1/agents/helper",
+            Some(json!({"role": "helps more"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.get("/v1/agents/helper").await.1["role"], "helps more");
+    let (status, body) = server
+        .send(reqwest::Method::PUT, "/v1/agents/helper", Some(json!({"id": "other"})))
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_agent"));
+    let (status, body) = server
+        .send(reqwest::Method::PUT, "/v1/agents/nobody", Some(json!({"role": "x"})))
+        .await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"));
+
+    let (status, _) = server.send(reqwest::Method::DELETE, "/v1/agents/helper", None).await;
+    assert_eq!(status, 204);
+    let (status, body) = server.get("/v1/agents/helper").await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"));
+    let (status, body) = server.send(reqwest::Method::DELETE, "/v1/agents/helper", None).await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"));
+
+    // Bad input: an invalid id, an unknown field, a wrong type, broken JSON, no JSON.
+    let (status, body) = server.post("/v1/agents", json!({"id": ""})).await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_agent"), "{body}");
+    let (status, body) = server.post("/v1/agents", json!({"role": "no id"})).await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_agent"));
+    let (status, body) = server.post("/v1/agents", json!({"id": "x", "colour": "red"})).await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_body"));
+    assert!(body["error"]["message"].as_str().unwrap().contains("colour"), "{body}");
+    let (status, body) = server.post("/v1/agents", json!({"id": "x", "max_steps": "many"})).await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_body"));
+    let broken = server
+        .request(reqwest::Method::POST, "/v1/agents")
+        .header("content-type", "application/json")
+        .body("{\"id\": ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(broken.status().as_u16(), 400);
+    let body: Value = serde_json::from_str(&broken.text().await.unwrap()).unwrap();
+    assert_eq!(error_code(&body), "invalid_json");
+    let untyped = server
+        .request(reqwest::Method::POST, "/v1/agents")
+        .body("{\"id\": \"x\"}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(untyped.status().as_u16(), 415);
+    server.stop().await;
+}
+
+/// Goal: two clients creating the same agent at once never both succeed (no silent
+/// overwrite). Method: 16 concurrent POSTs of one id on a multi-thread runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_of_one_agent_succeed_exactly_once() {
+    let server = Arc::new(Harness::default().await);
+    let mut tasks = Vec::new();
+    for n in 0..16 {
+        let server = Arc::clone(&server);
+        tasks.push(tokio::spawn(async move {
+            server
+                .post("/v1/agents", json!({"id": "twin", "role": format!("writer {n}")}))
+                .await
+        }));
+    }
+    let mut created = Vec::new();
+    let mut conflicts = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            (201, body) => created.push(body["role"].as_str().unwrap().to_string()),
+            (409, body) => {
+                assert_eq!(error_code(&body), "agent_exists");
+                conflicts += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(created.len(), 1);
+    assert_eq!(conflicts, 15);
+    assert_eq!(server.get("/v1/agents/twin").await.1["role"], created[0]);
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_gets_the_agents_reply_and_errors_map_to_their_statuses() {
+    let server = Harness::default().await;
+    let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["text"], "echo: hi");
+    assert_eq!(body["agent"], "echo");
+    assert_eq!(body["steps"], 1);
+    let (status, body) = server.post("/v1/agents/caller/messages", json!({"text": "ping"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["text"],
+        "caller heard: echo: [message from agent caller] from caller: ping"
+    );
+
+    let (status, body) = server.post("/v1/agents/nobody/messages", json!({"text": "hi"})).await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"));
+    let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": ""})).await;
+    assert_eq!((status, error_code(&body)), (422, "empty_message"));
+    let long = "x".repeat(troupe_server::limits::SERVER_MESSAGE_SIZE_MAX_BYTES + 1);
+    let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": long})).await;
+    assert_eq!((status, error_code(&body)), (422, "message_too_long"));
+    let huge = "x".repeat(troupe_server::limits::SERVER_REQUEST_BODY_SIZE_MAX_BYTES + 1);
+    let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": huge})).await;
+    assert_eq!((status, error_code(&body)), (413, "body_too_large"));
+    let (status, body) = server
+        .post("/v1/agents/echo/messages", json!({"text": "hi", "timeout_ms": 0}))
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_timeout"));
+    let (status, body) = server
+        .post("/v1/agents/echo/messages?stream=maybe", json!({"text": "hi"}))
+        .await;
+    assert_eq!((status, error_code(&body)), (400, "invalid_query"));
+
+    // The agent's own deadline: 504 `timeout`.
+    let (status, body) = server
+        .post("/v1/agents/slow/messages", json!({"text": "hi", "timeout_ms": 100}))
+        .await;
+    assert_eq!((status, error_code(&body)), (504, "timeout"), "{body}");
+
+    let (status, body) = server.get("/v1/nothing").await;
+    assert_eq!((status, error_code(&body)), (404, "route_not_found"));
+    let (status, body) = server.send(reqwest::Method::DELETE, "/v1/models", None).await;
+    assert_eq!((status, error_code(&body)), (405, "method_not_allowed"));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_servers_request_timeout_answers_504() {
+    let config = ServerConfig::default().request_timeout(Duration::from_millis(200));
+    let server = Harness::start(config, KindConfig::default()).await;
+    let (status, body) = server.post("/v1/agents/slow/messages", json!({"text": "hi"})).await;
+    assert_eq!((status, error_code(&body)), (504, "request_timeout"), "{body}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_message_sends_the_turns_events_then_the_reply() {
+    let server = Harness::default().await;
+    let by_query = server
+        .request(reqwest::Method::POST, "/v1/agents/caller/messages?stream=true")
+        .header("content-type", "application/json")
+        .body(json!({"text": "ping"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(by_query.status().as_u16(), 200);
+    assert_eq!(by_query.headers()["content-type"], "text/event-stream");
+    let events = parse_sse(&by_query.text().await.unwrap());
+    let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
+    let data: Vec<Value> = events
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).unwrap())
+        .collect();
+    assert_eq!(names.last(), Some(&"reply"), "{names:?}");
+    assert_eq!(
+        data.last().unwrap()["text"],
+        "caller heard: echo: [message from agent caller] from caller: ping"
+    );
+    // The root call to caller, its turn, its nested call to echo and echo's turn.
+    let root = data
+        .iter()
+        .find(|event| event["type"] == "call_started" && event["target"] == "agent/caller")
+        .expect("the root call");
+    assert_eq!(root["parent"], Value::Null);
+    let nested = data
+        .iter()
+        .find(|event| event["type"] == "call_started" && event["target"] == "agent/echo")
+        .expect("the nested call");
+    assert_eq!(nested["parent"], root["call"]);
+    assert_eq!(nested["depth"], 1);
+    for agent in ["agent/caller", "agent/echo"] {
+        assert!(
+            data.iter()
+                .any(|event| event["type"] == "turn_started" && event["agent"] == agent),
+            "{agent}: {names:?}"
+        );
+        assert!(
+            data.iter()
+                .any(|event| event["type"] == "turn_ended" && event["agent"] == agent && event["ok"] == true),
+            "{agent}: {names:?}"
+        );
+    }
+    assert!(names.contains(&"tool_finished"), "{names:?}");
+    assert_eq!(
+        names.iter().filter(|name| **name == "call_finished").count(),
+        2,
+        "{names:?}"
+    );
+
+    // Accept: text/event-stream, and an error as the final event.
+    let by_accept = server
+        .request(reqwest::Method::POST, "/v1/agents/slow/messages")
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream")
+        .body(json!({"text": "hi", "timeout_ms": 100}).to_string())
+        .send()
+        .await
+        .unwrap();
+    let events = parse_sse(&by_accept.text().await.unwrap());
+    let (name, data) = events.last().unwrap();
+    assert_eq!(name, "error");
+    let data: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(data["status"], 504);
+    assert_eq!(data["error"]["code"], "timeout");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_pages_back_over_the_conversation_log() {
+    let server = Harness::default().await;
+    for n in 0..3 {
+        let (status, _) = server
+            .post("/v1/agents/echo/messages", json!({"text": format!("m{n}")}))
+            .await;
+        assert_eq!(status, 200);
+    }
+    let (status, page) = server.get("/v1/agents/echo/history?limit=2").await;
+    assert_eq!(status, 200);
+    assert_eq!(page["total"], 6);
+    let contents: Vec<&str> = page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|message| message["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents, ["m2", "echo: m2"]);
+    assert_eq!(page["messages"][0]["index"], 4);
+    assert_eq!(page["messages"][0]["role"], "user");
+    assert_eq!(page["next_before"], 4);
+    let (_, page) = server.get("/v1/agents/echo/history?limit=3&before=4").await;
+    let indices: Vec<u64> = page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|message| message["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, [1, 2, 3]);
+    assert_eq!(page["next_before"], 1);
+    let (_, page) = server.get("/v1/agents/echo/history?before=1").await;
+    assert_eq!(page["messages"][0]["content"], "m0");
+    assert_eq!(page["next_before"], Value::Null);
+    let (_, page) = server.get("/v1/agents/slow/history").await;
+    assert_eq!(page["total"], 0);
+
+    let (status, body) = server.get("/v1/agents/echo/history?limit=0").await;
+    assert_eq!((status, error_code(&body)), (400, "invalid_query"));
+    let (status, body) = server.get("/v1/agents/echo/history?limit=1001").await;
+    assert_eq!((status, error_code(&body)), (400, "invalid_query"));
+    let (status, body) = server.get("/v1/agents/echo/history?limit=ten").await;
+    assert_eq!((status, error_code(&body)), (400, "invalid_query"));
+    let (status, body) = server.get("/v1/agents/nobody/history").await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_and_delegated_tasks_are_accepted_tracked_and_cancelled() {
+    let server = Harness::default().await;
+    let (status, body) = server.post("/v1/agents/echo/notify", json!({"text": "fyi"})).await;
+    assert_eq!(status, 202, "{body}");
+    assert!(body["msg_id"].as_str().unwrap().starts_with("echo.in"), "{body}");
+    for _ in 0..2 {
+        let (status, body) = server
+            .post("/v1/agents/echo/notify", json!({"text": "once", "msg_id": "n-1"}))
+            .await;
+        assert_eq!((status, body["msg_id"].as_str()), (202, Some("n-1")));
+    }
+    let (status, body) = server
+        .post("/v1/agents/echo/notify", json!({"text": "x", "msg_id": ""}))
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_message_id"));
+    let (status, body) = server.post("/v1/agents/nobody/notify", json!({"text": "x"})).await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"));
+
+    let (status, body) = server
+        .post("/v1/agents/boss/tasks", json!({"to": "echo", "text": "do it"}))
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let task_id = body["task_id"].as_str().unwrap().to_string();
+    let path = format!("/v1/agents/boss/tasks/{task_id}");
+    let finished = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (status, body) = server.get(&path).await;
+            assert_eq!(status, 200, "{body}");
+            if body["state"] == "completed" {
+                return body;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the task completes");
+    assert_eq!(finished["to"], "echo");
+    assert_eq!(
+        finished["result"],
+        format!("echo: [task {task_id} delegated by agent boss] do it")
+    );
+    let (status, body) = server.post(&format!("{path}/cancel"), json!({})).await;
+    assert_eq!((status, body["state"].as_str()), (200, Some("completed")));
+
+    let (status, body) = server
+        .post("/v1/agents/boss/tasks", json!({"to": "nobody", "text": "x"}))
+        .await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"), "{body}");
+    let (status, body) = server.get("/v1/agents/boss/tasks/none").await;
+    assert_eq!((status, error_code(&body)), (404, "task_not_found"));
+    let (status, body) = server.post("/v1/agents/boss/tasks/none/cancel", json!({})).await;
+    assert_eq!((status, error_code(&body)), (404, "task_not_found"));
+    server.stop().await;
+}
+
+/// Goal: a full agent mailbox is 429 `busy` with `Retry-After`, never a queue without
+/// bound. Method: mailbox capacity 1; one slow turn runs (seen on the event stream),
+/// then two more messages race for the one queue slot: exactly one is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_mailbox_is_429_busy_with_retry_after() {
+    let server =
+        Arc::new(Harness::start(ServerConfig::default(), KindConfig::default().with_mailbox_capacity(1)).await);
+    let mut events = server.system().subscribe();
+    let first = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move { server.post("/v1/agents/slow/messages", json!({"text": "a"})).await })
+    };
+    turn_started(&mut events, "slow").await;
+    let mut racers = Vec::new();
+    for text in ["b", "c"] {
+        let server = Arc::clone(&server);
+        racers.push(tokio::spawn(async move {
+            let response = server
+                .request(reqwest::Method::POST, "/v1/agents/slow/messages")
+                .header("content-type", "application/json")
+                .body(json!({"text": text}).to_string())
+                .send()
+                .await
+                .unwrap();
+            let retry_after = response
+                .headers()
+                .get("retry-after")
+                .map(|value| value.to_str().unwrap().to_string());
+            let status = response.status().as_u16();
+            let body: Value = serde_json::from_str(&response.text().await.unwrap()).unwrap();
+            (status, retry_after, body)
+        }));
+    }
+    let mut statuses = Vec::new();
+    for racer in racers {
+        let (status, retry_after, body) = racer.await.unwrap();
+        if status == 429 {
+            assert_eq!(error_code(&body), "busy");
+            assert_eq!(retry_after.as_deref(), Some("1"));
+        } else {
+            assert_eq!(body["text"], "slow done");
+        }
+        statuses.push(status);
+    }
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 429]);
+    assert_eq!(first.await.unwrap().0, 200);
+    assert_eq!(server.system().runtime().counters().busy_refused, 1);
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
+/// Goal: over its concurrency limit the server refuses at once (503 `overloaded`,
+/// `Retry-After`) and serves again when a slot frees. Method: limit 1, one slow turn in
+/// flight (seen on the event stream), then a second request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_concurrency_limit_the_server_answers_503_at_once() {
+    let config = ServerConfig::default().concurrent_requests_max(1);
+    let server = Arc::new(Harness::start(config, KindConfig::default()).await);
+    let mut events = server.system().subscribe();
+    let first = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move { server.post("/v1/agents/slow/messages", json!({"text": "a"})).await })
+    };
+    turn_started(&mut events, "slow").await;
+    let refused = server.request(reqwest::Method::GET, "/v1/agents").send().await.unwrap();
+    assert_eq!(refused.status().as_u16(), 503);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let body: Value = serde_json::from_str(&refused.text().await.unwrap()).unwrap();
+    assert_eq!(error_code(&body), "overloaded");
+    assert!(
+        !first.is_finished(),
+        "the slow turn ({SLOW_TURN_MS} ms) was still running when the second request was refused"
+    );
+    assert_eq!(first.await.unwrap().0, 200);
+    assert_eq!(server.get("/v1/agents").await.0, 200);
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_carries_agent_events_as_they_happen() {
+    let server = Harness::default().await;
+    let mut stream = server.request(reqwest::Method::GET, "/v1/events").send().await.unwrap();
+    assert_eq!(stream.status().as_u16(), 200);
+    assert_eq!(stream.headers()["content-type"], "text/event-stream");
+    // The stream is open once its headers arrived: events from now on are in it.
+    let (status, _) = server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await;
+    assert_eq!(status, 200);
+    let mut text = String::new();
+    let seen = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let chunk = stream.chunk().await.unwrap().expect("the stream stays open");
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+            let events = parse_sse(&text);
+            if events
+                .iter()
+                .any(|(name, data)| name == "turn_ended" && data.contains("agent/echo"))
+            {
+                return events;
+            }
+        }
+    })
+    .await
+    .expect("the turn's end arrives on the stream");
+    let names: Vec<&str> = seen.iter().map(|(name, _)| name.as_str()).collect();
+    for expected in [
+        "call_started",
+        "activated",
+        "turn_started",
+        "model_responded",
+        "turn_ended",
+    ] {
+        assert!(names.contains(&expected), "{expected} missing from {names:?}");
+    }
+    for (name, data) in &seen {
+        let value: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(value["type"], name.as_str());
+    }
+    drop(stream);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
+    let server = Harness::default().await;
+    let (status, models) = server.get("/v1/models").await;
+    assert_eq!(status, 200);
+    assert_eq!(models["object"], "list");
+    assert_eq!(
+        models["data"][0],
+        json!({"id": "boss", "object": "model", "created": 0, "owned_by": "troupe"})
+    );
+
+    let request = json!({
+        "model": "echo",
+        "messages": [
+            {"role": "system", "content": "ignored"},
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "echo: first"},
+            {"role": "user", "content": [{"type": "text", "text": "sec"}, {"type": "text", "text": "ond"}]},
+        ],
+        "temperature": 0.2,
+    });
+    let (status, body) = server.post("/v1/chat/completions", request.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "echo");
+    assert_eq!(
+        body["choices"][0]["message"],
+        json!({"role": "assistant", "content": "echo: second"})
+    );
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert!(body["usage"]["total_tokens"].is_u64());
+
+    let mut streamed = request;
+    streamed["stream"] = json!(true);
+    let response = server
+        .request(reqwest::Method::POST, "/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(streamed.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let events = parse_sse(&response.text().await.unwrap());
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).unwrap())
+        .collect();
+    assert!(chunks.iter().all(|chunk| chunk["object"] == "chat.completion.chunk"));
+    let text: String = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "echo: second");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!((status, error_code(&body)), (404, "model_not_found"));
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "echo", "messages": [{"role": "system", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "no_user_message"));
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        )
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "unsupported_content"));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_by_route_and_status_and_show_the_runtimes_counters() {
+    let server = Harness::default().await;
+    assert_eq!(
+        server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await.0,
+        200
+    );
+    assert_eq!(server.get("/v1/agents/nobody").await.0, 404);
+    assert_eq!(server.get("/v1/agents/nobody").await.0, 404);
+    let response = server.request(reqwest::Method::GET, "/metrics").send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    let text = response.text().await.unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    for expected in [
+        "troupe_http_requests_total{method=\"POST\",route=\"/v1/agents/{id}/messages\",status=\"200\"} 1",
+        "troupe_http_requests_total{method=\"GET\",route=\"/v1/agents/{id}\",status=\"404\"} 2",
+        "troupe_runtime_turns_run_total 1",
+        "troupe_runtime_busy_refused_total 0",
+        "troupe_agents 4",
+        "troupe_event_streams_open 0",
+    ] {
+        assert!(lines.contains(&expected), "{expected} missing from\n{text}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_non_loopback_address_without_a_token_is_refused_with_what_to_do() {
+    let anywhere: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+    let error = ServerConfig::default().check_bind(anywhere).unwrap_err();
+    assert!(matches!(error, ServeError::TokenRequired { addr } if addr == anywhere));
+    let message = error.to_string();
+    assert!(
+        message.contains("--token") && message.contains("127.0.0.1"),
+        "{message}"
+    );
+    assert!(ServerConfig::default().token(TOKEN).check_bind(anywhere).is_ok());
+    assert!(ServerConfig::default()
+        .check_bind("127.0.0.1:8080".parse().unwrap())
+        .is_ok());
+    assert!(ServerConfig::default()
+        .check_bind("[::1]:8080".parse().unwrap())
+        .is_ok());
+    let short = ServerConfig::default().token("short").check_bind(anywhere).unwrap_err();
+    assert!(matches!(short, ServeError::TokenTooShort { length: 5, .. }), "{short}");
+    let none = ServerConfig::default().concurrent_requests_max(0);
+    assert!(matches!(
+        none.check_bind("127.0.0.1:1".parse().unwrap()),
+        Err(ServeError::NoConcurrency)
+    ));
+
+    // `serve` itself refuses such a listener before serving anything.
+    let system = AgentSystem::builder()
+        .llm(Arc::new(script()))
+        .agent(AgentSpec::new("echo"))
+        .start()
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let served = troupe_server::serve(
+        listener,
+        system.client(),
+        ServerConfig::default(),
+        std::future::pending(),
+    )
+    .await;
+    assert!(matches!(served, Err(ServeError::TokenRequired { .. })), "{served:?}");
+    system.shutdown().await;
+}
+
+/// Goal: a shutdown lets a request in flight finish with its reply, ends event streams,
+/// and then accepts no connection. Method: a slow turn in flight and an open event
+/// stream when the shutdown signal comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_requests_in_flight_finish_and_ends_event_streams() {
+    let mut server = Harness::default().await;
+    let mut events = server.system().subscribe();
+    let stream = server.request(reqwest::Method::GET, "/v1/events").send().await.unwrap();
+    let url = format!("{}/v1/agents/slow/messages", server.base);
+    let http = server.http.clone();
+    let in_flight = tokio::spawn(async move {
+        let response = http
+            .post(url)
+            .header("content-type", "application/json")
+            .body(json!({"text": "finish me"}).to_string())
+            .send()
+            .await
+            .unwrap();
+        (response.status().as_u16(), response.text().await.unwrap())
+    });
+    turn_started(&mut events, "slow").await;
+    let _ = server.stop.take().unwrap().send(());
+    // The event stream ends (its body completes) instead of holding the shutdown.
+    let rest = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), stream.text())
+        .await
+        .expect("the event stream ends at shutdown");
+    assert!(rest.is_ok(), "{rest:?}");
+    let (status, body) = in_flight.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("slow done"), "{body}");
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), server.served.take().unwrap())
+        .await
+        .expect("serve returns after the last request")
+        .unwrap()
+        .unwrap();
+    let refused = reqwest::Client::new()
+        .get(format!("{}/health", server.base))
+        .send()
+        .await;
+    assert!(
+        refused.is_err(),
+        "a new connection was accepted after shutdown: {refused:?}"
+    );
+    server.system.take().unwrap().shutdown().await;
+}
