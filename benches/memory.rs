@@ -1,7 +1,8 @@
 //! Memory per idle activated actor, measured with a counting global allocator: the
 //! live heap after activating 100 000 actors (each answered one request and sits idle
 //! in its task), minus the heap before, divided by the count. A bare tokio task with a
-//! bounded mpsc mailbox is measured the same way as the floor.
+//! bounded mpsc mailbox is measured the same way as the floor, and so are the same echo
+//! actor on ractor and kameo (benches/support/peers.rs).
 //!
 //! Run: `cargo bench --bench memory` (10 000 actors when `CI` is set).
 
@@ -18,6 +19,9 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use troupe::core::{ActorId, ActorKind};
 use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+
+#[path = "support/peers.rs"]
+mod peers;
 
 /// The memory target per idle activated actor, in bytes (issue: <= 1,800 B).
 const TARGET_BYTES_PER_ACTOR: u64 = 1_800;
@@ -108,6 +112,36 @@ async fn tokio_bytes_per_task(count: u64) -> f64 {
     (after - before) as f64 / count as f64
 }
 
+/// Live heap per idle ractor actor that answered one call.
+async fn ractor_bytes_per_actor(count: u64) -> f64 {
+    let warm = peers::ractor_echo::spawn().await;
+    peers::ractor_echo::ask(&warm, Bytes::new()).await;
+    let before = live();
+    let mut actors = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let actor = peers::ractor_echo::spawn().await;
+        peers::ractor_echo::ask(&actor, Bytes::new()).await;
+        actors.push(actor);
+    }
+    let after = live();
+    (after - before) as f64 / count as f64
+}
+
+/// Live heap per idle kameo actor that answered one ask.
+async fn kameo_bytes_per_actor(count: u64) -> f64 {
+    let warm = peers::kameo_echo::spawn();
+    peers::kameo_echo::ask(&warm, Bytes::new()).await;
+    let before = live();
+    let mut actors = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let actor = peers::kameo_echo::spawn();
+        peers::kameo_echo::ask(&actor, Bytes::new()).await;
+        actors.push(actor);
+    }
+    let after = live();
+    (after - before) as f64 / count as f64
+}
+
 /// The resident set of this process, in bytes (Linux: /proc/self/statm), if known.
 fn rss_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
@@ -149,6 +183,13 @@ async fn many_idle_actors(count: u64) {
     );
 }
 
+fn current_thread_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` passes nothing: run small then.
     let benching = std::env::args().any(|a| a == "--bench");
@@ -176,7 +217,11 @@ fn main() {
         .build()
         .unwrap();
     let troupe = rt.block_on(troupe_bytes_per_actor(count));
+    let ractor = current_thread_rt().block_on(ractor_bytes_per_actor(count));
+    let kameo = current_thread_rt().block_on(kameo_bytes_per_actor(count));
     println!("memory per idle activated actor ({count} actors)");
+    println!("  ractor actor (one call answered): {ractor:>8.0} bytes");
+    println!("  kameo actor (one ask answered): {kameo:>8.0} bytes");
     println!("  bare tokio task + mpsc mailbox (floor): {floor:>8.0} bytes");
     println!("  troupe activation (table entry, task, mailbox): {troupe:>8.0} bytes");
     println!(

@@ -8,6 +8,9 @@
 //! - `routing with N activated actors`: the hot round trip while the activation table
 //!   holds 1k … 1M actors; it should stay flat.
 //!
+//! - Each round-trip and cold case also runs the same echo actor on ractor and kameo
+//!   (benches/support/peers.rs), so the table compares libraries measured together.
+//!
 //! Run: `cargo bench --bench runtime` (smaller sizes when `CI` is set).
 
 // criterion_group! generates an undocumented function; a bench measures wall time.
@@ -22,6 +25,9 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokio::sync::{mpsc, oneshot};
 use troupe::core::{ActorId, ActorKind};
 use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn, TypedActor};
+
+#[path = "support/peers.rs"]
+mod peers;
 
 struct Echo;
 
@@ -146,6 +152,22 @@ fn hot_round_trip(c: &mut Criterion) {
                         .invoke_within(&target, Bytes::from_static(b"x"), Duration::from_secs(5))
                         .await
                         .unwrap();
+                })
+            });
+        });
+        let ractor = rt.block_on(peers::ractor_echo::spawn());
+        group.bench_function("ractor call! of an active actor", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &ractor, |actor| async move {
+                    peers::ractor_echo::ask(&actor, Bytes::from_static(b"x")).await;
+                })
+            });
+        });
+        let kameo = rt.block_on(async { peers::kameo_echo::spawn() });
+        group.bench_function("kameo ask of an active actor", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &kameo, |actor| async move {
+                    peers::kameo_echo::ask(&actor, Bytes::from_static(b"x")).await;
                 })
             });
         });
@@ -292,6 +314,37 @@ fn cold_activation(c: &mut Criterion) {
             })
         });
     });
+    // The libraries, each keeping its actors alive as Troupe does.
+    let mut ractors = Vec::new();
+    group.bench_function("ractor spawn + first call, actor kept alive", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let actor = peers::ractor_echo::spawn().await;
+                    peers::ractor_echo::ask(&actor, Bytes::from_static(b"x")).await;
+                    ractors.push(actor);
+                }
+                start.elapsed()
+            })
+        });
+    });
+    drop(ractors);
+    let mut kameos = Vec::new();
+    group.bench_function("kameo spawn + first ask, actor kept alive", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let actor = peers::kameo_echo::spawn();
+                    peers::kameo_echo::ask(&actor, Bytes::from_static(b"x")).await;
+                    kameos.push(actor);
+                }
+                start.elapsed()
+            })
+        });
+    });
+    drop(kameos);
     group.finish();
 }
 
