@@ -15,8 +15,10 @@
 //! within [`limits::SERVER_SHUTDOWN_GRACE_MS`].
 //!
 //! The server does not run agents itself and holds no state of its own beyond its
-//! counters: the agent system behind the client does the work. It does not speak A2A,
-//! call remote agents or serve a topology page (yet).
+//! counters and the topology's view of the event stream: the agent system behind the
+//! client does the work. The topology page, `GET /` (`/ui`), draws the agents, the links
+//! observed between them and the calls and messages as they pass. It does not speak A2A
+//! or call remote agents (yet).
 //!
 //! Under `--cfg madsim` (the simulator build) the crate is empty: HTTP is not simulated.
 
@@ -39,6 +41,8 @@ mod metrics;
 mod openai_compat;
 #[cfg(not(madsim))]
 mod server;
+#[cfg(not(madsim))]
+mod topology;
 
 #[cfg(not(madsim))]
 pub use config::{ServeError, ServerConfig};

@@ -11,6 +11,18 @@ pub const SERVER_REQUEST_BODY_SIZE_MAX_BYTES: usize = 256 * 1024;
 pub const SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT: usize = 256;
 /// Open SSE streams of `/v1/events` at once; one more is refused with 503 `overloaded`.
 pub const SERVER_EVENT_STREAMS_MAX: usize = 64;
+/// Calls the topology keeps for call trees (the most recent ones), in calls; an older
+/// call is forgotten, and a tree shows only the calls still kept.
+pub const TOPOLOGY_CALLS_KEPT: usize = 4_096;
+/// Agents the topology counts traffic for, in agents; traffic of further agents is not
+/// counted (their links neither).
+pub const TOPOLOGY_AGENTS_TRACKED_MAX: usize = 4_096;
+/// Observed links (ordered pairs of agents) the topology counts, in links; traffic on
+/// further pairs is not counted.
+pub const TOPOLOGY_LINKS_MAX: usize = 16_384;
+/// Agents one `GET /v1/topology` lists (by id), in agents; it reads each one's inbox
+/// and outbox lengths from the store. Beyond it, `agents_truncated` is `true`.
+pub const TOPOLOGY_AGENTS_LISTED_MAX: usize = 256;
 /// How long a request may take until its response headers, by default, in
 /// milliseconds; then it is answered 504 `request_timeout`. Longer than an agent's
 /// default ask timeout, so the agent's own timeout (504 `timeout`) comes first.
