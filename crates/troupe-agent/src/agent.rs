@@ -30,7 +30,7 @@ use troupe_runtime::{Actor, ActorError, ActorFactory, Clock, RuntimeHandle, Turn
 
 use crate::inbox::{AgentCommand, PendingSends, SharedSends};
 use crate::limits::{
-    AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_PEERS_LISTED_MAX, AGENT_REPLY_SIZE_MAX_BYTES,
+    AGENT_HISTORY_WINDOW_MAX, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_REPLY_SIZE_MAX_BYTES,
     AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
     AGENT_TURN_STEPS_MAX,
 };
@@ -222,17 +222,6 @@ impl AgentDirectory {
         self.agents.read().unwrap().contains_key(id)
     }
 
-    /// Up to `limit` lines `- {id}: {role}` for the agents other than `id`, by id.
-    fn peers_of(&self, id: &str, limit: usize) -> Vec<String> {
-        let agents = self.agents.read().unwrap();
-        agents
-            .values()
-            .filter(|peer| peer.id != id)
-            .take(limit)
-            .map(|peer| format!("- {}: {}", peer.id, peer.role))
-            .collect()
-    }
-
     /// Every definition, by id.
     pub fn list(&self) -> Vec<AgentSpec> {
         self.agents.read().unwrap().values().cloned().collect()
@@ -305,6 +294,8 @@ pub(crate) struct AgentShared {
     /// The registry's specs, built once: every model request offers this list.
     pub(crate) tool_specs: Arc<[ToolSpec]>,
     pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
+    /// The organisation: links, permissions, approvals (`org_store.rs`).
+    pub(crate) org: crate::org_store::OrgStore,
     /// The broadcast event stream ([`crate::AgentClient::subscribe`]).
     pub(crate) stream: tokio::sync::broadcast::Sender<AgentEvent>,
     next_call: AtomicU64,
@@ -328,6 +319,7 @@ impl AgentShared {
             tool_specs: tools.specs().into(),
             tools,
             observers,
+            org: crate::org_store::OrgStore::new(),
             stream: tokio::sync::broadcast::channel(crate::limits::AGENT_EVENT_STREAM_CAPACITY).0,
             next_call: AtomicU64::new(1),
             clock: OnceLock::new(),
@@ -586,11 +578,7 @@ impl AgentActor {
             text.push_str(&format!(", {}", spec.role));
         }
         text.push('.');
-        let peers = self.shared.directory.peers_of(&spec.id, AGENT_PEERS_LISTED_MAX);
-        if !peers.is_empty() {
-            text.push_str("\nAgents you can ask with the call_agent tool:\n");
-            text.push_str(&peers.join("\n"));
-        }
+        text.push_str(&crate::org_prompt::contacts_section(&self.shared, &spec.id));
         ChatMessage::new(Role::System, text)
     }
 
@@ -660,7 +648,7 @@ impl AgentActor {
             Arc::clone(&self.shared),
             Some(Arc::clone(&sends)),
         );
-        let specs = &self.shared.tool_specs;
+        let specs = &crate::org_prompt::tool_specs_for(&self.shared, self.id.key());
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
         let mut usage = TokenUsage::default();
@@ -821,6 +809,7 @@ impl Actor for AgentActor {
         let command = AgentCommand::decode(&payload)
             .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
         self.state.load_window(turn).await?;
+        crate::org_store::ensure_loaded(&self.shared).await;
         if let Some(spec) = self.shared.directory.get(self.id.key()) {
             self.state.spec = spec;
         }
@@ -828,7 +817,10 @@ impl Actor for AgentActor {
             AgentCommand::Ask(request) => {
                 let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
                 let content = match &request.from {
-                    Some(from) => format!("[message from agent {}] {text}", from.key()),
+                    Some(from) => format!(
+                        "[message from {}] {text}",
+                        crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key())
+                    ),
                     None => text.to_string(),
                 };
                 let conversation = Conversation {

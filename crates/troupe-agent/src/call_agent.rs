@@ -36,6 +36,10 @@ pub enum AgentCallError {
     /// Admission refused the call; nothing was sent.
     #[error("call refused: {0}")]
     Refused(#[from] CallRefused),
+    /// The organisation refused the call (links, permissions, approval); nothing was
+    /// sent.
+    #[error("call not permitted: {0}")]
+    NotPermitted(#[from] crate::NotPermitted),
     /// The call was sent and failed: timed out, the callee failed, a deadlock, ...
     #[error("call failed: {0}")]
     Invoke(#[from] InvokeError),
@@ -62,6 +66,7 @@ impl AgentCallError {
     pub(crate) fn outcome(&self) -> CallOutcome {
         match self {
             Self::Refused(refused) => CallOutcome::Refused(refused.clone()),
+            Self::NotPermitted(refused) => CallOutcome::NotPermitted(refused.clone()),
             Self::Invoke(error) => CallOutcome::Failed(error.clone()),
             Self::InvalidAgentId { .. } | Self::MalformedReply { .. } => CallOutcome::Other {
                 cause: self.to_string(),
@@ -154,7 +159,21 @@ pub async fn call_agent(
     };
     let result = match admission {
         Err(refused) => Err(AgentCallError::Refused(refused)),
-        Ok(admitted) => {
+        Ok(admitted) => match crate::org_store::admit_contact(
+            shared,
+            &context.clock(),
+            crate::org_store::Contact {
+                from: context.agent_id(),
+                to: &target,
+                kind: crate::ContactKind::Ask,
+                message,
+                deadline: admitted.child().deadline(),
+            },
+        )
+        .await
+        {
+            Err(refused) => Err(AgentCallError::NotPermitted(refused)),
+            Ok(_) => {
             let request = AgentRequest {
                 text: truncate_utf8(message, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
                 from: Some(context.agent_id().clone()),
@@ -177,7 +196,8 @@ pub async fn call_agent(
                 Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
                 Err(error) => Err(AgentCallError::Invoke(error)),
             }
-        }
+            }
+        },
     };
     let outcome = match &result {
         Ok(reply) => CallOutcome::Replied {

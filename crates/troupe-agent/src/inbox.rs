@@ -141,6 +141,9 @@ pub enum InboxError {
     /// Admission refused it (cycle, depth, unknown agent, ...); nothing was kept.
     #[error("refused: {0}")]
     Refused(#[from] CallRefused),
+    /// The organisation refused it (links, permissions, approval); nothing was kept.
+    #[error("not permitted: {0}")]
+    NotPermitted(#[from] crate::NotPermitted),
     /// The target's inbox is full; nothing was kept. Retry later.
     #[error("the inbox of {target} is full ({capacity} entries)")]
     Full {
@@ -303,6 +306,7 @@ pub(crate) enum SendReply {
     AlreadyFinal(TaskState),
     UnknownTask,
     Refused(CallRefused),
+    NotPermitted(crate::NotPermitted),
     OutboxFull {
         limit: u64,
     },

@@ -46,6 +46,7 @@
 
 mod agent;
 mod call_agent;
+mod config;
 mod inbox;
 mod inbox_turns;
 pub mod limits;
@@ -53,6 +54,11 @@ mod llm;
 #[cfg(not(madsim))]
 mod mcp;
 mod observer;
+mod org;
+mod org_api;
+mod org_prompt;
+mod org_store;
+mod permissions;
 #[cfg(not(madsim))]
 mod openai;
 mod schema;
@@ -64,6 +70,9 @@ pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
+pub use config::{
+    AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, CONFIG_AGENTS_MAX, CONFIG_FILE_SIZE_MAX_BYTES,
+};
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};
 pub use llm::{
@@ -71,6 +80,17 @@ pub use llm::{
 };
 #[cfg(not(madsim))]
 pub use mcp::{McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_RESULT_BYTES_MAX};
+pub use org::{
+    Approval, ApprovalState, ContactKind, Link, LinkDirection, LinkRelationship, Membership, NotPermitted,
+    NotPermittedReason, OrgError, OrgPolicy, Organisation, Permitted, ORG_APPROVALS_PENDING_MAX,
+    ORG_APPROVALS_RESOLVED_KEPT_MAX, ORG_APPROVAL_MESSAGE_SIZE_MAX_BYTES, ORG_LINKS_MAX, ORG_PROMPT_AGENTS_LISTED_MAX,
+    ORG_RULES_PER_AGENT_MAX,
+};
+pub use org_store::{ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX};
+pub use permissions::{
+    match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,
+    PERMISSION_TARGET_ANY,
+};
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]
 pub use openai::{
