@@ -106,7 +106,11 @@ async fn change(sim: &Sim, log: &DecisionLog, models: &mut BTreeMap<u64, Model>,
             model.denied = !model.denied;
         }
         1 => {
-            let policy = if model.enforced { OrgPolicy::Open } else { OrgPolicy::Enforced };
+            let policy = if model.enforced {
+                OrgPolicy::Open
+            } else {
+                OrgPolicy::Enforced
+            };
             client.set_org_policy(policy).await.unwrap();
             model.enforced = !model.enforced;
         }
@@ -135,9 +139,10 @@ fn check(log: &DecisionLog, models: &BTreeMap<u64, Model>) -> (usize, usize) {
                     version >= newest_returned,
                     "NoStaleDecision: a decision on version {version} after version {newest_returned} returned"
                 );
-                let model = models.get(&version).copied().unwrap_or_else(|| {
-                    panic!("a decision names version {version}, which no change produced")
-                });
+                let model = models
+                    .get(&version)
+                    .copied()
+                    .unwrap_or_else(|| panic!("a decision names version {version}, which no change produced"));
                 assert_eq!(
                     permitted,
                     model.permits(),

@@ -157,23 +157,14 @@ pub async fn call_agent(
         call,
         armed: shared.has_listeners(),
     };
-    let result = match admission {
+    // Then the organisation's admission (links, permissions, approval).
+    let admission = match admission {
+        Ok(admitted) => crate::org_store::admit_call(context, &target, message, admitted).await,
         Err(refused) => Err(AgentCallError::Refused(refused)),
-        Ok(admitted) => match crate::org_store::admit_contact(
-            shared,
-            &context.clock(),
-            crate::org_store::Contact {
-                from: context.agent_id(),
-                to: &target,
-                kind: crate::ContactKind::Ask,
-                message,
-                deadline: admitted.child().deadline(),
-            },
-        )
-        .await
-        {
-            Err(refused) => Err(AgentCallError::NotPermitted(refused)),
-            Ok(_) => {
+    };
+    let result = match admission {
+        Err(error) => Err(error),
+        Ok(admitted) => {
             let request = AgentRequest {
                 text: truncate_utf8(message, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
                 from: Some(context.agent_id().clone()),
@@ -196,8 +187,7 @@ pub async fn call_agent(
                 Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
                 Err(error) => Err(AgentCallError::Invoke(error)),
             }
-            }
-        },
+        }
     };
     let outcome = match &result {
         Ok(reply) => CallOutcome::Replied {

@@ -215,7 +215,9 @@ impl OrgConfig {
             path: path.to_path_buf(),
             cause,
         };
-        let size = std::fs::metadata(path).map_err(|error| read_error(error.to_string()))?.len();
+        let size = std::fs::metadata(path)
+            .map_err(|error| read_error(error.to_string()))?
+            .len();
         if size > CONFIG_FILE_SIZE_MAX_BYTES {
             return Err(read_error(format!(
                 "it is {size} bytes, more than the limit of {CONFIG_FILE_SIZE_MAX_BYTES}"
@@ -271,7 +273,11 @@ impl OrgConfig {
                 return Err(invalid(agent.id.span(), field("id"), error.to_string()));
             }
             if id == PERMISSION_TARGET_ANY {
-                return Err(invalid(agent.id.span(), field("id"), "`*` cannot be an agent id".into()));
+                return Err(invalid(
+                    agent.id.span(),
+                    field("id"),
+                    "`*` cannot be an agent id".into(),
+                ));
             }
             if !ids.insert(id.clone()) {
                 return Err(invalid(
@@ -526,11 +532,7 @@ effect = "deny"
                 VALID.replace("role = \"runs the team\"", "rol = \"runs the team\""),
                 "org.toml:6:1: unknown field `rol`",
             ),
-            (
-                "missing id",
-                VALID.replace("id = \"boss\"", ""),
-                "missing field `id`",
-            ),
+            ("missing id", VALID.replace("id = \"boss\"", ""), "missing field `id`"),
             (
                 "bad enum value",
                 VALID.replace("\"one_way\"", "\"sideways\""),
@@ -568,6 +570,9 @@ effect = "deny"
     fn a_missing_file_is_a_read_error_naming_it() {
         let error = OrgConfig::from_file("/nonexistent/org.toml").unwrap_err();
         assert!(matches!(error, ConfigError::Read { .. }));
-        assert!(error.to_string().starts_with("/nonexistent/org.toml: cannot read"), "{error}");
+        assert!(
+            error.to_string().starts_with("/nonexistent/org.toml: cannot read"),
+            "{error}"
+        );
     }
 }

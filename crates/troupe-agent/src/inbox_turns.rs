@@ -250,13 +250,10 @@ impl AgentActor {
         let entry: InboxEntry = from_json(&key, &bytes)?;
         turn.delete(key)?;
         self.state.boxes.inbox_len = self.state.boxes.inbox_len.saturating_sub(1);
-        let from = entry
-            .from
-            .as_ref()
-            .map_or_else(
-                || "outside".to_string(),
-                |from| crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key()),
-            );
+        let from = entry.from.as_ref().map_or_else(
+            || "outside".to_string(),
+            |from| crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key()),
+        );
         let deadline = entry.context.deadline();
         let expired = deadline.has_passed(turn.now());
         match entry.body {

@@ -54,13 +54,13 @@ mod llm;
 #[cfg(not(madsim))]
 mod mcp;
 mod observer;
+#[cfg(not(madsim))]
+mod openai;
 mod org;
 mod org_api;
 mod org_prompt;
 mod org_store;
 mod permissions;
-#[cfg(not(madsim))]
-mod openai;
 mod schema;
 mod scripted_llm;
 mod system;
@@ -80,6 +80,15 @@ pub use llm::{
 };
 #[cfg(not(madsim))]
 pub use mcp::{McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_RESULT_BYTES_MAX};
+pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
+#[cfg(not(madsim))]
+pub use openai::{
+    OpenAiClient, OpenAiConfig, OpenAiConfigError, StreamDelta, StreamObserver, OPENAI_BASE_URL_DEFAULT,
+    OPENAI_MODEL_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, OPENAI_RETRIES_DEFAULT,
+    OPENAI_RETRIES_MAX, OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT, OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT,
+    OPENAI_RETRY_JITTER_SEED_DEFAULT, PROVIDER_ERROR_BODY_BYTES_MAX, RESPONSE_BODY_BYTES_MAX, RETRY_AFTER_MS_MAX,
+    RETRY_ATTEMPT_MS_MIN, STREAM_TOOL_CALLS_MAX,
+};
 pub use org::{
     Approval, ApprovalState, ContactKind, Link, LinkDirection, LinkRelationship, Membership, NotPermitted,
     NotPermittedReason, OrgError, OrgPolicy, Organisation, Permitted, ORG_APPROVALS_PENDING_MAX,
@@ -90,15 +99,6 @@ pub use org_store::{ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX};
 pub use permissions::{
     match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,
     PERMISSION_TARGET_ANY,
-};
-pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
-#[cfg(not(madsim))]
-pub use openai::{
-    OpenAiClient, OpenAiConfig, OpenAiConfigError, StreamDelta, StreamObserver, OPENAI_BASE_URL_DEFAULT,
-    OPENAI_MODEL_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX, OPENAI_RETRIES_DEFAULT,
-    OPENAI_RETRIES_MAX, OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT, OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT,
-    OPENAI_RETRY_JITTER_SEED_DEFAULT, PROVIDER_ERROR_BODY_BYTES_MAX, RESPONSE_BODY_BYTES_MAX, RETRY_AFTER_MS_MAX,
-    RETRY_ATTEMPT_MS_MIN, STREAM_TOOL_CALLS_MAX,
 };
 pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,

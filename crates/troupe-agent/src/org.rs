@@ -398,7 +398,9 @@ fn check_agent(what: &'static str, id: &str) -> Result<(), OrgError> {
     if id == crate::permissions::PERMISSION_TARGET_ANY {
         return Err(invalid("`*` names every agent, not one".to_string()));
     }
-    crate::agent_id(id).map(|_| ()).map_err(|error| invalid(error.to_string()))
+    crate::agent_id(id)
+        .map(|_| ())
+        .map_err(|error| invalid(error.to_string()))
 }
 
 impl Organisation {
@@ -424,7 +426,10 @@ impl Organisation {
 
     /// Agent `agent`'s rules, by target.
     pub fn rules(&self, agent: &str) -> Vec<PermissionRule> {
-        self.rules.get(agent).map(|rules| rules.values().cloned().collect()).unwrap_or_default()
+        self.rules
+            .get(agent)
+            .map(|rules| rules.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Agent `agent`'s direct reports.
@@ -457,7 +462,10 @@ impl Organisation {
                 limit: ORG_LINKS_MAX,
             });
         }
-        self.links.entry(link.from.clone()).or_default().insert(link.to.clone(), link);
+        self.links
+            .entry(link.from.clone())
+            .or_default()
+            .insert(link.to.clone(), link);
         self.bump();
         Ok(())
     }
@@ -546,7 +554,13 @@ impl Organisation {
     ///
     /// # Errors
     /// [`OrgError::TooMany`] if [`ORG_APPROVALS_PENDING_MAX`] are pending.
-    pub fn request_approval(&mut self, from: &str, to: &str, kind: ContactKind, message: &str) -> Result<u64, OrgError> {
+    pub fn request_approval(
+        &mut self,
+        from: &str,
+        to: &str,
+        kind: ContactKind,
+        message: &str,
+    ) -> Result<u64, OrgError> {
         if self.pending_approvals().len() >= ORG_APPROVALS_PENDING_MAX {
             return Err(OrgError::TooMany {
                 what: "pending approvals",
@@ -793,16 +807,46 @@ mod tests {
         use NotPermittedReason::{LinkDisabled, NoLink, OneWayLink};
         let two_way = Link::new("a", "b");
         let one_way = Link::new("a", "b").direction(LinkDirection::OneWay);
-        type Row = (&'static str, Vec<Link>, &'static str, &'static str, Option<NotPermittedReason>);
+        type Row = (
+            &'static str,
+            Vec<Link>,
+            &'static str,
+            &'static str,
+            Option<NotPermittedReason>,
+        );
         let table: Vec<Row> = vec![
             ("no links: refused", vec![], "a", "b", Some(NoLink)),
             ("two-way: source starts", vec![two_way.clone()], "a", "b", None),
             ("two-way: target starts", vec![two_way.clone()], "b", "a", None),
-            ("two-way: a third agent has no link", vec![two_way.clone()], "a", "c", Some(NoLink)),
+            (
+                "two-way: a third agent has no link",
+                vec![two_way.clone()],
+                "a",
+                "c",
+                Some(NoLink),
+            ),
             ("one-way: source starts", vec![one_way.clone()], "a", "b", None),
-            ("one-way: target may only reply", vec![one_way.clone()], "b", "a", Some(OneWayLink)),
-            ("disabled: source refused", vec![two_way.clone().enabled(false)], "a", "b", Some(LinkDisabled)),
-            ("disabled: target refused", vec![two_way.enabled(false)], "b", "a", Some(LinkDisabled)),
+            (
+                "one-way: target may only reply",
+                vec![one_way.clone()],
+                "b",
+                "a",
+                Some(OneWayLink),
+            ),
+            (
+                "disabled: source refused",
+                vec![two_way.clone().enabled(false)],
+                "a",
+                "b",
+                Some(LinkDisabled),
+            ),
+            (
+                "disabled: target refused",
+                vec![two_way.enabled(false)],
+                "b",
+                "a",
+                Some(LinkDisabled),
+            ),
             (
                 "one-way both ways: both start",
                 vec![one_way.clone(), Link::new("b", "a").direction(LinkDirection::OneWay)],
@@ -844,8 +888,14 @@ mod tests {
             )
             .unwrap();
             assert_eq!(org.decide("worker", "boss", ContactKind::Ask), Ok(Permitted::Hierarchy));
-            assert_eq!(org.decide("boss", "worker", ContactKind::Delegate), Ok(Permitted::Hierarchy));
-            assert!(org.decide("worker", "other", ContactKind::Notify).is_err(), "{policy:?}");
+            assert_eq!(
+                org.decide("boss", "worker", ContactKind::Delegate),
+                Ok(Permitted::Hierarchy)
+            );
+            assert!(
+                org.decide("worker", "other", ContactKind::Notify).is_err(),
+                "{policy:?}"
+            );
         }
     }
 
@@ -886,7 +936,10 @@ mod tests {
         );
         assert!(matches!(
             org.upsert_link(Link::new("*", "a")),
-            Err(OrgError::InvalidAgentId { what: "link source", .. })
+            Err(OrgError::InvalidAgentId {
+                what: "link source",
+                ..
+            })
         ));
         assert_eq!(
             org.remove_link("a", "b"),

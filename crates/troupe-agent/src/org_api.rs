@@ -35,10 +35,7 @@ impl AgentClient {
         self.shared.org.reload(self.runtime.store().as_ref()).await
     }
 
-    async fn change_org<T>(
-        &self,
-        change: impl FnMut(&mut Organisation) -> Result<T, OrgError>,
-    ) -> Result<T, OrgError> {
+    async fn change_org<T>(&self, change: impl FnMut(&mut Organisation) -> Result<T, OrgError>) -> Result<T, OrgError> {
         self.shared.org.change(self.runtime.store().as_ref(), change).await
     }
 
@@ -115,7 +112,8 @@ impl AgentClient {
     /// # Errors
     /// [`OrgError::InvalidAgentId`], [`OrgError::ManagerCycle`], [`OrgError::Store`].
     pub async fn set_membership(&self, agent: &str, membership: Membership) -> Result<(), OrgError> {
-        self.change_org(|org| org.set_membership(agent, membership.clone())).await
+        self.change_org(|org| org.set_membership(agent, membership.clone()))
+            .await
     }
 
     /// Sets whether links are required.
@@ -181,7 +179,9 @@ impl AgentClient {
         let target = agent_id(to).map_err(|error| invalid(to, error))?;
         for (key, id) in [(from, &sender), (to, &target)] {
             if !self.shared.directory.contains(key) {
-                return Err(AgentCallError::Refused(CallRefused::AgentNotFound { target: id.clone() }));
+                return Err(AgentCallError::Refused(CallRefused::AgentNotFound {
+                    target: id.clone(),
+                }));
             }
         }
         let timeout = timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));

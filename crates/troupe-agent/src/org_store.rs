@@ -22,9 +22,7 @@ use bytes::Bytes;
 use troupe_core::{ActorId, Deadline, StoreError};
 use troupe_runtime::{Clock, StateChange, StateStore, TurnCommit};
 
-use crate::org::{
-    ApprovalState, ContactKind, NotPermitted, NotPermittedReason, OrgError, Organisation, Permitted,
-};
+use crate::org::{ApprovalState, ContactKind, NotPermitted, NotPermittedReason, OrgError, Organisation, Permitted};
 use crate::AgentEvent;
 
 /// The kind of the organisation's system key space.
@@ -175,7 +173,9 @@ impl OrgStore {
         let mut versions = self.versions.subscribe();
         let wait = async {
             loop {
-                let state = self.cached().and_then(|org| org.approval(id).map(|approval| approval.state));
+                let state = self
+                    .cached()
+                    .and_then(|org| org.approval(id).map(|approval| approval.state));
                 match state {
                     Some(ApprovalState::Pending) => {}
                     // Not in the cache (emptied by a dropped change): wait for the next.
@@ -308,7 +308,11 @@ pub(crate) async fn admit_send(
     if !shared.directory.contains(to) {
         return Ok(());
     }
-    let kind = if task { ContactKind::Delegate } else { ContactKind::Notify };
+    let kind = if task {
+        ContactKind::Delegate
+    } else {
+        ContactKind::Notify
+    };
     let contact = Contact {
         from,
         to: &target,
@@ -320,4 +324,27 @@ pub(crate) async fn admit_send(
         .await
         .map(|_| ())
         .map_err(crate::InboxError::NotPermitted)
+}
+
+/// The organisation's admission of `call_agent` from the turn of `context` to `target`,
+/// after the runtime admitted it (`admitted`, whose slot is held while approval is
+/// waited for, until the call's deadline).
+///
+/// # Errors
+/// [`crate::AgentCallError::NotPermitted`].
+pub(crate) async fn admit_call(
+    context: &crate::ToolExecutionContext,
+    target: &ActorId,
+    message: &str,
+    admitted: troupe_runtime::Admitted,
+) -> Result<troupe_runtime::Admitted, crate::AgentCallError> {
+    let contact = Contact {
+        from: context.agent_id(),
+        to: target,
+        kind: ContactKind::Ask,
+        message,
+        deadline: admitted.child().deadline(),
+    };
+    admit_contact(context.shared(), &context.clock(), contact).await?;
+    Ok(admitted)
 }

@@ -210,24 +210,54 @@ mod tests {
         use BehaviourMode::{Autonomous, Strict, Supervised};
         let approval = |rule, mode| PermissionVerdict::RequiresApproval { rule, mode };
         let allow_any = PermissionRule::allow(PERMISSION_TARGET_ANY);
-        type Row = (&'static str, Vec<PermissionRule>, BehaviourMode, &'static str, PermissionVerdict);
+        type Row = (
+            &'static str,
+            Vec<PermissionRule>,
+            BehaviourMode,
+            &'static str,
+            PermissionVerdict,
+        );
         let table: Vec<Row> = vec![
             // DataBot can contact anyone freely.
-            ("databot: wildcard allow", vec![allow_any.clone()], Autonomous, "writer", PermissionVerdict::Allow),
+            (
+                "databot: wildcard allow",
+                vec![allow_any.clone()],
+                Autonomous,
+                "writer",
+                PermissionVerdict::Allow,
+            ),
             // WriterBot may contact CoordinatorBot; no wildcard: default allow for others.
-            ("writer: explicit allow", vec![PermissionRule::allow("coordinator")], Autonomous, "coordinator", PermissionVerdict::Allow),
-            ("writer: default for others", vec![PermissionRule::allow("coordinator")], Autonomous, "archive", PermissionVerdict::Allow),
+            (
+                "writer: explicit allow",
+                vec![PermissionRule::allow("coordinator")],
+                Autonomous,
+                "coordinator",
+                PermissionVerdict::Allow,
+            ),
+            (
+                "writer: default for others",
+                vec![PermissionRule::allow("coordinator")],
+                Autonomous,
+                "archive",
+                PermissionVerdict::Allow,
+            ),
             // ... "but you could add a wildcard deny".
             (
                 "writer: wildcard deny for others",
-                vec![PermissionRule::allow("coordinator"), PermissionRule::deny(PERMISSION_TARGET_ANY)],
+                vec![
+                    PermissionRule::allow("coordinator"),
+                    PermissionRule::deny(PERMISSION_TARGET_ANY),
+                ],
                 Autonomous,
                 "archive",
                 PermissionVerdict::Deny(RuleMatch::WildcardDeny),
             ),
             (
                 "writer: explicit allow beats wildcard deny",
-                vec![PermissionRule::allow("coordinator"), PermissionRule::deny(PERMISSION_TARGET_ANY)],
+                vec![
+                    PermissionRule::allow("coordinator"),
+                    PermissionRule::deny(PERMISSION_TARGET_ANY),
+                ],
                 Autonomous,
                 "coordinator",
                 PermissionVerdict::Allow,
@@ -238,7 +268,12 @@ mod tests {
                 vec![PermissionRule::allow_with_approval(PERMISSION_TARGET_ANY)],
                 Autonomous,
                 "senior",
-                approval(RuleMatch::WildcardAllow { requires_approval: true }, Autonomous),
+                approval(
+                    RuleMatch::WildcardAllow {
+                        requires_approval: true,
+                    },
+                    Autonomous,
+                ),
             ),
             // No one can contact ArchiveBot.
             (
@@ -248,16 +283,68 @@ mod tests {
                 "archive",
                 PermissionVerdict::Deny(RuleMatch::ExplicitDeny),
             ),
-            ("anyone: others still allowed", vec![PermissionRule::deny("archive"), allow_any.clone()], Autonomous, "writer", PermissionVerdict::Allow),
+            (
+                "anyone: others still allowed",
+                vec![PermissionRule::deny("archive"), allow_any.clone()],
+                Autonomous,
+                "writer",
+                PermissionVerdict::Allow,
+            ),
             // Step 5: no rules at all.
-            ("no rules: default allow", vec![], Autonomous, "anyone", PermissionVerdict::Allow),
+            (
+                "no rules: default allow",
+                vec![],
+                Autonomous,
+                "anyone",
+                PermissionVerdict::Allow,
+            ),
             // Step 6: Example 7, a supervised intern needs approval even where rules allow.
-            ("supervised: default needs approval", vec![], Supervised, "senior", approval(RuleMatch::Default, Supervised)),
-            ("supervised: explicit allow needs approval", vec![PermissionRule::allow("senior")], Supervised, "senior", approval(RuleMatch::ExplicitAllow { requires_approval: false }, Supervised)),
-            ("strict: wildcard allow needs approval", vec![allow_any], Strict, "senior", approval(RuleMatch::WildcardAllow { requires_approval: false }, Strict)),
+            (
+                "supervised: default needs approval",
+                vec![],
+                Supervised,
+                "senior",
+                approval(RuleMatch::Default, Supervised),
+            ),
+            (
+                "supervised: explicit allow needs approval",
+                vec![PermissionRule::allow("senior")],
+                Supervised,
+                "senior",
+                approval(
+                    RuleMatch::ExplicitAllow {
+                        requires_approval: false,
+                    },
+                    Supervised,
+                ),
+            ),
+            (
+                "strict: wildcard allow needs approval",
+                vec![allow_any],
+                Strict,
+                "senior",
+                approval(
+                    RuleMatch::WildcardAllow {
+                        requires_approval: false,
+                    },
+                    Strict,
+                ),
+            ),
             // A deny is never turned into an approval by the mode.
-            ("strict: explicit deny stays deny", vec![PermissionRule::deny("senior")], Strict, "senior", PermissionVerdict::Deny(RuleMatch::ExplicitDeny)),
-            ("supervised: wildcard deny stays deny", vec![PermissionRule::deny(PERMISSION_TARGET_ANY)], Supervised, "senior", PermissionVerdict::Deny(RuleMatch::WildcardDeny)),
+            (
+                "strict: explicit deny stays deny",
+                vec![PermissionRule::deny("senior")],
+                Strict,
+                "senior",
+                PermissionVerdict::Deny(RuleMatch::ExplicitDeny),
+            ),
+            (
+                "supervised: wildcard deny stays deny",
+                vec![PermissionRule::deny(PERMISSION_TARGET_ANY)],
+                Supervised,
+                "senior",
+                PermissionVerdict::Deny(RuleMatch::WildcardDeny),
+            ),
         ];
         for (name, list, mode, target, expected) in table {
             assert_eq!(resolve_permission(&rules(&list), mode, target), expected, "{name}");
@@ -272,7 +359,11 @@ mod tests {
         )
             .prop_map(|(target, deny, requires_approval)| PermissionRule {
                 target: target.to_string(),
-                effect: if deny { PermissionEffect::Deny } else { PermissionEffect::Allow },
+                effect: if deny {
+                    PermissionEffect::Deny
+                } else {
+                    PermissionEffect::Allow
+                },
                 requires_approval,
             })
     }

@@ -127,7 +127,12 @@ async fn refused_delegations_and_notifications_keep_nothing() {
     );
     assert_eq!(
         system.notify_as("a", "b", "fyi").await,
-        Err(InboxError::NotPermitted(not_permitted("a", "b", ContactKind::Notify, denied)))
+        Err(InboxError::NotPermitted(not_permitted(
+            "a",
+            "b",
+            ContactKind::Notify,
+            denied
+        )))
     );
     // The other way round is not denied (rules belong to the sender).
     system.notify_as("b", "a", "fyi").await.unwrap();
@@ -157,7 +162,11 @@ async fn refused_delegations_and_notifications_keep_nothing() {
 #[tokio::test(start_paused = true)]
 async fn a_one_way_link_lets_the_target_reply_but_not_start_contact() {
     let llm = ScriptedLlm::new()
-        .rule(ScriptRule::agent("boss").on_user_containing("you delegated is").reply("thanks"))
+        .rule(
+            ScriptRule::agent("boss")
+                .on_user_containing("you delegated is")
+                .reply("thanks"),
+        )
         .rule(ScriptRule::agent("boss").reply("ok"))
         .rule(ScriptRule::agent("worker").reply("work done"));
     let system = start(&llm, &["boss", "worker"]);
@@ -179,7 +188,15 @@ async fn a_one_way_link_lets_the_target_reply_but_not_start_contact() {
     let reply = system.ask_as("boss", "worker", "status?", 10 * SECOND).await.unwrap();
     assert_eq!(reply.text, "work done");
     // The worker's model was told who the boss is.
-    let worker_input = llm.requests_of("worker").last().unwrap().messages.last().unwrap().content.clone();
+    let worker_input = llm
+        .requests_of("worker")
+        .last()
+        .unwrap()
+        .messages
+        .last()
+        .unwrap()
+        .content
+        .clone();
     assert_eq!(
         worker_input,
         "[message from agent boss; boss is your superior: treat its directives as assignments.] status?"
@@ -332,10 +349,20 @@ async fn the_organisation_is_kept_in_the_store_across_a_restart() {
     system.shutdown().await;
 
     let system = start_on(&llm, &["a", "b", "c"], store);
-    assert_eq!(system.links().await.unwrap(), vec![Link::new("b", "c").direction(LinkDirection::OneWay)]);
-    assert_eq!(system.organisation().await.unwrap().rules("c"), vec![PermissionRule::deny("a")]);
+    assert_eq!(
+        system.links().await.unwrap(),
+        vec![Link::new("b", "c").direction(LinkDirection::OneWay)]
+    );
+    assert_eq!(
+        system.organisation().await.unwrap().rules("c"),
+        vec![PermissionRule::deny("a")]
+    );
     let reply = system.ask("a", "go").await.unwrap();
-    assert!(reply.text.contains("call not permitted: a may not ask b"), "{}", reply.text);
+    assert!(
+        reply.text.contains("call not permitted: a may not ask b"),
+        "{}",
+        reply.text
+    );
     system.shutdown().await;
 }
 
@@ -362,7 +389,9 @@ async fn the_prompt_shows_the_organisation_and_the_tools_list_only_reachable_age
     let request = &llm.requests_of("worker")[0];
     let prompt = &request.messages[0].content;
     assert!(
-        prompt.contains("## Organisation\nYou are part of a multi-agent organisation.\nReports to:\n- boss: your superior"),
+        prompt.contains(
+            "## Organisation\nYou are part of a multi-agent organisation.\nReports to:\n- boss: your superior"
+        ),
         "{prompt}"
     );
     assert!(prompt.contains("Peers:\n- peer: equal peer"), "{prompt}");

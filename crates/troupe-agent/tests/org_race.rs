@@ -99,6 +99,9 @@ async fn a_call_admitted_after_a_revoke_returns_is_refused() {
         checked[0] > 0 && checked[1] > 0,
         "both states were exercised: {checked:?}"
     );
-    println!("calls checked: {} while allowed, {} while denied", checked[0], checked[1]);
+    println!(
+        "calls checked: {} while allowed, {} while denied",
+        checked[0], checked[1]
+    );
     system.shutdown().await;
 }

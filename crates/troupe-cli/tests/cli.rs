@@ -88,7 +88,11 @@ fn demo_with_the_example_config_prints_who_talked_to_whom_and_the_refused_pair()
 fn a_broken_config_is_refused_naming_the_file_line_and_field() {
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("org.toml");
-    std::fs::write(&path, "[[agents]]\nid = \"a\"\n\n[[links]]\nfrom = \"a\"\nto = \"zed\"\n").unwrap();
+    std::fs::write(
+        &path,
+        "[[agents]]\nid = \"a\"\n\n[[links]]\nfrom = \"a\"\nto = \"zed\"\n",
+    )
+    .unwrap();
     let output = troupe(&["demo", "--scripted", "--config", path.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(1), "{output:?}");
     let stderr = text(&output.stderr);
