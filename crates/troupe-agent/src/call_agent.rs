@@ -24,6 +24,7 @@ use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, AGENT_CALL_TIMEOUT_MS_DEFAULT, A
 use troupe_core::{truncate_utf8, ActorId, CallRefused, InvokeError};
 
 use crate::agent::{agent_id, AgentReply, AgentRequest};
+use crate::budget::{settle_call, BudgetExhausted};
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
 use crate::{tool_parameters_schema, AgentEvent, CallOutcome, Tool, ToolError, ToolExecutionContext};
 
@@ -51,6 +52,10 @@ pub enum AgentCallError {
         /// Why it is refused.
         cause: String,
     },
+    /// The budget ran out: this turn had none left to grant (nothing was sent), or the
+    /// callee's turn spent all of its grant before answering.
+    #[error(transparent)]
+    BudgetExhausted(#[from] BudgetExhausted),
     /// The callee's reply could not be decoded.
     #[error("the reply of {target} could not be decoded: {cause}")]
     MalformedReply {
@@ -68,9 +73,11 @@ impl AgentCallError {
             Self::Refused(refused) => CallOutcome::Refused(refused.clone()),
             Self::NotPermitted(refused) => CallOutcome::NotPermitted(refused.clone()),
             Self::Invoke(error) => CallOutcome::Failed(error.clone()),
-            Self::InvalidAgentId { .. } | Self::MalformedReply { .. } => CallOutcome::Other {
-                cause: self.to_string(),
-            },
+            Self::InvalidAgentId { .. } | Self::MalformedReply { .. } | Self::BudgetExhausted(_) => {
+                CallOutcome::Other {
+                    cause: self.to_string(),
+                }
+            }
         }
     }
 }
@@ -114,12 +121,15 @@ impl Drop for CallEndReport<'_> {
 
 /// Asks agent `agent_id` with `message` on behalf of the tool call's agent, and waits for
 /// its reply for `timeout_ms` (default 30 s, capped at 300 s, clipped to the caller's
-/// remaining deadline). `message` is cut to [`AGENT_MESSAGE_SIZE_MAX_BYTES`] on a
+/// remaining deadline). The callee's turn gets a grant of at most what this turn has
+/// left of its budget (and this step's share of it), reserved until the reply reports
+/// what it spent. `message` is cut to [`AGENT_MESSAGE_SIZE_MAX_BYTES`] on a
 /// character boundary.
 ///
 /// # Errors
 /// [`AgentCallError::Refused`] (cycle, depth, unknown agent, too many calls, bad timeout,
-/// no time left), [`AgentCallError::Invoke`] (timeout, the callee failed, deadlock, busy,
+/// no time left), [`AgentCallError::BudgetExhausted`] (no budget left to grant, or the
+/// callee ran out of its grant), [`AgentCallError::Invoke`] (timeout, the callee failed, deadlock, busy,
 /// shutdown), [`AgentCallError::InvalidAgentId`], [`AgentCallError::MalformedReply`].
 ///
 /// # Cancel safety
@@ -157,21 +167,27 @@ pub async fn call_agent(
         call,
         armed: shared.has_listeners(),
     };
-    // Then the organisation's admission (links, permissions, approval).
+    // Then the organisation's admission (links, permissions, approval); the grant is
+    // reserved only once the call is admitted; refused, it is not sent.
     let admission = match admission {
         Ok(admitted) => crate::org_store::admit_call(context, &target, message, admitted).await,
         Err(refused) => Err(AgentCallError::Refused(refused)),
     };
+    let admission = admission.and_then(|admitted| {
+        let grant = context.budget().grant()?;
+        Ok((admitted, grant))
+    });
     let result = match admission {
         Err(error) => Err(error),
-        Ok(admitted) => {
+        Ok((admitted, grant)) => {
             let request = AgentRequest {
                 text: truncate_utf8(message, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
                 from: Some(context.agent_id().clone()),
                 call: Some(call),
+                budget: grant,
             };
             let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
-            match context.caller().invoke(admitted, request.encode()).await {
+            let result = match context.caller().invoke(admitted, request.encode()).await {
                 Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
                     target: target.clone(),
                     cause,
@@ -186,7 +202,8 @@ pub async fn call_agent(
                 }
                 Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
                 Err(error) => Err(AgentCallError::Invoke(error)),
-            }
+            };
+            settle_call(context.budget(), grant, result)
         }
     };
     let outcome = match &result {

@@ -54,6 +54,7 @@ use crate::limits::{
     AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_OUTBOX_CAPACITY, AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT,
     AGENT_TASK_TIMEOUT_MS_MAX,
 };
+use crate::Budget;
 
 /// The name of the tool that delegates a task.
 pub const DELEGATE_TOOL_NAME: &str = "delegate_to_agent";
@@ -144,6 +145,9 @@ pub enum InboxError {
     /// The organisation refused it (links, permissions, approval); nothing was kept.
     #[error("not permitted: {0}")]
     NotPermitted(#[from] crate::NotPermitted),
+    /// The sending turn had no budget left to grant; nothing was kept.
+    #[error(transparent)]
+    BudgetExhausted(#[from] crate::BudgetExhausted),
     /// The target's inbox is full; nothing was kept. Retry later.
     #[error("the inbox of {target} is full ({capacity} entries)")]
     Full {
@@ -199,6 +203,10 @@ pub(crate) struct InboxEntry {
     pub(crate) body: InboxBody,
     /// The chain and depth it is processed under, and its deadline.
     pub(crate) context: CallContext,
+    /// What the turn that processes it may spend (a task or notification sent from a
+    /// turn: the grant charged to that turn; a task's result: what the task left).
+    #[serde(default)]
+    pub(crate) budget: Budget,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -464,6 +472,7 @@ impl PendingSends {
             from: Some(self.agent.clone()),
             body,
             context,
+            budget: Budget::UNLIMITED,
         };
         self.entries.push((seq, OutboxEntry { to, entry }));
     }

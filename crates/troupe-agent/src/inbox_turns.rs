@@ -20,7 +20,7 @@ use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MESSAGE_SIZE_MAX_BYTES,
     AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
 };
-use crate::{tool_parameters_schema, AgentEvent, Tool, ToolError, ToolExecutionContext};
+use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
 /// How long a self-told wake-up (process, relay, resume) may wait in the mailbox.
 const WAKE_TIMEOUT: Duration = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
@@ -264,26 +264,48 @@ impl AgentActor {
                         content,
                         call: None,
                         deadline,
+                        budget: entry.budget,
                     };
-                    if let Err(error) = self.converse(turn, conversation).await {
-                        tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
+                    match self.converse(turn, conversation).await {
+                        Ok(reply) if reply.exhausted.is_none() => {}
+                        Ok(reply) => {
+                            let error = reply.exhausted.map(|error| error.to_string()).unwrap_or_default();
+                            tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
+                        }
+                        Err(error) => {
+                            tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
+                        }
                     }
                 }
             }
             InboxBody::Task { task_id, text } => {
                 turn.delete(tasks_in_key(&task_id))?;
-                let (state, result) = if expired {
-                    (TaskState::Failed, "the deadline passed before work started".to_string())
+                // The result goes back with what the task left of its grant (all of
+                // it when the work did not start; nothing when its spend is unknown).
+                let (state, result, left) = if expired {
+                    let result = "the deadline passed before work started".to_string();
+                    (TaskState::Failed, result, entry.budget)
                 } else {
                     let content = format!("[task {task_id} delegated by {from}] {text}");
                     let conversation = Conversation {
                         content,
                         call: None,
                         deadline,
+                        budget: entry.budget,
                     };
                     match self.converse(turn, conversation).await {
-                        Ok(reply) => (TaskState::Completed, reply.text),
-                        Err(error) => (TaskState::Failed, error.to_string()),
+                        Ok(reply) => {
+                            let left = entry.budget.after(reply.spent);
+                            match reply.exhausted {
+                                None => (TaskState::Completed, reply.text, left),
+                                Some(exhausted) => (TaskState::Failed, exhausted.to_string(), left),
+                            }
+                        }
+                        Err(error) => (
+                            TaskState::Failed,
+                            error.to_string(),
+                            entry.budget.after(Spend::all_of(entry.budget)),
+                        ),
                     }
                 };
                 if let Some(to) = entry.from {
@@ -291,6 +313,9 @@ impl AgentActor {
                     let text = troupe_core::truncate_utf8(&result, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
                     let body = InboxBody::TaskUpdate { task_id, state, text };
                     sends.push_raw(to, body, CallContext::root(deadline));
+                    if let Some((_, out)) = sends.entries.last_mut() {
+                        out.entry.budget = left;
+                    }
                     self.flush_sends(turn, sends).await?;
                 }
             }
@@ -300,9 +325,17 @@ impl AgentActor {
                     content,
                     call: None,
                     deadline,
+                    budget: entry.budget,
                 };
-                if let Err(error) = self.converse(turn, conversation).await {
-                    tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
+                match self.converse(turn, conversation).await {
+                    Ok(reply) if reply.exhausted.is_none() => {}
+                    Ok(reply) => {
+                        let error = reply.exhausted.map(|error| error.to_string()).unwrap_or_default();
+                        tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
+                    }
+                    Err(error) => {
+                        tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
+                    }
                 }
             }
             InboxBody::Cancel { .. } => {} // handled at enqueue; never stored
@@ -377,6 +410,7 @@ impl AgentActor {
                 text: cause,
             },
             context: CallContext::root(out.entry.context.deadline()),
+            budget: out.entry.budget,
         };
         self.enqueue(turn, entry).await.map(|_| ())
     }
@@ -529,8 +563,10 @@ async fn tool_send(
             reason: "this turn cannot send messages".to_string(),
         }));
     };
+    // Its turn runs later, after this one has replied: the grant is charged whole.
+    let grant = context.budget().grant_for_send()?;
     let mut sends = sends.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    queue_send(
+    let queued = queue_send(
         context.caller(),
         context.shared(),
         &mut sends,
@@ -538,7 +574,16 @@ async fn tool_send(
         text,
         timeout_ms,
         task,
-    )
+    );
+    if queued.is_ok() {
+        if let Some((_, out)) = sends.entries.last_mut() {
+            out.entry.budget = grant;
+        }
+        context.budget().settle(grant, Spend::all_of(grant));
+    } else {
+        context.budget().settle(grant, Spend::default());
+    }
+    queued
 }
 
 /// The arguments of `delegate_to_agent` and `notify_agent`.

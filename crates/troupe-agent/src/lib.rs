@@ -10,6 +10,10 @@
 //! - [`call_agent`] (also a tool every agent has) admits a call with
 //!   `troupe_core::admit_call`: no cycles, depth at most 5, known targets, at most 10
 //!   calls in flight per agent, and a deadline that only shrinks along a chain.
+//! - [`Budget`]: a request may carry a token (and tool-call) budget; every model call is
+//!   charged, a child call gets at most what its parent has left (reserved while it
+//!   runs, the unused part refunded), and an exhausted budget is [`BudgetExhausted`]
+//!   ([`AgentClient::ask_with`], see `budget.rs`).
 //! - [`AgentObserver`] sees every call and turn; [`CallRecorder`] renders the call tree.
 //! - Normal build only (HTTP and processes stay out of simulated code): `OpenAiClient`,
 //!   an async OpenAI-compatible [`LlmClient`] (streaming, retries, token usage), and
@@ -45,6 +49,7 @@
 #![warn(missing_docs)]
 
 mod agent;
+mod budget;
 mod call_agent;
 mod config;
 mod inbox;
@@ -69,6 +74,7 @@ mod tool;
 pub use agent::{
     agent_id, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND,
 };
+pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use config::{
     AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, CONFIG_AGENTS_MAX, CONFIG_FILE_SIZE_MAX_BYTES,

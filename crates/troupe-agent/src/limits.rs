@@ -69,7 +69,12 @@ pub const AGENT_RESUME_BATCH: usize = 16;
 /// Events the broadcast stream ([`crate::AgentClient::subscribe`]) buffers per
 /// subscriber; a subscriber that falls further behind sees `Lagged`.
 pub const AGENT_EVENT_STREAM_CAPACITY: usize = 1_024;
+/// A delegated task or a notification sent from a turn with a budget gets its step's
+/// share of what is left divided by this (a number, not a unit): its grant is charged
+/// whole and never comes back, so the sending turn keeps the rest for its own steps.
+pub const AGENT_SEND_GRANT_DIVISOR: u64 = 2;
 
+const _: () = assert!(AGENT_SEND_GRANT_DIVISOR >= 1);
 const _: () = assert!(AGENT_TASKS_OPEN_MAX <= AGENT_OUTBOX_CAPACITY);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_MAX <= troupe_core::limits::INVOKE_TIMEOUT_MS_MAX);

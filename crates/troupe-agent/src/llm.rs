@@ -95,6 +95,12 @@ pub struct LlmRequest {
     pub tools: Arc<[ToolSpec]>,
     /// When the answer must have arrived, on the runtime's clock.
     pub deadline: Deadline,
+    /// The most tokens, prompt and completion together, this call may be charged: what
+    /// is left of the turn's [`crate::Budget`] (`None`: unlimited). A client must not
+    /// bill past it: [`crate::ScriptedLlm`] answers [`LlmError::OverTokenLimit`] instead;
+    /// an OpenAI-compatible provider only caps the completion (`max_tokens`), so its
+    /// prompt can overshoot and the turn then ends with its budget exhausted.
+    pub max_tokens: Option<u64>,
 }
 
 /// How many tokens one model call used, as the provider counted them.
@@ -160,6 +166,15 @@ pub enum LlmError {
     Malformed {
         /// What was wrong.
         cause: String,
+    },
+    /// The answer would use more tokens than the call's cap (`LlmRequest::max_tokens`);
+    /// nothing was charged. The agent reports it as its budget exhausted.
+    #[error("the answer needs {needed} tokens, more than the {max_tokens} this call may use")]
+    OverTokenLimit {
+        /// Tokens the answer would have used, prompt included.
+        needed: u64,
+        /// The call's cap.
+        max_tokens: u64,
     },
     /// A failure injected by a script or the simulator.
     #[error("injected model failure: {cause}")]
@@ -251,6 +266,7 @@ mod tests {
             messages: vec![ChatMessage::new(Role::User, "hi")],
             tools: Vec::new().into(),
             deadline: Deadline::from_micros(u64::MAX),
+            max_tokens: None,
         }
     }
 

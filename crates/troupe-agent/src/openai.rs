@@ -881,6 +881,9 @@ struct WireRequest<'a> {
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_options: Option<WireStreamOptions>,
+    /// The turn's tokens left (the provider caps the completion with it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -896,6 +899,7 @@ impl<'a> WireRequest<'a> {
             tools: request.tools.iter().map(WireTool::from_spec).collect(),
             stream,
             stream_options: stream.then_some(WireStreamOptions { include_usage: true }),
+            max_tokens: request.max_tokens,
         }
     }
 }

@@ -198,6 +198,7 @@ impl AgentClient {
             text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
             from: Some(sender),
             call: None,
+            budget: crate::Budget::UNLIMITED,
         };
         let bytes = self.runtime.invoke(&target, request.encode(), deadline).await?;
         AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply { target, cause })

@@ -19,6 +19,9 @@
 //! Token usage: every reply reports [`TokenUsage`] counted as whitespace-separated words
 //! (prompt: every message's text and every tool call's arguments; completion: the
 //! reply's), so it is deterministic and roughly the size a real model would report.
+//! A request with `max_tokens` whose answer would count more is answered
+//! [`LlmError::OverTokenLimit`] (nothing delivered, nothing charged), so a scripted turn
+//! never spends past its budget.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -372,6 +375,15 @@ impl LlmClient for ScriptedLlm {
                 message
             }
         };
+        let usage = scripted_usage(&request.messages, &message);
+        if let Some(max_tokens) = request.max_tokens {
+            if usage.total_tokens > max_tokens {
+                return Err(LlmError::OverTokenLimit {
+                    needed: usage.total_tokens,
+                    max_tokens,
+                });
+            }
+        }
         let mut recorded = self.recorded.lock().unwrap();
         if recorded.on {
             record(
@@ -383,7 +395,6 @@ impl LlmClient for ScriptedLlm {
             );
         }
         drop(recorded);
-        let usage = scripted_usage(&request.messages, &message);
         Ok(LlmReply::new(message).with_usage(usage))
     }
 }
@@ -420,6 +431,7 @@ mod tests {
         LlmRequest {
             agent: ActorId::new("agent", agent).unwrap(),
             model: "scripted".into(),
+            max_tokens: None,
             messages,
             tools: Vec::new().into(),
             deadline: Deadline::from_micros(u64::MAX),

@@ -12,6 +12,7 @@ use troupe_runtime::{
 };
 
 use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, SavedAgent, AGENT_KIND};
+use crate::budget::{reply_or_exhausted, AskOptions};
 use crate::call_agent::call_agent_tool;
 use crate::inbox::{
     decode_reply, task_deadline, task_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, SendReply,
@@ -21,7 +22,7 @@ use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
     AgentCallError, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec, AgentSpecError,
-    CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool, ToolRegistry,
+    Budget, CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool, ToolRegistry,
     ToolRegistryError,
 };
 
@@ -225,6 +226,36 @@ impl AgentClient {
         text: &str,
         timeout: Duration,
     ) -> Result<AgentReply, AgentCallError> {
+        self.ask_with(agent, text, AskOptions::default().timeout(timeout)).await
+    }
+
+    /// [`AgentClient::ask_with_timeout`] with options: the time to wait and the
+    /// [`Budget`] of the whole request (the agent's turn and every call it makes). The
+    /// reply's `spent` says what the request spent, never more than the budget when the
+    /// model honours its per-call cap.
+    ///
+    /// # Errors
+    /// As [`AgentClient::ask_with_timeout`], and [`AgentCallError::BudgetExhausted`]
+    /// when the budget ran out before the agent's final answer.
+    ///
+    /// # Examples
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use troupe_agent::{AgentCallError, AgentSpec, AgentSystem, AskOptions, Budget, ScriptRule, ScriptedLlm};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let llm = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("a short answer"));
+    /// let system = AgentSystem::builder().llm(Arc::new(llm)).agent(AgentSpec::new("a")).start()?;
+    /// let reply = system.ask_with("a", "hi", AskOptions::default().budget(Budget::tokens(100))).await?;
+    /// assert!(reply.spent.tokens <= 100);
+    /// let starved = system.ask_with("a", "hi", AskOptions::default().budget(Budget::tokens(3))).await;
+    /// assert!(matches!(starved, Err(AgentCallError::BudgetExhausted(_))));
+    /// # system.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn ask_with(&self, agent: &str, text: &str, options: AskOptions) -> Result<AgentReply, AgentCallError> {
+        let AskOptions { timeout, budget } = options;
         let target = agent_id(agent).map_err(|error| AgentCallError::InvalidAgentId {
             agent_id: agent.to_string(),
             cause: error.to_string(),
@@ -245,16 +276,19 @@ impl AgentClient {
                 text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
                 from: None,
                 call: Some(call),
+                budget,
             };
             match self
                 .runtime
                 .invoke(&target, request.encode(), self.runtime.deadline_in(timeout))
                 .await
             {
-                Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
-                    target: target.clone(),
-                    cause,
-                }),
+                Ok(bytes) => AgentReply::decode(&bytes)
+                    .map_err(|cause| AgentCallError::MalformedReply {
+                        target: target.clone(),
+                        cause,
+                    })
+                    .and_then(reply_or_exhausted),
                 Err(error) => Err(AgentCallError::Invoke(error)),
             }
         } else {
@@ -328,6 +362,7 @@ impl AgentClient {
                 text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
             },
             context: CallContext::root(task_deadline(now, timeout_ms)),
+            budget: Budget::UNLIMITED,
         };
         // The agent may be in a long turn: the append waits for it.
         let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);

@@ -36,8 +36,9 @@ use troupe_core::{ActorId, CallContext, Deadline};
 use troupe_runtime::{Caller, Clock};
 
 use crate::agent::AgentShared;
+use crate::budget::BudgetMeter;
 use crate::inbox::SharedSends;
-use crate::{ArgumentSchema, SchemaError, ToolSpec};
+use crate::{ArgumentSchema, Budget, SchemaError, ToolSpec};
 
 /// Why a tool call produced no result. Its `Display` is what the model reads.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -101,6 +102,8 @@ pub struct ToolExecutionContext {
     /// The turn's queued notifications and delegations, written to the outbox when the
     /// turn commits.
     sends: Option<SharedSends>,
+    /// The turn's budget meter: tool calls and grants are charged to it.
+    budget: Arc<BudgetMeter>,
 }
 
 impl fmt::Debug for ToolExecutionContext {
@@ -121,13 +124,24 @@ impl ToolExecutionContext {
         inbound_call: Option<u64>,
         shared: Arc<AgentShared>,
         sends: Option<SharedSends>,
+        budget: Arc<BudgetMeter>,
     ) -> Self {
         Self {
             caller,
             inbound_call,
             shared,
             sends,
+            budget,
         }
+    }
+
+    pub(crate) fn budget(&self) -> &BudgetMeter {
+        &self.budget
+    }
+
+    /// What is left of the turn's budget now (calls in flight hold their grants).
+    pub fn budget_left(&self) -> Budget {
+        self.budget.left()
     }
 
     pub(crate) fn sends(&self) -> Option<&SharedSends> {

@@ -194,6 +194,7 @@ fn request_after_tool_round(clock: &Clock, deadline_in: Duration) -> LlmRequest 
         arguments: json!({"a": 2, "b": 3}),
     });
     LlmRequest {
+        max_tokens: None,
         agent: ActorId::new("agent", "alice").expect("valid id"),
         model: MODEL.to_owned(),
         messages: vec![

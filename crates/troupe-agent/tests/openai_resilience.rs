@@ -221,6 +221,7 @@ fn config(base_url: &str, retries_max: u32) -> OpenAiConfig {
 
 fn request(clock: &Clock, deadline_in: Duration) -> LlmRequest {
     LlmRequest {
+        max_tokens: None,
         agent: ActorId::new("agent", "alice").expect("valid id"),
         model: String::new(),
         messages: vec![ChatMessage::new(Role::User, "hello")],

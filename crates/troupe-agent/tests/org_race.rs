@@ -19,12 +19,12 @@ const ROUNDS: u64 = 20;
 const CALLS_PER_ROUND_MIN: u64 = 20;
 
 /// Goal: a call admitted after a revoke has returned is refused, and a call admitted
-/// after the grant has returned goes through: every call that started and ended within
-/// one generation (no change in between) was decided on that generation's rule.
-/// Method: 4 callers on 4 worker threads ask `b` as `a` in a loop, reading the
-/// generation before and after each call; the main task toggles a deny rule 20 times
-/// (odd generation: denied), bumping the generation only after each change returns,
-/// and waits for at least 20 calls per generation.
+/// after the grant has returned goes through: every call that started after a change
+/// returned and ended before the next change started was decided on that change's
+/// rule. Method: 4 callers on 4 worker threads ask `b` as `a` in a loop, reading a
+/// phase counter before and after each call; the main task toggles a deny rule 20
+/// times, setting the counter odd before each change starts and even (2 × round) after
+/// it returns (odd round: denied), and waits for at least 20 calls per round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_call_admitted_after_a_revoke_returns_is_refused() {
     let llm = ScriptedLlm::new()
@@ -47,7 +47,7 @@ async fn a_call_admitted_after_a_revoke_returns_is_refused() {
             let mut decided = Vec::new();
             loop {
                 let before = generation.load(Ordering::SeqCst);
-                if before > ROUNDS {
+                if before > 2 * ROUNDS {
                     return decided;
                 }
                 let result = client.ask_as("a", "b", "ping", Duration::from_secs(10)).await;
@@ -64,8 +64,9 @@ async fn a_call_admitted_after_a_revoke_returns_is_refused() {
                     Err(other) => panic!("unexpected error {other}"),
                 };
                 calls.fetch_add(1, Ordering::SeqCst);
-                if before == after {
-                    decided.push((before, permitted));
+                // Checked only when no change was in progress or started meanwhile.
+                if before == after && before % 2 == 0 {
+                    decided.push((before / 2, permitted));
                 }
             }
         }));
@@ -75,6 +76,7 @@ async fn a_call_admitted_after_a_revoke_returns_is_refused() {
         while calls.load(Ordering::SeqCst) < target {
             tokio::task::yield_now().await;
         }
+        generation.store(2 * round - 1, Ordering::SeqCst);
         if round <= ROUNDS {
             if round % 2 == 1 {
                 system.set_permission("a", PermissionRule::deny("b")).await.unwrap();
@@ -82,7 +84,7 @@ async fn a_call_admitted_after_a_revoke_returns_is_refused() {
                 system.remove_permission("a", "b").await.unwrap();
             }
         }
-        generation.store(round, Ordering::SeqCst);
+        generation.store(2 * round, Ordering::SeqCst);
     }
     let mut checked = [0_u64; 2];
     for caller in callers {

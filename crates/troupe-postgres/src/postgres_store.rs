@@ -11,7 +11,8 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::NoTls;
 use troupe_core::ActorId;
 use troupe_runtime::{
-    check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreOperation, TurnCommit, STATE_SCAN_LIMIT_MAX,
+    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit,
+    STATE_SCAN_LIMIT_MAX,
 };
 
 /// The schema version this code writes and reads, stored in `troupe_schema.version`.
@@ -56,6 +57,13 @@ const CREATE_TABLES: &str = "
 const CLAIM_NEXT_FENCE: &str = "
     INSERT INTO troupe_actor_owner (kind, key, fence) VALUES ($1, $2, 1)
     ON CONFLICT (kind, key) DO UPDATE SET fence = troupe_actor_owner.fence + 1
+    RETURNING fence";
+/// Makes `$3` the actor's fence if it is newer than the one it has (or it has none);
+/// returns the fence only if it was set. Takes the owner row's lock either way (an
+/// `ON CONFLICT DO UPDATE` locks the conflicting row even when its `WHERE` is false).
+const CLAIM_GIVEN_FENCE: &str = "
+    INSERT INTO troupe_actor_owner (kind, key, fence) VALUES ($1, $2, $3)
+    ON CONFLICT (kind, key) DO UPDATE SET fence = EXCLUDED.fence WHERE troupe_actor_owner.fence < EXCLUDED.fence
     RETURNING fence";
 
 const SELECT_STATE: &str = "SELECT state FROM troupe_actor_state WHERE kind = $1 AND key = $2";
@@ -318,6 +326,50 @@ fn write_batches(writes: &[(String, Option<Bytes>)]) -> (Vec<&[u8]>, Vec<WriteBa
         }
     }
     (deleted, batches)
+}
+
+#[async_trait]
+impl FencedClaim for PostgresStore {
+    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
+        let operation = StoreOperation::Claim;
+        let Ok(token) = i64::try_from(fence.token()) else {
+            return Err(StoreError::Backend {
+                operation,
+                cause: format!("{fence} does not fit the fence column (at most {})", i64::MAX),
+            });
+        };
+        let (kind, key) = (actor.kind().as_str(), actor.key());
+        let mut client = self.client(operation).await?;
+        let transaction = client.transaction().await.map_err(backend(operation))?;
+        let accepted = transaction
+            .query_opt(CLAIM_GIVEN_FENCE, &[&kind, &key, &token])
+            .await
+            .map_err(backend(operation))?;
+        if accepted.is_none() {
+            let current: Option<i64> = transaction
+                .query_opt(SELECT_FENCE, &[&kind, &key])
+                .await
+                .and_then(|row| row.map(|row| row.try_get(0)).transpose())
+                .map_err(backend(operation))?;
+            // Dropping the transaction rolls it back; it changed nothing.
+            return Err(StoreError::Fenced {
+                actor: actor.clone(),
+                held: fence,
+                current: current.map(|token| fence_from_column(operation, token)).transpose()?,
+            });
+        }
+        // Read after the owner row's lock was granted, as in `claim`.
+        let state: Option<Vec<u8>> = transaction
+            .query_opt(SELECT_STATE, &[&kind, &key])
+            .await
+            .and_then(|row| row.map(|row| row.try_get(0)).transpose())
+            .map_err(backend(operation))?;
+        transaction.commit().await.map_err(backend(operation))?;
+        Ok(Claimed {
+            fence,
+            state: state.map(Bytes::from),
+        })
+    }
 }
 
 #[async_trait]

@@ -27,7 +27,10 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_postgres::{tokio_postgres, PostgresStore, POSTGRES_SCHEMA_VERSION};
-use troupe_runtime::conformance::{actor, bytes, delete, fenced, put, run_all, state_commit, strings, writes_commit};
+use troupe_runtime::conformance::{
+    actor, bytes, claim_with_fence_takes_newer_fences_and_refuses_older, delete, fenced, put, run_all, state_commit,
+    strings, writes_commit,
+};
 use troupe_runtime::{
     Actor, ActorError, Fence, KindConfig, Runtime, RuntimeHandle, SqliteStore, StateStore, StoreError, StoreOperation,
     Turn,
@@ -307,6 +310,17 @@ async fn postgres_store_passes_the_whole_conformance_suite() {
 // ---------------------------------------------------------------------------------------
 // Two stores on one database
 // ---------------------------------------------------------------------------------------
+
+/// `claim_with_fence` (the claim under a cluster placement's fence): two stores on one
+/// database, as two nodes, run the conformance case for external fences.
+#[tokio::test]
+async fn two_stores_take_newer_external_fences_and_refuse_older() {
+    let server = TestServer::start("fenced-claim");
+    let config = server.create_database("shared").await;
+    let node_a = PostgresStore::connect(&config).await.expect("connect A");
+    let node_b = PostgresStore::connect(&config).await.expect("connect B");
+    claim_with_fence_takes_newer_fences_and_refuses_older(&node_a, &node_b).await;
+}
 
 /// Goal: fencing holds between two stores on one database, as between two processes:
 /// the second's claim fences off the first, whose commit (a zombie owner's) is refused

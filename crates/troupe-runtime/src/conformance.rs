@@ -26,8 +26,8 @@ use bytes::Bytes;
 use troupe_core::ActorId;
 
 use crate::state_store::{
-    Fence, StateChange, StateStore, StoreError, StoreItem, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX,
-    STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
+    Fence, FencedClaim, StateChange, StateStore, StoreError, StoreItem, TurnCommit, STATE_KEY_LENGTH_MAX,
+    STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 
 /// The future one case returns.
@@ -914,4 +914,68 @@ pub async fn random_commits_and_scans_match_a_btreemap_model(store: &dyn StateSt
     for (index, owner) in owners.iter().enumerate() {
         assert_eq!(store.load(owner).await.expect("load"), states.get(&index).cloned());
     }
+}
+
+/// The [`FencedClaim`] case, for backends that take external fences (not in [`CASES`]:
+/// not every backend does). `node_a` and `node_b` are two handles on one fresh store,
+/// standing for two nodes.
+///
+/// A claims with fence 7 and commits; B claims with 12 and sees A's state; A's commit
+/// under 7, A's claim with 7 and a second claim with 12 are refused naming 12; B
+/// commits; a plain `claim` afterwards issues 13 (the store's own fences continue above
+/// the external one).
+pub async fn claim_with_fence_takes_newer_fences_and_refuses_older<S: FencedClaim>(node_a: &S, node_b: &S) {
+    let fence = |token: u64| Fence::from_token(token).expect("a nonzero token");
+    let owner = actor("counter", "fenced");
+    let claimed = node_a
+        .claim_with_fence(&owner, fence(7))
+        .await
+        .expect("A claims with 7");
+    assert_eq!((claimed.fence, claimed.state), (fence(7), None));
+    node_a
+        .commit(&owner, fence(7), state_commit("A", Vec::new()))
+        .await
+        .expect("A commits under 7");
+
+    let claimed = node_b
+        .claim_with_fence(&owner, fence(12))
+        .await
+        .expect("B claims with 12");
+    assert_eq!(claimed.fence, fence(12));
+    assert_eq!(claimed.state, Some(bytes("A")), "B starts from A's commit");
+
+    let refused = |result: Result<(), StoreError>, what: &str| match result {
+        Err(StoreError::Fenced { current, .. }) => assert_eq!(current, Some(fence(12)), "{what}"),
+        other => panic!("{what} must be fenced, got {other:?}"),
+    };
+    refused(
+        node_a
+            .commit(&owner, fence(7), state_commit("zombie", Vec::new()))
+            .await,
+        "A's commit under 7",
+    );
+    refused(
+        node_a.claim_with_fence(&owner, fence(7)).await.map(drop),
+        "A's claim with 7",
+    );
+    refused(
+        node_b.claim_with_fence(&owner, fence(12)).await.map(drop),
+        "a second claim with 12",
+    );
+
+    node_b
+        .commit(&owner, fence(12), state_commit("B", Vec::new()))
+        .await
+        .expect("B commits under 12");
+    assert_eq!(
+        node_a.load(&owner).await.expect("load"),
+        Some(bytes("B")),
+        "the zombie wrote nothing"
+    );
+    let claimed = node_a.claim(&owner).await.expect("a plain claim");
+    assert_eq!(
+        claimed.fence,
+        fence(13),
+        "the store's own claim continues above the external fence"
+    );
 }

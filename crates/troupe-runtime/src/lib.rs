@@ -52,7 +52,7 @@ pub use runtime::{Runtime, RuntimeBuilder, SHUTDOWN_ABORT_WAIT_MS, SHUTDOWN_GRAC
 #[cfg(feature = "sqlite")]
 pub use sqlite_store::SqliteStore;
 pub use state_store::{
-    check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreItem, StoreOperation, TurnCommit,
+    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreItem, StoreOperation, TurnCommit,
     STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 pub use transport::{

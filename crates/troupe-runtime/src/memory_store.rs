@@ -22,7 +22,8 @@ use bytes::Bytes;
 use troupe_core::ActorId;
 
 use crate::state_store::{
-    check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreOperation, TurnCommit, STATE_SCAN_LIMIT_MAX,
+    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit,
+    STATE_SCAN_LIMIT_MAX,
 };
 
 #[derive(Clone, Default)]
@@ -180,6 +181,25 @@ impl MemoryStore {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Disk> {
         self.disk.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[async_trait]
+impl FencedClaim for MemoryStore {
+    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
+        self.faults.take(&self.faults.inner.fail_loads, StoreOperation::Claim)?;
+        let mut disk = self.lock();
+        let current = disk.fences.get(actor).copied();
+        if current.is_some_and(|newest| newest >= fence) {
+            return Err(StoreError::Fenced {
+                actor: actor.clone(),
+                held: fence,
+                current,
+            });
+        }
+        disk.fences.insert(actor.clone(), fence);
+        let state = disk.visible.states.get(actor).cloned();
+        Ok(Claimed { fence, state })
     }
 }
 

@@ -59,7 +59,8 @@ use rusqlite::{params, CachedStatement, Connection, OptionalExtension, Statement
 use troupe_core::ActorId;
 
 use crate::state_store::{
-    check_key, Claimed, Fence, StateChange, StateStore, StoreError, StoreOperation, TurnCommit, STATE_SCAN_LIMIT_MAX,
+    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit,
+    STATE_SCAN_LIMIT_MAX,
 };
 
 /// The schema version this code writes and reads, stored in `PRAGMA user_version`.
@@ -94,6 +95,10 @@ const SQLITE_SCHEMA: &str = "
 /// Issues the actor's next fence: 1 for its first claim, one more than the last after.
 const CLAIM_NEXT_FENCE: &str = "INSERT INTO actor_owner (kind, key, fence) VALUES (?1, ?2, 1)
     ON CONFLICT (kind, key) DO UPDATE SET fence = fence + 1 RETURNING fence";
+/// Makes `?3` the actor's fence if it is newer than the one it has (or it has none);
+/// returns the fence only if it was set.
+const CLAIM_GIVEN_FENCE: &str = "INSERT INTO actor_owner (kind, key, fence) VALUES (?1, ?2, ?3)
+    ON CONFLICT (kind, key) DO UPDATE SET fence = excluded.fence WHERE fence < excluded.fence RETURNING fence";
 /// The actor's newest fence.
 const SELECT_FENCE: &str = "SELECT fence FROM actor_owner WHERE kind = ?1 AND key = ?2";
 /// The actor's state blob.
@@ -361,6 +366,54 @@ fn run_lock(connection: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
 /// An actor's id as the two columns that store it.
 fn actor_columns(actor: &ActorId) -> (String, String) {
     (actor.kind().as_str().to_string(), actor.key().to_string())
+}
+
+#[async_trait]
+impl FencedClaim for SqliteStore {
+    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
+        let (kind, key) = actor_columns(actor);
+        let Ok(token) = i64::try_from(fence.token()) else {
+            return Err(StoreError::Backend {
+                operation: StoreOperation::Claim,
+                cause: format!("{fence} does not fit the fence column (at most {})", i64::MAX),
+            });
+        };
+        let (accepted, current, state) = self
+            .run(StoreOperation::Claim, move |connection| {
+                // IMMEDIATE, as in `claim`: the check and the update are one step.
+                let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let accepted: Option<i64> = prepared(&transaction, CLAIM_GIVEN_FENCE)?
+                    .query_row(params![kind, key, token], |row| row.get(0))
+                    .optional()?;
+                let (current, state) = if accepted.is_some() {
+                    let state: Option<Vec<u8>> = prepared(&transaction, SELECT_STATE)?
+                        .query_row(params![kind, key], |row| row.get(0))
+                        .optional()?;
+                    (None, state)
+                } else {
+                    let current: Option<i64> = prepared(&transaction, SELECT_FENCE)?
+                        .query_row(params![kind, key], |row| row.get(0))
+                        .optional()?;
+                    (current, None)
+                };
+                transaction.commit()?;
+                Ok((accepted.is_some(), current, state))
+            })
+            .await?;
+        if !accepted {
+            return Err(StoreError::Fenced {
+                actor: actor.clone(),
+                held: fence,
+                current: current
+                    .map(|token| fence_from_column(StoreOperation::Claim, token))
+                    .transpose()?,
+            });
+        }
+        Ok(Claimed {
+            fence,
+            state: state.map(Bytes::from),
+        })
+    }
 }
 
 #[async_trait]

@@ -246,6 +246,29 @@ pub trait StateStore: Send + Sync + 'static {
     ) -> Result<Vec<(String, Bytes)>, StoreError>;
 }
 
+/// A store that also accepts fences issued outside it: a cluster's placement service
+/// (the etcd revision of the key that names the actor's owner) hands out the fencing
+/// token, and the store holds every claim and commit to it.
+///
+/// [`FencedClaim::claim_with_fence`] is [`StateStore::claim`] with the fence chosen by
+/// the caller instead of the store. It is accepted only if the fence is newer than the
+/// actor's newest (from either kind of claim), so a stale owner that claims again with
+/// its old token is refused, and once the new owner has claimed, the old owner's
+/// commits are refused as for any other fence.
+#[async_trait]
+pub trait FencedClaim: StateStore {
+    /// Claims `actor` under `fence`: in one atomic step, checks that `fence` is newer
+    /// than the actor's newest fence, makes it the newest (fencing off every older one)
+    /// and reads the actor's last committed state blob.
+    ///
+    /// # Errors
+    /// [`StoreError::Fenced`] (with `held: fence` and the newer `current`) if the
+    /// actor's newest fence is `fence` or newer; then nothing changed.
+    /// [`StoreError::Backend`] (or [`StoreError::Injected`]) if the backend fails; then
+    /// no fence was issued.
+    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError>;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

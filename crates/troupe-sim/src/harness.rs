@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use madsim::net::NetSim;
-use troupe_agent::{agent_id, AgentReply, AgentRequest, ChatMessage, Role};
+use troupe_agent::{agent_id, AgentReply, AgentRequest, Budget, ChatMessage, Role};
 use troupe_core::InvokeError;
 use troupe_runtime::KindConfig;
 
@@ -29,6 +29,10 @@ pub type Outcome = Result<ProbeReply, InvokeError>;
 
 /// What an agent request came back with.
 pub type AgentOutcome = Result<AgentReply, InvokeError>;
+
+/// The first observer call id of a client's budgeted ask (`SimClient::ask_with_budget`):
+/// far above the ids an agent system hands out (one per call, from 1), so they never meet.
+pub const ROOT_CALL_ID_BASE: u64 = 1 << 48;
 
 /// How a simulated deployment is built.
 #[derive(Debug, Clone, Copy)]
@@ -131,12 +135,24 @@ impl SimClient {
         let client = self.clone();
         let (agent, text) = (agent.to_string(), text.to_string());
         self.cluster
-            .spawn_on_client(async move { client.ask_here(&agent, &text, timeout).await })
+            .spawn_on_client(async move { client.ask_here(&agent, &text, timeout, None).await })
             .await
             .expect("a client request task never panics")
     }
 
-    async fn ask_here(&self, agent: &str, text: &str, timeout: Duration) -> AgentOutcome {
+    /// [`SimClient::ask`] under `budget`. The request's observer call id is
+    /// [`ROOT_CALL_ID_BASE`] plus its trace request id, so the agent events of its whole
+    /// call tree (`CallStarted::parent`, `ModelResponded::call`) lead back to it.
+    pub async fn ask_with_budget(&self, agent: &str, text: &str, timeout: Duration, budget: Budget) -> AgentOutcome {
+        let client = self.clone();
+        let (agent, text) = (agent.to_string(), text.to_string());
+        self.cluster
+            .spawn_on_client(async move { client.ask_here(&agent, &text, timeout, Some(budget)).await })
+            .await
+            .expect("a client request task never panics")
+    }
+
+    async fn ask_here(&self, agent: &str, text: &str, timeout: Duration, budget: Option<Budget>) -> AgentOutcome {
         let trace = &self.trace;
         let target = agent_id(agent).expect("a valid agent id");
         let request = trace.next_id();
@@ -148,7 +164,8 @@ impl SimClient {
         let payload = AgentRequest {
             text: text.to_string(),
             from: None,
-            call: None,
+            call: budget.map(|_| ROOT_CALL_ID_BASE + request),
+            budget: budget.unwrap_or(Budget::UNLIMITED),
         }
         .encode();
         let outcome = self
@@ -156,7 +173,8 @@ impl SimClient {
             .invoke(AGENT_NODE, &target, payload, timeout)
             .await
             .map(|bytes| AgentReply::decode(&bytes).expect("an agent reply decodes"));
-        if outcome.is_ok() {
+        // A reply whose budget ran out answered nothing and committed nothing.
+        if matches!(&outcome, Ok(reply) if reply.exhausted.is_none()) {
             trace.record(Event::AgentAcked {
                 agent: target.to_string(),
                 text: text.to_string(),
@@ -423,6 +441,17 @@ impl Sim {
         let outcome = self.client.ask(agent, text, timeout).await;
         self.check();
         outcome
+    }
+
+    /// Asks agent `agent` under `budget` in the background (see
+    /// [`SimClient::ask_with_budget`]); [`Sim::drain_asks`] waits for it.
+    pub fn spawn_ask_with_budget(&mut self, agent: &str, text: &str, timeout: Duration, budget: Budget) {
+        self.longest_timeout = self.longest_timeout.max(timeout);
+        let client = self.client.clone();
+        let (agent, text) = (agent.to_string(), text.to_string());
+        self.pending_asks.push(tokio::spawn(async move {
+            client.ask_with_budget(&agent, &text, timeout, budget).await
+        }));
     }
 
     /// Asks agent `agent` in the background; [`Sim::drain_asks`] waits for it.

@@ -75,4 +75,4 @@ pub use cluster::{ClientMode, Disk, NodeId, Placement, SimCluster};
 #[cfg(madsim)]
 pub use faults::Fault;
 #[cfg(madsim)]
-pub use harness::{AgentOutcome, Outcome, Report, Sim, SimClient, SimConfig};
+pub use harness::{AgentOutcome, Outcome, Report, Sim, SimClient, SimConfig, ROOT_CALL_ID_BASE};

@@ -1,0 +1,94 @@
+//! What every agent of one system shares: the directory, the model, the tools, the
+//! observers and the runtime once started.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use troupe_core::Deadline;
+use troupe_runtime::{Clock, RuntimeHandle};
+
+use crate::{AgentDirectory, AgentEvent, AgentObserver, LlmClient, ToolRegistry, ToolSpec};
+
+/// What every agent of one system shares.
+pub(crate) struct AgentShared {
+    pub(crate) directory: AgentDirectory,
+    pub(crate) llm: Arc<dyn LlmClient>,
+    pub(crate) tools: ToolRegistry,
+    /// The registry's specs, built once: every model request offers this list.
+    pub(crate) tool_specs: Arc<[ToolSpec]>,
+    pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
+    /// The organisation: links, permissions, approvals (`org_store.rs`).
+    pub(crate) org: crate::org_store::OrgStore,
+    /// The broadcast event stream ([`crate::AgentClient::subscribe`]).
+    pub(crate) stream: tokio::sync::broadcast::Sender<AgentEvent>,
+    next_call: AtomicU64,
+    /// The runtime's clock, set once the runtime has started (before any agent can
+    /// activate): the time of the events the hooks report, which have no turn at hand.
+    clock: OnceLock<Clock>,
+    /// The runtime, set once it has started: delivery tasks invoke through it.
+    runtime: OnceLock<RuntimeHandle>,
+}
+
+impl AgentShared {
+    pub(crate) fn new(
+        directory: AgentDirectory,
+        llm: Arc<dyn LlmClient>,
+        tools: ToolRegistry,
+        observers: Vec<Arc<dyn AgentObserver>>,
+    ) -> Self {
+        Self {
+            directory,
+            llm,
+            tool_specs: tools.specs().into(),
+            tools,
+            observers,
+            org: crate::org_store::OrgStore::new(),
+            stream: tokio::sync::broadcast::channel(crate::limits::AGENT_EVENT_STREAM_CAPACITY).0,
+            next_call: AtomicU64::new(1),
+            clock: OnceLock::new(),
+            runtime: OnceLock::new(),
+        }
+    }
+
+    /// Records the runtime the agents run in (and its clock); the first call wins.
+    pub(crate) fn set_runtime(&self, runtime: RuntimeHandle) {
+        let _ = self.clock.set(runtime.clock());
+        let _ = self.runtime.set(runtime);
+    }
+
+    /// The runtime, once started.
+    pub(crate) fn runtime(&self) -> Option<RuntimeHandle> {
+        self.runtime.get().cloned()
+    }
+
+    /// The current time on the runtime's clock.
+    ///
+    /// # Panics
+    /// Before [`AgentShared::set_runtime`]: the system sets it as soon as its runtime
+    /// starts, before any agent can be activated.
+    pub(crate) fn now(&self) -> Deadline {
+        self.clock
+            .get()
+            .expect("the agent system sets the runtime's clock when it starts")
+            .now()
+    }
+
+    pub(crate) fn next_call_id(&self) -> u64 {
+        self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn emit(&self, event: &AgentEvent) {
+        for observer in &self.observers {
+            observer.on_event(event);
+        }
+        if self.stream.receiver_count() > 0 {
+            // Never waits: a slow subscriber loses the oldest events and sees `Lagged`.
+            let _ = self.stream.send(event.clone());
+        }
+    }
+
+    /// Whether anyone receives events (an observer or a stream subscriber).
+    pub(crate) fn has_listeners(&self) -> bool {
+        !self.observers.is_empty() || self.stream.receiver_count() > 0
+    }
+}

@@ -1,0 +1,199 @@
+//! What an agent is: its definition ([`AgentSpec`], [`ModelSettings`]) and the
+//! directory of the agents that exist ([`AgentDirectory`]).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+
+use serde::{Deserialize, Serialize};
+use troupe_core::{ActorId, IdError};
+
+use crate::limits::{AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX};
+
+/// The actor kind of every agent.
+pub const AGENT_KIND: &str = "agent";
+
+/// The actor id of the agent with key `key`.
+///
+/// # Errors
+/// [`IdError`] if `key` cannot be an actor key.
+pub fn agent_id(key: &str) -> Result<ActorId, IdError> {
+    ActorId::new(AGENT_KIND, key)
+}
+
+/// Which model an agent uses and how many steps a turn may take.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSettings {
+    /// The model's name, passed to the [`crate::LlmClient`]; empty means the client's default.
+    pub model: String,
+    /// Most model steps per turn; clipped to [`AGENT_TURN_STEPS_MAX`].
+    pub max_steps: u32,
+}
+
+impl Default for ModelSettings {
+    fn default() -> Self {
+        Self {
+            model: String::new(),
+            max_steps: AGENT_TURN_STEPS_MAX,
+        }
+    }
+}
+
+/// Why an agent definition was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentSpecError {
+    /// The id cannot be an actor key.
+    #[error("agent id {id:?} is invalid: {cause}")]
+    InvalidId {
+        /// The id.
+        id: String,
+        /// Why.
+        cause: IdError,
+    },
+    /// The system prompt is too long.
+    #[error("the system prompt of {id} is {size} bytes, more than the limit of {limit}")]
+    SystemPromptTooLong {
+        /// The agent.
+        id: String,
+        /// Its size in bytes.
+        size: usize,
+        /// [`AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES`].
+        limit: usize,
+    },
+    /// An agent with this id is already defined.
+    #[error("agent {id:?} is already defined")]
+    Duplicate {
+        /// The id.
+        id: String,
+    },
+}
+
+/// The definition of an agent: who it is and how it thinks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentSpec {
+    /// Its id, the key of its actor id (`agent/{id}`); what `call_agent` names.
+    pub id: String,
+    /// A display name.
+    pub name: String,
+    /// The instructions its model gets first.
+    pub system_prompt: String,
+    /// A one-line description of its job, shown to the other agents.
+    pub role: String,
+    /// Its model settings.
+    pub model: ModelSettings,
+}
+
+impl AgentSpec {
+    /// An agent named and identified `id`, with empty prompt and role.
+    pub fn new(id: impl Into<String>) -> Self {
+        let id = id.into();
+        Self {
+            name: id.clone(),
+            id,
+            system_prompt: String::new(),
+            role: String::new(),
+            model: ModelSettings::default(),
+        }
+    }
+
+    /// Sets the display name.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Sets the system prompt.
+    pub fn system_prompt(mut self, prompt: impl Into<String>) -> Self {
+        self.system_prompt = prompt.into();
+        self
+    }
+
+    /// Sets the role.
+    pub fn role(mut self, role: impl Into<String>) -> Self {
+        self.role = role.into();
+        self
+    }
+
+    /// Sets the model name.
+    pub fn model(mut self, model: impl Into<String>) -> Self {
+        self.model.model = model.into();
+        self
+    }
+
+    /// Sets the most model steps per turn.
+    pub fn max_steps(mut self, steps: u32) -> Self {
+        self.model.max_steps = steps;
+        self
+    }
+
+    /// Checks the id and the prompt size.
+    ///
+    /// # Errors
+    /// [`AgentSpecError`].
+    pub fn validate(&self) -> Result<(), AgentSpecError> {
+        agent_id(&self.id).map_err(|cause| AgentSpecError::InvalidId {
+            id: self.id.clone(),
+            cause,
+        })?;
+        if self.system_prompt.len() > AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES {
+            return Err(AgentSpecError::SystemPromptTooLong {
+                id: self.id.clone(),
+                size: self.system_prompt.len(),
+                limit: AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The agents that exist, by id; shared by the factory, `call_agent` admission and the
+/// embedding API. An agent not in the directory cannot be called or activated.
+///
+/// The directory lives in memory: agent definitions are the application's code or
+/// configuration, registered again when it starts (as [`crate::AgentSystemBuilder::agent`]
+/// does). What must survive a restart, each agent's conversation, is in the store; each
+/// snapshot also keeps the definition the agent last ran with, and the directory's
+/// current definition replaces it on the next turn.
+#[derive(Debug, Clone, Default)]
+pub struct AgentDirectory {
+    agents: Arc<RwLock<BTreeMap<String, AgentSpec>>>,
+}
+
+impl AgentDirectory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds or replaces an agent; its next turn uses the new definition and keeps its
+    /// history.
+    ///
+    /// # Errors
+    /// [`AgentSpecError`] if the definition is invalid.
+    pub fn upsert(&self, spec: AgentSpec) -> Result<(), AgentSpecError> {
+        spec.validate()?;
+        self.agents.write().unwrap().insert(spec.id.clone(), spec);
+        Ok(())
+    }
+
+    /// Removes agent `id` from the directory and returns its definition. It can no
+    /// longer be called or activated; an activation that is live keeps running until it
+    /// is deactivated (see [`crate::AgentClient::remove_agent`], which does both).
+    pub fn remove(&self, id: &str) -> Option<AgentSpec> {
+        self.agents.write().unwrap().remove(id)
+    }
+
+    /// The definition of agent `id`.
+    pub fn get(&self, id: &str) -> Option<AgentSpec> {
+        self.agents.read().unwrap().get(id).cloned()
+    }
+
+    /// Whether agent `id` exists.
+    pub fn contains(&self, id: &str) -> bool {
+        self.agents.read().unwrap().contains_key(id)
+    }
+
+    /// Every definition, by id.
+    pub fn list(&self) -> Vec<AgentSpec> {
+        self.agents.read().unwrap().values().cloned().collect()
+    }
+}

@@ -1,0 +1,175 @@
+//! An agent's saved state and conversation log: the counters it commits after each
+//! turn ([`SavedAgent`]), the log (`log/{seq:020}`, one message per entry) and the
+//! bounded window of recent messages read back from it.
+
+use serde::{Deserialize, Serialize};
+use troupe_runtime::{ActorError, Turn};
+
+use crate::limits::AGENT_HISTORY_WINDOW_MAX;
+use crate::{AgentSpec, ChatMessage, Role};
+
+/// An agent in memory: its definition, the recent conversation (the window: the last
+/// messages of its log) and how long its full log is.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct AgentState {
+    pub(crate) spec: AgentSpec,
+    pub(crate) window: Vec<ChatMessage>,
+    /// Whether `window` holds the log's last `saved_window` messages yet: after an
+    /// activation it is read from the log at the first turn.
+    window_loaded: bool,
+    /// The window's length when the state was loaded.
+    saved_window: u64,
+    pub(crate) log_length: u64,
+    pub(crate) turns: u64,
+    pub(crate) boxes: BoxCounters,
+}
+
+/// The counters of an agent's inbox and outbox (see `inbox.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct BoxCounters {
+    /// The seq of the next inbox entry.
+    #[serde(default)]
+    pub(crate) inbox_next: u64,
+    /// Entries in the inbox.
+    #[serde(default)]
+    pub(crate) inbox_len: u64,
+    /// The seq of the next outbox entry (also names message and task ids).
+    #[serde(default)]
+    pub(crate) outbox_next: u64,
+    /// Entries in the outbox.
+    #[serde(default)]
+    pub(crate) outbox_len: u64,
+    /// Delegations not yet resolved.
+    #[serde(default)]
+    pub(crate) tasks_open: u64,
+}
+
+/// What an agent commits after each turn: counters only. The definition comes from
+/// the directory, and the window is the tail of the log (each message is already
+/// committed there, once), so a turn's snapshot costs a few bytes, not the whole chat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SavedAgent {
+    pub(crate) log_length: u64,
+    pub(crate) turns: u64,
+    /// How many of the log's last messages make up the window.
+    pub(crate) window: u64,
+    /// Inbox and outbox counters.
+    #[serde(default)]
+    pub(crate) boxes: BoxCounters,
+}
+
+impl SavedAgent {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(bytes).map_err(|error| error.to_string())
+    }
+
+    /// The log key after which the window starts (`None`: at the log's start).
+    pub(crate) fn window_after(&self) -> Option<String> {
+        let start = self.log_length - self.window.min(self.log_length);
+        start.checked_sub(1).map(log_key)
+    }
+}
+
+impl AgentState {
+    pub(crate) fn new(spec: AgentSpec, saved: Option<SavedAgent>) -> Self {
+        let saved = saved.unwrap_or(SavedAgent {
+            log_length: 0,
+            turns: 0,
+            window: 0,
+            boxes: BoxCounters::default(),
+        });
+        Self {
+            spec,
+            window: Vec::new(),
+            window_loaded: saved.window == 0,
+            saved_window: saved.window,
+            log_length: saved.log_length,
+            turns: saved.turns,
+            boxes: saved.boxes,
+        }
+    }
+
+    pub(crate) fn saved(&self) -> SavedAgent {
+        SavedAgent {
+            log_length: self.log_length,
+            turns: self.turns,
+            window: self.window.len() as u64,
+            boxes: self.boxes,
+        }
+    }
+
+    /// Reads the window from the log, once per activation.
+    pub(crate) async fn load_window(&mut self, turn: &Turn) -> Result<(), ActorError> {
+        if self.window_loaded {
+            return Ok(());
+        }
+        let saved = SavedAgent {
+            log_length: self.log_length,
+            turns: self.turns,
+            window: self.saved_window,
+            boxes: self.boxes,
+        };
+        let after = saved.window_after();
+        let limit = usize::try_from(saved.window).unwrap_or(usize::MAX);
+        let page = turn.scan("log/", after.as_deref(), limit).await?;
+        let mut window = Vec::with_capacity(page.len());
+        for (key, value) in page {
+            let message: ChatMessage = serde_json::from_slice(&value)
+                .map_err(|error| ActorError::failed(format!("log entry {key} cannot be decoded: {error}")))?;
+            window.push(message);
+        }
+        self.window = window;
+        self.window_loaded = true;
+        Ok(())
+    }
+
+    /// Appends `messages`, keeps the last [`AGENT_HISTORY_WINDOW_MAX`], and never starts
+    /// the window in the middle of an exchange (a tool result without its call).
+    pub(crate) fn remember(&mut self, messages: &[ChatMessage]) {
+        self.window.extend_from_slice(messages);
+        if self.window.len() > AGENT_HISTORY_WINDOW_MAX {
+            let excess = self.window.len() - AGENT_HISTORY_WINDOW_MAX;
+            self.window.drain(..excess);
+        }
+        let first_user = self
+            .window
+            .iter()
+            .position(|m| m.role == Role::User)
+            .unwrap_or(self.window.len());
+        self.window.drain(..first_user);
+        assert!(self.window.len() <= AGENT_HISTORY_WINDOW_MAX);
+    }
+}
+
+/// The key of entry `seq` of the conversation log.
+pub(crate) fn log_key(seq: u64) -> String {
+    format!("log/{seq:020}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ToolCall;
+
+    #[test]
+    fn the_window_stays_bounded_and_starts_at_a_user_message() {
+        let mut state = AgentState::new(AgentSpec::new("a"), None);
+        for turn in 0..100 {
+            let mut assistant = ChatMessage::new(Role::Assistant, "");
+            assistant.tool_calls.push(ToolCall {
+                id: format!("c{turn}"),
+                name: "t".into(),
+                arguments: serde_json::json!({}),
+            });
+            state.remember(&[
+                ChatMessage::new(Role::User, format!("q{turn}")),
+                assistant,
+                ChatMessage::tool_result(format!("c{turn}"), "r"),
+                ChatMessage::new(Role::Assistant, format!("a{turn}")),
+            ]);
+            assert!(state.window.len() <= AGENT_HISTORY_WINDOW_MAX);
+            assert_eq!(state.window[0].role, Role::User);
+        }
+        assert_eq!(state.window.last().unwrap().content, "a99");
+    }
+}

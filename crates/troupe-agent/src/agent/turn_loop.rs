@@ -1,0 +1,293 @@
+//! One conversation turn: the model loop, the tool calls of each step, the budget
+//! meter, and the log writes at the end (see the diagram in `agent.rs`).
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use troupe_core::{truncate_utf8, Deadline};
+use troupe_runtime::{ActorError, Turn};
+
+use super::{log_key, AgentActor};
+use crate::budget::BudgetMeter;
+use crate::inbox::{PendingSends, SharedSends};
+use crate::limits::{
+    AGENT_REPLY_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+};
+use crate::{
+    AgentEvent, AgentReply, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmError, LlmRequest, Role,
+    TokenUsage, ToolCall, ToolExecutionContext, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+};
+
+/// One conversation turn to run: the user message and who it serves.
+pub(crate) struct Conversation {
+    /// The user message, as the model sees it.
+    pub(crate) content: String,
+    /// The observer's call id, if any.
+    pub(crate) call: Option<u64>,
+    /// When the model loop must be done (at or before the turn's deadline).
+    pub(crate) deadline: Deadline,
+    /// What the turn may spend.
+    pub(crate) budget: Budget,
+}
+
+impl AgentActor {
+    /// The system message: the agent's prompt, its role, and the peers it may call.
+    fn system_message(&self) -> ChatMessage {
+        let spec = &self.state.spec;
+        let mut text = spec.system_prompt.clone();
+        if !text.is_empty() {
+            text.push_str("\n\n");
+        }
+        text.push_str(&format!("You are {} (agent id \"{}\")", spec.name, spec.id));
+        if !spec.role.is_empty() {
+            text.push_str(&format!(", {}", spec.role));
+        }
+        text.push('.');
+        text.push_str(&crate::org_prompt::contacts_section(&self.shared, &spec.id));
+        ChatMessage::new(Role::System, text)
+    }
+
+    /// The error of a turn that reached its deadline: the same [`InvokeError::Timeout`]
+    /// the runtime gives when it cancels the turn, so a caller sees a timeout whichever
+    /// fires first at that instant (the model call's clip, or the runtime's).
+    pub(crate) fn timed_out(&self, timeout_ms: u64) -> ActorError {
+        ActorError::Invoke(troupe_core::InvokeError::Timeout {
+            target: self.id.clone(),
+            timeout_ms,
+        })
+    }
+
+    /// Runs one conversation turn (see `converse_steps`) and reports its end
+    /// ([`AgentEvent::TurnEnded`]) when anyone listens.
+    pub(crate) async fn converse(
+        &mut self,
+        turn: &mut Turn,
+        conversation: Conversation,
+    ) -> Result<AgentReply, ActorError> {
+        let call = conversation.call;
+        let result = self.converse_steps(turn, conversation).await;
+        if self.shared.has_listeners() {
+            let (ok, steps, usage) = match &result {
+                Ok(reply) => (reply.exhausted.is_none(), reply.steps, reply.usage),
+                Err(_) => (false, 0, TokenUsage::default()),
+            };
+            self.shared.emit(&AgentEvent::TurnEnded {
+                agent: self.id.clone(),
+                call,
+                ok,
+                steps,
+                usage,
+                at: self.shared.now(),
+            });
+        }
+        result
+    }
+
+    /// The model loop (until `conversation.deadline`), then the log writes and the
+    /// turn's sends (outbox entries, task records, relays).
+    async fn converse_steps(&mut self, turn: &mut Turn, conversation: Conversation) -> Result<AgentReply, ActorError> {
+        let clock = turn.clock();
+        let context = turn.context().clone();
+        let deadline = conversation.deadline.min(context.deadline());
+        let started = clock.now();
+        let timeout_ms = |from: troupe_core::Deadline| deadline.remaining_ms(from);
+        self.shared.emit(&AgentEvent::TurnStarted {
+            agent: self.id.clone(),
+            call: conversation.call,
+            depth: context.depth(),
+            chain: context.chain().to_vec(),
+            deadline,
+            at: started,
+        });
+        let mut fresh = vec![ChatMessage::new(Role::User, conversation.content)];
+        let boxes = self.state.boxes;
+        let sends: SharedSends = Arc::new(Mutex::new(PendingSends::new(
+            self.id.clone(),
+            boxes.outbox_next,
+            boxes.outbox_len,
+            boxes.tasks_open,
+        )));
+        let meter = Arc::new(BudgetMeter::new(self.id.clone(), conversation.budget));
+        let tools = ToolExecutionContext::new(
+            turn.caller().clone(),
+            conversation.call,
+            Arc::clone(&self.shared),
+            Some(Arc::clone(&sends)),
+            Arc::clone(&meter),
+        );
+        let specs = &crate::org_prompt::tool_specs_for(&self.shared, self.id.key());
+        let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
+        let mut steps = 0;
+        let mut usage = TokenUsage::default();
+        // A turn whose budget runs out replies with the typed error and commits nothing
+        // (its spend is reported all the same: the tokens are gone).
+        let exhausted = |steps, usage, error: BudgetExhausted| AgentReply {
+            text: String::new(),
+            truncated: false,
+            steps,
+            usage,
+            spent: meter.spent(),
+            exhausted: Some(error),
+        };
+        let answer = loop {
+            if steps == max_steps {
+                return Err(ActorError::failed(format!(
+                    "{} used all {max_steps} model steps without a final answer",
+                    self.id
+                )));
+            }
+            let max_tokens = match meter.model_call_cap() {
+                Ok(cap) => cap,
+                Err(error) => return Ok(exhausted(steps, usage, error)),
+            };
+            steps += 1;
+            let mut messages = Vec::with_capacity(1 + self.state.window.len() + fresh.len());
+            messages.push(self.system_message());
+            messages.extend_from_slice(&self.state.window);
+            messages.extend_from_slice(&fresh);
+            let llm_request = LlmRequest {
+                agent: self.id.clone(),
+                model: self.state.spec.model.model.clone(),
+                messages,
+                tools: Arc::clone(specs),
+                deadline,
+                max_tokens,
+            };
+            let model_call = tracing::Instrument::instrument(
+                self.shared.llm.complete(llm_request),
+                tracing::debug_span!("model_call", agent = %self.id, step = steps),
+            );
+            let reply = match clock.run_until(deadline, model_call).await {
+                Ok(Ok(reply)) => reply,
+                Ok(Err(LlmError::OverTokenLimit { max_tokens, .. })) => {
+                    let limit = meter.limit().tokens.unwrap_or(u64::MAX);
+                    let error = BudgetExhausted {
+                        agent: self.id.clone(),
+                        resource: BudgetResource::Tokens,
+                        spent: limit.saturating_sub(max_tokens),
+                        limit,
+                    };
+                    return Ok(exhausted(steps, usage, error));
+                }
+                Ok(Err(error)) => return Err(ActorError::failed(format!("the model failed: {error}"))),
+                Err(_elapsed) => {
+                    tracing::debug!(agent = %self.id, "{}", LlmError::Timeout { timeout_ms: timeout_ms(clock.now()) });
+                    return Err(self.timed_out(timeout_ms(started)));
+                }
+            };
+            if let Some(used) = reply.usage {
+                usage.prompt_tokens += used.prompt_tokens;
+                usage.completion_tokens += used.completion_tokens;
+                usage.total_tokens += used.total_tokens;
+            }
+            let charged = reply
+                .usage
+                .map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
+            if self.shared.has_listeners() {
+                self.shared.emit(&AgentEvent::ModelResponded {
+                    agent: self.id.clone(),
+                    call: conversation.call,
+                    step: steps,
+                    usage: reply.usage,
+                    tool_calls: reply.message.tool_calls.len(),
+                    at: clock.now(),
+                });
+            }
+            let mut message = reply.message;
+            message.role = Role::Assistant;
+            message.tool_call_id = None;
+            let calls = message.tool_calls.clone();
+            let content = message.content.clone();
+            fresh.push(message);
+            if let Err(error) = charged {
+                return Ok(exhausted(steps, usage, error));
+            }
+            if calls.is_empty() {
+                break content;
+            }
+            let Ok(results) = clock.run_until(deadline, self.run_tools(&tools, &calls)).await else {
+                return Err(self.timed_out(timeout_ms(started)));
+            };
+            for (call, result) in calls.iter().zip(results) {
+                fresh.push(ChatMessage::tool_result(call.id.clone(), result));
+            }
+        };
+        // A future that finishes at the very instant of its deadline wins the race with
+        // the timer, but the caller has given up by then (a deadline equal to now has
+        // passed): such a turn must not commit.
+        if deadline.has_passed(clock.now()) {
+            return Err(self.timed_out(timeout_ms(started)));
+        }
+        for message in &fresh {
+            let bytes = serde_json::to_vec(message).map_err(|error| ActorError::failed(error.to_string()))?;
+            turn.put(log_key(self.state.log_length), Bytes::from(bytes))?;
+            self.state.log_length += 1;
+        }
+        drop(tools);
+        let sends = std::mem::replace(
+            &mut *sends.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            PendingSends::new(self.id.clone(), 0, 0, 0),
+        );
+        self.flush_sends(turn, sends).await?;
+        self.state.remember(&fresh);
+        self.state.turns += 1;
+        let text = truncate_utf8(&answer, AGENT_REPLY_SIZE_MAX_BYTES);
+        Ok(AgentReply {
+            text: text.to_string(),
+            truncated: text.len() < answer.len(),
+            steps,
+            usage,
+            spent: meter.spent(),
+            exhausted: None,
+        })
+    }
+
+    /// Runs one step's tool calls concurrently; one result text per call, in order.
+    async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
+        let registry = &self.shared.tools;
+        let granting = calls
+            .iter()
+            .take(AGENT_TOOL_CALLS_PER_STEP_MAX)
+            .filter(|call| [CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME].contains(&call.name.as_str()))
+            .count();
+        context.budget().begin_step(granting);
+        // Polled in place on the turn's task (no spawned tasks, which would outlive a
+        // cancelled turn), first in input order; dropped with the turn.
+        let futures = calls.iter().enumerate().map(|(index, call)| async move {
+            if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
+                return format!(
+                    "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
+                );
+            }
+            let arguments = match &call.arguments {
+                // Some providers send the arguments as a JSON string.
+                serde_json::Value::String(text) => {
+                    serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone())
+                }
+                other => other.clone(),
+            };
+            if let Err(error) = context.budget().charge_tool_call() {
+                return format!("error: {error}");
+            }
+            let executed = tracing::Instrument::instrument(
+                registry.execute(context, &call.name, arguments),
+                tracing::debug_span!("tool_call", agent = %self.id, tool = %call.name),
+            )
+            .await;
+            if self.shared.has_listeners() {
+                self.shared.emit(&AgentEvent::ToolFinished {
+                    agent: self.id.clone(),
+                    tool: call.name.clone(),
+                    ok: executed.is_ok(),
+                    at: self.shared.now(),
+                });
+            }
+            let result = match executed {
+                Ok(text) => text,
+                Err(error) => format!("error: {error}"),
+            };
+            truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
+        });
+        futures::future::join_all(futures).await
+    }
+}

@@ -1,0 +1,567 @@
+//! Budgets along a call chain: tokens and tool calls, granted, reserved and settled.
+//!
+//! Deadlines shrink along a chain; so does cost. A request carries a [`Budget`] (in
+//! [`crate::AgentRequest`], and in a delegated task or notification's inbox entry); the
+//! turn that serves it keeps a meter:
+//!
+//! ```text
+//! turn of A, budget B ─► before each model call: tokens left = 0? → BudgetExhausted
+//!                        the request's max_tokens = tokens left (the call's cap)
+//!                        after it: charge the reported usage (total_tokens)
+//!                    ─► each tool call: charge one tool call; none left → the tool
+//!                        result "error: ... budget ... exhausted" (the model sees it)
+//!                    ─► call_agent / delegate / notify to C: grant = min(left, this
+//!                        step's share), RESERVED at once (parallel siblings cannot
+//!                        jointly overspend); C's turn runs under the grant
+//!                    ◄── C's reply reports C's spend (its own calls and its grants,
+//!                        recursively): charge it, release the reservation (refund)
+//! ```
+//!
+//! There is no shared meter across nodes, as there is no shared clock: like a deadline,
+//! a grant is a value that travels with the call, and a spend is a value that travels
+//! back. What a parent has charged or reserved is never granted twice, so the spend of a
+//! whole chain, summed, stays within its root's budget as long as each turn keeps its
+//! model calls within the cap it passes (`LlmRequest::max_tokens`) and reports what it
+//! spent. When a child's spend is unknown (it failed, timed out or was cancelled), the
+//! parent charges the whole grant. A delegated task or a notification is charged its
+//! whole grant at once (its result arrives in a later turn); the result of a task comes
+//! back with what the task left, and the delegator's turn that reads it runs on that.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use troupe_core::ActorId;
+
+use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_SEND_GRANT_DIVISOR};
+use crate::{AgentCallError, AgentReply};
+
+/// What a call may spend, its own model and tool calls and every call it makes
+/// included. `None` is unlimited.
+///
+/// [`Budget::UNLIMITED`] is the default: a budget is a limit the caller chooses (a
+/// token count is specific to a model and a task), and `AgentClient::ask` keeps running
+/// turns as it did before budgets existed.
+///
+/// # Examples
+/// ```
+/// use troupe_agent::Budget;
+/// let budget = Budget::tokens(2_000).with_tool_calls(10);
+/// assert_eq!(budget.tokens, Some(2_000));
+/// assert_eq!(budget.tool_calls, Some(10));
+/// assert!(Budget::default().is_unlimited());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Budget {
+    /// The most tokens (prompt and completion, as the model reports them) to spend.
+    pub tokens: Option<u64>,
+    /// The most tool calls to make (`call_agent` and the messaging tools included).
+    pub tool_calls: Option<u64>,
+}
+
+impl Budget {
+    /// No limit on tokens or tool calls.
+    pub const UNLIMITED: Budget = Budget {
+        tokens: None,
+        tool_calls: None,
+    };
+
+    /// At most `tokens` tokens, any number of tool calls.
+    pub fn tokens(tokens: u64) -> Self {
+        Self {
+            tokens: Some(tokens),
+            tool_calls: None,
+        }
+    }
+
+    /// This budget with at most `tool_calls` tool calls.
+    #[must_use]
+    pub fn with_tool_calls(mut self, tool_calls: u64) -> Self {
+        self.tool_calls = Some(tool_calls);
+        self
+    }
+
+    /// Whether nothing is limited.
+    pub fn is_unlimited(&self) -> bool {
+        self.tokens.is_none() && self.tool_calls.is_none()
+    }
+
+    /// What is left of this budget after `spent` (never negative).
+    #[must_use]
+    pub fn after(&self, spent: Spend) -> Budget {
+        Budget {
+            tokens: self.tokens.map(|limit| limit.saturating_sub(spent.tokens)),
+            tool_calls: self.tool_calls.map(|limit| limit.saturating_sub(spent.tool_calls)),
+        }
+    }
+
+    /// Whether `spent` stays within this budget.
+    pub fn covers(&self, spent: Spend) -> bool {
+        self.tokens.is_none_or(|limit| spent.tokens <= limit)
+            && self.tool_calls.is_none_or(|limit| spent.tool_calls <= limit)
+    }
+}
+
+/// What a call spent: its own model and tool calls, plus what it charged for the calls
+/// it made (their reported spend, or their whole grant when that is unknown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Spend {
+    /// Tokens, as the model reported them (`TokenUsage::total_tokens`).
+    pub tokens: u64,
+    /// Tool calls.
+    pub tool_calls: u64,
+}
+
+impl Spend {
+    /// The sum of two spends (saturating).
+    #[must_use]
+    pub fn plus(self, other: Spend) -> Spend {
+        Spend {
+            tokens: self.tokens.saturating_add(other.tokens),
+            tool_calls: self.tool_calls.saturating_add(other.tool_calls),
+        }
+    }
+
+    /// All of `budget`, as a spend (unlimited parts count as nothing).
+    pub fn all_of(budget: Budget) -> Spend {
+        Spend {
+            tokens: budget.tokens.unwrap_or(0),
+            tool_calls: budget.tool_calls.unwrap_or(0),
+        }
+    }
+}
+
+/// Which part of a budget ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BudgetResource {
+    /// Tokens.
+    Tokens,
+    /// Tool calls.
+    ToolCalls,
+}
+
+impl std::fmt::Display for BudgetResource {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            Self::Tokens => "tokens",
+            Self::ToolCalls => "tool calls",
+        })
+    }
+}
+
+/// A budget ran out: what was spent of which limit, by whose turn.
+///
+/// The model sees it as a tool result when a call it asked for is refused for want of
+/// budget; the caller of `AgentClient::ask_with` sees it as
+/// `AgentCallError::BudgetExhausted` when the turn it asked for runs out.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[error(
+    "the budget of {agent}'s turn is exhausted: {spent} of {limit} {resource} spent or reserved; \
+     ask with a larger budget or do less"
+)]
+pub struct BudgetExhausted {
+    /// The agent whose turn ran out.
+    pub agent: ActorId,
+    /// Which limit.
+    pub resource: BudgetResource,
+    /// What the turn had spent or reserved for calls in flight.
+    pub spent: u64,
+    /// The turn's limit (its grant).
+    pub limit: u64,
+}
+
+/// How [`crate::AgentClient::ask_with`] asks: how long to wait and what the request may spend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AskOptions {
+    /// How long to wait for the reply (capped at the runtime's maximum); default
+    /// [`AGENT_ASK_TIMEOUT_MS_DEFAULT`].
+    pub timeout: Duration,
+    /// What the request may spend; default [`Budget::UNLIMITED`] (see [`Budget`]).
+    pub budget: Budget,
+}
+
+impl Default for AskOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT),
+            budget: Budget::UNLIMITED,
+        }
+    }
+}
+
+impl AskOptions {
+    /// These options with `timeout`.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// These options with `budget`.
+    #[must_use]
+    pub fn budget(mut self, budget: Budget) -> Self {
+        self.budget = budget;
+        self
+    }
+}
+
+#[derive(Debug, Default)]
+struct MeterState {
+    spent: Spend,
+    /// Granted to calls in flight, not yet settled.
+    reserved: Spend,
+    /// The most one grant may take in the current step: the step's budget left divided
+    /// by its number of calls that may grant (`None`: no split).
+    share: Budget,
+}
+
+/// The meter of one turn: its limit, what it spent and what it reserved for calls in
+/// flight. Shared by the turn's loop and its tool calls (behind a mutex, never held
+/// across an `.await`).
+#[derive(Debug)]
+pub(crate) struct BudgetMeter {
+    agent: ActorId,
+    limit: Budget,
+    state: Mutex<MeterState>,
+}
+
+impl BudgetMeter {
+    pub(crate) fn new(agent: ActorId, limit: Budget) -> Self {
+        Self {
+            agent,
+            limit,
+            state: Mutex::new(MeterState::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, MeterState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The turn's limit.
+    pub(crate) fn limit(&self) -> Budget {
+        self.limit
+    }
+
+    /// What the turn spent so far (settled calls included, reservations not).
+    pub(crate) fn spent(&self) -> Spend {
+        self.state().spent
+    }
+
+    /// What is left: the limit less the spent and the reserved.
+    pub(crate) fn left(&self) -> Budget {
+        let state = self.state();
+        self.limit.after(state.spent.plus(state.reserved))
+    }
+
+    fn exhausted(&self, resource: BudgetResource, state: &MeterState) -> BudgetExhausted {
+        let (used, limit) = match resource {
+            BudgetResource::Tokens => (
+                state.spent.tokens.saturating_add(state.reserved.tokens),
+                self.limit.tokens,
+            ),
+            BudgetResource::ToolCalls => (
+                state.spent.tool_calls.saturating_add(state.reserved.tool_calls),
+                self.limit.tool_calls,
+            ),
+        };
+        BudgetExhausted {
+            agent: self.agent.clone(),
+            resource,
+            spent: used,
+            limit: limit.unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Before a model call: the most tokens it may use (`None`: unlimited).
+    ///
+    /// # Errors
+    /// [`BudgetExhausted`] when no token is left: the call must not start.
+    pub(crate) fn model_call_cap(&self) -> Result<Option<u64>, BudgetExhausted> {
+        let state = self.state();
+        match self.limit.after(state.spent.plus(state.reserved)).tokens {
+            Some(0) => Err(self.exhausted(BudgetResource::Tokens, &state)),
+            left => Ok(left),
+        }
+    }
+
+    /// Charges a model call's reported tokens (all of them, even past the limit: the
+    /// spend is what it is).
+    ///
+    /// # Errors
+    /// [`BudgetExhausted`] when the charge went past the limit (a model that ignored
+    /// its cap).
+    pub(crate) fn charge_tokens(&self, tokens: u64) -> Result<(), BudgetExhausted> {
+        let mut state = self.state();
+        state.spent.tokens = state.spent.tokens.saturating_add(tokens);
+        if self.limit.covers(state.spent.plus(state.reserved)) {
+            Ok(())
+        } else {
+            Err(self.exhausted(BudgetResource::Tokens, &state))
+        }
+    }
+
+    /// Charges one tool call, if one is left.
+    ///
+    /// # Errors
+    /// [`BudgetExhausted`] when none is left; nothing is charged and the tool must not
+    /// run.
+    pub(crate) fn charge_tool_call(&self) -> Result<(), BudgetExhausted> {
+        let mut state = self.state();
+        if self.limit.after(state.spent.plus(state.reserved)).tool_calls == Some(0) {
+            return Err(self.exhausted(BudgetResource::ToolCalls, &state));
+        }
+        state.spent.tool_calls = state.spent.tool_calls.saturating_add(1);
+        Ok(())
+    }
+
+    /// Starts a step whose calls include `granting` calls that may take a grant
+    /// (`call_agent`, delegations, notifications): each may take at most an equal share
+    /// of what is left now, so the first of them cannot starve the others.
+    pub(crate) fn begin_step(&self, granting: usize) {
+        let mut state = self.state();
+        let left = self.limit.after(state.spent.plus(state.reserved));
+        let parts = u64::try_from(granting.max(1)).unwrap_or(u64::MAX);
+        state.share = Budget {
+            tokens: left.tokens.map(|tokens| tokens / parts),
+            tool_calls: left.tool_calls.map(|calls| calls / parts),
+        };
+    }
+
+    /// Reserves a grant for a call: at most what is left and at most this step's share.
+    ///
+    /// # Errors
+    /// [`BudgetExhausted`] when the grant would hold no token: the call must not be
+    /// sent (its turn could not call its model).
+    pub(crate) fn grant(&self) -> Result<Budget, BudgetExhausted> {
+        self.grant_part(1)
+    }
+
+    /// Reserves a grant for a delegated task or a notification: as [`BudgetMeter::grant`],
+    /// divided by [`AGENT_SEND_GRANT_DIVISOR`] (the grant is charged whole and never comes
+    /// back to this turn, so the turn keeps the rest for its own next steps).
+    ///
+    /// # Errors
+    /// As [`BudgetMeter::grant`].
+    pub(crate) fn grant_for_send(&self) -> Result<Budget, BudgetExhausted> {
+        self.grant_part(AGENT_SEND_GRANT_DIVISOR)
+    }
+
+    fn grant_part(&self, divisor: u64) -> Result<Budget, BudgetExhausted> {
+        let mut state = self.state();
+        let left = self.limit.after(state.spent.plus(state.reserved));
+        let grant = Budget {
+            tokens: min_limit(left.tokens, state.share.tokens).map(|tokens| tokens / divisor),
+            tool_calls: min_limit(left.tool_calls, state.share.tool_calls).map(|calls| calls / divisor),
+        };
+        if grant.tokens == Some(0) {
+            return Err(self.exhausted(BudgetResource::Tokens, &state));
+        }
+        state.reserved = state.reserved.plus(Spend::all_of(grant));
+        Ok(grant)
+    }
+
+    /// Settles a grant: releases its reservation and charges what the call spent
+    /// (`spent`, as reported; the whole grant when unknown). A spend past the grant (a
+    /// child that ignored it) is charged as it is, so it shows in this turn's spend.
+    pub(crate) fn settle(&self, grant: Budget, spent: Spend) {
+        let mut state = self.state();
+        let reserved = Spend::all_of(grant);
+        state.reserved.tokens = state.reserved.tokens.saturating_sub(reserved.tokens);
+        state.reserved.tool_calls = state.reserved.tool_calls.saturating_sub(reserved.tool_calls);
+        state.spent = state.spent.plus(spent);
+    }
+}
+
+/// A decoded reply as the caller sees it: an exhausted turn is an error.
+pub(crate) fn reply_or_exhausted(reply: AgentReply) -> Result<AgentReply, AgentCallError> {
+    match reply.exhausted {
+        Some(exhausted) => Err(AgentCallError::BudgetExhausted(exhausted)),
+        None => Ok(reply),
+    }
+}
+
+/// Settles the grant of a call that has ended: charges the callee's reported spend
+/// (the whole grant when there is no reply to read it from) and releases the rest.
+pub(crate) fn settle_call(
+    meter: &BudgetMeter,
+    grant: Budget,
+    result: Result<AgentReply, AgentCallError>,
+) -> Result<AgentReply, AgentCallError> {
+    let spent = result.as_ref().map_or(Spend::all_of(grant), |reply| reply.spent);
+    meter.settle(grant, spent);
+    result.and_then(reply_or_exhausted)
+}
+
+fn min_limit(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new_meter(budget: Budget) -> BudgetMeter {
+        BudgetMeter::new(ActorId::new("agent", "a").unwrap(), budget)
+    }
+
+    #[test]
+    fn a_model_call_gets_the_tokens_left_as_its_cap_and_none_when_none_are_left() {
+        let meter = new_meter(Budget::tokens(100));
+        assert_eq!(meter.model_call_cap(), Ok(Some(100)));
+        meter.charge_tokens(60).unwrap();
+        assert_eq!(meter.model_call_cap(), Ok(Some(40)));
+        meter.charge_tokens(40).unwrap();
+        let refused = meter.model_call_cap().unwrap_err();
+        assert_eq!(
+            (refused.resource, refused.spent, refused.limit),
+            (BudgetResource::Tokens, 100, 100)
+        );
+        assert_eq!(new_meter(Budget::UNLIMITED).model_call_cap(), Ok(None));
+    }
+
+    #[test]
+    fn a_charge_past_the_limit_is_kept_and_reported() {
+        let meter = new_meter(Budget::tokens(10));
+        let error = meter.charge_tokens(15).unwrap_err();
+        assert_eq!((error.spent, error.limit), (15, 10));
+        assert_eq!(meter.spent().tokens, 15);
+    }
+
+    #[test]
+    fn tool_calls_are_refused_once_the_limit_is_reached_and_not_charged() {
+        let meter = new_meter(Budget::tokens(10).with_tool_calls(2));
+        meter.charge_tool_call().unwrap();
+        meter.charge_tool_call().unwrap();
+        let refused = meter.charge_tool_call().unwrap_err();
+        assert_eq!(
+            (refused.resource, refused.spent, refused.limit),
+            (BudgetResource::ToolCalls, 2, 2)
+        );
+        assert_eq!(meter.spent().tool_calls, 2);
+    }
+
+    #[test]
+    fn parallel_grants_are_reserved_and_partitioned_then_refunded() {
+        let meter = new_meter(Budget::tokens(100).with_tool_calls(9));
+        meter.charge_tokens(10).unwrap();
+        meter.begin_step(3);
+        let grants: Vec<Budget> = (0..3).map(|_| meter.grant().unwrap()).collect();
+        for grant in &grants {
+            assert_eq!(*grant, Budget::tokens(30).with_tool_calls(3));
+        }
+        // Everything is reserved: a fourth call in the same step gets nothing.
+        assert_eq!(meter.left(), Budget::tokens(0).with_tool_calls(0));
+        assert_eq!(meter.grant().unwrap_err().resource, BudgetResource::Tokens);
+        // Each child reports what it spent; the rest comes back.
+        meter.settle(
+            grants[0],
+            Spend {
+                tokens: 5,
+                tool_calls: 1,
+            },
+        );
+        meter.settle(
+            grants[1],
+            Spend {
+                tokens: 30,
+                tool_calls: 3,
+            },
+        );
+        meter.settle(grants[2], Spend::all_of(grants[2])); // unknown: the whole grant
+        assert_eq!(
+            meter.spent(),
+            Spend {
+                tokens: 75,
+                tool_calls: 7
+            }
+        );
+        assert_eq!(meter.left(), Budget::tokens(25).with_tool_calls(2));
+    }
+
+    #[test]
+    fn grants_never_exceed_what_is_left_whatever_the_order() {
+        // Any interleaving of grants, settles and charges keeps spent + reserved within
+        // the limit as long as every child spends within its grant.
+        let limit = Budget::tokens(1_000).with_tool_calls(50);
+        for seed in 0..200_u64 {
+            let meter = new_meter(limit);
+            let mut open: Vec<Budget> = Vec::new();
+            let mut x = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            for _ in 0..60 {
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                match (x >> 33) % 5 {
+                    0 => meter.begin_step(1 + ((x >> 40) % 4) as usize),
+                    1 => {
+                        if let Ok(grant) = meter.grant() {
+                            open.push(grant);
+                        }
+                    }
+                    2 if !open.is_empty() => {
+                        let grant = open.remove(((x >> 20) as usize) % open.len());
+                        let fraction = (x >> 50) % 101;
+                        let spent = Spend {
+                            tokens: grant.tokens.unwrap() * fraction / 100,
+                            tool_calls: grant.tool_calls.unwrap() * fraction / 100,
+                        };
+                        meter.settle(grant, spent);
+                    }
+                    3 => {
+                        if let Ok(Some(cap)) = meter.model_call_cap() {
+                            meter.charge_tokens(cap.min((x >> 45) % 80)).unwrap();
+                        }
+                    }
+                    _ => {
+                        let _ = meter.charge_tool_call();
+                    }
+                }
+                let state = meter.state();
+                assert!(limit.covers(state.spent.plus(state.reserved)), "seed {seed}: {state:?}");
+            }
+        }
+    }
+
+    /// Goal: on tokio's multi-thread runtime, children racing for grants on one meter
+    /// (each spending all of its grant, or a random part, and settling) never make the
+    /// turn's spent plus reserved exceed its limit, and the final spend is exactly the
+    /// sum the children reported.
+    #[cfg(not(madsim))]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_children_never_jointly_overspend_on_the_multi_thread_runtime() {
+        const CHILDREN: u64 = 64;
+        const LIMIT: u64 = 10_000;
+        let meter = std::sync::Arc::new(new_meter(Budget::tokens(LIMIT).with_tool_calls(CHILDREN)));
+        meter.begin_step(8);
+        let mut tasks = Vec::new();
+        for child in 0..CHILDREN {
+            let meter = std::sync::Arc::clone(&meter);
+            tasks.push(tokio::spawn(async move {
+                let Ok(grant) = meter.grant() else {
+                    return Spend::default();
+                };
+                tokio::task::yield_now().await;
+                {
+                    let state = meter.state();
+                    assert!(Budget::tokens(LIMIT).covers(state.spent.plus(state.reserved)));
+                }
+                let tokens = grant.tokens.unwrap() * (child % 4) / 3;
+                let spent = Spend { tokens, tool_calls: 0 };
+                meter.settle(grant, spent);
+                spent
+            }));
+        }
+        let mut reported = 0;
+        for task in tasks {
+            reported += task.await.unwrap().tokens;
+        }
+        assert_eq!(meter.spent().tokens, reported);
+        assert!(reported <= LIMIT, "{reported} > {LIMIT}");
+        assert_eq!(meter.left(), Budget::tokens(LIMIT - reported).with_tool_calls(CHILDREN));
+    }
+}

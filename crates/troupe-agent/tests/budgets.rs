@@ -1,0 +1,373 @@
+//! Budgets along the chain, end to end through the real runtime; only the model is
+//! scripted, and it really emits the `call_agent` tool calls and reports its usage (one
+//! token per word).
+//!
+//! The boss asks two workers in parallel (one step, two `call_agent` calls), then
+//! answers with what they said. Each test first runs the same script without a limit on
+//! a fresh system to measure what every step costs, then runs it on another fresh system
+//! under a budget chosen from those numbers (the runs are deterministic).
+//!
+//! Runs in both builds (tokio with paused time, and the simulator), except the
+//! multi-thread test (normal build only: the simulator has one thread).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::json;
+use troupe_agent::{
+    agent_id, AgentCallError, AgentEvent, AgentSpec, AgentSystem, AskOptions, Budget, BudgetResource, CallRecorder,
+    LlmClient, ScriptRule, ScriptedLlm,
+};
+
+/// The boss asks both workers at once and answers with their replies.
+fn boss_asks_two_workers() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("boss")
+                .on_user_containing("")
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "north", "message": "count the northern stars"}),
+                )
+                .call(
+                    "call_agent",
+                    json!({"agent_id": "south", "message": "count the southern stars"}),
+                ),
+        )
+        .rule(
+            ScriptRule::agent("boss")
+                .on_tool_result()
+                .reply("the workers say {tool_result}"),
+        )
+        .rule(ScriptRule::agent("north").reply("about two hundred billion"))
+        .rule(ScriptRule::agent("south").reply("about two hundred billion"))
+}
+
+fn start(llm: &Arc<ScriptedLlm>, recorder: &CallRecorder) -> AgentSystem {
+    AgentSystem::builder()
+        .llm(Arc::clone(llm) as Arc<dyn LlmClient>)
+        .observer(Arc::new(recorder.clone()))
+        .agent(AgentSpec::new("boss"))
+        .agent(AgentSpec::new("north"))
+        .agent(AgentSpec::new("south"))
+        .start()
+        .unwrap()
+}
+
+/// The tokens of every model step, per agent, in order, as `ModelResponded` reported.
+fn steps(recorder: &CallRecorder) -> BTreeMap<String, Vec<u64>> {
+    let mut steps: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for event in recorder.events() {
+        if let AgentEvent::ModelResponded { agent, usage, .. } = event {
+            let tokens = usage.expect("the scripted model reports usage").total_tokens;
+            steps.entry(agent.key().to_string()).or_default().push(tokens);
+        }
+    }
+    steps
+}
+
+/// Tokens the model calls of each root call's whole tree used (the chain's true spend,
+/// from the events, independent of the meters' arithmetic).
+fn spend_per_root(recorder: &CallRecorder) -> BTreeMap<u64, u64> {
+    let mut root_of: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut spend: BTreeMap<u64, u64> = BTreeMap::new();
+    for event in recorder.events() {
+        match event {
+            AgentEvent::CallStarted { call, parent, .. } => {
+                let root = parent.map_or(call, |parent| root_of[&parent]);
+                root_of.insert(call, root);
+            }
+            AgentEvent::ModelResponded {
+                call: Some(call),
+                usage,
+                ..
+            } => {
+                *spend.entry(root_of[&call]).or_default() += usage.map_or(0, |usage| usage.total_tokens);
+            }
+            _ => {}
+        }
+    }
+    spend
+}
+
+/// What each step costs without a limit.
+#[derive(Debug)]
+struct Costs {
+    boss_call: u64,
+    boss_answer: u64,
+    north: u64,
+    south: u64,
+}
+
+impl Costs {
+    fn total(&self) -> u64 {
+        self.boss_call + self.boss_answer + self.north + self.south
+    }
+}
+
+async fn measure() -> Costs {
+    let llm = Arc::new(boss_asks_two_workers());
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &recorder);
+    let reply = system.ask("boss", "how many stars are there").await.unwrap();
+    let steps = steps(&recorder);
+    let costs = Costs {
+        boss_call: steps["boss"][0],
+        boss_answer: steps["boss"][1],
+        north: steps["north"][0],
+        south: steps["south"][0],
+    };
+    // Unlimited, the reply's spend is everything the chain's model calls used.
+    assert_eq!(reply.spent.tokens, costs.total(), "{costs:?}");
+    assert_eq!(reply.spent.tool_calls, 2);
+    assert_eq!(llm.requests_of("north")[0].max_tokens, None);
+    system.shutdown().await;
+    costs
+}
+
+async fn ask(
+    budget: Budget,
+) -> (
+    Arc<ScriptedLlm>,
+    CallRecorder,
+    AgentSystem,
+    Result<troupe_agent::AgentReply, AgentCallError>,
+) {
+    let llm = Arc::new(boss_asks_two_workers());
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &recorder);
+    let result = system
+        .ask_with("boss", "how many stars are there", AskOptions::default().budget(budget))
+        .await;
+    (llm, recorder, system, result)
+}
+
+/// Goal: with exactly the budget the run needs, each worker gets half of what the boss
+/// has left after its first step (reserved at once), is charged what it spent, and the
+/// unused part comes back: the boss's last step is capped at exactly what it needs.
+#[tokio::test(start_paused = true)]
+async fn parallel_workers_share_the_bosss_budget_and_the_unused_part_comes_back() {
+    let costs = measure().await;
+    let budget = costs.total();
+    let (llm, recorder, system, result) = ask(Budget::tokens(budget)).await;
+    let reply = result.unwrap();
+    assert_eq!(reply.spent.tokens, budget);
+    let share = (budget - costs.boss_call) / 2;
+    assert_eq!(llm.requests_of("boss")[0].max_tokens, Some(budget));
+    assert_eq!(llm.requests_of("north")[0].max_tokens, Some(share));
+    assert_eq!(llm.requests_of("south")[0].max_tokens, Some(share));
+    assert_eq!(llm.requests_of("boss")[1].max_tokens, Some(costs.boss_answer));
+    assert_eq!(
+        spend_per_root(&recorder).into_values().collect::<Vec<_>>(),
+        vec![budget]
+    );
+    system.shutdown().await;
+}
+
+/// Goal: one token short, the workers still answer but the boss cannot take its last
+/// step: the caller gets the typed error, with what the chain spent, and the boss's
+/// conversation keeps nothing of the turn.
+#[tokio::test(start_paused = true)]
+async fn one_token_short_the_root_gets_budget_exhausted() {
+    let costs = measure().await;
+    let budget = costs.total() - 1;
+    let (llm, recorder, system, result) = ask(Budget::tokens(budget)).await;
+    let Err(AgentCallError::BudgetExhausted(exhausted)) = result else {
+        panic!("expected BudgetExhausted, got {result:?}");
+    };
+    assert_eq!(exhausted.agent, agent_id("boss").unwrap());
+    assert_eq!(exhausted.resource, BudgetResource::Tokens);
+    assert_eq!(exhausted.limit, budget);
+    assert_eq!(exhausted.spent, costs.boss_call + costs.north + costs.south);
+    assert_eq!(
+        llm.requests_of("boss").len(),
+        2,
+        "the last step was tried under its cap"
+    );
+    assert_eq!(llm.answers().iter().filter(|a| a.agent.key() == "boss").count(), 1);
+    let spent = spend_per_root(&recorder).into_values().collect::<Vec<_>>();
+    assert_eq!(spent, vec![costs.boss_call + costs.north + costs.south]);
+    assert!(spent[0] <= budget);
+    assert!(system.conversation_log("boss").await.unwrap().is_empty());
+    system.shutdown().await;
+}
+
+/// Goal: workers granted less than their turn needs run out; the boss's model reads
+/// why as the two tool results, and the chain never spends past the budget.
+#[tokio::test(start_paused = true)]
+async fn workers_granted_too_little_run_out_and_the_model_reads_why() {
+    let costs = measure().await;
+    let budget = costs.boss_call + costs.north;
+    let (llm, recorder, system, result) = ask(Budget::tokens(budget)).await;
+    let share = costs.north / 2;
+    assert_eq!(llm.requests_of("north")[0].max_tokens, Some(share));
+    assert_eq!(llm.requests_of("south")[0].max_tokens, Some(share));
+    let seen = llm.tool_results_seen_by("boss");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    let refused = |agent: &str| {
+        format!("error: call_agent failed: the budget of agent/{agent}'s turn is exhausted: 0 of {share} tokens")
+    };
+    assert!(seen[0].starts_with(&refused("north")), "{seen:?}");
+    assert!(seen[1].starts_with(&refused("south")), "{seen:?}");
+    // The workers spent nothing (their answers did not fit), so the boss has all the
+    // rest for its answer: the chain's spend is the boss's steps only.
+    let spent = spend_per_root(&recorder).into_values().sum::<u64>();
+    assert!(spent <= budget, "{spent} > {budget}");
+    match result {
+        Ok(reply) => assert_eq!(reply.spent.tokens, spent),
+        Err(AgentCallError::BudgetExhausted(exhausted)) => assert_eq!(exhausted.spent, spent),
+        Err(other) => panic!("unexpected {other}"),
+    }
+    system.shutdown().await;
+}
+
+/// Goal: with nothing left after its first step, the boss's calls are refused before
+/// anything is sent (the workers are never asked) and its next model call never starts.
+#[tokio::test(start_paused = true)]
+async fn with_nothing_left_no_call_is_sent_and_no_model_call_starts() {
+    let costs = measure().await;
+    let budget = costs.boss_call;
+    let (llm, _recorder, system, result) = ask(Budget::tokens(budget)).await;
+    assert!(llm.requests_of("north").is_empty());
+    assert!(llm.requests_of("south").is_empty());
+    assert_eq!(llm.requests_of("boss").len(), 1);
+    let Err(AgentCallError::BudgetExhausted(exhausted)) = result else {
+        panic!("expected BudgetExhausted, got {result:?}");
+    };
+    assert_eq!((exhausted.spent, exhausted.limit), (budget, budget));
+    system.shutdown().await;
+}
+
+/// Goal: a tool-call budget of one runs the first `call_agent` and refuses the second
+/// with a tool result the model reads; the reply counts one tool call.
+#[tokio::test(start_paused = true)]
+async fn a_tool_call_budget_refuses_the_calls_past_it() {
+    let budget = Budget {
+        tokens: None,
+        tool_calls: Some(1),
+    };
+    let (llm, _recorder, system, result) = ask(budget).await;
+    let reply = result.unwrap();
+    assert_eq!(reply.spent.tool_calls, 1);
+    assert_eq!(llm.requests_of("north").len(), 1);
+    assert!(llm.requests_of("south").is_empty());
+    let seen = llm.tool_results_seen_by("boss");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0], "about two hundred billion");
+    assert!(
+        seen[1].starts_with("error: the budget of agent/boss's turn is exhausted: 1 of 1 tool calls"),
+        "{seen:?}"
+    );
+    system.shutdown().await;
+}
+
+/// Goal: on tokio's multi-thread runtime, many concurrent requests under one budget
+/// each never spend more than it, counted from the model calls of each request's tree.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_each_stay_within_their_budget_on_the_multi_thread_runtime() {
+    const REQUESTS: usize = 16;
+    let costs = measure().await;
+    let budget = costs.total() + costs.total() / 2;
+    let llm = Arc::new(boss_asks_two_workers());
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &recorder);
+    let mut handles = Vec::new();
+    for index in 0..REQUESTS {
+        let client = system.client();
+        handles.push(tokio::spawn(async move {
+            let options = AskOptions::default().budget(Budget::tokens(budget));
+            client
+                .ask_with("boss", &format!("how many stars {index}"), options)
+                .await
+        }));
+    }
+    let (mut answered, mut exhausted) = (0, 0);
+    for handle in handles {
+        match handle.await.unwrap() {
+            Ok(reply) => {
+                assert!(reply.spent.tokens <= budget);
+                answered += 1;
+            }
+            Err(AgentCallError::BudgetExhausted(error)) => {
+                assert!(error.spent <= budget);
+                exhausted += 1;
+            }
+            Err(other) => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(answered + exhausted, REQUESTS);
+    // The history window grows each turn, so later requests cost more and run out.
+    assert!(
+        answered >= 1 && exhausted >= 1,
+        "answered {answered}, exhausted {exhausted}"
+    );
+    let spend = spend_per_root(&recorder);
+    assert_eq!(spend.len(), REQUESTS);
+    for (root, spent) in spend {
+        assert!(spent <= budget, "request {root} spent {spent} of {budget}");
+    }
+    system.shutdown().await;
+}
+
+/// Goal: a delegated task carries its grant with it (persisted in the inbox entry), the
+/// delegating turn is charged the whole grant at once (its reply's spend includes it),
+/// and the delegator's turn that reads the result runs on what the task left.
+#[tokio::test(start_paused = true)]
+async fn a_delegated_task_runs_on_its_grant_and_the_result_on_what_it_left() {
+    let llm = Arc::new(
+        ScriptedLlm::new()
+            .rule(ScriptRule::agent("boss").on_user_containing("plan").call(
+                "delegate_to_agent",
+                json!({"agent_id": "north", "message": "count the stars", "timeout_ms": 60000}),
+            ))
+            .rule(ScriptRule::agent("boss").on_tool_result().reply("delegated"))
+            .rule(
+                ScriptRule::agent("boss")
+                    .on_user_containing("you delegated is")
+                    .reply("thanks"),
+            )
+            .rule(ScriptRule::agent("north").on_user_containing("[task").reply("many")),
+    );
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &recorder);
+    const BUDGET: u64 = 1_000;
+    const SEND_GRANT_DIVISOR: u64 = troupe_agent::limits::AGENT_SEND_GRANT_DIVISOR;
+    let reply = system
+        .ask_with(
+            "boss",
+            "plan the count",
+            AskOptions::default().budget(Budget::tokens(BUDGET)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.text, "delegated");
+    tokio::time::sleep(std::time::Duration::from_secs(20)).await;
+
+    let boss = llm.requests_of("boss");
+    let north = llm.requests_of("north");
+    assert_eq!(
+        (boss.len(), north.len()),
+        (3, 1),
+        "two steps of the asked turn, one of the result"
+    );
+    let first_step = steps(&recorder)["boss"][0];
+    // One delegation in the step: half of what is left (a send keeps the other half for
+    // the rest of the turn, as its grant never comes back to it).
+    let grant = (BUDGET - first_step) / SEND_GRANT_DIVISOR;
+    assert_eq!(north[0].max_tokens, Some(grant));
+    assert_eq!(
+        boss[1].max_tokens,
+        Some(BUDGET - first_step - grant),
+        "charged whole, at once"
+    );
+    let answer_step = steps(&recorder)["boss"][1];
+    assert_eq!(reply.spent.tokens, first_step + grant + answer_step);
+    let north_spent = steps(&recorder)["north"][0];
+    assert_eq!(
+        boss[2].max_tokens,
+        Some(grant - north_spent),
+        "the result's turn runs on what the task left"
+    );
+    system.shutdown().await;
+}

@@ -1,0 +1,454 @@
+//! [`EtcdPlacement`]: the [`Placement`] directory on etcd.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{Client, Compare, CompareOp, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse};
+use tokio::task::JoinHandle;
+use troupe_core::ActorId;
+use troupe_runtime::Fence;
+
+use crate::config::{EtcdConfig, NodeId, ETCD_LEASE_EXPIRY_SLACK_MS};
+use crate::error::{LeaseLostReason, PlacementError, PlacementOperation};
+use crate::lease::{self, LeaseStanding};
+use crate::placement::{NodeRecord, Placement, PlacementRecord};
+
+/// One node's membership in a cluster and its view of the cluster's placements, on etcd.
+///
+/// Keys (all under `/troupe/<cluster>/`):
+///
+/// ```text
+/// nodes/<node>                 = <address>           bound to the node's lease
+/// placement/<kind>/<actor key> = <lease hex>/<node>  bound to the owner's lease; its
+///                                                    create_revision is the fence
+/// ```
+///
+/// [`EtcdPlacement::join`] grants the node a lease of `lease_ttl_s`, writes its
+/// membership record under it and starts a task that renews it every TTL/3. A placement
+/// is created by one transaction, `if value(key) > "" then get(key) else put(key, owner,
+/// lease); get(key)`, so of two nodes racing for an actor exactly one creates the key
+/// and both read the winner. When the node dies or is cut off from etcd its lease
+/// expires after the TTL, etcd deletes its membership record and every placement it
+/// held, and the next `place` by another node creates the key anew, with a larger
+/// create_revision: the fence only grows, across owners.
+///
+/// When the lease is lost ([`EtcdPlacement::lease_lost`]) the node must stop serving its
+/// actors: other nodes may place them as soon as etcd expired the lease. The node knows
+/// it is lost no later than TTL − [`ETCD_LEASE_EXPIRY_SLACK_MS`] after its last
+/// confirmed renewal, which is before etcd can expire it. Every request to etcd is
+/// bounded by the configured request timeout; etcd not answering is
+/// [`PlacementError::EtcdUnavailable`], never a hang.
+///
+/// Clones share the membership; the keep-alive task stops when the last clone is
+/// dropped (the lease then ends on its own, as if the node had crashed) or on
+/// [`EtcdPlacement::leave`].
+#[derive(Clone, Debug)]
+pub struct EtcdPlacement {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: EtcdConfig,
+    client: Client,
+    lease: i64,
+    standing: Arc<LeaseStanding>,
+    prefix: String,
+    owner_value: String,
+    keep_alive_task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdPlacement")
+            .field("node", &self.config.node)
+            .field("cluster", &self.config.cluster)
+            .field("lease", &format_args!("{:x}", self.lease))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.keep_alive_task.abort();
+    }
+}
+
+impl EtcdPlacement {
+    /// Joins the cluster: connects to etcd, grants this node a lease, writes its
+    /// membership record under the lease and starts renewing it.
+    ///
+    /// A node of the same name that is still a member (an earlier incarnation) has its
+    /// membership record overwritten; its placements stay until its lease ends, and this
+    /// node's `place` reports them as [`PlacementError::PlacementConflict`] until then.
+    ///
+    /// # Errors
+    /// [`PlacementError::Config`] if the configuration is invalid (nothing is sent);
+    /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time;
+    /// [`PlacementError::EtcdRefused`] if etcd refuses the lease or the record.
+    pub async fn join(config: EtcdConfig) -> Result<Self, PlacementError> {
+        config.validate()?;
+        let endpoints = config.endpoints.join(",");
+        let timeout = config.request_timeout();
+        let client = bounded(&endpoints, timeout, PlacementOperation::Connect, None, connect(&config)).await?;
+        let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
+        let mut lease_client = client.lease_client();
+        let granted_at = tokio::time::Instant::now();
+        let granted = bounded(
+            &endpoints,
+            timeout,
+            PlacementOperation::GrantLease,
+            None,
+            lease_client.grant(ttl_s, None),
+        )
+        .await?;
+        let (lease, granted_ttl_s) = (granted.id(), granted.ttl());
+        let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
+        let valid_until = granted_at + Duration::from_secs(granted_ttl_s.max(0).unsigned_abs()).saturating_sub(slack);
+        let standing = Arc::new(LeaseStanding::new(valid_until));
+        let prefix = format!("/troupe/{}/", config.cluster);
+        let node_key = format!("{prefix}nodes/{}", config.node);
+        let mut kv = client.kv_client();
+        bounded(
+            &endpoints,
+            timeout,
+            PlacementOperation::Join,
+            Some((&config.node, lease)),
+            kv.put(
+                node_key,
+                config.address.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        )
+        .await?;
+        let keep_alive_task = tokio::spawn(lease::keep_alive(
+            Arc::clone(&standing),
+            lease_client,
+            lease,
+            granted_ttl_s,
+            config.keep_alive_interval(),
+            timeout,
+        ));
+        tracing::info!(node = %config.node, lease = format_args!("{lease:x}"), "joined the cluster");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                owner_value: format!("{lease:x}/{}", config.node),
+                config,
+                client,
+                lease,
+                standing,
+                prefix,
+                keep_alive_task,
+            }),
+        })
+    }
+
+    /// This node's lease id.
+    pub fn lease(&self) -> i64 {
+        self.inner.lease
+    }
+
+    /// Whether the lease is still held (not lost, and its last renewal recent enough).
+    pub fn holds_lease(&self) -> bool {
+        self.inner.standing.lost().is_none() && tokio::time::Instant::now() < self.inner.standing.valid_until()
+    }
+
+    /// Resolves when this node's lease is lost, with the reason: the signal for the
+    /// runtime to drop every activation. Resolves at once if it is already lost.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future only stops waiting.
+    pub async fn lease_lost(&self) -> LeaseLostReason {
+        self.inner.standing.wait_lost().await
+    }
+
+    /// Leaves the cluster: stops renewing and revokes the lease, which removes this
+    /// node's membership record and every placement it holds at once. The lease counts
+    /// as lost ([`LeaseLostReason::Left`]) whether or not the revoke reached etcd.
+    ///
+    /// # Errors
+    /// [`PlacementError::EtcdUnavailable`] if etcd did not answer in time; the lease
+    /// then ends after its TTL.
+    pub async fn leave(&self) -> Result<(), PlacementError> {
+        self.inner.keep_alive_task.abort();
+        self.inner.standing.lose(LeaseLostReason::Left);
+        let mut lease_client = self.inner.client.lease_client();
+        match self
+            .request(PlacementOperation::Leave, lease_client.revoke(self.inner.lease))
+            .await
+        {
+            // etcd no longer knows the lease: it already ended, which is what leaving wants.
+            Ok(_) | Err(PlacementError::LeaseExpired { .. }) => Ok(()),
+            Err(other) => Err(other),
+        }
+    }
+
+    fn placement_key(&self, actor: &ActorId) -> String {
+        format!(
+            "{}placement/{}/{}",
+            self.inner.prefix,
+            actor.kind().as_str(),
+            actor.key()
+        )
+    }
+
+    async fn request<T>(
+        &self,
+        operation: PlacementOperation,
+        future: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, PlacementError> {
+        let uses_lease = matches!(
+            operation,
+            PlacementOperation::Place | PlacementOperation::Release | PlacementOperation::Leave
+        );
+        let result = bounded(
+            &self.inner.config.endpoints.join(","),
+            self.inner.config.request_timeout(),
+            operation,
+            uses_lease.then_some((&self.inner.config.node, self.inner.lease)),
+            future,
+        )
+        .await;
+        if let Err(PlacementError::LeaseExpired { reason, .. }) = &result {
+            self.inner.standing.lose(reason.clone());
+        }
+        result
+    }
+
+    fn lease_expired(&self, reason: LeaseLostReason) -> PlacementError {
+        PlacementError::LeaseExpired {
+            node: self.inner.config.node.clone(),
+            lease: self.inner.lease,
+            reason,
+        }
+    }
+
+    /// Refuses a write under the lease unless the lease is held and a request started
+    /// now ends before the lease can have expired on the server.
+    fn check_lease_for_write(&self, operation: PlacementOperation) -> Result<(), PlacementError> {
+        if let Some(reason) = self.inner.standing.lost() {
+            return Err(self.lease_expired(reason));
+        }
+        let now = tokio::time::Instant::now();
+        let valid_until = self.inner.standing.valid_until();
+        if now >= valid_until {
+            self.inner.standing.lose(LeaseLostReason::NotRenewedInTime);
+            return Err(self.lease_expired(LeaseLostReason::NotRenewedInTime));
+        }
+        if now + self.inner.config.request_timeout() > valid_until {
+            return Err(PlacementError::EtcdUnavailable {
+                endpoints: self.inner.config.endpoints.join(","),
+                operation,
+                cause: format!(
+                    "the lease's last confirmed renewal leaves {} ms, less than one request ({} ms)",
+                    (valid_until - now).as_millis(),
+                    self.inner.config.request_timeout_ms
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn record(&self, actor: &ActorId, key: &str, kv: &KeyValue) -> Result<PlacementRecord, PlacementError> {
+        let malformed = |reason: String| PlacementError::MalformedRecord {
+            key: key.to_string(),
+            reason,
+        };
+        let value = std::str::from_utf8(kv.value()).map_err(|error| malformed(format!("not UTF-8: {error}")))?;
+        let (_lease, owner) = value
+            .split_once('/')
+            .ok_or_else(|| malformed(format!("{value:?} is not <lease hex>/<node>")))?;
+        let owner = NodeId::new(owner).map_err(|error| malformed(error.to_string()))?;
+        let fence = u64::try_from(kv.create_revision())
+            .ok()
+            .and_then(Fence::from_token)
+            .ok_or_else(|| malformed(format!("create_revision {} is no fence", kv.create_revision())))?;
+        Ok(PlacementRecord {
+            actor: actor.clone(),
+            owner,
+            fence,
+        })
+    }
+}
+
+#[async_trait]
+impl Placement for EtcdPlacement {
+    fn node(&self) -> &NodeId {
+        &self.inner.config.node
+    }
+
+    async fn place(&self, actor: &ActorId) -> Result<PlacementRecord, PlacementError> {
+        self.check_lease_for_write(PlacementOperation::Place)?;
+        let key = self.placement_key(actor);
+        let create = PutOptions::new().with_lease(self.inner.lease);
+        // Compare by value only (all the simulator offers): every record this crate
+        // writes is non-empty, and a missing key fails `> ""` in etcd and the simulator.
+        let txn = Txn::new()
+            .when(vec![Compare::value(key.clone(), CompareOp::Greater, "")])
+            .and_then(vec![TxnOp::get(key.clone(), None)])
+            .or_else(vec![
+                TxnOp::put(key.clone(), self.inner.owner_value.clone(), Some(create)),
+                TxnOp::get(key.clone(), None),
+            ]);
+        let mut kv = self.inner.client.kv_client();
+        let response = self.request(PlacementOperation::Place, kv.txn(txn)).await?;
+        let kv = response
+            .op_responses()
+            .into_iter()
+            .find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+                _ => None,
+            })
+            .ok_or_else(|| PlacementError::MalformedRecord {
+                key: key.clone(),
+                reason: "the placement transaction returned no record".to_string(),
+            })?;
+        let record = self.record(actor, &key, &kv)?;
+        if kv.value() != self.inner.owner_value.as_bytes() {
+            return Err(PlacementError::PlacementConflict {
+                actor: actor.clone(),
+                owner: record.owner,
+            });
+        }
+        Ok(record)
+    }
+
+    async fn lookup(&self, actor: &ActorId) -> Result<Option<PlacementRecord>, PlacementError> {
+        let key = self.placement_key(actor);
+        let mut kv = self.inner.client.kv_client();
+        let response = self
+            .request(PlacementOperation::Lookup, kv.get(key.clone(), None))
+            .await?;
+        response
+            .kvs()
+            .first()
+            .map(|kv| self.record(actor, &key, kv))
+            .transpose()
+    }
+
+    async fn release(&self, actor: &ActorId) -> Result<bool, PlacementError> {
+        let key = self.placement_key(actor);
+        let txn = Txn::new()
+            .when(vec![Compare::value(
+                key.clone(),
+                CompareOp::Equal,
+                self.inner.owner_value.clone(),
+            )])
+            .and_then(vec![TxnOp::delete(key, None)]);
+        let mut kv = self.inner.client.kv_client();
+        let response = self.request(PlacementOperation::Release, kv.txn(txn)).await?;
+        Ok(response.succeeded())
+    }
+
+    async fn nodes(&self) -> Result<Vec<NodeRecord>, PlacementError> {
+        let prefix = format!("{}nodes/", self.inner.prefix);
+        let mut kv = self.inner.client.kv_client();
+        let response = self
+            .request(
+                PlacementOperation::ListNodes,
+                kv.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let mut nodes = Vec::with_capacity(response.kvs().len());
+        for kv in response.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            let malformed = |reason: String| PlacementError::MalformedRecord {
+                key: key.clone(),
+                reason,
+            };
+            let name = key
+                .strip_prefix(&prefix)
+                .ok_or_else(|| malformed("outside the nodes prefix".to_string()))?;
+            let node = NodeId::new(name).map_err(|error| malformed(error.to_string()))?;
+            let address = String::from_utf8(kv.value().to_vec()).map_err(|error| malformed(error.to_string()))?;
+            nodes.push(NodeRecord { node, address });
+        }
+        nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        Ok(nodes)
+    }
+}
+
+#[cfg(not(madsim))]
+async fn connect(config: &EtcdConfig) -> Result<Client, etcd_client::Error> {
+    let options = etcd_client::ConnectOptions::new()
+        .with_connect_timeout(config.request_timeout())
+        .with_timeout(config.request_timeout());
+    Client::connect(&config.endpoints, Some(options)).await
+}
+
+#[cfg(madsim)]
+async fn connect(config: &EtcdConfig) -> Result<Client, etcd_client::Error> {
+    Client::connect(&config.endpoints, None).await
+}
+
+/// Runs one etcd request within `timeout` and types its failure.
+///
+/// `lease_holder` is the node and lease the request uses, if it uses one: etcd saying
+/// "not found" to such a request means the lease is gone.
+async fn bounded<T>(
+    endpoints: &str,
+    timeout: Duration,
+    operation: PlacementOperation,
+    lease_holder: Option<(&NodeId, i64)>,
+    future: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, PlacementError> {
+    match tokio::time::timeout(timeout, future).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(classify(endpoints, operation, lease_holder, &error)),
+        Err(_elapsed) => Err(PlacementError::EtcdUnavailable {
+            endpoints: endpoints.to_string(),
+            operation,
+            cause: format!("no answer within {} ms", timeout.as_millis()),
+        }),
+    }
+}
+
+/// Whether etcd's answer says a lease does not exist (expired or revoked).
+pub(crate) fn says_lease_gone(error: &etcd_client::Error) -> bool {
+    match error {
+        etcd_client::Error::GRpcStatus(status) => status.code() == tonic::Code::NotFound,
+        // The real client's keep-alive refuses a lease the server reports with TTL 0.
+        etcd_client::Error::LeaseKeepAliveError(_) => true,
+        _ => false,
+    }
+}
+
+fn classify(
+    endpoints: &str,
+    operation: PlacementOperation,
+    lease_holder: Option<(&NodeId, i64)>,
+    error: &etcd_client::Error,
+) -> PlacementError {
+    let unavailable = || PlacementError::EtcdUnavailable {
+        endpoints: endpoints.to_string(),
+        operation,
+        cause: error.to_string(),
+    };
+    match error {
+        etcd_client::Error::GRpcStatus(status) => match status.code() {
+            tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+            | tonic::Code::Aborted
+            | tonic::Code::Unknown => unavailable(),
+            tonic::Code::NotFound if lease_holder.is_some() => {
+                let (node, lease) = lease_holder.expect("checked by the guard");
+                PlacementError::LeaseExpired {
+                    node: node.clone(),
+                    lease,
+                    reason: LeaseLostReason::ExpiredOnServer,
+                }
+            }
+            _ => PlacementError::EtcdRefused {
+                operation,
+                cause: error.to_string(),
+            },
+        },
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => unavailable(),
+        _ => PlacementError::EtcdRefused {
+            operation,
+            cause: error.to_string(),
+        },
+    }
+}

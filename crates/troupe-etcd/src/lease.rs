@@ -1,0 +1,173 @@
+//! The node's lease as the node sees it: until when it may trust it, and whether it is
+//! lost; and the keep-alive task that renews it.
+//!
+//! ```text
+//! every TTL/3:  sent = now ── keep-alive ──► etcd ── ttl ──►  valid_until = sent + ttl − slack
+//!               no answer, an error, a closed stream  →  reopen the stream next round
+//!               etcd says the lease is gone (ttl ≤ 0, NotFound)  →  lost: ExpiredOnServer
+//!               now ≥ valid_until                                 →  lost: NotRenewedInTime
+//! ```
+//!
+//! The server expires the lease no earlier than `ttl − slack` after it received the
+//! renewal, which is after `sent`; so while `now < valid_until` the lease is alive on
+//! the server (clocks are assumed to run at the same rate). Once lost, a lease is never
+//! trusted again: the node must join anew.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::config::ETCD_LEASE_EXPIRY_SLACK_MS;
+use crate::error::LeaseLostReason;
+
+/// The lease's standing, shared by the placement handles and the keep-alive task.
+#[derive(Debug)]
+pub(crate) struct LeaseStanding {
+    valid_until: Mutex<Instant>,
+    lost: watch::Sender<Option<LeaseLostReason>>,
+}
+
+impl LeaseStanding {
+    pub(crate) fn new(valid_until: Instant) -> Self {
+        Self {
+            valid_until: Mutex::new(valid_until),
+            lost: watch::channel(None).0,
+        }
+    }
+
+    fn valid_until_guard(&self) -> MutexGuard<'_, Instant> {
+        self.valid_until.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Until when the lease is known to be alive on the server.
+    pub(crate) fn valid_until(&self) -> Instant {
+        *self.valid_until_guard()
+    }
+
+    /// Why the lease is lost, if it is.
+    pub(crate) fn lost(&self) -> Option<LeaseLostReason> {
+        self.lost.borrow().clone()
+    }
+
+    /// Records a renewal confirmed by the server; never moves the bound back.
+    fn renewed(&self, valid_until: Instant) {
+        let mut current = self.valid_until_guard();
+        if valid_until > *current {
+            *current = valid_until;
+        }
+    }
+
+    /// Marks the lease lost (the first reason wins) and wakes every waiter.
+    pub(crate) fn lose(&self, reason: LeaseLostReason) {
+        self.lost.send_if_modified(|lost| {
+            if lost.is_some() {
+                return false;
+            }
+            tracing::warn!(?reason, "etcd lease lost");
+            *lost = Some(reason);
+            true
+        });
+    }
+
+    /// Waits until the lease is lost, and says why.
+    pub(crate) async fn wait_lost(&self) -> LeaseLostReason {
+        let mut receiver = self.lost.subscribe();
+        let lost = receiver
+            .wait_for(Option::is_some)
+            .await
+            .expect("the sender lives as long as the standing")
+            .clone();
+        lost.expect("wait_for returned a lost lease")
+    }
+}
+
+/// What one renewal found.
+enum Renewal {
+    /// The server renewed the lease for this many seconds.
+    Renewed(i64),
+    /// The server says the lease does not exist.
+    Gone,
+    /// No answer, or the stream broke: try again on a new stream.
+    Failed,
+}
+
+/// Renews `lease` until it is lost; runs as a task of its own, aborted when the
+/// placement is dropped.
+pub(crate) async fn keep_alive(
+    standing: Arc<LeaseStanding>,
+    mut client: LeaseClient,
+    lease: i64,
+    granted_ttl_s: i64,
+    interval: Duration,
+    request_timeout: Duration,
+) {
+    let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
+    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+    loop {
+        let sent = tokio::time::Instant::now();
+        let renewal =
+            match tokio::time::timeout(request_timeout, renew(&mut client, lease, granted_ttl_s, &mut stream)).await {
+                Ok(renewal) => renewal,
+                Err(_elapsed) => Renewal::Failed,
+            };
+        match renewal {
+            Renewal::Renewed(ttl_s) if ttl_s > 0 => {
+                let ttl = Duration::from_secs(ttl_s.unsigned_abs());
+                standing.renewed(sent + ttl.saturating_sub(slack));
+            }
+            Renewal::Renewed(_) | Renewal::Gone => {
+                standing.lose(LeaseLostReason::ExpiredOnServer);
+                return;
+            }
+            Renewal::Failed => {
+                tracing::debug!(lease, "etcd lease renewal failed; retrying on a new stream");
+                stream = None;
+            }
+        }
+        let valid_until = standing.valid_until();
+        if tokio::time::Instant::now() >= valid_until {
+            standing.lose(LeaseLostReason::NotRenewedInTime);
+            return;
+        }
+        tokio::time::sleep_until((sent + interval).min(valid_until)).await;
+        if tokio::time::Instant::now() >= standing.valid_until() && standing.lost().is_none() {
+            // The next renewal may still succeed, but the bound has passed: from here on
+            // the server may have expired the lease.
+            standing.lose(LeaseLostReason::NotRenewedInTime);
+            return;
+        }
+    }
+}
+
+async fn renew(
+    client: &mut LeaseClient,
+    lease: i64,
+    granted_ttl_s: i64,
+    stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+) -> Renewal {
+    let Some((keeper, responses)) = stream else {
+        // Opening the stream sends one keep-alive and reads its answer (the real client
+        // and the simulator alike); the real client refuses a lease the server reports
+        // gone, so an error here is either that or a failed connection.
+        return match client.keep_alive(lease).await {
+            Ok(opened) => {
+                *stream = Some(opened);
+                Renewal::Renewed(granted_ttl_s)
+            }
+            Err(error) if crate::etcd_placement::says_lease_gone(&error) => Renewal::Gone,
+            Err(_) => Renewal::Failed,
+        };
+    };
+    if keeper.keep_alive().await.is_err() {
+        return Renewal::Failed;
+    }
+    match responses.message().await {
+        Ok(Some(response)) => Renewal::Renewed(response.ttl()),
+        Ok(None) => Renewal::Failed,
+        Err(error) if crate::etcd_placement::says_lease_gone(&error) => Renewal::Gone,
+        Err(_) => Renewal::Failed,
+    }
+}
