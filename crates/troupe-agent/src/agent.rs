@@ -122,6 +122,7 @@ impl Actor for AgentActor {
         let command = AgentCommand::decode(&payload)
             .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
         self.state.load_window(turn).await?;
+        crate::org_store::ensure_loaded(&self.shared).await;
         if let Some(spec) = self.shared.directory.get(self.id.key()) {
             self.state.spec = spec;
         }
@@ -129,7 +130,10 @@ impl Actor for AgentActor {
             AgentCommand::Ask(request) => {
                 let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
                 let content = match &request.from {
-                    Some(from) => format!("[message from agent {}] {text}", from.key()),
+                    Some(from) => format!(
+                        "[message from {}] {text}",
+                        crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key())
+                    ),
                     None => text.to_string(),
                 };
                 let conversation = Conversation {

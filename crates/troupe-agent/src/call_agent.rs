@@ -37,6 +37,10 @@ pub enum AgentCallError {
     /// Admission refused the call; nothing was sent.
     #[error("call refused: {0}")]
     Refused(#[from] CallRefused),
+    /// The organisation refused the call (links, permissions, approval); nothing was
+    /// sent.
+    #[error("call not permitted: {0}")]
+    NotPermitted(#[from] crate::NotPermitted),
     /// The call was sent and failed: timed out, the callee failed, a deadlock, ...
     #[error("call failed: {0}")]
     Invoke(#[from] InvokeError),
@@ -67,6 +71,7 @@ impl AgentCallError {
     pub(crate) fn outcome(&self) -> CallOutcome {
         match self {
             Self::Refused(refused) => CallOutcome::Refused(refused.clone()),
+            Self::NotPermitted(refused) => CallOutcome::NotPermitted(refused.clone()),
             Self::Invoke(error) => CallOutcome::Failed(error.clone()),
             Self::InvalidAgentId { .. } | Self::MalformedReply { .. } | Self::BudgetExhausted(_) => {
                 CallOutcome::Other {
@@ -162,8 +167,13 @@ pub async fn call_agent(
         call,
         armed: shared.has_listeners(),
     };
-    // The grant is reserved only once the call is admitted; refused, it is not sent.
-    let admission = admission.map_err(AgentCallError::Refused).and_then(|admitted| {
+    // Then the organisation's admission (links, permissions, approval); the grant is
+    // reserved only once the call is admitted; refused, it is not sent.
+    let admission = match admission {
+        Ok(admitted) => crate::org_store::admit_call(context, &target, message, admitted).await,
+        Err(refused) => Err(AgentCallError::Refused(refused)),
+    };
+    let admission = admission.and_then(|admitted| {
         let grant = context.budget().grant()?;
         Ok((admitted, grant))
     });

@@ -142,6 +142,9 @@ pub enum InboxError {
     /// Admission refused it (cycle, depth, unknown agent, ...); nothing was kept.
     #[error("refused: {0}")]
     Refused(#[from] CallRefused),
+    /// The organisation refused it (links, permissions, approval); nothing was kept.
+    #[error("not permitted: {0}")]
+    NotPermitted(#[from] crate::NotPermitted),
     /// The sending turn had no budget left to grant; nothing was kept.
     #[error(transparent)]
     BudgetExhausted(#[from] crate::BudgetExhausted),
@@ -311,6 +314,7 @@ pub(crate) enum SendReply {
     AlreadyFinal(TaskState),
     UnknownTask,
     Refused(CallRefused),
+    NotPermitted(crate::NotPermitted),
     OutboxFull {
         limit: u64,
     },

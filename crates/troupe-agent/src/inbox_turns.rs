@@ -250,10 +250,10 @@ impl AgentActor {
         let entry: InboxEntry = from_json(&key, &bytes)?;
         turn.delete(key)?;
         self.state.boxes.inbox_len = self.state.boxes.inbox_len.saturating_sub(1);
-        let from = entry
-            .from
-            .as_ref()
-            .map_or_else(|| "outside".to_string(), |from| format!("agent {}", from.key()));
+        let from = entry.from.as_ref().map_or_else(
+            || "outside".to_string(),
+            |from| crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key()),
+        );
         let deadline = entry.context.deadline();
         let expired = deadline.has_passed(turn.now());
         match entry.body {
@@ -474,6 +474,11 @@ impl AgentActor {
         timeout_ms: Option<u64>,
         task: bool,
     ) -> Result<Bytes, ActorError> {
+        let (clock, deadline) = (turn.clock(), turn.context().deadline());
+        let admitted = crate::org_store::admit_send(&self.shared, &clock, &self.id, to, text, deadline, task).await;
+        if let Err(InboxError::NotPermitted(refused)) = admitted {
+            return Ok(encode_reply(&SendReply::NotPermitted(refused)));
+        }
         let mut sends = self.pending_sends();
         let reply = match queue_send(turn.caller(), &self.shared, &mut sends, to, text, timeout_ms, task) {
             Ok(id) => {
@@ -534,13 +539,24 @@ fn queue_send(
 }
 
 /// Queues a send from a tool of the running turn.
-fn tool_send(
+async fn tool_send(
     context: &ToolExecutionContext,
     to: &str,
     text: &str,
     timeout_ms: Option<u64>,
     task: bool,
 ) -> Result<String, InboxError> {
+    let clock = context.clock();
+    crate::org_store::admit_send(
+        context.shared(),
+        &clock,
+        context.agent_id(),
+        to,
+        text,
+        context.deadline(),
+        task,
+    )
+    .await?;
     let Some(sends) = context.sends() else {
         return Err(InboxError::Invoke(InvokeError::Rejected {
             target: context.agent_id().clone(),
@@ -600,6 +616,7 @@ pub(crate) fn delegate_tool() -> Tool {
                 arguments.timeout_ms,
                 true,
             )
+            .await
             .map(|task_id| format!("delegated as task {task_id}; the result will come back as a message"))
             .map_err(|error| ToolError::failed(DELEGATE_TOOL_NAME, error.to_string()))
         },
@@ -619,6 +636,7 @@ pub(crate) fn notify_tool() -> Tool {
                 arguments.timeout_ms,
                 false,
             )
+            .await
             .map(|msg_id| format!("notification {msg_id} queued"))
             .map_err(|error| ToolError::failed(NOTIFY_TOOL_NAME, error.to_string()))
         },

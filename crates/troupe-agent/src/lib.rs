@@ -51,6 +51,7 @@
 mod agent;
 mod budget;
 mod call_agent;
+mod config;
 mod inbox;
 mod inbox_turns;
 pub mod limits;
@@ -60,6 +61,11 @@ mod mcp;
 mod observer;
 #[cfg(not(madsim))]
 mod openai;
+mod org;
+mod org_api;
+mod org_prompt;
+mod org_store;
+mod permissions;
 mod schema;
 mod scripted_llm;
 mod system;
@@ -70,6 +76,9 @@ pub use agent::{
 };
 pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
+pub use config::{
+    AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, CONFIG_AGENTS_MAX, CONFIG_FILE_SIZE_MAX_BYTES,
+};
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};
 pub use llm::{
@@ -85,6 +94,17 @@ pub use openai::{
     OPENAI_RETRIES_MAX, OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT, OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT,
     OPENAI_RETRY_JITTER_SEED_DEFAULT, PROVIDER_ERROR_BODY_BYTES_MAX, RESPONSE_BODY_BYTES_MAX, RETRY_AFTER_MS_MAX,
     RETRY_ATTEMPT_MS_MIN, STREAM_TOOL_CALLS_MAX,
+};
+pub use org::{
+    Approval, ApprovalState, ContactKind, Link, LinkDirection, LinkRelationship, Membership, NotPermitted,
+    NotPermittedReason, OrgError, OrgPolicy, Organisation, Permitted, ORG_APPROVALS_PENDING_MAX,
+    ORG_APPROVALS_RESOLVED_KEPT_MAX, ORG_APPROVAL_MESSAGE_SIZE_MAX_BYTES, ORG_LINKS_MAX, ORG_PROMPT_AGENTS_LISTED_MAX,
+    ORG_RULES_PER_AGENT_MAX,
+};
+pub use org_store::{ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX};
+pub use permissions::{
+    match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,
+    PERMISSION_TARGET_ANY,
 };
 pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,

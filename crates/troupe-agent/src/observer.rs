@@ -27,6 +27,9 @@ pub enum CallOutcome {
     },
     /// Admission refused the call; nothing was sent.
     Refused(CallRefused),
+    /// The organisation refused the call (links, permissions, approval); nothing was
+    /// sent.
+    NotPermitted(crate::NotPermitted),
     /// The call was sent and failed (timed out, the callee failed, ...).
     Failed(InvokeError),
     /// Anything else (an invalid agent id, a reply that could not be decoded).
@@ -42,11 +45,13 @@ pub enum CallOutcome {
 }
 
 impl CallOutcome {
-    /// A short label: `ok`, `refused`, `timeout`, `failed`, `cancelled`.
+    /// A short label: `ok`, `refused`, `not permitted`, `timeout`, `failed`,
+    /// `cancelled`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Replied { .. } => "ok",
             Self::Refused(_) => "refused",
+            Self::NotPermitted(_) => "not permitted",
             Self::Failed(InvokeError::Timeout { .. }) => "timeout",
             Self::Failed(_) | Self::Other { .. } => "failed",
             Self::Cancelled => "cancelled",
@@ -58,6 +63,37 @@ impl CallOutcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AgentEvent {
+    /// The organisation decided whether `from` may contact `to` (see
+    /// [`crate::Organisation::decide`]); reported for every contact the runtime's own
+    /// admission let through, on the organisation of `org_version`.
+    ContactDecided {
+        /// The sender.
+        from: ActorId,
+        /// The target.
+        to: ActorId,
+        /// Ask, delegate or notify.
+        kind: crate::ContactKind,
+        /// The version of the organisation the decision was made on.
+        org_version: u64,
+        /// Whether it was let through.
+        permitted: bool,
+        /// When.
+        at: Deadline,
+    },
+    /// A contact needs approval: [`crate::AgentClient::approve`] or
+    /// [`crate::AgentClient::deny`] approval `id`.
+    ApprovalRequested {
+        /// The approval's id.
+        id: u64,
+        /// The sender.
+        from: ActorId,
+        /// The target.
+        to: ActorId,
+        /// Ask, delegate or notify.
+        kind: crate::ContactKind,
+        /// When.
+        at: Deadline,
+    },
     /// A message (notification, task, task result or cancellation) was acknowledged by
     /// its target: it is persisted in the target's inbox (or was a duplicate).
     MessageSent {
@@ -335,6 +371,7 @@ fn render_node(node: &CallNode, indent: usize, out: &mut String) {
             let detail = match outcome {
                 CallOutcome::Replied { bytes } => format!("ok ({bytes} bytes)"),
                 CallOutcome::Refused(reason) => format!("refused: {reason}"),
+                CallOutcome::NotPermitted(refused) => format!("not permitted: {}", refused.reason),
                 CallOutcome::Failed(error) => format!("{}: {error}", outcome.label()),
                 CallOutcome::Other { cause } => format!("failed: {cause}"),
                 CallOutcome::Cancelled => "cancelled: the caller's turn was cut".to_string(),

@@ -159,8 +159,8 @@ impl AgentSystemBuilder {
 /// A cheap, cloneable handle for asking agents and reading their conversations.
 #[derive(Clone)]
 pub struct AgentClient {
-    runtime: RuntimeHandle,
-    shared: Arc<AgentShared>,
+    pub(crate) runtime: RuntimeHandle,
+    pub(crate) shared: Arc<AgentShared>,
 }
 
 impl std::fmt::Debug for AgentClient {
@@ -440,6 +440,7 @@ impl AgentClient {
         match self.command(&sender, command).await? {
             SendReply::Sent(id) => Ok(id),
             SendReply::Refused(refused) => Err(InboxError::Refused(refused)),
+            SendReply::NotPermitted(refused) => Err(InboxError::NotPermitted(refused)),
             SendReply::OutboxFull { limit } => Err(InboxError::OutboxFull { agent: sender, limit }),
             SendReply::InvalidAgentId { agent_id, cause } => Err(InboxError::InvalidAgentId { agent_id, cause }),
             other => Err(InboxError::Malformed {

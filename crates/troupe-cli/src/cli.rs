@@ -81,6 +81,12 @@ pub struct DemoArgs {
     /// Use the scripted model even if OPENAI_API_KEY is set.
     #[arg(long)]
     pub scripted: bool,
+    /// Run the organisation declared in FILE (TOML: agents, links, permissions,
+    /// policy; see examples/org.toml) instead of the built-in demo, on the scripted
+    /// model: every agent tries to contact every other agent, and the demo prints who
+    /// talked to whom and which contacts the organisation refused.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 #[cfg(test)]
@@ -105,9 +111,15 @@ mod tests {
             args,
             DemoArgs {
                 data_dir: Some(PathBuf::from("/tmp/x")),
-                scripted: true
+                scripted: true,
+                config: None,
             }
         );
+        let cli = Cli::try_parse_from(["troupe", "demo", "--config", "org.toml"]).unwrap();
+        let Command::Demo(args) = cli.command else {
+            panic!("not demo")
+        };
+        assert_eq!(args.config, Some(PathBuf::from("org.toml")));
     }
 
     #[test]

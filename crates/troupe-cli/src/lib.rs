@@ -19,8 +19,10 @@
 #![warn(missing_docs)]
 
 mod cli;
+mod org_demo;
 
 pub use cli::{Cli, Command, DemoArgs, ServeArgs, SERVE_BIND_DEFAULT};
+pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use troupe_agent::LlmClient;
-use troupe_cli::{demo_script, run_demo, Cli, Command, DemoArgs, DEMO_HANDOFF, DEMO_QUESTION};
+use troupe_cli::{demo_script, run_demo, run_org_demo, Cli, Command, DemoArgs, DEMO_HANDOFF, DEMO_QUESTION};
 #[cfg(not(madsim))]
 use troupe_cli::{serve_organisation, ServeArgs};
 use troupe_runtime::{SqliteStore, StateStore};
@@ -53,6 +53,11 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     let path = directory.join("troupe.db");
     let store: Arc<dyn StateStore> =
         Arc::new(SqliteStore::open(&path).map_err(|error| format!("cannot open {}: {error}", path.display()))?);
+    if let Some(config_path) = &args.config {
+        let ok = org_demo(store, config_path).await;
+        drop(temporary);
+        return ok;
+    }
     let scripted = real.is_none();
     let (llm, model, description): (Arc<dyn LlmClient>, String, String) = match real {
         Some((client, description)) => (client, String::new(), format!("real model: {description}")),
@@ -183,6 +188,39 @@ async fn shutdown_signal() {
         _ = terminate.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
+}
+
+/// `troupe demo --config FILE`: the organisation of FILE on the scripted model.
+async fn org_demo(store: Arc<dyn StateStore>, path: &std::path::Path) -> Result<bool, String> {
+    let config = troupe_agent::OrgConfig::from_file(path).map_err(|error| error.to_string())?;
+    println!(
+        "Troupe organisation demo: {} agents, {} links, {} permission rules, policy {:?}, from {} (scripted model)",
+        config.agents.len(),
+        config.links.len(),
+        config.permissions.len(),
+        config.policy,
+        path.display()
+    );
+    println!("Every agent tries to contact every other agent (call_agent).");
+    println!();
+    let report = run_org_demo(store, &config).await?;
+    println!("Who talked to whom:");
+    for contact in &report.contacts {
+        let detail = if contact.detail.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", contact.detail)
+        };
+        println!("  {} -> {}  {}{detail}", contact.from, contact.to, contact.label);
+    }
+    println!();
+    println!(
+        "contacts: {} ok, {} not permitted, {} other",
+        report.with_label("ok").len(),
+        report.with_label("not permitted").len(),
+        report.contacts.len() - report.with_label("ok").len() - report.with_label("not permitted").len(),
+    );
+    Ok(true)
 }
 
 #[tokio::main]

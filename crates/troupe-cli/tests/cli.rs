@@ -56,3 +56,51 @@ fn version_is_the_package_version() {
         format!("troupe {}", env!("CARGO_PKG_VERSION"))
     );
 }
+
+fn example_config() -> String {
+    format!("{}/../../examples/org.toml", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Goal: `troupe demo --config examples/org.toml` runs the example organisation and
+/// prints who talked to whom, the forbidden pair refused. Method: run the binary as a
+/// user does and read its output.
+#[test]
+fn demo_with_the_example_config_prints_who_talked_to_whom_and_the_refused_pair() {
+    let output = troupe(&["demo", "--scripted", "--config", &example_config()]);
+    assert!(output.status.success(), "{output:?}");
+    let stdout = text(&output.stdout);
+    assert!(
+        stdout.contains("4 agents, 4 links, 1 permission rules, policy Enforced"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("  lead -> ana  ok\n"), "{stdout}");
+    assert!(stdout.contains("  ana -> lead  ok\n"), "{stdout}");
+    assert!(
+        stdout.contains("  ben -> pia  not permitted: a permission rule denies it (explicit deny)\n"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("contacts: 11 ok, 1 not permitted, 0 other"), "{stdout}");
+}
+
+/// Goal: a broken config file is refused with the file, line, column and field, and
+/// exit code 1. Method: a link to an undeclared agent.
+#[test]
+fn a_broken_config_is_refused_naming_the_file_line_and_field() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("org.toml");
+    std::fs::write(
+        &path,
+        "[[agents]]\nid = \"a\"\n\n[[links]]\nfrom = \"a\"\nto = \"zed\"\n",
+    )
+    .unwrap();
+    let output = troupe(&["demo", "--scripted", "--config", path.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "{}:6:6: field `links[0].to`: \"zed\" is not a declared agent",
+            path.display()
+        )),
+        "{stderr}"
+    );
+}

@@ -113,3 +113,23 @@ async fn a_second_demo_run_on_the_same_sqlite_store_continues_the_conversations(
         .unwrap();
     assert_eq!(coordinator.1, 24);
 }
+
+/// Goal: the example organisation plays out in virtual time as its comments say: every
+/// ordered pair of its four agents talks, except the forbidden pair, which the
+/// organisation refuses before anything is sent. Method: run `run_org_demo` on the
+/// parsed example file and check all 12 contacts.
+#[tokio::test(start_paused = true)]
+async fn the_example_organisation_refuses_only_the_forbidden_pair() {
+    let path = format!("{}/../../examples/org.toml", env!("CARGO_MANIFEST_DIR"));
+    let config = troupe_agent::OrgConfig::from_file(&path).unwrap();
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    let report = troupe_cli::run_org_demo(store, &config).await.unwrap();
+    assert_eq!(report.contacts.len(), 12, "{report:?}");
+    let refused: Vec<(&str, &str)> = report
+        .with_label("not permitted")
+        .iter()
+        .map(|contact| (contact.from.as_str(), contact.to.as_str()))
+        .collect();
+    assert_eq!(refused, vec![("ben", "pia")], "{report:?}");
+    assert_eq!(report.with_label("ok").len(), 11, "{report:?}");
+}

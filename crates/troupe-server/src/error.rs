@@ -114,6 +114,8 @@ impl From<AgentCallError> for ApiError {
             AgentCallError::Invoke(invoke) => invoke.into(),
             AgentCallError::InvalidAgentId { .. } => Self::bad_request(error.to_string()),
             AgentCallError::MalformedReply { .. } => Self::internal(error.to_string()),
+            AgentCallError::NotPermitted(_) => Self::new(StatusCode::FORBIDDEN, "not_permitted", error.to_string()),
+            AgentCallError::BudgetExhausted(_) => Self::unprocessable("budget_exhausted", error.to_string()),
         }
     }
 }
@@ -132,6 +134,8 @@ impl From<InboxError> for ApiError {
             InboxError::EmptyMessageId => Self::unprocessable("invalid_message_id", message),
             InboxError::UnknownTask { .. } => Self::new(StatusCode::NOT_FOUND, "task_not_found", message),
             InboxError::Malformed { .. } => Self::internal(message),
+            InboxError::NotPermitted(_) => Self::new(StatusCode::FORBIDDEN, "not_permitted", message),
+            InboxError::BudgetExhausted(_) => Self::unprocessable("budget_exhausted", message),
         }
     }
 }

@@ -73,6 +73,7 @@ pub fn event_json(event: &AgentEvent) -> Value {
                 CallOutcome::Failed(error) => json!({"cause": error.to_string()}),
                 CallOutcome::Other { cause } => json!({"cause": cause}),
                 CallOutcome::Cancelled => json!({}),
+                CallOutcome::NotPermitted(refused) => json!({"cause": refused.to_string()}),
             };
             json!({"type": "call_finished", "call": call, "outcome": outcome.label(), "detail": detail,
                    "at_us": at.as_micros()})
@@ -114,6 +115,19 @@ pub fn event_json(event: &AgentEvent) -> Value {
         }
         AgentEvent::Deactivated { agent, at } => {
             json!({"type": "deactivated", "agent": agent.to_string(), "at_us": at.as_micros()})
+        }
+        AgentEvent::ContactDecided {
+            from,
+            to,
+            kind,
+            org_version,
+            permitted,
+            at,
+        } => json!({"type": "contact_decided", "from": from.to_string(), "to": to.to_string(), "kind": kind,
+                    "org_version": org_version, "permitted": permitted, "at_us": at.as_micros()}),
+        AgentEvent::ApprovalRequested { id, from, to, kind, at } => {
+            json!({"type": "approval_requested", "id": id, "from": from.to_string(), "to": to.to_string(),
+                   "kind": kind, "at_us": at.as_micros()})
         }
         other => json!({"type": "other", "debug": format!("{other:?}")}),
     }

@@ -17,6 +17,8 @@ pub(crate) struct AgentShared {
     /// The registry's specs, built once: every model request offers this list.
     pub(crate) tool_specs: Arc<[ToolSpec]>,
     pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
+    /// The organisation: links, permissions, approvals (`org_store.rs`).
+    pub(crate) org: crate::org_store::OrgStore,
     /// The broadcast event stream ([`crate::AgentClient::subscribe`]).
     pub(crate) stream: tokio::sync::broadcast::Sender<AgentEvent>,
     next_call: AtomicU64,
@@ -40,6 +42,7 @@ impl AgentShared {
             tool_specs: tools.specs().into(),
             tools,
             observers,
+            org: crate::org_store::OrgStore::new(),
             stream: tokio::sync::broadcast::channel(crate::limits::AGENT_EVENT_STREAM_CAPACITY).0,
             next_call: AtomicU64::new(1),
             clock: OnceLock::new(),

@@ -192,17 +192,6 @@ impl AgentDirectory {
         self.agents.read().unwrap().contains_key(id)
     }
 
-    /// Up to `limit` lines `- {id}: {role}` for the agents other than `id`, by id.
-    pub(crate) fn peers_of(&self, id: &str, limit: usize) -> Vec<String> {
-        let agents = self.agents.read().unwrap();
-        agents
-            .values()
-            .filter(|peer| peer.id != id)
-            .take(limit)
-            .map(|peer| format!("- {}: {}", peer.id, peer.role))
-            .collect()
-    }
-
     /// Every definition, by id.
     pub fn list(&self) -> Vec<AgentSpec> {
         self.agents.read().unwrap().values().cloned().collect()

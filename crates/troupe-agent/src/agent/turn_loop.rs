@@ -11,8 +11,7 @@ use super::{log_key, AgentActor};
 use crate::budget::BudgetMeter;
 use crate::inbox::{PendingSends, SharedSends};
 use crate::limits::{
-    AGENT_PEERS_LISTED_MAX, AGENT_REPLY_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX,
-    AGENT_TOOL_RESULT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+    AGENT_REPLY_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
 };
 use crate::{
     AgentEvent, AgentReply, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmError, LlmRequest, Role,
@@ -44,11 +43,7 @@ impl AgentActor {
             text.push_str(&format!(", {}", spec.role));
         }
         text.push('.');
-        let peers = self.shared.directory.peers_of(&spec.id, AGENT_PEERS_LISTED_MAX);
-        if !peers.is_empty() {
-            text.push_str("\nAgents you can ask with the call_agent tool:\n");
-            text.push_str(&peers.join("\n"));
-        }
+        text.push_str(&crate::org_prompt::contacts_section(&self.shared, &spec.id));
         ChatMessage::new(Role::System, text)
     }
 
@@ -120,7 +115,7 @@ impl AgentActor {
             Some(Arc::clone(&sends)),
             Arc::clone(&meter),
         );
-        let specs = &self.shared.tool_specs;
+        let specs = &crate::org_prompt::tool_specs_for(&self.shared, self.id.key());
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
         let mut usage = TokenUsage::default();

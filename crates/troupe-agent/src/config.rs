@@ -1,0 +1,578 @@
+//! An organisation from a TOML file: agents, links, permissions and the policy, parsed
+//! with `toml` + serde into typed structs and validated; every error names the file,
+//! the line and column, and the field.
+//!
+//! ```toml
+//! policy = "enforced"            # or "open" (the default): are links required?
+//!
+//! [[agents]]
+//! id = "manager"                 # required; the agent's id
+//! name = "Manager"               # default: the id
+//! role = "runs the team"
+//! system_prompt = "You run a small team."
+//! model = "gpt-4o-mini"          # passed to the model client; default: its default
+//! provider = "openai"            # parsed, not yet applied (one client per system)
+//! tools = ["call_agent"]         # parsed and checked, not yet applied (every agent
+//!                                # has every tool of its system)
+//! max_steps = 4                  # model steps per turn, 1..=AGENT_TURN_STEPS_MAX
+//! manager = "ceo"                # another declared agent
+//! mode = "supervised"            # autonomous (default), supervised, strict
+//!
+//! [[links]]
+//! from = "manager"
+//! to = "report"
+//! direction = "two_way"          # or one_way (default two_way)
+//! relationship = "superior"      # what `from` is to `to`: peer (default), superior, subordinate
+//! enabled = true                 # default true
+//!
+//! [[permissions]]
+//! agent = "report"
+//! target = "*"                   # an agent id or "*"
+//! effect = "deny"                # allow or deny
+//! requires_approval = false      # default false
+//! ```
+//!
+//! [`crate::AgentClient::apply_config`] syncs a config into a running system: declared
+//! agents are upserted into the directory, and the policy, links, memberships and rules
+//! are written to the store in one commit. Config wins for what it declares; agents,
+//! links and rules created at runtime and not declared are kept.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::limits::AGENT_TURN_STEPS_MAX;
+use crate::permissions::{BehaviourMode, PermissionEffect, PermissionRule, PERMISSION_TARGET_ANY};
+use crate::{AgentSpec, Link, LinkDirection, LinkRelationship, Membership, OrgPolicy};
+
+/// Largest config file read, in bytes.
+pub const CONFIG_FILE_SIZE_MAX_BYTES: u64 = 4 * 1024 * 1024;
+/// Most agents one config file declares.
+pub const CONFIG_AGENTS_MAX: usize = 1_000;
+
+/// Why a config file was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read (or is larger than [`CONFIG_FILE_SIZE_MAX_BYTES`]).
+    #[error("{path}: cannot read the config file: {cause}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        cause: String,
+    },
+    /// The file is not valid TOML, or a field is missing, unknown or of the wrong type.
+    #[error("{}: {message}", Location(path, *line, *column))]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line, 0 if unknown.
+        line: usize,
+        /// 1-based column, 0 if unknown.
+        column: usize,
+        /// TOML's message (it names the field).
+        message: String,
+    },
+    /// A field's value is well-formed but not allowed.
+    #[error("{}: field `{field}`: {message}", Location(path, *line, *column))]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// The field, as a path: `agents[2].manager`.
+        field: String,
+        /// What is wrong and what to do.
+        message: String,
+    },
+}
+
+struct Location<'a>(&'a PathBuf, usize, usize);
+
+impl fmt::Display for Location<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.1 == 0 {
+            write!(f, "{}", self.0.display())
+        } else {
+            write!(f, "{}:{}:{}", self.0.display(), self.1, self.2)
+        }
+    }
+}
+
+/// One declared agent.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Its id.
+    pub id: Spanned<String>,
+    /// Display name (default: the id).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Its role, shown to other agents.
+    #[serde(default)]
+    pub role: String,
+    /// Its system prompt.
+    #[serde(default)]
+    pub system_prompt: String,
+    /// The model name passed to the model client.
+    #[serde(default)]
+    pub model: String,
+    /// The provider's name (parsed; not yet applied: a system has one model client).
+    #[serde(default)]
+    pub provider: Option<String>,
+    /// Its tools (parsed and checked to be unique; not yet applied: every agent has
+    /// every tool of its system).
+    #[serde(default)]
+    pub tools: Option<Spanned<Vec<String>>>,
+    /// Model steps per turn.
+    #[serde(default)]
+    pub max_steps: Option<Spanned<u32>>,
+    /// Its manager, another declared agent.
+    #[serde(default)]
+    pub manager: Option<Spanned<String>>,
+    /// Its behaviour mode.
+    #[serde(default)]
+    pub mode: BehaviourMode,
+}
+
+/// One declared link.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkConfig {
+    /// Its source.
+    pub from: Spanned<String>,
+    /// Its target.
+    pub to: Spanned<String>,
+    /// Who may start contact.
+    #[serde(default)]
+    pub direction: LinkDirection,
+    /// What `from` is to `to`.
+    #[serde(default)]
+    pub relationship: LinkRelationship,
+    /// Whether it is enabled.
+    #[serde(default = "enabled_by_default")]
+    pub enabled: bool,
+}
+
+fn enabled_by_default() -> bool {
+    true
+}
+
+/// One declared permission rule.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PermissionConfig {
+    /// The agent the rule belongs to.
+    pub agent: Spanned<String>,
+    /// An agent id or `*`.
+    pub target: Spanned<String>,
+    /// Allow or deny.
+    pub effect: PermissionEffect,
+    /// For an allow: contact waits for approval.
+    #[serde(default)]
+    pub requires_approval: bool,
+}
+
+/// A whole config file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrgConfig {
+    /// Whether links are required.
+    #[serde(default)]
+    pub policy: OrgPolicy,
+    /// The agents.
+    #[serde(default)]
+    pub agents: Vec<AgentConfig>,
+    /// The links.
+    #[serde(default)]
+    pub links: Vec<LinkConfig>,
+    /// The permission rules.
+    #[serde(default)]
+    pub permissions: Vec<PermissionConfig>,
+}
+
+/// 1-based line and column of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |last| last.chars().count()) + 1;
+    (line, column)
+}
+
+impl OrgConfig {
+    /// Reads and validates the config file at `path`.
+    ///
+    /// # Errors
+    /// [`ConfigError`], naming the file, line, column and field.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let read_error = |cause: String| ConfigError::Read {
+            path: path.to_path_buf(),
+            cause,
+        };
+        let size = std::fs::metadata(path)
+            .map_err(|error| read_error(error.to_string()))?
+            .len();
+        if size > CONFIG_FILE_SIZE_MAX_BYTES {
+            return Err(read_error(format!(
+                "it is {size} bytes, more than the limit of {CONFIG_FILE_SIZE_MAX_BYTES}"
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(|error| read_error(error.to_string()))?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses and validates `text`; errors name `path`.
+    ///
+    /// # Errors
+    /// [`ConfigError::Parse`] or [`ConfigError::Invalid`].
+    pub fn from_toml(text: &str, path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref().to_path_buf();
+        let config: Self = toml::from_str(text).map_err(|error| {
+            let (line, column) = error.span().map_or((0, 0), |span| line_column(text, span.start));
+            ConfigError::Parse {
+                path: path.clone(),
+                line,
+                column,
+                message: error.message().trim_end().to_string(),
+            }
+        })?;
+        config.validate(text, &path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, text: &str, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |span: std::ops::Range<usize>, field: String, message: String| {
+            let (line, column) = line_column(text, span.start);
+            ConfigError::Invalid {
+                path: path.to_path_buf(),
+                line,
+                column,
+                field,
+                message,
+            }
+        };
+        if self.agents.len() > CONFIG_AGENTS_MAX {
+            let span = self.agents[CONFIG_AGENTS_MAX].id.span();
+            return Err(invalid(
+                span,
+                "agents".into(),
+                format!("at most {CONFIG_AGENTS_MAX} agents may be declared"),
+            ));
+        }
+        let mut ids = BTreeSet::new();
+        for (index, agent) in self.agents.iter().enumerate() {
+            let field = |name: &str| format!("agents[{index}].{name}");
+            let id = agent.id.get_ref();
+            if let Err(error) = self.spec(agent).validate() {
+                return Err(invalid(agent.id.span(), field("id"), error.to_string()));
+            }
+            if id == PERMISSION_TARGET_ANY {
+                return Err(invalid(
+                    agent.id.span(),
+                    field("id"),
+                    "`*` cannot be an agent id".into(),
+                ));
+            }
+            if !ids.insert(id.clone()) {
+                return Err(invalid(
+                    agent.id.span(),
+                    field("id"),
+                    format!("agent {id:?} is declared twice; give each agent its own id"),
+                ));
+            }
+            if let Some(steps) = &agent.max_steps {
+                if !(1..=AGENT_TURN_STEPS_MAX).contains(steps.get_ref()) {
+                    return Err(invalid(
+                        steps.span(),
+                        field("max_steps"),
+                        format!("{} is not in 1..={AGENT_TURN_STEPS_MAX}", steps.get_ref()),
+                    ));
+                }
+            }
+            if let Some(tools) = &agent.tools {
+                let mut seen = BTreeSet::new();
+                if let Some(repeated) = tools.get_ref().iter().find(|tool| !seen.insert(tool.as_str())) {
+                    return Err(invalid(
+                        tools.span(),
+                        field("tools"),
+                        format!("tool {repeated:?} is listed twice"),
+                    ));
+                }
+            }
+        }
+        let declared = |value: &Spanned<String>, field: String, allow_any: bool| {
+            let id = value.get_ref();
+            if ids.contains(id) || (allow_any && id == PERMISSION_TARGET_ANY) {
+                Ok(())
+            } else {
+                Err(invalid(
+                    value.span(),
+                    field,
+                    format!("{id:?} is not a declared agent; declare it under [[agents]] or fix the id"),
+                ))
+            }
+        };
+        for (index, agent) in self.agents.iter().enumerate() {
+            if let Some(manager) = &agent.manager {
+                declared(manager, format!("agents[{index}].manager"), false)?;
+                if manager.get_ref() == agent.id.get_ref() {
+                    return Err(invalid(
+                        manager.span(),
+                        format!("agents[{index}].manager"),
+                        "an agent cannot manage itself".into(),
+                    ));
+                }
+            }
+        }
+        // Manager cycles (a → b → a): walk up from each agent.
+        for (index, agent) in self.agents.iter().enumerate() {
+            let mut current = agent.manager.as_ref().map(|manager| manager.get_ref().clone());
+            let mut steps = 0;
+            while let Some(id) = current {
+                steps += 1;
+                if id == *agent.id.get_ref() || steps > self.agents.len() {
+                    let manager = agent.manager.as_ref().expect("walking up from a manager");
+                    return Err(invalid(
+                        manager.span(),
+                        format!("agents[{index}].manager"),
+                        format!("the managers form a cycle through {:?}", agent.id.get_ref()),
+                    ));
+                }
+                current = self
+                    .agents
+                    .iter()
+                    .find(|other| *other.id.get_ref() == id)
+                    .and_then(|other| other.manager.as_ref().map(|manager| manager.get_ref().clone()));
+            }
+        }
+        let mut pairs = BTreeSet::new();
+        for (index, link) in self.links.iter().enumerate() {
+            declared(&link.from, format!("links[{index}].from"), false)?;
+            declared(&link.to, format!("links[{index}].to"), false)?;
+            if link.from.get_ref() == link.to.get_ref() {
+                return Err(invalid(
+                    link.to.span(),
+                    format!("links[{index}].to"),
+                    "a link must join two different agents".into(),
+                ));
+            }
+            if !pairs.insert((link.from.get_ref().clone(), link.to.get_ref().clone())) {
+                return Err(invalid(
+                    link.from.span(),
+                    format!("links[{index}]"),
+                    format!(
+                        "a link from {:?} to {:?} is declared twice",
+                        link.from.get_ref(),
+                        link.to.get_ref()
+                    ),
+                ));
+            }
+        }
+        let mut rules = BTreeSet::new();
+        for (index, rule) in self.permissions.iter().enumerate() {
+            declared(&rule.agent, format!("permissions[{index}].agent"), false)?;
+            declared(&rule.target, format!("permissions[{index}].target"), true)?;
+            if rule.effect == PermissionEffect::Deny && rule.requires_approval {
+                return Err(invalid(
+                    rule.target.span(),
+                    format!("permissions[{index}].requires_approval"),
+                    "a deny rule cannot require approval; use effect = \"allow\"".into(),
+                ));
+            }
+            if !rules.insert((rule.agent.get_ref().clone(), rule.target.get_ref().clone())) {
+                return Err(invalid(
+                    rule.agent.span(),
+                    format!("permissions[{index}]"),
+                    format!(
+                        "agent {:?} has two rules for {:?}",
+                        rule.agent.get_ref(),
+                        rule.target.get_ref()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn spec(&self, agent: &AgentConfig) -> AgentSpec {
+        let id = agent.id.get_ref().clone();
+        let mut spec = AgentSpec::new(id.clone())
+            .name(agent.name.clone().unwrap_or(id))
+            .role(agent.role.clone())
+            .system_prompt(agent.system_prompt.clone())
+            .model(agent.model.clone());
+        if let Some(steps) = &agent.max_steps {
+            spec = spec.max_steps(*steps.get_ref());
+        }
+        spec
+    }
+
+    /// The declared agents' definitions.
+    pub fn agent_specs(&self) -> Vec<AgentSpec> {
+        self.agents.iter().map(|agent| self.spec(agent)).collect()
+    }
+
+    /// The declared links.
+    pub fn org_links(&self) -> Vec<Link> {
+        self.links
+            .iter()
+            .map(|link| {
+                Link::new(link.from.get_ref().clone(), link.to.get_ref().clone())
+                    .direction(link.direction)
+                    .relationship(link.relationship)
+                    .enabled(link.enabled)
+            })
+            .collect()
+    }
+
+    /// Each declared agent's membership (manager and mode).
+    pub fn memberships(&self) -> Vec<(String, Membership)> {
+        self.agents
+            .iter()
+            .map(|agent| {
+                let membership = Membership {
+                    manager: agent.manager.as_ref().map(|manager| manager.get_ref().clone()),
+                    mode: agent.mode,
+                };
+                (agent.id.get_ref().clone(), membership)
+            })
+            .collect()
+    }
+
+    /// The declared rules, with the agent each belongs to.
+    pub fn rules(&self) -> Vec<(String, PermissionRule)> {
+        self.permissions
+            .iter()
+            .map(|rule| {
+                let permission = PermissionRule {
+                    target: rule.target.get_ref().clone(),
+                    effect: rule.effect,
+                    requires_approval: rule.requires_approval,
+                };
+                (rule.agent.get_ref().clone(), permission)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VALID: &str = r#"
+policy = "enforced"
+
+[[agents]]
+id = "boss"
+role = "runs the team"
+
+[[agents]]
+id = "worker"
+manager = "boss"
+mode = "supervised"
+max_steps = 3
+
+[[links]]
+from = "boss"
+to = "worker"
+relationship = "superior"
+direction = "one_way"
+
+[[permissions]]
+agent = "worker"
+target = "*"
+effect = "deny"
+"#;
+
+    #[test]
+    fn a_valid_file_gives_typed_agents_links_and_rules() {
+        let config = OrgConfig::from_toml(VALID, "org.toml").unwrap();
+        assert_eq!(config.policy, OrgPolicy::Enforced);
+        let specs = config.agent_specs();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[1].model.max_steps, 3);
+        let links = config.org_links();
+        assert_eq!(links[0].direction, LinkDirection::OneWay);
+        assert_eq!(links[0].relationship, LinkRelationship::Superior);
+        assert!(links[0].enabled);
+        assert_eq!(
+            config.memberships()[1],
+            (
+                "worker".to_string(),
+                Membership {
+                    manager: Some("boss".into()),
+                    mode: BehaviourMode::Supervised
+                }
+            )
+        );
+        assert_eq!(
+            config.rules(),
+            vec![("worker".to_string(), PermissionRule::deny(PERMISSION_TARGET_ANY))]
+        );
+    }
+
+    /// Goal: every kind of bad input names the file, the line and the field. Method: one
+    /// broken variant of a valid file per row, with the expected text of the error.
+    #[test]
+    fn errors_name_the_file_the_line_and_the_field() {
+        let table: Vec<(&str, String, &str)> = vec![
+            (
+                "unknown agent in a link",
+                VALID.replace("to = \"worker\"", "to = \"wroker\""),
+                "org.toml:16:6: field `links[0].to`: \"wroker\" is not a declared agent",
+            ),
+            (
+                "unknown field",
+                VALID.replace("role = \"runs the team\"", "rol = \"runs the team\""),
+                "org.toml:6:1: unknown field `rol`",
+            ),
+            ("missing id", VALID.replace("id = \"boss\"", ""), "missing field `id`"),
+            (
+                "bad enum value",
+                VALID.replace("\"one_way\"", "\"sideways\""),
+                "org.toml:18:13: unknown variant `sideways`",
+            ),
+            (
+                "steps out of range",
+                VALID.replace("max_steps = 3", "max_steps = 0"),
+                "org.toml:12:13: field `agents[1].max_steps`: 0 is not in 1..=",
+            ),
+            (
+                "duplicate agent",
+                VALID.replace("id = \"worker\"", "id = \"boss\""),
+                "org.toml:9:6: field `agents[1].id`: agent \"boss\" is declared twice",
+            ),
+            (
+                "manager cycle",
+                VALID.replace("role = \"runs the team\"", "manager = \"worker\""),
+                "field `agents[0].manager`: the managers form a cycle",
+            ),
+            (
+                "syntax",
+                VALID.replace("policy = \"enforced\"", "policy = "),
+                "org.toml:2:10:",
+            ),
+        ];
+        for (name, text, expected) in table {
+            let error = OrgConfig::from_toml(&text, "org.toml").expect_err(name).to_string();
+            assert!(error.contains(expected), "{name}: {error}");
+            assert!(error.starts_with("org.toml"), "{name}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_a_read_error_naming_it() {
+        let error = OrgConfig::from_file("/nonexistent/org.toml").unwrap_err();
+        assert!(matches!(error, ConfigError::Read { .. }));
+        assert!(
+            error.to_string().starts_with("/nonexistent/org.toml: cannot read"),
+            "{error}"
+        );
+    }
+}

@@ -1,0 +1,245 @@
+//! The organisation's part of [`AgentClient`]: links, permissions, memberships, the
+//! policy, approvals, and asking as an agent. Every change is committed to the store
+//! before it returns, and every admission after it returns reads it (see
+//! `org_store.rs`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+use troupe_core::{truncate_utf8, CallRefused};
+
+use crate::agent::{agent_id, AgentRequest};
+use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
+use crate::org_store::{admit_contact, Contact};
+use crate::{
+    AgentCallError, AgentClient, AgentReply, Approval, ContactKind, Link, Membership, OrgError, OrgPolicy,
+    Organisation, PermissionRule,
+};
+
+impl AgentClient {
+    /// The organisation as admission sees it now (read from the store the first time).
+    ///
+    /// # Errors
+    /// [`OrgError::Store`] or [`OrgError::Decode`].
+    pub async fn organisation(&self) -> Result<Arc<Organisation>, OrgError> {
+        self.shared.org.current(self.runtime.store().as_ref()).await
+    }
+
+    /// Reads the organisation from the store again: changes made by another process on
+    /// the same store are seen from then on.
+    ///
+    /// # Errors
+    /// As [`AgentClient::organisation`].
+    pub async fn reload_org(&self) -> Result<Arc<Organisation>, OrgError> {
+        self.shared.org.reload(self.runtime.store().as_ref()).await
+    }
+
+    async fn change_org<T>(&self, change: impl FnMut(&mut Organisation) -> Result<T, OrgError>) -> Result<T, OrgError> {
+        self.shared.org.change(self.runtime.store().as_ref(), change).await
+    }
+
+    /// Adds `link`. Its agents need not exist yet.
+    ///
+    /// # Errors
+    /// [`OrgError::LinkExists`], [`OrgError::SelfLink`], [`OrgError::InvalidAgentId`],
+    /// [`OrgError::TooMany`], [`OrgError::Store`].
+    pub async fn add_link(&self, link: Link) -> Result<(), OrgError> {
+        self.change_org(|org| {
+            if org.link(&link.from, &link.to).is_some() {
+                return Err(OrgError::LinkExists {
+                    from: link.from.clone(),
+                    to: link.to.clone(),
+                });
+            }
+            org.upsert_link(link.clone())
+        })
+        .await
+    }
+
+    /// Replaces the link with `link`'s source and target (direction, relationship,
+    /// enabled).
+    ///
+    /// # Errors
+    /// [`OrgError::NoSuchLink`], [`OrgError::Store`].
+    pub async fn update_link(&self, link: Link) -> Result<(), OrgError> {
+        self.change_org(|org| {
+            if org.link(&link.from, &link.to).is_none() {
+                return Err(OrgError::NoSuchLink {
+                    from: link.from.clone(),
+                    to: link.to.clone(),
+                });
+            }
+            org.upsert_link(link.clone())
+        })
+        .await
+    }
+
+    /// Removes the link from `from` to `to` and returns it.
+    ///
+    /// # Errors
+    /// [`OrgError::NoSuchLink`], [`OrgError::Store`].
+    pub async fn remove_link(&self, from: &str, to: &str) -> Result<Link, OrgError> {
+        self.change_org(|org| org.remove_link(from, to)).await
+    }
+
+    /// Every link.
+    ///
+    /// # Errors
+    /// As [`AgentClient::organisation`].
+    pub async fn links(&self) -> Result<Vec<Link>, OrgError> {
+        Ok(self.organisation().await?.links())
+    }
+
+    /// Sets agent `agent`'s rule for `rule.target` (replacing the one it had).
+    ///
+    /// # Errors
+    /// [`OrgError::InvalidAgentId`], [`OrgError::TooMany`], [`OrgError::Store`].
+    pub async fn set_permission(&self, agent: &str, rule: PermissionRule) -> Result<(), OrgError> {
+        self.change_org(|org| org.set_rule(agent, rule.clone())).await
+    }
+
+    /// Removes agent `agent`'s rule for `target`; returns it, if there was one.
+    ///
+    /// # Errors
+    /// [`OrgError::Store`].
+    pub async fn remove_permission(&self, agent: &str, target: &str) -> Result<Option<PermissionRule>, OrgError> {
+        self.change_org(|org| Ok(org.remove_rule(agent, target))).await
+    }
+
+    /// Sets agent `agent`'s manager and behaviour mode.
+    ///
+    /// # Errors
+    /// [`OrgError::InvalidAgentId`], [`OrgError::ManagerCycle`], [`OrgError::Store`].
+    pub async fn set_membership(&self, agent: &str, membership: Membership) -> Result<(), OrgError> {
+        self.change_org(|org| org.set_membership(agent, membership.clone()))
+            .await
+    }
+
+    /// Sets whether links are required.
+    ///
+    /// # Errors
+    /// [`OrgError::Store`].
+    pub async fn set_org_policy(&self, policy: OrgPolicy) -> Result<(), OrgError> {
+        self.change_org(|org| {
+            org.set_policy(policy);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Every pending approval, oldest first.
+    ///
+    /// # Errors
+    /// As [`AgentClient::organisation`].
+    pub async fn pending_approvals(&self) -> Result<Vec<Approval>, OrgError> {
+        Ok(self.organisation().await?.pending_approvals())
+    }
+
+    /// Approves pending approval `id`: the contact waiting for it proceeds (if its
+    /// deadline has not passed and the organisation still allows it).
+    ///
+    /// # Errors
+    /// [`OrgError::NotPending`], [`OrgError::Store`].
+    pub async fn approve(&self, id: u64) -> Result<Approval, OrgError> {
+        self.change_org(|org| org.resolve_approval(id, true)).await
+    }
+
+    /// Denies pending approval `id`: the contact waiting for it is refused with
+    /// [`crate::NotPermittedReason::ApprovalDenied`] (the model reads it as its tool
+    /// result).
+    ///
+    /// # Errors
+    /// [`OrgError::NotPending`], [`OrgError::Store`].
+    pub async fn deny(&self, id: u64) -> Result<Approval, OrgError> {
+        self.change_org(|org| org.resolve_approval(id, false)).await
+    }
+
+    /// Sends `text` to agent `to` as agent `from` (the message is introduced as coming
+    /// from `from`) and waits up to `timeout` for the reply, after the organisation's
+    /// admission as for `from`'s `call_agent` (a contact that needs approval waits for
+    /// it within `timeout`). The call is a root of the call tree: `from` is not waiting
+    /// in a turn.
+    ///
+    /// # Errors
+    /// [`AgentCallError::NotPermitted`] (nothing sent), [`AgentCallError::Refused`]
+    /// (`AgentNotFound` for `from` or `to`), and as [`AgentClient::ask_with_timeout`].
+    pub async fn ask_as(
+        &self,
+        from: &str,
+        to: &str,
+        text: &str,
+        timeout: Duration,
+    ) -> Result<AgentReply, AgentCallError> {
+        let invalid = |agent: &str, error: troupe_core::IdError| AgentCallError::InvalidAgentId {
+            agent_id: agent.to_string(),
+            cause: error.to_string(),
+        };
+        let sender = agent_id(from).map_err(|error| invalid(from, error))?;
+        let target = agent_id(to).map_err(|error| invalid(to, error))?;
+        for (key, id) in [(from, &sender), (to, &target)] {
+            if !self.shared.directory.contains(key) {
+                return Err(AgentCallError::Refused(CallRefused::AgentNotFound {
+                    target: id.clone(),
+                }));
+            }
+        }
+        let timeout = timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+        let deadline = self.runtime.deadline_in(timeout);
+        let contact = Contact {
+            from: &sender,
+            to: &target,
+            kind: ContactKind::Ask,
+            message: text,
+            deadline,
+        };
+        admit_contact(&self.shared, &self.runtime.clock(), contact).await?;
+        let request = AgentRequest {
+            text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
+            from: Some(sender),
+            call: None,
+            budget: crate::Budget::UNLIMITED,
+        };
+        let bytes = self.runtime.invoke(&target, request.encode(), deadline).await?;
+        AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply { target, cause })
+    }
+}
+
+impl AgentClient {
+    /// Syncs `config` into this system: every declared agent is upserted into the
+    /// directory (its definition replaces one of the same id), then the policy, the
+    /// declared links, memberships and rules are written to the store in one commit.
+    /// Config wins for what it declares; agents, links and rules created at runtime and
+    /// not declared are kept.
+    ///
+    /// # Errors
+    /// [`OrgError`] (the directory refuses nothing the config validated).
+    pub async fn apply_config(&self, config: &crate::OrgConfig) -> Result<(), OrgError> {
+        for spec in config.agent_specs() {
+            let id = spec.id.clone();
+            self.shared
+                .directory
+                .upsert(spec)
+                .map_err(|error| OrgError::InvalidAgentId {
+                    what: "agent",
+                    id,
+                    cause: error.to_string(),
+                })?;
+        }
+        let (links, memberships, rules) = (config.org_links(), config.memberships(), config.rules());
+        self.change_org(|org| {
+            org.set_policy(config.policy);
+            for link in &links {
+                org.upsert_link(link.clone())?;
+            }
+            for (agent, membership) in &memberships {
+                org.set_membership(agent, membership.clone())?;
+            }
+            for (agent, rule) in &rules {
+                org.set_rule(agent, rule.clone())?;
+            }
+            Ok(())
+        })
+        .await
+    }
+}

@@ -1,0 +1,87 @@
+//! What an agent's model sees of the organisation: the organisation section of its
+//! system prompt (Spacebot's org context), the framing of a message from a related agent
+//! (its link context), and tool descriptions that list only the agents it may contact.
+//!
+//! All read the cached organisation (loaded at the start of each turn); before it is
+//! loaded, every agent of the directory is listed, as without an organisation.
+
+use std::sync::Arc;
+
+use crate::agent::AgentShared;
+use crate::inbox::{DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
+use crate::limits::AGENT_PEERS_LISTED_MAX;
+use crate::{ToolSpec, CALL_AGENT_TOOL_NAME};
+
+/// The agents `agent` may contact (possibly after approval), with their roles, by id.
+fn reachable(shared: &AgentShared, agent: &str) -> Vec<(String, String)> {
+    let others: Vec<_> = shared
+        .directory
+        .list()
+        .into_iter()
+        .filter(|spec| spec.id != agent)
+        .collect();
+    let org = shared.org.cached();
+    others
+        .into_iter()
+        .filter(|spec| {
+            org.as_ref()
+                .is_none_or(|org| org.decide(agent, &spec.id, crate::ContactKind::Ask).is_ok())
+        })
+        .take(AGENT_PEERS_LISTED_MAX)
+        .map(|spec| (spec.id, spec.role))
+        .collect()
+}
+
+/// The part of `agent`'s system prompt after its identity: its place in the
+/// organisation (if it has one) and the agents it may contact.
+pub(crate) fn contacts_section(shared: &AgentShared, agent: &str) -> String {
+    let mut text = String::new();
+    if let Some(org) = shared.org.cached() {
+        let section = org.prompt_section(agent);
+        if !section.is_empty() {
+            text.push('\n');
+            text.push_str(&section);
+        }
+    }
+    let peers = reachable(shared, agent);
+    if !peers.is_empty() {
+        text.push_str("\nAgents you may contact with call_agent, delegate_to_agent and notify_agent:\n");
+        let lines: Vec<String> = peers.iter().map(|(id, role)| format!("- {id}: {role}")).collect();
+        text.push_str(&lines.join("\n"));
+    }
+    text
+}
+
+/// How a message from agent `from` is introduced to `agent`: `agent from`, with the
+/// link context when they are related.
+pub(crate) fn sender_label(shared: &AgentShared, agent: &str, from: &str) -> String {
+    match shared.org.cached().and_then(|org| org.link_context(agent, from)) {
+        Some(context) => format!("agent {from}; {context}"),
+        None => format!("agent {from}"),
+    }
+}
+
+/// The tool specs `agent`'s model is offered: the contact tools' descriptions end with
+/// the agents it may contact. Unchanged (shared) when the organisation is not loaded.
+pub(crate) fn tool_specs_for(shared: &AgentShared, agent: &str) -> Arc<[ToolSpec]> {
+    if shared.org.cached().is_none() {
+        return Arc::clone(&shared.tool_specs);
+    }
+    let peers: Vec<String> = reachable(shared, agent).into_iter().map(|(id, _)| id).collect();
+    let suffix = if peers.is_empty() {
+        " You may contact no agent.".to_string()
+    } else {
+        format!(" Agents you may contact: {}.", peers.join(", "))
+    };
+    shared
+        .tool_specs
+        .iter()
+        .map(|spec| {
+            let mut spec = spec.clone();
+            if [CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME].contains(&spec.name.as_str()) {
+                spec.description.push_str(&suffix);
+            }
+            spec
+        })
+        .collect()
+}

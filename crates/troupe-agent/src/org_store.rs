@@ -1,0 +1,350 @@
+//! Where the organisation lives: one state blob in the store, under the system key
+//! space `troupe-org/org` (an actor id of a kind no runtime registers, so no actor ever
+//! activates there), and a cache in memory that admission reads.
+//!
+//! ```text
+//! change(f):  writer lock ─► claim(org) → fence, stored state ─► f(state)
+//!             ─► commit(fence, new state) ─► cache = new state ─► version watchers woken
+//!             (Fenced: another process changed it meanwhile → claim again, at most
+//!              ORG_WRITE_ATTEMPTS_MAX times)
+//! current():  the cache, or a load from the store the first time
+//! ```
+//!
+//! Guarantee: once a change has returned, every later admission in this process reads
+//! it (the cache is replaced before `change` returns). A change whose future is dropped
+//! mid-way empties the cache, so the next read loads what the store holds. Another
+//! process sharing the store sees the change after [`crate::AgentClient::reload_org`];
+//! this cache is per process.
+
+use std::sync::{Arc, RwLock};
+
+use bytes::Bytes;
+use troupe_core::{ActorId, Deadline, StoreError};
+use troupe_runtime::{Clock, StateChange, StateStore, TurnCommit};
+
+use crate::org::{ApprovalState, ContactKind, NotPermitted, NotPermittedReason, OrgError, Organisation, Permitted};
+use crate::AgentEvent;
+
+/// The kind of the organisation's system key space.
+pub const ORG_STORE_KIND: &str = "troupe-org";
+/// The key of the organisation's system key space.
+pub const ORG_STORE_KEY: &str = "org";
+/// How many times one change claims the organisation again when another process
+/// changed it between the claim and the commit.
+pub const ORG_WRITE_ATTEMPTS_MAX: u32 = 3;
+
+/// The organisation's actor id in the store.
+pub(crate) fn org_store_id() -> ActorId {
+    ActorId::new(ORG_STORE_KIND, ORG_STORE_KEY).expect("the organisation's id is valid")
+}
+
+fn decode(bytes: Option<&Bytes>) -> Result<Organisation, OrgError> {
+    match bytes {
+        None => Ok(Organisation::default()),
+        Some(bytes) => serde_json::from_slice(bytes).map_err(|error| OrgError::Decode {
+            cause: error.to_string(),
+        }),
+    }
+}
+
+/// The cache and the writers' lock (one per system).
+pub(crate) struct OrgStore {
+    cache: RwLock<Option<Arc<Organisation>>>,
+    writer: tokio::sync::Mutex<()>,
+    /// The version of the last change, for waiters on approvals.
+    versions: tokio::sync::watch::Sender<u64>,
+}
+
+/// Empties the cache unless disarmed: a change dropped mid-way leaves the next reader
+/// to load what the store holds.
+struct ClearOnDrop<'a> {
+    cache: &'a RwLock<Option<Arc<Organisation>>>,
+    armed: bool,
+}
+
+impl Drop for ClearOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            *self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
+    }
+}
+
+impl OrgStore {
+    pub(crate) fn new() -> Self {
+        Self {
+            cache: RwLock::new(None),
+            writer: tokio::sync::Mutex::new(()),
+            versions: tokio::sync::watch::channel(0).0,
+        }
+    }
+
+    /// The cached organisation, if it was loaded.
+    pub(crate) fn cached(&self) -> Option<Arc<Organisation>> {
+        self.cache
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn publish(&self, org: Organisation) -> Arc<Organisation> {
+        let version = org.version();
+        let org = Arc::new(org);
+        *self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::clone(&org));
+        self.versions.send_replace(version);
+        org
+    }
+
+    /// The organisation: the cache, or the store the first time.
+    ///
+    /// # Errors
+    /// The store's error, or [`OrgError::Decode`].
+    pub(crate) async fn current(&self, store: &dyn StateStore) -> Result<Arc<Organisation>, OrgError> {
+        if let Some(org) = self.cached() {
+            return Ok(org);
+        }
+        // Under the writers' lock: a load never overwrites a newer change.
+        let _writer = self.writer.lock().await;
+        if let Some(org) = self.cached() {
+            return Ok(org);
+        }
+        self.load(store).await
+    }
+
+    async fn load(&self, store: &dyn StateStore) -> Result<Arc<Organisation>, OrgError> {
+        let bytes = store.load(&org_store_id()).await?;
+        Ok(self.publish(decode(bytes.as_ref())?))
+    }
+
+    /// Reads the organisation from the store again (changes made by another process).
+    ///
+    /// # Errors
+    /// As [`OrgStore::current`].
+    pub(crate) async fn reload(&self, store: &dyn StateStore) -> Result<Arc<Organisation>, OrgError> {
+        let _writer = self.writer.lock().await;
+        self.load(store).await
+    }
+
+    /// Applies `change` to the stored organisation and commits it; the cache holds the
+    /// result before this returns. `change` may run more than once (after a fenced
+    /// commit), always on the newest stored state; an error from it changes nothing.
+    ///
+    /// # Errors
+    /// `change`'s error, the store's error, [`OrgError::Decode`].
+    pub(crate) async fn change<T>(
+        &self,
+        store: &dyn StateStore,
+        mut change: impl FnMut(&mut Organisation) -> Result<T, OrgError>,
+    ) -> Result<T, OrgError> {
+        let _writer = self.writer.lock().await;
+        let id = org_store_id();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let claimed = store.claim(&id).await?;
+            let mut org = decode(claimed.state.as_ref())?;
+            let output = change(&mut org)?;
+            let bytes = serde_json::to_vec(&org).map_err(|error| OrgError::Decode {
+                cause: error.to_string(),
+            })?;
+            let commit = TurnCommit {
+                state: StateChange::Set(Bytes::from(bytes)),
+                writes: Vec::new(),
+            };
+            let mut guard = ClearOnDrop {
+                cache: &self.cache,
+                armed: true,
+            };
+            match store.commit(&id, claimed.fence, commit).await {
+                Ok(()) => {
+                    guard.armed = false;
+                    self.publish(org);
+                    return Ok(output);
+                }
+                Err(StoreError::Fenced { .. }) if attempt < ORG_WRITE_ATTEMPTS_MAX => continue,
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+
+    /// Waits until approval `id` is resolved or `deadline` passes; `None` at the
+    /// deadline (or if the record is gone).
+    pub(crate) async fn wait_resolved(&self, id: u64, clock: &Clock, deadline: Deadline) -> Option<ApprovalState> {
+        let mut versions = self.versions.subscribe();
+        let wait = async {
+            loop {
+                let state = self
+                    .cached()
+                    .and_then(|org| org.approval(id).map(|approval| approval.state));
+                match state {
+                    Some(ApprovalState::Pending) => {}
+                    // Not in the cache (emptied by a dropped change): wait for the next.
+                    None if self.cached().is_none() => {}
+                    other => return other,
+                }
+                if versions.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        clock.run_until(deadline, wait).await.ok().flatten()
+    }
+}
+
+/// What admission needs to decide one contact.
+pub(crate) struct Contact<'a> {
+    pub(crate) from: &'a ActorId,
+    pub(crate) to: &'a ActorId,
+    pub(crate) kind: ContactKind,
+    pub(crate) message: &'a str,
+    /// Approval is waited for until then.
+    pub(crate) deadline: Deadline,
+}
+
+/// The organisation's admission of one contact: decides on the current organisation;
+/// a contact that needs approval records a pending [`Approval`] (durably) and waits for
+/// it until the contact's deadline, then is decided again on the organisation of that
+/// moment (a deny added meanwhile wins). Reports the final decision as
+/// [`AgentEvent::ContactDecided`] with the version it was made on.
+///
+/// # Errors
+/// [`NotPermitted`].
+pub(crate) async fn admit_contact(
+    shared: &crate::agent::AgentShared,
+    clock: &Clock,
+    contact: Contact<'_>,
+) -> Result<Permitted, NotPermitted> {
+    let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
+    let refuse = |reason| NotPermitted {
+        from: from.to_string(),
+        to: to.to_string(),
+        kind,
+        reason,
+    };
+    let Some(runtime) = shared.runtime() else {
+        return Err(refuse(NotPermittedReason::Unavailable {
+            cause: "the runtime has not started".to_string(),
+        }));
+    };
+    let store = runtime.store().as_ref();
+    let unavailable = |error: OrgError| {
+        refuse(NotPermittedReason::Unavailable {
+            cause: error.to_string(),
+        })
+    };
+    let org = shared.org.current(store).await.map_err(unavailable)?;
+    let (decision, version) = match org.decide(from, to, kind) {
+        Ok(Permitted::NeedsApproval { rule, mode }) => {
+            let id = shared
+                .org
+                .change(store, |org| org.request_approval(from, to, kind, contact.message))
+                .await
+                .map_err(unavailable)?;
+            shared.emit(&AgentEvent::ApprovalRequested {
+                id,
+                from: contact.from.clone(),
+                to: contact.to.clone(),
+                kind,
+                at: clock.now(),
+            });
+            let state = shared.org.wait_resolved(id, clock, contact.deadline).await;
+            let now = shared.org.current(store).await.map_err(unavailable)?;
+            let decision = match state {
+                Some(ApprovalState::Approved) => match now.decide(from, to, kind) {
+                    Ok(Permitted::NeedsApproval { .. }) => Ok(Permitted::NeedsApproval { rule, mode }),
+                    other => other,
+                },
+                Some(ApprovalState::Denied) => Err(refuse(NotPermittedReason::ApprovalDenied { id })),
+                Some(ApprovalState::Pending) | None => Err(refuse(NotPermittedReason::ApprovalTimedOut { id })),
+            };
+            (decision, now.version())
+        }
+        other => (other, org.version()),
+    };
+    if shared.has_listeners() {
+        shared.emit(&AgentEvent::ContactDecided {
+            from: contact.from.clone(),
+            to: contact.to.clone(),
+            kind,
+            org_version: version,
+            permitted: decision.is_ok(),
+            at: clock.now(),
+        });
+    }
+    decision
+}
+
+/// Loads the organisation into the cache if it is not there yet, so the prompt can show
+/// it; a failure is left for admission to report.
+pub(crate) async fn ensure_loaded(shared: &crate::agent::AgentShared) {
+    if shared.org.cached().is_some() {
+        return;
+    }
+    if let Some(runtime) = shared.runtime() {
+        if let Err(error) = shared.org.current(runtime.store().as_ref()).await {
+            tracing::warn!(%error, "the organisation could not be loaded");
+        }
+    }
+}
+
+/// The organisation's admission of a delegation or notification from `from` to `to`
+/// (see [`admit_contact`]); a target that is unknown or not a valid id is left to the
+/// runtime's admission, which refuses it with its own error.
+///
+/// # Errors
+/// [`crate::InboxError::NotPermitted`].
+pub(crate) async fn admit_send(
+    shared: &crate::agent::AgentShared,
+    clock: &Clock,
+    from: &ActorId,
+    to: &str,
+    message: &str,
+    deadline: Deadline,
+    task: bool,
+) -> Result<(), crate::InboxError> {
+    let Ok(target) = crate::agent_id(to) else {
+        return Ok(());
+    };
+    if !shared.directory.contains(to) {
+        return Ok(());
+    }
+    let kind = if task {
+        ContactKind::Delegate
+    } else {
+        ContactKind::Notify
+    };
+    let contact = Contact {
+        from,
+        to: &target,
+        kind,
+        message,
+        deadline,
+    };
+    admit_contact(shared, clock, contact)
+        .await
+        .map(|_| ())
+        .map_err(crate::InboxError::NotPermitted)
+}
+
+/// The organisation's admission of `call_agent` from the turn of `context` to `target`,
+/// after the runtime admitted it (`admitted`, whose slot is held while approval is
+/// waited for, until the call's deadline).
+///
+/// # Errors
+/// [`crate::AgentCallError::NotPermitted`].
+pub(crate) async fn admit_call(
+    context: &crate::ToolExecutionContext,
+    target: &ActorId,
+    message: &str,
+    admitted: troupe_runtime::Admitted,
+) -> Result<troupe_runtime::Admitted, crate::AgentCallError> {
+    let contact = Contact {
+        from: context.agent_id(),
+        to: target,
+        kind: ContactKind::Ask,
+        message,
+        deadline: admitted.child().deadline(),
+    };
+    admit_contact(context.shared(), &context.clock(), contact).await?;
+    Ok(admitted)
+}

@@ -1,0 +1,452 @@
+//! The organisation end to end: links, permissions, approvals and the config file,
+//! enforced at admission for ask, delegate and notify. The model is scripted and
+//! really emits `call_agent`, `delegate_to_agent` and `notify_agent`; everything else
+//! (runtime, store, inbox, admission) is the real thing.
+//!
+//! Runs in both builds: `cargo test -p troupe-agent --test org` (tokio, paused time)
+//! and under `RUSTFLAGS="--cfg madsim"` (the simulator).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use troupe_agent::{
+    AgentCallError, AgentEvent, AgentSpec, AgentSystem, ApprovalState, BehaviourMode, ContactKind, InboxError, Link,
+    LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason, OrgConfig, OrgError, OrgPolicy,
+    PermissionRule, RuleMatch, ScriptRule, ScriptedLlm, TaskState,
+};
+use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn start_on(llm: &ScriptedLlm, agents: &[&str], store: Arc<dyn StateStore>) -> AgentSystem {
+    let mut builder = AgentSystem::builder().store(store).llm(Arc::new(llm.clone()));
+    for agent in agents {
+        builder = builder.agent(AgentSpec::new(*agent).role(format!("the {agent}")));
+    }
+    builder.start().expect("the system starts")
+}
+
+fn start(llm: &ScriptedLlm, agents: &[&str]) -> AgentSystem {
+    start_on(llm, agents, Arc::new(MemoryStore::new()))
+}
+
+/// `a` asks `b` on any user message and reports the tool result; `b` answers "42".
+fn ask_script() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "b", "message": "what is 6 x 7?"})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("result: {tool_result}"))
+        .rule(ScriptRule::agent("b").reply("42"))
+}
+
+fn not_permitted(from: &str, to: &str, kind: ContactKind, reason: NotPermittedReason) -> NotPermitted {
+    NotPermitted {
+        from: from.into(),
+        to: to.into(),
+        kind,
+        reason,
+    }
+}
+
+/// Goal: with no organisation configured, every agent reaches every agent (today's
+/// behaviour); once the policy is enforced, a call without a link is refused before
+/// anything is sent, and the model reads why; adding a link lets it through again.
+/// Method: the same scripted ask under the three states; count `b`'s model calls.
+#[tokio::test(start_paused = true)]
+async fn open_by_default_enforced_needs_a_link_and_the_model_reads_the_refusal() {
+    let llm = ask_script();
+    let system = start(&llm, &["a", "b"]);
+    assert_eq!(system.ask("a", "go").await.unwrap().text, "result: 42");
+    assert_eq!(system.organisation().await.unwrap().policy, OrgPolicy::Open);
+
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    let reply = system.ask("a", "go").await.unwrap();
+    assert_eq!(
+        reply.text,
+        "result: error: call_agent failed: call not permitted: a may not ask b: \
+         no link joins them and the organisation requires one"
+    );
+    assert_eq!(llm.requests_of("b").len(), 1, "nothing reached b");
+
+    system.add_link(Link::new("a", "b")).await.unwrap();
+    assert_eq!(system.ask("a", "go").await.unwrap().text, "result: 42");
+    assert_eq!(llm.requests_of("b").len(), 2);
+    assert_eq!(
+        system.add_link(Link::new("a", "b")).await,
+        Err(OrgError::LinkExists {
+            from: "a".into(),
+            to: "b".into()
+        })
+    );
+    system.shutdown().await;
+}
+
+/// Goal: a delegation and a notification without permission are refused at admission,
+/// for the model (tool result) and for the Rust caller (typed error), and nothing is
+/// kept: no outbox or inbox entry, no turn of the target. Method: an explicit deny rule
+/// (open policy) and the enforced policy with no link.
+#[tokio::test(start_paused = true)]
+async fn refused_delegations_and_notifications_keep_nothing() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("hand off")
+                .call("delegate_to_agent", json!({"agent_id": "b", "message": "do it"}))
+                .call("notify_agent", json!({"agent_id": "b", "message": "fyi"})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("b").reply("done"));
+    let system = start(&llm, &["a", "b"]);
+    system.set_permission("a", PermissionRule::deny("b")).await.unwrap();
+
+    system.ask("a", "hand off").await.unwrap();
+    let results = llm.tool_results_seen_by("a");
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert_eq!(
+        results[0],
+        "error: delegate_to_agent failed: not permitted: a may not delegate to b: \
+         a permission rule denies it (explicit deny)"
+    );
+    assert_eq!(
+        results[1],
+        "error: notify_agent failed: not permitted: a may not notify b: a permission rule denies it (explicit deny)"
+    );
+    let denied = NotPermittedReason::Denied(RuleMatch::ExplicitDeny);
+    assert_eq!(
+        system.delegate("a", "b", "do it", None).await,
+        Err(InboxError::NotPermitted(not_permitted(
+            "a",
+            "b",
+            ContactKind::Delegate,
+            denied.clone()
+        )))
+    );
+    assert_eq!(
+        system.notify_as("a", "b", "fyi").await,
+        Err(InboxError::NotPermitted(not_permitted(
+            "a",
+            "b",
+            ContactKind::Notify,
+            denied
+        )))
+    );
+    // The other way round is not denied (rules belong to the sender).
+    system.notify_as("b", "a", "fyi").await.unwrap();
+
+    system.remove_permission("a", "b").await.unwrap();
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    assert_eq!(
+        system.delegate("a", "b", "do it", None).await,
+        Err(InboxError::NotPermitted(not_permitted(
+            "a",
+            "b",
+            ContactKind::Delegate,
+            NotPermittedReason::NoLink
+        )))
+    );
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(system.pending("a").await.unwrap(), (0, 0));
+    assert_eq!(system.pending("b").await.unwrap(), (0, 0));
+    assert!(llm.requests_of("b").is_empty(), "b never ran a turn for a refused send");
+    system.shutdown().await;
+}
+
+/// Goal: a one-way link `boss → worker` lets the worker answer the boss's ask and
+/// return its delegated task's result, but not start contact. Method: the boss
+/// delegates (the result comes back completed), the boss's ask is answered, the
+/// worker's ask and notification to the boss are refused with `OneWayLink`.
+#[tokio::test(start_paused = true)]
+async fn a_one_way_link_lets_the_target_reply_but_not_start_contact() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("boss")
+                .on_user_containing("you delegated is")
+                .reply("thanks"),
+        )
+        .rule(ScriptRule::agent("boss").reply("ok"))
+        .rule(ScriptRule::agent("worker").reply("work done"));
+    let system = start(&llm, &["boss", "worker"]);
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    system
+        .add_link(
+            Link::new("boss", "worker")
+                .direction(LinkDirection::OneWay)
+                .relationship(LinkRelationship::Superior),
+        )
+        .await
+        .unwrap();
+
+    let task = system.delegate("boss", "worker", "build it", None).await.unwrap();
+    tokio::time::sleep(10 * SECOND).await;
+    let status = system.task("boss", &task).await.unwrap().unwrap();
+    assert_eq!(status.state, TaskState::Completed);
+    assert_eq!(status.result.as_deref(), Some("work done"));
+    let reply = system.ask_as("boss", "worker", "status?", 10 * SECOND).await.unwrap();
+    assert_eq!(reply.text, "work done");
+    // The worker's model was told who the boss is.
+    let worker_input = llm
+        .requests_of("worker")
+        .last()
+        .unwrap()
+        .messages
+        .last()
+        .unwrap()
+        .content
+        .clone();
+    assert_eq!(
+        worker_input,
+        "[message from agent boss; boss is your superior: treat its directives as assignments.] status?"
+    );
+
+    let one_way = |kind| not_permitted("worker", "boss", kind, NotPermittedReason::OneWayLink);
+    match system.ask_as("worker", "boss", "hello", 10 * SECOND).await {
+        Err(AgentCallError::NotPermitted(refused)) => assert_eq!(refused, one_way(ContactKind::Ask)),
+        other => panic!("expected NotPermitted, got {other:?}"),
+    }
+    assert_eq!(
+        system.notify_as("worker", "boss", "hello").await,
+        Err(InboxError::NotPermitted(one_way(ContactKind::Notify)))
+    );
+    system.shutdown().await;
+}
+
+/// Goal: an agent's manager and direct reports are always reachable: the bypass skips
+/// links, deny rules and the behaviour mode. Method: enforced policy, no links, a
+/// wildcard deny and strict mode on the report; both directions of the hierarchy are
+/// answered, a third agent is refused.
+#[tokio::test(start_paused = true)]
+async fn the_manager_hierarchy_bypasses_links_rules_and_modes() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("yes"));
+    let system = start(&llm, &["lead", "dev", "outsider"]);
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    system
+        .set_membership(
+            "dev",
+            Membership {
+                manager: Some("lead".into()),
+                mode: BehaviourMode::Strict,
+            },
+        )
+        .await
+        .unwrap();
+    system.set_permission("dev", PermissionRule::deny("*")).await.unwrap();
+    assert_eq!(system.ask_as("dev", "lead", "q", SECOND).await.unwrap().text, "yes");
+    assert_eq!(system.ask_as("lead", "dev", "q", SECOND).await.unwrap().text, "yes");
+    assert!(matches!(
+        system.ask_as("dev", "outsider", "q", SECOND).await,
+        Err(AgentCallError::NotPermitted(NotPermitted {
+            reason: NotPermittedReason::NoLink,
+            ..
+        }))
+    ));
+    assert!(matches!(
+        system
+            .set_membership(
+                "lead",
+                Membership {
+                    manager: Some("dev".into()),
+                    mode: BehaviourMode::Autonomous
+                }
+            )
+            .await,
+        Err(OrgError::ManagerCycle { .. })
+    ));
+    system.shutdown().await;
+}
+
+/// Waits for the next `ApprovalRequested` event and returns its id.
+async fn next_approval(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>) -> u64 {
+    loop {
+        if let AgentEvent::ApprovalRequested { id, .. } = events.recv().await.unwrap() {
+            return id;
+        }
+    }
+}
+
+/// Goal: a contact that needs approval waits for it: approved, the call proceeds; denied,
+/// the model reads a clear refusal; neither, the call is refused at its deadline and the
+/// record stays pending. The record is durable (another system on the same store sees
+/// it). Method: `a` is supervised; three asks, resolved through the API.
+#[tokio::test(start_paused = true)]
+async fn a_call_needing_approval_waits_and_proceeds_or_is_refused() {
+    let llm = ask_script();
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let system = start_on(&llm, &["a", "b"], Arc::clone(&store));
+    system
+        .set_membership(
+            "a",
+            Membership {
+                manager: None,
+                mode: BehaviourMode::Supervised,
+            },
+        )
+        .await
+        .unwrap();
+
+    let mut events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let id = next_approval(&mut events).await;
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 1);
+    assert_eq!((pending[0].from.as_str(), pending[0].to.as_str()), ("a", "b"));
+    assert_eq!(pending[0].message, "what is 6 x 7?");
+    assert!(llm.requests_of("b").is_empty(), "nothing reached b before approval");
+    let approved = system.approve(id).await.unwrap();
+    assert_eq!(approved.state, ApprovalState::Approved);
+    assert_eq!(asked.await.unwrap().unwrap().text, "result: 42");
+    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
+
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let id = next_approval(&mut events).await;
+    system.deny(id).await.unwrap();
+    assert_eq!(
+        asked.await.unwrap().unwrap().text,
+        format!("result: error: call_agent failed: call not permitted: a may not ask b: approval {id} was denied")
+    );
+
+    // Nobody answers: refused at the call's deadline (call_agent's 30 s default).
+    let reply = system.ask("a", "go").await.unwrap();
+    let id = system.pending_approvals().await.unwrap()[0].id;
+    assert_eq!(
+        reply.text,
+        format!(
+            "result: error: call_agent failed: call not permitted: a may not ask b: \
+             approval {id} was still pending at the deadline"
+        )
+    );
+    assert_eq!(llm.requests_of("b").len(), 1, "only the approved call reached b");
+    system.shutdown().await;
+
+    // The pending record and the membership are in the store.
+    let again = start_on(&llm, &["a", "b"], store);
+    let org = again.organisation().await.unwrap();
+    assert_eq!(org.pending_approvals().len(), 1);
+    assert_eq!(org.membership("a").mode, BehaviourMode::Supervised);
+    again.shutdown().await;
+}
+
+/// Goal: links, rules and the policy survive a restart and are enforced after it.
+#[tokio::test(start_paused = true)]
+async fn the_organisation_is_kept_in_the_store_across_a_restart() {
+    let llm = ask_script();
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let system = start_on(&llm, &["a", "b", "c"], Arc::clone(&store));
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    system.add_link(Link::new("a", "c")).await.unwrap();
+    system.add_link(Link::new("b", "c")).await.unwrap();
+    system
+        .update_link(Link::new("b", "c").direction(LinkDirection::OneWay))
+        .await
+        .unwrap();
+    system.remove_link("a", "c").await.unwrap();
+    system.set_permission("c", PermissionRule::deny("a")).await.unwrap();
+    system.shutdown().await;
+
+    let system = start_on(&llm, &["a", "b", "c"], store);
+    assert_eq!(
+        system.links().await.unwrap(),
+        vec![Link::new("b", "c").direction(LinkDirection::OneWay)]
+    );
+    assert_eq!(
+        system.organisation().await.unwrap().rules("c"),
+        vec![PermissionRule::deny("a")]
+    );
+    let reply = system.ask("a", "go").await.unwrap();
+    assert!(
+        reply.text.contains("call not permitted: a may not ask b"),
+        "{}",
+        reply.text
+    );
+    system.shutdown().await;
+}
+
+/// Goal: the model sees its place in the organisation and, in the contact tools'
+/// descriptions, only the agents it may contact. Method: read the system prompt and the
+/// tool specs of the worker's model request.
+#[tokio::test(start_paused = true)]
+async fn the_prompt_shows_the_organisation_and_the_tools_list_only_reachable_agents() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"));
+    let system = start(&llm, &["boss", "worker", "peer", "stranger"]);
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    system
+        .set_membership(
+            "worker",
+            Membership {
+                manager: Some("boss".into()),
+                mode: BehaviourMode::Autonomous,
+            },
+        )
+        .await
+        .unwrap();
+    system.add_link(Link::new("worker", "peer")).await.unwrap();
+    system.ask("worker", "hi").await.unwrap();
+    let request = &llm.requests_of("worker")[0];
+    let prompt = &request.messages[0].content;
+    assert!(
+        prompt.contains(
+            "## Organisation\nYou are part of a multi-agent organisation.\nReports to:\n- boss: your superior"
+        ),
+        "{prompt}"
+    );
+    assert!(prompt.contains("Peers:\n- peer: equal peer"), "{prompt}");
+    assert!(
+        prompt.contains("Agents you may contact with call_agent, delegate_to_agent and notify_agent:\n- boss: the boss\n- peer: the peer"),
+        "{prompt}"
+    );
+    assert!(!prompt.contains("stranger"), "{prompt}");
+    for tool in request.tools.iter() {
+        assert!(
+            tool.description.ends_with(" Agents you may contact: boss, peer."),
+            "{}: {}",
+            tool.name,
+            tool.description
+        );
+    }
+    system.shutdown().await;
+}
+
+/// Goal: a config file's organisation is synced into a running system: config wins
+/// for what it declares; links and rules created at runtime are kept.
+#[tokio::test(start_paused = true)]
+async fn a_config_is_synced_and_runtime_items_are_kept() {
+    let text = r#"
+policy = "enforced"
+[[agents]]
+id = "lead"
+[[agents]]
+id = "dev"
+manager = "lead"
+[[agents]]
+id = "qa"
+[[links]]
+from = "dev"
+to = "qa"
+direction = "one_way"
+[[permissions]]
+agent = "qa"
+target = "dev"
+effect = "deny"
+"#;
+    let config = OrgConfig::from_toml(text, "org.toml").unwrap();
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"));
+    let system = AgentSystem::builder().llm(Arc::new(llm)).start().unwrap();
+    system.directory().upsert(AgentSpec::new("temp")).unwrap();
+    system.add_link(Link::new("temp", "qa")).await.unwrap();
+    system.add_link(Link::new("dev", "qa")).await.unwrap(); // two-way: config will override
+    system.apply_config(&config).await.unwrap();
+    let org = system.organisation().await.unwrap();
+    assert_eq!(org.policy, OrgPolicy::Enforced);
+    assert_eq!(org.link("dev", "qa").unwrap().direction, LinkDirection::OneWay);
+    assert!(org.link("temp", "qa").is_some(), "a runtime link is kept");
+    assert!(system.directory().contains("temp") && system.directory().contains("qa"));
+    assert_eq!(system.ask_as("dev", "qa", "test it", SECOND).await.unwrap().text, "ok");
+    assert!(system.ask_as("qa", "dev", "bug", SECOND).await.is_err());
+    assert_eq!(system.ask_as("dev", "lead", "done", SECOND).await.unwrap().text, "ok");
+    system.shutdown().await;
+}
