@@ -29,6 +29,8 @@ const state = {
   positions: new Map(), // id -> {x, y}
   selected: null,
   refreshTimer: null,
+  refreshAsked: 0,
+  refreshApplied: 0,
   panelTimer: null,
 };
 
@@ -167,6 +169,10 @@ function drawEdge(link) {
   const g = edgeElement(link.from, link.to);
   if (!g) return;
   g.querySelector("text").textContent = edgeLabel(link);
+  const configured = !!(link.source && link.source.startsWith("configured"));
+  g.classList.toggle("configured", configured);
+  g.classList.toggle("disabled", configured && link.configured && !link.configured.enabled);
+  g.classList.toggle("idle", !link.calls && !link.messages);
   g.classList.toggle("refused", link.calls > 0 && link.calls_refused === link.calls && !link.messages);
 }
 
@@ -216,7 +222,11 @@ function pulse(element) {
 // ---- data ----------------------------------------------------------------------------
 
 async function refresh() {
+  // Answers may arrive out of order: only a newer one than the last applied is drawn.
+  const seq = ++state.refreshAsked;
   const topology = await apiJson("/v1/topology");
+  if (seq < state.refreshApplied) return;
+  state.refreshApplied = seq;
   const ids = topology.agents.map((a) => a.id);
   const changed = ids.join("\u0000") !== [...state.agents.keys()].join("\u0000");
   state.agents = new Map(topology.agents.map((a) => [a.id, a]));
@@ -261,7 +271,7 @@ function logEvent(text, cls) {
 
 function countOnLink(from, to, field) {
   const key = linkKey(from, to);
-  const link = state.links.get(key) || { from, to, calls: 0, messages: 0, calls_refused: 0 };
+  const link = state.links.get(key) || { from, to, source: "observed", calls: 0, messages: 0, calls_refused: 0 };
   link[field] = (link[field] || 0) + 1;
   state.links.set(key, link);
   drawEdge(link);
@@ -294,11 +304,9 @@ function onEvent(type, data) {
     case "turn_ended": {
       const id = agentName(data.agent);
       const agent = state.agents.get(id);
-      if (agent) {
-        agent.turns_running = Math.max(0, (agent.turns_running || 0) + (type === "turn_started" ? 1 : -1));
-        drawBadge(id);
-        if (type === "turn_started") pulse(document.querySelector(`#nodes .node[data-agent="${CSS.escape(id)}"]`));
-      }
+      // The badge (turns running) comes from the server's count, refreshed just after;
+      // the node pulses now.
+      if (agent && type === "turn_started") pulse(document.querySelector(`#nodes .node[data-agent="${CSS.escape(id)}"]`));
       if (type === "turn_ended") {
         logEvent(`${id} turn ended ${data.ok ? "ok" : "with an error"}`, "turn");
         schedulePanel();

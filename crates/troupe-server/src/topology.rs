@@ -16,11 +16,11 @@
 //! [`crate::limits`]).
 //!
 //! # Links
-//! Today every link is `"source": "observed"`: agents that called or messaged each
-//! other since the server started. Configured links (who may talk to whom) are not in
-//! the runtime yet; when they are, [`links_json`] is the one place that adds them, as
-//! `"source": "configured"` entries (and `"configured+observed"` for a configured link
-//! that also carried traffic).
+//! A link is an ordered pair of agents with `"source"`: `"configured"` (a link of the
+//! organisation, [`AgentClient::links`], with its `direction`, `relationship` and
+//! `enabled` under `"configured"`), `"observed"` (no configured link, but calls or
+//! messages passed since the server started) or `"configured+observed"` (both).
+//! [`links_json`] is the one place that joins them.
 //!
 //! # The page and the token
 //! The page's three files are compiled into the binary (`include_str!`), written by
@@ -44,11 +44,12 @@ use axum::routing::get;
 use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::broadcast::error::RecvError;
-use troupe_agent::{AgentClient, AgentEvent, CallOutcome};
+use troupe_agent::{AgentClient, AgentEvent, CallOutcome, Link};
 use troupe_core::ActorId;
 
 use crate::agents::known;
 use crate::error::ApiError;
+use crate::events::event_json;
 use crate::limits::{TOPOLOGY_AGENTS_LISTED_MAX, TOPOLOGY_AGENTS_TRACKED_MAX, TOPOLOGY_CALLS_KEPT, TOPOLOGY_LINKS_MAX};
 use crate::server::AppState;
 
@@ -124,6 +125,8 @@ async fn topology(State(state): State<Arc<AppState>>, Extension(tracker): Extens
         // A store error leaves the counts out rather than failing the whole view.
         pending.push(state.client.pending(&spec.id).await.ok());
     }
+    // A store error leaves the configured links out rather than failing the whole view.
+    let configured = state.client.links().await.unwrap_or_default();
     let observed = tracker.observed.lock().expect("the topology lock is never poisoned");
     let agents: Vec<Value> = specs
         .iter()
@@ -149,27 +152,44 @@ async fn topology(State(state): State<Arc<AppState>>, Extension(tracker): Extens
     Json(json!({
         "agents": agents,
         "agents_truncated": truncated,
-        "links": links_json(&observed),
+        "links": links_json(&configured, &observed),
         "events_missed": observed.events_missed,
     }))
     .into_response()
 }
 
-/// The links: today only the observed ones. Configured links (permissions) are added
-/// here when the runtime has them; see the module documentation.
-fn links_json(observed: &Observed) -> Vec<Value> {
-    observed
-        .links
-        .iter()
-        .map(|((from, to), link)| {
+/// The links: the organisation's configured links and the pairs observed since the
+/// server started, joined by `(from, to)`.
+fn links_json(configured: &[Link], observed: &Observed) -> Vec<Value> {
+    let mut pairs: BTreeMap<(&str, &str), (Option<&Link>, Option<&LinkSeen>)> = BTreeMap::new();
+    for link in configured {
+        pairs.entry((&link.from, &link.to)).or_default().0 = Some(link);
+    }
+    for ((from, to), seen) in &observed.links {
+        pairs.entry((from, to)).or_default().1 = Some(seen);
+    }
+    pairs
+        .into_iter()
+        .map(|((from, to), (link, seen))| {
+            let source = match (link, seen) {
+                (Some(_), Some(_)) => "configured+observed",
+                (Some(_), None) => "configured",
+                _ => "observed",
+            };
+            let seen = seen.cloned().unwrap_or_default();
             json!({
                 "from": from,
                 "to": to,
-                "source": "observed",
-                "calls": link.calls,
-                "calls_refused": link.refused,
-                "messages": link.messages,
-                "last_at_us": link.last_at_us,
+                "source": source,
+                "configured": link.map(|link| json!({
+                    "direction": link.direction,
+                    "relationship": link.relationship,
+                    "enabled": link.enabled,
+                })),
+                "calls": seen.calls,
+                "calls_refused": seen.refused,
+                "messages": seen.messages,
+                "last_at_us": seen.last_at_us,
             })
         })
         .collect()
@@ -377,13 +397,7 @@ impl Observed {
                 let Some(seen) = self.calls.get_mut(call) else {
                     return;
                 };
-                let detail = match outcome {
-                    CallOutcome::Replied { bytes } => json!({"bytes": bytes}),
-                    CallOutcome::Refused(refused) => json!({"cause": refused.to_string()}),
-                    CallOutcome::Failed(error) => json!({"cause": error.to_string()}),
-                    CallOutcome::Other { cause } => json!({"cause": cause}),
-                    CallOutcome::Cancelled => json!({}),
-                };
+                let detail = event_json(event)["detail"].take();
                 seen.finished = Some((at.as_micros(), outcome.label(), detail));
                 // A turn cut by its deadline or its caller reports no end: its call's end
                 // ends it here.
@@ -394,7 +408,7 @@ impl Observed {
                         agent.turns_on_calls = agent.turns_on_calls.saturating_sub(1);
                     }
                 }
-                if matches!(outcome, CallOutcome::Refused(_)) {
+                if matches!(outcome, CallOutcome::Refused(_) | CallOutcome::NotPermitted(_)) {
                     if let Some(link) = caller.and_then(|caller| self.links.get_mut(&(caller, target))) {
                         link.refused += 1;
                     }
