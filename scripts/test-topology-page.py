@@ -17,8 +17,12 @@ person sees:
   4. a click on the coordinator opens the side panel: its conversation ends with the
      reply, and the call tree of the request has user -> coordinator at the root, with
      coordinator -> researcher nested under it and researcher -> analyst under that;
-  5. once the request is done, no agent shows a running turn;
-  6. no script error on the page.
+  5. messages (live): after the demo's hand-off (a notification to the coordinator, sent
+     through the API), the arrows coordinator -> critic (the delegated review) and
+     critic -> coordinator (its result) read "1 msg", coordinator -> researcher
+     "1 call · 1 msg", and the events list shows the task;
+  6. then no agent shows a running turn;
+  7. no script error on the page.
 
 A screenshot is saved to target/artifacts/topology.png (or $ARTIFACTS_DIR). The server
 is stopped with SIGTERM at the end. Every wait is bounded; a missing `playwright`
@@ -27,11 +31,13 @@ package or a missing /usr/bin/chromium fails the run with what to install.
     python3 scripts/test-topology-page.py target/debug/troupe
 """
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
@@ -59,6 +65,7 @@ REPLY_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 15
 AGENTS = ["analyst", "archivist", "coordinator", "critic", "researcher"]
 QUESTION = "Prepare a short brief on grid-scale battery storage."
+HANDOFF = "The report is ready: get it reviewed and tell the researcher."
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -96,6 +103,18 @@ def start(binary):
         server.kill()
         raise SystemExit(f"test-topology-page: troupe serve printed no address within {START_TIMEOUT_S} s")
     return server, found["address"]
+
+
+def notify(address, agent, text):
+    request = urllib.request.Request(
+        f"http://{address}/v1/agents/{agent}/notify",
+        data=json.dumps({"text": text}).encode(),
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S) as response:
+        if response.status != 202:
+            raise AssertionError(f"notify {agent}: status {response.status}")
 
 
 def edge(page, source, target):
@@ -178,6 +197,16 @@ def run(address, screenshot, profile):
             )
             expect(cycle.locator(":scope > .outcome")).to_contain_text("refused")
             print("ok panel: the conversation ends with the reply; call tree user → coordinator → researcher → analyst (→ coordinator refused), archivist timeout")
+
+            # Messages: the demo's hand-off, a notification to the coordinator through the
+            # API; in its turn it delegates a review to the critic (a task message) and
+            # notifies the researcher; the critic's result comes back as a message.
+            notify(address, "coordinator", HANDOFF)
+            expect(edge(page, "coordinator", "critic").locator("text")).to_have_text("1 msg", timeout=REPLY_TIMEOUT_S * 1000)
+            expect(to_researcher.locator("text")).to_have_text("1 call · 1 msg", timeout=REPLY_TIMEOUT_S * 1000)
+            expect(edge(page, "critic", "coordinator").locator("text")).to_have_text("1 msg", timeout=REPLY_TIMEOUT_S * 1000)
+            expect(page.locator("#events")).to_contain_text("task: coordinator → critic")
+            print("ok messages: coordinator → critic 1 msg (task), coordinator → researcher 1 call · 1 msg, critic → coordinator 1 msg")
 
             # Once the request is done, no agent shows a running turn (the archivist's
             # turn ends at its 1.5 s deadline, with its call).

@@ -430,6 +430,8 @@ async function loadPanel() {
     }),
   );
   if (history.messages.length === 0) conversation.appendChild(el("li", { class: "hint" }, "no messages yet"));
+  // The latest entry in view.
+  conversation.scrollTop = conversation.scrollHeight;
   const holder = $("call-tree");
   holder.replaceChildren(tree.root ? treeList([tree.root]) : el("p", { class: "hint" }, "no request seen since the server started"));
 }
