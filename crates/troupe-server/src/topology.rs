@@ -158,10 +158,13 @@ async fn topology(State(state): State<Arc<AppState>>, Extension(tracker): Extens
     .into_response()
 }
 
+/// What is known of one pair of agents: its configured link, its observed traffic.
+type LinkSources<'a> = (Option<&'a Link>, Option<&'a LinkSeen>);
+
 /// The links: the organisation's configured links and the pairs observed since the
 /// server started, joined by `(from, to)`.
 fn links_json(configured: &[Link], observed: &Observed) -> Vec<Value> {
-    let mut pairs: BTreeMap<(&str, &str), (Option<&Link>, Option<&LinkSeen>)> = BTreeMap::new();
+    let mut pairs: BTreeMap<(&str, &str), LinkSources<'_>> = BTreeMap::new();
     for link in configured {
         pairs.entry((&link.from, &link.to)).or_default().0 = Some(link);
     }
