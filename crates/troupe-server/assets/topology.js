@@ -276,6 +276,9 @@ function countOnLink(from, to, field) {
   state.links.set(key, link);
   drawEdge(link);
   pulse(edgeElement(from, to));
+  // The server's count follows (a count seen both in a snapshot and as an event is
+  // corrected by it).
+  scheduleRefresh();
 }
 
 function onEvent(type, data) {
