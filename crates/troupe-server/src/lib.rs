@@ -23,6 +23,10 @@
 #![warn(missing_docs)]
 
 #[cfg(not(madsim))]
+mod a2a;
+#[cfg(not(madsim))]
+mod a2a_tasks;
+#[cfg(not(madsim))]
 mod agents;
 #[cfg(not(madsim))]
 mod agents_stream;
