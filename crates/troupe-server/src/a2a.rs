@@ -331,15 +331,35 @@ struct InPart {
     media_type: Option<String>,
 }
 
-/// Troupe's call rules in `metadata.troupe`.
+/// Troupe's call rules in `metadata.troupe`. Numbers may come as `2.0`: metadata is a
+/// protobuf `Struct`, whose numbers are doubles.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TroupeMetadata {
     #[serde(default)]
     chain: Vec<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "whole_number")]
     depth: u32,
+    #[serde(default, deserialize_with = "optional_whole_number")]
     timeout_ms: Option<u64>,
+}
+
+/// A non-negative whole number given as an integer or a double (`2` or `2.0`).
+fn whole<T: TryFrom<u64>, E: serde::de::Error>(value: f64) -> Result<T, E> {
+    if value.fract() != 0.0 || value < 0.0 || value > u64::MAX as f64 {
+        return Err(E::custom(format!("expected a non-negative whole number, got {value}")));
+    }
+    // Exact: a whole double in range.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    T::try_from(value as u64).map_err(|_| E::custom(format!("{value} is out of range")))
+}
+
+fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+    whole(f64::deserialize(deserializer)?)
+}
+
+fn optional_whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+    Option::<f64>::deserialize(deserializer)?.map(whole).transpose()
 }
 
 /// A checked message: its text, how long to wait, and where it stands in a chain.
