@@ -378,7 +378,8 @@ fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Accepte
     let Some(raw) = send.message else {
         return Err(RpcError::params("\"message\" is required"));
     };
-    let message: InMessage = serde_json::from_value(raw.clone()).map_err(|error| RpcError::params(error.to_string()))?;
+    let message: InMessage =
+        serde_json::from_value(raw.clone()).map_err(|error| RpcError::params(error.to_string()))?;
     if message.message_id.is_empty() {
         return Err(RpcError::params("\"message.messageId\" must not be empty"));
     }
@@ -546,7 +547,8 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, text: String, timeout: Du
         match result {
             Ok(reply) => {
                 task.state = TaskState::Completed;
-                task.reply_meta = Some(json!({"steps": reply.steps, "usage": reply.usage, "truncated": reply.truncated}));
+                task.reply_meta =
+                    Some(json!({"steps": reply.steps, "usage": reply.usage, "truncated": reply.truncated}));
                 task.reply = Some(reply.text);
             }
             Err(error) => {
@@ -650,11 +652,19 @@ fn blocking_wait(a2a: &A2a) -> Duration {
 /// `SendMessage`: blocking, the task once it has ended (or, if it takes longer than
 /// the server's request timeout allows, as it is); with `returnImmediately`, the task
 /// as submitted.
-async fn send_message(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>, id: &Value) -> Result<Response, RpcError> {
+async fn send_message(
+    a2a: &Arc<A2a>,
+    agent: &str,
+    params: &Map<String, Value>,
+    id: &Value,
+) -> Result<Response, RpcError> {
     let accepted = accept(a2a, agent, params)?;
     let record = start(a2a, agent, &accepted)?;
     if !accepted.blocking || record.state.is_final() {
-        return Ok(success(id, json!({"task": task_json(&record, accepted.history_length, true)})));
+        return Ok(success(
+            id,
+            json!({"task": task_json(&record, accepted.history_length, true)}),
+        ));
     }
     let mut watcher = a2a
         .tasks
@@ -669,7 +679,10 @@ async fn send_message(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>, 
             task.reason.unwrap_or_else(|| "busy".to_string()),
         ));
     }
-    Ok(success(id, json!({"task": task_json(&task, accepted.history_length, true)})))
+    Ok(success(
+        id,
+        json!({"task": task_json(&task, accepted.history_length, true)}),
+    ))
 }
 
 /// `SendStreamingMessage`: SSE of the task, its status updates, its reply artifact,
@@ -784,7 +797,11 @@ fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Val
             .find(|state| state_name(*state) == name)
             .ok_or_else(|| RpcError::params(format!("\"status\" {name:?} is not a task state")))?,
         ),
-        Some(other) => return Err(RpcError::params(format!("\"status\" must be a state name, got {other}"))),
+        Some(other) => {
+            return Err(RpcError::params(format!(
+                "\"status\" must be a state name, got {other}"
+            )))
+        }
     };
     let before = match params.page_token.as_deref() {
         None | Some("") => u64::MAX,
@@ -800,7 +817,11 @@ fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Val
             && status.is_none_or(|state| task.state == state)
     });
     let total = matching.len();
-    let page: Vec<&TaskRecord> = matching.iter().filter(|task| task.seq < before).take(page_size).collect();
+    let page: Vec<&TaskRecord> = matching
+        .iter()
+        .filter(|task| task.seq < before)
+        .take(page_size)
+        .collect();
     let next = match page.last() {
         Some(last) if matching.iter().any(|task| task.seq < last.seq) => last.seq.to_string(),
         _ => String::new(),
