@@ -702,11 +702,6 @@ fn send_streaming(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>, id: 
 struct TaskIdParams {
     id: String,
     history_length: Option<i64>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    tenant: String,
-    #[allow(dead_code)]
-    metadata: Option<Value>,
 }
 
 /// `GetTask`.
@@ -753,9 +748,6 @@ struct ListParams {
     history_length: Option<i64>,
     include_artifacts: Option<bool>,
     status_timestamp_after: Option<Value>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    tenant: String,
 }
 
 /// `ListTasks`: the agent's tasks, newest first, a page at a time.
