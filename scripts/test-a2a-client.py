@@ -152,6 +152,12 @@ async def run(address):
         second = (await send(archivist, user_message("Any reports on solar?"), return_immediately=True))[0].task
         check(first.status.state == pb.TASK_STATE_SUBMITTED, f"first state {first.status.state}")
         check(second.status.state == pb.TASK_STATE_SUBMITTED, f"second state {second.status.state}")
+        for _ in range(START_TIMEOUT_S * 100):
+            state = (await archivist.get_task(pb.GetTaskRequest(id=first.id))).status.state
+            if state == pb.TASK_STATE_WORKING:
+                break
+            await asyncio.sleep(0.01)
+        check(state == pb.TASK_STATE_WORKING, f"the first task did not start: {state}")
         canceled = await archivist.cancel_task(pb.CancelTaskRequest(id=second.id))
         check(canceled.status.state == pb.TASK_STATE_CANCELED, f"CancelTask: {canceled.status}")
         print(f"ok CancelTask of a waiting task: {second.id} canceled")
