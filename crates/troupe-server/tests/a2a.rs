@@ -18,7 +18,7 @@ use troupe_server::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
 use troupe_server::{ServeError, ServerConfig};
 
 /// How long the `slow` agent's model takes, in milliseconds.
-const SLOW_TURN_MS: u64 = 1_500;
+const SLOW_TURN_MS: u64 = 3_000;
 /// The longest any wait of these tests may take, in milliseconds.
 const TEST_WAIT_MS_MAX: u64 = 15_000;
 const TOKEN: &str = "a2a-test-token-0123456789";
