@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
-use troupe_agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe_runtime::KindConfig;
 use troupe_server::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
 use troupe_server::{ServeError, ServerConfig};
 
@@ -44,7 +45,11 @@ struct Harness {
 
 impl Harness {
     async fn start() -> Self {
-        let mut builder = AgentSystem::builder().llm(Arc::new(script()));
+        Self::start_with(KindConfig::default()).await
+    }
+
+    async fn start_with(kind: KindConfig) -> Self {
+        let mut builder = AgentSystem::builder().llm(Arc::new(script())).kind_config(kind);
         for id in ["echo", "slow", "broken"] {
             builder = builder.agent(AgentSpec::new(id).role(format!("the {id} agent")));
         }
@@ -572,4 +577,75 @@ async fn a_full_lane_is_a_retryable_429() {
     assert_eq!(value["error"]["code"], -32000, "{value}");
     assert_eq!(value["id"], 3);
     server.stop().await;
+}
+
+/// Goal: an agent whose mailbox is full answers a blocking send with a retryable error
+/// (HTTP 429, `Retry-After`, -32000), and the task records why it failed. Method:
+/// mailbox capacity 1; a REST message runs a slow turn (seen on the event stream), a
+/// second REST message takes the one queue slot, then the A2A send finds it full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_mailbox_is_a_retryable_429() {
+    let server = Arc::new(Harness::start_with(KindConfig::default().with_mailbox_capacity(1)).await);
+    let mut events = server.system.as_ref().unwrap().subscribe();
+    let rest = |text: &'static str| {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move {
+            server
+                .http
+                .post(format!("{}/v1/agents/slow/messages", server.base))
+                .bearer_auth(TOKEN)
+                .header("content-type", "application/json")
+                .body(json!({ "text": text }).to_string())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    let running = rest("a");
+    wait_for(
+        &mut events,
+        |event| matches!(event, AgentEvent::TurnStarted { agent, .. } if agent.key() == "slow"),
+    )
+    .await;
+    let queued = rest("b");
+    wait_for(
+        &mut events,
+        |event| matches!(event, AgentEvent::CallStarted { parent: None, target, .. } if target.key() == "slow"),
+    )
+    .await;
+    // The call was announced just before its enqueue: give the enqueue a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let body = json!({"jsonrpc": "2.0", "id": 5, "method": "SendMessage", "params": send_params("c")});
+    let (status, headers, text) = server.raw("slow", body.to_string()).await;
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(headers["retry-after"], "1");
+    let value: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(value["error"]["code"], -32000, "{value}");
+    assert_eq!(running.await.unwrap(), 200);
+    assert_eq!(queued.await.unwrap(), 200);
+    let failed = server
+        .ok("slow", "ListTasks", json!({"status": "TASK_STATE_FAILED"}))
+        .await;
+    assert_eq!(failed["totalSize"], 1, "{failed}");
+    assert!(
+        text_of(&failed["tasks"][0]["status"]["message"]["parts"]).starts_with("busy"),
+        "{failed}"
+    );
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
+async fn wait_for(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, wanted: impl Fn(&AgentEvent) -> bool) {
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            if let Ok(event) = events.recv().await {
+                if wanted(&event) {
+                    return;
+                }
+            }
+        }
+    })
+    .await
+    .expect("the event comes");
 }
