@@ -15,13 +15,19 @@
 //! within [`limits::SERVER_SHUTDOWN_GRACE_MS`].
 //!
 //! The server does not run agents itself and holds no state of its own beyond its
-//! counters: the agent system behind the client does the work. It does not speak A2A,
-//! call remote agents or serve a topology page (yet).
+//! counters and its in-memory A2A tasks: the agent system behind the client does the work.
+//! Every agent is also an A2A v1.0 agent (an Agent Card and a JSON-RPC endpoint under
+//! `/a2a/{agent}`; see docs/serve.md). It does not call remote agents or serve a topology
+//! page (yet).
 //!
 //! Under `--cfg madsim` (the simulator build) the crate is empty: HTTP is not simulated.
 
 #![warn(missing_docs)]
 
+#[cfg(not(madsim))]
+mod a2a;
+#[cfg(not(madsim))]
+mod a2a_tasks;
 #[cfg(not(madsim))]
 mod agents;
 #[cfg(not(madsim))]
