@@ -417,12 +417,27 @@ pub(crate) enum ConvCommand {
         kind: ConversationKind,
     },
     /// To the index: record a conversation and its agents.
-    Register { conversation: String, agents: Vec<String> },
+    Register {
+        conversation: String,
+        agents: Vec<String>,
+    },
     Post(PostRequest),
-    Relay { seq: u64, agent: String },
-    Delivered { seq: u64, agent: String },
-    Undeliverable { seq: u64, agent: String, cause: String },
-    Resume { after: Option<String> },
+    Relay {
+        seq: u64,
+        agent: String,
+    },
+    Delivered {
+        seq: u64,
+        agent: String,
+    },
+    Undeliverable {
+        seq: u64,
+        agent: String,
+        cause: String,
+    },
+    Resume {
+        after: Option<String>,
+    },
 }
 
 /// A message to append.
@@ -727,18 +742,16 @@ impl ConversationActor {
 
     /// Why the mention of `agent` in `request` must not trigger a turn, if it must not:
     /// the call rules (cycle, depth, known agent), then the organisation.
-    async fn refusal(
-        &self,
-        request: &PostRequest,
-        sender: Option<&str>,
-        agent: &str,
-    ) -> Option<(NoteKind, String)> {
+    async fn refusal(&self, request: &PostRequest, sender: Option<&str>, agent: &str) -> Option<(NoteKind, String)> {
         if !self.shared.directory.contains(agent) {
             return Some((NoteKind::NotAnAgent, "not an agent of the directory".to_string()));
         }
         if sender == Some(agent) || request.chain.iter().any(|a| a == agent) {
             let chain = request.chain.join(" → ");
-            return Some((NoteKind::Cycle, format!("a cycle: already in the mention chain [{chain}]")));
+            return Some((
+                NoteKind::Cycle,
+                format!("a cycle: already in the mention chain [{chain}]"),
+            ));
         }
         if request.chain.len() >= AGENT_CALL_DEPTH_MAX as usize {
             return Some((
@@ -750,7 +763,12 @@ impl ConversationActor {
         let runtime = self.shared.runtime()?;
         let decision = match self.shared.org.current(runtime.store().as_ref()).await {
             Ok(org) => org.decide(sender, agent, ContactKind::Notify),
-            Err(error) => return Some((NoteKind::NotPermitted, format!("the organisation is unavailable: {error}"))),
+            Err(error) => {
+                return Some((
+                    NoteKind::NotPermitted,
+                    format!("the organisation is unavailable: {error}"),
+                ))
+            }
         };
         match decision {
             Ok(Permitted::NeedsApproval { .. }) => Some((
@@ -795,7 +813,14 @@ impl ConversationActor {
             budget: Budget::UNLIMITED,
         };
         self.relaying.insert((seq, agent.clone()));
-        tokio::spawn(deliver(runtime, Arc::clone(&self.shared), self.id.clone(), agent, seq, entry));
+        tokio::spawn(deliver(
+            runtime,
+            Arc::clone(&self.shared),
+            self.id.clone(),
+            agent,
+            seq,
+            entry,
+        ));
         Ok(())
     }
 }
@@ -838,11 +863,13 @@ async fn deliver(
                 error @ (InvokeError::Refused(CallRefused::AgentNotFound { .. })
                 | InvokeError::ActorNotFound { .. }
                 | InvokeError::Rejected { .. }),
-            ) => break ConvCommand::Undeliverable {
-                seq,
-                agent,
-                cause: error.to_string(),
-            },
+            ) => {
+                break ConvCommand::Undeliverable {
+                    seq,
+                    agent,
+                    cause: error.to_string(),
+                }
+            }
             Err(error) => error.to_string(),
         };
         if deadline.has_passed(runtime.now()) {

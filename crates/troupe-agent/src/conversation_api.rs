@@ -107,9 +107,14 @@ impl AgentClient {
     ///
     /// # Errors
     /// As [`AgentClient::create_conversation`].
-    pub async fn direct_conversation(&self, a: Participant, b: Participant) -> Result<ConversationInfo, ConversationError> {
+    pub async fn direct_conversation(
+        &self,
+        a: Participant,
+        b: Participant,
+    ) -> Result<ConversationInfo, ConversationError> {
         let id = crate::direct_conversation_id(a.name(), b.name());
-        self.create_conversation(&id, vec![a, b], ConversationKind::Direct).await
+        self.create_conversation(&id, vec![a, b], ConversationKind::Direct)
+            .await
     }
 
     /// Posts `text` to conversation `id` as `sender` (a participant) under the

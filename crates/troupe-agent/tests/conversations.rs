@@ -69,7 +69,10 @@ async fn a_group_mention_fans_out_and_every_agent_answers_once() {
     let conflict = system
         .create_conversation("plan", vec![agent("alice"), human("hugo")], ConversationKind::Group)
         .await;
-    assert!(matches!(conflict, Err(ConversationError::Conflict { .. })), "{conflict:?}");
+    assert!(
+        matches!(conflict, Err(ConversationError::Conflict { .. })),
+        "{conflict:?}"
+    );
 
     let posted = system
         .post_message("plan", Sender::Human("hugo".into()), "m1", "@alice and @bob: ship it?")
@@ -89,10 +92,16 @@ async fn a_group_mention_fans_out_and_every_agent_answers_once() {
     assert_eq!(messages[0].mentions, ["alice", "bob"]);
     assert_eq!(answers_to(&messages, 0, "alice"), 1);
     assert_eq!(answers_to(&messages, 0, "bob"), 1);
-    let alice = messages.iter().find(|m| m.sender == Sender::Agent("alice".into())).unwrap();
+    let alice = messages
+        .iter()
+        .find(|m| m.sender == Sender::Agent("alice".into()))
+        .unwrap();
     assert_eq!(alice.chain, ["alice"]);
     assert_eq!(answers_to(&messages, alice.seq, "carol"), 1);
-    let carol = messages.iter().find(|m| m.sender == Sender::Agent("carol".into())).unwrap();
+    let carol = messages
+        .iter()
+        .find(|m| m.sender == Sender::Agent("carol".into()))
+        .unwrap();
     assert_eq!(carol.chain, ["alice", "carol"]);
     assert!(carol.seq > alice.seq);
     assert_eq!(carol.text, "carol checked");
@@ -108,7 +117,11 @@ async fn a_group_mention_fans_out_and_every_agent_answers_once() {
         .map(|m| (m.role, m.content.clone()))
         .collect();
     assert_eq!(views[0], (Role::User, "hugo: @alice and @bob: ship it?".to_string()));
-    assert!(views.last().unwrap().1.contains("alice: alice here; @carol please check"));
+    assert!(views
+        .last()
+        .unwrap()
+        .1
+        .contains("alice: alice here; @carol please check"));
 
     let mut of_alice = system.conversations_of("alice").await.unwrap();
     of_alice.sort();
@@ -117,9 +130,17 @@ async fn a_group_mention_fans_out_and_every_agent_answers_once() {
     let unknown = system
         .post_message("plan", Sender::Human("hugo".into()), "m2", "@zed hello")
         .await;
-    assert!(matches!(unknown, Err(ConversationError::UnknownMention { ref name, .. }) if name == "zed"), "{unknown:?}");
-    let outsider = system.post_message("plan", Sender::Human("eve".into()), "m3", "hi").await;
-    assert!(matches!(outsider, Err(ConversationError::NotParticipant { .. })), "{outsider:?}");
+    assert!(
+        matches!(unknown, Err(ConversationError::UnknownMention { ref name, .. }) if name == "zed"),
+        "{unknown:?}"
+    );
+    let outsider = system
+        .post_message("plan", Sender::Human("eve".into()), "m3", "hi")
+        .await;
+    assert!(
+        matches!(outsider, Err(ConversationError::NotParticipant { .. })),
+        "{outsider:?}"
+    );
     assert_eq!(all(&system, "plan").await.len(), 4);
     system.shutdown().await;
 }
@@ -133,7 +154,11 @@ async fn a_mention_ping_pong_stops_with_a_system_note() {
         .rule(ScriptRule::agent("pong").reply("@ping your turn"));
     let system = start(&llm, &["ping", "pong"], Arc::new(MemoryStore::new()));
     system
-        .create_conversation("rally", vec![agent("ping"), agent("pong"), human("ref")], ConversationKind::Group)
+        .create_conversation(
+            "rally",
+            vec![agent("ping"), agent("pong"), human("ref")],
+            ConversationKind::Group,
+        )
         .await
         .unwrap();
     system
@@ -172,7 +197,10 @@ async fn a_mention_chain_stops_at_the_depth_limit() {
     let system = start(&llm, &names, Arc::new(MemoryStore::new()));
     let mut people: Vec<Participant> = names.iter().map(|name| agent(name)).collect();
     people.push(human("h"));
-    system.create_conversation("relay", people, ConversationKind::Group).await.unwrap();
+    system
+        .create_conversation("relay", people, ConversationKind::Group)
+        .await
+        .unwrap();
     system
         .post_message("relay", Sender::Human("h".into()), "go", "@a1 go")
         .await
@@ -201,9 +229,16 @@ async fn a_mention_of_a_forbidden_agent_is_recorded_as_not_permitted() {
         .rule(ScriptRule::agent("dev").reply("asking @boss"))
         .rule(ScriptRule::agent("boss").reply("boss answers"));
     let system = start(&llm, &["dev", "boss"], Arc::new(MemoryStore::new()));
-    system.set_permission("dev", PermissionRule::deny("boss")).await.unwrap();
     system
-        .create_conversation("floor", vec![agent("dev"), agent("boss"), human("h")], ConversationKind::Group)
+        .set_permission("dev", PermissionRule::deny("boss"))
+        .await
+        .unwrap();
+    system
+        .create_conversation(
+            "floor",
+            vec![agent("dev"), agent("boss"), human("h")],
+            ConversationKind::Group,
+        )
         .await
         .unwrap();
     system
@@ -229,11 +264,18 @@ async fn a_restart_mid_fan_out_in_sqlite_answers_every_mention_once() {
     let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
     let llm = ScriptedLlm::new()
         .rule(ScriptRule::agent("alice").reply("alice done"))
-        .rule(ScriptRule::agent("bob").reply("bob done").latency(Duration::from_secs(10)))
+        .rule(
+            ScriptRule::agent("bob")
+                .reply("bob done")
+                .latency(Duration::from_secs(10)),
+        )
         .rule(ScriptRule::agent("carol").reply("carol done"));
     let first = start(&llm, &["alice", "bob", "carol"], Arc::clone(&store));
     let people = vec![agent("alice"), agent("bob"), agent("carol"), human("h")];
-    first.create_conversation("ops", people, ConversationKind::Group).await.unwrap();
+    first
+        .create_conversation("ops", people, ConversationKind::Group)
+        .await
+        .unwrap();
     first
         .post_message("ops", Sender::Human("h".into()), "m", "@alice @bob @carol status?")
         .await
@@ -266,7 +308,10 @@ async fn concurrent_posts_keep_a_gap_free_sequence_on_the_multi_thread_runtime()
     let system = start(&llm, &["a"], Arc::new(MemoryStore::new()));
     let mut people = vec![agent("a")];
     people.extend((0..POSTERS).map(|p| human(&format!("h{p}"))));
-    system.create_conversation("busy", people, ConversationKind::Group).await.unwrap();
+    system
+        .create_conversation("busy", people, ConversationKind::Group)
+        .await
+        .unwrap();
     let mut tasks = Vec::new();
     for poster in 0..POSTERS {
         let client = system.client();
