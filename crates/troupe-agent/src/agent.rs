@@ -141,6 +141,7 @@ impl Actor for AgentActor {
                     call: request.call,
                     deadline: turn.context().deadline(),
                     budget: request.budget,
+                    history: None,
                 };
                 let reply = self.converse(turn, conversation).await?;
                 Ok(reply.encode())

@@ -134,6 +134,8 @@ pub enum MessageKind {
     TaskUpdate,
     /// A delegator's cancellation of a task.
     Cancel,
+    /// An @mention in a conversation (see `conversation.rs`).
+    Mention,
 }
 
 /// Why a notification, delegation or cancellation was not accepted.
@@ -226,6 +228,13 @@ pub(crate) enum InboxBody {
     Cancel {
         task_id: String,
     },
+    /// Answer message `seq` of `conversation`, which mentions this agent; `chain` is the
+    /// mention chain of that message.
+    Mention {
+        conversation: String,
+        seq: u64,
+        chain: Vec<String>,
+    },
 }
 
 impl InboxBody {
@@ -235,6 +244,7 @@ impl InboxBody {
             Self::Task { .. } => MessageKind::Task,
             Self::TaskUpdate { .. } => MessageKind::TaskUpdate,
             Self::Cancel { .. } => MessageKind::Cancel,
+            Self::Mention { .. } => MessageKind::Mention,
         }
     }
 }

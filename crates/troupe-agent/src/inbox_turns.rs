@@ -178,7 +178,7 @@ impl AgentActor {
                     msg_id: entry.msg_id.clone(),
                 }));
             }
-            InboxBody::Notify { .. } | InboxBody::Task { .. } => {
+            InboxBody::Notify { .. } | InboxBody::Task { .. } | InboxBody::Mention { .. } => {
                 if self.state.boxes.inbox_len >= AGENT_INBOX_CAPACITY {
                     return Ok(encode_reply(&EnqueueReply::Full {
                         capacity: AGENT_INBOX_CAPACITY,
@@ -265,6 +265,7 @@ impl AgentActor {
                         call: None,
                         deadline,
                         budget: entry.budget,
+                        history: None,
                     };
                     match self.converse(turn, conversation).await {
                         Ok(reply) if reply.exhausted.is_none() => {}
@@ -277,6 +278,17 @@ impl AgentActor {
                         }
                     }
                 }
+            }
+            InboxBody::Mention {
+                conversation,
+                seq,
+                chain,
+            } => {
+                let mention = InboxEntry {
+                    body: InboxBody::Notify { text: String::new() },
+                    ..entry
+                };
+                self.answer_mention(turn, &mention, &conversation, seq, &chain).await?;
             }
             InboxBody::Task { task_id, text } => {
                 turn.delete(tasks_in_key(&task_id))?;
@@ -292,6 +304,7 @@ impl AgentActor {
                         call: None,
                         deadline,
                         budget: entry.budget,
+                        history: None,
                     };
                     match self.converse(turn, conversation).await {
                         Ok(reply) => {
@@ -326,6 +339,7 @@ impl AgentActor {
                     call: None,
                     deadline,
                     budget: entry.budget,
+                    history: None,
                 };
                 match self.converse(turn, conversation).await {
                     Ok(reply) if reply.exhausted.is_none() => {}

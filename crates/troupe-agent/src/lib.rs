@@ -52,6 +52,8 @@ mod agent;
 mod budget;
 mod call_agent;
 mod config;
+mod conversation;
+mod conversation_api;
 mod inbox;
 mod inbox_turns;
 pub mod limits;
@@ -78,6 +80,13 @@ pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use config::{
     AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, CONFIG_AGENTS_MAX, CONFIG_FILE_SIZE_MAX_BYTES,
+};
+pub use conversation::{
+    conversation_window, direct_conversation_id, parse_mentions, ConversationError, ConversationInfo, ConversationKind,
+    ConversationMessage, Note, NoteKind, Participant, Posted, Sender, CONVERSATIONS_LISTED_MAX,
+    CONVERSATION_BYTES_PER_TOKEN, CONVERSATION_KIND, CONVERSATION_MENTIONS_MAX, CONVERSATION_MESSAGES_MAX,
+    CONVERSATION_NAME_LENGTH_MAX_BYTES, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
+    CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
 };
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};

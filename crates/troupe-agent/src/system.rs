@@ -139,7 +139,15 @@ impl AgentSystemBuilder {
         let factory = AgentFactory {
             shared: Arc::clone(&shared),
         };
-        let runtime = self.runtime.register(kind, factory, self.kind_config)?.start();
+        let conversations = crate::conversation::ConversationFactory {
+            shared: Arc::clone(&shared),
+        };
+        let conversation_kind = ActorKind::new(crate::CONVERSATION_KIND).expect("the conversation kind name is valid");
+        let runtime = self
+            .runtime
+            .register(kind, factory, self.kind_config)?
+            .register(conversation_kind, conversations, KindConfig::default())?
+            .start();
         shared.set_runtime(runtime.handle());
         let client = AgentClient {
             runtime: runtime.handle(),
@@ -150,6 +158,9 @@ impl AgentSystemBuilder {
         tokio::spawn(async move {
             if let Err(error) = resumer.resume_pending().await {
                 tracing::warn!(%error, "resuming pending inbox and outbox entries failed");
+            }
+            if let Err(error) = resumer.resume_conversations().await {
+                tracing::warn!(%error, "resuming pending mentions failed");
             }
         });
         Ok(AgentSystem { runtime, client })

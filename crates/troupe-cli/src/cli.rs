@@ -68,6 +68,12 @@ pub struct ServeArgs {
     /// Use the scripted model even if OPENAI_API_KEY is set.
     #[arg(long)]
     pub scripted: bool,
+    /// Serve the organisation declared in FILE (TOML: agents, links, permissions,
+    /// policy; see examples/org.toml) instead of the built-in demo organisation. It is
+    /// synced into the store at start: declared items win, items created at runtime are
+    /// kept.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 /// The options of `troupe demo`.

@@ -140,17 +140,33 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let path = directory.join("troupe.db");
     let store: Arc<dyn StateStore> =
         Arc::new(SqliteStore::open(&path).map_err(|error| format!("cannot open {}: {error}", path.display()))?);
-    let (agents, script) = serve_organisation(if real.is_some() { "" } else { "scripted" });
+    // A config file replaces the built-in organisation (read before anything starts, so
+    // a broken file stops here naming its line and field).
+    let org = match &args.config {
+        Some(file) => Some(troupe_agent::OrgConfig::from_file(file).map_err(|error| error.to_string())?),
+        None => None,
+    };
+    let (agents, script) = match &org {
+        Some(_) => (Vec::new(), troupe_cli::org_demo_script()),
+        None => serve_organisation(if real.is_some() { "" } else { "scripted" }),
+    };
     let (llm, description): (Arc<dyn LlmClient>, String) = match real {
         Some((client, description)) => (client, format!("real model: {description}")),
         None => (Arc::new(script), "scripted model".to_string()),
     };
     let mut builder = AgentSystem::builder().store(store).llm(llm);
-    let count = agents.len();
+    let mut count = agents.len();
     for spec in agents {
         builder = builder.agent(spec);
     }
     let system = builder.start().map_err(|error| error.to_string())?;
+    if let (Some(org), Some(file)) = (&org, &args.config) {
+        system
+            .apply_config(org)
+            .await
+            .map_err(|error| format!("{}: the config could not be applied: {error}", file.display()))?;
+        count = org.agent_specs().len();
+    }
     let listener = tokio::net::TcpListener::bind(args.bind)
         .await
         .map_err(|error| format!("cannot listen on {}: {error}", args.bind))?;

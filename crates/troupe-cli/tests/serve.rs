@@ -109,3 +109,69 @@ fn serve_refuses_a_public_address_without_a_token() {
         "{stderr}"
     );
 }
+
+/// Goal: `troupe serve --config FILE` serves the file's agents instead of the built-in
+/// five. Method: serve examples/org.toml, read /health and /v1/agents, send one of its
+/// agents a message.
+#[tokio::test]
+async fn serve_with_a_config_serves_the_declared_organisation() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/org.toml");
+    let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--config", config])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut addr = None;
+    let mut line = String::new();
+    while stdout.read_line(&mut line).unwrap() > 0 {
+        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
+            addr = Some(rest.to_string());
+            break;
+        }
+        line.clear();
+    }
+    let addr = addr.expect("troupe serve prints its address");
+    let (status, body) = http(&addr, "GET", "/health", "");
+    assert_eq!((status, body.as_str()), (200, "{\"agents\":4,\"status\":\"ok\"}"));
+    let (status, body) = http(&addr, "GET", "/v1/agents", "");
+    assert_eq!(status, 200, "{body}");
+    for id in ["lead", "ana", "ben", "pia"] {
+        assert!(body.contains(&format!("\"id\":\"{id}\"")), "{id} missing from {body}");
+    }
+    let (status, body) = http(&addr, "POST", "/v1/agents/ana/messages", "{\"text\": \"hello\"}");
+    assert_eq!(status, 200, "{body}");
+
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert!(wait(&mut child).await.success());
+}
+
+/// Goal: a broken config stops `troupe serve` before it listens, naming the file's line
+/// and field. Method: serve a file with a misspelt field.
+#[test]
+fn serve_refuses_a_broken_config_naming_the_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("org.toml");
+    std::fs::write(&file, "[[agents]]\nid = \"a\"\nsystem_promt = \"x\"\n").unwrap();
+    let output = troupe_serve(&[
+        "--bind",
+        "127.0.0.1:0",
+        "--scripted",
+        "--config",
+        file.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("org.toml:3"), "{stderr}");
+    assert!(stderr.contains("system_promt"), "{stderr}");
+    assert!(
+        !String::from_utf8_lossy(&output.stdout).contains("listening on"),
+        "{output:?}"
+    );
+}

@@ -15,15 +15,20 @@
 //! within [`limits::SERVER_SHUTDOWN_GRACE_MS`].
 //!
 //! The server does not run agents itself and holds no state of its own beyond its
-//! counters and the topology's view of the event stream: the agent system behind the
-//! client does the work. The topology page, `GET /` (`/ui`), draws the agents, the links
-//! observed between them and the calls and messages as they pass. It does not speak A2A
-//! or call remote agents (yet).
+//! counters, its in-memory A2A tasks and the topology's view of the event stream: the
+//! agent system behind the client does the work. Every agent is also an A2A v1.0 agent
+//! (an Agent Card and a JSON-RPC endpoint under `/a2a/{agent}`; see docs/serve.md). The
+//! topology page, `GET /` (`/ui`), draws the agents, their links and the calls and
+//! messages as they pass. It does not call remote agents (yet).
 //!
 //! Under `--cfg madsim` (the simulator build) the crate is empty: HTTP is not simulated.
 
 #![warn(missing_docs)]
 
+#[cfg(not(madsim))]
+mod a2a;
+#[cfg(not(madsim))]
+mod a2a_tasks;
 #[cfg(not(madsim))]
 mod agents;
 #[cfg(not(madsim))]

@@ -1,7 +1,7 @@
 //! The server's limits, as named constants with their unit last.
 
 use troupe_agent::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
-use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 
 /// Largest request body accepted, in bytes; a larger one is refused with 413 before it
 /// is read. Room for a full agent message in JSON, and an OpenAI-style conversation.
@@ -44,7 +44,26 @@ pub const SERVER_SHUTDOWN_GRACE_MS: u64 = 10_000;
 /// Shortest bearer token accepted, in bytes.
 pub const SERVER_TOKEN_LENGTH_MIN_BYTES: usize = 16;
 
+/// A2A tasks the server keeps in memory, at most; past it the oldest ended task is
+/// forgotten, and if none has ended a new one is refused with 503 and `Retry-After`.
+pub const A2A_TASKS_KEPT_MAX: usize = 10_000;
+/// A2A tasks waiting for one agent (submitted, not yet started), at most; one more is
+/// refused with 429 and `Retry-After`. The server runs one A2A task per agent at a time.
+pub const A2A_TASKS_WAITING_PER_AGENT_MAX: usize = 64;
+/// Tasks one `ListTasks` page returns, at most (`pageSize` above it is invalid params).
+pub const A2A_LIST_TASKS_PAGE_MAX: usize = 100;
+/// Tasks one `ListTasks` page returns when no `pageSize` is given.
+pub const A2A_LIST_TASKS_PAGE_DEFAULT: usize = 50;
+/// How much sooner than the server's request timeout a blocking `SendMessage` stops
+/// waiting and answers the task as it is (still working), in milliseconds.
+pub const A2A_BLOCKING_HEADROOM_MS: u64 = 1_000;
+/// Entries `metadata.troupe.chain` may hold, at most (the deepest chain plus its
+/// target); a longer one is invalid params.
+pub const A2A_CHAIN_LENGTH_MAX: usize = AGENT_CALL_DEPTH_MAX as usize + 1;
+
 const _: () = assert!(SERVER_MESSAGE_SIZE_MAX_BYTES < SERVER_REQUEST_BODY_SIZE_MAX_BYTES);
 const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT > AGENT_ASK_TIMEOUT_MS_DEFAULT);
 const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
 const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);
+const _: () = assert!(A2A_LIST_TASKS_PAGE_DEFAULT <= A2A_LIST_TASKS_PAGE_MAX);
+const _: () = assert!(A2A_TASKS_WAITING_PER_AGENT_MAX <= A2A_TASKS_KEPT_MAX);

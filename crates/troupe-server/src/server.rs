@@ -23,7 +23,7 @@ use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
 use crate::limits::{SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS};
 use crate::metrics::Metrics;
-use crate::{agents, events, openai_compat, topology};
+use crate::{a2a, agents, events, openai_compat, topology};
 
 /// What every handler shares.
 pub(crate) struct AppState {
@@ -80,6 +80,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         .route("/v1/events", get(events::events))
         .route("/v1/chat/completions", post(openai_compat::chat_completions))
         .route("/v1/models", get(openai_compat::models))
+        .merge(a2a::routes(Arc::clone(&state)))
         .merge(topology::routes(&state.client))
         .fallback(not_found)
         // Layers run outside in: the last added runs first.
@@ -169,7 +170,8 @@ async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next
     let Some(token) = &state.config.token else {
         return next.run(request).await;
     };
-    if request.method() == Method::GET && request.uri().path() == "/health"
+    if (request.method() == Method::GET && request.uri().path() == "/health")
+        || a2a::is_public(request.method(), request.uri().path())
         || topology::is_page(request.method(), request.uri().path())
     {
         return next.run(request).await;

@@ -28,6 +28,10 @@ pub(crate) struct Conversation {
     pub(crate) deadline: Deadline,
     /// What the turn may spend.
     pub(crate) budget: Budget,
+    /// The history the prompt shows instead of the agent's private window (a
+    /// conversation's role-relative window); such a turn is neither logged in nor
+    /// remembered by the private log: the conversation keeps it.
+    pub(crate) history: Option<Vec<ChatMessage>>,
 }
 
 impl AgentActor {
@@ -100,6 +104,8 @@ impl AgentActor {
             at: started,
         });
         let mut fresh = vec![ChatMessage::new(Role::User, conversation.content)];
+        let private = conversation.history.is_none();
+        let own_history = conversation.history;
         let boxes = self.state.boxes;
         let sends: SharedSends = Arc::new(Mutex::new(PendingSends::new(
             self.id.clone(),
@@ -141,9 +147,10 @@ impl AgentActor {
                 Err(error) => return Ok(exhausted(steps, usage, error)),
             };
             steps += 1;
-            let mut messages = Vec::with_capacity(1 + self.state.window.len() + fresh.len());
+            let history: &[ChatMessage] = own_history.as_deref().unwrap_or(&self.state.window);
+            let mut messages = Vec::with_capacity(1 + history.len() + fresh.len());
             messages.push(self.system_message());
-            messages.extend_from_slice(&self.state.window);
+            messages.extend_from_slice(history);
             messages.extend_from_slice(&fresh);
             let llm_request = LlmRequest {
                 agent: self.id.clone(),
@@ -218,7 +225,7 @@ impl AgentActor {
         if deadline.has_passed(clock.now()) {
             return Err(self.timed_out(timeout_ms(started)));
         }
-        for message in &fresh {
+        for message in fresh.iter().filter(|_| private) {
             let bytes = serde_json::to_vec(message).map_err(|error| ActorError::failed(error.to_string()))?;
             turn.put(log_key(self.state.log_length), Bytes::from(bytes))?;
             self.state.log_length += 1;
@@ -229,7 +236,9 @@ impl AgentActor {
             PendingSends::new(self.id.clone(), 0, 0, 0),
         );
         self.flush_sends(turn, sends).await?;
-        self.state.remember(&fresh);
+        if private {
+            self.state.remember(&fresh);
+        }
         self.state.turns += 1;
         let text = truncate_utf8(&answer, AGENT_REPLY_SIZE_MAX_BYTES);
         Ok(AgentReply {

@@ -1,0 +1,1073 @@
+//! First-class conversations: 1:1 and group, durable, with @mentions that trigger
+//! turns.
+//!
+//! Each conversation is a virtual actor of kind [`CONVERSATION_KIND`] whose key space
+//! holds:
+//!
+//! ```text
+//! msg/{seq:020}          the messages, append-only, seq 0, 1, 2, ... (gap-free)
+//! id/{client_msg_id}     → seq: one per posted message id (a retried post is a no-op)
+//! relay/{seq:020}/{agent} a mention to deliver to an agent's inbox, until acknowledged
+//! ```
+//!
+//! and in its snapshot its participants, kind and next seq. A post is one turn: the
+//! message, its system notes and its relays commit together. The actor is single
+//! activation, so concurrent posts are serialized and the sequence stays gap-free.
+//!
+//! ```text
+//! post (human or agent) ─► conversation turn: validate, append msg/{s}; for each @agent:
+//!     cycle (in the chain or the sender) / depth (chain ≥ AGENT_CALL_DEPTH_MAX) /
+//!     organisation (Notify from the sending agent) refused → a system note msg/{s+k}
+//!     else relay/{s}/{agent}                              all committed together
+//! Relay{s, agent}: a delivery task appends Mention{conv, s, chain} to the agent's inbox
+//!     (message id {conv}#{s}@{agent}: deduplicated), retries until the deadline
+//! agent Process: reads the last messages up to s from the store (role-relative view),
+//!     runs its model, posts its reply (message id answer:{s}@{agent}) or a failure note
+//!     with the same id: exactly one answer per (conversation, seq, agent)
+//! ```
+//!
+//! The index actor (`conversation/_index`) records which conversations exist and who
+//! takes part, so an agent's conversations can be listed and pending relays resumed.
+//! An agent may take part in many conversations; its turns stay serialized per agent
+//! (one activation handles one message at a time, whatever the conversation).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
+use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError};
+use troupe_runtime::{Actor, ActorError, ActorFactory, Turn};
+
+use crate::agent::{agent_id, AgentActor, AgentShared, Conversation};
+use crate::inbox::{encode_reply, from_json, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry};
+use crate::limits::{
+    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
+    AGENT_TASK_TIMEOUT_MS_DEFAULT,
+};
+use crate::{Budget, ChatMessage, ContactKind, Permitted, Role};
+
+/// The actor kind of conversations.
+pub const CONVERSATION_KIND: &str = "conversation";
+/// Most participants of one conversation.
+pub const CONVERSATION_PARTICIPANTS_MAX: usize = 64;
+/// Most messages one conversation holds; a post past it is refused.
+pub const CONVERSATION_MESSAGES_MAX: u64 = 1_000_000;
+/// Most distinct @mentions in one message.
+pub const CONVERSATION_MENTIONS_MAX: usize = 8;
+/// Most messages one page of [`crate::AgentClient::read_messages`] returns.
+pub const CONVERSATION_PAGE_MAX: usize = 500;
+/// Most messages an agent's prompt shows of a conversation (its window).
+pub const CONVERSATION_WINDOW_MESSAGES_MAX: usize = 32;
+/// Most approximate tokens (bytes / [`CONVERSATION_BYTES_PER_TOKEN`]) of the window.
+pub const CONVERSATION_WINDOW_TOKENS_MAX: usize = 8_000;
+/// The bytes counted as one token when the window is measured.
+pub const CONVERSATION_BYTES_PER_TOKEN: usize = 4;
+/// Longest conversation id, participant name or client message id, in bytes.
+pub const CONVERSATION_NAME_LENGTH_MAX_BYTES: usize = 200;
+/// Most conversations [`crate::AgentClient::conversations_of`] lists.
+pub const CONVERSATIONS_LISTED_MAX: usize = 1_000;
+
+/// The key of the index actor (ids starting with `_` are reserved).
+const INDEX_KEY: &str = "_index";
+/// How long a self-told wake-up may wait in the mailbox.
+const WAKE_TIMEOUT: Duration = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
+/// How often a delivery task tries to report its outcome.
+const REPORT_ATTEMPTS: u32 = 10;
+
+/// One participant of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Participant {
+    /// An agent of the directory, by id: a mention triggers its turn.
+    Agent(String),
+    /// A human, by name: reads and posts through the API; a mention triggers nothing.
+    Human(String),
+}
+
+impl Participant {
+    /// The id or name.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Agent(name) | Self::Human(name) => name,
+        }
+    }
+}
+
+/// Who wrote a message.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Sender {
+    /// An agent (its reply to a mention, or a post through the API).
+    Agent(String),
+    /// A human participant.
+    Human(String),
+    /// The system: a note about a mention that was refused or failed.
+    System,
+}
+
+/// Direct (two participants) or group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ConversationKind {
+    /// Exactly two participants; the id of a pair of agents is [`direct_conversation_id`].
+    Direct,
+    /// Two or more participants.
+    Group,
+}
+
+/// A conversation's definition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConversationInfo {
+    /// Its id.
+    pub id: String,
+    /// Who takes part.
+    pub participants: Vec<Participant>,
+    /// Direct or group.
+    pub kind: ConversationKind,
+}
+
+/// Why a system note was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum NoteKind {
+    /// The mentioned agent is already in the mention chain (or is the sender).
+    Cycle,
+    /// The mention chain is at the system's depth limit.
+    DepthLimit,
+    /// The organisation refused the contact (or it needs approval, which a mention
+    /// does not wait for).
+    NotPermitted,
+    /// The mentioned name is not a participant (in an agent's reply).
+    UnknownMention,
+    /// The mentioned participant is not an agent of the directory.
+    NotAnAgent,
+    /// The mention could not be delivered before its deadline.
+    Undeliverable,
+    /// The agent's turn failed (model error, steps, budget, deadline).
+    Failed,
+}
+
+/// A system note's subject: which mentioned agent, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Note {
+    /// The mentioned agent (or name).
+    pub agent: String,
+    /// Why.
+    pub kind: NoteKind,
+}
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConversationMessage {
+    /// Its position: 0, 1, 2, ... without gaps.
+    pub seq: u64,
+    /// Who wrote it.
+    pub sender: Sender,
+    /// Its text.
+    pub text: String,
+    /// The participants it mentions (`@name`), in order of first appearance.
+    pub mentions: Vec<String>,
+    /// The message it answers (an agent's reply to a mention, or a note about one).
+    pub reply_to: Option<u64>,
+    /// The agents whose mention turns led to it, oldest first (its sender last, for a
+    /// reply): a mention of one of them is a cycle; its length is the depth.
+    pub chain: Vec<String>,
+    /// For a system note: about whom, and why.
+    pub note: Option<Note>,
+}
+
+/// The outcome of a post.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Posted {
+    /// The message's seq.
+    pub seq: u64,
+    /// Whether this message id was posted before (nothing new was appended).
+    pub duplicate: bool,
+}
+
+/// Why a conversation request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum ConversationError {
+    /// An id, name or message id is empty, too long, reserved or has control characters.
+    #[error("{what} {value:?} is not valid: {reason}")]
+    InvalidName {
+        /// What it names.
+        what: String,
+        /// The value given.
+        value: String,
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// The participants do not fit the kind, repeat, or are too many.
+    #[error("invalid participants: {reason}")]
+    InvalidParticipants {
+        /// Why.
+        reason: String,
+    },
+    /// A participant agent is not in the directory.
+    #[error("agent {agent:?} is not in the directory; add it first")]
+    UnknownAgent {
+        /// The id.
+        agent: String,
+    },
+    /// A conversation with this id exists with other participants or kind.
+    #[error("conversation {id:?} already exists with other participants or kind")]
+    Conflict {
+        /// The id.
+        id: String,
+    },
+    /// No conversation with this id.
+    #[error("no conversation {id:?}; create it first")]
+    NotFound {
+        /// The id.
+        id: String,
+    },
+    /// The sender does not take part.
+    #[error("{sender:?} is not a participant of conversation {id:?}")]
+    NotParticipant {
+        /// The conversation.
+        id: String,
+        /// The sender.
+        sender: Sender,
+    },
+    /// A mention names nobody in the conversation.
+    #[error("@{name} is not a participant of conversation {id:?}; mention one of its participants")]
+    UnknownMention {
+        /// The conversation.
+        id: String,
+        /// The name after `@`.
+        name: String,
+    },
+    /// More than [`CONVERSATION_MENTIONS_MAX`] distinct mentions.
+    #[error("a message mentions {count} participants; at most {max} are allowed")]
+    TooManyMentions {
+        /// How many.
+        count: usize,
+        /// [`CONVERSATION_MENTIONS_MAX`].
+        max: usize,
+    },
+    /// The text is empty or longer than [`AGENT_MESSAGE_SIZE_MAX_BYTES`].
+    #[error("a message must have 1 to {max} bytes of text; got {len}")]
+    BadText {
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The conversation holds [`CONVERSATION_MESSAGES_MAX`] messages.
+    #[error("conversation {id:?} is full ({max} messages)")]
+    Full {
+        /// The conversation.
+        id: String,
+        /// The limit.
+        max: u64,
+    },
+    /// The request failed in the runtime or the store; retrying with the same message
+    /// id is safe.
+    #[error("{cause}")]
+    Unavailable {
+        /// What failed.
+        cause: String,
+    },
+}
+
+impl From<InvokeError> for ConversationError {
+    fn from(error: InvokeError) -> Self {
+        Self::Unavailable {
+            cause: error.to_string(),
+        }
+    }
+}
+
+impl From<troupe_runtime::StoreError> for ConversationError {
+    fn from(error: troupe_runtime::StoreError) -> Self {
+        Self::Unavailable {
+            cause: error.to_string(),
+        }
+    }
+}
+
+/// The id of the direct conversation of two agents (or participants): the same for
+/// either order.
+pub fn direct_conversation_id(a: &str, b: &str) -> String {
+    let (first, second) = if a <= b { (a, b) } else { (b, a) };
+    format!("dm:{first}|{second}")
+}
+
+/// The `@name` tokens of `text`, in order of first appearance, each once. A mention
+/// starts at `@` at the start or after a character that cannot be part of a name (so
+/// `a@b.c` is no mention); a name is ASCII letters, digits, `_`, `-` and `.`, without a
+/// trailing `.` (the end of a sentence).
+pub fn parse_mentions(text: &str) -> Vec<String> {
+    let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.';
+    let mut found: Vec<String> = Vec::new();
+    let mut previous: Option<char> = None;
+    let mut chars = text.char_indices().peekable();
+    while let Some((at, c)) = chars.next() {
+        if c == '@' && !previous.is_some_and(is_name) {
+            let start = at + 1;
+            let mut end = start;
+            while let Some(&(index, next)) = chars.peek() {
+                if !is_name(next) {
+                    break;
+                }
+                end = index + next.len_utf8();
+                chars.next();
+            }
+            let name = text[start..end].trim_end_matches('.');
+            if !name.is_empty() && !found.iter().any(|seen| seen == name) {
+                found.push(name.to_string());
+            }
+            previous = text[..end].chars().next_back();
+            continue;
+        }
+        previous = Some(c);
+    }
+    found
+}
+
+/// The role-relative view of `messages` for agent `me`: its own messages as
+/// `assistant`, everyone else's as `user` prefixed with the sender's name. Keeps the
+/// newest messages within [`CONVERSATION_WINDOW_MESSAGES_MAX`] and
+/// [`CONVERSATION_WINDOW_TOKENS_MAX`] (the newest is always kept).
+pub fn conversation_window(me: &str, messages: &[ConversationMessage]) -> Vec<ChatMessage> {
+    let mut kept: Vec<ChatMessage> = Vec::new();
+    let mut tokens = 0;
+    for message in messages.iter().rev().take(CONVERSATION_WINDOW_MESSAGES_MAX) {
+        let view = match &message.sender {
+            Sender::Agent(agent) if agent == me => ChatMessage::new(Role::Assistant, message.text.clone()),
+            Sender::Agent(name) | Sender::Human(name) => {
+                ChatMessage::new(Role::User, format!("{name}: {}", message.text))
+            }
+            Sender::System => ChatMessage::new(Role::User, format!("system: {}", message.text)),
+        };
+        let cost = view.content.len().div_ceil(CONVERSATION_BYTES_PER_TOKEN);
+        if !kept.is_empty() && tokens + cost > CONVERSATION_WINDOW_TOKENS_MAX {
+            break;
+        }
+        tokens += cost;
+        kept.push(view);
+    }
+    kept.reverse();
+    kept
+}
+
+pub(crate) fn conversation_actor(id: &str) -> Result<ActorId, ConversationError> {
+    ActorId::new(CONVERSATION_KIND, id).map_err(|error| ConversationError::InvalidName {
+        what: "conversation id".to_string(),
+        value: id.to_string(),
+        reason: error.to_string(),
+    })
+}
+
+pub(crate) fn index_actor() -> ActorId {
+    ActorId::new(CONVERSATION_KIND, INDEX_KEY).expect("the index id is valid")
+}
+
+pub(crate) fn message_key(seq: u64) -> String {
+    format!("msg/{seq:020}")
+}
+
+pub(crate) fn member_prefix(agent: &str) -> String {
+    format!("member/{agent}/")
+}
+
+fn relay_key(seq: u64, agent: &str) -> String {
+    format!("relay/{seq:020}/{agent}")
+}
+
+fn relay_of(key: &str) -> Option<(u64, String)> {
+    let rest = key.strip_prefix("relay/")?;
+    let (seq, agent) = rest.split_once('/')?;
+    Some((seq.parse().ok()?, agent.to_string()))
+}
+
+/// The message id of the one answer (reply or note) to the mention of `agent` in `seq`.
+fn answer_id(seq: u64, agent: &str) -> String {
+    format!("answer:{seq}@{agent}")
+}
+
+/// Checks a name: non-empty, at most [`CONVERSATION_NAME_LENGTH_MAX_BYTES`], no control
+/// characters.
+pub(crate) fn check_name(what: &str, value: &str) -> Result<(), ConversationError> {
+    let invalid = |reason: &str| ConversationError::InvalidName {
+        what: what.to_string(),
+        value: value.to_string(),
+        reason: reason.to_string(),
+    };
+    if value.is_empty() {
+        return Err(invalid("it must not be empty"));
+    }
+    if value.len() > CONVERSATION_NAME_LENGTH_MAX_BYTES {
+        return Err(invalid(&format!(
+            "it must be at most {CONVERSATION_NAME_LENGTH_MAX_BYTES} bytes"
+        )));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(invalid("it must not contain control characters"));
+    }
+    Ok(())
+}
+
+/// Everything a conversation actor handles (bincode).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ConvCommand {
+    Create {
+        participants: Vec<Participant>,
+        kind: ConversationKind,
+    },
+    /// To the index: record a conversation and its agents.
+    Register {
+        conversation: String,
+        agents: Vec<String>,
+    },
+    Post(PostRequest),
+    Relay {
+        seq: u64,
+        agent: String,
+    },
+    Delivered {
+        seq: u64,
+        agent: String,
+    },
+    Undeliverable {
+        seq: u64,
+        agent: String,
+        cause: String,
+    },
+    Resume {
+        after: Option<String>,
+    },
+}
+
+/// A message to append.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PostRequest {
+    pub(crate) sender: Sender,
+    pub(crate) client_id: String,
+    pub(crate) text: String,
+    pub(crate) reply_to: Option<u64>,
+    pub(crate) chain: Vec<String>,
+    pub(crate) note: Option<Note>,
+    /// From the API: bad mentions and text are errors. From an agent's reply: they are
+    /// cut or noted, never refused (the answer must land).
+    pub(crate) strict: bool,
+}
+
+impl ConvCommand {
+    pub(crate) fn encode(&self) -> Bytes {
+        Bytes::from(bincode::serialize(self).expect("a conversation command always serializes"))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ConvReply {
+    Created(ConversationInfo),
+    Posted(Posted),
+    Done,
+    Error(ConversationError),
+}
+
+pub(crate) fn decode_conv_reply(bytes: &[u8]) -> Result<ConvReply, ConversationError> {
+    bincode::deserialize(bytes).map_err(|error| ConversationError::Unavailable {
+        cause: format!("malformed reply: {error}"),
+    })
+}
+
+/// A mention waiting to be delivered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct RelayRecord {
+    from: Option<String>,
+    chain: Vec<String>,
+    deadline: Deadline,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct ConvState {
+    info: Option<ConversationInfo>,
+    next_seq: u64,
+}
+
+pub(crate) struct ConversationFactory {
+    pub(crate) shared: Arc<AgentShared>,
+}
+
+impl ActorFactory for ConversationFactory {
+    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+        let state = match saved {
+            Some(bytes) => from_json(&format!("the state of {id}"), &bytes)?,
+            None => ConvState::default(),
+        };
+        Ok(Box::new(ConversationActor {
+            id: id.clone(),
+            state,
+            shared: Arc::clone(&self.shared),
+            relaying: BTreeSet::new(),
+        }))
+    }
+}
+
+struct ConversationActor {
+    id: ActorId,
+    state: ConvState,
+    shared: Arc<AgentShared>,
+    /// Relays a delivery task of this activation is delivering.
+    relaying: BTreeSet<(u64, String)>,
+}
+
+fn wake_failed(error: InvokeError) -> ActorError {
+    ActorError::failed(format!("could not schedule a mention delivery: {error}"))
+}
+
+#[async_trait]
+impl Actor for ConversationActor {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let command: ConvCommand = bincode::deserialize(&payload)
+            .map_err(|cause| ActorError::rejected(format!("not a conversation command: {cause}")))?;
+        let reply = match command {
+            ConvCommand::Create { participants, kind } => self.create(participants, kind),
+            ConvCommand::Register { conversation, agents } => {
+                turn.put(format!("c/{conversation}"), Bytes::new())?;
+                for agent in agents {
+                    turn.put(format!("{}{conversation}", member_prefix(&agent)), Bytes::new())?;
+                }
+                ConvReply::Done
+            }
+            ConvCommand::Post(request) => self.post(turn, request).await?,
+            ConvCommand::Relay { seq, agent } => {
+                self.relay(turn, seq, agent).await?;
+                ConvReply::Done
+            }
+            ConvCommand::Delivered { seq, agent } => {
+                self.relaying.remove(&(seq, agent.clone()));
+                turn.delete(relay_key(seq, &agent))?;
+                ConvReply::Done
+            }
+            ConvCommand::Undeliverable { seq, agent, cause } => {
+                self.relaying.remove(&(seq, agent.clone()));
+                let key = relay_key(seq, &agent);
+                if turn.get(&key).await?.is_some() {
+                    turn.delete(key)?;
+                    let note = PostRequest {
+                        sender: Sender::System,
+                        client_id: answer_id(seq, &agent),
+                        text: format!("the mention of @{agent} in #{seq} could not be delivered: {cause}"),
+                        reply_to: Some(seq),
+                        chain: Vec::new(),
+                        note: Some(Note {
+                            agent: agent.clone(),
+                            kind: NoteKind::Undeliverable,
+                        }),
+                        strict: false,
+                    };
+                    self.post(turn, note).await?;
+                }
+                ConvReply::Done
+            }
+            ConvCommand::Resume { after } => {
+                if after.is_none() {
+                    self.relaying.clear();
+                }
+                let page = turn.scan("relay/", after.as_deref(), AGENT_RESUME_BATCH).await?;
+                for (key, _) in &page {
+                    if let Some((seq, agent)) = relay_of(key) {
+                        self.wake_relay(turn, seq, agent).await?;
+                    }
+                }
+                if page.len() == AGENT_RESUME_BATCH {
+                    let next = ConvCommand::Resume {
+                        after: page.last().map(|(key, _)| key.clone()),
+                    };
+                    turn.caller()
+                        .tell(&self.id, next.encode(), WAKE_TIMEOUT)
+                        .await
+                        .map_err(wake_failed)?;
+                }
+                ConvReply::Done
+            }
+        };
+        Ok(encode_reply(&reply))
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        to_json(&self.state).map(Some)
+    }
+}
+
+impl ConversationActor {
+    fn create(&mut self, mut participants: Vec<Participant>, kind: ConversationKind) -> ConvReply {
+        participants.sort();
+        let info = ConversationInfo {
+            id: self.id.key().to_string(),
+            participants,
+            kind,
+        };
+        match &self.state.info {
+            Some(existing) if *existing == info => ConvReply::Created(info),
+            Some(_) => ConvReply::Error(ConversationError::Conflict {
+                id: self.id.key().to_string(),
+            }),
+            None => {
+                self.state.info = Some(info.clone());
+                ConvReply::Created(info)
+            }
+        }
+    }
+
+    /// Appends one message, its notes and its relays (see the module's diagram).
+    async fn post(&mut self, turn: &mut Turn, mut request: PostRequest) -> Result<ConvReply, ActorError> {
+        let conversation = self.id.key().to_string();
+        let Some(info) = self.state.info.clone() else {
+            return Ok(ConvReply::Error(ConversationError::NotFound { id: conversation }));
+        };
+        let id_key = format!("id/{}", request.client_id);
+        if let Some(bytes) = turn.get(&id_key).await? {
+            let seq: u64 = from_json(&id_key, &bytes)?;
+            return Ok(ConvReply::Posted(Posted { seq, duplicate: true }));
+        }
+        let takes_part = match &request.sender {
+            Sender::Agent(name) => info.participants.contains(&Participant::Agent(name.clone())),
+            Sender::Human(name) => info.participants.contains(&Participant::Human(name.clone())),
+            Sender::System => true,
+        };
+        if !takes_part {
+            let error = ConversationError::NotParticipant {
+                id: conversation,
+                sender: request.sender,
+            };
+            return Ok(ConvReply::Error(error));
+        }
+        if request.strict && (request.text.is_empty() || request.text.len() > AGENT_MESSAGE_SIZE_MAX_BYTES) {
+            let error = ConversationError::BadText {
+                len: request.text.len(),
+                max: AGENT_MESSAGE_SIZE_MAX_BYTES,
+            };
+            return Ok(ConvReply::Error(error));
+        }
+        request.text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
+        let mut mentions = if request.note.is_some() {
+            Vec::new()
+        } else {
+            parse_mentions(&request.text)
+        };
+        if mentions.len() > CONVERSATION_MENTIONS_MAX {
+            if request.strict {
+                let error = ConversationError::TooManyMentions {
+                    count: mentions.len(),
+                    max: CONVERSATION_MENTIONS_MAX,
+                };
+                return Ok(ConvReply::Error(error));
+            }
+            mentions.truncate(CONVERSATION_MENTIONS_MAX);
+        }
+        let participant = |name: &str| info.participants.iter().find(|p| p.name() == name).cloned();
+        if request.strict {
+            if let Some(name) = mentions.iter().find(|name| participant(name).is_none()) {
+                let error = ConversationError::UnknownMention {
+                    id: conversation,
+                    name: name.clone(),
+                };
+                return Ok(ConvReply::Error(error));
+            }
+        }
+        let appended = 1 + mentions.len() as u64;
+        if self.state.next_seq + appended > CONVERSATION_MESSAGES_MAX {
+            let error = ConversationError::Full {
+                id: conversation,
+                max: CONVERSATION_MESSAGES_MAX,
+            };
+            return Ok(ConvReply::Error(error));
+        }
+        let seq = self.state.next_seq;
+        let sender_agent = match &request.sender {
+            Sender::Agent(name) => Some(name.clone()),
+            _ => None,
+        };
+        // Each mention: relayed, or refused with a note.
+        let mut notes = Vec::new();
+        let mut relays = Vec::new();
+        for name in &mentions {
+            let refusal = match participant(name) {
+                None => Some((NoteKind::UnknownMention, format!("@{name} is not a participant"))),
+                Some(Participant::Human(_)) => None,
+                Some(Participant::Agent(agent)) => self.refusal(&request, sender_agent.as_deref(), &agent).await,
+            };
+            match (refusal, participant(name)) {
+                (Some((kind, text)), _) => notes.push((name.clone(), kind, text)),
+                (None, Some(Participant::Agent(agent))) => relays.push(agent),
+                (None, _) => {}
+            }
+        }
+        let message = ConversationMessage {
+            seq,
+            sender: request.sender.clone(),
+            text: request.text.clone(),
+            mentions,
+            reply_to: request.reply_to,
+            chain: request.chain.clone(),
+            note: request.note.clone(),
+        };
+        turn.put(message_key(seq), to_json(&message)?)?;
+        turn.put(id_key, to_json(&seq)?)?;
+        let mut next = seq + 1;
+        for (agent, kind, text) in notes {
+            let note = ConversationMessage {
+                seq: next,
+                sender: Sender::System,
+                text: format!("@{agent} was not asked to answer #{seq}: {text}"),
+                mentions: Vec::new(),
+                reply_to: Some(seq),
+                chain: Vec::new(),
+                note: Some(Note { agent, kind }),
+            };
+            turn.put(message_key(next), to_json(&note)?)?;
+            next += 1;
+        }
+        self.state.next_seq = next;
+        let deadline = Deadline::after(turn.now(), Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT));
+        for agent in relays {
+            let record = RelayRecord {
+                from: sender_agent.clone(),
+                chain: request.chain.clone(),
+                deadline,
+            };
+            turn.put(relay_key(seq, &agent), to_json(&record)?)?;
+            turn.caller()
+                .tell(&self.id, ConvCommand::Relay { seq, agent }.encode(), WAKE_TIMEOUT)
+                .await
+                .map_err(wake_failed)?;
+        }
+        Ok(ConvReply::Posted(Posted { seq, duplicate: false }))
+    }
+
+    /// Why the mention of `agent` in `request` must not trigger a turn, if it must not:
+    /// the call rules (cycle, depth, known agent), then the organisation.
+    async fn refusal(&self, request: &PostRequest, sender: Option<&str>, agent: &str) -> Option<(NoteKind, String)> {
+        if !self.shared.directory.contains(agent) {
+            return Some((NoteKind::NotAnAgent, "not an agent of the directory".to_string()));
+        }
+        if sender == Some(agent) || request.chain.iter().any(|a| a == agent) {
+            let chain = request.chain.join(" → ");
+            return Some((
+                NoteKind::Cycle,
+                format!("a cycle: already in the mention chain [{chain}]"),
+            ));
+        }
+        if request.chain.len() >= AGENT_CALL_DEPTH_MAX as usize {
+            return Some((
+                NoteKind::DepthLimit,
+                format!("the mention chain is at the depth limit ({AGENT_CALL_DEPTH_MAX})"),
+            ));
+        }
+        let sender = sender?;
+        let runtime = self.shared.runtime()?;
+        let decision = match self.shared.org.current(runtime.store().as_ref()).await {
+            Ok(org) => org.decide(sender, agent, ContactKind::Notify),
+            Err(error) => {
+                return Some((
+                    NoteKind::NotPermitted,
+                    format!("the organisation is unavailable: {error}"),
+                ))
+            }
+        };
+        match decision {
+            Ok(Permitted::NeedsApproval { .. }) => Some((
+                NoteKind::NotPermitted,
+                format!("{sender} needs approval to contact {agent}; a mention does not wait for approval"),
+            )),
+            Ok(_) => None,
+            Err(refused) => Some((NoteKind::NotPermitted, refused.to_string())),
+        }
+    }
+
+    async fn wake_relay(&mut self, turn: &Turn, seq: u64, agent: String) -> Result<(), ActorError> {
+        turn.caller()
+            .tell(&self.id, ConvCommand::Relay { seq, agent }.encode(), WAKE_TIMEOUT)
+            .await
+            .map_err(wake_failed)
+    }
+
+    /// Starts a delivery task for the relay `seq`/`agent` unless one runs or it is gone.
+    async fn relay(&mut self, turn: &mut Turn, seq: u64, agent: String) -> Result<(), ActorError> {
+        let key = relay_key(seq, &agent);
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(());
+        };
+        if self.relaying.contains(&(seq, agent.clone())) {
+            return Ok(());
+        }
+        let record: RelayRecord = from_json(&key, &bytes)?;
+        let Some(runtime) = self.shared.runtime() else {
+            return Err(ActorError::failed("the runtime has not started"));
+        };
+        let conversation = self.id.key().to_string();
+        let entry = InboxEntry {
+            msg_id: format!("{conversation}#{seq}@{agent}"),
+            from: record.from.as_deref().and_then(|from| agent_id(from).ok()),
+            body: InboxBody::Mention {
+                conversation,
+                seq,
+                chain: record.chain,
+            },
+            context: CallContext::root(record.deadline),
+            budget: Budget::UNLIMITED,
+        };
+        self.relaying.insert((seq, agent.clone()));
+        tokio::spawn(deliver(
+            runtime,
+            Arc::clone(&self.shared),
+            self.id.clone(),
+            agent,
+            seq,
+            entry,
+        ));
+        Ok(())
+    }
+}
+
+/// Delivers one mention to an agent's inbox from outside any turn: retries until
+/// acknowledged or its deadline, then reports to the conversation (a lost report leaves
+/// the relay, which the next resume delivers again, deduplicated by the inbox).
+async fn deliver(
+    runtime: troupe_runtime::RuntimeHandle,
+    shared: Arc<AgentShared>,
+    conversation: ActorId,
+    agent: String,
+    seq: u64,
+    entry: InboxEntry,
+) {
+    let deadline = entry.context.deadline();
+    let payload = AgentCommand::Enqueue(entry).encode();
+    let report = loop {
+        let target = match agent_id(&agent) {
+            Ok(target) if shared.directory.contains(&agent) => target,
+            _ => {
+                break ConvCommand::Undeliverable {
+                    seq,
+                    agent,
+                    cause: "not an agent of the directory".to_string(),
+                }
+            }
+        };
+        let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
+        let cause = match runtime.invoke_within(&target, payload.clone(), ack).await {
+            Ok(reply) => match bincode::deserialize::<EnqueueReply>(&reply) {
+                Ok(EnqueueReply::Accepted { .. } | EnqueueReply::Duplicate) => {
+                    break ConvCommand::Delivered { seq, agent };
+                }
+                Ok(EnqueueReply::Full { capacity }) => format!("the inbox is full ({capacity} entries)"),
+                Err(error) => format!("malformed acknowledgement: {error}"),
+            },
+            Err(InvokeError::Shutdown) => return,
+            Err(
+                error @ (InvokeError::Refused(CallRefused::AgentNotFound { .. })
+                | InvokeError::ActorNotFound { .. }
+                | InvokeError::Rejected { .. }),
+            ) => {
+                break ConvCommand::Undeliverable {
+                    seq,
+                    agent,
+                    cause: error.to_string(),
+                }
+            }
+            Err(error) => error.to_string(),
+        };
+        if deadline.has_passed(runtime.now()) {
+            break ConvCommand::Undeliverable {
+                seq,
+                agent,
+                cause: format!("the deadline passed ({cause})"),
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await;
+    };
+    let report_deadline = runtime.deadline_in(WAKE_TIMEOUT);
+    for _ in 0..REPORT_ATTEMPTS {
+        match runtime.tell(&conversation, report.encode(), report_deadline).await {
+            Ok(()) | Err(InvokeError::Shutdown) => return,
+            Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
+        }
+    }
+    tracing::warn!(%conversation, seq, "could not report a mention delivery; the next resume delivers it again");
+}
+
+/// Reads the messages `from..=upto` of `conversation` from the store (committed).
+pub(crate) async fn read_committed(
+    shared: &AgentShared,
+    conversation: &ActorId,
+    after: Option<u64>,
+    limit: usize,
+) -> Result<Vec<ConversationMessage>, ConversationError> {
+    let Some(runtime) = shared.runtime() else {
+        return Err(ConversationError::Unavailable {
+            cause: "the runtime has not started".to_string(),
+        });
+    };
+    let after = after.map(message_key);
+    let page = runtime
+        .store()
+        .scan(conversation, "msg/", after.as_deref(), limit)
+        .await?;
+    page.into_iter()
+        .map(|(key, bytes)| {
+            serde_json::from_slice(&bytes).map_err(|error| ConversationError::Unavailable {
+                cause: format!("{key} cannot be decoded: {error}"),
+            })
+        })
+        .collect()
+}
+
+impl AgentActor {
+    /// Answers the mention of this agent in message `seq` of `conversation`: a turn on
+    /// the conversation's window, then its reply (or a failure note) posted under the
+    /// mention's answer id, so it lands once however often this runs.
+    pub(crate) async fn answer_mention(
+        &mut self,
+        turn: &mut Turn,
+        entry: &InboxEntry,
+        conversation: &str,
+        seq: u64,
+        chain: &[String],
+    ) -> Result<(), ActorError> {
+        let me = self.id.key().to_string();
+        let target = conversation_actor(conversation).map_err(|error| ActorError::failed(error.to_string()))?;
+        let deadline = entry.context.deadline();
+        let outcome = if deadline.has_passed(turn.now()) {
+            Err("the deadline passed before it could answer".to_string())
+        } else {
+            let first = seq.saturating_sub(CONVERSATION_WINDOW_MESSAGES_MAX as u64 - 1);
+            let after = first.checked_sub(1);
+            let span = usize::try_from(seq - first + 1).unwrap_or(CONVERSATION_WINDOW_MESSAGES_MAX);
+            let messages = read_committed(&self.shared, &target, after, span)
+                .await
+                .map_err(|error| ActorError::failed(error.to_string()))?;
+            let mut history = conversation_window(&me, &messages);
+            let content = history.pop().map(|last| last.content).unwrap_or_default();
+            let content = format!("[conversation {conversation}, message #{seq}] {content}");
+            let turn_input = Conversation {
+                content,
+                call: None,
+                deadline,
+                budget: entry.budget,
+                history: Some(history),
+            };
+            match self.converse(turn, turn_input).await {
+                Ok(reply) => match reply.exhausted {
+                    None if reply.text.is_empty() => Ok("(no answer)".to_string()),
+                    None => Ok(reply.text),
+                    Some(exhausted) => Err(exhausted.to_string()),
+                },
+                Err(error) => Err(error.to_string()),
+            }
+        };
+        let mut reply_chain = chain.to_vec();
+        reply_chain.push(me.clone());
+        let request = match outcome {
+            Ok(text) => PostRequest {
+                sender: Sender::Agent(me.clone()),
+                client_id: answer_id(seq, &me),
+                text,
+                reply_to: Some(seq),
+                chain: reply_chain,
+                note: None,
+                strict: false,
+            },
+            Err(cause) => PostRequest {
+                sender: Sender::System,
+                client_id: answer_id(seq, &me),
+                text: format!("@{me} could not answer #{seq}: {cause}"),
+                reply_to: Some(seq),
+                chain: Vec::new(),
+                note: Some(Note {
+                    agent: me.clone(),
+                    kind: NoteKind::Failed,
+                }),
+                strict: false,
+            },
+        };
+        // A failure here fails the turn: the inbox entry stays and is answered later.
+        let timeout = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
+        let reply = turn
+            .invoke(&target, ConvCommand::Post(request).encode(), timeout)
+            .await
+            .map_err(|error| ActorError::failed(format!("posting the answer failed: {error}")))?;
+        match decode_conv_reply(&reply).map_err(|error| ActorError::failed(error.to_string()))? {
+            ConvReply::Posted(_) => Ok(()),
+            ConvReply::Error(error) => {
+                // Permanent (the conversation is gone or full): nothing to retry.
+                tracing::warn!(agent = %self.id, %conversation, seq, %error, "the answer was not posted");
+                Ok(())
+            }
+            other => Err(ActorError::failed(format!("unexpected reply {other:?}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mentions_are_parsed_once_each_in_order_and_emails_are_not_mentions() {
+        assert_eq!(
+            parse_mentions("@bob and @carol-2, ask @bob. mail a@b.com or (@dave_x)."),
+            ["bob", "carol-2", "dave_x"]
+        );
+        assert_eq!(parse_mentions("no mentions @ all"), Vec::<String>::new());
+        assert_eq!(parse_mentions("@a.b. end"), ["a.b"]);
+        assert_eq!(parse_mentions("@héllo"), ["h"]);
+    }
+
+    fn message(seq: u64, sender: Sender, text: &str) -> ConversationMessage {
+        ConversationMessage {
+            seq,
+            sender,
+            text: text.to_string(),
+            mentions: parse_mentions(text),
+            reply_to: None,
+            chain: Vec::new(),
+            note: None,
+        }
+    }
+
+    #[test]
+    fn the_window_is_role_relative_and_bounded() {
+        let messages = vec![
+            message(0, Sender::Human("ann".into()), "@bob hi"),
+            message(1, Sender::Agent("bob".into()), "hello @carol"),
+            message(2, Sender::Agent("carol".into()), "hi bob"),
+            message(3, Sender::System, "a note"),
+        ];
+        let view = conversation_window("bob", &messages);
+        let roles: Vec<Role> = view.iter().map(|m| m.role).collect();
+        assert_eq!(roles, [Role::User, Role::Assistant, Role::User, Role::User]);
+        assert_eq!(view[0].content, "ann: @bob hi");
+        assert_eq!(view[1].content, "hello @carol");
+        assert_eq!(view[2].content, "carol: hi bob");
+        assert_eq!(view[3].content, "system: a note");
+
+        let many: Vec<_> = (0..100)
+            .map(|seq| message(seq, Sender::Human("ann".into()), &format!("m{seq}")))
+            .collect();
+        let view = conversation_window("bob", &many);
+        assert_eq!(view.len(), CONVERSATION_WINDOW_MESSAGES_MAX);
+        assert_eq!(view.last().map(|m| m.content.as_str()), Some("ann: m99"));
+
+        let big = "x".repeat(CONVERSATION_WINDOW_TOKENS_MAX * CONVERSATION_BYTES_PER_TOKEN / 3);
+        let large: Vec<_> = (0..10)
+            .map(|seq| message(seq, Sender::Human("ann".into()), &big))
+            .collect();
+        let view = conversation_window("bob", &large);
+        assert_eq!(view.len(), 2, "three such messages exceed the token window");
+    }
+
+    #[test]
+    fn direct_ids_do_not_depend_on_order_and_relay_keys_round_trip() {
+        assert_eq!(direct_conversation_id("b", "a"), direct_conversation_id("a", "b"));
+        assert_eq!(direct_conversation_id("a", "b"), "dm:a|b");
+        assert_eq!(relay_of(&relay_key(7, "x/y")), Some((7, "x/y".to_string())));
+        assert!(check_name("id", "").is_err());
+        assert!(check_name("id", "a\nb").is_err());
+        assert_eq!(check_name("id", "ok"), Ok(()));
+    }
+}

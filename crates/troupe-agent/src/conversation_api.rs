@@ -1,0 +1,240 @@
+//! The conversation API of [`AgentClient`] (see `conversation.rs`).
+
+use std::time::Duration;
+
+use crate::conversation::{
+    check_name, conversation_actor, decode_conv_reply, index_actor, member_prefix, read_committed, ConvCommand,
+    ConvReply, ConversationError, ConversationInfo, ConversationKind, ConversationMessage, Participant, PostRequest,
+    Posted, Sender, CONVERSATIONS_LISTED_MAX, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
+};
+use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
+use crate::AgentClient;
+
+impl AgentClient {
+    async fn conversation_request(&self, key: &str, command: ConvCommand) -> Result<ConvReply, ConversationError> {
+        let target = if key.is_empty() {
+            index_actor()
+        } else {
+            conversation_actor(key)?
+        };
+        let timeout = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
+        let bytes = self.runtime.invoke_within(&target, command.encode(), timeout).await?;
+        match decode_conv_reply(&bytes)? {
+            ConvReply::Error(error) => Err(error),
+            other => Ok(other),
+        }
+    }
+
+    /// Creates conversation `id` (or returns it, if it exists with the same
+    /// participants and kind: retrying is safe). Agents must be in the directory; a
+    /// direct conversation has exactly two participants, a group at least two; at most
+    /// [`CONVERSATION_PARTICIPANTS_MAX`]. The conversation is recorded in the index
+    /// first, so [`AgentClient::conversations_of`] lists it for each agent.
+    ///
+    /// # Errors
+    /// [`ConversationError::InvalidName`] (ids starting with `_` are reserved),
+    /// [`ConversationError::InvalidParticipants`], [`ConversationError::UnknownAgent`],
+    /// [`ConversationError::Conflict`], [`ConversationError::Unavailable`].
+    pub async fn create_conversation(
+        &self,
+        id: &str,
+        participants: Vec<Participant>,
+        kind: ConversationKind,
+    ) -> Result<ConversationInfo, ConversationError> {
+        check_name("conversation id", id)?;
+        if id.starts_with('_') {
+            return Err(ConversationError::InvalidName {
+                what: "conversation id".to_string(),
+                value: id.to_string(),
+                reason: "ids starting with '_' are reserved".to_string(),
+            });
+        }
+        conversation_actor(id)?;
+        let invalid = |reason: String| ConversationError::InvalidParticipants { reason };
+        let mut sorted = participants.clone();
+        sorted.sort();
+        sorted.dedup_by(|a, b| a.name() == b.name());
+        if sorted.len() != participants.len() {
+            return Err(invalid("a name appears twice".to_string()));
+        }
+        match kind {
+            ConversationKind::Direct if participants.len() != 2 => {
+                return Err(invalid(format!(
+                    "a direct conversation has exactly 2 participants, not {}",
+                    participants.len()
+                )))
+            }
+            ConversationKind::Group if participants.len() < 2 => {
+                return Err(invalid("a group needs at least 2 participants".to_string()))
+            }
+            _ if participants.len() > CONVERSATION_PARTICIPANTS_MAX => {
+                return Err(invalid(format!(
+                    "at most {CONVERSATION_PARTICIPANTS_MAX} participants, not {}",
+                    participants.len()
+                )))
+            }
+            _ => {}
+        }
+        let mut agents = Vec::new();
+        for participant in &participants {
+            check_name("participant", participant.name())?;
+            if let Participant::Agent(agent) = participant {
+                if !self.shared.directory.contains(agent) {
+                    return Err(ConversationError::UnknownAgent { agent: agent.clone() });
+                }
+                agents.push(agent.clone());
+            }
+        }
+        let register = ConvCommand::Register {
+            conversation: id.to_string(),
+            agents,
+        };
+        self.conversation_request("", register).await?;
+        match self
+            .conversation_request(id, ConvCommand::Create { participants, kind })
+            .await?
+        {
+            ConvReply::Created(info) => Ok(info),
+            other => Err(ConversationError::Unavailable {
+                cause: format!("unexpected reply {other:?}"),
+            }),
+        }
+    }
+
+    /// The direct conversation of agents (or participants) `a` and `b`, created on first
+    /// use; its id is [`crate::direct_conversation_id`] of the pair, the same either way
+    /// round.
+    ///
+    /// # Errors
+    /// As [`AgentClient::create_conversation`].
+    pub async fn direct_conversation(
+        &self,
+        a: Participant,
+        b: Participant,
+    ) -> Result<ConversationInfo, ConversationError> {
+        let id = crate::direct_conversation_id(a.name(), b.name());
+        self.create_conversation(&id, vec![a, b], ConversationKind::Direct)
+            .await
+    }
+
+    /// Posts `text` to conversation `id` as `sender` (a participant) under the
+    /// caller-chosen `msg_id`: a retry with the same id returns the first post's seq and
+    /// appends nothing. Each `@agent` mention triggers one turn of that agent, delivered
+    /// through its durable inbox; its reply is appended to the conversation. A mention
+    /// the call rules or the organisation refuse is recorded as a system note instead.
+    ///
+    /// # Errors
+    /// [`ConversationError::InvalidName`] (empty `msg_id`), [`ConversationError::NotFound`],
+    /// [`ConversationError::NotParticipant`], [`ConversationError::UnknownMention`],
+    /// [`ConversationError::TooManyMentions`], [`ConversationError::BadText`],
+    /// [`ConversationError::Full`], [`ConversationError::Unavailable`] (retry with the
+    /// same `msg_id`).
+    pub async fn post_message(
+        &self,
+        id: &str,
+        sender: Sender,
+        msg_id: &str,
+        text: &str,
+    ) -> Result<Posted, ConversationError> {
+        check_name("message id", msg_id)?;
+        if msg_id.starts_with("answer:") {
+            return Err(ConversationError::InvalidName {
+                what: "message id".to_string(),
+                value: msg_id.to_string(),
+                reason: "ids starting with 'answer:' are reserved for agents' answers".to_string(),
+            });
+        }
+        if sender == Sender::System {
+            return Err(ConversationError::NotParticipant {
+                id: id.to_string(),
+                sender,
+            });
+        }
+        let request = PostRequest {
+            sender,
+            client_id: msg_id.to_string(),
+            text: text.to_string(),
+            reply_to: None,
+            chain: Vec::new(),
+            note: None,
+            strict: true,
+        };
+        match self.conversation_request(id, ConvCommand::Post(request)).await? {
+            ConvReply::Posted(posted) => Ok(posted),
+            other => Err(ConversationError::Unavailable {
+                cause: format!("unexpected reply {other:?}"),
+            }),
+        }
+    }
+
+    /// Up to `limit` (at most [`CONVERSATION_PAGE_MAX`]) committed messages of
+    /// conversation `id` after seq `after` (from the start if `None`), in order.
+    ///
+    /// # Errors
+    /// [`ConversationError::InvalidName`], [`ConversationError::Unavailable`].
+    pub async fn read_messages(
+        &self,
+        id: &str,
+        after: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<ConversationMessage>, ConversationError> {
+        let target = conversation_actor(id)?;
+        read_committed(&self.shared, &target, after, limit.min(CONVERSATION_PAGE_MAX)).await
+    }
+
+    /// The ids of the conversations agent `agent` takes part in (at most
+    /// [`CONVERSATIONS_LISTED_MAX`]), in id order.
+    ///
+    /// # Errors
+    /// [`ConversationError::Unavailable`].
+    pub async fn conversations_of(&self, agent: &str) -> Result<Vec<String>, ConversationError> {
+        let prefix = member_prefix(agent);
+        let page = self
+            .runtime
+            .store()
+            .scan(&index_actor(), &prefix, None, CONVERSATIONS_LISTED_MAX)
+            .await?;
+        Ok(page
+            .into_iter()
+            .filter_map(|(key, _)| key.strip_prefix(&prefix).map(str::to_string))
+            .collect())
+    }
+
+    /// Wakes every conversation with undelivered mentions (the system does it at start).
+    /// Returns how many were woken.
+    ///
+    /// # Errors
+    /// [`ConversationError::Unavailable`] if the store fails.
+    pub async fn resume_conversations(&self) -> Result<usize, ConversationError> {
+        let store = self.runtime.store();
+        let mut after: Option<String> = None;
+        let mut woken = 0;
+        loop {
+            let page = store
+                .scan(&index_actor(), "c/", after.as_deref(), CONVERSATIONS_LISTED_MAX)
+                .await?;
+            for (key, _) in &page {
+                let Some(id) = key.strip_prefix("c/") else { continue };
+                let Ok(target) = conversation_actor(id) else { continue };
+                if store.scan(&target, "relay/", None, 1).await?.is_empty() {
+                    continue;
+                }
+                let deadline = self
+                    .runtime
+                    .deadline_in(Duration::from_millis(troupe_core::limits::INVOKE_TIMEOUT_MS_MAX));
+                match self
+                    .runtime
+                    .tell(&target, ConvCommand::Resume { after: None }.encode(), deadline)
+                    .await
+                {
+                    Ok(()) => woken += 1,
+                    Err(error) => tracing::warn!(conversation = %id, %error, "could not resume"),
+                }
+            }
+            if page.len() < CONVERSATIONS_LISTED_MAX {
+                return Ok(woken);
+            }
+            after = page.last().map(|(key, _)| key.clone());
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! Conversations end to end through the real runtime; only the model is scripted.
+//!
+//! Runs in both builds: `cargo test -p troupe-agent --test conversations` (tokio with
+//! paused time) and under madsim (`RUSTFLAGS="--cfg madsim"`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use troupe_agent::{
+    AgentSpec, AgentSystem, ConversationError, ConversationKind, ConversationMessage, NoteKind, Participant,
+    PermissionRule, Role, ScriptRule, ScriptedLlm, Sender,
+};
+use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
+
+fn start(llm: &ScriptedLlm, agents: &[&str], store: Arc<dyn StateStore>) -> AgentSystem {
+    let mut builder = AgentSystem::builder().store(store).llm(Arc::new(llm.clone()));
+    for agent in agents {
+        builder = builder.agent(AgentSpec::new(*agent));
+    }
+    builder.start().expect("the system starts")
+}
+
+fn agent(name: &str) -> Participant {
+    Participant::Agent(name.to_string())
+}
+
+fn human(name: &str) -> Participant {
+    Participant::Human(name.to_string())
+}
+
+async fn all(system: &AgentSystem, id: &str) -> Vec<ConversationMessage> {
+    system.read_messages(id, None, 500).await.unwrap()
+}
+
+fn answers_to(messages: &[ConversationMessage], seq: u64, who: &str) -> usize {
+    messages
+        .iter()
+        .filter(|m| m.reply_to == Some(seq))
+        .filter(|m| m.sender == Sender::Agent(who.to_string()) || m.note.as_ref().is_some_and(|n| n.agent == who))
+        .count()
+}
+
+fn assert_gap_free(messages: &[ConversationMessage]) {
+    let seqs: Vec<u64> = messages.iter().map(|m| m.seq).collect();
+    assert_eq!(seqs, (0..messages.len() as u64).collect::<Vec<_>>());
+}
+
+/// Goal: a human mentions two agents of a group of three; each replies once, one
+/// reply mentions the third, which replies too; every reply is stored in order, with
+/// the chain it came from, and the mentioned agents' prompts show the conversation
+/// role-relative.
+#[tokio::test(start_paused = true)]
+async fn a_group_mention_fans_out_and_every_agent_answers_once() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("alice").reply("alice here; @carol please check"))
+        .rule(ScriptRule::agent("bob").reply("bob agrees"))
+        .rule(ScriptRule::agent("carol").reply("carol checked"));
+    let system = start(&llm, &["alice", "bob", "carol"], Arc::new(MemoryStore::new()));
+    let people = vec![agent("alice"), agent("bob"), agent("carol"), human("hugo")];
+    system
+        .create_conversation("plan", people.clone(), ConversationKind::Group)
+        .await
+        .unwrap();
+    // Creating again is idempotent; a different definition is a conflict.
+    system
+        .create_conversation("plan", people, ConversationKind::Group)
+        .await
+        .unwrap();
+    let conflict = system
+        .create_conversation("plan", vec![agent("alice"), human("hugo")], ConversationKind::Group)
+        .await;
+    assert!(
+        matches!(conflict, Err(ConversationError::Conflict { .. })),
+        "{conflict:?}"
+    );
+
+    let posted = system
+        .post_message("plan", Sender::Human("hugo".into()), "m1", "@alice and @bob: ship it?")
+        .await
+        .unwrap();
+    assert_eq!((posted.seq, posted.duplicate), (0, false));
+    let again = system
+        .post_message("plan", Sender::Human("hugo".into()), "m1", "@alice and @bob: ship it?")
+        .await
+        .unwrap();
+    assert_eq!((again.seq, again.duplicate), (0, true));
+    tokio::time::sleep(Duration::from_secs(20)).await;
+
+    let messages = all(&system, "plan").await;
+    assert_gap_free(&messages);
+    assert_eq!(messages.len(), 4, "{messages:#?}");
+    assert_eq!(messages[0].mentions, ["alice", "bob"]);
+    assert_eq!(answers_to(&messages, 0, "alice"), 1);
+    assert_eq!(answers_to(&messages, 0, "bob"), 1);
+    let alice = messages
+        .iter()
+        .find(|m| m.sender == Sender::Agent("alice".into()))
+        .unwrap();
+    assert_eq!(alice.chain, ["alice"]);
+    assert_eq!(answers_to(&messages, alice.seq, "carol"), 1);
+    let carol = messages
+        .iter()
+        .find(|m| m.sender == Sender::Agent("carol".into()))
+        .unwrap();
+    assert_eq!(carol.chain, ["alice", "carol"]);
+    assert!(carol.seq > alice.seq);
+    assert_eq!(carol.text, "carol checked");
+
+    // Carol's prompt: the human and alice as users with their names, then the trigger.
+    let carol_prompt = llm
+        .requests()
+        .into_iter()
+        .find(|request| request.agent.key() == "carol")
+        .expect("carol was asked");
+    let views: Vec<(Role, String)> = carol_prompt.messages[1..]
+        .iter()
+        .map(|m| (m.role, m.content.clone()))
+        .collect();
+    assert_eq!(views[0], (Role::User, "hugo: @alice and @bob: ship it?".to_string()));
+    assert!(views
+        .last()
+        .unwrap()
+        .1
+        .contains("alice: alice here; @carol please check"));
+
+    let mut of_alice = system.conversations_of("alice").await.unwrap();
+    of_alice.sort();
+    assert_eq!(of_alice, ["plan"]);
+    // Mentioning a stranger is a typed error and appends nothing.
+    let unknown = system
+        .post_message("plan", Sender::Human("hugo".into()), "m2", "@zed hello")
+        .await;
+    assert!(
+        matches!(unknown, Err(ConversationError::UnknownMention { ref name, .. }) if name == "zed"),
+        "{unknown:?}"
+    );
+    let outsider = system
+        .post_message("plan", Sender::Human("eve".into()), "m3", "hi")
+        .await;
+    assert!(
+        matches!(outsider, Err(ConversationError::NotParticipant { .. })),
+        "{outsider:?}"
+    );
+    assert_eq!(all(&system, "plan").await.len(), 4);
+    system.shutdown().await;
+}
+
+/// Goal: two agents that always mention each other stop at the cycle rule: the
+/// refusal is a system note, not an endless exchange.
+#[tokio::test(start_paused = true)]
+async fn a_mention_ping_pong_stops_with_a_system_note() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("ping").reply("@pong your turn"))
+        .rule(ScriptRule::agent("pong").reply("@ping your turn"));
+    let system = start(&llm, &["ping", "pong"], Arc::new(MemoryStore::new()));
+    system
+        .create_conversation(
+            "rally",
+            vec![agent("ping"), agent("pong"), human("ref")],
+            ConversationKind::Group,
+        )
+        .await
+        .unwrap();
+    system
+        .post_message("rally", Sender::Human("ref".into()), "serve", "@ping start")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let messages = all(&system, "rally").await;
+    assert_gap_free(&messages);
+    let senders: Vec<&Sender> = messages.iter().map(|m| &m.sender).collect();
+    assert_eq!(
+        senders,
+        [
+            &Sender::Human("ref".into()),
+            &Sender::Agent("ping".into()),
+            &Sender::Agent("pong".into()),
+            &Sender::System
+        ]
+    );
+    let note = messages[3].note.clone().unwrap();
+    assert_eq!((note.agent.as_str(), note.kind), ("ping", NoteKind::Cycle));
+    assert_eq!(messages[3].reply_to, Some(2));
+    system.shutdown().await;
+}
+
+/// Goal: a chain of distinct agents, each mentioning the next, stops at the system's
+/// depth limit (5) with a depth note.
+#[tokio::test(start_paused = true)]
+async fn a_mention_chain_stops_at_the_depth_limit() {
+    let names = ["a1", "a2", "a3", "a4", "a5", "a6", "a7"];
+    let mut llm = ScriptedLlm::new();
+    for pair in names.windows(2) {
+        llm = llm.rule(ScriptRule::agent(pair[0]).reply(format!("@{} next", pair[1])));
+    }
+    llm = llm.rule(ScriptRule::agent("a7").reply("end"));
+    let system = start(&llm, &names, Arc::new(MemoryStore::new()));
+    let mut people: Vec<Participant> = names.iter().map(|name| agent(name)).collect();
+    people.push(human("h"));
+    system
+        .create_conversation("relay", people, ConversationKind::Group)
+        .await
+        .unwrap();
+    system
+        .post_message("relay", Sender::Human("h".into()), "go", "@a1 go")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let messages = all(&system, "relay").await;
+    assert_gap_free(&messages);
+    let replies: Vec<&str> = messages
+        .iter()
+        .filter_map(|m| match &m.sender {
+            Sender::Agent(name) => Some(name.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies, ["a1", "a2", "a3", "a4", "a5"]);
+    let note = messages.last().unwrap().note.clone().unwrap();
+    assert_eq!((note.agent.as_str(), note.kind), ("a6", NoteKind::DepthLimit));
+    system.shutdown().await;
+}
+
+/// Goal: a mention the organisation forbids (a deny rule) triggers nothing and is
+/// recorded as a NotPermitted note.
+#[tokio::test(start_paused = true)]
+async fn a_mention_of_a_forbidden_agent_is_recorded_as_not_permitted() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("dev").reply("asking @boss"))
+        .rule(ScriptRule::agent("boss").reply("boss answers"));
+    let system = start(&llm, &["dev", "boss"], Arc::new(MemoryStore::new()));
+    system
+        .set_permission("dev", PermissionRule::deny("boss"))
+        .await
+        .unwrap();
+    system
+        .create_conversation(
+            "floor",
+            vec![agent("dev"), agent("boss"), human("h")],
+            ConversationKind::Group,
+        )
+        .await
+        .unwrap();
+    system
+        .post_message("floor", Sender::Human("h".into()), "q", "@dev what now?")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let messages = all(&system, "floor").await;
+    assert_gap_free(&messages);
+    assert_eq!(messages.len(), 3, "{messages:#?}");
+    let note = messages[2].note.clone().unwrap();
+    assert_eq!((note.agent.as_str(), note.kind), ("boss", NoteKind::NotPermitted));
+    assert!(llm.requests().iter().all(|request| request.agent.key() != "boss"));
+    system.shutdown().await;
+}
+
+/// Goal: a restart in the middle of a fan-out (one agent answered, the other's model
+/// is still thinking) on SQLite: after the restart every mention is answered exactly
+/// once. Method: shut the first system down while bob's slow model runs, start a second
+/// system on the same store, and let it resume.
+#[tokio::test(start_paused = true)]
+async fn a_restart_mid_fan_out_in_sqlite_answers_every_mention_once() {
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("alice").reply("alice done"))
+        .rule(
+            ScriptRule::agent("bob")
+                .reply("bob done")
+                .latency(Duration::from_secs(10)),
+        )
+        .rule(ScriptRule::agent("carol").reply("carol done"));
+    let first = start(&llm, &["alice", "bob", "carol"], Arc::clone(&store));
+    let people = vec![agent("alice"), agent("bob"), agent("carol"), human("h")];
+    first
+        .create_conversation("ops", people, ConversationKind::Group)
+        .await
+        .unwrap();
+    first
+        .post_message("ops", Sender::Human("h".into()), "m", "@alice @bob @carol status?")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = all(&first, "ops").await;
+    assert_eq!(answers_to(&before, 0, "bob"), 0, "bob's model is still thinking");
+    first.shutdown().await;
+
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("{agent} after restart"));
+    let second = start(&llm, &["alice", "bob", "carol"], Arc::clone(&store));
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let messages = all(&second, "ops").await;
+    assert_gap_free(&messages);
+    for who in ["alice", "bob", "carol"] {
+        assert_eq!(answers_to(&messages, 0, who), 1, "{who}: {messages:#?}");
+    }
+    assert_eq!(messages.len(), 4);
+    second.shutdown().await;
+}
+
+/// Goal: on tokio's multi-thread runtime, concurrent posts to one conversation get a
+/// gap-free, strictly increasing sequence, each post exactly one seq.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_posts_keep_a_gap_free_sequence_on_the_multi_thread_runtime() {
+    const POSTERS: usize = 8;
+    const POSTS: usize = 25;
+    let llm = ScriptedLlm::new();
+    let system = start(&llm, &["a"], Arc::new(MemoryStore::new()));
+    let mut people = vec![agent("a")];
+    people.extend((0..POSTERS).map(|p| human(&format!("h{p}"))));
+    system
+        .create_conversation("busy", people, ConversationKind::Group)
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for poster in 0..POSTERS {
+        let client = system.client();
+        tasks.push(tokio::spawn(async move {
+            let mut seqs = Vec::new();
+            for post in 0..POSTS {
+                let sender = Sender::Human(format!("h{poster}"));
+                let posted = client
+                    .post_message("busy", sender, &format!("{poster}.{post}"), "hello")
+                    .await
+                    .unwrap();
+                seqs.push(posted.seq);
+            }
+            seqs
+        }));
+    }
+    let mut seqs = Vec::new();
+    for task in tasks {
+        let mine = task.await.unwrap();
+        assert!(mine.windows(2).all(|pair| pair[0] < pair[1]), "{mine:?}");
+        seqs.extend(mine);
+    }
+    seqs.sort_unstable();
+    assert_eq!(seqs, (0..(POSTERS * POSTS) as u64).collect::<Vec<_>>());
+    let messages = system.read_messages("busy", None, 500).await.unwrap();
+    assert_gap_free(&messages);
+    assert_eq!(messages.len(), POSTERS * POSTS);
+    system.shutdown().await;
+}

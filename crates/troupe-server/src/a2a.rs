@@ -1,0 +1,934 @@
+//! A2A protocol v1.0 (JSON-RPC binding) for every agent, as the official `a2a-sdk`
+//! 1.3.0 client speaks it:
+//!
+//! - `GET /a2a/{agent}/.well-known/agent-card.json`: the agent's card (no token
+//!   needed: it says how to authenticate), whose one interface is `POST /a2a/{agent}`.
+//! - `POST /a2a/{agent}`: JSON-RPC 2.0 with `SendMessage`, `SendStreamingMessage`
+//!   (SSE), `GetTask`, `ListTasks`, `CancelTask` and `SubscribeToTask` (SSE).
+//!
+//! A message becomes an A2A task of the server ([`crate::a2a_tasks`]) whose turn is a
+//! Troupe ask of the agent; the task states are Troupe's. Troupe's call chain and depth
+//! travel in `metadata.troupe` (`chain`: the agent ids the call came through, `depth`:
+//! the depth it arrives at) and are checked on arrival: a chain that already holds the
+//! agent is a cycle, a depth over `AGENT_CALL_DEPTH_MAX` is too deep; both make a
+//! `rejected` task.
+//!
+//! Errors are JSON-RPC error objects with A2A's codes, in a 200 answer, except a busy
+//! agent (429, `Retry-After`) and a full server (503, `Retry-After`): the client may
+//! retry those.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use tokio::sync::watch;
+use troupe_agent::TaskState;
+use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
+
+use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskRecord, TaskRegistry};
+use crate::agents::{check_timeout, known};
+use crate::error::ApiError;
+use crate::limits::{
+    A2A_BLOCKING_HEADROOM_MS, A2A_CHAIN_LENGTH_MAX, A2A_LIST_TASKS_PAGE_DEFAULT, A2A_LIST_TASKS_PAGE_MAX,
+    SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_RETRY_AFTER_S,
+};
+use crate::server::AppState;
+
+/// The A2A protocol version served.
+pub(crate) const A2A_PROTOCOL_VERSION: &str = "1.0";
+/// The header a client names its protocol version in.
+const A2A_VERSION_HEADER: &str = "a2a-version";
+/// The agent card's path under an agent's A2A base URL.
+const AGENT_CARD_PATH: &str = "/.well-known/agent-card.json";
+
+/// A2A's JSON-RPC error codes (the SDK's `JSON_RPC_ERROR_CODE_MAP`).
+pub(crate) mod code {
+    /// The body is not JSON.
+    pub(crate) const PARSE_ERROR: i64 = -32700;
+    /// Not a JSON-RPC 2.0 request object.
+    pub(crate) const INVALID_REQUEST: i64 = -32600;
+    /// No such method.
+    pub(crate) const METHOD_NOT_FOUND: i64 = -32601;
+    /// The params are not valid for the method.
+    pub(crate) const INVALID_PARAMS: i64 = -32602;
+    /// The server failed.
+    pub(crate) const INTERNAL_ERROR: i64 = -32603;
+    /// No such task.
+    pub(crate) const TASK_NOT_FOUND: i64 = -32001;
+    /// The task is running or has ended.
+    pub(crate) const TASK_NOT_CANCELABLE: i64 = -32002;
+    /// Push notifications are not supported.
+    pub(crate) const PUSH_NOTIFICATION_NOT_SUPPORTED: i64 = -32003;
+    /// The operation is not supported.
+    pub(crate) const UNSUPPORTED_OPERATION: i64 = -32004;
+    /// A part or an output mode that is not text.
+    pub(crate) const CONTENT_TYPE_NOT_SUPPORTED: i64 = -32005;
+    /// No extended agent card.
+    pub(crate) const EXTENDED_AGENT_CARD_NOT_CONFIGURED: i64 = -32007;
+    /// The client's `A2A-Version` is not served.
+    pub(crate) const VERSION_NOT_SUPPORTED: i64 = -32009;
+    /// The agent is busy or the server full: retry after `Retry-After` seconds
+    /// (JSON-RPC's implementation-defined server error range).
+    pub(crate) const BUSY: i64 = -32000;
+}
+
+/// What the A2A routes share.
+struct A2a {
+    app: Arc<AppState>,
+    tasks: TaskRegistry,
+}
+
+type Shared = State<Arc<A2a>>;
+
+/// The A2A routes over `app`, to merge into the server's router.
+pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
+    let a2a = Arc::new(A2a {
+        app,
+        tasks: TaskRegistry::default(),
+    });
+    Router::new()
+        .route("/a2a/{agent}/.well-known/agent-card.json", get(card))
+        .route("/a2a/{agent}", post(rpc))
+        .with_state(a2a)
+}
+
+/// Whether `path` is served without a token: the agent cards, which say how to
+/// authenticate.
+pub(crate) fn is_public(method: &Method, path: &str) -> bool {
+    method == Method::GET && path.starts_with("/a2a/") && path.ends_with(AGENT_CARD_PATH)
+}
+
+/// The agent's A2A base URL as the client reached this server.
+fn base_url(headers: &HeaderMap, agent: &str) -> String {
+    let host = headers
+        .get(header::HOST)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or("127.0.0.1");
+    format!("http://{host}/a2a/{agent}")
+}
+
+/// `GET /a2a/{agent}/.well-known/agent-card.json`.
+async fn card(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    let spec = known(&a2a.app, &agent)?;
+    let description = if spec.role.is_empty() {
+        format!("Troupe agent {}", spec.id)
+    } else {
+        spec.role.clone()
+    };
+    let mut card = json!({
+        "name": spec.name,
+        "description": description,
+        "supportedInterfaces": [{
+            "url": base_url(&headers, &agent),
+            "protocolBinding": "JSONRPC",
+            "protocolVersion": A2A_PROTOCOL_VERSION,
+        }],
+        "version": env!("CARGO_PKG_VERSION"),
+        "capabilities": {"streaming": true, "pushNotifications": false, "extendedAgentCard": false},
+        "defaultInputModes": ["text/plain"],
+        "defaultOutputModes": ["text/plain"],
+        "skills": [{
+            "id": spec.id,
+            "name": spec.name,
+            "description": description,
+            "tags": ["troupe"],
+        }],
+    });
+    if a2a.app.config.token.is_some() {
+        card["securitySchemes"] = json!({
+            "bearer": {"httpAuthSecurityScheme": {
+                "scheme": "Bearer",
+                "description": "the token given to troupe serve (--token or TROUPE_TOKEN)",
+            }},
+        });
+        card["securityRequirements"] = json!([{"schemes": {"bearer": {"list": []}}}]);
+    }
+    Ok(Json(card))
+}
+
+/// A JSON-RPC error to answer.
+#[derive(Debug)]
+struct RpcError {
+    code: i64,
+    message: String,
+    /// Set for the retryable errors: 429 or 503 with `Retry-After`.
+    status: StatusCode,
+}
+
+impl RpcError {
+    fn new(code: i64, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            status: StatusCode::OK,
+        }
+    }
+
+    fn params(message: impl Into<String>) -> Self {
+        Self::new(code::INVALID_PARAMS, message)
+    }
+
+    fn task_not_found(agent: &str, id: &str) -> Self {
+        Self::new(code::TASK_NOT_FOUND, format!("agent {agent:?} has no task {id:?}"))
+    }
+
+    fn retry(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            code: code::BUSY,
+            message: message.into(),
+            status,
+        }
+    }
+
+    fn answer(self, id: &Value) -> Response {
+        let body = json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "error": {"code": self.code, "message": self.message},
+        });
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status != StatusCode::OK {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(SERVER_RETRY_AFTER_S));
+        }
+        response
+    }
+}
+
+fn success(id: &Value, result: Value) -> Response {
+    Json(json!({"jsonrpc": "2.0", "id": id, "result": result})).into_response()
+}
+
+/// `POST /a2a/{agent}`: one JSON-RPC request.
+async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(error) = known(&a2a.app, &agent) {
+        return error.into_response();
+    }
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return RpcError::new(code::PARSE_ERROR, "the body is not JSON").answer(&Value::Null);
+    };
+    let id = request.get("id").cloned().unwrap_or(Value::Null);
+    let (method, params) = match envelope(&request) {
+        Ok(parts) => parts,
+        Err(error) => return error.answer(&Value::Null),
+    };
+    if let Some(version) = headers.get(A2A_VERSION_HEADER).and_then(|value| value.to_str().ok()) {
+        if !version_served(version) {
+            return RpcError::new(
+                code::VERSION_NOT_SUPPORTED,
+                format!("A2A-Version {version:?} is not served; this server speaks {A2A_PROTOCOL_VERSION}"),
+            )
+            .answer(&id);
+        }
+    }
+    let answered = match method {
+        "SendMessage" => send_message(&a2a, &agent, params, &id).await,
+        "SendStreamingMessage" => send_streaming(&a2a, &agent, params, &id),
+        "GetTask" => get_task(&a2a, &agent, params).map(|task| success(&id, task)),
+        "ListTasks" => list_tasks(&a2a, &agent, params).map(|list| success(&id, list)),
+        "CancelTask" => cancel_task(&a2a, &agent, params).map(|task| success(&id, task)),
+        "SubscribeToTask" => subscribe(&a2a, &agent, params, &id),
+        "CreateTaskPushNotificationConfig"
+        | "GetTaskPushNotificationConfig"
+        | "ListTaskPushNotificationConfigs"
+        | "DeleteTaskPushNotificationConfig" => Err(RpcError::new(
+            code::PUSH_NOTIFICATION_NOT_SUPPORTED,
+            "push notifications are not supported; stream (SendStreamingMessage, SubscribeToTask) or poll (GetTask)",
+        )),
+        "GetExtendedAgentCard" => Err(RpcError::new(
+            code::EXTENDED_AGENT_CARD_NOT_CONFIGURED,
+            "there is no extended agent card; the public card is all",
+        )),
+        other => Err(RpcError::new(
+            code::METHOD_NOT_FOUND,
+            format!("no method {other:?}; see docs/serve.md for the A2A methods served"),
+        )),
+    };
+    answered.unwrap_or_else(|error| error.answer(&id))
+}
+
+/// `1.0`, `1.0.x`: the major and minor served.
+fn version_served(version: &str) -> bool {
+    let mut parts = version.trim().split('.');
+    parts.next() == Some("1") && parts.next() == Some("0")
+}
+
+/// The method and params of a JSON-RPC 2.0 request object.
+fn envelope(request: &Value) -> Result<(&str, &Map<String, Value>), RpcError> {
+    let invalid = |what: &str| RpcError::new(code::INVALID_REQUEST, format!("not a JSON-RPC 2.0 request: {what}"));
+    let Some(object) = request.as_object() else {
+        return Err(invalid("the body must be one request object (batches are not served)"));
+    };
+    if object.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+        return Err(invalid("\"jsonrpc\" must be \"2.0\""));
+    }
+    if !matches!(
+        object.get("id"),
+        None | Some(Value::String(_) | Value::Number(_) | Value::Null)
+    ) {
+        return Err(invalid("\"id\" must be a string, a number or null"));
+    }
+    let Some(method) = object.get("method").and_then(Value::as_str) else {
+        return Err(invalid("\"method\" must be a string"));
+    };
+    static EMPTY: std::sync::OnceLock<Map<String, Value>> = std::sync::OnceLock::new();
+    match object.get("params") {
+        None => Ok((method, EMPTY.get_or_init(Map::new))),
+        Some(Value::Object(params)) => Ok((method, params)),
+        Some(_) => Err(RpcError::params("\"params\" must be an object")),
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(params: &Map<String, Value>) -> Result<T, RpcError> {
+    serde_json::from_value(Value::Object(params.clone())).map_err(|error| RpcError::params(error.to_string()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SendParams {
+    message: Option<Value>,
+    #[serde(default)]
+    configuration: SendConfiguration,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SendConfiguration {
+    #[serde(default)]
+    accepted_output_modes: Vec<String>,
+    task_push_notification_config: Option<Value>,
+    history_length: Option<i64>,
+    #[serde(default)]
+    return_immediately: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct InMessage {
+    message_id: String,
+    context_id: Option<String>,
+    task_id: Option<String>,
+    role: Value,
+    parts: Vec<InPart>,
+    metadata: Option<Map<String, Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct InPart {
+    text: Option<String>,
+    media_type: Option<String>,
+}
+
+/// Troupe's call rules in `metadata.troupe`. Numbers may come as `2.0`: metadata is a
+/// protobuf `Struct`, whose numbers are doubles.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TroupeMetadata {
+    #[serde(default)]
+    chain: Vec<String>,
+    #[serde(default, deserialize_with = "whole_number")]
+    depth: u32,
+    #[serde(default, deserialize_with = "optional_whole_number")]
+    timeout_ms: Option<u64>,
+}
+
+/// A non-negative whole number given as an integer or a double (`2` or `2.0`).
+fn whole<T: TryFrom<u64>, E: serde::de::Error>(value: f64) -> Result<T, E> {
+    if value.fract() != 0.0 || value < 0.0 || value > u64::MAX as f64 {
+        return Err(E::custom(format!("expected a non-negative whole number, got {value}")));
+    }
+    // Exact: a whole double in range.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    T::try_from(value as u64).map_err(|_| E::custom(format!("{value} is out of range")))
+}
+
+fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+    whole(f64::deserialize(deserializer)?)
+}
+
+fn optional_whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+    Option::<f64>::deserialize(deserializer)?.map(whole).transpose()
+}
+
+/// A checked message: its text, how long to wait, and where it stands in a chain.
+struct Accepted {
+    text: String,
+    context_id: Option<String>,
+    request: Value,
+    troupe: TroupeMetadata,
+    timeout: Duration,
+    history_length: Option<i64>,
+    blocking: bool,
+}
+
+fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Accepted, RpcError> {
+    let send: SendParams = parse(params)?;
+    let Some(raw) = send.message else {
+        return Err(RpcError::params("\"message\" is required"));
+    };
+    let message: InMessage =
+        serde_json::from_value(raw.clone()).map_err(|error| RpcError::params(error.to_string()))?;
+    if message.message_id.is_empty() {
+        return Err(RpcError::params("\"message.messageId\" must not be empty"));
+    }
+    if !matches!(&message.role, Value::String(role) if role == "ROLE_USER") && message.role != json!(1) {
+        return Err(RpcError::params(format!(
+            "\"message.role\" must be \"ROLE_USER\", got {}",
+            message.role
+        )));
+    }
+    if send.configuration.task_push_notification_config.is_some() {
+        return Err(RpcError::new(
+            code::PUSH_NOTIFICATION_NOT_SUPPORTED,
+            "push notifications are not supported",
+        ));
+    }
+    let modes = &send.configuration.accepted_output_modes;
+    if !modes.is_empty()
+        && !modes
+            .iter()
+            .any(|mode| matches!(mode.as_str(), "text/plain" | "text/*" | "*/*" | "text"))
+    {
+        return Err(RpcError::new(
+            code::CONTENT_TYPE_NOT_SUPPORTED,
+            format!("the agents answer text/plain only; acceptedOutputModes was {modes:?}"),
+        ));
+    }
+    if let Some(task_id) = &message.task_id {
+        if a2a.tasks.get(agent, task_id).is_none() {
+            return Err(RpcError::task_not_found(agent, task_id));
+        }
+        return Err(RpcError::new(
+            code::UNSUPPORTED_OPERATION,
+            format!("task {task_id:?} takes no further input; send a new message without taskId"),
+        ));
+    }
+    let mut texts = Vec::with_capacity(message.parts.len());
+    for part in &message.parts {
+        let Some(text) = &part.text else {
+            return Err(RpcError::new(
+                code::CONTENT_TYPE_NOT_SUPPORTED,
+                "only text parts are supported (no raw, url or data parts)",
+            ));
+        };
+        if part
+            .media_type
+            .as_deref()
+            .is_some_and(|media| !media.is_empty() && !media.starts_with("text/"))
+        {
+            return Err(RpcError::new(
+                code::CONTENT_TYPE_NOT_SUPPORTED,
+                format!("a text part's mediaType must be text/*, got {:?}", part.media_type),
+            ));
+        }
+        texts.push(text.as_str());
+    }
+    let text = texts.join("\n");
+    if text.is_empty() {
+        return Err(RpcError::params("the message has no text"));
+    }
+    if text.len() > SERVER_MESSAGE_SIZE_MAX_BYTES {
+        return Err(RpcError::params(format!(
+            "the message is {} bytes, more than the limit of {SERVER_MESSAGE_SIZE_MAX_BYTES}",
+            text.len()
+        )));
+    }
+    let troupe = match message.metadata.as_ref().and_then(|metadata| metadata.get("troupe")) {
+        None => TroupeMetadata::default(),
+        Some(value) => serde_json::from_value(value.clone())
+            .map_err(|error| RpcError::params(format!("\"metadata.troupe\": {error}")))?,
+    };
+    if troupe.chain.len() > A2A_CHAIN_LENGTH_MAX {
+        return Err(RpcError::params(format!(
+            "\"metadata.troupe.chain\" has {} entries, more than the limit of {A2A_CHAIN_LENGTH_MAX}",
+            troupe.chain.len()
+        )));
+    }
+    let timeout_ms = check_timeout(troupe.timeout_ms)
+        .map_err(|error| RpcError::params(format!("\"metadata.troupe.timeout_ms\": {}", error.message)))?
+        .unwrap_or(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT);
+    if send.configuration.history_length.is_some_and(|length| length < 0) {
+        return Err(RpcError::params("\"configuration.historyLength\" must not be negative"));
+    }
+    Ok(Accepted {
+        text,
+        context_id: message.context_id.filter(|context| !context.is_empty()),
+        request: raw,
+        troupe,
+        timeout: Duration::from_millis(timeout_ms),
+        history_length: send.configuration.history_length,
+        blocking: !send.configuration.return_immediately,
+    })
+}
+
+/// Why Troupe's call rules refuse the message, if they do.
+fn refusal(agent: &str, troupe: &TroupeMetadata) -> Option<String> {
+    if troupe.chain.iter().any(|link| link == agent) {
+        return Some(format!(
+            "refused: a cycle: the chain {:?} already holds agent {agent:?}",
+            troupe.chain
+        ));
+    }
+    if troupe.depth > AGENT_CALL_DEPTH_MAX {
+        return Some(format!(
+            "refused: the call would be at depth {}, deeper than the limit of {AGENT_CALL_DEPTH_MAX}",
+            troupe.depth
+        ));
+    }
+    None
+}
+
+/// Makes the task and, unless it is rejected at once, starts its turn.
+fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
+    let rejected = refusal(agent, &accepted.troupe);
+    let (record, lane) = a2a
+        .tasks
+        .create(
+            agent,
+            accepted.context_id.clone(),
+            accepted.request.clone(),
+            accepted.troupe.chain.clone(),
+            accepted.troupe.depth,
+            rejected,
+        )
+        .map_err(|error| match error {
+            AdmitError::LaneFull => RpcError::retry(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("agent {agent:?} has too many A2A tasks waiting; retry later"),
+            ),
+            AdmitError::Full => RpcError::retry(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server holds as many running A2A tasks as it can; retry later",
+            ),
+        })?;
+    if let Some(lane) = lane {
+        tokio::spawn(run(
+            Arc::clone(a2a),
+            record.id.clone(),
+            agent.to_string(),
+            accepted.text.clone(),
+            accepted.timeout,
+            lane,
+        ));
+    }
+    Ok(record)
+}
+
+/// Runs task `id` in its agent's lane: waits its turn, then asks the agent, unless the
+/// task was canceled meanwhile.
+async fn run(a2a: Arc<A2a>, id: String, agent: String, text: String, timeout: Duration, lane: Arc<Lane>) {
+    let _turn = lane.turn.lock().await;
+    lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    let mut started = false;
+    a2a.tasks.update(&id, |task| {
+        started = task.state == TaskState::Submitted;
+        if started {
+            task.state = TaskState::Working;
+        }
+        started
+    });
+    if !started {
+        return;
+    }
+    let result = a2a.app.client.ask_with_timeout(&agent, &text, timeout).await;
+    a2a.tasks.update(&id, |task| {
+        match result {
+            Ok(reply) => {
+                task.state = TaskState::Completed;
+                task.reply_meta =
+                    Some(json!({"steps": reply.steps, "usage": reply.usage, "truncated": reply.truncated}));
+                task.reply = Some(reply.text);
+            }
+            Err(error) => {
+                let error = ApiError::from(error);
+                task.state = if matches!(error.code, "refused" | "agent_not_found") {
+                    TaskState::Rejected
+                } else {
+                    TaskState::Failed
+                };
+                task.busy = error.retry_after_s.is_some();
+                task.reason = Some(format!("{}: {}", error.code, error.message));
+            }
+        }
+        true
+    });
+}
+
+/// The A2A name of a state.
+fn state_name(state: TaskState) -> &'static str {
+    match state {
+        TaskState::Submitted => "TASK_STATE_SUBMITTED",
+        TaskState::Working => "TASK_STATE_WORKING",
+        TaskState::InputRequired => "TASK_STATE_INPUT_REQUIRED",
+        TaskState::Completed => "TASK_STATE_COMPLETED",
+        TaskState::Failed => "TASK_STATE_FAILED",
+        TaskState::Canceled => "TASK_STATE_CANCELED",
+        TaskState::Rejected => "TASK_STATE_REJECTED",
+    }
+}
+
+fn agent_message(task: &TaskRecord, suffix: &str, text: &str) -> Value {
+    json!({
+        "messageId": format!("{}-{suffix}", task.id),
+        "contextId": task.context_id,
+        "taskId": task.id,
+        "role": "ROLE_AGENT",
+        "parts": [{"text": text}],
+    })
+}
+
+fn status_json(task: &TaskRecord) -> Value {
+    let mut status = json!({"state": state_name(task.state)});
+    if let Some(reply) = &task.reply {
+        status["message"] = agent_message(task, "reply", reply);
+    } else if let Some(reason) = &task.reason {
+        status["message"] = agent_message(task, "status", reason);
+    }
+    status
+}
+
+fn artifact_json(task: &TaskRecord) -> Option<Value> {
+    task.reply.as_ref().map(|reply| {
+        json!({
+            "artifactId": format!("{}-reply", task.id),
+            "name": "reply",
+            "parts": [{"text": reply}],
+        })
+    })
+}
+
+fn troupe_metadata(task: &TaskRecord) -> Value {
+    let mut troupe = json!({"agent": task.agent, "chain": task.chain, "depth": task.depth});
+    if let Some(meta) = &task.reply_meta {
+        troupe["reply"] = meta.clone();
+    }
+    json!({ "troupe": troupe })
+}
+
+/// A task as A2A JSON: the last `history_length` messages of its history (all if
+/// `None`), its artifacts if `artifacts`.
+fn task_json(task: &TaskRecord, history_length: Option<i64>, artifacts: bool) -> Value {
+    let mut history = vec![task.request.clone()];
+    if let Some(reply) = &task.reply {
+        history.push(agent_message(task, "reply", reply));
+    }
+    if let Some(keep) = history_length {
+        let keep = usize::try_from(keep).unwrap_or(0);
+        history.drain(..history.len().saturating_sub(keep));
+    }
+    let mut value = json!({
+        "id": task.id,
+        "contextId": task.context_id,
+        "status": status_json(task),
+        "history": history,
+        "metadata": troupe_metadata(task),
+    });
+    if artifacts {
+        value["artifacts"] = json!(artifact_json(task).into_iter().collect::<Vec<_>>());
+    }
+    value
+}
+
+/// How long a blocking send waits for its task to end.
+fn blocking_wait(a2a: &A2a) -> Duration {
+    a2a.app
+        .config
+        .request_timeout
+        .saturating_sub(Duration::from_millis(A2A_BLOCKING_HEADROOM_MS))
+}
+
+/// `SendMessage`: blocking, the task once it has ended (or, if it takes longer than
+/// the server's request timeout allows, as it is); with `returnImmediately`, the task
+/// as submitted.
+async fn send_message(
+    a2a: &Arc<A2a>,
+    agent: &str,
+    params: &Map<String, Value>,
+    id: &Value,
+) -> Result<Response, RpcError> {
+    let accepted = accept(a2a, agent, params)?;
+    let record = start(a2a, agent, &accepted)?;
+    if !accepted.blocking || record.state.is_final() {
+        return Ok(success(
+            id,
+            json!({"task": task_json(&record, accepted.history_length, true)}),
+        ));
+    }
+    let mut watcher = a2a
+        .tasks
+        .watch(agent, &record.id)
+        .ok_or_else(|| RpcError::new(code::INTERNAL_ERROR, "the task was forgotten at once"))?;
+    // Timed out (or the registry dropped it): the task as it is now.
+    let _ = tokio::time::timeout(blocking_wait(a2a), watcher.wait_for(|task| task.state.is_final())).await;
+    let task = watcher.borrow().clone();
+    if task.busy {
+        return Err(RpcError::retry(
+            StatusCode::TOO_MANY_REQUESTS,
+            task.reason.unwrap_or_else(|| "busy".to_string()),
+        ));
+    }
+    Ok(success(
+        id,
+        json!({"task": task_json(&task, accepted.history_length, true)}),
+    ))
+}
+
+/// `SendStreamingMessage`: SSE of the task, its status updates, its reply artifact,
+/// and its final status; then the stream ends.
+fn send_streaming(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>, id: &Value) -> Result<Response, RpcError> {
+    let accepted = accept(a2a, agent, params)?;
+    let record = start(a2a, agent, &accepted)?;
+    let watcher = a2a
+        .tasks
+        .watch(agent, &record.id)
+        .ok_or_else(|| RpcError::new(code::INTERNAL_ERROR, "the task was forgotten at once"))?;
+    Ok(task_stream(a2a, watcher, record, id.clone()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TaskIdParams {
+    id: String,
+    history_length: Option<i64>,
+}
+
+/// `GetTask`.
+fn get_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
+    let params: TaskIdParams = parse(params)?;
+    if params.history_length.is_some_and(|length| length < 0) {
+        return Err(RpcError::params("\"historyLength\" must not be negative"));
+    }
+    let task = a2a
+        .tasks
+        .get(agent, &params.id)
+        .ok_or_else(|| RpcError::task_not_found(agent, &params.id))?;
+    Ok(task_json(&task, params.history_length, true))
+}
+
+/// `CancelTask`: a task still waiting for its turn is canceled; one that runs or has
+/// ended is not cancelable.
+fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
+    let params: TaskIdParams = parse(params)?;
+    match a2a.tasks.cancel(agent, &params.id) {
+        CancelOutcome::Canceled(task) => Ok(task_json(&task, None, true)),
+        CancelOutcome::NotCancelable(task) => Err(RpcError::new(
+            code::TASK_NOT_CANCELABLE,
+            if task.state.is_final() {
+                format!("task {:?} has already ended ({})", task.id, task.state.as_str())
+            } else {
+                format!(
+                    "task {:?} is working: its turn runs to its end (Troupe does not stop a running turn)",
+                    task.id
+                )
+            },
+        )),
+        CancelOutcome::NotFound => Err(RpcError::task_not_found(agent, &params.id)),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ListParams {
+    context_id: Option<String>,
+    status: Option<Value>,
+    page_size: Option<i64>,
+    page_token: Option<String>,
+    history_length: Option<i64>,
+    include_artifacts: Option<bool>,
+    status_timestamp_after: Option<Value>,
+}
+
+/// `ListTasks`: the agent's tasks, newest first, a page at a time.
+fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
+    let params: ListParams = parse(params)?;
+    if params.status_timestamp_after.is_some() {
+        return Err(RpcError::params(
+            "\"statusTimestampAfter\" cannot be served: tasks carry no timestamps (the server reads no wall clock)",
+        ));
+    }
+    let page_size = match params.page_size {
+        None => A2A_LIST_TASKS_PAGE_DEFAULT,
+        Some(size) => match usize::try_from(size) {
+            Ok(size) if (1..=A2A_LIST_TASKS_PAGE_MAX).contains(&size) => size,
+            _ => {
+                return Err(RpcError::params(format!(
+                    "\"pageSize\" must be between 1 and {A2A_LIST_TASKS_PAGE_MAX}, got {size}"
+                )))
+            }
+        },
+    };
+    if params.history_length.is_some_and(|length| length < 0) {
+        return Err(RpcError::params("\"historyLength\" must not be negative"));
+    }
+    let status = match &params.status {
+        None => None,
+        Some(Value::String(name)) if name == "TASK_STATE_UNSPECIFIED" => None,
+        Some(Value::String(name)) => Some(
+            [
+                TaskState::Submitted,
+                TaskState::Working,
+                TaskState::InputRequired,
+                TaskState::Completed,
+                TaskState::Failed,
+                TaskState::Canceled,
+                TaskState::Rejected,
+            ]
+            .into_iter()
+            .find(|state| state_name(*state) == name)
+            .ok_or_else(|| RpcError::params(format!("\"status\" {name:?} is not a task state")))?,
+        ),
+        Some(other) => {
+            return Err(RpcError::params(format!(
+                "\"status\" must be a state name, got {other}"
+            )))
+        }
+    };
+    let before = match params.page_token.as_deref() {
+        None | Some("") => u64::MAX,
+        Some(token) => token
+            .parse::<u64>()
+            .map_err(|_| RpcError::params(format!("\"pageToken\" {token:?} is not one this server gave")))?,
+    };
+    let matching = a2a.tasks.list(agent, |task| {
+        params
+            .context_id
+            .as_deref()
+            .is_none_or(|context| context.is_empty() || task.context_id == context)
+            && status.is_none_or(|state| task.state == state)
+    });
+    let total = matching.len();
+    let page: Vec<&TaskRecord> = matching
+        .iter()
+        .filter(|task| task.seq < before)
+        .take(page_size)
+        .collect();
+    let next = match page.last() {
+        Some(last) if matching.iter().any(|task| task.seq < last.seq) => last.seq.to_string(),
+        _ => String::new(),
+    };
+    let artifacts = params.include_artifacts.unwrap_or(false);
+    let tasks: Vec<Value> = page
+        .iter()
+        .map(|task| task_json(task, params.history_length, artifacts))
+        .collect();
+    Ok(json!({
+        "tasks": tasks,
+        "nextPageToken": next,
+        "pageSize": page_size,
+        "totalSize": total,
+    }))
+}
+
+/// `SubscribeToTask`: SSE of a task that has not ended: the task as it is, then its
+/// updates until it ends.
+fn subscribe(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>, id: &Value) -> Result<Response, RpcError> {
+    let params: TaskIdParams = parse(params)?;
+    let watcher = a2a
+        .tasks
+        .watch(agent, &params.id)
+        .ok_or_else(|| RpcError::task_not_found(agent, &params.id))?;
+    let record = watcher.borrow().clone();
+    if record.state.is_final() {
+        return Err(RpcError::new(
+            code::UNSUPPORTED_OPERATION,
+            format!(
+                "task {:?} has ended ({}): nothing more to stream; GetTask reads it",
+                record.id,
+                record.state.as_str()
+            ),
+        ));
+    }
+    Ok(task_stream(a2a, watcher, record, id.clone()))
+}
+
+/// What a task stream follows.
+struct Follower {
+    id: Value,
+    watcher: watch::Receiver<TaskRecord>,
+    shutdown: watch::Receiver<bool>,
+    last: TaskState,
+    ready: VecDeque<Value>,
+    done: bool,
+}
+
+impl Follower {
+    fn event(&self, result: Value) -> Event {
+        Event::default().data(json!({"jsonrpc": "2.0", "id": self.id, "result": result}).to_string())
+    }
+
+    /// Queues what changed since the last state sent.
+    fn changed(&mut self, task: &TaskRecord) {
+        if task.state == self.last {
+            return;
+        }
+        self.last = task.state;
+        if task.state.is_final() {
+            if let Some(artifact) = artifact_json(task) {
+                self.ready.push_back(json!({"artifactUpdate": {
+                    "taskId": task.id,
+                    "contextId": task.context_id,
+                    "artifact": artifact,
+                    "lastChunk": true,
+                }}));
+            }
+            self.done = true;
+        }
+        self.ready.push_back(json!({"statusUpdate": {
+            "taskId": task.id,
+            "contextId": task.context_id,
+            "status": status_json(task),
+            "metadata": troupe_metadata(task),
+        }}));
+    }
+
+    async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let Some(result) = self.ready.pop_front() {
+                return Some(self.event(result));
+            }
+            if self.done {
+                return None;
+            }
+            let changed = tokio::select! {
+                changed = self.watcher.changed() => changed,
+                _ = self.shutdown.wait_for(|stop| *stop) => return None,
+            };
+            changed.ok()?;
+            let task = self.watcher.borrow_and_update().clone();
+            self.changed(&task);
+        }
+    }
+}
+
+/// The SSE of one task: the task itself first, then its changes until it ends.
+fn task_stream(a2a: &A2a, mut watcher: watch::Receiver<TaskRecord>, first: TaskRecord, id: Value) -> Response {
+    watcher.mark_unchanged();
+    let mut follower = Follower {
+        id,
+        watcher,
+        shutdown: a2a.app.shutdown.subscribe(),
+        last: first.state,
+        ready: VecDeque::from([json!({"task": task_json(&first, None, true)})]),
+        done: first.state.is_final(),
+    };
+    // A change between `first` and the watcher's mark would be lost: catch it up.
+    let now = follower.watcher.borrow().clone();
+    follower.changed(&now);
+    let stream = futures::stream::unfold(follower, |mut follower| async move {
+        let event = follower.next().await?;
+        Some((Ok::<_, Infallible>(event), follower))
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}

@@ -1,0 +1,651 @@
+//! A2A v1.0 (JSON-RPC binding) end to end: a real `troupe_server::serve` on
+//! 127.0.0.1:0, the real `AgentSystem` on the scripted model, and real HTTP requests
+//! (reqwest) in the wire format the official `a2a-sdk` 1.3.0 client sends. Every method,
+//! the task lifecycle (blocking, streamed, waiting, canceled, subscribed), Troupe's chain
+//! and depth rules on arrival, and every error code.
+//!
+//! Normal build only: HTTP is not simulated (the crate is empty under madsim).
+#![cfg(not(madsim))]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe_runtime::KindConfig;
+use troupe_server::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
+use troupe_server::{ServeError, ServerConfig};
+
+/// How long the `slow` agent's model takes, in milliseconds.
+const SLOW_TURN_MS: u64 = 3_000;
+/// The longest any wait of these tests may take, in milliseconds.
+const TEST_WAIT_MS_MAX: u64 = 15_000;
+const TOKEN: &str = "a2a-test-token-0123456789";
+
+fn script() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("echo").reply("echo: {input}"))
+        .rule(
+            ScriptRule::agent("slow")
+                .reply("slow done")
+                .latency(Duration::from_millis(SLOW_TURN_MS)),
+        )
+        .rule(ScriptRule::agent("broken").fail("the model is down"))
+}
+
+struct Harness {
+    base: String,
+    http: reqwest::Client,
+    system: Option<AgentSystem>,
+    stop: Option<oneshot::Sender<()>>,
+    served: Option<tokio::task::JoinHandle<Result<(), ServeError>>>,
+}
+
+impl Harness {
+    async fn start() -> Self {
+        Self::start_with(KindConfig::default()).await
+    }
+
+    async fn start_with(kind: KindConfig) -> Self {
+        let mut builder = AgentSystem::builder().llm(Arc::new(script())).kind_config(kind);
+        for id in ["echo", "slow", "broken"] {
+            builder = builder.agent(AgentSpec::new(id).role(format!("the {id} agent")));
+        }
+        let system = builder.start().expect("the agent system starts");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr: SocketAddr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let config = ServerConfig {
+            token: Some(TOKEN.to_string()),
+            ..ServerConfig::default()
+        };
+        let served = tokio::spawn(troupe_server::serve(listener, system.client(), config, async move {
+            let _ = stopped.await;
+        }));
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        Self {
+            base: format!("http://{addr}"),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_millis(TEST_WAIT_MS_MAX))
+                .build()
+                .unwrap(),
+            system: Some(system),
+            stop: Some(stop),
+            served: Some(served),
+        }
+    }
+
+    /// POSTs `body` (raw) to `/a2a/{agent}` with the token: the status and the text.
+    async fn raw(&self, agent: &str, body: String) -> (u16, reqwest::header::HeaderMap, String) {
+        let response = self
+            .http
+            .post(format!("{}/a2a/{agent}", self.base))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .header("A2A-Version", "1.0")
+            .body(body)
+            .send()
+            .await
+            .expect("the server answers");
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        (status, headers, response.text().await.unwrap())
+    }
+
+    /// One JSON-RPC call: the response object (status 200 checked).
+    async fn call(&self, agent: &str, method: &str, params: Value) -> Value {
+        let body = json!({"jsonrpc": "2.0", "id": "r1", "method": method, "params": params});
+        let (status, _, text) = self.raw(agent, body.to_string()).await;
+        assert_eq!(status, 200, "{method}: {text}");
+        let value: Value = serde_json::from_str(&text).unwrap_or_else(|error| panic!("not JSON ({error}): {text}"));
+        assert_eq!(value["jsonrpc"], "2.0", "{value}");
+        assert_eq!(value["id"], "r1", "{value}");
+        value
+    }
+
+    /// A call that must succeed: its result.
+    async fn ok(&self, agent: &str, method: &str, params: Value) -> Value {
+        let value = self.call(agent, method, params).await;
+        assert!(value.get("error").is_none(), "{method}: {value}");
+        value["result"].clone()
+    }
+
+    /// A call that must fail: its error code and message.
+    async fn error(&self, agent: &str, method: &str, params: Value) -> (i64, String) {
+        let value = self.call(agent, method, params).await;
+        assert!(value.get("result").is_none(), "{method}: {value}");
+        (
+            value["error"]["code"].as_i64().expect("an error code"),
+            value["error"]["message"].as_str().unwrap().to_string(),
+        )
+    }
+
+    /// A streamed call: the `result` of every SSE message, in order.
+    async fn stream(&self, agent: &str, method: &str, params: Value) -> Vec<Value> {
+        let body = json!({"jsonrpc": "2.0", "id": 9, "method": method, "params": params});
+        let (status, headers, text) = self.raw(agent, body.to_string()).await;
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(headers["content-type"], "text/event-stream", "{text}");
+        text.split("\n\n")
+            .filter_map(|block| {
+                let data: Vec<&str> = block.lines().filter_map(|line| line.strip_prefix("data: ")).collect();
+                (!data.is_empty()).then(|| data.join("\n"))
+            })
+            .map(|data| {
+                let value: Value = serde_json::from_str(&data).unwrap();
+                assert_eq!(value["id"], 9, "{value}");
+                value["result"].clone()
+            })
+            .collect()
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.served.take().unwrap().await.unwrap().expect("serve ends cleanly");
+        self.system.take().unwrap().shutdown().await;
+    }
+}
+
+fn message(text: &str) -> Value {
+    json!({"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": text}]})
+}
+
+fn send_params(text: &str) -> Value {
+    json!({"message": message(text)})
+}
+
+fn text_of(parts: &Value) -> String {
+    parts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|part| part["text"].as_str().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_card_is_public_and_describes_the_agent() {
+    let server = Harness::start().await;
+    let address = server.base.trim_start_matches("http://").to_string();
+    let response = server
+        .http
+        .get(format!("{}/a2a/echo/.well-known/agent-card.json", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200, "no token needed for the card");
+    let card: Value = response.json().await.unwrap();
+    assert_eq!(card["name"], "echo");
+    assert_eq!(card["description"], "the echo agent");
+    assert_eq!(card["capabilities"]["streaming"], true);
+    assert_eq!(card["capabilities"]["pushNotifications"], false);
+    assert_eq!(
+        card["supportedInterfaces"][0]["url"],
+        format!("http://{address}/a2a/echo")
+    );
+    assert_eq!(card["supportedInterfaces"][0]["protocolBinding"], "JSONRPC");
+    assert_eq!(card["supportedInterfaces"][0]["protocolVersion"], "1.0");
+    assert_eq!(card["defaultInputModes"], json!(["text/plain"]));
+    assert_eq!(card["skills"][0]["id"], "echo");
+    assert_eq!(
+        card["securitySchemes"]["bearer"]["httpAuthSecurityScheme"]["scheme"],
+        "Bearer"
+    );
+    assert_eq!(
+        card["securityRequirements"],
+        json!([{"schemes": {"bearer": {"list": []}}}])
+    );
+
+    let unknown = server
+        .http
+        .get(format!("{}/a2a/nobody/.well-known/agent-card.json", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+
+    // The JSON-RPC endpoint needs the token.
+    let anonymous = server
+        .http
+        .post(format!("{}/a2a/echo", server.base))
+        .header("content-type", "application/json")
+        .body(json!({"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "x"}}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 401);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_send_completes_and_get_and_list_read_it_back() {
+    let server = Harness::start().await;
+    let result = server.ok("echo", "SendMessage", send_params("hello")).await;
+    let task = &result["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{task}");
+    assert_eq!(text_of(&task["status"]["message"]["parts"]), "echo: hello");
+    assert_eq!(task["status"]["message"]["role"], "ROLE_AGENT");
+    assert_eq!(text_of(&task["artifacts"][0]["parts"]), "echo: hello");
+    assert_eq!(task["metadata"]["troupe"]["agent"], "echo");
+    assert_eq!(task["metadata"]["troupe"]["reply"]["steps"], 1);
+    let id = task["id"].as_str().unwrap().to_string();
+    let context = task["contextId"].as_str().unwrap().to_string();
+    assert_eq!(task["history"][0]["taskId"], id.as_str());
+    assert_eq!(task["history"][0]["contextId"], context.as_str());
+
+    let got = server.ok("echo", "GetTask", json!({"id": id})).await;
+    assert_eq!(got["status"]["state"], "TASK_STATE_COMPLETED");
+    assert_eq!(got["history"].as_array().unwrap().len(), 2);
+    let short = server
+        .ok("echo", "GetTask", json!({"id": id, "historyLength": 1}))
+        .await;
+    assert_eq!(short["history"].as_array().unwrap().len(), 1);
+    assert_eq!(short["history"][0]["role"], "ROLE_AGENT");
+    // Tasks are per agent.
+    let (code, _) = server.error("slow", "GetTask", json!({"id": id})).await;
+    assert_eq!(code, -32001);
+
+    // A second task in the same context, a third in another; pages of one.
+    let mut params = send_params("again");
+    params["message"]["contextId"] = json!(context);
+    let second = server.ok("echo", "SendMessage", params).await;
+    assert_eq!(second["task"]["contextId"], context.as_str());
+    server.ok("echo", "SendMessage", send_params("third")).await;
+    let all = server.ok("echo", "ListTasks", json!({})).await;
+    assert_eq!(all["totalSize"], 3);
+    assert_eq!(all["tasks"].as_array().unwrap().len(), 3);
+    assert!(all["tasks"][0].get("artifacts").is_none(), "no artifacts unless asked");
+    assert_eq!(all["nextPageToken"], "");
+    let in_context = server.ok("echo", "ListTasks", json!({"contextId": context})).await;
+    assert_eq!(in_context["totalSize"], 2);
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = server
+            .ok(
+                "echo",
+                "ListTasks",
+                json!({"pageSize": 1, "pageToken": token, "includeArtifacts": true}),
+            )
+            .await;
+        assert_eq!(page["tasks"].as_array().unwrap().len(), 1, "{page}");
+        assert!(page["tasks"][0]["artifacts"].is_array());
+        seen.push(page["tasks"][0]["id"].as_str().unwrap().to_string());
+        token = page["nextPageToken"].as_str().unwrap().to_string();
+        if token.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert_eq!(seen[2], id, "newest first");
+    let completed = server
+        .ok("echo", "ListTasks", json!({"status": "TASK_STATE_COMPLETED"}))
+        .await;
+    assert_eq!(completed["totalSize"], 3);
+    let working = server
+        .ok("echo", "ListTasks", json!({"status": "TASK_STATE_WORKING"}))
+        .await;
+    assert_eq!(working["totalSize"], 0);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_send_sends_the_task_its_reply_and_its_end() {
+    let server = Harness::start().await;
+    let events = server
+        .stream("echo", "SendStreamingMessage", send_params("stream me"))
+        .await;
+    assert!(events.len() >= 3, "{events:?}");
+    assert_eq!(
+        events[0]["task"]["status"]["state"], "TASK_STATE_SUBMITTED",
+        "{events:?}"
+    );
+    let id = events[0]["task"]["id"].as_str().unwrap();
+    let artifact = events
+        .iter()
+        .find(|event| event.get("artifactUpdate").is_some())
+        .expect("an artifact update");
+    assert_eq!(
+        text_of(&artifact["artifactUpdate"]["artifact"]["parts"]),
+        "echo: stream me"
+    );
+    assert_eq!(artifact["artifactUpdate"]["taskId"], id);
+    assert_eq!(artifact["artifactUpdate"]["lastChunk"], true);
+    let last = events.last().unwrap();
+    assert_eq!(
+        last["statusUpdate"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{events:?}"
+    );
+    assert_eq!(last["statusUpdate"]["taskId"], id);
+
+    // A failing model: the stream ends with the failed state and its reason.
+    let failed = server.stream("broken", "SendStreamingMessage", send_params("hi")).await;
+    let last = failed.last().unwrap();
+    assert_eq!(
+        last["statusUpdate"]["status"]["state"], "TASK_STATE_FAILED",
+        "{failed:?}"
+    );
+    assert!(
+        text_of(&last["statusUpdate"]["status"]["message"]["parts"]).contains("agent_failed"),
+        "{last}"
+    );
+    assert!(failed.iter().all(|event| event.get("artifactUpdate").is_none()));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_task_cancels_running_one_does_not_and_subscribers_see_its_end() {
+    let server = Harness::start().await;
+    let mut params = send_params("first");
+    params["configuration"] = json!({"returnImmediately": true});
+    let first = server.ok("slow", "SendMessage", params.clone()).await["task"].clone();
+    params["message"] = message("second");
+    let second = server.ok("slow", "SendMessage", params).await["task"].clone();
+    assert_eq!(first["status"]["state"], "TASK_STATE_SUBMITTED");
+    assert_eq!(second["status"]["state"], "TASK_STATE_SUBMITTED");
+    let first_id = first["id"].as_str().unwrap().to_string();
+    let second_id = second["id"].as_str().unwrap().to_string();
+
+    // The first takes the lane (working), the second waits behind it.
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        while server.ok("slow", "GetTask", json!({"id": first_id})).await["status"]["state"] != "TASK_STATE_WORKING" {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the first task starts");
+    let canceled = server.ok("slow", "CancelTask", json!({"id": second_id})).await;
+    assert_eq!(canceled["status"]["state"], "TASK_STATE_CANCELED", "{canceled}");
+    let (code, message) = server.error("slow", "CancelTask", json!({"id": first_id})).await;
+    assert_eq!(code, -32002, "{message}");
+    assert!(message.contains("working"), "{message}");
+    let (code, _) = server.error("slow", "CancelTask", json!({"id": "slow-task-404"})).await;
+    assert_eq!(code, -32001);
+
+    // Subscribing to the running task: the task, then its reply and its end.
+    let events = server.stream("slow", "SubscribeToTask", json!({"id": first_id})).await;
+    assert_eq!(events[0]["task"]["status"]["state"], "TASK_STATE_WORKING", "{events:?}");
+    let last = events.last().unwrap();
+    assert_eq!(
+        last["statusUpdate"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{events:?}"
+    );
+    assert_eq!(
+        text_of(&last["statusUpdate"]["status"]["message"]["parts"]),
+        "slow done"
+    );
+
+    // Ended tasks: not cancelable, not subscribable, and the canceled one never ran.
+    let (code, _) = server.error("slow", "CancelTask", json!({"id": first_id})).await;
+    assert_eq!(code, -32002);
+    let (code, _) = server.error("slow", "SubscribeToTask", json!({"id": first_id})).await;
+    assert_eq!(code, -32004);
+    let (code, _) = server.error("slow", "SubscribeToTask", json!({"id": "nope"})).await;
+    assert_eq!(code, -32001);
+    let still = server.ok("slow", "GetTask", json!({"id": second_id})).await;
+    assert_eq!(still["status"]["state"], "TASK_STATE_CANCELED");
+    assert!(still.get("artifacts").is_some_and(|artifacts| artifacts == &json!([])));
+    let log = server.system.as_ref().unwrap().conversation_log("slow").await.unwrap();
+    assert!(
+        log.iter().all(|entry| !entry.content.contains("second")),
+        "the canceled task's message never reached the agent: {log:?}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chain_and_depth_in_metadata_are_checked_on_arrival() {
+    let server = Harness::start().await;
+    let with = |troupe: Value| {
+        let mut params = send_params("hop");
+        params["message"]["metadata"] = json!({ "troupe": troupe });
+        params
+    };
+    let cycle = server
+        .ok("echo", "SendMessage", with(json!({"chain": ["a", "echo"], "depth": 2})))
+        .await;
+    assert_eq!(cycle["task"]["status"]["state"], "TASK_STATE_REJECTED", "{cycle}");
+    assert!(text_of(&cycle["task"]["status"]["message"]["parts"]).contains("cycle"));
+    let deep = server
+        .ok("echo", "SendMessage", with(json!({"chain": ["a"], "depth": 6})))
+        .await;
+    assert_eq!(deep["task"]["status"]["state"], "TASK_STATE_REJECTED", "{deep}");
+    assert!(text_of(&deep["task"]["status"]["message"]["parts"]).contains("depth 6"));
+    // Numbers as doubles (a protobuf Struct's), a chain without the target: answered.
+    let fine = server
+        .ok(
+            "echo",
+            "SendMessage",
+            with(json!({"chain": ["a", "b"], "depth": 2.0, "timeout_ms": 5000.0})),
+        )
+        .await;
+    assert_eq!(fine["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{fine}");
+    assert_eq!(fine["task"]["metadata"]["troupe"]["chain"], json!(["a", "b"]));
+    assert_eq!(fine["task"]["metadata"]["troupe"]["depth"], 2);
+    for bad in [
+        json!({"depth": -1}),
+        json!({"depth": 1.5}),
+        json!({"chain": "a"}),
+        json!({"unknown": 1}),
+        json!({"timeout_ms": 0}),
+        json!({"chain": ["a", "b", "c", "d", "e", "f", "g"]}),
+    ] {
+        let (code, message) = server.error("echo", "SendMessage", with(bad.clone())).await;
+        assert_eq!(code, -32602, "{bad}: {message}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_a2a_error_codes() {
+    let server = Harness::start().await;
+    // Not JSON; not a request; a batch.
+    for (body, expected) in [
+        ("{not json".to_string(), -32700),
+        (json!({"id": 1, "method": "GetTask"}).to_string(), -32600),
+        (
+            json!([{"jsonrpc": "2.0", "id": 1, "method": "GetTask"}]).to_string(),
+            -32600,
+        ),
+        (
+            json!({"jsonrpc": "2.0", "id": {}, "method": "GetTask"}).to_string(),
+            -32600,
+        ),
+    ] {
+        let (status, _, text) = server.raw("echo", body.clone()).await;
+        assert_eq!(status, 200, "{text}");
+        let value: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(value["error"]["code"], expected, "{body}: {text}");
+        assert_eq!(value["id"], Value::Null);
+    }
+    let cases = [
+        ("message/send", json!({}), -32601),
+        ("SendMessage", json!({}), -32602),
+        (
+            "SendMessage",
+            json!({"message": {"messageId": "m", "role": "ROLE_AGENT", "parts": [{"text": "x"}]}}),
+            -32602,
+        ),
+        (
+            "SendMessage",
+            json!({"message": {"messageId": "m", "role": "ROLE_USER", "parts": []}}),
+            -32602,
+        ),
+        (
+            "SendMessage",
+            json!({"message": {"messageId": "", "role": "ROLE_USER", "parts": [{"text": "x"}]}}),
+            -32602,
+        ),
+        (
+            "SendMessage",
+            json!({"message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"data": {"a": 1}}]}}),
+            -32005,
+        ),
+        (
+            "SendMessage",
+            json!({"message": message("x"), "configuration": {"acceptedOutputModes": ["image/png"]}}),
+            -32005,
+        ),
+        (
+            "SendMessage",
+            json!({"message": message("x"), "configuration": {"taskPushNotificationConfig": {"url": "http://x"}}}),
+            -32003,
+        ),
+        (
+            "SendMessage",
+            json!({"message": {"messageId": "m", "role": "ROLE_USER", "taskId": "echo-task-77", "parts": [{"text": "x"}]}}),
+            -32001,
+        ),
+        (
+            "SendMessage",
+            json!({"message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x".repeat(troupe_server::limits::SERVER_MESSAGE_SIZE_MAX_BYTES + 1)}]}}),
+            -32602,
+        ),
+        ("GetTask", json!({}), -32602),
+        ("GetTask", json!({"id": "nope"}), -32001),
+        ("ListTasks", json!({"pageSize": 0}), -32602),
+        ("ListTasks", json!({"pageSize": 101}), -32602),
+        ("ListTasks", json!({"pageToken": "abc"}), -32602),
+        ("ListTasks", json!({"status": "TASK_STATE_BORED"}), -32602),
+        (
+            "ListTasks",
+            json!({"statusTimestampAfter": "2026-01-01T00:00:00Z"}),
+            -32602,
+        ),
+        ("CreateTaskPushNotificationConfig", json!({}), -32003),
+        ("GetExtendedAgentCard", json!({}), -32007),
+    ];
+    for (method, params, expected) in cases {
+        let (code, message) = server.error("echo", method, params.clone()).await;
+        assert_eq!(code, expected, "{method} {params}: {message}");
+        assert!(!message.is_empty());
+    }
+    // A task id given back to continue it: not supported.
+    let done = server.ok("echo", "SendMessage", send_params("one")).await;
+    let mut params = send_params("two");
+    params["message"]["taskId"] = done["task"]["id"].clone();
+    let (code, _) = server.error("echo", "SendMessage", params).await;
+    assert_eq!(code, -32004);
+
+    // A protocol version not served.
+    let response = server
+        .http
+        .post(format!("{}/a2a/echo", server.base))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .header("A2A-Version", "0.3")
+        .body(json!({"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "x"}}).to_string())
+        .send()
+        .await
+        .unwrap();
+    let value: Value = response.json().await.unwrap();
+    assert_eq!(value["error"]["code"], -32009, "{value}");
+
+    // An unknown agent is not an endpoint.
+    let (status, _, _) = server
+        .raw(
+            "nobody",
+            json!({"jsonrpc": "2.0", "id": 1, "method": "GetTask"}).to_string(),
+        )
+        .await;
+    assert_eq!(status, 404);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_lane_is_a_retryable_429() {
+    let server = Harness::start().await;
+    let mut params = send_params("queue");
+    params["configuration"] = json!({"returnImmediately": true});
+    // One running (or about to) and the lane's limit waiting behind it.
+    for _ in 0..=A2A_TASKS_WAITING_PER_AGENT_MAX {
+        server.ok("slow", "SendMessage", params.clone()).await;
+    }
+    let body = json!({"jsonrpc": "2.0", "id": 3, "method": "SendMessage", "params": params});
+    let (status, headers, text) = server.raw("slow", body.to_string()).await;
+    // The first may not have left the lane's waiting count yet: then one more fits.
+    let (status, headers, text) = if status == 200 {
+        server.raw("slow", body.to_string()).await
+    } else {
+        (status, headers, text)
+    };
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(headers["retry-after"], "1");
+    let value: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(value["error"]["code"], -32000, "{value}");
+    assert_eq!(value["id"], 3);
+    server.stop().await;
+}
+
+/// Goal: an agent whose mailbox is full answers a blocking send with a retryable error
+/// (HTTP 429, `Retry-After`, -32000), and the task records why it failed. Method:
+/// mailbox capacity 1; a REST message runs a slow turn (seen on the event stream), a
+/// second REST message takes the one queue slot, then the A2A send finds it full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_mailbox_is_a_retryable_429() {
+    let server = Arc::new(Harness::start_with(KindConfig::default().with_mailbox_capacity(1)).await);
+    let mut events = server.system.as_ref().unwrap().subscribe();
+    let rest = |text: &'static str| {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move {
+            server
+                .http
+                .post(format!("{}/v1/agents/slow/messages", server.base))
+                .bearer_auth(TOKEN)
+                .header("content-type", "application/json")
+                .body(json!({ "text": text }).to_string())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    let running = rest("a");
+    wait_for(
+        &mut events,
+        |event| matches!(event, AgentEvent::TurnStarted { agent, .. } if agent.key() == "slow"),
+    )
+    .await;
+    let queued = rest("b");
+    wait_for(
+        &mut events,
+        |event| matches!(event, AgentEvent::CallStarted { parent: None, target, .. } if target.key() == "slow"),
+    )
+    .await;
+    // The call was announced just before its enqueue: give the enqueue a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let body = json!({"jsonrpc": "2.0", "id": 5, "method": "SendMessage", "params": send_params("c")});
+    let (status, headers, text) = server.raw("slow", body.to_string()).await;
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(headers["retry-after"], "1");
+    let value: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(value["error"]["code"], -32000, "{value}");
+    assert_eq!(running.await.unwrap(), 200);
+    assert_eq!(queued.await.unwrap(), 200);
+    let failed = server
+        .ok("slow", "ListTasks", json!({"status": "TASK_STATE_FAILED"}))
+        .await;
+    assert_eq!(failed["totalSize"], 1, "{failed}");
+    assert!(
+        text_of(&failed["tasks"][0]["status"]["message"]["parts"]).starts_with("busy"),
+        "{failed}"
+    );
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
+async fn wait_for(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, wanted: impl Fn(&AgentEvent) -> bool) {
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            if let Ok(event) = events.recv().await {
+                if wanted(&event) {
+                    return;
+                }
+            }
+        }
+    })
+    .await
+    .expect("the event comes");
+}

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""The A2A protocol v1.0 of `troupe serve`, driven by the official `a2a-sdk` client.
+
+Starts the troupe binary (the path is the first argument) on 127.0.0.1 with a free port,
+a bearer token and the scripted model, then with the `a2a-sdk` client (JSON-RPC
+transport): resolves an agent card from its well-known path, sends a blocking message,
+streams one, reads a task back (GetTask, ListTasks), delegates without blocking to the
+slow `archivist` agent, cancels a second task still waiting behind it (canceled) and the
+running one (not cancelable), subscribes to the running one until it completes, and
+checks the typed errors: an unknown task, a refused cycle in `metadata.troupe`, an
+unknown method and a wrong token. The server is stopped with SIGTERM at the end (killed
+if it does not stop in time). Every wait is bounded; a missing `a2a-sdk` package fails
+the run with what to install.
+
+    python3 scripts/test-a2a-client.py target/debug/troupe
+"""
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+try:
+    import httpx
+    from a2a.client import ClientConfig, create_client
+    from a2a.client.card_resolver import A2ACardResolver
+    from a2a.client.errors import A2AClientError
+    from a2a.types import a2a_pb2 as pb
+    from a2a.utils.errors import MethodNotFoundError, TaskNotCancelableError, TaskNotFoundError
+    from importlib.metadata import version
+except ImportError as error:
+    print(
+        f"test-a2a-client: the `a2a-sdk` package is missing ({error}): pip install 'a2a-sdk==1.3.0'",
+        file=sys.stderr,
+    )
+    sys.exit(1)
+
+TOKEN = "a2a-client-test-token-0123456789"
+# Bounds, in seconds.
+START_TIMEOUT_S = 30
+REQUEST_TIMEOUT_S = 30
+STOP_TIMEOUT_S = 15
+
+
+def start(binary):
+    env = dict(os.environ)
+    env.pop("OPENAI_API_KEY", None)
+    env.pop("TROUPE_TOKEN", None)
+    server = subprocess.Popen(
+        [binary, "serve", "--bind", "127.0.0.1:0", "--scripted", "--token", TOKEN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    found = {}
+
+    def read_address():
+        for line in server.stdout:
+            print("  server: " + line.rstrip())
+            if line.startswith("listening on http://"):
+                found["address"] = line.strip()[len("listening on http://"):]
+                return
+
+    reader = threading.Thread(target=read_address, daemon=True)
+    reader.start()
+    reader.join(START_TIMEOUT_S)
+    if "address" not in found:
+        server.kill()
+        raise SystemExit(f"test-a2a-client: troupe serve printed no address within {START_TIMEOUT_S} s")
+    return server, found["address"]
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def user_message(text, metadata=None):
+    message = pb.Message(message_id=f"m-{abs(hash(text))}", role=pb.ROLE_USER, parts=[pb.Part(text=text)])
+    if metadata is not None:
+        message.metadata.update(metadata)
+    return message
+
+
+def text_of(parts):
+    return "".join(part.text for part in parts)
+
+
+async def client_for(http, address, agent, streaming=True):
+    config = ClientConfig(httpx_client=http, streaming=streaming)
+    return await create_client(f"http://{address}/a2a/{agent}", client_config=config)
+
+
+async def send(client, message, return_immediately=False):
+    request = pb.SendMessageRequest(message=message)
+    request.configuration.return_immediately = return_immediately
+    return [event async for event in client.send_message(request)]
+
+
+async def run(address):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(headers=headers, timeout=REQUEST_TIMEOUT_S) as http:
+        # The card, from the agent's well-known path, without a token.
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as anonymous:
+            card = await A2ACardResolver(anonymous, f"http://{address}/a2a/critic").get_agent_card()
+        check(card.name == "critic", f"card name {card.name!r}")
+        check(card.capabilities.streaming, "card: streaming")
+        interface = card.supported_interfaces[0]
+        check(interface.url == f"http://{address}/a2a/critic", f"card url {interface.url}")
+        check(interface.protocol_binding == "JSONRPC" and interface.protocol_version == "1.0", f"{interface}")
+        scheme = card.security_schemes["bearer"].http_auth_security_scheme.scheme
+        check(scheme == "Bearer", f"card security scheme {scheme!r}")
+        print(f"ok agent card: {card.name!r}, {interface.url}, security {scheme}")
+
+        # SendMessage, blocking.
+        blocking = await client_for(http, address, "critic", streaming=False)
+        events = await send(blocking, user_message("Please review this brief."))
+        check(len(events) == 1 and events[0].HasField("task"), f"SendMessage: {events}")
+        task = events[0].task
+        check(task.status.state == pb.TASK_STATE_COMPLETED, f"SendMessage state {task.status.state}")
+        reply = text_of(task.artifacts[0].parts)
+        check(reply == "Looks fine.", f"SendMessage reply {reply!r}")
+        check(text_of(task.status.message.parts) == "Looks fine.", f"status message {task.status.message}")
+        print(f"ok SendMessage (blocking): {task.id} completed: {reply!r}")
+
+        # GetTask and ListTasks.
+        got = await blocking.get_task(pb.GetTaskRequest(id=task.id))
+        check(got.id == task.id and got.status.state == pb.TASK_STATE_COMPLETED, f"GetTask: {got}")
+        check([m.role for m in got.history] == [pb.ROLE_USER, pb.ROLE_AGENT], f"GetTask history {got.history}")
+        listed = await blocking.list_tasks(pb.ListTasksRequest())
+        check(task.id in [t.id for t in listed.tasks], f"ListTasks: {listed}")
+        print(f"ok GetTask, ListTasks: {len(listed.tasks)} task(s)")
+
+        # SendStreamingMessage: the task, then its updates, the reply artifact, the end.
+        streaming = await client_for(http, address, "critic")
+        events = await send(streaming, user_message("Please review the second brief."))
+        kinds = [event.WhichOneof("payload") for event in events]
+        check(kinds[0] == "task", f"stream starts with the task: {kinds}")
+        artifacts = [event.artifact_update for event in events if event.HasField("artifact_update")]
+        check(len(artifacts) == 1 and text_of(artifacts[0].artifact.parts) == "Looks fine.", f"artifacts {artifacts}")
+        last = events[-1]
+        check(last.HasField("status_update"), f"stream ends with a status update: {kinds}")
+        check(last.status_update.status.state == pb.TASK_STATE_COMPLETED, f"final {last.status_update.status}")
+        print(f"ok SendStreamingMessage: {kinds}")
+
+        # Delegation without blocking to the slow archivist (a 4 s turn); a second task
+        # waits behind it in the agent's lane and can be canceled; the running one cannot.
+        archivist = await client_for(http, address, "archivist", streaming=False)
+        first = (await send(archivist, user_message("Any reports on batteries?"), return_immediately=True))[0].task
+        second = (await send(archivist, user_message("Any reports on solar?"), return_immediately=True))[0].task
+        check(first.status.state == pb.TASK_STATE_SUBMITTED, f"first state {first.status.state}")
+        check(second.status.state == pb.TASK_STATE_SUBMITTED, f"second state {second.status.state}")
+        for _ in range(START_TIMEOUT_S * 100):
+            state = (await archivist.get_task(pb.GetTaskRequest(id=first.id))).status.state
+            if state == pb.TASK_STATE_WORKING:
+                break
+            await asyncio.sleep(0.01)
+        check(state == pb.TASK_STATE_WORKING, f"the first task did not start: {state}")
+        canceled = await archivist.cancel_task(pb.CancelTaskRequest(id=second.id))
+        check(canceled.status.state == pb.TASK_STATE_CANCELED, f"CancelTask: {canceled.status}")
+        print(f"ok CancelTask of a waiting task: {second.id} canceled")
+        try:
+            await archivist.cancel_task(pb.CancelTaskRequest(id=first.id))
+            raise AssertionError("the running task was canceled")
+        except TaskNotCancelableError as error:
+            print(f"ok CancelTask of the running task: TaskNotCancelableError ({error.message})")
+
+        # SubscribeToTask: the running task's updates until it completes.
+        follower = await client_for(http, address, "archivist")
+        subscribed = [event async for event in follower.subscribe(pb.SubscribeToTaskRequest(id=first.id))]
+        final = subscribed[-1].status_update.status
+        check(final.state == pb.TASK_STATE_COMPLETED, f"SubscribeToTask final {final}")
+        check(text_of(final.message.parts) == "Reports: none found.", f"SubscribeToTask reply {final.message}")
+        print(f"ok SubscribeToTask: {[event.WhichOneof('payload') for event in subscribed]}")
+        again = await archivist.get_task(pb.GetTaskRequest(id=second.id))
+        check(again.status.state == pb.TASK_STATE_CANCELED, f"the canceled task stays canceled: {again.status}")
+
+        # Errors.
+        try:
+            await blocking.get_task(pb.GetTaskRequest(id="critic-task-999999"))
+            raise AssertionError("an unknown task was found")
+        except TaskNotFoundError:
+            print("ok GetTask of an unknown task: TaskNotFoundError")
+        cycle = user_message("Review again.", {"troupe": {"chain": ["coordinator", "critic"], "depth": 2}})
+        rejected = (await send(blocking, cycle))[0].task
+        check(rejected.status.state == pb.TASK_STATE_REJECTED, f"cycle: {rejected.status}")
+        check("cycle" in text_of(rejected.status.message.parts), f"cycle reason {rejected.status.message}")
+        print(f"ok a cycle in metadata.troupe.chain: rejected ({text_of(rejected.status.message.parts)!r})")
+        raw = await http.post(
+            f"http://{address}/a2a/critic", json={"jsonrpc": "2.0", "id": 7, "method": "message/send", "params": {}}
+        )
+        check(raw.json()["error"]["code"] == -32601, f"unknown method: {raw.text}")
+        print("ok unknown method: -32601")
+
+    async with httpx.AsyncClient(headers={"Authorization": "Bearer wrong-" + TOKEN}) as wrong_http:
+        wrong = await client_for(wrong_http, address, "critic", streaming=False)
+        try:
+            await send(wrong, user_message("hi"))
+            raise AssertionError("a wrong token was accepted")
+        except A2AClientError as error:
+            check("401" in str(error), f"wrong token: {error}")
+            print("ok wrong token: HTTP 401")
+
+
+def main():
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: test-a2a-client.py PATH_TO_TROUPE_BINARY")
+    print(f"test-a2a-client: a2a-sdk {version('a2a-sdk')}")
+    server, address = start(sys.argv[1])
+    try:
+        asyncio.run(asyncio.wait_for(run(address), timeout=REQUEST_TIMEOUT_S * 4))
+    finally:
+        server.terminate()
+        try:
+            code = server.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise SystemExit(f"test-a2a-client: troupe serve did not stop within {STOP_TIMEOUT_S} s of SIGTERM")
+    check(code == 0, f"troupe serve exited with {code} after SIGTERM")
+    print("test-a2a-client: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
