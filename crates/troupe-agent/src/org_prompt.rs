@@ -54,7 +54,11 @@ pub(crate) fn contacts_section(shared: &AgentShared, spec: &AgentSpec) -> String
     }
     let peers = reachable(shared, agent);
     if !peers.is_empty() {
-        text.push_str(&format!("\nAgents you may contact with {}:\n", contact_tools.join(", ")));
+        let tools = match contact_tools.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => contact_tools.join(""),
+        };
+        text.push_str(&format!("\nAgents you may contact with {tools}:\n"));
         let lines: Vec<String> = peers.iter().map(|(id, role)| format!("- {id}: {role}")).collect();
         text.push_str(&lines.join("\n"));
     }

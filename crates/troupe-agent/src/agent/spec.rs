@@ -318,3 +318,25 @@ impl AgentDirectory {
         self.agents.read().unwrap().values().cloned().collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: definitions stored before providers and tool sets existed still load.
+    /// Method: decode the JSON of a spec without the two fields; round-trip a new one.
+    #[test]
+    fn a_spec_stored_without_provider_or_tools_loads_with_neither() {
+        let old = r#"{"id":"a","name":"A","system_prompt":"","role":"","model":{"model":"m","max_steps":3}}"#;
+        let spec: AgentSpec = serde_json::from_str(old).unwrap();
+        assert_eq!(spec.provider, None);
+        assert_eq!(spec.tools, None);
+        assert!(spec.allows_tool("anything"));
+
+        let new = AgentSpec::new("b").provider("cheap").tools(["search"]);
+        let round: AgentSpec = serde_json::from_str(&serde_json::to_string(&new).unwrap()).unwrap();
+        assert_eq!(round, new);
+        assert!(round.allows_tool("search"));
+        assert!(!round.allows_tool("call_agent"));
+    }
+}
