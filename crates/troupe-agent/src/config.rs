@@ -365,7 +365,11 @@ impl OrgConfig {
             }
             if let Some(tools) = &agent.tools {
                 let mut seen = BTreeSet::new();
-                if let Some(repeated) = tools.get_ref().iter().find(|tool| !seen.insert(tool.get_ref().as_str())) {
+                if let Some(repeated) = tools
+                    .get_ref()
+                    .iter()
+                    .find(|tool| !seen.insert(tool.get_ref().as_str()))
+                {
                     return Err(invalid(
                         repeated.span(),
                         field("tools"),

@@ -22,9 +22,9 @@ use crate::inbox_turns::{delegate_tool, notify_tool};
 use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
-    AgentCallError, AgentCatalog, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec, AgentSpecError,
-    Budget, CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool, ToolRegistry,
-    ToolRegistryError,
+    AgentCallError, AgentCatalog, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec,
+    AgentSpecError, Budget, CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool,
+    ToolRegistry, ToolRegistryError,
 };
 
 /// Why an [`AgentSystem`] could not start.

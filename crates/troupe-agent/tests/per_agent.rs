@@ -20,7 +20,10 @@ use troupe_agent::{
 };
 
 fn keys(llm: &ScriptedLlm) -> Vec<String> {
-    llm.requests().iter().map(|request| request.agent.key().to_string()).collect()
+    llm.requests()
+        .iter()
+        .map(|request| request.agent.key().to_string())
+        .collect()
 }
 
 /// A tool named `name` that answers `name ran` and counts its runs.
@@ -89,8 +92,16 @@ async fn an_agent_limited_to_one_tool_sees_only_it_and_other_calls_are_refused()
     let search_runs = Arc::new(AtomicUsize::new(0));
     let secret_runs = Arc::new(AtomicUsize::new(0));
     let llm = ScriptedLlm::new()
-        .rule(ScriptRule::agent("a").on_user_containing("sneak").call("secret", json!({})))
-        .rule(ScriptRule::agent("a").on_user_containing("look").call("search", json!({})))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("sneak")
+                .call("secret", json!({})),
+        )
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("look")
+                .call("search", json!({})),
+        )
         .rule(ScriptRule::agent("a").on_tool_result().reply("got: {tool_result}"))
         .rule(ScriptRule::agent("b").reply("hello"));
     let system = AgentSystem::builder()
@@ -117,7 +128,11 @@ async fn an_agent_limited_to_one_tool_sees_only_it_and_other_calls_are_refused()
     // Without a contact tool, `a`'s prompt does not invite it to contact anyone.
     let system_prompt = &llm.requests_of("a")[0].messages[0];
     assert_eq!(system_prompt.role, Role::System);
-    assert!(!system_prompt.content.contains("may contact"), "{}", system_prompt.content);
+    assert!(
+        !system_prompt.content.contains("may contact"),
+        "{}",
+        system_prompt.content
+    );
 
     system.ask("b", "hi").await.unwrap();
     assert_eq!(
@@ -272,7 +287,10 @@ async fn unknown_names_in_a_config_file_name_the_file_line_and_column() {
     for (text, expected) in table {
         let config = OrgConfig::from_toml(&text, "org.toml").unwrap();
         let error = system.apply_config(&config).await.unwrap_err();
-        assert!(matches!(error, OrgError::Config(ConfigError::Invalid { .. })), "{error:?}");
+        assert!(
+            matches!(error, OrgError::Config(ConfigError::Invalid { .. })),
+            "{error:?}"
+        );
         assert!(error.to_string().starts_with(expected), "{error}");
         assert!(system.directory().list().is_empty(), "nothing was applied");
     }

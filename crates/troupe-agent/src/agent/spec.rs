@@ -193,7 +193,9 @@ impl AgentSpec {
 
     /// Whether the agent may use tool `name`.
     pub fn allows_tool(&self, name: &str) -> bool {
-        self.tools.as_ref().is_none_or(|tools| tools.iter().any(|tool| tool == name))
+        self.tools
+            .as_ref()
+            .is_none_or(|tools| tools.iter().any(|tool| tool == name))
     }
 
     /// Sets the display name.
