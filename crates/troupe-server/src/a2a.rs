@@ -902,6 +902,7 @@ impl Follower {
                 return None;
             }
             let changed = tokio::select! {
+                biased;
                 changed = self.watcher.changed() => changed,
                 _ = self.shutdown.wait_for(|stop| *stop) => return None,
             };
