@@ -11,9 +11,10 @@
 //! role = "runs the team"
 //! system_prompt = "You run a small team."
 //! model = "gpt-4o-mini"          # passed to the model client; default: its default
-//! provider = "openai"            # parsed, not yet applied (one client per system)
-//! tools = ["call_agent"]         # parsed and checked, not yet applied (every agent
-//!                                # has every tool of its system)
+//! provider = "openai"            # a provider registered with AgentSystemBuilder::provider;
+//!                                # default: the system's default client (`llm`)
+//! tools = ["call_agent"]         # registered tools (built-in, custom or MCP) it may use;
+//!                                # default: every registered tool
 //! max_steps = 4                  # model steps per turn, 1..=AGENT_TURN_STEPS_MAX
 //! manager = "ceo"                # another declared agent
 //! mode = "supervised"            # autonomous (default), supervised, strict
@@ -31,6 +32,10 @@
 //! effect = "deny"                # allow or deny
 //! requires_approval = false      # default false
 //! ```
+//!
+//! Provider and tool names can only be checked against a running system:
+//! [`crate::AgentClient::apply_config`] refuses a name the system does not have with a
+//! [`ConfigError::Invalid`] naming the file, line and column, before changing anything.
 //!
 //! [`crate::AgentClient::apply_config`] syncs a config into a running system: declared
 //! agents are upserted into the directory, and the policy, links, memberships and rules
@@ -122,13 +127,13 @@ pub struct AgentConfig {
     /// The model name passed to the model client.
     #[serde(default)]
     pub model: String,
-    /// The provider's name (parsed; not yet applied: a system has one model client).
+    /// The name of the model provider its turns use (one registered with
+    /// [`crate::AgentSystemBuilder::provider`]); default: the system's default client.
     #[serde(default)]
-    pub provider: Option<String>,
-    /// Its tools (parsed and checked to be unique; not yet applied: every agent has
-    /// every tool of its system).
+    pub provider: Option<Spanned<String>>,
+    /// The tools it may use, each listed once; default: every registered tool.
     #[serde(default)]
-    pub tools: Option<Spanned<Vec<String>>>,
+    pub tools: Option<Spanned<Vec<Spanned<String>>>>,
     /// Model steps per turn.
     #[serde(default)]
     pub max_steps: Option<Spanned<u32>>,
@@ -194,6 +199,16 @@ pub struct OrgConfig {
     /// The permission rules.
     #[serde(default)]
     pub permissions: Vec<PermissionConfig>,
+    /// The file it was read from and its text: errors found when it is applied name
+    /// the line and column.
+    #[serde(skip)]
+    source: ConfigSource,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct ConfigSource {
+    path: PathBuf,
+    text: String,
 }
 
 /// 1-based line and column of byte `offset` in `text`.
@@ -233,7 +248,7 @@ impl OrgConfig {
     /// [`ConfigError::Parse`] or [`ConfigError::Invalid`].
     pub fn from_toml(text: &str, path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref().to_path_buf();
-        let config: Self = toml::from_str(text).map_err(|error| {
+        let mut config: Self = toml::from_str(text).map_err(|error| {
             let (line, column) = error.span().map_or((0, 0), |span| line_column(text, span.start));
             ConfigError::Parse {
                 path: path.clone(),
@@ -243,7 +258,60 @@ impl OrgConfig {
             }
         })?;
         config.validate(text, &path)?;
+        config.source = ConfigSource {
+            path,
+            text: text.to_string(),
+        };
         Ok(config)
+    }
+
+    /// Checks that every provider and tool the agents name is in `catalog` (a running
+    /// system's, [`crate::AgentDirectory::catalog`]).
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the file, line and column of the first unknown
+    /// name, and the names the system has.
+    pub fn check_names(&self, catalog: &crate::AgentCatalog) -> Result<(), ConfigError> {
+        let invalid = |span: std::ops::Range<usize>, field: String, message: String| {
+            let (line, column) = line_column(&self.source.text, span.start);
+            ConfigError::Invalid {
+                path: self.source.path.clone(),
+                line,
+                column,
+                field,
+                message,
+            }
+        };
+        for (index, agent) in self.agents.iter().enumerate() {
+            if let Some(provider) = &agent.provider {
+                if !catalog.providers.contains(provider.get_ref()) {
+                    return Err(invalid(
+                        provider.span(),
+                        format!("agents[{index}].provider"),
+                        format!(
+                            "provider {:?} is not registered; known providers: [{}] \
+                             (register it with AgentSystemBuilder::provider)",
+                            provider.get_ref(),
+                            catalog.providers.join(", ")
+                        ),
+                    ));
+                }
+            }
+            for (position, tool) in agent.tools.iter().flat_map(|tools| tools.get_ref().iter()).enumerate() {
+                if !catalog.tools.contains(tool.get_ref()) {
+                    return Err(invalid(
+                        tool.span(),
+                        format!("agents[{index}].tools[{position}]"),
+                        format!(
+                            "tool {:?} is not registered; registered tools: [{}]",
+                            tool.get_ref(),
+                            catalog.tools.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn validate(&self, text: &str, path: &Path) -> Result<(), ConfigError> {
@@ -297,11 +365,15 @@ impl OrgConfig {
             }
             if let Some(tools) = &agent.tools {
                 let mut seen = BTreeSet::new();
-                if let Some(repeated) = tools.get_ref().iter().find(|tool| !seen.insert(tool.as_str())) {
+                if let Some(repeated) = tools
+                    .get_ref()
+                    .iter()
+                    .find(|tool| !seen.insert(tool.get_ref().as_str()))
+                {
                     return Err(invalid(
-                        tools.span(),
+                        repeated.span(),
                         field("tools"),
-                        format!("tool {repeated:?} is listed twice"),
+                        format!("tool {:?} is listed twice", repeated.get_ref()),
                     ));
                 }
             }
@@ -409,6 +481,12 @@ impl OrgConfig {
             .model(agent.model.clone());
         if let Some(steps) = &agent.max_steps {
             spec = spec.max_steps(*steps.get_ref());
+        }
+        if let Some(provider) = &agent.provider {
+            spec = spec.provider(provider.get_ref().clone());
+        }
+        if let Some(tools) = &agent.tools {
+            spec = spec.tools(tools.get_ref().iter().map(|tool| tool.get_ref().clone()));
         }
         spec
     }

@@ -332,6 +332,10 @@ pub enum OrgError {
         /// Its id.
         id: u64,
     },
+    /// A config file names a model provider or tool the system does not have; nothing
+    /// was applied.
+    #[error(transparent)]
+    Config(#[from] crate::ConfigError),
 }
 
 /// Where an approval stands.

@@ -212,9 +212,17 @@ impl AgentClient {
     /// Config wins for what it declares; agents, links and rules created at runtime and
     /// not declared are kept.
     ///
+    /// Each agent's `provider` and `tools` are applied: its turns use that provider's
+    /// client and its model is offered (and may run) only those tools.
+    ///
     /// # Errors
-    /// [`OrgError`] (the directory refuses nothing the config validated).
+    /// [`OrgError::Config`] (nothing applied) when an agent names a provider or tool the
+    /// system does not have, naming the file, line and column; other [`OrgError`]s
+    /// from the store.
     pub async fn apply_config(&self, config: &crate::OrgConfig) -> Result<(), OrgError> {
+        if let Some(catalog) = self.shared.directory.catalog() {
+            config.check_names(catalog)?;
+        }
         for spec in config.agent_specs() {
             let id = spec.id.clone();
             self.shared

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::agent::AgentShared;
 use crate::inbox::{DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 use crate::limits::AGENT_PEERS_LISTED_MAX;
-use crate::{ToolSpec, CALL_AGENT_TOOL_NAME};
+use crate::{AgentSpec, ToolSpec, CALL_AGENT_TOOL_NAME};
 
 /// The agents `agent` may contact (possibly after approval), with their roles, by id.
 fn reachable(shared: &AgentShared, agent: &str) -> Vec<(String, String)> {
@@ -32,9 +32,11 @@ fn reachable(shared: &AgentShared, agent: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The part of `agent`'s system prompt after its identity: its place in the
-/// organisation (if it has one) and the agents it may contact.
-pub(crate) fn contacts_section(shared: &AgentShared, agent: &str) -> String {
+/// The part of `spec`'s system prompt after its identity: its place in the
+/// organisation (if it has one) and the agents it may contact (when it has a contact
+/// tool).
+pub(crate) fn contacts_section(shared: &AgentShared, spec: &AgentSpec) -> String {
+    let agent = spec.id.as_str();
     let mut text = String::new();
     if let Some(org) = shared.org.cached() {
         let section = org.prompt_section(agent);
@@ -43,9 +45,20 @@ pub(crate) fn contacts_section(shared: &AgentShared, agent: &str) -> String {
             text.push_str(&section);
         }
     }
+    let contact_tools: Vec<&str> = [CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME]
+        .into_iter()
+        .filter(|tool| spec.allows_tool(tool))
+        .collect();
+    if contact_tools.is_empty() {
+        return text;
+    }
     let peers = reachable(shared, agent);
     if !peers.is_empty() {
-        text.push_str("\nAgents you may contact with call_agent, delegate_to_agent and notify_agent:\n");
+        let tools = match contact_tools.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => contact_tools.join(""),
+        };
+        text.push_str(&format!("\nAgents you may contact with {tools}:\n"));
         let lines: Vec<String> = peers.iter().map(|(id, role)| format!("- {id}: {role}")).collect();
         text.push_str(&lines.join("\n"));
     }
@@ -61,11 +74,22 @@ pub(crate) fn sender_label(shared: &AgentShared, agent: &str, from: &str) -> Str
     }
 }
 
-/// The tool specs `agent`'s model is offered: the contact tools' descriptions end with
-/// the agents it may contact. Unchanged (shared) when the organisation is not loaded.
-pub(crate) fn tool_specs_for(shared: &AgentShared, agent: &str) -> Arc<[ToolSpec]> {
+/// The tool specs `spec`'s model is offered: the tools it may use
+/// ([`AgentSpec::tools`]), where the contact tools' descriptions end with the agents it
+/// may contact. Unchanged (shared) when the agent has every tool and the organisation is
+/// not loaded.
+pub(crate) fn tool_specs_for(shared: &AgentShared, spec: &AgentSpec) -> Arc<[ToolSpec]> {
+    let agent = spec.id.as_str();
     if shared.org.cached().is_none() {
-        return Arc::clone(&shared.tool_specs);
+        if spec.tools.is_none() {
+            return Arc::clone(&shared.tool_specs);
+        }
+        return shared
+            .tool_specs
+            .iter()
+            .filter(|tool| spec.allows_tool(&tool.name))
+            .cloned()
+            .collect();
     }
     let peers: Vec<String> = reachable(shared, agent).into_iter().map(|(id, _)| id).collect();
     let suffix = if peers.is_empty() {
@@ -76,6 +100,7 @@ pub(crate) fn tool_specs_for(shared: &AgentShared, agent: &str) -> Arc<[ToolSpec
     shared
         .tool_specs
         .iter()
+        .filter(|tool| spec.allows_tool(&tool.name))
         .map(|spec| {
             let mut spec = spec.clone();
             if [CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME].contains(&spec.name.as_str()) {

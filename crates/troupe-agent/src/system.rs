@@ -1,6 +1,7 @@
 //! The embedding API: build an [`AgentSystem`] (a runtime with the agent kind, a model
 //! client, agents and tools), ask agents, read their conversations.
 
+use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,9 +22,9 @@ use crate::inbox_turns::{delegate_tool, notify_tool};
 use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
-    AgentCallError, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec, AgentSpecError,
-    Budget, CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool, ToolRegistry,
-    ToolRegistryError,
+    AgentCallError, AgentCatalog, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec,
+    AgentSpecError, Budget, CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool,
+    ToolRegistry, ToolRegistryError,
 };
 
 /// Why an [`AgentSystem`] could not start.
@@ -32,7 +33,7 @@ pub enum AgentSystemError {
     /// No model client was given.
     #[error("no LLM client was configured; call AgentSystemBuilder::llm")]
     NoLlm,
-    /// An agent definition is invalid or repeated.
+    /// An agent definition is invalid or repeated, or names an unknown provider or tool.
     #[error(transparent)]
     Spec(#[from] AgentSpecError),
     /// A tool name is repeated (`call_agent` is built in).
@@ -47,6 +48,7 @@ pub enum AgentSystemError {
 pub struct AgentSystemBuilder {
     runtime: RuntimeBuilder,
     llm: Option<Arc<dyn LlmClient>>,
+    providers: BTreeMap<String, Arc<dyn LlmClient>>,
     agents: Vec<AgentSpec>,
     tools: Vec<Tool>,
     observers: Vec<Arc<dyn AgentObserver>>,
@@ -58,6 +60,7 @@ impl Default for AgentSystemBuilder {
         Self {
             runtime: Runtime::builder(),
             llm: None,
+            providers: BTreeMap::new(),
             agents: Vec::new(),
             tools: Vec::new(),
             observers: Vec::new(),
@@ -81,9 +84,38 @@ impl AgentSystemBuilder {
         self
     }
 
-    /// Uses `llm` for every agent.
+    /// Uses `llm` for every agent that names no provider: the default provider
+    /// (required).
     pub fn llm(mut self, llm: Arc<dyn LlmClient>) -> Self {
         self.llm = Some(llm);
+        self
+    }
+
+    /// Registers model provider `name`: agents whose spec names it
+    /// ([`AgentSpec::provider`]) send their model calls to `client`, the others to the
+    /// default ([`AgentSystemBuilder::llm`]). A later provider of the same name replaces
+    /// an earlier one.
+    ///
+    /// # Examples
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use troupe_agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let cheap = Arc::new(ScriptedLlm::new().rule(ScriptRule::agent("summarizer").reply("short")));
+    /// let system = AgentSystem::builder()
+    ///     .llm(Arc::new(ScriptedLlm::new()))
+    ///     .provider("cheap", cheap.clone())
+    ///     .agent(AgentSpec::new("summarizer").provider("cheap"))
+    ///     .start()?;
+    /// assert_eq!(system.ask("summarizer", "hi").await?.text, "short");
+    /// assert_eq!(cheap.requests().len(), 1);
+    /// # system.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn provider(mut self, name: impl Into<String>, client: Arc<dyn LlmClient>) -> Self {
+        self.providers.insert(name.into(), client);
         self
     }
 
@@ -93,7 +125,9 @@ impl AgentSystemBuilder {
         self
     }
 
-    /// Gives every agent `tool` (besides `call_agent`).
+    /// Registers `tool` (besides the built-in `call_agent`, `delegate_to_agent` and
+    /// `notify_agent`): every agent whose spec lists no tools has it, and an agent that
+    /// lists tools ([`AgentSpec::tools`]) may name it.
     pub fn tool(mut self, tool: Tool) -> Self {
         self.tools.push(tool);
         self
@@ -120,13 +154,6 @@ impl AgentSystemBuilder {
     /// Outside a tokio (or madsim) runtime.
     pub fn start(self) -> Result<AgentSystem, AgentSystemError> {
         let llm = self.llm.ok_or(AgentSystemError::NoLlm)?;
-        let directory = AgentDirectory::new();
-        for spec in self.agents {
-            if directory.contains(&spec.id) {
-                return Err(AgentSpecError::Duplicate { id: spec.id }.into());
-            }
-            directory.upsert(spec)?;
-        }
         let mut tools = ToolRegistry::new();
         tools.register(call_agent_tool())?;
         tools.register(delegate_tool())?;
@@ -134,7 +161,17 @@ impl AgentSystemBuilder {
         for tool in self.tools {
             tools.register(tool)?;
         }
-        let shared = Arc::new(AgentShared::new(directory, llm, tools, self.observers));
+        let directory = AgentDirectory::with_catalog(AgentCatalog {
+            providers: self.providers.keys().cloned().collect(),
+            tools: tools.names(),
+        });
+        for spec in self.agents {
+            if directory.contains(&spec.id) {
+                return Err(AgentSpecError::Duplicate { id: spec.id }.into());
+            }
+            directory.upsert(spec)?;
+        }
+        let shared = Arc::new(AgentShared::new(directory, llm, self.providers, tools, self.observers));
         let kind = ActorKind::new(AGENT_KIND).expect("the agent kind name is valid");
         let factory = AgentFactory {
             shared: Arc::clone(&shared),

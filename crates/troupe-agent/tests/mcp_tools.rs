@@ -262,3 +262,29 @@ async fn nobody_listening_over_http_is_a_connect_error() {
         "{error:?}"
     );
 }
+
+/// Goal: MCP tools are selected per agent by name like any other tool. Method: `calc`
+/// may use only the server's `add`; it is offered only `add`, and its call of the
+/// server's `echo` is refused before reaching the server.
+#[tokio::test]
+async fn an_agent_limited_to_one_mcp_tool_is_offered_only_it() {
+    let server = stdio_server().await;
+    let llm = Arc::new(calling_agent("echo", json!({"text": "hi"})));
+    let mut builder = AgentSystem::builder()
+        .llm(llm.clone())
+        .agent(AgentSpec::new("calc").tools(["add"]));
+    for tool in server.tools().unwrap() {
+        builder = builder.tool(tool);
+    }
+    let system = builder.start().unwrap();
+
+    let reply = system.ask("calc", "go").await.unwrap();
+
+    assert_eq!(
+        reply.text,
+        "result: error: tool `echo` is not available to agent calc; its tools are: add"
+    );
+    let offered: Vec<String> = llm.requests()[0].tools.iter().map(|tool| tool.name.clone()).collect();
+    assert_eq!(offered, vec!["add"]);
+    system.shutdown().await;
+}

@@ -1,18 +1,22 @@
 //! What every agent of one system shares: the directory, the model, the tools, the
 //! observers and the runtime once started.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use troupe_core::Deadline;
 use troupe_runtime::{Clock, RuntimeHandle};
 
-use crate::{AgentDirectory, AgentEvent, AgentObserver, LlmClient, ToolRegistry, ToolSpec};
+use crate::{AgentDirectory, AgentEvent, AgentObserver, AgentSpec, LlmClient, ToolRegistry, ToolSpec};
 
 /// What every agent of one system shares.
 pub(crate) struct AgentShared {
     pub(crate) directory: AgentDirectory,
+    /// The default model client: agents that name no provider use it.
     pub(crate) llm: Arc<dyn LlmClient>,
+    /// The named model providers, by name.
+    pub(crate) providers: BTreeMap<String, Arc<dyn LlmClient>>,
     pub(crate) tools: ToolRegistry,
     /// The registry's specs, built once: every model request offers this list.
     pub(crate) tool_specs: Arc<[ToolSpec]>,
@@ -33,12 +37,14 @@ impl AgentShared {
     pub(crate) fn new(
         directory: AgentDirectory,
         llm: Arc<dyn LlmClient>,
+        providers: BTreeMap<String, Arc<dyn LlmClient>>,
         tools: ToolRegistry,
         observers: Vec<Arc<dyn AgentObserver>>,
     ) -> Self {
         Self {
             directory,
             llm,
+            providers,
             tool_specs: tools.specs().into(),
             tools,
             observers,
@@ -47,6 +53,16 @@ impl AgentShared {
             next_call: AtomicU64::new(1),
             clock: OnceLock::new(),
             runtime: OnceLock::new(),
+        }
+    }
+
+    /// The model client of agent `spec`: its named provider, or the default. `None` if
+    /// it names a provider the system does not have (the directory refuses such a
+    /// definition, so only a definition kept from an earlier run can).
+    pub(crate) fn llm_for(&self, spec: &AgentSpec) -> Option<&Arc<dyn LlmClient>> {
+        match &spec.provider {
+            None => Some(&self.llm),
+            Some(name) => self.providers.get(name),
         }
     }
 

@@ -65,6 +65,73 @@ pub enum AgentSpecError {
         /// The id.
         id: String,
     },
+    /// The agent names a model provider the system does not have.
+    #[error(
+        "agent {id:?} names model provider {provider:?}, which this system does not have; known providers: [{}] \
+         (register it with AgentSystemBuilder::provider)",
+        known.join(", ")
+    )]
+    UnknownProvider {
+        /// The agent.
+        id: String,
+        /// The provider it names.
+        provider: String,
+        /// The providers the system has, by name.
+        known: Vec<String>,
+    },
+    /// The agent names a tool the system does not have.
+    #[error(
+        "agent {id:?} names tool {tool:?}, which this system does not have; registered tools: [{}] \
+         (register it with AgentSystemBuilder::tool)",
+        known.join(", ")
+    )]
+    UnknownTool {
+        /// The agent.
+        id: String,
+        /// The tool it names.
+        tool: String,
+        /// The tools the system has, by name.
+        known: Vec<String>,
+    },
+}
+
+/// The model providers and tools an agent definition may name: what the directory of a
+/// started [`crate::AgentSystem`] checks definitions against.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentCatalog {
+    /// The named providers ([`crate::AgentSystemBuilder::provider`]), in order.
+    pub providers: Vec<String>,
+    /// The registered tools, built-in ones included, in order.
+    pub tools: Vec<String>,
+}
+
+impl AgentCatalog {
+    /// Checks that every provider and tool `spec` names is in this catalog.
+    ///
+    /// # Errors
+    /// [`AgentSpecError::UnknownProvider`], [`AgentSpecError::UnknownTool`] (the first
+    /// unknown tool).
+    pub fn check(&self, spec: &AgentSpec) -> Result<(), AgentSpecError> {
+        if let Some(provider) = &spec.provider {
+            if !self.providers.contains(provider) {
+                return Err(AgentSpecError::UnknownProvider {
+                    id: spec.id.clone(),
+                    provider: provider.clone(),
+                    known: self.providers.clone(),
+                });
+            }
+        }
+        for tool in spec.tools.iter().flatten() {
+            if !self.tools.contains(tool) {
+                return Err(AgentSpecError::UnknownTool {
+                    id: spec.id.clone(),
+                    tool: tool.clone(),
+                    known: self.tools.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The definition of an agent: who it is and how it thinks.
@@ -80,6 +147,14 @@ pub struct AgentSpec {
     pub role: String,
     /// Its model settings.
     pub model: ModelSettings,
+    /// The named model provider its turns use ([`crate::AgentSystemBuilder::provider`]);
+    /// `None`: the system's default client ([`crate::AgentSystemBuilder::llm`]).
+    #[serde(default)]
+    pub provider: Option<String>,
+    /// The tools its model is offered and may run, by name; `None`: every registered
+    /// tool. A call of any other tool is refused with a tool result and not run.
+    #[serde(default)]
+    pub tools: Option<Vec<String>>,
 }
 
 impl AgentSpec {
@@ -92,7 +167,35 @@ impl AgentSpec {
             system_prompt: String::new(),
             role: String::new(),
             model: ModelSettings::default(),
+            provider: None,
+            tools: None,
         }
+    }
+
+    /// Uses the system's model provider named `provider` (registered with
+    /// [`crate::AgentSystemBuilder::provider`]) instead of the default client.
+    pub fn provider(mut self, provider: impl Into<String>) -> Self {
+        self.provider = Some(provider.into());
+        self
+    }
+
+    /// Limits the agent to the tools named (registered ones, built-in or MCP); its model
+    /// is offered only these, and a call of any other is refused. Without this call it
+    /// has every registered tool.
+    pub fn tools<I, S>(mut self, tools: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.tools = Some(tools.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Whether the agent may use tool `name`.
+    pub fn allows_tool(&self, name: &str) -> bool {
+        self.tools
+            .as_ref()
+            .is_none_or(|tools| tools.iter().any(|tool| tool == name))
     }
 
     /// Sets the display name.
@@ -156,21 +259,41 @@ impl AgentSpec {
 #[derive(Debug, Clone, Default)]
 pub struct AgentDirectory {
     agents: Arc<RwLock<BTreeMap<String, AgentSpec>>>,
+    catalog: Option<Arc<AgentCatalog>>,
 }
 
 impl AgentDirectory {
-    /// An empty directory.
+    /// An empty directory that checks no provider or tool names (see
+    /// [`AgentDirectory::with_catalog`]).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty directory that refuses definitions naming a provider or tool not in
+    /// `catalog` (a started system's directory is one).
+    pub fn with_catalog(catalog: AgentCatalog) -> Self {
+        Self {
+            agents: Arc::default(),
+            catalog: Some(Arc::new(catalog)),
+        }
+    }
+
+    /// The providers and tools definitions are checked against, if any.
+    pub fn catalog(&self) -> Option<&AgentCatalog> {
+        self.catalog.as_deref()
     }
 
     /// Adds or replaces an agent; its next turn uses the new definition and keeps its
     /// history.
     ///
     /// # Errors
-    /// [`AgentSpecError`] if the definition is invalid.
+    /// [`AgentSpecError`] if the definition is invalid, or names a provider or tool not
+    /// in the directory's catalog.
     pub fn upsert(&self, spec: AgentSpec) -> Result<(), AgentSpecError> {
         spec.validate()?;
+        if let Some(catalog) = &self.catalog {
+            catalog.check(&spec)?;
+        }
         self.agents.write().unwrap().insert(spec.id.clone(), spec);
         Ok(())
     }
@@ -195,5 +318,27 @@ impl AgentDirectory {
     /// Every definition, by id.
     pub fn list(&self) -> Vec<AgentSpec> {
         self.agents.read().unwrap().values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: definitions stored before providers and tool sets existed still load.
+    /// Method: decode the JSON of a spec without the two fields; round-trip a new one.
+    #[test]
+    fn a_spec_stored_without_provider_or_tools_loads_with_neither() {
+        let old = r#"{"id":"a","name":"A","system_prompt":"","role":"","model":{"model":"m","max_steps":3}}"#;
+        let spec: AgentSpec = serde_json::from_str(old).unwrap();
+        assert_eq!(spec.provider, None);
+        assert_eq!(spec.tools, None);
+        assert!(spec.allows_tool("anything"));
+
+        let new = AgentSpec::new("b").provider("cheap").tools(["search"]);
+        let round: AgentSpec = serde_json::from_str(&serde_json::to_string(&new).unwrap()).unwrap();
+        assert_eq!(round, new);
+        assert!(round.allows_tool("search"));
+        assert!(!round.allows_tool("call_agent"));
     }
 }

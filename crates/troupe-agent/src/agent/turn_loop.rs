@@ -47,7 +47,7 @@ impl AgentActor {
             text.push_str(&format!(", {}", spec.role));
         }
         text.push('.');
-        text.push_str(&crate::org_prompt::contacts_section(&self.shared, &spec.id));
+        text.push_str(&crate::org_prompt::contacts_section(&self.shared, spec));
         ChatMessage::new(Role::System, text)
     }
 
@@ -121,7 +121,14 @@ impl AgentActor {
             Some(Arc::clone(&sends)),
             Arc::clone(&meter),
         );
-        let specs = &crate::org_prompt::tool_specs_for(&self.shared, self.id.key());
+        let specs = &crate::org_prompt::tool_specs_for(&self.shared, &self.state.spec);
+        let Some(llm) = self.shared.llm_for(&self.state.spec).cloned() else {
+            let provider = self.state.spec.provider.clone().unwrap_or_default();
+            return Err(ActorError::failed(format!(
+                "{} names model provider {provider:?}, which this system does not have",
+                self.id
+            )));
+        };
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
         let mut usage = TokenUsage::default();
@@ -161,7 +168,7 @@ impl AgentActor {
                 max_tokens,
             };
             let model_call = tracing::Instrument::instrument(
-                self.shared.llm.complete(llm_request),
+                llm.complete(llm_request),
                 tracing::debug_span!("model_call", agent = %self.id, step = steps),
             );
             let reply = match clock.run_until(deadline, model_call).await {
@@ -254,10 +261,12 @@ impl AgentActor {
     /// Runs one step's tool calls concurrently; one result text per call, in order.
     async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
         let registry = &self.shared.tools;
+        let spec = &self.state.spec;
         let granting = calls
             .iter()
             .take(AGENT_TOOL_CALLS_PER_STEP_MAX)
             .filter(|call| [CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME].contains(&call.name.as_str()))
+            .filter(|call| spec.allows_tool(&call.name))
             .count();
         context.budget().begin_step(granting);
         // Polled in place on the turn's task (no spawned tasks, which would outlive a
@@ -266,6 +275,16 @@ impl AgentActor {
             if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
                 return format!(
                     "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
+                );
+            }
+            if !spec.allows_tool(&call.name) {
+                // Refused before anything runs or is charged: the agent's tool set is
+                // enforced here, not left to the model reading its tool list.
+                return format!(
+                    "error: tool `{}` is not available to agent {}; its tools are: {}",
+                    call.name,
+                    spec.id,
+                    spec.tools.as_deref().unwrap_or_default().join(", ")
                 );
             }
             let arguments = match &call.arguments {
