@@ -24,5 +24,5 @@
 mod node;
 mod placed_store;
 
-pub use node::{ClusterError, ClusterNode, ClusterStats, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS};
+pub use node::{ClusterClient, ClusterError, ClusterNode, ClusterStats, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS};
 pub use placed_store::{PlacedStore, RELEASE_QUEUE_CAPACITY};

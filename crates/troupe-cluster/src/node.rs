@@ -207,6 +207,75 @@ impl ClusterNode {
         }
     }
 
+    /// Runs `payload` on `target`, wherever the cluster has it: see
+    /// [`ClusterClient::invoke`].
+    ///
+    /// # Errors
+    /// As [`ClusterClient::invoke`].
+    pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+        self.client().invoke(target, payload, deadline).await
+    }
+
+    /// A handle that calls through this node; clones share the node's routes and
+    /// connections, and may be moved to other tasks.
+    pub fn client(&self) -> ClusterClient {
+        ClusterClient {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
+    /// Stops the node as a clean exit: the runtime shuts down (its actors save under
+    /// their fences), then the node leaves the cluster (its lease is revoked, which
+    /// removes its membership and placements at once).
+    ///
+    /// # Errors
+    /// [`PlacementError::EtcdUnavailable`] if etcd did not answer the revoke; the lease
+    /// then ends after its TTL.
+    pub async fn leave(mut self) -> Result<(), PlacementError> {
+        self.server.take();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown().await;
+        }
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        self.inner.ownership.mark_lost();
+        self.inner.placement.leave().await
+    }
+
+    /// Stops the node as a crash does, seen from the cluster: it stops serving and
+    /// committing at once, and its lease is not revoked but left to expire, so its
+    /// actors move to other nodes one lease TTL later.
+    pub async fn abandon(mut self) {
+        self.inner.ownership.mark_lost();
+        self.server.take();
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown().await;
+        }
+        self.inner.placement.stop_renewing();
+    }
+}
+
+/// Calls actors through a [`ClusterNode`] (from [`ClusterNode::client`]); cheap to clone.
+#[derive(Clone)]
+pub struct ClusterClient {
+    inner: Arc<Inner>,
+}
+
+impl ClusterClient {
+    /// The node this client calls through.
+    pub fn node(&self) -> &NodeId {
+        &self.inner.node
+    }
+
+    /// A deadline `timeout` from now on the node's clock.
+    pub fn deadline_in(&self, timeout: Duration) -> Deadline {
+        self.inner.handle.deadline_in(timeout)
+    }
+
     /// Runs `payload` on `target`, wherever the cluster has it, and returns the reply;
     /// resolves by `deadline` (on this node's clock).
     ///
@@ -265,14 +334,15 @@ impl ClusterNode {
                     ..
                 }) => {
                     inner.counters.reroutes.fetch_add(1, Ordering::Relaxed);
-                    let mut routes = inner.routes();
-                    routes.remove(target);
-                    if let Some(hint) = hint.and_then(|hint| NodeId::new(hint).ok()) {
-                        if Some(&hint) != owner.as_ref() {
-                            routes.insert(target.clone(), hint);
+                    {
+                        let mut routes = inner.routes();
+                        routes.remove(target);
+                        if let Some(hint) = hint.and_then(|hint| NodeId::new(hint).ok()) {
+                            if Some(&hint) != owner.as_ref() {
+                                routes.insert(target.clone(), hint);
+                            }
                         }
                     }
-                    drop(routes);
                     if refused_before {
                         inner.pause(deadline).await;
                     }
@@ -293,39 +363,6 @@ impl ClusterNode {
         }
     }
 
-    /// Stops the node as a clean exit: the runtime shuts down (its actors save under
-    /// their fences), then the node leaves the cluster (its lease is revoked, which
-    /// removes its membership and placements at once).
-    ///
-    /// # Errors
-    /// [`PlacementError::EtcdUnavailable`] if etcd did not answer the revoke; the lease
-    /// then ends after its TTL.
-    pub async fn leave(mut self) -> Result<(), PlacementError> {
-        self.server.take();
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown().await;
-        }
-        for task in self.tasks.drain(..) {
-            task.abort();
-        }
-        self.inner.ownership.mark_lost();
-        self.inner.placement.leave().await
-    }
-
-    /// Stops the node as a crash does, seen from the cluster: it stops serving and
-    /// committing at once, and its lease is not revoked but left to expire, so its
-    /// actors move to other nodes one lease TTL later.
-    pub async fn abandon(mut self) {
-        self.inner.ownership.mark_lost();
-        self.server.take();
-        for task in self.tasks.drain(..) {
-            task.abort();
-        }
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown().await;
-        }
-        self.inner.placement.stop_renewing();
-    }
 }
 
 impl Drop for ClusterNode {
