@@ -124,10 +124,8 @@ impl ClusterNode {
             }))
             .start();
         let handle = runtime.handle();
-        let server = TransportServer::serve(listener, handle.clone()).map_err(|cause| ClusterError::Listen {
-            address: listen,
-            cause,
-        })?;
+        let server = TransportServer::serve(listener, handle.clone())
+            .map_err(|cause| ClusterError::Listen { address: listen, cause })?;
         let (fenced_off, _) = tokio::sync::watch::channel(None);
         let inner = Arc::new(Inner {
             node,
@@ -362,7 +360,6 @@ impl ClusterClient {
             }
         }
     }
-
 }
 
 impl Drop for ClusterNode {

@@ -86,12 +86,23 @@ impl Ownership {
     /// over from an earlier activation on this node is released and made anew, since
     /// the store refuses a fence it has already seen.
     async fn place(&self, actor: &ActorId) -> Result<Fence, StoreError> {
-        let mut record = self.placement.place(actor).await.map_err(|error| not_owner(actor, error))?;
+        let mut record = self
+            .placement
+            .place(actor)
+            .await
+            .map_err(|error| not_owner(actor, error))?;
         let previous = self.held().get(actor).and_then(|holding| holding.fence);
         if previous == Some(record.fence) {
-            self.placement.release(actor).await.map_err(|error| not_owner(actor, error))?;
+            self.placement
+                .release(actor)
+                .await
+                .map_err(|error| not_owner(actor, error))?;
             self.held().entry(actor.clone()).or_default().fence = None;
-            record = self.placement.place(actor).await.map_err(|error| not_owner(actor, error))?;
+            record = self
+                .placement
+                .place(actor)
+                .await
+                .map_err(|error| not_owner(actor, error))?;
         }
         self.held().entry(actor.clone()).or_default().fence = Some(record.fence);
         Ok(record.fence)
@@ -186,7 +197,10 @@ impl<S: FencedClaim> StateStore for PlacedStore<S> {
             Err(_) => {
                 // Nothing placed here (refused): forget the actor, so the table holds
                 // only actors this node placed.
-                if held.get(actor).is_some_and(|holding| holding.fence.is_none() && !holding.live) {
+                if held
+                    .get(actor)
+                    .is_some_and(|holding| holding.fence.is_none() && !holding.live)
+                {
                     held.remove(actor);
                 }
             }

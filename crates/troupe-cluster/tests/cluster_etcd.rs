@@ -21,8 +21,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use support::{check_distinct_acks, counter, counter_runtime, parse_reply, LoggingStore, StoreLog, SLOW_TURN_MS};
 use tokio::time::Instant;
-use troupe_core::{ActorId, InvokeError, StoreError};
 use troupe_cluster::ClusterNode;
+use troupe_core::{ActorId, InvokeError, StoreError};
 use troupe_etcd::{EtcdConfig, LeaseLostReason, NodeId, Placement};
 use troupe_runtime::{Fence, SqliteStore, StateChange, StateStore, TurnCommit};
 
@@ -63,8 +63,18 @@ impl TestEtcd {
             let child = Command::new(ETCD_BINARY)
                 .arg("--data-dir")
                 .arg(directory.path().join("data"))
-                .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
-                .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+                .args([
+                    "--listen-client-urls",
+                    &client_url,
+                    "--advertise-client-urls",
+                    &client_url,
+                ])
+                .args([
+                    "--listen-peer-urls",
+                    &peer_url,
+                    "--initial-advertise-peer-urls",
+                    &peer_url,
+                ])
                 .args(["--initial-cluster", &format!("default={peer_url}")])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -101,9 +111,14 @@ impl TestEtcd {
     }
 
     fn config(&self, node: &str) -> EtcdConfig {
-        EtcdConfig::new(vec![self.endpoint()], "test", NodeId::new(node).expect("a node name"), "")
-            .with_lease_ttl_s(TEST_LEASE_TTL_S)
-            .with_request_timeout_ms(TEST_REQUEST_TIMEOUT_MS)
+        EtcdConfig::new(
+            vec![self.endpoint()],
+            "test",
+            NodeId::new(node).expect("a node name"),
+            "",
+        )
+        .with_lease_ttl_s(TEST_LEASE_TTL_S)
+        .with_request_timeout_ms(TEST_REQUEST_TIMEOUT_MS)
     }
 }
 
@@ -179,7 +194,11 @@ async fn spread_and_call_everything(cluster: &Cluster, acks: &mut Vec<(ActorId, 
     for (index, actor) in actors().iter().enumerate() {
         let node = &cluster.nodes[index % cluster.nodes.len()];
         let (served_by, count) = call(node, actor, b"inc").await.expect("the first call");
-        assert_eq!(served_by, node.node().as_str(), "{actor}: a free actor is activated where it is called");
+        assert_eq!(
+            served_by,
+            node.node().as_str(),
+            "{actor}: a free actor is activated where it is called"
+        );
         acks.push((actor.clone(), served_by, count));
     }
     let mut calls = tokio::task::JoinSet::new();
@@ -201,7 +220,10 @@ async fn spread_and_call_everything(cluster: &Cluster, acks: &mut Vec<(ActorId, 
     while let Some(joined) = calls.join_next().await {
         let (actor, caller, result) = joined.expect("a call task");
         let (served_by, count) = parse_reply(&result.unwrap_or_else(|error| panic!("{caller} → {actor}: {error}")));
-        let expected = format!("node-{}", ["a", "b", "c"][actor.key()[1..].parse::<usize>().expect("k<index>") % 3]);
+        let expected = format!(
+            "node-{}",
+            ["a", "b", "c"][actor.key()[1..].parse::<usize>().expect("k<index>") % 3]
+        );
         assert_eq!(served_by, expected, "{actor} moved while every node was up");
         *served.entry(served_by.clone()).or_default() += 1;
         acks.push((actor, served_by, count));
@@ -225,7 +247,10 @@ async fn call_until_served(node: &ClusterNode, actor: &ActorId, bound: Duration)
                     started.elapsed() < bound,
                     "{actor} was not served within {bound:?}; last error: {error}"
                 );
-                assert!(error.is_transient(), "{actor}: only transient errors while it moves: {error}");
+                assert!(
+                    error.is_transient(),
+                    "{actor}: only transient errors while it moves: {error}"
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -233,8 +258,15 @@ async fn call_until_served(node: &ClusterNode, actor: &ActorId, bound: Duration)
 }
 
 /// The highest fence each node claimed `actor` with, from the checked log.
-fn highest_fence(fences: &std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>, actor: &ActorId, node: &str) -> Option<u64> {
-    fences.get(&actor.to_string()).and_then(|by_node| by_node.get(node)).copied()
+fn highest_fence(
+    fences: &std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>,
+    actor: &ActorId,
+    node: &str,
+) -> Option<u64> {
+    fences
+        .get(&actor.to_string())
+        .and_then(|by_node| by_node.get(node))
+        .copied()
 }
 
 /// Node C's lease is revoked while a slow turn runs on it: C fences itself off (no
@@ -254,7 +286,9 @@ async fn a_node_that_loses_its_lease_hands_its_actors_over_with_newer_fences() {
         let client = node_a.client();
         tokio::spawn(async move {
             let deadline = client.deadline_in(Duration::from_millis(3 * SLOW_TURN_MS));
-            client.invoke(&counter("k2"), Bytes::from_static(b"slow@node-c"), deadline).await
+            client
+                .invoke(&counter("k2"), Bytes::from_static(b"slow@node-c"), deadline)
+                .await
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -272,18 +306,36 @@ async fn a_node_that_loses_its_lease_hands_its_actors_over_with_newer_fences() {
         let node = &cluster.nodes[index % 2];
         let (served_by, count) = call_until_served(node, actor, bound).await;
         assert_ne!(served_by, "node-c", "{actor} served by the node that lost its lease");
-        eprintln!("{actor}: served by {served_by} {} ms after the revoke", revoked_at.elapsed().as_millis());
+        eprintln!(
+            "{actor}: served by {served_by} {} ms after the revoke",
+            revoked_at.elapsed().as_millis()
+        );
         acks.push((actor.clone(), served_by, count));
     }
-    let reason = tokio::time::timeout(Duration::from_millis(SLOW_TURN_MS + SCHEDULING_ALLOWANCE_MS), node_c.fenced_off())
-        .await
-        .expect("C fenced itself off");
+    let reason = tokio::time::timeout(
+        Duration::from_millis(SLOW_TURN_MS + SCHEDULING_ALLOWANCE_MS),
+        node_c.fenced_off(),
+    )
+    .await
+    .expect("C fenced itself off");
     assert_eq!(reason, LeaseLostReason::ExpiredOnServer);
     eprintln!("C fenced off {} ms after the revoke", revoked_at.elapsed().as_millis());
 
-    let (served_by, count) = parse_reply(&slow.await.expect("the slow call's task").expect("the slow call is served"));
-    assert_ne!(served_by, "node-c", "the slow turn's commit on C must have been refused");
-    assert!(node_a.stats().reroutes >= 1, "the slow call was rerouted: {:?}", node_a.stats());
+    let (served_by, count) = parse_reply(
+        &slow
+            .await
+            .expect("the slow call's task")
+            .expect("the slow call is served"),
+    );
+    assert_ne!(
+        served_by, "node-c",
+        "the slow turn's commit on C must have been refused"
+    );
+    assert!(
+        node_a.stats().reroutes >= 1,
+        "the slow call was rerouted: {:?}",
+        node_a.stats()
+    );
     acks.push((counter("k2"), served_by, count));
 
     // C, without a lease, still calls: routed to the new owners.
@@ -321,7 +373,11 @@ async fn a_node_that_loses_its_lease_hands_its_actors_over_with_newer_fences() {
         }
     }
     assert!(
-        cluster.log.entries().iter().all(|entry| !(entry.ok && entry.count == Some(999))),
+        cluster
+            .log
+            .entries()
+            .iter()
+            .all(|entry| !(entry.ok && entry.count == Some(999))),
         "no zombie commit landed"
     );
 }
@@ -389,16 +445,34 @@ async fn deactivation_releases_the_placement() {
     let actor = counter("r");
     let (served_by, _) = call(&cluster.nodes[0], &actor, b"inc").await.expect("a call");
     assert_eq!(served_by, "node-a");
-    let placed = cluster.nodes[0].placement().lookup(&actor).await.expect("lookup").expect("placed");
+    let placed = cluster.nodes[0]
+        .placement()
+        .lookup(&actor)
+        .await
+        .expect("lookup")
+        .expect("placed");
     assert_eq!(placed.owner.as_str(), "node-a");
     assert!(cluster.nodes[0].handle().deactivate(&actor).await.expect("deactivate"));
     let started = Instant::now();
-    while cluster.nodes[0].placement().lookup(&actor).await.expect("lookup").is_some() {
-        assert!(started.elapsed() < Duration::from_millis(SCHEDULING_ALLOWANCE_MS), "the placement was not released");
+    while cluster.nodes[0]
+        .placement()
+        .lookup(&actor)
+        .await
+        .expect("lookup")
+        .is_some()
+    {
+        assert!(
+            started.elapsed() < Duration::from_millis(SCHEDULING_ALLOWANCE_MS),
+            "the placement was not released"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let (served_by, count) = call(&cluster.nodes[1], &actor, b"inc").await.expect("a call");
-    assert_eq!((served_by.as_str(), count), ("node-b", 2), "B activates it from A's saved state");
+    assert_eq!(
+        (served_by.as_str(), count),
+        ("node-b", 2),
+        "B activates it from A's saved state"
+    );
     let fences = cluster.log.check_single_owner();
     assert!(highest_fence(&fences, &actor, "node-b") > highest_fence(&fences, &actor, "node-a"));
     // And back on A: A's leftover route to itself is corrected by B's refusal... A asks etcd.

@@ -79,7 +79,10 @@ struct Shared {
 impl Shared {
     fn note(&self, text: String) {
         let at = self.start.elapsed().as_millis();
-        self.record.lock().expect("the record").push(format!("{at:>6} ms {text}"));
+        self.record
+            .lock()
+            .expect("the record")
+            .push(format!("{at:>6} ms {text}"));
     }
 }
 
@@ -261,14 +264,20 @@ async fn check_invariants(shared: &Shared) {
     for index in 0..ACTORS {
         let actor = counter(&format!("c{index}"));
         let stored = shared.store.load(&actor).await.expect("load");
-        let final_count: u64 = stored.map_or(0, |bytes| std::str::from_utf8(&bytes).expect("text").parse().expect("a count"));
+        let final_count: u64 = stored.map_or(0, |bytes| {
+            std::str::from_utf8(&bytes).expect("text").parse().expect("a count")
+        });
         let counts = committed.remove(&actor.to_string()).unwrap_or_default();
         assert_eq!(
             counts,
             (1..=final_count).collect::<BTreeSet<_>>(),
             "{actor}: the committed counts must be exactly 1..={final_count}"
         );
-        let highest_ack = acks.iter().filter(|(acked, _, _)| *acked == actor).map(|(_, _, count)| *count).max();
+        let highest_ack = acks
+            .iter()
+            .filter(|(acked, _, _)| *acked == actor)
+            .map(|(_, _, count)| *count)
+            .max();
         assert!(
             highest_ack.unwrap_or(0) <= final_count,
             "{actor}: acknowledged {highest_ack:?} but the store holds {final_count}"
@@ -283,7 +292,10 @@ async fn check_invariants(shared: &Shared) {
             eprintln!("{line}");
         }
     }
-    eprintln!("{} calls acknowledged; outcomes by server or error: {outcomes:?}", acks.len());
+    eprintln!(
+        "{} calls acknowledged; outcomes by server or error: {outcomes:?}",
+        acks.len()
+    );
 }
 
 /// The scenario under the seed madsim picks (`MADSIM_TEST_SEED` replays one;

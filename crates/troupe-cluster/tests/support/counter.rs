@@ -117,9 +117,17 @@ impl StoreLog {
             match entry.count {
                 None => {
                     if let Some(other) = claimed_by.insert((entry.actor.clone(), entry.fence), entry.node.clone()) {
-                        assert_eq!(other, entry.node, "{} fence {} claimed by two nodes", entry.actor, entry.fence);
+                        assert_eq!(
+                            other, entry.node,
+                            "{} fence {} claimed by two nodes",
+                            entry.actor, entry.fence
+                        );
                     }
-                    let highest = fences.entry(entry.actor.clone()).or_default().entry(entry.node.clone()).or_default();
+                    let highest = fences
+                        .entry(entry.actor.clone())
+                        .or_default()
+                        .entry(entry.node.clone())
+                        .or_default();
                     *highest = (*highest).max(entry.fence);
                 }
                 Some(count) => {
