@@ -46,6 +46,9 @@ pub struct ClusterStats {
     pub forwarded_calls: u64,
     /// "Not owner" refusals after which a call looked its target up again.
     pub reroutes: u64,
+    /// Activations that found this node's placement from an earlier activation still in
+    /// etcd (its release had not run, or failed) and released it and placed anew.
+    pub placements_replaced: u64,
 }
 
 #[derive(Default)]
@@ -188,6 +191,7 @@ impl ClusterNode {
             local_calls: counters.local_calls.load(Ordering::Relaxed),
             forwarded_calls: counters.forwarded_calls.load(Ordering::Relaxed),
             reroutes: counters.reroutes.load(Ordering::Relaxed),
+            placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
         }
     }
 

@@ -3,7 +3,7 @@
 //! runtime's ordinary activation path becomes the cluster's ownership protocol.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
@@ -40,6 +40,8 @@ pub(crate) struct Ownership {
     lost: AtomicBool,
     held: Mutex<HashMap<ActorId, Holding>>,
     releases: mpsc::Sender<ActorId>,
+    /// Placements left from an earlier activation here, released and made anew at a claim.
+    pub(crate) replaced: AtomicU64,
 }
 
 impl Ownership {
@@ -50,6 +52,7 @@ impl Ownership {
             lost: AtomicBool::new(false),
             held: Mutex::new(HashMap::new()),
             releases,
+            replaced: AtomicU64::new(0),
         });
         (ownership, queue)
     }
@@ -93,6 +96,7 @@ impl Ownership {
             .map_err(|error| not_owner(actor, error))?;
         let previous = self.held().get(actor).and_then(|holding| holding.fence);
         if previous == Some(record.fence) {
+            self.replaced.fetch_add(1, Ordering::Relaxed);
             self.placement
                 .release(actor)
                 .await

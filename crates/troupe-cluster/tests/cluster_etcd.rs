@@ -479,3 +479,40 @@ async fn deactivation_releases_the_placement() {
     let (served_by, count) = call(&cluster.nodes[0], &actor, b"inc").await.expect("a call");
     assert_eq!((served_by.as_str(), count), ("node-b", 3));
 }
+
+/// Deactivating an actor and calling it again at once races the release of the old
+/// placement against the new activation's claim on the same node: whichever runs
+/// first, every call is served, each activation claims a newer fence (a placement left
+/// from the previous activation is released and made anew), and no count is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reactivating_at_once_on_the_same_node_claims_a_newer_fence_each_time() {
+    const ROUNDS: u64 = 20;
+    let cluster = start_cluster("reactivate").await;
+    let actor = counter("again");
+    let node = &cluster.nodes[0];
+    let mut acks = Vec::new();
+    for round in 1..=ROUNDS {
+        let (served_by, count) = call(node, &actor, b"inc").await.expect("a call");
+        assert_eq!((served_by.as_str(), count), ("node-a", round));
+        acks.push((actor.clone(), served_by, count));
+        assert!(node.handle().deactivate(&actor).await.expect("deactivate"));
+    }
+    check_distinct_acks(&acks);
+    cluster.log.check_single_owner();
+    let claims: Vec<u64> = cluster
+        .log
+        .entries()
+        .into_iter()
+        .filter(|entry| entry.ok && entry.count.is_none())
+        .map(|entry| entry.fence)
+        .collect();
+    assert_eq!(claims.len() as u64, ROUNDS, "one claim per activation: {claims:?}");
+    assert!(
+        claims.windows(2).all(|pair| pair[0] < pair[1]),
+        "fences grow: {claims:?}"
+    );
+    eprintln!(
+        "{ROUNDS} reactivations; {} found the previous placement still there and replaced it",
+        node.stats().placements_replaced
+    );
+}
