@@ -115,6 +115,24 @@ pub enum StoreError {
         /// The actor's newest fence, or `None` if the store holds no claim for it.
         current: Option<Fence>,
     },
+    /// A cluster node refused to claim `actor`: the cluster's placement names another
+    /// node as its owner (`owner`), or this node has lost its membership (`owner:
+    /// None`). Nothing ran and nothing was written; the caller should look the owner up
+    /// again and send the request there.
+    #[error("{actor} is not owned by this node: {}", display_owner(owner))]
+    NotOwner {
+        /// The actor.
+        actor: ActorId,
+        /// The node the placement names, if this node could tell.
+        owner: Option<String>,
+    },
+}
+
+fn display_owner(owner: &Option<String>) -> String {
+    match owner {
+        Some(owner) => format!("it is placed on node {owner}"),
+        None => "this node has lost its cluster lease".to_string(),
+    }
 }
 
 fn display_newest(current: &Option<Fence>) -> String {

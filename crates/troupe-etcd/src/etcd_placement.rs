@@ -163,6 +163,14 @@ impl EtcdPlacement {
         self.inner.standing.wait_lost().await
     }
 
+    /// Stops renewing the lease without revoking it, as a crashed node does: etcd
+    /// removes the membership and every placement of this node one TTL after the last
+    /// renewal. For tests and for a node that must stop at once; prefer
+    /// [`EtcdPlacement::leave`].
+    pub fn stop_renewing(&self) {
+        self.inner.keep_alive_task.abort();
+    }
+
     /// Leaves the cluster: stops renewing and revokes the lease, which removes this
     /// node's membership record and every placement it holds at once. The lease counts
     /// as lost ([`LeaseLostReason::Left`]) whether or not the revoke reached etcd.

@@ -24,8 +24,9 @@
 //! (`madsim-etcd-client`, which re-exports the real `etcd-client` otherwise). Only what
 //! both offer is used: key-value, transactions comparing values, leases.
 //!
-//! Not here yet: the runtime does not call the directory (see [`Placement`] for how it
-//! should), and nothing routes calls between nodes; see docs/cluster.md.
+//! The crate `troupe-cluster` puts this directory to work: its cluster node places each
+//! actor before activating it, claims the state with the fence and routes calls to the
+//! owner; see docs/cluster.md.
 
 mod config;
 mod error;

@@ -32,7 +32,7 @@ pub struct NodeRecord {
 
 /// A cluster directory: membership, and at most one owner per actor.
 ///
-/// How a runtime uses it (the runtime does not call it yet, see docs/cluster.md):
+/// How a runtime uses it (`troupe_cluster::PlacedStore` does this, see docs/cluster.md):
 /// before activating actor `a`, call [`Placement::place`]; on `Ok(record)` claim the
 /// state with `store.claim_with_fence(a, record.fence)` and commit every turn under
 /// that fence; on [`PlacementError::PlacementConflict`] route the call to the owner.

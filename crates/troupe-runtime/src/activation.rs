@@ -499,7 +499,9 @@ async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(
             Ok(())
         }
         Err(source) => {
-            if matches!(source, StoreError::Fenced { .. }) {
+            // Fenced: another activation claimed the actor since. NotOwner: a cluster
+            // node lost the actor's placement (its lease). Either way this one is stale.
+            if matches!(source, StoreError::Fenced { .. } | StoreError::NotOwner { .. }) {
                 live.fenced = Some(Box::new(source.clone()));
             }
             Err(InvokeError::StorageFailed {

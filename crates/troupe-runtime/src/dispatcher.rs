@@ -32,6 +32,7 @@ use crate::control::{CallEdge, Command, Control};
 use crate::envelope::Envelope;
 use crate::fast_hash::FastMap;
 use crate::handle::{Counters, Route, Routes};
+use crate::observer::RuntimeEvent;
 use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
 use crate::{DispatcherStats, RuntimeHandle};
 
@@ -434,6 +435,9 @@ impl Dispatcher {
         if event == LifecycleEvent::Deactivated {
             Counters::add(&self.handle.shared.counters.deactivations_finished);
         }
+        self.handle
+            .shared
+            .emit(|| RuntimeEvent::ActivationEnded { actor: id.clone() });
         let Waiting {
             held,
             deactivation_waiters,

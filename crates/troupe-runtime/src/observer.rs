@@ -36,6 +36,14 @@ pub enum RuntimeEvent {
         /// The request the turn handled.
         request: u64,
     },
+    /// `actor`'s activation has ended (deactivated, crashed, or failed to start) and is
+    /// gone from the dispatcher's table; reported before the dispatcher starts the next
+    /// activation of `actor` (if requests were held for one). A cluster node releases
+    /// the actor's placement on it.
+    ActivationEnded {
+        /// The actor.
+        actor: ActorId,
+    },
 }
 
 /// Receives [`RuntimeEvent`]s. Called on the runtime's tasks: keep it fast, never block,

@@ -36,6 +36,8 @@ impl RuntimeObserver for TraceRuntimeObserver {
                 actor: actor.to_string(),
                 request: *request,
             }),
+            // The simulator's single-node runs have no placement to release.
+            RuntimeEvent::ActivationEnded { .. } => {}
         }
     }
 }

@@ -1,0 +1,28 @@
+//! A Troupe cluster node: the runtime, placement and membership on etcd, a state store
+//! shared by every node and fenced by the placement, and the TCP transport between nodes.
+//!
+//! ```text
+//!  caller ──ClusterNode::invoke(x)──► route: cached owner, else etcd lookup(x)
+//!     │ owner = this node, or none ──► local runtime ── activation: PlacedStore::claim(x)
+//!     │                                    place(x) in etcd (create-if-absent under the lease)
+//!     │                                    claim_with_fence(x, create_revision) in the store
+//!     │ owner = node B ──────────────► TransportClient ── TCP ──► B's TransportServer ──► B's runtime
+//!     │ reply, or NotOwner ◄────────────────────────────────────── (B's claim refused: not placed on B)
+//!     └ NotOwner: forget the route, look up again, retry until the deadline
+//!  activation ends ──► ActivationEnded event ──► release(x) in etcd (if no newer activation)
+//!  lease lost ──► refuse every claim and commit here, deactivate every activation
+//! ```
+//!
+//! One owner per actor: only the holder of the actor's etcd placement can claim it
+//! (the placement is created atomically, bound to the holder's lease), and the store
+//! accepts commits only under the newest fence, the placement's etcd revision. A node
+//! that loses its lease stops committing at once (its own check) and, should a commit
+//! slip past that check, the store refuses it once the new owner has claimed.
+//!
+//! See docs/cluster.md for the failure table and what the tests show.
+
+mod node;
+mod placed_store;
+
+pub use node::{ClusterClient, ClusterError, ClusterNode, ClusterStats, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS};
+pub use placed_store::{PlacedStore, RELEASE_QUEUE_CAPACITY};

@@ -1,0 +1,440 @@
+//! [`ClusterNode`]: one runtime in a cluster, reachable by the others over the transport.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use troupe_core::{ActorId, CallContext, Deadline, InvokeError, StoreError};
+use troupe_etcd::{EtcdConfig, EtcdPlacement, LeaseLostReason, NodeId, Placement, PlacementError};
+use troupe_runtime::{FencedClaim, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer};
+
+use crate::placed_store::{Ownership, PlacedStore, ReleaseObserver};
+
+/// Pause before a call looks its target's owner up again after a "not owner" refusal
+/// or a failed lookup, in milliseconds (the first re-lookup after a refusal is at once).
+pub const ROUTE_RETRY_DELAY_MS: u64 = 50;
+/// Most actors whose owner a node remembers, in actors; past it the cache is emptied.
+pub const ROUTE_CACHE_ENTRIES_MAX: usize = 65_536;
+
+/// Why a cluster node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// The listen address could not be bound.
+    #[error("cannot listen on {address}: {cause}")]
+    Listen {
+        /// The address asked for.
+        address: SocketAddr,
+        /// The operating system's error.
+        cause: std::io::Error,
+    },
+    /// Joining the cluster in etcd failed.
+    #[error("joining the cluster failed: {0}")]
+    Join(#[from] PlacementError),
+}
+
+/// What a node did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClusterStats {
+    /// Calls this node ran on its own runtime (including refused ones).
+    pub local_calls: u64,
+    /// Calls this node sent to another node.
+    pub forwarded_calls: u64,
+    /// "Not owner" refusals after which a call looked its target up again.
+    pub reroutes: u64,
+    /// Activations that found this node's placement from an earlier activation still in
+    /// etcd (its release had not run, or failed) and released it and placed anew.
+    pub placements_replaced: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    local_calls: AtomicU64,
+    forwarded_calls: AtomicU64,
+    reroutes: AtomicU64,
+}
+
+struct Inner {
+    node: NodeId,
+    address: SocketAddr,
+    placement: EtcdPlacement,
+    ownership: Arc<Ownership>,
+    handle: RuntimeHandle,
+    routes: Mutex<HashMap<ActorId, NodeId>>,
+    clients: Mutex<HashMap<NodeId, Arc<TransportClient>>>,
+    counters: Counters,
+    fenced_off: tokio::sync::watch::Sender<Option<LeaseLostReason>>,
+}
+
+/// One member of a Troupe cluster: a [`Runtime`] whose store is a [`PlacedStore`], a
+/// [`TransportServer`] other nodes call, and a router for calls.
+///
+/// [`ClusterNode::invoke`] runs a call wherever its target lives: it finds the owner (a
+/// cached route, else [`Placement::lookup`]); if it is this node, or nobody, the local
+/// runtime runs it (activation places the actor here and claims it with the fence); else
+/// the call goes to the owner's published address. A node that does not own the target
+/// (the route was stale: the owner lost the actor, or someone placed it first) refuses
+/// with [`StoreError::NotOwner`] before anything runs, and the caller looks the owner up
+/// again and retries, until its deadline.
+///
+/// When the lease is lost, the node refuses every claim and commit at once and
+/// deactivates every activation it has; [`ClusterNode::fenced_off`] resolves when that
+/// is done. Such a node stays a client (its calls are routed to the new owners) but
+/// owns nothing; start a new node (a new lease) to serve again.
+pub struct ClusterNode {
+    inner: Arc<Inner>,
+    runtime: Option<Runtime>,
+    server: Option<TransportServer>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl ClusterNode {
+    /// Binds `listen`, joins the cluster (publishing `etcd.address`, or the bound address
+    /// if that is empty) and starts `runtime` with `store` under etcd placement.
+    ///
+    /// `runtime` is the builder with the actor kinds registered; the node sets its store
+    /// and its observer (an observer set before is replaced).
+    ///
+    /// # Errors
+    /// [`ClusterError::Listen`] if `listen` cannot be bound; [`ClusterError::Join`] if
+    /// the etcd configuration is invalid or etcd does not answer.
+    pub async fn start<S: FencedClaim>(
+        mut etcd: EtcdConfig,
+        listen: SocketAddr,
+        runtime: RuntimeBuilder,
+        store: S,
+    ) -> Result<Self, ClusterError> {
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|cause| ClusterError::Listen { address: listen, cause })?;
+        let address = listener
+            .local_addr()
+            .map_err(|cause| ClusterError::Listen { address: listen, cause })?;
+        if etcd.address.is_empty() {
+            etcd.address = address.to_string();
+        }
+        let node = etcd.node.clone();
+        let placement = EtcdPlacement::join(etcd).await?;
+        let (ownership, mut releases) = Ownership::new(placement.clone());
+        let runtime = runtime
+            .store(Arc::new(PlacedStore::new(store, Arc::clone(&ownership))))
+            .observer(Arc::new(ReleaseObserver {
+                ownership: Arc::clone(&ownership),
+            }))
+            .start();
+        let handle = runtime.handle();
+        let server = TransportServer::serve(listener, handle.clone())
+            .map_err(|cause| ClusterError::Listen { address: listen, cause })?;
+        let (fenced_off, _) = tokio::sync::watch::channel(None);
+        let inner = Arc::new(Inner {
+            node,
+            address,
+            placement,
+            ownership,
+            handle,
+            routes: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            fenced_off,
+        });
+        let release_task = tokio::spawn({
+            let ownership = Arc::clone(&inner.ownership);
+            async move {
+                while let Some(actor) = releases.recv().await {
+                    ownership.release_if_idle(&actor).await;
+                }
+            }
+        });
+        let lease_task = tokio::spawn({
+            let inner = Arc::clone(&inner);
+            async move {
+                let reason = inner.placement.lease_lost().await;
+                inner.drop_activations(reason).await;
+            }
+        });
+        Ok(Self {
+            inner,
+            runtime: Some(runtime),
+            server: Some(server),
+            tasks: vec![release_task, lease_task],
+        })
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &NodeId {
+        &self.inner.node
+    }
+
+    /// The address the transport listens on.
+    pub fn address(&self) -> SocketAddr {
+        self.inner.address
+    }
+
+    /// The node's runtime (for deadlines: [`RuntimeHandle::deadline_in`]).
+    pub fn handle(&self) -> &RuntimeHandle {
+        &self.inner.handle
+    }
+
+    /// The node's placement in etcd.
+    pub fn placement(&self) -> &EtcdPlacement {
+        &self.inner.placement
+    }
+
+    /// What the node did so far.
+    pub fn stats(&self) -> ClusterStats {
+        let counters = &self.inner.counters;
+        ClusterStats {
+            local_calls: counters.local_calls.load(Ordering::Relaxed),
+            forwarded_calls: counters.forwarded_calls.load(Ordering::Relaxed),
+            reroutes: counters.reroutes.load(Ordering::Relaxed),
+            placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Resolves once the lease was lost and every activation of this node has ended.
+    pub async fn fenced_off(&self) -> LeaseLostReason {
+        let mut watch = self.inner.fenced_off.subscribe();
+        loop {
+            if let Some(reason) = watch.borrow_and_update().clone() {
+                return reason;
+            }
+            if watch.changed().await.is_err() {
+                // The sender lives in `inner`, which `self` holds.
+                unreachable!("the node's fenced-off signal outlives the node");
+            }
+        }
+    }
+
+    /// Runs `payload` on `target`, wherever the cluster has it: see
+    /// [`ClusterClient::invoke`].
+    ///
+    /// # Errors
+    /// As [`ClusterClient::invoke`].
+    pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+        self.client().invoke(target, payload, deadline).await
+    }
+
+    /// A handle that calls through this node; clones share the node's routes and
+    /// connections, and may be moved to other tasks.
+    pub fn client(&self) -> ClusterClient {
+        ClusterClient {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
+    /// Stops the node as a clean exit: the runtime shuts down (its actors save under
+    /// their fences), then the node leaves the cluster (its lease is revoked, which
+    /// removes its membership and placements at once).
+    ///
+    /// # Errors
+    /// [`PlacementError::EtcdUnavailable`] if etcd did not answer the revoke; the lease
+    /// then ends after its TTL.
+    pub async fn leave(mut self) -> Result<(), PlacementError> {
+        self.server.take();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown().await;
+        }
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        self.inner.ownership.mark_lost();
+        self.inner.placement.leave().await
+    }
+
+    /// Stops the node as a crash does, seen from the cluster: it stops serving and
+    /// committing at once, and its lease is not revoked but left to expire, so its
+    /// actors move to other nodes one lease TTL later.
+    pub async fn abandon(mut self) {
+        self.inner.ownership.mark_lost();
+        self.server.take();
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown().await;
+        }
+        self.inner.placement.stop_renewing();
+    }
+}
+
+/// Calls actors through a [`ClusterNode`] (from [`ClusterNode::client`]); cheap to clone.
+#[derive(Clone)]
+pub struct ClusterClient {
+    inner: Arc<Inner>,
+}
+
+impl ClusterClient {
+    /// The node this client calls through.
+    pub fn node(&self) -> &NodeId {
+        &self.inner.node
+    }
+
+    /// A deadline `timeout` from now on the node's clock.
+    pub fn deadline_in(&self, timeout: Duration) -> Deadline {
+        self.inner.handle.deadline_in(timeout)
+    }
+
+    /// Runs `payload` on `target`, wherever the cluster has it, and returns the reply;
+    /// resolves by `deadline` (on this node's clock).
+    ///
+    /// # Errors
+    /// Whatever the owner's runtime returns; [`InvokeError::Unreachable`] if the owner
+    /// could not be reached (the request may have run: not retried, as on one node);
+    /// [`InvokeError::Timeout`] if the deadline passed, including while the owner could
+    /// not be found (etcd unavailable, an owner whose lease has not ended yet).
+    pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+        let inner = &self.inner;
+        let clock = inner.handle.clock();
+        let timeout_ms = deadline.remaining_ms(clock.now());
+        let timeout = || InvokeError::Timeout {
+            target: target.clone(),
+            timeout_ms,
+        };
+        let mut refused_before = false;
+        loop {
+            if deadline.has_passed(clock.now()) {
+                return Err(timeout());
+            }
+            let cached = inner.routes().get(target).cloned();
+            let owner = match cached {
+                Some(owner) => Some(owner),
+                None => match clock.run_until(deadline, inner.placement.lookup(target)).await {
+                    Err(_) => return Err(timeout()),
+                    Ok(Ok(found)) => found.map(|record| record.owner),
+                    Ok(Err(error)) => {
+                        tracing::debug!(%target, %error, "looking up the owner failed; retrying");
+                        inner.pause(deadline).await;
+                        continue;
+                    }
+                },
+            };
+            let result = match &owner {
+                Some(owner) if *owner != inner.node => {
+                    let Some(client) = inner.client(owner, deadline).await else {
+                        // Not a member (any more): its placement ends with its lease.
+                        inner.routes().remove(target);
+                        inner.pause(deadline).await;
+                        continue;
+                    };
+                    inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
+                    client
+                        .invoke(target, payload.clone(), CallContext::root(deadline), None)
+                        .await
+                }
+                _ => {
+                    inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
+                    inner.handle.invoke(target, payload.clone(), deadline).await
+                }
+            };
+            match result {
+                Err(InvokeError::StorageFailed {
+                    source: StoreError::NotOwner { owner: hint, .. },
+                    ..
+                }) => {
+                    inner.counters.reroutes.fetch_add(1, Ordering::Relaxed);
+                    {
+                        let mut routes = inner.routes();
+                        routes.remove(target);
+                        if let Some(hint) = hint.and_then(|hint| NodeId::new(hint).ok()) {
+                            if Some(&hint) != owner.as_ref() {
+                                routes.insert(target.clone(), hint);
+                            }
+                        }
+                    }
+                    if refused_before {
+                        inner.pause(deadline).await;
+                    }
+                    refused_before = true;
+                }
+                Err(error @ InvokeError::Unreachable { .. }) => {
+                    inner.routes().remove(target);
+                    return Err(error);
+                }
+                other => {
+                    if other.is_ok() {
+                        let owner = owner.unwrap_or_else(|| inner.node.clone());
+                        inner.remember(target, owner);
+                    }
+                    return other;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl Inner {
+    fn routes(&self) -> MutexGuard<'_, HashMap<ActorId, NodeId>> {
+        self.routes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn remember(&self, actor: &ActorId, owner: NodeId) {
+        let mut routes = self.routes();
+        if routes.len() >= ROUTE_CACHE_ENTRIES_MAX && !routes.contains_key(actor) {
+            routes.clear();
+        }
+        routes.insert(actor.clone(), owner);
+    }
+
+    async fn pause(&self, deadline: Deadline) {
+        let clock = self.handle.clock();
+        let delay = Duration::from_millis(ROUTE_RETRY_DELAY_MS).min(deadline.remaining(clock.now()));
+        tokio::time::sleep(delay).await;
+    }
+
+    /// The client for `owner`, from its membership record; `None` if it is not a member.
+    async fn client(&self, owner: &NodeId, deadline: Deadline) -> Option<Arc<TransportClient>> {
+        if let Some(client) = self.clients().get(owner) {
+            return Some(Arc::clone(client));
+        }
+        let clock = self.handle.clock();
+        let members = clock.run_until(deadline, self.placement.nodes()).await.ok()?.ok()?;
+        let member = members.into_iter().find(|member| member.node == *owner)?;
+        let address: SocketAddr = match member.address.parse() {
+            Ok(address) => address,
+            Err(error) => {
+                tracing::warn!(node = %owner, address = %member.address, %error, "a member published an address that is not host:port");
+                return None;
+            }
+        };
+        let client = Arc::new(TransportClient::new(address, clock));
+        Some(Arc::clone(self.clients().entry(owner.clone()).or_insert(client)))
+    }
+
+    fn clients(&self) -> MutexGuard<'_, HashMap<NodeId, Arc<TransportClient>>> {
+        self.clients.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The lease is lost: refuse every claim and commit, then end every activation.
+    async fn drop_activations(&self, reason: LeaseLostReason) {
+        self.ownership.mark_lost();
+        tracing::warn!(node = %self.node, ?reason, "lease lost: dropping every activation");
+        let ends: Vec<_> = self
+            .ownership
+            .live_actors()
+            .into_iter()
+            .map(|actor| {
+                let handle = self.handle.clone();
+                tokio::spawn(async move {
+                    let _ = handle.deactivate(&actor).await;
+                })
+            })
+            .collect();
+        for end in ends {
+            let _ = end.await;
+        }
+        self.routes().clear();
+        self.fenced_off.send_replace(Some(reason));
+    }
+}

@@ -1,0 +1,270 @@
+//! [`PlacedStore`]: the store a cluster node's runtime sees. Its `claim` places the actor
+//! on this node in etcd first and claims the state with the placement's fence, so the
+//! runtime's ordinary activation path becomes the cluster's ownership protocol.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use troupe_core::ActorId;
+use troupe_etcd::{EtcdPlacement, Placement, PlacementError};
+use troupe_runtime::{
+    Claimed, Fence, FencedClaim, RuntimeEvent, RuntimeObserver, StateStore, StoreError, StoreOperation, TurnCommit,
+};
+
+/// Capacity of a node's queue of placements to release after their activations ended,
+/// in actors. When it is full an ended activation's placement is not released at once;
+/// it is released when the actor is next activated on this node (a placement this node
+/// holds from an earlier activation is released and made anew, for a newer fence), or
+/// it ends with the node's lease.
+pub const RELEASE_QUEUE_CAPACITY: usize = 4_096;
+
+/// What this node knows of one actor it placed.
+#[derive(Default)]
+struct Holding {
+    /// Serializes this node's claim and release of the actor.
+    gate: Arc<tokio::sync::Mutex<()>>,
+    /// The fence of the placement this node made last and has not released.
+    fence: Option<Fence>,
+    /// Whether an activation on this node claimed under `fence` and has not ended.
+    live: bool,
+}
+
+/// State shared by a node's [`PlacedStore`], its runtime observer and its release task.
+pub(crate) struct Ownership {
+    placement: EtcdPlacement,
+    /// Set once the node's lease is lost: every claim and commit is refused after it.
+    lost: AtomicBool,
+    held: Mutex<HashMap<ActorId, Holding>>,
+    releases: mpsc::Sender<ActorId>,
+    /// Placements left from an earlier activation here, released and made anew at a claim.
+    pub(crate) replaced: AtomicU64,
+}
+
+impl Ownership {
+    pub(crate) fn new(placement: EtcdPlacement) -> (Arc<Self>, mpsc::Receiver<ActorId>) {
+        let (releases, queue) = mpsc::channel(RELEASE_QUEUE_CAPACITY);
+        let ownership = Arc::new(Self {
+            placement,
+            lost: AtomicBool::new(false),
+            held: Mutex::new(HashMap::new()),
+            releases,
+            replaced: AtomicU64::new(0),
+        });
+        (ownership, queue)
+    }
+
+    fn held(&self) -> MutexGuard<'_, HashMap<ActorId, Holding>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn gate(&self, actor: &ActorId) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(&self.held().entry(actor.clone()).or_default().gate)
+    }
+
+    /// Marks the lease lost: from now on every claim and commit is refused.
+    pub(crate) fn mark_lost(&self) {
+        self.lost.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether this node may still claim and commit: the lease is not known lost and its
+    /// last renewal is recent enough.
+    pub(crate) fn may_serve(&self) -> bool {
+        !self.lost.load(Ordering::SeqCst) && self.placement.holds_lease()
+    }
+
+    /// The actors with a live activation on this node.
+    pub(crate) fn live_actors(&self) -> Vec<ActorId> {
+        self.held()
+            .iter()
+            .filter(|(_, holding)| holding.live)
+            .map(|(actor, _)| actor.clone())
+            .collect()
+    }
+
+    /// Places `actor` here and returns the fence to claim it with; a placement left
+    /// over from an earlier activation on this node is released and made anew, since
+    /// the store refuses a fence it has already seen.
+    async fn place(&self, actor: &ActorId) -> Result<Fence, StoreError> {
+        let mut record = self
+            .placement
+            .place(actor)
+            .await
+            .map_err(|error| not_owner(actor, error))?;
+        let previous = self.held().get(actor).and_then(|holding| holding.fence);
+        if previous == Some(record.fence) {
+            self.replaced.fetch_add(1, Ordering::Relaxed);
+            self.placement
+                .release(actor)
+                .await
+                .map_err(|error| not_owner(actor, error))?;
+            self.held().entry(actor.clone()).or_default().fence = None;
+            record = self
+                .placement
+                .place(actor)
+                .await
+                .map_err(|error| not_owner(actor, error))?;
+        }
+        self.held().entry(actor.clone()).or_default().fence = Some(record.fence);
+        Ok(record.fence)
+    }
+
+    /// Releases `actor`'s placement if no activation on this node holds it.
+    pub(crate) async fn release_if_idle(&self, actor: &ActorId) {
+        let gate = self.gate(actor);
+        let _guard = gate.lock().await;
+        let idle = self
+            .held()
+            .get(actor)
+            .is_some_and(|holding| !holding.live && holding.fence.is_some());
+        if !idle || self.lost.load(Ordering::SeqCst) {
+            return;
+        }
+        match self.placement.release(actor).await {
+            Ok(_) => {
+                let mut held = self.held();
+                if held.get(actor).is_some_and(|holding| !holding.live) {
+                    held.remove(actor);
+                }
+            }
+            Err(error) => {
+                // It stays recorded: the next activation here releases it and places anew.
+                tracing::warn!(%actor, %error, "releasing a placement failed; it ends with the lease or the next activation");
+            }
+        }
+    }
+}
+
+/// Maps a placement refusal to the store error the runtime hands to the caller.
+fn not_owner(actor: &ActorId, error: PlacementError) -> StoreError {
+    match error {
+        PlacementError::PlacementConflict { owner, .. } => StoreError::NotOwner {
+            actor: actor.clone(),
+            owner: Some(owner.to_string()),
+        },
+        PlacementError::LeaseExpired { .. } => StoreError::NotOwner {
+            actor: actor.clone(),
+            owner: None,
+        },
+        other => StoreError::Backend {
+            operation: StoreOperation::Claim,
+            cause: format!("placing {actor} in etcd failed: {other}"),
+        },
+    }
+}
+
+/// The store a cluster node's runtime uses: `S` for state, etcd for ownership.
+///
+/// - [`StateStore::claim`] (at every activation) places the actor on this node
+///   ([`Placement::place`]) and claims its state with the placement's fence
+///   ([`FencedClaim::claim_with_fence`]). If another node holds the placement, or this
+///   node's lease is lost, the claim fails with [`StoreError::NotOwner`] before anything
+///   runs: the caller looks the owner up again.
+/// - [`StateStore::commit`] is refused with [`StoreError::NotOwner`] (`owner: None`)
+///   once the lease is lost or its last renewal is too old; otherwise `S` checks the
+///   fence, so a commit that slips past this check after the lease ended is still refused
+///   once the new owner has claimed.
+/// - Reads go straight to `S`.
+pub struct PlacedStore<S> {
+    store: S,
+    ownership: Arc<Ownership>,
+}
+
+impl<S> PlacedStore<S> {
+    pub(crate) fn new(store: S, ownership: Arc<Ownership>) -> Self {
+        Self { store, ownership }
+    }
+}
+
+#[async_trait]
+impl<S: FencedClaim> StateStore for PlacedStore<S> {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        let ownership = &self.ownership;
+        if !ownership.may_serve() {
+            return Err(StoreError::NotOwner {
+                actor: actor.clone(),
+                owner: None,
+            });
+        }
+        let gate = ownership.gate(actor);
+        let _guard = gate.lock().await;
+        let claimed = match ownership.place(actor).await {
+            Ok(fence) => self.store.claim_with_fence(actor, fence).await,
+            Err(error) => Err(error),
+        };
+        let mut held = ownership.held();
+        match &claimed {
+            Ok(_) => held.entry(actor.clone()).or_default().live = true,
+            Err(_) => {
+                // Nothing placed here (refused): forget the actor, so the table holds
+                // only actors this node placed.
+                if held
+                    .get(actor)
+                    .is_some_and(|holding| holding.fence.is_none() && !holding.live)
+                {
+                    held.remove(actor);
+                }
+            }
+        }
+        claimed
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.store.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        if !self.ownership.may_serve() {
+            return Err(StoreError::NotOwner {
+                actor: actor.clone(),
+                owner: None,
+            });
+        }
+        self.store.commit(actor, fence, commit).await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.store.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.store.scan(actor, prefix, after, limit).await
+    }
+}
+
+/// Hears the runtime's activations end and queues their placements for release.
+pub(crate) struct ReleaseObserver {
+    pub(crate) ownership: Arc<Ownership>,
+}
+
+impl RuntimeObserver for ReleaseObserver {
+    fn on_event(&self, event: &RuntimeEvent) {
+        if let RuntimeEvent::ActivationEnded { actor } = event {
+            let placed = {
+                let mut held = self.ownership.held();
+                match held.get_mut(actor) {
+                    Some(holding) => {
+                        holding.live = false;
+                        holding.fence.is_some()
+                    }
+                    None => false,
+                }
+            };
+            // Reported before the next activation of `actor` can claim, so `live` is
+            // false here only for the activation that ended. A full queue leaves the
+            // placement to the next activation or the lease (RELEASE_QUEUE_CAPACITY).
+            if placed {
+                let _ = self.ownership.releases.try_send(actor.clone());
+            }
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! What the cluster tests share: a counter actor that says which node served it, and a
+//! store wrapper that logs every claim and commit with its node and fence.
+//!
+//! The log is read, never trusted blindly: the invariants below are computed from it
+//! and from the replies, so a second owner (two nodes serving one actor from one state)
+//! shows up as two commits or two replies of the same count.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::{ActorId, ActorKind};
+use troupe_runtime::{
+    Actor, ActorError, Claimed, Fence, FencedClaim, KindConfig, RuntimeBuilder, StateChange, StateStore, StoreError,
+    Turn, TurnCommit,
+};
+
+/// How long a counter sleeps in a turn for `slow@<its node>` before counting, in ms.
+pub(crate) const SLOW_TURN_MS: u64 = 3_000;
+
+/// Counts its calls; each reply is `node:count`.
+struct Counter {
+    node: String,
+    count: u64,
+}
+
+#[async_trait]
+impl Actor for Counter {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        // `slow@<node>`: slow only where `<node>` serves it (a rerouted retry is quick).
+        if payload.strip_prefix(b"slow@".as_slice()) == Some(self.node.as_bytes()) {
+            tokio::time::sleep(Duration::from_millis(SLOW_TURN_MS)).await;
+        }
+        self.count += 1;
+        Ok(Bytes::from(format!("{}:{}", self.node, self.count)))
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        Ok(Some(Bytes::from(self.count.to_string())))
+    }
+}
+
+/// A runtime builder with the `counter` kind, whose replies name `node`.
+pub(crate) fn counter_runtime(node: &str) -> RuntimeBuilder {
+    let node = node.to_string();
+    troupe_runtime::Runtime::builder()
+        .register(
+            ActorKind::new("counter").expect("a kind name"),
+            move |_id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+                let count = match saved {
+                    None => 0,
+                    Some(bytes) => std::str::from_utf8(&bytes)
+                        .ok()
+                        .and_then(|text| text.parse().ok())
+                        .ok_or_else(|| ActorError::failed("the saved count is not a number"))?,
+                };
+                Ok(Box::new(Counter {
+                    node: node.clone(),
+                    count,
+                }))
+            },
+            KindConfig::default(),
+        )
+        .expect("register the counter")
+}
+
+pub(crate) fn counter(key: &str) -> ActorId {
+    ActorId::new("counter", key).expect("an actor id")
+}
+
+/// Splits a reply `node:count`.
+pub(crate) fn parse_reply(reply: &[u8]) -> (String, u64) {
+    let text = std::str::from_utf8(reply).expect("a text reply");
+    let (node, count) = text.rsplit_once(':').expect("node:count");
+    (node.to_string(), count.parse().expect("a count"))
+}
+
+/// One store operation, as the node that made it saw it end.
+#[derive(Clone, Debug)]
+pub(crate) struct Logged {
+    pub(crate) node: String,
+    pub(crate) actor: String,
+    pub(crate) fence: u64,
+    /// `None` for a claim; the committed count for a commit.
+    pub(crate) count: Option<u64>,
+    pub(crate) ok: bool,
+}
+
+/// The shared log of every node's store operations.
+#[derive(Clone, Default)]
+pub(crate) struct StoreLog(Arc<Mutex<Vec<Logged>>>);
+
+impl StoreLog {
+    fn push(&self, entry: Logged) {
+        self.0.lock().expect("the log").push(entry);
+    }
+
+    pub(crate) fn entries(&self) -> Vec<Logged> {
+        self.0.lock().expect("the log").clone()
+    }
+
+    /// Checks single ownership from the log and returns, per actor, the highest fence
+    /// each node claimed with:
+    /// - a fence is claimed by one node only;
+    /// - a count is committed once only (two owners serving from one state would both
+    ///   commit the same next count);
+    /// - ordered by count, the commits' fences never go down (no older owner wrote after a
+    ///   newer one).
+    pub(crate) fn check_single_owner(&self) -> BTreeMap<String, BTreeMap<String, u64>> {
+        let entries = self.entries();
+        let mut claimed_by: BTreeMap<(String, u64), String> = BTreeMap::new();
+        let mut commits: BTreeMap<String, BTreeMap<u64, (u64, String)>> = BTreeMap::new();
+        let mut fences: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+        for entry in entries.iter().filter(|entry| entry.ok) {
+            match entry.count {
+                None => {
+                    if let Some(other) = claimed_by.insert((entry.actor.clone(), entry.fence), entry.node.clone()) {
+                        assert_eq!(
+                            other, entry.node,
+                            "{} fence {} claimed by two nodes",
+                            entry.actor, entry.fence
+                        );
+                    }
+                    let highest = fences
+                        .entry(entry.actor.clone())
+                        .or_default()
+                        .entry(entry.node.clone())
+                        .or_default();
+                    *highest = (*highest).max(entry.fence);
+                }
+                Some(count) => {
+                    let previous = commits
+                        .entry(entry.actor.clone())
+                        .or_default()
+                        .insert(count, (entry.fence, entry.node.clone()));
+                    assert!(
+                        previous.is_none(),
+                        "{} count {count} committed twice: {previous:?} and {} under {}",
+                        entry.actor,
+                        entry.node,
+                        entry.fence
+                    );
+                    assert_eq!(
+                        claimed_by.get(&(entry.actor.clone(), entry.fence)),
+                        Some(&entry.node),
+                        "{} committed under fence {} that {} never claimed",
+                        entry.actor,
+                        entry.fence,
+                        entry.node
+                    );
+                }
+            }
+        }
+        for (actor, by_count) in &commits {
+            let fences: Vec<u64> = by_count.values().map(|(fence, _)| *fence).collect();
+            assert!(
+                fences.windows(2).all(|pair| pair[0] <= pair[1]),
+                "{actor}: a newer count was committed under an older fence: {by_count:?}"
+            );
+        }
+        fences
+    }
+}
+
+/// Checks that no two acknowledged replies of one actor carry the same count, and
+/// returns how many distinct counts each actor acknowledged.
+pub(crate) fn check_distinct_acks(acks: &[(ActorId, String, u64)]) -> BTreeMap<String, usize> {
+    let mut seen: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
+    for (actor, node, count) in acks {
+        assert!(
+            seen.entry(actor.to_string()).or_default().insert(*count),
+            "{actor}: count {count} acknowledged twice (the second from {node})"
+        );
+    }
+    seen.into_iter().map(|(actor, counts)| (actor, counts.len())).collect()
+}
+
+/// A store that logs each claim and commit of one node into a shared [`StoreLog`].
+#[derive(Clone)]
+pub(crate) struct LoggingStore<S> {
+    pub(crate) inner: S,
+    pub(crate) node: String,
+    pub(crate) log: StoreLog,
+}
+
+#[async_trait]
+impl<S: FencedClaim + Clone> StateStore for LoggingStore<S> {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.inner.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.inner.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        let count = match &commit.state {
+            StateChange::Set(bytes) => std::str::from_utf8(bytes).ok().and_then(|text| text.parse().ok()),
+            StateChange::Unchanged | StateChange::Deleted => None,
+        };
+        let result = self.inner.commit(actor, fence, commit).await;
+        if let Some(count) = count {
+            self.log.push(Logged {
+                node: self.node.clone(),
+                actor: actor.to_string(),
+                fence: fence.token(),
+                count: Some(count),
+                ok: result.is_ok(),
+            });
+        }
+        result
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.inner.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+#[async_trait]
+impl<S: FencedClaim + Clone> FencedClaim for LoggingStore<S> {
+    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
+        let result = self.inner.claim_with_fence(actor, fence).await;
+        self.log.push(Logged {
+            node: self.node.clone(),
+            actor: actor.to_string(),
+            fence: fence.token(),
+            count: None,
+            ok: result.is_ok(),
+        });
+        result
+    }
+}
