@@ -16,10 +16,9 @@ the run with what to install.
 """
 
 import asyncio
-import os
-import subprocess
 import sys
-import threading
+
+from serve_harness import check, serving
 
 try:
     import httpx
@@ -40,41 +39,10 @@ TOKEN = "a2a-client-test-token-0123456789"
 # Bounds, in seconds.
 START_TIMEOUT_S = 30
 REQUEST_TIMEOUT_S = 30
-STOP_TIMEOUT_S = 15
 
 
-def start(binary):
-    env = dict(os.environ)
-    env.pop("OPENAI_API_KEY", None)
-    env.pop("TROUPE_TOKEN", None)
-    server = subprocess.Popen(
-        [binary, "serve", "--bind", "127.0.0.1:0", "--scripted", "--token", TOKEN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    found = {}
-
-    def read_address():
-        for line in server.stdout:
-            print("  server: " + line.rstrip())
-            if line.startswith("listening on http://"):
-                found["address"] = line.strip()[len("listening on http://"):]
-                return
-
-    reader = threading.Thread(target=read_address, daemon=True)
-    reader.start()
-    reader.join(START_TIMEOUT_S)
-    if "address" not in found:
-        server.kill()
-        raise SystemExit(f"test-a2a-client: troupe serve printed no address within {START_TIMEOUT_S} s")
-    return server, found["address"]
 
 
-def check(condition, message):
-    if not condition:
-        raise AssertionError(message)
 
 
 def user_message(text, metadata=None):
@@ -208,17 +176,8 @@ def main():
     if len(sys.argv) != 2:
         raise SystemExit("usage: test-a2a-client.py PATH_TO_TROUPE_BINARY")
     print(f"test-a2a-client: a2a-sdk {version('a2a-sdk')}")
-    server, address = start(sys.argv[1])
-    try:
+    with serving(sys.argv[1], "test-a2a-client", TOKEN) as address:
         asyncio.run(asyncio.wait_for(run(address), timeout=REQUEST_TIMEOUT_S * 4))
-    finally:
-        server.terminate()
-        try:
-            code = server.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            raise SystemExit(f"test-a2a-client: troupe serve did not stop within {STOP_TIMEOUT_S} s of SIGTERM")
-    check(code == 0, f"troupe serve exited with {code} after SIGTERM")
     print("test-a2a-client: all checks passed")
 
 

@@ -11,10 +11,9 @@ bounded; a missing `openai` package fails the run with what to install.
     python3 scripts/test-openai-client.py target/debug/troupe
 """
 
-import os
-import subprocess
 import sys
-import threading
+
+from serve_harness import check, serving
 
 try:
     import openai
@@ -24,44 +23,12 @@ except ImportError:
 
 TOKEN = "openai-client-test-token-0123456789"
 # Bounds, in seconds.
-START_TIMEOUT_S = 30
 REQUEST_TIMEOUT_S = 30
-STOP_TIMEOUT_S = 15
 AGENTS = ["analyst", "archivist", "coordinator", "critic", "researcher"]
 
 
-def start(binary):
-    env = dict(os.environ)
-    env.pop("OPENAI_API_KEY", None)
-    env.pop("TROUPE_TOKEN", None)
-    server = subprocess.Popen(
-        [binary, "serve", "--bind", "127.0.0.1:0", "--scripted", "--token", TOKEN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    found = {}
-
-    def read_address():
-        for line in server.stdout:
-            print("  server: " + line.rstrip())
-            if line.startswith("listening on http://"):
-                found["address"] = line.strip()[len("listening on http://"):]
-                return
-
-    reader = threading.Thread(target=read_address, daemon=True)
-    reader.start()
-    reader.join(START_TIMEOUT_S)
-    if "address" not in found:
-        server.kill()
-        raise SystemExit(f"test-openai-client: troupe serve printed no address within {START_TIMEOUT_S} s")
-    return server, found["address"]
 
 
-def check(condition, message):
-    if not condition:
-        raise AssertionError(message)
 
 
 def run(address):
@@ -119,17 +86,8 @@ def main():
     if len(sys.argv) != 2:
         raise SystemExit("usage: test-openai-client.py PATH_TO_TROUPE_BINARY")
     print(f"test-openai-client: openai {openai.__version__}")
-    server, address = start(sys.argv[1])
-    try:
+    with serving(sys.argv[1], "test-openai-client", TOKEN) as address:
         run(address)
-    finally:
-        server.terminate()
-        try:
-            code = server.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            raise SystemExit(f"test-openai-client: troupe serve did not stop within {STOP_TIMEOUT_S} s of SIGTERM")
-    check(code == 0, f"troupe serve exited with {code} after SIGTERM")
     print("test-openai-client: all checks passed")
 
 

@@ -33,11 +33,11 @@ package or a missing /usr/bin/chromium fails the run with what to install.
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import urllib.request
+
+from serve_harness import serving
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
@@ -57,12 +57,10 @@ if not os.access(CHROMIUM, os.X_OK):
 
 TOKEN = "topology-page-test-token-0123456789"
 # Bounds, in seconds (Playwright takes milliseconds: * 1000).
-START_TIMEOUT_S = 30
 PAGE_TIMEOUT_S = 20
 # The demo's request takes about 2 s on the scripted model (the archivist times out
 # after 1.5 s); generous for a loaded machine.
 REPLY_TIMEOUT_S = 60
-STOP_TIMEOUT_S = 15
 AGENTS = ["analyst", "archivist", "coordinator", "critic", "researcher"]
 QUESTION = "Prepare a short brief on grid-scale battery storage."
 HANDOFF = "The report is ready: get it reviewed and tell the researcher."
@@ -77,32 +75,6 @@ CHROMIUM_ARGS = [
 ]
 
 
-def start(binary):
-    env = dict(os.environ)
-    env.pop("OPENAI_API_KEY", None)
-    env.pop("TROUPE_TOKEN", None)
-    server = subprocess.Popen(
-        [binary, "serve", "--bind", "127.0.0.1:0", "--scripted", "--token", TOKEN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    found = {}
-
-    def read_output():
-        for line in server.stdout:
-            if "address" not in found and line.startswith("listening on http://"):
-                found["address"] = line.strip()[len("listening on http://"):]
-                ready.set()
-            print("  server: " + line.rstrip())
-
-    ready = threading.Event()
-    threading.Thread(target=read_output, daemon=True).start()
-    if not ready.wait(START_TIMEOUT_S):
-        server.kill()
-        raise SystemExit(f"test-topology-page: troupe serve printed no address within {START_TIMEOUT_S} s")
-    return server, found["address"]
 
 
 def notify(address, agent, text):
@@ -229,19 +201,9 @@ def main():
     artifacts = os.environ.get("ARTIFACTS_DIR", os.path.join(target, "artifacts"))
     os.makedirs(artifacts, exist_ok=True)
     screenshot = os.path.join(artifacts, "topology.png")
-    server, address = start(sys.argv[1])
-    try:
+    with serving(sys.argv[1], "test-topology-page", TOKEN) as address:
         with tempfile.TemporaryDirectory(prefix="troupe-topology-chromium-") as profile:
             run(address, screenshot, profile)
-    finally:
-        server.terminate()
-        try:
-            code = server.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            raise SystemExit(f"test-topology-page: troupe serve did not stop within {STOP_TIMEOUT_S} s of SIGTERM")
-    if code != 0:
-        raise SystemExit(f"test-topology-page: troupe serve exited with {code} after SIGTERM")
     print("test-topology-page: all checks passed")
 
 
