@@ -10,27 +10,22 @@
 //! Run with `cargo nextest run -p troupe-cluster` (add `--no-capture` for the timings).
 #![cfg(not(madsim))]
 
+#[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
+mod etcd_server;
 #[path = "support/counter.rs"]
 mod support;
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
+use etcd_server::{TestEtcd, TEST_LEASE_TTL_S, TEST_REQUEST_TIMEOUT_MS};
 use support::{check_distinct_acks, counter, counter_runtime, parse_reply, LoggingStore, StoreLog, SLOW_TURN_MS};
 use tokio::time::Instant;
 use troupe_cluster::ClusterNode;
 use troupe_core::{ActorId, InvokeError, StoreError};
-use troupe_etcd::{EtcdConfig, LeaseLostReason, NodeId, Placement};
+use troupe_etcd::{LeaseLostReason, Placement};
 use troupe_runtime::{Fence, SqliteStore, StateChange, StateStore, TurnCommit};
 
-const ETCD_BINARY: &str = "/usr/bin/etcd";
-/// Lease TTL of the tests' nodes, in seconds (the shortest allowed).
-const TEST_LEASE_TTL_S: u64 = 3;
-/// etcd request timeout of the tests' nodes, in milliseconds.
-const TEST_REQUEST_TIMEOUT_MS: u64 = 500;
 /// Deadline of each call, in milliseconds.
 const CALL_TIMEOUT_MS: u64 = 5_000;
 /// Allowance for a loaded 2-core machine on top of a bound a test checks, in ms.
@@ -39,102 +34,6 @@ const SCHEDULING_ALLOWANCE_MS: u64 = 2_000;
 const ACTORS: usize = 12;
 /// Calls each node makes to each actor in a round.
 const CALLS_PER_NODE_PER_ACTOR: usize = 2;
-
-struct TestEtcd {
-    child: Child,
-    _directory: tempfile::TempDir,
-    client_port: u16,
-}
-
-impl TestEtcd {
-    async fn start(name: &str) -> Self {
-        assert!(
-            PathBuf::from(ETCD_BINARY).exists(),
-            "{ETCD_BINARY} is missing: install the Debian package `etcd-server` (.ci/run does it)"
-        );
-        for attempt in 1..=5 {
-            let directory = tempfile::Builder::new()
-                .prefix(&format!("troupe-cluster-{name}-"))
-                .tempdir()
-                .expect("a directory");
-            let (client_port, peer_port) = (free_port(), free_port());
-            let client_url = format!("http://127.0.0.1:{client_port}");
-            let peer_url = format!("http://127.0.0.1:{peer_port}");
-            let child = Command::new(ETCD_BINARY)
-                .arg("--data-dir")
-                .arg(directory.path().join("data"))
-                .args([
-                    "--listen-client-urls",
-                    &client_url,
-                    "--advertise-client-urls",
-                    &client_url,
-                ])
-                .args([
-                    "--listen-peer-urls",
-                    &peer_url,
-                    "--initial-advertise-peer-urls",
-                    &peer_url,
-                ])
-                .args(["--initial-cluster", &format!("default={peer_url}")])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start etcd");
-            let mut server = Self {
-                child,
-                _directory: directory,
-                client_port,
-            };
-            let started = Instant::now();
-            while started.elapsed() < Duration::from_secs(20) {
-                if server.child.try_wait().expect("poll etcd").is_some() {
-                    break;
-                }
-                let read = async {
-                    let mut client = etcd_client::Client::connect([server.endpoint()], None).await?;
-                    client.get("/", None).await
-                };
-                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), read).await {
-                    return server;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            eprintln!("etcd attempt {attempt} did not answer; retrying");
-            let _ = server.child.kill();
-            let _ = server.child.wait();
-        }
-        panic!("etcd did not start");
-    }
-
-    fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
-    }
-
-    fn config(&self, node: &str) -> EtcdConfig {
-        EtcdConfig::new(
-            vec![self.endpoint()],
-            "test",
-            NodeId::new(node).expect("a node name"),
-            "",
-        )
-        .with_lease_ttl_s(TEST_LEASE_TTL_S)
-        .with_request_timeout_ms(TEST_REQUEST_TIMEOUT_MS)
-    }
-}
-
-impl Drop for TestEtcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
-}
 
 struct Cluster {
     etcd: TestEtcd,
@@ -159,7 +58,7 @@ async fn start_cluster(name: &str) -> Cluster {
         };
         stores.push(store.clone());
         let started = ClusterNode::start(
-            etcd.config(node),
+            etcd.config(node, ""),
             "127.0.0.1:0".parse().expect("an address"),
             counter_runtime(node),
             store,

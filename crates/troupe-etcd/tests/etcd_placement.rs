@@ -10,9 +10,6 @@
 #![cfg(not(madsim))]
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,139 +20,21 @@ use troupe_etcd::{
 };
 use troupe_runtime::{FencedClaim, SqliteStore, StateChange, StateStore, StoreError, TurnCommit};
 
-/// Where Debian's `etcd-server` puts the server.
-const ETCD_BINARY: &str = "/usr/bin/etcd";
-/// How many times a test tries to start its server, each on newly chosen free ports.
-const SERVER_START_ATTEMPTS: usize = 5;
-/// How long a started server may take to answer, in milliseconds.
-const SERVER_START_TIMEOUT_MS: u64 = 20_000;
-/// The lease TTL of the tests' nodes, in seconds: the shortest allowed, so expiry
-/// tests are quick.
-const TEST_LEASE_TTL_S: u64 = 3;
-/// The request timeout of the tests' nodes, in milliseconds.
-const TEST_REQUEST_TIMEOUT_MS: u64 = 500;
+#[path = "support/etcd_server.rs"]
+mod etcd_server;
+
+use etcd_server::{TestEtcd, TEST_LEASE_TTL_S, TEST_REQUEST_TIMEOUT_MS};
+
 /// Allowance for a loaded 2-core machine on top of a bound a test checks, in ms.
 const SCHEDULING_ALLOWANCE_MS: u64 = 1_500;
 
-/// A throwaway etcd server of one test.
-struct TestEtcd {
-    child: Option<Child>,
-    _directory: tempfile::TempDir,
-    client_port: u16,
+/// A node of the tests, with a made-up address (these tests call no node).
+fn config(etcd: &TestEtcd, node: &str) -> EtcdConfig {
+    etcd.config(node, &format!("{node}.internal:7100"))
 }
 
-impl TestEtcd {
-    async fn start(test_name: &str) -> Self {
-        let binary = PathBuf::from(ETCD_BINARY);
-        assert!(
-            binary.exists(),
-            "{ETCD_BINARY} is missing: install the Debian package `etcd-server` \
-             (`apt-get install etcd-server`; .ci/run does it)"
-        );
-        for attempt in 1..=SERVER_START_ATTEMPTS {
-            let directory = tempfile::Builder::new()
-                .prefix(&format!("troupe-etcd-{test_name}-"))
-                .tempdir()
-                .expect("create the server's directory");
-            let (client_port, peer_port) = (free_port(), free_port());
-            let client_url = format!("http://127.0.0.1:{client_port}");
-            let peer_url = format!("http://127.0.0.1:{peer_port}");
-            let child = Command::new(&binary)
-                .arg("--data-dir")
-                .arg(directory.path().join("data"))
-                .args([
-                    "--listen-client-urls",
-                    &client_url,
-                    "--advertise-client-urls",
-                    &client_url,
-                ])
-                .args([
-                    "--listen-peer-urls",
-                    &peer_url,
-                    "--initial-advertise-peer-urls",
-                    &peer_url,
-                ])
-                .args(["--initial-cluster", &format!("default={peer_url}")])
-                .stdout(Stdio::null())
-                .stderr(Stdio::from(
-                    std::fs::File::create(directory.path().join("etcd.log")).expect("create the server's log"),
-                ))
-                .spawn()
-                .expect("start etcd");
-            let mut server = Self {
-                child: Some(child),
-                _directory: directory,
-                client_port,
-            };
-            if server.answers().await {
-                return server;
-            }
-            eprintln!("etcd attempt {attempt} on port {client_port} did not answer; retrying on other ports");
-            server.kill();
-        }
-        panic!("etcd did not start in {SERVER_START_ATTEMPTS} attempts");
-    }
-
-    /// Waits until the server answers a read.
-    async fn answers(&mut self) -> bool {
-        let deadline = Instant::now() + Duration::from_millis(SERVER_START_TIMEOUT_MS);
-        while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut() {
-                if child.try_wait().expect("poll etcd").is_some() {
-                    return false;
-                }
-            }
-            let endpoint = self.endpoint();
-            let read = async {
-                let mut client = etcd_client::Client::connect([endpoint], None).await?;
-                client.get("/", None).await
-            };
-            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(1_000), read).await {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        false
-    }
-
-    fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
-    }
-
-    fn config(&self, node: &str) -> EtcdConfig {
-        EtcdConfig::new(
-            vec![self.endpoint()],
-            "test",
-            NodeId::new(node).expect("a valid node name"),
-            format!("{node}.internal:7100"),
-        )
-        .with_lease_ttl_s(TEST_LEASE_TTL_S)
-        .with_request_timeout_ms(TEST_REQUEST_TIMEOUT_MS)
-    }
-
-    async fn join(&self, node: &str) -> EtcdPlacement {
-        EtcdPlacement::join(self.config(node)).await.expect("join the cluster")
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for TestEtcd {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("bind a free loopback port")
-        .port()
+async fn join(etcd: &TestEtcd, node: &str) -> EtcdPlacement {
+    EtcdPlacement::join(config(etcd, node)).await.expect("join the cluster")
 }
 
 fn actor(key: &str) -> ActorId {
@@ -180,7 +59,7 @@ fn node_names(nodes: &[troupe_etcd::NodeRecord]) -> Vec<&str> {
 async fn racing_nodes_place_each_actor_exactly_once() {
     const ACTORS: usize = 64;
     let etcd = TestEtcd::start("race").await;
-    let nodes = [etcd.join("node-a").await, etcd.join("node-b").await];
+    let nodes = [join(&etcd, "node-a").await, join(&etcd, "node-b").await];
     let mut attempts = Vec::new();
     for index in 0..ACTORS {
         for node in &nodes {
@@ -236,8 +115,8 @@ async fn expired_lease_lets_another_node_place_with_a_newer_fence_and_the_zombie
     let store_b = SqliteStore::open(&path).expect("open the store for B");
     let x = actor("x");
 
-    let node_a = etcd.join("node-a").await;
-    let node_b = etcd.join("node-b").await;
+    let node_a = join(&etcd, "node-a").await;
+    let node_b = join(&etcd, "node-b").await;
     let placed_a = node_a.place(&x).await.expect("A places x");
     let claimed_a = store_a.claim_with_fence(&x, placed_a.fence).await.expect("A claims x");
     assert_eq!(claimed_a.fence, placed_a.fence);
@@ -311,7 +190,7 @@ async fn expired_lease_lets_another_node_place_with_a_newer_fence_and_the_zombie
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoked_lease_fires_lease_lost_and_the_node_places_nothing_more() {
     let etcd = TestEtcd::start("revoked").await;
-    let node = etcd.join("node-a").await;
+    let node = join(&etcd, "node-a").await;
     assert!(node.holds_lease());
     let mut admin = etcd_client::Client::connect([etcd.endpoint()], None)
         .await
@@ -342,10 +221,10 @@ async fn revoked_lease_fires_lease_lost_and_the_node_places_nothing_more() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_list_follows_joins_leaves_and_crashes() {
     let etcd = TestEtcd::start("members").await;
-    let node_a = etcd.join("node-a").await;
+    let node_a = join(&etcd, "node-a").await;
     assert_eq!(node_names(&node_a.nodes().await.expect("list")), ["node-a"]);
-    let node_b = etcd.join("node-b").await;
-    let node_c = etcd.join("node-c").await;
+    let node_b = join(&etcd, "node-b").await;
+    let node_c = join(&etcd, "node-c").await;
     let listed = node_a.nodes().await.expect("list");
     assert_eq!(node_names(&listed), ["node-a", "node-b", "node-c"]);
     assert_eq!(listed[1].address, "node-b.internal:7100");
@@ -377,8 +256,8 @@ async fn node_list_follows_joins_leaves_and_crashes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_etcd_gives_etcd_unavailable_within_the_request_timeout() {
     let mut etcd = TestEtcd::start("stopped").await;
-    let node = etcd.join("node-a").await;
-    let config = etcd.config("node-b");
+    let node = join(&etcd, "node-a").await;
+    let config = config(&etcd, "node-b");
     etcd.kill();
     let bound = Duration::from_millis(TEST_REQUEST_TIMEOUT_MS + SCHEDULING_ALLOWANCE_MS);
     let started = Instant::now();
