@@ -153,7 +153,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     };
     let (llm, description): (Arc<dyn LlmClient>, String) = match real {
         Some((client, description)) => (client, format!("real model: {description}")),
-        None => (Arc::new(script), "scripted model".to_string()),
+        // A server runs for long: the scripted model must not keep every request it
+        // answered (up to 100,000 prompts, tens of KiB each; found by the soak of
+        // scripts/load-serve, docs/serve.md).
+        None => (Arc::new(script.without_recording()), "scripted model".to_string()),
     };
     let mut builder = AgentSystem::builder().store(store).llm(llm);
     let mut count = agents.len();
