@@ -74,7 +74,27 @@ pub struct ServeArgs {
     /// kept.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// The format of the log lines on stderr: `text` (one readable line per event) or
+    /// `json` (one JSON object per line). What is logged is chosen by RUST_LOG (default:
+    /// `info` for the troupe crates, `warn` for the others).
+    #[arg(long, value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
+
+/// The format of `troupe serve`'s log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// JSON lines: `timestamp`, `level`, `fields`, `target`, `span` (the innermost span)
+    /// and `spans` (its ancestry, outermost first).
+    Json,
+}
+
+/// `troupe serve`'s log filter when RUST_LOG is not set: `info` for the troupe crates,
+/// `warn` for every other (axum, hyper, ...).
+pub const SERVE_LOG_FILTER_DEFAULT: &str =
+    "warn,troupe=info,troupe_cli=info,troupe_server=info,troupe_runtime=info,troupe_agent=info,troupe_core=info";
 
 /// The options of `troupe demo`.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]

@@ -21,7 +21,7 @@
 mod cli;
 mod org_demo;
 
-pub use cli::{Cli, Command, DemoArgs, ServeArgs, SERVE_BIND_DEFAULT};
+pub use cli::{Cli, Command, DemoArgs, LogFormat, ServeArgs, SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT};
 pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS};
 
 use std::sync::Arc;

@@ -119,6 +119,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     use troupe_agent::AgentSystem;
     use troupe_server::ServerConfig;
 
+    init_logging(args.log_format)?;
     let mut config = ServerConfig::default();
     if let Some(token) = args.token.clone().filter(|token| !token.is_empty()) {
         config = config.token(token);
@@ -152,7 +153,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     };
     let (llm, description): (Arc<dyn LlmClient>, String) = match real {
         Some((client, description)) => (client, format!("real model: {description}")),
-        None => (Arc::new(script), "scripted model".to_string()),
+        // A server runs for long: the scripted model must not keep every request it
+        // answered (up to 100,000 prompts, tens of KiB each; found by the soak of
+        // scripts/load-serve, docs/serve.md).
+        None => (Arc::new(script.without_recording()), "scripted model".to_string()),
     };
     let mut builder = AgentSystem::builder().store(store).llm(llm);
     let mut count = agents.len();
@@ -186,6 +190,33 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     served.map_err(|error| error.to_string())?;
     println!("troupe serve: stopped");
     Ok(())
+}
+
+/// Logs to stderr in `format`, filtered by RUST_LOG (or [`SERVE_LOG_FILTER_DEFAULT`]).
+/// Every span also logs one line when it closes, with its fields and its busy and idle
+/// times: a request's `http_request` line carries its status and latency, and its
+/// `invoke`, `turn` and `model_call` lines list it among their ancestors.
+#[cfg(not(madsim))]
+fn init_logging(format: troupe_cli::LogFormat) -> Result<(), String> {
+    use std::io::IsTerminal as _;
+    use tracing_subscriber::fmt::format::FmtSpan;
+    use tracing_subscriber::EnvFilter;
+
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.trim().is_empty() => {
+            EnvFilter::try_new(&directives).map_err(|error| format!("RUST_LOG={directives}: {error}"))?
+        }
+        _ => EnvFilter::new(troupe_cli::SERVE_LOG_FILTER_DEFAULT),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_span_events(FmtSpan::CLOSE)
+        .with_writer(std::io::stderr);
+    let installed = match format {
+        troupe_cli::LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
+        troupe_cli::LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).try_init(),
+    };
+    installed.map_err(|error| format!("cannot install the logger: {error}"))
 }
 
 /// Completes on SIGTERM or ctrl-c (SIGINT).

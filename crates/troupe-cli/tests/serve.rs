@@ -175,3 +175,75 @@ fn serve_refuses_a_broken_config_naming_the_line_and_field() {
         "{output:?}"
     );
 }
+
+/// Goal: with `--log-format json`, every log line on stderr is one JSON object; one
+/// request logs an `http_request` line with its method, route, status 200 and latency,
+/// and the agent's `turn` (with the `invoke` that started it) appears among the spans of
+/// that same request (its `http_request` span, by `id`). Method: run the binary with
+/// RUST_LOG=info, message the critic once, stop it, read stderr.
+#[tokio::test]
+async fn serve_logs_json_lines_with_the_turn_inside_the_request_span() {
+    let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut addr = None;
+    let mut line = String::new();
+    while stdout.read_line(&mut line).unwrap() > 0 {
+        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
+            addr = Some(rest.to_string());
+            break;
+        }
+        line.clear();
+    }
+    let addr = addr.expect("troupe serve prints its address");
+    let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
+    assert_eq!(status, 200, "{body}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(wait(&mut child).await.success(), "{stderr}");
+
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|error| panic!("not a JSON line ({error}): {line}")))
+        .collect();
+    // The request's own line: its span, closed, with the status and the latency.
+    let request = lines
+        .iter()
+        .find(|line| {
+            line["span"]["name"] == "http_request"
+                && line["span"]["route"] == "/v1/agents/{id}/messages"
+                && line["fields"]["message"] == "close"
+        })
+        .unwrap_or_else(|| panic!("no http_request line for the message: {stderr}"));
+    let span = &request["span"];
+    assert_eq!(
+        (&span["method"], &span["status"]),
+        (&"POST".into(), &200.into()),
+        "{request}"
+    );
+    assert!(span["latency_us"].as_u64().is_some_and(|us| us > 0), "{request}");
+    let id = span["id"].as_u64().expect("the request span has an id");
+    // A line logged inside the agent's turn lists that request, then invoke, then turn.
+    let inside = lines
+        .iter()
+        .find(|line| {
+            let names: Vec<&str> = line["spans"]
+                .as_array()
+                .map(|spans| spans.iter().filter_map(|span| span["name"].as_str()).collect())
+                .unwrap_or_default();
+            names.starts_with(&["http_request", "invoke", "turn"])
+                && line["spans"][0]["id"].as_u64() == Some(id)
+                && line["spans"][2]["actor"] == "agent/critic"
+        })
+        .unwrap_or_else(|| panic!("no line inside the critic's turn under request {id}: {stderr}"));
+    assert_eq!(inside["spans"][1]["target"], "agent/critic", "{inside}");
+}

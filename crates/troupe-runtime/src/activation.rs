@@ -351,7 +351,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         return;
     }
     let deadline = context.deadline();
-    let span = tracing::debug_span!(
+    let span = tracing::info_span!(
         parent: &span,
         "turn",
         actor = %live.id,

@@ -416,7 +416,7 @@ impl RuntimeHandle {
             });
         }
         let call = shared.next_call();
-        let span = tracing::debug_span!("tell", target = %target, request = call, depth = context.depth());
+        let span = tracing::info_span!("tell", target = %target, request = call, depth = context.depth());
         let envelope = Box::new(Envelope {
             payload,
             context,
@@ -563,7 +563,7 @@ impl RuntimeHandle {
         };
         // The parent of the callee's turn span: a child of the caller's current span (its
         // own turn's, for a call from a turn), so one request is one tree of spans.
-        let span = tracing::debug_span!("invoke", target = %target, request = call, depth = context.depth());
+        let span = tracing::info_span!("invoke", target = %target, request = call, depth = context.depth());
         let mut envelope = Box::new(Envelope {
             payload,
             context,

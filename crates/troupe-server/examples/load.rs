@@ -1,8 +1,18 @@
-//! A bounded load measurement of `POST /v1/agents/{id}/messages` on loopback: a real
-//! server and agent system on the scripted model (no latency), `LOAD_CLIENTS`
-//! concurrent clients (default 32) sending `LOAD_REQUESTS` messages in all (default
-//! 20,000) spread over `LOAD_AGENTS` agents (default 64). Prints throughput, p50, p99
-//! and max latency, and every status that was not 200. Not run in CI.
+//! A bounded load measurement of `POST /v1/agents/{id}/messages` on loopback.
+//!
+//! Two modes:
+//! - in process (default): a real server and agent system on the scripted model (no
+//!   latency), `LOAD_AGENTS` agents `a0..` (default 64);
+//! - against a running server, `LOAD_URL=http://127.0.0.1:PORT` (used by
+//!   `scripts/load-serve` against `troupe serve --config`): the agents `load-0..` of
+//!   that server (`LOAD_AGENTS` of them), sent `[message from load] N`, which the
+//!   organisation script answers at once without a model delay.
+//!
+//! `LOAD_CLIENTS` concurrent clients (default 32) send `LOAD_REQUESTS` messages in all
+//! (default 20,000), stopping early after `LOAD_SECONDS` (default: no time bound) and at
+//! most `LOAD_RATE` requests per second in all (default: no cap). Prints throughput,
+//! p50, p99 and max latency, and the status histogram; a request that got no HTTP answer
+//! (connection refused or reset) counts as status `0`. Not run in CI.
 //!
 //! `cargo run --release -p troupe-server --example load`
 
@@ -15,6 +25,7 @@ fn main() {
 #[tokio::main]
 async fn main() {
     use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -30,31 +41,44 @@ async fn main() {
     let clients = setting("LOAD_CLIENTS", 32).max(1);
     let requests = setting("LOAD_REQUESTS", 20_000).max(1);
     let agents = setting("LOAD_AGENTS", 64).max(1);
+    let seconds = setting("LOAD_SECONDS", 0);
+    let rate = setting("LOAD_RATE", 0);
+    let external = std::env::var("LOAD_URL").ok().filter(|url| !url.is_empty());
 
-    let llm = ScriptedLlm::new()
-        .rule(ScriptRule::any_agent().reply("ok: {input}"))
-        .without_recording();
-    let mut builder = AgentSystem::builder().llm(Arc::new(llm));
-    for n in 0..agents {
-        builder = builder.agent(AgentSpec::new(format!("a{n}")));
-    }
-    let system = builder.start().expect("the agent system starts");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(troupe_server::serve(
-        listener,
-        system.client(),
-        ServerConfig::default(),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    // In process: our own server; against LOAD_URL: nothing to start.
+    let mut own = None;
+    let (base, agent_prefix, text_prefix) = match &external {
+        Some(url) => (url.trim_end_matches('/').to_string(), "load-", "[message from load] "),
+        None => {
+            let llm = ScriptedLlm::new()
+                .rule(ScriptRule::any_agent().reply("ok: {input}"))
+                .without_recording();
+            let mut builder = AgentSystem::builder().llm(Arc::new(llm));
+            for n in 0..agents {
+                builder = builder.agent(AgentSpec::new(format!("a{n}")));
+            }
+            let system = builder.start().expect("the agent system starts");
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let base = format!("http://{}", listener.local_addr().unwrap());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(troupe_server::serve(
+                listener,
+                system.client(),
+                ServerConfig::default(),
+                async move {
+                    let _ = stopped.await;
+                },
+            ));
+            own = Some((system, stop, server));
+            (base, "a", "message ")
+        }
+    };
     // reqwest is built with rustls and no provider of its own (as in troupe-agent).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let next = Arc::new(AtomicUsize::new(0));
     let started = tokio::time::Instant::now();
+    let end = (seconds > 0).then(|| started + Duration::from_secs(seconds as u64));
     let mut workers = Vec::new();
     for _ in 0..clients {
         let http = http.clone();
@@ -64,20 +88,32 @@ async fn main() {
             let mut latencies = Vec::new();
             let mut statuses: BTreeMap<u16, usize> = BTreeMap::new();
             loop {
-                let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if n >= requests {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= requests || end.is_some_and(|end| tokio::time::Instant::now() >= end) {
                     return (latencies, statuses);
                 }
+                if rate > 0 {
+                    // Request n is due n/rate seconds after the start.
+                    let due = started + Duration::from_secs_f64(n as f64 / rate as f64);
+                    tokio::time::sleep_until(due).await;
+                }
                 let sent = tokio::time::Instant::now();
-                let response = http
-                    .post(format!("{base}/v1/agents/a{}/messages", n % agents))
+                let answer = http
+                    .post(format!("{base}/v1/agents/{agent_prefix}{}/messages", n % agents))
                     .header("content-type", "application/json")
-                    .body(format!("{{\"text\": \"message {n}\"}}"))
+                    .body(format!("{{\"text\": \"{text_prefix}{n}\"}}"))
                     .send()
-                    .await
-                    .expect("the server answers");
-                let status = response.status().as_u16();
-                let _ = response.bytes().await;
+                    .await;
+                let status = match answer {
+                    Ok(response) => {
+                        let status = response.status().as_u16();
+                        match response.bytes().await {
+                            Ok(_) => status,
+                            Err(_) => 0,
+                        }
+                    }
+                    Err(_) => 0,
+                };
                 latencies.push(sent.elapsed());
                 *statuses.entry(status).or_insert(0) += 1;
             }
@@ -94,15 +130,25 @@ async fn main() {
     }
     let elapsed = started.elapsed();
     latencies.sort_unstable();
-    let at = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
+    let sent = latencies.len().max(1);
+    let at = |q: f64| {
+        latencies
+            .get(((sent as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or_default()
+    };
     println!(
-        "{requests} messages, {clients} clients, {agents} agents: {:.0} requests/s, p50 {:?}, p99 {:?}, max {:?}; statuses {statuses:?}",
-        requests as f64 / elapsed.as_secs_f64(),
+        "{} messages in {:.1} s, {clients} clients, {agents} agents: {:.0} requests/s, p50 {:?}, p99 {:?}, max {:?}; statuses {statuses:?}",
+        latencies.len(),
+        elapsed.as_secs_f64(),
+        latencies.len() as f64 / elapsed.as_secs_f64(),
         at(0.50),
         at(0.99),
         at(1.0),
     );
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
-    system.shutdown().await;
+    if let Some((system, stop, server)) = own {
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+        system.shutdown().await;
+    }
 }

@@ -2,7 +2,7 @@
 //! [`serve`] with graceful shutdown.
 
 use std::future::Future;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tower_http::limit::RequestBodyLimitLayer;
+use tracing::Instrument as _;
 use troupe_agent::AgentClient;
 
 use crate::config::{ServeError, ServerConfig};
@@ -41,6 +42,8 @@ pub(crate) struct AppState {
     pub(crate) directory_writes: tokio::sync::Mutex<()>,
     /// Numbers the OpenAI-compatible completions (`chatcmpl-troupe-N`).
     pub(crate) completions: AtomicU64,
+    /// Numbers the HTTP requests (the `id` of their `http_request` span), from 1.
+    pub(crate) requests_seen: AtomicU64,
 }
 
 /// The HTTP API over `client`, configured by `config`: every route, with the error
@@ -62,6 +65,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         shutdown: watch::channel(false).0,
         directory_writes: tokio::sync::Mutex::new(()),
         completions: AtomicU64::new(0),
+        requests_seen: AtomicU64::new(0),
     });
     let api = Router::new()
         .route("/health", get(health))
@@ -128,16 +132,29 @@ pub async fn serve(
     Ok(())
 }
 
-/// Counts every answer by route and status, and gives every error the one JSON shape
+/// Counts every answer by route and status, gives every error the one JSON shape
 /// (errors made outside the handlers, such as axum's 405 or tower-http's 413, come as
-/// plain text).
+/// plain text), and runs the request in an `info` span `http_request` (`id`, `method`,
+/// `route`, then `status` and `latency_us` once answered): the runtime's `invoke` →
+/// `turn` → `model_call`/`tool_call` spans of the request are its descendants. The
+/// latency is to the response headers (a streamed body goes on after it).
 async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let method = request.method().clone();
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |path| path.as_str().to_string());
-    let mut response = next.run(request).await;
+    let id = state.requests_seen.fetch_add(1, Ordering::Relaxed) + 1;
+    let span = tracing::info_span!(
+        "http_request",
+        id,
+        method = %method,
+        route = %route,
+        status = tracing::field::Empty,
+        latency_us = tracing::field::Empty,
+    );
+    let started = tokio::time::Instant::now();
+    let mut response = next.run(request).instrument(span.clone()).await;
     let status = response.status();
     let is_json = response
         .headers()
@@ -146,9 +163,11 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
     if (status.is_client_error() || status.is_server_error()) && !is_json {
         response = plain_error(status, method.as_str(), &route);
     }
-    state
-        .metrics
-        .record(method.as_str(), &route, response.status().as_u16());
+    let status = response.status().as_u16();
+    let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+    span.record("status", status);
+    span.record("latency_us", latency_us);
+    state.metrics.record(method.as_str(), &route, status);
     response
 }
 

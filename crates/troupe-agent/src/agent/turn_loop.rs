@@ -169,7 +169,7 @@ impl AgentActor {
             };
             let model_call = tracing::Instrument::instrument(
                 llm.complete(llm_request),
-                tracing::debug_span!("model_call", agent = %self.id, step = steps),
+                tracing::info_span!("model_call", agent = %self.id, step = steps),
             );
             let reply = match clock.run_until(deadline, model_call).await {
                 Ok(Ok(reply)) => reply,
@@ -299,7 +299,7 @@ impl AgentActor {
             }
             let executed = tracing::Instrument::instrument(
                 registry.execute(context, &call.name, arguments),
-                tracing::debug_span!("tool_call", agent = %self.id, tool = %call.name),
+                tracing::info_span!("tool_call", agent = %self.id, tool = %call.name),
             )
             .await;
             if self.shared.has_listeners() {
