@@ -44,6 +44,20 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     (status, body)
 }
 
+/// Reads the child's stdout up to the `listening on http://ADDR` line; the rest of
+/// stdout (for later reads) and the address.
+fn read_address(child: &mut Child) -> (BufReader<std::process::ChildStdout>, String) {
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while stdout.read_line(&mut line).unwrap() > 0 {
+        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
+            return (stdout, rest.to_string());
+        }
+        line.clear();
+    }
+    panic!("troupe serve printed no address");
+}
+
 /// How often a stopping child is checked, in milliseconds.
 const SERVE_POLL_MS: u64 = 20;
 
@@ -68,17 +82,7 @@ async fn serve_answers_on_loopback_and_stops_cleanly_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut addr = None;
-    let mut line = String::new();
-    while stdout.read_line(&mut line).unwrap() > 0 {
-        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
-            addr = Some(rest.to_string());
-            break;
-        }
-        line.clear();
-    }
-    let addr = addr.expect("troupe serve prints its address");
+    let (mut stdout, addr) = read_address(&mut child);
     let (status, body) = http(&addr, "GET", "/health", "");
     assert_eq!((status, body.as_str()), (200, "{\"agents\":5,\"status\":\"ok\"}"));
     let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
@@ -121,17 +125,7 @@ async fn serve_with_a_config_serves_the_declared_organisation() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut addr = None;
-    let mut line = String::new();
-    while stdout.read_line(&mut line).unwrap() > 0 {
-        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
-            addr = Some(rest.to_string());
-            break;
-        }
-        line.clear();
-    }
-    let addr = addr.expect("troupe serve prints its address");
+    let (_stdout, addr) = read_address(&mut child);
     let (status, body) = http(&addr, "GET", "/health", "");
     assert_eq!((status, body.as_str()), (200, "{\"agents\":4,\"status\":\"ok\"}"));
     let (status, body) = http(&addr, "GET", "/v1/agents", "");
@@ -189,17 +183,7 @@ async fn serve_logs_json_lines_with_the_turn_inside_the_request_span() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut addr = None;
-    let mut line = String::new();
-    while stdout.read_line(&mut line).unwrap() > 0 {
-        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
-            addr = Some(rest.to_string());
-            break;
-        }
-        line.clear();
-    }
-    let addr = addr.expect("troupe serve prints its address");
+    let (_stdout, addr) = read_address(&mut child);
     let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
     assert_eq!(status, 200, "{body}");
     let killed = Command::new("kill")
