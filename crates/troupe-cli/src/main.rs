@@ -36,14 +36,17 @@ fn real_model() -> Result<Option<RealModel>, String> {
     Ok(None)
 }
 
-async fn demo(args: DemoArgs) -> Result<bool, String> {
-    let real = if args.scripted { None } else { real_model()? };
-    // Without --data-dir, a new temporary directory, removed when `temporary` drops.
-    let (directory, temporary) = match &args.data_dir {
-        Some(dir) => (dir.clone(), None),
+/// The SQLite store in DIR/troupe.db, or in a new temporary directory (named with
+/// `prefix`) that is removed when the returned guard drops.
+fn open_store(
+    dir: Option<&std::path::Path>,
+    prefix: &str,
+) -> Result<(Arc<dyn StateStore>, std::path::PathBuf, Option<tempfile::TempDir>), String> {
+    let (directory, temporary) = match dir {
+        Some(dir) => (dir.to_path_buf(), None),
         None => {
             let temporary = tempfile::Builder::new()
-                .prefix("troupe-demo-")
+                .prefix(prefix)
                 .tempdir()
                 .map_err(|error| format!("cannot create a temporary directory: {error}"))?;
             (temporary.path().to_path_buf(), Some(temporary))
@@ -53,6 +56,13 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     let path = directory.join("troupe.db");
     let store: Arc<dyn StateStore> =
         Arc::new(SqliteStore::open(&path).map_err(|error| format!("cannot open {}: {error}", path.display()))?);
+    Ok((store, path, temporary))
+}
+
+async fn demo(args: DemoArgs) -> Result<bool, String> {
+    let real = if args.scripted { None } else { real_model()? };
+    // Without --data-dir, a new temporary directory, removed when `temporary` drops.
+    let (store, path, temporary) = open_store(args.data_dir.as_deref(), "troupe-demo-")?;
     if let Some(config_path) = &args.config {
         let ok = org_demo(store, config_path).await;
         drop(temporary);
@@ -127,20 +137,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     // Refuse a bad address or token before anything starts.
     config.check_bind(args.bind).map_err(|error| error.to_string())?;
     let real = if args.scripted { None } else { real_model()? };
-    let (directory, temporary) = match &args.db {
-        Some(dir) => (dir.clone(), None),
-        None => {
-            let temporary = tempfile::Builder::new()
-                .prefix("troupe-serve-")
-                .tempdir()
-                .map_err(|error| format!("cannot create a temporary directory: {error}"))?;
-            (temporary.path().to_path_buf(), Some(temporary))
-        }
-    };
-    std::fs::create_dir_all(&directory).map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
-    let path = directory.join("troupe.db");
-    let store: Arc<dyn StateStore> =
-        Arc::new(SqliteStore::open(&path).map_err(|error| format!("cannot open {}: {error}", path.display()))?);
+    let (store, path, temporary) = open_store(args.db.as_deref(), "troupe-serve-")?;
     // A config file replaces the built-in organisation (read before anything starts, so
     // a broken file stops here naming its line and field).
     let org = match &args.config {
