@@ -36,12 +36,13 @@ fn real_model() -> Result<Option<RealModel>, String> {
     Ok(None)
 }
 
+/// A store opened by [`open_store`]: the store, its file, and the temporary directory
+/// (if any) that holds it, removed when dropped.
+type OpenedStore = (Arc<dyn StateStore>, std::path::PathBuf, Option<tempfile::TempDir>);
+
 /// The SQLite store in DIR/troupe.db, or in a new temporary directory (named with
 /// `prefix`) that is removed when the returned guard drops.
-fn open_store(
-    dir: Option<&std::path::Path>,
-    prefix: &str,
-) -> Result<(Arc<dyn StateStore>, std::path::PathBuf, Option<tempfile::TempDir>), String> {
+fn open_store(dir: Option<&std::path::Path>, prefix: &str) -> Result<OpenedStore, String> {
     let (directory, temporary) = match dir {
         Some(dir) => (dir.to_path_buf(), None),
         None => {
