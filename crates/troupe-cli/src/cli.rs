@@ -46,7 +46,64 @@ pub enum Command {
     /// ctrl-c it stops accepting, lets requests in flight finish (up to 10 s), then
     /// shuts the agents down.
     Serve(ServeArgs),
+    /// Run one node of a Troupe cluster: actors' state in PostgreSQL (fenced), their
+    /// placement and the node's membership in etcd, calls between nodes over TCP. See
+    /// docs/cluster.md.
+    ///
+    /// Serves durable conversation logs (the actor kind `conversation`) over HTTP on
+    /// --http: POST /v1/conversations/ID/messages {"text": ...} appends a message and
+    /// answers its sequence number; GET /v1/conversations/ID/messages reads them in
+    /// order. Any node answers for any conversation: the call is routed to the node that
+    /// owns it, and when that node dies another takes it over once its lease (--lease-ttl-ms)
+    /// has ended. Prints `node NAME transport ADDR` and `listening on http://ADDR` once
+    /// it serves. On SIGTERM or ctrl-c it stops serving, saves and leaves the cluster.
+    Node(NodeArgs),
 }
+
+/// The options of `troupe node`.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct NodeArgs {
+    /// etcd client endpoints, `host:port` or `http://host:port`, separated by commas.
+    #[arg(long, value_name = "URL[,URL]", value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+    /// The PostgreSQL database every node shares: a URL
+    /// (`postgresql://user@host:port/db`) or `key=value` pairs.
+    #[arg(long, value_name = "URL")]
+    pub postgres: String,
+    /// The address other nodes call this node on (port 0: any free port; the bound
+    /// address is published in etcd).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: SocketAddr,
+    /// This node's name in the cluster (ASCII letters, digits, '-', '_', '.').
+    /// Default: `node-PID`.
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<String>,
+    /// The cluster's name: every node of one cluster gives the same.
+    #[arg(long, value_name = "NAME", default_value = NODE_CLUSTER_DEFAULT)]
+    pub cluster: String,
+    /// The node's etcd lease, in milliseconds (whole seconds, 3000 to 300000): when the
+    /// node dies, its actors move to other nodes this long after its last renewal.
+    #[arg(long, value_name = "N", default_value_t = NODE_LEASE_TTL_MS_DEFAULT)]
+    pub lease_ttl_ms: u64,
+    /// Serve the conversation HTTP API on ADDR (port 0: any free port). A non-loopback
+    /// address needs a token. Without it the node serves only other nodes.
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<SocketAddr>,
+    /// The bearer token every HTTP request but GET /health must carry (at least 16
+    /// bytes).
+    #[arg(long, value_name = "T", env = "TROUPE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Also record every accepted commit (not only every claim) in PostgreSQL's
+    /// `troupe_fence_log` table, with its fence, node and time: an audit trail that
+    /// shows no commit was accepted under an old fence. One more row per turn.
+    #[arg(long)]
+    pub fence_log_commits: bool,
+}
+
+/// The default cluster name of `troupe node`.
+pub const NODE_CLUSTER_DEFAULT: &str = "troupe";
+/// The default lease of `troupe node`, in milliseconds.
+pub const NODE_LEASE_TTL_MS_DEFAULT: u64 = 5_000;
 
 /// The default address of `troupe serve`.
 pub const SERVE_BIND_DEFAULT: &str = "127.0.0.1:8080";
@@ -180,12 +237,46 @@ mod tests {
     }
 
     #[test]
+    fn node_flags_parse_with_several_etcd_endpoints() {
+        let cli = Cli::try_parse_from([
+            "troupe",
+            "node",
+            "--etcd",
+            "http://127.0.0.1:2379,10.0.0.2:2379",
+            "--postgres",
+            "postgresql://troupe@127.0.0.1/troupe",
+            "--listen",
+            "127.0.0.1:7100",
+            "--node-id",
+            "n1",
+            "--lease-ttl-ms",
+            "3000",
+            "--http",
+            "127.0.0.1:8080",
+        ])
+        .unwrap();
+        let Command::Node(args) = cli.command else {
+            panic!("not node")
+        };
+        assert_eq!(args.etcd, vec!["http://127.0.0.1:2379", "10.0.0.2:2379"]);
+        assert_eq!(args.node_id.as_deref(), Some("n1"));
+        assert_eq!(args.lease_ttl_ms, 3_000);
+        assert_eq!(args.http, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(args.cluster, NODE_CLUSTER_DEFAULT);
+        let error = Cli::try_parse_from(["troupe", "node", "--postgres", "x", "--listen", "127.0.0.1:1"])
+            .expect_err("--etcd is required");
+        assert_eq!(error.kind(), ErrorKind::MissingRequiredArgument);
+        assert!(error.to_string().contains("--etcd"), "{error}");
+    }
+
+    #[test]
     fn every_command_has_help() {
         for argv in [
             &["troupe", "--help"][..],
             &["troupe", "help"],
             &["troupe", "demo", "--help"],
             &["troupe", "serve", "--help"],
+            &["troupe", "node", "--help"],
         ] {
             let error = Cli::try_parse_from(argv).expect_err("help stops parsing");
             assert_eq!(error.kind(), ErrorKind::DisplayHelp, "{argv:?}");

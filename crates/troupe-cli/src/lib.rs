@@ -19,9 +19,14 @@
 #![warn(missing_docs)]
 
 mod cli;
+#[cfg(not(madsim))]
+pub mod node;
 mod org_demo;
 
-pub use cli::{Cli, Command, DemoArgs, LogFormat, ServeArgs, SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT};
+pub use cli::{
+    Cli, Command, DemoArgs, LogFormat, NodeArgs, ServeArgs, NODE_CLUSTER_DEFAULT, NODE_LEASE_TTL_MS_DEFAULT,
+    SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT,
+};
 pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS};
 
 use std::sync::Arc;

@@ -289,6 +289,28 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        #[cfg(not(madsim))]
+        Command::Node(node_args) => {
+            if let Err(message) = init_logging(troupe_cli::LogFormat::Text) {
+                eprintln!("troupe: {message}");
+                return ExitCode::FAILURE;
+            }
+            match troupe_cli::node::run_node(&node_args, shutdown_signal()).await {
+                Ok(()) => {
+                    println!("troupe node: stopped");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("troupe: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        #[cfg(madsim)]
+        Command::Node(_) => {
+            eprintln!("troupe: node is not built under the simulator (--cfg madsim)");
+            ExitCode::FAILURE
+        }
         #[cfg(madsim)]
         Command::Serve(_) => {
             eprintln!("troupe: serve is not built under the simulator (--cfg madsim)");

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::error::Error as StdError;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -16,7 +17,7 @@ use troupe_runtime::{
 };
 
 /// The schema version this code writes and reads, stored in `troupe_schema.version`.
-pub const POSTGRES_SCHEMA_VERSION: i64 = 1;
+pub const POSTGRES_SCHEMA_VERSION: i64 = 2;
 
 /// Connections one store keeps open at most (its pool's size), in connections. An
 /// operation waits for a free connection when all are busy.
@@ -51,6 +52,23 @@ const CREATE_TABLES: &str = "
     CREATE TABLE troupe_actor_owner (
         kind TEXT NOT NULL, key TEXT NOT NULL, fence BIGINT NOT NULL,
         PRIMARY KEY (kind, key));";
+
+/// Version 2 adds the fence log (version 1 databases are migrated by running this).
+const CREATE_FENCE_LOG: &str = "
+    CREATE TABLE troupe_fence_log (
+        id BIGSERIAL PRIMARY KEY, event TEXT NOT NULL,
+        kind TEXT NOT NULL, key TEXT NOT NULL, fence BIGINT NOT NULL,
+        holder TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+    CREATE INDEX troupe_fence_log_actor ON troupe_fence_log (kind, key, id);";
+
+/// Logs the fence a claim just set (run after the claim's upsert, in its transaction,
+/// under the owner row's lock, so the log's ids per actor follow the lock's order).
+const LOG_CLAIM_OF_OWNER_ROW: &str = "
+    INSERT INTO troupe_fence_log (event, kind, key, fence, holder)
+    SELECT 'claim', kind, key, fence, $3 FROM troupe_actor_owner WHERE kind = $1 AND key = $2";
+
+/// Logs one claim or commit under a given fence, in the claim's or commit's transaction.
+const LOG_FENCE: &str = "INSERT INTO troupe_fence_log (event, kind, key, fence, holder) VALUES ($1, $2, $3, $4, $5)";
 
 /// Issues the actor's next fence: 1 for an actor never claimed, else one more than the
 /// newest. Takes the owner row's lock until the claim's transaction ends.
@@ -110,8 +128,22 @@ const SCAN_STRICTLY_AFTER: &str = "
 /// troupe_actor_state (kind TEXT, key TEXT, state BYTEA)                   PRIMARY KEY (kind, key)
 /// troupe_actor_entry (kind TEXT, key TEXT, entry_key BYTEA, value BYTEA)  PRIMARY KEY (kind, key, entry_key)
 /// troupe_actor_owner (kind TEXT, key TEXT, fence BIGINT)                  PRIMARY KEY (kind, key)
+/// troupe_fence_log (id BIGSERIAL, event TEXT, kind TEXT, key TEXT,         PRIMARY KEY (id)
+///                   fence BIGINT, holder TEXT, at TIMESTAMPTZ)
 /// troupe_schema (version BIGINT)                                          one row: POSTGRES_SCHEMA_VERSION
 /// ```
+///
+/// The fence log records every accepted claim (`event = 'claim'`), and every accepted
+/// commit (`event = 'commit'`) if the store was built [`PostgresStore::with_commit_log`],
+/// each with its fence, the store's [`PostgresStore::with_holder`] name and the database
+/// clock (`clock_timestamp()`). The row is written in the claim's or commit's own
+/// transaction under the actor's owner row lock, so it exists exactly when the claim or
+/// commit was accepted, and per actor the ids follow the order the lock was granted in:
+/// an audit can check that fences only grow and that no commit was accepted under a
+/// fence older than a claim before it. The log is never pruned by Troupe: a claim adds
+/// one row per activation (and a logged commit one per turn); delete old rows by `at`
+/// as needed. A version 1 database is migrated to version 2 (the log is added) at
+/// connect.
 ///
 /// Guarantees:
 /// - a claim is one transaction: an `INSERT … ON CONFLICT DO UPDATE … RETURNING` bumps the
@@ -145,6 +177,10 @@ const SCAN_STRICTLY_AFTER: &str = "
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    /// Written in the fence log's `holder` column.
+    holder: Option<Arc<str>>,
+    /// Whether accepted commits are written to the fence log too.
+    log_commits: bool,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -153,6 +189,8 @@ impl std::fmt::Debug for PostgresStore {
         f.debug_struct("PostgresStore")
             .field("pool_size", &status.size)
             .field("pool_available", &status.available)
+            .field("holder", &self.holder)
+            .field("log_commits", &self.log_commits)
             .finish()
     }
 }
@@ -193,9 +231,28 @@ impl PostgresStore {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(backend(StoreOperation::Open))?;
-        let store = Self { pool };
+        let store = Self {
+            pool,
+            holder: None,
+            log_commits: false,
+        };
         store.create_schema().await?;
         Ok(store)
+    }
+
+    /// Names this store's claims (and logged commits) in the fence log's `holder`
+    /// column, e.g. with the node's name.
+    pub fn with_holder(mut self, holder: impl Into<String>) -> Self {
+        self.holder = Some(Arc::from(holder.into()));
+        self
+    }
+
+    /// Also writes every accepted commit to the fence log (one more row per turn that
+    /// writes, in the commit's transaction, pipelined with its other statements). Off
+    /// by default; claims are always logged.
+    pub fn with_commit_log(mut self, log_commits: bool) -> Self {
+        self.log_commits = log_commits;
+        self
     }
 
     async fn create_schema(&self) -> Result<(), StoreError> {
@@ -225,6 +282,10 @@ impl PostgresStore {
                     .await
                     .map_err(backend(operation))?;
                 transaction
+                    .batch_execute(CREATE_FENCE_LOG)
+                    .await
+                    .map_err(backend(operation))?;
+                transaction
                     .execute(
                         "INSERT INTO troupe_schema (version) VALUES ($1)",
                         &[&POSTGRES_SCHEMA_VERSION],
@@ -233,6 +294,16 @@ impl PostgresStore {
                     .map_err(backend(operation))?;
             }
             [version] if *version == POSTGRES_SCHEMA_VERSION => {}
+            [1] => {
+                transaction
+                    .batch_execute(CREATE_FENCE_LOG)
+                    .await
+                    .map_err(backend(operation))?;
+                transaction
+                    .execute("UPDATE troupe_schema SET version = $1", &[&POSTGRES_SCHEMA_VERSION])
+                    .await
+                    .map_err(backend(operation))?;
+            }
             [version] => {
                 return Err(StoreError::Backend {
                     operation,
@@ -359,9 +430,15 @@ impl FencedClaim for PostgresStore {
             });
         }
         // Read after the owner row's lock was granted, as in `claim`.
-        let state: Option<Vec<u8>> = transaction
-            .query_opt(SELECT_STATE, &[&kind, &key])
-            .await
+        let holder = self.holder.as_deref();
+        let log_columns: [&(dyn ToSql + Sync); 5] = [&"claim", &kind, &key, &token, &holder];
+        let actor_columns: [&(dyn ToSql + Sync); 2] = [&kind, &key];
+        let (logged, state) = futures::join!(
+            transaction.execute(LOG_FENCE, &log_columns),
+            transaction.query_opt(SELECT_STATE, &actor_columns),
+        );
+        logged.map_err(backend(operation))?;
+        let state: Option<Vec<u8>> = state
             .and_then(|row| row.map(|row| row.try_get(0)).transpose())
             .map_err(backend(operation))?;
         transaction.commit().await.map_err(backend(operation))?;
@@ -392,12 +469,20 @@ impl StateStore for PostgresStore {
         // the upsert, and under READ COMMITTED it reads a snapshot taken after the
         // owner row's lock was granted, so every commit accepted before this claim is
         // in it.
+        let log = transaction
+            .prepare_cached(LOG_CLAIM_OF_OWNER_ROW)
+            .await
+            .map_err(backend(operation))?;
         let actor_columns: [&(dyn ToSql + Sync); 2] = [&kind, &key];
-        let (token, state) = futures::join!(
+        let holder = self.holder.as_deref();
+        let log_columns: [&(dyn ToSql + Sync); 3] = [&kind, &key, &holder];
+        let (token, state, logged) = futures::join!(
             transaction.query_one(&claim, &actor_columns),
             transaction.query_opt(&select, &actor_columns),
+            transaction.execute(&log, &log_columns),
         );
         let token: i64 = token.and_then(|row| row.try_get(0)).map_err(backend(operation))?;
+        logged.map_err(backend(operation))?;
         let state: Option<Vec<u8>> = state
             .and_then(|row| row.map(|row| row.try_get(0)).transpose())
             .map_err(backend(operation))?;
@@ -466,6 +551,15 @@ impl StateStore for PostgresStore {
             Some(sql) => Some(transaction.prepare_cached(sql).await.map_err(backend(operation))?),
             None => None,
         };
+        let log_statement = match (self.log_commits, held) {
+            (true, Some(_)) => Some(
+                transaction
+                    .prepare_cached(LOG_FENCE)
+                    .await
+                    .map_err(backend(operation))?,
+            ),
+            _ => None,
+        };
         let (deleted, batches) = write_batches(&commit.writes);
         let delete_statement = match deleted.is_empty() {
             true => None,
@@ -517,8 +611,19 @@ impl StateStore for PostgresStore {
             }
             Ok::<_, tokio_postgres::Error>(rows)
         };
-        let (current, state_written, entries_deleted, entries_upserted) =
-            futures::join!(check, state_write, entry_deletes, entry_upserts);
+        let holder = self.holder.as_deref();
+        let commit_logged = async {
+            match (&log_statement, held) {
+                (Some(statement), Some(token)) => {
+                    transaction
+                        .execute(statement, &[&"commit", &kind, &key, &token, &holder])
+                        .await
+                }
+                _ => Ok(0),
+            }
+        };
+        let (current, state_written, entries_deleted, entries_upserted, logged) =
+            futures::join!(check, state_write, entry_deletes, entry_upserts, commit_logged);
         let current: Option<i64> = current
             .and_then(|row| row.map(|row| row.try_get(0)).transpose())
             .map_err(backend(operation))?;
@@ -529,6 +634,7 @@ impl StateStore for PostgresStore {
         state_written.map_err(backend(operation))?;
         entries_deleted.map_err(backend(operation))?;
         entries_upserted.map_err(backend(operation))?;
+        logged.map_err(backend(operation))?;
         // Dropping the transaction on an error above rolls all of it back.
         transaction.commit().await.map_err(backend(operation))
     }

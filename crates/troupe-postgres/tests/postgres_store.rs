@@ -19,9 +19,6 @@
 //! latencies).
 #![cfg(not(madsim))]
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -36,257 +33,9 @@ use troupe_runtime::{
     Turn,
 };
 
-/// How many times a test tries to start its server, each time on a newly chosen free
-/// port (another process may take the port between choosing and binding it).
-const SERVER_START_ATTEMPTS: usize = 5;
-/// How long `pg_ctl` waits for the server to accept connections, in seconds.
-const SERVER_START_TIMEOUT_S: u32 = 60;
-/// The database superuser that `initdb` creates; trusted on loopback, no password.
-const SUPERUSER: &str = "troupe";
-
-// ---------------------------------------------------------------------------------------
-// The throwaway server
-// ---------------------------------------------------------------------------------------
-
-/// A PostgreSQL server of one test, in a temporary directory; stopped and removed when
-/// dropped.
-struct TestServer {
-    directory: tempfile::TempDir,
-    bindir: PathBuf,
-    run_as: Option<&'static str>,
-    port: u16,
-}
-
-impl TestServer {
-    fn start(test_name: &str) -> Self {
-        let bindir = server_bindir();
-        stop_servers_of_dead_tests(&bindir);
-        let directory = tempfile::Builder::new()
-            .prefix(&format!("troupe-pg-{test_name}-{}-", std::process::id()))
-            .tempdir()
-            .expect("create the server's directory");
-        let run_as = server_user();
-        if let Some(user) = run_as {
-            run(Command::new("chown").arg("-R").arg(user).arg(directory.path()));
-        }
-        let mut server = Self {
-            directory,
-            bindir,
-            run_as,
-            port: 0,
-        };
-        let data = server.data().to_string_lossy().into_owned();
-        server.run_tool(
-            "initdb",
-            &[
-                "-D",
-                &data,
-                "-U",
-                SUPERUSER,
-                "--auth=trust",
-                "--encoding=UTF8",
-                "--locale=C",
-                "--no-sync",
-            ],
-        );
-        let log = server
-            .directory
-            .path()
-            .join("server.log")
-            .to_string_lossy()
-            .into_owned();
-        let socket_directory = server.directory.path().to_string_lossy().into_owned();
-        for attempt in 1..=SERVER_START_ATTEMPTS {
-            let port = free_port();
-            let options = format!("-p {port} -h 127.0.0.1 -k {socket_directory}");
-            let timeout = SERVER_START_TIMEOUT_S.to_string();
-            let output = server.tool_output(
-                "pg_ctl",
-                &["-D", &data, "-l", &log, "-o", &options, "-w", "-t", &timeout, "start"],
-            );
-            if output.status.success() {
-                server.port = port;
-                return server;
-            }
-            let log_text = std::fs::read_to_string(&log).unwrap_or_default();
-            assert!(
-                attempt < SERVER_START_ATTEMPTS,
-                "pg_ctl start failed {SERVER_START_ATTEMPTS} times; last: {}\n{}\nserver log:\n{log_text}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        unreachable!("the loop returns or panics")
-    }
-
-    fn data(&self) -> PathBuf {
-        self.directory.path().join("data")
-    }
-
-    /// Connection parameters for `database` on this server.
-    fn config(&self, database: &str) -> String {
-        format!("host=127.0.0.1 port={} user={SUPERUSER} dbname={database}", self.port)
-    }
-
-    /// Creates an empty database and returns its connection parameters.
-    async fn create_database(&self, database: &str) -> String {
-        let (client, connection) = tokio_postgres::connect(&self.config("postgres"), tokio_postgres::NoTls)
-            .await
-            .expect("connect to the server's postgres database");
-        let connection = tokio::spawn(connection);
-        client
-            .batch_execute(&format!("CREATE DATABASE {database}"))
-            .await
-            .expect("create a database");
-        drop(client);
-        connection.await.expect("the connection task").expect("the connection");
-        self.config(database)
-    }
-
-    /// A store on a new database of its own.
-    async fn store(&self, database: &str) -> PostgresStore {
-        let config = self.create_database(database).await;
-        PostgresStore::connect(&config).await.expect("connect a store")
-    }
-
-    fn tool_output(&self, tool: &str, arguments: &[&str]) -> Output {
-        let program = self.bindir.join(tool);
-        let mut command = match self.run_as {
-            Some(user) => {
-                let mut command = Command::new("runuser");
-                command.arg("-u").arg(user).arg("--").arg(&program);
-                command
-            }
-            None => Command::new(&program),
-        };
-        command
-            .args(arguments)
-            .current_dir(self.directory.path())
-            .output()
-            .unwrap_or_else(|error| panic!("run {}: {error}", program.display()))
-    }
-
-    fn run_tool(&self, tool: &str, arguments: &[&str]) {
-        let output = self.tool_output(tool, arguments);
-        assert!(
-            output.status.success(),
-            "{tool} failed: {}\n{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if self.port != 0 {
-            let data = self.data().to_string_lossy().into_owned();
-            // Immediate: the data is thrown away anyway.
-            let _ = self.tool_output("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
-        }
-    }
-}
-
-/// Stops and removes the servers of test processes that died without dropping their
-/// [`TestServer`] (killed, say, by a timeout): their directories are named
-/// `troupe-pg-{test}-{pid}-{random}` in the temporary directory.
-fn stop_servers_of_dead_tests(bindir: &Path) {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with("troupe-pg-") {
-            continue;
-        }
-        let mut parts = name.rsplit('-');
-        let (Some(_random), Some(pid)) = (parts.next(), parts.next()) else {
-            continue;
-        };
-        if pid.parse::<u32>().is_err() || Path::new("/proc").join(pid).exists() {
-            continue;
-        }
-        let data = entry.path().join("data");
-        if data.join("postmaster.pid").exists() {
-            let data = data.to_string_lossy().into_owned();
-            let stop_arguments = ["-D", data.as_str(), "-m", "immediate", "-w", "stop"];
-            let program = bindir.join("pg_ctl");
-            let _ = match server_user() {
-                Some(user) => Command::new("runuser")
-                    .arg("-u")
-                    .arg(user)
-                    .arg("--")
-                    .arg(&program)
-                    .args(stop_arguments)
-                    .output(),
-                None => Command::new(&program).args(stop_arguments).output(),
-            };
-        }
-        let _ = std::fs::remove_dir_all(entry.path());
-    }
-}
-
-/// Where `initdb` and `pg_ctl` are; panics, saying what to install, if nowhere.
-fn server_bindir() -> PathBuf {
-    let has_tools = |directory: &Path| directory.join("initdb").is_file() && directory.join("pg_ctl").is_file();
-    if let Ok(output) = Command::new("pg_config").arg("--bindir").output() {
-        let directory = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-        if output.status.success() && has_tools(&directory) {
-            return directory;
-        }
-    }
-    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path().join("bin"))
-        .filter(|directory| has_tools(directory))
-        .collect();
-    // The newest major version last.
-    candidates.sort_by_key(|directory| {
-        directory
-            .parent()
-            .and_then(Path::file_name)
-            .and_then(|name| name.to_str())
-            .and_then(|name| name.parse::<u32>().ok())
-            .unwrap_or(0)
-    });
-    candidates.pop().unwrap_or_else(|| {
-        panic!(
-            "the PostgreSQL server binaries (initdb, pg_ctl) were found neither through \
-             `pg_config --bindir` nor in /usr/lib/postgresql/*/bin: install the Debian package \
-             `postgresql` (apt-get install postgresql) to run these tests"
-        )
-    })
-}
-
-/// The user to run the server as: none (ourselves) unless we are root, which
-/// PostgreSQL refuses.
-fn server_user() -> Option<&'static str> {
-    let output = Command::new("id").arg("-u").output().expect("run id -u");
-    if String::from_utf8_lossy(&output.stdout).trim() != "0" {
-        return None;
-    }
-    let postgres_exists = Command::new("id")
-        .arg("postgres")
-        .output()
-        .is_ok_and(|output| output.status.success());
-    Some(if postgres_exists { "postgres" } else { "nobody" })
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
-    listener.local_addr().expect("the listener's address").port()
-}
-
-fn run(command: &mut Command) {
-    let output = command.output().expect("run a command");
-    assert!(
-        output.status.success(),
-        "{command:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
+#[path = "support/postgres_server.rs"]
+mod postgres_server;
+use postgres_server::{free_port, TestServer};
 
 // ---------------------------------------------------------------------------------------
 // The conformance suite
@@ -652,11 +401,127 @@ async fn schema_is_kept_on_reconnect_and_a_newer_version_is_refused() {
     match PostgresStore::connect(&config).await {
         Err(StoreError::Backend { operation, cause }) => {
             assert_eq!(operation, StoreOperation::Open);
-            assert!(cause.contains("schema version 2"), "unexpected cause: {cause}");
+            assert!(
+                cause.contains(&format!("schema version {}", POSTGRES_SCHEMA_VERSION + 1)),
+                "unexpected cause: {cause}"
+            );
         }
         Err(other) => panic!("expected a backend error, got {other:?}"),
         Ok(_) => panic!("a database with a newer schema version was opened"),
     }
+}
+
+/// The rows of `troupe_fence_log` for one actor, in id order: (event, fence, holder).
+async fn fence_log_rows(config: &str, owner: &ActorId) -> Vec<(String, i64, Option<String>)> {
+    let (client, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    let connection = tokio::spawn(connection);
+    let rows = client
+        .query(
+            "SELECT event, fence, holder FROM troupe_fence_log WHERE kind = $1 AND key = $2 ORDER BY id",
+            &[&owner.kind().as_str(), &owner.key()],
+        )
+        .await
+        .expect("read the fence log")
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    drop(client);
+    connection.await.expect("the connection task").expect("the connection");
+    rows
+}
+
+/// Goal: the fence log holds exactly the accepted claims (both kinds of claim) and, for
+/// a store built `with_commit_log(true)`, the accepted commits, each with its fence and
+/// holder; nothing refused is logged. Method: store `a` (commits logged) and store `b`
+/// (not) claim and commit in turn, with refusals in between; read the log.
+#[tokio::test]
+async fn fence_log_records_accepted_claims_and_logged_commits_only() {
+    let server = TestServer::start("fence-log");
+    let config = server.create_database("fencelog").await;
+    let a = PostgresStore::connect(&config)
+        .await
+        .expect("connect a")
+        .with_holder("a")
+        .with_commit_log(true);
+    let b = PostgresStore::connect(&config)
+        .await
+        .expect("connect b")
+        .with_holder("b");
+    let owner = actor("agent", "x");
+    let first = a.claim(&owner).await.expect("claim").fence;
+    a.commit(&owner, first, state_commit("1", vec![put("k", "1")]))
+        .await
+        .expect("commit under the newest fence");
+    use troupe_runtime::FencedClaim as _;
+    let ten = Fence::from_token(10).expect("a fence");
+    b.claim_with_fence(&owner, ten).await.expect("a newer external fence");
+    assert!(matches!(
+        a.commit(&owner, first, state_commit("2", vec![])).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    let five = Fence::from_token(5).expect("a fence");
+    assert!(matches!(
+        b.claim_with_fence(&owner, five).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    b.commit(&owner, ten, state_commit("2", vec![put("k", "2")]))
+        .await
+        .expect("b commits, unlogged");
+    let eleven = a.claim(&owner).await.expect("claim").fence;
+    a.commit(&owner, eleven, state_commit("3", vec![]))
+        .await
+        .expect("commit under the newest fence");
+    let expected: Vec<(String, i64, Option<String>)> = vec![
+        ("claim".into(), 1, Some("a".into())),
+        ("commit".into(), 1, Some("a".into())),
+        ("claim".into(), 10, Some("b".into())),
+        ("claim".into(), 11, Some("a".into())),
+        ("commit".into(), 11, Some("a".into())),
+    ];
+    assert_eq!(fence_log_rows(&config, &owner).await, expected);
+}
+
+/// Goal: a version 1 database (no fence log) is migrated to version 2 at connect,
+/// keeping its data. Method: connect, commit, turn the database back into version 1 by
+/// hand (drop the log, set the version), connect again, claim.
+#[tokio::test]
+async fn version_1_database_is_migrated_to_the_fence_log() {
+    let server = TestServer::start("migrate");
+    let config = server.create_database("migrate").await;
+    let owner = actor("agent", "m");
+    {
+        let store = PostgresStore::connect(&config).await.expect("connect");
+        let fence = store.claim(&owner).await.expect("claim").fence;
+        store
+            .commit(&owner, fence, state_commit("kept", vec![]))
+            .await
+            .expect("commit");
+    }
+    let (client, connection) = tokio_postgres::connect(&config, tokio_postgres::NoTls)
+        .await
+        .expect("connect directly");
+    let connection = tokio::spawn(connection);
+    client
+        .batch_execute("DROP TABLE troupe_fence_log; UPDATE troupe_schema SET version = 1")
+        .await
+        .expect("make it version 1");
+    let store = PostgresStore::connect(&config).await.expect("connect migrates");
+    let version: i64 = client
+        .query_one("SELECT version FROM troupe_schema", &[])
+        .await
+        .expect("read the version")
+        .get(0);
+    assert_eq!(version, POSTGRES_SCHEMA_VERSION);
+    drop(client);
+    connection.await.expect("the connection task").expect("the connection");
+    let claimed = store.claim(&owner).await.expect("claim");
+    assert_eq!(claimed.state, Some(bytes("kept")));
+    assert_eq!(
+        fence_log_rows(&config, &owner).await,
+        vec![("claim".to_string(), 2, None)]
+    );
 }
 
 /// Goal: an unreachable server and a malformed configuration are backend errors of

@@ -1,0 +1,567 @@
+//! `troupe node`: one node of a Troupe cluster, with the PostgreSQL store and etcd
+//! placement, serving durable conversation logs over a small HTTP API.
+//!
+//! ```text
+//!  HTTP client ──► any node's --http ──► ClusterClient::invoke(conversation/ID)
+//!                                          │ owner = this node ──► local runtime
+//!                                          │ owner = node B ─────► TCP ──► B's runtime
+//!  each runtime: claim = place in etcd (fence = placement revision) + claim in PostgreSQL
+//!               commit = PostgreSQL transaction checked against the newest fence
+//! ```
+//!
+//! Why conversation logs and not the agents of `troupe serve`: the agent layer
+//! (`AgentSystem`) starts a runtime of its own and calls between agents on it directly;
+//! it cannot yet run on a [`ClusterNode`]'s runtime and route through
+//! [`ClusterClient`]. The conversation log is a durable actor kind that shows what the
+//! cluster guarantees (every acknowledged message kept, in order, one owner at a time).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use troupe_cluster::{ClusterClient, ClusterNode};
+use troupe_core::{ActorId, ActorKind, InvokeError};
+use troupe_etcd::{EtcdConfig, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS};
+use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeBuilder, Turn, STATE_SCAN_LIMIT_MAX};
+
+use crate::NodeArgs;
+
+/// The actor kind of a conversation log.
+pub const CONVERSATION_KIND: &str = "conversation";
+/// Longest message a conversation accepts, in bytes.
+pub const CONVERSATION_TEXT_BYTES_MAX: usize = 16 * 1024;
+/// Most messages one read returns, in messages (the first ones, in order).
+pub const CONVERSATION_READ_MESSAGES_MAX: usize = STATE_SCAN_LIMIT_MAX;
+/// How long one HTTP request may wait for its conversation, in milliseconds; it covers
+/// finding a new owner after one died (one lease) and the call itself.
+pub const NODE_CALL_TIMEOUT_MS: u64 = 30_000;
+/// The etcd request timeout `troupe node` uses at most, in milliseconds (less when the
+/// lease is short: see [`EtcdConfig::validate`]).
+pub const NODE_ETCD_REQUEST_TIMEOUT_MS_MAX: u64 = 1_000;
+/// Shortest lease `troupe node` accepts, in milliseconds (etcd's minimum TTL here).
+pub const NODE_LEASE_TTL_MS_MIN: u64 = troupe_etcd::ETCD_LEASE_TTL_S_MIN * 1_000;
+/// Longest lease `troupe node` accepts, in milliseconds.
+pub const NODE_LEASE_TTL_MS_MAX: u64 = troupe_etcd::ETCD_LEASE_TTL_S_MAX * 1_000;
+/// Most HTTP request body bytes a node reads, in bytes.
+pub const NODE_HTTP_BODY_BYTES_MAX: usize = CONVERSATION_TEXT_BYTES_MAX + 1_024;
+
+/// A `troupe node` argument that cannot be used, naming the flag and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeArgError {
+    /// No etcd endpoint.
+    #[error("--etcd: no endpoint given; give host:port (or http://host:port), several separated by commas")]
+    NoEtcdEndpoint,
+    /// An etcd endpoint is not `host:port`.
+    #[error("--etcd {endpoint:?}: {reason}; give host:port or http://host:port, several separated by commas")]
+    EtcdEndpoint {
+        /// The endpoint given.
+        endpoint: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The lease is not whole seconds in the allowed range.
+    #[error(
+        "--lease-ttl-ms {value_ms}: the lease must be whole seconds from {NODE_LEASE_TTL_MS_MIN} to \
+         {NODE_LEASE_TTL_MS_MAX} ms (etcd counts leases in seconds); give e.g. 5000"
+    )]
+    LeaseTtl {
+        /// The value given, in milliseconds.
+        value_ms: u64,
+    },
+    /// A name breaks the naming rules.
+    #[error("{flag} {name:?}: {reason}")]
+    Name {
+        /// `--node-id` or `--cluster`.
+        flag: &'static str,
+        /// The name given.
+        name: String,
+        /// Which rule it breaks and what to use.
+        reason: String,
+    },
+    /// The PostgreSQL connection string is empty.
+    #[error("--postgres is empty: give a URL such as postgresql://user@host:5432/db")]
+    NoPostgres,
+    /// The HTTP address or token was refused (same rule as `troupe serve`).
+    #[error("--http: {0}")]
+    Http(#[from] troupe_server::ServeError),
+    /// Another check of the etcd configuration failed.
+    #[error("etcd configuration refused: {0}")]
+    Etcd(troupe_etcd::ConfigError),
+}
+
+/// What `troupe node` runs, from checked arguments.
+#[derive(Debug, Clone)]
+pub struct NodePlan {
+    /// The etcd configuration (endpoints, cluster, node, lease, request timeout).
+    pub etcd: EtcdConfig,
+    /// The transport's listen address.
+    pub listen: SocketAddr,
+    /// The PostgreSQL connection string.
+    pub postgres: String,
+    /// The HTTP address, if any.
+    pub http: Option<SocketAddr>,
+    /// The HTTP bearer token, if any.
+    pub token: Option<String>,
+    /// Whether commits are written to the fence log.
+    pub fence_log_commits: bool,
+}
+
+/// Checks `args` and builds the plan; nothing is started or connected.
+///
+/// # Errors
+/// [`NodeArgError`] naming the flag and what to do.
+pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
+    let mut endpoints = Vec::new();
+    for endpoint in &args.etcd {
+        let trimmed = endpoint.trim();
+        if trimmed.is_empty() {
+            continue;
+        }
+        if trimmed.starts_with("https://") {
+            return Err(NodeArgError::EtcdEndpoint {
+                endpoint: endpoint.clone(),
+                reason: "TLS to etcd is not supported",
+            });
+        }
+        let address = trimmed.strip_prefix("http://").unwrap_or(trimmed).trim_end_matches('/');
+        let port_ok = address
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !port_ok || address.contains('/') {
+            return Err(NodeArgError::EtcdEndpoint {
+                endpoint: endpoint.clone(),
+                reason: "not host:port",
+            });
+        }
+        endpoints.push(address.to_string());
+    }
+    if endpoints.is_empty() {
+        return Err(NodeArgError::NoEtcdEndpoint);
+    }
+    let ttl_ms = args.lease_ttl_ms;
+    if ttl_ms % 1_000 != 0 || !(NODE_LEASE_TTL_MS_MIN..=NODE_LEASE_TTL_MS_MAX).contains(&ttl_ms) {
+        return Err(NodeArgError::LeaseTtl { value_ms: ttl_ms });
+    }
+    let name = match &args.node_id {
+        Some(name) => name.clone(),
+        None => format!("node-{}", std::process::id()),
+    };
+    let node = NodeId::new(&name).map_err(|error| name_error("--node-id", &name, error))?;
+    if args.postgres.trim().is_empty() {
+        return Err(NodeArgError::NoPostgres);
+    }
+    let mut server = troupe_server::ServerConfig::default();
+    let token = args.token.clone().filter(|token| !token.is_empty());
+    if let Some(token) = &token {
+        server = server.token(token.clone());
+    }
+    if let Some(http) = args.http {
+        server.check_bind(http)?;
+    }
+    // The longest request the lease leaves room for (EtcdConfig::validate's rule).
+    let request_max_ms = ttl_ms - ETCD_LEASE_EXPIRY_SLACK_MS - ttl_ms / u64::from(ETCD_KEEP_ALIVES_PER_TTL) - 1;
+    let etcd = EtcdConfig::new(endpoints, args.cluster.clone(), node, String::new())
+        .with_lease_ttl_s(ttl_ms / 1_000)
+        .with_request_timeout_ms(NODE_ETCD_REQUEST_TIMEOUT_MS_MAX.min(request_max_ms));
+    etcd.validate().map_err(|error| match error {
+        troupe_etcd::ConfigError::BadName { ref name, .. } if *name == args.cluster => {
+            name_error("--cluster", &args.cluster, error)
+        }
+        other => NodeArgError::Etcd(other),
+    })?;
+    Ok(NodePlan {
+        etcd,
+        listen: args.listen,
+        postgres: args.postgres.clone(),
+        http: args.http,
+        token,
+        fence_log_commits: args.fence_log_commits,
+    })
+}
+
+fn name_error(flag: &'static str, name: &str, error: troupe_etcd::ConfigError) -> NodeArgError {
+    let reason = match error {
+        troupe_etcd::ConfigError::BadName { reason, .. } => reason,
+        other => other.to_string(),
+    };
+    NodeArgError::Name {
+        flag,
+        name: name.to_string(),
+        reason,
+    }
+}
+
+/// A request to a conversation actor (JSON).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ConversationRequest {
+    /// Append a message; the reply is `{"seq": N, "owner": NODE}`.
+    Append {
+        /// The message.
+        text: String,
+    },
+    /// Read the messages; the reply is `{"messages": [{"seq", "text"}], "owner": NODE}`.
+    Read,
+}
+
+/// A conversation log: numbered messages, each an entry `msg/<seq>` written in the turn
+/// that appends it; the snapshot is the last sequence number.
+struct Conversation {
+    node: String,
+    last_seq: u64,
+}
+
+fn message_key(seq: u64) -> String {
+    format!("msg/{seq:020}")
+}
+
+#[async_trait]
+impl Actor for Conversation {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let request: ConversationRequest = serde_json::from_slice(&payload)
+            .map_err(|error| ActorError::rejected(format!("not a conversation request: {error}")))?;
+        let reply = match request {
+            ConversationRequest::Append { text } => {
+                if text.len() > CONVERSATION_TEXT_BYTES_MAX {
+                    return Err(ActorError::rejected(format!(
+                        "the message is {} bytes; at most {CONVERSATION_TEXT_BYTES_MAX} are accepted",
+                        text.len()
+                    )));
+                }
+                let seq = self.last_seq + 1;
+                turn.put(message_key(seq), Bytes::from(text))
+                    .map_err(|error| ActorError::failed(error.to_string()))?;
+                self.last_seq = seq;
+                json!({"seq": seq, "owner": self.node})
+            }
+            ConversationRequest::Read => {
+                let entries = turn
+                    .scan("msg/", None, CONVERSATION_READ_MESSAGES_MAX)
+                    .await
+                    .map_err(|error| ActorError::failed(error.to_string()))?;
+                let messages: Vec<_> = entries
+                    .into_iter()
+                    .map(|(key, value)| {
+                        let seq: u64 = key.trim_start_matches("msg/").parse().unwrap_or(0);
+                        json!({"seq": seq, "text": String::from_utf8_lossy(&value)})
+                    })
+                    .collect();
+                json!({"messages": messages, "owner": self.node})
+            }
+        };
+        Ok(Bytes::from(reply.to_string()))
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        Ok(Some(Bytes::from(self.last_seq.to_string())))
+    }
+}
+
+/// A runtime builder with the conversation kind, whose replies name `node`.
+///
+/// # Errors
+/// [`troupe_runtime::ConfigError`] if the kind cannot be registered.
+pub fn conversation_runtime(node: &str) -> Result<RuntimeBuilder, troupe_runtime::ConfigError> {
+    let node = node.to_string();
+    let kind = ActorKind::new(CONVERSATION_KIND).map_err(|error| troupe_runtime::ConfigError::DuplicateKind {
+        kind: format!("{CONVERSATION_KIND}: {error}"),
+    })?;
+    Runtime::builder().register(
+        kind,
+        move |_id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+            let last_seq = match saved {
+                None => 0,
+                Some(bytes) => std::str::from_utf8(&bytes)
+                    .ok()
+                    .and_then(|text| text.parse().ok())
+                    .ok_or_else(|| ActorError::failed("the saved sequence number is not a number"))?,
+            };
+            Ok(Box::new(Conversation {
+                node: node.clone(),
+                last_seq,
+            }))
+        },
+        KindConfig::default(),
+    )
+}
+
+#[derive(Clone)]
+struct HttpState {
+    client: ClusterClient,
+    node: String,
+    token: Option<Arc<str>>,
+}
+
+#[derive(Deserialize)]
+struct AppendBody {
+    text: String,
+}
+
+fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Response {
+    (status, Json(json!({"error": message.to_string()}))).into_response()
+}
+
+fn authorized(state: &HttpState, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &state.token else {
+        return Ok(());
+    };
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    match given {
+        Some(given) if given.as_bytes() == token.as_bytes() => Ok(()),
+        _ => Err(error_response(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token: send Authorization: Bearer TOKEN",
+        )),
+    }
+}
+
+async fn call(state: &HttpState, id: &str, request: &ConversationRequest) -> Response {
+    let actor = match ActorId::new(CONVERSATION_KIND, id) {
+        Ok(actor) => actor,
+        Err(error) => return error_response(StatusCode::BAD_REQUEST, format!("conversation id {id:?}: {error}")),
+    };
+    let payload = match serde_json::to_vec(request) {
+        Ok(payload) => Bytes::from(payload),
+        Err(error) => return error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
+    };
+    let deadline = state.client.deadline_in(Duration::from_millis(NODE_CALL_TIMEOUT_MS));
+    match state.client.invoke(&actor, payload, deadline).await {
+        Ok(reply) => match serde_json::from_slice::<serde_json::Value>(&reply) {
+            Ok(mut value) => {
+                value["via"] = json!(state.node);
+                (StatusCode::OK, Json(value)).into_response()
+            }
+            Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
+        },
+        Err(error @ InvokeError::Rejected { .. }) => error_response(StatusCode::BAD_REQUEST, error),
+        Err(error @ InvokeError::Timeout { .. }) => error_response(StatusCode::GATEWAY_TIMEOUT, error),
+        // The owner died mid-call, or could not be claimed: the message may or may not
+        // be stored; the client decides whether to send it again.
+        Err(error @ (InvokeError::Unreachable { .. } | InvokeError::StorageFailed { .. })) => {
+            error_response(StatusCode::SERVICE_UNAVAILABLE, error)
+        }
+        Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
+    }
+}
+
+async fn append(
+    State(state): State<HttpState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Result<Json<AppendBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    if let Err(refused) = authorized(&state, &headers) {
+        return refused;
+    }
+    let Json(body) = match body {
+        Ok(body) => body,
+        Err(error) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                format!("the body must be JSON {{\"text\": \"...\"}}: {error}"),
+            )
+        }
+    };
+    call(&state, &id, &ConversationRequest::Append { text: body.text }).await
+}
+
+async fn read(State(state): State<HttpState>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+    if let Err(refused) = authorized(&state, &headers) {
+        return refused;
+    }
+    call(&state, &id, &ConversationRequest::Read).await
+}
+
+async fn health(State(state): State<HttpState>) -> Response {
+    (StatusCode::OK, Json(json!({"status": "ok", "node": state.node}))).into_response()
+}
+
+/// The node's HTTP API: `GET /health`, `POST` and `GET /v1/conversations/{id}/messages`.
+pub fn router(client: ClusterClient, token: Option<String>) -> Router {
+    let state = HttpState {
+        node: client.node().to_string(),
+        client,
+        token: token.map(Arc::from),
+    };
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/conversations/{id}/messages", get(read).post(append))
+        .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
+        .with_state(state)
+}
+
+/// Why `troupe node` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// A flag was refused.
+    #[error(transparent)]
+    Args(#[from] NodeArgError),
+    /// The PostgreSQL store could not be opened.
+    #[error("cannot open the PostgreSQL store given by --postgres: {0}")]
+    Postgres(troupe_core::StoreError),
+    /// The actor kinds could not be registered.
+    #[error("cannot register the conversation kind: {0}")]
+    Runtime(#[from] troupe_runtime::ConfigError),
+    /// The node could not start or join.
+    #[error("cannot start the node (--listen, --etcd): {0}")]
+    Cluster(#[from] troupe_cluster::ClusterError),
+    /// The HTTP address could not be bound or served.
+    #[error("--http {address}: {cause}")]
+    Http {
+        /// The address.
+        address: SocketAddr,
+        /// What failed.
+        cause: std::io::Error,
+    },
+    /// The node's etcd lease ended: it owns nothing any more.
+    #[error("the node's etcd lease was lost ({0:?}): it owns nothing now; start the node again")]
+    LeaseLost(troupe_etcd::LeaseLostReason),
+}
+
+/// Runs a node from `args` until `shutdown` completes (then it leaves the cluster) or
+/// its lease is lost (an error). Prints `node NAME transport ADDR` and, with --http,
+/// `listening on http://ADDR` once it serves.
+///
+/// # Errors
+/// [`NodeError`] naming what failed.
+pub async fn run_node(
+    args: &NodeArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), NodeError> {
+    use std::io::Write as _;
+
+    let plan = plan(args)?;
+    let node_name = plan.etcd.node.to_string();
+    let store = troupe_postgres::PostgresStore::connect(&plan.postgres)
+        .await
+        .map_err(NodeError::Postgres)?
+        .with_holder(node_name.clone())
+        .with_commit_log(plan.fence_log_commits);
+    let runtime = conversation_runtime(&node_name)?;
+    let http = match plan.http {
+        Some(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .map_err(|cause| NodeError::Http { address, cause })?,
+        ),
+        None => None,
+    };
+    let node = ClusterNode::start(plan.etcd.clone(), plan.listen, runtime, store).await?;
+    println!(
+        "node {node_name} transport {} cluster {} lease {} ms",
+        node.address(),
+        plan.etcd.cluster,
+        args.lease_ttl_ms
+    );
+    let served = async {
+        match http {
+            Some(listener) => {
+                let address = listener.local_addr().map_err(|cause| NodeError::Http {
+                    address: plan.listen,
+                    cause,
+                })?;
+                println!("listening on http://{address}");
+                let _ = std::io::stdout().flush();
+                axum::serve(listener, router(node.client(), plan.token.clone()))
+                    .with_graceful_shutdown(shutdown)
+                    .await
+                    .map_err(|cause| NodeError::Http { address, cause })
+            }
+            None => {
+                let _ = std::io::stdout().flush();
+                shutdown.await;
+                Ok(())
+            }
+        }
+    };
+    let outcome = tokio::select! {
+        biased;
+        reason = node.fenced_off() => Err(NodeError::LeaseLost(reason)),
+        served = served => served,
+    };
+    if let Err(error) = node.leave().await {
+        tracing::warn!(%error, "leaving the cluster failed; the lease ends by itself");
+    }
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::{Cli, Command};
+
+    fn args(extra: &[&str]) -> NodeArgs {
+        let mut argv = vec![
+            "troupe",
+            "node",
+            "--etcd",
+            "127.0.0.1:2379",
+            "--postgres",
+            "host=127.0.0.1",
+            "--listen",
+            "127.0.0.1:0",
+        ];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Node(args) => args,
+            other => panic!("not node: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn good_arguments_give_a_plan_with_a_request_timeout_the_lease_allows() {
+        let mut given = args(&["--lease-ttl-ms", "3000", "--node-id", "a.1"]);
+        given.etcd = vec!["http://127.0.0.1:2379/".to_string(), "h:1".to_string()];
+        let short = plan(&given).unwrap();
+        assert_eq!(short.etcd.endpoints, vec!["127.0.0.1:2379", "h:1"]);
+        assert_eq!(short.etcd.lease_ttl_s, 3);
+        assert_eq!(short.etcd.node.as_str(), "a.1");
+        assert!(short.etcd.request_timeout_ms < NODE_ETCD_REQUEST_TIMEOUT_MS_MAX);
+        let default = plan(&args(&[])).unwrap();
+        assert_eq!(default.etcd.request_timeout_ms, NODE_ETCD_REQUEST_TIMEOUT_MS_MAX);
+        assert!(default.etcd.node.as_str().starts_with("node-"));
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_naming_the_flag() {
+        let cases: [(&[&str], &str); 5] = [
+            (&["--lease-ttl-ms", "2500"], "--lease-ttl-ms 2500"),
+            (&["--lease-ttl-ms", "1000"], "--lease-ttl-ms 1000"),
+            (&["--node-id", "a/b"], "--node-id \"a/b\""),
+            (&["--cluster", "x y"], "--cluster \"x y\""),
+            (&["--http", "0.0.0.0:80"], "--token"),
+        ];
+        for (extra, expected) in cases {
+            let error = plan(&args(extra)).expect_err("refused");
+            assert!(error.to_string().contains(expected), "{extra:?}: {error}");
+        }
+        for (endpoint, expected) in [
+            ("https://e:2379", "--etcd \"https://e:2379\": TLS"),
+            ("etcd-without-port", "--etcd \"etcd-without-port\": not host:port"),
+        ] {
+            let mut given = args(&[]);
+            given.etcd = vec![endpoint.to_string()];
+            let error = plan(&given).expect_err("refused");
+            assert!(error.to_string().contains(expected), "{endpoint}: {error}");
+        }
+        let mut no_endpoint = args(&[]);
+        no_endpoint.etcd = vec![" ".to_string()];
+        assert!(matches!(plan(&no_endpoint), Err(NodeArgError::NoEtcdEndpoint)));
+        // A token lets the node serve every interface.
+        assert!(plan(&args(&["--http", "0.0.0.0:80", "--token", "0123456789abcdef"])).is_ok());
+    }
+}

@@ -1,0 +1,454 @@
+//! Three `troupe node` processes on a real etcd and a real PostgreSQL (both throwaway
+//! servers from the Debian packages, on loopback), a conversation driven through all of
+//! them, and the owner of a conversation killed with SIGKILL while requests are in
+//! flight. Normal build only (the node command is not built under madsim).
+//!
+//! Without `/usr/bin/etcd` (Debian `etcd-server`) or the PostgreSQL server binaries
+//! (Debian `postgresql`) the test fails and names the package; nothing is skipped.
+#![cfg(not(madsim))]
+
+#[allow(dead_code)] // the helpers the etcd and cluster tests use and this one does not
+#[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
+mod etcd_server;
+#[path = "../../troupe-postgres/tests/support/postgres_server.rs"]
+mod postgres_server;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use etcd_server::TestEtcd;
+use postgres_server::TestServer;
+use serde_json::Value;
+use troupe_postgres::tokio_postgres;
+
+/// The nodes' lease, in milliseconds (etcd's shortest TTL, so the test is quick).
+const LEASE_TTL_MS: u64 = 3_000;
+/// How much later than one lease the survivors may take over, in milliseconds: the
+/// server checks expiry about every 500 ms, a call retries every 50 ms, and the machine
+/// is shared.
+const RECOVERY_SLACK_MS: u64 = 3_000;
+/// Nodes started.
+const NODES: usize = 3;
+/// Conversations driven at once, one client thread each.
+const CONVERSATIONS: usize = 6;
+/// Acknowledged messages of the victim's conversation before the kill.
+const ACKS_BEFORE_KILL: usize = 15;
+/// Acknowledged messages every conversation must get after the kill.
+const ACKS_AFTER_KILL: usize = 15;
+/// Longest the whole test may run, in milliseconds.
+const TEST_TIMEOUT_MS: u64 = 150_000;
+/// Longest a node may take to print its address, in milliseconds.
+const NODE_START_TIMEOUT_MS: u64 = 30_000;
+/// Read timeout of one HTTP request, in milliseconds (above the node's 30 s call
+/// timeout).
+const HTTP_READ_TIMEOUT_MS: u64 = 40_000;
+/// Pause of a client after a failed request, in milliseconds.
+const CLIENT_RETRY_PAUSE_MS: u64 = 20;
+/// Most requests one client sends, in requests.
+const CLIENT_REQUESTS_MAX: usize = 2_000;
+
+/// One `troupe node` process, killed (SIGKILL) when dropped.
+struct NodeProcess {
+    name: String,
+    child: Child,
+    http: String,
+}
+
+impl NodeProcess {
+    fn start(name: &str, etcd: &str, postgres: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
+            .args(["node", "--etcd", etcd, "--postgres", postgres])
+            .args(["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--node-id", name])
+            .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string(), "--cluster", "processes"])
+            .arg("--fence-log-commits")
+            .env_remove("TROUPE_TOKEN")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start troupe node");
+        let stdout = child.stdout.take().expect("stdout");
+        let (lines, address) = std::sync::mpsc::channel();
+        // Reads the address, then drains stdout so the node never blocks on it.
+        std::thread::spawn(move || {
+            let mut stdout = BufReader::new(stdout);
+            let mut line = String::new();
+            while stdout.read_line(&mut line).unwrap_or(0) > 0 {
+                if let Some(rest) = line.trim().strip_prefix("listening on http://") {
+                    let _ = lines.send(rest.to_string());
+                }
+                line.clear();
+            }
+        });
+        let mut node = Self {
+            name: name.to_string(),
+            child,
+            http: String::new(),
+        };
+        node.http = address
+            .recv_timeout(Duration::from_millis(NODE_START_TIMEOUT_MS))
+            .unwrap_or_else(|_| panic!("troupe node {name} printed no address in {NODE_START_TIMEOUT_MS} ms"));
+        node
+    }
+
+    /// SIGKILL (`Child::kill` sends SIGKILL on Unix), and reap.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One HTTP/1.1 request over a fresh connection: the status and the JSON body, or the
+/// I/O error (a killed node refuses or resets the connection).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> std::io::Result<(u16, Value)> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_millis(HTTP_READ_TIMEOUT_MS)))?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what}: {response:?}"));
+    let status = response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("no status"))?;
+    let (_, body) = response.split_once("\r\n\r\n").ok_or_else(|| bad("no body"))?;
+    let value = serde_json::from_str(body).map_err(|_| bad("not JSON"))?;
+    Ok((status, value))
+}
+
+fn append(addr: &str, conversation: &str, text: &str) -> std::io::Result<(u16, Value)> {
+    let body = serde_json::json!({ "text": text }).to_string();
+    http(
+        addr,
+        "POST",
+        &format!("/v1/conversations/{conversation}/messages"),
+        &body,
+    )
+}
+
+/// An acknowledged message.
+#[derive(Debug, Clone)]
+struct Ack {
+    seq: u64,
+    text: String,
+    owner: String,
+    at: Instant,
+}
+
+/// What one client saw.
+#[derive(Default)]
+struct ClientLog {
+    acks: Vec<Ack>,
+    failures: Vec<(Instant, String)>,
+}
+
+/// Sends messages to `conversation` one after another, each through the next node of
+/// `alive`, until `stop`; a failed message is not sent again (it may or may not be
+/// stored), the next one has a new text.
+fn client(
+    conversation: String,
+    alive: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+    log: Arc<Mutex<ClientLog>>,
+    deadline: Instant,
+) {
+    for attempt in 0..CLIENT_REQUESTS_MAX {
+        if stop.load(Ordering::SeqCst) || Instant::now() > deadline {
+            return;
+        }
+        let addr = {
+            let alive = alive.lock().unwrap();
+            alive[attempt % alive.len()].clone()
+        };
+        let text = format!("{conversation}-m{attempt}");
+        match append(&addr, &conversation, &text) {
+            Ok((200, reply)) => {
+                let ack = Ack {
+                    seq: reply["seq"].as_u64().expect("seq"),
+                    text,
+                    owner: reply["owner"].as_str().expect("owner").to_string(),
+                    at: Instant::now(),
+                };
+                log.lock().unwrap().acks.push(ack);
+            }
+            outcome => {
+                let now = Instant::now();
+                log.lock()
+                    .unwrap()
+                    .failures
+                    .push((now, format!("via {addr}: {outcome:?}")));
+                std::thread::sleep(Duration::from_millis(CLIENT_RETRY_PAUSE_MS));
+            }
+        }
+    }
+}
+
+/// One row of `troupe_fence_log`.
+#[derive(Debug)]
+struct FenceEvent {
+    id: i64,
+    event: String,
+    fence: i64,
+    holder: Option<String>,
+}
+
+async fn fence_log(config: &str) -> BTreeMap<(String, String), Vec<FenceEvent>> {
+    let (client, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls)
+        .await
+        .expect("connect to read the fence log");
+    let connection = tokio::spawn(connection);
+    let rows = client
+        .query(
+            "SELECT id, event, kind, key, fence, holder FROM troupe_fence_log ORDER BY kind, key, id",
+            &[],
+        )
+        .await
+        .expect("read the fence log");
+    let mut log: BTreeMap<(String, String), Vec<FenceEvent>> = BTreeMap::new();
+    for row in rows {
+        log.entry((row.get(2), row.get(3))).or_default().push(FenceEvent {
+            id: row.get(0),
+            event: row.get(1),
+            fence: row.get(4),
+            holder: row.get(5),
+        });
+    }
+    drop(client);
+    let _ = connection.await;
+    log
+}
+
+/// Goal: a cluster of three `troupe node` processes survives the SIGKILL of a
+/// conversation's owner while requests are in flight: calls through the survivors
+/// resume within one lease (plus slack), every acknowledged message is kept at its
+/// sequence number in order, and PostgreSQL's fence log shows one owner at a time:
+/// claims' fences strictly increase per actor and every accepted commit carries the
+/// newest claim's fence. Method: etcd and PostgreSQL from the Debian packages, three
+/// nodes, six conversations (each first touched through a different node, so each node
+/// owns some), one client thread per conversation sending through every node in turn;
+/// after 15 acknowledged messages of c0, kill -9 its owner; go on until every
+/// conversation has 15 more; read every conversation and the fence log.
+#[tokio::test(flavor = "multi_thread")]
+async fn killing_the_owner_node_moves_its_conversations_and_loses_no_acknowledged_message() {
+    let started = Instant::now();
+    let deadline = started + Duration::from_millis(TEST_TIMEOUT_MS);
+    let etcd = TestEtcd::start("cluster-processes").await;
+    let postgres = TestServer::start("cluster-processes");
+    let database = postgres.create_database("cluster").await;
+    let mut nodes: Vec<NodeProcess> = (0..NODES)
+        .map(|index| NodeProcess::start(&format!("n{index}"), &etcd.endpoint(), &database))
+        .collect();
+    println!(
+        "etcd, PostgreSQL and {NODES} nodes up in {} ms",
+        started.elapsed().as_millis()
+    );
+
+    // Conversation k is first touched through node k % NODES, which then owns it.
+    let conversations: Vec<String> = (0..CONVERSATIONS).map(|index| format!("c{index}")).collect();
+    let mut first_owner = BTreeMap::new();
+    for (index, conversation) in conversations.iter().enumerate() {
+        let node = &nodes[index % NODES];
+        let (status, reply) =
+            append(&node.http, conversation, &format!("{conversation}-first")).expect("first message");
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["seq"], 1, "{reply}");
+        assert_eq!(
+            reply["owner"],
+            node.name.as_str(),
+            "the first node touching it owns it: {reply}"
+        );
+        first_owner.insert(conversation.clone(), node.name.clone());
+    }
+    let victim_index = 0;
+    let victim = nodes[victim_index].name.clone();
+
+    let alive = Arc::new(Mutex::new(
+        nodes.iter().map(|node| node.http.clone()).collect::<Vec<_>>(),
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let logs: Vec<Arc<Mutex<ClientLog>>> = conversations.iter().map(|_| Arc::default()).collect();
+    let clients: Vec<_> = conversations
+        .iter()
+        .zip(&logs)
+        .map(|(conversation, log)| {
+            let (conversation, alive, stop, log) = (
+                conversation.clone(),
+                Arc::clone(&alive),
+                Arc::clone(&stop),
+                Arc::clone(log),
+            );
+            std::thread::spawn(move || client(conversation, alive, stop, log, deadline))
+        })
+        .collect();
+
+    while logs[0].lock().unwrap().acks.len() < ACKS_BEFORE_KILL {
+        assert!(
+            Instant::now() < deadline,
+            "c0 got too few acknowledgements before the kill"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let victim_http = nodes[victim_index].http.clone();
+    alive.lock().unwrap().retain(|addr| *addr != victim_http);
+    let killed_at = Instant::now();
+    nodes[victim_index].kill();
+    println!(
+        "killed {victim} (SIGKILL) after {} acknowledged messages of c0",
+        ACKS_BEFORE_KILL
+    );
+
+    let acks_after_kill =
+        |log: &Mutex<ClientLog>| log.lock().unwrap().acks.iter().filter(|ack| ack.at > killed_at).count();
+    while logs.iter().any(|log| acks_after_kill(log) < ACKS_AFTER_KILL) {
+        assert!(
+            Instant::now() < deadline,
+            "not every conversation got {ACKS_AFTER_KILL} acknowledgements after the kill in time"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        client.join().expect("a client thread");
+    }
+
+    // Recovery: the first acknowledgement after the kill of each conversation the victim
+    // owned, served by a survivor.
+    let mut recovery_ms_max = 0;
+    for (conversation, log) in conversations.iter().zip(&logs) {
+        let log = log.lock().unwrap();
+        let before = log.acks.iter().filter(|ack| ack.at < killed_at).count();
+        let failures = log.failures.iter().filter(|(at, _)| *at >= killed_at).count();
+        let first_after = log
+            .acks
+            .iter()
+            .find(|ack| ack.at > killed_at)
+            .expect("an ack after the kill");
+        let recovery_ms = first_after.at.duration_since(killed_at).as_millis();
+        println!(
+            "{conversation}: owner {} -> {}; {before} acks before the kill, first after it in {recovery_ms} ms, \
+             {failures} failed requests after it",
+            first_owner[conversation], first_after.owner
+        );
+        assert_ne!(
+            first_after.owner, victim,
+            "{conversation}: served by the killed node after the kill"
+        );
+        if first_owner[conversation] == victim {
+            recovery_ms_max = recovery_ms_max.max(recovery_ms);
+        }
+    }
+    println!("recovery of the killed node's conversations: {recovery_ms_max} ms (lease {LEASE_TTL_MS} ms)");
+    assert!(
+        recovery_ms_max <= u128::from(LEASE_TTL_MS + RECOVERY_SLACK_MS),
+        "the survivors took {recovery_ms_max} ms to serve the killed node's conversations"
+    );
+
+    // Every acknowledged message is stored at its sequence number, in the order sent.
+    let survivor = nodes[1].http.clone();
+    for (conversation, log) in conversations.iter().zip(&logs) {
+        let (status, reply) = http(
+            &survivor,
+            "GET",
+            &format!("/v1/conversations/{conversation}/messages"),
+            "",
+        )
+        .expect("read the conversation");
+        assert_eq!(status, 200, "{reply}");
+        let messages = reply["messages"].as_array().expect("messages");
+        for (index, message) in messages.iter().enumerate() {
+            assert_eq!(
+                message["seq"].as_u64(),
+                Some(index as u64 + 1),
+                "{conversation}: gap or duplicate seq"
+            );
+        }
+        let texts: Vec<&str> = messages.iter().map(|m| m["text"].as_str().expect("text")).collect();
+        assert_eq!(texts[0], format!("{conversation}-first"));
+        let log = log.lock().unwrap();
+        let mut previous = 1;
+        for ack in &log.acks {
+            assert!(
+                ack.seq > previous,
+                "{conversation}: acknowledged seqs out of order: {} after {previous}",
+                ack.seq
+            );
+            previous = ack.seq;
+            assert_eq!(
+                texts.get(ack.seq as usize - 1).copied(),
+                Some(ack.text.as_str()),
+                "{conversation}: acknowledged message {} lost or replaced",
+                ack.seq
+            );
+        }
+        println!(
+            "{conversation}: {} messages stored, {} acknowledged, all in place",
+            texts.len(),
+            log.acks.len() + 1
+        );
+    }
+
+    // The fence log in PostgreSQL: one owner at a time.
+    let fence_log = fence_log(&database).await;
+    for conversation in &conversations {
+        let events = fence_log
+            .get(&("conversation".to_string(), conversation.clone()))
+            .unwrap_or_else(|| panic!("{conversation}: no fence log"));
+        let mut newest_claim: Option<i64> = None;
+        let mut holders = Vec::new();
+        let mut commits = 0;
+        for event in events {
+            match event.event.as_str() {
+                "claim" => {
+                    assert!(
+                        newest_claim.is_none_or(|newest| event.fence > newest),
+                        "{conversation}: claim {event:?} does not raise the fence above {newest_claim:?}"
+                    );
+                    newest_claim = Some(event.fence);
+                    holders.push(event.holder.clone().unwrap_or_default());
+                }
+                "commit" => {
+                    commits += 1;
+                    assert_eq!(
+                        Some(event.fence),
+                        newest_claim,
+                        "{conversation}: commit {event:?} accepted under a fence other than the newest claim's"
+                    );
+                }
+                other => panic!("unknown fence log event {other}"),
+            }
+        }
+        assert!(commits > 0, "{conversation}: no commit logged");
+        println!("{conversation}: claims by {holders:?}, {commits} commits, each under the newest fence");
+        if first_owner[conversation] == victim {
+            assert_eq!(
+                holders.first(),
+                Some(&victim),
+                "{conversation}: first claimed by the victim"
+            );
+            assert!(
+                holders.iter().skip(1).any(|holder| *holder != victim),
+                "{conversation}: a survivor claimed it after the kill"
+            );
+        }
+        let ids: Vec<i64> = events.iter().map(|event| event.id).collect();
+        assert!(ids.windows(2).all(|pair| pair[0] < pair[1]));
+    }
+    println!("test took {} ms", started.elapsed().as_millis());
+    drop(nodes);
+}
