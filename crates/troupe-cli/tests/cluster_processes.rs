@@ -452,3 +452,132 @@ async fn killing_the_owner_node_moves_its_conversations_and_loses_no_acknowledge
     println!("test took {} ms", started.elapsed().as_millis());
     drop(nodes);
 }
+
+/// How long after one lease the nodes may take to exit once etcd is gone, in
+/// milliseconds (the lease is declared lost at most one TTL after the last renewal;
+/// leaving then waits one etcd request timeout, under 1 s).
+const ETCD_LOSS_EXIT_SLACK_MS: u64 = 3_000;
+/// How long after PostgreSQL is back the first message may take to be acknowledged, in
+/// milliseconds (pooled connections closed by the restart are dropped and reopened).
+const POSTGRES_RECOVERY_MS_MAX: u64 = 5_000;
+/// How often a node's exit is checked, in milliseconds.
+const EXIT_POLL_MS: u64 = 20;
+
+/// Checks that every acknowledged message of `conversation` is stored at its sequence
+/// number, read through `addr`; returns the number of messages stored.
+fn check_acknowledged(addr: &str, conversation: &str, log: &ClientLog) -> usize {
+    let (status, reply) =
+        http(addr, "GET", &format!("/v1/conversations/{conversation}/messages"), "").expect("read the conversation");
+    assert_eq!(status, 200, "{reply}");
+    let texts: Vec<&str> = reply["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|message| message["text"].as_str().expect("text"))
+        .collect();
+    let mut previous = 0;
+    for ack in &log.acks {
+        assert!(ack.seq > previous, "{conversation}: acknowledged seqs out of order");
+        previous = ack.seq;
+        assert_eq!(texts.get(ack.seq as usize - 1).copied(), Some(ack.text.as_str()));
+    }
+    texts.len()
+}
+
+/// Goal: the two services a cluster leans on may fail, with a known outcome. A
+/// PostgreSQL restart (fast: connections closed, data kept) makes requests fail (503)
+/// while it is down; once it is back, messages are acknowledged again within
+/// `POSTGRES_RECOVERY_MS_MAX`, and no acknowledged message is lost. With etcd gone, no
+/// node can renew its lease: each `troupe node` process declares its lease lost and
+/// exits with an error (exit code 1) within one lease plus slack, so nothing keeps
+/// serving without a lease. Method: etcd and PostgreSQL from the Debian packages, two
+/// nodes, one client sending through both; restart PostgreSQL and measure; then kill
+/// etcd and time the nodes' exits.
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_restart_is_survived_and_losing_etcd_stops_every_node_within_a_lease() {
+    let started = Instant::now();
+    let deadline = started + Duration::from_millis(TEST_TIMEOUT_MS);
+    let mut etcd = TestEtcd::start("cluster-services").await;
+    let postgres = TestServer::start("cluster-services");
+    let database = postgres.create_database("services").await;
+    let mut nodes: Vec<NodeProcess> = (0..2)
+        .map(|index| NodeProcess::start(&format!("s{index}"), &etcd.endpoint(), &database))
+        .collect();
+    let alive = Arc::new(Mutex::new(nodes.iter().map(|node| node.http.clone()).collect::<Vec<_>>()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let log: Arc<Mutex<ClientLog>> = Arc::default();
+    let worker = {
+        let (alive, stop, log) = (Arc::clone(&alive), Arc::clone(&stop), Arc::clone(&log));
+        std::thread::spawn(move || client("p0".to_string(), alive, stop, log, deadline))
+    };
+    let acks = |log: &Mutex<ClientLog>| log.lock().unwrap().acks.len();
+    while acks(&log) < ACKS_BEFORE_KILL {
+        assert!(Instant::now() < deadline, "too few acknowledgements before the restart");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let restart_began = Instant::now();
+    postgres.restart();
+    let restarted = Instant::now();
+    while !log.lock().unwrap().acks.iter().any(|ack| ack.at > restarted) {
+        assert!(
+            restarted.elapsed() < Duration::from_millis(POSTGRES_RECOVERY_MS_MAX),
+            "no message acknowledged within {POSTGRES_RECOVERY_MS_MAX} ms of PostgreSQL being back"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (first_after, failures) = {
+        let log = log.lock().unwrap();
+        let first = log.acks.iter().find(|ack| ack.at > restarted).expect("an ack").at;
+        let failures = log
+            .failures
+            .iter()
+            .filter(|(at, _)| *at >= restart_began && *at <= first)
+            .count();
+        (first, failures)
+    };
+    println!(
+        "PostgreSQL restart: down {} ms (pg_ctl restart -m fast); first message acknowledged {} ms after it \
+         was back ({} ms after the restart began); {failures} requests failed meanwhile",
+        restarted.duration_since(restart_began).as_millis(),
+        first_after.duration_since(restarted).as_millis(),
+        first_after.duration_since(restart_began).as_millis()
+    );
+    let acked_before_etcd = acks(&log);
+    while acks(&log) < acked_before_etcd + ACKS_AFTER_KILL {
+        assert!(Instant::now() < deadline, "too few acknowledgements after the restart");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    worker.join().expect("the client thread");
+    let stored = check_acknowledged(&nodes[0].http, "p0", &log.lock().unwrap());
+    println!(
+        "p0: {stored} messages stored, every one of the {} acknowledged in place",
+        acks(&log)
+    );
+
+    // etcd gone: every node must stop serving and exit within one lease (plus slack).
+    let etcd_killed = Instant::now();
+    etcd.kill();
+    let exit_bound = Duration::from_millis(LEASE_TTL_MS + ETCD_LOSS_EXIT_SLACK_MS);
+    for node in &mut nodes {
+        let status = loop {
+            if let Some(status) = node.child.try_wait().expect("poll the node") {
+                break status;
+            }
+            assert!(
+                etcd_killed.elapsed() < exit_bound,
+                "{} still runs {} ms after etcd was killed",
+                node.name,
+                exit_bound.as_millis()
+            );
+            tokio::time::sleep(Duration::from_millis(EXIT_POLL_MS)).await;
+        };
+        println!(
+            "etcd killed: {} exited with {status} after {} ms",
+            node.name,
+            etcd_killed.elapsed().as_millis()
+        );
+        assert_eq!(status.code(), Some(1), "{}: a lost lease is an error exit", node.name);
+    }
+}

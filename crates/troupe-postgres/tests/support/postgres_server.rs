@@ -93,6 +93,18 @@ impl TestServer {
         unreachable!("the loop returns or panics")
     }
 
+    /// Restarts the server (`pg_ctl restart -m fast`: open connections are closed, the
+    /// data is kept) on the same port, and waits until it accepts connections again.
+    pub(crate) fn restart(&self) {
+        let data = self.data().to_string_lossy().into_owned();
+        let log = self.directory.path().join("server.log").to_string_lossy().into_owned();
+        let timeout = SERVER_START_TIMEOUT_S.to_string();
+        self.run_tool(
+            "pg_ctl",
+            &["-D", &data, "-l", &log, "-m", "fast", "-w", "-t", &timeout, "restart"],
+        );
+    }
+
     pub(crate) fn data(&self) -> PathBuf {
         self.directory.path().join("data")
     }
