@@ -61,11 +61,16 @@ struct NodeProcess {
 
 impl NodeProcess {
     fn start(name: &str, etcd: &str, postgres: &str) -> Self {
+        Self::start_with(name, etcd, postgres, &[])
+    }
+
+    fn start_with(name: &str, etcd: &str, postgres: &str, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
             .args(["node", "--etcd", etcd, "--postgres", postgres])
             .args(["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--node-id", name])
             .args(["--lease-ttl-ms", &LEASE_TTL_MS.to_string(), "--cluster", "processes"])
             .arg("--fence-log-commits")
+            .args(extra)
             .env_remove("TROUPE_TOKEN")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
@@ -112,12 +117,24 @@ impl Drop for NodeProcess {
 /// One HTTP/1.1 request over a fresh connection: the status and the JSON body, or the
 /// I/O error (a killed node refuses or resets the connection).
 fn http(addr: &str, method: &str, path: &str, body: &str) -> std::io::Result<(u16, Value)> {
+    http_with_token(addr, method, path, body, None)
+}
+
+/// [`http`] with `Authorization: Bearer TOKEN` if `token` is given.
+fn http_with_token(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+    token: Option<&str>,
+) -> std::io::Result<(u16, Value)> {
     let mut stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_millis(HTTP_READ_TIMEOUT_MS)))?;
+    let authorization = token.map_or(String::new(), |token| format!("Authorization: Bearer {token}\r\n"));
     write!(
         stream,
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
+         {authorization}Content-Length: {}\r\n\r\n{body}",
         body.len()
     )?;
     let mut response = String::new();
@@ -492,7 +509,8 @@ fn check_acknowledged(addr: &str, conversation: &str, log: &ClientLog) -> usize 
 /// exits with an error (exit code 1) within one lease plus slack, so nothing keeps
 /// serving without a lease. Method: etcd and PostgreSQL from the Debian packages, two
 /// nodes, one client sending through both; restart PostgreSQL and measure; then kill
-/// etcd and time the nodes' exits.
+/// etcd and time the nodes' exits. A third node, started with --token, also shows that
+/// its HTTP API refuses requests without the token (401) and serves them with it.
 #[tokio::test(flavor = "multi_thread")]
 async fn postgres_restart_is_survived_and_losing_etcd_stops_every_node_within_a_lease() {
     let started = Instant::now();
@@ -503,7 +521,43 @@ async fn postgres_restart_is_survived_and_losing_etcd_stops_every_node_within_a_
     let mut nodes: Vec<NodeProcess> = (0..2)
         .map(|index| NodeProcess::start(&format!("s{index}"), &etcd.endpoint(), &database))
         .collect();
-    let alive = Arc::new(Mutex::new(nodes.iter().map(|node| node.http.clone()).collect::<Vec<_>>()));
+    // A third node requires a bearer token on its HTTP API (not on /health).
+    let token = "a-token-of-at-least-16-bytes";
+    nodes.push(NodeProcess::start_with(
+        "s2",
+        &etcd.endpoint(),
+        &database,
+        &["--token", token],
+    ));
+    let guarded = nodes[2].http.clone();
+    let path = "/v1/conversations/t0/messages";
+    let (status, reply) = http(&guarded, "GET", "/health", "").expect("health");
+    assert_eq!((status, &reply["node"]), (200, &Value::from("s2")));
+    let (status, reply) = http(&guarded, "POST", path, r#"{"text": "no token"}"#).expect("refused");
+    assert_eq!(status, 401, "{reply}");
+    let (status, reply) = http_with_token(
+        &guarded,
+        "POST",
+        path,
+        r#"{"text": "with token"}"#,
+        Some("wrong-token-of-16-bytes"),
+    )
+    .expect("refused");
+    assert_eq!(status, 401, "{reply}");
+    let (status, reply) =
+        http_with_token(&guarded, "POST", path, r#"{"text": "with token"}"#, Some(token)).expect("accepted");
+    assert_eq!((status, &reply["seq"]), (200, &Value::from(1)), "{reply}");
+    let (status, reply) = http(&guarded, "POST", path, "not json").expect("bad body");
+    assert_eq!(status, 401, "the token is checked before the body: {reply}");
+    let (status, reply) = http_with_token(&guarded, "POST", path, "not json", Some(token)).expect("bad body");
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["error"].as_str().is_some_and(|error| error.contains("text")),
+        "{reply}"
+    );
+    // The client below sends through the two open nodes only.
+    let alive_nodes = nodes[..2].iter().map(|node| node.http.clone()).collect::<Vec<_>>();
+    let alive = Arc::new(Mutex::new(alive_nodes));
     let stop = Arc::new(AtomicBool::new(false));
     let log: Arc<Mutex<ClientLog>> = Arc::default();
     let worker = {
@@ -580,4 +634,42 @@ async fn postgres_restart_is_survived_and_losing_etcd_stops_every_node_within_a_
         );
         assert_eq!(status.code(), Some(1), "{}: a lost lease is an error exit", node.name);
     }
+}
+
+/// Goal: `troupe node` refuses bad arguments before it connects anything, naming the
+/// flag and what to do, and says which service it could not reach. Method: run it with
+/// a public --http address and no token, with a lease that is not whole seconds, and
+/// with a PostgreSQL address where nothing listens.
+#[test]
+fn node_refuses_bad_arguments_and_names_the_unreachable_database() {
+    let closed_port = etcd_server::free_port();
+    let run = |extra: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_troupe"))
+            .args(["node", "--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:0"])
+            .args([
+                "--postgres",
+                &format!("host=127.0.0.1 port={closed_port} user=x dbname=x"),
+            ])
+            .args(extra)
+            .env_remove("TROUPE_TOKEN")
+            .output()
+            .expect("run troupe node");
+        assert_eq!(output.status.code(), Some(1), "{output:?}");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let stderr = run(&["--http", "0.0.0.0:0"]);
+    assert!(
+        stderr.contains("--http: refusing to serve on 0.0.0.0:0 without a bearer token") && stderr.contains("--token"),
+        "{stderr}"
+    );
+    let stderr = run(&["--lease-ttl-ms", "2500"]);
+    assert!(
+        stderr.contains("--lease-ttl-ms 2500: the lease must be whole seconds"),
+        "{stderr}"
+    );
+    let stderr = run(&[]);
+    assert!(
+        stderr.contains("cannot open the PostgreSQL store given by --postgres"),
+        "{stderr}"
+    );
 }
