@@ -148,7 +148,7 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
         return Err(NodeArgError::NoEtcdEndpoint);
     }
     let ttl_ms = args.lease_ttl_ms;
-    if ttl_ms % 1_000 != 0 || !(NODE_LEASE_TTL_MS_MIN..=NODE_LEASE_TTL_MS_MAX).contains(&ttl_ms) {
+    if !ttl_ms.is_multiple_of(1_000) || !(NODE_LEASE_TTL_MS_MIN..=NODE_LEASE_TTL_MS_MAX).contains(&ttl_ms) {
         return Err(NodeArgError::LeaseTtl { value_ms: ttl_ms });
     }
     let name = match &args.node_id {
@@ -310,17 +310,18 @@ fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Respon
     (status, Json(json!({"error": message.to_string()}))).into_response()
 }
 
-fn authorized(state: &HttpState, headers: &HeaderMap) -> Result<(), Response> {
+/// The 401 answer if the node wants a token and `headers` do not carry it.
+fn refusal(state: &HttpState, headers: &HeaderMap) -> Option<Response> {
     let Some(token) = &state.token else {
-        return Ok(());
+        return None;
     };
     let given = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "));
     match given {
-        Some(given) if given.as_bytes() == token.as_bytes() => Ok(()),
-        _ => Err(error_response(
+        Some(given) if given.as_bytes() == token.as_bytes() => None,
+        _ => Some(error_response(
             StatusCode::UNAUTHORIZED,
             "missing or wrong bearer token: send Authorization: Bearer TOKEN",
         )),
@@ -362,7 +363,7 @@ async fn append(
     headers: HeaderMap,
     body: Result<Json<AppendBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    if let Err(refused) = authorized(&state, &headers) {
+    if let Some(refused) = refusal(&state, &headers) {
         return refused;
     }
     let Json(body) = match body {
@@ -378,7 +379,7 @@ async fn append(
 }
 
 async fn read(State(state): State<HttpState>, Path(id): Path<String>, headers: HeaderMap) -> Response {
-    if let Err(refused) = authorized(&state, &headers) {
+    if let Some(refused) = refusal(&state, &headers) {
         return refused;
     }
     call(&state, &id, &ConversationRequest::Read).await

@@ -6,6 +6,9 @@
 //! Without `/usr/bin/etcd` (Debian `etcd-server`) or the PostgreSQL server binaries
 //! (Debian `postgresql`) the test fails and names the package; nothing is skipped.
 #![cfg(not(madsim))]
+// Real processes and real time only (never built under the simulator): the clients are
+// OS threads doing blocking HTTP and timing it with the wall clock.
+#![allow(clippy::disallowed_methods)]
 
 #[allow(dead_code)] // the helpers the etcd and cluster tests use and this one does not
 #[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
