@@ -248,13 +248,13 @@ impl Actor for Conversation {
                     .scan("msg/", None, CONVERSATION_READ_MESSAGES_MAX)
                     .await
                     .map_err(|error| ActorError::failed(error.to_string()))?;
-                let messages: Vec<_> = entries
-                    .into_iter()
-                    .map(|(key, value)| {
-                        let seq: u64 = key.trim_start_matches("msg/").parse().unwrap_or(0);
-                        json!({"seq": seq, "text": String::from_utf8_lossy(&value)})
-                    })
-                    .collect();
+                let mut messages = Vec::with_capacity(entries.len());
+                for (key, value) in entries {
+                    let seq: u64 = key.trim_start_matches("msg/").parse().map_err(|_| {
+                        ActorError::failed(format!("the conversation holds a key {key:?} that is not msg/<seq>"))
+                    })?;
+                    messages.push(json!({"seq": seq, "text": String::from_utf8_lossy(&value)}));
+                }
                 json!({"messages": messages, "owner": self.node})
             }
         };
@@ -320,7 +320,7 @@ fn refusal(state: &HttpState, headers: &HeaderMap) -> Option<Response> {
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "));
     match given {
-        Some(given) if given.as_bytes() == token.as_bytes() => None,
+        Some(given) if bool::from(subtle::ConstantTimeEq::ct_eq(given.as_bytes(), token.as_bytes())) => None,
         _ => Some(error_response(
             StatusCode::UNAUTHORIZED,
             "missing or wrong bearer token: send Authorization: Bearer TOKEN",

@@ -168,6 +168,9 @@ struct Ack {
     seq: u64,
     text: String,
     owner: String,
+    /// When the request was sent.
+    sent: Instant,
+    /// When the acknowledgement came.
     at: Instant,
 }
 
@@ -176,6 +179,8 @@ struct Ack {
 struct ClientLog {
     acks: Vec<Ack>,
     failures: Vec<(Instant, String)>,
+    /// When each request was sent and when its answer (or error) came.
+    requests: Vec<(Instant, Instant)>,
 }
 
 /// Sends messages to `conversation` one after another, each through the next node of
@@ -197,12 +202,16 @@ fn client(
             alive[attempt % alive.len()].clone()
         };
         let text = format!("{conversation}-m{attempt}");
-        match append(&addr, &conversation, &text) {
+        let sent = Instant::now();
+        let outcome = append(&addr, &conversation, &text);
+        log.lock().unwrap().requests.push((sent, Instant::now()));
+        match outcome {
             Ok((200, reply)) => {
                 let ack = Ack {
                     seq: reply["seq"].as_u64().expect("seq"),
                     text,
                     owner: reply["owner"].as_str().expect("owner").to_string(),
+                    sent,
                     at: Instant::now(),
                 };
                 log.lock().unwrap().acks.push(ack);
@@ -333,8 +342,16 @@ async fn killing_the_owner_node_moves_its_conversations_and_loses_no_acknowledge
         ACKS_BEFORE_KILL
     );
 
-    let acks_after_kill =
-        |log: &Mutex<ClientLog>| log.lock().unwrap().acks.iter().filter(|ack| ack.at > killed_at).count();
+    // Requests sent after the kill (one sent before may be answered by the victim just
+    // before it died, and acknowledged after `killed_at`).
+    let acks_after_kill = |log: &Mutex<ClientLog>| {
+        log.lock()
+            .unwrap()
+            .acks
+            .iter()
+            .filter(|ack| ack.sent > killed_at)
+            .count()
+    };
     while logs.iter().any(|log| acks_after_kill(log) < ACKS_AFTER_KILL) {
         assert!(
             Instant::now() < deadline,
@@ -346,9 +363,21 @@ async fn killing_the_owner_node_moves_its_conversations_and_loses_no_acknowledge
     for client in clients {
         client.join().expect("a client thread");
     }
+    let in_flight: usize = logs
+        .iter()
+        .map(|log| {
+            let log = log.lock().unwrap();
+            log.requests
+                .iter()
+                .filter(|(sent, answered)| *sent < killed_at && *answered > killed_at)
+                .count()
+        })
+        .sum();
+    println!("{in_flight} requests were in flight (sent before the kill, answered after it)");
+    assert!(in_flight > 0, "the kill must hit requests in flight");
 
-    // Recovery: the first acknowledgement after the kill of each conversation the victim
-    // owned, served by a survivor.
+    // Recovery: the first acknowledgement of a request sent after the kill, for each
+    // conversation the victim owned, served by a survivor.
     let mut recovery_ms_max = 0;
     for (conversation, log) in conversations.iter().zip(&logs) {
         let log = log.lock().unwrap();
@@ -357,17 +386,19 @@ async fn killing_the_owner_node_moves_its_conversations_and_loses_no_acknowledge
         let first_after = log
             .acks
             .iter()
-            .find(|ack| ack.at > killed_at)
+            .find(|ack| ack.sent > killed_at)
             .expect("an ack after the kill");
+        for ack in log.acks.iter().filter(|ack| ack.sent > killed_at) {
+            assert_ne!(
+                ack.owner, victim,
+                "{conversation}: served by the killed node after the kill: {ack:?}"
+            );
+        }
         let recovery_ms = first_after.at.duration_since(killed_at).as_millis();
         println!(
             "{conversation}: owner {} -> {}; {before} acks before the kill, first after it in {recovery_ms} ms, \
              {failures} failed requests after it",
             first_owner[conversation], first_after.owner
-        );
-        assert_ne!(
-            first_after.owner, victim,
-            "{conversation}: served by the killed node after the kill"
         );
         if first_owner[conversation] == victim {
             recovery_ms_max = recovery_ms_max.max(recovery_ms);
