@@ -269,13 +269,11 @@ impl Actor for Conversation {
 /// A runtime builder with the conversation kind, whose replies name `node`.
 ///
 /// # Errors
-/// [`troupe_runtime::ConfigError`] if the kind cannot be registered.
-pub fn conversation_runtime(node: &str) -> Result<RuntimeBuilder, troupe_runtime::ConfigError> {
+/// [`NodeError::Kind`] if the kind cannot be named or registered.
+pub fn conversation_runtime(node: &str) -> Result<RuntimeBuilder, NodeError> {
     let node = node.to_string();
-    let kind = ActorKind::new(CONVERSATION_KIND).map_err(|error| troupe_runtime::ConfigError::DuplicateKind {
-        kind: format!("{CONVERSATION_KIND}: {error}"),
-    })?;
-    Runtime::builder().register(
+    let kind = ActorKind::new(CONVERSATION_KIND).map_err(|error| NodeError::Kind(error.to_string()))?;
+    let builder = Runtime::builder().register(
         kind,
         move |_id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
             let last_seq = match saved {
@@ -291,7 +289,8 @@ pub fn conversation_runtime(node: &str) -> Result<RuntimeBuilder, troupe_runtime
             }))
         },
         KindConfig::default(),
-    )
+    );
+    builder.map_err(|error| NodeError::Kind(error.to_string()))
 }
 
 #[derive(Clone)]
@@ -414,7 +413,7 @@ pub enum NodeError {
     Postgres(troupe_core::StoreError),
     /// The actor kinds could not be registered.
     #[error("cannot register the conversation kind: {0}")]
-    Runtime(#[from] troupe_runtime::ConfigError),
+    Kind(String),
     /// The node could not start or join.
     #[error("cannot start the node (--listen, --etcd): {0}")]
     Cluster(#[from] troupe_cluster::ClusterError),
@@ -469,10 +468,10 @@ pub async fn run_node(
     let served = async {
         match http {
             Some(listener) => {
-                let address = listener.local_addr().map_err(|cause| NodeError::Http {
-                    address: plan.listen,
-                    cause,
-                })?;
+                let asked = plan.http.unwrap_or(plan.listen);
+                let address = listener
+                    .local_addr()
+                    .map_err(|cause| NodeError::Http { address: asked, cause })?;
                 println!("listening on http://{address}");
                 let _ = std::io::stdout().flush();
                 axum::serve(listener, router(node.client(), plan.token.clone()))
