@@ -177,7 +177,8 @@ mod wire;
 
 pub use client::{TransportClient, TransportClientStats};
 pub use frame::{FrameError, FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES};
-pub use server::{TransportServer, TransportServerStats};
+pub use server::{ProbeSink, TransportServer, TransportServerStats};
+pub use wire::Probe;
 
 /// Most requests one [`TransportClient`] has in flight at once; a caller over it waits
 /// for a slot until its deadline.
@@ -193,7 +194,7 @@ pub const WRITE_BATCH_FRAMES_MAX: usize = 64;
 pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 /// The transport protocol's version, sent in the opening hello of every connection; a
 /// peer of another version fails the handshake with both versions in the cause.
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 2;
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 3;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.
