@@ -323,3 +323,505 @@ fn cluster_scenario_replays_identically_from_its_seed() {
     }
     eprintln!("{} distinct records from {REPLAY_SEEDS} seeds", distinct.len());
 }
+
+// ---------------------------------------------------------------------------------------
+// Calls from turns across nodes, and cross-node deadlock detection by probes.
+//
+// Three nodes and the simulated etcd again, now with `hop` actors (tests/support/hop.rs)
+// whose turns call one another across nodes. Each actor is placed on a chosen node first
+// (a `ping` through that node activates it there).
+// ---------------------------------------------------------------------------------------
+
+#[path = "support/hop.rs"]
+mod hops;
+
+use hops::{hop, is_rotation_of, parse_hop, with_hop, HopReply, Outcome};
+use troupe_cluster::ClusterClient;
+use troupe_core::{CallContext, CallRefused};
+
+/// Deadline of each root request in the cycle tests, in milliseconds.
+const CYCLE_DEADLINE_MS: u64 = 10_000;
+/// How long each root's turn sleeps before it calls, so that the three turns run at
+/// once and their calls form the cycle, in milliseconds.
+const CYCLE_SLEEP_MS: u64 = 200;
+/// The bound on detection asserted: from the calls that close the cycle to the refusal,
+/// in simulated milliseconds (the deadline is 50 times longer).
+const DETECTION_BOUND_MS: u64 = 200;
+/// Seeds of the cycle and no-false-refusal runs.
+const PROBE_SEEDS: u64 = 12;
+/// Actors of the crossing-calls workload, placed round robin on the three nodes.
+const CROSSING_ACTORS: usize = 6;
+/// Root requests of one crossing-calls run.
+const CROSSING_ROOTS: usize = 12;
+/// Deadline of each crossing-calls root request, in milliseconds.
+const CROSSING_DEADLINE_MS: u64 = 5_000;
+/// How long node-2 and node-3 are cut from each other in the partition test, in
+/// milliseconds: longer than the deadline, so calls between them end by it.
+const CROSSING_PARTITION_MS: u64 = CROSSING_DEADLINE_MS + 1_000;
+
+/// Three nodes whose clients the test drives from inside each simulated node.
+struct SimCluster {
+    nodes: Vec<madsim::runtime::NodeHandle>,
+    clients: Vec<ClusterClient>,
+    _etcd: madsim::runtime::NodeHandle,
+}
+
+async fn start_hop_cluster(no_probes: bool) -> SimCluster {
+    let handle = Handle::current();
+    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
+    let etcd = handle
+        .create_node()
+        .name("etcd")
+        .ip(etcd_address.ip())
+        .init(move || async move {
+            etcd_client::SimServer::builder()
+                .serve(etcd_address)
+                .await
+                .expect("the simulated etcd serves");
+        })
+        .build();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let slots: Arc<Mutex<Vec<Option<ClusterClient>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
+    let nodes: Vec<_> = (0..NODE_NAMES.len())
+        .map(|index| {
+            let slots = Arc::clone(&slots);
+            handle
+                .create_node()
+                .name(NODE_NAMES[index])
+                .ip(node_ip(index))
+                .init(move || {
+                    let slots = Arc::clone(&slots);
+                    async move {
+                        let name = NODE_NAMES[index];
+                        let node = loop {
+                            let config = EtcdConfig::new(
+                                vec![ETCD_ADDRESS.to_string()],
+                                "sim",
+                                NodeId::new(name).expect("a node name"),
+                                SocketAddr::new(node_ip(index), NODE_PORT).to_string(),
+                            )
+                            .with_lease_ttl_s(SIM_LEASE_TTL_S)
+                            .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
+                            let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
+                            let runtime = with_hop(counter_runtime(name), name);
+                            match ClusterNode::start(config, listen, runtime, MemoryStore::new()).await {
+                                Ok(node) => break node,
+                                Err(_) => tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await,
+                            }
+                        };
+                        #[cfg(feature = "planted-bugs")]
+                        if no_probes {
+                            node.plant_no_probes();
+                        }
+                        #[cfg(not(feature = "planted-bugs"))]
+                        assert!(!no_probes, "planting a bug needs the planted-bugs feature");
+                        slots.lock().expect("slots")[index] = Some(node.client());
+                        std::future::pending::<()>().await;
+                        drop(node);
+                    }
+                })
+                .build()
+        })
+        .collect();
+    let clients = loop {
+        let ready: Option<Vec<ClusterClient>> = slots.lock().expect("slots").iter().cloned().collect();
+        if let Some(clients) = ready {
+            break clients;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    SimCluster {
+        nodes,
+        clients,
+        _etcd: etcd,
+    }
+}
+
+impl SimCluster {
+    /// Calls `target` through node `index` (from inside that node); the result and how
+    /// long it took in simulated time.
+    async fn call(&self, index: usize, target: ActorId, payload: String, timeout_ms: u64) -> (Result<String, InvokeError>, Duration) {
+        let client = self.clients[index].clone();
+        self.nodes[index]
+            .spawn(async move {
+                let started = Instant::now();
+                let deadline = client.deadline_in(Duration::from_millis(timeout_ms));
+                let result = client.invoke(&target, Bytes::from(payload), deadline).await;
+                let result = result.map(|reply| String::from_utf8(reply.to_vec()).expect("text"));
+                (result, started.elapsed())
+            })
+            .await
+            .expect("the call's task")
+    }
+
+    /// Activates `hop:<key>` on node `index`.
+    async fn place(&self, index: usize, key: &str) {
+        let (reply, _) = self.call(index, hop(key), "ping".into(), 2_000).await;
+        assert_eq!(reply.expect("a ping"), NODE_NAMES[index], "{key} placed on {}", NODE_NAMES[index]);
+    }
+}
+
+/// The outcome of one root request of a cycle run.
+#[derive(Debug)]
+struct RootResult {
+    root: String,
+    reply: Result<HopReply, String>,
+    took: Duration,
+}
+
+/// Three roots at once, one per node: `a`(node-1) calls `b`(node-2), `b` calls
+/// `c`(node-3), `c` calls `a`: a cycle no single node sees.
+async fn cycle_run(no_probes: bool) -> Vec<RootResult> {
+    let cluster = start_hop_cluster(no_probes).await;
+    let ring = ["a", "b", "c"];
+    for (index, key) in ring.iter().enumerate() {
+        cluster.place(index, key).await;
+    }
+    let cluster = Arc::new(cluster);
+    let roots: Vec<_> = ring
+        .iter()
+        .enumerate()
+        .map(|(index, key)| {
+            let cluster = Arc::clone(&cluster);
+            let next = ring[(index + 1) % ring.len()];
+            let key = key.to_string();
+            tokio::spawn(async move {
+                let payload = format!("{CYCLE_SLEEP_MS};{next}");
+                let (result, took) = cluster.call(index, hop(&key), payload, CYCLE_DEADLINE_MS).await;
+                RootResult {
+                    root: key,
+                    reply: result.map(|text| parse_hop(&text)).map_err(|error| format!("{error:?}")),
+                    took,
+                }
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for root in roots {
+        results.push(root.await.expect("a root"));
+    }
+    results
+}
+
+/// The cycle test's checks: some root's call was refused with `DeadlockDetected` naming
+/// the ring, every refusal names the ring, and every root ended within
+/// [`DETECTION_BOUND_MS`] of its call.
+fn check_cycle_refused(results: &[RootResult]) -> Result<(), String> {
+    let mut refused = 0;
+    for result in results {
+        let reply = result
+            .reply
+            .as_ref()
+            .map_err(|error| format!("root {} failed: {error}", result.root))?;
+        match &reply.outcome {
+            Outcome::Deadlock(cycle) => {
+                if !is_rotation_of(cycle, &["a", "b", "c"]) {
+                    return Err(format!("root {} was refused naming {cycle:?}, not the ring", result.root));
+                }
+                refused += 1;
+            }
+            Outcome::Ok(_) => {}
+            other => return Err(format!("root {}: {other:?}", result.root)),
+        }
+        let bound = Duration::from_millis(CYCLE_SLEEP_MS + DETECTION_BOUND_MS);
+        if result.took > bound {
+            return Err(format!("root {} took {:?}, over {bound:?}", result.root, result.took));
+        }
+    }
+    if refused == 0 {
+        return Err(format!("no call of the cycle was refused: {results:?}"));
+    }
+    Ok(())
+}
+
+/// A cycle across three nodes from independent root requests is refused with
+/// `DeadlockDetected` naming it, within 200 ms of simulated time (the deadline is 10 s),
+/// under each of [`PROBE_SEEDS`] seeds.
+#[test]
+fn a_cross_node_cycle_is_refused_with_deadlock_detected_quickly() {
+    let mut slowest = Duration::ZERO;
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        let results = runtime.block_on(cycle_run(false));
+        if let Err(failure) = check_cycle_refused(&results) {
+            panic!("seed {seed}: {failure}");
+        }
+        for result in &results {
+            if matches!(result.reply.as_ref().map(|reply| &reply.outcome), Ok(Outcome::Deadlock(_))) {
+                slowest = slowest.max(result.took.saturating_sub(Duration::from_millis(CYCLE_SLEEP_MS)));
+            }
+        }
+    }
+    eprintln!("slowest refusal after the calls: {slowest:?} (simulated) over {PROBE_SEEDS} seeds");
+}
+
+/// Planted bug: with probes off on every node, the cycle test's checks fail (the cycle
+/// ends only by the deadline).
+#[cfg(feature = "planted-bugs")]
+#[test]
+fn planted_no_probes_makes_the_cross_node_cycle_test_fail() {
+    let mut runtime = madsim::runtime::Runtime::with_seed_and_config(1, madsim::Config::default());
+    runtime.set_time_limit(Duration::from_secs(120));
+    let results = runtime.block_on(cycle_run(true));
+    let failure = check_cycle_refused(&results).expect_err("without probes the cycle must not be refused");
+    eprintln!("the cycle test fails without probes, as it must: {failure}");
+    assert!(
+        results.iter().all(|result| !matches!(
+            result.reply.as_ref().map(|reply| &reply.outcome),
+            Ok(Outcome::Deadlock(_))
+        )),
+        "no refusal without probes: {results:?}"
+    );
+}
+
+/// Every outcome in a reply, nested ones included.
+fn outcomes(reply: &HopReply) -> Vec<&Outcome> {
+    let mut all = vec![&reply.outcome];
+    if let Outcome::Ok(inner) = &reply.outcome {
+        all.extend(outcomes(inner));
+    }
+    all
+}
+
+/// A deterministic pseudo-random sequence for the workload's shape (not for the
+/// simulation, whose randomness is madsim's).
+fn next_random(state: &mut u64) -> u64 {
+    *state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+    *state >> 33
+}
+
+/// [`CROSSING_ROOTS`] roots, from every node, each calling a chain of `x` actors in
+/// increasing order (so no cycle can form), the actors spread over the nodes so that
+/// calls cross between nodes both ways and wait behind one another. With `partition`,
+/// node-2 and node-3 are cut from each other while the roots run.
+async fn crossing_run(seed: u64, partition: bool) -> Vec<(Result<HopReply, String>, Duration)> {
+    let cluster = start_hop_cluster(false).await;
+    for index in 0..CROSSING_ACTORS {
+        cluster.place(index % NODE_NAMES.len(), &format!("x{index}")).await;
+    }
+    let cluster = Arc::new(cluster);
+    let mut state = seed;
+    let roots: Vec<_> = (0..CROSSING_ROOTS)
+        .map(|root| {
+            let mut chain: Vec<usize> = (0..CROSSING_ACTORS)
+                .filter(|_| next_random(&mut state) % 2 == 0)
+                .collect();
+            if chain.len() < 2 {
+                chain = vec![root % CROSSING_ACTORS, CROSSING_ACTORS - 1];
+                chain.dedup();
+            }
+            let first = format!("x{}", chain[0]);
+            let rest: Vec<String> = chain[1..].iter().map(|index| format!("x{index}")).collect();
+            let sleep_ms = next_random(&mut state) % 150;
+            let payload = format!("{sleep_ms};{}", rest.join(","));
+            let cluster = Arc::clone(&cluster);
+            tokio::spawn(async move {
+                let (result, took) = cluster
+                    .call(root % NODE_NAMES.len(), hop(&first), payload, CROSSING_DEADLINE_MS)
+                    .await;
+                (
+                    result.map(|text| parse_hop(&text)).map_err(|error| format!("{error:?}")),
+                    took,
+                )
+            })
+        })
+        .collect();
+    if partition {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let net = NetSim::current();
+        net.clog_link(cluster.nodes[1].id(), cluster.nodes[2].id());
+        net.clog_link(cluster.nodes[2].id(), cluster.nodes[1].id());
+        tokio::time::sleep(Duration::from_millis(CROSSING_PARTITION_MS)).await;
+        net.unclog_link(cluster.nodes[1].id(), cluster.nodes[2].id());
+        net.unclog_link(cluster.nodes[2].id(), cluster.nodes[1].id());
+    }
+    let mut results = Vec::new();
+    for root in roots {
+        results.push(root.await.expect("a root"));
+    }
+    results
+}
+
+/// Chains across nodes that cannot form a cycle, crossing each other, are never refused
+/// with `DeadlockDetected` and all succeed, under each of [`PROBE_SEEDS`] seeds.
+#[test]
+fn crossing_call_chains_across_nodes_are_never_refused() {
+    let mut hops_seen = 0;
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        for (result, took) in runtime.block_on(crossing_run(seed, false)) {
+            let reply = result.unwrap_or_else(|error| panic!("seed {seed}: a root failed: {error}"));
+            for outcome in outcomes(&reply) {
+                assert!(
+                    matches!(outcome, Outcome::Ok(_) | Outcome::Leaf),
+                    "seed {seed}: a chain with no cycle ended {outcome:?}"
+                );
+                hops_seen += 1;
+            }
+            assert!(took < Duration::from_millis(CROSSING_DEADLINE_MS), "seed {seed}: took {took:?}");
+        }
+    }
+    assert!(hops_seen > PROBE_SEEDS as usize * CROSSING_ROOTS, "the chains made calls");
+    eprintln!("{hops_seen} hops over {PROBE_SEEDS} seeds, none refused");
+}
+
+/// The same crossing chains while node-2 and node-3 are cut from each other for longer
+/// than the deadline: probes and calls between them are lost, no call is refused with
+/// `DeadlockDetected`, and each root ends by its deadline (some with `Timeout` or
+/// `Unreachable`, at some level of the chain).
+#[test]
+fn a_partition_between_nodes_causes_no_false_deadlock_refusal() {
+    let mut failed = 0;
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        for (result, took) in runtime.block_on(crossing_run(seed, true)) {
+            assert!(
+                took <= Duration::from_millis(CROSSING_DEADLINE_MS + DEADLINE_TOLERANCE_MS),
+                "seed {seed}: a root took {took:?}"
+            );
+            match result {
+                Ok(reply) => {
+                    for outcome in outcomes(&reply) {
+                        assert!(
+                            !matches!(outcome, Outcome::Deadlock(_)),
+                            "seed {seed}: a false refusal {outcome:?}"
+                        );
+                        if matches!(outcome, Outcome::Error(_)) {
+                            failed += 1;
+                        }
+                    }
+                }
+                Err(error) => {
+                    assert!(!error.contains("DeadlockDetected"), "seed {seed}: {error}");
+                    failed += 1;
+                }
+            }
+        }
+    }
+    assert!(failed > 0, "the partition cut some calls (else it tested nothing)");
+    eprintln!("{failed} calls ended by the partition, none refused");
+}
+
+/// A cycle whose closing link is cut (node-3 cannot reach node-1): the probes that would
+/// find it are lost, nothing is refused, and every root ends by its deadline.
+#[madsim::test]
+async fn a_cycle_whose_probes_are_partitioned_ends_by_its_deadline_unrefused() {
+    let cluster = start_hop_cluster(false).await;
+    let ring = ["a", "b", "c"];
+    for (index, key) in ring.iter().enumerate() {
+        cluster.place(index, key).await;
+    }
+    let net = NetSim::current();
+    net.clog_link(cluster.nodes[2].id(), cluster.nodes[0].id());
+    net.clog_link(cluster.nodes[0].id(), cluster.nodes[2].id());
+    let cluster = Arc::new(cluster);
+    let deadline_ms = 3_000;
+    let roots: Vec<_> = ring
+        .iter()
+        .enumerate()
+        .map(|(index, key)| {
+            let cluster = Arc::clone(&cluster);
+            let payload = format!("{CYCLE_SLEEP_MS};{}", ring[(index + 1) % ring.len()]);
+            let key = key.to_string();
+            tokio::spawn(async move { cluster.call(index, hop(&key), payload, deadline_ms).await })
+        })
+        .collect();
+    let mut ended_unanswered = 0;
+    for root in roots {
+        let (result, took) = root.await.expect("a root");
+        assert!(took <= Duration::from_millis(deadline_ms + DEADLINE_TOLERANCE_MS), "took {took:?}");
+        match result {
+            Ok(text) => {
+                for outcome in outcomes(&parse_hop(&text)) {
+                    assert!(!matches!(outcome, Outcome::Deadlock(_)), "refused without a probe's return: {outcome:?}");
+                    if matches!(outcome, Outcome::Error(_)) {
+                        ended_unanswered += 1;
+                    }
+                }
+            }
+            Err(error) => {
+                assert!(matches!(error, InvokeError::Timeout { .. }), "{error:?}");
+                ended_unanswered += 1;
+            }
+        }
+    }
+    assert!(ended_unanswered > 0, "the cut cycle ended by deadlines or unreachability, not by a reply");
+}
+
+/// Calls from turns across nodes keep the call rules: a cycle through the chain is
+/// refused (`CycleDetected`), the sixth level is refused (`DepthExceeded`), each callee's
+/// deadline is no later than its caller's, and a request forged to break the rules is
+/// refused again on arrival.
+#[madsim::test]
+async fn calls_from_turns_across_nodes_keep_chain_depth_and_deadline_rules() {
+    let cluster = start_hop_cluster(false).await;
+    for index in 0..7 {
+        cluster.place(index % NODE_NAMES.len(), &format!("d{index}")).await;
+    }
+    // d0 (node-1) → d1 (node-2) → d0: the chain holds d0, so d1's call is refused.
+    let (reply, _) = cluster.call(0, hop("d0"), "0;d1,d0".into(), 3_000).await;
+    let reply = parse_hop(&reply.expect("a reply"));
+    let Outcome::Ok(inner) = &reply.outcome else { panic!("{reply:?}") };
+    assert_eq!(inner.node, NODE_NAMES[1]);
+    assert_eq!(inner.outcome, Outcome::Error("CycleDetected".into()));
+
+    // d0 → d1 → … → d5 at depth 5 calls d6: refused; every hop crosses nodes.
+    let root_deadline_ms = 3_000;
+    let (reply, _) = cluster
+        .call(0, hop("d0"), "0;d1,d2,d3,d4,d5,d6".into(), root_deadline_ms)
+        .await;
+    let mut level = parse_hop(&reply.expect("a reply"));
+    let mut depth = 0;
+    let mut parent_remaining_ms = root_deadline_ms;
+    loop {
+        assert_eq!(level.node, NODE_NAMES[depth % NODE_NAMES.len()], "depth {depth} ran where d{depth} lives");
+        assert!(
+            level.remaining_ms <= parent_remaining_ms,
+            "depth {depth}: {} ms left, its caller had {parent_remaining_ms} ms",
+            level.remaining_ms
+        );
+        parent_remaining_ms = level.remaining_ms;
+        match level.outcome {
+            Outcome::Ok(inner) => {
+                level = *inner;
+                depth += 1;
+            }
+            Outcome::Error(kind) => {
+                assert_eq!((depth, kind.as_str()), (5, "DepthExceeded"));
+                break;
+            }
+            other => panic!("depth {depth}: {other:?}"),
+        }
+    }
+
+    // Forged requests straight to node-2's transport: checked again on arrival.
+    let address = SocketAddr::new(node_ip(1), NODE_PORT);
+    let (cycle, deep) = cluster.nodes[0]
+        .spawn(async move {
+            let clock = troupe_runtime::Clock::new();
+            let client = troupe_runtime::TransportClient::new(address, clock);
+            let deadline = clock.now();
+            let deadline = troupe_core::Deadline::after(deadline, Duration::from_millis(2_000));
+            let looped = CallContext::root(deadline).child(hop("d1"), deadline);
+            let cycle = client.invoke(&hop("d1"), Bytes::from_static(b"ping"), looped, None).await;
+            let mut deep = CallContext::root(deadline);
+            for index in 0..6 {
+                deep = deep.child(hop(&format!("z{index}")), deadline);
+            }
+            let deep = client.invoke(&hop("d1"), Bytes::from_static(b"ping"), deep, None).await;
+            (cycle, deep)
+        })
+        .await
+        .expect("the forged calls");
+    assert!(
+        matches!(cycle, Err(InvokeError::Refused(CallRefused::CycleDetected { .. }))),
+        "{cycle:?}"
+    );
+    assert!(
+        matches!(deep, Err(InvokeError::Refused(CallRefused::DepthExceeded { .. }))),
+        "{deep:?}"
+    );
+}

@@ -227,7 +227,9 @@ impl TransportServer {
     }
 
     /// As [`TransportServer::serve`], handing the deadlock probes that arrive to
-    /// `probes` (dropped when `None`).
+    /// `probes` (dropped when `None`). With `probes`, requests from other nodes' turns do
+    /// not add their wait-for edge to this runtime's graph: the caller's node keeps it,
+    /// and cycles across nodes are found by the probes.
     ///
     /// # Errors
     /// If the listener's local address cannot be read.
@@ -479,6 +481,7 @@ async fn serve_connection(
                 }
             };
             let running = RunningRequest::start(&shared, &activity);
+            let records_edges = shared.probes.0.is_none();
             let handle = handle.clone();
             let responses = responses.clone();
             let budget = budget.clone();
@@ -489,7 +492,7 @@ async fn serve_connection(
                     // call abandons it (unrun if it has not started) and releases its
                     // wait-for edge now rather than at its deadline.
                     () = responses.closed() => return,
-                    response = serve_connection_request(&handle, request) => response,
+                    response = serve_connection_request(&handle, request, records_edges) => response,
                 };
                 // The request is gone; its bytes now go to the reply.
                 drop(request_bytes);
@@ -615,7 +618,14 @@ async fn answer_hello(
 
 /// Runs one request on the runtime and encodes its response frame. A request whose
 /// deadline has passed on this runtime's clock is answered `Timeout` without running.
-async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest) -> Bytes {
+///
+/// With `records_edges`, a request that names its waiting caller adds the wait-for edge
+/// `caller → target` to this runtime's graph (a node pair that is not a cluster: a
+/// two-node cycle is then refused by the host's graph). Without (a cluster node, which
+/// chases cycles with probes), the edge is the waiter's node's alone, as the probe
+/// protocol has it: a copy here could outlive the caller's wait (the caller's node does
+/// not tell this one when it gives up) and name a cycle that no longer exists.
+async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, records_edges: bool) -> Bytes {
     let request_id = request.request_id;
     let target = request.target.clone();
     let result = match request.context(handle.now()) {
@@ -631,7 +641,11 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest) 
             let caller = request.waiting_caller().cloned();
             let payload = request.payload;
             match caller {
-                Some(caller) => handle.invoke_from(&caller, &target, payload, context, None).await,
+                Some(caller) if records_edges => handle.invoke_from(&caller, &target, payload, context, None).await,
+                Some(_) => handle
+                    .send_and_wait(&target, crate::envelope::Payload::Bytes(payload), context, None)
+                    .await
+                    .and_then(|reply| reply.into_bytes(&target)),
                 None => handle.invoke(&target, payload, context.deadline()).await,
             }
         }
