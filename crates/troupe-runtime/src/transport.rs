@@ -78,7 +78,11 @@
 //! - Depth and chain arrive intact: the host replays the chain with
 //!   [`CallContext::child`], so cycle and depth checks hold across nodes. When the request
 //!   names a caller (or the chain does) the host records the wait-for edge with
-//!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from).
+//!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from), unless the server
+//!   hands deadlock probes to a cluster node
+//!   ([`TransportServer::serve_with_probes`]), whose waiter's node keeps the edge. The
+//!   host refuses again a chain that holds the target (`CycleDetected`) and a depth over
+//!   the limit (`DepthExceeded`).
 //! - When a connection breaks (reset, EOF, an oversized or undecodable frame, a failed
 //!   handshake) every call pending on it fails at once with
 //!   [`InvokeError::Unreachable`]; none waits for its deadline. The next call opens a
