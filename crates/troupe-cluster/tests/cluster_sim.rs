@@ -469,25 +469,30 @@ struct RootResult {
     took: Duration,
 }
 
-/// Three roots at once, one per node: `a`(node-1) calls `b`(node-2), `b` calls
-/// `c`(node-3), `c` calls `a`: a cycle no single node sees.
-async fn cycle_run(no_probes: bool) -> Vec<RootResult> {
+/// The three-node ring: `a`(node-1) calls `b`(node-2), `b` calls `c`(node-3), `c` calls
+/// `a`, each from its own root request, all after [`CYCLE_SLEEP_MS`].
+const RING_OF_THREE_NODES: [(&str, usize, u64); 3] =
+    [("a", 0, CYCLE_SLEEP_MS), ("b", 1, CYCLE_SLEEP_MS), ("c", 2, CYCLE_SLEEP_MS)];
+
+/// One root per member of `ring` (key, node index, sleep before calling), at once: each
+/// member's turn calls the next member, the last calls the first; a cycle that no
+/// single node sees when the ring spans nodes.
+async fn cycle_run(ring: &[(&'static str, usize, u64)], no_probes: bool) -> Vec<RootResult> {
     let cluster = start_hop_cluster(no_probes).await;
-    let ring = ["a", "b", "c"];
-    for (index, key) in ring.iter().enumerate() {
-        cluster.place(index, key).await;
+    for (key, node, _) in ring {
+        cluster.place(*node, key).await;
     }
     let cluster = Arc::new(cluster);
     let roots: Vec<_> = ring
         .iter()
         .enumerate()
-        .map(|(index, key)| {
+        .map(|(index, (key, node, sleep_ms))| {
             let cluster = Arc::clone(&cluster);
-            let next = ring[(index + 1) % ring.len()];
-            let key = key.to_string();
+            let next = ring[(index + 1) % ring.len()].0;
+            let (key, node, sleep_ms) = (key.to_string(), *node, *sleep_ms);
             tokio::spawn(async move {
-                let payload = format!("{CYCLE_SLEEP_MS};{next}");
-                let (result, took) = cluster.call(index, hop(&key), payload, CYCLE_DEADLINE_MS).await;
+                let payload = format!("{sleep_ms};{next}");
+                let (result, took) = cluster.call(node, hop(&key), payload, CYCLE_DEADLINE_MS).await;
                 RootResult {
                     root: key,
                     reply: result.map(|text| parse_hop(&text)).map_err(|error| format!("{error:?}")),
@@ -506,7 +511,9 @@ async fn cycle_run(no_probes: bool) -> Vec<RootResult> {
 /// The cycle test's checks: some root's call was refused with `DeadlockDetected` naming
 /// the ring, every refusal names the ring, and every root ended within
 /// [`DETECTION_BOUND_MS`] of its call.
-fn check_cycle_refused(results: &[RootResult]) -> Result<(), String> {
+fn check_cycle_refused(results: &[RootResult], ring: &[(&str, usize, u64)]) -> Result<(), String> {
+    let keys: Vec<&str> = ring.iter().map(|(key, _, _)| *key).collect();
+    let last_call = Duration::from_millis(ring.iter().map(|(_, _, sleep_ms)| *sleep_ms).max().unwrap_or(0));
     let mut refused = 0;
     for result in results {
         let reply = result
@@ -515,7 +522,7 @@ fn check_cycle_refused(results: &[RootResult]) -> Result<(), String> {
             .map_err(|error| format!("root {} failed: {error}", result.root))?;
         match &reply.outcome {
             Outcome::Deadlock(cycle) => {
-                if !is_rotation_of(cycle, &["a", "b", "c"]) {
+                if !is_rotation_of(cycle, &keys) {
                     return Err(format!("root {} was refused naming {cycle:?}, not the ring", result.root));
                 }
                 refused += 1;
@@ -523,7 +530,7 @@ fn check_cycle_refused(results: &[RootResult]) -> Result<(), String> {
             Outcome::Ok(_) => {}
             other => return Err(format!("root {}: {other:?}", result.root)),
         }
-        let bound = Duration::from_millis(CYCLE_SLEEP_MS + DETECTION_BOUND_MS);
+        let bound = last_call + Duration::from_millis(DETECTION_BOUND_MS);
         if result.took > bound {
             return Err(format!("root {} took {:?}, over {bound:?}", result.root, result.took));
         }
@@ -543,8 +550,8 @@ fn a_cross_node_cycle_is_refused_with_deadlock_detected_quickly() {
     for seed in 1..=PROBE_SEEDS {
         let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
         runtime.set_time_limit(Duration::from_secs(120));
-        let results = runtime.block_on(cycle_run(false));
-        if let Err(failure) = check_cycle_refused(&results) {
+        let results = runtime.block_on(cycle_run(&RING_OF_THREE_NODES, false));
+        if let Err(failure) = check_cycle_refused(&results, &RING_OF_THREE_NODES) {
             panic!("seed {seed}: {failure}");
         }
         for result in &results {
@@ -556,6 +563,23 @@ fn a_cross_node_cycle_is_refused_with_deadlock_detected_quickly() {
     eprintln!("slowest refusal after the calls: {slowest:?} (simulated) over {PROBE_SEEDS} seeds");
 }
 
+/// A cycle closed by a local call: `a2`(node-1) calls `b`(node-2) and `b` calls
+/// `a`(node-1) first; 200 ms later `a` calls `a2` on its own node. The local edge's path
+/// leaves the node, so a probe starts from the remote edge it reaches (`a2 → b`) and
+/// comes back: refused with the ring named, under each of [`PROBE_SEEDS`] seeds.
+#[test]
+fn a_cycle_closed_by_a_local_call_is_refused_through_the_remote_edge() {
+    let ring = [("a", 0, 2 * CYCLE_SLEEP_MS), ("a2", 0, CYCLE_SLEEP_MS), ("b", 1, CYCLE_SLEEP_MS)];
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        let results = runtime.block_on(cycle_run(&ring, false));
+        if let Err(failure) = check_cycle_refused(&results, &ring) {
+            panic!("seed {seed}: {failure}");
+        }
+    }
+}
+
 /// Planted bug: with probes off on every node, the cycle test's checks fail (the cycle
 /// ends only by the deadline).
 #[cfg(feature = "planted-bugs")]
@@ -563,8 +587,8 @@ fn a_cross_node_cycle_is_refused_with_deadlock_detected_quickly() {
 fn planted_no_probes_makes_the_cross_node_cycle_test_fail() {
     let mut runtime = madsim::runtime::Runtime::with_seed_and_config(1, madsim::Config::default());
     runtime.set_time_limit(Duration::from_secs(120));
-    let results = runtime.block_on(cycle_run(true));
-    let failure = check_cycle_refused(&results).expect_err("without probes the cycle must not be refused");
+    let results = runtime.block_on(cycle_run(&RING_OF_THREE_NODES, true));
+    let failure = check_cycle_refused(&results, &RING_OF_THREE_NODES).expect_err("without probes the cycle must not be refused");
     eprintln!("the cycle test fails without probes, as it must: {failure}");
     assert!(
         results.iter().all(|result| !matches!(
