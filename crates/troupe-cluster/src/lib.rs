@@ -26,7 +26,8 @@ mod placed_store;
 mod probes;
 
 pub use node::{ClusterClient, ClusterError, ClusterNode, ClusterStats, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS};
-pub use probes::{
-    PROBES_SENT_PER_SECOND_MAX, PROBE_LOCAL_VISITS_MAX, PROBE_PATH_ACTORS_MAX, PROBE_QUEUE_CAPACITY, PROBE_SEND_TIMEOUT_MS,
-};
 pub use placed_store::{PlacedStore, RELEASE_QUEUE_CAPACITY};
+pub use probes::{
+    PROBES_SENT_PER_SECOND_MAX, PROBE_LOCAL_VISITS_MAX, PROBE_PATH_ACTORS_MAX, PROBE_QUEUE_CAPACITY,
+    PROBE_SEND_TIMEOUT_MS,
+};

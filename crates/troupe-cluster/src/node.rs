@@ -11,9 +11,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError, StoreError};
 use troupe_etcd::{EtcdConfig, EtcdPlacement, LeaseLostReason, NodeId, Placement, PlacementError};
-use troupe_runtime::{
-    FencedClaim, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer, TurnCall,
-};
+use troupe_runtime::{FencedClaim, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer, TurnCall};
 
 use crate::placed_store::{Ownership, PlacedStore, ReleaseObserver};
 use crate::probes::{Hooks, ProbeChannel, RemoteWaitEntry, PROBE_QUEUE_CAPACITY};

@@ -12,10 +12,10 @@
 
 #[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
 mod etcd_server;
-#[path = "support/counter.rs"]
-mod support;
 #[path = "support/hop.rs"]
 mod hops;
+#[path = "support/counter.rs"]
+mod support;
 
 use std::time::Duration;
 
@@ -432,7 +432,9 @@ async fn hop_call(node: &ClusterNode, key: &str, payload: String, timeout_ms: u6
 
 /// Activates `hop:<key>` on `node`.
 async fn place_hop(node: &ClusterNode, key: &str) {
-    let reply = hop_call(node, key, "ping".into(), CALL_TIMEOUT_MS).await.expect("a ping");
+    let reply = hop_call(node, key, "ping".into(), CALL_TIMEOUT_MS)
+        .await
+        .expect("a ping");
     assert_eq!(reply, node.node().as_str(), "{key} placed where it was first called");
 }
 

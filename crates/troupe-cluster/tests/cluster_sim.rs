@@ -440,7 +440,13 @@ async fn start_hop_cluster(no_probes: bool) -> SimCluster {
 impl SimCluster {
     /// Calls `target` through node `index` (from inside that node); the result and how
     /// long it took in simulated time.
-    async fn call(&self, index: usize, target: ActorId, payload: String, timeout_ms: u64) -> (Result<String, InvokeError>, Duration) {
+    async fn call(
+        &self,
+        index: usize,
+        target: ActorId,
+        payload: String,
+        timeout_ms: u64,
+    ) -> (Result<String, InvokeError>, Duration) {
         let client = self.clients[index].clone();
         self.nodes[index]
             .spawn(async move {
@@ -457,7 +463,12 @@ impl SimCluster {
     /// Activates `hop:<key>` on node `index`.
     async fn place(&self, index: usize, key: &str) {
         let (reply, _) = self.call(index, hop(key), "ping".into(), 2_000).await;
-        assert_eq!(reply.expect("a ping"), NODE_NAMES[index], "{key} placed on {}", NODE_NAMES[index]);
+        assert_eq!(
+            reply.expect("a ping"),
+            NODE_NAMES[index],
+            "{key} placed on {}",
+            NODE_NAMES[index]
+        );
     }
 }
 
@@ -471,8 +482,11 @@ struct RootResult {
 
 /// The three-node ring: `a`(node-1) calls `b`(node-2), `b` calls `c`(node-3), `c` calls
 /// `a`, each from its own root request, all after [`CYCLE_SLEEP_MS`].
-const RING_OF_THREE_NODES: [(&str, usize, u64); 3] =
-    [("a", 0, CYCLE_SLEEP_MS), ("b", 1, CYCLE_SLEEP_MS), ("c", 2, CYCLE_SLEEP_MS)];
+const RING_OF_THREE_NODES: [(&str, usize, u64); 3] = [
+    ("a", 0, CYCLE_SLEEP_MS),
+    ("b", 1, CYCLE_SLEEP_MS),
+    ("c", 2, CYCLE_SLEEP_MS),
+];
 
 /// One root per member of `ring` (key, node index, sleep before calling), at once: each
 /// member's turn calls the next member, the last calls the first; a cycle that no
@@ -495,7 +509,9 @@ async fn cycle_run(ring: &[(&'static str, usize, u64)], no_probes: bool) -> Vec<
                 let (result, took) = cluster.call(node, hop(&key), payload, CYCLE_DEADLINE_MS).await;
                 RootResult {
                     root: key,
-                    reply: result.map(|text| parse_hop(&text)).map_err(|error| format!("{error:?}")),
+                    reply: result
+                        .map(|text| parse_hop(&text))
+                        .map_err(|error| format!("{error:?}")),
                     took,
                 }
             })
@@ -523,7 +539,10 @@ fn check_cycle_refused(results: &[RootResult], ring: &[(&str, usize, u64)]) -> R
         match &reply.outcome {
             Outcome::Deadlock(cycle) => {
                 if !is_rotation_of(cycle, &keys) {
-                    return Err(format!("root {} was refused naming {cycle:?}, not the ring", result.root));
+                    return Err(format!(
+                        "root {} was refused naming {cycle:?}, not the ring",
+                        result.root
+                    ));
                 }
                 refused += 1;
             }
@@ -555,7 +574,10 @@ fn a_cross_node_cycle_is_refused_with_deadlock_detected_quickly() {
             panic!("seed {seed}: {failure}");
         }
         for result in &results {
-            if matches!(result.reply.as_ref().map(|reply| &reply.outcome), Ok(Outcome::Deadlock(_))) {
+            if matches!(
+                result.reply.as_ref().map(|reply| &reply.outcome),
+                Ok(Outcome::Deadlock(_))
+            ) {
                 slowest = slowest.max(result.took.saturating_sub(Duration::from_millis(CYCLE_SLEEP_MS)));
             }
         }
@@ -569,7 +591,11 @@ fn a_cross_node_cycle_is_refused_with_deadlock_detected_quickly() {
 /// comes back: refused with the ring named, under each of [`PROBE_SEEDS`] seeds.
 #[test]
 fn a_cycle_closed_by_a_local_call_is_refused_through_the_remote_edge() {
-    let ring = [("a", 0, 2 * CYCLE_SLEEP_MS), ("a2", 0, CYCLE_SLEEP_MS), ("b", 1, CYCLE_SLEEP_MS)];
+    let ring = [
+        ("a", 0, 2 * CYCLE_SLEEP_MS),
+        ("a2", 0, CYCLE_SLEEP_MS),
+        ("b", 1, CYCLE_SLEEP_MS),
+    ];
     for seed in 1..=PROBE_SEEDS {
         let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
         runtime.set_time_limit(Duration::from_secs(120));
@@ -588,7 +614,8 @@ fn planted_no_probes_makes_the_cross_node_cycle_test_fail() {
     let mut runtime = madsim::runtime::Runtime::with_seed_and_config(1, madsim::Config::default());
     runtime.set_time_limit(Duration::from_secs(120));
     let results = runtime.block_on(cycle_run(&RING_OF_THREE_NODES, true));
-    let failure = check_cycle_refused(&results, &RING_OF_THREE_NODES).expect_err("without probes the cycle must not be refused");
+    let failure =
+        check_cycle_refused(&results, &RING_OF_THREE_NODES).expect_err("without probes the cycle must not be refused");
     eprintln!("the cycle test fails without probes, as it must: {failure}");
     assert!(
         results.iter().all(|result| !matches!(
@@ -611,7 +638,9 @@ fn outcomes(reply: &HopReply) -> Vec<&Outcome> {
 /// A deterministic pseudo-random sequence for the workload's shape (not for the
 /// simulation, whose randomness is madsim's).
 fn next_random(state: &mut u64) -> u64 {
-    *state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+    *state = state
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
     *state >> 33
 }
 
@@ -645,7 +674,9 @@ async fn crossing_run(seed: u64, partition: bool) -> Vec<(Result<HopReply, Strin
                     .call(root % NODE_NAMES.len(), hop(&first), payload, CROSSING_DEADLINE_MS)
                     .await;
                 (
-                    result.map(|text| parse_hop(&text)).map_err(|error| format!("{error:?}")),
+                    result
+                        .map(|text| parse_hop(&text))
+                        .map_err(|error| format!("{error:?}")),
                     took,
                 )
             })
@@ -684,10 +715,16 @@ fn crossing_call_chains_across_nodes_are_never_refused() {
                 );
                 hops_seen += 1;
             }
-            assert!(took < Duration::from_millis(CROSSING_DEADLINE_MS), "seed {seed}: took {took:?}");
+            assert!(
+                took < Duration::from_millis(CROSSING_DEADLINE_MS),
+                "seed {seed}: took {took:?}"
+            );
         }
     }
-    assert!(hops_seen > PROBE_SEEDS as usize * CROSSING_ROOTS, "the chains made calls");
+    assert!(
+        hops_seen > PROBE_SEEDS as usize * CROSSING_ROOTS,
+        "the chains made calls"
+    );
     eprintln!("{hops_seen} hops over {PROBE_SEEDS} seeds, none refused");
 }
 
@@ -756,11 +793,17 @@ async fn a_cycle_whose_probes_are_partitioned_ends_by_its_deadline_unrefused() {
     let mut ended_unanswered = 0;
     for root in roots {
         let (result, took) = root.await.expect("a root");
-        assert!(took <= Duration::from_millis(deadline_ms + DEADLINE_TOLERANCE_MS), "took {took:?}");
+        assert!(
+            took <= Duration::from_millis(deadline_ms + DEADLINE_TOLERANCE_MS),
+            "took {took:?}"
+        );
         match result {
             Ok(text) => {
                 for outcome in outcomes(&parse_hop(&text)) {
-                    assert!(!matches!(outcome, Outcome::Deadlock(_)), "refused without a probe's return: {outcome:?}");
+                    assert!(
+                        !matches!(outcome, Outcome::Deadlock(_)),
+                        "refused without a probe's return: {outcome:?}"
+                    );
                     if matches!(outcome, Outcome::Error(_)) {
                         ended_unanswered += 1;
                     }
@@ -772,7 +815,10 @@ async fn a_cycle_whose_probes_are_partitioned_ends_by_its_deadline_unrefused() {
             }
         }
     }
-    assert!(ended_unanswered > 0, "the cut cycle ended by deadlines or unreachability, not by a reply");
+    assert!(
+        ended_unanswered > 0,
+        "the cut cycle ended by deadlines or unreachability, not by a reply"
+    );
 }
 
 /// Calls from turns across nodes keep the call rules: a cycle through the chain is
@@ -788,7 +834,9 @@ async fn calls_from_turns_across_nodes_keep_chain_depth_and_deadline_rules() {
     // d0 (node-1) → d1 (node-2) → d0: the chain holds d0, so d1's call is refused.
     let (reply, _) = cluster.call(0, hop("d0"), "0;d1,d0".into(), 3_000).await;
     let reply = parse_hop(&reply.expect("a reply"));
-    let Outcome::Ok(inner) = &reply.outcome else { panic!("{reply:?}") };
+    let Outcome::Ok(inner) = &reply.outcome else {
+        panic!("{reply:?}")
+    };
     assert_eq!(inner.node, NODE_NAMES[1]);
     assert_eq!(inner.outcome, Outcome::Error("CycleDetected".into()));
 
@@ -801,7 +849,11 @@ async fn calls_from_turns_across_nodes_keep_chain_depth_and_deadline_rules() {
     let mut depth = 0;
     let mut parent_remaining_ms = root_deadline_ms;
     loop {
-        assert_eq!(level.node, NODE_NAMES[depth % NODE_NAMES.len()], "depth {depth} ran where d{depth} lives");
+        assert_eq!(
+            level.node,
+            NODE_NAMES[depth % NODE_NAMES.len()],
+            "depth {depth} ran where d{depth} lives"
+        );
         assert!(
             level.remaining_ms <= parent_remaining_ms,
             "depth {depth}: {} ms left, its caller had {parent_remaining_ms} ms",
@@ -830,7 +882,9 @@ async fn calls_from_turns_across_nodes_keep_chain_depth_and_deadline_rules() {
             let deadline = clock.now();
             let deadline = troupe_core::Deadline::after(deadline, Duration::from_millis(2_000));
             let looped = CallContext::root(deadline).child(hop("d1"), deadline);
-            let cycle = client.invoke(&hop("d1"), Bytes::from_static(b"ping"), looped, None).await;
+            let cycle = client
+                .invoke(&hop("d1"), Bytes::from_static(b"ping"), looped, None)
+                .await;
             let mut deep = CallContext::root(deadline);
             for index in 0..6 {
                 deep = deep.child(hop(&format!("z{index}")), deadline);

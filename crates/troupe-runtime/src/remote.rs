@@ -91,7 +91,11 @@ impl Drop for RemoteWait {
         // Close the answer first: a dispatcher that has not added the edge yet sees the
         // closed channel and never adds it; one that has, gets the release after.
         drop(self.answer.take());
-        let _ = self.handle.shared.control.send(Control::ReleaseCall { call: self.call });
+        let _ = self
+            .handle
+            .shared
+            .control
+            .send(Control::ReleaseCall { call: self.call });
     }
 }
 

@@ -74,7 +74,12 @@ impl WaitForGraph {
 
     /// Adds `caller → target` for `call`, a call to another node, unless it would close
     /// a cycle of this graph.
-    pub(crate) fn try_add_remote(&mut self, call: CallId, caller: &ActorId, target: &ActorId) -> Result<(), EdgeRefused> {
+    pub(crate) fn try_add_remote(
+        &mut self,
+        call: CallId,
+        caller: &ActorId,
+        target: &ActorId,
+    ) -> Result<(), EdgeRefused> {
         self.try_add(call, caller, target)?;
         self.remote.insert(call);
         Ok(())

@@ -18,9 +18,9 @@ use super::frame::{encode_frame, read_frame, read_frame_body, read_frame_length,
 use super::wire::WIRE_MAGIC;
 use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireRequest, WireResponse};
 use super::{
-    ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX, CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX, FRAME_HEADER_SIZE_BYTES,
-    FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
-    SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
+    ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX, CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX,
+    FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS,
+    SERVER_CONNECTION_IDLE_TIMEOUT_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
 };
 use crate::{Clock, RuntimeHandle};
 
@@ -633,10 +633,12 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
         Ok(context) if context.contains(&target) => Err(InvokeError::Refused(CallRefused::CycleDetected {
             chain: context.chain().iter().chain([&target]).cloned().collect(),
         })),
-        Ok(context) if context.depth() > AGENT_CALL_DEPTH_MAX => Err(InvokeError::Refused(CallRefused::DepthExceeded {
-            depth: context.depth().saturating_sub(1),
-            max: AGENT_CALL_DEPTH_MAX,
-        })),
+        Ok(context) if context.depth() > AGENT_CALL_DEPTH_MAX => {
+            Err(InvokeError::Refused(CallRefused::DepthExceeded {
+                depth: context.depth().saturating_sub(1),
+                max: AGENT_CALL_DEPTH_MAX,
+            }))
+        }
         Ok(context) => {
             let caller = request.waiting_caller().cloned();
             let payload = request.payload;
