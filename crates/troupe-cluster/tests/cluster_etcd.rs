@@ -517,3 +517,51 @@ async fn crossing_calls_across_nodes_are_never_refused_over_real_etcd() {
     }
     assert!(hops_seen > CROSSING_ROOTS, "the chains made calls");
 }
+
+/// A turn's call follows the actor when it moves: `w` (node-a) calls `x` (node-b), so
+/// node-a's route says node-b; `x` is deactivated there and placed on node-c; `w`'s next
+/// call meets node-b's `NotOwner` refusal, looks the owner up again and is served by
+/// node-c alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_turn_s_call_on_a_stale_route_is_rerouted_to_the_new_owner() {
+    let cluster = start_cluster("xnode-stale").await;
+    let [a, b, c] = [&cluster.nodes[0], &cluster.nodes[1], &cluster.nodes[2]];
+    place_hop(a, "w").await;
+    place_hop(b, "x").await;
+    let first = hops::parse_hop(&hop_call(a, "w", "0;x".into(), CALL_TIMEOUT_MS).await.expect("w → x"));
+    let hops::Outcome::Ok(inner) = first.outcome else {
+        panic!("{first:?}")
+    };
+    assert_eq!(inner.node, "node-b", "x served by its owner");
+    assert!(
+        b.handle().deactivate(&hops::hop("x")).await.expect("deactivate"),
+        "x was active on node-b"
+    );
+    let released = Instant::now();
+    while b.placement().lookup(&hops::hop("x")).await.expect("a lookup").is_some() {
+        assert!(
+            released.elapsed() < Duration::from_millis(SCHEDULING_ALLOWANCE_MS),
+            "x's placement was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    place_hop(c, "x").await;
+    let reroutes_before = a.stats().reroutes;
+    let second = hops::parse_hop(
+        &hop_call(a, "w", "0;x".into(), CALL_TIMEOUT_MS)
+            .await
+            .expect("w → x again"),
+    );
+    let hops::Outcome::Ok(inner) = second.outcome else {
+        panic!("{second:?}")
+    };
+    assert_eq!(inner.node, "node-c", "the stale route was corrected");
+    assert!(
+        a.stats().reroutes > reroutes_before,
+        "node-b refused and node-a looked x up again"
+    );
+    assert!(
+        a.stats().turn_calls_forwarded >= 2,
+        "both calls from w's turns crossed nodes"
+    );
+}
