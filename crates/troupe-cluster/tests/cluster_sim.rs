@@ -3,7 +3,8 @@
 //! write to the store, so only the fence stops it).
 //!
 //! Each node runs a workload: calls from that node to 8 counters, one after another,
-//! each with a 2 s deadline. A supervisor in the node restarts it with a new lease when
+//! each with a 2 s deadline; every third goes through a relay actor's turn on the node
+//! (a call from a turn, routed to the counter's owner like the others). A supervisor in the node restarts it with a new lease when
 //! its lease is lost. The faults, in virtual time: node 1 cut from etcd only (not from
 //! the other nodes, not from the store) for 6 s, twice the lease TTL; nodes 2 and 3 cut
 //! from each other for 4 s; node 3 killed, restarted 4 s later.
@@ -53,6 +54,8 @@ const DEADLINE_TOLERANCE_MS: u64 = 1;
 const ACTORS: usize = 8;
 /// Pause before a node retries joining, in milliseconds.
 const REJOIN_DELAY_MS: u64 = 500;
+/// One call in this many goes through a relay actor's turn.
+const RELAYED_EVERY: u64 = 3;
 /// Seeds the replay test runs, each twice.
 const REPLAY_SEEDS: u64 = 3;
 
@@ -97,6 +100,16 @@ fn error_kind(error: &InvokeError) -> &'static str {
     }
 }
 
+/// The counter's reply inside a relay's reply (`<node>|<ms>|ok(<counter's reply>)`), or
+/// the relay's outcome when its call failed.
+fn relayed_reply(reply: &[u8]) -> Result<Bytes, String> {
+    let text = std::str::from_utf8(reply).expect("a text reply");
+    match text.split_once("|ok(") {
+        Some((_, inner)) => Ok(Bytes::from(inner.strip_suffix(')').expect("ok(…)").to_string())),
+        None => Err(format!("relayed {}", text.rsplit('|').next().unwrap_or(text))),
+    }
+}
+
 /// One node's life: join (retrying while etcd is out of reach), run the workload until
 /// the stop flag, and start over with a new lease whenever the lease is lost.
 async fn run_node(index: usize, shared: Shared) {
@@ -121,7 +134,7 @@ async fn run_node(index: usize, shared: Shared) {
                 log: shared.log.clone(),
             };
             let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
-            match ClusterNode::start(config, listen, counter_runtime(name), store).await {
+            match ClusterNode::start(config, listen, with_hop(counter_runtime(name), name), store).await {
                 Ok(node) => break node,
                 Err(error) => {
                     let stage = match error {
@@ -141,7 +154,22 @@ async fn run_node(index: usize, shared: Shared) {
                 let actor = counter(&format!("c{}", (index * 5 + call as usize * 7) % ACTORS));
                 let started = Instant::now();
                 let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
-                let result = client.invoke(&actor, Bytes::from_static(b"inc"), deadline).await;
+                // Every third call goes through a turn: this node's relay (a hop actor)
+                // calls the counter, so calls from turns are routed under the faults too.
+                let relayed = call % RELAYED_EVERY == 0;
+                let result = if relayed {
+                    let relay = hop(&format!("relay-{name}"));
+                    let payload = Bytes::from(format!("0;counter={}", actor.key()));
+                    match client.invoke(&relay, payload, deadline).await {
+                        Ok(reply) => relayed_reply(&reply),
+                        Err(error) => Err(error_kind(&error).to_string()),
+                    }
+                } else {
+                    client
+                        .invoke(&actor, Bytes::from_static(b"inc"), deadline)
+                        .await
+                        .map_err(|error| error_kind(&error).to_string())
+                };
                 let took = started.elapsed();
                 if took > Duration::from_millis(CALL_TIMEOUT_MS + DEADLINE_TOLERANCE_MS) {
                     shared
@@ -153,10 +181,11 @@ async fn run_node(index: usize, shared: Shared) {
                 match result {
                     Ok(reply) => {
                         let (served_by, count) = parse_reply(&reply);
-                        shared.note(format!("{name} → {actor}: {served_by}:{count}"));
+                        let via = if relayed { " via a relay's turn" } else { "" };
+                        shared.note(format!("{name} → {actor}: {served_by}:{count}{via}"));
                         shared.acks.lock().expect("acks").push((actor, served_by, count));
                     }
-                    Err(error) => shared.note(format!("{name} → {actor}: {}", error_kind(&error))),
+                    Err(error) => shared.note(format!("{name} → {actor}: {error}")),
                 }
                 tokio::time::sleep(Duration::from_millis(50 + (call * 31) % 100)).await;
             }
@@ -254,6 +283,10 @@ async fn check_invariants(shared: &Shared) {
     assert!(
         record.iter().any(|line| line.contains("node-1 lost its lease")),
         "node-1, cut from etcd for twice the TTL, must lose its lease"
+    );
+    assert!(
+        record.iter().any(|line| line.ends_with("via a relay's turn")),
+        "calls from turns (through the relays) were acknowledged"
     );
     let mut committed: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
     for entry in shared.log.entries().into_iter().filter(|entry| entry.ok) {

@@ -4,7 +4,7 @@
 //!
 //! Request: `ping` (answers the node's name: used to place the actor on a node), or
 //! `<sleep_ms>;<key>,<key>,...`: sleep, then call `hop:<first key>` with `0;<the rest>`
-//! (a leaf, with no key, calls nobody). Reply: `<node>|<turn's remaining ms>|<outcome>`,
+//! (a leaf, with no key, calls nobody; a key `counter=<key>` calls that counter). Reply: `<node>|<turn's remaining ms>|<outcome>`,
 //! the outcome being `leaf`, `ok(<the callee's reply>)`, `deadlock:<k>><k>>...` (the
 //! cycle's keys) or `error:<kind>`.
 
@@ -56,7 +56,7 @@ impl Actor for Hop {
         let outcome = match keys.split_once(',').map_or((keys, ""), |(first, rest)| (first, rest)) {
             ("", _) => "leaf".to_string(),
             (first, rest) => {
-                let target = hop(first);
+                let target = target_of(first);
                 let request = Bytes::from(format!("0;{rest}"));
                 match turn
                     .invoke(&target, request, Duration::from_millis(HOP_CALL_TIMEOUT_MS))
@@ -87,6 +87,14 @@ pub(crate) fn with_hop(builder: RuntimeBuilder, node: &str) -> RuntimeBuilder {
             KindConfig::default(),
         )
         .expect("register the hop")
+}
+
+/// The actor a hop calls for `key`: `counter=<key>` is a counter, anything else a hop.
+fn target_of(key: &str) -> ActorId {
+    match key.strip_prefix("counter=") {
+        Some(counter) => ActorId::new("counter", counter).expect("an actor id"),
+        None => hop(key),
+    }
 }
 
 pub(crate) fn hop(key: &str) -> ActorId {
