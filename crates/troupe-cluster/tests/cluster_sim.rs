@@ -156,7 +156,7 @@ async fn run_node(index: usize, shared: Shared) {
                 let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
                 // Every third call goes through a turn: this node's relay (a hop actor)
                 // calls the counter, so calls from turns are routed under the faults too.
-                let relayed = call % RELAYED_EVERY == 0;
+                let relayed = call.is_multiple_of(RELAYED_EVERY);
                 let result = if relayed {
                     let relay = hop(&format!("relay-{name}"));
                     let payload = Bytes::from(format!("0;counter={}", actor.key()));
@@ -691,7 +691,7 @@ async fn crossing_run(seed: u64, partition: bool) -> Vec<(Result<HopReply, Strin
     let roots: Vec<_> = (0..CROSSING_ROOTS)
         .map(|root| {
             let mut chain: Vec<usize> = (0..CROSSING_ACTORS)
-                .filter(|_| next_random(&mut state) % 2 == 0)
+                .filter(|_| next_random(&mut state).is_multiple_of(2))
                 .collect();
             if chain.len() < 2 {
                 chain = vec![root % CROSSING_ACTORS, CROSSING_ACTORS - 1];
