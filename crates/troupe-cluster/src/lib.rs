@@ -9,6 +9,9 @@
 //!     │ owner = node B ──────────────► TransportClient ── TCP ──► B's TransportServer ──► B's runtime
 //!     │ reply, or NotOwner ◄────────────────────────────────────── (B's claim refused: not placed on B)
 //!     └ NotOwner: forget the route, look up again, retry until the deadline
+//!  a turn's call (Caller) ──► the node's TurnCallRouter: the same routing, with the
+//!     callee's context (chain, depth, caller, deadline); remote: wait-for edge recorded
+//!     here, marked remote, and a deadlock probe sent to the owner (see probes.rs)
 //!  activation ends ──► ActivationEnded event ──► release(x) in etcd (if no newer activation)
 //!  lease lost ──► refuse every claim and commit here, deactivate every activation
 //! ```
@@ -19,10 +22,19 @@
 //! that loses its lease stops committing at once (its own check) and, should a commit
 //! slip past that check, the store refuses it once the new owner has claimed.
 //!
-//! See docs/cluster.md for the failure table and what the tests show.
+//! A cycle of waits across nodes is found by edge chasing: each node keeps its own
+//! wait-for edges, and probes follow them from node to node until one comes back to
+//! the call that started it, which then fails with `DeadlockDetected`.
+//!
+//! See docs/cluster.md for the failure table, the probe protocol and what the tests show.
 
 mod node;
 mod placed_store;
+mod probes;
 
 pub use node::{ClusterClient, ClusterError, ClusterNode, ClusterStats, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS};
 pub use placed_store::{PlacedStore, RELEASE_QUEUE_CAPACITY};
+pub use probes::{
+    PROBES_SENT_PER_SECOND_MAX, PROBE_LOCAL_VISITS_MAX, PROBE_PATH_ACTORS_MAX, PROBE_QUEUE_CAPACITY,
+    PROBE_SEND_TIMEOUT_MS,
+};

@@ -11,9 +11,10 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError, StoreError};
 use troupe_etcd::{EtcdConfig, EtcdPlacement, LeaseLostReason, NodeId, Placement, PlacementError};
-use troupe_runtime::{FencedClaim, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer};
+use troupe_runtime::{FencedClaim, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer, TurnCall};
 
 use crate::placed_store::{Ownership, PlacedStore, ReleaseObserver};
+use crate::probes::{Hooks, ProbeChannel, RemoteWaitEntry, PROBE_QUEUE_CAPACITY};
 
 /// Pause before a call looks its target's owner up again after a "not owner" refusal
 /// or a failed lookup, in milliseconds (the first re-lookup after a refusal is at once).
@@ -49,25 +50,52 @@ pub struct ClusterStats {
     /// Activations that found this node's placement from an earlier activation still in
     /// etcd (its release had not run, or failed) and released it and placed anew.
     pub placements_replaced: u64,
+    /// Calls from this node's turns to actors on other nodes.
+    pub turn_calls_forwarded: u64,
+    /// Deadlock probes this node sent to other nodes.
+    pub probes_sent: u64,
+    /// Deadlock probes this node received.
+    pub probes_received: u64,
+    /// Deadlock probes dropped here: queue full, over the rate or path limit, or the
+    /// dispatcher busy (a dropped probe never refuses a call: the call then ends by its
+    /// deadline, or by a later probe).
+    pub probes_dropped: u64,
+    /// Calls from this node's turns refused with `DeadlockDetected` because a probe came
+    /// back around a cycle.
+    pub deadlocks_found_by_probes: u64,
 }
 
 #[derive(Default)]
-struct Counters {
+pub(crate) struct Counters {
     local_calls: AtomicU64,
     forwarded_calls: AtomicU64,
     reroutes: AtomicU64,
+    turn_calls_forwarded: AtomicU64,
+    pub(crate) probes_sent: AtomicU64,
+    pub(crate) probes_dropped: AtomicU64,
+    pub(crate) deadlocks_found_by_probes: AtomicU64,
 }
 
-struct Inner {
-    node: NodeId,
+pub(crate) struct Inner {
+    pub(crate) node: NodeId,
     address: SocketAddr,
     placement: EtcdPlacement,
     ownership: Arc<Ownership>,
-    handle: RuntimeHandle,
+    pub(crate) handle: RuntimeHandle,
     routes: Mutex<HashMap<ActorId, NodeId>>,
     clients: Mutex<HashMap<NodeId, Arc<TransportClient>>>,
-    counters: Counters,
+    pub(crate) counters: Counters,
     fenced_off: tokio::sync::watch::Sender<Option<LeaseLostReason>>,
+    /// This node's open calls to other nodes made by turns, by call id (the wait-for
+    /// edge's id in this runtime).
+    pub(crate) remote_waits: Mutex<HashMap<u64, RemoteWaitEntry>>,
+    /// Work for the probe task.
+    pub(crate) probes: ProbeChannel,
+    /// The probe rate window: its start and the probes sent in it.
+    pub(crate) probe_window: Mutex<(troupe_core::Deadline, u64)>,
+    /// Planted bug (feature `planted-bugs`): no probe is ever sent.
+    #[cfg(feature = "planted-bugs")]
+    pub(crate) planted_no_probes: std::sync::atomic::AtomicBool,
 }
 
 /// One member of a Troupe cluster: a [`Runtime`] whose store is a [`PlacedStore`], a
@@ -127,9 +155,12 @@ impl ClusterNode {
             }))
             .start();
         let handle = runtime.handle();
-        let server = TransportServer::serve(listener, handle.clone())
+        let (probe_sender, probe_receiver) = tokio::sync::mpsc::channel(PROBE_QUEUE_CAPACITY);
+        let probes = ProbeChannel::new(probe_sender);
+        let server = TransportServer::serve_with_probes(listener, handle.clone(), Some(Arc::new(probes.clone())))
             .map_err(|cause| ClusterError::Listen { address: listen, cause })?;
         let (fenced_off, _) = tokio::sync::watch::channel(None);
+        let now = handle.now();
         let inner = Arc::new(Inner {
             node,
             address,
@@ -140,7 +171,19 @@ impl ClusterNode {
             clients: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             fenced_off,
+            remote_waits: Mutex::new(HashMap::new()),
+            probes,
+            probe_window: Mutex::new((now, 0)),
+            #[cfg(feature = "planted-bugs")]
+            planted_no_probes: std::sync::atomic::AtomicBool::new(false),
         });
+        let hooks = Arc::new(Hooks {
+            inner: Arc::downgrade(&inner),
+        });
+        if inner.handle.set_turn_call_router(hooks).is_err() {
+            unreachable!("the node's runtime was just started: no router is installed yet");
+        }
+        let probe_task = tokio::spawn(crate::probes::probe_loop(Arc::clone(&inner), probe_receiver));
         let release_task = tokio::spawn({
             let ownership = Arc::clone(&inner.ownership);
             async move {
@@ -160,7 +203,7 @@ impl ClusterNode {
             inner,
             runtime: Some(runtime),
             server: Some(server),
-            tasks: vec![release_task, lease_task],
+            tasks: vec![release_task, lease_task, probe_task],
         })
     }
 
@@ -192,7 +235,19 @@ impl ClusterNode {
             forwarded_calls: counters.forwarded_calls.load(Ordering::Relaxed),
             reroutes: counters.reroutes.load(Ordering::Relaxed),
             placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
+            turn_calls_forwarded: counters.turn_calls_forwarded.load(Ordering::Relaxed),
+            probes_sent: counters.probes_sent.load(Ordering::Relaxed),
+            probes_received: self.inner.probes.received(),
+            probes_dropped: counters.probes_dropped.load(Ordering::Relaxed) + self.inner.probes.dropped(),
+            deadlocks_found_by_probes: counters.deadlocks_found_by_probes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Plants a bug for the planted-bug tests (feature `planted-bugs`): this node never
+    /// sends a deadlock probe, so cycles across nodes end only by deadlines.
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant_no_probes(&self) {
+        self.inner.planted_no_probes.store(true, Ordering::SeqCst);
     }
 
     /// Resolves once the lease was lost and every activation of this node has ended.
@@ -287,7 +342,40 @@ impl ClusterClient {
     /// [`InvokeError::Timeout`] if the deadline passed, including while the owner could
     /// not be found (etcd unavailable, an owner whose lease has not ended yet).
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
-        let inner = &self.inner;
+        self.inner.routed(target, payload, deadline, Origin::Root).await
+    }
+}
+
+/// Who makes a routed call.
+#[derive(Clone, Copy)]
+pub(crate) enum Origin<'a> {
+    /// A request from outside any turn.
+    Root,
+    /// A turn of `caller`; the callee runs under `context` (admission already ran).
+    Turn {
+        caller: &'a ActorId,
+        context: &'a CallContext,
+    },
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl Inner {
+    /// Runs a call wherever `target` lives (see [`ClusterClient::invoke`]).
+    pub(crate) async fn routed(
+        self: &Arc<Self>,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: Deadline,
+        origin: Origin<'_>,
+    ) -> Result<Bytes, InvokeError> {
+        let inner = self;
         let clock = inner.handle.clock();
         let timeout_ms = deadline.remaining_ms(clock.now());
         let timeout = || InvokeError::Timeout {
@@ -321,13 +409,31 @@ impl ClusterClient {
                         continue;
                     };
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
-                    client
-                        .invoke(target, payload.clone(), CallContext::root(deadline), None)
-                        .await
+                    match origin {
+                        Origin::Root => {
+                            client
+                                .invoke(target, payload.clone(), CallContext::root(deadline), None)
+                                .await
+                        }
+                        Origin::Turn { caller, context } => {
+                            inner.counters.turn_calls_forwarded.fetch_add(1, Ordering::Relaxed);
+                            inner
+                                .remote_turn_call(&client, owner, caller, target, payload.clone(), context.clone())
+                                .await
+                        }
+                    }
                 }
                 _ => {
                     inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
-                    inner.handle.invoke(target, payload.clone(), deadline).await
+                    match origin {
+                        Origin::Root => inner.handle.invoke(target, payload.clone(), deadline).await,
+                        Origin::Turn { caller, context } => {
+                            inner
+                                .handle
+                                .invoke_for_turn(caller, target, payload.clone(), context.clone())
+                                .await
+                        }
+                    }
                 }
             };
             match result {
@@ -364,17 +470,7 @@ impl ClusterClient {
             }
         }
     }
-}
 
-impl Drop for ClusterNode {
-    fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
-        }
-    }
-}
-
-impl Inner {
     fn routes(&self) -> MutexGuard<'_, HashMap<ActorId, NodeId>> {
         self.routes.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -393,8 +489,23 @@ impl Inner {
         tokio::time::sleep(delay).await;
     }
 
+    /// Runs a turn's call through the router: see [`Inner::routed`].
+    pub(crate) async fn call_from_turn(self: &Arc<Self>, call: TurnCall) -> Result<Bytes, InvokeError> {
+        let TurnCall {
+            caller,
+            target,
+            payload,
+            context,
+        } = call;
+        let origin = Origin::Turn {
+            caller: &caller,
+            context: &context,
+        };
+        self.routed(&target, payload, context.deadline(), origin).await
+    }
+
     /// The client for `owner`, from its membership record; `None` if it is not a member.
-    async fn client(&self, owner: &NodeId, deadline: Deadline) -> Option<Arc<TransportClient>> {
+    pub(crate) async fn client(&self, owner: &NodeId, deadline: Deadline) -> Option<Arc<TransportClient>> {
         if let Some(client) = self.clients().get(owner) {
             return Some(Arc::clone(client));
         }

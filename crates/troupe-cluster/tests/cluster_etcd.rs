@@ -12,6 +12,8 @@
 
 #[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
 mod etcd_server;
+#[path = "support/hop.rs"]
+mod hops;
 #[path = "support/counter.rs"]
 mod support;
 
@@ -60,7 +62,7 @@ async fn start_cluster(name: &str) -> Cluster {
         let started = ClusterNode::start(
             etcd.config(node, ""),
             "127.0.0.1:0".parse().expect("an address"),
-            counter_runtime(node),
+            hops::with_hop(counter_runtime(node), node),
             store,
         )
         .await
@@ -413,5 +415,153 @@ async fn reactivating_at_once_on_the_same_node_claims_a_newer_fence_each_time() 
     eprintln!(
         "{ROUNDS} reactivations; {} found the previous placement still there and replaced it",
         node.stats().placements_replaced
+    );
+}
+
+/// How long each root's turn sleeps before it calls in the cycle test, in milliseconds.
+const CYCLE_SLEEP_MS: u64 = 300;
+/// Deadline of the cycle test's roots, in milliseconds.
+const CYCLE_DEADLINE_MS: u64 = 10_000;
+
+async fn hop_call(node: &ClusterNode, key: &str, payload: String, timeout_ms: u64) -> Result<String, InvokeError> {
+    let deadline = node.handle().deadline_in(Duration::from_millis(timeout_ms));
+    node.invoke(&hops::hop(key), Bytes::from(payload), deadline)
+        .await
+        .map(|reply| String::from_utf8(reply.to_vec()).expect("text"))
+}
+
+/// Activates `hop:<key>` on `node`.
+async fn place_hop(node: &ClusterNode, key: &str) {
+    let reply = hop_call(node, key, "ping".into(), CALL_TIMEOUT_MS)
+        .await
+        .expect("a ping");
+    assert_eq!(reply, node.node().as_str(), "{key} placed where it was first called");
+}
+
+/// Three independent roots at once on three nodes over a real etcd: `a`(node-a) calls
+/// `b`(node-b), `b` calls `c`(node-c), `c` calls `a`. The probes find the cycle: at
+/// least one call is refused with `DeadlockDetected` naming the ring, long before the
+/// 10 s deadline, and the other roots then finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cross_node_cycle_is_refused_by_probes_over_real_etcd() {
+    let cluster = start_cluster("xnode-cycle").await;
+    let ring = ["a", "b", "c"];
+    for (index, key) in ring.iter().enumerate() {
+        place_hop(&cluster.nodes[index], key).await;
+    }
+    let started = Instant::now();
+    let roots = ring.iter().enumerate().map(|(index, key)| {
+        let next = ring[(index + 1) % ring.len()];
+        let node = &cluster.nodes[index];
+        async move {
+            let reply = hop_call(node, key, format!("{CYCLE_SLEEP_MS};{next}"), CYCLE_DEADLINE_MS).await;
+            (key, reply, started.elapsed())
+        }
+    });
+    let results = futures::future::join_all(roots).await;
+    let mut refused = 0;
+    for (key, reply, took) in &results {
+        let reply = hops::parse_hop(reply.as_ref().unwrap_or_else(|error| panic!("root {key}: {error}")));
+        match &reply.outcome {
+            hops::Outcome::Deadlock(cycle) => {
+                assert!(hops::is_rotation_of(cycle, &ring), "root {key} named {cycle:?}");
+                refused += 1;
+            }
+            hops::Outcome::Ok(_) => {}
+            other => panic!("root {key}: {other:?}"),
+        }
+        eprintln!("root {key}: {:?} after {} ms", reply.outcome, took.as_millis());
+        assert!(
+            *took < Duration::from_millis(CYCLE_SLEEP_MS + SCHEDULING_ALLOWANCE_MS),
+            "root {key} took {took:?}: the cycle was not refused quickly"
+        );
+    }
+    assert!(refused >= 1, "no call of the cycle was refused: {results:?}");
+    let probes: u64 = cluster.nodes.iter().map(|node| node.stats().probes_sent).sum();
+    assert!(probes >= 1, "the refusal came from probes");
+}
+
+/// Crossing chains over a real etcd: every node sends roots that call chains of actors
+/// spread over the three nodes, always in increasing order (no cycle can form), so the
+/// calls cross between nodes both ways and queue behind one another. None is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crossing_calls_across_nodes_are_never_refused_over_real_etcd() {
+    const CROSSING_ACTORS: usize = 6;
+    const CROSSING_ROOTS: usize = 30;
+    let cluster = start_cluster("xnode-crossing").await;
+    for index in 0..CROSSING_ACTORS {
+        place_hop(&cluster.nodes[index % 3], &format!("x{index}")).await;
+    }
+    let roots = (0..CROSSING_ROOTS).map(|root| {
+        // Chains of increasing indices: x{root % 6} then every later one of the same parity.
+        let first = root % CROSSING_ACTORS;
+        let rest: Vec<String> = (first + 1..CROSSING_ACTORS)
+            .filter(|index| (index + root) % 2 == 0 || *index == CROSSING_ACTORS - 1)
+            .map(|index| format!("x{index}"))
+            .collect();
+        let node = &cluster.nodes[root % 3];
+        let payload = format!("{};{}", (root * 37) % 100, rest.join(","));
+        async move { hop_call(node, &format!("x{first}"), payload, CALL_TIMEOUT_MS).await }
+    });
+    let mut hops_seen = 0;
+    for reply in futures::future::join_all(roots).await {
+        let mut level = hops::parse_hop(&reply.expect("a root"));
+        loop {
+            hops_seen += 1;
+            match level.outcome {
+                hops::Outcome::Ok(inner) => level = *inner,
+                hops::Outcome::Leaf => break,
+                other => panic!("a chain with no cycle ended {other:?}"),
+            }
+        }
+    }
+    assert!(hops_seen > CROSSING_ROOTS, "the chains made calls");
+}
+
+/// A turn's call follows the actor when it moves: `w` (node-a) calls `x` (node-b), so
+/// node-a's route says node-b; `x` is deactivated there and placed on node-c; `w`'s next
+/// call meets node-b's `NotOwner` refusal, looks the owner up again and is served by
+/// node-c alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_turn_s_call_on_a_stale_route_is_rerouted_to_the_new_owner() {
+    let cluster = start_cluster("xnode-stale").await;
+    let [a, b, c] = [&cluster.nodes[0], &cluster.nodes[1], &cluster.nodes[2]];
+    place_hop(a, "w").await;
+    place_hop(b, "x").await;
+    let first = hops::parse_hop(&hop_call(a, "w", "0;x".into(), CALL_TIMEOUT_MS).await.expect("w → x"));
+    let hops::Outcome::Ok(inner) = first.outcome else {
+        panic!("{first:?}")
+    };
+    assert_eq!(inner.node, "node-b", "x served by its owner");
+    assert!(
+        b.handle().deactivate(&hops::hop("x")).await.expect("deactivate"),
+        "x was active on node-b"
+    );
+    let released = Instant::now();
+    while b.placement().lookup(&hops::hop("x")).await.expect("a lookup").is_some() {
+        assert!(
+            released.elapsed() < Duration::from_millis(SCHEDULING_ALLOWANCE_MS),
+            "x's placement was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    place_hop(c, "x").await;
+    let reroutes_before = a.stats().reroutes;
+    let second = hops::parse_hop(
+        &hop_call(a, "w", "0;x".into(), CALL_TIMEOUT_MS)
+            .await
+            .expect("w → x again"),
+    );
+    let hops::Outcome::Ok(inner) = second.outcome else {
+        panic!("{second:?}")
+    };
+    assert_eq!(inner.node, "node-c", "the stale route was corrected");
+    assert!(
+        a.stats().reroutes > reroutes_before,
+        "node-b refused and node-a looked x up again"
+    );
+    assert!(
+        a.stats().turn_calls_forwarded >= 2,
+        "both calls from w's turns crossed nodes"
     );
 }

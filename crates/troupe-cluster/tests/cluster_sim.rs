@@ -3,7 +3,8 @@
 //! write to the store, so only the fence stops it).
 //!
 //! Each node runs a workload: calls from that node to 8 counters, one after another,
-//! each with a 2 s deadline. A supervisor in the node restarts it with a new lease when
+//! each with a 2 s deadline; every third goes through a relay actor's turn on the node
+//! (a call from a turn, routed to the counter's owner like the others). A supervisor in the node restarts it with a new lease when
 //! its lease is lost. The faults, in virtual time: node 1 cut from etcd only (not from
 //! the other nodes, not from the store) for 6 s, twice the lease TTL; nodes 2 and 3 cut
 //! from each other for 4 s; node 3 killed, restarted 4 s later.
@@ -53,6 +54,8 @@ const DEADLINE_TOLERANCE_MS: u64 = 1;
 const ACTORS: usize = 8;
 /// Pause before a node retries joining, in milliseconds.
 const REJOIN_DELAY_MS: u64 = 500;
+/// One call in this many goes through a relay actor's turn.
+const RELAYED_EVERY: u64 = 3;
 /// Seeds the replay test runs, each twice.
 const REPLAY_SEEDS: u64 = 3;
 
@@ -97,6 +100,16 @@ fn error_kind(error: &InvokeError) -> &'static str {
     }
 }
 
+/// The counter's reply inside a relay's reply (`<node>|<ms>|ok(<counter's reply>)`), or
+/// the relay's outcome when its call failed.
+fn relayed_reply(reply: &[u8]) -> Result<Bytes, String> {
+    let text = std::str::from_utf8(reply).expect("a text reply");
+    match text.split_once("|ok(") {
+        Some((_, inner)) => Ok(Bytes::from(inner.strip_suffix(')').expect("ok(…)").to_string())),
+        None => Err(format!("relayed {}", text.rsplit('|').next().unwrap_or(text))),
+    }
+}
+
 /// One node's life: join (retrying while etcd is out of reach), run the workload until
 /// the stop flag, and start over with a new lease whenever the lease is lost.
 async fn run_node(index: usize, shared: Shared) {
@@ -121,7 +134,7 @@ async fn run_node(index: usize, shared: Shared) {
                 log: shared.log.clone(),
             };
             let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
-            match ClusterNode::start(config, listen, counter_runtime(name), store).await {
+            match ClusterNode::start(config, listen, with_hop(counter_runtime(name), name), store).await {
                 Ok(node) => break node,
                 Err(error) => {
                     let stage = match error {
@@ -141,7 +154,22 @@ async fn run_node(index: usize, shared: Shared) {
                 let actor = counter(&format!("c{}", (index * 5 + call as usize * 7) % ACTORS));
                 let started = Instant::now();
                 let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
-                let result = client.invoke(&actor, Bytes::from_static(b"inc"), deadline).await;
+                // Every third call goes through a turn: this node's relay (a hop actor)
+                // calls the counter, so calls from turns are routed under the faults too.
+                let relayed = call.is_multiple_of(RELAYED_EVERY);
+                let result = if relayed {
+                    let relay = hop(&format!("relay-{name}"));
+                    let payload = Bytes::from(format!("0;counter={}", actor.key()));
+                    match client.invoke(&relay, payload, deadline).await {
+                        Ok(reply) => relayed_reply(&reply),
+                        Err(error) => Err(error_kind(&error).to_string()),
+                    }
+                } else {
+                    client
+                        .invoke(&actor, Bytes::from_static(b"inc"), deadline)
+                        .await
+                        .map_err(|error| error_kind(&error).to_string())
+                };
                 let took = started.elapsed();
                 if took > Duration::from_millis(CALL_TIMEOUT_MS + DEADLINE_TOLERANCE_MS) {
                     shared
@@ -153,10 +181,11 @@ async fn run_node(index: usize, shared: Shared) {
                 match result {
                     Ok(reply) => {
                         let (served_by, count) = parse_reply(&reply);
-                        shared.note(format!("{name} → {actor}: {served_by}:{count}"));
+                        let via = if relayed { " via a relay's turn" } else { "" };
+                        shared.note(format!("{name} → {actor}: {served_by}:{count}{via}"));
                         shared.acks.lock().expect("acks").push((actor, served_by, count));
                     }
-                    Err(error) => shared.note(format!("{name} → {actor}: {}", error_kind(&error))),
+                    Err(error) => shared.note(format!("{name} → {actor}: {error}")),
                 }
                 tokio::time::sleep(Duration::from_millis(50 + (call * 31) % 100)).await;
             }
@@ -255,6 +284,10 @@ async fn check_invariants(shared: &Shared) {
         record.iter().any(|line| line.contains("node-1 lost its lease")),
         "node-1, cut from etcd for twice the TTL, must lose its lease"
     );
+    assert!(
+        record.iter().any(|line| line.ends_with("via a relay's turn")),
+        "calls from turns (through the relays) were acknowledged"
+    );
     let mut committed: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
     for entry in shared.log.entries().into_iter().filter(|entry| entry.ok) {
         if let Some(count) = entry.count {
@@ -322,4 +355,584 @@ fn cluster_scenario_replays_identically_from_its_seed() {
         distinct.insert(first);
     }
     eprintln!("{} distinct records from {REPLAY_SEEDS} seeds", distinct.len());
+}
+
+// ---------------------------------------------------------------------------------------
+// Calls from turns across nodes, and cross-node deadlock detection by probes.
+//
+// Three nodes and the simulated etcd again, now with `hop` actors (tests/support/hop.rs)
+// whose turns call one another across nodes. Each actor is placed on a chosen node first
+// (a `ping` through that node activates it there).
+// ---------------------------------------------------------------------------------------
+
+#[path = "support/hop.rs"]
+mod hops;
+
+use hops::{hop, is_rotation_of, parse_hop, with_hop, HopReply, Outcome};
+use troupe_cluster::ClusterClient;
+use troupe_core::{CallContext, CallRefused};
+
+/// Deadline of each root request in the cycle tests, in milliseconds.
+const CYCLE_DEADLINE_MS: u64 = 10_000;
+/// How long each root's turn sleeps before it calls, so that the three turns run at
+/// once and their calls form the cycle, in milliseconds.
+const CYCLE_SLEEP_MS: u64 = 200;
+/// The bound on detection asserted: from the calls that close the cycle to the refusal,
+/// in simulated milliseconds (the deadline is 50 times longer).
+const DETECTION_BOUND_MS: u64 = 200;
+/// Seeds of the cycle and no-false-refusal runs.
+const PROBE_SEEDS: u64 = 12;
+/// Actors of the crossing-calls workload, placed round robin on the three nodes.
+const CROSSING_ACTORS: usize = 6;
+/// Root requests of one crossing-calls run.
+const CROSSING_ROOTS: usize = 12;
+/// Deadline of each crossing-calls root request, in milliseconds.
+const CROSSING_DEADLINE_MS: u64 = 5_000;
+/// How long node-2 and node-3 are cut from each other in the partition test, in
+/// milliseconds: longer than the deadline, so calls between them end by it.
+const CROSSING_PARTITION_MS: u64 = CROSSING_DEADLINE_MS + 1_000;
+
+/// Three nodes whose clients the test drives from inside each simulated node.
+struct SimCluster {
+    nodes: Vec<madsim::runtime::NodeHandle>,
+    clients: Vec<ClusterClient>,
+    _etcd: madsim::runtime::NodeHandle,
+}
+
+async fn start_hop_cluster(no_probes: bool) -> SimCluster {
+    let handle = Handle::current();
+    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
+    let etcd = handle
+        .create_node()
+        .name("etcd")
+        .ip(etcd_address.ip())
+        .init(move || async move {
+            etcd_client::SimServer::builder()
+                .serve(etcd_address)
+                .await
+                .expect("the simulated etcd serves");
+        })
+        .build();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let slots: Arc<Mutex<Vec<Option<ClusterClient>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
+    let nodes: Vec<_> = (0..NODE_NAMES.len())
+        .map(|index| {
+            let slots = Arc::clone(&slots);
+            handle
+                .create_node()
+                .name(NODE_NAMES[index])
+                .ip(node_ip(index))
+                .init(move || {
+                    let slots = Arc::clone(&slots);
+                    async move {
+                        let name = NODE_NAMES[index];
+                        let node = loop {
+                            let config = EtcdConfig::new(
+                                vec![ETCD_ADDRESS.to_string()],
+                                "sim",
+                                NodeId::new(name).expect("a node name"),
+                                SocketAddr::new(node_ip(index), NODE_PORT).to_string(),
+                            )
+                            .with_lease_ttl_s(SIM_LEASE_TTL_S)
+                            .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
+                            let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
+                            let runtime = with_hop(counter_runtime(name), name);
+                            match ClusterNode::start(config, listen, runtime, MemoryStore::new()).await {
+                                Ok(node) => break node,
+                                Err(_) => tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await,
+                            }
+                        };
+                        #[cfg(feature = "planted-bugs")]
+                        if no_probes {
+                            node.plant_no_probes();
+                        }
+                        #[cfg(not(feature = "planted-bugs"))]
+                        assert!(!no_probes, "planting a bug needs the planted-bugs feature");
+                        slots.lock().expect("slots")[index] = Some(node.client());
+                        std::future::pending::<()>().await;
+                        drop(node);
+                    }
+                })
+                .build()
+        })
+        .collect();
+    let clients = loop {
+        let ready: Option<Vec<ClusterClient>> = slots.lock().expect("slots").iter().cloned().collect();
+        if let Some(clients) = ready {
+            break clients;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    SimCluster {
+        nodes,
+        clients,
+        _etcd: etcd,
+    }
+}
+
+impl SimCluster {
+    /// Calls `target` through node `index` (from inside that node); the result and how
+    /// long it took in simulated time.
+    async fn call(
+        &self,
+        index: usize,
+        target: ActorId,
+        payload: String,
+        timeout_ms: u64,
+    ) -> (Result<String, InvokeError>, Duration) {
+        let client = self.clients[index].clone();
+        self.nodes[index]
+            .spawn(async move {
+                let started = Instant::now();
+                let deadline = client.deadline_in(Duration::from_millis(timeout_ms));
+                let result = client.invoke(&target, Bytes::from(payload), deadline).await;
+                let result = result.map(|reply| String::from_utf8(reply.to_vec()).expect("text"));
+                (result, started.elapsed())
+            })
+            .await
+            .expect("the call's task")
+    }
+
+    /// Activates `hop:<key>` on node `index`.
+    async fn place(&self, index: usize, key: &str) {
+        let (reply, _) = self.call(index, hop(key), "ping".into(), 2_000).await;
+        assert_eq!(
+            reply.expect("a ping"),
+            NODE_NAMES[index],
+            "{key} placed on {}",
+            NODE_NAMES[index]
+        );
+    }
+}
+
+/// The outcome of one root request of a cycle run.
+#[derive(Debug)]
+struct RootResult {
+    root: String,
+    reply: Result<HopReply, String>,
+    took: Duration,
+}
+
+/// The three-node ring: `a`(node-1) calls `b`(node-2), `b` calls `c`(node-3), `c` calls
+/// `a`, each from its own root request, all after [`CYCLE_SLEEP_MS`].
+const RING_OF_THREE_NODES: [(&str, usize, u64); 3] = [
+    ("a", 0, CYCLE_SLEEP_MS),
+    ("b", 1, CYCLE_SLEEP_MS),
+    ("c", 2, CYCLE_SLEEP_MS),
+];
+
+/// One root per member of `ring` (key, node index, sleep before calling), at once: each
+/// member's turn calls the next member, the last calls the first; a cycle that no
+/// single node sees when the ring spans nodes.
+async fn cycle_run(ring: &[(&'static str, usize, u64)], no_probes: bool) -> Vec<RootResult> {
+    let cluster = start_hop_cluster(no_probes).await;
+    for (key, node, _) in ring {
+        cluster.place(*node, key).await;
+    }
+    let cluster = Arc::new(cluster);
+    let roots: Vec<_> = ring
+        .iter()
+        .enumerate()
+        .map(|(index, (key, node, sleep_ms))| {
+            let cluster = Arc::clone(&cluster);
+            let next = ring[(index + 1) % ring.len()].0;
+            let (key, node, sleep_ms) = (key.to_string(), *node, *sleep_ms);
+            tokio::spawn(async move {
+                let payload = format!("{sleep_ms};{next}");
+                let (result, took) = cluster.call(node, hop(&key), payload, CYCLE_DEADLINE_MS).await;
+                RootResult {
+                    root: key,
+                    reply: result
+                        .map(|text| parse_hop(&text))
+                        .map_err(|error| format!("{error:?}")),
+                    took,
+                }
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for root in roots {
+        results.push(root.await.expect("a root"));
+    }
+    results
+}
+
+/// The cycle test's checks: some root's call was refused with `DeadlockDetected` naming
+/// the ring, every refusal names the ring, and every root ended within
+/// [`DETECTION_BOUND_MS`] of its call.
+fn check_cycle_refused(results: &[RootResult], ring: &[(&str, usize, u64)]) -> Result<(), String> {
+    let keys: Vec<&str> = ring.iter().map(|(key, _, _)| *key).collect();
+    let last_call = Duration::from_millis(ring.iter().map(|(_, _, sleep_ms)| *sleep_ms).max().unwrap_or(0));
+    let mut refused = 0;
+    for result in results {
+        let reply = result
+            .reply
+            .as_ref()
+            .map_err(|error| format!("root {} failed: {error}", result.root))?;
+        match &reply.outcome {
+            Outcome::Deadlock(cycle) => {
+                if !is_rotation_of(cycle, &keys) {
+                    return Err(format!(
+                        "root {} was refused naming {cycle:?}, not the ring",
+                        result.root
+                    ));
+                }
+                refused += 1;
+            }
+            Outcome::Ok(_) => {}
+            other => return Err(format!("root {}: {other:?}", result.root)),
+        }
+        let bound = last_call + Duration::from_millis(DETECTION_BOUND_MS);
+        if result.took > bound {
+            return Err(format!("root {} took {:?}, over {bound:?}", result.root, result.took));
+        }
+    }
+    if refused == 0 {
+        return Err(format!("no call of the cycle was refused: {results:?}"));
+    }
+    Ok(())
+}
+
+/// A cycle across three nodes from independent root requests is refused with
+/// `DeadlockDetected` naming it, within 200 ms of simulated time (the deadline is 10 s),
+/// under each of [`PROBE_SEEDS`] seeds.
+#[test]
+fn a_cross_node_cycle_is_refused_with_deadlock_detected_quickly() {
+    let mut slowest = Duration::ZERO;
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        let results = runtime.block_on(cycle_run(&RING_OF_THREE_NODES, false));
+        if let Err(failure) = check_cycle_refused(&results, &RING_OF_THREE_NODES) {
+            panic!("seed {seed}: {failure}");
+        }
+        for result in &results {
+            if matches!(
+                result.reply.as_ref().map(|reply| &reply.outcome),
+                Ok(Outcome::Deadlock(_))
+            ) {
+                slowest = slowest.max(result.took.saturating_sub(Duration::from_millis(CYCLE_SLEEP_MS)));
+            }
+        }
+    }
+    eprintln!("slowest refusal after the calls: {slowest:?} (simulated) over {PROBE_SEEDS} seeds");
+}
+
+/// A cycle closed by a local call: `a2`(node-1) calls `b`(node-2) and `b` calls
+/// `a`(node-1) first; 200 ms later `a` calls `a2` on its own node. The local edge's path
+/// leaves the node, so a probe starts from the remote edge it reaches (`a2 → b`) and
+/// comes back: refused with the ring named, under each of [`PROBE_SEEDS`] seeds.
+#[test]
+fn a_cycle_closed_by_a_local_call_is_refused_through_the_remote_edge() {
+    let ring = [
+        ("a", 0, 2 * CYCLE_SLEEP_MS),
+        ("a2", 0, CYCLE_SLEEP_MS),
+        ("b", 1, CYCLE_SLEEP_MS),
+    ];
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        let results = runtime.block_on(cycle_run(&ring, false));
+        if let Err(failure) = check_cycle_refused(&results, &ring) {
+            panic!("seed {seed}: {failure}");
+        }
+    }
+}
+
+/// Planted bug: with probes off on every node, the cycle test's checks fail (the cycle
+/// ends only by the deadline).
+#[cfg(feature = "planted-bugs")]
+#[test]
+fn planted_no_probes_makes_the_cross_node_cycle_test_fail() {
+    let mut runtime = madsim::runtime::Runtime::with_seed_and_config(1, madsim::Config::default());
+    runtime.set_time_limit(Duration::from_secs(120));
+    let results = runtime.block_on(cycle_run(&RING_OF_THREE_NODES, true));
+    let failure =
+        check_cycle_refused(&results, &RING_OF_THREE_NODES).expect_err("without probes the cycle must not be refused");
+    eprintln!("the cycle test fails without probes, as it must: {failure}");
+    assert!(
+        results.iter().all(|result| !matches!(
+            result.reply.as_ref().map(|reply| &reply.outcome),
+            Ok(Outcome::Deadlock(_))
+        )),
+        "no refusal without probes: {results:?}"
+    );
+}
+
+/// Every outcome in a reply, nested ones included.
+fn outcomes(reply: &HopReply) -> Vec<&Outcome> {
+    let mut all = vec![&reply.outcome];
+    if let Outcome::Ok(inner) = &reply.outcome {
+        all.extend(outcomes(inner));
+    }
+    all
+}
+
+/// A deterministic pseudo-random sequence for the workload's shape (not for the
+/// simulation, whose randomness is madsim's).
+fn next_random(state: &mut u64) -> u64 {
+    *state = state
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    *state >> 33
+}
+
+/// [`CROSSING_ROOTS`] roots, from every node, each calling a chain of `x` actors in
+/// increasing order (so no cycle can form), the actors spread over the nodes so that
+/// calls cross between nodes both ways and wait behind one another. With `partition`,
+/// node-2 and node-3 are cut from each other while the roots run.
+async fn crossing_run(seed: u64, partition: bool) -> Vec<(Result<HopReply, String>, Duration)> {
+    let cluster = start_hop_cluster(false).await;
+    for index in 0..CROSSING_ACTORS {
+        cluster.place(index % NODE_NAMES.len(), &format!("x{index}")).await;
+    }
+    let cluster = Arc::new(cluster);
+    let mut state = seed;
+    let roots: Vec<_> = (0..CROSSING_ROOTS)
+        .map(|root| {
+            let mut chain: Vec<usize> = (0..CROSSING_ACTORS)
+                .filter(|_| next_random(&mut state).is_multiple_of(2))
+                .collect();
+            if chain.len() < 2 {
+                chain = vec![root % CROSSING_ACTORS, CROSSING_ACTORS - 1];
+                chain.dedup();
+            }
+            let first = format!("x{}", chain[0]);
+            let rest: Vec<String> = chain[1..].iter().map(|index| format!("x{index}")).collect();
+            let sleep_ms = next_random(&mut state) % 150;
+            let payload = format!("{sleep_ms};{}", rest.join(","));
+            let cluster = Arc::clone(&cluster);
+            tokio::spawn(async move {
+                let (result, took) = cluster
+                    .call(root % NODE_NAMES.len(), hop(&first), payload, CROSSING_DEADLINE_MS)
+                    .await;
+                (
+                    result
+                        .map(|text| parse_hop(&text))
+                        .map_err(|error| format!("{error:?}")),
+                    took,
+                )
+            })
+        })
+        .collect();
+    if partition {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let net = NetSim::current();
+        net.clog_link(cluster.nodes[1].id(), cluster.nodes[2].id());
+        net.clog_link(cluster.nodes[2].id(), cluster.nodes[1].id());
+        tokio::time::sleep(Duration::from_millis(CROSSING_PARTITION_MS)).await;
+        net.unclog_link(cluster.nodes[1].id(), cluster.nodes[2].id());
+        net.unclog_link(cluster.nodes[2].id(), cluster.nodes[1].id());
+    }
+    let mut results = Vec::new();
+    for root in roots {
+        results.push(root.await.expect("a root"));
+    }
+    results
+}
+
+/// Chains across nodes that cannot form a cycle, crossing each other, are never refused
+/// with `DeadlockDetected` and all succeed, under each of [`PROBE_SEEDS`] seeds.
+#[test]
+fn crossing_call_chains_across_nodes_are_never_refused() {
+    let mut hops_seen = 0;
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        for (result, took) in runtime.block_on(crossing_run(seed, false)) {
+            let reply = result.unwrap_or_else(|error| panic!("seed {seed}: a root failed: {error}"));
+            for outcome in outcomes(&reply) {
+                assert!(
+                    matches!(outcome, Outcome::Ok(_) | Outcome::Leaf),
+                    "seed {seed}: a chain with no cycle ended {outcome:?}"
+                );
+                hops_seen += 1;
+            }
+            assert!(
+                took < Duration::from_millis(CROSSING_DEADLINE_MS),
+                "seed {seed}: took {took:?}"
+            );
+        }
+    }
+    assert!(
+        hops_seen > PROBE_SEEDS as usize * CROSSING_ROOTS,
+        "the chains made calls"
+    );
+    eprintln!("{hops_seen} hops over {PROBE_SEEDS} seeds, none refused");
+}
+
+/// The same crossing chains while node-2 and node-3 are cut from each other for longer
+/// than the deadline: probes and calls between them are lost, no call is refused with
+/// `DeadlockDetected`, and each root ends by its deadline (some with `Timeout` or
+/// `Unreachable`, at some level of the chain).
+#[test]
+fn a_partition_between_nodes_causes_no_false_deadlock_refusal() {
+    let mut failed = 0;
+    for seed in 1..=PROBE_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(120));
+        for (result, took) in runtime.block_on(crossing_run(seed, true)) {
+            assert!(
+                took <= Duration::from_millis(CROSSING_DEADLINE_MS + DEADLINE_TOLERANCE_MS),
+                "seed {seed}: a root took {took:?}"
+            );
+            match result {
+                Ok(reply) => {
+                    for outcome in outcomes(&reply) {
+                        assert!(
+                            !matches!(outcome, Outcome::Deadlock(_)),
+                            "seed {seed}: a false refusal {outcome:?}"
+                        );
+                        if matches!(outcome, Outcome::Error(_)) {
+                            failed += 1;
+                        }
+                    }
+                }
+                Err(error) => {
+                    assert!(!error.contains("DeadlockDetected"), "seed {seed}: {error}");
+                    failed += 1;
+                }
+            }
+        }
+    }
+    assert!(failed > 0, "the partition cut some calls (else it tested nothing)");
+    eprintln!("{failed} calls ended by the partition, none refused");
+}
+
+/// A cycle whose closing link is cut (node-3 cannot reach node-1): the probes that would
+/// find it are lost, nothing is refused, and every root ends by its deadline.
+#[madsim::test]
+async fn a_cycle_whose_probes_are_partitioned_ends_by_its_deadline_unrefused() {
+    let cluster = start_hop_cluster(false).await;
+    let ring = ["a", "b", "c"];
+    for (index, key) in ring.iter().enumerate() {
+        cluster.place(index, key).await;
+    }
+    let net = NetSim::current();
+    net.clog_link(cluster.nodes[2].id(), cluster.nodes[0].id());
+    net.clog_link(cluster.nodes[0].id(), cluster.nodes[2].id());
+    let cluster = Arc::new(cluster);
+    let deadline_ms = 3_000;
+    let roots: Vec<_> = ring
+        .iter()
+        .enumerate()
+        .map(|(index, key)| {
+            let cluster = Arc::clone(&cluster);
+            let payload = format!("{CYCLE_SLEEP_MS};{}", ring[(index + 1) % ring.len()]);
+            let key = key.to_string();
+            tokio::spawn(async move { cluster.call(index, hop(&key), payload, deadline_ms).await })
+        })
+        .collect();
+    let mut ended_unanswered = 0;
+    for root in roots {
+        let (result, took) = root.await.expect("a root");
+        assert!(
+            took <= Duration::from_millis(deadline_ms + DEADLINE_TOLERANCE_MS),
+            "took {took:?}"
+        );
+        match result {
+            Ok(text) => {
+                for outcome in outcomes(&parse_hop(&text)) {
+                    assert!(
+                        !matches!(outcome, Outcome::Deadlock(_)),
+                        "refused without a probe's return: {outcome:?}"
+                    );
+                    if matches!(outcome, Outcome::Error(_)) {
+                        ended_unanswered += 1;
+                    }
+                }
+            }
+            Err(error) => {
+                assert!(matches!(error, InvokeError::Timeout { .. }), "{error:?}");
+                ended_unanswered += 1;
+            }
+        }
+    }
+    assert!(
+        ended_unanswered > 0,
+        "the cut cycle ended by deadlines or unreachability, not by a reply"
+    );
+}
+
+/// Calls from turns across nodes keep the call rules: a cycle through the chain is
+/// refused (`CycleDetected`), the sixth level is refused (`DepthExceeded`), each callee's
+/// deadline is no later than its caller's, and a request forged to break the rules is
+/// refused again on arrival.
+#[madsim::test]
+async fn calls_from_turns_across_nodes_keep_chain_depth_and_deadline_rules() {
+    let cluster = start_hop_cluster(false).await;
+    for index in 0..7 {
+        cluster.place(index % NODE_NAMES.len(), &format!("d{index}")).await;
+    }
+    // d0 (node-1) → d1 (node-2) → d0: the chain holds d0, so d1's call is refused.
+    let (reply, _) = cluster.call(0, hop("d0"), "0;d1,d0".into(), 3_000).await;
+    let reply = parse_hop(&reply.expect("a reply"));
+    let Outcome::Ok(inner) = &reply.outcome else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(inner.node, NODE_NAMES[1]);
+    assert_eq!(inner.outcome, Outcome::Error("CycleDetected".into()));
+
+    // d0 → d1 → … → d5 at depth 5 calls d6: refused; every hop crosses nodes.
+    let root_deadline_ms = 3_000;
+    let (reply, _) = cluster
+        .call(0, hop("d0"), "0;d1,d2,d3,d4,d5,d6".into(), root_deadline_ms)
+        .await;
+    let mut level = parse_hop(&reply.expect("a reply"));
+    let mut depth = 0;
+    let mut parent_remaining_ms = root_deadline_ms;
+    loop {
+        assert_eq!(
+            level.node,
+            NODE_NAMES[depth % NODE_NAMES.len()],
+            "depth {depth} ran where d{depth} lives"
+        );
+        assert!(
+            level.remaining_ms <= parent_remaining_ms,
+            "depth {depth}: {} ms left, its caller had {parent_remaining_ms} ms",
+            level.remaining_ms
+        );
+        parent_remaining_ms = level.remaining_ms;
+        match level.outcome {
+            Outcome::Ok(inner) => {
+                level = *inner;
+                depth += 1;
+            }
+            Outcome::Error(kind) => {
+                assert_eq!((depth, kind.as_str()), (5, "DepthExceeded"));
+                break;
+            }
+            other => panic!("depth {depth}: {other:?}"),
+        }
+    }
+
+    // Forged requests straight to node-2's transport: checked again on arrival.
+    let address = SocketAddr::new(node_ip(1), NODE_PORT);
+    let (cycle, deep) = cluster.nodes[0]
+        .spawn(async move {
+            let clock = troupe_runtime::Clock::new();
+            let client = troupe_runtime::TransportClient::new(address, clock);
+            let deadline = clock.now();
+            let deadline = troupe_core::Deadline::after(deadline, Duration::from_millis(2_000));
+            let looped = CallContext::root(deadline).child(hop("d1"), deadline);
+            let cycle = client
+                .invoke(&hop("d1"), Bytes::from_static(b"ping"), looped, None)
+                .await;
+            let mut deep = CallContext::root(deadline);
+            for index in 0..6 {
+                deep = deep.child(hop(&format!("z{index}")), deadline);
+            }
+            let deep = client.invoke(&hop("d1"), Bytes::from_static(b"ping"), deep, None).await;
+            (cycle, deep)
+        })
+        .await
+        .expect("the forged calls");
+    assert!(
+        matches!(cycle, Err(InvokeError::Refused(CallRefused::CycleDetected { .. }))),
+        "{cycle:?}"
+    );
+    assert!(
+        matches!(deep, Err(InvokeError::Refused(CallRefused::DepthExceeded { .. }))),
+        "{deep:?}"
+    );
 }

@@ -272,16 +272,33 @@ impl Caller {
             "an admission is spent by the caller it was made for"
         );
         let inner = &*self.inner;
-        let result = inner
-            .handle
-            .invoke_from(
-                &inner.id,
-                &admitted.target,
-                payload,
-                admitted.child.clone(),
-                Some(inner),
-            )
-            .await;
+        let result = match inner.handle.turn_call_router() {
+            Some(router) => {
+                let call = crate::TurnCall {
+                    caller: inner.id.clone(),
+                    target: admitted.target.clone(),
+                    payload,
+                    context: admitted.child.clone(),
+                };
+                tokio::select! {
+                    biased;
+                    result = router.call(call) => result,
+                    () = inner.turn_ended() => Err(InvokeError::Cancelled { target: admitted.target.clone() }),
+                }
+            }
+            None => {
+                inner
+                    .handle
+                    .invoke_from(
+                        &inner.id,
+                        &admitted.target,
+                        payload,
+                        admitted.child.clone(),
+                        Some(inner),
+                    )
+                    .await
+            }
+        };
         drop(admitted);
         result
     }

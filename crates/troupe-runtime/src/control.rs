@@ -22,6 +22,20 @@ pub(crate) enum Command {
         envelope: Box<Envelope>,
         edge: Option<CallEdge>,
     },
+    /// Record the wait-for edge `caller → target` of a call to another node; answer
+    /// whether it was recorded (`DeadlockDetected` if it closes a cycle). Not recorded
+    /// if `reply` is closed (the caller gave up).
+    AddRemoteEdge {
+        call: CallId,
+        caller: ActorId,
+        target: ActorId,
+        reply: oneshot::Sender<Result<(), troupe_core::InvokeError>>,
+    },
+    /// Report the wait-for edges whose waiter is `actor`.
+    Waits {
+        actor: ActorId,
+        reply: oneshot::Sender<Vec<crate::WaitEdge>>,
+    },
     /// Report the dispatcher's tables.
     Stats {
         reply: oneshot::Sender<crate::DispatcherStats>,

@@ -152,6 +152,36 @@ impl Dispatcher {
                 envelope.reply.send(Err(InvokeError::Shutdown));
             }
             Command::Invoke { target, envelope, edge } => self.route(target, envelope, edge),
+            Command::AddRemoteEdge { reply, .. } if self.shutting_down => {
+                let _ = reply.send(Err(InvokeError::Shutdown));
+            }
+            Command::AddRemoteEdge {
+                call,
+                caller,
+                target,
+                reply,
+            } => {
+                if reply.is_closed() {
+                    // The caller gave up before the edge was recorded: its release has
+                    // been applied already, so recording it now would leak it.
+                    return;
+                }
+                let result = match self.waits.try_add_remote(call, &caller, &target) {
+                    Ok(()) => Ok(()),
+                    Err(EdgeRefused::Cycle(cycle)) => {
+                        Counters::add(&self.handle.shared.counters.deadlocks_refused);
+                        Err(InvokeError::DeadlockDetected { cycle })
+                    }
+                    Err(EdgeRefused::Full) => Err(InvokeError::Rejected {
+                        target,
+                        reason: "the wait-for graph is full".to_string(),
+                    }),
+                };
+                let _ = reply.send(result);
+            }
+            Command::Waits { actor, reply } => {
+                let _ = reply.send(self.waits.edges_of(&actor));
+            }
             Command::Stats { reply } => {
                 let _ = reply.send(self.stats());
             }
@@ -211,7 +241,16 @@ impl Dispatcher {
         let capacity = kind.config.mailbox_capacity;
         if let Some(edge) = &edge {
             match self.waits.try_add(edge.id, &edge.caller, &target) {
-                Ok(()) => {}
+                Ok(()) => {
+                    if self.waits.has_remote() {
+                        if let Some(router) = self.handle.turn_call_router() {
+                            let leaving = self.waits.remote_edges_reachable(&target);
+                            if !leaving.is_empty() {
+                                router.path_leaves_node(leaving);
+                            }
+                        }
+                    }
+                }
                 Err(EdgeRefused::Cycle(cycle)) => {
                     Counters::add(&self.handle.shared.counters.deadlocks_refused);
                     envelope.reply.send(Err(InvokeError::DeadlockDetected { cycle }));

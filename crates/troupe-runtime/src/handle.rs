@@ -170,6 +170,8 @@ pub(crate) struct Shared {
     pub(crate) abort: AtomicBool,
     pub(crate) shutdown_grace: Duration,
     pub(crate) next_call: AtomicU64,
+    /// Where calls made by turns go, when a cluster layer installed a router.
+    pub(crate) router: std::sync::OnceLock<Arc<dyn crate::TurnCallRouter>>,
     /// Planted bug (simulator only): turns ignore that their caller gave up.
     #[cfg(feature = "planted-bugs")]
     pub(crate) planted_commit_after_abandon: bool,

@@ -31,6 +31,7 @@ mod handle;
 mod kind_config;
 mod memory_store;
 mod observer;
+mod remote;
 mod runtime;
 mod signal;
 #[cfg(feature = "sqlite")]
@@ -48,6 +49,7 @@ pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle};
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use observer::{RuntimeEvent, RuntimeObserver};
+pub use remote::{RemoteWait, TurnCall, TurnCallRouter, WaitEdge};
 pub use runtime::{Runtime, RuntimeBuilder, SHUTDOWN_ABORT_WAIT_MS, SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX};
 #[cfg(feature = "sqlite")]
 pub use sqlite_store::SqliteStore;
@@ -56,11 +58,12 @@ pub use state_store::{
     STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 pub use transport::{
-    FrameError, TransportClient, TransportClientStats, TransportServer, TransportServerStats, ACCEPT_RETRY_DELAY_MS,
-    CALL_CHAIN_LENGTH_MAX, CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CONNECTIONS_PER_NODE_MAX,
-    CONNECTIONS_PER_PEER_MAX, CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES, CONNECT_TIMEOUT_MS, FRAME_HEADER_SIZE_BYTES,
-    FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
-    SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_BATCH_FRAMES_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
+    FrameError, Probe, ProbeSink, TransportClient, TransportClientStats, TransportServer, TransportServerStats,
+    ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX, CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX,
+    CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX, CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES, CONNECT_TIMEOUT_MS,
+    FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS,
+    SERVER_CONNECTION_IDLE_TIMEOUT_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_BATCH_FRAMES_MAX, WRITE_QUEUE_CAPACITY,
+    WRITE_STALL_TIMEOUT_MS,
 };
 pub use turn::Turn;
 pub use typed::{ActorRef, ActorRefError, TypedActor};

@@ -237,6 +237,7 @@ impl RuntimeBuilder {
             abort: AtomicBool::new(false),
             shutdown_grace: self.shutdown_grace,
             next_call: AtomicU64::new(1),
+            router: std::sync::OnceLock::new(),
             #[cfg(feature = "planted-bugs")]
             planted_commit_after_abandon: self.planted_commit_after_abandon,
             #[cfg(feature = "planted-bugs")]

@@ -78,7 +78,11 @@
 //! - Depth and chain arrive intact: the host replays the chain with
 //!   [`CallContext::child`], so cycle and depth checks hold across nodes. When the request
 //!   names a caller (or the chain does) the host records the wait-for edge with
-//!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from).
+//!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from), unless the server
+//!   hands deadlock probes to a cluster node
+//!   ([`TransportServer::serve_with_probes`]), whose waiter's node keeps the edge. The
+//!   host refuses again a chain that holds the target (`CycleDetected`) and a depth over
+//!   the limit (`DepthExceeded`).
 //! - When a connection breaks (reset, EOF, an oversized or undecodable frame, a failed
 //!   handshake) every call pending on it fails at once with
 //!   [`InvokeError::Unreachable`]; none waits for its deadline. The next call opens a
@@ -177,7 +181,8 @@ mod wire;
 
 pub use client::{TransportClient, TransportClientStats};
 pub use frame::{FrameError, FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES};
-pub use server::{TransportServer, TransportServerStats};
+pub use server::{ProbeSink, TransportServer, TransportServerStats};
+pub use wire::Probe;
 
 /// Most requests one [`TransportClient`] has in flight at once; a caller over it waits
 /// for a slot until its deadline.
@@ -193,7 +198,7 @@ pub const WRITE_BATCH_FRAMES_MAX: usize = 64;
 pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 /// The transport protocol's version, sent in the opening hello of every connection; a
 /// peer of another version fails the handshake with both versions in the cause.
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 2;
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 3;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.

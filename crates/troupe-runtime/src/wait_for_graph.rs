@@ -11,7 +11,7 @@
 //! while B waits on A. Edges are keyed by call id, so several concurrent calls between
 //! the same pair are counted separately and released exactly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use troupe_core::limits::WAIT_FOR_EDGES_MAX;
 use troupe_core::ActorId;
@@ -35,6 +35,8 @@ pub(crate) struct WaitForGraph {
     calls: HashMap<CallId, (ActorId, ActorId)>,
     /// Out-edges with the number of calls behind each.
     out_edges: HashMap<ActorId, HashMap<ActorId, u32>>,
+    /// The live calls whose target runs on another node.
+    remote: HashSet<CallId>,
 }
 
 impl WaitForGraph {
@@ -70,12 +72,82 @@ impl WaitForGraph {
         Ok(())
     }
 
+    /// Adds `caller → target` for `call`, a call to another node, unless it would close
+    /// a cycle of this graph.
+    pub(crate) fn try_add_remote(
+        &mut self,
+        call: CallId,
+        caller: &ActorId,
+        target: &ActorId,
+    ) -> Result<(), EdgeRefused> {
+        self.try_add(call, caller, target)?;
+        self.remote.insert(call);
+        Ok(())
+    }
+
+    /// Whether any live edge points to another node.
+    pub(crate) fn has_remote(&self) -> bool {
+        !self.remote.is_empty()
+    }
+
+    /// The edges whose waiter is `actor`.
+    pub(crate) fn edges_of(&self, actor: &ActorId) -> Vec<crate::WaitEdge> {
+        if !self.out_edges.contains_key(actor) {
+            return Vec::new();
+        }
+        let mut edges: Vec<crate::WaitEdge> = self
+            .calls
+            .iter()
+            .filter(|(_, (waiter, _))| waiter == actor)
+            .map(|(call, (waiter, target))| crate::WaitEdge {
+                waiter: waiter.clone(),
+                call: *call,
+                target: target.clone(),
+                remote: self.remote.contains(call),
+            })
+            .collect();
+        edges.sort_by_key(|edge| edge.call);
+        edges
+    }
+
+    /// The remote edges whose waiter is `from` or an actor `from` waits on, directly or
+    /// not.
+    pub(crate) fn remote_edges_reachable(&self, from: &ActorId) -> Vec<crate::WaitEdge> {
+        let mut seen: HashSet<&ActorId> = HashSet::from([from]);
+        let mut stack = vec![from];
+        while let Some(node) = stack.pop() {
+            if let Some(targets) = self.out_edges.get(node) {
+                for next in targets.keys() {
+                    if seen.insert(next) {
+                        stack.push(next);
+                    }
+                }
+            }
+        }
+        let mut edges: Vec<crate::WaitEdge> = self
+            .remote
+            .iter()
+            .filter_map(|call| {
+                let (waiter, target) = self.calls.get(call)?;
+                seen.contains(waiter).then(|| crate::WaitEdge {
+                    waiter: waiter.clone(),
+                    call: *call,
+                    target: target.clone(),
+                    remote: true,
+                })
+            })
+            .collect();
+        edges.sort_by_key(|edge| edge.call);
+        edges
+    }
+
     /// Removes the edge of `call`; a call that was never added (refused, or routed after
     /// its caller gave up) is ignored.
     pub(crate) fn remove(&mut self, call: CallId) {
         let Some((caller, target)) = self.calls.remove(&call) else {
             return;
         };
+        self.remote.remove(&call);
         let targets = self.out_edges.get_mut(&caller).expect("an edge without out-edges");
         let count = targets.get_mut(&target).expect("an edge without a count");
         assert!(*count >= 1);

@@ -15,7 +15,7 @@ use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use super::budget::{BudgetedFrame, ByteBudget};
 use super::clock_sync::ClockSync;
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
-use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
+use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireRequest, WireResponse};
 use super::{
     CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, CONNECT_TIMEOUT_MS,
     FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, WRITE_QUEUE_CAPACITY,
@@ -473,6 +473,47 @@ impl TransportClient {
             Err(_elapsed) => Err(InvokeError::Timeout {
                 target: target.clone(),
                 timeout_ms,
+            }),
+        }
+    }
+
+    /// Sends a deadlock probe to the server, one way, and returns once it is queued on
+    /// the connection (opening one if needed) or `deadline` passed; nothing is answered.
+    ///
+    /// # Errors
+    /// [`InvokeError::Unreachable`] if no connection could be had, [`InvokeError::Timeout`]
+    /// at the deadline, [`InvokeError::Rejected`] if the probe does not encode. A probe
+    /// that was queued may still be lost (a partition, a closed connection).
+    pub async fn send_probe(&self, probe: Probe, deadline: Deadline) -> Result<(), InvokeError> {
+        let target = probe.at.clone();
+        let clock = self.shared.clock;
+        let send = async {
+            let connection = self
+                .invoke_connection()
+                .await
+                .map_err(|cause| InvokeError::Unreachable {
+                    target: target.clone(),
+                    cause,
+                })?;
+            let frame = encode_frame(&ClientMessage::Probe(probe)).map_err(|error| InvokeError::Rejected {
+                target: target.clone(),
+                reason: format!("the probe cannot be sent: {error}"),
+            })?;
+            let permit = connection.budget.acquire(frame.len()).await;
+            connection
+                .frames
+                .send(BudgetedFrame { frame, _permit: permit })
+                .await
+                .map_err(|_| InvokeError::Unreachable {
+                    target: target.clone(),
+                    cause: "the connection closed".to_string(),
+                })
+        };
+        match clock.run_until(deadline, send).await {
+            Ok(sent) => sent,
+            Err(_elapsed) => Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: 0,
             }),
         }
     }

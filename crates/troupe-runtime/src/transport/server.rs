@@ -10,16 +10,17 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
-use troupe_core::{Deadline, InvokeError};
+use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
+use troupe_core::{CallRefused, Deadline, InvokeError};
 
 use super::budget::{BudgetedFrame, ByteBudget};
 use super::frame::{encode_frame, read_frame, read_frame_body, read_frame_length, write_frames, FrameError};
 use super::wire::WIRE_MAGIC;
-use super::wire::{ClientMessage, Hello, ServerMessage, WireRequest, WireResponse};
+use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireRequest, WireResponse};
 use super::{
-    ACCEPT_RETRY_DELAY_MS, CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX, FRAME_HEADER_SIZE_BYTES,
-    FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
-    SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
+    ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX, CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX,
+    FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS,
+    SERVER_CONNECTION_IDLE_TIMEOUT_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
 };
 use crate::{Clock, RuntimeHandle};
 
@@ -129,6 +130,22 @@ struct ServerShared {
     connections_closed_write_stalled: AtomicU64,
     requests_running: AtomicUsize,
     bytes_in_flight: Arc<AtomicUsize>,
+    probes: ProbeSinkSlot,
+}
+
+/// Where a server hands the deadlock probes it receives (the cluster layer).
+pub trait ProbeSink: Send + Sync + 'static {
+    /// A probe arrived; called on the connection's task: must not block.
+    fn on_probe(&self, probe: Probe);
+}
+
+#[derive(Default)]
+struct ProbeSinkSlot(Option<Arc<dyn ProbeSink>>);
+
+impl std::fmt::Debug for ProbeSinkSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "ProbeSink" } else { "no ProbeSink" })
+    }
 }
 
 /// The connections open now, in all and by peer address.
@@ -206,9 +223,30 @@ impl TransportServer {
     /// # Panics
     /// Outside a tokio (or madsim) runtime.
     pub fn serve(listener: TcpListener, handle: RuntimeHandle) -> io::Result<Self> {
+        Self::serve_with_probes(listener, handle, None)
+    }
+
+    /// As [`TransportServer::serve`], handing the deadlock probes that arrive to
+    /// `probes` (dropped when `None`). With `probes`, requests from other nodes' turns do
+    /// not add their wait-for edge to this runtime's graph: the caller's node keeps it,
+    /// and cycles across nodes are found by the probes.
+    ///
+    /// # Errors
+    /// If the listener's local address cannot be read.
+    ///
+    /// # Panics
+    /// Outside a tokio (or madsim) runtime.
+    pub fn serve_with_probes(
+        listener: TcpListener,
+        handle: RuntimeHandle,
+        probes: Option<Arc<dyn ProbeSink>>,
+    ) -> io::Result<Self> {
         let local_address = listener.local_addr()?;
         let stop = StopSignal::new();
-        let shared = Arc::new(ServerShared::default());
+        let shared = Arc::new(ServerShared {
+            probes: ProbeSinkSlot(probes),
+            ..ServerShared::default()
+        });
         tokio::spawn(accept_connections(listener, handle, Arc::clone(&shared), stop.clone()));
         Ok(Self {
             local_address,
@@ -431,8 +469,19 @@ async fn serve_connection(
                     answer_hello(&hello, &handle, &budget, &responses).await?;
                     continue;
                 }
+                ClientMessage::Probe(probe) => {
+                    drop(request_bytes);
+                    drop(slot);
+                    if probe.path.len() <= CALL_CHAIN_LENGTH_MAX {
+                        if let Some(sink) = &shared.probes.0 {
+                            sink.on_probe(probe);
+                        }
+                    }
+                    continue;
+                }
             };
             let running = RunningRequest::start(&shared, &activity);
+            let records_edges = shared.probes.0.is_none();
             let handle = handle.clone();
             let responses = responses.clone();
             let budget = budget.clone();
@@ -443,7 +492,7 @@ async fn serve_connection(
                     // call abandons it (unrun if it has not started) and releases its
                     // wait-for edge now rather than at its deadline.
                     () = responses.closed() => return,
-                    response = serve_connection_request(&handle, request) => response,
+                    response = serve_connection_request(&handle, request, records_edges) => response,
                 };
                 // The request is gone; its bytes now go to the reply.
                 drop(request_bytes);
@@ -523,7 +572,7 @@ where
 {
     match read_frame::<ClientMessage, _>(reader, HANDSHAKE_FRAME_SIZE_MAX_BYTES).await? {
         ClientMessage::Hello(hello) => answer_hello(&hello, handle, budget, responses).await,
-        ClientMessage::Request(_) => Err(FrameError::Handshake {
+        ClientMessage::Request(_) | ClientMessage::Probe(_) => Err(FrameError::Handshake {
             cause: "the first frame was a request, not a hello (an older or foreign client?)".to_string(),
         }),
     }
@@ -569,16 +618,36 @@ async fn answer_hello(
 
 /// Runs one request on the runtime and encodes its response frame. A request whose
 /// deadline has passed on this runtime's clock is answered `Timeout` without running.
-async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest) -> Bytes {
+///
+/// With `records_edges`, a request that names its waiting caller adds the wait-for edge
+/// `caller → target` to this runtime's graph (a node pair that is not a cluster: a
+/// two-node cycle is then refused by the host's graph). Without (a cluster node, which
+/// chases cycles with probes), the edge is the waiter's node's alone, as the probe
+/// protocol has it: a copy here could outlive the caller's wait (the caller's node does
+/// not tell this one when it gives up) and name a cycle that no longer exists.
+async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, records_edges: bool) -> Bytes {
     let request_id = request.request_id;
     let target = request.target.clone();
     let result = match request.context(handle.now()) {
         Err(refused) => Err(refused),
+        Ok(context) if context.contains(&target) => Err(InvokeError::Refused(CallRefused::CycleDetected {
+            chain: context.chain().iter().chain([&target]).cloned().collect(),
+        })),
+        Ok(context) if context.depth() > AGENT_CALL_DEPTH_MAX => {
+            Err(InvokeError::Refused(CallRefused::DepthExceeded {
+                depth: context.depth().saturating_sub(1),
+                max: AGENT_CALL_DEPTH_MAX,
+            }))
+        }
         Ok(context) => {
             let caller = request.waiting_caller().cloned();
             let payload = request.payload;
             match caller {
-                Some(caller) => handle.invoke_from(&caller, &target, payload, context, None).await,
+                Some(caller) if records_edges => handle.invoke_from(&caller, &target, payload, context, None).await,
+                Some(_) => handle
+                    .send_and_wait(&target, crate::envelope::Payload::Bytes(payload), context, None)
+                    .await
+                    .and_then(|reply| reply.into_bytes(&target)),
                 None => handle.invoke(&target, payload, context.deadline()).await,
             }
         }

@@ -23,6 +23,8 @@ pub(crate) enum ClientMessage {
     /// Must be the first frame of a connection; may be repeated.
     Hello(Hello),
     Request(WireRequest),
+    /// A deadlock probe (one way: no answer).
+    Probe(Probe),
 }
 
 /// A frame from server to client.
@@ -137,6 +139,24 @@ pub(crate) struct WireRequest {
     pub(crate) deadline_us: u64,
     /// The actor whose turn waits on this call, if any.
     pub(crate) caller: Option<ActorId>,
+}
+
+/// A deadlock probe of the cluster's edge chasing, sent node to node with no answer:
+/// `initiator`'s turn waits on call `initiator_call` (an id of `initiator_node`'s
+/// runtime), and the waits go on along `path` (the initiator first) to `at`, an actor
+/// hosted by the receiving node. The transport carries it; the cluster layer reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Probe {
+    /// The actor whose call started the probe.
+    pub initiator: ActorId,
+    /// The node that hosts the initiator and knows its call ids.
+    pub initiator_node: String,
+    /// The initiator's call (unique in its node's runtime).
+    pub initiator_call: u64,
+    /// The actors the probe went through, the initiator first.
+    pub path: Vec<ActorId>,
+    /// The actor to look at next, hosted by the receiving node.
+    pub at: ActorId,
 }
 
 /// The outcome of one invocation, as sent back by a server.

@@ -1,0 +1,196 @@
+//! Hooks for a cluster layer: calls from a turn to actors on other nodes, and the
+//! wait-for edges those calls add to this runtime's graph.
+//!
+//! ```text
+//! Caller::invoke ──► router installed? ──no──► dispatcher (local call, local edge)
+//!                        │ yes
+//!                        ▼
+//!      TurnCallRouter::call(TurnCall { caller, target, payload, context })
+//!        target here ──► RuntimeHandle::invoke_for_turn (the local path above)
+//!        target elsewhere ──► RuntimeHandle::begin_remote_wait (edge caller → target,
+//!                             marked remote, refused with DeadlockDetected if it closes
+//!                             a cycle of this graph) ── send ── RemoteWait dropped
+//!                             when the call ends (the edge is released)
+//! ```
+//!
+//! The router runs inside the calling turn's task; the caller wraps its future so that
+//! the call still ends with `Cancelled` when the turn ends. Whenever the dispatcher
+//! records an edge whose path of waits reaches an edge marked remote, it tells the
+//! router ([`TurnCallRouter::path_leaves_node`]), which may then chase the path across
+//! nodes (the cluster's probes).
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::oneshot;
+use troupe_core::{ActorId, CallContext, InvokeError};
+
+use crate::control::{Command, Control};
+use crate::handle::Counters;
+use crate::RuntimeHandle;
+
+/// One call made by a turn, as handed to a [`TurnCallRouter`]: admission already ran
+/// (the context is the callee's: depth + 1, chain + caller, deadline clipped).
+#[derive(Debug, Clone)]
+pub struct TurnCall {
+    /// The actor whose turn waits for the reply.
+    pub caller: ActorId,
+    /// The actor called.
+    pub target: ActorId,
+    /// The request.
+    pub payload: Bytes,
+    /// The callee's context.
+    pub context: CallContext,
+}
+
+/// A wait-for edge of this runtime's graph: `waiter`'s turn waits on the reply of call
+/// `call` to `target`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitEdge {
+    /// The waiting actor.
+    pub waiter: ActorId,
+    /// The call's id, unique in this runtime.
+    pub call: u64,
+    /// The actor waited on.
+    pub target: ActorId,
+    /// Whether the target runs on another node (recorded by [`RuntimeHandle::begin_remote_wait`]).
+    pub remote: bool,
+}
+
+/// Routes the calls turns make to wherever their targets live (a cluster node).
+#[async_trait]
+pub trait TurnCallRouter: Send + Sync + 'static {
+    /// Runs `call` and returns the reply, by the context's deadline.
+    ///
+    /// # Errors
+    /// Whatever the callee or the route returned.
+    async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError>;
+
+    /// A wait-for edge was just recorded and the path of waits from its target reaches
+    /// these edges marked remote. Called from the dispatcher's loop: must not block.
+    fn path_leaves_node(&self, remote_edges: Vec<WaitEdge>);
+}
+
+/// A remote wait-for edge of this runtime's graph, held while the call is open; dropping
+/// it releases the edge.
+#[derive(Debug)]
+pub struct RemoteWait {
+    handle: RuntimeHandle,
+    call: u64,
+    answer: Option<oneshot::Receiver<Result<(), InvokeError>>>,
+}
+
+impl RemoteWait {
+    /// The call's id (the edge's), unique in this runtime.
+    pub fn call_id(&self) -> u64 {
+        self.call
+    }
+}
+
+impl Drop for RemoteWait {
+    fn drop(&mut self) {
+        // Close the answer first: a dispatcher that has not added the edge yet sees the
+        // closed channel and never adds it; one that has, gets the release after.
+        drop(self.answer.take());
+        let _ = self
+            .handle
+            .shared
+            .control
+            .send(Control::ReleaseCall { call: self.call });
+    }
+}
+
+impl RuntimeHandle {
+    /// Installs the router for calls made by turns; a second router is refused (the
+    /// first one stays).
+    ///
+    /// # Errors
+    /// Gives `router` back if one is installed already.
+    pub fn set_turn_call_router(
+        &self,
+        router: std::sync::Arc<dyn TurnCallRouter>,
+    ) -> Result<(), std::sync::Arc<dyn TurnCallRouter>> {
+        self.shared.router.set(router)
+    }
+
+    pub(crate) fn turn_call_router(&self) -> Option<&std::sync::Arc<dyn TurnCallRouter>> {
+        self.shared.router.get()
+    }
+
+    /// Runs a turn's call on this runtime: the local path of a [`TurnCallRouter`]. The
+    /// dispatcher records the wait-for edge `caller → target` as for any call from a
+    /// turn. For routers only: `caller` must be the actor whose turn made the call.
+    ///
+    /// # Errors
+    /// As [`crate::Caller::invoke`], without `Cancelled` (the caller adds it).
+    pub async fn invoke_for_turn(
+        &self,
+        caller: &ActorId,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        self.invoke_from(caller, target, payload, context, None).await
+    }
+
+    /// Records the wait-for edge `caller → target` for a call whose target runs on
+    /// another node; the edge lasts until the returned guard is dropped.
+    ///
+    /// # Errors
+    /// [`InvokeError::DeadlockDetected`] if the edge would close a cycle of this
+    /// runtime's graph (nothing recorded); [`InvokeError::Rejected`] if the graph is full;
+    /// [`InvokeError::DispatcherBusy`] or [`InvokeError::Shutdown`].
+    pub async fn begin_remote_wait(&self, caller: &ActorId, target: &ActorId) -> Result<RemoteWait, InvokeError> {
+        let shared = &*self.shared;
+        let call = shared.next_call();
+        let (reply, answer) = oneshot::channel();
+        let mut wait = RemoteWait {
+            handle: self.clone(),
+            call,
+            answer: Some(answer),
+        };
+        let command = Command::AddRemoteEdge {
+            call,
+            caller: caller.clone(),
+            target: target.clone(),
+            reply,
+        };
+        match shared.commands.try_send(command) {
+            Ok(()) => {}
+            Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                Counters::add(&shared.counters.dispatcher_busy_refused);
+                return Err(InvokeError::DispatcherBusy {
+                    capacity: troupe_core::limits::DISPATCHER_QUEUE_CAPACITY,
+                });
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
+        }
+        let answer = wait.answer.as_mut().expect("the answer is taken only on drop");
+        match answer.await {
+            Ok(Ok(())) => Ok(wait),
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(InvokeError::Shutdown),
+        }
+    }
+
+    /// The wait-for edges whose waiter is `actor`, now.
+    ///
+    /// # Errors
+    /// [`InvokeError::DispatcherBusy`] or [`InvokeError::Shutdown`].
+    pub async fn waits_of(&self, actor: &ActorId) -> Result<Vec<WaitEdge>, InvokeError> {
+        let (reply, answer) = oneshot::channel();
+        let command = Command::Waits {
+            actor: actor.clone(),
+            reply,
+        };
+        match self.shared.commands.try_send(command) {
+            Ok(()) => {}
+            Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                return Err(InvokeError::DispatcherBusy {
+                    capacity: troupe_core::limits::DISPATCHER_QUEUE_CAPACITY,
+                });
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
+        }
+        answer.await.map_err(|_| InvokeError::Shutdown)
+    }
+}

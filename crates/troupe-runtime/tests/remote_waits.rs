@@ -1,0 +1,200 @@
+//! The hooks a cluster layer uses: remote wait-for edges (`begin_remote_wait`), the
+//! edges' query (`waits_of`), the router for calls made by turns (`TurnCallRouter`) and
+//! its notice when a local edge's path reaches a remote edge.
+//!
+//! Runs in both builds; the edge-leak test also on tokio's multi-thread runtime.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::{ActorId, ActorKind, InvokeError};
+use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, Turn, TurnCall, TurnCallRouter, WaitEdge};
+
+fn actor(key: &str) -> ActorId {
+    ActorId::new("relay", key).expect("an actor id")
+}
+
+/// Calls the actor named by its payload's first key with the rest; a leaf answers "leaf".
+struct Relay;
+
+#[async_trait]
+impl Actor for Relay {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let text = String::from_utf8(payload.to_vec()).expect("text");
+        match text.split_once(',') {
+            None if text.is_empty() => Ok(Bytes::from_static(b"leaf")),
+            split => {
+                let (first, rest) = split.unwrap_or((text.as_str(), ""));
+                turn.invoke(&actor(first), Bytes::from(rest.to_string()), Duration::from_secs(5))
+                    .await
+                    .map_err(ActorError::Invoke)
+            }
+        }
+    }
+}
+
+fn runtime() -> Runtime {
+    Runtime::builder()
+        .register(
+            ActorKind::new("relay").expect("a kind"),
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Relay)) },
+            KindConfig::default(),
+        )
+        .expect("register")
+        .start()
+}
+
+/// A remote edge is in the graph while its guard lives; an edge closing a cycle with
+/// remote edges is refused with `DeadlockDetected` naming it; dropping the guard
+/// releases the edge.
+#[tokio::test]
+async fn remote_edges_join_the_graph_and_close_cycles() {
+    let runtime = runtime();
+    let handle = runtime.handle();
+    let (a, b) = (actor("a"), actor("b"));
+    let wait = handle.begin_remote_wait(&a, &b).await.expect("a → b");
+    let edges = handle.waits_of(&a).await.expect("edges");
+    assert_eq!(
+        edges,
+        vec![WaitEdge {
+            waiter: a.clone(),
+            call: wait.call_id(),
+            target: b.clone(),
+            remote: true
+        }]
+    );
+    match handle.begin_remote_wait(&b, &a).await {
+        Err(InvokeError::DeadlockDetected { cycle }) => assert_eq!(cycle, vec![b.clone(), a.clone(), b.clone()]),
+        other => panic!("expected DeadlockDetected, got {other:?}"),
+    }
+    drop(wait);
+    assert!(handle.waits_of(&a).await.expect("edges").is_empty(), "released on drop");
+    let again = handle.begin_remote_wait(&b, &a).await.expect("no cycle any more");
+    drop(again);
+    assert_eq!(handle.stats().await.expect("stats").wait_for_edges, 0);
+    runtime.shutdown().await;
+}
+
+/// Guards dropped at every point of `begin_remote_wait` (before the dispatcher recorded
+/// the edge, while, after) never leave an edge behind.
+async fn no_edge_leaks_when_waits_are_abandoned() {
+    let runtime = runtime();
+    let handle = runtime.handle();
+    let mut tasks = Vec::new();
+    for index in 0..200_u32 {
+        let handle = handle.clone();
+        tasks.push(tokio::spawn(async move {
+            let waiter = actor(&format!("w{index}"));
+            let target = actor(&format!("t{index}"));
+            let begin = handle.begin_remote_wait(&waiter, &target);
+            tokio::pin!(begin);
+            // Abandon after 0, 1, 2 or 3 polls; the rest complete and are dropped.
+            for _ in 0..index % 4 {
+                if futures_poll_once(begin.as_mut()).await.is_some() {
+                    return;
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("a task");
+    }
+    // Releases are notices the dispatcher applies before its next command.
+    assert_eq!(handle.stats().await.expect("stats").wait_for_edges, 0, "an edge leaked");
+    runtime.shutdown().await;
+}
+
+/// Polls `future` once: its output if it was ready.
+async fn futures_poll_once<F: std::future::Future + Unpin>(mut future: F) -> Option<F::Output> {
+    std::future::poll_fn(|cx| match std::pin::Pin::new(&mut future).poll(cx) {
+        std::task::Poll::Ready(output) => std::task::Poll::Ready(Some(output)),
+        std::task::Poll::Pending => std::task::Poll::Ready(None),
+    })
+    .await
+}
+
+#[tokio::test]
+async fn abandoned_remote_waits_leave_no_edge() {
+    no_edge_leaks_when_waits_are_abandoned().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_remote_waits_leave_no_edge_on_the_multi_thread_runtime() {
+    no_edge_leaks_when_waits_are_abandoned().await;
+}
+
+/// A router that runs every call locally and records what it saw.
+struct LocalRouter {
+    handle: troupe_runtime::RuntimeHandle,
+    calls: Mutex<Vec<(String, String, u32)>>,
+    leaving: Mutex<Vec<Vec<WaitEdge>>>,
+}
+
+#[async_trait]
+impl TurnCallRouter for LocalRouter {
+    async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError> {
+        self.calls.lock().expect("calls").push((
+            call.caller.key().to_string(),
+            call.target.key().to_string(),
+            call.context.depth(),
+        ));
+        self.handle
+            .invoke_for_turn(&call.caller, &call.target, call.payload, call.context)
+            .await
+    }
+
+    fn path_leaves_node(&self, remote_edges: Vec<WaitEdge>) {
+        self.leaving.lock().expect("leaving").push(remote_edges);
+    }
+}
+
+/// With a router installed, a turn's calls go through it with the callee's context;
+/// a local call whose target waits on a remote edge is reported as leaving the node.
+#[tokio::test]
+async fn a_router_receives_turn_calls_and_hears_of_paths_that_leave_the_node() {
+    let runtime = runtime();
+    let handle = runtime.handle();
+    let router = Arc::new(LocalRouter {
+        handle: handle.clone(),
+        calls: Mutex::default(),
+        leaving: Mutex::default(),
+    });
+    assert!(handle.set_turn_call_router(router.clone()).is_ok());
+    assert!(handle.set_turn_call_router(router.clone()).is_err(), "one router only");
+    let deadline = handle.deadline_in(Duration::from_secs(5));
+    let reply = handle
+        .invoke(&actor("a"), Bytes::from_static(b"b,c"), deadline)
+        .await
+        .expect("a → b → c");
+    assert_eq!(reply.as_ref(), b"leaf");
+    assert_eq!(
+        *router.calls.lock().expect("calls"),
+        vec![
+            ("a".to_string(), "b".to_string(), 1),
+            ("b".to_string(), "c".to_string(), 2)
+        ]
+    );
+    assert!(router.leaving.lock().expect("leaving").is_empty(), "no remote edge yet");
+    // c waits on a remote actor; a call from x to c now leads off the node.
+    let remote = handle
+        .begin_remote_wait(&actor("c"), &actor("far"))
+        .await
+        .expect("c → far");
+    let deadline = handle.deadline_in(Duration::from_millis(300));
+    let _ = handle.invoke(&actor("x"), Bytes::from_static(b"c"), deadline).await;
+    let leaving = router.leaving.lock().expect("leaving").clone();
+    assert!(
+        leaving
+            .iter()
+            .any(|edges| edges.iter().any(|edge| edge.call == remote.call_id()
+                && edge.waiter == actor("c")
+                && edge.target == actor("far")
+                && edge.remote)),
+        "the path x → c → far was reported: {leaving:?}"
+    );
+    drop(remote);
+    runtime.shutdown().await;
+}
