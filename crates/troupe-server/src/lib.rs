@@ -36,6 +36,8 @@ mod agents_stream;
 #[cfg(not(madsim))]
 mod config;
 #[cfg(not(madsim))]
+mod conversations;
+#[cfg(not(madsim))]
 mod error;
 #[cfg(not(madsim))]
 mod events;
