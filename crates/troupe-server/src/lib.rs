@@ -46,6 +46,8 @@ pub mod limits;
 mod metrics;
 #[cfg(not(madsim))]
 mod openai_compat;
+#[cfg(all(feature = "otel", not(madsim)))]
+pub mod otel;
 #[cfg(not(madsim))]
 mod server;
 #[cfg(not(madsim))]
