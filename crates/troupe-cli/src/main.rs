@@ -192,7 +192,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         }
     }
     #[cfg(not(feature = "otel"))]
-    let () = otel;
+    let _: OtelGuard = otel;
     served.map_err(|error| error.to_string())?;
     println!("troupe serve: stopped");
     Ok(())
@@ -241,7 +241,7 @@ fn init_logging(format: troupe_cli::LogFormat, otlp_endpoint: Option<&str>) -> R
                  build it with `cargo build -p troupe-cli --features otel`"
             ))
         }
-        None => (None::<tracing_subscriber::layer::Identity>, ()),
+        None => (None::<tracing_subscriber::layer::Identity>, None),
     };
     tracing_subscriber::registry()
         .with(lines)
@@ -256,7 +256,7 @@ fn init_logging(format: troupe_cli::LogFormat, otlp_endpoint: Option<&str>) -> R
 #[cfg(all(not(madsim), feature = "otel"))]
 type OtelGuard = Option<troupe_server::otel::OtelGuard>;
 #[cfg(all(not(madsim), not(feature = "otel")))]
-type OtelGuard = ();
+type OtelGuard = Option<std::convert::Infallible>;
 
 /// Completes on SIGTERM or ctrl-c (SIGINT).
 #[cfg(not(madsim))]

@@ -186,6 +186,9 @@ async fn messages_page_by_seq_through_the_cursor_and_a_retried_post_appends_noth
     server.stop().await;
 }
 
+/// One refused request: what it shows, method, path, body, status, error code.
+type Refusal = (&'static str, reqwest::Method, String, Option<Value>, u16, &'static str);
+
 /// Goal: every refusal has the one JSON error shape with its status and code: unknown
 /// conversation or agent 404, a sender outside the conversation 403, bad participants,
 /// names, text and mentions 422, a conflicting definition 409, a bad page query 400, a
@@ -195,7 +198,7 @@ async fn conversation_refusals_have_their_status_and_code() {
     let server = start().await;
     create_group(&server, "room", json!([party("human", "ann"), party("agent", "alice")])).await;
     let over = SERVER_CONVERSATION_PAGE_MAX + 1;
-    let cases: Vec<(&str, reqwest::Method, String, Option<Value>, u16, &str)> = vec![
+    let cases: Vec<Refusal> = vec![
         (
             "unknown conversation, read",
             reqwest::Method::GET,
