@@ -182,6 +182,17 @@ impl AgentClient {
         read_committed(&self.shared, &target, after, limit.min(CONVERSATION_PAGE_MAX)).await
     }
 
+    /// Whether conversation `id` is recorded in the index (one key read, not a scan of
+    /// its messages): what an API answers "not found" on before reading a page.
+    ///
+    /// # Errors
+    /// [`ConversationError::InvalidName`], [`ConversationError::Unavailable`].
+    pub async fn conversation_exists(&self, id: &str) -> Result<bool, ConversationError> {
+        conversation_actor(id)?;
+        let found = self.runtime.store().get(&index_actor(), &format!("c/{id}")).await?;
+        Ok(found.is_some())
+    }
+
     /// The ids of the conversations agent `agent` takes part in (at most
     /// [`CONVERSATIONS_LISTED_MAX`]), in id order.
     ///

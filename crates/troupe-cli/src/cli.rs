@@ -136,6 +136,12 @@ pub struct ServeArgs {
     /// `info` for the troupe crates, `warn` for the others).
     #[arg(long, value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Export the spans (each request's `http_request`, `invoke`, `turn` with its call
+    /// chain, `model_call`, `tool_call`) to the OpenTelemetry collector at URL, over
+    /// OTLP/HTTP (protobuf), e.g. http://127.0.0.1:4318 (`/v1/traces` is appended). Only
+    /// in a troupe built with `--features otel`; otherwise the flag is refused.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// The format of `troupe serve`'s log lines.

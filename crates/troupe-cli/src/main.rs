@@ -130,7 +130,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     use troupe_agent::AgentSystem;
     use troupe_server::ServerConfig;
 
-    init_logging(args.log_format)?;
+    let otel = init_logging(args.log_format, args.otlp_endpoint.as_deref())?;
     let mut config = ServerConfig::default();
     if let Some(token) = args.token.clone().filter(|token| !token.is_empty()) {
         config = config.token(token);
@@ -185,6 +185,14 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let served = troupe_server::serve(listener, system.client(), config, shutdown_signal()).await;
     system.shutdown().await;
     drop(temporary);
+    #[cfg(feature = "otel")]
+    if let Some(guard) = otel {
+        if let Err(error) = guard.shutdown().await {
+            eprintln!("troupe serve: {error}");
+        }
+    }
+    #[cfg(not(feature = "otel"))]
+    let _: OtelGuard = otel;
     served.map_err(|error| error.to_string())?;
     println!("troupe serve: stopped");
     Ok(())
@@ -193,12 +201,16 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 /// Logs to stderr in `format`, filtered by RUST_LOG (or [`SERVE_LOG_FILTER_DEFAULT`]).
 /// Every span also logs one line when it closes, with its fields and its busy and idle
 /// times: a request's `http_request` line carries its status and latency, and its
-/// `invoke`, `turn` and `model_call` lines list it among their ancestors.
+/// `invoke`, `turn` and `model_call` lines list it among their ancestors. With
+/// `otlp_endpoint` (feature `otel`), the same spans are also exported over OTLP/HTTP;
+/// the guard returned flushes them.
 #[cfg(not(madsim))]
-fn init_logging(format: troupe_cli::LogFormat) -> Result<(), String> {
+fn init_logging(format: troupe_cli::LogFormat, otlp_endpoint: Option<&str>) -> Result<OtelGuard, String> {
     use std::io::IsTerminal as _;
     use tracing_subscriber::fmt::format::FmtSpan;
-    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::{EnvFilter, Layer as _};
 
     let filter = match std::env::var("RUST_LOG") {
         Ok(directives) if !directives.trim().is_empty() => {
@@ -206,16 +218,45 @@ fn init_logging(format: troupe_cli::LogFormat) -> Result<(), String> {
         }
         _ => EnvFilter::new(troupe_cli::SERVE_LOG_FILTER_DEFAULT),
     };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let lines = tracing_subscriber::fmt::layer()
         .with_span_events(FmtSpan::CLOSE)
         .with_writer(std::io::stderr);
-    let installed = match format {
-        troupe_cli::LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
-        troupe_cli::LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).try_init(),
+    let lines = match format {
+        troupe_cli::LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        troupe_cli::LogFormat::Json => lines.json().with_current_span(true).with_span_list(true).boxed(),
     };
-    installed.map_err(|error| format!("cannot install the logger: {error}"))
+    #[cfg(feature = "otel")]
+    let (export, guard) = match otlp_endpoint {
+        Some(endpoint) => {
+            let (layer, guard) = troupe_server::otel::layer(endpoint, "troupe").map_err(|error| error.to_string())?;
+            (Some(layer), Some(guard))
+        }
+        None => (None, None),
+    };
+    #[cfg(not(feature = "otel"))]
+    let (export, guard) = match otlp_endpoint {
+        Some(endpoint) => {
+            return Err(format!(
+                "--otlp-endpoint {endpoint}: this troupe was built without OpenTelemetry; \
+                 build it with `cargo build -p troupe-cli --features otel`"
+            ))
+        }
+        None => (None::<tracing_subscriber::layer::Identity>, None),
+    };
+    tracing_subscriber::registry()
+        .with(lines)
+        .with(export)
+        .with(filter)
+        .try_init()
+        .map_err(|error| format!("cannot install the logger: {error}"))?;
+    Ok(guard)
 }
+
+/// What flushes the OpenTelemetry export at exit (nothing without the `otel` feature).
+#[cfg(all(not(madsim), feature = "otel"))]
+type OtelGuard = Option<troupe_server::otel::OtelGuard>;
+#[cfg(all(not(madsim), not(feature = "otel")))]
+type OtelGuard = Option<std::convert::Infallible>;
 
 /// Completes on SIGTERM or ctrl-c (SIGINT).
 #[cfg(not(madsim))]

@@ -231,3 +231,210 @@ async fn serve_logs_json_lines_with_the_turn_inside_the_request_span() {
         .unwrap_or_else(|| panic!("no line inside the critic's turn under request {id}: {stderr}"));
     assert_eq!(inside["spans"][1]["target"], "agent/critic", "{inside}");
 }
+
+/// Goal: with `--log-format text` (the default), a request's span-close line names the
+/// span with its fields (`http_request{id=.. method=POST route=.. status=200
+/// latency_us=..}`), and a line from inside the agent's turn carries the span path of
+/// that same request: `http_request{id=N ..}:invoke{..}:turn{actor=agent/critic ..}`.
+/// Method: run the binary with RUST_LOG=info, message the critic once, stop it, read
+/// stderr (not a terminal: no colour codes).
+#[tokio::test]
+async fn serve_logs_text_lines_with_the_span_fields() {
+    let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--log-format", "text"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (_stdout, addr) = read_address(&mut child);
+    let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
+    assert_eq!(status, 200, "{body}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(wait(&mut child).await.success(), "{stderr}");
+
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "no colour codes when stderr is not a terminal: {stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .all(|line| serde_json::from_str::<serde_json::Value>(line).is_err()),
+        "text, not JSON: {stderr}"
+    );
+    // The request span's own close line: the span path is that one span.
+    let request = stderr
+        .lines()
+        .find(|line| {
+            line.contains(" INFO http_request{")
+                && line.contains("route=/v1/agents/{id}/messages")
+                && line.contains("}: troupe_server::server: close ")
+        })
+        .unwrap_or_else(|| panic!("no close line of the message's http_request span: {stderr}"));
+    let fields = request
+        .split_once(" INFO http_request{")
+        .and_then(|(_, rest)| rest.split_once("}: troupe_server::server: close "))
+        .map(|(fields, _)| fields)
+        .unwrap();
+    assert!(fields.contains("method=POST"), "{request}");
+    assert!(fields.contains("status=200"), "{request}");
+    let latency: u64 = fields
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("latency_us="))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no latency_us in {request}"));
+    assert!(latency > 0, "{request}");
+    let id = fields
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("id="))
+        .unwrap_or_else(|| panic!("no id in {request}"));
+    let inside = stderr
+        .lines()
+        .find(|line| {
+            line.contains(&format!("http_request{{id={id} "))
+                && line.contains("}:invoke{")
+                && line.contains("}:turn{actor=agent/critic")
+        })
+        .unwrap_or_else(|| panic!("no line inside the critic's turn under request {id}: {stderr}"));
+    assert!(
+        inside.contains("chain="),
+        "the turn's span carries the call chain: {inside}"
+    );
+}
+
+/// Goal: `--otlp-endpoint` in a build without the `otel` feature is refused before
+/// anything starts, with a message saying how to build it.
+#[cfg(not(feature = "otel"))]
+#[test]
+fn serve_refuses_an_otlp_endpoint_without_the_otel_feature() {
+    let output = troupe_serve(&[
+        "--bind",
+        "127.0.0.1:0",
+        "--scripted",
+        "--otlp-endpoint",
+        "http://127.0.0.1:4318",
+    ])
+    .output()
+    .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--features otel"), "{stderr}");
+    assert!(
+        !String::from_utf8_lossy(&output.stdout).contains("listening on"),
+        "refused before listening"
+    );
+}
+
+/// Reads one HTTP/1.1 request from `stream` (headers, then `Content-Length` bytes of
+/// body) and answers 200 with an empty body: the request line, the headers (lower
+/// case) and the body.
+#[cfg(feature = "otel")]
+async fn read_one_request(stream: &mut tokio::net::TcpStream) -> (String, String, Vec<u8>) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buffer = Vec::new();
+    let mut chunk = [0_u8; 8192];
+    let head_end = loop {
+        if let Some(at) = buffer.windows(4).position(|window| window == b"\r\n\r\n") {
+            break at;
+        }
+        let read = stream.read(&mut chunk).await.unwrap();
+        assert!(read > 0, "the exporter closed the connection mid-request");
+        buffer.extend_from_slice(&chunk[..read]);
+    };
+    let head = String::from_utf8_lossy(&buffer[..head_end]).to_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map(|value| value.trim().parse().unwrap())
+        .unwrap_or_else(|| panic!("no content-length: {head}"));
+    let mut body = buffer[head_end + 4..].to_vec();
+    while body.len() < length {
+        let read = stream.read(&mut chunk).await.unwrap();
+        assert!(read > 0, "the exporter closed the connection mid-body");
+        body.extend_from_slice(&chunk[..read]);
+    }
+    stream
+        .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let (line, headers) = head.split_once("\r\n").unwrap_or((&head, ""));
+    (line.to_string(), headers.to_string(), body)
+}
+
+/// Goal: a binary built with `--features otel` and given `--otlp-endpoint` sends the
+/// spans of a request to that collector when it stops: a `POST /v1/traces` with a
+/// protobuf body naming the request's spans and the agent. Method: a loopback listener
+/// standing in for the collector (it reads the raw request; the protobuf itself is
+/// decoded in troupe-server's otel test), one message to the critic, SIGTERM.
+#[cfg(feature = "otel")]
+#[tokio::test]
+async fn serve_exports_the_spans_to_the_otlp_endpoint() {
+    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", collector.local_addr().unwrap());
+    let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--otlp-endpoint", &endpoint])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (_stdout, addr) = read_address(&mut child);
+    let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
+    assert_eq!(status, 200, "{body}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let received = tokio::time::timeout(Duration::from_millis(SERVE_WAIT_MS_MAX), async {
+        let mut bodies = Vec::new();
+        loop {
+            let (mut stream, _) = collector.accept().await.unwrap();
+            let (line, headers, body) = read_one_request(&mut stream).await;
+            assert_eq!(line, "post /v1/traces http/1.1");
+            assert!(headers.contains("content-type: application/x-protobuf"), "{headers}");
+            bodies.extend(body);
+            let has = |needle: &[u8]| bodies.windows(needle.len()).any(|window| window == needle);
+            if has(b"http_request") && has(b"model_call") {
+                return bodies;
+            }
+        }
+    })
+    .await
+    .expect("the spans reach the collector");
+    let has = |needle: &[u8]| received.windows(needle.len()).any(|window| window == needle);
+    for needle in [
+        &b"turn"[..],
+        b"invoke",
+        b"agent/critic",
+        b"/v1/agents/{id}/messages",
+        b"troupe",
+    ] {
+        assert!(has(needle), "{:?} not in the export", String::from_utf8_lossy(needle));
+    }
+    assert!(wait(&mut child).await.success());
+}
+
+/// Goal: with the `otel` feature, an endpoint that is not `http://` is refused before
+/// anything starts, with an example of a valid one.
+#[cfg(feature = "otel")]
+#[test]
+fn serve_refuses_an_otlp_endpoint_that_is_not_http() {
+    let output = troupe_serve(&[
+        "--bind",
+        "127.0.0.1:0",
+        "--scripted",
+        "--otlp-endpoint",
+        "collector:4318",
+    ])
+    .output()
+    .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("http://127.0.0.1:4318"), "{stderr}");
+}

@@ -7,7 +7,8 @@
 //!
 //! [`router`] builds an `axum::Router` over an agent client: REST for agents, messages
 //! (a JSON reply, or the turn's events and the reply over SSE), history, notifications
-//! and delegated tasks; an SSE stream of every [`AgentEvent`](troupe_agent::AgentEvent);
+//! and delegated tasks; conversations (direct or group, of agents and humans: post with
+//! `@mentions` that trigger the agents' turns, read in pages by seq); an SSE stream of every [`AgentEvent`](troupe_agent::AgentEvent);
 //! `/health` and `/metrics` (Prometheus text); and the OpenAI-compatible
 //! `/v1/chat/completions` and `/v1/models`, where the model is the agent id. Every error
 //! has one JSON shape, `{"error": {"code", "message"}}` ([`ApiError`]). [`serve`] runs the
@@ -20,6 +21,9 @@
 //! (an Agent Card and a JSON-RPC endpoint under `/a2a/{agent}`; see docs/serve.md). The
 //! topology page, `GET /` (`/ui`), draws the agents, their links and the calls and
 //! messages as they pass. It does not call remote agents (yet).
+//!
+//! With the cargo feature `otel`, `otel::layer` exports the spans (a request's
+//! `http_request` and its descendants) over OTLP/HTTP.
 //!
 //! Under `--cfg madsim` (the simulator build) the crate is empty: HTTP is not simulated.
 
@@ -36,6 +40,8 @@ mod agents_stream;
 #[cfg(not(madsim))]
 mod config;
 #[cfg(not(madsim))]
+mod conversations;
+#[cfg(not(madsim))]
 mod error;
 #[cfg(not(madsim))]
 mod events;
@@ -44,6 +50,8 @@ pub mod limits;
 mod metrics;
 #[cfg(not(madsim))]
 mod openai_compat;
+#[cfg(all(feature = "otel", not(madsim)))]
+pub mod otel;
 #[cfg(not(madsim))]
 mod server;
 #[cfg(not(madsim))]

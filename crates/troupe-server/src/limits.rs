@@ -38,6 +38,11 @@ pub const SERVER_RETRY_AFTER_S: u64 = 1;
 pub const SERVER_HISTORY_PAGE_MAX: usize = 1_000;
 /// History entries one page returns when no `limit` is given.
 pub const SERVER_HISTORY_PAGE_DEFAULT: usize = 100;
+/// Most conversation messages one page returns (the agent's own page limit); `limit`
+/// above it is refused with 400.
+pub const SERVER_CONVERSATION_PAGE_MAX: usize = troupe_agent::CONVERSATION_PAGE_MAX;
+/// Conversation messages one page returns when no `limit` is given.
+pub const SERVER_CONVERSATION_PAGE_DEFAULT: usize = 100;
 /// How long in-flight requests may run after a shutdown signal, in milliseconds; then
 /// the server stops and the rest are cut.
 pub const SERVER_SHUTDOWN_GRACE_MS: u64 = 10_000;
@@ -65,5 +70,6 @@ const _: () = assert!(SERVER_MESSAGE_SIZE_MAX_BYTES < SERVER_REQUEST_BODY_SIZE_M
 const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT > AGENT_ASK_TIMEOUT_MS_DEFAULT);
 const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
 const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);
+const _: () = assert!(SERVER_CONVERSATION_PAGE_DEFAULT <= SERVER_CONVERSATION_PAGE_MAX);
 const _: () = assert!(A2A_LIST_TASKS_PAGE_DEFAULT <= A2A_LIST_TASKS_PAGE_MAX);
 const _: () = assert!(A2A_TASKS_WAITING_PER_AGENT_MAX <= A2A_TASKS_KEPT_MAX);

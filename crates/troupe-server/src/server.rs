@@ -24,7 +24,7 @@ use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
 use crate::limits::{SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS};
 use crate::metrics::Metrics;
-use crate::{a2a, agents, events, openai_compat, topology};
+use crate::{a2a, agents, conversations, events, openai_compat, topology};
 
 /// What every handler shares.
 pub(crate) struct AppState {
@@ -81,6 +81,12 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         .route("/v1/agents/{id}/tasks", post(agents::delegate))
         .route("/v1/agents/{id}/tasks/{task}", get(agents::task))
         .route("/v1/agents/{id}/tasks/{task}/cancel", post(agents::cancel))
+        .route("/v1/agents/{id}/conversations", get(conversations::of_agent))
+        .route("/v1/conversations", post(conversations::create))
+        .route(
+            "/v1/conversations/{id}/messages",
+            get(conversations::messages).post(conversations::post),
+        )
         .route("/v1/events", get(events::events))
         .route("/v1/chat/completions", post(openai_compat::chat_completions))
         .route("/v1/models", get(openai_compat::models))

@@ -7,21 +7,20 @@
 //! Normal build only: HTTP is not simulated (the crate is empty under madsim).
 #![cfg(not(madsim))]
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
-use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe_agent::{AgentEvent, ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
 use troupe_server::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
-use troupe_server::{ServeError, ServerConfig};
+use troupe_server::ServerConfig;
+
+mod support;
+use support::{Harness, TEST_WAIT_MS_MAX};
 
 /// How long the `slow` agent's model takes, in milliseconds.
 const SLOW_TURN_MS: u64 = 3_000;
-/// The longest any wait of these tests may take, in milliseconds.
-const TEST_WAIT_MS_MAX: u64 = 15_000;
 const TOKEN: &str = "a2a-test-token-0123456789";
 
 fn script() -> ScriptedLlm {
@@ -35,48 +34,19 @@ fn script() -> ScriptedLlm {
         .rule(ScriptRule::agent("broken").fail("the model is down"))
 }
 
-struct Harness {
-    base: String,
-    http: reqwest::Client,
-    system: Option<AgentSystem>,
-    stop: Option<oneshot::Sender<()>>,
-    served: Option<tokio::task::JoinHandle<Result<(), ServeError>>>,
+async fn start_with(kind: KindConfig) -> Harness {
+    let config = ServerConfig {
+        token: Some(TOKEN.to_string()),
+        ..ServerConfig::default()
+    };
+    Harness::start(support::agents(script(), &["echo", "slow", "broken"], kind), config).await
+}
+
+async fn start() -> Harness {
+    start_with(KindConfig::default()).await
 }
 
 impl Harness {
-    async fn start() -> Self {
-        Self::start_with(KindConfig::default()).await
-    }
-
-    async fn start_with(kind: KindConfig) -> Self {
-        let mut builder = AgentSystem::builder().llm(Arc::new(script())).kind_config(kind);
-        for id in ["echo", "slow", "broken"] {
-            builder = builder.agent(AgentSpec::new(id).role(format!("the {id} agent")));
-        }
-        let system = builder.start().expect("the agent system starts");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr: SocketAddr = listener.local_addr().unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let config = ServerConfig {
-            token: Some(TOKEN.to_string()),
-            ..ServerConfig::default()
-        };
-        let served = tokio::spawn(troupe_server::serve(listener, system.client(), config, async move {
-            let _ = stopped.await;
-        }));
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        Self {
-            base: format!("http://{addr}"),
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_millis(TEST_WAIT_MS_MAX))
-                .build()
-                .unwrap(),
-            system: Some(system),
-            stop: Some(stop),
-            served: Some(served),
-        }
-    }
-
     /// POSTs `body` (raw) to `/a2a/{agent}` with the token: the status and the text.
     async fn raw(&self, agent: &str, body: String) -> (u16, reqwest::header::HeaderMap, String) {
         let response = self
@@ -140,12 +110,6 @@ impl Harness {
             })
             .collect()
     }
-
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.served.take().unwrap().await.unwrap().expect("serve ends cleanly");
-        self.system.take().unwrap().shutdown().await;
-    }
 }
 
 fn message(text: &str) -> Value {
@@ -167,7 +131,7 @@ fn text_of(parts: &Value) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_card_is_public_and_describes_the_agent() {
-    let server = Harness::start().await;
+    let server = start().await;
     let address = server.base.trim_start_matches("http://").to_string();
     let response = server
         .http
@@ -221,7 +185,7 @@ async fn agent_card_is_public_and_describes_the_agent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocking_send_completes_and_get_and_list_read_it_back() {
-    let server = Harness::start().await;
+    let server = start().await;
     let result = server.ok("echo", "SendMessage", send_params("hello")).await;
     let task = &result["task"];
     assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{task}");
@@ -293,7 +257,7 @@ async fn blocking_send_completes_and_get_and_list_read_it_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_send_sends_the_task_its_reply_and_its_end() {
-    let server = Harness::start().await;
+    let server = start().await;
     let events = server
         .stream("echo", "SendStreamingMessage", send_params("stream me"))
         .await;
@@ -337,7 +301,7 @@ async fn streamed_send_sends_the_task_its_reply_and_its_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_task_cancels_running_one_does_not_and_subscribers_see_its_end() {
-    let server = Harness::start().await;
+    let server = start().await;
     let mut params = send_params("first");
     params["configuration"] = json!({"returnImmediately": true});
     let first = server.ok("slow", "SendMessage", params.clone()).await["task"].clone();
@@ -387,7 +351,7 @@ async fn waiting_task_cancels_running_one_does_not_and_subscribers_see_its_end()
     let still = server.ok("slow", "GetTask", json!({"id": second_id})).await;
     assert_eq!(still["status"]["state"], "TASK_STATE_CANCELED");
     assert!(still.get("artifacts").is_some_and(|artifacts| artifacts == &json!([])));
-    let log = server.system.as_ref().unwrap().conversation_log("slow").await.unwrap();
+    let log = server.system().conversation_log("slow").await.unwrap();
     assert!(
         log.iter().all(|entry| !entry.content.contains("second")),
         "the canceled task's message never reached the agent: {log:?}"
@@ -397,7 +361,7 @@ async fn waiting_task_cancels_running_one_does_not_and_subscribers_see_its_end()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chain_and_depth_in_metadata_are_checked_on_arrival() {
-    let server = Harness::start().await;
+    let server = start().await;
     let with = |troupe: Value| {
         let mut params = send_params("hop");
         params["message"]["metadata"] = json!({ "troupe": troupe });
@@ -440,7 +404,7 @@ async fn chain_and_depth_in_metadata_are_checked_on_arrival() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_a2a_error_codes() {
-    let server = Harness::start().await;
+    let server = start().await;
     // Not JSON; not a request; a batch.
     for (body, expected) in [
         ("{not json".to_string(), -32700),
@@ -556,7 +520,7 @@ async fn bad_requests_get_a2a_error_codes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_lane_is_a_retryable_429() {
-    let server = Harness::start().await;
+    let server = start().await;
     let mut params = send_params("queue");
     params["configuration"] = json!({"returnImmediately": true});
     // One running (or about to) and the lane's limit waiting behind it.
@@ -585,8 +549,8 @@ async fn a_full_lane_is_a_retryable_429() {
 /// second REST message takes the one queue slot, then the A2A send finds it full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_mailbox_is_a_retryable_429() {
-    let server = Arc::new(Harness::start_with(KindConfig::default().with_mailbox_capacity(1)).await);
-    let mut events = server.system.as_ref().unwrap().subscribe();
+    let server = Arc::new(start_with(KindConfig::default().with_mailbox_capacity(1)).await);
+    let mut events = server.system().subscribe();
     let rest = |text: &'static str| {
         let server = Arc::clone(&server);
         tokio::spawn(async move {

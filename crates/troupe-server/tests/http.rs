@@ -11,15 +11,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
 use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
 use troupe_server::{ServeError, ServerConfig};
 
+mod support;
+use support::{parse_sse, Harness, TEST_WAIT_MS_MAX};
+
 /// How long the `slow` agent's model takes, in milliseconds.
 const SLOW_TURN_MS: u64 = 3_000;
-/// The longest any wait of these tests may take, in milliseconds.
-const TEST_WAIT_MS_MAX: u64 = 15_000;
 const TOKEN: &str = "test-token-0123456789";
 
 fn script() -> ScriptedLlm {
@@ -42,101 +42,16 @@ fn script() -> ScriptedLlm {
         .rule(ScriptRule::agent("boss").reply("noted"))
 }
 
-struct Harness {
-    base: String,
-    http: reqwest::Client,
-    system: Option<AgentSystem>,
-    stop: Option<oneshot::Sender<()>>,
-    served: Option<tokio::task::JoinHandle<Result<(), ServeError>>>,
+async fn start(config: ServerConfig, kind: KindConfig) -> Harness {
+    Harness::start(
+        support::agents(script(), &["echo", "slow", "caller", "boss"], kind),
+        config,
+    )
+    .await
 }
 
-impl Harness {
-    async fn start(config: ServerConfig, kind: KindConfig) -> Self {
-        let mut builder = AgentSystem::builder().llm(Arc::new(script())).kind_config(kind);
-        for id in ["echo", "slow", "caller", "boss"] {
-            builder = builder.agent(AgentSpec::new(id).role(format!("the {id} agent")));
-        }
-        let system = builder.start().expect("the agent system starts");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr: SocketAddr = listener.local_addr().unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let served = tokio::spawn(troupe_server::serve(listener, system.client(), config, async move {
-            let _ = stopped.await;
-        }));
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        Self {
-            base: format!("http://{addr}"),
-            http: reqwest::Client::builder().build().unwrap(),
-            system: Some(system),
-            stop: Some(stop),
-            served: Some(served),
-        }
-    }
-
-    async fn default() -> Self {
-        Self::start(ServerConfig::default(), KindConfig::default()).await
-    }
-
-    fn system(&self) -> &AgentSystem {
-        self.system.as_ref().unwrap()
-    }
-
-    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.http.request(method, format!("{}{path}", self.base))
-    }
-
-    async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut request = self.request(method, path).bearer_auth(TOKEN);
-        if let Some(body) = body {
-            request = request
-                .header("content-type", "application/json")
-                .body(body.to_string());
-        }
-        let response = request.send().await.expect("the server answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        let value = if text.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_str(&text).unwrap_or_else(|error| panic!("not JSON ({error}): {text}"))
-        };
-        (status, value)
-    }
-
-    async fn get(&self, path: &str) -> (u16, Value) {
-        self.send(reqwest::Method::GET, path, None).await
-    }
-
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        self.send(reqwest::Method::POST, path, Some(body)).await
-    }
-
-    /// Stops the server, then the agent system.
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.served.take().unwrap().await.unwrap().expect("serve ends cleanly");
-        self.system.take().unwrap().shutdown().await;
-    }
-}
-
-/// The `(event, data)` pairs of an SSE body.
-fn parse_sse(text: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for block in text.split("\n\n") {
-        let mut event = String::from("message");
-        let mut data = Vec::new();
-        for line in block.lines() {
-            if let Some(name) = line.strip_prefix("event:") {
-                event = name.trim().to_string();
-            } else if let Some(value) = line.strip_prefix("data:") {
-                data.push(value.trim_start().to_string());
-            }
-        }
-        if !data.is_empty() {
-            out.push((event, data.join("\n")));
-        }
-    }
-    out
+async fn start_default() -> Harness {
+    start(ServerConfig::default(), KindConfig::default()).await
 }
 
 fn error_code(body: &Value) -> &str {
@@ -162,7 +77,7 @@ async fn turn_started(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>,
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_open_and_every_other_route_needs_the_bearer_token() {
-    let server = Harness::start(ServerConfig::default().token(TOKEN), KindConfig::default()).await;
+    let server = start(ServerConfig::default().token(TOKEN), KindConfig::default()).await;
     let health = server.request(reqwest::Method::GET, "/health").send().await.unwrap();
     assert_eq!(health.status().as_u16(), 200);
     let health: Value = serde_json::from_str(&health.text().await.unwrap()).unwrap();
@@ -189,7 +104,7 @@ async fn health_is_open_and_every_other_route_needs_the_bearer_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_are_listed_created_updated_and_deleted() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     let (status, body) = server.get("/v1/agents").await;
     assert_eq!(status, 200);
     let ids: Vec<&str> = body["agents"]
@@ -273,7 +188,7 @@ async fn agents_are_listed_created_updated_and_deleted() {
 /// overwrite). Method: 16 concurrent POSTs of one id on a multi-thread runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_creates_of_one_agent_succeed_exactly_once() {
-    let server = Arc::new(Harness::default().await);
+    let server = Arc::new(start_default().await);
     let mut tasks = Vec::new();
     for n in 0..16 {
         let server = Arc::clone(&server);
@@ -303,7 +218,7 @@ async fn concurrent_creates_of_one_agent_succeed_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_gets_the_agents_reply_and_errors_map_to_their_statuses() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["text"], "echo: hi");
@@ -351,7 +266,7 @@ async fn a_message_gets_the_agents_reply_and_errors_map_to_their_statuses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_servers_request_timeout_answers_504() {
     let config = ServerConfig::default().request_timeout(Duration::from_millis(200));
-    let server = Harness::start(config, KindConfig::default()).await;
+    let server = start(config, KindConfig::default()).await;
     let (status, body) = server.post("/v1/agents/slow/messages", json!({"text": "hi"})).await;
     assert_eq!((status, error_code(&body)), (504, "request_timeout"), "{body}");
     server.stop().await;
@@ -359,7 +274,7 @@ async fn the_servers_request_timeout_answers_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_message_sends_the_turns_events_then_the_reply() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     let by_query = server
         .request(reqwest::Method::POST, "/v1/agents/caller/messages?stream=true")
         .header("content-type", "application/json")
@@ -431,7 +346,7 @@ async fn a_streamed_message_sends_the_turns_events_then_the_reply() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_pages_back_over_the_conversation_log() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     for n in 0..3 {
         let (status, _) = server
             .post("/v1/agents/echo/messages", json!({"text": format!("m{n}")}))
@@ -479,7 +394,7 @@ async fn history_pages_back_over_the_conversation_log() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notifications_and_delegated_tasks_are_accepted_tracked_and_cancelled() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     let (status, body) = server.post("/v1/agents/echo/notify", json!({"text": "fyi"})).await;
     assert_eq!(status, 202, "{body}");
     assert!(body["msg_id"].as_str().unwrap().starts_with("echo.in"), "{body}");
@@ -538,8 +453,7 @@ async fn notifications_and_delegated_tasks_are_accepted_tracked_and_cancelled() 
 /// then two more messages race for the one queue slot: exactly one is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_mailbox_is_429_busy_with_retry_after() {
-    let server =
-        Arc::new(Harness::start(ServerConfig::default(), KindConfig::default().with_mailbox_capacity(1)).await);
+    let server = Arc::new(start(ServerConfig::default(), KindConfig::default().with_mailbox_capacity(1)).await);
     let mut events = server.system().subscribe();
     let first = {
         let server = Arc::clone(&server);
@@ -590,7 +504,7 @@ async fn a_full_mailbox_is_429_busy_with_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_the_concurrency_limit_the_server_answers_503_at_once() {
     let config = ServerConfig::default().concurrent_requests_max(1);
-    let server = Arc::new(Harness::start(config, KindConfig::default()).await);
+    let server = Arc::new(start(config, KindConfig::default()).await);
     let mut events = server.system().subscribe();
     let first = {
         let server = Arc::clone(&server);
@@ -613,7 +527,7 @@ async fn over_the_concurrency_limit_the_server_answers_503_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_event_stream_carries_agent_events_as_they_happen() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     let mut stream = server.request(reqwest::Method::GET, "/v1/events").send().await.unwrap();
     assert_eq!(stream.status().as_u16(), 200);
     assert_eq!(stream.headers()["content-type"], "text/event-stream");
@@ -656,7 +570,7 @@ async fn the_event_stream_carries_agent_events_as_they_happen() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     let (status, models) = server.get("/v1/models").await;
     assert_eq!(status, 200);
     assert_eq!(models["object"], "list");
@@ -737,7 +651,7 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_by_route_and_status_and_show_the_runtimes_counters() {
-    let server = Harness::default().await;
+    let server = start_default().await;
     assert_eq!(
         server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await.0,
         200
@@ -813,7 +727,7 @@ async fn a_non_loopback_address_without_a_token_is_refused_with_what_to_do() {
 /// stream when the shutdown signal comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_requests_in_flight_finish_and_ends_event_streams() {
-    let mut server = Harness::default().await;
+    let mut server = start_default().await;
     let mut events = server.system().subscribe();
     let stream = server.request(reqwest::Method::GET, "/v1/events").send().await.unwrap();
     let url = format!("{}/v1/agents/slow/messages", server.base);

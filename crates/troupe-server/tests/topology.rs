@@ -7,18 +7,16 @@
 //! Normal build only: HTTP is not simulated (the crate is empty under madsim).
 #![cfg(not(madsim))]
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
-use troupe_agent::{AgentSpec, AgentSystem, Link, ScriptRule, ScriptedLlm};
-use troupe_server::{ServeError, ServerConfig};
+use troupe_agent::{Link, ScriptRule, ScriptedLlm};
+use troupe_runtime::KindConfig;
+use troupe_server::ServerConfig;
 
-/// The longest any wait of these tests may take, in milliseconds.
-const TEST_WAIT_MS_MAX: u64 = 15_000;
-/// How often a wait polls, in milliseconds.
-const POLL_MS: u64 = 20;
+mod support;
+use support::{Harness, POLL_MS, TEST_WAIT_MS_MAX};
+
 const TOKEN: &str = "topology-token-0123456789";
 /// The CSP the page's files must carry.
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
@@ -39,58 +37,19 @@ fn script() -> ScriptedLlm {
         .rule(ScriptRule::agent("boss").reply("noted"))
 }
 
-struct Harness {
-    base: String,
-    http: reqwest::Client,
-    system: Option<AgentSystem>,
-    stop: Option<oneshot::Sender<()>>,
-    served: Option<tokio::task::JoinHandle<Result<(), ServeError>>>,
+async fn start() -> Harness {
+    let config = ServerConfig {
+        token: Some(TOKEN.to_string()),
+        ..ServerConfig::default()
+    };
+    Harness::start(
+        support::agents(script(), &["boss", "caller", "echo"], KindConfig::default()),
+        config,
+    )
+    .await
 }
 
 impl Harness {
-    async fn start() -> Self {
-        let mut builder = AgentSystem::builder().llm(Arc::new(script()));
-        for id in ["boss", "caller", "echo"] {
-            builder = builder.agent(AgentSpec::new(id).role(format!("the {id} agent")));
-        }
-        let system = builder.start().expect("the agent system starts");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let config = ServerConfig {
-            token: Some(TOKEN.to_string()),
-            ..ServerConfig::default()
-        };
-        let (stop, stopped) = oneshot::channel::<()>();
-        let served = tokio::spawn(troupe_server::serve(listener, system.client(), config, async move {
-            let _ = stopped.await;
-        }));
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        Self {
-            base: format!("http://{addr}"),
-            http: reqwest::Client::builder().build().unwrap(),
-            system: Some(system),
-            stop: Some(stop),
-            served: Some(served),
-        }
-    }
-
-    async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(TOKEN);
-        if let Some(body) = body {
-            request = request
-                .header("content-type", "application/json")
-                .body(body.to_string());
-        }
-        let response = request.send().await.expect("the server answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        let value = serde_json::from_str(&text).unwrap_or_else(|error| panic!("not JSON ({error}): {text}"));
-        (status, value)
-    }
-
     async fn topology(&self) -> Value {
         let (status, body) = self.send(reqwest::Method::GET, "/v1/topology", None).await;
         assert_eq!(status, 200, "{body}");
@@ -118,12 +77,6 @@ impl Harness {
             ),
         }
     }
-
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.served.take().unwrap().await.unwrap().expect("serve ends cleanly");
-        self.system.take().unwrap().shutdown().await;
-    }
 }
 
 fn agent<'a>(topology: &'a Value, id: &str) -> &'a Value {
@@ -145,7 +98,7 @@ fn link<'a>(topology: &'a Value, from: &str, to: &str) -> Option<&'a Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn topology_counts_and_links_move_with_traffic() {
-    let harness = Harness::start().await;
+    let harness = start().await;
 
     let before = harness.topology().await;
     let ids: Vec<&str> = before["agents"]
@@ -245,9 +198,7 @@ async fn topology_counts_and_links_move_with_traffic() {
 
     // A configured link shows as configured; with no traffic on it, with zero counts.
     harness
-        .system
-        .as_ref()
-        .unwrap()
+        .system()
         .client()
         .add_link(Link::new("caller", "boss"))
         .await
@@ -265,7 +216,7 @@ async fn topology_counts_and_links_move_with_traffic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_files_have_their_types_and_csp_and_need_no_token() {
-    let harness = Harness::start().await;
+    let harness = start().await;
     let anonymous = reqwest::Client::new();
     let mut html = String::new();
     for (path, content_type) in [

@@ -1,0 +1,195 @@
+//! OpenTelemetry export (feature `otel`) end to end: a real `troupe_server::serve` with
+//! the `otel` layer installed, one request whose agent calls another, and an in-process
+//! OTLP/HTTP collector (an axum route on 127.0.0.1 decoding the protobuf with
+//! `opentelemetry-proto`) that receives the spans.
+//!
+//! `cargo nextest run -p troupe-server --features otel -E 'test(otel)'` (scripts/test
+//! runs it). Normal build only.
+#![cfg(all(feature = "otel", not(madsim)))]
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::routing::post;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message as _;
+use serde_json::json;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::Layer as _;
+use troupe_agent::{ScriptRule, ScriptedLlm};
+use troupe_runtime::KindConfig;
+use troupe_server::ServerConfig;
+
+mod support;
+use support::Harness;
+
+fn script() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("echo").reply("echo: {input}"))
+        .rule(ScriptRule::agent("caller").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "echo", "message": "from caller: {input}"}),
+        ))
+        .rule(
+            ScriptRule::agent("caller")
+                .on_tool_result()
+                .reply("caller heard: {tool_result}"),
+        )
+}
+
+/// The collector: every span of every export request it received, and the paths asked.
+#[derive(Default)]
+struct Received {
+    spans: Vec<Span>,
+    service_names: BTreeSet<String>,
+    content_types: BTreeSet<String>,
+}
+
+async fn collector() -> (String, Arc<Mutex<Received>>) {
+    let received = Arc::new(Mutex::new(Received::default()));
+    let sink = Arc::clone(&received);
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        post(move |headers: axum::http::HeaderMap, body: Bytes| {
+            let sink = Arc::clone(&sink);
+            async move {
+                let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf export request");
+                let mut received = sink.lock().unwrap();
+                if let Some(kind) = headers.get("content-type").and_then(|value| value.to_str().ok()) {
+                    received.content_types.insert(kind.to_string());
+                }
+                for resource in request.resource_spans {
+                    for attribute in resource.resource.iter().flat_map(|r| r.attributes.iter()) {
+                        if attribute.key == "service.name" {
+                            received
+                                .service_names
+                                .insert(text(attribute.value.as_ref().and_then(|v| v.value.as_ref())));
+                        }
+                    }
+                    for scope in resource.scope_spans {
+                        received.spans.extend(scope.spans);
+                    }
+                }
+                // An empty ExportTraceServiceResponse.
+                ([("content-type", "application/x-protobuf")], Vec::<u8>::new())
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), received)
+}
+
+fn text(value: Option<&AnyValue>) -> String {
+    match value {
+        Some(AnyValue::StringValue(text)) => text.clone(),
+        Some(AnyValue::IntValue(number)) => number.to_string(),
+        Some(other) => format!("{other:?}"),
+        None => String::new(),
+    }
+}
+
+fn attribute(span: &Span, key: &str) -> Option<String> {
+    span.attributes
+        .iter()
+        .find(|attribute| attribute.key == key)
+        .map(|attribute| text(attribute.value.as_ref().and_then(|v| v.value.as_ref())))
+}
+
+/// Goal: the spans of one request reach an OTLP/HTTP collector as protobuf: the
+/// request's `http_request` is the root of one trace holding the `invoke`, `turn`,
+/// `model_call` and `tool_call` spans of both agents (each span's parent in the same
+/// trace), and the callee's `turn` carries the call chain (the caller), the caller's an empty one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otel_exports_one_trace_per_request_with_the_call_chain() {
+    let (endpoint, received) = collector().await;
+    let (layer, guard) = troupe_server::otel::layer(&endpoint, "troupe-otel-test").expect("the exporter starts");
+    let filter = tracing_subscriber::filter::Targets::new()
+        .with_target("troupe_server", tracing::Level::INFO)
+        .with_target("troupe_runtime", tracing::Level::INFO)
+        .with_target("troupe_agent", tracing::Level::INFO);
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer.with_filter(filter)))
+        .expect("the only subscriber of this test process");
+
+    let builder = support::agents(script(), &["caller", "echo"], KindConfig::default());
+    let server = Harness::start(builder, ServerConfig::default()).await;
+    let (status, reply) = server.post("/v1/agents/caller/messages", json!({"text": "hi"})).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        reply["text"],
+        "caller heard: echo: [message from agent caller] from caller: hi"
+    );
+    server.stop().await;
+    guard.shutdown().await.expect("the spans are flushed to the collector");
+
+    let received = received.lock().unwrap();
+    assert_eq!(
+        received.content_types,
+        BTreeSet::from(["application/x-protobuf".to_string()])
+    );
+    assert_eq!(received.service_names, BTreeSet::from(["troupe-otel-test".to_string()]));
+    let requests: Vec<&Span> = received
+        .spans
+        .iter()
+        .filter(|span| {
+            span.name == "http_request" && attribute(span, "route").as_deref() == Some("/v1/agents/{id}/messages")
+        })
+        .collect();
+    assert_eq!(requests.len(), 1, "one request span: {:#?}", received.spans);
+    let root = requests[0];
+    assert!(root.parent_span_id.is_empty(), "the request span is a root");
+    assert_eq!(attribute(root, "status").as_deref(), Some("200"));
+    let trace: Vec<&Span> = received
+        .spans
+        .iter()
+        .filter(|span| span.trace_id == root.trace_id)
+        .collect();
+    // Every span of the trace hangs from another span of it, up to the root.
+    let ids: HashMap<&[u8], &Span> = trace.iter().map(|span| (span.span_id.as_slice(), *span)).collect();
+    for span in &trace {
+        if span.span_id != root.span_id {
+            assert!(
+                ids.contains_key(span.parent_span_id.as_slice()),
+                "{} has a parent outside the trace",
+                span.name
+            );
+        }
+    }
+    let names: BTreeSet<&str> = trace.iter().map(|span| span.name.as_str()).collect();
+    for name in ["http_request", "invoke", "turn", "model_call", "tool_call"] {
+        assert!(names.contains(name), "no {name} span in the trace: {names:?}");
+    }
+    let turns: Vec<(String, String)> = trace
+        .iter()
+        .filter(|span| span.name == "turn")
+        .map(|span| {
+            (
+                attribute(span, "actor").unwrap_or_default(),
+                attribute(span, "chain").unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(turns.len(), 2, "the caller's turn and echo's: {turns:?}");
+    assert_eq!(
+        trace.iter().filter(|span| span.name == "invoke").count(),
+        2,
+        "outside -> caller -> echo"
+    );
+    let echo = turns
+        .iter()
+        .find(|(actor, _)| actor.contains("echo"))
+        .unwrap_or_else(|| panic!("no turn of echo in the request's trace: {turns:?}"));
+    assert!(
+        echo.1.contains("agent/caller"),
+        "echo's turn carries the call chain that led to it (the caller): {echo:?}"
+    );
+    let caller = turns
+        .iter()
+        .find(|(actor, _)| actor.contains("caller"))
+        .unwrap_or_else(|| panic!("no turn of the caller in the request's trace: {turns:?}"));
+    assert_eq!(caller.1, "[]", "the caller's turn starts the chain: {caller:?}");
+}

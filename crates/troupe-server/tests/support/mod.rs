@@ -1,0 +1,140 @@
+//! The harness every server test file shares: a real `troupe_server::serve` on
+//! 127.0.0.1:0 over a real `AgentSystem` (on the scripted model), and a reqwest client
+//! whose every request is bounded by [`TEST_WAIT_MS_MAX`].
+//!
+//! Each test file includes it with `mod support;` and uses part of it.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::oneshot;
+use troupe_agent::{AgentSpec, AgentSystem, AgentSystemBuilder, ScriptedLlm};
+use troupe_runtime::KindConfig;
+use troupe_server::{ServeError, ServerConfig};
+
+/// The longest any wait (and any one HTTP request) of these tests may take, in
+/// milliseconds.
+pub(crate) const TEST_WAIT_MS_MAX: u64 = 15_000;
+/// How often a wait polls, in milliseconds.
+pub(crate) const POLL_MS: u64 = 20;
+
+/// A served agent system.
+pub(crate) struct Harness {
+    /// `http://127.0.0.1:PORT`.
+    pub(crate) base: String,
+    /// A client with a [`TEST_WAIT_MS_MAX`] timeout.
+    pub(crate) http: reqwest::Client,
+    /// The token the server requires, if any: [`Harness::send`] sends it.
+    token: Option<String>,
+    pub(crate) system: Option<AgentSystem>,
+    pub(crate) stop: Option<oneshot::Sender<()>>,
+    pub(crate) served: Option<tokio::task::JoinHandle<Result<(), ServeError>>>,
+}
+
+/// A builder of `agents` (each with the role "the {id} agent") on `llm`, with `kind`.
+pub(crate) fn agents(llm: ScriptedLlm, agents: &[&str], kind: KindConfig) -> AgentSystemBuilder {
+    let mut builder = AgentSystem::builder().llm(Arc::new(llm)).kind_config(kind);
+    for id in agents {
+        builder = builder.agent(AgentSpec::new(*id).role(format!("the {id} agent")));
+    }
+    builder
+}
+
+impl Harness {
+    /// Starts the system `builder` builds and serves it with `config`.
+    pub(crate) async fn start(builder: AgentSystemBuilder, config: ServerConfig) -> Self {
+        let system = builder.start().expect("the agent system starts");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr: SocketAddr = listener.local_addr().unwrap();
+        let token = config.token.clone();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served = tokio::spawn(troupe_server::serve(listener, system.client(), config, async move {
+            let _ = stopped.await;
+        }));
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        Self {
+            base: format!("http://{addr}"),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_millis(TEST_WAIT_MS_MAX))
+                .build()
+                .unwrap(),
+            token,
+            system: Some(system),
+            stop: Some(stop),
+            served: Some(served),
+        }
+    }
+
+    /// The agent system behind the server.
+    pub(crate) fn system(&self) -> &AgentSystem {
+        self.system.as_ref().unwrap()
+    }
+
+    /// A request to `path`, without the token.
+    pub(crate) fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http.request(method, format!("{}{path}", self.base))
+    }
+
+    /// Sends a request with the token (if the server has one) and `body` as JSON: the
+    /// status and the JSON answer (`Null` for an empty body; panics on non-JSON).
+    pub(crate) async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut request = self.request(method, path);
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request
+                .header("content-type", "application/json")
+                .body(body.to_string());
+        }
+        let response = request.send().await.expect("the server answers");
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        let value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|error| panic!("not JSON ({error}): {text}"))
+        };
+        (status, value)
+    }
+
+    /// `GET path`.
+    pub(crate) async fn get(&self, path: &str) -> (u16, Value) {
+        self.send(reqwest::Method::GET, path, None).await
+    }
+
+    /// `POST path` with `body`.
+    pub(crate) async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.send(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// Stops the server, then the agent system.
+    pub(crate) async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.served.take().unwrap().await.unwrap().expect("serve ends cleanly");
+        self.system.take().unwrap().shutdown().await;
+    }
+}
+
+/// The `(event, data)` pairs of an SSE body.
+pub(crate) fn parse_sse(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for block in text.split("\n\n") {
+        let mut event = String::from("message");
+        let mut data = Vec::new();
+        for line in block.lines() {
+            if let Some(name) = line.strip_prefix("event:") {
+                event = name.trim().to_string();
+            } else if let Some(value) = line.strip_prefix("data:") {
+                data.push(value.trim_start().to_string());
+            }
+        }
+        if !data.is_empty() {
+            out.push((event, data.join("\n")));
+        }
+    }
+    out
+}
