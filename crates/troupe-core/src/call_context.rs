@@ -31,6 +31,25 @@ impl CallContext {
         }
     }
 
+    /// The context of a call that arrives from another process with its place in a
+    /// call tree already set: `depth` and `chain` as the sender gave them (at least as
+    /// deep as the chain is long), under `deadline`. For remote calls between
+    /// servers (an A2A message carrying Troupe's call context): the callee's own calls
+    /// then continue that chain and depth, so a cycle or a depth overflow across
+    /// processes is refused like a local one.
+    ///
+    /// # Panics
+    /// If `depth` is smaller than the chain's length (a caller bug: every actor in the
+    /// chain is one call deeper).
+    pub fn continued(depth: u32, chain: Vec<ActorId>, deadline: Deadline) -> Self {
+        assert!(
+            u32::try_from(chain.len()).is_ok_and(|length| length <= depth),
+            "a chain of {} actors cannot arrive at depth {depth}",
+            chain.len()
+        );
+        Self { depth, chain, deadline }
+    }
+
     /// How many calls between actors lead to this one.
     pub fn depth(&self) -> u32 {
         self.depth
