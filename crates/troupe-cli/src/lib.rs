@@ -22,7 +22,7 @@ mod cli;
 mod org_demo;
 
 pub use cli::{Cli, Command, DemoArgs, LogFormat, ServeArgs, SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT};
-pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS};
+pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS, ORG_DEMO_WAIT_MS};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -45,6 +45,9 @@ pub(crate) struct TaskRecord {
     pub(crate) chain: Vec<String>,
     /// See `chain`.
     pub(crate) depth: u32,
+    /// How long its agent's turn may take, in milliseconds: the caller's remaining
+    /// time when the message carried Troupe's context, clipped to the server's maximum.
+    pub(crate) timeout_ms: u64,
     /// Whether the failure was the agent being busy: a blocking send answers it as a
     /// retryable error.
     pub(crate) busy: bool,
@@ -109,6 +112,7 @@ impl TaskRegistry {
         mut request: Value,
         chain: Vec<String>,
         depth: u32,
+        timeout_ms: u64,
         rejected: Option<String>,
     ) -> Result<(TaskRecord, Option<Arc<Lane>>), AdmitError> {
         let mut inner = self.lock();
@@ -146,6 +150,7 @@ impl TaskRegistry {
             reason: rejected,
             chain,
             depth,
+            timeout_ms,
             busy: false,
         };
         if let Some(lane) = &lane {
