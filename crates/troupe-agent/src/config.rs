@@ -742,6 +742,80 @@ effect = "deny"
         }
     }
 
+    const REMOTE: &str = r#"
+[[agents]]
+id = "boss"
+
+[[remote_agents]]
+id = "hq"
+url = "http://127.0.0.1:8080/a2a/analyst"
+role = "analyses for HQ"
+token_env = "HQ_TOKEN"
+
+[[links]]
+from = "boss"
+to = "hq"
+
+[[permissions]]
+agent = "boss"
+target = "hq"
+effect = "allow"
+"#;
+
+    #[test]
+    fn remote_agents_are_declared_and_links_and_rules_may_name_them() {
+        let config = OrgConfig::from_toml(REMOTE, "org.toml").unwrap();
+        let remotes = config.remote_agent_list();
+        assert_eq!(
+            remotes,
+            vec![crate::RemoteAgent::new("hq", "http://127.0.0.1:8080/a2a/analyst")
+                .role("analyses for HQ")
+                .token_env("HQ_TOKEN")]
+        );
+        assert_eq!(config.org_links().len(), 1);
+        assert_eq!(config.rules().len(), 1);
+    }
+
+    #[test]
+    fn bad_remote_agents_are_refused_naming_the_line_and_field() {
+        let table: Vec<(&str, String, &str)> = vec![
+            (
+                "bad url",
+                REMOTE.replace("http://127.0.0.1:8080/a2a/analyst", "ftp://hq/a2a/analyst"),
+                "org.toml:7:7: field `remote_agents[0].url`: \"ftp://hq/a2a/analyst\" is not valid: it must start with http:// or https://",
+            ),
+            (
+                "clash with a local agent",
+                REMOTE.replace("id = \"hq\"", "id = \"boss\""),
+                "org.toml:6:6: field `remote_agents[0].id`: \"boss\" is already the id of a declared agent",
+            ),
+            (
+                "bad token variable",
+                REMOTE.replace("\"HQ_TOKEN\"", "\"HQ-TOKEN\""),
+                "org.toml:9:13: field `remote_agents[0].token_env`: \"HQ-TOKEN\" is not an environment variable name",
+            ),
+            (
+                "invalid id",
+                REMOTE.replace("id = \"hq\"", "id = \"\""),
+                "org.toml:6:6: field `remote_agents[0].id`:",
+            ),
+            (
+                "unknown field",
+                REMOTE.replace("token_env", "tokn_env"),
+                "org.toml:9:1: unknown field `tokn_env`",
+            ),
+            (
+                "a remote agent cannot have rules of its own",
+                REMOTE.replace("agent = \"boss\"", "agent = \"hq\""),
+                "field `permissions[0].agent`: \"hq\" is not a declared agent",
+            ),
+        ];
+        for (name, text, expected) in table {
+            let error = OrgConfig::from_toml(&text, "org.toml").expect_err(name).to_string();
+            assert!(error.contains(expected), "{name}: {error}");
+        }
+    }
+
     #[test]
     fn a_missing_file_is_a_read_error_naming_it() {
         let error = OrgConfig::from_file("/nonexistent/org.toml").unwrap_err();
