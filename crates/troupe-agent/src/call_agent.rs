@@ -161,9 +161,11 @@ pub async fn call_agent(
     } else {
         shared.remotes.get(agent_id_text)
     };
-    let admission = context
-        .caller()
-        .admit(&target, remote.is_some() || shared.directory.contains(agent_id_text), timeout_ms);
+    let admission = context.caller().admit(
+        &target,
+        remote.is_some() || shared.directory.contains(agent_id_text),
+        timeout_ms,
+    );
     shared.emit(&AgentEvent::CallStarted {
         call,
         parent: context.inbound_call(),

@@ -208,7 +208,8 @@ pub struct RemoteAgentConfig {
 impl RemoteAgentConfig {
     /// As a [`crate::RemoteAgent`].
     pub fn remote_agent(&self) -> crate::RemoteAgent {
-        let remote = crate::RemoteAgent::new(self.id.get_ref().clone(), self.url.get_ref().clone()).role(self.role.clone());
+        let remote =
+            crate::RemoteAgent::new(self.id.get_ref().clone(), self.url.get_ref().clone()).role(self.role.clone());
         match &self.token_env {
             Some(variable) => remote.token_env(variable.get_ref().clone()),
             None => remote,

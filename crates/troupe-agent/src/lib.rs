@@ -81,7 +81,8 @@ pub use agent::{
 pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use config::{
-    AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, RemoteAgentConfig, CONFIG_AGENTS_MAX, CONFIG_FILE_SIZE_MAX_BYTES,
+    AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, RemoteAgentConfig, CONFIG_AGENTS_MAX,
+    CONFIG_FILE_SIZE_MAX_BYTES,
 };
 pub use conversation::{
     conversation_window, direct_conversation_id, parse_mentions, ConversationError, ConversationInfo, ConversationKind,
@@ -117,6 +118,11 @@ pub use permissions::{
     match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,
     PERMISSION_TARGET_ANY,
 };
+pub use remote::{
+    RemoteAgent, RemoteAgentError, RemoteCallError, RemoteToken, TroupeCallMetadata, REMOTE_AGENTS_MAX,
+    REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES, REMOTE_RESPONSE_SIZE_MAX_BYTES,
+    REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES, TROUPE_METADATA_KEY,
+};
 pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,
     SCHEMA_ERROR_PROBLEM_BYTES_MAX,
@@ -124,11 +130,6 @@ pub use schema::{
 /// The `schemars` crate, for deriving the argument types of [`Tool::typed`] without a
 /// direct dependency: `#[derive(JsonSchema)] #[schemars(crate = "troupe_agent::schemars")]`.
 pub use schemars;
-pub use remote::{
-    RemoteAgent, RemoteAgentError, RemoteCallError, RemoteToken, TroupeCallMetadata, REMOTE_AGENTS_MAX,
-    REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES, REMOTE_RESPONSE_SIZE_MAX_BYTES,
-    REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES, TROUPE_METADATA_KEY,
-};
 pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
 pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError};
 pub use tool::{

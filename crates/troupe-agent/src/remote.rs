@@ -173,8 +173,7 @@ pub(crate) fn check_env_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("it is empty".into());
     }
-    if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') || name.starts_with(|c: char| c.is_ascii_digit())
-    {
+    if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') || name.starts_with(|c: char| c.is_ascii_digit()) {
         return Err("use letters, digits and `_`, not starting with a digit".into());
     }
     Ok(())
@@ -235,7 +234,11 @@ pub(crate) struct RemoteDirectory {
 
 impl RemoteDirectory {
     pub(crate) fn get(&self, id: &str) -> Option<Arc<RemoteAgent>> {
-        self.agents.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(id).cloned()
+        self.agents
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+            .cloned()
     }
 
     pub(crate) fn list(&self) -> Vec<RemoteAgent> {
@@ -287,7 +290,11 @@ pub struct TroupeCallMetadata {
     #[serde(default, deserialize_with = "whole_u32")]
     pub depth: u32,
     /// How long the caller waits, in milliseconds: what its deadline has left.
-    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "optional_whole_u64")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "optional_whole_u64"
+    )]
     pub timeout_ms: Option<u64>,
     /// The caller's id for this call, for finding it in both servers' logs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -309,7 +316,8 @@ impl TroupeCallMetadata {
         let Some(value) = metadata.and_then(|metadata| metadata.get(TROUPE_METADATA_KEY)) else {
             return Ok(None);
         };
-        let parsed: Self = serde_json::from_value(value.clone()).map_err(|error| format!("\"metadata.troupe\": {error}"))?;
+        let parsed: Self =
+            serde_json::from_value(value.clone()).map_err(|error| format!("\"metadata.troupe\": {error}"))?;
         parsed.check()?;
         Ok(Some(parsed))
     }
@@ -327,7 +335,9 @@ impl TroupeCallMetadata {
             ));
         }
         if let Some(bad) = self.chain.iter().find(|id| agent_id(id).is_err()) {
-            return Err(format!("\"metadata.troupe.chain\" holds {bad:?}, which is not an agent id"));
+            return Err(format!(
+                "\"metadata.troupe.chain\" holds {bad:?}, which is not an agent id"
+            ));
         }
         if (self.depth as usize) < self.chain.len() {
             return Err(format!(
@@ -508,7 +518,10 @@ impl RemoteCall<'_> {
 }
 
 /// Sends the call and waits for the answer, at most the call's timeout.
-pub(crate) async fn call_remote(directory: &RemoteDirectory, call: RemoteCall<'_>) -> Result<AgentReply, AgentCallError> {
+pub(crate) async fn call_remote(
+    directory: &RemoteDirectory,
+    call: RemoteCall<'_>,
+) -> Result<AgentReply, AgentCallError> {
     #[cfg(not(madsim))]
     {
         let timeout = call.timeout;
@@ -812,7 +825,12 @@ mod http {
                     }
                     bytes.extend_from_slice(&chunk);
                 }
-                Err(error) => return Err((error.is_timeout(), format!("reading the answer failed: {}", describe(&error)))),
+                Err(error) => {
+                    return Err((
+                        error.is_timeout(),
+                        format!("reading the answer failed: {}", describe(&error)),
+                    ))
+                }
             }
         }
     }
@@ -887,7 +905,9 @@ impl AgentClient {
         let result = if let Some(refused) = context.refusal(agent) {
             Err(AgentCallError::Refused(refused))
         } else if !self.shared.directory.contains(agent) {
-            Err(AgentCallError::Refused(CallRefused::AgentNotFound { target: target.clone() }))
+            Err(AgentCallError::Refused(CallRefused::AgentNotFound {
+                target: target.clone(),
+            }))
         } else {
             let chain = context.chain.iter().filter_map(|id| agent_id(id).ok()).collect();
             let latest = self.runtime.deadline_in(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
@@ -950,17 +970,24 @@ mod tests {
             metadata,
             json!({"troupe": {"chain": ["a", "b"], "depth": 2, "timeout_ms": 1500, "trace_id": "a-call-7"}})
         );
-        let read = TroupeCallMetadata::from_metadata(metadata.as_object()).unwrap().unwrap();
+        let read = TroupeCallMetadata::from_metadata(metadata.as_object())
+            .unwrap()
+            .unwrap();
         assert_eq!(read, call.metadata());
     }
 
     #[test]
     fn metadata_numbers_may_be_doubles_and_absent_metadata_is_none() {
         let metadata = json!({"troupe": {"chain": ["a"], "depth": 1.0, "timeout_ms": 2000.0}});
-        let read = TroupeCallMetadata::from_metadata(metadata.as_object()).unwrap().unwrap();
+        let read = TroupeCallMetadata::from_metadata(metadata.as_object())
+            .unwrap()
+            .unwrap();
         assert_eq!((read.depth, read.timeout_ms), (1, Some(2_000)));
         assert_eq!(TroupeCallMetadata::from_metadata(None), Ok(None));
-        assert_eq!(TroupeCallMetadata::from_metadata(json!({"other": 1}).as_object()), Ok(None));
+        assert_eq!(
+            TroupeCallMetadata::from_metadata(json!({"other": 1}).as_object()),
+            Ok(None)
+        );
     }
 
     #[test]
@@ -1001,7 +1028,9 @@ mod tests {
 
     #[test]
     fn remote_agents_are_validated() {
-        assert!(RemoteAgent::new("hq", "http://127.0.0.1:8080/a2a/hq").validate().is_ok());
+        assert!(RemoteAgent::new("hq", "http://127.0.0.1:8080/a2a/hq")
+            .validate()
+            .is_ok());
         assert!(matches!(
             RemoteAgent::new("hq", "ftp://x/a2a/hq").validate(),
             Err(RemoteAgentError::InvalidUrl { .. })
@@ -1031,14 +1060,20 @@ mod tests {
             "metadata": {"troupe": {"reply": {"steps": 2, "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "truncated": false}}}}});
         match reply_of(&remote, &target, &completed).unwrap() {
             Outcome::Done(reply) => {
-                assert_eq!((reply.text.as_str(), reply.steps, reply.spent.tokens), ("the answer", 2, 7));
+                assert_eq!(
+                    (reply.text.as_str(), reply.steps, reply.spent.tokens),
+                    ("the answer", 2, 7)
+                );
             }
             other => panic!("{other:?}"),
         }
         let rejected = json!({"task": {"id": "t", "status": {"state": "TASK_STATE_REJECTED",
             "message": {"parts": [{"text": "refused: a cycle"}]}}}});
         let error = reply_of(&remote, &target, &rejected).unwrap_err();
-        assert!(matches!(error, AgentCallError::Remote(RemoteCallError::Refused { .. })), "{error:?}");
+        assert!(
+            matches!(error, AgentCallError::Remote(RemoteCallError::Refused { .. })),
+            "{error:?}"
+        );
         assert!(error.to_string().contains("http://127.0.0.1:1/a2a/hq"), "{error}");
         let timed_out = json!({"task": {"id": "t", "status": {"state": "TASK_STATE_FAILED",
             "message": {"parts": [{"text": "timeout: timed out after 5 ms"}]}}}});

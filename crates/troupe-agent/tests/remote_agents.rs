@@ -67,7 +67,11 @@ async fn a_remote_agent_without_a_link_is_not_permitted_and_nothing_is_sent() {
     let system = start(&llm);
     system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
     let reply = system.ask("a", "go").await.unwrap();
-    assert!(reply.text.contains("call not permitted: a may not ask far"), "{}", reply.text);
+    assert!(
+        reply.text.contains("call not permitted: a may not ask far"),
+        "{}",
+        reply.text
+    );
     system.shutdown().await;
 }
 
@@ -90,5 +94,8 @@ async fn the_builder_refuses_a_clashing_id_and_a_bad_url() {
         .remote_agent(RemoteAgent::new("hq", "127.0.0.1:8080/a2a/hq"))
         .start();
     let error = bad.err().expect("a URL without a scheme is refused").to_string();
-    assert!(error.contains("\"127.0.0.1:8080/a2a/hq\"") && error.contains("http://"), "{error}");
+    assert!(
+        error.contains("\"127.0.0.1:8080/a2a/hq\"") && error.contains("http://"),
+        "{error}"
+    );
 }

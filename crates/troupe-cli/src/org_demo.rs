@@ -41,7 +41,11 @@ pub fn org_demo_script() -> ScriptedLlm {
             "call_agent",
             json!({"agent_id": "{route_next}", "message": "route:{route_rest}"}),
         ))
-        .rule(ScriptRule::any_agent().on_user_containing("route:").reply("hello from {agent}"))
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("route:")
+                .reply("hello from {agent}"),
+        )
         .rule(
             ScriptRule::any_agent()
                 .on_user_containing("[message from")

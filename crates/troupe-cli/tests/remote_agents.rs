@@ -48,7 +48,13 @@ fn serve(dir: &Path, name: &str, port: u16, config: &str) -> Server {
     let file = dir.join(format!("{name}.toml"));
     std::fs::write(&file, config).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["serve", "--scripted", "--bind", &format!("127.0.0.1:{port}"), "--config"])
+        .args([
+            "serve",
+            "--scripted",
+            "--bind",
+            &format!("127.0.0.1:{port}"),
+            "--config",
+        ])
         .arg(&file)
         .env_remove("TROUPE_TOKEN")
         .env_remove("OPENAI_API_KEY")
@@ -91,7 +97,10 @@ fn http(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Value) {
     stream.read_to_string(&mut response).unwrap();
     let status = response[9..12].parse().unwrap();
     let (_, body) = response.split_once("\r\n\r\n").unwrap();
-    (status, serde_json::from_str(body).unwrap_or(Value::String(body.to_string())))
+    (
+        status,
+        serde_json::from_str(body).unwrap_or(Value::String(body.to_string())),
+    )
 }
 
 /// Asks agent `agent` of `server`; the status and the reply.
@@ -195,7 +204,11 @@ fn a_chain_too_deep_across_servers_is_refused() {
     assert!(text.contains("call depth 5 has reached the limit of 5"), "{text}");
     // The same hops started on server 2 are within the limit.
     let (status, reply) = ask(&two, "b5", "route: b6 b7", None);
-    assert_eq!((status, reply["text"].as_str()), (200, Some("hello from b7")), "{reply}");
+    assert_eq!(
+        (status, reply["text"].as_str()),
+        (200, Some("hello from b7")),
+        "{reply}"
+    );
 }
 
 /// Goal: a remote agent never gets more time than its caller has left. Method: the user
@@ -217,11 +230,17 @@ async fn a_slow_remote_agent_hits_the_callers_deadline() {
     let (status, reply) = ask(&one, "a1", "route: b2 wait", Some(SLOW_CALL_DEADLINE_MS));
     let waited = started.elapsed();
     assert_eq!(status, 504, "{reply}");
-    assert!(waited < Duration::from_millis(SLOW_CALL_DEADLINE_MS + 2_000), "{waited:?}");
+    assert!(
+        waited < Duration::from_millis(SLOW_CALL_DEADLINE_MS + 2_000),
+        "{waited:?}"
+    );
     let mut task = Value::Null;
     for _ in 0..REMOTE_TASK_END_WAIT_MS_MAX / REMOTE_TASK_POLL_MS {
         task = tasks(&two, "b2").first().cloned().unwrap_or_default();
-        if matches!(task["status"]["state"].as_str(), Some("TASK_STATE_FAILED" | "TASK_STATE_COMPLETED")) {
+        if matches!(
+            task["status"]["state"].as_str(),
+            Some("TASK_STATE_FAILED" | "TASK_STATE_COMPLETED")
+        ) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(REMOTE_TASK_POLL_MS)).await;
@@ -231,7 +250,11 @@ async fn a_slow_remote_agent_hits_the_callers_deadline() {
     assert_eq!(task["status"]["state"], "TASK_STATE_FAILED", "{task}");
     let reason = task["status"]["message"]["parts"][0]["text"].as_str().unwrap();
     assert!(reason.starts_with("timeout"), "{reason}");
-    assert!(started.elapsed() < Duration::from_millis(troupe_cli::ORG_DEMO_WAIT_MS), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(troupe_cli::ORG_DEMO_WAIT_MS),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 /// Goal: a remote server that is down is a clear error to the model, naming the URL.

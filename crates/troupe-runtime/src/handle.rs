@@ -343,7 +343,12 @@ impl RuntimeHandle {
     ///
     /// # Errors
     /// As [`RuntimeHandle::invoke`].
-    pub async fn invoke_in(&self, target: &ActorId, payload: Bytes, context: CallContext) -> Result<Bytes, InvokeError> {
+    pub async fn invoke_in(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }

@@ -522,7 +522,12 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
         return;
     }
     let result = match &ask.continued {
-        Some((context, deadline)) => a2a.app.client.ask_continued(&agent, &ask.text, context, *deadline).await,
+        Some((context, deadline)) => {
+            a2a.app
+                .client
+                .ask_continued(&agent, &ask.text, context, *deadline)
+                .await
+        }
         None => a2a.app.client.ask_with_timeout(&agent, &ask.text, ask.timeout).await,
     };
     a2a.tasks.update(&id, |task| {
