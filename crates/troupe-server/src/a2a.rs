@@ -11,7 +11,11 @@
 //! travel in `metadata.troupe` (`chain`: the agent ids the call came through, `depth`:
 //! the depth it arrives at) and are checked on arrival: a chain that already holds the
 //! agent is a cycle, a depth over `AGENT_CALL_DEPTH_MAX` is too deep; both make a
-//! `rejected` task.
+//! `rejected` task. Otherwise the agent's turn continues that chain and depth
+//! ([`troupe_agent::AgentClient::ask_continued`]) until the caller's deadline
+//! (`timeout_ms`, clipped to the server's maximum), so its own calls are checked
+//! against them: a cycle across servers is refused. Without `metadata.troupe` the
+//! message is an ask from outside (depth 0).
 //!
 //! Errors are JSON-RPC error objects with A2A's codes, in a 200 answer, except a busy
 //! agent (429, `Retry-After`) and a full server (503, `Retry-After`): the client may
