@@ -93,7 +93,7 @@ async fn the_builder_refuses_a_clashing_id_and_a_bad_url() {
         .llm(Arc::new(llm))
         .remote_agent(RemoteAgent::new("hq", "127.0.0.1:8080/a2a/hq"))
         .start();
-    let error = bad.err().expect("a URL without a scheme is refused").to_string();
+    let error = bad.expect_err("a URL without a scheme is refused").to_string();
     assert!(
         error.contains("\"127.0.0.1:8080/a2a/hq\"") && error.contains("http://"),
         "{error}"

@@ -76,6 +76,7 @@ fn serve(dir: &Path, name: &str, port: u16, config: &str) -> Server {
         line.clear();
     }
     let _ = child.kill();
+    let _ = child.wait();
     panic!("troupe serve ({name}) printed no address");
 }
 

@@ -39,7 +39,7 @@ use tokio::sync::watch;
 use troupe_agent::{TaskState, TroupeCallMetadata};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 
-use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskRecord, TaskRegistry};
+use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskCall, TaskRecord, TaskRegistry};
 use crate::agents::known;
 use crate::error::ApiError;
 use crate::limits::{
@@ -474,9 +474,11 @@ fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord,
             agent,
             accepted.context_id.clone(),
             accepted.request.clone(),
-            troupe.chain.clone(),
-            troupe.depth,
-            u64::try_from(accepted.timeout.as_millis()).unwrap_or(u64::MAX),
+            TaskCall {
+                chain: troupe.chain.clone(),
+                depth: troupe.depth,
+                timeout_ms: u64::try_from(accepted.timeout.as_millis()).unwrap_or(u64::MAX),
+            },
             rejected,
         )
         .map_err(|error| match error {

@@ -53,6 +53,15 @@ pub(crate) struct TaskRecord {
     pub(crate) busy: bool,
 }
 
+/// Where a new task's call stands: Troupe's chain and depth it arrived with, and how
+/// long its turn may take, in milliseconds.
+#[derive(Debug)]
+pub(crate) struct TaskCall {
+    pub(crate) chain: Vec<String>,
+    pub(crate) depth: u32,
+    pub(crate) timeout_ms: u64,
+}
+
 /// Why a task could not be made.
 #[derive(Debug)]
 pub(crate) enum AdmitError {
@@ -110,11 +119,14 @@ impl TaskRegistry {
         agent: &str,
         context_id: Option<String>,
         mut request: Value,
-        chain: Vec<String>,
-        depth: u32,
-        timeout_ms: u64,
+        call: TaskCall,
         rejected: Option<String>,
     ) -> Result<(TaskRecord, Option<Arc<Lane>>), AdmitError> {
+        let TaskCall {
+            chain,
+            depth,
+            timeout_ms,
+        } = call;
         let mut inner = self.lock();
         let lane = if rejected.is_none() {
             let lane = Arc::clone(inner.lanes.entry(agent.to_string()).or_default());
