@@ -113,6 +113,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_continued_context_keeps_the_senders_depth_and_chain() {
+        let (a, b) = (ActorId::new("agent", "a").unwrap(), ActorId::new("agent", "b").unwrap());
+        let continued = CallContext::continued(3, vec![a.clone(), b.clone()], Deadline::from_micros(50));
+        assert_eq!((continued.depth(), continued.chain()), (3, &[a.clone(), b][..]));
+        let child = continued.child(ActorId::new("agent", "c").unwrap(), Deadline::from_micros(90));
+        assert_eq!((child.depth(), child.deadline()), (4, Deadline::from_micros(50)));
+        assert!(child.contains(&a));
+    }
+
+    #[test]
+    #[should_panic(expected = "cannot arrive at depth 0")]
+    fn a_continued_context_is_at_least_as_deep_as_its_chain() {
+        let _ = CallContext::continued(0, vec![ActorId::new("agent", "a").unwrap()], Deadline::from_micros(1));
+    }
+
+    #[test]
     fn a_child_deadline_never_exceeds_its_parents() {
         let root = CallContext::root(Deadline::from_micros(100));
         let a = ActorId::new("agent", "a").unwrap();
