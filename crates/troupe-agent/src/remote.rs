@@ -489,6 +489,7 @@ pub enum RemoteCallError {
 
 /// A call to remote agent `remote` that admission let through: `child` is the callee's
 /// context (chain with the caller, depth, deadline), `timeout` what it has left.
+#[cfg_attr(madsim, allow(dead_code))]
 pub(crate) struct RemoteCall<'a> {
     pub(crate) remote: &'a RemoteAgent,
     pub(crate) target: &'a ActorId,
@@ -498,6 +499,7 @@ pub(crate) struct RemoteCall<'a> {
     pub(crate) trace_id: String,
 }
 
+#[cfg_attr(madsim, allow(dead_code))]
 impl RemoteCall<'_> {
     /// The metadata this call carries.
     pub(crate) fn metadata(&self) -> TroupeCallMetadata {
@@ -543,7 +545,8 @@ pub(crate) async fn call_remote(
 
 /// A completed A2A task or message as an [`AgentReply`]: the reply text, and the
 /// remote turn's steps and token usage when it is a Troupe server's.
-pub(crate) fn reply_of(remote: &RemoteAgent, target: &ActorId, result: &Value) -> Result<Outcome, AgentCallError> {
+#[cfg_attr(madsim, allow(dead_code))] // the HTTP client is not built under madsim
+pub(crate) fn reply_of(remote: &RemoteAgent, result: &Value) -> Result<Outcome, AgentCallError> {
     let malformed = |cause: String| {
         AgentCallError::Remote(RemoteCallError::Malformed {
             agent: remote.id.clone(),
@@ -551,7 +554,6 @@ pub(crate) fn reply_of(remote: &RemoteAgent, target: &ActorId, result: &Value) -
             cause,
         })
     };
-    let _ = target;
     if let Some(message) = result.get("message") {
         return Ok(Outcome::Done(AgentReply {
             text: parts_text(message.get("parts")),
@@ -631,6 +633,7 @@ pub(crate) fn reply_of(remote: &RemoteAgent, target: &ActorId, result: &Value) -
 
 /// What an A2A result says.
 #[derive(Debug)]
+#[cfg_attr(madsim, allow(dead_code))]
 pub(crate) enum Outcome {
     /// The answer.
     Done(AgentReply),
@@ -641,6 +644,7 @@ pub(crate) enum Outcome {
 }
 
 /// The text of A2A `parts`, joined with newlines.
+#[cfg_attr(madsim, allow(dead_code))]
 fn parts_text(parts: Option<&Value>) -> String {
     parts
         .and_then(Value::as_array)
@@ -701,7 +705,7 @@ mod http {
         let started = tokio::time::Instant::now();
         let mut result = rpc(client, call, token.as_deref(), send_message_body(call)).await?;
         loop {
-            match reply_of(remote, call.target, &result)? {
+            match reply_of(remote, &result)? {
                 Outcome::Done(reply) => return Ok(reply),
                 Outcome::TimedOut => return Err(call.timed_out()),
                 Outcome::Running(task) => {
@@ -1054,11 +1058,10 @@ mod tests {
     #[test]
     fn a2a_results_map_to_replies_and_typed_errors() {
         let remote = RemoteAgent::new("hq", "http://127.0.0.1:1/a2a/hq");
-        let target = agent("hq");
         let completed = json!({"task": {"id": "t", "status": {"state": "TASK_STATE_COMPLETED"},
             "artifacts": [{"parts": [{"text": "the answer"}]}],
             "metadata": {"troupe": {"reply": {"steps": 2, "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "truncated": false}}}}});
-        match reply_of(&remote, &target, &completed).unwrap() {
+        match reply_of(&remote, &completed).unwrap() {
             Outcome::Done(reply) => {
                 assert_eq!(
                     (reply.text.as_str(), reply.steps, reply.spent.tokens),
@@ -1069,7 +1072,7 @@ mod tests {
         }
         let rejected = json!({"task": {"id": "t", "status": {"state": "TASK_STATE_REJECTED",
             "message": {"parts": [{"text": "refused: a cycle"}]}}}});
-        let error = reply_of(&remote, &target, &rejected).unwrap_err();
+        let error = reply_of(&remote, &rejected).unwrap_err();
         assert!(
             matches!(error, AgentCallError::Remote(RemoteCallError::Refused { .. })),
             "{error:?}"
@@ -1077,11 +1080,11 @@ mod tests {
         assert!(error.to_string().contains("http://127.0.0.1:1/a2a/hq"), "{error}");
         let timed_out = json!({"task": {"id": "t", "status": {"state": "TASK_STATE_FAILED",
             "message": {"parts": [{"text": "timeout: timed out after 5 ms"}]}}}});
-        assert!(matches!(reply_of(&remote, &target, &timed_out), Ok(Outcome::TimedOut)));
+        assert!(matches!(reply_of(&remote, &timed_out), Ok(Outcome::TimedOut)));
         let working = json!({"task": {"id": "t-9", "status": {"state": "TASK_STATE_WORKING"}}});
-        assert!(matches!(reply_of(&remote, &target, &working), Ok(Outcome::Running(id)) if id == "t-9"));
+        assert!(matches!(reply_of(&remote, &working), Ok(Outcome::Running(id)) if id == "t-9"));
         assert!(matches!(
-            reply_of(&remote, &target, &json!({})),
+            reply_of(&remote, &json!({})),
             Err(AgentCallError::Remote(RemoteCallError::Malformed { .. }))
         ));
     }
