@@ -56,6 +56,10 @@ pub enum AgentCallError {
     /// callee's turn spent all of its grant before answering.
     #[error(transparent)]
     BudgetExhausted(#[from] BudgetExhausted),
+    /// A call to a remote agent failed on the way or on the other side (a timeout is
+    /// [`AgentCallError::Invoke`] with `Timeout`, as for a local call).
+    #[error(transparent)]
+    Remote(#[from] crate::RemoteCallError),
     /// The callee's reply could not be decoded.
     #[error("the reply of {target} could not be decoded: {cause}")]
     MalformedReply {
@@ -73,7 +77,7 @@ impl AgentCallError {
             Self::Refused(refused) => CallOutcome::Refused(refused.clone()),
             Self::NotPermitted(refused) => CallOutcome::NotPermitted(refused.clone()),
             Self::Invoke(error) => CallOutcome::Failed(error.clone()),
-            Self::InvalidAgentId { .. } | Self::MalformedReply { .. } | Self::BudgetExhausted(_) => {
+            Self::InvalidAgentId { .. } | Self::MalformedReply { .. } | Self::BudgetExhausted(_) | Self::Remote(_) => {
                 CallOutcome::Other {
                     cause: self.to_string(),
                 }
@@ -151,9 +155,17 @@ pub async fn call_agent(
     let now = context.now();
     // Admission through the turn's caller handle: the in-flight slot, the cycle and
     // depth rules and the deadline all come from the runtime, not from the tool.
-    let admission = context
-        .caller()
-        .admit(&target, shared.directory.contains(agent_id_text), timeout_ms);
+    // A local agent of the id wins over a remote one.
+    let remote = if shared.directory.contains(agent_id_text) {
+        None
+    } else {
+        shared.remotes.get(agent_id_text)
+    };
+    let admission = context.caller().admit(
+        &target,
+        remote.is_some() || shared.directory.contains(agent_id_text),
+        timeout_ms,
+    );
     shared.emit(&AgentEvent::CallStarted {
         call,
         parent: context.inbound_call(),
@@ -187,6 +199,31 @@ pub async fn call_agent(
                 budget: grant,
             };
             let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
+            if let Some(remote) = &remote {
+                // The admission (its in-flight slot) is held until the answer.
+                let result = crate::remote::call_remote(
+                    &shared.remotes,
+                    crate::remote::RemoteCall {
+                        remote,
+                        target: &target,
+                        text: &request.text,
+                        child: admitted.child(),
+                        timeout: admitted.timeout(),
+                        trace_id: format!("{}-call-{call}", context.agent_id().key()),
+                    },
+                )
+                .await;
+                drop(admitted);
+                let result = settle_call(context.budget(), grant, result);
+                let outcome = match &result {
+                    Ok(reply) => CallOutcome::Replied {
+                        bytes: reply.text.len(),
+                    },
+                    Err(error) => error.outcome(),
+                };
+                finished.finish(outcome);
+                return result;
+            }
             let result = match context.caller().invoke(admitted, request.encode()).await {
                 Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
                     target: target.clone(),

@@ -31,6 +31,12 @@
 //! target = "*"                   # an agent id or "*"
 //! effect = "deny"                # allow or deny
 //! requires_approval = false      # default false
+//!
+//! [[remote_agents]]              # an agent on another A2A server (`remote.rs`)
+//! id = "hq-analyst"              # required; the local id call_agent, links and rules use
+//! url = "http://127.0.0.1:8080/a2a/analyst"   # required; its A2A endpoint
+//! role = "analyses for HQ"       # listed to the agents that may call it
+//! token_env = "HQ_TOKEN"         # the variable holding its server's bearer token
 //! ```
 //!
 //! Provider and tool names can only be checked against a running system:
@@ -183,6 +189,34 @@ pub struct PermissionConfig {
     pub requires_approval: bool,
 }
 
+/// One remote agent: an agent on another A2A server, called by a local id.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteAgentConfig {
+    /// The local id.
+    pub id: Spanned<String>,
+    /// Its A2A JSON-RPC endpoint.
+    pub url: Spanned<String>,
+    /// What it does.
+    #[serde(default)]
+    pub role: String,
+    /// The environment variable holding its server's bearer token (read at each call).
+    #[serde(default)]
+    pub token_env: Option<Spanned<String>>,
+}
+
+impl RemoteAgentConfig {
+    /// As a [`crate::RemoteAgent`].
+    pub fn remote_agent(&self) -> crate::RemoteAgent {
+        let remote =
+            crate::RemoteAgent::new(self.id.get_ref().clone(), self.url.get_ref().clone()).role(self.role.clone());
+        match &self.token_env {
+            Some(variable) => remote.token_env(variable.get_ref().clone()),
+            None => remote,
+        }
+    }
+}
+
 /// A whole config file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -199,6 +233,9 @@ pub struct OrgConfig {
     /// The permission rules.
     #[serde(default)]
     pub permissions: Vec<PermissionConfig>,
+    /// The agents of other A2A servers, by local id.
+    #[serde(default)]
+    pub remote_agents: Vec<RemoteAgentConfig>,
     /// The file it was read from and its text: errors found when it is applied name
     /// the line and column.
     #[serde(skip)]
@@ -378,6 +415,49 @@ impl OrgConfig {
                 }
             }
         }
+        if self.remote_agents.len() > crate::REMOTE_AGENTS_MAX {
+            return Err(invalid(
+                self.remote_agents[crate::REMOTE_AGENTS_MAX].id.span(),
+                "remote_agents".into(),
+                format!("at most {} remote agents may be declared", crate::REMOTE_AGENTS_MAX),
+            ));
+        }
+        let mut remote_ids = BTreeSet::new();
+        for (index, remote) in self.remote_agents.iter().enumerate() {
+            let field = |name: &str| format!("remote_agents[{index}].{name}");
+            let id = remote.id.get_ref();
+            if let Err(cause) = crate::agent::agent_id(id) {
+                return Err(invalid(remote.id.span(), field("id"), cause.to_string()));
+            }
+            if id == PERMISSION_TARGET_ANY || ids.contains(id) || !remote_ids.insert(id.clone()) {
+                return Err(invalid(
+                    remote.id.span(),
+                    field("id"),
+                    format!("{id:?} is already the id of a declared agent or remote agent; give each its own id"),
+                ));
+            }
+            if let Err(cause) = crate::remote::check_url(remote.url.get_ref()) {
+                return Err(invalid(
+                    remote.url.span(),
+                    field("url"),
+                    format!(
+                        "{:?} is not valid: {cause}; give the agent's A2A endpoint, such as http://127.0.0.1:8080/a2a/analyst",
+                        remote.url.get_ref()
+                    ),
+                ));
+            }
+            if let Some(variable) = &remote.token_env {
+                if let Err(cause) = crate::remote::check_env_name(variable.get_ref()) {
+                    return Err(invalid(
+                        variable.span(),
+                        field("token_env"),
+                        format!("{:?} is not an environment variable name: {cause}", variable.get_ref()),
+                    ));
+                }
+            }
+        }
+        // Links and rules may name remote agents as targets (by local id).
+        let targets: BTreeSet<String> = ids.union(&remote_ids).cloned().collect();
         let declared = |value: &Spanned<String>, field: String, allow_any: bool| {
             let id = value.get_ref();
             if ids.contains(id) || (allow_any && id == PERMISSION_TARGET_ANY) {
@@ -387,6 +467,20 @@ impl OrgConfig {
                     value.span(),
                     field,
                     format!("{id:?} is not a declared agent; declare it under [[agents]] or fix the id"),
+                ))
+            }
+        };
+        let reachable = |value: &Spanned<String>, field: String, allow_any: bool| {
+            let id = value.get_ref();
+            if targets.contains(id) || (allow_any && id == PERMISSION_TARGET_ANY) {
+                Ok(())
+            } else {
+                Err(invalid(
+                    value.span(),
+                    field,
+                    format!(
+                        "{id:?} is not a declared agent or remote agent; declare it under [[agents]] or [[remote_agents]], or fix the id"
+                    ),
                 ))
             }
         };
@@ -425,8 +519,8 @@ impl OrgConfig {
         }
         let mut pairs = BTreeSet::new();
         for (index, link) in self.links.iter().enumerate() {
-            declared(&link.from, format!("links[{index}].from"), false)?;
-            declared(&link.to, format!("links[{index}].to"), false)?;
+            reachable(&link.from, format!("links[{index}].from"), false)?;
+            reachable(&link.to, format!("links[{index}].to"), false)?;
             if link.from.get_ref() == link.to.get_ref() {
                 return Err(invalid(
                     link.to.span(),
@@ -449,7 +543,7 @@ impl OrgConfig {
         let mut rules = BTreeSet::new();
         for (index, rule) in self.permissions.iter().enumerate() {
             declared(&rule.agent, format!("permissions[{index}].agent"), false)?;
-            declared(&rule.target, format!("permissions[{index}].target"), true)?;
+            reachable(&rule.target, format!("permissions[{index}].target"), true)?;
             if rule.effect == PermissionEffect::Deny && rule.requires_approval {
                 return Err(invalid(
                     rule.target.span(),
@@ -489,6 +583,11 @@ impl OrgConfig {
             spec = spec.tools(tools.get_ref().iter().map(|tool| tool.get_ref().clone()));
         }
         spec
+    }
+
+    /// The declared remote agents.
+    pub fn remote_agent_list(&self) -> Vec<crate::RemoteAgent> {
+        self.remote_agents.iter().map(RemoteAgentConfig::remote_agent).collect()
     }
 
     /// The declared agents' definitions.
@@ -641,6 +740,80 @@ effect = "deny"
             let error = OrgConfig::from_toml(&text, "org.toml").expect_err(name).to_string();
             assert!(error.contains(expected), "{name}: {error}");
             assert!(error.starts_with("org.toml"), "{name}: {error}");
+        }
+    }
+
+    const REMOTE: &str = r#"
+[[agents]]
+id = "boss"
+
+[[remote_agents]]
+id = "hq"
+url = "http://127.0.0.1:8080/a2a/analyst"
+role = "analyses for HQ"
+token_env = "HQ_TOKEN"
+
+[[links]]
+from = "boss"
+to = "hq"
+
+[[permissions]]
+agent = "boss"
+target = "hq"
+effect = "allow"
+"#;
+
+    #[test]
+    fn remote_agents_are_declared_and_links_and_rules_may_name_them() {
+        let config = OrgConfig::from_toml(REMOTE, "org.toml").unwrap();
+        let remotes = config.remote_agent_list();
+        assert_eq!(
+            remotes,
+            vec![crate::RemoteAgent::new("hq", "http://127.0.0.1:8080/a2a/analyst")
+                .role("analyses for HQ")
+                .token_env("HQ_TOKEN")]
+        );
+        assert_eq!(config.org_links().len(), 1);
+        assert_eq!(config.rules().len(), 1);
+    }
+
+    #[test]
+    fn bad_remote_agents_are_refused_naming_the_line_and_field() {
+        let table: Vec<(&str, String, &str)> = vec![
+            (
+                "bad url",
+                REMOTE.replace("http://127.0.0.1:8080/a2a/analyst", "ftp://hq/a2a/analyst"),
+                "org.toml:7:7: field `remote_agents[0].url`: \"ftp://hq/a2a/analyst\" is not valid: it must start with http:// or https://",
+            ),
+            (
+                "clash with a local agent",
+                REMOTE.replace("id = \"hq\"", "id = \"boss\""),
+                "org.toml:6:6: field `remote_agents[0].id`: \"boss\" is already the id of a declared agent",
+            ),
+            (
+                "bad token variable",
+                REMOTE.replace("\"HQ_TOKEN\"", "\"HQ-TOKEN\""),
+                "org.toml:9:13: field `remote_agents[0].token_env`: \"HQ-TOKEN\" is not an environment variable name",
+            ),
+            (
+                "invalid id",
+                REMOTE.replace("id = \"hq\"", "id = \"\""),
+                "org.toml:6:6: field `remote_agents[0].id`:",
+            ),
+            (
+                "unknown field",
+                REMOTE.replace("token_env", "tokn_env"),
+                "org.toml:9:1: unknown field `tokn_env`",
+            ),
+            (
+                "a remote agent cannot have rules of its own",
+                REMOTE.replace("agent = \"boss\"", "agent = \"hq\""),
+                "field `permissions[0].agent`: \"hq\" is not a declared agent",
+            ),
+        ];
+        for (name, text, expected) in table {
+            let error = OrgConfig::from_toml(&text, "org.toml").expect_err(name).to_string();
+            assert!(error.contains(expected), "{name}: {error}");
         }
     }
 

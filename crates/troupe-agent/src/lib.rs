@@ -68,6 +68,7 @@ mod org_api;
 mod org_prompt;
 mod org_store;
 mod permissions;
+mod remote;
 mod schema;
 mod scripted_llm;
 mod system;
@@ -80,7 +81,8 @@ pub use agent::{
 pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use config::{
-    AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, CONFIG_AGENTS_MAX, CONFIG_FILE_SIZE_MAX_BYTES,
+    AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, RemoteAgentConfig, CONFIG_AGENTS_MAX,
+    CONFIG_FILE_SIZE_MAX_BYTES,
 };
 pub use conversation::{
     conversation_window, direct_conversation_id, parse_mentions, ConversationError, ConversationInfo, ConversationKind,
@@ -115,6 +117,11 @@ pub use org_store::{ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX};
 pub use permissions::{
     match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,
     PERMISSION_TARGET_ANY,
+};
+pub use remote::{
+    RemoteAgent, RemoteAgentError, RemoteCallError, RemoteToken, TroupeCallMetadata, REMOTE_AGENTS_MAX,
+    REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES, REMOTE_RESPONSE_SIZE_MAX_BYTES,
+    REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES, TROUPE_METADATA_KEY,
 };
 pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,

@@ -234,6 +234,15 @@ impl AgentClient {
                     cause: error.to_string(),
                 })?;
         }
+        for remote in config.remote_agent_list() {
+            let id = remote.id.clone();
+            self.add_remote_agent(remote)
+                .map_err(|error| OrgError::InvalidAgentId {
+                    what: "remote agent",
+                    id,
+                    cause: error.to_string(),
+                })?;
+        }
         let (links, memberships, rules) = (config.org_links(), config.memberships(), config.rules());
         self.change_org(|org| {
             org.set_policy(config.policy);

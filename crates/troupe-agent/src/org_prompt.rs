@@ -19,6 +19,22 @@ fn reachable(shared: &AgentShared, agent: &str) -> Vec<(String, String)> {
         .list()
         .into_iter()
         .filter(|spec| spec.id != agent)
+        // Remote agents are listed like local ones (a local agent of the id wins).
+        .chain(
+            shared
+                .remotes
+                .list()
+                .into_iter()
+                .filter(|remote| !shared.directory.contains(&remote.id))
+                .map(|remote| {
+                    let role = if remote.role.is_empty() {
+                        format!("an agent on another server ({})", remote.url)
+                    } else {
+                        remote.role
+                    };
+                    AgentSpec::new(remote.id).role(role)
+                }),
+        )
         .collect();
     let org = shared.org.cached();
     others

@@ -10,6 +10,9 @@
 //! Templates in texts and in string arguments of tool calls:
 //! `{input}` is the last user message, `{tool_result}` the tool results since the last
 //! assistant message (joined with `"; "`), `{agent}` the asking agent's key.
+//! For scripted call chains, a user message holding `route: x y z` gives
+//! `{route_next}` = `x` and `{route_rest}` = ` y z` (the rest with its leading space,
+//! empty at the end of the route), so a rule can pass the route on hop by hop.
 //!
 //! Every request is recorded ([`ScriptedLlm::requests`], unless
 //! [`ScriptedLlm::without_recording`]), and every answer that was
@@ -284,6 +287,8 @@ struct TemplateValues {
     input: String,
     tool_result: String,
     agent: String,
+    route_next: String,
+    route_rest: String,
 }
 
 impl TemplateValues {
@@ -303,7 +308,15 @@ impl TemplateValues {
             .map(|m| m.content.as_str())
             .collect();
         results.reverse();
+        let route: Vec<&str> = input
+            .split_once("route:")
+            .map(|(_, route)| route.split_whitespace().collect())
+            .unwrap_or_default();
+        let route_next = route.first().map(ToString::to_string).unwrap_or_default();
+        let route_rest = route.iter().skip(1).map(|hop| format!(" {hop}")).collect();
         Self {
+            route_next,
+            route_rest,
             input,
             tool_result: results.join("; "),
             agent: request.agent.key().to_string(),
@@ -315,6 +328,8 @@ impl TemplateValues {
             .replace("{input}", &self.input)
             .replace("{tool_result}", &self.tool_result)
             .replace("{agent}", &self.agent)
+            .replace("{route_next}", &self.route_next)
+            .replace("{route_rest}", &self.route_rest)
     }
 
     fn fill_json(&self, value: &Value) -> Value {

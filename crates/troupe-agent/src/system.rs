@@ -42,6 +42,9 @@ pub enum AgentSystemError {
     /// The agent kind's configuration is invalid, or the runtime builder already has it.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A remote agent is invalid or has the id of a local agent.
+    #[error(transparent)]
+    Remote(#[from] crate::RemoteAgentError),
 }
 
 /// Configures an [`AgentSystem`].
@@ -53,6 +56,7 @@ pub struct AgentSystemBuilder {
     tools: Vec<Tool>,
     observers: Vec<Arc<dyn AgentObserver>>,
     kind_config: KindConfig,
+    remotes: Vec<crate::RemoteAgent>,
 }
 
 impl Default for AgentSystemBuilder {
@@ -65,6 +69,7 @@ impl Default for AgentSystemBuilder {
             tools: Vec::new(),
             observers: Vec::new(),
             kind_config: KindConfig::default(),
+            remotes: Vec::new(),
         }
     }
 }
@@ -125,6 +130,13 @@ impl AgentSystemBuilder {
         self
     }
 
+    /// Makes `remote`, an agent on another A2A server, callable by its local id with
+    /// `call_agent`, under the same rules as a local agent (see [`crate::RemoteAgent`]).
+    pub fn remote_agent(mut self, remote: crate::RemoteAgent) -> Self {
+        self.remotes.push(remote);
+        self
+    }
+
     /// Registers `tool` (besides the built-in `call_agent`, `delegate_to_agent` and
     /// `notify_agent`): every agent whose spec lists no tools has it, and an agent that
     /// lists tools ([`AgentSpec::tools`]) may name it.
@@ -172,6 +184,12 @@ impl AgentSystemBuilder {
             directory.upsert(spec)?;
         }
         let shared = Arc::new(AgentShared::new(directory, llm, self.providers, tools, self.observers));
+        for remote in self.remotes {
+            if shared.directory.contains(&remote.id) {
+                return Err(crate::RemoteAgentError::ClashesWithLocal { id: remote.id }.into());
+            }
+            shared.remotes.upsert(remote)?;
+        }
         let kind = ActorKind::new(AGENT_KIND).expect("the agent kind name is valid");
         let factory = AgentFactory {
             shared: Arc::clone(&shared),

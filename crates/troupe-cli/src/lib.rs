@@ -27,7 +27,7 @@ pub use cli::{
     Cli, Command, DemoArgs, LogFormat, NodeArgs, ServeArgs, NODE_CLUSTER_DEFAULT, NODE_LEASE_TTL_MS_DEFAULT,
     SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT,
 };
-pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS};
+pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS, ORG_DEMO_WAIT_MS};
 
 use std::sync::Arc;
 use std::time::Duration;

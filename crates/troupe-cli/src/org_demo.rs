@@ -14,14 +14,38 @@ use serde_json::json;
 use troupe_agent::{AgentSystem, CallOutcome, CallRecorder, OrgConfig, ScriptRule, ScriptedLlm};
 use troupe_runtime::StateStore;
 
+/// How long an agent told `route: wait` takes to answer, in milliseconds.
+pub const ORG_DEMO_WAIT_MS: u64 = 20_000;
+
 /// How long the user waits for each agent, in milliseconds.
 pub const ORG_DEMO_ASK_TIMEOUT_MS: u64 = 30_000;
 
 /// The scripted model of the organisation demo: an agent asked by the user with an
 /// agent id calls that agent; an agent called by another answers; a caller reports its
 /// tool result.
+///
+/// Scripted call chains, for tests across servers: a message `route: x y z` makes its
+/// agent call `x` with `route: y z`; `route: wait` makes it answer after
+/// [`ORG_DEMO_WAIT_MS`]; a route that has ended (`route:`) is answered
+/// `hello from {agent}`.
 pub fn org_demo_script() -> ScriptedLlm {
     ScriptedLlm::new()
+        .rule(ScriptRule::any_agent().on_tool_result().reply("{tool_result}"))
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("route: wait")
+                .reply("waited")
+                .latency(Duration::from_millis(ORG_DEMO_WAIT_MS)),
+        )
+        .rule(ScriptRule::any_agent().on_user_containing("route: ").call(
+            "call_agent",
+            json!({"agent_id": "{route_next}", "message": "route:{route_rest}"}),
+        ))
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("route:")
+                .reply("hello from {agent}"),
+        )
         .rule(
             ScriptRule::any_agent()
                 .on_user_containing("[message from")

@@ -31,6 +31,25 @@ impl CallContext {
         }
     }
 
+    /// The context of a call that arrives from another process with its place in a
+    /// call tree already set: `depth` and `chain` as the sender gave them (at least as
+    /// deep as the chain is long), under `deadline`. For remote calls between
+    /// servers (an A2A message carrying Troupe's call context): the callee's own calls
+    /// then continue that chain and depth, so a cycle or a depth overflow across
+    /// processes is refused like a local one.
+    ///
+    /// # Panics
+    /// If `depth` is smaller than the chain's length (a caller bug: every actor in the
+    /// chain is one call deeper).
+    pub fn continued(depth: u32, chain: Vec<ActorId>, deadline: Deadline) -> Self {
+        assert!(
+            u32::try_from(chain.len()).is_ok_and(|length| length <= depth),
+            "a chain of {} actors cannot arrive at depth {depth}",
+            chain.len()
+        );
+        Self { depth, chain, deadline }
+    }
+
     /// How many calls between actors lead to this one.
     pub fn depth(&self) -> u32 {
         self.depth
@@ -92,6 +111,22 @@ impl CallContext {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_continued_context_keeps_the_senders_depth_and_chain() {
+        let (a, b) = (ActorId::new("agent", "a").unwrap(), ActorId::new("agent", "b").unwrap());
+        let continued = CallContext::continued(3, vec![a.clone(), b.clone()], Deadline::from_micros(50));
+        assert_eq!((continued.depth(), continued.chain()), (3, &[a.clone(), b][..]));
+        let child = continued.child(ActorId::new("agent", "c").unwrap(), Deadline::from_micros(90));
+        assert_eq!((child.depth(), child.deadline()), (4, Deadline::from_micros(50)));
+        assert!(child.contains(&a));
+    }
+
+    #[test]
+    #[should_panic(expected = "cannot arrive at depth 0")]
+    fn a_continued_context_is_at_least_as_deep_as_its_chain() {
+        let _ = CallContext::continued(0, vec![ActorId::new("agent", "a").unwrap()], Deadline::from_micros(1));
+    }
 
     #[test]
     fn a_child_deadline_never_exceeds_its_parents() {

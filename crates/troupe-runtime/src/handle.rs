@@ -336,6 +336,32 @@ impl RuntimeHandle {
             .into_bytes(target)
     }
 
+    /// As [`RuntimeHandle::invoke`], under `context` instead of a root context: the
+    /// target's turn runs at `context`'s depth, with its chain and deadline (capped at
+    /// [`INVOKE_TIMEOUT_MS_MAX`] from now), so its own calls are admitted against them.
+    /// For calls that arrive from another process with their place in a call tree
+    /// ([`CallContext::continued`]). No wait-for edge is recorded (the callers are in
+    /// another process).
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke`].
+    pub async fn invoke_in(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        let now = self.shared.clock.now();
+        let latest = Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+        let context = context.with_deadline(context.deadline().min(latest));
+        self.send_and_wait_from(now, target, Payload::Bytes(payload), context, None)
+            .await?
+            .into_bytes(target)
+    }
+
     /// A root invocation without the inside-a-turn check: for `Caller::invoke_as_root`.
     pub(crate) async fn invoke_root(
         &self,

@@ -11,7 +11,11 @@
 //! travel in `metadata.troupe` (`chain`: the agent ids the call came through, `depth`:
 //! the depth it arrives at) and are checked on arrival: a chain that already holds the
 //! agent is a cycle, a depth over `AGENT_CALL_DEPTH_MAX` is too deep; both make a
-//! `rejected` task.
+//! `rejected` task. Otherwise the agent's turn continues that chain and depth
+//! ([`troupe_agent::AgentClient::ask_continued`]) until the caller's deadline
+//! (`timeout_ms`, clipped to the server's maximum), so its own calls are checked
+//! against them: a cycle across servers is refused. Without `metadata.troupe` the
+//! message is an ask from outside (depth 0).
 //!
 //! Errors are JSON-RPC error objects with A2A's codes, in a 200 answer, except a busy
 //! agent (429, `Retry-After`) and a full server (503, `Retry-After`): the client may
@@ -32,15 +36,15 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::watch;
-use troupe_agent::TaskState;
+use troupe_agent::{TaskState, TroupeCallMetadata};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 
-use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskRecord, TaskRegistry};
-use crate::agents::{check_timeout, known};
+use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskCall, TaskRecord, TaskRegistry};
+use crate::agents::known;
 use crate::error::ApiError;
 use crate::limits::{
-    A2A_BLOCKING_HEADROOM_MS, A2A_CHAIN_LENGTH_MAX, A2A_LIST_TASKS_PAGE_DEFAULT, A2A_LIST_TASKS_PAGE_MAX,
-    SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_RETRY_AFTER_S,
+    A2A_BLOCKING_HEADROOM_MS, A2A_LIST_TASKS_PAGE_DEFAULT, A2A_LIST_TASKS_PAGE_MAX, SERVER_MESSAGE_SIZE_MAX_BYTES,
+    SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
 };
 use crate::server::AppState;
 
@@ -331,43 +335,13 @@ struct InPart {
     media_type: Option<String>,
 }
 
-/// Troupe's call rules in `metadata.troupe`. Numbers may come as `2.0`: metadata is a
-/// protobuf `Struct`, whose numbers are doubles.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TroupeMetadata {
-    #[serde(default)]
-    chain: Vec<String>,
-    #[serde(default, deserialize_with = "whole_number")]
-    depth: u32,
-    #[serde(default, deserialize_with = "optional_whole_number")]
-    timeout_ms: Option<u64>,
-}
-
-/// A non-negative whole number given as an integer or a double (`2` or `2.0`).
-fn whole<T: TryFrom<u64>, E: serde::de::Error>(value: f64) -> Result<T, E> {
-    if value.fract() != 0.0 || value < 0.0 || value > u64::MAX as f64 {
-        return Err(E::custom(format!("expected a non-negative whole number, got {value}")));
-    }
-    // Exact: a whole double in range.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    T::try_from(value as u64).map_err(|_| E::custom(format!("{value} is out of range")))
-}
-
-fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
-    whole(f64::deserialize(deserializer)?)
-}
-
-fn optional_whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
-    Option::<f64>::deserialize(deserializer)?.map(whole).transpose()
-}
-
 /// A checked message: its text, how long to wait, and where it stands in a chain.
 struct Accepted {
     text: String,
     context_id: Option<String>,
     request: Value,
-    troupe: TroupeMetadata,
+    /// Troupe's call context, when the message carries one (`metadata.troupe`).
+    troupe: Option<TroupeCallMetadata>,
     timeout: Duration,
     history_length: Option<i64>,
     blocking: bool,
@@ -445,20 +419,14 @@ fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Accepte
             text.len()
         )));
     }
-    let troupe = match message.metadata.as_ref().and_then(|metadata| metadata.get("troupe")) {
-        None => TroupeMetadata::default(),
-        Some(value) => serde_json::from_value(value.clone())
-            .map_err(|error| RpcError::params(format!("\"metadata.troupe\": {error}")))?,
-    };
-    if troupe.chain.len() > A2A_CHAIN_LENGTH_MAX {
-        return Err(RpcError::params(format!(
-            "\"metadata.troupe.chain\" has {} entries, more than the limit of {A2A_CHAIN_LENGTH_MAX}",
-            troupe.chain.len()
-        )));
-    }
-    let timeout_ms = check_timeout(troupe.timeout_ms)
-        .map_err(|error| RpcError::params(format!("\"metadata.troupe.timeout_ms\": {}", error.message)))?
-        .unwrap_or(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT);
+    let troupe = TroupeCallMetadata::from_metadata(message.metadata.as_ref()).map_err(RpcError::params)?;
+    // The caller's remaining time, never more than this server allows a message.
+    let timeout_ms = troupe
+        .as_ref()
+        .and_then(|troupe| troupe.timeout_ms)
+        .map_or(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT, |ms| {
+            ms.min(SERVER_MESSAGE_TIMEOUT_MS_MAX)
+        });
     if send.configuration.history_length.is_some_and(|length| length < 0) {
         return Err(RpcError::params("\"configuration.historyLength\" must not be negative"));
     }
@@ -474,7 +442,7 @@ fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Accepte
 }
 
 /// Why Troupe's call rules refuse the message, if they do.
-fn refusal(agent: &str, troupe: &TroupeMetadata) -> Option<String> {
+fn refusal(agent: &str, troupe: &TroupeCallMetadata) -> Option<String> {
     if troupe.chain.iter().any(|link| link == agent) {
         return Some(format!(
             "refused: a cycle: the chain {:?} already holds agent {agent:?}",
@@ -492,15 +460,25 @@ fn refusal(agent: &str, troupe: &TroupeMetadata) -> Option<String> {
 
 /// Makes the task and, unless it is rejected at once, starts its turn.
 fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
-    let rejected = refusal(agent, &accepted.troupe);
+    let troupe = accepted.troupe.clone().unwrap_or_default();
+    let rejected = refusal(agent, &troupe);
+    // A call with Troupe's context runs until the caller's deadline, counted from its
+    // arrival (its wait in the lane included).
+    let deadline = accepted
+        .troupe
+        .is_some()
+        .then(|| a2a.app.client.runtime().deadline_in(accepted.timeout));
     let (record, lane) = a2a
         .tasks
         .create(
             agent,
             accepted.context_id.clone(),
             accepted.request.clone(),
-            accepted.troupe.chain.clone(),
-            accepted.troupe.depth,
+            TaskCall {
+                chain: troupe.chain.clone(),
+                depth: troupe.depth,
+                timeout_ms: u64::try_from(accepted.timeout.as_millis()).unwrap_or(u64::MAX),
+            },
             rejected,
         )
         .map_err(|error| match error {
@@ -514,21 +492,28 @@ fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord,
             ),
         })?;
     if let Some(lane) = lane {
-        tokio::spawn(run(
-            Arc::clone(a2a),
-            record.id.clone(),
-            agent.to_string(),
-            accepted.text.clone(),
-            accepted.timeout,
-            lane,
-        ));
+        let ask = Ask {
+            text: accepted.text.clone(),
+            timeout: accepted.timeout,
+            continued: accepted.troupe.clone().zip(deadline),
+        };
+        tokio::spawn(run(Arc::clone(a2a), record.id.clone(), agent.to_string(), ask, lane));
     }
     Ok(record)
 }
 
+/// What a task asks its agent.
+struct Ask {
+    text: String,
+    timeout: Duration,
+    /// Troupe's call context and the deadline it gives, when the message carried one:
+    /// the agent's turn continues that chain and depth.
+    continued: Option<(TroupeCallMetadata, troupe_core::Deadline)>,
+}
+
 /// Runs task `id` in its agent's lane: waits its turn, then asks the agent, unless the
 /// task was canceled meanwhile.
-async fn run(a2a: Arc<A2a>, id: String, agent: String, text: String, timeout: Duration, lane: Arc<Lane>) {
+async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>) {
     let _turn = lane.turn.lock().await;
     lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     let mut started = false;
@@ -542,7 +527,15 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, text: String, timeout: Du
     if !started {
         return;
     }
-    let result = a2a.app.client.ask_with_timeout(&agent, &text, timeout).await;
+    let result = match &ask.continued {
+        Some((context, deadline)) => {
+            a2a.app
+                .client
+                .ask_continued(&agent, &ask.text, context, *deadline)
+                .await
+        }
+        None => a2a.app.client.ask_with_timeout(&agent, &ask.text, ask.timeout).await,
+    };
     a2a.tasks.update(&id, |task| {
         match result {
             Ok(reply) => {
@@ -610,7 +603,12 @@ fn artifact_json(task: &TaskRecord) -> Option<Value> {
 }
 
 fn troupe_metadata(task: &TaskRecord) -> Value {
-    let mut troupe = json!({"agent": task.agent, "chain": task.chain, "depth": task.depth});
+    let mut troupe = json!({
+        "agent": task.agent,
+        "chain": task.chain,
+        "depth": task.depth,
+        "timeout_ms": task.timeout_ms,
+    });
     if let Some(meta) = &task.reply_meta {
         troupe["reply"] = meta.clone();
     }

@@ -45,9 +45,21 @@ pub(crate) struct TaskRecord {
     pub(crate) chain: Vec<String>,
     /// See `chain`.
     pub(crate) depth: u32,
+    /// How long its agent's turn may take, in milliseconds: the caller's remaining
+    /// time when the message carried Troupe's context, clipped to the server's maximum.
+    pub(crate) timeout_ms: u64,
     /// Whether the failure was the agent being busy: a blocking send answers it as a
     /// retryable error.
     pub(crate) busy: bool,
+}
+
+/// Where a new task's call stands: Troupe's chain and depth it arrived with, and how
+/// long its turn may take, in milliseconds.
+#[derive(Debug)]
+pub(crate) struct TaskCall {
+    pub(crate) chain: Vec<String>,
+    pub(crate) depth: u32,
+    pub(crate) timeout_ms: u64,
 }
 
 /// Why a task could not be made.
@@ -107,10 +119,14 @@ impl TaskRegistry {
         agent: &str,
         context_id: Option<String>,
         mut request: Value,
-        chain: Vec<String>,
-        depth: u32,
+        call: TaskCall,
         rejected: Option<String>,
     ) -> Result<(TaskRecord, Option<Arc<Lane>>), AdmitError> {
+        let TaskCall {
+            chain,
+            depth,
+            timeout_ms,
+        } = call;
         let mut inner = self.lock();
         let lane = if rejected.is_none() {
             let lane = Arc::clone(inner.lanes.entry(agent.to_string()).or_default());
@@ -146,6 +162,7 @@ impl TaskRegistry {
             reason: rejected,
             chain,
             depth,
+            timeout_ms,
             busy: false,
         };
         if let Some(lane) = &lane {

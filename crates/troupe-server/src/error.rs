@@ -116,6 +116,7 @@ impl From<AgentCallError> for ApiError {
             AgentCallError::MalformedReply { .. } => Self::internal(error.to_string()),
             AgentCallError::NotPermitted(_) => Self::new(StatusCode::FORBIDDEN, "not_permitted", error.to_string()),
             AgentCallError::BudgetExhausted(_) => Self::unprocessable("budget_exhausted", error.to_string()),
+            AgentCallError::Remote(_) => Self::new(StatusCode::BAD_GATEWAY, "remote_failed", error.to_string()),
         }
     }
 }

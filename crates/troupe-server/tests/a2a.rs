@@ -388,6 +388,20 @@ async fn chain_and_depth_in_metadata_are_checked_on_arrival() {
     assert_eq!(fine["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{fine}");
     assert_eq!(fine["task"]["metadata"]["troupe"]["chain"], json!(["a", "b"]));
     assert_eq!(fine["task"]["metadata"]["troupe"]["depth"], 2);
+    assert_eq!(fine["task"]["metadata"]["troupe"]["timeout_ms"], 5_000);
+    // A caller with more time than the server allows is clipped, not refused.
+    let long = server
+        .ok(
+            "echo",
+            "SendMessage",
+            with(json!({"chain": ["a"], "depth": 1, "timeout_ms": 10_000_000_u64})),
+        )
+        .await;
+    assert_eq!(long["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{long}");
+    assert_eq!(
+        long["task"]["metadata"]["troupe"]["timeout_ms"],
+        troupe_server::limits::SERVER_MESSAGE_TIMEOUT_MS_MAX
+    );
     for bad in [
         json!({"depth": -1}),
         json!({"depth": 1.5}),
@@ -395,6 +409,7 @@ async fn chain_and_depth_in_metadata_are_checked_on_arrival() {
         json!({"unknown": 1}),
         json!({"timeout_ms": 0}),
         json!({"chain": ["a", "b", "c", "d", "e", "f", "g"]}),
+        json!({"chain": ["a", "b"], "depth": 1}),
     ] {
         let (code, message) = server.error("echo", "SendMessage", with(bad.clone())).await;
         assert_eq!(code, -32602, "{bad}: {message}");

@@ -1,0 +1,101 @@
+//! Remote agents through the Rust API: declared on the builder, they appear to the
+//! model like local agents under the organisation's rules, and the organisation's
+//! admission applies to them by their local id before anything is sent. (Calls over
+//! HTTP between two servers: `crates/troupe-cli/tests/remote_agents.rs`.)
+//!
+//! Runs in both builds: `cargo test -p troupe-agent --test remote_agents` (tokio,
+//! paused time) and under `RUSTFLAGS="--cfg madsim"` (the simulator). No call here
+//! reaches the network.
+
+use std::sync::Arc;
+
+use serde_json::json;
+use troupe_agent::{
+    AgentSpec, AgentSystem, AgentSystemError, Link, OrgPolicy, RemoteAgent, RemoteAgentError, ScriptRule, ScriptedLlm,
+};
+
+/// A loopback URL no test sends to: every call here is refused before sending.
+const UNUSED_URL: &str = "http://127.0.0.1:9/a2a/analyst";
+
+fn start(llm: &ScriptedLlm) -> AgentSystem {
+    AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a").role("the a"))
+        .agent(AgentSpec::new("b").role("the b"))
+        .remote_agent(RemoteAgent::new("hq", UNUSED_URL).role("analyses for HQ"))
+        .remote_agent(RemoteAgent::new("far", UNUSED_URL))
+        .start()
+        .expect("the system starts")
+}
+
+/// Goal: a remote agent is listed to the model like a local one, with its role, only
+/// when the organisation lets the agent reach it. Method: enforced policy with links
+/// a–b and a–hq; read a's system prompt and tool descriptions.
+#[tokio::test(start_paused = true)]
+async fn a_reachable_remote_agent_is_listed_like_a_local_one() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"));
+    let system = start(&llm);
+    assert_eq!(system.remote_agents().len(), 2);
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    system.add_link(Link::new("a", "b")).await.unwrap();
+    system.add_link(Link::new("a", "hq")).await.unwrap();
+    system.ask("a", "hi").await.unwrap();
+    let request = &llm.requests_of("a")[0];
+    let prompt = &request.messages[0].content;
+    assert!(prompt.contains("- b: the b\n- hq: analyses for HQ"), "{prompt}");
+    assert!(!prompt.contains("far"), "{prompt}");
+    let call_agent = request.tools.iter().find(|tool| tool.name == "call_agent").unwrap();
+    assert!(
+        call_agent.description.ends_with(" Agents you may contact: b, hq."),
+        "{}",
+        call_agent.description
+    );
+    system.shutdown().await;
+}
+
+/// Goal: the organisation's rules apply to a remote agent by its local id, before
+/// anything is sent. Method: enforced policy, no link to `far`; a's model calls it.
+#[tokio::test(start_paused = true)]
+async fn a_remote_agent_without_a_link_is_not_permitted_and_nothing_is_sent() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "far", "message": "hello"})),
+        );
+    let system = start(&llm);
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    let reply = system.ask("a", "go").await.unwrap();
+    assert!(
+        reply.text.contains("call not permitted: a may not ask far"),
+        "{}",
+        reply.text
+    );
+    system.shutdown().await;
+}
+
+/// Goal: a remote agent cannot take a local agent's id, and a bad URL is refused
+/// naming it. Method: start systems with such remote agents.
+#[tokio::test(start_paused = true)]
+async fn the_builder_refuses_a_clashing_id_and_a_bad_url() {
+    let llm = ScriptedLlm::new();
+    let clash = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a"))
+        .remote_agent(RemoteAgent::new("a", UNUSED_URL))
+        .start();
+    assert!(
+        matches!(clash, Err(AgentSystemError::Remote(RemoteAgentError::ClashesWithLocal { ref id })) if id == "a"),
+        "{clash:?}"
+    );
+    let bad = AgentSystem::builder()
+        .llm(Arc::new(llm))
+        .remote_agent(RemoteAgent::new("hq", "127.0.0.1:8080/a2a/hq"))
+        .start();
+    let error = bad.expect_err("a URL without a scheme is refused").to_string();
+    assert!(
+        error.contains("\"127.0.0.1:8080/a2a/hq\"") && error.contains("http://"),
+        "{error}"
+    );
+}
