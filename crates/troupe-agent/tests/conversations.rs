@@ -147,6 +147,59 @@ async fn a_group_mention_fans_out_and_every_agent_answers_once() {
 
 /// Goal: two agents that always mention each other stop at the cycle rule: the
 /// refusal is a system note, not an endless exchange.
+/// Goal: each agent's prompt shows its own window of the conversation: `short` (2
+/// messages) sees the mention and one message before it, `wide` (the default) all of
+/// them, and `terse` (a token window of 9) only what fits. Method: six human posts, the
+/// last mentions all three; the prompts the scripted model received are compared.
+#[tokio::test(start_paused = true)]
+async fn each_agent_builds_its_prompt_from_its_own_window() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"));
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("short").window(2, 8_000))
+        .agent(AgentSpec::new("wide"))
+        .agent(AgentSpec::new("terse").window(32, 9))
+        .start()
+        .unwrap();
+    let people = vec![agent("short"), agent("wide"), agent("terse"), human("hugo")];
+    system
+        .create_conversation("room", people, ConversationKind::Group)
+        .await
+        .unwrap();
+    for i in 0..5 {
+        let text = format!("note {i}");
+        system
+            .post_message("room", Sender::Human("hugo".into()), &format!("n{i}"), &text)
+            .await
+            .unwrap();
+    }
+    system
+        .post_message("room", Sender::Human("hugo".into()), "ask", "@short @wide @terse go")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // The prompt after the system prompt: the window's older messages, then the mention.
+    let shown = |who: &str| -> Vec<String> {
+        let requests = llm.requests_of(who);
+        assert_eq!(requests.len(), 1, "{who} answered once");
+        requests[0].messages[1..].iter().map(|m| m.content.clone()).collect()
+    };
+    let mention = "[conversation room, message #5] hugo: @short @wide @terse go".to_string();
+    assert_eq!(shown("short"), vec!["hugo: note 4".to_string(), mention.clone()]);
+    let mut all_notes: Vec<String> = (0..5).map(|i| format!("hugo: note {i}")).collect();
+    all_notes.push(mention.clone());
+    assert_eq!(shown("wide"), all_notes);
+    // Tokens are bytes / 4, rounded up: the mention "hugo: @short @wide @terse go" (28
+    // bytes, 7 tokens) is always kept; "hugo: note 4" (3 tokens) would make 10 > 9.
+    assert_eq!(shown("terse"), vec![mention]);
+    assert_eq!(
+        AgentSpec::new("bad").window(0, 10).validate().unwrap_err().to_string(),
+        "the conversation window of bad has messages = 0, which is not in 1..=32; pick a value in range"
+    );
+    system.shutdown().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_mention_ping_pong_stops_with_a_system_note() {
     let llm = ScriptedLlm::new()
