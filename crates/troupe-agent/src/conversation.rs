@@ -463,6 +463,9 @@ pub(crate) struct PostRequest {
     /// From the API: bad mentions and text are errors. From an agent's reply: they are
     /// cut or noted, never refused (the answer must land).
     pub(crate) strict: bool,
+    /// A record of a `call_agent` exchange (`call_record.rs`): stored as it is, its
+    /// `@mentions` are neither parsed nor delivered (the exchange already happened).
+    pub(crate) record: bool,
 }
 
 impl ConvCommand {
@@ -570,6 +573,7 @@ impl Actor for ConversationActor {
                             kind: NoteKind::Undeliverable,
                         }),
                         strict: false,
+                        record: false,
                     };
                     self.post(turn, note).await?;
                 }
@@ -656,7 +660,7 @@ impl ConversationActor {
             return Ok(ConvReply::Error(error));
         }
         request.text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
-        let mut mentions = if request.note.is_some() {
+        let mut mentions = if request.note.is_some() || request.record {
             Vec::new()
         } else {
             parse_mentions(&request.text)
@@ -984,6 +988,7 @@ impl AgentActor {
                 chain: reply_chain,
                 note: None,
                 strict: false,
+                record: false,
             },
             Err(cause) => PostRequest {
                 sender: Sender::System,
@@ -996,6 +1001,7 @@ impl AgentActor {
                     kind: NoteKind::Failed,
                 }),
                 strict: false,
+                record: false,
             },
         };
         // A failure here fails the turn: the inbox entry stays and is answered later.

@@ -51,6 +51,7 @@
 mod agent;
 mod budget;
 mod call_agent;
+mod call_record;
 mod config;
 mod conversation;
 mod conversation_api;
