@@ -62,7 +62,12 @@ fn script(latency_ms: u64) -> ScriptedLlm {
                 )
                 .latency(latency),
         )
-        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}").latency(latency))
+        .rule(
+            ScriptRule::agent("a")
+                .on_tool_result()
+                .reply("{tool_result}")
+                .latency(latency),
+        )
         .rule(ScriptRule::agent("b").reply("b did: {input}").latency(latency))
 }
 
@@ -128,7 +133,11 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         // delegations committed by then wait across the crash); otherwise it resolves
         // while the asks run. Three asks take about 6 model latencies.
         let approver_away = draw(0, 2) == 0;
-        let resolver_starts_ms = if approver_away { u64::MAX } else { draw(0, 4 * latency_ms + 100) };
+        let resolver_starts_ms = if approver_away {
+            u64::MAX
+        } else {
+            draw(0, 4 * latency_ms + 100)
+        };
         let crash_after_ms = draw(0, 6 * latency_ms + 200);
         let llm = script(latency_ms);
         let data = MemoryStore::new();
@@ -170,9 +179,9 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         asks.abort();
         resolver.abort();
         drop(first); // the process dies here
-        // A restart takes a moment: by then the dead runtime has aborted its turns (an
-        // in-process drop is not instantaneous; without the pause, a turn of the dead
-        // process can still commit after the new one resumed, as if two processes ran).
+                     // A restart takes a moment: by then the dead runtime has aborted its turns (an
+                     // in-process drop is not instantaneous; without the pause, a turn of the dead
+                     // process can still commit after the new one resumed, as if two processes ran).
         tokio::time::sleep(Duration::from_secs(1)).await;
 
         let second = start(&llm, Arc::new(data.clone()));
