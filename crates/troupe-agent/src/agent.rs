@@ -44,7 +44,9 @@ mod turn_loop;
 mod wire;
 
 pub(crate) use shared::AgentShared;
-pub use spec::{agent_id, AgentCatalog, AgentDirectory, AgentSpec, AgentSpecError, ModelSettings, AGENT_KIND};
+pub use spec::{
+    agent_id, AgentCatalog, AgentDirectory, AgentSpec, AgentSpecError, ContextWindow, ModelSettings, AGENT_KIND,
+};
 pub(crate) use state::{log_key, AgentState, SavedAgent};
 pub(crate) use turn_loop::Conversation;
 pub use wire::{AgentReply, AgentRequest};

@@ -240,7 +240,26 @@ pub async fn call_agent(
                 Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
                 Err(error) => Err(AgentCallError::Invoke(error)),
             };
-            settle_call(context.budget(), grant, result)
+            let result = settle_call(context.budget(), grant, result);
+            if let Ok(reply) = &result {
+                // Into the pair's direct conversation (best effort, see `call_record.rs`).
+                let (caller, callee) = (context.agent_id().key(), target.key());
+                let recorded = crate::call_record::record_call(
+                    shared,
+                    context.caller(),
+                    caller,
+                    callee,
+                    message,
+                    &reply.text,
+                    call,
+                    now,
+                )
+                .await;
+                if let Err(error) = recorded {
+                    tracing::warn!(%caller, %callee, %error, "the call was not recorded in the direct conversation");
+                }
+            }
+            result
         }
     };
     let outcome = match &result {

@@ -16,6 +16,10 @@
 //! tools = ["call_agent"]         # registered tools (built-in, custom or MCP) it may use;
 //!                                # default: every registered tool
 //! max_steps = 4                  # model steps per turn, 1..=AGENT_TURN_STEPS_MAX
+//! window_messages = 16           # conversation messages its prompt shows when it answers a
+//!                                # mention, 1..=CONVERSATION_WINDOW_MESSAGES_MAX (default: the max)
+//! window_tokens = 2000           # and at most this many approximate tokens of them,
+//!                                # 1..=CONVERSATION_WINDOW_TOKENS_MAX (default: the max)
 //! manager = "ceo"                # another declared agent
 //! mode = "supervised"            # autonomous (default), supervised, strict
 //!
@@ -143,6 +147,12 @@ pub struct AgentConfig {
     /// Model steps per turn.
     #[serde(default)]
     pub max_steps: Option<Spanned<u32>>,
+    /// Conversation messages its prompt shows when it answers a mention.
+    #[serde(default)]
+    pub window_messages: Option<Spanned<usize>>,
+    /// Approximate tokens of them at most.
+    #[serde(default)]
+    pub window_tokens: Option<Spanned<usize>>,
     /// Its manager, another declared agent.
     #[serde(default)]
     pub manager: Option<Spanned<String>>,
@@ -374,6 +384,27 @@ impl OrgConfig {
         for (index, agent) in self.agents.iter().enumerate() {
             let field = |name: &str| format!("agents[{index}].{name}");
             let id = agent.id.get_ref();
+            let windows = [
+                (
+                    "window_messages",
+                    &agent.window_messages,
+                    crate::CONVERSATION_WINDOW_MESSAGES_MAX,
+                ),
+                (
+                    "window_tokens",
+                    &agent.window_tokens,
+                    crate::CONVERSATION_WINDOW_TOKENS_MAX,
+                ),
+            ];
+            for (name, value, limit) in windows {
+                if let Some(value) = value.as_ref().filter(|value| !(1..=limit).contains(value.get_ref())) {
+                    return Err(invalid(
+                        value.span(),
+                        field(name),
+                        format!("{} is not in 1..={limit}", value.get_ref()),
+                    ));
+                }
+            }
             if let Err(error) = self.spec(agent).validate() {
                 return Err(invalid(agent.id.span(), field("id"), error.to_string()));
             }
@@ -579,6 +610,14 @@ impl OrgConfig {
         if let Some(provider) = &agent.provider {
             spec = spec.provider(provider.get_ref().clone());
         }
+        let default = crate::ContextWindow::default();
+        spec = spec.window(
+            agent
+                .window_messages
+                .as_ref()
+                .map_or(default.messages, |m| *m.get_ref()),
+            agent.window_tokens.as_ref().map_or(default.tokens, |t| *t.get_ref()),
+        );
         if let Some(tools) = &agent.tools {
             spec = spec.tools(tools.get_ref().iter().map(|tool| tool.get_ref().clone()));
         }
@@ -654,6 +693,8 @@ id = "worker"
 manager = "boss"
 mode = "supervised"
 max_steps = 3
+window_messages = 4
+window_tokens = 500
 
 [[links]]
 from = "boss"
@@ -674,6 +715,14 @@ effect = "deny"
         let specs = config.agent_specs();
         assert_eq!(specs.len(), 2);
         assert_eq!(specs[1].model.max_steps, 3);
+        assert_eq!(
+            specs[1].window,
+            crate::ContextWindow {
+                messages: 4,
+                tokens: 500
+            }
+        );
+        assert_eq!(specs[0].window, crate::ContextWindow::default());
         let links = config.org_links();
         assert_eq!(links[0].direction, LinkDirection::OneWay);
         assert_eq!(links[0].relationship, LinkRelationship::Superior);
@@ -702,7 +751,7 @@ effect = "deny"
             (
                 "unknown agent in a link",
                 VALID.replace("to = \"worker\"", "to = \"wroker\""),
-                "org.toml:16:6: field `links[0].to`: \"wroker\" is not a declared agent",
+                "org.toml:18:6: field `links[0].to`: \"wroker\" is not a declared agent",
             ),
             (
                 "unknown field",
@@ -713,12 +762,22 @@ effect = "deny"
             (
                 "bad enum value",
                 VALID.replace("\"one_way\"", "\"sideways\""),
-                "org.toml:18:13: unknown variant `sideways`",
+                "org.toml:20:13: unknown variant `sideways`",
             ),
             (
                 "steps out of range",
                 VALID.replace("max_steps = 3", "max_steps = 0"),
                 "org.toml:12:13: field `agents[1].max_steps`: 0 is not in 1..=",
+            ),
+            (
+                "window out of range",
+                VALID.replace("window_messages = 4", "window_messages = 0"),
+                "org.toml:13:19: field `agents[1].window_messages`: 0 is not in 1..=32",
+            ),
+            (
+                "window tokens out of range",
+                VALID.replace("window_tokens = 500", "window_tokens = 9000"),
+                "org.toml:14:17: field `agents[1].window_tokens`: 9000 is not in 1..=8000",
             ),
             (
                 "duplicate agent",

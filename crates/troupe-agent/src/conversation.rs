@@ -331,9 +331,20 @@ pub fn parse_mentions(text: &str) -> Vec<String> {
 /// newest messages within [`CONVERSATION_WINDOW_MESSAGES_MAX`] and
 /// [`CONVERSATION_WINDOW_TOKENS_MAX`] (the newest is always kept).
 pub fn conversation_window(me: &str, messages: &[ConversationMessage]) -> Vec<ChatMessage> {
+    conversation_window_within(me, messages, crate::ContextWindow::default())
+}
+
+/// [`conversation_window`] within an agent's own window (its [`crate::AgentSpec::window`]):
+/// the newest `window.messages` messages, at most `window.tokens` approximate tokens
+/// (the newest is always kept).
+pub fn conversation_window_within(
+    me: &str,
+    messages: &[ConversationMessage],
+    window: crate::ContextWindow,
+) -> Vec<ChatMessage> {
     let mut kept: Vec<ChatMessage> = Vec::new();
     let mut tokens = 0;
-    for message in messages.iter().rev().take(CONVERSATION_WINDOW_MESSAGES_MAX) {
+    for message in messages.iter().rev().take(window.messages) {
         let view = match &message.sender {
             Sender::Agent(agent) if agent == me => ChatMessage::new(Role::Assistant, message.text.clone()),
             Sender::Agent(name) | Sender::Human(name) => {
@@ -342,7 +353,7 @@ pub fn conversation_window(me: &str, messages: &[ConversationMessage]) -> Vec<Ch
             Sender::System => ChatMessage::new(Role::User, format!("system: {}", message.text)),
         };
         let cost = view.content.len().div_ceil(CONVERSATION_BYTES_PER_TOKEN);
-        if !kept.is_empty() && tokens + cost > CONVERSATION_WINDOW_TOKENS_MAX {
+        if !kept.is_empty() && tokens + cost > window.tokens {
             break;
         }
         tokens += cost;
@@ -452,6 +463,9 @@ pub(crate) struct PostRequest {
     /// From the API: bad mentions and text are errors. From an agent's reply: they are
     /// cut or noted, never refused (the answer must land).
     pub(crate) strict: bool,
+    /// A record of a `call_agent` exchange (`call_record.rs`): stored as it is, its
+    /// `@mentions` are neither parsed nor delivered (the exchange already happened).
+    pub(crate) record: bool,
 }
 
 impl ConvCommand {
@@ -559,6 +573,7 @@ impl Actor for ConversationActor {
                             kind: NoteKind::Undeliverable,
                         }),
                         strict: false,
+                        record: false,
                     };
                     self.post(turn, note).await?;
                 }
@@ -645,7 +660,7 @@ impl ConversationActor {
             return Ok(ConvReply::Error(error));
         }
         request.text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
-        let mut mentions = if request.note.is_some() {
+        let mut mentions = if request.note.is_some() || request.record {
             Vec::new()
         } else {
             parse_mentions(&request.text)
@@ -935,13 +950,15 @@ impl AgentActor {
         let outcome = if deadline.has_passed(turn.now()) {
             Err("the deadline passed before it could answer".to_string())
         } else {
-            let first = seq.saturating_sub(CONVERSATION_WINDOW_MESSAGES_MAX as u64 - 1);
+            // The agent's own window (validated to 1..=CONVERSATION_WINDOW_MESSAGES_MAX).
+            let window = self.state.spec.window;
+            let first = seq.saturating_sub(window.messages.max(1) as u64 - 1);
             let after = first.checked_sub(1);
-            let span = usize::try_from(seq - first + 1).unwrap_or(CONVERSATION_WINDOW_MESSAGES_MAX);
+            let span = usize::try_from(seq - first + 1).unwrap_or(window.messages);
             let messages = read_committed(&self.shared, &target, after, span)
                 .await
                 .map_err(|error| ActorError::failed(error.to_string()))?;
-            let mut history = conversation_window(&me, &messages);
+            let mut history = conversation_window_within(&me, &messages, window);
             let content = history.pop().map(|last| last.content).unwrap_or_default();
             let content = format!("[conversation {conversation}, message #{seq}] {content}");
             let turn_input = Conversation {
@@ -971,6 +988,7 @@ impl AgentActor {
                 chain: reply_chain,
                 note: None,
                 strict: false,
+                record: false,
             },
             Err(cause) => PostRequest {
                 sender: Sender::System,
@@ -983,6 +1001,7 @@ impl AgentActor {
                     kind: NoteKind::Failed,
                 }),
                 strict: false,
+                record: false,
             },
         };
         // A failure here fails the turn: the inbox entry stays and is answered later.

@@ -158,6 +158,7 @@ impl AgentClient {
             chain: Vec::new(),
             note: None,
             strict: true,
+            record: false,
         };
         match self.conversation_request(id, ConvCommand::Post(request)).await? {
             ConvReply::Posted(posted) => Ok(posted),

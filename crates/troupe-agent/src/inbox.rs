@@ -23,6 +23,11 @@
 //!      task:    invoke(B, Enqueue)  ── ack = B committed ──►  tell A Delivered{s}
 //!               no ack: retry (after AGENT_DELIVERY_RETRY_MS) until the deadline
 //!               (results: until acknowledged); then tell A Undeliverable{s}
+//!      (an entry that needs approval: the organisation recorded a pending approval
+//!       at send time and the turn went on; the delivery task first waits for it
+//!       until the entry's deadline: approved → delivered as above; denied → tell A
+//!       Undeliverable{s} rejected; still pending → Undeliverable{s} failed. A restart
+//!       resumes the wait: the approval and the entry are both in the store.)
 //! A: Delivered{s}      delete outbox/{s}
 //! A: Undeliverable{s}  delete outbox/{s}; a task resolves failed/rejected at A
 //! B: Enqueue    seen? → Duplicate (ack again, no entry) · full? → Full (nothing kept)
@@ -254,6 +259,12 @@ impl InboxBody {
 pub(crate) struct OutboxEntry {
     pub(crate) to: ActorId,
     pub(crate) entry: InboxEntry,
+    /// The pending approval it waits for before delivery (the organisation's record,
+    /// see `org_store.rs`): approved, it is delivered; denied or still pending at its
+    /// deadline, it is given up (a task resolves `rejected` or `failed` at its
+    /// delegator, with the reason as its result).
+    #[serde(default)]
+    pub(crate) approval: Option<u64>,
 }
 
 /// Everything an agent's actor handles (bincode on the wire).
@@ -420,8 +431,9 @@ impl PendingSends {
         }
     }
 
-    /// Queues a notification or a task to `to` under `child` (the admitted context);
-    /// returns the message id (the task id, for a task).
+    /// Queues a notification or a task to `to` under `child` (the admitted context),
+    /// waiting for pending approval `approval` if given; returns the message id (the
+    /// task id, for a task).
     pub(crate) fn push(
         &mut self,
         to: ActorId,
@@ -429,6 +441,7 @@ impl PendingSends {
         task: bool,
         child: CallContext,
         own: &CallContext,
+        approval: Option<u64>,
     ) -> Result<String, InboxError> {
         let queued = self.entries.len() as u64;
         if self.outbox_len + queued >= AGENT_OUTBOX_CAPACITY {
@@ -464,6 +477,9 @@ impl PendingSends {
             InboxBody::Notify { text }
         };
         self.push_entry(seq, to, msg_id.clone(), body, child);
+        if let Some((_, out)) = self.entries.last_mut() {
+            out.approval = approval;
+        }
         Ok(msg_id)
     }
 
@@ -484,7 +500,14 @@ impl PendingSends {
             context,
             budget: Budget::UNLIMITED,
         };
-        self.entries.push((seq, OutboxEntry { to, entry }));
+        self.entries.push((
+            seq,
+            OutboxEntry {
+                to,
+                entry,
+                approval: None,
+            },
+        ));
     }
 }
 

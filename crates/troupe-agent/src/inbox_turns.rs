@@ -490,11 +490,23 @@ impl AgentActor {
     ) -> Result<Bytes, ActorError> {
         let (clock, deadline) = (turn.clock(), turn.context().deadline());
         let admitted = crate::org_store::admit_send(&self.shared, &clock, &self.id, to, text, deadline, task).await;
-        if let Err(InboxError::NotPermitted(refused)) = admitted {
-            return Ok(encode_reply(&SendReply::NotPermitted(refused)));
-        }
+        let approval = match admitted {
+            Ok(approval) => approval,
+            Err(InboxError::NotPermitted(refused)) => return Ok(encode_reply(&SendReply::NotPermitted(refused))),
+            Err(other) => return Err(ActorError::failed(other.to_string())),
+        };
         let mut sends = self.pending_sends();
-        let reply = match queue_send(turn.caller(), &self.shared, &mut sends, to, text, timeout_ms, task) {
+        let queued = queue_send(
+            turn.caller(),
+            &self.shared,
+            &mut sends,
+            to,
+            text,
+            timeout_ms,
+            task,
+            approval,
+        );
+        let reply = match queued {
             Ok(id) => {
                 self.flush_sends(turn, sends).await?;
                 SendReply::Sent(id)
@@ -529,8 +541,9 @@ impl AgentActor {
     }
 }
 
-/// Admission, then queues a notification or task from the turn of `caller`; returns the
-/// message (task) id.
+/// Admission, then queues a notification or task from the turn of `caller` (waiting in
+/// the outbox for pending approval `approval`, if given); returns the message (task) id.
+#[allow(clippy::too_many_arguments)]
 fn queue_send(
     caller: &troupe_runtime::Caller,
     shared: &crate::agent::AgentShared,
@@ -539,6 +552,7 @@ fn queue_send(
     text: &str,
     timeout_ms: Option<u64>,
     task: bool,
+    approval: Option<u64>,
 ) -> Result<String, InboxError> {
     let target = agent_id(to).map_err(|error| InboxError::InvalidAgentId {
         agent_id: to.to_string(),
@@ -549,19 +563,28 @@ fn queue_send(
     let admitted = caller.admit(&target, shared.directory.contains(to), None)?;
     let child = admitted.child().with_deadline(task_deadline(caller.now(), timeout_ms));
     drop(admitted);
-    sends.push(target, text, task, child, caller.context())
+    sends.push(target, text, task, child, caller.context(), approval)
 }
 
-/// Queues a send from a tool of the running turn.
+/// What a send from a tool queued.
+struct Queued {
+    /// The message (task) id.
+    id: String,
+    /// The pending approval it waits for in the outbox, if any.
+    approval: Option<u64>,
+}
+
+/// Queues a send from a tool of the running turn; one that needs approval is queued
+/// with its pending approval (the turn does not wait for it).
 async fn tool_send(
     context: &ToolExecutionContext,
     to: &str,
     text: &str,
     timeout_ms: Option<u64>,
     task: bool,
-) -> Result<String, InboxError> {
+) -> Result<Queued, InboxError> {
     let clock = context.clock();
-    crate::org_store::admit_send(
+    let approval = crate::org_store::admit_send(
         context.shared(),
         &clock,
         context.agent_id(),
@@ -588,6 +611,7 @@ async fn tool_send(
         text,
         timeout_ms,
         task,
+        approval,
     );
     if queued.is_ok() {
         if let Some((_, out)) = sends.entries.last_mut() {
@@ -597,7 +621,7 @@ async fn tool_send(
     } else {
         context.budget().settle(grant, Spend::default());
     }
-    queued
+    queued.map(|id| Queued { id, approval })
 }
 
 /// The arguments of `delegate_to_agent` and `notify_agent`.
@@ -631,7 +655,17 @@ pub(crate) fn delegate_tool() -> Tool {
                 true,
             )
             .await
-            .map(|task_id| format!("delegated as task {task_id}; the result will come back as a message"))
+            .map(|queued| match queued.approval {
+                None => format!(
+                    "delegated as task {}; the result will come back as a message",
+                    queued.id
+                ),
+                Some(approval) => format!(
+                    "task {} is pending approval {approval}: it is sent once approved; if it is \
+                     denied (or not approved in time) the denial comes back as the task's result",
+                    queued.id
+                ),
+            })
             .map_err(|error| ToolError::failed(DELEGATE_TOOL_NAME, error.to_string()))
         },
     )
@@ -651,7 +685,13 @@ pub(crate) fn notify_tool() -> Tool {
                 false,
             )
             .await
-            .map(|msg_id| format!("notification {msg_id} queued"))
+            .map(|queued| match queued.approval {
+                None => format!("notification {} queued", queued.id),
+                Some(approval) => format!(
+                    "notification {} is pending approval {approval}: it is sent only once approved",
+                    queued.id
+                ),
+            })
             .map_err(|error| ToolError::failed(NOTIFY_TOOL_NAME, error.to_string()))
         },
     )
@@ -675,7 +715,13 @@ async fn deliver(
 ) {
     let payload = AgentCommand::Enqueue(out.entry.clone()).encode();
     let is_result = matches!(out.entry.body, InboxBody::TaskUpdate { .. });
-    let report = loop {
+    if let Some(approval) = out.approval {
+        if let Some(refused) = await_send_approval(&runtime, &shared, &sender, seq, &out, approval).await {
+            report(&runtime, &sender, seq, refused).await;
+            return;
+        }
+    }
+    let report_command = loop {
         let target_known = shared.directory.contains(out.to.key());
         let result = if target_known {
             runtime
@@ -731,9 +777,69 @@ async fn deliver(
             _ => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
         }
     };
+    report(&runtime, &sender, seq, report_command).await;
+}
+
+/// Waits (outside any turn) for the approval an outbox entry needs, until the entry's
+/// deadline; `None` when it may be delivered, else the `Undeliverable` report: denied or
+/// refused by the organisation of that moment → `rejected`; still pending at the
+/// deadline → `failed`. The organisation's store being unavailable is retried until the
+/// deadline.
+async fn await_send_approval(
+    runtime: &troupe_runtime::RuntimeHandle,
+    shared: &crate::agent::AgentShared,
+    sender: &troupe_core::ActorId,
+    seq: u64,
+    out: &OutboxEntry,
+    approval: u64,
+) -> Option<AgentCommand> {
+    let task = matches!(out.entry.body, InboxBody::Task { .. });
+    let message = match &out.entry.body {
+        InboxBody::Task { text, .. } | InboxBody::Notify { text } => text.as_str(),
+        _ => "",
+    };
+    let contact = crate::org_store::Contact {
+        from: sender,
+        to: &out.to,
+        kind: crate::org_store::send_kind(task),
+        message,
+        deadline: out.entry.context.deadline(),
+    };
+    let clock = runtime.clock();
+    loop {
+        let refused = match crate::org_store::await_approval(shared, &clock, &contact, approval).await {
+            Ok(_) => return None,
+            Err(refused) => refused,
+        };
+        let state = match refused.reason {
+            crate::NotPermittedReason::Unavailable { .. } if !contact.deadline.has_passed(runtime.now()) => {
+                tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await;
+                continue;
+            }
+            crate::NotPermittedReason::ApprovalTimedOut { .. } | crate::NotPermittedReason::Unavailable { .. } => {
+                TaskState::Failed
+            }
+            _ => TaskState::Rejected,
+        };
+        return Some(AgentCommand::Undeliverable {
+            seq,
+            cause: format!("not permitted: {refused}"),
+            state,
+        });
+    }
+}
+
+/// Reports a delivery's outcome to its sender (a few attempts; if all fail, the entry
+/// stays in the outbox and the next resume delivers it again, deduplicated).
+async fn report(
+    runtime: &troupe_runtime::RuntimeHandle,
+    sender: &troupe_core::ActorId,
+    seq: u64,
+    report: AgentCommand,
+) {
     let deadline = runtime.deadline_in(WAKE_TIMEOUT);
     for _ in 0..REPORT_ATTEMPTS {
-        match runtime.tell(&sender, report.encode(), deadline).await {
+        match runtime.tell(sender, report.encode(), deadline).await {
             Ok(()) | Err(InvokeError::Shutdown) => return,
             Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
         }

@@ -51,6 +51,7 @@
 mod agent;
 mod budget;
 mod call_agent;
+mod call_record;
 mod config;
 mod conversation;
 mod conversation_api;
@@ -75,8 +76,8 @@ mod system;
 mod tool;
 
 pub use agent::{
-    agent_id, AgentCatalog, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ModelSettings,
-    AGENT_KIND,
+    agent_id, AgentCatalog, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ContextWindow,
+    ModelSettings, AGENT_KIND,
 };
 pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
@@ -85,11 +86,11 @@ pub use config::{
     CONFIG_FILE_SIZE_MAX_BYTES,
 };
 pub use conversation::{
-    conversation_window, direct_conversation_id, parse_mentions, ConversationError, ConversationInfo, ConversationKind,
-    ConversationMessage, Note, NoteKind, Participant, Posted, Sender, CONVERSATIONS_LISTED_MAX,
-    CONVERSATION_BYTES_PER_TOKEN, CONVERSATION_KIND, CONVERSATION_MENTIONS_MAX, CONVERSATION_MESSAGES_MAX,
-    CONVERSATION_NAME_LENGTH_MAX_BYTES, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
-    CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
+    conversation_window, conversation_window_within, direct_conversation_id, parse_mentions, ConversationError,
+    ConversationInfo, ConversationKind, ConversationMessage, Note, NoteKind, Participant, Posted, Sender,
+    CONVERSATIONS_LISTED_MAX, CONVERSATION_BYTES_PER_TOKEN, CONVERSATION_KIND, CONVERSATION_MENTIONS_MAX,
+    CONVERSATION_MESSAGES_MAX, CONVERSATION_NAME_LENGTH_MAX_BYTES, CONVERSATION_PAGE_MAX,
+    CONVERSATION_PARTICIPANTS_MAX, CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
 };
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};

@@ -201,40 +201,77 @@ pub(crate) struct Contact<'a> {
     pub(crate) deadline: Deadline,
 }
 
-/// The organisation's admission of one contact: decides on the current organisation;
-/// a contact that needs approval records a pending [`Approval`] (durably) and waits for
-/// it until the contact's deadline, then is decided again on the organisation of that
-/// moment (a deny added meanwhile wins). Reports the final decision as
-/// [`AgentEvent::ContactDecided`] with the version it was made on.
-///
-/// # Errors
-/// [`NotPermitted`].
-pub(crate) async fn admit_contact(
+/// The organisation's first decision on one contact, made without waiting.
+pub(crate) enum FirstDecision {
+    /// Decided now (and reported as [`AgentEvent::ContactDecided`]).
+    Decided(Permitted),
+    /// It needs approval: pending approval `id` was recorded (durably).
+    Pending {
+        /// The approval's id.
+        id: u64,
+    },
+}
+
+fn refusal(contact: &Contact<'_>, reason: NotPermittedReason) -> NotPermitted {
+    NotPermitted {
+        from: contact.from.key().to_string(),
+        to: contact.to.key().to_string(),
+        kind: contact.kind,
+        reason,
+    }
+}
+
+fn emit_decided(
     shared: &crate::agent::AgentShared,
     clock: &Clock,
-    contact: Contact<'_>,
-) -> Result<Permitted, NotPermitted> {
+    contact: &Contact<'_>,
+    version: u64,
+    permitted: bool,
+) {
+    if shared.has_listeners() {
+        shared.emit(&AgentEvent::ContactDecided {
+            from: contact.from.clone(),
+            to: contact.to.clone(),
+            kind: contact.kind,
+            org_version: version,
+            permitted,
+            at: clock.now(),
+        });
+    }
+}
+
+/// Decides one contact on the current organisation without waiting: a contact that
+/// needs approval records a pending [`crate::Approval`] (durably) and is returned as
+/// [`FirstDecision::Pending`]; the final decision is then [`await_approval`]'s.
+///
+/// # Errors
+/// [`NotPermitted`] (reported as [`AgentEvent::ContactDecided`]).
+pub(crate) async fn decide_contact(
+    shared: &crate::agent::AgentShared,
+    clock: &Clock,
+    contact: &Contact<'_>,
+) -> Result<FirstDecision, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
-    let refuse = |reason| NotPermitted {
-        from: from.to_string(),
-        to: to.to_string(),
-        kind,
-        reason,
-    };
     let Some(runtime) = shared.runtime() else {
-        return Err(refuse(NotPermittedReason::Unavailable {
-            cause: "the runtime has not started".to_string(),
-        }));
+        return Err(refusal(
+            contact,
+            NotPermittedReason::Unavailable {
+                cause: "the runtime has not started".to_string(),
+            },
+        ));
     };
     let store = runtime.store().as_ref();
     let unavailable = |error: OrgError| {
-        refuse(NotPermittedReason::Unavailable {
-            cause: error.to_string(),
-        })
+        refusal(
+            contact,
+            NotPermittedReason::Unavailable {
+                cause: error.to_string(),
+            },
+        )
     };
     let org = shared.org.current(store).await.map_err(unavailable)?;
-    let (decision, version) = match org.decide(from, to, kind) {
-        Ok(Permitted::NeedsApproval { rule, mode }) => {
+    match org.decide(from, to, kind) {
+        Ok(Permitted::NeedsApproval { .. }) => {
             let id = shared
                 .org
                 .change(store, |org| org.request_approval(from, to, kind, contact.message))
@@ -247,31 +284,77 @@ pub(crate) async fn admit_contact(
                 kind,
                 at: clock.now(),
             });
-            let state = shared.org.wait_resolved(id, clock, contact.deadline).await;
-            let now = shared.org.current(store).await.map_err(unavailable)?;
-            let decision = match state {
-                Some(ApprovalState::Approved) => match now.decide(from, to, kind) {
-                    Ok(Permitted::NeedsApproval { .. }) => Ok(Permitted::NeedsApproval { rule, mode }),
-                    other => other,
-                },
-                Some(ApprovalState::Denied) => Err(refuse(NotPermittedReason::ApprovalDenied { id })),
-                Some(ApprovalState::Pending) | None => Err(refuse(NotPermittedReason::ApprovalTimedOut { id })),
-            };
-            (decision, now.version())
+            Ok(FirstDecision::Pending { id })
         }
-        other => (other, org.version()),
-    };
-    if shared.has_listeners() {
-        shared.emit(&AgentEvent::ContactDecided {
-            from: contact.from.clone(),
-            to: contact.to.clone(),
-            kind,
-            org_version: version,
-            permitted: decision.is_ok(),
-            at: clock.now(),
-        });
+        other => {
+            emit_decided(shared, clock, contact, org.version(), other.is_ok());
+            other.map(FirstDecision::Decided)
+        }
     }
+}
+
+/// Waits for pending approval `id` of `contact` until the contact's deadline, then
+/// decides again on the organisation of that moment (a deny added meanwhile wins), and
+/// reports the final decision as [`AgentEvent::ContactDecided`] with the version it was
+/// made on. Works in a later process too: the approval is read from the store.
+///
+/// # Errors
+/// [`NotPermitted`]: denied, still pending at the deadline, refused by the organisation
+/// of that moment, or the organisation unavailable.
+pub(crate) async fn await_approval(
+    shared: &crate::agent::AgentShared,
+    clock: &Clock,
+    contact: &Contact<'_>,
+    id: u64,
+) -> Result<Permitted, NotPermitted> {
+    let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
+    let Some(runtime) = shared.runtime() else {
+        return Err(refusal(
+            contact,
+            NotPermittedReason::Unavailable {
+                cause: "the runtime has not started".to_string(),
+            },
+        ));
+    };
+    let store = runtime.store().as_ref();
+    let unavailable = |error: OrgError| {
+        refusal(
+            contact,
+            NotPermittedReason::Unavailable {
+                cause: error.to_string(),
+            },
+        )
+    };
+    // Loads the cache first (after a restart nothing else may have).
+    shared.org.current(store).await.map_err(unavailable)?;
+    let state = shared.org.wait_resolved(id, clock, contact.deadline).await;
+    let now = shared.org.current(store).await.map_err(unavailable)?;
+    let decision = match state {
+        Some(ApprovalState::Approved) => match now.decide(from, to, kind) {
+            Ok(Permitted::NeedsApproval { rule, mode }) => Ok(Permitted::NeedsApproval { rule, mode }),
+            other => other,
+        },
+        Some(ApprovalState::Denied) => Err(refusal(contact, NotPermittedReason::ApprovalDenied { id })),
+        Some(ApprovalState::Pending) | None => Err(refusal(contact, NotPermittedReason::ApprovalTimedOut { id })),
+    };
+    emit_decided(shared, clock, contact, now.version(), decision.is_ok());
     decision
+}
+
+/// The organisation's admission of one contact, waiting: [`decide_contact`], then, if
+/// it needs approval, [`await_approval`] until the contact's deadline.
+///
+/// # Errors
+/// [`NotPermitted`].
+pub(crate) async fn admit_contact(
+    shared: &crate::agent::AgentShared,
+    clock: &Clock,
+    contact: Contact<'_>,
+) -> Result<Permitted, NotPermitted> {
+    match decide_contact(shared, clock, &contact).await? {
+        FirstDecision::Decided(permitted) => Ok(permitted),
+        FirstDecision::Pending { id } => await_approval(shared, clock, &contact, id).await,
+    }
 }
 
 /// Loads the organisation into the cache if it is not there yet, so the prompt can show
@@ -288,8 +371,10 @@ pub(crate) async fn ensure_loaded(shared: &crate::agent::AgentShared) {
 }
 
 /// The organisation's admission of a delegation or notification from `from` to `to`
-/// (see [`admit_contact`]); a target that is unknown or not a valid id is left to the
-/// runtime's admission, which refuses it with its own error.
+/// (see [`decide_contact`]), without waiting: `Some(id)` when it needs approval `id`
+/// (the message then waits in the outbox, see `inbox.rs`). A target that is unknown or
+/// not a valid id is left to the runtime's admission, which refuses it with its own
+/// error.
 ///
 /// # Errors
 /// [`crate::InboxError::NotPermitted`].
@@ -301,29 +386,34 @@ pub(crate) async fn admit_send(
     message: &str,
     deadline: Deadline,
     task: bool,
-) -> Result<(), crate::InboxError> {
+) -> Result<Option<u64>, crate::InboxError> {
     let Ok(target) = crate::agent_id(to) else {
-        return Ok(());
+        return Ok(None);
     };
     if !shared.directory.contains(to) {
-        return Ok(());
+        return Ok(None);
     }
-    let kind = if task {
-        ContactKind::Delegate
-    } else {
-        ContactKind::Notify
-    };
     let contact = Contact {
         from,
         to: &target,
-        kind,
+        kind: send_kind(task),
         message,
         deadline,
     };
-    admit_contact(shared, clock, contact)
-        .await
-        .map(|_| ())
-        .map_err(crate::InboxError::NotPermitted)
+    match decide_contact(shared, clock, &contact).await {
+        Ok(FirstDecision::Decided(_)) => Ok(None),
+        Ok(FirstDecision::Pending { id }) => Ok(Some(id)),
+        Err(refused) => Err(crate::InboxError::NotPermitted(refused)),
+    }
+}
+
+/// The contact kind of a delegation (`task`) or a notification.
+pub(crate) fn send_kind(task: bool) -> ContactKind {
+    if task {
+        ContactKind::Delegate
+    } else {
+        ContactKind::Notify
+    }
 }
 
 /// The organisation's admission of `call_agent` from the turn of `context` to `target`,

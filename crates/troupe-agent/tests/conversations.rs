@@ -147,6 +147,129 @@ async fn a_group_mention_fans_out_and_every_agent_answers_once() {
 
 /// Goal: two agents that always mention each other stop at the cycle rule: the
 /// refusal is a system note, not an endless exchange.
+/// Goal: each agent's prompt shows its own window of the conversation: `short` (2
+/// messages) sees the mention and one message before it, `wide` (the default) all of
+/// them, and `terse` (a token window of 9) only what fits. Method: six human posts, the
+/// last mentions all three; the prompts the scripted model received are compared.
+#[tokio::test(start_paused = true)]
+async fn each_agent_builds_its_prompt_from_its_own_window() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"));
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("short").window(2, 8_000))
+        .agent(AgentSpec::new("wide"))
+        .agent(AgentSpec::new("terse").window(32, 9))
+        .start()
+        .unwrap();
+    let people = vec![agent("short"), agent("wide"), agent("terse"), human("hugo")];
+    system
+        .create_conversation("room", people, ConversationKind::Group)
+        .await
+        .unwrap();
+    for i in 0..5 {
+        let text = format!("note {i}");
+        system
+            .post_message("room", Sender::Human("hugo".into()), &format!("n{i}"), &text)
+            .await
+            .unwrap();
+    }
+    system
+        .post_message("room", Sender::Human("hugo".into()), "ask", "@short @wide @terse go")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // The prompt after the system prompt: the window's older messages, then the mention.
+    let shown = |who: &str| -> Vec<String> {
+        let requests = llm.requests_of(who);
+        assert_eq!(requests.len(), 1, "{who} answered once");
+        requests[0].messages[1..].iter().map(|m| m.content.clone()).collect()
+    };
+    let mention = "[conversation room, message #5] hugo: @short @wide @terse go".to_string();
+    assert_eq!(shown("short"), vec!["hugo: note 4".to_string(), mention.clone()]);
+    let mut all_notes: Vec<String> = (0..5).map(|i| format!("hugo: note {i}")).collect();
+    all_notes.push(mention.clone());
+    assert_eq!(shown("wide"), all_notes);
+    // Tokens are bytes / 4, rounded up: the mention "hugo: @short @wide @terse go" (28
+    // bytes, 7 tokens) is always kept; "hugo: note 4" (3 tokens) would make 10 > 9.
+    assert_eq!(shown("terse"), vec![mention]);
+    assert_eq!(
+        AgentSpec::new("bad").window(0, 10).validate().unwrap_err().to_string(),
+        "the conversation window of bad has messages = 0, which is not in 1..=32; pick a value in range"
+    );
+    system.shutdown().await;
+}
+
+/// Goal: every answered `call_agent` lands in the pair's direct conversation (the same
+/// one either way round): the caller's question, then the callee's answer replying to
+/// it; a `@mention` inside a recorded exchange triggers nobody; a failed call is not
+/// recorded. Method: `a`'s scripted model asks `b` (twice, the second question
+/// mentions `c`), then `b` asks `a`; then a call to an agent whose model fails.
+#[tokio::test(start_paused = true)]
+async fn call_agent_exchanges_are_recorded_in_the_pairs_direct_conversation() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_user_containing("ask b").call(
+            "call_agent",
+            serde_json::json!({"agent_id": "b", "message": "{input} (cc @c)"}),
+        ))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("ask d")
+                .call("call_agent", serde_json::json!({"agent_id": "d", "message": "hello d"})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("a got: {tool_result}"))
+        .rule(ScriptRule::agent("a").reply("a answers"))
+        .rule(ScriptRule::agent("b").on_user_containing("ask a").call(
+            "call_agent",
+            serde_json::json!({"agent_id": "a", "message": "and you?"}),
+        ))
+        .rule(ScriptRule::agent("b").on_tool_result().reply("b got: {tool_result}"))
+        .rule(ScriptRule::agent("b").reply("b answers"))
+        .rule(ScriptRule::agent("c").reply("c should not speak"))
+        .rule(ScriptRule::agent("d").fail("d's model is down"));
+    let system = start(&llm, &["a", "b", "c", "d"], Arc::new(MemoryStore::new()));
+    assert_eq!(system.ask("a", "ask b one").await.unwrap().text, "a got: b answers");
+    assert_eq!(system.ask("a", "ask b two").await.unwrap().text, "a got: b answers");
+    assert_eq!(system.ask("b", "ask a").await.unwrap().text, "b got: a answers");
+    let failed = system.ask("a", "ask d").await.unwrap().text;
+    assert!(failed.starts_with("a got: error: call_agent failed"), "{failed}");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+
+    let id = troupe_agent::direct_conversation_id("b", "a");
+    assert_eq!(id, troupe_agent::direct_conversation_id("a", "b"));
+    let messages = all(&system, &id).await;
+    let seen: Vec<(Sender, String, Option<u64>)> = messages
+        .iter()
+        .map(|m| (m.sender.clone(), m.text.clone(), m.reply_to))
+        .collect();
+    let from = |who: &str| Sender::Agent(who.to_string());
+    assert_eq!(
+        seen,
+        vec![
+            (from("a"), "ask b one (cc @c)".to_string(), None),
+            (from("b"), "b answers".to_string(), Some(0)),
+            (from("a"), "ask b two (cc @c)".to_string(), None),
+            (from("b"), "b answers".to_string(), Some(2)),
+            (from("b"), "and you?".to_string(), None),
+            (from("a"), "a answers".to_string(), Some(4)),
+        ]
+    );
+    assert!(
+        messages.iter().all(|m| m.mentions.is_empty()),
+        "recorded mentions are not delivered"
+    );
+    assert!(llm.requests_of("c").is_empty(), "c was never triggered");
+    assert_gap_free(&messages);
+    assert!(system.conversations_of("a").await.unwrap().contains(&id));
+    assert!(system.conversations_of("b").await.unwrap().contains(&id));
+    let failed_pair = troupe_agent::direct_conversation_id("a", "d");
+    assert!(
+        !system.conversations_of("d").await.unwrap().contains(&failed_pair),
+        "a failed call is not recorded"
+    );
+    system.shutdown().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_mention_ping_pong_stops_with_a_system_note() {
     let llm = ScriptedLlm::new()

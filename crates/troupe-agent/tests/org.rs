@@ -331,6 +331,115 @@ async fn a_call_needing_approval_waits_and_proceeds_or_is_refused() {
     again.shutdown().await;
 }
 
+/// `a` delegates to `b` and notifies `b` on "hand off", then reports its tool results;
+/// it echoes every task result it gets back; `b` answers "done".
+fn hand_off_script() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("hand off")
+                .call("delegate_to_agent", json!({"agent_id": "b", "message": "do it"}))
+                .call("notify_agent", json!({"agent_id": "b", "message": "fyi"})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("a").on_user_containing("you delegated").reply("seen"))
+        .rule(ScriptRule::agent("b").reply("done"))
+}
+
+/// Goal: a delegation and a notification that need approval do not hold the sending
+/// turn: the turn ends at once, its model reads "pending approval N"; the messages wait
+/// in the outbox (durably: across a restart on the same store) and are delivered once
+/// approved; a denied delegation comes back to the delegator as a `rejected` task whose
+/// result names the denial, and a denied notification is never delivered. Method: `a`
+/// is supervised; its scripted model delegates and notifies; the approvals are resolved
+/// through the API, the second pair after the system was shut down and started again.
+#[tokio::test(start_paused = true)]
+async fn a_send_needing_approval_waits_in_the_outbox_across_a_restart() {
+    let llm = hand_off_script();
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    let system = start_on(&llm, &["a", "b"], Arc::clone(&store));
+    system.set_membership("a", supervised.clone()).await.unwrap();
+
+    // Approved: the turn does not wait; b works only after the approval.
+    let reply = system.ask("a", "hand off").await.unwrap();
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 2, "{pending:?}");
+    let (task_approval, notify_approval) = (pending[0].id, pending[1].id);
+    assert_eq!(pending[0].kind, ContactKind::Delegate);
+    assert_eq!(pending[1].kind, ContactKind::Notify);
+    let results = llm.tool_results_seen_by("a");
+    assert_eq!(
+        results[0],
+        format!(
+            "task a.0 is pending approval {task_approval}: it is sent once approved; if it is denied \
+             (or not approved in time) the denial comes back as the task's result"
+        )
+    );
+    assert_eq!(
+        results[1],
+        format!("notification a.1 is pending approval {notify_approval}: it is sent only once approved")
+    );
+    assert!(reply.text.contains("pending approval"), "{}", reply.text);
+    tokio::time::sleep(10 * SECOND).await;
+    assert!(llm.requests_of("b").is_empty(), "nothing reached b before approval");
+    assert_eq!(system.pending("a").await.unwrap(), (0, 2), "both wait in a's outbox");
+    system.approve(task_approval).await.unwrap();
+    system.approve(notify_approval).await.unwrap();
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(llm.requests_of("b").len(), 2, "the task and the notification reached b");
+    let task = system.task("a", "a.0").await.unwrap().unwrap();
+    assert_eq!(
+        (task.state, task.result.as_deref()),
+        (TaskState::Completed, Some("done"))
+    );
+
+    // Pending across a restart, then denied: b never sees them; the task is rejected.
+    system.ask("a", "hand off").await.unwrap();
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 2, "{pending:?}");
+    let task_id = "a.2";
+    assert_eq!(system.pending("a").await.unwrap(), (0, 2));
+    system.shutdown().await;
+    let system = start_on(&llm, &["a", "b"], Arc::clone(&store));
+    tokio::time::sleep(SECOND).await;
+    assert_eq!(
+        system.pending("a").await.unwrap(),
+        (0, 2),
+        "still queued after the restart"
+    );
+    system.deny(pending[0].id).await.unwrap();
+    system.deny(pending[1].id).await.unwrap();
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(llm.requests_of("b").len(), 2, "nothing denied reached b");
+    let task = system.task("a", task_id).await.unwrap().unwrap();
+    assert_eq!(task.state, TaskState::Rejected);
+    assert_eq!(
+        task.result.as_deref(),
+        Some(
+            format!(
+                "not permitted: a may not delegate to b: approval {} was denied",
+                pending[0].id
+            )
+            .as_str()
+        )
+    );
+    let rejected = llm
+        .requests_of("a")
+        .iter()
+        .filter(|request| {
+            let needle = format!("[task {task_id} you delegated is rejected]");
+            request.messages.last().is_some_and(|m| m.content.contains(&needle))
+        })
+        .count();
+    assert_eq!(rejected, 1, "a's model read the denial once");
+    assert_eq!(system.pending("a").await.unwrap(), (0, 0));
+    system.shutdown().await;
+}
+
 /// Goal: links, rules and the policy survive a restart and are enforced after it.
 #[tokio::test(start_paused = true)]
 async fn the_organisation_is_kept_in_the_store_across_a_restart() {

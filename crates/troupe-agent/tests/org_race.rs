@@ -107,3 +107,119 @@ async fn a_call_admitted_after_a_revoke_returns_is_refused() {
     );
     system.shutdown().await;
 }
+
+/// How many delegations race their approval, denial and deadline.
+const APPROVAL_RACES: u64 = 30;
+/// Their deadline.
+const APPROVAL_RACE_TIMEOUT_MS: u64 = 150;
+
+/// Goal: an approve, a deny and the deadline racing for one queued delegation give
+/// exactly one outcome: at most one of approve and deny succeeds; the task ends once,
+/// `completed` only if approved, `rejected` only if denied (naming the denial), `failed`
+/// naming the deadline otherwise; the delegatee's model sees the job exactly when it
+/// completed; the delegator's model reads the outcome exactly once. Method: `a` is
+/// supervised; 30 delegations through the API with a 150 ms deadline, each approved and
+/// denied from two tasks on 4 worker threads after delays spread over 0..300 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn approve_deny_and_the_deadline_racing_give_one_outcome() {
+    use troupe_agent::{BehaviourMode, Membership, TaskState};
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").reply("noted"))
+        .rule(ScriptRule::agent("b").reply("done"));
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .unwrap();
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("a", supervised).await.unwrap();
+    let mut outcomes = std::collections::BTreeMap::<&str, u64>::new();
+    for i in 0..APPROVAL_RACES {
+        let job = format!("job {i}");
+        let task_id = system
+            .delegate("a", "b", &job, Some(APPROVAL_RACE_TIMEOUT_MS))
+            .await
+            .unwrap();
+        let approval = system
+            .pending_approvals()
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|approval| approval.message == job)
+            .expect("the delegation waits for approval");
+        let (approve_after, deny_after) = ((i * 37) % 300, (i * 53 + 20) % 300);
+        let client = system.client();
+        let approve = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(approve_after)).await;
+            client.approve(approval.id).await.is_ok()
+        });
+        let client = system.client();
+        let deny = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(deny_after)).await;
+            client.deny(approval.id).await.is_ok()
+        });
+        let (approved, denied) = (approve.await.unwrap(), deny.await.unwrap());
+        assert!(!(approved && denied), "{task_id}: approved and denied");
+        let mut task = None;
+        for _ in 0..100 {
+            task = system.task("a", &task_id).await.unwrap().filter(|t| t.state.is_final());
+            if task.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let task = task.unwrap_or_else(|| panic!("{task_id} never ended"));
+        // Let the outcome's turn at `a` (and any late delivery) finish.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let result = task.result.clone().unwrap_or_default();
+        let name = match task.state {
+            TaskState::Completed => {
+                assert!(approved, "{task_id} completed without approval");
+                "completed"
+            }
+            TaskState::Rejected => {
+                assert!(denied, "{task_id} rejected without a denial: {result}");
+                assert!(
+                    result.contains(&format!("approval {} was denied", approval.id)),
+                    "{result}"
+                );
+                "rejected"
+            }
+            TaskState::Failed => {
+                assert!(result.contains("deadline"), "{task_id}: {result}");
+                "failed"
+            }
+            other => panic!("{task_id} ended {other:?}"),
+        };
+        *outcomes.entry(name).or_default() += 1;
+        let b_saw = llm
+            .requests_of("b")
+            .iter()
+            .filter(|r| {
+                r.messages
+                    .last()
+                    .is_some_and(|m| m.content.ends_with(&format!("] {job}")))
+            })
+            .count();
+        let expected = usize::from(task.state == TaskState::Completed);
+        assert_eq!(b_saw, expected, "{task_id} ({name}): b's model saw it {b_saw} times");
+        let outcome = format!("[task {task_id} you delegated is {name}]");
+        let a_read = system
+            .conversation_log("a")
+            .await
+            .unwrap()
+            .iter()
+            .filter(|m| m.content.contains(&outcome))
+            .count();
+        assert_eq!(a_read, 1, "{outcome} read {a_read} times");
+    }
+    assert!(
+        outcomes.len() >= 2,
+        "the races must end more than one way: {outcomes:?}"
+    );
+    system.shutdown().await;
+}

@@ -33,6 +33,8 @@ pub(crate) struct AgentShared {
     clock: OnceLock<Clock>,
     /// The runtime, set once it has started: delivery tasks invoke through it.
     runtime: OnceLock<RuntimeHandle>,
+    /// The direct conversations `call_record.rs` created or found in this process.
+    direct_conversations: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl AgentShared {
@@ -56,7 +58,24 @@ impl AgentShared {
             next_call: AtomicU64::new(1),
             clock: OnceLock::new(),
             runtime: OnceLock::new(),
+            direct_conversations: std::sync::Mutex::default(),
         }
+    }
+
+    /// Whether direct conversation `id` was created (or found) in this process.
+    pub(crate) fn direct_conversation_known(&self, id: &str) -> bool {
+        self.direct_conversations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(id)
+    }
+
+    /// Remembers that direct conversation `id` exists.
+    pub(crate) fn remember_direct_conversation(&self, id: String) {
+        self.direct_conversations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id);
     }
 
     /// The model client of agent `spec`: its named provider, or the default. `None` if

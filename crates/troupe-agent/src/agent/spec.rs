@@ -79,6 +79,21 @@ pub enum AgentSpecError {
         /// The providers the system has, by name.
         known: Vec<String>,
     },
+    /// The agent's conversation window is out of range.
+    #[error(
+        "the conversation window of {id} has {what} = {value}, which is not in 1..={limit}; pick a value in range"
+    )]
+    WindowOutOfRange {
+        /// The agent.
+        id: String,
+        /// `messages` or `tokens`.
+        what: &'static str,
+        /// The value given.
+        value: usize,
+        /// [`crate::CONVERSATION_WINDOW_MESSAGES_MAX`] or
+        /// [`crate::CONVERSATION_WINDOW_TOKENS_MAX`].
+        limit: usize,
+    },
     /// The agent names a tool the system does not have.
     #[error(
         "agent {id:?} names tool {tool:?}, which this system does not have; registered tools: [{}] \
@@ -155,6 +170,32 @@ pub struct AgentSpec {
     /// tool. A call of any other tool is refused with a tool result and not run.
     #[serde(default)]
     pub tools: Option<Vec<String>>,
+    /// How much of a conversation its prompt shows when it answers a mention (its
+    /// pull-based context).
+    #[serde(default)]
+    pub window: ContextWindow,
+}
+
+/// How much of a conversation an agent's prompt shows: the newest `messages` messages,
+/// and within them at most `tokens` approximate tokens (bytes /
+/// [`crate::CONVERSATION_BYTES_PER_TOKEN`]); the newest message is always kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ContextWindow {
+    /// Most messages, 1..=[`crate::CONVERSATION_WINDOW_MESSAGES_MAX`].
+    pub messages: usize,
+    /// Most approximate tokens, 1..=[`crate::CONVERSATION_WINDOW_TOKENS_MAX`].
+    pub tokens: usize,
+}
+
+impl Default for ContextWindow {
+    /// The largest window: [`crate::CONVERSATION_WINDOW_MESSAGES_MAX`] messages,
+    /// [`crate::CONVERSATION_WINDOW_TOKENS_MAX`] tokens.
+    fn default() -> Self {
+        Self {
+            messages: crate::CONVERSATION_WINDOW_MESSAGES_MAX,
+            tokens: crate::CONVERSATION_WINDOW_TOKENS_MAX,
+        }
+    }
 }
 
 impl AgentSpec {
@@ -169,7 +210,15 @@ impl AgentSpec {
             model: ModelSettings::default(),
             provider: None,
             tools: None,
+            window: ContextWindow::default(),
         }
+    }
+
+    /// Sets its conversation window: the newest `messages` messages, at most `tokens`
+    /// approximate tokens (checked by [`AgentSpec::validate`]).
+    pub fn window(mut self, messages: usize, tokens: usize) -> Self {
+        self.window = ContextWindow { messages, tokens };
+        self
     }
 
     /// Uses the system's model provider named `provider` (registered with
@@ -228,11 +277,30 @@ impl AgentSpec {
         self
     }
 
-    /// Checks the id and the prompt size.
+    /// Checks the id, the prompt size and the window.
     ///
     /// # Errors
     /// [`AgentSpecError`].
     pub fn validate(&self) -> Result<(), AgentSpecError> {
+        let limits = [
+            (
+                "messages",
+                self.window.messages,
+                crate::CONVERSATION_WINDOW_MESSAGES_MAX,
+            ),
+            ("tokens", self.window.tokens, crate::CONVERSATION_WINDOW_TOKENS_MAX),
+        ];
+        if let Some((what, value, limit)) = limits
+            .into_iter()
+            .find(|(_, value, limit)| !(1..=*limit).contains(value))
+        {
+            return Err(AgentSpecError::WindowOutOfRange {
+                id: self.id.clone(),
+                what,
+                value,
+                limit,
+            });
+        }
         agent_id(&self.id).map_err(|cause| AgentSpecError::InvalidId {
             id: self.id.clone(),
             cause,
