@@ -38,5 +38,18 @@ CanonNext ==
     \/ Tick
     \/ Terminated
 
+
+(* A narrower abstraction, as a state CONSTRAINT of the *_chain configs:  *)
+(* the admitted calls form one chain from the client's request (call c's  *)
+(* parent is call c - 1). Every other step (deliveries, timeouts, busy,    *)
+(* ticks, the dispatcher's asynchronous ForgetEdge, the turns unwinding)   *)
+(* is explored, but a turn whose call has returned does not call again.   *)
+(* An under-approximation: it checks the depth limit along the one chain  *)
+(* long enough to reach it.                                                *)
+OneChain == \A c \in 2..nCalls : calls[c].parent = c - 1
+
+(* Reachability witness: no turn runs at depth MAX_DEPTH (must FAIL). *)
+DepthBelowMax == \A a \in Agents : turn[a] # 0 => calls[turn[a]].depth < MAX_DEPTH
+
 CanonSpec == CanonInit /\ [][CanonNext]_vars /\ Fairness
 =============================================================================
