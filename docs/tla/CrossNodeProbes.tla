@@ -296,7 +296,8 @@ EveryCallEnds ==
 LiveProbes == {m \in net : calls[m.icid].status = "pending"}
 Referenced == UNION {{m.path[i][2] : i \in DOMAIN m.path} : m \in LiveProbes}
 CallView(c) ==
-    IF calls[c].status \in {"none", "pending"} \/ c \in Referenced THEN calls[c]
+    IF calls[c].status = "none" THEN "none"   \* NoCall's CHOOSE is not symmetric
+    ELSE IF calls[c].status = "pending" \/ c \in Referenced THEN calls[c]
     ELSE "ended"
 SafetyView ==
     <<turn, waiting, [c \in CallIds |-> CallView(c)], nCalls, nRoots, LiveProbes,
