@@ -332,10 +332,14 @@ async fn main() -> ExitCode {
         },
         #[cfg(not(madsim))]
         Command::Node(node_args) => {
-            if let Err(message) = init_logging(troupe_cli::LogFormat::Text) {
-                eprintln!("troupe: {message}");
-                return ExitCode::FAILURE;
-            }
+            // Kept alive until the node stops (it flushes an OTLP export, if any, on drop).
+            let _logging = match init_logging(troupe_cli::LogFormat::Text, None) {
+                Ok(guard) => guard,
+                Err(message) => {
+                    eprintln!("troupe: {message}");
+                    return ExitCode::FAILURE;
+                }
+            };
             match troupe_cli::node::run_node(&node_args, shutdown_signal()).await {
                 Ok(()) => {
                     println!("troupe node: stopped");
