@@ -100,6 +100,16 @@ fn attribute(span: &Span, key: &str) -> Option<String> {
         .map(|attribute| text(attribute.value.as_ref().and_then(|v| v.value.as_ref())))
 }
 
+/// The actor an `invoke` span calls: its `target` field (the exporter also writes the
+/// span's tracing target under the same key).
+fn invoke_target(span: &Span) -> Option<String> {
+    span.attributes
+        .iter()
+        .filter(|attribute| attribute.key == "target")
+        .map(|attribute| text(attribute.value.as_ref().and_then(|v| v.value.as_ref())))
+        .find(|value| !value.starts_with("troupe_"))
+}
+
 /// Goal: the spans of one request reach an OTLP/HTTP collector as protobuf: the
 /// request's `http_request` is the root of one trace holding the `invoke`, `turn`,
 /// `model_call` and `tool_call` spans of both agents (each span's parent in the same
@@ -165,7 +175,9 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
     }
     let turns: Vec<(String, String)> = trace
         .iter()
-        .filter(|span| span.name == "turn")
+        // Agents' turns only: an answered call is also recorded in the pair's direct
+        // conversation, whose actors' turns belong to the same trace.
+        .filter(|span| span.name == "turn" && attribute(span, "actor").is_some_and(|actor| actor.starts_with("agent/")))
         .map(|span| {
             (
                 attribute(span, "actor").unwrap_or_default(),
@@ -175,9 +187,19 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         .collect();
     assert_eq!(turns.len(), 2, "the caller's turn and echo's: {turns:?}");
     assert_eq!(
-        trace.iter().filter(|span| span.name == "invoke").count(),
+        trace
+            .iter()
+            .filter(
+                |span| span.name == "invoke" && invoke_target(span).is_some_and(|target| target.starts_with("agent/"))
+            )
+            .count(),
         2,
-        "outside -> caller -> echo"
+        "outside -> caller -> echo: {:?}",
+        trace
+            .iter()
+            .filter(|span| span.name == "invoke")
+            .map(|span| invoke_target(span))
+            .collect::<Vec<_>>()
     );
     let echo = turns
         .iter()
