@@ -178,6 +178,9 @@ pub(crate) struct Shared {
     /// Planted bug (simulator only): a turn whose handler failed commits anyway.
     #[cfg(feature = "planted-bugs")]
     pub(crate) planted_commit_failed_turn: bool,
+    /// Planted bug (simulator only): the transport does not check arrivals again.
+    #[cfg(feature = "planted-bugs")]
+    pub(crate) planted_no_arrival_checks: bool,
 }
 
 impl Shared {

@@ -110,6 +110,8 @@ pub struct RuntimeBuilder {
     planted_commit_after_abandon: bool,
     #[cfg(feature = "planted-bugs")]
     planted_commit_failed_turn: bool,
+    #[cfg(feature = "planted-bugs")]
+    planted_no_arrival_checks: bool,
 }
 
 impl Default for RuntimeBuilder {
@@ -123,6 +125,8 @@ impl Default for RuntimeBuilder {
             planted_commit_after_abandon: false,
             #[cfg(feature = "planted-bugs")]
             planted_commit_failed_turn: false,
+            #[cfg(feature = "planted-bugs")]
+            planted_no_arrival_checks: false,
         }
     }
 }
@@ -171,6 +175,15 @@ impl RuntimeBuilder {
     #[cfg(feature = "planted-bugs")]
     pub fn plant_bug_commit_failed_turn(mut self) -> Self {
         self.planted_commit_failed_turn = true;
+        self
+    }
+
+    /// Plants a bug (feature `planted-bugs`): requests arriving over the transport are
+    /// not checked again for a cycle in their chain or a depth over the limit, so a
+    /// caller's admission that skipped those checks is not caught on the host either.
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant_bug_no_arrival_checks(mut self) -> Self {
+        self.planted_no_arrival_checks = true;
         self
     }
 
@@ -242,6 +255,8 @@ impl RuntimeBuilder {
             planted_commit_after_abandon: self.planted_commit_after_abandon,
             #[cfg(feature = "planted-bugs")]
             planted_commit_failed_turn: self.planted_commit_failed_turn,
+            #[cfg(feature = "planted-bugs")]
+            planted_no_arrival_checks: self.planted_no_arrival_checks,
         });
         let handle = RuntimeHandle { shared };
         let dispatcher = Dispatcher::new(handle.clone(), command_queue, control_queue);

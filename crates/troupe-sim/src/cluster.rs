@@ -324,6 +324,14 @@ async fn serve(
     if config.plant_commit_failed_turn {
         builder = builder.plant_bug_commit_failed_turn();
     }
+    // An admission that skips a check skips it everywhere: the host's check of an
+    // arriving request would otherwise catch what the planted bug lets through.
+    if matches!(
+        config.admission,
+        AdmissionMode::BugSkipChainCheck | AdmissionMode::BugSkipDepthCheck
+    ) {
+        builder = builder.plant_bug_no_arrival_checks();
+    }
     let (runtime, agents): (Option<Runtime>, Option<AgentSystem>) = match &config.agents {
         Some(setup) if node == AGENT_NODE => {
             let llm = Arc::new(FaultyLlm::new(Arc::clone(&setup.llm), config.llm_faults.clone()));
