@@ -29,6 +29,11 @@ use troupe::runtime::{MemoryStore, StateStore};
 use troupe_sim::SimRng;
 
 const ROUNDS: u64 = 16;
+/// Rounds per seed of the partition test: each waits `PARTITION_SETTLE_S` virtual
+/// seconds after the restart, and a seed must stay under the DST's 600 s time limit.
+const PARTITION_ROUNDS: u64 = 8;
+/// Virtual seconds the partition test lets the restarted system settle.
+const PARTITION_SETTLE_S: u64 = 45;
 /// Human posts per round, each mentioning two agents.
 const POSTS: u64 = 3;
 const AGENTS: [&str; 4] = ["alice", "bob", "carol", "dave"];
@@ -279,7 +284,7 @@ fn check_round(round: u64, messages: &[ConversationMessage], acknowledged: &[Str
 async fn every_mention_is_answered_exactly_once_under_partitions() {
     let mut rng = SimRng::new();
     let (mut replies, mut failed_notes, mut store_faults) = (0, 0, 0);
-    for round in 0..ROUNDS {
+    for round in 0..PARTITION_ROUNDS {
         let latency_ms = rng.range(1, 200);
         let bob_fails = rng.range(0, 3) == 0;
         let cut_off = ["alice", "carol", "dave"][rng.range(0, 3) as usize];
@@ -331,7 +336,7 @@ async fn every_mention_is_answered_exactly_once_under_partitions() {
         data.faults().heal();
         let acknowledged = acknowledged.lock().unwrap().clone();
         let second = start(&llm, Arc::new(data.clone()));
-        tokio::time::sleep(Duration::from_secs(60)).await;
+        tokio::time::sleep(Duration::from_secs(PARTITION_SETTLE_S)).await;
 
         let messages = second.read_messages(CONVERSATION, None, 500).await.unwrap();
         let (r, f) = check_round(round, &messages, &acknowledged);
