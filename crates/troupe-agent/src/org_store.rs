@@ -20,7 +20,7 @@ use std::sync::{Arc, RwLock};
 
 use bytes::Bytes;
 use troupe_core::{ActorId, Deadline, StoreError};
-use troupe_runtime::{Clock, StateChange, StateStore, TurnCommit};
+use troupe_runtime::{Clock, RuntimeHandle, StateChange, StateStore, TurnCommit};
 
 use crate::org::{ApprovalState, ContactKind, NotPermitted, NotPermittedReason, OrgError, Organisation, Permitted};
 use crate::AgentEvent;
@@ -212,6 +212,24 @@ pub(crate) enum FirstDecision {
     },
 }
 
+/// The refusal of `contact` when the organisation cannot be read or changed.
+fn unavailable(contact: &Contact<'_>, cause: impl std::fmt::Display) -> NotPermitted {
+    refusal(
+        contact,
+        NotPermittedReason::Unavailable {
+            cause: cause.to_string(),
+        },
+    )
+}
+
+/// The runtime whose store holds the organisation, or the refusal of `contact` before
+/// it started.
+fn contact_runtime(shared: &crate::agent::AgentShared, contact: &Contact<'_>) -> Result<RuntimeHandle, NotPermitted> {
+    shared
+        .runtime()
+        .ok_or_else(|| unavailable(contact, "the runtime has not started"))
+}
+
 fn refusal(contact: &Contact<'_>, reason: NotPermittedReason) -> NotPermitted {
     NotPermitted {
         from: contact.from.key().to_string(),
@@ -252,23 +270,9 @@ pub(crate) async fn decide_contact(
     contact: &Contact<'_>,
 ) -> Result<FirstDecision, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
-    let Some(runtime) = shared.runtime() else {
-        return Err(refusal(
-            contact,
-            NotPermittedReason::Unavailable {
-                cause: "the runtime has not started".to_string(),
-            },
-        ));
-    };
+    let runtime = contact_runtime(shared, contact)?;
     let store = runtime.store().as_ref();
-    let unavailable = |error: OrgError| {
-        refusal(
-            contact,
-            NotPermittedReason::Unavailable {
-                cause: error.to_string(),
-            },
-        )
-    };
+    let unavailable = |error: OrgError| unavailable(contact, error);
     let org = shared.org.current(store).await.map_err(unavailable)?;
     match org.decide(from, to, kind) {
         Ok(Permitted::NeedsApproval { .. }) => {
@@ -308,23 +312,9 @@ pub(crate) async fn await_approval(
     id: u64,
 ) -> Result<Permitted, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
-    let Some(runtime) = shared.runtime() else {
-        return Err(refusal(
-            contact,
-            NotPermittedReason::Unavailable {
-                cause: "the runtime has not started".to_string(),
-            },
-        ));
-    };
+    let runtime = contact_runtime(shared, contact)?;
     let store = runtime.store().as_ref();
-    let unavailable = |error: OrgError| {
-        refusal(
-            contact,
-            NotPermittedReason::Unavailable {
-                cause: error.to_string(),
-            },
-        )
-    };
+    let unavailable = |error: OrgError| unavailable(contact, error);
     // Loads the cache first (after a restart nothing else may have).
     shared.org.current(store).await.map_err(unavailable)?;
     let state = shared.org.wait_resolved(id, clock, contact.deadline).await;

@@ -32,9 +32,8 @@ use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::agent::{agent_id, AgentReply, AgentRequest};
-use crate::budget::reply_or_exhausted;
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
-use crate::{AgentCallError, AgentClient, AgentEvent, Budget, CallOutcome};
+use crate::{AgentCallError, AgentClient, AgentEvent, Budget};
 
 /// The key of Troupe's call context in an A2A message's `metadata`.
 pub const TROUPE_METADATA_KEY: &str = "troupe";
@@ -922,28 +921,10 @@ impl AgentClient {
                 call: Some(call),
                 budget: Budget::UNLIMITED,
             };
-            match self.runtime.invoke_in(&target, request.encode(), call_context).await {
-                Ok(bytes) => AgentReply::decode(&bytes)
-                    .map_err(|cause| AgentCallError::MalformedReply {
-                        target: target.clone(),
-                        cause,
-                    })
-                    .and_then(reply_or_exhausted),
-                Err(error) => Err(AgentCallError::Invoke(error)),
-            }
+            let answer = self.runtime.invoke_in(&target, request.encode(), call_context).await;
+            crate::system::outside_reply(&target, answer)
         };
-        let outcome = match &result {
-            Ok(reply) => CallOutcome::Replied {
-                bytes: reply.text.len(),
-            },
-            Err(error) => error.outcome(),
-        };
-        self.shared.emit(&AgentEvent::CallFinished {
-            call,
-            outcome,
-            at: self.runtime.now(),
-        });
-        result
+        self.outside_call_finished(call, result)
     }
 }
 

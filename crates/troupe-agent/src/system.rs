@@ -344,24 +344,26 @@ impl AgentClient {
                 call: Some(call),
                 budget,
             };
-            match self
+            let answer = self
                 .runtime
                 .invoke(&target, request.encode(), self.runtime.deadline_in(timeout))
-                .await
-            {
-                Ok(bytes) => AgentReply::decode(&bytes)
-                    .map_err(|cause| AgentCallError::MalformedReply {
-                        target: target.clone(),
-                        cause,
-                    })
-                    .and_then(reply_or_exhausted),
-                Err(error) => Err(AgentCallError::Invoke(error)),
-            }
+                .await;
+            outside_reply(&target, answer)
         } else {
             Err(AgentCallError::Refused(CallRefused::AgentNotFound {
                 target: target.clone(),
             }))
         };
+        self.outside_call_finished(call, result)
+    }
+
+    /// Reports the end of call `call` from outside ([`AgentEvent::CallFinished`]) and
+    /// returns its result.
+    pub(crate) fn outside_call_finished(
+        &self,
+        call: u64,
+        result: Result<AgentReply, AgentCallError>,
+    ) -> Result<AgentReply, AgentCallError> {
         let outcome = match &result {
             Ok(reply) => CallOutcome::Replied {
                 bytes: reply.text.len(),
@@ -718,5 +720,23 @@ impl AgentSystem {
     /// Deactivates every agent and stops the runtime.
     pub async fn shutdown(self) {
         self.runtime.shutdown().await;
+    }
+}
+
+/// An agent's answer to a call from outside, as the caller sees it: a reply that does
+/// not decode is [`AgentCallError::MalformedReply`], an exhausted turn
+/// [`AgentCallError::BudgetExhausted`].
+pub(crate) fn outside_reply(
+    target: &ActorId,
+    answer: Result<bytes::Bytes, InvokeError>,
+) -> Result<AgentReply, AgentCallError> {
+    match answer {
+        Ok(bytes) => AgentReply::decode(&bytes)
+            .map_err(|cause| AgentCallError::MalformedReply {
+                target: target.clone(),
+                cause,
+            })
+            .and_then(reply_or_exhausted),
+        Err(error) => Err(AgentCallError::Invoke(error)),
     }
 }

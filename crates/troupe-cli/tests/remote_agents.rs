@@ -6,8 +6,10 @@
 //! the model. Normal build only (the server is not built under madsim).
 #![cfg(not(madsim))]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+mod support;
+
+use std::io::BufReader;
+use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -62,18 +64,12 @@ fn serve(dir: &Path, name: &str, port: u16, config: &str) -> Server {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    while stdout.read_line(&mut line).unwrap() > 0 {
-        if let Some(addr) = line.trim().strip_prefix("listening on http://") {
-            let addr = addr.to_string();
-            return Server {
-                child,
-                addr,
-                _stdout: stdout,
-            };
-        }
-        line.clear();
+    if let Some((stdout, addr)) = support::read_address(&mut child) {
+        return Server {
+            child,
+            addr,
+            _stdout: stdout,
+        };
     }
     let _ = child.kill();
     let _ = child.wait();
@@ -82,26 +78,9 @@ fn serve(dir: &Path, name: &str, port: u16, config: &str) -> Server {
 
 /// One HTTP/1.1 request; the status and the body as JSON.
 fn http(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_millis(SERVE_WAIT_MS_MAX)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let status = response[9..12].parse().unwrap();
-    let (_, body) = response.split_once("\r\n\r\n").unwrap();
-    (
-        status,
-        serde_json::from_str(body).unwrap_or(Value::String(body.to_string())),
-    )
+    let (status, body) = support::http(addr, method, path, &body.to_string(), SERVE_WAIT_MS_MAX);
+    let body = serde_json::from_str(&body).unwrap_or(Value::String(body));
+    (status, body)
 }
 
 /// Asks agent `agent` of `server`; the status and the reply.

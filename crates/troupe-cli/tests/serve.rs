@@ -3,8 +3,9 @@
 //! token. Normal build only (the server is not built under madsim).
 #![cfg(not(madsim))]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+mod support;
+
+use std::io::{BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -23,39 +24,13 @@ fn troupe_serve(args: &[&str]) -> Command {
 
 /// One HTTP/1.1 request over a fresh connection; the status and the body.
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_millis(SERVE_WAIT_MS_MAX)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let status = response[9..12].parse().unwrap();
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_string())
-        .unwrap();
-    (status, body)
+    support::http(addr, method, path, body, SERVE_WAIT_MS_MAX)
 }
 
 /// Reads the child's stdout up to the `listening on http://ADDR` line; the rest of
 /// stdout (for later reads) and the address.
 fn read_address(child: &mut Child) -> (BufReader<std::process::ChildStdout>, String) {
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    while stdout.read_line(&mut line).unwrap() > 0 {
-        if let Some(rest) = line.trim().strip_prefix("listening on http://") {
-            return (stdout, rest.to_string());
-        }
-        line.clear();
-    }
-    panic!("troupe serve printed no address");
+    support::read_address(child).expect("troupe serve printed no address")
 }
 
 /// How often a stopping child is checked, in milliseconds.
