@@ -50,6 +50,8 @@ pub mod limits;
 mod metrics;
 #[cfg(not(madsim))]
 mod openai_compat;
+#[cfg(not(madsim))]
+mod org;
 #[cfg(all(feature = "otel", not(madsim)))]
 pub mod otel;
 #[cfg(not(madsim))]

@@ -24,7 +24,7 @@ use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
 use crate::limits::{SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS};
 use crate::metrics::Metrics;
-use crate::{a2a, agents, conversations, events, openai_compat, topology};
+use crate::{a2a, agents, conversations, events, openai_compat, org, topology};
 
 /// What every handler shares.
 pub(crate) struct AppState {
@@ -90,6 +90,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         .route("/v1/events", get(events::events))
         .route("/v1/chat/completions", post(openai_compat::chat_completions))
         .route("/v1/models", get(openai_compat::models))
+        .merge(org::routes())
         .merge(a2a::routes(Arc::clone(&state)))
         .merge(topology::routes(&state.client))
         .fallback(not_found)
