@@ -94,6 +94,25 @@ pub enum AgentEvent {
         /// When.
         at: Deadline,
     },
+    /// Approval `approval.id` was approved or denied ([`crate::AgentClient::approve`],
+    /// [`crate::AgentClient::deny`]); `approval` is the record as resolved.
+    ApprovalResolved {
+        /// The record, with its new state.
+        approval: crate::Approval,
+        /// When.
+        at: Deadline,
+    },
+    /// The organisation was changed through [`crate::AgentClient`] (a link, a
+    /// permission rule, a membership, the policy, an approval's resolution or a config
+    /// applied) and committed; `version` is its version after the change. Pending
+    /// approvals recorded by admission are reported as [`AgentEvent::ApprovalRequested`]
+    /// instead.
+    OrgChanged {
+        /// The organisation's version after the change.
+        version: u64,
+        /// When.
+        at: Deadline,
+    },
     /// A message (notification, task, task result or cancellation) was acknowledged by
     /// its target: it is persisted in the target's inbox (or was a duplicate).
     MessageSent {

@@ -13,7 +13,7 @@ use crate::agent::{agent_id, AgentRequest};
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
 use crate::org_store::{admit_contact, Contact};
 use crate::{
-    AgentCallError, AgentClient, AgentReply, Approval, ContactKind, Link, Membership, OrgError, OrgPolicy,
+    AgentCallError, AgentClient, AgentEvent, AgentReply, Approval, ContactKind, Link, Membership, OrgError, OrgPolicy,
     Organisation, PermissionRule,
 };
 
@@ -35,8 +35,36 @@ impl AgentClient {
         self.shared.org.reload(self.runtime.store().as_ref()).await
     }
 
-    async fn change_org<T>(&self, change: impl FnMut(&mut Organisation) -> Result<T, OrgError>) -> Result<T, OrgError> {
-        self.shared.org.change(self.runtime.store().as_ref(), change).await
+    /// Applies `change` and reports it as [`AgentEvent::OrgChanged`] once committed.
+    async fn change_org<T>(
+        &self,
+        mut change: impl FnMut(&mut Organisation) -> Result<T, OrgError>,
+    ) -> Result<T, OrgError> {
+        let mut version = 0;
+        let output = self
+            .shared
+            .org
+            .change(self.runtime.store().as_ref(), |org| {
+                let output = change(org)?;
+                version = org.version();
+                Ok(output)
+            })
+            .await?;
+        self.shared.emit(&AgentEvent::OrgChanged {
+            version,
+            at: self.runtime.clock().now(),
+        });
+        Ok(output)
+    }
+
+    /// Resolves approval `id` and reports it as [`AgentEvent::ApprovalResolved`].
+    async fn resolve_approval(&self, id: u64, approve: bool) -> Result<Approval, OrgError> {
+        let approval = self.change_org(|org| org.resolve_approval(id, approve)).await?;
+        self.shared.emit(&AgentEvent::ApprovalResolved {
+            approval: approval.clone(),
+            at: self.runtime.clock().now(),
+        });
+        Ok(approval)
     }
 
     /// Adds `link`. Its agents need not exist yet.
@@ -142,7 +170,7 @@ impl AgentClient {
     /// # Errors
     /// [`OrgError::NotPending`], [`OrgError::Store`].
     pub async fn approve(&self, id: u64) -> Result<Approval, OrgError> {
-        self.change_org(|org| org.resolve_approval(id, true)).await
+        self.resolve_approval(id, true).await
     }
 
     /// Denies pending approval `id`: the contact waiting for it is refused with
@@ -152,7 +180,7 @@ impl AgentClient {
     /// # Errors
     /// [`OrgError::NotPending`], [`OrgError::Store`].
     pub async fn deny(&self, id: u64) -> Result<Approval, OrgError> {
-        self.change_org(|org| org.resolve_approval(id, false)).await
+        self.resolve_approval(id, false).await
     }
 
     /// Sends `text` to agent `to` as agent `from` (the message is introduced as coming

@@ -129,6 +129,16 @@ pub fn event_json(event: &AgentEvent) -> Value {
             json!({"type": "approval_requested", "id": id, "from": from.to_string(), "to": to.to_string(),
                    "kind": kind, "at_us": at.as_micros()})
         }
+        AgentEvent::ApprovalResolved { approval, at } => {
+            // As the other events name agents: their actor ids (`agent/NAME`).
+            let actor = |key: &str| troupe_agent::agent_id(key).map_or_else(|_| key.to_string(), |id| id.to_string());
+            json!({"type": "approval_resolved", "id": approval.id, "from": actor(&approval.from),
+                   "to": actor(&approval.to),
+                   "kind": approval.kind, "state": approval.state, "at_us": at.as_micros()})
+        }
+        AgentEvent::OrgChanged { version, at } => {
+            json!({"type": "org_changed", "version": version, "at_us": at.as_micros()})
+        }
         other => json!({"type": "other", "debug": format!("{other:?}")}),
     }
 }

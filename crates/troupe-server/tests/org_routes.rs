@@ -41,7 +41,11 @@ async fn start() -> Harness {
         token: Some(TOKEN.to_string()),
         ..ServerConfig::default()
     };
-    Harness::start(support::agents(script(), &["a", "b", "c"], KindConfig::default()), config).await
+    Harness::start(
+        support::agents(script(), &["a", "b", "c"], KindConfig::default()),
+        config,
+    )
+    .await
 }
 
 impl Harness {
@@ -72,9 +76,7 @@ impl Harness {
 
     /// `a` supervised: every contact it starts needs approval.
     async fn supervise_a(&self) {
-        let (status, body) = self
-            .put("/v1/agents/a/membership", json!({"mode": "supervised"}))
-            .await;
+        let (status, body) = self.put("/v1/agents/a/membership", json!({"mode": "supervised"})).await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["membership"], json!({"manager": null, "mode": "supervised"}));
     }
@@ -82,7 +84,9 @@ impl Harness {
 
 /// The error code of an error body.
 fn code(body: &Value) -> &str {
-    body["error"]["code"].as_str().unwrap_or_else(|| panic!("not an error: {body}"))
+    body["error"]["code"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not an error: {body}"))
 }
 
 /// Goal: links round trip over REST (create, list, update, delete) with the TOML
@@ -131,22 +135,72 @@ async fn links_round_trip_over_rest_and_show_in_the_topology() {
 
     // Errors, each with the one JSON shape.
     let cases: Vec<(Method, &str, Option<Value>, u16, &str)> = vec![
-        (Method::POST, "/v1/links", Some(json!({"from": "a", "to": "ghost"})), 404, "agent_not_found"),
-        (Method::POST, "/v1/links", Some(json!({"from": "ghost", "to": "a"})), 404, "agent_not_found"),
-        (Method::POST, "/v1/links", Some(json!({"from": "a", "to": "a"})), 422, "invalid_link"),
-        (Method::POST, "/v1/links", Some(json!({"from": "a"})), 422, "invalid_link"),
-        (Method::POST, "/v1/links", Some(json!({"from": "a", "to": "c", "colour": "red"})), 422, "invalid_body"),
-        (Method::POST, "/v1/links", Some(json!({"from": "a", "to": "c", "direction": "sideways"})), 422, "invalid_body"),
+        (
+            Method::POST,
+            "/v1/links",
+            Some(json!({"from": "a", "to": "ghost"})),
+            404,
+            "agent_not_found",
+        ),
+        (
+            Method::POST,
+            "/v1/links",
+            Some(json!({"from": "ghost", "to": "a"})),
+            404,
+            "agent_not_found",
+        ),
+        (
+            Method::POST,
+            "/v1/links",
+            Some(json!({"from": "a", "to": "a"})),
+            422,
+            "invalid_link",
+        ),
+        (
+            Method::POST,
+            "/v1/links",
+            Some(json!({"from": "a"})),
+            422,
+            "invalid_link",
+        ),
+        (
+            Method::POST,
+            "/v1/links",
+            Some(json!({"from": "a", "to": "c", "colour": "red"})),
+            422,
+            "invalid_body",
+        ),
+        (
+            Method::POST,
+            "/v1/links",
+            Some(json!({"from": "a", "to": "c", "direction": "sideways"})),
+            422,
+            "invalid_body",
+        ),
         (Method::PUT, "/v1/links/a/c", Some(json!({})), 404, "link_not_found"),
-        (Method::PUT, "/v1/links/a/b", Some(json!({"from": "c"})), 422, "invalid_link"),
+        (
+            Method::PUT,
+            "/v1/links/a/b",
+            Some(json!({"from": "c"})),
+            422,
+            "invalid_link",
+        ),
         (Method::DELETE, "/v1/links/c/a", None, 404, "link_not_found"),
     ];
     for (method, path, body, expected, expected_code) in cases {
         let (status, answer) = harness.send(method.clone(), path, body.clone()).await;
-        assert_eq!((status, code(&answer)), (expected, expected_code), "{method} {path} {body:?}: {answer}");
+        assert_eq!(
+            (status, code(&answer)),
+            (expected, expected_code),
+            "{method} {path} {body:?}: {answer}"
+        );
     }
     let (_, body) = harness.get("/v1/links").await;
-    assert_eq!(body["links"].as_array().unwrap().len(), 1, "no error changed anything: {body}");
+    assert_eq!(
+        body["links"].as_array().unwrap().len(),
+        1,
+        "no error changed anything: {body}"
+    );
 
     let unauthenticated = harness.request(Method::GET, "/v1/links").send().await.unwrap();
     assert_eq!(unauthenticated.status().as_u16(), 401);
@@ -261,12 +315,33 @@ async fn permissions_and_memberships_round_trip_over_rest() {
     assert_eq!(status, 200, "{body}");
     let (status, body) = harness.get("/v1/agents/b/membership").await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body, json!({"agent": "b", "membership": {"manager": "a", "mode": "strict"}}));
+    assert_eq!(
+        body,
+        json!({"agent": "b", "membership": {"manager": "a", "mode": "strict"}})
+    );
 
     let cases: Vec<(Method, &str, Option<Value>, u16, &str)> = vec![
-        (Method::GET, "/v1/agents/ghost/permissions", None, 404, "agent_not_found"),
-        (Method::PUT, "/v1/agents/ghost/permissions/a", Some(json!({"effect": "allow"})), 404, "agent_not_found"),
-        (Method::PUT, "/v1/agents/a/permissions/ghost", Some(json!({"effect": "allow"})), 404, "agent_not_found"),
+        (
+            Method::GET,
+            "/v1/agents/ghost/permissions",
+            None,
+            404,
+            "agent_not_found",
+        ),
+        (
+            Method::PUT,
+            "/v1/agents/ghost/permissions/a",
+            Some(json!({"effect": "allow"})),
+            404,
+            "agent_not_found",
+        ),
+        (
+            Method::PUT,
+            "/v1/agents/a/permissions/ghost",
+            Some(json!({"effect": "allow"})),
+            404,
+            "agent_not_found",
+        ),
         (
             Method::PUT,
             "/v1/agents/a/permissions/b",
@@ -281,19 +356,57 @@ async fn permissions_and_memberships_round_trip_over_rest() {
             422,
             "invalid_permission",
         ),
-        (Method::PUT, "/v1/agents/a/permissions/b", Some(json!({})), 422, "invalid_body"),
-        (Method::DELETE, "/v1/agents/a/permissions/b", None, 404, "permission_not_found"),
+        (
+            Method::PUT,
+            "/v1/agents/a/permissions/b",
+            Some(json!({})),
+            422,
+            "invalid_body",
+        ),
+        (
+            Method::DELETE,
+            "/v1/agents/a/permissions/b",
+            None,
+            404,
+            "permission_not_found",
+        ),
         (Method::GET, "/v1/agents/ghost/membership", None, 404, "agent_not_found"),
-        (Method::PUT, "/v1/agents/a/membership", Some(json!({"manager": "ghost"})), 404, "agent_not_found"),
-        (Method::PUT, "/v1/agents/a/membership", Some(json!({"manager": "b"})), 409, "manager_cycle"),
-        (Method::PUT, "/v1/agents/a/membership", Some(json!({"mode": "lazy"})), 422, "invalid_body"),
+        (
+            Method::PUT,
+            "/v1/agents/a/membership",
+            Some(json!({"manager": "ghost"})),
+            404,
+            "agent_not_found",
+        ),
+        (
+            Method::PUT,
+            "/v1/agents/a/membership",
+            Some(json!({"manager": "b"})),
+            409,
+            "manager_cycle",
+        ),
+        (
+            Method::PUT,
+            "/v1/agents/a/membership",
+            Some(json!({"mode": "lazy"})),
+            422,
+            "invalid_body",
+        ),
     ];
     for (method, path, body, expected, expected_code) in cases {
         let (status, answer) = harness.send(method.clone(), path, body.clone()).await;
-        assert_eq!((status, code(&answer)), (expected, expected_code), "{method} {path} {body:?}: {answer}");
+        assert_eq!(
+            (status, code(&answer)),
+            (expected, expected_code),
+            "{method} {path} {body:?}: {answer}"
+        );
     }
     let (_, body) = harness.get("/v1/agents/a/permissions").await;
-    assert_eq!(body["rules"].as_array().unwrap().len(), 2, "no error changed a rule: {body}");
+    assert_eq!(
+        body["rules"].as_array().unwrap().len(),
+        2,
+        "no error changed a rule: {body}"
+    );
     assert_eq!(body["membership"], json!({"manager": null, "mode": "autonomous"}));
 
     let (status, _) = harness.delete("/v1/agents/a/permissions/*").await;
@@ -322,8 +435,20 @@ async fn a_call_needing_approval_waits_until_approved_or_denied_over_http() {
         assert_eq!(pending.len(), 1, "{pending:?}");
         let approval = &pending[0];
         assert_eq!(
-            (&approval["from"], &approval["to"], &approval["kind"], &approval["message"], &approval["state"]),
-            (&json!("a"), &json!("b"), &json!("ask"), &json!("what is 6 x 7?"), &json!("pending"))
+            (
+                &approval["from"],
+                &approval["to"],
+                &approval["kind"],
+                &approval["message"],
+                &approval["state"]
+            ),
+            (
+                &json!("a"),
+                &json!("b"),
+                &json!("ask"),
+                &json!("what is 6 x 7?"),
+                &json!("pending")
+            )
         );
         let id = approval["id"].as_u64().unwrap();
         let (status, body) = harness.get(&format!("/v1/approvals/{id}")).await;
@@ -355,7 +480,9 @@ async fn a_call_needing_approval_waits_until_approved_or_denied_over_http() {
         reply["text"],
         format!("result: error: call_agent failed: call not permitted: a may not ask b: approval {denied} was denied")
     );
-    let (status, body) = harness.post(&format!("/v1/approvals/{denied}/approve"), json!({})).await;
+    let (status, body) = harness
+        .post(&format!("/v1/approvals/{denied}/approve"), json!({}))
+        .await;
     assert_eq!((status, code(&body)), (409, "approval_not_pending"), "{body}");
     let (status, body) = harness.get(&format!("/v1/approvals/{denied}")).await;
     assert_eq!((status, &body["state"]), (200, &json!("denied")), "{body}");
@@ -425,5 +552,90 @@ async fn racing_approve_and_deny_over_http_have_exactly_one_winner() {
         winners.push(approved);
     }
     assert_eq!(winners.len(), ROUNDS);
+    harness.stop().await;
+}
+
+/// Goal: organisation changes made over REST reach `GET /v1/events`: each change as
+/// `org_changed` with the organisation's version after it, a contact needing approval
+/// as `approval_requested`, its resolution as `approval_resolved` with the new state.
+/// Method: the stream is opened first (its headers arrived: events from then on are in
+/// it); a link is added, `a` supervised, a call approved over HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn organisation_changes_and_approvals_reach_the_event_stream() {
+    let harness = start().await;
+    let mut stream = harness
+        .request(Method::GET, "/v1/events")
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status().as_u16(), 200);
+    let (status, _) = harness.post("/v1/links", json!({"from": "a", "to": "b"})).await;
+    assert_eq!(status, 201);
+    let (_, policy) = harness.get("/v1/org/policy").await;
+    let link_version = policy["version"].as_u64().unwrap();
+    harness.supervise_a().await;
+    let asked = harness.post("/v1/agents/a/messages", json!({"text": "go"}));
+    let approved = async {
+        let id = harness.pending_approvals().await[0]["id"].as_u64().unwrap();
+        let (status, body) = harness.post(&format!("/v1/approvals/{id}/approve"), json!({})).await;
+        assert_eq!(status, 200, "{body}");
+        id
+    };
+    let ((status, reply), id) = tokio::join!(asked, approved);
+    assert_eq!((status, &reply["text"]), (200, &json!("result: 42")));
+
+    let mut text = String::new();
+    let events = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let chunk = stream.chunk().await.unwrap().expect("the stream stays open");
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+            let events = support::parse_sse(&text);
+            if events.iter().any(|(name, _)| name == "approval_resolved") {
+                return events;
+            }
+        }
+    })
+    .await
+    .expect("the approval's resolution arrives on the stream");
+    let data = |wanted: &str| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|(name, _)| name == wanted)
+            .map(|(_, data)| serde_json::from_str(data).unwrap())
+            .collect()
+    };
+    let changes: Vec<u64> = data("org_changed")
+        .iter()
+        .map(|event| event["version"].as_u64().unwrap())
+        .collect();
+    // The link, the membership and the resolution, in order (the pending record is
+    // written by admission, reported as approval_requested).
+    assert_eq!(changes.len(), 3, "{changes:?}");
+    assert_eq!(changes[0], link_version);
+    assert!(changes.windows(2).all(|pair| pair[0] < pair[1]), "{changes:?}");
+    let requested = data("approval_requested");
+    assert_eq!(requested.len(), 1, "{requested:?}");
+    assert_eq!(
+        (&requested[0]["id"], &requested[0]["from"], &requested[0]["to"]),
+        (&json!(id), &json!("agent/a"), &json!("agent/b"))
+    );
+    let resolved = data("approval_resolved");
+    assert_eq!(
+        (
+            &resolved[0]["id"],
+            &resolved[0]["from"],
+            &resolved[0]["to"],
+            &resolved[0]["kind"],
+            &resolved[0]["state"]
+        ),
+        (
+            &json!(id),
+            &json!("agent/a"),
+            &json!("agent/b"),
+            &json!("ask"),
+            &json!("approved")
+        )
+    );
     harness.stop().await;
 }
