@@ -8,7 +8,9 @@
 //! [`router`] builds an `axum::Router` over an agent client: REST for agents, messages
 //! (a JSON reply, or the turn's events and the reply over SSE), history, notifications
 //! and delegated tasks; conversations (direct or group, of agents and humans: post with
-//! `@mentions` that trigger the agents' turns, read in pages by seq); an SSE stream of every [`AgentEvent`](troupe_agent::AgentEvent);
+//! `@mentions` that trigger the agents' turns, read in pages by seq); the organisation
+//! (links, permission rules, memberships, the policy, pending approvals to approve or
+//! deny); an SSE stream of every [`AgentEvent`](troupe_agent::AgentEvent);
 //! `/health` and `/metrics` (Prometheus text); and the OpenAI-compatible
 //! `/v1/chat/completions` and `/v1/models`, where the model is the agent id. Every error
 //! has one JSON shape, `{"error": {"code", "message"}}` ([`ApiError`]). [`serve`] runs the
