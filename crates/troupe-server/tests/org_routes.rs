@@ -496,6 +496,78 @@ async fn a_call_needing_approval_waits_until_approved_or_denied_over_http() {
     harness.stop().await;
 }
 
+/// Polls `GET /v1/agents/{agent}/tasks/{task}` until its state is `state`.
+async fn task_when(harness: &Harness, agent: &str, task: &str, state: &str) -> Value {
+    let path = format!("/v1/agents/{agent}/tasks/{task}");
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (status, body) = harness.get(&path).await;
+            assert_eq!(status, 200, "{body}");
+            if body["state"] == state {
+                return body;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    match waited {
+        Ok(body) => body,
+        Err(_) => panic!(
+            "task {task} not {state} within {TEST_WAIT_MS_MAX} ms: {:?}",
+            harness.get(&path).await
+        ),
+    }
+}
+
+/// Goal: a delegation that needs approval waits in the sender's outbox (the request
+/// returns 202 at once); approved over HTTP, the task is sent and completes with the
+/// delegatee's answer; denied over HTTP, the task ends `rejected` with the denial.
+/// Method: `c` supervised over REST delegates to `b` with `POST /v1/agents/c/tasks`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delegation_needing_approval_completes_once_approved_and_is_rejected_once_denied() {
+    let harness = start().await;
+    let (status, body) = harness
+        .put("/v1/agents/c/membership", json!({"mode": "supervised"}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+
+    let (status, body) = harness
+        .post("/v1/agents/c/tasks", json!({"to": "b", "text": "do it"}))
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let task = body["task_id"].as_str().unwrap().to_string();
+    let pending = harness.pending_approvals().await;
+    assert_eq!(
+        (
+            &pending[0]["from"],
+            &pending[0]["to"],
+            &pending[0]["kind"],
+            &pending[0]["message"]
+        ),
+        (&json!("c"), &json!("b"), &json!("delegate"), &json!("do it"))
+    );
+    let id = pending[0]["id"].as_u64().unwrap();
+    let (status, body) = harness.post(&format!("/v1/approvals/{id}/approve"), json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    let done = task_when(&harness, "c", &task, "completed").await;
+    assert_eq!(done["result"], "42", "{done}");
+
+    let (status, body) = harness
+        .post("/v1/agents/c/tasks", json!({"to": "b", "text": "do it"}))
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let task = body["task_id"].as_str().unwrap().to_string();
+    let id = harness.pending_approvals().await[0]["id"].as_u64().unwrap();
+    let (status, body) = harness.post(&format!("/v1/approvals/{id}/deny"), json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    let rejected = task_when(&harness, "c", &task, "rejected").await;
+    assert_eq!(
+        rejected["result"],
+        format!("not permitted: c may not delegate to b: approval {id} was denied")
+    );
+    harness.stop().await;
+}
+
 /// Goal: an approval resolved by two racing HTTP requests (approve and deny at once)
 /// has exactly one winner, the other is 409 `approval_not_pending`, and the waiting
 /// call follows the winner. Method: five rounds; each starts a call needing approval,
