@@ -15,6 +15,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use troupe_agent::{ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
+use troupe_server::limits::SERVER_REQUEST_BODY_SIZE_MAX_BYTES;
 use troupe_server::ServerConfig;
 
 mod support;
@@ -204,6 +205,9 @@ async fn links_round_trip_over_rest_and_show_in_the_topology() {
 
     let unauthenticated = harness.request(Method::GET, "/v1/links").send().await.unwrap();
     assert_eq!(unauthenticated.status().as_u16(), 401);
+    let oversized = json!({"from": "a".repeat(SERVER_REQUEST_BODY_SIZE_MAX_BYTES), "to": "b"});
+    let (status, body) = harness.post("/v1/links", oversized).await;
+    assert_eq!((status, code(&body)), (413, "body_too_large"));
 
     let (status, body) = harness.delete("/v1/links/a/b").await;
     assert_eq!((status, body), (204, Value::Null));
