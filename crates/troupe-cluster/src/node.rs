@@ -180,8 +180,12 @@ impl ClusterNode {
         let hooks = Arc::new(Hooks {
             inner: Arc::downgrade(&inner),
         });
-        if inner.handle.set_turn_call_router(hooks).is_err() {
+        let turn_router: Arc<dyn troupe_runtime::TurnCallRouter> = Arc::clone(&hooks) as Arc<Hooks>;
+        if inner.handle.set_turn_call_router(turn_router).is_err() {
             unreachable!("the node's runtime was just started: no router is installed yet");
+        }
+        if inner.handle.set_root_call_router(hooks).is_err() {
+            unreachable!("the node's runtime was just started: no root router is installed yet");
         }
         let probe_task = tokio::spawn(crate::probes::probe_loop(Arc::clone(&inner), probe_receiver));
         let release_task = tokio::spawn({
@@ -351,6 +355,10 @@ impl ClusterClient {
 pub(crate) enum Origin<'a> {
     /// A request from outside any turn.
     Root,
+    /// A root request that came through the runtime's root router
+    /// ([`troupe_runtime::RootCallRouter`]): from outside any turn, or from a turn's
+    /// `invoke_as_root` (so its local path does not refuse a request made in a turn).
+    RoutedRoot,
     /// A turn of `caller`; the callee runs under `context` (admission already ran).
     Turn {
         caller: &'a ActorId,
@@ -410,7 +418,7 @@ impl Inner {
                     };
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
-                        Origin::Root => {
+                        Origin::Root | Origin::RoutedRoot => {
                             client
                                 .invoke(target, payload.clone(), CallContext::root(deadline), None)
                                 .await
@@ -427,6 +435,12 @@ impl Inner {
                     inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
                         Origin::Root => inner.handle.invoke(target, payload.clone(), deadline).await,
+                        Origin::RoutedRoot => {
+                            inner
+                                .handle
+                                .invoke_root_for_router(target, payload.clone(), deadline)
+                                .await
+                        }
                         Origin::Turn { caller, context } => {
                             inner
                                 .handle
