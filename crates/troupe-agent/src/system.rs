@@ -180,7 +180,7 @@ impl AgentSystemBuilder {
     /// such as a cluster node (`troupe_cluster::ClusterNode::start` takes the builder
     /// and sets its own store). Start the returned builder, then give its handle to
     /// [`PendingAgentSystem::attach`]. Until then, no agent can activate (an activation
-    /// is refused with `Rejected`).
+    /// fails with `ActorFailed`, naming `PendingAgentSystem::attach`).
     ///
     /// # Errors
     /// [`AgentSystemError`] as [`AgentSystemBuilder::start`].
