@@ -218,10 +218,11 @@ impl AgentSystemBuilder {
             shared: Arc::clone(&shared),
         };
         let conversation_kind = ActorKind::new(crate::CONVERSATION_KIND).expect("the conversation kind name is valid");
-        let runtime = self
-            .runtime
-            .register(kind, factory, self.kind_config)?
-            .register(conversation_kind, conversations, KindConfig::default())?;
+        let runtime = self.runtime.register(kind, factory, self.kind_config)?.register(
+            conversation_kind,
+            conversations,
+            KindConfig::default(),
+        )?;
         Ok((runtime, PendingAgentSystem { shared }))
     }
 }

@@ -833,7 +833,11 @@ async fn a_cut_caller_reports_its_in_flight_call_as_cancelled() {
 #[tokio::test(start_paused = true)]
 async fn a_prepared_system_runs_on_a_runtime_started_by_the_embedder() {
     let llm = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("hello"));
-    let builder = || AgentSystem::builder().llm(Arc::new(llm.clone())).agent(AgentSpec::new("a"));
+    let builder = || {
+        AgentSystem::builder()
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("a"))
+    };
     let (runtime_builder, pending) = builder().prepare().expect("a valid system");
     let runtime = runtime_builder.start();
     let early = runtime
@@ -851,7 +855,9 @@ async fn a_prepared_system_runs_on_a_runtime_started_by_the_embedder() {
         Err(troupe_agent::AgentSystemError::NotRegistered)
     ));
     bare.shutdown().await;
-    let client = pending.attach(runtime.handle()).expect("the runtime has the agent kind");
+    let client = pending
+        .attach(runtime.handle())
+        .expect("the runtime has the agent kind");
     assert_eq!(client.ask("a", "hi").await.unwrap().text, "hello");
     assert_eq!(client.conversation_log("a").await.unwrap().len(), 2);
     runtime.shutdown().await;

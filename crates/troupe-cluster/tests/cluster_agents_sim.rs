@@ -212,11 +212,7 @@ async fn scenario() -> (Duration, u32) {
     seen.clear();
     let reply = cluster.ask(2, "a", "start the chain", ASK_TIMEOUT_MS).await;
     assert_eq!(reply.expect("the chain answers").text, "a<b<c-answer");
-    for (agent, node, depth, chain) in [
-        ("a", 0, 0, vec![]),
-        ("b", 1, 1, vec!["a"]),
-        ("c", 2, 2, vec!["a", "b"]),
-    ] {
+    for (agent, node, depth, chain) in [("a", 0, 0, vec![]), ("b", 1, 1, vec!["a"]), ("c", 2, 2, vec!["a", "b"])] {
         let chain: Vec<String> = chain.into_iter().map(String::from).collect();
         assert_eq!(
             seen.turns_of(agent),
@@ -226,7 +222,9 @@ async fn scenario() -> (Duration, u32) {
         );
     }
     let root_asked_on = seen.events().into_iter().find_map(|(node, event)| match event {
-        AgentEvent::CallStarted { caller: None, target, .. } if target.key() == "a" => Some(node),
+        AgentEvent::CallStarted {
+            caller: None, target, ..
+        } if target.key() == "a" => Some(node),
         _ => None,
     });
     assert_eq!(root_asked_on, Some(2), "the root ask was made on node-3");
@@ -285,11 +283,7 @@ async fn scenario() -> (Duration, u32) {
 
     // 5. Kill c's owner: c's history survives and is reloaded on another node.
     let before = cluster.log(0, "c").await;
-    let acknowledged = [
-        "pong",
-        "[message from agent b] leaf question",
-        "c-answer",
-    ];
+    let acknowledged = ["pong", "[message from agent b] leaf question", "c-answer"];
     let before_text = contents(&before);
     for text in acknowledged {
         assert!(
@@ -332,7 +326,10 @@ async fn scenario() -> (Duration, u32) {
     );
     let last_request = cluster.llm.requests_of("c").pop().expect("c's model was asked");
     assert!(
-        last_request.messages.iter().any(|message| message.content == "c-answer"),
+        last_request
+            .messages
+            .iter()
+            .any(|message| message.content == "c-answer"),
         "c's reloaded history window holds its earlier answer: {:?}",
         contents(&last_request.messages)
     );

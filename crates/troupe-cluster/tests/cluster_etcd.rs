@@ -10,10 +10,10 @@
 //! Run with `cargo nextest run -p troupe-cluster` (add `--no-capture` for the timings).
 #![cfg(not(madsim))]
 
-#[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
-mod etcd_server;
 #[path = "support/agents.rs"]
 mod agents;
+#[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
+mod etcd_server;
 #[path = "support/hop.rs"]
 mod hops;
 #[path = "support/counter.rs"]
@@ -613,7 +613,11 @@ async fn agents_on_two_nodes_call_each_other_and_their_history_persists() {
     for (client, agent, node) in [(&client_a, "a", 0), (&client_b, "b", 1)] {
         let reply = client.ask_with_timeout(agent, "ping", timeout).await.expect("a ping");
         assert_eq!(reply.text, "pong");
-        assert_eq!(seen.turns_of(agent).pop().map(|turn| turn.0), Some(node), "{agent} placed");
+        assert_eq!(
+            seen.turns_of(agent).pop().map(|turn| turn.0),
+            Some(node),
+            "{agent} placed"
+        );
     }
     seen.clear();
     let started = Instant::now();
@@ -624,12 +628,23 @@ async fn agents_on_two_nodes_call_each_other_and_their_history_persists() {
     eprintln!("a → b across nodes answered in {} ms", started.elapsed().as_millis());
     assert_eq!(reply.text, "a<b-answer");
     assert_eq!(seen.turns_of("a"), vec![(0, 0, vec![])], "a ran on node-a");
-    assert_eq!(seen.turns_of("b"), vec![(1, 1, vec!["a".to_string()])], "b ran on node-b, called by a");
+    assert_eq!(
+        seen.turns_of("b"),
+        vec![(1, 1, vec!["a".to_string()])],
+        "b ran on node-b, called by a"
+    );
     assert!(node_a.stats().turn_calls_forwarded >= 1, "{:?}", node_a.stats());
-    assert!(node_b.stats().forwarded_calls >= 1, "the root ask went to node-a: {:?}", node_b.stats());
+    assert!(
+        node_b.stats().forwarded_calls >= 1,
+        "the root ask went to node-a: {:?}",
+        node_b.stats()
+    );
     let before = client_a.conversation_log("b").await.expect("b's log");
     let texts: Vec<&str> = before.iter().map(|message| message.content.as_str()).collect();
-    assert_eq!(texts, vec!["ping", "pong", "[message from agent a] question for b", "b-answer"]);
+    assert_eq!(
+        texts,
+        vec!["ping", "pong", "[message from agent a] question for b", "b-answer"]
+    );
 
     node_b.leave().await.expect("node-b leaves");
     seen.clear();
@@ -647,7 +662,11 @@ async fn agents_on_two_nodes_call_each_other_and_their_history_persists() {
         }
     };
     assert_eq!(reply.text, "pong");
-    assert_eq!(seen.turns_of("b").first().map(|turn| turn.0), Some(0), "b now runs on node-a");
+    assert_eq!(
+        seen.turns_of("b").first().map(|turn| turn.0),
+        Some(0),
+        "b now runs on node-a"
+    );
     let after = client_a.conversation_log("b").await.expect("b's log");
     assert_eq!(after[..before.len()], before[..], "b's log survived its node");
     assert_eq!(after.len(), before.len() + 2);

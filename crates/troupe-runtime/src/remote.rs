@@ -155,7 +155,12 @@ impl RuntimeHandle {
     /// # Errors
     /// As [`RuntimeHandle::invoke`], and whatever the router returns (for a cluster
     /// node: `Unreachable`, `Timeout` while the owner cannot be found).
-    pub async fn invoke_routed(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+    pub async fn invoke_routed(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
         if crate::handle::IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }

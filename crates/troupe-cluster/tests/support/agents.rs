@@ -37,19 +37,29 @@ pub(crate) fn script() -> ScriptedLlm {
         .rule(ScriptRule::any_agent().on_user_containing("ping").reply("pong"))
         .rule(ask("a", "chain", "b", "hop to c"))
         .rule(ask("b", "hop to c", "c", "leaf question"))
-        .rule(ScriptRule::agent("c").on_user_containing("leaf question").reply("c-answer"))
+        .rule(
+            ScriptRule::agent("c")
+                .on_user_containing("leaf question")
+                .reply("c-answer"),
+        )
         .rule(ScriptRule::agent("c").on_user_containing("again").reply("c-again"))
         .rule(ask("a", "cycle", "b", "call back a"))
         .rule(ask("b", "call back a", "a", "are you there"))
         .rule(ask("a", "just b", "b", "question for b"))
-        .rule(ScriptRule::agent("b").on_user_containing("question for b").reply("b-answer"))
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("question for b")
+                .reply("b-answer"),
+        )
         .rule(ScriptRule::agent("a").on_tool_result().reply("a<{tool_result}"))
         .rule(ScriptRule::agent("b").on_tool_result().reply("b<{tool_result}"));
     for index in 0..DEPTH_AGENTS - 1 {
         let name = format!("d{index}");
-        llm = llm
-            .rule(ask(&name, "deep", &format!("d{}", index + 1), "deep"))
-            .rule(ScriptRule::agent(name.clone()).on_tool_result().reply(format!("{name}<{{tool_result}}")));
+        llm = llm.rule(ask(&name, "deep", &format!("d{}", index + 1), "deep")).rule(
+            ScriptRule::agent(name.clone())
+                .on_tool_result()
+                .reply(format!("{name}<{{tool_result}}")),
+        );
     }
     llm.rule(ScriptRule::agent(format!("d{}", DEPTH_AGENTS - 1)).reply("unreachable"))
 }
@@ -71,7 +81,10 @@ impl Seen {
             .into_iter()
             .filter_map(|(node, event)| match event {
                 AgentEvent::TurnStarted {
-                    agent: id, depth, chain, ..
+                    agent: id,
+                    depth,
+                    chain,
+                    ..
                 } if id.key() == agent => Some((node, depth, chain.iter().map(|a| a.key().to_string()).collect())),
                 _ => None,
             })
