@@ -15,7 +15,10 @@
 //!    node-2, and `a` runs no second turn.
 //! 4. `d0` → … → `d5` across the nodes: `d5`'s call is refused `DepthExceeded`; `d6`
 //!    never runs; each `d<i>` ran on its node at depth i.
-//! 5. node-3 (owner of `c`) is killed: asking `c` from node-1 succeeds on another node
+//! 5. `a` delegates a task to `b` (the command made through node-3's client): `b` works
+//!    on it once, on node-2, and the result comes back to `a` once, on node-1 (the inbox
+//!    and outbox deliveries routed between nodes).
+//! 6. node-3 (owner of `c`) is killed: asking `c` from node-1 succeeds on another node
 //!    once node-3's lease has expired, its committed log is still there (every
 //!    acknowledged exchange, in order) and its model saw the earlier answer again in
 //!    its history window.
@@ -33,7 +36,9 @@ use std::time::Duration;
 use agents::{agent_system, script, Seen, DEPTH_AGENTS};
 use madsim::runtime::Handle;
 use tokio::time::Instant;
-use troupe_agent::{AgentCallError, AgentClient, AgentEvent, AgentReply, CallOutcome, ChatMessage, ScriptedLlm};
+use troupe_agent::{
+    AgentCallError, AgentClient, AgentEvent, AgentReply, CallOutcome, ChatMessage, ScriptedLlm, TaskState,
+};
 use troupe_cluster::ClusterNode;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::CallRefused;
@@ -281,7 +286,49 @@ async fn scenario() -> (Duration, u32) {
         );
     }
 
-    // 5. Kill c's owner: c's history survives and is reloaded on another node.
+    // 5. a (node-1) delegates to b (node-2) through node-3's client: the command goes to
+    // a's owner, a's outbox delivers the task to b's owner, b works on it in a turn of
+    // its own on node-2, and the result comes back to a on node-1, exactly once.
+    seen.clear();
+    let client = cluster.clients[2].clone();
+    let task_id = cluster.nodes[2]
+        .spawn(async move { client.delegate("a", "b", "delegated work", None).await })
+        .await
+        .expect("the delegation's task")
+        .expect("a accepts the delegation");
+    let delegated = Instant::now();
+    let status = loop {
+        let client = cluster.clients[0].clone();
+        let id = task_id.clone();
+        let status = cluster.nodes[0]
+            .spawn(async move { client.task("a", &id).await })
+            .await
+            .expect("the read's task")
+            .expect("the task reads");
+        match status {
+            Some(status) if status.state.is_final() && !seen.turns_of("a").is_empty() => break status,
+            _ => {
+                assert!(
+                    delegated.elapsed() < Duration::from_millis(ASK_TIMEOUT_MS),
+                    "task {task_id} did not come back: {status:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+            }
+        }
+    };
+    assert_eq!(
+        (status.state, status.result.as_deref()),
+        (TaskState::Completed, Some("task done")),
+        "{status:?}"
+    );
+    let b_turns = seen.turns_of("b");
+    assert_eq!(b_turns.len(), 1, "b worked on the task once: {b_turns:?}");
+    assert_eq!(b_turns[0].0, 1, "b worked on the task on node-2");
+    let a_turns = seen.turns_of("a");
+    assert_eq!(a_turns.len(), 1, "a took the result once: {a_turns:?}");
+    assert_eq!(a_turns[0].0, 0, "a took the result on node-1");
+
+    // 6. Kill c's owner: c's history survives and is reloaded on another node.
     let before = cluster.log(0, "c").await;
     let acknowledged = ["pong", "[message from agent b] leaf question", "c-answer"];
     let before_text = contents(&before);

@@ -12,7 +12,9 @@
 //! - `a` asked for `just b` calls `b` with `question for b`; `b` answers `b-answer`;
 //! - `d<i>` asked `deep` calls `d<i+1>` with `deep`; `d6` would answer `unreachable`;
 //! - after a tool result, `a`, `b`, `d<i>` answer `<name><<the tool result>`;
-//! - `c` asked `again` answers `c-again`.
+//! - `c` asked `again` answers `c-again`;
+//! - `b` given a task containing `delegated work` answers `task done`; `a` told the
+//!   result of a task it delegated answers `noted`.
 #![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
@@ -50,6 +52,16 @@ pub(crate) fn script() -> ScriptedLlm {
             ScriptRule::agent("b")
                 .on_user_containing("question for b")
                 .reply("b-answer"),
+        )
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("delegated work")
+                .reply("task done"),
+        )
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("you delegated is")
+                .reply("noted"),
         )
         .rule(ScriptRule::agent("a").on_tool_result().reply("a<{tool_result}"))
         .rule(ScriptRule::agent("b").on_tool_result().reply("b<{tool_result}"));
