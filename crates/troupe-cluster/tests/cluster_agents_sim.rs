@@ -66,6 +66,8 @@ const RETRY_PAUSE_MS: u64 = 200;
 const TAKEOVER_BOUND_MS: u64 = SIM_LEASE_TTL_S * 1_000 * 2 + 2_000;
 /// Seeds the scenario runs under.
 const SEEDS: u64 = 20;
+/// Seeds the replay test runs, each twice.
+const REPLAY_SEEDS: u64 = 3;
 /// Simulated time limit of one run, in seconds.
 const RUN_TIME_LIMIT_S: u64 = 120;
 
@@ -200,9 +202,18 @@ fn contents(log: &[ChatMessage]) -> Vec<String> {
     log.iter().map(|message| message.content.clone()).collect()
 }
 
-/// The scenario of the module docs; panics with what broke. Returns how long `c` went
-/// unserved after its node was killed (simulated) and how many asks failed meanwhile.
-async fn scenario() -> (Duration, u32) {
+/// What one run of the scenario measured and recorded.
+struct RunResult {
+    /// How long `c` went unserved after its node was killed (simulated).
+    takeover: Duration,
+    /// Asks to `c` that failed meanwhile.
+    failed_asks: u32,
+    /// Every agent event of every node, rendered with its node (times included).
+    record: Vec<String>,
+}
+
+/// The scenario of the module docs; panics with what broke.
+async fn scenario() -> RunResult {
     let cluster = start_agent_cluster().await;
     let seen = &cluster.seen;
     // 1. Placement.
@@ -380,7 +391,17 @@ async fn scenario() -> (Duration, u32) {
         "c's reloaded history window holds its earlier answer: {:?}",
         contents(&last_request.messages)
     );
-    (takeover, failed_asks)
+    RunResult {
+        takeover,
+        failed_asks,
+        record: seen.record(),
+    }
+}
+
+fn run(seed: u64) -> RunResult {
+    let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+    runtime.set_time_limit(Duration::from_secs(RUN_TIME_LIMIT_S));
+    runtime.block_on(scenario())
 }
 
 /// The scenario of the module docs under each of [`SEEDS`] seeds.
@@ -388,10 +409,10 @@ async fn scenario() -> (Duration, u32) {
 fn agents_call_each_other_across_nodes_under_the_call_rules_and_survive_a_node_kill() {
     let (mut fastest, mut slowest) = (Duration::MAX, Duration::ZERO);
     for seed in 1..=SEEDS {
-        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
-        runtime.set_time_limit(Duration::from_secs(RUN_TIME_LIMIT_S));
         eprintln!("seed {seed}: running");
-        let (takeover, failed_asks) = runtime.block_on(scenario());
+        let RunResult {
+            takeover, failed_asks, ..
+        } = run(seed);
         eprintln!(
             "seed {seed}: c served again {} ms after its node died ({failed_asks} asks failed meanwhile)",
             takeover.as_millis()
@@ -404,4 +425,20 @@ fn agents_call_each_other_across_nodes_under_the_call_rules_and_survive_a_node_k
         fastest.as_millis(),
         slowest.as_millis()
     );
+}
+
+/// Two runs of each of [`REPLAY_SEEDS`] seeds record the same agent events, on the same
+/// nodes, at the same simulated times (and different seeds record different runs).
+#[test]
+fn the_agents_scenario_replays_identically_from_its_seed() {
+    let mut records = Vec::new();
+    for seed in 1..=REPLAY_SEEDS {
+        let first = run(seed).record;
+        let second = run(seed).record;
+        assert!(!first.is_empty());
+        assert_eq!(first, second, "seed {seed} replays identically");
+        records.push(first);
+    }
+    records.dedup();
+    eprintln!("{} distinct records over {REPLAY_SEEDS} seeds", records.len());
 }

@@ -80,6 +80,8 @@ pub(crate) fn script() -> ScriptedLlm {
 #[derive(Clone, Default)]
 pub(crate) struct Seen {
     events: Arc<Mutex<Vec<(usize, AgentEvent)>>>,
+    /// Every event ever recorded, rendered (never cleared): a run's record.
+    all: Arc<Mutex<Vec<String>>>,
 }
 
 impl Seen {
@@ -103,7 +105,12 @@ impl Seen {
             .collect()
     }
 
-    /// Forgets everything recorded so far.
+    /// Every event since the start, rendered with its node, in order (not cleared).
+    pub(crate) fn record(&self) -> Vec<String> {
+        self.all.lock().expect("the record").clone()
+    }
+
+    /// Forgets the events recorded so far (not the record).
     pub(crate) fn clear(&self) {
         self.events.lock().expect("the events").clear();
     }
@@ -117,6 +124,11 @@ pub(crate) struct NodeObserver {
 
 impl AgentObserver for NodeObserver {
     fn on_event(&self, event: &AgentEvent) {
+        self.seen
+            .all
+            .lock()
+            .expect("the record")
+            .push(format!("node {}: {event:?}", self.node));
         self.seen
             .events
             .lock()
