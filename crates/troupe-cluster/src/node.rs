@@ -109,6 +109,12 @@ pub(crate) struct Inner {
 /// with [`StoreError::NotOwner`] before anything runs, and the caller looks the owner up
 /// again and retries, until its deadline.
 ///
+/// The node installs two routers in its runtime: a [`troupe_runtime::TurnCallRouter`]
+/// for calls made by turns and a [`troupe_runtime::RootCallRouter`] for root requests
+/// made through the runtime ([`RuntimeHandle::invoke_routed`], a turn's
+/// `invoke_as_root`), so an agent system attached to [`ClusterNode::handle`] reaches
+/// its agents wherever they are placed (see docs/cluster.md, "Agents on the cluster").
+///
 /// When the lease is lost, the node refuses every claim and commit at once and
 /// deactivates every activation it has; [`ClusterNode::fenced_off`] resolves when that
 /// is done. Such a node stays a client (its calls are routed to the new owners) but
