@@ -58,6 +58,7 @@ pub(crate) struct AgentFactory {
 
 impl ActorFactory for AgentFactory {
     fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+        self.shared.require_attached(id)?;
         let Some(spec) = self.shared.directory.get(id.key()) else {
             return Err(ActorError::rejected(format!(
                 "agent {} is not in the directory",

@@ -508,6 +508,7 @@ pub(crate) struct ConversationFactory {
 
 impl ActorFactory for ConversationFactory {
     fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+        self.shared.require_attached(id)?;
         let state = match saved {
             Some(bytes) => from_json(&format!("the state of {id}"), &bytes)?,
             None => ConvState::default(),
@@ -865,7 +866,7 @@ async fn deliver(
             }
         };
         let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
-        let cause = match runtime.invoke_within(&target, payload.clone(), ack).await {
+        let cause = match runtime.invoke_routed_within(&target, payload.clone(), ack).await {
             Ok(reply) => match bincode::deserialize::<EnqueueReply>(&reply) {
                 Ok(EnqueueReply::Accepted { .. } | EnqueueReply::Duplicate) => {
                     break ConvCommand::Delivered { seq, agent };

@@ -18,7 +18,10 @@ impl AgentClient {
             conversation_actor(key)?
         };
         let timeout = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
-        let bytes = self.runtime.invoke_within(&target, command.encode(), timeout).await?;
+        let bytes = self
+            .runtime
+            .invoke_routed_within(&target, command.encode(), timeout)
+            .await?;
         match decode_conv_reply(&bytes)? {
             ConvReply::Error(error) => Err(error),
             other => Ok(other),

@@ -725,7 +725,7 @@ async fn deliver(
         let target_known = shared.directory.contains(out.to.key());
         let result = if target_known {
             runtime
-                .invoke_within(
+                .invoke_routed_within(
                     &out.to,
                     payload.clone(),
                     Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS),

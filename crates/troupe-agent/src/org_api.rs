@@ -228,7 +228,7 @@ impl AgentClient {
             call: None,
             budget: crate::Budget::UNLIMITED,
         };
-        let bytes = self.runtime.invoke(&target, request.encode(), deadline).await?;
+        let bytes = self.runtime.invoke_routed(&target, request.encode(), deadline).await?;
         AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply { target, cause })
     }
 }

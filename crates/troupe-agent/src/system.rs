@@ -45,6 +45,9 @@ pub enum AgentSystemError {
     /// A remote agent is invalid or has the id of a local agent.
     #[error(transparent)]
     Remote(#[from] crate::RemoteAgentError),
+    /// [`PendingAgentSystem::attach`] was given a runtime without the agent kind.
+    #[error("the runtime has no agent kind: start the runtime builder AgentSystemBuilder::prepare returned, and attach its handle")]
+    NotRegistered,
 }
 
 /// Configures an [`AgentSystem`].
@@ -157,7 +160,8 @@ impl AgentSystemBuilder {
         self
     }
 
-    /// Registers the agent kind and starts the runtime.
+    /// Registers the agent kind and starts the runtime: [`AgentSystemBuilder::prepare`],
+    /// then [`Runtime`]'s start, then [`PendingAgentSystem::attach`].
     ///
     /// # Errors
     /// [`AgentSystemError`].
@@ -165,6 +169,22 @@ impl AgentSystemBuilder {
     /// # Panics
     /// Outside a tokio (or madsim) runtime.
     pub fn start(self) -> Result<AgentSystem, AgentSystemError> {
+        let (runtime, pending) = self.prepare()?;
+        let runtime = runtime.start();
+        let client = pending.attach(runtime.handle())?;
+        Ok(AgentSystem { runtime, client })
+    }
+
+    /// Builds the agents and registers the agent and conversation kinds on the runtime
+    /// builder, without starting it: for embedders that start the runtime themselves,
+    /// such as a cluster node (`troupe_cluster::ClusterNode::start` takes the builder
+    /// and sets its own store). Start the returned builder, then give its handle to
+    /// [`PendingAgentSystem::attach`]. Until then, no agent can activate (an activation
+    /// fails with `ActorFailed`, naming `PendingAgentSystem::attach`).
+    ///
+    /// # Errors
+    /// [`AgentSystemError`] as [`AgentSystemBuilder::start`].
+    pub fn prepare(self) -> Result<(RuntimeBuilder, PendingAgentSystem), AgentSystemError> {
         let llm = self.llm.ok_or(AgentSystemError::NoLlm)?;
         let mut tools = ToolRegistry::new();
         tools.register(call_agent_tool())?;
@@ -198,16 +218,52 @@ impl AgentSystemBuilder {
             shared: Arc::clone(&shared),
         };
         let conversation_kind = ActorKind::new(crate::CONVERSATION_KIND).expect("the conversation kind name is valid");
-        let runtime = self
-            .runtime
-            .register(kind, factory, self.kind_config)?
-            .register(conversation_kind, conversations, KindConfig::default())?
-            .start();
-        shared.set_runtime(runtime.handle());
-        let client = AgentClient {
-            runtime: runtime.handle(),
-            shared,
-        };
+        let runtime = self.runtime.register(kind, factory, self.kind_config)?.register(
+            conversation_kind,
+            conversations,
+            KindConfig::default(),
+        )?;
+        Ok((runtime, PendingAgentSystem { shared }))
+    }
+}
+
+/// Agents built by [`AgentSystemBuilder::prepare`], waiting for the runtime that was
+/// started from the builder `prepare` returned.
+pub struct PendingAgentSystem {
+    shared: Arc<AgentShared>,
+}
+
+impl std::fmt::Debug for PendingAgentSystem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingAgentSystem")
+            .field("agents", &self.shared.directory.list().len())
+            .finish()
+    }
+}
+
+impl PendingAgentSystem {
+    /// Attaches the agents to `runtime`, the started runtime of the builder
+    /// [`AgentSystemBuilder::prepare`] returned, and returns the client. Inbox and
+    /// outbox entries left by an earlier run are scheduled again (on this runtime).
+    ///
+    /// With a [`troupe_runtime::RootCallRouter`] installed in the runtime (a cluster
+    /// node installs one), the client's asks, notifications and commands go to the
+    /// node that owns the agent.
+    ///
+    /// # Errors
+    /// [`AgentSystemError::NotRegistered`] if `runtime` does not have the agent kind
+    /// (it was not started from the builder `prepare` returned).
+    ///
+    /// # Panics
+    /// Outside a tokio (or madsim) runtime.
+    pub fn attach(self, runtime: RuntimeHandle) -> Result<AgentClient, AgentSystemError> {
+        let kind = ActorKind::new(AGENT_KIND).expect("the agent kind name is valid");
+        if !runtime.is_registered(&kind) {
+            return Err(AgentSystemError::NotRegistered);
+        }
+        let shared = self.shared;
+        shared.set_runtime(runtime.clone());
+        let client = AgentClient { runtime, shared };
         // Inbox and outbox entries left by an earlier run are scheduled again.
         let resumer = client.clone();
         tokio::spawn(async move {
@@ -218,7 +274,7 @@ impl AgentSystemBuilder {
                 tracing::warn!(%error, "resuming pending mentions failed");
             }
         });
-        Ok(AgentSystem { runtime, client })
+        Ok(client)
     }
 }
 
@@ -346,7 +402,7 @@ impl AgentClient {
             };
             let answer = self
                 .runtime
-                .invoke(&target, request.encode(), self.runtime.deadline_in(timeout))
+                .invoke_routed(&target, request.encode(), self.runtime.deadline_in(timeout))
                 .await;
             outside_reply(&target, answer)
         } else {
@@ -436,7 +492,7 @@ impl AgentClient {
         let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
         let reply = self
             .runtime
-            .invoke_within(&target, AgentCommand::Enqueue(entry).encode(), ack)
+            .invoke_routed_within(&target, AgentCommand::Enqueue(entry).encode(), ack)
             .await?;
         let msg_id = match decode_reply::<EnqueueReply>(&reply)? {
             EnqueueReply::Accepted { msg_id } => msg_id,
@@ -546,7 +602,10 @@ impl AgentClient {
     async fn command(&self, agent: &ActorId, command: AgentCommand) -> Result<SendReply, InboxError> {
         // The agent may be in a long turn: wait as long as for an ask.
         let timeout = Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT);
-        let reply = self.runtime.invoke_within(agent, command.encode(), timeout).await?;
+        let reply = self
+            .runtime
+            .invoke_routed_within(agent, command.encode(), timeout)
+            .await?;
         decode_reply(&reply)
     }
 

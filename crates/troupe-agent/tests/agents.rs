@@ -825,3 +825,40 @@ async fn a_cut_caller_reports_its_in_flight_call_as_cancelled() {
     );
     system.shutdown().await;
 }
+
+/// Goal: an embedder can start the runtime itself (a cluster node does). Method:
+/// `prepare`, start the returned builder, then `attach`: before `attach` an agent cannot
+/// activate (refused, naming what to do); a runtime without the agent kind is refused
+/// at `attach`; once attached, asks are answered and the log is committed.
+#[tokio::test(start_paused = true)]
+async fn a_prepared_system_runs_on_a_runtime_started_by_the_embedder() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("hello"));
+    let builder = || {
+        AgentSystem::builder()
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("a"))
+    };
+    let (runtime_builder, pending) = builder().prepare().expect("a valid system");
+    let runtime = runtime_builder.start();
+    let early = runtime
+        .handle()
+        .invoke_within(&agent_id("a").unwrap(), bytes::Bytes::from_static(b"{}"), SECOND)
+        .await;
+    match early {
+        Err(InvokeError::ActorFailed { cause, .. }) => assert!(cause.contains("PendingAgentSystem::attach"), "{cause}"),
+        other => panic!("an agent must not activate before attach: {other:?}"),
+    }
+    let (_, other_pending) = builder().prepare().expect("a valid system");
+    let bare = troupe_runtime::Runtime::builder().start();
+    assert!(matches!(
+        other_pending.attach(bare.handle()),
+        Err(troupe_agent::AgentSystemError::NotRegistered)
+    ));
+    bare.shutdown().await;
+    let client = pending
+        .attach(runtime.handle())
+        .expect("the runtime has the agent kind");
+    assert_eq!(client.ask("a", "hi").await.unwrap().text, "hello");
+    assert_eq!(client.conversation_log("a").await.unwrap().len(), 2);
+    runtime.shutdown().await;
+}

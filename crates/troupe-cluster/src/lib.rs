@@ -12,6 +12,9 @@
 //!  a turn's call (Caller) ──► the node's TurnCallRouter: the same routing, with the
 //!     callee's context (chain, depth, caller, deadline); remote: wait-for edge recorded
 //!     here, marked remote, and a deadlock probe sent to the owner (see probes.rs)
+//!  a root request through the runtime (RuntimeHandle::invoke_routed, a turn's
+//!     invoke_as_root: an embedded AgentClient's asks) ──► the node's RootCallRouter:
+//!     the same routing as ClusterNode::invoke
 //!  activation ends ──► ActivationEnded event ──► release(x) in etcd (if no newer activation)
 //!  lease lost ──► refuse every claim and commit here, deactivate every activation
 //! ```

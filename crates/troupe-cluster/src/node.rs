@@ -109,6 +109,12 @@ pub(crate) struct Inner {
 /// with [`StoreError::NotOwner`] before anything runs, and the caller looks the owner up
 /// again and retries, until its deadline.
 ///
+/// The node installs two routers in its runtime: a [`troupe_runtime::TurnCallRouter`]
+/// for calls made by turns and a [`troupe_runtime::RootCallRouter`] for root requests
+/// made through the runtime ([`RuntimeHandle::invoke_routed`], a turn's
+/// `invoke_as_root`), so an agent system attached to [`ClusterNode::handle`] reaches
+/// its agents wherever they are placed (see docs/cluster.md, "Agents on the cluster").
+///
 /// When the lease is lost, the node refuses every claim and commit at once and
 /// deactivates every activation it has; [`ClusterNode::fenced_off`] resolves when that
 /// is done. Such a node stays a client (its calls are routed to the new owners) but
@@ -180,8 +186,12 @@ impl ClusterNode {
         let hooks = Arc::new(Hooks {
             inner: Arc::downgrade(&inner),
         });
-        if inner.handle.set_turn_call_router(hooks).is_err() {
+        let turn_router: Arc<dyn troupe_runtime::TurnCallRouter> = Arc::clone(&hooks) as Arc<Hooks>;
+        if inner.handle.set_turn_call_router(turn_router).is_err() {
             unreachable!("the node's runtime was just started: no router is installed yet");
+        }
+        if inner.handle.set_root_call_router(hooks).is_err() {
+            unreachable!("the node's runtime was just started: no root router is installed yet");
         }
         let probe_task = tokio::spawn(crate::probes::probe_loop(Arc::clone(&inner), probe_receiver));
         let release_task = tokio::spawn({
@@ -351,6 +361,10 @@ impl ClusterClient {
 pub(crate) enum Origin<'a> {
     /// A request from outside any turn.
     Root,
+    /// A root request that came through the runtime's root router
+    /// ([`troupe_runtime::RootCallRouter`]): from outside any turn, or from a turn's
+    /// `invoke_as_root` (so its local path does not refuse a request made in a turn).
+    RoutedRoot,
     /// A turn of `caller`; the callee runs under `context` (admission already ran).
     Turn {
         caller: &'a ActorId,
@@ -410,7 +424,7 @@ impl Inner {
                     };
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
-                        Origin::Root => {
+                        Origin::Root | Origin::RoutedRoot => {
                             client
                                 .invoke(target, payload.clone(), CallContext::root(deadline), None)
                                 .await
@@ -427,6 +441,12 @@ impl Inner {
                     inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
                         Origin::Root => inner.handle.invoke(target, payload.clone(), deadline).await,
+                        Origin::RoutedRoot => {
+                            inner
+                                .handle
+                                .invoke_root_for_router(target, payload.clone(), deadline)
+                                .await
+                        }
                         Origin::Turn { caller, context } => {
                             inner
                                 .handle

@@ -138,6 +138,25 @@ impl TurnCallRouter for Hooks {
     }
 }
 
+#[async_trait]
+impl troupe_runtime::RootCallRouter for Hooks {
+    async fn invoke_root(
+        &self,
+        target: &troupe_core::ActorId,
+        payload: Bytes,
+        deadline: troupe_core::Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        match self.inner.upgrade() {
+            Some(inner) => {
+                inner
+                    .routed(target, payload, deadline, crate::node::Origin::RoutedRoot)
+                    .await
+            }
+            None => Err(InvokeError::Shutdown),
+        }
+    }
+}
+
 /// Runs the node's probe work, one item at a time.
 pub(crate) async fn probe_loop(inner: Arc<Inner>, mut work: mpsc::Receiver<ProbeWork>) {
     while let Some(item) = work.recv().await {

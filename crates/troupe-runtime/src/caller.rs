@@ -387,7 +387,8 @@ impl Caller {
     /// turn: it is not in this turn's chain and adds no wait-for edge, so no cycle,
     /// depth or deadlock check applies to it. Use it only for work that is not part of
     /// answering this request. It is still bounded: its deadline is at most this
-    /// turn's, and it is cancelled when this turn ends.
+    /// turn's, and it is cancelled when this turn ends. With a [`crate::RootCallRouter`]
+    /// installed (a cluster node), it goes to the node that owns `target`.
     ///
     /// # Errors
     /// As [`crate::RuntimeHandle::invoke`], plus `Cancelled` when the turn ends first,
@@ -407,7 +408,7 @@ impl Caller {
         let deadline = self.inner.handle.deadline_in(timeout).min(self.deadline());
         tokio::select! {
             biased;
-            result = self.inner.handle.invoke_root(target, payload, deadline) => result,
+            result = self.inner.handle.invoke_root_routed(target, payload, deadline) => result,
             () = self.inner.turn_ended() => Err(InvokeError::Cancelled { target: target.clone() }),
         }
     }

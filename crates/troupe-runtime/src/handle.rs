@@ -172,6 +172,9 @@ pub(crate) struct Shared {
     pub(crate) next_call: AtomicU64,
     /// Where calls made by turns go, when a cluster layer installed a router.
     pub(crate) router: std::sync::OnceLock<Arc<dyn crate::TurnCallRouter>>,
+    /// Where root requests made through [`RuntimeHandle::invoke_routed`] and
+    /// `Caller::invoke_as_root` go, when a cluster layer installed a router.
+    pub(crate) root_router: std::sync::OnceLock<Arc<dyn crate::RootCallRouter>>,
     /// Planted bug (simulator only): turns ignore that their caller gave up.
     #[cfg(feature = "planted-bugs")]
     pub(crate) planted_commit_after_abandon: bool,
@@ -366,6 +369,7 @@ impl RuntimeHandle {
     }
 
     /// A root invocation without the inside-a-turn check: for `Caller::invoke_as_root`.
+    /// Always local (see [`RuntimeHandle::invoke_root_routed`]).
     pub(crate) async fn invoke_root(
         &self,
         target: &ActorId,

@@ -13,6 +13,11 @@
 //!                             when the call ends (the edge is released)
 //! ```
 //!
+//! Root requests (from outside any turn) have a router of their own,
+//! [`RootCallRouter`]: [`RuntimeHandle::invoke_routed`] and `Caller::invoke_as_root`
+//! go through it when one is installed, so an embedder (the agent layer) reaches an
+//! actor wherever a cluster placed it; [`RuntimeHandle::invoke`] stays local.
+//!
 //! The router runs inside the calling turn's task; the caller wraps its future so that
 //! the call still ends with `Cancelled` when the turn ends. Whenever the dispatcher
 //! records an edge whose path of waits reaches an edge marked remote, it tells the
@@ -22,7 +27,8 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::oneshot;
-use troupe_core::{ActorId, CallContext, InvokeError};
+use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+use troupe_core::{ActorId, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::control::{Command, Control};
 use crate::handle::Counters;
@@ -70,6 +76,19 @@ pub trait TurnCallRouter: Send + Sync + 'static {
     fn path_leaves_node(&self, remote_edges: Vec<WaitEdge>);
 }
 
+/// Routes root requests (from outside any turn, or a turn's `invoke_as_root`) to the
+/// node that owns their target (a cluster node installs one).
+#[async_trait]
+pub trait RootCallRouter: Send + Sync + 'static {
+    /// Runs `payload` on `target` wherever it lives, as a root request, by `deadline`
+    /// (on this runtime's clock). The local path must not refuse a request made from
+    /// inside a turn: use [`RuntimeHandle::invoke_root_for_router`].
+    ///
+    /// # Errors
+    /// Whatever the owner or the route returned.
+    async fn invoke_root(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError>;
+}
+
 /// A remote wait-for edge of this runtime's graph, held while the call is open; dropping
 /// it releases the edge.
 #[derive(Debug)]
@@ -110,6 +129,90 @@ impl RuntimeHandle {
         router: std::sync::Arc<dyn TurnCallRouter>,
     ) -> Result<(), std::sync::Arc<dyn TurnCallRouter>> {
         self.shared.router.set(router)
+    }
+
+    /// Installs the router for root requests ([`RuntimeHandle::invoke_routed`],
+    /// `Caller::invoke_as_root`); a second router is refused (the first one stays).
+    ///
+    /// # Errors
+    /// Gives `router` back if one is installed already.
+    pub fn set_root_call_router(
+        &self,
+        router: std::sync::Arc<dyn RootCallRouter>,
+    ) -> Result<(), std::sync::Arc<dyn RootCallRouter>> {
+        self.shared.root_router.set(router)
+    }
+
+    /// Whether a [`RootCallRouter`] is installed (the runtime runs in a cluster node).
+    pub fn has_root_call_router(&self) -> bool {
+        self.shared.root_router.get().is_some()
+    }
+
+    /// As [`RuntimeHandle::invoke`], but through the installed [`RootCallRouter`] when
+    /// there is one: the request runs on the node that owns `target`, not necessarily
+    /// here. Without a router it is [`RuntimeHandle::invoke`].
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke`], and whatever the router returns (for a cluster
+    /// node: `Unreachable`, `Timeout` while the owner cannot be found).
+    pub async fn invoke_routed(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        if crate::handle::IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        self.invoke_root_routed(target, payload, deadline).await
+    }
+
+    /// As [`RuntimeHandle::invoke_routed`], with the deadline `timeout` from now (capped
+    /// at [`INVOKE_TIMEOUT_MS_MAX`]).
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke_routed`].
+    pub async fn invoke_routed_within(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        timeout: std::time::Duration,
+    ) -> Result<Bytes, InvokeError> {
+        if self.shared.root_router.get().is_none() {
+            return self.invoke_within(target, payload, timeout).await;
+        }
+        let timeout = timeout.min(std::time::Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+        self.invoke_routed(target, payload, self.deadline_in(timeout)).await
+    }
+
+    /// A root request through the router if one is installed, else local; no inside-a-turn
+    /// check (for `Caller::invoke_as_root`).
+    pub(crate) async fn invoke_root_routed(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        match self.shared.root_router.get() {
+            Some(router) => router.invoke_root(target, payload, deadline).await,
+            None => self.invoke_root(target, payload, deadline).await,
+        }
+    }
+
+    /// Runs a root request on this runtime: the local path of a [`RootCallRouter`].
+    /// Unlike [`RuntimeHandle::invoke`] it does not refuse a request made from inside a
+    /// turn, since `Caller::invoke_as_root` reaches the router from a turn. For routers
+    /// only.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke`].
+    pub async fn invoke_root_for_router(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        self.invoke_root(target, payload, deadline).await
     }
 
     pub(crate) fn turn_call_router(&self) -> Option<&std::sync::Arc<dyn TurnCallRouter>> {

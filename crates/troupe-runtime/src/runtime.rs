@@ -251,6 +251,7 @@ impl RuntimeBuilder {
             shutdown_grace: self.shutdown_grace,
             next_call: AtomicU64::new(1),
             router: std::sync::OnceLock::new(),
+            root_router: std::sync::OnceLock::new(),
             #[cfg(feature = "planted-bugs")]
             planted_commit_after_abandon: self.planted_commit_after_abandon,
             #[cfg(feature = "planted-bugs")]

@@ -1,6 +1,7 @@
 //! The hooks a cluster layer uses: remote wait-for edges (`begin_remote_wait`), the
 //! edges' query (`waits_of`), the router for calls made by turns (`TurnCallRouter`) and
-//! its notice when a local edge's path reaches a remote edge.
+//! its notice when a local edge's path reaches a remote edge, and the router for root
+//! requests (`RootCallRouter`).
 //!
 //! Runs in both builds; the edge-leak test also on tokio's multi-thread runtime.
 
@@ -196,5 +197,87 @@ async fn a_router_receives_turn_calls_and_hears_of_paths_that_leave_the_node() {
         "the path x → c → far was reported: {leaving:?}"
     );
     drop(remote);
+    runtime.shutdown().await;
+}
+
+/// A root router that runs every request locally and records the targets it saw.
+struct LocalRootRouter {
+    handle: troupe_runtime::RuntimeHandle,
+    targets: Mutex<Vec<String>>,
+}
+
+#[async_trait]
+impl troupe_runtime::RootCallRouter for LocalRootRouter {
+    async fn invoke_root(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: troupe_core::Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        self.targets.lock().expect("targets").push(target.key().to_string());
+        self.handle.invoke_root_for_router(target, payload, deadline).await
+    }
+}
+
+/// Sends its payload to `relay:<payload>` as an independent root request from its turn.
+struct Detacher;
+
+#[async_trait]
+impl Actor for Detacher {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let key = String::from_utf8(payload.to_vec()).expect("text");
+        turn.caller()
+            .invoke_as_root(&actor(&key), Bytes::new(), Duration::from_secs(5))
+            .await
+            .map_err(ActorError::Invoke)
+    }
+}
+
+/// With a root router installed, `invoke_routed` (and `invoke_routed_within`) and a
+/// turn's `invoke_as_root` go through it, and its local path answers even from inside a
+/// turn; `invoke` stays local; without a router, `invoke_routed` is `invoke`.
+#[tokio::test]
+async fn a_root_router_receives_routed_root_requests_and_invoke_as_root() {
+    let runtime = Runtime::builder()
+        .register(
+            ActorKind::new("relay").expect("a kind"),
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Relay)) },
+            KindConfig::default(),
+        )
+        .expect("register")
+        .register(
+            ActorKind::new("detacher").expect("a kind"),
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Detacher)) },
+            KindConfig::default(),
+        )
+        .expect("register")
+        .start();
+    let handle = runtime.handle();
+    let deadline = || handle.deadline_in(Duration::from_secs(5));
+    assert!(!handle.has_root_call_router());
+    let unrouted = handle.invoke_routed(&actor("u"), Bytes::new(), deadline()).await;
+    assert_eq!(unrouted.expect("local without a router").as_ref(), b"leaf");
+    let router = Arc::new(LocalRootRouter {
+        handle: handle.clone(),
+        targets: Mutex::default(),
+    });
+    assert!(handle.set_root_call_router(router.clone()).is_ok());
+    assert!(
+        handle.set_root_call_router(router.clone()).is_err(),
+        "one root router only"
+    );
+    assert!(handle.has_root_call_router());
+    let routed = handle.invoke_routed(&actor("r1"), Bytes::new(), deadline()).await;
+    assert_eq!(routed.expect("routed").as_ref(), b"leaf");
+    let routed = handle
+        .invoke_routed_within(&actor("r2"), Bytes::new(), Duration::from_secs(5))
+        .await;
+    assert_eq!(routed.expect("routed within").as_ref(), b"leaf");
+    let local = handle.invoke(&actor("l"), Bytes::new(), deadline()).await;
+    assert_eq!(local.expect("local").as_ref(), b"leaf");
+    let detacher = ActorId::new("detacher", "d").expect("an actor id");
+    let detached = handle.invoke(&detacher, Bytes::from_static(b"r3"), deadline()).await;
+    assert_eq!(detached.expect("invoke_as_root through the router").as_ref(), b"leaf");
+    assert_eq!(*router.targets.lock().expect("targets"), vec!["r1", "r2", "r3"]);
     runtime.shutdown().await;
 }

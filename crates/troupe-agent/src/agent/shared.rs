@@ -94,6 +94,17 @@ impl AgentShared {
         let _ = self.runtime.set(runtime);
     }
 
+    /// Refuses to build actor `id` before the runtime was attached
+    /// ([`crate::PendingAgentSystem::attach`]): the agents need its clock and handle.
+    pub(crate) fn require_attached(&self, id: &troupe_core::ActorId) -> Result<(), troupe_runtime::ActorError> {
+        if self.clock.get().is_some() {
+            return Ok(());
+        }
+        Err(troupe_runtime::ActorError::rejected(format!(
+            "{id} cannot activate yet: the agent system is not attached to its runtime (PendingAgentSystem::attach); retry"
+        )))
+    }
+
     /// The runtime, once started.
     pub(crate) fn runtime(&self) -> Option<RuntimeHandle> {
         self.runtime.get().cloned()
