@@ -56,6 +56,11 @@ enum Probe {
     Count,
     /// Reply with how many `Count` turns the probe of this key has run on this runtime.
     TurnsOf(String),
+    /// Sleep this long, then count the turn under `<key>/after-sleep` (see [`turns_of`])
+    /// and write the key `written`, committed with the turn.
+    SleepThenWrite { milliseconds: u64 },
+    /// Reply `written` if this actor's key `written` is committed, else `clean`.
+    ReadWritten,
 }
 
 /// Turns run by `Probe::Count` on one runtime, by actor key. Owned by the runtime's
@@ -106,6 +111,25 @@ impl Actor for ProbeActor {
             Probe::TurnsOf(key) => {
                 let count = self.turns.lock().unwrap().get(&key).copied().unwrap_or(0);
                 Ok(Bytes::from(count.to_be_bytes().to_vec()))
+            }
+            Probe::SleepThenWrite { milliseconds } => {
+                tokio::time::sleep(Duration::from_millis(milliseconds)).await;
+                *self
+                    .turns
+                    .lock()
+                    .unwrap()
+                    .entry(format!("{}/after-sleep", turn.id().key()))
+                    .or_insert(0) += 1;
+                turn.put("written", Bytes::from_static(b"yes"))
+                    .map_err(|error| ActorError::failed(error.to_string()))?;
+                Ok(Bytes::new())
+            }
+            Probe::ReadWritten => {
+                let written = turn
+                    .get("written")
+                    .await
+                    .map_err(|error| ActorError::failed(error.to_string()))?;
+                Ok(Bytes::from_static(if written.is_some() { b"written" } else { b"clean" }))
             }
         }
     }
@@ -192,6 +216,73 @@ async fn until_late_replies(client: &TransportClient, late: u64) {
 /// Time on `clock` since `since`.
 fn elapsed(clock: &Clock, since: troupe_core::Deadline) -> Duration {
     Duration::from_micros(clock.now().as_micros().saturating_sub(since.as_micros()))
+}
+
+/// How long the remote turn of [`a_dropped_call_cancels_its_remote_turn`] sleeps before
+/// it would write, in milliseconds.
+const CANCELLED_TURN_SLEEP_MS: u64 = 2_000;
+/// The deadline of that call, in milliseconds: far past the moment its caller gives up.
+const CANCELLED_CALL_DEADLINE_MS: u64 = 10_000;
+/// How long the caller waits before it drops the call, in milliseconds.
+const CANCELLED_CALL_GIVE_UP_MS: u64 = 100;
+/// The bound asserted from the caller dropping its call to the callee's actor serving
+/// its next request, in milliseconds: a cancel's transit plus a read's round trip (on
+/// loopback or madsim's 1-10 ms links), well under the sleep and the deadline.
+const CANCEL_TAKES_EFFECT_MS_MAX: u64 = 300;
+
+/// Goal: a caller that drops its remote call before the reply (and before its deadline)
+/// cancels the remote turn: it stops at once and commits nothing. Method: `key`'s turn
+/// sleeps [`CANCELLED_TURN_SLEEP_MS`] and would then write; the caller gives up after
+/// [`CANCELLED_CALL_GIVE_UP_MS`] (its future is dropped; the deadline is 10 s). A read
+/// of the same actor queues behind the turn if it still runs: it must be served within
+/// [`CANCEL_TAKES_EFFECT_MS_MAX`] and find nothing written; after the sleep would have
+/// ended, still nothing is written and the code after the sleep never ran. Returns how
+/// long the read took after the caller gave up.
+async fn a_dropped_call_cancels_its_remote_turn(client: &TransportClient, clock: &Clock, key: &str) -> Duration {
+    let slow = encode(&Probe::SleepThenWrite {
+        milliseconds: CANCELLED_TURN_SLEEP_MS,
+    });
+    let target = probe(key);
+    let call = client.invoke(
+        &target,
+        slow,
+        root_context(clock, Duration::from_millis(CANCELLED_CALL_DEADLINE_MS)),
+        None,
+    );
+    let gave_up = tokio::time::timeout(Duration::from_millis(CANCELLED_CALL_GIVE_UP_MS), call).await;
+    assert!(gave_up.is_err(), "the caller gave up before the reply: {gave_up:?}");
+    let given_up_at = clock.now();
+
+    let read = client
+        .invoke(
+            &probe(key),
+            encode(&Probe::ReadWritten),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    let took = elapsed(clock, given_up_at);
+    assert_eq!(&read[..], b"clean", "the cancelled turn committed nothing");
+    assert!(
+        took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX),
+        "the actor served its next request {took:?} after the caller gave up: the cancelled turn ran on"
+    );
+
+    // Past the moment the sleep would have ended: the turn did not go on unseen.
+    tokio::time::sleep(Duration::from_millis(CANCELLED_TURN_SLEEP_MS + 500)).await;
+    let read = client
+        .invoke(
+            &probe(key),
+            encode(&Probe::ReadWritten),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(&read[..], b"clean");
+    assert_eq!(turns_of(client, clock, &format!("{key}/after-sleep")).await, 0);
+    took
 }
 
 /// The handshake frames as the wire encodes them, mirrored here (serde encodes an
@@ -289,6 +380,102 @@ mod loopback {
         assert_eq!(&reply[..], b"hello");
         assert_eq!(client.stats().connections_opened, 1);
         assert_eq!(client.stats().requests_in_flight, 0);
+    }
+
+    /// Goal: a caller that drops its remote call mid-turn cancels the remote turn, which
+    /// stops at once and commits nothing (see [`a_dropped_call_cancels_its_remote_turn`]).
+    /// Method: that scenario on loopback; the host also reports one request cancelled
+    /// and one turn abandoned, and its store holds no write. A finished call and a call
+    /// that ends at its deadline send no cancel.
+    #[tokio::test]
+    async fn a_caller_that_drops_a_remote_call_cancels_the_remote_turn_and_nothing_commits() {
+        let (runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+        echo(&client, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+        let timed_out = client
+            .invoke(
+                &probe("sleepy"),
+                encode(&Probe::Sleep { milliseconds: 1_000 }),
+                root_context(&clock, Duration::from_millis(50)),
+                None,
+            )
+            .await;
+        assert!(matches!(timed_out, Err(InvokeError::Timeout { .. })), "{timed_out:?}");
+        assert_eq!(client.stats().cancels_sent, 0, "no cancel for a reply or a deadline");
+        // The host ends the timed-out turn at its own deadline (counted as abandoned too).
+        for _ in 0..100 {
+            if runtime.handle().counters().turns_abandoned == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let abandoned_before = runtime.handle().counters().turns_abandoned;
+        assert_eq!(abandoned_before, 1, "the timed-out turn ended by its deadline");
+
+        let took = a_dropped_call_cancels_its_remote_turn(&client, &clock, "slow").await;
+        println!("the callee's actor served its next request {took:?} after the caller gave up");
+        let stats = client.stats();
+        assert_eq!((stats.cancels_sent, stats.cancels_dropped), (1, 0), "{stats:?}");
+        assert_eq!(stats.requests_in_flight, 0);
+        let server_stats = server.stats();
+        assert_eq!(server_stats.requests_cancelled, 1, "{server_stats:?}");
+        assert_eq!(server_stats.cancels_unmatched, 0, "{server_stats:?}");
+        assert_eq!(runtime.handle().counters().turns_abandoned, abandoned_before + 1, "{:?}", runtime.handle().counters());
+        let written = runtime.handle().store().get(&probe("slow"), "written").await.unwrap();
+        assert_eq!(written, None, "nothing committed");
+    }
+
+    /// Goal: the same on worker threads, many callers at once over one connection:
+    /// each dropped call cancels its own remote turn and no other. Method: 16 tasks on a
+    /// 4-thread runtime run the scenario on 16 actors at once; 16 more actors get calls
+    /// that finish. Every cancelled actor reads clean, every finished one reads written,
+    /// and the host counts exactly 16 cancelled requests and 16 abandoned turns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn dropped_remote_calls_cancel_their_turns_on_the_multi_thread_runtime() {
+        const CALLERS: usize = 16;
+        let (runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(server.local_address(), clock));
+        echo(&client, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+        let mut tasks = Vec::new();
+        for index in 0..CALLERS {
+            let dropping = Arc::clone(&client);
+            tasks.push(tokio::spawn(async move {
+                a_dropped_call_cancels_its_remote_turn(&dropping, &clock, &format!("dropped-{index}")).await
+            }));
+            let keeping = Arc::clone(&client);
+            tasks.push(tokio::spawn(async move {
+                let key = format!("kept-{index}");
+                keeping
+                    .invoke(
+                        &probe(&key),
+                        encode(&Probe::SleepThenWrite { milliseconds: 200 }),
+                        root_context(&clock, Duration::from_secs(10)),
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                Duration::ZERO
+            }));
+        }
+        let mut slowest = Duration::ZERO;
+        for task in tasks {
+            slowest = slowest.max(task.await.unwrap());
+        }
+        println!("slowest: the callee's actor served its next request {slowest:?} after its caller gave up");
+        let handle = runtime.handle();
+        for index in 0..CALLERS {
+            let store = handle.store();
+            let dropped = store.get(&probe(&format!("dropped-{index}")), "written").await.unwrap();
+            assert_eq!(dropped, None, "dropped-{index} committed nothing");
+            let kept = store.get(&probe(&format!("kept-{index}")), "written").await.unwrap();
+            assert!(kept.is_some(), "kept-{index} committed its write");
+        }
+        let stats = client.stats();
+        assert_eq!((stats.cancels_sent, stats.cancels_dropped), (CALLERS as u64, 0), "{stats:?}");
+        assert_eq!(server.stats().requests_cancelled, CALLERS as u64, "{:?}", server.stats());
+        assert_eq!(runtime.handle().counters().turns_abandoned, CALLERS as u64);
     }
 
     /// Goal: the remote turn sees the caller's depth and chain exactly, and no more time
@@ -1323,6 +1510,34 @@ mod simulated {
 
     fn server_stats(slot: &ServerSlot) -> TransportServerStats {
         slot.lock().unwrap().as_ref().expect("the server started").stats()
+    }
+
+    /// Goal: across simulated nodes too, a caller that drops its remote call mid-turn
+    /// cancels the remote turn, which stops at once and commits nothing (see
+    /// [`a_dropped_call_cancels_its_remote_turn`]). Method: that scenario from the client
+    /// node; the server counts one request cancelled.
+    #[madsim::test]
+    async fn a_caller_that_drops_a_remote_call_cancels_the_remote_turn_and_nothing_commits() {
+        let handle = Handle::current();
+        let (_server, slot) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        let took = client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5)).await.unwrap();
+                let took = a_dropped_call_cancels_its_remote_turn(&transport, &clock, "slow").await;
+                let stats = transport.stats();
+                assert_eq!((stats.cancels_sent, stats.cancels_dropped), (1, 0), "{stats:?}");
+                assert_eq!(stats.requests_in_flight, 0);
+                took
+            })
+            .await
+            .unwrap();
+        let stats = server_stats(&slot);
+        assert_eq!((stats.requests_cancelled, stats.cancels_unmatched), (1, 0), "{stats:?}");
+        assert!(took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX), "{took:?}");
     }
 
     /// How far from a server timeout the test may see its effect: the close reaches the

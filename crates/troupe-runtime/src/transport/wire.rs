@@ -1,7 +1,8 @@
 //! The messages on the wire. A client opens each connection with a [`Hello`], the
 //! server answers [`HelloAck`] (the clock handshake, see [`ClockSync`]); then the client
 //! sends [`WireRequest`]s and the server answers [`WireResponse`]s. A client may send
-//! another [`Hello`] at any time to refresh its clock bound.
+//! another [`Hello`] at any time to refresh its clock bound, and a [`WireCancel`] for a
+//! request whose caller stopped waiting (no answer).
 
 use std::time::Duration;
 
@@ -25,6 +26,19 @@ pub(crate) enum ClientMessage {
     Request(WireRequest),
     /// A deadlock probe (one way: no answer).
     Probe(Probe),
+    /// The caller of an earlier request on this connection stopped waiting (one way: no
+    /// answer). Since protocol version 4.
+    Cancel(WireCancel),
+}
+
+/// The caller of request `request_id` (sent earlier on the same connection) stopped
+/// waiting: its future was dropped before the reply (its turn ended, it gave up). The
+/// server drops the call, which cancels the callee's turn (rolled back, nothing
+/// committed) or, if it has not started, keeps it from running. A cancel for a request
+/// that already ended, or that the server never saw, is ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WireCancel {
+    pub(crate) request_id: u64,
 }
 
 /// A frame from server to client.
