@@ -936,3 +936,52 @@ async fn calls_from_turns_across_nodes_keep_chain_depth_and_deadline_rules() {
         "{deep:?}"
     );
 }
+
+/// How long the caller of the cancel test waits before it gives up, in milliseconds.
+const CANCEL_GIVE_UP_MS: u64 = 200;
+/// The bound asserted from giving up to the remote callee's actor serving its next call,
+/// in simulated milliseconds: the cancel's transit and a routed call's round trip (the
+/// callee's turn would sleep `SLOW_TURN_MS`, 3 s; the deadline is 10 s).
+const CANCEL_TAKES_EFFECT_MS_MAX: u64 = 300;
+
+/// Goal: a turn abandoned on one node cancels its call on another node: the remote
+/// callee's turn stops at once and commits nothing. Method: `counter:slow` is placed on
+/// node-2 (count 1). A root request on node-1 to `hop:caller` (node-1) makes its turn
+/// call `counter:slow` with a request that sleeps 3 s before counting; the root gives up
+/// after 200 ms (deadline 10 s), which abandons the hop's turn and drops its call to
+/// node-2. The next call to the counter (routed from node-1) must be served at once,
+/// not behind a 3 s turn, and count 2: the abandoned turn counted nothing.
+#[madsim::test]
+async fn an_abandoned_turn_cancels_its_call_on_another_node_and_nothing_commits() {
+    let cluster = start_hop_cluster(false).await;
+    cluster.place(0, "caller").await;
+    let (reply, _) = cluster.call(1, counter("slow"), "x".into(), 2_000).await;
+    assert_eq!(reply.expect("the counter placed on node-2"), "node-2:1");
+    let client = cluster.clients[0].clone();
+    let (gave_up, next, took) = cluster.nodes[0]
+        .spawn(async move {
+            let deadline = client.deadline_in(Duration::from_millis(CYCLE_DEADLINE_MS));
+            let caller = hop("caller");
+            let call = client.invoke(&caller, Bytes::from("0;slowcounter=slow@node-2"), deadline);
+            let gave_up = tokio::time::timeout(Duration::from_millis(CANCEL_GIVE_UP_MS), call).await;
+            let given_up_at = Instant::now();
+            let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+            let slow = counter("slow");
+            let next = client.invoke(&slow, Bytes::from("x"), deadline).await;
+            (gave_up.is_err(), next, given_up_at.elapsed())
+        })
+        .await
+        .expect("the caller's task");
+    assert!(gave_up, "the root gave up before any reply");
+    let next = next.expect("the counter's next call");
+    assert_eq!(
+        std::str::from_utf8(&next).expect("text"),
+        "node-2:2",
+        "the abandoned turn counted nothing"
+    );
+    assert!(
+        took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX),
+        "the counter served its next call {took:?} after the caller gave up: the remote turn ran on"
+    );
+    eprintln!("the remote callee's actor served its next call {took:?} after its caller's turn was abandoned");
+}

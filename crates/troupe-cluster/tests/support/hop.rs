@@ -4,7 +4,9 @@
 //!
 //! Request: `ping` (answers the node's name: used to place the actor on a node), or
 //! `<sleep_ms>;<key>,<key>,...`: sleep, then call `hop:<first key>` with `0;<the rest>`
-//! (a leaf, with no key, calls nobody; a key `counter=<key>` calls that counter). Reply: `<node>|<turn's remaining ms>|<outcome>`,
+//! (a leaf, with no key, calls nobody; a key `counter=<key>` calls that counter; a key
+//! `slowcounter=<key>@<node>` calls that counter with `slow@<node>`, which sleeps
+//! `SLOW_TURN_MS` before counting where `<node>` serves it). Reply: `<node>|<turn's remaining ms>|<outcome>`,
 //! the outcome being `leaf`, `ok(<the callee's reply>)`, `deadlock:<k>><k>>...` (the
 //! cycle's keys) or `error:<kind>`.
 
@@ -56,8 +58,16 @@ impl Actor for Hop {
         let outcome = match keys.split_once(',').map_or((keys, ""), |(first, rest)| (first, rest)) {
             ("", _) => "leaf".to_string(),
             (first, rest) => {
-                let target = target_of(first);
-                let request = Bytes::from(format!("0;{rest}"));
+                let (target, request) = match first.strip_prefix("slowcounter=") {
+                    Some(slow) => {
+                        let (key, node) = slow
+                            .split_once('@')
+                            .ok_or_else(|| ActorError::rejected("expected slowcounter=<key>@<node>"))?;
+                        let counter = ActorId::new("counter", key).expect("an actor id");
+                        (counter, Bytes::from(format!("slow@{node}")))
+                    }
+                    None => (target_of(first), Bytes::from(format!("0;{rest}"))),
+                };
                 match turn
                     .invoke(&target, request, Duration::from_millis(HOP_CALL_TIMEOUT_MS))
                     .await

@@ -321,10 +321,12 @@ impl Drop for PendingEntry {
             request_id: self.request_id,
         });
         let queued = encode_frame(&cancel).is_ok_and(|frame| {
-            connection
-                .budget
-                .try_acquire(frame.len())
-                .is_some_and(|permit| connection.frames.try_send(BudgetedFrame { frame, _permit: permit }).is_ok())
+            connection.budget.try_acquire(frame.len()).is_some_and(|permit| {
+                connection
+                    .frames
+                    .try_send(BudgetedFrame { frame, _permit: permit })
+                    .is_ok()
+            })
         });
         let counter = if queued {
             &self.counters.cancels_sent

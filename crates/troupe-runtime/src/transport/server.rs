@@ -743,8 +743,8 @@ fn refuse_duplicate_id(request: &WireRequest) -> Bytes {
 /// `caller → target` to this runtime's graph (a node pair that is not a cluster: a
 /// two-node cycle is then refused by the host's graph). Without (a cluster node, which
 /// chases cycles with probes), the edge is the waiter's node's alone, as the probe
-/// protocol has it: a copy here could outlive the caller's wait (the caller's node does
-/// not tell this one when it gives up) and name a cycle that no longer exists.
+/// protocol has it: a copy here could outlive the caller's wait (the caller's node's
+/// cancel is best effort and may be lost) and name a cycle that no longer exists.
 async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, records_edges: bool) -> Bytes {
     let request_id = request.request_id;
     let target = request.target.clone();

@@ -373,6 +373,19 @@ mod tests {
     }
 
     #[test]
+    fn a_version_3_peer_which_knows_no_cancel_frame_is_refused_at_the_handshake() {
+        assert_eq!(WIRE_PROTOCOL_VERSION, 4, "version 4 added the cancel frame");
+        let mut hello = Hello::new(Deadline::from_micros(1));
+        hello.version = 3;
+        let refusal = hello.refusal().expect("a version 3 client is refused");
+        assert!(refusal.contains("version 3, this server 4"), "{refusal}");
+        let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
+        ack.version = 3;
+        let refusal = ack.clock_sync(Deadline::from_micros(3)).unwrap_err();
+        assert!(refusal.contains("version 3, this client 4"), "{refusal}");
+    }
+
+    #[test]
     fn the_largest_hello_and_answer_fit_the_handshake_frame_limit() {
         use crate::transport::frame::encode_frame;
         use crate::transport::{FRAME_HEADER_SIZE_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES};
