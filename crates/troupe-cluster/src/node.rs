@@ -342,15 +342,39 @@ impl ClusterClient {
     /// [`InvokeError::Timeout`] if the deadline passed, including while the owner could
     /// not be found (etcd unavailable, an owner whose lease has not ended yet).
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
-        self.inner.routed(target, payload, deadline, Origin::Root).await
+        let context = CallContext::root(deadline);
+        self.inner
+            .routed(target, payload, deadline, Origin::Root(&context))
+            .await
+    }
+
+    /// As [`ClusterClient::invoke`], under `context` instead of a root context with only
+    /// a deadline: the target's turn runs at its depth, with its chain, deadline and
+    /// trace id, wherever the target lives (on another node the transport carries them;
+    /// see [`CallContext::with_trace_id`]). The turns the call leads to, on any node,
+    /// see the same trace id.
+    ///
+    /// # Errors
+    /// As [`ClusterClient::invoke`].
+    pub async fn invoke_in(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        let deadline = context.deadline();
+        self.inner
+            .routed(target, payload, deadline, Origin::Root(&context))
+            .await
     }
 }
 
 /// Who makes a routed call.
 #[derive(Clone, Copy)]
 pub(crate) enum Origin<'a> {
-    /// A request from outside any turn.
-    Root,
+    /// A request from outside any turn, under this context (a root one, unless the
+    /// request arrived with its place in a call tree).
+    Root(&'a CallContext),
     /// A turn of `caller`; the callee runs under `context` (admission already ran).
     Turn {
         caller: &'a ActorId,
@@ -410,11 +434,7 @@ impl Inner {
                     };
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
-                        Origin::Root => {
-                            client
-                                .invoke(target, payload.clone(), CallContext::root(deadline), None)
-                                .await
-                        }
+                        Origin::Root(context) => client.invoke(target, payload.clone(), context.clone(), None).await,
                         Origin::Turn { caller, context } => {
                             inner.counters.turn_calls_forwarded.fetch_add(1, Ordering::Relaxed);
                             inner
@@ -426,7 +446,7 @@ impl Inner {
                 _ => {
                     inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
-                        Origin::Root => inner.handle.invoke(target, payload.clone(), deadline).await,
+                        Origin::Root(context) => inner.handle.invoke_in(target, payload.clone(), context.clone()).await,
                         Origin::Turn { caller, context } => {
                             inner
                                 .handle

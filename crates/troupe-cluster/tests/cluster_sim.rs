@@ -370,7 +370,7 @@ mod hops;
 
 use hops::{hop, is_rotation_of, parse_hop, with_hop, HopReply, Outcome};
 use troupe_cluster::ClusterClient;
-use troupe_core::{CallContext, CallRefused};
+use troupe_core::{CallContext, CallRefused, TraceId};
 
 /// Deadline of each root request in the cycle tests, in milliseconds.
 const CYCLE_DEADLINE_MS: u64 = 10_000;
@@ -984,4 +984,49 @@ async fn an_abandoned_turn_cancels_its_call_on_another_node_and_nothing_commits(
         "the counter served its next call {took:?} after the caller gave up: the remote turn ran on"
     );
     eprintln!("the remote callee's actor served its next call {took:?} after its caller's turn was abandoned");
+}
+
+/// Goal: a request's trace id reaches every turn it leads to, on every node, through
+/// root calls routed to another node and through calls from turns (the router and the
+/// transport), and a request without one shows none. Method: `t0` on node-1, `t1` on
+/// node-2, `t2` on node-3. A root request from node-1 with trace id X to `t0`, whose turn
+/// calls `t1`, whose turn asks `t2` for the trace id its turn sees: X, two nodes away.
+/// A root request from node-1 with trace id Y straight to `t1` (routed to node-2): Y.
+/// The first request again without a trace id: none at the end of the chain.
+#[madsim::test]
+async fn a_trace_id_reaches_the_turns_of_its_request_on_every_node() {
+    let cluster = start_hop_cluster(false).await;
+    for (index, key) in ["t0", "t1", "t2"].into_iter().enumerate() {
+        cluster.place(index, key).await;
+    }
+    let client = cluster.clients[0].clone();
+    let (x, y) = (TraceId::new(0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736), TraceId::new(7));
+    let (through_turns, straight, untraced) = cluster.nodes[0]
+        .spawn(async move {
+            let root = |trace: Option<TraceId>| {
+                let context = CallContext::root(client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS)));
+                match trace {
+                    Some(trace) => context.with_trace_id(trace),
+                    None => context,
+                }
+            };
+            let text =
+                |reply: Result<Bytes, InvokeError>| String::from_utf8(reply.expect("a reply").to_vec()).expect("text");
+            let (t0, t1) = (hop("t0"), hop("t1"));
+            let through_turns = client.invoke_in(&t0, Bytes::from("0;t1,trace=t2"), root(Some(x))).await;
+            let straight = client.invoke_in(&t1, Bytes::from("trace"), root(Some(y))).await;
+            let untraced = client.invoke_in(&t0, Bytes::from("0;t1,trace=t2"), root(None)).await;
+            (text(through_turns), text(straight), text(untraced))
+        })
+        .await
+        .expect("the traced calls");
+    // node-1|<ms>|ok(node-2|<ms>|ok(node-3|<the trace id t2's turn saw>))
+    assert!(
+        through_turns.starts_with("node-1|")
+            && through_turns.contains("|ok(node-2|")
+            && through_turns.ends_with(&format!("|ok(node-3|{x}))")),
+        "{through_turns}"
+    );
+    assert_eq!(straight, format!("node-2|{y}"));
+    assert!(untraced.ends_with("|ok(node-3|none))"), "{untraced}");
 }

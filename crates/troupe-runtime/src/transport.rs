@@ -78,7 +78,7 @@
 //!   naming both versions; the caller sees [`InvokeError::Unreachable`]. A server
 //!   answers a hello of another version before closing, so the client can say which
 //!   version it met; it serves nothing before a valid hello.
-//! - Depth and chain arrive intact: the host replays the chain with
+//! - Depth, chain and trace id arrive intact: the host replays the chain with
 //!   [`CallContext::child`], so cycle and depth checks hold across nodes. When the request
 //!   names a caller (or the chain does) the host records the wait-for edge with
 //!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from), unless the server
@@ -213,8 +213,9 @@ pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 /// The transport protocol's version, sent in the opening hello of every connection; a
 /// peer of another version fails the handshake with both versions in the cause.
 ///
-/// History: 3 added the one-way `Probe` frame; 4 added the one-way `Cancel` frame (a
-/// peer of version 3 would not understand it, so it is refused at the handshake).
+/// History: 3 added the one-way `Probe` frame; 4 added the one-way `Cancel` frame and
+/// the request's trace id (a peer of version 3 would not understand them, so it is
+/// refused at the handshake).
 pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 4;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken

@@ -32,7 +32,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use troupe_core::{ActorId, ActorKind, CallContext, InvokeError};
+use troupe_core::{ActorId, ActorKind, CallContext, InvokeError, TraceId};
 use troupe_runtime::{Actor, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, Turn};
 
 // ---------------------------------------------------------------------------------------
@@ -76,6 +76,7 @@ struct ContextReport {
     remaining_us: u64,
     /// The turn's deadline on the host's clock.
     deadline_us: u64,
+    trace_id: Option<TraceId>,
 }
 
 struct ProbeActor {
@@ -95,6 +96,7 @@ impl Actor for ProbeActor {
                     chain: context.chain().to_vec(),
                     remaining_us: u64::try_from(turn.deadline().remaining(turn.now()).as_micros()).unwrap(),
                     deadline_us: turn.deadline().as_micros(),
+                    trace_id: context.trace_id(),
                 };
                 Ok(Bytes::from(bincode::serialize(&report).unwrap()))
             }
@@ -500,7 +502,7 @@ mod loopback {
         assert_eq!(runtime.handle().counters().turns_abandoned, CALLERS as u64);
     }
 
-    /// Goal: the remote turn sees the caller's depth and chain exactly, and no more time
+    /// Goal: the remote turn sees the caller's depth, chain and trace id exactly, and no more time
     /// than the caller had left. Method: the probe reports its turn's context, for a
     /// call two hops deep (clock of the client unrelated to the server's) and for a root call.
     #[tokio::test]
@@ -512,7 +514,9 @@ mod loopback {
         let client = TransportClient::new(server.local_address(), clock);
         let (outer, inner) = (probe("outer"), probe("inner"));
         let budget = Duration::from_secs(5);
+        let trace = TraceId::new(0x5eed);
         let context = root_context(&clock, Duration::from_secs(60))
+            .with_trace_id(trace)
             .child(outer.clone(), clock.deadline_in(Duration::from_secs(60)))
             .child(inner.clone(), clock.deadline_in(budget));
         let reply = client
@@ -522,6 +526,7 @@ mod loopback {
         let report: ContextReport = bincode::deserialize(&reply).unwrap();
         assert_eq!(report.depth, 2);
         assert_eq!(report.chain, vec![outer, inner]);
+        assert_eq!(report.trace_id, Some(trace), "the trace id crosses");
         let remaining = Duration::from_micros(report.remaining_us);
         assert!(
             remaining <= budget,
@@ -544,6 +549,7 @@ mod loopback {
         let report: ContextReport = bincode::deserialize(&reply).unwrap();
         assert_eq!(report.depth, 0);
         assert!(report.chain.is_empty());
+        assert_eq!(report.trace_id, None);
     }
 
     /// Goal: an already expired deadline fails at once and sends nothing; a reply slower

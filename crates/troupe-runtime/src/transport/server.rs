@@ -772,7 +772,8 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
                     .send_and_wait(&target, crate::envelope::Payload::Bytes(payload), context, None)
                     .await
                     .and_then(|reply| reply.into_bytes(&target)),
-                None => handle.invoke(&target, payload, context.deadline()).await,
+                // A root call (empty chain): its context keeps the trace id.
+                None => handle.invoke_in(&target, payload, context).await,
             }
         }
     };

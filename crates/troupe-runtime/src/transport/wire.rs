@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
+use troupe_core::{ActorId, CallContext, Deadline, InvokeError, TraceId};
 
 use super::clock_sync::ClockSync;
 use super::{CALL_CHAIN_LENGTH_MAX, WIRE_PROTOCOL_VERSION};
@@ -153,6 +153,8 @@ pub(crate) struct WireRequest {
     pub(crate) deadline_us: u64,
     /// The actor whose turn waits on this call, if any.
     pub(crate) caller: Option<ActorId>,
+    /// The request's trace id, if its root set one (since protocol version 4).
+    pub(crate) trace_id: Option<TraceId>,
 }
 
 /// A deadlock probe of the cluster's edge chasing, sent node to node with no answer:
@@ -200,13 +202,14 @@ impl WireRequest {
             chain: context.chain().to_vec(),
             deadline_us: sync.server_deadline(context.deadline(), now).as_micros(),
             caller,
+            trace_id: context.trace_id(),
         }
     }
 
     /// Rebuilds the call context on the receiving clock, which reads `now`: root with the
     /// sent deadline (capped at `now +` [`INVOKE_TIMEOUT_MS_MAX`]), then one
     /// [`CallContext::child`] per actor of the chain, so depth and chain come out exactly
-    /// as they were sent.
+    /// as they were sent, and the trace id as sent.
     ///
     /// # Errors
     /// - [`InvokeError::Timeout`] if the deadline has already passed: the request arrived
@@ -240,6 +243,9 @@ impl WireRequest {
             });
         }
         let mut context = CallContext::root(deadline);
+        if let Some(trace_id) = self.trace_id {
+            context = context.with_trace_id(trace_id);
+        }
         for waiting in &self.chain {
             context = context.child(waiting.clone(), deadline);
         }
@@ -282,7 +288,9 @@ mod tests {
         // Sent 1 s after the handshake ended.
         let sent_at = Deadline::from_micros(11_004_000);
         let root = CallContext::root(Deadline::after(sent_at, Duration::from_millis(800)));
+        let trace = TraceId::new(0xfeed);
         let context = root
+            .with_trace_id(trace)
             .child(actor("a"), Deadline::from_micros(u64::MAX))
             .child(actor("b"), Deadline::after(sent_at, Duration::from_millis(500)));
         let request = WireRequest::new(
@@ -306,6 +314,7 @@ mod tests {
         assert_eq!(rebuilt.depth(), 2);
         assert_eq!(rebuilt.chain(), &[actor("a"), actor("b")]);
         assert_eq!(rebuilt.deadline(), Deadline::from_micros(expected_us));
+        assert_eq!(rebuilt.trace_id(), Some(trace), "the trace id crosses");
     }
 
     #[test]
