@@ -52,6 +52,8 @@ pub struct ClusterStats {
     pub placements_replaced: u64,
     /// Calls from this node's turns to actors on other nodes.
     pub turn_calls_forwarded: u64,
+    /// Tells (fire-and-forget messages) from this node's turns to actors on other nodes.
+    pub turn_tells_forwarded: u64,
     /// Deadlock probes this node sent to other nodes.
     pub probes_sent: u64,
     /// Deadlock probes this node received.
@@ -71,6 +73,7 @@ pub(crate) struct Counters {
     forwarded_calls: AtomicU64,
     reroutes: AtomicU64,
     turn_calls_forwarded: AtomicU64,
+    turn_tells_forwarded: AtomicU64,
     pub(crate) probes_sent: AtomicU64,
     pub(crate) probes_dropped: AtomicU64,
     pub(crate) deadlocks_found_by_probes: AtomicU64,
@@ -236,6 +239,7 @@ impl ClusterNode {
             reroutes: counters.reroutes.load(Ordering::Relaxed),
             placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
             turn_calls_forwarded: counters.turn_calls_forwarded.load(Ordering::Relaxed),
+            turn_tells_forwarded: counters.turn_tells_forwarded.load(Ordering::Relaxed),
             probes_sent: counters.probes_sent.load(Ordering::Relaxed),
             probes_received: self.inner.probes.received(),
             probes_dropped: counters.probes_dropped.load(Ordering::Relaxed) + self.inner.probes.dropped(),
@@ -380,6 +384,13 @@ pub(crate) enum Origin<'a> {
         caller: &'a ActorId,
         context: &'a CallContext,
     },
+    /// A fire-and-forget message from a turn of `caller`, for the target's runtime to
+    /// accept (the reply is empty); the target runs under `context` (admission already
+    /// ran). No wait-for edge: nobody waits.
+    TellFromTurn {
+        caller: &'a ActorId,
+        context: &'a CallContext,
+    },
 }
 
 impl Drop for ClusterNode {
@@ -441,6 +452,13 @@ impl Inner {
                                 .remote_turn_call(&client, owner, caller, target, payload.clone(), context.clone())
                                 .await
                         }
+                        Origin::TellFromTurn { caller, context } => {
+                            inner.counters.turn_tells_forwarded.fetch_add(1, Ordering::Relaxed);
+                            client
+                                .tell(target, payload.clone(), context.clone(), Some(caller))
+                                .await
+                                .map(|()| Bytes::new())
+                        }
                     }
                 }
                 _ => {
@@ -453,6 +471,11 @@ impl Inner {
                                 .invoke_for_turn(caller, target, payload.clone(), context.clone())
                                 .await
                         }
+                        Origin::TellFromTurn { context, .. } => inner
+                            .handle
+                            .tell_for_turn(target, payload.clone(), context.clone())
+                            .await
+                            .map(|()| Bytes::new()),
                     }
                 }
             };
@@ -522,6 +545,24 @@ impl Inner {
             context: &context,
         };
         self.routed(&target, payload, context.deadline(), origin).await
+    }
+
+    /// Delivers a turn's tell through the router: see [`Inner::routed`]. Returns once
+    /// the owner's runtime accepted it.
+    pub(crate) async fn tell_from_turn(self: &Arc<Self>, call: TurnCall) -> Result<(), InvokeError> {
+        let TurnCall {
+            caller,
+            target,
+            payload,
+            context,
+        } = call;
+        let origin = Origin::TellFromTurn {
+            caller: &caller,
+            context: &context,
+        };
+        self.routed(&target, payload, context.deadline(), origin)
+            .await
+            .map(|_| ())
     }
 
     /// The client for `owner`, from its membership record; `None` if it is not a member.

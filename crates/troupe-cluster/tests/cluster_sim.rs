@@ -1030,3 +1030,44 @@ async fn a_trace_id_reaches_the_turns_of_its_request_on_every_node() {
     assert_eq!(straight, format!("node-2|{y}"));
     assert!(untraced.ends_with("|ok(node-3|none))"), "{untraced}");
 }
+
+/// The bound asserted on a turn's tell across nodes: from the root request to the hop's
+/// reply, in simulated milliseconds (the told turn takes 3 s: the tell returns at
+/// acceptance, after one routed round trip).
+const TELL_ACCEPTED_MS_MAX: u64 = 300;
+
+/// Goal: a turn's `tell` to an actor on another node reaches its owner: it returns
+/// once the owner's runtime accepted the message, and the message runs there (before a
+/// later call). Method: `counter:told` is placed on node-2 (count 1); `hop:teller` on
+/// node-1 tells it `slow@node-2` (3 s, then count) and replies `told`; the root gets that
+/// reply within 300 ms. A call to the counter right after (routed from node-1) queues
+/// behind the told turn and counts 3: the told message ran on node-2. (Before tells were
+/// routed, node-1 delivered it to its own runtime, whose activation of an actor placed
+/// on node-2 is refused: the message was lost and the call counted 2.)
+#[madsim::test]
+async fn a_turn_s_tell_reaches_an_actor_on_another_node() {
+    let cluster = start_hop_cluster(false).await;
+    cluster.place(0, "teller").await;
+    let (reply, _) = cluster.call(1, counter("told"), "x".into(), 2_000).await;
+    assert_eq!(reply.expect("the counter placed on node-2"), "node-2:1");
+    let (reply, took) = cluster
+        .call(0, hop("teller"), "0;tellslow=told@node-2".into(), CYCLE_DEADLINE_MS)
+        .await;
+    let reply = reply.expect("the teller's reply");
+    assert!(reply.starts_with("node-1|") && reply.ends_with("|told"), "{reply}");
+    assert!(
+        took <= Duration::from_millis(TELL_ACCEPTED_MS_MAX),
+        "the tell took {took:?}: it must return at acceptance, not after the told turn"
+    );
+    let (next, waited) = cluster.call(0, counter("told"), "x".into(), 5_000).await;
+    assert_eq!(
+        next.expect("the counter's next call"),
+        "node-2:3",
+        "the told message ran on node-2"
+    );
+    assert!(
+        waited >= Duration::from_millis(2_000),
+        "the next call queued behind the told 3 s turn (waited {waited:?})"
+    );
+    eprintln!("tell across nodes accepted in {took:?}; the next call waited {waited:?} behind the told turn");
+}

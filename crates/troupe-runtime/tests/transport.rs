@@ -291,6 +291,72 @@ async fn a_dropped_call_cancels_its_remote_turn(client: &TransportClient, clock:
     took
 }
 
+/// How long the told turn of [`a_remote_tell_returns_at_acceptance_and_its_turn_runs`]
+/// sleeps before it writes, in milliseconds.
+const TOLD_TURN_SLEEP_MS: u64 = 1_000;
+/// The bound asserted on a remote tell's return, in milliseconds: one round trip, far
+/// under the told turn's sleep.
+const TELL_ACCEPTED_MS_MAX: u64 = 100;
+
+/// Goal: a remote tell returns once the remote runtime accepted the message, not when
+/// its turn ends; the turn then runs and commits; refusals come back typed. Method: tell
+/// `key` a turn that sleeps [`TOLD_TURN_SLEEP_MS`] then writes: the tell returns within
+/// [`TELL_ACCEPTED_MS_MAX`]; a read of the same actor queues behind the told turn and
+/// finds its write; a tell to an unregistered kind is `ActorNotFound`, and a tell whose
+/// context's chain holds its target is refused on arrival (`CycleDetected`).
+async fn a_remote_tell_returns_at_acceptance_and_its_turn_runs(client: &TransportClient, clock: &Clock, key: &str) {
+    let target = probe(key);
+    let started = clock.now();
+    client
+        .tell(
+            &target,
+            encode(&Probe::SleepThenWrite {
+                milliseconds: TOLD_TURN_SLEEP_MS,
+            }),
+            root_context(clock, Duration::from_secs(10)),
+            None,
+        )
+        .await
+        .unwrap();
+    let took = elapsed(clock, started);
+    assert!(
+        took <= Duration::from_millis(TELL_ACCEPTED_MS_MAX),
+        "the tell returned after {took:?}: at acceptance, not after its turn"
+    );
+    let read = client
+        .invoke(
+            &target,
+            encode(&Probe::ReadWritten),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(&read[..], b"written", "the told turn ran and committed before the read");
+    assert!(elapsed(clock, started) >= Duration::from_millis(TOLD_TURN_SLEEP_MS));
+
+    let unknown = ActorId::new("nobody", "x").unwrap();
+    let refused = client
+        .tell(
+            &unknown,
+            Bytes::new(),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await;
+    assert!(matches!(refused, Err(InvokeError::ActorNotFound { .. })), "{refused:?}");
+    let looped =
+        root_context(clock, Duration::from_secs(5)).child(target.clone(), clock.deadline_in(Duration::from_secs(5)));
+    let refused = client.tell(&target, encode(&Probe::Count), looped, None).await;
+    assert!(
+        matches!(
+            refused,
+            Err(InvokeError::Refused(troupe_core::CallRefused::CycleDetected { .. }))
+        ),
+        "{refused:?}"
+    );
+}
+
 /// The handshake frames as the wire encodes them, mirrored here (serde encodes an
 /// enum by variant index, so a mirror with the same variants in the same order
 /// encodes the same bytes).
@@ -437,6 +503,19 @@ mod loopback {
         );
         let written = runtime.handle().store().get(&probe("slow"), "written").await.unwrap();
         assert_eq!(written, None, "nothing committed");
+    }
+
+    /// Goal: a remote tell returns at acceptance, its turn runs, refusals are typed
+    /// (see [`a_remote_tell_returns_at_acceptance_and_its_turn_runs`]), on loopback.
+    #[tokio::test]
+    async fn a_remote_tell_returns_at_acceptance_and_its_turn_runs_on_loopback() {
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+        echo(&client, &clock, "a", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+        a_remote_tell_returns_at_acceptance_and_its_turn_runs(&client, &clock, "told").await;
     }
 
     /// Goal: the same on worker threads, many callers at once over one connection:
@@ -1538,6 +1617,28 @@ mod simulated {
 
     fn server_stats(slot: &ServerSlot) -> TransportServerStats {
         slot.lock().unwrap().as_ref().expect("the server started").stats()
+    }
+
+    /// Goal: a remote tell returns at acceptance, its turn runs, refusals are typed
+    /// (see [`a_remote_tell_returns_at_acceptance_and_its_turn_runs`]), across
+    /// simulated nodes.
+    #[madsim::test]
+    async fn a_remote_tell_returns_at_acceptance_and_its_turn_runs_across_nodes() {
+        let handle = Handle::current();
+        let _server = start_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                a_remote_tell_returns_at_acceptance_and_its_turn_runs(&transport, &clock, "told").await;
+            })
+            .await
+            .unwrap();
     }
 
     /// Goal: across simulated nodes too, a caller that drops its remote call mid-turn

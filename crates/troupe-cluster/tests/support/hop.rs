@@ -8,7 +8,8 @@
 //! (a leaf, with no key, calls nobody; a key `counter=<key>` calls that counter; a key
 //! `slowcounter=<key>@<node>` calls that counter with `slow@<node>`, which sleeps
 //! `SLOW_TURN_MS` before counting where `<node>` serves it; a key `trace=<key>` sends
-//! `trace` to `hop:<key>`). Reply: `<node>|<turn's remaining ms>|<outcome>`,
+//! `trace` to `hop:<key>`; a key `tellslow=<key>@<node>` tells that counter `slow@<node>`
+//! and does not wait for it: the outcome is `told`). Reply: `<node>|<turn's remaining ms>|<outcome>`,
 //! the outcome being `leaf`, `ok(<the callee's reply>)`, `deadlock:<k>><k>>...` (the
 //! cycle's keys) or `error:<kind>`.
 
@@ -66,6 +67,25 @@ impl Actor for Hop {
         }
         let outcome = match keys.split_once(',').map_or((keys, ""), |(first, rest)| (first, rest)) {
             ("", _) => "leaf".to_string(),
+            (first, _) if first.starts_with("tellslow=") => {
+                let slow = &first["tellslow=".len()..];
+                let (key, node) = slow
+                    .split_once('@')
+                    .ok_or_else(|| ActorError::rejected("expected tellslow=<key>@<node>"))?;
+                let counter = ActorId::new("counter", key).expect("an actor id");
+                let told = turn
+                    .caller()
+                    .tell(
+                        &counter,
+                        Bytes::from(format!("slow@{node}")),
+                        Duration::from_millis(HOP_CALL_TIMEOUT_MS),
+                    )
+                    .await;
+                match told {
+                    Ok(()) => "told".to_string(),
+                    Err(error) => format!("error:{}", kind_of(&error)),
+                }
+            }
             (first, rest) => {
                 let (target, request) = match first.strip_prefix("slowcounter=") {
                     Some(slow) => {

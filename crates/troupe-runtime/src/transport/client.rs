@@ -506,6 +506,43 @@ impl TransportClient {
         context: CallContext,
         caller: Option<&ActorId>,
     ) -> Result<Bytes, InvokeError> {
+        self.request(target, payload, context, caller, false).await
+    }
+
+    /// Sends a fire-and-forget message to the remote actor `target` under `context`
+    /// (the context its turn runs under, as for [`TransportClient::invoke`]) and returns
+    /// once the remote runtime has accepted it (in the target's mailbox, or held for its
+    /// activation) or refused it, by the deadline. The turn it starts runs on its own,
+    /// under the context's deadline; its reply goes nowhere. `caller` is the teller,
+    /// if any (no wait-for edge is recorded: nobody waits).
+    ///
+    /// # Errors
+    /// As [`TransportClient::invoke`], with the remote runtime's refusal at acceptance
+    /// (`Busy`, `ActorNotFound`, `Timeout`, `Refused`, …). On `Timeout` or
+    /// `Unreachable` the message may or may not have been accepted.
+    ///
+    /// # Cancel safety
+    /// As [`TransportClient::invoke`]: dropping the future before the acceptance
+    /// arrives sends a cancel, and the message is not accepted unless it already was.
+    pub async fn tell(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+        caller: Option<&ActorId>,
+    ) -> Result<(), InvokeError> {
+        self.request(target, payload, context, caller, true).await.map(|_| ())
+    }
+
+    /// An invoke, or a tell (answered at acceptance).
+    async fn request(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+        caller: Option<&ActorId>,
+        tell: bool,
+    ) -> Result<Bytes, InvokeError> {
         let deadline = context.deadline();
         let clock = self.shared.clock;
         let now = clock.now();
@@ -519,7 +556,7 @@ impl TransportClient {
         let waited = clock.run_until_from(
             now,
             deadline,
-            self.invoke_until_reply(target, payload, &context, caller),
+            self.invoke_until_reply(target, payload, &context, caller, tell),
         );
         match waited.await {
             Ok(result) => result,
@@ -577,6 +614,7 @@ impl TransportClient {
         payload: Bytes,
         context: &CallContext,
         caller: Option<&ActorId>,
+        tell: bool,
     ) -> Result<Bytes, InvokeError> {
         let unreachable = |cause: String| InvokeError::Unreachable {
             target: target.clone(),
@@ -607,7 +645,7 @@ impl TransportClient {
         };
         let now = self.shared.clock.now();
         let sync = connection.clock_sync(now);
-        let request = WireRequest::new(
+        let mut request = WireRequest::new(
             request_id,
             target.clone(),
             payload,
@@ -616,6 +654,7 @@ impl TransportClient {
             &sync,
             now,
         );
+        request.tell = tell;
         let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| InvokeError::Rejected {
             target: target.clone(),
             reason: format!("the request cannot be sent: {error}"),

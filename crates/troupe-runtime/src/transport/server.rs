@@ -763,6 +763,13 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
                 max: AGENT_CALL_DEPTH_MAX,
             }))
         }
+        Ok(context) if request.tell => {
+            // Answered at acceptance; the turn runs on its own, under its own deadline.
+            handle
+                .send_only(&target, crate::envelope::Payload::Bytes(request.payload), context)
+                .await
+                .map(|()| Bytes::new())
+        }
         Ok(context) => {
             let caller = request.waiting_caller().cloned();
             let payload = request.payload;

@@ -155,6 +155,10 @@ pub(crate) struct WireRequest {
     pub(crate) caller: Option<ActorId>,
     /// The request's trace id, if its root set one (since protocol version 4).
     pub(crate) trace_id: Option<TraceId>,
+    /// A fire-and-forget message (`tell`, since protocol version 4): the server answers
+    /// as soon as the target's runtime accepted it (an empty reply) or refused it, not
+    /// when its turn ends; the turn's own reply goes nowhere.
+    pub(crate) tell: bool,
 }
 
 /// A deadlock probe of the cluster's edge chasing, sent node to node with no answer:
@@ -203,6 +207,7 @@ impl WireRequest {
             deadline_us: sync.server_deadline(context.deadline(), now).as_micros(),
             caller,
             trace_id: context.trace_id(),
+            tell: false,
         }
     }
 
