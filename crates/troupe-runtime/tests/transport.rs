@@ -518,6 +518,65 @@ mod loopback {
         a_remote_tell_returns_at_acceptance_and_its_turn_runs(&client, &clock, "told").await;
     }
 
+    /// Goal: remote tells from many tasks on worker threads over one connection: each
+    /// accepted tell runs exactly once, each refused one (`Busy`: the mailbox holds 64)
+    /// never runs. Method: 8 tasks on a 4-thread runtime each tell one actor `Count` 50
+    /// times; the actor's count reaches the number accepted and no more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_remote_tells_each_run_exactly_once_on_the_multi_thread_runtime() {
+        const TASKS: u64 = 8;
+        const TELLS_PER_TASK: u64 = 50;
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(server.local_address(), clock));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let client = Arc::clone(&client);
+                tokio::spawn(async move {
+                    let mut accepted = 0;
+                    for _ in 0..TELLS_PER_TASK {
+                        let told = client
+                            .tell(
+                                &probe("tallied"),
+                                encode(&Probe::Count),
+                                root_context(&clock, Duration::from_secs(10)),
+                                None,
+                            )
+                            .await;
+                        match told {
+                            Ok(()) => accepted += 1,
+                            Err(InvokeError::Busy { .. }) => tokio::time::sleep(Duration::from_millis(1)).await,
+                            Err(other) => panic!("{other:?}"),
+                        }
+                    }
+                    accepted
+                })
+            })
+            .collect();
+        let mut expected = 0;
+        for task in tasks {
+            expected += task.await.unwrap();
+        }
+        assert!(expected >= TELLS_PER_TASK, "most tells were accepted: {expected}");
+        println!("{expected} of {} tells accepted", TASKS * TELLS_PER_TASK);
+        let mut counted = 0;
+        for _ in 0..500 {
+            counted = turns_of(&client, &clock, "tallied").await;
+            if counted >= expected {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(counted, expected);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            turns_of(&client, &clock, "tallied").await,
+            expected,
+            "no tell ran twice"
+        );
+        assert_eq!(client.stats().requests_in_flight, 0);
+    }
+
     /// Goal: the same on worker threads, many callers at once over one connection:
     /// each dropped call cancels its own remote turn and no other. Method: 16 tasks on a
     /// 4-thread runtime run the scenario on 16 actors at once; 16 more actors get calls
