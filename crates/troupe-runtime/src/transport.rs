@@ -138,6 +138,10 @@
 //! frame limit.
 //! - When a connection closes, the host abandons the calls it carried: a request not yet
 //!   started never runs, and the wait-for edges of those calls are released at once.
+//! - A tell ([`TransportClient::tell`]) is a request with its `tell` flag set: the host
+//!   runs the same arrival checks, hands the message to its runtime as a local tell, and
+//!   answers as soon as the runtime accepted it (an empty reply) or refused it; the
+//!   turn then runs on its own under the request's deadline, and its reply goes nowhere.
 //! - A caller that stops waiting cancels its remote call: when the future of a call
 //!   whose request was sent is dropped before its reply and before its deadline (the
 //!   calling turn ended, the caller gave up), the client queues a one-way `Cancel` frame
