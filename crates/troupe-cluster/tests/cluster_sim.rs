@@ -944,25 +944,25 @@ const CANCEL_GIVE_UP_MS: u64 = 200;
 /// callee's turn would sleep `SLOW_TURN_MS`, 3 s; the deadline is 10 s).
 const CANCEL_TAKES_EFFECT_MS_MAX: u64 = 300;
 
-/// Goal: a turn abandoned on one node cancels its call on another node: the remote
-/// callee's turn stops at once and commits nothing. Method: `counter:slow` is placed on
-/// node-2 (count 1). A root request on node-1 to `hop:caller` (node-1) makes its turn
-/// call `counter:slow` with a request that sleeps 3 s before counting; the root gives up
-/// after 200 ms (deadline 10 s), which abandons the hop's turn and drops its call to
-/// node-2. The next call to the counter (routed from node-1) must be served at once,
-/// not behind a 3 s turn, and count 2: the abandoned turn counted nothing.
-#[madsim::test]
-async fn an_abandoned_turn_cancels_its_call_on_another_node_and_nothing_commits() {
+/// A root request on node-1 to `hop:caller` (node-1) with `payload`, which leads to a
+/// call of `counter:slow` (placed on node `counter_node` with count 1) asking for a 3 s
+/// turn before counting; the root gives up after [`CANCEL_GIVE_UP_MS`] (deadline 10 s).
+/// Then the counter is called again from node-1: it must be served at once (not behind
+/// the 3 s turn) and count 2 (the abandoned turn counted nothing). Returns how long that
+/// call took after the give-up.
+async fn abandon_a_turn_whose_calls_reach_a_slow_counter(payload: &'static str, counter_node: usize) -> Duration {
     let cluster = start_hop_cluster(false).await;
     cluster.place(0, "caller").await;
-    let (reply, _) = cluster.call(1, counter("slow"), "x".into(), 2_000).await;
-    assert_eq!(reply.expect("the counter placed on node-2"), "node-2:1");
+    cluster.place(1, "middle").await;
+    let (reply, _) = cluster.call(counter_node, counter("slow"), "x".into(), 2_000).await;
+    let counter_node_name = NODE_NAMES[counter_node];
+    assert_eq!(reply.expect("the counter placed"), format!("{counter_node_name}:1"));
     let client = cluster.clients[0].clone();
     let (gave_up, next, took) = cluster.nodes[0]
         .spawn(async move {
             let deadline = client.deadline_in(Duration::from_millis(CYCLE_DEADLINE_MS));
             let caller = hop("caller");
-            let call = client.invoke(&caller, Bytes::from("0;slowcounter=slow@node-2"), deadline);
+            let call = client.invoke(&caller, Bytes::from(payload), deadline);
             let gave_up = tokio::time::timeout(Duration::from_millis(CANCEL_GIVE_UP_MS), call).await;
             let given_up_at = Instant::now();
             let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
@@ -976,14 +976,34 @@ async fn an_abandoned_turn_cancels_its_call_on_another_node_and_nothing_commits(
     let next = next.expect("the counter's next call");
     assert_eq!(
         std::str::from_utf8(&next).expect("text"),
-        "node-2:2",
+        format!("{counter_node_name}:2"),
         "the abandoned turn counted nothing"
     );
     assert!(
         took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX),
         "the counter served its next call {took:?} after the caller gave up: the remote turn ran on"
     );
+    took
+}
+
+/// Goal: a turn abandoned on one node cancels its call on another node: the remote
+/// callee's turn stops at once and commits nothing. Method: `hop:caller` (node-1) calls
+/// `counter:slow` on node-2 (see [`abandon_a_turn_whose_calls_reach_a_slow_counter`]).
+#[madsim::test]
+async fn an_abandoned_turn_cancels_its_call_on_another_node_and_nothing_commits() {
+    let took = abandon_a_turn_whose_calls_reach_a_slow_counter("0;slowcounter=slow@node-2", 1).await;
     eprintln!("the remote callee's actor served its next call {took:?} after its caller's turn was abandoned");
+}
+
+/// Goal: the cancel follows the whole subtree across nodes, as the local abandonment
+/// does. Method: `hop:caller` (node-1) calls `hop:middle` (node-2), whose turn calls
+/// `counter:slow` on node-3; the root gives up: node-2's turn is cancelled, which drops
+/// its call to node-3 and cancels that turn too (see
+/// [`abandon_a_turn_whose_calls_reach_a_slow_counter`]).
+#[madsim::test]
+async fn an_abandoned_turn_cancels_its_callees_subtree_across_three_nodes() {
+    let took = abandon_a_turn_whose_calls_reach_a_slow_counter("0;middle,slowcounter=slow@node-3", 2).await;
+    eprintln!("the callee two nodes away served its next call {took:?} after the root's turn was abandoned");
 }
 
 /// Goal: a request's trace id reaches every turn it leads to, on every node, through
