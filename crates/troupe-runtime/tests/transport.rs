@@ -13,7 +13,9 @@
 //! silent and trickling handshakes, idle connections, connection hoarding over the
 //! per-peer and per-node caps, a frame announced and trickled, a peer that never reads
 //! its replies (loopback only: madsim's TCP never pushes back on a writer), a mute
-//! server, callers with deadlines shorter than the handshake, and the byte budget.
+//! server, callers with deadlines shorter than the handshake, and the byte budget. Both
+//! sections check that a caller that drops its call cancels the remote turn (nothing
+//! committed) and that a tell returns at acceptance while its turn runs on.
 //!
 //! Nothing here is process-global: `MADSIM_TEST_NUM` runs many seeds in one process and
 //! `MADSIM_TEST_CHECK_DETERMINISM` runs each twice, so state lives in each runtime.
