@@ -52,6 +52,8 @@ pub struct ClusterStats {
     pub placements_replaced: u64,
     /// Calls from this node's turns to actors on other nodes.
     pub turn_calls_forwarded: u64,
+    /// Tells (fire-and-forget messages) from this node's turns to actors on other nodes.
+    pub turn_tells_forwarded: u64,
     /// Deadlock probes this node sent to other nodes.
     pub probes_sent: u64,
     /// Deadlock probes this node received.
@@ -71,6 +73,7 @@ pub(crate) struct Counters {
     forwarded_calls: AtomicU64,
     reroutes: AtomicU64,
     turn_calls_forwarded: AtomicU64,
+    turn_tells_forwarded: AtomicU64,
     pub(crate) probes_sent: AtomicU64,
     pub(crate) probes_dropped: AtomicU64,
     pub(crate) deadlocks_found_by_probes: AtomicU64,
@@ -246,6 +249,7 @@ impl ClusterNode {
             reroutes: counters.reroutes.load(Ordering::Relaxed),
             placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
             turn_calls_forwarded: counters.turn_calls_forwarded.load(Ordering::Relaxed),
+            turn_tells_forwarded: counters.turn_tells_forwarded.load(Ordering::Relaxed),
             probes_sent: counters.probes_sent.load(Ordering::Relaxed),
             probes_received: self.inner.probes.received(),
             probes_dropped: counters.probes_dropped.load(Ordering::Relaxed) + self.inner.probes.dropped(),
@@ -352,21 +356,52 @@ impl ClusterClient {
     /// [`InvokeError::Timeout`] if the deadline passed, including while the owner could
     /// not be found (etcd unavailable, an owner whose lease has not ended yet).
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
-        self.inner.routed(target, payload, deadline, Origin::Root).await
+        let context = CallContext::root(deadline);
+        self.inner
+            .routed(target, payload, deadline, Origin::Root(&context))
+            .await
+    }
+
+    /// As [`ClusterClient::invoke`], under `context` instead of a root context with only
+    /// a deadline: the target's turn runs at its depth, with its chain, deadline and
+    /// trace id, wherever the target lives (on another node the transport carries them;
+    /// see [`CallContext::with_trace_id`]). The turns the call leads to, on any node,
+    /// see the same trace id.
+    ///
+    /// # Errors
+    /// As [`ClusterClient::invoke`].
+    pub async fn invoke_in(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        let deadline = context.deadline();
+        self.inner
+            .routed(target, payload, deadline, Origin::Root(&context))
+            .await
     }
 }
 
 /// Who makes a routed call.
 #[derive(Clone, Copy)]
 pub(crate) enum Origin<'a> {
-    /// A request from outside any turn.
-    Root,
+    /// A request from outside any turn, under this context (a root one, unless the
+    /// request arrived with its place in a call tree).
+    Root(&'a CallContext),
     /// A root request that came through the runtime's root router
     /// ([`troupe_runtime::RootCallRouter`]): from outside any turn, or from a turn's
     /// `invoke_as_root` (so its local path does not refuse a request made in a turn).
     RoutedRoot,
     /// A turn of `caller`; the callee runs under `context` (admission already ran).
     Turn {
+        caller: &'a ActorId,
+        context: &'a CallContext,
+    },
+    /// A fire-and-forget message from a turn of `caller`, for the target's runtime to
+    /// accept (the reply is empty); the target runs under `context` (admission already
+    /// ran). No wait-for edge: nobody waits.
+    TellFromTurn {
         caller: &'a ActorId,
         context: &'a CallContext,
     },
@@ -424,7 +459,8 @@ impl Inner {
                     };
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
-                        Origin::Root | Origin::RoutedRoot => {
+                        Origin::Root(context) => client.invoke(target, payload.clone(), context.clone(), None).await,
+                        Origin::RoutedRoot => {
                             client
                                 .invoke(target, payload.clone(), CallContext::root(deadline), None)
                                 .await
@@ -435,12 +471,19 @@ impl Inner {
                                 .remote_turn_call(&client, owner, caller, target, payload.clone(), context.clone())
                                 .await
                         }
+                        Origin::TellFromTurn { caller, context } => {
+                            inner.counters.turn_tells_forwarded.fetch_add(1, Ordering::Relaxed);
+                            client
+                                .tell(target, payload.clone(), context.clone(), Some(caller))
+                                .await
+                                .map(|()| Bytes::new())
+                        }
                     }
                 }
                 _ => {
                     inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
-                        Origin::Root => inner.handle.invoke(target, payload.clone(), deadline).await,
+                        Origin::Root(context) => inner.handle.invoke_in(target, payload.clone(), context.clone()).await,
                         Origin::RoutedRoot => {
                             inner
                                 .handle
@@ -453,6 +496,11 @@ impl Inner {
                                 .invoke_for_turn(caller, target, payload.clone(), context.clone())
                                 .await
                         }
+                        Origin::TellFromTurn { context, .. } => inner
+                            .handle
+                            .tell_for_turn(target, payload.clone(), context.clone())
+                            .await
+                            .map(|()| Bytes::new()),
                     }
                 }
             };
@@ -522,6 +570,24 @@ impl Inner {
             context: &context,
         };
         self.routed(&target, payload, context.deadline(), origin).await
+    }
+
+    /// Delivers a turn's tell through the router: see [`Inner::routed`]. Returns once
+    /// the owner's runtime accepted it.
+    pub(crate) async fn tell_from_turn(self: &Arc<Self>, call: TurnCall) -> Result<(), InvokeError> {
+        let TurnCall {
+            caller,
+            target,
+            payload,
+            context,
+        } = call;
+        let origin = Origin::TellFromTurn {
+            caller: &caller,
+            context: &context,
+        };
+        self.routed(&target, payload, context.deadline(), origin)
+            .await
+            .map(|_| ())
     }
 
     /// The client for `owner`, from its membership record; `None` if it is not a member.

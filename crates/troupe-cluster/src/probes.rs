@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, oneshot};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{ActorId, CallContext, InvokeError};
 use troupe_etcd::NodeId;
-use troupe_runtime::{Probe, ProbeSink, TransportClient, TurnCall, TurnCallRouter, WaitEdge};
+use troupe_runtime::{Probe, ProbeSink, TellRoute, TransportClient, TurnCall, TurnCallRouter, WaitEdge};
 
 use crate::node::Inner;
 
@@ -122,6 +122,13 @@ impl TurnCallRouter for Hooks {
             Some(inner) => inner.call_from_turn(call).await,
             None => Err(InvokeError::Shutdown),
         }
+    }
+
+    async fn tell(&self, call: TurnCall) -> TellRoute {
+        TellRoute::Sent(match self.inner.upgrade() {
+            Some(inner) => inner.tell_from_turn(call).await,
+            None => Err(InvokeError::Shutdown),
+        })
     }
 
     fn path_leaves_node(&self, remote_edges: Vec<WaitEdge>) {

@@ -370,7 +370,7 @@ mod hops;
 
 use hops::{hop, is_rotation_of, parse_hop, with_hop, HopReply, Outcome};
 use troupe_cluster::ClusterClient;
-use troupe_core::{CallContext, CallRefused};
+use troupe_core::{CallContext, CallRefused, TraceId};
 
 /// Deadline of each root request in the cycle tests, in milliseconds.
 const CYCLE_DEADLINE_MS: u64 = 10_000;
@@ -935,4 +935,159 @@ async fn calls_from_turns_across_nodes_keep_chain_depth_and_deadline_rules() {
         matches!(deep, Err(InvokeError::Refused(CallRefused::DepthExceeded { .. }))),
         "{deep:?}"
     );
+}
+
+/// How long the caller of the cancel test waits before it gives up, in milliseconds.
+const CANCEL_GIVE_UP_MS: u64 = 200;
+/// The bound asserted from giving up to the remote callee's actor serving its next call,
+/// in simulated milliseconds: the cancel's transit and a routed call's round trip (the
+/// callee's turn would sleep `SLOW_TURN_MS`, 3 s; the deadline is 10 s).
+const CANCEL_TAKES_EFFECT_MS_MAX: u64 = 300;
+
+/// A root request on node-1 to `hop:caller` (node-1) with `payload`, which leads to a
+/// call of `counter:slow` (placed on node `counter_node` with count 1) asking for a 3 s
+/// turn before counting; the root gives up after [`CANCEL_GIVE_UP_MS`] (deadline 10 s).
+/// Then the counter is called again from node-1: it must be served at once (not behind
+/// the 3 s turn) and count 2 (the abandoned turn counted nothing). Returns how long that
+/// call took after the give-up.
+async fn abandon_a_turn_whose_calls_reach_a_slow_counter(payload: &'static str, counter_node: usize) -> Duration {
+    let cluster = start_hop_cluster(false).await;
+    cluster.place(0, "caller").await;
+    cluster.place(1, "middle").await;
+    let (reply, _) = cluster.call(counter_node, counter("slow"), "x".into(), 2_000).await;
+    let counter_node_name = NODE_NAMES[counter_node];
+    assert_eq!(reply.expect("the counter placed"), format!("{counter_node_name}:1"));
+    let client = cluster.clients[0].clone();
+    let (gave_up, next, took) = cluster.nodes[0]
+        .spawn(async move {
+            let deadline = client.deadline_in(Duration::from_millis(CYCLE_DEADLINE_MS));
+            let caller = hop("caller");
+            let call = client.invoke(&caller, Bytes::from(payload), deadline);
+            let gave_up = tokio::time::timeout(Duration::from_millis(CANCEL_GIVE_UP_MS), call).await;
+            let given_up_at = Instant::now();
+            let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+            let slow = counter("slow");
+            let next = client.invoke(&slow, Bytes::from("x"), deadline).await;
+            (gave_up.is_err(), next, given_up_at.elapsed())
+        })
+        .await
+        .expect("the caller's task");
+    assert!(gave_up, "the root gave up before any reply");
+    let next = next.expect("the counter's next call");
+    assert_eq!(
+        std::str::from_utf8(&next).expect("text"),
+        format!("{counter_node_name}:2"),
+        "the abandoned turn counted nothing"
+    );
+    assert!(
+        took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX),
+        "the counter served its next call {took:?} after the caller gave up: the remote turn ran on"
+    );
+    took
+}
+
+/// Goal: a turn abandoned on one node cancels its call on another node: the remote
+/// callee's turn stops at once and commits nothing. Method: `hop:caller` (node-1) calls
+/// `counter:slow` on node-2 (see [`abandon_a_turn_whose_calls_reach_a_slow_counter`]).
+#[madsim::test]
+async fn an_abandoned_turn_cancels_its_call_on_another_node_and_nothing_commits() {
+    let took = abandon_a_turn_whose_calls_reach_a_slow_counter("0;slowcounter=slow@node-2", 1).await;
+    eprintln!("the remote callee's actor served its next call {took:?} after its caller's turn was abandoned");
+}
+
+/// Goal: the cancel follows the whole subtree across nodes, as the local abandonment
+/// does. Method: `hop:caller` (node-1) calls `hop:middle` (node-2), whose turn calls
+/// `counter:slow` on node-3; the root gives up: node-2's turn is cancelled, which drops
+/// its call to node-3 and cancels that turn too (see
+/// [`abandon_a_turn_whose_calls_reach_a_slow_counter`]).
+#[madsim::test]
+async fn an_abandoned_turn_cancels_its_callees_subtree_across_three_nodes() {
+    let took = abandon_a_turn_whose_calls_reach_a_slow_counter("0;middle,slowcounter=slow@node-3", 2).await;
+    eprintln!("the callee two nodes away served its next call {took:?} after the root's turn was abandoned");
+}
+
+/// Goal: a request's trace id reaches every turn it leads to, on every node, through
+/// root calls routed to another node and through calls from turns (the router and the
+/// transport), and a request without one shows none. Method: `t0` on node-1, `t1` on
+/// node-2, `t2` on node-3. A root request from node-1 with trace id X to `t0`, whose turn
+/// calls `t1`, whose turn asks `t2` for the trace id its turn sees: X, two nodes away.
+/// A root request from node-1 with trace id Y straight to `t1` (routed to node-2): Y.
+/// The first request again without a trace id: none at the end of the chain.
+#[madsim::test]
+async fn a_trace_id_reaches_the_turns_of_its_request_on_every_node() {
+    let cluster = start_hop_cluster(false).await;
+    for (index, key) in ["t0", "t1", "t2"].into_iter().enumerate() {
+        cluster.place(index, key).await;
+    }
+    let client = cluster.clients[0].clone();
+    let (x, y) = (TraceId::new(0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736), TraceId::new(7));
+    let (through_turns, straight, untraced) = cluster.nodes[0]
+        .spawn(async move {
+            let root = |trace: Option<TraceId>| {
+                let context = CallContext::root(client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS)));
+                match trace {
+                    Some(trace) => context.with_trace_id(trace),
+                    None => context,
+                }
+            };
+            let text =
+                |reply: Result<Bytes, InvokeError>| String::from_utf8(reply.expect("a reply").to_vec()).expect("text");
+            let (t0, t1) = (hop("t0"), hop("t1"));
+            let through_turns = client.invoke_in(&t0, Bytes::from("0;t1,trace=t2"), root(Some(x))).await;
+            let straight = client.invoke_in(&t1, Bytes::from("trace"), root(Some(y))).await;
+            let untraced = client.invoke_in(&t0, Bytes::from("0;t1,trace=t2"), root(None)).await;
+            (text(through_turns), text(straight), text(untraced))
+        })
+        .await
+        .expect("the traced calls");
+    // node-1|<ms>|ok(node-2|<ms>|ok(node-3|<the trace id t2's turn saw>))
+    assert!(
+        through_turns.starts_with("node-1|")
+            && through_turns.contains("|ok(node-2|")
+            && through_turns.ends_with(&format!("|ok(node-3|{x}))")),
+        "{through_turns}"
+    );
+    assert_eq!(straight, format!("node-2|{y}"));
+    assert!(untraced.ends_with("|ok(node-3|none))"), "{untraced}");
+}
+
+/// The bound asserted on a turn's tell across nodes: from the root request to the hop's
+/// reply, in simulated milliseconds (the told turn takes 3 s: the tell returns at
+/// acceptance, after one routed round trip).
+const TELL_ACCEPTED_MS_MAX: u64 = 300;
+
+/// Goal: a turn's `tell` to an actor on another node reaches its owner: it returns
+/// once the owner's runtime accepted the message, and the message runs there (before a
+/// later call). Method: `counter:told` is placed on node-2 (count 1); `hop:teller` on
+/// node-1 tells it `slow@node-2` (3 s, then count) and replies `told`; the root gets that
+/// reply within 300 ms. A call to the counter right after (routed from node-1) queues
+/// behind the told turn and counts 3: the told message ran on node-2. (Before tells were
+/// routed, node-1 delivered it to its own runtime, whose activation of an actor placed
+/// on node-2 is refused: the message was lost and the call counted 2.)
+#[madsim::test]
+async fn a_turn_s_tell_reaches_an_actor_on_another_node() {
+    let cluster = start_hop_cluster(false).await;
+    cluster.place(0, "teller").await;
+    let (reply, _) = cluster.call(1, counter("told"), "x".into(), 2_000).await;
+    assert_eq!(reply.expect("the counter placed on node-2"), "node-2:1");
+    let (reply, took) = cluster
+        .call(0, hop("teller"), "0;tellslow=told@node-2".into(), CYCLE_DEADLINE_MS)
+        .await;
+    let reply = reply.expect("the teller's reply");
+    assert!(reply.starts_with("node-1|") && reply.ends_with("|told"), "{reply}");
+    assert!(
+        took <= Duration::from_millis(TELL_ACCEPTED_MS_MAX),
+        "the tell took {took:?}: it must return at acceptance, not after the told turn"
+    );
+    let (next, waited) = cluster.call(0, counter("told"), "x".into(), 5_000).await;
+    assert_eq!(
+        next.expect("the counter's next call"),
+        "node-2:3",
+        "the told message ran on node-2"
+    );
+    assert!(
+        waited >= Duration::from_millis(2_000),
+        "the next call queued behind the told 3 s turn (waited {waited:?})"
+    );
+    eprintln!("tell across nodes accepted in {took:?}; the next call waited {waited:?} behind the told turn");
 }

@@ -1,4 +1,5 @@
-//! The call context that travels with every invocation: depth, chain and deadline.
+//! The call context that travels with every invocation: depth, chain, deadline and an
+//! optional trace id.
 
 use serde::{Deserialize, Serialize};
 
@@ -13,12 +14,44 @@ use crate::{ActorId, Deadline};
 ///   non-reentrant actor and is refused by admission.
 /// - `deadline`: absolute; a child's deadline is never later than its parent's.
 ///
+/// - `trace_id`: set by whoever starts a request ([`CallContext::with_trace_id`]) and
+///   inherited by every call it leads to, on this node and across nodes, so the turns
+///   of one request can be told apart from others' (in logs, spans, replies). None
+///   unless set.
+///
 /// It is plain data so it can cross a network inside a request envelope.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CallContext {
     depth: u32,
     chain: Vec<ActorId>,
     deadline: Deadline,
+    /// Absent in contexts stored before trace ids existed (self-describing formats).
+    #[serde(default)]
+    trace_id: Option<TraceId>,
+}
+
+/// The id of one request's tree of calls: 128 bits, the size of a W3C/OpenTelemetry
+/// trace id, shown as 32 lowercase hex digits. Chosen by the caller that starts the
+/// request (the runtime draws no random numbers); [`CallContext::child`] passes it on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct TraceId(u128);
+
+impl TraceId {
+    /// The trace id `value`.
+    pub const fn new(value: u128) -> Self {
+        Self(value)
+    }
+
+    /// Its 128 bits.
+    pub const fn get(self) -> u128 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for TraceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
 }
 
 impl CallContext {
@@ -28,7 +61,20 @@ impl CallContext {
             depth: 0,
             chain: Vec::new(),
             deadline,
+            trace_id: None,
         }
+    }
+
+    /// The same context carrying `trace_id`: every call it leads to carries it too.
+    #[must_use]
+    pub fn with_trace_id(mut self, trace_id: TraceId) -> Self {
+        self.trace_id = Some(trace_id);
+        self
+    }
+
+    /// The trace id of the request this call belongs to, if its root set one.
+    pub fn trace_id(&self) -> Option<TraceId> {
+        self.trace_id
     }
 
     /// The context of a call that arrives from another process with its place in a
@@ -47,7 +93,12 @@ impl CallContext {
             "a chain of {} actors cannot arrive at depth {depth}",
             chain.len()
         );
-        Self { depth, chain, deadline }
+        Self {
+            depth,
+            chain,
+            deadline,
+            trace_id: None,
+        }
     }
 
     /// How many calls between actors lead to this one.
@@ -78,6 +129,7 @@ impl CallContext {
             depth: self.depth,
             chain: self.chain.clone(),
             deadline,
+            trace_id: self.trace_id,
         }
     }
 
@@ -99,6 +151,7 @@ impl CallContext {
             depth: self.depth.saturating_add(1),
             chain,
             deadline: self.deadline.min(deadline),
+            trace_id: self.trace_id,
         };
         assert!(
             child.deadline <= self.deadline,
@@ -120,6 +173,42 @@ mod tests {
         let child = continued.child(ActorId::new("agent", "c").unwrap(), Deadline::from_micros(90));
         assert_eq!((child.depth(), child.deadline()), (4, Deadline::from_micros(50)));
         assert!(child.contains(&a));
+    }
+
+    #[test]
+    fn a_trace_id_set_at_the_root_is_inherited_by_every_descendant() {
+        let trace = TraceId::new(0x0af7_6519_16cd_43dd_8448_eb21_1c80_319c);
+        assert_eq!(trace.to_string(), "0af7651916cd43dd8448eb211c80319c");
+        let root = CallContext::root(Deadline::from_micros(100));
+        assert_eq!(root.trace_id(), None);
+        let root = root.with_trace_id(trace);
+        let grandchild = root
+            .child(ActorId::new("agent", "a").unwrap(), Deadline::from_micros(90))
+            .child(ActorId::new("agent", "b").unwrap(), Deadline::from_micros(80));
+        assert_eq!(grandchild.trace_id(), Some(trace));
+        assert_eq!(
+            grandchild.with_deadline(Deadline::from_micros(5)).trace_id(),
+            Some(trace)
+        );
+        let untraced = CallContext::root(Deadline::from_micros(100))
+            .child(ActorId::new("agent", "a").unwrap(), Deadline::from_micros(90));
+        assert_eq!(untraced.trace_id(), None);
+    }
+
+    #[test]
+    fn a_context_stored_without_a_trace_id_still_decodes() {
+        // A context stored (as JSON, e.g. in an agent's inbox) before trace ids existed.
+        let context = CallContext::root(Deadline::from_micros(7))
+            .child(ActorId::new("agent", "a").unwrap(), Deadline::from_micros(7));
+        let mut stored = serde_json::to_value(&context).unwrap();
+        let removed = stored.as_object_mut().unwrap().remove("trace_id");
+        assert_eq!(removed, Some(serde_json::Value::Null));
+        let decoded: CallContext = serde_json::from_value(stored).unwrap();
+        assert_eq!(decoded, context);
+        // Binary (bincode) contexts carry it; a traced one round-trips.
+        let traced = context.with_trace_id(TraceId::new(42));
+        let bytes = bincode::serialize(&traced).unwrap();
+        assert_eq!(bincode::deserialize::<CallContext>(&bytes).unwrap(), traced);
     }
 
     #[test]

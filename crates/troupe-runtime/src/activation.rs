@@ -357,6 +357,7 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         actor = %live.id,
         depth = context.depth(),
         chain = ?context.chain(),
+        trace_id = context.trace_id().map(tracing::field::display),
     );
     let mut turn = Turn::new(live.id.clone(), context, handle.clone());
     #[cfg(feature = "planted-bugs")]

@@ -320,7 +320,9 @@ impl Caller {
     /// To another actor: the same admission as [`Caller::admit`] with `timeout` (so the
     /// target runs at depth + 1 with this actor in its chain and a deadline clipped to
     /// this turn's); the in-flight slot is held only until acceptance and no wait-for
-    /// edge is recorded. To this actor itself: no cycle or depth check; the message runs
+    /// edge is recorded. With a [`crate::TurnCallRouter`] installed (a cluster node) the
+    /// message goes to wherever the target lives; it returns once that runtime accepted
+    /// it, and ends `Cancelled` if this turn ends first. To this actor itself: no cycle or depth check; the message runs
     /// after this turn ends, with this turn's depth and chain, under the deadline
     /// `timeout` from now (capped at the longest invoke timeout, not clipped to this
     /// turn's deadline: nobody waits on it). The reply and errors of its turn go nowhere.
@@ -336,9 +338,32 @@ impl Caller {
         }
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
         let admitted = self.admit(target, true, Some(timeout_ms))?;
+        let local = match inner.handle.turn_call_router() {
+            Some(router) => {
+                let call = crate::TurnCall {
+                    caller: inner.id.clone(),
+                    target: target.clone(),
+                    payload,
+                    context: admitted.child.clone(),
+                };
+                let routed = tokio::select! {
+                    biased;
+                    routed = router.tell(call) => routed,
+                    () = inner.turn_ended() => crate::TellRoute::Sent(Err(InvokeError::Cancelled { target: target.clone() })),
+                };
+                match routed {
+                    crate::TellRoute::Sent(result) => {
+                        drop(admitted);
+                        return result;
+                    }
+                    crate::TellRoute::Local(call) => call.payload,
+                }
+            }
+            None => payload,
+        };
         let result = inner
             .handle
-            .send_only(target, Payload::Bytes(payload), admitted.child.clone())
+            .send_only(target, Payload::Bytes(local), admitted.child.clone())
             .await;
         drop(admitted);
         result

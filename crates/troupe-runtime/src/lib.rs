@@ -49,7 +49,7 @@ pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle};
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use observer::{RuntimeEvent, RuntimeObserver};
-pub use remote::{RemoteWait, RootCallRouter, TurnCall, TurnCallRouter, WaitEdge};
+pub use remote::{RemoteWait, RootCallRouter, TellRoute, TurnCall, TurnCallRouter, WaitEdge};
 pub use runtime::{Runtime, RuntimeBuilder, SHUTDOWN_ABORT_WAIT_MS, SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX};
 #[cfg(feature = "sqlite")]
 pub use sqlite_store::SqliteStore;

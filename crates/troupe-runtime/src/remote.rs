@@ -18,6 +18,10 @@
 //! go through it when one is installed, so an embedder (the agent layer) reaches an
 //! actor wherever a cluster placed it; [`RuntimeHandle::invoke`] stays local.
 //!
+//! A turn's `tell` to another actor goes to [`TurnCallRouter::tell`] the same way (no
+//! wait-for edge: nobody waits); a router that does not route tells hands them back
+//! ([`TellRoute::Local`]) and the runtime delivers them locally.
+//!
 //! The router runs inside the calling turn's task; the caller wraps its future so that
 //! the call still ends with `Cancelled` when the turn ends. Whenever the dispatcher
 //! records an edge whose path of waits reaches an edge marked remote, it tells the
@@ -62,6 +66,16 @@ pub struct WaitEdge {
     pub remote: bool,
 }
 
+/// What a [`TurnCallRouter`] did with a turn's `tell`.
+#[derive(Debug)]
+pub enum TellRoute {
+    /// The router delivered it (or failed to): the message was accepted by the target's
+    /// runtime, wherever that is, or this is why not.
+    Sent(Result<(), InvokeError>),
+    /// The router does not route tells: the runtime delivers this one locally.
+    Local(TurnCall),
+}
+
 /// Routes the calls turns make to wherever their targets live (a cluster node).
 #[async_trait]
 pub trait TurnCallRouter: Send + Sync + 'static {
@@ -70,6 +84,14 @@ pub trait TurnCallRouter: Send + Sync + 'static {
     /// # Errors
     /// Whatever the callee or the route returned.
     async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError>;
+
+    /// Delivers a turn's fire-and-forget message (`Caller::tell` to another actor;
+    /// admission already ran, the context is the target's) wherever its target lives, and
+    /// returns once the target's runtime accepted it, by the context's deadline. The
+    /// default hands it back for local delivery ([`TellRoute::Local`]).
+    async fn tell(&self, call: TurnCall) -> TellRoute {
+        TellRoute::Local(call)
+    }
 
     /// A wait-for edge was just recorded and the path of waits from its target reaches
     /// these edges marked remote. Called from the dispatcher's loop: must not block.
@@ -233,6 +255,22 @@ impl RuntimeHandle {
         context: CallContext,
     ) -> Result<Bytes, InvokeError> {
         self.invoke_from(caller, target, payload, context, None).await
+    }
+
+    /// Delivers a turn's fire-and-forget message on this runtime: the local path of
+    /// [`TurnCallRouter::tell`]. Returns once it is accepted, as `Caller::tell` does.
+    /// For routers only: `context` must be the one admission gave the target.
+    ///
+    /// # Errors
+    /// As [`crate::Caller::tell`] at acceptance.
+    pub async fn tell_for_turn(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<(), InvokeError> {
+        self.send_only(target, crate::envelope::Payload::Bytes(payload), context)
+            .await
     }
 
     /// Records the wait-for edge `caller → target` for a call whose target runs on

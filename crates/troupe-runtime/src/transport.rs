@@ -17,7 +17,9 @@
 //!    │                                                    │   RuntimeHandle::invoke / invoke_from
 //!    ◄───────────────────────── Response frame ────────── │ reply → budget → bounded writer queue
 //!    reader task: request_id → waiting caller (late       │ idle timer, write-stall timer
-//!    replies are dropped); idle timer
+//!    replies are dropped); idle timer                     │
+//!    caller's future dropped before its reply ─ Cancel ─► │ request_id → its task: dropped, so
+//!    and deadline (turn ended, gave up; never waits)      │   the turn is cancelled, rolled back
 //! ```
 //!
 //! Owns: the frame codec (a `u32` big-endian length prefix, then a bincode body of at
@@ -50,7 +52,8 @@
 //! by a partition or retransmissions ran with its whole budget after its caller had
 //! given up. Sending deadlines on a shared wall clock needs synchronized clocks and
 //! `SystemTime`, which the runtime does not read (it would also not be simulated). A
-//! cancel message from the caller cannot stop a request that has not arrived yet. The
+//! cancel message alone (there is one, for callers that stop before their deadline)
+//! cannot stop a request held up in a partition: it is held up with it. The
 //! handshake needs no clock synchronization beyond the connection, costs one round trip
 //! per connection, and errs only on the safe side: a remote call gets at most one
 //! handshake round trip (plus the allowances) less time than its caller, never more.
@@ -75,7 +78,7 @@
 //!   naming both versions; the caller sees [`InvokeError::Unreachable`]. A server
 //!   answers a hello of another version before closing, so the client can say which
 //!   version it met; it serves nothing before a valid hello.
-//! - Depth and chain arrive intact: the host replays the chain with
+//! - Depth, chain and trace id arrive intact: the host replays the chain with
 //!   [`CallContext::child`], so cycle and depth checks hold across nodes. When the request
 //!   names a caller (or the chain does) the host records the wait-for edge with
 //!   [`RuntimeHandle::invoke_from`](crate::RuntimeHandle::invoke_from), unless the server
@@ -135,6 +138,20 @@
 //! frame limit.
 //! - When a connection closes, the host abandons the calls it carried: a request not yet
 //!   started never runs, and the wait-for edges of those calls are released at once.
+//! - A tell ([`TransportClient::tell`]) is a request with its `tell` flag set: the host
+//!   runs the same arrival checks, hands the message to its runtime as a local tell, and
+//!   answers as soon as the runtime accepted it (an empty reply) or refused it; the
+//!   turn then runs on its own under the request's deadline, and its reply goes nowhere.
+//! - A caller that stops waiting cancels its remote call: when the future of a call
+//!   whose request was sent is dropped before its reply and before its deadline (the
+//!   calling turn ended, the caller gave up), the client queues a one-way `Cancel` frame
+//!   naming the request, behind the request on the same connection. The host drops the
+//!   call as it does when the connection closes: the callee's turn is cancelled and
+//!   rolled back (nothing committed; the local abandonment path), or never starts. The
+//!   cancel is queued without waiting (it is sent from a drop): if the connection's write
+//!   queue or byte budget is full it is lost (`cancels_dropped`), and the callee then
+//!   stops at its own deadline, as before. A commit already under way when the cancel
+//!   arrives may still land.
 //!
 //! TLA+ (`docs/tla/MultiAgentInvocation.tla`): the client side implements
 //! `EveryCallResolves` for remote calls (each ends by its deadline, with a reply,
@@ -148,9 +165,10 @@
 //!   not). Callers that need exactly-once effects deduplicate in the actor.
 //! - No routing or placement: a client talks to one address. The directory decides which
 //!   node hosts an actor and keeps one client per node.
-//! - No cancel message: a caller that times out on an open connection does not stop a
-//!   remote call already running; the host stops it at its (translated) deadline, which
-//!   is no later than the caller's.
+//! - No guaranteed cancel: a cancel lost to a partition, a full write queue, or a server
+//!   that is not reading (at `SERVER_REQUESTS_IN_FLIGHT_MAX` it reads nothing until a
+//!   request ends) leaves the remote call to its (translated) deadline, which is no later
+//!   than the caller's.
 //! - No clock synchronization between nodes beyond each connection's bound, and no
 //!   defence against a clock that jumps (the runtime clock is monotonic) or drifts
 //!   faster than `CLOCK_DRIFT_PPM_MAX`.
@@ -198,7 +216,11 @@ pub const WRITE_BATCH_FRAMES_MAX: usize = 64;
 pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 /// The transport protocol's version, sent in the opening hello of every connection; a
 /// peer of another version fails the handshake with both versions in the cause.
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 3;
+///
+/// History: 3 added the one-way `Probe` frame; 4 added the one-way `Cancel` frame and
+/// the request's trace id (a peer of version 3 would not understand them, so it is
+/// refused at the handshake).
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 4;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.

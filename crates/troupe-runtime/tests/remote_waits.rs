@@ -11,19 +11,27 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, Turn, TurnCall, TurnCallRouter, WaitEdge};
+use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, TellRoute, Turn, TurnCall, TurnCallRouter, WaitEdge};
 
 fn actor(key: &str) -> ActorId {
     ActorId::new("relay", key).expect("an actor id")
 }
 
 /// Calls the actor named by its payload's first key with the rest; a leaf answers "leaf".
+/// `tell:<key>:<rest>` tells `<key>` the payload `<rest>` instead and answers "told".
 struct Relay;
 
 #[async_trait]
 impl Actor for Relay {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let text = String::from_utf8(payload.to_vec()).expect("text");
+        if let Some((key, rest)) = text.strip_prefix("tell:").and_then(|told| told.split_once(':')) {
+            turn.caller()
+                .tell(&actor(key), Bytes::from(rest.to_string()), Duration::from_secs(5))
+                .await
+                .map_err(ActorError::Invoke)?;
+            return Ok(Bytes::from_static(b"told"));
+        }
         match text.split_once(',') {
             None if text.is_empty() => Ok(Bytes::from_static(b"leaf")),
             split => {
@@ -280,4 +288,88 @@ async fn a_root_router_receives_routed_root_requests_and_invoke_as_root() {
     assert_eq!(detached.expect("invoke_as_root through the router").as_ref(), b"leaf");
     assert_eq!(*router.targets.lock().expect("targets"), vec!["r1", "r2", "r3"]);
     runtime.shutdown().await;
+}
+
+/// A router that records the tells and calls of turns and delivers them locally; it
+/// routes tells itself, or hands them back to the runtime (the trait's default).
+struct TellRouter {
+    handle: troupe_runtime::RuntimeHandle,
+    routes_tells: bool,
+    tells: Mutex<Vec<(String, String, u32)>>,
+    calls: Mutex<Vec<(String, String, u32)>>,
+}
+
+#[async_trait]
+impl TurnCallRouter for TellRouter {
+    async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError> {
+        self.calls.lock().expect("calls").push((
+            call.caller.key().to_string(),
+            call.target.key().to_string(),
+            call.context.depth(),
+        ));
+        self.handle
+            .invoke_for_turn(&call.caller, &call.target, call.payload, call.context)
+            .await
+    }
+
+    async fn tell(&self, call: TurnCall) -> TellRoute {
+        if !self.routes_tells {
+            return TellRoute::Local(call);
+        }
+        self.tells.lock().expect("tells").push((
+            call.caller.key().to_string(),
+            call.target.key().to_string(),
+            call.context.depth(),
+        ));
+        TellRoute::Sent(
+            self.handle
+                .tell_for_turn(&call.target, call.payload, call.context)
+                .await,
+        )
+    }
+
+    fn path_leaves_node(&self, _remote_edges: Vec<WaitEdge>) {}
+}
+
+/// With a router installed, a turn's tell to another actor goes through the router
+/// with the target's context (depth + 1), and the told turn runs (its own call shows
+/// at depth 2); a router that hands tells back has them delivered locally all the same.
+#[tokio::test]
+async fn a_router_receives_turn_tells_or_hands_them_back_for_local_delivery() {
+    for routes_tells in [true, false] {
+        let runtime = runtime();
+        let handle = runtime.handle();
+        let router = Arc::new(TellRouter {
+            handle: handle.clone(),
+            routes_tells,
+            tells: Mutex::default(),
+            calls: Mutex::default(),
+        });
+        assert!(handle.set_turn_call_router(router.clone()).is_ok());
+        let deadline = handle.deadline_in(Duration::from_secs(5));
+        let reply = handle
+            .invoke(&actor("a"), Bytes::from_static(b"tell:b:c"), deadline)
+            .await
+            .expect("a tells b");
+        assert_eq!(reply.as_ref(), b"told");
+        let expected_tells = if routes_tells {
+            vec![("a".to_string(), "b".to_string(), 1)]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(*router.tells.lock().expect("tells"), expected_tells);
+        // The told turn of b runs and calls c, through the router, at depth 2.
+        for _ in 0..500 {
+            if !router.calls.lock().expect("calls").is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(
+            *router.calls.lock().expect("calls"),
+            vec![("b".to_string(), "c".to_string(), 2)],
+            "routes tells: {routes_tells}"
+        );
+        runtime.shutdown().await;
+    }
 }

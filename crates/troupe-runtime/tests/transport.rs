@@ -13,7 +13,9 @@
 //! silent and trickling handshakes, idle connections, connection hoarding over the
 //! per-peer and per-node caps, a frame announced and trickled, a peer that never reads
 //! its replies (loopback only: madsim's TCP never pushes back on a writer), a mute
-//! server, callers with deadlines shorter than the handshake, and the byte budget.
+//! server, callers with deadlines shorter than the handshake, and the byte budget. Both
+//! sections check that a caller that drops its call cancels the remote turn (nothing
+//! committed) and that a tell returns at acceptance while its turn runs on.
 //!
 //! Nothing here is process-global: `MADSIM_TEST_NUM` runs many seeds in one process and
 //! `MADSIM_TEST_CHECK_DETERMINISM` runs each twice, so state lives in each runtime.
@@ -32,7 +34,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use troupe_core::{ActorId, ActorKind, CallContext, InvokeError};
+use troupe_core::{ActorId, ActorKind, CallContext, InvokeError, TraceId};
 use troupe_runtime::{Actor, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, Turn};
 
 // ---------------------------------------------------------------------------------------
@@ -56,6 +58,11 @@ enum Probe {
     Count,
     /// Reply with how many `Count` turns the probe of this key has run on this runtime.
     TurnsOf(String),
+    /// Sleep this long, then count the turn under `<key>/after-sleep` (see [`turns_of`])
+    /// and write the key `written`, committed with the turn.
+    SleepThenWrite { milliseconds: u64 },
+    /// Reply `written` if this actor's key `written` is committed, else `clean`.
+    ReadWritten,
 }
 
 /// Turns run by `Probe::Count` on one runtime, by actor key. Owned by the runtime's
@@ -71,6 +78,7 @@ struct ContextReport {
     remaining_us: u64,
     /// The turn's deadline on the host's clock.
     deadline_us: u64,
+    trace_id: Option<TraceId>,
 }
 
 struct ProbeActor {
@@ -90,6 +98,7 @@ impl Actor for ProbeActor {
                     chain: context.chain().to_vec(),
                     remaining_us: u64::try_from(turn.deadline().remaining(turn.now()).as_micros()).unwrap(),
                     deadline_us: turn.deadline().as_micros(),
+                    trace_id: context.trace_id(),
                 };
                 Ok(Bytes::from(bincode::serialize(&report).unwrap()))
             }
@@ -106,6 +115,29 @@ impl Actor for ProbeActor {
             Probe::TurnsOf(key) => {
                 let count = self.turns.lock().unwrap().get(&key).copied().unwrap_or(0);
                 Ok(Bytes::from(count.to_be_bytes().to_vec()))
+            }
+            Probe::SleepThenWrite { milliseconds } => {
+                tokio::time::sleep(Duration::from_millis(milliseconds)).await;
+                *self
+                    .turns
+                    .lock()
+                    .unwrap()
+                    .entry(format!("{}/after-sleep", turn.id().key()))
+                    .or_insert(0) += 1;
+                turn.put("written", Bytes::from_static(b"yes"))
+                    .map_err(|error| ActorError::failed(error.to_string()))?;
+                Ok(Bytes::new())
+            }
+            Probe::ReadWritten => {
+                let written = turn
+                    .get("written")
+                    .await
+                    .map_err(|error| ActorError::failed(error.to_string()))?;
+                Ok(Bytes::from_static(if written.is_some() {
+                    b"written"
+                } else {
+                    b"clean"
+                }))
             }
         }
     }
@@ -192,6 +224,139 @@ async fn until_late_replies(client: &TransportClient, late: u64) {
 /// Time on `clock` since `since`.
 fn elapsed(clock: &Clock, since: troupe_core::Deadline) -> Duration {
     Duration::from_micros(clock.now().as_micros().saturating_sub(since.as_micros()))
+}
+
+/// How long the remote turn of [`a_dropped_call_cancels_its_remote_turn`] sleeps before
+/// it would write, in milliseconds.
+const CANCELLED_TURN_SLEEP_MS: u64 = 2_000;
+/// The deadline of that call, in milliseconds: far past the moment its caller gives up.
+const CANCELLED_CALL_DEADLINE_MS: u64 = 10_000;
+/// How long the caller waits before it drops the call, in milliseconds.
+const CANCELLED_CALL_GIVE_UP_MS: u64 = 100;
+/// The bound asserted from the caller dropping its call to the callee's actor serving
+/// its next request, in milliseconds: a cancel's transit plus a read's round trip (on
+/// loopback or madsim's 1-10 ms links), well under the sleep and the deadline.
+const CANCEL_TAKES_EFFECT_MS_MAX: u64 = 300;
+
+/// Goal: a caller that drops its remote call before the reply (and before its deadline)
+/// cancels the remote turn: it stops at once and commits nothing. Method: `key`'s turn
+/// sleeps [`CANCELLED_TURN_SLEEP_MS`] and would then write; the caller gives up after
+/// [`CANCELLED_CALL_GIVE_UP_MS`] (its future is dropped; the deadline is 10 s). A read
+/// of the same actor queues behind the turn if it still runs: it must be served within
+/// [`CANCEL_TAKES_EFFECT_MS_MAX`] and find nothing written; after the sleep would have
+/// ended, still nothing is written and the code after the sleep never ran. Returns how
+/// long the read took after the caller gave up.
+async fn a_dropped_call_cancels_its_remote_turn(client: &TransportClient, clock: &Clock, key: &str) -> Duration {
+    let slow = encode(&Probe::SleepThenWrite {
+        milliseconds: CANCELLED_TURN_SLEEP_MS,
+    });
+    let target = probe(key);
+    let call = client.invoke(
+        &target,
+        slow,
+        root_context(clock, Duration::from_millis(CANCELLED_CALL_DEADLINE_MS)),
+        None,
+    );
+    let gave_up = tokio::time::timeout(Duration::from_millis(CANCELLED_CALL_GIVE_UP_MS), call).await;
+    assert!(gave_up.is_err(), "the caller gave up before the reply: {gave_up:?}");
+    let given_up_at = clock.now();
+
+    let read = client
+        .invoke(
+            &probe(key),
+            encode(&Probe::ReadWritten),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    let took = elapsed(clock, given_up_at);
+    assert_eq!(&read[..], b"clean", "the cancelled turn committed nothing");
+    assert!(
+        took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX),
+        "the actor served its next request {took:?} after the caller gave up: the cancelled turn ran on"
+    );
+
+    // Past the moment the sleep would have ended: the turn did not go on unseen.
+    tokio::time::sleep(Duration::from_millis(CANCELLED_TURN_SLEEP_MS + 500)).await;
+    let read = client
+        .invoke(
+            &probe(key),
+            encode(&Probe::ReadWritten),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(&read[..], b"clean");
+    assert_eq!(turns_of(client, clock, &format!("{key}/after-sleep")).await, 0);
+    took
+}
+
+/// How long the told turn of [`a_remote_tell_returns_at_acceptance_and_its_turn_runs`]
+/// sleeps before it writes, in milliseconds.
+const TOLD_TURN_SLEEP_MS: u64 = 1_000;
+/// The bound asserted on a remote tell's return, in milliseconds: one round trip, far
+/// under the told turn's sleep.
+const TELL_ACCEPTED_MS_MAX: u64 = 100;
+
+/// Goal: a remote tell returns once the remote runtime accepted the message, not when
+/// its turn ends; the turn then runs and commits; refusals come back typed. Method: tell
+/// `key` a turn that sleeps [`TOLD_TURN_SLEEP_MS`] then writes: the tell returns within
+/// [`TELL_ACCEPTED_MS_MAX`]; a read of the same actor queues behind the told turn and
+/// finds its write; a tell to an unregistered kind is `ActorNotFound`, and a tell whose
+/// context's chain holds its target is refused on arrival (`CycleDetected`).
+async fn a_remote_tell_returns_at_acceptance_and_its_turn_runs(client: &TransportClient, clock: &Clock, key: &str) {
+    let target = probe(key);
+    let started = clock.now();
+    client
+        .tell(
+            &target,
+            encode(&Probe::SleepThenWrite {
+                milliseconds: TOLD_TURN_SLEEP_MS,
+            }),
+            root_context(clock, Duration::from_secs(10)),
+            None,
+        )
+        .await
+        .unwrap();
+    let took = elapsed(clock, started);
+    assert!(
+        took <= Duration::from_millis(TELL_ACCEPTED_MS_MAX),
+        "the tell returned after {took:?}: at acceptance, not after its turn"
+    );
+    let read = client
+        .invoke(
+            &target,
+            encode(&Probe::ReadWritten),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(&read[..], b"written", "the told turn ran and committed before the read");
+    assert!(elapsed(clock, started) >= Duration::from_millis(TOLD_TURN_SLEEP_MS));
+
+    let unknown = ActorId::new("nobody", "x").unwrap();
+    let refused = client
+        .tell(
+            &unknown,
+            Bytes::new(),
+            root_context(clock, Duration::from_secs(5)),
+            None,
+        )
+        .await;
+    assert!(matches!(refused, Err(InvokeError::ActorNotFound { .. })), "{refused:?}");
+    let looped =
+        root_context(clock, Duration::from_secs(5)).child(target.clone(), clock.deadline_in(Duration::from_secs(5)));
+    let refused = client.tell(&target, encode(&Probe::Count), looped, None).await;
+    assert!(
+        matches!(
+            refused,
+            Err(InvokeError::Refused(troupe_core::CallRefused::CycleDetected { .. }))
+        ),
+        "{refused:?}"
+    );
 }
 
 /// The handshake frames as the wire encodes them, mirrored here (serde encodes an
@@ -291,7 +456,193 @@ mod loopback {
         assert_eq!(client.stats().requests_in_flight, 0);
     }
 
-    /// Goal: the remote turn sees the caller's depth and chain exactly, and no more time
+    /// Goal: a caller that drops its remote call mid-turn cancels the remote turn, which
+    /// stops at once and commits nothing (see [`a_dropped_call_cancels_its_remote_turn`]).
+    /// Method: that scenario on loopback; the host also reports one request cancelled
+    /// and one turn abandoned, and its store holds no write. A finished call and a call
+    /// that ends at its deadline send no cancel.
+    #[tokio::test]
+    async fn a_caller_that_drops_a_remote_call_cancels_the_remote_turn_and_nothing_commits() {
+        let (runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+        echo(&client, &clock, "a", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let timed_out = client
+            .invoke(
+                &probe("sleepy"),
+                encode(&Probe::Sleep { milliseconds: 1_000 }),
+                root_context(&clock, Duration::from_millis(50)),
+                None,
+            )
+            .await;
+        assert!(matches!(timed_out, Err(InvokeError::Timeout { .. })), "{timed_out:?}");
+        assert_eq!(client.stats().cancels_sent, 0, "no cancel for a reply or a deadline");
+        // The host ends the timed-out turn at its own deadline (counted as abandoned too).
+        for _ in 0..100 {
+            if runtime.handle().counters().turns_abandoned == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let abandoned_before = runtime.handle().counters().turns_abandoned;
+        assert_eq!(abandoned_before, 1, "the timed-out turn ended by its deadline");
+
+        let took = a_dropped_call_cancels_its_remote_turn(&client, &clock, "slow").await;
+        println!("the callee's actor served its next request {took:?} after the caller gave up");
+        let stats = client.stats();
+        assert_eq!((stats.cancels_sent, stats.cancels_dropped), (1, 0), "{stats:?}");
+        assert_eq!(stats.requests_in_flight, 0);
+        let server_stats = server.stats();
+        assert_eq!(server_stats.requests_cancelled, 1, "{server_stats:?}");
+        assert_eq!(server_stats.cancels_unmatched, 0, "{server_stats:?}");
+        assert_eq!(
+            runtime.handle().counters().turns_abandoned,
+            abandoned_before + 1,
+            "{:?}",
+            runtime.handle().counters()
+        );
+        let written = runtime.handle().store().get(&probe("slow"), "written").await.unwrap();
+        assert_eq!(written, None, "nothing committed");
+    }
+
+    /// Goal: a remote tell returns at acceptance, its turn runs, refusals are typed
+    /// (see [`a_remote_tell_returns_at_acceptance_and_its_turn_runs`]), on loopback.
+    #[tokio::test]
+    async fn a_remote_tell_returns_at_acceptance_and_its_turn_runs_on_loopback() {
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+        echo(&client, &clock, "a", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+        a_remote_tell_returns_at_acceptance_and_its_turn_runs(&client, &clock, "told").await;
+    }
+
+    /// Goal: remote tells from many tasks on worker threads over one connection: each
+    /// accepted tell runs exactly once, each refused one (`Busy`: the mailbox holds 64)
+    /// never runs. Method: 8 tasks on a 4-thread runtime each tell one actor `Count` 50
+    /// times; the actor's count reaches the number accepted and no more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_remote_tells_each_run_exactly_once_on_the_multi_thread_runtime() {
+        const TASKS: u64 = 8;
+        const TELLS_PER_TASK: u64 = 50;
+        let (_runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(server.local_address(), clock));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let client = Arc::clone(&client);
+                tokio::spawn(async move {
+                    let mut accepted = 0;
+                    for _ in 0..TELLS_PER_TASK {
+                        let told = client
+                            .tell(
+                                &probe("tallied"),
+                                encode(&Probe::Count),
+                                root_context(&clock, Duration::from_secs(10)),
+                                None,
+                            )
+                            .await;
+                        match told {
+                            Ok(()) => accepted += 1,
+                            Err(InvokeError::Busy { .. }) => tokio::time::sleep(Duration::from_millis(1)).await,
+                            Err(other) => panic!("{other:?}"),
+                        }
+                    }
+                    accepted
+                })
+            })
+            .collect();
+        let mut expected = 0;
+        for task in tasks {
+            expected += task.await.unwrap();
+        }
+        assert!(expected >= TELLS_PER_TASK, "most tells were accepted: {expected}");
+        println!("{expected} of {} tells accepted", TASKS * TELLS_PER_TASK);
+        let mut counted = 0;
+        for _ in 0..500 {
+            counted = turns_of(&client, &clock, "tallied").await;
+            if counted >= expected {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(counted, expected);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            turns_of(&client, &clock, "tallied").await,
+            expected,
+            "no tell ran twice"
+        );
+        assert_eq!(client.stats().requests_in_flight, 0);
+    }
+
+    /// Goal: the same on worker threads, many callers at once over one connection:
+    /// each dropped call cancels its own remote turn and no other. Method: 16 tasks on a
+    /// 4-thread runtime run the scenario on 16 actors at once; 16 more actors get calls
+    /// that finish. Every cancelled actor reads clean, every finished one reads written,
+    /// and the host counts exactly 16 cancelled requests and 16 abandoned turns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn dropped_remote_calls_cancel_their_turns_on_the_multi_thread_runtime() {
+        const CALLERS: usize = 16;
+        let (runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(server.local_address(), clock));
+        echo(&client, &clock, "a", b"warm", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for index in 0..CALLERS {
+            let dropping = Arc::clone(&client);
+            tasks.push(tokio::spawn(async move {
+                a_dropped_call_cancels_its_remote_turn(&dropping, &clock, &format!("dropped-{index}")).await
+            }));
+            let keeping = Arc::clone(&client);
+            tasks.push(tokio::spawn(async move {
+                let key = format!("kept-{index}");
+                keeping
+                    .invoke(
+                        &probe(&key),
+                        encode(&Probe::SleepThenWrite { milliseconds: 200 }),
+                        root_context(&clock, Duration::from_secs(10)),
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                Duration::ZERO
+            }));
+        }
+        let mut slowest = Duration::ZERO;
+        for task in tasks {
+            slowest = slowest.max(task.await.unwrap());
+        }
+        println!("slowest: the callee's actor served its next request {slowest:?} after its caller gave up");
+        let handle = runtime.handle();
+        for index in 0..CALLERS {
+            let store = handle.store();
+            let dropped = store.get(&probe(&format!("dropped-{index}")), "written").await.unwrap();
+            assert_eq!(dropped, None, "dropped-{index} committed nothing");
+            let kept = store.get(&probe(&format!("kept-{index}")), "written").await.unwrap();
+            assert!(kept.is_some(), "kept-{index} committed its write");
+        }
+        let stats = client.stats();
+        assert_eq!(
+            (stats.cancels_sent, stats.cancels_dropped),
+            (CALLERS as u64, 0),
+            "{stats:?}"
+        );
+        assert_eq!(
+            server.stats().requests_cancelled,
+            CALLERS as u64,
+            "{:?}",
+            server.stats()
+        );
+        assert_eq!(runtime.handle().counters().turns_abandoned, CALLERS as u64);
+    }
+
+    /// Goal: the remote turn sees the caller's depth, chain and trace id exactly, and no more time
     /// than the caller had left. Method: the probe reports its turn's context, for a
     /// call two hops deep (clock of the client unrelated to the server's) and for a root call.
     #[tokio::test]
@@ -303,7 +654,9 @@ mod loopback {
         let client = TransportClient::new(server.local_address(), clock);
         let (outer, inner) = (probe("outer"), probe("inner"));
         let budget = Duration::from_secs(5);
+        let trace = TraceId::new(0x5eed);
         let context = root_context(&clock, Duration::from_secs(60))
+            .with_trace_id(trace)
             .child(outer.clone(), clock.deadline_in(Duration::from_secs(60)))
             .child(inner.clone(), clock.deadline_in(budget));
         let reply = client
@@ -313,6 +666,7 @@ mod loopback {
         let report: ContextReport = bincode::deserialize(&reply).unwrap();
         assert_eq!(report.depth, 2);
         assert_eq!(report.chain, vec![outer, inner]);
+        assert_eq!(report.trace_id, Some(trace), "the trace id crosses");
         let remaining = Duration::from_micros(report.remaining_us);
         assert!(
             remaining <= budget,
@@ -335,6 +689,7 @@ mod loopback {
         let report: ContextReport = bincode::deserialize(&reply).unwrap();
         assert_eq!(report.depth, 0);
         assert!(report.chain.is_empty());
+        assert_eq!(report.trace_id, None);
     }
 
     /// Goal: an already expired deadline fails at once and sends nothing; a reply slower
@@ -1323,6 +1678,59 @@ mod simulated {
 
     fn server_stats(slot: &ServerSlot) -> TransportServerStats {
         slot.lock().unwrap().as_ref().expect("the server started").stats()
+    }
+
+    /// Goal: a remote tell returns at acceptance, its turn runs, refusals are typed
+    /// (see [`a_remote_tell_returns_at_acceptance_and_its_turn_runs`]), across
+    /// simulated nodes.
+    #[madsim::test]
+    async fn a_remote_tell_returns_at_acceptance_and_its_turn_runs_across_nodes() {
+        let handle = Handle::current();
+        let _server = start_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                a_remote_tell_returns_at_acceptance_and_its_turn_runs(&transport, &clock, "told").await;
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: across simulated nodes too, a caller that drops its remote call mid-turn
+    /// cancels the remote turn, which stops at once and commits nothing (see
+    /// [`a_dropped_call_cancels_its_remote_turn`]). Method: that scenario from the client
+    /// node; the server counts one request cancelled.
+    #[madsim::test]
+    async fn a_caller_that_drops_a_remote_call_cancels_the_remote_turn_and_nothing_commits() {
+        let handle = Handle::current();
+        let (_server, slot) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        let took = client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                echo(&transport, &clock, "a", b"warm", Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                let took = a_dropped_call_cancels_its_remote_turn(&transport, &clock, "slow").await;
+                let stats = transport.stats();
+                assert_eq!((stats.cancels_sent, stats.cancels_dropped), (1, 0), "{stats:?}");
+                assert_eq!(stats.requests_in_flight, 0);
+                took
+            })
+            .await
+            .unwrap();
+        let stats = server_stats(&slot);
+        assert_eq!((stats.requests_cancelled, stats.cancels_unmatched), (1, 0), "{stats:?}");
+        assert!(took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX), "{took:?}");
+        println!("the callee's actor served its next request {took:?} after the caller gave up");
     }
 
     /// How far from a server timeout the test may see its effect: the close reaches the

@@ -373,6 +373,7 @@ struct ForgedContext {
     depth: u32,
     chain: Vec<ActorId>,
     deadline: Deadline,
+    trace_id: Option<troupe_core::TraceId>,
 }
 
 impl Probe {
@@ -433,6 +434,7 @@ impl Probe {
                     depth: admitted.child.depth(),
                     chain: admitted.child.chain().to_vec(),
                     deadline: Deadline::after(now, Duration::from_secs(60)),
+                    trace_id: admitted.child.trace_id(),
                 };
                 let bytes = bincode::serialize(&forged).expect("a context encodes");
                 let child: CallContext = bincode::deserialize(&bytes).expect("the forged context decodes");

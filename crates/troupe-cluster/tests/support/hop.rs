@@ -2,9 +2,14 @@
 //! call in turn, and its reply says where it ran, how much time its turn had, and what
 //! its own call returned, the typed error included.
 //!
-//! Request: `ping` (answers the node's name: used to place the actor on a node), or
+//! Request: `ping` (answers the node's name: used to place the actor on a node),
+//! `trace` (answers `<node>|<the turn's trace id, or none>`), or
 //! `<sleep_ms>;<key>,<key>,...`: sleep, then call `hop:<first key>` with `0;<the rest>`
-//! (a leaf, with no key, calls nobody; a key `counter=<key>` calls that counter). Reply: `<node>|<turn's remaining ms>|<outcome>`,
+//! (a leaf, with no key, calls nobody; a key `counter=<key>` calls that counter; a key
+//! `slowcounter=<key>@<node>` calls that counter with `slow@<node>`, which sleeps
+//! `SLOW_TURN_MS` before counting where `<node>` serves it; a key `trace=<key>` sends
+//! `trace` to `hop:<key>`; a key `tellslow=<key>@<node>` tells that counter `slow@<node>`
+//! and does not wait for it: the outcome is `told`). Reply: `<node>|<turn's remaining ms>|<outcome>`,
 //! the outcome being `leaf`, `ok(<the callee's reply>)`, `deadlock:<k>><k>>...` (the
 //! cycle's keys) or `error:<kind>`.
 
@@ -44,6 +49,13 @@ impl Actor for Hop {
         if payload.as_ref() == b"ping" {
             return Ok(Bytes::from(self.node.clone()));
         }
+        if payload.as_ref() == b"trace" {
+            let trace = turn
+                .context()
+                .trace_id()
+                .map_or_else(|| "none".to_string(), |trace| trace.to_string());
+            return Ok(Bytes::from(format!("{}|{trace}", self.node)));
+        }
         let remaining_ms = turn.deadline().remaining_ms(turn.now());
         let text = std::str::from_utf8(&payload).map_err(|_| ActorError::rejected("not text"))?;
         let (sleep_ms, keys) = text
@@ -55,9 +67,39 @@ impl Actor for Hop {
         }
         let outcome = match keys.split_once(',').map_or((keys, ""), |(first, rest)| (first, rest)) {
             ("", _) => "leaf".to_string(),
+            (first, _) if first.starts_with("tellslow=") => {
+                let slow = &first["tellslow=".len()..];
+                let (key, node) = slow
+                    .split_once('@')
+                    .ok_or_else(|| ActorError::rejected("expected tellslow=<key>@<node>"))?;
+                let counter = ActorId::new("counter", key).expect("an actor id");
+                let told = turn
+                    .caller()
+                    .tell(
+                        &counter,
+                        Bytes::from(format!("slow@{node}")),
+                        Duration::from_millis(HOP_CALL_TIMEOUT_MS),
+                    )
+                    .await;
+                match told {
+                    Ok(()) => "told".to_string(),
+                    Err(error) => format!("error:{}", kind_of(&error)),
+                }
+            }
             (first, rest) => {
-                let target = target_of(first);
-                let request = Bytes::from(format!("0;{rest}"));
+                let (target, request) = match first.strip_prefix("slowcounter=") {
+                    Some(slow) => {
+                        let (key, node) = slow
+                            .split_once('@')
+                            .ok_or_else(|| ActorError::rejected("expected slowcounter=<key>@<node>"))?;
+                        let counter = ActorId::new("counter", key).expect("an actor id");
+                        (counter, Bytes::from(format!("slow@{node}")))
+                    }
+                    None => match first.strip_prefix("trace=") {
+                        Some(key) => (hop(key), Bytes::from_static(b"trace")),
+                        None => (target_of(first), Bytes::from(format!("0;{rest}"))),
+                    },
+                };
                 match turn
                     .invoke(&target, request, Duration::from_millis(HOP_CALL_TIMEOUT_MS))
                     .await

@@ -15,7 +15,7 @@ use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use super::budget::{BudgetedFrame, ByteBudget};
 use super::clock_sync::ClockSync;
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
-use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireRequest, WireResponse};
+use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
 use super::{
     CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, CONNECT_TIMEOUT_MS,
     FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, WRITE_QUEUE_CAPACITY,
@@ -77,6 +77,13 @@ pub struct TransportClientStats {
     /// Bytes of request frames queued and not yet written (at most
     /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)).
     pub bytes_in_flight: usize,
+    /// Cancel frames queued: a caller stopped waiting for a request it had sent, before
+    /// its reply (its future was dropped, or its deadline passed).
+    pub cancels_sent: u64,
+    /// Cancels that could not be queued because the connection's write queue or byte
+    /// budget was full at that moment; those requests run on remotely until their own
+    /// deadline (never later than their caller's).
+    pub cancels_dropped: u64,
 }
 
 #[derive(Debug, Default)]
@@ -87,6 +94,8 @@ struct Counters {
     late_replies_discarded: AtomicU64,
     clock_syncs: AtomicU64,
     bytes_in_flight: Arc<AtomicUsize>,
+    cancels_sent: AtomicU64,
+    cancels_dropped: AtomicU64,
 }
 
 /// What the client shares with its connect and connection tasks.
@@ -213,12 +222,14 @@ impl Pending {
         Ok(())
     }
 
-    /// Removes a call that stopped waiting.
-    fn remove(&self, request_id: u64) {
+    /// Removes a call that stopped waiting; `true` if it was still waiting for its reply
+    /// (no reply arrived and the connection did not break).
+    fn remove(&self, request_id: u64) -> bool {
         let now = self.clock.now();
         let mut state = self.lock();
-        state.waiting.remove(&request_id);
+        let was_waiting = state.waiting.remove(&request_id).is_some();
         state.last_active = state.last_active.max(now);
+        was_waiting && state.closed.is_none()
     }
 
     /// Hands a reply to its caller; `false` if nobody waits for it any more.
@@ -278,16 +289,51 @@ impl Pending {
 }
 
 /// A registered call: frees its pending entry and its in-flight slot when dropped, so a
-/// caller that stops waiting (deadline, cancellation) leaves nothing behind.
+/// caller that stops waiting (deadline, cancellation) leaves nothing behind. Once its
+/// request is queued on the connection (`sent`), dropping it before its deadline while
+/// the call still waits for its reply also queues a cancel for the request, so the
+/// server drops the call. At the deadline no cancel is sent: the server's deadline for
+/// the request, never later than the caller's, has passed too.
 struct PendingEntry {
     pending: Arc<Pending>,
     request_id: u64,
+    deadline: Deadline,
     _slot: OwnedSemaphorePermit,
+    /// The connection the request was queued on, once it was.
+    sent: Option<Arc<Connection>>,
+    counters: Arc<Counters>,
 }
 
 impl Drop for PendingEntry {
     fn drop(&mut self) {
-        self.pending.remove(self.request_id);
+        let was_waiting = self.pending.remove(self.request_id);
+        let Some(connection) = self.sent.take() else {
+            return;
+        };
+        if !was_waiting || self.deadline.has_passed(self.pending.clock.now()) {
+            // Answered, or the connection broke (the server then drops the call itself),
+            // or the deadline passed (the server's has passed too).
+            return;
+        }
+        // Never waits (this is a drop): a full queue or budget loses the cancel, and
+        // the request then runs on remotely until its own deadline.
+        let cancel = ClientMessage::Cancel(WireCancel {
+            request_id: self.request_id,
+        });
+        let queued = encode_frame(&cancel).is_ok_and(|frame| {
+            connection.budget.try_acquire(frame.len()).is_some_and(|permit| {
+                connection
+                    .frames
+                    .try_send(BudgetedFrame { frame, _permit: permit })
+                    .is_ok()
+            })
+        });
+        let counter = if queued {
+            &self.counters.cancels_sent
+        } else {
+            &self.counters.cancels_dropped
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -412,6 +458,8 @@ impl TransportClient {
             }),
             clock_offset_error_us: sync.map(|sync| sync.error_bound_us()),
             bytes_in_flight: counters.bytes_in_flight.load(Ordering::Relaxed),
+            cancels_sent: load(&counters.cancels_sent),
+            cancels_dropped: load(&counters.cancels_dropped),
         }
     }
 
@@ -444,14 +492,56 @@ impl TransportClient {
     ///
     /// # Cancel safety
     /// Dropping the future frees the call's slot and pending entry; a reply arriving
-    /// later is dropped. The request may still run remotely. A connection attempt it
-    /// started goes on for other callers.
+    /// later is dropped. If the request was already sent and its deadline has not
+    /// passed, a cancel frame follows it on
+    /// the connection (never waiting: counted in [`TransportClientStats::cancels_sent`],
+    /// or in `cancels_dropped` when the write queue or byte budget is full): the server
+    /// drops the call, so the remote turn is cancelled and rolled back, or never starts.
+    /// A request whose turn already committed, or whose cancel is lost (a partition),
+    /// still counts. A connection attempt it started goes on for other callers.
     pub async fn invoke(
         &self,
         target: &ActorId,
         payload: Bytes,
         context: CallContext,
         caller: Option<&ActorId>,
+    ) -> Result<Bytes, InvokeError> {
+        self.request(target, payload, context, caller, false).await
+    }
+
+    /// Sends a fire-and-forget message to the remote actor `target` under `context`
+    /// (the context its turn runs under, as for [`TransportClient::invoke`]) and returns
+    /// once the remote runtime has accepted it (in the target's mailbox, or held for its
+    /// activation) or refused it, by the deadline. The turn it starts runs on its own,
+    /// under the context's deadline; its reply goes nowhere. `caller` is the teller,
+    /// if any (no wait-for edge is recorded: nobody waits).
+    ///
+    /// # Errors
+    /// As [`TransportClient::invoke`], with the remote runtime's refusal at acceptance
+    /// (`Busy`, `ActorNotFound`, `Timeout`, `Refused`, …). On `Timeout` or
+    /// `Unreachable` the message may or may not have been accepted.
+    ///
+    /// # Cancel safety
+    /// As [`TransportClient::invoke`]: dropping the future before the acceptance
+    /// arrives sends a cancel, and the message is not accepted unless it already was.
+    pub async fn tell(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+        caller: Option<&ActorId>,
+    ) -> Result<(), InvokeError> {
+        self.request(target, payload, context, caller, true).await.map(|_| ())
+    }
+
+    /// An invoke, or a tell (answered at acceptance).
+    async fn request(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+        caller: Option<&ActorId>,
+        tell: bool,
     ) -> Result<Bytes, InvokeError> {
         let deadline = context.deadline();
         let clock = self.shared.clock;
@@ -466,7 +556,7 @@ impl TransportClient {
         let waited = clock.run_until_from(
             now,
             deadline,
-            self.invoke_until_reply(target, payload, &context, caller),
+            self.invoke_until_reply(target, payload, &context, caller, tell),
         );
         match waited.await {
             Ok(result) => result,
@@ -524,6 +614,7 @@ impl TransportClient {
         payload: Bytes,
         context: &CallContext,
         caller: Option<&ActorId>,
+        tell: bool,
     ) -> Result<Bytes, InvokeError> {
         let unreachable = |cause: String| InvokeError::Unreachable {
             target: target.clone(),
@@ -544,14 +635,17 @@ impl TransportClient {
                 Err(Closure::Broken(cause)) => return Err(unreachable(cause)),
             }
         };
-        let _entry = PendingEntry {
+        let mut entry = PendingEntry {
             pending: Arc::clone(&connection.pending),
             request_id,
+            deadline: context.deadline(),
             _slot: slot,
+            sent: None,
+            counters: Arc::clone(&self.shared.counters),
         };
         let now = self.shared.clock.now();
         let sync = connection.clock_sync(now);
-        let request = WireRequest::new(
+        let mut request = WireRequest::new(
             request_id,
             target.clone(),
             payload,
@@ -560,6 +654,7 @@ impl TransportClient {
             &sync,
             now,
         );
+        request.tell = tell;
         let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| InvokeError::Rejected {
             target: target.clone(),
             reason: format!("the request cannot be sent: {error}"),
@@ -569,6 +664,8 @@ impl TransportClient {
         if connection.frames.send(queued).await.is_err() {
             return Err(unreachable("the connection closed".to_string()));
         }
+        // Queued: from now on, a caller that stops waiting tells the server (on drop).
+        entry.sent = Some(Arc::clone(&connection));
         match reply.await {
             Ok(Outcome::Reply(result)) => result,
             Ok(Outcome::Broken(cause)) => Err(unreachable(cause)),

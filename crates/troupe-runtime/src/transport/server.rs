@@ -9,14 +9,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{CallRefused, Deadline, InvokeError};
 
 use super::budget::{BudgetedFrame, ByteBudget};
 use super::frame::{encode_frame, read_frame, read_frame_body, read_frame_length, write_frames, FrameError};
 use super::wire::WIRE_MAGIC;
-use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireRequest, WireResponse};
+use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
 use super::{
     ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX, CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX,
     FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS,
@@ -51,9 +51,10 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)
 /// buffered per connection. [`TransportServer::stats`] counts each of these.
 ///
-/// When a connection closes, the calls it carried are abandoned on the runtime: a
-/// request that has not started never runs, a running turn finishes (within its
-/// deadline) and its reply is dropped, and wait-for edges are released at once.
+/// When a connection closes, or its client sends a cancel for a request (its caller
+/// stopped waiting), the call is abandoned on the runtime: a request that has not
+/// started never runs, a running turn is cancelled and rolled back (nothing committed,
+/// as for a local caller that gives up), and its wait-for edge is released at once.
 ///
 /// Dropping the server stops accepting and closes every connection at once; clients
 /// then fail their pending calls with [`InvokeError::Unreachable`].
@@ -117,6 +118,15 @@ pub struct TransportServerStats {
     /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)
     /// per connection).
     pub bytes_in_flight: usize,
+    /// Requests dropped because their client sent a cancel while they ran (or waited to
+    /// start): their turns were cancelled and rolled back, or never started.
+    pub requests_cancelled: u64,
+    /// Cancels that named no request running on their connection (it had already been
+    /// answered, or never arrived): ignored.
+    pub cancels_unmatched: u64,
+    /// Requests refused `Rejected` because their id was already in flight on their
+    /// connection (a client bug or a hostile peer: a cancel could not tell them apart).
+    pub requests_refused_duplicate_id: u64,
 }
 
 /// State shared by the server's tasks.
@@ -130,6 +140,9 @@ struct ServerShared {
     connections_closed_write_stalled: AtomicU64,
     requests_running: AtomicUsize,
     bytes_in_flight: Arc<AtomicUsize>,
+    requests_cancelled: AtomicU64,
+    cancels_unmatched: AtomicU64,
+    requests_refused_duplicate_id: AtomicU64,
     probes: ProbeSinkSlot,
 }
 
@@ -273,6 +286,9 @@ impl TransportServer {
             connections_closed_write_stalled: load(&shared.connections_closed_write_stalled),
             requests_running: shared.requests_running.load(Ordering::Relaxed),
             bytes_in_flight: shared.bytes_in_flight.load(Ordering::Relaxed),
+            requests_cancelled: load(&shared.requests_cancelled),
+            cancels_unmatched: load(&shared.cancels_unmatched),
+            requests_refused_duplicate_id: load(&shared.requests_refused_duplicate_id),
         }
     }
 }
@@ -417,6 +433,61 @@ impl Drop for RunningRequest {
     }
 }
 
+/// The requests of one connection that are running (or waiting to start), by request
+/// id, each with the sender that cancels it. At most [`SERVER_REQUESTS_IN_FLIGHT_MAX`]
+/// entries: an entry lives as long as its request's task, which holds an in-flight slot.
+#[derive(Debug, Default)]
+struct Cancels {
+    running: Mutex<BTreeMap<u64, oneshot::Sender<()>>>,
+}
+
+impl Cancels {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, oneshot::Sender<()>>> {
+        self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Registers request `request_id`; the receiver resolves when a cancel for it
+    /// arrives. `None` if a request of that id is already running on this connection.
+    fn register(self: &Arc<Self>, request_id: u64) -> Option<(CancelEntry, oneshot::Receiver<()>)> {
+        let mut running = self.lock();
+        if running.contains_key(&request_id) {
+            return None;
+        }
+        let (cancel, cancelled) = oneshot::channel();
+        running.insert(request_id, cancel);
+        assert!(
+            running.len() <= SERVER_REQUESTS_IN_FLIGHT_MAX,
+            "{} requests registered on one connection, over {SERVER_REQUESTS_IN_FLIGHT_MAX}",
+            running.len()
+        );
+        let entry = CancelEntry {
+            cancels: Arc::clone(self),
+            request_id,
+        };
+        Some((entry, cancelled))
+    }
+
+    /// Cancels request `request_id`; `false` if it is not running.
+    fn cancel(&self, request_id: u64) -> bool {
+        let cancel = self.lock().remove(&request_id);
+        // The request's task may be ending at this moment: then nothing is cancelled.
+        cancel.is_some_and(|cancel| cancel.send(()).is_ok())
+    }
+}
+
+/// A request's place in its connection's [`Cancels`]; removed when dropped (its task
+/// ended).
+struct CancelEntry {
+    cancels: Arc<Cancels>,
+    request_id: u64,
+}
+
+impl Drop for CancelEntry {
+    fn drop(&mut self) {
+        self.cancels.lock().remove(&self.request_id);
+    }
+}
+
 /// Runs one connection until the peer closes it, a frame is bad, a write fails or
 /// stalls, the handshake or the idle timer runs out, or the server is dropped. Reading,
 /// writing and the idle timer run in this one task, so when any ends the socket is
@@ -435,6 +506,7 @@ async fn serve_connection(
     let (responses, mut response_queue) = mpsc::channel::<BudgetedFrame>(WRITE_QUEUE_CAPACITY);
     let slots = Arc::new(Semaphore::new(SERVER_REQUESTS_IN_FLIGHT_MAX));
     let budget = ByteBudget::for_connection(Arc::clone(&shared.bytes_in_flight));
+    let cancels = Arc::new(Cancels::default());
     let activity = Arc::new(Activity {
         clock: handle.clock(),
         state: Mutex::new(ActivityState {
@@ -479,19 +551,49 @@ async fn serve_connection(
                     }
                     continue;
                 }
+                ClientMessage::Cancel(WireCancel { request_id }) => {
+                    drop(request_bytes);
+                    drop(slot);
+                    let counter = if cancels.cancel(request_id) {
+                        &shared.requests_cancelled
+                    } else {
+                        &shared.cancels_unmatched
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
             };
             let running = RunningRequest::start(&shared, &activity);
             let records_edges = shared.probes.0.is_none();
             let handle = handle.clone();
             let responses = responses.clone();
             let budget = budget.clone();
+            let registered = cancels.register(request.request_id);
+            if registered.is_none() {
+                shared.requests_refused_duplicate_id.fetch_add(1, Ordering::Relaxed);
+            }
             tokio::spawn(async move {
+                let Some((_entry, mut cancelled)) = registered else {
+                    let response = refuse_duplicate_id(&request);
+                    drop(request_bytes);
+                    let response_bytes = budget.acquire(response.len()).await;
+                    let _ = responses
+                        .send(BudgetedFrame {
+                            frame: response,
+                            _permit: response_bytes,
+                        })
+                        .await;
+                    return;
+                };
                 let response = tokio::select! {
                     biased;
                     // The connection closed: nobody can receive the reply. Dropping the
-                    // call abandons it (unrun if it has not started) and releases its
-                    // wait-for edge now rather than at its deadline.
+                    // call abandons it (unrun if it has not started, its turn cancelled
+                    // and rolled back if it has) and releases its wait-for edge now
+                    // rather than at its deadline.
                     () = responses.closed() => return,
+                    // Its caller stopped waiting and said so: the same.
+                    _ = &mut cancelled => return,
                     response = serve_connection_request(&handle, request, records_edges) => response,
                 };
                 // The request is gone; its bytes now go to the reply.
@@ -499,6 +601,7 @@ async fn serve_connection(
                 let response_bytes = tokio::select! {
                     biased;
                     () = responses.closed() => return,
+                    _ = &mut cancelled => return,
                     permit = budget.acquire(response.len()) => permit,
                 };
                 // The connection may close meanwhile; the reply is then dropped.
@@ -572,7 +675,7 @@ where
 {
     match read_frame::<ClientMessage, _>(reader, HANDSHAKE_FRAME_SIZE_MAX_BYTES).await? {
         ClientMessage::Hello(hello) => answer_hello(&hello, handle, budget, responses).await,
-        ClientMessage::Request(_) | ClientMessage::Probe(_) => Err(FrameError::Handshake {
+        ClientMessage::Request(_) | ClientMessage::Probe(_) | ClientMessage::Cancel(_) => Err(FrameError::Handshake {
             cause: "the first frame was a request, not a hello (an older or foreign client?)".to_string(),
         }),
     }
@@ -616,6 +719,23 @@ async fn answer_hello(
     }
 }
 
+/// The response frame refusing `request`, whose id is already in flight on its
+/// connection (a cancel could not tell the two apart); it never runs.
+fn refuse_duplicate_id(request: &WireRequest) -> Bytes {
+    let result = Err(InvokeError::Rejected {
+        target: request.target.clone(),
+        reason: format!(
+            "request id {} is already in flight on this connection; a client must not reuse an id until its reply",
+            request.request_id
+        ),
+    });
+    encode_frame(&ServerMessage::Response(WireResponse {
+        request_id: request.request_id,
+        result,
+    }))
+    .expect("a response holding only an error fits a frame")
+}
+
 /// Runs one request on the runtime and encodes its response frame. A request whose
 /// deadline has passed on this runtime's clock is answered `Timeout` without running.
 ///
@@ -623,8 +743,8 @@ async fn answer_hello(
 /// `caller → target` to this runtime's graph (a node pair that is not a cluster: a
 /// two-node cycle is then refused by the host's graph). Without (a cluster node, which
 /// chases cycles with probes), the edge is the waiter's node's alone, as the probe
-/// protocol has it: a copy here could outlive the caller's wait (the caller's node does
-/// not tell this one when it gives up) and name a cycle that no longer exists.
+/// protocol has it: a copy here could outlive the caller's wait (the caller's node's
+/// cancel is best effort and may be lost) and name a cycle that no longer exists.
 async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, records_edges: bool) -> Bytes {
     let request_id = request.request_id;
     let target = request.target.clone();
@@ -643,6 +763,13 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
                 max: AGENT_CALL_DEPTH_MAX,
             }))
         }
+        Ok(context) if request.tell => {
+            // Answered at acceptance; the turn runs on its own, under its own deadline.
+            handle
+                .send_only(&target, crate::envelope::Payload::Bytes(request.payload), context)
+                .await
+                .map(|()| Bytes::new())
+        }
         Ok(context) => {
             let caller = request.waiting_caller().cloned();
             let payload = request.payload;
@@ -652,7 +779,8 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
                     .send_and_wait(&target, crate::envelope::Payload::Bytes(payload), context, None)
                     .await
                     .and_then(|reply| reply.into_bytes(&target)),
-                None => handle.invoke(&target, payload, context.deadline()).await,
+                // A root call (empty chain): its context keeps the trace id.
+                None => handle.invoke_in(&target, payload, context).await,
             }
         }
     };

@@ -1,14 +1,15 @@
 //! The messages on the wire. A client opens each connection with a [`Hello`], the
 //! server answers [`HelloAck`] (the clock handshake, see [`ClockSync`]); then the client
 //! sends [`WireRequest`]s and the server answers [`WireResponse`]s. A client may send
-//! another [`Hello`] at any time to refresh its clock bound.
+//! another [`Hello`] at any time to refresh its clock bound, and a [`WireCancel`] for a
+//! request whose caller stopped waiting (no answer).
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
+use troupe_core::{ActorId, CallContext, Deadline, InvokeError, TraceId};
 
 use super::clock_sync::ClockSync;
 use super::{CALL_CHAIN_LENGTH_MAX, WIRE_PROTOCOL_VERSION};
@@ -25,6 +26,19 @@ pub(crate) enum ClientMessage {
     Request(WireRequest),
     /// A deadlock probe (one way: no answer).
     Probe(Probe),
+    /// The caller of an earlier request on this connection stopped waiting (one way: no
+    /// answer). Since protocol version 4.
+    Cancel(WireCancel),
+}
+
+/// The caller of request `request_id` (sent earlier on the same connection) stopped
+/// waiting: its future was dropped before the reply (its turn ended, it gave up). The
+/// server drops the call, which cancels the callee's turn (rolled back, nothing
+/// committed) or, if it has not started, keeps it from running. A cancel for a request
+/// that already ended, or that the server never saw, is ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WireCancel {
+    pub(crate) request_id: u64,
 }
 
 /// A frame from server to client.
@@ -139,6 +153,12 @@ pub(crate) struct WireRequest {
     pub(crate) deadline_us: u64,
     /// The actor whose turn waits on this call, if any.
     pub(crate) caller: Option<ActorId>,
+    /// The request's trace id, if its root set one (since protocol version 4).
+    pub(crate) trace_id: Option<TraceId>,
+    /// A fire-and-forget message (`tell`, since protocol version 4): the server answers
+    /// as soon as the target's runtime accepted it (an empty reply) or refused it, not
+    /// when its turn ends; the turn's own reply goes nowhere.
+    pub(crate) tell: bool,
 }
 
 /// A deadlock probe of the cluster's edge chasing, sent node to node with no answer:
@@ -186,13 +206,15 @@ impl WireRequest {
             chain: context.chain().to_vec(),
             deadline_us: sync.server_deadline(context.deadline(), now).as_micros(),
             caller,
+            trace_id: context.trace_id(),
+            tell: false,
         }
     }
 
     /// Rebuilds the call context on the receiving clock, which reads `now`: root with the
     /// sent deadline (capped at `now +` [`INVOKE_TIMEOUT_MS_MAX`]), then one
     /// [`CallContext::child`] per actor of the chain, so depth and chain come out exactly
-    /// as they were sent.
+    /// as they were sent, and the trace id as sent.
     ///
     /// # Errors
     /// - [`InvokeError::Timeout`] if the deadline has already passed: the request arrived
@@ -226,6 +248,9 @@ impl WireRequest {
             });
         }
         let mut context = CallContext::root(deadline);
+        if let Some(trace_id) = self.trace_id {
+            context = context.with_trace_id(trace_id);
+        }
         for waiting in &self.chain {
             context = context.child(waiting.clone(), deadline);
         }
@@ -268,7 +293,9 @@ mod tests {
         // Sent 1 s after the handshake ended.
         let sent_at = Deadline::from_micros(11_004_000);
         let root = CallContext::root(Deadline::after(sent_at, Duration::from_millis(800)));
+        let trace = TraceId::new(0xfeed);
         let context = root
+            .with_trace_id(trace)
             .child(actor("a"), Deadline::from_micros(u64::MAX))
             .child(actor("b"), Deadline::after(sent_at, Duration::from_millis(500)));
         let request = WireRequest::new(
@@ -292,6 +319,7 @@ mod tests {
         assert_eq!(rebuilt.depth(), 2);
         assert_eq!(rebuilt.chain(), &[actor("a"), actor("b")]);
         assert_eq!(rebuilt.deadline(), Deadline::from_micros(expected_us));
+        assert_eq!(rebuilt.trace_id(), Some(trace), "the trace id crosses");
     }
 
     #[test]
@@ -356,6 +384,19 @@ mod tests {
             .clock_sync(Deadline::from_micros(3))
             .unwrap_err()
             .contains("not a Troupe transport server"));
+    }
+
+    #[test]
+    fn a_version_3_peer_which_knows_no_cancel_frame_is_refused_at_the_handshake() {
+        assert_eq!(WIRE_PROTOCOL_VERSION, 4, "version 4 added the cancel frame");
+        let mut hello = Hello::new(Deadline::from_micros(1));
+        hello.version = 3;
+        let refusal = hello.refusal().expect("a version 3 client is refused");
+        assert!(refusal.contains("version 3, this server 4"), "{refusal}");
+        let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
+        ack.version = 3;
+        let refusal = ack.clock_sync(Deadline::from_micros(3)).unwrap_err();
+        assert!(refusal.contains("version 3, this client 4"), "{refusal}");
     }
 
     #[test]
