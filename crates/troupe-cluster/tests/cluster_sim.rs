@@ -16,6 +16,14 @@
 //! and the run is a function of its seed (two runs of a seed record the same events at
 //! the same virtual times).
 //!
+//! A second variant runs the same faults on slow disks and with clock offsets
+//! ([`Variant::slow_disks_and_clock_offsets`]): every store operation of a node waits a
+//! random time first, node-1's disk (the node cut from etcd) now and then stalls for
+//! longer than the lease TTL and the call deadline, and the nodes start 0, 10 and 23
+//! minutes apart, so their runtime clocks (each counted from its own start) are that far
+//! apart and every deadline crossing nodes is translated between them. madsim gives all
+//! nodes one clock rate: a clock running fast or slow is not simulated.
+//!
 //! Run with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p troupe-cluster`.
 #![cfg(madsim)]
 
@@ -36,7 +44,7 @@ use tokio::time::Instant;
 use troupe_cluster::ClusterNode;
 use troupe_core::{ActorId, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
-use troupe_runtime::{MemoryStore, StateStore};
+use troupe_runtime::{Claimed, Fence, FencedClaim, MemoryStore, StateStore, StoreError, TurnCommit};
 
 const ETCD_ADDRESS: &str = "10.0.0.1:2379";
 /// The nodes' transport port.
@@ -77,6 +85,137 @@ struct Shared {
     late: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
     start: Instant,
+    variant: Variant,
+    /// Whether each node has started once (a restarted node does not wait its offset again).
+    started: Arc<[AtomicBool; 3]>,
+}
+
+/// How a node's disk behaves: every claim, load and commit first waits a random time up
+/// to `typical_ms`; one in `stall_every` waits `stall_ms` instead (0: never).
+#[derive(Clone, Copy, Debug)]
+struct DiskProfile {
+    typical_ms: u64,
+    stall_every: u64,
+    stall_ms: u64,
+}
+
+impl DiskProfile {
+    const FAST: Self = Self {
+        typical_ms: 0,
+        stall_every: 0,
+        stall_ms: 0,
+    };
+}
+
+/// The environment a scenario runs in (the faults are the same in every variant).
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    /// When each node first starts, in seconds after the scenario began.
+    start_offsets_s: [u64; 3],
+    disks: [DiskProfile; 3],
+}
+
+/// A stall longer than the lease TTL and the call deadline, in milliseconds: a commit
+/// that waits it outlives its turn's caller and, on a node cut from etcd, its lease.
+const DISK_STALL_MS: u64 = 4_000;
+
+impl Variant {
+    const PLAIN: Self = Self {
+        start_offsets_s: [0, 0, 0],
+        disks: [DiskProfile::FAST; 3],
+    };
+
+    fn slow_disks_and_clock_offsets() -> Self {
+        Self {
+            start_offsets_s: [0, 600, 1_380],
+            disks: [
+                DiskProfile {
+                    typical_ms: 300,
+                    stall_every: 6,
+                    stall_ms: DISK_STALL_MS,
+                },
+                DiskProfile {
+                    typical_ms: 300,
+                    stall_every: 0,
+                    stall_ms: 0,
+                },
+                DiskProfile {
+                    typical_ms: 100,
+                    stall_every: 0,
+                    stall_ms: 0,
+                },
+            ],
+        }
+    }
+}
+
+/// A store on a slow disk: waits as its [`DiskProfile`] says before each operation.
+#[derive(Clone)]
+struct SlowDisk<S> {
+    inner: S,
+    profile: DiskProfile,
+}
+
+impl<S> SlowDisk<S> {
+    async fn wait(&self) {
+        use madsim::rand::Rng;
+        let profile = self.profile;
+        let ms = {
+            let mut rng = madsim::rand::thread_rng();
+            if profile.stall_every > 0 && rng.gen_range(0..profile.stall_every) == 0 {
+                profile.stall_ms
+            } else if profile.typical_ms > 0 {
+                rng.gen_range(0..=profile.typical_ms)
+            } else {
+                0
+            }
+        };
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl<S: FencedClaim + Clone> StateStore for SlowDisk<S> {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.wait().await;
+        self.inner.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.wait().await;
+        self.inner.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.wait().await;
+        self.inner.commit(actor, fence, commit).await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.wait().await;
+        self.inner.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.wait().await;
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+#[async_trait::async_trait]
+impl<S: FencedClaim + Clone> FencedClaim for SlowDisk<S> {
+    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
+        self.wait().await;
+        self.inner.claim_with_fence(actor, fence).await
+    }
 }
 
 impl Shared {
@@ -114,6 +253,9 @@ fn relayed_reply(reply: &[u8]) -> Result<Bytes, String> {
 /// the stop flag, and start over with a new lease whenever the lease is lost.
 async fn run_node(index: usize, shared: Shared) {
     let name = NODE_NAMES[index];
+    if !shared.started[index].swap(true, Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_secs(shared.variant.start_offsets_s[index])).await;
+    }
     let mut call = 0_u64;
     loop {
         let node = loop {
@@ -129,7 +271,10 @@ async fn run_node(index: usize, shared: Shared) {
             .with_lease_ttl_s(SIM_LEASE_TTL_S)
             .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
             let store = LoggingStore {
-                inner: shared.store.clone(),
+                inner: SlowDisk {
+                    inner: shared.store.clone(),
+                    profile: shared.variant.disks[index],
+                },
                 node: name.to_string(),
                 log: shared.log.clone(),
             };
@@ -201,7 +346,7 @@ async fn run_node(index: usize, shared: Shared) {
 }
 
 /// The faults of the module documentation; returns the record of events.
-async fn cluster_scenario() -> Vec<String> {
+async fn cluster_scenario(variant: Variant) -> Vec<String> {
     let handle = Handle::current();
     let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
     let etcd = handle
@@ -224,6 +369,8 @@ async fn cluster_scenario() -> Vec<String> {
         late: Arc::default(),
         stop: Arc::default(),
         start: Instant::now(),
+        variant,
+        started: Arc::default(),
     };
     let nodes: Vec<_> = (0..NODE_NAMES.len())
         .map(|index| {
@@ -237,7 +384,8 @@ async fn cluster_scenario() -> Vec<String> {
         })
         .collect();
     let net = NetSim::current();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let last_start_s = variant.start_offsets_s.iter().max().copied().unwrap_or(0);
+    tokio::time::sleep(Duration::from_secs(last_start_s + 3)).await;
 
     shared.note("fault, node-1 cut from etcd".into());
     net.clog_link(nodes[0].id(), etcd.id());
@@ -272,6 +420,17 @@ async fn cluster_scenario() -> Vec<String> {
 }
 
 async fn check_invariants(shared: &Shared) {
+    for entry in shared
+        .log
+        .entries()
+        .iter()
+        .filter(|entry| !entry.ok && entry.count.is_some())
+    {
+        shared.note(format!(
+            "{} {}: commit refused under fence {}",
+            entry.node, entry.actor, entry.fence
+        ));
+    }
     let late = shared.late.lock().expect("late").clone();
     assert!(late.is_empty(), "calls resolved after their deadline: {late:?}");
     shared.log.check_single_owner();
@@ -335,11 +494,43 @@ async fn check_invariants(shared: &Shared) {
 /// `MADSIM_TEST_NUM` runs several).
 #[madsim::test]
 async fn three_nodes_survive_partitions_and_a_kill_with_one_owner_per_actor() {
-    let record = cluster_scenario().await;
+    let record = cluster_scenario(Variant::PLAIN).await;
     assert!(!record.is_empty());
 }
 
 /// Each of [`REPLAY_SEEDS`] seeds runs twice in fresh simulations with the same record.
+/// Seeds the slow-disk variant runs.
+const SLOW_DISK_SEEDS: u64 = 10;
+
+/// The same faults on slow disks, with node-1's disk stalling past the lease TTL and the
+/// call deadline now and then, and the nodes' clocks 10 and 23 minutes apart: the same
+/// invariants hold under every seed. Across the seeds some stalled commits must meet a
+/// newer owner and be refused (the fence at work, not luck), and node-1 must lose its
+/// lease while its disk is slow.
+#[test]
+fn slow_disks_and_clock_offsets_keep_one_owner_and_lose_no_acknowledged_count() {
+    let mut refused_commits = 0;
+    for seed in 1..=SLOW_DISK_SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(3_000));
+        let (record, refused) = runtime.block_on(async {
+            let record = cluster_scenario(Variant::slow_disks_and_clock_offsets()).await;
+            let refused = record.iter().filter(|line| line.contains("commit refused")).count();
+            (record, refused)
+        });
+        assert!(
+            record.iter().any(|line| line.contains("node-3 joined")),
+            "seed {seed}: node-3 started after its offset"
+        );
+        eprintln!("seed {seed}: {refused} commits refused by the fence");
+        refused_commits += refused;
+    }
+    assert!(
+        refused_commits > 0,
+        "no stalled commit met a newer owner in {SLOW_DISK_SEEDS} seeds: the scenario did not test fencing under slow disks"
+    );
+}
+
 #[test]
 fn cluster_scenario_replays_identically_from_its_seed() {
     let mut distinct = BTreeSet::new();
@@ -347,7 +538,7 @@ fn cluster_scenario_replays_identically_from_its_seed() {
         let run = || {
             let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
             runtime.set_time_limit(Duration::from_secs(300));
-            runtime.block_on(cluster_scenario())
+            runtime.block_on(cluster_scenario(Variant::PLAIN))
         };
         let first = run();
         let second = run();
