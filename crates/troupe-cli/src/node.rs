@@ -110,7 +110,7 @@ pub enum NodeArgError {
     /// The --config file cannot be read or is not a valid organisation (the error names
     /// the file, line, column and field).
     #[error("--config {0}")]
-    Config(#[from] troupe_agent::ConfigError),
+    Config(Box<troupe_agent::ConfigError>),
     /// The --config file declares organisation rules a cluster node cannot apply yet.
     #[error(
         "--config {path}: {what}; a cluster node takes only agents and remote agents from the file \
@@ -129,7 +129,7 @@ pub enum NodeArgError {
         /// The file.
         path: PathBuf,
         /// Why.
-        cause: troupe_agent::AgentSystemError,
+        cause: Box<troupe_agent::AgentSystemError>,
     },
 }
 
@@ -211,7 +211,7 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
         .with_request_timeout_ms(NODE_ETCD_REQUEST_TIMEOUT_MS_MAX.min(request_max_ms));
     let org = match &args.config {
         Some(path) => {
-            let config = OrgConfig::from_file(path)?;
+            let config = OrgConfig::from_file(path).map_err(|error| NodeArgError::Config(Box::new(error)))?;
             check_shareable(path, &config)?;
             Some((path.clone(), config))
         }
@@ -585,7 +585,7 @@ pub async fn run_node(
             }
             let (runtime, pending) = builder.prepare().map_err(|cause| NodeArgError::ConfigAgents {
                 path: path.clone(),
-                cause,
+                cause: Box::new(cause),
             })?;
             (runtime, Some(pending))
         }
