@@ -794,7 +794,8 @@ async fn agent_owner(database: &str, agent: &str) -> String {
 /// every exchange acknowledged before the kill, in order. The conversation logs stay
 /// served next to the agents (at /v1/logs/...). Method: etcd and PostgreSQL from the
 /// Debian packages, three nodes with the same config, the scripted model; the owners
-/// are read from PostgreSQL's fence log (the newest claim's holder).
+/// are read from PostgreSQL's fence log (the newest claim's holder). A fourth node with
+/// --token then refuses both APIs without the token.
 #[tokio::test(flavor = "multi_thread")]
 async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_an_owner() {
     let started = Instant::now();
@@ -935,6 +936,23 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
     let (status, reply) = http(&survivors[0], "GET", "/v1/logs/l0/messages", "").expect("log read");
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["messages"][0]["text"], "kept next to the agents", "{reply}");
+    // A node started with --token refuses both APIs without it (not /health).
+    let token = "a-token-of-at-least-16-bytes";
+    let guarded = NodeProcess::start_with(
+        "g3",
+        &etcd.endpoint(),
+        &database,
+        &["--config", &config, "--scripted", "--token", token],
+    );
+    for path in ["/v1/agents", "/v1/agents/b/history", "/v1/logs/l0/messages"] {
+        let (status, reply) = http(&guarded.http, "GET", path, "").expect("without the token");
+        assert_eq!(status, 401, "{path}: {reply}");
+        let (status, reply) = http_with_token(&guarded.http, "GET", path, "", Some(token)).expect("with the token");
+        assert_eq!(status, 200, "{path}: {reply}");
+    }
+    let (status, reply) = http(&guarded.http, "GET", "/health", "").expect("health");
+    assert_eq!(status, 200, "{reply}");
+    drop(guarded);
     println!(
         "b: {} log entries before the kill, {} after, all kept; test took {} ms",
         b_before.len(),
