@@ -123,6 +123,12 @@ pub enum NodeArgError {
         /// What it declares that cannot be applied.
         what: String,
     },
+    /// The --config file declares no agent.
+    #[error("--config {path}: the file declares no [[agents]]; declare at least one, or leave out --config")]
+    ConfigNoAgents {
+        /// The file.
+        path: PathBuf,
+    },
     /// The agents of the --config file cannot be built.
     #[error("--config {path}: the agents cannot be built: {cause}")]
     ConfigAgents {
@@ -264,7 +270,9 @@ fn check_shareable(path: &std::path::Path, config: &OrgConfig) -> Result<(), Nod
         return refuse(format!("agent {agent:?} has a manager or a mode"));
     }
     if config.agents.is_empty() {
-        return refuse("no [[agents]]".to_string());
+        return Err(NodeArgError::ConfigNoAgents {
+            path: path.to_path_buf(),
+        });
     }
     Ok(())
 }
@@ -723,5 +731,36 @@ mod tests {
         assert!(matches!(plan(&no_endpoint), Err(NodeArgError::NoEtcdEndpoint)));
         // A token lets the node serve every interface.
         assert!(plan(&args(&["--http", "0.0.0.0:80", "--token", "0123456789abcdef"])).is_ok());
+    }
+
+    #[test]
+    fn a_config_with_organisation_rules_or_no_agents_is_refused_and_agents_only_pass() {
+        let path = std::path::Path::new("org.toml");
+        let agents = "[[agents]]\nid = \"a\"\n[[agents]]\nid = \"b\"\n";
+        let config = |text: &str| OrgConfig::from_toml(text, path).unwrap();
+        assert!(check_shareable(path, &config(agents)).is_ok());
+        let cases = [
+            (format!("policy = \"enforced\"\n{agents}"), "policy Enforced"),
+            (format!("{agents}[[links]]\nfrom = \"a\"\nto = \"b\"\n"), "1 [[links]]"),
+            (
+                format!("{agents}[[permissions]]\nagent = \"a\"\ntarget = \"b\"\neffect = \"deny\"\n"),
+                "1 [[permissions]]",
+            ),
+            (
+                "[[agents]]\nid = \"a\"\n[[agents]]\nid = \"b\"\nmanager = \"a\"\n".to_string(),
+                "agent \"b\" has a manager",
+            ),
+        ];
+        for (text, expected) in cases {
+            let error = check_shareable(path, &config(&text)).expect_err("refused");
+            assert!(matches!(error, NodeArgError::ConfigNotShared { .. }), "{error}");
+            let message = error.to_string();
+            assert!(
+                message.starts_with(&format!("--config org.toml: {expected}")),
+                "{message}"
+            );
+        }
+        let error = check_shareable(path, &config("")).expect_err("no agents");
+        assert!(error.to_string().contains("declares no [[agents]]"), "{error}");
     }
 }
