@@ -57,6 +57,11 @@ pub enum Command {
     /// owns it, and when that node dies another takes it over once its lease (--lease-ttl-ms)
     /// has ended. Prints `node NAME transport ADDR` and `listening on http://ADDR` once
     /// it serves. On SIGTERM or ctrl-c it stops serving, saves and leaves the cluster.
+    ///
+    /// With --config FILE (the organisation file of `troupe serve --config`), the node
+    /// also serves those agents with `troupe serve`'s HTTP API (/v1/agents/...), each
+    /// agent run by the node that owns it; the conversation logs then move to
+    /// /v1/logs/ID/messages. Start every node of the cluster with the same file.
     Node(NodeArgs),
 }
 
@@ -98,6 +103,16 @@ pub struct NodeArgs {
     /// shows no commit was accepted under an old fence. One more row per turn.
     #[arg(long)]
     pub fence_log_commits: bool,
+    /// Also serve the agents declared in FILE (the TOML of `troupe serve --config`; see
+    /// examples/org.toml) with `troupe serve`'s HTTP API. Every node of the cluster must
+    /// be started with the same file. Only agents (and remote agents) are taken: a file
+    /// declaring links, permission rules, managers, modes or the enforced policy is
+    /// refused (the organisation is not shared between nodes yet).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// With --config: use the scripted model even if OPENAI_API_KEY is set.
+    #[arg(long)]
+    pub scripted: bool,
 }
 
 /// The default cluster name of `troupe node`.

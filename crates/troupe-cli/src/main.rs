@@ -340,7 +340,20 @@ async fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match troupe_cli::node::run_node(&node_args, shutdown_signal()).await {
+            // With --config, the agents use a real model when OPENAI_API_KEY is set (as
+            // `troupe serve`), else the scripted one.
+            let model = if node_args.config.is_some() && !node_args.scripted {
+                match real_model() {
+                    Ok(model) => model.map(|(client, _)| client),
+                    Err(message) => {
+                        eprintln!("troupe: {message}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            } else {
+                None
+            };
+            match troupe_cli::node::run_node(&node_args, model, shutdown_signal()).await {
                 Ok(()) => {
                     println!("troupe node: stopped");
                     ExitCode::SUCCESS

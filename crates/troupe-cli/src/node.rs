@@ -9,13 +9,20 @@
 //!               commit = PostgreSQL transaction checked against the newest fence
 //! ```
 //!
-//! Why conversation logs and not the agents of `troupe serve`: the agent layer
-//! (`AgentSystem`) starts a runtime of its own and calls between agents on it directly;
-//! it cannot yet run on a [`ClusterNode`]'s runtime and route through
-//! [`ClusterClient`]. The conversation log is a durable actor kind that shows what the
-//! cluster guarantees (every acknowledged message kept, in order, one owner at a time).
+//! The conversation log is a durable actor kind that shows what the cluster guarantees
+//! (every acknowledged message kept, in order, one owner at a time).
+//!
+//! With `--config FILE` (the organisation file of `troupe serve --config`), the node also
+//! runs the agents FILE declares (the agent system prepared with
+//! `AgentSystemBuilder::prepare`, started on the node's runtime and attached to it) and
+//! serves `troupe serve`'s HTTP API ([`troupe_server::router`]) next to the logs, which
+//! then live under the kind [`LOG_KIND_WITH_AGENTS`] at `/v1/logs/{id}/messages` (the
+//! agent layer owns the kind `conversation` and the path `/v1/conversations/...`). An
+//! ask made through any node runs on the agent's owner node; `call_agent` between agents
+//! is routed the same way.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +35,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use troupe_agent::{AgentClient, AgentSystem, LlmClient, OrgConfig, OrgPolicy};
 use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS};
@@ -35,8 +43,11 @@ use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeBuilder, Tur
 
 use crate::NodeArgs;
 
-/// The actor kind of a conversation log.
+/// The actor kind of a conversation log (without `--config`).
 pub const CONVERSATION_KIND: &str = "conversation";
+/// The actor kind of a conversation log on a node that also serves agents (`--config`):
+/// the agent layer registers [`troupe_agent::CONVERSATION_KIND`] itself.
+pub const LOG_KIND_WITH_AGENTS: &str = "conversation-log";
 /// Longest message a conversation accepts, in bytes.
 pub const CONVERSATION_TEXT_BYTES_MAX: usize = 16 * 1024;
 /// Most messages one read returns, in messages (the first ones, in order).
@@ -96,6 +107,36 @@ pub enum NodeArgError {
     /// Another check of the etcd configuration failed.
     #[error("etcd configuration refused: {0}")]
     Etcd(troupe_etcd::ConfigError),
+    /// The --config file cannot be read or is not a valid organisation (the error names
+    /// the file, line, column and field).
+    #[error("--config {0}")]
+    Config(Box<troupe_agent::ConfigError>),
+    /// The --config file declares organisation rules a cluster node cannot apply yet.
+    #[error(
+        "--config {path}: {what}; a cluster node takes only agents and remote agents from the file \
+         (the organisation's links, rules, memberships and policy are not shared between nodes yet): \
+         remove it, or serve this organisation with `troupe serve --config`"
+    )]
+    ConfigNotShared {
+        /// The file.
+        path: PathBuf,
+        /// What it declares that cannot be applied.
+        what: String,
+    },
+    /// The --config file declares no agent.
+    #[error("--config {path}: the file declares no [[agents]]; declare at least one, or leave out --config")]
+    ConfigNoAgents {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The agents of the --config file cannot be built.
+    #[error("--config {path}: the agents cannot be built: {cause}")]
+    ConfigAgents {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        cause: Box<troupe_agent::AgentSystemError>,
+    },
 }
 
 /// What `troupe node` runs, from checked arguments.
@@ -113,6 +154,8 @@ pub struct NodePlan {
     pub token: Option<String>,
     /// Whether commits are written to the fence log.
     pub fence_log_commits: bool,
+    /// The organisation of --config (its agents are served), with its file.
+    pub org: Option<(PathBuf, OrgConfig)>,
 }
 
 /// Checks `args` and builds the plan; nothing is started or connected.
@@ -172,6 +215,14 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
     let etcd = EtcdConfig::new(endpoints, args.cluster.clone(), node, String::new())
         .with_lease_ttl_s(ttl_ms / 1_000)
         .with_request_timeout_ms(NODE_ETCD_REQUEST_TIMEOUT_MS_MAX.min(request_max_ms));
+    let org = match &args.config {
+        Some(path) => {
+            let config = OrgConfig::from_file(path).map_err(|error| NodeArgError::Config(Box::new(error)))?;
+            check_shareable(path, &config)?;
+            Some((path.clone(), config))
+        }
+        None => None,
+    };
     etcd.validate().map_err(|error| match error {
         troupe_etcd::ConfigError::BadName { ref name, .. } if *name == args.cluster => {
             name_error("--cluster", &args.cluster, error)
@@ -185,7 +236,45 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
         http: args.http,
         token,
         fence_log_commits: args.fence_log_commits,
+        org,
     })
+}
+
+/// Refuses an organisation whose links, rules, memberships or policy would have to be
+/// written to the store: on a cluster the organisation record is not shared between the
+/// nodes yet (each node would claim it), so only agents are taken.
+fn check_shareable(path: &std::path::Path, config: &OrgConfig) -> Result<(), NodeArgError> {
+    let refuse = |what: String| {
+        Err(NodeArgError::ConfigNotShared {
+            path: path.to_path_buf(),
+            what,
+        })
+    };
+    if config.policy != OrgPolicy::Open {
+        return refuse(format!(
+            "policy {:?} (only the default, open, is allowed)",
+            config.policy
+        ));
+    }
+    if !config.links.is_empty() {
+        return refuse(format!("{} [[links]]", config.links.len()));
+    }
+    if !config.permissions.is_empty() {
+        return refuse(format!("{} [[permissions]]", config.permissions.len()));
+    }
+    if let Some((agent, _)) = config
+        .memberships()
+        .into_iter()
+        .find(|(_, membership)| *membership != troupe_agent::Membership::default())
+    {
+        return refuse(format!("agent {agent:?} has a manager or a mode"));
+    }
+    if config.agents.is_empty() {
+        return Err(NodeArgError::ConfigNoAgents {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(())
 }
 
 fn name_error(flag: &'static str, name: &str, error: troupe_etcd::ConfigError) -> NodeArgError {
@@ -271,9 +360,18 @@ impl Actor for Conversation {
 /// # Errors
 /// [`NodeError::Kind`] if the kind cannot be named or registered.
 pub fn conversation_runtime(node: &str) -> Result<RuntimeBuilder, NodeError> {
+    register_log_kind(Runtime::builder(), CONVERSATION_KIND, node)
+}
+
+/// `builder` with the conversation-log actor registered as `kind`, its replies naming
+/// `node`.
+///
+/// # Errors
+/// [`NodeError::Kind`] if the kind cannot be named or registered.
+pub fn register_log_kind(builder: RuntimeBuilder, kind: &str, node: &str) -> Result<RuntimeBuilder, NodeError> {
     let node = node.to_string();
-    let kind = ActorKind::new(CONVERSATION_KIND).map_err(|error| NodeError::Kind(error.to_string()))?;
-    let builder = Runtime::builder().register(
+    let kind = ActorKind::new(kind).map_err(|error| NodeError::Kind(error.to_string()))?;
+    let builder = builder.register(
         kind,
         move |_id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
             let last_seq = match saved {
@@ -298,6 +396,8 @@ struct HttpState {
     client: ClusterClient,
     node: String,
     token: Option<Arc<str>>,
+    /// The conversation log's actor kind.
+    kind: &'static str,
 }
 
 #[derive(Deserialize)]
@@ -328,7 +428,7 @@ fn refusal(state: &HttpState, headers: &HeaderMap) -> Option<Response> {
 }
 
 async fn call(state: &HttpState, id: &str, request: &ConversationRequest) -> Response {
-    let actor = match ActorId::new(CONVERSATION_KIND, id) {
+    let actor = match ActorId::new(state.kind, id) {
         Ok(actor) => actor,
         Err(error) => return error_response(StatusCode::BAD_REQUEST, format!("conversation id {id:?}: {error}")),
     };
@@ -394,12 +494,35 @@ pub fn router(client: ClusterClient, token: Option<String>) -> Router {
         node: client.node().to_string(),
         client,
         token: token.map(Arc::from),
+        kind: CONVERSATION_KIND,
     };
     Router::new()
         .route("/health", get(health))
         .route("/v1/conversations/{id}/messages", get(read).post(append))
         .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
         .with_state(state)
+}
+
+/// The HTTP API of a node that serves agents (`--config`): `troupe serve`'s API over
+/// `agents` ([`troupe_server::router`], with `token` if given; its `GET /health`), and
+/// the conversation logs (kind [`LOG_KIND_WITH_AGENTS`]) at `POST` and
+/// `GET /v1/logs/{id}/messages`.
+pub fn agents_router(client: ClusterClient, agents: AgentClient, token: Option<String>) -> Router {
+    let mut config = troupe_server::ServerConfig::default();
+    if let Some(token) = &token {
+        config = config.token(token.clone());
+    }
+    let state = HttpState {
+        node: client.node().to_string(),
+        client,
+        token: token.map(Arc::from),
+        kind: LOG_KIND_WITH_AGENTS,
+    };
+    let logs = Router::new()
+        .route("/v1/logs/{id}/messages", get(read).post(append))
+        .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
+        .with_state(state);
+    logs.merge(troupe_server::router(agents, config))
 }
 
 /// Why `troupe node` stopped with an error.
@@ -414,6 +537,9 @@ pub enum NodeError {
     /// The actor kinds could not be registered.
     #[error("cannot register the conversation kind: {0}")]
     Kind(String),
+    /// The agents could not be attached to the node's runtime.
+    #[error("cannot attach the agents to the node: {0}")]
+    Attach(troupe_agent::AgentSystemError),
     /// The node could not start or join.
     #[error("cannot start the node (--listen, --etcd): {0}")]
     Cluster(#[from] troupe_cluster::ClusterError),
@@ -432,12 +558,15 @@ pub enum NodeError {
 
 /// Runs a node from `args` until `shutdown` completes (then it leaves the cluster) or
 /// its lease is lost (an error). Prints `node NAME transport ADDR` and, with --http,
-/// `listening on http://ADDR` once it serves.
+/// `listening on http://ADDR` once it serves. With --config, the agents think with
+/// `model`, or with the scripted model of `troupe serve --config`
+/// ([`crate::org_demo_script`]) if it is `None`.
 ///
 /// # Errors
 /// [`NodeError`] naming what failed.
 pub async fn run_node(
     args: &NodeArgs,
+    model: Option<Arc<dyn LlmClient>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), NodeError> {
     use std::io::Write as _;
@@ -449,7 +578,26 @@ pub async fn run_node(
         .map_err(NodeError::Postgres)?
         .with_holder(node_name.clone())
         .with_commit_log(plan.fence_log_commits);
-    let runtime = conversation_runtime(&node_name)?;
+    let (runtime, pending) = match &plan.org {
+        None => (conversation_runtime(&node_name)?, None),
+        Some((path, org)) => {
+            let logs = register_log_kind(Runtime::builder(), LOG_KIND_WITH_AGENTS, &node_name)?;
+            // A node runs for long: the scripted model keeps no requests (as `troupe serve`).
+            let model = model.unwrap_or_else(|| Arc::new(crate::org_demo_script().without_recording()));
+            let mut builder = AgentSystem::builder().runtime(logs).llm(model);
+            for spec in org.agent_specs() {
+                builder = builder.agent(spec);
+            }
+            for remote in org.remote_agent_list() {
+                builder = builder.remote_agent(remote);
+            }
+            let (runtime, pending) = builder.prepare().map_err(|cause| NodeArgError::ConfigAgents {
+                path: path.clone(),
+                cause: Box::new(cause),
+            })?;
+            (runtime, Some(pending))
+        }
+    };
     let http = match plan.http {
         Some(address) => Some(
             tokio::net::TcpListener::bind(address)
@@ -459,11 +607,27 @@ pub async fn run_node(
         None => None,
     };
     let node = ClusterNode::start(plan.etcd.clone(), plan.listen, runtime, store).await?;
+    let agents = match pending {
+        Some(pending) => match pending.attach(node.handle().clone()) {
+            Ok(agents) => Some(agents),
+            Err(error) => {
+                if let Err(error) = node.leave().await {
+                    tracing::warn!(%error, "leaving the cluster failed; the lease ends by itself");
+                }
+                return Err(NodeError::Attach(error));
+            }
+        },
+        None => None,
+    };
     println!(
-        "node {node_name} transport {} cluster {} lease {} ms",
+        "node {node_name} transport {} cluster {} lease {} ms{}",
         node.address(),
         plan.etcd.cluster,
-        args.lease_ttl_ms
+        args.lease_ttl_ms,
+        match &plan.org {
+            Some((path, org)) => format!(", {} agents from {}", org.agents.len(), path.display()),
+            None => String::new(),
+        }
     );
     let served = async {
         match http {
@@ -474,7 +638,11 @@ pub async fn run_node(
                     .map_err(|cause| NodeError::Http { address: asked, cause })?;
                 println!("listening on http://{address}");
                 let _ = std::io::stdout().flush();
-                axum::serve(listener, router(node.client(), plan.token.clone()))
+                let app = match &agents {
+                    Some(agents) => agents_router(node.client(), agents.clone(), plan.token.clone()),
+                    None => router(node.client(), plan.token.clone()),
+                };
+                axum::serve(listener, app)
                     .with_graceful_shutdown(shutdown)
                     .await
                     .map_err(|cause| NodeError::Http { address, cause })
@@ -563,5 +731,36 @@ mod tests {
         assert!(matches!(plan(&no_endpoint), Err(NodeArgError::NoEtcdEndpoint)));
         // A token lets the node serve every interface.
         assert!(plan(&args(&["--http", "0.0.0.0:80", "--token", "0123456789abcdef"])).is_ok());
+    }
+
+    #[test]
+    fn a_config_with_organisation_rules_or_no_agents_is_refused_and_agents_only_pass() {
+        let path = std::path::Path::new("org.toml");
+        let agents = "[[agents]]\nid = \"a\"\n[[agents]]\nid = \"b\"\n";
+        let config = |text: &str| OrgConfig::from_toml(text, path).unwrap();
+        assert!(check_shareable(path, &config(agents)).is_ok());
+        let cases = [
+            (format!("policy = \"enforced\"\n{agents}"), "policy Enforced"),
+            (format!("{agents}[[links]]\nfrom = \"a\"\nto = \"b\"\n"), "1 [[links]]"),
+            (
+                format!("{agents}[[permissions]]\nagent = \"a\"\ntarget = \"b\"\neffect = \"deny\"\n"),
+                "1 [[permissions]]",
+            ),
+            (
+                "[[agents]]\nid = \"a\"\n[[agents]]\nid = \"b\"\nmanager = \"a\"\n".to_string(),
+                "agent \"b\" has a manager",
+            ),
+        ];
+        for (text, expected) in cases {
+            let error = check_shareable(path, &config(&text)).expect_err("refused");
+            assert!(matches!(error, NodeArgError::ConfigNotShared { .. }), "{error}");
+            let message = error.to_string();
+            assert!(
+                message.starts_with(&format!("--config org.toml: {expected}")),
+                "{message}"
+            );
+        }
+        let error = check_shareable(path, &config("")).expect_err("no agents");
+        assert!(error.to_string().contains("declares no [[agents]]"), "{error}");
     }
 }

@@ -706,4 +706,258 @@ fn node_refuses_bad_arguments_and_names_the_unreachable_database() {
         stderr.contains("cannot open the PostgreSQL store given by --postgres"),
         "{stderr}"
     );
+    // A config file that is not valid, and one with rules a node cannot share.
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[[agents]]\nid = \"a\"\nmax_stepz = 4\n").expect("write the config");
+    let stderr = run(&["--config", broken.to_str().expect("utf-8 path")]);
+    assert!(
+        stderr.contains(&format!("--config {}:", broken.display())) && stderr.contains("max_stepz"),
+        "{stderr}"
+    );
+    let org = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/org.toml");
+    let stderr = run(&["--config", org]);
+    assert!(
+        stderr.contains(&format!("--config {org}: policy Enforced")) && stderr.contains("troupe serve --config"),
+        "{stderr}"
+    );
+    let missing = dir.path().join("missing.toml");
+    let stderr = run(&["--config", missing.to_str().expect("utf-8 path")]);
+    assert!(
+        stderr.contains(&format!("--config {}: cannot read the config file", missing.display())),
+        "{stderr}"
+    );
+}
+
+/// The organisation every node of the agents test is started with: `a` and `b` on the
+/// scripted model of `troupe serve --config` (a message `route: b` makes its agent call
+/// `b` with `call_agent`; `b` answers `hello from b`).
+const AGENTS_CONFIG: &str = r#"
+[[agents]]
+id = "a"
+role = "asks b"
+system_prompt = "You ask b."
+max_steps = 4
+
+[[agents]]
+id = "b"
+role = "answers"
+system_prompt = "You answer."
+max_steps = 4
+"#;
+
+/// Longest one agent request may take while nothing fails, in milliseconds.
+const AGENT_REQUEST_MS_MAX: u64 = 10_000;
+
+/// Sends `text` to `agent` through `addr` (`POST /v1/agents/{agent}/messages`).
+fn ask(addr: &str, agent: &str, text: &str) -> std::io::Result<(u16, Value)> {
+    let body = serde_json::json!({ "text": text }).to_string();
+    http(addr, "POST", &format!("/v1/agents/{agent}/messages"), &body)
+}
+
+/// The (role, content) pairs of `agent`'s conversation log, read through `addr`.
+fn history(addr: &str, agent: &str) -> Vec<(String, String)> {
+    let (status, reply) = http(addr, "GET", &format!("/v1/agents/{agent}/history?limit=1000"), "").expect("history");
+    assert_eq!(status, 200, "{reply}");
+    reply["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|message| {
+            (
+                message["role"].as_str().expect("role").to_string(),
+                message["content"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The node holding the newest claim of `agent` in PostgreSQL's fence log.
+async fn agent_owner(database: &str, agent: &str) -> String {
+    let log = fence_log(database).await;
+    let events = log
+        .get(&("agent".to_string(), agent.to_string()))
+        .unwrap_or_else(|| panic!("agent {agent}: no fence log"));
+    events
+        .iter()
+        .rev()
+        .find(|event| event.event == "claim")
+        .and_then(|event| event.holder.clone())
+        .unwrap_or_else(|| panic!("agent {agent}: no claim in {events:?}"))
+}
+
+/// Goal: `troupe node --config FILE` serves the agents of FILE with `troupe serve`'s API
+/// on three processes: a message to `a` through one node makes `a` call `b` (owned by
+/// another node) with `call_agent`, and the reply shows `b` answered; after the SIGKILL
+/// of `b`'s owner, asking `a` again through a survivor reaches `b` on a survivor within
+/// one lease plus slack, and `b`'s history (read through another node) still holds
+/// every exchange acknowledged before the kill, in order. The conversation logs stay
+/// served next to the agents (at /v1/logs/...). Method: etcd and PostgreSQL from the
+/// Debian packages, three nodes with the same config, the scripted model; the owners
+/// are read from PostgreSQL's fence log (the newest claim's holder). A fourth node with
+/// --token then refuses both APIs without the token.
+#[tokio::test(flavor = "multi_thread")]
+async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_an_owner() {
+    let started = Instant::now();
+    let etcd = TestEtcd::start("cluster-agents").await;
+    let postgres = TestServer::start("cluster-agents");
+    let database = postgres.create_database("agents").await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = dir.path().join("org.toml");
+    std::fs::write(&config, AGENTS_CONFIG).expect("write the config");
+    let config = config.to_str().expect("utf-8 path").to_string();
+    let mut nodes: Vec<NodeProcess> = (0..NODES)
+        .map(|index| {
+            NodeProcess::start_with(
+                &format!("g{index}"),
+                &etcd.endpoint(),
+                &database,
+                &["--config", &config, "--scripted"],
+            )
+        })
+        .collect();
+    println!(
+        "etcd, PostgreSQL and {NODES} agent nodes up in {} ms",
+        started.elapsed().as_millis()
+    );
+
+    // The node API: /health of troupe serve, the agents listed, the logs at /v1/logs.
+    let (status, reply) = http(&nodes[0].http, "GET", "/health", "").expect("health");
+    assert_eq!(status, 200, "{reply}");
+    let (status, reply) = http(&nodes[2].http, "GET", "/v1/agents", "").expect("agents");
+    assert_eq!(status, 200, "{reply}");
+    assert!(
+        reply.to_string().contains("\"id\":\"a\"") && reply.to_string().contains("\"id\":\"b\""),
+        "{reply}"
+    );
+    let body = serde_json::json!({ "text": "kept next to the agents" }).to_string();
+    let (status, reply) = http(&nodes[2].http, "POST", "/v1/logs/l0/messages", &body).expect("log append");
+    assert_eq!((status, reply["seq"].as_u64()), (200, Some(1)), "{reply}");
+    assert_eq!(reply["owner"], "g2", "{reply}");
+
+    // b is first asked through g1 (so g1 owns it), a through g0; a calls b across nodes.
+    let sent = Instant::now();
+    let (status, reply) = ask(&nodes[1].http, "b", "route:").expect("ask b");
+    assert_eq!((status, reply["text"].as_str()), (200, Some("hello from b")), "{reply}");
+    let sent_a = Instant::now();
+    let (status, reply) = ask(&nodes[0].http, "a", "route: b").expect("ask a");
+    let a_to_b_ms = sent_a.elapsed().as_millis();
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        reply["text"].as_str(),
+        Some("hello from b"),
+        "a's reply is b's answer: {reply}"
+    );
+    assert!(sent.elapsed() < Duration::from_millis(2 * AGENT_REQUEST_MS_MAX));
+    println!("a (through g0) -> b: 'hello from b' in {a_to_b_ms} ms");
+    let b_owner = agent_owner(&database, "b").await;
+    let a_owner = agent_owner(&database, "a").await;
+    println!("owners: a on {a_owner}, b on {b_owner}");
+    assert_eq!(b_owner, "g1", "b is owned by the node it was first asked through");
+    assert_eq!(a_owner, "g0", "a is owned by the node it was first asked through");
+    let b_before = history(&nodes[2].http, "b");
+    let a_before = history(&nodes[2].http, "a");
+    assert!(
+        b_before
+            .iter()
+            .filter(|(role, content)| role == "assistant" && content == "hello from b")
+            .count()
+            == 2,
+        "b answered twice (the direct ask and a's call): {b_before:?}"
+    );
+    assert!(
+        a_before
+            .iter()
+            .any(|(role, content)| role == "tool" && content.contains("hello from b")),
+        "a's log holds b's answer as its tool result: {a_before:?}"
+    );
+
+    // SIGKILL b's owner; ask a again (through the survivors in turn) until b answers.
+    let victim = nodes
+        .iter()
+        .position(|node| node.name == b_owner)
+        .expect("the owner is a node");
+    let survivors: Vec<String> = nodes
+        .iter()
+        .filter(|node| node.name != b_owner)
+        .map(|node| node.http.clone())
+        .collect();
+    let killed_at = Instant::now();
+    nodes[victim].kill();
+    println!("killed {b_owner} (SIGKILL), the owner of b");
+    let recovery_deadline = killed_at + Duration::from_millis(LEASE_TTL_MS + RECOVERY_SLACK_MS);
+    let mut attempts = Vec::new();
+    let mut recovered = None;
+    for attempt in 0.. {
+        let addr = &survivors[attempt % survivors.len()];
+        let outcome = ask(addr, "a", "route: b");
+        let at = killed_at.elapsed().as_millis();
+        match outcome {
+            Ok((200, reply)) if reply["text"].as_str() == Some("hello from b") => {
+                recovered = Some(at);
+                break;
+            }
+            other => attempts.push(format!("{at} ms via {addr}: {other:?}")),
+        }
+        if Instant::now() > recovery_deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let recovery_ms = recovered
+        .unwrap_or_else(|| panic!("b did not answer through a survivor within lease + slack; attempts: {attempts:#?}"));
+    println!(
+        "b answered again {recovery_ms} ms after the kill (lease {LEASE_TTL_MS} ms), after {} failed asks \
+         (the first: {:?})",
+        attempts.len(),
+        attempts.first()
+    );
+    assert!(recovery_ms <= u128::from(LEASE_TTL_MS + RECOVERY_SLACK_MS));
+    let new_owner = agent_owner(&database, "b").await;
+    assert_ne!(new_owner, b_owner, "b moved to a survivor");
+    println!("b now on {new_owner}");
+
+    // Nothing acknowledged is lost: b's and a's logs before the kill are prefixes of
+    // their logs now, and b's log ends with the new answer.
+    let b_after = history(&survivors[1], "b");
+    assert!(
+        b_after.len() > b_before.len() && b_after[..b_before.len()] == b_before[..],
+        "b's earlier exchanges kept:\nbefore {b_before:?}\nafter {b_after:?}"
+    );
+    assert_eq!(
+        b_after.last().map(|(role, content)| (role.as_str(), content.as_str())),
+        Some(("assistant", "hello from b"))
+    );
+    let a_after = history(&survivors[0], "a");
+    assert!(
+        a_after.len() > a_before.len() && a_after[..a_before.len()] == a_before[..],
+        "a's earlier exchanges kept:\nbefore {a_before:?}\nafter {a_after:?}"
+    );
+    let (status, reply) = http(&survivors[0], "GET", "/v1/logs/l0/messages", "").expect("log read");
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["messages"][0]["text"], "kept next to the agents", "{reply}");
+    // A node started with --token refuses both APIs without it (not /health).
+    let token = "a-token-of-at-least-16-bytes";
+    let guarded = NodeProcess::start_with(
+        "g3",
+        &etcd.endpoint(),
+        &database,
+        &["--config", &config, "--scripted", "--token", token],
+    );
+    for path in ["/v1/agents", "/v1/agents/b/history", "/v1/logs/l0/messages"] {
+        let (status, reply) = http(&guarded.http, "GET", path, "").expect("without the token");
+        assert_eq!(status, 401, "{path}: {reply}");
+        let (status, reply) = http_with_token(&guarded.http, "GET", path, "", Some(token)).expect("with the token");
+        assert_eq!(status, 200, "{path}: {reply}");
+    }
+    let (status, reply) = http(&guarded.http, "GET", "/health", "").expect("health");
+    assert_eq!(status, 200, "{reply}");
+    drop(guarded);
+    println!(
+        "b: {} log entries before the kill, {} after, all kept; test took {} ms",
+        b_before.len(),
+        b_after.len(),
+        started.elapsed().as_millis()
+    );
+    drop(nodes);
 }
