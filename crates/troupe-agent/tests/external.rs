@@ -230,6 +230,52 @@ async fn an_external_task_survives_a_restart_mid_task() {
     second.shutdown().await;
 }
 
+/// Goal: an external task continues the call chain and depth it arrived with, so the
+/// agent's own calls are checked against them: a call back to an agent on the chain is
+/// refused as a cycle, while the same task from outside (empty chain) may make it.
+#[tokio::test(start_paused = true)]
+async fn an_external_task_continues_its_chain_and_a_call_back_is_a_cycle() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("caller")
+                .on_user_containing("ring")
+                .call("call_agent", serde_json::json!({"agent_id": "echo", "message": "back"})),
+        )
+        .rule(ScriptRule::agent("caller").on_tool_result().reply("got: {tool_result}"))
+        .rule(ScriptRule::agent("echo").reply("echo: {input}"));
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("echo"))
+        .agent(AgentSpec::new("caller"))
+        .start()
+        .unwrap();
+    let chained = system
+        .delegate_external(
+            "caller",
+            ExternalTaskRequest {
+                chain: vec!["echo".to_string()],
+                depth: 1,
+                ..request("k-1", "ring one")
+            },
+        )
+        .await
+        .unwrap();
+    let plain = system
+        .delegate_external("caller", request("k-2", "ring two"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let chained = system.external_task("caller", &chained).await.unwrap().unwrap();
+    assert_eq!((chained.chain.clone(), chained.depth), (vec!["echo".to_string()], 1));
+    let result = chained.result.unwrap_or_default();
+    assert!(result.contains("cycle"), "{result}");
+    let plain = system.external_task("caller", &plain).await.unwrap().unwrap();
+    let result = plain.result.unwrap_or_default();
+    assert!(result.starts_with("got: echo:") && result.ends_with("back"), "{result}");
+    system.shutdown().await;
+}
+
 /// Goal: concurrent external sends to one agent on the multi-thread runtime, each
 /// message sent twice at once, make exactly one task and one outcome per message id.
 #[cfg(not(madsim))]
