@@ -151,6 +151,11 @@ pub(crate) struct TaskCall {
     pub(crate) timeout_ms: u64,
 }
 
+/// A new task, the lane it waits in (unless it was rejected at once), and the agent
+/// and seq of the ended task the registry let go to make room, if any (to delete from
+/// the store).
+pub(crate) type Created = (TaskRecord, Option<Arc<Lane>>, Option<(String, u64)>);
+
 /// Why a task could not be made.
 #[derive(Debug)]
 pub(crate) enum AdmitError {
@@ -210,7 +215,7 @@ impl TaskRegistry {
         mut request: Value,
         call: TaskCall,
         rejected: Option<String>,
-    ) -> Result<(TaskRecord, Option<Arc<Lane>>, Option<(String, u64)>), AdmitError> {
+    ) -> Result<Created, AdmitError> {
         let TaskCall {
             chain,
             depth,
@@ -346,13 +351,10 @@ impl Inner {
     /// Forgets the oldest task that has ended: its agent and seq; `None` if none has.
     fn forget_oldest_ended(&mut self) -> Option<(String, u64)> {
         let tasks = &self.tasks;
-        let Some(position) = self
+        let position = self
             .order
             .iter()
-            .position(|id| tasks.get(id).is_none_or(|sender| sender.borrow().state.is_final()))
-        else {
-            return None;
-        };
+            .position(|id| tasks.get(id).is_none_or(|sender| sender.borrow().state.is_final()))?;
         let id = self.order.remove(position)?;
         let sender = self.tasks.remove(&id)?;
         let record = sender.borrow();
