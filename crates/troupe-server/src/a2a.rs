@@ -108,6 +108,12 @@ pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
         store,
         loaded: tokio::sync::OnceCell::new(),
     });
+    // Read the stored tasks back now (and resume those that had not ended), not only at
+    // the first A2A request.
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let a2a = Arc::clone(&a2a);
+        runtime.spawn(async move { ready(&a2a).await });
+    }
     Router::new()
         .route("/a2a/{agent}/.well-known/agent-card.json", get(card))
         .route("/a2a/{agent}", post(rpc))
@@ -540,9 +546,16 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         return Err(RpcError::retry(StatusCode::SERVICE_UNAVAILABLE, reason));
     }
     if let Some(lane) = lane {
+        // A call with Troupe's context runs until the caller's deadline, counted from
+        // its arrival (its wait in the lane included).
+        let deadline = accepted
+            .troupe
+            .is_some()
+            .then(|| a2a.app.client.runtime().deadline_in(accepted.timeout));
         let ask = Ask {
             text: accepted.text.clone(),
             timeout_ms: record.timeout_ms,
+            deadline,
             chain: troupe.chain,
             depth: troupe.depth,
         };
@@ -554,8 +567,11 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
 /// What a task asks its agent.
 struct Ask {
     text: String,
-    /// The task's deadline, in milliseconds from when its turn is handed over.
+    /// The task's deadline, in milliseconds from when its turn is handed over...
     timeout_ms: u64,
+    /// ...unless it carries the caller's deadline (a call with Troupe's context, made
+    /// in this process): then what is left of it.
+    deadline: Option<troupe_core::Deadline>,
     /// Troupe's call chain and depth it arrived with: the agent's turn continues them.
     chain: Vec<String>,
     depth: u32,
@@ -577,6 +593,7 @@ impl Ask {
         Self {
             text,
             timeout_ms: record.timeout_ms,
+            deadline: None,
             chain: record.chain.clone(),
             depth: record.depth,
         }
@@ -647,11 +664,14 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
 /// server shuts down first.
 async fn outcome(a2a: &A2a, id: &str, agent: &str, ask: &Ask) -> Option<Result<troupe_agent::ExternalTask, ApiError>> {
     let client = &a2a.app.client;
+    let timeout_ms = ask.deadline.map_or(ask.timeout_ms, |deadline| {
+        deadline.remaining_ms(client.runtime().now()).max(1)
+    });
     let request = troupe_agent::ExternalTaskRequest {
         origin: "a2a".to_string(),
         msg_id: format!("a2a:{id}"),
         text: ask.text.clone(),
-        timeout_ms: Some(ask.timeout_ms),
+        timeout_ms: Some(timeout_ms),
         chain: ask.chain.clone(),
         depth: ask.depth,
         attachment: id.to_string(),
@@ -663,7 +683,7 @@ async fn outcome(a2a: &A2a, id: &str, agent: &str, ask: &Ask) -> Option<Result<t
     };
     let mut shutdown = a2a.app.shutdown.subscribe();
     let give_up = client.runtime().deadline_in(Duration::from_millis(
-        ask.timeout_ms.saturating_add(A2A_TASK_OUTCOME_GRACE_MS),
+        timeout_ms.saturating_add(A2A_TASK_OUTCOME_GRACE_MS),
     ));
     loop {
         match client.external_task(agent, &inner).await {
