@@ -10,6 +10,8 @@
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
 //! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
 //! task/{task_id}      the delegator's record of a task it delegated (A2A state)
+//! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
+//! ext_id/{task_id}    → the seq of that record
 //! ```
 //!
 //! and counters in its snapshot (next inbox and outbox seq, lengths, open tasks).

@@ -627,9 +627,17 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
     let Some(outcome) = outcome(&a2a, &id, &agent, &ask).await else {
         return; // shutting down: resumed at the next start
     };
+    let now = a2a.app.client.runtime().now();
     let record = a2a.tasks.update(&id, |task| {
         match outcome {
             Ok(done) => {
+                // The error codes of the REST API: a task that failed at or past its
+                // deadline timed out; otherwise the agent failed.
+                let code = if done.deadline.has_passed(now) {
+                    "timeout"
+                } else {
+                    "agent_failed"
+                };
                 task.state = done.state;
                 let result = done.result.unwrap_or_default();
                 if done.state == TaskState::Completed {
@@ -638,7 +646,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
                         .map(|reply| json!({"steps": reply.steps, "usage": reply.usage, "truncated": reply.truncated}));
                     task.reply = Some(result);
                 } else {
-                    task.reason = Some(format!("agent_failed: {result}"));
+                    task.reason = Some(format!("{code}: {result}"));
                 }
             }
             Err(error) => {
