@@ -10,6 +10,8 @@
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
 //! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
 //! task/{task_id}      the delegator's record of a task it delegated (A2A state)
+//! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
+//! ext_id/{task_id}    → the seq of that record
 //! ```
 //!
 //! and counters in its snapshot (next inbox and outbox seq, lengths, open tasks).
@@ -240,6 +242,15 @@ pub(crate) enum InboxBody {
         seq: u64,
         chain: Vec<String>,
     },
+    /// A task from outside (`external.rs`): the inbox names it and records it
+    /// (`ext/{seq}`), and keeps it as a `Task` without a delegator; `rejected` records
+    /// it as ended at once, with nothing to run.
+    External {
+        text: String,
+        origin: String,
+        attachment: String,
+        rejected: Option<String>,
+    },
 }
 
 impl InboxBody {
@@ -250,6 +261,7 @@ impl InboxBody {
             Self::TaskUpdate { .. } => MessageKind::TaskUpdate,
             Self::Cancel { .. } => MessageKind::Cancel,
             Self::Mention { .. } => MessageKind::Mention,
+            Self::External { .. } => MessageKind::Task,
         }
     }
 }
@@ -301,6 +313,10 @@ pub(crate) enum AgentCommand {
     },
     /// Cancel a task this agent delegated: the reply is a [`SendReply`].
     Cancel { task_id: String },
+    /// Cancel an external task of this agent (`external.rs`): the reply is a
+    /// [`SendReply`] (`CancelSent`: canceled now, `AlreadyFinal`, `Running`,
+    /// `UnknownTask`).
+    CancelExternal { task_id: String },
 }
 
 impl AgentCommand {
@@ -343,6 +359,8 @@ pub(crate) enum SendReply {
         agent_id: String,
         cause: String,
     },
+    /// The task's turn runs now: it cannot be canceled.
+    Running,
 }
 
 pub(crate) fn encode_reply<T: Serialize>(reply: &T) -> Bytes {

@@ -59,6 +59,7 @@ impl AgentActor {
                 self.send_from_api(turn, &to, &text, timeout_ms, false).await
             }
             AgentCommand::Cancel { task_id } => self.cancel(turn, &task_id).await,
+            AgentCommand::CancelExternal { task_id } => self.cancel_external(turn, &task_id).await,
         }
     }
 
@@ -109,9 +110,17 @@ impl AgentActor {
             duplicate,
             at: now,
         };
-        if turn.get(&seen).await?.is_some() {
+        if let Some(first) = turn.get(&seen).await? {
             self.shared.emit(&received(true));
+            if matches!(entry.body, InboxBody::External { .. }) {
+                // A resent external task: the id it was given the first time.
+                let task_id = String::from_utf8_lossy(&first).into_owned();
+                return Ok(encode_reply(&EnqueueReply::Accepted { msg_id: task_id }));
+            }
             return Ok(encode_reply(&EnqueueReply::Duplicate));
+        }
+        if matches!(entry.body, InboxBody::External { .. }) {
+            return self.enqueue_external(turn, entry).await;
         }
         match &entry.body {
             InboxBody::TaskUpdate { task_id, state, text } => {
@@ -178,7 +187,10 @@ impl AgentActor {
                     msg_id: entry.msg_id.clone(),
                 }));
             }
-            InboxBody::Notify { .. } | InboxBody::Task { .. } | InboxBody::Mention { .. } => {
+            InboxBody::Notify { .. }
+            | InboxBody::Task { .. }
+            | InboxBody::Mention { .. }
+            | InboxBody::External { .. } => {
                 if self.state.boxes.inbox_len >= AGENT_INBOX_CAPACITY {
                     return Ok(encode_reply(&EnqueueReply::Full {
                         capacity: AGENT_INBOX_CAPACITY,
@@ -186,15 +198,34 @@ impl AgentActor {
                 }
             }
         }
+        self.append(turn, entry, seen, Bytes::new()).await
+    }
+
+    /// Appends `entry` (checked: not seen, room left) to the inbox under the next seq
+    /// and schedules its processing; marks `seen` with `seen_value`.
+    pub(crate) async fn append(
+        &mut self,
+        turn: &mut Turn,
+        entry: InboxEntry,
+        seen: String,
+        seen_value: Bytes,
+    ) -> Result<Bytes, ActorError> {
+        let now = turn.now();
         let seq = self.state.boxes.inbox_next;
         turn.put(inbox_key(seq), to_json(&entry)?)?;
-        turn.put(seen, Bytes::new())?;
+        turn.put(seen, seen_value)?;
         if let InboxBody::Task { task_id, .. } = &entry.body {
             turn.put(tasks_in_key(task_id), to_json(&seq)?)?;
         }
         self.state.boxes.inbox_next += 1;
         self.state.boxes.inbox_len += 1;
-        self.shared.emit(&received(false));
+        self.shared.emit(&AgentEvent::MessageReceived {
+            msg_id: entry.msg_id.clone(),
+            agent: self.id.clone(),
+            kind: entry.body.kind(),
+            duplicate: false,
+            at: now,
+        });
         self.schedule_process(turn, seq, &entry.context).await?;
         Ok(encode_reply(&EnqueueReply::Accepted {
             msg_id: entry.msg_id.clone(),
@@ -222,14 +253,19 @@ impl AgentActor {
         self.flush_sends(turn, sends).await
     }
 
-    fn pending_sends(&self) -> PendingSends {
+    pub(crate) fn pending_sends(&self) -> PendingSends {
         let boxes = self.state.boxes;
         PendingSends::new(self.id.clone(), boxes.outbox_next, boxes.outbox_len, boxes.tasks_open)
     }
 
     /// Tells itself to process inbox entry `seq` under the entry's context (plus the
     /// grace that lets a timed-out model loop commit its failure).
-    async fn schedule_process(&self, turn: &Turn, seq: u64, context: &CallContext) -> Result<(), ActorError> {
+    pub(crate) async fn schedule_process(
+        &self,
+        turn: &Turn,
+        seq: u64,
+        context: &CallContext,
+    ) -> Result<(), ActorError> {
         // An entry already past its deadline is still scheduled (now + grace): its turn
         // resolves it as failed instead of leaving it to the next resume.
         let latest = context.deadline().max(turn.now());
@@ -292,13 +328,26 @@ impl AgentActor {
             }
             InboxBody::Task { task_id, text } => {
                 turn.delete(tasks_in_key(&task_id))?;
+                let external = entry.from.is_none();
+                if external && self.take_external_cancel(&task_id) {
+                    let reason = crate::external::CANCELED_BEFORE_START.to_string();
+                    return self
+                        .finish_external(turn, &task_id, TaskState::Canceled, reason, None)
+                        .await;
+                }
+                let mut meta = None;
                 // The result goes back with what the task left of its grant (all of
                 // it when the work did not start; nothing when its spend is unknown).
                 let (state, result, left) = if expired {
                     let result = "the deadline passed before work started".to_string();
                     (TaskState::Failed, result, entry.budget)
                 } else {
-                    let content = format!("[task {task_id} delegated by {from}] {text}");
+                    // A task from outside is shown as is, as an ask from outside is.
+                    let content = if external {
+                        text
+                    } else {
+                        format!("[task {task_id} delegated by {from}] {text}")
+                    };
                     let conversation = Conversation {
                         content,
                         call: None,
@@ -306,8 +355,16 @@ impl AgentActor {
                         budget: entry.budget,
                         history: None,
                     };
-                    match self.converse(turn, conversation).await {
+                    let running = external.then(|| self.external_started(&task_id));
+                    let conversed = self.converse(turn, conversation).await;
+                    drop(running);
+                    match conversed {
                         Ok(reply) => {
+                            meta = Some(crate::ExternalReply {
+                                steps: reply.steps,
+                                usage: reply.usage,
+                                truncated: reply.truncated,
+                            });
                             let left = entry.budget.after(reply.spent);
                             match reply.exhausted {
                                 None => (TaskState::Completed, reply.text, left),
@@ -321,6 +378,10 @@ impl AgentActor {
                         ),
                     }
                 };
+                if external {
+                    let meta = meta.filter(|_| state == TaskState::Completed);
+                    return self.finish_external(turn, &task_id, state, result, meta).await;
+                }
                 if let Some(to) = entry.from {
                     let mut sends = self.pending_sends();
                     let text = troupe_core::truncate_utf8(&result, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
@@ -352,7 +413,7 @@ impl AgentActor {
                     }
                 }
             }
-            InboxBody::Cancel { .. } => {} // handled at enqueue; never stored
+            InboxBody::Cancel { .. } | InboxBody::External { .. } => {} // handled at enqueue; never stored
         }
         Ok(())
     }

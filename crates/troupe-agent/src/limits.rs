@@ -48,6 +48,12 @@ pub const AGENT_INBOX_CAPACITY: u64 = 256;
 /// Delegations one agent may have open (delegated, not yet resolved); one more is
 /// refused.
 pub const AGENT_TASKS_OPEN_MAX: u64 = 64;
+/// External tasks ([`crate::AgentClient::delegate_external`]) one agent holds not yet
+/// ended (waiting or running), at most; one more is refused with
+/// [`crate::InboxError::Full`] and nothing is kept.
+pub const AGENT_EXTERNAL_TASKS_OPEN_MAX: u64 = 64;
+/// External task records one [`crate::AgentClient::external_tasks`] page returns, at most.
+pub const AGENT_EXTERNAL_TASKS_PAGE_MAX: usize = 256;
 /// Entries one agent's outbox holds (notifications, tasks, results and cancellations
 /// not yet acknowledged by their target); one more is refused.
 pub const AGENT_OUTBOX_CAPACITY: u64 = 256;
@@ -76,6 +82,7 @@ pub const AGENT_SEND_GRANT_DIVISOR: u64 = 2;
 
 const _: () = assert!(AGENT_SEND_GRANT_DIVISOR >= 1);
 const _: () = assert!(AGENT_TASKS_OPEN_MAX <= AGENT_OUTBOX_CAPACITY);
+const _: () = assert!(AGENT_EXTERNAL_TASKS_OPEN_MAX <= AGENT_INBOX_CAPACITY);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_MAX <= troupe_core::limits::INVOKE_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_RESUME_BATCH * 2 < troupe_core::limits::MAILBOX_CAPACITY_DEFAULT);

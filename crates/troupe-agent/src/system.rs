@@ -599,7 +599,7 @@ impl AgentClient {
         }
     }
 
-    async fn command(&self, agent: &ActorId, command: AgentCommand) -> Result<SendReply, InboxError> {
+    pub(crate) async fn command(&self, agent: &ActorId, command: AgentCommand) -> Result<SendReply, InboxError> {
         // The agent may be in a long turn: wait as long as for an ask.
         let timeout = Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT);
         let reply = self
@@ -609,7 +609,7 @@ impl AgentClient {
         decode_reply(&reply)
     }
 
-    fn known_agent(&self, agent: &str) -> Result<ActorId, InboxError> {
+    pub(crate) fn known_agent(&self, agent: &str) -> Result<ActorId, InboxError> {
         let id = agent_id(agent).map_err(|error| InboxError::InvalidAgentId {
             agent_id: agent.to_string(),
             cause: error.to_string(),

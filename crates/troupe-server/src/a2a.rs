@@ -6,13 +6,14 @@
 //! - `POST /a2a/{agent}`: JSON-RPC 2.0 with `SendMessage`, `SendStreamingMessage`
 //!   (SSE), `GetTask`, `ListTasks`, `CancelTask` and `SubscribeToTask` (SSE).
 //!
-//! A message becomes an A2A task of the server ([`crate::a2a_tasks`]) whose turn is a
-//! Troupe ask of the agent; the task states are Troupe's. Troupe's call chain and depth
+//! A message becomes an A2A task of the server ([`crate::a2a_tasks`], stored durably)
+//! whose turn is a Troupe task in the agent's durable inbox
+//! ([`troupe_agent::AgentClient::delegate_external`]); the task states are Troupe's. Troupe's call chain and depth
 //! travel in `metadata.troupe` (`chain`: the agent ids the call came through, `depth`:
 //! the depth it arrives at) and are checked on arrival: a chain that already holds the
 //! agent is a cycle, a depth over `AGENT_CALL_DEPTH_MAX` is too deep; both make a
 //! `rejected` task. Otherwise the agent's turn continues that chain and depth
-//! ([`troupe_agent::AgentClient::ask_continued`]) until the caller's deadline
+//! (the external task carries them) until the caller's deadline
 //! (`timeout_ms`, clipped to the server's maximum), so its own calls are checked
 //! against them: a cycle across servers is refused. Without `metadata.troupe` the
 //! message is an ask from outside (depth 0).
@@ -39,12 +40,12 @@ use tokio::sync::watch;
 use troupe_agent::{TaskState, TroupeCallMetadata};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 
-use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskCall, TaskRecord, TaskRegistry};
+use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore};
 use crate::agents::known;
 use crate::error::ApiError;
 use crate::limits::{
-    A2A_BLOCKING_HEADROOM_MS, A2A_LIST_TASKS_PAGE_DEFAULT, A2A_LIST_TASKS_PAGE_MAX, SERVER_MESSAGE_SIZE_MAX_BYTES,
-    SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
+    A2A_BLOCKING_HEADROOM_MS, A2A_LIST_TASKS_PAGE_DEFAULT, A2A_LIST_TASKS_PAGE_MAX, A2A_TASK_OUTCOME_GRACE_MS,
+    A2A_TASK_POLL_MS, SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
 };
 use crate::server::AppState;
 
@@ -90,16 +91,29 @@ pub(crate) mod code {
 struct A2a {
     app: Arc<AppState>,
     tasks: TaskRegistry,
+    /// Where the records are kept.
+    store: TaskStore,
+    /// Set once the stored records have been read back (at the first request).
+    loaded: tokio::sync::OnceCell<()>,
 }
 
 type Shared = State<Arc<A2a>>;
 
 /// The A2A routes over `app`, to merge into the server's router.
 pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
+    let store = TaskStore::new(Arc::clone(app.client.runtime().store()));
     let a2a = Arc::new(A2a {
         app,
         tasks: TaskRegistry::default(),
+        store,
+        loaded: tokio::sync::OnceCell::new(),
     });
+    // Read the stored tasks back now (and resume those that had not ended), not only at
+    // the first A2A request.
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let a2a = Arc::clone(&a2a);
+        runtime.spawn(async move { ready(&a2a).await });
+    }
     Router::new()
         .route("/a2a/{agent}/.well-known/agent-card.json", get(card))
         .route("/a2a/{agent}", post(rpc))
@@ -214,11 +228,43 @@ fn success(id: &Value, result: Value) -> Response {
     Json(json!({"jsonrpc": "2.0", "id": id, "result": result})).into_response()
 }
 
+/// Reads the stored records back, once: those that had not ended wait in their lanes
+/// again and are handed to their agents (which find the task they already hold).
+async fn ready(a2a: &Arc<A2a>) {
+    a2a.loaded
+        .get_or_init(|| async {
+            let agents: Vec<String> = a2a
+                .app
+                .client
+                .directory()
+                .list()
+                .into_iter()
+                .map(|spec| spec.id)
+                .collect();
+            let records = match a2a.store.load(&agents).await {
+                Ok(records) => records,
+                Err(error) => {
+                    tracing::error!(%error, "the stored A2A tasks cannot be read; they are not resumed");
+                    Vec::new()
+                }
+            };
+            for record in records {
+                let ask = Ask::of(&record);
+                let (id, agent) = (record.id.clone(), record.agent.clone());
+                if let Some(lane) = a2a.tasks.restore(record) {
+                    tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane));
+                }
+            }
+        })
+        .await;
+}
+
 /// `POST /a2a/{agent}`: one JSON-RPC request.
 async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(error) = known(&a2a.app, &agent) {
         return error.into_response();
     }
+    ready(&a2a).await;
     let Ok(request) = serde_json::from_slice::<Value>(&body) else {
         return RpcError::new(code::PARSE_ERROR, "the body is not JSON").answer(&Value::Null);
     };
@@ -238,10 +284,10 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
     }
     let answered = match method {
         "SendMessage" => send_message(&a2a, &agent, params, &id).await,
-        "SendStreamingMessage" => send_streaming(&a2a, &agent, params, &id),
+        "SendStreamingMessage" => send_streaming(&a2a, &agent, params, &id).await,
         "GetTask" => get_task(&a2a, &agent, params).map(|task| success(&id, task)),
         "ListTasks" => list_tasks(&a2a, &agent, params).map(|list| success(&id, list)),
-        "CancelTask" => cancel_task(&a2a, &agent, params).map(|task| success(&id, task)),
+        "CancelTask" => cancel_task(&a2a, &agent, params).await.map(|task| success(&id, task)),
         "SubscribeToTask" => subscribe(&a2a, &agent, params, &id),
         "CreateTaskPushNotificationConfig"
         | "GetTaskPushNotificationConfig"
@@ -458,17 +504,12 @@ fn refusal(agent: &str, troupe: &TroupeCallMetadata) -> Option<String> {
     None
 }
 
-/// Makes the task and, unless it is rejected at once, starts its turn.
-fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
+/// Makes the task, stores it and, unless it is rejected at once, puts it in its
+/// agent's lane.
+async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
     let troupe = accepted.troupe.clone().unwrap_or_default();
     let rejected = refusal(agent, &troupe);
-    // A call with Troupe's context runs until the caller's deadline, counted from its
-    // arrival (its wait in the lane included).
-    let deadline = accepted
-        .troupe
-        .is_some()
-        .then(|| a2a.app.client.runtime().deadline_in(accepted.timeout));
-    let (record, lane) = a2a
+    let (record, lane, forgotten) = a2a
         .tasks
         .create(
             agent,
@@ -491,11 +532,32 @@ fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord,
                 "the server holds as many running A2A tasks as it can; retry later",
             ),
         })?;
+    // Stored before the client hears of it.
+    if let Err(error) = a2a.store.save(&record, forgotten.as_ref()).await {
+        let reason = format!("the task could not be stored: {error}");
+        a2a.tasks.update(&record.id, |task| {
+            task.state = TaskState::Failed;
+            task.reason = Some(reason.clone());
+            true
+        });
+        if let Some(lane) = lane {
+            lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        return Err(RpcError::retry(StatusCode::SERVICE_UNAVAILABLE, reason));
+    }
     if let Some(lane) = lane {
+        // A call with Troupe's context runs until the caller's deadline, counted from
+        // its arrival (its wait in the lane included).
+        let deadline = accepted
+            .troupe
+            .is_some()
+            .then(|| a2a.app.client.runtime().deadline_in(accepted.timeout));
         let ask = Ask {
             text: accepted.text.clone(),
-            timeout: accepted.timeout,
-            continued: accepted.troupe.clone().zip(deadline),
+            timeout_ms: record.timeout_ms,
+            deadline,
+            chain: troupe.chain,
+            depth: troupe.depth,
         };
         tokio::spawn(run(Arc::clone(a2a), record.id.clone(), agent.to_string(), ask, lane));
     }
@@ -505,19 +567,48 @@ fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord,
 /// What a task asks its agent.
 struct Ask {
     text: String,
-    timeout: Duration,
-    /// Troupe's call context and the deadline it gives, when the message carried one:
-    /// the agent's turn continues that chain and depth.
-    continued: Option<(TroupeCallMetadata, troupe_core::Deadline)>,
+    /// The task's deadline, in milliseconds from when its turn is handed over...
+    timeout_ms: u64,
+    /// ...unless it carries the caller's deadline (a call with Troupe's context, made
+    /// in this process): then what is left of it.
+    deadline: Option<troupe_core::Deadline>,
+    /// Troupe's call chain and depth it arrived with: the agent's turn continues them.
+    chain: Vec<String>,
+    depth: u32,
 }
 
-/// Runs task `id` in its agent's lane: waits its turn, then asks the agent, unless the
-/// task was canceled meanwhile.
+impl Ask {
+    /// The ask of a stored record (its text from the message it keeps).
+    fn of(record: &TaskRecord) -> Self {
+        let text = record.request["parts"]
+            .as_array()
+            .map(|parts| {
+                parts
+                    .iter()
+                    .filter_map(|part| part["text"].as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .unwrap_or_default();
+        Self {
+            text,
+            timeout_ms: record.timeout_ms,
+            deadline: None,
+            chain: record.chain.clone(),
+            depth: record.depth,
+        }
+    }
+}
+
+/// Runs task `id` in its agent's lane: waits its turn, then hands it to the agent as a
+/// Troupe task (durable in the agent's inbox, once: the A2A task id deduplicates it),
+/// unless it was canceled meanwhile, and waits for its outcome; the ended record is
+/// stored. At shutdown it stops waiting: the next start resumes it.
 async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>) {
     let _turn = lane.turn.lock().await;
     lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     let mut started = false;
-    a2a.tasks.update(&id, |task| {
+    let record = a2a.tasks.update(&id, |task| {
         started = task.state == TaskState::Submitted;
         if started {
             task.state = TaskState::Working;
@@ -525,27 +616,40 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
         started
     });
     if !started {
+        // Canceled while it waited: store that.
+        if let Some(record) = record {
+            if let Err(error) = a2a.store.save(&record, None).await {
+                tracing::warn!(task = %id, %error, "could not store an A2A task");
+            }
+        }
         return;
     }
-    let result = match &ask.continued {
-        Some((context, deadline)) => {
-            a2a.app
-                .client
-                .ask_continued(&agent, &ask.text, context, *deadline)
-                .await
-        }
-        None => a2a.app.client.ask_with_timeout(&agent, &ask.text, ask.timeout).await,
+    let Some(outcome) = outcome(&a2a, &id, &agent, &ask).await else {
+        return; // shutting down: resumed at the next start
     };
-    a2a.tasks.update(&id, |task| {
-        match result {
-            Ok(reply) => {
-                task.state = TaskState::Completed;
-                task.reply_meta =
-                    Some(json!({"steps": reply.steps, "usage": reply.usage, "truncated": reply.truncated}));
-                task.reply = Some(reply.text);
+    let now = a2a.app.client.runtime().now();
+    let record = a2a.tasks.update(&id, |task| {
+        match outcome {
+            Ok(done) => {
+                // The error codes of the REST API: a task that failed at or past its
+                // deadline timed out; otherwise the agent failed.
+                let code = if done.deadline.has_passed(now) {
+                    "timeout"
+                } else {
+                    "agent_failed"
+                };
+                task.state = done.state;
+                let result = done.result.unwrap_or_default();
+                if done.state == TaskState::Completed {
+                    task.reply_meta = done
+                        .reply
+                        .map(|reply| json!({"steps": reply.steps, "usage": reply.usage, "truncated": reply.truncated}));
+                    task.reply = Some(result);
+                } else {
+                    task.reason = Some(format!("{code}: {result}"));
+                }
             }
             Err(error) => {
-                let error = ApiError::from(error);
                 task.state = if matches!(error.code, "refused" | "agent_not_found") {
                     TaskState::Rejected
                 } else {
@@ -557,6 +661,56 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
         }
         true
     });
+    if let Some(record) = record {
+        if let Err(error) = a2a.store.save(&record, None).await {
+            tracing::warn!(task = %id, %error, "could not store an ended A2A task");
+        }
+    }
+}
+
+/// Hands task `id` to its agent and waits for the Troupe task to end; `None` if the
+/// server shuts down first.
+async fn outcome(a2a: &A2a, id: &str, agent: &str, ask: &Ask) -> Option<Result<troupe_agent::ExternalTask, ApiError>> {
+    let client = &a2a.app.client;
+    let timeout_ms = ask.deadline.map_or(ask.timeout_ms, |deadline| {
+        deadline.remaining_ms(client.runtime().now()).max(1)
+    });
+    let request = troupe_agent::ExternalTaskRequest {
+        origin: "a2a".to_string(),
+        msg_id: format!("a2a:{id}"),
+        text: ask.text.clone(),
+        timeout_ms: Some(timeout_ms),
+        chain: ask.chain.clone(),
+        depth: ask.depth,
+        attachment: id.to_string(),
+        rejected: None,
+    };
+    let inner = match client.delegate_external(agent, request).await {
+        Ok(inner) => inner,
+        Err(error) => return Some(Err(ApiError::from(error))),
+    };
+    let mut shutdown = a2a.app.shutdown.subscribe();
+    let give_up = client.runtime().deadline_in(Duration::from_millis(
+        timeout_ms.saturating_add(A2A_TASK_OUTCOME_GRACE_MS),
+    ));
+    loop {
+        match client.external_task(agent, &inner).await {
+            Ok(Some(task)) if task.state.is_final() => return Some(Ok(task)),
+            Ok(Some(_)) => {}
+            Ok(None) => return Some(Err(ApiError::internal(format!("agent {agent:?} lost task {inner:?}")))),
+            Err(error) => tracing::warn!(task = %id, %error, "could not read a task's outcome; retrying"),
+        }
+        if give_up.has_passed(client.runtime().now()) {
+            return Some(Err(ApiError::internal(format!(
+                "task {inner:?} of agent {agent:?} had no outcome in time"
+            ))));
+        }
+        tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|stop| *stop) => return None,
+            () = tokio::time::sleep(Duration::from_millis(A2A_TASK_POLL_MS)) => {}
+        }
+    }
 }
 
 /// The A2A name of a state.
@@ -657,7 +811,7 @@ async fn send_message(
     id: &Value,
 ) -> Result<Response, RpcError> {
     let accepted = accept(a2a, agent, params)?;
-    let record = start(a2a, agent, &accepted)?;
+    let record = start(a2a, agent, &accepted).await?;
     if !accepted.blocking || record.state.is_final() {
         return Ok(success(
             id,
@@ -685,9 +839,14 @@ async fn send_message(
 
 /// `SendStreamingMessage`: SSE of the task, its status updates, its reply artifact,
 /// and its final status; then the stream ends.
-fn send_streaming(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>, id: &Value) -> Result<Response, RpcError> {
+async fn send_streaming(
+    a2a: &Arc<A2a>,
+    agent: &str,
+    params: &Map<String, Value>,
+    id: &Value,
+) -> Result<Response, RpcError> {
     let accepted = accept(a2a, agent, params)?;
-    let record = start(a2a, agent, &accepted)?;
+    let record = start(a2a, agent, &accepted).await?;
     let watcher = a2a
         .tasks
         .watch(agent, &record.id)
@@ -717,10 +876,16 @@ fn get_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value
 
 /// `CancelTask`: a task still waiting for its turn is canceled; one that runs or has
 /// ended is not cancelable.
-fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
+async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
     let params: TaskIdParams = parse(params)?;
     match a2a.tasks.cancel(agent, &params.id) {
-        CancelOutcome::Canceled(task) => Ok(task_json(&task, None, true)),
+        CancelOutcome::Canceled(task) => {
+            // The lane skips it (and stores it too); stored here before the answer.
+            a2a.store.save(&task, None).await.map_err(|error| {
+                RpcError::new(code::INTERNAL_ERROR, format!("the cancel could not be stored: {error}"))
+            })?;
+            Ok(task_json(&task, None, true))
+        }
         CancelOutcome::NotCancelable(task) => Err(RpcError::new(
             code::TASK_NOT_CANCELABLE,
             if task.state.is_final() {

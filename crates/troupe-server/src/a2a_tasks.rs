@@ -1,6 +1,6 @@
-//! The A2A tasks the server holds: one record per `SendMessage`, in memory, with its
-//! state in Troupe's task states (which are A2A's), the message that started it, and
-//! the agent's reply or the reason it ended otherwise.
+//! The A2A tasks the server holds: one record per `SendMessage`, with its state in
+//! Troupe's task states (which are A2A's), the message that started it, and the agent's
+//! reply or the reason it ended otherwise.
 //!
 //! Each agent has a lane: its A2A tasks run one at a time, in the order they came
 //! (the agent takes one turn at a time anyway). A task waits in its lane as
@@ -8,20 +8,36 @@
 //! its end (Troupe does not stop a running turn). Watchers see every change through a
 //! `watch` channel per task.
 //!
-//! Tasks are not persisted: they do not survive a restart of the server.
+//! Durable: every record is written to the store ([`TaskStore`], key space
+//! `troupe-a2a/{agent}`, `task/{seq:020}`) before the client hears of it, and again
+//! when it ends; a task's turn is a Troupe external task in the agent's durable inbox
+//! (`AgentClient::delegate_external`, deduplicated by the A2A task id). After a
+//! restart on the same store the records are read back; one that had not ended goes
+//! back in its lane and is handed to the agent again, which finds the task it already
+//! holds (running, resumed, or done) instead of a second one.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use axum::body::Bytes;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::watch;
 use troupe_agent::TaskState;
+use troupe_core::{ActorId, StoreError};
+use troupe_runtime::{StateChange, StateStore, TurnCommit};
 
 use crate::limits::{A2A_TASKS_KEPT_MAX, A2A_TASKS_WAITING_PER_AGENT_MAX};
 
-/// One A2A task as the server knows it.
-#[derive(Debug, Clone)]
+/// The kind of the server's A2A key spaces (one per agent: `troupe-a2a/{agent}`), which
+/// no runtime registers: the server writes them directly, fenced, one writer at a time.
+pub(crate) const A2A_STORE_KIND: &str = "troupe-a2a";
+/// Records one store scan reads when the server loads its tasks.
+const A2A_LOAD_PAGE: usize = 256;
+
+/// One A2A task as the server knows it (and stores it, as JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct TaskRecord {
     /// `{agent}-task-{n}`.
     pub(crate) id: String,
@@ -53,6 +69,79 @@ pub(crate) struct TaskRecord {
     pub(crate) busy: bool,
 }
 
+/// The server's A2A records in the store.
+pub(crate) struct TaskStore {
+    store: Arc<dyn StateStore>,
+    /// One claim-and-commit at a time (a claim fences out the previous one).
+    writer: tokio::sync::Mutex<()>,
+}
+
+fn task_key(seq: u64) -> String {
+    format!("task/{seq:020}")
+}
+
+fn store_id(agent: &str) -> Result<ActorId, StoreError> {
+    ActorId::new(A2A_STORE_KIND, agent).map_err(|error| StoreError::Backend {
+        operation: troupe_core::StoreOperation::Decode,
+        cause: error.to_string(),
+    })
+}
+
+impl TaskStore {
+    pub(crate) fn new(store: Arc<dyn StateStore>) -> Self {
+        Self {
+            store,
+            writer: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    async fn write(&self, agent: &str, writes: Vec<(String, Option<Bytes>)>) -> Result<(), StoreError> {
+        let id = store_id(agent)?;
+        let _writer = self.writer.lock().await;
+        let claimed = self.store.claim(&id).await?;
+        let commit = TurnCommit {
+            state: StateChange::Unchanged,
+            writes,
+        };
+        self.store.commit(&id, claimed.fence, commit).await
+    }
+
+    /// Writes `record`, and deletes `forgotten` (a record the registry let go).
+    pub(crate) async fn save(&self, record: &TaskRecord, forgotten: Option<&(String, u64)>) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(record).map_err(|error| StoreError::Backend {
+            operation: troupe_core::StoreOperation::Decode,
+            cause: error.to_string(),
+        })?;
+        if let Some((agent, seq)) = forgotten {
+            self.write(agent, vec![(task_key(*seq), None)]).await?;
+        }
+        self.write(&record.agent, vec![(task_key(record.seq), Some(Bytes::from(bytes)))])
+            .await
+    }
+
+    /// Every stored record of `agents`, oldest first per agent.
+    pub(crate) async fn load(&self, agents: &[String]) -> Result<Vec<TaskRecord>, StoreError> {
+        let mut records = Vec::new();
+        for agent in agents {
+            let id = store_id(agent)?;
+            let mut after: Option<String> = None;
+            loop {
+                let page = self.store.scan(&id, "task/", after.as_deref(), A2A_LOAD_PAGE).await?;
+                let Some((last, _)) = page.last() else { break };
+                after = Some(last.clone());
+                for (key, bytes) in &page {
+                    match serde_json::from_slice::<TaskRecord>(bytes) {
+                        Ok(record) => records.push(record),
+                        Err(error) => tracing::warn!(%agent, %key, %error, "an A2A task record cannot be read"),
+                    }
+                }
+            }
+        }
+        records.sort_by_key(|record| record.seq);
+        Ok(records)
+    }
+}
+
 /// Where a new task's call stands: Troupe's chain and depth it arrived with, and how
 /// long its turn may take, in milliseconds.
 #[derive(Debug)]
@@ -61,6 +150,11 @@ pub(crate) struct TaskCall {
     pub(crate) depth: u32,
     pub(crate) timeout_ms: u64,
 }
+
+/// A new task, the lane it waits in (unless it was rejected at once), and the agent
+/// and seq of the ended task the registry let go to make room, if any (to delete from
+/// the store).
+pub(crate) type Created = (TaskRecord, Option<Arc<Lane>>, Option<(String, u64)>);
 
 /// Why a task could not be made.
 #[derive(Debug)]
@@ -121,7 +215,7 @@ impl TaskRegistry {
         mut request: Value,
         call: TaskCall,
         rejected: Option<String>,
-    ) -> Result<(TaskRecord, Option<Arc<Lane>>), AdmitError> {
+    ) -> Result<Created, AdmitError> {
         let TaskCall {
             chain,
             depth,
@@ -137,8 +231,12 @@ impl TaskRegistry {
         } else {
             None
         };
-        if inner.tasks.len() >= A2A_TASKS_KEPT_MAX && !inner.forget_oldest_ended() {
-            return Err(AdmitError::Full);
+        let mut forgotten = None;
+        if inner.tasks.len() >= A2A_TASKS_KEPT_MAX {
+            forgotten = inner.forget_oldest_ended();
+            if forgotten.is_none() {
+                return Err(AdmitError::Full);
+            }
         }
         let seq = inner.next;
         inner.next += 1;
@@ -170,7 +268,26 @@ impl TaskRegistry {
         }
         inner.tasks.insert(id.clone(), watch::channel(record.clone()).0);
         inner.order.push_back(id);
-        Ok((record, lane))
+        Ok((record, lane, forgotten))
+    }
+
+    /// Takes back a stored record (at start, oldest first): one that had not ended
+    /// waits in its agent's lane again, `submitted` (returned with the lane).
+    pub(crate) fn restore(&self, mut record: TaskRecord) -> Option<Arc<Lane>> {
+        let mut inner = self.lock();
+        inner.next = inner.next.max(record.seq + 1);
+        let lane = if record.state.is_final() {
+            None
+        } else {
+            record.state = TaskState::Submitted;
+            let lane = Arc::clone(inner.lanes.entry(record.agent.clone()).or_default());
+            lane.waiting.fetch_add(1, Ordering::SeqCst);
+            Some(lane)
+        };
+        let id = record.id.clone();
+        inner.tasks.insert(id.clone(), watch::channel(record).0);
+        inner.order.push_back(id);
+        lane
     }
 
     /// A watcher of task `id` of `agent`.
@@ -231,19 +348,16 @@ impl TaskRegistry {
 }
 
 impl Inner {
-    /// Forgets the oldest task that has ended; false if none has.
-    fn forget_oldest_ended(&mut self) -> bool {
+    /// Forgets the oldest task that has ended: its agent and seq; `None` if none has.
+    fn forget_oldest_ended(&mut self) -> Option<(String, u64)> {
         let tasks = &self.tasks;
-        let Some(position) = self
+        let position = self
             .order
             .iter()
-            .position(|id| tasks.get(id).is_none_or(|sender| sender.borrow().state.is_final()))
-        else {
-            return false;
-        };
-        if let Some(id) = self.order.remove(position) {
-            self.tasks.remove(&id);
-        }
-        true
+            .position(|id| tasks.get(id).is_none_or(|sender| sender.borrow().state.is_final()))?;
+        let id = self.order.remove(position)?;
+        let sender = self.tasks.remove(&id)?;
+        let record = sender.borrow();
+        Some((record.agent.clone(), record.seq))
     }
 }

@@ -55,6 +55,12 @@ pub const A2A_TASKS_KEPT_MAX: usize = 10_000;
 /// A2A tasks waiting for one agent (submitted, not yet started), at most; one more is
 /// refused with 429 and `Retry-After`. The server runs one A2A task per agent at a time.
 pub const A2A_TASKS_WAITING_PER_AGENT_MAX: usize = 64;
+/// How often an A2A task's lane reads its Troupe task while waiting for its outcome,
+/// in milliseconds.
+pub const A2A_TASK_POLL_MS: u64 = 20;
+/// How long past its deadline an A2A task's lane waits for its Troupe task's outcome
+/// before recording it failed, in milliseconds.
+pub const A2A_TASK_OUTCOME_GRACE_MS: u64 = 30_000;
 /// Tasks one `ListTasks` page returns, at most (`pageSize` above it is invalid params).
 pub const A2A_LIST_TASKS_PAGE_MAX: usize = 100;
 /// Tasks one `ListTasks` page returns when no `pageSize` is given.

@@ -615,6 +615,49 @@ async fn a_full_mailbox_is_a_retryable_429() {
     Arc::into_inner(server).unwrap().stop().await;
 }
 
+/// Goal: concurrent A2A sends to one agent on the multi-thread runtime each make one
+/// A2A task with one outcome, and each is one Troupe task the agent ran once. Method:
+/// 16 blocking sends at once to `echo`, then the tasks, the agent's external tasks and
+/// its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_sends_to_one_agent_each_make_one_task_and_one_outcome() {
+    const SENDS: usize = 16;
+    let server = Arc::new(start().await);
+    let mut handles = Vec::new();
+    for n in 0..SENDS {
+        let server = Arc::clone(&server);
+        handles.push(tokio::spawn(async move {
+            let mut params = send_params(&format!("job-{n}."));
+            params["message"]["messageId"] = json!(format!("concurrent-{n}"));
+            let task = server.ok("echo", "SendMessage", params).await["task"].clone();
+            (n, task)
+        }));
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for handle in handles {
+        let (n, task) = handle.await.unwrap();
+        assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{task}");
+        assert_eq!(text_of(&task["artifacts"][0]["parts"]), format!("echo: job-{n}."));
+        assert!(ids.insert(task["id"].as_str().unwrap().to_string()), "{task}");
+    }
+    let listed = server.ok("echo", "ListTasks", json!({"pageSize": 100})).await;
+    assert_eq!(listed["totalSize"], SENDS, "{listed}");
+    let inner = server.system().external_tasks("echo", None, 100).await.unwrap();
+    assert_eq!(inner.len(), SENDS);
+    assert!(inner
+        .iter()
+        .all(|task| task.state == troupe_agent::TaskState::Completed));
+    let log = server.system().conversation_log("echo").await.unwrap();
+    for n in 0..SENDS {
+        let asked = log
+            .iter()
+            .filter(|entry| entry.role == troupe_agent::Role::User && entry.content.contains(&format!("job-{n}.")))
+            .count();
+        assert_eq!(asked, 1, "job-{n}.");
+    }
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
 async fn wait_for(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, wanted: impl Fn(&AgentEvent) -> bool) {
     tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
         loop {

@@ -35,6 +35,12 @@ pub(crate) struct AgentShared {
     runtime: OnceLock<RuntimeHandle>,
     /// The direct conversations `call_record.rs` created or found in this process.
     direct_conversations: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// External tasks (`external.rs`) whose turn runs now in this process: they read
+    /// `working` (the store says `submitted` until the turn commits its outcome).
+    pub(crate) external_running: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// External tasks a caller asked to cancel in this process: a processing turn that
+    /// finds its task here resolves it canceled instead of running it.
+    pub(crate) external_cancels: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl AgentShared {
@@ -59,6 +65,8 @@ impl AgentShared {
             clock: OnceLock::new(),
             runtime: OnceLock::new(),
             direct_conversations: std::sync::Mutex::default(),
+            external_running: std::sync::Mutex::default(),
+            external_cancels: std::sync::Mutex::default(),
         }
     }
 

@@ -42,6 +42,9 @@ pub(crate) struct BoxCounters {
     /// Delegations not yet resolved.
     #[serde(default)]
     pub(crate) tasks_open: u64,
+    /// External tasks (`external.rs`) not yet ended.
+    #[serde(default)]
+    pub(crate) external_open: u64,
 }
 
 /// What an agent commits after each turn: counters only. The definition comes from
