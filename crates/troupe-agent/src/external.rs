@@ -342,7 +342,7 @@ impl AgentClient {
         let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
         let reply = self
             .runtime
-            .invoke_within(&target, AgentCommand::Enqueue(entry).encode(), ack)
+            .invoke_routed_within(&target, AgentCommand::Enqueue(entry).encode(), ack)
             .await?;
         match decode_reply::<EnqueueReply>(&reply)? {
             EnqueueReply::Accepted { msg_id } => Ok(msg_id),
