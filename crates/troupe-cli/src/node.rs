@@ -981,6 +981,47 @@ mod tests {
         runtime.shutdown().await;
     }
 
+    /// Concurrent sends of one key (a client resending while its first attempt still
+    /// runs): one stores, every other answers the same seq as a duplicate.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_sends_of_one_key_store_it_once() {
+        const SENDERS: usize = 16;
+        let store = Arc::new(troupe_runtime::MemoryStore::new());
+        let runtime = Arc::new(log_runtime(&store));
+        let mut tasks = Vec::new();
+        for round in 0..3 {
+            for _ in 0..SENDERS {
+                let runtime = Arc::clone(&runtime);
+                tasks.push(tokio::spawn(async move {
+                    let id = format!("k{round}");
+                    send(&runtime, &keyed(&format!("m{round}"), &id)).await.unwrap()
+                }));
+            }
+        }
+        let mut replies = Vec::new();
+        for task in tasks {
+            replies.push(task.await.unwrap());
+        }
+        for round in 0..3 {
+            let of_round = &replies[round * SENDERS..(round + 1) * SENDERS];
+            let stored = of_round.iter().filter(|reply| reply["duplicate"] == false).count();
+            assert_eq!(stored, 1, "round {round}: {of_round:?}");
+            let seq = &of_round[0]["seq"];
+            assert!(of_round.iter().all(|reply| reply["seq"] == *seq), "{of_round:?}");
+        }
+        let mut stored = texts(&runtime).await;
+        stored.sort_by(|a, b| a.1.cmp(&b.1));
+        assert_eq!(
+            stored.iter().map(|(_, text)| text.as_str()).collect::<Vec<_>>(),
+            vec!["m0", "m1", "m2"]
+        );
+        Arc::try_unwrap(runtime)
+            .ok()
+            .expect("every sender is done")
+            .shutdown()
+            .await;
+    }
+
     #[tokio::test]
     async fn a_resent_key_with_another_text_is_a_conflict_naming_the_key_and_stores_nothing() {
         let store = Arc::new(troupe_runtime::MemoryStore::new());
