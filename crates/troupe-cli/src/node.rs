@@ -21,6 +21,7 @@
 //! ask made through any node runs on the agent's owner node; `call_agent` between agents
 //! is routed the same way.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,6 +65,52 @@ pub const NODE_LEASE_TTL_MS_MIN: u64 = troupe_etcd::ETCD_LEASE_TTL_S_MIN * 1_000
 pub const NODE_LEASE_TTL_MS_MAX: u64 = troupe_etcd::ETCD_LEASE_TTL_S_MAX * 1_000;
 /// Most HTTP request body bytes a node reads, in bytes.
 pub const NODE_HTTP_BODY_BYTES_MAX: usize = CONVERSATION_TEXT_BYTES_MAX + 1_024;
+/// Longest append key (the `id` of an append), in bytes: a UUID (36) fits.
+pub const APPEND_ID_BYTES_MAX: usize = 64;
+/// How many append keys a conversation remembers, in keys: the keys of its last this
+/// many keyed appends; the oldest is forgotten first, and a resend of a forgotten key is
+/// stored again as a new message.
+pub const APPEND_IDS_REMEMBERED: usize = 256;
+
+/// An append key (`id`) that cannot be used, naming the field and what to send.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AppendIdError {
+    /// The key is empty.
+    #[error("id is empty: give 1 to {APPEND_ID_BYTES_MAX} bytes of A-Z a-z 0-9 - _ . :, or leave id out")]
+    Empty,
+    /// The key is longer than [`APPEND_ID_BYTES_MAX`].
+    #[error("id is {bytes} bytes long; at most {APPEND_ID_BYTES_MAX} bytes are accepted (a UUID fits)")]
+    TooLong {
+        /// Its length, in bytes.
+        bytes: usize,
+    },
+    /// The key holds a character outside A-Z a-z 0-9 - _ . :
+    #[error("id holds {character:?}; only A-Z a-z 0-9 - _ . : are allowed")]
+    Character {
+        /// The first character refused.
+        character: char,
+    },
+}
+
+/// Checks an append key: 1 to [`APPEND_ID_BYTES_MAX`] bytes of `A-Z a-z 0-9 - _ . :`.
+///
+/// # Errors
+/// [`AppendIdError`] saying what is wrong.
+pub fn check_append_id(id: &str) -> Result<(), AppendIdError> {
+    if id.is_empty() {
+        return Err(AppendIdError::Empty);
+    }
+    if id.len() > APPEND_ID_BYTES_MAX {
+        return Err(AppendIdError::TooLong { bytes: id.len() });
+    }
+    match id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':')))
+    {
+        Some(character) => Err(AppendIdError::Character { character }),
+        None => Ok(()),
+    }
+}
 
 /// A `troupe node` argument that cannot be used, naming the flag and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -293,20 +340,68 @@ fn name_error(flag: &'static str, name: &str, error: troupe_etcd::ConfigError) -
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ConversationRequest {
-    /// Append a message; the reply is `{"seq": N, "owner": NODE}`.
+    /// Append a message; the reply is `{"seq": N, "duplicate": false, "owner": NODE}`.
+    /// With `id`, a resend of a remembered key with the same text is answered
+    /// `{"seq": ORIGINAL, "duplicate": true, ...}` and stores nothing; with another text
+    /// the reply is `{"conflict": {"id": ID, "seq": ORIGINAL}, "owner": NODE}`.
     Append {
         /// The message.
         text: String,
+        /// The client's key of this message (see [`check_append_id`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
     },
     /// Read the messages; the reply is `{"messages": [{"seq", "text"}], "owner": NODE}`.
     Read,
 }
 
 /// A conversation log: numbered messages, each an entry `msg/<seq>` written in the turn
-/// that appends it; the snapshot is the last sequence number.
+/// that appends it; the snapshot is the last sequence number and the keys of the last
+/// [`APPEND_IDS_REMEMBERED`] keyed appends with their sequence numbers.
 struct Conversation {
     node: String,
     last_seq: u64,
+    /// (key, seq), oldest first.
+    ids: VecDeque<(String, u64)>,
+}
+
+/// The snapshot of a conversation with remembered keys (JSON). A conversation that
+/// remembers no key saves only its last sequence number, in decimal, as logs stored
+/// before append keys existed do.
+#[derive(Serialize, Deserialize)]
+struct ConversationSnapshot {
+    last_seq: u64,
+    #[serde(default)]
+    ids: Vec<(String, u64)>,
+}
+
+impl Conversation {
+    fn load(node: String, saved: Option<&[u8]>) -> Result<Self, ActorError> {
+        let Some(bytes) = saved else {
+            return Ok(Self {
+                node,
+                last_seq: 0,
+                ids: VecDeque::new(),
+            });
+        };
+        if let Some(last_seq) = std::str::from_utf8(bytes).ok().and_then(|text| text.parse().ok()) {
+            return Ok(Self {
+                node,
+                last_seq,
+                ids: VecDeque::new(),
+            });
+        }
+        let snapshot: ConversationSnapshot = serde_json::from_slice(bytes).map_err(|error| {
+            ActorError::failed(format!(
+                "the saved conversation is neither a sequence number nor a snapshot: {error}"
+            ))
+        })?;
+        Ok(Self {
+            node,
+            last_seq: snapshot.last_seq,
+            ids: snapshot.ids.into(),
+        })
+    }
 }
 
 fn message_key(seq: u64) -> String {
@@ -319,18 +414,42 @@ impl Actor for Conversation {
         let request: ConversationRequest = serde_json::from_slice(&payload)
             .map_err(|error| ActorError::rejected(format!("not a conversation request: {error}")))?;
         let reply = match request {
-            ConversationRequest::Append { text } => {
+            ConversationRequest::Append { text, id } => {
                 if text.len() > CONVERSATION_TEXT_BYTES_MAX {
                     return Err(ActorError::rejected(format!(
                         "the message is {} bytes; at most {CONVERSATION_TEXT_BYTES_MAX} are accepted",
                         text.len()
                     )));
                 }
+                if let Some(id) = &id {
+                    check_append_id(id).map_err(|error| ActorError::rejected(error.to_string()))?;
+                    if let Some(&(_, seq)) = self.ids.iter().find(|(known, _)| known == id) {
+                        let stored = turn
+                            .get(&message_key(seq))
+                            .await
+                            .map_err(|error| ActorError::failed(error.to_string()))?
+                            .ok_or_else(|| {
+                                ActorError::failed(format!("key {id:?} names message {seq}, which is not stored"))
+                            })?;
+                        let reply = if stored == text.as_bytes() {
+                            json!({"seq": seq, "duplicate": true, "owner": self.node})
+                        } else {
+                            json!({"conflict": {"id": id, "seq": seq}, "owner": self.node})
+                        };
+                        return Ok(Bytes::from(reply.to_string()));
+                    }
+                }
                 let seq = self.last_seq + 1;
                 turn.put(message_key(seq), Bytes::from(text))
                     .map_err(|error| ActorError::failed(error.to_string()))?;
                 self.last_seq = seq;
-                json!({"seq": seq, "owner": self.node})
+                if let Some(id) = id {
+                    self.ids.push_back((id, seq));
+                    while self.ids.len() > APPEND_IDS_REMEMBERED {
+                        self.ids.pop_front();
+                    }
+                }
+                json!({"seq": seq, "duplicate": false, "owner": self.node})
             }
             ConversationRequest::Read => {
                 let entries = turn
@@ -351,7 +470,15 @@ impl Actor for Conversation {
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        Ok(Some(Bytes::from(self.last_seq.to_string())))
+        if self.ids.is_empty() {
+            return Ok(Some(Bytes::from(self.last_seq.to_string())));
+        }
+        let snapshot = ConversationSnapshot {
+            last_seq: self.last_seq,
+            ids: self.ids.iter().cloned().collect(),
+        };
+        let bytes = serde_json::to_vec(&snapshot).map_err(|error| ActorError::failed(error.to_string()))?;
+        Ok(Some(Bytes::from(bytes)))
     }
 }
 
@@ -374,17 +501,7 @@ pub fn register_log_kind(builder: RuntimeBuilder, kind: &str, node: &str) -> Res
     let builder = builder.register(
         kind,
         move |_id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-            let last_seq = match saved {
-                None => 0,
-                Some(bytes) => std::str::from_utf8(&bytes)
-                    .ok()
-                    .and_then(|text| text.parse().ok())
-                    .ok_or_else(|| ActorError::failed("the saved sequence number is not a number"))?,
-            };
-            Ok(Box::new(Conversation {
-                node: node.clone(),
-                last_seq,
-            }))
+            Ok(Box::new(Conversation::load(node.clone(), saved.as_deref())?))
         },
         KindConfig::default(),
     );
@@ -403,6 +520,9 @@ struct HttpState {
 #[derive(Deserialize)]
 struct AppendBody {
     text: String,
+    /// The client's key of the message (see [`check_append_id`]).
+    #[serde(default)]
+    id: Option<String>,
 }
 
 fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Response {
@@ -439,6 +559,21 @@ async fn call(state: &HttpState, id: &str, request: &ConversationRequest) -> Res
     let deadline = state.client.deadline_in(Duration::from_millis(NODE_CALL_TIMEOUT_MS));
     match state.client.invoke(&actor, payload, deadline).await {
         Ok(reply) => match serde_json::from_slice::<serde_json::Value>(&reply) {
+            Ok(value) if value.get("conflict").is_some() => {
+                let conflict = &value["conflict"];
+                let message = format!(
+                    "id {} was already used for message {} with another text; a new message needs a new id",
+                    conflict["id"], conflict["seq"]
+                );
+                let body = json!({
+                    "error": message,
+                    "id": conflict["id"],
+                    "seq": conflict["seq"],
+                    "owner": value["owner"],
+                    "via": state.node,
+                });
+                (StatusCode::CONFLICT, Json(body)).into_response()
+            }
             Ok(mut value) => {
                 value["via"] = json!(state.node);
                 (StatusCode::OK, Json(value)).into_response()
@@ -470,11 +605,21 @@ async fn append(
         Err(error) => {
             return error_response(
                 StatusCode::BAD_REQUEST,
-                format!("the body must be JSON {{\"text\": \"...\"}}: {error}"),
+                format!("the body must be JSON {{\"text\": \"...\", \"id\": \"optional key\"}}: {error}"),
             )
         }
     };
-    call(&state, &id, &ConversationRequest::Append { text: body.text }).await
+    if let Some(key) = &body.id {
+        if let Err(error) = check_append_id(key) {
+            let body = json!({"error": error.to_string(), "field": "id"});
+            return (StatusCode::UNPROCESSABLE_ENTITY, Json(body)).into_response();
+        }
+    }
+    let request = ConversationRequest::Append {
+        text: body.text,
+        id: body.id,
+    };
+    call(&state, &id, &request).await
 }
 
 async fn read(State(state): State<HttpState>, Path(id): Path<String>, headers: HeaderMap) -> Response {
@@ -762,5 +907,226 @@ mod tests {
         }
         let error = check_shareable(path, &config("")).expect_err("no agents");
         assert!(error.to_string().contains("declares no [[agents]]"), "{error}");
+    }
+
+    /// A runtime with the conversation kind on `store`.
+    fn log_runtime(store: &Arc<troupe_runtime::MemoryStore>) -> Runtime {
+        let store: Arc<dyn troupe_runtime::StateStore> = store.clone();
+        conversation_runtime("n").unwrap().store(store).start()
+    }
+
+    async fn send(runtime: &Runtime, request: &ConversationRequest) -> Result<serde_json::Value, InvokeError> {
+        let handle = runtime.handle();
+        let actor = ActorId::new(CONVERSATION_KIND, "c").unwrap();
+        let payload = Bytes::from(serde_json::to_vec(request).unwrap());
+        let reply = handle
+            .invoke(&actor, payload, handle.deadline_in(Duration::from_secs(5)))
+            .await?;
+        Ok(serde_json::from_slice(&reply).unwrap())
+    }
+
+    fn keyed(text: &str, id: &str) -> ConversationRequest {
+        ConversationRequest::Append {
+            text: text.to_string(),
+            id: Some(id.to_string()),
+        }
+    }
+
+    async fn texts(runtime: &Runtime) -> Vec<(u64, String)> {
+        let reply = send(runtime, &ConversationRequest::Read).await.unwrap();
+        reply["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m["seq"].as_u64().unwrap(), m["text"].as_str().unwrap().to_string()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_resent_key_is_answered_with_its_sequence_number_and_stored_once_across_activations() {
+        let store = Arc::new(troupe_runtime::MemoryStore::new());
+        let runtime = log_runtime(&store);
+        let first = send(&runtime, &keyed("hello", "k-1")).await.unwrap();
+        assert_eq!(
+            (first["seq"].as_u64(), first["duplicate"].as_bool()),
+            (Some(1), Some(false))
+        );
+        let plain = ConversationRequest::Append {
+            text: "no key".to_string(),
+            id: None,
+        };
+        assert_eq!(send(&runtime, &plain).await.unwrap()["seq"], 2);
+        let again = send(&runtime, &keyed("hello", "k-1")).await.unwrap();
+        assert_eq!(
+            (again["seq"].as_u64(), again["duplicate"].as_bool()),
+            (Some(1), Some(true))
+        );
+        // Keys are committed state: a new activation (another node after a crash) knows them.
+        runtime.shutdown().await;
+        let runtime = log_runtime(&store);
+        let later = send(&runtime, &keyed("hello", "k-1")).await.unwrap();
+        assert_eq!(
+            (later["seq"].as_u64(), later["duplicate"].as_bool()),
+            (Some(1), Some(true))
+        );
+        assert_eq!(send(&runtime, &keyed("next", "k-2")).await.unwrap()["seq"], 3);
+        assert_eq!(
+            texts(&runtime).await,
+            vec![
+                (1, "hello".to_string()),
+                (2, "no key".to_string()),
+                (3, "next".to_string())
+            ]
+        );
+        runtime.shutdown().await;
+    }
+
+    /// Concurrent sends of one key (a client resending while its first attempt still
+    /// runs): one stores, every other answers the same seq as a duplicate.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_sends_of_one_key_store_it_once() {
+        const SENDERS: usize = 16;
+        let store = Arc::new(troupe_runtime::MemoryStore::new());
+        let runtime = Arc::new(log_runtime(&store));
+        let mut tasks = Vec::new();
+        for round in 0..3 {
+            for _ in 0..SENDERS {
+                let runtime = Arc::clone(&runtime);
+                tasks.push(tokio::spawn(async move {
+                    let id = format!("k{round}");
+                    send(&runtime, &keyed(&format!("m{round}"), &id)).await.unwrap()
+                }));
+            }
+        }
+        let mut replies = Vec::new();
+        for task in tasks {
+            replies.push(task.await.unwrap());
+        }
+        for round in 0..3 {
+            let of_round = &replies[round * SENDERS..(round + 1) * SENDERS];
+            let stored = of_round.iter().filter(|reply| reply["duplicate"] == false).count();
+            assert_eq!(stored, 1, "round {round}: {of_round:?}");
+            let seq = &of_round[0]["seq"];
+            assert!(of_round.iter().all(|reply| reply["seq"] == *seq), "{of_round:?}");
+        }
+        let mut stored = texts(&runtime).await;
+        stored.sort_by(|a, b| a.1.cmp(&b.1));
+        assert_eq!(
+            stored.iter().map(|(_, text)| text.as_str()).collect::<Vec<_>>(),
+            vec!["m0", "m1", "m2"]
+        );
+        Arc::try_unwrap(runtime)
+            .ok()
+            .expect("every sender is done")
+            .shutdown()
+            .await;
+    }
+
+    #[tokio::test]
+    async fn a_resent_key_with_another_text_is_a_conflict_naming_the_key_and_stores_nothing() {
+        let store = Arc::new(troupe_runtime::MemoryStore::new());
+        let runtime = log_runtime(&store);
+        send(&runtime, &keyed("hello", "k-1")).await.unwrap();
+        let conflict = send(&runtime, &keyed("changed", "k-1")).await.unwrap();
+        assert_eq!(conflict["conflict"], json!({"id": "k-1", "seq": 1}), "{conflict}");
+        assert!(conflict.get("seq").is_none(), "{conflict}");
+        assert_eq!(texts(&runtime).await, vec![(1, "hello".to_string())]);
+        // A bad key sent straight to the actor is refused too.
+        let error = send(&runtime, &keyed("x", "a b")).await.expect_err("bad key");
+        assert!(matches!(error, InvokeError::Rejected { .. }), "{error}");
+        assert!(error.to_string().contains("id holds ' '"), "{error}");
+        runtime.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn the_oldest_key_is_forgotten_first_past_the_window() {
+        let store = Arc::new(troupe_runtime::MemoryStore::new());
+        let runtime = log_runtime(&store);
+        for index in 0..=APPEND_IDS_REMEMBERED {
+            let reply = send(&runtime, &keyed(&format!("m{index}"), &format!("k{index}")))
+                .await
+                .unwrap();
+            assert_eq!(reply["seq"], index as u64 + 1);
+        }
+        // k0 fell out of the window: its resend is stored again, as a new message.
+        let forgotten = send(&runtime, &keyed("m0", "k0")).await.unwrap();
+        let stored_again = APPEND_IDS_REMEMBERED as u64 + 2;
+        assert_eq!(
+            (forgotten["seq"].as_u64(), forgotten["duplicate"].as_bool()),
+            (Some(stored_again), Some(false))
+        );
+        // Storing k0 again pushed k1 out; k2 is now the oldest remembered key.
+        let k1 = send(&runtime, &keyed("m1", "k1")).await.unwrap();
+        assert_eq!(
+            (k1["seq"].as_u64(), k1["duplicate"].as_bool()),
+            (Some(stored_again + 1), Some(false))
+        );
+        let k3 = send(&runtime, &keyed("m3", "k3")).await.unwrap();
+        assert_eq!((k3["seq"].as_u64(), k3["duplicate"].as_bool()), (Some(4), Some(true)));
+        // The window is committed state: after a new activation it still ends at k3.
+        runtime.shutdown().await;
+        let runtime = log_runtime(&store);
+        let k2 = send(&runtime, &keyed("m2", "k2")).await.unwrap();
+        assert_eq!(k2["duplicate"], false, "{k2}");
+        let k4 = send(&runtime, &keyed("m4", "k4")).await.unwrap();
+        assert_eq!((k4["seq"].as_u64(), k4["duplicate"].as_bool()), (Some(5), Some(true)));
+        runtime.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_log_saved_before_append_keys_loads_and_takes_keys() {
+        use troupe_runtime::StateStore as _;
+        let store = Arc::new(troupe_runtime::MemoryStore::new());
+        let actor = ActorId::new(CONVERSATION_KIND, "c").unwrap();
+        // The old format: the snapshot is the last sequence number in decimal.
+        let fence = store.claim(&actor).await.unwrap().fence;
+        let old = troupe_runtime::TurnCommit {
+            state: troupe_runtime::StateChange::Set(Bytes::from_static(b"2")),
+            writes: vec![
+                (message_key(1), Some(Bytes::from_static(b"old one"))),
+                (message_key(2), Some(Bytes::from_static(b"old two"))),
+            ],
+        };
+        store.commit(&actor, fence, old).await.unwrap();
+        let runtime = log_runtime(&store);
+        let reply = send(&runtime, &keyed("new", "k")).await.unwrap();
+        assert_eq!(reply["seq"], 3, "{reply}");
+        assert_eq!(send(&runtime, &keyed("new", "k")).await.unwrap()["duplicate"], true);
+        runtime.shutdown().await;
+        assert_eq!(
+            store.load(&actor).await.unwrap(),
+            Some(Bytes::from(r#"{"last_seq":3,"ids":[["k",3]]}"#))
+        );
+        let runtime = log_runtime(&store);
+        assert_eq!(
+            texts(&runtime).await,
+            vec![
+                (1, "old one".to_string()),
+                (2, "old two".to_string()),
+                (3, "new".to_string())
+            ]
+        );
+        runtime.shutdown().await;
+        // A log with no key keeps saving the old format.
+        let plain = Conversation::load("n".to_string(), Some(b"7")).unwrap();
+        assert_eq!(plain.snapshot().unwrap(), Some(Bytes::from_static(b"7")));
+        assert!(Conversation::load("n".to_string(), Some(b"{bad")).is_err());
+    }
+
+    #[test]
+    fn append_keys_are_checked_for_length_and_characters() {
+        assert_eq!(check_append_id("0f8e6a52-6c1c-4a4e-9d7b-1b2c3d4e5f60"), Ok(()));
+        assert_eq!(check_append_id("a.b_c:d-E9"), Ok(()));
+        assert_eq!(check_append_id(&"x".repeat(APPEND_ID_BYTES_MAX)), Ok(()));
+        assert_eq!(check_append_id(""), Err(AppendIdError::Empty));
+        assert_eq!(
+            check_append_id(&"x".repeat(APPEND_ID_BYTES_MAX + 1)),
+            Err(AppendIdError::TooLong {
+                bytes: APPEND_ID_BYTES_MAX + 1
+            })
+        );
+        assert_eq!(check_append_id("a/b"), Err(AppendIdError::Character { character: '/' }));
+        assert_eq!(check_append_id("é"), Err(AppendIdError::Character { character: 'é' }));
+        assert!(AppendIdError::Empty.to_string().starts_with("id is empty"));
     }
 }

@@ -504,6 +504,213 @@ async fn killing_the_owner_node_moves_its_conversations_and_loses_no_acknowledge
     drop(nodes);
 }
 
+/// Keyed messages the resending client sends, in messages.
+const KEYED_MESSAGES: usize = 40;
+/// Keyed messages acknowledged by the owner before it is killed, in messages.
+const KEYED_ACKS_BEFORE_KILL: usize = 15;
+/// How long the resending client may only reach the killed owner, in milliseconds (its
+/// appends fail and are sent again with the same key).
+const KEYED_KILLED_ONLY_MS: u64 = 300;
+
+/// [`append`] with the client key `id`.
+fn append_keyed(addr: &str, conversation: &str, text: &str, id: &str) -> std::io::Result<(u16, Value)> {
+    let body = serde_json::json!({ "text": text, "id": id }).to_string();
+    http(
+        addr,
+        "POST",
+        &format!("/v1/conversations/{conversation}/messages"),
+        &body,
+    )
+}
+
+/// What the resending client saw for one keyed message.
+#[derive(Debug, Clone)]
+struct KeyedAck {
+    seq: u64,
+    duplicate: bool,
+    owner: String,
+    /// Requests sent for this message (1 when the first was acknowledged).
+    attempts: usize,
+    /// When the acknowledgement came.
+    at: Instant,
+}
+
+/// Sends messages `t{i}` with key `k{i}` for i in `1..KEYED_MESSAGES`, one after
+/// another, each through the next node of `alive`; a message not acknowledged (an error,
+/// or no answer) is sent again with the same key and text until it is.
+fn resending_client(conversation: &str, alive: &Mutex<Vec<String>>, acks: &Mutex<Vec<KeyedAck>>, deadline: Instant) {
+    let mut request = 0;
+    for index in 1..KEYED_MESSAGES {
+        let (text, id) = (format!("t{index}"), format!("k{index}"));
+        let mut attempts = 0;
+        loop {
+            assert!(Instant::now() < deadline, "k{index} not acknowledged in time");
+            let addr = {
+                let alive = alive.lock().unwrap();
+                alive[request % alive.len()].clone()
+            };
+            request += 1;
+            attempts += 1;
+            match append_keyed(&addr, conversation, &text, &id) {
+                Ok((200, reply)) => {
+                    acks.lock().unwrap().push(KeyedAck {
+                        seq: reply["seq"].as_u64().expect("seq"),
+                        duplicate: reply["duplicate"].as_bool().expect("duplicate"),
+                        owner: reply["owner"].as_str().expect("owner").to_string(),
+                        attempts,
+                        at: Instant::now(),
+                    });
+                    break;
+                }
+                Ok((status, reply)) if status != 503 && status != 504 && status != 500 => {
+                    panic!("{id}: refused with {status}: {reply}")
+                }
+                _ => std::thread::sleep(Duration::from_millis(CLIENT_RETRY_PAUSE_MS)),
+            }
+        }
+    }
+}
+
+/// Goal: an append sent with a client key (`id`) is stored once however often it is
+/// sent, even when its owner node is SIGKILLed while the client waits for the answer:
+/// the client sends it again with the same key through a survivor until it is
+/// acknowledged, and the log holds every keyed message exactly once, in order. A resend
+/// of an acknowledged key through another node (before and after the kill: the keys are
+/// in the state committed to PostgreSQL) answers the original sequence number with
+/// `duplicate: true`; the same key with another text is refused 409; a bad key 422.
+/// Method: etcd and PostgreSQL from the Debian packages, three nodes; the first message
+/// is sent through n0, which then owns the conversation; a client thread sends
+/// `KEYED_MESSAGES` keyed messages through n0 only, resending each until acknowledged;
+/// after `KEYED_ACKS_BEFORE_KILL` acknowledgements n0 is killed with SIGKILL, the client
+/// reaches only the dead n0 for `KEYED_KILLED_ONLY_MS` (so at least one append is sent
+/// again), then n1 and n2 in turn.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_keyed_append_resent_after_its_owner_is_killed_is_stored_once() {
+    let started = Instant::now();
+    let deadline = started + Duration::from_millis(TEST_TIMEOUT_MS);
+    let etcd = TestEtcd::start("cluster-keyed").await;
+    let postgres = TestServer::start("cluster-keyed");
+    let database = postgres.create_database("keyed").await;
+    let mut nodes: Vec<NodeProcess> = (0..NODES)
+        .map(|index| NodeProcess::start(&format!("i{index}"), &etcd.endpoint(), &database))
+        .collect();
+    let conversation = "keyed";
+    let (status, reply) = append_keyed(&nodes[0].http, conversation, "t0", "k0").expect("first message");
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        (&reply["seq"], &reply["duplicate"]),
+        (&Value::from(1), &Value::from(false))
+    );
+    let victim = nodes[0].name.clone();
+    assert_eq!(reply["owner"], victim.as_str(), "{reply}");
+    // A resend through another live node: the original seq, nothing stored.
+    let (status, reply) = append_keyed(&nodes[1].http, conversation, "t0", "k0").expect("resend");
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        (&reply["seq"], &reply["duplicate"]),
+        (&Value::from(1), &Value::from(true))
+    );
+    assert_eq!(reply["via"], "i1", "{reply}");
+    // The same key with another text: 409 naming the key.
+    let (status, reply) = append_keyed(&nodes[2].http, conversation, "other", "k0").expect("conflict");
+    assert_eq!(status, 409, "{reply}");
+    assert_eq!((&reply["id"], &reply["seq"]), (&Value::from("k0"), &Value::from(1)));
+    assert!(reply["error"].as_str().is_some_and(|e| e.contains("\"k0\"")), "{reply}");
+    // A bad key: 422 naming the field.
+    let (status, reply) = append_keyed(&nodes[1].http, conversation, "t", "has space").expect("bad key");
+    assert_eq!(status, 422, "{reply}");
+    assert_eq!(reply["field"], "id", "{reply}");
+    let long = "x".repeat(troupe_cli::node::APPEND_ID_BYTES_MAX + 1);
+    let (status, reply) = append_keyed(&nodes[1].http, conversation, "t", &long).expect("long key");
+    assert_eq!(status, 422, "{reply}");
+    assert!(
+        reply["error"].as_str().is_some_and(|e| e.contains("at most 64 bytes")),
+        "{reply}"
+    );
+
+    let alive = Arc::new(Mutex::new(vec![nodes[0].http.clone()]));
+    let acks: Arc<Mutex<Vec<KeyedAck>>> = Arc::default();
+    let worker = {
+        let (alive, acks) = (Arc::clone(&alive), Arc::clone(&acks));
+        std::thread::spawn(move || resending_client(conversation, &alive, &acks, deadline))
+    };
+    while acks.lock().unwrap().len() < KEYED_ACKS_BEFORE_KILL {
+        assert!(Instant::now() < deadline, "too few acknowledgements before the kill");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let killed_at = Instant::now();
+    nodes[0].kill();
+    tokio::time::sleep(Duration::from_millis(KEYED_KILLED_ONLY_MS)).await;
+    *alive.lock().unwrap() = vec![nodes[1].http.clone(), nodes[2].http.clone()];
+    println!("killed {victim} (SIGKILL) with the client waiting on its next append");
+    worker.join().expect("the resending client");
+    let acks = acks.lock().unwrap().clone();
+    assert_eq!(acks.len(), KEYED_MESSAGES - 1);
+
+    let resent: Vec<(usize, &KeyedAck)> = acks
+        .iter()
+        .enumerate()
+        .filter(|(_, ack)| ack.attempts > 1)
+        .map(|(index, ack)| (index + 1, ack))
+        .collect();
+    assert!(!resent.is_empty(), "the kill left no append to send again");
+    for (index, ack) in &resent {
+        println!(
+            "k{index}: {} requests, acknowledged as seq {} by {} {} ms after the kill (duplicate: {})",
+            ack.attempts,
+            ack.seq,
+            ack.owner,
+            ack.at.saturating_duration_since(killed_at).as_millis(),
+            ack.duplicate
+        );
+    }
+    for (offset, ack) in acks.iter().enumerate() {
+        let index = offset + 1;
+        assert_eq!(ack.seq, index as u64 + 1, "k{index}: {ack:?}");
+        if ack.at > killed_at + Duration::from_millis(KEYED_KILLED_ONLY_MS) {
+            assert_ne!(ack.owner, victim, "k{index} acknowledged by the killed node: {ack:?}");
+        }
+    }
+    // The survivors know the keys the killed owner committed.
+    let (status, reply) = append_keyed(&nodes[2].http, conversation, "t3", "k3").expect("resend after the kill");
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        (&reply["seq"], &reply["duplicate"]),
+        (&Value::from(4), &Value::from(true))
+    );
+    assert_ne!(reply["owner"], victim.as_str(), "{reply}");
+
+    // Every keyed message exactly once, in the order sent.
+    let (status, reply) = http(
+        &nodes[1].http,
+        "GET",
+        &format!("/v1/conversations/{conversation}/messages"),
+        "",
+    )
+    .expect("read the conversation");
+    assert_eq!(status, 200, "{reply}");
+    let stored: Vec<(u64, String)> = reply["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| {
+            (
+                m["seq"].as_u64().expect("seq"),
+                m["text"].as_str().expect("text").to_string(),
+            )
+        })
+        .collect();
+    let expected: Vec<(u64, String)> = (0..KEYED_MESSAGES).map(|i| (i as u64 + 1, format!("t{i}"))).collect();
+    assert_eq!(stored, expected);
+    let duplicates = acks.iter().filter(|ack| ack.duplicate).count();
+    println!(
+        "{KEYED_MESSAGES} keyed messages stored once each; {} sent more than once, {duplicates} answered as \
+         duplicates; test took {} ms",
+        resent.len(),
+        started.elapsed().as_millis()
+    );
+}
+
 /// How long after one lease the nodes may take to exit once etcd is gone, in
 /// milliseconds (the lease is declared lost at most one TTL after the last renewal;
 /// leaving then waits one etcd request timeout, under 1 s).
