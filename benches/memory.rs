@@ -11,17 +11,19 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+use troupe::runtime::{Actor, ActorError, KindConfig, Runtime};
 
+#[path = "support/echo.rs"]
+mod echo;
 #[path = "support/peers.rs"]
 mod peers;
+
+use echo::{echo_runtime, Echo};
 
 /// The memory target per idle activated actor, in bytes (issue: <= 1,800 B).
 const TARGET_BYTES_PER_ACTOR: u64 = 1_800;
@@ -48,30 +50,12 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-struct Echo;
-
-#[async_trait]
-impl Actor for Echo {
-    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
-        Ok(payload)
-    }
-}
-
 fn live() -> isize {
     LIVE_BYTES.load(Ordering::Relaxed)
 }
 
 async fn troupe_bytes_per_actor(count: u64) -> f64 {
-    let config = KindConfig::default().with_idle_timeout(Duration::from_secs(3_600));
-    let runtime = Runtime::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .register(
-            ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
-            config,
-        )
-        .unwrap()
-        .start();
+    let runtime = echo_runtime();
     // Warm the runtime (first activation, table allocation patterns) before measuring.
     let warm = ActorId::new("echo", "warm").unwrap();
     runtime

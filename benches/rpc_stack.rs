@@ -30,13 +30,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use troupe::core::{ActorId, ActorKind, CallContext};
-use troupe::runtime::{
-    Actor, ActorError, KindConfig, MemoryStore, Runtime, RuntimeHandle, TransportClient, TransportServer, Turn,
-};
+use troupe::core::{ActorId, CallContext};
+use troupe::runtime::{Runtime, RuntimeHandle, TransportClient, TransportServer};
+
+#[path = "support/echo.rs"]
+mod echo;
+
+use echo::echo_runtime;
 
 /// Payload sizes compared, in bytes: a short agent message, a long one with context, a
 /// large tool result.
@@ -47,28 +49,6 @@ const IN_FLIGHT: usize = 32;
 const MESSAGE_SIZE_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// Each request's time budget.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-
-struct Echo;
-
-#[async_trait]
-impl Actor for Echo {
-    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
-        Ok(payload)
-    }
-}
-
-fn echo_runtime() -> Runtime {
-    let config = KindConfig::default().with_idle_timeout(Duration::from_secs(3_600));
-    Runtime::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .register(
-            ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
-            config,
-        )
-        .unwrap()
-        .start()
-}
 
 /// The gRPC request: what a node-to-node call carries.
 #[derive(Clone, PartialEq, prost::Message)]

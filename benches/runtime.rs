@@ -16,7 +16,6 @@
 // criterion_group! generates an undocumented function; a bench measures wall time.
 #![allow(missing_docs, clippy::disallowed_methods)]
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -24,38 +23,20 @@ use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokio::sync::{mpsc, oneshot};
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn, TypedActor};
+use troupe::runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
 
+#[path = "support/echo.rs"]
+mod echo;
 #[path = "support/peers.rs"]
 mod peers;
 
-struct Echo;
-
-#[async_trait]
-impl Actor for Echo {
-    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
-        Ok(payload)
-    }
-}
+use echo::echo_runtime;
 
 fn current_thread() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap()
-}
-
-fn echo_runtime() -> Runtime {
-    let config = KindConfig::default().with_idle_timeout(Duration::from_secs(3_600));
-    Runtime::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .register(
-            ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
-            config,
-        )
-        .unwrap()
-        .start()
 }
 
 fn echo(key: u64) -> ActorId {
