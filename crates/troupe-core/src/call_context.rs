@@ -46,7 +46,41 @@ impl TraceId {
     pub const fn get(self) -> u128 {
         self.0
     }
+
+    /// Reads the form [`TraceId`]'s `Display` writes: exactly
+    /// [`TRACE_ID_HEX_DIGITS`] lowercase hex digits, not all zero (W3C Trace Context
+    /// calls the all-zero id invalid). `None` for anything else.
+    pub fn parse_hex(text: &str) -> Option<Self> {
+        if text.len() != TRACE_ID_HEX_DIGITS || !text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            return None;
+        }
+        u128::from_str_radix(text, 16).ok().filter(|value| *value != 0).map(Self)
+    }
+
+    /// The trace id of a W3C Trace Context `traceparent` header
+    /// (`{version}-{trace-id}-{parent-id}-{flags}`, e.g.
+    /// `00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01`): `None` when the
+    /// header does not have that shape (two hex digits of version other than `ff`, 32 of
+    /// trace id, 16 of parent id, 2 of flags) or its trace id is all zero.
+    pub fn from_traceparent(header: &str) -> Option<Self> {
+        let mut fields = header.trim().split('-');
+        let (version, trace, parent, flags) = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
+        let hex = |field: &str, digits: usize| {
+            field.len() == digits && field.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        };
+        // Version 00 has exactly four fields; later versions may append more.
+        if !hex(version, 2) || version == "ff" || (version == "00" && fields.next().is_some()) {
+            return None;
+        }
+        if !hex(parent, 16) || !hex(flags, 2) {
+            return None;
+        }
+        Self::parse_hex(trace)
+    }
 }
+
+/// Hex digits of a [`TraceId`] as text (128 bits, four per digit).
+pub const TRACE_ID_HEX_DIGITS: usize = 32;
 
 impl std::fmt::Display for TraceId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -173,6 +207,52 @@ mod tests {
         let child = continued.child(ActorId::new("agent", "c").unwrap(), Deadline::from_micros(90));
         assert_eq!((child.depth(), child.deadline()), (4, Deadline::from_micros(50)));
         assert!(child.contains(&a));
+    }
+
+    #[test]
+    fn a_trace_id_reads_back_what_it_writes_and_nothing_else() {
+        let trace = TraceId::new(0x0af7_6519_16cd_43dd_8448_eb21_1c80_319c);
+        assert_eq!(trace.to_string(), "0af7651916cd43dd8448eb211c80319c");
+        assert_eq!(TraceId::parse_hex(&trace.to_string()), Some(trace));
+        assert_eq!(TraceId::parse_hex(&TraceId::new(1).to_string()), Some(TraceId::new(1)));
+        for bad in [
+            "",
+            "0af7651916cd43dd8448eb211c80319",
+            "0af7651916cd43dd8448eb211c80319c0",
+            "0AF7651916CD43DD8448EB211C80319C",
+            "0af7651916cd43dd8448eb211c80319g",
+            "00000000000000000000000000000000",
+            "a-call-7",
+            "+af7651916cd43dd8448eb211c80319c",
+        ] {
+            assert_eq!(TraceId::parse_hex(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_traceparent_gives_its_trace_id_field() {
+        let trace = TraceId::new(0x0af7_6519_16cd_43dd_8448_eb21_1c80_319c);
+        assert_eq!(
+            TraceId::from_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            Some(trace)
+        );
+        assert_eq!(
+            TraceId::from_traceparent("01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00-more"),
+            Some(trace),
+            "a later version may add fields"
+        );
+        for bad in [
+            "",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b716920333-01",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "0-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ] {
+            assert_eq!(TraceId::from_traceparent(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

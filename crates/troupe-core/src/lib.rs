@@ -24,7 +24,7 @@ mod store_error;
 mod text;
 
 pub use admission::{admit_call, AdmissionRequest, CallAdmitted, CallRefused};
-pub use call_context::{CallContext, TraceId};
+pub use call_context::{CallContext, TraceId, TRACE_ID_HEX_DIGITS};
 pub use deadline::Deadline;
 pub use error::InvokeError;
 pub use fence::Fence;
