@@ -178,6 +178,9 @@ pub struct AskOptions {
     pub timeout: Duration,
     /// What the request may spend; default [`Budget::UNLIMITED`] (see [`Budget`]).
     pub budget: Budget,
+    /// The request's trace id, set on its root call context and inherited by every call
+    /// it leads to (also to remote agents); default none.
+    pub trace_id: Option<troupe_core::TraceId>,
 }
 
 impl Default for AskOptions {
@@ -185,6 +188,7 @@ impl Default for AskOptions {
         Self {
             timeout: Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT),
             budget: Budget::UNLIMITED,
+            trace_id: None,
         }
     }
 }
@@ -194,6 +198,13 @@ impl AskOptions {
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// These options with trace id `trace_id` (see [`AskOptions::trace_id`]).
+    #[must_use]
+    pub fn traced(mut self, trace_id: troupe_core::TraceId) -> Self {
+        self.trace_id = Some(trace_id);
         self
     }
 

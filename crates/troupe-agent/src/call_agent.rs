@@ -209,7 +209,10 @@ pub async fn call_agent(
                         text: &request.text,
                         child: admitted.child(),
                         timeout: admitted.timeout(),
-                        trace_id: format!("{}-call-{call}", context.agent_id().key()),
+                        trace_id: admitted.child().trace_id().map_or_else(
+                            || format!("{}-call-{call}", context.agent_id().key()),
+                            |trace| trace.to_string(),
+                        ),
                     },
                 )
                 .await;

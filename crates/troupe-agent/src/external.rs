@@ -66,6 +66,9 @@ pub struct ExternalTaskRequest {
     pub attachment: String,
     /// Record it as `rejected` at once with this reason (nothing runs).
     pub rejected: Option<String>,
+    /// The trace id of the request it belongs to: its turn (and every call it makes)
+    /// runs under it. None: no trace id.
+    pub trace_id: Option<troupe_core::TraceId>,
 }
 
 /// The reply's steps and token usage, for a completed task.
@@ -321,11 +324,14 @@ impl AgentClient {
         let target = self.known_agent(to)?;
         let deadline = task_deadline(self.runtime.now(), request.timeout_ms);
         let chain: Vec<ActorId> = request.chain.iter().filter_map(|id| agent_id(id).ok()).collect();
-        let context = if chain.is_empty() && request.depth == 0 {
+        let mut context = if chain.is_empty() && request.depth == 0 {
             CallContext::root(deadline)
         } else {
             CallContext::continued(request.depth, chain, deadline)
         };
+        if let Some(trace) = request.trace_id {
+            context = context.with_trace_id(trace);
+        }
         let entry = InboxEntry {
             msg_id: request.msg_id,
             from: None,

@@ -295,7 +295,10 @@ pub struct TroupeCallMetadata {
         deserialize_with = "optional_whole_u64"
     )]
     pub timeout_ms: Option<u64>,
-    /// The caller's id for this call, for finding it in both servers' logs.
+    /// The trace id of the caller's request: 32 lowercase hex digits
+    /// ([`troupe_core::TraceId`]), continued by the callee's turn. Older Troupe sent a
+    /// free-form per-call string (`{agent}-call-{n}`): still accepted up to
+    /// [`REMOTE_TRACE_ID_LENGTH_MAX_BYTES`], but treated as absent ([`Self::trace`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace_id: Option<String>,
 }
@@ -319,6 +322,13 @@ impl TroupeCallMetadata {
             serde_json::from_value(value.clone()).map_err(|error| format!("\"metadata.troupe\": {error}"))?;
         parsed.check()?;
         Ok(Some(parsed))
+    }
+
+    /// The request's trace id, when `trace_id` is one (32 lowercase hex digits, not all
+    /// zero); `None` when it is absent or any other string (an older caller's free-form
+    /// per-call id): the receiver then starts a trace of its own.
+    pub fn trace(&self) -> Option<troupe_core::TraceId> {
+        self.trace_id.as_deref().and_then(troupe_core::TraceId::parse_hex)
     }
 
     /// Checks the fields against each other and the limits.
@@ -495,6 +505,8 @@ pub(crate) struct RemoteCall<'a> {
     pub(crate) text: &'a str,
     pub(crate) child: &'a CallContext,
     pub(crate) timeout: Duration,
+    /// What goes in `metadata.troupe.trace_id`: the caller's trace id in hex, or
+    /// (a caller without one) a per-call id for the logs, which the callee ignores.
     pub(crate) trace_id: String,
 }
 
@@ -914,7 +926,10 @@ impl AgentClient {
         } else {
             let chain = context.chain.iter().filter_map(|id| agent_id(id).ok()).collect();
             let latest = self.runtime.deadline_in(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
-            let call_context = CallContext::continued(context.depth, chain, deadline.min(latest));
+            let mut call_context = CallContext::continued(context.depth, chain, deadline.min(latest));
+            if let Some(trace) = context.trace() {
+                call_context = call_context.with_trace_id(trace);
+            }
             let request = AgentRequest {
                 text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
                 from: None,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{truncate_utf8, ActorId, ActorKind, CallContext, CallRefused, InvokeError};
+use troupe_core::{truncate_utf8, ActorId, ActorKind, CallContext, CallRefused, InvokeError, TraceId};
 use troupe_runtime::{
     ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
 };
@@ -377,7 +377,11 @@ impl AgentClient {
     /// # }
     /// ```
     pub async fn ask_with(&self, agent: &str, text: &str, options: AskOptions) -> Result<AgentReply, AgentCallError> {
-        let AskOptions { timeout, budget } = options;
+        let AskOptions {
+            timeout,
+            budget,
+            trace_id,
+        } = options;
         let target = agent_id(agent).map_err(|error| AgentCallError::InvalidAgentId {
             agent_id: agent.to_string(),
             cause: error.to_string(),
@@ -400,10 +404,16 @@ impl AgentClient {
                 call: Some(call),
                 budget,
             };
-            let answer = self
-                .runtime
-                .invoke_routed(&target, request.encode(), self.runtime.deadline_in(timeout))
-                .await;
+            let deadline = self.runtime.deadline_in(timeout);
+            let answer = match trace_id {
+                // A cluster node's root router takes no context: the trace id is not
+                // carried there (see docs/serve.md).
+                Some(trace) if !self.runtime.has_root_call_router() => {
+                    let context = CallContext::root(deadline).with_trace_id(trace);
+                    self.runtime.invoke_in(&target, request.encode(), context).await
+                }
+                _ => self.runtime.invoke_routed(&target, request.encode(), deadline).await,
+            };
             outside_reply(&target, answer)
         } else {
             Err(AgentCallError::Refused(CallRefused::AgentNotFound {
@@ -411,6 +421,23 @@ impl AgentClient {
             }))
         };
         self.outside_call_finished(call, result)
+    }
+
+    /// A new trace id for a request that enters this process without one: made from a
+    /// per-process counter, the runtime's clock and the process id, hashed (SipHash
+    /// with fixed keys), so it draws no randomness: under simulation the same seed makes
+    /// the same ids. Not a secret; unique in practice across processes and restarts.
+    pub fn new_trace_id(&self) -> TraceId {
+        use std::hash::{Hash, Hasher};
+        let n = self.shared.next_trace.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let now = self.runtime.now().as_micros();
+        let half = |salt: u8| {
+            let mut hasher = std::hash::DefaultHasher::new();
+            (salt, n, now, std::process::id()).hash(&mut hasher);
+            u128::from(hasher.finish())
+        };
+        let value = (half(0) << 64) | half(1);
+        TraceId::new(if value == 0 { 1 } else { value })
     }
 
     /// Reports the end of call `call` from outside ([`AgentEvent::CallFinished`]) and

@@ -77,6 +77,7 @@ async fn an_external_task_runs_once_and_a_resend_is_stored_once() {
             "echo",
             ExternalTaskRequest {
                 rejected: Some("refused: a cycle".to_string()),
+                trace_id: None,
                 ..request("m-3", "never")
             },
         )

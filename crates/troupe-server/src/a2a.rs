@@ -38,6 +38,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 use troupe_agent::{TaskState, TroupeCallMetadata};
+use troupe_core::TraceId;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 
 use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore};
@@ -283,8 +284,8 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
         }
     }
     let answered = match method {
-        "SendMessage" => send_message(&a2a, &agent, params, &id).await,
-        "SendStreamingMessage" => send_streaming(&a2a, &agent, params, &id).await,
+        "SendMessage" => send_message(&a2a, &agent, params, &id, &headers).await,
+        "SendStreamingMessage" => send_streaming(&a2a, &agent, params, &id, &headers).await,
         "GetTask" => get_task(&a2a, &agent, params).map(|task| success(&id, task)),
         "ListTasks" => list_tasks(&a2a, &agent, params).map(|list| success(&id, list)),
         "CancelTask" => cancel_task(&a2a, &agent, params).await.map(|task| success(&id, task)),
@@ -391,9 +392,12 @@ struct Accepted {
     timeout: Duration,
     history_length: Option<i64>,
     blocking: bool,
+    /// The request's trace id: `metadata.troupe.trace_id` when it is one, else the
+    /// `traceparent` header's, else a new one.
+    trace: TraceId,
 }
 
-fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Accepted, RpcError> {
+fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>, headers: &HeaderMap) -> Result<Accepted, RpcError> {
     let send: SendParams = parse(params)?;
     let Some(raw) = send.message else {
         return Err(RpcError::params("\"message\" is required"));
@@ -480,10 +484,14 @@ fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Accepte
         text,
         context_id: message.context_id.filter(|context| !context.is_empty()),
         request: raw,
-        troupe,
         timeout: Duration::from_millis(timeout_ms),
         history_length: send.configuration.history_length,
         blocking: !send.configuration.return_immediately,
+        trace: troupe
+            .as_ref()
+            .and_then(TroupeCallMetadata::trace)
+            .unwrap_or_else(|| crate::agents::request_trace(&a2a.app, headers)),
+        troupe,
     })
 }
 
@@ -519,6 +527,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
                 chain: troupe.chain.clone(),
                 depth: troupe.depth,
                 timeout_ms: u64::try_from(accepted.timeout.as_millis()).unwrap_or(u64::MAX),
+                trace_id: accepted.trace.to_string(),
             },
             rejected,
         )
@@ -558,6 +567,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
             deadline,
             chain: troupe.chain,
             depth: troupe.depth,
+            trace: Some(accepted.trace),
         };
         tokio::spawn(run(Arc::clone(a2a), record.id.clone(), agent.to_string(), ask, lane));
     }
@@ -575,6 +585,8 @@ struct Ask {
     /// Troupe's call chain and depth it arrived with: the agent's turn continues them.
     chain: Vec<String>,
     depth: u32,
+    /// The trace id its turn runs under.
+    trace: Option<TraceId>,
 }
 
 impl Ask {
@@ -596,6 +608,7 @@ impl Ask {
             deadline: None,
             chain: record.chain.clone(),
             depth: record.depth,
+            trace: TraceId::parse_hex(&record.trace_id),
         }
     }
 }
@@ -684,6 +697,7 @@ async fn outcome(a2a: &A2a, id: &str, agent: &str, ask: &Ask) -> Option<Result<t
         depth: ask.depth,
         attachment: id.to_string(),
         rejected: None,
+        trace_id: ask.trace,
     };
     let inner = match client.delegate_external(agent, request).await {
         Ok(inner) => inner,
@@ -763,6 +777,9 @@ fn troupe_metadata(task: &TaskRecord) -> Value {
         "depth": task.depth,
         "timeout_ms": task.timeout_ms,
     });
+    if !task.trace_id.is_empty() {
+        troupe["trace_id"] = json!(task.trace_id);
+    }
     if let Some(meta) = &task.reply_meta {
         troupe["reply"] = meta.clone();
     }
@@ -809,8 +826,9 @@ async fn send_message(
     agent: &str,
     params: &Map<String, Value>,
     id: &Value,
+    headers: &HeaderMap,
 ) -> Result<Response, RpcError> {
-    let accepted = accept(a2a, agent, params)?;
+    let accepted = accept(a2a, agent, params, headers)?;
     let record = start(a2a, agent, &accepted).await?;
     if !accepted.blocking || record.state.is_final() {
         return Ok(success(
@@ -844,8 +862,9 @@ async fn send_streaming(
     agent: &str,
     params: &Map<String, Value>,
     id: &Value,
+    headers: &HeaderMap,
 ) -> Result<Response, RpcError> {
-    let accepted = accept(a2a, agent, params)?;
+    let accepted = accept(a2a, agent, params, headers)?;
     let record = start(a2a, agent, &accepted).await?;
     let watcher = a2a
         .tasks

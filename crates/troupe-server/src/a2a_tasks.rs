@@ -67,6 +67,10 @@ pub(crate) struct TaskRecord {
     /// Whether the failure was the agent being busy: a blocking send answers it as a
     /// retryable error.
     pub(crate) busy: bool,
+    /// The trace id its agent's turn runs under (32 lowercase hex digits). Empty in
+    /// tasks stored before trace ids crossed servers.
+    #[serde(default)]
+    pub(crate) trace_id: String,
 }
 
 /// The server's A2A records in the store.
@@ -149,6 +153,7 @@ pub(crate) struct TaskCall {
     pub(crate) chain: Vec<String>,
     pub(crate) depth: u32,
     pub(crate) timeout_ms: u64,
+    pub(crate) trace_id: String,
 }
 
 /// A new task, the lane it waits in (unless it was rejected at once), and the agent
@@ -220,6 +225,7 @@ impl TaskRegistry {
             chain,
             depth,
             timeout_ms,
+            trace_id,
         } = call;
         let mut inner = self.lock();
         let lane = if rejected.is_none() {
@@ -262,6 +268,7 @@ impl TaskRegistry {
             depth,
             timeout_ms,
             busy: false,
+            trace_id,
         };
         if let Some(lane) = &lane {
             lane.waiting.fetch_add(1, Ordering::SeqCst);

@@ -11,7 +11,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use troupe_agent::{AgentReply, AgentSpec, TaskStatus};
+use troupe_agent::{AgentReply, AgentSpec, AskOptions, TaskStatus};
+use troupe_core::TraceId;
 
 use crate::error::{ApiError, ApiJson, ApiQuery};
 use crate::limits::{
@@ -242,11 +243,41 @@ pub(crate) async fn message(
             .get(header::ACCEPT)
             .and_then(|value| value.to_str().ok())
             .is_some_and(|accept| accept.contains("text/event-stream"));
+    let trace = request_trace(&state, &headers);
     if wants_stream {
-        return Ok(crate::agents_stream::streamed_turn(&state, agent, body.text, timeout));
+        let response = crate::agents_stream::streamed_turn(&state, agent, body.text, timeout, trace);
+        return Ok(with_trace(Ok(response), trace));
     }
-    let reply = state.client.ask_with_timeout(&agent, &body.text, timeout).await?;
-    Ok(Json(reply_json(&agent, &reply)).into_response())
+    let options = AskOptions::default().timeout(timeout).traced(trace);
+    let reply = state.client.ask_with(&agent, &body.text, options).await;
+    Ok(with_trace(
+        reply.map(|reply| Json(reply_json(&agent, &reply)).into_response()).map_err(ApiError::from),
+        trace,
+    ))
+}
+
+/// The response header that names the trace id a request ran under (32 lowercase hex
+/// digits), on every response of a route that runs an agent's turn, errors included.
+pub const TRACE_ID_HEADER: &str = "x-troupe-trace-id";
+
+/// The trace id of a request that enters the server: the trace-id field of its W3C
+/// `traceparent` header when it has a valid one, else a new one
+/// ([`troupe_agent::AgentClient::new_trace_id`]).
+pub(crate) fn request_trace(state: &AppState, headers: &HeaderMap) -> TraceId {
+    headers
+        .get("traceparent")
+        .and_then(|value| value.to_str().ok())
+        .and_then(TraceId::from_traceparent)
+        .unwrap_or_else(|| state.client.new_trace_id())
+}
+
+/// `result` as a response with the [`TRACE_ID_HEADER`] header.
+pub(crate) fn with_trace(result: Result<Response, ApiError>, trace: TraceId) -> Response {
+    let mut response = result.unwrap_or_else(IntoResponse::into_response);
+    if let Ok(value) = header::HeaderValue::from_str(&trace.to_string()) {
+        response.headers_mut().insert(TRACE_ID_HEADER, value);
+    }
+    response
 }
 
 /// The query of `GET /v1/agents/{id}/history`.

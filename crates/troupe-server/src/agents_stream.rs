@@ -20,8 +20,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::sync::{broadcast, oneshot};
-use troupe_agent::{agent_id, AgentCallError, AgentEvent, AgentReply};
-use troupe_core::ActorId;
+use troupe_agent::{agent_id, AgentCallError, AgentEvent, AgentReply, AskOptions};
+use troupe_core::{ActorId, TraceId};
 
 use crate::agents::reply_json;
 use crate::error::ApiError;
@@ -31,13 +31,20 @@ use crate::server::AppState;
 type AskResult = Result<AgentReply, AgentCallError>;
 
 /// Starts the turn in a task of its own and streams it.
-pub(crate) fn streamed_turn(state: &Arc<AppState>, agent: String, text: String, timeout: Duration) -> Response {
+pub(crate) fn streamed_turn(
+    state: &Arc<AppState>,
+    agent: String,
+    text: String,
+    timeout: Duration,
+    trace: TraceId,
+) -> Response {
     let events = state.client.subscribe();
     let (sender, reply) = oneshot::channel();
     let client = state.client.clone();
     let asked = agent.clone();
     tokio::spawn(async move {
-        let result = client.ask_with_timeout(&asked, &text, timeout).await;
+        let options = AskOptions::default().timeout(timeout).traced(trace);
+        let result = client.ask_with(&asked, &text, options).await;
         let _ = sender.send(result);
     });
     let Ok(target) = agent_id(&agent) else {

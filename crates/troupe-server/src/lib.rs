@@ -62,6 +62,7 @@ mod server;
 mod topology;
 
 #[cfg(not(madsim))]
+pub use agents::TRACE_ID_HEADER;
 pub use config::{ServeError, ServerConfig};
 #[cfg(not(madsim))]
 pub use error::ApiError;

@@ -15,12 +15,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
+
+use troupe_agent::AskOptions;
+use troupe_core::TraceId;
 
 use crate::agents::{check_text, known};
 use crate::error::{ApiError, ApiJson};
@@ -72,9 +75,16 @@ fn content_text(content: &Value) -> Result<String, ApiError> {
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<ChatCompletionBody>,
 ) -> Result<Response, ApiError> {
-    known(&state, &body.model).map_err(|_| {
+    let trace = crate::agents::request_trace(&state, &headers);
+    let result = completion(&state, body, trace).await;
+    Ok(crate::agents::with_trace(result, trace))
+}
+
+async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: TraceId) -> Result<Response, ApiError> {
+    known(state, &body.model).map_err(|_| {
         ApiError::new(
             StatusCode::NOT_FOUND,
             "model_not_found",
@@ -93,7 +103,8 @@ pub(crate) async fn chat_completions(
     let text = content_text(&last_user.content)?;
     check_text(&text)?;
     let timeout = Duration::from_millis(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT);
-    let reply = state.client.ask_with_timeout(&body.model, &text, timeout).await?;
+    let options = AskOptions::default().timeout(timeout).traced(trace);
+    let reply = state.client.ask_with(&body.model, &text, options).await?;
     let id = format!("chatcmpl-troupe-{}", state.completions.fetch_add(1, Ordering::Relaxed));
     let finish_reason = if reply.truncated { "length" } else { "stop" };
     if !body.stream {

@@ -28,6 +28,8 @@ pub(crate) struct AgentShared {
     /// The broadcast event stream ([`crate::AgentClient::subscribe`]).
     pub(crate) stream: tokio::sync::broadcast::Sender<AgentEvent>,
     next_call: AtomicU64,
+    /// Counts the trace ids this process made (`AgentClient::new_trace_id`).
+    pub(crate) next_trace: AtomicU64,
     /// The runtime's clock, set once the runtime has started (before any agent can
     /// activate): the time of the events the hooks report, which have no turn at hand.
     clock: OnceLock<Clock>,
@@ -62,6 +64,7 @@ impl AgentShared {
             remotes: crate::remote::RemoteDirectory::default(),
             stream: tokio::sync::broadcast::channel(crate::limits::AGENT_EVENT_STREAM_CAPACITY).0,
             next_call: AtomicU64::new(1),
+            next_trace: AtomicU64::new(0),
             clock: OnceLock::new(),
             runtime: OnceLock::new(),
             direct_conversations: std::sync::Mutex::default(),
