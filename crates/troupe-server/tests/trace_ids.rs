@@ -1,0 +1,235 @@
+//! One trace id per request: a request entering `troupe serve` (REST message, OpenAI
+//! chat completion, A2A `SendMessage`) gets one (its `traceparent` header's, A2A
+//! `metadata.troupe.trace_id`, or a new one), the response names it
+//! (`x-troupe-trace-id`, the A2A task's `metadata.troupe.trace_id`), and every agent
+//! turn of the request runs under it: observed on the runtime's `turn` tracing spans,
+//! captured by a `tracing-subscriber` layer installed for the test process.
+//!
+//! Normal build only: HTTP is not simulated.
+#![cfg(not(madsim))]
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use serde_json::{json, Value};
+use tracing::field::{Field, Visit};
+use tracing_subscriber::layer::{Context, SubscriberExt as _};
+use tracing_subscriber::Layer;
+use troupe_agent::{ScriptRule, ScriptedLlm};
+use troupe_core::TraceId;
+use troupe_runtime::KindConfig;
+use troupe_server::{ServerConfig, TRACE_ID_HEADER};
+
+mod support;
+use support::Harness;
+
+/// A `turn` span: its actor and trace id (empty when it had none).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct TurnSpan {
+    actor: String,
+    trace_id: String,
+}
+
+#[derive(Default)]
+struct TurnFields(TurnSpan);
+
+impl Visit for TurnFields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        match field.name() {
+            "actor" => self.0.actor = format!("{value:?}"),
+            "trace_id" => self.0.trace_id = format!("{value:?}"),
+            _ => {}
+        }
+    }
+}
+
+/// Records every `turn` span opened in this process.
+struct Turns(Arc<Mutex<Vec<TurnSpan>>>);
+
+impl<S: tracing::Subscriber> Layer<S> for Turns {
+    fn on_new_span(&self, attrs: &tracing::span::Attributes<'_>, _: &tracing::span::Id, _: Context<'_, S>) {
+        if attrs.metadata().name() == "turn" {
+            let mut fields = TurnFields::default();
+            attrs.record(&mut fields);
+            self.0.lock().unwrap().push(fields.0);
+        }
+    }
+}
+
+/// The turn spans seen so far (the subscriber is installed once per process).
+fn turns() -> Arc<Mutex<Vec<TurnSpan>>> {
+    static TURNS: OnceLock<Arc<Mutex<Vec<TurnSpan>>>> = OnceLock::new();
+    Arc::clone(TURNS.get_or_init(|| {
+        let turns = Arc::new(Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry().with(Turns(Arc::clone(&turns)));
+        tracing::subscriber::set_global_default(subscriber).expect("no other subscriber in this test binary");
+        turns
+    }))
+}
+
+/// The agents (by key) whose turns ran under `trace`.
+fn agents_traced(trace: &str) -> Vec<String> {
+    let mut agents: Vec<String> = turns()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|turn| turn.trace_id == trace)
+        .map(|turn| turn.actor.rsplit('/').next().unwrap_or_default().to_string())
+        .collect();
+    agents.sort();
+    agents.dedup();
+    agents
+}
+
+fn script() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("echo").reply("echo: {input}"))
+        .rule(ScriptRule::agent("caller").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "echo", "message": "from caller: {input}"}),
+        ))
+        .rule(
+            ScriptRule::agent("caller")
+                .on_tool_result()
+                .reply("caller heard: {tool_result}"),
+        )
+}
+
+async fn start() -> Harness {
+    let _ = turns();
+    Harness::start(
+        support::agents(script(), &["echo", "caller"], KindConfig::default()),
+        ServerConfig::default(),
+    )
+    .await
+}
+
+/// POSTs `body` to `path` (with `traceparent` when given): status, trace id header, body.
+async fn post(server: &Harness, path: &str, body: Value, traceparent: Option<&str>) -> (u16, String, Value) {
+    let mut request = server
+        .request(reqwest::Method::POST, path)
+        .header("content-type", "application/json")
+        .header("A2A-Version", "1.0")
+        .body(body.to_string());
+    if let Some(traceparent) = traceparent {
+        request = request.header("traceparent", traceparent);
+    }
+    let response = request.send().await.expect("the server answers");
+    let status = response.status().as_u16();
+    let trace = response
+        .headers()
+        .get(TRACE_ID_HEADER)
+        .map(|value| value.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body = serde_json::from_str(&response.text().await.unwrap()).unwrap();
+    (status, trace, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rest_message_gets_a_trace_id_that_every_turn_of_its_request_runs_under() {
+    let server = start().await;
+    let (status, first, body) = post(&server, "/v1/agents/caller/messages", json!({"text": "hi"}), None).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(TraceId::parse_hex(&first).is_some(), "a new trace id in hex: {first:?}");
+    assert_eq!(agents_traced(&first), ["caller", "echo"], "both turns of the request");
+
+    let (status, second, _) = post(&server, "/v1/agents/caller/messages", json!({"text": "again"}), None).await;
+    assert_eq!(status, 200);
+    assert!(TraceId::parse_hex(&second).is_some());
+    assert_ne!(first, second, "each request its own trace id");
+    assert_eq!(agents_traced(&second), ["caller", "echo"]);
+
+    // A W3C traceparent names the trace.
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (status, given, _) = post(
+        &server,
+        "/v1/agents/caller/messages",
+        json!({"text": "traced"}),
+        Some(traceparent),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(given, "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(agents_traced(&given), ["caller", "echo"]);
+
+    // An invalid one is ignored: a new id.
+    let (status, fresh, _) = post(
+        &server,
+        "/v1/agents/echo/messages",
+        json!({"text": "x"}),
+        Some("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(TraceId::parse_hex(&fresh).is_some(), "{fresh:?}");
+    assert_eq!(agents_traced(&fresh), ["echo"]);
+
+    // A request refused before it runs (an empty text) has none.
+    let (status, failed, _) = post(&server, "/v1/agents/echo/messages", json!({"text": ""}), None).await;
+    assert_eq!(status, 422);
+    assert_eq!(failed, "", "a request refused before it runs has no trace id");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_openai_chat_completion_names_its_trace_id() {
+    let server = start().await;
+    let body = json!({"model": "caller", "messages": [{"role": "user", "content": "hi"}]});
+    let (status, trace, answer) = post(&server, "/v1/chat/completions", body, None).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(TraceId::parse_hex(&trace).is_some(), "{trace:?}");
+    assert_eq!(agents_traced(&trace), ["caller", "echo"]);
+    server.stop().await;
+}
+
+fn a2a_send(message_id: &str, troupe: Option<Value>) -> Value {
+    let mut message = json!({"messageId": message_id, "role": "ROLE_USER", "parts": [{"text": "hi"}]});
+    if let Some(troupe) = troupe {
+        message["metadata"] = json!({ "troupe": troupe });
+    }
+    json!({"jsonrpc": "2.0", "id": "r1", "method": "SendMessage", "params": {"message": message}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_a2a_message_continues_the_callers_trace_id_and_its_task_names_it() {
+    let server = start().await;
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let (status, _, answer) = post(
+        &server,
+        "/a2a/caller",
+        a2a_send("m1", Some(json!({"chain": ["far"], "depth": 1, "trace_id": trace}))),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let task = &answer["result"]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{answer}");
+    assert_eq!(task["metadata"]["troupe"]["trace_id"], trace, "{answer}");
+    assert_eq!(agents_traced(trace), ["caller", "echo"]);
+
+    // An older caller's free-form per-call id is accepted but not continued: a new one.
+    let (status, _, answer) = post(
+        &server,
+        "/a2a/echo",
+        a2a_send("m2", Some(json!({"chain": ["far"], "depth": 1, "trace_id": "far-call-7"}))),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let fresh = answer["result"]["task"]["metadata"]["troupe"]["trace_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(TraceId::parse_hex(&fresh).is_some(), "{answer}");
+    assert_eq!(agents_traced(&fresh), ["echo"]);
+
+    // Without metadata: the traceparent header's.
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (status, _, answer) = post(&server, "/a2a/echo", a2a_send("m3", None), Some(traceparent)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        answer["result"]["task"]["metadata"]["troupe"]["trace_id"],
+        "4bf92f3577b34da6a3ce929d0e0e4736"
+    );
+    assert_eq!(agents_traced("4bf92f3577b34da6a3ce929d0e0e4736"), ["echo"]);
+    server.stop().await;
+}
