@@ -111,7 +111,10 @@ fn remote(id: &str, port: u16, agent: &str) -> String {
 /// Goal: an agent of server 1 calls an agent of server 2 with call_agent and gets its
 /// answer; the message carried the call context. Method: a1 (server 1) is told
 /// `route: b2`; its scripted model calls the remote agent b2; server 2's A2A task shows
-/// the chain [a1] and depth 1 it arrived with.
+/// the chain [a1] and depth 1 it arrived with, and the trace id server 1 gave the
+/// request (its `x-troupe-trace-id` header): b2's turn ran under it (the task's
+/// `metadata.troupe.trace_id` is the id its turn runs under: troupe-server's
+/// `tests/trace_ids.rs` checks that on the turn spans).
 #[test]
 fn an_agent_calls_an_agent_of_another_server_and_gets_its_answer() {
     let dir = tempfile::tempdir().unwrap();
@@ -123,14 +126,27 @@ fn an_agent_calls_an_agent_of_another_server_and_gets_its_answer() {
         port1,
         &format!("{}{}", agents(&["a1"]), remote("b2", port2, "b2")),
     );
-    let (status, reply) = ask(&one, "a1", "route: b2", None);
+    let (status, head, reply) = support::http_with_head(
+        &one.addr,
+        "POST",
+        "/v1/agents/a1/messages",
+        &json!({"text": "route: b2"}).to_string(),
+        SERVE_WAIT_MS_MAX,
+    );
+    let reply: Value = serde_json::from_str(&reply).unwrap();
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["text"], "hello from b2", "{reply}");
+    let trace = head
+        .lines()
+        .find_map(|line| line.strip_prefix("x-troupe-trace-id: "))
+        .unwrap_or_else(|| panic!("no trace id header: {head}"));
+    assert_eq!(trace.len(), 32, "{trace}");
     let arrived = tasks(&two, "b2");
     assert_eq!(arrived.len(), 1, "{arrived:?}");
     let troupe = &arrived[0]["metadata"]["troupe"];
     assert_eq!(troupe["chain"], json!(["a1"]), "{troupe}");
     assert_eq!(troupe["depth"], 1, "{troupe}");
+    assert_eq!(troupe["trace_id"], trace, "server 2 ran the request's trace: {troupe}");
     assert_eq!(arrived[0]["status"]["state"], "TASK_STATE_COMPLETED");
 }
 

@@ -23,6 +23,19 @@ pub(crate) fn read_address(child: &mut Child) -> Option<(BufReader<ChildStdout>,
 /// One HTTP/1.1 request with a JSON `body` over a fresh connection, waiting at most
 /// `read_timeout_ms` for the answer; the status and the body.
 pub(crate) fn http(addr: &str, method: &str, path: &str, body: &str, read_timeout_ms: u64) -> (u16, String) {
+    let (status, _, body) = http_with_head(addr, method, path, body, read_timeout_ms);
+    (status, body)
+}
+
+/// As [`http`], with the response's head too (status line and headers, as sent).
+#[allow(dead_code)]
+pub(crate) fn http_with_head(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+    read_timeout_ms: u64,
+) -> (u16, String, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_millis(read_timeout_ms)))
@@ -37,6 +50,6 @@ pub(crate) fn http(addr: &str, method: &str, path: &str, body: &str, read_timeou
     let mut response = String::new();
     stream.read_to_string(&mut response).unwrap();
     let status = response[9..12].parse().unwrap();
-    let (_, body) = response.split_once("\r\n\r\n").unwrap();
-    (status, body.to_string())
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (status, head.to_string(), body.to_string())
 }
