@@ -952,6 +952,24 @@ mod tests {
     }
 
     #[test]
+    fn a_hex_trace_id_is_continued_and_an_older_free_form_one_is_treated_as_absent() {
+        let with = |trace: &str| TroupeCallMetadata {
+            trace_id: Some(trace.to_string()),
+            ..TroupeCallMetadata::default()
+        };
+        let hex = "0af7651916cd43dd8448eb211c80319c";
+        assert_eq!(
+            with(hex).trace(),
+            Some(troupe_core::TraceId::new(0x0af7_6519_16cd_43dd_8448_eb21_1c80_319c))
+        );
+        for older in ["a-call-7", "0AF7651916CD43DD8448EB211C80319C", ""] {
+            assert!(with(older).check().is_ok(), "still accepted: {older:?}");
+            assert_eq!(with(older).trace(), None, "{older:?}");
+        }
+        assert_eq!(TroupeCallMetadata::default().trace(), None);
+    }
+
+    #[test]
     fn the_metadata_a_call_sends_carries_chain_depth_deadline_and_trace() {
         let child = CallContext::root(Deadline::from_micros(10_000_000))
             .child(agent("a"), Deadline::from_micros(10_000_000))

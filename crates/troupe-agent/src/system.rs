@@ -429,7 +429,10 @@ impl AgentClient {
     /// the same ids. Not a secret; unique in practice across processes and restarts.
     pub fn new_trace_id(&self) -> TraceId {
         use std::hash::{Hash, Hasher};
-        let n = self.shared.next_trace.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self
+            .shared
+            .next_trace
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let now = self.runtime.now().as_micros();
         let half = |salt: u8| {
             let mut hasher = std::hash::DefaultHasher::new();

@@ -54,7 +54,10 @@ impl TraceId {
         if text.len() != TRACE_ID_HEX_DIGITS || !text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
             return None;
         }
-        u128::from_str_radix(text, 16).ok().filter(|value| *value != 0).map(Self)
+        u128::from_str_radix(text, 16)
+            .ok()
+            .filter(|value| *value != 0)
+            .map(Self)
     }
 
     /// The trace id of a W3C Trace Context `traceparent` header

@@ -38,8 +38,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 use troupe_agent::{TaskState, TroupeCallMetadata};
-use troupe_core::TraceId;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
+use troupe_core::TraceId;
 
 use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore};
 use crate::agents::known;

@@ -251,7 +251,9 @@ pub(crate) async fn message(
     let options = AskOptions::default().timeout(timeout).traced(trace);
     let reply = state.client.ask_with(&agent, &body.text, options).await;
     Ok(with_trace(
-        reply.map(|reply| Json(reply_json(&agent, &reply)).into_response()).map_err(ApiError::from),
+        reply
+            .map(|reply| Json(reply_json(&agent, &reply)).into_response())
+            .map_err(ApiError::from),
         trace,
     ))
 }

@@ -210,7 +210,10 @@ async fn an_a2a_message_continues_the_callers_trace_id_and_its_task_names_it() {
     let (status, _, answer) = post(
         &server,
         "/a2a/echo",
-        a2a_send("m2", Some(json!({"chain": ["far"], "depth": 1, "trace_id": "far-call-7"}))),
+        a2a_send(
+            "m2",
+            Some(json!({"chain": ["far"], "depth": 1, "trace_id": "far-call-7"})),
+        ),
         None,
     )
     .await;
