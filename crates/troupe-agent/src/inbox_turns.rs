@@ -490,6 +490,34 @@ impl AgentActor {
         self.enqueue(turn, entry).await.map(|_| ())
     }
 
+    /// On this activation's first request: if the snapshot it was created from counts
+    /// pending inbox or outbox entries, tells itself a fresh `Resume` (unless the request
+    /// is one). Wake-ups are in-memory self-tells, so an activation that replaced one on
+    /// a node that died (or lost its lease) would otherwise never process or deliver
+    /// them; resuming is idempotent, so a second `Resume` (from `resume_pending` at a
+    /// node's start) is harmless.
+    pub(crate) async fn resume_at_activation(&mut self, turn: &mut Turn, command: &AgentCommand) -> Result<(), ActorError> {
+        if self.resumed {
+            return Ok(());
+        }
+        self.resumed = true;
+        if matches!(command, AgentCommand::Resume { .. }) {
+            return Ok(());
+        }
+        let boxes = &self.state.boxes;
+        if boxes.inbox_len == 0 && boxes.outbox_len == 0 {
+            return Ok(());
+        }
+        let resume = AgentCommand::Resume {
+            inbox_after: None,
+            outbox_after: None,
+        };
+        turn.caller()
+            .tell(&self.id, resume.encode(), WAKE_TIMEOUT)
+            .await
+            .map_err(wake_failed)
+    }
+
     /// Re-schedules pending entries (after a restart): up to [`AGENT_RESUME_BATCH`] of
     /// each box, then continues in a later turn.
     async fn resume(
