@@ -496,7 +496,11 @@ impl AgentActor {
     /// a node that died (or lost its lease) would otherwise never process or deliver
     /// them; resuming is idempotent, so a second `Resume` (from `resume_pending` at a
     /// node's start) is harmless.
-    pub(crate) async fn resume_at_activation(&mut self, turn: &mut Turn, command: &AgentCommand) -> Result<(), ActorError> {
+    pub(crate) async fn resume_at_activation(
+        &mut self,
+        turn: &mut Turn,
+        command: &AgentCommand,
+    ) -> Result<(), ActorError> {
         if self.resumed {
             return Ok(());
         }

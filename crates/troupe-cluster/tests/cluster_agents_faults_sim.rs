@@ -161,13 +161,13 @@ async fn start_agent_cluster() -> AgentCluster {
                                 .attach(node.handle().clone())
                                 .expect("the node's runtime has the agent kinds");
                             slots.lock().expect("slots")[index] = Some(client);
+                            notes.lock().expect("notes").push(format!("{name} joined"));
+                            let reason = node.fenced_off().await;
+                            slots.lock().expect("slots")[index] = None;
                             notes
                                 .lock()
                                 .expect("notes")
-                                .push(format!("{name} joined"));
-                            let reason = node.fenced_off().await;
-                            slots.lock().expect("slots")[index] = None;
-                            notes.lock().expect("notes").push(format!("{name} lost its lease: {reason:?}"));
+                                .push(format!("{name} lost its lease: {reason:?}"));
                             node.abandon().await;
                             tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
                         }
@@ -378,7 +378,10 @@ async fn scenario() -> RunResult {
                     tokio::time::sleep(Duration::from_millis(*gap)).await;
                     let tried = Instant::now();
                     loop {
-                        match client.notify_with_id("c", &format!("n-{i}"), &format!("note {i}"), None).await {
+                        match client
+                            .notify_with_id("c", &format!("n-{i}"), &format!("note {i}"), None)
+                            .await
+                        {
                             Ok(()) => {
                                 acked.push(i);
                                 break;
@@ -398,10 +401,24 @@ async fn scenario() -> RunResult {
     let (task_ids, notified) = sends.await.expect("the sends' task");
     // Settle (once now, and again after the faults, which may come later): every task
     // final at a, every inbox and outbox drained.
-    settle(&cluster, &task_ids, start, "the sends", (kill_at, restart_after, cut_at)).await;
+    settle(
+        &cluster,
+        &task_ids,
+        start,
+        "the sends",
+        (kill_at, restart_after, cut_at),
+    )
+    .await;
     let settled_ms = start.elapsed().as_millis();
     let due_at_kill = faults.await.expect("the faults' task");
-    settle(&cluster, &task_ids, Instant::now(), "the faults", (kill_at, restart_after, cut_at)).await;
+    settle(
+        &cluster,
+        &task_ids,
+        Instant::now(),
+        "the faults",
+        (kill_at, restart_after, cut_at),
+    )
+    .await;
 
     let a_log = cluster.log("a").await;
     let b_log = cluster.log("b").await;
@@ -481,7 +498,10 @@ fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() 
     eprintln!(
         "over {SEEDS} seeds: all outcomes in {fastest}–{slowest} ms (simulated) after the first send; the kill landed mid-protocol in {mid_protocol}"
     );
-    assert!(mid_protocol > 0, "some kills must land while delegations are unresolved");
+    assert!(
+        mid_protocol > 0,
+        "some kills must land while delegations are unresolved"
+    );
 }
 
 /// Two runs of a seed record the same events at the same simulated times.
