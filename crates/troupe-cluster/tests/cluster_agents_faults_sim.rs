@@ -248,6 +248,8 @@ struct RunResult {
     due_at_kill: usize,
     /// Turns of `b` started on a task (cut turns included).
     b_task_turns: usize,
+    /// The nodes `b`'s turns ran on, in order, repeats collapsed.
+    b_nodes: Vec<&'static str>,
     /// Every agent event of every node and the nodes' notes, rendered in order.
     record: Vec<String>,
 }
@@ -460,6 +462,13 @@ async fn scenario() -> RunResult {
                 .is_some_and(|message| message.content.contains("delegated by agent a]"))
         })
         .count();
+    let mut b_nodes: Vec<&'static str> = cluster
+        .seen
+        .turns_of("b")
+        .iter()
+        .map(|(node, _, _)| NODE_NAMES[*node])
+        .collect();
+    b_nodes.dedup();
     let mut record = cluster.seen.record();
     record.extend(cluster.notes.lock().expect("notes").iter().cloned());
     RunResult {
@@ -468,6 +477,7 @@ async fn scenario() -> RunResult {
         settled_ms,
         due_at_kill,
         b_task_turns,
+        b_nodes,
         record,
     }
 }
@@ -482,13 +492,22 @@ fn run(seed: u64) -> RunResult {
 #[test]
 fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() {
     let (mut fastest, mut slowest) = (u128::MAX, 0);
-    let mut mid_protocol = 0;
+    let (mut mid_protocol, mut moved) = (0, 0);
     for seed in 1..=SEEDS {
         let result = run(seed);
         eprintln!(
-            "seed {seed}: {} delegations ({} unresolved at the kill) and {} notifications acknowledged, each resolved once; all in {} ms after the first send; b's model asked {} times for {} tasks",
-            result.delegated, result.due_at_kill, result.notified, result.settled_ms, result.b_task_turns, result.delegated
+            "seed {seed}: {} delegations ({} unresolved at the kill) and {} notifications acknowledged, each resolved once; all in {} ms after the first send; b's model asked {} times for {} tasks; b ran on {:?}",
+            result.delegated,
+            result.due_at_kill,
+            result.notified,
+            result.settled_ms,
+            result.b_task_turns,
+            result.delegated,
+            result.b_nodes
         );
+        if result.b_nodes.len() > 1 {
+            moved += 1;
+        }
         if result.due_at_kill > 0 {
             mid_protocol += 1;
         }
@@ -496,7 +515,7 @@ fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() 
         slowest = slowest.max(result.settled_ms);
     }
     eprintln!(
-        "over {SEEDS} seeds: all outcomes in {fastest}–{slowest} ms (simulated) after the first send; the kill landed mid-protocol in {mid_protocol}"
+        "over {SEEDS} seeds: all outcomes in {fastest}–{slowest} ms (simulated) after the first send; the kill landed mid-protocol in {mid_protocol}; b moved to another node in {moved}"
     );
     assert!(
         mid_protocol > 0,
