@@ -7,15 +7,18 @@
 //! [`DELEGATIONS`] tasks to `b` (`AgentClient::delegate`: the command is persisted in
 //! `a`'s outbox, delivered to `b`'s owner, worked in a turn of `b`, its result delivered
 //! back to `a`'s inbox) and sends `c` [`NOTIFICATIONS`] notifications
-//! (`notify_with_id`, retried with the same id until acknowledged), spaced at random.
+//! (`notify_with_id`, retried with the same id until acknowledged), spaced at random;
+//! one delegation in [`CANCEL_ONE_IN`] is canceled (`AgentClient::cancel`) right after
+//! it is made (the cancellation's tombstone is delivered to `b`'s owner).
 //! Faults at random moments (seeded): node-2 (`b`'s owner) killed, restarted
 //! [`RESTART_AFTER_MS_MIN`]–[`RESTART_AFTER_MS_MAX`] ms later; node-3 (`c`'s owner) cut
 //! from etcd for [`CUT_MS`] ms (its lease runs out: it drops its activations and joins
 //! again with a new lease).
 //!
 //! Invariants after settling: every acknowledged delegation has exactly one outcome at
-//! `a` (its task record final, its result in `a`'s committed log once); `b`'s committed
-//! log holds each task's work once; each acknowledged notification is in `c`'s
+//! `a` (its task record final, the outcome in `a`'s committed log once): `Completed`
+//! with `b`'s answer and `b`'s committed log holding the task once, or `Canceled` (only
+//! if a cancellation was queued) and `b` never worked it; each acknowledged notification is in `c`'s
 //! committed log exactly once; every inbox and outbox drained.
 //!
 //! Run with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p troupe-cluster --test cluster_agents_faults_sim`.
@@ -236,10 +239,23 @@ fn count(log: &[ChatMessage], role: Role, needle: &str) -> usize {
         .count()
 }
 
+/// How the acknowledged delegations ended.
+#[derive(Default)]
+struct Outcomes {
+    completed: usize,
+    canceled: usize,
+}
+
+/// One delegation in this many is canceled right after it is made.
+const CANCEL_ONE_IN: u32 = 3;
+
 /// What one run measured and recorded.
 struct RunResult {
     /// Delegations acknowledged (task ids returned).
     delegated: usize,
+    /// Cancellations queued, and how the delegations ended.
+    cancel_sent: usize,
+    outcomes: Outcomes,
     /// Notifications acknowledged.
     notified: usize,
     /// Simulated ms from the first send until every outcome was in.
@@ -329,6 +345,8 @@ async fn scenario() -> RunResult {
     let gaps: Vec<u64> = (0..DELEGATIONS.max(NOTIFICATIONS))
         .map(|_| rng.gen_range(0..SEND_GAP_MS_MAX))
         .collect();
+    // Which delegations the client cancels right after making them.
+    let cancels: Vec<bool> = (0..DELEGATIONS).map(|_| rng.gen_range(0..CANCEL_ONE_IN) == 0).collect();
     let start = Instant::now();
 
     // The faults; the kill notes how many outcomes were still due at `a` then.
@@ -362,17 +380,24 @@ async fn scenario() -> RunResult {
     let client = cluster.client(0).await;
     let sends = cluster.nodes[0].spawn({
         let gaps = gaps.clone();
+        let cancels = cancels.clone();
         async move {
             let delegate = async {
-                let mut ids = Vec::new();
+                let (mut ids, mut canceled) = (Vec::new(), Vec::new());
                 for (i, gap) in gaps.iter().take(DELEGATIONS).enumerate() {
                     tokio::time::sleep(Duration::from_millis(*gap)).await;
                     match client.delegate("a", "b", &format!("delegated work {i}"), None).await {
-                        Ok(id) => ids.push(id),
+                        Ok(id) => {
+                            if cancels[i] {
+                                let answer = client.cancel("a", &id).await;
+                                canceled.push((id.clone(), answer.expect("a (node-1) takes the cancellation")));
+                            }
+                            ids.push(id)
+                        }
                         Err(error) => panic!("a (node-1, never faulted) refused delegation {i}: {error}"),
                     }
                 }
-                ids
+                (ids, canceled)
             };
             let notify = async {
                 let mut acked = Vec::new();
@@ -400,7 +425,7 @@ async fn scenario() -> RunResult {
             tokio::join!(delegate, notify)
         }
     });
-    let (task_ids, notified) = sends.await.expect("the sends' task");
+    let ((task_ids, canceled), notified) = sends.await.expect("the sends' task");
     // Settle (once now, and again after the faults, which may come later): every task
     // final at a, every inbox and outbox drained.
     settle(
@@ -426,6 +451,7 @@ async fn scenario() -> RunResult {
     let b_log = cluster.log("b").await;
     let c_log = cluster.log("c").await;
     let client = cluster.client(0).await;
+    let mut results = Outcomes::default();
     for id in &task_ids {
         let status = {
             let (client, id) = (client.clone(), id.clone());
@@ -436,15 +462,34 @@ async fn scenario() -> RunResult {
                 .expect("the task reads")
                 .expect("an acknowledged task has a record")
         };
-        assert_eq!(
-            (status.state, status.result.as_deref()),
-            (TaskState::Completed, Some("task done")),
-            "task {id}: {status:?}"
-        );
+        let cancel = canceled.iter().find(|(task, _)| task == id).map(|(_, answer)| *answer);
+        let worked = count(&b_log, Role::User, &format!("[task {id} delegated by agent a]"));
         let outcomes = count(&a_log, Role::User, &format!("[task {id} you delegated is"));
         assert_eq!(outcomes, 1, "task {id}: one outcome at a (kill at {kill_at} ms)");
-        let worked = count(&b_log, Role::User, &format!("[task {id} delegated by agent a]"));
-        assert_eq!(worked, 1, "task {id}: b's committed log holds its work once");
+        match status.state {
+            TaskState::Completed => {
+                assert_eq!(status.result.as_deref(), Some("task done"), "task {id}: {status:?}");
+                assert_eq!(worked, 1, "task {id}: b's committed log holds its work once");
+                assert_eq!(
+                    count(&a_log, Role::User, &format!("[task {id} you delegated is completed]")),
+                    1
+                );
+                results.completed += 1;
+            }
+            TaskState::Canceled => {
+                assert!(
+                    matches!(cancel, Some(None)),
+                    "task {id} canceled only if a cancellation was queued: {cancel:?}"
+                );
+                assert_eq!(worked, 0, "task {id}: a canceled task is never worked");
+                assert_eq!(
+                    count(&a_log, Role::User, &format!("[task {id} you delegated is canceled]")),
+                    1
+                );
+                results.canceled += 1;
+            }
+            other => panic!("task {id} ended {other:?}: {status:?} (kill at {kill_at} ms)"),
+        }
     }
     for i in 0..NOTIFICATIONS {
         let delivered = count(&c_log, Role::User, &format!("[notification n-{i} from"));
@@ -473,6 +518,8 @@ async fn scenario() -> RunResult {
     record.extend(cluster.notes.lock().expect("notes").iter().cloned());
     RunResult {
         delegated: task_ids.len(),
+        cancel_sent: canceled.len(),
+        outcomes: results,
         notified: notified.len(),
         settled_ms,
         due_at_kill,
@@ -492,19 +539,23 @@ fn run(seed: u64) -> RunResult {
 #[test]
 fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() {
     let (mut fastest, mut slowest) = (u128::MAX, 0);
-    let (mut mid_protocol, mut moved) = (0, 0);
+    let (mut mid_protocol, mut moved, mut canceled) = (0, 0, 0);
     for seed in 1..=SEEDS {
         let result = run(seed);
         eprintln!(
-            "seed {seed}: {} delegations ({} unresolved at the kill) and {} notifications acknowledged, each resolved once; all in {} ms after the first send; b's model asked {} times for {} tasks; b ran on {:?}",
+            "seed {seed}: {} delegations ({} unresolved at the kill; {} cancellations sent; {} completed, {} canceled) and {} notifications acknowledged, each resolved once; all in {} ms after the first send; b's model asked {} times for {} tasks; b ran on {:?}",
             result.delegated,
             result.due_at_kill,
+            result.cancel_sent,
+            result.outcomes.completed,
+            result.outcomes.canceled,
             result.notified,
             result.settled_ms,
             result.b_task_turns,
             result.delegated,
             result.b_nodes
         );
+        canceled += result.outcomes.canceled;
         if result.b_nodes.len() > 1 {
             moved += 1;
         }
@@ -515,7 +566,7 @@ fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() 
         slowest = slowest.max(result.settled_ms);
     }
     eprintln!(
-        "over {SEEDS} seeds: all outcomes in {fastest}–{slowest} ms (simulated) after the first send; the kill landed mid-protocol in {mid_protocol}; b moved to another node in {moved}"
+        "over {SEEDS} seeds: all outcomes in {fastest}–{slowest} ms (simulated) after the first send; the kill landed mid-protocol in {mid_protocol}; b moved to another node in {moved}; {canceled} tasks canceled"
     );
     assert!(
         mid_protocol > 0,
