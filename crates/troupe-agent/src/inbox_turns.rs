@@ -923,7 +923,9 @@ async fn await_send_approval(
 }
 
 /// Reports a delivery's outcome to its sender (a few attempts; if all fail, the entry
-/// stays in the outbox and the next resume delivers it again, deduplicated).
+/// stays in the outbox and the next resume delivers it again, deduplicated). Routed
+/// (`invoke_routed`): on a cluster the sender may have moved to another node since
+/// this delivery task started.
 async fn report(
     runtime: &troupe_runtime::RuntimeHandle,
     sender: &troupe_core::ActorId,
@@ -932,8 +934,8 @@ async fn report(
 ) {
     let deadline = runtime.deadline_in(WAKE_TIMEOUT);
     for _ in 0..REPORT_ATTEMPTS {
-        match runtime.tell(sender, report.encode(), deadline).await {
-            Ok(()) | Err(InvokeError::Shutdown) => return,
+        match runtime.invoke_routed(sender, report.encode(), deadline).await {
+            Ok(_) | Err(InvokeError::Shutdown) => return,
             Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
         }
     }
