@@ -7,7 +7,8 @@
 //! [`DELEGATIONS`] tasks to `b` (`AgentClient::delegate`: the command is persisted in
 //! `a`'s outbox, delivered to `b`'s owner, worked in a turn of `b`, its result delivered
 //! back to `a`'s inbox) and sends `c` [`NOTIFICATIONS`] notifications
-//! (`notify_with_id`, retried with the same id until acknowledged), spaced at random;
+//! (`notify_with_id`, retried with the same id until acknowledged) and as many from `a`
+//! (`notify_as`: queued in `a`'s outbox, delivered to `c`'s owner), spaced at random;
 //! one delegation in [`CANCEL_ONE_IN`] is canceled (`AgentClient::cancel`) right after
 //! it is made (the cancellation's tombstone is delivered to `b`'s owner).
 //! Faults at random moments (seeded): node-2 (`b`'s owner) killed, restarted
@@ -264,8 +265,9 @@ struct RunResult {
     due_at_kill: usize,
     /// Turns of `b` started on a task (cut turns included).
     b_task_turns: usize,
-    /// The nodes `b`'s turns ran on, in order, repeats collapsed.
+    /// The nodes `b`'s and `c`'s turns ran on, in order, repeats collapsed.
     b_nodes: Vec<&'static str>,
+    c_nodes: Vec<&'static str>,
     /// Every agent event of every node and the nodes' notes, rendered in order.
     record: Vec<String>,
 }
@@ -400,7 +402,7 @@ async fn scenario() -> RunResult {
                 (ids, canceled)
             };
             let notify = async {
-                let mut acked = Vec::new();
+                let (mut acked, mut from_a) = (Vec::new(), Vec::new());
                 for (i, gap) in gaps.iter().take(NOTIFICATIONS).enumerate() {
                     tokio::time::sleep(Duration::from_millis(*gap)).await;
                     let tried = Instant::now();
@@ -419,13 +421,20 @@ async fn scenario() -> RunResult {
                             Err(error) => panic!("notification {i} never acknowledged: {error}"),
                         }
                     }
+                    // An agent-to-agent notification: a (node-1) queues it in its outbox,
+                    // its delivery goes to c's owner.
+                    let id = client
+                        .notify_as("a", "c", &format!("agent note {i}"))
+                        .await
+                        .expect("a (node-1, never faulted) queues a notification");
+                    from_a.push(id);
                 }
-                acked
+                (acked, from_a)
             };
             tokio::join!(delegate, notify)
         }
     });
-    let ((task_ids, canceled), notified) = sends.await.expect("the sends' task");
+    let ((task_ids, canceled), (notified, from_a)) = sends.await.expect("the sends' task");
     // Settle (once now, and again after the faults, which may come later): every task
     // final at a, every inbox and outbox drained.
     settle(
@@ -496,6 +505,10 @@ async fn scenario() -> RunResult {
         let expected = usize::from(notified.contains(&i));
         assert_eq!(delivered, expected, "notification n-{i} delivered once");
     }
+    for id in &from_a {
+        let delivered = count(&c_log, Role::User, &format!("[notification {id} from"));
+        assert_eq!(delivered, 1, "a's notification {id} delivered to c once: {c_log:?}");
+    }
     let b_task_turns = cluster
         .llm
         .requests_of("b")
@@ -514,17 +527,25 @@ async fn scenario() -> RunResult {
         .map(|(node, _, _)| NODE_NAMES[*node])
         .collect();
     b_nodes.dedup();
+    let mut c_nodes: Vec<&'static str> = cluster
+        .seen
+        .turns_of("c")
+        .iter()
+        .map(|(node, _, _)| NODE_NAMES[*node])
+        .collect();
+    c_nodes.dedup();
     let mut record = cluster.seen.record();
     record.extend(cluster.notes.lock().expect("notes").iter().cloned());
     RunResult {
         delegated: task_ids.len(),
         cancel_sent: canceled.len(),
         outcomes: results,
-        notified: notified.len(),
+        notified: notified.len() + from_a.len(),
         settled_ms,
         due_at_kill,
         b_task_turns,
         b_nodes,
+        c_nodes,
         record,
     }
 }
@@ -539,11 +560,11 @@ fn run(seed: u64) -> RunResult {
 #[test]
 fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() {
     let (mut fastest, mut slowest) = (u128::MAX, 0);
-    let (mut mid_protocol, mut moved, mut canceled) = (0, 0, 0);
+    let (mut mid_protocol, mut moved, mut canceled, mut c_moved) = (0, 0, 0, 0);
     for seed in 1..=SEEDS {
         let result = run(seed);
         eprintln!(
-            "seed {seed}: {} delegations ({} unresolved at the kill; {} cancellations sent; {} completed, {} canceled) and {} notifications acknowledged, each resolved once; all in {} ms after the first send; b's model asked {} times for {} tasks; b ran on {:?}",
+            "seed {seed}: {} delegations ({} unresolved at the kill; {} cancellations sent; {} completed, {} canceled) and {} notifications acknowledged, each resolved once; all in {} ms after the first send; b's model asked {} times for {} tasks; b ran on {:?}, c on {:?}",
             result.delegated,
             result.due_at_kill,
             result.cancel_sent,
@@ -553,8 +574,12 @@ fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() 
             result.settled_ms,
             result.b_task_turns,
             result.delegated,
-            result.b_nodes
+            result.b_nodes,
+            result.c_nodes
         );
+        if result.c_nodes.len() > 1 {
+            c_moved += 1;
+        }
         canceled += result.outcomes.canceled;
         if result.b_nodes.len() > 1 {
             moved += 1;
@@ -566,7 +591,7 @@ fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() 
         slowest = slowest.max(result.settled_ms);
     }
     eprintln!(
-        "over {SEEDS} seeds: all outcomes in {fastest}–{slowest} ms (simulated) after the first send; the kill landed mid-protocol in {mid_protocol}; b moved to another node in {moved}; {canceled} tasks canceled"
+        "over {SEEDS} seeds: all outcomes in {fastest}–{slowest} ms (simulated) after the first send; the kill landed mid-protocol in {mid_protocol}; b moved to another node in {moved}; {canceled} tasks canceled; c's turns changed node in {c_moved}"
     );
     assert!(
         mid_protocol > 0,
