@@ -78,6 +78,7 @@ impl ActorFactory for AgentFactory {
             state,
             shared: Arc::clone(&self.shared),
             relaying: std::collections::BTreeSet::new(),
+            resumed: false,
         }))
     }
 }
@@ -89,6 +90,10 @@ pub(crate) struct AgentActor {
     pub(crate) shared: Arc<AgentShared>,
     /// Outbox seqs a delivery task of this activation is delivering.
     pub(crate) relaying: std::collections::BTreeSet<u64>,
+    /// Whether this activation has re-scheduled the entries its snapshot says are
+    /// pending (its first request does, so an agent activated on another node, after its
+    /// owner died, resumes the work the dead node's in-memory wake-ups held).
+    pub(crate) resumed: bool,
 }
 
 impl fmt::Debug for AgentActor {
@@ -125,6 +130,7 @@ impl Actor for AgentActor {
         let command = AgentCommand::decode(&payload)
             .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
         self.state.load_window(turn).await?;
+        self.resume_at_activation(turn, &command).await?;
         crate::org_store::ensure_loaded(&self.shared).await;
         if let Some(spec) = self.shared.directory.get(self.id.key()) {
             self.state.spec = spec;

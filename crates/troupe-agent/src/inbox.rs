@@ -44,7 +44,9 @@
 //! Wake-ups are in-memory self-tells; what survives a crash is the store. After a
 //! restart, [`crate::AgentClient::resume_pending`] (run by the system at start) sends
 //! every agent with pending inbox or outbox entries a `Resume`, which re-schedules them
-//! in batches of [`AGENT_RESUME_BATCH`]. Processing, relaying and enqueueing are
+//! in batches of [`AGENT_RESUME_BATCH`]; and every activation whose snapshot counts
+//! pending entries tells itself a `Resume` on its first request (an agent whose node
+//! died, activated on another node, resumes its own entries). Processing, relaying and enqueueing are
 //! idempotent (entries are looked up by seq, messages deduplicated by id, task results
 //! by the task's record), so any number of duplicate wake-ups or deliveries is safe.
 

@@ -490,6 +490,38 @@ impl AgentActor {
         self.enqueue(turn, entry).await.map(|_| ())
     }
 
+    /// On this activation's first request: if the snapshot it was created from counts
+    /// pending inbox or outbox entries, tells itself a fresh `Resume` (unless the request
+    /// is one). Wake-ups are in-memory self-tells, so an activation that replaced one on
+    /// a node that died (or lost its lease) would otherwise never process or deliver
+    /// them; resuming is idempotent, so a second `Resume` (from `resume_pending` at a
+    /// node's start) is harmless.
+    pub(crate) async fn resume_at_activation(
+        &mut self,
+        turn: &mut Turn,
+        command: &AgentCommand,
+    ) -> Result<(), ActorError> {
+        if self.resumed {
+            return Ok(());
+        }
+        self.resumed = true;
+        if matches!(command, AgentCommand::Resume { .. }) {
+            return Ok(());
+        }
+        let boxes = &self.state.boxes;
+        if boxes.inbox_len == 0 && boxes.outbox_len == 0 {
+            return Ok(());
+        }
+        let resume = AgentCommand::Resume {
+            inbox_after: None,
+            outbox_after: None,
+        };
+        turn.caller()
+            .tell(&self.id, resume.encode(), WAKE_TIMEOUT)
+            .await
+            .map_err(wake_failed)
+    }
+
     /// Re-schedules pending entries (after a restart): up to [`AGENT_RESUME_BATCH`] of
     /// each box, then continues in a later turn.
     async fn resume(
@@ -891,7 +923,9 @@ async fn await_send_approval(
 }
 
 /// Reports a delivery's outcome to its sender (a few attempts; if all fail, the entry
-/// stays in the outbox and the next resume delivers it again, deduplicated).
+/// stays in the outbox and the next resume delivers it again, deduplicated). Routed
+/// (`invoke_routed`): on a cluster the sender may have moved to another node since
+/// this delivery task started.
 async fn report(
     runtime: &troupe_runtime::RuntimeHandle,
     sender: &troupe_core::ActorId,
@@ -900,8 +934,8 @@ async fn report(
 ) {
     let deadline = runtime.deadline_in(WAKE_TIMEOUT);
     for _ in 0..REPORT_ATTEMPTS {
-        match runtime.tell(sender, report.encode(), deadline).await {
-            Ok(()) | Err(InvokeError::Shutdown) => return,
+        match runtime.invoke_routed(sender, report.encode(), deadline).await {
+            Ok(_) | Err(InvokeError::Shutdown) => return,
             Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
         }
     }

@@ -14,7 +14,8 @@
 //! - after a tool result, `a`, `b`, `d<i>` answer `<name><<the tool result>`;
 //! - `c` asked `again` answers `c-again`;
 //! - `b` given a task containing `delegated work` answers `task done`; `a` told the
-//!   result of a task it delegated answers `noted`.
+//!   result of a task it delegated answers `noted`;
+//! - any agent given a notification answers `noted`.
 #![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
@@ -61,6 +62,11 @@ pub(crate) fn script() -> ScriptedLlm {
         .rule(
             ScriptRule::agent("a")
                 .on_user_containing("you delegated is")
+                .reply("noted"),
+        )
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("[notification")
                 .reply("noted"),
         )
         .rule(ScriptRule::agent("a").on_tool_result().reply("a<{tool_result}"))

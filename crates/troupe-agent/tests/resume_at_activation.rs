@@ -1,0 +1,161 @@
+//! An agent activation resumes its own pending inbox entries on its first request, even
+//! when nothing else resumes them (on a cluster: the agent's node died and another node
+//! activates it; `resume_pending` at that node's start may not reach it). Here the
+//! start-up `resume_pending` is made to fail by a store that refuses scans until the
+//! test lets them through, so only the activation's own resume can process the entry.
+#![cfg(not(madsim))]
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, Role, ScriptRule, ScriptedLlm};
+use troupe_core::ActorId;
+use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+
+/// The model's latency on a notification, in milliseconds: long enough for the test to
+/// stop the first process before the notification's turn commits.
+const NOTIFICATION_LATENCY_MS: u64 = 300;
+/// How long the entry may take to be processed once the agent is asked, in ms.
+const PROCESS_BOUND_MS: u64 = 10_000;
+/// Pause between polls, in milliseconds.
+const POLL_MS: u64 = 20;
+
+/// A store over shared data that can refuse every operation (the process "died") or
+/// only scans (so `resume_pending` fails), counting the scans it refused.
+struct GateStore {
+    inner: MemoryStore,
+    dead: AtomicBool,
+    refuse_scans: AtomicBool,
+    refused_scans: AtomicU64,
+}
+
+impl GateStore {
+    fn new(inner: MemoryStore, refuse_scans: bool) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            dead: AtomicBool::new(false),
+            refuse_scans: AtomicBool::new(refuse_scans),
+            refused_scans: AtomicU64::new(0),
+        })
+    }
+
+    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(StoreError::Injected { operation });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl StateStore for GateStore {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.check(StoreOperation::Claim)?;
+        self.inner.claim(actor).await
+    }
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Load)?;
+        self.inner.load(actor).await
+    }
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.check(StoreOperation::Commit)?;
+        self.inner.commit(actor, fence, commit).await
+    }
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Get)?;
+        self.inner.get(actor, key).await
+    }
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.check(StoreOperation::Scan)?;
+        if self.refuse_scans.load(Ordering::SeqCst) {
+            self.refused_scans.fetch_add(1, Ordering::SeqCst);
+            return Err(StoreError::Injected {
+                operation: StoreOperation::Scan,
+            });
+        }
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+fn start(llm: &ScriptedLlm, store: Arc<GateStore>) -> AgentSystem {
+    AgentSystem::builder()
+        .store(store)
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts")
+}
+
+fn notifications(log: &[ChatMessage]) -> usize {
+    log.iter()
+        .filter(|m| m.role == Role::User && m.content.contains("[notification m-1"))
+        .count()
+}
+
+/// Goal: a persisted, acknowledged notification whose wake-up died with its process is
+/// processed exactly once by the agent's next activation, on its first request, when
+/// the start-up `resume_pending` could not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_activation_processes_entries_left_pending_when_nothing_resumed_them() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("[notification")
+                .reply("noted")
+                .latency(Duration::from_millis(NOTIFICATION_LATENCY_MS)),
+        )
+        .rule(ScriptRule::any_agent().on_user_containing("ping").reply("pong"));
+    let data = MemoryStore::new();
+
+    // The first process acknowledges the notification, then dies before processing it.
+    let first_store = GateStore::new(data.clone(), false);
+    let first = start(&llm, Arc::clone(&first_store));
+    first
+        .notify_with_id("b", "m-1", "hello", None)
+        .await
+        .expect("the notification is acknowledged");
+    first_store.dead.store(true, Ordering::SeqCst);
+    drop(first);
+
+    // The second process: its start-up resume fails (scans refused).
+    let second_store = GateStore::new(data.clone(), true);
+    let second = start(&llm, Arc::clone(&second_store));
+    while second_store.refused_scans.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(NOTIFICATION_LATENCY_MS * 2)).await;
+    second_store.refuse_scans.store(false, Ordering::SeqCst);
+    assert_eq!(
+        second.pending("b").await.unwrap(),
+        (1, 0),
+        "the acknowledged notification is still pending: nothing resumed it"
+    );
+
+    // Any request activates b, and the activation resumes its own entry.
+    let reply = second.ask("b", "ping").await.expect("b answers");
+    assert_eq!(reply.text, "pong");
+    let asked = tokio::time::Instant::now();
+    loop {
+        let log = second.conversation_log("b").await.unwrap();
+        if second.pending("b").await.unwrap() == (0, 0) && notifications(&log) > 0 {
+            assert_eq!(notifications(&log), 1, "processed once: {log:?}");
+            break;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_millis(PROCESS_BOUND_MS),
+            "the pending notification was not processed after b's activation: {:?}",
+            second.pending("b").await
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+    second.shutdown().await;
+}
