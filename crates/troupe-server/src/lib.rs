@@ -63,6 +63,7 @@ mod topology;
 
 #[cfg(not(madsim))]
 pub use agents::TRACE_ID_HEADER;
+#[cfg(not(madsim))]
 pub use config::{ServeError, ServerConfig};
 #[cfg(not(madsim))]
 pub use error::ApiError;
