@@ -5,20 +5,19 @@
 //! Runs in both builds: `cargo test -p troupe-agent --test external` (tokio with paused
 //! time) and under madsim (`RUSTFLAGS="--cfg madsim"`), except the multi-thread test.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-
-use async_trait::async_trait;
-use bytes::Bytes;
-use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, StoreError, StoreOperation, TurnCommit};
 
 use troupe_agent::{
     AgentSpec, AgentSystem, ChatMessage, ExternalCancel, ExternalTaskRequest, InboxError, Role, ScriptRule,
     ScriptedLlm, TaskState,
 };
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
+
+#[path = "support/gate_store.rs"]
+mod gate_store;
+use gate_store::GateStore;
 
 /// How long the scripted `slow` model takes, in milliseconds.
 const SLOW_MS: u64 = 5_000;
@@ -191,10 +190,7 @@ async fn an_external_task_canceled_before_it_starts_never_runs() {
 async fn an_external_task_survives_a_restart_mid_task() {
     let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
     let llm = script();
-    let crashing = Arc::new(CrashStore {
-        inner: Arc::clone(&store),
-        crashed: AtomicBool::new(false),
-    });
+    let crashing = GateStore::new(Arc::clone(&store), false);
     let first = start(&llm, Arc::clone(&crashing) as Arc<dyn StateStore>);
     let id = first
         .delegate_external("slow", request("r-1", "survive"))
@@ -206,7 +202,7 @@ async fn an_external_task_survives_a_restart_mid_task() {
         TaskState::Working
     );
     // The process dies: nothing it does from now on reaches the store.
-    crashing.crashed.store(true, Ordering::SeqCst);
+    crashing.dead.store(true, Ordering::SeqCst);
     first.shutdown().await;
 
     let second = start(&llm, Arc::clone(&store));
@@ -328,49 +324,4 @@ async fn concurrent_external_sends_to_one_agent_each_make_one_task_and_one_outco
     }
     assert_eq!(system.pending("echo").await.unwrap(), (0, 0));
     system.shutdown().await;
-}
-
-/// A store that, once `crashed`, fails every operation (a process that died).
-struct CrashStore {
-    inner: Arc<dyn StateStore>,
-    crashed: AtomicBool,
-}
-
-impl CrashStore {
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        if self.crashed.load(Ordering::SeqCst) {
-            return Err(StoreError::Injected { operation });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl StateStore for CrashStore {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await
-    }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
 }

@@ -5,15 +5,16 @@
 //! test lets them through, so only the activation's own resume can process the entry.
 #![cfg(not(madsim))]
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, Role, ScriptRule, ScriptedLlm};
-use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::MemoryStore;
+
+#[path = "support/gate_store.rs"]
+mod gate_store;
+use gate_store::GateStore;
 
 /// The model's latency on a notification, in milliseconds: long enough for the test to
 /// stop the first process before the notification's turn commits.
@@ -22,69 +23,6 @@ const NOTIFICATION_LATENCY_MS: u64 = 300;
 const PROCESS_BOUND_MS: u64 = 10_000;
 /// Pause between polls, in milliseconds.
 const POLL_MS: u64 = 20;
-
-/// A store over shared data that can refuse every operation (the process "died") or
-/// only scans (so `resume_pending` fails), counting the scans it refused.
-struct GateStore {
-    inner: MemoryStore,
-    dead: AtomicBool,
-    refuse_scans: AtomicBool,
-    refused_scans: AtomicU64,
-}
-
-impl GateStore {
-    fn new(inner: MemoryStore, refuse_scans: bool) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            dead: AtomicBool::new(false),
-            refuse_scans: AtomicBool::new(refuse_scans),
-            refused_scans: AtomicU64::new(0),
-        })
-    }
-
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        if self.dead.load(Ordering::SeqCst) {
-            return Err(StoreError::Injected { operation });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl StateStore for GateStore {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await
-    }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        if self.refuse_scans.load(Ordering::SeqCst) {
-            self.refused_scans.fetch_add(1, Ordering::SeqCst);
-            return Err(StoreError::Injected {
-                operation: StoreOperation::Scan,
-            });
-        }
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
 
 fn start(llm: &ScriptedLlm, store: Arc<GateStore>) -> AgentSystem {
     AgentSystem::builder()
@@ -117,7 +55,7 @@ async fn an_activation_processes_entries_left_pending_when_nothing_resumed_them(
     let data = MemoryStore::new();
 
     // The first process acknowledges the notification, then dies before processing it.
-    let first_store = GateStore::new(data.clone(), false);
+    let first_store = GateStore::new(Arc::new(data.clone()), false);
     let first = start(&llm, Arc::clone(&first_store));
     first
         .notify_with_id("b", "m-1", "hello", None)
@@ -127,7 +65,7 @@ async fn an_activation_processes_entries_left_pending_when_nothing_resumed_them(
     drop(first);
 
     // The second process: its start-up resume fails (scans refused).
-    let second_store = GateStore::new(data.clone(), true);
+    let second_store = GateStore::new(Arc::new(data.clone()), true);
     let second = start(&llm, Arc::clone(&second_store));
     while second_store.refused_scans.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(POLL_MS)).await;

@@ -1,0 +1,73 @@
+//! A store over shared data that a test can close: `dead` refuses every operation (the
+//! process died; nothing it does reaches the data any more), `refuse_scans` refuses only
+//! scans (so a start-up `resume_pending` fails), counting the scans it refused. A second
+//! store over the same data is the process after a restart.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::ActorId;
+use troupe_runtime::{Claimed, Fence, StateStore, StoreError, StoreOperation, TurnCommit};
+
+pub(crate) struct GateStore {
+    inner: Arc<dyn StateStore>,
+    pub(crate) dead: AtomicBool,
+    pub(crate) refuse_scans: AtomicBool,
+    pub(crate) refused_scans: AtomicU64,
+}
+
+impl GateStore {
+    pub(crate) fn new(inner: Arc<dyn StateStore>, refuse_scans: bool) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            dead: AtomicBool::new(false),
+            refuse_scans: AtomicBool::new(refuse_scans),
+            refused_scans: AtomicU64::new(0),
+        })
+    }
+
+    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(StoreError::Injected { operation });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl StateStore for GateStore {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.check(StoreOperation::Claim)?;
+        self.inner.claim(actor).await
+    }
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Load)?;
+        self.inner.load(actor).await
+    }
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.check(StoreOperation::Commit)?;
+        self.inner.commit(actor, fence, commit).await
+    }
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Get)?;
+        self.inner.get(actor, key).await
+    }
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.check(StoreOperation::Scan)?;
+        if self.refuse_scans.load(Ordering::SeqCst) {
+            self.refused_scans.fetch_add(1, Ordering::SeqCst);
+            return Err(StoreError::Injected {
+                operation: StoreOperation::Scan,
+            });
+        }
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
