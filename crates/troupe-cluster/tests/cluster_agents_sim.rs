@@ -28,7 +28,10 @@
 
 #[path = "support/agents.rs"]
 mod agents;
+#[path = "support/sim_etcd.rs"]
+mod sim_etcd;
 
+use sim_etcd::start_sim_etcd;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -90,19 +93,7 @@ struct AgentCluster {
 
 async fn start_agent_cluster() -> AgentCluster {
     let handle = Handle::current();
-    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
-    let etcd = handle
-        .create_node()
-        .name("etcd")
-        .ip(etcd_address.ip())
-        .init(move || async move {
-            etcd_client::SimServer::builder()
-                .serve(etcd_address)
-                .await
-                .expect("the simulated etcd serves");
-        })
-        .build();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let etcd = start_sim_etcd(&handle, ETCD_ADDRESS).await;
     let llm = script();
     let seen = Seen::default();
     let store = MemoryStore::new();

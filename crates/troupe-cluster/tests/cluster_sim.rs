@@ -27,9 +27,12 @@
 //! Run with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p troupe-cluster`.
 #![cfg(madsim)]
 
+#[path = "support/sim_etcd.rs"]
+mod sim_etcd;
 #[path = "support/counter.rs"]
 mod support;
 
+use sim_etcd::start_sim_etcd;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -348,19 +351,7 @@ async fn run_node(index: usize, shared: Shared) {
 /// The faults of the module documentation; returns the record of events.
 async fn cluster_scenario(variant: Variant) -> Vec<String> {
     let handle = Handle::current();
-    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
-    let etcd = handle
-        .create_node()
-        .name("etcd")
-        .ip(etcd_address.ip())
-        .init(move || async move {
-            etcd_client::SimServer::builder()
-                .serve(etcd_address)
-                .await
-                .expect("the simulated etcd serves");
-        })
-        .build();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let etcd = start_sim_etcd(&handle, ETCD_ADDRESS).await;
     let shared = Shared {
         store: MemoryStore::new(),
         log: StoreLog::default(),
@@ -592,19 +583,7 @@ struct SimCluster {
 
 async fn start_hop_cluster(no_probes: bool) -> SimCluster {
     let handle = Handle::current();
-    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
-    let etcd = handle
-        .create_node()
-        .name("etcd")
-        .ip(etcd_address.ip())
-        .init(move || async move {
-            etcd_client::SimServer::builder()
-                .serve(etcd_address)
-                .await
-                .expect("the simulated etcd serves");
-        })
-        .build();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let etcd = start_sim_etcd(&handle, ETCD_ADDRESS).await;
     let slots: Arc<Mutex<Vec<Option<ClusterClient>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
     let nodes: Vec<_> = (0..NODE_NAMES.len())
         .map(|index| {
