@@ -189,13 +189,13 @@ impl<A: TypedActor> ActorRef<A> {
         let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
         let reply = self
             .handle
-            .send_and_wait_from(
+            .start_call(
                 now,
                 &self.id,
                 Payload::Value(Box::new(message)),
-                troupe_core::CallContext::root(deadline),
+                CallContext::root(deadline),
                 None,
-            )
+            )?
             .await?;
         match reply {
             Payload::Value(value) => {
