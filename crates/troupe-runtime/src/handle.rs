@@ -126,17 +126,137 @@ pub struct DispatcherStats {
 }
 
 /// The open mailbox of one live activation, with the count of messages put into it.
-pub(crate) struct Route {
-    pub(crate) mailbox: MailboxSender,
-    pub(crate) delivered: u64,
+///
+/// Inline (the common case: the map's lock guards it) until an [`crate::ActorRef`] asks
+/// to cache it; then shared, with a lock of its own ([`SharedRoute`]). Only actors
+/// reached through a typed ref pay for the shared form's allocation.
+pub(crate) enum Route {
+    /// Reached only through the route map, under its lock. Removing it from the map
+    /// drops the mailbox's only sender, which closes the mailbox.
+    Inline { mailbox: MailboxSender, delivered: u64 },
+    /// Also held by typed refs' caches: its state is behind its own lock, and closing it
+    /// takes the sender out under that lock.
+    Shared(Arc<SharedRoute>),
 }
+
+/// A route that typed refs may cache: the mailbox's only sender and the count of
+/// messages put into it, behind one lock, so that every delivery and the idle check's
+/// compare-and-close exclude each other (the argument of [`Routes`], per activation).
+pub(crate) struct SharedRoute(Mutex<RouteState>);
+
+pub(crate) struct RouteState {
+    /// `None` once the dispatcher has closed the mailbox (the activation is deactivating
+    /// or gone): a cache that finds it so falls back to the map and the dispatcher.
+    mailbox: Option<MailboxSender>,
+    delivered: u64,
+}
+
+impl SharedRoute {
+    fn state(&self) -> MutexGuard<'_, RouteState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What became of one delivery attempt into a route.
+pub(crate) enum Delivery {
+    Delivered,
+    /// The mailbox is full; its capacity.
+    Full(Box<Envelope>, usize),
+    /// The mailbox is closed (its activation is ending, or its task has ended).
+    Closed(Box<Envelope>),
+}
+
+/// Puts `envelope` into `state`'s mailbox and counts it, if it is open and not full.
+fn deliver_into(mailbox: Option<&MailboxSender>, delivered: &mut u64, envelope: Box<Envelope>) -> Delivery {
+    let Some(mailbox) = mailbox else {
+        return Delivery::Closed(envelope);
+    };
+    match mailbox.try_send(envelope) {
+        Ok(()) => {
+            *delivered += 1;
+            Delivery::Delivered
+        }
+        Err(mpsc::error::TrySendError::Full(envelope)) => Delivery::Full(envelope, mailbox.max_capacity()),
+        Err(mpsc::error::TrySendError::Closed(envelope)) => Delivery::Closed(envelope),
+    }
+}
+
+impl Route {
+    /// A route for a new activation's mailbox.
+    pub(crate) fn open(mailbox: MailboxSender, delivered: u64) -> Self {
+        Self::Inline { mailbox, delivered }
+    }
+
+    /// Delivers into the mailbox (the caller holds the route map's lock).
+    pub(crate) fn deliver(&mut self, envelope: Box<Envelope>) -> Delivery {
+        match self {
+            Self::Inline { mailbox, delivered } => deliver_into(Some(mailbox), delivered, envelope),
+            Self::Shared(shared) => {
+                let mut state = shared.state();
+                let RouteState { mailbox, delivered } = &mut *state;
+                deliver_into(mailbox.as_ref(), delivered, envelope)
+            }
+        }
+    }
+
+    /// Whether exactly `received` messages were put into the mailbox; if so, closes it
+    /// (drops its only sender) in the same critical section. The caller holds the map's
+    /// lock and removes the route afterwards.
+    pub(crate) fn close_if_delivered(&mut self, received: u64) -> bool {
+        match self {
+            Self::Inline { delivered, .. } => *delivered == received,
+            Self::Shared(shared) => {
+                let mut state = shared.state();
+                if state.delivered != received {
+                    return false;
+                }
+                drop(state.mailbox.take());
+                true
+            }
+        }
+    }
+
+    /// Closes the mailbox of a route just removed from the map: an inline route's sender
+    /// goes with it; a shared one's is taken out under its lock (caches keep the rest).
+    pub(crate) fn close(self) {
+        if let Self::Shared(shared) = self {
+            drop(shared.state().mailbox.take());
+        }
+    }
+
+    /// The shared form of this route, made from the inline one on first use.
+    fn share(&mut self) -> Arc<SharedRoute> {
+        if let Self::Shared(shared) = self {
+            return Arc::clone(shared);
+        }
+        let shared = Arc::new(SharedRoute(Mutex::new(RouteState {
+            mailbox: None,
+            delivered: 0,
+        })));
+        // Under the map's lock: nobody can see the placeholder state before it is filled.
+        let Self::Inline { mailbox, delivered } = std::mem::replace(self, Self::Shared(Arc::clone(&shared))) else {
+            unreachable!("checked above")
+        };
+        *shared.state() = RouteState {
+            mailbox: Some(mailbox),
+            delivered,
+        };
+        shared
+    }
+}
+
+/// A typed ref's cached route to its actor's current activation (empty until first
+/// use, and after that activation's mailbox closes).
+#[derive(Default)]
+pub(crate) struct RouteCache(Mutex<Option<Arc<SharedRoute>>>);
 
 /// Open mailboxes by actor id, shared by the dispatcher and the callers' fast path.
 ///
 /// Only the dispatcher inserts and removes routes (it alone activates and deactivates);
 /// a caller without a wait-for edge may put a message into an open mailbox directly,
-/// under the lock, which keeps `delivered` exact for the idle handshake. Removing a
-/// route drops the only sender, which closes the mailbox.
+/// under the lock (and, for a shared route, under the route's own lock too), which keeps
+/// `delivered` exact for the idle handshake. Lock order: a ref's cache, then this map,
+/// then a shared route's lock.
 #[derive(Default)]
 pub(crate) struct Routes(Mutex<FastMap<ActorId, Route>>);
 
@@ -207,27 +327,59 @@ impl Shared {
         self.next_call.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Delivers straight into an open mailbox, skipping the dispatcher's queue.
-    fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>) -> FastPath {
+    /// Delivers straight into an open mailbox, skipping the dispatcher's queue: through
+    /// `cache` (a typed ref's) if it holds an open route, else through the route map
+    /// (and then remembers the route in `cache`).
+    fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>, cache: Option<&RouteCache>) -> FastPath {
+        let Some(cache) = cache else {
+            let mut routes = self.routes.lock();
+            let Some(route) = routes.get_mut(target) else {
+                return FastPath::ToDispatcher(envelope);
+            };
+            return self.delivered(target, route.deliver(envelope));
+        };
+        let mut cached = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut envelope = envelope;
+        if let Some(route) = cached.as_ref() {
+            let delivery = {
+                let mut state = route.state();
+                let RouteState { mailbox, delivered } = &mut *state;
+                deliver_into(mailbox.as_ref(), delivered, envelope)
+            };
+            match delivery {
+                Delivery::Closed(back) => {
+                    // That activation is ending or gone: look for the next one.
+                    *cached = None;
+                    envelope = back;
+                }
+                delivery => return self.delivered(target, delivery),
+            }
+        }
         let mut routes = self.routes.lock();
         let Some(route) = routes.get_mut(target) else {
             return FastPath::ToDispatcher(envelope);
         };
-        match route.mailbox.try_send(envelope) {
-            Ok(()) => {
-                route.delivered += 1;
-                FastPath::Delivered
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
+        let shared = route.share();
+        let delivery = route.deliver(envelope);
+        if !matches!(delivery, Delivery::Closed(_)) {
+            *cached = Some(shared);
+        }
+        self.delivered(target, delivery)
+    }
+
+    /// The fast path's answer for a delivery attempt.
+    fn delivered(&self, target: &ActorId, delivery: Delivery) -> FastPath {
+        match delivery {
+            Delivery::Delivered => FastPath::Delivered,
+            Delivery::Full(_, capacity) => {
                 Counters::add(&self.counters.busy_refused);
-                let capacity = route.mailbox.max_capacity();
                 FastPath::Refused(InvokeError::Busy {
                     target: target.clone(),
                     capacity,
                 })
             }
             // The activation ended; the dispatcher knows what to do next.
-            Err(mpsc::error::TrySendError::Closed(envelope)) => FastPath::ToDispatcher(envelope),
+            Delivery::Closed(envelope) => FastPath::ToDispatcher(envelope),
         }
     }
 }
@@ -345,9 +497,16 @@ impl RuntimeHandle {
         }
         let now = self.shared.clock.now();
         let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
-        self.start_call(now, target, Payload::Bytes(payload), CallContext::root(deadline), None)?
-            .await?
-            .into_bytes(target)
+        self.start_call(
+            now,
+            target,
+            Payload::Bytes(payload),
+            CallContext::root(deadline),
+            None,
+            None,
+        )?
+        .await?
+        .into_bytes(target)
     }
 
     /// As [`RuntimeHandle::invoke`], under `context` instead of a root context: the
@@ -438,7 +597,7 @@ impl RuntimeHandle {
         payload: Payload,
         context: CallContext,
     ) -> Result<(), InvokeError> {
-        self.send_only_from(self.shared.clock.now(), target, payload, context)
+        self.send_only_from(self.shared.clock.now(), target, payload, context, None)
             .await
     }
 
@@ -449,8 +608,9 @@ impl RuntimeHandle {
         target: &ActorId,
         payload: Payload,
         context: CallContext,
+        cache: Option<&RouteCache>,
     ) -> Result<(), InvokeError> {
-        match self.start_tell(now, target, payload, context)? {
+        match self.start_tell(now, target, payload, context, cache)? {
             Told::Accepted => Ok(()),
             // The dispatcher answers at once (it never waits on anything); it is gone
             // only when the runtime has stopped.
@@ -468,6 +628,7 @@ impl RuntimeHandle {
         target: &ActorId,
         payload: Payload,
         context: CallContext,
+        cache: Option<&RouteCache>,
     ) -> Result<Told, InvokeError> {
         let shared = &*self.shared;
         let deadline = context.deadline();
@@ -487,7 +648,7 @@ impl RuntimeHandle {
             edge: false,
             span,
         });
-        let mut envelope = match shared.fast_path(target, envelope) {
+        let mut envelope = match shared.fast_path(target, envelope, cache) {
             FastPath::Delivered => return Ok(Told::Accepted),
             FastPath::Refused(error) => return Err(error),
             FastPath::ToDispatcher(back) => back,
@@ -590,7 +751,7 @@ impl RuntimeHandle {
         context: CallContext,
         caller: Option<(&ActorId, Option<&CallerInner>)>,
     ) -> Result<Payload, InvokeError> {
-        self.start_call(now, target, payload, context, caller)?.await
+        self.start_call(now, target, payload, context, caller, None)?.await
     }
 
     /// Sends a request and returns the wait for its reply, or the refusal. Everything a
@@ -599,6 +760,8 @@ impl RuntimeHandle {
     /// small future, [`ReplyWait`], instead of a chain of nested `async fn` states.
     ///
     /// The request is sent when this returns `Ok`; dropping the [`ReplyWait`] abandons it.
+    /// `cache` is a typed ref's cached route (calls from a turn have none: they go
+    /// through the dispatcher for their wait-for edge).
     pub(crate) fn start_call<'a>(
         &'a self,
         now: Deadline,
@@ -606,6 +769,7 @@ impl RuntimeHandle {
         payload: Payload,
         context: CallContext,
         caller: Option<(&ActorId, Option<&'a CallerInner>)>,
+        cache: Option<&RouteCache>,
     ) -> Result<ReplyWait<'a>, InvokeError> {
         let shared = &*self.shared;
         let deadline = context.deadline();
@@ -658,7 +822,7 @@ impl RuntimeHandle {
         if edge.is_none() {
             // A call from outside any turn adds no wait-for edge, so it may skip the
             // dispatcher when the target's mailbox is open.
-            match shared.fast_path(target, envelope) {
+            match shared.fast_path(target, envelope, cache) {
                 FastPath::Delivered => return Ok(wait(guard)),
                 FastPath::Refused(error) => {
                     guard.answered = true;
@@ -830,5 +994,16 @@ impl From<Result<Reply, oneshot::error::RecvError>> for Waited {
             Ok(reply) => Self::Reply(reply),
             Err(_closed) => Self::Closed,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The route map's entry per active actor is no bigger than before routes could be
+    /// shared (a sender and a count): the shared form is paid for only by actors reached
+    /// through a typed ref.
+    #[test]
+    fn an_inline_route_takes_a_sender_and_a_count() {
+        assert_eq!(std::mem::size_of::<super::Route>(), 16);
     }
 }
