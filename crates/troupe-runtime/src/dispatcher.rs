@@ -31,7 +31,7 @@ use crate::activation::{self, ActivationStart};
 use crate::control::{CallEdge, Command, Control};
 use crate::envelope::Envelope;
 use crate::fast_hash::FastMap;
-use crate::handle::{Counters, Route, Routes};
+use crate::handle::{Counters, Delivery, Route, Routes};
 use crate::observer::RuntimeEvent;
 use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
 use crate::{DispatcherStats, RuntimeHandle};
@@ -77,7 +77,9 @@ impl Activation {
         if !self.open {
             return;
         }
-        routes.remove(id);
+        if let Some(route) = routes.remove(id) {
+            route.close();
+        }
         self.open = false;
         if self.lifecycle.state() == LifecycleState::Active {
             self.lifecycle.apply(LifecycleEvent::Deactivate);
@@ -328,13 +330,10 @@ impl Dispatcher {
         }
         let mut routes = routes.lock();
         let route = routes.get_mut(target).expect("an open activation has a route");
-        match route.mailbox.try_send(envelope) {
-            Ok(()) => {
-                route.delivered += 1;
-                None
-            }
-            Err(mpsc::error::TrySendError::Full(envelope)) => Some((envelope, busy())),
-            Err(mpsc::error::TrySendError::Closed(envelope)) => Some((
+        match route.deliver(envelope) {
+            Delivery::Delivered => None,
+            Delivery::Full(envelope, _) => Some((envelope, busy())),
+            Delivery::Closed(envelope) => Some((
                 envelope,
                 InvokeError::ActorFailed {
                     target: target.clone(),
@@ -389,7 +388,7 @@ impl Dispatcher {
             .shared
             .routes
             .lock()
-            .insert(id.clone(), Route { mailbox, delivered });
+            .insert(id.clone(), Route::open(mailbox, delivered));
         assert!(previous.is_none(), "a route to {id} outlived its activation");
         Counters::add(&self.handle.shared.counters.activations_started);
     }
@@ -427,12 +426,16 @@ impl Dispatcher {
                     return;
                 }
                 let mut routes = routes.lock();
-                let delivered = routes.get(&id).expect("an open activation has a route").delivered;
-                if delivered == received {
+                let route = routes.get_mut(&id).expect("an open activation has a route");
+                // Compared, and for a shared route closed, under the route's lock, which
+                // every delivery holds: nothing can be put in between.
+                if route.close_if_delivered(received) {
                     // Dropping the only sender closes the mailbox: that is the order to
                     // deactivate. The task sees the end of its mailbox, runs
                     // on_deactivate, saves and reports back.
-                    routes.remove(&id);
+                    if let Some(route) = routes.remove(&id) {
+                        route.close();
+                    }
                     activation.open = false;
                     activation.lifecycle.apply(LifecycleEvent::Deactivate);
                 }
@@ -466,7 +469,9 @@ impl Dispatcher {
         assert_eq!(state, LifecycleState::Inactive);
         if activation.open {
             // Crashed or failed to start while its mailbox was open.
-            self.handle.shared.routes.lock().remove(&id);
+            if let Some(route) = self.handle.shared.routes.lock().remove(&id) {
+                route.close();
+            }
         }
         let Some(activation) = self.table.remove(&id) else {
             unreachable!()

@@ -126,17 +126,137 @@ pub struct DispatcherStats {
 }
 
 /// The open mailbox of one live activation, with the count of messages put into it.
-pub(crate) struct Route {
-    pub(crate) mailbox: MailboxSender,
-    pub(crate) delivered: u64,
+///
+/// Inline (the common case: the map's lock guards it) until an [`crate::ActorRef`] asks
+/// to cache it; then shared, with a lock of its own ([`SharedRoute`]). Only actors
+/// reached through a typed ref pay for the shared form's allocation.
+pub(crate) enum Route {
+    /// Reached only through the route map, under its lock. Removing it from the map
+    /// drops the mailbox's only sender, which closes the mailbox.
+    Inline { mailbox: MailboxSender, delivered: u64 },
+    /// Also held by typed refs' caches: its state is behind its own lock, and closing it
+    /// takes the sender out under that lock.
+    Shared(Arc<SharedRoute>),
 }
+
+/// A route that typed refs may cache: the mailbox's only sender and the count of
+/// messages put into it, behind one lock, so that every delivery and the idle check's
+/// compare-and-close exclude each other (the argument of [`Routes`], per activation).
+pub(crate) struct SharedRoute(Mutex<RouteState>);
+
+pub(crate) struct RouteState {
+    /// `None` once the dispatcher has closed the mailbox (the activation is deactivating
+    /// or gone): a cache that finds it so falls back to the map and the dispatcher.
+    mailbox: Option<MailboxSender>,
+    delivered: u64,
+}
+
+impl SharedRoute {
+    fn state(&self) -> MutexGuard<'_, RouteState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What became of one delivery attempt into a route.
+pub(crate) enum Delivery {
+    Delivered,
+    /// The mailbox is full; its capacity.
+    Full(Box<Envelope>, usize),
+    /// The mailbox is closed (its activation is ending, or its task has ended).
+    Closed(Box<Envelope>),
+}
+
+/// Puts `envelope` into `state`'s mailbox and counts it, if it is open and not full.
+fn deliver_into(mailbox: Option<&MailboxSender>, delivered: &mut u64, envelope: Box<Envelope>) -> Delivery {
+    let Some(mailbox) = mailbox else {
+        return Delivery::Closed(envelope);
+    };
+    match mailbox.try_send(envelope) {
+        Ok(()) => {
+            *delivered += 1;
+            Delivery::Delivered
+        }
+        Err(mpsc::error::TrySendError::Full(envelope)) => Delivery::Full(envelope, mailbox.max_capacity()),
+        Err(mpsc::error::TrySendError::Closed(envelope)) => Delivery::Closed(envelope),
+    }
+}
+
+impl Route {
+    /// A route for a new activation's mailbox.
+    pub(crate) fn open(mailbox: MailboxSender, delivered: u64) -> Self {
+        Self::Inline { mailbox, delivered }
+    }
+
+    /// Delivers into the mailbox (the caller holds the route map's lock).
+    pub(crate) fn deliver(&mut self, envelope: Box<Envelope>) -> Delivery {
+        match self {
+            Self::Inline { mailbox, delivered } => deliver_into(Some(mailbox), delivered, envelope),
+            Self::Shared(shared) => {
+                let mut state = shared.state();
+                let RouteState { mailbox, delivered } = &mut *state;
+                deliver_into(mailbox.as_ref(), delivered, envelope)
+            }
+        }
+    }
+
+    /// Whether exactly `received` messages were put into the mailbox; if so, closes it
+    /// (drops its only sender) in the same critical section. The caller holds the map's
+    /// lock and removes the route afterwards.
+    pub(crate) fn close_if_delivered(&mut self, received: u64) -> bool {
+        match self {
+            Self::Inline { delivered, .. } => *delivered == received,
+            Self::Shared(shared) => {
+                let mut state = shared.state();
+                if state.delivered != received {
+                    return false;
+                }
+                drop(state.mailbox.take());
+                true
+            }
+        }
+    }
+
+    /// Closes the mailbox of a route just removed from the map: an inline route's sender
+    /// goes with it; a shared one's is taken out under its lock (caches keep the rest).
+    pub(crate) fn close(self) {
+        if let Self::Shared(shared) = self {
+            drop(shared.state().mailbox.take());
+        }
+    }
+
+    /// The shared form of this route, made from the inline one on first use.
+    fn share(&mut self) -> Arc<SharedRoute> {
+        if let Self::Shared(shared) = self {
+            return Arc::clone(shared);
+        }
+        let shared = Arc::new(SharedRoute(Mutex::new(RouteState {
+            mailbox: None,
+            delivered: 0,
+        })));
+        // Under the map's lock: nobody can see the placeholder state before it is filled.
+        let Self::Inline { mailbox, delivered } = std::mem::replace(self, Self::Shared(Arc::clone(&shared))) else {
+            unreachable!("checked above")
+        };
+        *shared.state() = RouteState {
+            mailbox: Some(mailbox),
+            delivered,
+        };
+        shared
+    }
+}
+
+/// A typed ref's cached route to its actor's current activation (empty until first
+/// use, and after that activation's mailbox closes).
+#[derive(Default)]
+pub(crate) struct RouteCache(Mutex<Option<Arc<SharedRoute>>>);
 
 /// Open mailboxes by actor id, shared by the dispatcher and the callers' fast path.
 ///
 /// Only the dispatcher inserts and removes routes (it alone activates and deactivates);
 /// a caller without a wait-for edge may put a message into an open mailbox directly,
-/// under the lock, which keeps `delivered` exact for the idle handshake. Removing a
-/// route drops the only sender, which closes the mailbox.
+/// under the lock (and, for a shared route, under the route's own lock too), which keeps
+/// `delivered` exact for the idle handshake. Lock order: a ref's cache, then this map,
+/// then a shared route's lock.
 #[derive(Default)]
 pub(crate) struct Routes(Mutex<FastMap<ActorId, Route>>);
 
@@ -144,6 +264,14 @@ impl Routes {
     pub(crate) fn lock(&self) -> MutexGuard<'_, FastMap<ActorId, Route>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// Where a fire-and-forget message went ([`RuntimeHandle::start_tell`]).
+pub(crate) enum Told {
+    /// Into the open mailbox: accepted.
+    Accepted,
+    /// To the dispatcher, which answers whether it accepted it.
+    ToDispatcher(oneshot::Receiver<Result<(), InvokeError>>),
 }
 
 /// What the fast path did with a message.
@@ -199,27 +327,59 @@ impl Shared {
         self.next_call.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Delivers straight into an open mailbox, skipping the dispatcher's queue.
-    fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>) -> FastPath {
+    /// Delivers straight into an open mailbox, skipping the dispatcher's queue: through
+    /// `cache` (a typed ref's) if it holds an open route, else through the route map
+    /// (and then remembers the route in `cache`).
+    fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>, cache: Option<&RouteCache>) -> FastPath {
+        let Some(cache) = cache else {
+            let mut routes = self.routes.lock();
+            let Some(route) = routes.get_mut(target) else {
+                return FastPath::ToDispatcher(envelope);
+            };
+            return self.delivered(target, route.deliver(envelope));
+        };
+        let mut cached = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut envelope = envelope;
+        if let Some(route) = cached.as_ref() {
+            let delivery = {
+                let mut state = route.state();
+                let RouteState { mailbox, delivered } = &mut *state;
+                deliver_into(mailbox.as_ref(), delivered, envelope)
+            };
+            match delivery {
+                Delivery::Closed(back) => {
+                    // That activation is ending or gone: look for the next one.
+                    *cached = None;
+                    envelope = back;
+                }
+                delivery => return self.delivered(target, delivery),
+            }
+        }
         let mut routes = self.routes.lock();
         let Some(route) = routes.get_mut(target) else {
             return FastPath::ToDispatcher(envelope);
         };
-        match route.mailbox.try_send(envelope) {
-            Ok(()) => {
-                route.delivered += 1;
-                FastPath::Delivered
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
+        let shared = route.share();
+        let delivery = route.deliver(envelope);
+        if !matches!(delivery, Delivery::Closed(_)) {
+            *cached = Some(shared);
+        }
+        self.delivered(target, delivery)
+    }
+
+    /// The fast path's answer for a delivery attempt.
+    fn delivered(&self, target: &ActorId, delivery: Delivery) -> FastPath {
+        match delivery {
+            Delivery::Delivered => FastPath::Delivered,
+            Delivery::Full(_, capacity) => {
                 Counters::add(&self.counters.busy_refused);
-                let capacity = route.mailbox.max_capacity();
                 FastPath::Refused(InvokeError::Busy {
                     target: target.clone(),
                     capacity,
                 })
             }
             // The activation ended; the dispatcher knows what to do next.
-            Err(mpsc::error::TrySendError::Closed(envelope)) => FastPath::ToDispatcher(envelope),
+            Delivery::Closed(envelope) => FastPath::ToDispatcher(envelope),
         }
     }
 }
@@ -244,7 +404,7 @@ impl fmt::Debug for RuntimeHandle {
 /// cancelled, and the dispatcher never routes the request; then it releases the wait-for
 /// edge (the callee releases it too when it replies: the first release wins) and reports
 /// the abandonment.
-struct WaitGuard<'a> {
+pub(crate) struct WaitGuard<'a> {
     shared: &'a Shared,
     target: &'a ActorId,
     call: u64,
@@ -337,9 +497,16 @@ impl RuntimeHandle {
         }
         let now = self.shared.clock.now();
         let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
-        self.send_and_wait_from(now, target, Payload::Bytes(payload), CallContext::root(deadline), None)
-            .await?
-            .into_bytes(target)
+        self.start_call(
+            now,
+            target,
+            Payload::Bytes(payload),
+            CallContext::root(deadline),
+            None,
+            None,
+        )?
+        .await?
+        .into_bytes(target)
     }
 
     /// As [`RuntimeHandle::invoke`], under `context` instead of a root context: the
@@ -430,7 +597,7 @@ impl RuntimeHandle {
         payload: Payload,
         context: CallContext,
     ) -> Result<(), InvokeError> {
-        self.send_only_from(self.shared.clock.now(), target, payload, context)
+        self.send_only_from(self.shared.clock.now(), target, payload, context, None)
             .await
     }
 
@@ -441,7 +608,28 @@ impl RuntimeHandle {
         target: &ActorId,
         payload: Payload,
         context: CallContext,
+        cache: Option<&RouteCache>,
     ) -> Result<(), InvokeError> {
+        match self.start_tell(now, target, payload, context, cache)? {
+            Told::Accepted => Ok(()),
+            // The dispatcher answers at once (it never waits on anything); it is gone
+            // only when the runtime has stopped.
+            Told::ToDispatcher(accepted) => accepted.await.unwrap_or(Err(InvokeError::Shutdown)),
+        }
+    }
+
+    /// Hands a fire-and-forget message over: straight into the open mailbox (accepted
+    /// at once), or to the dispatcher, whose acceptance the caller then awaits. Plain,
+    /// not `async`: nothing before the dispatcher's answer waits.
+    #[inline]
+    pub(crate) fn start_tell(
+        &self,
+        now: Deadline,
+        target: &ActorId,
+        payload: Payload,
+        context: CallContext,
+        cache: Option<&RouteCache>,
+    ) -> Result<Told, InvokeError> {
         let shared = &*self.shared;
         let deadline = context.deadline();
         if deadline.has_passed(now) {
@@ -460,8 +648,8 @@ impl RuntimeHandle {
             edge: false,
             span,
         });
-        let mut envelope = match shared.fast_path(target, envelope) {
-            FastPath::Delivered => return Ok(()),
+        let mut envelope = match shared.fast_path(target, envelope, cache) {
+            FastPath::Delivered => return Ok(Told::Accepted),
             FastPath::Refused(error) => return Err(error),
             FastPath::ToDispatcher(back) => back,
         };
@@ -473,18 +661,15 @@ impl RuntimeHandle {
             edge: None,
         };
         match shared.commands.try_send(command) {
-            Ok(()) => {}
+            Ok(()) => Ok(Told::ToDispatcher(accepted)),
             Err(mpsc::error::TrySendError::Full(_)) => {
                 Counters::add(&shared.counters.dispatcher_busy_refused);
-                return Err(InvokeError::DispatcherBusy {
+                Err(InvokeError::DispatcherBusy {
                     capacity: DISPATCHER_QUEUE_CAPACITY,
-                });
+                })
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => return Err(InvokeError::Shutdown),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(InvokeError::Shutdown),
         }
-        // The dispatcher answers at once (it never waits on anything); it is gone only
-        // when the runtime has stopped.
-        accepted.await.unwrap_or(Err(InvokeError::Shutdown))
     }
 
     /// The runtime's counters since it started.
@@ -566,8 +751,27 @@ impl RuntimeHandle {
         context: CallContext,
         caller: Option<(&ActorId, Option<&CallerInner>)>,
     ) -> Result<Payload, InvokeError> {
+        self.start_call(now, target, payload, context, caller, None)?.await
+    }
+
+    /// Sends a request and returns the wait for its reply, or the refusal. Everything a
+    /// request does before it waits is synchronous (the fast path and the dispatcher's
+    /// queue both use `try_send`), so it is a plain function: the hot path builds one
+    /// small future, [`ReplyWait`], instead of a chain of nested `async fn` states.
+    ///
+    /// The request is sent when this returns `Ok`; dropping the [`ReplyWait`] abandons it.
+    /// `cache` is a typed ref's cached route (calls from a turn have none: they go
+    /// through the dispatcher for their wait-for edge).
+    pub(crate) fn start_call<'a>(
+        &'a self,
+        now: Deadline,
+        target: &'a ActorId,
+        payload: Payload,
+        context: CallContext,
+        caller: Option<(&ActorId, Option<&'a CallerInner>)>,
+        cache: Option<&RouteCache>,
+    ) -> Result<ReplyWait<'a>, InvokeError> {
         let shared = &*self.shared;
-        let clock = shared.clock;
         let deadline = context.deadline();
         if deadline.has_passed(now) {
             return Err(InvokeError::Timeout {
@@ -607,13 +811,19 @@ impl RuntimeHandle {
             edge: edge.is_some(),
             span,
         });
+        let wait = |guard| ReplyWait {
+            guard,
+            deadline,
+            timeout_ms,
+            turn_end,
+            yielded: false,
+            slow: None,
+        };
         if edge.is_none() {
             // A call from outside any turn adds no wait-for edge, so it may skip the
             // dispatcher when the target's mailbox is open.
-            match shared.fast_path(target, envelope) {
-                FastPath::Delivered => {
-                    return Self::await_reply(&mut guard, clock, deadline, timeout_ms, None).await;
-                }
+            match shared.fast_path(target, envelope, cache) {
+                FastPath::Delivered => return Ok(wait(guard)),
                 FastPath::Refused(error) => {
                     guard.answered = true;
                     return Err(error);
@@ -627,34 +837,111 @@ impl RuntimeHandle {
             edge,
         };
         match shared.commands.try_send(command) {
-            Ok(()) => {}
+            Ok(()) => Ok(wait(guard)),
             Err(mpsc::error::TrySendError::Full(_)) => {
                 // Backpressure at the dispatcher too: refuse at once, never wait in line.
                 Counters::add(&shared.counters.dispatcher_busy_refused);
                 guard.answered = true;
-                return Err(InvokeError::DispatcherBusy {
+                Err(InvokeError::DispatcherBusy {
                     capacity: DISPATCHER_QUEUE_CAPACITY,
-                });
+                })
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
                 guard.answered = true;
-                return Err(InvokeError::Shutdown);
+                Err(InvokeError::Shutdown)
             }
         }
-        Self::await_reply(&mut guard, clock, deadline, timeout_ms, turn_end).await
     }
+}
 
-    /// Waits for the reply in `guard` until `deadline`, or until the calling turn ends.
-    async fn await_reply(
-        guard: &mut WaitGuard<'_>,
-        clock: Clock,
-        deadline: Deadline,
-        timeout_ms: u64,
-        turn_end: Option<&CallerInner>,
-    ) -> Result<Payload, InvokeError> {
+/// The wait for one reply, until the request's deadline or until the calling turn
+/// ends. Owns the request's [`WaitGuard`]: dropping it abandons the request.
+///
+/// The timer is armed late. An active actor usually replies within one scheduling round
+/// (its task runs as soon as the caller yields), while a timer costs a registration in
+/// the timer wheel and, on the multi-thread runtime, often the wake of a parked worker.
+/// So the first poll yields once without a timer (the task wakes itself, which tokio
+/// treats as a yield: it runs again after the tasks already scheduled, the callee's
+/// among them); only a reply that has not arrived by the next poll arms one, at the deadline's absolute instant, so the wait still ends exactly at
+/// the deadline. Safety does not depend on which path is taken: the callee checks the
+/// deadline when it dequeues the request, and a turn whose caller stops waiting is
+/// cancelled (see `activation.rs`).
+///
+/// A hand-written future rather than an `async fn`, so that the hot path (reply within
+/// the yield) keeps no timer, no turn-end waiter and no nested future states: those are
+/// boxed together only when the wait has to wait.
+pub(crate) struct ReplyWait<'a> {
+    guard: WaitGuard<'a>,
+    deadline: Deadline,
+    /// The time the caller allowed, for its `Timeout` error.
+    timeout_ms: u64,
+    /// The calling turn, for a call from a turn: the wait ends when it ends.
+    turn_end: Option<&'a CallerInner>,
+    /// Whether a poll has already yielded once without a timer.
+    yielded: bool,
+    /// The calling turn's end and the deadline's timer, raced after the reply; made by
+    /// the first poll after the yield that still finds no reply.
+    slow: Option<Pin<Box<dyn Future<Output = Waited> + Send + 'a>>>,
+}
+
+/// Resolves when the calling turn ends (never without one) or at `until`, whichever is
+/// first (the turn's end wins a tie).
+async fn turn_end_or_deadline(turn_end: Option<&CallerInner>, until: tokio::time::Instant) -> Waited {
+    let turn_ended = async {
+        match turn_end {
+            Some(turn) => turn.turn_ended().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        () = turn_ended => Waited::TurnEnded,
+        () = tokio::time::sleep_until(until) => Waited::Elapsed,
+    }
+}
+
+impl Future for ReplyWait<'_> {
+    type Output = Result<Payload, InvokeError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if !this.yielded {
+            // The first poll comes straight after the send: the callee has not run yet
+            // (on a current_thread runtime it cannot have), so the reply channel is not
+            // even looked at. The task wakes itself, which tokio treats as a yield, and
+            // the next poll, after the callee's task has run, usually finds the reply.
+            // The waker is then never registered with the reply channel, and the callee's
+            // reply wakes nobody.
+            this.yielded = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let answer = this.guard.answer.as_mut().expect("a waiting guard holds its receiver");
+        // The reply first, always: a reply that has arrived wins over a timer or a turn
+        // end that fired in the same round.
+        let waited = match Pin::new(answer).poll(cx) {
+            Poll::Ready(received) => Waited::from(received),
+            Poll::Pending => {
+                let shared = this.guard.shared;
+                let (turn_end, deadline) = (this.turn_end, this.deadline);
+                let slow = this
+                    .slow
+                    .get_or_insert_with(|| Box::pin(turn_end_or_deadline(turn_end, shared.clock.instant_of(deadline))));
+                match slow.as_mut().poll(cx) {
+                    Poll::Ready(waited) => waited,
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+        };
+        Poll::Ready(this.finish(waited))
+    }
+}
+
+impl ReplyWait<'_> {
+    /// The caller's result for how the wait ended.
+    fn finish(&mut self, waited: Waited) -> Result<Payload, InvokeError> {
+        let guard = &mut self.guard;
         let target = guard.target;
-        let answer = guard.answer.as_mut().expect("a waiting guard holds its receiver");
-        let waited = wait_for_reply(answer, clock.instant_of(deadline), turn_end).await;
         match waited {
             Waited::Reply(result) => {
                 guard.answered = true;
@@ -664,7 +951,7 @@ impl RuntimeHandle {
                     Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == *target => {
                         Err(InvokeError::Timeout {
                             target: timed_out,
-                            timeout_ms,
+                            timeout_ms: self.timeout_ms,
                         })
                     }
                     result => result,
@@ -686,60 +973,14 @@ impl RuntimeHandle {
             Waited::TurnEnded => Err(InvokeError::Cancelled { target: target.clone() }),
             Waited::Elapsed => Err(InvokeError::Timeout {
                 target: target.clone(),
-                timeout_ms,
+                timeout_ms: self.timeout_ms,
             }),
         }
     }
 }
 
-/// Waits for `answer` until the instant `until`, or until the calling turn ends.
-///
-/// The timer is armed late. An active actor usually replies within one scheduling round
-/// (its task runs as soon as the caller yields), while a timer costs a registration in
-/// the timer wheel and, on the multi-thread runtime, often the wake of a parked worker.
-/// So the caller first yields once without a timer; only a reply that has not arrived
-/// by then arms one, at the deadline's absolute instant, so the wait still ends exactly
-/// at the deadline. Safety does not depend on which path is taken: the callee checks
-/// the deadline when it dequeues the request, and a turn whose caller stops waiting is
-/// cancelled (see `activation.rs`).
-async fn wait_for_reply(
-    answer: &mut oneshot::Receiver<Reply>,
-    until: tokio::time::Instant,
-    turn_end: Option<&CallerInner>,
-) -> Waited {
-    let mut yielded = false;
-    let early = std::future::poll_fn(|cx| match Pin::new(&mut *answer).poll(cx) {
-        Poll::Ready(received) => Poll::Ready(Some(Waited::from(received))),
-        Poll::Pending if !yielded => {
-            yielded = true;
-            // Wakes this task again after the tasks already scheduled (the callee's
-            // among them) have run: tokio treats a task that wakes itself while it is
-            // being polled as a yield.
-            cx.waker().wake_by_ref();
-            Poll::Pending
-        }
-        Poll::Pending => Poll::Ready(None),
-    })
-    .await;
-    if let Some(waited) = early {
-        return waited;
-    }
-    let turn_ended = async {
-        match turn_end {
-            Some(turn) => turn.turn_ended().await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        biased;
-        answer = answer => Waited::from(answer),
-        () = turn_ended => Waited::TurnEnded,
-        () = tokio::time::sleep_until(until) => Waited::Elapsed,
-    }
-}
-
 /// How a wait for a reply ended.
-enum Waited {
+pub(crate) enum Waited {
     Reply(Reply),
     /// The reply channel closed without a reply: the activation ended.
     Closed,
@@ -753,5 +994,16 @@ impl From<Result<Reply, oneshot::error::RecvError>> for Waited {
             Ok(reply) => Self::Reply(reply),
             Err(_closed) => Self::Closed,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The route map's entry per active actor is no bigger than before routes could be
+    /// shared (a sender and a count): the shared form is paid for only by actors reached
+    /// through a typed ref.
+    #[test]
+    fn an_inline_route_takes_a_sender_and_a_count() {
+        assert_eq!(std::mem::size_of::<super::Route>(), 16);
     }
 }

@@ -32,7 +32,7 @@ use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::envelope::Payload;
-use crate::handle::IN_TURN;
+use crate::handle::{RouteCache, IN_TURN};
 use crate::{Actor, ActorError, RuntimeHandle, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
@@ -142,14 +142,21 @@ pub enum ActorRefError {
 pub struct ActorRef<A> {
     id: ActorId,
     handle: RuntimeHandle,
+    /// The route to the actor's current activation, once this ref has reached it: later
+    /// messages skip the route map's lock and hash. It holds no sender, so it never
+    /// keeps a mailbox open; a closed one sends the ref back to the map and the
+    /// dispatcher (see "The caller's fast path" in docs/architecture.md).
+    cache: RouteCache,
     _actor: PhantomData<fn() -> A>,
 }
 
 impl<A> Clone for ActorRef<A> {
+    /// A clone starts with an empty cache of its own.
     fn clone(&self) -> Self {
         Self {
             id: self.id.clone(),
             handle: self.handle.clone(),
+            cache: RouteCache::default(),
             _actor: PhantomData,
         }
     }
@@ -189,13 +196,14 @@ impl<A: TypedActor> ActorRef<A> {
         let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
         let reply = self
             .handle
-            .send_and_wait_from(
+            .start_call(
                 now,
                 &self.id,
                 Payload::Value(Box::new(message)),
-                troupe_core::CallContext::root(deadline),
+                CallContext::root(deadline),
                 None,
-            )
+                Some(&self.cache),
+            )?
             .await?;
         match reply {
             Payload::Value(value) => {
@@ -234,6 +242,7 @@ impl<A: TypedActor> ActorRef<A> {
                 &self.id,
                 Payload::Value(Box::new(message)),
                 CallContext::root(deadline),
+                Some(&self.cache),
             )
             .await
     }
@@ -255,6 +264,7 @@ impl RuntimeHandle {
             Some((registered, _)) if registered == wanted => Ok(ActorRef {
                 id,
                 handle: self.clone(),
+                cache: RouteCache::default(),
                 _actor: PhantomData,
             }),
             other => Err(ActorRefError::WrongType {
