@@ -475,6 +475,19 @@ fn json_whitespace_runs(value: &Value) -> usize {
 
 /// Whitespace runs in `text` as a JSON string literal writes it (see [`json_words`]).
 fn string_whitespace_runs(text: &str) -> usize {
+    if text.is_ascii() {
+        // ASCII whitespace other than the space is a control character: escaped.
+        let mut runs = 0;
+        let mut in_run = false;
+        for &byte in text.as_bytes() {
+            let blank = byte == b' ';
+            if blank && !in_run {
+                runs += 1;
+            }
+            in_run = blank;
+        }
+        return runs;
+    }
     let mut runs = 0;
     let mut in_run = false;
     for c in text.chars() {
