@@ -6,7 +6,9 @@
 //!   wait-for edge, JSON log writes and snapshots committed to the in-memory store).
 //! - `call admission`: one `admit_call` decision at depth 2 (target: < 1 µs).
 //!
-//! Run: `cargo bench --bench agents` (shorter measurement when `CI` is set).
+//! Run: `cargo bench --bench agents` (shorter measurement when `CI` is set). Where the
+//! `call_agent` case's time goes, measured: docs/architecture.md ("Where an agent call's
+//! time goes").
 
 // Benches measure wall-clock time by design; the determinism lints are for library code.
 #![allow(clippy::disallowed_methods, missing_docs)]

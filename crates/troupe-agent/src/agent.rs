@@ -79,6 +79,7 @@ impl ActorFactory for AgentFactory {
             shared: Arc::clone(&self.shared),
             relaying: std::collections::BTreeSet::new(),
             resumed: false,
+            prompt: None,
         }))
     }
 }
@@ -94,6 +95,8 @@ pub(crate) struct AgentActor {
     /// pending (its first request does, so an agent activated on another node, after its
     /// owner died, resumes the work the dead node's in-memory wake-ups held).
     pub(crate) resumed: bool,
+    /// The system message and tool specs last built, with what they were built from.
+    pub(crate) prompt: Option<turn_loop::PromptCache>,
 }
 
 impl fmt::Debug for AgentActor {

@@ -4,7 +4,8 @@
 //! ```text
 //! call_agent(a → b) answered ─► (first time for the pair in this process)
 //!     index: Register dm:a|b            conversation: Create Direct [a, b] (idempotent)
-//!   ─► Post { sender a, question, record }  ─► Post { sender b, answer, reply_to, record }
+//!   ─► Exchange { Post { sender a, question, record }, Post { sender b, answer, reply_to, record } }
+//!      (one turn of the conversation, not one per message)
 //! ```
 //!
 //! Recording is best effort and happens after the answer arrived, inside the caller's
@@ -88,14 +89,16 @@ pub(crate) async fn record_call(
         strict: false,
         record: true,
     };
-    let asked = match request(turn, &target, ConvCommand::Post(post(caller, "q", question, None))).await? {
-        ConvReply::Posted(posted) => posted.seq,
-        other => {
-            return Err(ConversationError::Unavailable {
-                cause: format!("unexpected reply {other:?}"),
-            })
-        }
+    // Question and answer in one request (one turn of the conversation): the answer
+    // replies to the question's seq, which the conversation fills in.
+    let exchange = ConvCommand::Exchange {
+        question: post(caller, "q", question, None),
+        answer: post(callee, "a", answer, None),
     };
-    request(turn, &target, ConvCommand::Post(post(callee, "a", answer, Some(asked)))).await?;
-    Ok(asked)
+    match request(turn, &target, exchange).await? {
+        ConvReply::Posted(posted) => Ok(posted.seq),
+        other => Err(ConversationError::Unavailable {
+            cause: format!("unexpected reply {other:?}"),
+        }),
+    }
 }

@@ -449,6 +449,13 @@ pub(crate) enum ConvCommand {
     Resume {
         after: Option<String>,
     },
+    /// A recorded `call_agent` exchange (`call_record.rs`), in one turn: `question`,
+    /// then `answer` replying to it (its `reply_to` is set here). Replies the
+    /// question's [`ConvReply::Posted`], or the first error.
+    Exchange {
+        question: PostRequest,
+        answer: PostRequest,
+    },
 }
 
 /// A message to append.
@@ -549,6 +556,16 @@ impl Actor for ConversationActor {
                 ConvReply::Done
             }
             ConvCommand::Post(request) => self.post(turn, request).await?,
+            ConvCommand::Exchange { question, mut answer } => match self.post(turn, question).await? {
+                ConvReply::Posted(asked) => {
+                    answer.reply_to = Some(asked.seq);
+                    match self.post(turn, answer).await? {
+                        ConvReply::Posted(_) => ConvReply::Posted(asked),
+                        other => other,
+                    }
+                }
+                other => other,
+            },
             ConvCommand::Relay { seq, agent } => {
                 self.relay(turn, seq, agent).await?;
                 ConvReply::Done

@@ -227,6 +227,8 @@ pub enum RemoteAgentError {
 #[derive(Debug, Default)]
 pub(crate) struct RemoteDirectory {
     agents: RwLock<BTreeMap<String, Arc<RemoteAgent>>>,
+    /// Counts the changes, so an agent's list of peers is rebuilt only when it changed.
+    generation: std::sync::atomic::AtomicU64,
     #[cfg(not(madsim))]
     http: std::sync::OnceLock<reqwest::Client>,
 }
@@ -259,7 +261,14 @@ impl RemoteDirectory {
             });
         }
         agents.insert(remote.id.clone(), Arc::new(remote));
+        // Under the lock: a reader that sees the new generation reads the new entry.
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())
+    }
+
+    /// How many changes the directory has had: equal generations, equal contents.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     #[cfg(not(madsim))]

@@ -323,13 +323,22 @@ impl TemplateValues {
         }
     }
 
+    /// Replaces each placeholder in turn (a value may hold a later placeholder, which is
+    /// then replaced too); a placeholder that is not there costs no copy.
     fn fill(&self, template: &str) -> String {
-        template
-            .replace("{input}", &self.input)
-            .replace("{tool_result}", &self.tool_result)
-            .replace("{agent}", &self.agent)
-            .replace("{route_next}", &self.route_next)
-            .replace("{route_rest}", &self.route_rest)
+        let mut text = template.to_string();
+        for (placeholder, value) in [
+            ("{input}", &self.input),
+            ("{tool_result}", &self.tool_result),
+            ("{agent}", &self.agent),
+            ("{route_next}", &self.route_next),
+            ("{route_rest}", &self.route_rest),
+        ] {
+            if text.contains(placeholder) {
+                text = text.replace(placeholder, value);
+            }
+        }
+        text
     }
 
     fn fill_json(&self, value: &Value) -> Value {
@@ -416,13 +425,79 @@ impl LlmClient for ScriptedLlm {
 
 /// Words (whitespace-separated) of a message's text and its tool calls' arguments.
 fn message_words(message: &ChatMessage) -> u64 {
-    let text = message.content.split_whitespace().count();
+    let text = text_words(&message.content);
     let arguments: usize = message
         .tool_calls
         .iter()
-        .map(|call| 1 + call.arguments.to_string().split_whitespace().count())
+        .map(|call| 1 + json_words(&call.arguments))
         .sum();
     u64::try_from(text + arguments).unwrap_or(u64::MAX)
+}
+
+/// `text.split_whitespace().count()`, a byte at a time when `text` is ASCII (whose
+/// whitespace is `\t`..=`\r` and the space, as for [`char::is_whitespace`]).
+fn text_words(text: &str) -> usize {
+    if !text.is_ascii() {
+        return text.split_whitespace().count();
+    }
+    let mut words = 0;
+    let mut after_blank = true;
+    for &byte in text.as_bytes() {
+        let blank = matches!(byte, b'\t'..=b'\r' | b' ');
+        if after_blank && !blank {
+            words += 1;
+        }
+        after_blank = blank;
+    }
+    words
+}
+
+/// `value.to_string().split_whitespace().count()`, without building the text: compact
+/// JSON starts and ends with a non-whitespace character and has whitespace only inside
+/// strings (keys and values), so its words are one more than the whitespace runs in
+/// those strings as serialized (control characters, whitespace or not, are written as
+/// escapes, which are not whitespace).
+fn json_words(value: &Value) -> usize {
+    1 + json_whitespace_runs(value)
+}
+
+fn json_whitespace_runs(value: &Value) -> usize {
+    match value {
+        Value::String(text) => string_whitespace_runs(text),
+        Value::Array(items) => items.iter().map(json_whitespace_runs).sum(),
+        Value::Object(fields) => fields
+            .iter()
+            .map(|(key, value)| string_whitespace_runs(key) + json_whitespace_runs(value))
+            .sum(),
+        Value::Null | Value::Bool(_) | Value::Number(_) => 0,
+    }
+}
+
+/// Whitespace runs in `text` as a JSON string literal writes it (see [`json_words`]).
+fn string_whitespace_runs(text: &str) -> usize {
+    if text.is_ascii() {
+        // ASCII whitespace other than the space is a control character: escaped.
+        let mut runs = 0;
+        let mut in_run = false;
+        for &byte in text.as_bytes() {
+            let blank = byte == b' ';
+            if blank && !in_run {
+                runs += 1;
+            }
+            in_run = blank;
+        }
+        return runs;
+    }
+    let mut runs = 0;
+    let mut in_run = false;
+    for c in text.chars() {
+        let blank = c >= ' ' && c.is_whitespace();
+        if blank && !in_run {
+            runs += 1;
+        }
+        in_run = blank;
+    }
+    runs
 }
 
 /// The scripted model's token count: one token per word (see the module doc).
@@ -593,5 +668,75 @@ mod tests {
             let a_requests = agents.iter().filter(|a| **a == "a").count() as u32;
             proptest::prop_assert_eq!(limited_seen, limit.min(a_requests));
         }
+
+        /// The word count walked over a JSON value is the count of its compact text's
+        /// whitespace-separated words, for strings (keys included) mixing ASCII and
+        /// Unicode whitespace, control characters, quotes and backslashes.
+        #[test]
+        fn json_words_counts_the_words_of_the_compact_text(value in json_value()) {
+            proptest::prop_assert_eq!(json_words(&value), value.to_string().split_whitespace().count());
+        }
+    }
+
+    proptest::proptest! {
+        /// The byte-wise count agrees with `split_whitespace` on ASCII (every ASCII
+        /// control and blank character) and on text that is not ASCII.
+        #[test]
+        fn text_words_counts_as_split_whitespace_does(
+            bytes in proptest::collection::vec(0u8..0x80, 0..40),
+            other in "[ a\u{a0}\u{3000}\t\u{0b}é]{0,20}",
+        ) {
+            let ascii = String::from_utf8(bytes).unwrap();
+            proptest::prop_assert_eq!(text_words(&ascii), ascii.split_whitespace().count());
+            proptest::prop_assert_eq!(text_words(&other), other.split_whitespace().count());
+        }
+    }
+
+    /// Arbitrary JSON whose strings are drawn from characters that matter to the count.
+    fn json_value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let text = proptest::collection::vec(
+            prop_oneof![
+                Just('a'),
+                Just('z'),
+                Just(' '),
+                Just('\t'),
+                Just('\n'),
+                Just('\r'),
+                Just('\u{0b}'),
+                Just('\u{0c}'),
+                Just('\u{1f}'),
+                Just('\u{85}'),
+                Just('\u{a0}'),
+                Just('\u{2028}'),
+                Just('\u{3000}'),
+                Just('"'),
+                Just('\\'),
+                Just('é'),
+            ],
+            0..12,
+        )
+        .prop_map(|chars| chars.into_iter().collect::<String>());
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            text.clone().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 6, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::btree_map(text.clone(), inner, 0..6)
+                    .prop_map(|fields| Value::Object(fields.into_iter().collect())),
+            ]
+        })
+    }
+
+    #[test]
+    fn json_words_of_simple_arguments() {
+        assert_eq!(json_words(&json!({})), 1);
+        assert_eq!(json_words(&json!({"agent_id": "b", "message": "what is 6 x 7?"})), 5);
+        assert_eq!(json_words(&json!({" a ": [" ", "\n x"]})), 5);
     }
 }

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use serde_json::json;
 use troupe_agent::{
-    AgentSpec, AgentSpecError, AgentSystem, AgentSystemBuilder, AgentSystemError, ConfigError, OrgConfig, OrgError,
-    Role, ScriptRule, ScriptedLlm, Tool,
+    AgentSpec, AgentSpecError, AgentSystem, AgentSystemBuilder, AgentSystemError, ConfigError, Link, OrgConfig,
+    OrgError, OrgPolicy, Role, ScriptRule, ScriptedLlm, Tool,
 };
 
 fn keys(llm: &ScriptedLlm) -> Vec<String> {
@@ -294,5 +294,54 @@ async fn unknown_names_in_a_config_file_name_the_file_line_and_column() {
         assert!(error.to_string().starts_with(expected), "{error}");
         assert!(system.directory().list().is_empty(), "nothing was applied");
     }
+    system.shutdown().await;
+}
+
+/// Goal: the system message an agent's model sees follows every change it is derived
+/// from, though it is built once and kept between turns: a peer's new role (directory),
+/// the organisation's policy and links, and the agent's own definition.
+/// Method: four asks of `a` with a change before each, reading the system message the
+/// scripted model received each time.
+#[tokio::test]
+async fn the_system_message_follows_the_directory_the_organisation_and_the_agents_definition() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("ok"));
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a").role("first"))
+        .agent(AgentSpec::new("b").role("helps"))
+        .start()
+        .unwrap();
+    let last_system_message = |llm: &ScriptedLlm| {
+        let requests = llm.requests_of("a");
+        let message = &requests.last().expect("a was asked").messages[0];
+        assert_eq!(message.role, Role::System);
+        message.content.clone()
+    };
+
+    system.ask("a", "one").await.unwrap();
+    let first = last_system_message(&llm);
+    assert!(first.contains("(agent id \"a\"), first."), "{first}");
+    assert!(first.contains("- b: helps"), "{first}");
+    system.ask("a", "one again").await.unwrap();
+    assert_eq!(last_system_message(&llm), first, "nothing changed");
+
+    system.directory().upsert(AgentSpec::new("b").role("changed")).unwrap();
+    system.ask("a", "two").await.unwrap();
+    let second = last_system_message(&llm);
+    assert!(second.contains("- b: changed") && !second.contains("helps"), "{second}");
+
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    system.ask("a", "three").await.unwrap();
+    let third = last_system_message(&llm);
+    assert!(!third.contains("- b:"), "no link, b is not listed: {third}");
+    system.add_link(Link::new("a", "b")).await.unwrap();
+    system.ask("a", "four").await.unwrap();
+    let fourth = last_system_message(&llm);
+    assert!(fourth.contains("- b: changed"), "{fourth}");
+
+    system.directory().upsert(AgentSpec::new("a").role("second")).unwrap();
+    system.ask("a", "five").await.unwrap();
+    let fifth = last_system_message(&llm);
+    assert!(fifth.contains("(agent id \"a\"), second."), "{fifth}");
     system.shutdown().await;
 }

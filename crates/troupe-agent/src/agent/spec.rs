@@ -2,6 +2,7 @@
 //! directory of the agents that exist ([`AgentDirectory`]).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
@@ -328,6 +329,9 @@ impl AgentSpec {
 pub struct AgentDirectory {
     agents: Arc<RwLock<BTreeMap<String, AgentSpec>>>,
     catalog: Option<Arc<AgentCatalog>>,
+    /// Counts the changes (shared by every clone), so what is derived from the whole
+    /// directory (an agent's list of peers) is rebuilt only when it changed.
+    generation: Arc<AtomicU64>,
 }
 
 impl AgentDirectory {
@@ -343,6 +347,7 @@ impl AgentDirectory {
         Self {
             agents: Arc::default(),
             catalog: Some(Arc::new(catalog)),
+            generation: Arc::default(),
         }
     }
 
@@ -362,7 +367,10 @@ impl AgentDirectory {
         if let Some(catalog) = &self.catalog {
             catalog.check(&spec)?;
         }
-        self.agents.write().unwrap().insert(spec.id.clone(), spec);
+        let mut agents = self.agents.write().unwrap();
+        agents.insert(spec.id.clone(), spec);
+        // Under the lock: a reader that sees the new generation reads the new entry.
+        self.generation.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 
@@ -370,7 +378,15 @@ impl AgentDirectory {
     /// longer be called or activated; an activation that is live keeps running until it
     /// is deactivated (see [`crate::AgentClient::remove_agent`], which does both).
     pub fn remove(&self, id: &str) -> Option<AgentSpec> {
-        self.agents.write().unwrap().remove(id)
+        let mut agents = self.agents.write().unwrap();
+        let removed = agents.remove(id);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        removed
+    }
+
+    /// How many changes the directory has had: equal generations, equal contents.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// The definition of agent `id`.

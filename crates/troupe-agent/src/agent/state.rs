@@ -146,13 +146,36 @@ impl AgentState {
 
 /// The key of entry `seq` of the conversation log.
 pub(crate) fn log_key(seq: u64) -> String {
-    format!("log/{seq:020}")
+    // `format!("log/{seq:020}")` without the formatting machinery (a key per message).
+    let mut digits = [b'0'; LOG_SEQ_DIGITS];
+    let mut rest = seq;
+    for digit in digits.iter_mut().rev() {
+        *digit = b'0' + (rest % 10) as u8;
+        rest /= 10;
+    }
+    let mut key = String::with_capacity(LOG_KEY_LENGTH);
+    key.push_str("log/");
+    key.extend(digits.iter().map(|&digit| char::from(digit)));
+    key
 }
+
+/// The digits of a log key's seq: every `u64` fits, so keys sort in seq order.
+const LOG_SEQ_DIGITS: usize = 20;
+/// The length of a log key in bytes: `log/` and the digits.
+const LOG_KEY_LENGTH: usize = 4 + LOG_SEQ_DIGITS;
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ToolCall;
+
+    #[test]
+    fn log_keys_are_zero_padded_to_twenty_digits() {
+        for seq in [0, 7, 10, 12_345, u64::MAX / 3, u64::MAX] {
+            assert_eq!(log_key(seq), format!("log/{seq:020}"));
+        }
+        assert!(log_key(9) < log_key(10));
+    }
 
     #[test]
     fn the_window_stays_bounded_and_starts_at_a_user_message() {

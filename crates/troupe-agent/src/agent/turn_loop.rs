@@ -14,8 +14,9 @@ use crate::limits::{
     AGENT_REPLY_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
 };
 use crate::{
-    AgentEvent, AgentReply, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmError, LlmRequest, Role,
-    TokenUsage, ToolCall, ToolExecutionContext, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+    AgentEvent, AgentReply, AgentSpec, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmError, LlmRequest,
+    Role, TokenUsage, ToolCall, ToolExecutionContext, ToolSpec, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME,
+    NOTIFY_TOOL_NAME,
 };
 
 /// One conversation turn to run: the user message and who it serves.
@@ -34,10 +35,27 @@ pub(crate) struct Conversation {
     pub(crate) history: Option<Vec<ChatMessage>>,
 }
 
-impl AgentActor {
-    /// The system message: the agent's prompt, its role, and the peers it may call.
-    fn system_message(&self) -> ChatMessage {
-        let spec = &self.state.spec;
+/// What an agent's model is shown besides the chat: its system message and the tool
+/// specs, kept with everything they are derived from (the agent's definition, the
+/// directory's and the remote directory's generations, the organisation in the cache),
+/// so they are built again only when one of those changed.
+pub(crate) struct PromptCache {
+    spec: AgentSpec,
+    directory: u64,
+    remotes: u64,
+    /// Held, so its address cannot be reused while it is compared.
+    org: Option<Arc<crate::Organisation>>,
+    system: ChatMessage,
+    tools: Arc<[ToolSpec]>,
+}
+
+impl PromptCache {
+    fn build(shared: &crate::agent::AgentShared, spec: &AgentSpec) -> Self {
+        // Read before what they guard: a change made meanwhile leaves a stale key,
+        // which the next lookup misses (never a new key on old contents).
+        let directory = shared.directory.generation();
+        let remotes = shared.remotes.generation();
+        let org = shared.org.cached();
         let mut text = spec.system_prompt.clone();
         if !text.is_empty() {
             text.push_str("\n\n");
@@ -47,8 +65,48 @@ impl AgentActor {
             text.push_str(&format!(", {}", spec.role));
         }
         text.push('.');
-        text.push_str(&crate::org_prompt::contacts_section(&self.shared, spec));
-        ChatMessage::new(Role::System, text)
+        text.push_str(&crate::org_prompt::contacts_section(shared, spec));
+        Self {
+            spec: spec.clone(),
+            directory,
+            remotes,
+            org,
+            system: ChatMessage::new(Role::System, text),
+            tools: crate::org_prompt::tool_specs_for(shared, spec),
+        }
+    }
+
+    fn is_current(&self, shared: &crate::agent::AgentShared, spec: &AgentSpec) -> bool {
+        let org = shared.org.cached();
+        let same_org = match (&self.org, &org) {
+            (None, None) => true,
+            (Some(cached), Some(now)) => Arc::ptr_eq(cached, now),
+            _ => false,
+        };
+        same_org
+            && self.directory == shared.directory.generation()
+            && self.remotes == shared.remotes.generation()
+            && self.spec == *spec
+    }
+}
+
+impl AgentActor {
+    /// The prompt parts of the agent's current definition, built again only when what
+    /// they are derived from changed.
+    fn prompt_parts(&mut self) -> &PromptCache {
+        let current = self
+            .prompt
+            .as_ref()
+            .is_some_and(|cache| cache.is_current(&self.shared, &self.state.spec));
+        if !current {
+            self.prompt = Some(PromptCache::build(&self.shared, &self.state.spec));
+        }
+        self.prompt.as_ref().expect("built above")
+    }
+
+    /// The system message: the agent's prompt, its role, and the peers it may call.
+    fn system_message(&mut self) -> ChatMessage {
+        self.prompt_parts().system.clone()
     }
 
     /// The error of a turn that reached its deadline: the same [`InvokeError::Timeout`]
@@ -95,14 +153,16 @@ impl AgentActor {
         let deadline = conversation.deadline.min(context.deadline());
         let started = clock.now();
         let timeout_ms = |from: troupe_core::Deadline| deadline.remaining_ms(from);
-        self.shared.emit(&AgentEvent::TurnStarted {
-            agent: self.id.clone(),
-            call: conversation.call,
-            depth: context.depth(),
-            chain: context.chain().to_vec(),
-            deadline,
-            at: started,
-        });
+        if self.shared.has_listeners() {
+            self.shared.emit(&AgentEvent::TurnStarted {
+                agent: self.id.clone(),
+                call: conversation.call,
+                depth: context.depth(),
+                chain: context.chain().to_vec(),
+                deadline,
+                at: started,
+            });
+        }
         let mut fresh = vec![ChatMessage::new(Role::User, conversation.content)];
         let private = conversation.history.is_none();
         let own_history = conversation.history;
@@ -121,7 +181,7 @@ impl AgentActor {
             Some(Arc::clone(&sends)),
             Arc::clone(&meter),
         );
-        let specs = &crate::org_prompt::tool_specs_for(&self.shared, &self.state.spec);
+        let specs = &Arc::clone(&self.prompt_parts().tools);
         let Some(llm) = self.shared.llm_for(&self.state.spec).cloned() else {
             let provider = self.state.spec.provider.clone().unwrap_or_default();
             return Err(ActorError::failed(format!(
@@ -154,9 +214,10 @@ impl AgentActor {
                 Err(error) => return Ok(exhausted(steps, usage, error)),
             };
             steps += 1;
+            let system = self.system_message();
             let history: &[ChatMessage] = own_history.as_deref().unwrap_or(&self.state.window);
             let mut messages = Vec::with_capacity(1 + history.len() + fresh.len());
-            messages.push(self.system_message());
+            messages.push(system);
             messages.extend_from_slice(history);
             messages.extend_from_slice(&fresh);
             let llm_request = LlmRequest {
