@@ -228,7 +228,7 @@ async fn run(start: Box<ActivationStart>) {
                 };
                 // The turn has ended: calls still in flight from tasks it spawned are cancelled.
                 turn.end();
-                settle(&mut live, &handle.shared, turn, raced, ends)
+                settle(&mut live, &handle.shared, &mut turn, raced, ends)
             };
             if let Some(store_commit) = store_commit {
                 store_commit.await;
@@ -549,7 +549,7 @@ type Committing<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 fn settle<'a>(
     live: &'a mut Live,
     shared: &'a Shared,
-    turn: Turn,
+    turn: &mut Turn,
     raced: Raced<Outcome>,
     ends: TurnEnds,
 ) -> Option<Committing<'a>> {
@@ -697,11 +697,11 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: Re
 
 /// The turn's state change and writes, or `None` when nothing changed (the store is
 /// skipped then).
-fn prepare_commit(live: &Live, turn: Turn) -> Result<Option<TurnCommit>, InvokeError> {
+fn prepare_commit(live: &Live, turn: &mut Turn) -> Result<Option<TurnCommit>, InvokeError> {
     let snapshot = live.actor.snapshot().map_err(|error| actor_error(&live.id, error))?;
     let commit = TurnCommit {
         state: StateChange::between(live.committed.as_ref(), snapshot),
-        writes: turn.into_writes(),
+        writes: turn.take_writes(),
     };
     Ok((!commit.is_empty()).then_some(commit))
 }
