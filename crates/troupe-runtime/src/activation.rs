@@ -87,7 +87,9 @@ impl Drop for CrashGuard {
 
 /// Spawns the activation's task; the handle lets the dispatcher abort it at shutdown.
 pub(crate) fn spawn(start: ActivationStart) -> tokio::task::AbortHandle {
-    tokio::spawn(run(start)).abort_handle()
+    // Boxed: an async fn keeps its arguments in its state for as long as it runs, even
+    // once they are moved out; a box there costs a pointer instead of the whole start.
+    tokio::spawn(run(Box::new(start))).abort_handle()
 }
 
 /// The actor as it runs, with what it needs to roll back.
@@ -121,39 +123,42 @@ impl Live {
     }
 }
 
-async fn run(start: ActivationStart) {
+/// Moves the start out of its box and frees the box now (a box moved out of in place
+/// would be freed only when the task ends).
+#[allow(clippy::boxed_local)] // taking the box is the point: it is freed here
+fn unbox(start: Box<ActivationStart>) -> ActivationStart {
+    *start
+}
+
+async fn run(start: Box<ActivationStart>) {
     let ActivationStart {
         id,
         generation,
         mut receiver,
         handle,
-    } = start;
+    } = unbox(start);
     // The task's own state is what an idle actor costs for as long as it stays active,
-    // so it holds each thing once, and the sub-futures of starting, turns and stopping
-    // are boxed (one allocation per turn) instead of being inlined into it.
+    // so it holds each thing once, and the sub-futures of starting, stopping, a turn that
+    // has to wait and a commit that goes to the store are boxed instead of being inlined
+    // into it (a turn that finishes in its first poll with nothing to store allocates
+    // nothing here).
     let guard = CrashGuard {
         control: handle.shared.control.clone(),
         id,
         generation,
         armed: true,
     };
-    let mut live = match Box::pin(start_actor(&guard.id, &handle)).await {
-        Ok(live) => live,
-        Err(error) => {
-            receiver.close();
-            while let Some(envelope) = receiver.recv().await {
-                respond(
-                    &handle.shared,
-                    envelope.call,
-                    envelope.edge,
-                    envelope.reply,
-                    Err(error.clone()),
-                );
-            }
-            let id = guard.id.clone();
-            guard.finish(Control::ActivationFailed { id, generation });
-            return;
-        }
+    // (A labelled block rather than a `match` whose arm awaits: that would keep the
+    // start's result, and the error, in the task's state for as long as it runs.)
+    let mut live = 'started: {
+        let error = match Box::pin(start_actor(&guard.id, &handle)).await {
+            Ok(live) => break 'started live,
+            Err(error) => error,
+        };
+        Box::pin(fail_queued(&mut receiver, &handle.shared, error)).await;
+        let id = guard.id.clone();
+        guard.finish(Control::ActivationFailed { id, generation });
+        return;
     };
     let _ = guard.control.send(Control::Activated {
         id: guard.id.clone(),
@@ -197,7 +202,38 @@ async fn run(start: ActivationStart) {
         };
         received += 1;
         let was_fenced = live.fenced.is_some();
-        Box::pin(run_turn(&mut live, &handle, *envelope)).await;
+        // The turn's fast path: its first poll runs here, inline, in the activation's own
+        // task, and a turn that finishes in it with nothing to store is answered at once.
+        // Only a turn that has to wait (the same handler future goes on in a box), or a
+        // commit that has to reach the store, is boxed; see "The turn's fast path" in
+        // docs/architecture.md. The shapes below keep the task small: nothing bigger than
+        // a pointer is alive across an await except the turn itself, and that only while
+        // its handler waits, where it shares space with what the other awaits hold (a
+        // `match` or `if let` whose arm awaits would keep its scrutinee instead).
+        //
+        // The task's waker, for the first poll (this await holds nothing).
+        let waker = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
+        {
+            let store_commit = {
+                let Some((mut turn, payload, ends)) = begin(&live, &handle, envelope) else {
+                    // Refused unrun (abandoned, expired or fenced): answered already.
+                    continue;
+                };
+                let (raced, ends) = 'turn: {
+                    let slow = match first_poll(&mut live.actor, &mut turn, payload, ends, &handle.shared, waker) {
+                        Ok(finished) => break 'turn finished,
+                        Err(slow) => slow,
+                    };
+                    slow.await
+                };
+                // The turn has ended: calls still in flight from tasks it spawned are cancelled.
+                turn.end();
+                settle(&mut live, &handle.shared, &mut turn, raced, ends)
+            };
+            if let Some(store_commit) = store_commit {
+                store_commit.await;
+            }
+        }
         if !was_fenced && live.fenced.is_some() {
             // Another activation claimed this actor since (another runtime on the same
             // store): this one is stale. Ask to be deactivated at once rather than when
@@ -211,6 +247,15 @@ async fn run(start: ActivationStart) {
     Box::pin(deactivate(&mut live, &handle.shared)).await;
     let id = guard.id.clone();
     guard.finish(Control::Deactivated { id, generation });
+}
+
+/// Closes the mailbox of an activation that failed to start and fails every request
+/// in it with `error`.
+async fn fail_queued(receiver: &mut MailboxReceiver, shared: &Shared, error: InvokeError) {
+    receiver.close();
+    while let Some(envelope) = receiver.recv().await {
+        respond(shared, envelope.call, envelope.edge, envelope.reply, Err(error.clone()));
+    }
 }
 
 /// Answers one request: releases its wait-for edge first, so that no call made after
@@ -313,116 +358,211 @@ enum Raced<T> {
     Abandoned,
 }
 
-async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
+/// The handler's outcome, or `Err(())` when a fire-and-forget turn's own timer fired.
+type Outcome = Result<Result<Payload, ActorError>, ()>;
+
+/// Checks a request at dequeue and answers one that must not run; else builds its turn.
+#[allow(clippy::boxed_local)] // as the mailbox hands it over; freed here, before the turn
+fn begin(live: &Live, handle: &RuntimeHandle, envelope: Box<Envelope>) -> Option<(Turn, Payload, TurnEnds)> {
     let shared = &*handle.shared;
-    let Envelope {
-        payload,
-        context,
-        mut reply,
-        call,
-        edge,
-        span,
-    } = envelope;
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
     // request with a caller: its wait ends at its deadline, which closes the reply
     // channel, so an expired request is an abandoned one. (Between the deadline and the
     // moment the caller's timer is handled, a request may still start; its caller then
     // takes the reply if it arrives first, or the turn is cancelled.) A fire-and-forget
     // message has no caller to close anything: its deadline is read here.
-    let expired = || !reply.has_caller() && context.deadline().has_passed(shared.clock.now());
-    if reply.is_closed() || expired() {
+    let expired = || !envelope.reply.has_caller() && envelope.context.deadline().has_passed(shared.clock.now());
+    let refusal = if envelope.reply.is_closed() || expired() {
         Counters::add(&shared.counters.expired_dropped);
-        let error = InvokeError::Timeout {
+        Some(InvokeError::Timeout {
             target: live.id.clone(),
             timeout_ms: 0,
-        };
-        respond(shared, call, edge, reply, Err(error));
-        return;
-    }
-    if let Some(fenced) = &live.fenced {
+        })
+    } else {
         // A stale activation answers nothing from its stale state, not even reads: the
         // requests still in its mailbox fail with the fence; later ones are held for the
         // next activation.
-        let error = InvokeError::StorageFailed {
+        live.fenced.as_ref().map(|fenced| InvokeError::StorageFailed {
             target: live.id.clone(),
             source: (**fenced).clone(),
-        };
+        })
+    };
+    let Envelope {
+        payload,
+        context,
+        reply,
+        call,
+        edge,
+        span: parent,
+    } = *envelope;
+    if let Some(error) = refusal {
         respond(shared, call, edge, reply, Err(error));
-        return;
+        return None;
     }
     let deadline = context.deadline();
-    let span = tracing::info_span!(
-        parent: &span,
-        "turn",
-        actor = %live.id,
-        depth = context.depth(),
-        chain = ?context.chain(),
-        trace_id = context.trace_id().map(tracing::field::display),
-    );
-    let mut turn = Turn::new(live.id.clone(), context, handle.clone());
+    let span = turn_span(&live.id, &parent, &context);
     #[cfg(feature = "planted-bugs")]
     let watch_caller = !shared.planted_commit_after_abandon && reply.has_caller();
     #[cfg(not(feature = "planted-bugs"))]
     // A fire-and-forget message has nobody to watch: its turn is timed by its own timer.
     let watch_caller = reply.has_caller();
-    // Whether the turn's handler had to wait at least once.
-    let mut waited = false;
-    let raced = {
+    let turn = Turn::new(live.id.clone(), context, handle.clone());
+    let ends = TurnEnds {
+        reply,
+        call,
+        edge,
+        deadline,
+        watch_caller,
+        waited: false,
+        _spans: (span, parent),
+    };
+    Some((turn, payload, ends))
+}
+
+/// A turn whose handler has to wait: the race, boxed, to be awaited by the activation.
+type SlowTurn<'a> = Pin<Box<dyn Future<Output = (Raced<Outcome>, TurnEnds)> + Send + 'a>>;
+
+/// Makes the turn's handler future and polls it once with the task's waker: the turn,
+/// decided, or the race to go on with.
+fn first_poll<'a>(
+    actor: &'a mut Box<dyn Actor>,
+    turn: &'a mut Turn,
+    payload: Payload,
+    ends: TurnEnds,
+    shared: &'a Shared,
+    waker: std::task::Waker,
+) -> Result<(Raced<Outcome>, TurnEnds), SlowTurn<'a>> {
+    let mut race = Race {
         // Marks the task as running this actor's turn, so that a root invocation from
         // inside it (through a captured handle) is refused.
-        let mut handler = crate::handle::InTurn(match payload {
-            Payload::Bytes(bytes) => Handler::Bytes(live.actor.handle(&mut turn, bytes)),
-            Payload::Value(value) => Handler::Value(live.actor.handle_value(&mut turn, value)),
-        });
-        if watch_caller {
+        handler: crate::handle::InTurn(match payload {
+            Payload::Bytes(bytes) => Handler::Bytes(actor.handle(turn, bytes)),
+            Payload::Value(value) => Handler::Value(actor.handle_value(turn, value)),
+        }),
+        ends,
+        timer: None,
+    };
+    match race.poll_turn(shared, &mut std::task::Context::from_waker(&waker)) {
+        Poll::Ready(raced) => Ok((raced, race.ends)),
+        Poll::Pending => Err(Box::pin(race.run_out(shared))),
+    }
+}
+
+/// The turn's span, a child of the caller's; not built when no subscriber wants it.
+fn turn_span(id: &ActorId, parent: &tracing::Span, context: &troupe_core::CallContext) -> tracing::Span {
+    tracing::info_span!(
+        parent: parent,
+        "turn",
+        actor = %id,
+        depth = context.depth(),
+        chain = ?context.chain(),
+        trace_id = context.trace_id().map(tracing::field::display),
+    )
+}
+
+/// What a turn needs after its handler is done: whom to answer, and how to judge it.
+struct TurnEnds {
+    reply: ReplyTo,
+    call: CallId,
+    edge: bool,
+    deadline: troupe_core::Deadline,
+    /// Whether the caller is watched (it has one); without, the turn times itself.
+    watch_caller: bool,
+    /// Whether the turn's handler had to wait at least once.
+    waited: bool,
+    /// The turn's span and its parent, kept until the turn has answered.
+    _spans: (tracing::Span, tracing::Span),
+}
+
+/// A turn's handler raced against its caller giving up (or, with no caller, against
+/// its own deadline).
+struct Race<'a> {
+    handler: crate::handle::InTurn<Handler<'a>>,
+    ends: TurnEnds,
+    /// A fire-and-forget turn's own timer, armed only if it does not finish in its
+    /// first poll.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Race<'_> {
+    /// One poll of the race. The first one runs inline in the activation's task; the
+    /// rest, if the handler has to wait, in [`Race::run_out`].
+    fn poll_turn(&mut self, shared: &Shared, cx: &mut std::task::Context<'_>) -> Poll<Raced<Outcome>> {
+        let ends = &mut self.ends;
+        if ends.watch_caller {
             // No timer of its own: the caller's wait ends at the deadline (its timer is
             // armed at the deadline's instant), which closes the reply channel, which
             // cancels the turn here. One timer per call instead of two.
-            std::future::poll_fn(|cx| {
-                // The caller is checked before every poll of the handler, so a turn
-                // whose caller has gone makes no further progress; its waker is only
-                // registered with the reply channel once the turn has to wait.
-                if reply.is_closed() {
-                    return Poll::Ready(Raced::Abandoned);
-                }
-                let entered = span.enter();
-                let polled = Pin::new(&mut handler).poll(cx);
-                drop(entered);
-                if let Poll::Ready(outcome) = polled {
-                    return Poll::Ready(Raced::Finished(Ok(outcome)));
-                }
-                waited = true;
-                match reply.poll_closed(cx) {
-                    Poll::Ready(()) => Poll::Ready(Raced::Abandoned),
-                    Poll::Pending => Poll::Pending,
-                }
-            })
-            .await
+            //
+            // The caller is checked before every poll of the handler, so a turn whose
+            // caller has gone makes no further progress; its waker is only registered
+            // with the reply channel once the turn has to wait.
+            if ends.reply.is_closed() {
+                return Poll::Ready(Raced::Abandoned);
+            }
+            let entered = ends._spans.0.enter();
+            let polled = Pin::new(&mut self.handler).poll(cx);
+            drop(entered);
+            if let Poll::Ready(outcome) = polled {
+                return Poll::Ready(Raced::Finished(Ok(outcome)));
+            }
+            ends.waited = true;
+            match ends.reply.poll_closed(cx) {
+                Poll::Ready(()) => Poll::Ready(Raced::Abandoned),
+                Poll::Pending => Poll::Pending,
+            }
         } else {
             // Nobody waits (a fire-and-forget message): the turn times itself, with the
             // timer armed only if the handler does not finish in its first poll.
-            let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
-            std::future::poll_fn(|cx| {
-                let entered = span.enter();
-                let polled = Pin::new(&mut handler).poll(cx);
-                drop(entered);
-                if let Poll::Ready(outcome) = polled {
-                    return Poll::Ready(Raced::Finished(Ok(outcome)));
-                }
-                waited = true;
-                let timer =
-                    timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(shared.clock.instant_of(deadline))));
-                match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Raced::Finished(Err(()))),
-                    Poll::Pending => Poll::Pending,
-                }
-            })
-            .await
+            let entered = ends._spans.0.enter();
+            let polled = Pin::new(&mut self.handler).poll(cx);
+            drop(entered);
+            if let Poll::Ready(outcome) = polled {
+                return Poll::Ready(Raced::Finished(Ok(outcome)));
+            }
+            ends.waited = true;
+            let deadline = ends.deadline;
+            let timer = self
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(shared.clock.instant_of(deadline))));
+            match timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Raced::Finished(Err(()))),
+                Poll::Pending => Poll::Pending,
+            }
         }
-    };
-    // The turn has ended: calls still in flight from tasks it spawned are cancelled.
-    turn.end();
+    }
+
+    /// Polls the race to its end (boxed by the caller: only a turn that waits gets
+    /// here); the handler and the timer are dropped with it.
+    async fn run_out(mut self, shared: &Shared) -> (Raced<Outcome>, TurnEnds) {
+        let raced = std::future::poll_fn(|cx| self.poll_turn(shared, cx)).await;
+        (raced, self.ends)
+    }
+}
+
+/// A commit on its way to the store, boxed, to be awaited by the activation; the turn is
+/// answered after it.
+type Committing<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+/// Decides a finished (or abandoned) turn: answers it at once when no store commit is
+/// needed, else returns the commit, which answers once made.
+fn settle<'a>(
+    live: &'a mut Live,
+    shared: &'a Shared,
+    turn: &mut Turn,
+    raced: Raced<Outcome>,
+    ends: TurnEnds,
+) -> Option<Committing<'a>> {
     Counters::add(&shared.counters.turns_run);
+    let TurnEnds {
+        reply,
+        call,
+        edge,
+        deadline,
+        watch_caller,
+        waited,
+        _spans: spans,
+    } = ends;
     // The caller puts the time it allowed into the error.
     let timed_out = || {
         Err(InvokeError::Timeout {
@@ -431,8 +571,11 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
         })
     };
     let result = match raced {
-        Raced::Abandoned => return abandon(live, shared, call, edge, reply),
-        Raced::Finished(Err(_elapsed)) => timed_out(),
+        Raced::Abandoned => {
+            abandon(live, shared, call, edge, reply);
+            return None;
+        }
+        Raced::Finished(Err(())) => timed_out(),
         // A turn that ends at or after its deadline may finish before its caller's timer
         // is handled: it must not commit what the caller will never see acknowledged.
         // A turn that never waited ran straight after the deadline check at dequeue, so
@@ -444,27 +587,98 @@ async fn run_turn(live: &mut Live, handle: &RuntimeHandle, envelope: Envelope) {
                 actor: live.id.clone(),
                 request: call,
             });
-            let _ = commit(live, shared.store.as_ref(), turn).await;
-            Err(actor_error(&live.id, error))
+            let result = Err(actor_error(&live.id, error));
+            return match prepare_commit(live, turn) {
+                Ok(Some(commit)) => Some(Box::pin(
+                    StoreCommit {
+                        commit,
+                        answer: result,
+                        reply,
+                        call,
+                        edge,
+                        ignore_commit: true,
+                        _spans: spans,
+                    }
+                    .run(live, shared),
+                )),
+                Ok(None) | Err(_) => {
+                    fail(live, shared, call, edge, reply, result);
+                    None
+                }
+            };
         }
         Raced::Finished(Ok(Err(error))) => Err(actor_error(&live.id, error)),
         // The commit decision: only while the caller still waits.
         Raced::Finished(Ok(Ok(_))) if watch_caller && reply.is_closed() => {
-            return abandon(live, shared, call, edge, reply)
+            abandon(live, shared, call, edge, reply);
+            return None;
         }
         Raced::Finished(Ok(Ok(answer))) => {
             shared.emit(|| RuntimeEvent::TurnCommitting {
                 actor: live.id.clone(),
                 request: call,
             });
-            commit(live, shared.store.as_ref(), turn).await.map(|()| answer)
+            match prepare_commit(live, turn) {
+                Ok(None) => Ok(answer),
+                Ok(Some(commit)) => {
+                    let store_commit = StoreCommit {
+                        commit,
+                        answer: Ok(answer),
+                        reply,
+                        call,
+                        edge,
+                        #[cfg(feature = "planted-bugs")]
+                        ignore_commit: false,
+                        _spans: spans,
+                    };
+                    return Some(Box::pin(store_commit.run(live, shared)));
+                }
+                Err(error) => Err(error),
+            }
         }
     };
     if result.is_err() {
-        Counters::add(&shared.counters.turns_failed);
-        live.roll_back(shared);
+        fail(live, shared, call, edge, reply, result);
+    } else {
+        respond(shared, call, edge, reply, result);
     }
+    None
+}
+
+/// Counts a failed turn, rolls the actor back and answers the error.
+fn fail(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: ReplyTo, result: Reply) {
+    Counters::add(&shared.counters.turns_failed);
+    live.roll_back(shared);
     respond(shared, call, edge, reply, result);
+}
+
+/// A turn's commit that has to reach the store before the turn is answered.
+struct StoreCommit {
+    commit: TurnCommit,
+    /// The answer once the commit is made (an error already, for a planted-bug commit
+    /// of a failed turn).
+    answer: Reply,
+    reply: ReplyTo,
+    call: CallId,
+    edge: bool,
+    /// Planted bug: the commit of a failed turn, whose outcome does not matter.
+    #[cfg(feature = "planted-bugs")]
+    ignore_commit: bool,
+    _spans: (tracing::Span, tracing::Span),
+}
+
+impl StoreCommit {
+    async fn run(self, live: &mut Live, shared: &Shared) {
+        let committed = store_commit(live, shared.store.as_ref(), self.commit).await;
+        #[cfg(feature = "planted-bugs")]
+        let committed = if self.ignore_commit { Ok(()) } else { committed };
+        let result = committed.and(self.answer);
+        if result.is_err() {
+            fail(live, shared, self.call, self.edge, self.reply, result);
+        } else {
+            respond(shared, self.call, self.edge, self.reply, result);
+        }
+    }
 }
 
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.
@@ -481,18 +695,21 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: Re
     respond(shared, call, edge, reply, Err(error));
 }
 
-/// Commits the turn's state change and writes atomically under the activation's fence;
-/// skips the store when nothing changed. A refusal for a newer claim marks the
-/// activation fenced: `run_turn` then answers every later request with it, unrun.
-async fn commit(live: &mut Live, store: &dyn StateStore, turn: Turn) -> Result<(), InvokeError> {
+/// The turn's state change and writes, or `None` when nothing changed (the store is
+/// skipped then).
+fn prepare_commit(live: &Live, turn: &mut Turn) -> Result<Option<TurnCommit>, InvokeError> {
     let snapshot = live.actor.snapshot().map_err(|error| actor_error(&live.id, error))?;
     let commit = TurnCommit {
         state: StateChange::between(live.committed.as_ref(), snapshot),
-        writes: turn.into_writes(),
+        writes: turn.take_writes(),
     };
-    if commit.is_empty() {
-        return Ok(());
-    }
+    Ok((!commit.is_empty()).then_some(commit))
+}
+
+/// Commits a turn's state change and writes atomically under the activation's fence. A
+/// refusal for a newer claim marks the activation fenced: every later request is then
+/// answered with it, unrun.
+async fn store_commit(live: &mut Live, store: &dyn StateStore, commit: TurnCommit) -> Result<(), InvokeError> {
     let committed = commit.state.applied_to(live.committed.clone());
     match store.commit(&live.id, live.fence, commit).await {
         Ok(()) => {

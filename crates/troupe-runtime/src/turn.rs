@@ -46,11 +46,12 @@ impl Turn {
         }
     }
 
-    pub(crate) fn into_writes(self) -> Vec<(String, Option<Bytes>)> {
+    /// Takes the turn's buffered writes, in key order, for its commit.
+    pub(crate) fn take_writes(&mut self) -> Vec<(String, Option<Bytes>)> {
         if self.writes.is_empty() {
             return Vec::new();
         }
-        self.writes.into_iter().collect()
+        std::mem::take(&mut self.writes).into_iter().collect()
     }
 
     /// The actor running this turn.
