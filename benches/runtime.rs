@@ -18,7 +18,6 @@
 
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokio::sync::{mpsc, oneshot};
@@ -164,7 +163,6 @@ const TELL_BATCH: u64 = 32;
 #[derive(Default, serde::Serialize, serde::Deserialize)]
 struct TypedEcho;
 
-#[async_trait]
 impl TypedActor for TypedEcho {
     type Message = u64;
     type Reply = u64;

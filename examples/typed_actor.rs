@@ -11,7 +11,6 @@ struct Counter {
     total: u64,
 }
 
-#[troupe::async_trait]
 impl TypedActor for Counter {
     type Message = u64; // how much to add
     type Reply = u64; // the new total

@@ -39,7 +39,6 @@ struct Counter {
 /// A reference a turn captured (as a closure or a struct field would): for `AskInside`.
 static CAPTURED: Mutex<Option<ActorRef<Counter>>> = Mutex::new(None);
 
-#[async_trait]
 impl TypedActor for Counter {
     type Message = Op;
     type Reply = u64;

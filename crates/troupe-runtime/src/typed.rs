@@ -8,9 +8,11 @@
 //! from another node), which the adapter decodes and answers in kind.
 //!
 //! ```text
-//! ActorRef<A>::ask(msg) ─► Envelope { Payload::Value(Box<A::Message>) } ─► mailbox
+//! ActorRef<A>::ask(msg)  ─► Envelope { Payload::Value(Box<A::Message>) }       ─► mailbox
+//! ActorRef<A>::tell(msg) ─► Envelope { Payload::Value(Box<Told<A::Message>>) } ─► mailbox
 //!                                                   │
-//!   TypedAdapter<A>::handle_value: downcast ─► A::handle(turn, msg) ─► Box<A::Reply>
+//!   TypedAdapter<A>::handle_value: downcast ─► A::handle(turn, msg).await (inline, no box)
+//!     ─► ask: Box<A::Reply>; tell: Box<Unread> (zero-sized: no allocation)
 //! RuntimeHandle::invoke(bytes) ─► TypedAdapter<A>::handle: bincode ─► A::handle ─► bincode
 //! state: bincode(A) committed after a turn that changed it; bincode → A on activation
 //! ```
@@ -21,6 +23,7 @@
 
 use std::any::{Any, TypeId};
 use std::fmt;
+use std::future::Future;
 use std::marker::PhantomData;
 use std::time::Duration;
 
@@ -39,7 +42,34 @@ use crate::{Actor, ActorError, RuntimeHandle, Turn};
 ///
 /// Register it with [`crate::RuntimeBuilder::register_typed`]; reach it with
 /// [`RuntimeHandle::actor_ref`].
-#[async_trait]
+///
+/// `handle` is an `async fn` in the trait (no `#[async_trait]` attribute): implement it
+/// with a plain `async fn`. Its future must be `Send`, since a turn may run on any worker
+/// thread; a future that holds something not `Send` (an `Rc`, a `std::sync::MutexGuard`)
+/// across an `.await` is refused at compile time, at the `async fn`.
+///
+/// ```
+/// use serde::{Deserialize, Serialize};
+/// use troupe_runtime::{ActorError, Turn, TypedActor};
+///
+/// #[derive(Default, Serialize, Deserialize)]
+/// struct Counter {
+///     total: u64,
+/// }
+///
+/// impl TypedActor for Counter {
+///     type Message = u64;
+///     type Reply = u64;
+///
+///     async fn handle(&mut self, _turn: &mut Turn, add: u64) -> Result<u64, ActorError> {
+///         self.total += add;
+///         Ok(self.total)
+///     }
+/// }
+/// ```
+///
+/// (Before issue 11 it was an `#[async_trait]` trait; awaiting the handler inline now
+/// saves a heap allocation per message.)
 pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
     /// What it accepts. `Serialize + DeserializeOwned` so it can also arrive as bytes
     /// (from another node, or through the untyped API).
@@ -48,11 +78,16 @@ pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
     type Reply: Serialize + DeserializeOwned + Send + 'static;
 
     /// Handles one message. After it returns `Ok`, the actor's new state is committed
-    /// (if it changed) before the reply is sent.
+    /// (if it changed) before the reply is sent. Write it as `async fn handle(&mut self,
+    /// turn: &mut Turn, message: Self::Message) -> Result<Self::Reply, ActorError>`.
     ///
     /// # Errors
     /// [`ActorError`]; the turn is rolled back to the last committed state.
-    async fn handle(&mut self, turn: &mut Turn, message: Self::Message) -> Result<Self::Reply, ActorError>;
+    fn handle(
+        &mut self,
+        turn: &mut Turn,
+        message: Self::Message,
+    ) -> impl Future<Output = Result<Self::Reply, ActorError>> + Send;
 }
 
 /// Runs a [`TypedActor`] as an [`Actor`].
@@ -82,17 +117,39 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
         turn: &mut Turn,
         message: Box<dyn Any + Send>,
     ) -> Result<Box<dyn Any + Send>, ActorError> {
-        let message = message.downcast::<A::Message>().map_err(|_| {
-            ActorError::rejected(format!("the message is not a {}", std::any::type_name::<A::Message>()))
-        })?;
-        let reply = self.0.handle(turn, *message).await?;
-        Ok(Box::new(reply))
+        // An `ask`'s message comes as itself, a `tell`'s wrapped in `Told`, whose reply
+        // nobody reads: it gets the zero-sized `Unread`, which `Box` does not allocate.
+        let (message, told) = match message.downcast::<A::Message>() {
+            Ok(message) => (*message, false),
+            Err(other) => match other.downcast::<Told<A::Message>>() {
+                Ok(told) => (told.0, true),
+                Err(_) => {
+                    return Err(ActorError::rejected(format!(
+                        "the message is not a {}",
+                        std::any::type_name::<A::Message>()
+                    )))
+                }
+            },
+        };
+        let reply = self.0.handle(turn, message).await?;
+        if told {
+            Ok(Box::new(Unread))
+        } else {
+            Ok(Box::new(reply))
+        }
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
         encode(&self.0, "state").map(Some)
     }
 }
+
+/// A `tell`'s message: the adapter handles it as the message itself and does not box the
+/// reply, which nobody reads (the envelope's reply goes to `ReplyTo::Nobody`).
+struct Told<M>(M);
+
+/// The reply value of a `tell`: zero-sized, so boxing it allocates nothing.
+struct Unread;
 
 /// Builds the [`Actor`] for a typed kind: from `Default`, or from its saved encoding.
 pub(crate) fn typed_factory<A: TypedActor>(
@@ -240,7 +297,7 @@ impl<A: TypedActor> ActorRef<A> {
             .send_only_from(
                 now,
                 &self.id,
-                Payload::Value(Box::new(message)),
+                Payload::Value(Box::new(Told(message))),
                 CallContext::root(deadline),
                 Some(&self.cache),
             )

@@ -9,7 +9,6 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, ActorKind};
 use troupe_runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
@@ -27,7 +26,6 @@ enum Op {
     Get,
 }
 
-#[async_trait]
 impl TypedActor for Tally {
     type Message = Op;
     type Reply = u64;

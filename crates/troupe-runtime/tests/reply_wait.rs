@@ -32,7 +32,6 @@ impl Actor for Sleepy {
 #[derive(Default, serde::Serialize, serde::Deserialize)]
 struct SlowDouble;
 
-#[async_trait]
 impl TypedActor for SlowDouble {
     type Message = u64;
     type Reply = u64;
