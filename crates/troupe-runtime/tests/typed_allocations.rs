@@ -1,0 +1,120 @@
+//! Heap allocations per typed message in steady state (issue 11): a typed `tell` makes
+//! `TELL_ALLOCATIONS_MAX` (the envelope and the boxed message on the caller's side, the
+//! `async_trait` box of `Actor::handle_value` on the actor's), a typed `ask`
+//! `ASK_ALLOCATIONS_MAX` (those, its reply channel and the boxed reply). Boxing the
+//! user's handler again, or boxing a tell's unread reply, fails it.
+//!
+//! Counted per thread by a counting global allocator, on a current_thread runtime whose
+//! caller, dispatcher and actor all run on the test's thread. Normal build only: the
+//! simulator's runtime allocates differently.
+#![cfg(not(madsim))]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use troupe_core::{ActorId, ActorKind};
+use troupe_runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
+
+/// Allocations per typed `tell` in steady state (allocations).
+const TELL_ALLOCATIONS_MAX: u64 = 3;
+/// Allocations per typed `ask` in steady state (allocations).
+const ASK_ALLOCATIONS_MAX: u64 = 5;
+/// Tells per batch: below the default mailbox capacity, as in `benches/runtime.rs`.
+const BATCH: u64 = 32;
+/// Measured batches (each `BATCH` tells and one ask), after as many for warm-up.
+const BATCHES: u64 = 50;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts the allocations (and reallocations) of the calling thread.
+struct Counting;
+
+// SAFETY: forwards every call to the system allocator unchanged; the count is a
+// const-initialized thread-local without a destructor, which never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+        // SAFETY: the caller's contract is passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract is passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+        // SAFETY: the caller's contract is passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(Cell::get)
+}
+
+#[derive(Default, Serialize, Deserialize)]
+struct Echo;
+
+impl TypedActor for Echo {
+    type Message = u64;
+    type Reply = u64;
+
+    async fn handle(&mut self, _turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
+        Ok(message)
+    }
+}
+
+#[tokio::test]
+async fn typed_tells_and_asks_allocate_at_most_their_budget_in_steady_state() {
+    let runtime = Runtime::builder()
+        .register_typed::<Echo>(
+            ActorKind::new("echo").unwrap(),
+            KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
+        )
+        .unwrap()
+        .start();
+    let echo = runtime.actor_ref::<Echo>(ActorId::new("echo", "0").unwrap()).unwrap();
+    let timeout = Duration::from_secs(5);
+    let batch = || async {
+        for i in 0..BATCH {
+            echo.tell(i, timeout).await.unwrap();
+        }
+        assert_eq!(echo.ask(7, timeout).await.unwrap(), 7);
+    };
+    for _ in 0..BATCHES {
+        batch().await;
+    }
+
+    let before = allocations();
+    for _ in 0..BATCHES {
+        batch().await;
+    }
+    let batches = allocations() - before;
+
+    let before = allocations();
+    for i in 0..BATCHES {
+        assert_eq!(echo.ask(i, timeout).await.unwrap(), i);
+    }
+    let asks = allocations() - before;
+
+    assert!(
+        asks <= BATCHES * ASK_ALLOCATIONS_MAX,
+        "{asks} allocations for {BATCHES} typed asks: more than {ASK_ALLOCATIONS_MAX} each"
+    );
+    let budget = BATCHES * (BATCH * TELL_ALLOCATIONS_MAX + ASK_ALLOCATIONS_MAX);
+    assert!(
+        batches <= budget,
+        "{batches} allocations for {BATCHES} batches of {BATCH} typed tells and one ask: \
+         more than {TELL_ALLOCATIONS_MAX} per tell and {ASK_ALLOCATIONS_MAX} per ask"
+    );
+    runtime.shutdown().await;
+}
