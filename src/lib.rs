@@ -16,7 +16,8 @@ pub use troupe_runtime as runtime;
 pub use bytes::Bytes;
 
 /// The attribute for implementing [`runtime::Actor`] and the agent layer's async traits
-/// (the `async-trait` crate's): `#[troupe::async_trait]`.
+/// (the `async-trait` crate's): `#[troupe::async_trait]`. Not for
+/// [`runtime::TypedActor`], whose `handle` is a plain `async fn`.
 pub use async_trait::async_trait;
 
 /// Builds a JSON value (the `serde_json` crate's macro), as tool schemas and scripted
