@@ -2,7 +2,7 @@
 //!
 //! This facade re-exports the pure core ([`core`]), the runtime ([`runtime`]) and the
 //! agent layer ([`agent`]), with what their signatures need from other crates
-//! ([`Bytes`], [`async_trait`], [`json!`]), so an application's Cargo.toml needs only
+//! ([`Bytes`], [`async_trait`](macro@async_trait), [`json!`]), so an application's Cargo.toml needs only
 //! `troupe` and `tokio`. See the README for a tour, `examples/` for programs that run,
 //! and `docs/` for the design.
 
