@@ -13,7 +13,7 @@
 (* - ABANDONED calls and LATE commits: a caller's wait may time out at any *)
 (*   moment (deadlines are not clocks here: a timeout is a nondeterministic*)
 (*   step while the call is in flight). The callee's turn then commits only*)
-(*   if its caller still waits (activation.rs `run_turn`: the commit       *)
+(*   if its caller still waits (activation.rs `settle`: the commit         *)
 (*   decision checks the reply channel); a caller may RETRY a timed-out    *)
 (*   call (same logical request) while the orphan still runs.             *)
 (*   With COMMIT_WINDOW the decision and the store write are two steps, as *)

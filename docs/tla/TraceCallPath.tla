@@ -106,7 +106,7 @@ Kill ==
     /\ st' = [p \in Pairs |-> IF p[1] = E.n THEN "idle" ELSE st[p]]
     /\ UNCHANGED <<dep, chn, admitted, calls, waits, requested>>
 
-(* run_turn polls the actor's handler (activation.rs; probe TurnStarted):  *)
+(* first_poll polls the actor's handler (activation.rs; probe TurnStarted):*)
 (* one turn at a time, under a context a client request or an admitted    *)
 (* call produced (a depth-0 turn uses up one client request: a request    *)
 (* runs at most once); the chain never holds the actor; depth = Len(chain).*)
@@ -133,7 +133,7 @@ EndHandler ==
     /\ st' = [st EXCEPT ![<<E.n, E.a>>] = IF E.ok THEN "ok" ELSE "err"]
     /\ UNCHANGED <<active, dep, chn, admitted, calls, waits, requested>>
 
-(* The commit decision (run_turn's Raced::Finished(Ok(Ok(_))) arm, then   *)
+(* The commit decision (settle's Raced::Finished(Ok(Ok(_))) arm, then     *)
 (* commit; RuntimeEvent::TurnCommitting): only a turn whose handler       *)
 (* succeeded commits.                                                     *)
 CommitTurn ==
@@ -143,7 +143,7 @@ CommitTurn ==
     /\ st' = [st EXCEPT ![<<E.n, E.a>>] = "idle"]
     /\ UNCHANGED <<active, dep, chn, admitted, calls, waits, requested>>
 
-(* The caller stopped waiting (run_turn -> abandon;                        *)
+(* The caller stopped waiting (settle -> abandon;                          *)
 (* RuntimeEvent::TurnAbandoned): the handler is dropped (running), had    *)
 (* not been polled yet (idle) or had succeeded too late (ok); nothing     *)
 (* commits.                                                               *)
