@@ -489,24 +489,24 @@ impl Race<'_> {
     /// rest, if the handler has to wait, in [`Race::run_out`].
     fn poll_turn(&mut self, shared: &Shared, cx: &mut std::task::Context<'_>) -> Poll<Raced<Outcome>> {
         let ends = &mut self.ends;
+        // With a caller, the turn has no timer of its own: the caller's wait ends at the
+        // deadline (its timer is armed at the deadline's instant), which closes the reply
+        // channel, which cancels the turn here. One timer per call instead of two.
+        //
+        // The caller is checked before every poll of the handler, so a turn whose caller
+        // has gone makes no further progress; its waker is only registered with the reply
+        // channel once the turn has to wait.
+        if ends.watch_caller && ends.reply.is_closed() {
+            return Poll::Ready(Raced::Abandoned);
+        }
+        let entered = ends._spans.0.enter();
+        let polled = Pin::new(&mut self.handler).poll(cx);
+        drop(entered);
+        if let Poll::Ready(outcome) = polled {
+            return Poll::Ready(Raced::Finished(Ok(outcome)));
+        }
+        ends.waited = true;
         if ends.watch_caller {
-            // No timer of its own: the caller's wait ends at the deadline (its timer is
-            // armed at the deadline's instant), which closes the reply channel, which
-            // cancels the turn here. One timer per call instead of two.
-            //
-            // The caller is checked before every poll of the handler, so a turn whose
-            // caller has gone makes no further progress; its waker is only registered
-            // with the reply channel once the turn has to wait.
-            if ends.reply.is_closed() {
-                return Poll::Ready(Raced::Abandoned);
-            }
-            let entered = ends._spans.0.enter();
-            let polled = Pin::new(&mut self.handler).poll(cx);
-            drop(entered);
-            if let Poll::Ready(outcome) = polled {
-                return Poll::Ready(Raced::Finished(Ok(outcome)));
-            }
-            ends.waited = true;
             match ends.reply.poll_closed(cx) {
                 Poll::Ready(()) => Poll::Ready(Raced::Abandoned),
                 Poll::Pending => Poll::Pending,
@@ -514,13 +514,6 @@ impl Race<'_> {
         } else {
             // Nobody waits (a fire-and-forget message): the turn times itself, with the
             // timer armed only if the handler does not finish in its first poll.
-            let entered = ends._spans.0.enter();
-            let polled = Pin::new(&mut self.handler).poll(cx);
-            drop(entered);
-            if let Poll::Ready(outcome) = polled {
-                return Poll::Ready(Raced::Finished(Ok(outcome)));
-            }
-            ends.waited = true;
             let deadline = ends.deadline;
             let timer = self
                 .timer
