@@ -24,8 +24,14 @@ pub struct Turn {
     /// Made on first use: a turn that calls nobody costs no allocation for it.
     caller: OnceLock<Caller>,
     handle: RuntimeHandle,
-    writes: BTreeMap<String, Option<Bytes>>,
+    /// The buffered writes, made on the first write: a turn that writes nothing neither
+    /// allocates nor drops a map (an empty `BTreeMap`'s drop alone cost about 47
+    /// instructions per turn, callgrind), and `Turn` stays a pointer smaller.
+    writes: Option<Box<Writes>>,
 }
+
+/// A turn's buffered writes, by key: `None` is a deletion.
+type Writes = BTreeMap<String, Option<Bytes>>;
 
 impl Turn {
     pub(crate) fn new(id: ActorId, context: CallContext, handle: RuntimeHandle) -> Self {
@@ -34,7 +40,7 @@ impl Turn {
             context,
             caller: OnceLock::new(),
             handle,
-            writes: BTreeMap::new(),
+            writes: None,
         }
     }
 
@@ -48,10 +54,15 @@ impl Turn {
 
     /// Takes the turn's buffered writes, in key order, for its commit.
     pub(crate) fn take_writes(&mut self) -> Vec<(String, Option<Bytes>)> {
-        if self.writes.is_empty() {
-            return Vec::new();
+        match self.writes.take() {
+            Some(writes) => writes.into_iter().collect(),
+            None => Vec::new(),
         }
-        std::mem::take(&mut self.writes).into_iter().collect()
+    }
+
+    /// Whether this turn has buffered a write (or deletion) of `key`.
+    fn has_buffered(&self, key: &str) -> bool {
+        self.writes.as_ref().is_some_and(|writes| writes.contains_key(key))
     }
 
     /// The actor running this turn.
@@ -116,13 +127,14 @@ impl Turn {
 
     fn buffer(&mut self, key: String, value: Option<Bytes>) -> Result<(), StoreError> {
         check_key(&key)?;
-        if !self.writes.contains_key(&key) && self.writes.len() >= TURN_WRITES_MAX {
+        let writes = self.writes.get_or_insert_with(Box::default);
+        if !writes.contains_key(&key) && writes.len() >= TURN_WRITES_MAX {
             return Err(StoreError::TooManyWrites {
-                count: self.writes.len() + 1,
+                count: writes.len() + 1,
                 limit: TURN_WRITES_MAX,
             });
         }
-        self.writes.insert(key, value);
+        writes.insert(key, value);
         Ok(())
     }
 
@@ -131,7 +143,7 @@ impl Turn {
     /// # Errors
     /// [`StoreError`] if the store fails.
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
-        if let Some(buffered) = self.writes.get(key) {
+        if let Some(buffered) = self.writes.as_ref().and_then(|writes| writes.get(key)) {
             return Ok(buffered.clone());
         }
         self.handle.shared.store.get(&self.id, key).await
@@ -152,7 +164,12 @@ impl Turn {
     ) -> Result<Vec<(String, Bytes)>, StoreError> {
         let limit = limit.min(STATE_SCAN_LIMIT_MAX);
         let in_range = |key: &str| key.starts_with(prefix) && after.is_none_or(|after| key > after);
-        let buffered: Vec<(&String, &Option<Bytes>)> = self.writes.iter().filter(|(key, _)| in_range(key)).collect();
+        let buffered: Vec<(&String, &Option<Bytes>)> = self
+            .writes
+            .iter()
+            .flat_map(|writes| writes.iter())
+            .filter(|(key, _)| in_range(key))
+            .collect();
         let deletions = buffered.iter().filter(|(_, value)| value.is_none()).count();
         // Ask for enough that the buffered deletions rarely leave a page short; the store
         // caps a page at STATE_SCAN_LIMIT_MAX, so read on until `limit` committed entries
@@ -171,7 +188,7 @@ impl Turn {
             if let Some((last, _)) = page.last() {
                 cursor = Some(last.clone());
             }
-            committed.extend(page.into_iter().filter(|(key, _)| !self.writes.contains_key(key)));
+            committed.extend(page.into_iter().filter(|(key, _)| !self.has_buffered(key)));
             // Every committed key up to `cursor` is in hand; with `limit` of them, the
             // first `limit` of the merged view are all at or before `cursor`.
             if exhausted || committed.len() >= limit {

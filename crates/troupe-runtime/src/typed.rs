@@ -35,7 +35,7 @@ use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::envelope::Payload;
-use crate::handle::{RouteCache, IN_TURN};
+use crate::handle::{RouteCache, Told as Handed, IN_TURN};
 use crate::{Actor, ActorError, RuntimeHandle, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
@@ -293,15 +293,20 @@ impl<A: TypedActor> ActorRef<A> {
         }
         let now = self.handle.shared.clock.now();
         let deadline = Deadline::after(now, timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
-        self.handle
-            .send_only_from(
-                now,
-                &self.id,
-                Payload::Value(Box::new(Told(message))),
-                CallContext::root(deadline),
-                Some(&self.cache),
-            )
-            .await
+        // `start_tell` directly rather than through `send_only_from`'s future: a message
+        // put into the open mailbox is accepted without another future state.
+        let handed = self.handle.start_tell(
+            now,
+            &self.id,
+            Payload::Value(Box::new(Told(message))),
+            CallContext::root(deadline),
+            Some(&self.cache),
+        )?;
+        match handed {
+            Handed::Accepted => Ok(()),
+            // The dispatcher answers at once; it is gone only when the runtime has stopped.
+            Handed::ToDispatcher(accepted) => accepted.await.unwrap_or(Err(InvokeError::Shutdown)),
+        }
     }
 }
 

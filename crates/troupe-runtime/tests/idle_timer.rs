@@ -1,0 +1,124 @@
+//! The activation's idle timer is polled once after it is armed and then only once it
+//! has elapsed (`NextEvent` in `activation.rs`), not every time the mailbox runs empty.
+//! These tests show that it still fires: an actor kept busy is not deactivated, and one
+//! left alone is deactivated between one and two idle timeouts after its last message,
+//! also after many round trips, each of which left the mailbox empty and skipped the
+//! timer's poll.
+//!
+//! Runs in both builds (the multi-thread test only in the normal one).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::{ActorId, ActorKind};
+use troupe_runtime::{Actor, ActorError, KindConfig, Runtime};
+
+struct Echo;
+
+#[async_trait]
+impl Actor for Echo {
+    async fn handle(&mut self, _turn: &mut troupe_runtime::Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        Ok(payload)
+    }
+}
+
+fn start(idle_timeout: Duration) -> Runtime {
+    Runtime::builder()
+        .register(
+            ActorKind::new("echo").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+            KindConfig::default().with_idle_timeout(idle_timeout),
+        )
+        .unwrap()
+        .start()
+}
+
+/// Idle timeout of the paused-clock test (ms).
+const IDLE_TIMEOUT_MS: u64 = 30;
+/// Gap between messages while the actor is kept busy (ms): under the idle timeout.
+const BUSY_GAP_MS: u64 = 10;
+/// Messages sent while the actor is kept busy.
+const BUSY_MESSAGES: u64 = 50;
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_actor_stays_active_and_an_idle_one_is_deactivated_in_one_to_two_timeouts() {
+    let idle_timeout = Duration::from_millis(IDLE_TIMEOUT_MS);
+    let runtime = start(idle_timeout);
+    let target = ActorId::new("echo", "0").unwrap();
+    let call = || runtime.invoke_within(&target, Bytes::from_static(b"x"), Duration::from_secs(5));
+    for _ in 0..BUSY_MESSAGES {
+        call().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(BUSY_GAP_MS)).await;
+    }
+    assert_eq!(
+        runtime.counters().deactivations_finished,
+        0,
+        "a busy actor was deactivated"
+    );
+
+    // Left alone: not before one idle timeout after the last message (less the gap
+    // already slept), and by two (plus a millisecond of timer granularity).
+    call().await.unwrap();
+    let last = tokio::time::Instant::now();
+    while runtime.counters().deactivations_finished == 0 {
+        assert!(
+            last.elapsed() <= 2 * idle_timeout + Duration::from_millis(1),
+            "still active {:?} after its last message",
+            last.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(last.elapsed() >= idle_timeout, "deactivated after {:?}", last.elapsed());
+    assert_eq!(runtime.counters().activations_started, 1);
+
+    // And the next activation's timer works the same.
+    call().await.unwrap();
+    tokio::time::sleep(3 * idle_timeout).await;
+    let counters = runtime.counters();
+    assert_eq!((counters.activations_started, counters.deactivations_finished), (2, 2));
+    runtime.shutdown().await;
+}
+
+/// Idle timeout of the multi-thread test (ms).
+const IDLE_TIMEOUT_MT_MS: u64 = 50;
+/// How long the multi-thread test waits for a deactivation at most (ms): generous, for a
+/// loaded machine.
+const DEACTIVATION_WAIT_MT_MS: u64 = 5_000;
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_actors_are_deactivated_after_many_round_trips_multi_thread() {
+    let idle_timeout = Duration::from_millis(IDLE_TIMEOUT_MT_MS);
+    let runtime = start(idle_timeout);
+    let targets: Vec<ActorId> = (0..4)
+        .map(|key| ActorId::new("echo", key.to_string()).unwrap())
+        .collect();
+    let mut callers = Vec::new();
+    for target in targets.clone() {
+        let handle = runtime.handle();
+        callers.push(tokio::spawn(async move {
+            for _ in 0..500 {
+                handle
+                    .invoke_within(&target, Bytes::from_static(b"x"), Duration::from_secs(5))
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let last = tokio::time::Instant::now();
+    while runtime.counters().deactivations_finished < 4 {
+        assert!(
+            last.elapsed() < Duration::from_millis(DEACTIVATION_WAIT_MT_MS),
+            "{:?}",
+            runtime.counters()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(last.elapsed() >= idle_timeout);
+    assert_eq!(runtime.counters().activations_started, 4);
+    runtime.shutdown().await;
+}

@@ -1,0 +1,100 @@
+//! Heap allocations per untyped invoke of an active actor in steady state (issue 11):
+//! `INVOKE_ALLOCATIONS_MAX`, the envelope and the reply channel on the caller's side, the
+//! `async_trait` box of `Actor::handle` on the actor's. A turn that writes nothing makes
+//! no write map (`Turn`), and the caller's wait and the activation's wait for its next
+//! message allocate nothing; an allocation added to any of them fails this.
+//!
+//! Counted per thread by a counting global allocator, on a current_thread runtime whose
+//! caller, dispatcher and actor all run on the test's thread. Normal build only: the
+//! simulator's runtime allocates differently.
+#![cfg(not(madsim))]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::{ActorId, ActorKind};
+use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
+
+/// Allocations per invoke of an active actor in steady state (allocations).
+const INVOKE_ALLOCATIONS_MAX: u64 = 3;
+/// Measured invokes, after as many for warm-up.
+const INVOKES: u64 = 200;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts the allocations (and reallocations) of the calling thread.
+struct Counting;
+
+// SAFETY: forwards every call to the system allocator unchanged; the count is a
+// const-initialized thread-local without a destructor, which never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+        // SAFETY: the caller's contract is passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract is passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+        // SAFETY: the caller's contract is passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(Cell::get)
+}
+
+struct Echo;
+
+#[async_trait]
+impl Actor for Echo {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        Ok(payload)
+    }
+}
+
+#[tokio::test]
+async fn an_invoke_of_an_active_actor_allocates_at_most_its_budget_in_steady_state() {
+    let runtime = Runtime::builder()
+        .register(
+            ActorKind::new("echo").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+            KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
+        )
+        .unwrap()
+        .start();
+    let target = ActorId::new("echo", "0").unwrap();
+    let timeout = Duration::from_secs(5);
+    let payload = Bytes::from_static(b"x");
+    for _ in 0..INVOKES {
+        runtime.invoke_within(&target, payload.clone(), timeout).await.unwrap();
+    }
+    let before = allocations();
+    for _ in 0..INVOKES {
+        assert_eq!(
+            runtime.invoke_within(&target, payload.clone(), timeout).await.unwrap(),
+            payload
+        );
+    }
+    let invokes = allocations() - before;
+    assert!(
+        invokes <= INVOKES * INVOKE_ALLOCATIONS_MAX,
+        "{invokes} allocations for {INVOKES} invokes: more than {INVOKE_ALLOCATIONS_MAX} each"
+    );
+    eprintln!("{invokes} allocations for {INVOKES} invokes");
+    runtime.shutdown().await;
+}
