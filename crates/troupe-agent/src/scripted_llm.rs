@@ -26,7 +26,7 @@
 //! [`LlmError::OverTokenLimit`] (nothing delivered, nothing charged), so a scripted turn
 //! never spends past its budget.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,8 +35,8 @@ use async_trait::async_trait;
 use serde_json::Value;
 use troupe_core::ActorId;
 
-use crate::limits::SCRIPTED_LLM_RECORDED_MAX;
-use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall};
+use crate::limits::{SCRIPTED_LLM_COUNTED_AGENTS_MAX, SCRIPTED_LLM_RECORDED_MAX};
+use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Prompt, Role, TokenUsage, ToolCall};
 
 /// When a rule applies, judged on the request's last message.
 #[derive(Debug, Clone, PartialEq)]
@@ -203,6 +203,7 @@ pub struct ScriptedLlm {
     rules: Arc<Mutex<Vec<ScriptRule>>>,
     recorded: Arc<Mutex<Recorded>>,
     next_call: Arc<AtomicU64>,
+    counted: Arc<Mutex<CountedParts>>,
 }
 
 impl std::fmt::Debug for ScriptedLlm {
@@ -399,7 +400,12 @@ impl LlmClient for ScriptedLlm {
                 message
             }
         };
-        let usage = scripted_usage(&request.messages, &message);
+        let prompt_tokens = self
+            .counted
+            .lock()
+            .unwrap()
+            .prompt_words(&request.agent, &request.messages);
+        let usage = scripted_usage(prompt_tokens, &message);
         if let Some(max_tokens) = request.max_tokens {
             if usage.total_tokens > max_tokens {
                 return Err(LlmError::OverTokenLimit {
@@ -500,9 +506,56 @@ fn string_whitespace_runs(text: &str) -> usize {
     runs
 }
 
-/// The scripted model's token count: one token per word (see the module doc).
-fn scripted_usage(prompt: &[ChatMessage], reply: &ChatMessage) -> TokenUsage {
-    let prompt_tokens = prompt.iter().map(message_words).fold(0_u64, u64::saturating_add);
+/// The words of `messages`, saturating.
+fn messages_words<'a>(messages: impl IntoIterator<Item = &'a ChatMessage>) -> u64 {
+    messages.into_iter().map(message_words).fold(0_u64, u64::saturating_add)
+}
+
+/// The word counts of the prompt parts each agent was last shown, so the next prompt
+/// counts only its new parts: an agent's prompts share most parts (the system message,
+/// the window's turns, the turn's earlier steps; see [`Prompt`]). A part is known by its
+/// address, held here so it cannot be reused while it is compared; parts are immutable,
+/// so a count kept is the count of the part. Holds at most
+/// [`SCRIPTED_LLM_COUNTED_AGENTS_MAX`] agents' prompts (then starts over).
+#[derive(Default)]
+struct CountedParts {
+    agents: BTreeMap<ActorId, Vec<(Arc<[ChatMessage]>, u64)>>,
+}
+
+impl CountedParts {
+    /// The words of `prompt` (equal to `messages_words(prompt)`), remembering its
+    /// parts' counts as `agent`'s.
+    fn prompt_words(&mut self, agent: &ActorId, prompt: &Prompt) -> u64 {
+        let previous = self.agents.remove(agent).unwrap_or_default();
+        if self.agents.len() >= SCRIPTED_LLM_COUNTED_AGENTS_MAX {
+            self.agents.clear();
+        }
+        // The parts seen before come in the same order (some dropped at the front, new
+        // ones added at the end), so one cursor walks the previous list once.
+        let mut cursor = 0;
+        let mut total = 0_u64;
+        let mut counted = Vec::with_capacity(prompt.parts().len());
+        for part in prompt.parts() {
+            let seen = previous[cursor..].iter().position(|(seen, _)| Arc::ptr_eq(seen, part));
+            let words = match seen {
+                Some(offset) => {
+                    cursor += offset + 1;
+                    previous[cursor - 1].1
+                }
+                None => messages_words(part.iter()),
+            };
+            // Saturating sums of non-negative counts do not depend on the grouping.
+            total = total.saturating_add(words);
+            counted.push((Arc::clone(part), words));
+        }
+        self.agents.insert(agent.clone(), counted);
+        total
+    }
+}
+
+/// The scripted model's token count: one token per word (see the module doc), the
+/// prompt's already counted.
+fn scripted_usage(prompt_tokens: u64, reply: &ChatMessage) -> TokenUsage {
     let completion_tokens = message_words(reply);
     TokenUsage {
         prompt_tokens,
@@ -522,7 +575,7 @@ mod tests {
             agent: ActorId::new("agent", agent).unwrap(),
             model: "scripted".into(),
             max_tokens: None,
-            messages,
+            messages: messages.into(),
             tools: Vec::new().into(),
             deadline: Deadline::from_micros(u64::MAX),
         }
@@ -731,6 +784,84 @@ mod tests {
                     .prop_map(|fields| Value::Object(fields.into_iter().collect())),
             ]
         })
+    }
+
+    proptest::proptest! {
+        /// The counted parts give every prompt the count of all its messages walked
+        /// afresh (the count before prompts were shared), over prompts built the way
+        /// agents build them: a system part, the window's parts (the oldest dropping
+        /// off), a turn's new parts, some prompts of other agents and some of parts
+        /// never seen, interleaved.
+        #[test]
+        fn counted_parts_give_the_count_of_every_message_walked(
+            steps in proptest::collection::vec((0u8..3, 0usize..3, 0u8..4, proptest::collection::vec("[ a\u{a0}x]{0,6}", 1..4)), 1..40),
+            tiny_cache in proptest::bool::ANY,
+        ) {
+            let agents = [ActorId::new("agent", "a").unwrap(), ActorId::new("agent", "b").unwrap(), ActorId::new("agent", "c").unwrap()];
+            let system: Arc<[ChatMessage]> = Arc::new([ChatMessage::new(Role::System, "you are a")]);
+            let mut windows: Vec<Vec<Arc<[ChatMessage]>>> = vec![Vec::new(); agents.len()];
+            let mut counted = CountedParts::default();
+            for (agent, dropped, kind, texts) in steps {
+                let agent_index = usize::from(agent);
+                let window = &mut windows[agent_index];
+                let part: Arc<[ChatMessage]> = texts
+                    .iter()
+                    .map(|text| {
+                        let mut message = ChatMessage::new(Role::Assistant, text.clone());
+                        if text.len() % 2 == 0 {
+                            message.tool_calls.push(ToolCall {
+                                id: "c".into(),
+                                name: "t".into(),
+                                arguments: serde_json::json!({"m": text}),
+                            });
+                        }
+                        message
+                    })
+                    .collect::<Vec<_>>()
+                    .into();
+                let mut prompt = Prompt::new();
+                match kind {
+                    // A step: the system part, the window, the new part (kept).
+                    0 | 1 => {
+                        window.drain(..dropped.min(window.len()));
+                        window.push(part);
+                        prompt.push_part(Arc::clone(&system));
+                        window.iter().for_each(|part| prompt.push_part(Arc::clone(part)));
+                    }
+                    // A copy of the window's messages in new parts.
+                    2 => {
+                        window.iter().for_each(|part| prompt.push_part(part.to_vec().into()));
+                        prompt.push_part(part);
+                    }
+                    // The window reversed: parts seen, out of order.
+                    _ => {
+                        window.iter().rev().for_each(|part| prompt.push_part(Arc::clone(part)));
+                    }
+                }
+                if tiny_cache && agent_index == 2 {
+                    counted.agents.clear();
+                }
+                let expected = messages_words(prompt.iter());
+                proptest::prop_assert_eq!(counted.prompt_words(&agents[agent_index], &prompt), expected);
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prompt_sharing_parts_with_the_last_is_counted_the_same() {
+        let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("fine thanks"));
+        let user: Arc<[ChatMessage]> = Arc::new([ChatMessage::new(Role::User, "how are you")]);
+        let first = Prompt::from(Arc::clone(&user));
+        let mut second = first.clone();
+        second.push(ChatMessage::new(Role::Assistant, "fine thanks"));
+        second.push(ChatMessage::new(Role::User, "and now?"));
+        let mut usages = Vec::new();
+        for messages in [first, second.clone(), second] {
+            let mut request = request("a", Vec::new());
+            request.messages = messages;
+            usages.push(llm.complete(request).await.unwrap().usage.unwrap().prompt_tokens);
+        }
+        assert_eq!(usages, [3, 3 + 2 + 2, 7]);
     }
 
     #[test]
