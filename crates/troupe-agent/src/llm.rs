@@ -460,6 +460,21 @@ pub enum LlmError {
 }
 
 /// A chat-completions model with tool calling.
+///
+/// # Examples
+/// A client reads the request's messages in order from its [`Prompt`]:
+/// ```
+/// use async_trait::async_trait;
+/// use troupe_agent::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role};
+/// struct Echo;
+/// #[async_trait]
+/// impl LlmClient for Echo {
+///     async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
+///         let said: Vec<&str> = request.messages.iter().map(|m| m.content.as_str()).collect();
+///         Ok(LlmReply::new(ChatMessage::new(Role::Assistant, said.join(" | "))))
+///     }
+/// }
+/// ```
 #[async_trait]
 pub trait LlmClient: Send + Sync + 'static {
     /// Asks the model for the next assistant message.

@@ -67,7 +67,8 @@ pub enum ScriptAction {
 pub struct ScriptRule {
     agent: Option<String>,
     condition: ScriptCondition,
-    action: ScriptAction,
+    /// Shared, so choosing the rule for a request does not copy it.
+    action: Arc<ScriptAction>,
     latency: Duration,
     uses_left: Option<u32>,
 }
@@ -78,7 +79,7 @@ impl ScriptRule {
         Self {
             agent: Some(agent.into()),
             condition: ScriptCondition::Always,
-            action: ScriptAction::Reply(String::new()),
+            action: Arc::new(ScriptAction::Reply(String::new())),
             latency: Duration::ZERO,
             uses_left: None,
         }
@@ -112,7 +113,7 @@ impl ScriptRule {
 
     /// Answers with the text `template`.
     pub fn reply(mut self, template: impl Into<String>) -> Self {
-        self.action = ScriptAction::Reply(template.into());
+        self.action = Arc::new(ScriptAction::Reply(template.into()));
         self
     }
 
@@ -120,16 +121,16 @@ impl ScriptRule {
     /// set on this rule, so one step can request several).
     pub fn call(mut self, name: impl Into<String>, arguments: Value) -> Self {
         let call = (name.into(), arguments);
-        match &mut self.action {
+        match Arc::make_mut(&mut self.action) {
             ScriptAction::CallTools(calls) => calls.push(call),
-            _ => self.action = ScriptAction::CallTools(vec![call]),
+            other => *other = ScriptAction::CallTools(vec![call]),
         }
         self
     }
 
     /// Answers with an injected failure.
     pub fn fail(mut self, cause: impl Into<String>) -> Self {
-        self.action = ScriptAction::Fail(cause.into());
+        self.action = Arc::new(ScriptAction::Fail(cause.into()));
         self
     }
 
@@ -272,35 +273,35 @@ impl ScriptedLlm {
         self.recorded.lock().unwrap().answers.iter().cloned().collect()
     }
 
-    /// Picks the rule for `request` and consumes one of its uses.
-    fn choose(&self, request: &LlmRequest) -> Option<ScriptRule> {
+    /// Picks the rule for `request`, consumes one of its uses, and gives its latency
+    /// and action.
+    fn choose(&self, request: &LlmRequest) -> Option<(Duration, Arc<ScriptAction>)> {
         let mut rules = self.rules.lock().unwrap();
         let rule = rules.iter_mut().find(|rule| rule.matches(request))?;
         if let Some(left) = &mut rule.uses_left {
             *left -= 1;
         }
-        Some(rule.clone())
+        Some((rule.latency, Arc::clone(&rule.action)))
     }
 }
 
-/// The values templates refer to.
-struct TemplateValues {
-    input: String,
+/// The values templates refer to, borrowed from the request where they can be.
+struct TemplateValues<'a> {
+    input: &'a str,
     tool_result: String,
-    agent: String,
-    route_next: String,
+    agent: &'a str,
+    route_next: &'a str,
     route_rest: String,
 }
 
-impl TemplateValues {
-    fn of(request: &LlmRequest) -> Self {
+impl<'a> TemplateValues<'a> {
+    fn of(request: &'a LlmRequest) -> Self {
         let input = request
             .messages
             .iter()
             .rev()
             .find(|m| m.role == Role::User)
-            .map(|m| m.content.clone())
-            .unwrap_or_default();
+            .map_or("", |m| m.content.as_str());
         let mut results: Vec<&str> = request
             .messages
             .iter()
@@ -313,14 +314,14 @@ impl TemplateValues {
             .split_once("route:")
             .map(|(_, route)| route.split_whitespace().collect())
             .unwrap_or_default();
-        let route_next = route.first().map(ToString::to_string).unwrap_or_default();
+        let route_next = route.first().copied().unwrap_or_default();
         let route_rest = route.iter().skip(1).map(|hop| format!(" {hop}")).collect();
         Self {
             route_next,
             route_rest,
             input,
             tool_result: results.join("; "),
-            agent: request.agent.key().to_string(),
+            agent: request.agent.key(),
         }
     }
 
@@ -329,11 +330,11 @@ impl TemplateValues {
     fn fill(&self, template: &str) -> String {
         let mut text = template.to_string();
         for (placeholder, value) in [
-            ("{input}", &self.input),
-            ("{tool_result}", &self.tool_result),
-            ("{agent}", &self.agent),
-            ("{route_next}", &self.route_next),
-            ("{route_rest}", &self.route_rest),
+            ("{input}", self.input),
+            ("{tool_result}", self.tool_result.as_str()),
+            ("{agent}", self.agent),
+            ("{route_next}", self.route_next),
+            ("{route_rest}", self.route_rest.as_str()),
         ] {
             if text.contains(placeholder) {
                 text = text.replace(placeholder, value);
@@ -363,7 +364,7 @@ impl LlmClient for ScriptedLlm {
                 record(&mut recorded.requests, request.clone());
             }
         }
-        let Some(rule) = self.choose(&request) else {
+        let Some((latency, action)) = self.choose(&request) else {
             let last = request
                 .messages
                 .last()
@@ -376,11 +377,11 @@ impl LlmClient for ScriptedLlm {
                 ),
             });
         };
-        if !rule.latency.is_zero() {
-            tokio::time::sleep(rule.latency).await;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
         }
         let values = TemplateValues::of(&request);
-        let message = match &rule.action {
+        let message = match &*action {
             ScriptAction::Fail(cause) => {
                 return Err(LlmError::Injected {
                     cause: values.fill(cause),
@@ -519,8 +520,11 @@ fn messages_words<'a>(messages: impl IntoIterator<Item = &'a ChatMessage>) -> u6
 /// [`SCRIPTED_LLM_COUNTED_AGENTS_MAX`] agents' prompts (then starts over).
 #[derive(Default)]
 struct CountedParts {
-    agents: BTreeMap<ActorId, Vec<(Arc<[ChatMessage]>, u64)>>,
+    agents: BTreeMap<ActorId, Vec<CountedPart>>,
 }
+
+/// A prompt part, held, with its words.
+type CountedPart = (Arc<[ChatMessage]>, u64);
 
 impl CountedParts {
     /// The words of `prompt` (equal to `messages_words(prompt)`), remembering its
@@ -704,9 +708,9 @@ mod tests {
             let mut limited_seen = 0;
             for agent in &agents {
                 let req = request(agent, vec![ChatMessage::new(Role::User, "x")]);
-                let chosen = first.choose(&req).map(|rule| rule.action);
-                proptest::prop_assert_eq!(&chosen, &second.choose(&req).map(|rule| rule.action));
-                match (*agent, chosen) {
+                let chosen = first.choose(&req).map(|(_, action)| action);
+                proptest::prop_assert_eq!(&chosen, &second.choose(&req).map(|(_, action)| action));
+                match (*agent, chosen.as_deref()) {
                     ("b", None) => {}
                     ("a", Some(ScriptAction::Reply(text))) if text == "limited" => {
                         limited_seen += 1;

@@ -67,6 +67,29 @@ impl SavedAgent {
         serde_json::from_slice(bytes).map_err(|error| error.to_string())
     }
 
+    /// The snapshot's bytes: exactly the JSON `serde_json::to_vec` writes (tested),
+    /// written directly, as every turn commits one.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let boxes = &self.boxes;
+        let mut out = Vec::with_capacity(SAVED_AGENT_JSON_CAPACITY_BYTES);
+        for (prefix, value) in [
+            (&b"{\"log_length\":"[..], self.log_length),
+            (b",\"turns\":", self.turns),
+            (b",\"window\":", self.window),
+            (b",\"boxes\":{\"inbox_next\":", boxes.inbox_next),
+            (b",\"inbox_len\":", boxes.inbox_len),
+            (b",\"outbox_next\":", boxes.outbox_next),
+            (b",\"outbox_len\":", boxes.outbox_len),
+            (b",\"tasks_open\":", boxes.tasks_open),
+            (b",\"external_open\":", boxes.external_open),
+        ] {
+            out.extend_from_slice(prefix);
+            push_decimal(&mut out, value);
+        }
+        out.extend_from_slice(b"}}");
+        out
+    }
+
     /// The log key after which the window starts (`None`: at the log's start).
     pub(crate) fn window_after(&self) -> Option<String> {
         let start = self.log_length - self.window.min(self.log_length);
@@ -147,6 +170,26 @@ impl AgentState {
     }
 }
 
+/// Room for an encoded [`SavedAgent`] with nine 20-digit counters, in bytes (the
+/// field names and punctuation take 131).
+const SAVED_AGENT_JSON_CAPACITY_BYTES: usize = 320;
+
+/// Appends `value` in decimal, as JSON writes it.
+fn push_decimal(out: &mut Vec<u8>, value: u64) {
+    let mut digits = [0_u8; LOG_SEQ_DIGITS];
+    let mut start = LOG_SEQ_DIGITS;
+    let mut rest = value;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[start..]);
+}
+
 /// The key of entry `seq` of the conversation log.
 pub(crate) fn log_key(seq: u64) -> String {
     // `format!("log/{seq:020}")` without the formatting machinery (a key per message).
@@ -171,6 +214,26 @@ const LOG_KEY_LENGTH: usize = 4 + LOG_SEQ_DIGITS;
 mod tests {
     use super::*;
     use crate::ToolCall;
+
+    proptest::proptest! {
+        /// The snapshot written directly is byte for byte serde_json's, and decodes back.
+        #[test]
+        fn a_snapshot_is_encoded_as_serde_json_writes_it(
+            counters in proptest::array::uniform9(proptest::prop_oneof![proptest::num::u64::ANY, 0u64..1_000]),
+        ) {
+            let [log_length, turns, window, inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open] = counters;
+            let saved = SavedAgent {
+                log_length,
+                turns,
+                window,
+                boxes: BoxCounters { inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open },
+            };
+            let encoded = saved.encode();
+            proptest::prop_assert_eq!(&encoded, &serde_json::to_vec(&saved).unwrap());
+            proptest::prop_assert!(encoded.len() <= SAVED_AGENT_JSON_CAPACITY_BYTES);
+            proptest::prop_assert_eq!(SavedAgent::decode(&encoded).unwrap(), saved);
+        }
+    }
 
     #[test]
     fn log_keys_are_zero_padded_to_twenty_digits() {
