@@ -163,7 +163,6 @@ impl Actor for AgentActor {
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        let bytes = serde_json::to_vec(&self.state.saved()).map_err(|error| ActorError::failed(error.to_string()))?;
-        Ok(Some(Bytes::from(bytes)))
+        Ok(Some(Bytes::from(self.state.saved().encode())))
     }
 }

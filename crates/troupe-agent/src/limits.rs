@@ -29,6 +29,9 @@ pub const AGENT_PEERS_LISTED_MAX: usize = 32;
 /// Most requests and answers a [`crate::ScriptedLlm`] keeps for inspection; older ones are
 /// dropped first.
 pub const SCRIPTED_LLM_RECORDED_MAX: usize = 100_000;
+/// Most agents whose last prompt a [`crate::ScriptedLlm`] keeps counted, so the next
+/// one counts only its new parts; past it, the counts start over.
+pub const SCRIPTED_LLM_COUNTED_AGENTS_MAX: usize = 1_024;
 /// Longest system prompt an agent may have, in bytes.
 pub const AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES: usize = 16 * 1024;
 

@@ -81,6 +81,280 @@ pub struct ToolSpec {
     pub parameters: serde_json::Value,
 }
 
+/// The messages of a model request, in order: shared, not copied.
+///
+/// An agent's prompt is its system message, its history window and the turn's new
+/// messages, and every step of every turn shows mostly the same ones. A `Prompt` is a
+/// list of shared, immutable parts (`Arc<[ChatMessage]>`), so building the next step's
+/// prompt, cloning a request or keeping it costs a pointer per part, not a copy of
+/// each message. Read it in order with [`Prompt::iter`] (or `for message in
+/// &request.messages`); [`Prompt::last`], [`Prompt::len`] and indexing work as on a
+/// slice. A client that wants the parts as they were shared (to cache work per part)
+/// has [`Prompt::parts`].
+///
+/// # Examples
+/// ```
+/// use troupe_agent::{ChatMessage, Prompt, Role};
+/// let mut prompt = Prompt::from(vec![ChatMessage::new(Role::System, "be brief")]);
+/// prompt.push(ChatMessage::new(Role::User, "hi"));
+/// let roles: Vec<Role> = prompt.iter().map(|message| message.role).collect();
+/// assert_eq!(roles, [Role::System, Role::User]);
+/// assert_eq!(prompt.last().unwrap().content, "hi");
+/// assert_eq!(prompt[0].content, "be brief");
+/// ```
+#[derive(Clone, Default)]
+pub struct Prompt {
+    /// Never empty parts, in order.
+    parts: Vec<Arc<[ChatMessage]>>,
+    /// The messages in all parts.
+    len: usize,
+}
+
+impl Prompt {
+    /// An empty prompt.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `part`, shared (an empty part is not kept).
+    pub fn push_part(&mut self, part: Arc<[ChatMessage]>) {
+        if !part.is_empty() {
+            self.len += part.len();
+            self.parts.push(part);
+        }
+    }
+
+    /// Appends every part of `other`, shared.
+    pub fn extend_shared(&mut self, other: &Prompt) {
+        self.parts.extend(other.parts.iter().cloned());
+        self.len += other.len;
+    }
+
+    /// Appends `message` as a part of its own.
+    pub fn push(&mut self, message: ChatMessage) {
+        self.push_part(Arc::new([message]));
+    }
+
+    /// How many messages it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no message.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first message.
+    pub fn first(&self) -> Option<&ChatMessage> {
+        self.parts.first().and_then(|part| part.first())
+    }
+
+    /// The last message.
+    pub fn last(&self) -> Option<&ChatMessage> {
+        self.parts.last().and_then(|part| part.last())
+    }
+
+    /// Message `index`, counted from the first.
+    pub fn get(&self, index: usize) -> Option<&ChatMessage> {
+        let mut rest = index;
+        for part in &self.parts {
+            if rest < part.len() {
+                return Some(&part[rest]);
+            }
+            rest -= part.len();
+        }
+        None
+    }
+
+    /// The messages in order.
+    pub fn iter(&self) -> PromptIter<'_> {
+        PromptIter {
+            parts: &self.parts,
+            front: [].iter(),
+            back: [].iter(),
+            len: self.len,
+        }
+    }
+
+    /// The shared parts in order, none empty; together they are [`Prompt::iter`]'s
+    /// messages. The same part (`Arc::ptr_eq`) in two prompts holds the same messages.
+    pub fn parts(&self) -> &[Arc<[ChatMessage]>] {
+        &self.parts
+    }
+
+    /// The messages, copied.
+    pub fn to_vec(&self) -> Vec<ChatMessage> {
+        self.iter().cloned().collect()
+    }
+
+    /// Removes the first `count` messages (all when there are fewer): whole parts are
+    /// dropped, and a part cut in two is replaced by a copy of its kept messages.
+    pub(crate) fn remove_first(&mut self, count: usize) {
+        let mut rest = count.min(self.len);
+        self.len -= rest;
+        let whole = self
+            .parts
+            .iter()
+            .take_while(|part| {
+                let dropped = part.len() <= rest;
+                if dropped {
+                    rest -= part.len();
+                }
+                dropped
+            })
+            .count();
+        self.parts.drain(..whole);
+        if rest > 0 {
+            self.parts[0] = self.parts[0][rest..].into();
+        }
+    }
+}
+
+impl From<Vec<ChatMessage>> for Prompt {
+    fn from(messages: Vec<ChatMessage>) -> Self {
+        let mut prompt = Self::new();
+        prompt.push_part(messages.into());
+        prompt
+    }
+}
+
+impl From<Arc<[ChatMessage]>> for Prompt {
+    fn from(part: Arc<[ChatMessage]>) -> Self {
+        let mut prompt = Self::new();
+        prompt.push_part(part);
+        prompt
+    }
+}
+
+impl FromIterator<ChatMessage> for Prompt {
+    fn from_iter<I: IntoIterator<Item = ChatMessage>>(messages: I) -> Self {
+        Self::from(messages.into_iter().collect::<Vec<_>>())
+    }
+}
+
+impl std::ops::Index<usize> for Prompt {
+    type Output = ChatMessage;
+
+    fn index(&self, index: usize) -> &ChatMessage {
+        match self.get(index) {
+            Some(message) => message,
+            None => panic!("index {index} out of a prompt of {} messages", self.len),
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Prompt {
+    type Item = &'a ChatMessage;
+    type IntoIter = PromptIter<'a>;
+
+    fn into_iter(self) -> PromptIter<'a> {
+        self.iter()
+    }
+}
+
+/// Equal when the messages are, however they are split into parts.
+impl PartialEq for Prompt {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.iter().eq(other.iter())
+    }
+}
+
+impl PartialEq<[ChatMessage]> for Prompt {
+    fn eq(&self, other: &[ChatMessage]) -> bool {
+        self.len == other.len() && self.iter().eq(other.iter())
+    }
+}
+
+impl PartialEq<Vec<ChatMessage>> for Prompt {
+    fn eq(&self, other: &Vec<ChatMessage>) -> bool {
+        *self == **other
+    }
+}
+
+impl std::fmt::Debug for Prompt {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// A list of the messages, as a `Vec<ChatMessage>` is written.
+impl Serialize for Prompt {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.iter())
+    }
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Vec::<ChatMessage>::deserialize(deserializer).map(Self::from)
+    }
+}
+
+/// The messages of a [`Prompt`] in order (from either end).
+#[derive(Debug, Clone)]
+pub struct PromptIter<'a> {
+    /// The parts not yet started from either end.
+    parts: &'a [Arc<[ChatMessage]>],
+    front: std::slice::Iter<'a, ChatMessage>,
+    back: std::slice::Iter<'a, ChatMessage>,
+    len: usize,
+}
+
+impl<'a> Iterator for PromptIter<'a> {
+    type Item = &'a ChatMessage;
+
+    fn next(&mut self) -> Option<&'a ChatMessage> {
+        loop {
+            if let Some(message) = self.front.next() {
+                self.len -= 1;
+                return Some(message);
+            }
+            match self.parts.split_first() {
+                Some((part, rest)) => {
+                    self.front = part.iter();
+                    self.parts = rest;
+                }
+                None => {
+                    let message = self.back.next()?;
+                    self.len -= 1;
+                    return Some(message);
+                }
+            }
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.len, Some(self.len))
+    }
+}
+
+impl DoubleEndedIterator for PromptIter<'_> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(message) = self.back.next_back() {
+                self.len -= 1;
+                return Some(message);
+            }
+            match self.parts.split_last() {
+                Some((part, rest)) => {
+                    self.back = part.iter();
+                    self.parts = rest;
+                }
+                None => {
+                    let message = self.front.next_back()?;
+                    self.len -= 1;
+                    return Some(message);
+                }
+            }
+        }
+    }
+}
+
+impl ExactSizeIterator for PromptIter<'_> {}
+
+impl std::iter::FusedIterator for PromptIter<'_> {}
+
 /// One request to the model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlmRequest {
@@ -88,8 +362,9 @@ pub struct LlmRequest {
     pub agent: ActorId,
     /// The model name from the agent's settings.
     pub model: String,
-    /// The chat so far, system prompt first.
-    pub messages: Vec<ChatMessage>,
+    /// The chat so far, system prompt first: shared parts, not a copy per request
+    /// (`vec![...].into()` makes one).
+    pub messages: Prompt,
     /// The tools the model may call: shared, as every step of every turn offers the
     /// same list (`vec![...].into()` makes one).
     pub tools: Arc<[ToolSpec]>,
@@ -185,6 +460,21 @@ pub enum LlmError {
 }
 
 /// A chat-completions model with tool calling.
+///
+/// # Examples
+/// A client reads the request's messages in order from its [`Prompt`]:
+/// ```
+/// use async_trait::async_trait;
+/// use troupe_agent::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role};
+/// struct Echo;
+/// #[async_trait]
+/// impl LlmClient for Echo {
+///     async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
+///         let said: Vec<&str> = request.messages.iter().map(|m| m.content.as_str()).collect();
+///         Ok(LlmReply::new(ChatMessage::new(Role::Assistant, said.join(" | "))))
+///     }
+/// }
+/// ```
 #[async_trait]
 pub trait LlmClient: Send + Sync + 'static {
     /// Asks the model for the next assistant message.
@@ -263,10 +553,55 @@ mod tests {
         LlmRequest {
             agent: ActorId::new("agent", agent).unwrap(),
             model: String::new(),
-            messages: vec![ChatMessage::new(Role::User, "hi")],
+            messages: vec![ChatMessage::new(Role::User, "hi")].into(),
             tools: Vec::new().into(),
             deadline: Deadline::from_micros(u64::MAX),
             max_tokens: None,
+        }
+    }
+
+    proptest::proptest! {
+        /// A prompt made of parts of any sizes reads as the `Vec` of its messages: in
+        /// order, from both ends mixed, by index, its length, first and last, and after
+        /// its first messages are removed.
+        #[test]
+        fn a_prompt_reads_as_the_vec_of_its_messages(
+            sizes in proptest::collection::vec(0usize..4, 0..8),
+            ends in proptest::collection::vec(proptest::bool::ANY, 0..30),
+            removed in 0usize..20,
+        ) {
+            let mut prompt = Prompt::new();
+            let mut all = Vec::new();
+            for size in sizes {
+                let part: Vec<ChatMessage> = (0..size).map(|_| ChatMessage::new(Role::User, all.len().to_string())).collect();
+                all.extend(part.iter().cloned());
+                prompt.push_part(part.into());
+            }
+            proptest::prop_assert_eq!(prompt.len(), all.len());
+            proptest::prop_assert_eq!(prompt.to_vec(), all.clone());
+            proptest::prop_assert_eq!(prompt.first(), all.first());
+            proptest::prop_assert_eq!(prompt.last(), all.last());
+            for index in 0..=all.len() {
+                proptest::prop_assert_eq!(prompt.get(index), all.get(index));
+            }
+            proptest::prop_assert!(prompt.iter().rev().eq(all.iter().rev()));
+            let (mut from_prompt, mut from_vec) = (prompt.iter(), all.iter());
+            for from_back in ends {
+                proptest::prop_assert_eq!(from_prompt.len(), from_vec.len());
+                if from_back {
+                    proptest::prop_assert_eq!(from_prompt.next_back(), from_vec.next_back());
+                } else {
+                    proptest::prop_assert_eq!(from_prompt.next(), from_vec.next());
+                }
+            }
+            prompt.remove_first(removed);
+            all.drain(..removed.min(all.len()));
+            proptest::prop_assert_eq!(&prompt, &all);
+            proptest::prop_assert_eq!(prompt.parts().iter().map(|part| part.len()).sum::<usize>(), all.len());
+            proptest::prop_assert!(prompt.parts().iter().all(|part| !part.is_empty()));
+            let json = serde_json::to_string(&prompt).unwrap();
+            proptest::prop_assert_eq!(&json, &serde_json::to_string(&all).unwrap());
+            proptest::prop_assert_eq!(serde_json::from_str::<Prompt>(&json).unwrap(), prompt);
         }
     }
 

@@ -26,7 +26,7 @@
 //! [`LlmError::OverTokenLimit`] (nothing delivered, nothing charged), so a scripted turn
 //! never spends past its budget.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,8 +35,8 @@ use async_trait::async_trait;
 use serde_json::Value;
 use troupe_core::ActorId;
 
-use crate::limits::SCRIPTED_LLM_RECORDED_MAX;
-use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall};
+use crate::limits::{SCRIPTED_LLM_COUNTED_AGENTS_MAX, SCRIPTED_LLM_RECORDED_MAX};
+use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Prompt, Role, TokenUsage, ToolCall};
 
 /// When a rule applies, judged on the request's last message.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,7 +67,8 @@ pub enum ScriptAction {
 pub struct ScriptRule {
     agent: Option<String>,
     condition: ScriptCondition,
-    action: ScriptAction,
+    /// Shared, so choosing the rule for a request does not copy it.
+    action: Arc<ScriptAction>,
     latency: Duration,
     uses_left: Option<u32>,
 }
@@ -78,7 +79,7 @@ impl ScriptRule {
         Self {
             agent: Some(agent.into()),
             condition: ScriptCondition::Always,
-            action: ScriptAction::Reply(String::new()),
+            action: Arc::new(ScriptAction::Reply(String::new())),
             latency: Duration::ZERO,
             uses_left: None,
         }
@@ -112,7 +113,7 @@ impl ScriptRule {
 
     /// Answers with the text `template`.
     pub fn reply(mut self, template: impl Into<String>) -> Self {
-        self.action = ScriptAction::Reply(template.into());
+        self.action = Arc::new(ScriptAction::Reply(template.into()));
         self
     }
 
@@ -120,16 +121,16 @@ impl ScriptRule {
     /// set on this rule, so one step can request several).
     pub fn call(mut self, name: impl Into<String>, arguments: Value) -> Self {
         let call = (name.into(), arguments);
-        match &mut self.action {
+        match Arc::make_mut(&mut self.action) {
             ScriptAction::CallTools(calls) => calls.push(call),
-            _ => self.action = ScriptAction::CallTools(vec![call]),
+            other => *other = ScriptAction::CallTools(vec![call]),
         }
         self
     }
 
     /// Answers with an injected failure.
     pub fn fail(mut self, cause: impl Into<String>) -> Self {
-        self.action = ScriptAction::Fail(cause.into());
+        self.action = Arc::new(ScriptAction::Fail(cause.into()));
         self
     }
 
@@ -203,6 +204,7 @@ pub struct ScriptedLlm {
     rules: Arc<Mutex<Vec<ScriptRule>>>,
     recorded: Arc<Mutex<Recorded>>,
     next_call: Arc<AtomicU64>,
+    counted: Arc<Mutex<CountedParts>>,
 }
 
 impl std::fmt::Debug for ScriptedLlm {
@@ -271,35 +273,35 @@ impl ScriptedLlm {
         self.recorded.lock().unwrap().answers.iter().cloned().collect()
     }
 
-    /// Picks the rule for `request` and consumes one of its uses.
-    fn choose(&self, request: &LlmRequest) -> Option<ScriptRule> {
+    /// Picks the rule for `request`, consumes one of its uses, and gives its latency
+    /// and action.
+    fn choose(&self, request: &LlmRequest) -> Option<(Duration, Arc<ScriptAction>)> {
         let mut rules = self.rules.lock().unwrap();
         let rule = rules.iter_mut().find(|rule| rule.matches(request))?;
         if let Some(left) = &mut rule.uses_left {
             *left -= 1;
         }
-        Some(rule.clone())
+        Some((rule.latency, Arc::clone(&rule.action)))
     }
 }
 
-/// The values templates refer to.
-struct TemplateValues {
-    input: String,
+/// The values templates refer to, borrowed from the request where they can be.
+struct TemplateValues<'a> {
+    input: &'a str,
     tool_result: String,
-    agent: String,
-    route_next: String,
+    agent: &'a str,
+    route_next: &'a str,
     route_rest: String,
 }
 
-impl TemplateValues {
-    fn of(request: &LlmRequest) -> Self {
+impl<'a> TemplateValues<'a> {
+    fn of(request: &'a LlmRequest) -> Self {
         let input = request
             .messages
             .iter()
             .rev()
             .find(|m| m.role == Role::User)
-            .map(|m| m.content.clone())
-            .unwrap_or_default();
+            .map_or("", |m| m.content.as_str());
         let mut results: Vec<&str> = request
             .messages
             .iter()
@@ -312,14 +314,14 @@ impl TemplateValues {
             .split_once("route:")
             .map(|(_, route)| route.split_whitespace().collect())
             .unwrap_or_default();
-        let route_next = route.first().map(ToString::to_string).unwrap_or_default();
+        let route_next = route.first().copied().unwrap_or_default();
         let route_rest = route.iter().skip(1).map(|hop| format!(" {hop}")).collect();
         Self {
             route_next,
             route_rest,
             input,
             tool_result: results.join("; "),
-            agent: request.agent.key().to_string(),
+            agent: request.agent.key(),
         }
     }
 
@@ -328,11 +330,11 @@ impl TemplateValues {
     fn fill(&self, template: &str) -> String {
         let mut text = template.to_string();
         for (placeholder, value) in [
-            ("{input}", &self.input),
-            ("{tool_result}", &self.tool_result),
-            ("{agent}", &self.agent),
-            ("{route_next}", &self.route_next),
-            ("{route_rest}", &self.route_rest),
+            ("{input}", self.input),
+            ("{tool_result}", self.tool_result.as_str()),
+            ("{agent}", self.agent),
+            ("{route_next}", self.route_next),
+            ("{route_rest}", self.route_rest.as_str()),
         ] {
             if text.contains(placeholder) {
                 text = text.replace(placeholder, value);
@@ -362,7 +364,7 @@ impl LlmClient for ScriptedLlm {
                 record(&mut recorded.requests, request.clone());
             }
         }
-        let Some(rule) = self.choose(&request) else {
+        let Some((latency, action)) = self.choose(&request) else {
             let last = request
                 .messages
                 .last()
@@ -375,11 +377,11 @@ impl LlmClient for ScriptedLlm {
                 ),
             });
         };
-        if !rule.latency.is_zero() {
-            tokio::time::sleep(rule.latency).await;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
         }
         let values = TemplateValues::of(&request);
-        let message = match &rule.action {
+        let message = match &*action {
             ScriptAction::Fail(cause) => {
                 return Err(LlmError::Injected {
                     cause: values.fill(cause),
@@ -399,7 +401,12 @@ impl LlmClient for ScriptedLlm {
                 message
             }
         };
-        let usage = scripted_usage(&request.messages, &message);
+        let prompt_tokens = self
+            .counted
+            .lock()
+            .unwrap()
+            .prompt_words(&request.agent, &request.messages);
+        let usage = scripted_usage(prompt_tokens, &message);
         if let Some(max_tokens) = request.max_tokens {
             if usage.total_tokens > max_tokens {
                 return Err(LlmError::OverTokenLimit {
@@ -500,9 +507,59 @@ fn string_whitespace_runs(text: &str) -> usize {
     runs
 }
 
-/// The scripted model's token count: one token per word (see the module doc).
-fn scripted_usage(prompt: &[ChatMessage], reply: &ChatMessage) -> TokenUsage {
-    let prompt_tokens = prompt.iter().map(message_words).fold(0_u64, u64::saturating_add);
+/// The words of `messages`, saturating.
+fn messages_words<'a>(messages: impl IntoIterator<Item = &'a ChatMessage>) -> u64 {
+    messages.into_iter().map(message_words).fold(0_u64, u64::saturating_add)
+}
+
+/// The word counts of the prompt parts each agent was last shown, so the next prompt
+/// counts only its new parts: an agent's prompts share most parts (the system message,
+/// the window's turns, the turn's earlier steps; see [`Prompt`]). A part is known by its
+/// address, held here so it cannot be reused while it is compared; parts are immutable,
+/// so a count kept is the count of the part. Holds at most
+/// [`SCRIPTED_LLM_COUNTED_AGENTS_MAX`] agents' prompts (then starts over).
+#[derive(Default)]
+struct CountedParts {
+    agents: BTreeMap<ActorId, Vec<CountedPart>>,
+}
+
+/// A prompt part, held, with its words.
+type CountedPart = (Arc<[ChatMessage]>, u64);
+
+impl CountedParts {
+    /// The words of `prompt` (equal to `messages_words(prompt)`), remembering its
+    /// parts' counts as `agent`'s.
+    fn prompt_words(&mut self, agent: &ActorId, prompt: &Prompt) -> u64 {
+        let previous = self.agents.remove(agent).unwrap_or_default();
+        if self.agents.len() >= SCRIPTED_LLM_COUNTED_AGENTS_MAX {
+            self.agents.clear();
+        }
+        // The parts seen before come in the same order (some dropped at the front, new
+        // ones added at the end), so one cursor walks the previous list once.
+        let mut cursor = 0;
+        let mut total = 0_u64;
+        let mut counted = Vec::with_capacity(prompt.parts().len());
+        for part in prompt.parts() {
+            let seen = previous[cursor..].iter().position(|(seen, _)| Arc::ptr_eq(seen, part));
+            let words = match seen {
+                Some(offset) => {
+                    cursor += offset + 1;
+                    previous[cursor - 1].1
+                }
+                None => messages_words(part.iter()),
+            };
+            // Saturating sums of non-negative counts do not depend on the grouping.
+            total = total.saturating_add(words);
+            counted.push((Arc::clone(part), words));
+        }
+        self.agents.insert(agent.clone(), counted);
+        total
+    }
+}
+
+/// The scripted model's token count: one token per word (see the module doc), the
+/// prompt's already counted.
+fn scripted_usage(prompt_tokens: u64, reply: &ChatMessage) -> TokenUsage {
     let completion_tokens = message_words(reply);
     TokenUsage {
         prompt_tokens,
@@ -522,7 +579,7 @@ mod tests {
             agent: ActorId::new("agent", agent).unwrap(),
             model: "scripted".into(),
             max_tokens: None,
-            messages,
+            messages: messages.into(),
             tools: Vec::new().into(),
             deadline: Deadline::from_micros(u64::MAX),
         }
@@ -651,9 +708,9 @@ mod tests {
             let mut limited_seen = 0;
             for agent in &agents {
                 let req = request(agent, vec![ChatMessage::new(Role::User, "x")]);
-                let chosen = first.choose(&req).map(|rule| rule.action);
-                proptest::prop_assert_eq!(&chosen, &second.choose(&req).map(|rule| rule.action));
-                match (*agent, chosen) {
+                let chosen = first.choose(&req).map(|(_, action)| action);
+                proptest::prop_assert_eq!(&chosen, &second.choose(&req).map(|(_, action)| action));
+                match (*agent, chosen.as_deref()) {
                     ("b", None) => {}
                     ("a", Some(ScriptAction::Reply(text))) if text == "limited" => {
                         limited_seen += 1;
@@ -731,6 +788,84 @@ mod tests {
                     .prop_map(|fields| Value::Object(fields.into_iter().collect())),
             ]
         })
+    }
+
+    proptest::proptest! {
+        /// The counted parts give every prompt the count of all its messages walked
+        /// afresh (the count before prompts were shared), over prompts built the way
+        /// agents build them: a system part, the window's parts (the oldest dropping
+        /// off), a turn's new parts, some prompts of other agents and some of parts
+        /// never seen, interleaved.
+        #[test]
+        fn counted_parts_give_the_count_of_every_message_walked(
+            steps in proptest::collection::vec((0u8..3, 0usize..3, 0u8..4, proptest::collection::vec("[ a\u{a0}x]{0,6}", 1..4)), 1..40),
+            tiny_cache in proptest::bool::ANY,
+        ) {
+            let agents = [ActorId::new("agent", "a").unwrap(), ActorId::new("agent", "b").unwrap(), ActorId::new("agent", "c").unwrap()];
+            let system: Arc<[ChatMessage]> = Arc::new([ChatMessage::new(Role::System, "you are a")]);
+            let mut windows: Vec<Vec<Arc<[ChatMessage]>>> = vec![Vec::new(); agents.len()];
+            let mut counted = CountedParts::default();
+            for (agent, dropped, kind, texts) in steps {
+                let agent_index = usize::from(agent);
+                let window = &mut windows[agent_index];
+                let part: Arc<[ChatMessage]> = texts
+                    .iter()
+                    .map(|text| {
+                        let mut message = ChatMessage::new(Role::Assistant, text.clone());
+                        if text.len() % 2 == 0 {
+                            message.tool_calls.push(ToolCall {
+                                id: "c".into(),
+                                name: "t".into(),
+                                arguments: serde_json::json!({"m": text}),
+                            });
+                        }
+                        message
+                    })
+                    .collect::<Vec<_>>()
+                    .into();
+                let mut prompt = Prompt::new();
+                match kind {
+                    // A step: the system part, the window, the new part (kept).
+                    0 | 1 => {
+                        window.drain(..dropped.min(window.len()));
+                        window.push(part);
+                        prompt.push_part(Arc::clone(&system));
+                        window.iter().for_each(|part| prompt.push_part(Arc::clone(part)));
+                    }
+                    // A copy of the window's messages in new parts.
+                    2 => {
+                        window.iter().for_each(|part| prompt.push_part(part.to_vec().into()));
+                        prompt.push_part(part);
+                    }
+                    // The window reversed: parts seen, out of order.
+                    _ => {
+                        window.iter().rev().for_each(|part| prompt.push_part(Arc::clone(part)));
+                    }
+                }
+                if tiny_cache && agent_index == 2 {
+                    counted.agents.clear();
+                }
+                let expected = messages_words(prompt.iter());
+                proptest::prop_assert_eq!(counted.prompt_words(&agents[agent_index], &prompt), expected);
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prompt_sharing_parts_with_the_last_is_counted_the_same() {
+        let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("fine thanks"));
+        let user: Arc<[ChatMessage]> = Arc::new([ChatMessage::new(Role::User, "how are you")]);
+        let first = Prompt::from(Arc::clone(&user));
+        let mut second = first.clone();
+        second.push(ChatMessage::new(Role::Assistant, "fine thanks"));
+        second.push(ChatMessage::new(Role::User, "and now?"));
+        let mut usages = Vec::new();
+        for messages in [first, second.clone(), second] {
+            let mut request = request("a", Vec::new());
+            request.messages = messages;
+            usages.push(llm.complete(request).await.unwrap().usage.unwrap().prompt_tokens);
+        }
+        assert_eq!(usages, [3, 3 + 2 + 2, 7]);
     }
 
     #[test]

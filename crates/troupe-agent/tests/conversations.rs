@@ -112,8 +112,10 @@ async fn a_group_mention_fans_out_and_every_agent_answers_once() {
         .into_iter()
         .find(|request| request.agent.key() == "carol")
         .expect("carol was asked");
-    let views: Vec<(Role, String)> = carol_prompt.messages[1..]
+    let views: Vec<(Role, String)> = carol_prompt
+        .messages
         .iter()
+        .skip(1)
         .map(|m| (m.role, m.content.clone()))
         .collect();
     assert_eq!(views[0], (Role::User, "hugo: @alice and @bob: ship it?".to_string()));
@@ -183,7 +185,7 @@ async fn each_agent_builds_its_prompt_from_its_own_window() {
     let shown = |who: &str| -> Vec<String> {
         let requests = llm.requests_of(who);
         assert_eq!(requests.len(), 1, "{who} answered once");
-        requests[0].messages[1..].iter().map(|m| m.content.clone()).collect()
+        requests[0].messages.iter().skip(1).map(|m| m.content.clone()).collect()
     };
     let mention = "[conversation room, message #5] hugo: @short @wide @terse go".to_string();
     assert_eq!(shown("short"), vec!["hugo: note 4".to_string(), mention.clone()]);

@@ -202,7 +202,8 @@ fn request_after_tool_round(clock: &Clock, deadline_in: Duration) -> LlmRequest 
             ChatMessage::new(Role::User, "What is 2 + 3?"),
             assistant,
             ChatMessage::tool_result("call_1", "5"),
-        ],
+        ]
+        .into(),
         tools: vec![add_tool()].into(),
         deadline: clock.deadline_in(deadline_in),
     }

@@ -224,7 +224,7 @@ fn request(clock: &Clock, deadline_in: Duration) -> LlmRequest {
         max_tokens: None,
         agent: ActorId::new("agent", "alice").expect("valid id"),
         model: String::new(),
-        messages: vec![ChatMessage::new(Role::User, "hello")],
+        messages: vec![ChatMessage::new(Role::User, "hello")].into(),
         tools: Vec::new().into(),
         deadline: clock.deadline_in(deadline_in),
     }

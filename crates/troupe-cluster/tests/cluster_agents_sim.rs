@@ -380,7 +380,7 @@ async fn scenario() -> RunResult {
             .iter()
             .any(|message| message.content == "c-answer"),
         "c's reloaded history window holds its earlier answer: {:?}",
-        contents(&last_request.messages)
+        contents(&last_request.messages.to_vec())
     );
     RunResult {
         takeover,

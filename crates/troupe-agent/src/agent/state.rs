@@ -6,14 +6,15 @@ use serde::{Deserialize, Serialize};
 use troupe_runtime::{ActorError, Turn};
 
 use crate::limits::AGENT_HISTORY_WINDOW_MAX;
-use crate::{AgentSpec, ChatMessage, Role};
+use crate::{AgentSpec, ChatMessage, Prompt, Role};
 
 /// An agent in memory: its definition, the recent conversation (the window: the last
 /// messages of its log) and how long its full log is.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct AgentState {
     pub(crate) spec: AgentSpec,
-    pub(crate) window: Vec<ChatMessage>,
+    /// Shared with the model requests that show it (see [`Prompt`]).
+    pub(crate) window: Prompt,
     /// Whether `window` holds the log's last `saved_window` messages yet: after an
     /// activation it is read from the log at the first turn.
     window_loaded: bool,
@@ -66,6 +67,29 @@ impl SavedAgent {
         serde_json::from_slice(bytes).map_err(|error| error.to_string())
     }
 
+    /// The snapshot's bytes: exactly the JSON `serde_json::to_vec` writes (tested),
+    /// written directly, as every turn commits one.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let boxes = &self.boxes;
+        let mut out = Vec::with_capacity(SAVED_AGENT_JSON_CAPACITY_BYTES);
+        for (prefix, value) in [
+            (&b"{\"log_length\":"[..], self.log_length),
+            (b",\"turns\":", self.turns),
+            (b",\"window\":", self.window),
+            (b",\"boxes\":{\"inbox_next\":", boxes.inbox_next),
+            (b",\"inbox_len\":", boxes.inbox_len),
+            (b",\"outbox_next\":", boxes.outbox_next),
+            (b",\"outbox_len\":", boxes.outbox_len),
+            (b",\"tasks_open\":", boxes.tasks_open),
+            (b",\"external_open\":", boxes.external_open),
+        ] {
+            out.extend_from_slice(prefix);
+            push_decimal(&mut out, value);
+        }
+        out.extend_from_slice(b"}}");
+        out
+    }
+
     /// The log key after which the window starts (`None`: at the log's start).
     pub(crate) fn window_after(&self) -> Option<String> {
         let start = self.log_length - self.window.min(self.log_length);
@@ -83,7 +107,7 @@ impl AgentState {
         });
         Self {
             spec,
-            window: Vec::new(),
+            window: Prompt::new(),
             window_loaded: saved.window == 0,
             saved_window: saved.window,
             log_length: saved.log_length,
@@ -121,27 +145,49 @@ impl AgentState {
                 .map_err(|error| ActorError::failed(format!("log entry {key} cannot be decoded: {error}")))?;
             window.push(message);
         }
-        self.window = window;
+        self.window = Prompt::from(window);
         self.window_loaded = true;
         Ok(())
     }
 
     /// Appends `messages`, keeps the last [`AGENT_HISTORY_WINDOW_MAX`], and never starts
     /// the window in the middle of an exchange (a tool result without its call).
-    pub(crate) fn remember(&mut self, messages: &[ChatMessage]) {
-        self.window.extend_from_slice(messages);
+    /// The messages are shared with `messages`, not copied (but for a part the window's
+    /// start cuts in two).
+    pub(crate) fn remember(&mut self, messages: &Prompt) {
+        self.window.extend_shared(messages);
         if self.window.len() > AGENT_HISTORY_WINDOW_MAX {
             let excess = self.window.len() - AGENT_HISTORY_WINDOW_MAX;
-            self.window.drain(..excess);
+            self.window.remove_first(excess);
         }
         let first_user = self
             .window
             .iter()
             .position(|m| m.role == Role::User)
             .unwrap_or(self.window.len());
-        self.window.drain(..first_user);
+        self.window.remove_first(first_user);
         assert!(self.window.len() <= AGENT_HISTORY_WINDOW_MAX);
     }
+}
+
+/// Room for an encoded [`SavedAgent`] with nine 20-digit counters, in bytes (the
+/// field names and punctuation take 131).
+const SAVED_AGENT_JSON_CAPACITY_BYTES: usize = 320;
+
+/// Appends `value` in decimal, as JSON writes it.
+fn push_decimal(out: &mut Vec<u8>, value: u64) {
+    let mut digits = [0_u8; LOG_SEQ_DIGITS];
+    let mut start = LOG_SEQ_DIGITS;
+    let mut rest = value;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[start..]);
 }
 
 /// The key of entry `seq` of the conversation log.
@@ -169,6 +215,26 @@ mod tests {
     use super::*;
     use crate::ToolCall;
 
+    proptest::proptest! {
+        /// The snapshot written directly is byte for byte serde_json's, and decodes back.
+        #[test]
+        fn a_snapshot_is_encoded_as_serde_json_writes_it(
+            counters in proptest::array::uniform9(proptest::prop_oneof![proptest::num::u64::ANY, 0u64..1_000]),
+        ) {
+            let [log_length, turns, window, inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open] = counters;
+            let saved = SavedAgent {
+                log_length,
+                turns,
+                window,
+                boxes: BoxCounters { inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open },
+            };
+            let encoded = saved.encode();
+            proptest::prop_assert_eq!(&encoded, &serde_json::to_vec(&saved).unwrap());
+            proptest::prop_assert!(encoded.len() <= SAVED_AGENT_JSON_CAPACITY_BYTES);
+            proptest::prop_assert_eq!(SavedAgent::decode(&encoded).unwrap(), saved);
+        }
+    }
+
     #[test]
     fn log_keys_are_zero_padded_to_twenty_digits() {
         for seq in [0, 7, 10, 12_345, u64::MAX / 3, u64::MAX] {
@@ -187,15 +253,62 @@ mod tests {
                 name: "t".into(),
                 arguments: serde_json::json!({}),
             });
-            state.remember(&[
+            state.remember(&Prompt::from(vec![
                 ChatMessage::new(Role::User, format!("q{turn}")),
                 assistant,
                 ChatMessage::tool_result(format!("c{turn}"), "r"),
                 ChatMessage::new(Role::Assistant, format!("a{turn}")),
-            ]);
+            ]));
             assert!(state.window.len() <= AGENT_HISTORY_WINDOW_MAX);
             assert_eq!(state.window[0].role, Role::User);
         }
         assert_eq!(state.window.last().unwrap().content, "a99");
+    }
+
+    /// The window as it was kept before it was shared: a `Vec`, extended with copies.
+    fn remember_copied(window: &mut Vec<ChatMessage>, messages: &[ChatMessage]) {
+        window.extend_from_slice(messages);
+        if window.len() > AGENT_HISTORY_WINDOW_MAX {
+            let excess = window.len() - AGENT_HISTORY_WINDOW_MAX;
+            window.drain(..excess);
+        }
+        let first_user = window.iter().position(|m| m.role == Role::User).unwrap_or(window.len());
+        window.drain(..first_user);
+    }
+
+    proptest::proptest! {
+        /// Over random turns (any roles, split into parts of any sizes, some longer than
+        /// the window), the shared window holds exactly the messages the copied one did.
+        #[test]
+        fn the_shared_window_keeps_what_the_copied_window_kept(
+            turns in proptest::collection::vec(
+                proptest::collection::vec((0u8..4, 1usize..4), 1..12),
+                1..40,
+            ),
+        ) {
+            let mut state = AgentState::new(AgentSpec::new("a"), None);
+            let mut copied = Vec::new();
+            let mut seq = 0;
+            for turn in turns {
+                let mut fresh = Prompt::new();
+                let mut all = Vec::new();
+                for (role, size) in turn {
+                    let role = [Role::System, Role::User, Role::Assistant, Role::Tool][usize::from(role)];
+                    let part: Vec<ChatMessage> = (0..size)
+                        .map(|_| {
+                            seq += 1;
+                            ChatMessage::new(role, format!("m{seq}"))
+                        })
+                        .collect();
+                    all.extend(part.iter().cloned());
+                    fresh.push_part(part.into());
+                }
+                state.remember(&fresh);
+                remember_copied(&mut copied, &all);
+                proptest::prop_assert_eq!(&state.window, &copied);
+                proptest::prop_assert_eq!(state.window.parts().iter().map(|part| part.len()).sum::<usize>(), copied.len());
+                proptest::prop_assert!(state.window.parts().iter().all(|part| !part.is_empty()));
+            }
+        }
     }
 }

@@ -15,7 +15,7 @@ use crate::limits::{
 };
 use crate::{
     AgentEvent, AgentReply, AgentSpec, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmError, LlmRequest,
-    Role, TokenUsage, ToolCall, ToolExecutionContext, ToolSpec, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME,
+    Prompt, Role, TokenUsage, ToolCall, ToolExecutionContext, ToolSpec, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME,
     NOTIFY_TOOL_NAME,
 };
 
@@ -45,7 +45,8 @@ pub(crate) struct PromptCache {
     remotes: u64,
     /// Held, so its address cannot be reused while it is compared.
     org: Option<Arc<crate::Organisation>>,
-    system: ChatMessage,
+    /// The system message, a part of every prompt (shared, see [`Prompt`]).
+    system: Arc<[ChatMessage]>,
     tools: Arc<[ToolSpec]>,
 }
 
@@ -71,7 +72,7 @@ impl PromptCache {
             directory,
             remotes,
             org,
-            system: ChatMessage::new(Role::System, text),
+            system: Arc::new([ChatMessage::new(Role::System, text)]),
             tools: crate::org_prompt::tool_specs_for(shared, spec),
         }
     }
@@ -105,8 +106,8 @@ impl AgentActor {
     }
 
     /// The system message: the agent's prompt, its role, and the peers it may call.
-    fn system_message(&mut self) -> ChatMessage {
-        self.prompt_parts().system.clone()
+    fn system_message(&mut self) -> Arc<[ChatMessage]> {
+        Arc::clone(&self.prompt_parts().system)
     }
 
     /// The error of a turn that reached its deadline: the same [`InvokeError::Timeout`]
@@ -163,9 +164,12 @@ impl AgentActor {
                 at: started,
             });
         }
-        let mut fresh = vec![ChatMessage::new(Role::User, conversation.content)];
+        // The turn's new messages, a part per step (the user message; then each
+        // step's assistant message and its tool results), shared with every later
+        // prompt of the turn and then with the window.
+        let mut fresh = Prompt::from(vec![ChatMessage::new(Role::User, conversation.content)]);
         let private = conversation.history.is_none();
-        let own_history = conversation.history;
+        let own_history = conversation.history.map(Prompt::from);
         let boxes = self.state.boxes;
         let sends: SharedSends = Arc::new(Mutex::new(PendingSends::new(
             self.id.clone(),
@@ -202,7 +206,7 @@ impl AgentActor {
             spent: meter.spent(),
             exhausted: Some(error),
         };
-        let answer = loop {
+        loop {
             if steps == max_steps {
                 return Err(ActorError::failed(format!(
                     "{} used all {max_steps} model steps without a final answer",
@@ -214,12 +218,9 @@ impl AgentActor {
                 Err(error) => return Ok(exhausted(steps, usage, error)),
             };
             steps += 1;
-            let system = self.system_message();
-            let history: &[ChatMessage] = own_history.as_deref().unwrap_or(&self.state.window);
-            let mut messages = Vec::with_capacity(1 + history.len() + fresh.len());
-            messages.push(system);
-            messages.extend_from_slice(history);
-            messages.extend_from_slice(&fresh);
+            let mut messages = Prompt::from(self.system_message());
+            messages.extend_shared(own_history.as_ref().unwrap_or(&self.state.window));
+            messages.extend_shared(&fresh);
             let llm_request = LlmRequest {
                 agent: self.id.clone(),
                 model: self.state.spec.model.model.clone(),
@@ -271,22 +272,31 @@ impl AgentActor {
             let mut message = reply.message;
             message.role = Role::Assistant;
             message.tool_call_id = None;
-            let calls = message.tool_calls.clone();
-            let content = message.content.clone();
-            fresh.push(message);
             if let Err(error) = charged {
                 return Ok(exhausted(steps, usage, error));
             }
-            if calls.is_empty() {
-                break content;
+            if message.tool_calls.is_empty() {
+                fresh.push(message);
+                break;
             }
-            let Ok(results) = clock.run_until(deadline, self.run_tools(&tools, &calls)).await else {
+            let Ok(results) = clock
+                .run_until(deadline, self.run_tools(&tools, &message.tool_calls))
+                .await
+            else {
                 return Err(self.timed_out(timeout_ms(started)));
             };
-            for (call, result) in calls.iter().zip(results) {
-                fresh.push(ChatMessage::tool_result(call.id.clone(), result));
-            }
-        };
+            let results: Vec<ChatMessage> = message
+                .tool_calls
+                .iter()
+                .zip(results)
+                .map(|(call, result)| ChatMessage::tool_result(call.id.clone(), result))
+                .collect();
+            let mut step = Vec::with_capacity(1 + results.len());
+            step.push(message);
+            step.extend(results);
+            fresh.push_part(step.into());
+        }
+        let answer = &fresh.last().expect("the loop ends with the answer").content;
         // A future that finishes at the very instant of its deadline wins the race with
         // the timer, but the caller has given up by then (a deadline equal to now has
         // passed): such a turn must not commit.
@@ -308,7 +318,7 @@ impl AgentActor {
             self.state.remember(&fresh);
         }
         self.state.turns += 1;
-        let text = truncate_utf8(&answer, AGENT_REPLY_SIZE_MAX_BYTES);
+        let text = truncate_utf8(answer, AGENT_REPLY_SIZE_MAX_BYTES);
         Ok(AgentReply {
             text: text.to_string(),
             truncated: text.len() < answer.len(),
