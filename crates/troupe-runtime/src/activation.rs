@@ -432,7 +432,7 @@ fn begin(live: &Live, handle: &RuntimeHandle, envelope: Box<Envelope>) -> Option
     // moment the caller's timer is handled, a request may still start; its caller then
     // takes the reply if it arrives first, or the turn is cancelled.) A fire-and-forget
     // message has no caller to close anything: its deadline is read here.
-    let expired = || !envelope.reply.has_caller() && envelope.context.deadline().has_passed(shared.clock.now());
+    let expired = || !envelope.reply.has_caller() && shared.clock.has_passed(envelope.context.deadline());
     let refusal = if envelope.reply.is_closed() || expired() {
         Counters::add(&shared.counters.expired_dropped);
         Some(InvokeError::Timeout {
@@ -634,7 +634,7 @@ fn settle<'a>(
         // is handled: it must not commit what the caller will never see acknowledged.
         // A turn that never waited ran straight after the deadline check at dequeue, so
         // only one that waited reads the clock again.
-        Raced::Finished(Ok(_)) if waited && deadline.has_passed(shared.clock.now()) => timed_out(),
+        Raced::Finished(Ok(_)) if waited && shared.clock.has_passed(deadline) => timed_out(),
         #[cfg(feature = "planted-bugs")]
         Raced::Finished(Ok(Err(error))) if shared.planted_commit_failed_turn => {
             shared.emit(|| RuntimeEvent::TurnCommitting {

@@ -31,6 +31,20 @@ impl Clock {
         self.epoch + Duration::from_micros(deadline.as_micros())
     }
 
+    /// Whether `deadline` has passed now: as `deadline.has_passed(self.now())`, without
+    /// turning the current instant into a [`Deadline`]. The clock's instant is compared
+    /// with the deadline's instead, which spares the subtraction of two instants (about
+    /// 50 instructions of a read's 100, callgrind). The same answer: a deadline of `d`
+    /// microseconds has passed when the whole microseconds elapsed are at least `d`, that
+    /// is when at least `d` microseconds have elapsed. A deadline past the clock's range
+    /// never passes.
+    pub(crate) fn has_passed(&self, deadline: Deadline) -> bool {
+        match self.epoch.checked_add(Duration::from_micros(deadline.as_micros())) {
+            Some(at) => tokio::time::Instant::now() >= at,
+            None => false,
+        }
+    }
+
     /// The deadline `duration` from now.
     pub fn deadline_in(&self, duration: Duration) -> Deadline {
         Deadline::after(self.now(), duration)
@@ -68,5 +82,33 @@ impl Clock {
 impl Default for Clock {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: `Clock::has_passed` answers exactly as `Deadline::has_passed` on a reading of
+    /// the clock, at the boundary (a deadline equal to now has passed, one a microsecond
+    /// later has not), between whole microseconds, and for a deadline past the clock's
+    /// range. Method: paused time, moved by sleeps of odd lengths; the clock does not move
+    /// between the two readings.
+    #[tokio::test(start_paused = true)]
+    async fn has_passed_agrees_with_a_reading_of_the_clock() {
+        let clock = Clock::new();
+        for step in [0, 1, 999, 1_000, 1_234_567] {
+            tokio::time::sleep(Duration::from_nanos(step)).await;
+            let now = clock.now();
+            let at = now.as_micros();
+            for deadline in [0, at.saturating_sub(1), at, at + 1, at + 1_000, u64::MAX] {
+                let deadline = Deadline::from_micros(deadline);
+                assert_eq!(
+                    clock.has_passed(deadline),
+                    deadline.has_passed(now),
+                    "deadline {deadline:?} at {now:?}"
+                );
+            }
+        }
     }
 }
