@@ -80,6 +80,7 @@ impl ActorFactory for AgentFactory {
             relaying: std::collections::BTreeSet::new(),
             resumed: false,
             prompt: None,
+            spec_generation: None,
         }))
     }
 }
@@ -97,6 +98,9 @@ pub(crate) struct AgentActor {
     pub(crate) resumed: bool,
     /// The system message and tool specs last built, with what they were built from.
     pub(crate) prompt: Option<turn_loop::PromptCache>,
+    /// The directory's generation read before `state.spec` was last taken from it
+    /// (`None`: not yet in this activation): while it is unchanged, so is the spec.
+    spec_generation: Option<u64>,
 }
 
 impl fmt::Debug for AgentActor {
@@ -135,8 +139,14 @@ impl Actor for AgentActor {
         self.state.load_window(turn).await?;
         self.resume_at_activation(turn, &command).await?;
         crate::org_store::ensure_loaded(&self.shared).await;
-        if let Some(spec) = self.shared.directory.get(self.id.key()) {
-            self.state.spec = spec;
+        // Read before the definition it guards: a change made meanwhile leaves a stale
+        // generation, and the next turn reads the definition again.
+        let generation = self.shared.directory.generation();
+        if self.spec_generation != Some(generation) {
+            if let Some(spec) = self.shared.directory.get(self.id.key()) {
+                self.state.spec = spec;
+            }
+            self.spec_generation = Some(generation);
         }
         match command {
             AgentCommand::Ask(request) => {

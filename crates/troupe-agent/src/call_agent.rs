@@ -227,7 +227,7 @@ pub async fn call_agent(
                 finished.finish(outcome);
                 return result;
             }
-            let result = match context.caller().invoke(admitted, request.encode()).await {
+            let result = match context.caller().invoke(admitted, request.into_encoded()).await {
                 Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
                     target: target.clone(),
                     cause,

@@ -649,9 +649,10 @@ impl ConversationActor {
 
     /// Appends one message, its notes and its relays (see the module's diagram).
     async fn post(&mut self, turn: &mut Turn, mut request: PostRequest) -> Result<ConvReply, ActorError> {
-        let conversation = self.id.key().to_string();
-        let Some(info) = self.state.info.clone() else {
-            return Ok(ConvReply::Error(ConversationError::NotFound { id: conversation }));
+        // Borrowed, not copied: a post is a turn of every recorded exchange.
+        let conversation = || self.id.key().to_string();
+        let Some(info) = &self.state.info else {
+            return Ok(ConvReply::Error(ConversationError::NotFound { id: conversation() }));
         };
         let id_key = format!("id/{}", request.client_id);
         if let Some(bytes) = turn.get(&id_key).await? {
@@ -659,13 +660,19 @@ impl ConversationActor {
             return Ok(ConvReply::Posted(Posted { seq, duplicate: true }));
         }
         let takes_part = match &request.sender {
-            Sender::Agent(name) => info.participants.contains(&Participant::Agent(name.clone())),
-            Sender::Human(name) => info.participants.contains(&Participant::Human(name.clone())),
+            Sender::Agent(name) => info
+                .participants
+                .iter()
+                .any(|p| matches!(p, Participant::Agent(agent) if agent == name)),
+            Sender::Human(name) => info
+                .participants
+                .iter()
+                .any(|p| matches!(p, Participant::Human(human) if human == name)),
             Sender::System => true,
         };
         if !takes_part {
             let error = ConversationError::NotParticipant {
-                id: conversation,
+                id: conversation(),
                 sender: request.sender,
             };
             return Ok(ConvReply::Error(error));
@@ -677,7 +684,8 @@ impl ConversationActor {
             };
             return Ok(ConvReply::Error(error));
         }
-        request.text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
+        let kept = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES).len();
+        request.text.truncate(kept);
         let mut mentions = if request.note.is_some() || request.record {
             Vec::new()
         } else {
@@ -697,7 +705,7 @@ impl ConversationActor {
         if request.strict {
             if let Some(name) = mentions.iter().find(|name| participant(name).is_none()) {
                 let error = ConversationError::UnknownMention {
-                    id: conversation,
+                    id: conversation(),
                     name: name.clone(),
                 };
                 return Ok(ConvReply::Error(error));
@@ -706,7 +714,7 @@ impl ConversationActor {
         let appended = 1 + mentions.len() as u64;
         if self.state.next_seq + appended > CONVERSATION_MESSAGES_MAX {
             let error = ConversationError::Full {
-                id: conversation,
+                id: conversation(),
                 max: CONVERSATION_MESSAGES_MAX,
             };
             return Ok(ConvReply::Error(error));
@@ -731,14 +739,20 @@ impl ConversationActor {
                 (None, _) => {}
             }
         }
+        // The request's fields move into the message; only relays read its chain later.
+        let chain = if relays.is_empty() {
+            std::mem::take(&mut request.chain)
+        } else {
+            request.chain.clone()
+        };
         let message = ConversationMessage {
             seq,
-            sender: request.sender.clone(),
-            text: request.text.clone(),
+            sender: request.sender,
+            text: request.text,
             mentions,
             reply_to: request.reply_to,
-            chain: request.chain.clone(),
-            note: request.note.clone(),
+            chain,
+            note: request.note,
         };
         turn.put(message_key(seq), to_json(&message)?)?;
         turn.put(id_key, to_json(&seq)?)?;

@@ -410,9 +410,13 @@ impl AgentClient {
                 // carried there (see docs/serve.md).
                 Some(trace) if !self.runtime.has_root_call_router() => {
                     let context = CallContext::root(deadline).with_trace_id(trace);
-                    self.runtime.invoke_in(&target, request.encode(), context).await
+                    self.runtime.invoke_in(&target, request.into_encoded(), context).await
                 }
-                _ => self.runtime.invoke_routed(&target, request.encode(), deadline).await,
+                _ => {
+                    self.runtime
+                        .invoke_routed(&target, request.into_encoded(), deadline)
+                        .await
+                }
             };
             outside_reply(&target, answer)
         } else {

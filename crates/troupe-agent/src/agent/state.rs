@@ -193,16 +193,14 @@ fn push_decimal(out: &mut Vec<u8>, value: u64) {
 /// The key of entry `seq` of the conversation log.
 pub(crate) fn log_key(seq: u64) -> String {
     // `format!("log/{seq:020}")` without the formatting machinery (a key per message).
-    let mut digits = [b'0'; LOG_SEQ_DIGITS];
+    let mut key = [b'0'; LOG_KEY_LENGTH];
+    key[..4].copy_from_slice(b"log/");
     let mut rest = seq;
-    for digit in digits.iter_mut().rev() {
+    for digit in key[4..].iter_mut().rev() {
         *digit = b'0' + (rest % 10) as u8;
         rest /= 10;
     }
-    let mut key = String::with_capacity(LOG_KEY_LENGTH);
-    key.push_str("log/");
-    key.extend(digits.iter().map(|&digit| char::from(digit)));
-    key
+    std::str::from_utf8(&key).expect("a log key is ASCII").to_owned()
 }
 
 /// The digits of a log key's seq: every `u64` fits, so keys sort in seq order.

@@ -53,6 +53,11 @@ impl AgentRequest {
         AgentCommand::Ask(self.clone()).encode()
     }
 
+    /// [`AgentRequest::encode`] without copying the request (the same bytes).
+    pub(crate) fn into_encoded(self) -> Bytes {
+        AgentCommand::Ask(self).encode()
+    }
+
     /// Decodes an ask command from bincode.
     ///
     /// # Errors
@@ -93,6 +98,7 @@ mod tests {
             call: Some(7),
             budget: Budget::tokens(9).with_tool_calls(2),
         };
+        assert_eq!(request.clone().into_encoded(), request.encode());
         assert_eq!(AgentRequest::decode(&request.encode()), Ok(request));
         let reply = AgentReply {
             text: "ok".into(),
