@@ -181,15 +181,10 @@ async fn run(start: Box<ActivationStart>) {
     let mut received_at_last_check: u64 = 0;
     let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
-    // Whether the idle timer has been polled since it was last armed: it then holds the
-    // task's waker and wakes it when it fires, so until it has fired it need not be
-    // polled again each time the mailbox is empty (see `NextEvent`).
-    let mut idle_timer_polled = false;
     loop {
         let next = NextEvent {
             receiver: &mut receiver,
             idle_timer: idle_timer.as_mut(),
-            idle_timer_polled: &mut idle_timer_polled,
         };
         let envelope = match next.await {
             Next::Message(envelope) => envelope,
@@ -207,7 +202,6 @@ async fn run(start: Box<ActivationStart>) {
                 }
                 received_at_last_check = received;
                 idle_timer.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
-                idle_timer_polled = false;
                 continue;
             }
         };
@@ -271,20 +265,14 @@ enum Next {
 /// The activation's wait for its next message or its idle timer, the mailbox first (as a
 /// `biased` `select!` did, without its machinery).
 ///
-/// The idle timer is polled once after it is armed, and after that only once it has
-/// elapsed. A poll of a `Sleep` cost about 118 instructions (callgrind), paid every time
-/// an actor's mailbox ran empty: once per request-reply round trip. Skipping it is safe:
-/// the poll that returned `Pending` registered the task's waker (an activation is one
-/// task, so that waker stays the right one), so the timer wakes the task when it fires,
-/// and from then on it is elapsed (tokio marks a timer fired before it wakes its task;
-/// madsim compares its clock with the deadline), so the next wait polls it and takes its
-/// `Ready`.
+/// The idle timer is polled each time the mailbox is empty. Skipping that poll until the
+/// timer had elapsed (about 118 instructions saved per round trip) was tried and
+/// reverted: tokio's cooperative budget can refuse the timer's first poll, and the timer
+/// then holds no waker and, never registered, never elapses, so an actor that had
+/// received a burst of more than 128 messages at once was never deactivated.
 struct NextEvent<'a> {
     receiver: &'a mut MailboxReceiver,
     idle_timer: Pin<&'a mut tokio::time::Sleep>,
-    /// Whether the timer's last poll returned `Pending` (it holds the task's waker);
-    /// cleared by the loop when it arms the timer again.
-    idle_timer_polled: &'a mut bool,
 }
 
 impl Future for NextEvent<'_> {
@@ -297,16 +285,11 @@ impl Future for NextEvent<'_> {
             Poll::Ready(None) => return Poll::Ready(Next::Closed),
             Poll::Pending => {}
         }
-        if *this.idle_timer_polled && !this.idle_timer.is_elapsed() {
-            return Poll::Pending;
-        }
-        match this.idle_timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Next::IdleTimerFired),
-            Poll::Pending => {
-                *this.idle_timer_polled = true;
-                Poll::Pending
-            }
-        }
+        // Polled every time the mailbox is empty, never skipped: a `Pending` from the
+        // timer does not prove it holds the task's waker, since tokio's cooperative
+        // budget refuses the poll before the timer registers anything
+        // (tests/idle_timer_coop.rs).
+        this.idle_timer.as_mut().poll(cx).map(|()| Next::IdleTimerFired)
     }
 }
 

@@ -1,9 +1,7 @@
-//! The activation's idle timer is polled once after it is armed and then only once it
-//! has elapsed (`NextEvent` in `activation.rs`), not every time the mailbox runs empty.
-//! These tests show that it still fires: an actor kept busy is not deactivated, and one
-//! left alone is deactivated between one and two idle timeouts after its last message,
-//! also after many round trips, each of which left the mailbox empty and skipped the
-//! timer's poll.
+//! The activation's idle timer (`NextEvent` in `activation.rs`) fires as it should: an
+//! actor kept busy is not deactivated, and one left alone is deactivated between one and
+//! two idle timeouts after its last message, also after many round trips, each of which
+//! left the mailbox empty and polled the timer.
 //!
 //! Runs in both builds (the multi-thread test only in the normal one).
 
