@@ -9,12 +9,13 @@
 //! simulator's runtime allocates differently.
 #![cfg(not(madsim))]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+mod counting_alloc;
+
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use counting_alloc::allocations;
 use troupe_core::{ActorId, ActorKind};
 use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
 
@@ -22,41 +23,6 @@ use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
 const INVOKE_ALLOCATIONS_MAX: u64 = 3;
 /// Measured invokes, after as many for warm-up.
 const INVOKES: u64 = 200;
-
-thread_local! {
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-/// Counts the allocations (and reallocations) of the calling thread.
-struct Counting;
-
-// SAFETY: forwards every call to the system allocator unchanged; the count is a
-// const-initialized thread-local without a destructor, which never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
-        // SAFETY: the caller's contract is passed on.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract is passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
-        // SAFETY: the caller's contract is passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static COUNTING: Counting = Counting;
-
-fn allocations() -> u64 {
-    ALLOCATIONS.with(Cell::get)
-}
 
 struct Echo;
 
