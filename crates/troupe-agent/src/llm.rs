@@ -169,10 +169,9 @@ impl Prompt {
 
     /// The messages in order.
     pub fn iter(&self) -> PromptIter<'_> {
+        let part_messages: PartMessages<'_> = |part| part.iter();
         PromptIter {
-            parts: &self.parts,
-            front: [].iter(),
-            back: [].iter(),
+            messages: self.parts.iter().flat_map(part_messages),
             len: self.len,
         }
     }
@@ -291,13 +290,19 @@ impl<'de> Deserialize<'de> for Prompt {
     }
 }
 
+/// A part's messages, as [`PromptIter`] flattens them.
+type PartMessages<'a> = fn(&'a Arc<[ChatMessage]>) -> std::slice::Iter<'a, ChatMessage>;
+
 /// The messages of a [`Prompt`] in order (from either end).
 #[derive(Debug, Clone)]
 pub struct PromptIter<'a> {
-    /// The parts not yet started from either end.
-    parts: &'a [Arc<[ChatMessage]>],
-    front: std::slice::Iter<'a, ChatMessage>,
-    back: std::slice::Iter<'a, ChatMessage>,
+    /// The parts' messages, flattened (std's `FlatMap` serves both ends).
+    messages: std::iter::FlatMap<
+        std::slice::Iter<'a, Arc<[ChatMessage]>>,
+        std::slice::Iter<'a, ChatMessage>,
+        PartMessages<'a>,
+    >,
+    /// Messages not yet returned from either end (for `ExactSizeIterator`).
     len: usize,
 }
 
@@ -305,23 +310,9 @@ impl<'a> Iterator for PromptIter<'a> {
     type Item = &'a ChatMessage;
 
     fn next(&mut self) -> Option<&'a ChatMessage> {
-        loop {
-            if let Some(message) = self.front.next() {
-                self.len -= 1;
-                return Some(message);
-            }
-            match self.parts.split_first() {
-                Some((part, rest)) => {
-                    self.front = part.iter();
-                    self.parts = rest;
-                }
-                None => {
-                    let message = self.back.next()?;
-                    self.len -= 1;
-                    return Some(message);
-                }
-            }
-        }
+        let message = self.messages.next()?;
+        self.len -= 1;
+        Some(message)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
@@ -331,23 +322,9 @@ impl<'a> Iterator for PromptIter<'a> {
 
 impl DoubleEndedIterator for PromptIter<'_> {
     fn next_back(&mut self) -> Option<Self::Item> {
-        loop {
-            if let Some(message) = self.back.next_back() {
-                self.len -= 1;
-                return Some(message);
-            }
-            match self.parts.split_last() {
-                Some((part, rest)) => {
-                    self.back = part.iter();
-                    self.parts = rest;
-                }
-                None => {
-                    let message = self.front.next_back()?;
-                    self.len -= 1;
-                    return Some(message);
-                }
-            }
-        }
+        let message = self.messages.next_back()?;
+        self.len -= 1;
+        Some(message)
     }
 }
 

@@ -262,8 +262,9 @@ enum Next {
     IdleTimerFired,
 }
 
-/// The activation's wait for its next message or its idle timer, the mailbox first (as a
-/// `biased` `select!` did, without its machinery).
+/// The activation's wait for its next message or its idle timer, always the mailbox
+/// first, then the timer: a fixed order, so runs replay under madsim (it replaced a
+/// biased select, without that macro's machinery).
 ///
 /// The idle timer is polled each time the mailbox is empty. Skipping that poll until the
 /// timer had elapsed (about 118 instructions saved per round trip) was tried and
