@@ -64,7 +64,12 @@ impl StateChange {
     /// The change that turns the committed snapshot `before` into `after`: `Unchanged`
     /// if they are equal, else `Set` or, for `after == None`, `Deleted`.
     pub fn between(before: Option<&Bytes>, after: Option<Bytes>) -> Self {
-        if before == after.as_ref() {
+        let unchanged = match (before, after.as_ref()) {
+            (None, None) => true,
+            (Some(before), Some(after)) => same_bytes(before, after),
+            _ => false,
+        };
+        if unchanged {
             return Self::Unchanged;
         }
         match after {
@@ -81,6 +86,16 @@ impl StateChange {
             Self::Deleted => None,
         }
     }
+}
+
+/// Whether two snapshots hold the same bytes, without calling `memcmp` for empty ones.
+///
+/// An empty `Bytes` made from an empty `Vec` (a stateless typed actor's snapshot, every
+/// turn) points at a dangling address; glibc's AVX-512 `memcmp` reads even zero bytes
+/// with a masked load from it, and a masked load from an unmapped page costs the CPU a
+/// microcode assist: measured (perf, 2026-11-25) at 30 % of a typed `tell`'s time.
+fn same_bytes(before: &[u8], after: &[u8]) -> bool {
+    before.len() == after.len() && (before.is_empty() || before.as_ptr() == after.as_ptr() || before == after)
 }
 
 impl fmt::Debug for StateChange {
