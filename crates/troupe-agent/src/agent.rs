@@ -145,6 +145,8 @@ impl Actor for AgentActor {
         if self.spec_generation != Some(generation) {
             if let Some(spec) = self.shared.directory.get(self.id.key()) {
                 self.state.spec = spec;
+                // The prompt's parts are derived from the definition: build them again.
+                self.prompt = None;
             }
             self.spec_generation = Some(generation);
         }

@@ -97,8 +97,8 @@ pub use external::{ExternalCancel, ExternalReply, ExternalTask, ExternalTaskRequ
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};
 pub use llm::{
-    ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, LlmRouter, Prompt, PromptIter, Role, TokenUsage, ToolCall,
-    ToolSpec,
+    ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, LlmRouter, Prompt, PromptIter, PromptParts, Role,
+    TokenUsage, ToolCall, ToolSpec,
 };
 #[cfg(not(madsim))]
 pub use mcp::{McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_RESULT_BYTES_MAX};

@@ -155,7 +155,7 @@ impl AgentState {
     /// The messages are shared with `messages`, not copied (but for a part the window's
     /// start cuts in two).
     pub(crate) fn remember(&mut self, messages: &Prompt) {
-        self.window.extend_shared(messages);
+        self.window.extend_listed(messages);
         if self.window.len() > AGENT_HISTORY_WINDOW_MAX {
             let excess = self.window.len() - AGENT_HISTORY_WINDOW_MAX;
             self.window.remove_first(excess);
@@ -304,8 +304,8 @@ mod tests {
                 state.remember(&fresh);
                 remember_copied(&mut copied, &all);
                 proptest::prop_assert_eq!(&state.window, &copied);
-                proptest::prop_assert_eq!(state.window.parts().iter().map(|part| part.len()).sum::<usize>(), copied.len());
-                proptest::prop_assert!(state.window.parts().iter().all(|part| !part.is_empty()));
+                proptest::prop_assert_eq!(state.window.parts().map(|part| part.len()).sum::<usize>(), copied.len());
+                proptest::prop_assert!(state.window.parts().all(|part| !part.is_empty()));
             }
         }
     }

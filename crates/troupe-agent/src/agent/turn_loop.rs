@@ -36,11 +36,14 @@ pub(crate) struct Conversation {
 }
 
 /// What an agent's model is shown besides the chat: its system message and the tool
-/// specs, kept with everything they are derived from (the agent's definition, the
-/// directory's and the remote directory's generations, the organisation in the cache),
-/// so they are built again only when one of those changed.
+/// specs, kept with what they are derived from (the directory's and the remote
+/// directory's generations, the organisation in the cache), so they are built again only
+/// when one of those changed. The agent's definition is not compared here: a turn that
+/// takes a new definition drops the cache (`AgentActor::handle`). Comparing it was
+/// costly: an `AgentSpec` holds empty strings, and glibc's AVX-512 `memcmp` reads an
+/// empty `String`'s dangling address with a masked load, a microcode assist per field
+/// (perf, 2026-11-25: 10 % of a `call_agent` round trip).
 pub(crate) struct PromptCache {
-    spec: AgentSpec,
     directory: u64,
     remotes: u64,
     /// Held, so its address cannot be reused while it is compared.
@@ -68,7 +71,6 @@ impl PromptCache {
         text.push('.');
         text.push_str(&crate::org_prompt::contacts_section(shared, spec));
         Self {
-            spec: spec.clone(),
             directory,
             remotes,
             org,
@@ -77,17 +79,14 @@ impl PromptCache {
         }
     }
 
-    fn is_current(&self, shared: &crate::agent::AgentShared, spec: &AgentSpec) -> bool {
+    fn is_current(&self, shared: &crate::agent::AgentShared) -> bool {
         let org = shared.org.cached();
         let same_org = match (&self.org, &org) {
             (None, None) => true,
             (Some(cached), Some(now)) => Arc::ptr_eq(cached, now),
             _ => false,
         };
-        same_org
-            && self.directory == shared.directory.generation()
-            && self.remotes == shared.remotes.generation()
-            && self.spec == *spec
+        same_org && self.directory == shared.directory.generation() && self.remotes == shared.remotes.generation()
     }
 }
 
@@ -95,10 +94,7 @@ impl AgentActor {
     /// The prompt parts of the agent's current definition, built again only when what
     /// they are derived from changed.
     fn prompt_parts(&mut self) -> &PromptCache {
-        let current = self
-            .prompt
-            .as_ref()
-            .is_some_and(|cache| cache.is_current(&self.shared, &self.state.spec));
+        let current = self.prompt.as_ref().is_some_and(|cache| cache.is_current(&self.shared));
         if !current {
             self.prompt = Some(PromptCache::build(&self.shared, &self.state.spec));
         }
