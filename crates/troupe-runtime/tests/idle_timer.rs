@@ -79,9 +79,11 @@ async fn a_busy_actor_stays_active_and_an_idle_one_is_deactivated_in_one_to_two_
 }
 
 /// Idle timeout of the multi-thread test (ms).
+#[cfg(not(madsim))]
 const IDLE_TIMEOUT_MT_MS: u64 = 50;
 /// How long the multi-thread test waits for a deactivation at most (ms): generous, for a
 /// loaded machine.
+#[cfg(not(madsim))]
 const DEACTIVATION_WAIT_MT_MS: u64 = 5_000;
 
 #[cfg(not(madsim))]
