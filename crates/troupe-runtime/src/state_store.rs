@@ -308,6 +308,35 @@ mod tests {
         assert_eq!(StateChange::between(Some(&one), None), StateChange::Deleted);
     }
 
+    /// The shortcuts of `same_bytes` (empty, same address) give what a byte compare
+    /// gives: empty snapshots of either origin, equal bytes at other addresses, one
+    /// byte apart, a prefix, and an empty against a non-empty one.
+    #[test]
+    fn state_change_between_compares_bytes_whatever_their_origin() {
+        let empty_vec = Bytes::from(Vec::new());
+        let empty_static = Bytes::from_static(b"");
+        assert_eq!(
+            StateChange::between(Some(&empty_vec), Some(empty_static.clone())),
+            StateChange::Unchanged
+        );
+        let ab = Bytes::from(b"ab".to_vec());
+        assert_eq!(
+            StateChange::between(Some(&ab), Some(Bytes::from_static(b"ab"))),
+            StateChange::Unchanged
+        );
+        for other in [&b"ac"[..], b"a", b"abc", b""] {
+            let other = Bytes::copy_from_slice(other);
+            assert_eq!(
+                StateChange::between(Some(&ab), Some(other.clone())),
+                StateChange::Set(other.clone())
+            );
+            assert_eq!(
+                StateChange::between(Some(&other), Some(ab.clone())),
+                StateChange::Set(ab.clone())
+            );
+        }
+    }
+
     #[test]
     fn state_change_applied_to_a_snapshot_gives_the_new_snapshot() {
         let one = Bytes::from_static(b"1");
