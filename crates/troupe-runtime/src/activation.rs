@@ -240,7 +240,7 @@ async fn run(start: Box<ActivationStart>) {
         let waker = task_waker.as_ref().expect("set just above");
         {
             let store_commit = {
-                let Some((mut turn, payload, ends)) = begin(&live, &handle, envelope) else {
+                let Some((mut turn, payload, ends)) = begin(&live, &handle.shared, envelope) else {
                     // Refused unrun (abandoned, expired or fenced): answered already.
                     continue;
                 };
@@ -367,8 +367,7 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
 }
 
 async fn deactivate(live: &mut Live, shared: &Shared) {
-    let home = Arc::clone(&live.home);
-    let id = &home.id;
+    let id = &live.home.id;
     if let Err(error) = live.actor.on_deactivate(id).await {
         // Its state may be half-way through whatever on_deactivate was doing: keep the
         // last committed turn's state instead.
@@ -432,8 +431,7 @@ type Outcome = Result<Result<Payload, ActorError>, ()>;
 
 /// Checks a request at dequeue and answers one that must not run; else builds its turn.
 #[allow(clippy::boxed_local)] // as the mailbox hands it over; freed here, before the turn
-fn begin(live: &Live, handle: &RuntimeHandle, envelope: Box<Envelope>) -> Option<(Turn, Payload, TurnEnds)> {
-    let shared = &*handle.shared;
+fn begin(live: &Live, shared: &Shared, envelope: Box<Envelope>) -> Option<(Turn, Payload, TurnEnds)> {
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
     // request with a caller: its wait ends at its deadline, which closes the reply
     // channel, so an expired request is an abandoned one. (Between the deadline and the
