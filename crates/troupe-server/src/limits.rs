@@ -3,9 +3,19 @@
 use troupe_agent::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 
-/// Largest request body accepted, in bytes; a larger one is refused with 413 before it
-/// is read. Room for a full agent message in JSON, and an OpenAI-style conversation.
+/// Largest request body accepted, in bytes; a larger one is refused with 413
+/// `body_too_large`. Room for a full agent message in JSON, and an OpenAI-style
+/// conversation.
 pub const SERVER_REQUEST_BODY_SIZE_MAX_BYTES: usize = 256 * 1024;
+/// How much of a refused (too large) body the server still reads and discards before it
+/// answers 413, in bytes. A client that writes its whole body before it reads (most
+/// HTTP clients do) then gets the answer; closing with the body unread would reset the
+/// connection under its write, and the client would see a broken pipe instead. A body
+/// declared larger than this is answered at once, unread, and its connection closes.
+pub const SERVER_REQUEST_BODY_DRAIN_MAX_BYTES: usize = 16 * SERVER_REQUEST_BODY_SIZE_MAX_BYTES;
+/// How long the server reads a refused body for, at most, in milliseconds; then it
+/// answers 413 with the rest unread.
+pub const SERVER_REQUEST_BODY_DRAIN_MS: u64 = 5_000;
 /// Requests handled at once by default; one more is refused at once with 503
 /// `overloaded` and `Retry-After`. A streamed response counts until its headers are sent.
 pub const SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT: usize = 256;
@@ -73,6 +83,7 @@ pub const A2A_BLOCKING_HEADROOM_MS: u64 = 1_000;
 pub const A2A_CHAIN_LENGTH_MAX: usize = AGENT_CALL_DEPTH_MAX as usize + 1;
 
 const _: () = assert!(SERVER_MESSAGE_SIZE_MAX_BYTES < SERVER_REQUEST_BODY_SIZE_MAX_BYTES);
+const _: () = assert!(SERVER_REQUEST_BODY_SIZE_MAX_BYTES < SERVER_REQUEST_BODY_DRAIN_MAX_BYTES);
 const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT > AGENT_ASK_TIMEOUT_MS_DEFAULT);
 const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
 const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);

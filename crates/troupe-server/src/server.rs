@@ -13,16 +13,19 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures::StreamExt as _;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
-use tower_http::limit::RequestBodyLimitLayer;
 use tracing::Instrument as _;
 use troupe_agent::AgentClient;
 
 use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
-use crate::limits::{SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS};
+use crate::limits::{
+    SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_DRAIN_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MS,
+    SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS,
+};
 use crate::metrics::Metrics;
 use crate::{a2a, agents, conversations, events, openai_compat, org, topology};
 
@@ -95,7 +98,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         .merge(topology::routes(&state.client))
         .fallback(not_found)
         // Layers run outside in: the last added runs first.
-        .layer(RequestBodyLimitLayer::new(SERVER_REQUEST_BODY_SIZE_MAX_BYTES))
+        .layer(middleware::from_fn(read_body))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), limit))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), authenticate))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), observe))
@@ -140,7 +143,7 @@ pub async fn serve(
 }
 
 /// Counts every answer by route and status, gives every error the one JSON shape
-/// (errors made outside the handlers, such as axum's 405 or tower-http's 413, come as
+/// (errors made outside the handlers, such as axum's 405, come as
 /// plain text), and runs the request in an `info` span `http_request` (`id`, `method`,
 /// `route`, then `status` and `latency_us` once answered): the runtime's `invoke` →
 /// `turn` → `model_call`/`tool_call` spans of the request are its descendants. The
@@ -178,12 +181,79 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
     response
 }
 
+/// Reads the request body whole, up to [`SERVER_REQUEST_BODY_SIZE_MAX_BYTES`], before a
+/// route sees it (every route takes a JSON body or none). A larger body, declared or
+/// chunked, is answered 413 `body_too_large` after the rest of it is read and discarded,
+/// up to [`SERVER_REQUEST_BODY_DRAIN_MAX_BYTES`] and for at most
+/// [`SERVER_REQUEST_BODY_DRAIN_MS`], so that a client still writing it gets the answer
+/// rather than a reset connection. A body declared larger than that is answered at once,
+/// unread. A body that breaks off (the client hung up or sent bad chunking) is 400
+/// `body_unreadable`. Runs after authentication and the concurrency limit: only an
+/// admitted request is read.
+async fn read_body(request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    let limit = SERVER_REQUEST_BODY_SIZE_MAX_BYTES as u64;
+    if declared.is_some_and(|length| length > SERVER_REQUEST_BODY_DRAIN_MAX_BYTES as u64) {
+        return body_too_large();
+    }
+    let mut frames = body.into_data_stream();
+    if declared.is_some_and(|length| length > limit) {
+        drain(&mut frames, 0).await;
+        return body_too_large();
+    }
+    let mut read: Vec<u8> = Vec::with_capacity(declared.map_or(0, |length| length as usize));
+    while let Some(chunk) = frames.next().await {
+        let Ok(chunk) = chunk else {
+            return ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "body_unreadable",
+                "the request body broke off before its end; send it again",
+            )
+            .into_response();
+        };
+        if read.len() + chunk.len() > SERVER_REQUEST_BODY_SIZE_MAX_BYTES {
+            let seen = read.len() + chunk.len();
+            drop(read);
+            drain(&mut frames, seen).await;
+            return body_too_large();
+        }
+        read.extend_from_slice(&chunk);
+    }
+    next.run(Request::from_parts(parts, Body::from(read))).await
+}
+
+/// Reads and discards the rest of a refused body (of which `seen` bytes are read), up to
+/// [`SERVER_REQUEST_BODY_DRAIN_MAX_BYTES`] in all and for at most
+/// [`SERVER_REQUEST_BODY_DRAIN_MS`]; stops early at its end or at a read error.
+async fn drain(frames: &mut axum::body::BodyDataStream, mut seen: usize) {
+    let reading = async {
+        while seen <= SERVER_REQUEST_BODY_DRAIN_MAX_BYTES {
+            match frames.next().await {
+                Some(Ok(chunk)) => seen += chunk.len(),
+                Some(Err(_)) | None => return,
+            }
+        }
+    };
+    // Running out of time only leaves the rest unread: the answer is the same 413.
+    let _ = tokio::time::timeout(Duration::from_millis(SERVER_REQUEST_BODY_DRAIN_MS), reading).await;
+}
+
+fn body_too_large() -> Response {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        format!("the request body is larger than the limit of {SERVER_REQUEST_BODY_SIZE_MAX_BYTES} bytes"),
+    )
+    .into_response()
+}
+
 fn plain_error(status: StatusCode, method: &str, route: &str) -> Response {
     let (code, message) = match status {
-        StatusCode::PAYLOAD_TOO_LARGE => (
-            "body_too_large",
-            format!("the request body is larger than the limit of {SERVER_REQUEST_BODY_SIZE_MAX_BYTES} bytes"),
-        ),
         StatusCode::METHOD_NOT_ALLOWED => ("method_not_allowed", format!("{method} is not allowed on {route}")),
         other => ("http_error", format!("the request failed with status {other}")),
     };

@@ -263,6 +263,96 @@ async fn a_message_gets_the_agents_reply_and_errors_map_to_their_statuses() {
     server.stop().await;
 }
 
+/// Writes `head` and then `body` on a new connection to the server, without reading,
+/// then reads the whole answer until the server closes (bounded by [`TEST_WAIT_MS_MAX`]):
+/// what a raw HTTP/1.1 client that writes its request before it reads gets back.
+async fn raw_exchange(server: &Harness, head: &str, body: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let addr = server.base.trim_start_matches("http://");
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(head.as_bytes())
+            .await
+            .expect("the server reads the head");
+        stream
+            .write_all(body)
+            .await
+            .expect("the server reads the body it was sent");
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.expect("the answer arrives whole");
+        String::from_utf8(answer).unwrap()
+    };
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), exchange)
+        .await
+        .expect("the server answers in time")
+}
+
+/// A body over the limit gets its 413, whether declared or chunked, and a client that
+/// writes all of it before it reads still gets the answer (the server reads the rest and
+/// discards it) rather than a reset connection; a body declared beyond what the server
+/// would read is answered from the head alone. Before, the server answered from the
+/// `Content-Length` at once and closed with the body unread, and a client still writing
+/// it sometimes got a broken pipe instead of the 413.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_body_is_answered_413_and_its_writer_reads_the_answer() {
+    use troupe_server::limits::{SERVER_REQUEST_BODY_DRAIN_MAX_BYTES, SERVER_REQUEST_BODY_SIZE_MAX_BYTES};
+    let server = start_default().await;
+    // Through reqwest, which writes the whole body first, again and again.
+    let huge = json!({"text": "x".repeat(SERVER_REQUEST_BODY_SIZE_MAX_BYTES)});
+    for _ in 0..20 {
+        let (status, body) = server.post("/v1/agents/echo/messages", huge.clone()).await;
+        assert_eq!((status, error_code(&body)), (413, "body_too_large"));
+    }
+    // Many times over the limit, but within what the server reads on: more than the
+    // sockets' buffers hold, so the server must read it for the client to finish writing.
+    let head = format!(
+        "POST /v1/agents/echo/messages HTTP/1.1\r\nhost: troupe\r\ncontent-type: application/json\r\ncontent-length: {SERVER_REQUEST_BODY_DRAIN_MAX_BYTES}\r\nconnection: close\r\n\r\n"
+    );
+    let answer = raw_exchange(&server, &head, &vec![b' '; SERVER_REQUEST_BODY_DRAIN_MAX_BYTES]).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("\"body_too_large\""), "{answer}");
+    // A body just within the limit is read and handled (422: the text is too long for a
+    // message, which only a handler that read it can say).
+    let within = json!({"text": "x".repeat(SERVER_REQUEST_BODY_SIZE_MAX_BYTES - 100)});
+    let (status, body) = server.post("/v1/agents/echo/messages", within).await;
+    assert_eq!((status, error_code(&body)), (422, "message_too_long"));
+
+    // Chunked, with no length declared: refused once the limit is passed.
+    let head = "POST /v1/agents/echo/messages HTTP/1.1\r\nhost: troupe\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let chunk = vec![b' '; 64 * 1024];
+    let mut body = Vec::new();
+    for _ in 0..=SERVER_REQUEST_BODY_SIZE_MAX_BYTES / chunk.len() {
+        body.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        body.extend_from_slice(&chunk);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(b"0\r\n\r\n");
+    let answer = raw_exchange(&server, head, &body).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("\"body_too_large\""), "{answer}");
+
+    // Declared beyond what the server would read: answered with none of it sent.
+    let head = format!(
+        "POST /v1/agents/echo/messages HTTP/1.1\r\nhost: troupe\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        SERVER_REQUEST_BODY_DRAIN_MAX_BYTES + 1
+    );
+    let answer = raw_exchange(&server, &head, b"").await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("\"body_too_large\""), "{answer}");
+
+    // A body that breaks off (here: chunking that is not hex) is refused as such.
+    let head = "POST /v1/agents/echo/messages HTTP/1.1\r\nhost: troupe\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let answer = raw_exchange(&server, head, b"5\r\n{\"tex\r\nzz\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("\"body_unreadable\""), "{answer}");
+
+    // The server still answers normally afterwards.
+    let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": "hi"})).await;
+    assert_eq!((status, body["text"].as_str()), (200, Some("echo: hi")));
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_servers_request_timeout_answers_504() {
     let config = ServerConfig::default().request_timeout(Duration::from_millis(200));
