@@ -439,3 +439,88 @@ async fn forced_deactivation_under_concurrent_callers_keeps_one_activation_and_l
     );
     rt.shutdown().await;
 }
+
+/// An actor whose instance takes a while to drop (it releases something), and counts
+/// its instances.
+#[cfg(not(madsim))]
+struct SlowToDrop {
+    tally: Arc<Tally>,
+}
+
+/// How long dropping a [`SlowToDrop`] takes, in milliseconds.
+#[cfg(not(madsim))]
+const DROP_MS: u64 = 50;
+
+#[cfg(not(madsim))]
+impl Drop for SlowToDrop {
+    fn drop(&mut self) {
+        // Blocking on purpose: the instance is released synchronously, as a file lock
+        // or a connection closed in `Drop` would be.
+        #[allow(clippy::disallowed_methods)]
+        std::thread::sleep(Duration::from_millis(DROP_MS));
+        self.tally.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(not(madsim))]
+#[async_trait]
+impl Actor for SlowToDrop {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        Ok(payload)
+    }
+}
+
+/// Goal: an actor's instance is dropped before its deactivation is reported, so the next
+/// activation's instance is never built while the old one still exists, on the
+/// multi-thread runtime. Method: the instance takes 50 ms to drop; after each forced
+/// deactivation (which returns once the dispatcher knows of it) the next message builds
+/// a new instance at once; the count of instances alive never exceeds one. (Before, the
+/// report went first and the old instance was dropped afterwards, on its own thread.)
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_is_dropped_before_the_next_activation_builds_its_successor() {
+    let tally = Arc::new(Tally::default());
+    let counted = Arc::clone(&tally);
+    let factory = move |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+        let live = counted.live.fetch_add(1, Ordering::SeqCst) + 1;
+        counted.live_max.fetch_max(live, Ordering::SeqCst);
+        Ok(Box::new(SlowToDrop {
+            tally: Arc::clone(&counted),
+        }))
+    };
+    let rt = Runtime::builder()
+        .register(ActorKind::new(KIND).unwrap(), factory, KindConfig::default())
+        .unwrap()
+        .start();
+    let handle = rt.handle();
+    // Keeps the dispatcher busy on a worker of its own, as other traffic would, so that
+    // it hears of a deactivation while the old instance is still being dropped.
+    let busy = tokio::spawn({
+        let handle = rt.handle();
+        async move {
+            while handle.stats().await.is_ok() {
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    for round in 0..5 {
+        let reply = handle
+            .invoke(
+                &worker("d"),
+                Bytes::from_static(b"x"),
+                handle.deadline_in(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(&reply[..], b"x");
+        assert!(
+            handle.deactivate(&worker("d")).await.unwrap(),
+            "round {round}: it was live"
+        );
+    }
+    assert_eq!(tally.live_max.load(Ordering::SeqCst), 1, "never two instances at once");
+    assert_eq!(tally.live.load(Ordering::SeqCst), 0, "every instance was dropped");
+    assert_eq!(rt.counters().activations_started, 5);
+    busy.abort();
+    rt.shutdown().await;
+}

@@ -270,6 +270,10 @@ async fn run(start: Box<ActivationStart>) {
 
     // The dispatcher closed the mailbox: deactivate.
     Box::pin(deactivate(&mut live, &handle.shared)).await;
+    // The actor instance goes before the dispatcher hears of it: once it has, the next
+    // message may build the next instance at once, on another thread, and the two must
+    // not overlap (an actor that holds a resource until dropped would see them do so).
+    drop(live);
     let id = guard.id.clone();
     guard.finish(Control::Deactivated { id, generation });
 }
