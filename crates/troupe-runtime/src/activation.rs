@@ -191,10 +191,17 @@ async fn run(start: Box<ActivationStart>) {
     let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
     let mut task_waker: Option<std::task::Waker> = None;
+    // The clock as read once in this wake-up of the task, for the expiry check of
+    // fire-and-forget messages at dequeue: forgotten whenever the task waits (its mailbox
+    // empty, a turn that waits, a commit that goes to the store), so a batch of messages
+    // handled in one poll reads the clock once, not once each. See "The clock of a
+    // wake-up" in docs/architecture.md.
+    let mut now = WakeClock::UNREAD;
     loop {
         let next = NextEvent {
             receiver: &mut receiver,
             idle_timer: idle_timer.as_mut(),
+            now: &mut now,
         };
         let envelope = match next.await {
             Next::Message(envelope) => envelope,
@@ -240,7 +247,7 @@ async fn run(start: Box<ActivationStart>) {
         let waker = task_waker.as_ref().expect("set just above");
         {
             let store_commit = {
-                let Some((mut turn, payload, ends)) = begin(&live, &handle.shared, envelope) else {
+                let Some((mut turn, payload, ends)) = begin(&live, &handle.shared, envelope, &mut now) else {
                     // Refused unrun (abandoned, expired or fenced): answered already.
                     continue;
                 };
@@ -249,6 +256,7 @@ async fn run(start: Box<ActivationStart>) {
                         Ok(finished) => break 'turn finished,
                         Err(slow) => slow,
                     };
+                    now = WakeClock::UNREAD;
                     slow.await
                 };
                 // The turn has ended: calls still in flight from tasks it spawned are cancelled.
@@ -256,6 +264,7 @@ async fn run(start: Box<ActivationStart>) {
                 settle(&mut live, &handle.shared, &mut turn, raced, ends)
             };
             if let Some(store_commit) = store_commit {
+                now = WakeClock::UNREAD;
                 store_commit.await;
             }
         }
@@ -298,6 +307,26 @@ enum Next {
 struct NextEvent<'a> {
     receiver: &'a mut MailboxReceiver,
     idle_timer: Pin<&'a mut tokio::time::Sleep>,
+    /// The wake-up's clock reading, forgotten when this wait has to wait.
+    now: &'a mut WakeClock,
+}
+
+/// The clock as read once in a wake-up of an activation's task, or not yet read: in 8
+/// bytes of the task's state (an `Option` would take 16), with unread as a time the
+/// clock never reaches.
+#[derive(Clone, Copy)]
+struct WakeClock(troupe_core::Deadline);
+
+impl WakeClock {
+    const UNREAD: Self = Self(troupe_core::Deadline::from_micros(u64::MAX));
+
+    /// The reading, made now if not yet.
+    fn read(&mut self, clock: &crate::Clock) -> troupe_core::Deadline {
+        if self.0 == Self::UNREAD.0 {
+            self.0 = clock.now();
+        }
+        self.0
+    }
 }
 
 impl Future for NextEvent<'_> {
@@ -314,7 +343,12 @@ impl Future for NextEvent<'_> {
         // timer does not prove it holds the task's waker, since tokio's cooperative
         // budget refuses the poll before the timer registers anything
         // (tests/idle_timer_coop.rs).
-        this.idle_timer.as_mut().poll(cx).map(|()| Next::IdleTimerFired)
+        let timer = this.idle_timer.as_mut().poll(cx);
+        if timer.is_pending() {
+            // The task yields: time passes before it runs again.
+            *this.now = WakeClock::UNREAD;
+        }
+        timer.map(|()| Next::IdleTimerFired)
     }
 }
 
@@ -434,15 +468,23 @@ enum Raced<T> {
 type Outcome = Result<Result<Payload, ActorError>, ()>;
 
 /// Checks a request at dequeue and answers one that must not run; else builds its turn.
+/// `now` is the clock as read in this wake-up of the task, read here if not yet.
 #[allow(clippy::boxed_local)] // as the mailbox hands it over; freed here, before the turn
-fn begin(live: &Live, shared: &Shared, envelope: Box<Envelope>) -> Option<(Turn, Payload, TurnEnds)> {
+fn begin(
+    live: &Live,
+    shared: &Shared,
+    envelope: Box<Envelope>,
+    now: &mut WakeClock,
+) -> Option<(Turn, Payload, TurnEnds)> {
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
     // request with a caller: its wait ends at its deadline, which closes the reply
     // channel, so an expired request is an abandoned one. (Between the deadline and the
     // moment the caller's timer is handled, a request may still start; its caller then
     // takes the reply if it arrives first, or the turn is cancelled.) A fire-and-forget
-    // message has no caller to close anything: its deadline is read here.
-    let expired = || !envelope.reply.has_caller() && shared.clock.has_passed(envelope.context.deadline());
+    // message has no caller to close anything: its deadline is checked against the
+    // wake-up's clock.
+    let mut expired =
+        || !envelope.reply.has_caller() && envelope.context.deadline().has_passed(now.read(&shared.clock));
     let refusal = if envelope.reply.is_closed() || expired() {
         Counters::add(&shared.counters.expired_dropped);
         Some(InvokeError::Timeout {
@@ -485,7 +527,7 @@ fn begin(live: &Live, shared: &Shared, envelope: Box<Envelope>) -> Option<(Turn,
         deadline,
         watch_caller,
         waited: false,
-        _spans: (span, parent),
+        _spans: TurnSpans::new(span, parent),
     };
     Some((turn, payload, ends))
 }
@@ -542,7 +584,27 @@ struct TurnEnds {
     /// Whether the turn's handler had to wait at least once.
     waited: bool,
     /// The turn's span and its parent, kept until the turn has answered.
-    _spans: (tracing::Span, tracing::Span),
+    _spans: TurnSpans,
+}
+
+/// A turn's span and its parent's, kept until the turn has answered: boxed, and only
+/// when a subscriber records either, so that a turn without tracing carries one word
+/// where two spans take 80 bytes, moved with the turn's ends at each step.
+struct TurnSpans(Option<Box<(tracing::Span, tracing::Span)>>);
+
+impl TurnSpans {
+    fn new(span: tracing::Span, parent: tracing::Span) -> Self {
+        if span.is_none() && parent.is_none() {
+            Self(None)
+        } else {
+            Self(Some(Box::new((span, parent))))
+        }
+    }
+
+    /// Enters the turn's span, if it is recorded, until the guard drops.
+    fn enter(&self) -> Option<tracing::span::Entered<'_>> {
+        self.0.as_ref().map(|spans| spans.0.enter())
+    }
 }
 
 /// A turn's handler raced against its caller giving up (or, with no caller, against
@@ -570,7 +632,7 @@ impl Race<'_> {
         if ends.watch_caller && ends.reply.is_closed() {
             return Poll::Ready(Raced::Abandoned);
         }
-        let entered = ends._spans.0.enter();
+        let entered = ends._spans.enter();
         let polled = Pin::new(&mut self.handler).poll(cx);
         drop(entered);
         if let Poll::Ready(outcome) = polled {
@@ -728,7 +790,7 @@ struct StoreCommit {
     /// Planted bug: the commit of a failed turn, whose outcome does not matter.
     #[cfg(feature = "planted-bugs")]
     ignore_commit: bool,
-    _spans: (tracing::Span, tracing::Span),
+    _spans: TurnSpans,
 }
 
 impl StoreCommit {
