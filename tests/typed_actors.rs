@@ -268,56 +268,45 @@ async fn tell_refusals_are_typed_and_a_late_tell_is_rolled_back() {
     rt.shutdown().await;
 }
 
+/// Makes an actor active (its first state stored), gives it a turn that waits `slow_ms`
+/// and changes nothing (so it has nothing to commit), and queues behind it a tell that
+/// expires `expiry_ms` from now, long before that turn ends, and a tell in time; checks
+/// that the first is dropped unrun and the second runs.
+async fn check_a_tell_expiring_behind_a_slow_turn(slow_ms: u64, expiry_ms: u64) {
+    let rt = start(Arc::new(MemoryStore::new()), 64);
+    let a = rt.actor_ref::<Counter>(counter("a")).unwrap();
+    assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), 0);
+    a.tell(Op::AddSlowly { add: 0, ms: slow_ms }, SECONDS_5).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(slow_ms / 10)).await;
+    let dropped_before = rt.counters().expired_dropped;
+    a.tell(Op::Add(10), Duration::from_millis(expiry_ms)).await.unwrap();
+    a.tell(Op::Add(100), SECONDS_5).await.unwrap();
+    assert_eq!(
+        a.ask(Op::Get, SECONDS_5).await.unwrap(),
+        100,
+        "the expired tell never ran; the next one did"
+    );
+    assert_eq!(
+        rt.counters().expired_dropped,
+        dropped_before + 1,
+        "it was dropped as expired"
+    );
+    rt.shutdown().await;
+}
+
 /// Goal: a tell whose deadline passes while it waits in the mailbox is dropped unrun
 /// when its turn would start, also behind a turn that waited (the activation reads the
 /// clock again after any wait), while the tell queued after it, still in time, runs.
 #[tokio::test(start_paused = true)]
 async fn a_tell_that_expires_in_the_mailbox_is_dropped_unrun_behind_a_slow_turn() {
-    let rt = start(Arc::new(MemoryStore::new()), 64);
-    let a = rt.actor_ref::<Counter>(counter("a")).unwrap();
-    // Active, its first state stored; then a turn that waits and changes nothing (so it
-    // has nothing to commit).
-    assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), 0);
-    a.tell(Op::AddSlowly { add: 0, ms: 500 }, SECONDS_5).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    let dropped_before = rt.counters().expired_dropped;
-    // Both queued behind the slow turn: the first expires 100 ms from now, long before
-    // the slow turn ends; the second does not.
-    a.tell(Op::Add(10), Duration::from_millis(100)).await.unwrap();
-    a.tell(Op::Add(100), SECONDS_5).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
-    assert_eq!(
-        rt.counters().expired_dropped,
-        dropped_before + 1,
-        "the expired tell was dropped"
-    );
-    assert_eq!(
-        a.ask(Op::Get, SECONDS_5).await.unwrap(),
-        100,
-        "it never ran; the next one did"
-    );
-    rt.shutdown().await;
+    check_a_tell_expiring_behind_a_slow_turn(500, 100).await;
 }
 
 /// Goal: the same on the multi-thread runtime, in real time.
 #[cfg(not(madsim))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tell_that_expires_in_the_mailbox_is_dropped_unrun_on_the_multi_thread_runtime() {
-    let rt = start(Arc::new(MemoryStore::new()), 64);
-    let a = rt.actor_ref::<Counter>(counter("a")).unwrap();
-    assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), 0);
-    a.tell(Op::AddSlowly { add: 0, ms: 300 }, SECONDS_5).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let dropped_before = rt.counters().expired_dropped;
-    a.tell(Op::Add(10), Duration::from_millis(50)).await.unwrap();
-    a.tell(Op::Add(100), SECONDS_5).await.unwrap();
-    assert_eq!(
-        a.ask(Op::Get, SECONDS_5).await.unwrap(),
-        100,
-        "the expired tell never ran"
-    );
-    assert_eq!(rt.counters().expired_dropped, dropped_before + 1);
-    rt.shutdown().await;
+    check_a_tell_expiring_behind_a_slow_turn(300, 50).await;
 }
 
 /// Goal: on the multi-thread runtime, concurrent typed asks and tells from many tasks
