@@ -49,8 +49,8 @@ use crate::envelope::{Envelope, MailboxReceiver, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
-    turn::TurnHome, Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StateStore,
-    StoreError, Turn, TurnCommit,
+    turn::TurnHome, Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateStore, StoreError, Turn,
+    TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -413,10 +413,10 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
         tracing::warn!(actor = %id, %error, "on_deactivate failed; nothing saved, the last turn's state stays committed");
         return;
     }
-    let saved = match live.actor.snapshot() {
-        Ok(snapshot) => {
+    let saved = match live.actor.state_change(live.committed.as_ref()) {
+        Ok(state) => {
             let commit = TurnCommit {
-                state: StateChange::between(live.committed.as_ref(), snapshot),
+                state,
                 writes: Vec::new(),
             };
             if commit.is_empty() {
@@ -470,6 +470,7 @@ type Outcome = Result<Result<Payload, ActorError>, ()>;
 /// Checks a request at dequeue and answers one that must not run; else builds its turn.
 /// `now` is the clock as read in this wake-up of the task, read here if not yet.
 #[allow(clippy::boxed_local)] // as the mailbox hands it over; freed here, before the turn
+#[inline(always)]
 fn begin(
     live: &Live,
     shared: &Shared,
@@ -537,6 +538,7 @@ type SlowTurn<'a> = Pin<Box<dyn Future<Output = (Raced<Outcome>, TurnEnds)> + Se
 
 /// Makes the turn's handler future and polls it once with the task's waker: the turn,
 /// decided, or the race to go on with.
+#[inline(always)]
 fn first_poll<'a>(
     actor: &'a mut Box<dyn Actor>,
     turn: &'a mut Turn,
@@ -672,6 +674,7 @@ type Committing<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 
 /// Decides a finished (or abandoned) turn: answers it at once when no store commit is
 /// needed, else returns the commit, which answers once made.
+#[inline(always)]
 fn settle<'a>(
     live: &'a mut Live,
     shared: &'a Shared,
@@ -824,9 +827,12 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: Re
 /// The turn's state change and writes, or `None` when nothing changed (the store is
 /// skipped then).
 fn prepare_commit(live: &Live, turn: &mut Turn) -> Result<Option<TurnCommit>, InvokeError> {
-    let snapshot = live.actor.snapshot().map_err(|error| actor_error(live.id(), error))?;
+    let state = live
+        .actor
+        .state_change(live.committed.as_ref())
+        .map_err(|error| actor_error(live.id(), error))?;
     let commit = TurnCommit {
-        state: StateChange::between(live.committed.as_ref(), snapshot),
+        state,
         writes: turn.take_writes(),
     };
     Ok((!commit.is_empty()).then_some(commit))

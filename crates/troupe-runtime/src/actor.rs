@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, InvokeError};
 
-use crate::{StoreError, Turn};
+use crate::{StateChange, StoreError, Turn};
 
 /// Why an actor's turn or hook failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -103,6 +103,19 @@ pub trait Actor: Send + 'static {
     /// An error fails the turn and rolls it back.
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
         Ok(None)
+    }
+
+    /// How the actor's state differs from `committed`, its last committed snapshot:
+    /// what the runtime calls after every successful turn (and at deactivation). The
+    /// default takes [`Actor::snapshot`] and compares; an actor that can tell more
+    /// cheaply that nothing changed may override it, as typed actors do (they compare
+    /// their encoding with `committed` as it is written, and allocate only when it
+    /// differs). It must agree with `StateChange::between(committed, self.snapshot()?)`.
+    ///
+    /// # Errors
+    /// As [`Actor::snapshot`].
+    fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
+        Ok(StateChange::between(committed, self.snapshot()?))
     }
 }
 

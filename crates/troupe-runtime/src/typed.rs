@@ -36,7 +36,7 @@ use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, Invoke
 
 use crate::envelope::Payload;
 use crate::handle::{RouteCache, Told as Handed, IN_TURN};
-use crate::{Actor, ActorError, RuntimeHandle, Turn};
+use crate::{Actor, ActorError, RuntimeHandle, StateChange, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
 ///
@@ -141,6 +141,46 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
         encode(&self.0, "state").map(Some)
+    }
+
+    /// Encodes the state into a writer that compares it with the committed encoding as
+    /// it goes and stops at the first difference: an unchanged state (most turns of most
+    /// actors) is neither allocated nor copied; a changed one is then encoded anew.
+    fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
+        if let Some(committed) = committed {
+            let mut same = SameAs { rest: committed };
+            if bincode::serialize_into(&mut same, &self.0).is_ok() && same.rest.is_empty() {
+                return Ok(StateChange::Unchanged);
+            }
+        }
+        self.snapshot().map(|state| StateChange::between(committed, state))
+    }
+}
+
+/// A writer that accepts only the bytes of `rest`, in order: bincode's encoding of a
+/// state written into it succeeds, with nothing left, exactly when the encoding equals
+/// the committed one. It fails at the first byte that differs, which ends the encoding.
+struct SameAs<'a> {
+    rest: &'a [u8],
+}
+
+impl std::io::Write for SameAs<'_> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if bytes.is_empty() {
+            // (No `memcmp` of nothing: see `same_bytes` in state_store.rs.)
+            return Ok(0);
+        }
+        match self.rest.strip_prefix(bytes) {
+            Some(rest) => {
+                self.rest = rest;
+                Ok(bytes.len())
+            }
+            None => Err(std::io::ErrorKind::InvalidData.into()),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -335,5 +375,106 @@ impl RuntimeHandle {
                 requested,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A typed actor whose state has fields of several encodings (fixed-size, length-
+    /// prefixed, optional), so that encodings of two states can differ anywhere, in
+    /// length or not.
+    #[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+    struct Varied {
+        count: u64,
+        name: String,
+        items: Vec<u16>,
+        flag: Option<bool>,
+    }
+
+    impl TypedActor for Varied {
+        type Message = ();
+        type Reply = ();
+
+        async fn handle(&mut self, _turn: &mut Turn, (): ()) -> Result<(), ActorError> {
+            Ok(())
+        }
+    }
+
+    fn varied() -> impl Strategy<Value = Varied> {
+        (
+            0u64..3,
+            "[ab]{0,3}",
+            proptest::collection::vec(0u16..3, 0..3),
+            proptest::option::of(any::<bool>()),
+        )
+            .prop_map(|(count, name, items, flag)| Varied {
+                count,
+                name,
+                items,
+                flag,
+            })
+    }
+
+    proptest! {
+        /// Goal: the typed adapter's state change, which compares the encoding with the
+        /// committed one as it writes, is the change the default gives (a snapshot and
+        /// `StateChange::between`), for committed encodings that are equal, differ in a
+        /// byte, are the state's encoding cut short or with more after it, are foreign
+        /// bytes, or are absent.
+        #[test]
+        fn the_typed_state_change_is_the_snapshots_change(
+            state in varied(),
+            before in varied(),
+            foreign in proptest::collection::vec(any::<u8>(), 0..12),
+            cut in any::<prop::sample::Index>(),
+            committed_kind in 0..6u8,
+        ) {
+            let actor = TypedAdapter(state.clone());
+            let encoded = bincode::serialize(&state).unwrap();
+            let committed = match committed_kind {
+                0 => None,
+                1 => Some(bincode::serialize(&before).unwrap()),
+                2 => Some(encoded),
+                // The state's encoding cut short, or followed by more bytes.
+                3 => Some(encoded[..cut.index(encoded.len())].to_vec()),
+                4 => Some([encoded, foreign].concat()),
+                _ => Some(foreign),
+            }
+            .map(Bytes::from);
+            let expected = StateChange::between(committed.as_ref(), actor.snapshot().unwrap());
+            prop_assert_eq!(actor.state_change(committed.as_ref()).unwrap(), expected);
+        }
+    }
+
+    /// Goal: an unchanged state is `Unchanged`, and a state one byte longer or shorter
+    /// than the committed encoding is not (the prefix case, which a comparison that
+    /// stopped early would get wrong).
+    #[test]
+    fn a_committed_prefix_or_extension_is_a_change() {
+        let state = Varied {
+            count: 1,
+            name: "ab".into(),
+            items: vec![2],
+            flag: Some(true),
+        };
+        let actor = TypedAdapter(state.clone());
+        let encoded = bincode::serialize(&state).unwrap();
+        let same = Bytes::from(encoded.clone());
+        assert_eq!(actor.state_change(Some(&same)).unwrap(), StateChange::Unchanged);
+        let shorter = Bytes::from(encoded[..encoded.len() - 1].to_vec());
+        let mut longer_bytes = encoded.clone();
+        longer_bytes.push(0);
+        let longer = Bytes::from(longer_bytes);
+        for committed in [shorter, longer] {
+            assert_eq!(
+                actor.state_change(Some(&committed)).unwrap(),
+                StateChange::Set(same.clone())
+            );
+        }
+        assert_eq!(actor.state_change(None).unwrap(), StateChange::Set(same));
     }
 }

@@ -2,7 +2,9 @@
 //! `TELL_ALLOCATIONS_MAX` (the envelope and the boxed message on the caller's side, the
 //! `async_trait` box of `Actor::handle_value` on the actor's), a typed `ask`
 //! `ASK_ALLOCATIONS_MAX` (those, its reply channel and the boxed reply). Boxing the
-//! user's handler again, or boxing a tell's unread reply, fails it.
+//! user's handler again, or boxing a tell's unread reply, fails it. An actor with state
+//! that a turn leaves unchanged allocates no more: its encoding is compared with the
+//! committed one, not made anew (`Actor::state_change`).
 //!
 //! Counted per thread by a counting global allocator, on a current_thread runtime whose
 //! caller, dispatcher and actor all run on the test's thread. Normal build only: the
@@ -39,16 +41,43 @@ impl TypedActor for Echo {
     }
 }
 
+/// An actor with state (16 bytes encoded) that its turns read and leave unchanged.
+#[derive(Default, Serialize, Deserialize)]
+struct StatefulEcho {
+    offset: u64,
+    name: String,
+}
+
+impl TypedActor for StatefulEcho {
+    type Message = u64;
+    type Reply = u64;
+
+    async fn handle(&mut self, _turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
+        Ok(message + self.offset + self.name.len() as u64)
+    }
+}
+
 #[tokio::test]
 async fn typed_tells_and_asks_allocate_at_most_their_budget_in_steady_state() {
+    check_allocations::<Echo>().await;
+}
+
+/// Goal: a turn that leaves a non-empty state unchanged allocates nothing for it (before
+/// `Actor::state_change`, its snapshot was encoded into a new buffer at every turn).
+#[tokio::test]
+async fn a_typed_actor_whose_state_is_unchanged_allocates_no_more_per_message() {
+    check_allocations::<StatefulEcho>().await;
+}
+
+async fn check_allocations<A: TypedActor<Message = u64, Reply = u64>>() {
     let runtime = Runtime::builder()
-        .register_typed::<Echo>(
+        .register_typed::<A>(
             ActorKind::new("echo").unwrap(),
             KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
         )
         .unwrap()
         .start();
-    let echo = runtime.actor_ref::<Echo>(ActorId::new("echo", "0").unwrap()).unwrap();
+    let echo = runtime.actor_ref::<A>(ActorId::new("echo", "0").unwrap()).unwrap();
     let timeout = Duration::from_secs(5);
     let batch = || async {
         for i in 0..BATCH {
