@@ -192,11 +192,7 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
 /// admitted request is read.
 async fn read_body(request: Request, next: Next) -> Response {
     let (parts, body) = request.into_parts();
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
+    let declared = declared_length(&parts.headers);
     let limit = SERVER_REQUEST_BODY_SIZE_MAX_BYTES as u64;
     if declared.is_some_and(|length| length > SERVER_REQUEST_BODY_DRAIN_MAX_BYTES as u64) {
         return body_too_large();
@@ -225,6 +221,27 @@ async fn read_body(request: Request, next: Next) -> Response {
         read.extend_from_slice(&chunk);
     }
     next.run(Request::from_parts(parts, Body::from(read))).await
+}
+
+/// The body's length as its `Content-Length` declares it, if it does.
+fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok())
+}
+
+/// Answers `refusal` to a request refused before its body was read (401, 503), once its
+/// body has been read and discarded as a refused large one is ([`drain`]: bounded in
+/// bytes and time; a body declared larger than that is left unread). Otherwise the
+/// connection would close with the body unread, and a client still writing a body
+/// larger than the sockets' buffers would get a reset instead of the answer.
+async fn refuse_after_reading(request: Request, refusal: Response) -> Response {
+    let (parts, body) = request.into_parts();
+    if declared_length(&parts.headers).is_none_or(|length| length <= SERVER_REQUEST_BODY_DRAIN_MAX_BYTES as u64) {
+        drain(&mut body.into_data_stream(), 0).await;
+    }
+    refusal
 }
 
 /// Reads and discards the rest of a refused body (of which `seen` bytes are read), up to
@@ -277,11 +294,12 @@ async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "));
-    match given {
-        Some(given) if same_secret(given.as_bytes(), token.as_bytes()) => next.run(request).await,
+    let refusal = match given {
+        Some(given) if same_secret(given.as_bytes(), token.as_bytes()) => return next.run(request).await,
         Some(_) => unauthorized("the bearer token is not valid"),
         None => unauthorized("this server needs Authorization: Bearer TOKEN (the token given to troupe serve)"),
-    }
+    };
+    refuse_after_reading(request, refusal).await
 }
 
 fn unauthorized(message: &str) -> Response {
@@ -304,11 +322,12 @@ fn same_secret(given: &[u8], expected: &[u8]) -> bool {
 /// and answers 504 to one that takes longer than `request_timeout` to its headers.
 async fn limit(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let Ok(_permit) = Arc::clone(&state.requests).try_acquire_owned() else {
-        return ApiError::overloaded(format!(
+        let refusal = ApiError::overloaded(format!(
             "the server is handling {} requests, its limit; retry later",
             state.config.concurrent_requests_max
         ))
         .into_response();
+        return refuse_after_reading(request, refusal).await;
     };
     match tokio::time::timeout(state.config.request_timeout, next.run(request)).await {
         Ok(response) => response,

@@ -353,6 +353,41 @@ async fn an_oversized_body_is_answered_413_and_its_writer_reads_the_answer() {
     server.stop().await;
 }
 
+/// Goal: a request refused before its body is read (401 without the token, 503 over the
+/// concurrency limit) still gets its answer when its client writes a large body whole
+/// before reading, as most clients do: the server reads the body and discards it first.
+/// Before, it answered and closed with the body unread, and the client writing it got a
+/// reset connection. Method: a raw client writes a body of
+/// `SERVER_REQUEST_BODY_DRAIN_MAX_BYTES`, more than the sockets' buffers hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_before_its_body_is_read_gets_its_answer_not_a_reset() {
+    use troupe_server::limits::SERVER_REQUEST_BODY_DRAIN_MAX_BYTES;
+    let config = ServerConfig::default().token(TOKEN).concurrent_requests_max(1);
+    let server = Arc::new(start(config, KindConfig::default()).await);
+    let body = vec![b' '; SERVER_REQUEST_BODY_DRAIN_MAX_BYTES];
+    let head = |authorization: &str| {
+        format!(
+            "POST /v1/agents/echo/messages HTTP/1.1\r\nhost: troupe\r\n{authorization}content-type: application/json\r\ncontent-length: {SERVER_REQUEST_BODY_DRAIN_MAX_BYTES}\r\nconnection: close\r\n\r\n"
+        )
+    };
+    let answer = raw_exchange(&server, &head(""), &body).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(answer.contains("\"unauthorized\""), "{answer}");
+
+    // Over the limit: one slow turn in flight holds the only slot.
+    let mut events = server.system().subscribe();
+    let first = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move { server.post("/v1/agents/slow/messages", json!({"text": "a"})).await })
+    };
+    turn_started(&mut events, "slow").await;
+    let answer = raw_exchange(&server, &head(&format!("authorization: Bearer {TOKEN}\r\n")), &body).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("\"overloaded\""), "{answer}");
+    assert_eq!(first.await.unwrap().0, 200);
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_servers_request_timeout_answers_504() {
     let config = ServerConfig::default().request_timeout(Duration::from_millis(200));
