@@ -133,12 +133,12 @@ impl SqliteStore {
     /// not an SQLite database, or if its schema version is newer than this code knows.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         from_connection_seed_randomness();
-        let connection = Connection::open(path.as_ref()).map_err(open_error)?;
+        let connection = Connection::open(path.as_ref()).map_err(|e| open_error("opening the file", e))?;
         // Before anything that locks: another store may be writing to the file, and
         // switching the journal mode or checking the schema must wait for it, not fail.
         connection
             .busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))
-            .map_err(open_error)?;
+            .map_err(|e| open_error("setting the busy timeout", e))?;
         let journal_mode = switch_to_wal(&connection)?;
         if !journal_mode.eq_ignore_ascii_case("wal") {
             // Rollback journaling with synchronous = FULL is still durable, only slower.
@@ -157,16 +157,18 @@ impl SqliteStore {
     /// [`StoreError::Backend`] with operation `"open"` if SQLite cannot create it.
     pub fn open_in_memory() -> Result<Self, StoreError> {
         from_connection_seed_randomness();
-        Self::from_connection(Connection::open_in_memory().map_err(open_error)?)
+        Self::from_connection(
+            Connection::open_in_memory().map_err(|e| open_error("creating the in-memory database", e))?,
+        )
     }
 
     fn from_connection(mut connection: Connection) -> Result<Self, StoreError> {
         connection
             .pragma_update(None, "synchronous", "FULL")
-            .map_err(|e| open_error_at("setting synchronous = FULL", e))?;
+            .map_err(|e| open_error("setting synchronous = FULL", e))?;
         connection
             .busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))
-            .map_err(open_error)?;
+            .map_err(|e| open_error("setting the busy timeout", e))?;
         from_connection_create_schema(&mut connection)?;
         Ok(Self {
             connection: Arc::new(Mutex::new(connection)),
@@ -204,10 +206,10 @@ fn from_connection_create_schema(connection: &mut Connection) -> Result<(), Stor
     // schema fails at once if another store wrote in between, instead of waiting.
     let transaction = connection
         .transaction_with_behavior(TransactionBehavior::Immediate)
-        .map_err(|e| open_error_at("locking the file to check its schema", e))?;
+        .map_err(|e| open_error("locking the file to check its schema", e))?;
     let version: i64 = transaction
         .query_row("PRAGMA user_version", [], |row| row.get(0))
-        .map_err(open_error)?;
+        .map_err(|e| open_error("reading the schema version", e))?;
     if version > SQLITE_SCHEMA_VERSION {
         return Err(StoreError::Backend {
             operation: StoreOperation::Open,
@@ -218,12 +220,14 @@ fn from_connection_create_schema(connection: &mut Connection) -> Result<(), Stor
         });
     }
     if version < SQLITE_SCHEMA_VERSION {
-        transaction.execute_batch(SQLITE_SCHEMA).map_err(open_error)?;
+        transaction
+            .execute_batch(SQLITE_SCHEMA)
+            .map_err(|e| open_error("creating the schema", e))?;
         transaction
             .pragma_update(None, "user_version", SQLITE_SCHEMA_VERSION)
-            .map_err(open_error)?;
+            .map_err(|e| open_error("setting the schema version", e))?;
     }
-    transaction.commit().map_err(open_error)
+    transaction.commit().map_err(|e| open_error("committing the schema", e))
 }
 
 /// Switches the file to WAL journal mode (a no-op if it is in it already) and returns
@@ -249,25 +253,18 @@ fn switch_to_wal(connection: &Connection) -> Result<String, StoreError> {
                 // writes; the next attempt then usually finds the file free.
                 connection
                     .execute_batch("BEGIN IMMEDIATE; ROLLBACK;")
-                    .map_err(|error| open_error_at("waiting for the file's write lock", error))?;
+                    .map_err(|error| open_error("waiting for the file's write lock", error))?;
             }
-            Err(error) => return Err(open_error_at("switching to WAL journal mode", error)),
+            Err(error) => return Err(open_error("switching to WAL journal mode", error)),
         }
     }
 }
 
 /// An error of opening the store, naming the step that failed.
-fn open_error_at(at: &str, error: rusqlite::Error) -> StoreError {
+fn open_error(at: &str, error: rusqlite::Error) -> StoreError {
     StoreError::Backend {
         operation: StoreOperation::Open,
         cause: format!("{at}: {error}"),
-    }
-}
-
-fn open_error(error: rusqlite::Error) -> StoreError {
-    StoreError::Backend {
-        operation: StoreOperation::Open,
-        cause: error.to_string(),
     }
 }
 
