@@ -49,8 +49,8 @@ use crate::envelope::{Envelope, MailboxReceiver, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
-    turn::TurnHome, Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateStore, StoreError, Turn,
-    TurnCommit,
+    turn::{TurnHome, TurnWrites},
+    Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateStore, StoreError, Turn, TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -95,8 +95,9 @@ pub(crate) fn spawn(start: ActivationStart) -> tokio::task::AbortHandle {
 
 /// The actor as it runs, with what it needs to roll back.
 struct Live {
-    /// The actor's id and the runtime, shared with its turns.
-    home: Arc<TurnHome>,
+    /// The actor's id and the runtime, lent to each turn while it runs (moved into the
+    /// `Turn` and back, so a turn costs no reference count) and here between turns.
+    home: Option<Arc<TurnHome>>,
     actor: Box<dyn Actor>,
     /// The last committed snapshot: what the store holds for this actor.
     committed: Option<Bytes>,
@@ -109,7 +110,7 @@ struct Live {
 
 impl Live {
     fn id(&self) -> &ActorId {
-        &self.home.id
+        &self.home.as_ref().expect(HOME_LENT).id
     }
 
     /// Rebuilds the actor from the last committed snapshot.
@@ -131,6 +132,10 @@ impl Live {
         }
     }
 }
+
+/// Why the activation's home is always back when it is asked for: it is lent to a turn
+/// in `begin`, and given back by `Turn::finish` before the turn is settled.
+const HOME_LENT: &str = "the home is lent to a turn only between begin and settle";
 
 /// Moves the start out of its box and frees the box now (a box moved out of in place
 /// would be freed only when the task ends).
@@ -247,7 +252,7 @@ async fn run(start: Box<ActivationStart>) {
         let waker = task_waker.as_ref().expect("set just above");
         {
             let store_commit = {
-                let Some((mut turn, payload, ends)) = begin(&live, &handle.shared, envelope, &mut now) else {
+                let Some((mut turn, payload, ends)) = begin(&mut live, &handle.shared, envelope, &mut now) else {
                     // Refused unrun (abandoned, expired or fenced): answered already.
                     continue;
                 };
@@ -259,9 +264,11 @@ async fn run(start: Box<ActivationStart>) {
                     now = WakeClock::UNREAD;
                     slow.await
                 };
-                // The turn has ended: calls still in flight from tasks it spawned are cancelled.
-                turn.end();
-                settle(&mut live, &handle.shared, &mut turn, raced, ends)
+                // The turn has ended: calls still in flight from tasks it spawned are
+                // cancelled, and its home comes back with its writes.
+                let (home, writes) = turn.finish();
+                live.home = Some(home);
+                settle(&mut live, &handle.shared, writes, raced, ends)
             };
             if let Some(store_commit) = store_commit {
                 now = WakeClock::UNREAD;
@@ -393,10 +400,10 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
     let mut actor = kind.factory.create(id, saved.clone()).map_err(failed)?;
     actor.on_activate(id).await.map_err(failed)?;
     Ok(Live {
-        home: Arc::new(TurnHome {
+        home: Some(Arc::new(TurnHome {
             id: id.clone(),
             handle: handle.clone(),
-        }),
+        })),
         actor,
         committed: saved,
         fence,
@@ -405,7 +412,7 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
 }
 
 async fn deactivate(live: &mut Live, shared: &Shared) {
-    let id = &live.home.id;
+    let id = &live.home.as_ref().expect(HOME_LENT).id;
     if let Err(error) = live.actor.on_deactivate(id).await {
         // Its state may be half-way through whatever on_deactivate was doing: keep the
         // last committed turn's state instead.
@@ -472,7 +479,7 @@ type Outcome = Result<Result<Payload, ActorError>, ()>;
 #[allow(clippy::boxed_local)] // as the mailbox hands it over; freed here, before the turn
 #[inline(always)]
 fn begin(
-    live: &Live,
+    live: &mut Live,
     shared: &Shared,
     envelope: Box<Envelope>,
     now: &mut WakeClock,
@@ -520,7 +527,7 @@ fn begin(
     #[cfg(not(feature = "planted-bugs"))]
     // A fire-and-forget message has nobody to watch: its turn is timed by its own timer.
     let watch_caller = reply.has_caller();
-    let turn = Turn::new(Arc::clone(&live.home), context);
+    let turn = Turn::new(live.home.take().expect(HOME_LENT), context);
     let ends = TurnEnds {
         reply,
         call,
@@ -678,7 +685,7 @@ type Committing<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 fn settle<'a>(
     live: &'a mut Live,
     shared: &'a Shared,
-    turn: &mut Turn,
+    writes: TurnWrites,
     raced: Raced<Outcome>,
     ends: TurnEnds,
 ) -> Option<Committing<'a>> {
@@ -717,7 +724,7 @@ fn settle<'a>(
                 request: call,
             });
             let result = Err(actor_error(live.id(), error));
-            return match prepare_commit(live, turn) {
+            return match prepare_commit(live, writes) {
                 Ok(Some(commit)) => Some(Box::pin(
                     StoreCommit {
                         commit,
@@ -747,7 +754,7 @@ fn settle<'a>(
                 actor: live.id().clone(),
                 request: call,
             });
-            match prepare_commit(live, turn) {
+            match prepare_commit(live, writes) {
                 Ok(None) => Ok(answer),
                 Ok(Some(commit)) => {
                     let store_commit = StoreCommit {
@@ -826,14 +833,14 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: Re
 
 /// The turn's state change and writes, or `None` when nothing changed (the store is
 /// skipped then).
-fn prepare_commit(live: &Live, turn: &mut Turn) -> Result<Option<TurnCommit>, InvokeError> {
+fn prepare_commit(live: &Live, writes: TurnWrites) -> Result<Option<TurnCommit>, InvokeError> {
     let state = live
         .actor
         .state_change(live.committed.as_ref())
         .map_err(|error| actor_error(live.id(), error))?;
     let commit = TurnCommit {
         state,
-        writes: turn.take_writes(),
+        writes: writes.into_vec(),
     };
     Ok((!commit.is_empty()).then_some(commit))
 }

@@ -42,6 +42,19 @@ pub(crate) struct TurnHome {
 /// A turn's buffered writes, by key: `None` is a deletion.
 type Writes = BTreeMap<String, Option<Bytes>>;
 
+/// A finished turn's buffered writes (none made, if it wrote nothing).
+pub(crate) struct TurnWrites(Option<Box<Writes>>);
+
+impl TurnWrites {
+    /// The writes in key order, for the turn's commit.
+    pub(crate) fn into_vec(self) -> Vec<(String, Option<Bytes>)> {
+        match self.0 {
+            Some(writes) => writes.into_iter().collect(),
+            None => Vec::new(),
+        }
+    }
+}
+
 impl Turn {
     pub(crate) fn new(home: Arc<TurnHome>, context: CallContext) -> Self {
         Self {
@@ -60,12 +73,11 @@ impl Turn {
         }
     }
 
-    /// Takes the turn's buffered writes, in key order, for its commit.
-    pub(crate) fn take_writes(&mut self) -> Vec<(String, Option<Bytes>)> {
-        match self.writes.take() {
-            Some(writes) => writes.into_iter().collect(),
-            None => Vec::new(),
-        }
+    /// Ends the turn for good (as [`Turn::end`]) and gives back its home, which the
+    /// activation lends to its next turn, and its buffered writes, for its commit.
+    pub(crate) fn finish(self) -> (Arc<TurnHome>, TurnWrites) {
+        self.end();
+        (self.home, TurnWrites(self.writes))
     }
 
     /// Whether this turn has buffered a write (or deletion) of `key`.
