@@ -190,7 +190,13 @@ async fn approve_deny_and_the_deadline_racing_give_one_outcome() {
                 "rejected"
             }
             TaskState::Failed => {
-                assert!(result.contains("deadline"), "{task_id}: {result}");
+                // The deadline, caught where it passed: before delivery or work ("the
+                // deadline passed ..."), or by the invocation of b's turn that it cut
+                // ("invocation of agent/b timed out ...").
+                assert!(
+                    result.contains("deadline") || result.contains("invocation of agent/b timed out"),
+                    "{task_id}: {result}"
+                );
                 "failed"
             }
             other => panic!("{task_id} ended {other:?}"),
@@ -205,8 +211,14 @@ async fn approve_deny_and_the_deadline_racing_give_one_outcome() {
                     .is_some_and(|m| m.content.ends_with(&format!("] {job}")))
             })
             .count();
+        // Completed: b worked on it once. Cut at the deadline while b's turn ran: b's
+        // model may have seen it once (the turn is rolled back). Otherwise never.
+        let cut_while_running = result.contains("invocation of agent/b timed out");
         let expected = usize::from(task.state == TaskState::Completed);
-        assert_eq!(b_saw, expected, "{task_id} ({name}): b's model saw it {b_saw} times");
+        assert!(
+            b_saw == expected || (cut_while_running && b_saw <= 1),
+            "{task_id} ({name}: {result}): b's model saw it {b_saw} times"
+        );
         let outcome = format!("[task {task_id} you delegated is {name}]");
         let a_read = system
             .conversation_log("a")
