@@ -201,6 +201,11 @@ pub async fn call_agent(
             let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
             if let Some(remote) = &remote {
                 // The admission (its in-flight slot) is held until the answer.
+                let per_call = format!("{}-call-{call}", context.agent_id().key());
+                let trace_id = admitted
+                    .child()
+                    .trace_id()
+                    .map_or_else(|| per_call.clone(), |trace| trace.to_string());
                 let result = crate::remote::call_remote(
                     &shared.remotes,
                     crate::remote::RemoteCall {
@@ -209,10 +214,10 @@ pub async fn call_agent(
                         text: &request.text,
                         child: admitted.child(),
                         timeout: admitted.timeout(),
-                        trace_id: admitted.child().trace_id().map_or_else(
-                            || format!("{}-call-{call}", context.agent_id().key()),
-                            |trace| trace.to_string(),
-                        ),
+                        // One per call: the receiving server takes a message sent again
+                        // with the same id as the task it started, not a new one.
+                        message_id: format!("{trace_id}.{per_call}"),
+                        trace_id,
                     },
                 )
                 .await;

@@ -517,6 +517,9 @@ pub(crate) struct RemoteCall<'a> {
     /// What goes in `metadata.troupe.trace_id`: the caller's trace id in hex, or
     /// (a caller without one) a per-call id for the logs, which the callee ignores.
     pub(crate) trace_id: String,
+    /// The A2A `messageId` of the call's message: unique per call (a server takes a
+    /// message sent again with the same id as the task it already started).
+    pub(crate) message_id: String,
 }
 
 #[cfg_attr(madsim, allow(dead_code))]
@@ -690,7 +693,7 @@ mod http {
             "method": "SendMessage",
             "params": {
                 "message": {
-                    "messageId": call.trace_id,
+                    "messageId": call.message_id,
                     "role": "ROLE_USER",
                     "parts": [{"text": truncate_utf8(call.text, AGENT_MESSAGE_SIZE_MAX_BYTES)}],
                     "metadata": call.metadata().to_metadata(),
@@ -991,6 +994,7 @@ mod tests {
             child: &child,
             timeout: Duration::from_millis(1_500),
             trace_id: "a-call-7".into(),
+            message_id: "a-call-7.a-call-7".into(),
         };
         let metadata = call.metadata().to_metadata();
         assert_eq!(

@@ -41,7 +41,9 @@ use troupe_agent::{TaskState, TroupeCallMetadata};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::TraceId;
 
-use crate::a2a_tasks::{AdmitError, CancelOutcome, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore};
+use crate::a2a_tasks::{
+    message_id, AdmitError, CancelOutcome, Created, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore,
+};
 use crate::agents::known;
 use crate::error::ApiError;
 use crate::limits::{
@@ -517,7 +519,7 @@ fn refusal(agent: &str, troupe: &TroupeCallMetadata) -> Option<String> {
 async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
     let troupe = accepted.troupe.clone().unwrap_or_default();
     let rejected = refusal(agent, &troupe);
-    let (record, lane, forgotten) = a2a
+    let created = a2a
         .tasks
         .create(
             agent,
@@ -540,13 +542,25 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the server holds as many running A2A tasks as it can; retry later",
             ),
+            AdmitError::MessageIdReused(first) => RpcError::params(format!(
+                "\"message.messageId\" {:?} was sent to agent {agent:?} before with other parts (task {first}); \
+                 give each new message its own messageId",
+                message_id(&accepted.request)
+            )),
         })?;
+    let (record, lane, forgotten) = match created {
+        // Sent again: the task it started, which runs (or ran) once.
+        Created::Resent(first) => return Ok(first),
+        Created::New(record, lane, forgotten) => (record, lane, forgotten),
+    };
     // Stored before the client hears of it.
     if let Err(error) = a2a.store.save(&record, forgotten.as_ref()).await {
         let reason = format!("the task could not be stored: {error}");
         a2a.tasks.update(&record.id, |task| {
             task.state = TaskState::Failed;
             task.reason = Some(reason.clone());
+            // The client is told to retry: its message sent again starts a new task.
+            task.busy = true;
             true
         });
         if let Some(lane) = lane {

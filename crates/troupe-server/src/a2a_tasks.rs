@@ -15,6 +15,13 @@
 //! restart on the same store the records are read back; one that had not ended goes
 //! back in its lane and is handed to the agent again, which finds the task it already
 //! holds (running, resumed, or done) instead of a second one.
+//!
+//! A message sent again (the same `messageId` to the same agent, with the same parts)
+//! is the task it started, while the server keeps that task: a client that retries a
+//! send after a lost answer gets the first task, and the agent runs once. The same id
+//! with other parts is refused. A task that ended with a refusal to retry (`busy`: the
+//! agent was busy, or the task could not be stored) is not reused: its message sent
+//! again starts a new task.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -64,8 +71,9 @@ pub(crate) struct TaskRecord {
     /// How long its agent's turn may take, in milliseconds: the caller's remaining
     /// time when the message carried Troupe's context, clipped to the server's maximum.
     pub(crate) timeout_ms: u64,
-    /// Whether the failure was the agent being busy: a blocking send answers it as a
-    /// retryable error.
+    /// Whether it ended with a refusal to retry (the agent was busy, or the task could
+    /// not be stored): a blocking send answers it as a retryable error, and its message
+    /// sent again starts a new task.
     pub(crate) busy: bool,
     /// The trace id its agent's turn runs under (32 lowercase hex digits). Empty in
     /// tasks stored before trace ids crossed servers.
@@ -156,10 +164,15 @@ pub(crate) struct TaskCall {
     pub(crate) trace_id: String,
 }
 
-/// A new task, the lane it waits in (unless it was rejected at once), and the agent
-/// and seq of the ended task the registry let go to make room, if any (to delete from
-/// the store).
-pub(crate) type Created = (TaskRecord, Option<Arc<Lane>>, Option<(String, u64)>);
+/// What [`TaskRegistry::create`] made of a message.
+pub(crate) enum Created {
+    /// A new task, the lane it waits in (unless it was rejected at once), and the agent
+    /// and seq of the ended task the registry let go to make room, if any (to delete
+    /// from the store).
+    New(TaskRecord, Option<Arc<Lane>>, Option<(String, u64)>),
+    /// The message was sent before: the task it started, as it is now.
+    Resent(TaskRecord),
+}
 
 /// Why a task could not be made.
 #[derive(Debug)]
@@ -168,6 +181,9 @@ pub(crate) enum AdmitError {
     LaneFull,
     /// Every kept task is still running.
     Full,
+    /// The message's id was sent before, to this agent, with other parts: the task it
+    /// started.
+    MessageIdReused(String),
 }
 
 /// What a cancel found.
@@ -197,6 +213,14 @@ struct Inner {
     order: VecDeque<String>,
     lanes: HashMap<String, Arc<Lane>>,
     next: u64,
+    /// The task each message started, by agent and `messageId`, for as long as the
+    /// task is kept (so at most `A2A_TASKS_KEPT_MAX` entries).
+    by_message: HashMap<(String, String), String>,
+}
+
+/// A message's `messageId`, as a task keeps it in its request.
+pub(crate) fn message_id(request: &Value) -> &str {
+    request["messageId"].as_str().unwrap_or_default()
 }
 
 /// Every A2A task of the server.
@@ -228,6 +252,20 @@ impl TaskRegistry {
             trace_id,
         } = call;
         let mut inner = self.lock();
+        let message = (agent.to_string(), message_id(&request).to_string());
+        if let Some(first) = inner
+            .by_message
+            .get(&message)
+            .and_then(|id| inner.tasks.get(id))
+            .map(|sender| sender.borrow().clone())
+            .filter(|first| !first.busy)
+        {
+            return if first.request["parts"] == request["parts"] {
+                Ok(Created::Resent(first))
+            } else {
+                Err(AdmitError::MessageIdReused(first.id))
+            };
+        }
         let lane = if rejected.is_none() {
             let lane = Arc::clone(inner.lanes.entry(agent.to_string()).or_default());
             if lane.waiting.load(Ordering::SeqCst) >= A2A_TASKS_WAITING_PER_AGENT_MAX {
@@ -274,8 +312,9 @@ impl TaskRegistry {
             lane.waiting.fetch_add(1, Ordering::SeqCst);
         }
         inner.tasks.insert(id.clone(), watch::channel(record.clone()).0);
-        inner.order.push_back(id);
-        Ok((record, lane, forgotten))
+        inner.order.push_back(id.clone());
+        inner.by_message.insert(message, id);
+        Ok(Created::New(record, lane, forgotten))
     }
 
     /// Takes back a stored record (at start, oldest first): one that had not ended
@@ -292,6 +331,9 @@ impl TaskRegistry {
             Some(lane)
         };
         let id = record.id.clone();
+        // Oldest first: a message sent again (after a busy end) maps to its newest task.
+        let message = (record.agent.clone(), message_id(&record.request).to_string());
+        inner.by_message.insert(message, id.clone());
         inner.tasks.insert(id.clone(), watch::channel(record).0);
         inner.order.push_back(id);
         lane
@@ -365,6 +407,10 @@ impl Inner {
         let id = self.order.remove(position)?;
         let sender = self.tasks.remove(&id)?;
         let record = sender.borrow();
+        let message = (record.agent.clone(), message_id(&record.request).to_string());
+        if self.by_message.get(&message) == Some(&id) {
+            self.by_message.remove(&message);
+        }
         Some((record.agent.clone(), record.seq))
     }
 }

@@ -112,8 +112,12 @@ impl Harness {
     }
 }
 
+/// A message with an id of its own (a message sent again with the same id is the task
+/// it started).
 fn message(text: &str) -> Value {
-    json!({"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": text}]})
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    json!({"messageId": format!("m{n}"), "role": "ROLE_USER", "parts": [{"text": text}]})
 }
 
 fn send_params(text: &str) -> Value {
@@ -536,17 +540,21 @@ async fn bad_requests_get_a2a_error_codes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_lane_is_a_retryable_429() {
     let server = start().await;
-    let mut params = send_params("queue");
-    params["configuration"] = json!({"returnImmediately": true});
+    // Each its own message (the same one sent again would be the task it started).
+    let params = || {
+        let mut params = send_params("queue");
+        params["configuration"] = json!({"returnImmediately": true});
+        params
+    };
     // One running (or about to) and the lane's limit waiting behind it.
     for _ in 0..=A2A_TASKS_WAITING_PER_AGENT_MAX {
-        server.ok("slow", "SendMessage", params.clone()).await;
+        server.ok("slow", "SendMessage", params()).await;
     }
-    let body = json!({"jsonrpc": "2.0", "id": 3, "method": "SendMessage", "params": params});
-    let (status, headers, text) = server.raw("slow", body.to_string()).await;
+    let body = || json!({"jsonrpc": "2.0", "id": 3, "method": "SendMessage", "params": params()}).to_string();
+    let (status, headers, text) = server.raw("slow", body()).await;
     // The first may not have left the lane's waiting count yet: then one more fits.
     let (status, headers, text) = if status == 200 {
-        server.raw("slow", body.to_string()).await
+        server.raw("slow", body()).await
     } else {
         (status, headers, text)
     };
@@ -596,7 +604,8 @@ async fn a_full_mailbox_is_a_retryable_429() {
     .await;
     // The call was announced just before its enqueue: give the enqueue a moment.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let body = json!({"jsonrpc": "2.0", "id": 5, "method": "SendMessage", "params": send_params("c")});
+    let params = send_params("c");
+    let body = json!({"jsonrpc": "2.0", "id": 5, "method": "SendMessage", "params": params.clone()});
     let (status, headers, text) = server.raw("slow", body.to_string()).await;
     assert_eq!(status, 429, "{text}");
     assert_eq!(headers["retry-after"], "1");
@@ -612,7 +621,69 @@ async fn a_full_mailbox_is_a_retryable_429() {
         text_of(&failed["tasks"][0]["status"]["message"]["parts"]).starts_with("busy"),
         "{failed}"
     );
+    // The client was told to retry: the same message sent again is a new task, which
+    // the agent, no longer busy, runs.
+    let again = server.ok("slow", "SendMessage", params).await;
+    assert_eq!(again["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{again}");
+    assert_ne!(again["task"]["id"], failed["tasks"][0]["id"], "{again}");
     Arc::into_inner(server).unwrap().stop().await;
+}
+
+/// Goal: a message sent again (same `messageId`, same parts: a client retrying after a
+/// lost answer) is the task it started, blocking, returning at once or streamed, and
+/// the agent runs it once; the same id with other parts is refused (-32602) and starts
+/// nothing. Method: three sends of one message to `echo` and one to `slow` while its
+/// first send still runs, then the tasks, the agent's external tasks and its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_sent_again_is_the_task_it_started_and_its_agent_runs_it_once() {
+    let server = start().await;
+    let params = send_params("only once");
+    let first = server.ok("echo", "SendMessage", params.clone()).await["task"].clone();
+    assert_eq!(first["status"]["state"], "TASK_STATE_COMPLETED", "{first}");
+    let again = server.ok("echo", "SendMessage", params.clone()).await["task"].clone();
+    assert_eq!(again["id"], first["id"], "{again}");
+    assert_eq!(text_of(&again["artifacts"][0]["parts"]), "echo: only once");
+    let mut immediate = params.clone();
+    immediate["configuration"] = json!({"returnImmediately": true});
+    let at_once = server.ok("echo", "SendMessage", immediate).await["task"].clone();
+    assert_eq!(at_once["id"], first["id"], "{at_once}");
+    let streamed = server.stream("echo", "SendStreamingMessage", params.clone()).await;
+    assert_eq!(streamed[0]["task"]["id"], first["id"], "{streamed:?}");
+
+    let mut other = params.clone();
+    other["message"]["parts"] = json!([{"text": "something else"}]);
+    let (code, message) = server.error("echo", "SendMessage", other).await;
+    assert_eq!(code, -32602, "{message}");
+    assert!(message.contains("messageId"), "{message}");
+
+    let listed = server.ok("echo", "ListTasks", json!({})).await;
+    assert_eq!(listed["totalSize"], 1, "{listed}");
+    let inner = server.system().external_tasks("echo", None, 100).await.unwrap();
+    assert_eq!(inner.len(), 1, "{inner:?}");
+    let log = server.system().conversation_log("echo").await.unwrap();
+    let asked = |text: &str| {
+        log.iter()
+            .filter(|entry| entry.role == troupe_agent::Role::User && entry.content.contains(text))
+            .count()
+    };
+    assert_eq!(asked("only once"), 1);
+    assert_eq!(asked("something else"), 0);
+
+    // Sent again while its task still runs: the same task, which ends once.
+    let mut slow = send_params("take your time");
+    slow["configuration"] = json!({"returnImmediately": true});
+    let running = server.ok("slow", "SendMessage", slow.clone()).await["task"].clone();
+    let blocking = server.ok("slow", "SendMessage", send_params_of(&slow)).await["task"].clone();
+    assert_eq!(blocking["id"], running["id"], "{blocking}");
+    assert_eq!(blocking["status"]["state"], "TASK_STATE_COMPLETED", "{blocking}");
+    let listed = server.ok("slow", "ListTasks", json!({})).await;
+    assert_eq!(listed["totalSize"], 1, "{listed}");
+    server.stop().await;
+}
+
+/// `params` without its configuration: the same message, sent blocking.
+fn send_params_of(params: &Value) -> Value {
+    json!({"message": params["message"].clone()})
 }
 
 /// Goal: concurrent A2A sends to one agent on the multi-thread runtime each make one
