@@ -50,8 +50,9 @@ fn state_of(addr: &str, id: &str) -> String {
 /// Goal: an A2A task sent with `returnImmediately` is never lost when the server is
 /// killed mid-task: after a restart on the same data file, GetTask finds it (submitted
 /// or working) and then completed, with the agent's reply, and the agent's turn ran to
-/// a committed end once. Method: send to the slow archivist (4 s turn), wait until it
-/// works, SIGKILL, start a second process on the same `--db`, poll GetTask.
+/// a committed end once; the message sent again to the second process is that task.
+/// Method: send to the slow archivist (4 s turn), wait until it works, SIGKILL, start a
+/// second process on the same `--db`, poll GetTask, send the message again.
 #[tokio::test]
 async fn an_a2a_task_survives_a_sigkill_of_the_server() {
     let db = std::env::temp_dir().join(format!("troupe-a2a-restart-{}", std::process::id()));
@@ -63,7 +64,7 @@ async fn an_a2a_task_survives_a_sigkill_of_the_server() {
     let sent = rpc(
         &addr,
         "SendMessage",
-        json!({"message": message, "configuration": {"returnImmediately": true}}),
+        json!({"message": message.clone(), "configuration": {"returnImmediately": true}}),
     );
     let task = &sent["result"]["task"];
     assert_eq!(task["status"]["state"], "TASK_STATE_SUBMITTED", "{sent}");
@@ -107,6 +108,10 @@ async fn an_a2a_task_survives_a_sigkill_of_the_server() {
         done["artifacts"][0]["parts"][0]["text"], "Reports: none found.",
         "{done}"
     );
+    // The message sent again to the restarted server is the task it started.
+    let again = rpc(&addr, "SendMessage", json!({"message": message}))["result"]["task"].clone();
+    assert_eq!(again["id"], id.as_str(), "{again}");
+    assert_eq!(again["status"]["state"], "TASK_STATE_COMPLETED", "{again}");
     let listed = rpc(&addr, "ListTasks", json!({}))["result"].clone();
     assert_eq!(listed["totalSize"], 1, "{listed}");
     // The agent's log holds the task's question once (one committed turn).
