@@ -176,6 +176,8 @@ async fn approve_deny_and_the_deadline_racing_give_one_outcome() {
         // Let the outcome's turn at `a` (and any late delivery) finish.
         tokio::time::sleep(Duration::from_millis(100)).await;
         let result = task.result.clone().unwrap_or_default();
+        // Cut at the deadline by the invocation of b's turn, while it ran.
+        let cut_while_running = result.contains("invocation of agent/b timed out");
         let name = match task.state {
             TaskState::Completed => {
                 assert!(approved, "{task_id} completed without approval");
@@ -193,10 +195,7 @@ async fn approve_deny_and_the_deadline_racing_give_one_outcome() {
                 // The deadline, caught where it passed: before delivery or work ("the
                 // deadline passed ..."), or by the invocation of b's turn that it cut
                 // ("invocation of agent/b timed out ...").
-                assert!(
-                    result.contains("deadline") || result.contains("invocation of agent/b timed out"),
-                    "{task_id}: {result}"
-                );
+                assert!(result.contains("deadline") || cut_while_running, "{task_id}: {result}");
                 "failed"
             }
             other => panic!("{task_id} ended {other:?}"),
@@ -213,7 +212,6 @@ async fn approve_deny_and_the_deadline_racing_give_one_outcome() {
             .count();
         // Completed: b worked on it once. Cut at the deadline while b's turn ran: b's
         // model may have seen it once (the turn is rolled back). Otherwise never.
-        let cut_while_running = result.contains("invocation of agent/b timed out");
         let expected = usize::from(task.state == TaskState::Completed);
         assert!(
             b_saw == expected || (cut_while_running && b_saw <= 1),

@@ -194,7 +194,7 @@ async fn read_body(request: Request, next: Next) -> Response {
     let (parts, body) = request.into_parts();
     let declared = declared_length(&parts.headers);
     let limit = SERVER_REQUEST_BODY_SIZE_MAX_BYTES as u64;
-    if declared.is_some_and(|length| length > SERVER_REQUEST_BODY_DRAIN_MAX_BYTES as u64) {
+    if beyond_drain(declared) {
         return body_too_large();
     }
     let mut frames = body.into_data_stream();
@@ -231,6 +231,12 @@ fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
         .and_then(|value| value.parse::<u64>().ok())
 }
 
+/// Whether a body declared `declared` bytes long is more than a refusal reads on
+/// ([`SERVER_REQUEST_BODY_DRAIN_MAX_BYTES`]): it is then answered at once, unread.
+fn beyond_drain(declared: Option<u64>) -> bool {
+    declared.is_some_and(|length| length > SERVER_REQUEST_BODY_DRAIN_MAX_BYTES as u64)
+}
+
 /// Answers `refusal` to a request refused before its body was read (401, 503), once its
 /// body has been read and discarded as a refused large one is ([`drain`]: bounded in
 /// bytes and time; a body declared larger than that is left unread). Otherwise the
@@ -238,7 +244,7 @@ fn declared_length(headers: &axum::http::HeaderMap) -> Option<u64> {
 /// larger than the sockets' buffers would get a reset instead of the answer.
 async fn refuse_after_reading(request: Request, refusal: Response) -> Response {
     let (parts, body) = request.into_parts();
-    if declared_length(&parts.headers).is_none_or(|length| length <= SERVER_REQUEST_BODY_DRAIN_MAX_BYTES as u64) {
+    if !beyond_drain(declared_length(&parts.headers)) {
         drain(&mut body.into_data_stream(), 0).await;
     }
     refusal
