@@ -47,7 +47,7 @@ pub(crate) use shared::AgentShared;
 pub use spec::{
     agent_id, AgentCatalog, AgentDirectory, AgentSpec, AgentSpecError, ContextWindow, ModelSettings, AGENT_KIND,
 };
-pub(crate) use state::{log_key, AgentState, SavedAgent};
+pub(crate) use state::{log_key, seq_key, AgentState, SavedAgent};
 pub(crate) use turn_loop::Conversation;
 pub use wire::{AgentReply, AgentRequest};
 
@@ -154,10 +154,10 @@ impl Actor for AgentActor {
             AgentCommand::Ask(request) => {
                 let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
                 let content = match &request.from {
-                    Some(from) => format!(
-                        "[message from {}] {text}",
-                        crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key())
-                    ),
+                    Some(from) => {
+                        let sender = crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key());
+                        ["[message from ", &sender, "] ", text].concat()
+                    }
                     None => text.to_string(),
                 };
                 let conversation = Conversation {

@@ -78,10 +78,19 @@ pub(crate) async fn record_call(
         shared.remember_direct_conversation(id);
     }
     // Unique per caller, call and instant (call ids restart with the process).
-    let key = format!("call:{caller}:{}:{call}", at.as_micros());
+    let (mut micros, mut number) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let key = [
+        "call:",
+        caller,
+        ":",
+        micros.format(at.as_micros()),
+        ":",
+        number.format(call),
+    ]
+    .concat();
     let post = |sender: &str, suffix: &str, text: &str, reply_to: Option<u64>| PostRequest {
         sender: Sender::Agent(sender.to_string()),
-        client_id: format!("{key}:{suffix}"),
+        client_id: [key.as_str(), ":", suffix].concat(),
         text: text.to_string(),
         reply_to,
         chain: Vec::new(),

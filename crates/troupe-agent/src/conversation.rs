@@ -291,7 +291,7 @@ impl From<troupe_runtime::StoreError> for ConversationError {
 /// either order.
 pub fn direct_conversation_id(a: &str, b: &str) -> String {
     let (first, second) = if a <= b { (a, b) } else { (b, a) };
-    format!("dm:{first}|{second}")
+    ["dm:", first, "|", second].concat()
 }
 
 /// The `@name` tokens of `text`, in order of first appearance, each once. A mention
@@ -376,7 +376,7 @@ pub(crate) fn index_actor() -> ActorId {
 }
 
 pub(crate) fn message_key(seq: u64) -> String {
-    format!("msg/{seq:020}")
+    crate::agent::seq_key("msg/", seq)
 }
 
 pub(crate) fn member_prefix(agent: &str) -> String {
@@ -384,7 +384,10 @@ pub(crate) fn member_prefix(agent: &str) -> String {
 }
 
 fn relay_key(seq: u64, agent: &str) -> String {
-    format!("relay/{seq:020}/{agent}")
+    let mut key = crate::agent::seq_key("relay/", seq);
+    key.push('/');
+    key.push_str(agent);
+    key
 }
 
 fn relay_of(key: &str) -> Option<(u64, String)> {
@@ -654,7 +657,7 @@ impl ConversationActor {
         let Some(info) = &self.state.info else {
             return Ok(ConvReply::Error(ConversationError::NotFound { id: conversation() }));
         };
-        let id_key = format!("id/{}", request.client_id);
+        let id_key = ["id/", &request.client_id].concat();
         if let Some(bytes) = turn.get(&id_key).await? {
             let seq: u64 = from_json(&id_key, &bytes)?;
             return Ok(ConvReply::Posted(Posted { seq, duplicate: true }));

@@ -85,8 +85,8 @@ pub(crate) fn contacts_section(shared: &AgentShared, spec: &AgentSpec) -> String
 /// link context when they are related.
 pub(crate) fn sender_label(shared: &AgentShared, agent: &str, from: &str) -> String {
     match shared.org.cached().and_then(|org| org.link_context(agent, from)) {
-        Some(context) => format!("agent {from}; {context}"),
-        None => format!("agent {from}"),
+        Some(context) => ["agent ", from, "; ", &context].concat(),
+        None => ["agent ", from].concat(),
     }
 }
 
