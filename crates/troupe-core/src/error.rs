@@ -14,7 +14,11 @@ pub enum InvokeError {
     /// was still queued, and its turn cancelled and rolled back if it was running; but a
     /// turn that had finished and was committing when the deadline passed keeps its
     /// commit, so a timeout does not prove the request had no effect.
-    #[error("invocation of {target} timed out after {timeout_ms} ms")]
+    ///
+    /// Its text names the time allowed. With `timeout_ms` 0 (under a millisecond was
+    /// left, or the time allowed is not known where the deadline was found passed) it
+    /// says that the deadline passed, not "after 0 ms".
+    #[error("invocation of {target} timed out{}", timed_out_text(*.timeout_ms))]
     Timeout {
         /// The actor invoked.
         target: ActorId,
@@ -122,6 +126,15 @@ impl InvokeError {
     }
 }
 
+/// The end of a timeout's text: the time allowed, or that the deadline passed.
+fn timed_out_text(timeout_ms: u64) -> String {
+    if timeout_ms == 0 {
+        ": its deadline passed".to_string()
+    } else {
+        format!(" after {timeout_ms} ms")
+    }
+}
+
 fn display_cycle(cycle: &[ActorId]) -> String {
     cycle.iter().map(ToString::to_string).collect::<Vec<_>>().join(" -> ")
 }
@@ -144,6 +157,23 @@ mod tests {
         assert_eq!(
             error.to_string(),
             "storage failed for agent/a: commit failed: injected fault"
+        );
+    }
+
+    #[test]
+    fn a_timeout_names_the_time_allowed_or_that_the_deadline_passed() {
+        let target = ActorId::new("agent", "b").unwrap();
+        let after = |timeout_ms| InvokeError::Timeout {
+            target: target.clone(),
+            timeout_ms,
+        };
+        assert_eq!(
+            after(1_500).to_string(),
+            "invocation of agent/b timed out after 1500 ms"
+        );
+        assert_eq!(
+            after(0).to_string(),
+            "invocation of agent/b timed out: its deadline passed"
         );
     }
 
