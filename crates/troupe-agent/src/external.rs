@@ -107,6 +107,20 @@ pub struct ExternalTask {
     pub depth: u32,
     /// [`ExternalTaskRequest::attachment`].
     pub attachment: String,
+    /// The message id it arrived with ([`ExternalTaskRequest::msg_id`], or the one it
+    /// was given), whose dedupe mark is deleted with it when it is forgotten. Empty in
+    /// records written before it was kept.
+    #[serde(default)]
+    pub msg_id: String,
+}
+
+/// What [`AgentClient::forget_external`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExternalForget {
+    /// It had ended: its record and its dedupe mark are deleted (committed).
+    Forgotten,
+    /// It has not ended: nothing was deleted.
+    NotEnded,
 }
 
 /// What [`AgentClient::cancel_external`] did.
@@ -188,6 +202,7 @@ impl AgentActor {
             chain: entry.context.chain().iter().map(|id| id.key().to_string()).collect(),
             depth: entry.context.depth(),
             attachment,
+            msg_id: entry.msg_id.clone(),
         };
         turn.put(ext_key(seq), to_json(&record)?)?;
         turn.put(ext_id_key(&task_id), to_json(&seq)?)?;
@@ -228,16 +243,9 @@ impl AgentActor {
         result: String,
         reply: Option<ExternalReply>,
     ) -> Result<(), ActorError> {
-        let index = ext_id_key(task_id);
-        let Some(bytes) = turn.get(&index).await? else {
+        let Some((key, mut record)) = external_record_in(turn, task_id).await? else {
             return Ok(());
         };
-        let seq: u64 = from_json(&index, &bytes)?;
-        let key = ext_key(seq);
-        let Some(bytes) = turn.get(&key).await? else {
-            return Ok(());
-        };
-        let mut record: ExternalTask = from_json(&key, &bytes)?;
         if record.state.is_final() {
             return Ok(());
         }
@@ -265,16 +273,9 @@ impl AgentActor {
 
     /// Cancels external task `task_id` if it has not started.
     pub(crate) async fn cancel_external(&mut self, turn: &mut Turn, task_id: &str) -> Result<Bytes, ActorError> {
-        let index = ext_id_key(task_id);
-        let Some(bytes) = turn.get(&index).await? else {
+        let Some((_, record)) = external_record_in(turn, task_id).await? else {
             return Ok(encode_reply(&SendReply::UnknownTask));
         };
-        let seq: u64 = from_json(&index, &bytes)?;
-        let key = ext_key(seq);
-        let Some(bytes) = turn.get(&key).await? else {
-            return Ok(encode_reply(&SendReply::UnknownTask));
-        };
-        let record: ExternalTask = from_json(&key, &bytes)?;
         if record.state.is_final() {
             return Ok(encode_reply(&SendReply::AlreadyFinal(record.state)));
         }
@@ -297,6 +298,40 @@ impl AgentActor {
         .await?;
         Ok(encode_reply(&SendReply::CancelSent))
     }
+
+    /// Forgets ended external task `task_id`: deletes its record, its index and its
+    /// dedupe mark (so its message id sent again starts a new task). A task not ended
+    /// is kept (`Running`).
+    pub(crate) async fn forget_external(&mut self, turn: &mut Turn, task_id: &str) -> Result<Bytes, ActorError> {
+        let Some((key, record)) = external_record_in(turn, task_id).await? else {
+            return Ok(encode_reply(&SendReply::UnknownTask));
+        };
+        if !record.state.is_final() {
+            return Ok(encode_reply(&SendReply::Running));
+        }
+        turn.delete(key)?;
+        turn.delete(ext_id_key(task_id))?;
+        if !record.msg_id.is_empty() {
+            turn.delete(seen_key(&record.msg_id))?;
+        }
+        Ok(encode_reply(&SendReply::Forgotten))
+    }
+}
+
+/// External task `task_id`'s record in this turn's view, with its key; `None` if it
+/// has none.
+async fn external_record_in(turn: &mut Turn, task_id: &str) -> Result<Option<(String, ExternalTask)>, ActorError> {
+    let index = ext_id_key(task_id);
+    let Some(bytes) = turn.get(&index).await? else {
+        return Ok(None);
+    };
+    let seq: u64 = from_json(&index, &bytes)?;
+    let key = ext_key(seq);
+    let Some(bytes) = turn.get(&key).await? else {
+        return Ok(None);
+    };
+    let record: ExternalTask = from_json(&key, &bytes)?;
+    Ok(Some((key, record)))
 }
 
 fn decode_error(cause: String) -> StoreError {
@@ -453,6 +488,47 @@ impl AgentClient {
             SendReply::AlreadyFinal(TaskState::Canceled) if mark_taken => Ok(ExternalCancel::Canceled(record)),
             SendReply::AlreadyFinal(_) => Ok(ExternalCancel::Ended(record)),
             SendReply::Running => Ok(ExternalCancel::Running(record)),
+            SendReply::UnknownTask => Err(unknown()),
+            other => Err(InboxError::Malformed {
+                cause: format!("unexpected reply {other:?}"),
+            }),
+        }
+    }
+
+    /// Forgets agent `agent`'s external task `task_id` if it has ended: deletes its
+    /// record and the mark that made its `msg_id` sent again return it, so that message
+    /// sent again starts a new task. A task that has not ended is kept
+    /// ([`ExternalForget::NotEnded`]). Records are otherwise kept for good: a server
+    /// that hands agents external tasks forgets the ones it no longer keeps itself.
+    ///
+    /// # Errors
+    /// [`InboxError::UnknownTask`] (no such task, or forgotten already),
+    /// [`InboxError::InvalidAgentId`], [`InboxError::Refused`], [`InboxError::Invoke`].
+    pub async fn forget_external(&self, agent: &str, task_id: &str) -> Result<ExternalForget, InboxError> {
+        let target = self.known_agent(agent)?;
+        let unknown = || InboxError::UnknownTask {
+            agent: target.clone(),
+            task_id: task_id.to_string(),
+        };
+        // Answered from the committed record when it has not ended, rather than behind
+        // the agent's running turn (which may be this task's); the agent's own turn
+        // checks again before it deletes anything.
+        let record = self
+            .external_task(agent, task_id)
+            .await
+            .map_err(|error| InboxError::Malformed {
+                cause: error.to_string(),
+            })?
+            .ok_or_else(unknown)?;
+        if !record.state.is_final() {
+            return Ok(ExternalForget::NotEnded);
+        }
+        let command = AgentCommand::ForgetExternal {
+            task_id: task_id.to_string(),
+        };
+        match self.command(&target, command).await? {
+            SendReply::Forgotten => Ok(ExternalForget::Forgotten),
+            SendReply::Running => Ok(ExternalForget::NotEnded),
             SendReply::UnknownTask => Err(unknown()),
             other => Err(InboxError::Malformed {
                 cause: format!("unexpected reply {other:?}"),

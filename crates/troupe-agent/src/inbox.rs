@@ -319,6 +319,9 @@ pub(crate) enum AgentCommand {
     /// [`SendReply`] (`CancelSent`: canceled now, `AlreadyFinal`, `Running`,
     /// `UnknownTask`).
     CancelExternal { task_id: String },
+    /// Forget an ended external task of this agent (`external.rs`): the reply is a
+    /// [`SendReply`] (`Forgotten`, `Running`: not ended, `UnknownTask`).
+    ForgetExternal { task_id: String },
 }
 
 impl AgentCommand {
@@ -361,8 +364,11 @@ pub(crate) enum SendReply {
         agent_id: String,
         cause: String,
     },
-    /// The task's turn runs now: it cannot be canceled.
+    /// The task's turn runs now: it cannot be canceled (or, for `ForgetExternal`, it
+    /// has not ended).
     Running,
+    /// The ended external task's record and dedupe mark were deleted.
+    Forgotten,
 }
 
 pub(crate) fn encode_reply<T: Serialize>(reply: &T) -> Bytes {

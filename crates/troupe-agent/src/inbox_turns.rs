@@ -60,6 +60,7 @@ impl AgentActor {
             }
             AgentCommand::Cancel { task_id } => self.cancel(turn, &task_id).await,
             AgentCommand::CancelExternal { task_id } => self.cancel_external(turn, &task_id).await,
+            AgentCommand::ForgetExternal { task_id } => self.forget_external(turn, &task_id).await,
         }
     }
 

@@ -93,7 +93,7 @@ pub use conversation::{
     CONVERSATION_MESSAGES_MAX, CONVERSATION_NAME_LENGTH_MAX_BYTES, CONVERSATION_PAGE_MAX,
     CONVERSATION_PARTICIPANTS_MAX, CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
 };
-pub use external::{ExternalCancel, ExternalReply, ExternalTask, ExternalTaskRequest};
+pub use external::{ExternalCancel, ExternalForget, ExternalReply, ExternalTask, ExternalTaskRequest};
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};
 pub use llm::{

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_agent::{
-    AgentSpec, AgentSystem, ChatMessage, ExternalCancel, ExternalTaskRequest, InboxError, Role, ScriptRule,
-    ScriptedLlm, TaskState,
+    AgentSpec, AgentSystem, ChatMessage, ExternalCancel, ExternalForget, ExternalTaskRequest, InboxError, Role,
+    ScriptRule, ScriptedLlm, TaskState,
 };
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
@@ -108,6 +108,95 @@ async fn an_external_task_runs_once_and_a_resend_is_stored_once() {
         system.delegate_external("nobody", request("m-4", "x")).await,
         Err(InboxError::Refused(_))
     ));
+    system.shutdown().await;
+}
+
+/// Goal: an ended external task can be forgotten (its record, its index and the mark
+/// that made its message id return it are deleted), so the same message id then starts
+/// a new task that runs again; a running task is kept and still completes; forgetting twice, or an unknown task, is `UnknownTask`; a
+/// rejected task is forgotten too.
+#[tokio::test(start_paused = true)]
+async fn an_ended_external_task_is_forgotten_and_its_message_id_starts_anew() {
+    let system = start(&script(), Arc::new(MemoryStore::new()));
+    // (A send is acknowledged after the agent's running turn: `waiting` is sent first.)
+    let waiting = system
+        .delegate_external("slow", request("f-2", "next job"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2 * SLOW_MS)).await;
+    let running = system
+        .delegate_external("slow", request("f-1", "long job"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        system.external_task("slow", &running).await.unwrap().unwrap().state,
+        TaskState::Working
+    );
+    assert_eq!(
+        system.forget_external("slow", &running).await.unwrap(),
+        ExternalForget::NotEnded
+    );
+    tokio::time::sleep(Duration::from_millis(2 * SLOW_MS)).await;
+    for id in [&running, &waiting] {
+        let task = system.external_task("slow", id).await.unwrap().unwrap();
+        assert_eq!(task.state, TaskState::Completed, "kept while open, then done: {id}");
+    }
+
+    assert_eq!(
+        system.forget_external("slow", &running).await.unwrap(),
+        ExternalForget::Forgotten
+    );
+    assert!(system.external_task("slow", &running).await.unwrap().is_none());
+    let listed = system.external_tasks("slow", None, 10).await.unwrap();
+    let ids: Vec<&str> = listed.iter().map(|task| task.task_id.as_str()).collect();
+    assert_eq!(ids, [waiting.as_str()]);
+    assert!(matches!(
+        system.forget_external("slow", &running).await,
+        Err(InboxError::UnknownTask { .. })
+    ));
+    assert!(matches!(
+        system.forget_external("slow", "slow-task-99").await,
+        Err(InboxError::UnknownTask { .. })
+    ));
+
+    // Its message id is free again: a new task, which runs.
+    let anew = system
+        .delegate_external("slow", request("f-1", "long job"))
+        .await
+        .unwrap();
+    assert_ne!(anew, running);
+    // The message id of a task still kept still names it.
+    assert_eq!(
+        system
+            .delegate_external("slow", request("f-2", "next job"))
+            .await
+            .unwrap(),
+        waiting
+    );
+    tokio::time::sleep(Duration::from_millis(2 * SLOW_MS)).await;
+    let task = system.external_task("slow", &anew).await.unwrap().unwrap();
+    assert_eq!(task.state, TaskState::Completed);
+    let log = system.conversation_log("slow").await.unwrap();
+    assert_eq!(user_messages_containing(&log, "long job"), 2, "{log:?}");
+    assert_eq!(user_messages_containing(&log, "next job"), 1, "{log:?}");
+
+    let rejected = system
+        .delegate_external(
+            "echo",
+            ExternalTaskRequest {
+                rejected: Some("refused".to_string()),
+                ..request("f-3", "never")
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        system.forget_external("echo", &rejected).await.unwrap(),
+        ExternalForget::Forgotten
+    );
+    assert!(system.external_task("echo", &rejected).await.unwrap().is_none());
+    assert_eq!(system.pending("slow").await.unwrap(), (0, 0));
     system.shutdown().await;
 }
 
@@ -279,6 +368,55 @@ async fn an_external_task_continues_its_chain_and_a_call_back_is_a_cycle() {
 
 /// Goal: concurrent external sends to one agent on the multi-thread runtime, each
 /// message sent twice at once, make exactly one task and one outcome per message id.
+/// Goal: on the multi-thread runtime, tasks sent and forgotten concurrently each run
+/// once, `Forgotten` comes only after a task's outcome is committed (its reply is then
+/// in the agent's log, written in the same turn), and exactly the forgotten tasks are
+/// gone. Method: 12 tasks, each forgotten in a loop from its own thread, starting right
+/// after it is sent (bounded). (A forget that reaches the agent's mailbox finds the
+/// task done: its processing was queued at its append, before any forget; the client's
+/// and the turn's checks of the state are for a processing not queued, as after a
+/// refused wake-up, and are covered by the paused-time test above.)
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forgetting_races_the_tasks_turns_and_never_deletes_an_open_task() {
+    const TASKS: usize = 12;
+    let system = start(&script().without_recording(), Arc::new(MemoryStore::new()));
+    let mut handles = Vec::new();
+    for n in 0..TASKS {
+        let client = system.client();
+        handles.push(tokio::spawn(async move {
+            let text = format!("race-{n}.");
+            let id = client
+                .delegate_external("echo", request(&format!("r-{n}"), &text))
+                .await
+                .unwrap();
+            for _ in 0..400 {
+                match client.forget_external("echo", &id).await.unwrap() {
+                    ExternalForget::NotEnded => tokio::time::sleep(Duration::from_millis(5)).await,
+                    ExternalForget::Forgotten => {
+                        let log = client.conversation_log("echo").await.unwrap();
+                        let replied = log
+                            .iter()
+                            .any(|m| m.role == Role::Assistant && m.content == format!("echo: {text}"));
+                        assert!(replied, "task {id} was forgotten before its outcome was committed");
+                        return (text, id);
+                    }
+                }
+            }
+            panic!("task {id} was never forgotten");
+        }));
+    }
+    for handle in handles {
+        let (text, id) = handle.await.unwrap();
+        assert!(system.external_task("echo", &id).await.unwrap().is_none(), "{id}");
+        let log = system.conversation_log("echo").await.unwrap();
+        assert_eq!(user_messages_containing(&log, &text), 1, "{text}");
+    }
+    assert!(system.external_tasks("echo", None, 100).await.unwrap().is_empty());
+    assert_eq!(system.pending("echo").await.unwrap(), (0, 0));
+    system.shutdown().await;
+}
+
 #[cfg(not(madsim))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_external_sends_to_one_agent_each_make_one_task_and_one_outcome() {

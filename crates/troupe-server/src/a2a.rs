@@ -42,7 +42,7 @@ use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::TraceId;
 
 use crate::a2a_tasks::{
-    message_id, AdmitError, CancelOutcome, Created, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore,
+    message_id, AdmitError, CancelOutcome, Created, Forgotten, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore,
 };
 use crate::agents::known;
 use crate::error::ApiError;
@@ -106,8 +106,8 @@ type Shared = State<Arc<A2a>>;
 pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
     let store = TaskStore::new(Arc::clone(app.client.runtime().store()));
     let a2a = Arc::new(A2a {
+        tasks: TaskRegistry::new(app.config.a2a_tasks_kept),
         app,
-        tasks: TaskRegistry::default(),
         store,
         loaded: tokio::sync::OnceCell::new(),
     });
@@ -568,6 +568,9 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         }
         return Err(RpcError::retry(StatusCode::SERVICE_UNAVAILABLE, reason));
     }
+    if let Some(forgotten) = forgotten {
+        forget_inner(&a2a.app, forgotten);
+    }
     if let Some(lane) = lane {
         // A call with Troupe's context runs until the caller's deadline, counted from
         // its arrival (its wait in the lane included).
@@ -666,6 +669,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
                     "agent_failed"
                 };
                 task.state = done.state;
+                task.inner = Some(done.task_id);
                 let result = done.result.unwrap_or_default();
                 if done.state == TaskState::Completed {
                     task.reply_meta = done
@@ -693,6 +697,27 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
             tracing::warn!(task = %id, %error, "could not store an ended A2A task");
         }
     }
+}
+
+/// Forgets the agent's record of a task the registry let go (in the background: it
+/// waits behind the agent's running turn). A failure leaves the agent's record in
+/// place, logged.
+fn forget_inner(app: &Arc<AppState>, forgotten: Forgotten) {
+    let Some(inner) = forgotten.inner else {
+        return; // it ended before its agent had it (rejected, busy, not stored)
+    };
+    let client = app.client.clone();
+    tokio::spawn(async move {
+        match client.forget_external(&forgotten.agent, &inner).await {
+            Ok(troupe_agent::ExternalForget::Forgotten) => {}
+            Ok(troupe_agent::ExternalForget::NotEnded) => {
+                tracing::warn!(agent = %forgotten.agent, task = %inner, "an A2A task let go had not ended in its agent");
+            }
+            Err(error) => {
+                tracing::warn!(agent = %forgotten.agent, task = %inner, %error, "could not forget an agent's record of an A2A task");
+            }
+        }
+    });
 }
 
 /// Hands task `id` to its agent and waits for the Troupe task to end; `None` if the

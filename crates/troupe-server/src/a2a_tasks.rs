@@ -35,7 +35,7 @@ use troupe_agent::TaskState;
 use troupe_core::{ActorId, StoreError};
 use troupe_runtime::{StateChange, StateStore, TurnCommit};
 
-use crate::limits::{A2A_TASKS_KEPT_MAX, A2A_TASKS_WAITING_PER_AGENT_MAX};
+use crate::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
 
 /// The kind of the server's A2A key spaces (one per agent: `troupe-a2a/{agent}`), which
 /// no runtime registers: the server writes them directly, fenced, one writer at a time.
@@ -79,6 +79,19 @@ pub(crate) struct TaskRecord {
     /// tasks stored before trace ids crossed servers.
     #[serde(default)]
     pub(crate) trace_id: String,
+    /// The id of the agent's external task that ran it, once it ended with an outcome
+    /// (forgotten with it). None before, or in tasks stored before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) inner: Option<String>,
+}
+
+/// An ended task the registry let go to make room: its store record is deleted, and
+/// its agent's record of it (`inner`) is forgotten.
+#[derive(Debug, Clone)]
+pub(crate) struct Forgotten {
+    pub(crate) agent: String,
+    pub(crate) seq: u64,
+    pub(crate) inner: Option<String>,
 }
 
 /// The server's A2A records in the store.
@@ -119,13 +132,14 @@ impl TaskStore {
     }
 
     /// Writes `record`, and deletes `forgotten` (a record the registry let go).
-    pub(crate) async fn save(&self, record: &TaskRecord, forgotten: Option<&(String, u64)>) -> Result<(), StoreError> {
+    pub(crate) async fn save(&self, record: &TaskRecord, forgotten: Option<&Forgotten>) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(record).map_err(|error| StoreError::Backend {
             operation: troupe_core::StoreOperation::Decode,
             cause: error.to_string(),
         })?;
-        if let Some((agent, seq)) = forgotten {
-            self.write(agent, vec![(task_key(*seq), None)]).await?;
+        if let Some(forgotten) = forgotten {
+            self.write(&forgotten.agent, vec![(task_key(forgotten.seq), None)])
+                .await?;
         }
         self.write(&record.agent, vec![(task_key(record.seq), Some(Bytes::from(bytes)))])
             .await
@@ -166,10 +180,9 @@ pub(crate) struct TaskCall {
 
 /// What [`TaskRegistry::create`] made of a message.
 pub(crate) enum Created {
-    /// A new task, the lane it waits in (unless it was rejected at once), and the agent
-    /// and seq of the ended task the registry let go to make room, if any (to delete
-    /// from the store).
-    New(TaskRecord, Option<Arc<Lane>>, Option<(String, u64)>),
+    /// A new task, the lane it waits in (unless it was rejected at once), and the ended
+    /// task the registry let go to make room, if any.
+    New(TaskRecord, Option<Arc<Lane>>, Option<Forgotten>),
     /// The message was sent before: the task it started, as it is now.
     Resent(TaskRecord),
 }
@@ -214,7 +227,7 @@ struct Inner {
     lanes: HashMap<String, Arc<Lane>>,
     next: u64,
     /// The task each message started, by agent and `messageId`, for as long as the
-    /// task is kept (so at most `A2A_TASKS_KEPT_MAX` entries).
+    /// task is kept (so at most `TaskRegistry::kept_max` entries).
     by_message: HashMap<(String, String), String>,
 }
 
@@ -224,12 +237,21 @@ pub(crate) fn message_id(request: &Value) -> &str {
 }
 
 /// Every A2A task of the server.
-#[derive(Default)]
 pub(crate) struct TaskRegistry {
     inner: Mutex<Inner>,
+    /// Tasks kept, at most (`ServerConfig::a2a_tasks_kept`).
+    kept_max: usize,
 }
 
 impl TaskRegistry {
+    /// Keeps at most `kept_max` tasks (at least 1).
+    pub(crate) fn new(kept_max: usize) -> Self {
+        Self {
+            inner: Mutex::default(),
+            kept_max: kept_max.max(1),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock leaves plain data behind: keep going.
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -276,7 +298,7 @@ impl TaskRegistry {
             None
         };
         let mut forgotten = None;
-        if inner.tasks.len() >= A2A_TASKS_KEPT_MAX {
+        if inner.tasks.len() >= self.kept_max {
             forgotten = inner.forget_oldest_ended();
             if forgotten.is_none() {
                 return Err(AdmitError::Full);
@@ -307,6 +329,7 @@ impl TaskRegistry {
             timeout_ms,
             busy: false,
             trace_id,
+            inner: None,
         };
         if let Some(lane) = &lane {
             lane.waiting.fetch_add(1, Ordering::SeqCst);
@@ -397,8 +420,8 @@ impl TaskRegistry {
 }
 
 impl Inner {
-    /// Forgets the oldest task that has ended: its agent and seq; `None` if none has.
-    fn forget_oldest_ended(&mut self) -> Option<(String, u64)> {
+    /// Forgets the oldest task that has ended; `None` if none has.
+    fn forget_oldest_ended(&mut self) -> Option<Forgotten> {
         let tasks = &self.tasks;
         let position = self
             .order
@@ -411,6 +434,10 @@ impl Inner {
         if self.by_message.get(&message) == Some(&id) {
             self.by_message.remove(&message);
         }
-        Some((record.agent.clone(), record.seq))
+        Some(Forgotten {
+            agent: record.agent.clone(),
+            seq: record.seq,
+            inner: record.inner.clone(),
+        })
     }
 }

@@ -4,7 +4,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::limits::{
-    SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_DEFAULT, SERVER_TOKEN_LENGTH_MIN_BYTES,
+    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_DEFAULT,
+    SERVER_TOKEN_LENGTH_MIN_BYTES,
 };
 
 /// How a server behaves: its bearer token and its limits.
@@ -18,6 +19,10 @@ pub struct ServerConfig {
     pub concurrent_requests_max: usize,
     /// How long a request may take until its response headers.
     pub request_timeout: Duration,
+    /// A2A tasks kept (in memory and in the store), at most, from 1 to
+    /// [`A2A_TASKS_KEPT_MAX`] (the default): past it the oldest ended task is forgotten,
+    /// and so is its agent's record of it.
+    pub a2a_tasks_kept: usize,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -27,6 +32,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("token", &self.token.as_ref().map(|_| "<set>"))
             .field("concurrent_requests_max", &self.concurrent_requests_max)
             .field("request_timeout", &self.request_timeout)
+            .field("a2a_tasks_kept", &self.a2a_tasks_kept)
             .finish()
     }
 }
@@ -37,6 +43,7 @@ impl Default for ServerConfig {
             token: None,
             concurrent_requests_max: SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
             request_timeout: Duration::from_millis(SERVER_REQUEST_TIMEOUT_MS_DEFAULT),
+            a2a_tasks_kept: A2A_TASKS_KEPT_MAX,
         }
     }
 }
@@ -60,12 +67,20 @@ impl ServerConfig {
         self
     }
 
+    /// Keeps at most `kept` A2A tasks (see [`ServerConfig::a2a_tasks_kept`]).
+    pub fn a2a_tasks_kept(mut self, kept: usize) -> Self {
+        self.a2a_tasks_kept = kept;
+        self
+    }
+
     /// Checks the configuration for serving on `addr`.
     ///
     /// # Errors
     /// [`ServeError::TokenTooShort`] for a token under [`SERVER_TOKEN_LENGTH_MIN_BYTES`];
     /// [`ServeError::TokenRequired`] for a non-loopback address without a token;
-    /// [`ServeError::NoConcurrency`] if no request may run.
+    /// [`ServeError::NoConcurrency`] if no request may run;
+    /// [`ServeError::A2aTasksKept`] for an `a2a_tasks_kept` of 0 or over
+    /// [`A2A_TASKS_KEPT_MAX`].
     pub fn check_bind(&self, addr: SocketAddr) -> Result<(), ServeError> {
         if let Some(token) = &self.token {
             if token.len() < SERVER_TOKEN_LENGTH_MIN_BYTES {
@@ -79,6 +94,12 @@ impl ServerConfig {
         }
         if self.concurrent_requests_max == 0 {
             return Err(ServeError::NoConcurrency);
+        }
+        if !(1..=A2A_TASKS_KEPT_MAX).contains(&self.a2a_tasks_kept) {
+            return Err(ServeError::A2aTasksKept {
+                kept: self.a2a_tasks_kept,
+                max: A2A_TASKS_KEPT_MAX,
+            });
         }
         Ok(())
     }
@@ -107,6 +128,14 @@ pub enum ServeError {
     /// `concurrent_requests_max` is 0.
     #[error("concurrent_requests_max is 0: no request could ever be served; give at least 1")]
     NoConcurrency,
+    /// `a2a_tasks_kept` is out of its range.
+    #[error("a2a_tasks_kept is {kept}: give from 1 to {max} A2A tasks to keep")]
+    A2aTasksKept {
+        /// The number given.
+        kept: usize,
+        /// [`A2A_TASKS_KEPT_MAX`].
+        max: usize,
+    },
     /// Reading the listener's address or serving failed.
     #[error("serving failed: {0}")]
     Io(#[from] std::io::Error),

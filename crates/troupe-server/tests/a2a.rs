@@ -629,6 +629,69 @@ async fn a_full_mailbox_is_a_retryable_429() {
     Arc::into_inner(server).unwrap().stop().await;
 }
 
+/// Goal: the server keeps at most `a2a_tasks_kept` A2A tasks: a new task lets the
+/// oldest ended one go, and with it its agent's record of it (the agent's external task,
+/// and the mark that made its message id return it), so neither grows for good; the
+/// message of a task let go, sent again, is a new task that runs again. Method: a
+/// server keeping 2 tasks; 3 messages to `echo`, then the first again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_let_go_to_make_room_is_forgotten_by_its_agent_too() {
+    let config = ServerConfig {
+        token: Some(TOKEN.to_string()),
+        ..ServerConfig::default()
+    }
+    .a2a_tasks_kept(2);
+    let server = Harness::start(
+        support::agents(script(), &["echo", "slow", "broken"], KindConfig::default()),
+        config,
+    )
+    .await;
+    let params: Vec<Value> = ["first job", "second job", "third job"]
+        .iter()
+        .map(|text| send_params(text))
+        .collect();
+    let mut ids = Vec::new();
+    for params in &params {
+        let task = server.ok("echo", "SendMessage", params.clone()).await["task"].clone();
+        assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{task}");
+        ids.push(task["id"].as_str().unwrap().to_string());
+    }
+    let (code, message) = server.error("echo", "GetTask", json!({"id": ids[0]})).await;
+    assert_eq!(code, -32001, "the first task was let go: {message}");
+    let listed = server.ok("echo", "ListTasks", json!({})).await;
+    assert_eq!(listed["totalSize"], 2, "{listed}");
+    // The agent forgets its record in the background (behind its running turn).
+    let attachments = || async {
+        let inner = server.system().external_tasks("echo", None, 100).await.unwrap();
+        inner.into_iter().map(|task| task.attachment).collect::<Vec<_>>()
+    };
+    let mut kept = attachments().await;
+    for _ in 0..(TEST_WAIT_MS_MAX / support::POLL_MS) {
+        if kept.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
+        kept = attachments().await;
+    }
+    assert_eq!(
+        kept,
+        [ids[1].clone(), ids[2].clone()],
+        "the agent's records of the kept tasks only"
+    );
+
+    // Sent again, the first message is a new task (its first was let go), run again.
+    let again = server.ok("echo", "SendMessage", params[0].clone()).await["task"].clone();
+    assert_ne!(again["id"], ids[0].as_str(), "{again}");
+    assert_eq!(again["status"]["state"], "TASK_STATE_COMPLETED", "{again}");
+    let log = server.system().conversation_log("echo").await.unwrap();
+    let asked = log
+        .iter()
+        .filter(|entry| entry.role == troupe_agent::Role::User && entry.content.contains("first job"))
+        .count();
+    assert_eq!(asked, 2, "{log:?}");
+    server.stop().await;
+}
+
 /// Goal: a message sent again (same `messageId`, same parts: a client retrying after a
 /// lost answer) is the task it started, blocking, returning at once or streamed, and
 /// the agent runs it once; the same id with other parts is refused (-32602) and starts

@@ -828,6 +828,18 @@ async fn a_non_loopback_address_without_a_token_is_refused_with_what_to_do() {
         none.check_bind("127.0.0.1:1".parse().unwrap()),
         Err(ServeError::NoConcurrency)
     ));
+    let loopback: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+    for kept in [0, troupe_server::limits::A2A_TASKS_KEPT_MAX + 1] {
+        let error = ServerConfig::default()
+            .a2a_tasks_kept(kept)
+            .check_bind(loopback)
+            .unwrap_err();
+        assert!(
+            matches!(error, ServeError::A2aTasksKept { kept: given, .. } if given == kept),
+            "{error}"
+        );
+    }
+    assert!(ServerConfig::default().a2a_tasks_kept(1).check_bind(loopback).is_ok());
 
     // `serve` itself refuses such a listener before serving anything.
     let system = AgentSystem::builder()
