@@ -554,7 +554,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         Created::New(record, lane, forgotten) => (record, lane, forgotten),
     };
     // Stored before the client hears of it.
-    if let Err(error) = a2a.store.save(&record, forgotten.as_ref()).await {
+    if let Err(error) = a2a.store.save(&record, &forgotten).await {
         let reason = format!("the task could not be stored: {error}");
         a2a.tasks.update(&record.id, |task| {
             task.state = TaskState::Failed;
@@ -568,7 +568,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         }
         return Err(RpcError::retry(StatusCode::SERVICE_UNAVAILABLE, reason));
     }
-    if let Some(forgotten) = forgotten {
+    for forgotten in forgotten {
         forget_inner(&a2a.app, forgotten);
     }
     if let Some(lane) = lane {
@@ -648,7 +648,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
     if !started {
         // Canceled while it waited: store that.
         if let Some(record) = record {
-            if let Err(error) = a2a.store.save(&record, None).await {
+            if let Err(error) = a2a.store.save(&record, &[]).await {
                 tracing::warn!(task = %id, %error, "could not store an A2A task");
             }
         }
@@ -693,7 +693,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
         true
     });
     if let Some(record) = record {
-        if let Err(error) = a2a.store.save(&record, None).await {
+        if let Err(error) = a2a.store.save(&record, &[]).await {
             tracing::warn!(task = %id, %error, "could not store an ended A2A task");
         }
     }
@@ -939,7 +939,7 @@ async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Res
     match a2a.tasks.cancel(agent, &params.id) {
         CancelOutcome::Canceled(task) => {
             // The lane skips it (and stores it too); stored here before the answer.
-            a2a.store.save(&task, None).await.map_err(|error| {
+            a2a.store.save(&task, &[]).await.map_err(|error| {
                 RpcError::new(code::INTERNAL_ERROR, format!("the cancel could not be stored: {error}"))
             })?;
             Ok(task_json(&task, None, true))

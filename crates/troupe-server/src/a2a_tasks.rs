@@ -131,13 +131,13 @@ impl TaskStore {
         self.store.commit(&id, claimed.fence, commit).await
     }
 
-    /// Writes `record`, and deletes `forgotten` (a record the registry let go).
-    pub(crate) async fn save(&self, record: &TaskRecord, forgotten: Option<&Forgotten>) -> Result<(), StoreError> {
+    /// Writes `record`, and deletes `forgotten` (records the registry let go).
+    pub(crate) async fn save(&self, record: &TaskRecord, forgotten: &[Forgotten]) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(record).map_err(|error| StoreError::Backend {
             operation: troupe_core::StoreOperation::Decode,
             cause: error.to_string(),
         })?;
-        if let Some(forgotten) = forgotten {
+        for forgotten in forgotten {
             self.write(&forgotten.agent, vec![(task_key(forgotten.seq), None)])
                 .await?;
         }
@@ -181,8 +181,8 @@ pub(crate) struct TaskCall {
 /// What [`TaskRegistry::create`] made of a message.
 pub(crate) enum Created {
     /// A new task, the lane it waits in (unless it was rejected at once), and the ended
-    /// task the registry let go to make room, if any.
-    New(TaskRecord, Option<Arc<Lane>>, Option<Forgotten>),
+    /// tasks the registry let go to make room (usually none or one).
+    New(TaskRecord, Option<Arc<Lane>>, Vec<Forgotten>),
     /// The message was sent before: the task it started, as it is now.
     Resent(TaskRecord),
 }
@@ -297,13 +297,24 @@ impl TaskRegistry {
         } else {
             None
         };
-        let mut forgotten = None;
-        if inner.tasks.len() >= self.kept_max {
-            forgotten = inner.forget_oldest_ended();
-            if forgotten.is_none() {
+        // Room for one more: as many of the oldest ended tasks as it takes go (more than
+        // one only after a restart with a smaller `kept_max`), or none if too few ended.
+        let excess = (inner.tasks.len() + 1).saturating_sub(self.kept_max);
+        let forgotten = if excess == 0 {
+            Vec::new()
+        } else {
+            let tasks = &inner.tasks;
+            let ended = inner
+                .order
+                .iter()
+                .filter(|id| tasks.get(*id).is_none_or(|sender| sender.borrow().state.is_final()))
+                .take(excess)
+                .count();
+            if ended < excess {
                 return Err(AdmitError::Full);
             }
-        }
+            (0..excess).filter_map(|_| inner.forget_oldest_ended()).collect()
+        };
         let seq = inner.next;
         inner.next += 1;
         let id = format!("{agent}-task-{seq}");
@@ -439,5 +450,72 @@ impl Inner {
             seq: record.seq,
             inner: record.inner.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn record(seq: u64, state: TaskState) -> TaskRecord {
+        TaskRecord {
+            id: format!("echo-task-{seq}"),
+            seq,
+            agent: "echo".to_string(),
+            context_id: format!("echo-context-{seq}"),
+            state,
+            request: json!({"messageId": format!("m{seq}"), "parts": [{"text": "hi"}]}),
+            reply: None,
+            reply_meta: None,
+            reason: None,
+            chain: Vec::new(),
+            depth: 0,
+            timeout_ms: 1_000,
+            busy: false,
+            trace_id: String::new(),
+            inner: Some(format!("echo-inner-{seq}")),
+        }
+    }
+
+    fn call() -> TaskCall {
+        TaskCall {
+            chain: Vec::new(),
+            depth: 0,
+            timeout_ms: 1_000,
+            trace_id: String::new(),
+        }
+    }
+
+    fn create(registry: &TaskRegistry, message: &str) -> Result<Created, AdmitError> {
+        let request = json!({"messageId": message, "parts": [{"text": "new"}]});
+        registry.create("echo", None, request, call(), None)
+    }
+
+    /// Goal: a registry holding more tasks than it keeps (after a restart with a
+    /// smaller `kept_max`) lets as many of the oldest ended tasks go as it takes to
+    /// make room, oldest first, each with its agent's record; with too few ended it
+    /// refuses (`Full`) and lets none go.
+    #[test]
+    fn room_is_made_from_the_oldest_ended_tasks_and_only_if_enough_ended() {
+        let registry = TaskRegistry::new(3);
+        registry.restore(record(0, TaskState::Completed));
+        registry.restore(record(1, TaskState::Submitted));
+        registry.restore(record(2, TaskState::Failed));
+        registry.restore(record(3, TaskState::Completed));
+        registry.restore(record(4, TaskState::Submitted));
+        // 5 kept, 3 allowed: 3 must go, and only 3 have ended.
+        let Ok(Created::New(_, _, forgotten)) = create(&registry, "new-1") else {
+            panic!("room was made");
+        };
+        let seqs: Vec<u64> = forgotten.iter().map(|forgotten| forgotten.seq).collect();
+        assert_eq!(seqs, [0, 2, 3], "the ended ones, oldest first");
+        assert_eq!(forgotten[0].inner.as_deref(), Some("echo-inner-0"));
+        assert!(registry.watch("echo", "echo-task-0").is_none());
+        assert!(registry.watch("echo", "echo-task-1").is_some(), "an open task stays");
+        // Now 3 kept (two open, the new one submitted): none has ended.
+        assert!(matches!(create(&registry, "new-2"), Err(AdmitError::Full)));
+        assert!(registry.watch("echo", "echo-task-1").is_some());
+        assert!(registry.watch("echo", "echo-task-4").is_some());
     }
 }
