@@ -554,7 +554,12 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         Created::New(record, lane, forgotten) => (record, lane, forgotten),
     };
     // Stored before the client hears of it.
-    if let Err(error) = a2a.store.save(&record, &forgotten).await {
+    let saved = a2a.store.save(&record, &forgotten).await;
+    // Let go from memory either way: their agents forget them too.
+    for forgotten in forgotten {
+        forget_inner(&a2a.app, forgotten);
+    }
+    if let Err(error) = saved {
         let reason = format!("the task could not be stored: {error}");
         a2a.tasks.update(&record.id, |task| {
             task.state = TaskState::Failed;
@@ -567,9 +572,6 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
             lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         }
         return Err(RpcError::retry(StatusCode::SERVICE_UNAVAILABLE, reason));
-    }
-    for forgotten in forgotten {
-        forget_inner(&a2a.app, forgotten);
     }
     if let Some(lane) = lane {
         // A call with Troupe's context runs until the caller's deadline, counted from
