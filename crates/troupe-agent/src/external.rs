@@ -135,7 +135,7 @@ pub enum ExternalCancel {
 }
 
 pub(crate) fn ext_key(seq: u64) -> String {
-    format!("ext/{seq:020}")
+    crate::agent::seq_key("ext/", seq)
 }
 
 pub(crate) fn ext_id_key(task_id: &str) -> String {

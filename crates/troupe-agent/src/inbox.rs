@@ -382,11 +382,11 @@ pub(crate) fn decode_reply<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Resu
 }
 
 pub(crate) fn inbox_key(seq: u64) -> String {
-    format!("inbox/{seq:020}")
+    crate::agent::seq_key("inbox/", seq)
 }
 
 pub(crate) fn outbox_key(seq: u64) -> String {
-    format!("outbox/{seq:020}")
+    crate::agent::seq_key("outbox/", seq)
 }
 
 pub(crate) fn seen_key(msg_id: &str) -> String {

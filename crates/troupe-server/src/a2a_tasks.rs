@@ -300,21 +300,11 @@ impl TaskRegistry {
         // Room for one more: as many of the oldest ended tasks as it takes go (more than
         // one only after a restart with a smaller `kept_max`), or none if too few ended.
         let excess = (inner.tasks.len() + 1).saturating_sub(self.kept_max);
-        let forgotten = if excess == 0 {
-            Vec::new()
-        } else {
-            let tasks = &inner.tasks;
-            let ended = inner
-                .order
-                .iter()
-                .filter(|id| tasks.get(*id).is_none_or(|sender| sender.borrow().state.is_final()))
-                .take(excess)
-                .count();
-            if ended < excess {
-                return Err(AdmitError::Full);
-            }
-            (0..excess).filter_map(|_| inner.forget_oldest_ended()).collect()
-        };
+        let oldest_ended = inner.oldest_ended(excess);
+        if oldest_ended.len() < excess {
+            return Err(AdmitError::Full);
+        }
+        let forgotten = oldest_ended.iter().filter_map(|id| inner.forget(id)).collect();
         let seq = inner.next;
         inner.next += 1;
         let id = format!("{agent}-task-{seq}");
@@ -431,13 +421,21 @@ impl TaskRegistry {
 }
 
 impl Inner {
-    /// Forgets the oldest task that has ended; `None` if none has.
-    fn forget_oldest_ended(&mut self) -> Option<Forgotten> {
+    /// The ids of the `count` oldest tasks that have ended (fewer if fewer have).
+    fn oldest_ended(&self, count: usize) -> Vec<String> {
         let tasks = &self.tasks;
-        let position = self
-            .order
+        self.order
             .iter()
-            .position(|id| tasks.get(id).is_none_or(|sender| sender.borrow().state.is_final()))?;
+            .filter(|id| tasks.get(*id).is_none_or(|sender| sender.borrow().state.is_final()))
+            .take(count)
+            .cloned()
+            .collect()
+    }
+
+    /// Forgets task `id` here: what is left to forget elsewhere (its store record, its
+    /// agent's record); `None` if it is unknown.
+    fn forget(&mut self, id: &str) -> Option<Forgotten> {
+        let position = self.order.iter().position(|kept| kept == id)?;
         let id = self.order.remove(position)?;
         let sender = self.tasks.remove(&id)?;
         let record = sender.borrow();
