@@ -32,7 +32,7 @@ async fn kill_the_callers_node_mid_call(sim: &mut Sim) -> Vec<String> {
             .expect("a warm-up call");
     }
     sim.phase("safety");
-    let slow_ms = sim.rng().range(60, 120);
+    let slow_ms = sim.rng().range(150, 250);
     for (caller, callee) in callers.iter().zip(&callees) {
         let op = ProbeOp::Call {
             target: format!("probe/{callee}"),
@@ -45,7 +45,23 @@ async fn kill_the_callers_node_mid_call(sim: &mut Sim) -> Vec<String> {
         };
         sim.spawn_request(caller, op, Duration::from_millis(3_000));
     }
-    let before_kill = sim.rng().range(20, 50);
+    // Kill node 1 only once every call runs on node 2: a call still in flight when its
+    // caller's node dies never reaches node 2, so there is nothing there to abandon.
+    // Links take up to 10 ms a hop and activations load state, so a fixed delay raced
+    // (seed 1795625953036839327 killed node 1 while the third call was on the wire).
+    let mut waited_ms = 0;
+    while callee_turns_started_on_node_2(sim) < callees.len() {
+        assert!(
+            waited_ms < CALLS_REACH_NODE_2_MAX_MS,
+            "the calls did not all start on node 2 within {CALLS_REACH_NODE_2_MAX_MS} ms"
+        );
+        sim.advance(Duration::from_millis(1)).await;
+        waited_ms += 1;
+    }
+    // The callees sleep at least 150 ms from their start, and they start within tens of
+    // milliseconds of each other: killing within 10 ms of the last start leaves each of
+    // them mid-sleep.
+    let before_kill = sim.rng().range(0, 10);
     sim.advance(Duration::from_millis(before_kill)).await;
     sim.inject(Fault::KillNode(1)).await;
     // Well past the callees' sleep: a callee that ignored its caller would commit now.
@@ -57,6 +73,20 @@ async fn kill_the_callers_node_mid_call(sim: &mut Sim) -> Vec<String> {
     callees
 }
 
+/// How long the calls may take to start on node 2, in milliseconds: two hops of at
+/// most 10 ms each plus two activations, with room to spare.
+const CALLS_REACH_NODE_2_MAX_MS: u64 = 200;
+
+/// Turns started on node 2 at depth 1 (the callees') since the safety phase began.
+fn callee_turns_started_on_node_2(sim: &Sim) -> usize {
+    sim.trace()
+        .events()
+        .iter()
+        .skip_while(|stamped| !matches!(&stamped.event, Event::Phase { name: "safety" }))
+        .filter(|stamped| matches!(&stamped.event, Event::TurnStarted { node: 2, depth: 1, .. }))
+        .count()
+}
+
 fn abandonments_on_node_2(sim: &Sim) -> usize {
     sim.trace()
         .events()
@@ -66,9 +96,10 @@ fn abandonments_on_node_2(sim: &Sim) -> usize {
 }
 
 /// Goal: when the caller's node dies, the callees on the other node stop and commit
-/// nothing. Method: three cross-node calls to probes that sleep 60–120 ms and then add;
-/// node 1 is killed 20–50 ms in. Node 2 must see each call abandoned (the connection
-/// broke) and no callee may commit: every callee still reads 0 afterwards.
+/// nothing. Method: three cross-node calls to probes that sleep 150–250 ms and then
+/// add; node 1 is killed 0–10 ms after the last of them started on node 2. Node 2 must
+/// see each call abandoned (the connection broke) and no callee may commit: every
+/// callee still reads 0 afterwards.
 #[madsim::test]
 async fn a_callers_node_dying_cancels_its_calls_on_other_nodes_and_nothing_commits() {
     let scenario = Scenario {
