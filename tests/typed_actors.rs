@@ -339,3 +339,84 @@ async fn concurrent_typed_asks_and_tells_land_exactly_once_on_the_multi_thread_r
     assert_eq!(rt.counters().activations_started, 1);
     rt.shutdown().await;
 }
+
+/// Hands each message back with how many it has had: its message and reply types are
+/// `M` (small enough to travel inline in an `AnyValue`, or boxed).
+#[derive(Serialize, Deserialize)]
+struct HandBack<M> {
+    seen: u64,
+    #[serde(skip)]
+    _message: std::marker::PhantomData<M>,
+}
+
+impl<M> Default for HandBack<M> {
+    fn default() -> Self {
+        Self {
+            seen: 0,
+            _message: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<M> TypedActor for HandBack<M>
+where
+    M: Serialize + serde::de::DeserializeOwned + Send + Sync + 'static,
+{
+    type Message = M;
+    type Reply = (M, u64);
+
+    async fn handle(&mut self, _turn: &mut Turn, message: M) -> Result<(M, u64), ActorError> {
+        self.seen += 1;
+        Ok((message, self.seen))
+    }
+}
+
+/// A small message (inline) and a large one (72 bytes: boxed); the `Arc` shows whether
+/// the very value crossed (serializing would make a new one) and whether every copy was
+/// dropped.
+type Small = Arc<u64>;
+type Large = (Arc<u64>, [u64; 8]);
+
+/// Asks and tells `ROUNDS` messages of type `M`, made by `make`; checks that each ask's
+/// reply holds the same `Arc`, that every message was handled, and that none is left
+/// behind or dropped twice.
+async fn check_values_cross_in_process<M>(make: impl Fn(&Arc<u64>, u64) -> M, token_of: impl Fn(&M) -> &Arc<u64>)
+where
+    M: Serialize + serde::de::DeserializeOwned + Send + Sync + 'static,
+{
+    const ROUNDS: u64 = 50;
+    let rt = Runtime::builder()
+        .register_typed::<HandBack<M>>(ActorKind::new("hand").unwrap(), KindConfig::default())
+        .unwrap()
+        .start();
+    let hand = rt.actor_ref::<HandBack<M>>(ActorId::new("hand", "h").unwrap()).unwrap();
+    let token = Arc::new(7_u64);
+    for round in 0..ROUNDS {
+        let (back, seen) = hand.ask(make(&token, round), SECONDS_5).await.unwrap();
+        assert!(Arc::ptr_eq(token_of(&back), &token), "round {round}: the very value");
+        assert_eq!(seen, 2 * round + 1);
+        drop(back);
+        hand.tell(make(&token, round), SECONDS_5).await.unwrap();
+    }
+    let (last, seen) = hand.ask(make(&token, ROUNDS), SECONDS_5).await.unwrap();
+    assert_eq!(seen, 2 * ROUNDS + 1, "every message was handled");
+    drop(last);
+    assert_eq!(Arc::strong_count(&token), 1, "every message and reply was dropped");
+    rt.shutdown().await;
+}
+
+/// Goal: typed messages and replies, small enough to travel inline or large enough to be
+/// boxed, cross in process as the values themselves and are each dropped once.
+#[tokio::test(start_paused = true)]
+async fn small_and_large_values_cross_in_process_and_each_is_dropped_once() {
+    check_values_cross_in_process::<Small>(|token, _| Arc::clone(token), |small| small).await;
+    check_values_cross_in_process::<Large>(|token, round| (Arc::clone(token), [round; 8]), |large| &large.0).await;
+}
+
+/// Goal: the same on the multi-thread runtime, where the values cross threads.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_and_large_values_cross_in_process_on_the_multi_thread_runtime() {
+    check_values_cross_in_process::<Small>(|token, _| Arc::clone(token), |small| small).await;
+    check_values_cross_in_process::<Large>(|token, round| (Arc::clone(token), [round; 8]), |large| &large.0).await;
+}

@@ -34,7 +34,6 @@
 //! A panic in the actor ends the task; a guard reports `Crashed` so the dispatcher frees
 //! the entry, and callers of the queued requests see `ActorFailed`.
 
-use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -50,7 +49,7 @@ use crate::handle::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},
-    Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateStore, StoreError, Turn, TurnCommit,
+    Actor, ActorError, AnyValue, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateStore, StoreError, Turn, TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -447,7 +446,7 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
 /// A turn's handler: for bytes or for an in-process value.
 enum Handler<'a> {
     Bytes(BoxedTurn<'a, Bytes>),
-    Value(BoxedTurn<'a, Box<dyn Any + Send>>),
+    Value(BoxedTurn<'a, AnyValue>),
 }
 
 /// The future of one [`Actor`] handler, as `async_trait` boxes it.

@@ -1,23 +1,22 @@
 //! What travels from a caller to an actor's mailbox, and what comes back (the dispatcher's
 //! commands and control notices are in `control.rs`).
 
-use std::any::Any;
-
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use troupe_core::{ActorId, CallContext, InvokeError};
 
 use crate::wait_for_graph::CallId;
+use crate::AnyValue;
 
 /// The answer to one invocation.
 pub(crate) type Reply = Result<Payload, InvokeError>;
 
 /// A message or a reply: bytes (the untyped API, the agent layer, the wire) or, between
 /// a typed [`crate::ActorRef`] and its actor in this process, the value itself, never
-/// serialized.
+/// serialized (inline when small: see [`AnyValue`]).
 pub(crate) enum Payload {
     Bytes(Bytes),
-    Value(Box<dyn Any + Send>),
+    Value(AnyValue),
 }
 
 impl Payload {

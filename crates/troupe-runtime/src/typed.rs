@@ -1,18 +1,19 @@
 //! Typed actors: [`TypedActor`] declares its message and reply types, [`ActorRef`]
 //! sends them with typed `ask` and `tell`.
 //!
-//! In this process, messages and replies travel as values (a `Box<dyn Any>` in the
-//! envelope, downcast by the adapter): nothing is serialized. Serialization (bincode)
+//! In this process, messages and replies travel as values (an [`AnyValue`] in the
+//! envelope, inline when it fits in 16 bytes, downcast by the adapter): nothing is
+//! serialized, and a small message or reply is not allocated either. Serialization (bincode)
 //! happens only where bytes are needed: the actor's state at commit and load, and a
 //! message that arrives as bytes (the untyped [`RuntimeHandle::invoke`], the transport
 //! from another node), which the adapter decodes and answers in kind.
 //!
 //! ```text
-//! ActorRef<A>::ask(msg)  ─► Envelope { Payload::Value(Box<A::Message>) }       ─► mailbox
-//! ActorRef<A>::tell(msg) ─► Envelope { Payload::Value(Box<Told<A::Message>>) } ─► mailbox
+//! ActorRef<A>::ask(msg)  ─► Envelope { Payload::Value(AnyValue(A::Message)) }       ─► mailbox
+//! ActorRef<A>::tell(msg) ─► Envelope { Payload::Value(AnyValue(Told<A::Message>)) } ─► mailbox
 //!                                                   │
 //!   TypedAdapter<A>::handle_value: downcast ─► A::handle(turn, msg).await (inline, no box)
-//!     ─► ask: Box<A::Reply>; tell: Box<Unread> (zero-sized: no allocation)
+//!     ─► ask: AnyValue(A::Reply); tell: AnyValue(Unread) (zero-sized)
 //! RuntimeHandle::invoke(bytes) ─► TypedAdapter<A>::handle: bincode ─► A::handle ─► bincode
 //! state: bincode(A) committed after a turn that changed it; bincode → A on activation
 //! ```
@@ -21,7 +22,7 @@
 //! `Default` the first time and from its last committed encoding afterwards. Fields that
 //! are not state (a connection, a cache) are `#[serde(skip)]`.
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
@@ -36,7 +37,7 @@ use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, Invoke
 
 use crate::envelope::Payload;
 use crate::handle::{RouteCache, Told as Handed, IN_TURN};
-use crate::{Actor, ActorError, RuntimeHandle, StateChange, Turn};
+use crate::{Actor, ActorError, AnyValue, RuntimeHandle, StateChange, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
 ///
@@ -112,15 +113,11 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
         encode(&reply, "reply")
     }
 
-    async fn handle_value(
-        &mut self,
-        turn: &mut Turn,
-        message: Box<dyn Any + Send>,
-    ) -> Result<Box<dyn Any + Send>, ActorError> {
+    async fn handle_value(&mut self, turn: &mut Turn, message: AnyValue) -> Result<AnyValue, ActorError> {
         // An `ask`'s message comes as itself, a `tell`'s wrapped in `Told`, whose reply
-        // nobody reads: it gets the zero-sized `Unread`, which `Box` does not allocate.
+        // nobody reads: it gets the zero-sized `Unread`.
         let (message, told) = match message.downcast::<A::Message>() {
-            Ok(message) => (*message, false),
+            Ok(message) => (message, false),
             Err(other) => match other.downcast::<Told<A::Message>>() {
                 Ok(told) => (told.0, true),
                 Err(_) => {
@@ -133,9 +130,9 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
         };
         let reply = self.0.handle(turn, message).await?;
         if told {
-            Ok(Box::new(Unread))
+            Ok(AnyValue::new(Unread))
         } else {
-            Ok(Box::new(reply))
+            Ok(AnyValue::new(reply))
         }
     }
 
@@ -296,25 +293,20 @@ impl<A: TypedActor> ActorRef<A> {
             .start_call(
                 now,
                 &self.id,
-                Payload::Value(Box::new(message)),
+                Payload::Value(AnyValue::new(message)),
                 CallContext::root(deadline),
                 None,
                 Some(&self.cache),
             )?
             .await?;
         match reply {
-            Payload::Value(value) => {
-                value
-                    .downcast::<A::Reply>()
-                    .map(|reply| *reply)
-                    .map_err(|_| InvokeError::ActorFailed {
-                        target: self.id.clone(),
-                        cause: format!(
-                            "the actor replied with something other than a {}",
-                            std::any::type_name::<A::Reply>()
-                        ),
-                    })
-            }
+            Payload::Value(value) => value.downcast::<A::Reply>().map_err(|_| InvokeError::ActorFailed {
+                target: self.id.clone(),
+                cause: format!(
+                    "the actor replied with something other than a {}",
+                    std::any::type_name::<A::Reply>()
+                ),
+            }),
             Payload::Bytes(_) => Err(InvokeError::ActorFailed {
                 target: self.id.clone(),
                 cause: "the actor replied with bytes to a message sent as a value".to_string(),
@@ -338,7 +330,7 @@ impl<A: TypedActor> ActorRef<A> {
         let handed = self.handle.start_tell(
             now,
             &self.id,
-            Payload::Value(Box::new(Told(message))),
+            Payload::Value(AnyValue::new(Told(message))),
             CallContext::root(deadline),
             Some(&self.cache),
         )?;
