@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use troupe_server::limits::{A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT};
 
 /// troupe: a virtual-actor runtime for AI agents.
 #[derive(Debug, Parser)]
@@ -157,6 +158,25 @@ pub struct ServeArgs {
     /// in a troupe built with `--features otel`; otherwise the flag is refused.
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+    /// Requests handled at once (at least 1); one more is answered 503 `overloaded` with
+    /// Retry-After.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT as u64,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub concurrent_requests_max: u64,
+    /// A2A tasks kept, in memory and in the store (1 to 10000): past it, a new task
+    /// lets the oldest ended one go, and its agent forgets it too (its id then answers
+    /// -32001, and its message id, sent again, starts a new task).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = A2A_TASKS_KEPT_MAX as u64,
+        value_parser = clap::value_parser!(u64).range(1..=A2A_TASKS_KEPT_MAX as u64)
+    )]
+    pub a2a_tasks_kept: u64,
 }
 
 /// The format of `troupe serve`'s log lines.
@@ -252,6 +272,35 @@ mod tests {
         assert_eq!(args.db, Some(PathBuf::from("/tmp/d")));
         assert_eq!(args.token.as_deref(), Some("t"));
         assert!(args.scripted);
+        assert_eq!(
+            (args.concurrent_requests_max, args.a2a_tasks_kept),
+            (SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT as u64, A2A_TASKS_KEPT_MAX as u64)
+        );
+        let cli = Cli::try_parse_from([
+            "troupe",
+            "serve",
+            "--concurrent-requests-max",
+            "8",
+            "--a2a-tasks-kept",
+            "3",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
+        assert_eq!((args.concurrent_requests_max, args.a2a_tasks_kept), (8, 3));
+        for (flag, value) in [
+            ("--concurrent-requests-max", "0"),
+            ("--a2a-tasks-kept", "0"),
+            ("--a2a-tasks-kept", "10001"),
+        ] {
+            let error = Cli::try_parse_from(["troupe", "serve", flag, value]).expect_err("out of range");
+            assert_eq!(error.kind(), ErrorKind::ValueValidation, "{flag} {value}");
+            assert!(
+                error.to_string().contains(flag) && error.to_string().contains(value),
+                "{error}"
+            );
+        }
         let error = Cli::try_parse_from(["troupe", "serve", "--bind", "localhost"]).expect_err("not an address");
         assert_eq!(error.kind(), ErrorKind::ValueValidation);
         assert!(error.to_string().contains("localhost"), "{error}");

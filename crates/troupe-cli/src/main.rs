@@ -131,11 +131,15 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     use troupe_server::ServerConfig;
 
     let otel = init_logging(args.log_format, args.otlp_endpoint.as_deref())?;
-    let mut config = ServerConfig::default();
+    // Both within their ranges (checked by clap, and by `check_bind` below).
+    let as_count = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+    let mut config = ServerConfig::default()
+        .concurrent_requests_max(as_count(args.concurrent_requests_max))
+        .a2a_tasks_kept(as_count(args.a2a_tasks_kept));
     if let Some(token) = args.token.clone().filter(|token| !token.is_empty()) {
         config = config.token(token);
     }
-    // Refuse a bad address or token before anything starts.
+    // Refuse a bad address, token or limit before anything starts.
     config.check_bind(args.bind).map_err(|error| error.to_string())?;
     let real = if args.scripted { None } else { real_model()? };
     let (store, path, temporary) = open_store(args.db.as_deref(), "troupe-serve-")?;

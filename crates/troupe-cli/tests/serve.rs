@@ -119,6 +119,69 @@ async fn serve_with_a_config_serves_the_declared_organisation() {
     assert!(wait(&mut child).await.success());
 }
 
+/// One A2A JSON-RPC call to `agent` on `addr`: the HTTP status and the response.
+fn a2a(addr: &str, agent: &str, method: &str, params: serde_json::Value) -> (u16, serde_json::Value) {
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+    let (status, text) = http(addr, "POST", &format!("/a2a/{agent}"), &body.to_string());
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")),
+    )
+}
+
+/// Goal: `--a2a-tasks-kept` and `--concurrent-requests-max` reach the server, and a
+/// value out of range stops it before it listens, naming the flag. Method: serve with
+/// one A2A task kept; send the critic two A2A messages: the first task is let go
+/// (-32001), the second is kept. Then start with `--a2a-tasks-kept 0`.
+#[tokio::test]
+async fn serve_keeps_as_many_a2a_tasks_as_asked_and_refuses_a_limit_out_of_range() {
+    let mut child = troupe_serve(&[
+        "--bind",
+        "127.0.0.1:0",
+        "--scripted",
+        "--a2a-tasks-kept",
+        "1",
+        "--concurrent-requests-max",
+        "4",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let (_stdout, addr) = read_address(&mut child);
+    let mut ids = Vec::new();
+    for (n, text) in ["a brief", "another brief"].iter().enumerate() {
+        let message = serde_json::json!({
+            "messageId": format!("m{n}"), "role": "ROLE_USER", "parts": [{"text": text}]
+        });
+        let (status, answer) = a2a(&addr, "critic", "SendMessage", serde_json::json!({"message": message}));
+        assert_eq!(status, 200, "{answer}");
+        let task = &answer["result"]["task"];
+        assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{answer}");
+        ids.push(task["id"].as_str().expect("a task id").to_string());
+    }
+    let (_, first) = a2a(&addr, "critic", "GetTask", serde_json::json!({"id": ids[0]}));
+    assert_eq!(first["error"]["code"], -32001, "the first task was let go: {first}");
+    let (_, second) = a2a(&addr, "critic", "GetTask", serde_json::json!({"id": ids[1]}));
+    assert_eq!(second["result"]["id"], ids[1].as_str(), "the second is kept: {second}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert!(wait(&mut child).await.success());
+
+    let output = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--a2a-tasks-kept", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--a2a-tasks-kept") && stderr.contains("1..=10000"),
+        "{stderr}"
+    );
+}
+
 /// Goal: a broken config stops `troupe serve` before it listens, naming the file's line
 /// and field. Method: serve a file with a misspelt field.
 #[test]
