@@ -77,6 +77,24 @@ impl Harness {
             ),
         }
     }
+
+    /// Polls `GET /v1/topology/agents/{agent}/call-tree` until `done` holds (as
+    /// `topology_when`).
+    async fn call_tree_when(&self, agent: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let path = format!("/v1/topology/agents/{agent}/call-tree");
+        let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+            loop {
+                let (status, tree) = self.send(reqwest::Method::GET, &path, None).await;
+                assert_eq!(status, 200, "{tree}");
+                if done(&tree) {
+                    return tree;
+                }
+                tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+            }
+        })
+        .await;
+        waited.unwrap_or_else(|_| panic!("{what}: not within {TEST_WAIT_MS_MAX} ms"))
+    }
 }
 
 fn agent<'a>(topology: &'a Value, id: &str) -> &'a Value {
@@ -151,10 +169,11 @@ async fn topology_counts_and_links_move_with_traffic() {
     assert_eq!(agent(&after, "boss")["calls_received"], 0);
 
     // The call tree of the last request that touched echo: outside -> caller -> echo.
-    let (status, tree) = harness
-        .send(reqwest::Method::GET, "/v1/topology/agents/echo/call-tree", None)
+    // The topology reads the events after they happen: the root call's end may be read
+    // after the HTTP reply came back (under load, 1 run in 17 read it still running).
+    let tree = harness
+        .call_tree_when("echo", "the root call ended", |tree| !tree["root"]["outcome"].is_null())
         .await;
-    assert_eq!(status, 200, "{tree}");
     let root = &tree["root"];
     assert_eq!(root["caller"], Value::Null, "{tree}");
     assert_eq!(root["target"], "caller", "{tree}");
