@@ -91,7 +91,7 @@ async fn delegations_and_notifications_resolve_exactly_once_across_random_crashe
         // The asks and the note take a few model latencies; the delegated work and the
         // results run on for a few more. Every fourth round crashes within the asks for
         // sure (each ask waits for at least one model step): drawn from the whole span
-        // alone, all 16 crashes came after the protocol in about 1 seed of 100
+        // alone, all 16 crashes came after the protocol in 1 seed of 200
         // (seed 100119 of a 200-seed sweep).
         let crash_after_ms = if round % 4 == 0 {
             rng.range(0, ASKS * latency_ms)
