@@ -227,7 +227,6 @@ async fn run(start: Box<ActivationStart>) {
             }
         };
         received += 1;
-        let was_fenced = live.fenced.is_some();
         // The turn's fast path: its first poll runs here, inline, in the activation's own
         // task, and a turn that finishes in it with nothing to store is answered at once.
         // Only a turn that has to wait (the same handler future goes on in a box), or a
@@ -267,19 +266,12 @@ async fn run(start: Box<ActivationStart>) {
                 // cancelled, and its home comes back with its writes.
                 let (home, writes) = turn.finish();
                 live.home = Some(home);
-                settle(&mut live, &handle.shared, writes, raced, ends)
+                settle(&mut live, &handle.shared, generation, writes, raced, ends)
             };
             if let Some(store_commit) = store_commit {
                 now = WakeClock::UNREAD;
                 store_commit.await;
             }
-        }
-        if !was_fenced && live.fenced.is_some() {
-            // Another activation claimed this actor since (another runtime on the same
-            // store): this one is stale. Ask to be deactivated at once rather than when
-            // idle, so the next request activates the actor afresh from the newest state.
-            let id = guard.id.clone();
-            let _ = guard.control.send(Control::Fenced { id, generation });
         }
     }
 
@@ -684,6 +676,7 @@ type Committing<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 fn settle<'a>(
     live: &'a mut Live,
     shared: &'a Shared,
+    generation: u64,
     writes: TurnWrites,
     raced: Raced<Outcome>,
     ends: TurnEnds,
@@ -731,6 +724,7 @@ fn settle<'a>(
                         reply,
                         call,
                         edge,
+                        generation,
                         ignore_commit: true,
                         _spans: spans,
                     }
@@ -762,6 +756,7 @@ fn settle<'a>(
                         reply,
                         call,
                         edge,
+                        generation,
                         #[cfg(feature = "planted-bugs")]
                         ignore_commit: false,
                         _spans: spans,
@@ -796,6 +791,8 @@ struct StoreCommit {
     reply: ReplyTo,
     call: CallId,
     edge: bool,
+    /// The activation's generation, for the dispatcher's notice if the store fences it.
+    generation: u64,
     /// Planted bug: the commit of a failed turn, whose outcome does not matter.
     #[cfg(feature = "planted-bugs")]
     ignore_commit: bool,
@@ -804,7 +801,22 @@ struct StoreCommit {
 
 impl StoreCommit {
     async fn run(self, live: &mut Live, shared: &Shared) {
+        let was_fenced = live.fenced.is_some();
         let committed = store_commit(live, shared.store.as_ref(), self.commit).await;
+        if !was_fenced && live.fenced.is_some() {
+            // Another activation claimed this actor since (another runtime on the same
+            // store): this one is stale. Ask to be deactivated at once rather than when
+            // idle, so the next request activates the actor afresh from the newest state.
+            // Sent before the refusal is answered: the dispatcher applies its notices
+            // before any command sent after the caller has its answer, so a caller that
+            // then asks the dispatcher (a request through it, `stats`) finds this
+            // activation closed, never still open for another stale turn.
+            let id = live.id().clone();
+            let _ = shared.control.send(Control::Fenced {
+                id,
+                generation: self.generation,
+            });
+        }
         #[cfg(feature = "planted-bugs")]
         let committed = if self.ignore_commit { Ok(()) } else { committed };
         let result = committed.and(self.answer);
