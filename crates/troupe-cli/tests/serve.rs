@@ -36,6 +36,16 @@ fn read_address(child: &mut Child) -> (BufReader<std::process::ChildStdout>, Str
 /// How often a stopping child is checked, in milliseconds.
 const SERVE_POLL_MS: u64 = 20;
 
+/// Sends SIGTERM to `child` (as a service manager stops it); `wait` then sees it stop.
+fn send_sigterm(child: &Child) {
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "kill -TERM {} failed", child.id());
+}
+
+/// Its exit status once it stops, within `SERVE_WAIT_MS_MAX`; else kills it and panics.
 async fn wait(child: &mut Child) -> std::process::ExitStatus {
     for _ in 0..SERVE_WAIT_MS_MAX / SERVE_POLL_MS {
         if let Some(status) = child.try_wait().unwrap() {
@@ -64,11 +74,7 @@ async fn serve_answers_on_loopback_and_stops_cleanly_on_sigterm() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"text\":\"Looks fine.\""), "{body}");
 
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    send_sigterm(&child);
     let status = wait(&mut child).await;
     let mut rest = String::new();
     stdout.read_to_string(&mut rest).unwrap();
@@ -111,11 +117,7 @@ async fn serve_with_a_config_serves_the_declared_organisation() {
     let (status, body) = http(&addr, "POST", "/v1/agents/ana/messages", "{\"text\": \"hello\"}");
     assert_eq!(status, 200, "{body}");
 
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    send_sigterm(&child);
     assert!(wait(&mut child).await.success());
 }
 
@@ -164,11 +166,7 @@ async fn serve_keeps_as_many_a2a_tasks_as_asked_and_refuses_a_limit_out_of_range
     assert_eq!(first["error"]["code"], -32001, "the first task was let go: {first}");
     let (_, second) = a2a(&addr, "critic", "GetTask", serde_json::json!({"id": ids[1]}));
     assert_eq!(second["result"]["id"], ids[1].as_str(), "the second is kept: {second}");
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    send_sigterm(&child);
     assert!(wait(&mut child).await.success());
 
     let output = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--a2a-tasks-kept", "0"])
@@ -224,11 +222,7 @@ async fn serve_logs_json_lines_with_the_turn_inside_the_request_span() {
     let (_stdout, addr) = read_address(&mut child);
     let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
     assert_eq!(status, 200, "{body}");
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    send_sigterm(&child);
     let mut stderr = String::new();
     child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
     assert!(wait(&mut child).await.success(), "{stderr}");
@@ -287,11 +281,7 @@ async fn serve_logs_text_lines_with_the_span_fields() {
     let (_stdout, addr) = read_address(&mut child);
     let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
     assert_eq!(status, 200, "{body}");
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    send_sigterm(&child);
     let mut stderr = String::new();
     child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
     assert!(wait(&mut child).await.success(), "{stderr}");
@@ -424,11 +414,7 @@ async fn serve_exports_the_spans_to_the_otlp_endpoint() {
     let (_stdout, addr) = read_address(&mut child);
     let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", "{\"text\": \"a brief\"}");
     assert_eq!(status, 200, "{body}");
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    send_sigterm(&child);
     let received = tokio::time::timeout(Duration::from_millis(SERVE_WAIT_MS_MAX), async {
         let mut bodies = Vec::new();
         loop {
