@@ -194,6 +194,8 @@ async fn run(start: Box<ActivationStart>) {
     let mut received_at_last_check: u64 = 0;
     let idle_timer = tokio::time::sleep(idle_timeout);
     tokio::pin!(idle_timer);
+    // Whether the timer holds the task's waker (see `NextEvent`).
+    let mut idle_timer_registered = false;
     let mut task_waker: Option<std::task::Waker> = None;
     // The clock as read once in this wake-up of the task, for the expiry check of
     // fire-and-forget messages at dequeue: forgotten whenever the task waits (its mailbox
@@ -205,6 +207,7 @@ async fn run(start: Box<ActivationStart>) {
         let next = NextEvent {
             receiver: &mut receiver,
             idle_timer: idle_timer.as_mut(),
+            idle_timer_registered: &mut idle_timer_registered,
             now: &mut now,
         };
         let envelope = match next.await {
@@ -223,6 +226,7 @@ async fn run(start: Box<ActivationStart>) {
                 }
                 received_at_last_check = received;
                 idle_timer.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
+                idle_timer_registered = false;
                 continue;
             }
         };
@@ -297,14 +301,19 @@ enum Next {
 /// first, then the timer: a fixed order, so runs replay under madsim (it replaced a
 /// biased select, without that macro's machinery).
 ///
-/// The idle timer is polled each time the mailbox is empty. Skipping that poll until the
-/// timer had elapsed (about 118 instructions saved per round trip) was tried and
-/// reverted: tokio's cooperative budget can refuse the timer's first poll, and the timer
-/// then holds no waker and, never registered, never elapses, so an actor that had
-/// received a burst of more than 128 messages at once was never deactivated.
+/// The idle timer is polled when the mailbox is empty, until a poll has registered the
+/// task's waker with it; after that, only once it has elapsed (a `Sleep`'s poll cost
+/// about 118 instructions per round trip). A `Pending` counts as registered only if
+/// tokio's cooperative budget had room for the poll: a refused poll registers nothing,
+/// and an earlier skip that trusted every `Pending` left an actor that had received a
+/// burst of more than 128 messages at once never deactivated (tests/idle_timer_coop.rs).
 struct NextEvent<'a> {
     receiver: &'a mut MailboxReceiver,
     idle_timer: Pin<&'a mut tokio::time::Sleep>,
+    /// Whether the timer holds the task's waker: its last poll returned `Pending` with
+    /// cooperative budget left, so it registered. Cleared by the loop when it arms the
+    /// timer again.
+    idle_timer_registered: &'a mut bool,
     /// The wake-up's clock reading, forgotten when this wait has to wait.
     now: &'a mut WakeClock,
 }
@@ -330,6 +339,7 @@ impl WakeClock {
 impl Future for NextEvent<'_> {
     type Output = Next;
 
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Next> {
         let this = self.get_mut();
         match this.receiver.poll_recv(cx) {
@@ -337,14 +347,31 @@ impl Future for NextEvent<'_> {
             Poll::Ready(None) => return Poll::Ready(Next::Closed),
             Poll::Pending => {}
         }
-        // Polled every time the mailbox is empty, never skipped: a `Pending` from the
-        // timer does not prove it holds the task's waker, since tokio's cooperative
-        // budget refuses the poll before the timer registers anything
-        // (tests/idle_timer_coop.rs).
-        let timer = this.idle_timer.as_mut().poll(cx);
-        if timer.is_pending() {
+        // A timer that holds the task's waker wakes the task when it fires, and is marked
+        // elapsed before it does (tokio; madsim compares its clock with the deadline):
+        // until then it need not be polled each time the mailbox is empty.
+        if *this.idle_timer_registered && !this.idle_timer.is_elapsed() {
             // The task yields: time passes before it runs again.
             *this.now = WakeClock::UNREAD;
+            return Poll::Pending;
+        }
+        this.poll_idle_timer(cx)
+    }
+}
+
+impl NextEvent<'_> {
+    /// Polls the idle timer (the mailbox is empty): after it was armed, or once it has
+    /// elapsed. Out of line: the mailbox's path stays small.
+    #[inline(never)]
+    fn poll_idle_timer(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Next> {
+        // A `Pending` proves the registration only if the cooperative budget let the poll
+        // through: a refused poll returns `Pending` before the timer registers anything
+        // (tests/idle_timer_coop.rs).
+        let budget_left = crate::clock::coop_budget_left();
+        let timer = self.idle_timer.as_mut().poll(cx);
+        if timer.is_pending() {
+            *self.idle_timer_registered = budget_left;
+            *self.now = WakeClock::UNREAD;
         }
         timer.map(|()| Next::IdleTimerFired)
     }

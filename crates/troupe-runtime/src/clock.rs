@@ -79,6 +79,18 @@ impl Clock {
     }
 }
 
+/// Whether tokio's cooperative budget lets the current task's next resource poll through
+/// (a refused poll returns `Pending` without registering the task's waker). The
+/// simulator has no such budget: always `true` there.
+#[inline]
+pub(crate) fn coop_budget_left() -> bool {
+    #[cfg(not(madsim))]
+    let left = tokio::task::coop::has_budget_remaining();
+    #[cfg(madsim)]
+    let left = true;
+    left
+}
+
 impl Default for Clock {
     fn default() -> Self {
         Self::new()
