@@ -1,0 +1,229 @@
+//! The hot paths of issue 11's targets as plain loops, for counting instructions (not
+//! time): `bash scripts/instr-count` runs each case under valgrind's callgrind at two
+//! iteration counts and divides the difference of the totals by the difference of the
+//! counts, so start-up and warm-up cancel out. Instruction counts do not move with the
+//! machine's load, which wall-clock ratios on a shared 2-core machine do (docs/
+//! architecture.md, "Checked again (2026-11-27)").
+//!
+//! Each Troupe case has its raw-tokio floor written the same way (a task that owns an
+//! mpsc receiver and answers over a oneshot), current_thread, run in a spawned task as
+//! the criterion benches do (`benches/runtime.rs`: `time_in_task`).
+//!
+//! Run one case: `cargo bench --bench instructions -- CASE ITERATIONS`
+//! (cases: see [`CASES`]). Without a case (`cargo bench` passes only `--bench`) it runs
+//! every case a few times, as a smoke test.
+
+// A bench is not library code: the determinism lints are for the runtime.
+#![allow(clippy::disallowed_methods, missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::json;
+use tokio::sync::{mpsc, oneshot};
+use troupe::agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe::core::{ActorId, ActorKind};
+use troupe::runtime::{ActorError, KindConfig, MemoryStore, Runtime, Turn, TypedActor};
+
+#[path = "support/echo.rs"]
+mod echo;
+
+use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
+
+/// The cases, each with what one iteration is.
+const CASES: [(&str, &str); 8] = [
+    (
+        "invoke-floor",
+        "mpsc send + oneshot reply (the raw-tokio floor of an invoke)",
+    ),
+    ("invoke", "RuntimeHandle::invoke_within of an active echo actor"),
+    ("typed-ask", "ActorRef::ask of an active typed echo actor"),
+    ("tell-floor", "TELL_BATCH bounded mpsc sends, then one request-reply"),
+    ("tell", "TELL_BATCH ActorRef::tell, then one ActorRef::ask"),
+    ("agent-step", "an agent that answers in one scripted model step"),
+    ("call-agent", "an agent that asks another through call_agent"),
+    (
+        "plain-invoke",
+        "invoke of an echo actor through Runtime::invoke (call-agent's floor)",
+    ),
+];
+
+/// Messages per batch in the fire-and-forget cases (as in `benches/runtime.rs`).
+const TELL_BATCH: u64 = 32;
+
+/// Iterations per case when run as a smoke test (no case named).
+const SMOKE_ITERATIONS: u64 = 20;
+
+/// Each request's timeout: longer than any run.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+type Request = (Bytes, oneshot::Sender<Bytes>);
+
+fn spawn_floor_server() -> mpsc::Sender<Request> {
+    let (sender, mut receiver) = mpsc::channel::<Request>(64);
+    tokio::spawn(async move {
+        while let Some((payload, reply)) = receiver.recv().await {
+            let _ = reply.send(payload);
+        }
+    });
+    sender
+}
+
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct TypedEcho;
+
+impl TypedActor for TypedEcho {
+    type Message = u64;
+    type Reply = u64;
+
+    async fn handle(&mut self, _turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
+        Ok(message)
+    }
+}
+
+fn typed_runtime() -> Runtime {
+    Runtime::builder()
+        .register_typed::<TypedEcho>(
+            ActorKind::new("typed").unwrap(),
+            KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT),
+        )
+        .unwrap()
+        .start()
+}
+
+/// Two scripted agents, as `benches/agents.rs` has them.
+fn agent_system() -> AgentSystem {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("asker")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "answerer", "message": "{input}"})),
+        )
+        .rule(ScriptRule::agent("asker").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("answerer").reply("42"))
+        .without_recording();
+    AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm))
+        .kind_config(KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT))
+        .agent(AgentSpec::new("asker"))
+        .agent(AgentSpec::new("answerer"))
+        .start()
+        .unwrap()
+}
+
+/// Runs `iterations` of `case` (after one warm-up iteration that activates what the
+/// case calls) in a task spawned on a current_thread runtime.
+async fn run(case: &str, iterations: u64) {
+    let task = match case {
+        "invoke-floor" => {
+            let sender = spawn_floor_server();
+            tokio::spawn(async move {
+                for _ in 0..iterations {
+                    let (reply, answer) = oneshot::channel();
+                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    answer.await.unwrap();
+                }
+            })
+        }
+        "invoke" | "plain-invoke" => {
+            let runtime = echo_runtime();
+            let target = ActorId::new("echo", "0").unwrap();
+            let handle = runtime.handle();
+            let within = case == "invoke";
+            handle
+                .invoke_within(&target, Bytes::from_static(b"x"), TIMEOUT)
+                .await
+                .unwrap();
+            tokio::spawn(async move {
+                for _ in 0..iterations {
+                    if within {
+                        handle
+                            .invoke_within(&target, Bytes::from_static(b"x"), TIMEOUT)
+                            .await
+                            .unwrap();
+                    } else {
+                        let deadline = runtime.deadline_in(TIMEOUT);
+                        runtime
+                            .invoke(&target, Bytes::from_static(b"x"), deadline)
+                            .await
+                            .unwrap();
+                    }
+                }
+            })
+        }
+        "typed-ask" | "tell" => {
+            let runtime = typed_runtime();
+            let typed = runtime
+                .actor_ref::<TypedEcho>(ActorId::new("typed", "0").unwrap())
+                .unwrap();
+            typed.ask(0, TIMEOUT).await.unwrap();
+            let tell = case == "tell";
+            tokio::spawn(async move {
+                let _runtime = runtime;
+                for _ in 0..iterations {
+                    if tell {
+                        for message in 0..TELL_BATCH {
+                            typed.tell(message, TIMEOUT).await.unwrap();
+                        }
+                    }
+                    typed.ask(7, TIMEOUT).await.unwrap();
+                }
+            })
+        }
+        "tell-floor" => {
+            let sender = spawn_floor_server();
+            tokio::spawn(async move {
+                for _ in 0..iterations {
+                    for _ in 0..TELL_BATCH {
+                        let (reply, _answer) = oneshot::channel();
+                        sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    }
+                    let (reply, answer) = oneshot::channel();
+                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                    answer.await.unwrap();
+                }
+            })
+        }
+        "agent-step" | "call-agent" => {
+            let system = agent_system();
+            let agent = if case == "agent-step" { "answerer" } else { "asker" };
+            system.ask(agent, "warm up").await.unwrap();
+            tokio::spawn(async move {
+                for _ in 0..iterations {
+                    let reply = system.ask(agent, "what is 6 x 7?").await.unwrap();
+                    assert_eq!(reply.text, "42");
+                }
+            })
+        }
+        other => {
+            let names: Vec<&str> = CASES.iter().map(|(name, _)| *name).collect();
+            panic!("unknown case {other:?}: one of {names:?}");
+        }
+    };
+    task.await.unwrap();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|arg| arg != "--bench").collect();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    match args.as_slice() {
+        [case, iterations] => {
+            let iterations: u64 = iterations
+                .parse()
+                .unwrap_or_else(|_| panic!("ITERATIONS must be a whole number, not {iterations:?}"));
+            runtime.block_on(run(case, iterations));
+        }
+        [] => {
+            for (case, what) in CASES {
+                println!("{case}: {what} (x{SMOKE_ITERATIONS})");
+                runtime.block_on(run(case, SMOKE_ITERATIONS));
+            }
+        }
+        _ => panic!("usage: cargo bench --bench instructions -- CASE ITERATIONS"),
+    }
+}
