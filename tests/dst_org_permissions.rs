@@ -5,7 +5,9 @@
 //! than a change that had already returned. Method: a safety phase in which the
 //! coordinator's scripted model keeps calling the analyst (`call_agent`) under random
 //! model latency while the test toggles a deny rule, the enforced policy and the link
-//! between them at random moments; a liveness phase in which the agent node restarts
+//! between them at random moments, and at two fixed rounds makes it forbid, then permit,
+//! the call and lets one ask be decided alone (so every seed checks both outcomes); a
+//! liveness phase in which the agent node restarts
 //! (the organisation must come back from its disk) and a final ask must be decided as
 //! the last state says.
 //!
@@ -128,6 +130,44 @@ async fn change(sim: &Sim, log: &DecisionLog, models: &mut BTreeMap<u64, Model>,
     log.0.lock().unwrap().push(Entry::Changed { version });
 }
 
+/// Quiet time before a fixed decision (ms): longer than an ask's timeout, so every ask
+/// spawned before has been answered or given up, and the coordinator is free.
+const QUIET_MS: u64 = 1_000;
+/// The fixed decision's ask timeout (ms): room for its three scripted model steps at the
+/// largest injected model latency (120 ms each).
+const DECIDE_TIMEOUT_MS: u64 = 800;
+
+/// Makes the organisation forbid (`permit` false: deny) or permit (no deny, and linked
+/// if the policy is enforced) the coordinator's call, lets every earlier ask end, and
+/// asks once, waiting for the answer: the organisation decides that call with no change
+/// in between, so each seed has at least one decision of each outcome (the random
+/// changes alone can leave the call forbidden throughout: 3 seeds in 300 did).
+async fn decide_once(
+    sim: &mut Sim,
+    log: &DecisionLog,
+    models: &mut BTreeMap<u64, Model>,
+    model: &mut Model,
+    permit: bool,
+) {
+    if model.denied == permit {
+        change(sim, log, models, model, 0).await;
+    }
+    if permit && model.enforced && !model.linked {
+        change(sim, log, models, model, 2).await;
+    }
+    assert_eq!(model.permits(), permit);
+    sim.advance(Duration::from_millis(QUIET_MS)).await;
+    let answer = sim
+        .ask("coordinator", "ask fixed", Duration::from_millis(DECIDE_TIMEOUT_MS))
+        .await
+        .expect("the coordinator answers either way");
+    if permit {
+        assert_eq!(answer.text, "analyst says: fine");
+    } else {
+        assert!(answer.text.contains("call not permitted"), "{}", answer.text);
+    }
+}
+
 fn check(log: &DecisionLog, models: &BTreeMap<u64, Model>) -> (usize, usize) {
     let mut newest_returned = 0;
     let (mut permitted_count, mut refused_count) = (0, 0);
@@ -175,11 +215,16 @@ async fn no_call_is_admitted_that_the_organisation_at_admission_time_forbade() {
 
     sim.phase("safety");
     for round in 0..ROUNDS {
-        // Two fixed changes make both outcomes certain on every seed: deny at round 10
-        // (whatever else holds, denied forbids), clear the deny at round 25.
+        // Two fixed points make both outcomes certain on every seed (see `decide_once`):
+        // at round 10 the organisation is made to forbid the call (denied), at round 25
+        // to permit it (no deny, and linked if the policy is enforced).
+        match round {
+            10 => decide_once(&mut sim, &log, &mut models, &mut model, false).await,
+            25 => decide_once(&mut sim, &log, &mut models, &mut model, true).await,
+            _ => {}
+        }
         let action = match round {
-            10 if !model.denied => Some(0),
-            25 if model.denied => Some(0),
+            10 | 25 => None,
             _ => match sim.rng().range(0, 6) {
                 action @ 0..=2 => Some(action),
                 3 => {
