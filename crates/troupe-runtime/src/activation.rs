@@ -49,7 +49,7 @@ use crate::handle::{Counters, Shared};
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},
-    Actor, ActorError, AnyValue, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateStore, StoreError, Turn, TurnCommit,
+    Actor, ActorError, AnyValue, Claimed, Fence, RuntimeEvent, RuntimeHandle, StoreError, Turn, TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -444,7 +444,9 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
                 state,
                 writes: Vec::new(),
             };
-            if commit.is_empty() {
+            if commit.is_empty() || shared.aborted() {
+                // An aborted runtime (dropped, or its shutdown grace over) saves
+                // nothing beyond each actor's last committed turn.
                 Ok(())
             } else {
                 shared
@@ -829,7 +831,7 @@ struct StoreCommit {
 impl StoreCommit {
     async fn run(self, live: &mut Live, shared: &Shared) {
         let was_fenced = live.fenced.is_some();
-        let committed = store_commit(live, shared.store.as_ref(), self.commit).await;
+        let committed = store_commit(live, shared, self.commit).await;
         if !was_fenced && live.fenced.is_some() {
             // Another activation claimed this actor since (another runtime on the same
             // store): this one is stale. Ask to be deactivated at once rather than when
@@ -886,9 +888,16 @@ fn prepare_commit(live: &Live, writes: TurnWrites) -> Result<Option<TurnCommit>,
 /// Commits a turn's state change and writes atomically under the activation's fence. A
 /// refusal for a newer claim marks the activation fenced: every later request is then
 /// answered with it, unrun.
-async fn store_commit(live: &mut Live, store: &dyn StateStore, commit: TurnCommit) -> Result<(), InvokeError> {
+async fn store_commit(live: &mut Live, shared: &Shared, commit: TurnCommit) -> Result<(), InvokeError> {
+    // The runtime was aborted (dropped, or its shutdown grace is over) while the turn
+    // ran: nothing more is committed. The caller gets `Shutdown`, and the turn is rolled
+    // back like any failed one. (A commit already inside the store when the abort came
+    // completes.)
+    if shared.aborted() {
+        return Err(InvokeError::Shutdown);
+    }
     let committed = commit.state.applied_to(live.committed.clone());
-    match store.commit(live.id(), live.fence, commit).await {
+    match shared.store.commit(live.id(), live.fence, commit).await {
         Ok(()) => {
             live.committed = committed;
             Ok(())

@@ -323,6 +323,12 @@ impl Shared {
     }
 
     /// A fresh request id.
+    /// Whether the runtime was aborted (dropped without a shutdown, or its shutdown
+    /// grace is over): nothing more is committed or admitted.
+    pub(crate) fn aborted(&self) -> bool {
+        self.abort.load(Ordering::Acquire)
+    }
+
     pub(crate) fn next_call(&self) -> u64 {
         self.next_call.fetch_add(1, Ordering::Relaxed)
     }

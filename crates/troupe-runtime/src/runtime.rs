@@ -32,8 +32,10 @@ const _: () = assert!(SHUTDOWN_GRACE_MS_DEFAULT <= SHUTDOWN_GRACE_MS_MAX);
 /// once and without a grace period: the dispatcher refuses everything from then on,
 /// running turns are cancelled at their next `.await` and rolled back, queued and held
 /// requests are answered with [`InvokeError::Shutdown`](troupe_core::InvokeError::Shutdown), `on_deactivate` does not run,
-/// and nothing is saved beyond each actor's last committed turn. Every task the runtime
-/// spawned ends (an actor blocked in synchronous code ends when it next yields).
+/// and nothing is saved beyond each actor's last committed turn: a turn that reaches its
+/// commit after the drop commits nothing (a commit already inside the store completes).
+/// Every task the runtime spawned ends (an actor blocked in synchronous code ends when
+/// it next yields).
 pub struct Runtime {
     handle: RuntimeHandle,
     dispatcher: Option<tokio::task::JoinHandle<()>>,
@@ -95,6 +97,10 @@ impl Drop for Runtime {
             return; // shut down already
         }
         let shared = &self.handle.shared;
+        // Aborted from this instant, not from when the dispatcher next runs: a turn of
+        // this runtime that reaches its commit after the drop commits nothing (a
+        // process that dies commits nothing after its death either).
+        shared.abort.store(true, std::sync::atomic::Ordering::Release);
         let _ = shared.control.send(Control::Shutdown { reply: None });
         let _ = shared.control.send(Control::Abort);
     }

@@ -1,0 +1,148 @@
+//! Dropping a runtime aborts it at once: a turn that reaches its commit after the drop
+//! commits nothing, and its caller gets `Shutdown` (as a process that dies commits
+//! nothing after its death). The abort used to take effect only when the dispatcher next
+//! ran, so such a turn could still commit: `dst_agent_inbox` found it at seed 906969186,
+//! where the dropped system's turn committed an outbox entry after the restarted system
+//! had looked for pending entries, and the entry was never delivered.
+//!
+//! Runs in both builds (the madsim build runs the current_thread case on the simulator).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::Notify;
+use troupe_core::{ActorId, ActorKind, InvokeError};
+use troupe_runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, StateStore, Turn};
+
+/// The key the turn writes.
+const KEY: &str = "written";
+/// How long the test lets the dropped runtime's tasks run on (ms).
+const SETTLE_MS: u64 = 100;
+
+/// Tells `started` when its turn runs, waits for `go`, then writes `KEY`.
+struct Gated {
+    started: Arc<Notify>,
+    go: Arc<Notify>,
+}
+
+#[async_trait]
+impl Actor for Gated {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        self.started.notify_one();
+        self.go.notified().await;
+        turn.put(KEY, payload.clone())?;
+        Ok(payload)
+    }
+}
+
+struct Setup {
+    runtime: Runtime,
+    store: Arc<MemoryStore>,
+    started: Arc<Notify>,
+    go: Arc<Notify>,
+    target: ActorId,
+}
+
+fn setup() -> Setup {
+    let store = Arc::new(MemoryStore::new());
+    let (started, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (for_actor, go_for_actor) = (Arc::clone(&started), Arc::clone(&go));
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .register(
+            ActorKind::new("gated").unwrap(),
+            move |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+                Ok(Box::new(Gated {
+                    started: Arc::clone(&for_actor),
+                    go: Arc::clone(&go_for_actor),
+                }))
+            },
+            KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
+        )
+        .unwrap()
+        .start();
+    Setup {
+        runtime,
+        store,
+        started,
+        go,
+        target: ActorId::new("gated", "0").unwrap(),
+    }
+}
+
+/// Current thread: the turn is released, then the runtime is dropped before the turn's
+/// task runs again, so the turn reaches its commit after the drop, every time.
+#[tokio::test]
+async fn a_turn_that_reaches_its_commit_after_the_runtime_is_dropped_commits_nothing() {
+    let Setup {
+        runtime,
+        store,
+        started,
+        go,
+        target,
+    } = setup();
+    let handle = runtime.handle();
+    let call_target = target.clone();
+    let call = tokio::spawn(async move {
+        handle
+            .invoke_within(&call_target, Bytes::from_static(b"v"), Duration::from_secs(5))
+            .await
+    });
+    started.notified().await;
+    go.notify_one(); // the turn may go on, when its task runs next
+    drop(runtime); // ... which is after this
+    let answer = call.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(SETTLE_MS)).await;
+    let stored = store.get(&target, KEY).await.unwrap();
+    assert_eq!(stored, None, "nothing is committed after the drop");
+    assert!(
+        matches!(answer, Err(InvokeError::Shutdown)),
+        "the caller is told the runtime stopped: {answer:?}"
+    );
+}
+
+/// Worker threads: the turn may commit before the drop or not at all, and its caller's
+/// answer says which: `Ok` with the write stored, or `Shutdown` with nothing stored.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_racing_a_drop_is_answered_as_it_committed_on_worker_threads() {
+    /// Rounds of the race (each a fresh runtime).
+    const ROUNDS: usize = 50;
+    let (mut committed, mut aborted) = (0, 0);
+    for _ in 0..ROUNDS {
+        let Setup {
+            runtime,
+            store,
+            started,
+            go,
+            target,
+        } = setup();
+        let handle = runtime.handle();
+        let call_target = target.clone();
+        let call = tokio::spawn(async move {
+            handle
+                .invoke_within(&call_target, Bytes::from_static(b"v"), Duration::from_secs(5))
+                .await
+        });
+        started.notified().await;
+        go.notify_one();
+        drop(runtime);
+        let answer = call.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let stored = store.get(&target, KEY).await.unwrap();
+        match answer {
+            Ok(_) => {
+                assert_eq!(stored, Some(Bytes::from_static(b"v")), "an Ok answer was committed");
+                committed += 1;
+            }
+            Err(InvokeError::Shutdown) => {
+                assert_eq!(stored, None, "a Shutdown answer committed nothing");
+                aborted += 1;
+            }
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+    assert_eq!(committed + aborted, ROUNDS);
+}
