@@ -14,17 +14,18 @@
 #![allow(clippy::disallowed_methods, missing_docs)]
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
-use serde_json::json;
-use troupe::agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe::agent::AgentSystem;
 use troupe::core::limits::AGENT_CALL_TIMEOUT_MS_DEFAULT;
 use troupe::core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, Deadline};
-use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
+
+#[path = "support/scripted_agents.rs"]
+mod scripted_agents;
 
 struct Echo;
 
@@ -47,23 +48,7 @@ fn long_lived() -> KindConfig {
 }
 
 fn agent_system() -> AgentSystem {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("asker")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "answerer", "message": "{input}"})),
-        )
-        .rule(ScriptRule::agent("asker").on_tool_result().reply("{tool_result}"))
-        .rule(ScriptRule::agent("answerer").reply("42"))
-        .without_recording();
-    AgentSystem::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .llm(Arc::new(llm))
-        .kind_config(long_lived())
-        .agent(AgentSpec::new("asker"))
-        .agent(AgentSpec::new("answerer"))
-        .start()
-        .unwrap()
+    scripted_agents::asker_and_answerer(long_lived())
 }
 
 fn ask_vs_invoke(c: &mut Criterion) {

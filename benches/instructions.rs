@@ -16,20 +16,22 @@
 // A bench is not library code: the determinism lints are for the runtime.
 #![allow(clippy::disallowed_methods, missing_docs)]
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde_json::json;
-use tokio::sync::{mpsc, oneshot};
-use troupe::agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use tokio::sync::oneshot;
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{ActorError, KindConfig, MemoryStore, Runtime, Turn, TypedActor};
+use troupe::runtime::{KindConfig, Runtime};
 
 #[path = "support/echo.rs"]
 mod echo;
+#[path = "support/floor.rs"]
+mod floor;
+#[path = "support/scripted_agents.rs"]
+mod scripted_agents;
 
 use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
+use floor::{spawn_floor_server, TypedEcho};
 
 /// The cases, each with what one iteration is.
 const CASES: [(&str, &str); 8] = [
@@ -58,30 +60,6 @@ const SMOKE_ITERATIONS: u64 = 20;
 /// Each request's timeout: longer than any run.
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-type Request = (Bytes, oneshot::Sender<Bytes>);
-
-fn spawn_floor_server() -> mpsc::Sender<Request> {
-    let (sender, mut receiver) = mpsc::channel::<Request>(64);
-    tokio::spawn(async move {
-        while let Some((payload, reply)) = receiver.recv().await {
-            let _ = reply.send(payload);
-        }
-    });
-    sender
-}
-
-#[derive(Default, serde::Serialize, serde::Deserialize)]
-struct TypedEcho;
-
-impl TypedActor for TypedEcho {
-    type Message = u64;
-    type Reply = u64;
-
-    async fn handle(&mut self, _turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
-        Ok(message)
-    }
-}
-
 fn typed_runtime() -> Runtime {
     Runtime::builder()
         .register_typed::<TypedEcho>(
@@ -90,27 +68,6 @@ fn typed_runtime() -> Runtime {
         )
         .unwrap()
         .start()
-}
-
-/// Two scripted agents, as `benches/agents.rs` has them.
-fn agent_system() -> AgentSystem {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("asker")
-                .on_user_containing("")
-                .call("call_agent", json!({"agent_id": "answerer", "message": "{input}"})),
-        )
-        .rule(ScriptRule::agent("asker").on_tool_result().reply("{tool_result}"))
-        .rule(ScriptRule::agent("answerer").reply("42"))
-        .without_recording();
-    AgentSystem::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .llm(Arc::new(llm))
-        .kind_config(KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT))
-        .agent(AgentSpec::new("asker"))
-        .agent(AgentSpec::new("answerer"))
-        .start()
-        .unwrap()
 }
 
 /// Runs `iterations` of `case` (after one warm-up iteration that activates what the
@@ -187,7 +144,8 @@ async fn run(case: &str, iterations: u64) {
             })
         }
         "agent-step" | "call-agent" => {
-            let system = agent_system();
+            let system =
+                scripted_agents::asker_and_answerer(KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT));
             let agent = if case == "agent-step" { "answerer" } else { "asker" };
             system.ask(agent, "warm up").await.unwrap();
             tokio::spawn(async move {

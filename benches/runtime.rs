@@ -22,14 +22,17 @@ use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokio::sync::{mpsc, oneshot};
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
+use troupe::runtime::{KindConfig, Runtime};
 
 #[path = "support/echo.rs"]
 mod echo;
+#[path = "support/floor.rs"]
+mod floor;
 #[path = "support/peers.rs"]
 mod peers;
 
 use echo::echo_runtime;
+use floor::{spawn_floor_server, Request, TypedEcho};
 
 fn current_thread() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -40,18 +43,6 @@ fn current_thread() -> tokio::runtime::Runtime {
 
 fn echo(key: u64) -> ActorId {
     ActorId::new("echo", key.to_string()).unwrap()
-}
-
-type Request = (Bytes, oneshot::Sender<Bytes>);
-
-fn spawn_floor_server() -> mpsc::Sender<Request> {
-    let (sender, mut receiver) = mpsc::channel::<Request>(64);
-    tokio::spawn(async move {
-        while let Some((payload, reply)) = receiver.recv().await {
-            let _ = reply.send(payload);
-        }
-    });
-    sender
 }
 
 fn multi_thread() -> tokio::runtime::Runtime {
@@ -159,18 +150,6 @@ fn hot_round_trip(c: &mut Criterion) {
 /// Messages per batch in the fire-and-forget benchmark: below the default mailbox
 /// capacity, so no tell is refused with `Busy`.
 const TELL_BATCH: u64 = 32;
-
-#[derive(Default, serde::Serialize, serde::Deserialize)]
-struct TypedEcho;
-
-impl TypedActor for TypedEcho {
-    type Message = u64;
-    type Reply = u64;
-
-    async fn handle(&mut self, _turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
-        Ok(message)
-    }
-}
 
 /// Fire-and-forget: a batch of `TELL_BATCH` messages, then one request-reply as the
 /// barrier that shows all were handled; reported per message. The floor does the same
