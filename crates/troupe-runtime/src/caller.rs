@@ -227,7 +227,7 @@ impl Caller {
                 caller: inner.id.clone(),
             });
         }
-        if inner.handle.shared.commands.is_closed() || inner.handle.shared.abort.load(Ordering::Acquire) {
+        if inner.handle.shared.commands.is_closed() || inner.handle.shared.aborted() {
             return Err(CallRefused::ShuttingDown);
         }
         let before = inner.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -388,7 +388,7 @@ impl Caller {
             }
             .into());
         }
-        if inner.handle.shared.commands.is_closed() || inner.handle.shared.abort.load(Ordering::Acquire) {
+        if inner.handle.shared.commands.is_closed() || inner.handle.shared.aborted() {
             return Err(CallRefused::ShuttingDown.into());
         }
         if !context.extends(&inner.context) || context.depth() > AGENT_CALL_DEPTH_MAX {

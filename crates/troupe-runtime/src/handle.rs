@@ -322,13 +322,13 @@ impl Shared {
         }
     }
 
-    /// A fresh request id.
     /// Whether the runtime was aborted (dropped without a shutdown, or its shutdown
     /// grace is over): nothing more is committed or admitted.
     pub(crate) fn aborted(&self) -> bool {
         self.abort.load(Ordering::Acquire)
     }
 
+    /// A fresh request id.
     pub(crate) fn next_call(&self) -> u64 {
         self.next_call.fetch_add(1, Ordering::Relaxed)
     }
@@ -971,7 +971,7 @@ impl ReplyWait<'_> {
             }
             Waited::Closed => {
                 guard.answered = true;
-                if guard.shared.abort.load(Ordering::Acquire) {
+                if guard.shared.aborted() {
                     // The runtime stopped the activation at once (shutdown grace over, or
                     // the runtime dropped).
                     Err(InvokeError::Shutdown)
