@@ -59,24 +59,28 @@ pub(crate) async fn record_call(
     at: Deadline,
 ) -> Result<u64, ConversationError> {
     let id = crate::direct_conversation_id(caller, callee);
-    let target = conversation_actor(&id)?;
-    if !shared.direct_conversation_known(&id) {
-        let register = ConvCommand::Register {
-            conversation: id.clone(),
-            agents: vec![caller.to_string(), callee.to_string()],
-        };
-        request(turn, &index_actor(), register).await?;
-        let participants = vec![
-            Participant::Agent(caller.to_string()),
-            Participant::Agent(callee.to_string()),
-        ];
-        let create = ConvCommand::Create {
-            participants,
-            kind: ConversationKind::Direct,
-        };
-        request(turn, &target, create).await?;
-        shared.remember_direct_conversation(id);
-    }
+    let target = match shared.known_direct_conversation(&id) {
+        Some(target) => target,
+        None => {
+            let target = conversation_actor(&id)?;
+            let register = ConvCommand::Register {
+                conversation: id.clone(),
+                agents: vec![caller.to_string(), callee.to_string()],
+            };
+            request(turn, &index_actor(), register).await?;
+            let participants = vec![
+                Participant::Agent(caller.to_string()),
+                Participant::Agent(callee.to_string()),
+            ];
+            let create = ConvCommand::Create {
+                participants,
+                kind: ConversationKind::Direct,
+            };
+            request(turn, &target, create).await?;
+            shared.remember_direct_conversation(id, target.clone());
+            target
+        }
+    };
     // Unique per caller, call and instant (call ids restart with the process).
     let (mut micros, mut number) = (itoa::Buffer::new(), itoa::Buffer::new());
     let key = [

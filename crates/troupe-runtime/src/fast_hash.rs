@@ -8,10 +8,13 @@
 //! server that accepts ids from untrusted clients should bound them (they are bounded in
 //! length by `ACTOR_KEY_LENGTH_MAX`) or rate-limit creation.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// A `HashMap` with rustc's unkeyed FxHash.
 pub(crate) type FastMap<K, V> = HashMap<K, V, rustc_hash::FxBuildHasher>;
+
+/// A `HashSet` with rustc's unkeyed FxHash.
+pub(crate) type FastSet<K> = HashSet<K, rustc_hash::FxBuildHasher>;
 
 #[cfg(test)]
 mod tests {

@@ -11,7 +11,7 @@
 //! while B waits on A. Edges are keyed by call id, so several concurrent calls between
 //! the same pair are counted separately and released exactly.
 
-use std::collections::{HashMap, HashSet};
+use crate::fast_hash::{FastMap, FastSet};
 
 use troupe_core::limits::WAIT_FOR_EDGES_MAX;
 use troupe_core::ActorId;
@@ -28,15 +28,19 @@ pub(crate) enum EdgeRefused {
     Full,
 }
 
-/// The blocked-on relation between actors, with multiplicities.
+/// The blocked-on relation between actors, with multiplicities. Its tables hash with
+/// FxHash (`fast_hash.rs`): every nested call adds an edge and removes it, which cost
+/// about 1,000 instructions of a `call_agent` round trip with SipHash (callgrind,
+/// 2026-11-28), and the search's order, hence the cycle reported, is the same in every
+/// process.
 #[derive(Debug, Default)]
 pub(crate) struct WaitForGraph {
     /// Each live call: who waits on whom.
-    calls: HashMap<CallId, (ActorId, ActorId)>,
+    calls: FastMap<CallId, (ActorId, ActorId)>,
     /// Out-edges with the number of calls behind each.
-    out_edges: HashMap<ActorId, HashMap<ActorId, u32>>,
+    out_edges: FastMap<ActorId, FastMap<ActorId, u32>>,
     /// The live calls whose target runs on another node.
-    remote: HashSet<CallId>,
+    remote: FastSet<CallId>,
 }
 
 impl WaitForGraph {
@@ -113,7 +117,8 @@ impl WaitForGraph {
     /// The remote edges whose waiter is `from` or an actor `from` waits on, directly or
     /// not.
     pub(crate) fn remote_edges_reachable(&self, from: &ActorId) -> Vec<crate::WaitEdge> {
-        let mut seen: HashSet<&ActorId> = HashSet::from([from]);
+        let mut seen: FastSet<&ActorId> = FastSet::default();
+        seen.insert(from);
         let mut stack = vec![from];
         while let Some(node) = stack.pop() {
             if let Some(targets) = self.out_edges.get(node) {
@@ -168,7 +173,7 @@ impl WaitForGraph {
         }
         // Depth-first search with parent links; the graph holds only blocked actors, so
         // it is small compared with the activation table.
-        let mut parent: HashMap<&ActorId, &ActorId> = HashMap::new();
+        let mut parent: FastMap<&ActorId, &ActorId> = FastMap::default();
         let mut stack = vec![from];
         while let Some(node) = stack.pop() {
             let Some(targets) = self.out_edges.get(node) else {

@@ -36,7 +36,7 @@ pub(crate) struct AgentShared {
     /// The runtime, set once it has started: delivery tasks invoke through it.
     runtime: OnceLock<RuntimeHandle>,
     /// The direct conversations `call_record.rs` created or found in this process.
-    direct_conversations: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    direct_conversations: std::sync::Mutex<std::collections::BTreeMap<String, troupe_core::ActorId>>,
     /// External tasks (`external.rs`) whose turn runs now in this process: they read
     /// `working` (the store says `submitted` until the turn commits its outcome).
     pub(crate) external_running: std::sync::Mutex<std::collections::BTreeSet<String>>,
@@ -73,20 +73,22 @@ impl AgentShared {
         }
     }
 
-    /// Whether direct conversation `id` was created (or found) in this process.
-    pub(crate) fn direct_conversation_known(&self, id: &str) -> bool {
+    /// The actor of direct conversation `id` if it was created (or found) in this
+    /// process (kept, so a recorded call does not validate the id again).
+    pub(crate) fn known_direct_conversation(&self, id: &str) -> Option<troupe_core::ActorId> {
         self.direct_conversations
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .contains(id)
+            .get(id)
+            .cloned()
     }
 
-    /// Remembers that direct conversation `id` exists.
-    pub(crate) fn remember_direct_conversation(&self, id: String) {
+    /// Remembers that direct conversation `id` exists, as actor `actor`.
+    pub(crate) fn remember_direct_conversation(&self, id: String, actor: troupe_core::ActorId) {
         self.direct_conversations
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(id);
+            .insert(id, actor);
     }
 
     /// The model client of agent `spec`: its named provider, or the default. `None` if
