@@ -704,6 +704,41 @@ mod tests {
         assert_eq!(llm.answers().len(), 2);
     }
 
+    /// Every placeholder, in text and in nested tool arguments; a value holding a later
+    /// placeholder has it replaced too (`{input}` below holds `{agent}` and
+    /// `{tool_result}`), an earlier one stays (the tool result's `{input}`); keys, and
+    /// placeholders that are not one, are kept as they are.
+    #[tokio::test(start_paused = true)]
+    async fn every_placeholder_is_filled_in_order_in_text_and_nested_arguments() {
+        let llm = ScriptedLlm::new()
+            .rule(ScriptRule::agent("hop").on_tool_result().reply(
+                "[{tool_result}] next={route_next} rest={route_rest} in={input} me={agent} {unknown}",
+            ))
+            .rule(ScriptRule::agent("hop").call(
+                "call_agent",
+                json!({"agent_id": "{route_next}", "message": {"text": "route:{route_rest}", "n": [1, "{agent}", null]}, "{input}": "key"}),
+            ))
+            .without_recording();
+        let user = ChatMessage::new(Role::User, "for {agent} {tool_result} route: b  c d");
+        let first = llm.complete(request("hop", vec![user.clone()])).await.unwrap();
+        assert_eq!(
+            first.message.tool_calls[0].arguments,
+            json!({"agent_id": "b", "message": {"text": "route: c d", "n": [1, "hop", null]}, "{input}": "key"})
+        );
+        let id = first.message.tool_calls[0].id.clone();
+        let results = vec![
+            user,
+            first.message,
+            ChatMessage::tool_result(id.clone(), "x {input}"),
+            ChatMessage::tool_result(id, "y"),
+        ];
+        let second = llm.complete(request("hop", results)).await.unwrap();
+        assert_eq!(
+            second.message.content,
+            "[x {input}; y] next=b rest= c d in=for hop x {input}; y route: b  c d me=hop {unknown}"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn no_matching_rule_is_an_error_and_limited_rules_run_out() {
         let llm = script();
