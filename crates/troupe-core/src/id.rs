@@ -42,9 +42,16 @@ pub enum IdError {
 ///
 /// Lowercase ASCII letters, digits, `_` and `-`, 1 to
 /// [`ACTOR_KIND_LENGTH_MAX`] bytes.
-#[derive(Clone, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Clone, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(try_from = "String")]
 pub struct ActorKind(Arc<str>);
+
+/// Serialized as its text, borrowed (a string, as it is read back).
+impl Serialize for ActorKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
 
 impl PartialEq for ActorKind {
     fn eq(&self, other: &Self) -> bool {
@@ -115,8 +122,8 @@ impl fmt::Debug for ActorKind {
 /// The address of a virtual actor: it exists by this id, whether or not it is active.
 ///
 /// Displayed as `kind/key`. Cheap to clone (both parts are reference-counted).
-#[derive(Clone, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(try_from = "ActorIdWire", into = "ActorIdWire")]
+#[derive(Clone, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(try_from = "ActorIdWire")]
 pub struct ActorId {
     kind: ActorKind,
     key: Arc<str>,
@@ -187,25 +194,29 @@ impl fmt::Debug for ActorId {
 }
 
 /// The wire form of an [`ActorId`]; validated on the way in.
-#[derive(Serialize, Deserialize)]
+#[derive(Deserialize)]
 struct ActorIdWire {
     kind: ActorKind,
     key: String,
+}
+
+/// Serialized as [`ActorIdWire`] is read (a struct of `kind` and `key`), from borrowed
+/// text: ids are in every agent request and reply, and copying both strings into an
+/// owned wire struct first cost two allocations per id.
+impl Serialize for ActorId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut wire = serializer.serialize_struct("ActorIdWire", 2)?;
+        wire.serialize_field("kind", &self.kind)?;
+        wire.serialize_field("key", &*self.key)?;
+        wire.end()
+    }
 }
 
 impl TryFrom<ActorIdWire> for ActorId {
     type Error = IdError;
     fn try_from(wire: ActorIdWire) -> Result<Self, Self::Error> {
         Self::of_kind(wire.kind, wire.key)
-    }
-}
-
-impl From<ActorId> for ActorIdWire {
-    fn from(id: ActorId) -> Self {
-        Self {
-            kind: id.kind,
-            key: id.key.to_string(),
-        }
     }
 }
 
@@ -258,6 +269,40 @@ mod tests {
                 character: '\n'
             })
         ));
+    }
+
+    /// The borrowed serialization writes what an owned `{kind, key}` struct of strings
+    /// writes (the form stored and sent before it), in JSON and bincode, and reads back.
+    #[test]
+    fn ids_serialize_as_the_owned_wire_struct_did() {
+        #[derive(Serialize)]
+        struct OwnedWire {
+            kind: String,
+            key: String,
+        }
+        let id = ActorId::new("agent", "r\u{e9}searcher \"1\"").unwrap();
+        let owned = OwnedWire {
+            kind: "agent".to_string(),
+            key: id.key().to_string(),
+        };
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(json, serde_json::to_string(&owned).unwrap());
+        assert_eq!(json, "{\"kind\":\"agent\",\"key\":\"r\u{e9}searcher \\\"1\\\"\"}");
+        assert_eq!(serde_json::from_str::<ActorId>(&json).unwrap(), id);
+        assert_eq!(bincode::serialize(&id).unwrap(), bincode::serialize(&owned).unwrap());
+        assert_eq!(
+            serde_json::to_string(id.kind()).unwrap(),
+            serde_json::to_string("agent").unwrap()
+        );
+        let bad = serde_json::to_string(&OwnedWire {
+            kind: "agent".to_string(),
+            key: String::new(),
+        })
+        .unwrap();
+        assert!(
+            serde_json::from_str::<ActorId>(&bad).is_err(),
+            "an empty key is refused on the way in"
+        );
     }
 
     #[test]
