@@ -51,8 +51,13 @@ fn decode(bytes: Option<&Bytes>) -> Result<Organisation, OrgError> {
 pub(crate) struct OrgStore {
     cache: RwLock<Option<Arc<Organisation>>>,
     writer: tokio::sync::Mutex<()>,
-    /// The version of the last change, for waiters on approvals.
-    versions: tokio::sync::watch::Sender<u64>,
+    /// Woken at every change, for waiters on approvals. A `Notify`, not a `watch`
+    /// channel: a `watch` receiver waits on one of eight `Notify`s picked by tokio's
+    /// thread-local random generator, which under the simulator carries over from one
+    /// run to the next in a process, so two runs of one seed woke the waiters in a
+    /// different order (the determinism check's divergence at an approval, 2026-11-28).
+    /// A `Notify` wakes its waiters in the order they registered.
+    changed: tokio::sync::Notify,
 }
 
 /// Empties the cache unless disarmed: a change dropped mid-way leaves the next reader
@@ -75,7 +80,7 @@ impl OrgStore {
         Self {
             cache: RwLock::new(None),
             writer: tokio::sync::Mutex::new(()),
-            versions: tokio::sync::watch::channel(0).0,
+            changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -88,10 +93,9 @@ impl OrgStore {
     }
 
     fn publish(&self, org: Organisation) -> Arc<Organisation> {
-        let version = org.version();
         let org = Arc::new(org);
         *self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::clone(&org));
-        self.versions.send_replace(version);
+        self.changed.notify_waiters();
         org
     }
 
@@ -170,9 +174,11 @@ impl OrgStore {
     /// Waits until approval `id` is resolved or `deadline` passes; `None` at the
     /// deadline (or if the record is gone).
     pub(crate) async fn wait_resolved(&self, id: u64, clock: &Clock, deadline: Deadline) -> Option<ApprovalState> {
-        let mut versions = self.versions.subscribe();
         let wait = async {
             loop {
+                // Registered before the cache is read: a change published after the read
+                // wakes it (`notify_waiters` reaches every `Notified` created before it).
+                let changed = self.changed.notified();
                 let state = self
                     .cached()
                     .and_then(|org| org.approval(id).map(|approval| approval.state));
@@ -182,9 +188,7 @@ impl OrgStore {
                     None if self.cached().is_none() => {}
                     other => return other,
                 }
-                if versions.changed().await.is_err() {
-                    return None;
-                }
+                changed.await;
             }
         };
         clock.run_until(deadline, wait).await.ok().flatten()

@@ -88,7 +88,7 @@ pub(crate) struct Inner {
     routes: Mutex<HashMap<ActorId, NodeId>>,
     clients: Mutex<HashMap<NodeId, Arc<TransportClient>>>,
     pub(crate) counters: Counters,
-    fenced_off: tokio::sync::watch::Sender<Option<LeaseLostReason>>,
+    fenced_off: troupe_runtime::Latch<LeaseLostReason>,
     /// This node's open calls to other nodes made by turns, by call id (the wait-for
     /// edge's id in this runtime).
     pub(crate) remote_waits: Mutex<HashMap<u64, RemoteWaitEntry>>,
@@ -168,7 +168,7 @@ impl ClusterNode {
         let probes = ProbeChannel::new(probe_sender);
         let server = TransportServer::serve_with_probes(listener, handle.clone(), Some(Arc::new(probes.clone())))
             .map_err(|cause| ClusterError::Listen { address: listen, cause })?;
-        let (fenced_off, _) = tokio::sync::watch::channel(None);
+        let fenced_off = troupe_runtime::Latch::new();
         let now = handle.now();
         let inner = Arc::new(Inner {
             node,
@@ -266,16 +266,7 @@ impl ClusterNode {
 
     /// Resolves once the lease was lost and every activation of this node has ended.
     pub async fn fenced_off(&self) -> LeaseLostReason {
-        let mut watch = self.inner.fenced_off.subscribe();
-        loop {
-            if let Some(reason) = watch.borrow_and_update().clone() {
-                return reason;
-            }
-            if watch.changed().await.is_err() {
-                // The sender lives in `inner`, which `self` holds.
-                unreachable!("the node's fenced-off signal outlives the node");
-            }
-        }
+        self.inner.fenced_off.wait().await
     }
 
     /// Runs `payload` on `target`, wherever the cluster has it: see
@@ -632,6 +623,6 @@ impl Inner {
             let _ = end.await;
         }
         self.routes().clear();
-        self.fenced_off.send_replace(Some(reason));
+        self.fenced_off.set(reason);
     }
 }

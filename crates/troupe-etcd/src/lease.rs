@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
-use tokio::sync::watch;
 use tokio::time::Instant;
+use troupe_runtime::Latch;
 
 use crate::config::ETCD_LEASE_EXPIRY_SLACK_MS;
 use crate::error::LeaseLostReason;
@@ -27,14 +27,14 @@ use crate::error::LeaseLostReason;
 #[derive(Debug)]
 pub(crate) struct LeaseStanding {
     valid_until: Mutex<Instant>,
-    lost: watch::Sender<Option<LeaseLostReason>>,
+    lost: Latch<LeaseLostReason>,
 }
 
 impl LeaseStanding {
     pub(crate) fn new(valid_until: Instant) -> Self {
         Self {
             valid_until: Mutex::new(valid_until),
-            lost: watch::channel(None).0,
+            lost: Latch::new(),
         }
     }
 
@@ -49,7 +49,7 @@ impl LeaseStanding {
 
     /// Why the lease is lost, if it is.
     pub(crate) fn lost(&self) -> Option<LeaseLostReason> {
-        self.lost.borrow().clone()
+        self.lost.get()
     }
 
     /// Records a renewal confirmed by the server; never moves the bound back.
@@ -62,25 +62,14 @@ impl LeaseStanding {
 
     /// Marks the lease lost (the first reason wins) and wakes every waiter.
     pub(crate) fn lose(&self, reason: LeaseLostReason) {
-        self.lost.send_if_modified(|lost| {
-            if lost.is_some() {
-                return false;
-            }
+        if self.lost.set(reason.clone()) {
             tracing::warn!(?reason, "etcd lease lost");
-            *lost = Some(reason);
-            true
-        });
+        }
     }
 
     /// Waits until the lease is lost, and says why.
     pub(crate) async fn wait_lost(&self) -> LeaseLostReason {
-        let mut receiver = self.lost.subscribe();
-        let lost = receiver
-            .wait_for(Option::is_some)
-            .await
-            .expect("the sender lives as long as the standing")
-            .clone();
-        lost.expect("wait_for returned a lost lease")
+        self.lost.wait().await
     }
 }
 

@@ -51,6 +51,7 @@ pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use observer::{RuntimeEvent, RuntimeObserver};
 pub use remote::{RemoteWait, RootCallRouter, TellRoute, TurnCall, TurnCallRouter, WaitEdge};
 pub use runtime::{Runtime, RuntimeBuilder, SHUTDOWN_ABORT_WAIT_MS, SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX};
+pub use signal::Latch;
 #[cfg(feature = "sqlite")]
 pub use sqlite_store::SqliteStore;
 pub use state_store::{

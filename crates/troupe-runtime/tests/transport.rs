@@ -874,6 +874,10 @@ mod loopback {
     /// bytes read while it is held are delivered in order once released, as a healed
     /// partition (or TCP retransmission after loss) delivers them. Set the returned
     /// switch to `true` to hold, `false` to release.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "one waiter on the watch: there is no wake order to vary"
+    )]
     async fn holding_proxy(server: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
         let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
         let address = listener.local_addr().unwrap();
@@ -998,6 +1002,10 @@ mod loopback {
     /// A loopback proxy for one connection whose server → client direction can be
     /// frozen: while frozen it reads nothing from the server, like a client that stopped
     /// reading its replies. Set the returned switch to `true` to freeze.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "one waiter on the watch: there is no wake order to vary"
+    )]
     async fn freezing_proxy(server: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
         let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
         let address = listener.local_addr().unwrap();
