@@ -2,7 +2,7 @@
 //! on this node in etcd first and claims the state with the placement's fence, so the
 //! runtime's ordinary activation path becomes the cluster's ownership protocol.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -38,7 +38,10 @@ pub(crate) struct Ownership {
     placement: EtcdPlacement,
     /// Set once the node's lease is lost: every claim and commit is refused after it.
     lost: AtomicBool,
-    held: Mutex<HashMap<ActorId, Holding>>,
+    /// Ordered by id: [`Ownership::live_actors`] gives the order in which a fenced-off
+    /// node spawns the deactivations, which must not depend on a per-process hash seed
+    /// (std's `HashMap` differed between two runs of a seed in one process).
+    held: Mutex<BTreeMap<ActorId, Holding>>,
     releases: mpsc::Sender<ActorId>,
     /// Placements left from an earlier activation here, released and made anew at a claim.
     pub(crate) replaced: AtomicU64,
@@ -50,14 +53,14 @@ impl Ownership {
         let ownership = Arc::new(Self {
             placement,
             lost: AtomicBool::new(false),
-            held: Mutex::new(HashMap::new()),
+            held: Mutex::new(BTreeMap::new()),
             releases,
             replaced: AtomicU64::new(0),
         });
         (ownership, queue)
     }
 
-    fn held(&self) -> MutexGuard<'_, HashMap<ActorId, Holding>> {
+    fn held(&self) -> MutexGuard<'_, BTreeMap<ActorId, Holding>> {
         self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
