@@ -338,7 +338,10 @@ async fn run_node(index: usize, shared: Shared) {
                 tokio::time::sleep(Duration::from_millis(50 + (call * 31) % 100)).await;
             }
         };
+        // Biased: an unbiased select! draws its first branch from tokio's thread-local
+        // generator, which outlives a run (see tests/determinism_guard.rs).
         tokio::select! {
+            biased;
             () = workload => return,
             reason = node.fenced_off() => {
                 shared.note(format!("{name} lost its lease ({reason:?}) and dropped its activations"));
