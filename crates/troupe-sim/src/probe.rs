@@ -378,17 +378,24 @@ struct ForgedContext {
 
 impl Probe {
     fn deadline_us(&self, turn: &Turn) -> u64 {
-        self.config
-            .trace
-            .clock()
-            .after_us(turn.deadline().remaining(turn.now()))
+        self.trace_deadline_us(turn.deadline(), turn.now())
     }
 
     fn context_deadline_us(&self, turn: &Turn, context: &CallContext) -> u64 {
-        self.config
-            .trace
-            .clock()
-            .after_us(context.deadline().remaining(turn.now()))
+        self.trace_deadline_us(context.deadline(), turn.now())
+    }
+
+    /// `deadline` in trace time, `now` being the runtime clock's reading at the trace
+    /// clock's now: a deadline already passed is recorded as the instant it was, not as
+    /// now. (A local request may start up to a timer tick after its deadline, before its
+    /// caller's timer ends the wait; recorded as now, such a turn's deadline looked later
+    /// than its caller's, which DeadlineMonotone flagged at seed 276511766, 2026-11-28.)
+    fn trace_deadline_us(&self, deadline: Deadline, now: Deadline) -> u64 {
+        let clock = self.config.trace.clock();
+        match deadline.as_micros().checked_sub(now.as_micros()) {
+            Some(ahead) => clock.now_us().saturating_add(ahead),
+            None => clock.now_us().saturating_sub(now.as_micros() - deadline.as_micros()),
+        }
     }
 
     /// Admits a call: in the real mode through the turn's caller handle (the admission
