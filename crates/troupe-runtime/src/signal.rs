@@ -133,4 +133,41 @@ mod tests {
         assert_eq!(latch.wait().await, "first");
         assert_eq!(latch.get(), Some("first"));
     }
+
+    /// On worker threads: waiters starting while two setters race, over many rounds,
+    /// all end, each with the value that won (no wake-up lost between the read and the
+    /// registration).
+    #[cfg(not(madsim))]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn racing_setters_and_waiters_agree_on_worker_threads() {
+        for _ in 0..200 {
+            let latch = Arc::new(Latch::new());
+            let waiters: Vec<_> = (0..4)
+                .map(|_| {
+                    let latch = Arc::clone(&latch);
+                    tokio::spawn(async move { latch.wait().await })
+                })
+                .collect();
+            let setters: Vec<_> = [1_u32, 2]
+                .into_iter()
+                .map(|value| {
+                    let latch = Arc::clone(&latch);
+                    tokio::spawn(async move { latch.set(value) })
+                })
+                .collect();
+            let mut won = 0;
+            for setter in setters {
+                won += u32::from(setter.await.unwrap());
+            }
+            assert_eq!(won, 1, "exactly one set takes effect");
+            let value = latch.get().expect("set");
+            for waiter in waiters {
+                let got = tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+                    .await
+                    .expect("a waiter was not woken")
+                    .unwrap();
+                assert_eq!(got, value);
+            }
+        }
+    }
 }
