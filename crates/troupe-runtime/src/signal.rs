@@ -112,17 +112,25 @@ mod tests {
 
     use super::Latch;
 
+    /// `count` tasks waiting on `latch`.
+    fn spawn_waiters<T: Clone + Send + Sync + 'static>(
+        latch: &Arc<Latch<T>>,
+        count: usize,
+    ) -> Vec<tokio::task::JoinHandle<T>> {
+        (0..count)
+            .map(|_| {
+                let latch = Arc::clone(latch);
+                tokio::spawn(async move { latch.wait().await })
+            })
+            .collect()
+    }
+
     /// Waiters that started before and after the value was set all get the first value;
     /// a second set changes nothing.
     #[tokio::test]
     async fn a_latch_gives_every_waiter_the_first_value() {
         let latch = Arc::new(Latch::new());
-        let early: Vec<_> = (0..3)
-            .map(|_| {
-                let latch = Arc::clone(&latch);
-                tokio::spawn(async move { latch.wait().await })
-            })
-            .collect();
+        let early = spawn_waiters(&latch, 3);
         tokio::task::yield_now().await;
         assert_eq!(latch.get(), None);
         assert!(latch.set("first"));
@@ -142,12 +150,7 @@ mod tests {
     async fn racing_setters_and_waiters_agree_on_worker_threads() {
         for _ in 0..200 {
             let latch = Arc::new(Latch::new());
-            let waiters: Vec<_> = (0..4)
-                .map(|_| {
-                    let latch = Arc::clone(&latch);
-                    tokio::spawn(async move { latch.wait().await })
-                })
-                .collect();
+            let waiters = spawn_waiters(&latch, 4);
             let setters: Vec<_> = [1_u32, 2]
                 .into_iter()
                 .map(|value| {
