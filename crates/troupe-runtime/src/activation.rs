@@ -44,8 +44,9 @@ use tokio::sync::mpsc;
 use troupe_core::{ActorId, InvokeError};
 
 use crate::control::Control;
-use crate::envelope::{Envelope, MailboxReceiver, Payload, Reply, ReplyTo};
+use crate::envelope::{Envelope, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
+use crate::mailbox::MailboxReceiver;
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},

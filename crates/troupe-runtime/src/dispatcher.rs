@@ -31,7 +31,8 @@ use crate::activation::{self, ActivationStart};
 use crate::control::{CallEdge, Command, Control};
 use crate::envelope::Envelope;
 use crate::fast_hash::FastMap;
-use crate::handle::{Counters, Delivery, Route, Routes};
+use crate::handle::{Counters, Route, Routes};
+use crate::mailbox::{Delivery, Mailbox};
 use crate::observer::RuntimeEvent;
 use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
 use crate::{DispatcherStats, RuntimeHandle};
@@ -328,8 +329,8 @@ impl Dispatcher {
             }
             return Some((envelope, busy()));
         }
-        let mut routes = routes.lock();
-        let route = routes.get_mut(target).expect("an open activation has a route");
+        let routes = routes.lock();
+        let route = routes.get(target).expect("an open activation has a route");
         match route.deliver(envelope) {
             Delivery::Delivered => None,
             Delivery::Full(envelope, _) => Some((envelope, busy())),
@@ -345,20 +346,9 @@ impl Dispatcher {
 
     /// Spawns a new activation of `id` with `messages` already in its mailbox.
     fn activate(&mut self, id: ActorId, capacity: usize, messages: VecDeque<Box<Envelope>>) {
-        assert!(
-            messages.len() <= capacity,
-            "{} messages for a mailbox of {capacity}",
-            messages.len()
-        );
         let generation = self.next_generation;
         self.next_generation += 1;
-        let (mailbox, receiver) = mpsc::channel(capacity);
-        let delivered = messages.len() as u64;
-        for message in messages {
-            if let Err(error) = mailbox.try_send(message) {
-                unreachable!("a new mailbox of {capacity} refused a message: {error}");
-            }
-        }
+        let (mailbox, receiver) = Mailbox::open(capacity, messages.into_iter());
         let mut lifecycle = Lifecycle::default();
         lifecycle.apply(LifecycleEvent::Activate);
         assert!(
@@ -388,7 +378,7 @@ impl Dispatcher {
             .shared
             .routes
             .lock()
-            .insert(id.clone(), Route::open(mailbox, delivered));
+            .insert(id.clone(), Route::open(mailbox));
         assert!(previous.is_none(), "a route to {id} outlived its activation");
         Counters::add(&self.handle.shared.counters.activations_started);
     }
@@ -426,13 +416,12 @@ impl Dispatcher {
                     return;
                 }
                 let mut routes = routes.lock();
-                let route = routes.get_mut(&id).expect("an open activation has a route");
-                // Compared, and for a shared route closed, under the route's lock, which
-                // every delivery holds: nothing can be put in between.
+                let route = routes.get(&id).expect("an open activation has a route");
+                // Compared and closed under the mailbox's lock, which every delivery
+                // holds: nothing can be put in between.
                 if route.close_if_delivered(received) {
-                    // Dropping the only sender closes the mailbox: that is the order to
-                    // deactivate. The task sees the end of its mailbox, runs
-                    // on_deactivate, saves and reports back.
+                    // The closed mailbox is the order to deactivate: the task takes what
+                    // it holds, sees its end, runs on_deactivate, saves and reports back.
                     if let Some(route) = routes.remove(&id) {
                         route.close();
                     }

@@ -2,7 +2,7 @@
 //! commands and control notices are in `control.rs`).
 
 use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use troupe_core::{ActorId, CallContext, InvokeError};
 
 use crate::wait_for_graph::CallId;
@@ -110,8 +110,3 @@ pub(crate) struct Envelope {
     /// (disabled, and free, when no `tracing` subscriber wants it).
     pub(crate) span: tracing::Span,
 }
-
-/// A mailbox's sending side, owned by the dispatcher only.
-pub(crate) type MailboxSender = mpsc::Sender<Box<Envelope>>;
-/// A mailbox's receiving side, owned by the actor's task.
-pub(crate) type MailboxReceiver = mpsc::Receiver<Box<Envelope>>;

@@ -21,8 +21,9 @@ use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, Invoke
 
 use crate::caller::CallerInner;
 use crate::control::{CallEdge, Command, Control};
-use crate::envelope::{Envelope, MailboxSender, Payload, Reply, ReplyTo};
+use crate::envelope::{Envelope, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
+use crate::mailbox::{Delivery, Mailbox};
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
 
 thread_local! {
@@ -125,138 +126,58 @@ pub struct DispatcherStats {
     pub wait_for_edges: usize,
 }
 
-/// The open mailbox of one live activation, with the count of messages put into it.
-///
-/// Inline (the common case: the map's lock guards it) until an [`crate::ActorRef`] asks
-/// to cache it; then shared, with a lock of its own ([`SharedRoute`]). Only actors
-/// reached through a typed ref pay for the shared form's allocation.
-pub(crate) enum Route {
-    /// Reached only through the route map, under its lock. Removing it from the map
-    /// drops the mailbox's only sender, which closes the mailbox.
-    Inline { mailbox: MailboxSender, delivered: u64 },
-    /// Also held by typed refs' caches: its state is behind its own lock, and closing it
-    /// takes the sender out under that lock.
-    Shared(Arc<SharedRoute>),
-}
-
-/// A route that typed refs may cache: the mailbox's only sender and the count of
-/// messages put into it, behind one lock, so that every delivery and the idle check's
-/// compare-and-close exclude each other (the argument of [`Routes`], per activation).
-pub(crate) struct SharedRoute(Mutex<RouteState>);
-
-pub(crate) struct RouteState {
-    /// `None` once the dispatcher has closed the mailbox (the activation is deactivating
-    /// or gone): a cache that finds it so falls back to the map and the dispatcher.
-    mailbox: Option<MailboxSender>,
-    delivered: u64,
-}
-
-impl SharedRoute {
-    fn state(&self) -> MutexGuard<'_, RouteState> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// What became of one delivery attempt into a route.
-pub(crate) enum Delivery {
-    Delivered,
-    /// The mailbox is full; its capacity.
-    Full(Box<Envelope>, usize),
-    /// The mailbox is closed (its activation is ending, or its task has ended).
-    Closed(Box<Envelope>),
-}
-
-/// Puts `envelope` into `state`'s mailbox and counts it, if it is open and not full.
-fn deliver_into(mailbox: Option<&MailboxSender>, delivered: &mut u64, envelope: Box<Envelope>) -> Delivery {
-    let Some(mailbox) = mailbox else {
-        return Delivery::Closed(envelope);
-    };
-    match mailbox.try_send(envelope) {
-        Ok(()) => {
-            *delivered += 1;
-            Delivery::Delivered
-        }
-        Err(mpsc::error::TrySendError::Full(envelope)) => Delivery::Full(envelope, mailbox.max_capacity()),
-        Err(mpsc::error::TrySendError::Closed(envelope)) => Delivery::Closed(envelope),
-    }
-}
+/// The open mailbox of one live activation, in the route map. Removing it from the map
+/// (dropping it) closes the mailbox: that is the dispatcher's order to deactivate.
+/// Typed refs' caches hold the mailbox itself, never the route, so they keep no mailbox
+/// open.
+pub(crate) struct Route(Arc<Mailbox>);
 
 impl Route {
     /// A route for a new activation's mailbox.
-    pub(crate) fn open(mailbox: MailboxSender, delivered: u64) -> Self {
-        Self::Inline { mailbox, delivered }
+    pub(crate) fn open(mailbox: Arc<Mailbox>) -> Self {
+        Self(mailbox)
     }
 
     /// Delivers into the mailbox (the caller holds the route map's lock).
-    pub(crate) fn deliver(&mut self, envelope: Box<Envelope>) -> Delivery {
-        match self {
-            Self::Inline { mailbox, delivered } => deliver_into(Some(mailbox), delivered, envelope),
-            Self::Shared(shared) => {
-                let mut state = shared.state();
-                let RouteState { mailbox, delivered } = &mut *state;
-                deliver_into(mailbox.as_ref(), delivered, envelope)
-            }
-        }
+    pub(crate) fn deliver(&self, envelope: Box<Envelope>) -> Delivery {
+        self.0.deliver(envelope)
     }
 
     /// Whether exactly `received` messages were put into the mailbox; if so, closes it
-    /// (drops its only sender) in the same critical section. The caller holds the map's
-    /// lock and removes the route afterwards.
-    pub(crate) fn close_if_delivered(&mut self, received: u64) -> bool {
-        match self {
-            Self::Inline { delivered, .. } => *delivered == received,
-            Self::Shared(shared) => {
-                let mut state = shared.state();
-                if state.delivered != received {
-                    return false;
-                }
-                drop(state.mailbox.take());
-                true
-            }
-        }
+    /// in the same critical section (the mailbox's lock, which every delivery holds).
+    /// The caller holds the map's lock and removes the route afterwards.
+    pub(crate) fn close_if_delivered(&self, received: u64) -> bool {
+        self.0.close_if_delivered(received)
     }
 
-    /// Closes the mailbox of a route just removed from the map: an inline route's sender
-    /// goes with it; a shared one's is taken out under its lock (caches keep the rest).
-    pub(crate) fn close(self) {
-        if let Self::Shared(shared) = self {
-            drop(shared.state().mailbox.take());
-        }
-    }
+    /// Closes the mailbox of a route just removed from the map (as dropping it does).
+    pub(crate) fn close(self) {}
 
-    /// The shared form of this route, made from the inline one on first use.
-    fn share(&mut self) -> Arc<SharedRoute> {
-        if let Self::Shared(shared) = self {
-            return Arc::clone(shared);
-        }
-        let shared = Arc::new(SharedRoute(Mutex::new(RouteState {
-            mailbox: None,
-            delivered: 0,
-        })));
-        // Under the map's lock: nobody can see the placeholder state before it is filled.
-        let Self::Inline { mailbox, delivered } = std::mem::replace(self, Self::Shared(Arc::clone(&shared))) else {
-            unreachable!("checked above")
-        };
-        *shared.state() = RouteState {
-            mailbox: Some(mailbox),
-            delivered,
-        };
-        shared
+    /// The mailbox, for a typed ref's cache.
+    fn share(&self) -> Arc<Mailbox> {
+        Arc::clone(&self.0)
     }
 }
 
-/// A typed ref's cached route to its actor's current activation (empty until first
+impl Drop for Route {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+/// A typed ref's cached mailbox of its actor's current activation (empty until first
 /// use, and after that activation's mailbox closes).
 #[derive(Default)]
-pub(crate) struct RouteCache(Mutex<Option<Arc<SharedRoute>>>);
+pub(crate) struct RouteCache(Mutex<Option<Arc<Mailbox>>>);
 
 /// Open mailboxes by actor id, shared by the dispatcher and the callers' fast path.
 ///
 /// Only the dispatcher inserts and removes routes (it alone activates and deactivates);
 /// a caller without a wait-for edge may put a message into an open mailbox directly,
-/// under the lock (and, for a shared route, under the route's own lock too), which keeps
-/// `delivered` exact for the idle handshake. Lock order: a ref's cache, then this map,
-/// then a shared route's lock.
+/// found under this lock or in a typed ref's cache. Every delivery counts itself under
+/// the mailbox's own lock, which the idle handshake's compare-and-close takes too, so
+/// the count it compares is exact. Lock order: a ref's cache, then this map, then a
+/// mailbox's lock.
 #[derive(Default)]
 pub(crate) struct Routes(Mutex<FastMap<ActorId, Route>>);
 
@@ -338,21 +259,16 @@ impl Shared {
     /// (and then remembers the route in `cache`).
     fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>, cache: Option<&RouteCache>) -> FastPath {
         let Some(cache) = cache else {
-            let mut routes = self.routes.lock();
-            let Some(route) = routes.get_mut(target) else {
+            let routes = self.routes.lock();
+            let Some(route) = routes.get(target) else {
                 return FastPath::ToDispatcher(envelope);
             };
             return self.delivered(target, route.deliver(envelope));
         };
         let mut cached = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
         let mut envelope = envelope;
-        if let Some(route) = cached.as_ref() {
-            let delivery = {
-                let mut state = route.state();
-                let RouteState { mailbox, delivered } = &mut *state;
-                deliver_into(mailbox.as_ref(), delivered, envelope)
-            };
-            match delivery {
+        if let Some(mailbox) = cached.as_ref() {
+            match mailbox.deliver(envelope) {
                 Delivery::Closed(back) => {
                     // That activation is ending or gone: look for the next one.
                     *cached = None;
@@ -361,14 +277,13 @@ impl Shared {
                 delivery => return self.delivered(target, delivery),
             }
         }
-        let mut routes = self.routes.lock();
-        let Some(route) = routes.get_mut(target) else {
+        let routes = self.routes.lock();
+        let Some(route) = routes.get(target) else {
             return FastPath::ToDispatcher(envelope);
         };
-        let shared = route.share();
         let delivery = route.deliver(envelope);
         if !matches!(delivery, Delivery::Closed(_)) {
-            *cached = Some(shared);
+            *cached = Some(route.share());
         }
         self.delivered(target, delivery)
     }
@@ -1011,11 +926,10 @@ impl From<Result<Reply, oneshot::error::RecvError>> for Waited {
 
 #[cfg(test)]
 mod tests {
-    /// The route map's entry per active actor is no bigger than before routes could be
-    /// shared (a sender and a count): the shared form is paid for only by actors reached
-    /// through a typed ref.
+    /// The route map's entry per active actor is one pointer: the mailbox, which holds
+    /// the count of messages put into it.
     #[test]
-    fn an_inline_route_takes_a_sender_and_a_count() {
-        assert_eq!(std::mem::size_of::<super::Route>(), 16);
+    fn a_route_is_a_pointer_to_its_mailbox() {
+        assert_eq!(std::mem::size_of::<super::Route>(), 8);
     }
 }

@@ -29,6 +29,7 @@ mod envelope;
 mod fast_hash;
 mod handle;
 mod kind_config;
+mod mailbox;
 mod memory_store;
 mod observer;
 mod remote;

@@ -1,0 +1,361 @@
+//! An activation's mailbox: a bounded queue of envelopes from callers (and the
+//! dispatcher) to the activation's task, with the count of messages ever put into it.
+//!
+//! One lock guards the queue, the count, whether the mailbox is open and the task's
+//! waker: a delivery takes it once, a receipt once. (It replaced a tokio bounded `mpsc`
+//! channel behind a route's own lock: a delivery took the route's lock, then the
+//! channel's semaphore and its block list's atomics, and every receipt gave its permit
+//! back under the semaphore's waiter lock; see docs/architecture.md, "The mailbox".)
+//! The count is what the idle handshake compares (`Routes` in handle.rs): it changes
+//! with the queue, under the same lock, so the dispatcher's compare-and-close excludes
+//! every delivery without a second lock.
+//!
+//! ```text
+//! callers' fast path ─┐
+//!                     ├─► Mailbox::deliver ─► [lock: open? full? push, delivered += 1,
+//! dispatcher ─────────┘                        take the waker] ─► wake the task
+//! activation's task ─► MailboxReceiver::poll_recv ─► [lock: pop, or None when closed
+//!                                                    and empty, or keep the waker]
+//! dispatcher ─► Route dropped / close_if_delivered ─► closed: the task drains, then None
+//! ```
+//!
+//! Memory: one allocation per activation (this state), plus the queue's buffer, made at
+//! the first message, 8 bytes a message (envelopes are boxed), given back down to
+//! [`MAILBOX_SLOTS_KEPT`] once the queue empties after a burst.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use crate::envelope::Envelope;
+
+/// Queue slots a mailbox keeps once it has emptied after a burst (8 bytes each): the
+/// rest of its buffer is given back, so an actor that once took a burst of thousands of
+/// messages does not hold their room while it idles. A default mailbox never holds more
+/// (a smaller number made a mailbox that keeps filling up, as a batch of tells does,
+/// give its room back and grow it again at every batch: two allocations each time).
+pub(crate) const MAILBOX_SLOTS_KEPT: usize = troupe_core::limits::MAILBOX_CAPACITY_DEFAULT;
+
+/// What became of one delivery attempt into a mailbox.
+pub(crate) enum Delivery {
+    Delivered,
+    /// The mailbox is full; its capacity.
+    Full(Box<Envelope>, usize),
+    /// The mailbox is closed (its activation is ending, or its task has ended).
+    Closed(Box<Envelope>),
+}
+
+/// The mailbox's sending side, shared by the route map's entry and typed refs' caches.
+pub(crate) struct Mailbox {
+    state: Mutex<MailboxState>,
+    /// The most messages it holds at once.
+    capacity: usize,
+}
+
+struct MailboxState {
+    queue: VecDeque<Box<Envelope>>,
+    /// Messages ever put into it (the idle handshake's count).
+    delivered: u64,
+    /// Closed by the dispatcher (the activation deactivates, is fenced or ended) or by
+    /// its task (it failed to start, or ended): no more deliveries.
+    open: bool,
+    /// The task's waker, while it waits for a message.
+    waker: Option<Waker>,
+}
+
+impl Mailbox {
+    /// An open mailbox of `capacity` holding `messages` (counted as delivered), and its
+    /// receiving side.
+    ///
+    /// # Panics
+    /// If `messages` are more than `capacity` (the dispatcher holds at most a mailbox's
+    /// worth for an activation).
+    pub(crate) fn open(
+        capacity: usize,
+        messages: impl ExactSizeIterator<Item = Box<Envelope>>,
+    ) -> (Arc<Self>, MailboxReceiver) {
+        assert!(
+            messages.len() <= capacity,
+            "{} messages for a mailbox of {capacity}",
+            messages.len()
+        );
+        let queue: VecDeque<Box<Envelope>> = messages.collect();
+        let mailbox = Arc::new(Self {
+            state: Mutex::new(MailboxState {
+                delivered: queue.len() as u64,
+                queue,
+                open: true,
+                waker: None,
+            }),
+            capacity,
+        });
+        let receiver = MailboxReceiver(Arc::clone(&mailbox));
+        (mailbox, receiver)
+    }
+
+    fn state(&self) -> MutexGuard<'_, MailboxState> {
+        // Nothing panics while holding it (no envelope is dropped under it).
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Puts `envelope` into the mailbox and counts it, if it is open and not full, and
+    /// wakes the task if it waits.
+    pub(crate) fn deliver(&self, envelope: Box<Envelope>) -> Delivery {
+        let waker = {
+            let mut state = self.state();
+            if !state.open {
+                return Delivery::Closed(envelope);
+            }
+            if state.queue.len() >= self.capacity {
+                return Delivery::Full(envelope, self.capacity);
+            }
+            state.queue.push_back(envelope);
+            state.delivered += 1;
+            state.waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        Delivery::Delivered
+    }
+
+    /// Whether exactly `received` messages were ever put into it; if so, closes it in
+    /// the same critical section (nothing can be delivered in between).
+    pub(crate) fn close_if_delivered(&self, received: u64) -> bool {
+        let waker = {
+            let mut state = self.state();
+            if state.delivered != received {
+                return false;
+            }
+            state.open = false;
+            state.waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        true
+    }
+
+    /// Closes it: no more deliveries; the task takes what is queued, then sees the end.
+    pub(crate) fn close(&self) {
+        let waker = {
+            let mut state = self.state();
+            state.open = false;
+            state.waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// Whether it is closed.
+    #[cfg(test)]
+    fn is_closed(&self) -> bool {
+        !self.state().open
+    }
+}
+
+/// The mailbox's receiving side, owned by the activation's task. Dropping it closes the
+/// mailbox and drops what is still queued (those callers see their reply channel close).
+pub(crate) struct MailboxReceiver(Arc<Mailbox>);
+
+impl MailboxReceiver {
+    /// The next message; `None` once the mailbox is closed and empty. Spends a unit of
+    /// tokio's cooperative budget per message, as tokio's channels do: a task that keeps
+    /// finding messages yields after the budget (128), so senders on other workers cannot
+    /// keep it from yielding (the simulator has no budget).
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Box<Envelope>>> {
+        #[cfg(not(madsim))]
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
+        let mut state = self.0.state();
+        if let Some(envelope) = state.queue.pop_front() {
+            #[cfg(not(madsim))]
+            coop.made_progress();
+            return Poll::Ready(Some(envelope));
+        }
+        if !state.open {
+            #[cfg(not(madsim))]
+            coop.made_progress();
+            return Poll::Ready(None);
+        }
+        if state.queue.capacity() > MAILBOX_SLOTS_KEPT {
+            state.queue.shrink_to(MAILBOX_SLOTS_KEPT);
+        }
+        // The waker is cloned only when it changed: a clone and its drop are an atomic
+        // operation each on the task's reference count.
+        if !state.waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
+            state.waker = Some(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+
+    /// The next message; `None` once the mailbox is closed and empty.
+    pub(crate) async fn recv(&mut self) -> Option<Box<Envelope>> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Closes the mailbox (the task failed to start): what is queued stays to be taken.
+    pub(crate) fn close(&self) {
+        self.0.close();
+    }
+}
+
+impl Drop for MailboxReceiver {
+    fn drop(&mut self) {
+        let queued = {
+            let mut state = self.0.state();
+            state.open = false;
+            state.waker = None;
+            std::mem::take(&mut state.queue)
+        };
+        // Dropped outside the lock: an envelope's drop closes its reply channel, which
+        // wakes its caller.
+        drop(queued);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use tokio::sync::oneshot;
+    use troupe_core::{CallContext, Deadline};
+
+    use super::*;
+    use crate::envelope::{Payload, ReplyTo};
+
+    fn envelope(call: u64) -> Box<Envelope> {
+        Box::new(Envelope {
+            payload: Payload::Bytes(Bytes::new()),
+            context: CallContext::root(Deadline::from_micros(u64::MAX)),
+            reply: ReplyTo::Nobody,
+            call,
+            edge: false,
+            span: tracing::Span::none(),
+        })
+    }
+
+    fn delivered(delivery: Delivery) -> bool {
+        matches!(delivery, Delivery::Delivered)
+    }
+
+    /// Goal: first in, first out; a full mailbox refuses with its capacity and gives the
+    /// envelope back; the count counts deliveries (the initial messages included), and
+    /// `close_if_delivered` closes only at the exact count.
+    #[tokio::test]
+    async fn fifo_bounded_and_counted() {
+        let (mailbox, mut receiver) = Mailbox::open(3, [envelope(0)].into_iter());
+        assert!(delivered(mailbox.deliver(envelope(1))));
+        assert!(delivered(mailbox.deliver(envelope(2))));
+        match mailbox.deliver(envelope(3)) {
+            Delivery::Full(back, capacity) => assert_eq!((back.call, capacity), (3, 3)),
+            _ => panic!("a full mailbox took a message"),
+        }
+        assert_eq!(receiver.recv().await.unwrap().call, 0);
+        assert!(delivered(mailbox.deliver(envelope(4))));
+        for call in [1, 2, 4] {
+            assert_eq!(receiver.recv().await.unwrap().call, call);
+        }
+        assert!(!mailbox.close_if_delivered(3), "4 were delivered, not 3");
+        assert!(!mailbox.is_closed());
+        assert!(mailbox.close_if_delivered(4));
+        assert!(matches!(mailbox.deliver(envelope(5)), Delivery::Closed(back) if back.call == 5));
+        assert!(receiver.recv().await.is_none());
+    }
+
+    /// Goal: a closed mailbox still hands over what it holds, then ends; a dropped
+    /// receiver closes it and drops what was queued (their callers see the reply channel
+    /// close).
+    #[tokio::test]
+    async fn closing_drains_and_a_dropped_receiver_drops_the_queue() {
+        let (mailbox, mut receiver) = Mailbox::open(4, std::iter::empty());
+        assert!(delivered(mailbox.deliver(envelope(1))));
+        mailbox.close();
+        assert!(matches!(mailbox.deliver(envelope(2)), Delivery::Closed(_)));
+        assert_eq!(receiver.recv().await.unwrap().call, 1);
+        assert!(receiver.recv().await.is_none());
+
+        let (mailbox, receiver) = Mailbox::open(4, std::iter::empty());
+        let (reply, waiting) = oneshot::channel();
+        let mut queued = envelope(3);
+        queued.reply = ReplyTo::Caller(reply);
+        assert!(delivered(mailbox.deliver(queued)));
+        drop(receiver);
+        assert!(waiting.await.is_err(), "the queued request's reply channel closed");
+        assert!(matches!(mailbox.deliver(envelope(4)), Delivery::Closed(_)));
+    }
+
+    /// Goal: a burst's room is given back once the queue empties, down to
+    /// `MAILBOX_SLOTS_KEPT`.
+    #[tokio::test]
+    async fn a_burst_s_room_is_given_back() {
+        let (mailbox, mut receiver) = Mailbox::open(1_000, std::iter::empty());
+        for call in 0..1_000 {
+            assert!(delivered(mailbox.deliver(envelope(call))));
+        }
+        for _ in 0..1_000 {
+            receiver.recv().await.unwrap();
+        }
+        let waiting = tokio::time::timeout(Duration::from_millis(1), receiver.recv()).await;
+        assert!(waiting.is_err(), "empty and open: the receiver waits");
+        assert!(mailbox.state().queue.capacity() <= MAILBOX_SLOTS_KEPT);
+    }
+
+    /// Goal: on worker threads, messages from several senders all arrive, each sender's
+    /// in its order, none twice, and a receiver that waits is always woken (a lost
+    /// wake-up hangs the test until its timeout). Method: 4 senders x 5,000 messages into
+    /// a mailbox of 8 (so senders keep meeting a full one and retry), on 2 workers; then
+    /// the count matches and the close-if-delivered handshake succeeds exactly then.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_senders_on_worker_threads_lose_nothing() {
+        const SENDERS: u64 = 4;
+        const EACH: u64 = 5_000;
+        let (mailbox, mut receiver) = Mailbox::open(8, std::iter::empty());
+        let full = Arc::new(AtomicUsize::new(0));
+        let senders: Vec<_> = (0..SENDERS)
+            .map(|sender| {
+                let mailbox = Arc::clone(&mailbox);
+                let full = Arc::clone(&full);
+                tokio::spawn(async move {
+                    for seq in 0..EACH {
+                        let mut message = envelope(sender * EACH + seq);
+                        loop {
+                            match mailbox.deliver(message) {
+                                Delivery::Delivered => break,
+                                Delivery::Full(back, _) => {
+                                    full.fetch_add(1, Ordering::Relaxed);
+                                    message = back;
+                                    tokio::task::yield_now().await;
+                                }
+                                Delivery::Closed(_) => panic!("closed while sending"),
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        let receiving = tokio::spawn(async move {
+            let mut next = [0_u64; SENDERS as usize];
+            for _ in 0..SENDERS * EACH {
+                let call = receiver.recv().await.expect("open").call;
+                let (sender, seq) = ((call / EACH) as usize, call % EACH);
+                assert_eq!(seq, next[sender], "sender {sender}'s messages out of order");
+                next[sender] += 1;
+            }
+            receiver
+        });
+        let mut receiver = tokio::time::timeout(Duration::from_secs(60), receiving)
+            .await
+            .expect("a waiting receiver was not woken")
+            .unwrap();
+        for sender in senders {
+            sender.await.unwrap();
+        }
+        assert!(!mailbox.close_if_delivered(SENDERS * EACH - 1));
+        assert!(mailbox.close_if_delivered(SENDERS * EACH));
+        assert!(receiver.recv().await.is_none());
+        assert!(full.load(Ordering::Relaxed) > 0, "the senders never met a full mailbox");
+    }
+}
