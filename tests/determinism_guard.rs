@@ -1,5 +1,6 @@
 //! The determinism guard: library code must not read the wall clock, spawn OS threads,
-//! draw unseeded randomness, use an unbiased `select!` or a tokio `watch` channel,
+//! draw unseeded randomness, use an unbiased `select!`, a tokio `watch` channel or a
+//! randomly keyed std hash map,
 //! because each of these breaks seed replay under madsim. `clippy.toml` forbids the methods for clippy; this test
 //! scans the source so the rule holds even where clippy is not run.
 
@@ -146,6 +147,39 @@ fn no_watch_channel_in_simulated_library_code() {
     assert!(
         violations.is_empty(),
         "tokio watch channels in simulated library code (use tokio::sync::Notify or troupe_runtime::Latch):\n{}",
+        violations.join("\n")
+    );
+}
+
+/// A std `HashMap` or `HashSet` hashes with keys drawn once per thread and stepped for
+/// every new map, so two runs of a seed in one process (madsim's determinism check) see
+/// other keys and, where a map is iterated, another order (a cluster node's fenced-off
+/// deactivations were spawned so until 2026-11-28). Simulated library code uses
+/// unkeyed FxHash maps (`fast_hash.rs`, `rustc_hash`) or ordered ones; `troupe-server`
+/// is empty under the simulator.
+#[test]
+fn no_randomly_keyed_hash_map_in_simulated_library_code() {
+    let server = Path::new("crates").join("troupe-server").join("src");
+    let fast_hash = Path::new("troupe-runtime").join("src").join("fast_hash.rs");
+    let mut violations = Vec::new();
+    for file in library_sources() {
+        let name = file.to_string_lossy();
+        if name.contains(&*server.to_string_lossy()) || name.ends_with(&*fast_hash.to_string_lossy()) {
+            continue;
+        }
+        let text = fs::read_to_string(&file).unwrap();
+        for (number, line) in code_lines(&text) {
+            // `use std::collections::{HashMap, ..}` or a qualified path: the import or
+            // the use names the std module (a map through `FastMap` or `FxHashMap` does
+            // not).
+            if line.contains("collections::") && (line.contains("HashMap") || line.contains("HashSet")) {
+                violations.push(format!("{}:{}: {}", file.display(), number + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        violations.is_empty(),
+        "std hash maps (randomly keyed) in simulated library code (use FastMap/FastSet, rustc_hash::FxHashMap or a BTreeMap):\n{}",
         violations.join("\n")
     );
 }

@@ -1,6 +1,6 @@
 //! [`ClusterNode`]: one runtime in a cluster, reachable by the others over the transport.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -176,11 +176,11 @@ impl ClusterNode {
             placement,
             ownership,
             handle,
-            routes: Mutex::new(HashMap::new()),
-            clients: Mutex::new(HashMap::new()),
+            routes: Mutex::new(HashMap::default()),
+            clients: Mutex::new(HashMap::default()),
             counters: Counters::default(),
             fenced_off,
-            remote_waits: Mutex::new(HashMap::new()),
+            remote_waits: Mutex::new(HashMap::default()),
             probes,
             probe_window: Mutex::new((now, 0)),
             #[cfg(feature = "planted-bugs")]

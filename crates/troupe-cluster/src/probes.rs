@@ -24,7 +24,7 @@
 //! Only the initiator's own edge is checked by call id when the probe comes back; see
 //! docs/cluster.md for what that guarantees and what it does not.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
