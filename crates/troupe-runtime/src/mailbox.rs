@@ -122,36 +122,34 @@ impl Mailbox {
     /// Whether exactly `received` messages were ever put into it; if so, closes it in
     /// the same critical section (nothing can be delivered in between).
     pub(crate) fn close_if_delivered(&self, received: u64) -> bool {
-        let waker = {
-            let mut state = self.state();
-            if state.delivered != received {
-                return false;
-            }
-            state.open = false;
-            state.waker.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
+        let state = self.state();
+        if state.delivered != received {
+            return false;
         }
+        close_locked(state);
         true
     }
 
     /// Closes it: no more deliveries; the task takes what is queued, then sees the end.
     pub(crate) fn close(&self) {
-        let waker = {
-            let mut state = self.state();
-            state.open = false;
-            state.waker.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        close_locked(self.state());
     }
 
     /// Whether it is closed.
     #[cfg(test)]
     fn is_closed(&self) -> bool {
         !self.state().open
+    }
+}
+
+/// Closes the mailbox whose lock is `state`, then wakes its task (after the lock is let
+/// go) so that it sees the end once it has taken what is queued.
+fn close_locked(mut state: MutexGuard<'_, MailboxState>) {
+    state.open = false;
+    let waker = state.waker.take();
+    drop(state);
+    if let Some(waker) = waker {
+        waker.wake();
     }
 }
 
