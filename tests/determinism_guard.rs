@@ -124,6 +124,28 @@ fn every_select_in_library_and_test_code_is_biased() {
     );
 }
 
+/// The code lines of simulated library code (all but `troupe-server`, which is empty
+/// under the simulator, and the files ending in one of `skipped`) that `forbidden`
+/// matches, as `file:line: code`.
+fn simulated_library_lines(skipped: &[PathBuf], forbidden: impl Fn(&str) -> bool) -> Vec<String> {
+    let server = Path::new("crates").join("troupe-server").join("src");
+    let mut violations = Vec::new();
+    for file in library_sources() {
+        if file.starts_with(Path::new(env!("CARGO_MANIFEST_DIR")).join(&server))
+            || skipped.iter().any(|skip| file.ends_with(skip))
+        {
+            continue;
+        }
+        let text = fs::read_to_string(&file).unwrap();
+        for (number, line) in code_lines(&text) {
+            if forbidden(line) {
+                violations.push(format!("{}:{}: {}", file.display(), number + 1, line.trim()));
+            }
+        }
+    }
+    violations
+}
+
 /// A tokio `watch` receiver waits on one of eight `Notify`s picked by tokio's
 /// thread-local random generator, which madsim does not reset between two runs of a
 /// seed in one process: several waiters are woken in another order (the organisation's
@@ -131,19 +153,7 @@ fn every_select_in_library_and_test_code_is_biased() {
 /// (its `lib.rs`), so it may use them.
 #[test]
 fn no_watch_channel_in_simulated_library_code() {
-    let server = Path::new("crates").join("troupe-server").join("src");
-    let mut violations = Vec::new();
-    for file in library_sources() {
-        if file.to_string_lossy().contains(&*server.to_string_lossy()) {
-            continue;
-        }
-        let text = fs::read_to_string(&file).unwrap();
-        for (number, line) in code_lines(&text) {
-            if line.contains("watch::") {
-                violations.push(format!("{}:{}", file.display(), number + 1));
-            }
-        }
-    }
+    let violations = simulated_library_lines(&[], |line| line.contains("watch::"));
     assert!(
         violations.is_empty(),
         "tokio watch channels in simulated library code (use tokio::sync::Notify or troupe_runtime::Latch):\n{}",
@@ -159,24 +169,13 @@ fn no_watch_channel_in_simulated_library_code() {
 /// is empty under the simulator.
 #[test]
 fn no_randomly_keyed_hash_map_in_simulated_library_code() {
-    let server = Path::new("crates").join("troupe-server").join("src");
+    // `fast_hash.rs` builds the unkeyed maps on std's.
     let fast_hash = Path::new("troupe-runtime").join("src").join("fast_hash.rs");
-    let mut violations = Vec::new();
-    for file in library_sources() {
-        let name = file.to_string_lossy();
-        if name.contains(&*server.to_string_lossy()) || name.ends_with(&*fast_hash.to_string_lossy()) {
-            continue;
-        }
-        let text = fs::read_to_string(&file).unwrap();
-        for (number, line) in code_lines(&text) {
-            // `use std::collections::{HashMap, ..}` or a qualified path: the import or
-            // the use names the std module (a map through `FastMap` or `FxHashMap` does
-            // not).
-            if line.contains("collections::") && (line.contains("HashMap") || line.contains("HashSet")) {
-                violations.push(format!("{}:{}: {}", file.display(), number + 1, line.trim()));
-            }
-        }
-    }
+    // `use std::collections::{HashMap, ..}` or a qualified path: the import or the use
+    // names the std module (a map through `FastMap` or `FxHashMap` does not).
+    let violations = simulated_library_lines(&[fast_hash], |line| {
+        line.contains("collections::") && (line.contains("HashMap") || line.contains("HashSet"))
+    });
     assert!(
         violations.is_empty(),
         "std hash maps (randomly keyed) in simulated library code (use FastMap/FastSet, rustc_hash::FxHashMap or a BTreeMap):\n{}",
