@@ -319,6 +319,33 @@ impl fmt::Debug for RuntimeHandle {
     }
 }
 
+/// A handle that does not keep its runtime alive: for what the runtime itself owns
+/// (an actor factory, something a factory shares with its actors) and must reach the
+/// runtime without holding it. A strong [`RuntimeHandle`] there would be a reference
+/// cycle (the runtime owns the factory, the factory the handle), and a runtime in one
+/// is never freed, nor anything it holds (its store, its actors' factories), after
+/// the last outside handle is dropped.
+#[derive(Clone)]
+pub struct WeakRuntimeHandle {
+    shared: std::sync::Weak<Shared>,
+}
+
+impl WeakRuntimeHandle {
+    /// The runtime, while anything else still holds it; `None` once it has been
+    /// dropped.
+    pub fn upgrade(&self) -> Option<RuntimeHandle> {
+        self.shared.upgrade().map(|shared| RuntimeHandle { shared })
+    }
+}
+
+impl fmt::Debug for WeakRuntimeHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WeakRuntimeHandle")
+            .field("alive", &(self.shared.strong_count() > 0))
+            .finish()
+    }
+}
+
 /// Owns the reply receiver of one request while its caller waits. When the wait ends
 /// without a reply (timeout, the caller's future dropped, its turn ended), dropping the
 /// guard closes the receiver first, so the callee's turn sees its caller gone and is
@@ -351,6 +378,13 @@ impl Drop for WaitGuard<'_> {
 }
 
 impl RuntimeHandle {
+    /// A [`WeakRuntimeHandle`] to this runtime, which does not keep it alive.
+    pub fn downgrade(&self) -> WeakRuntimeHandle {
+        WeakRuntimeHandle {
+            shared: Arc::downgrade(&self.shared),
+        }
+    }
+
     /// The runtime's clock.
     pub fn clock(&self) -> Clock {
         self.shared.clock

@@ -46,7 +46,7 @@ mod wait_for_graph;
 pub use actor::{Actor, ActorError, ActorFactory, AnyValue, ANY_VALUE_INLINE_BYTES};
 pub use caller::{Admitted, Caller};
 pub use clock::Clock;
-pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle};
+pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle, WeakRuntimeHandle};
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use observer::{RuntimeEvent, RuntimeObserver};

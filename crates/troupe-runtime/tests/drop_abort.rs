@@ -108,3 +108,21 @@ async fn a_turn_racing_a_drop_is_answered_as_it_committed_on_worker_threads() {
         }
     }
 }
+
+/// A `WeakRuntimeHandle` (what a factory keeps to reach its runtime without a reference
+/// cycle) reaches the runtime while it lives, and no longer once the runtime is dropped
+/// and its tasks (the dispatcher, the activations) have ended: the weak handle alone
+/// keeps nothing alive.
+#[tokio::test]
+async fn a_weak_handle_reaches_the_runtime_only_while_it_lives() {
+    let runtime = Runtime::builder().start();
+    let weak = runtime.downgrade();
+    let upgraded = weak.upgrade().expect("the runtime lives");
+    drop(upgraded);
+    drop(runtime);
+    tokio::time::sleep(Duration::from_millis(SETTLE_MS)).await;
+    assert!(
+        weak.upgrade().is_none(),
+        "nothing but the weak handle refers to the dropped runtime"
+    );
+}

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use troupe_core::Deadline;
-use troupe_runtime::{Clock, RuntimeHandle};
+use troupe_runtime::{Clock, RuntimeHandle, WeakRuntimeHandle};
 
 use crate::{AgentDirectory, AgentEvent, AgentObserver, AgentSpec, LlmClient, ToolRegistry, ToolSpec};
 
@@ -33,8 +33,11 @@ pub(crate) struct AgentShared {
     /// The runtime's clock, set once the runtime has started (before any agent can
     /// activate): the time of the events the hooks report, which have no turn at hand.
     clock: OnceLock<Clock>,
-    /// The runtime, set once it has started: delivery tasks invoke through it.
-    runtime: OnceLock<RuntimeHandle>,
+    /// The runtime, set once it has started: delivery tasks invoke through it. Weak:
+    /// the runtime owns this (through the agent and conversation factories), so a
+    /// strong handle here would be a cycle that keeps a dropped system, its store and
+    /// everything in them alive for as long as the process lives.
+    runtime: OnceLock<WeakRuntimeHandle>,
     /// The direct conversations `call_record.rs` created or found in this process.
     direct_conversations: std::sync::Mutex<std::collections::BTreeMap<String, troupe_core::ActorId>>,
     /// External tasks (`external.rs`) whose turn runs now in this process: they read
@@ -104,7 +107,7 @@ impl AgentShared {
     /// Records the runtime the agents run in (and its clock); the first call wins.
     pub(crate) fn set_runtime(&self, runtime: RuntimeHandle) {
         let _ = self.clock.set(runtime.clock());
-        let _ = self.runtime.set(runtime);
+        let _ = self.runtime.set(runtime.downgrade());
     }
 
     /// Refuses to build actor `id` before the runtime was attached
@@ -118,9 +121,9 @@ impl AgentShared {
         )))
     }
 
-    /// The runtime, once started.
+    /// The runtime, once started and while it has not been dropped.
     pub(crate) fn runtime(&self) -> Option<RuntimeHandle> {
-        self.runtime.get().cloned()
+        self.runtime.get().and_then(WeakRuntimeHandle::upgrade)
     }
 
     /// The current time on the runtime's clock.
