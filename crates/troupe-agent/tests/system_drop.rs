@@ -15,13 +15,19 @@
 //! at 2 or more for good, and the test fails after `RELEASE_WAIT_MS` naming the counts.
 //! On tokio (2 worker threads, and current_thread); not under the simulator, whose
 //! tasks end with its run.
+//!
+//! Also here: a turn of a dropped system starts no further model request (it used to
+//! ask its model about the `ShuttingDown` refusals its last tools got, in a process that
+//! was gone: a random-base sweep's `dst_org_approvals` seed 1894390107 saw the dead
+//! process's model request).
 #![cfg(not(madsim))]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use troupe_agent::{AgentSpec, AgentSystem, ConversationKind, Participant, ScriptRule, ScriptedLlm, Sender};
+use tokio::sync::Notify;
+use troupe_agent::{AgentSpec, AgentSystem, ConversationKind, Participant, ScriptRule, ScriptedLlm, Sender, Tool};
 use troupe_runtime::MemoryStore;
 
 /// How long the dropped system's tasks get to end (ms): they are aborted at the drop and
@@ -131,4 +137,53 @@ async fn a_dropped_agent_system_frees_its_runtime_on_one_thread() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shut_down_agent_system_frees_its_runtime() {
     shut_down_system_is_freed().await;
+}
+
+/// Goal: once its system is dropped, a turn asks its model nothing more. Method: `a`'s
+/// model calls the tool `gate`, which tells the test it runs and waits; the test lets
+/// it finish and drops the system at once, on the same thread, so the turn goes on
+/// after the drop every time (its task was woken before the dispatcher's). The turn
+/// then ends (its caller is told the runtime stopped) without the second model request
+/// that would read the tool's result: the model saw one request.
+#[tokio::test]
+async fn a_turn_of_a_dropped_system_makes_no_further_model_request() {
+    let (started, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (tool_started, tool_go) = (Arc::clone(&started), Arc::clone(&go));
+    let gate = Tool::from_fn(
+        "gate",
+        "waits until the test opens it",
+        json!({"type": "object"}),
+        move |_context, _arguments| {
+            let (started, go) = (Arc::clone(&tool_started), Arc::clone(&tool_go));
+            async move {
+                started.notify_one();
+                go.notified().await;
+                Ok("opened".to_string())
+            }
+        },
+    );
+    let llm = Arc::new(
+        ScriptedLlm::new()
+            .rule(ScriptRule::agent("a").on_user_containing("").call("gate", json!({})))
+            .rule(ScriptRule::agent("a").on_tool_result().reply("done")),
+    );
+    let system = AgentSystem::builder()
+        .llm(Arc::clone(&llm) as _)
+        .agent(AgentSpec::new("a"))
+        .tool(gate)
+        .start()
+        .unwrap();
+    let client = system.client();
+    let ask = tokio::spawn(async move { client.ask("a", "open the gate").await });
+    started.notified().await;
+    go.notify_one(); // the tool may finish, when the turn's task runs next
+    drop(system);
+    let answer = ask.await.unwrap();
+    assert!(answer.is_err(), "the dropped system's turn does not answer: {answer:?}");
+    assert_eq!(
+        llm.requests_of("a").len(),
+        1,
+        "no model request after the drop: {:#?}",
+        llm.requests_of("a")
+    );
 }

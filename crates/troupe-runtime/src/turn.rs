@@ -110,6 +110,16 @@ impl Turn {
         self.home.handle.clock()
     }
 
+    /// Whether this turn's runtime was aborted: dropped without a shutdown, or its
+    /// shutdown grace ran out. Nothing this turn does from then on is committed, and its
+    /// task is cancelled at its next `.await` once the dispatcher gets to it; calls it
+    /// makes are refused (`ShuttingDown`). A turn that does work outside the runtime
+    /// between its awaits (a model request, a tool with effects) should check this and
+    /// stop rather than start more work for a process that is gone.
+    pub fn runtime_aborted(&self) -> bool {
+        self.home.handle.shared.aborted()
+    }
+
     /// This turn's handle for calling other actors; clone it into tools and tasks.
     pub fn caller(&self) -> &Caller {
         self.caller

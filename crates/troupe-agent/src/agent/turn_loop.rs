@@ -116,6 +116,14 @@ impl AgentActor {
         })
     }
 
+    /// The error of a turn whose runtime was aborted: the same [`InvokeError::Shutdown`]
+    /// its caller gets when the runtime cancels the turn.
+    ///
+    /// [`InvokeError::Shutdown`]: troupe_core::InvokeError::Shutdown
+    fn runtime_aborted(&self) -> ActorError {
+        ActorError::Invoke(troupe_core::InvokeError::Shutdown)
+    }
+
     /// Runs one conversation turn (see `converse_steps`) and reports its end
     /// ([`AgentEvent::TurnEnded`]) when anyone listens.
     pub(crate) async fn converse(
@@ -209,6 +217,13 @@ impl AgentActor {
                     self.id
                 )));
             }
+            // A runtime that was aborted (dropped, or its shutdown grace over) commits
+            // nothing more of this turn: no further model request or tool is started
+            // for it (the tool results of its last step may be refusals the model would
+            // otherwise be asked about).
+            if turn.runtime_aborted() {
+                return Err(self.runtime_aborted());
+            }
             let max_tokens = match meter.model_call_cap() {
                 Ok(cap) => cap,
                 Err(error) => return Ok(exhausted(steps, usage, error)),
@@ -274,6 +289,9 @@ impl AgentActor {
             if message.tool_calls.is_empty() {
                 fresh.push(message);
                 break;
+            }
+            if turn.runtime_aborted() {
+                return Err(self.runtime_aborted());
             }
             let Ok(results) = clock
                 .run_until(deadline, self.run_tools(&tools, &message.tool_calls))
