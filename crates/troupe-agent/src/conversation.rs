@@ -810,7 +810,14 @@ impl ConversationActor {
             ));
         }
         let sender = sender?;
-        let runtime = self.shared.runtime()?;
+        // Never absent during a turn (the turn holds the runtime); if it were, refuse
+        // rather than skip the organisation's check.
+        let Some(runtime) = self.shared.runtime() else {
+            return Some((
+                NoteKind::NotPermitted,
+                "the organisation is unavailable: the runtime has stopped".to_string(),
+            ));
+        };
         let decision = match self.shared.org.current(runtime.store().as_ref()).await {
             Ok(org) => org.decide(sender, agent, ContactKind::Notify),
             Err(error) => {
@@ -848,7 +855,7 @@ impl ConversationActor {
         }
         let record: RelayRecord = from_json(&key, &bytes)?;
         let Some(runtime) = self.shared.runtime() else {
-            return Err(ActorError::failed("the runtime has not started"));
+            return Err(ActorError::failed("the runtime has not started, or has stopped"));
         };
         let conversation = self.id.key().to_string();
         let entry = InboxEntry {
@@ -950,7 +957,7 @@ pub(crate) async fn read_committed(
 ) -> Result<Vec<ConversationMessage>, ConversationError> {
     let Some(runtime) = shared.runtime() else {
         return Err(ConversationError::Unavailable {
-            cause: "the runtime has not started".to_string(),
+            cause: "the runtime has not started, or has stopped".to_string(),
         });
     };
     let after = after.map(message_key);

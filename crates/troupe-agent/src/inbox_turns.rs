@@ -434,7 +434,7 @@ impl AgentActor {
         };
         let out: OutboxEntry = from_json(&key, &bytes)?;
         let Some(runtime) = self.shared.runtime() else {
-            return Err(ActorError::failed("the agent system has not started"));
+            return Err(ActorError::failed("the agent system has not started, or has stopped"));
         };
         self.relaying.insert(seq);
         let shared = std::sync::Arc::clone(&self.shared);

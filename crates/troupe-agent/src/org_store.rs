@@ -231,7 +231,7 @@ fn unavailable(contact: &Contact<'_>, cause: impl std::fmt::Display) -> NotPermi
 fn contact_runtime(shared: &crate::agent::AgentShared, contact: &Contact<'_>) -> Result<RuntimeHandle, NotPermitted> {
     shared
         .runtime()
-        .ok_or_else(|| unavailable(contact, "the runtime has not started"))
+        .ok_or_else(|| unavailable(contact, "the runtime has not started, or has stopped"))
 }
 
 fn refusal(contact: &Contact<'_>, reason: NotPermittedReason) -> NotPermitted {
