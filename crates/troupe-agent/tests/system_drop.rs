@@ -38,8 +38,9 @@ const RELEASE_POLL_MS: u64 = 10;
 /// The conversation the test posts in.
 const CONVERSATION: &str = "standup";
 
-/// `asker` asks `answerer` through `call_agent`; `answerer` answers "42"; both answer a
-/// mention in a conversation with a line of their own.
+/// `asker` asks `answerer` through `call_agent` when asked about 6 x 7, and answers
+/// anything else (the conversation's mention) with a line of its own; `answerer`
+/// answers "42".
 fn script() -> ScriptedLlm {
     ScriptedLlm::new()
         .rule(
