@@ -27,14 +27,18 @@ use std::time::Duration;
 
 use serde_json::json;
 use tokio::sync::Notify;
-use troupe_agent::{AgentSpec, AgentSystem, ConversationKind, Participant, ScriptRule, ScriptedLlm, Sender, Tool};
-use troupe_runtime::MemoryStore;
+use troupe_agent::{
+    AgentSpec, AgentSystem, ConversationKind, Participant, ScriptRule, ScriptedLlm, Sender, TaskState, Tool,
+};
+use troupe_runtime::{MemoryStore, Runtime};
 
 /// How long the dropped system's tasks get to end (ms): they are aborted at the drop and
 /// end at their next poll, well within it.
 const RELEASE_WAIT_MS: u64 = 5_000;
 /// How often the test looks at the counts meanwhile (ms).
 const RELEASE_POLL_MS: u64 = 10;
+/// The shutdown grace of the systems with a task in flight (ms).
+const SHUTDOWN_GRACE_MS: u64 = 200;
 /// The conversation the test posts in.
 const CONVERSATION: &str = "standup";
 
@@ -187,4 +191,102 @@ async fn a_turn_of_a_dropped_system_makes_no_further_model_request() {
         "no model request after the drop: {:#?}",
         llm.requests_of("a")
     );
+}
+
+/// Starts a system on `store` and `llm` whose `asker` delegates a task to `answerer`
+/// (waited for until it completed) and notifies it; then delegates a second task whose
+/// answer is held up by the tool `hold` (which never returns): the outbox, the inbox and
+/// a delegated turn are all in use when the system goes. Returns the running system.
+async fn system_with_tasks(store: &Arc<MemoryStore>, llm: &Arc<ScriptedLlm>) -> AgentSystem {
+    let hold = Tool::from_fn(
+        "hold",
+        "never returns",
+        json!({"type": "object"}),
+        |_context, _arguments| async move {
+            std::future::pending::<()>().await;
+            Ok(String::new())
+        },
+    );
+    // A short grace: the held turn never ends, so a shutdown waits all of it.
+    let runtime = Runtime::builder()
+        .shutdown_grace(Duration::from_millis(SHUTDOWN_GRACE_MS))
+        .unwrap();
+    let system = AgentSystem::builder()
+        .runtime(runtime)
+        .store(Arc::clone(store) as _)
+        .llm(Arc::clone(llm) as _)
+        .agent(AgentSpec::new("asker"))
+        .agent(AgentSpec::new("answerer"))
+        .tool(hold)
+        .start()
+        .unwrap();
+    let client = system.client();
+    let task = client
+        .delegate("asker", "answerer", "what is 6 x 7?", None)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(RELEASE_WAIT_MS);
+    loop {
+        let status = client.task("asker", &task).await.unwrap();
+        if status
+            .as_ref()
+            .is_some_and(|status| status.state == TaskState::Completed)
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the delegated task did not complete within {RELEASE_WAIT_MS} ms: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(RELEASE_POLL_MS)).await;
+    }
+    client.notify("answerer", "fyi: the report is out").await.unwrap();
+    let held = client.delegate("asker", "answerer", "hold this", None).await.unwrap();
+    // Wait until the held task is being worked on: its turn runs when the system goes.
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(RELEASE_WAIT_MS);
+    while !llm
+        .requests_of("answerer")
+        .iter()
+        .any(|request| format!("{request:?}").contains("hold this"))
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the held task did not reach its delegatee within {RELEASE_WAIT_MS} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(RELEASE_POLL_MS)).await;
+    }
+    let _ = held;
+    system
+}
+
+/// `answerer` holds a task on "hold this" (calls `hold`), and answers anything else with
+/// "42"; `asker` answers every result or notice it gets with "noted".
+fn task_script() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("answerer")
+                .on_user_containing("hold this")
+                .call("hold", json!({})),
+        )
+        .rule(ScriptRule::agent("answerer").reply("42"))
+        .rule(ScriptRule::agent("asker").reply("noted"))
+}
+
+/// Goal: a system whose agents delegated and notified (outbox and inbox deliveries, a
+/// delegated turn still running) is freed when dropped or shut down, like one that used
+/// only `call_agent` and conversations. Method as above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_system_with_delegated_tasks_frees_its_runtime() {
+    let (store, llm) = (Arc::new(MemoryStore::new()), Arc::new(task_script()));
+    let system = system_with_tasks(&store, &llm).await;
+    drop(system);
+    assert_released(&store, &llm, "dropped with a task in flight").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shut_down_system_with_delegated_tasks_frees_its_runtime() {
+    let (store, llm) = (Arc::new(MemoryStore::new()), Arc::new(task_script()));
+    let system = system_with_tasks(&store, &llm).await;
+    system.shutdown().await;
+    assert_released(&store, &llm, "shut down with a task in flight").await;
 }
