@@ -744,3 +744,68 @@ async fn commit_latency_of_postgres_and_sqlite_file_is_printed() {
     println!("  postgres (loopback): median {postgres_median} us, p99 {postgres_p99} us");
     println!("  sqlite file:         median {sqlite_median} us, p99 {sqlite_p99} us");
 }
+
+/// The connections to `database` other than the asking one, as the server counts them.
+async fn connections_to(observer: &tokio_postgres::Client, database: &str) -> i64 {
+    observer
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&database],
+        )
+        .await
+        .expect("read pg_stat_activity")
+        .get(0)
+}
+
+/// Goal: a runtime on a `PostgresStore` that ends (shut down, or dropped) closes every
+/// connection its store's pool opened: a process that restarts its runtime must not
+/// leave connections open on the server until it runs out of them. Method: 16 counters
+/// are incremented at once (so the pool opens several connections); the server must
+/// then count that many connections to the database, and none within
+/// `CLOSE_WAIT_MS` of the end. Once for a shutdown, once for a drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_runtime_closes_its_stores_connections() {
+    /// Counters incremented at once.
+    const COUNTERS: usize = 16;
+    /// How long the server gets to see the connections closed (ms).
+    const CLOSE_WAIT_MS: u64 = 10_000;
+    let server = TestServer::start("connections");
+    let config = server.create_database("connections").await;
+    let observer = direct_client(&config).await;
+    for shut_down in [true, false] {
+        let runtime = start_runtime(PostgresStore::connect(&config).await.expect("connect a store"));
+        let handle = runtime.handle();
+        let mut sends = tokio::task::JoinSet::new();
+        for counter in 0..COUNTERS {
+            let handle = handle.clone();
+            sends.spawn(async move { send(&handle, &actor("counter", &format!("c{counter}")), "add").await });
+        }
+        while let Some(sent) = sends.join_next().await {
+            sent.expect("a send task").expect("an increment");
+        }
+        drop(handle);
+        let open = connections_to(&observer, "connections").await;
+        assert!(
+            open >= 2,
+            "the pool opened several connections for concurrent turns: {open}"
+        );
+        if shut_down {
+            runtime.shutdown().await;
+        } else {
+            drop(runtime);
+        }
+        let started = Instant::now();
+        loop {
+            let open = connections_to(&observer, "connections").await;
+            if open == 0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < std::time::Duration::from_millis(CLOSE_WAIT_MS),
+                "{CLOSE_WAIT_MS} ms after the runtime ended (shut down: {shut_down}), {open} of its store's \
+                 connections are still open"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+}
