@@ -225,14 +225,15 @@ async fn an_a2a_message_continues_the_callers_trace_id_and_its_task_names_it() {
     assert!(TraceId::parse_hex(&fresh).is_some(), "{answer}");
     assert_eq!(agents_traced(&fresh), ["echo"]);
 
-    // Without metadata: the traceparent header's.
-    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    // Without metadata: the traceparent header's (another id than the other tests' header:
+    // the turns of every test in this process are captured together).
+    let traceparent = "00-5cf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let (status, _, answer) = post(&server, "/a2a/echo", a2a_send("m3", None), Some(traceparent)).await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(
         answer["result"]["task"]["metadata"]["troupe"]["trace_id"],
-        "4bf92f3577b34da6a3ce929d0e0e4736"
+        "5cf92f3577b34da6a3ce929d0e0e4736"
     );
-    assert_eq!(agents_traced("4bf92f3577b34da6a3ce929d0e0e4736"), ["echo"]);
+    assert_eq!(agents_traced("5cf92f3577b34da6a3ce929d0e0e4736"), ["echo"]);
     server.stop().await;
 }
