@@ -818,7 +818,12 @@ impl ConversationActor {
                 "the organisation is unavailable: the runtime has stopped".to_string(),
             ));
         };
-        let decision = match self.shared.org.current(runtime.store().as_ref()).await {
+        let decision = match self
+            .shared
+            .org
+            .current(runtime.store().as_ref(), &runtime.clock())
+            .await
+        {
             Ok(org) => org.decide(sender, agent, ContactKind::Notify),
             Err(error) => {
                 return Some((

@@ -117,7 +117,9 @@ pub use org::{
     ORG_APPROVALS_RESOLVED_KEPT_MAX, ORG_APPROVAL_MESSAGE_SIZE_MAX_BYTES, ORG_LINKS_MAX, ORG_PROMPT_AGENTS_LISTED_MAX,
     ORG_RULES_PER_AGENT_MAX,
 };
-pub use org_store::{ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX};
+pub use org_store::{
+    ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS, ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX,
+};
 pub use permissions::{
     match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,
     PERMISSION_TARGET_ANY,

@@ -18,21 +18,30 @@ use crate::{
 };
 
 impl AgentClient {
-    /// The organisation as admission sees it now (read from the store the first time).
+    /// The organisation as admission sees it now: read from the store the first time,
+    /// and again once the copy this process holds is older than
+    /// [`crate::ORG_CACHE_MAX_AGE_MS`] (another process's changes).
     ///
     /// # Errors
     /// [`OrgError::Store`] or [`OrgError::Decode`].
     pub async fn organisation(&self) -> Result<Arc<Organisation>, OrgError> {
-        self.shared.org.current(self.runtime.store().as_ref()).await
+        self.shared
+            .org
+            .current(self.runtime.store().as_ref(), &self.runtime.clock())
+            .await
     }
 
-    /// Reads the organisation from the store again: changes made by another process on
-    /// the same store are seen from then on.
+    /// Reads the organisation from the store again at once: changes made by another
+    /// process on the same store are seen from then on (without it, at most
+    /// [`crate::ORG_CACHE_MAX_AGE_MS`] later).
     ///
     /// # Errors
     /// As [`AgentClient::organisation`].
     pub async fn reload_org(&self) -> Result<Arc<Organisation>, OrgError> {
-        self.shared.org.reload(self.runtime.store().as_ref()).await
+        self.shared
+            .org
+            .reload(self.runtime.store().as_ref(), &self.runtime.clock())
+            .await
     }
 
     /// Applies `change` and reports it as [`AgentEvent::OrgChanged`] once committed.
@@ -44,7 +53,7 @@ impl AgentClient {
         let output = self
             .shared
             .org
-            .change(self.runtime.store().as_ref(), |org| {
+            .change(self.runtime.store().as_ref(), &self.runtime.clock(), |org| {
                 let output = change(org)?;
                 version = org.version();
                 Ok(output)

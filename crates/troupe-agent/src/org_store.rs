@@ -7,16 +7,27 @@
 //!             ─► commit(fence, new state) ─► cache = new state ─► version watchers woken
 //!             (Fenced: another process changed it meanwhile → claim again, at most
 //!              ORG_WRITE_ATTEMPTS_MAX times)
-//! current():  the cache, or a load from the store the first time
+//! current():  the cache while it is younger than ORG_CACHE_MAX_AGE_MS, else a load
+//!             from the store (the first time, and after that age)
 //! ```
 //!
-//! Guarantee: once a change has returned, every later admission in this process reads
-//! it (the cache is replaced before `change` returns). A change whose future is dropped
-//! mid-way empties the cache, so the next read loads what the store holds. Another
-//! process sharing the store sees the change after [`crate::AgentClient::reload_org`];
-//! this cache is per process.
+//! Guarantees:
+//! - Once a change has returned, every later admission in this process reads it (the
+//!   cache is replaced before `change` returns). A change whose future is dropped
+//!   mid-way empties the cache, so the next read loads what the store holds.
+//! - Another process sharing the store (two processes on one SQLite file or one
+//!   PostgreSQL database) sees a change at most [`ORG_CACHE_MAX_AGE_MS`] after it was
+//!   committed, while its store answers: a read of an older cache loads the
+//!   organisation again, and a call waiting for an approval looks again at that age, so
+//!   an approval resolved in the other process reaches it too.
+//!   [`crate::AgentClient::reload_org`] reads it at once.
+//! - A load that fails keeps the cache (logged) while it is younger than
+//!   [`ORG_CACHE_STALE_MAX_MS`], and the next read tries again; an older cache (or none)
+//!   makes admission refuse with `Unavailable`: no contact is decided on an organisation
+//!   that old.
 
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use bytes::Bytes;
 use troupe_core::{ActorId, Deadline, StoreError};
@@ -32,6 +43,14 @@ pub const ORG_STORE_KEY: &str = "org";
 /// How many times one change claims the organisation again when another process
 /// changed it between the claim and the commit.
 pub const ORG_WRITE_ATTEMPTS_MAX: u32 = 3;
+/// How long a process decides on the organisation it read before it reads the store
+/// again, in milliseconds: the most another process's change can take to reach its
+/// admission (while the store answers). One store read per this period at most, and
+/// only when something is admitted.
+pub const ORG_CACHE_MAX_AGE_MS: u64 = 1_000;
+/// How old a cached organisation may become while the store fails to give a newer one,
+/// in milliseconds; past it, admission refuses (`Unavailable`) until a load succeeds.
+pub const ORG_CACHE_STALE_MAX_MS: u64 = 30_000;
 
 /// The organisation's actor id in the store.
 pub(crate) fn org_store_id() -> ActorId {
@@ -47,9 +66,23 @@ fn decode(bytes: Option<&Bytes>) -> Result<Organisation, OrgError> {
     }
 }
 
+/// The organisation as this process last read or wrote it, and when (the runtime's
+/// clock).
+struct Cached {
+    org: Arc<Organisation>,
+    read_at: Deadline,
+}
+
+impl Cached {
+    /// Its age at `now`, in milliseconds.
+    fn age_ms(&self, now: Deadline) -> u64 {
+        now.as_micros().saturating_sub(self.read_at.as_micros()) / 1_000
+    }
+}
+
 /// The cache and the writers' lock (one per system).
 pub(crate) struct OrgStore {
-    cache: RwLock<Option<Arc<Organisation>>>,
+    cache: RwLock<Option<Cached>>,
     writer: tokio::sync::Mutex<()>,
     /// Woken at every change, for waiters on approvals. A `Notify`, not a `watch`
     /// channel: a `watch` receiver waits on one of eight `Notify`s picked by tokio's
@@ -63,7 +96,7 @@ pub(crate) struct OrgStore {
 /// Empties the cache unless disarmed: a change dropped mid-way leaves the next reader
 /// to load what the store holds.
 struct ClearOnDrop<'a> {
-    cache: &'a RwLock<Option<Arc<Organisation>>>,
+    cache: &'a RwLock<Option<Cached>>,
     armed: bool,
 }
 
@@ -84,49 +117,111 @@ impl OrgStore {
         }
     }
 
-    /// The cached organisation, if it was loaded.
+    /// The cached organisation, if it was loaded (however old).
     pub(crate) fn cached(&self) -> Option<Arc<Organisation>> {
         self.cache
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+            .as_ref()
+            .map(|cached| Arc::clone(&cached.org))
     }
 
-    fn publish(&self, org: Organisation) -> Arc<Organisation> {
+    /// The cached organisation if it is younger than [`ORG_CACHE_MAX_AGE_MS`] at `now`.
+    fn fresh(&self, now: Deadline) -> Option<Arc<Organisation>> {
+        self.cache
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .filter(|cached| cached.age_ms(now) < ORG_CACHE_MAX_AGE_MS)
+            .map(|cached| Arc::clone(&cached.org))
+    }
+
+    /// How long until the cache is older than [`ORG_CACHE_MAX_AGE_MS`] (zero if it is, or
+    /// if there is none).
+    fn fresh_for(&self, now: Deadline) -> Duration {
+        let age_ms = self
+            .cache
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map_or(ORG_CACHE_MAX_AGE_MS, |cached| cached.age_ms(now));
+        Duration::from_millis(ORG_CACHE_MAX_AGE_MS.saturating_sub(age_ms))
+    }
+
+    fn publish(&self, org: Organisation, read_at: Deadline) -> Arc<Organisation> {
         let org = Arc::new(org);
-        *self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::clone(&org));
+        *self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Cached {
+            org: Arc::clone(&org),
+            read_at,
+        });
         self.changed.notify_waiters();
         org
     }
 
-    /// The organisation: the cache, or the store the first time.
+    /// The organisation: the cache while it is younger than [`ORG_CACHE_MAX_AGE_MS`],
+    /// else the store (the first time, and to see other processes' changes). A failed
+    /// load keeps a cache younger than [`ORG_CACHE_STALE_MAX_MS`].
     ///
     /// # Errors
-    /// The store's error, or [`OrgError::Decode`].
-    pub(crate) async fn current(&self, store: &dyn StateStore) -> Result<Arc<Organisation>, OrgError> {
-        if let Some(org) = self.cached() {
+    /// The store's error, or [`OrgError::Decode`], when there is no cache young enough
+    /// to keep.
+    pub(crate) async fn current(&self, store: &dyn StateStore, clock: &Clock) -> Result<Arc<Organisation>, OrgError> {
+        if let Some(org) = self.fresh(clock.now()) {
             return Ok(org);
         }
-        // Under the writers' lock: a load never overwrites a newer change.
+        // Under the writers' lock: a load never overwrites a newer change, and callers
+        // that find the cache old at once load it once.
         let _writer = self.writer.lock().await;
-        if let Some(org) = self.cached() {
+        let now = clock.now();
+        if let Some(org) = self.fresh(now) {
             return Ok(org);
         }
-        self.load(store).await
+        match self.load(store, now).await {
+            Ok(org) => Ok(org),
+            Err(error) => {
+                let kept = self
+                    .cache
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .as_ref()
+                    .filter(|cached| cached.age_ms(now) < ORG_CACHE_STALE_MAX_MS)
+                    .map(|cached| (Arc::clone(&cached.org), cached.age_ms(now)));
+                match kept {
+                    Some((org, age_ms)) => {
+                        tracing::warn!(%error, age_ms, "the organisation could not be read again; deciding on the one read before");
+                        Ok(org)
+                    }
+                    None => Err(error),
+                }
+            }
+        }
     }
 
-    async fn load(&self, store: &dyn StateStore) -> Result<Arc<Organisation>, OrgError> {
+    /// Reads the organisation from the store at `now` (the caller holds the writers'
+    /// lock).
+    async fn load(&self, store: &dyn StateStore, now: Deadline) -> Result<Arc<Organisation>, OrgError> {
         let bytes = store.load(&org_store_id()).await?;
-        Ok(self.publish(decode(bytes.as_ref())?))
+        let org = decode(bytes.as_ref())?;
+        {
+            // Every change bumps the version, and changes are fenced one after the other:
+            // the same version is the same organisation. Kept, only younger: the prompt
+            // built on it stays, and nobody waiting is woken for nothing.
+            let mut cache = self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(cached) = cache.as_mut().filter(|cached| cached.org.version() == org.version()) {
+                cached.read_at = now;
+                return Ok(Arc::clone(&cached.org));
+            }
+        }
+        Ok(self.publish(org, now))
     }
 
     /// Reads the organisation from the store again (changes made by another process).
     ///
     /// # Errors
-    /// As [`OrgStore::current`].
-    pub(crate) async fn reload(&self, store: &dyn StateStore) -> Result<Arc<Organisation>, OrgError> {
+    /// The store's error, or [`OrgError::Decode`].
+    pub(crate) async fn reload(&self, store: &dyn StateStore, clock: &Clock) -> Result<Arc<Organisation>, OrgError> {
         let _writer = self.writer.lock().await;
-        self.load(store).await
+        self.load(store, clock.now()).await
     }
 
     /// Applies `change` to the stored organisation and commits it; the cache holds the
@@ -138,6 +233,7 @@ impl OrgStore {
     pub(crate) async fn change<T>(
         &self,
         store: &dyn StateStore,
+        clock: &Clock,
         mut change: impl FnMut(&mut Organisation) -> Result<T, OrgError>,
     ) -> Result<T, OrgError> {
         let _writer = self.writer.lock().await;
@@ -145,6 +241,7 @@ impl OrgStore {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            let read_at = clock.now();
             let claimed = store.claim(&id).await?;
             let mut org = decode(claimed.state.as_ref())?;
             let output = change(&mut org)?;
@@ -162,7 +259,7 @@ impl OrgStore {
             match store.commit(&id, claimed.fence, commit).await {
                 Ok(()) => {
                     guard.armed = false;
-                    self.publish(org);
+                    self.publish(org, read_at);
                     return Ok(output);
                 }
                 Err(StoreError::Fenced { .. }) if attempt < ORG_WRITE_ATTEMPTS_MAX => continue,
@@ -172,8 +269,16 @@ impl OrgStore {
     }
 
     /// Waits until approval `id` is resolved or `deadline` passes; `None` at the
-    /// deadline (or if the record is gone).
-    pub(crate) async fn wait_resolved(&self, id: u64, clock: &Clock, deadline: Deadline) -> Option<ApprovalState> {
+    /// deadline (or if the record is gone). A resolution made in this process wakes it at
+    /// once; one made by another process is seen when the cache is read again, at most
+    /// [`ORG_CACHE_MAX_AGE_MS`] later.
+    pub(crate) async fn wait_resolved(
+        &self,
+        id: u64,
+        store: &dyn StateStore,
+        clock: &Clock,
+        deadline: Deadline,
+    ) -> Option<ApprovalState> {
         let wait = async {
             loop {
                 // Registered before the cache is read: a change published after the read
@@ -188,7 +293,19 @@ impl OrgStore {
                     None if self.cached().is_none() => {}
                     other => return other,
                 }
-                changed.await;
+                let fresh_for = self.fresh_for(clock.now());
+                tokio::select! {
+                    biased;
+                    () = changed => {}
+                    () = tokio::time::sleep(fresh_for.max(Duration::from_millis(1))) => {
+                        // The cache is old: read the store (another process may have
+                        // resolved it). A failure is retried at the next age.
+                        if let Err(error) = self.current(store, clock).await {
+                            tracing::warn!(%error, approval = id, "the organisation could not be read while waiting for an approval");
+                            tokio::time::sleep(Duration::from_millis(ORG_CACHE_MAX_AGE_MS)).await;
+                        }
+                    }
+                }
             }
         };
         clock.run_until(deadline, wait).await.ok().flatten()
@@ -277,12 +394,14 @@ pub(crate) async fn decide_contact(
     let runtime = contact_runtime(shared, contact)?;
     let store = runtime.store().as_ref();
     let unavailable = |error: OrgError| unavailable(contact, error);
-    let org = shared.org.current(store).await.map_err(unavailable)?;
+    let org = shared.org.current(store, clock).await.map_err(unavailable)?;
     match org.decide(from, to, kind) {
         Ok(Permitted::NeedsApproval { .. }) => {
             let id = shared
                 .org
-                .change(store, |org| org.request_approval(from, to, kind, contact.message))
+                .change(store, clock, |org| {
+                    org.request_approval(from, to, kind, contact.message)
+                })
                 .await
                 .map_err(unavailable)?;
             shared.emit(&AgentEvent::ApprovalRequested {
@@ -320,9 +439,9 @@ pub(crate) async fn await_approval(
     let store = runtime.store().as_ref();
     let unavailable = |error: OrgError| unavailable(contact, error);
     // Loads the cache first (after a restart nothing else may have).
-    shared.org.current(store).await.map_err(unavailable)?;
-    let state = shared.org.wait_resolved(id, clock, contact.deadline).await;
-    let now = shared.org.current(store).await.map_err(unavailable)?;
+    shared.org.current(store, clock).await.map_err(unavailable)?;
+    let state = shared.org.wait_resolved(id, store, clock, contact.deadline).await;
+    let now = shared.org.current(store, clock).await.map_err(unavailable)?;
     let decision = match state {
         Some(ApprovalState::Approved) => match now.decide(from, to, kind) {
             Ok(Permitted::NeedsApproval { rule, mode }) => Ok(Permitted::NeedsApproval { rule, mode }),
@@ -351,14 +470,12 @@ pub(crate) async fn admit_contact(
     }
 }
 
-/// Loads the organisation into the cache if it is not there yet, so the prompt can show
-/// it; a failure is left for admission to report.
+/// Loads the organisation into the cache if it is not there yet, or again once it is
+/// older than [`ORG_CACHE_MAX_AGE_MS`], so the prompt shows the one admission decides
+/// on; a failure is left for admission to report.
 pub(crate) async fn ensure_loaded(shared: &crate::agent::AgentShared) {
-    if shared.org.cached().is_some() {
-        return;
-    }
     if let Some(runtime) = shared.runtime() {
-        if let Err(error) = shared.org.current(runtime.store().as_ref()).await {
+        if let Err(error) = shared.org.current(runtime.store().as_ref(), &runtime.clock()).await {
             tracing::warn!(%error, "the organisation could not be loaded");
         }
     }

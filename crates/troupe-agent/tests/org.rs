@@ -18,6 +18,9 @@ use troupe_agent::{
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
 const SECOND: Duration = Duration::from_secs(1);
+/// The most a call may take after its approval was seen (ms): its callee's turn and the
+/// replies, microseconds of simulated time.
+const REST_OF_CALL_MS_MAX: u64 = 50;
 
 fn start_on(llm: &ScriptedLlm, agents: &[&str], store: Arc<dyn StateStore>) -> AgentSystem {
     let mut builder = AgentSystem::builder().store(store).llm(Arc::new(llm.clone()));
@@ -558,4 +561,81 @@ effect = "deny"
     assert!(system.ask_as("qa", "dev", "bug", SECOND).await.is_err());
     assert_eq!(system.ask_as("dev", "lead", "done", SECOND).await.unwrap().text, "ok");
     system.shutdown().await;
+}
+
+/// Goal: a change committed by another process on the same store reaches this process's
+/// admission within `ORG_CACHE_MAX_AGE_MS`, without `reload_org`: a deny rule, then the
+/// rule's removal, and an approval resolved over there for a call waiting here. Until
+/// that age, this process decides on what it read (one store read per age at most).
+/// Method: two systems on one SQLite store (two processes on one file): `serving`
+/// answers asks, `admin` only changes the organisation. Time is paused (or simulated):
+/// the waits are exact.
+#[tokio::test(start_paused = true)]
+async fn another_process_s_change_reaches_admission_within_the_cache_age() {
+    let age = Duration::from_millis(troupe_agent::ORG_CACHE_MAX_AGE_MS);
+    let llm = ask_script();
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let serving = start_on(&llm, &["a", "b"], Arc::clone(&store));
+    let admin = start_on(&llm, &["a", "b"], Arc::clone(&store));
+    assert_eq!(serving.ask("a", "go").await.unwrap().text, "result: 42");
+    let denied = "result: error: call_agent failed: call not permitted: a may not ask b";
+
+    admin.set_permission("a", PermissionRule::deny("b")).await.unwrap();
+    // Read less than an age ago: still the organisation read then.
+    assert_eq!(serving.ask("a", "go").await.unwrap().text, "result: 42");
+    tokio::time::sleep(age).await;
+    let reply = serving.ask("a", "go").await.unwrap();
+    assert!(
+        reply.text.starts_with(denied),
+        "the deny reached the serving process: {}",
+        reply.text
+    );
+    assert_eq!(
+        serving.organisation().await.unwrap().rules("a"),
+        vec![PermissionRule::deny("b")]
+    );
+
+    admin.remove_permission("a", "b").await.unwrap();
+    tokio::time::sleep(age).await;
+    assert_eq!(
+        serving.ask("a", "go").await.unwrap().text,
+        "result: 42",
+        "the removal too"
+    );
+
+    // An approval resolved by the other process reaches a call waiting here.
+    admin
+        .set_membership(
+            "a",
+            Membership {
+                manager: None,
+                mode: BehaviourMode::Supervised,
+            },
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(age).await;
+    let mut events = serving.subscribe();
+    let client = serving.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let id = next_approval(&mut events).await;
+    // The admin process reads the pending approval from the store once its copy is old.
+    tokio::time::sleep(age).await;
+    let pending = admin.pending_approvals().await.unwrap();
+    assert_eq!(pending.iter().map(|approval| approval.id).collect::<Vec<_>>(), vec![id]);
+    let approved_at = tokio::time::Instant::now();
+    admin.approve(id).await.unwrap();
+    let reply = asked.await.unwrap().unwrap();
+    assert_eq!(reply.text, "result: 42");
+    // Seen within the age; then the rest of the call (b's turn, the replies) takes a few
+    // microseconds of simulated time (none when paused).
+    let rest = Duration::from_millis(REST_OF_CALL_MS_MAX);
+    let waited = approved_at.elapsed();
+    assert!(
+        waited <= age + rest,
+        "the waiting call answered {waited:?} after the approval was given, more than {age:?} + {rest:?}"
+    );
+    assert_eq!(llm.requests_of("b").len(), 4, "b answered the four permitted asks only");
+    admin.shutdown().await;
+    serving.shutdown().await;
 }
