@@ -17,6 +17,9 @@ use troupe_agent::{
 };
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
+#[path = "support/gate_store.rs"]
+mod gate_store;
+
 const SECOND: Duration = Duration::from_secs(1);
 /// The most a call may take after its approval was seen (ms): its callee's turn and the
 /// replies, microseconds of simulated time.
@@ -636,6 +639,68 @@ async fn another_process_s_change_reaches_admission_within_the_cache_age() {
         "the waiting call answered {waited:?} after the approval was given, more than {age:?} + {rest:?}"
     );
     assert_eq!(llm.requests_of("b").len(), 4, "b answered the four permitted asks only");
+    admin.shutdown().await;
+    serving.shutdown().await;
+}
+
+/// Goal: a process whose store stops answering the organisation's re-read goes on
+/// deciding on the copy it holds while that copy is younger than
+/// `ORG_CACHE_STALE_MAX_MS`, then refuses every contact (`the organisation could not be
+/// read`) rather than decide on an older one; once the store answers again, it decides
+/// on the newest organisation (a deny added meanwhile by another process). Method: the
+/// serving system's store refuses `load` (the organisation's read) on a switch; the
+/// admin system writes to the same data directly. Time is paused (or simulated).
+#[tokio::test(start_paused = true)]
+async fn a_failing_re_read_keeps_the_organisation_until_it_is_too_old_then_refuses() {
+    let age = Duration::from_millis(troupe_agent::ORG_CACHE_MAX_AGE_MS);
+    let stale_max = Duration::from_millis(troupe_agent::ORG_CACHE_STALE_MAX_MS);
+    let llm = ask_script();
+    let data: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let gate = gate_store::GateStore::new(Arc::clone(&data), false);
+    let serving = start_on(&llm, &["a", "b"], Arc::clone(&gate) as Arc<dyn StateStore>);
+    let admin = start_on(&llm, &["a", "b"], data);
+    assert_eq!(serving.ask("a", "go").await.unwrap().text, "result: 42");
+    let read_at = tokio::time::Instant::now();
+
+    gate.refuse_loads.store(true, std::sync::atomic::Ordering::SeqCst);
+    admin.set_permission("a", PermissionRule::deny("b")).await.unwrap();
+    tokio::time::sleep(age).await;
+    assert_eq!(
+        serving.ask("a", "go").await.unwrap().text,
+        "result: 42",
+        "the copy read {:?} ago is kept",
+        read_at.elapsed()
+    );
+    tokio::time::sleep(stale_max.saturating_sub(read_at.elapsed())).await;
+    let reply = serving.ask("a", "go").await.unwrap();
+    assert!(
+        reply.text.starts_with(
+            "result: error: call_agent failed: call not permitted: a may not ask b: the organisation could not be read"
+        ),
+        "a copy {:?} old is not decided on: {}",
+        read_at.elapsed(),
+        reply.text
+    );
+
+    gate.refuse_loads.store(false, std::sync::atomic::Ordering::SeqCst);
+    let reply = serving.ask("a", "go").await.unwrap();
+    assert!(
+        reply
+            .text
+            .starts_with("result: error: call_agent failed: call not permitted: a may not ask b"),
+        "{}",
+        reply.text
+    );
+    assert!(
+        !reply.text.contains("could not be read"),
+        "the store answers again: {}",
+        reply.text
+    );
+    assert_eq!(
+        llm.requests_of("b").len(),
+        2,
+        "b answered only while the copy was young enough"
+    );
     admin.shutdown().await;
     serving.shutdown().await;
 }

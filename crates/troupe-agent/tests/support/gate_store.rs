@@ -1,7 +1,8 @@
 //! A store over shared data that a test can close: `dead` refuses every operation (the
 //! process died; nothing it does reaches the data any more), `refuse_scans` refuses only
-//! scans (so a start-up `resume_pending` fails), counting the scans it refused. A second
-//! store over the same data is the process after a restart.
+//! scans (so a start-up `resume_pending` fails), counting the scans it refused, and
+//! `refuse_loads` only `load` (what reads the organisation; an activation claims). A
+//! second store over the same data is the process after a restart.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,6 +17,7 @@ pub(crate) struct GateStore {
     pub(crate) dead: AtomicBool,
     pub(crate) refuse_scans: AtomicBool,
     pub(crate) refused_scans: AtomicU64,
+    pub(crate) refuse_loads: AtomicBool,
 }
 
 impl GateStore {
@@ -25,6 +27,7 @@ impl GateStore {
             dead: AtomicBool::new(false),
             refuse_scans: AtomicBool::new(refuse_scans),
             refused_scans: AtomicU64::new(0),
+            refuse_loads: AtomicBool::new(false),
         })
     }
 
@@ -44,6 +47,11 @@ impl StateStore for GateStore {
     }
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
         self.check(StoreOperation::Load)?;
+        if self.refuse_loads.load(Ordering::SeqCst) {
+            return Err(StoreError::Injected {
+                operation: StoreOperation::Load,
+            });
+        }
         self.inner.load(actor).await
     }
     async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
