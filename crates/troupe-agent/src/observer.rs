@@ -12,7 +12,7 @@
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
-use troupe_core::{ActorId, CallRefused, Deadline, InvokeError};
+use troupe_core::{ActorId, CallRefused, Deadline, InvokeError, TraceId};
 
 use crate::inbox::{MessageKind, TaskState};
 use crate::TokenUsage;
@@ -202,6 +202,8 @@ pub enum AgentEvent {
         chain: Vec<ActorId>,
         /// Its deadline.
         deadline: Deadline,
+        /// The trace id of the request it serves, if it has one.
+        trace_id: Option<TraceId>,
         /// When it started.
         at: Deadline,
     },

@@ -405,14 +405,16 @@ impl AgentClient {
                 budget,
             };
             let deadline = self.runtime.deadline_in(timeout);
+            // Routed with its trace id: on a cluster node the turn runs under it on the
+            // agent's owner.
             let answer = match trace_id {
-                // A cluster node's root router takes no context: the trace id is not
-                // carried there (see docs/serve.md).
-                Some(trace) if !self.runtime.has_root_call_router() => {
+                Some(trace) => {
                     let context = CallContext::root(deadline).with_trace_id(trace);
-                    self.runtime.invoke_in(&target, request.into_encoded(), context).await
+                    self.runtime
+                        .invoke_routed_in(&target, request.into_encoded(), context)
+                        .await
                 }
-                _ => {
+                None => {
                     self.runtime
                         .invoke_routed(&target, request.into_encoded(), deadline)
                         .await

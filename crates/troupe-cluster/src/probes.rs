@@ -162,6 +162,22 @@ impl troupe_runtime::RootCallRouter for Hooks {
             None => Err(InvokeError::Shutdown),
         }
     }
+
+    async fn invoke_root_in(
+        &self,
+        target: &troupe_core::ActorId,
+        payload: Bytes,
+        context: troupe_core::CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        match self.inner.upgrade() {
+            Some(inner) => {
+                inner
+                    .routed(target, payload, context.deadline(), crate::node::Origin::Root(&context))
+                    .await
+            }
+            None => Err(InvokeError::Shutdown),
+        }
+    }
 }
 
 /// Runs the node's probe work, one item at a time.

@@ -10,7 +10,7 @@
 //!    (each asked `ping` through its node's client).
 //! 2. Asked through node-3's client, `a` (owned by node-1) calls `b`, which calls `c`:
 //!    the reply is `a<b<c-answer`, each turn ran on its agent's node (the root ask was
-//!    routed from node-3 to node-1) at depth 0, 1, 2.
+//!    routed from node-3 to node-1) at depth 0, 1, 2, each under the ask's trace id.
 //! 3. `a` → `b` → `a`: `b`'s call is refused `CycleDetected` naming `a -> b -> a`, on
 //!    node-2, and `a` runs no second turn.
 //! 4. `d0` → … → `d5` across the nodes: `d5`'s call is refused `DepthExceeded`; `d6`
@@ -40,11 +40,11 @@ use agents::{agent_system, script, Seen, DEPTH_AGENTS};
 use madsim::runtime::Handle;
 use tokio::time::Instant;
 use troupe_agent::{
-    AgentCallError, AgentClient, AgentEvent, AgentReply, CallOutcome, ChatMessage, ScriptedLlm, TaskState,
+    AgentCallError, AgentClient, AgentEvent, AgentReply, AskOptions, CallOutcome, ChatMessage, ScriptedLlm, TaskState,
 };
 use troupe_cluster::ClusterNode;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
-use troupe_core::CallRefused;
+use troupe_core::{CallRefused, TraceId};
 use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::MemoryStore;
 
@@ -169,6 +169,25 @@ impl AgentCluster {
             .expect("the ask's task")
     }
 
+    /// As [`AgentCluster::ask`], under trace id `trace`.
+    async fn ask_traced(
+        &self,
+        index: usize,
+        agent: &str,
+        text: &str,
+        trace: TraceId,
+    ) -> Result<AgentReply, AgentCallError> {
+        let client = self.clients[index].clone();
+        let (agent, text) = (agent.to_string(), text.to_string());
+        let options = AskOptions::default()
+            .timeout(Duration::from_millis(ASK_TIMEOUT_MS))
+            .traced(trace);
+        self.nodes[index]
+            .spawn(async move { client.ask_with(&agent, &text, options).await })
+            .await
+            .expect("the ask's task")
+    }
+
     /// Places `agent` on node `index`: its first turn runs there.
     async fn place(&self, index: usize, agent: &str) {
         let reply = self.ask(index, agent, "ping", ASK_TIMEOUT_MS).await;
@@ -215,10 +234,19 @@ async fn scenario() -> RunResult {
         cluster.place(index % NODE_NAMES.len(), &format!("d{index}")).await;
     }
 
-    // 2. a → b → c, asked through node-3: the root ask is routed to a's owner.
+    // 2. a → b → c, asked through node-3: the root ask is routed to a's owner, and
+    //    every turn of it runs under the ask's trace id on its own node.
     seen.clear();
-    let reply = cluster.ask(2, "a", "start the chain", ASK_TIMEOUT_MS).await;
+    let trace = TraceId::new(0x7472_6f75_7065_0000_0000_0000_0000_0002);
+    let reply = cluster.ask_traced(2, "a", "start the chain", trace).await;
     assert_eq!(reply.expect("the chain answers").text, "a<b<c-answer");
+    for agent in ["a", "b", "c"] {
+        assert_eq!(
+            seen.traces_of(agent),
+            vec![Some(trace)],
+            "{agent}'s turn ran under the ask's trace id"
+        );
+    }
     for (agent, node, depth, chain) in [("a", 0, 0, vec![]), ("b", 1, 1, vec!["a"]), ("c", 2, 2, vec!["a", "b"])] {
         let chain: Vec<String> = chain.into_iter().map(String::from).collect();
         assert_eq!(

@@ -621,10 +621,10 @@ async fn agents_on_two_nodes_call_each_other_and_their_history_persists() {
     }
     seen.clear();
     let started = Instant::now();
-    let reply = client_b
-        .ask_with_timeout("a", "ask just b", timeout)
-        .await
-        .expect("a answers");
+    // Under a trace id: routed from node-b to a's owner, each turn runs under it.
+    let trace = troupe_core::TraceId::new(0x7472_6f75_7065_0000_0000_0000_0000_0003);
+    let options = troupe_agent::AskOptions::default().timeout(timeout).traced(trace);
+    let reply = client_b.ask_with("a", "ask just b", options).await.expect("a answers");
     eprintln!("a → b across nodes answered in {} ms", started.elapsed().as_millis());
     assert_eq!(reply.text, "a<b-answer");
     assert_eq!(seen.turns_of("a"), vec![(0, 0, vec![])], "a ran on node-a");
@@ -633,6 +633,13 @@ async fn agents_on_two_nodes_call_each_other_and_their_history_persists() {
         vec![(1, 1, vec!["a".to_string()])],
         "b ran on node-b, called by a"
     );
+    for agent in ["a", "b"] {
+        assert_eq!(
+            seen.traces_of(agent),
+            vec![Some(trace)],
+            "{agent}'s turn ran under the ask's trace id"
+        );
+    }
     assert!(node_a.stats().turn_calls_forwarded >= 1, "{:?}", node_a.stats());
     assert!(
         node_b.stats().forwarded_calls >= 1,

@@ -109,6 +109,26 @@ pub trait RootCallRouter: Send + Sync + 'static {
     /// # Errors
     /// Whatever the owner or the route returned.
     async fn invoke_root(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError>;
+
+    /// As [`RootCallRouter::invoke_root`], for a request from outside any turn that
+    /// comes with its own context ([`RuntimeHandle::invoke_routed_in`]): the target's
+    /// turn runs under `context` (its deadline, depth, chain and trace id) wherever it
+    /// lives. The local path is [`RuntimeHandle::invoke_in`].
+    ///
+    /// The default runs [`RootCallRouter::invoke_root`] with `context`'s deadline only
+    /// (its trace id, depth and chain are not carried); a router that can carry them
+    /// overrides it.
+    ///
+    /// # Errors
+    /// Whatever the owner or the route returned.
+    async fn invoke_root_in(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        self.invoke_root(target, payload, context.deadline()).await
+    }
 }
 
 /// A remote wait-for edge of this runtime's graph, held while the call is open; dropping
@@ -187,6 +207,35 @@ impl RuntimeHandle {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
         self.invoke_root_routed(target, payload, deadline).await
+    }
+
+    /// As [`RuntimeHandle::invoke_routed`], under `context` instead of a root context
+    /// with only a deadline (for a request that carries a trace id, or its place in a
+    /// call tree from another process): through the installed [`RootCallRouter`]'s
+    /// [`RootCallRouter::invoke_root_in`] when there is one, else
+    /// [`RuntimeHandle::invoke_in`]. The deadline is capped at [`INVOKE_TIMEOUT_MS_MAX`]
+    /// from now.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke_routed`].
+    pub async fn invoke_routed_in(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        if crate::handle::IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        match self.shared.root_router.get() {
+            Some(router) => {
+                let latest = self.deadline_in(std::time::Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+                let deadline = context.deadline().min(latest);
+                let context = context.with_deadline(deadline);
+                router.invoke_root_in(target, payload, context).await
+            }
+            None => self.invoke_in(target, payload, context).await,
+        }
     }
 
     /// As [`RuntimeHandle::invoke_routed`], with the deadline `timeout` from now (capped

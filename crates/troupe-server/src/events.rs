@@ -84,10 +84,12 @@ pub fn event_json(event: &AgentEvent) -> Value {
             depth,
             chain,
             deadline,
+            trace_id,
             at,
         } => json!({"type": "turn_started", "agent": agent.to_string(), "call": call, "depth": depth,
                     "chain": chain.iter().map(ToString::to_string).collect::<Vec<_>>(),
-                    "deadline_us": deadline.as_micros(), "at_us": at.as_micros()}),
+                    "deadline_us": deadline.as_micros(), "trace_id": trace_id.map(|trace| trace.to_string()),
+                    "at_us": at.as_micros()}),
         AgentEvent::ModelResponded {
             agent,
             call,

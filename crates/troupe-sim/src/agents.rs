@@ -275,6 +275,7 @@ impl AgentObserver for TraceObserver {
                 chain,
                 deadline,
                 at,
+                ..
             } => {
                 let deadline_us = self.trace_time(*deadline, *at);
                 let parent_deadline_us = call

@@ -165,6 +165,7 @@ impl AgentActor {
                 depth: context.depth(),
                 chain: context.chain().to_vec(),
                 deadline,
+                trace_id: context.trace_id(),
                 at: started,
             });
         }

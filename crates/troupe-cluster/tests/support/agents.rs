@@ -111,6 +111,19 @@ impl Seen {
             .collect()
     }
 
+    /// The trace id of every turn `agent` started, in order.
+    pub(crate) fn traces_of(&self, agent: &str) -> Vec<Option<troupe_core::TraceId>> {
+        self.events()
+            .into_iter()
+            .filter_map(|(_, event)| match event {
+                AgentEvent::TurnStarted {
+                    agent: id, trace_id, ..
+                } if id.key() == agent => Some(trace_id),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Every event since the start, rendered with its node, in order (not cleared).
     pub(crate) fn record(&self) -> Vec<String> {
         self.all.lock().expect("the record").clone()
