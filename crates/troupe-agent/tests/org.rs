@@ -265,6 +265,15 @@ async fn the_manager_hierarchy_bypasses_links_rules_and_modes() {
 }
 
 /// Waits for the next `ApprovalRequested` event and returns its id.
+/// Makes `agent` supervised (no manager): each of its contacts needs approval.
+async fn supervise(system: &AgentSystem, agent: &str) {
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership(agent, supervised).await.unwrap();
+}
+
 async fn next_approval(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>) -> u64 {
     loop {
         if let AgentEvent::ApprovalRequested { id, .. } = events.recv().await.unwrap() {
@@ -282,16 +291,7 @@ async fn a_call_needing_approval_waits_and_proceeds_or_is_refused() {
     let llm = ask_script();
     let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
     let system = start_on(&llm, &["a", "b"], Arc::clone(&store));
-    system
-        .set_membership(
-            "a",
-            Membership {
-                manager: None,
-                mode: BehaviourMode::Supervised,
-            },
-        )
-        .await
-        .unwrap();
+    supervise(&system, "a").await;
 
     let mut events = system.subscribe();
     let client = system.client();
@@ -607,16 +607,7 @@ async fn another_process_s_change_reaches_admission_within_the_cache_age() {
     );
 
     // An approval resolved by the other process reaches a call waiting here.
-    admin
-        .set_membership(
-            "a",
-            Membership {
-                manager: None,
-                mode: BehaviourMode::Supervised,
-            },
-        )
-        .await
-        .unwrap();
+    supervise(&admin, "a").await;
     tokio::time::sleep(age).await;
     let mut events = serving.subscribe();
     let client = serving.client();
