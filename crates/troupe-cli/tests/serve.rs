@@ -462,3 +462,69 @@ fn serve_refuses_an_otlp_endpoint_that_is_not_http() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("http://127.0.0.1:4318"), "{stderr}");
 }
+
+/// Goal: two `troupe serve` processes on one state directory (one SQLite file) share the
+/// organisation: a policy set through one is what the other reports (and admits by)
+/// within `ORG_CACHE_MAX_AGE_MS` of the change, without a restart. Method: start both
+/// with the same `--db`, read the policy from the second (its copy is then fresh), set
+/// `enforced` through the first, and poll the second until it reports it; then set it
+/// back through the second and poll the first. Bounded by the cache age plus
+/// `CROSS_PROCESS_SLACK_MS` (two HTTP round trips and a SQLite read, on a busy machine).
+#[tokio::test]
+async fn two_processes_on_one_file_see_each_others_policy_within_the_cache_age() {
+    /// What the wait may take beyond the cache age, in milliseconds.
+    const CROSS_PROCESS_SLACK_MS: u64 = 2_000;
+    let directory = tempfile::tempdir().unwrap();
+    let db = directory.path().to_str().unwrap();
+    let start = || {
+        let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--db", db])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (stdout, addr) = read_address(&mut child);
+        (child, stdout, addr)
+    };
+    let (mut first, _first_out, first_addr) = start();
+    let (mut second, _second_out, second_addr) = start();
+    let policy_of = |addr: &str| {
+        let (status, body) = http(addr, "GET", "/v1/org/policy", "");
+        assert_eq!(status, 200, "{body}");
+        let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+        value["policy"].as_str().unwrap().to_string()
+    };
+    let bound = Duration::from_millis(troupe_agent::ORG_CACHE_MAX_AGE_MS + CROSS_PROCESS_SLACK_MS);
+    for (writer, reader, policy) in [
+        (&first_addr, &second_addr, "enforced"),
+        (&second_addr, &first_addr, "open"),
+    ] {
+        assert_ne!(policy_of(reader), policy, "{reader} reads the policy before the change");
+        let (status, body) = http(
+            writer,
+            "PUT",
+            "/v1/org/policy",
+            &format!("{{\"policy\": \"{policy}\"}}"),
+        );
+        assert_eq!(status, 200, "{body}");
+        let changed = tokio::time::Instant::now();
+        loop {
+            if policy_of(reader) == policy {
+                eprintln!(
+                    "{policy} set through {writer} was seen by {reader} after {:?}",
+                    changed.elapsed()
+                );
+                break;
+            }
+            assert!(
+                changed.elapsed() < bound,
+                "the other process still reports the old policy {:?} after the change",
+                changed.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(SERVE_POLL_MS)).await;
+        }
+    }
+    for child in [&mut first, &mut second] {
+        send_sigterm(child);
+        assert!(wait(child).await.success());
+    }
+}
