@@ -299,9 +299,13 @@ impl OrgStore {
                     () = changed => {}
                     () = tokio::time::sleep(fresh_for.max(Duration::from_millis(1))) => {
                         // The cache is old: read the store (another process may have
-                        // resolved it). A failure is retried at the next age.
-                        if let Err(error) = self.current(store, clock).await {
+                        // resolved it). A read that failed (the old copy kept, or none)
+                        // is tried again one age later, not at once.
+                        let read = self.current(store, clock).await;
+                        if let Err(error) = &read {
                             tracing::warn!(%error, approval = id, "the organisation could not be read while waiting for an approval");
+                        }
+                        if read.is_err() || self.fresh(clock.now()).is_none() {
                             tokio::time::sleep(Duration::from_millis(ORG_CACHE_MAX_AGE_MS)).await;
                         }
                     }

@@ -695,3 +695,35 @@ async fn a_failing_re_read_keeps_the_organisation_until_it_is_too_old_then_refus
     admin.shutdown().await;
     serving.shutdown().await;
 }
+
+/// Goal: a call waiting for an approval while the store refuses the organisation's
+/// re-read tries again once per `ORG_CACHE_MAX_AGE_MS`, not in a loop (it retried every
+/// millisecond once its copy was old and the kept copy stayed old). Method: `a` is
+/// supervised, so its ask waits for an approval; the store then refuses `load` for 10
+/// simulated seconds; the refused reads are counted.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_call_reads_a_failing_store_once_per_cache_age() {
+    /// How long the store refuses, in seconds.
+    const REFUSING_S: u64 = 10;
+    let llm = ask_script();
+    let data: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let gate = gate_store::GateStore::new(data, false);
+    let system = start_on(&llm, &["a", "b"], Arc::clone(&gate) as Arc<dyn StateStore>);
+    supervise(&system, "a").await;
+    let mut events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let id = next_approval(&mut events).await;
+    gate.refuse_loads.store(true, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(REFUSING_S)).await;
+    let refused = gate.refused_loads.load(std::sync::atomic::Ordering::SeqCst);
+    let most = REFUSING_S * 1_000 / troupe_agent::ORG_CACHE_MAX_AGE_MS + 1;
+    assert!(
+        (1..=most).contains(&refused),
+        "{refused} reads of the organisation in {REFUSING_S} s of a failing store (at most {most})"
+    );
+    gate.refuse_loads.store(false, std::sync::atomic::Ordering::SeqCst);
+    system.approve(id).await.unwrap();
+    assert_eq!(asked.await.unwrap().unwrap().text, "result: 42");
+    system.shutdown().await;
+}

@@ -18,6 +18,7 @@ pub(crate) struct GateStore {
     pub(crate) refuse_scans: AtomicBool,
     pub(crate) refused_scans: AtomicU64,
     pub(crate) refuse_loads: AtomicBool,
+    pub(crate) refused_loads: AtomicU64,
 }
 
 impl GateStore {
@@ -28,6 +29,7 @@ impl GateStore {
             refuse_scans: AtomicBool::new(refuse_scans),
             refused_scans: AtomicU64::new(0),
             refuse_loads: AtomicBool::new(false),
+            refused_loads: AtomicU64::new(0),
         })
     }
 
@@ -48,6 +50,7 @@ impl StateStore for GateStore {
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
         self.check(StoreOperation::Load)?;
         if self.refuse_loads.load(Ordering::SeqCst) {
+            self.refused_loads.fetch_add(1, Ordering::SeqCst);
             return Err(StoreError::Injected {
                 operation: StoreOperation::Load,
             });
