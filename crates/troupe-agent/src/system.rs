@@ -405,21 +405,16 @@ impl AgentClient {
                 budget,
             };
             let deadline = self.runtime.deadline_in(timeout);
-            // Routed with its trace id: on a cluster node the turn runs under it on the
-            // agent's owner.
-            let answer = match trace_id {
-                Some(trace) => {
-                    let context = CallContext::root(deadline).with_trace_id(trace);
-                    self.runtime
-                        .invoke_routed_in(&target, request.into_encoded(), context)
-                        .await
-                }
-                None => {
-                    self.runtime
-                        .invoke_routed(&target, request.into_encoded(), deadline)
-                        .await
-                }
-            };
+            // Routed with its context: on a cluster node the turn runs under the trace id
+            // (if any) on the agent's owner.
+            let mut context = CallContext::root(deadline);
+            if let Some(trace) = trace_id {
+                context = context.with_trace_id(trace);
+            }
+            let answer = self
+                .runtime
+                .invoke_routed_in(&target, request.into_encoded(), context)
+                .await;
             outside_reply(&target, answer)
         } else {
             Err(AgentCallError::Refused(CallRefused::AgentNotFound {
