@@ -119,6 +119,7 @@ pub use org::{
 };
 pub use org_store::{
     ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS, ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX,
+    ORG_WRITE_RETRY_PAUSE_MS,
 };
 pub use permissions::{
     match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,

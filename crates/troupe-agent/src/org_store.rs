@@ -5,8 +5,9 @@
 //! ```text
 //! change(f):  writer lock ─► claim(org) → fence, stored state ─► f(state)
 //!             ─► commit(fence, new state) ─► cache = new state ─► version watchers woken
-//!             (Fenced: another process changed it meanwhile → claim again, at most
-//!              ORG_WRITE_ATTEMPTS_MAX times)
+//!             (Fenced: another process changed it meanwhile → pause
+//!              ORG_WRITE_RETRY_PAUSE_MS × attempts, claim again; at most
+//!              ORG_WRITE_ATTEMPTS_MAX attempts)
 //! current():  the cache while it is younger than ORG_CACHE_MAX_AGE_MS, else a load
 //!             from the store (the first time, and after that age)
 //! ```
@@ -40,9 +41,14 @@ use crate::AgentEvent;
 pub const ORG_STORE_KIND: &str = "troupe-org";
 /// The key of the organisation's system key space.
 pub const ORG_STORE_KEY: &str = "org";
-/// How many times one change claims the organisation again when another process
-/// changed it between the claim and the commit.
-pub const ORG_WRITE_ATTEMPTS_MAX: u32 = 3;
+/// How many times one change claims the organisation and commits: another process
+/// (another node of a cluster) that claimed it between this claim and commit fences
+/// the commit, and the change claims again.
+pub const ORG_WRITE_ATTEMPTS_MAX: u32 = 6;
+/// The pause before a fenced change claims again, in milliseconds, times the attempts
+/// made: two writers that keep claiming in lockstep would fence each other's every
+/// commit, the pause lets the other's commit land first.
+pub const ORG_WRITE_RETRY_PAUSE_MS: u64 = 5;
 /// How long a process decides on the organisation it read before it reads the store
 /// again, in milliseconds: the most another process's change can take to reach its
 /// admission (while the store answers). One store read per this period at most, and
@@ -262,7 +268,9 @@ impl OrgStore {
                     self.publish(org, read_at);
                     return Ok(output);
                 }
-                Err(StoreError::Fenced { .. }) if attempt < ORG_WRITE_ATTEMPTS_MAX => continue,
+                Err(StoreError::Fenced { .. }) if attempt < ORG_WRITE_ATTEMPTS_MAX => {
+                    tokio::time::sleep(Duration::from_millis(ORG_WRITE_RETRY_PAUSE_MS * u64::from(attempt))).await;
+                }
                 Err(error) => return Err(error.into()),
             }
         }

@@ -2,14 +2,14 @@
 //! on this node in etcd first and claims the state with the placement's fence, so the
 //! runtime's ordinary activation path becomes the cluster's ownership protocol.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use troupe_core::ActorId;
+use troupe_core::{ActorId, ActorKind};
 use troupe_etcd::{EtcdPlacement, Placement, PlacementError};
 use troupe_runtime::{
     Claimed, Fence, FencedClaim, RuntimeEvent, RuntimeObserver, StateStore, StoreError, StoreOperation, TurnCommit,
@@ -171,20 +171,41 @@ fn not_owner(actor: &ActorId, error: PlacementError) -> StoreError {
 ///   fence, so a commit that slips past this check after the lease ended is still refused
 ///   once the new owner has claimed.
 /// - Reads go straight to `S`.
+/// - Records of a kind the node's runtime does not register (no actor of it is ever
+///   activated: the agent layer's organisation record, the server's A2A task records)
+///   are not placed: their claims and commits go straight to `S`, whose own fences
+///   order the writers, so every node may write them. A writer whose claim another
+///   overtook is refused [`StoreError::Fenced`] and claims again (see docs/cluster.md,
+///   "The organisation on a cluster").
 pub struct PlacedStore<S> {
     store: S,
     ownership: Arc<Ownership>,
+    /// The kinds the node's runtime activates: only these are placed.
+    placed: BTreeSet<ActorKind>,
 }
 
 impl<S> PlacedStore<S> {
-    pub(crate) fn new(store: S, ownership: Arc<Ownership>) -> Self {
-        Self { store, ownership }
+    pub(crate) fn new(store: S, ownership: Arc<Ownership>, placed: BTreeSet<ActorKind>) -> Self {
+        Self {
+            store,
+            ownership,
+            placed,
+        }
+    }
+
+    /// Whether `actor` is placed in etcd (its kind is activated by the runtime) rather
+    /// than a record fenced by the store alone.
+    fn is_placed(&self, actor: &ActorId) -> bool {
+        self.placed.contains(actor.kind())
     }
 }
 
 #[async_trait]
 impl<S: FencedClaim> StateStore for PlacedStore<S> {
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        if !self.is_placed(actor) {
+            return self.store.claim(actor).await;
+        }
         let ownership = &self.ownership;
         if !ownership.may_serve() {
             return Err(StoreError::NotOwner {
@@ -220,7 +241,7 @@ impl<S: FencedClaim> StateStore for PlacedStore<S> {
     }
 
     async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        if !self.ownership.may_serve() {
+        if self.is_placed(actor) && !self.ownership.may_serve() {
             return Err(StoreError::NotOwner {
                 actor: actor.clone(),
                 owner: None,

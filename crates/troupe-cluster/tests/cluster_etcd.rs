@@ -684,3 +684,141 @@ async fn agents_on_two_nodes_call_each_other_and_their_history_persists() {
     );
     node_a.leave().await.expect("node-a leaves");
 }
+
+/// Slack over the organisation's cache age for a change written on one node to reach
+/// another node's admission, in milliseconds (wall clock, loaded 2-core machine).
+const ORG_REACH_SLACK_MS: u64 = 500;
+/// Links each node writes at once in the concurrent-writers step (40 per node met 9
+/// fenced commits, 3 of them twice in a row, on the 2-core machine).
+const ORG_LINKS_PER_NODE: usize = 40;
+/// How long a call may wait for its approval to be requested, in milliseconds.
+const APPROVAL_REQUEST_BOUND_MS: u64 = 5_000;
+
+/// The first approval pending in the stored organisation, read through `client`.
+async fn pending_approval(client: &troupe_agent::AgentClient) -> u64 {
+    let started = Instant::now();
+    loop {
+        let org = client.reload_org().await.expect("the organisation reads");
+        if let Some(approval) = org.pending_approvals().first() {
+            return approval.id;
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(APPROVAL_REQUEST_BOUND_MS),
+            "no approval was requested within {APPROVAL_REQUEST_BOUND_MS} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The organisation on a cluster, over real etcd, on a multi-thread runtime: its record
+/// is not an actor, so no node holds it; every node writes it (the store's fences order
+/// the writers) and admits calls on it within the cache age of the newest write.
+/// - the enforced policy written on node-a refuses `a → b` (no link), asked through
+///   node-b and admitted on node-a;
+/// - a link written on node-b (the record last written by node-a: before the change,
+///   node-b was refused `NotOwner` for good) lets `a → b` through on node-a once node-a's
+///   copy is a cache age old;
+/// - `a`, made supervised on node-b, asks `b`: the approval is requested on node-a
+///   (where `a`'s turn waits), found and given on node-b, and the call proceeds;
+/// - both nodes write links at once: every write lands, both nodes read them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_organisation_is_one_record_every_node_writes_and_admits_on() {
+    use troupe_agent::{BehaviourMode, Link, Membership, OrgPolicy, ORG_CACHE_MAX_AGE_MS};
+
+    let etcd = TestEtcd::start("org").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let llm = agents::script();
+    let seen = agents::Seen::default();
+    let (node_a, client_a) = start_agent_node(&etcd, "node-a", 0, &path, &llm, &seen).await;
+    let (node_b, client_b) = start_agent_node(&etcd, "node-b", 1, &path, &llm, &seen).await;
+    let timeout = Duration::from_millis(CALL_TIMEOUT_MS);
+    for (client, agent) in [(&client_a, "a"), (&client_b, "b")] {
+        let reply = client.ask_with_timeout(agent, "ping", timeout).await.expect("a ping");
+        assert_eq!(reply.text, "pong");
+    }
+    let reach = Duration::from_millis(ORG_CACHE_MAX_AGE_MS + ORG_REACH_SLACK_MS);
+
+    client_a
+        .set_org_policy(OrgPolicy::Enforced)
+        .await
+        .expect("node-a writes the policy");
+    let refused = client_b
+        .ask_with_timeout("a", "ask just b", timeout)
+        .await
+        .expect("a answers");
+    assert!(
+        refused.text.contains("call not permitted: a may not ask b"),
+        "a's call to b refused without a link: {}",
+        refused.text
+    );
+
+    client_b
+        .add_link(Link::new("a", "b"))
+        .await
+        .expect("node-b writes a link to the record node-a wrote last");
+    tokio::time::sleep(reach).await;
+    seen.clear();
+    let reply = client_b
+        .ask_with_timeout("a", "ask just b", timeout)
+        .await
+        .expect("a answers");
+    assert_eq!(
+        reply.text, "a<b-answer",
+        "the link written on node-b admits a → b on node-a"
+    );
+    assert_eq!(
+        seen.turns_of("a").first().map(|turn| turn.0),
+        Some(0),
+        "a ran on node-a"
+    );
+
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    client_b
+        .set_membership("a", supervised)
+        .await
+        .expect("node-b makes a supervised");
+    tokio::time::sleep(reach).await;
+    let asking = tokio::spawn({
+        let client_b = client_b.clone();
+        async move { client_b.ask_with_timeout("a", "ask just b", timeout).await }
+    });
+    let id = pending_approval(&client_b).await;
+    let approved = Instant::now();
+    client_b.approve(id).await.expect("node-b approves");
+    let reply = asking.await.expect("the ask's task").expect("a answers");
+    eprintln!(
+        "approval {id} given on node-b reached a's waiting call on node-a in {} ms",
+        approved.elapsed().as_millis()
+    );
+    assert_eq!(
+        reply.text, "a<b-answer",
+        "approved on node-b, a's call on node-a proceeds"
+    );
+
+    let pairs: Vec<(String, String)> = (0..2 * ORG_LINKS_PER_NODE)
+        .map(|index| (format!("d{}", index % 6), format!("z{index}")))
+        .collect();
+    let writes = pairs.iter().enumerate().map(|(index, (from, to))| {
+        let client = if index % 2 == 0 { &client_a } else { &client_b };
+        client.add_link(Link::new(from.clone(), to.clone()))
+    });
+    for (written, (from, to)) in futures::future::join_all(writes).await.into_iter().zip(&pairs) {
+        written.unwrap_or_else(|error| panic!("the link {from} → {to} is written: {error}"));
+    }
+    for client in [&client_a, &client_b] {
+        let links = client.reload_org().await.expect("the organisation reads").links();
+        for (from, to) in &pairs {
+            assert!(
+                links.iter().any(|link| &link.from == from && &link.to == to),
+                "{from} → {to} is in the record: {links:?}"
+            );
+        }
+        assert_eq!(links.len(), pairs.len() + 1, "{links:?}");
+    }
+    node_b.leave().await.expect("node-b leaves");
+    node_a.leave().await.expect("node-a leaves");
+}

@@ -193,6 +193,11 @@ impl RuntimeBuilder {
         self
     }
 
+    /// The kinds registered so far, in order.
+    pub fn registered_kinds(&self) -> impl Iterator<Item = &ActorKind> {
+        self.kinds.keys()
+    }
+
     /// Registers a kind of actor with its factory and configuration.
     ///
     /// # Errors
