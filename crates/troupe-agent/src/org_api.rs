@@ -280,6 +280,19 @@ impl AgentClient {
                     cause: error.to_string(),
                 })?;
         }
+        self.apply_org(config).await
+    }
+
+    /// Writes `config`'s organisation (policy, links, memberships, rules) to the store,
+    /// in one change, without touching the directory: what [`AgentClient::apply_config`]
+    /// does after the agents. For a system whose agents came from the same file through
+    /// its builder, such as each node of a cluster (`troupe node --config`): every node
+    /// may apply it, the last write wins, and the same file gives the same organisation.
+    /// Links, memberships and rules not declared are kept.
+    ///
+    /// # Errors
+    /// [`OrgError`] from the store or from a declared item (nothing applied).
+    pub async fn apply_org(&self, config: &crate::OrgConfig) -> Result<(), OrgError> {
         let (links, memberships, rules) = (config.org_links(), config.memberships(), config.rules());
         self.change_org(|org| {
             org.set_policy(config.policy);

@@ -106,9 +106,9 @@ pub struct NodeArgs {
     pub fence_log_commits: bool,
     /// Also serve the agents declared in FILE (the TOML of `troupe serve --config`; see
     /// examples/org.toml) with `troupe serve`'s HTTP API. Every node of the cluster must
-    /// be started with the same file. Only agents (and remote agents) are taken: a file
-    /// declaring links, permission rules, managers, modes or the enforced policy is
-    /// refused (the organisation is not shared between nodes yet).
+    /// be started with the same file. Each node writes the file's organisation (policy,
+    /// links, permission rules, managers, modes) to the shared store when it starts: one
+    /// record for the whole cluster, which the API of any node changes.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// With --config: use the scripted model even if OPENAI_API_KEY is set.

@@ -19,7 +19,10 @@
 //! then live under the kind [`LOG_KIND_WITH_AGENTS`] at `/v1/logs/{id}/messages` (the
 //! agent layer owns the kind `conversation` and the path `/v1/conversations/...`). An
 //! ask made through any node runs on the agent's owner node; `call_agent` between agents
-//! is routed the same way.
+//! is routed the same way. Each node writes FILE's organisation (policy, links,
+//! memberships, permissions) to the shared store once attached; the record is one for
+//! the whole cluster, and a change made through any node's API reaches every node's
+//! admission within `ORG_CACHE_MAX_AGE_MS`.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -36,7 +39,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use troupe_agent::{AgentClient, AgentSystem, LlmClient, OrgConfig, OrgPolicy};
+use troupe_agent::{AgentClient, AgentSystem, LlmClient, OrgConfig};
 use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS};
@@ -158,18 +161,6 @@ pub enum NodeArgError {
     /// the file, line, column and field).
     #[error("--config {0}")]
     Config(Box<troupe_agent::ConfigError>),
-    /// The --config file declares organisation rules a cluster node cannot apply yet.
-    #[error(
-        "--config {path}: {what}; a cluster node takes only agents and remote agents from the file \
-         (the organisation's links, rules, memberships and policy are not shared between nodes yet): \
-         remove it, or serve this organisation with `troupe serve --config`"
-    )]
-    ConfigNotShared {
-        /// The file.
-        path: PathBuf,
-        /// What it declares that cannot be applied.
-        what: String,
-    },
     /// The --config file declares no agent.
     #[error("--config {path}: the file declares no [[agents]]; declare at least one, or leave out --config")]
     ConfigNoAgents {
@@ -265,7 +256,7 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
     let org = match &args.config {
         Some(path) => {
             let config = OrgConfig::from_file(path).map_err(|error| NodeArgError::Config(Box::new(error)))?;
-            check_shareable(path, &config)?;
+            check_agents(path, &config)?;
             Some((path.clone(), config))
         }
         None => None,
@@ -287,35 +278,8 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
     })
 }
 
-/// Refuses an organisation whose links, rules, memberships or policy would have to be
-/// written to the store: on a cluster the organisation record is not shared between the
-/// nodes yet (each node would claim it), so only agents are taken.
-fn check_shareable(path: &std::path::Path, config: &OrgConfig) -> Result<(), NodeArgError> {
-    let refuse = |what: String| {
-        Err(NodeArgError::ConfigNotShared {
-            path: path.to_path_buf(),
-            what,
-        })
-    };
-    if config.policy != OrgPolicy::Open {
-        return refuse(format!(
-            "policy {:?} (only the default, open, is allowed)",
-            config.policy
-        ));
-    }
-    if !config.links.is_empty() {
-        return refuse(format!("{} [[links]]", config.links.len()));
-    }
-    if !config.permissions.is_empty() {
-        return refuse(format!("{} [[permissions]]", config.permissions.len()));
-    }
-    if let Some((agent, _)) = config
-        .memberships()
-        .into_iter()
-        .find(|(_, membership)| *membership != troupe_agent::Membership::default())
-    {
-        return refuse(format!("agent {agent:?} has a manager or a mode"));
-    }
+/// Refuses a config that declares no agent: a node with `--config` serves agents.
+fn check_agents(path: &std::path::Path, config: &OrgConfig) -> Result<(), NodeArgError> {
     if config.agents.is_empty() {
         return Err(NodeArgError::ConfigNoAgents {
             path: path.to_path_buf(),
@@ -685,6 +649,14 @@ pub enum NodeError {
     /// The agents could not be attached to the node's runtime.
     #[error("cannot attach the agents to the node: {0}")]
     Attach(troupe_agent::AgentSystemError),
+    /// The organisation of --config could not be written to the store.
+    #[error("--config {}: the organisation could not be written to the store: {cause}", path.display())]
+    Org {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        cause: troupe_agent::OrgError,
+    },
     /// The node could not start or join.
     #[error("cannot start the node (--listen, --etcd): {0}")]
     Cluster(#[from] troupe_cluster::ClusterError),
@@ -753,15 +725,32 @@ pub async fn run_node(
     };
     let node = ClusterNode::start(plan.etcd.clone(), plan.listen, runtime, store).await?;
     let agents = match pending {
-        Some(pending) => match pending.attach(node.handle().clone()) {
-            Ok(agents) => Some(agents),
-            Err(error) => {
-                if let Err(error) = node.leave().await {
-                    tracing::warn!(%error, "leaving the cluster failed; the lease ends by itself");
+        Some(pending) => {
+            let applied = match pending.attach(node.handle().clone()) {
+                Ok(agents) => match &plan.org {
+                    // Every node writes the file's organisation: the same file gives the
+                    // same record, whichever node writes last.
+                    Some((path, org)) => match agents.apply_org(org).await {
+                        Ok(()) => Ok(agents),
+                        Err(cause) => Err(NodeError::Org {
+                            path: path.clone(),
+                            cause,
+                        }),
+                    },
+                    None => Ok(agents),
+                },
+                Err(error) => Err(NodeError::Attach(error)),
+            };
+            match applied {
+                Ok(agents) => Some(agents),
+                Err(error) => {
+                    if let Err(error) = node.leave().await {
+                        tracing::warn!(%error, "leaving the cluster failed; the lease ends by itself");
+                    }
+                    return Err(error);
                 }
-                return Err(NodeError::Attach(error));
             }
-        },
+        }
         None => None,
     };
     println!(
@@ -879,33 +868,16 @@ mod tests {
     }
 
     #[test]
-    fn a_config_with_organisation_rules_or_no_agents_is_refused_and_agents_only_pass() {
+    fn a_config_without_agents_is_refused_and_one_with_an_organisation_passes() {
         let path = std::path::Path::new("org.toml");
-        let agents = "[[agents]]\nid = \"a\"\n[[agents]]\nid = \"b\"\n";
         let config = |text: &str| OrgConfig::from_toml(text, path).unwrap();
-        assert!(check_shareable(path, &config(agents)).is_ok());
-        let cases = [
-            (format!("policy = \"enforced\"\n{agents}"), "policy Enforced"),
-            (format!("{agents}[[links]]\nfrom = \"a\"\nto = \"b\"\n"), "1 [[links]]"),
-            (
-                format!("{agents}[[permissions]]\nagent = \"a\"\ntarget = \"b\"\neffect = \"deny\"\n"),
-                "1 [[permissions]]",
-            ),
-            (
-                "[[agents]]\nid = \"a\"\n[[agents]]\nid = \"b\"\nmanager = \"a\"\n".to_string(),
-                "agent \"b\" has a manager",
-            ),
-        ];
-        for (text, expected) in cases {
-            let error = check_shareable(path, &config(&text)).expect_err("refused");
-            assert!(matches!(error, NodeArgError::ConfigNotShared { .. }), "{error}");
-            let message = error.to_string();
-            assert!(
-                message.starts_with(&format!("--config org.toml: {expected}")),
-                "{message}"
-            );
-        }
-        let error = check_shareable(path, &config("")).expect_err("no agents");
+        let organisation = concat!(
+            "policy = \"enforced\"\n[[agents]]\nid = \"a\"\n[[agents]]\nid = \"b\"\nmanager = \"a\"\n",
+            "[[links]]\nfrom = \"a\"\nto = \"b\"\n",
+            "[[permissions]]\nagent = \"a\"\ntarget = \"b\"\neffect = \"deny\"\n"
+        );
+        assert!(check_agents(path, &config(organisation)).is_ok());
+        let error = check_agents(path, &config("")).expect_err("no agents");
         assert!(error.to_string().contains("declares no [[agents]]"), "{error}");
     }
 

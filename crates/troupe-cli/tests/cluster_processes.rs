@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use etcd_server::TestEtcd;
 use postgres_server::TestServer;
 use serde_json::Value;
+use troupe_agent::ORG_CACHE_MAX_AGE_MS;
 use troupe_postgres::tokio_postgres;
 
 /// The nodes' lease, in milliseconds (etcd's shortest TTL, so the test is quick).
@@ -913,7 +914,7 @@ fn node_refuses_bad_arguments_and_names_the_unreachable_database() {
         stderr.contains("cannot open the PostgreSQL store given by --postgres"),
         "{stderr}"
     );
-    // A config file that is not valid, and one with rules a node cannot share.
+    // A config file that is not valid.
     let dir = tempfile::tempdir().expect("a temporary directory");
     let broken = dir.path().join("broken.toml");
     std::fs::write(&broken, "[[agents]]\nid = \"a\"\nmax_stepz = 4\n").expect("write the config");
@@ -922,10 +923,12 @@ fn node_refuses_bad_arguments_and_names_the_unreachable_database() {
         stderr.contains(&format!("--config {}:", broken.display())) && stderr.contains("max_stepz"),
         "{stderr}"
     );
+    // A file with an organisation (enforced policy, links, rules, managers) is taken:
+    // the node goes on to the database.
     let org = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/org.toml");
     let stderr = run(&["--config", org]);
     assert!(
-        stderr.contains(&format!("--config {org}: policy Enforced")) && stderr.contains("troupe serve --config"),
+        stderr.contains("cannot open the PostgreSQL store given by --postgres"),
         "{stderr}"
     );
     let missing = dir.path().join("missing.toml");
@@ -936,10 +939,23 @@ fn node_refuses_bad_arguments_and_names_the_unreachable_database() {
     );
 }
 
-/// The organisation every node of the agents test is started with: `a` and `b` on the
-/// scripted model of `troupe serve --config` (a message `route: b` makes its agent call
-/// `b` with `call_agent`; `b` answers `hello from b`).
+/// The organisation every node of the agents test is started with: `a`, `b` and `c` on
+/// the scripted model of `troupe serve --config` (a message `route: b` makes its agent
+/// call `b` with `call_agent`; `b` answers `hello from b`), under the enforced policy
+/// with one link, `a` – `b`: `a` may not call `c`.
 const AGENTS_CONFIG: &str = r#"
+policy = "enforced"
+
+[[links]]
+from = "a"
+to = "b"
+
+[[agents]]
+id = "c"
+role = "answers when linked"
+system_prompt = "You answer."
+max_steps = 4
+
 [[agents]]
 id = "a"
 role = "asks b"
@@ -952,6 +968,10 @@ role = "answers"
 system_prompt = "You answer."
 max_steps = 4
 "#;
+
+/// Slack over the organisation's cache age for a link added through one node to reach
+/// another node's admission, in milliseconds (wall clock, loaded 2-core machine).
+const ORG_REACH_SLACK_MS: u64 = 2_000;
 
 /// Longest one agent request may take while nothing fails, in milliseconds.
 const AGENT_REQUEST_MS_MAX: u64 = 10_000;
@@ -1078,6 +1098,39 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
             .any(|(role, content)| role == "tool" && content.contains("hello from b")),
         "a's log holds b's answer as its tool result: {a_before:?}"
     );
+
+    // The file's organisation holds on every node: a (on g0) may not call c. A link
+    // added through g2's API lets it, on g0, once g0's copy is a cache age old.
+    let (status, reply) = ask(&nodes[1].http, "a", "route: c").expect("ask a");
+    assert_eq!(status, 200, "{reply}");
+    assert!(
+        reply["text"]
+            .as_str()
+            .is_some_and(|text| text.contains("call not permitted: a may not ask c")),
+        "the file's enforced policy refuses a → c: {reply}"
+    );
+    let link = serde_json::json!({ "from": "a", "to": "c" }).to_string();
+    let (status, reply) = http(&nodes[2].http, "POST", "/v1/links", &link).expect("add a link");
+    assert_eq!(status, 201, "{reply}");
+    let linked = Instant::now();
+    std::thread::sleep(Duration::from_millis(ORG_CACHE_MAX_AGE_MS));
+    let reached = loop {
+        let (status, reply) = ask(&nodes[1].http, "a", "route: c").expect("ask a");
+        assert_eq!(status, 200, "{reply}");
+        if reply["text"].as_str() == Some("hello from c") {
+            break linked.elapsed();
+        }
+        assert!(
+            linked.elapsed() < Duration::from_millis(ORG_CACHE_MAX_AGE_MS + ORG_REACH_SLACK_MS),
+            "the link added through g2 did not reach a's admission on g0: {reply}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    println!(
+        "a link added through g2 admitted a → c on g0 {} ms after it was written",
+        reached.as_millis()
+    );
+    assert_eq!(agent_owner(&database, "a").await, "g0", "a's calls are admitted on g0");
 
     // SIGKILL b's owner; ask a again (through the survivors in turn) until b answers.
     let victim = nodes
