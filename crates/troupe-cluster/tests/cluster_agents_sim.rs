@@ -18,7 +18,11 @@
 //! 5. `a` delegates a task to `b` (the command made through node-3's client): `b` works
 //!    on it once, on node-2, and the result comes back to `a` once, on node-1 (the inbox
 //!    and outbox deliveries routed between nodes).
-//! 6. node-3 (owner of `c`) is killed: asking `c` from node-1 succeeds on another node
+//! 6. The organisation is one record every node writes: the enforced policy written
+//!    through node-3 refuses `a → b` on node-1 (`a`'s node), a link written through
+//!    node-2 admits it there one cache age later, the open policy is written back
+//!    through node-1.
+//! 7. node-3 (owner of `c`) is killed: asking `c` from node-1 succeeds on another node
 //!    once node-3's lease has expired, its committed log is still there (every
 //!    acknowledged exchange, in order) and its model saw the earlier answer again in
 //!    its history window.
@@ -40,7 +44,8 @@ use agents::{agent_system, script, Seen, DEPTH_AGENTS};
 use madsim::runtime::Handle;
 use tokio::time::Instant;
 use troupe_agent::{
-    AgentCallError, AgentClient, AgentEvent, AgentReply, AskOptions, CallOutcome, ChatMessage, ScriptedLlm, TaskState,
+    AgentCallError, AgentClient, AgentEvent, AgentReply, AskOptions, CallOutcome, ChatMessage, Link, OrgPolicy,
+    ScriptedLlm, TaskState, ORG_CACHE_MAX_AGE_MS,
 };
 use troupe_cluster::ClusterNode;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
@@ -67,6 +72,9 @@ const RETRY_PAUSE_MS: u64 = 200;
 /// The longest time the killed node's agent may stay unserved, in simulated ms: the
 /// lease TTL, plus one renewal interval it may have been renewed late, plus slack.
 const TAKEOVER_BOUND_MS: u64 = SIM_LEASE_TTL_S * 1_000 * 2 + 2_000;
+/// Slack over the organisation's cache age for a change written through one node to
+/// reach another node's admission, in simulated milliseconds.
+const ORG_REACH_SLACK_MS: u64 = 10;
 /// Seeds the scenario runs under.
 const SEEDS: u64 = 20;
 /// Seeds the replay test runs, each twice.
@@ -186,6 +194,16 @@ impl AgentCluster {
             .spawn(async move { client.ask_with(&agent, &text, options).await })
             .await
             .expect("the ask's task")
+    }
+
+    /// Runs `work` with node `index`'s agent client, inside that node.
+    async fn with_client<T, F>(&self, index: usize, work: impl FnOnce(AgentClient) -> F) -> T
+    where
+        F: std::future::Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let work = work(self.clients[index].clone());
+        self.nodes[index].spawn(work).await.expect("the node's task")
     }
 
     /// Places `agent` on node `index`: its first turn runs there.
@@ -358,7 +376,40 @@ async fn scenario() -> RunResult {
     assert_eq!(a_turns.len(), 1, "a took the result once: {a_turns:?}");
     assert_eq!(a_turns[0].0, 0, "a took the result on node-1");
 
-    // 6. Kill c's owner: c's history survives and is reloaded on another node.
+    // 6. The organisation, written through three nodes, decides a's calls on node-1.
+    let reach = Duration::from_millis(ORG_CACHE_MAX_AGE_MS + ORG_REACH_SLACK_MS);
+    cluster
+        .with_client(
+            2,
+            |client| async move { client.set_org_policy(OrgPolicy::Enforced).await },
+        )
+        .await
+        .expect("node-3 writes the policy");
+    tokio::time::sleep(reach).await;
+    seen.clear();
+    let refused = cluster.ask(0, "a", "just b", ASK_TIMEOUT_MS).await.expect("a answers");
+    assert!(
+        refused.text.contains("call not permitted: a may not ask b"),
+        "the policy written through node-3 refuses a → b on node-1: {}",
+        refused.text
+    );
+    assert!(seen.turns_of("b").is_empty(), "b was not called");
+    cluster
+        .with_client(1, |client| async move { client.add_link(Link::new("a", "b")).await })
+        .await
+        .expect("node-2 writes a link");
+    tokio::time::sleep(reach).await;
+    let reply = cluster.ask(0, "a", "just b", ASK_TIMEOUT_MS).await.expect("a answers");
+    assert_eq!(
+        reply.text, "a<b-answer",
+        "the link written through node-2 admits a → b on node-1"
+    );
+    cluster
+        .with_client(0, |client| async move { client.set_org_policy(OrgPolicy::Open).await })
+        .await
+        .expect("node-1 writes the policy back");
+
+    // 7. Kill c's owner: c's history survives and is reloaded on another node.
     let before = cluster.log(0, "c").await;
     let acknowledged = ["pong", "[message from agent b] leaf question", "c-answer"];
     let before_text = contents(&before);
