@@ -175,8 +175,9 @@ impl AgentSystemBuilder {
         Ok(AgentSystem { runtime, client })
     }
 
-    /// Builds the agents and registers the agent and conversation kinds on the runtime
-    /// builder, without starting it: for embedders that start the runtime themselves,
+    /// Builds the agents and registers the agent and conversation kinds (and the
+    /// organisation record, a shared record kind) on the runtime builder, without
+    /// starting it: for embedders that start the runtime themselves,
     /// such as a cluster node (`troupe_cluster::ClusterNode::start` takes the builder
     /// and sets its own store). Start the returned builder, then give its handle to
     /// [`PendingAgentSystem::attach`]. Until then, no agent can activate (an activation
@@ -218,11 +219,13 @@ impl AgentSystemBuilder {
             shared: Arc::clone(&shared),
         };
         let conversation_kind = ActorKind::new(crate::CONVERSATION_KIND).expect("the conversation kind name is valid");
-        let runtime = self.runtime.register(kind, factory, self.kind_config)?.register(
-            conversation_kind,
-            conversations,
-            KindConfig::default(),
-        )?;
+        let org_kind = ActorKind::new(crate::ORG_STORE_KIND).expect("the organisation kind name is valid");
+        let runtime = self
+            .runtime
+            .register(kind, factory, self.kind_config)?
+            .register(conversation_kind, conversations, KindConfig::default())?
+            // Written by every process sharing the store (every node of a cluster).
+            .shared_record_kind(org_kind)?;
         Ok((runtime, PendingAgentSystem { shared }))
     }
 }

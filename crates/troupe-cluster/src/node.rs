@@ -157,9 +157,9 @@ impl ClusterNode {
         let node = etcd.node.clone();
         let placement = EtcdPlacement::join(etcd).await?;
         let (ownership, mut releases) = Ownership::new(placement.clone());
-        let placed = runtime.registered_kinds().cloned().collect();
+        let shared = runtime.shared_record_kinds().cloned().collect();
         let runtime = runtime
-            .store(Arc::new(PlacedStore::new(store, Arc::clone(&ownership), placed)))
+            .store(Arc::new(PlacedStore::new(store, Arc::clone(&ownership), shared)))
             .observer(Arc::new(ReleaseObserver {
                 ownership: Arc::clone(&ownership),
             }))

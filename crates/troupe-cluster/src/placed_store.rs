@@ -171,32 +171,32 @@ fn not_owner(actor: &ActorId, error: PlacementError) -> StoreError {
 ///   fence, so a commit that slips past this check after the lease ended is still refused
 ///   once the new owner has claimed.
 /// - Reads go straight to `S`.
-/// - Records of a kind the node's runtime does not register (no actor of it is ever
-///   activated: the agent layer's organisation record, the server's A2A task records)
-///   are not placed: their claims and commits go straight to `S`, whose own fences
-///   order the writers, so every node may write them. A writer whose claim another
-///   overtook is refused [`StoreError::Fenced`] and claims again (see docs/cluster.md,
-///   "The organisation on a cluster").
+/// - Shared records (kinds declared with `RuntimeBuilder::shared_record_kind`, such as
+///   the agent layer's organisation record) are not placed: their claims and commits go
+///   straight to `S`, whose own fences order the writers, so every node may write them.
+///   A writer whose claim another overtook is refused [`StoreError::Fenced`] and claims
+///   again (see docs/cluster.md, "The organisation on a cluster"). Every other kind,
+///   registered or not, is placed.
 pub struct PlacedStore<S> {
     store: S,
     ownership: Arc<Ownership>,
-    /// The kinds the node's runtime activates: only these are placed.
-    placed: BTreeSet<ActorKind>,
+    /// The shared-record kinds: not placed.
+    shared: BTreeSet<ActorKind>,
 }
 
 impl<S> PlacedStore<S> {
-    pub(crate) fn new(store: S, ownership: Arc<Ownership>, placed: BTreeSet<ActorKind>) -> Self {
+    pub(crate) fn new(store: S, ownership: Arc<Ownership>, shared: BTreeSet<ActorKind>) -> Self {
         Self {
             store,
             ownership,
-            placed,
+            shared,
         }
     }
 
-    /// Whether `actor` is placed in etcd (its kind is activated by the runtime) rather
-    /// than a record fenced by the store alone.
+    /// Whether `actor` is placed in etcd, rather than a shared record fenced by the
+    /// store alone.
     fn is_placed(&self, actor: &ActorId) -> bool {
-        self.placed.contains(actor.kind())
+        !self.shared.contains(actor.kind())
     }
 }
 

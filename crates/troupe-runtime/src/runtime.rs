@@ -1,6 +1,6 @@
 //! Building and stopping a runtime: [`RuntimeBuilder`], [`Runtime`] (the handle callers use is in `handle.rs`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
@@ -110,6 +110,8 @@ impl Drop for Runtime {
 pub struct RuntimeBuilder {
     store: Arc<dyn StateStore>,
     kinds: BTreeMap<ActorKind, KindEntry>,
+    /// Kinds of records written straight through the store, never activated.
+    shared_records: BTreeSet<ActorKind>,
     observer: Option<Arc<dyn RuntimeObserver>>,
     shutdown_grace: Duration,
     #[cfg(feature = "planted-bugs")]
@@ -125,6 +127,7 @@ impl Default for RuntimeBuilder {
         Self {
             store: Arc::new(MemoryStore::new()),
             kinds: BTreeMap::new(),
+            shared_records: BTreeSet::new(),
             observer: None,
             shutdown_grace: Duration::from_millis(SHUTDOWN_GRACE_MS_DEFAULT),
             #[cfg(feature = "planted-bugs")]
@@ -193,9 +196,27 @@ impl RuntimeBuilder {
         self
     }
 
-    /// The kinds registered so far, in order.
-    pub fn registered_kinds(&self) -> impl Iterator<Item = &ActorKind> {
-        self.kinds.keys()
+    /// Declares `kind` a kind of shared record: state that code writes straight through
+    /// the store ([`crate::StateStore::claim`], then [`crate::StateStore::commit`] under
+    /// that claim's fence, again on [`troupe_core::StoreError::Fenced`]), from any
+    /// process, and that no actor activates. The runtime does nothing with it; an
+    /// embedder that places actors (a cluster node, troupe-cluster's `PlacedStore`) lets
+    /// every process write such records instead of placing them like actors. The agent
+    /// layer declares its organisation record so.
+    ///
+    /// # Errors
+    /// [`ConfigError::DuplicateKind`] if `kind` is registered as an actor kind.
+    pub fn shared_record_kind(mut self, kind: ActorKind) -> Result<Self, ConfigError> {
+        if self.kinds.contains_key(&kind) {
+            return Err(ConfigError::DuplicateKind { kind: kind.to_string() });
+        }
+        self.shared_records.insert(kind);
+        Ok(self)
+    }
+
+    /// The kinds declared with [`RuntimeBuilder::shared_record_kind`], in order.
+    pub fn shared_record_kinds(&self) -> impl Iterator<Item = &ActorKind> {
+        self.shared_records.iter()
     }
 
     /// Registers a kind of actor with its factory and configuration.
@@ -210,7 +231,7 @@ impl RuntimeBuilder {
         config: KindConfig,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
-        if self.kinds.contains_key(&kind) {
+        if self.kinds.contains_key(&kind) || self.shared_records.contains(&kind) {
             return Err(ConfigError::DuplicateKind { kind: kind.to_string() });
         }
         self.kinds.insert(
@@ -277,5 +298,49 @@ impl RuntimeBuilder {
             handle,
             dispatcher: Some(dispatcher),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Actor, ActorError, Turn};
+    use bytes::Bytes;
+    use troupe_core::ActorId;
+
+    struct Quiet;
+
+    #[async_trait::async_trait]
+    impl Actor for Quiet {
+        async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+            Ok(payload)
+        }
+    }
+
+    fn quiet(_: &ActorId, _: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+        Ok(Box::new(Quiet))
+    }
+
+    #[test]
+    fn a_kind_is_an_actor_kind_or_a_shared_record_kind_never_both() {
+        let (actors, records) = (ActorKind::new("worker").unwrap(), ActorKind::new("ledger").unwrap());
+        let builder = Runtime::builder()
+            .register(actors.clone(), quiet, KindConfig::default())
+            .unwrap()
+            .shared_record_kind(records.clone())
+            .unwrap();
+        assert_eq!(builder.shared_record_kinds().collect::<Vec<_>>(), vec![&records]);
+        let Err(error) = builder.register(records, quiet, KindConfig::default()) else {
+            panic!("a shared record kind was registered as an actor kind");
+        };
+        assert_eq!(error.to_string(), "actor kind \"ledger\" is already registered");
+        let Err(error) = Runtime::builder()
+            .register(actors.clone(), quiet, KindConfig::default())
+            .unwrap()
+            .shared_record_kind(actors)
+        else {
+            panic!("an actor kind was declared a shared record kind");
+        };
+        assert!(matches!(error, ConfigError::DuplicateKind { .. }), "{error}");
     }
 }
