@@ -139,6 +139,7 @@ impl Actor for AgentActor {
         self.state.load_window(turn).await?;
         self.resume_at_activation(turn, &command).await?;
         crate::org_store::ensure_loaded(&self.shared).await;
+        crate::directory_store::ensure_fresh(&self.shared).await;
         // Read before the definition it guards: a change made meanwhile leaves a stale
         // generation, and the next turn reads the definition again.
         let generation = self.shared.directory.generation();

@@ -82,7 +82,7 @@ impl AgentClient {
         for participant in &participants {
             check_name("participant", participant.name())?;
             if let Participant::Agent(agent) = participant {
-                if !self.shared.directory.contains(agent) {
+                if !self.lists_agent(agent).await {
                     return Err(ConversationError::UnknownAgent { agent: agent.clone() });
                 }
                 agents.push(agent.clone());

@@ -356,7 +356,7 @@ impl AgentClient {
     /// [`InboxError::Invoke`] (timeout, storage, shutdown, a full mailbox: whether it
     /// was kept is unknown; retry with the same `msg_id`).
     pub async fn delegate_external(&self, to: &str, request: ExternalTaskRequest) -> Result<String, InboxError> {
-        let target = self.known_agent(to)?;
+        let target = self.known_agent(to).await?;
         let deadline = task_deadline(self.runtime.now(), request.timeout_ms);
         let chain: Vec<ActorId> = request.chain.iter().filter_map(|id| agent_id(id).ok()).collect();
         let mut context = if chain.is_empty() && request.depth == 0 {
@@ -451,7 +451,7 @@ impl AgentClient {
     /// [`InboxError::UnknownTask`], [`InboxError::InvalidAgentId`],
     /// [`InboxError::Refused`], [`InboxError::Invoke`].
     pub async fn cancel_external(&self, agent: &str, task_id: &str) -> Result<ExternalCancel, InboxError> {
-        let target = self.known_agent(agent)?;
+        let target = self.known_agent(agent).await?;
         let unknown = || InboxError::UnknownTask {
             agent: target.clone(),
             task_id: task_id.to_string(),
@@ -505,7 +505,7 @@ impl AgentClient {
     /// [`InboxError::UnknownTask`] (no such task, or forgotten already),
     /// [`InboxError::InvalidAgentId`], [`InboxError::Refused`], [`InboxError::Invoke`].
     pub async fn forget_external(&self, agent: &str, task_id: &str) -> Result<ExternalForget, InboxError> {
-        let target = self.known_agent(agent)?;
+        let target = self.known_agent(agent).await?;
         let unknown = || InboxError::UnknownTask {
             agent: target.clone(),
             task_id: task_id.to_string(),

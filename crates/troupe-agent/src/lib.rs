@@ -55,6 +55,7 @@ mod call_record;
 mod config;
 mod conversation;
 mod conversation_api;
+mod directory_store;
 mod external;
 mod inbox;
 mod inbox_turns;
@@ -93,6 +94,7 @@ pub use conversation::{
     CONVERSATION_MESSAGES_MAX, CONVERSATION_NAME_LENGTH_MAX_BYTES, CONVERSATION_PAGE_MAX,
     CONVERSATION_PARTICIPANTS_MAX, CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
 };
+pub use directory_store::{DirectoryError, DIRECTORY_REFRESH_MS, DIRECTORY_STORE_KEY, DIRECTORY_STORE_KIND};
 pub use external::{ExternalCancel, ExternalForget, ExternalReply, ExternalTask, ExternalTaskRequest};
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};

@@ -215,7 +215,7 @@ impl AgentClient {
         let sender = agent_id(from).map_err(|error| invalid(from, error))?;
         let target = agent_id(to).map_err(|error| invalid(to, error))?;
         for (key, id) in [(from, &sender), (to, &target)] {
-            if !self.shared.directory.contains(key) {
+            if !self.lists_agent(key).await {
                 return Err(AgentCallError::Refused(CallRefused::AgentNotFound {
                     target: id.clone(),
                 }));
@@ -244,8 +244,9 @@ impl AgentClient {
 
 impl AgentClient {
     /// Syncs `config` into this system: every declared agent is upserted into the
-    /// directory (its definition replaces one of the same id), then the policy, the
-    /// declared links, memberships and rules are written to the store in one commit.
+    /// directory (its definition replaces one of the same id), then the agents'
+    /// definitions and the policy, the declared links, memberships and rules are written
+    /// to the store ([`AgentClient::store_config`]).
     /// Config wins for what it declares; agents, links and rules created at runtime and
     /// not declared are kept.
     ///
@@ -280,19 +281,12 @@ impl AgentClient {
                     cause: error.to_string(),
                 })?;
         }
-        self.apply_org(config).await
+        self.store_config(config).await
     }
 
     /// Writes `config`'s organisation (policy, links, memberships, rules) to the store,
-    /// in one change, without touching the directory: what [`AgentClient::apply_config`]
-    /// does after the agents. For a system whose agents came from the same file through
-    /// its builder, such as each node of a cluster (`troupe node --config`): every node
-    /// may apply it, the last write wins, and the same file gives the same organisation.
-    /// Links, memberships and rules not declared are kept.
-    ///
-    /// # Errors
-    /// [`OrgError`] from the store or from a declared item (nothing applied).
-    pub async fn apply_org(&self, config: &crate::OrgConfig) -> Result<(), OrgError> {
+    /// in one change (see [`AgentClient::store_config`]).
+    pub(crate) async fn apply_org(&self, config: &crate::OrgConfig) -> Result<(), OrgError> {
         let (links, memberships, rules) = (config.org_links(), config.memberships(), config.rules());
         self.change_org(|org| {
             org.set_policy(config.policy);

@@ -931,7 +931,7 @@ impl AgentClient {
         });
         let result = if let Some(refused) = context.refusal(agent) {
             Err(AgentCallError::Refused(refused))
-        } else if !self.shared.directory.contains(agent) {
+        } else if !self.lists_agent(agent).await {
             Err(AgentCallError::Refused(CallRefused::AgentNotFound {
                 target: target.clone(),
             }))

@@ -225,7 +225,10 @@ impl AgentSystemBuilder {
             .register(kind, factory, self.kind_config)?
             .register(conversation_kind, conversations, KindConfig::default())?
             // Written by every process sharing the store (every node of a cluster).
-            .shared_record_kind(org_kind)?;
+            .shared_record_kind(org_kind)?
+            .shared_record_kind(
+                ActorKind::new(crate::DIRECTORY_STORE_KIND).expect("the directory kind name is valid"),
+            )?;
         Ok((runtime, PendingAgentSystem { shared }))
     }
 }
@@ -302,28 +305,11 @@ impl AgentClient {
         &self.runtime
     }
 
-    /// The agent directory; agents added here can be asked at once.
+    /// The agent directory of this process; agents added here can be asked at once.
+    /// Changes made here stay in this process; [`AgentClient::define_agent`],
+    /// [`AgentClient::replace_agent`] and [`AgentClient::remove_agent`] store theirs.
     pub fn directory(&self) -> &AgentDirectory {
         &self.shared.directory
-    }
-
-    /// Removes agent `agent`: it leaves the directory (new calls to it are refused with
-    /// `AgentNotFound`), then its live activation, if any, is deactivated with the same
-    /// handshake as idle deactivation (its running turn and already queued requests
-    /// finish, then it saves and stops). Requests that reach it afterwards are refused.
-    /// Its stored conversation is kept. Returns its definition, or `None` if there was
-    /// no such agent.
-    ///
-    /// # Errors
-    /// [`InvokeError::Shutdown`] if the runtime has stopped.
-    pub async fn remove_agent(&self, agent: &str) -> Result<Option<AgentSpec>, InvokeError> {
-        let removed = self.shared.directory.remove(agent);
-        if removed.is_some() {
-            if let Ok(id) = agent_id(agent) {
-                self.runtime.deactivate(&id).await?;
-            }
-        }
-        Ok(removed)
     }
 
     /// Sends `text` to agent `agent` from outside and waits up to
@@ -399,7 +385,7 @@ impl AgentClient {
             depth: 0,
             at: now,
         });
-        let result = if self.shared.directory.contains(agent) {
+        let result = if self.lists_agent(agent).await {
             let timeout = timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
             let request = AgentRequest {
                 text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
@@ -511,7 +497,7 @@ impl AgentClient {
         text: &str,
         timeout_ms: Option<u64>,
     ) -> Result<String, InboxError> {
-        let target = self.known_agent(agent)?;
+        let target = self.known_agent(agent).await?;
         let now = self.runtime.now();
         let entry = InboxEntry {
             msg_id: msg_id.to_string(),
@@ -581,7 +567,7 @@ impl AgentClient {
         timeout_ms: Option<u64>,
         task: bool,
     ) -> Result<String, InboxError> {
-        let sender = self.known_agent(from)?;
+        let sender = self.known_agent(from).await?;
         let command = if task {
             AgentCommand::Delegate {
                 to: to.to_string(),
@@ -616,7 +602,7 @@ impl AgentClient {
     /// [`InboxError::UnknownTask`], [`InboxError::InvalidAgentId`],
     /// [`InboxError::Invoke`].
     pub async fn cancel(&self, agent: &str, task_id: &str) -> Result<Option<TaskState>, InboxError> {
-        let delegator = self.known_agent(agent)?;
+        let delegator = self.known_agent(agent).await?;
         let command = AgentCommand::Cancel {
             task_id: task_id.to_string(),
         };
@@ -643,12 +629,12 @@ impl AgentClient {
         decode_reply(&reply)
     }
 
-    pub(crate) fn known_agent(&self, agent: &str) -> Result<ActorId, InboxError> {
+    pub(crate) async fn known_agent(&self, agent: &str) -> Result<ActorId, InboxError> {
         let id = agent_id(agent).map_err(|error| InboxError::InvalidAgentId {
             agent_id: agent.to_string(),
             cause: error.to_string(),
         })?;
-        if !self.shared.directory.contains(agent) {
+        if !self.lists_agent(agent).await {
             return Err(InboxError::Refused(CallRefused::AgentNotFound { target: id }));
         }
         Ok(id)

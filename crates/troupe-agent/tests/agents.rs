@@ -635,6 +635,9 @@ async fn storage_failures_reach_the_caller_and_the_conversation_never_silently_a
 
     // A new runtime on the same store: the first load fails, and must not start empty.
     let system = start_on(&llm, &["a"], &CallRecorder::new(), store.clone());
+    // A new process reads the stored agent directory at its first lookup: read it
+    // first, so the fault below hits the activation's load.
+    system.reload_directory().await.unwrap();
     store.faults().fail_next_loads(1);
     let failed = system.ask("a", "four").await;
     assert!(

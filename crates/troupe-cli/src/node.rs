@@ -730,7 +730,7 @@ pub async fn run_node(
                 Ok(agents) => match &plan.org {
                     // Every node writes the file's organisation: the same file gives the
                     // same record, whichever node writes last.
-                    Some((path, org)) => match agents.apply_org(org).await {
+                    Some((path, org)) => match agents.store_config(org).await {
                         Ok(()) => Ok(agents),
                         Err(cause) => Err(NodeError::Org {
                             path: path.clone(),

@@ -140,7 +140,7 @@ fn base_url(headers: &HeaderMap, agent: &str) -> String {
 
 /// `GET /a2a/{agent}/.well-known/agent-card.json`.
 async fn card(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    let spec = known(&a2a.app, &agent)?;
+    let spec = known(&a2a.app, &agent).await?;
     let description = if spec.role.is_empty() {
         format!("Troupe agent {}", spec.id)
     } else {
@@ -264,7 +264,7 @@ async fn ready(a2a: &Arc<A2a>) {
 
 /// `POST /a2a/{agent}`: one JSON-RPC request.
 async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(error) = known(&a2a.app, &agent) {
+    if let Err(error) = known(&a2a.app, &agent).await {
         return error.into_response();
     }
     ready(&a2a).await;

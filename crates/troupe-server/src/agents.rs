@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use troupe_agent::{AgentReply, AgentSpec, AskOptions, TaskStatus};
+use troupe_agent::{AgentReply, AgentSpec, AskOptions, DirectoryError, TaskStatus};
 use troupe_core::TraceId;
 
 use crate::error::{ApiError, ApiJson, ApiQuery};
@@ -56,10 +56,15 @@ fn task_json(status: &TaskStatus) -> Value {
 }
 
 /// The agent's definition, or 404.
-pub(crate) fn known(state: &AppState, agent: &str) -> Result<AgentSpec, ApiError> {
+pub(crate) async fn known(state: &AppState, agent: &str) -> Result<AgentSpec, ApiError> {
+    if let Some(spec) = state.client.directory().get(agent) {
+        return Ok(spec);
+    }
+    // Not here: perhaps defined by another process sharing the store.
     state
         .client
-        .directory()
+        .current_directory()
+        .await
         .get(agent)
         .ok_or_else(|| ApiError::agent_not_found(agent))
 }
@@ -94,13 +99,20 @@ pub(crate) fn check_timeout(timeout_ms: Option<u64>) -> Result<Option<u64>, ApiE
 
 /// `GET /v1/agents`.
 pub(crate) async fn list(State(state): Shared) -> Json<Value> {
-    let agents: Vec<Value> = state.client.directory().list().iter().map(agent_json).collect();
+    let agents: Vec<Value> = state
+        .client
+        .current_directory()
+        .await
+        .list()
+        .iter()
+        .map(agent_json)
+        .collect();
     Json(json!({ "agents": agents }))
 }
 
 /// `GET /v1/agents/{id}`: the definition and the committed inbox and outbox lengths.
 pub(crate) async fn get_one(State(state): Shared, Path(agent): Path<String>) -> Result<Json<Value>, ApiError> {
-    let spec = known(&state, &agent)?;
+    let spec = known(&state, &agent).await?;
     let (inbox, outbox) = state.client.pending(&agent).await?;
     let mut value = agent_json(&spec);
     value["inbox"] = json!(inbox);
@@ -144,28 +156,34 @@ impl AgentBody {
     }
 }
 
-/// `POST /v1/agents`: 201 with the definition; 409 if the id exists.
+impl From<DirectoryError> for ApiError {
+    fn from(error: DirectoryError) -> Self {
+        let message = error.to_string();
+        match &error {
+            DirectoryError::AgentExists { id } => Self::new(
+                StatusCode::CONFLICT,
+                "agent_exists",
+                format!("agent {id:?} already exists; PUT /v1/agents/{id} replaces it"),
+            ),
+            DirectoryError::NoSuchAgent { id } => Self::agent_not_found(id),
+            DirectoryError::Invalid(_) => Self::unprocessable("invalid_agent", message),
+            DirectoryError::Store(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message),
+            DirectoryError::Decode { .. } => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "directory_unreadable", message)
+            }
+        }
+    }
+}
+
+/// `POST /v1/agents`: 201 with the definition; 409 if the id exists (decided on the
+/// stored directory: also across processes sharing the store).
 pub(crate) async fn create(State(state): Shared, ApiJson(body): ApiJson<AgentBody>) -> Result<Response, ApiError> {
     let Some(id) = body.id.clone() else {
         return Err(ApiError::unprocessable("invalid_agent", "the agent needs an \"id\""));
     };
     let spec = body.into_spec(id)?;
     let _writes = state.directory_writes.lock().await;
-    if state.client.directory().contains(&spec.id) {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "agent_exists",
-            format!(
-                "agent {:?} already exists; PUT /v1/agents/{} replaces it",
-                spec.id, spec.id
-            ),
-        ));
-    }
-    state
-        .client
-        .directory()
-        .upsert(spec.clone())
-        .map_err(|error| ApiError::unprocessable("invalid_agent", error.to_string()))?;
+    state.client.define_agent(spec.clone()).await?;
     Ok((StatusCode::CREATED, Json(agent_json(&spec))).into_response())
 }
 
@@ -186,12 +204,7 @@ pub(crate) async fn update(
     }
     let spec = body.into_spec(agent.clone())?;
     let _writes = state.directory_writes.lock().await;
-    known(&state, &agent)?;
-    state
-        .client
-        .directory()
-        .upsert(spec.clone())
-        .map_err(|error| ApiError::unprocessable("invalid_agent", error.to_string()))?;
+    state.client.replace_agent(spec.clone()).await?;
     Ok(Json(agent_json(&spec)))
 }
 
@@ -233,7 +246,7 @@ pub(crate) async fn message(
     headers: HeaderMap,
     ApiJson(body): ApiJson<MessageBody>,
 ) -> Result<Response, ApiError> {
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     check_text(&body.text)?;
     let timeout = Duration::from_millis(
         check_timeout(body.timeout_ms)?.unwrap_or(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT),
@@ -297,7 +310,7 @@ pub(crate) async fn history(
     Path(agent): Path<String>,
     ApiQuery(query): ApiQuery<HistoryQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     let limit = query.limit.unwrap_or(SERVER_HISTORY_PAGE_DEFAULT);
     if limit == 0 || limit > SERVER_HISTORY_PAGE_MAX {
         return Err(ApiError::new(
@@ -347,7 +360,7 @@ pub(crate) async fn notify(
     Path(agent): Path<String>,
     ApiJson(body): ApiJson<NotifyBody>,
 ) -> Result<Response, ApiError> {
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     check_text(&body.text)?;
     let timeout_ms = check_timeout(body.timeout_ms)?;
     let msg_id = match body.msg_id {
@@ -379,7 +392,7 @@ pub(crate) async fn delegate(
     Path(agent): Path<String>,
     ApiJson(body): ApiJson<DelegateBody>,
 ) -> Result<Response, ApiError> {
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     check_text(&body.text)?;
     let timeout_ms = check_timeout(body.timeout_ms)?;
     let task_id = state.client.delegate(&agent, &body.to, &body.text, timeout_ms).await?;
@@ -391,7 +404,7 @@ pub(crate) async fn task(
     State(state): Shared,
     Path((agent, task_id)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     match state.client.task(&agent, &task_id).await? {
         Some(status) => Ok(Json(task_json(&status))),
         None => Err(ApiError::new(
@@ -408,7 +421,7 @@ pub(crate) async fn cancel(
     State(state): Shared,
     Path((agent, task_id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     match state.client.cancel(&agent, &task_id).await? {
         None => Ok((
             StatusCode::ACCEPTED,

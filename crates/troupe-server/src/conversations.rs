@@ -130,7 +130,7 @@ fn message_json(message: &ConversationMessage) -> Value {
 /// part in, in id order (at most [`CONVERSATIONS_LISTED_MAX`]; `truncated` says more
 /// may exist).
 pub(crate) async fn of_agent(State(state): Shared, Path(agent): Path<String>) -> Result<Json<Value>, ApiError> {
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     let ids = state.client.conversations_of(&agent).await?;
     Ok(Json(json!({
         "agent": agent,

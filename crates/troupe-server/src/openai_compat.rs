@@ -84,7 +84,7 @@ pub(crate) async fn chat_completions(
 }
 
 async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: TraceId) -> Result<Response, ApiError> {
-    known(state, &body.model).map_err(|_| {
+    known(state, &body.model).await.map_err(|_| {
         ApiError::new(
             StatusCode::NOT_FOUND,
             "model_not_found",

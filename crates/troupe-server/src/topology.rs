@@ -207,7 +207,7 @@ async fn call_tree(
     Path(agent): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     tracker.start();
-    known(&state, &agent)?;
+    known(&state, &agent).await?;
     let observed = tracker.observed.lock().expect("the topology lock is never poisoned");
     let root = observed
         .last_root

@@ -23,6 +23,8 @@ pub(crate) struct AgentShared {
     pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
     /// The organisation: links, permissions, approvals (`org_store.rs`).
     pub(crate) org: crate::org_store::OrgStore,
+    /// The agents defined through the API, stored (`directory_store.rs`).
+    pub(crate) defined: crate::directory_store::DirectoryStore,
     /// The remote agents, by local id (`remote.rs`).
     pub(crate) remotes: crate::remote::RemoteDirectory,
     /// The broadcast event stream ([`crate::AgentClient::subscribe`]).
@@ -64,6 +66,7 @@ impl AgentShared {
             tools,
             observers,
             org: crate::org_store::OrgStore::new(),
+            defined: crate::directory_store::DirectoryStore::new(),
             remotes: crate::remote::RemoteDirectory::default(),
             stream: tokio::sync::broadcast::channel(crate::limits::AGENT_EVENT_STREAM_CAPACITY).0,
             next_call: AtomicU64::new(1),

@@ -1,0 +1,399 @@
+//! Agents defined, replaced and removed at runtime ([`AgentClient::define_agent`],
+//! [`AgentClient::replace_agent`], [`AgentClient::remove_agent`], the server's
+//! `POST`/`PUT`/`DELETE /v1/agents`): one shared record in the store, under the system
+//! key space `troupe-directory/agents` (a shared record kind: see
+//! `RuntimeBuilder::shared_record_kind`), laid over the agents the system was built
+//! with.
+//!
+//! ```text
+//! define/replace/remove:  writer lock ─► claim(record) ─► check against the newest
+//!                         record ─► commit ─► apply to this process's directory
+//!                         (Fenced: another process wrote meanwhile → pause, claim again)
+//! refresh (reload_directory; and, once the last read is DIRECTORY_REFRESH_MS old or
+//! there was none, at a lookup of an agent, at an agent's turn, at current_directory):
+//!                         load(record) ─► a newer version? apply it
+//! apply:                  every defined agent upserted, every removed agent removed
+//!                         (its activation in this process deactivated)
+//! ```
+//!
+//! So a definition made through the API outlives the process (a restart on the same
+//! store reads it at its first lookup), and every process sharing the store (two
+//! processes on one SQLite file, the nodes of a cluster) sees a definition, a
+//! replacement or a removal within [`DIRECTORY_REFRESH_MS`]: its lookups and its
+//! agents' turns read the record again once their copy is that old. At most one read
+//! per that period, and none in a process that looks nothing up. Creating an agent is decided on the newest record: two
+//! processes creating one id at once give one definition and one `AgentExists`.
+//! Agents the system was built with (its builder, its config file) are the base: the
+//! record's entries replace or remove them, and an agent the record does not name is
+//! left as built. A stored definition this process cannot run (it names a provider or
+//! tool this system does not have) is skipped with a warning.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use troupe_core::{ActorId, Deadline, InvokeError, StoreError};
+use troupe_runtime::{RuntimeHandle, StateChange, TurnCommit};
+
+use crate::agent::AgentShared;
+use crate::{agent_id, AgentClient, AgentSpec, AgentSpecError, ORG_WRITE_ATTEMPTS_MAX, ORG_WRITE_RETRY_PAUSE_MS};
+
+/// The kind of the directory's system key space (a shared record kind).
+pub const DIRECTORY_STORE_KIND: &str = "troupe-directory";
+/// The key of the directory's system key space.
+pub const DIRECTORY_STORE_KEY: &str = "agents";
+/// How old this process's read of the record may be before a lookup reads it again,
+/// in milliseconds: the most a change made by another process sharing the store takes
+/// to reach this one's lookups and turns. At most one read per this period.
+pub const DIRECTORY_REFRESH_MS: u64 = 1_000;
+
+/// Why a definition was not changed.
+#[derive(Debug, thiserror::Error)]
+pub enum DirectoryError {
+    /// The agent exists (create only: replace it instead).
+    #[error("agent {id:?} already exists; replace_agent (PUT /v1/agents/{id}) replaces it")]
+    AgentExists {
+        /// The agent.
+        id: String,
+    },
+    /// There is no such agent.
+    #[error("agent {id:?} does not exist")]
+    NoSuchAgent {
+        /// The agent.
+        id: String,
+    },
+    /// The definition is invalid, or names a provider or tool this system lacks.
+    #[error("{0}")]
+    Invalid(#[from] AgentSpecError),
+    /// The record could not be read or written.
+    #[error("the agent directory could not be stored: {0}")]
+    Store(#[from] StoreError),
+    /// The stored record is not valid JSON of the directory.
+    #[error("the stored agent directory cannot be read: {cause}")]
+    Decode {
+        /// The decoder's message.
+        cause: String,
+    },
+}
+
+/// The stored record: what the API changed, laid over the built agents.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct DefinedAgents {
+    /// Counts the changes.
+    version: u64,
+    /// Agents defined or replaced through the API, by id.
+    agents: BTreeMap<String, AgentSpec>,
+    /// Agents removed through the API (built ones included), by id.
+    removed: BTreeSet<String>,
+}
+
+impl DefinedAgents {
+    /// Whether `id` exists under this record for a process whose directory lists it
+    /// (`listed`) or not: defined in the record, or listed and not removed by it (an
+    /// agent the record removed is gone even if this process has not applied that yet).
+    fn has(&self, id: &str, listed: bool) -> bool {
+        self.agents.contains_key(id) || (listed && !self.removed.contains(id))
+    }
+}
+
+fn record_id() -> ActorId {
+    ActorId::new(DIRECTORY_STORE_KIND, DIRECTORY_STORE_KEY).expect("the directory's record id is valid")
+}
+
+fn decode(bytes: Option<&Bytes>) -> Result<DefinedAgents, DirectoryError> {
+    match bytes {
+        None => Ok(DefinedAgents::default()),
+        Some(bytes) => serde_json::from_slice(bytes).map_err(|error| DirectoryError::Decode {
+            cause: error.to_string(),
+        }),
+    }
+}
+
+/// This process's side of the record.
+pub(crate) struct DirectoryStore {
+    /// One change at a time in this process.
+    writer: tokio::sync::Mutex<()>,
+    /// The version last applied to the directory; held while one is applied, so two
+    /// versions are never applied interleaved (an older one is skipped).
+    applied: tokio::sync::Mutex<u64>,
+    /// When the record was last read (or a read tried), if ever.
+    read_at: Mutex<Option<Deadline>>,
+}
+
+impl DirectoryStore {
+    pub(crate) fn new() -> Self {
+        Self {
+            writer: tokio::sync::Mutex::new(()),
+            applied: tokio::sync::Mutex::new(0),
+            read_at: Mutex::new(None),
+        }
+    }
+
+    /// Reads the record if the last read (or try) is [`DIRECTORY_REFRESH_MS`] old or
+    /// there was none; a failure is logged (the next lookup after that age tries again).
+    pub(crate) async fn refresh_if_stale(&self, shared: &AgentShared, runtime: &RuntimeHandle) {
+        let fresh = self
+            .read_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some_and(|at| runtime.now().as_micros().saturating_sub(at.as_micros()) < DIRECTORY_REFRESH_MS * 1_000);
+        if fresh {
+            return;
+        }
+        if let Err(error) = self.refresh(shared, runtime).await {
+            tracing::warn!(%error, "reading the stored agent directory failed");
+        }
+    }
+
+    /// Applies `record` to `shared`'s directory if it is newer than what was applied,
+    /// deactivating (without waiting) the agents it removed that are active in this
+    /// process.
+    async fn apply(&self, shared: &AgentShared, runtime: &RuntimeHandle, record: &DefinedAgents) {
+        let mut applied = self.applied.lock().await;
+        if record.version <= *applied {
+            return;
+        }
+        *applied = record.version;
+        for (id, spec) in &record.agents {
+            if shared.directory.get(id).as_ref() != Some(spec) {
+                if let Err(error) = shared.directory.upsert(spec.clone()) {
+                    tracing::warn!(agent = %id, %error, "a stored agent definition cannot run in this process; skipped");
+                }
+            }
+        }
+        for id in &record.removed {
+            if shared.directory.remove(id).is_some() {
+                if let Ok(actor) = agent_id(id) {
+                    // Not awaited: this may run inside that agent's own turn, which its
+                    // deactivation waits for.
+                    let runtime = runtime.clone();
+                    tokio::spawn(async move {
+                        if let Err(error) = runtime.deactivate(&actor).await {
+                            tracing::warn!(%actor, %error, "deactivating a removed agent failed");
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// Reads the record and applies it if it is newer.
+    pub(crate) async fn refresh(&self, shared: &AgentShared, runtime: &RuntimeHandle) -> Result<(), DirectoryError> {
+        *self.read_at.lock().unwrap_or_else(PoisonError::into_inner) = Some(runtime.now());
+        let record = decode(runtime.store().load(&record_id()).await?.as_ref())?;
+        self.apply(shared, runtime, &record).await;
+        Ok(())
+    }
+
+    /// Applies `change` to the newest record and commits it (again after a fenced
+    /// commit, as the organisation's changes do), then to this process's directory.
+    async fn change<T>(
+        &self,
+        shared: &AgentShared,
+        runtime: &RuntimeHandle,
+        mut change: impl FnMut(&mut DefinedAgents) -> Result<T, DirectoryError>,
+    ) -> Result<T, DirectoryError> {
+        let _writer = self.writer.lock().await;
+        let id = record_id();
+        let store = runtime.store();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let claimed = store.claim(&id).await?;
+            let mut record = decode(claimed.state.as_ref())?;
+            let output = change(&mut record)?;
+            record.version += 1;
+            let bytes = serde_json::to_vec(&record).map_err(|error| DirectoryError::Decode {
+                cause: error.to_string(),
+            })?;
+            let commit = TurnCommit {
+                state: StateChange::Set(Bytes::from(bytes)),
+                writes: Vec::new(),
+            };
+            match store.commit(&id, claimed.fence, commit).await {
+                Ok(()) => {
+                    self.apply(shared, runtime, &record).await;
+                    return Ok(output);
+                }
+                Err(StoreError::Fenced { .. }) if attempt < ORG_WRITE_ATTEMPTS_MAX => {
+                    tokio::time::sleep(Duration::from_millis(ORG_WRITE_RETRY_PAUSE_MS * u64::from(attempt))).await;
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+}
+
+impl AgentClient {
+    /// Defines a new agent and stores its definition, so that it outlives this process
+    /// and every process sharing the store has it within [`DIRECTORY_REFRESH_MS`] (this
+    /// one at once). `POST /v1/agents` of the server.
+    ///
+    /// # Errors
+    /// [`DirectoryError::AgentExists`] if the agent exists (decided on the newest stored
+    /// record: of two processes defining one id at once, one succeeds);
+    /// [`DirectoryError::Invalid`]; [`DirectoryError::Store`].
+    pub async fn define_agent(&self, spec: AgentSpec) -> Result<(), DirectoryError> {
+        self.check_definition(&spec)?;
+        let shared = &self.shared;
+        let listed = shared.directory.contains(&spec.id);
+        shared
+            .defined
+            .change(shared, &self.runtime, |record| {
+                if record.has(&spec.id, listed) {
+                    return Err(DirectoryError::AgentExists { id: spec.id.clone() });
+                }
+                record.removed.remove(&spec.id);
+                record.agents.insert(spec.id.clone(), spec.clone());
+                Ok(())
+            })
+            .await
+    }
+
+    /// Replaces an existing agent's definition (its next turn uses it and keeps its
+    /// history) and stores it, as [`AgentClient::define_agent`] does. `PUT
+    /// /v1/agents/{id}` of the server.
+    ///
+    /// # Errors
+    /// [`DirectoryError::NoSuchAgent`]; [`DirectoryError::Invalid`];
+    /// [`DirectoryError::Store`].
+    pub async fn replace_agent(&self, spec: AgentSpec) -> Result<(), DirectoryError> {
+        self.check_definition(&spec)?;
+        let shared = &self.shared;
+        let listed = shared.directory.contains(&spec.id);
+        shared
+            .defined
+            .change(shared, &self.runtime, |record| {
+                if !record.has(&spec.id, listed) {
+                    return Err(DirectoryError::NoSuchAgent { id: spec.id.clone() });
+                }
+                record.agents.insert(spec.id.clone(), spec.clone());
+                Ok(())
+            })
+            .await
+    }
+
+    /// Removes agent `agent` and stores the removal (it holds after a restart and in
+    /// every process sharing the store, within [`DIRECTORY_REFRESH_MS`]): it leaves the
+    /// directory (new calls to it are refused with `AgentNotFound`), then its live
+    /// activation in this process, if any, is deactivated with the same handshake as
+    /// idle deactivation (its running turn and already queued requests finish, then it
+    /// saves and stops); another process's at its next read of the record. Its stored
+    /// conversation is kept. Returns its definition, `None` if there was no such agent.
+    ///
+    /// # Errors
+    /// [`InvokeError::StorageFailed`] (naming the record) if the removal could not be
+    /// stored; [`InvokeError::Shutdown`] if the runtime stopped.
+    pub async fn remove_agent(&self, agent: &str) -> Result<Option<AgentSpec>, InvokeError> {
+        let shared = &self.shared;
+        let local = shared.directory.get(agent);
+        let removed = shared
+            .defined
+            .change(shared, &self.runtime, |record| {
+                if !record.has(agent, local.is_some()) {
+                    return Ok(None);
+                }
+                let spec = record.agents.remove(agent).or_else(|| local.clone());
+                record.removed.insert(agent.to_string());
+                Ok(spec)
+            })
+            .await
+            .map_err(|error| InvokeError::StorageFailed {
+                target: record_id(),
+                source: match error {
+                    DirectoryError::Store(error) => error,
+                    other => StoreError::Backend {
+                        operation: troupe_core::StoreOperation::Decode,
+                        cause: other.to_string(),
+                    },
+                },
+            })?;
+        if removed.is_some() {
+            // The record applied above removed it from the directory; the activation
+            // here (if any) ends after its queued requests.
+            if let Ok(id) = agent_id(agent) {
+                self.runtime.deactivate(&id).await?;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Reads the stored directory now and applies it.
+    ///
+    /// # Errors
+    /// [`DirectoryError::Store`], [`DirectoryError::Decode`].
+    pub async fn reload_directory(&self) -> Result<(), DirectoryError> {
+        self.shared.defined.refresh(&self.shared, &self.runtime).await
+    }
+
+    /// The directory, after reading the stored one again if this process's read is
+    /// [`DIRECTORY_REFRESH_MS`] old (a failed read is logged; the directory is then as
+    /// last read). For listings that should show agents defined by other processes.
+    pub async fn current_directory(&self) -> &crate::AgentDirectory {
+        self.shared.defined.refresh_if_stale(&self.shared, &self.runtime).await;
+        &self.shared.directory
+    }
+
+    /// Whether agent `agent` exists here, after reading the stored directory again if
+    /// this process's read is [`DIRECTORY_REFRESH_MS`] old (or there was none: a
+    /// removal stored by an earlier run holds from the first lookup).
+    pub(crate) async fn lists_agent(&self, agent: &str) -> bool {
+        self.current_directory().await.contains(agent)
+    }
+
+    fn check_definition(&self, spec: &AgentSpec) -> Result<(), DirectoryError> {
+        spec.validate()?;
+        if let Some(catalog) = self.shared.directory.catalog() {
+            catalog.check(spec)?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads the stored directory if this process's read is [`DIRECTORY_REFRESH_MS`] old
+/// (at an agent's turn: a replacement or removal made elsewhere reaches it).
+pub(crate) async fn ensure_fresh(shared: &AgentShared) {
+    if let Some(runtime) = shared.runtime() {
+        shared.defined.refresh_if_stale(shared, &runtime).await;
+    }
+}
+
+impl AgentClient {
+    /// Writes what `config` declares to the store, in two changes: its agents'
+    /// definitions (to the stored directory: the file wins over earlier API changes to
+    /// the agents it declares, a removal included) and its organisation (policy, links,
+    /// memberships, rules). Agents, links and rules not declared are kept. For a system
+    /// whose agents came from the same file through its builder, such as each node of a
+    /// cluster (`troupe node --config`): every node may write it, and the same file
+    /// gives the same records.
+    ///
+    /// # Errors
+    /// [`crate::OrgError::Store`] if a record could not be written, other
+    /// [`crate::OrgError`]s from a declared item.
+    pub async fn store_config(&self, config: &crate::OrgConfig) -> Result<(), crate::OrgError> {
+        let specs = config.agent_specs();
+        let shared = &self.shared;
+        let stored = shared
+            .defined
+            .change(shared, &self.runtime, |record| {
+                for spec in &specs {
+                    record.removed.remove(&spec.id);
+                    record.agents.insert(spec.id.clone(), spec.clone());
+                }
+                Ok(())
+            })
+            .await;
+        match stored {
+            Ok(()) => {}
+            Err(DirectoryError::Store(error)) => return Err(error.into()),
+            Err(other) => {
+                return Err(crate::OrgError::Decode {
+                    cause: other.to_string(),
+                })
+            }
+        }
+        self.apply_org(config).await
+    }
+}
