@@ -98,9 +98,16 @@ pub fn demo_agents(model: &str) -> Vec<AgentSpec> {
 
 /// The agents `troupe serve` serves and the scripted model they think with when no real
 /// model is configured: for now the demo's organisation. The one place that decides
-/// what `troupe serve` serves; a configuration file loader replaces it.
+/// what `troupe serve` serves; a configuration file loader replaces it. The script ends
+/// with a rule for any agent, so that an agent created over the API answers too
+/// (`{agent} heard: {input}`).
 pub fn serve_organisation(model: &str) -> (Vec<AgentSpec>, ScriptedLlm) {
-    (demo_agents(model), demo_script())
+    let script = demo_script().rule(
+        ScriptRule::any_agent()
+            .on_user_containing("")
+            .reply("{agent} heard: {input}"),
+    );
+    (demo_agents(model), script)
 }
 
 /// The scripted model that plays the demo's story.

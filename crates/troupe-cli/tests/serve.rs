@@ -528,3 +528,83 @@ async fn two_processes_on_one_file_see_each_others_policy_within_the_cache_age()
         assert!(wait(child).await.success());
     }
 }
+
+/// Goal: an agent created over the API is kept: another `troupe serve` on the same
+/// `--db` lists and runs it within the refresh period, and so does a server started
+/// after the first is killed with SIGKILL; one deleted over the API stays deleted, even
+/// an agent the server starts with. Method: two processes on one `--db`, the scripted
+/// model; `POST /v1/agents` and `DELETE /v1/agents/{id}` through the first, then
+/// `GET`s and a message through the second; both killed, a third started.
+#[tokio::test]
+async fn an_agent_created_over_the_api_outlives_the_server_and_reaches_the_other_on_the_file() {
+    /// What the wait may take beyond the refresh period, in milliseconds.
+    const CROSS_PROCESS_SLACK_MS: u64 = 2_000;
+    let directory = tempfile::tempdir().unwrap();
+    let db = directory.path().to_str().unwrap();
+    let start = || {
+        let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--db", db])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (stdout, addr) = read_address(&mut child);
+        (child, stdout, addr)
+    };
+    let (mut first, _first_out, first_addr) = start();
+    let (mut second, _second_out, second_addr) = start();
+    // The default organisation's first agent, deleted below.
+    let (status, body) = http(&first_addr, "GET", "/v1/agents", "");
+    assert_eq!(status, 200, "{body}");
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let built = listed["agents"][0]["id"].as_str().expect("an agent").to_string();
+    // The second process reads the stored directory now: it sees the changes below
+    // only when its copy is a refresh period old.
+    let (status, body) = http(&second_addr, "GET", "/v1/agents", "");
+    assert_eq!(status, 200, "{body}");
+
+    let created = r#"{"id": "kept", "role": "kept across restarts", "system_prompt": "You are kept."}"#;
+    let (status, body) = http(&first_addr, "POST", "/v1/agents", created);
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = http(&first_addr, "DELETE", &format!("/v1/agents/{built}"), "");
+    assert_eq!(status, 204, "{body}");
+    let written = tokio::time::Instant::now();
+    let bound = Duration::from_millis(troupe_agent::DIRECTORY_REFRESH_MS + CROSS_PROCESS_SLACK_MS);
+    loop {
+        let (kept, _) = http(&second_addr, "GET", "/v1/agents/kept", "");
+        let (gone, _) = http(&second_addr, "GET", &format!("/v1/agents/{built}"), "");
+        if (kept, gone) == (200, 404) {
+            eprintln!("the other process saw both changes after {:?}", written.elapsed());
+            break;
+        }
+        assert!(
+            written.elapsed() < bound,
+            "the other process answers {kept} for the created agent and {gone} for the deleted one after {:?}",
+            written.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(SERVE_POLL_MS)).await;
+    }
+    let (status, body) = http(&second_addr, "POST", "/v1/agents/kept/messages", r#"{"text": "hello"}"#);
+    assert_eq!(status, 200, "the created agent runs in the other process: {body}");
+    assert!(body.contains("kept heard: hello"), "{body}");
+
+    for child in [&mut first, &mut second] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    let (mut third, _third_out, third_addr) = start();
+    let (status, body) = http(&third_addr, "GET", "/v1/agents/kept", "");
+    assert_eq!(status, 200, "the created agent outlives both servers: {body}");
+    assert!(body.contains("kept across restarts"), "{body}");
+    let (status, body) = http(&third_addr, "GET", &format!("/v1/agents/{built}"), "");
+    assert_eq!(status, 404, "the deleted agent stays deleted: {body}");
+    let (status, body) = http(&third_addr, "POST", "/v1/agents/kept/messages", r#"{"text": "again"}"#);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = http(&third_addr, "GET", "/v1/agents/kept/history", "");
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("hello") && body.contains("again"),
+        "its history is kept: {body}"
+    );
+    send_sigterm(&third);
+    assert!(wait(&mut third).await.success());
+}

@@ -720,7 +720,9 @@ async fn pending_approval(client: &troupe_agent::AgentClient) -> u64 {
 ///   copy is a cache age old;
 /// - `a`, made supervised on node-b, asks `b`: the approval is requested on node-a
 ///   (where `a`'s turn waits), found and given on node-b, and the call proceeds;
-/// - both nodes write links at once: every write lands, both nodes read them all.
+/// - both nodes write links at once: every write lands, both nodes read them all;
+/// - an agent defined through node-a answers through node-b; removed through node-b,
+///   it is refused through node-a a refresh period later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_organisation_is_one_record_every_node_writes_and_admits_on() {
     use troupe_agent::{BehaviourMode, Link, Membership, OrgPolicy, ORG_CACHE_MAX_AGE_MS};
@@ -819,6 +821,32 @@ async fn the_organisation_is_one_record_every_node_writes_and_admits_on() {
         }
         assert_eq!(links.len(), pairs.len() + 1, "{links:?}");
     }
+    // The agent directory is shared the same way: defined through node-a, asked
+    // through node-b; removed through node-b, refused through node-a a period later.
+    client_b.reload_directory().await.expect("node-b reads the directory");
+    client_a
+        .define_agent(troupe_agent::AgentSpec::new("x"))
+        .await
+        .expect("node-a defines x");
+    tokio::time::sleep(Duration::from_millis(troupe_agent::DIRECTORY_REFRESH_MS)).await;
+    let reply = client_b
+        .ask_with_timeout("x", "ping", timeout)
+        .await
+        .expect("x answers through node-b");
+    assert_eq!(reply.text, "pong");
+    client_a.reload_directory().await.expect("node-a reads the directory");
+    client_b.remove_agent("x").await.expect("node-b removes x");
+    tokio::time::sleep(Duration::from_millis(troupe_agent::DIRECTORY_REFRESH_MS)).await;
+    let refused = client_a.ask_with_timeout("x", "ping", timeout).await;
+    assert!(
+        matches!(
+            refused,
+            Err(troupe_agent::AgentCallError::Refused(
+                troupe_core::CallRefused::AgentNotFound { .. }
+            ))
+        ),
+        "the removal made through node-b holds on node-a: {refused:?}"
+    );
     node_b.leave().await.expect("node-b leaves");
     node_a.leave().await.expect("node-a leaves");
 }
