@@ -236,20 +236,7 @@ impl AgentClient {
     /// record: of two processes defining one id at once, one succeeds);
     /// [`DirectoryError::Invalid`]; [`DirectoryError::Store`].
     pub async fn define_agent(&self, spec: AgentSpec) -> Result<(), DirectoryError> {
-        self.check_definition(&spec)?;
-        let shared = &self.shared;
-        let listed = shared.directory.contains(&spec.id);
-        shared
-            .defined
-            .change(shared, &self.runtime, |record| {
-                if record.has(&spec.id, listed) {
-                    return Err(DirectoryError::AgentExists { id: spec.id.clone() });
-                }
-                record.removed.remove(&spec.id);
-                record.agents.insert(spec.id.clone(), spec.clone());
-                Ok(())
-            })
-            .await
+        self.store_definition(spec, false).await
     }
 
     /// Replaces an existing agent's definition (its next turn uses it and keeps its
@@ -260,16 +247,29 @@ impl AgentClient {
     /// [`DirectoryError::NoSuchAgent`]; [`DirectoryError::Invalid`];
     /// [`DirectoryError::Store`].
     pub async fn replace_agent(&self, spec: AgentSpec) -> Result<(), DirectoryError> {
-        self.check_definition(&spec)?;
+        self.store_definition(spec, true).await
+    }
+
+    /// Stores `spec` if agent `spec.id` exists (`replace`) or does not (define), as
+    /// decided on the newest record.
+    async fn store_definition(&self, spec: AgentSpec, replace: bool) -> Result<(), DirectoryError> {
+        spec.validate()?;
+        if let Some(catalog) = self.shared.directory.catalog() {
+            catalog.check(&spec)?;
+        }
         let shared = &self.shared;
         let listed = shared.directory.contains(&spec.id);
         shared
             .defined
             .change(shared, &self.runtime, |record| {
-                if !record.has(&spec.id, listed) {
-                    return Err(DirectoryError::NoSuchAgent { id: spec.id.clone() });
+                let id = &spec.id;
+                match (record.has(id, listed), replace) {
+                    (true, false) => return Err(DirectoryError::AgentExists { id: id.clone() }),
+                    (false, true) => return Err(DirectoryError::NoSuchAgent { id: id.clone() }),
+                    _ => {}
                 }
-                record.agents.insert(spec.id.clone(), spec.clone());
+                record.removed.remove(id);
+                record.agents.insert(id.clone(), spec.clone());
                 Ok(())
             })
             .await
@@ -341,14 +341,6 @@ impl AgentClient {
     /// removal stored by an earlier run holds from the first lookup).
     pub(crate) async fn lists_agent(&self, agent: &str) -> bool {
         self.current_directory().await.contains(agent)
-    }
-
-    fn check_definition(&self, spec: &AgentSpec) -> Result<(), DirectoryError> {
-        spec.validate()?;
-        if let Some(catalog) = self.shared.directory.catalog() {
-            catalog.check(spec)?;
-        }
-        Ok(())
     }
 }
 

@@ -463,6 +463,18 @@ fn serve_refuses_an_otlp_endpoint_that_is_not_http() {
     assert!(stderr.contains("http://127.0.0.1:4318"), "{stderr}");
 }
 
+/// A `troupe serve` on the scripted model keeping its state in `db`, listening on a
+/// free loopback port: the child, its stdout and its address.
+fn serve_on_db(db: &str) -> (Child, BufReader<std::process::ChildStdout>, String) {
+    let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--db", db])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (stdout, addr) = read_address(&mut child);
+    (child, stdout, addr)
+}
+
 /// Goal: two `troupe serve` processes on one state directory (one SQLite file) share the
 /// organisation: a policy set through one is what the other reports (and admits by)
 /// within `ORG_CACHE_MAX_AGE_MS` of the change, without a restart. Method: start both
@@ -476,15 +488,7 @@ async fn two_processes_on_one_file_see_each_others_policy_within_the_cache_age()
     const CROSS_PROCESS_SLACK_MS: u64 = 2_000;
     let directory = tempfile::tempdir().unwrap();
     let db = directory.path().to_str().unwrap();
-    let start = || {
-        let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--db", db])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (stdout, addr) = read_address(&mut child);
-        (child, stdout, addr)
-    };
+    let start = || serve_on_db(db);
     let (mut first, _first_out, first_addr) = start();
     let (mut second, _second_out, second_addr) = start();
     let policy_of = |addr: &str| {
@@ -541,15 +545,7 @@ async fn an_agent_created_over_the_api_outlives_the_server_and_reaches_the_other
     const CROSS_PROCESS_SLACK_MS: u64 = 2_000;
     let directory = tempfile::tempdir().unwrap();
     let db = directory.path().to_str().unwrap();
-    let start = || {
-        let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--db", db])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (stdout, addr) = read_address(&mut child);
-        (child, stdout, addr)
-    };
+    let start = || serve_on_db(db);
     let (mut first, _first_out, first_addr) = start();
     let (mut second, _second_out, second_addr) = start();
     // The default organisation's first agent, deleted below.

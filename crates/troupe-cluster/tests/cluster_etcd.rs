@@ -595,6 +595,33 @@ async fn start_agent_node(
     (node, client)
 }
 
+/// node-a and node-b on one SQLite file in `directory`, `a` placed on node-a and `b` on
+/// node-b (each asked `ping` through its node).
+async fn two_agent_nodes(
+    etcd: &TestEtcd,
+    directory: &std::path::Path,
+    llm: &troupe_agent::ScriptedLlm,
+    seen: &agents::Seen,
+) -> (
+    (ClusterNode, troupe_agent::AgentClient),
+    (ClusterNode, troupe_agent::AgentClient),
+) {
+    let path = directory.join("state.db");
+    let a = start_agent_node(etcd, "node-a", 0, &path, llm, seen).await;
+    let b = start_agent_node(etcd, "node-b", 1, &path, llm, seen).await;
+    let timeout = Duration::from_millis(CALL_TIMEOUT_MS);
+    for ((_, client), agent, node) in [(&a, "a", 0), (&b, "b", 1)] {
+        let reply = client.ask_with_timeout(agent, "ping", timeout).await.expect("a ping");
+        assert_eq!(reply.text, "pong");
+        assert_eq!(
+            seen.turns_of(agent).pop().map(|turn| turn.0),
+            Some(node),
+            "{agent} placed"
+        );
+    }
+    (a, b)
+}
+
 /// Agents on two nodes over real etcd, on a multi-thread runtime: `a` (node-a) asks `b`
 /// (node-b) with `call_agent`, the ask itself made through node-b's client (routed to
 /// node-a); the reply comes back through both; each turn ran on its agent's node. Then
@@ -604,21 +631,10 @@ async fn start_agent_node(
 async fn agents_on_two_nodes_call_each_other_and_their_history_persists() {
     let etcd = TestEtcd::start("agents").await;
     let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
     let llm = agents::script();
     let seen = agents::Seen::default();
-    let (node_a, client_a) = start_agent_node(&etcd, "node-a", 0, &path, &llm, &seen).await;
-    let (node_b, client_b) = start_agent_node(&etcd, "node-b", 1, &path, &llm, &seen).await;
+    let ((node_a, client_a), (node_b, client_b)) = two_agent_nodes(&etcd, directory.path(), &llm, &seen).await;
     let timeout = Duration::from_millis(CALL_TIMEOUT_MS);
-    for (client, agent, node) in [(&client_a, "a", 0), (&client_b, "b", 1)] {
-        let reply = client.ask_with_timeout(agent, "ping", timeout).await.expect("a ping");
-        assert_eq!(reply.text, "pong");
-        assert_eq!(
-            seen.turns_of(agent).pop().map(|turn| turn.0),
-            Some(node),
-            "{agent} placed"
-        );
-    }
     seen.clear();
     let started = Instant::now();
     // Under a trace id: routed from node-b to a's owner, each turn runs under it.
@@ -729,16 +745,10 @@ async fn the_organisation_is_one_record_every_node_writes_and_admits_on() {
 
     let etcd = TestEtcd::start("org").await;
     let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
     let llm = agents::script();
     let seen = agents::Seen::default();
-    let (node_a, client_a) = start_agent_node(&etcd, "node-a", 0, &path, &llm, &seen).await;
-    let (node_b, client_b) = start_agent_node(&etcd, "node-b", 1, &path, &llm, &seen).await;
+    let ((node_a, client_a), (node_b, client_b)) = two_agent_nodes(&etcd, directory.path(), &llm, &seen).await;
     let timeout = Duration::from_millis(CALL_TIMEOUT_MS);
-    for (client, agent) in [(&client_a, "a"), (&client_b, "b")] {
-        let reply = client.ask_with_timeout(agent, "ping", timeout).await.expect("a ping");
-        assert_eq!(reply.text, "pong");
-    }
     let reach = Duration::from_millis(ORG_CACHE_MAX_AGE_MS + ORG_REACH_SLACK_MS);
 
     client_a

@@ -57,10 +57,8 @@ fn task_json(status: &TaskStatus) -> Value {
 
 /// The agent's definition, or 404.
 pub(crate) async fn known(state: &AppState, agent: &str) -> Result<AgentSpec, ApiError> {
-    if let Some(spec) = state.client.directory().get(agent) {
-        return Ok(spec);
-    }
-    // Not here: perhaps defined by another process sharing the store.
+    // Read again once a refresh period old: another process sharing the store may have
+    // defined, replaced or removed it.
     state
         .client
         .current_directory()
