@@ -21,7 +21,8 @@
 //! 6. The organisation is one record every node writes: the enforced policy written
 //!    through node-3 refuses `a → b` on node-1 (`a`'s node), a link written through
 //!    node-2 admits it there one cache age later, the open policy is written back
-//!    through node-1.
+//!    through node-1; an agent defined through node-2 answers through node-3 one
+//!    refresh period later, and once removed through node-1 it is refused there.
 //! 7. node-3 (owner of `c`) is killed: asking `c` from node-1 succeeds on another node
 //!    once node-3's lease has expired, its committed log is still there (every
 //!    acknowledged exchange, in order) and its model saw the earlier answer again in
@@ -44,8 +45,8 @@ use agents::{agent_system, script, Seen, DEPTH_AGENTS};
 use madsim::runtime::Handle;
 use tokio::time::Instant;
 use troupe_agent::{
-    AgentCallError, AgentClient, AgentEvent, AgentReply, AskOptions, CallOutcome, ChatMessage, Link, OrgPolicy,
-    ScriptedLlm, TaskState, ORG_CACHE_MAX_AGE_MS,
+    AgentCallError, AgentClient, AgentEvent, AgentReply, AgentSpec, AskOptions, CallOutcome, ChatMessage, Link,
+    OrgPolicy, ScriptedLlm, TaskState, DIRECTORY_REFRESH_MS, ORG_CACHE_MAX_AGE_MS,
 };
 use troupe_cluster::ClusterNode;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
@@ -408,6 +409,32 @@ async fn scenario() -> RunResult {
         .with_client(0, |client| async move { client.set_org_policy(OrgPolicy::Open).await })
         .await
         .expect("node-1 writes the policy back");
+    // The stored directory too: an agent defined through node-2 answers through node-3
+    // one refresh period later; removed through node-1, it is refused through node-3.
+    let period = Duration::from_millis(DIRECTORY_REFRESH_MS + ORG_REACH_SLACK_MS);
+    cluster
+        .with_client(
+            1,
+            |client| async move { client.define_agent(AgentSpec::new("x")).await },
+        )
+        .await
+        .expect("node-2 defines x");
+    tokio::time::sleep(period).await;
+    let reply = cluster
+        .ask(2, "x", "ping", ASK_TIMEOUT_MS)
+        .await
+        .expect("x answers through node-3");
+    assert_eq!(reply.text, "pong");
+    cluster
+        .with_client(0, |client| async move { client.remove_agent("x").await })
+        .await
+        .expect("node-1 removes x");
+    tokio::time::sleep(period).await;
+    let refused = cluster.ask(2, "x", "ping", ASK_TIMEOUT_MS).await;
+    assert!(
+        matches!(refused, Err(AgentCallError::Refused(CallRefused::AgentNotFound { .. }))),
+        "the removal made through node-1 holds on node-3: {refused:?}"
+    );
 
     // 7. Kill c's owner: c's history survives and is reloaded on another node.
     let before = cluster.log(0, "c").await;
