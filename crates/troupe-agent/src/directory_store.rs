@@ -8,7 +8,8 @@
 //! ```text
 //! define/replace/remove:  writer lock ─► claim(record) ─► check against the newest
 //!                         record ─► commit ─► apply to this process's directory
-//!                         (Fenced: another process wrote meanwhile → pause, claim again)
+//!                         (Fenced: another process wrote meanwhile → pause, claim
+//!                         again: `shared_record.rs`)
 //! refresh (reload_directory; and, once the last read is DIRECTORY_REFRESH_MS old or
 //! there was none, at a lookup of an agent, at an agent's turn, at current_directory):
 //!                         load(record) ─► a newer version? apply it
@@ -30,15 +31,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
 
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, Deadline, InvokeError, StoreError};
-use troupe_runtime::{RuntimeHandle, StateChange, TurnCommit};
+use troupe_runtime::RuntimeHandle;
 
 use crate::agent::AgentShared;
-use crate::{agent_id, AgentClient, AgentSpec, AgentSpecError, ORG_WRITE_ATTEMPTS_MAX, ORG_WRITE_RETRY_PAUSE_MS};
+use crate::{agent_id, AgentClient, AgentSpec, AgentSpecError};
 
 /// The kind of the directory's system key space (a shared record kind).
 pub const DIRECTORY_STORE_KIND: &str = "troupe-directory";
@@ -102,13 +101,8 @@ fn record_id() -> ActorId {
     ActorId::new(DIRECTORY_STORE_KIND, DIRECTORY_STORE_KEY).expect("the directory's record id is valid")
 }
 
-fn decode(bytes: Option<&Bytes>) -> Result<DefinedAgents, DirectoryError> {
-    match bytes {
-        None => Ok(DefinedAgents::default()),
-        Some(bytes) => serde_json::from_slice(bytes).map_err(|error| DirectoryError::Decode {
-            cause: error.to_string(),
-        }),
-    }
+fn decode_error(cause: String) -> DirectoryError {
+    DirectoryError::Decode { cause }
 }
 
 /// This process's side of the record.
@@ -182,7 +176,8 @@ impl DirectoryStore {
     /// Reads the record and applies it if it is newer.
     pub(crate) async fn refresh(&self, shared: &AgentShared, runtime: &RuntimeHandle) -> Result<(), DirectoryError> {
         *self.read_at.lock().unwrap_or_else(PoisonError::into_inner) = Some(runtime.now());
-        let record = decode(runtime.store().load(&record_id()).await?.as_ref())?;
+        let record: DefinedAgents =
+            crate::shared_record::decode(runtime.store().load(&record_id()).await?.as_ref(), decode_error)?;
         self.apply(shared, runtime, &record).await;
         Ok(())
     }
@@ -196,33 +191,16 @@ impl DirectoryStore {
         mut change: impl FnMut(&mut DefinedAgents) -> Result<T, DirectoryError>,
     ) -> Result<T, DirectoryError> {
         let _writer = self.writer.lock().await;
-        let id = record_id();
-        let store = runtime.store();
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let claimed = store.claim(&id).await?;
-            let mut record = decode(claimed.state.as_ref())?;
-            let output = change(&mut record)?;
+        let store = runtime.store().as_ref();
+        let versioned = |record: &mut DefinedAgents| {
+            let output = change(record)?;
             record.version += 1;
-            let bytes = serde_json::to_vec(&record).map_err(|error| DirectoryError::Decode {
-                cause: error.to_string(),
-            })?;
-            let commit = TurnCommit {
-                state: StateChange::Set(Bytes::from(bytes)),
-                writes: Vec::new(),
-            };
-            match store.commit(&id, claimed.fence, commit).await {
-                Ok(()) => {
-                    self.apply(shared, runtime, &record).await;
-                    return Ok(output);
-                }
-                Err(StoreError::Fenced { .. }) if attempt < ORG_WRITE_ATTEMPTS_MAX => {
-                    tokio::time::sleep(Duration::from_millis(ORG_WRITE_RETRY_PAUSE_MS * u64::from(attempt))).await;
-                }
-                Err(error) => return Err(error.into()),
-            }
-        }
+            Ok(output)
+        };
+        let (record, output) =
+            crate::shared_record::change(store, &record_id(), decode_error, || {}, versioned).await?;
+        self.apply(shared, runtime, &record).await;
+        Ok(output)
     }
 }
 

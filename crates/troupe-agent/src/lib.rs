@@ -74,6 +74,7 @@ mod permissions;
 mod remote;
 mod schema;
 mod scripted_llm;
+mod shared_record;
 mod system;
 mod tool;
 

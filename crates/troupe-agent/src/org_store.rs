@@ -5,9 +5,8 @@
 //! ```text
 //! change(f):  writer lock ─► claim(org) → fence, stored state ─► f(state)
 //!             ─► commit(fence, new state) ─► cache = new state ─► version watchers woken
-//!             (Fenced: another process changed it meanwhile → pause
-//!              ORG_WRITE_RETRY_PAUSE_MS × attempts, claim again; at most
-//!              ORG_WRITE_ATTEMPTS_MAX attempts)
+//!             (Fenced: another process changed it meanwhile → pause, claim again:
+//!              `shared_record.rs`)
 //! current():  the cache while it is younger than ORG_CACHE_MAX_AGE_MS, else a load
 //!             from the store (the first time, and after that age)
 //! ```
@@ -31,8 +30,8 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use troupe_core::{ActorId, Deadline, StoreError};
-use troupe_runtime::{Clock, RuntimeHandle, StateChange, StateStore, TurnCommit};
+use troupe_core::{ActorId, Deadline};
+use troupe_runtime::{Clock, RuntimeHandle, StateStore};
 
 use crate::org::{ApprovalState, ContactKind, NotPermitted, NotPermittedReason, OrgError, Organisation, Permitted};
 use crate::AgentEvent;
@@ -63,13 +62,12 @@ pub(crate) fn org_store_id() -> ActorId {
     ActorId::new(ORG_STORE_KIND, ORG_STORE_KEY).expect("the organisation's id is valid")
 }
 
+fn decode_error(cause: String) -> OrgError {
+    OrgError::Decode { cause }
+}
+
 fn decode(bytes: Option<&Bytes>) -> Result<Organisation, OrgError> {
-    match bytes {
-        None => Ok(Organisation::default()),
-        Some(bytes) => serde_json::from_slice(bytes).map_err(|error| OrgError::Decode {
-            cause: error.to_string(),
-        }),
-    }
+    crate::shared_record::decode(bytes, decode_error)
 }
 
 /// The organisation as this process last read or wrote it, and when (the runtime's
@@ -97,21 +95,6 @@ pub(crate) struct OrgStore {
     /// different order (the determinism check's divergence at an approval, 2026-11-28).
     /// A `Notify` wakes its waiters in the order they registered.
     changed: tokio::sync::Notify,
-}
-
-/// Empties the cache unless disarmed: a change dropped mid-way leaves the next reader
-/// to load what the store holds.
-struct ClearOnDrop<'a> {
-    cache: &'a RwLock<Option<Cached>>,
-    armed: bool,
-}
-
-impl Drop for ClearOnDrop<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            *self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-        }
-    }
 }
 
 impl OrgStore {
@@ -240,40 +223,16 @@ impl OrgStore {
         &self,
         store: &dyn StateStore,
         clock: &Clock,
-        mut change: impl FnMut(&mut Organisation) -> Result<T, OrgError>,
+        change: impl FnMut(&mut Organisation) -> Result<T, OrgError>,
     ) -> Result<T, OrgError> {
         let _writer = self.writer.lock().await;
-        let id = org_store_id();
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let read_at = clock.now();
-            let claimed = store.claim(&id).await?;
-            let mut org = decode(claimed.state.as_ref())?;
-            let output = change(&mut org)?;
-            let bytes = serde_json::to_vec(&org).map_err(|error| OrgError::Decode {
-                cause: error.to_string(),
-            })?;
-            let commit = TurnCommit {
-                state: StateChange::Set(Bytes::from(bytes)),
-                writes: Vec::new(),
-            };
-            let mut guard = ClearOnDrop {
-                cache: &self.cache,
-                armed: true,
-            };
-            match store.commit(&id, claimed.fence, commit).await {
-                Ok(()) => {
-                    guard.armed = false;
-                    self.publish(org, read_at);
-                    return Ok(output);
-                }
-                Err(StoreError::Fenced { .. }) if attempt < ORG_WRITE_ATTEMPTS_MAX => {
-                    tokio::time::sleep(Duration::from_millis(ORG_WRITE_RETRY_PAUSE_MS * u64::from(attempt))).await;
-                }
-                Err(error) => return Err(error.into()),
-            }
-        }
+        let read_at = clock.now();
+        // A commit that failed or was dropped may have landed: the cache is emptied, and
+        // the next reader loads what the store holds.
+        let clear = || *self.cache.write().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        let (org, output) = crate::shared_record::change(store, &org_store_id(), decode_error, clear, change).await?;
+        self.publish(org, read_at);
+        Ok(output)
     }
 
     /// Waits until approval `id` is resolved or `deadline` passes; `None` at the
