@@ -40,9 +40,10 @@ use crate::AgentEvent;
 pub const ORG_STORE_KIND: &str = "troupe-org";
 /// The key of the organisation's system key space.
 pub const ORG_STORE_KEY: &str = "org";
-/// How many times one change claims the organisation and commits: another process
-/// (another node of a cluster) that claimed it between this claim and commit fences
-/// the commit, and the change claims again.
+/// How many times one change of a shared record (the organisation; also the stored
+/// agent directory, `shared_record.rs`) claims it and commits: another process (another
+/// node of a cluster) that claimed it between this claim and commit fences the commit,
+/// and the change claims again.
 pub const ORG_WRITE_ATTEMPTS_MAX: u32 = 6;
 /// The pause before a fenced change claims again, in milliseconds, times the attempts
 /// made: two writers that keep claiming in lockstep would fence each other's every
