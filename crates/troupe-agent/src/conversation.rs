@@ -528,6 +528,7 @@ impl ActorFactory for ConversationFactory {
             state,
             shared: Arc::clone(&self.shared),
             relaying: BTreeSet::new(),
+            resumed: false,
         }))
     }
 }
@@ -538,6 +539,9 @@ struct ConversationActor {
     shared: Arc<AgentShared>,
     /// Relays a delivery task of this activation is delivering.
     relaying: BTreeSet<(u64, String)>,
+    /// Whether this activation has looked for relays left pending by an earlier one
+    /// (see [`ConversationActor::resume_at_activation`]).
+    resumed: bool,
 }
 
 fn wake_failed(error: InvokeError) -> ActorError {
@@ -549,6 +553,7 @@ impl Actor for ConversationActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let command: ConvCommand = bincode::deserialize(&payload)
             .map_err(|cause| ActorError::rejected(format!("not a conversation command: {cause}")))?;
+        self.resume_at_activation(turn, &command).await;
         let reply = match command {
             ConvCommand::Create { participants, kind } => self.create(participants, kind),
             ConvCommand::Register { conversation, agents } => {
@@ -631,6 +636,40 @@ impl Actor for ConversationActor {
 }
 
 impl ConversationActor {
+    /// At an activation's first request (unless it is a `Resume`), tells itself to
+    /// `Resume` if relays are pending: mentions an earlier activation committed but did
+    /// not see delivered, on this node or on one that died (or lost its lease). Without
+    /// it, such relays waited for `resume_conversations` at a node's `attach`, which
+    /// reaches only a conversation no other node has activated since (on a cluster, one
+    /// owned elsewhere refuses it `NotOwner`). Costs one store scan of at most one key
+    /// per activation. A failed scan or wake is logged and tried again at the next
+    /// request; the request itself goes on (resuming is idempotent: a delivery is
+    /// deduplicated by the inbox).
+    async fn resume_at_activation(&mut self, turn: &mut Turn, command: &ConvCommand) {
+        if self.resumed {
+            return;
+        }
+        if matches!(command, ConvCommand::Resume { .. }) {
+            self.resumed = true;
+            return;
+        }
+        let pending = match turn.scan("relay/", None, 1).await {
+            Ok(page) => !page.is_empty(),
+            Err(error) => {
+                tracing::warn!(conversation = %self.id, %error, "could not look for pending mentions; trying again at the next request");
+                return;
+            }
+        };
+        if pending {
+            let resume = ConvCommand::Resume { after: None };
+            if let Err(error) = turn.caller().tell(&self.id, resume.encode(), WAKE_TIMEOUT).await {
+                tracing::warn!(conversation = %self.id, %error, "could not resume pending mentions; trying again at the next request");
+                return;
+            }
+        }
+        self.resumed = true;
+    }
+
     fn create(&mut self, mut participants: Vec<Participant>, kind: ConversationKind) -> ConvReply {
         participants.sort();
         let info = ConversationInfo {
@@ -901,6 +940,9 @@ async fn deliver(
     let deadline = entry.context.deadline();
     let payload = AgentCommand::Enqueue(entry).encode();
     let report = loop {
+        // An agent defined or removed through another process counts once this
+        // process's copy of the stored directory is read again.
+        crate::directory_store::ensure_fresh(&shared).await;
         let target = match agent_id(&agent) {
             Ok(target) if shared.directory.contains(&agent) => target,
             _ => {
@@ -943,11 +985,14 @@ async fn deliver(
         }
         tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await;
     };
-    let report_deadline = runtime.deadline_in(WAKE_TIMEOUT);
+    // Routed: on a cluster the conversation may have moved to another node meanwhile
+    // (a local `tell` there was refused `NotOwner`, and the relay waited for a resume).
+    let payload = report.encode();
+    let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
     for _ in 0..REPORT_ATTEMPTS {
-        match runtime.tell(&conversation, report.encode(), report_deadline).await {
-            Ok(()) | Err(InvokeError::Shutdown) => return,
-            Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
+        match runtime.invoke_routed_within(&conversation, payload.clone(), ack).await {
+            Ok(_) | Err(InvokeError::Shutdown) => return,
+            Err(_) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
         }
     }
     tracing::warn!(%conversation, seq, "could not report a mention delivery; the next resume delivers it again");

@@ -1,6 +1,7 @@
 //! The agent's inbox and outbox turns (see `inbox.rs` for the protocol), and the
 //! `delegate_to_agent` and `notify_agent` tools.
 
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -17,8 +18,8 @@ use crate::inbox::{
     SendReply, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
-    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MESSAGE_SIZE_MAX_BYTES,
-    AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MENTION_ANSWER_ATTEMPTS_MAX,
+    AGENT_MENTION_ANSWER_RETRY_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -277,9 +278,60 @@ impl AgentActor {
             .map_err(wake_failed)
     }
 
+    /// Tries inbox entry `seq` (a mention whose answer could not be posted) again from a
+    /// task of this process, unless one already does: it tells the agent to process it
+    /// after [`AGENT_MENTION_ANSWER_RETRY_MS`], doubling the pause, until the entry is
+    /// gone from the store (answered), [`AGENT_MENTION_ANSWER_ATTEMPTS_MAX`] attempts
+    /// were made, or the tell is refused (past the entry's `deadline` plus
+    /// [`PROCESS_GRACE_MS`], or the agent is owned by another node now); then the entry
+    /// waits for the next resume, as before. A task of its own: the failing turn's calls
+    /// end with it, and the agent is rebuilt after a failed turn.
+    fn process_again_later(&self, seq: u64, deadline: troupe_core::Deadline) {
+        let Some(runtime) = self.shared.runtime() else {
+            return;
+        };
+        let entry = (self.id.clone(), seq);
+        if !self
+            .shared
+            .mention_retries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(entry.clone())
+        {
+            return;
+        }
+        let shared = Arc::clone(&self.shared);
+        let until = troupe_core::Deadline::after(deadline, Duration::from_millis(PROCESS_GRACE_MS));
+        tokio::spawn(async move {
+            let (id, seq) = &entry;
+            let key = inbox_key(*seq);
+            let mut pause = Duration::from_millis(AGENT_MENTION_ANSWER_RETRY_MS);
+            for _ in 0..AGENT_MENTION_ANSWER_ATTEMPTS_MAX {
+                tokio::time::sleep(pause).await;
+                pause = pause.saturating_mul(2);
+                if matches!(runtime.store().get(id, &key).await, Ok(None)) {
+                    break; // answered (or resumed and answered) meanwhile
+                }
+                if let Err(error) = runtime
+                    .tell(id, AgentCommand::Process { seq: *seq }.encode(), until)
+                    .await
+                {
+                    tracing::warn!(agent = %id, seq, %error, "could not try a mention's answer again; the next resume will");
+                    break;
+                }
+            }
+            shared
+                .mention_retries
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&entry);
+        });
+    }
+
     /// Processes inbox entry `seq` once: the entry's deletion commits with the model's
     /// turn and with whatever it sends, or with the failure it reports.
     async fn process(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
+        let entry_seq = seq;
         let key = inbox_key(seq);
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(()); // processed already (a duplicate wake-up)
@@ -325,7 +377,12 @@ impl AgentActor {
                     body: InboxBody::Notify { text: String::new() },
                     ..entry
                 };
-                self.answer_mention(turn, &mention, &conversation, seq, &chain).await?;
+                if let Err(error) = self.answer_mention(turn, &mention, &conversation, seq, &chain).await {
+                    // The turn fails and the entry stays; it is tried again shortly,
+                    // not only at the next resume.
+                    self.process_again_later(entry_seq, deadline);
+                    return Err(error);
+                }
             }
             InboxBody::Task { task_id, text } => {
                 turn.delete(tasks_in_key(&task_id))?;

@@ -67,6 +67,15 @@ pub const AGENT_OUTBOX_CAPACITY: u64 = 256;
 pub const AGENT_DELIVERY_ACK_TIMEOUT_MS: u64 = 30_000;
 /// The pause before a failed delivery is retried, in milliseconds.
 pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;
+/// The first pause before an agent tries again to answer a mention whose answer could
+/// not be posted (the conversation unreachable: on a cluster, its node died and no other
+/// has taken it yet), in milliseconds; it doubles at each attempt.
+pub const AGENT_MENTION_ANSWER_RETRY_MS: u64 = 500;
+/// Attempts after the first to answer such a mention (each runs the model again: the
+/// failed turn's answer is not kept); after them, or once the mention's deadline (plus
+/// the processing grace) has passed, the entry waits for the agent's next resume. With
+/// [`AGENT_MENTION_ANSWER_RETRY_MS`], the attempts span 0.5 + 1 + 2 + 4 + 8 = 15.5 s.
+pub const AGENT_MENTION_ANSWER_ATTEMPTS_MAX: u32 = 5;
 /// The deadline of a delegated task or a notification when none is given, in
 /// milliseconds from when it is sent.
 pub const AGENT_TASK_TIMEOUT_MS_DEFAULT: u64 = 120_000;

@@ -898,7 +898,8 @@ impl AgentClient {
     /// Troupe's call context `context`: refused at once (nothing runs) if `agent` is in
     /// its chain or the depth is over the limit; otherwise the agent's turn runs at the
     /// context's depth, with its chain, until `deadline` (at most the longest invoke
-    /// timeout from now), so the agent's own calls continue that chain.
+    /// timeout from now), so the agent's own calls continue that chain. On a cluster
+    /// node it runs on the agent's owner (routed with the context).
     ///
     /// # Errors
     /// [`AgentCallError::Refused`] with `CycleDetected`, `DepthExceeded` or
@@ -948,7 +949,12 @@ impl AgentClient {
                 call: Some(call),
                 budget: Budget::UNLIMITED,
             };
-            let answer = self.runtime.invoke_in(&target, request.encode(), call_context).await;
+            // Routed with its context: on a cluster node the turn runs on the agent's
+            // owner, at the caller's depth, with its chain and trace id.
+            let answer = self
+                .runtime
+                .invoke_routed_in(&target, request.into_encoded(), call_context)
+                .await;
             crate::system::outside_reply(&target, answer)
         };
         self.outside_call_finished(call, result)

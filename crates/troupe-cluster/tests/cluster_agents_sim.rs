@@ -10,7 +10,9 @@
 //!    (each asked `ping` through its node's client).
 //! 2. Asked through node-3's client, `a` (owned by node-1) calls `b`, which calls `c`:
 //!    the reply is `a<b<c-answer`, each turn ran on its agent's node (the root ask was
-//!    routed from node-3 to node-1) at depth 0, 1, 2, each under the ask's trace id.
+//!    routed from node-3 to node-1) at depth 0, 1, 2, each under the ask's trace id. An
+//!    ask continued from another process (`ask_continued`) made on node-3 runs on node-1
+//!    at the caller's depth and chain.
 //! 3. `a` → `b` → `a`: `b`'s call is refused `CycleDetected` naming `a -> b -> a`, on
 //!    node-2, and `a` runs no second turn.
 //! 4. `d0` → … → `d5` across the nodes: `d5`'s call is refused `DepthExceeded`; `d6`
@@ -46,7 +48,7 @@ use madsim::runtime::Handle;
 use tokio::time::Instant;
 use troupe_agent::{
     AgentCallError, AgentClient, AgentEvent, AgentReply, AgentSpec, AskOptions, CallOutcome, ChatMessage, Link,
-    OrgPolicy, ScriptedLlm, TaskState, DIRECTORY_REFRESH_MS, ORG_CACHE_MAX_AGE_MS,
+    OrgPolicy, ScriptedLlm, TaskState, TroupeCallMetadata, DIRECTORY_REFRESH_MS, ORG_CACHE_MAX_AGE_MS,
 };
 use troupe_cluster::ClusterNode;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
@@ -282,6 +284,28 @@ async fn scenario() -> RunResult {
         _ => None,
     });
     assert_eq!(root_asked_on, Some(2), "the root ask was made on node-3");
+    // An ask continued from another process (`ask_continued`, as A2A's blocking
+    // `SendMessage` with Troupe's context made it), made on node-3, runs on a's owner
+    // under the caller's depth and chain (before: run locally, refused `NotOwner`).
+    seen.clear();
+    let context = TroupeCallMetadata {
+        chain: vec!["hq".to_string()],
+        depth: 1,
+        timeout_ms: Some(ASK_TIMEOUT_MS),
+        trace_id: None,
+    };
+    let reply = cluster
+        .with_client(2, move |client| async move {
+            let deadline = client.runtime().deadline_in(Duration::from_millis(ASK_TIMEOUT_MS));
+            client.ask_continued("a", "ping", &context, deadline).await
+        })
+        .await;
+    assert_eq!(reply.expect("the continued ask answers").text, "pong");
+    assert_eq!(
+        seen.turns_of("a"),
+        vec![(0, 1, vec!["hq".to_string()])],
+        "a's turn ran on node-1 at the caller's depth, with its chain"
+    );
 
     // 3. a → b → a is refused, on b's node, naming the chain.
     seen.clear();

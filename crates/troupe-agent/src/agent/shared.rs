@@ -48,6 +48,11 @@ pub(crate) struct AgentShared {
     /// External tasks a caller asked to cancel in this process: a processing turn that
     /// finds its task here resolves it canceled instead of running it.
     pub(crate) external_cancels: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Inbox entries (agent, seq) of mentions whose answer could not be posted, which a
+    /// task of this process tries again (`inbox_turns.rs`): one task per entry, however
+    /// often its turn fails (a failed turn rebuilds the agent, so the agent cannot keep
+    /// this itself).
+    pub(crate) mention_retries: std::sync::Mutex<std::collections::BTreeSet<(troupe_core::ActorId, u64)>>,
 }
 
 impl AgentShared {
@@ -76,6 +81,7 @@ impl AgentShared {
             direct_conversations: std::sync::Mutex::default(),
             external_running: std::sync::Mutex::default(),
             external_cancels: std::sync::Mutex::default(),
+            mention_retries: std::sync::Mutex::default(),
         }
     }
 

@@ -15,7 +15,10 @@
 //! - `c` asked `again` answers `c-again`;
 //! - `b` given a task containing `delegated work` answers `task done`; `a` told the
 //!   result of a task it delegated answers `noted`;
-//! - any agent given a notification answers `noted`.
+//! - any agent given a notification answers `noted`;
+//! - `b` or `c` mentioned in a conversation answers `seen`, after
+//!   [`MENTION_MODEL_LATENCY_MS`] (so mentions wait for it in its inbox, and their
+//!   relays stay pending meanwhile).
 #![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
@@ -27,11 +30,22 @@ use troupe_agent::{AgentEvent, AgentObserver, AgentSpec, AgentSystem, ScriptRule
 pub(crate) const AGENTS: [&str; 10] = ["a", "b", "c", "d0", "d1", "d2", "d3", "d4", "d5", "d6"];
 /// Agents of the depth chain.
 pub(crate) const DEPTH_AGENTS: usize = 7;
+/// The model's latency on a conversation mention, in simulated milliseconds.
+pub(crate) const MENTION_MODEL_LATENCY_MS: u64 = 400;
 
 fn ask(agent: &str, needle: &str, target: &str, message: &str) -> ScriptRule {
     ScriptRule::agent(agent)
         .on_user_containing(needle)
         .call("call_agent", json!({"agent_id": target, "message": message}))
+}
+
+/// `agent`'s answer to a mention in a conversation (its prompt's last message starts
+/// `[conversation`).
+fn mention_rule(agent: &str) -> ScriptRule {
+    ScriptRule::agent(agent)
+        .on_user_containing("[conversation")
+        .latency(std::time::Duration::from_millis(MENTION_MODEL_LATENCY_MS))
+        .reply("seen")
 }
 
 /// The scripted model of every node (clones share what it recorded).
@@ -69,6 +83,8 @@ pub(crate) fn script() -> ScriptedLlm {
                 .on_user_containing("[notification")
                 .reply("noted"),
         )
+        .rule(mention_rule("b"))
+        .rule(mention_rule("c"))
         .rule(ScriptRule::agent("a").on_tool_result().reply("a<{tool_result}"))
         .rule(ScriptRule::agent("b").on_tool_result().reply("b<{tool_result}"));
     for index in 0..DEPTH_AGENTS - 1 {
