@@ -496,6 +496,20 @@ impl Inner {
                     }
                 }
             };
+            if let Err(InvokeError::StorageFailed {
+                source: StoreError::NotOwner { owner: None, .. },
+                ..
+            }) = &result
+            {
+                if inner.ownership.is_lost() && owner.as_ref().is_none_or(|owner| *owner == inner.node) {
+                    // This node refused it because its lease is lost for good: it will
+                    // refuse it again until the deadline (a turn looping here held up
+                    // the node's own deactivations, and so its rejoining, for the
+                    // call's whole timeout, 30 s in the mention fault scenario). The
+                    // caller hears it now.
+                    return result;
+                }
+            }
             match result {
                 Err(InvokeError::StorageFailed {
                     source: StoreError::NotOwner { owner: hint, .. },

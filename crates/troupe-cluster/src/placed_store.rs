@@ -73,6 +73,12 @@ impl Ownership {
         self.lost.store(true, Ordering::SeqCst);
     }
 
+    /// Whether the lease is known lost (for good: the node serves nothing more until it
+    /// joins again with a new lease).
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
     /// Whether this node may still claim and commit: the lease is not known lost and its
     /// last renewal is recent enough.
     pub(crate) fn may_serve(&self) -> bool {
