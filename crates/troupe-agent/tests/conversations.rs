@@ -466,3 +466,83 @@ async fn concurrent_posts_keep_a_gap_free_sequence_on_the_multi_thread_runtime()
     assert_eq!(messages.len(), POSTERS * POSTS);
     system.shutdown().await;
 }
+
+/// The model's time to answer a mention in the retry tests, in milliseconds.
+const ANSWER_MODEL_MS: u64 = 200;
+/// How long the retry tests wait for something that should happen, in milliseconds.
+const RETRY_TEST_WAIT_MS: u64 = 10_000;
+
+/// Polls `done` every 5 ms until it holds; panics after [`RETRY_TEST_WAIT_MS`] naming
+/// `what`.
+async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let started = tokio::time::Instant::now();
+    while !done().await {
+        assert!(
+            started.elapsed() < Duration::from_millis(RETRY_TEST_WAIT_MS),
+            "{what}: not within {RETRY_TEST_WAIT_MS} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// An agent whose answer to a mention the store refused to commit: the answer is posted
+/// again shortly by the agent's process (the model asked again), though nothing else
+/// reaches the agent, and it is in the conversation once.
+async fn an_answer_the_store_refused_is_posted_again() {
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::agent("ann")
+            .reply("on it")
+            .latency(Duration::from_millis(ANSWER_MODEL_MS)),
+    );
+    let store = MemoryStore::new();
+    let system = start(&llm, &["ann"], Arc::new(store.clone()));
+    system
+        .create_conversation("desk", vec![agent("ann"), human("hugo")], ConversationKind::Group)
+        .await
+        .unwrap();
+    let posted = system
+        .post_message("desk", Sender::Human("hugo".into()), "m1", "@ann status?")
+        .await
+        .unwrap();
+    // ann's model is answering, and the relay's delivery is reported (its commit done):
+    // the next commit is the conversation's post of ann's answer.
+    let desk = troupe_core::ActorId::new("conversation", "desk").unwrap();
+    wait_for("ann's model is asked and the relay reported", async || {
+        llm.requests_of("ann").len() == 1 && store.scan(&desk, "relay/", None, 1).await.unwrap().is_empty()
+    })
+    .await;
+    store.faults().fail_next_commits(1);
+    wait_for("ann's answer is posted", async || {
+        answers_to(&all(&system, "desk").await, posted.seq, "ann") == 1
+    })
+    .await;
+    assert_eq!(
+        llm.requests_of("ann").len(),
+        2,
+        "the model was asked again for the retry"
+    );
+    tokio::time::sleep(Duration::from_millis(2 * ANSWER_MODEL_MS)).await;
+    let messages = all(&system, "desk").await;
+    let answers: Vec<_> = messages.iter().filter(|m| m.reply_to == Some(posted.seq)).collect();
+    assert_eq!(answers.len(), 1, "{messages:?}");
+    assert_eq!(answers[0].text, "on it");
+    assert_eq!(answers[0].sender, Sender::Agent("ann".into()));
+    assert_gap_free(&messages);
+    system.shutdown().await;
+}
+
+/// Goal: an answer to a mention whose post the store refused is tried again by the
+/// agent's process (`AGENT_MENTION_ANSWER_RETRY_MS`), not left until the agent's next
+/// activation: the agent gets no other request here, and without the retry the answer
+/// never comes. Paused time (and under madsim, simulated).
+#[tokio::test(start_paused = true)]
+async fn an_answer_the_store_refused_is_posted_again_without_another_request() {
+    an_answer_the_store_refused_is_posted_again().await;
+}
+
+/// Goal: as above, on tokio's multi-thread runtime (real time: about 0.9 s).
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_the_store_refused_is_posted_again_on_the_multi_thread_runtime() {
+    an_answer_the_store_refused_is_posted_again().await;
+}
