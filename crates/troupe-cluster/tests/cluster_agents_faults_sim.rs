@@ -217,6 +217,59 @@ impl AgentCluster {
         assert_eq!(last.0, index, "{agent} placed on {}", NODE_NAMES[index]);
     }
 
+    /// The faults of both scenarios, in a task: node-2 killed `kill_at` ms from now and
+    /// restarted `restart_after` ms later; node-3 cut from etcd `cut_at` ms from now for
+    /// [`CUT_MS`]. Resolves to what `due` said just before the kill.
+    fn faults(
+        &self,
+        kill_at: u64,
+        restart_after: u64,
+        cut_at: u64,
+        due: impl FnOnce() -> usize + Send + 'static,
+    ) -> tokio::task::JoinHandle<usize> {
+        let (node_2, node_3, etcd) = (self.nodes[1].id(), self.nodes[2].id(), self.etcd.id());
+        tokio::spawn(async move {
+            let handle = Handle::current();
+            let net = madsim::net::NetSim::current();
+            let kill = async {
+                tokio::time::sleep(Duration::from_millis(kill_at)).await;
+                let due = due();
+                handle.kill(node_2);
+                tokio::time::sleep(Duration::from_millis(restart_after)).await;
+                handle.restart(node_2);
+                due
+            };
+            let cut = async {
+                tokio::time::sleep(Duration::from_millis(cut_at)).await;
+                net.clog_link(node_3, etcd);
+                net.clog_link(etcd, node_3);
+                tokio::time::sleep(Duration::from_millis(CUT_MS)).await;
+                net.unclog_link(node_3, etcd);
+                net.unclog_link(etcd, node_3);
+            };
+            tokio::join!(kill, cut).0
+        })
+    }
+
+    /// The nodes `agent`'s turns ran on, in order, repeats collapsed.
+    fn nodes_of(&self, agent: &str) -> Vec<&'static str> {
+        let mut nodes: Vec<&'static str> = self
+            .seen
+            .turns_of(agent)
+            .iter()
+            .map(|(node, _, _)| NODE_NAMES[*node])
+            .collect();
+        nodes.dedup();
+        nodes
+    }
+
+    /// Every agent event of every node, then the nodes' notes: a run's record.
+    fn record(&self) -> Vec<String> {
+        let mut record = self.seen.record();
+        record.extend(self.notes.lock().expect("notes").iter().cloned());
+        record
+    }
+
     /// `agent`'s committed log, read from the shared store through node-1.
     async fn log(&self, agent: &str) -> Vec<ChatMessage> {
         let client = self.client(0).await;
@@ -347,31 +400,10 @@ async fn scenario() -> RunResult {
     let start = Instant::now();
 
     // The faults; the kill notes how many outcomes were still due at `a` then.
-    let faults = {
-        let (node_2, node_3, etcd) = (cluster.nodes[1].id(), cluster.nodes[2].id(), cluster.etcd.id());
-        let llm = cluster.llm.clone();
-        tokio::spawn(async move {
-            let handle = Handle::current();
-            let net = madsim::net::NetSim::current();
-            let kill = async {
-                tokio::time::sleep(Duration::from_millis(kill_at)).await;
-                let resolved = results_seen_by_a(&llm);
-                handle.kill(node_2);
-                tokio::time::sleep(Duration::from_millis(restart_after)).await;
-                handle.restart(node_2);
-                DELEGATIONS - resolved
-            };
-            let cut = async {
-                tokio::time::sleep(Duration::from_millis(cut_at)).await;
-                net.clog_link(node_3, etcd);
-                net.clog_link(etcd, node_3);
-                tokio::time::sleep(Duration::from_millis(CUT_MS)).await;
-                net.unclog_link(node_3, etcd);
-                net.unclog_link(etcd, node_3);
-            };
-            tokio::join!(kill, cut).0
-        })
-    };
+    let llm = cluster.llm.clone();
+    let faults = cluster.faults(kill_at, restart_after, cut_at, move || {
+        DELEGATIONS - results_seen_by_a(&llm)
+    });
 
     // The sends, through node-1 (never faulted).
     let client = cluster.client(0).await;
@@ -515,22 +547,8 @@ async fn scenario() -> RunResult {
                 .is_some_and(|message| message.content.contains("delegated by agent a]"))
         })
         .count();
-    let mut b_nodes: Vec<&'static str> = cluster
-        .seen
-        .turns_of("b")
-        .iter()
-        .map(|(node, _, _)| NODE_NAMES[*node])
-        .collect();
-    b_nodes.dedup();
-    let mut c_nodes: Vec<&'static str> = cluster
-        .seen
-        .turns_of("c")
-        .iter()
-        .map(|(node, _, _)| NODE_NAMES[*node])
-        .collect();
-    c_nodes.dedup();
-    let mut record = cluster.seen.record();
-    record.extend(cluster.notes.lock().expect("notes").iter().cloned());
+    let (b_nodes, c_nodes) = (cluster.nodes_of("b"), cluster.nodes_of("c"));
+    let record = cluster.record();
     RunResult {
         delegated: task_ids.len(),
         cancel_sent: canceled.len(),
@@ -545,10 +563,15 @@ async fn scenario() -> RunResult {
     }
 }
 
-fn run(seed: u64) -> RunResult {
+/// Runs `scenario` in a simulation of `seed`.
+fn run_seed<T>(seed: u64, scenario: impl std::future::Future<Output = T>) -> T {
     let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
     runtime.set_time_limit(Duration::from_secs(RUN_TIME_LIMIT_S));
-    runtime.block_on(scenario())
+    runtime.block_on(scenario)
+}
+
+fn run(seed: u64) -> RunResult {
+    run_seed(seed, scenario())
 }
 
 /// The scenario of the module docs under each of [`SEEDS`] seeds.
@@ -715,36 +738,15 @@ async fn mention_scenario() -> MentionRun {
 
     // node-2 (the room's node) killed and restarted; node-3 (c's node) cut from etcd,
     // so c moves to a living node while mentions of it are delivered.
-    let faults = {
-        let (node_2, node_3, etcd) = (cluster.nodes[1].id(), cluster.nodes[2].id(), cluster.etcd.id());
-        let (llm, posted) = (cluster.llm.clone(), Arc::clone(&mentions_posted));
-        tokio::spawn(async move {
-            let handle = Handle::current();
-            let net = madsim::net::NetSim::current();
-            let kill = async {
-                tokio::time::sleep(Duration::from_millis(kill_at)).await;
-                let answered = llm
-                    .answers()
-                    .iter()
-                    .filter(|answer| answer.message.content == "seen")
-                    .count();
-                let due = posted.lock().expect("posted").saturating_sub(answered);
-                handle.kill(node_2);
-                tokio::time::sleep(Duration::from_millis(restart_after)).await;
-                handle.restart(node_2);
-                due
-            };
-            let cut = async {
-                tokio::time::sleep(Duration::from_millis(cut_at)).await;
-                net.clog_link(node_3, etcd);
-                net.clog_link(etcd, node_3);
-                tokio::time::sleep(Duration::from_millis(CUT_MS)).await;
-                net.unclog_link(node_3, etcd);
-                net.unclog_link(etcd, node_3);
-            };
-            tokio::join!(kill, cut).0
-        })
-    };
+    let (llm, posted) = (cluster.llm.clone(), Arc::clone(&mentions_posted));
+    let faults = cluster.faults(kill_at, restart_after, cut_at, move || {
+        let answered = llm
+            .answers()
+            .iter()
+            .filter(|answer| answer.message.content == "seen")
+            .count();
+        posted.lock().expect("posted").saturating_sub(answered)
+    });
 
     let client = cluster.client(0).await;
     let posted = cluster.nodes[0]
@@ -828,15 +830,8 @@ async fn mention_scenario() -> MentionRun {
             assert_eq!(found[0].text, "seen", "post {i}: {agent} answered, no note: {found:?}");
         }
     }
-    let mut c_nodes: Vec<&'static str> = cluster
-        .seen
-        .turns_of("c")
-        .iter()
-        .map(|(node, _, _)| NODE_NAMES[*node])
-        .collect();
-    c_nodes.dedup();
-    let mut record = cluster.seen.record();
-    record.extend(cluster.notes.lock().expect("notes").iter().cloned());
+    let c_nodes = cluster.nodes_of("c");
+    let mut record = cluster.record();
     record.extend(messages.iter().map(|message| format!("{message:?}")));
     MentionRun {
         posted,
@@ -848,9 +843,7 @@ async fn mention_scenario() -> MentionRun {
 }
 
 fn run_mentions(seed: u64) -> MentionRun {
-    let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
-    runtime.set_time_limit(Duration::from_secs(RUN_TIME_LIMIT_S));
-    runtime.block_on(mention_scenario())
+    run_seed(seed, mention_scenario())
 }
 
 /// The mention scenario of [`mention_scenario`] under each of [`SEEDS`] seeds.
