@@ -540,7 +540,7 @@ async fn an_answer_the_store_refused_is_posted_again_without_another_request() {
     an_answer_the_store_refused_is_posted_again().await;
 }
 
-/// Goal: as above, on tokio's multi-thread runtime (real time: about 0.9 s).
+/// Goal: as above, on tokio's multi-thread runtime (real time: about 1.4 s).
 #[cfg(not(madsim))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_the_store_refused_is_posted_again_on_the_multi_thread_runtime() {
