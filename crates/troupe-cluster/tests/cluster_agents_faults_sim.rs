@@ -251,6 +251,21 @@ impl AgentCluster {
         })
     }
 
+    /// A settle loop's poll found `open` still open: fails once `since` is
+    /// [`SETTLE_BOUND_MS`] old, naming it, `what` it waited after, the `faults` (kill at,
+    /// restart after, cut at, in ms) and the nodes' notes; else pauses before the next
+    /// poll.
+    async fn not_yet(&self, since: Instant, open: &str, what: &str, faults: (u64, u64, u64)) {
+        let (kill_at, restart_after, cut_at) = faults;
+        assert!(
+            since.elapsed() < Duration::from_millis(SETTLE_BOUND_MS),
+            "{open}, {} ms after {what} (kill at {kill_at} ms, restart after {restart_after} ms, cut at {cut_at} ms); notes {:?}",
+            since.elapsed().as_millis(),
+            self.notes.lock().expect("notes")
+        );
+        tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+    }
+
     /// The nodes `agent`'s turns ran on, in order, repeats collapsed.
     fn nodes_of(&self, agent: &str) -> Vec<&'static str> {
         let mut nodes: Vec<&'static str> = self
@@ -336,7 +351,6 @@ fn results_seen_by_a(llm: &ScriptedLlm) -> usize {
 /// Waits until every task of `task_ids` is final at `a` and the inboxes and outboxes of
 /// `a`, `b`, `c` are drained; panics after [`SETTLE_BOUND_MS`] from `since`.
 async fn settle(cluster: &AgentCluster, task_ids: &[String], since: Instant, what: &str, faults: (u64, u64, u64)) {
-    let (kill_at, restart_after, cut_at) = faults;
     loop {
         let client = cluster.client(0).await;
         let ids = task_ids.to_vec();
@@ -373,13 +387,9 @@ async fn settle(cluster: &AgentCluster, task_ids: &[String], since: Instant, wha
                 .await
                 .expect("the read's task")
         };
-        assert!(
-            since.elapsed() < Duration::from_millis(SETTLE_BOUND_MS),
-            "not settled {} ms after {what} (kill at {kill_at} ms, restart after {restart_after} ms, cut at {cut_at} ms): pending {pending:?}; notes {:?}",
-            since.elapsed().as_millis(),
-            cluster.notes.lock().expect("notes")
-        );
-        tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+        cluster
+            .not_yet(since, &format!("not settled: pending {pending:?}"), what, faults)
+            .await;
     }
 }
 
@@ -617,15 +627,20 @@ fn agent_deliveries_resolve_exactly_once_while_nodes_die_and_lose_their_lease() 
     );
 }
 
-/// Two runs of a seed record the same events at the same simulated times.
-#[test]
-fn the_agent_faults_scenario_replays_identically_from_its_seed() {
+/// Runs each of [`REPLAY_SEEDS`] twice and asserts that both runs recorded the same.
+fn assert_replays(record_of: impl Fn(u64) -> Vec<String>) {
     for seed in 1..=REPLAY_SEEDS {
-        let first = run(seed).record;
-        let second = run(seed).record;
+        let first = record_of(seed);
+        let second = record_of(seed);
         assert!(!first.is_empty());
         assert_eq!(first, second, "seed {seed} replays identically");
     }
+}
+
+/// Two runs of a seed record the same events at the same simulated times.
+#[test]
+fn the_agent_faults_scenario_replays_identically_from_its_seed() {
+    assert_replays(|seed| run(seed).record);
 }
 
 /// The conversation of the mention scenario.
@@ -795,13 +810,10 @@ async fn mention_scenario() -> MentionRun {
                 if open.is_empty() {
                     return messages;
                 }
-                assert!(
-                    since.elapsed() < Duration::from_millis(SETTLE_BOUND_MS),
-                    "mentions unanswered {} ms after {what} (kill at {kill_at} ms, restart after {restart_after} ms, cut at {cut_at} ms): {open:?}; notes {:?}",
-                    since.elapsed().as_millis(),
-                    cluster.notes.lock().expect("notes")
-                );
-                tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+                let faults = (kill_at, restart_after, cut_at);
+                cluster
+                    .not_yet(since, &format!("mentions unanswered: {open:?}"), what, faults)
+                    .await;
             }
         }
     };
@@ -882,10 +894,5 @@ fn every_mention_is_answered_once_while_the_conversations_node_dies() {
 /// Two runs of a seed of the mention scenario record the same events and messages.
 #[test]
 fn the_mention_scenario_replays_identically_from_its_seed() {
-    for seed in 1..=REPLAY_SEEDS {
-        let first = run_mentions(seed).record;
-        let second = run_mentions(seed).record;
-        assert!(!first.is_empty());
-        assert_eq!(first, second, "seed {seed} replays identically");
-    }
+    assert_replays(|seed| run_mentions(seed).record);
 }
