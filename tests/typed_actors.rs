@@ -340,6 +340,47 @@ async fn concurrent_typed_asks_and_tells_land_exactly_once_on_the_multi_thread_r
     rt.shutdown().await;
 }
 
+/// Rounds of `check_waiting_turns_and_callers_that_give_up`.
+const WAITING_ROUNDS: u64 = 20;
+
+/// Alternates turns that wait and finish (their handler's future is polled again after
+/// each wait, on whichever thread the activation's task then runs) with turns whose
+/// caller gives up while they wait (the future is dropped where it lies, unfinished,
+/// and its addition rolled back); then the total counts exactly the finished turns.
+/// A typed handler's future lives in the activation's reusable slot (handler_slot.rs).
+async fn check_waiting_turns_and_callers_that_give_up() {
+    let rt = start(Arc::new(MemoryStore::new()), 64);
+    let a = rt.actor_ref::<Counter>(counter("waits")).unwrap();
+    for round in 1..=WAITING_ROUNDS {
+        let finished = a.ask(Op::AddSlowly { add: 1, ms: 2 }, SECONDS_5).await.unwrap();
+        assert_eq!(finished, round);
+        let given_up = a
+            .ask(Op::AddSlowly { add: 1_000, ms: 300 }, Duration::from_millis(20))
+            .await;
+        assert!(
+            matches!(given_up, Err(InvokeError::Timeout { .. })),
+            "round {round}: {given_up:?}"
+        );
+    }
+    assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), WAITING_ROUNDS);
+    assert_eq!(rt.counters().turns_abandoned, WAITING_ROUNDS);
+    rt.shutdown().await;
+}
+
+/// Goal: typed turns that wait resume and commit, and turns cancelled while they wait
+/// leave nothing behind, turn after turn in one activation.
+#[tokio::test(start_paused = true)]
+async fn typed_turns_that_wait_or_are_cancelled_while_waiting_keep_the_state_exact() {
+    check_waiting_turns_and_callers_that_give_up().await;
+}
+
+/// Goal: the same on the multi-thread runtime, in real time.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_turns_that_wait_or_are_cancelled_keep_the_state_exact_on_the_multi_thread_runtime() {
+    check_waiting_turns_and_callers_that_give_up().await;
+}
+
 /// Hands each message back with how many it has had: its message and reply types are
 /// `M` (small enough to travel inline in an `AnyValue`, or boxed).
 #[derive(Serialize, Deserialize)]

@@ -43,6 +43,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use troupe_core::{ActorId, InvokeError};
 
+use crate::actor::ValueTurn;
 use crate::control::Control;
 use crate::envelope::{Envelope, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
@@ -50,7 +51,7 @@ use crate::mailbox::MailboxReceiver;
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},
-    Actor, ActorError, AnyValue, Claimed, Fence, RuntimeEvent, RuntimeHandle, StoreError, Turn, TurnCommit,
+    Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StoreError, Turn, TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -468,7 +469,7 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
 /// A turn's handler: for bytes or for an in-process value.
 enum Handler<'a> {
     Bytes(BoxedTurn<'a, Bytes>),
-    Value(BoxedTurn<'a, AnyValue>),
+    Value(ValueTurn<'a>),
 }
 
 /// The future of one [`Actor`] handler, as `async_trait` boxes it.
@@ -480,7 +481,7 @@ impl Future for Handler<'_> {
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
         match self.get_mut() {
             Self::Bytes(future) => future.as_mut().poll(cx).map(|done| done.map(Payload::Bytes)),
-            Self::Value(future) => future.as_mut().poll(cx).map(|done| done.map(Payload::Value)),
+            Self::Value(future) => Pin::new(future).poll(cx).map(|done| done.map(Payload::Value)),
         }
     }
 }
@@ -542,6 +543,8 @@ fn begin(
         return None;
     }
     let deadline = context.deadline();
+    let context = context.into_context();
+    let parent = parent.into_span();
     let span = turn_span(live.id(), &parent, &context);
     #[cfg(feature = "planted-bugs")]
     let watch_caller = !shared.planted_commit_after_abandon && reply.has_caller();
@@ -580,7 +583,7 @@ fn first_poll<'a>(
         // inside it (through a captured handle) is refused.
         handler: crate::handle::InTurn(match payload {
             Payload::Bytes(bytes) => Handler::Bytes(actor.handle(turn, bytes)),
-            Payload::Value(value) => Handler::Value(actor.handle_value(turn, value)),
+            Payload::Value(value) => Handler::Value(actor.handle_value_turn(turn, value)),
         }),
         ends,
         timer: None,

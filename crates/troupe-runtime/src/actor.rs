@@ -1,12 +1,16 @@
 //! What an actor is: the [`Actor`] trait, its [`ActorFactory`] and [`ActorError`].
 
 use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use smallbox::{smallbox, SmallBox};
 use troupe_core::{ActorId, InvokeError};
 
+use crate::handler_slot::InSlot;
 use crate::{StateChange, StoreError, Turn};
 
 /// Why an actor's turn or hook failed.
@@ -134,6 +138,15 @@ pub trait Actor: Send + 'static {
         ))
     }
 
+    /// Not for implementors: the turn for a message passed as a value, as the runtime
+    /// polls it. The default boxes [`Actor::handle_value`]'s future; the adapter of a
+    /// [`crate::TypedActor`] overrides it to run its handler without a heap allocation
+    /// per message (see `handler_slot.rs`).
+    #[doc(hidden)]
+    fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
+        ValueTurn(ValueTurnInner::Boxed(self.handle_value(turn, message)))
+    }
+
     /// Runs once before the actor is deactivated; its snapshot is committed afterwards.
     ///
     /// # Errors
@@ -162,6 +175,48 @@ pub trait Actor: Send + 'static {
     /// As [`Actor::snapshot`].
     fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
         Ok(StateChange::between(committed, self.snapshot()?))
+    }
+}
+
+/// The future of one turn for a message passed as a value (see
+/// `Actor::handle_value_turn`): boxed, in a typed actor's reusable slot, or decided
+/// before it started.
+pub struct ValueTurn<'a>(ValueTurnInner<'a>);
+
+/// What a turn for a value ends with.
+type ValueOutcome = Result<AnyValue, ActorError>;
+
+enum ValueTurnInner<'a> {
+    Boxed(Pin<Box<dyn Future<Output = ValueOutcome> + Send + 'a>>),
+    InSlot(InSlot<'a, ValueOutcome>),
+    Ready(Option<ValueOutcome>),
+}
+
+impl<'a> ValueTurn<'a> {
+    /// A turn whose future lives in a [`crate::handler_slot::HandlerSlot`].
+    pub(crate) fn in_slot(future: InSlot<'a, ValueOutcome>) -> Self {
+        Self(ValueTurnInner::InSlot(future))
+    }
+
+    /// A turn decided before it started (a message of the wrong type).
+    pub(crate) fn ready(outcome: ValueOutcome) -> Self {
+        Self(ValueTurnInner::Ready(Some(outcome)))
+    }
+}
+
+// Nothing in it is pinned in place: a boxed future and a slot's future are pinned where
+// they lie, behind a pointer, and a decided outcome is only taken out.
+impl Unpin for ValueTurn<'_> {}
+
+impl Future for ValueTurn<'_> {
+    type Output = ValueOutcome;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<ValueOutcome> {
+        match &mut self.get_mut().0 {
+            ValueTurnInner::Boxed(future) => future.as_mut().poll(cx),
+            ValueTurnInner::InSlot(future) => Pin::new(future).poll(cx),
+            ValueTurnInner::Ready(outcome) => Poll::Ready(outcome.take().expect("a decided turn is polled once")),
+        }
     }
 }
 

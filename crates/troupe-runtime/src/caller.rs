@@ -363,7 +363,7 @@ impl Caller {
         };
         let result = inner
             .handle
-            .send_only(target, Payload::Bytes(local), admitted.child.clone())
+            .send_only(target, Payload::Bytes(local), admitted.child.clone().into())
             .await;
         drop(admitted);
         result
@@ -404,7 +404,7 @@ impl Caller {
         let context = context.with_deadline(context.deadline().min(latest));
         inner
             .handle
-            .send_only(&inner.id, Payload::Bytes(payload), context)
+            .send_only(&inner.id, Payload::Bytes(payload), context.into())
             .await
     }
 

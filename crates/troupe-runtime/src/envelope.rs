@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
-use troupe_core::{ActorId, CallContext, InvokeError};
+use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
 use crate::wait_for_graph::CallId;
 use crate::AnyValue;
@@ -96,9 +96,18 @@ impl ReplyTo {
 }
 
 /// One request in a mailbox. Boxed in the mailbox so an idle mailbox stays small.
+///
+/// Kept to at most [`ENVELOPE_BYTES_MAX`]: a batch of fire-and-forget messages holds
+/// many at once, more than glibc's per-thread cache of freed blocks (7 per size), and
+/// beyond it a block of up to 120 bytes goes to malloc's fast bins while a larger one
+/// takes its slow path (the unsorted bin, with merging) at every free and malloc. At 192
+/// bytes that slow path was about 300 instructions of a typed tell's 2,050 (callgrind,
+/// 2026-11-28, docs/architecture.md "Seventh pass"). So the two parts most requests do
+/// not need are boxed only when present: a context with more than a deadline (a call
+/// from a turn, or a traced one), and the caller's span (when a subscriber records it).
 pub(crate) struct Envelope {
     pub(crate) payload: Payload,
-    pub(crate) context: CallContext,
+    pub(crate) context: EnvelopeContext,
     pub(crate) reply: ReplyTo,
     /// The request's id, unique within the runtime (also the id of its wait-for edge).
     pub(crate) call: CallId,
@@ -107,6 +116,104 @@ pub(crate) struct Envelope {
     /// caller's future.
     pub(crate) edge: bool,
     /// The caller's `invoke` (or `tell`) span: the parent of the callee's `turn` span
-    /// (disabled, and free, when no `tracing` subscriber wants it).
-    pub(crate) span: tracing::Span,
+    /// (absent, and free, when no `tracing` subscriber wants it).
+    pub(crate) span: EnvelopeSpan,
+}
+
+/// The most bytes an [`Envelope`] takes: the largest request glibc's malloc serves from
+/// its fast bins (a 128-byte block with its 8-byte header).
+pub(crate) const ENVELOPE_BYTES_MAX: usize = 120;
+
+// Checked where it is built: a field that grows the envelope past it fails the build.
+const _: () = assert!(std::mem::size_of::<Envelope>() <= ENVELOPE_BYTES_MAX);
+
+/// A request's call context as its envelope carries it: a root context with no trace id
+/// (a call from outside any turn, the hot path) is its deadline alone; any other is
+/// boxed.
+pub(crate) enum EnvelopeContext {
+    Root(Deadline),
+    Full(Box<CallContext>),
+}
+
+impl EnvelopeContext {
+    /// The request's deadline.
+    pub(crate) fn deadline(&self) -> Deadline {
+        match self {
+            Self::Root(deadline) => *deadline,
+            Self::Full(context) => context.deadline(),
+        }
+    }
+
+    /// The request's depth in its call tree.
+    pub(crate) fn depth(&self) -> u32 {
+        match self {
+            Self::Root(_) => 0,
+            Self::Full(context) => context.depth(),
+        }
+    }
+
+    /// The context itself, for the turn.
+    pub(crate) fn into_context(self) -> CallContext {
+        match self {
+            Self::Root(deadline) => CallContext::root(deadline),
+            Self::Full(context) => *context,
+        }
+    }
+}
+
+impl From<CallContext> for EnvelopeContext {
+    fn from(context: CallContext) -> Self {
+        if context.depth() == 0 && context.chain().is_empty() && context.trace_id().is_none() {
+            Self::Root(context.deadline())
+        } else {
+            Self::Full(Box::new(context))
+        }
+    }
+}
+
+/// The caller's span, boxed only when a subscriber records it (a disabled span is
+/// `Span::none()`, and takes 40 bytes where this takes 8).
+pub(crate) struct EnvelopeSpan(Option<Box<tracing::Span>>);
+
+impl EnvelopeSpan {
+    pub(crate) fn new(span: tracing::Span) -> Self {
+        if span.is_none() {
+            Self(None)
+        } else {
+            Self(Some(Box::new(span)))
+        }
+    }
+
+    /// The span itself (`Span::none()` when it was not recorded).
+    pub(crate) fn into_span(self) -> tracing::Span {
+        match self.0 {
+            Some(span) => *span,
+            None => tracing::Span::none(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: a root context without a trace id travels as its deadline, anything else
+    /// whole, and both come back as they went in.
+    #[test]
+    fn a_context_comes_back_as_it_went_in() {
+        let deadline = Deadline::from_micros(5);
+        let root = CallContext::root(deadline);
+        let caller = ActorId::new("k", "a").unwrap();
+        let child = root.child(caller, deadline);
+        let traced = CallContext::root(deadline).with_trace_id(troupe_core::TraceId::new(7));
+        for context in [root, child, traced] {
+            let travelled = EnvelopeContext::from(context.clone());
+            assert_eq!(
+                matches!(travelled, EnvelopeContext::Root(_)),
+                context.depth() == 0 && context.trace_id().is_none()
+            );
+            assert_eq!(travelled.deadline(), deadline);
+            assert_eq!(travelled.into_context(), context);
+        }
+    }
 }

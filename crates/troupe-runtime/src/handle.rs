@@ -21,7 +21,7 @@ use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, Invoke
 
 use crate::caller::CallerInner;
 use crate::control::{CallEdge, Command, Control};
-use crate::envelope::{Envelope, Payload, Reply, ReplyTo};
+use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
 use crate::mailbox::{Delivery, Mailbox};
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
@@ -456,7 +456,7 @@ impl RuntimeHandle {
             now,
             target,
             Payload::Bytes(payload),
-            CallContext::root(deadline),
+            EnvelopeContext::Root(deadline),
             None,
             None,
         )?
@@ -485,7 +485,7 @@ impl RuntimeHandle {
         let now = self.shared.clock.now();
         let latest = Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
         let context = context.with_deadline(context.deadline().min(latest));
-        self.send_and_wait_from(now, target, Payload::Bytes(payload), context, None)
+        self.send_and_wait_from(now, target, Payload::Bytes(payload), context.into(), None)
             .await?
             .into_bytes(target)
     }
@@ -498,7 +498,7 @@ impl RuntimeHandle {
         payload: Bytes,
         deadline: Deadline,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, Payload::Bytes(payload), CallContext::root(deadline), None)
+        self.send_and_wait(target, Payload::Bytes(payload), EnvelopeContext::Root(deadline), None)
             .await?
             .into_bytes(target)
     }
@@ -519,7 +519,7 @@ impl RuntimeHandle {
         context: CallContext,
         turn: Option<&CallerInner>,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, Payload::Bytes(payload), context, Some((caller, turn)))
+        self.send_and_wait(target, Payload::Bytes(payload), context.into(), Some((caller, turn)))
             .await?
             .into_bytes(target)
     }
@@ -541,7 +541,7 @@ impl RuntimeHandle {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        self.send_only(target, Payload::Bytes(payload), CallContext::root(deadline))
+        self.send_only(target, Payload::Bytes(payload), EnvelopeContext::Root(deadline))
             .await
     }
 
@@ -550,7 +550,7 @@ impl RuntimeHandle {
         &self,
         target: &ActorId,
         payload: Payload,
-        context: CallContext,
+        context: EnvelopeContext,
     ) -> Result<(), InvokeError> {
         self.send_only_from(self.shared.clock.now(), target, payload, context, None)
             .await
@@ -562,7 +562,7 @@ impl RuntimeHandle {
         now: Deadline,
         target: &ActorId,
         payload: Payload,
-        context: CallContext,
+        context: EnvelopeContext,
         cache: Option<&RouteCache>,
     ) -> Result<(), InvokeError> {
         match self.start_tell(now, target, payload, context, cache)? {
@@ -582,7 +582,7 @@ impl RuntimeHandle {
         now: Deadline,
         target: &ActorId,
         payload: Payload,
-        context: CallContext,
+        context: EnvelopeContext,
         cache: Option<&RouteCache>,
     ) -> Result<Told, InvokeError> {
         let shared = &*self.shared;
@@ -601,7 +601,7 @@ impl RuntimeHandle {
             reply: ReplyTo::Nobody,
             call,
             edge: false,
-            span,
+            span: EnvelopeSpan::new(span),
         });
         let mut envelope = match shared.fast_path(target, envelope, cache) {
             FastPath::Delivered => return Ok(Told::Accepted),
@@ -690,7 +690,7 @@ impl RuntimeHandle {
         &self,
         target: &ActorId,
         payload: Payload,
-        context: CallContext,
+        context: EnvelopeContext,
         caller: Option<(&ActorId, Option<&CallerInner>)>,
     ) -> Result<Payload, InvokeError> {
         self.send_and_wait_from(self.shared.clock.now(), target, payload, context, caller)
@@ -703,7 +703,7 @@ impl RuntimeHandle {
         now: Deadline,
         target: &ActorId,
         payload: Payload,
-        context: CallContext,
+        context: EnvelopeContext,
         caller: Option<(&ActorId, Option<&CallerInner>)>,
     ) -> Result<Payload, InvokeError> {
         self.start_call(now, target, payload, context, caller, None)?.await
@@ -722,7 +722,7 @@ impl RuntimeHandle {
         now: Deadline,
         target: &'a ActorId,
         payload: Payload,
-        context: CallContext,
+        context: EnvelopeContext,
         caller: Option<(&ActorId, Option<&'a CallerInner>)>,
         cache: Option<&RouteCache>,
     ) -> Result<ReplyWait<'a>, InvokeError> {
@@ -764,7 +764,7 @@ impl RuntimeHandle {
             reply: ReplyTo::Caller(reply),
             call,
             edge: edge.is_some(),
-            span,
+            span: EnvelopeSpan::new(span),
         });
         let wait = |guard| ReplyWait {
             guard,

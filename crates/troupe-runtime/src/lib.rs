@@ -28,6 +28,7 @@ mod dispatcher;
 mod envelope;
 mod fast_hash;
 mod handle;
+mod handler_slot;
 mod kind_config;
 mod mailbox;
 mod memory_store;

@@ -222,16 +222,16 @@ mod tests {
     use troupe_core::{CallContext, Deadline};
 
     use super::*;
-    use crate::envelope::{Payload, ReplyTo};
+    use crate::envelope::{EnvelopeSpan, Payload, ReplyTo};
 
     fn envelope(call: u64) -> Box<Envelope> {
         Box::new(Envelope {
             payload: Payload::Bytes(Bytes::new()),
-            context: CallContext::root(Deadline::from_micros(u64::MAX)),
+            context: CallContext::root(Deadline::from_micros(u64::MAX)).into(),
             reply: ReplyTo::Nobody,
             call,
             edge: false,
-            span: tracing::Span::none(),
+            span: EnvelopeSpan::new(tracing::Span::none()),
         })
     }
 

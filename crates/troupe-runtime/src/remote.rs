@@ -318,7 +318,7 @@ impl RuntimeHandle {
         payload: Bytes,
         context: CallContext,
     ) -> Result<(), InvokeError> {
-        self.send_only(target, crate::envelope::Payload::Bytes(payload), context)
+        self.send_only(target, crate::envelope::Payload::Bytes(payload), context.into())
             .await
     }
 

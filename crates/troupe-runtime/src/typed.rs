@@ -33,10 +33,12 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
+use troupe_core::{ActorId, ActorKind, CallRefused, Deadline, InvokeError};
 
-use crate::envelope::Payload;
+use crate::actor::ValueTurn;
+use crate::envelope::{EnvelopeContext, Payload};
 use crate::handle::{RouteCache, Told as Handed, IN_TURN};
+use crate::handler_slot::HandlerSlot;
 use crate::{Actor, ActorError, AnyValue, RuntimeHandle, StateChange, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
@@ -91,8 +93,21 @@ pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
     ) -> impl Future<Output = Result<Self::Reply, ActorError>> + Send;
 }
 
-/// Runs a [`TypedActor`] as an [`Actor`].
-struct TypedAdapter<A>(A);
+/// Runs a [`TypedActor`] as an [`Actor`]: the actor, and the reusable memory its
+/// handler's futures run in (one block per activation, not one box per message).
+struct TypedAdapter<A> {
+    actor: A,
+    slot: HandlerSlot,
+}
+
+impl<A> TypedAdapter<A> {
+    fn new(actor: A) -> Self {
+        Self {
+            actor,
+            slot: HandlerSlot::new(),
+        }
+    }
+}
 
 fn encode<T: Serialize>(value: &T, what: &str) -> Result<Bytes, ActorError> {
     bincode::serialize(value)
@@ -109,11 +124,17 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
                 std::any::type_name::<A::Message>()
             ))
         })?;
-        let reply = self.0.handle(turn, message).await?;
+        let reply = self.actor.handle(turn, message).await?;
         encode(&reply, "reply")
     }
 
     async fn handle_value(&mut self, turn: &mut Turn, message: AnyValue) -> Result<AnyValue, ActorError> {
+        self.handle_value_turn(turn, message).await
+    }
+
+    /// The handler's future runs in the adapter's slot: after the activation's first
+    /// message, a message costs no allocation for it.
+    fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
         // An `ask`'s message comes as itself, a `tell`'s wrapped in `Told`, whose reply
         // nobody reads: it gets the zero-sized `Unread`.
         let (message, told) = match message.downcast::<A::Message>() {
@@ -121,23 +142,26 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
             Err(other) => match other.downcast::<Told<A::Message>>() {
                 Ok(told) => (told.0, true),
                 Err(_) => {
-                    return Err(ActorError::rejected(format!(
+                    return ValueTurn::ready(Err(ActorError::rejected(format!(
                         "the message is not a {}",
                         std::any::type_name::<A::Message>()
-                    )))
+                    ))))
                 }
             },
         };
-        let reply = self.0.handle(turn, message).await?;
-        if told {
-            Ok(AnyValue::new(Unread))
-        } else {
-            Ok(AnyValue::new(reply))
-        }
+        let Self { actor, slot } = self;
+        ValueTurn::in_slot(slot.place(async move {
+            let reply = actor.handle(turn, message).await?;
+            Ok(if told {
+                AnyValue::new(Unread)
+            } else {
+                AnyValue::new(reply)
+            })
+        }))
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        encode(&self.0, "state").map(Some)
+        encode(&self.actor, "state").map(Some)
     }
 
     /// Encodes the state into a writer that compares it with the committed encoding as
@@ -146,7 +170,7 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
     fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
         if let Some(committed) = committed {
             let mut same = SameAs { rest: committed };
-            if bincode::serialize_into(&mut same, &self.0).is_ok() && same.rest.is_empty() {
+            if bincode::serialize_into(&mut same, &self.actor).is_ok() && same.rest.is_empty() {
                 return Ok(StateChange::Unchanged);
             }
         }
@@ -201,7 +225,7 @@ pub(crate) fn typed_factory<A: TypedActor>(
                 ))
             })?,
         };
-        Ok(Box::new(TypedAdapter(actor)))
+        Ok(Box::new(TypedAdapter::new(actor)))
     }
 }
 
@@ -294,7 +318,7 @@ impl<A: TypedActor> ActorRef<A> {
                 now,
                 &self.id,
                 Payload::Value(AnyValue::new(message)),
-                CallContext::root(deadline),
+                EnvelopeContext::Root(deadline),
                 None,
                 Some(&self.cache),
             )?
@@ -331,7 +355,7 @@ impl<A: TypedActor> ActorRef<A> {
             now,
             &self.id,
             Payload::Value(AnyValue::new(Told(message))),
-            CallContext::root(deadline),
+            EnvelopeContext::Root(deadline),
             Some(&self.cache),
         )?;
         match handed {
@@ -425,7 +449,7 @@ mod tests {
             cut in any::<prop::sample::Index>(),
             committed_kind in 0..6u8,
         ) {
-            let actor = TypedAdapter(state.clone());
+            let actor = TypedAdapter::new(state.clone());
             let encoded = bincode::serialize(&state).unwrap();
             let committed = match committed_kind {
                 0 => None,
@@ -453,7 +477,7 @@ mod tests {
             items: vec![2],
             flag: Some(true),
         };
-        let actor = TypedAdapter(state.clone());
+        let actor = TypedAdapter::new(state.clone());
         let encoded = bincode::serialize(&state).unwrap();
         let same = Bytes::from(encoded.clone());
         assert_eq!(actor.state_change(Some(&same)).unwrap(), StateChange::Unchanged);

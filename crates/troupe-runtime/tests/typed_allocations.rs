@@ -1,9 +1,9 @@
 //! Heap allocations per typed message in steady state (issue 11): a typed `tell` makes
-//! `TELL_ALLOCATIONS_MAX` (the envelope on the caller's side, the `async_trait` box of
-//! `Actor::handle_value` on the actor's), a typed `ask` `ASK_ALLOCATIONS_MAX` (those and
-//! its reply channel). A small message and its reply travel inline in their `AnyValue`:
-//! boxing either, boxing the user's handler again, or boxing a tell's unread reply fails
-//! it. An actor with state
+//! `TELL_ALLOCATIONS_MAX` (the envelope), a typed `ask` `ASK_ALLOCATIONS_MAX` (the
+//! envelope and its reply channel). The handler's future runs in the activation's
+//! reusable slot (`handler_slot.rs`), and a small message and its reply travel inline in
+//! their `AnyValue`: boxing the handler's future again (as `async_trait` did until
+//! 2026-11-28), boxing either value, or boxing a tell's unread reply fails it. An actor with state
 //! that a turn leaves unchanged allocates no more: its encoding is compared with the
 //! committed one, not made anew (`Actor::state_change`).
 //!
@@ -22,9 +22,9 @@ use troupe_core::{ActorId, ActorKind};
 use troupe_runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
 
 /// Allocations per typed `tell` in steady state (allocations).
-const TELL_ALLOCATIONS_MAX: u64 = 2;
+const TELL_ALLOCATIONS_MAX: u64 = 1;
 /// Allocations per typed `ask` in steady state (allocations).
-const ASK_ALLOCATIONS_MAX: u64 = 3;
+const ASK_ALLOCATIONS_MAX: u64 = 2;
 /// Tells per batch: below the default mailbox capacity, as in `benches/runtime.rs`.
 const BATCH: u64 = 32;
 /// Measured batches (each `BATCH` tells and one ask), after as many for warm-up.

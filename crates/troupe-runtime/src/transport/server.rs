@@ -766,7 +766,11 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
         Ok(context) if request.tell => {
             // Answered at acceptance; the turn runs on its own, under its own deadline.
             handle
-                .send_only(&target, crate::envelope::Payload::Bytes(request.payload), context)
+                .send_only(
+                    &target,
+                    crate::envelope::Payload::Bytes(request.payload),
+                    context.into(),
+                )
                 .await
                 .map(|()| Bytes::new())
         }
@@ -776,7 +780,7 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
             match caller {
                 Some(caller) if records_edges => handle.invoke_from(&caller, &target, payload, context, None).await,
                 Some(_) => handle
-                    .send_and_wait(&target, crate::envelope::Payload::Bytes(payload), context, None)
+                    .send_and_wait(&target, crate::envelope::Payload::Bytes(payload), context.into(), None)
                     .await
                     .and_then(|reply| reply.into_bytes(&target)),
                 // A root call (empty chain): its context keeps the trace id.
