@@ -26,6 +26,11 @@
 //!   (leaked with it) rather than reuse or free memory that a pinned future still owns.
 //! - A block is written only with a future of exactly the layout it was allocated for;
 //!   a future of another layout gets a new block (the old one, unoccupied, is freed).
+//!
+//! Checked under Miri (2026-11-28; not in CI, which installs no nightly toolchain):
+//! `cargo +nightly miri test -p troupe-runtime --lib handler_slot::tests::turns_reuse`
+//! reports no undefined behaviour and no leak; the leak test passes with
+//! `MIRIFLAGS=-Zmiri-ignore-leaks` (its leaked future and block are the point of it).
 
 use std::alloc::{self, Layout};
 use std::future::Future;
