@@ -227,6 +227,8 @@ async fn run(start: Box<ActivationStart>) {
                     });
                 }
                 received_at_last_check = received;
+                // Once a period, not per message: a burst's room goes back.
+                receiver.trim_idle();
                 idle_timer.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
                 idle_timer_registered = false;
                 continue;
@@ -293,7 +295,7 @@ async fn run(start: Box<ActivationStart>) {
 
 /// What the activation's loop waits for next.
 enum Next {
-    Message(Box<Envelope>),
+    Message(Envelope),
     /// The dispatcher closed the mailbox and it is drained.
     Closed,
     IdleTimerFired,
@@ -498,12 +500,11 @@ type Outcome = Result<Result<Payload, ActorError>, ()>;
 
 /// Checks a request at dequeue and answers one that must not run; else builds its turn.
 /// `now` is the clock as read in this wake-up of the task, read here if not yet.
-#[allow(clippy::boxed_local)] // as the mailbox hands it over; freed here, before the turn
 #[inline(always)]
 fn begin(
     live: &mut Live,
     shared: &Shared,
-    envelope: Box<Envelope>,
+    envelope: Envelope,
     now: &mut WakeClock,
 ) -> Option<(Turn, Payload, TurnEnds)> {
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
@@ -537,7 +538,7 @@ fn begin(
         call,
         edge,
         span: parent,
-    } = *envelope;
+    } = envelope;
     if let Some(error) = refusal {
         respond(shared, call, edge, reply, Err(error));
         return None;

@@ -331,7 +331,7 @@ impl Dispatcher {
         }
         let routes = routes.lock();
         let route = routes.get(target).expect("an open activation has a route");
-        match route.deliver(envelope) {
+        match route.deliver(*envelope) {
             Delivery::Delivered => None,
             Delivery::Full(envelope, _) => Some((envelope, busy())),
             Delivery::Closed(envelope) => Some((

@@ -139,7 +139,7 @@ impl Route {
     }
 
     /// Delivers into the mailbox (the caller holds the route map's lock).
-    pub(crate) fn deliver(&self, envelope: Box<Envelope>) -> Delivery {
+    pub(crate) fn deliver(&self, envelope: Envelope) -> Delivery {
         self.0.deliver(envelope)
     }
 
@@ -257,11 +257,12 @@ impl Shared {
     /// Delivers straight into an open mailbox, skipping the dispatcher's queue: through
     /// `cache` (a typed ref's) if it holds an open route, else through the route map
     /// (and then remembers the route in `cache`).
-    fn fast_path(&self, target: &ActorId, envelope: Box<Envelope>, cache: Option<&RouteCache>) -> FastPath {
+    fn fast_path(&self, target: &ActorId, envelope: Envelope, cache: Option<&RouteCache>) -> FastPath {
         let Some(cache) = cache else {
             let routes = self.routes.lock();
             let Some(route) = routes.get(target) else {
-                return FastPath::ToDispatcher(envelope);
+                drop(routes);
+                return FastPath::ToDispatcher(Box::new(envelope));
             };
             return self.delivered(target, route.deliver(envelope));
         };
@@ -272,14 +273,15 @@ impl Shared {
                 Delivery::Closed(back) => {
                     // That activation is ending or gone: look for the next one.
                     *cached = None;
-                    envelope = back;
+                    envelope = *back;
                 }
                 delivery => return self.delivered(target, delivery),
             }
         }
         let routes = self.routes.lock();
         let Some(route) = routes.get(target) else {
-            return FastPath::ToDispatcher(envelope);
+            drop(routes);
+            return FastPath::ToDispatcher(Box::new(envelope));
         };
         let delivery = route.deliver(envelope);
         if !matches!(delivery, Delivery::Closed(_)) {
@@ -595,14 +597,14 @@ impl RuntimeHandle {
         }
         let call = shared.next_call();
         let span = tracing::info_span!("tell", target = %target, request = call, depth = context.depth());
-        let envelope = Box::new(Envelope {
+        let envelope = Envelope {
             payload,
             context,
             reply: ReplyTo::Nobody,
             call,
             edge: false,
             span: EnvelopeSpan::new(span),
-        });
+        };
         let mut envelope = match shared.fast_path(target, envelope, cache) {
             FastPath::Delivered => return Ok(Told::Accepted),
             FastPath::Refused(error) => return Err(error),
@@ -758,14 +760,14 @@ impl RuntimeHandle {
         // The parent of the callee's turn span: a child of the caller's current span (its
         // own turn's, for a call from a turn), so one request is one tree of spans.
         let span = tracing::info_span!("invoke", target = %target, request = call, depth = context.depth());
-        let mut envelope = Box::new(Envelope {
+        let envelope = Envelope {
             payload,
             context,
             reply: ReplyTo::Caller(reply),
             call,
             edge: edge.is_some(),
             span: EnvelopeSpan::new(span),
-        });
+        };
         let wait = |guard| ReplyWait {
             guard,
             deadline,
@@ -774,18 +776,20 @@ impl RuntimeHandle {
             yielded: false,
             slow: None,
         };
-        if edge.is_none() {
-            // A call from outside any turn adds no wait-for edge, so it may skip the
-            // dispatcher when the target's mailbox is open.
+        // A call from outside any turn adds no wait-for edge, so it may skip the
+        // dispatcher when the target's mailbox is open.
+        let envelope = if edge.is_none() {
             match shared.fast_path(target, envelope, cache) {
                 FastPath::Delivered => return Ok(wait(guard)),
                 FastPath::Refused(error) => {
                     guard.answered = true;
                     return Err(error);
                 }
-                FastPath::ToDispatcher(back) => envelope = back,
+                FastPath::ToDispatcher(back) => back,
             }
-        }
+        } else {
+            Box::new(envelope)
+        };
         let command = Command::Invoke {
             target: target.clone(),
             envelope,

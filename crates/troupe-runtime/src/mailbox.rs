@@ -19,9 +19,15 @@
 //! dispatcher ─► Route dropped / close_if_delivered ─► closed: the task drains, then None
 //! ```
 //!
-//! Memory: one allocation per activation (this state), plus the queue's buffer, made at
-//! the first message, 8 bytes a message (envelopes are boxed), given back down to
-//! [`MAILBOX_SLOTS_KEPT`] once the queue empties after a burst.
+//! Memory: one allocation per activation (this state), plus the queue's buffer. The
+//! queue holds the envelopes themselves (up to
+//! [`ENVELOPE_BYTES_MAX`](crate::envelope::ENVELOPE_BYTES_MAX) = 120 bytes each), not
+//! boxes of them, so a message costs no allocation of its own: a box per message was a
+//! `malloc` and a `free` each, and beyond glibc's per-thread cache of 7 blocks (a batch
+//! of tells) about 110 instructions a message (callgrind, 2026-11-29). The buffer is
+//! made with the activation's first message, with room for the messages it opens with
+//! (usually one), grows with bursts, is given back down to [`MAILBOX_SLOTS_KEPT`] once
+//! the queue empties, and down to [`MAILBOX_SLOTS_KEPT_IDLE`] at the idle timer.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -29,17 +35,26 @@ use std::task::{Context, Poll, Waker};
 
 use crate::envelope::Envelope;
 
-/// Queue slots a mailbox keeps once it has emptied after a burst (8 bytes each): the
-/// rest of its buffer is given back, so an actor that once took a burst of thousands of
-/// messages does not hold their room while it idles. A default mailbox never holds more
-/// (a smaller number made a mailbox that keeps filling up, as a batch of tells does,
-/// give its room back and grow it again at every batch: two allocations each time).
+/// Queue slots a mailbox keeps once it has emptied after a burst (an envelope's
+/// [`ENVELOPE_BYTES_MAX`](crate::envelope::ENVELOPE_BYTES_MAX) bytes each, 7,680 B for
+/// 64): the rest of its buffer is given back, so an actor that once took a burst of
+/// thousands of messages does not hold their room. A default mailbox never holds more.
+/// A smaller number made a mailbox that keeps filling up, as a batch of tells does, give
+/// its room back and grow it again at every batch (8 slots: about 1,000 instructions
+/// more per batch of 33, callgrind, 2026-11-29); what an idle actor keeps is
+/// [`MAILBOX_SLOTS_KEPT_IDLE`] instead.
 pub(crate) const MAILBOX_SLOTS_KEPT: usize = troupe_core::limits::MAILBOX_CAPACITY_DEFAULT;
+
+/// Queue slots a mailbox keeps once its actor has received nothing for a whole idle
+/// timer period (checked at the idle timer, so once per period, never per message):
+/// one envelope's room, which an actor called by one caller at a time never outgrows.
+pub(crate) const MAILBOX_SLOTS_KEPT_IDLE: usize = 1;
 
 /// What became of one delivery attempt into a mailbox.
 pub(crate) enum Delivery {
     Delivered,
-    /// The mailbox is full; its capacity.
+    /// The mailbox is full; its capacity. (The envelope comes back boxed: only a
+    /// refused one pays for the box.)
     Full(Box<Envelope>, usize),
     /// The mailbox is closed (its activation is ending, or its task has ended).
     Closed(Box<Envelope>),
@@ -53,7 +68,9 @@ pub(crate) struct Mailbox {
 }
 
 struct MailboxState {
-    queue: VecDeque<Box<Envelope>>,
+    /// The envelopes themselves, not boxes: a message costs no allocation of its own
+    /// (see the module doc).
+    queue: VecDeque<Envelope>,
     /// Messages ever put into it (the idle handshake's count).
     delivered: u64,
     /// Closed by the dispatcher (the activation deactivates, is fenced or ended) or by
@@ -79,7 +96,10 @@ impl Mailbox {
             "{} messages for a mailbox of {capacity}",
             messages.len()
         );
-        let queue: VecDeque<Box<Envelope>> = messages.collect();
+        // Room for exactly the messages it opens with (usually one): an actor that only
+        // ever has one message at a time, as one called by a single caller, never grows
+        // it, and keeps one envelope's room while idle.
+        let queue: VecDeque<Envelope> = messages.map(|envelope| *envelope).collect();
         let mailbox = Arc::new(Self {
             state: Mutex::new(MailboxState {
                 delivered: queue.len() as u64,
@@ -100,14 +120,16 @@ impl Mailbox {
 
     /// Puts `envelope` into the mailbox and counts it, if it is open and not full, and
     /// wakes the task if it waits.
-    pub(crate) fn deliver(&self, envelope: Box<Envelope>) -> Delivery {
+    pub(crate) fn deliver(&self, envelope: Envelope) -> Delivery {
         let waker = {
             let mut state = self.state();
             if !state.open {
-                return Delivery::Closed(envelope);
+                drop(state);
+                return Delivery::Closed(Box::new(envelope));
             }
             if state.queue.len() >= self.capacity {
-                return Delivery::Full(envelope, self.capacity);
+                drop(state);
+                return Delivery::Full(Box::new(envelope), self.capacity);
             }
             state.queue.push_back(envelope);
             state.delivered += 1;
@@ -162,7 +184,7 @@ impl MailboxReceiver {
     /// tokio's cooperative budget per message, as tokio's channels do: a task that keeps
     /// finding messages yields after the budget (128), so senders on other workers cannot
     /// keep it from yielding (the simulator has no budget).
-    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Box<Envelope>>> {
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Envelope>> {
         #[cfg(not(madsim))]
         let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         let mut state = self.0.state();
@@ -188,8 +210,18 @@ impl MailboxReceiver {
     }
 
     /// The next message; `None` once the mailbox is closed and empty.
-    pub(crate) async fn recv(&mut self) -> Option<Box<Envelope>> {
+    pub(crate) async fn recv(&mut self) -> Option<Envelope> {
         std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Gives back the queue's room beyond [`MAILBOX_SLOTS_KEPT_IDLE`] if it is empty:
+    /// the activation calls it at its idle timer, so an actor that had a burst, then
+    /// went quiet, holds one envelope's room, not the burst's.
+    pub(crate) fn trim_idle(&self) {
+        let mut state = self.0.state();
+        if state.queue.is_empty() && state.queue.capacity() > MAILBOX_SLOTS_KEPT_IDLE {
+            state.queue.shrink_to(MAILBOX_SLOTS_KEPT_IDLE);
+        }
     }
 
     /// Closes the mailbox (the task failed to start): what is queued stays to be taken.
@@ -224,15 +256,15 @@ mod tests {
     use super::*;
     use crate::envelope::{EnvelopeSpan, Payload, ReplyTo};
 
-    fn envelope(call: u64) -> Box<Envelope> {
-        Box::new(Envelope {
+    fn envelope(call: u64) -> Envelope {
+        Envelope {
             payload: Payload::Bytes(Bytes::new()),
             context: CallContext::root(Deadline::from_micros(u64::MAX)).into(),
             reply: ReplyTo::Nobody,
             call,
             edge: false,
             span: EnvelopeSpan::new(tracing::Span::none()),
-        })
+        }
     }
 
     fn delivered(delivery: Delivery) -> bool {
@@ -244,7 +276,7 @@ mod tests {
     /// `close_if_delivered` closes only at the exact count.
     #[tokio::test]
     async fn fifo_bounded_and_counted() {
-        let (mailbox, mut receiver) = Mailbox::open(3, [envelope(0)].into_iter());
+        let (mailbox, mut receiver) = Mailbox::open(3, [Box::new(envelope(0))].into_iter());
         assert!(delivered(mailbox.deliver(envelope(1))));
         assert!(delivered(mailbox.deliver(envelope(2))));
         match mailbox.deliver(envelope(3)) {
@@ -299,6 +331,37 @@ mod tests {
         let waiting = tokio::time::timeout(Duration::from_millis(1), receiver.recv()).await;
         assert!(waiting.is_err(), "empty and open: the receiver waits");
         assert!(mailbox.state().queue.capacity() <= MAILBOX_SLOTS_KEPT);
+        // At the idle timer, down to one envelope's room; a queue that holds messages
+        // keeps its room.
+        receiver.trim_idle();
+        assert!(mailbox.state().queue.capacity() <= MAILBOX_SLOTS_KEPT_IDLE);
+        for call in 0..3 {
+            assert!(delivered(mailbox.deliver(envelope(call))));
+        }
+        let room = mailbox.state().queue.capacity();
+        assert!(room >= 3);
+        receiver.trim_idle();
+        assert_eq!(
+            mailbox.state().queue.capacity(),
+            room,
+            "a queue with messages keeps its room"
+        );
+        for call in 0..3 {
+            assert_eq!(receiver.recv().await.unwrap().call, call);
+        }
+    }
+
+    /// Goal: a mailbox opened with its first message has room for exactly that one: an
+    /// actor called by one caller at a time (the queue never holds two) never grows it.
+    #[tokio::test]
+    async fn a_mailbox_opened_with_one_message_keeps_room_for_one() {
+        let (mailbox, mut receiver) = Mailbox::open(64, [Box::new(envelope(0))].into_iter());
+        assert_eq!(mailbox.state().queue.capacity(), 1);
+        for call in 1..100 {
+            assert_eq!(receiver.recv().await.unwrap().call, call - 1);
+            assert!(delivered(mailbox.deliver(envelope(call))));
+            assert_eq!(mailbox.state().queue.capacity(), 1, "one at a time needs one slot");
+        }
     }
 
     /// Goal: on worker threads, messages from several senders all arrive, each sender's
@@ -324,7 +387,7 @@ mod tests {
                                 Delivery::Delivered => break,
                                 Delivery::Full(back, _) => {
                                     full.fetch_add(1, Ordering::Relaxed);
-                                    message = back;
+                                    message = *back;
                                     tokio::task::yield_now().await;
                                 }
                                 Delivery::Closed(_) => panic!("closed while sending"),

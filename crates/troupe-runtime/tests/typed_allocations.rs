@@ -1,9 +1,10 @@
 //! Heap allocations per typed message in steady state (issue 11): a typed `tell` makes
-//! `TELL_ALLOCATIONS_MAX` (the envelope), a typed `ask` `ASK_ALLOCATIONS_MAX` (the
-//! envelope and its reply channel). The handler's future runs in the activation's
-//! reusable slot (`handler_slot.rs`), and a small message and its reply travel inline in
-//! their `AnyValue`: boxing the handler's future again (as `async_trait` did until
-//! 2026-11-28), boxing either value, or boxing a tell's unread reply fails it. An actor with state
+//! `TELL_ALLOCATIONS_MAX` (none), a typed `ask` `ASK_ALLOCATIONS_MAX` (its reply
+//! channel). The envelope travels in the mailbox's queue itself (`mailbox.rs`), the
+//! handler's future runs in the activation's reusable slot (`handler_slot.rs`), and a
+//! small message and its reply travel inline in their `AnyValue`: boxing the envelope
+//! again (as until 2026-11-29), boxing the handler's future again (as `async_trait` did
+//! until 2026-11-28), boxing either value, or boxing a tell's unread reply fails it. An actor with state
 //! that a turn leaves unchanged allocates no more: its encoding is compared with the
 //! committed one, not made anew (`Actor::state_change`).
 //!
@@ -22,9 +23,9 @@ use troupe_core::{ActorId, ActorKind};
 use troupe_runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
 
 /// Allocations per typed `tell` in steady state (allocations).
-const TELL_ALLOCATIONS_MAX: u64 = 1;
+const TELL_ALLOCATIONS_MAX: u64 = 0;
 /// Allocations per typed `ask` in steady state (allocations).
-const ASK_ALLOCATIONS_MAX: u64 = 2;
+const ASK_ALLOCATIONS_MAX: u64 = 1;
 /// Tells per batch: below the default mailbox capacity, as in `benches/runtime.rs`.
 const BATCH: u64 = 32;
 /// Measured batches (each `BATCH` tells and one ask), after as many for warm-up.
