@@ -32,6 +32,9 @@ use troupe_runtime::{Fence, SqliteStore, StateChange, StateStore, TurnCommit};
 
 /// Deadline of each call, in milliseconds.
 const CALL_TIMEOUT_MS: u64 = 5_000;
+/// Deadline of the call through a node without a lease to an actor nobody holds, in
+/// milliseconds: long, so that a refusal at once and one at the deadline differ.
+const UNPLACED_CALL_TIMEOUT_MS: u64 = 20_000;
 /// Allowance for a loaded 2-core machine on top of a bound a test checks, in ms.
 const SCHEDULING_ALLOWANCE_MS: u64 = 2_000;
 /// Actors in each test, spread over the nodes.
@@ -245,6 +248,34 @@ async fn a_node_that_loses_its_lease_hands_its_actors_over_with_newer_fences() {
     let (served_by, count) = call(node_c, &counter("k5"), b"inc").await.expect("C calls as a client");
     assert_ne!(served_by, "node-c");
     acks.push((counter("k5"), served_by, count));
+
+    // An actor nobody holds, called through C: C would place it on itself, which its
+    // lost lease refuses for good. The call is refused at once, not retried until its
+    // deadline (the router's fast refusal in node.rs, shown before only in the
+    // simulator's mention scenario).
+    let asked_at = Instant::now();
+    let deadline = node_c
+        .handle()
+        .deadline_in(Duration::from_millis(UNPLACED_CALL_TIMEOUT_MS));
+    let refused = node_c
+        .invoke(&counter("unplaced"), Bytes::from_static(b"inc"), deadline)
+        .await;
+    let refused_after = asked_at.elapsed();
+    match refused {
+        Err(InvokeError::StorageFailed {
+            source: StoreError::NotOwner { owner: None, .. },
+            ..
+        }) => {}
+        other => panic!("a call through C to an unplaced actor must be refused NotOwner: {other:?}"),
+    }
+    assert!(
+        refused_after < Duration::from_millis(SCHEDULING_ALLOWANCE_MS),
+        "refused after {refused_after:?}: at once, not near its {UNPLACED_CALL_TIMEOUT_MS} ms deadline"
+    );
+    eprintln!(
+        "C refused a call to an unplaced actor in {} ms",
+        refused_after.as_millis()
+    );
 
     let after = cluster.log.check_single_owner();
     check_distinct_acks(&acks);
