@@ -544,15 +544,14 @@ fn begin(
         return None;
     }
     let deadline = context.deadline();
-    let context = context.into_context();
     let parent = parent.into_span();
-    let span = turn_span(live.id(), &parent, &context);
     #[cfg(feature = "planted-bugs")]
     let watch_caller = !shared.planted_commit_after_abandon && reply.has_caller();
     #[cfg(not(feature = "planted-bugs"))]
     // A fire-and-forget message has nobody to watch: its turn is timed by its own timer.
     let watch_caller = reply.has_caller();
     let turn = Turn::new(live.home.take().expect(HOME_LENT), context);
+    let span = turn_span(&parent, &turn);
     let ends = TurnEnds {
         reply,
         call,
@@ -596,14 +595,16 @@ fn first_poll<'a>(
 }
 
 /// The turn's span, a child of the caller's; not built when no subscriber wants it.
-fn turn_span(id: &ActorId, parent: &tracing::Span, context: &troupe_core::CallContext) -> tracing::Span {
+/// (The fields are read only when a subscriber wants the span: a root turn's context is
+/// built for it then, not otherwise.)
+fn turn_span(parent: &tracing::Span, turn: &Turn) -> tracing::Span {
     tracing::info_span!(
         parent: parent,
         "turn",
-        actor = %id,
-        depth = context.depth(),
-        chain = ?context.chain(),
-        trace_id = context.trace_id().map(tracing::field::display),
+        actor = %turn.id(),
+        depth = turn.context().depth(),
+        chain = ?turn.context().chain(),
+        trace_id = turn.context().trace_id().map(tracing::field::display),
     )
 }
 

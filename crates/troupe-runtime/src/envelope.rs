@@ -152,11 +152,12 @@ impl EnvelopeContext {
         }
     }
 
-    /// The context itself, for the turn.
-    pub(crate) fn into_context(self) -> CallContext {
+    /// The context itself: a full one as it travelled; a root one built into `root`
+    /// (where the owner keeps it) the first time it is asked for.
+    pub(crate) fn context<'a>(&'a self, root: &'a std::sync::OnceLock<Box<CallContext>>) -> &'a CallContext {
         match self {
-            Self::Root(deadline) => CallContext::root(deadline),
-            Self::Full(context) => *context,
+            Self::Root(deadline) => root.get_or_init(|| Box::new(CallContext::root(*deadline))),
+            Self::Full(context) => context,
         }
     }
 }
@@ -213,7 +214,9 @@ mod tests {
                 context.depth() == 0 && context.trace_id().is_none()
             );
             assert_eq!(travelled.deadline(), deadline);
-            assert_eq!(travelled.into_context(), context);
+            let root = std::sync::OnceLock::new();
+            assert_eq!(travelled.context(&root), &context);
+            assert_eq!(root.get().is_some(), matches!(travelled, EnvelopeContext::Root(_)));
         }
     }
 }

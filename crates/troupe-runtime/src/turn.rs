@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
+use crate::envelope::EnvelopeContext;
 use crate::state_store::{check_key, STATE_SCAN_LIMIT_MAX, TURN_WRITES_MAX};
 use crate::{Caller, Clock, RuntimeHandle, StoreError};
 
@@ -23,7 +24,14 @@ pub struct Turn {
     /// an id and a handle of its own took three (each an atomic increment, and a
     /// decrement at the turn's end: perf, 2026-11-25, about 10 % of a typed `tell`).
     home: Arc<TurnHome>,
-    context: CallContext,
+    /// The request's context as its envelope carried it: for a root request without a
+    /// trace id (the hot path), its deadline alone, 16 bytes where a `CallContext` takes
+    /// 80. A turn is moved several times between the activation's steps, and at its
+    /// old size each move was a `memcpy` call (callgrind, 2026-11-29).
+    context: EnvelopeContext,
+    /// A root request's `CallContext`, made when first asked for ([`Turn::context`]):
+    /// a turn that never asks (a typed echo) neither builds nor drops one.
+    root_context: OnceLock<Box<CallContext>>,
     /// Made on first use: a turn that calls nobody costs no allocation for it.
     caller: OnceLock<Caller>,
     /// The buffered writes, made on the first write: a turn that writes nothing neither
@@ -56,10 +64,11 @@ impl TurnWrites {
 }
 
 impl Turn {
-    pub(crate) fn new(home: Arc<TurnHome>, context: CallContext) -> Self {
+    pub(crate) fn new(home: Arc<TurnHome>, context: EnvelopeContext) -> Self {
         Self {
             home,
             context,
+            root_context: OnceLock::new(),
             caller: OnceLock::new(),
             writes: None,
         }
@@ -92,7 +101,7 @@ impl Turn {
 
     /// Depth, chain and deadline of the request this turn handles.
     pub fn context(&self) -> &CallContext {
-        &self.context
+        self.context.context(&self.root_context)
     }
 
     /// When this turn must have replied; it is cancelled then.
@@ -123,7 +132,7 @@ impl Turn {
     /// This turn's handle for calling other actors; clone it into tools and tasks.
     pub fn caller(&self) -> &Caller {
         self.caller
-            .get_or_init(|| Caller::new(self.home.handle.clone(), self.home.id.clone(), self.context.clone()))
+            .get_or_init(|| Caller::new(self.home.handle.clone(), self.home.id.clone(), self.context().clone()))
     }
 
     /// Calls `target` and waits for its reply for at most `timeout`, clipped to this
