@@ -512,6 +512,30 @@ struct ConvState {
     next_seq: u64,
 }
 
+/// `info` (a conversation's definition, or none yet) as JSON: what [`encode_state`]
+/// copies into every snapshot.
+fn info_json(info: &Option<impl Serialize>) -> Result<Vec<u8>, ActorError> {
+    serde_json::to_vec(info).map_err(|error| ActorError::failed(error.to_string()))
+}
+
+/// A [`ConvState`] as `serde_json` writes it, byte for byte, from its definition's JSON
+/// ([`info_json`]) and its next seq: the conversation's snapshot, taken after each of its
+/// turns, without encoding the participants again each time (a recorded `call_agent`
+/// exchange is one such turn).
+fn encode_state(info_json: &[u8], next_seq: u64) -> Bytes {
+    const HEAD: &[u8] = b"{\"info\":";
+    const SEQ: &[u8] = b",\"next_seq\":";
+    let mut digits = itoa::Buffer::new();
+    let digits = digits.format(next_seq).as_bytes();
+    let mut out = Vec::with_capacity(HEAD.len() + info_json.len() + SEQ.len() + digits.len() + 1);
+    out.extend_from_slice(HEAD);
+    out.extend_from_slice(info_json);
+    out.extend_from_slice(SEQ);
+    out.extend_from_slice(digits);
+    out.push(b'}');
+    Bytes::from(out)
+}
+
 pub(crate) struct ConversationFactory {
     pub(crate) shared: Arc<AgentShared>,
 }
@@ -525,6 +549,7 @@ impl ActorFactory for ConversationFactory {
         };
         Ok(Box::new(ConversationActor {
             id: id.clone(),
+            info_json: info_json(&state.info)?,
             state,
             shared: Arc::clone(&self.shared),
             relaying: BTreeSet::new(),
@@ -536,6 +561,10 @@ impl ActorFactory for ConversationFactory {
 struct ConversationActor {
     id: ActorId,
     state: ConvState,
+    /// `state.info` as JSON, kept with it: the snapshot after each turn (which changes
+    /// only `next_seq` once the conversation exists) copies it instead of encoding the
+    /// participants again (see [`encode_state`]).
+    info_json: Vec<u8>,
     shared: Arc<AgentShared>,
     /// Relays a delivery task of this activation is delivering.
     relaying: BTreeSet<(u64, String)>,
@@ -631,7 +660,7 @@ impl Actor for ConversationActor {
     }
 
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        to_json(&self.state).map(Some)
+        Ok(Some(encode_state(&self.info_json, self.state.next_seq)))
     }
 }
 
@@ -682,10 +711,16 @@ impl ConversationActor {
             Some(_) => ConvReply::Error(ConversationError::Conflict {
                 id: self.id.key().to_string(),
             }),
-            None => {
-                self.state.info = Some(info.clone());
-                ConvReply::Created(info)
-            }
+            None => match info_json(&Some(&info)) {
+                Ok(json) => {
+                    self.state.info = Some(info.clone());
+                    self.info_json = json;
+                    ConvReply::Created(info)
+                }
+                Err(error) => ConvReply::Error(ConversationError::Unavailable {
+                    cause: error.to_string(),
+                }),
+            },
         }
     }
 
@@ -1117,6 +1152,32 @@ impl AgentActor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The snapshot built from the definition's JSON is serde_json's encoding of the
+        /// state, byte for byte, and decodes back to it (names with quotes, escapes and
+        /// non-ASCII included; no definition yet too).
+        #[test]
+        fn a_snapshot_is_the_state_as_serde_json_writes_it(
+            defined in proptest::prelude::any::<bool>(),
+            id in "\\PC{0,12}",
+            agents in proptest::collection::vec("[a-z\"\\\\é\n]{1,8}", 0..4),
+            human in proptest::option::of("\\PC{1,6}"),
+            group in proptest::prelude::any::<bool>(),
+            next_seq in proptest::prelude::any::<u64>(),
+        ) {
+            let mut participants: Vec<Participant> = agents.into_iter().map(Participant::Agent).collect();
+            participants.extend(human.map(Participant::Human));
+            let kind = if group { ConversationKind::Group } else { ConversationKind::Direct };
+            let state = ConvState {
+                info: defined.then_some(ConversationInfo { id, participants, kind }),
+                next_seq,
+            };
+            let encoded = encode_state(&info_json(&state.info).unwrap(), state.next_seq);
+            proptest::prop_assert_eq!(&encoded[..], &serde_json::to_vec(&state).unwrap()[..]);
+            proptest::prop_assert_eq!(serde_json::from_slice::<ConvState>(&encoded).unwrap(), state);
+        }
+    }
 
     #[test]
     fn mentions_are_parsed_once_each_in_order_and_emails_are_not_mentions() {

@@ -240,6 +240,13 @@ impl Prompt {
         }
     }
 
+    /// The parts in order, as runs of consecutive parts (a run is a segment: one part,
+    /// or a shared list): [`Prompt::parts`] without the flattening, for a loop that
+    /// visits every part of a long prompt.
+    pub(crate) fn part_runs(&self) -> impl Iterator<Item = &[Arc<[ChatMessage]>]> {
+        self.segments.iter().map(|segment| segment.parts().as_slice())
+    }
+
     /// The messages, copied.
     pub fn to_vec(&self) -> Vec<ChatMessage> {
         self.iter().cloned().collect()

@@ -39,6 +39,7 @@ mod signal;
 #[cfg(feature = "sqlite")]
 mod sqlite_store;
 mod state_store;
+mod store_key;
 mod transport;
 mod turn;
 mod typed;

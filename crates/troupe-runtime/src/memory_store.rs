@@ -37,6 +37,7 @@ use crate::state_store::{
     check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit,
     STATE_SCAN_LIMIT_MAX,
 };
+use crate::store_key::{Key, KeyStr};
 
 /// Everything the store holds for one actor.
 ///
@@ -51,8 +52,9 @@ struct ActorSlot {
     fence: Option<Fence>,
     /// The committed state blob, as reads see it.
     state: Option<Bytes>,
-    /// The committed key-value space, as reads see it.
-    entries: BTreeMap<String, Bytes>,
+    /// The committed key-value space, as reads see it (keys compared a word at a time:
+    /// see `store_key`).
+    entries: BTreeMap<Key, Bytes>,
     /// What the durable copy holds where it differs from the visible one; `None` when
     /// they are equal (always, unless write-back mode is or was on since the last flush).
     unflushed: Option<Box<Unflushed>>,
@@ -66,7 +68,7 @@ struct Unflushed {
     /// The durable state blob, if the visible one has changed since.
     state: Option<Option<Bytes>>,
     /// The durable value (`None`: absent) of every key changed since.
-    entries: BTreeMap<String, Option<Bytes>>,
+    entries: BTreeMap<Key, Option<Bytes>>,
 }
 
 impl ActorSlot {
@@ -79,7 +81,7 @@ impl ActorSlot {
                 unflushed.state = None;
             }
             for (key, _) in &commit.writes {
-                unflushed.entries.remove(key);
+                unflushed.entries.remove(KeyStr::new(key));
             }
         }
         self.apply(commit, states);
@@ -93,8 +95,11 @@ impl ActorSlot {
             unflushed.state = Some(self.state.clone());
         }
         for (key, _) in &commit.writes {
-            if !unflushed.entries.contains_key(key) {
-                unflushed.entries.insert(key.clone(), self.entries.get(key).cloned());
+            let borrowed = KeyStr::new(key);
+            if !unflushed.entries.contains_key(borrowed) {
+                unflushed
+                    .entries
+                    .insert(Key(key.clone()), self.entries.get(borrowed).cloned());
             }
         }
         self.apply(commit, states);
@@ -109,8 +114,8 @@ impl ActorSlot {
         }
         for (key, value) in commit.writes {
             match value {
-                Some(value) => self.entries.insert(key, value),
-                None => self.entries.remove(&key),
+                Some(value) => self.entries.insert(Key(key), value),
+                None => self.entries.remove(KeyStr::new(&key)),
             };
         }
     }
@@ -370,7 +375,7 @@ impl StateStore for MemoryStore {
             .lock()
             .actors
             .get(actor)
-            .and_then(|slot| slot.entries.get(key))
+            .and_then(|slot| slot.entries.get(KeyStr::new(key)))
             .cloned())
     }
 
@@ -393,11 +398,11 @@ impl StateStore for MemoryStore {
         };
         Ok(slot
             .entries
-            .range::<str, _>((Bound::Included(start), Bound::Unbounded))
-            .take_while(|(key, _)| key.starts_with(prefix))
-            .filter(|(key, _)| after.is_none_or(|after| key.as_str() > after))
+            .range::<KeyStr, _>((Bound::Included(KeyStr::new(start)), Bound::Unbounded))
+            .take_while(|(key, _)| key.0.starts_with(prefix))
+            .filter(|(key, _)| after.is_none_or(|after| key.0.as_str() > after))
             .take(limit)
-            .map(|(key, value)| (key.clone(), value.clone()))
+            .map(|(key, value)| (key.0.clone(), value.clone()))
             .collect())
     }
 }
@@ -686,7 +691,7 @@ mod tests {
             let recorded: Vec<(&str, bool)> = unflushed
                 .entries
                 .iter()
-                .map(|(key, value)| (key.as_str(), value.is_some()))
+                .map(|(key, value)| (key.0.as_str(), value.is_some()))
                 .collect();
             assert_eq!(recorded, vec![("log/000", true), ("log/100", false)]);
         }
