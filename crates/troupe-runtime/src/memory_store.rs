@@ -99,7 +99,7 @@ impl ActorSlot {
             if !unflushed.entries.contains_key(borrowed) {
                 unflushed
                     .entries
-                    .insert(Key(key.clone()), self.entries.get(borrowed).cloned());
+                    .insert(Key::new(key.clone()), self.entries.get(borrowed).cloned());
             }
         }
         self.apply(commit, states);
@@ -114,7 +114,7 @@ impl ActorSlot {
         }
         for (key, value) in commit.writes {
             match value {
-                Some(value) => self.entries.insert(Key(key), value),
+                Some(value) => self.entries.insert(Key::new(key), value),
                 None => self.entries.remove(KeyStr::new(&key)),
             };
         }
@@ -399,10 +399,10 @@ impl StateStore for MemoryStore {
         Ok(slot
             .entries
             .range::<KeyStr, _>((Bound::Included(KeyStr::new(start)), Bound::Unbounded))
-            .take_while(|(key, _)| key.0.starts_with(prefix))
-            .filter(|(key, _)| after.is_none_or(|after| key.0.as_str() > after))
+            .take_while(|(key, _)| key.as_str().starts_with(prefix))
+            .filter(|(key, _)| after.is_none_or(|after| key.as_str() > after))
             .take(limit)
-            .map(|(key, value)| (key.0.clone(), value.clone()))
+            .map(|(key, value)| (key.as_str().to_string(), value.clone()))
             .collect())
     }
 }
@@ -691,7 +691,7 @@ mod tests {
             let recorded: Vec<(&str, bool)> = unflushed
                 .entries
                 .iter()
-                .map(|(key, value)| (key.0.as_str(), value.is_some()))
+                .map(|(key, value)| (key.as_str(), value.is_some()))
                 .collect();
             assert_eq!(recorded, vec![("log/000", true), ("log/100", false)]);
         }
