@@ -831,8 +831,15 @@ impl ConversationActor {
             chain,
             note: request.note,
         };
-        turn.put(message_key(seq), to_json(&message)?)?;
-        turn.put(id_key, to_json(&seq)?)?;
+        turn.put(
+            message_key(seq),
+            Bytes::from(crate::json_text::conversation_message(&message)),
+        )?;
+        // A number's JSON is its decimal digits.
+        turn.put(
+            id_key,
+            Bytes::copy_from_slice(itoa::Buffer::new().format(seq).as_bytes()),
+        )?;
         let mut next = seq + 1;
         for (agent, kind, text) in notes {
             let note = ConversationMessage {
@@ -844,7 +851,10 @@ impl ConversationActor {
                 chain: Vec::new(),
                 note: Some(Note { agent, kind }),
             };
-            turn.put(message_key(next), to_json(&note)?)?;
+            turn.put(
+                message_key(next),
+                Bytes::from(crate::json_text::conversation_message(&note)),
+            )?;
             next += 1;
         }
         self.state.next_seq = next;

@@ -59,6 +59,7 @@ mod directory_store;
 mod external;
 mod inbox;
 mod inbox_turns;
+mod json_text;
 pub mod limits;
 mod llm;
 #[cfg(not(madsim))]

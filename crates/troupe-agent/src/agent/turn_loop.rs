@@ -319,7 +319,8 @@ impl AgentActor {
             return Err(self.timed_out(timeout_ms(started)));
         }
         for message in fresh.iter().filter(|_| private) {
-            let bytes = serde_json::to_vec(message).map_err(|error| ActorError::failed(error.to_string()))?;
+            // serde_json's encoding, written directly (see `json_text`).
+            let bytes = crate::json_text::chat_message(message);
             turn.put(log_key(self.state.log_length), Bytes::from(bytes))?;
             self.state.log_length += 1;
         }
