@@ -167,13 +167,22 @@ impl Turn {
     fn buffer(&mut self, key: String, value: Option<Bytes>) -> Result<(), StoreError> {
         check_key(&key)?;
         let writes = self.writes.get_or_insert_with(Box::default);
-        if !writes.contains_key(&key) && writes.len() >= TURN_WRITES_MAX {
-            return Err(StoreError::TooManyWrites {
-                count: writes.len() + 1,
-                limit: TURN_WRITES_MAX,
-            });
+        let count = writes.len();
+        // One search of the map: the entry is there (a write again) or its place is.
+        match writes.entry(key) {
+            std::collections::btree_map::Entry::Occupied(mut written) => {
+                written.insert(value);
+            }
+            std::collections::btree_map::Entry::Vacant(_) if count >= TURN_WRITES_MAX => {
+                return Err(StoreError::TooManyWrites {
+                    count: count + 1,
+                    limit: TURN_WRITES_MAX,
+                });
+            }
+            std::collections::btree_map::Entry::Vacant(place) => {
+                place.insert(value);
+            }
         }
-        writes.insert(key, value);
         Ok(())
     }
 
