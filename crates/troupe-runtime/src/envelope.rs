@@ -5,6 +5,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
+use crate::reply_cell::ReplySender;
 use crate::wait_for_graph::CallId;
 use crate::AnyValue;
 
@@ -35,7 +36,7 @@ impl Payload {
 /// Where a request's reply goes.
 pub(crate) enum ReplyTo {
     /// To a caller that waits for it.
-    Caller(oneshot::Sender<Reply>),
+    Caller(ReplySender),
     /// A fire-and-forget message on its way through the dispatcher: its sender waits
     /// only to learn whether it was accepted (put into the mailbox, or held for the next
     /// activation). The dispatcher answers and turns it into `Nobody` before delivery.
@@ -55,9 +56,7 @@ impl ReplyTo {
     /// anything.
     pub(crate) fn send(self, reply: Reply) {
         match self {
-            Self::Caller(sender) => {
-                let _ = sender.send(reply);
-            }
+            Self::Caller(sender) => sender.send(reply),
             Self::Acceptance(sender) => {
                 let _ = sender.send(reply.map(|_| ()));
             }

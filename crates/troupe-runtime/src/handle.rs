@@ -24,6 +24,7 @@ use crate::control::{CallEdge, Command, Control};
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
 use crate::mailbox::{Delivery, Mailbox};
+use crate::reply_cell::{ReplyReceiver, TryRecvError};
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
 
 thread_local! {
@@ -359,7 +360,7 @@ pub(crate) struct WaitGuard<'a> {
     target: &'a ActorId,
     call: u64,
     edge: bool,
-    answer: Option<oneshot::Receiver<Reply>>,
+    answer: Option<ReplyReceiver>,
     answered: bool,
 }
 
@@ -738,7 +739,7 @@ impl RuntimeHandle {
         }
         let timeout_ms = deadline.remaining_ms(now);
         let call = shared.next_call();
-        let (reply, answer) = oneshot::channel();
+        let (reply, answer) = crate::reply_cell::channel();
         let (edge, turn_end) = match caller {
             Some((caller, turn_end)) => (
                 Some(CallEdge {
@@ -882,9 +883,10 @@ impl Future for ReplyWait<'_> {
         // polled, which registers the waker and looks again.
         let waited = match answer.try_recv() {
             Ok(reply) => Waited::Reply(reply),
-            Err(oneshot::error::TryRecvError::Closed) => Waited::Closed,
-            Err(oneshot::error::TryRecvError::Empty) => match Pin::new(answer).poll(cx) {
-                Poll::Ready(received) => Waited::from(received),
+            Err(TryRecvError::Closed) => Waited::Closed,
+            Err(TryRecvError::Empty) => match answer.poll_recv(cx) {
+                Poll::Ready(Ok(reply)) => Waited::Reply(reply),
+                Poll::Ready(Err(())) => Waited::Closed,
                 Poll::Pending => {
                     let shared = this.guard.shared;
                     let (turn_end, deadline) = (this.turn_end, this.deadline);
@@ -951,15 +953,6 @@ pub(crate) enum Waited {
     Closed,
     TurnEnded,
     Elapsed,
-}
-
-impl From<Result<Reply, oneshot::error::RecvError>> for Waited {
-    fn from(received: Result<Reply, oneshot::error::RecvError>) -> Self {
-        match received {
-            Ok(reply) => Self::Reply(reply),
-            Err(_closed) => Self::Closed,
-        }
-    }
 }
 
 #[cfg(test)]

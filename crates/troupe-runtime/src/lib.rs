@@ -34,6 +34,7 @@ mod mailbox;
 mod memory_store;
 mod observer;
 mod remote;
+mod reply_cell;
 mod runtime;
 mod signal;
 #[cfg(feature = "sqlite")]

@@ -250,7 +250,6 @@ mod tests {
     use std::time::Duration;
 
     use bytes::Bytes;
-    use tokio::sync::oneshot;
     use troupe_core::{CallContext, Deadline};
 
     use super::*;
@@ -308,12 +307,15 @@ mod tests {
         assert!(receiver.recv().await.is_none());
 
         let (mailbox, receiver) = Mailbox::open(4, std::iter::empty());
-        let (reply, waiting) = oneshot::channel();
+        let (reply, waiting) = crate::reply_cell::channel();
         let mut queued = envelope(3);
         queued.reply = ReplyTo::Caller(reply);
         assert!(delivered(mailbox.deliver(queued)));
         drop(receiver);
-        assert!(waiting.await.is_err(), "the queued request's reply channel closed");
+        assert!(
+            waiting.recv().await.is_err(),
+            "the queued request's reply channel closed"
+        );
         assert!(matches!(mailbox.deliver(envelope(4)), Delivery::Closed(_)));
     }
 

@@ -1,10 +1,11 @@
 //! Heap allocations per typed message in steady state (issue 11): a typed `tell` makes
-//! `TELL_ALLOCATIONS_MAX` (none), a typed `ask` `ASK_ALLOCATIONS_MAX` (its reply
-//! channel). The envelope travels in the mailbox's queue itself (`mailbox.rs`), the
+//! `TELL_ALLOCATIONS_MAX` (none), a typed `ask` `ASK_ALLOCATIONS_MAX` (none: its reply
+//! channel's cell comes from the thread's pool, `reply_cell.rs`). The envelope travels in the mailbox's queue itself (`mailbox.rs`), the
 //! handler's future runs in the activation's reusable slot (`handler_slot.rs`), and a
 //! small message and its reply travel inline in their `AnyValue`: boxing the envelope
 //! again (as until 2026-11-29), boxing the handler's future again (as `async_trait` did
-//! until 2026-11-28), boxing either value, or boxing a tell's unread reply fails it. An actor with state
+//! until 2026-11-28), boxing either value, boxing a tell's unread reply, or a reply
+//! channel allocated per request (tokio's `oneshot`, as until 2026-11-29) fails it. An actor with state
 //! that a turn leaves unchanged allocates no more: its encoding is compared with the
 //! committed one, not made anew (`Actor::state_change`).
 //!
@@ -25,7 +26,7 @@ use troupe_runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
 /// Allocations per typed `tell` in steady state (allocations).
 const TELL_ALLOCATIONS_MAX: u64 = 0;
 /// Allocations per typed `ask` in steady state (allocations).
-const ASK_ALLOCATIONS_MAX: u64 = 1;
+const ASK_ALLOCATIONS_MAX: u64 = 0;
 /// Tells per batch: below the default mailbox capacity, as in `benches/runtime.rs`.
 const BATCH: u64 = 32;
 /// Measured batches (each `BATCH` tells and one ask), after as many for warm-up.
@@ -71,6 +72,9 @@ async fn a_typed_actor_whose_state_is_unchanged_allocates_no_more_per_message() 
     check_allocations::<StatefulEcho>().await;
 }
 
+// The budgets are zero today, which makes `<=` an equality to clippy; they are compared
+// as budgets so that one can be raised with a reason.
+#[allow(clippy::absurd_extreme_comparisons)]
 async fn check_allocations<A: TypedActor<Message = u64, Reply = u64>>() {
     let runtime = Runtime::builder()
         .register_typed::<A>(
