@@ -84,7 +84,7 @@ impl SavedAgent {
             (b",\"external_open\":", boxes.external_open),
         ] {
             out.extend_from_slice(prefix);
-            push_decimal(&mut out, value);
+            out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
         }
         out.extend_from_slice(b"}}");
         out
@@ -173,22 +173,6 @@ impl AgentState {
 /// Room for an encoded [`SavedAgent`] with nine 20-digit counters, in bytes (the
 /// field names and punctuation take 131).
 const SAVED_AGENT_JSON_CAPACITY_BYTES: usize = 320;
-
-/// Appends `value` in decimal, as JSON writes it.
-fn push_decimal(out: &mut Vec<u8>, value: u64) {
-    let mut digits = [0_u8; LOG_SEQ_DIGITS];
-    let mut start = LOG_SEQ_DIGITS;
-    let mut rest = value;
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[start..]);
-}
 
 /// The key of entry `seq` of the conversation log.
 pub(crate) fn log_key(seq: u64) -> String {
