@@ -47,8 +47,97 @@ pub(crate) struct TurnHome {
     pub(crate) handle: RuntimeHandle,
 }
 
-/// A turn's buffered writes, by key: `None` is a deletion.
-type Writes = BTreeMap<String, Option<Bytes>>;
+/// The most distinct keys a turn's writes keep in a sorted vector before they move to
+/// a map (keys). A turn writes a handful of keys, a log's in rising order: each is then
+/// a push at the vector's end, and the commit takes the vector as it is. Past this
+/// many, an insertion in the middle would shift too much, so a map takes over.
+const WRITES_IN_ORDER_MAX: usize = 32;
+
+/// The room a turn's first write makes for its writes (keys): an agent's turn writes
+/// about five.
+const WRITES_FIRST_ROOM: usize = 8;
+
+/// A turn's buffered writes, by key, in key order: `None` is a deletion.
+enum Writes {
+    /// At most [`WRITES_IN_ORDER_MAX`] keys, sorted, each once.
+    InOrder(Vec<(String, Option<Bytes>)>),
+    Map(BTreeMap<String, Option<Bytes>>),
+}
+
+impl Default for Writes {
+    fn default() -> Self {
+        Self::InOrder(Vec::with_capacity(WRITES_FIRST_ROOM))
+    }
+}
+
+impl Writes {
+    fn len(&self) -> usize {
+        match self {
+            Self::InOrder(writes) => writes.len(),
+            Self::Map(writes) => writes.len(),
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<&Option<Bytes>> {
+        match self {
+            Self::InOrder(writes) => writes
+                .binary_search_by(|(written, _)| written.as_str().cmp(key))
+                .ok()
+                .map(|at| &writes[at].1),
+            Self::Map(writes) => writes.get(key),
+        }
+    }
+
+    /// The writes in key order.
+    fn iter(&self) -> impl Iterator<Item = (&String, &Option<Bytes>)> {
+        let (in_order, map) = match self {
+            Self::InOrder(writes) => (Some(writes.iter().map(|(key, value)| (key, value))), None),
+            Self::Map(writes) => (None, Some(writes.iter())),
+        };
+        in_order.into_iter().flatten().chain(map.into_iter().flatten())
+    }
+
+    /// Writes `value` under `key` (again, or for the first time if fewer than
+    /// [`TURN_WRITES_MAX`] keys are written).
+    fn insert(&mut self, key: String, value: Option<Bytes>) -> Result<(), StoreError> {
+        let count = self.len();
+        let too_many = || StoreError::TooManyWrites {
+            count: count + 1,
+            limit: TURN_WRITES_MAX,
+        };
+        match self {
+            Self::InOrder(writes) => {
+                // After the last key (a log's next entry): a push, no search.
+                let at = match writes.last() {
+                    Some((last, _)) if *last < key => Err(writes.len()),
+                    None => Err(0),
+                    Some(_) => writes.binary_search_by(|(written, _)| written.cmp(&key)),
+                };
+                match at {
+                    Ok(at) => writes[at].1 = value,
+                    Err(_) if count >= TURN_WRITES_MAX => return Err(too_many()),
+                    Err(at) if count < WRITES_IN_ORDER_MAX => writes.insert(at, (key, value)),
+                    Err(_) => {
+                        let mut map: BTreeMap<_, _> = std::mem::take(writes).into_iter().collect();
+                        map.insert(key, value);
+                        *self = Self::Map(map);
+                    }
+                }
+            }
+            Self::Map(writes) => match writes.entry(key) {
+                // One search of the map: the entry is there (a write again) or its place is.
+                std::collections::btree_map::Entry::Occupied(mut written) => {
+                    written.insert(value);
+                }
+                std::collections::btree_map::Entry::Vacant(_) if count >= TURN_WRITES_MAX => return Err(too_many()),
+                std::collections::btree_map::Entry::Vacant(place) => {
+                    place.insert(value);
+                }
+            },
+        }
+        Ok(())
+    }
+}
 
 /// A finished turn's buffered writes (none made, if it wrote nothing).
 pub(crate) struct TurnWrites(Option<Box<Writes>>);
@@ -56,8 +145,9 @@ pub(crate) struct TurnWrites(Option<Box<Writes>>);
 impl TurnWrites {
     /// The writes in key order, for the turn's commit.
     pub(crate) fn into_vec(self) -> Vec<(String, Option<Bytes>)> {
-        match self.0 {
-            Some(writes) => writes.into_iter().collect(),
+        match self.0.map(|writes| *writes) {
+            Some(Writes::InOrder(writes)) => writes,
+            Some(Writes::Map(writes)) => writes.into_iter().collect(),
             None => Vec::new(),
         }
     }
@@ -91,7 +181,7 @@ impl Turn {
 
     /// Whether this turn has buffered a write (or deletion) of `key`.
     fn has_buffered(&self, key: &str) -> bool {
-        self.writes.as_ref().is_some_and(|writes| writes.contains_key(key))
+        self.writes.as_ref().is_some_and(|writes| writes.get(key).is_some())
     }
 
     /// The actor running this turn.
@@ -166,24 +256,7 @@ impl Turn {
 
     fn buffer(&mut self, key: String, value: Option<Bytes>) -> Result<(), StoreError> {
         check_key(&key)?;
-        let writes = self.writes.get_or_insert_with(Box::default);
-        let count = writes.len();
-        // One search of the map: the entry is there (a write again) or its place is.
-        match writes.entry(key) {
-            std::collections::btree_map::Entry::Occupied(mut written) => {
-                written.insert(value);
-            }
-            std::collections::btree_map::Entry::Vacant(_) if count >= TURN_WRITES_MAX => {
-                return Err(StoreError::TooManyWrites {
-                    count: count + 1,
-                    limit: TURN_WRITES_MAX,
-                });
-            }
-            std::collections::btree_map::Entry::Vacant(place) => {
-                place.insert(value);
-            }
-        }
-        Ok(())
+        self.writes.get_or_insert_with(Box::default).insert(key, value)
     }
 
     /// The value of `key`: this turn's buffered write if any, else the committed one.
@@ -251,5 +324,53 @@ impl Turn {
             }
         }
         Ok(merged.into_iter().take(limit).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Goal: the buffered writes answer as a map of the same writes does, for reads,
+        /// the in-order walk and the commit's list, across the move from the sorted
+        /// vector to the map. Method: writes and deletions of keys drawn from three
+        /// times `WRITES_IN_ORDER_MAX` keys (so runs cross the move, or stay below it),
+        /// in rising order, falling order or any, checked after each against a
+        /// `BTreeMap`.
+        #[test]
+        fn writes_answer_as_a_map_of_them(
+            ops in proptest::collection::vec((0..3 * WRITES_IN_ORDER_MAX, any::<bool>(), any::<u8>()), 0..120),
+            order in 0..3_u8,
+        ) {
+            let mut ops = ops;
+            match order {
+                0 => ops.sort_by_key(|op| op.0),
+                1 => ops.sort_by_key(|op| std::cmp::Reverse(op.0)),
+                _ => {}
+            }
+            let key = |n: usize| format!("log/{n:03}");
+            let mut writes = Writes::default();
+            let mut model: BTreeMap<String, Option<Bytes>> = BTreeMap::new();
+            for (n, put, byte) in ops {
+                let value = put.then(|| Bytes::from(vec![byte]));
+                writes.insert(key(n), value.clone()).unwrap();
+                model.insert(key(n), value);
+                prop_assert_eq!(writes.len(), model.len());
+                prop_assert!(writes.iter().eq(model.iter()));
+                for probe in 0..3 * WRITES_IN_ORDER_MAX {
+                    prop_assert_eq!(writes.get(&key(probe)), model.get(&key(probe)));
+                }
+                prop_assert_eq!(
+                    matches!(writes, Writes::InOrder(_)),
+                    model.len() <= WRITES_IN_ORDER_MAX,
+                    "the sorted vector holds at most its limit, and the map takes over past it"
+                );
+            }
+            let committed = TurnWrites(Some(Box::new(writes))).into_vec();
+            prop_assert_eq!(committed, model.into_iter().collect::<Vec<_>>());
+        }
     }
 }
