@@ -24,7 +24,7 @@ use crate::control::{CallEdge, Command, Control};
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
 use crate::mailbox::{Delivery, Mailbox};
-use crate::reply_cell::{ReplyReceiver, TryRecvError};
+use crate::reply_cell::ReplyReceiver;
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
 
 thread_local! {
@@ -878,27 +878,23 @@ impl Future for ReplyWait<'_> {
         }
         let answer = this.guard.answer.as_mut().expect("a waiting guard holds its receiver");
         // The reply first, always: a reply that has arrived wins over a timer or a turn
-        // end that fired in the same round. A reply already there is taken without a poll
-        // (`try_recv`: no coop budget, no waker registration); only an empty channel is
-        // polled, which registers the waker and looks again.
-        let waited = match answer.try_recv() {
-            Ok(reply) => Waited::Reply(reply),
-            Err(TryRecvError::Closed) => Waited::Closed,
-            Err(TryRecvError::Empty) => match answer.poll_recv(cx) {
-                Poll::Ready(Ok(reply)) => Waited::Reply(reply),
-                Poll::Ready(Err(())) => Waited::Closed,
-                Poll::Pending => {
-                    let shared = this.guard.shared;
-                    let (turn_end, deadline) = (this.turn_end, this.deadline);
-                    let slow = this.slow.get_or_insert_with(|| {
-                        Box::pin(turn_end_or_deadline(turn_end, shared.clock.instant_of(deadline)))
-                    });
-                    match slow.as_mut().poll(cx) {
-                        Poll::Ready(waited) => waited,
-                        Poll::Pending => return Poll::Pending,
-                    }
+        // end that fired in the same round. A reply already there is taken without
+        // registering anything (and the cell spends no coop budget); only an empty
+        // channel registers the waker and looks again.
+        let waited = match answer.poll_recv(cx) {
+            Poll::Ready(Ok(reply)) => Waited::Reply(reply),
+            Poll::Ready(Err(())) => Waited::Closed,
+            Poll::Pending => {
+                let shared = this.guard.shared;
+                let (turn_end, deadline) = (this.turn_end, this.deadline);
+                let slow = this
+                    .slow
+                    .get_or_insert_with(|| Box::pin(turn_end_or_deadline(turn_end, shared.clock.instant_of(deadline))));
+                match slow.as_mut().poll(cx) {
+                    Poll::Ready(waited) => waited,
+                    Poll::Pending => return Poll::Pending,
                 }
-            },
+            }
         };
         Poll::Ready(this.finish(waited))
     }

@@ -231,19 +231,19 @@ impl ReplyReceiver {
     }
 
     /// The reply, or `Err(())` if the sender went without one; else registers the task
-    /// to be woken when either happens.
+    /// to be woken when either happens. A reply already there is taken without
+    /// registering anything.
     pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Reply, ()>> {
-        match self.try_recv() {
-            Ok(reply) => return Poll::Ready(Ok(reply)),
-            Err(TryRecvError::Closed) => return Poll::Ready(Err(())),
-            Err(TryRecvError::Empty) => {}
+        let ready = |received: Result<Reply, TryRecvError>| match received {
+            Ok(reply) => Some(Ok(reply)),
+            Err(TryRecvError::Closed) => Some(Err(())),
+            Err(TryRecvError::Empty) => None,
+        };
+        if let Some(received) = ready(self.try_recv()) {
+            return Poll::Ready(received);
         }
         self.cell().receiver_waker.register(cx.waker());
-        match self.try_recv() {
-            Ok(reply) => Poll::Ready(Ok(reply)),
-            Err(TryRecvError::Closed) => Poll::Ready(Err(())),
-            Err(TryRecvError::Empty) => Poll::Pending,
-        }
+        ready(self.try_recv()).map_or(Poll::Pending, Poll::Ready)
     }
 
     /// The reply, or `Err(())` if the sender went without one.
