@@ -16,20 +16,18 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
 use troupe::agent::AgentSystem;
 use troupe::core::limits::AGENT_CALL_TIMEOUT_MS_DEFAULT;
 use troupe::core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, Deadline};
-use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
+use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, Turn};
 
 #[path = "support/scripted_agents.rs"]
 mod scripted_agents;
 
 struct Echo;
 
-#[async_trait]
 impl Actor for Echo {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         Ok(payload)
@@ -64,7 +62,7 @@ fn ask_vs_invoke(c: &mut Criterion) {
             let runtime = Runtime::builder()
                 .register(
                     ActorKind::new("echo").unwrap(),
-                    |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+                    |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
                     long_lived(),
                 )
                 .unwrap()

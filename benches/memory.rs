@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorError, KindConfig, Runtime};
+use troupe::runtime::{ActorBox, ActorError, KindConfig, Runtime};
 
 #[path = "support/echo.rs"]
 mod echo;
@@ -138,7 +138,7 @@ async fn many_idle_actors(count: u64) {
     let runtime = Runtime::builder()
         .register(
             ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
             KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
         )
         .unwrap()

@@ -1,7 +1,7 @@
 //! A runtime actor with persisted state: a counter that lives on SQLite (in a temporary
 //! directory), activates on first call, and comes back with its count after the
 //! runtime is shut down and started again on the same file. It uses only `troupe` (and
-//! `tokio`): `troupe::Bytes` and `troupe::async_trait` come from the facade.
+//! `tokio`): `troupe::Bytes` comes from the facade.
 //!
 //! Run it with `cargo run --example counter_actor`. It prints the count after each
 //! visit, then the count read back by a second runtime.
@@ -11,13 +11,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, SqliteStore, Turn};
-use troupe::{async_trait, Bytes};
+use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, SqliteStore, Turn};
+use troupe::Bytes;
 
 /// A counter whose value is saved after every turn.
 struct Counter(u64);
 
-#[async_trait]
 impl Actor for Counter {
     async fn handle(&mut self, _turn: &mut Turn, _payload: Bytes) -> Result<Bytes, ActorError> {
         self.0 += 1;
@@ -36,7 +35,7 @@ fn start(path: &Path) -> Result<Runtime, Box<dyn std::error::Error + Send + Sync
         .store(Arc::new(store))
         .register(
             ActorKind::new("counter")?,
-            |_: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+            |_: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
                 let count = match saved {
                     Some(bytes) => u64::from_le_bytes(
                         bytes[..]
@@ -45,7 +44,7 @@ fn start(path: &Path) -> Result<Runtime, Box<dyn std::error::Error + Send + Sync
                     ),
                     None => 0,
                 };
-                Ok(Box::new(Counter(count)))
+                Ok(ActorBox::new(Counter(count)))
             },
             KindConfig::default(),
         )?

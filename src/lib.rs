@@ -15,9 +15,9 @@ pub use troupe_runtime as runtime;
 /// The byte buffer of actor payloads, replies and snapshots (the `bytes` crate's).
 pub use bytes::Bytes;
 
-/// The attribute for implementing [`runtime::Actor`] and the agent layer's async traits
-/// (the `async-trait` crate's): `#[troupe::async_trait]`. Not for
-/// [`runtime::TypedActor`], whose `handle` is a plain `async fn`.
+/// The attribute for implementing the agent layer's async traits (the `async-trait`
+/// crate's): `#[troupe::async_trait]`. Not for [`runtime::Actor`] or
+/// [`runtime::TypedActor`], whose hooks are plain `async fn`s.
 pub use async_trait::async_trait;
 
 /// Builds a JSON value (the `serde_json` crate's macro), as tool schemas and scripted

@@ -5,10 +5,9 @@
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe::core::{ActorId, ActorKind, Deadline, InvokeError};
-use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeHandle, Turn};
+use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeHandle, Turn};
 
 const KIND: &str = "node";
 
@@ -30,7 +29,6 @@ struct Node {
     captured: Arc<OnceLock<RuntimeHandle>>,
 }
 
-#[async_trait]
 impl Actor for Node {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         self.deadlines.lock().unwrap().push((self.key.clone(), turn.deadline()));
@@ -73,8 +71,8 @@ fn start(results: &Results, deadlines: &Deadlines) -> Runtime {
     let (results, deadlines) = (Arc::clone(results), Arc::clone(deadlines));
     let captured = Arc::new(OnceLock::new());
     let handle_slot = Arc::clone(&captured);
-    let factory = move |id: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-        Ok(Box::new(Node {
+    let factory = move |id: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
+        Ok(ActorBox::new(Node {
             key: id.key().to_string(),
             results: Arc::clone(&results),
             deadlines: Arc::clone(&deadlines),

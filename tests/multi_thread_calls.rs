@@ -11,11 +11,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe::core::{ActorId, ActorKind, CallRefused, InvokeError};
-use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeEvent, RuntimeHandle, RuntimeObserver, Turn};
+use troupe::runtime::{
+    Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeEvent, RuntimeHandle, RuntimeObserver, Turn,
+};
 
 const KIND: &str = "node";
 
@@ -107,7 +108,6 @@ struct Node {
     barrier: Arc<tokio::sync::Barrier>,
 }
 
-#[async_trait]
 impl Actor for Node {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let plan: Plan = serde_json::from_slice(&payload).map_err(|e| ActorError::failed(e.to_string()))?;
@@ -184,11 +184,11 @@ impl Events {
 fn start(log: &Arc<Log>, barrier_parties: usize, events: &Arc<Events>) -> Runtime {
     let log = Arc::clone(log);
     let barrier = Arc::new(tokio::sync::Barrier::new(barrier_parties));
-    let factory = move |id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+    let factory = move |id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
         let count = saved
             .map(|b| u64::from_le_bytes(b[..8].try_into().unwrap()))
             .unwrap_or(0);
-        Ok(Box::new(Node {
+        Ok(ActorBox::new(Node {
             key: id.key().to_string(),
             count,
             log: Arc::clone(&log),

@@ -6,11 +6,12 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe::core::{ActorId, ActorKind, InvokeError};
-use troupe::runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeHandle, Turn, SHUTDOWN_GRACE_MS_DEFAULT};
+use troupe::runtime::{
+    Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeHandle, Turn, SHUTDOWN_GRACE_MS_DEFAULT,
+};
 
 const KIND: &str = "worker";
 
@@ -53,7 +54,6 @@ impl Drop for Worker {
     }
 }
 
-#[async_trait]
 impl Actor for Worker {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         match bincode::deserialize::<Job>(&payload).map_err(|e| ActorError::failed(e.to_string()))? {
@@ -102,11 +102,11 @@ fn count(reply: &Bytes) -> u64 {
 
 fn start(tally: &Arc<Tally>, grace: Duration) -> Runtime {
     let tally = Arc::clone(tally);
-    let factory = move |id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+    let factory = move |id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
         let live = tally.live.fetch_add(1, Ordering::SeqCst) + 1;
         tally.live_max.fetch_max(live, Ordering::SeqCst);
         let count = saved.map(|b| count(&b)).unwrap_or(0);
-        Ok(Box::new(Worker {
+        Ok(ActorBox::new(Worker {
             key: id.key().to_string(),
             count,
             tally: Arc::clone(&tally),
@@ -463,7 +463,6 @@ impl Drop for SlowToDrop {
 }
 
 #[cfg(not(madsim))]
-#[async_trait]
 impl Actor for SlowToDrop {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         Ok(payload)
@@ -481,10 +480,10 @@ impl Actor for SlowToDrop {
 async fn an_instance_is_dropped_before_the_next_activation_builds_its_successor() {
     let tally = Arc::new(Tally::default());
     let counted = Arc::clone(&tally);
-    let factory = move |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+    let factory = move |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
         let live = counted.live.fetch_add(1, Ordering::SeqCst) + 1;
         counted.live_max.fetch_max(live, Ordering::SeqCst);
-        Ok(Box::new(SlowToDrop {
+        Ok(ActorBox::new(SlowToDrop {
             tally: Arc::clone(&counted),
         }))
     };

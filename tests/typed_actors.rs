@@ -6,12 +6,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe::core::{ActorId, ActorKind, CallRefused, InvokeError};
 use troupe::runtime::{
-    Actor, ActorError, ActorRef, ActorRefError, KindConfig, MemoryStore, Runtime, StateStore, Turn, TypedActor,
+    Actor, ActorBox, ActorError, ActorRef, ActorRefError, KindConfig, MemoryStore, Runtime, StateStore, Turn,
+    TypedActor,
 };
 
 const COUNTER: &str = "counter";
@@ -67,7 +67,6 @@ impl TypedActor for Counter {
 /// A plain bytes actor, to check that typed refs refuse it.
 struct Echo;
 
-#[async_trait]
 impl Actor for Echo {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         Ok(payload)
@@ -84,7 +83,7 @@ fn start(store: Arc<MemoryStore>, mailbox: usize) -> Runtime {
         .unwrap()
         .register(
             ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
             KindConfig::default(),
         )
         .unwrap()

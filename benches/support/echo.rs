@@ -3,10 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, Turn};
 
 /// How long an echo actor stays active without a message: longer than any benchmark, so
 /// none is deactivated while it is measured.
@@ -15,7 +14,6 @@ pub(crate) const ECHO_IDLE_TIMEOUT: Duration = Duration::from_secs(3_600);
 /// Answers every message with the message itself; stateless.
 pub(crate) struct Echo;
 
-#[async_trait]
 impl Actor for Echo {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         Ok(payload)
@@ -29,7 +27,7 @@ pub(crate) fn echo_runtime() -> Runtime {
         .store(Arc::new(MemoryStore::new()))
         .register(
             ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
             config,
         )
         .unwrap()

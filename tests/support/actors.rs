@@ -6,11 +6,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorError, KindConfig, RuntimeBuilder, Turn};
+use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, RuntimeBuilder, Turn};
 
 /// What a test asks a counter to do.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -104,7 +103,6 @@ pub struct Counter {
     log: EventLog,
 }
 
-#[async_trait]
 impl Actor for Counter {
     async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         self.log.push(Event::Activated(self.key.clone(), self.count));
@@ -175,12 +173,12 @@ pub fn with_counters(builder: RuntimeBuilder, config: KindConfig, log: &EventLog
     builder
         .register(
             counter_kind(),
-            move |id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+            move |id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
                 let count = match saved {
                     Some(bytes) => bincode::deserialize(&bytes).map_err(|e| ActorError::failed(e.to_string()))?,
                     None => 0,
                 };
-                Ok(Box::new(Counter {
+                Ok(ActorBox::new(Counter {
                     key: id.key().to_string(),
                     count,
                     log: log.clone(),

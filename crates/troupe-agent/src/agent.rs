@@ -28,10 +28,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{truncate_utf8, ActorId};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, Turn};
 
 use crate::inbox::AgentCommand;
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
@@ -57,7 +56,7 @@ pub(crate) struct AgentFactory {
 }
 
 impl ActorFactory for AgentFactory {
-    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<ActorBox, ActorError> {
         self.shared.require_attached(id)?;
         let Some(spec) = self.shared.directory.get(id.key()) else {
             return Err(ActorError::rejected(format!(
@@ -73,7 +72,7 @@ impl ActorFactory for AgentFactory {
             None => None,
         };
         let state = AgentState::new(spec, saved);
-        Ok(Box::new(AgentActor {
+        Ok(ActorBox::new(AgentActor {
             id: id.clone(),
             state,
             shared: Arc::clone(&self.shared),
@@ -111,7 +110,6 @@ impl fmt::Debug for AgentActor {
     }
 }
 
-#[async_trait]
 impl Actor for AgentActor {
     async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         if self.shared.has_listeners() {

@@ -35,12 +35,11 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, Turn};
 
 use crate::agent::{agent_id, AgentActor, AgentShared, Conversation};
 use crate::inbox::{encode_reply, from_json, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry};
@@ -541,13 +540,13 @@ pub(crate) struct ConversationFactory {
 }
 
 impl ActorFactory for ConversationFactory {
-    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<ActorBox, ActorError> {
         self.shared.require_attached(id)?;
         let state = match saved {
             Some(bytes) => from_json(&format!("the state of {id}"), &bytes)?,
             None => ConvState::default(),
         };
-        Ok(Box::new(ConversationActor {
+        Ok(ActorBox::new(ConversationActor {
             id: id.clone(),
             info_json: info_json(&state.info)?,
             state,
@@ -577,7 +576,6 @@ fn wake_failed(error: InvokeError) -> ActorError {
     ActorError::failed(format!("could not schedule a mention delivery: {error}"))
 }
 
-#[async_trait]
 impl Actor for ConversationActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let command: ConvCommand = bincode::deserialize(&payload)

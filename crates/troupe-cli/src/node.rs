@@ -30,7 +30,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -43,7 +42,7 @@ use troupe_agent::{AgentClient, AgentSystem, LlmClient, OrgConfig};
 use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeBuilder, Turn, STATE_SCAN_LIMIT_MAX};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeBuilder, Turn, STATE_SCAN_LIMIT_MAX};
 
 use crate::NodeArgs;
 
@@ -372,7 +371,6 @@ fn message_key(seq: u64) -> String {
     format!("msg/{seq:020}")
 }
 
-#[async_trait]
 impl Actor for Conversation {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let request: ConversationRequest = serde_json::from_slice(&payload)
@@ -464,8 +462,8 @@ pub fn register_log_kind(builder: RuntimeBuilder, kind: &str, node: &str) -> Res
     let kind = ActorKind::new(kind).map_err(|error| NodeError::Kind(error.to_string()))?;
     let builder = builder.register(
         kind,
-        move |_id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-            Ok(Box::new(Conversation::load(node.clone(), saved.as_deref())?))
+        move |_id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+            Ok(ActorBox::new(Conversation::load(node.clone(), saved.as_deref())?))
         },
         KindConfig::default(),
     );

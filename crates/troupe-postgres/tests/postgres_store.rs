@@ -29,8 +29,8 @@ use troupe_runtime::conformance::{
     strings, writes_commit,
 };
 use troupe_runtime::{
-    Actor, ActorError, Fence, KindConfig, Runtime, RuntimeHandle, SqliteStore, StateStore, StoreError, StoreOperation,
-    Turn,
+    Actor, ActorBox, ActorError, Fence, KindConfig, Runtime, RuntimeHandle, SqliteStore, StateStore, StoreError,
+    StoreOperation, Turn,
 };
 
 #[path = "support/postgres_server.rs"]
@@ -249,7 +249,6 @@ async fn concurrent_commits_under_one_fence_lose_no_write() {
 /// A count, saved as text. Commands: `add` (one more), `get`; replies with the count.
 struct Counter(u64);
 
-#[async_trait::async_trait]
 impl Actor for Counter {
     async fn handle(&mut self, _turn: &mut Turn, payload: bytes::Bytes) -> Result<bytes::Bytes, ActorError> {
         match payload.as_ref() {
@@ -270,14 +269,14 @@ fn start_runtime(store: PostgresStore) -> Runtime {
         .store(Arc::new(store))
         .register(
             ActorKind::new("counter").expect("a valid kind"),
-            |_: &ActorId, saved: Option<bytes::Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+            |_: &ActorId, saved: Option<bytes::Bytes>| -> Result<ActorBox, ActorError> {
                 let count = saved.map_or(0, |saved| {
                     std::str::from_utf8(&saved)
                         .expect("a count is text")
                         .parse()
                         .expect("a count is a number")
                 });
-                Ok(Box::new(Counter(count)))
+                Ok(ActorBox::new(Counter(count)))
             },
             KindConfig::default(),
         )

@@ -43,7 +43,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use troupe_core::{ActorId, InvokeError};
 
-use crate::actor::ValueTurn;
+use crate::actor::{BytesTurn, ValueTurn};
 use crate::control::Control;
 use crate::envelope::{Envelope, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
@@ -51,7 +51,7 @@ use crate::mailbox::MailboxReceiver;
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},
-    Actor, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StoreError, Turn, TurnCommit,
+    ActorBox, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StoreError, Turn, TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -99,7 +99,7 @@ struct Live {
     /// The actor's id and the runtime, lent to each turn while it runs (moved into the
     /// `Turn` and back, so a turn costs no reference count) and here between turns.
     home: Option<Arc<TurnHome>>,
-    actor: Box<dyn Actor>,
+    actor: ActorBox,
     /// The last committed snapshot: what the store holds for this actor.
     committed: Option<Bytes>,
     /// The fence this activation claimed; every commit is made under it.
@@ -470,19 +470,16 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
 
 /// A turn's handler: for bytes or for an in-process value.
 enum Handler<'a> {
-    Bytes(BoxedTurn<'a, Bytes>),
+    Bytes(BytesTurn<'a>),
     Value(ValueTurn<'a>),
 }
-
-/// The future of one [`Actor`] handler, as `async_trait` boxes it.
-type BoxedTurn<'a, T> = Pin<Box<dyn Future<Output = Result<T, ActorError>> + Send + 'a>>;
 
 impl Future for Handler<'_> {
     type Output = Result<Payload, ActorError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
         match self.get_mut() {
-            Self::Bytes(future) => future.as_mut().poll(cx).map(|done| done.map(Payload::Bytes)),
+            Self::Bytes(future) => Pin::new(future).poll(cx).map(|done| done.map(Payload::Bytes)),
             Self::Value(future) => Pin::new(future).poll(cx).map(|done| done.map(Payload::Value)),
         }
     }
@@ -571,7 +568,7 @@ type SlowTurn<'a> = Pin<Box<dyn Future<Output = (Raced<Outcome>, TurnEnds)> + Se
 /// decided, or the race to go on with.
 #[inline(always)]
 fn first_poll<'a>(
-    actor: &'a mut Box<dyn Actor>,
+    actor: &'a mut ActorBox,
     turn: &'a mut Turn,
     payload: Payload,
     ends: TurnEnds,

@@ -5,12 +5,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use smallbox::{smallbox, SmallBox};
 use troupe_core::{ActorId, InvokeError};
 
-use crate::handler_slot::InSlot;
+use crate::handler_slot::{HandlerSlot, InSlot, HANDLER_SLOT_KEPT_BYTES_MAX};
 use crate::{StateChange, StoreError, Turn};
 
 /// Why an actor's turn or hook failed.
@@ -106,17 +105,40 @@ impl std::fmt::Debug for AnyValue {
 /// atomically before replying; if the turn fails, times out or the commit fails, the
 /// actor is rebuilt from the last committed snapshot, so the in-memory state never
 /// runs ahead of the stored one.
-#[async_trait]
+///
+/// The hooks are `async fn`s in the trait (no `#[async_trait]` attribute): implement them
+/// with plain `async fn`s. Their futures must be `Send`, since a turn may run on any
+/// worker thread; a future that holds something not `Send` (an `Rc`, a
+/// `std::sync::MutexGuard`) across an `.await` is refused at compile time, at the
+/// `async fn`. A factory hands the actor to the runtime as an [`ActorBox`].
+///
+/// ```
+/// use bytes::Bytes;
+/// use troupe_runtime::{Actor, ActorError, Turn};
+///
+/// struct Echo;
+///
+/// impl Actor for Echo {
+///     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+///         Ok(payload)
+///     }
+/// }
+/// ```
+///
+/// (Before issue 11 it was an `#[async_trait]` trait. Now [`Actor::handle`]'s future
+/// runs in memory the activation reuses from turn to turn: a turn costs no heap
+/// allocation for it.)
 pub trait Actor: Send + 'static {
     /// Runs once after the state is loaded, before the first turn.
     ///
     /// # Errors
     /// An error ends the activation; every queued request fails with it.
-    async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
-        Ok(())
+    fn on_activate(&mut self, _id: &ActorId) -> impl Future<Output = Result<(), ActorError>> + Send {
+        async { Ok(()) }
     }
 
-    /// Handles one request and returns the reply.
+    /// Handles one request and returns the reply. Write it as `async fn handle(&mut
+    /// self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError>`.
     ///
     /// # Errors
     /// [`ActorError`]; the turn's writes and state changes are rolled back.
@@ -124,7 +146,7 @@ pub trait Actor: Send + 'static {
     /// # Cancel safety
     /// The future is dropped when the request's deadline passes; the runtime then
     /// rebuilds the actor from its last committed snapshot.
-    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError>;
+    fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> impl Future<Output = Result<Bytes, ActorError>> + Send;
 
     /// Handles one message passed as a value within this process, by a typed
     /// [`crate::ActorRef`]; returns the reply as a value. Typed actors get it from
@@ -132,10 +154,16 @@ pub trait Actor: Send + 'static {
     ///
     /// # Errors
     /// As [`Actor::handle`]; the default rejects the message.
-    async fn handle_value(&mut self, _turn: &mut Turn, _message: AnyValue) -> Result<AnyValue, ActorError> {
-        Err(ActorError::rejected(
-            "this actor takes bytes only; register it as a TypedActor to send it values",
-        ))
+    fn handle_value(
+        &mut self,
+        _turn: &mut Turn,
+        _message: AnyValue,
+    ) -> impl Future<Output = Result<AnyValue, ActorError>> + Send {
+        async {
+            Err(ActorError::rejected(
+                "this actor takes bytes only; register it as a TypedActor to send it values",
+            ))
+        }
     }
 
     /// Not for implementors: the turn for a message passed as a value, as the runtime
@@ -144,15 +172,15 @@ pub trait Actor: Send + 'static {
     /// per message (see `handler_slot.rs`).
     #[doc(hidden)]
     fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
-        ValueTurn(ValueTurnInner::Boxed(self.handle_value(turn, message)))
+        ValueTurn(ValueTurnInner::Boxed(Box::pin(self.handle_value(turn, message))))
     }
 
     /// Runs once before the actor is deactivated; its snapshot is committed afterwards.
     ///
     /// # Errors
     /// An error is logged; the state of the last successful turn is already committed.
-    async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
-        Ok(())
+    fn on_deactivate(&mut self, _id: &ActorId) -> impl Future<Output = Result<(), ActorError>> + Send {
+        async { Ok(()) }
     }
 
     /// The actor's state as bytes, or `None` for a stateless actor. Called after every
@@ -175,6 +203,120 @@ pub trait Actor: Send + 'static {
     /// As [`Actor::snapshot`].
     fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
         Ok(StateChange::between(committed, self.snapshot()?))
+    }
+}
+
+/// An actor as the runtime holds it: any [`Actor`], its type erased, with the memory its
+/// turns' futures run in. An [`ActorFactory`] returns one: `Ok(ActorBox::new(actor))`.
+///
+/// [`Actor`]'s hooks return futures of the actor's own types, so `dyn Actor` is not a
+/// type; `ActorBox` is the one object the runtime needs instead. It keeps one block for
+/// [`Actor::handle`]'s future for as long as the activation lives, allocated at the
+/// first turn and reused by every later one (see `handler_slot.rs`). The rare hooks
+/// (`on_activate`, `on_deactivate`) are boxed.
+pub struct ActorBox(Box<dyn ErasedActor>);
+
+impl ActorBox {
+    /// Erases `actor`'s type, for the runtime to hold.
+    pub fn new<A: Actor>(actor: A) -> Self {
+        Self(Box::new(Slotted {
+            actor,
+            slot: HandlerSlot::new(),
+        }))
+    }
+
+    pub(crate) fn on_activate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a> {
+        self.0.on_activate(id)
+    }
+
+    pub(crate) fn on_deactivate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a> {
+        self.0.on_deactivate(id)
+    }
+
+    pub(crate) fn handle<'a>(&'a mut self, turn: &'a mut Turn, payload: Bytes) -> BytesTurn<'a> {
+        self.0.handle(turn, payload)
+    }
+
+    pub(crate) fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
+        self.0.handle_value_turn(turn, message)
+    }
+
+    pub(crate) fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
+        self.0.state_change(committed)
+    }
+}
+
+impl std::fmt::Debug for ActorBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActorBox").finish_non_exhaustive()
+    }
+}
+
+/// The future of an activation's hook (`on_activate`, `on_deactivate`): boxed, since
+/// each runs once per activation.
+pub(crate) type HookFuture<'a> = Pin<Box<dyn Future<Output = Result<(), ActorError>> + Send + 'a>>;
+
+/// The future of a turn for bytes: in the activation's reusable slot, or boxed when it is
+/// larger than a slot keeps (`HANDLER_SLOT_KEPT_BYTES_MAX`), which saves moving it twice.
+pub(crate) enum BytesTurn<'a> {
+    InSlot(InSlot<'a, Result<Bytes, ActorError>>),
+    Boxed(Pin<Box<dyn Future<Output = Result<Bytes, ActorError>> + Send + 'a>>),
+}
+
+impl Future for BytesTurn<'_> {
+    type Output = Result<Bytes, ActorError>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            Self::InSlot(future) => Pin::new(future).poll(cx),
+            Self::Boxed(future) => future.as_mut().poll(cx),
+        }
+    }
+}
+
+/// [`Actor`] with its futures' types erased: what [`ActorBox`] holds.
+trait ErasedActor: Send {
+    fn on_activate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a>;
+    fn on_deactivate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a>;
+    fn handle<'a>(&'a mut self, turn: &'a mut Turn, payload: Bytes) -> BytesTurn<'a>;
+    fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a>;
+    fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError>;
+}
+
+/// An actor and the slot its turns' futures run in.
+struct Slotted<A> {
+    actor: A,
+    slot: HandlerSlot,
+}
+
+impl<A: Actor> ErasedActor for Slotted<A> {
+    fn on_activate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a> {
+        Box::pin(self.actor.on_activate(id))
+    }
+
+    fn on_deactivate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a> {
+        Box::pin(self.actor.on_deactivate(id))
+    }
+
+    #[inline]
+    fn handle<'a>(&'a mut self, turn: &'a mut Turn, payload: Bytes) -> BytesTurn<'a> {
+        let future = self.actor.handle(turn, payload);
+        if std::mem::size_of_val(&future) > HANDLER_SLOT_KEPT_BYTES_MAX {
+            BytesTurn::Boxed(Box::pin(future))
+        } else {
+            BytesTurn::InSlot(self.slot.place(future))
+        }
+    }
+
+    #[inline]
+    fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
+        self.actor.handle_value_turn(turn, message)
+    }
+
+    #[inline]
+    fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
+        self.actor.state_change(committed)
     }
 }
 
@@ -227,14 +369,14 @@ pub trait ActorFactory: Send + Sync + 'static {
     /// # Errors
     /// [`ActorError`] if the snapshot cannot be decoded; the activation fails and the
     /// caller sees the error: the actor never starts from a default state by accident.
-    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError>;
+    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<ActorBox, ActorError>;
 }
 
 impl<F> ActorFactory for F
 where
-    F: Fn(&ActorId, Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> + Send + Sync + 'static,
+    F: Fn(&ActorId, Option<Bytes>) -> Result<ActorBox, ActorError> + Send + Sync + 'static,
 {
-    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<ActorBox, ActorError> {
         self(id, saved)
     }
 }

@@ -22,14 +22,23 @@ pub(crate) enum Payload {
 
 impl Payload {
     /// The bytes of a reply to a bytes request.
+    #[inline]
     pub(crate) fn into_bytes(self, target: &ActorId) -> Result<Bytes, InvokeError> {
         match self {
             Self::Bytes(bytes) => Ok(bytes),
-            Self::Value(_) => Err(InvokeError::ActorFailed {
-                target: target.clone(),
-                cause: "the actor replied with an in-process value to a request made as bytes".to_string(),
-            }),
+            Self::Value(_) => Err(value_for_bytes(target)),
         }
+    }
+}
+
+/// The error for a reply made as a value to a request made as bytes: out of line, so that
+/// the common case inlines into each caller's wait.
+#[cold]
+#[inline(never)]
+fn value_for_bytes(target: &ActorId) -> InvokeError {
+    InvokeError::ActorFailed {
+        target: target.clone(),
+        cause: "the actor replied with an in-process value to a request made as bytes".to_string(),
     }
 }
 

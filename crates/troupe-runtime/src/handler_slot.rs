@@ -1,12 +1,13 @@
-//! A typed actor's handler future without a heap allocation per turn: one block of
-//! memory per activation, reused by every turn whose future has the same layout (all
-//! of a typed actor's turns do: the future is always the same type).
+//! An actor's handler future without a heap allocation per turn: one block of memory
+//! per activation, reused by every turn whose future has the same layout (all of an
+//! actor's turns do: `Actor::handle`'s future, or a typed actor's, is always the same
+//! type). A block larger than `HANDLER_SLOT_KEPT_BYTES_MAX` is freed when its turn ends.
 //!
 //! ```text
 //! turn 1: HandlerSlot::place(future) ─► allocates the block, moves the future in ─► InSlot
 //! InSlot polled where it lies (the block never moves while a future lives in it)
 //! InSlot dropped ─► the future is dropped in place; the block stays for turn 2
-//! activation ends ─► the slot (inside the typed adapter) frees the block
+//! activation ends ─► the slot (in the `ActorBox`, or the typed adapter) frees the block
 //! ```
 //!
 //! Why not a `Box` per turn: a boxed future is a `malloc` and a `free` per message,
@@ -37,6 +38,12 @@ use std::future::Future;
 use std::pin::Pin;
 use std::ptr::NonNull;
 use std::task::{Context, Poll};
+
+/// Bytes of the largest handler future whose block a slot keeps for the next turn. A
+/// larger future's block is freed when its turn ends: an idle activation holds at most
+/// this much for its handler, and a turn that large (an agent's: model steps, tool
+/// calls) costs far more than the `malloc` and `free` it then pays.
+pub(crate) const HANDLER_SLOT_KEPT_BYTES_MAX: usize = 1024;
 
 /// Memory for one handler future at a time, reused from turn to turn.
 pub(crate) struct HandlerSlot {
@@ -98,10 +105,7 @@ impl HandlerSlot {
         unsafe { at.as_ptr().write(future) };
         self.occupied = true;
         let future: NonNull<dyn Future<Output = F::Output> + Send + 'a> = at;
-        InSlot {
-            future,
-            occupied: &mut self.occupied,
-        }
+        InSlot { future, slot: self }
     }
 
     /// Frees the block, if it is allocated and free.
@@ -131,10 +135,13 @@ impl Default for HandlerSlot {
 /// A future living in a [`HandlerSlot`]'s block: polled in place, dropped in place.
 pub(crate) struct InSlot<'a, T> {
     future: NonNull<dyn Future<Output = T> + Send + 'a>,
-    occupied: &'a mut bool,
+    /// The slot whose block holds the future (not the block itself: the future is
+    /// reached through `future` only).
+    slot: &'a mut HandlerSlot,
 }
 
-// SAFETY: it owns a `Send` future (`place` takes only those) and borrows the slot's flag.
+// SAFETY: it owns a `Send` future (`place` takes only those) and borrows the slot, which
+// is `Send`.
 unsafe impl<T> Send for InSlot<'_, T> {}
 
 impl<T> Future for InSlot<'_, T> {
@@ -152,7 +159,10 @@ impl<T> Drop for InSlot<'_, T> {
     fn drop(&mut self) {
         // SAFETY: the future was written by `place` and is dropped only here, once.
         unsafe { self.future.as_ptr().drop_in_place() };
-        *self.occupied = false;
+        self.slot.occupied = false;
+        if self.slot.layout.size() > HANDLER_SLOT_KEPT_BYTES_MAX {
+            self.slot.free();
+        }
     }
 }
 
@@ -223,6 +233,32 @@ mod tests {
         assert_eq!(slot.place(async {}).await, (), "a zero-sized future needs none");
         assert_eq!(slot.place(counted(3, &drops)).await, 3);
         assert_eq!(drops.load(Ordering::Relaxed), 7);
+    }
+
+    /// Goal: a future larger than `HANDLER_SLOT_KEPT_BYTES_MAX` runs in a block that is
+    /// freed when it ends (finished or dropped), so an idle activation does not hold it;
+    /// one of exactly that size keeps its block for the next turn.
+    #[tokio::test]
+    async fn a_large_future_block_is_freed_when_its_turn_ends() {
+        let mut slot = HandlerSlot::new();
+        let large = [7_u8; HANDLER_SLOT_KEPT_BYTES_MAX + 1];
+        let sum = slot
+            .place(async move { large.iter().map(|&b| u64::from(b)).sum::<u64>() })
+            .await;
+        assert_eq!(sum, 7 * (HANDLER_SLOT_KEPT_BYTES_MAX as u64 + 1));
+        assert!(slot.block.is_none(), "a large future's block was kept");
+        drop(slot.place(async move { large.len() }));
+        assert!(slot.block.is_none(), "a dropped large future's block was kept");
+
+        // `Ready` holds an `Option` of its value: a one-byte tag beside the array.
+        type AtTheLimit = std::future::Ready<[u8; HANDLER_SLOT_KEPT_BYTES_MAX - 1]>;
+        assert_eq!(std::mem::size_of::<AtTheLimit>(), HANDLER_SLOT_KEPT_BYTES_MAX);
+        let placed: AtTheLimit = std::future::ready([1_u8; HANDLER_SLOT_KEPT_BYTES_MAX - 1]);
+        assert_eq!(slot.place(placed).await[0], 1);
+        assert_eq!(
+            (slot.block.is_some(), slot.layout.size()),
+            (true, HANDLER_SLOT_KEPT_BYTES_MAX)
+        );
     }
 
     /// Goal: a leaked `InSlot` keeps its block (its future never dropped, its memory

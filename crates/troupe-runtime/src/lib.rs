@@ -46,7 +46,7 @@ mod turn;
 mod typed;
 mod wait_for_graph;
 
-pub use actor::{Actor, ActorError, ActorFactory, AnyValue, ANY_VALUE_INLINE_BYTES};
+pub use actor::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, ANY_VALUE_INLINE_BYTES};
 pub use caller::{Admitted, Caller};
 pub use clock::Clock;
 pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle, WeakRuntimeHandle};

@@ -304,21 +304,20 @@ impl RuntimeBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Actor, ActorError, Turn};
+    use crate::{Actor, ActorBox, ActorError, Turn};
     use bytes::Bytes;
     use troupe_core::ActorId;
 
     struct Quiet;
 
-    #[async_trait::async_trait]
     impl Actor for Quiet {
         async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
             Ok(payload)
         }
     }
 
-    fn quiet(_: &ActorId, _: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
-        Ok(Box::new(Quiet))
+    fn quiet(_: &ActorId, _: Option<Bytes>) -> Result<ActorBox, ActorError> {
+        Ok(ActorBox::new(Quiet))
     }
 
     #[test]

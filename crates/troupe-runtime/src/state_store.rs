@@ -63,6 +63,7 @@ pub enum StateChange {
 impl StateChange {
     /// The change that turns the committed snapshot `before` into `after`: `Unchanged`
     /// if they are equal, else `Set` or, for `after == None`, `Deleted`.
+    #[inline]
     pub fn between(before: Option<&Bytes>, after: Option<Bytes>) -> Self {
         let unchanged = match (before, after.as_ref()) {
             (None, None) => true,

@@ -28,7 +28,6 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -39,7 +38,7 @@ use crate::actor::ValueTurn;
 use crate::envelope::{EnvelopeContext, Payload};
 use crate::handle::{RouteCache, Told as Handed, IN_TURN};
 use crate::handler_slot::HandlerSlot;
-use crate::{Actor, ActorError, AnyValue, RuntimeHandle, StateChange, Turn};
+use crate::{Actor, ActorBox, ActorError, AnyValue, RuntimeHandle, StateChange, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
 ///
@@ -115,7 +114,6 @@ fn encode<T: Serialize>(value: &T, what: &str) -> Result<Bytes, ActorError> {
         .map_err(|error| ActorError::failed(format!("cannot encode the {what}: {error}")))
 }
 
-#[async_trait]
 impl<A: TypedActor> Actor for TypedAdapter<A> {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let message: A::Message = bincode::deserialize(&payload).map_err(|error| {
@@ -214,8 +212,8 @@ struct Unread;
 
 /// Builds the [`Actor`] for a typed kind: from `Default`, or from its saved encoding.
 pub(crate) fn typed_factory<A: TypedActor>(
-) -> impl Fn(&ActorId, Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> + Send + Sync + 'static {
-    |id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+) -> impl Fn(&ActorId, Option<Bytes>) -> Result<ActorBox, ActorError> + Send + Sync + 'static {
+    |id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
         let actor = match saved {
             None => A::default(),
             Some(bytes) => bincode::deserialize(&bytes).map_err(|error| {
@@ -225,7 +223,7 @@ pub(crate) fn typed_factory<A: TypedActor>(
                 ))
             })?,
         };
-        Ok(Box::new(TypedAdapter::new(actor)))
+        Ok(ActorBox::new(TypedAdapter::new(actor)))
     }
 }
 

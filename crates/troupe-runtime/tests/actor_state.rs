@@ -13,12 +13,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_runtime::{
-    Actor, ActorError, Fence, KindConfig, MemoryStore, Runtime, RuntimeHandle, SqliteStore, StateChange, StateStore,
-    StoreError, StoreOperation, Turn, TurnCommit, STATE_SCAN_LIMIT_MAX, TURN_WRITES_MAX,
+    Actor, ActorBox, ActorError, Fence, KindConfig, MemoryStore, Runtime, RuntimeHandle, SqliteStore, StateChange,
+    StateStore, StoreError, StoreOperation, Turn, TurnCommit, STATE_SCAN_LIMIT_MAX, TURN_WRITES_MAX,
 };
 
 const IDLE: Duration = Duration::from_millis(500);
@@ -53,7 +52,6 @@ impl Counter {
     }
 }
 
-#[async_trait]
 impl Actor for Counter {
     async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         // Here, not in the factory: the factory also rebuilds the actor after a failed turn.
@@ -98,7 +96,6 @@ fn decode_count(saved: Option<&Bytes>) -> Option<u64> {
 /// replies with the keys found, one per line.
 struct Scanner;
 
-#[async_trait]
 impl Actor for Scanner {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let payload = std::str::from_utf8(&payload).expect("a scan request is text");
@@ -129,8 +126,8 @@ fn start(store: Arc<dyn StateStore>, config: KindConfig, activations: &Activatio
         .store(store)
         .register(
             ActorKind::new("counter").unwrap(),
-            move |_: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-                Ok(Box::new(Counter {
+            move |_: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Counter {
                     count: decode_count(saved.as_ref()),
                     clear_on_deactivate: false,
                     activations: log.clone(),
@@ -141,7 +138,7 @@ fn start(store: Arc<dyn StateStore>, config: KindConfig, activations: &Activatio
         .unwrap()
         .register(
             ActorKind::new("scanner").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Scanner)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Scanner)) },
             KindConfig::default(),
         )
         .unwrap()

@@ -7,10 +7,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, Turn};
 
 const KIND: &str = "node";
 
@@ -29,7 +28,6 @@ struct Node {
     outcomes: Outcomes,
 }
 
-#[async_trait]
 impl Actor for Node {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let text = String::from_utf8(payload.to_vec()).unwrap();
@@ -81,8 +79,8 @@ impl Actor for Node {
 
 fn start(seen: &Seen, outcomes: &Outcomes) -> Runtime {
     let (seen, outcomes) = (Arc::clone(seen), Arc::clone(outcomes));
-    let factory = move |id: &ActorId, _saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-        Ok(Box::new(Node {
+    let factory = move |id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+        Ok(ActorBox::new(Node {
             key: id.key().to_string(),
             seen: Arc::clone(&seen),
             outcomes: Arc::clone(&outcomes),

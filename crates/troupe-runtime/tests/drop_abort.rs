@@ -10,11 +10,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::Notify;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, StateStore, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, StateStore, Turn};
 
 /// The key the turn writes.
 const KEY: &str = "written";
@@ -27,7 +26,6 @@ struct Gated {
     go: Arc<Notify>,
 }
 
-#[async_trait]
 impl Actor for Gated {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         self.started.notify_one();
@@ -48,8 +46,8 @@ async fn release_the_turn_and_drop_the_runtime() -> (Result<Bytes, InvokeError>,
         .store(store.clone())
         .register(
             ActorKind::new("gated").unwrap(),
-            move |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-                Ok(Box::new(Gated {
+            move |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Gated {
                     started: Arc::clone(&for_actor),
                     go: Arc::clone(&go_for_actor),
                 }))

@@ -7,14 +7,12 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime};
 
 struct Echo;
 
-#[async_trait]
 impl Actor for Echo {
     async fn handle(&mut self, _turn: &mut troupe_runtime::Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         Ok(payload)
@@ -25,7 +23,7 @@ fn start(idle_timeout: Duration) -> Runtime {
     Runtime::builder()
         .register(
             ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Echo)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
             KindConfig::default().with_idle_timeout(idle_timeout),
         )
         .unwrap()

@@ -10,10 +10,9 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime};
 
 /// How long `on_activate` takes (ms): long enough for the whole burst to be queued.
 const ACTIVATE_DELAY_MS: u64 = 20;
@@ -28,7 +27,6 @@ const DEACTIVATION_WAIT_MS: u64 = 5_000;
 
 struct SlowStart;
 
-#[async_trait]
 impl Actor for SlowStart {
     async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         tokio::time::sleep(Duration::from_millis(ACTIVATE_DELAY_MS)).await;
@@ -44,7 +42,7 @@ async fn burst_then_idle() {
     let runtime = Runtime::builder()
         .register(
             ActorKind::new("slow").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(SlowStart)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(SlowStart)) },
             KindConfig::default()
                 .with_idle_timeout(Duration::from_millis(IDLE_TIMEOUT_MS))
                 .with_mailbox_capacity(MAILBOX),

@@ -11,7 +11,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, TellRoute, Turn, TurnCall, TurnCallRouter, WaitEdge};
+use troupe_runtime::{
+    Actor, ActorBox, ActorError, KindConfig, Runtime, TellRoute, Turn, TurnCall, TurnCallRouter, WaitEdge,
+};
 
 fn actor(key: &str) -> ActorId {
     ActorId::new("relay", key).expect("an actor id")
@@ -21,7 +23,6 @@ fn actor(key: &str) -> ActorId {
 /// `tell:<key>:<rest>` tells `<key>` the payload `<rest>` instead and answers "told".
 struct Relay;
 
-#[async_trait]
 impl Actor for Relay {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let text = String::from_utf8(payload.to_vec()).expect("text");
@@ -48,7 +49,7 @@ fn runtime() -> Runtime {
     Runtime::builder()
         .register(
             ActorKind::new("relay").expect("a kind"),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Relay)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Relay)) },
             KindConfig::default(),
         )
         .expect("register")
@@ -230,7 +231,6 @@ impl troupe_runtime::RootCallRouter for LocalRootRouter {
 /// Sends its payload to `relay:<payload>` as an independent root request from its turn.
 struct Detacher;
 
-#[async_trait]
 impl Actor for Detacher {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let key = String::from_utf8(payload.to_vec()).expect("text");
@@ -249,13 +249,13 @@ async fn a_root_router_receives_routed_root_requests_and_invoke_as_root() {
     let runtime = Runtime::builder()
         .register(
             ActorKind::new("relay").expect("a kind"),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Relay)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Relay)) },
             KindConfig::default(),
         )
         .expect("register")
         .register(
             ActorKind::new("detacher").expect("a kind"),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Detacher)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Detacher)) },
             KindConfig::default(),
         )
         .expect("register")

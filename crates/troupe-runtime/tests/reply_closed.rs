@@ -9,10 +9,9 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, Turn};
 
 /// How many times an echo is sent before the test gives up on the actor coming back
 /// (attempts).
@@ -21,7 +20,6 @@ const ECHO_ATTEMPTS_MAX: u32 = 100;
 /// Panics in its first poll on `now`, after a sleep on `later`; echoes anything else.
 struct Crashy;
 
-#[async_trait]
 impl Actor for Crashy {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         match &payload[..] {
@@ -39,7 +37,7 @@ fn start() -> Runtime {
     Runtime::builder()
         .register(
             ActorKind::new("crashy").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Crashy)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Crashy)) },
             KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
         )
         .unwrap()

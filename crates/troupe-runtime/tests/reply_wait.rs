@@ -9,16 +9,16 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, Runtime, RuntimeEvent, RuntimeObserver, Turn, TypedActor};
+use troupe_runtime::{
+    Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeEvent, RuntimeObserver, Turn, TypedActor,
+};
 
 /// Replies with the payload after sleeping the number of milliseconds it spells (none
 /// for an empty or non-numeric payload).
 struct Sleepy;
 
-#[async_trait]
 impl Actor for Sleepy {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         if let Ok(ms) = std::str::from_utf8(&payload).unwrap_or("").parse::<u64>() {
@@ -57,7 +57,7 @@ fn start(events: Arc<Events>) -> Runtime {
         .observer(events)
         .register(
             ActorKind::new("sleepy").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Sleepy)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Sleepy)) },
             config,
         )
         .unwrap()

@@ -29,13 +29,12 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use troupe_core::{ActorId, ActorKind, CallContext, InvokeError, TraceId};
-use troupe_runtime::{Actor, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, Turn};
 
 // ---------------------------------------------------------------------------------------
 // The probe actor
@@ -85,7 +84,6 @@ struct ProbeActor {
     turns: Turns,
 }
 
-#[async_trait]
 impl Actor for ProbeActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let probe: Probe = bincode::deserialize(&payload).map_err(|error| ActorError::failed(error.to_string()))?;
@@ -148,8 +146,8 @@ fn probe_runtime() -> Runtime {
     Runtime::builder()
         .register(
             ActorKind::new(PROBE_KIND).unwrap(),
-            move |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-                Ok(Box::new(ProbeActor {
+            move |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(ProbeActor {
                     turns: Arc::clone(&turns),
                 }))
             },

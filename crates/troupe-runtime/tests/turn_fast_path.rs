@@ -13,11 +13,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::Notify;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, StateStore, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, StateStore, Turn};
 
 /// Longer than any test: no actor is deactivated while one runs.
 const IDLE: Duration = Duration::from_secs(3_600);
@@ -41,7 +40,6 @@ struct Counter {
     probe: Arc<Probe>,
 }
 
-#[async_trait]
 impl Actor for Counter {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         self.probe.handler_starts.fetch_add(1, Ordering::SeqCst);
@@ -76,8 +74,8 @@ fn start(store: Arc<MemoryStore>, probe: &Arc<Probe>) -> Runtime {
         .store(store)
         .register(
             ActorKind::new("counter").unwrap(),
-            move |_: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-                Ok(Box::new(Counter {
+            move |_: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Counter {
                     count: decode(saved.as_ref()),
                     probe: Arc::clone(&probe),
                 }))

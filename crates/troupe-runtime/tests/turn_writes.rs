@@ -8,10 +8,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, MemoryStore, Runtime, StoreError, Turn, TURN_WRITES_MAX};
+use troupe_runtime::{
+    Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, StoreError, Turn, TURN_WRITES_MAX,
+};
 
 struct Writer;
 
@@ -23,7 +24,6 @@ fn value(index: usize) -> Bytes {
     Bytes::from(index.to_string())
 }
 
-#[async_trait]
 impl Actor for Writer {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let failed = |what: &str| ActorError::failed(what.to_string());
@@ -76,7 +76,7 @@ async fn writes_are_buffered_capped_and_committed() {
         .store(store.clone())
         .register(
             ActorKind::new("writer").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> { Ok(Box::new(Writer)) },
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Writer)) },
             KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
         )
         .unwrap()

@@ -17,11 +17,10 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallAdmitted, CallContext, CallRefused, Deadline};
-use troupe_runtime::{Actor, ActorError, ActorFactory, Admitted, Clock, TransportClient, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, Admitted, Clock, TransportClient, Turn};
 
 use crate::trace::{Event, Trace};
 
@@ -330,12 +329,12 @@ impl ProbeFactory {
 }
 
 impl ActorFactory for ProbeFactory {
-    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<Box<dyn Actor>, ActorError> {
+    fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<ActorBox, ActorError> {
         let state = match saved {
             Some(bytes) => bincode::deserialize(&bytes).map_err(|error| ActorError::failed(error.to_string()))?,
             None => ProbeState::default(),
         };
-        Ok(Box::new(Probe {
+        Ok(ActorBox::new(Probe {
             name: id.to_string(),
             state,
             config: self.config.clone(),
@@ -609,7 +608,6 @@ impl Probe {
     }
 }
 
-#[async_trait]
 impl Actor for Probe {
     async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         self.config.trace.record(Event::Activated {

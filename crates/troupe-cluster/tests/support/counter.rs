@@ -13,8 +13,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind};
 use troupe_runtime::{
-    Actor, ActorError, Claimed, Fence, FencedClaim, KindConfig, RuntimeBuilder, StateChange, StateStore, StoreError,
-    Turn, TurnCommit,
+    Actor, ActorBox, ActorError, Claimed, Fence, FencedClaim, KindConfig, RuntimeBuilder, StateChange, StateStore,
+    StoreError, Turn, TurnCommit,
 };
 
 /// How long a counter sleeps in a turn for `slow@<its node>` before counting, in ms.
@@ -26,7 +26,6 @@ struct Counter {
     count: u64,
 }
 
-#[async_trait]
 impl Actor for Counter {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         // `slow@<node>`: slow only where `<node>` serves it (a rerouted retry is quick).
@@ -48,7 +47,7 @@ pub(crate) fn counter_runtime(node: &str) -> RuntimeBuilder {
     troupe_runtime::Runtime::builder()
         .register(
             ActorKind::new("counter").expect("a kind name"),
-            move |_id: &ActorId, saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
+            move |_id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
                 let count = match saved {
                     None => 0,
                     Some(bytes) => std::str::from_utf8(&bytes)
@@ -56,7 +55,7 @@ pub(crate) fn counter_runtime(node: &str) -> RuntimeBuilder {
                         .and_then(|text| text.parse().ok())
                         .ok_or_else(|| ActorError::failed("the saved count is not a number"))?,
                 };
-                Ok(Box::new(Counter {
+                Ok(ActorBox::new(Counter {
                     node: node.clone(),
                     count,
                 }))

@@ -15,10 +15,9 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, CallRefused, InvokeError};
-use troupe_runtime::{Actor, ActorError, KindConfig, RuntimeBuilder, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, RuntimeBuilder, Turn};
 
 /// The timeout each hop asks for its call, in milliseconds: longer than any test's
 /// deadline, so the turn's own deadline clips it.
@@ -43,7 +42,6 @@ pub(crate) fn kind_of(error: &InvokeError) -> String {
     }
 }
 
-#[async_trait]
 impl Actor for Hop {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         if payload.as_ref() == b"ping" {
@@ -123,8 +121,8 @@ pub(crate) fn with_hop(builder: RuntimeBuilder, node: &str) -> RuntimeBuilder {
     builder
         .register(
             ActorKind::new("hop").expect("a kind name"),
-            move |_id: &ActorId, _saved: Option<Bytes>| -> Result<Box<dyn Actor>, ActorError> {
-                Ok(Box::new(Hop { node: node.clone() }))
+            move |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Hop { node: node.clone() }))
             },
             KindConfig::default(),
         )
