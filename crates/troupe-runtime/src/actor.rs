@@ -275,6 +275,23 @@ impl Future for BytesTurn<'_> {
     }
 }
 
+/// The turn future that `make` makes, written where it will be polled: into `slot`'s
+/// block, or into a box of its own when it is larger than a slot keeps. (Made by a
+/// closure, not passed in, so that the future's type is known before it exists and it
+/// need not be moved from the stack: an agent's future is kilobytes.)
+#[inline]
+fn placed<'a, F>(slot: &'a mut HandlerSlot, make: impl FnOnce() -> F) -> BytesTurn<'a>
+where
+    F: Future<Output = Result<Bytes, ActorError>> + Send + 'a,
+{
+    if std::mem::size_of::<F>() > HANDLER_SLOT_KEPT_BYTES_MAX {
+        let boxed: Box<F> = Box::write(Box::new_uninit(), make());
+        BytesTurn::Boxed(Box::into_pin(boxed))
+    } else {
+        BytesTurn::InSlot(slot.place_with(make))
+    }
+}
+
 /// [`Actor`] with its futures' types erased: what [`ActorBox`] holds.
 trait ErasedActor: Send {
     fn on_activate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a>;
@@ -301,12 +318,8 @@ impl<A: Actor> ErasedActor for Slotted<A> {
 
     #[inline]
     fn handle<'a>(&'a mut self, turn: &'a mut Turn, payload: Bytes) -> BytesTurn<'a> {
-        let future = self.actor.handle(turn, payload);
-        if std::mem::size_of_val(&future) > HANDLER_SLOT_KEPT_BYTES_MAX {
-            BytesTurn::Boxed(Box::pin(future))
-        } else {
-            BytesTurn::InSlot(self.slot.place(future))
-        }
+        let actor = &mut self.actor;
+        placed(&mut self.slot, move || actor.handle(turn, payload))
     }
 
     #[inline]

@@ -77,6 +77,16 @@ impl HandlerSlot {
     where
         F: Future + Send + 'a,
     {
+        self.place_with(|| future)
+    }
+
+    /// As [`HandlerSlot::place`], with the future made by `make` once its block is
+    /// ready, so that it can be written straight into the block rather than moved there.
+    #[inline]
+    pub(crate) fn place_with<'a, F>(&'a mut self, make: impl FnOnce() -> F) -> InSlot<'a, F::Output>
+    where
+        F: Future + Send + 'a,
+    {
         if self.occupied {
             // A leaked `InSlot`'s future still owns that block: leave it to it.
             self.block = None;
@@ -102,7 +112,7 @@ impl HandlerSlot {
         let at = block.cast::<F>();
         // SAFETY: the block is valid for writes of `layout`, which is `F`'s layout, and
         // holds no live value (not occupied).
-        unsafe { at.as_ptr().write(future) };
+        unsafe { at.as_ptr().write(make()) };
         self.occupied = true;
         let future: NonNull<dyn Future<Output = F::Output> + Send + 'a> = at;
         InSlot { future, slot: self }
