@@ -257,7 +257,8 @@ impl std::fmt::Debug for ActorBox {
 pub(crate) type HookFuture<'a> = Pin<Box<dyn Future<Output = Result<(), ActorError>> + Send + 'a>>;
 
 /// The future of a turn for bytes: in the activation's reusable slot, or boxed when it is
-/// larger than a slot keeps (`HANDLER_SLOT_KEPT_BYTES_MAX`), which saves moving it twice.
+/// larger than a slot keeps (`HANDLER_SLOT_KEPT_BYTES_MAX`), so that an idle activation
+/// does not hold it.
 pub(crate) enum BytesTurn<'a> {
     InSlot(InSlot<'a, Result<Bytes, ActorError>>),
     Boxed(Pin<Box<dyn Future<Output = Result<Bytes, ActorError>> + Send + 'a>>),
