@@ -9,7 +9,7 @@ use bytes::Bytes;
 use smallbox::{smallbox, SmallBox};
 use troupe_core::{ActorId, InvokeError};
 
-use crate::handler_slot::{HandlerSlot, InSlot, HANDLER_SLOT_KEPT_BYTES_MAX};
+use crate::handler_slot::{HandlerSlot, InSlot};
 use crate::{StateChange, StoreError, Turn};
 
 /// Why an actor's turn or hook failed.
@@ -256,42 +256,9 @@ impl std::fmt::Debug for ActorBox {
 /// each runs once per activation.
 pub(crate) type HookFuture<'a> = Pin<Box<dyn Future<Output = Result<(), ActorError>> + Send + 'a>>;
 
-/// The future of a turn for bytes: in the activation's reusable slot, or boxed when it is
-/// larger than a slot keeps (`HANDLER_SLOT_KEPT_BYTES_MAX`), so that an idle activation
-/// does not hold it.
-pub(crate) enum BytesTurn<'a> {
-    InSlot(InSlot<'a, Result<Bytes, ActorError>>),
-    Boxed(Pin<Box<dyn Future<Output = Result<Bytes, ActorError>> + Send + 'a>>),
-}
-
-impl Future for BytesTurn<'_> {
-    type Output = Result<Bytes, ActorError>;
-
-    #[inline]
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.get_mut() {
-            Self::InSlot(future) => Pin::new(future).poll(cx),
-            Self::Boxed(future) => future.as_mut().poll(cx),
-        }
-    }
-}
-
-/// The turn future that `make` makes, written where it will be polled: into `slot`'s
-/// block, or into a box of its own when it is larger than a slot keeps. (Made by a
-/// closure, not passed in, so that the future's type is known before it exists and it
-/// need not be moved from the stack: an agent's future is kilobytes.)
-#[inline]
-fn placed<'a, F>(slot: &'a mut HandlerSlot, make: impl FnOnce() -> F) -> BytesTurn<'a>
-where
-    F: Future<Output = Result<Bytes, ActorError>> + Send + 'a,
-{
-    if std::mem::size_of::<F>() > HANDLER_SLOT_KEPT_BYTES_MAX {
-        let boxed: Box<F> = Box::write(Box::new_uninit(), make());
-        BytesTurn::Boxed(Box::into_pin(boxed))
-    } else {
-        BytesTurn::InSlot(slot.place_with(make))
-    }
-}
+/// The future of a turn for bytes, in the activation's reusable slot (whose block is
+/// freed when the turn ends if it is larger than `HANDLER_SLOT_KEPT_BYTES_MAX`).
+pub(crate) type BytesTurn<'a> = InSlot<'a, Result<Bytes, ActorError>>;
 
 /// [`Actor`] with its futures' types erased: what [`ActorBox`] holds.
 trait ErasedActor: Send {
@@ -317,10 +284,13 @@ impl<A: Actor> ErasedActor for Slotted<A> {
         Box::pin(self.actor.on_deactivate(id))
     }
 
+    /// The future is made by a closure once its block is ready, so it is written where
+    /// it will be polled rather than made on the stack and copied: an agent's future is
+    /// kilobytes.
     #[inline]
     fn handle<'a>(&'a mut self, turn: &'a mut Turn, payload: Bytes) -> BytesTurn<'a> {
         let actor = &mut self.actor;
-        placed(&mut self.slot, move || actor.handle(turn, payload))
+        self.slot.place_with(move || actor.handle(turn, payload))
     }
 
     #[inline]
