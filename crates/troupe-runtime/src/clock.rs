@@ -20,9 +20,9 @@ impl Clock {
     }
 
     /// The current time.
+    #[inline]
     pub fn now(&self) -> Deadline {
-        let elapsed = tokio::time::Instant::now().saturating_duration_since(self.epoch);
-        Deadline::from_micros(u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX))
+        Deadline::since_epoch(tokio::time::Instant::now().saturating_duration_since(self.epoch))
     }
 
     /// The `tokio::time::Instant` of `deadline`, without reading the clock: for timers

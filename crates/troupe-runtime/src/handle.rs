@@ -737,7 +737,6 @@ impl RuntimeHandle {
                 timeout_ms: 0,
             });
         }
-        let timeout_ms = deadline.remaining_ms(now);
         let call = shared.next_call();
         let (reply, answer) = crate::reply_cell::channel();
         let (edge, turn_end) = match caller {
@@ -772,7 +771,7 @@ impl RuntimeHandle {
         let wait = |guard| ReplyWait {
             guard,
             deadline,
-            timeout_ms,
+            sent_at: now,
             turn_end,
             yielded: false,
             slow: None,
@@ -833,8 +832,9 @@ impl RuntimeHandle {
 pub(crate) struct ReplyWait<'a> {
     guard: WaitGuard<'a>,
     deadline: Deadline,
-    /// The time the caller allowed, for its `Timeout` error.
-    timeout_ms: u64,
+    /// When the call was sent: the time the caller allowed, for its `Timeout` error, is
+    /// from here to `deadline` (worked out only for that error, not on every call).
+    sent_at: Deadline,
     /// The calling turn, for a call from a turn: the wait ends when it ends.
     turn_end: Option<&'a CallerInner>,
     /// Whether a poll has already yielded once without a timer.
@@ -914,7 +914,7 @@ impl ReplyWait<'_> {
                     Err(InvokeError::Timeout { target: timed_out, .. }) if timed_out == *target => {
                         Err(InvokeError::Timeout {
                             target: timed_out,
-                            timeout_ms: self.timeout_ms,
+                            timeout_ms: self.deadline.remaining_ms(self.sent_at),
                         })
                     }
                     result => result,
@@ -936,7 +936,7 @@ impl ReplyWait<'_> {
             Waited::TurnEnded => Err(InvokeError::Cancelled { target: target.clone() }),
             Waited::Elapsed => Err(InvokeError::Timeout {
                 target: target.clone(),
-                timeout_ms: self.timeout_ms,
+                timeout_ms: self.deadline.remaining_ms(self.sent_at),
             }),
         }
     }
