@@ -1,0 +1,283 @@
+//! Wall-clock ratios to the raw-tokio floor, measured in pairs: a block of floor
+//! iterations, then a block of Troupe iterations, in the same task, over and over. Each
+//! block takes well under a millisecond, so a pair's two blocks see the same machine;
+//! the ratio of each pair is taken, and the median over the pairs is reported with the
+//! spread between its quartiles.
+//!
+//! Why: `scripts/bench-table` times the floor and Troupe in separate criterion
+//! benchmarks, seconds apart, and on the shared 2-core machine the load moves between
+//! them (its runs spread 12-224 % from 2026-11-27 to 2026-11-29, and it refused to
+//! write the README's table five times). A load that lasts longer than a pair slows both
+//! blocks alike and leaves their ratio alone; only the ratio's own spread is left to read.
+//! The order inside a pair alternates, so neither side always runs first.
+//!
+//! Cases (each on a current_thread runtime and a multi_thread one with 2 workers, in a
+//! spawned task as `benches/runtime.rs` runs them):
+//! - `invoke`: `RuntimeHandle::invoke_within` of an active echo actor, against an mpsc
+//!   send and a oneshot reply;
+//! - `typed ask`: `ActorRef::ask` of an active typed echo actor, the same floor;
+//! - `typed tell`: `TELL_BATCH` `ActorRef::tell`s then one `ask`, against as many
+//!   bounded mpsc sends then one request-reply; reported per message;
+//! - `ractor call!` and `kameo ask`: the same echo on the libraries users would pick
+//!   instead (benches/support/peers.rs), against the invoke's floor, so that they are
+//!   compared with Troupe in the same way.
+//!
+//! Run: `cargo bench --bench paired` (prints a markdown table; `scripts/paired-ratios`
+//! runs it several times and combines the runs).
+
+// A bench measures wall time; the determinism lints are for the library.
+#![allow(clippy::disallowed_methods, missing_docs)]
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use troupe::core::{ActorId, ActorKind};
+use troupe::runtime::{ActorRef, KindConfig, Runtime, RuntimeHandle};
+
+#[path = "support/echo.rs"]
+mod echo;
+#[path = "support/floor.rs"]
+mod floor;
+#[path = "support/peers.rs"]
+mod peers;
+
+use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
+use floor::{spawn_floor_server, Request, TypedEcho};
+
+/// Pairs measured per case, after [`WARM_UP_PAIRS`] that are not.
+const PAIRS: usize = 2_000;
+
+/// Pairs run and discarded first: caches, the allocator and the actors settle.
+const WARM_UP_PAIRS: usize = 200;
+
+/// Round trips per block in the request-reply cases: about 100-500 µs a block here.
+const ROUND_TRIPS_PER_BLOCK: u64 = 200;
+
+/// Batches per block in the tell case (each `TELL_BATCH` tells and an ask).
+const BATCHES_PER_BLOCK: u64 = 8;
+
+/// Messages per batch in the fire-and-forget case (as in `benches/runtime.rs`).
+const TELL_BATCH: u64 = 32;
+
+/// Each request's timeout: longer than any run.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Case {
+    Invoke,
+    TypedAsk,
+    TypedTell,
+    Ractor,
+    Kameo,
+}
+
+impl Case {
+    fn name(self) -> &'static str {
+        match self {
+            Case::Invoke => "invoke (invoke_within)",
+            Case::TypedAsk => "typed ask",
+            Case::TypedTell => "typed tell (per message, batch of 32 + an ask)",
+            Case::Ractor => "ractor call! (a peer library, same floor as invoke)",
+            Case::Kameo => "kameo ask (a peer library, same floor as invoke)",
+        }
+    }
+
+    /// Iterations per block, and operations per iteration (for the per-operation time).
+    fn shape(self) -> (u64, u64) {
+        match self {
+            Case::Invoke | Case::TypedAsk | Case::Ractor | Case::Kameo => (ROUND_TRIPS_PER_BLOCK, 1),
+            Case::TypedTell => (BATCHES_PER_BLOCK, TELL_BATCH + 1),
+        }
+    }
+}
+
+/// What both sides of a case need, made once per runtime.
+#[derive(Clone)]
+struct Targets {
+    floor: mpsc::Sender<Request>,
+    handle: RuntimeHandle,
+    echo: ActorId,
+    typed: ActorRef<TypedEcho>,
+    ractor: ractor::ActorRef<peers::ractor_echo::Message>,
+    kameo: kameo::actor::ActorRef<peers::kameo_echo::Echo>,
+}
+
+async fn floor_block(case: Case, targets: &Targets, iterations: u64) {
+    let round_trip = || async {
+        let (reply, answer) = oneshot::channel();
+        targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+        answer.await.unwrap();
+    };
+    for _ in 0..iterations {
+        if case == Case::TypedTell {
+            for _ in 0..TELL_BATCH {
+                let (reply, _answer) = oneshot::channel();
+                targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+            }
+        }
+        round_trip().await;
+    }
+}
+
+async fn troupe_block(case: Case, targets: &Targets, iterations: u64) {
+    for _ in 0..iterations {
+        match case {
+            Case::Invoke => {
+                targets
+                    .handle
+                    .invoke_within(&targets.echo, Bytes::from_static(b"x"), TIMEOUT)
+                    .await
+                    .unwrap();
+            }
+            Case::TypedAsk => {
+                targets.typed.ask(7, TIMEOUT).await.unwrap();
+            }
+            Case::TypedTell => {
+                for message in 0..TELL_BATCH {
+                    targets.typed.tell(message, TIMEOUT).await.unwrap();
+                }
+                targets.typed.ask(7, TIMEOUT).await.unwrap();
+            }
+            Case::Ractor => {
+                peers::ractor_echo::ask(&targets.ractor, Bytes::from_static(b"x")).await;
+            }
+            Case::Kameo => {
+                peers::kameo_echo::ask(&targets.kameo, Bytes::from_static(b"x")).await;
+            }
+        }
+    }
+}
+
+/// The nanoseconds of one block of each side, floor first.
+async fn pair(case: Case, targets: &Targets, troupe_first: bool) -> (f64, f64) {
+    let (iterations, _) = case.shape();
+    let time_floor = async {
+        let start = Instant::now();
+        floor_block(case, targets, iterations).await;
+        start.elapsed().as_secs_f64() * 1e9
+    };
+    let time_troupe = async {
+        let start = Instant::now();
+        troupe_block(case, targets, iterations).await;
+        start.elapsed().as_secs_f64() * 1e9
+    };
+    if troupe_first {
+        let troupe = time_troupe.await;
+        (time_floor.await, troupe)
+    } else {
+        let floor = time_floor.await;
+        (floor, time_troupe.await)
+    }
+}
+
+/// One case's result: the medians of the per-operation times and of the pairs' ratios,
+/// and the ratio's quartiles.
+struct Measured {
+    floor_ns: f64,
+    troupe_ns: f64,
+    ratio: f64,
+    ratio_q1: f64,
+    ratio_q3: f64,
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let at = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[at]
+}
+
+async fn measure(case: Case, targets: Targets) -> Measured {
+    let (iterations, per) = case.shape();
+    let operations = (iterations * per) as f64;
+    for index in 0..WARM_UP_PAIRS {
+        pair(case, &targets, index % 2 == 1).await;
+    }
+    let mut floors = Vec::with_capacity(PAIRS);
+    let mut troupes = Vec::with_capacity(PAIRS);
+    let mut ratios = Vec::with_capacity(PAIRS);
+    for index in 0..PAIRS {
+        let (floor, troupe) = pair(case, &targets, index % 2 == 1).await;
+        floors.push(floor / operations);
+        troupes.push(troupe / operations);
+        ratios.push(troupe / floor);
+    }
+    for values in [&mut floors, &mut troupes, &mut ratios] {
+        values.sort_by(f64::total_cmp);
+    }
+    Measured {
+        floor_ns: quantile(&floors, 0.5),
+        troupe_ns: quantile(&troupes, 0.5),
+        ratio: quantile(&ratios, 0.5),
+        ratio_q1: quantile(&ratios, 0.25),
+        ratio_q3: quantile(&ratios, 0.75),
+    }
+}
+
+fn runtime(flavor: &str) -> tokio::runtime::Runtime {
+    let mut builder = if flavor == "current_thread" {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder.worker_threads(2);
+        builder
+    };
+    builder.enable_all().build().unwrap()
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter, if any, picks cases by name.
+    let filter: Vec<String> = std::env::args().skip(1).filter(|arg| !arg.starts_with("--")).collect();
+    println!("| case | runtime | floor | library | ratio (median of {PAIRS} pairs) | quartiles |");
+    println!("|---|---|---|---|---|---|");
+    for flavor in ["current_thread", "multi_thread (2 workers)"] {
+        let rt = runtime(flavor);
+        let (echo_runtime, typed_runtime, targets) = rt.block_on(async {
+            let echo_runtime = echo_runtime();
+            let typed_runtime = Runtime::builder()
+                .register_typed::<TypedEcho>(
+                    ActorKind::new("typed").unwrap(),
+                    KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT),
+                )
+                .unwrap()
+                .start();
+            let echo = ActorId::new("echo", "0").unwrap();
+            echo_runtime
+                .handle()
+                .invoke_within(&echo, Bytes::new(), TIMEOUT)
+                .await
+                .unwrap();
+            let typed = typed_runtime
+                .actor_ref::<TypedEcho>(ActorId::new("typed", "0").unwrap())
+                .unwrap();
+            typed.ask(0, TIMEOUT).await.unwrap();
+            let targets = Targets {
+                floor: spawn_floor_server(),
+                handle: echo_runtime.handle(),
+                echo,
+                typed,
+                ractor: peers::ractor_echo::spawn().await,
+                kameo: peers::kameo_echo::spawn(),
+            };
+            (echo_runtime, typed_runtime, targets)
+        });
+        for case in [Case::Invoke, Case::TypedAsk, Case::TypedTell, Case::Ractor, Case::Kameo] {
+            if !filter.is_empty() && !filter.iter().any(|wanted| case.name().contains(wanted.as_str())) {
+                continue;
+            }
+            let targets = targets.clone();
+            // In a spawned task, as a server's request handler would run (see
+            // `time_in_task` in benches/runtime.rs).
+            let measured = rt.block_on(async move { tokio::spawn(measure(case, targets)).await.unwrap() });
+            println!(
+                "| {} | {flavor} | {:.0} ns | {:.0} ns | **{:.2}x** | {:.2}x-{:.2}x |",
+                case.name(),
+                measured.floor_ns,
+                measured.troupe_ns,
+                measured.ratio,
+                measured.ratio_q1,
+                measured.ratio_q3,
+            );
+        }
+        drop((echo_runtime, typed_runtime));
+    }
+}
