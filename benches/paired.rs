@@ -20,7 +20,11 @@
 //!   bounded mpsc sends then one request-reply; reported per message;
 //! - `ractor call!` and `kameo ask`: the same echo on the libraries users would pick
 //!   instead (benches/support/peers.rs), against the invoke's floor, so that they are
-//!   compared with Troupe in the same way.
+//!   compared with Troupe in the same way;
+//! - `cold` (current_thread only): the first invoke of a never-seen actor id (its task
+//!   spawned, its state loaded, its first turn), against spawning the floor's server
+//!   task and its first round trip; both sides keep what they started alive, and the
+//!   ids are made before the clock starts, as in `benches/runtime.rs`.
 //!
 //! Run: `cargo bench --bench paired` (prints a markdown table; `scripts/paired-ratios`
 //! runs it several times and combines the runs).
@@ -45,11 +49,21 @@ mod peers;
 use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
 use floor::{spawn_floor_server, Request, TypedEcho};
 
-/// Pairs measured per case, after [`WARM_UP_PAIRS`] that are not.
+/// Pairs measured per hot case, after [`WARM_UP_PAIRS`] that are not.
 const PAIRS: usize = 2_000;
 
 /// Pairs run and discarded first: caches, the allocator and the actors settle.
 const WARM_UP_PAIRS: usize = 200;
+
+/// Pairs measured in the cold case (each block starts new actors that stay alive, so
+/// fewer: 11,000 actors and as many floor tasks in all).
+const COLD_PAIRS: usize = 500;
+
+/// Cold pairs run and discarded first.
+const COLD_WARM_UP_PAIRS: usize = 50;
+
+/// First messages per block in the cold case.
+const COLD_STARTS_PER_BLOCK: u64 = 20;
 
 /// Round trips per block in the request-reply cases: about 100-500 µs a block here.
 const ROUND_TRIPS_PER_BLOCK: u64 = 200;
@@ -70,6 +84,7 @@ enum Case {
     TypedTell,
     Ractor,
     Kameo,
+    Cold,
 }
 
 impl Case {
@@ -80,6 +95,7 @@ impl Case {
             Case::TypedTell => "typed tell (per message, batch of 32 + an ask)",
             Case::Ractor => "ractor call! (a peer library, same floor as invoke)",
             Case::Kameo => "kameo ask (a peer library, same floor as invoke)",
+            Case::Cold => "cold: first message to a new actor (floor: spawn, task kept alive)",
         }
     }
 
@@ -88,6 +104,15 @@ impl Case {
         match self {
             Case::Invoke | Case::TypedAsk | Case::Ractor | Case::Kameo => (ROUND_TRIPS_PER_BLOCK, 1),
             Case::TypedTell => (BATCHES_PER_BLOCK, TELL_BATCH + 1),
+            Case::Cold => (COLD_STARTS_PER_BLOCK, 1),
+        }
+    }
+
+    /// Pairs discarded, then pairs measured.
+    fn pairs(self) -> (usize, usize) {
+        match self {
+            Case::Cold => (COLD_WARM_UP_PAIRS, COLD_PAIRS),
+            _ => (WARM_UP_PAIRS, PAIRS),
         }
     }
 }
@@ -103,12 +128,26 @@ struct Targets {
     kameo: kameo::actor::ActorRef<peers::kameo_echo::Echo>,
 }
 
-async fn floor_block(case: Case, targets: &Targets, iterations: u64) {
-    let round_trip = || async {
-        let (reply, answer) = oneshot::channel();
-        targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-        answer.await.unwrap();
+/// A block of the floor; in the cold case, the servers it started (kept alive by the
+/// caller, outside the timed block).
+async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc::Sender<Request>> {
+    let round_trip = |sender: &mpsc::Sender<Request>| {
+        let sender = sender.clone();
+        async move {
+            let (reply, answer) = oneshot::channel();
+            sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+            answer.await.unwrap();
+        }
     };
+    if case == Case::Cold {
+        let mut started = Vec::with_capacity(iterations as usize);
+        for _ in 0..iterations {
+            let sender = spawn_floor_server();
+            round_trip(&sender).await;
+            started.push(sender);
+        }
+        return started;
+    }
     for _ in 0..iterations {
         if case == Case::TypedTell {
             for _ in 0..TELL_BATCH {
@@ -116,11 +155,23 @@ async fn floor_block(case: Case, targets: &Targets, iterations: u64) {
                 targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
             }
         }
-        round_trip().await;
+        round_trip(&targets.floor).await;
     }
+    Vec::new()
 }
 
-async fn troupe_block(case: Case, targets: &Targets, iterations: u64) {
+/// A block of the library; in the cold case, the first invoke of each of `new_ids`.
+async fn troupe_block(case: Case, targets: &Targets, iterations: u64, new_ids: &[ActorId]) {
+    if case == Case::Cold {
+        for id in new_ids {
+            targets
+                .handle
+                .invoke_within(id, Bytes::from_static(b"x"), TIMEOUT)
+                .await
+                .unwrap();
+        }
+        return;
+    }
     for _ in 0..iterations {
         match case {
             Case::Invoke => {
@@ -145,30 +196,52 @@ async fn troupe_block(case: Case, targets: &Targets, iterations: u64) {
             Case::Kameo => {
                 peers::kameo_echo::ask(&targets.kameo, Bytes::from_static(b"x")).await;
             }
+            Case::Cold => unreachable!("handled above"),
         }
     }
 }
 
+/// What the cold case keeps between pairs: the next new actor's key, and the floor's
+/// servers, kept alive as activated actors stay alive.
+#[derive(Default)]
+struct Started {
+    next_key: u64,
+    floor_servers: Vec<mpsc::Sender<Request>>,
+}
+
 /// The nanoseconds of one block of each side, floor first.
-async fn pair(case: Case, targets: &Targets, troupe_first: bool) -> (f64, f64) {
+async fn pair(case: Case, targets: &Targets, troupe_first: bool, started: &mut Started) -> (f64, f64) {
     let (iterations, _) = case.shape();
+    // New ids are made before the clock starts: the floor has no ids to make.
+    let new_ids: Vec<ActorId> = if case == Case::Cold {
+        let first = started.next_key;
+        started.next_key += iterations;
+        (first..started.next_key)
+            .map(|key| ActorId::new("echo", format!("cold-{key}")).unwrap())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut servers = Vec::new();
     let time_floor = async {
         let start = Instant::now();
-        floor_block(case, targets, iterations).await;
+        servers = floor_block(case, targets, iterations).await;
         start.elapsed().as_secs_f64() * 1e9
     };
     let time_troupe = async {
         let start = Instant::now();
-        troupe_block(case, targets, iterations).await;
+        troupe_block(case, targets, iterations, &new_ids).await;
         start.elapsed().as_secs_f64() * 1e9
     };
-    if troupe_first {
+    let times = if troupe_first {
         let troupe = time_troupe.await;
         (time_floor.await, troupe)
     } else {
         let floor = time_floor.await;
         (floor, time_troupe.await)
-    }
+    };
+    started.floor_servers.extend(servers);
+    times
 }
 
 /// One case's result: the medians of the per-operation times and of the pairs' ratios,
@@ -189,14 +262,16 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 async fn measure(case: Case, targets: Targets) -> Measured {
     let (iterations, per) = case.shape();
     let operations = (iterations * per) as f64;
-    for index in 0..WARM_UP_PAIRS {
-        pair(case, &targets, index % 2 == 1).await;
+    let (warm_up, pairs) = case.pairs();
+    let mut started = Started::default();
+    for index in 0..warm_up {
+        pair(case, &targets, index % 2 == 1, &mut started).await;
     }
-    let mut floors = Vec::with_capacity(PAIRS);
-    let mut troupes = Vec::with_capacity(PAIRS);
-    let mut ratios = Vec::with_capacity(PAIRS);
-    for index in 0..PAIRS {
-        let (floor, troupe) = pair(case, &targets, index % 2 == 1).await;
+    let mut floors = Vec::with_capacity(pairs);
+    let mut troupes = Vec::with_capacity(pairs);
+    let mut ratios = Vec::with_capacity(pairs);
+    for index in 0..pairs {
+        let (floor, troupe) = pair(case, &targets, index % 2 == 1, &mut started).await;
         floors.push(floor / operations);
         troupes.push(troupe / operations);
         ratios.push(troupe / floor);
@@ -227,7 +302,7 @@ fn runtime(flavor: &str) -> tokio::runtime::Runtime {
 fn main() {
     // `cargo bench` passes `--bench`; a filter, if any, picks cases by name.
     let filter: Vec<String> = std::env::args().skip(1).filter(|arg| !arg.starts_with("--")).collect();
-    println!("| case | runtime | floor | library | ratio (median of {PAIRS} pairs) | quartiles |");
+    println!("| case | runtime | floor | library | ratio (median of the pairs) | quartiles |");
     println!("|---|---|---|---|---|---|");
     for flavor in ["current_thread", "multi_thread (2 workers)"] {
         let rt = runtime(flavor);
@@ -260,7 +335,18 @@ fn main() {
             };
             (echo_runtime, typed_runtime, targets)
         });
-        for case in [Case::Invoke, Case::TypedAsk, Case::TypedTell, Case::Ractor, Case::Kameo] {
+        for case in [
+            Case::Invoke,
+            Case::TypedAsk,
+            Case::TypedTell,
+            Case::Ractor,
+            Case::Kameo,
+            Case::Cold,
+        ] {
+            // The cold case as `benches/runtime.rs` measures it: current_thread only.
+            if case == Case::Cold && flavor != "current_thread" {
+                continue;
+            }
             if !filter.is_empty() && !filter.iter().any(|wanted| case.name().contains(wanted.as_str())) {
                 continue;
             }
