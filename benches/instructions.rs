@@ -34,7 +34,7 @@ use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
 use floor::{spawn_floor_server, TypedEcho};
 
 /// The cases, each with what one iteration is.
-const CASES: [(&str, &str); 8] = [
+const CASES: [(&str, &str); 10] = [
     (
         "invoke-floor",
         "mpsc send + oneshot reply (the raw-tokio floor of an invoke)",
@@ -48,6 +48,14 @@ const CASES: [(&str, &str); 8] = [
     (
         "plain-invoke",
         "invoke of an echo actor through Runtime::invoke (call-agent's floor)",
+    ),
+    (
+        "cold-floor",
+        "spawn the floor's server and make its first round trip, the server kept alive",
+    ),
+    (
+        "cold",
+        "the first invoke of a new actor id (ids made before), the actor kept active",
     ),
 ];
 
@@ -152,6 +160,36 @@ async fn run(case: &str, iterations: u64) {
                 for _ in 0..iterations {
                     let reply = system.ask(agent, "what is 6 x 7?").await.unwrap();
                     assert_eq!(reply.text, "42");
+                }
+            })
+        }
+        "cold-floor" => tokio::spawn(async move {
+            // Kept alive, as an activated actor stays active.
+            let mut servers = Vec::with_capacity(iterations as usize);
+            for _ in 0..iterations {
+                let sender = spawn_floor_server();
+                let (reply, answer) = oneshot::channel();
+                sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+                answer.await.unwrap();
+                servers.push(sender);
+            }
+        }),
+        "cold" => {
+            let runtime = echo_runtime();
+            let handle = runtime.handle();
+            // The ids are made before the loop, but their cost grows with the count, so
+            // the difference of two counts keeps it: two allocations and a few hundred
+            // instructions of each iteration are the bench's, not the runtime's.
+            let ids: Vec<ActorId> = (0..iterations)
+                .map(|key| ActorId::new("echo", key.to_string()).unwrap())
+                .collect();
+            tokio::spawn(async move {
+                let _runtime = runtime;
+                for id in &ids {
+                    handle
+                        .invoke_within(id, Bytes::from_static(b"x"), TIMEOUT)
+                        .await
+                        .unwrap();
                 }
             })
         }
