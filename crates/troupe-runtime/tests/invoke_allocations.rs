@@ -33,16 +33,21 @@ impl Actor for Echo {
     }
 }
 
-#[tokio::test]
-async fn an_invoke_of_an_active_actor_allocates_at_most_its_budget_in_steady_state() {
-    let runtime = Runtime::builder()
+/// A runtime with the kind `echo`, whose actors stay active for the whole test.
+fn echo_runtime() -> Runtime {
+    Runtime::builder()
         .register(
             ActorKind::new("echo").unwrap(),
             |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
             KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
         )
         .unwrap()
-        .start();
+        .start()
+}
+
+#[tokio::test]
+async fn an_invoke_of_an_active_actor_allocates_at_most_its_budget_in_steady_state() {
+    let runtime = echo_runtime();
     let target = ActorId::new("echo", "0").unwrap();
     let timeout = Duration::from_secs(5);
     let payload = Bytes::from_static(b"x");
@@ -82,14 +87,7 @@ const COLD_INVOKES: u64 = 200;
 
 #[tokio::test]
 async fn a_first_invoke_of_a_new_actor_allocates_nothing_for_the_callers_wait() {
-    let runtime = Runtime::builder()
-        .register(
-            ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
-            KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
-        )
-        .unwrap()
-        .start();
+    let runtime = echo_runtime();
     let timeout = Duration::from_secs(5);
     let payload = Bytes::from_static(b"x");
     let ids = |from: u64| -> Vec<ActorId> {
