@@ -31,7 +31,7 @@ mod floor;
 mod scripted_agents;
 
 use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
-use floor::{spawn_floor_server, TypedEcho};
+use floor::{floor_round_trip, spawn_floor_server, TypedEcho};
 
 /// The cases, each with what one iteration is.
 const CASES: [(&str, &str); 10] = [
@@ -168,9 +168,7 @@ async fn run(case: &str, iterations: u64) {
             let mut servers = Vec::with_capacity(iterations as usize);
             for _ in 0..iterations {
                 let sender = spawn_floor_server();
-                let (reply, answer) = oneshot::channel();
-                sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                answer.await.unwrap();
+                floor_round_trip(&sender).await;
                 servers.push(sender);
             }
         }),

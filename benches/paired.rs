@@ -47,7 +47,7 @@ mod floor;
 mod peers;
 
 use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
-use floor::{spawn_floor_server, Request, TypedEcho};
+use floor::{floor_round_trip, spawn_floor_server, Request, TypedEcho};
 
 /// Pairs measured per hot case, after [`WARM_UP_PAIRS`] that are not.
 const PAIRS: usize = 2_000;
@@ -131,19 +131,11 @@ struct Targets {
 /// A block of the floor; in the cold case, the servers it started (kept alive by the
 /// caller, outside the timed block).
 async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc::Sender<Request>> {
-    let round_trip = |sender: &mpsc::Sender<Request>| {
-        let sender = sender.clone();
-        async move {
-            let (reply, answer) = oneshot::channel();
-            sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-            answer.await.unwrap();
-        }
-    };
     if case == Case::Cold {
         let mut started = Vec::with_capacity(iterations as usize);
         for _ in 0..iterations {
             let sender = spawn_floor_server();
-            round_trip(&sender).await;
+            floor_round_trip(&sender).await;
             started.push(sender);
         }
         return started;
@@ -155,7 +147,7 @@ async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc
                 targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
             }
         }
-        round_trip(&targets.floor).await;
+        floor_round_trip(&targets.floor).await;
     }
     Vec::new()
 }

@@ -32,7 +32,7 @@ mod floor;
 mod peers;
 
 use echo::echo_runtime;
-use floor::{spawn_floor_server, Request, TypedEcho};
+use floor::{floor_round_trip, spawn_floor_server, Request, TypedEcho};
 
 fn current_thread() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -228,10 +228,7 @@ fn cold_activation(c: &mut Criterion) {
             rt.block_on(async {
                 let start = Instant::now();
                 for _ in 0..iters {
-                    let sender = spawn_floor_server();
-                    let (reply, answer) = oneshot::channel();
-                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                    answer.await.unwrap();
+                    floor_round_trip(&spawn_floor_server()).await;
                 }
                 start.elapsed()
             })
@@ -245,9 +242,7 @@ fn cold_activation(c: &mut Criterion) {
                 let start = Instant::now();
                 for _ in 0..iters {
                     let sender = spawn_floor_server();
-                    let (reply, answer) = oneshot::channel();
-                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                    answer.await.unwrap();
+                    floor_round_trip(&sender).await;
                     floor_servers.push(sender);
                 }
                 start.elapsed()

@@ -20,6 +20,13 @@ pub(crate) fn spawn_floor_server() -> mpsc::Sender<Request> {
     sender
 }
 
+/// One request-reply round trip to a floor server.
+pub(crate) async fn floor_round_trip(sender: &mpsc::Sender<Request>) {
+    let (reply, answer) = oneshot::channel();
+    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+    answer.await.unwrap();
+}
+
 /// Answers every message with the message itself; stateless.
 #[derive(Default, serde::Serialize, serde::Deserialize)]
 pub(crate) struct TypedEcho;
