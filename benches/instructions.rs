@@ -34,7 +34,7 @@ use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
 use floor::{floor_round_trip, spawn_floor_server, TypedEcho};
 
 /// The cases, each with what one iteration is.
-const CASES: [(&str, &str); 10] = [
+const CASES: [(&str, &str); 11] = [
     (
         "invoke-floor",
         "mpsc send + oneshot reply (the raw-tokio floor of an invoke)",
@@ -43,6 +43,10 @@ const CASES: [(&str, &str); 10] = [
     ("typed-ask", "ActorRef::ask of an active typed echo actor"),
     ("tell-floor", "TELL_BATCH bounded mpsc sends, then one request-reply"),
     ("tell", "TELL_BATCH ActorRef::tell, then one ActorRef::ask"),
+    (
+        "tell-by",
+        "TELL_BATCH ActorRef::tell_by under one deadline, then one ActorRef::ask",
+    ),
     ("agent-step", "an agent that answers in one scripted model step"),
     ("call-agent", "an agent that asks another through call_agent"),
     (
@@ -118,19 +122,25 @@ async fn run(case: &str, iterations: u64) {
                 }
             })
         }
-        "typed-ask" | "tell" => {
+        "typed-ask" | "tell" | "tell-by" => {
             let runtime = typed_runtime();
             let typed = runtime
                 .actor_ref::<TypedEcho>(ActorId::new("typed", "0").unwrap())
                 .unwrap();
             typed.ask(0, TIMEOUT).await.unwrap();
-            let tell = case == "tell";
+            let (tell, tell_by) = (case == "tell", case == "tell-by");
             tokio::spawn(async move {
                 let _runtime = runtime;
                 for _ in 0..iterations {
                     if tell {
                         for message in 0..TELL_BATCH {
                             typed.tell(message, TIMEOUT).await.unwrap();
+                        }
+                    }
+                    if tell_by {
+                        let deadline = typed.deadline_in(TIMEOUT);
+                        for message in 0..TELL_BATCH {
+                            typed.tell_by(message, deadline).await.unwrap();
                         }
                     }
                     typed.ask(7, TIMEOUT).await.unwrap();

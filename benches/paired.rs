@@ -18,6 +18,8 @@
 //! - `typed ask`: `ActorRef::ask` of an active typed echo actor, the same floor;
 //! - `typed tell`: `TELL_BATCH` `ActorRef::tell`s then one `ask`, against as many
 //!   bounded mpsc sends then one request-reply; reported per message;
+//! - `typed tell_by`: the same with `ActorRef::tell_by` under one deadline computed per
+//!   batch (one clock reading for the batch instead of one per message);
 //! - `ractor call!` and `kameo ask`: the same echo on the libraries users would pick
 //!   instead (benches/support/peers.rs), against the invoke's floor, so that they are
 //!   compared with Troupe in the same way;
@@ -82,6 +84,7 @@ enum Case {
     Invoke,
     TypedAsk,
     TypedTell,
+    TypedTellBy,
     Ractor,
     Kameo,
     Cold,
@@ -93,6 +96,7 @@ impl Case {
             Case::Invoke => "invoke (invoke_within)",
             Case::TypedAsk => "typed ask",
             Case::TypedTell => "typed tell (per message, batch of 32 + an ask)",
+            Case::TypedTellBy => "typed tell_by (per message, one deadline per batch of 32 + an ask)",
             Case::Ractor => "ractor call! (a peer library, same floor as invoke)",
             Case::Kameo => "kameo ask (a peer library, same floor as invoke)",
             Case::Cold => "cold: first message to a new actor (floor: spawn, task kept alive)",
@@ -103,7 +107,7 @@ impl Case {
     fn shape(self) -> (u64, u64) {
         match self {
             Case::Invoke | Case::TypedAsk | Case::Ractor | Case::Kameo => (ROUND_TRIPS_PER_BLOCK, 1),
-            Case::TypedTell => (BATCHES_PER_BLOCK, TELL_BATCH + 1),
+            Case::TypedTell | Case::TypedTellBy => (BATCHES_PER_BLOCK, TELL_BATCH + 1),
             Case::Cold => (COLD_STARTS_PER_BLOCK, 1),
         }
     }
@@ -141,7 +145,7 @@ async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc
         return started;
     }
     for _ in 0..iterations {
-        if case == Case::TypedTell {
+        if matches!(case, Case::TypedTell | Case::TypedTellBy) {
             for _ in 0..TELL_BATCH {
                 let (reply, _answer) = oneshot::channel();
                 targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
@@ -179,6 +183,14 @@ async fn troupe_block(case: Case, targets: &Targets, iterations: u64, new_ids: &
             Case::TypedTell => {
                 for message in 0..TELL_BATCH {
                     targets.typed.tell(message, TIMEOUT).await.unwrap();
+                }
+                targets.typed.ask(7, TIMEOUT).await.unwrap();
+            }
+            Case::TypedTellBy => {
+                // One clock reading for the batch.
+                let deadline = targets.typed.deadline_in(TIMEOUT);
+                for message in 0..TELL_BATCH {
+                    targets.typed.tell_by(message, deadline).await.unwrap();
                 }
                 targets.typed.ask(7, TIMEOUT).await.unwrap();
             }
@@ -331,6 +343,7 @@ fn main() {
             Case::Invoke,
             Case::TypedAsk,
             Case::TypedTell,
+            Case::TypedTellBy,
             Case::Ractor,
             Case::Kameo,
             Case::Cold,

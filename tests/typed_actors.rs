@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use troupe::core::{ActorId, ActorKind, CallRefused, InvokeError};
+use troupe::core::{ActorId, ActorKind, CallRefused, Deadline, InvokeError};
 use troupe::runtime::{
     Actor, ActorBox, ActorError, ActorRef, ActorRefError, KindConfig, MemoryStore, Runtime, StateStore, Turn,
     TypedActor,
@@ -267,6 +267,58 @@ async fn tell_refusals_are_typed_and_a_late_tell_is_rolled_back() {
     rt.shutdown().await;
 }
 
+/// Goal: `tell_by` runs a batch under one deadline the caller computed; a deadline that
+/// has already passed is accepted and dropped unrun when dequeued (counted as expired);
+/// a deadline beyond the cap, through `tell_by` or the untyped `tell`, gives the turn
+/// only the cap (300 s) from its start, so a turn that would take 400 s is cut and
+/// rolled back.
+#[tokio::test(start_paused = true)]
+async fn tell_by_shares_a_deadline_drops_an_expired_one_unrun_and_caps_a_far_one() {
+    let rt = start(Arc::new(MemoryStore::new()), 64);
+    let a = rt.actor_ref::<Counter>(counter("a")).unwrap();
+    let deadline = a.deadline_in(SECONDS_5);
+    for n in 1..=10 {
+        a.tell_by(Op::Add(n), deadline).await.unwrap();
+    }
+    assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), 55);
+
+    let past = a.deadline_in(Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let dropped_before = rt.counters().expired_dropped;
+    a.tell_by(Op::Add(1_000), past)
+        .await
+        .expect("not refused: the clock is not read at send");
+    assert_eq!(
+        a.ask(Op::Get, SECONDS_5).await.unwrap(),
+        55,
+        "the expired tell never ran"
+    );
+    assert_eq!(rt.counters().expired_dropped, dropped_before + 1);
+
+    let far = Deadline::from_micros(u64::MAX);
+    let slow = Op::AddSlowly { add: 7, ms: 400_000 };
+    for untyped in [false, true] {
+        let failed_before = rt.counters().turns_failed;
+        if untyped {
+            rt.tell(a.id(), Bytes::from(bincode::serialize(&slow).unwrap()), far)
+                .await
+                .unwrap();
+        } else {
+            a.tell_by(slow.clone(), far).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_secs(299)).await;
+        assert_eq!(rt.counters().turns_failed, failed_before, "still within the cap");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            rt.counters().turns_failed,
+            failed_before + 1,
+            "cut at the cap (untyped: {untyped})"
+        );
+        assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), 55, "and rolled back");
+    }
+    rt.shutdown().await;
+}
+
 /// Makes an actor active (its first state stored), gives it a turn that waits `slow_ms`
 /// and changes nothing (so it has nothing to commit), and queues behind it a tell that
 /// expires `expiry_ms` from now, long before that turn ends, and a tell in time; checks
@@ -308,8 +360,8 @@ async fn a_tell_that_expires_in_the_mailbox_is_dropped_unrun_on_the_multi_thread
     check_a_tell_expiring_behind_a_slow_turn(300, 50).await;
 }
 
-/// Goal: on the multi-thread runtime, concurrent typed asks and tells from many tasks
-/// all land exactly once (one activation, no lost or doubled update).
+/// Goal: on the multi-thread runtime, concurrent typed asks, tells and `tell_by`s from
+/// many tasks all land exactly once (one activation, no lost or doubled update).
 #[cfg(not(madsim))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_typed_asks_and_tells_land_exactly_once_on_the_multi_thread_runtime() {
@@ -322,10 +374,10 @@ async fn concurrent_typed_asks_and_tells_land_exactly_once_on_the_multi_thread_r
         let a = a.clone();
         tasks.push(tokio::spawn(async move {
             for i in 0..EACH {
-                if (task + i) % 2 == 0 {
-                    a.tell(Op::Add(1), SECONDS_5).await.unwrap();
-                } else {
-                    a.ask(Op::Add(1), SECONDS_5).await.unwrap();
+                match (task + i) % 3 {
+                    0 => a.tell(Op::Add(1), SECONDS_5).await.unwrap(),
+                    1 => a.tell_by(Op::Add(1), a.deadline_in(SECONDS_5)).await.unwrap(),
+                    _ => drop(a.ask(Op::Add(1), SECONDS_5).await.unwrap()),
                 }
             }
         }));

@@ -41,7 +41,8 @@ use std::task::Poll;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use troupe_core::{ActorId, InvokeError};
+use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+use troupe_core::{ActorId, Deadline, InvokeError};
 
 use crate::actor::{BytesTurn, ValueTurn};
 use crate::control::Control;
@@ -495,6 +496,9 @@ enum Raced<T> {
 /// The handler's outcome, or `Err(())` when a fire-and-forget turn's own timer fired.
 type Outcome = Result<Result<Payload, ActorError>, ()>;
 
+/// The longest a turn may run, in microseconds ([`INVOKE_TIMEOUT_MS_MAX`]).
+const TURN_TIMEOUT_US_MAX: u64 = INVOKE_TIMEOUT_MS_MAX * 1_000;
+
 /// Checks a request at dequeue and answers one that must not run; else builds its turn.
 /// `now` is the clock as read in this wake-up of the task, read here if not yet.
 #[inline(always)]
@@ -530,7 +534,7 @@ fn begin(
     };
     let Envelope {
         payload,
-        context,
+        mut context,
         reply,
         call,
         edge,
@@ -539,6 +543,16 @@ fn begin(
     if let Some(error) = refusal {
         respond(shared, call, edge, reply, Err(error));
         return None;
+    }
+    if !reply.has_caller() {
+        // A root fire-and-forget message may carry a deadline its sender computed
+        // without the runtime's cap (`RuntimeHandle::tell`, `ActorRef::tell_by`): its
+        // turn gets at most the cap from now, like every other turn. (The clock was read
+        // above for this message; one told within the cap is unchanged.)
+        if let crate::envelope::EnvelopeContext::Root(deadline) = &mut context {
+            let latest = now.read(&shared.clock).as_micros().saturating_add(TURN_TIMEOUT_US_MAX);
+            *deadline = Deadline::min(*deadline, Deadline::from_micros(latest));
+        }
     }
     let deadline = context.deadline();
     let parent = parent.into_span();

@@ -531,7 +531,9 @@ impl RuntimeHandle {
     /// (fire-and-forget). Returns once the message is accepted: in the actor's mailbox,
     /// or held for its next activation (activating it if it is inactive). Its turn runs
     /// under `deadline` like any other, with nobody waiting: its reply and its errors
-    /// go nowhere (the counters show failed turns).
+    /// go nowhere (the counters show failed turns). A `deadline` further than
+    /// [`INVOKE_TIMEOUT_MS_MAX`] away is cut to that much from the moment the actor
+    /// dequeues the message.
     ///
     /// The runtime keeps accepted messages in memory only: they are lost if the process
     /// stops before they run. (Durable delivery is the agent inbox's job.)
@@ -568,7 +570,7 @@ impl RuntimeHandle {
         context: EnvelopeContext,
         cache: Option<&RouteCache>,
     ) -> Result<(), InvokeError> {
-        match self.start_tell(now, target, payload, context, cache)? {
+        match self.start_tell(Some(now), target, payload, context, cache)? {
             Told::Accepted => Ok(()),
             // The dispatcher answers at once (it never waits on anything); it is gone
             // only when the runtime has stopped.
@@ -579,22 +581,30 @@ impl RuntimeHandle {
     /// Hands a fire-and-forget message over: straight into the open mailbox (accepted
     /// at once), or to the dispatcher, whose acceptance the caller then awaits. Plain,
     /// not `async`: nothing before the dispatcher's answer waits.
-    #[inline]
+    ///
+    /// `now` is the clock read for the send, to refuse a deadline that has passed; `None`
+    /// for a deadline the sender computed itself ([`crate::ActorRef::tell_by`]): then an
+    /// expired one is found when the message is dequeued, and dropped.
+    ///
+    /// Always inlined: with three callers the compiler stopped inlining it into
+    /// `ActorRef::tell`, which cost about 70 instructions a message there.
+    #[inline(always)]
     pub(crate) fn start_tell(
         &self,
-        now: Deadline,
+        now: Option<Deadline>,
         target: &ActorId,
         payload: Payload,
         context: EnvelopeContext,
         cache: Option<&RouteCache>,
     ) -> Result<Told, InvokeError> {
         let shared = &*self.shared;
-        let deadline = context.deadline();
-        if deadline.has_passed(now) {
-            return Err(InvokeError::Timeout {
-                target: target.clone(),
-                timeout_ms: 0,
-            });
+        if let Some(now) = now {
+            if context.deadline().has_passed(now) {
+                return Err(InvokeError::Timeout {
+                    target: target.clone(),
+                    timeout_ms: 0,
+                });
+            }
         }
         let call = shared.next_call();
         let span = tracing::info_span!("tell", target = %target, request = call, depth = context.depth());
