@@ -28,7 +28,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .register_typed::<Counter>(kind, KindConfig::default())?
         .start();
     let counter = runtime.actor_ref::<Counter>(ActorId::new("counter", "c1")?)?;
-    counter.tell(40, Duration::from_secs(5)).await?; // fire-and-forget
+    counter.tell(30, Duration::from_secs(5)).await?; // fire-and-forget
+    let by = counter.deadline_in(Duration::from_secs(5)); // one clock reading for a batch
+    for _ in 0..5 {
+        counter.tell_by(2, by).await?;
+    }
     let total = counter.ask(2, Duration::from_secs(5)).await?;
     println!("total = {total}");
     runtime.shutdown().await;
