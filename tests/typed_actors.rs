@@ -268,7 +268,8 @@ async fn tell_refusals_are_typed_and_a_late_tell_is_rolled_back() {
 }
 
 /// Goal: `tell_by` runs a batch under one deadline the caller computed; a deadline that
-/// has already passed is accepted and dropped unrun when dequeued (counted as expired);
+/// has already passed is accepted and dropped unrun when dequeued (counted as expired)
+/// by an active actor, and refused with `Timeout` by the dispatcher for an inactive one;
 /// a deadline beyond the cap, through `tell_by` or the untyped `tell`, gives the turn
 /// only the cap (300 s) from its start, so a turn that would take 400 s is cut and
 /// rolled back.
@@ -294,6 +295,11 @@ async fn tell_by_shares_a_deadline_drops_an_expired_one_unrun_and_caps_a_far_one
         "the expired tell never ran"
     );
     assert_eq!(rt.counters().expired_dropped, dropped_before + 1);
+    // Not active: the dispatcher reads the clock and refuses it at once.
+    assert!(rt.deactivate(a.id()).await.unwrap());
+    let refused = a.tell_by(Op::Add(1_000), past).await.unwrap_err();
+    assert!(matches!(refused, InvokeError::Timeout { .. }), "{refused:?}");
+    assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), 55, "reloaded, nothing added");
 
     let far = Deadline::from_micros(u64::MAX);
     let slow = Op::AddSlowly { add: 7, ms: 400_000 };

@@ -360,14 +360,16 @@ impl<A: TypedActor> ActorRef<A> {
     /// one per message.
     ///
     /// What differs from `tell`, because the clock is not read here:
-    /// - a `deadline` that has already passed is not refused: the message is accepted
-    ///   and dropped when the actor dequeues it, as one that expires while queued (the
-    ///   runtime's `expired_dropped` counter counts it);
+    /// - a `deadline` that has already passed is accepted when the actor is active (the
+    ///   message goes straight into its mailbox): the actor drops it unrun when it
+    ///   dequeues it, as one that expires while queued (the runtime's `expired_dropped`
+    ///   counter counts it). When the actor is not active, the dispatcher reads the
+    ///   clock and refuses it with `Timeout`, as `tell` does;
     /// - a `deadline` further than [`INVOKE_TIMEOUT_MS_MAX`] away is cut to that much
     ///   from the moment the actor dequeues the message.
     ///
     /// # Errors
-    /// As [`RuntimeHandle::tell`], except `Timeout`.
+    /// As [`RuntimeHandle::tell`] (`Timeout` only as said above).
     pub async fn tell_by(&self, message: A::Message, deadline: Deadline) -> Result<(), InvokeError> {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
