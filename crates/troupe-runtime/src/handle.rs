@@ -584,7 +584,8 @@ impl RuntimeHandle {
     ///
     /// `now` is the clock read for the send, to refuse a deadline that has passed; `None`
     /// for a deadline the sender computed itself ([`crate::ActorRef::tell_by`]): then an
-    /// expired one is found when the message is dequeued, and dropped.
+    /// expired one is found later, refused by the dispatcher (an inactive actor) or
+    /// dropped when the message is dequeued.
     ///
     /// Always inlined: with three callers the compiler stopped inlining it into
     /// `ActorRef::tell`, which cost about 70 instructions a message there.
