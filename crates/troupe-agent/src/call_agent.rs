@@ -252,17 +252,9 @@ pub async fn call_agent(
             if let Ok(reply) = &result {
                 // Into the pair's direct conversation (best effort, see `call_record.rs`).
                 let (caller, callee) = (context.agent_id().key(), target.key());
-                let recorded = crate::call_record::record_call(
-                    shared,
-                    context.caller(),
-                    caller,
-                    callee,
-                    message,
-                    &reply.text,
-                    call,
-                    now,
-                )
-                .await;
+                let recorded =
+                    crate::call_record::record_call(shared, context.caller(), caller, callee, message, &reply.text)
+                        .await;
                 if let Err(error) = recorded {
                     tracing::warn!(%caller, %callee, %error, "the call was not recorded in the direct conversation");
                 }

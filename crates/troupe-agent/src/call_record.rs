@@ -11,12 +11,14 @@
 //! Recording is best effort and happens after the answer arrived, inside the caller's
 //! tool call: a failure is logged and does not change the call's result; a crash between
 //! the answer and the record loses the record (the answer itself is not affected). A
+//! record is sent once and never retried (the cluster's router sends a request again only
+//! after `NotOwner`, when it did not run), so it is not deduplicated: it carries no client
+//! id and writes no `id/` entry, which saves a store read and a write per message. A
 //! recorded message's `@mentions` are not delivered (`PostRequest::record`). Failed calls
 //! are not recorded.
 
 use std::time::Duration;
 
-use troupe_core::Deadline;
 use troupe_runtime::Caller;
 
 use crate::agent::AgentShared;
@@ -41,13 +43,11 @@ async fn request(
     }
 }
 
-/// Records `caller`'s question and `callee`'s answer of call `call` (answered at `at`)
-/// in their direct conversation ([`crate::direct_conversation_id`]), creating it the first
+/// Records `caller`'s question and `callee`'s answer in their direct conversation ([`crate::direct_conversation_id`]), creating it the first
 /// time; returns the question's seq.
 ///
 /// # Errors
 /// [`ConversationError`] from the index or the conversation (the caller logs it).
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn record_call(
     shared: &AgentShared,
     turn: &Caller,
@@ -55,8 +55,6 @@ pub(crate) async fn record_call(
     callee: &str,
     question: &str,
     answer: &str,
-    call: u64,
-    at: Deadline,
 ) -> Result<u64, ConversationError> {
     let id = crate::direct_conversation_id(caller, callee);
     let target = match shared.known_direct_conversation(&id) {
@@ -81,22 +79,12 @@ pub(crate) async fn record_call(
             target
         }
     };
-    // Unique per caller, call and instant (call ids restart with the process).
-    let (mut micros, mut number) = (itoa::Buffer::new(), itoa::Buffer::new());
-    let key = [
-        "call:",
-        caller,
-        ":",
-        micros.format(at.as_micros()),
-        ":",
-        number.format(call),
-    ]
-    .concat();
-    let post = |sender: &str, suffix: &str, text: &str, reply_to: Option<u64>| PostRequest {
+    // Sent once, never retried: no client id (see `PostRequest::record`).
+    let post = |sender: &str, text: &str| PostRequest {
         sender: Sender::Agent(sender.to_string()),
-        client_id: [key.as_str(), ":", suffix].concat(),
+        client_id: String::new(),
         text: text.to_string(),
-        reply_to,
+        reply_to: None,
         chain: Vec::new(),
         note: None,
         strict: false,
@@ -105,8 +93,8 @@ pub(crate) async fn record_call(
     // Question and answer in one request (one turn of the conversation): the answer
     // replies to the question's seq, which the conversation fills in.
     let exchange = ConvCommand::Exchange {
-        question: post(caller, "q", question, None),
-        answer: post(callee, "a", answer, None),
+        question: post(caller, question),
+        answer: post(callee, answer),
     };
     match request(turn, &target, exchange).await? {
         ConvReply::Posted(posted) => Ok(posted.seq),

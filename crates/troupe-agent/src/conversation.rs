@@ -474,6 +474,8 @@ pub(crate) struct PostRequest {
     pub(crate) strict: bool,
     /// A record of a `call_agent` exchange (`call_record.rs`): stored as it is, its
     /// `@mentions` are neither parsed nor delivered (the exchange already happened).
+    /// It is posted once and never retried, so `client_id` is not used: a record is
+    /// not deduplicated and leaves no `id/` entry.
     pub(crate) record: bool,
 }
 
@@ -729,10 +731,15 @@ impl ConversationActor {
         let Some(info) = &self.state.info else {
             return Ok(ConvReply::Error(ConversationError::NotFound { id: conversation() }));
         };
-        let id_key = ["id/", &request.client_id].concat();
-        if let Some(bytes) = turn.get(&id_key).await? {
-            let seq: u64 = from_json(&id_key, &bytes)?;
-            return Ok(ConvReply::Posted(Posted { seq, duplicate: true }));
+        // A record is sent once and never again (`call_record.rs`), so it is neither
+        // looked up nor indexed by a client id: that is a store read and a write per
+        // message of every recorded exchange.
+        let id_key = (!request.record).then(|| ["id/", &request.client_id].concat());
+        if let Some(id_key) = &id_key {
+            if let Some(bytes) = turn.get(id_key).await? {
+                let seq: u64 = from_json(id_key, &bytes)?;
+                return Ok(ConvReply::Posted(Posted { seq, duplicate: true }));
+            }
         }
         let takes_part = match &request.sender {
             Sender::Agent(name) => info
@@ -833,11 +840,13 @@ impl ConversationActor {
             message_key(seq),
             Bytes::from(crate::json_text::conversation_message(&message)),
         )?;
-        // A number's JSON is its decimal digits.
-        turn.put(
-            id_key,
-            Bytes::copy_from_slice(itoa::Buffer::new().format(seq).as_bytes()),
-        )?;
+        if let Some(id_key) = id_key {
+            // A number's JSON is its decimal digits.
+            turn.put(
+                id_key,
+                Bytes::copy_from_slice(itoa::Buffer::new().format(seq).as_bytes()),
+            )?;
+        }
         let mut next = seq + 1;
         for (agent, kind, text) in notes {
             let note = ConversationMessage {

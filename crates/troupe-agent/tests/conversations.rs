@@ -229,7 +229,8 @@ async fn call_agent_exchanges_are_recorded_in_the_pairs_direct_conversation() {
         .rule(ScriptRule::agent("b").reply("b answers"))
         .rule(ScriptRule::agent("c").reply("c should not speak"))
         .rule(ScriptRule::agent("d").fail("d's model is down"));
-    let system = start(&llm, &["a", "b", "c", "d"], Arc::new(MemoryStore::new()));
+    let store = Arc::new(MemoryStore::new());
+    let system = start(&llm, &["a", "b", "c", "d"], store.clone());
     assert_eq!(system.ask("a", "ask b one").await.unwrap().text, "a got: b answers");
     assert_eq!(system.ask("a", "ask b two").await.unwrap().text, "a got: b answers");
     assert_eq!(system.ask("b", "ask a").await.unwrap().text, "b got: a answers");
@@ -262,6 +263,15 @@ async fn call_agent_exchanges_are_recorded_in_the_pairs_direct_conversation() {
     );
     assert!(llm.requests_of("c").is_empty(), "c was never triggered");
     assert_gap_free(&messages);
+    // A record is sent once, so the conversation keeps no client-id index for it: its
+    // messages, and no `id/` entry (a posted message with a client id has one).
+    let actor = troupe_core::ActorId::new(troupe_agent::CONVERSATION_KIND, &id).unwrap();
+    let stored = |prefix: &'static str| {
+        let (store, actor) = (store.clone(), actor.clone());
+        async move { store.scan(&actor, prefix, None, 100).await.unwrap().len() }
+    };
+    assert_eq!(stored("msg/").await, 6, "the six recorded messages are stored");
+    assert_eq!(stored("id/").await, 0, "a recorded exchange writes no client-id index");
     assert!(system.conversations_of("a").await.unwrap().contains(&id));
     assert!(system.conversations_of("b").await.unwrap().contains(&id));
     let failed_pair = troupe_agent::direct_conversation_id("a", "d");
