@@ -211,6 +211,17 @@ pub trait ToolHandler: Send + Sync + 'static {
     /// # Errors
     /// A [`ToolError`], shown to the model.
     async fn call(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError>;
+
+    /// Runs the tool with borrowed arguments: what an agent's turn calls, as the
+    /// arguments stay in the model's message (its log and later prompts). The default
+    /// clones them for [`ToolHandler::call`]; a handler that only reads them (a typed
+    /// tool deserializing its argument type) can borrow instead.
+    ///
+    /// # Errors
+    /// As [`ToolHandler::call`].
+    async fn call_borrowed(&self, context: &ToolExecutionContext, arguments: &Value) -> Result<String, ToolError> {
+        self.call(context, arguments.clone()).await
+    }
 }
 
 type BoxedToolFuture = Pin<Box<dyn Future<Output = Result<String, ToolError>> + Send>>;
@@ -242,11 +253,24 @@ where
     Fut: Future<Output = Result<String, ToolError>> + Send + 'static,
 {
     async fn call(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
-        let arguments = serde_json::from_value::<A>(arguments).map_err(|error| ToolError::InvalidArguments {
+        let arguments = serde_json::from_value::<A>(arguments).map_err(|error| self.invalid(&error))?;
+        (self.handler)(context.clone(), arguments).await
+    }
+
+    /// Deserializes `A` from the borrowed arguments: no copy of the JSON tree (only
+    /// what `A` owns is allocated).
+    async fn call_borrowed(&self, context: &ToolExecutionContext, arguments: &Value) -> Result<String, ToolError> {
+        let arguments = A::deserialize(arguments).map_err(|error| self.invalid(&error))?;
+        (self.handler)(context.clone(), arguments).await
+    }
+}
+
+impl<A, F> TypedHandler<A, F> {
+    fn invalid(&self, error: &serde_json::Error) -> ToolError {
+        ToolError::InvalidArguments {
             tool: self.tool.clone(),
             error: SchemaError::at("$", error.to_string()),
-        })?;
-        (self.handler)(context.clone(), arguments).await
+        }
     }
 }
 
@@ -397,17 +421,40 @@ impl Tool {
     /// [`ToolError::InvalidArguments`], [`ToolError::DeadlineExceeded`] or the handler's
     /// error.
     pub async fn execute(&self, context: &ToolExecutionContext, arguments: Value) -> Result<String, ToolError> {
+        self.validate(&arguments)?;
+        self.until_deadline(context, self.handler.call(context, arguments))
+            .await
+    }
+
+    /// As [`Tool::execute`], with borrowed arguments ([`ToolHandler::call_borrowed`]).
+    ///
+    /// # Errors
+    /// As [`Tool::execute`].
+    pub async fn execute_borrowed(
+        &self,
+        context: &ToolExecutionContext,
+        arguments: &Value,
+    ) -> Result<String, ToolError> {
+        self.validate(arguments)?;
+        self.until_deadline(context, self.handler.call_borrowed(context, arguments))
+            .await
+    }
+
+    fn validate(&self, arguments: &Value) -> Result<(), ToolError> {
         self.schema
-            .validate(&arguments)
+            .validate(arguments)
             .map_err(|error| ToolError::InvalidArguments {
                 tool: self.spec.name.clone(),
                 error,
-            })?;
-        let clock = context.clock();
-        match clock
-            .run_until(context.deadline(), self.handler.call(context, arguments))
-            .await
-        {
+            })
+    }
+
+    async fn until_deadline(
+        &self,
+        context: &ToolExecutionContext,
+        call: impl Future<Output = Result<String, ToolError>>,
+    ) -> Result<String, ToolError> {
+        match context.clock().run_until(context.deadline(), call).await {
             Ok(result) => result,
             Err(_elapsed) => Err(ToolError::DeadlineExceeded {
                 tool: self.spec.name.clone(),
@@ -484,5 +531,24 @@ impl ToolRegistry {
             });
         };
         tool.execute(context, arguments).await
+    }
+
+    /// As [`ToolRegistry::execute`], with borrowed arguments ([`Tool::execute_borrowed`]).
+    ///
+    /// # Errors
+    /// As [`ToolRegistry::execute`].
+    pub async fn execute_borrowed(
+        &self,
+        context: &ToolExecutionContext,
+        name: &str,
+        arguments: &Value,
+    ) -> Result<String, ToolError> {
+        let Some(tool) = self.tools.get(name) else {
+            return Err(ToolError::UnknownTool {
+                name: name.to_string(),
+                available: self.names(),
+            });
+        };
+        tool.execute_borrowed(context, arguments).await
     }
 }

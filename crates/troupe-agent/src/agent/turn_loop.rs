@@ -374,18 +374,18 @@ impl AgentActor {
                     spec.tools.as_deref().unwrap_or_default().join(", ")
                 );
             }
-            let arguments = match &call.arguments {
-                // Some providers send the arguments as a JSON string.
-                serde_json::Value::String(text) => {
-                    serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone())
-                }
-                other => other.clone(),
+            // Some providers send the arguments as a JSON string; otherwise they are
+            // borrowed from the message, which keeps them (the log, later prompts).
+            let parsed: Option<serde_json::Value> = match &call.arguments {
+                serde_json::Value::String(text) => serde_json::from_str(text).ok(),
+                _ => None,
             };
+            let arguments = parsed.as_ref().unwrap_or(&call.arguments);
             if let Err(error) = context.budget().charge_tool_call() {
                 return format!("error: {error}");
             }
             let executed = tracing::Instrument::instrument(
-                registry.execute(context, &call.name, arguments),
+                registry.execute_borrowed(context, &call.name, arguments),
                 tracing::info_span!("tool_call", agent = %self.id, tool = %call.name),
             )
             .await;
