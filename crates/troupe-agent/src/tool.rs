@@ -524,13 +524,7 @@ impl ToolRegistry {
         name: &str,
         arguments: Value,
     ) -> Result<String, ToolError> {
-        let Some(tool) = self.tools.get(name) else {
-            return Err(ToolError::UnknownTool {
-                name: name.to_string(),
-                available: self.names(),
-            });
-        };
-        tool.execute(context, arguments).await
+        self.tool(name)?.execute(context, arguments).await
     }
 
     /// As [`ToolRegistry::execute`], with borrowed arguments ([`Tool::execute_borrowed`]).
@@ -543,12 +537,13 @@ impl ToolRegistry {
         name: &str,
         arguments: &Value,
     ) -> Result<String, ToolError> {
-        let Some(tool) = self.tools.get(name) else {
-            return Err(ToolError::UnknownTool {
-                name: name.to_string(),
-                available: self.names(),
-            });
-        };
-        tool.execute_borrowed(context, arguments).await
+        self.tool(name)?.execute_borrowed(context, arguments).await
+    }
+
+    fn tool(&self, name: &str) -> Result<&Tool, ToolError> {
+        self.tools.get(name).ok_or_else(|| ToolError::UnknownTool {
+            name: name.to_string(),
+            available: self.names(),
+        })
     }
 }
