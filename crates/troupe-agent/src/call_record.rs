@@ -43,8 +43,9 @@ async fn request(
     }
 }
 
-/// Records `caller`'s question and `callee`'s answer in their direct conversation ([`crate::direct_conversation_id`]), creating it the first
-/// time; returns the question's seq.
+/// Records `caller`'s question and `callee`'s answer in their direct conversation
+/// ([`crate::direct_conversation_id`]), creating it the first time; returns the
+/// question's seq.
 ///
 /// # Errors
 /// [`ConversationError`] from the index or the conversation (the caller logs it).
