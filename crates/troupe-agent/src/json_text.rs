@@ -17,7 +17,16 @@ use crate::llm::{ChatMessage, Role};
 const CHAT_MESSAGE_JSON_OVERHEAD_BYTES: usize = 96;
 
 /// `message` as `serde_json::to_vec` writes it.
+#[cfg(test)]
 pub(crate) fn chat_message(message: &ChatMessage) -> Vec<u8> {
+    let mut out = Vec::with_capacity(chat_message_capacity(message));
+    push_chat_message(&mut out, message);
+    out
+}
+
+/// Room for `message`'s encoding, for a buffer's allocation: its strings and the field
+/// names (a tool call's arguments are not counted).
+pub(crate) fn chat_message_capacity(message: &ChatMessage) -> usize {
     let strings = message.content.len()
         + message.tool_call_id.as_ref().map_or(0, String::len)
         + message
@@ -25,7 +34,11 @@ pub(crate) fn chat_message(message: &ChatMessage) -> Vec<u8> {
             .iter()
             .map(|call| call.id.len() + call.name.len() + CHAT_MESSAGE_JSON_OVERHEAD_BYTES)
             .sum::<usize>();
-    let mut out = Vec::with_capacity(CHAT_MESSAGE_JSON_OVERHEAD_BYTES + strings);
+    CHAT_MESSAGE_JSON_OVERHEAD_BYTES + strings
+}
+
+/// Appends `message` as `serde_json::to_vec` writes it to `out`.
+pub(crate) fn push_chat_message(out: &mut Vec<u8>, message: &ChatMessage) {
     out.extend_from_slice(b"{\"role\":\"");
     out.extend_from_slice(match message.role {
         Role::System => b"System".as_slice(),
@@ -34,28 +47,27 @@ pub(crate) fn chat_message(message: &ChatMessage) -> Vec<u8> {
         Role::Tool => b"Tool",
     });
     out.extend_from_slice(b"\",\"content\":");
-    push_string(&mut out, &message.content);
+    push_string(out, &message.content);
     out.extend_from_slice(b",\"tool_calls\":[");
     for (index, call) in message.tool_calls.iter().enumerate() {
         if index > 0 {
             out.push(b',');
         }
         out.extend_from_slice(b"{\"id\":");
-        push_string(&mut out, &call.id);
+        push_string(out, &call.id);
         out.extend_from_slice(b",\"name\":");
-        push_string(&mut out, &call.name);
+        push_string(out, &call.name);
         out.extend_from_slice(b",\"arguments\":");
         // A `Value` always encodes, into a `Vec` nothing can fail.
-        serde_json::to_writer(&mut out, &call.arguments).expect("a JSON value encodes into a Vec");
+        serde_json::to_writer(&mut *out, &call.arguments).expect("a JSON value encodes into a Vec");
         out.push(b'}');
     }
     out.extend_from_slice(b"],\"tool_call_id\":");
     match &message.tool_call_id {
-        Some(id) => push_string(&mut out, id),
+        Some(id) => push_string(out, id),
         None => out.extend_from_slice(b"null"),
     }
     out.push(b'}');
-    out
 }
 
 /// `message` as `serde_json::to_vec` writes it: a conversation's stored message (two per

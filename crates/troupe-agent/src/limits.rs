@@ -19,6 +19,11 @@ pub const AGENT_TOOL_RESULT_SIZE_MAX_BYTES: usize = 16 * 1024;
 /// Most messages kept in the conversation window of the agent's snapshot (the full log
 /// is in the store).
 pub const AGENT_HISTORY_WINDOW_MAX: usize = 64;
+/// Bytes at which an entry of an agent's log is closed: a turn's messages are written
+/// as one entry (a JSON array; a single message alone, as an object) until it holds
+/// this many bytes, then the next message starts another. An entry is at most this plus
+/// one message.
+pub const AGENT_LOG_ENTRY_CLOSE_BYTES: usize = 256 * 1024;
 /// Most tool calls of one model step that are executed; extra ones get an error result.
 pub const AGENT_TOOL_CALLS_PER_STEP_MAX: usize = 16;
 /// Default time an outside caller waits for an agent's reply, in milliseconds.

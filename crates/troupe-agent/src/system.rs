@@ -12,7 +12,9 @@ use troupe_runtime::{
     ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
 };
 
-use crate::agent::{agent_id, log_key, AgentFactory, AgentShared, SavedAgent, AGENT_KIND};
+use crate::agent::{
+    agent_id, decode_log_entry, log_key, window_messages, AgentFactory, AgentShared, SavedAgent, AGENT_KIND,
+};
 use crate::budget::{reply_or_exhausted, AskOptions};
 use crate::call_agent::call_agent_tool;
 use crate::inbox::{
@@ -726,9 +728,8 @@ impl AgentClient {
             let Some((last, _)) = page.last() else { break };
             after = Some(last.clone());
             for (key, value) in &page {
-                let message: ChatMessage =
-                    serde_json::from_slice(value).map_err(|error| decode_error(format!("{key}: {error}")))?;
-                messages.push(message);
+                let entry = decode_log_entry(value).map_err(|error| decode_error(format!("{key}: {error}")))?;
+                messages.extend(entry);
             }
         }
         debug_assert!(messages.is_empty() || after.as_deref() == Some(log_key(messages.len() as u64 - 1).as_str()));
@@ -750,9 +751,7 @@ impl AgentClient {
         let after = saved.window_after();
         let limit = usize::try_from(saved.window).unwrap_or(usize::MAX);
         let page = store.scan(&id, "log/", after.as_deref(), limit).await?;
-        page.into_iter()
-            .map(|(key, value)| serde_json::from_slice(&value).map_err(|error| decode_error(format!("{key}: {error}"))))
-            .collect()
+        window_messages(page, saved.window_start()).map_err(decode_error)
     }
 }
 

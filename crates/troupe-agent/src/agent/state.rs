@@ -1,11 +1,24 @@
 //! An agent's saved state and conversation log: the counters it commits after each
-//! turn ([`SavedAgent`]), the log (`log/{seq:020}`, one message per entry) and the
-//! bounded window of recent messages read back from it.
+//! turn ([`SavedAgent`]), the log and the bounded window of recent messages read back
+//! from it.
+//!
+//! **The log.** Message `n` of an agent's log is the `n`th (from 0) of every message its
+//! committed turns wrote. A turn writes its messages as one entry (more only past
+//! [`AGENT_LOG_ENTRY_CLOSE_BYTES`]): a JSON array of them, or a single message alone as
+//! a JSON object (the form of every entry written before 2026-11-29, which read back as
+//! before). An entry's key is `log/` and the number of its *last* message as twenty
+//! digits (`log/{seq:020}`), so keys sort in log order, and the entry that holds message
+//! `n` is the first whose key is at least `log/{n:020}`: a scan after the key of `n - 1`
+//! starts at it. One entry per turn rather than per message saves a key, a value and a
+//! store row for each message but the first (a `call_agent` round trip wrote six
+//! entries, now two).
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use troupe_runtime::{ActorError, Turn};
+use troupe_runtime::{ActorError, StoreError, Turn};
 
-use crate::limits::AGENT_HISTORY_WINDOW_MAX;
+use crate::json_text::{chat_message_capacity, push_chat_message};
+use crate::limits::{AGENT_HISTORY_WINDOW_MAX, AGENT_LOG_ENTRY_CLOSE_BYTES};
 use crate::{AgentSpec, ChatMessage, Prompt, Role};
 
 /// An agent in memory: its definition, the recent conversation (the window: the last
@@ -90,10 +103,14 @@ impl SavedAgent {
         out
     }
 
-    /// The log key after which the window starts (`None`: at the log's start).
+    /// The number of the window's first message in the log.
+    pub(crate) fn window_start(&self) -> u64 {
+        self.log_length - self.window.min(self.log_length)
+    }
+
+    /// The log key after which the window's entries start (`None`: at the log's start).
     pub(crate) fn window_after(&self) -> Option<String> {
-        let start = self.log_length - self.window.min(self.log_length);
-        start.checked_sub(1).map(log_key)
+        self.window_start().checked_sub(1).map(log_key)
     }
 }
 
@@ -137,16 +154,50 @@ impl AgentState {
             boxes: self.boxes,
         };
         let after = saved.window_after();
+        // An entry holds at least one message: as many entries as messages is enough.
         let limit = usize::try_from(saved.window).unwrap_or(usize::MAX);
         let page = turn.scan("log/", after.as_deref(), limit).await?;
-        let mut window = Vec::with_capacity(page.len());
-        for (key, value) in page {
-            let message: ChatMessage = serde_json::from_slice(&value)
-                .map_err(|error| ActorError::failed(format!("log entry {key} cannot be decoded: {error}")))?;
-            window.push(message);
-        }
+        let window = window_messages(page, saved.window_start()).map_err(ActorError::failed)?;
         self.window = Prompt::from(window);
         self.window_loaded = true;
+        Ok(())
+    }
+
+    /// Buffers `messages` in `turn` as the log's next entries (see the module doc) and
+    /// counts them in `log_length`.
+    ///
+    /// # Errors
+    /// As [`Turn::put`].
+    pub(crate) fn append_log(&mut self, turn: &mut Turn, messages: &Prompt) -> Result<(), StoreError> {
+        let mut entry = Vec::new();
+        let mut in_entry = 0_usize;
+        let mut rest = messages
+            .iter()
+            .map(|message| 1 + chat_message_capacity(message))
+            .sum::<usize>();
+        for message in messages.iter() {
+            if in_entry > 0 && entry.len() >= AGENT_LOG_ENTRY_CLOSE_BYTES {
+                turn.put(
+                    log_key(self.log_length - 1),
+                    close_log_entry(std::mem::take(&mut entry), in_entry),
+                )?;
+                in_entry = 0;
+            }
+            if in_entry == 0 {
+                entry.reserve(2 + rest.min(AGENT_LOG_ENTRY_CLOSE_BYTES));
+                entry.push(b'[');
+            } else {
+                entry.push(b',');
+            }
+            rest = rest.saturating_sub(1 + chat_message_capacity(message));
+            // serde_json's encoding, written directly (see `json_text`).
+            push_chat_message(&mut entry, message);
+            in_entry += 1;
+            self.log_length += 1;
+        }
+        if in_entry > 0 {
+            turn.put(log_key(self.log_length - 1), close_log_entry(entry, in_entry))?;
+        }
         Ok(())
     }
 
@@ -179,6 +230,59 @@ pub(crate) fn log_key(seq: u64) -> String {
     seq_key("log/", seq)
 }
 
+/// An entry of `in_entry` messages written after its `[`: the array closed, or a single
+/// message alone.
+fn close_log_entry(mut entry: Vec<u8>, in_entry: usize) -> Bytes {
+    if in_entry == 1 {
+        Bytes::from(entry).slice(1..)
+    } else {
+        entry.push(b']');
+        Bytes::from(entry)
+    }
+}
+
+/// The messages of one log entry: a JSON array of them, or one message alone.
+///
+/// # Errors
+/// `serde_json`'s, when the entry is neither.
+pub(crate) fn decode_log_entry(entry: &[u8]) -> Result<Vec<ChatMessage>, serde_json::Error> {
+    if entry.first() == Some(&b'[') {
+        serde_json::from_slice(entry)
+    } else {
+        serde_json::from_slice(entry).map(|message| vec![message])
+    }
+}
+
+/// The number of the last message of the entry at `key`.
+fn log_key_seq(key: &str) -> Option<u64> {
+    key.strip_prefix("log/")?.parse().ok()
+}
+
+/// The messages from number `start` on, of log entries read in key order from the
+/// first that holds message `start` (a scan after the key of `start - 1`).
+///
+/// # Errors
+/// What is wrong with an entry that cannot be decoded, or whose key is not a message
+/// number at least its message count minus one.
+pub(crate) fn window_messages(entries: Vec<(String, Bytes)>, start: u64) -> Result<Vec<ChatMessage>, String> {
+    let mut window = Vec::new();
+    for (key, value) in entries {
+        let messages =
+            decode_log_entry(&value).map_err(|error| format!("log entry {key} cannot be decoded: {error}"))?;
+        let first = log_key_seq(&key)
+            .and_then(|last| (last + 1).checked_sub(messages.len() as u64))
+            .ok_or_else(|| {
+                format!(
+                    "log entry {key} does not end at a message number its {} messages fit",
+                    messages.len()
+                )
+            })?;
+        let skip = usize::try_from(start.saturating_sub(first)).unwrap_or(usize::MAX);
+        window.extend(messages.into_iter().skip(skip));
+    }
+    Ok(window)
+}
+
 /// `format!("{prefix}{seq:020}")` without the formatting machinery (a key per message
 /// written: about 500 instructions each through `format!`, and still about 500 with a
 /// division per digit): `itoa`'s digits after the zeros that pad them.
@@ -200,6 +304,58 @@ const LOG_SEQ_DIGITS: usize = 20;
 mod tests {
     use super::*;
     use crate::ToolCall;
+
+    fn numbered(numbers: std::ops::RangeInclusive<u64>) -> Vec<ChatMessage> {
+        numbers
+            .map(|number| ChatMessage::new(Role::User, number.to_string()))
+            .collect()
+    }
+
+    fn array_entry(last: u64, messages: &[ChatMessage]) -> (String, Bytes) {
+        (log_key(last), Bytes::from(serde_json::to_vec(messages).unwrap()))
+    }
+
+    fn object_entry(number: u64) -> (String, Bytes) {
+        let message = ChatMessage::new(Role::User, number.to_string());
+        (log_key(number), Bytes::from(serde_json::to_vec(&message).unwrap()))
+    }
+
+    /// A window that starts inside an entry (a turn split at the entry size, or an
+    /// entry of any later form) takes only the messages from its start; entries of
+    /// either form mix.
+    #[test]
+    fn the_window_takes_messages_from_its_start_within_an_entry() {
+        // Messages 0..=4 in one entry, 5 alone (the old form), 6..=8 in one entry.
+        let entries = || {
+            vec![
+                array_entry(4, &numbered(0..=4)),
+                object_entry(5),
+                array_entry(8, &numbered(6..=8)),
+            ]
+        };
+        for start in 0..=8_u64 {
+            // What a scan after the key of `start - 1` returns.
+            let scanned: Vec<_> = entries()
+                .into_iter()
+                .filter(|(key, _)| *key >= log_key(start))
+                .collect();
+            let window = window_messages(scanned, start).unwrap();
+            let expected: Vec<String> = (start..=8).map(|number| number.to_string()).collect();
+            let got: Vec<String> = window.into_iter().map(|message| message.content).collect();
+            assert_eq!(got, expected, "window from {start}");
+        }
+    }
+
+    #[test]
+    fn an_entry_that_does_not_fit_its_key_is_an_error_naming_it() {
+        // Three messages cannot end at message 1.
+        let error = window_messages(vec![array_entry(1, &numbered(0..=2))], 0).unwrap_err();
+        assert!(error.contains(&log_key(1)) && error.contains("3 messages"), "{error}");
+        let error = window_messages(vec![("log/x".to_string(), Bytes::from_static(b"[]"))], 0).unwrap_err();
+        assert!(error.contains("log/x"), "{error}");
+        let error = window_messages(vec![(log_key(0), Bytes::from_static(b"{"))], 0).unwrap_err();
+        assert!(error.contains("cannot be decoded"), "{error}");
+    }
 
     proptest::proptest! {
         /// The snapshot written directly is byte for byte serde_json's, and decodes back.

@@ -3,11 +3,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
 use troupe_core::{truncate_utf8, Deadline};
 use troupe_runtime::{ActorError, Turn};
 
-use super::{log_key, AgentActor};
+use super::AgentActor;
 use crate::budget::BudgetMeter;
 use crate::inbox::{PendingSends, SharedSends};
 use crate::limits::{
@@ -318,11 +317,8 @@ impl AgentActor {
         if deadline.has_passed(clock.now()) {
             return Err(self.timed_out(timeout_ms(started)));
         }
-        for message in fresh.iter().filter(|_| private) {
-            // serde_json's encoding, written directly (see `json_text`).
-            let bytes = crate::json_text::chat_message(message);
-            turn.put(log_key(self.state.log_length), Bytes::from(bytes))?;
-            self.state.log_length += 1;
+        if private {
+            self.state.append_log(turn, &fresh)?;
         }
         drop(tools);
         let sends = std::mem::replace(
