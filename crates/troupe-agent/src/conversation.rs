@@ -5,7 +5,9 @@
 //! holds:
 //!
 //! ```text
-//! msg/{seq:020}          the messages, append-only, seq 0, 1, 2, ... (gap-free)
+//! msg/{seq:020}          the messages, append-only, seq 0, 1, 2, ... (gap-free); an
+//!                        entry holds message `seq` (a JSON object), or a recorded
+//!                        exchange's messages ending at `seq` (a JSON array)
 //! id/{client_msg_id}     → seq: one per posted message id (a retried post is a no-op)
 //! relay/{seq:020}/{agent} a mention to deliver to an agent's inbox, until acknowledged
 //! ```
@@ -39,7 +41,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError};
-use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, StoreError, Turn};
 
 use crate::agent::{agent_id, AgentActor, AgentShared, Conversation};
 use crate::inbox::{encode_reply, from_json, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry};
@@ -555,6 +557,7 @@ impl ActorFactory for ConversationFactory {
             shared: Arc::clone(&self.shared),
             relaying: BTreeSet::new(),
             resumed: false,
+            grouped: None,
         }))
     }
 }
@@ -572,6 +575,9 @@ struct ConversationActor {
     /// Whether this activation has looked for relays left pending by an earlier one
     /// (see [`ConversationActor::resume_at_activation`]).
     resumed: bool,
+    /// While a recorded exchange is posted: its messages so far (a JSON array after
+    /// its `[`), how many, and the last one's seq, written as one entry at its end.
+    grouped: Option<(Vec<u8>, usize, u64)>,
 }
 
 fn wake_failed(error: InvokeError) -> ActorError {
@@ -593,16 +599,29 @@ impl Actor for ConversationActor {
                 ConvReply::Done
             }
             ConvCommand::Post(request) => self.post(turn, request).await?,
-            ConvCommand::Exchange { question, mut answer } => match self.post(turn, question).await? {
-                ConvReply::Posted(asked) => {
-                    answer.reply_to = Some(asked.seq);
-                    match self.post(turn, answer).await? {
-                        ConvReply::Posted(_) => ConvReply::Posted(asked),
-                        other => other,
+            ConvCommand::Exchange { question, mut answer } => {
+                // Both messages (and any note) are one entry, keyed by the last seq.
+                let room = |request: &PostRequest| {
+                    1 + crate::json_text::conversation_message_room(&request.sender, &request.text, &[], &request.chain)
+                };
+                self.grouped = Some((Vec::with_capacity(1 + room(&question) + room(&answer)), 0, 0));
+                let posted = match self.post(turn, question).await {
+                    Ok(ConvReply::Posted(asked)) => {
+                        answer.reply_to = Some(asked.seq);
+                        match self.post(turn, answer).await {
+                            Ok(ConvReply::Posted(_)) => Ok(ConvReply::Posted(asked)),
+                            other => other,
+                        }
+                    }
+                    other => other,
+                };
+                if let Some((entry, count, last)) = self.grouped.take() {
+                    if count > 0 {
+                        turn.put(message_key(last), crate::agent::close_log_entry(entry, count))?;
                     }
                 }
-                other => other,
-            },
+                posted?
+            }
             ConvCommand::Relay { seq, agent } => {
                 self.relay(turn, seq, agent).await?;
                 ConvReply::Done
@@ -665,6 +684,23 @@ impl Actor for ConversationActor {
 }
 
 impl ConversationActor {
+    /// Writes `message` as its own entry, or adds it to the exchange being recorded.
+    fn append_message(&mut self, turn: &mut Turn, message: &ConversationMessage) -> Result<(), StoreError> {
+        match &mut self.grouped {
+            Some((entry, count, last)) => {
+                entry.push(if *count == 0 { b'[' } else { b',' });
+                crate::json_text::push_conversation_message(entry, message);
+                *count += 1;
+                *last = message.seq;
+                Ok(())
+            }
+            None => turn.put(
+                message_key(message.seq),
+                Bytes::from(crate::json_text::conversation_message(message)),
+            ),
+        }
+    }
+
     /// At an activation's first request (unless it is a `Resume`), tells itself to
     /// `Resume` if relays are pending: mentions an earlier activation committed but did
     /// not see delivered, on this node or on one that died (or lost its lease). Without
@@ -836,10 +872,7 @@ impl ConversationActor {
             chain,
             note: request.note,
         };
-        turn.put(
-            message_key(seq),
-            Bytes::from(crate::json_text::conversation_message(&message)),
-        )?;
+        self.append_message(turn, &message)?;
         if let Some(id_key) = id_key {
             // A number's JSON is its decimal digits.
             turn.put(
@@ -858,10 +891,7 @@ impl ConversationActor {
                 chain: Vec::new(),
                 note: Some(Note { agent, kind }),
             };
-            turn.put(
-                message_key(next),
-                Bytes::from(crate::json_text::conversation_message(&note)),
-            )?;
+            self.append_message(turn, &note)?;
             next += 1;
         }
         self.state.next_seq = next;
@@ -1062,18 +1092,32 @@ pub(crate) async fn read_committed(
             cause: "the runtime has not started, or has stopped".to_string(),
         });
     };
+    let after_seq = after;
     let after = after.map(message_key);
     let page = runtime
         .store()
         .scan(conversation, "msg/", after.as_deref(), limit)
         .await?;
-    page.into_iter()
-        .map(|(key, bytes)| {
-            serde_json::from_slice(&bytes).map_err(|error| ConversationError::Unavailable {
-                cause: format!("{key} cannot be decoded: {error}"),
-            })
-        })
-        .collect()
+    // An entry holds at least one message: as many entries as messages is enough. A
+    // recorded exchange's entry may begin at or before `after`, and end past `limit`.
+    let mut messages = Vec::new();
+    for (key, bytes) in page {
+        let entry: Vec<ConversationMessage> = if bytes.first() == Some(&b'[') {
+            serde_json::from_slice(&bytes)
+        } else {
+            serde_json::from_slice(&bytes).map(|message| vec![message])
+        }
+        .map_err(|error| ConversationError::Unavailable {
+            cause: format!("{key} cannot be decoded: {error}"),
+        })?;
+        messages.extend(
+            entry
+                .into_iter()
+                .filter(|message| after_seq.is_none_or(|after| message.seq > after)),
+        );
+    }
+    messages.truncate(limit);
+    Ok(messages)
 }
 
 impl AgentActor {

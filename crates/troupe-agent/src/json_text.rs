@@ -73,18 +73,31 @@ pub(crate) fn push_chat_message(out: &mut Vec<u8>, message: &ChatMessage) {
 /// `message` as `serde_json::to_vec` writes it: a conversation's stored message (two per
 /// recorded `call_agent` exchange). A system note's subject is left to `serde_json`.
 pub(crate) fn conversation_message(message: &ConversationMessage) -> Vec<u8> {
-    let strings = message.text.len()
-        + message
-            .mentions
-            .iter()
-            .chain(&message.chain)
-            .map(|name| name.len() + 3)
-            .sum::<usize>()
-        + match &message.sender {
+    let mut out = Vec::new();
+    push_conversation_message(&mut out, message);
+    out
+}
+
+/// Room for `message`'s encoding, for a buffer's allocation.
+fn conversation_message_capacity(message: &ConversationMessage) -> usize {
+    conversation_message_room(&message.sender, &message.text, &message.mentions, &message.chain)
+}
+
+/// Room for the encoding of a conversation message with these fields, for a buffer's
+/// allocation.
+pub(crate) fn conversation_message_room(sender: &Sender, text: &str, mentions: &[String], chain: &[String]) -> usize {
+    let strings = text.len()
+        + mentions.iter().chain(chain).map(|name| name.len() + 3).sum::<usize>()
+        + match sender {
             Sender::Agent(name) | Sender::Human(name) => name.len(),
             Sender::System => 0,
         };
-    let mut out = Vec::with_capacity(CONVERSATION_MESSAGE_JSON_OVERHEAD_BYTES + strings);
+    CONVERSATION_MESSAGE_JSON_OVERHEAD_BYTES + strings
+}
+
+/// Appends `message` as `serde_json::to_vec` writes it to `out`.
+pub(crate) fn push_conversation_message(out: &mut Vec<u8>, message: &ConversationMessage) {
+    out.reserve(conversation_message_capacity(message));
     let mut digits = itoa::Buffer::new();
     out.extend_from_slice(b"{\"seq\":");
     out.extend_from_slice(digits.format(message.seq).as_bytes());
@@ -92,34 +105,33 @@ pub(crate) fn conversation_message(message: &ConversationMessage) -> Vec<u8> {
     match &message.sender {
         Sender::Agent(name) => {
             out.extend_from_slice(b"{\"Agent\":");
-            push_string(&mut out, name);
+            push_string(out, name);
             out.push(b'}');
         }
         Sender::Human(name) => {
             out.extend_from_slice(b"{\"Human\":");
-            push_string(&mut out, name);
+            push_string(out, name);
             out.push(b'}');
         }
         Sender::System => out.extend_from_slice(b"\"System\""),
     }
     out.extend_from_slice(b",\"text\":");
-    push_string(&mut out, &message.text);
+    push_string(out, &message.text);
     out.extend_from_slice(b",\"mentions\":");
-    push_strings(&mut out, &message.mentions);
+    push_strings(out, &message.mentions);
     out.extend_from_slice(b",\"reply_to\":");
     match message.reply_to {
         Some(seq) => out.extend_from_slice(digits.format(seq).as_bytes()),
         None => out.extend_from_slice(b"null"),
     }
     out.extend_from_slice(b",\"chain\":");
-    push_strings(&mut out, &message.chain);
+    push_strings(out, &message.chain);
     out.extend_from_slice(b",\"note\":");
     match &message.note {
-        Some(note) => serde_json::to_writer(&mut out, note).expect("a note encodes into a Vec"),
+        Some(note) => serde_json::to_writer(&mut *out, note).expect("a note encodes into a Vec"),
         None => out.extend_from_slice(b"null"),
     }
     out.push(b'}');
-    out
 }
 
 /// Bytes of a conversation message's encoding besides its strings: field names,

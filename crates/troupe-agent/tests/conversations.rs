@@ -270,8 +270,38 @@ async fn call_agent_exchanges_are_recorded_in_the_pairs_direct_conversation() {
         let (store, actor) = (store.clone(), actor.clone());
         async move { store.scan(&actor, prefix, None, 100).await.unwrap().len() }
     };
-    assert_eq!(stored("msg/").await, 6, "the six recorded messages are stored");
+    // An exchange is one entry (a JSON array), keyed by its answer's seq.
+    let entries = store.scan(&actor, "msg/", None, 100).await.unwrap();
+    let keys: Vec<&str> = entries.iter().map(|(key, _)| key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [1, 3, 5].map(|seq| format!("msg/{seq:020}")),
+        "the three recorded exchanges are stored, one entry each"
+    );
+    for (key, value) in &entries {
+        let pair: Vec<ConversationMessage> = serde_json::from_slice(value).unwrap();
+        assert_eq!(pair.len(), 2, "{key}");
+        assert_eq!(
+            value.as_ref(),
+            serde_json::to_vec(&pair).unwrap(),
+            "{key} is serde_json's encoding"
+        );
+    }
     assert_eq!(stored("id/").await, 0, "a recorded exchange writes no client-id index");
+    // Pages that start or end inside an exchange's entry.
+    let page = |after: Option<u64>, limit: usize| {
+        let system = &system;
+        let id = id.clone();
+        async move {
+            let messages = system.read_messages(&id, after, limit).await.unwrap();
+            messages.iter().map(|m| m.seq).collect::<Vec<u64>>()
+        }
+    };
+    assert_eq!(page(Some(0), 1).await, [1], "after a question: its answer");
+    assert_eq!(page(Some(0), 3).await, [1, 2, 3]);
+    assert_eq!(page(None, 3).await, [0, 1, 2], "a page ending inside an exchange");
+    assert_eq!(page(Some(4), 10).await, [5]);
+    assert_eq!(page(Some(5), 10).await, Vec::<u64>::new());
     assert!(system.conversations_of("a").await.unwrap().contains(&id));
     assert!(system.conversations_of("b").await.unwrap().contains(&id));
     let failed_pair = troupe_agent::direct_conversation_id("a", "d");

@@ -231,8 +231,8 @@ pub(crate) fn log_key(seq: u64) -> String {
 }
 
 /// An entry of `in_entry` messages written after its `[`: the array closed, or a single
-/// message alone.
-fn close_log_entry(mut entry: Vec<u8>, in_entry: usize) -> Bytes {
+/// message alone. (A conversation's recorded exchange is written the same way.)
+pub(crate) fn close_log_entry(mut entry: Vec<u8>, in_entry: usize) -> Bytes {
     if in_entry == 1 {
         Bytes::from(entry).slice(1..)
     } else {
