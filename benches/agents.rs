@@ -4,6 +4,10 @@
 //!   an agent that answers in one scripted model step; an agent that asks another
 //!   agent through `call_agent` (two agent turns, three model steps, admission, the
 //!   wait-for edge, JSON log writes and snapshots committed to the in-memory store).
+//! - `call_agent by store`: the same `call_agent` round trip committed to SQLite, the
+//!   embedded default: in memory (the store's own work: statements, rows, its mutex and
+//!   blocking task) and in a file (WAL, `synchronous = FULL`: each of the round trip's
+//!   three commits waits for the disk).
 //! - `call admission`: one `admit_call` decision at depth 2 (target: < 1 µs).
 //!
 //! Run: `cargo bench --bench agents` (shorter measurement when `CI` is set). Where the
@@ -14,6 +18,7 @@
 #![allow(clippy::disallowed_methods, missing_docs)]
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -21,7 +26,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use troupe::agent::AgentSystem;
 use troupe::core::limits::AGENT_CALL_TIMEOUT_MS_DEFAULT;
 use troupe::core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, Deadline};
-use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, Turn};
+use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, SqliteStore, StateStore, Turn};
 
 #[path = "support/scripted_agents.rs"]
 mod scripted_agents;
@@ -156,5 +161,49 @@ fn admission(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, ask_vs_invoke, admission);
+/// `call_agent` round trips of the two scripted agents on `store`.
+fn call_agent_round_trips(rt: &tokio::runtime::Runtime, store: Arc<dyn StateStore>, iters: u64) -> Duration {
+    let system = rt.block_on(async {
+        let system = scripted_agents::asker_and_answerer_on(store, long_lived());
+        system.ask("asker", "warm up").await.unwrap();
+        system
+    });
+    let elapsed = rt.block_on(async {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let reply = system.ask("asker", "what is 6 x 7?").await.unwrap();
+            assert_eq!(reply.text, "42");
+        }
+        start.elapsed()
+    });
+    rt.block_on(system.shutdown());
+    elapsed
+}
+
+fn call_agent_by_store(c: &mut Criterion) {
+    let rt = current_thread();
+    let mut group = c.benchmark_group("call_agent by store");
+    group.sample_size(20);
+    if std::env::var_os("CI").is_some() {
+        group
+            .measurement_time(Duration::from_secs(3))
+            .warm_up_time(Duration::from_millis(500));
+    }
+    group.bench_function("SQLite in memory", |b| {
+        b.iter_custom(|iters| {
+            let store = SqliteStore::open_in_memory().unwrap();
+            call_agent_round_trips(&rt, Arc::new(store), iters)
+        });
+    });
+    group.bench_function("SQLite file (WAL, synchronous = FULL)", |b| {
+        b.iter_custom(|iters| {
+            let directory = tempfile::tempdir().unwrap();
+            let store = SqliteStore::open(directory.path().join("troupe.db")).unwrap();
+            call_agent_round_trips(&rt, Arc::new(store), iters)
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, ask_vs_invoke, call_agent_by_store, admission);
 criterion_main!(benches);

@@ -5,10 +5,15 @@ use std::sync::Arc;
 
 use serde_json::json;
 use troupe::agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
-use troupe::runtime::{KindConfig, MemoryStore};
+use troupe::runtime::{KindConfig, MemoryStore, StateStore};
 
 /// The two agents on an in-memory store, their activations kept by `kind_config`.
 pub(crate) fn asker_and_answerer(kind_config: KindConfig) -> AgentSystem {
+    asker_and_answerer_on(Arc::new(MemoryStore::new()), kind_config)
+}
+
+/// The two agents on `store`, their activations kept by `kind_config`.
+pub(crate) fn asker_and_answerer_on(store: Arc<dyn StateStore>, kind_config: KindConfig) -> AgentSystem {
     let llm = ScriptedLlm::new()
         .rule(
             ScriptRule::agent("asker")
@@ -19,7 +24,7 @@ pub(crate) fn asker_and_answerer(kind_config: KindConfig) -> AgentSystem {
         .rule(ScriptRule::agent("answerer").reply("42"))
         .without_recording();
     AgentSystem::builder()
-        .store(Arc::new(MemoryStore::new()))
+        .store(store)
         .llm(Arc::new(llm))
         .kind_config(kind_config)
         .agent(AgentSpec::new("asker"))
