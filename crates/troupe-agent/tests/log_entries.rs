@@ -92,6 +92,29 @@ fn roles_and_contents(messages: &[ChatMessage]) -> Vec<(Role, String)> {
         .collect()
 }
 
+/// The echoing agent on a new memory store, after `TURNS` turns ("q0", "q1", ...).
+async fn after_turns() -> (ScriptedLlm, Arc<MemoryStore>, AgentSystem) {
+    let llm = echoing_llm();
+    let store = Arc::new(MemoryStore::new());
+    let system = start(&llm, store.clone(), echo_tool(1));
+    for turn in 0..TURNS {
+        let reply = system.ask("a", &format!("q{turn}")).await.unwrap();
+        assert_eq!(reply.text, format!("read: q{turn}"));
+    }
+    (llm, store, system)
+}
+
+/// Asks `a` "again" and returns its model's last prompt, without the system message.
+async fn prompt_after_asking_again(system: &AgentSystem, llm: &ScriptedLlm) -> Vec<(Role, String)> {
+    assert_eq!(system.ask("a", "again").await.unwrap().text, "read: again");
+    let request = llm.requests_of("a").pop().expect("a model request");
+    let prompt: Vec<ChatMessage> = request.messages.iter().cloned().collect();
+    roles_and_contents(&prompt)
+        .into_iter()
+        .filter(|(role, _)| *role != Role::System)
+        .collect()
+}
+
 /// The window a restarted agent must read: the last `AGENT_HISTORY_WINDOW_MAX` messages
 /// from the first user message among them.
 fn expected_window(log: &[(Role, String)]) -> Vec<(Role, String)> {
@@ -109,15 +132,7 @@ fn expected_window(log: &[(Role, String)]) -> Vec<(Role, String)> {
 /// 64-message window) on a memory store; read the entries; restart on the same store.
 #[tokio::test]
 async fn a_turn_is_one_log_entry_and_the_log_reads_back_after_a_restart() {
-    let llm = echoing_llm();
-    let store = Arc::new(MemoryStore::new());
-    let system = start(&llm, store.clone(), echo_tool(1));
-    for turn in 0..TURNS {
-        assert_eq!(
-            system.ask("a", &format!("q{turn}")).await.unwrap().text,
-            format!("read: q{turn}")
-        );
-    }
+    let (llm, store, system) = after_turns().await;
     system.shutdown().await;
 
     let entries = log_entries(&store).await;
@@ -142,17 +157,7 @@ async fn a_turn_is_one_log_entry_and_the_log_reads_back_after_a_restart() {
     assert_eq!(roles_and_contents(&system.history_window("a").await.unwrap()), window);
 
     // The reactivated agent's model sees the window read from the entries.
-    assert_eq!(system.ask("a", "again").await.unwrap().text, "read: again");
-    let prompt = llm
-        .requests_of("a")
-        .last()
-        .expect("a model request")
-        .messages
-        .iter()
-        .cloned()
-        .collect::<Vec<_>>();
-    let seen = roles_and_contents(&prompt);
-    let from_window: Vec<_> = seen.iter().filter(|(role, _)| *role != Role::System).cloned().collect();
+    let from_window = prompt_after_asking_again(&system, &llm).await;
     let mut expected: Vec<(Role, String)> = window;
     expected.extend([
         (Role::User, "again".to_string()),
@@ -211,12 +216,7 @@ async fn a_turn_past_the_entry_size_is_split_and_a_lone_message_is_an_object() {
 /// turn is appended as one entry after the old ones.
 #[tokio::test]
 async fn a_log_written_one_message_per_entry_reads_back_and_grows() {
-    let llm = echoing_llm();
-    let store = Arc::new(MemoryStore::new());
-    let system = start(&llm, store.clone(), echo_tool(1));
-    for turn in 0..TURNS {
-        system.ask("a", &format!("q{turn}")).await.unwrap();
-    }
+    let (llm, store, system) = after_turns().await;
     let messages = system.conversation_log("a").await.unwrap();
     system.shutdown().await;
 
@@ -248,19 +248,7 @@ async fn a_log_written_one_message_per_entry_reads_back_and_grows() {
     assert_eq!(roles_and_contents(&system.conversation_log("a").await.unwrap()), log);
     let window = expected_window(&log);
     assert_eq!(roles_and_contents(&system.history_window("a").await.unwrap()), window);
-    assert_eq!(system.ask("a", "again").await.unwrap().text, "read: again");
-    let prompt = llm
-        .requests_of("a")
-        .last()
-        .expect("a model request")
-        .messages
-        .iter()
-        .cloned()
-        .collect::<Vec<_>>();
-    let seen: Vec<_> = roles_and_contents(&prompt)
-        .into_iter()
-        .filter(|(role, _)| *role != Role::System)
-        .collect();
+    let seen = prompt_after_asking_again(&system, &llm).await;
     assert_eq!(
         seen[..window.len()],
         window[..],
