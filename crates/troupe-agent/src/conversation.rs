@@ -1102,14 +1102,10 @@ pub(crate) async fn read_committed(
     // recorded exchange's entry may begin at or before `after`, and end past `limit`.
     let mut messages = Vec::new();
     for (key, bytes) in page {
-        let entry: Vec<ConversationMessage> = if bytes.first() == Some(&b'[') {
-            serde_json::from_slice(&bytes)
-        } else {
-            serde_json::from_slice(&bytes).map(|message| vec![message])
-        }
-        .map_err(|error| ConversationError::Unavailable {
-            cause: format!("{key} cannot be decoded: {error}"),
-        })?;
+        let entry: Vec<ConversationMessage> =
+            crate::agent::decode_log_entry(&bytes).map_err(|error| ConversationError::Unavailable {
+                cause: format!("{key} cannot be decoded: {error}"),
+            })?;
         messages.extend(
             entry
                 .into_iter()

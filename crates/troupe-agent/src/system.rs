@@ -728,7 +728,8 @@ impl AgentClient {
             let Some((last, _)) = page.last() else { break };
             after = Some(last.clone());
             for (key, value) in &page {
-                let entry = decode_log_entry(value).map_err(|error| decode_error(format!("{key}: {error}")))?;
+                let entry: Vec<ChatMessage> =
+                    decode_log_entry(value).map_err(|error| decode_error(format!("{key}: {error}")))?;
                 messages.extend(entry);
             }
         }

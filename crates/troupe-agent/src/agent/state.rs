@@ -241,11 +241,12 @@ pub(crate) fn close_log_entry(mut entry: Vec<u8>, in_entry: usize) -> Bytes {
     }
 }
 
-/// The messages of one log entry: a JSON array of them, or one message alone.
+/// The messages of one log entry: a JSON array of them, or one message alone. (A
+/// conversation's entries are read the same way.)
 ///
 /// # Errors
 /// `serde_json`'s, when the entry is neither.
-pub(crate) fn decode_log_entry(entry: &[u8]) -> Result<Vec<ChatMessage>, serde_json::Error> {
+pub(crate) fn decode_log_entry<M: serde::de::DeserializeOwned>(entry: &[u8]) -> Result<Vec<M>, serde_json::Error> {
     if entry.first() == Some(&b'[') {
         serde_json::from_slice(entry)
     } else {
@@ -267,7 +268,7 @@ fn log_key_seq(key: &str) -> Option<u64> {
 pub(crate) fn window_messages(entries: Vec<(String, Bytes)>, start: u64) -> Result<Vec<ChatMessage>, String> {
     let mut window = Vec::new();
     for (key, value) in entries {
-        let messages =
+        let messages: Vec<ChatMessage> =
             decode_log_entry(&value).map_err(|error| format!("log entry {key} cannot be decoded: {error}"))?;
         let first = log_key_seq(&key)
             .and_then(|last| (last + 1).checked_sub(messages.len() as u64))
