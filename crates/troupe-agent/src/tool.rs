@@ -440,6 +440,18 @@ impl Tool {
             .await
     }
 
+    /// As [`Tool::execute_borrowed`], without a timer of its own: for the turn loop,
+    /// which runs its tool calls under its own timer at the turn's deadline or earlier
+    /// (a second timer at the same instant cost a registration in the timer wheel).
+    pub(crate) async fn execute_in_turn(
+        &self,
+        context: &ToolExecutionContext,
+        arguments: &Value,
+    ) -> Result<String, ToolError> {
+        self.validate(arguments)?;
+        self.handler.call_borrowed(context, arguments).await
+    }
+
     fn validate(&self, arguments: &Value) -> Result<(), ToolError> {
         self.schema
             .validate(arguments)
@@ -538,6 +550,17 @@ impl ToolRegistry {
         arguments: &Value,
     ) -> Result<String, ToolError> {
         self.tool(name)?.execute_borrowed(context, arguments).await
+    }
+
+    /// As [`ToolRegistry::execute_borrowed`], bounded by the caller's timer only
+    /// ([`Tool::execute_in_turn`]).
+    pub(crate) async fn execute_in_turn(
+        &self,
+        context: &ToolExecutionContext,
+        name: &str,
+        arguments: &Value,
+    ) -> Result<String, ToolError> {
+        self.tool(name)?.execute_in_turn(context, arguments).await
     }
 
     fn tool(&self, name: &str) -> Result<&Tool, ToolError> {

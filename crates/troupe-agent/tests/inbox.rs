@@ -743,3 +743,52 @@ async fn a_task_cannot_be_delegated_back_to_its_delegator() {
     assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0));
     system.shutdown().await;
 }
+
+/// Goal: a delegated task whose model is slower than the task's deadline is ended by
+/// the model loop's own timer at that deadline, not by the runtime's cut of the whole
+/// turn a grace later (which would commit nothing): the task resolves failed with the
+/// timeout, once, soon after its deadline, and the delegator hears of it. Method: the
+/// analyst's model takes 5 s on a task of 1 s; the task is read half-way through the
+/// grace. (With the model loop running without its timer, the task is still open then.)
+#[tokio::test(start_paused = true)]
+async fn a_task_whose_model_outlives_its_deadline_fails_at_the_deadline() {
+    const TASK_TIMEOUT_MS: u64 = 1_000;
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("[task")
+                .reply("too late")
+                .latency(Duration::from_secs(5)),
+        )
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_user_containing("you delegated is")
+                .reply("seen"),
+        );
+    let recorder = CallRecorder::new();
+    let system = start(
+        &llm,
+        &["coordinator", "analyst"],
+        Arc::new(MemoryStore::new()),
+        &recorder,
+    );
+    let task = system
+        .delegate("coordinator", "analyst", "crunch", Some(TASK_TIMEOUT_MS))
+        .await
+        .unwrap();
+    // Half of the processing turn's grace past the task's deadline.
+    tokio::time::sleep(Duration::from_millis(TASK_TIMEOUT_MS + 500)).await;
+    let status = system.task("coordinator", &task).await.unwrap().unwrap();
+    assert_eq!(status.state, TaskState::Failed, "{status:?}");
+    let result = status.result.unwrap_or_default();
+    assert!(result.contains("timed out") || result.contains("timeout"), "{result}");
+    settle().await;
+    let coordinator = system.conversation_log("coordinator").await.unwrap();
+    assert_eq!(user_messages_containing(&coordinator, "you delegated is failed"), 1);
+    let analyst = system.conversation_log("analyst").await.unwrap();
+    assert!(
+        analyst.iter().all(|message| message.content != "too late"),
+        "the late answer was logged"
+    );
+    system.shutdown().await;
+}

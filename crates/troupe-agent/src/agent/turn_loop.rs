@@ -210,105 +210,115 @@ impl AgentActor {
             spent: meter.spent(),
             exhausted: Some(error),
         };
-        loop {
-            if steps == max_steps {
-                return Err(ActorError::failed(format!(
-                    "{} used all {max_steps} model steps without a final answer",
-                    self.id
-                )));
-            }
-            // A runtime that was aborted (dropped, or its shutdown grace over) commits
-            // nothing more of this turn: no further model request or tool is started
-            // for it (the tool results of its last step may be refusals the model would
-            // otherwise be asked about).
-            if turn.runtime_aborted() {
-                return Err(self.runtime_aborted());
-            }
-            let max_tokens = match meter.model_call_cap() {
-                Ok(cap) => cap,
-                Err(error) => return Ok(exhausted(steps, usage, error)),
-            };
-            steps += 1;
-            let mut messages = Prompt::from(self.system_message());
-            messages.extend_shared(own_history.as_ref().unwrap_or(&self.state.window));
-            messages.extend_shared(&fresh);
-            let llm_request = LlmRequest {
-                agent: self.id.clone(),
-                model: self.state.spec.model.model.clone(),
-                messages,
-                tools: Arc::clone(specs),
-                deadline,
-                max_tokens,
-            };
-            let model_call = tracing::Instrument::instrument(
-                llm.complete(llm_request),
-                tracing::info_span!("model_call", agent = %self.id, step = steps),
-            );
-            let reply = match clock.run_until(deadline, model_call).await {
-                Ok(Ok(reply)) => reply,
-                Ok(Err(LlmError::OverTokenLimit { max_tokens, .. })) => {
-                    let limit = meter.limit().tokens.unwrap_or(u64::MAX);
-                    let error = BudgetExhausted {
-                        agent: self.id.clone(),
-                        resource: BudgetResource::Tokens,
-                        spent: limit.saturating_sub(max_tokens),
-                        limit,
+        // The whole model loop runs under one timer at the turn's deadline (a timer per
+        // model call and per tool step cost a registration in the timer wheel each, four
+        // for a `call_agent` round trip; the deadline is the same for every step). A
+        // step that finishes at the deadline's very instant is caught below, before the
+        // log is written.
+        let steps_run = clock
+            .run_until(deadline, async {
+                loop {
+                    if steps == max_steps {
+                        return Err(ActorError::failed(format!(
+                            "{} used all {max_steps} model steps without a final answer",
+                            self.id
+                        )));
+                    }
+                    // A runtime that was aborted (dropped, or its shutdown grace over) commits
+                    // nothing more of this turn: no further model request or tool is started
+                    // for it (the tool results of its last step may be refusals the model would
+                    // otherwise be asked about).
+                    if turn.runtime_aborted() {
+                        return Err(self.runtime_aborted());
+                    }
+                    let max_tokens = match meter.model_call_cap() {
+                        Ok(cap) => cap,
+                        Err(error) => return Ok(Some(exhausted(steps, usage, error))),
                     };
-                    return Ok(exhausted(steps, usage, error));
+                    steps += 1;
+                    let mut messages = Prompt::from(self.system_message());
+                    messages.extend_shared(own_history.as_ref().unwrap_or(&self.state.window));
+                    messages.extend_shared(&fresh);
+                    let llm_request = LlmRequest {
+                        agent: self.id.clone(),
+                        model: self.state.spec.model.model.clone(),
+                        messages,
+                        tools: Arc::clone(specs),
+                        deadline,
+                        max_tokens,
+                    };
+                    let model_call = tracing::Instrument::instrument(
+                        llm.complete(llm_request),
+                        tracing::info_span!("model_call", agent = %self.id, step = steps),
+                    );
+                    let reply = match model_call.await {
+                        Ok(reply) => reply,
+                        Err(LlmError::OverTokenLimit { max_tokens, .. }) => {
+                            let limit = meter.limit().tokens.unwrap_or(u64::MAX);
+                            let error = BudgetExhausted {
+                                agent: self.id.clone(),
+                                resource: BudgetResource::Tokens,
+                                spent: limit.saturating_sub(max_tokens),
+                                limit,
+                            };
+                            return Ok(Some(exhausted(steps, usage, error)));
+                        }
+                        Err(error) => return Err(ActorError::failed(format!("the model failed: {error}"))),
+                    };
+                    if let Some(used) = reply.usage {
+                        usage.prompt_tokens += used.prompt_tokens;
+                        usage.completion_tokens += used.completion_tokens;
+                        usage.total_tokens += used.total_tokens;
+                    }
+                    let charged = reply
+                        .usage
+                        .map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
+                    if self.shared.has_listeners() {
+                        self.shared.emit(&AgentEvent::ModelResponded {
+                            agent: self.id.clone(),
+                            call: conversation.call,
+                            step: steps,
+                            usage: reply.usage,
+                            tool_calls: reply.message.tool_calls.len(),
+                            at: clock.now(),
+                        });
+                    }
+                    let mut message = reply.message;
+                    message.role = Role::Assistant;
+                    message.tool_call_id = None;
+                    if let Err(error) = charged {
+                        return Ok(Some(exhausted(steps, usage, error)));
+                    }
+                    if message.tool_calls.is_empty() {
+                        fresh.push(message);
+                        break;
+                    }
+                    if turn.runtime_aborted() {
+                        return Err(self.runtime_aborted());
+                    }
+                    let results = self.run_tools(&tools, &message.tool_calls).await;
+                    let results: Vec<ChatMessage> = message
+                        .tool_calls
+                        .iter()
+                        .zip(results)
+                        .map(|(call, result)| ChatMessage::tool_result(call.id.clone(), result))
+                        .collect();
+                    let mut step = Vec::with_capacity(1 + results.len());
+                    step.push(message);
+                    step.extend(results);
+                    fresh.push_part(step.into());
                 }
-                Ok(Err(error)) => return Err(ActorError::failed(format!("the model failed: {error}"))),
-                Err(_elapsed) => {
-                    tracing::debug!(agent = %self.id, "{}", LlmError::Timeout { timeout_ms: timeout_ms(clock.now()) });
-                    return Err(self.timed_out(timeout_ms(started)));
-                }
-            };
-            if let Some(used) = reply.usage {
-                usage.prompt_tokens += used.prompt_tokens;
-                usage.completion_tokens += used.completion_tokens;
-                usage.total_tokens += used.total_tokens;
-            }
-            let charged = reply
-                .usage
-                .map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
-            if self.shared.has_listeners() {
-                self.shared.emit(&AgentEvent::ModelResponded {
-                    agent: self.id.clone(),
-                    call: conversation.call,
-                    step: steps,
-                    usage: reply.usage,
-                    tool_calls: reply.message.tool_calls.len(),
-                    at: clock.now(),
-                });
-            }
-            let mut message = reply.message;
-            message.role = Role::Assistant;
-            message.tool_call_id = None;
-            if let Err(error) = charged {
-                return Ok(exhausted(steps, usage, error));
-            }
-            if message.tool_calls.is_empty() {
-                fresh.push(message);
-                break;
-            }
-            if turn.runtime_aborted() {
-                return Err(self.runtime_aborted());
-            }
-            let Ok(results) = clock
-                .run_until(deadline, self.run_tools(&tools, &message.tool_calls))
-                .await
-            else {
+                Ok(None)
+            })
+            .await;
+        match steps_run {
+            Ok(Ok(None)) => {}
+            Ok(Ok(Some(exhausted))) => return Ok(exhausted),
+            Ok(Err(error)) => return Err(error),
+            Err(_elapsed) => {
+                tracing::debug!(agent = %self.id, steps, "the turn reached its deadline in its model loop");
                 return Err(self.timed_out(timeout_ms(started)));
-            };
-            let results: Vec<ChatMessage> = message
-                .tool_calls
-                .iter()
-                .zip(results)
-                .map(|(call, result)| ChatMessage::tool_result(call.id.clone(), result))
-                .collect();
-            let mut step = Vec::with_capacity(1 + results.len());
-            step.push(message);
-            step.extend(results);
-            fresh.push_part(step.into());
+            }
         }
         let answer = &fresh.last().expect("the loop ends with the answer").content;
         // A future that finishes at the very instant of its deadline wins the race with
@@ -342,7 +352,7 @@ impl AgentActor {
     }
 
     /// Runs one step's tool calls concurrently; one result text per call, in order.
-    async fn run_tools(&self, context: &ToolExecutionContext, calls: &[ToolCall]) -> Vec<String> {
+    async fn run_tools<'a>(&'a self, context: &'a ToolExecutionContext, calls: &'a [ToolCall]) -> Vec<String> {
         let registry = &self.shared.tools;
         let spec = &self.state.spec;
         let granting = calls
@@ -354,7 +364,7 @@ impl AgentActor {
         context.budget().begin_step(granting);
         // Polled in place on the turn's task (no spawned tasks, which would outlive a
         // cancelled turn), first in input order; dropped with the turn.
-        let futures = calls.iter().enumerate().map(|(index, call)| async move {
+        let run = |index: usize, call: &'a ToolCall| async move {
             if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
                 return format!(
                     "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
@@ -381,7 +391,7 @@ impl AgentActor {
                 return format!("error: {error}");
             }
             let executed = tracing::Instrument::instrument(
-                registry.execute_borrowed(context, &call.name, arguments),
+                registry.execute_in_turn(context, &call.name, arguments),
                 tracing::info_span!("tool_call", agent = %self.id, tool = %call.name),
             )
             .await;
@@ -398,7 +408,12 @@ impl AgentActor {
                 Err(error) => format!("error: {error}"),
             };
             truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
-        });
-        futures::future::join_all(futures).await
+        };
+        // One call (the usual step) is awaited alone: `join_all` allocates its list of
+        // futures and its list of outputs.
+        if let [call] = calls {
+            return vec![run(0, call).await];
+        }
+        futures::future::join_all(calls.iter().enumerate().map(|(index, call)| run(index, call))).await
     }
 }
