@@ -39,6 +39,38 @@ async fn settle() {
     tokio::time::sleep(Duration::from_secs(20)).await;
 }
 
+/// A coordinator and an analyst on the memory store, the coordinator answering "seen"
+/// to the outcome of a task it delegated, the analyst as `analyst` scripts it.
+fn coordinator_and_analyst(analyst: ScriptedLlm) -> AgentSystem {
+    let llm = analyst.rule(
+        ScriptRule::agent("coordinator")
+            .on_user_containing("you delegated is")
+            .reply("seen"),
+    );
+    start(
+        &llm,
+        &["coordinator", "analyst"],
+        Arc::new(MemoryStore::new()),
+        &CallRecorder::new(),
+    )
+}
+
+/// An analyst slow (5 s) on a message containing "slow" and fast on any other task.
+fn slow_then_fast_analyst() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("slow")
+                .reply("slow done")
+                .latency(Duration::from_secs(5)),
+        )
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("[task")
+                .reply("fast done"),
+        )
+}
+
 fn user_messages_containing(log: &[ChatMessage], needle: &str) -> usize {
     log.iter()
         .filter(|m| m.role == Role::User && m.content.contains(needle))
@@ -204,30 +236,7 @@ async fn a_delegated_task_round_trips_in_sqlite() {
 /// the cancellation overtakes it (a tombstone at the analyst cancels it on arrival).
 #[tokio::test(start_paused = true)]
 async fn a_task_cancelled_before_it_started_resolves_canceled_and_is_never_worked() {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("analyst")
-                .on_user_containing("slow")
-                .reply("slow done")
-                .latency(Duration::from_secs(5)),
-        )
-        .rule(
-            ScriptRule::agent("analyst")
-                .on_user_containing("[task")
-                .reply("fast done"),
-        )
-        .rule(
-            ScriptRule::agent("coordinator")
-                .on_user_containing("you delegated is")
-                .reply("seen"),
-        );
-    let recorder = CallRecorder::new();
-    let system = start(
-        &llm,
-        &["coordinator", "analyst"],
-        Arc::new(MemoryStore::new()),
-        &recorder,
-    );
+    let system = coordinator_and_analyst(slow_then_fast_analyst());
     let first = system
         .delegate("coordinator", "analyst", "slow one", None)
         .await
@@ -264,30 +273,7 @@ async fn a_task_cancelled_before_it_started_resolves_canceled_and_is_never_worke
 /// is never worked.
 #[tokio::test(start_paused = true)]
 async fn refused_delegations_keep_nothing_and_an_expired_task_resolves_failed_unworked() {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("analyst")
-                .on_user_containing("slow")
-                .reply("slow done")
-                .latency(Duration::from_secs(5)),
-        )
-        .rule(
-            ScriptRule::agent("analyst")
-                .on_user_containing("[task")
-                .reply("fast done"),
-        )
-        .rule(
-            ScriptRule::agent("coordinator")
-                .on_user_containing("you delegated is")
-                .reply("seen"),
-        );
-    let recorder = CallRecorder::new();
-    let system = start(
-        &llm,
-        &["coordinator", "analyst"],
-        Arc::new(MemoryStore::new()),
-        &recorder,
-    );
+    let system = coordinator_and_analyst(slow_then_fast_analyst());
     assert_eq!(
         system.delegate("coordinator", "ghost", "x", None).await,
         Err(InboxError::Refused(CallRefused::AgentNotFound {
@@ -753,24 +739,13 @@ async fn a_task_cannot_be_delegated_back_to_its_delegator() {
 #[tokio::test(start_paused = true)]
 async fn a_task_whose_model_outlives_its_deadline_fails_at_the_deadline() {
     const TASK_TIMEOUT_MS: u64 = 1_000;
-    let llm = ScriptedLlm::new()
-        .rule(
+    let system = coordinator_and_analyst(
+        ScriptedLlm::new().rule(
             ScriptRule::agent("analyst")
                 .on_user_containing("[task")
                 .reply("too late")
                 .latency(Duration::from_secs(5)),
-        )
-        .rule(
-            ScriptRule::agent("coordinator")
-                .on_user_containing("you delegated is")
-                .reply("seen"),
-        );
-    let recorder = CallRecorder::new();
-    let system = start(
-        &llm,
-        &["coordinator", "analyst"],
-        Arc::new(MemoryStore::new()),
-        &recorder,
+        ),
     );
     let task = system
         .delegate("coordinator", "analyst", "crunch", Some(TASK_TIMEOUT_MS))
