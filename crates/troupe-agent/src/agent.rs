@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use troupe_core::{truncate_utf8, ActorId};
-use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, Turn};
 
 use crate::inbox::AgentCommand;
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
@@ -134,6 +134,40 @@ impl Actor for AgentActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let command = AgentCommand::decode(&payload)
             .map_err(|cause| ActorError::rejected(format!("not an agent request: {cause}")))?;
+        match self.handle_command(turn, command).await? {
+            Answer::Reply(reply) => Ok(reply.encode()),
+            Answer::Bytes(bytes) => Ok(bytes),
+        }
+    }
+
+    /// An ask from another agent's turn in this process (`call_agent`), passed as the
+    /// [`AgentRequest`] itself and answered with the [`AgentReply`] itself: the same
+    /// turn as [`Actor::handle`]'s for the encoded ask, without its encoding and
+    /// decoding at either end.
+    async fn handle_value(&mut self, turn: &mut Turn, message: AnyValue) -> Result<AnyValue, ActorError> {
+        let request = message
+            .downcast::<AgentRequest>()
+            .map_err(|_| ActorError::rejected("an agent takes an AgentRequest as a value"))?;
+        match self.handle_command(turn, AgentCommand::Ask(request)).await? {
+            Answer::Reply(reply) => Ok(AnyValue::new(reply)),
+            Answer::Bytes(bytes) => Ok(AnyValue::new(bytes)),
+        }
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        Ok(Some(Bytes::from(self.state.saved().encode())))
+    }
+}
+
+/// What a command's turn answers: an ask's reply, or the bytes of any other command's.
+enum Answer {
+    Reply(AgentReply),
+    Bytes(Bytes),
+}
+
+impl AgentActor {
+    /// One command's turn, however it arrived (encoded, or as a value).
+    async fn handle_command(&mut self, turn: &mut Turn, command: AgentCommand) -> Result<Answer, ActorError> {
         self.state.load_window(turn).await?;
         self.resume_at_activation(turn, &command).await?;
         crate::org_store::ensure_loaded(&self.shared).await;
@@ -167,13 +201,9 @@ impl Actor for AgentActor {
                     history: None,
                 };
                 let reply = self.converse(turn, conversation).await?;
-                Ok(reply.encode())
+                Ok(Answer::Reply(reply))
             }
-            other => self.handle_box(turn, other).await,
+            other => self.handle_box(turn, other).await.map(Answer::Bytes),
         }
-    }
-
-    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        Ok(Some(Bytes::from(self.state.saved().encode())))
     }
 }

@@ -22,6 +22,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, AGENT_CALL_TIMEOUT_MS_DEFAULT, AGENT_CALL_TIMEOUT_MS_MAX};
 use troupe_core::{truncate_utf8, ActorId, CallRefused, InvokeError};
+use troupe_runtime::AnyValue;
 
 use crate::agent::{agent_id, AgentReply, AgentRequest};
 use crate::budget::{settle_call, BudgetExhausted};
@@ -232,8 +233,27 @@ pub async fn call_agent(
                 finished.finish(outcome);
                 return result;
             }
-            let result = match context.caller().invoke(admitted, request.into_encoded()).await {
-                Ok(bytes) => AgentReply::decode(&bytes).map_err(|cause| AgentCallError::MalformedReply {
+            let caller = context.caller();
+            // Within one process the request and the reply pass as values (no encoding
+            // or decoding at either end); a cluster node's calls may cross to another
+            // process, so they go as bytes.
+            let answered = if caller.routes_calls() {
+                caller
+                    .invoke(admitted, request.into_encoded())
+                    .await
+                    .map(|bytes| AgentReply::decode(&bytes))
+            } else {
+                caller
+                    .invoke_value(admitted, AnyValue::new(request))
+                    .await
+                    .map(|value| {
+                        value
+                            .downcast::<AgentReply>()
+                            .map_err(|_| "the agent replied with something other than an AgentReply".to_string())
+                    })
+            };
+            let result = match answered {
+                Ok(reply) => reply.map_err(|cause| AgentCallError::MalformedReply {
                     target: target.clone(),
                     cause,
                 }),

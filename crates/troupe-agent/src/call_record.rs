@@ -19,7 +19,7 @@
 
 use std::time::Duration;
 
-use troupe_runtime::Caller;
+use troupe_runtime::{AnyValue, Caller};
 
 use crate::agent::AgentShared;
 use crate::conversation::{
@@ -36,8 +36,21 @@ async fn request(
     command: ConvCommand,
 ) -> Result<ConvReply, ConversationError> {
     let timeout = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
-    let bytes = caller.invoke_as_root(target, command.encode(), timeout).await?;
-    match decode_conv_reply(&bytes)? {
+    // Within one process the command and the reply pass as values; a cluster node's
+    // calls may cross to another process, so they go as bytes.
+    let reply = if caller.routes_calls() {
+        let bytes = caller.invoke_as_root(target, command.encode(), timeout).await?;
+        decode_conv_reply(&bytes)?
+    } else {
+        caller
+            .invoke_value_as_root(target, AnyValue::new(command), timeout)
+            .await?
+            .downcast::<ConvReply>()
+            .map_err(|_| ConversationError::Unavailable {
+                cause: "the conversation replied with something other than a ConvReply".to_string(),
+            })?
+    };
+    match reply {
         ConvReply::Error(error) => Err(error),
         other => Ok(other),
     }

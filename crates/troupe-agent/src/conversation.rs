@@ -41,7 +41,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError};
-use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, StoreError, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, StoreError, Turn};
 
 use crate::agent::{agent_id, AgentActor, AgentShared, Conversation};
 use crate::inbox::{encode_reply, from_json, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry};
@@ -588,6 +588,29 @@ impl Actor for ConversationActor {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let command: ConvCommand = bincode::deserialize(&payload)
             .map_err(|cause| ActorError::rejected(format!("not a conversation command: {cause}")))?;
+        self.handle_command(turn, command)
+            .await
+            .map(|reply| encode_reply(&reply))
+    }
+
+    /// A command from an agent's turn in this process (a recorded `call_agent`
+    /// exchange), passed as the [`ConvCommand`] itself and answered with the
+    /// [`ConvReply`] itself: [`Actor::handle`]'s turn without the encoding and decoding.
+    async fn handle_value(&mut self, turn: &mut Turn, message: AnyValue) -> Result<AnyValue, ActorError> {
+        let command = message
+            .downcast::<ConvCommand>()
+            .map_err(|_| ActorError::rejected("a conversation takes a ConvCommand as a value"))?;
+        self.handle_command(turn, command).await.map(AnyValue::new)
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        Ok(Some(encode_state(&self.info_json, self.state.next_seq)))
+    }
+}
+
+impl ConversationActor {
+    /// One command's turn, however it arrived (encoded, or as a value).
+    async fn handle_command(&mut self, turn: &mut Turn, command: ConvCommand) -> Result<ConvReply, ActorError> {
         self.resume_at_activation(turn, &command).await;
         let reply = match command {
             ConvCommand::Create { participants, kind } => self.create(participants, kind),
@@ -675,15 +698,9 @@ impl Actor for ConversationActor {
                 ConvReply::Done
             }
         };
-        Ok(encode_reply(&reply))
+        Ok(reply)
     }
 
-    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        Ok(Some(encode_state(&self.info_json, self.state.next_seq)))
-    }
-}
-
-impl ConversationActor {
     /// Writes `message` as its own entry, or adds it to the exchange being recorded.
     fn append_message(&mut self, turn: &mut Turn, message: &ConversationMessage) -> Result<(), StoreError> {
         match &mut self.grouped {

@@ -392,6 +392,7 @@ pub struct PromptIter<'a> {
 impl<'a> Iterator for PromptIter<'a> {
     type Item = &'a ChatMessage;
 
+    #[inline]
     fn next(&mut self) -> Option<&'a ChatMessage> {
         let message = self.messages.next()?;
         self.len -= 1;
@@ -404,6 +405,7 @@ impl<'a> Iterator for PromptIter<'a> {
 }
 
 impl DoubleEndedIterator for PromptIter<'_> {
+    #[inline]
     fn next_back(&mut self) -> Option<Self::Item> {
         let message = self.messages.next_back()?;
         self.len -= 1;

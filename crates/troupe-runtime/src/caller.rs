@@ -47,9 +47,9 @@ use bytes::Bytes;
 use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, CallRefused, Deadline, InvokeError};
 
-use crate::envelope::Payload;
+use crate::envelope::{EnvelopeContext, Payload};
 use crate::signal::Signal;
-use crate::{Clock, RuntimeHandle};
+use crate::{AnyValue, Clock, RuntimeHandle};
 
 /// A turn's handle for calling other actors. Cheap to clone; every clone speaks for the
 /// same turn and stops working when the turn ends.
@@ -303,6 +303,50 @@ impl Caller {
         result
     }
 
+    /// Whether this runtime hands its turns' calls to a router (a
+    /// [`crate::TurnCallRouter`] or a [`crate::RootCallRouter`]: a cluster node): such
+    /// calls may cross to another process, so they carry bytes, and
+    /// [`Caller::invoke_value`] and [`Caller::invoke_value_as_root`] refuse them.
+    pub fn routes_calls(&self) -> bool {
+        self.inner.handle.turn_call_router().is_some() || self.inner.handle.has_root_call_router()
+    }
+
+    /// As [`Caller::invoke`], passing `message` to the target as a value within this
+    /// process, unserialized; the target's [`crate::Actor::handle_value`] gets it and
+    /// its reply comes back as a value. The admission, the wait-for edge, the deadline,
+    /// cancellation and every error are those of [`Caller::invoke`]: only the payload's
+    /// form differs.
+    ///
+    /// # Errors
+    /// As [`Caller::invoke`]; `Rejected` (nothing sent) when this runtime routes its
+    /// turns' calls ([`Caller::routes_calls`]), where a value cannot go; and what the
+    /// target does with a value (an actor that takes bytes only rejects it).
+    ///
+    /// # Panics
+    /// As [`Caller::invoke`].
+    pub async fn invoke_value(&self, admitted: Admitted, message: AnyValue) -> Result<AnyValue, InvokeError> {
+        assert_eq!(
+            admitted.caller, self.inner.id,
+            "an admission is spent by the caller it was made for"
+        );
+        let inner = &*self.inner;
+        if self.routes_calls() {
+            return Err(values_are_not_routed(&admitted.target));
+        }
+        let result = inner
+            .handle
+            .send_and_wait(
+                &admitted.target,
+                Payload::Value(message),
+                admitted.child.clone().into(),
+                Some((&inner.id, Some(inner))),
+            )
+            .await
+            .and_then(|reply| into_value(reply, &admitted.target));
+        drop(admitted);
+        result
+    }
+
     /// Admits and invokes in one step: calls `target` with `payload` and waits at most
     /// `timeout` (clipped to this turn's deadline and to the maximum call timeout).
     ///
@@ -438,6 +482,41 @@ impl Caller {
         }
     }
 
+    /// As [`Caller::invoke_as_root`], passing `message` to the target as a value within
+    /// this process (see [`Caller::invoke_value`]).
+    ///
+    /// # Errors
+    /// As [`Caller::invoke_as_root`]; `Rejected` (nothing sent) when this runtime routes
+    /// its turns' calls ([`Caller::routes_calls`]); and what the target does with a
+    /// value.
+    pub async fn invoke_value_as_root(
+        &self,
+        target: &ActorId,
+        message: AnyValue,
+        timeout: Duration,
+    ) -> Result<AnyValue, InvokeError> {
+        if self.turn_ended() {
+            return Err(CallRefused::CallerTurnEnded {
+                caller: self.inner.id.clone(),
+            }
+            .into());
+        }
+        if self.routes_calls() {
+            return Err(values_are_not_routed(target));
+        }
+        let deadline = self.inner.handle.deadline_in(timeout).min(self.deadline());
+        let sent =
+            self.inner
+                .handle
+                .send_and_wait(target, Payload::Value(message), EnvelopeContext::Root(deadline), None);
+        let reply = tokio::select! {
+            biased;
+            result = sent => result,
+            () = self.inner.turn_ended() => Err(InvokeError::Cancelled { target: target.clone() }),
+        };
+        reply.and_then(|reply| into_value(reply, target))
+    }
+
     /// Sends `payload` under `child` with no admission at all. For planted-bug tests of
     /// the simulator only (feature `planted-bugs`): it breaks the guarantees admission
     /// gives.
@@ -456,5 +535,26 @@ impl Caller {
             .handle
             .invoke_from(&inner.id, target, payload, child, Some(inner))
             .await
+    }
+}
+
+/// The refusal of a value sent where calls are routed (they may cross processes).
+fn values_are_not_routed(target: &ActorId) -> InvokeError {
+    InvokeError::Rejected {
+        target: target.clone(),
+        reason: "this runtime routes its turns' calls (a cluster node), which carry bytes: send bytes with \
+                 Caller::invoke or Caller::invoke_as_root"
+            .to_string(),
+    }
+}
+
+/// The value of a reply to a message sent as a value.
+fn into_value(reply: Payload, target: &ActorId) -> Result<AnyValue, InvokeError> {
+    match reply {
+        Payload::Value(value) => Ok(value),
+        Payload::Bytes(_) => Err(InvokeError::ActorFailed {
+            target: target.clone(),
+            cause: "the actor replied with bytes to a message sent as a value".to_string(),
+        }),
     }
 }

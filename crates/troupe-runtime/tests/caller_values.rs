@@ -1,0 +1,262 @@
+//! `Caller::invoke_value` and `Caller::invoke_value_as_root`: a turn's calls that pass
+//! their message and reply as values within the process (what an agent's `call_agent`
+//! and its recorded exchange use), under the same admission, chain and deadline rules
+//! as the calls that carry bytes; refused where calls are routed (a cluster node).
+//!
+//! Runs in both builds.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::{ActorId, ActorKind, CallRefused, InvokeError};
+use troupe_runtime::{
+    Actor, ActorBox, ActorError, AnyValue, KindConfig, Runtime, Turn, TurnCall, TurnCallRouter, WaitEdge,
+};
+
+const KIND: &str = "hop";
+const BYTES_ONLY_KIND: &str = "bytes";
+const CALL_TIMEOUT_MS: u64 = 5_000;
+
+fn hop(key: &str) -> ActorId {
+    ActorId::new(KIND, key).unwrap()
+}
+
+/// What a value call carries.
+enum Message {
+    /// Reply with the same `Arc`.
+    Echo(Arc<String>),
+    /// Call `0` back with a value (the caller is up the chain: refused).
+    CallBack(ActorId),
+}
+
+/// (actor, depth, chain keys) of every value turn, in start order.
+type Seen = Arc<Mutex<Vec<(String, u32, Vec<String>)>>>;
+
+struct Hop {
+    key: String,
+    seen: Seen,
+}
+
+/// The outcome of a value call, as text.
+fn outcome(reply: Result<AnyValue, InvokeError>, sent: &Arc<String>) -> String {
+    match reply {
+        Ok(value) => match value.downcast::<Arc<String>>() {
+            Ok(back) if Arc::ptr_eq(&back, sent) => "same".to_string(),
+            Ok(back) => format!("copied {back}"),
+            Err(value) => match value.downcast::<String>() {
+                Ok(text) => text,
+                Err(_) => "another type".to_string(),
+            },
+        },
+        Err(InvokeError::Refused(CallRefused::CycleDetected { chain })) => {
+            let keys: Vec<&str> = chain.iter().map(ActorId::key).collect();
+            format!("cycle {}", keys.join(">"))
+        }
+        Err(InvokeError::Rejected { reason, .. }) => format!("rejected: {reason}"),
+        Err(other) => format!("other {other}"),
+    }
+}
+
+impl Actor for Hop {
+    /// From outside: `value:KEY` (or `root-value:KEY`) calls `KEY` with an echo value
+    /// from this turn (or as a root request of it); `back:KEY` asks `KEY` to call this
+    /// actor back. Replies with the outcome's text.
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let text = String::from_utf8(payload.to_vec()).unwrap();
+        let (verb, target) = text.split_once(':').unwrap();
+        let target = if verb == "bytes-only" {
+            ActorId::new(BYTES_ONLY_KIND, target).unwrap()
+        } else {
+            hop(target)
+        };
+        let sent = Arc::new(format!("from {}", self.key));
+        let caller = turn.caller().clone();
+        let message = match verb {
+            "back" => Message::CallBack(hop(&self.key)),
+            _ => Message::Echo(Arc::clone(&sent)),
+        };
+        let reply = match verb {
+            "root-value" => {
+                caller
+                    .invoke_value_as_root(&target, AnyValue::new(message), Duration::from_millis(CALL_TIMEOUT_MS))
+                    .await
+            }
+            _ => match caller.admit(&target, true, Some(CALL_TIMEOUT_MS)) {
+                Ok(admitted) => caller.invoke_value(admitted, AnyValue::new(message)).await,
+                Err(refused) => Err(refused.into()),
+            },
+        };
+        Ok(Bytes::from(outcome(reply, &sent)))
+    }
+
+    async fn handle_value(&mut self, turn: &mut Turn, message: AnyValue) -> Result<AnyValue, ActorError> {
+        let chain = turn.context().chain().iter().map(|id| id.key().to_string()).collect();
+        self.seen
+            .lock()
+            .unwrap()
+            .push((self.key.clone(), turn.context().depth(), chain));
+        match message.downcast::<Message>() {
+            Ok(Message::Echo(value)) => Ok(AnyValue::new(value)),
+            Ok(Message::CallBack(target)) => {
+                let caller = turn.caller().clone();
+                let sent = Arc::new("back".to_string());
+                let reply = match caller.admit(&target, true, Some(CALL_TIMEOUT_MS)) {
+                    Ok(admitted) => {
+                        caller
+                            .invoke_value(admitted, AnyValue::new(Message::Echo(Arc::clone(&sent))))
+                            .await
+                    }
+                    Err(refused) => Err(refused.into()),
+                };
+                Ok(AnyValue::new(outcome(reply, &sent)))
+            }
+            Err(_) => Err(ActorError::rejected("not a Message")),
+        }
+    }
+}
+
+/// Takes bytes only (the default `handle_value`).
+struct BytesOnly;
+
+impl Actor for BytesOnly {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        Ok(payload)
+    }
+}
+
+fn start(seen: &Seen) -> Runtime {
+    let seen = Arc::clone(seen);
+    let factory = move |id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+        Ok(ActorBox::new(Hop {
+            key: id.key().to_string(),
+            seen: Arc::clone(&seen),
+        }))
+    };
+    let bytes_only =
+        |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(BytesOnly)) };
+    Runtime::builder()
+        .register(ActorKind::new(KIND).unwrap(), factory, KindConfig::default())
+        .unwrap()
+        .register(
+            ActorKind::new(BYTES_ONLY_KIND).unwrap(),
+            bytes_only,
+            KindConfig::default(),
+        )
+        .unwrap()
+        .start()
+}
+
+async fn ask(runtime: &Runtime, key: &str, text: &str) -> String {
+    let reply = runtime
+        .invoke(
+            &hop(key),
+            Bytes::from(text.to_string()),
+            runtime.deadline_in(Duration::from_secs(10)),
+        )
+        .await
+        .unwrap();
+    String::from_utf8(reply.to_vec()).unwrap()
+}
+
+/// Goal: a value passed by a turn's call reaches the callee as itself and its reply
+/// comes back as itself (the same `Arc`, no copy), with the call's context (depth 1,
+/// the caller in the chain); as a root request of the turn it runs at depth 0 with an
+/// empty chain; a call back up the chain is refused as a cycle, with the chain, before
+/// anything is sent; an actor that takes bytes only rejects a value.
+#[tokio::test(start_paused = true)]
+async fn values_cross_a_turns_calls_as_themselves_under_the_call_rules() {
+    let seen = Seen::default();
+    let runtime = start(&seen);
+
+    assert_eq!(ask(&runtime, "a", "value:b").await, "same");
+    assert_eq!(ask(&runtime, "a", "root-value:b").await, "same");
+    assert_eq!(ask(&runtime, "a", "back:b").await, "cycle a>b>a");
+    let bytes_only = ask(&runtime, "a", "bytes-only:x").await;
+    assert!(bytes_only.starts_with("rejected: "), "{bytes_only}");
+    assert!(bytes_only.contains("takes bytes only"), "{bytes_only}");
+
+    // The call back was refused at admission: b ran, a did not run again.
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![
+            ("b".to_string(), 1, vec!["a".to_string()]),
+            ("b".to_string(), 0, vec![]),
+            ("b".to_string(), 1, vec!["a".to_string()]),
+        ]
+    );
+    runtime.shutdown().await;
+}
+
+/// A router that runs every call here, counting them.
+struct CountingRouter {
+    handle: troupe_runtime::RuntimeHandle,
+    calls: Mutex<u32>,
+}
+
+#[async_trait]
+impl TurnCallRouter for CountingRouter {
+    async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError> {
+        *self.calls.lock().unwrap() += 1;
+        self.handle
+            .invoke_for_turn(&call.caller, &call.target, call.payload, call.context)
+            .await
+    }
+
+    fn path_leaves_node(&self, _remote_edges: Vec<WaitEdge>) {}
+}
+
+/// Goal: where a router takes a turn's calls (a cluster node, whose calls may cross
+/// to another process), a value is refused `Rejected` with nothing sent: the router
+/// sees no call and the target never runs.
+#[tokio::test(start_paused = true)]
+async fn a_runtime_that_routes_calls_refuses_values_with_nothing_sent() {
+    let seen = Seen::default();
+    let runtime = start(&seen);
+    let router = Arc::new(CountingRouter {
+        handle: runtime.handle(),
+        calls: Mutex::new(0),
+    });
+    assert!(runtime.handle().set_turn_call_router(router.clone()).is_ok());
+
+    for text in ["value:b", "root-value:b"] {
+        let refused = ask(&runtime, "a", text).await;
+        assert!(refused.starts_with("rejected: "), "{text}: {refused}");
+        assert!(refused.contains("routes its turns' calls"), "{text}: {refused}");
+    }
+    assert_eq!(*router.calls.lock().unwrap(), 0);
+    assert!(seen.lock().unwrap().is_empty());
+    runtime.shutdown().await;
+}
+
+/// Goal: on worker threads, concurrent turns' value calls each get their own value
+/// back (8 tasks × 50 calls through 8 callers to 2 callees).
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_value_calls_each_get_their_own_value_on_the_multi_thread_runtime() {
+    const TASKS: usize = 8;
+    const CALLS_PER_TASK: usize = 50;
+    let seen = Seen::default();
+    let runtime = Arc::new(start(&seen));
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let runtime = Arc::clone(&runtime);
+        tasks.push(tokio::spawn(async move {
+            let mut same = 0;
+            for call in 0..CALLS_PER_TASK {
+                let callee = if call % 2 == 0 { "even" } else { "odd" };
+                if ask(&runtime, &format!("caller-{task}"), &format!("value:{callee}")).await == "same" {
+                    same += 1;
+                }
+            }
+            same
+        }));
+    }
+    let mut same = 0;
+    for task in tasks {
+        same += task.await.unwrap();
+    }
+    assert_eq!(same, TASKS * CALLS_PER_TASK);
+    assert_eq!(seen.lock().unwrap().len(), TASKS * CALLS_PER_TASK);
+}
