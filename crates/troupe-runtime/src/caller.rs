@@ -468,18 +468,10 @@ impl Caller {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, InvokeError> {
-        if self.turn_ended() {
-            return Err(CallRefused::CallerTurnEnded {
-                caller: self.inner.id.clone(),
-            }
-            .into());
-        }
-        let deadline = self.inner.handle.deadline_in(timeout).min(self.deadline());
-        tokio::select! {
-            biased;
-            result = self.inner.handle.invoke_root_routed(target, payload, deadline) => result,
-            () = self.inner.turn_ended() => Err(InvokeError::Cancelled { target: target.clone() }),
-        }
+        self.as_root(target, timeout, |deadline| {
+            self.inner.handle.invoke_root_routed(target, payload, deadline)
+        })
+        .await
     }
 
     /// As [`Caller::invoke_as_root`], passing `message` to the target as a value within
@@ -495,26 +487,45 @@ impl Caller {
         message: AnyValue,
         timeout: Duration,
     ) -> Result<AnyValue, InvokeError> {
+        self.as_root(target, timeout, |deadline| async move {
+            if self.routes_calls() {
+                return Err(values_are_not_routed(target));
+            }
+            let context = EnvelopeContext::Root(deadline);
+            let reply = self
+                .inner
+                .handle
+                .send_and_wait(target, Payload::Value(message), context, None)
+                .await?;
+            into_value(reply, target)
+        })
+        .await
+    }
+
+    /// A root request of this turn (see [`Caller::invoke_as_root`]): refused if the turn
+    /// has ended; `send` gets the deadline (at most the turn's) and runs until the turn
+    /// ends, when it is dropped and the request ends `Cancelled`.
+    async fn as_root<T, F>(
+        &self,
+        target: &ActorId,
+        timeout: Duration,
+        send: impl FnOnce(Deadline) -> F,
+    ) -> Result<T, InvokeError>
+    where
+        F: std::future::Future<Output = Result<T, InvokeError>>,
+    {
         if self.turn_ended() {
             return Err(CallRefused::CallerTurnEnded {
                 caller: self.inner.id.clone(),
             }
             .into());
         }
-        if self.routes_calls() {
-            return Err(values_are_not_routed(target));
-        }
         let deadline = self.inner.handle.deadline_in(timeout).min(self.deadline());
-        let sent =
-            self.inner
-                .handle
-                .send_and_wait(target, Payload::Value(message), EnvelopeContext::Root(deadline), None);
-        let reply = tokio::select! {
+        tokio::select! {
             biased;
-            result = sent => result,
+            result = send(deadline) => result,
             () = self.inner.turn_ended() => Err(InvokeError::Cancelled { target: target.clone() }),
-        };
-        reply.and_then(|reply| into_value(reply, target))
+        }
     }
 
     /// Sends `payload` under `child` with no admission at all. For planted-bug tests of
