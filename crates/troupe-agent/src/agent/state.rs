@@ -270,8 +270,10 @@ pub(crate) fn window_messages(entries: Vec<(String, Bytes)>, start: u64) -> Resu
     for (key, value) in entries {
         let messages: Vec<ChatMessage> =
             decode_log_entry(&value).map_err(|error| format!("log entry {key} cannot be decoded: {error}"))?;
+        // The entry holds messages `first..=last` (`last - (len - 1)`, so that an entry
+        // ending at `u64::MAX` does not overflow; an empty entry adds nothing).
         let first = log_key_seq(&key)
-            .and_then(|last| (last + 1).checked_sub(messages.len() as u64))
+            .and_then(|last| last.checked_sub((messages.len() as u64).saturating_sub(1)))
             .ok_or_else(|| {
                 format!(
                     "log entry {key} does not end at a message number its {} messages fit",
@@ -345,6 +347,19 @@ mod tests {
             let got: Vec<String> = window.into_iter().map(|message| message.content).collect();
             assert_eq!(got, expected, "window from {start}");
         }
+    }
+
+    #[test]
+    fn an_entry_that_ends_at_the_last_message_number_is_read_without_overflow() {
+        let last = u64::MAX;
+        let entries = || vec![array_entry(last, &numbered(0..=1))];
+        let got = |start| -> Vec<String> {
+            let window = window_messages(entries(), start).unwrap();
+            window.into_iter().map(|message| message.content).collect()
+        };
+        assert_eq!(got(last - 1), ["0", "1"]);
+        assert_eq!(got(last), ["1"]);
+        assert!(window_messages(vec![array_entry(last, &[])], 0).unwrap().is_empty());
     }
 
     #[test]
