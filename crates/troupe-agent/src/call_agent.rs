@@ -246,11 +246,7 @@ pub async fn call_agent(
                 caller
                     .invoke_value(admitted, AnyValue::new(request))
                     .await
-                    .map(|value| {
-                        value
-                            .downcast::<AgentReply>()
-                            .map_err(|_| "the agent replied with something other than an AgentReply".to_string())
-                    })
+                    .map(AgentReply::from_value)
             };
             let result = match answered {
                 Ok(reply) => reply.map_err(|cause| AgentCallError::MalformedReply {

@@ -951,11 +951,7 @@ impl AgentClient {
             };
             // Routed with its context: on a cluster node the turn runs on the agent's
             // owner, at the caller's depth, with its chain and trace id.
-            let answer = self
-                .runtime
-                .invoke_routed_in(&target, request.into_encoded(), call_context)
-                .await;
-            crate::system::outside_reply(&target, answer)
+            crate::system::ask_from_outside(&self.runtime, &target, request, call_context).await
         };
         self.outside_call_finished(call, result)
     }

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{truncate_utf8, ActorId, ActorKind, CallContext, CallRefused, InvokeError, TraceId};
+use troupe_core::{truncate_utf8, ActorId, ActorKind, CallContext, CallRefused, TraceId};
 use troupe_runtime::{
-    ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
+    AnyValue, ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
 };
 
 use crate::agent::{
@@ -402,11 +402,7 @@ impl AgentClient {
             if let Some(trace) = trace_id {
                 context = context.with_trace_id(trace);
             }
-            let answer = self
-                .runtime
-                .invoke_routed_in(&target, request.into_encoded(), context)
-                .await;
-            outside_reply(&target, answer)
+            ask_from_outside(&self.runtime, &target, request, context).await
         } else {
             Err(AgentCallError::Refused(CallRefused::AgentNotFound {
                 target: target.clone(),
@@ -802,15 +798,32 @@ impl AgentSystem {
     }
 }
 
-/// An agent's answer to a call from outside, as the caller sees it: a reply that does
-/// not decode is [`AgentCallError::MalformedReply`], an exhausted turn
+/// Asks agent `target` from outside under `context` (routed to its owner on a cluster
+/// node) and returns its answer as the caller sees it: a reply that does not decode is
+/// [`AgentCallError::MalformedReply`], an exhausted turn
 /// [`AgentCallError::BudgetExhausted`].
-pub(crate) fn outside_reply(
+pub(crate) async fn ask_from_outside(
+    runtime: &RuntimeHandle,
     target: &ActorId,
-    answer: Result<bytes::Bytes, InvokeError>,
+    request: AgentRequest,
+    context: CallContext,
 ) -> Result<AgentReply, AgentCallError> {
+    // Within one process the request and the reply pass as values (no encoding or
+    // decoding at either end); where root requests are routed (a cluster node) the
+    // agent's owner may be another process, so they go as bytes.
+    let answer = if runtime.has_root_call_router() {
+        runtime
+            .invoke_routed_in(target, request.into_encoded(), context)
+            .await
+            .map(|bytes| AgentReply::decode(&bytes))
+    } else {
+        runtime
+            .invoke_value_in(target, AnyValue::new(request), context)
+            .await
+            .map(AgentReply::from_value)
+    };
     match answer {
-        Ok(bytes) => AgentReply::decode(&bytes)
+        Ok(reply) => reply
             .map_err(|cause| AgentCallError::MalformedReply {
                 target: target.clone(),
                 cause,

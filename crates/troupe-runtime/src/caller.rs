@@ -342,7 +342,7 @@ impl Caller {
                 Some((&inner.id, Some(inner))),
             )
             .await
-            .and_then(|reply| into_value(reply, &admitted.target));
+            .and_then(|reply| reply.into_value(&admitted.target));
         drop(admitted);
         result
     }
@@ -497,7 +497,7 @@ impl Caller {
                 .handle
                 .send_and_wait(target, Payload::Value(message), context, None)
                 .await?;
-            into_value(reply, target)
+            reply.into_value(target)
         })
         .await
     }
@@ -556,16 +556,5 @@ fn values_are_not_routed(target: &ActorId) -> InvokeError {
         reason: "this runtime routes its turns' calls (a cluster node), which carry bytes: send bytes with \
                  Caller::invoke or Caller::invoke_as_root"
             .to_string(),
-    }
-}
-
-/// The value of a reply to a message sent as a value.
-fn into_value(reply: Payload, target: &ActorId) -> Result<AnyValue, InvokeError> {
-    match reply {
-        Payload::Value(value) => Ok(value),
-        Payload::Bytes(_) => Err(InvokeError::ActorFailed {
-            target: target.clone(),
-            cause: "the actor replied with bytes to a message sent as a value".to_string(),
-        }),
     }
 }

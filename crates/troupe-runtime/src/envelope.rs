@@ -29,6 +29,26 @@ impl Payload {
             Self::Value(_) => Err(value_for_bytes(target)),
         }
     }
+
+    /// The value of a reply to a value request.
+    #[inline]
+    pub(crate) fn into_value(self, target: &ActorId) -> Result<AnyValue, InvokeError> {
+        match self {
+            Self::Value(value) => Ok(value),
+            Self::Bytes(_) => Err(bytes_for_value(target)),
+        }
+    }
+}
+
+/// The error for a reply made as bytes to a request made as a value (see
+/// [`value_for_bytes`]).
+#[cold]
+#[inline(never)]
+fn bytes_for_value(target: &ActorId) -> InvokeError {
+    InvokeError::ActorFailed {
+        target: target.clone(),
+        cause: "the actor replied with bytes to a message sent as a value".to_string(),
+    }
 }
 
 /// The error for a reply made as a value to a request made as bytes: out of line, so that

@@ -238,6 +238,53 @@ impl RuntimeHandle {
         }
     }
 
+    /// As [`RuntimeHandle::invoke_routed_in`], passing `message` to the target as a value
+    /// within this process, unserialized: the target's [`crate::Actor::handle_value`] gets
+    /// it and its reply comes back as a value. A root request, under `context` (its
+    /// deadline capped at [`INVOKE_TIMEOUT_MS_MAX`] from now), with the admission, the
+    /// deadline, the cancellation on drop and every error of [`RuntimeHandle::invoke_in`]:
+    /// only the payload's form differs.
+    ///
+    /// Where root requests are routed (a [`RootCallRouter`] is installed: a cluster
+    /// node), the target's owner may be another process, where a value cannot go: the
+    /// request is refused and nothing is sent. Check
+    /// [`RuntimeHandle::has_root_call_router`] first and send bytes there.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke_in`]; `Rejected` (nothing sent) where root requests
+    /// are routed; and what the target does with a value (an actor that takes bytes only
+    /// rejects it).
+    pub async fn invoke_value_in(
+        &self,
+        target: &ActorId,
+        message: crate::AnyValue,
+        context: CallContext,
+    ) -> Result<crate::AnyValue, InvokeError> {
+        if crate::handle::IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        if self.has_root_call_router() {
+            return Err(InvokeError::Rejected {
+                target: target.clone(),
+                reason: "this runtime routes its root requests (a cluster node), which carry bytes: send bytes \
+                         with RuntimeHandle::invoke_routed_in"
+                    .to_string(),
+            });
+        }
+        let now = self.shared.clock.now();
+        let latest = Deadline::after(now, std::time::Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+        let context = context.with_deadline(context.deadline().min(latest));
+        self.send_and_wait_from(
+            now,
+            target,
+            crate::envelope::Payload::Value(message),
+            context.into(),
+            None,
+        )
+        .await?
+        .into_value(target)
+    }
+
     /// As [`RuntimeHandle::invoke_routed`], with the deadline `timeout` from now (capped
     /// at [`INVOKE_TIMEOUT_MS_MAX`]).
     ///

@@ -1,18 +1,21 @@
 //! `Caller::invoke_value` and `Caller::invoke_value_as_root`: a turn's calls that pass
 //! their message and reply as values within the process (what an agent's `call_agent`
 //! and its recorded exchange use), under the same admission, chain and deadline rules
-//! as the calls that carry bytes; refused where calls are routed (a cluster node).
+//! as the calls that carry bytes; refused where calls are routed (a cluster node). And
+//! `RuntimeHandle::invoke_value_in`, the same from outside any turn (what
+//! `AgentClient::ask` uses).
 //!
 //! Runs in both builds.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use troupe_core::{ActorId, ActorKind, CallRefused, InvokeError};
+use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 use troupe_runtime::{
-    Actor, ActorBox, ActorError, AnyValue, KindConfig, Runtime, Turn, TurnCall, TurnCallRouter, WaitEdge,
+    Actor, ActorBox, ActorError, AnyValue, KindConfig, RootCallRouter, Runtime, RuntimeHandle, Turn, TurnCall,
+    TurnCallRouter, WaitEdge,
 };
 
 const KIND: &str = "hop";
@@ -37,6 +40,8 @@ type Seen = Arc<Mutex<Vec<(String, u32, Vec<String>)>>>;
 struct Hop {
     key: String,
     seen: Seen,
+    /// The runtime's handle, captured (set once the runtime has started).
+    outside: Arc<OnceLock<RuntimeHandle>>,
 }
 
 /// The outcome of a value call, as text.
@@ -54,6 +59,7 @@ fn outcome(reply: Result<AnyValue, InvokeError>, sent: &Arc<String>) -> String {
             let keys: Vec<&str> = chain.iter().map(ActorId::key).collect();
             format!("cycle {}", keys.join(">"))
         }
+        Err(InvokeError::Refused(refused)) => format!("refused: {refused:?}"),
         Err(InvokeError::Rejected { reason, .. }) => format!("rejected: {reason}"),
         Err(other) => format!("other {other}"),
     }
@@ -78,6 +84,12 @@ impl Actor for Hop {
             _ => Message::Echo(Arc::clone(&sent)),
         };
         let reply = match verb {
+            // A request from outside made from inside a turn (through a captured handle).
+            "outside-value" => {
+                let handle = self.outside.get().expect("set at start");
+                let context = CallContext::root(turn.context().deadline());
+                handle.invoke_value_in(&target, AnyValue::new(message), context).await
+            }
             "root-value" => {
                 caller
                     .invoke_value_as_root(&target, AnyValue::new(message), Duration::from_millis(CALL_TIMEOUT_MS))
@@ -128,15 +140,18 @@ impl Actor for BytesOnly {
 
 fn start(seen: &Seen) -> Runtime {
     let seen = Arc::clone(seen);
+    let outside = Arc::new(OnceLock::new());
+    let handle = Arc::clone(&outside);
     let factory = move |id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
         Ok(ActorBox::new(Hop {
             key: id.key().to_string(),
             seen: Arc::clone(&seen),
+            outside: Arc::clone(&handle),
         }))
     };
     let bytes_only =
         |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(BytesOnly)) };
-    Runtime::builder()
+    let runtime = Runtime::builder()
         .register(ActorKind::new(KIND).unwrap(), factory, KindConfig::default())
         .unwrap()
         .register(
@@ -145,7 +160,9 @@ fn start(seen: &Seen) -> Runtime {
             KindConfig::default(),
         )
         .unwrap()
-        .start()
+        .start();
+    assert!(outside.set(runtime.handle()).is_ok());
+    runtime
 }
 
 async fn ask(runtime: &Runtime, key: &str, text: &str) -> String {
@@ -259,4 +276,131 @@ async fn concurrent_value_calls_each_get_their_own_value_on_the_multi_thread_run
     }
     assert_eq!(same, TASKS * CALLS_PER_TASK);
     assert_eq!(seen.lock().unwrap().len(), TASKS * CALLS_PER_TASK);
+}
+
+/// Sends `Echo(sent)` from outside with `RuntimeHandle::invoke_value_in` under `context`.
+async fn value_from_outside(runtime: &Runtime, target: &ActorId, context: CallContext) -> String {
+    let sent = Arc::new("from outside".to_string());
+    let message = AnyValue::new(Message::Echo(Arc::clone(&sent)));
+    outcome(runtime.handle().invoke_value_in(target, message, context).await, &sent)
+}
+
+/// Goal: from outside any turn, `invoke_value_in` passes the value to the target as
+/// itself and brings its reply back as itself, under the context given: a root context
+/// runs at depth 0 with an empty chain, a continued one at its depth with its chain
+/// (as a request from another process's call tree); a deadline already passed is
+/// refused `Timeout` before anything runs; an actor that takes bytes only rejects a
+/// value; from inside a turn it is refused like every root request.
+#[tokio::test(start_paused = true)]
+async fn values_from_outside_cross_as_themselves_under_the_context_given() {
+    let seen = Seen::default();
+    let runtime = start(&seen);
+    let in_ten_seconds = runtime.deadline_in(Duration::from_secs(10));
+
+    let root = value_from_outside(&runtime, &hop("b"), CallContext::root(in_ten_seconds)).await;
+    assert_eq!(root, "same");
+    let continued = CallContext::continued(2, vec![hop("x"), hop("y")], in_ten_seconds);
+    assert_eq!(value_from_outside(&runtime, &hop("c"), continued).await, "same");
+    // A call made under the continued context sees its chain: back to x is a cycle.
+    let back = CallContext::continued(1, vec![hop("b")], in_ten_seconds);
+    let sent = Arc::new("unused".to_string());
+    let reply = runtime
+        .handle()
+        .invoke_value_in(&hop("c"), AnyValue::new(Message::CallBack(hop("b"))), back)
+        .await;
+    assert_eq!(outcome(reply, &sent), "cycle b>c>b");
+
+    let passed = Deadline::from_micros(0);
+    let late = runtime
+        .handle()
+        .invoke_value_in(&hop("d"), AnyValue::new(Message::Echo(sent)), CallContext::root(passed))
+        .await;
+    assert!(matches!(late, Err(InvokeError::Timeout { .. })), "{late:?}");
+
+    let bytes_only = ActorId::new(BYTES_ONLY_KIND, "x").unwrap();
+    let rejected = value_from_outside(&runtime, &bytes_only, CallContext::root(in_ten_seconds)).await;
+    assert!(rejected.contains("takes bytes only"), "{rejected}");
+
+    assert_eq!(
+        ask(&runtime, "a", "outside-value:b").await,
+        "refused: RootInvokeInsideTurn"
+    );
+
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![
+            ("b".to_string(), 0, vec![]),
+            ("c".to_string(), 2, vec!["x".to_string(), "y".to_string()]),
+            ("c".to_string(), 1, vec!["b".to_string()]),
+        ]
+    );
+    runtime.shutdown().await;
+}
+
+/// A root router that runs every request here, counting them.
+struct CountingRootRouter {
+    handle: troupe_runtime::RuntimeHandle,
+    calls: Mutex<u32>,
+}
+
+#[async_trait]
+impl RootCallRouter for CountingRootRouter {
+    async fn invoke_root(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
+        *self.calls.lock().unwrap() += 1;
+        self.handle.invoke_root_for_router(target, payload, deadline).await
+    }
+}
+
+/// Goal: where root requests are routed (a cluster node, where the target's owner may
+/// be another process), `invoke_value_in` is refused `Rejected` with nothing sent: the
+/// router sees no request and the target never runs.
+#[tokio::test(start_paused = true)]
+async fn a_runtime_that_routes_root_requests_refuses_values_from_outside() {
+    let seen = Seen::default();
+    let runtime = start(&seen);
+    let router = Arc::new(CountingRootRouter {
+        handle: runtime.handle(),
+        calls: Mutex::new(0),
+    });
+    assert!(runtime.handle().set_root_call_router(router.clone()).is_ok());
+
+    let context = CallContext::root(runtime.deadline_in(Duration::from_secs(10)));
+    let refused = value_from_outside(&runtime, &hop("b"), context).await;
+    assert!(refused.starts_with("rejected: "), "{refused}");
+    assert!(refused.contains("routes its root requests"), "{refused}");
+    assert_eq!(*router.calls.lock().unwrap(), 0);
+    assert!(seen.lock().unwrap().is_empty());
+    runtime.shutdown().await;
+}
+
+/// Goal: on worker threads, concurrent values from outside each come back as
+/// themselves (8 tasks × 50 requests to 4 actors).
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_values_from_outside_each_get_their_own_on_the_multi_thread_runtime() {
+    const TASKS: usize = 8;
+    const REQUESTS_PER_TASK: usize = 50;
+    let seen = Seen::default();
+    let runtime = Arc::new(start(&seen));
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let runtime = Arc::clone(&runtime);
+        tasks.push(tokio::spawn(async move {
+            let mut same = 0;
+            for request in 0..REQUESTS_PER_TASK {
+                let target = hop(&format!("t{}", (task + request) % 4));
+                let context = CallContext::root(runtime.deadline_in(Duration::from_secs(10)));
+                if value_from_outside(&runtime, &target, context).await == "same" {
+                    same += 1;
+                }
+            }
+            same
+        }));
+    }
+    let mut same = 0;
+    for task in tasks {
+        same += task.await.unwrap();
+    }
+    assert_eq!(same, TASKS * REQUESTS_PER_TASK);
+    assert_eq!(seen.lock().unwrap().len(), TASKS * REQUESTS_PER_TASK);
 }

@@ -4,6 +4,7 @@
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::ActorId;
+use troupe_runtime::AnyValue;
 
 use crate::inbox::AgentCommand;
 use crate::{Budget, BudgetExhausted, Spend, TokenUsage};
@@ -82,6 +83,17 @@ impl AgentReply {
     /// The decoding error, as text.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         bincode::deserialize(bytes).map_err(|error| error.to_string())
+    }
+
+    /// The reply an agent's turn answered as a value (an ask made as a value within
+    /// this process).
+    ///
+    /// # Errors
+    /// What the value was instead, as text.
+    pub(crate) fn from_value(value: AnyValue) -> Result<Self, String> {
+        value
+            .downcast::<Self>()
+            .map_err(|_| "the agent replied with something other than an AgentReply".to_string())
     }
 }
 
