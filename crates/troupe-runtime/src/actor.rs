@@ -167,12 +167,20 @@ pub trait Actor: Send + 'static {
     }
 
     /// Not for implementors: the turn for a message passed as a value, as the runtime
-    /// polls it. The default boxes [`Actor::handle_value`]'s future; the adapter of a
-    /// [`crate::TypedActor`] overrides it to run its handler without a heap allocation
-    /// per message (see `handler_slot.rs`).
+    /// polls it, its future in the activation's `slot` (the block its turns' futures run
+    /// in, see `handler_slot.rs`). The default places [`Actor::handle_value`]'s future
+    /// there; the adapter of a [`crate::TypedActor`] overrides it to unwrap the message
+    /// first.
     #[doc(hidden)]
-    fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
-        ValueTurn(ValueTurnInner::Boxed(Box::pin(self.handle_value(turn, message))))
+    fn handle_value_turn<'a>(
+        &'a mut self,
+        slot: &'a mut TurnSlot,
+        turn: &'a mut Turn,
+        message: AnyValue,
+    ) -> ValueTurn<'a> {
+        // Made once its block is ready, so that it is written where it is polled: an
+        // agent's turn future is kilobytes.
+        ValueTurn::in_slot(slot.0.place_with(move || self.handle_value(turn, message)))
     }
 
     /// Runs once before the actor is deactivated; its snapshot is committed afterwards.
@@ -211,8 +219,9 @@ pub trait Actor: Send + 'static {
 ///
 /// [`Actor`]'s hooks return futures of the actor's own types, so `dyn Actor` is not a
 /// type; `ActorBox` is the one object the runtime needs instead. It keeps one block for
-/// [`Actor::handle`]'s future for as long as the activation lives, allocated at the
-/// first turn and reused by every later one (see `handler_slot.rs`). The rare hooks
+/// its turns' futures ([`Actor::handle`]'s, or [`Actor::handle_value`]'s) for as long as
+/// the activation lives, allocated at the first turn and reused by every later one (see
+/// `handler_slot.rs`). The rare hooks
 /// (`on_activate`, `on_deactivate`) are boxed.
 pub struct ActorBox(Box<dyn ErasedActor>);
 
@@ -221,7 +230,7 @@ impl ActorBox {
     pub fn new<A: Actor>(actor: A) -> Self {
         Self(Box::new(Slotted {
             actor,
-            slot: HandlerSlot::new(),
+            slot: TurnSlot(HandlerSlot::new()),
         }))
     }
 
@@ -272,8 +281,14 @@ trait ErasedActor: Send {
 /// An actor and the slot its turns' futures run in.
 struct Slotted<A> {
     actor: A,
-    slot: HandlerSlot,
+    slot: TurnSlot,
 }
+
+/// The block of memory an activation's turn futures run in, bytes and values alike
+/// (one turn at a time): an [`ActorBox`] holds it. Not for implementors: it appears
+/// only in the hidden [`Actor::handle_value_turn`].
+#[doc(hidden)]
+pub struct TurnSlot(pub(crate) HandlerSlot);
 
 impl<A: Actor> ErasedActor for Slotted<A> {
     fn on_activate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a> {
@@ -290,12 +305,13 @@ impl<A: Actor> ErasedActor for Slotted<A> {
     #[inline]
     fn handle<'a>(&'a mut self, turn: &'a mut Turn, payload: Bytes) -> BytesTurn<'a> {
         let actor = &mut self.actor;
-        self.slot.place_with(move || actor.handle(turn, payload))
+        self.slot.0.place_with(move || actor.handle(turn, payload))
     }
 
     #[inline]
     fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
-        self.actor.handle_value_turn(turn, message)
+        let Self { actor, slot } = self;
+        actor.handle_value_turn(slot, turn, message)
     }
 
     #[inline]
@@ -305,15 +321,14 @@ impl<A: Actor> ErasedActor for Slotted<A> {
 }
 
 /// The future of one turn for a message passed as a value (see
-/// `Actor::handle_value_turn`): boxed, in a typed actor's reusable slot, or decided
-/// before it started.
+/// `Actor::handle_value_turn`): in the activation's reusable slot, or decided before it
+/// started.
 pub struct ValueTurn<'a>(ValueTurnInner<'a>);
 
 /// What a turn for a value ends with.
 type ValueOutcome = Result<AnyValue, ActorError>;
 
 enum ValueTurnInner<'a> {
-    Boxed(Pin<Box<dyn Future<Output = ValueOutcome> + Send + 'a>>),
     InSlot(InSlot<'a, ValueOutcome>),
     Ready(Option<ValueOutcome>),
 }
@@ -330,8 +345,8 @@ impl<'a> ValueTurn<'a> {
     }
 }
 
-// Nothing in it is pinned in place: a boxed future and a slot's future are pinned where
-// they lie, behind a pointer, and a decided outcome is only taken out.
+// Nothing in it is pinned in place: a slot's future is pinned where it lies, behind a
+// pointer, and a decided outcome is only taken out.
 impl Unpin for ValueTurn<'_> {}
 
 impl Future for ValueTurn<'_> {
@@ -339,7 +354,6 @@ impl Future for ValueTurn<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<ValueOutcome> {
         match &mut self.get_mut().0 {
-            ValueTurnInner::Boxed(future) => future.as_mut().poll(cx),
             ValueTurnInner::InSlot(future) => Pin::new(future).poll(cx),
             ValueTurnInner::Ready(outcome) => Poll::Ready(outcome.take().expect("a decided turn is polled once")),
         }

@@ -7,7 +7,7 @@
 //! turn 1: HandlerSlot::place(future) ─► allocates the block, moves the future in ─► InSlot
 //! InSlot polled where it lies (the block never moves while a future lives in it)
 //! InSlot dropped ─► the future is dropped in place; the block stays for turn 2
-//! activation ends ─► the slot (in the `ActorBox`, or the typed adapter) frees the block
+//! activation ends ─► the slot (in the `ActorBox`) frees the block
 //! ```
 //!
 //! Why not a `Box` per turn: a boxed future is a `malloc` and a `free` per message,

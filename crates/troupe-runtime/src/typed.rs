@@ -34,7 +34,7 @@ use serde::Serialize;
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, ActorKind, CallRefused, Deadline, InvokeError};
 
-use crate::actor::ValueTurn;
+use crate::actor::{TurnSlot, ValueTurn};
 use crate::envelope::{EnvelopeContext, Payload};
 use crate::handle::{RouteCache, Told as Handed, IN_TURN};
 use crate::handler_slot::HandlerSlot;
@@ -92,19 +92,15 @@ pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
     ) -> impl Future<Output = Result<Self::Reply, ActorError>> + Send;
 }
 
-/// Runs a [`TypedActor`] as an [`Actor`]: the actor, and the reusable memory its
-/// handler's futures run in (one block per activation, not one box per message).
+/// Runs a [`TypedActor`] as an [`Actor`]. Its handler's futures run in the
+/// activation's [`TurnSlot`] (one block per activation, not one box per message).
 struct TypedAdapter<A> {
     actor: A,
-    slot: HandlerSlot,
 }
 
 impl<A> TypedAdapter<A> {
     fn new(actor: A) -> Self {
-        Self {
-            actor,
-            slot: HandlerSlot::new(),
-        }
+        Self { actor }
     }
 }
 
@@ -127,12 +123,20 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
     }
 
     async fn handle_value(&mut self, turn: &mut Turn, message: AnyValue) -> Result<AnyValue, ActorError> {
-        self.handle_value_turn(turn, message).await
+        // Not the runtime's path (it calls `handle_value_turn` with the activation's
+        // slot): a slot for this turn only.
+        let mut slot = TurnSlot(HandlerSlot::new());
+        self.handle_value_turn(&mut slot, turn, message).await
     }
 
-    /// The handler's future runs in the adapter's slot: after the activation's first
+    /// The handler's future runs in the activation's slot: after the activation's first
     /// message, a message costs no allocation for it.
-    fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a> {
+    fn handle_value_turn<'a>(
+        &'a mut self,
+        slot: &'a mut TurnSlot,
+        turn: &'a mut Turn,
+        message: AnyValue,
+    ) -> ValueTurn<'a> {
         // An `ask`'s message comes as itself, a `tell`'s wrapped in `Told`, whose reply
         // nobody reads: it gets the zero-sized `Unread`.
         let (message, told) = match message.downcast::<A::Message>() {
@@ -147,8 +151,8 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
                 }
             },
         };
-        let Self { actor, slot } = self;
-        ValueTurn::in_slot(slot.place(async move {
+        let actor = &mut self.actor;
+        ValueTurn::in_slot(slot.0.place(async move {
             let reply = actor.handle(turn, message).await?;
             Ok(if told {
                 AnyValue::new(Unread)
@@ -435,6 +439,16 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// Goal: a typed actor's adapter adds nothing to the actor it runs (its turns run in
+    /// the activation's slot, which the `ActorBox` holds: one per activation, not two).
+    #[test]
+    fn a_typed_adapter_is_the_size_of_its_actor() {
+        assert_eq!(
+            std::mem::size_of::<TypedAdapter<Varied>>(),
+            std::mem::size_of::<Varied>()
+        );
+    }
 
     /// A typed actor whose state has fields of several encodings (fixed-size, length-
     /// prefixed, optional), so that encodings of two states can differ anywhere, in
