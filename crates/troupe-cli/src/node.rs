@@ -615,7 +615,8 @@ pub fn router(client: ClusterClient, token: Option<String>) -> Router {
 /// the conversation logs (kind [`LOG_KIND_WITH_AGENTS`]) at `POST` and
 /// `GET /v1/logs/{id}/messages`.
 pub fn agents_router(client: ClusterClient, agents: AgentClient, token: Option<String>) -> Router {
-    let mut config = troupe_server::ServerConfig::default();
+    // A2A tasks are numbered in this node's own space (`ServerConfig::node`).
+    let mut config = troupe_server::ServerConfig::default().node(client.node().to_string());
     if let Some(token) = &token {
         config = config.token(token.clone());
     }

@@ -1221,3 +1221,154 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
     );
     drop(nodes);
 }
+
+/// An A2A `SendMessage` (blocking) of `text` to `agent` through `addr`, with message id
+/// `message_id`: the HTTP status and the JSON-RPC answer.
+fn a2a_send(addr: &str, agent: &str, text: &str, message_id: &str) -> std::io::Result<(u16, Value)> {
+    let message = serde_json::json!({"messageId": message_id, "role": "ROLE_USER", "parts": [{"text": text}]});
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {"message": message}});
+    http(addr, "POST", &format!("/a2a/{agent}"), &body.to_string())
+}
+
+/// An A2A `GetTask` of task `task` of `agent` through `addr`.
+fn a2a_get(addr: &str, agent: &str, task: &str) -> std::io::Result<(u16, Value)> {
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "GetTask", "params": {"id": task}});
+    http(addr, "POST", &format!("/a2a/{agent}"), &body.to_string())
+}
+
+/// The text of an A2A task's reply (its artifacts' text parts).
+fn a2a_reply_text(task: &Value) -> String {
+    task["artifacts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|artifact| artifact["parts"].as_array().into_iter().flatten())
+        .filter_map(|part| part["text"].as_str())
+        .collect()
+}
+
+/// How many times `agent`'s log (read through `addr`) holds the user message `text`.
+fn asked(addr: &str, agent: &str, text: &str) -> usize {
+    history(addr, agent)
+        .iter()
+        .filter(|(role, content)| role == "user" && content == text)
+        .count()
+}
+
+/// Goal: A2A on a cluster, as docs/cluster.md describes it. Through the node that first
+/// stores an agent's A2A task, blocking `SendMessage`s run the agent's turns (one of
+/// them a `call_agent` to an agent owned by the other node) and complete with their
+/// answers; `GetTask` through that node finds them. Through the other node, a
+/// `SendMessage` to the same agent is refused as retryable (503, -32000: its task
+/// cannot be stored, since the first node holds the agent's A2A records, and the error
+/// names that node) and runs nothing; `GetTask` there does not know the first node's
+/// tasks (each node keeps its own). Once the first node is killed and its lease has run
+/// out, the other node stores and runs the agent's A2A tasks, numbered in its own space
+/// (`a-task-h1-…`): the agent runs its task and answers it. Before tasks were numbered
+/// per node, both nodes numbered from 0, and `GetTask` through h1 of h0's first task
+/// returned h1's own refused task under the same id (this test failed there). Method: etcd and PostgreSQL from the Debian packages, two nodes with the
+/// same config and the scripted model; `b` is first asked through h1 (so h1 owns it),
+/// then `a` over A2A through h0: three tasks answered "hello from a", one through `b`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a2a_on_two_node_processes_runs_through_the_node_holding_the_agents_records() {
+    let started = Instant::now();
+    let etcd = TestEtcd::start("cluster-a2a").await;
+    let postgres = TestServer::start("cluster-a2a");
+    let database = postgres.create_database("a2a").await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = dir.path().join("org.toml");
+    std::fs::write(&config, AGENTS_CONFIG).expect("write the config");
+    let config = config.to_str().expect("utf-8 path").to_string();
+    let mut nodes: Vec<NodeProcess> = (0..2)
+        .map(|index| {
+            NodeProcess::start_with(
+                &format!("h{index}"),
+                &etcd.endpoint(),
+                &database,
+                &["--config", &config, "--scripted"],
+            )
+        })
+        .collect();
+    println!(
+        "etcd, PostgreSQL and 2 agent nodes up in {} ms",
+        started.elapsed().as_millis()
+    );
+    let (h0, h1) = (nodes[0].http.clone(), nodes[1].http.clone());
+    let (status, reply) = ask(&h1, "b", "route:").expect("ask b");
+    assert_eq!((status, reply["text"].as_str()), (200, Some("hello from b")), "{reply}");
+
+    // Through h0: three tasks answered by a, then one a answers through b (on h1).
+    let mut tasks = Vec::new();
+    for (n, (text, answer)) in [
+        ("route:", "hello from a"),
+        ("route:", "hello from a"),
+        ("route:", "hello from a"),
+        ("route: b", "hello from b"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (status, reply) = a2a_send(&h0, "a", text, &format!("h0-m{n}")).expect("A2A send through h0");
+        let task = &reply["result"]["task"];
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{reply}");
+        assert_eq!(a2a_reply_text(task), answer, "{reply}");
+        assert_eq!(task["id"], format!("a-task-h0-{n}"), "numbered in h0's space: {reply}");
+        tasks.push(task["id"].as_str().expect("an id").to_string());
+    }
+    assert_eq!(agent_owner(&database, "b").await, "h1", "a's call crossed to h1");
+    let (status, reply) = a2a_get(&h0, "a", &tasks[3]).expect("GetTask through h0");
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(a2a_reply_text(&reply["result"]), "hello from b", "{reply}");
+
+    // Through h1: refused (retryable), nothing run; h0's tasks unknown there.
+    let a_asked = asked(&h0, "a", "route: b");
+    let (status, reply) = a2a_send(&h1, "a", "route: b", "h1-refused").expect("A2A send through h1");
+    assert_eq!(status, 503, "{reply}");
+    assert_eq!(reply["error"]["code"], -32000, "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("could not be stored") && message.contains("not owned by this node") && message.contains("h0"),
+        "{reply}"
+    );
+    assert_eq!(asked(&h0, "a", "route: b"), a_asked, "the refused task did not run");
+    let (status, reply) = a2a_get(&h1, "a", &tasks[0]).expect("GetTask through h1");
+    assert_eq!(status, 200, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .is_some_and(|message| message.contains(&tasks[0])),
+        "h1 does not know h0's task: {reply}"
+    );
+
+    // h0 killed: once its lease has run out, h1 takes the agent's A2A records over.
+    nodes[0].kill();
+    let killed = Instant::now();
+    std::thread::sleep(Duration::from_millis(LEASE_TTL_MS + RECOVERY_SLACK_MS));
+    let mut refusals = Vec::new();
+    let task = loop {
+        let (status, reply) =
+            a2a_send(&h1, "a", "route: b", &format!("h1-m{}", refusals.len())).expect("A2A send through h1");
+        if status == 200 {
+            break reply["result"]["task"].clone();
+        }
+        refusals.push(format!("{} ms: {status} {reply}", killed.elapsed().as_millis()));
+        assert!(
+            killed.elapsed() < Duration::from_millis(LEASE_TTL_MS + 2 * RECOVERY_SLACK_MS),
+            "h1 did not take a's A2A records over: {refusals:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    println!(
+        "h1 ran an A2A task for a {} ms after h0's kill (lease {LEASE_TTL_MS} ms), after {} refusals",
+        killed.elapsed().as_millis(),
+        refusals.len()
+    );
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{task}");
+    assert!(
+        task["id"].as_str().is_some_and(|id| id.starts_with("a-task-h1-")),
+        "numbered in h1's space: {task}"
+    );
+    assert_eq!(a2a_reply_text(&task), "hello from b", "the agent ran this task: {task}");
+    assert_eq!(asked(&h1, "a", "route: b"), a_asked + 1, "a ran it once");
+}

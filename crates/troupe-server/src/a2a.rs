@@ -106,7 +106,7 @@ type Shared = State<Arc<A2a>>;
 pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
     let store = TaskStore::new(Arc::clone(app.client.runtime().store()));
     let a2a = Arc::new(A2a {
-        tasks: TaskRegistry::new(app.config.a2a_tasks_kept),
+        tasks: TaskRegistry::new(app.config.a2a_tasks_kept, app.config.node.clone()),
         app,
         store,
         loaded: tokio::sync::OnceCell::new(),

@@ -9,7 +9,8 @@
 //! `watch` channel per task.
 //!
 //! Durable: every record is written to the store ([`TaskStore`], key space
-//! `troupe-a2a/{agent}`, `task/{seq:020}`) before the client hears of it, and again
+//! `troupe-a2a/{agent}`, `task/{seq:020}`, or `task/{node}/{seq:020}` on a cluster
+//! node) before the client hears of it, and again
 //! when it ends; a task's turn is a Troupe external task in the agent's durable inbox
 //! (`AgentClient::delegate_external`, deduplicated by the A2A task id). After a
 //! restart on the same store the records are read back; one that had not ended goes
@@ -46,7 +47,7 @@ const A2A_LOAD_PAGE: usize = 256;
 /// One A2A task as the server knows it (and stores it, as JSON).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct TaskRecord {
-    /// `{agent}-task-{n}`.
+    /// `{agent}-task-{n}`, or `{agent}-task-{node}-{n}` on a cluster node.
     pub(crate) id: String,
     /// Creation order, across every agent; the `ListTasks` page token.
     pub(crate) seq: u64,
@@ -83,6 +84,14 @@ pub(crate) struct TaskRecord {
     /// (forgotten with it). None before, or in tasks stored before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) inner: Option<String>,
+    /// The cluster node that numbered it (`None` on a single server). Its id and its
+    /// store key carry the node's name: each node numbers its tasks itself, so without
+    /// it a node that takes over an agent's A2A records after another's death would
+    /// number a new task as one of the dead node's, overwrite that task's record, and
+    /// be answered by the agent with that task's outcome (its inbox deduplicates
+    /// external tasks by id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) node: Option<String>,
 }
 
 /// An ended task the registry let go to make room: its store record is deleted, and
@@ -90,6 +99,7 @@ pub(crate) struct TaskRecord {
 #[derive(Debug, Clone)]
 pub(crate) struct Forgotten {
     pub(crate) agent: String,
+    pub(crate) node: Option<String>,
     pub(crate) seq: u64,
     pub(crate) inner: Option<String>,
 }
@@ -101,8 +111,13 @@ pub(crate) struct TaskStore {
     writer: tokio::sync::Mutex<()>,
 }
 
-fn task_key(seq: u64) -> String {
-    format!("task/{seq:020}")
+/// A task's store key: `task/{seq:020}`, or `task/{node}/{seq:020}` for a task numbered
+/// by a cluster node (see [`TaskRecord::node`]).
+fn task_key(node: Option<&str>, seq: u64) -> String {
+    match node {
+        Some(node) => format!("task/{node}/{seq:020}"),
+        None => format!("task/{seq:020}"),
+    }
 }
 
 fn store_id(agent: &str) -> Result<ActorId, StoreError> {
@@ -138,11 +153,11 @@ impl TaskStore {
             cause: error.to_string(),
         })?;
         for forgotten in forgotten {
-            self.write(&forgotten.agent, vec![(task_key(forgotten.seq), None)])
-                .await?;
+            let key = task_key(forgotten.node.as_deref(), forgotten.seq);
+            self.write(&forgotten.agent, vec![(key, None)]).await?;
         }
-        self.write(&record.agent, vec![(task_key(record.seq), Some(Bytes::from(bytes)))])
-            .await
+        let key = task_key(record.node.as_deref(), record.seq);
+        self.write(&record.agent, vec![(key, Some(Bytes::from(bytes)))]).await
     }
 
     /// Every stored record of `agents`, oldest first per agent.
@@ -241,14 +256,19 @@ pub(crate) struct TaskRegistry {
     inner: Mutex<Inner>,
     /// Tasks kept, at most (`ServerConfig::a2a_tasks_kept`).
     kept_max: usize,
+    /// The cluster node the server runs on (`ServerConfig::node`), which numbers its
+    /// tasks in its own space (see [`TaskRecord::node`]).
+    node: Option<String>,
 }
 
 impl TaskRegistry {
-    /// Keeps at most `kept_max` tasks (at least 1).
-    pub(crate) fn new(kept_max: usize) -> Self {
+    /// Keeps at most `kept_max` tasks (at least 1), numbered in `node`'s space on a
+    /// cluster node.
+    pub(crate) fn new(kept_max: usize, node: Option<String>) -> Self {
         Self {
             inner: Mutex::default(),
             kept_max: kept_max.max(1),
+            node,
         }
     }
 
@@ -307,8 +327,16 @@ impl TaskRegistry {
         let forgotten = oldest_ended.iter().filter_map(|id| inner.forget(id)).collect();
         let seq = inner.next;
         inner.next += 1;
-        let id = format!("{agent}-task-{seq}");
-        let context_id = context_id.unwrap_or_else(|| format!("{agent}-context-{seq}"));
+        let (id, context_id) = match &self.node {
+            Some(node) => (
+                format!("{agent}-task-{node}-{seq}"),
+                context_id.unwrap_or_else(|| format!("{agent}-context-{node}-{seq}")),
+            ),
+            None => (
+                format!("{agent}-task-{seq}"),
+                context_id.unwrap_or_else(|| format!("{agent}-context-{seq}")),
+            ),
+        };
         request["taskId"] = Value::String(id.clone());
         request["contextId"] = Value::String(context_id.clone());
         let record = TaskRecord {
@@ -331,6 +359,7 @@ impl TaskRegistry {
             busy: false,
             trace_id,
             inner: None,
+            node: self.node.clone(),
         };
         if let Some(lane) = &lane {
             lane.waiting.fetch_add(1, Ordering::SeqCst);
@@ -445,6 +474,7 @@ impl Inner {
         }
         Some(Forgotten {
             agent: record.agent.clone(),
+            node: record.node.clone(),
             seq: record.seq,
             inner: record.inner.clone(),
         })
@@ -473,6 +503,7 @@ mod tests {
             busy: false,
             trace_id: String::new(),
             inner: Some(format!("echo-inner-{seq}")),
+            node: None,
         }
     }
 
@@ -490,13 +521,55 @@ mod tests {
         registry.create("echo", None, request, call(), None)
     }
 
+    /// Goal: on a cluster node, tasks are numbered in the node's own space: the id, the
+    /// context id and the store key carry the node's name, so a task another node
+    /// numbered (restored from the store) never shares either with one of this node's,
+    /// and a task let go is deleted under the key it was stored at. On a single server
+    /// they are as before.
+    #[test]
+    fn a_cluster_node_numbers_its_tasks_in_its_own_space() {
+        let registry = TaskRegistry::new(1, Some("n2".to_string()));
+        let mut theirs = record(0, TaskState::Completed);
+        theirs.node = Some("n1".to_string());
+        theirs.id = "echo-task-n1-0".to_string();
+        registry.restore(theirs);
+        let Ok(Created::New(mine, _, forgotten)) = create(&registry, "new-1") else {
+            panic!("room was made");
+        };
+        assert_eq!(mine.id, "echo-task-n2-1");
+        assert_eq!(mine.context_id, "echo-context-n2-1");
+        assert_eq!(mine.request["taskId"], "echo-task-n2-1");
+        assert_eq!(mine.node.as_deref(), Some("n2"));
+        assert_eq!(task_key(mine.node.as_deref(), mine.seq), "task/n2/00000000000000000001");
+        assert_eq!(forgotten.len(), 1);
+        assert_eq!(
+            task_key(forgotten[0].node.as_deref(), forgotten[0].seq),
+            "task/n1/00000000000000000000",
+            "the other node's task is deleted under its own key"
+        );
+        let stored: TaskRecord = serde_json::from_value(serde_json::to_value(&mine).unwrap()).unwrap();
+        assert_eq!(stored.node.as_deref(), Some("n2"));
+
+        let single = TaskRegistry::new(1, None);
+        let Ok(Created::New(plain, _, _)) = create(&single, "new-1") else {
+            panic!("a task");
+        };
+        assert_eq!((plain.id.as_str(), plain.node.as_deref()), ("echo-task-0", None));
+        assert_eq!(task_key(None, plain.seq), "task/00000000000000000000");
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(
+            json.get("node").is_none(),
+            "a single server's records are stored as before: {json}"
+        );
+    }
+
     /// Goal: a registry holding more tasks than it keeps (after a restart with a
     /// smaller `kept_max`) lets as many of the oldest ended tasks go as it takes to
     /// make room, oldest first, each with its agent's record; with too few ended it
     /// refuses (`Full`) and lets none go.
     #[test]
     fn room_is_made_from_the_oldest_ended_tasks_and_only_if_enough_ended() {
-        let registry = TaskRegistry::new(3);
+        let registry = TaskRegistry::new(3, None);
         registry.restore(record(0, TaskState::Completed));
         registry.restore(record(1, TaskState::Submitted));
         registry.restore(record(2, TaskState::Failed));

@@ -23,6 +23,11 @@ pub struct ServerConfig {
     /// [`A2A_TASKS_KEPT_MAX`] (the default): past it the oldest ended task is forgotten,
     /// and so is its agent's record of it.
     pub a2a_tasks_kept: usize,
+    /// The cluster node this server runs on (`None`: a single server). A2A task ids
+    /// (`{agent}-task-{node}-{n}`) and their stored records carry it, so that two nodes
+    /// never number the same task: a node that takes over an agent's A2A records after
+    /// another node's death then neither overwrites its tasks nor reuses their ids.
+    pub node: Option<String>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -33,6 +38,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("concurrent_requests_max", &self.concurrent_requests_max)
             .field("request_timeout", &self.request_timeout)
             .field("a2a_tasks_kept", &self.a2a_tasks_kept)
+            .field("node", &self.node)
             .finish()
     }
 }
@@ -44,6 +50,7 @@ impl Default for ServerConfig {
             concurrent_requests_max: SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
             request_timeout: Duration::from_millis(SERVER_REQUEST_TIMEOUT_MS_DEFAULT),
             a2a_tasks_kept: A2A_TASKS_KEPT_MAX,
+            node: None,
         }
     }
 }
@@ -70,6 +77,12 @@ impl ServerConfig {
     /// Keeps at most `kept` A2A tasks (see [`ServerConfig::a2a_tasks_kept`]).
     pub fn a2a_tasks_kept(mut self, kept: usize) -> Self {
         self.a2a_tasks_kept = kept;
+        self
+    }
+
+    /// Runs as cluster node `node` (see [`ServerConfig::node`]).
+    pub fn node(mut self, node: impl Into<String>) -> Self {
+        self.node = Some(node.into());
         self
     }
 
