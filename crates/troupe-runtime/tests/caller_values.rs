@@ -247,13 +247,21 @@ async fn a_runtime_that_routes_calls_refuses_values_with_nothing_sent() {
     runtime.shutdown().await;
 }
 
-/// Goal: on worker threads, concurrent turns' value calls each get their own value
-/// back (8 tasks × 50 calls through 8 callers to 2 callees).
+/// Tasks on worker threads in the multi-thread tests, and attempts per task.
 #[cfg(not(madsim))]
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_value_calls_each_get_their_own_value_on_the_multi_thread_runtime() {
-    const TASKS: usize = 8;
-    const CALLS_PER_TASK: usize = 50;
+const TASKS: usize = 8;
+#[cfg(not(madsim))]
+const ATTEMPTS_PER_TASK: usize = 50;
+
+/// Runs `attempt(runtime, task, n)` [`ATTEMPTS_PER_TASK`] times in each of [`TASKS`]
+/// spawned tasks and returns how many answered "same"; checks that every attempt ran
+/// one value turn.
+#[cfg(not(madsim))]
+async fn same_answers_on_worker_threads<F, Fut>(attempt: F) -> usize
+where
+    F: Fn(Arc<Runtime>, usize, usize) -> Fut + Send + Sync + Copy + 'static,
+    Fut: std::future::Future<Output = String> + Send,
+{
     let seen = Seen::default();
     let runtime = Arc::new(start(&seen));
     let mut tasks = Vec::new();
@@ -261,9 +269,8 @@ async fn concurrent_value_calls_each_get_their_own_value_on_the_multi_thread_run
         let runtime = Arc::clone(&runtime);
         tasks.push(tokio::spawn(async move {
             let mut same = 0;
-            for call in 0..CALLS_PER_TASK {
-                let callee = if call % 2 == 0 { "even" } else { "odd" };
-                if ask(&runtime, &format!("caller-{task}"), &format!("value:{callee}")).await == "same" {
+            for n in 0..ATTEMPTS_PER_TASK {
+                if attempt(Arc::clone(&runtime), task, n).await == "same" {
                     same += 1;
                 }
             }
@@ -274,8 +281,21 @@ async fn concurrent_value_calls_each_get_their_own_value_on_the_multi_thread_run
     for task in tasks {
         same += task.await.unwrap();
     }
-    assert_eq!(same, TASKS * CALLS_PER_TASK);
-    assert_eq!(seen.lock().unwrap().len(), TASKS * CALLS_PER_TASK);
+    assert_eq!(seen.lock().unwrap().len(), TASKS * ATTEMPTS_PER_TASK);
+    same
+}
+
+/// Goal: on worker threads, concurrent turns' value calls each get their own value
+/// back (8 tasks × 50 calls through 8 callers to 2 callees).
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_value_calls_each_get_their_own_value_on_the_multi_thread_runtime() {
+    let same = same_answers_on_worker_threads(|runtime, task, call| async move {
+        let callee = if call % 2 == 0 { "even" } else { "odd" };
+        ask(&runtime, &format!("caller-{task}"), &format!("value:{callee}")).await
+    })
+    .await;
+    assert_eq!(same, TASKS * ATTEMPTS_PER_TASK);
 }
 
 /// Sends `Echo(sent)` from outside with `RuntimeHandle::invoke_value_in` under `context`.
@@ -378,29 +398,11 @@ async fn a_runtime_that_routes_root_requests_refuses_values_from_outside() {
 #[cfg(not(madsim))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_values_from_outside_each_get_their_own_on_the_multi_thread_runtime() {
-    const TASKS: usize = 8;
-    const REQUESTS_PER_TASK: usize = 50;
-    let seen = Seen::default();
-    let runtime = Arc::new(start(&seen));
-    let mut tasks = Vec::new();
-    for task in 0..TASKS {
-        let runtime = Arc::clone(&runtime);
-        tasks.push(tokio::spawn(async move {
-            let mut same = 0;
-            for request in 0..REQUESTS_PER_TASK {
-                let target = hop(&format!("t{}", (task + request) % 4));
-                let context = CallContext::root(runtime.deadline_in(Duration::from_secs(10)));
-                if value_from_outside(&runtime, &target, context).await == "same" {
-                    same += 1;
-                }
-            }
-            same
-        }));
-    }
-    let mut same = 0;
-    for task in tasks {
-        same += task.await.unwrap();
-    }
-    assert_eq!(same, TASKS * REQUESTS_PER_TASK);
-    assert_eq!(seen.lock().unwrap().len(), TASKS * REQUESTS_PER_TASK);
+    let same = same_answers_on_worker_threads(|runtime, task, request| async move {
+        let target = hop(&format!("t{}", (task + request) % 4));
+        let context = CallContext::root(runtime.deadline_in(Duration::from_secs(10)));
+        value_from_outside(&runtime, &target, context).await
+    })
+    .await;
+    assert_eq!(same, TASKS * ATTEMPTS_PER_TASK);
 }
