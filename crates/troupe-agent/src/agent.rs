@@ -111,6 +111,10 @@ impl fmt::Debug for AgentActor {
 }
 
 impl Actor for AgentActor {
+    /// Its turns' futures are kilobytes: kept, not allocated at each turn (see
+    /// [`crate::limits::AGENT_TURN_FUTURE_KEPT_BYTES_MAX`]).
+    const TURN_FUTURE_KEPT_BYTES_MAX: usize = crate::limits::AGENT_TURN_FUTURE_KEPT_BYTES_MAX;
+
     async fn on_activate(&mut self, _id: &ActorId) -> Result<(), ActorError> {
         if self.shared.has_listeners() {
             self.shared.emit(&AgentEvent::Activated {

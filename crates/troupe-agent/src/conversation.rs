@@ -585,6 +585,10 @@ fn wake_failed(error: InvokeError) -> ActorError {
 }
 
 impl Actor for ConversationActor {
+    /// Its turns' futures are kilobytes: kept, not allocated at each turn (see
+    /// [`crate::limits::AGENT_TURN_FUTURE_KEPT_BYTES_MAX`]).
+    const TURN_FUTURE_KEPT_BYTES_MAX: usize = crate::limits::AGENT_TURN_FUTURE_KEPT_BYTES_MAX;
+
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let command: ConvCommand = bincode::deserialize(&payload)
             .map_err(|cause| ActorError::rejected(format!("not a conversation command: {cause}")))?;

@@ -19,6 +19,16 @@ pub const AGENT_TOOL_RESULT_SIZE_MAX_BYTES: usize = 16 * 1024;
 /// Most messages kept in the conversation window of the agent's snapshot (the full log
 /// is in the store).
 pub const AGENT_HISTORY_WINDOW_MAX: usize = 64;
+
+/// Bytes of a turn's future that an agent's or a conversation's activation keeps from
+/// one turn to the next (`troupe_runtime::Actor::TURN_FUTURE_KEPT_BYTES_MAX`, whose
+/// default is 1,024 B). Their futures are kilobytes (measured 2026-11-30: an agent's
+/// about 4,700 B, a conversation's about 3,300 B): within this, a turn reuses its
+/// activation's block instead of a `malloc` and a `free` of that much (2,473
+/// instructions of a `call_agent` round trip's 95,536, 892 of an agent step's 22,958),
+/// and an idle activation holds the block, beside a window of up to
+/// [`AGENT_HISTORY_WINDOW_MAX`] messages.
+pub const AGENT_TURN_FUTURE_KEPT_BYTES_MAX: usize = 8 * 1024;
 /// Bytes at which an entry of an agent's log is closed: a turn's messages are written
 /// as one entry (a JSON array; a single message alone, as an object) until it holds
 /// this many bytes, then the next message starts another. An entry is at most this plus

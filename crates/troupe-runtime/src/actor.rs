@@ -9,7 +9,7 @@ use bytes::Bytes;
 use smallbox::{smallbox, SmallBox};
 use troupe_core::{ActorId, InvokeError};
 
-use crate::handler_slot::{HandlerSlot, InSlot};
+use crate::handler_slot::{HandlerSlot, InSlot, HANDLER_SLOT_KEPT_BYTES_MAX};
 use crate::{StateChange, StoreError, Turn};
 
 /// Why an actor's turn or hook failed.
@@ -129,6 +129,16 @@ impl std::fmt::Debug for AnyValue {
 /// runs in memory the activation reuses from turn to turn: a turn costs no heap
 /// allocation for it.)
 pub trait Actor: Send + 'static {
+    /// Bytes of a turn's future (its `handle` or `handle_value` future) that an
+    /// activation keeps allocated from one turn to the next. A future up to this size
+    /// costs no allocation per turn after the activation's first, and an idle activation
+    /// holds its block; a larger one is allocated at each turn and freed at its end.
+    /// Default [`crate::HANDLER_SLOT_KEPT_BYTES_MAX`] (1,024 B). An actor whose turns are
+    /// large and whose idle activations hold much more anyway (an agent, with its
+    /// window of messages) may raise it to spare each turn a `malloc` and a `free` of its
+    /// kilobytes.
+    const TURN_FUTURE_KEPT_BYTES_MAX: usize = HANDLER_SLOT_KEPT_BYTES_MAX;
+
     /// Runs once after the state is loaded, before the first turn.
     ///
     /// # Errors
@@ -180,7 +190,9 @@ pub trait Actor: Send + 'static {
     ) -> ValueTurn<'a> {
         // Made once its block is ready, so that it is written where it is polled: an
         // agent's turn future is kilobytes.
-        ValueTurn::in_slot(slot.0.place_with(move || self.handle_value(turn, message)))
+        ValueTurn::in_slot(slot.0.place_with(Self::TURN_FUTURE_KEPT_BYTES_MAX, move || {
+            self.handle_value(turn, message)
+        }))
     }
 
     /// Runs once before the actor is deactivated; its snapshot is committed afterwards.
@@ -305,7 +317,9 @@ impl<A: Actor> ErasedActor for Slotted<A> {
     #[inline]
     fn handle<'a>(&'a mut self, turn: &'a mut Turn, payload: Bytes) -> BytesTurn<'a> {
         let actor = &mut self.actor;
-        self.slot.0.place_with(move || actor.handle(turn, payload))
+        self.slot
+            .0
+            .place_with(A::TURN_FUTURE_KEPT_BYTES_MAX, move || actor.handle(turn, payload))
     }
 
     #[inline]

@@ -1,7 +1,8 @@
 //! An actor's handler future without a heap allocation per turn: one block of memory
 //! per activation, reused by every turn whose future has the same layout (all of an
 //! actor's turns do: `Actor::handle`'s future, or a typed actor's, is always the same
-//! type). A block larger than `HANDLER_SLOT_KEPT_BYTES_MAX` is freed when its turn ends.
+//! type). A block larger than its actor's `Actor::TURN_FUTURE_KEPT_BYTES_MAX` (by default
+//! `HANDLER_SLOT_KEPT_BYTES_MAX`) is freed when its turn ends.
 //!
 //! ```text
 //! turn 1: HandlerSlot::place(future) ─► allocates the block, moves the future in ─► InSlot
@@ -39,11 +40,11 @@ use std::pin::Pin;
 use std::ptr::NonNull;
 use std::task::{Context, Poll};
 
-/// Bytes of the largest handler future whose block a slot keeps for the next turn. A
-/// larger future's block is freed when its turn ends: an idle activation holds at most
-/// this much for its handler, and a turn that large (an agent's: model steps, tool
-/// calls) costs far more than the `malloc` and `free` it then pays.
-pub(crate) const HANDLER_SLOT_KEPT_BYTES_MAX: usize = 1024;
+/// Bytes of the largest handler future whose block a slot keeps for the next turn, unless
+/// the actor says otherwise (`Actor::TURN_FUTURE_KEPT_BYTES_MAX`, whose default this
+/// is). A larger future's block is freed when its turn ends: an idle activation holds at
+/// most this much for its handler.
+pub const HANDLER_SLOT_KEPT_BYTES_MAX: usize = 1024;
 
 /// Memory for one handler future at a time, reused from turn to turn.
 pub(crate) struct HandlerSlot {
@@ -55,6 +56,9 @@ pub(crate) struct HandlerSlot {
     /// Whether a future lives in the block: set by `place`, cleared by its `InSlot`'s
     /// drop. Still set after an `InSlot` was leaked (see the module's safety argument).
     occupied: bool,
+    /// The largest block kept when its turn ends, in bytes (set at each `place`; a
+    /// `u32` so that it fits beside `occupied` without growing the slot).
+    kept_max: u32,
 }
 
 // SAFETY: the slot owns plain memory; a future lives in it only while an `InSlot`
@@ -68,6 +72,7 @@ impl HandlerSlot {
             block: None,
             layout: Layout::new::<()>(),
             occupied: false,
+            kept_max: 0,
         }
     }
 
@@ -77,16 +82,18 @@ impl HandlerSlot {
     where
         F: Future + Send + 'a,
     {
-        self.place_with(|| future)
+        self.place_with(HANDLER_SLOT_KEPT_BYTES_MAX, || future)
     }
 
     /// As [`HandlerSlot::place`], with the future made by `make` once its block is
-    /// ready, so that it can be written straight into the block rather than moved there.
+    /// ready, so that it can be written straight into the block rather than moved there,
+    /// and its block kept after the turn if it is at most `kept_max` bytes.
     #[inline]
-    pub(crate) fn place_with<'a, F>(&'a mut self, make: impl FnOnce() -> F) -> InSlot<'a, F::Output>
+    pub(crate) fn place_with<'a, F>(&'a mut self, kept_max: usize, make: impl FnOnce() -> F) -> InSlot<'a, F::Output>
     where
         F: Future + Send + 'a,
     {
+        self.kept_max = u32::try_from(kept_max).unwrap_or(u32::MAX);
         if self.occupied {
             // A leaked `InSlot`'s future still owns that block: leave it to it.
             self.block = None;
@@ -170,7 +177,7 @@ impl<T> Drop for InSlot<'_, T> {
         // SAFETY: the future was written by `place` and is dropped only here, once.
         unsafe { self.future.as_ptr().drop_in_place() };
         self.slot.occupied = false;
-        if self.slot.layout.size() > HANDLER_SLOT_KEPT_BYTES_MAX {
+        if self.slot.layout.size() > self.slot.kept_max as usize {
             self.slot.free();
         }
     }
@@ -243,6 +250,38 @@ mod tests {
         assert_eq!(slot.place(async {}).await, (), "a zero-sized future needs none");
         assert_eq!(slot.place(counted(3, &drops)).await, 3);
         assert_eq!(drops.load(Ordering::Relaxed), 7);
+    }
+
+    /// Goal: the kept size rides in the slot's padding: a slot is still 32 bytes of
+    /// every idle activation.
+    #[test]
+    fn a_slot_is_32_bytes() {
+        assert_eq!(std::mem::size_of::<HandlerSlot>(), 32);
+    }
+
+    /// Goal: an actor's own kept size (`Actor::TURN_FUTURE_KEPT_BYTES_MAX`) decides:
+    /// a future over the default but within it keeps its block from turn to turn (the
+    /// same block), and one over it is freed when its turn ends.
+    #[tokio::test]
+    async fn a_future_within_its_actors_kept_size_keeps_its_block() {
+        const KEPT: usize = 4 * HANDLER_SLOT_KEPT_BYTES_MAX;
+        let mut slot = HandlerSlot::new();
+        let large = [3_u8; 2 * HANDLER_SLOT_KEPT_BYTES_MAX];
+        let mut blocks = Vec::new();
+        for _ in 0..3 {
+            let len = slot.place_with(KEPT, || async move { large.len() }).await;
+            assert_eq!(len, 2 * HANDLER_SLOT_KEPT_BYTES_MAX);
+            assert!(
+                slot.block.is_some(),
+                "a future within its actor's kept size keeps its block"
+            );
+            blocks.push(slot.block);
+        }
+        assert!(blocks.windows(2).all(|pair| pair[0] == pair[1]), "{blocks:?}");
+        let larger = [3_u8; KEPT + 1];
+        let len = slot.place_with(KEPT, || async move { larger.len() }).await;
+        assert_eq!(len, KEPT + 1);
+        assert!(slot.block.is_none(), "a future over its actor's kept size was kept");
     }
 
     /// Goal: a future larger than `HANDLER_SLOT_KEPT_BYTES_MAX` runs in a block that is

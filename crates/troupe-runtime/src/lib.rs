@@ -50,6 +50,7 @@ pub use actor::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, ANY_VALUE_I
 pub use caller::{Admitted, Caller};
 pub use clock::Clock;
 pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle, WeakRuntimeHandle};
+pub use handler_slot::HANDLER_SLOT_KEPT_BYTES_MAX;
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use observer::{RuntimeEvent, RuntimeObserver};
