@@ -1013,6 +1013,53 @@ async fn agent_owner(database: &str, agent: &str) -> String {
         .unwrap_or_else(|| panic!("agent {agent}: no claim in {events:?}"))
 }
 
+/// etcd and PostgreSQL from the Debian packages and `count` `troupe node` processes
+/// (`{prefix}0`, `{prefix}1`, ...) serving [`AGENTS_CONFIG`] with the scripted model.
+/// Its fields drop in order: the nodes are killed before the servers they use stop.
+struct AgentNodes {
+    nodes: Vec<NodeProcess>,
+    /// The PostgreSQL connection string the nodes use.
+    database: String,
+    /// The path of the config file every node was started with.
+    config: String,
+    _dir: tempfile::TempDir,
+    _postgres: TestServer,
+    etcd: TestEtcd,
+}
+
+async fn start_agent_nodes(test_name: &str, prefix: &str, count: usize) -> AgentNodes {
+    let started = Instant::now();
+    let etcd = TestEtcd::start(test_name).await;
+    let postgres = TestServer::start(test_name);
+    let database = postgres.create_database("agents").await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = dir.path().join("org.toml");
+    std::fs::write(&config, AGENTS_CONFIG).expect("write the config");
+    let config = config.to_str().expect("utf-8 path").to_string();
+    let nodes = (0..count)
+        .map(|index| {
+            NodeProcess::start_with(
+                &format!("{prefix}{index}"),
+                &etcd.endpoint(),
+                &database,
+                &["--config", &config, "--scripted"],
+            )
+        })
+        .collect();
+    println!(
+        "etcd, PostgreSQL and {count} agent nodes up in {} ms",
+        started.elapsed().as_millis()
+    );
+    AgentNodes {
+        nodes,
+        database,
+        config,
+        _dir: dir,
+        _postgres: postgres,
+        etcd,
+    }
+}
+
 /// Goal: `troupe node --config FILE` serves the agents of FILE with `troupe serve`'s API
 /// on three processes: a message to `a` through one node makes `a` call `b` (owned by
 /// another node) with `call_agent`, and the reply shows `b` answered; after the SIGKILL
@@ -1026,27 +1073,8 @@ async fn agent_owner(database: &str, agent: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_an_owner() {
     let started = Instant::now();
-    let etcd = TestEtcd::start("cluster-agents").await;
-    let postgres = TestServer::start("cluster-agents");
-    let database = postgres.create_database("agents").await;
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let config = dir.path().join("org.toml");
-    std::fs::write(&config, AGENTS_CONFIG).expect("write the config");
-    let config = config.to_str().expect("utf-8 path").to_string();
-    let mut nodes: Vec<NodeProcess> = (0..NODES)
-        .map(|index| {
-            NodeProcess::start_with(
-                &format!("g{index}"),
-                &etcd.endpoint(),
-                &database,
-                &["--config", &config, "--scripted"],
-            )
-        })
-        .collect();
-    println!(
-        "etcd, PostgreSQL and {NODES} agent nodes up in {} ms",
-        started.elapsed().as_millis()
-    );
+    let mut cluster = start_agent_nodes("cluster-agents", "g", NODES).await;
+    let (nodes, database, config, etcd) = (&mut cluster.nodes, &cluster.database, &cluster.config, &cluster.etcd);
 
     // The node API: /health of troupe serve, the agents listed, the logs at /v1/logs.
     let (status, reply) = http(&nodes[0].http, "GET", "/health", "").expect("health");
@@ -1077,8 +1105,8 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
     );
     assert!(sent.elapsed() < Duration::from_millis(2 * AGENT_REQUEST_MS_MAX));
     println!("a (through g0) -> b: 'hello from b' in {a_to_b_ms} ms");
-    let b_owner = agent_owner(&database, "b").await;
-    let a_owner = agent_owner(&database, "a").await;
+    let b_owner = agent_owner(database, "b").await;
+    let a_owner = agent_owner(database, "a").await;
     println!("owners: a on {a_owner}, b on {b_owner}");
     assert_eq!(b_owner, "g1", "b is owned by the node it was first asked through");
     assert_eq!(a_owner, "g0", "a is owned by the node it was first asked through");
@@ -1130,7 +1158,7 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
         "a link added through g2 admitted a → c on g0 {} ms after it was written",
         reached.as_millis()
     );
-    assert_eq!(agent_owner(&database, "a").await, "g0", "a's calls are admitted on g0");
+    assert_eq!(agent_owner(database, "a").await, "g0", "a's calls are admitted on g0");
 
     // SIGKILL b's owner; ask a again (through the survivors in turn) until b answers.
     let victim = nodes
@@ -1173,7 +1201,7 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
         attempts.first()
     );
     assert!(recovery_ms <= u128::from(LEASE_TTL_MS + RECOVERY_SLACK_MS));
-    let new_owner = agent_owner(&database, "b").await;
+    let new_owner = agent_owner(database, "b").await;
     assert_ne!(new_owner, b_owner, "b moved to a survivor");
     println!("b now on {new_owner}");
 
@@ -1201,8 +1229,8 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
     let guarded = NodeProcess::start_with(
         "g3",
         &etcd.endpoint(),
-        &database,
-        &["--config", &config, "--scripted", "--token", token],
+        database,
+        &["--config", config, "--scripted", "--token", token],
     );
     for path in ["/v1/agents", "/v1/agents/b/history", "/v1/logs/l0/messages"] {
         let (status, reply) = http(&guarded.http, "GET", path, "").expect("without the token");
@@ -1219,7 +1247,7 @@ async fn agents_on_three_node_processes_call_each_other_and_survive_the_kill_of_
         b_after.len(),
         started.elapsed().as_millis()
     );
-    drop(nodes);
+    drop(cluster);
 }
 
 /// An A2A `SendMessage` (blocking) of `text` to `agent` through `addr`, with message id
@@ -1266,33 +1294,14 @@ fn asked(addr: &str, agent: &str, text: &str) -> usize {
 /// out, the other node stores and runs the agent's A2A tasks, numbered in its own space
 /// (`a-task-h1-…`): the agent runs its task and answers it. Before tasks were numbered
 /// per node, both nodes numbered from 0, and `GetTask` through h1 of h0's first task
-/// returned h1's own refused task under the same id (this test failed there). Method: etcd and PostgreSQL from the Debian packages, two nodes with the
-/// same config and the scripted model; `b` is first asked through h1 (so h1 owns it),
+/// returned h1's own refused task under the same id (this test failed there). Method:
+/// etcd and PostgreSQL from the Debian packages, two nodes with the same config and the
+/// scripted model; `b` is first asked through h1 (so h1 owns it),
 /// then `a` over A2A through h0: three tasks answered "hello from a", one through `b`.
 #[tokio::test(flavor = "multi_thread")]
 async fn a2a_on_two_node_processes_runs_through_the_node_holding_the_agents_records() {
-    let started = Instant::now();
-    let etcd = TestEtcd::start("cluster-a2a").await;
-    let postgres = TestServer::start("cluster-a2a");
-    let database = postgres.create_database("a2a").await;
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let config = dir.path().join("org.toml");
-    std::fs::write(&config, AGENTS_CONFIG).expect("write the config");
-    let config = config.to_str().expect("utf-8 path").to_string();
-    let mut nodes: Vec<NodeProcess> = (0..2)
-        .map(|index| {
-            NodeProcess::start_with(
-                &format!("h{index}"),
-                &etcd.endpoint(),
-                &database,
-                &["--config", &config, "--scripted"],
-            )
-        })
-        .collect();
-    println!(
-        "etcd, PostgreSQL and 2 agent nodes up in {} ms",
-        started.elapsed().as_millis()
-    );
+    let mut cluster = start_agent_nodes("cluster-a2a", "h", 2).await;
+    let (nodes, database) = (&mut cluster.nodes, &cluster.database);
     let (h0, h1) = (nodes[0].http.clone(), nodes[1].http.clone());
     let (status, reply) = ask(&h1, "b", "route:").expect("ask b");
     assert_eq!((status, reply["text"].as_str()), (200, Some("hello from b")), "{reply}");
@@ -1316,7 +1325,7 @@ async fn a2a_on_two_node_processes_runs_through_the_node_holding_the_agents_reco
         assert_eq!(task["id"], format!("a-task-h0-{n}"), "numbered in h0's space: {reply}");
         tasks.push(task["id"].as_str().expect("an id").to_string());
     }
-    assert_eq!(agent_owner(&database, "b").await, "h1", "a's call crossed to h1");
+    assert_eq!(agent_owner(database, "b").await, "h1", "a's call crossed to h1");
     let (status, reply) = a2a_get(&h0, "a", &tasks[3]).expect("GetTask through h0");
     assert_eq!(status, 200, "{reply}");
     assert_eq!(a2a_reply_text(&reply["result"]), "hello from b", "{reply}");
