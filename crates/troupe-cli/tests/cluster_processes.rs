@@ -1284,20 +1284,18 @@ fn asked(addr: &str, agent: &str, text: &str) -> usize {
 }
 
 /// Goal: A2A on a cluster, as docs/cluster.md describes it. Through the node that first
-/// stores an agent's A2A task, blocking `SendMessage`s run the agent's turns (one of
+/// serves an agent's A2A tasks, blocking `SendMessage`s run the agent's turns (one of
 /// them a `call_agent` to an agent owned by the other node) and complete with their
-/// answers; `GetTask` through that node finds them. Through the other node, a
-/// `SendMessage` to the same agent is refused as retryable (503, -32000: its task
-/// cannot be stored, since the first node holds the agent's A2A records, and the error
-/// names that node) and runs nothing; `GetTask` there does not know the first node's
-/// tasks (each node keeps its own). Once the first node is killed and its lease has run
-/// out, the other node stores and runs the agent's A2A tasks, numbered in its own space
-/// (`a-task-h1-…`): the agent runs its task and answers it. Before tasks were numbered
-/// per node, both nodes numbered from 0, and `GetTask` through h1 of h0's first task
-/// returned h1's own refused task under the same id (this test failed there). Method:
-/// etcd and PostgreSQL from the Debian packages, two nodes with the same config and the
-/// scripted model; `b` is first asked through h1 (so h1 owns it),
-/// then `a` over A2A through h0: three tasks answered "hello from a", one through `b`.
+/// answers; `GetTask` through that node finds them. Through the other node, every task
+/// method for that agent (`SendMessage`, `GetTask`) is refused as retryable (503,
+/// -32000, naming the node that holds the agent's A2A records) and runs nothing. Once
+/// the first node is killed and its lease has run out, the other node takes the
+/// agent's A2A records over: it reads the dead node's tasks back (`GetTask` finds them
+/// with their answers, `ListTasks` lists them with its own), and stores and runs new
+/// tasks, numbered in its own space (`a-task-h1-…`). Method: etcd and PostgreSQL from
+/// the Debian packages, two nodes with the same config and the scripted model; `b` is
+/// first asked through h1 (so h1 owns it), then `a` over A2A through h0: three tasks
+/// answered "hello from a", one through `b`.
 #[tokio::test(flavor = "multi_thread")]
 async fn a2a_on_two_node_processes_runs_through_the_node_holding_the_agents_records() {
     let mut cluster = start_agent_nodes("cluster-a2a", "h", 2).await;
@@ -1330,25 +1328,22 @@ async fn a2a_on_two_node_processes_runs_through_the_node_holding_the_agents_reco
     assert_eq!(status, 200, "{reply}");
     assert_eq!(a2a_reply_text(&reply["result"]), "hello from b", "{reply}");
 
-    // Through h1: refused (retryable), nothing run; h0's tasks unknown there.
+    // Through h1: refused (retryable, naming h0), nothing run.
     let a_asked = asked(&h0, "a", "route: b");
     let (status, reply) = a2a_send(&h1, "a", "route: b", "h1-refused").expect("A2A send through h1");
-    assert_eq!(status, 503, "{reply}");
-    assert_eq!(reply["error"]["code"], -32000, "{reply}");
-    let message = reply["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        message.contains("could not be stored") && message.contains("not owned by this node") && message.contains("h0"),
-        "{reply}"
-    );
+    let held_by_h0 = |status: u16, reply: &Value| {
+        assert_eq!(status, 503, "{reply}");
+        assert_eq!(reply["error"]["code"], -32000, "{reply}");
+        let message = reply["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("A2A tasks are held by node h0") && message.contains("not owned by this node"),
+            "{reply}"
+        );
+    };
+    held_by_h0(status, &reply);
     assert_eq!(asked(&h0, "a", "route: b"), a_asked, "the refused task did not run");
     let (status, reply) = a2a_get(&h1, "a", &tasks[0]).expect("GetTask through h1");
-    assert_eq!(status, 200, "{reply}");
-    assert!(
-        reply["error"]["message"]
-            .as_str()
-            .is_some_and(|message| message.contains(&tasks[0])),
-        "h1 does not know h0's task: {reply}"
-    );
+    held_by_h0(status, &reply);
 
     // h0 killed: once its lease has run out, h1 takes the agent's A2A records over.
     nodes[0].kill();
@@ -1380,4 +1375,26 @@ async fn a2a_on_two_node_processes_runs_through_the_node_holding_the_agents_reco
     );
     assert_eq!(a2a_reply_text(&task), "hello from b", "the agent ran this task: {task}");
     assert_eq!(asked(&h1, "a", "route: b"), a_asked + 1, "a ran it once");
+
+    // h1 read h0's tasks back when it took the records over.
+    for (n, id) in tasks.iter().enumerate() {
+        let (status, reply) = a2a_get(&h1, "a", id).expect("GetTask through h1");
+        assert_eq!(status, 200, "{reply}");
+        let got = &reply["result"];
+        assert_eq!(got["status"]["state"], "TASK_STATE_COMPLETED", "{reply}");
+        let answer = if n == 3 { "hello from b" } else { "hello from a" };
+        assert_eq!(a2a_reply_text(got), answer, "h0's task {id} as h0 stored it: {reply}");
+    }
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": 3, "method": "ListTasks", "params": {}});
+    let (status, listed) = http(&h1, "POST", "/a2a/a", &body.to_string()).expect("ListTasks through h1");
+    assert_eq!(status, 200, "{listed}");
+    let ids: Vec<&str> = listed["result"]["tasks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|task| task["id"].as_str())
+        .collect();
+    let mut expected = vec![task["id"].as_str().unwrap_or_default()];
+    expected.extend(tasks.iter().rev().map(String::as_str));
+    assert_eq!(ids, expected, "h1's task, then h0's, newest first: {listed}");
 }

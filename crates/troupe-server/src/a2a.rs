@@ -22,9 +22,9 @@
 //! agent (429, `Retry-After`) and a full server (503, `Retry-After`): the client may
 //! retry those.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -39,7 +39,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 use troupe_agent::{TaskState, TroupeCallMetadata};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
-use troupe_core::TraceId;
+use troupe_core::{StoreError, TraceId};
 
 use crate::a2a_tasks::{
     message_id, AdmitError, CancelOutcome, Created, Forgotten, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore,
@@ -96,8 +96,14 @@ struct A2a {
     tasks: TaskRegistry,
     /// Where the records are kept.
     store: TaskStore,
-    /// Set once the stored records have been read back (at the first request).
+    /// Set once the stored records have been read back (at the first request). A
+    /// single server reads every agent's at its start; a cluster node reads none then:
+    /// see `held`.
     loaded: tokio::sync::OnceCell<()>,
+    /// On a cluster node, per agent: set once this node holds the agent's A2A records
+    /// and has read them back (see [`hold`]). Reset when a write finds another node
+    /// holding them.
+    held: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<()>>>>,
 }
 
 type Shared = State<Arc<A2a>>;
@@ -110,10 +116,13 @@ pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
         app,
         store,
         loaded: tokio::sync::OnceCell::new(),
+        held: Mutex::default(),
     });
     // Read the stored tasks back now (and resume those that had not ended), not only at
-    // the first A2A request.
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+    // the first A2A request. A cluster node reads an agent's when it takes them over.
+    if a2a.app.config.node.is_some() {
+        // Nothing to read at the start.
+    } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         let a2a = Arc::clone(&a2a);
         runtime.spawn(async move { ready(&a2a).await });
     }
@@ -232,8 +241,12 @@ fn success(id: &Value, result: Value) -> Response {
 }
 
 /// Reads the stored records back, once: those that had not ended wait in their lanes
-/// again and are handed to their agents (which find the task they already hold).
+/// again and are handed to their agents (which find the task they already hold). A
+/// cluster node reads none here: it reads an agent's when it takes them over ([`hold`]).
 async fn ready(a2a: &Arc<A2a>) {
+    if a2a.app.config.node.is_some() {
+        return;
+    }
     a2a.loaded
         .get_or_init(|| async {
             let agents: Vec<String> = a2a
@@ -244,22 +257,80 @@ async fn ready(a2a: &Arc<A2a>) {
                 .into_iter()
                 .map(|spec| spec.id)
                 .collect();
-            let records = match a2a.store.load(&agents).await {
-                Ok(records) => records,
+            match a2a.store.load(&agents).await {
+                Ok(records) => resume(a2a, records),
                 Err(error) => {
                     tracing::error!(%error, "the stored A2A tasks cannot be read; they are not resumed");
-                    Vec::new()
-                }
-            };
-            for record in records {
-                let ask = Ask::of(&record);
-                let (id, agent) = (record.id.clone(), record.agent.clone());
-                if let Some(lane) = a2a.tasks.restore(record) {
-                    tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane));
                 }
             }
         })
         .await;
+}
+
+/// Takes `records` (read from the store, oldest first) into the registry: those that had
+/// not ended wait in their lanes again and are handed to their agents. A record the
+/// registry already has is left as it is.
+fn resume(a2a: &Arc<A2a>, records: Vec<TaskRecord>) {
+    for record in records {
+        let ask = Ask::of(&record);
+        let (id, agent) = (record.id.clone(), record.agent.clone());
+        if let Some(lane) = a2a.tasks.restore(record) {
+            tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane));
+        }
+    }
+}
+
+/// On a cluster node, makes sure this node holds `agent`'s A2A records before it serves
+/// anything of them: the first time, it claims their key space (`troupe-a2a/{agent}`,
+/// which places it on this node in etcd, and is refused while another live node holds
+/// it) and reads every stored task of the agent back, whichever node numbered it, so a
+/// node that takes over after another's death serves the dead node's tasks (`GetTask`,
+/// `ListTasks`) and resumes those that had not ended. Refused as retryable (503) while
+/// another node holds them, naming it. A single server holds every agent's (read at its
+/// start): nothing to do.
+async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), RpcError> {
+    if a2a.app.config.node.is_none() {
+        return Ok(());
+    }
+    let cell = Arc::clone(
+        a2a.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(agent.to_string())
+            .or_default(),
+    );
+    let taken = cell
+        .get_or_try_init(|| async {
+            a2a.store.claim(agent).await?;
+            let records = a2a.store.load(&[agent.to_string()]).await?;
+            tracing::info!(%agent, records = records.len(), "this node holds the agent's A2A tasks");
+            resume(a2a, records);
+            Ok::<(), StoreError>(())
+        })
+        .await;
+    taken.map(|_| ()).map_err(|error| match error {
+        StoreError::NotOwner {
+            owner: Some(ref owner), ..
+        } => RpcError::retry(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "agent {agent:?}'s A2A tasks are held by node {owner}: send this request through that node's \
+                 server, or retry once it is gone ({error})"
+            ),
+        ),
+        other => RpcError::retry(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("agent {agent:?}'s A2A tasks cannot be served by this node now: {other}"),
+        ),
+    })
+}
+
+/// After a write of `agent`'s records failed with `error`: if another node holds them
+/// now, this node no longer does, and checks again at the agent's next request.
+fn lost_hold(a2a: &A2a, agent: &str, error: &StoreError) {
+    if matches!(error, StoreError::NotOwner { .. }) && a2a.app.config.node.is_some() {
+        a2a.held.lock().unwrap_or_else(PoisonError::into_inner).remove(agent);
+    }
 }
 
 /// `POST /a2a/{agent}`: one JSON-RPC request.
@@ -283,6 +354,15 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
                 format!("A2A-Version {version:?} is not served; this server speaks {A2A_PROTOCOL_VERSION}"),
             )
             .answer(&id);
+        }
+    }
+    let tasks_method = matches!(
+        method,
+        "SendMessage" | "SendStreamingMessage" | "GetTask" | "ListTasks" | "CancelTask" | "SubscribeToTask"
+    );
+    if tasks_method {
+        if let Err(error) = hold(&a2a, &agent).await {
+            return error.answer(&id);
         }
     }
     let answered = match method {
@@ -560,6 +640,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         forget_inner(&a2a.app, forgotten);
     }
     if let Err(error) = saved {
+        lost_hold(a2a, agent, &error);
         let reason = format!("the task could not be stored: {error}");
         a2a.tasks.update(&record.id, |task| {
             task.state = TaskState::Failed;
@@ -696,6 +777,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
     });
     if let Some(record) = record {
         if let Err(error) = a2a.store.save(&record, &[]).await {
+            lost_hold(&a2a, &agent, &error);
             tracing::warn!(task = %id, %error, "could not store an ended A2A task");
         }
     }
@@ -1026,11 +1108,20 @@ fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Val
             )))
         }
     };
-    let before = match params.page_token.as_deref() {
-        None | Some("") => u64::MAX,
-        Some(token) => token
-            .parse::<u64>()
-            .map_err(|_| RpcError::params(format!("\"pageToken\" {token:?} is not one this server gave")))?,
+    // The page token is the last task's place: `{seq}`, or `{seq}.{node}` for a task a
+    // cluster node numbered (two nodes may give the same number).
+    let before: Option<(u64, Option<&str>)> = match params.page_token.as_deref() {
+        None | Some("") => None,
+        Some(token) => {
+            let (seq, node) = match token.split_once('.') {
+                Some((seq, node)) => (seq, Some(node)),
+                None => (token, None),
+            };
+            let seq = seq
+                .parse::<u64>()
+                .map_err(|_| RpcError::params(format!("\"pageToken\" {token:?} is not one this server gave")))?;
+            Some((seq, node))
+        }
     };
     let matching = a2a.tasks.list(agent, |task| {
         params
@@ -1042,11 +1133,14 @@ fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Val
     let total = matching.len();
     let page: Vec<&TaskRecord> = matching
         .iter()
-        .filter(|task| task.seq < before)
+        .filter(|task| before.is_none_or(|before| task.order() < before))
         .take(page_size)
         .collect();
     let next = match page.last() {
-        Some(last) if matching.iter().any(|task| task.seq < last.seq) => last.seq.to_string(),
+        Some(last) if matching.iter().any(|task| task.order() < last.order()) => match &last.node {
+            Some(node) => format!("{}.{node}", last.seq),
+            None => last.seq.to_string(),
+        },
         _ => String::new(),
     };
     let artifacts = params.include_artifacts.unwrap_or(false);

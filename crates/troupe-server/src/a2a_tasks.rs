@@ -94,6 +94,14 @@ pub(crate) struct TaskRecord {
     pub(crate) node: Option<String>,
 }
 
+impl TaskRecord {
+    /// Where it stands among the tasks, oldest first: by number, then (for tasks that
+    /// two cluster nodes numbered alike) by the node that numbered it.
+    pub(crate) fn order(&self) -> (u64, Option<&str>) {
+        (self.seq, self.node.as_deref())
+    }
+}
+
 /// An ended task the registry let go to make room: its store record is deleted, and
 /// its agent's record of it (`inner`) is forgotten.
 #[derive(Debug, Clone)]
@@ -146,6 +154,14 @@ impl TaskStore {
         self.store.commit(&id, claimed.fence, commit).await
     }
 
+    /// Claims `agent`'s key space, writing nothing: on a cluster node this places it
+    /// here, and is refused ([`StoreError::NotOwner`]) while another node holds it.
+    pub(crate) async fn claim(&self, agent: &str) -> Result<(), StoreError> {
+        let id = store_id(agent)?;
+        let _writer = self.writer.lock().await;
+        self.store.claim(&id).await.map(|_| ())
+    }
+
     /// Writes `record`, and deletes `forgotten` (records the registry let go).
     pub(crate) async fn save(&self, record: &TaskRecord, forgotten: &[Forgotten]) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(record).map_err(|error| StoreError::Backend {
@@ -160,7 +176,7 @@ impl TaskStore {
         self.write(&record.agent, vec![(key, Some(Bytes::from(bytes)))]).await
     }
 
-    /// Every stored record of `agents`, oldest first per agent.
+    /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]).
     pub(crate) async fn load(&self, agents: &[String]) -> Result<Vec<TaskRecord>, StoreError> {
         let mut records = Vec::new();
         for agent in agents {
@@ -178,7 +194,7 @@ impl TaskStore {
                 }
             }
         }
-        records.sort_by_key(|record| record.seq);
+        records.sort_by(|a, b| a.order().cmp(&b.order()));
         Ok(records)
     }
 }
@@ -370,11 +386,16 @@ impl TaskRegistry {
         Ok(Created::New(record, lane, forgotten))
     }
 
-    /// Takes back a stored record (at start, oldest first): one that had not ended
-    /// waits in its agent's lane again, `submitted` (returned with the lane).
+    /// Takes back a stored record (at start, or when a cluster node takes its agent's
+    /// records over; oldest first): one that had not ended waits in its agent's lane
+    /// again, `submitted` (returned with the lane). A task it already has is left as it
+    /// is (`None`).
     pub(crate) fn restore(&self, mut record: TaskRecord) -> Option<Arc<Lane>> {
         let mut inner = self.lock();
-        inner.next = inner.next.max(record.seq + 1);
+        if inner.tasks.contains_key(&record.id) {
+            return None;
+        }
+        inner.next = inner.next.max(record.seq.saturating_add(1));
         let lane = if record.state.is_final() {
             None
         } else {
@@ -387,8 +408,20 @@ impl TaskRegistry {
         // Oldest first: a message sent again (after a busy end) maps to its newest task.
         let message = (record.agent.clone(), message_id(&record.request).to_string());
         inner.by_message.insert(message, id.clone());
+        // In order among the tasks held (at the back, unless a node took another's
+        // records over after numbering tasks of its own).
+        let tasks = &inner.tasks;
+        let position = inner
+            .order
+            .iter()
+            .rposition(|kept| {
+                tasks
+                    .get(kept)
+                    .is_some_and(|sender| sender.borrow().order() <= record.order())
+            })
+            .map_or(0, |before| before + 1);
         inner.tasks.insert(id.clone(), watch::channel(record).0);
-        inner.order.push_back(id);
+        inner.order.insert(position, id);
         lane
     }
 
