@@ -41,7 +41,7 @@ use serde_json::json;
 use troupe_agent::{AgentClient, AgentSystem, LlmClient, OrgConfig};
 use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_etcd::{EtcdConfig, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS};
+use troupe_etcd::{EtcdConfig, EtcdPlacement, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS};
 use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeBuilder, Turn, STATE_SCAN_LIMIT_MAX};
 
 use crate::NodeArgs;
@@ -614,9 +614,20 @@ pub fn router(client: ClusterClient, token: Option<String>) -> Router {
 /// `agents` ([`troupe_server::router`], with `token` if given; its `GET /health`), and
 /// the conversation logs (kind [`LOG_KIND_WITH_AGENTS`]) at `POST` and
 /// `GET /v1/logs/{id}/messages`.
-pub fn agents_router(client: ClusterClient, agents: AgentClient, token: Option<String>) -> Router {
+/// With `placement`, an A2A request for an agent whose A2A tasks another node holds is
+/// forwarded to the HTTP address that node published in etcd
+/// ([`troupe_etcd::EtcdPlacement::publish_http`]).
+pub fn agents_router(
+    client: ClusterClient,
+    agents: AgentClient,
+    token: Option<String>,
+    placement: Option<EtcdPlacement>,
+) -> Router {
     // A2A tasks are numbered in this node's own space (`ServerConfig::node`).
     let mut config = troupe_server::ServerConfig::default().node(client.node().to_string());
+    if let Some(placement) = placement {
+        config = config.peers(Arc::new(EtcdPeers(placement)));
+    }
     if let Some(token) = &token {
         config = config.token(token.clone());
     }
@@ -631,6 +642,27 @@ pub fn agents_router(client: ClusterClient, agents: AgentClient, token: Option<S
         .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
         .with_state(state);
     logs.merge(troupe_server::router(agents, config))
+}
+
+/// The HTTP addresses the cluster's nodes published in etcd.
+struct EtcdPeers(EtcdPlacement);
+
+impl troupe_server::PeerAddresses for EtcdPeers {
+    fn http_address<'a>(
+        &'a self,
+        node: &'a str,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<String>> + Send + 'a>> {
+        Box::pin(async move {
+            let node = NodeId::new(node).ok()?;
+            match self.0.http_address(&node).await {
+                Ok(address) => address,
+                Err(error) => {
+                    tracing::warn!(%node, %error, "reading a node's HTTP address from etcd failed");
+                    None
+                }
+            }
+        })
+    }
 }
 
 /// Why `troupe node` stopped with an error.
@@ -769,10 +801,32 @@ pub async fn run_node(
                 let address = listener
                     .local_addr()
                     .map_err(|cause| NodeError::Http { address: asked, cause })?;
+                if address.ip().is_unspecified() {
+                    tracing::warn!(
+                        %address,
+                        "--http binds every interface: this node publishes no HTTP address, so other nodes \
+                         do not forward A2A requests here (they refuse them, naming this node); bind one address"
+                    );
+                } else {
+                    // Other nodes forward A2A requests for the agents whose tasks this
+                    // node holds here.
+                    node.placement()
+                        .publish_http(&address.to_string())
+                        .await
+                        .map_err(|error| NodeError::Http {
+                            address,
+                            cause: std::io::Error::other(format!("publishing it in etcd failed: {error}")),
+                        })?;
+                }
                 println!("listening on http://{address}");
                 let _ = std::io::stdout().flush();
                 let app = match &agents {
-                    Some(agents) => agents_router(node.client(), agents.clone(), plan.token.clone()),
+                    Some(agents) => agents_router(
+                        node.client(),
+                        agents.clone(),
+                        plan.token.clone(),
+                        Some(node.placement().clone()),
+                    ),
                     None => router(node.client(), plan.token.clone()),
                 };
                 axum::serve(listener, app)

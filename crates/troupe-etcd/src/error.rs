@@ -25,6 +25,10 @@ pub enum PlacementOperation {
     Release,
     /// Listing the cluster's nodes.
     ListNodes,
+    /// Writing the address the node serves HTTP on.
+    PublishHttp,
+    /// Reading the address a node serves HTTP on.
+    LookupHttp,
 }
 
 /// Why a node's lease counts as lost.

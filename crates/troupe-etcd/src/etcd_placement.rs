@@ -21,6 +21,8 @@ use crate::placement::{NodeRecord, Placement, PlacementRecord};
 ///
 /// ```text
 /// nodes/<node>                 = <address>           bound to the node's lease
+/// http/<node>                  = <host:port>         bound to the node's lease, if the
+///                                                    node serves HTTP (publish_http)
 /// placement/<kind>/<actor key> = <lease hex>/<node>  bound to the owner's lease; its
 ///                                                    create_revision is the fence
 /// ```
@@ -192,6 +194,46 @@ impl EtcdPlacement {
         }
     }
 
+    /// Publishes `address` (`host:port`) as the one this node serves HTTP on, so that
+    /// other nodes can send a client's request here ([`EtcdPlacement::http_address`]).
+    /// The record is bound to the node's lease: it goes with the node.
+    ///
+    /// # Errors
+    /// [`PlacementError::LeaseExpired`] if the lease is gone;
+    /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time.
+    pub async fn publish_http(&self, address: &str) -> Result<(), PlacementError> {
+        let key = format!("{}http/{}", self.inner.prefix, self.inner.config.node);
+        let mut kv = self.inner.client.kv_client();
+        let options = PutOptions::new().with_lease(self.inner.lease);
+        self.request(PlacementOperation::PublishHttp, kv.put(key, address, Some(options)))
+            .await
+            .map(|_| ())
+    }
+
+    /// The address `node` serves HTTP on, as it published it; `None` if it published
+    /// none or is no longer a member (the record went with its lease).
+    ///
+    /// # Errors
+    /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time;
+    /// [`PlacementError::MalformedRecord`] if the record is not UTF-8.
+    pub async fn http_address(&self, node: &NodeId) -> Result<Option<String>, PlacementError> {
+        let key = format!("{}http/{node}", self.inner.prefix);
+        let mut kv = self.inner.client.kv_client();
+        let response = self
+            .request(PlacementOperation::LookupHttp, kv.get(key.clone(), None))
+            .await?;
+        response
+            .kvs()
+            .first()
+            .map(|kv| {
+                String::from_utf8(kv.value().to_vec()).map_err(|error| PlacementError::MalformedRecord {
+                    key: key.clone(),
+                    reason: error.to_string(),
+                })
+            })
+            .transpose()
+    }
+
     fn placement_key(&self, actor: &ActorId) -> String {
         format!(
             "{}placement/{}/{}",
@@ -208,7 +250,10 @@ impl EtcdPlacement {
     ) -> Result<T, PlacementError> {
         let uses_lease = matches!(
             operation,
-            PlacementOperation::Place | PlacementOperation::Release | PlacementOperation::Leave
+            PlacementOperation::Place
+                | PlacementOperation::Release
+                | PlacementOperation::Leave
+                | PlacementOperation::PublishHttp
         );
         let result = bounded(
             &self.inner.config.endpoints.join(","),

@@ -217,7 +217,8 @@ async fn revoked_lease_fires_lease_lost_and_the_node_places_nothing_more() {
 }
 
 /// The member list follows joins, a clean leave (at once, with the leaver's
-/// placements) and a crash (after the lease TTL).
+/// placements) and a crash (after the lease TTL); so do the HTTP addresses the nodes
+/// publish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_list_follows_joins_leaves_and_crashes() {
     let etcd = TestEtcd::start("members").await;
@@ -228,12 +229,30 @@ async fn node_list_follows_joins_leaves_and_crashes() {
     let listed = node_a.nodes().await.expect("list");
     assert_eq!(node_names(&listed), ["node-a", "node-b", "node-c"]);
     assert_eq!(listed[1].address, "node-b.internal:7100");
+    // The HTTP address a node publishes is read by the others, and goes with its lease.
+    let (name_b, name_c) = (NodeId::new("node-b").unwrap(), NodeId::new("node-c").unwrap());
+    assert_eq!(
+        node_a.http_address(&name_b).await.expect("lookup"),
+        None,
+        "none published yet"
+    );
+    node_b.publish_http("127.0.0.1:8081").await.expect("B publishes");
+    node_c.publish_http("127.0.0.1:8082").await.expect("C publishes");
+    assert_eq!(
+        node_a.http_address(&name_b).await.expect("lookup").as_deref(),
+        Some("127.0.0.1:8081")
+    );
 
     let z = actor("z");
     node_b.place(&z).await.expect("B places z");
     node_b.leave().await.expect("B leaves");
     assert_eq!(node_b.lease_lost().await, LeaseLostReason::Left);
     assert_eq!(node_names(&node_a.nodes().await.expect("list")), ["node-a", "node-c"]);
+    assert_eq!(
+        node_a.http_address(&name_b).await.expect("lookup"),
+        None,
+        "a leaver's HTTP address goes with it"
+    );
     assert_eq!(
         node_a.lookup(&z).await.expect("lookup"),
         None,
@@ -248,6 +267,11 @@ async fn node_list_follows_joins_leaves_and_crashes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     eprintln!("a crashed node left the list after {:?}", crashed.elapsed());
+    assert_eq!(
+        node_a.http_address(&name_c).await.expect("lookup"),
+        None,
+        "a crashed node's HTTP address went with its lease"
+    );
 }
 
 /// With etcd killed, every operation fails with `EtcdUnavailable` within the request

@@ -47,8 +47,9 @@ use crate::a2a_tasks::{
 use crate::agents::known;
 use crate::error::ApiError;
 use crate::limits::{
-    A2A_BLOCKING_HEADROOM_MS, A2A_LIST_TASKS_PAGE_DEFAULT, A2A_LIST_TASKS_PAGE_MAX, A2A_TASK_OUTCOME_GRACE_MS,
-    A2A_TASK_POLL_MS, SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
+    A2A_BLOCKING_HEADROOM_MS, A2A_FORWARD_CONNECT_TIMEOUT_MS, A2A_FORWARD_TIMEOUT_MS, A2A_LIST_TASKS_PAGE_DEFAULT,
+    A2A_LIST_TASKS_PAGE_MAX, A2A_TASK_OUTCOME_GRACE_MS, A2A_TASK_POLL_MS, SERVER_MESSAGE_SIZE_MAX_BYTES,
+    SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
 };
 use crate::server::AppState;
 
@@ -56,6 +57,12 @@ use crate::server::AppState;
 pub(crate) const A2A_PROTOCOL_VERSION: &str = "1.0";
 /// The header a client names its protocol version in.
 const A2A_VERSION_HEADER: &str = "a2a-version";
+/// The header of an A2A request one cluster node forwarded to another (the forwarding
+/// node's name): the node it reaches answers it, and never forwards it again.
+pub(crate) const FORWARDED_BY_HEADER: &str = "x-troupe-forwarded-by";
+/// The header of an answer a cluster node got from the node it forwarded the request
+/// to (that node's name).
+pub(crate) const FORWARDED_TO_HEADER: &str = "x-troupe-forwarded-to";
 /// The agent card's path under an agent's A2A base URL.
 const AGENT_CARD_PATH: &str = "/.well-known/agent-card.json";
 
@@ -104,6 +111,9 @@ struct A2a {
     /// and has read them back (see [`hold`]). Reset when a write finds another node
     /// holding them.
     held: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<()>>>>,
+    /// The client that forwards requests to the node holding an agent's records (made
+    /// at the first forward).
+    forwarder: std::sync::OnceLock<reqwest::Client>,
 }
 
 type Shared = State<Arc<A2a>>;
@@ -117,6 +127,7 @@ pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
         store,
         loaded: tokio::sync::OnceCell::new(),
         held: Mutex::default(),
+        forwarder: std::sync::OnceLock::new(),
     });
     // Read the stored tasks back now (and resume those that had not ended), not only at
     // the first A2A request. A cluster node reads an agent's when it takes them over.
@@ -288,7 +299,7 @@ fn resume(a2a: &Arc<A2a>, records: Vec<TaskRecord>) {
 /// `ListTasks`) and resumes those that had not ended. Refused as retryable (503) while
 /// another node holds them, naming it. A single server holds every agent's (read at its
 /// start): nothing to do.
-async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), RpcError> {
+async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), Refused> {
     if a2a.app.config.node.is_none() {
         return Ok(());
     }
@@ -311,18 +322,107 @@ async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), RpcError> {
     taken.map(|_| ()).map_err(|error| match error {
         StoreError::NotOwner {
             owner: Some(ref owner), ..
-        } => RpcError::retry(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "agent {agent:?}'s A2A tasks are held by node {owner}: send this request through that node's \
-                 server, or retry once it is gone ({error})"
+        } => Refused {
+            holder: Some(owner.clone()),
+            error: RpcError::retry(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "agent {agent:?}'s A2A tasks are held by node {owner}: send this request through that node's \
+                     server, or retry once it is gone ({error})"
+                ),
             ),
-        ),
-        other => RpcError::retry(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("agent {agent:?}'s A2A tasks cannot be served by this node now: {other}"),
-        ),
+        },
+        other => Refused {
+            holder: None,
+            error: RpcError::retry(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("agent {agent:?}'s A2A tasks cannot be served by this node now: {other}"),
+            ),
+        },
     })
+}
+
+/// Why this node does not serve an agent's A2A tasks now.
+struct Refused {
+    /// The node that holds them, if another does.
+    holder: Option<String>,
+    /// The answer to give when the request is not forwarded there.
+    error: RpcError,
+}
+
+/// Forwards a request for `agent`'s A2A tasks to `holder`, the node that holds them, at
+/// the address [`crate::ServerConfig::peers`] gives: its answer is this request's
+/// (streamed as it comes, for SSE). Once only: a forwarded request carries
+/// [`FORWARDED_BY_HEADER`] and is never forwarded again. `None` when there is no address
+/// for it or it cannot be reached: the caller gives the refusal naming it instead.
+async fn forward(a2a: &A2a, holder: &str, agent: &str, headers: &HeaderMap, body: Bytes) -> Option<Response> {
+    let node = a2a.app.config.node.as_deref()?;
+    let address = a2a.app.config.peers.as_ref()?.http_address(holder).await?;
+    let client = match a2a.forwarder.get() {
+        Some(client) => client,
+        None => {
+            if rustls::crypto::CryptoProvider::get_default().is_none() {
+                // Losing a race to another installer is fine: some provider is then installed.
+                let _ = rustls::crypto::ring::default_provider().install_default();
+            }
+            let built = reqwest::Client::builder()
+                .connect_timeout(Duration::from_millis(A2A_FORWARD_CONNECT_TIMEOUT_MS))
+                .timeout(Duration::from_millis(A2A_FORWARD_TIMEOUT_MS))
+                .build();
+            match built {
+                Ok(client) => a2a.forwarder.get_or_init(|| client),
+                Err(error) => {
+                    tracing::warn!(%error, "the A2A forwarding client could not be built");
+                    return None;
+                }
+            }
+        }
+    };
+    let mut request = client
+        .post(format!("http://{address}/a2a/{agent}"))
+        .header(FORWARDED_BY_HEADER, node)
+        .body(body);
+    for name in [
+        header::AUTHORIZATION.as_str(),
+        header::CONTENT_TYPE.as_str(),
+        A2A_VERSION_HEADER,
+        "traceparent",
+    ] {
+        if let Some(value) = headers.get(name) {
+            request = request.header(name, value.as_bytes());
+        }
+    }
+    let answer = match request.send().await {
+        Ok(answer) => answer,
+        Err(error) => {
+            tracing::warn!(%agent, %holder, %address, %error, "forwarding an A2A request failed");
+            return None;
+        }
+    };
+    let mut response = Response::builder().status(answer.status().as_u16());
+    for name in [header::CONTENT_TYPE, header::RETRY_AFTER, header::CACHE_CONTROL] {
+        if let Some(value) = answer.headers().get(name.as_str()) {
+            response = response.header(name, value.as_bytes());
+        }
+    }
+    let response = response.header(FORWARDED_TO_HEADER, holder);
+    let streamed = answer
+        .headers()
+        .get(header::CONTENT_TYPE.as_str())
+        .is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
+    let body = if streamed {
+        // SSE: each event as it comes.
+        axum::body::Body::from_stream(answer.bytes_stream())
+    } else {
+        match answer.bytes().await {
+            Ok(bytes) => axum::body::Body::from(bytes),
+            Err(error) => {
+                tracing::warn!(%agent, %holder, %address, %error, "reading a forwarded A2A answer failed");
+                return None;
+            }
+        }
+    };
+    response.body(body).ok()
 }
 
 /// After a write of `agent`'s records failed with `error`: if another node holds them
@@ -361,8 +461,15 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
         "SendMessage" | "SendStreamingMessage" | "GetTask" | "ListTasks" | "CancelTask" | "SubscribeToTask"
     );
     if tasks_method {
-        if let Err(error) = hold(&a2a, &agent).await {
-            return error.answer(&id);
+        if let Err(refused) = hold(&a2a, &agent).await {
+            if let Some(holder) = refused.holder.as_deref() {
+                if !headers.contains_key(FORWARDED_BY_HEADER) {
+                    if let Some(response) = forward(&a2a, holder, &agent, &headers, body.clone()).await {
+                        return response;
+                    }
+                }
+            }
+            return refused.error.answer(&id);
         }
     }
     let answered = match method {

@@ -1,7 +1,10 @@
 //! The server's configuration, and why a server refuses to start.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
+
+use futures::future::BoxFuture;
 
 use crate::limits::{
     A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_DEFAULT,
@@ -28,6 +31,18 @@ pub struct ServerConfig {
     /// never number the same task: a node that takes over an agent's A2A records after
     /// another node's death then neither overwrites its tasks nor reuses their ids.
     pub node: Option<String>,
+    /// Where the cluster's other nodes serve HTTP (`None`: nowhere known). A cluster
+    /// node's server asked for an agent's A2A tasks that another node holds forwards
+    /// the request to that node's server, once; without an address it refuses it as
+    /// retryable (503), naming the node.
+    pub peers: Option<Arc<dyn PeerAddresses>>,
+}
+
+/// Where the other nodes of a cluster serve HTTP (`troupe node` reads the addresses the
+/// nodes publish in etcd).
+pub trait PeerAddresses: Send + Sync {
+    /// The `host:port` node `node` serves HTTP on, if it is known and serves HTTP.
+    fn http_address<'a>(&'a self, node: &'a str) -> BoxFuture<'a, Option<String>>;
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -39,6 +54,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("request_timeout", &self.request_timeout)
             .field("a2a_tasks_kept", &self.a2a_tasks_kept)
             .field("node", &self.node)
+            .field("peers", &self.peers.as_ref().map(|_| "<set>"))
             .finish()
     }
 }
@@ -51,6 +67,7 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_millis(SERVER_REQUEST_TIMEOUT_MS_DEFAULT),
             a2a_tasks_kept: A2A_TASKS_KEPT_MAX,
             node: None,
+            peers: None,
         }
     }
 }
@@ -83,6 +100,13 @@ impl ServerConfig {
     /// Runs as cluster node `node` (see [`ServerConfig::node`]).
     pub fn node(mut self, node: impl Into<String>) -> Self {
         self.node = Some(node.into());
+        self
+    }
+
+    /// Forwards A2A requests for tasks another cluster node holds to the address `peers`
+    /// gives for it (see [`ServerConfig::peers`]).
+    pub fn peers(mut self, peers: Arc<dyn PeerAddresses>) -> Self {
+        self.peers = Some(peers);
         self
     }
 

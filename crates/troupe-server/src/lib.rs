@@ -64,7 +64,7 @@ mod topology;
 #[cfg(not(madsim))]
 pub use agents::TRACE_ID_HEADER;
 #[cfg(not(madsim))]
-pub use config::{ServeError, ServerConfig};
+pub use config::{PeerAddresses, ServeError, ServerConfig};
 #[cfg(not(madsim))]
 pub use error::ApiError;
 #[cfg(not(madsim))]

@@ -78,6 +78,13 @@ pub const A2A_LIST_TASKS_PAGE_DEFAULT: usize = 50;
 /// How much sooner than the server's request timeout a blocking `SendMessage` stops
 /// waiting and answers the task as it is (still working), in milliseconds.
 pub const A2A_BLOCKING_HEADROOM_MS: u64 = 1_000;
+/// How long a cluster node waits to connect to the node it forwards an A2A request
+/// to, in milliseconds; past it the request is refused as retryable, naming that node.
+pub const A2A_FORWARD_CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// How long a forwarded A2A request may take, its answer streamed to the end, in
+/// milliseconds: a task's longest turn and the wait for its outcome past its deadline
+/// (a stream of it ends by then).
+pub const A2A_FORWARD_TIMEOUT_MS: u64 = SERVER_MESSAGE_TIMEOUT_MS_MAX + A2A_TASK_OUTCOME_GRACE_MS;
 /// Entries `metadata.troupe.chain` may hold, at most (the deepest chain plus its
 /// target); a longer one is invalid params.
 pub const A2A_CHAIN_LENGTH_MAX: usize = AGENT_CALL_DEPTH_MAX as usize + 1;

@@ -1,0 +1,362 @@
+//! A2A on a cluster node's server (`ServerConfig::node`):
+//! - a node that takes an agent's A2A records over reads them all back: the tasks other
+//!   nodes numbered and stored (their records are in the shared store) are served by
+//!   `GetTask` and `ListTasks`, and one that had not ended is resumed and runs to its
+//!   end;
+//! - a node asked for an agent's tasks that another node holds forwards the request to
+//!   that node's server (`ServerConfig::peers`), once, or refuses it as retryable,
+//!   naming that node.
+//!
+//! Real `troupe_server::serve`s and real `AgentSystem`s on the scripted model. Here the
+//! store stands in for etcd's placement: a store that refuses the claim of the A2A
+//! records as placed on another node, as a cluster node's store does. With etcd and
+//! `troupe node` processes: `crates/troupe-cli/tests/cluster_processes.rs`.
+//!
+//! Normal build only: HTTP is not simulated (the crate is empty under madsim).
+#![cfg(not(madsim))]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use serde_json::{json, Value};
+use troupe_agent::{ScriptRule, ScriptedLlm};
+use troupe_core::{ActorId, StoreError};
+use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateChange, StateStore, TurnCommit};
+use troupe_server::{PeerAddresses, ServerConfig};
+
+mod support;
+use support::{Harness, POLL_MS, TEST_WAIT_MS_MAX};
+
+/// A task record as a node stores it (`troupe-a2a/{agent}`, key `task/{node}/{seq}`).
+fn record(node: &str, seq: u64, state: &str, text: &str, reply: Option<&str>) -> (String, Value) {
+    let id = format!("echo-task-{node}-{seq}");
+    let request = json!({
+        "messageId": format!("{node}-m{seq}"),
+        "role": "ROLE_USER",
+        "parts": [{"text": text}],
+        "taskId": id,
+        "contextId": format!("echo-context-{node}-{seq}"),
+    });
+    let record = json!({
+        "id": id,
+        "seq": seq,
+        "agent": "echo",
+        "context_id": format!("echo-context-{node}-{seq}"),
+        "state": state,
+        "request": request,
+        "reply": reply,
+        "reply_meta": null,
+        "reason": null,
+        "chain": [],
+        "depth": 0,
+        "timeout_ms": 10_000,
+        "busy": false,
+        "trace_id": "",
+        "node": node,
+    });
+    (format!("task/{node}/{seq:020}"), record)
+}
+
+async fn write_records(store: &MemoryStore, records: &[(String, Value)]) {
+    let id = ActorId::new("troupe-a2a", "echo").unwrap();
+    let claimed = store.claim(&id).await.unwrap();
+    let writes = records
+        .iter()
+        .map(|(key, record)| (key.clone(), Some(Bytes::from(record.to_string()))))
+        .collect();
+    let commit = TurnCommit {
+        state: StateChange::Unchanged,
+        writes,
+    };
+    store.commit(&id, claimed.fence, commit).await.unwrap();
+}
+
+async fn rpc(server: &Harness, method: &str, params: Value) -> Value {
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+    let (status, answer) = server.post("/a2a/echo", body).await;
+    assert_eq!(status, 200, "{method}: {answer}");
+    assert!(answer.get("error").is_none(), "{method}: {answer}");
+    answer["result"].clone()
+}
+
+fn reply_text(task: &Value) -> &str {
+    task["status"]["message"]["parts"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+}
+
+/// Goal: node h1, taking over agent `echo`'s A2A records, serves the tasks h0 and h2
+/// numbered (one ended, read back as it was), resumes h0's task that was working when
+/// h0 died (it completes with the agent's reply), numbers its own new task after all of
+/// them, and lists them newest first a page at a time, telling apart two tasks two
+/// nodes gave the same number. Method: write the records to the shared store first,
+/// then start the server with `ServerConfig::node("h1")` and ask it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_taking_an_agents_a2a_records_over_serves_and_resumes_the_tasks_other_nodes_stored() {
+    let store = MemoryStore::new();
+    write_records(
+        &store,
+        &[
+            record("h0", 0, "Completed", "first", Some("echo: first")),
+            record("h0", 1, "Working", "resume me", None),
+            record("h2", 1, "Completed", "from h2", Some("echo: from h2")),
+        ],
+    )
+    .await;
+    let builder = support::agents(
+        ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}")),
+        &["echo"],
+        KindConfig::default(),
+    )
+    .store(Arc::new(store));
+    let server = Harness::start(builder, ServerConfig::default().node("h1".to_string())).await;
+
+    let first = rpc(&server, "GetTask", json!({"id": "echo-task-h0-0"})).await;
+    assert_eq!(first["status"]["state"], "TASK_STATE_COMPLETED", "{first}");
+    assert_eq!(reply_text(&first), "echo: first", "{first}");
+
+    // h0's working task is handed to the agent again and runs to its end here.
+    let mut states = Vec::new();
+    let mut polls = 0;
+    let resumed = loop {
+        let task = rpc(&server, "GetTask", json!({"id": "echo-task-h0-1"})).await;
+        let state = task["status"]["state"].as_str().unwrap().to_string();
+        if states.last() != Some(&state) {
+            states.push(state.clone());
+        }
+        if state == "TASK_STATE_COMPLETED" {
+            break task;
+        }
+        assert!(
+            matches!(state.as_str(), "TASK_STATE_SUBMITTED" | "TASK_STATE_WORKING"),
+            "{states:?}"
+        );
+        polls += 1;
+        assert!(polls * POLL_MS < TEST_WAIT_MS_MAX, "never completed: {states:?}");
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    };
+    assert_eq!(reply_text(&resumed), "echo: resume me", "{resumed}");
+
+    // A new task is h1's, numbered after every task read back.
+    let sent = rpc(
+        &server,
+        "SendMessage",
+        json!({"message": {"messageId": "h1-new", "role": "ROLE_USER", "parts": [{"text": "new"}]}}),
+    )
+    .await;
+    assert_eq!(sent["task"]["id"], "echo-task-h1-2", "{sent}");
+    assert_eq!(reply_text(&sent["task"]), "echo: new", "{sent}");
+
+    let all = rpc(&server, "ListTasks", json!({})).await;
+    assert_eq!(all["totalSize"], 4, "{all}");
+    let mut seen = Vec::new();
+    let mut tokens = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = rpc(&server, "ListTasks", json!({"pageSize": 1, "pageToken": token})).await;
+        assert_eq!(page["tasks"].as_array().map(Vec::len), Some(1), "{page}");
+        seen.push(page["tasks"][0]["id"].as_str().unwrap().to_string());
+        token = page["nextPageToken"].as_str().unwrap().to_string();
+        if token.is_empty() {
+            break;
+        }
+        tokens.push(token.clone());
+        assert!(seen.len() < 5, "{seen:?}");
+    }
+    assert_eq!(
+        seen,
+        ["echo-task-h1-2", "echo-task-h2-1", "echo-task-h0-1", "echo-task-h0-0"],
+        "newest first, ties by node"
+    );
+    assert_eq!(tokens, ["2.h1", "1.h2", "1.h0"]);
+    let (status, answer) = server
+        .post(
+            "/a2a/echo",
+            json!({"jsonrpc": "2.0", "id": 2, "method": "ListTasks", "params": {"pageToken": "x.h0"}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        answer["error"]["code"], -32602,
+        "a token this server did not give: {answer}"
+    );
+    server.stop().await;
+}
+
+/// A node's store on which another node, `holder`, holds every agent's A2A records:
+/// their claim is refused [`StoreError::NotOwner`], as a cluster node's store refuses
+/// an actor placed elsewhere. Everything else goes to the memory store.
+struct HeldElsewhere {
+    store: MemoryStore,
+    holder: &'static str,
+}
+
+#[async_trait::async_trait]
+impl StateStore for HeldElsewhere {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        if actor.kind().as_str() == "troupe-a2a" {
+            return Err(StoreError::NotOwner {
+                actor: actor.clone(),
+                owner: Some(self.holder.to_string()),
+            });
+        }
+        self.store.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.store.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.store.commit(actor, fence, commit).await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.store.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.store.scan(actor, prefix, after, limit).await
+    }
+}
+
+/// One peer's address.
+struct Peer(&'static str, String);
+
+impl PeerAddresses for Peer {
+    fn http_address<'a>(&'a self, node: &'a str) -> futures::future::BoxFuture<'a, Option<String>> {
+        Box::pin(async move { (node == self.0).then(|| self.1.clone()) })
+    }
+}
+
+fn echo_agents() -> troupe_agent::AgentSystemBuilder {
+    support::agents(
+        ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}")),
+        &["echo"],
+        KindConfig::default(),
+    )
+}
+
+/// POSTs a JSON-RPC request to `/a2a/echo` of `base` with `headers`: the status, the
+/// `x-troupe-forwarded-to` header and the answer (SSE bodies as text).
+async fn post_rpc(base: &str, method: &str, params: Value, headers: &[(&str, &str)]) -> (u16, Option<String>, Value) {
+    let body = json!({"jsonrpc": "2.0", "id": 7, "method": method, "params": params});
+    let mut request = reqwest::Client::new()
+        .post(format!("{base}/a2a/echo"))
+        .timeout(Duration::from_millis(TEST_WAIT_MS_MAX))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.expect("the server answers");
+    let status = response.status().as_u16();
+    let forwarded_to = response
+        .headers()
+        .get("x-troupe-forwarded-to")
+        .map(|value| value.to_str().unwrap().to_string());
+    let streamed = response
+        .headers()
+        .get("content-type")
+        .is_some_and(|value| value.to_str().unwrap().starts_with("text/event-stream"));
+    let text = response.text().await.unwrap();
+    let value = if streamed {
+        Value::String(text)
+    } else {
+        serde_json::from_str(&text).unwrap_or_else(|error| panic!("not JSON ({error}): {text}"))
+    };
+    (status, forwarded_to, value)
+}
+
+fn held_by_h0(status: u16, answer: &Value) {
+    assert_eq!(status, 503, "{answer}");
+    assert_eq!(answer["error"]["code"], -32000, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("A2A tasks are held by node h0"), "{answer}");
+}
+
+/// Goal: node h1, asked for agent `echo`'s A2A tasks, which node h0 holds, forwards the
+/// request to h0's server: a blocking send runs on h0 (numbered in h0's space), its
+/// answer comes back as h0 gave it; `GetTask` and a streamed send go through too. A
+/// request that was already forwarded once is not forwarded again (refused 503, naming
+/// h0), and a node that knows no address for h0 refuses the request the same way;
+/// nothing runs on h1. Method: three servers in one process (h0 on its own store; h1
+/// and h2 on stores where h0 holds the A2A records, h1 with h0's address, h2 without).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_forwards_a2a_requests_to_the_node_holding_the_agents_tasks_once() {
+    let h0 = Harness::start(echo_agents(), ServerConfig::default().node("h0".to_string())).await;
+    let h0_address: SocketAddr = h0.base.trim_start_matches("http://").parse().unwrap();
+    let elsewhere = || {
+        Arc::new(HeldElsewhere {
+            store: MemoryStore::new(),
+            holder: "h0",
+        })
+    };
+    let h1 = Harness::start(
+        echo_agents().store(elsewhere()),
+        ServerConfig::default()
+            .node("h1".to_string())
+            .peers(Arc::new(Peer("h0", h0_address.to_string()))),
+    )
+    .await;
+    let h2 = Harness::start(
+        echo_agents().store(elsewhere()),
+        ServerConfig::default().node("h2".to_string()),
+    )
+    .await;
+
+    let send =
+        |text: &str, id: &str| json!({"message": {"messageId": id, "role": "ROLE_USER", "parts": [{"text": text}]}});
+    let (status, forwarded_to, answer) = post_rpc(&h1.base, "SendMessage", send("via h1", "m1"), &[]).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(forwarded_to.as_deref(), Some("h0"));
+    let task = &answer["result"]["task"];
+    assert_eq!(task["id"], "echo-task-h0-0", "h0 numbered it: {answer}");
+    assert_eq!(reply_text(task), "echo: via h1", "{answer}");
+    assert_eq!(answer["id"], 7, "the client's JSON-RPC id: {answer}");
+
+    let (status, _, answer) = post_rpc(&h1.base, "GetTask", json!({"id": "echo-task-h0-0"}), &[]).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["result"]["status"]["state"], "TASK_STATE_COMPLETED", "{answer}");
+    let on_h0 = rpc(&h0, "GetTask", json!({"id": "echo-task-h0-0"})).await;
+    assert_eq!(reply_text(&on_h0), "echo: via h1", "the task is h0's: {on_h0}");
+
+    let (status, forwarded_to, answer) = post_rpc(&h1.base, "SendStreamingMessage", send("streamed", "m2"), &[]).await;
+    assert_eq!((status, forwarded_to.as_deref()), (200, Some("h0")), "{answer}");
+    let events = answer.as_str().unwrap();
+    assert!(
+        events.contains("echo-task-h0-1") && events.contains("echo: streamed"),
+        "{events}"
+    );
+
+    // Forwarded once only; without an address for h0, refused.
+    let (status, forwarded_to, answer) = post_rpc(
+        &h1.base,
+        "SendMessage",
+        send("again", "m3"),
+        &[("x-troupe-forwarded-by", "h2")],
+    )
+    .await;
+    held_by_h0(status, &answer);
+    assert_eq!(forwarded_to, None);
+    let (status, forwarded_to, answer) = post_rpc(&h2.base, "SendMessage", send("no address", "m4"), &[]).await;
+    held_by_h0(status, &answer);
+    assert_eq!(forwarded_to, None);
+    let listed = rpc(&h0, "ListTasks", json!({})).await;
+    assert_eq!(listed["totalSize"], 2, "only the two forwarded tasks ran: {listed}");
+    for agents in [h1.system(), h2.system()] {
+        let history = agents.client().history_window("echo").await.expect("the log reads");
+        assert!(history.is_empty(), "nothing ran on h1 or h2: {history:?}");
+    }
+    h2.stop().await;
+    h1.stop().await;
+    h0.stop().await;
+}
