@@ -115,8 +115,13 @@ pub(crate) struct Forgotten {
 /// The server's A2A records in the store.
 pub(crate) struct TaskStore {
     store: Arc<dyn StateStore>,
-    /// One claim-and-commit at a time (a claim fences out the previous one).
-    writer: tokio::sync::Mutex<()>,
+    /// One claim-and-commit at a time (a claim fences out the previous one). It holds
+    /// the fence of each agent's key space this server claimed last: its writes commit
+    /// under it until the store refuses it (another writer claimed since), and only then
+    /// claim again. (On a cluster node a claim places the key space in etcd; claiming
+    /// at every write would release and place it each time, leaving a moment in which
+    /// another node could take it over.)
+    writer: tokio::sync::Mutex<HashMap<String, troupe_runtime::Fence>>,
 }
 
 /// A task's store key: `task/{seq:020}`, or `task/{node}/{seq:020}` for a task numbered
@@ -139,27 +144,43 @@ impl TaskStore {
     pub(crate) fn new(store: Arc<dyn StateStore>) -> Self {
         Self {
             store,
-            writer: tokio::sync::Mutex::new(()),
+            writer: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
 
     async fn write(&self, agent: &str, writes: Vec<(String, Option<Bytes>)>) -> Result<(), StoreError> {
         let id = store_id(agent)?;
-        let _writer = self.writer.lock().await;
-        let claimed = self.store.claim(&id).await?;
-        let commit = TurnCommit {
+        let mut fences = self.writer.lock().await;
+        let commit = |writes| TurnCommit {
             state: StateChange::Unchanged,
             writes,
         };
-        self.store.commit(&id, claimed.fence, commit).await
+        if let Some(fence) = fences.get(agent).copied() {
+            match self.store.commit(&id, fence, commit(writes.clone())).await {
+                Err(StoreError::Fenced { .. }) => {
+                    // Claimed by another writer since: claim it back, below.
+                    fences.remove(agent);
+                }
+                Err(error @ StoreError::NotOwner { .. }) => {
+                    fences.remove(agent);
+                    return Err(error);
+                }
+                other => return other,
+            }
+        }
+        let claimed = self.store.claim(&id).await?;
+        fences.insert(agent.to_string(), claimed.fence);
+        self.store.commit(&id, claimed.fence, commit(writes)).await
     }
 
     /// Claims `agent`'s key space, writing nothing: on a cluster node this places it
     /// here, and is refused ([`StoreError::NotOwner`]) while another node holds it.
     pub(crate) async fn claim(&self, agent: &str) -> Result<(), StoreError> {
         let id = store_id(agent)?;
-        let _writer = self.writer.lock().await;
-        self.store.claim(&id).await.map(|_| ())
+        let mut fences = self.writer.lock().await;
+        let claimed = self.store.claim(&id).await?;
+        fences.insert(agent.to_string(), claimed.fence);
+        Ok(())
     }
 
     /// Writes `record`, and deletes `forgotten` (records the registry let go).
