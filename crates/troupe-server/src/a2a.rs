@@ -303,13 +303,13 @@ async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), Refused> {
     if a2a.app.config.node.is_none() {
         return Ok(());
     }
-    let cell = Arc::clone(
-        a2a.held
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(agent.to_string())
-            .or_default(),
-    );
+    let cell = {
+        let mut held = a2a.held.lock().unwrap_or_else(PoisonError::into_inner);
+        match held.get(agent) {
+            Some(cell) => Arc::clone(cell),
+            None => Arc::clone(held.entry(agent.to_string()).or_default()),
+        }
+    };
     let taken = cell
         .get_or_try_init(|| async {
             a2a.store.claim(agent).await?;

@@ -16,6 +16,7 @@
 #![cfg(not(madsim))]
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -185,18 +186,35 @@ async fn a_node_taking_an_agents_a2a_records_over_serves_and_resumes_the_tasks_o
     server.stop().await;
 }
 
-/// A node's store on which another node, `holder`, holds every agent's A2A records:
-/// their claim is refused [`StoreError::NotOwner`], as a cluster node's store refuses
-/// an actor placed elsewhere. Everything else goes to the memory store.
+/// A node's store on which another node, `holder`, holds every agent's A2A records
+/// while `elsewhere` is set: their claim is refused [`StoreError::NotOwner`], as a
+/// cluster node's store refuses an actor placed elsewhere, and a commit under an older
+/// claim is refused [`StoreError::Fenced`], as the store refuses it once the other node
+/// claimed. Everything else goes to the memory store.
 struct HeldElsewhere {
     store: MemoryStore,
     holder: &'static str,
+    elsewhere: AtomicBool,
+}
+
+impl HeldElsewhere {
+    fn new(holder: &'static str, elsewhere: bool) -> Self {
+        Self {
+            store: MemoryStore::new(),
+            holder,
+            elsewhere: AtomicBool::new(elsewhere),
+        }
+    }
+
+    fn refuses(&self, actor: &ActorId) -> bool {
+        actor.kind().as_str() == "troupe-a2a" && self.elsewhere.load(Ordering::SeqCst)
+    }
 }
 
 #[async_trait::async_trait]
 impl StateStore for HeldElsewhere {
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        if actor.kind().as_str() == "troupe-a2a" {
+        if self.refuses(actor) {
             return Err(StoreError::NotOwner {
                 actor: actor.clone(),
                 owner: Some(self.holder.to_string()),
@@ -210,6 +228,13 @@ impl StateStore for HeldElsewhere {
     }
 
     async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        if self.refuses(actor) {
+            return Err(StoreError::Fenced {
+                actor: actor.clone(),
+                held: fence,
+                current: None,
+            });
+        }
         self.store.commit(actor, fence, commit).await
     }
 
@@ -294,12 +319,7 @@ fn held_by_h0(status: u16, answer: &Value) {
 async fn a_node_forwards_a2a_requests_to_the_node_holding_the_agents_tasks_once() {
     let h0 = Harness::start(echo_agents(), ServerConfig::default().node("h0".to_string())).await;
     let h0_address: SocketAddr = h0.base.trim_start_matches("http://").parse().unwrap();
-    let elsewhere = || {
-        Arc::new(HeldElsewhere {
-            store: MemoryStore::new(),
-            holder: "h0",
-        })
-    };
+    let elsewhere = || Arc::new(HeldElsewhere::new("h0", true));
     let h1 = Harness::start(
         echo_agents().store(elsewhere()),
         ServerConfig::default()
@@ -359,4 +379,46 @@ async fn a_node_forwards_a2a_requests_to_the_node_holding_the_agents_tasks_once(
     h2.stop().await;
     h1.stop().await;
     h0.stop().await;
+}
+
+/// Goal: a node that held an agent's A2A records and finds another node holding them
+/// (its write refused: the store fenced its claim off, and claiming again names the
+/// other node) stops serving them: the send whose record could not be stored is a
+/// retryable 503 and does not run, and the next request checks again and is refused
+/// naming the holder, not answered from the node's memory. Method: one server on a
+/// store that lets it claim the records, then takes them away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_loses_an_agents_a2a_records_stops_serving_them() {
+    let store = Arc::new(HeldElsewhere::new("h0", false));
+    let h1 = Harness::start(
+        echo_agents().store(Arc::clone(&store) as Arc<dyn StateStore>),
+        ServerConfig::default().node("h1".to_string()),
+    )
+    .await;
+    let send =
+        |text: &str, id: &str| json!({"message": {"messageId": id, "role": "ROLE_USER", "parts": [{"text": text}]}});
+    let held = rpc(&h1, "SendMessage", send("while held", "m1")).await;
+    assert_eq!(held["task"]["id"], "echo-task-h1-0", "{held}");
+    assert_eq!(reply_text(&held["task"]), "echo: while held", "{held}");
+
+    store.elsewhere.store(true, Ordering::SeqCst);
+    let (status, _, answer) = post_rpc(&h1.base, "SendMessage", send("after", "m2"), &[]).await;
+    assert_eq!(status, 503, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("could not be stored") && message.contains("placed on node h0"),
+        "{answer}"
+    );
+    let (status, _, answer) = post_rpc(&h1.base, "GetTask", json!({"id": "echo-task-h1-0"}), &[]).await;
+    held_by_h0(status, &answer);
+    let history = h1
+        .system()
+        .client()
+        .history_window("echo")
+        .await
+        .expect("the log reads");
+    let asked = |text: &str| history.iter().filter(|message| message.content == text).count();
+    assert_eq!(asked("while held"), 1, "{history:?}");
+    assert_eq!(asked("after"), 0, "the refused send did not run: {history:?}");
+    h1.stop().await;
 }
