@@ -79,6 +79,13 @@ pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
     /// What it answers.
     type Reply: Serialize + DeserializeOwned + Send + 'static;
 
+    /// Bytes of a turn's future (its `handle` future) that an activation keeps
+    /// allocated from one turn to the next: as [`Actor::TURN_FUTURE_KEPT_BYTES_MAX`],
+    /// whose default ([`crate::HANDLER_SLOT_KEPT_BYTES_MAX`], 1,024 B) it shares. An
+    /// actor whose `handle` holds more across an `.await` may raise it, so that each
+    /// message costs no `malloc` and `free` of its future.
+    const TURN_FUTURE_KEPT_BYTES_MAX: usize = crate::HANDLER_SLOT_KEPT_BYTES_MAX;
+
     /// Handles one message. After it returns `Ok`, the actor's new state is committed
     /// (if it changed) before the reply is sent. Write it as `async fn handle(&mut self,
     /// turn: &mut Turn, message: Self::Message) -> Result<Self::Reply, ActorError>`.
@@ -111,6 +118,8 @@ fn encode<T: Serialize>(value: &T, what: &str) -> Result<Bytes, ActorError> {
 }
 
 impl<A: TypedActor> Actor for TypedAdapter<A> {
+    const TURN_FUTURE_KEPT_BYTES_MAX: usize = A::TURN_FUTURE_KEPT_BYTES_MAX;
+
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let message: A::Message = bincode::deserialize(&payload).map_err(|error| {
             ActorError::rejected(format!(
@@ -152,7 +161,7 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
             },
         };
         let actor = &mut self.actor;
-        ValueTurn::in_slot(slot.0.place(async move {
+        ValueTurn::in_slot(slot.0.place_with(A::TURN_FUTURE_KEPT_BYTES_MAX, move || async move {
             let reply = actor.handle(turn, message).await?;
             Ok(if told {
                 AnyValue::new(Unread)

@@ -7,7 +7,8 @@
 //! until 2026-11-28), boxing either value, boxing a tell's unread reply, or a reply
 //! channel allocated per request (tokio's `oneshot`, as until 2026-11-29) fails it. An actor with state
 //! that a turn leaves unchanged allocates no more: its encoding is compared with the
-//! committed one, not made anew (`Actor::state_change`).
+//! committed one, not made anew (`Actor::state_change`); nor does one whose turn's future
+//! is over the default kept size and which raises `TypedActor::TURN_FUTURE_KEPT_BYTES_MAX`.
 //!
 //! Counted per thread by a counting global allocator, on a current_thread runtime whose
 //! caller, dispatcher and actor all run on the test's thread. Normal build only: the
@@ -60,9 +61,38 @@ impl TypedActor for StatefulEcho {
     }
 }
 
+/// Bytes a [`LargeTurn`] turn holds across its `.await`: more than the default kept
+/// size of a turn's future (`HANDLER_SLOT_KEPT_BYTES_MAX`, 1,024 B).
+const LARGE_TURN_BYTES: usize = 2 * troupe_runtime::HANDLER_SLOT_KEPT_BYTES_MAX;
+
+/// An actor whose turn's future is over 2 KiB (a buffer held across an `.await`), which
+/// raises the size of the future its activation keeps.
+#[derive(Default, Serialize, Deserialize)]
+struct LargeTurn;
+
+impl TypedActor for LargeTurn {
+    type Message = u64;
+    type Reply = u64;
+    const TURN_FUTURE_KEPT_BYTES_MAX: usize = 2 * LARGE_TURN_BYTES;
+
+    async fn handle(&mut self, _turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
+        let buffer = [1_u8; LARGE_TURN_BYTES];
+        std::future::ready(()).await; // held across an `.await`: part of the future
+        Ok(message + u64::from(buffer[message as usize % LARGE_TURN_BYTES]) - 1)
+    }
+}
+
 #[tokio::test]
 async fn typed_tells_and_asks_allocate_at_most_their_budget_in_steady_state() {
     check_allocations::<Echo>().await;
+}
+
+/// Goal: a typed actor that raises `TypedActor::TURN_FUTURE_KEPT_BYTES_MAX` above its
+/// turn's future (over 2 KiB) allocates no more per message either: its activation keeps
+/// the future's block (with the default, 1,024 B, each message allocated it anew).
+#[tokio::test]
+async fn a_typed_actor_that_keeps_its_large_turn_future_allocates_no_more_per_message() {
+    check_allocations::<LargeTurn>().await;
 }
 
 /// Goal: a turn that leaves a non-empty state unchanged allocates nothing for it (before
