@@ -77,7 +77,9 @@ impl HandlerSlot {
     }
 
     /// Moves `future` into the slot's block (allocated, or reallocated for another
-    /// layout, only when needed) and returns it, to be polled where it lies.
+    /// layout, only when needed) and returns it, to be polled where it lies. (The
+    /// runtime places every turn with its actor's kept size: [`HandlerSlot::place_with`].)
+    #[cfg(test)]
     pub(crate) fn place<'a, F>(&'a mut self, future: F) -> InSlot<'a, F::Output>
     where
         F: Future + Send + 'a,
