@@ -1407,3 +1407,92 @@ async fn a2a_on_two_node_processes_runs_through_the_node_holding_the_agents_reco
     expected.extend(tasks.iter().rev().map(String::as_str));
     assert_eq!(ids, expected, "h1's task, then h0's, newest first: {listed}");
 }
+
+/// How long a caller gives the A2A task of the in-flight takeover test, in milliseconds:
+/// its agent's 20 s scripted turn runs again after the takeover.
+const RESUMED_TASK_TIMEOUT_MS: u64 = 120_000;
+
+/// Goal: an A2A task whose agent is mid-turn when the node holding the agent's A2A
+/// records (and the agent) is killed is not lost: once that node's lease has run out,
+/// the other node, asked for the task, takes the records over, reads the task back
+/// (`submitted` or `working`), hands it to the agent again (which now runs on it), and
+/// the task completes with the agent's answer; the agent's turn commits once (its log
+/// holds the question once: the cut turn committed nothing). Until then the other node
+/// refuses as retryable, naming the dead node. Method: two `troupe node` processes
+/// (etcd, PostgreSQL), `b` first asked through h0 (so h0 owns it), an A2A task of `b`'s
+/// 20 s scripted turn (`route: wait`) sent through h0 with `returnImmediately`; once it
+/// works, h0 is killed (SIGKILL) and the task is polled through h1.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_a2a_task_working_on_a_killed_node_is_resumed_by_the_node_that_takes_its_agent_over() {
+    let mut cluster = start_agent_nodes("cluster-a2a-resume", "r", 2).await;
+    let (nodes, database) = (&mut cluster.nodes, &cluster.database);
+    let (r0, r1) = (nodes[0].http.clone(), nodes[1].http.clone());
+    let (status, reply) = ask(&r0, "b", "route:").expect("ask b");
+    assert_eq!((status, reply["text"].as_str()), (200, Some("hello from b")), "{reply}");
+    assert_eq!(agent_owner(database, "b").await, "r0", "b runs on r0");
+
+    let message = serde_json::json!({
+        "messageId": "resume-1",
+        "role": "ROLE_USER",
+        "parts": [{"text": "route: wait"}],
+        "metadata": {"troupe": {"chain": [], "depth": 0, "timeout_ms": RESUMED_TASK_TIMEOUT_MS}},
+    });
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "SendMessage",
+        "params": {"message": message, "configuration": {"returnImmediately": true}}});
+    let (status, sent) = http(&r0, "POST", "/a2a/b", &body.to_string()).expect("A2A send through r0");
+    assert_eq!(status, 200, "{sent}");
+    let id = sent["result"]["task"]["id"].as_str().expect("a task id").to_string();
+    assert_eq!(id, "b-task-r0-0", "{sent}");
+    let started = Instant::now();
+    loop {
+        let (status, got) = a2a_get(&r0, "b", &id).expect("GetTask through r0");
+        assert_eq!(status, 200, "{got}");
+        if got["result"]["status"]["state"] == "TASK_STATE_WORKING" {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(AGENT_REQUEST_MS_MAX),
+            "the task never started: {got}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Inside b's 20 s turn: handed over and running, nothing of it committed.
+    std::thread::sleep(Duration::from_millis(1_000));
+    nodes[0].kill();
+    let killed = Instant::now();
+
+    let bound = Duration::from_millis(
+        LEASE_TTL_MS + 2 * RECOVERY_SLACK_MS + troupe_cli::ORG_DEMO_WAIT_MS + AGENT_REQUEST_MS_MAX,
+    );
+    let mut seen: Vec<String> = Vec::new();
+    let done = loop {
+        let (status, got) = a2a_get(&r1, "b", &id).expect("GetTask through r1");
+        let seen_now = if status == 503 {
+            let message = got["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("A2A tasks are held by node r0"), "{got}");
+            "refused (held by r0)".to_string()
+        } else {
+            assert_eq!(status, 200, "{got}");
+            got["result"]["status"]["state"].as_str().expect("a state").to_string()
+        };
+        if seen.last() != Some(&seen_now) {
+            println!("{} ms after the kill: {seen_now}", killed.elapsed().as_millis());
+            seen.push(seen_now.clone());
+        }
+        if seen_now == "TASK_STATE_COMPLETED" {
+            break got["result"].clone();
+        }
+        assert!(
+            matches!(
+                seen_now.as_str(),
+                "refused (held by r0)" | "TASK_STATE_SUBMITTED" | "TASK_STATE_WORKING"
+            ),
+            "{seen:?}"
+        );
+        assert!(killed.elapsed() < bound, "the task did not complete: {seen:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(a2a_reply_text(&done), "waited", "b answered it: {done}");
+    assert_eq!(agent_owner(database, "b").await, "r1", "b moved to r1");
+    assert_eq!(asked(&r1, "b", "route: wait"), 1, "b's turn committed once");
+}

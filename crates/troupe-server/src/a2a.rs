@@ -378,10 +378,16 @@ async fn forward(a2a: &A2a, holder: &str, agent: &str, headers: &HeaderMap, body
             }
         }
     };
-    let mut request = client
-        .post(format!("http://{address}/a2a/{agent}"))
-        .header(FORWARDED_BY_HEADER, node)
-        .body(body);
+    // The agent's id as one path segment (escaped: an id may hold `?`, `#` or spaces).
+    let mut url = match reqwest::Url::parse(&format!("http://{address}/")) {
+        Ok(url) if !url.cannot_be_a_base() => url,
+        _ => {
+            tracing::warn!(%holder, %address, "a node's published HTTP address is not host:port; not forwarded");
+            return None;
+        }
+    };
+    url.path_segments_mut().ok()?.extend(["a2a", agent]);
+    let mut request = client.post(url).header(FORWARDED_BY_HEADER, node).body(body);
     for name in [
         header::AUTHORIZATION.as_str(),
         header::CONTENT_TYPE.as_str(),

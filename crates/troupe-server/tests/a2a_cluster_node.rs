@@ -262,20 +262,39 @@ impl PeerAddresses for Peer {
     }
 }
 
+/// `echo`, and `echo #2?`, whose id needs escaping in a URL path.
 fn echo_agents() -> troupe_agent::AgentSystemBuilder {
     support::agents(
-        ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}")),
-        &["echo"],
+        ScriptedLlm::new()
+            .rule(ScriptRule::agent("echo").reply("echo: {input}"))
+            .rule(ScriptRule::agent(ODD_ID).reply("odd: {input}")),
+        &["echo", ODD_ID],
         KindConfig::default(),
     )
 }
 
+/// An agent id with characters a URL path must escape.
+const ODD_ID: &str = "echo #2?";
+
 /// POSTs a JSON-RPC request to `/a2a/echo` of `base` with `headers`: the status, the
 /// `x-troupe-forwarded-to` header and the answer (SSE bodies as text).
 async fn post_rpc(base: &str, method: &str, params: Value, headers: &[(&str, &str)]) -> (u16, Option<String>, Value) {
+    post_rpc_to(base, "echo", method, params, headers).await
+}
+
+/// [`post_rpc`] to agent `agent` (its id escaped as a path segment).
+async fn post_rpc_to(
+    base: &str,
+    agent: &str,
+    method: &str,
+    params: Value,
+    headers: &[(&str, &str)],
+) -> (u16, Option<String>, Value) {
     let body = json!({"jsonrpc": "2.0", "id": 7, "method": method, "params": params});
+    let mut url = reqwest::Url::parse(base).unwrap();
+    url.path_segments_mut().unwrap().extend(["a2a", agent]);
     let mut request = reqwest::Client::new()
-        .post(format!("{base}/a2a/echo"))
+        .post(url)
         .timeout(Duration::from_millis(TEST_WAIT_MS_MAX))
         .header("content-type", "application/json")
         .body(body.to_string());
@@ -349,11 +368,16 @@ async fn a_node_forwards_a2a_requests_to_the_node_holding_the_agents_tasks_once(
     let on_h0 = rpc(&h0, "GetTask", json!({"id": "echo-task-h0-0"})).await;
     assert_eq!(reply_text(&on_h0), "echo: via h1", "the task is h0's: {on_h0}");
 
+    // An id a URL path must escape is forwarded as one path segment.
+    let (status, forwarded_to, answer) = post_rpc_to(&h1.base, ODD_ID, "SendMessage", send("odd", "o1"), &[]).await;
+    assert_eq!((status, forwarded_to.as_deref()), (200, Some("h0")), "{answer}");
+    assert_eq!(reply_text(&answer["result"]["task"]), "odd: odd", "{answer}");
+
     let (status, forwarded_to, answer) = post_rpc(&h1.base, "SendStreamingMessage", send("streamed", "m2"), &[]).await;
     assert_eq!((status, forwarded_to.as_deref()), (200, Some("h0")), "{answer}");
     let events = answer.as_str().unwrap();
     assert!(
-        events.contains("echo-task-h0-1") && events.contains("echo: streamed"),
+        events.contains("echo-task-h0-2") && events.contains("echo: streamed"),
         "{events}"
     );
 
