@@ -408,8 +408,9 @@ impl Jitter {
 }
 
 /// Installs rustls' `ring` provider as the process default unless one is installed
-/// (reqwest and rmcp's HTTP transport are built without a provider of their own).
-pub(crate) fn ensure_tls_provider() {
+/// (reqwest and rmcp's HTTP transport are built without a provider of their own, in
+/// this workspace): call it before building a reqwest client.
+pub fn ensure_tls_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         // Losing a race to another installer is fine: some provider is then installed.
         let _ = rustls::crypto::ring::default_provider().install_default();

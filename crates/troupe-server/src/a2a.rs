@@ -361,10 +361,7 @@ async fn forward(a2a: &A2a, holder: &str, agent: &str, headers: &HeaderMap, body
     let client = match a2a.forwarder.get() {
         Some(client) => client,
         None => {
-            if rustls::crypto::CryptoProvider::get_default().is_none() {
-                // Losing a race to another installer is fine: some provider is then installed.
-                let _ = rustls::crypto::ring::default_provider().install_default();
-            }
+            troupe_agent::ensure_tls_provider();
             let built = reqwest::Client::builder()
                 .connect_timeout(Duration::from_millis(A2A_FORWARD_CONNECT_TIMEOUT_MS))
                 .timeout(Duration::from_millis(A2A_FORWARD_TIMEOUT_MS))
