@@ -130,10 +130,9 @@ pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
         forwarder: std::sync::OnceLock::new(),
     });
     // Read the stored tasks back now (and resume those that had not ended), not only at
-    // the first A2A request. A cluster node reads an agent's when it takes them over.
-    if a2a.app.config.node.is_some() {
-        // Nothing to read at the start.
-    } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+    // the first A2A request. A cluster node reads an agent's when it takes them over
+    // (`ready` reads nothing there).
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         let a2a = Arc::clone(&a2a);
         runtime.spawn(async move { ready(&a2a).await });
     }
