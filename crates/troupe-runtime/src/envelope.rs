@@ -213,6 +213,11 @@ impl EnvelopeSpan {
         }
     }
 
+    /// Whether no span was recorded.
+    pub(crate) fn is_none(&self) -> bool {
+        self.0.is_none()
+    }
+
     /// The span itself (`Span::none()` when it was not recorded).
     pub(crate) fn into_span(self) -> tracing::Span {
         match self.0 {

@@ -143,6 +143,11 @@ impl Writes {
 pub(crate) struct TurnWrites(Option<Box<Writes>>);
 
 impl TurnWrites {
+    /// Whether the turn made no write at all.
+    pub(crate) fn none_made(&self) -> bool {
+        self.0.is_none()
+    }
+
     /// The writes in key order, for the turn's commit.
     pub(crate) fn into_vec(self) -> Vec<(String, Option<Bytes>)> {
         match self.0.map(|writes| *writes) {
