@@ -42,7 +42,8 @@ use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{StoreError, TraceId};
 
 use crate::a2a_tasks::{
-    message_id, AdmitError, CancelOutcome, Created, Forgotten, Lane, TaskCall, TaskRecord, TaskRegistry, TaskStore,
+    message_id, AdmitError, CancelOutcome, Created, Forgotten, Lane, LaneTurn, TaskCall, TaskRecord, TaskRegistry,
+    TaskStore,
 };
 use crate::agents::known;
 use crate::error::ApiError;
@@ -285,7 +286,8 @@ fn resume(a2a: &Arc<A2a>, records: Vec<TaskRecord>) {
         let ask = Ask::of(&record);
         let (id, agent) = (record.id.clone(), record.agent.clone());
         if let Some(lane) = a2a.tasks.restore(record) {
-            tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane));
+            let turn = lane.queue();
+            tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane, turn));
         }
     }
 }
@@ -778,7 +780,15 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
             depth: troupe.depth,
             trace: Some(accepted.trace),
         };
-        tokio::spawn(run(Arc::clone(a2a), record.id.clone(), agent.to_string(), ask, lane));
+        let turn = lane.queue();
+        tokio::spawn(run(
+            Arc::clone(a2a),
+            record.id.clone(),
+            agent.to_string(),
+            ask,
+            lane,
+            turn,
+        ));
     }
     Ok(record)
 }
@@ -822,12 +832,13 @@ impl Ask {
     }
 }
 
-/// Runs task `id` in its agent's lane: waits its turn, then hands it to the agent as a
+/// Runs task `id` in its agent's lane: waits its `turn` (taken when the task was
+/// created or read back, see [`Lane::queue`]), then hands it to the agent as a
 /// Troupe task (durable in the agent's inbox, once: the A2A task id deduplicates it),
 /// unless it was canceled meanwhile, and waits for its outcome; the ended record is
 /// stored. At shutdown it stops waiting: the next start resumes it.
-async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>) {
-    let _turn = lane.turn.lock().await;
+async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>, turn: LaneTurn) {
+    let _turn = turn.await;
     lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     let mut started = false;
     let record = a2a.tasks.update(&id, |task| {

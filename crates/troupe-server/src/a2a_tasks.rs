@@ -25,8 +25,11 @@
 //! again starts a new task.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 
 use axum::body::Bytes;
 use serde::{Deserialize, Serialize};
@@ -266,9 +269,32 @@ pub(crate) enum CancelOutcome {
 #[derive(Debug, Default)]
 pub(crate) struct Lane {
     /// Held while one of the agent's A2A tasks runs.
-    pub(crate) turn: tokio::sync::Mutex<()>,
+    turn: Arc<tokio::sync::Mutex<()>>,
     /// Tasks submitted and not yet started.
     pub(crate) waiting: AtomicUsize,
+}
+
+/// A task's place in its agent's lane: resolves when its turn comes, and holds the
+/// lane until dropped.
+pub(crate) type LaneTurn = Pin<Box<dyn Future<Output = tokio::sync::OwnedMutexGuard<()>> + Send>>;
+
+impl Lane {
+    /// Takes a place in the lane now, behind every place taken before: tasks run in the
+    /// order their places were taken, which is the order they were created (or read
+    /// back). tokio's mutex serves waiters in the order they first asked, and a spawned
+    /// task's `lock()` asks only when the task is first polled: on a loaded multi-thread
+    /// runtime a task spawned later could be polled, and run, first (seen once in CI:
+    /// the second of two tasks sent one after the other ran before the first). So the
+    /// wait is polled once here, which queues it, and then handed to the task. Dropping
+    /// it gives the place up.
+    pub(crate) fn queue(&self) -> LaneTurn {
+        let mut turn: LaneTurn = Box::pin(Arc::clone(&self.turn).lock_owned());
+        match turn.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(guard) => Box::pin(std::future::ready(guard)),
+            // Queued: the task's first poll gives the mutex its own waker.
+            Poll::Pending => turn,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -539,6 +565,34 @@ impl Inner {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Goal: a lane serves its tasks in the order their places were taken, whatever
+    /// order the tasks are first polled in (the A2A test of a waiting task failed once
+    /// in CI when the later of two tasks, both spawned, was polled first and took the
+    /// lane). Method: three places taken 1, 2, 3; their tasks spawned 3, 2, 1 on worker
+    /// threads, each holding the lane across a yield; the order they held it in. With a
+    /// `lock()` made in the task instead, the order follows the polls (checked: 3, 2, 1).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lane_serves_places_in_the_order_they_were_taken_not_polled() {
+        let lane = Lane::default();
+        let places: Vec<LaneTurn> = (0..3).map(|_| lane.queue()).collect();
+        let held = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for (number, place) in places.into_iter().enumerate().rev() {
+            let held = Arc::clone(&held);
+            tasks.push(tokio::spawn(async move {
+                let _turn = place.await;
+                held.lock().unwrap().push(number + 1);
+                tokio::task::yield_now().await;
+            }));
+            // Each spawned task gets time to run (and, if it could, take the lane).
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(*held.lock().unwrap(), vec![1, 2, 3]);
+    }
 
     fn record(seq: u64, state: TaskState) -> TaskRecord {
         TaskRecord {
