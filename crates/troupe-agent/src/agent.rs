@@ -182,6 +182,8 @@ impl AgentActor {
         if self.spec_generation != Some(generation) {
             if let Some(spec) = self.shared.directory.get(self.id.key()) {
                 self.state.spec = spec;
+                // Its history window may have shrunk.
+                self.state.fit_window();
                 // The prompt's parts are derived from the definition: build them again.
                 self.prompt = None;
             }

@@ -20,6 +20,9 @@
 //!                                # mention, 1..=CONVERSATION_WINDOW_MESSAGES_MAX (default: the max)
 //! window_tokens = 2000           # and at most this many approximate tokens of them,
 //!                                # 1..=CONVERSATION_WINDOW_TOKENS_MAX (default: the max)
+//! history_messages = 200         # its own newest log messages its model sees at every turn,
+//!                                # AGENT_HISTORY_WINDOW_MIN..=AGENT_HISTORY_WINDOW_MAX
+//!                                # (default: AGENT_HISTORY_WINDOW_DEFAULT, 64)
 //! manager = "ceo"                # another declared agent
 //! mode = "supervised"            # autonomous (default), supervised, strict
 //!
@@ -153,6 +156,9 @@ pub struct AgentConfig {
     /// Approximate tokens of them at most.
     #[serde(default)]
     pub window_tokens: Option<Spanned<usize>>,
+    /// Its own newest log messages its model sees at every turn (its history window).
+    #[serde(default)]
+    pub history_messages: Option<Spanned<usize>>,
     /// Its manager, another declared agent.
     #[serde(default)]
     pub manager: Option<Spanned<String>>,
@@ -405,6 +411,21 @@ impl OrgConfig {
                     ));
                 }
             }
+            if let Some(history) = agent.history_messages.as_ref().filter(|history| {
+                !(crate::limits::AGENT_HISTORY_WINDOW_MIN..=crate::limits::AGENT_HISTORY_WINDOW_MAX)
+                    .contains(history.get_ref())
+            }) {
+                return Err(invalid(
+                    history.span(),
+                    field("history_messages"),
+                    format!(
+                        "{} is not in {}..={}",
+                        history.get_ref(),
+                        crate::limits::AGENT_HISTORY_WINDOW_MIN,
+                        crate::limits::AGENT_HISTORY_WINDOW_MAX
+                    ),
+                ));
+            }
             if let Err(error) = self.spec(agent).validate() {
                 return Err(invalid(agent.id.span(), field("id"), error.to_string()));
             }
@@ -618,6 +639,9 @@ impl OrgConfig {
                 .map_or(default.messages, |m| *m.get_ref()),
             agent.window_tokens.as_ref().map_or(default.tokens, |t| *t.get_ref()),
         );
+        if let Some(history) = &agent.history_messages {
+            spec = spec.history(*history.get_ref());
+        }
         if let Some(tools) = &agent.tools {
             spec = spec.tools(tools.get_ref().iter().map(|tool| tool.get_ref().clone()));
         }

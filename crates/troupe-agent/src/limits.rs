@@ -16,9 +16,16 @@ pub const AGENT_MESSAGE_SIZE_MAX_BYTES: usize = 32 * 1024;
 pub const AGENT_REPLY_SIZE_MAX_BYTES: usize = 32 * 1024;
 /// Largest tool result fed back to the model, in bytes.
 pub const AGENT_TOOL_RESULT_SIZE_MAX_BYTES: usize = 16 * 1024;
-/// Most messages kept in the conversation window of the agent's snapshot (the full log
-/// is in the store).
-pub const AGENT_HISTORY_WINDOW_MAX: usize = 64;
+/// Messages an agent keeps in its private history window by default (the newest of its
+/// log, shown to its model at every turn; the full log is in the store). An agent sets
+/// its own with [`crate::AgentSpec::history`].
+pub const AGENT_HISTORY_WINDOW_DEFAULT: usize = 64;
+/// Fewest messages an agent's history window may hold: a question and its answer.
+pub const AGENT_HISTORY_WINDOW_MIN: usize = 2;
+/// Most messages an agent's history window may hold. The window lives in the idle
+/// activation's memory and is read back from the log in one scan after a restart, so it
+/// is bounded well under the store's page (`STATE_SCAN_LIMIT_MAX`, 10,000 entries).
+pub const AGENT_HISTORY_WINDOW_MAX: usize = 1_000;
 
 /// Bytes of a turn's future that an agent's or a conversation's activation keeps from
 /// one turn to the next (`troupe_runtime::Actor::TURN_FUTURE_KEPT_BYTES_MAX`, whose
@@ -26,8 +33,8 @@ pub const AGENT_HISTORY_WINDOW_MAX: usize = 64;
 /// about 4,700 B, a conversation's about 3,300 B): within this, a turn reuses its
 /// activation's block instead of a `malloc` and a `free` of that much (2,473
 /// instructions of a `call_agent` round trip's 95,536, 892 of an agent step's 22,958),
-/// and an idle activation holds the block, beside a window of up to
-/// [`AGENT_HISTORY_WINDOW_MAX`] messages.
+/// and an idle activation holds the block, beside a window of (by default)
+/// [`AGENT_HISTORY_WINDOW_DEFAULT`] messages.
 pub const AGENT_TURN_FUTURE_KEPT_BYTES_MAX: usize = 8 * 1024;
 /// Bytes at which an entry of an agent's log is closed: a turn's messages are written
 /// as one entry (a JSON array; a single message alone, as an object) until it holds
@@ -51,7 +58,10 @@ pub const SCRIPTED_LLM_COUNTED_AGENTS_MAX: usize = 1_024;
 pub const AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES: usize = 16 * 1024;
 
 const _: () = assert!(AGENT_TURN_STEPS_MAX >= 1);
-const _: () = assert!(AGENT_HISTORY_WINDOW_MAX >= 2);
+const _: () = assert!(AGENT_HISTORY_WINDOW_MIN >= 2);
+const _: () = assert!(AGENT_HISTORY_WINDOW_MIN <= AGENT_HISTORY_WINDOW_DEFAULT);
+const _: () = assert!(AGENT_HISTORY_WINDOW_DEFAULT <= AGENT_HISTORY_WINDOW_MAX);
+const _: () = assert!(AGENT_HISTORY_WINDOW_MAX <= troupe_runtime::STATE_SCAN_LIMIT_MAX);
 const _: () = assert!(AGENT_ASK_TIMEOUT_MS_DEFAULT <= INVOKE_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_CALL_TIMEOUT_MS_MAX <= INVOKE_TIMEOUT_MS_MAX);
 // A message that fits must also fit as a tool result's worth of reply, and a reply must

@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use serde_json::json;
-use troupe_agent::limits::{AGENT_HISTORY_WINDOW_MAX, AGENT_LOG_ENTRY_CLOSE_BYTES, AGENT_TOOL_RESULT_SIZE_MAX_BYTES};
+use troupe_agent::limits::{
+    AGENT_HISTORY_WINDOW_DEFAULT, AGENT_LOG_ENTRY_CLOSE_BYTES, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
+};
 use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, Role, ScriptRule, ScriptedLlm, Tool};
 use troupe_core::ActorId;
 use troupe_runtime::{MemoryStore, StateChange, StateStore, TurnCommit};
@@ -115,10 +117,10 @@ async fn prompt_after_asking_again(system: &AgentSystem, llm: &ScriptedLlm) -> V
         .collect()
 }
 
-/// The window a restarted agent must read: the last `AGENT_HISTORY_WINDOW_MAX` messages
+/// The window a restarted agent must read: the last `AGENT_HISTORY_WINDOW_DEFAULT` messages
 /// from the first user message among them.
 fn expected_window(log: &[(Role, String)]) -> Vec<(Role, String)> {
-    let last = &log[log.len().saturating_sub(AGENT_HISTORY_WINDOW_MAX)..];
+    let last = &log[log.len().saturating_sub(AGENT_HISTORY_WINDOW_DEFAULT)..];
     let first_user = last
         .iter()
         .position(|(role, _)| *role == Role::User)
@@ -153,7 +155,7 @@ async fn a_turn_is_one_log_entry_and_the_log_reads_back_after_a_restart() {
     let system = start(&llm, store.clone(), echo_tool(1));
     assert_eq!(roles_and_contents(&system.conversation_log("a").await.unwrap()), log);
     let window = expected_window(&log);
-    assert_eq!(window.len(), AGENT_HISTORY_WINDOW_MAX);
+    assert_eq!(window.len(), AGENT_HISTORY_WINDOW_DEFAULT);
     assert_eq!(roles_and_contents(&system.history_window("a").await.unwrap()), window);
 
     // The reactivated agent's model sees the window read from the entries.

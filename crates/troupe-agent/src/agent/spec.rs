@@ -8,7 +8,10 @@ use std::sync::{Arc, RwLock};
 use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, IdError};
 
-use crate::limits::{AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX};
+use crate::limits::{
+    AGENT_HISTORY_WINDOW_DEFAULT, AGENT_HISTORY_WINDOW_MAX, AGENT_HISTORY_WINDOW_MIN,
+    AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+};
 
 /// The actor kind of every agent.
 pub const AGENT_KIND: &str = "agent";
@@ -95,6 +98,18 @@ pub enum AgentSpecError {
         /// [`crate::CONVERSATION_WINDOW_TOKENS_MAX`].
         limit: usize,
     },
+    /// The agent's history window is out of range.
+    #[error("the history window of {id} is {value} messages, which is not in {min}..={max}; pick a value in range")]
+    HistoryOutOfRange {
+        /// The agent.
+        id: String,
+        /// The value given.
+        value: usize,
+        /// [`AGENT_HISTORY_WINDOW_MIN`].
+        min: usize,
+        /// [`AGENT_HISTORY_WINDOW_MAX`].
+        max: usize,
+    },
     /// The agent names a tool the system does not have.
     #[error(
         "agent {id:?} names tool {tool:?}, which this system does not have; registered tools: [{}] \
@@ -175,6 +190,16 @@ pub struct AgentSpec {
     /// pull-based context).
     #[serde(default)]
     pub window: ContextWindow,
+    /// How many of its own newest log messages its model sees at every turn (its private
+    /// history window), [`AGENT_HISTORY_WINDOW_MIN`]..=[`AGENT_HISTORY_WINDOW_MAX`];
+    /// [`AGENT_HISTORY_WINDOW_DEFAULT`] unless set. The window never starts in the
+    /// middle of an exchange, so it may hold fewer.
+    #[serde(default = "default_history")]
+    pub history: usize,
+}
+
+fn default_history() -> usize {
+    AGENT_HISTORY_WINDOW_DEFAULT
 }
 
 /// How much of a conversation an agent's prompt shows: the newest `messages` messages,
@@ -212,7 +237,19 @@ impl AgentSpec {
             provider: None,
             tools: None,
             window: ContextWindow::default(),
+            history: AGENT_HISTORY_WINDOW_DEFAULT,
         }
+    }
+
+    /// Sets how many of its own newest log messages its model sees at every turn
+    /// (checked by [`AgentSpec::validate`]: [`AGENT_HISTORY_WINDOW_MIN`]..=
+    /// [`AGENT_HISTORY_WINDOW_MAX`]). A running agent takes a new value at its next
+    /// turn: a smaller window drops its oldest messages then, a larger one fills up as
+    /// the agent talks (and, after a restart, is read back from the log up to the
+    /// window kept before it).
+    pub fn history(mut self, messages: usize) -> Self {
+        self.history = messages;
+        self
     }
 
     /// Sets its conversation window: the newest `messages` messages, at most `tokens`
@@ -278,7 +315,7 @@ impl AgentSpec {
         self
     }
 
-    /// Checks the id, the prompt size and the window.
+    /// Checks the id, the prompt size and the windows.
     ///
     /// # Errors
     /// [`AgentSpecError`].
@@ -300,6 +337,14 @@ impl AgentSpec {
                 what,
                 value,
                 limit,
+            });
+        }
+        if !(AGENT_HISTORY_WINDOW_MIN..=AGENT_HISTORY_WINDOW_MAX).contains(&self.history) {
+            return Err(AgentSpecError::HistoryOutOfRange {
+                id: self.id.clone(),
+                value: self.history,
+                min: AGENT_HISTORY_WINDOW_MIN,
+                max: AGENT_HISTORY_WINDOW_MAX,
             });
         }
         agent_id(&self.id).map_err(|cause| AgentSpecError::InvalidId {

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use troupe_runtime::{ActorError, StoreError, Turn};
 
 use crate::json_text::{chat_message_capacity, push_chat_message};
-use crate::limits::{AGENT_HISTORY_WINDOW_MAX, AGENT_LOG_ENTRY_CLOSE_BYTES};
+use crate::limits::{AGENT_HISTORY_WINDOW_MAX, AGENT_HISTORY_WINDOW_MIN, AGENT_LOG_ENTRY_CLOSE_BYTES};
 use crate::{AgentSpec, ChatMessage, Prompt, Role};
 
 /// An agent in memory: its definition, the recent conversation (the window: the last
@@ -201,14 +201,27 @@ impl AgentState {
         Ok(())
     }
 
-    /// Appends `messages`, keeps the last [`AGENT_HISTORY_WINDOW_MAX`], and never starts
-    /// the window in the middle of an exchange (a tool result without its call).
-    /// The messages are shared with `messages`, not copied (but for a part the window's
-    /// start cuts in two).
+    /// Appends `messages`, keeps the last [`AgentSpec::history`] (at most
+    /// [`AGENT_HISTORY_WINDOW_MAX`]), and never starts the window in the middle of an
+    /// exchange (a tool result without its call). The messages are shared with
+    /// `messages`, not copied (but for a part the window's start cuts in two).
     pub(crate) fn remember(&mut self, messages: &Prompt) {
         self.window.extend_listed(messages);
-        if self.window.len() > AGENT_HISTORY_WINDOW_MAX {
-            let excess = self.window.len() - AGENT_HISTORY_WINDOW_MAX;
+        self.fit_window();
+    }
+
+    /// Cuts the window to the last [`AgentSpec::history`] messages (at most
+    /// [`AGENT_HISTORY_WINDOW_MAX`]), starting at a user message: after each turn, and
+    /// when a turn takes the directory's definition (always the first turn of an
+    /// activation, after the window was read back), so that a smaller window is what
+    /// the model sees from that turn on.
+    pub(crate) fn fit_window(&mut self) {
+        let kept = self
+            .spec
+            .history
+            .clamp(AGENT_HISTORY_WINDOW_MIN, AGENT_HISTORY_WINDOW_MAX);
+        if self.window.len() > kept {
+            let excess = self.window.len() - kept;
             self.window.remove_first(excess);
         }
         let first_user = self
@@ -217,7 +230,7 @@ impl AgentState {
             .position(|m| m.role == Role::User)
             .unwrap_or(self.window.len());
         self.window.remove_first(first_user);
-        assert!(self.window.len() <= AGENT_HISTORY_WINDOW_MAX);
+        assert!(self.window.len() <= kept);
     }
 }
 
@@ -306,6 +319,7 @@ const LOG_SEQ_DIGITS: usize = 20;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limits::AGENT_HISTORY_WINDOW_DEFAULT;
     use crate::ToolCall;
 
     fn numbered(numbers: std::ops::RangeInclusive<u64>) -> Vec<ChatMessage> {
@@ -419,7 +433,7 @@ mod tests {
                 ChatMessage::tool_result(format!("c{turn}"), "r"),
                 ChatMessage::new(Role::Assistant, format!("a{turn}")),
             ]));
-            assert!(state.window.len() <= AGENT_HISTORY_WINDOW_MAX);
+            assert!(state.window.len() <= AGENT_HISTORY_WINDOW_DEFAULT);
             assert_eq!(state.window[0].role, Role::User);
         }
         assert_eq!(state.window.last().unwrap().content, "a99");
@@ -428,8 +442,8 @@ mod tests {
     /// The window as it was kept before it was shared: a `Vec`, extended with copies.
     fn remember_copied(window: &mut Vec<ChatMessage>, messages: &[ChatMessage]) {
         window.extend_from_slice(messages);
-        if window.len() > AGENT_HISTORY_WINDOW_MAX {
-            let excess = window.len() - AGENT_HISTORY_WINDOW_MAX;
+        if window.len() > AGENT_HISTORY_WINDOW_DEFAULT {
+            let excess = window.len() - AGENT_HISTORY_WINDOW_DEFAULT;
             window.drain(..excess);
         }
         let first_user = window.iter().position(|m| m.role == Role::User).unwrap_or(window.len());
