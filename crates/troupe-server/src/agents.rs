@@ -31,6 +31,7 @@ fn agent_json(spec: &AgentSpec) -> Value {
         "system_prompt": spec.system_prompt,
         "model": spec.model.model,
         "max_steps": spec.model.max_steps,
+        "history": spec.history,
     })
 }
 
@@ -131,6 +132,9 @@ pub(crate) struct AgentBody {
     #[serde(default)]
     model: String,
     max_steps: Option<u32>,
+    /// Its history window in messages (`AgentSpec::history`); default
+    /// `AGENT_HISTORY_WINDOW_DEFAULT`.
+    history: Option<usize>,
 }
 
 impl AgentBody {
@@ -147,6 +151,9 @@ impl AgentBody {
                 return Err(ApiError::unprocessable("invalid_agent", "max_steps must be at least 1"));
             }
             spec = spec.max_steps(steps);
+        }
+        if let Some(history) = self.history {
+            spec = spec.history(history);
         }
         spec.validate()
             .map_err(|error| ApiError::unprocessable("invalid_agent", error.to_string()))?;

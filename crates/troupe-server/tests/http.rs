@@ -115,11 +115,13 @@ async fn agents_are_listed_created_updated_and_deleted() {
         .collect();
     assert_eq!(ids, ["boss", "caller", "echo", "slow"]);
 
-    let helper = json!({"id": "helper", "role": "helps", "system_prompt": "Be brief.", "max_steps": 3});
+    let helper = json!({"id": "helper", "role": "helps", "system_prompt": "Be brief.", "max_steps": 3, "history": 6});
     let (status, body) = server.post("/v1/agents", helper.clone()).await;
     assert_eq!(status, 201, "{body}");
     assert_eq!(body["role"], "helps");
     assert_eq!(body["max_steps"], 3);
+    assert_eq!(body["history"], 6);
+    assert_eq!(server.system().directory().get("helper").unwrap().history, 6);
     let (status, body) = server.post("/v1/agents", helper).await;
     assert_eq!(status, 409);
     assert_eq!(error_code(&body), "agent_exists");
@@ -138,6 +140,25 @@ async fn agents_are_listed_created_updated_and_deleted() {
         .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(server.get("/v1/agents/helper").await.1["role"], "helps more");
+    // A replacement is whole: a field it leaves out takes its default.
+    assert_eq!(
+        server.get("/v1/agents/helper").await.1["history"],
+        troupe_agent::limits::AGENT_HISTORY_WINDOW_DEFAULT
+    );
+    let (status, body) = server
+        .send(reqwest::Method::PUT, "/v1/agents/helper", Some(json!({"history": 1})))
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_agent"), "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("history window of helper is 1 messages") && message.contains("2..=1000"),
+        "{body}"
+    );
+    assert_eq!(
+        server.get("/v1/agents/helper").await.1["role"],
+        "helps more",
+        "the refused PUT changed nothing"
+    );
     let (status, body) = server
         .send(reqwest::Method::PUT, "/v1/agents/helper", Some(json!({"id": "other"})))
         .await;
