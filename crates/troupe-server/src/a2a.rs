@@ -286,8 +286,7 @@ fn resume(a2a: &Arc<A2a>, records: Vec<TaskRecord>) {
         let ask = Ask::of(&record);
         let (id, agent) = (record.id.clone(), record.agent.clone());
         if let Some(lane) = a2a.tasks.restore(record) {
-            let turn = lane.queue();
-            tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane, turn));
+            spawn_run(a2a, id, agent, ask, lane);
         }
     }
 }
@@ -780,15 +779,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
             depth: troupe.depth,
             trace: Some(accepted.trace),
         };
-        let turn = lane.queue();
-        tokio::spawn(run(
-            Arc::clone(a2a),
-            record.id.clone(),
-            agent.to_string(),
-            ask,
-            lane,
-            turn,
-        ));
+        spawn_run(a2a, record.id.clone(), agent.to_string(), ask, lane);
     }
     Ok(record)
 }
@@ -832,11 +823,19 @@ impl Ask {
     }
 }
 
-/// Runs task `id` in its agent's lane: waits its `turn` (taken when the task was
-/// created or read back, see [`Lane::queue`]), then hands it to the agent as a
-/// Troupe task (durable in the agent's inbox, once: the A2A task id deduplicates it),
-/// unless it was canceled meanwhile, and waits for its outcome; the ended record is
-/// stored. At shutdown it stops waiting: the next start resumes it.
+/// Takes task `id`'s place in its agent's lane now (see [`Lane::queue`]), then runs it
+/// in the background: the one way a task is started, so tasks run in the order they
+/// were created or read back.
+fn spawn_run(a2a: &Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>) {
+    let turn = lane.queue();
+    tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane, turn));
+}
+
+/// Runs task `id` in its agent's lane: waits its `turn` (taken by [`spawn_run`]), then
+/// hands it to the agent as a Troupe task (durable in the agent's inbox, once: the A2A
+/// task id deduplicates it), unless it was canceled meanwhile, and waits for its
+/// outcome; the ended record is stored. At shutdown it stops waiting: the next start
+/// resumes it.
 async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>, turn: LaneTurn) {
     let _turn = turn.await;
     lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
