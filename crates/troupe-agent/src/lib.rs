@@ -73,6 +73,7 @@ mod org_prompt;
 mod org_store;
 mod permissions;
 mod remote;
+mod resume_sweep;
 mod schema;
 mod scripted_llm;
 mod shared_record;
@@ -134,6 +135,7 @@ pub use remote::{
     REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES, REMOTE_RESPONSE_SIZE_MAX_BYTES,
     REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES, TROUPE_METADATA_KEY,
 };
+pub use resume_sweep::{ResumeSweep, ResumeSweepError};
 pub use schema::{
     validate, ArgumentSchema, InvalidSchema, SchemaError, SchemaViolation, SCHEMA_ERRORS_REPORTED_MAX,
     SCHEMA_ERROR_PROBLEM_BYTES_MAX,

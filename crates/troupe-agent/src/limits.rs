@@ -123,3 +123,12 @@ const _: () = assert!(AGENT_EXTERNAL_TASKS_OPEN_MAX <= AGENT_INBOX_CAPACITY);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_MAX <= troupe_core::limits::INVOKE_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_RESUME_BATCH * 2 < troupe_core::limits::MAILBOX_CAPACITY_DEFAULT);
+/// The shortest period of a resume sweep ([`crate::AgentClient::start_resume_sweep`]),
+/// in milliseconds: every round reads two keys per agent and one per conversation.
+pub const AGENT_RESUME_SWEEP_MS_MIN: u64 = 100;
+/// The longest period of a resume sweep, in milliseconds (an hour).
+pub const AGENT_RESUME_SWEEP_MS_MAX: u64 = 3_600_000;
+/// The period of the resume sweep a `troupe node` runs, in milliseconds: how long an
+/// agent with pending entries whose node died waits, past the dead node's lease, for
+/// another node to take it and process them when no request reaches it.
+pub const AGENT_RESUME_SWEEP_MS_DEFAULT: u64 = 10_000;
