@@ -132,3 +132,7 @@ pub const AGENT_RESUME_SWEEP_MS_MAX: u64 = 3_600_000;
 /// agent with pending entries whose node died waits, past the dead node's lease, for
 /// another node to take it and process them when no request reaches it.
 pub const AGENT_RESUME_SWEEP_MS_DEFAULT: u64 = 10_000;
+const _: () = assert!(
+    AGENT_RESUME_SWEEP_MS_MIN <= AGENT_RESUME_SWEEP_MS_DEFAULT
+        && AGENT_RESUME_SWEEP_MS_DEFAULT <= AGENT_RESUME_SWEEP_MS_MAX
+);

@@ -38,6 +38,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use troupe_agent::limits::AGENT_RESUME_SWEEP_MS_DEFAULT;
 use troupe_agent::{AgentClient, AgentSystem, LlmClient, OrgConfig};
 use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
@@ -784,6 +785,13 @@ pub async fn run_node(
         }
         None => None,
     };
+    // Pending entries of an agent whose node died, which no request reaches, are taken
+    // over once that node's lease has ended (stopped when the node stops).
+    let _resume_sweep = agents.as_ref().map(|agents| {
+        agents
+            .start_resume_sweep(Duration::from_millis(AGENT_RESUME_SWEEP_MS_DEFAULT))
+            .expect("AGENT_RESUME_SWEEP_MS_DEFAULT is in range")
+    });
     println!(
         "node {node_name} transport {} cluster {} lease {} ms{}",
         node.address(),

@@ -13,6 +13,8 @@
 //! - `d<i>` asked `deep` calls `d<i+1>` with `deep`; `d6` would answer `unreachable`;
 //! - after a tool result, `a`, `b`, `d<i>` answer `<name><<the tool result>`;
 //! - `c` asked `again` answers `c-again`;
+//! - `b` given a task containing `slow delegated work` answers `task done` after
+//!   [`SLOW_TASK_MODEL_LATENCY_MS`] (so its node can die while it works);
 //! - `b` given a task containing `delegated work` answers `task done`; `a` told the
 //!   result of a task it delegated answers `noted`;
 //! - any agent given a notification answers `noted`;
@@ -32,6 +34,8 @@ pub(crate) const AGENTS: [&str; 10] = ["a", "b", "c", "d0", "d1", "d2", "d3", "d
 pub(crate) const DEPTH_AGENTS: usize = 7;
 /// The model's latency on a conversation mention, in simulated milliseconds.
 pub(crate) const MENTION_MODEL_LATENCY_MS: u64 = 400;
+/// The model's latency on a task of `slow delegated work`, in simulated milliseconds.
+pub(crate) const SLOW_TASK_MODEL_LATENCY_MS: u64 = 2_000;
 
 fn ask(agent: &str, needle: &str, target: &str, message: &str) -> ScriptRule {
     ScriptRule::agent(agent)
@@ -67,6 +71,12 @@ pub(crate) fn script() -> ScriptedLlm {
             ScriptRule::agent("b")
                 .on_user_containing("question for b")
                 .reply("b-answer"),
+        )
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("slow delegated work")
+                .latency(std::time::Duration::from_millis(SLOW_TASK_MODEL_LATENCY_MS))
+                .reply("task done"),
         )
         .rule(
             ScriptRule::agent("b")
