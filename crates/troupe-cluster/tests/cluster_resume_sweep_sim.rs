@@ -14,6 +14,8 @@
 //! [`SETTLE_BOUND_MS`]. Without one (the control): it is still unresolved, and the entry
 //! still in `b`'s inbox, [`SETTLE_BOUND_MS`] later: the gap the sweep closes.
 //!
+//! Also: a cancellation made through another node's client (`cancel_scenario`).
+//!
 //! Run with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p troupe-cluster --test cluster_resume_sweep_sim`.
 #![cfg(madsim)]
 
@@ -195,6 +197,23 @@ impl Cluster {
             .expect("the log reads")
     }
 
+    /// `a` delegates `text` to `b`, through node-1; the task's id.
+    async fn delegate_slow(&self, text: &'static str) -> String {
+        self.on_node_1(move |client| async move { client.delegate("a", "b", text, None).await })
+            .await
+            .expect("a (node-1) takes the delegation")
+    }
+
+    /// Cancels `a`'s task `task` through node-2's client (`a` lives on node-1).
+    async fn cancel_through_node_2(&self, task: &str) -> Option<TaskState> {
+        let (client, task) = (self.client(1).await, task.to_string());
+        self.nodes[1]
+            .spawn(async move { client.cancel("a", &task).await })
+            .await
+            .expect("node-2's task")
+            .expect("a (node-1) answers the cancellation sent through node-2")
+    }
+
     /// The nodes `agent`'s turns ran on, in order, repeats collapsed.
     fn nodes_of(&self, agent: &str) -> Vec<&'static str> {
         let mut nodes: Vec<&'static str> = self
@@ -334,4 +353,99 @@ fn the_sweep_scenario_replays_identically_from_its_seed() {
     let (first, second) = (run_seed(1, true).record, run_seed(1, true).record);
     assert!(!first.is_empty());
     assert_eq!(first, second, "seed 1 replays identically");
+}
+
+/// What the cross-node cancellation scenario saw.
+struct Cancellation {
+    /// `cancel` of the waiting task through node-2's client, and of the finished one.
+    queued: Option<TaskState>,
+    after_end: Option<TaskState>,
+    /// The two tasks' final states.
+    first: TaskState,
+    second: TaskState,
+    /// Times `b`'s committed log holds the second task, and `a`'s its cancellation.
+    second_worked: usize,
+    second_canceled: usize,
+}
+
+/// `a` (node-1) delegates two slow tasks to `b` (node-2); the second, waiting behind the
+/// first, is canceled through node-2's client, so the command crosses to `a`'s node.
+async fn cancel_scenario() -> Cancellation {
+    let cluster = start_cluster(false).await;
+    cluster.place(0, "a").await;
+    cluster.place(1, "b").await;
+    let first = cluster.delegate_slow("slow delegated work 1").await;
+    let second = cluster.delegate_slow("slow delegated work 2").await;
+    let queued = cluster.cancel_through_node_2(&second).await;
+    let started = Instant::now();
+    let (first_state, second_state) = loop {
+        let (one, two) = (cluster.task(&first).await.state, cluster.task(&second).await.state);
+        if one.is_final() && two.is_final() && cluster.pending("b").await == (0, 0) {
+            break (one, two);
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(SETTLE_BOUND_MS),
+            "the tasks did not end: {one:?}, {two:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    };
+    let after_end = cluster.cancel_through_node_2(&first).await;
+    Cancellation {
+        queued,
+        after_end,
+        first: first_state,
+        second: second_state,
+        second_worked: count(
+            &cluster.log("b").await,
+            &format!("[task {second} delegated by agent a]"),
+        ),
+        second_canceled: count(
+            &cluster.log("a").await,
+            &format!("[task {second} you delegated is canceled]"),
+        ),
+    }
+}
+
+/// Goal: a cancellation made through another node's client reaches the delegator's
+/// node: the waiting task is canceled and never worked, the running one completes, and
+/// cancelling a finished task through that client reports its final state.
+#[test]
+fn a_cancellation_through_another_nodes_client_reaches_the_delegator() {
+    let mut canceled = 0;
+    for seed in 1..=SEEDS {
+        let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
+        runtime.set_time_limit(Duration::from_secs(RUN_TIME_LIMIT_S));
+        let seen = runtime.block_on(cancel_scenario());
+        eprintln!("seed {seed}: the second task ended {:?}", seen.second);
+        assert_eq!(seen.queued, None, "seed {seed}: the cancellation is queued");
+        assert_eq!(
+            seen.first,
+            TaskState::Completed,
+            "seed {seed}: the running task completes"
+        );
+        // The cancellation wins if it reaches b before b has taken the task up (its turn
+        // queued behind the first task's): then it is never worked; else it completes.
+        match seen.second {
+            TaskState::Canceled => {
+                assert_eq!(seen.second_worked, 0, "seed {seed}: b never worked the canceled task");
+                assert_eq!(
+                    seen.second_canceled, 1,
+                    "seed {seed}: a learns of the cancellation once"
+                );
+                canceled += 1;
+            }
+            TaskState::Completed => {
+                assert_eq!(seen.second_worked, 1, "seed {seed}: b worked the task once");
+                assert_eq!(seen.second_canceled, 0, "seed {seed}: no cancellation notice");
+            }
+            other => panic!("seed {seed}: the second task ended {other:?}"),
+        }
+        assert_eq!(
+            seen.after_end,
+            Some(TaskState::Completed),
+            "seed {seed}: a finished task reports its state"
+        );
+    }
+    eprintln!("the waiting task was canceled through node-2 in {canceled} of {SEEDS} seeds");
+    assert!(canceled > 0, "the cancellation through node-2 took effect in no seed");
 }
