@@ -1496,3 +1496,96 @@ async fn an_a2a_task_working_on_a_killed_node_is_resumed_by_the_node_that_takes_
     assert_eq!(agent_owner(database, "b").await, "r1", "b moved to r1");
     assert_eq!(asked(&r1, "b", "route: wait"), 1, "b's turn committed once");
 }
+
+/// Inbox entries of `agent` committed in PostgreSQL (acknowledged, not yet processed).
+async fn inbox_entries(database: &str, agent: &str) -> i64 {
+    let (client, connection) = tokio_postgres::connect(database, tokio_postgres::NoTls)
+        .await
+        .expect("connect to count the inbox");
+    let connection = tokio::spawn(connection);
+    let row = client
+        .query_one(
+            "SELECT count(*) FROM troupe_actor_entry \
+             WHERE kind = 'agent' AND key = $1 AND position('inbox/'::bytea in entry_key) = 1",
+            &[&agent],
+        )
+        .await
+        .expect("count the inbox");
+    drop(client);
+    let _ = connection.await;
+    row.get(0)
+}
+
+/// Goal: `troupe node` runs a resume sweep (every `AGENT_RESUME_SWEEP_MS_DEFAULT`). A
+/// task `a` delegated to `b`, acknowledged by `b`'s node, which is then killed (SIGKILL)
+/// inside `b`'s 20 s turn on it, completes once on the surviving node, though nothing
+/// more is sent to `b` and no node starts: within a lease, a sweep period and `b`'s turn
+/// (plus slack). Method: etcd and PostgreSQL from the Debian packages, two nodes with
+/// the same config and the scripted model (`route: wait` answers after
+/// `ORG_DEMO_WAIT_MS`); `b` placed on w0 and `a` on w1 by a first message through each;
+/// the delegation's acknowledgement read from PostgreSQL (the entry in `b`'s inbox).
+/// The simulated control (`without_a_sweep_the_dead_nodes_pending_task_waits` in
+/// troupe-cluster) shows such a task waiting without a sweep.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_whose_delegatee_node_is_killed_completes_through_the_survivors_resume_sweep() {
+    let mut cluster = start_agent_nodes("cluster-resume-sweep", "w", 2).await;
+    let (nodes, database) = (&mut cluster.nodes, &cluster.database);
+    let (w0, w1) = (nodes[0].http.clone(), nodes[1].http.clone());
+    let (status, reply) = ask(&w0, "b", "route:").expect("ask b");
+    assert_eq!((status, reply["text"].as_str()), (200, Some("hello from b")), "{reply}");
+    let (status, reply) = ask(&w1, "a", "route:").expect("ask a");
+    assert_eq!((status, reply["text"].as_str()), (200, Some("hello from a")), "{reply}");
+    assert_eq!(agent_owner(database, "b").await, "w0", "b runs on w0");
+    assert_eq!(agent_owner(database, "a").await, "w1", "a runs on w1");
+
+    let body = serde_json::json!({"to": "b", "text": "route: wait"}).to_string();
+    let (status, sent) = http(&w1, "POST", "/v1/agents/a/tasks", &body).expect("delegate through w1");
+    assert_eq!(status, 202, "{sent}");
+    let task = sent["task_id"].as_str().expect("a task id").to_string();
+    let sent_at = Instant::now();
+    while inbox_entries(database, "b").await == 0 {
+        assert!(
+            sent_at.elapsed() < Duration::from_millis(AGENT_REQUEST_MS_MAX),
+            "the task never reached b's inbox"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Inside b's 20 s turn on w0: acknowledged, nothing of its work committed.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    nodes[0].kill();
+    let killed = Instant::now();
+
+    let bound = Duration::from_millis(
+        LEASE_TTL_MS
+            + troupe_agent::limits::AGENT_RESUME_SWEEP_MS_DEFAULT
+            + troupe_cli::ORG_DEMO_WAIT_MS
+            + 2 * RECOVERY_SLACK_MS,
+    );
+    let path = format!("/v1/agents/a/tasks/{task}");
+    let done = loop {
+        let (status, got) = http(&w1, "GET", &path, "").expect("the task through w1");
+        assert_eq!(status, 200, "{got}");
+        if got["state"] == "completed" {
+            break got;
+        }
+        assert!(
+            killed.elapsed() < bound,
+            "the task did not complete {} ms after the kill: {got}",
+            killed.elapsed().as_millis()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!(
+        "the task completed {} ms after its delegatee's node was killed",
+        killed.elapsed().as_millis()
+    );
+    assert_eq!(done["result"], "waited", "{done}");
+    assert_eq!(agent_owner(database, "b").await, "w1", "b moved to the survivor");
+    let log = history(&w1, "b");
+    let worked = log
+        .iter()
+        .filter(|(role, content)| role == "user" && content.starts_with(&format!("[task {task} delegated by agent a")))
+        .count();
+    assert_eq!(worked, 1, "b's committed log holds the task once: {log:?}");
+    assert_eq!(inbox_entries(database, "b").await, 0, "b's inbox drained");
+}
