@@ -368,8 +368,8 @@ struct Cancellation {
     second_canceled: usize,
 }
 
-/// `a` (node-1) delegates two slow tasks to `b` (node-2); the second, waiting behind the
-/// first, is canceled through node-2's client, so the command crosses to `a`'s node.
+/// `a` (node-1) delegates two slow tasks to `b` (node-2); the second is canceled through
+/// node-2's client at once, so the command crosses to `a`'s node.
 async fn cancel_scenario() -> Cancellation {
     let cluster = start_cluster(false).await;
     cluster.place(0, "a").await;
@@ -423,8 +423,9 @@ fn a_cancellation_through_another_nodes_client_reaches_the_delegator() {
             TaskState::Completed,
             "seed {seed}: the running task completes"
         );
-        // The cancellation wins if it reaches b before b has taken the task up (its turn
-        // queued behind the first task's): then it is never worked; else it completes.
+        // The cancellation wins if it reaches b before b starts the task: then it is never
+        // worked. The two tasks are delivered by separate tasks, so the second may reach b
+        // first and be running when the cancellation arrives: then it completes.
         match seen.second {
             TaskState::Canceled => {
                 assert_eq!(seen.second_worked, 0, "seed {seed}: b never worked the canceled task");
