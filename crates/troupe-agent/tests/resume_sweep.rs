@@ -10,12 +10,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_agent::limits::{AGENT_RESUME_SWEEP_MS_MAX, AGENT_RESUME_SWEEP_MS_MIN};
-use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, ResumeSweepError, Role, ScriptRule, ScriptedLlm};
+use troupe_agent::{ResumeSweepError, ScriptRule, ScriptedLlm};
 use troupe_runtime::MemoryStore;
 
 #[path = "support/gate_store.rs"]
 mod gate_store;
+#[path = "support/left_pending.rs"]
+mod left_pending;
 use gate_store::GateStore;
+use left_pending::{leave_a_notification_pending, notifications, start};
 
 /// The model's latency on a notification, in milliseconds: long enough for the test to
 /// stop the first process before the notification's turn commits.
@@ -26,21 +29,6 @@ const SWEEP_MS: u64 = 200;
 const PROCESS_BOUND_MS: u64 = 10_000;
 /// Pause between polls, in milliseconds.
 const POLL_MS: u64 = 20;
-
-fn start(llm: &ScriptedLlm, store: Arc<GateStore>) -> AgentSystem {
-    AgentSystem::builder()
-        .store(store)
-        .llm(Arc::new(llm.clone()))
-        .agent(AgentSpec::new("b"))
-        .start()
-        .expect("the system starts")
-}
-
-fn notifications(log: &[ChatMessage]) -> usize {
-    log.iter()
-        .filter(|m| m.role == Role::User && m.content.contains("[notification m-1"))
-        .count()
-}
 
 /// Goal: a persisted, acknowledged notification whose wake-up died with its process,
 /// in a second process whose start-up resume failed and which no request reaches, is
@@ -57,14 +45,7 @@ async fn a_sweep_processes_entries_no_request_and_no_start_resumed() {
     let data = MemoryStore::new();
 
     // The first process acknowledges the notification, then dies before processing it.
-    let first_store = GateStore::new(Arc::new(data.clone()), false);
-    let first = start(&llm, Arc::clone(&first_store));
-    first
-        .notify_with_id("b", "m-1", "hello", None)
-        .await
-        .expect("the notification is acknowledged");
-    first_store.dead.store(true, Ordering::SeqCst);
-    drop(first);
+    leave_a_notification_pending(&llm, &data).await;
 
     // The second process: its start-up resume and the sweep's first rounds fail.
     let second_store = GateStore::new(Arc::new(data.clone()), true);
