@@ -33,6 +33,8 @@
 mod agents;
 #[path = "support/sim_etcd.rs"]
 mod sim_etcd;
+#[path = "support/sim_nodes.rs"]
+mod sim_nodes;
 
 use sim_etcd::start_sim_etcd;
 use std::net::{IpAddr, SocketAddr};
@@ -98,7 +100,7 @@ struct AgentCluster {
     nodes: Vec<madsim::runtime::NodeHandle>,
     etcd: madsim::runtime::NodeHandle,
     /// Each node's current agent client (replaced when the node joins again).
-    slots: Arc<Mutex<Vec<Option<AgentClient>>>>,
+    slots: Arc<sim_nodes::Slots>,
     llm: ScriptedLlm,
     seen: Seen,
     /// What the nodes noted (joins, lease losses), in order.
@@ -111,7 +113,7 @@ async fn start_agent_cluster() -> AgentCluster {
     let llm = script();
     let seen = Seen::default();
     let store = MemoryStore::new();
-    let slots: Arc<Mutex<Vec<Option<AgentClient>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
+    let slots: Arc<sim_nodes::Slots> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
     let notes: Arc<Mutex<Vec<String>>> = Arc::default();
     let nodes: Vec<_> = (0..NODE_NAMES.len())
         .map(|index| {
@@ -192,29 +194,15 @@ async fn start_agent_cluster() -> AgentCluster {
 impl AgentCluster {
     /// Node `index`'s agent client once it has joined.
     async fn client(&self, index: usize) -> AgentClient {
-        loop {
-            if let Some(client) = self.slots.lock().expect("slots")[index].clone() {
-                return client;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        sim_nodes::joined_client(&self.slots, index).await
     }
 
     /// Places `agent` on node `index`: its first turn runs there.
     async fn place(&self, index: usize, agent: &str) {
         let client = self.client(index).await;
-        let agent_name = agent.to_string();
-        let reply = self.nodes[index]
-            .spawn(async move {
-                client
-                    .ask_with_timeout(&agent_name, "ping", Duration::from_millis(ASK_TIMEOUT_MS))
-                    .await
-            })
-            .await
-            .expect("the ask's task");
-        assert_eq!(reply.expect("a ping").text, "pong", "{agent} answers a ping");
-        let last = self.seen.turns_of(agent).pop().expect("a turn");
-        assert_eq!(last.0, index, "{agent} placed on {}", NODE_NAMES[index]);
+        let timeout = Duration::from_millis(ASK_TIMEOUT_MS);
+        let node = (index, NODE_NAMES[index]);
+        sim_nodes::place_on(&self.nodes[index], client, &self.seen, node, agent, timeout).await;
     }
 
     /// The faults of both scenarios, in a task: node-2 killed `kill_at` ms from now and

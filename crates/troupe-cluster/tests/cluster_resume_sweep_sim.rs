@@ -23,6 +23,8 @@
 mod agents;
 #[path = "support/sim_etcd.rs"]
 mod sim_etcd;
+#[path = "support/sim_nodes.rs"]
+mod sim_nodes;
 
 use sim_etcd::start_sim_etcd;
 use std::net::{IpAddr, SocketAddr};
@@ -72,7 +74,7 @@ fn node_ip(index: usize) -> IpAddr {
 
 struct Cluster {
     nodes: Vec<madsim::runtime::NodeHandle>,
-    slots: Arc<Mutex<Vec<Option<AgentClient>>>>,
+    slots: Arc<sim_nodes::Slots>,
     seen: Seen,
 }
 
@@ -84,7 +86,7 @@ async fn start_cluster(sweep: bool) -> Cluster {
     let llm = script();
     let seen = Seen::default();
     let store = MemoryStore::new();
-    let slots: Arc<Mutex<Vec<Option<AgentClient>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
+    let slots: Arc<sim_nodes::Slots> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
     let nodes = (0..NODE_NAMES.len())
         .map(|index| {
             let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
@@ -145,27 +147,15 @@ async fn start_cluster(sweep: bool) -> Cluster {
 impl Cluster {
     /// Node `index`'s agent client once it has joined.
     async fn client(&self, index: usize) -> AgentClient {
-        loop {
-            if let Some(client) = self.slots.lock().expect("slots")[index].clone() {
-                return client;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        sim_nodes::joined_client(&self.slots, index).await
     }
 
     /// Places `agent` on node `index`: its first turn runs there.
     async fn place(&self, index: usize, agent: &str) {
         let client = self.client(index).await;
-        let agent_name = agent.to_string();
-        let reply = self.nodes[index]
-            .spawn(async move {
-                client
-                    .ask_with_timeout(&agent_name, "ping", Duration::from_millis(ASK_TIMEOUT_MS))
-                    .await
-            })
-            .await
-            .expect("the ask's task");
-        assert_eq!(reply.expect("a ping").text, "pong", "{agent} answers a ping");
+        let timeout = Duration::from_millis(ASK_TIMEOUT_MS);
+        let node = (index, NODE_NAMES[index]);
+        sim_nodes::place_on(&self.nodes[index], client, &self.seen, node, agent, timeout).await;
     }
 
     /// Runs `read` with node-1's client on node-1 (never faulted).
