@@ -10,7 +10,7 @@
 //!   three commits waits for the disk).
 //! - `call admission`: one `admit_call` decision at depth 2 (target: < 1 µs).
 //!
-//! Run: `cargo bench --bench agents` (shorter measurement when `CI` is set). Where the
+//! Run: `cargo bench -p troupe-bench --bench agents` (shorter measurement when `CI` is set). Where the
 //! `call_agent` case's time goes, measured: docs/architecture.md ("Where an agent call's
 //! time goes").
 

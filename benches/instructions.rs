@@ -9,7 +9,7 @@
 //! mpsc receiver and answers over a oneshot), current_thread, run in a spawned task as
 //! the criterion benches do (`benches/runtime.rs`: `time_in_task`).
 //!
-//! Run one case: `cargo bench --bench instructions -- CASE ITERATIONS`
+//! Run one case: `cargo bench -p troupe-bench --bench instructions -- CASE ITERATIONS`
 //! (cases: see [`CASES`]). Without a case (`cargo bench` passes only `--bench`) it runs
 //! every case a few times, as a smoke test.
 
@@ -227,6 +227,6 @@ fn main() {
                 runtime.block_on(run(case, SMOKE_ITERATIONS));
             }
         }
-        _ => panic!("usage: cargo bench --bench instructions -- CASE ITERATIONS"),
+        _ => panic!("usage: cargo bench -p troupe-bench --bench instructions -- CASE ITERATIONS"),
     }
 }

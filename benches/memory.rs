@@ -4,7 +4,7 @@
 //! bounded mpsc mailbox is measured the same way as the floor, and so are the same echo
 //! actor on ractor and kameo (benches/support/peers.rs).
 //!
-//! Run: `cargo bench --bench memory` (10 000 actors when `CI` is set).
+//! Run: `cargo bench -p troupe-bench --bench memory` (10 000 actors when `CI` is set).
 
 // A bench measures wall time.
 #![allow(clippy::disallowed_methods)]
@@ -177,7 +177,7 @@ fn current_thread_rt() -> tokio::runtime::Runtime {
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` passes nothing: run small then.
     let benching = std::env::args().any(|a| a == "--bench");
-    // `cargo bench --bench memory -- --million`: one million idle actors on one node.
+    // `cargo bench -p troupe-bench --bench memory -- --million`: one million idle actors on one node.
     if std::env::args().any(|a| a == "--million") {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -28,7 +28,7 @@
 //!   task and its first round trip; both sides keep what they started alive, and the
 //!   ids are made before the clock starts, as in `benches/runtime.rs`.
 //!
-//! Run: `cargo bench --bench paired` (prints a markdown table; `scripts/paired-ratios`
+//! Run: `cargo bench -p troupe-bench --bench paired` (prints a markdown table; `scripts/paired-ratios`
 //! runs it several times and combines the runs).
 
 // A bench measures wall time; the determinism lints are for the library.

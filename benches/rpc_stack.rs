@@ -17,7 +17,7 @@
 //! The tonic service is written out by hand (what `tonic-build` would generate for one
 //! unary method) so the bench needs no build script or `protoc`.
 //!
-//! Run: `cargo bench --bench rpc_stack` (shorter runs when `CI` is set).
+//! Run: `cargo bench -p troupe-bench --bench rpc_stack` (shorter runs when `CI` is set).
 
 // criterion_group! generates an undocumented function; a bench measures wall time.
 #![allow(missing_docs, clippy::disallowed_methods)]

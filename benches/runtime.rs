@@ -11,7 +11,7 @@
 //! - Each round-trip and cold case also runs the same echo actor on ractor and kameo
 //!   (benches/support/peers.rs), so the table compares libraries measured together.
 //!
-//! Run: `cargo bench --bench runtime` (smaller sizes when `CI` is set).
+//! Run: `cargo bench -p troupe-bench --bench runtime` (smaller sizes when `CI` is set).
 
 // criterion_group! generates an undocumented function; a bench measures wall time.
 #![allow(missing_docs, clippy::disallowed_methods)]
