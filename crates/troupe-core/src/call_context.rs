@@ -1,6 +1,8 @@
 //! The call context that travels with every invocation: depth, chain, deadline and an
 //! optional trace id.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{ActorId, Deadline};
@@ -23,11 +25,43 @@ use crate::{ActorId, Deadline};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CallContext {
     depth: u32,
-    chain: Vec<ActorId>,
+    chain: Chain,
     deadline: Deadline,
     /// Absent in contexts stored before trace ids existed (self-describing formats).
     #[serde(default)]
     trace_id: Option<TraceId>,
+}
+
+/// A call's chain, shared: cloning a context (a turn's caller handle, a message an actor
+/// sends itself) copies a pointer, not the list; an empty chain allocates nothing. On
+/// the wire it is the list of ids, as a `Vec` is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Chain(Option<Arc<[ActorId]>>);
+
+impl Chain {
+    fn from_vec(actors: Vec<ActorId>) -> Self {
+        if actors.is_empty() {
+            Self(None)
+        } else {
+            Self(Some(actors.into()))
+        }
+    }
+
+    fn as_slice(&self) -> &[ActorId] {
+        self.0.as_deref().unwrap_or_default()
+    }
+}
+
+impl Serialize for Chain {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.as_slice())
+    }
+}
+
+impl<'de> Deserialize<'de> for Chain {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Vec::<ActorId>::deserialize(deserializer).map(Self::from_vec)
+    }
 }
 
 /// The id of one request's tree of calls: 128 bits, the size of a W3C/OpenTelemetry
@@ -96,7 +130,7 @@ impl CallContext {
     pub fn root(deadline: Deadline) -> Self {
         Self {
             depth: 0,
-            chain: Vec::new(),
+            chain: Chain(None),
             deadline,
             trace_id: None,
         }
@@ -132,7 +166,7 @@ impl CallContext {
         );
         Self {
             depth,
-            chain,
+            chain: Chain::from_vec(chain),
             deadline,
             trace_id: None,
         }
@@ -145,7 +179,7 @@ impl CallContext {
 
     /// The actors waiting on this call, outermost first.
     pub fn chain(&self) -> &[ActorId] {
-        &self.chain
+        self.chain.as_slice()
     }
 
     /// When this call must have finished.
@@ -155,7 +189,7 @@ impl CallContext {
 
     /// Whether `actor` is waiting somewhere up this call's chain.
     pub fn contains(&self, actor: &ActorId) -> bool {
-        self.chain.iter().any(|waiting| waiting == actor)
+        self.chain().iter().any(|waiting| waiting == actor)
     }
 
     /// The same depth and chain with another deadline: for a message an actor sends
@@ -173,7 +207,7 @@ impl CallContext {
     /// Whether `self` is at least as restrictive as `base` for admission: its chain
     /// starts with `base`'s chain and it is at least as deep (deadlines aside).
     pub fn extends(&self, base: &CallContext) -> bool {
-        self.depth >= base.depth && self.chain.starts_with(&base.chain)
+        self.depth >= base.depth && self.chain().starts_with(base.chain())
     }
 
     /// The context of a call that `caller`, running under `self`, makes with `deadline`.
@@ -181,12 +215,11 @@ impl CallContext {
     /// The child's deadline is clipped to the parent's: it is the earlier of the two.
     /// This does not check admission; see [`crate::admit_call`].
     pub fn child(&self, caller: ActorId, deadline: Deadline) -> Self {
-        let mut chain = Vec::with_capacity(self.chain.len() + 1);
-        chain.extend(self.chain.iter().cloned());
-        chain.push(caller);
+        let parent = self.chain();
+        let chain: Arc<[ActorId]> = parent.iter().cloned().chain(std::iter::once(caller)).collect();
         let child = Self {
             depth: self.depth.saturating_add(1),
-            chain,
+            chain: Chain(Some(chain)),
             deadline: self.deadline.min(deadline),
             trace_id: self.trace_id,
         };
@@ -292,6 +325,48 @@ mod tests {
         let traced = context.with_trace_id(TraceId::new(42));
         let bytes = bincode::serialize(&traced).unwrap();
         assert_eq!(bincode::deserialize::<CallContext>(&bytes).unwrap(), traced);
+    }
+
+    /// The encoding of a context as it was when the chain was a `Vec` (stored inbox
+    /// entries, frames of another node): the shared chain must encode the same bytes.
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct VecChainContext {
+        depth: u32,
+        chain: Vec<ActorId>,
+        deadline: Deadline,
+        trace_id: Option<TraceId>,
+    }
+
+    #[test]
+    fn the_shared_chain_encodes_as_the_list_did() {
+        let (a, b) = (ActorId::new("agent", "a").unwrap(), ActorId::new("agent", "b").unwrap());
+        let root = CallContext::root(Deadline::from_micros(50)).with_trace_id(TraceId::new(7));
+        for context in [
+            root.clone(),
+            root.child(a.clone(), Deadline::from_micros(40)),
+            root.child(a.clone(), Deadline::from_micros(40))
+                .child(b.clone(), Deadline::from_micros(30)),
+            CallContext::continued(3, Vec::new(), Deadline::from_micros(9)),
+        ] {
+            let old = VecChainContext {
+                depth: context.depth(),
+                chain: context.chain().to_vec(),
+                deadline: context.deadline(),
+                trace_id: context.trace_id(),
+            };
+            let bytes = bincode::serialize(&context).unwrap();
+            assert_eq!(bytes, bincode::serialize(&old).unwrap());
+            assert_eq!(bincode::deserialize::<CallContext>(&bytes).unwrap(), context);
+            let json = serde_json::to_string(&context).unwrap();
+            assert_eq!(json, serde_json::to_string(&old).unwrap());
+            assert_eq!(serde_json::from_str::<CallContext>(&json).unwrap(), context);
+        }
+        // A chain decoded from an empty list equals the root's (no list either way).
+        let empty: CallContext = serde_json::from_str(&serde_json::to_string(&root).unwrap()).unwrap();
+        assert_eq!(empty, root);
+        let child = root.child(a.clone(), Deadline::from_micros(40));
+        assert_eq!(child.clone().chain(), [a].as_slice());
+        assert_ne!(child, root);
     }
 
     #[test]

@@ -3,10 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use serde::{Deserialize, Serialize};
-use troupe_core::{ActorId, IdError};
+use troupe_core::{ActorId, ActorKind, IdError};
 
 use crate::limits::{
     AGENT_HISTORY_WINDOW_DEFAULT, AGENT_HISTORY_WINDOW_MAX, AGENT_HISTORY_WINDOW_MIN,
@@ -21,7 +21,10 @@ pub const AGENT_KIND: &str = "agent";
 /// # Errors
 /// [`IdError`] if `key` cannot be an actor key.
 pub fn agent_id(key: &str) -> Result<ActorId, IdError> {
-    ActorId::new(AGENT_KIND, key)
+    // The kind is checked and allocated once per process, not at every call.
+    static KIND: OnceLock<ActorKind> = OnceLock::new();
+    let kind = KIND.get_or_init(|| ActorKind::new(AGENT_KIND).expect("AGENT_KIND is a valid actor kind"));
+    ActorId::of_kind(kind.clone(), key)
 }
 
 /// Which model an agent uses and how many steps a turn may take.

@@ -296,16 +296,12 @@ impl AgentActor {
                     if turn.runtime_aborted() {
                         return Err(self.runtime_aborted());
                     }
-                    let results = self.run_tools(&tools, &message.tool_calls).await;
-                    let results: Vec<ChatMessage> = message
-                        .tool_calls
-                        .iter()
-                        .zip(results)
-                        .map(|(call, result)| ChatMessage::tool_result(call.id.clone(), result))
-                        .collect();
-                    let mut step = Vec::with_capacity(1 + results.len());
-                    step.push(message);
-                    step.extend(results);
+                    // The step's part: the assistant message, then a result per tool
+                    // call, in one list (the results are written into it, not into
+                    // lists of their own first).
+                    let mut step = Vec::with_capacity(1 + message.tool_calls.len());
+                    self.run_tools(&tools, &message.tool_calls, &mut step).await;
+                    step.insert(0, message);
                     fresh.push_part(step.into());
                 }
                 Ok(None)
@@ -351,8 +347,14 @@ impl AgentActor {
         })
     }
 
-    /// Runs one step's tool calls concurrently; one result text per call, in order.
-    async fn run_tools<'a>(&'a self, context: &'a ToolExecutionContext, calls: &'a [ToolCall]) -> Vec<String> {
+    /// Runs one step's tool calls concurrently and appends one tool result message per
+    /// call to `results`, in order.
+    async fn run_tools<'a>(
+        &'a self,
+        context: &'a ToolExecutionContext,
+        calls: &'a [ToolCall],
+        results: &mut Vec<ChatMessage>,
+    ) {
         let registry = &self.shared.tools;
         let spec = &self.state.spec;
         let granting = calls
@@ -403,17 +405,23 @@ impl AgentActor {
                     at: self.shared.now(),
                 });
             }
-            let result = match executed {
+            let mut result = match executed {
                 Ok(text) => text,
                 Err(error) => format!("error: {error}"),
             };
-            truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).to_string()
+            // Cut in place (a result within the limit is kept as it is, not copied).
+            let kept = truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).len();
+            result.truncate(kept);
+            result
         };
+        let result_message = |call: &ToolCall, result| ChatMessage::tool_result(call.id.clone(), result);
         // One call (the usual step) is awaited alone: `join_all` allocates its list of
         // futures and its list of outputs.
         if let [call] = calls {
-            return vec![run(0, call).await];
+            results.push(result_message(call, run(0, call).await));
+            return;
         }
-        futures::future::join_all(calls.iter().enumerate().map(|(index, call)| run(index, call))).await
+        let texts = futures::future::join_all(calls.iter().enumerate().map(|(index, call)| run(index, call))).await;
+        results.extend(calls.iter().zip(texts).map(|(call, text)| result_message(call, text)));
     }
 }
