@@ -37,7 +37,7 @@ mod sim_etcd;
 mod sim_nodes;
 
 use sim_etcd::start_sim_etcd;
-use std::net::{IpAddr, SocketAddr};
+use sim_nodes::{node_ip, ETCD_ADDRESS};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -46,20 +46,9 @@ use madsim::rand::Rng;
 use madsim::runtime::Handle;
 use tokio::time::Instant;
 use troupe_agent::{AgentClient, ChatMessage, ConversationKind, Participant, Role, ScriptedLlm, Sender, TaskState};
-use troupe_cluster::ClusterNode;
-use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::MemoryStore;
 
-const ETCD_ADDRESS: &str = "10.0.0.1:2379";
-/// The nodes' transport port.
-const NODE_PORT: u16 = 7100;
 const NODE_NAMES: [&str; 3] = ["node-1", "node-2", "node-3"];
-/// Lease TTL, in seconds.
-const SIM_LEASE_TTL_S: u64 = 3;
-/// etcd request timeout, in milliseconds.
-const SIM_REQUEST_TIMEOUT_MS: u64 = 500;
-/// Pause before a node retries joining, in milliseconds.
-const REJOIN_DELAY_MS: u64 = 500;
 /// How long each ask may take, in milliseconds.
 const ASK_TIMEOUT_MS: u64 = 10_000;
 /// Delegations `a` makes to `b` per seed.
@@ -87,14 +76,6 @@ const SEEDS: u64 = 20;
 const REPLAY_SEEDS: u64 = 2;
 /// Simulated time limit of one run, in seconds.
 const RUN_TIME_LIMIT_S: u64 = 300;
-
-fn ip(text: &str) -> IpAddr {
-    text.parse().expect("an IP address")
-}
-
-fn node_ip(index: usize) -> IpAddr {
-    ip(&format!("10.0.1.{}", index + 1))
-}
 
 struct AgentCluster {
     nodes: Vec<madsim::runtime::NodeHandle>,
@@ -129,50 +110,16 @@ async fn start_agent_cluster() -> AgentCluster {
                 .name(NODE_NAMES[index])
                 .ip(node_ip(index))
                 .init(move || {
-                    let (slots, llm, seen, store, notes) = (
-                        Arc::clone(&slots),
-                        llm.clone(),
-                        seen.clone(),
-                        store.clone(),
-                        Arc::clone(&notes),
-                    );
-                    async move {
-                        let name = NODE_NAMES[index];
-                        loop {
-                            let config = EtcdConfig::new(
-                                vec![ETCD_ADDRESS.to_string()],
-                                "sim",
-                                NodeId::new(name).expect("a node name"),
-                                SocketAddr::new(node_ip(index), NODE_PORT).to_string(),
-                            )
-                            .with_lease_ttl_s(SIM_LEASE_TTL_S)
-                            .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
-                            let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
-                            let (runtime, pending) = agent_system(&llm, index, &seen)
-                                .prepare()
-                                .expect("the agent system is valid");
-                            let node = match ClusterNode::start(config, listen, runtime, store.clone()).await {
-                                Ok(node) => node,
-                                Err(_) => {
-                                    tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
-                                    continue;
-                                }
-                            };
-                            let client = pending
-                                .attach(node.handle().clone())
-                                .expect("the node's runtime has the agent kinds");
-                            slots.lock().expect("slots")[index] = Some(client);
-                            notes.lock().expect("notes").push(format!("{name} joined"));
-                            let reason = node.fenced_off().await;
-                            slots.lock().expect("slots")[index] = None;
-                            notes
-                                .lock()
-                                .expect("notes")
-                                .push(format!("{name} lost its lease: {reason:?}"));
-                            node.abandon().await;
-                            tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
-                        }
-                    }
+                    let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
+                    let name = NODE_NAMES[index];
+                    let system = move || agent_system(&llm, index, &seen);
+                    let (on_join, on_loss) = (Arc::clone(&notes), Arc::clone(&notes));
+                    let joined = move |_: &AgentClient| on_join.lock().expect("notes").push(format!("{name} joined"));
+                    let lost = move |(), reason| {
+                        let note = format!("{name} lost its lease: {reason:?}");
+                        on_loss.lock().expect("notes").push(note);
+                    };
+                    sim_nodes::run_rejoining(index, name, store, slots, system, joined, lost)
                 })
                 .build()
         })

@@ -37,9 +37,11 @@
 mod agents;
 #[path = "support/sim_etcd.rs"]
 mod sim_etcd;
+#[path = "support/sim_nodes.rs"]
+mod sim_nodes;
 
 use sim_etcd::start_sim_etcd;
-use std::net::{IpAddr, SocketAddr};
+use sim_nodes::{node_ip, ETCD_ADDRESS, SIM_LEASE_TTL_S};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,22 +52,11 @@ use troupe_agent::{
     AgentCallError, AgentClient, AgentEvent, AgentReply, AgentSpec, AskOptions, CallOutcome, ChatMessage, Link,
     OrgPolicy, ScriptedLlm, TaskState, TroupeCallMetadata, DIRECTORY_REFRESH_MS, ORG_CACHE_MAX_AGE_MS,
 };
-use troupe_cluster::ClusterNode;
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{CallRefused, TraceId};
-use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::MemoryStore;
 
-const ETCD_ADDRESS: &str = "10.0.0.1:2379";
-/// The nodes' transport port.
-const NODE_PORT: u16 = 7100;
 const NODE_NAMES: [&str; 3] = ["node-1", "node-2", "node-3"];
-/// Lease TTL, in seconds.
-const SIM_LEASE_TTL_S: u64 = 3;
-/// etcd request timeout, in milliseconds.
-const SIM_REQUEST_TIMEOUT_MS: u64 = 500;
-/// Pause before a node retries joining, in milliseconds.
-const REJOIN_DELAY_MS: u64 = 500;
 /// How long each ask may take, in milliseconds.
 const ASK_TIMEOUT_MS: u64 = 10_000;
 /// How long one ask to the killed node's agent may take, in milliseconds.
@@ -85,14 +76,6 @@ const REPLAY_SEEDS: u64 = 3;
 /// Simulated time limit of one run, in seconds.
 const RUN_TIME_LIMIT_S: u64 = 120;
 
-fn ip(text: &str) -> IpAddr {
-    text.parse().expect("an IP address")
-}
-
-fn node_ip(index: usize) -> IpAddr {
-    ip(&format!("10.0.1.{}", index + 1))
-}
-
 /// Three nodes, each with its agent system attached, and the test's view of them.
 struct AgentCluster {
     nodes: Vec<madsim::runtime::NodeHandle>,
@@ -108,7 +91,7 @@ async fn start_agent_cluster() -> AgentCluster {
     let llm = script();
     let seen = Seen::default();
     let store = MemoryStore::new();
-    let slots: Arc<Mutex<Vec<Option<AgentClient>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
+    let slots: Arc<sim_nodes::Slots> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
     let nodes: Vec<_> = (0..NODE_NAMES.len())
         .map(|index| {
             let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
@@ -119,28 +102,8 @@ async fn start_agent_cluster() -> AgentCluster {
                 .init(move || {
                     let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
                     async move {
-                        let name = NODE_NAMES[index];
-                        let (node, pending) = loop {
-                            let config = EtcdConfig::new(
-                                vec![ETCD_ADDRESS.to_string()],
-                                "sim",
-                                NodeId::new(name).expect("a node name"),
-                                SocketAddr::new(node_ip(index), NODE_PORT).to_string(),
-                            )
-                            .with_lease_ttl_s(SIM_LEASE_TTL_S)
-                            .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
-                            let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
-                            let (runtime, pending) = agent_system(&llm, index, &seen)
-                                .prepare()
-                                .expect("the agent system is valid");
-                            match ClusterNode::start(config, listen, runtime, store.clone()).await {
-                                Ok(node) => break (node, pending),
-                                Err(_) => tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await,
-                            }
-                        };
-                        let client = pending
-                            .attach(node.handle().clone())
-                            .expect("the node's runtime has the agent kinds");
+                        let system = move || agent_system(&llm, index, &seen);
+                        let (node, client) = sim_nodes::join(index, NODE_NAMES[index], &store, &system).await;
                         slots.lock().expect("slots")[index] = Some(client);
                         std::future::pending::<()>().await;
                         drop(node);

@@ -66,7 +66,6 @@ mod sim_etcd;
 mod sim_nodes;
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -76,26 +75,16 @@ use madsim::net::NetSim;
 use madsim::rand::Rng;
 use madsim::runtime::{Handle, NodeHandle};
 use sim_etcd::start_sim_etcd;
+use sim_nodes::{node_ip, ETCD_ADDRESS};
 use tokio::time::Instant;
 use troupe_agent::{
     AgentClient, ConversationKind, ConversationMessage, Participant, Posted, ScriptRule, ScriptedLlm, Sender,
     AGENT_KIND, CONVERSATION_KIND, CONVERSATION_PAGE_MAX,
 };
-use troupe_cluster::ClusterNode;
 use troupe_core::ActorId;
-use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::{MemoryStore, StateStore};
 
-const ETCD_ADDRESS: &str = "10.0.0.1:2379";
-/// The nodes' transport port.
-const NODE_PORT: u16 = 7100;
 const NODE_NAMES: [&str; 3] = ["node-1", "node-2", "node-3"];
-/// Lease TTL, in seconds.
-const SIM_LEASE_TTL_S: u64 = 3;
-/// etcd request timeout, in milliseconds.
-const SIM_REQUEST_TIMEOUT_MS: u64 = 500;
-/// Pause before a node retries joining, in milliseconds.
-const REJOIN_DELAY_MS: u64 = 500;
 /// How long each placement ask may take, in milliseconds.
 const ASK_TIMEOUT_MS: u64 = 10_000;
 /// The resume sweep's period on each node once the faults end, in milliseconds.
@@ -147,14 +136,6 @@ const CONTROL_SEEDS: u64 = 30;
 const REPLAY_SEEDS: [u64; 2] = [1, 2];
 /// Simulated time limit of one run, in seconds.
 const RUN_TIME_LIMIT_S: u64 = 600;
-
-fn ip(text: &str) -> IpAddr {
-    text.parse().expect("an IP address")
-}
-
-fn node_ip(index: usize) -> IpAddr {
-    ip(&format!("10.0.1.{}", index + 1))
-}
 
 /// The scripted model: `ping` → `pong` (placement); a mention of `a` → `a` mentions
 /// `b`; of `b` → `b` mentions `c`; of `c` → `noted`; each after `latency_ms`.
@@ -244,33 +225,13 @@ async fn start_cluster(llm: &ScriptedLlm) -> Cluster {
 /// Node `index`: joins, publishes its client, sweeps once the faults end, and after a
 /// lost lease abandons its node and joins again.
 async fn run_node(index: usize, shared: Shared, llm: ScriptedLlm) {
-    loop {
-        let config = EtcdConfig::new(
-            vec![ETCD_ADDRESS.to_string()],
-            "sim",
-            NodeId::new(NODE_NAMES[index]).expect("a node name"),
-            SocketAddr::new(node_ip(index), NODE_PORT).to_string(),
-        )
-        .with_lease_ttl_s(SIM_LEASE_TTL_S)
-        .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
-        let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
-        let (runtime, pending) = agent_system(&llm, index, &shared.seen)
-            .prepare()
-            .expect("the agent system is valid");
-        let node = match ClusterNode::start(config, listen, runtime, shared.store.clone()).await {
-            Ok(node) => node,
-            Err(_) => {
-                tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
-                continue;
-            }
-        };
-        let client = pending
-            .attach(node.handle().clone())
-            .expect("the node's runtime has the agent kinds");
-        shared.note(format!("{} joined", NODE_NAMES[index]));
-        shared.slots.lock().expect("slots")[index] = Some(client.clone());
-        let flag = Arc::clone(&shared.sweep);
-        let sweeper = tokio::spawn(async move {
+    let (store, slots, seen) = (shared.store.clone(), Arc::clone(&shared.slots), shared.seen.clone());
+    let system = move || agent_system(&llm, index, &seen);
+    let on_join = shared.clone();
+    let joined = move |client: &AgentClient| {
+        on_join.note(format!("{} joined", NODE_NAMES[index]));
+        let (flag, client) = (Arc::clone(&on_join.sweep), client.clone());
+        tokio::spawn(async move {
             while !flag.load(Ordering::SeqCst) {
                 tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
             }
@@ -278,15 +239,14 @@ async fn run_node(index: usize, shared: Shared, llm: ScriptedLlm) {
                 .start_resume_sweep(Duration::from_millis(SWEEP_MS))
                 .expect("the period is in range");
             std::future::pending::<()>().await;
-        });
-        let reason = node.fenced_off().await;
-        shared.slots.lock().expect("slots")[index] = None;
+        })
+    };
+    let lost = move |sweeper: tokio::task::JoinHandle<()>, reason| {
         sweeper.abort();
         shared.lease_losses.fetch_add(1, Ordering::SeqCst);
         shared.note(format!("{} lost its lease: {reason:?}", NODE_NAMES[index]));
-        node.abandon().await;
-        tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
-    }
+    };
+    sim_nodes::run_rejoining(index, NODE_NAMES[index], store, slots, system, joined, lost).await;
 }
 
 impl Cluster {

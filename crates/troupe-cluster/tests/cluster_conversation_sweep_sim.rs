@@ -47,11 +47,11 @@ mod sim_etcd;
 mod sim_nodes;
 
 use sim_etcd::start_sim_etcd;
-use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use sim_nodes::ETCD_ADDRESS;
+use std::sync::Arc;
 use std::time::Duration;
 
-use agents::{agent_system, script, Seen, SLOW_TASK_MODEL_LATENCY_MS};
+use agents::{script, Seen, SLOW_TASK_MODEL_LATENCY_MS};
 use madsim::rand::Rng;
 use madsim::runtime::Handle;
 use tokio::time::Instant;
@@ -59,21 +59,10 @@ use troupe_agent::{
     AgentClient, ConversationKind, ConversationMessage, Participant, Sender, TaskState, CONVERSATION_KIND,
     CONVERSATION_PAGE_MAX,
 };
-use troupe_cluster::ClusterNode;
 use troupe_core::ActorId;
-use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::{MemoryStore, StateStore};
 
-const ETCD_ADDRESS: &str = "10.0.0.1:2379";
-/// The nodes' transport port.
-const NODE_PORT: u16 = 7100;
 const NODE_NAMES: [&str; 2] = ["node-1", "node-2"];
-/// Lease TTL, in seconds.
-const SIM_LEASE_TTL_S: u64 = 3;
-/// etcd request timeout, in milliseconds.
-const SIM_REQUEST_TIMEOUT_MS: u64 = 500;
-/// Pause before a node retries joining, in milliseconds.
-const REJOIN_DELAY_MS: u64 = 500;
 /// How long each ask may take, in milliseconds.
 const ASK_TIMEOUT_MS: u64 = 10_000;
 /// The sweep's period on each node, in milliseconds.
@@ -94,14 +83,6 @@ const ROOM: &str = "room";
 /// The nodes `b` is placed on, one run each per seed (the room is always on node-2).
 const B_PLACEMENTS: [usize; 2] = [0, 1];
 
-fn ip(text: &str) -> IpAddr {
-    text.parse().expect("an IP address")
-}
-
-fn node_ip(index: usize) -> IpAddr {
-    ip(&format!("10.0.1.{}", index + 1))
-}
-
 struct Cluster {
     nodes: Vec<madsim::runtime::NodeHandle>,
     slots: Arc<sim_nodes::Slots>,
@@ -113,72 +94,16 @@ struct Cluster {
 /// Two nodes, each joining again after a lost lease, each running a resume sweep
 /// (every [`SWEEP_MS`]) if `sweep`.
 async fn start_cluster(sweep: bool) -> Cluster {
-    let handle = Handle::current();
-    let _etcd = start_sim_etcd(&handle, ETCD_ADDRESS).await;
-    let llm = script();
-    let seen = Seen::default();
-    let store = MemoryStore::new();
-    let slots: Arc<sim_nodes::Slots> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
-    let nodes = (0..NODE_NAMES.len())
-        .map(|index| {
-            let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
-            handle
-                .create_node()
-                .name(NODE_NAMES[index])
-                .ip(node_ip(index))
-                .init(move || {
-                    let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
-                    async move {
-                        loop {
-                            let config = EtcdConfig::new(
-                                vec![ETCD_ADDRESS.to_string()],
-                                "sim",
-                                NodeId::new(NODE_NAMES[index]).expect("a node name"),
-                                SocketAddr::new(node_ip(index), NODE_PORT).to_string(),
-                            )
-                            .with_lease_ttl_s(SIM_LEASE_TTL_S)
-                            .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
-                            let listen = SocketAddr::new(ip("0.0.0.0"), NODE_PORT);
-                            let (runtime, pending) = agent_system(&llm, index, &seen)
-                                .prepare()
-                                .expect("the agent system is valid");
-                            let node = match ClusterNode::start(config, listen, runtime, store.clone()).await {
-                                Ok(node) => node,
-                                Err(_) => {
-                                    tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
-                                    continue;
-                                }
-                            };
-                            let client = pending
-                                .attach(node.handle().clone())
-                                .expect("the node's runtime has the agent kinds");
-                            let sweeping = sweep.then(|| {
-                                client
-                                    .start_resume_sweep(Duration::from_millis(SWEEP_MS))
-                                    .expect("the period is in range")
-                            });
-                            slots.lock().expect("slots")[index] = Some(client);
-                            node.fenced_off().await;
-                            slots.lock().expect("slots")[index] = None;
-                            drop(sweeping);
-                            node.abandon().await;
-                            tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
-                        }
-                    }
-                })
-                .build()
-        })
-        .collect();
-    let cluster = Cluster {
+    let _etcd = start_sim_etcd(&Handle::current(), ETCD_ADDRESS).await;
+    let (llm, seen, store) = (script(), Seen::default(), MemoryStore::new());
+    let sweep = sweep.then_some(Duration::from_millis(SWEEP_MS));
+    let (nodes, slots) = sim_nodes::start_sweeping_nodes(&NODE_NAMES, &llm, &seen, &store, sweep).await;
+    Cluster {
         nodes,
         slots,
         seen,
         store,
-    };
-    for index in 0..NODE_NAMES.len() {
-        cluster.client(index).await;
     }
-    cluster
 }
 
 impl Cluster {

@@ -1,13 +1,36 @@
 //! Simulated cluster nodes that join again after a lost lease, each publishing its
-//! current agent client in a slot: waiting for a node's client, and placing an agent on
-//! a node (madsim only).
+//! current agent client in a slot: the settings they join with, a node's join and
+//! rejoin loop, waiting for a node's client, and placing an agent on a node (madsim
+//! only).
+#![allow(dead_code)]
 
-use std::sync::Mutex;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use troupe_agent::AgentClient;
+use madsim::runtime::{Handle, NodeHandle};
+use troupe_agent::{AgentClient, AgentSystemBuilder, ScriptedLlm};
+use troupe_cluster::ClusterNode;
+use troupe_etcd::{EtcdConfig, LeaseLostReason, NodeId};
+use troupe_runtime::MemoryStore;
 
-use crate::agents::Seen;
+use crate::agents::{agent_system, Seen};
+
+/// The simulated etcd's address.
+pub(crate) const ETCD_ADDRESS: &str = "10.0.0.1:2379";
+/// The nodes' transport port.
+pub(crate) const NODE_PORT: u16 = 7100;
+/// Lease TTL, in seconds.
+pub(crate) const SIM_LEASE_TTL_S: u64 = 3;
+/// etcd request timeout, in milliseconds.
+pub(crate) const SIM_REQUEST_TIMEOUT_MS: u64 = 500;
+/// Pause before a node retries joining, in milliseconds.
+pub(crate) const REJOIN_DELAY_MS: u64 = 500;
+
+/// Node `index`'s address.
+pub(crate) fn node_ip(index: usize) -> IpAddr {
+    format!("10.0.1.{}", index + 1).parse().expect("an IP address")
+}
 
 /// Each node's current agent client (`None` while it is not joined).
 pub(crate) type Slots = Mutex<Vec<Option<AgentClient>>>;
@@ -22,10 +45,106 @@ pub(crate) async fn joined_client(slots: &Slots, index: usize) -> AgentClient {
     }
 }
 
+/// Starts node `index` (named `name`) on the simulated etcd with `store` and the agent
+/// system `system` builds, retrying after [`REJOIN_DELAY_MS`] until it joins: the node
+/// and its agent client.
+pub(crate) async fn join(
+    index: usize,
+    name: &str,
+    store: &MemoryStore,
+    system: &impl Fn() -> AgentSystemBuilder,
+) -> (ClusterNode, AgentClient) {
+    loop {
+        let config = EtcdConfig::new(
+            vec![ETCD_ADDRESS.to_string()],
+            "sim",
+            NodeId::new(name).expect("a node name"),
+            SocketAddr::new(node_ip(index), NODE_PORT).to_string(),
+        )
+        .with_lease_ttl_s(SIM_LEASE_TTL_S)
+        .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
+        let listen = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), NODE_PORT);
+        let (runtime, pending) = system().prepare().expect("the agent system is valid");
+        match ClusterNode::start(config, listen, runtime, store.clone()).await {
+            Ok(node) => {
+                let client = pending
+                    .attach(node.handle().clone())
+                    .expect("the node's runtime has the agent kinds");
+                return (node, client);
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await,
+        }
+    }
+}
+
+/// Runs node `index` (named `name`) for ever: it [`join`]s, calls `joined` with its
+/// client and publishes the client in `slots`; once its lease is lost and it is fenced
+/// off, it clears its slot, hands what `joined` returned and the reason to `lost`,
+/// abandons the node, and after [`REJOIN_DELAY_MS`] joins again.
+pub(crate) async fn run_rejoining<G>(
+    index: usize,
+    name: &str,
+    store: MemoryStore,
+    slots: Arc<Slots>,
+    system: impl Fn() -> AgentSystemBuilder,
+    mut joined: impl FnMut(&AgentClient) -> G,
+    mut lost: impl FnMut(G, LeaseLostReason),
+) {
+    loop {
+        let (node, client) = join(index, name, &store, &system).await;
+        let guard = joined(&client);
+        slots.lock().expect("slots")[index] = Some(client);
+        let reason = node.fenced_off().await;
+        slots.lock().expect("slots")[index] = None;
+        lost(guard, reason);
+        node.abandon().await;
+        tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
+    }
+}
+
+/// Starts a node named after each of `names` (node `index` at [`node_ip`]), each
+/// [`run_rejoining`] with the agent system of `support/agents.rs` (`llm`, `seen`) and
+/// `store`, and each running a resume sweep every `sweep`, if any, while joined; returns
+/// the nodes and their slots once every node has joined.
+pub(crate) async fn start_sweeping_nodes(
+    names: &'static [&'static str],
+    llm: &ScriptedLlm,
+    seen: &Seen,
+    store: &MemoryStore,
+    sweep: Option<Duration>,
+) -> (Vec<NodeHandle>, Arc<Slots>) {
+    let handle = Handle::current();
+    let slots: Arc<Slots> = Arc::new(Mutex::new(vec![None; names.len()]));
+    let nodes = (0..names.len())
+        .map(|index| {
+            let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
+            handle
+                .create_node()
+                .name(names[index])
+                .ip(node_ip(index))
+                .init(move || {
+                    let (slots, llm, seen, store) = (Arc::clone(&slots), llm.clone(), seen.clone(), store.clone());
+                    let system = move || agent_system(&llm, index, &seen);
+                    let joined = move |client: &AgentClient| {
+                        sweep.map(|every| client.start_resume_sweep(every).expect("the period is in range"))
+                    };
+                    run_rejoining(index, names[index], store, slots, system, joined, |sweeping, _| {
+                        drop(sweeping)
+                    })
+                })
+                .build()
+        })
+        .collect();
+    for index in 0..names.len() {
+        joined_client(&slots, index).await;
+    }
+    (nodes, slots)
+}
+
 /// Places `agent` on `node` (node `index`, named `name`) by asking it `ping` through
 /// that node's `client` within `timeout`: its first turn runs there, which `seen` shows.
 pub(crate) async fn place_on(
-    node: &madsim::runtime::NodeHandle,
+    node: &NodeHandle,
     client: AgentClient,
     seen: &Seen,
     (index, name): (usize, &str),
