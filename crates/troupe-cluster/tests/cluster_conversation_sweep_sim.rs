@@ -48,19 +48,17 @@ mod sim_nodes;
 
 use sim_etcd::start_sim_etcd;
 use sim_nodes::ETCD_ADDRESS;
-use std::sync::Arc;
 use std::time::Duration;
 
-use agents::{script, Seen, SLOW_TASK_MODEL_LATENCY_MS};
+use agents::{script, SLOW_TASK_MODEL_LATENCY_MS};
 use madsim::rand::Rng;
 use madsim::runtime::Handle;
 use tokio::time::Instant;
 use troupe_agent::{
-    AgentClient, ConversationKind, ConversationMessage, Participant, Sender, TaskState, CONVERSATION_KIND,
-    CONVERSATION_PAGE_MAX,
+    ConversationKind, ConversationMessage, Participant, Sender, TaskState, CONVERSATION_KIND, CONVERSATION_PAGE_MAX,
 };
 use troupe_core::ActorId;
-use troupe_runtime::{MemoryStore, StateStore};
+use troupe_runtime::StateStore;
 
 const NODE_NAMES: [&str; 2] = ["node-1", "node-2"];
 /// How long each ask may take, in milliseconds.
@@ -83,52 +81,18 @@ const ROOM: &str = "room";
 /// The nodes `b` is placed on, one run each per seed (the room is always on node-2).
 const B_PLACEMENTS: [usize; 2] = [0, 1];
 
-struct Cluster {
-    nodes: Vec<madsim::runtime::NodeHandle>,
-    slots: Arc<sim_nodes::Slots>,
-    seen: Seen,
-    /// The store both nodes reach: the test reads the room's relay keys in it.
-    store: MemoryStore,
-}
+/// The two nodes (`sim_nodes::SweepCluster`); this file's reads are below.
+type Cluster = sim_nodes::SweepCluster;
 
 /// Two nodes, each joining again after a lost lease, each running a resume sweep
 /// (every [`SWEEP_MS`]) if `sweep`.
 async fn start_cluster(sweep: bool) -> Cluster {
     let _etcd = start_sim_etcd(&Handle::current(), ETCD_ADDRESS).await;
-    let (llm, seen, store) = (script(), Seen::default(), MemoryStore::new());
     let sweep = sweep.then_some(Duration::from_millis(SWEEP_MS));
-    let (nodes, slots) = sim_nodes::start_sweeping_nodes(&NODE_NAMES, &llm, &seen, &store, sweep).await;
-    Cluster {
-        nodes,
-        slots,
-        seen,
-        store,
-    }
+    Cluster::start(&NODE_NAMES, &script(), sweep, Duration::from_millis(ASK_TIMEOUT_MS)).await
 }
 
 impl Cluster {
-    /// Node `index`'s agent client once it has joined.
-    async fn client(&self, index: usize) -> AgentClient {
-        sim_nodes::joined_client(&self.slots, index).await
-    }
-
-    /// Places `agent` on node `index`: its first turn runs there.
-    async fn place(&self, index: usize, agent: &str) {
-        let client = self.client(index).await;
-        let timeout = Duration::from_millis(ASK_TIMEOUT_MS);
-        let node = (index, NODE_NAMES[index]);
-        sim_nodes::place_on(&self.nodes[index], client, &self.seen, node, agent, timeout).await;
-    }
-
-    /// Runs `read` with node-1's client on node-1 (never faulted).
-    async fn on_node_1<T: Send + 'static, F: std::future::Future<Output = T> + Send + 'static>(
-        &self,
-        read: impl FnOnce(AgentClient) -> F,
-    ) -> T {
-        let client = self.client(0).await;
-        self.nodes[0].spawn(read(client)).await.expect("node-1's task")
-    }
-
     /// Creates the room (`h` and `b`) through node-2's client, so it runs on node-2.
     async fn create_room_on_node_2(&self) {
         let client = self.client(1).await;
@@ -154,12 +118,6 @@ impl Cluster {
             .expect("the task reads")
             .expect("an acknowledged task has a record")
             .state
-    }
-
-    async fn pending(&self, agent: &'static str) -> (u64, u64) {
-        self.on_node_1(move |client| async move { client.pending(agent).await })
-            .await
-            .expect("the counters read")
     }
 
     /// The room's committed messages, read through node-1.

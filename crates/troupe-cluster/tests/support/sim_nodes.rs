@@ -141,6 +141,71 @@ pub(crate) async fn start_sweeping_nodes(
     (nodes, slots)
 }
 
+/// The sweep simulations' cluster: nodes started by [`start_sweeping_nodes`] on one
+/// `MemoryStore`, with what their agents' turns recorded. Each test file adds its own
+/// reads in an `impl SweepCluster` block of its own.
+pub(crate) struct SweepCluster {
+    pub(crate) nodes: Vec<NodeHandle>,
+    pub(crate) slots: Arc<Slots>,
+    pub(crate) seen: Seen,
+    /// The store every node reaches (a test may read keys in it directly).
+    pub(crate) store: MemoryStore,
+    names: &'static [&'static str],
+    /// How long placing an agent (its first ask) may take.
+    ask_timeout: Duration,
+}
+
+impl SweepCluster {
+    /// Nodes named after `names` with the agents of `support/agents.rs` scripted by
+    /// `llm`, each running a resume sweep every `sweep`, if any; returns once every node
+    /// has joined (the simulated etcd must be running).
+    pub(crate) async fn start(
+        names: &'static [&'static str],
+        llm: &ScriptedLlm,
+        sweep: Option<Duration>,
+        ask_timeout: Duration,
+    ) -> Self {
+        let (seen, store) = (Seen::default(), MemoryStore::new());
+        let (nodes, slots) = start_sweeping_nodes(names, llm, &seen, &store, sweep).await;
+        Self {
+            nodes,
+            slots,
+            seen,
+            store,
+            names,
+            ask_timeout,
+        }
+    }
+
+    /// Node `index`'s agent client once it has joined.
+    pub(crate) async fn client(&self, index: usize) -> AgentClient {
+        joined_client(&self.slots, index).await
+    }
+
+    /// Places `agent` on node `index`: its first turn runs there.
+    pub(crate) async fn place(&self, index: usize, agent: &str) {
+        let client = self.client(index).await;
+        let node = (index, self.names[index]);
+        place_on(&self.nodes[index], client, &self.seen, node, agent, self.ask_timeout).await;
+    }
+
+    /// Runs `read` with node-1's client on node-1 (never faulted).
+    pub(crate) async fn on_node_1<T: Send + 'static, F: std::future::Future<Output = T> + Send + 'static>(
+        &self,
+        read: impl FnOnce(AgentClient) -> F,
+    ) -> T {
+        let client = self.client(0).await;
+        self.nodes[0].spawn(read(client)).await.expect("node-1's task")
+    }
+
+    /// `agent`'s pending (inbox, outbox) entries, read through node-1.
+    pub(crate) async fn pending(&self, agent: &'static str) -> (u64, u64) {
+        self.on_node_1(move |client| async move { client.pending(agent).await })
+            .await
+            .expect("the counters read")
+    }
+}
+
 /// Places `agent` on `node` (node `index`, named `name`) by asking it `ping` through
 /// that node's `client` within `timeout`: its first turn runs there, which `seen` shows.
 pub(crate) async fn place_on(
