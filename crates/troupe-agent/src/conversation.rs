@@ -1015,6 +1015,7 @@ impl ConversationActor {
             },
             context: CallContext::root(record.deadline),
             budget: Budget::UNLIMITED,
+            pair: None,
         };
         self.relaying.insert((seq, agent.clone()));
         tokio::spawn(deliver(
@@ -1063,6 +1064,11 @@ async fn deliver(
                     break ConvCommand::Delivered { seq, agent };
                 }
                 Ok(EnqueueReply::Full { capacity }) => format!("the inbox is full ({capacity} entries)"),
+                // A mention carries no pair order, so these do not come; retried as any
+                // refusal would be.
+                Ok(EnqueueReply::OutOfOrder { expected } | EnqueueReply::Stale { expected }) => {
+                    format!("refused as out of order (expected {expected})")
+                }
                 Err(error) => format!("malformed acknowledgement: {error}"),
             },
             Err(InvokeError::Shutdown) => return,

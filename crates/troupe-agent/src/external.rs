@@ -378,6 +378,7 @@ impl AgentClient {
             },
             context,
             budget: Budget::UNLIMITED,
+            pair: None,
         };
         // The agent may be in a long turn: the append waits for it.
         let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
@@ -390,6 +391,9 @@ impl AgentClient {
             EnqueueReply::Full { capacity } => Err(InboxError::Full { target, capacity }),
             EnqueueReply::Duplicate => Err(InboxError::Malformed {
                 cause: "an external task was acknowledged without its id".to_string(),
+            }),
+            EnqueueReply::OutOfOrder { .. } | EnqueueReply::Stale { .. } => Err(InboxError::Malformed {
+                cause: "an external task, which has no sender order, was refused as out of order".to_string(),
             }),
         }
     }

@@ -9,6 +9,8 @@
 //! tasks_in/{task_id}  → the inbox seq of a task not yet started (for cancel)
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
 //! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
+//! pair_out/{target}   the order of its notifications and tasks to target (`PairOut`)
+//! pair_in/{sender}    the next ordered entry expected from sender (see `PairSeq`)
 //! task/{task_id}      the delegator's record of a task it delegated (A2A state)
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
 //! ext_id/{task_id}    → the seq of that record
@@ -218,6 +220,51 @@ pub(crate) struct InboxEntry {
     /// turn: the grant charged to that turn; a task's result: what the task left).
     #[serde(default)]
     pub(crate) budget: Budget,
+    /// Its place in the order of the notifications and tasks its sender sent to its
+    /// target (`None`: not ordered: results, cancellations, entries from outside, and
+    /// entries stored before the order existed). See [`PairSeq`].
+    #[serde(default)]
+    pub(crate) pair: Option<PairSeq>,
+}
+
+/// The order between two agents: the notifications and tasks agent A sends to agent B
+/// enter B's inbox, and so are processed, in the order A sent them (one sending turn's
+/// entries in the order the turn made them).
+///
+/// ```text
+/// A: send      seq = pair_out/{B}.next++ ; pending += {seq}    committed with A's turn
+/// A: attempt   low = min(pair_out/{B}.pending), read from the store at each attempt
+///              Enqueue{entry, pair: {seq, low}} ──► B
+/// B: Enqueue   expected = pair_in/{A} (0 if none)
+///              seq == expected, or seq == low > expected   → accept; pair_in/{A} = seq + 1
+///                                                           (committed with the entry)
+///              seq < expected (it was given up, and a later one went in) → Stale (A drops it)
+///              otherwise (an earlier one is still on its way)  → OutOfOrder (retried)
+/// A: Delivered / Undeliverable{seq}   pending -= {seq}       committed with the outbox delete
+/// ```
+///
+/// `low` lets an entry past the gap an earlier one left when A gave it up (its deadline
+/// passed): it is A's lowest entry to B still pending, so every earlier one was
+/// acknowledged or given up. Deliveries stay concurrent (an entry behind a busy target
+/// does not hold the next one's delivery task); cancellations and results are not
+/// ordered (a cancellation is meant to overtake its task). Modelled in
+/// `docs/tla/PairOrder.tla` (`InOrderPerPair`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PairSeq {
+    /// Its number among the sender's ordered entries to this target, from 0.
+    pub(crate) seq: u64,
+    /// The sender's lowest ordered entry to this target still pending, when this
+    /// delivery attempt was made.
+    pub(crate) low: u64,
+}
+
+/// A sender's record of its ordered entries to one target (`pair_out/{target key}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PairOut {
+    /// The next entry's [`PairSeq::seq`].
+    pub(crate) next: u64,
+    /// The seqs sent and not yet acknowledged or given up.
+    pub(crate) pending: std::collections::BTreeSet<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -343,6 +390,12 @@ pub(crate) enum EnqueueReply {
     Duplicate,
     /// The inbox is full: nothing kept.
     Full { capacity: u64 },
+    /// An ordered entry ([`PairSeq`]) came before an earlier one of its sender: nothing
+    /// kept; the earlier one is expected (seq `expected`) first. Retried.
+    OutOfOrder { expected: u64 },
+    /// An ordered entry came after a later one of its sender went in (the sender gave
+    /// it up meanwhile): nothing kept, and it never will be.
+    Stale { expected: u64 },
 }
 
 /// The reply to `Delegate`, `Notify` and `Cancel` commands.
@@ -403,6 +456,16 @@ pub(crate) fn canceled_key(task_id: &str) -> String {
 
 pub(crate) fn tasks_in_key(task_id: &str) -> String {
     format!("tasks_in/{task_id}")
+}
+
+/// The sender's record of its ordered entries to `target` ([`PairOut`]).
+pub(crate) fn pair_out_key(target: &ActorId) -> String {
+    format!("pair_out/{}", target.key())
+}
+
+/// The receiver's next expected [`PairSeq::seq`] from `sender`.
+pub(crate) fn pair_in_key(sender: &ActorId) -> String {
+    format!("pair_in/{}", sender.key())
 }
 
 /// The seq at the end of an `inbox/` or `outbox/` key.
@@ -525,6 +588,7 @@ impl PendingSends {
             body,
             context,
             budget: Budget::UNLIMITED,
+            pair: None,
         };
         self.entries.push((
             seq,

@@ -8,18 +8,20 @@ use bytes::Bytes;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, INVOKE_TIMEOUT_MS_MAX};
-use troupe_core::{CallContext, CallRefused, InvokeError};
+use troupe_core::{ActorId, CallContext, CallRefused, InvokeError};
 use troupe_runtime::{ActorError, Turn};
 
 use crate::agent::{agent_id, AgentActor, Conversation};
 use crate::inbox::{
-    canceled_key, encode_reply, from_json, inbox_key, outbox_key, seen_key, seq_of, task_deadline, task_key,
-    tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PendingSends,
-    SendReply, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+    canceled_key, encode_reply, from_json, inbox_key, outbox_key, pair_in_key, pair_out_key, seen_key, seq_of,
+    task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError,
+    OutboxEntry, PairOut, PairSeq, PendingSends, SendReply, TaskState, TaskStatus, DELEGATE_TOOL_NAME,
+    NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
-    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MENTION_ANSWER_ATTEMPTS_MAX,
-    AGENT_MENTION_ANSWER_RETRY_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY,
+    AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
+    AGENT_TASK_TIMEOUT_MS_DEFAULT,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -67,8 +69,9 @@ impl AgentActor {
 
     /// Writes a turn's sends to the outbox (and the delegator's task records) and
     /// schedules their relays, which run after this turn commits.
-    pub(crate) async fn flush_sends(&mut self, turn: &mut Turn, sends: PendingSends) -> Result<(), ActorError> {
+    pub(crate) async fn flush_sends(&mut self, turn: &mut Turn, mut sends: PendingSends) -> Result<(), ActorError> {
         let now = turn.now();
+        self.number_pairs(turn, &mut sends).await?;
         for task in &sends.tasks {
             turn.put(task_key(&task.task_id), to_json(task)?)?;
             self.state.boxes.tasks_open += 1;
@@ -90,6 +93,56 @@ impl AgentActor {
                 .tell(&self.id, wake, WAKE_TIMEOUT)
                 .await
                 .map_err(wake_failed)?;
+        }
+        Ok(())
+    }
+
+    /// Gives each notification and task of `sends` its place in the order of this
+    /// agent's entries to its target ([`crate::inbox::PairSeq`]), and records them as
+    /// pending (`pair_out/{target}`, written with this turn).
+    async fn number_pairs(&self, turn: &mut Turn, sends: &mut PendingSends) -> Result<(), ActorError> {
+        let mut records: Vec<(ActorId, PairOut)> = Vec::new();
+        for (_, out) in &mut sends.entries {
+            if !matches!(out.entry.body, InboxBody::Notify { .. } | InboxBody::Task { .. }) {
+                continue; // results and cancellations are not ordered
+            }
+            let index = match records.iter().position(|(target, _)| *target == out.to) {
+                Some(index) => index,
+                None => {
+                    let key = pair_out_key(&out.to);
+                    let record = match turn.get(&key).await? {
+                        Some(bytes) => from_json(&key, &bytes)?,
+                        None => PairOut::default(),
+                    };
+                    records.push((out.to.clone(), record));
+                    records.len() - 1
+                }
+            };
+            let record = &mut records[index].1;
+            let seq = record.next;
+            record.next += 1;
+            record.pending.insert(seq);
+            out.entry.pair = Some(PairSeq { seq, low: seq });
+        }
+        for (target, record) in &records {
+            turn.put(pair_out_key(target), to_json(record)?)?;
+        }
+        Ok(())
+    }
+
+    /// Takes ordered outbox entry `out` (acknowledged or given up) off its target's
+    /// pending list.
+    async fn release_pair(&self, turn: &mut Turn, out: &OutboxEntry) -> Result<(), ActorError> {
+        let Some(pair) = out.entry.pair else {
+            return Ok(());
+        };
+        let key = pair_out_key(&out.to);
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(());
+        };
+        let mut record: PairOut = from_json(&key, &bytes)?;
+        if record.pending.remove(&pair.seq) {
+            turn.put(key, to_json(&record)?)?;
         }
         Ok(())
     }
@@ -123,6 +176,23 @@ impl AgentActor {
         }
         if matches!(entry.body, InboxBody::External { .. }) {
             return self.enqueue_external(turn, entry).await;
+        }
+        // An ordered entry goes in only after its sender's earlier ones (or past those
+        // the sender gave up); the new expected seq is written with its acceptance.
+        let mut order = None;
+        if let (Some(pair), Some(from)) = (entry.pair, &entry.from) {
+            let key = pair_in_key(from);
+            let expected: u64 = match turn.get(&key).await? {
+                Some(bytes) => from_json(&key, &bytes)?,
+                None => 0,
+            };
+            if pair.seq == expected || (pair.seq == pair.low && pair.seq > expected) {
+                order = Some((key, to_json(&(pair.seq + 1))?));
+            } else if pair.seq < expected {
+                return Ok(encode_reply(&EnqueueReply::Stale { expected }));
+            } else {
+                return Ok(encode_reply(&EnqueueReply::OutOfOrder { expected }));
+            }
         }
         match &entry.body {
             InboxBody::TaskUpdate { task_id, state, text } => {
@@ -183,6 +253,9 @@ impl AgentActor {
             InboxBody::Task { task_id, .. } if turn.get(&canceled_key(task_id)).await?.is_some() => {
                 turn.delete(canceled_key(task_id))?;
                 turn.put(seen, Bytes::new())?;
+                if let Some((key, next)) = order {
+                    turn.put(key, next)?;
+                }
                 self.shared.emit(&received(false));
                 self.report_canceled_before_start(turn, &entry, task_id).await?;
                 return Ok(encode_reply(&EnqueueReply::Accepted {
@@ -199,6 +272,9 @@ impl AgentActor {
                     }));
                 }
             }
+        }
+        if let Some((key, next)) = order {
+            turn.put(key, next)?;
         }
         self.append(turn, entry, seen, Bytes::new()).await
     }
@@ -504,7 +580,9 @@ impl AgentActor {
     async fn delivered(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
         self.relaying.remove(&seq);
         let key = outbox_key(seq);
-        if turn.get(&key).await?.is_some() {
+        if let Some(bytes) = turn.get(&key).await? {
+            let out: OutboxEntry = from_json(&key, &bytes)?;
+            self.release_pair(turn, &out).await?;
             turn.delete(key)?;
             self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
         }
@@ -528,6 +606,7 @@ impl AgentActor {
         };
         let out: OutboxEntry = from_json(&key, &bytes)?;
         tracing::warn!(agent = %self.id, msg = %out.entry.msg_id, to = %out.to, %cause, "giving up a delivery");
+        self.release_pair(turn, &out).await?;
         turn.delete(key)?;
         self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
         let InboxBody::Task { task_id, .. } = &out.entry.body else {
@@ -544,6 +623,7 @@ impl AgentActor {
             },
             context: CallContext::root(out.entry.context.deadline()),
             budget: out.entry.budget,
+            pair: None,
         };
         self.enqueue(turn, entry).await.map(|_| ())
     }
@@ -864,7 +944,7 @@ async fn deliver(
     seq: u64,
     out: OutboxEntry,
 ) {
-    let payload = AgentCommand::Enqueue(out.entry.clone()).encode();
+    let mut payload = AgentCommand::Enqueue(out.entry.clone()).encode();
     let is_result = matches!(out.entry.body, InboxBody::TaskUpdate { .. });
     if let Some(approval) = out.approval {
         if let Some(refused) = await_send_approval(&runtime, &shared, &sender, seq, &out, approval).await {
@@ -874,6 +954,30 @@ async fn deliver(
     }
     let report_command = loop {
         let target_known = shared.directory.contains(out.to.key());
+        // An ordered entry carries, at each attempt, the sender's lowest entry to the
+        // target still pending (read from the store: the sender's committed record).
+        let mut pause = Duration::from_millis(AGENT_DELIVERY_RETRY_MS);
+        if let Some(pair) = out.entry.pair {
+            match pending_low(&runtime, &sender, &out.to).await {
+                Ok(low) => {
+                    let mut entry = out.entry.clone();
+                    entry.pair = Some(PairSeq { low, ..pair });
+                    payload = AgentCommand::Enqueue(entry).encode();
+                }
+                Err(error) => {
+                    // Ordered entries are notifications and tasks, which have a deadline.
+                    if out.entry.context.deadline().has_passed(runtime.now()) {
+                        break AgentCommand::Undeliverable {
+                            seq,
+                            cause: format!("the deadline passed before it could be delivered ({error})"),
+                            state: TaskState::Failed,
+                        };
+                    }
+                    tokio::time::sleep(pause).await;
+                    continue;
+                }
+            }
+        }
         let result = if target_known {
             runtime
                 .invoke_routed_within(
@@ -900,6 +1004,15 @@ async fn deliver(
                     break AgentCommand::Delivered { seq };
                 }
                 Ok(EnqueueReply::Full { .. }) => None,
+                Ok(EnqueueReply::OutOfOrder { .. }) => {
+                    // An earlier entry is on its way: usually there a moment later.
+                    pause = Duration::from_millis(AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS);
+                    None
+                }
+                Ok(EnqueueReply::Stale { expected }) => Some(format!(
+                    "{} already took a later message from {sender} (expected #{expected}): this one was given up",
+                    out.to
+                )),
                 Err(error) => Some(format!("malformed acknowledgement: {error}")),
             },
             Err(InvokeError::Shutdown) => return, // resumed at the next start
@@ -925,10 +1038,30 @@ async fn deliver(
                     state: TaskState::Failed,
                 }
             }
-            _ => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
+            _ => tokio::time::sleep(pause).await,
         }
     };
     report(&runtime, &sender, seq, report_command).await;
+}
+
+/// `sender`'s lowest ordered entry to `target` still pending (`u64::MAX` if none: an
+/// attempt of an entry given up meanwhile, which the target then refuses as stale).
+async fn pending_low(
+    runtime: &troupe_runtime::RuntimeHandle,
+    sender: &ActorId,
+    target: &ActorId,
+) -> Result<u64, String> {
+    let key = pair_out_key(target);
+    let bytes = runtime
+        .store()
+        .get(sender, &key)
+        .await
+        .map_err(|error| error.to_string())?;
+    let Some(bytes) = bytes else {
+        return Ok(u64::MAX);
+    };
+    let record: PairOut = from_json(&key, &bytes).map_err(|error| error.to_string())?;
+    Ok(record.pending.first().copied().unwrap_or(u64::MAX))
 }
 
 /// Waits (outside any turn) for the approval an outbox entry needs, until the entry's

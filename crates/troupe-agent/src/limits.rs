@@ -92,6 +92,11 @@ pub const AGENT_OUTBOX_CAPACITY: u64 = 256;
 pub const AGENT_DELIVERY_ACK_TIMEOUT_MS: u64 = 30_000;
 /// The pause before a failed delivery is retried, in milliseconds.
 pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;
+/// The pause before a delivery refused as out of order (an earlier entry from the same
+/// sender to the same target is still on its way: `EnqueueReply::OutOfOrder`) is
+/// retried, in milliseconds: shorter than [`AGENT_DELIVERY_RETRY_MS`], since the
+/// earlier one is usually in a moment later.
+pub const AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS: u64 = 20;
 /// The first pause before an agent tries again to answer a mention whose answer could
 /// not be posted (the conversation unreachable: on a cluster, its node died and no other
 /// has taken it yet), in milliseconds; it doubles at each attempt.

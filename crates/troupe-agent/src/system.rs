@@ -505,6 +505,7 @@ impl AgentClient {
             },
             context: CallContext::root(task_deadline(now, timeout_ms)),
             budget: Budget::UNLIMITED,
+            pair: None,
         };
         // The agent may be in a long turn: the append waits for it.
         let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
@@ -516,6 +517,12 @@ impl AgentClient {
             EnqueueReply::Accepted { msg_id } => msg_id,
             EnqueueReply::Duplicate => msg_id.to_string(),
             EnqueueReply::Full { capacity } => return Err(InboxError::Full { target, capacity }),
+            EnqueueReply::OutOfOrder { .. } | EnqueueReply::Stale { .. } => {
+                return Err(InboxError::Malformed {
+                    cause: "a notification from outside, which has no sender order, was refused as out of order"
+                        .to_string(),
+                })
+            }
         };
         self.shared.emit(&AgentEvent::MessageSent {
             msg_id: msg_id.clone(),

@@ -1,0 +1,184 @@
+//! The order between two agents: the notifications and tasks one agent sends another
+//! are processed in the order it sent them (`PairSeq` in `src/inbox.rs`), also when
+//! deliveries are refused `Busy` and retried, and past a message the sender gave up.
+//!
+//! Runs in both builds: `cargo test -p troupe-agent --test pair_order` (tokio: paused
+//! time, and the multi-thread runtime in real time) and under madsim
+//! (`RUSTFLAGS="--cfg madsim"`).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, InboxError, Role, ScriptRule, ScriptedLlm, TaskState};
+use troupe_core::InvokeError;
+use troupe_runtime::{KindConfig, MemoryStore};
+
+/// Notifications sent in a row by the ordering test.
+const NOTES: usize = 30;
+/// Each agent's mailbox, in messages: small, so that deliveries are refused `Busy`.
+const SMALL_MAILBOX: usize = 2;
+/// How long the receiver's model takes per notification.
+const NOTE_LATENCY: Duration = Duration::from_millis(50);
+/// How long a test waits for every box to drain, at most.
+const DRAIN_WAIT: Duration = Duration::from_secs(30);
+
+fn system(llm: ScriptedLlm, mailbox: usize) -> AgentSystem {
+    AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.without_recording()))
+        .kind_config(KindConfig::default().with_mailbox_capacity(mailbox))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts")
+}
+
+/// Runs `send` until it is not refused `Busy` (a refused request kept nothing).
+async fn unless_busy<T, F, Fut>(mut send: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, InboxError>>,
+{
+    loop {
+        match send().await {
+            Ok(value) => return value,
+            Err(InboxError::Invoke(InvokeError::Busy { .. })) => tokio::time::sleep(Duration::from_millis(5)).await,
+            Err(error) => panic!("the send failed: {error}"),
+        }
+    }
+}
+
+/// Waits until both agents' inboxes and outboxes are empty; panics after `DRAIN_WAIT`.
+async fn drained(system: &AgentSystem) {
+    let step = Duration::from_millis(50);
+    for _ in 0..DRAIN_WAIT.as_millis() / step.as_millis() {
+        let a = system.pending("a").await.unwrap();
+        let b = system.pending("b").await.unwrap();
+        if a == (0, 0) && b == (0, 0) {
+            return;
+        }
+        tokio::time::sleep(step).await;
+    }
+    panic!(
+        "the boxes did not drain within {DRAIN_WAIT:?}: a {:?}, b {:?}",
+        system.pending("a").await.unwrap(),
+        system.pending("b").await.unwrap()
+    );
+}
+
+/// The numbers of the user messages in `log` that contain `word` followed by a number,
+/// in log order.
+fn numbers_after(log: &[ChatMessage], word: &str) -> Vec<usize> {
+    log.iter()
+        .filter(|message| message.role == Role::User)
+        .filter_map(|message| {
+            let rest = &message.content[message.content.find(word)? + word.len()..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .collect()
+}
+
+/// 30 notifications from a to b, sent one after the other, into a mailbox of 2 whose
+/// turns take 50 ms: most deliveries are refused `Busy` and retried.
+async fn thirty_notifications_in_order() {
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::any_agent()
+            .on_user_containing("[notification")
+            .reply("noted")
+            .latency(NOTE_LATENCY),
+    );
+    let system = system(llm, SMALL_MAILBOX);
+    let client = system.client();
+    for note in 0..NOTES {
+        let text = format!("note {note}");
+        unless_busy(|| client.notify_as("a", "b", &text)).await;
+    }
+    drained(&system).await;
+    let log = system.conversation_log("b").await.unwrap();
+    assert_eq!(
+        numbers_after(&log, "note "),
+        (0..NOTES).collect::<Vec<_>>(),
+        "b processed a's notifications in the order a sent them"
+    );
+    system.shutdown().await;
+}
+
+/// Goal: the notifications one agent sends another are processed in the order sent,
+/// although their deliveries are refused `Busy` and retried. Before the order was kept
+/// (2026-11-30) this ran on the multi-thread runtime as 0, 1, 2, 3, 5, 4, 11, 6, 16, ...
+/// (and on paused time in order).
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn notifications_to_a_busy_agent_are_processed_in_the_order_sent_on_the_multi_thread_runtime() {
+    thirty_notifications_in_order().await;
+}
+
+/// The same, on paused time, and under the simulator (whose task order is the seed's).
+#[tokio::test(start_paused = true)]
+async fn notifications_to_a_busy_agent_are_processed_in_the_order_sent() {
+    thirty_notifications_in_order().await;
+}
+
+/// Goal: a message the sender gave up (its deadline passed while the target refused it
+/// `Busy`) leaves no gap that holds the later ones: they are delivered and worked, in
+/// order, and the given-up one never is. Method: b's mailbox (1) is kept full by two
+/// 3 s asks; a delegates t0 (deadline 300 ms), then t1 and t2 (60 s). t0's deliveries
+/// are refused until its deadline, so a gives it up (t0 resolves `failed` at a); t1
+/// must get past the gap (its attempts carry a's lowest pending entry, which is t1
+/// itself) without waiting for its own deadline.
+#[tokio::test(start_paused = true)]
+async fn a_message_given_up_leaves_no_gap_that_holds_the_later_ones() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(Duration::from_secs(3)),
+        )
+        .rule(ScriptRule::agent("b").on_user_containing("[task").reply("done"))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("you delegated is")
+                .reply("seen"),
+        );
+    let system = system(llm, 1);
+    let client = system.client();
+    // The first hold's turn runs, the second waits in the mailbox: full.
+    let mut holds = Vec::new();
+    for _ in 0..2 {
+        let client = system.client();
+        holds.push(tokio::spawn(async move { client.ask("b", "hold").await }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started = tokio::time::Instant::now();
+    let mut tasks = Vec::new();
+    for (job, timeout_ms) in [(0, 300), (1, 60_000), (2, 60_000)] {
+        let text = format!("job {job}");
+        tasks.push(unless_busy(|| client.delegate("a", "b", &text, Some(timeout_ms))).await);
+    }
+    for hold in holds {
+        hold.await.unwrap().expect("the holding asks are answered");
+    }
+    drained(&system).await;
+    let states: Vec<TaskState> = {
+        let mut states = Vec::new();
+        for task in &tasks {
+            states.push(system.task("a", task).await.unwrap().expect("a keeps its task").state);
+        }
+        states
+    };
+    assert_eq!(
+        states,
+        [TaskState::Failed, TaskState::Completed, TaskState::Completed],
+        "t0 given up, t1 and t2 worked"
+    );
+    let log = system.conversation_log("b").await.unwrap();
+    let worked: Vec<usize> = numbers_after(&log, "] job ");
+    assert_eq!(worked, [1, 2], "b worked t1 then t2, never t0");
+    // Past the gap well before t1's own deadline (60 s): the two holds take 6 s.
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(20), "drained {took:?} after the sends");
+    system.shutdown().await;
+}
