@@ -20,7 +20,10 @@
 //! `a` (its task record final, the outcome in `a`'s committed log once): `Completed`
 //! with `b`'s answer and `b`'s committed log holding the task once, or `Canceled` (only
 //! if a cancellation was queued) and `b` never worked it; each acknowledged notification is in `c`'s
-//! committed log exactly once; every inbox and outbox drained.
+//! committed log exactly once; every inbox and outbox drained; `c` processed `a`'s
+//! notifications, and `b` worked `a`'s tasks, in the order `a` sent them (with the
+//! receiver's order check removed, seed 3 works them as 4, 2, 1, 3, 0; 400 seeds passed
+//! with it on 2026-11-30, by hand).
 //!
 //! A second scenario (`mention_scenario`, below) puts a conversation on node-2 and kills
 //! it, and cuts node-3 (`c`'s owner) from etcd, while mentions of `b` and `c` are being
@@ -481,6 +484,27 @@ async fn scenario() -> RunResult {
         let delivered = count(&c_log, Role::User, &format!("[notification {id} from"));
         assert_eq!(delivered, 1, "a's notification {id} delivered to c once: {c_log:?}");
     }
+    // The order between two agents: c processed a's notifications, and b a's tasks, in
+    // the order a sent them (a canceled task is never worked, so it is left out).
+    let order_in = |log: &[ChatMessage], ids: &[String], prefix: &str| -> Vec<usize> {
+        log.iter()
+            .filter(|message| message.role == Role::User)
+            .filter_map(|message| {
+                ids.iter()
+                    .position(|id| message.content.starts_with(&format!("{prefix}{id} ")))
+            })
+            .collect()
+    };
+    let c_order = order_in(&c_log, &from_a, "[notification ");
+    assert!(
+        c_order.windows(2).all(|pair| pair[0] < pair[1]),
+        "c processed a's notifications in the order sent: {c_order:?} (kill at {kill_at} ms)"
+    );
+    let b_order = order_in(&b_log, &task_ids, "[task ");
+    assert!(
+        b_order.windows(2).all(|pair| pair[0] < pair[1]),
+        "b worked a's tasks in the order delegated: {b_order:?} (kill at {kill_at} ms)"
+    );
     let b_task_turns = cluster
         .llm
         .requests_of("b")
