@@ -10,7 +10,8 @@
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
 //! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
 //! pair_out/{target}   the order of its notifications and tasks to target (`PairOut`)
-//! pair_in/{sender}    the next ordered entry expected from sender (see `PairSeq`)
+//! pair_in/{sender}    the next ordered entry expected from sender, and the inbox seqs
+//!                     of those not yet processed (`PairIn`, see `PairSeq`)
 //! task/{task_id}      the delegator's record of a task it delegated (A2A state)
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
 //! ext_id/{task_id}    → the seq of that record
@@ -235,12 +236,14 @@ pub(crate) struct InboxEntry {
 /// A: send      seq = pair_out/{B}.next++ ; pending += {seq}    committed with A's turn
 /// A: attempt   low = min(pair_out/{B}.pending), read from the store at each attempt
 ///              Enqueue{entry, pair: {seq, low}} ──► B
-/// B: Enqueue   expected = pair_in/{A} (0 if none)
-///              seq == expected, or seq == low > expected   → accept; pair_in/{A} = seq + 1
-///                                                           (committed with the entry)
+/// B: Enqueue   expected = pair_in/{A}.expected (0 if none)
+///              seq == expected, or seq == low > expected   → accept; expected = seq + 1,
+///                          unprocessed += {inbox seq}       (committed with the entry)
 ///              seq < expected (it was given up, and a later one went in) → Stale (A drops it)
 ///              otherwise (an earlier one is still on its way)  → OutOfOrder (retried)
 /// A: Delivered / Undeliverable{seq}   pending -= {seq}       committed with the outbox delete
+/// B: Process{n}  an earlier inbox seq of A's in unprocessed? → tell Process{it}, then
+///                Process{n} again (behind it); else unprocessed -= {n}, work it
 /// ```
 ///
 /// `low` lets an entry past the gap an earlier one left when A gave it up (its deadline
@@ -256,6 +259,17 @@ pub(crate) struct PairSeq {
     /// The sender's lowest ordered entry to this target still pending, when this
     /// delivery attempt was made.
     pub(crate) low: u64,
+}
+
+/// A receiver's record of the ordered entries from one sender (`pair_in/{sender key}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PairIn {
+    /// The next [`PairSeq::seq`] it takes.
+    pub(crate) expected: u64,
+    /// The inbox seqs of the sender's entries taken and not yet processed: an entry is
+    /// processed only when none before it is left (a processing turn that failed, or
+    /// whose wake-up expired, leaves its entry to the next resume: the later ones wait).
+    pub(crate) unprocessed: std::collections::BTreeSet<u64>,
 }
 
 /// A sender's record of its ordered entries to one target (`pair_out/{target key}`).

@@ -15,7 +15,7 @@ use crate::agent::{agent_id, AgentActor, Conversation};
 use crate::inbox::{
     canceled_key, encode_reply, from_json, inbox_key, outbox_key, pair_in_key, pair_out_key, seen_key, seq_of,
     task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError,
-    OutboxEntry, PairOut, PairSeq, PendingSends, SendReply, TaskState, TaskStatus, DELEGATE_TOOL_NAME,
+    OutboxEntry, PairIn, PairOut, PairSeq, PendingSends, SendReply, TaskState, TaskStatus, DELEGATE_TOOL_NAME,
     NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
@@ -182,12 +182,14 @@ impl AgentActor {
         let mut order = None;
         if let (Some(pair), Some(from)) = (entry.pair, &entry.from) {
             let key = pair_in_key(from);
-            let expected: u64 = match turn.get(&key).await? {
+            let mut record: PairIn = match turn.get(&key).await? {
                 Some(bytes) => from_json(&key, &bytes)?,
-                None => 0,
+                None => PairIn::default(),
             };
+            let expected = record.expected;
             if pair.seq == expected || (pair.seq == pair.low && pair.seq > expected) {
-                order = Some((key, to_json(&(pair.seq + 1))?));
+                record.expected = pair.seq + 1;
+                order = Some((key, record));
             } else if pair.seq < expected {
                 return Ok(encode_reply(&EnqueueReply::Stale { expected }));
             } else {
@@ -253,8 +255,8 @@ impl AgentActor {
             InboxBody::Task { task_id, .. } if turn.get(&canceled_key(task_id)).await?.is_some() => {
                 turn.delete(canceled_key(task_id))?;
                 turn.put(seen, Bytes::new())?;
-                if let Some((key, next)) = order {
-                    turn.put(key, next)?;
+                if let Some((key, record)) = order {
+                    turn.put(key, to_json(&record)?)?;
                 }
                 self.shared.emit(&received(false));
                 self.report_canceled_before_start(turn, &entry, task_id).await?;
@@ -273,8 +275,9 @@ impl AgentActor {
                 }
             }
         }
-        if let Some((key, next)) = order {
-            turn.put(key, next)?;
+        if let Some((key, mut record)) = order {
+            record.unprocessed.insert(self.state.boxes.inbox_next); // its inbox seq
+            turn.put(key, to_json(&record)?)?;
         }
         self.append(turn, entry, seen, Bytes::new()).await
     }
@@ -404,6 +407,52 @@ impl AgentActor {
         });
     }
 
+    /// For an ordered entry (`seq`, from its sender's `pair_in` record): whether every
+    /// earlier entry of its sender in the inbox has been processed; if so, it is taken
+    /// off the record (written with this turn). If not, the earliest one is scheduled
+    /// and `seq` is told again behind it, and this turn does nothing more (a processing
+    /// turn that failed leaves its entry for the actor's next resume: the later ones of
+    /// its sender wait for it, not overtake it).
+    async fn earlier_of_its_sender_done(
+        &self,
+        turn: &mut Turn,
+        seq: u64,
+        entry: &InboxEntry,
+    ) -> Result<bool, ActorError> {
+        let (Some(_), Some(from)) = (entry.pair, &entry.from) else {
+            return Ok(true);
+        };
+        let key = pair_in_key(from);
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(true);
+        };
+        let mut record: PairIn = from_json(&key, &bytes)?;
+        while let Some(&first) = record.unprocessed.first() {
+            if first >= seq {
+                break;
+            }
+            let first_key = inbox_key(first);
+            let Some(bytes) = turn.get(&first_key).await? else {
+                // Gone without being processed here (a task canceled before it
+                // started): nothing to wait for.
+                record.unprocessed.remove(&first);
+                continue;
+            };
+            let earlier: InboxEntry = from_json(&first_key, &bytes)?;
+            turn.put(key, to_json(&record)?)?;
+            self.schedule_process(turn, first, &earlier.context).await?;
+            let again = AgentCommand::Process { seq }.encode();
+            turn.caller()
+                .tell_self_in(again, turn.context().clone())
+                .await
+                .map_err(wake_failed)?;
+            return Ok(false);
+        }
+        record.unprocessed.remove(&seq);
+        turn.put(key, to_json(&record)?)?;
+        Ok(true)
+    }
+
     /// Processes inbox entry `seq` once: the entry's deletion commits with the model's
     /// turn and with whatever it sends, or with the failure it reports.
     async fn process(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
@@ -413,6 +462,9 @@ impl AgentActor {
             return Ok(()); // processed already (a duplicate wake-up)
         };
         let entry: InboxEntry = from_json(&key, &bytes)?;
+        if !self.earlier_of_its_sender_done(turn, seq, &entry).await? {
+            return Ok(());
+        }
         turn.delete(key)?;
         self.state.boxes.inbox_len = self.state.boxes.inbox_len.saturating_sub(1);
         let from = entry.from.as_ref().map_or_else(

@@ -482,7 +482,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
     let expected = [
         "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0",
         "analyst: inbox/0 pair_in/coordinator seen/coordinator.0 tasks_in/coordinator.0",
-        "analyst: -inbox/0 log/1 outbox/0 -tasks_in/coordinator.0",
+        "analyst: -inbox/0 log/1 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
         "coordinator: -outbox/0 pair_out/analyst",
         "coordinator: inbox/0 seen/analyst.0 task/coordinator.0",
         "coordinator: -inbox/0 log/5",
@@ -507,7 +507,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
             "analyst: inbox/0 seen/n-1",
             "analyst: inbox/1 pair_in/coordinator seen/coordinator.0 tasks_in/coordinator.0",
             "analyst: -inbox/0 log/1",
-            "analyst: -inbox/1 log/3 outbox/0 -tasks_in/coordinator.0",
+            "analyst: -inbox/1 log/3 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
             "coordinator: -outbox/0 pair_out/analyst",
             "coordinator: inbox/0 seen/analyst.0 task/coordinator.0",
             "coordinator: -inbox/0 log/5",

@@ -7,12 +7,15 @@
 //! (`RUSTFLAGS="--cfg madsim"`).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
+use bytes::Bytes;
 use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, InboxError, Role, ScriptRule, ScriptedLlm, TaskState};
-use troupe_core::InvokeError;
-use troupe_runtime::{KindConfig, MemoryStore};
+use troupe_core::{ActorId, InvokeError};
+use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
 
 /// Notifications sent in a row by the ordering test.
 const NOTES: usize = 30;
@@ -24,8 +27,12 @@ const NOTE_LATENCY: Duration = Duration::from_millis(50);
 const DRAIN_WAIT: Duration = Duration::from_secs(30);
 
 fn system(llm: ScriptedLlm, mailbox: usize) -> AgentSystem {
+    system_on(Arc::new(MemoryStore::new()), llm, mailbox)
+}
+
+fn system_on(store: Arc<dyn StateStore>, llm: ScriptedLlm, mailbox: usize) -> AgentSystem {
     AgentSystem::builder()
-        .store(Arc::new(MemoryStore::new()))
+        .store(store)
         .llm(Arc::new(llm.without_recording()))
         .kind_config(KindConfig::default().with_mailbox_capacity(mailbox))
         .agent(AgentSpec::new("a"))
@@ -180,5 +187,95 @@ async fn a_message_given_up_leaves_no_gap_that_holds_the_later_ones() {
     // Past the gap well before t1's own deadline (60 s): the two holds take 6 s.
     let took = started.elapsed();
     assert!(took < Duration::from_secs(20), "drained {took:?} after the sends");
+    system.shutdown().await;
+}
+
+/// A `MemoryStore` that refuses, once, the commit of agent `b` that deletes its inbox
+/// entry 0 (the turn that processed it): that turn is rolled back, its entry stays.
+struct FailFirstProcessing {
+    inner: MemoryStore,
+    failed: AtomicBool,
+}
+
+#[async_trait]
+impl StateStore for FailFirstProcessing {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.inner.claim(actor).await
+    }
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.inner.load(actor).await
+    }
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        let processes_first = actor.key() == "b"
+            && commit
+                .writes
+                .iter()
+                .any(|(key, value)| value.is_none() && key == &format!("inbox/{:020}", 0));
+        if processes_first && !self.failed.swap(true, Ordering::SeqCst) {
+            return Err(StoreError::Injected {
+                operation: StoreOperation::Commit,
+            });
+        }
+        self.inner.commit(actor, fence, commit).await
+    }
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.inner.get(actor, key).await
+    }
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+/// Goal: a processing turn that fails does not let the sender's later messages overtake
+/// its entry. Method: b is held in a 1 s turn while a's notifications 0, 1 and 2 are
+/// delivered, so their processing turns queue back to back; the commit of note 0's
+/// turn is refused once (the turn rolls back, the actor is rebuilt and resumes its
+/// inbox). b must still process 0, 1, 2 in that order, each once.
+#[tokio::test(start_paused = true)]
+async fn a_failed_processing_turn_is_not_overtaken_by_the_senders_later_messages() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(Duration::from_secs(1)),
+        )
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("[notification")
+                .reply("noted"),
+        );
+    let store = Arc::new(FailFirstProcessing {
+        inner: MemoryStore::new(),
+        failed: AtomicBool::new(false),
+    });
+    let system = system_on(Arc::clone(&store) as Arc<dyn StateStore>, llm, 64);
+    let client = system.client();
+    let hold = {
+        let client = system.client();
+        tokio::spawn(async move { client.ask("b", "hold").await })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    for note in 0..3 {
+        client.notify_as("a", "b", &format!("note {note}")).await.unwrap();
+    }
+    hold.await.unwrap().expect("the holding ask is answered");
+    drained(&system).await;
+    assert!(
+        store.failed.load(Ordering::SeqCst),
+        "note 0's processing commit was refused once"
+    );
+    let log = system.conversation_log("b").await.unwrap();
+    assert_eq!(
+        numbers_after(&log, "note "),
+        [0, 1, 2],
+        "b processed a's notifications in order, each once"
+    );
     system.shutdown().await;
 }
