@@ -347,6 +347,12 @@ impl AgentActor {
         seq: u64,
         context: &CallContext,
     ) -> Result<(), ActorError> {
+        self.try_schedule_process(turn, seq, context).await.map_err(wake_failed)
+    }
+
+    /// [`Self::schedule_process`], with the runtime's refusal as it is (`Busy`: the
+    /// mailbox is full).
+    async fn try_schedule_process(&self, turn: &Turn, seq: u64, context: &CallContext) -> Result<(), InvokeError> {
         // An entry already past its deadline is still scheduled (now + grace): its turn
         // resolves it as failed instead of leaving it to the next resume.
         let latest = context.deadline().max(turn.now());
@@ -354,7 +360,6 @@ impl AgentActor {
         turn.caller()
             .tell_self_in(AgentCommand::Process { seq }.encode(), context.with_deadline(deadline))
             .await
-            .map_err(wake_failed)
     }
 
     /// Tries inbox entry `seq` (a mention whose answer could not be posted) again from a
@@ -706,10 +711,13 @@ impl AgentActor {
             inbox_after: None,
             outbox_after: None,
         };
-        turn.caller()
-            .tell(&self.id, resume.encode(), WAKE_TIMEOUT)
-            .await
-            .map_err(wake_failed)
+        // Not this request's failure: with its mailbox full (the wake-up refused
+        // `Busy`) the request goes on, and the next one tries again.
+        if let Err(error) = turn.caller().tell(&self.id, resume.encode(), WAKE_TIMEOUT).await {
+            tracing::debug!(agent = %self.id, %error, "could not resume pending entries; trying again at the next request");
+            self.resumed = false;
+        }
+        Ok(())
     }
 
     /// Re-schedules pending entries (after a restart): up to [`AGENT_RESUME_BATCH`] of
@@ -726,27 +734,46 @@ impl AgentActor {
             // seq here until the activation ends; a second delivery is deduplicated).
             self.relaying.clear();
         }
+        // Its own mailbox full (a wake-up refused `Busy`), a resume stops where it got
+        // to and goes on shortly from outside the turn: failing the turn instead would
+        // rebuild the actor, whose next request resumes again into the same full mailbox
+        // (seen under the simulator: a loop at one virtual instant, each round spawning
+        // delivery tasks again, until memory ran out).
         let after = inbox_after.map(inbox_key);
         let inbox = turn.scan("inbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
-        let mut next_inbox = None;
+        let mut next_inbox = inbox_after;
         for (key, bytes) in &inbox {
             let entry: InboxEntry = from_json(key, bytes)?;
             let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad inbox key {key}")))?;
-            self.schedule_process(turn, seq, &entry.context).await?;
-            next_inbox = Some(seq);
-        }
-        let after = outbox_after.map(outbox_key);
-        let outbox = turn.scan("outbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
-        let mut next_outbox = None;
-        for (key, _) in &outbox {
-            let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad outbox key {key}")))?;
-            turn.caller()
-                .tell(&self.id, AgentCommand::Relay { seq }.encode(), WAKE_TIMEOUT)
-                .await
-                .map_err(wake_failed)?;
-            next_outbox = Some(seq);
+            match self.try_schedule_process(turn, seq, &entry.context).await {
+                Ok(()) => next_inbox = Some(seq),
+                Err(InvokeError::Busy { .. }) => {
+                    self.resume_later(next_inbox, outbox_after);
+                    return Ok(());
+                }
+                Err(error) => return Err(wake_failed(error)),
+            }
         }
         let more_inbox = inbox.len() == AGENT_RESUME_BATCH;
+        let inbox_rest = if more_inbox { next_inbox } else { Some(u64::MAX) };
+        let after = outbox_after.map(outbox_key);
+        let outbox = turn.scan("outbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
+        let mut next_outbox = outbox_after;
+        for (key, _) in &outbox {
+            let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad outbox key {key}")))?;
+            match turn
+                .caller()
+                .tell(&self.id, AgentCommand::Relay { seq }.encode(), WAKE_TIMEOUT)
+                .await
+            {
+                Ok(()) => next_outbox = Some(seq),
+                Err(InvokeError::Busy { .. }) => {
+                    self.resume_later(inbox_rest, next_outbox);
+                    return Ok(());
+                }
+                Err(error) => return Err(wake_failed(error)),
+            }
+        }
         let more_outbox = outbox.len() == AGENT_RESUME_BATCH;
         if more_inbox || more_outbox {
             let next = AgentCommand::Resume {
@@ -759,6 +786,34 @@ impl AgentActor {
                 .map_err(wake_failed)?;
         }
         Ok(())
+    }
+
+    /// Tells this agent, from a task outside any turn, to `Resume` after `inbox_after`
+    /// and `outbox_after` in [`AGENT_DELIVERY_RETRY_MS`] (a few tries while its mailbox
+    /// stays full; then the next activation, start or sweep resumes).
+    fn resume_later(&self, inbox_after: Option<u64>, outbox_after: Option<u64>) {
+        let Some(runtime) = self.shared.runtime() else {
+            return;
+        };
+        let id = self.id.clone();
+        let resume = AgentCommand::Resume {
+            inbox_after,
+            outbox_after,
+        }
+        .encode();
+        tokio::spawn(async move {
+            for _ in 0..REPORT_ATTEMPTS {
+                tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await;
+                match runtime
+                    .tell(&id, resume.clone(), runtime.deadline_in(WAKE_TIMEOUT))
+                    .await
+                {
+                    Ok(()) | Err(InvokeError::Shutdown) => return,
+                    Err(_busy) => {}
+                }
+            }
+            tracing::warn!(agent = %id, "could not go on resuming pending entries; the next resume will");
+        });
     }
 
     /// `AgentClient::delegate` and `AgentClient::notify_as`: this agent sends, with the
