@@ -279,3 +279,56 @@ async fn a_failed_processing_turn_is_not_overtaken_by_the_senders_later_messages
     );
     system.shutdown().await;
 }
+
+/// Goal: a resume whose wake-ups do not fit in the agent's own mailbox neither fails nor
+/// loops. Method: every mailbox holds 2 messages; b is held by a 2 s ask with a second
+/// one queued (full), so a's three notifications to b stay in a's outbox; then
+/// `resume_pending` tells a to resume, which needs three wake-ups. Before 2026-11-30 the
+/// third was refused `Busy`, the resume's turn failed, the rebuilt actor resumed again
+/// at its next request into the same full mailbox, and so on at one instant (the
+/// simulator's sweep ran out of memory on it). Now the resume goes on later, and every
+/// notification is processed once, in order.
+#[tokio::test(start_paused = true)]
+async fn a_resume_into_a_full_mailbox_goes_on_later_instead_of_looping() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(Duration::from_secs(2)),
+        )
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("[notification")
+                .reply("noted"),
+        );
+    let system = system(llm, SMALL_MAILBOX);
+    let client = system.client();
+    let mut holds = Vec::new();
+    for _ in 0..2 {
+        let client = system.client();
+        holds.push(tokio::spawn(async move { client.ask("b", "hold").await }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for note in 0..3 {
+        let text = format!("note {note}");
+        unless_busy(|| client.notify_as("a", "b", &text)).await;
+    }
+    assert_eq!(
+        system.pending("a").await.unwrap(),
+        (0, 3),
+        "a's three notifications wait"
+    );
+    let woken = tokio::time::timeout(Duration::from_secs(5), client.resume_pending())
+        .await
+        .expect("resume_pending returns")
+        .unwrap();
+    assert!(woken >= 1, "a was told to resume");
+    for hold in holds {
+        hold.await.unwrap().expect("the holding asks are answered");
+    }
+    drained(&system).await;
+    let log = system.conversation_log("b").await.unwrap();
+    assert_eq!(numbers_after(&log, "note "), [0, 1, 2], "each processed once, in order");
+    system.shutdown().await;
+}
