@@ -7,15 +7,16 @@
 //! (`RUSTFLAGS="--cfg madsim"`).
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use troupe_agent::{AgentSpec, AgentSystem, ChatMessage, InboxError, Role, ScriptRule, ScriptedLlm, TaskState};
-use troupe_core::{ActorId, InvokeError};
-use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_core::InvokeError;
+use troupe_runtime::{KindConfig, MemoryStore, StateStore};
+
+#[path = "support/gate_store.rs"]
+mod gate_store;
+use gate_store::GateStore;
 
 /// Notifications sent in a row by the ordering test.
 const NOTES: usize = 30;
@@ -190,48 +191,6 @@ async fn a_message_given_up_leaves_no_gap_that_holds_the_later_ones() {
     system.shutdown().await;
 }
 
-/// A `MemoryStore` that refuses, once, the commit of agent `b` that deletes its inbox
-/// entry 0 (the turn that processed it): that turn is rolled back, its entry stays.
-struct FailFirstProcessing {
-    inner: MemoryStore,
-    failed: AtomicBool,
-}
-
-#[async_trait]
-impl StateStore for FailFirstProcessing {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.inner.claim(actor).await
-    }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        let processes_first = actor.key() == "b"
-            && commit
-                .writes
-                .iter()
-                .any(|(key, value)| value.is_none() && key == &format!("inbox/{:020}", 0));
-        if processes_first && !self.failed.swap(true, Ordering::SeqCst) {
-            return Err(StoreError::Injected {
-                operation: StoreOperation::Commit,
-            });
-        }
-        self.inner.commit(actor, fence, commit).await
-    }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(actor, key).await
-    }
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
-
 /// Goal: a processing turn that fails does not let the sender's later messages overtake
 /// its entry. Method: b is held in a 1 s turn while a's notifications 0, 1 and 2 are
 /// delivered, so their processing turns queue back to back; the commit of note 0's
@@ -251,9 +210,16 @@ async fn a_failed_processing_turn_is_not_overtaken_by_the_senders_later_messages
                 .on_user_containing("[notification")
                 .reply("noted"),
         );
-    let store = Arc::new(FailFirstProcessing {
-        inner: MemoryStore::new(),
-        failed: AtomicBool::new(false),
+    // The commit of b's turn that processed inbox entry 0 (it deletes the entry) is
+    // refused once: that turn is rolled back, its entry stays.
+    let store = GateStore::new(Arc::new(MemoryStore::new()), false);
+    store.refuse_one_commit(|actor, commit| {
+        let first = format!("inbox/{:020}", 0);
+        actor.key() == "b"
+            && commit
+                .writes
+                .iter()
+                .any(|(key, value)| value.is_none() && *key == first)
     });
     let system = system_on(Arc::clone(&store) as Arc<dyn StateStore>, llm, 64);
     let client = system.client();
@@ -268,7 +234,7 @@ async fn a_failed_processing_turn_is_not_overtaken_by_the_senders_later_messages
     hold.await.unwrap().expect("the holding ask is answered");
     drained(&system).await;
     assert!(
-        store.failed.load(Ordering::SeqCst),
+        store.refused_the_commit(),
         "note 0's processing commit was refused once"
     );
     let log = system.conversation_log("b").await.unwrap();

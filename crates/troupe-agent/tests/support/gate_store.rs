@@ -1,11 +1,12 @@
 //! A store over shared data that a test can close: `dead` refuses every operation (the
 //! process died; nothing it does reaches the data any more), `refuse_scans` refuses only
 //! scans (so a start-up `resume_pending` fails), counting the scans it refused, and
-//! `refuse_loads` only `load` (what reads the organisation; an activation claims). A
-//! second store over the same data is the process after a restart.
+//! `refuse_loads` only `load` (what reads the organisation; an activation claims), and
+//! `refuse_one_commit` the first commit a test's predicate picks. A second store over
+//! the same data is the process after a restart.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -19,7 +20,12 @@ pub(crate) struct GateStore {
     pub(crate) refused_scans: AtomicU64,
     pub(crate) refuse_loads: AtomicBool,
     pub(crate) refused_loads: AtomicU64,
+    /// Refuses the first commit it is true for, then is removed.
+    refuse_commit: Mutex<Option<CommitPredicate>>,
 }
+
+/// Which commit `GateStore::refuse_one_commit` refuses.
+type CommitPredicate = Box<dyn Fn(&ActorId, &TurnCommit) -> bool + Send + Sync>;
 
 impl GateStore {
     pub(crate) fn new(inner: Arc<dyn StateStore>, refuse_scans: bool) -> Arc<Self> {
@@ -30,7 +36,20 @@ impl GateStore {
             refused_scans: AtomicU64::new(0),
             refuse_loads: AtomicBool::new(false),
             refused_loads: AtomicU64::new(0),
+            refuse_commit: Mutex::new(None),
         })
+    }
+
+    /// Refuses (`Injected`) the first commit `pick` is true for, once.
+    #[allow(dead_code)] // not every test that includes this file uses it
+    pub(crate) fn refuse_one_commit(&self, pick: impl Fn(&ActorId, &TurnCommit) -> bool + Send + Sync + 'static) {
+        *self.refuse_commit.lock().unwrap() = Some(Box::new(pick));
+    }
+
+    /// Whether the commit picked by `refuse_one_commit` has been refused.
+    #[allow(dead_code)]
+    pub(crate) fn refused_the_commit(&self) -> bool {
+        self.refuse_commit.lock().unwrap().is_none()
     }
 
     fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
@@ -59,6 +78,15 @@ impl StateStore for GateStore {
     }
     async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
         self.check(StoreOperation::Commit)?;
+        {
+            let mut pick = self.refuse_commit.lock().unwrap();
+            if pick.as_ref().is_some_and(|pick| pick(actor, &commit)) {
+                *pick = None;
+                return Err(StoreError::Injected {
+                    operation: StoreOperation::Commit,
+                });
+            }
+        }
         self.inner.commit(actor, fence, commit).await
     }
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
