@@ -88,6 +88,43 @@ fn numbers_after(log: &[ChatMessage], word: &str) -> Vec<usize> {
         .collect()
 }
 
+/// A model under which b takes `hold` to answer "hold", and answers notifications at
+/// once.
+fn b_holds_for(hold: Duration) -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(hold),
+        )
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("[notification")
+                .reply("noted"),
+        )
+}
+
+/// Keeps b busy: `count` asks "hold", 10 ms apart (the first one's turn runs, the
+/// others wait in its mailbox); `until_answered` waits for their answers.
+async fn hold_b(system: &AgentSystem, count: usize) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut holds = Vec::new();
+    for _ in 0..count {
+        let client = system.client();
+        holds.push(tokio::spawn(async move {
+            client.ask("b", "hold").await.expect("the holding asks are answered");
+        }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    holds
+}
+
+async fn until_answered(holds: Vec<tokio::task::JoinHandle<()>>) {
+    for hold in holds {
+        hold.await.unwrap();
+    }
+}
+
 /// 30 notifications from a to b, sent one after the other, into a mailbox of 2 whose
 /// turns take 50 ms: most deliveries are refused `Busy` and retried.
 async fn thirty_notifications_in_order() {
@@ -138,13 +175,7 @@ async fn notifications_to_a_busy_agent_are_processed_in_the_order_sent() {
 /// itself) without waiting for its own deadline.
 #[tokio::test(start_paused = true)]
 async fn a_message_given_up_leaves_no_gap_that_holds_the_later_ones() {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("b")
-                .on_user_containing("hold")
-                .reply("held")
-                .latency(Duration::from_secs(3)),
-        )
+    let llm = b_holds_for(Duration::from_secs(3))
         .rule(ScriptRule::agent("b").on_user_containing("[task").reply("done"))
         .rule(
             ScriptRule::agent("a")
@@ -154,21 +185,14 @@ async fn a_message_given_up_leaves_no_gap_that_holds_the_later_ones() {
     let system = system(llm, 1);
     let client = system.client();
     // The first hold's turn runs, the second waits in the mailbox: full.
-    let mut holds = Vec::new();
-    for _ in 0..2 {
-        let client = system.client();
-        holds.push(tokio::spawn(async move { client.ask("b", "hold").await }));
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let holds = hold_b(&system, 2).await;
     let started = tokio::time::Instant::now();
     let mut tasks = Vec::new();
     for (job, timeout_ms) in [(0, 300), (1, 60_000), (2, 60_000)] {
         let text = format!("job {job}");
         tasks.push(unless_busy(|| client.delegate("a", "b", &text, Some(timeout_ms))).await);
     }
-    for hold in holds {
-        hold.await.unwrap().expect("the holding asks are answered");
-    }
+    until_answered(holds).await;
     drained(&system).await;
     let states: Vec<TaskState> = {
         let mut states = Vec::new();
@@ -198,18 +222,7 @@ async fn a_message_given_up_leaves_no_gap_that_holds_the_later_ones() {
 /// inbox). b must still process 0, 1, 2 in that order, each once.
 #[tokio::test(start_paused = true)]
 async fn a_failed_processing_turn_is_not_overtaken_by_the_senders_later_messages() {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("b")
-                .on_user_containing("hold")
-                .reply("held")
-                .latency(Duration::from_secs(1)),
-        )
-        .rule(
-            ScriptRule::agent("b")
-                .on_user_containing("[notification")
-                .reply("noted"),
-        );
+    let llm = b_holds_for(Duration::from_secs(1));
     // The commit of b's turn that processed inbox entry 0 (it deletes the entry) is
     // refused once: that turn is rolled back, its entry stays.
     let store = GateStore::new(Arc::new(MemoryStore::new()), false);
@@ -223,15 +236,11 @@ async fn a_failed_processing_turn_is_not_overtaken_by_the_senders_later_messages
     });
     let system = system_on(Arc::clone(&store) as Arc<dyn StateStore>, llm, 64);
     let client = system.client();
-    let hold = {
-        let client = system.client();
-        tokio::spawn(async move { client.ask("b", "hold").await })
-    };
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    let hold = hold_b(&system, 1).await;
     for note in 0..3 {
         client.notify_as("a", "b", &format!("note {note}")).await.unwrap();
     }
-    hold.await.unwrap().expect("the holding ask is answered");
+    until_answered(hold).await;
     drained(&system).await;
     assert!(
         store.refused_the_commit(),
@@ -256,26 +265,10 @@ async fn a_failed_processing_turn_is_not_overtaken_by_the_senders_later_messages
 /// notification is processed once, in order.
 #[tokio::test(start_paused = true)]
 async fn a_resume_into_a_full_mailbox_goes_on_later_instead_of_looping() {
-    let llm = ScriptedLlm::new()
-        .rule(
-            ScriptRule::agent("b")
-                .on_user_containing("hold")
-                .reply("held")
-                .latency(Duration::from_secs(2)),
-        )
-        .rule(
-            ScriptRule::agent("b")
-                .on_user_containing("[notification")
-                .reply("noted"),
-        );
+    let llm = b_holds_for(Duration::from_secs(2));
     let system = system(llm, SMALL_MAILBOX);
     let client = system.client();
-    let mut holds = Vec::new();
-    for _ in 0..2 {
-        let client = system.client();
-        holds.push(tokio::spawn(async move { client.ask("b", "hold").await }));
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let holds = hold_b(&system, 2).await;
     for note in 0..3 {
         let text = format!("note {note}");
         unless_busy(|| client.notify_as("a", "b", &text)).await;
@@ -290,9 +283,7 @@ async fn a_resume_into_a_full_mailbox_goes_on_later_instead_of_looping() {
         .expect("resume_pending returns")
         .unwrap();
     assert!(woken >= 1, "a was told to resume");
-    for hold in holds {
-        hold.await.unwrap().expect("the holding asks are answered");
-    }
+    until_answered(holds).await;
     drained(&system).await;
     let log = system.conversation_log("b").await.unwrap();
     assert_eq!(numbers_after(&log, "note "), [0, 1, 2], "each processed once, in order");
