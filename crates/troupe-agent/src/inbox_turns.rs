@@ -32,6 +32,16 @@ const WAKE_TIMEOUT: Duration = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
 /// at the deadline still commits the failure (the runtime would roll it back).
 pub(crate) const PROCESS_GRACE_MS: u64 = 1_000;
 
+/// Whether a resume's wake-up was told: `false` when the agent's own mailbox is full
+/// (`Busy`: the resume goes on later), any other refusal an error.
+fn told(result: Result<(), InvokeError>) -> Result<bool, ActorError> {
+    match result {
+        Ok(()) => Ok(true),
+        Err(InvokeError::Busy { .. }) => Ok(false),
+        Err(error) => Err(wake_failed(error)),
+    }
+}
+
 fn wake_failed(error: InvokeError) -> ActorError {
     ActorError::failed(format!("could not schedule inbox work: {error}"))
 }
@@ -745,14 +755,11 @@ impl AgentActor {
         for (key, bytes) in &inbox {
             let entry: InboxEntry = from_json(key, bytes)?;
             let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad inbox key {key}")))?;
-            match self.try_schedule_process(turn, seq, &entry.context).await {
-                Ok(()) => next_inbox = Some(seq),
-                Err(InvokeError::Busy { .. }) => {
-                    self.resume_later(next_inbox, outbox_after);
-                    return Ok(());
-                }
-                Err(error) => return Err(wake_failed(error)),
+            if !told(self.try_schedule_process(turn, seq, &entry.context).await)? {
+                self.resume_later(next_inbox, outbox_after);
+                return Ok(());
             }
+            next_inbox = Some(seq);
         }
         let more_inbox = inbox.len() == AGENT_RESUME_BATCH;
         let inbox_rest = if more_inbox { next_inbox } else { Some(u64::MAX) };
@@ -761,29 +768,23 @@ impl AgentActor {
         let mut next_outbox = outbox_after;
         for (key, _) in &outbox {
             let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad outbox key {key}")))?;
-            match turn
-                .caller()
-                .tell(&self.id, AgentCommand::Relay { seq }.encode(), WAKE_TIMEOUT)
-                .await
-            {
-                Ok(()) => next_outbox = Some(seq),
-                Err(InvokeError::Busy { .. }) => {
-                    self.resume_later(inbox_rest, next_outbox);
-                    return Ok(());
-                }
-                Err(error) => return Err(wake_failed(error)),
+            let relay = AgentCommand::Relay { seq }.encode();
+            if !told(turn.caller().tell(&self.id, relay, WAKE_TIMEOUT).await)? {
+                self.resume_later(inbox_rest, next_outbox);
+                return Ok(());
             }
+            next_outbox = Some(seq);
         }
         let more_outbox = outbox.len() == AGENT_RESUME_BATCH;
         if more_inbox || more_outbox {
+            let outbox_rest = if more_outbox { next_outbox } else { Some(u64::MAX) };
             let next = AgentCommand::Resume {
-                inbox_after: if more_inbox { next_inbox } else { Some(u64::MAX) },
-                outbox_after: if more_outbox { next_outbox } else { Some(u64::MAX) },
+                inbox_after: inbox_rest,
+                outbox_after: outbox_rest,
             };
-            turn.caller()
-                .tell(&self.id, next.encode(), WAKE_TIMEOUT)
-                .await
-                .map_err(wake_failed)?;
+            if !told(turn.caller().tell(&self.id, next.encode(), WAKE_TIMEOUT).await)? {
+                self.resume_later(inbox_rest, outbox_rest);
+            }
         }
         Ok(())
     }
