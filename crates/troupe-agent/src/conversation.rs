@@ -460,6 +460,10 @@ pub(crate) enum ConvCommand {
         question: PostRequest,
         answer: PostRequest,
     },
+    /// Store the `call_agent` exchanges this process recorded for this conversation and
+    /// that wait in its memory (`call_record.rs`), each as an `Exchange` would, in one
+    /// turn. Replies `Done`.
+    FlushRecords,
 }
 
 /// A message to append.
@@ -626,28 +630,12 @@ impl ConversationActor {
                 ConvReply::Done
             }
             ConvCommand::Post(request) => self.post(turn, request).await?,
-            ConvCommand::Exchange { question, mut answer } => {
-                // Both messages (and any note) are one entry, keyed by the last seq.
-                let room = |request: &PostRequest| {
-                    1 + crate::json_text::conversation_message_room(&request.sender, &request.text, &[], &request.chain)
-                };
-                self.grouped = Some((Vec::with_capacity(1 + room(&question) + room(&answer)), 0, 0));
-                let posted = match self.post(turn, question).await {
-                    Ok(ConvReply::Posted(asked)) => {
-                        answer.reply_to = Some(asked.seq);
-                        match self.post(turn, answer).await {
-                            Ok(ConvReply::Posted(_)) => Ok(ConvReply::Posted(asked)),
-                            other => other,
-                        }
-                    }
-                    other => other,
-                };
-                if let Some((entry, count, last)) = self.grouped.take() {
-                    if count > 0 {
-                        turn.put(message_key(last), crate::agent::close_log_entry(entry, count))?;
-                    }
+            ConvCommand::Exchange { question, answer } => self.record_exchange(turn, question, answer).await?,
+            ConvCommand::FlushRecords => {
+                for (question, answer) in self.shared.take_call_records(&self.id) {
+                    self.record_exchange(turn, question, answer).await?;
                 }
-                posted?
+                ConvReply::Done
             }
             ConvCommand::Relay { seq, agent } => {
                 self.relay(turn, seq, agent).await?;
@@ -703,6 +691,37 @@ impl ConversationActor {
             }
         };
         Ok(reply)
+    }
+
+    /// Posts a recorded exchange: `question`, then `answer` replying to it, both in one
+    /// entry keyed by the last seq. Replies the question's [`ConvReply::Posted`], or the
+    /// first error.
+    async fn record_exchange(
+        &mut self,
+        turn: &mut Turn,
+        question: PostRequest,
+        mut answer: PostRequest,
+    ) -> Result<ConvReply, ActorError> {
+        let room = |request: &PostRequest| {
+            1 + crate::json_text::conversation_message_room(&request.sender, &request.text, &[], &request.chain)
+        };
+        self.grouped = Some((Vec::with_capacity(1 + room(&question) + room(&answer)), 0, 0));
+        let posted = match self.post(turn, question).await {
+            Ok(ConvReply::Posted(asked)) => {
+                answer.reply_to = Some(asked.seq);
+                match self.post(turn, answer).await {
+                    Ok(ConvReply::Posted(_)) => Ok(ConvReply::Posted(asked)),
+                    other => other,
+                }
+            }
+            other => other,
+        };
+        if let Some((entry, count, last)) = self.grouped.take() {
+            if count > 0 {
+                turn.put(message_key(last), crate::agent::close_log_entry(entry, count))?;
+            }
+        }
+        posted
     }
 
     /// Writes `message` as its own entry, or adds it to the exchange being recorded.

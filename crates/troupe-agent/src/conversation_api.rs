@@ -7,7 +7,7 @@ use crate::conversation::{
     ConvReply, ConversationError, ConversationInfo, ConversationKind, ConversationMessage, Participant, PostRequest,
     Posted, Sender, CONVERSATIONS_LISTED_MAX, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
 };
-use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
+use crate::limits::{AGENT_DELIVERY_ACK_TIMEOUT_MS, CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS};
 use crate::AgentClient;
 
 impl AgentClient {
@@ -183,6 +183,18 @@ impl AgentClient {
         limit: usize,
     ) -> Result<Vec<ConversationMessage>, ConversationError> {
         let target = conversation_actor(id)?;
+        // `call_agent` exchanges this process recorded there and that still wait in
+        // memory are stored first, so a call's record is read once the call returned.
+        let stored = crate::call_record::store_waiting_records(
+            &self.shared,
+            &self.runtime,
+            &target,
+            Duration::from_millis(CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS),
+        )
+        .await;
+        if let Err(error) = stored {
+            tracing::warn!(conversation = %target, %error, "could not store the waiting call records before reading; reading what is stored");
+        }
         read_committed(&self.shared, &target, after, limit.min(CONVERSATION_PAGE_MAX)).await
     }
 

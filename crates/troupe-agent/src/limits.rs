@@ -90,6 +90,19 @@ pub const AGENT_OUTBOX_CAPACITY: u64 = 256;
 /// running turn (a model call), so this is as long as a long model turn. Delivery
 /// tasks wait outside any turn, so the wait blocks no agent.
 pub const AGENT_DELIVERY_ACK_TIMEOUT_MS: u64 = 30_000;
+/// How long a recorded `call_agent` exchange waits, in milliseconds, before its direct
+/// conversation is woken to store it (`call_record.rs`): every exchange of the pair
+/// recorded in that time is stored by one conversation turn and one commit, off the
+/// call's path. A read of the conversation through the API stores the waiting ones
+/// first; a crash loses at most this much of them (a record is best effort).
+pub const CALL_RECORD_FLUSH_DELAY_MS: u64 = 5;
+/// Recorded exchanges one direct conversation holds in memory waiting to be stored, at
+/// most; one more is dropped with a warning (a record is best effort; the call's answer
+/// is not affected).
+pub const CALL_RECORDS_PENDING_MAX: usize = 4_096;
+/// How long [`crate::AgentSystem::shutdown`] waits, in milliseconds, for each direct
+/// conversation to store its waiting records before the runtime stops.
+pub const CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS: u64 = 5_000;
 /// The pause before a failed delivery is retried, in milliseconds.
 pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;
 /// The pause before a delivery refused as out of order (an earlier entry from the same

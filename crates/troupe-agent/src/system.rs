@@ -799,8 +799,20 @@ impl AgentSystem {
         self.client.clone()
     }
 
-    /// Deactivates every agent and stops the runtime.
+    /// Stores the `call_agent` exchanges recorded in this process that still wait in
+    /// memory (each conversation within
+    /// [`crate::limits::CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS`]), then deactivates every
+    /// agent and stops the runtime.
     pub async fn shutdown(self) {
+        let shared = &self.client.shared;
+        for conversation in shared.conversations_with_waiting_records() {
+            let timeout = Duration::from_millis(crate::limits::CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS);
+            let stored =
+                crate::call_record::store_waiting_records(shared, &self.client.runtime, &conversation, timeout).await;
+            if let Err(error) = stored {
+                tracing::warn!(%conversation, %error, "recorded calls were not stored before the shutdown");
+            }
+        }
         self.runtime.shutdown().await;
     }
 }

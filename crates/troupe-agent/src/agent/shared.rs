@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 use troupe_core::Deadline;
 use troupe_runtime::{Clock, RuntimeHandle, WeakRuntimeHandle};
 
+use crate::conversation::PostRequest;
 use crate::{AgentDirectory, AgentEvent, AgentObserver, AgentSpec, LlmClient, ToolRegistry, ToolSpec};
 
 /// What every agent of one system shares.
@@ -53,6 +54,52 @@ pub(crate) struct AgentShared {
     /// often its turn fails (a failed turn rebuilds the agent, so the agent cannot keep
     /// this itself).
     pub(crate) mention_retries: std::sync::Mutex<std::collections::BTreeSet<(troupe_core::ActorId, u64)>>,
+    /// Recorded `call_agent` exchanges waiting for their direct conversation's next
+    /// `FlushRecords` turn (`call_record.rs`), by conversation actor. An entry stays once
+    /// made (one per direct conversation used in this process, as
+    /// `direct_conversations`): a read through the API asks the conversation to store
+    /// its waiting records first only when it has one.
+    call_records: std::sync::Mutex<BTreeMap<troupe_core::ActorId, PendingRecords>>,
+}
+
+/// One direct conversation's recorded exchanges not yet stored (question, answer).
+#[derive(Default)]
+struct PendingRecords {
+    exchanges: Vec<(PostRequest, PostRequest)>,
+    /// Whether a wake-up of the conversation is on its way (a timer task, then a tell):
+    /// set by the record that finds none, cleared when the conversation takes the
+    /// records, or when the wake-up could not be sent.
+    wake_scheduled: bool,
+}
+
+impl PendingRecords {
+    fn queue(&mut self, question: PostRequest, answer: PostRequest) -> RecordQueued {
+        if self.exchanges.len() >= crate::limits::CALL_RECORDS_PENDING_MAX {
+            return RecordQueued::Dropped;
+        }
+        self.exchanges.push((question, answer));
+        if self.wake_scheduled {
+            return RecordQueued::Queued;
+        }
+        self.wake_scheduled = true;
+        RecordQueued::WakeConversation
+    }
+
+    fn take(&mut self) -> Vec<(PostRequest, PostRequest)> {
+        self.wake_scheduled = false;
+        std::mem::take(&mut self.exchanges)
+    }
+}
+
+/// What [`AgentShared::queue_call_record`] did with an exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RecordQueued {
+    /// Queued, and no wake-up of the conversation was on its way: the caller schedules one.
+    WakeConversation,
+    /// Queued behind a wake-up already on its way.
+    Queued,
+    /// Not queued: [`crate::limits::CALL_RECORDS_PENDING_MAX`] are already waiting.
+    Dropped,
 }
 
 impl AgentShared {
@@ -82,7 +129,61 @@ impl AgentShared {
             external_running: std::sync::Mutex::default(),
             external_cancels: std::sync::Mutex::default(),
             mention_retries: std::sync::Mutex::default(),
+            call_records: std::sync::Mutex::default(),
         }
+    }
+
+    fn call_records(&self) -> std::sync::MutexGuard<'_, BTreeMap<troupe_core::ActorId, PendingRecords>> {
+        self.call_records
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues a recorded exchange for direct conversation `conversation` (see
+    /// [`RecordQueued`] for what the caller does next).
+    pub(crate) fn queue_call_record(
+        &self,
+        conversation: &troupe_core::ActorId,
+        question: PostRequest,
+        answer: PostRequest,
+    ) -> RecordQueued {
+        let mut records = self.call_records();
+        let pending = match records.get_mut(conversation) {
+            Some(pending) => pending,
+            None => records.entry(conversation.clone()).or_default(),
+        };
+        pending.queue(question, answer)
+    }
+
+    /// The exchanges waiting for `conversation`, in the order recorded, taken (its turn
+    /// stores them); the next record schedules a new wake-up.
+    pub(crate) fn take_call_records(&self, conversation: &troupe_core::ActorId) -> Vec<(PostRequest, PostRequest)> {
+        self.call_records()
+            .get_mut(conversation)
+            .map(PendingRecords::take)
+            .unwrap_or_default()
+    }
+
+    /// A wake-up of `conversation` could not be sent: the next record schedules one
+    /// (and a read or the system's shutdown stores what waits).
+    pub(crate) fn call_record_wake_failed(&self, conversation: &troupe_core::ActorId) {
+        if let Some(pending) = self.call_records().get_mut(conversation) {
+            pending.wake_scheduled = false;
+        }
+    }
+
+    /// Whether this process recorded exchanges for `conversation` (stored or waiting).
+    pub(crate) fn records_calls_in(&self, conversation: &troupe_core::ActorId) -> bool {
+        self.call_records().contains_key(conversation)
+    }
+
+    /// The direct conversations with recorded exchanges still waiting to be stored.
+    pub(crate) fn conversations_with_waiting_records(&self) -> Vec<troupe_core::ActorId> {
+        self.call_records()
+            .iter()
+            .filter(|(_, pending)| !pending.exchanges.is_empty())
+            .map(|(conversation, _)| conversation.clone())
+            .collect()
     }
 
     /// The actor of direct conversation `id` if it was created (or found) in this
@@ -164,5 +265,45 @@ impl AgentShared {
     /// Whether anyone receives events (an observer or a stream subscriber).
     pub(crate) fn has_listeners(&self) -> bool {
         !self.observers.is_empty() || self.stream.receiver_count() > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conversation::Sender;
+    use crate::limits::CALL_RECORDS_PENDING_MAX;
+
+    fn post(text: &str) -> PostRequest {
+        PostRequest {
+            sender: Sender::Agent("a".to_string()),
+            client_id: String::new(),
+            text: text.to_string(),
+            reply_to: None,
+            chain: Vec::new(),
+            note: None,
+            strict: false,
+            record: true,
+        }
+    }
+
+    /// Goal: the first record of a batch (and only it) schedules a wake-up, taking the
+    /// records lets the next one schedule another, and a conversation holds at most
+    /// `CALL_RECORDS_PENDING_MAX` waiting exchanges: one more is dropped, not queued.
+    #[test]
+    fn one_wake_up_per_batch_and_the_waiting_records_are_bounded() {
+        let mut pending = PendingRecords::default();
+        assert_eq!(pending.queue(post("q0"), post("a0")), RecordQueued::WakeConversation);
+        assert_eq!(pending.queue(post("q1"), post("a1")), RecordQueued::Queued);
+        let taken = pending.take();
+        let texts: Vec<&str> = taken.iter().map(|(question, _)| question.text.as_str()).collect();
+        assert_eq!(texts, ["q0", "q1"], "taken in the order recorded");
+        assert_eq!(pending.queue(post("q2"), post("a2")), RecordQueued::WakeConversation);
+        for n in 1..CALL_RECORDS_PENDING_MAX {
+            assert_eq!(pending.queue(post(&n.to_string()), post("a")), RecordQueued::Queued);
+        }
+        assert_eq!(pending.queue(post("over"), post("a")), RecordQueued::Dropped);
+        assert_eq!(pending.take().len(), CALL_RECORDS_PENDING_MAX);
+        assert_eq!(pending.queue(post("q"), post("a")), RecordQueued::WakeConversation);
     }
 }
