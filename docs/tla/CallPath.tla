@@ -19,6 +19,16 @@
 (*   With COMMIT_WINDOW the decision and the store write are two steps, as *)
 (*   in the code (`commit(..).await` after the check), so the caller may   *)
 (*   time out in between.                                                  *)
+(* - IDEMPOTENCY KEYS (IDEMPOTENCY_KEY): every attempt of a logical request *)
+(*   carries its key (RuntimeHandle::invoke_keyed). The store write of a    *)
+(*   turn records the key with the turn's writes, in the same commit; a     *)
+(*   turn whose key is already recorded answers the recorded reply without  *)
+(*   running (activation.rs `keyed_turn`, idempotency.rs). The check is the *)
+(*   first thing the turn does: turns of one agent are serialized, and the  *)
+(*   next turn starts only after the store write (`committing`), so the     *)
+(*   retry of an attempt that is committing reads that attempt's record.   *)
+(*   (Eviction of old keys, IDEMPOTENCY_KEYS_KEPT_MAX, is not modelled: a   *)
+(*   retry is assumed to come within the last keys kept.)                   *)
 (*                                                                         *)
 (* Each BUG_* constant removes one protection; buggy configs must fail.    *)
 (***************************************************************************)
@@ -34,13 +44,14 @@ CONSTANTS
     TIMEOUTS,                 \* waits may time out
     RETRY,                    \* a caller may retry a call that timed out
     COMMIT_WINDOW,            \* commit decision and store write are separate steps
+    IDEMPOTENCY_KEY,          \* attempts carry their request's key, checked in the turn
     BUG_NO_WAITFOR_CHECK,     \* the dispatcher does not check the wait-for edge
     BUG_COMMIT_AFTER_ABANDON  \* the callee commits even if its caller gave up
 
 ASSUME /\ K \in Nat \ {0} /\ MAILBOX_CAP \in Nat \ {0}
        /\ MAX_CALLS \in Nat \ {0} /\ MAX_ROOTS \in 1..MAX_CALLS
        /\ Client \notin Agents
-       /\ \A b \in {TIMEOUTS, RETRY, COMMIT_WINDOW, BUG_NO_WAITFOR_CHECK,
+       /\ \A b \in {TIMEOUTS, RETRY, COMMIT_WINDOW, IDEMPOTENCY_KEY, BUG_NO_WAITFOR_CHECK,
                     BUG_COMMIT_AFTER_ABANDON} : b \in BOOLEAN
 
 CallIds == 1..MAX_CALLS
@@ -60,9 +71,10 @@ VARIABLES
     committing, \* agent -> TRUE between the commit decision and the store write
     wfg,        \* dispatcher's wait-for graph: set of call ids
     effects,    \* logical request -> number of committed turns (history)
+    keys,       \* logical requests whose key (and reply) the store holds
     lateCommits \* store writes for an attempt whose caller had given up (history)
 
-vars == <<calls, nCalls, mailbox, turn, committing, wfg, effects, lateCommits>>
+vars == <<calls, nCalls, mailbox, turn, committing, wfg, effects, keys, lateCommits>>
 
 Range(s) == {s[i] : i \in DOMAIN s}
 
@@ -96,6 +108,7 @@ Init ==
     /\ committing = [a \in Agents |-> FALSE]
     /\ wfg = {}
     /\ effects = [r \in CallIds |-> 0]
+    /\ keys = {}
     /\ lateCommits = 0
 
 NewCall(caller, parent, t, req) ==
@@ -112,7 +125,7 @@ Send(a, t) ==
     /\ LET c == nCalls + 1 IN
        /\ calls' = [calls EXCEPT ![c] = NewCall(a, turn[a], t, c)]
        /\ nCalls' = c
-    /\ UNCHANGED <<mailbox, turn, committing, wfg, effects, lateCommits>>
+    /\ UNCHANGED <<mailbox, turn, committing, wfg, effects, keys, lateCommits>>
 
 (* A caller retries a call that timed out: a new call, same logical request. *)
 (* An agent retries from the same turn; the client retries a root request.   *)
@@ -128,7 +141,7 @@ Retry(c) ==
                                  ![n] = NewCall(calls[c].caller, calls[c].parent,
                                                 calls[c].target, calls[c].req)]
        /\ nCalls' = n
-    /\ UNCHANGED <<mailbox, turn, committing, wfg, effects, lateCommits>>
+    /\ UNCHANGED <<mailbox, turn, committing, wfg, effects, keys, lateCommits>>
 
 (* The dispatcher takes the call off its queue. *)
 Route(c) ==
@@ -147,7 +160,7 @@ Route(c) ==
           ELSE /\ calls' = [calls EXCEPT ![c].status = "routed"]
                  /\ mailbox' = [mailbox EXCEPT ![t] = Append(@, c)]
                  /\ wfg' = IF hasEdge THEN wfg \cup {c} ELSE wfg
-    /\ UNCHANGED <<nCalls, turn, committing, effects, lateCommits>>
+    /\ UNCHANGED <<nCalls, turn, committing, effects, keys, lateCommits>>
 
 (* The caller's wait times out (its deadline, or its own turn's cut). A call *)
 (* not yet routed is dropped by the dispatcher when it gets to it (route     *)
@@ -157,25 +170,33 @@ Timeout(c) ==
     /\ c \in 1..nCalls
     /\ calls[c].status \in Waiting
     /\ calls' = [calls EXCEPT ![c].status = "timedout"]
-    /\ UNCHANGED <<nCalls, mailbox, turn, committing, wfg, effects, lateCommits>>
+    /\ UNCHANGED <<nCalls, mailbox, turn, committing, wfg, effects, keys, lateCommits>>
 
 \* The callee learns (ReleaseCall) that the wait ended.
 ForgetEdge(c) ==
     /\ c \in wfg /\ calls[c].status \notin Waiting
     /\ wfg' = wfg \ {c}
-    /\ UNCHANGED <<calls, nCalls, mailbox, turn, committing, effects, lateCommits>>
+    /\ UNCHANGED <<calls, nCalls, mailbox, turn, committing, effects, keys, lateCommits>>
 
-(* An idle agent takes the next message; an abandoned one is never run. *)
+(* An idle agent takes the next message; an abandoned one is never run.   *)
+(* With IDEMPOTENCY_KEY, a message whose request's key the store holds is *)
+(* answered with the stored reply, unrun (no effect, nothing committed).  *)
 StartTurn(a) ==
     /\ turn[a] = 0 /\ mailbox[a] # << >>
     /\ mailbox' = [mailbox EXCEPT ![a] = Tail(@)]
-    /\ turn' = IF calls[Head(mailbox[a])].status = "routed"
-                 THEN [turn EXCEPT ![a] = Head(mailbox[a])] ELSE turn
-    /\ UNCHANGED <<calls, nCalls, committing, wfg, effects, lateCommits>>
+    /\ LET c == Head(mailbox[a]) IN
+       IF calls[c].status = "routed" /\ IDEMPOTENCY_KEY /\ calls[c].req \in keys
+         THEN /\ calls' = [calls EXCEPT ![c].status = "ok"]
+              /\ UNCHANGED turn
+         ELSE /\ turn' = IF calls[c].status = "routed"
+                          THEN [turn EXCEPT ![a] = c] ELSE turn
+              /\ UNCHANGED calls
+    /\ UNCHANGED <<nCalls, committing, wfg, effects, keys, lateCommits>>
 
 CallerWaits(c) == calls[c].status = "routed"
 Commit(a) ==
     /\ effects' = [effects EXCEPT ![calls[turn[a]].req] = @ + 1]
+    /\ keys' = IF IDEMPOTENCY_KEY THEN keys \cup {calls[turn[a]].req} ELSE keys
     /\ IF CallerWaits(turn[a])
          THEN /\ calls' = [calls EXCEPT ![turn[a]].status = "ok"]
               /\ UNCHANGED lateCommits
@@ -194,10 +215,10 @@ FinishTurn(a) ==
     /\ IF CallerWaits(turn[a]) \/ BUG_COMMIT_AFTER_ABANDON
          THEN IF COMMIT_WINDOW
                 THEN /\ committing' = [committing EXCEPT ![a] = TRUE]
-                     /\ UNCHANGED <<calls, turn, effects, lateCommits>>
+                     /\ UNCHANGED <<calls, turn, effects, keys, lateCommits>>
                 ELSE Commit(a)
          ELSE /\ turn' = [turn EXCEPT ![a] = 0]          \* abandoned: nothing
-              /\ UNCHANGED <<calls, committing, effects, lateCommits>>
+              /\ UNCHANGED <<calls, committing, effects, keys, lateCommits>>
     /\ UNCHANGED <<nCalls, mailbox, wfg>>
 
 (* COMMIT_WINDOW only: the store write lands (whether or not the caller     *)
@@ -237,6 +258,7 @@ TypeOK ==
     /\ \A a \in Agents : Len(mailbox[a]) <= MAILBOX_CAP /\ turn[a] \in 0..nCalls
     /\ committing \in [Agents -> BOOLEAN]
     /\ wfg \subseteq 1..nCalls
+    /\ keys \subseteq CallIds
 
 (* What the dispatcher guarantees in the split model: no cycle among the    *)
 (* waits it has accepted.                                                   *)

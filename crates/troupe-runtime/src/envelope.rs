@@ -5,6 +5,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
+use crate::idempotency::KeyedRequest;
 use crate::reply_cell::ReplySender;
 use crate::wait_for_graph::CallId;
 use crate::AnyValue;
@@ -14,10 +15,13 @@ pub(crate) type Reply = Result<Payload, InvokeError>;
 
 /// A message or a reply: bytes (the untyped API, the agent layer, the wire) or, between
 /// a typed [`crate::ActorRef`] and its actor in this process, the value itself, never
-/// serialized (inline when small: see [`AnyValue`]).
+/// serialized (inline when small: see [`AnyValue`]); or a request as bytes with its
+/// idempotency key (`RuntimeHandle::invoke_keyed`), boxed so that the payload, and the
+/// envelope, stay as small as without it. A reply is never keyed.
 pub(crate) enum Payload {
     Bytes(Bytes),
     Value(AnyValue),
+    Keyed(Box<KeyedRequest>),
 }
 
 impl Payload {
@@ -26,7 +30,7 @@ impl Payload {
     pub(crate) fn into_bytes(self, target: &ActorId) -> Result<Bytes, InvokeError> {
         match self {
             Self::Bytes(bytes) => Ok(bytes),
-            Self::Value(_) => Err(value_for_bytes(target)),
+            Self::Value(_) | Self::Keyed(_) => Err(value_for_bytes(target)),
         }
     }
 
@@ -35,7 +39,7 @@ impl Payload {
     pub(crate) fn into_value(self, target: &ActorId) -> Result<AnyValue, InvokeError> {
         match self {
             Self::Value(value) => Ok(value),
-            Self::Bytes(_) => Err(bytes_for_value(target)),
+            Self::Bytes(_) | Self::Keyed(_) => Err(bytes_for_value(target)),
         }
     }
 }

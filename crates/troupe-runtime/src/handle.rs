@@ -23,6 +23,7 @@ use crate::caller::CallerInner;
 use crate::control::{CallEdge, Command, Control};
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
+use crate::idempotency::{IdempotencyKey, KeyedRequest};
 use crate::mailbox::{Delivery, Mailbox};
 use crate::reply_cell::{ReplyReceiver, TryRecvError};
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
@@ -436,6 +437,59 @@ impl RuntimeHandle {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
         self.invoke_root(target, payload, deadline).await
+    }
+
+    /// As [`RuntimeHandle::invoke`], for one attempt of the logical request `key` names:
+    /// if a turn of `target` with this key has committed, its reply is returned and the
+    /// handler does not run again; otherwise the handler runs, and its reply is recorded
+    /// under `key` in the same atomic commit as the turn's own writes and state. A turn
+    /// that fails, times out, is abandoned or whose commit is refused records nothing, so
+    /// a retry runs the handler. Retry a request that timed out with the same key: if the
+    /// first attempt was committing when the caller gave up, the retry gets its reply
+    /// (the retry's turn starts only once that commit has landed).
+    ///
+    /// The key is per actor (the same key sent to two actors names two requests), and an
+    /// actor keeps the last [`crate::IDEMPOTENCY_KEYS_KEPT_MAX`] keys: a retry that comes
+    /// after that many later keyed requests to the same actor runs again. The payload of
+    /// a retry is not compared with the first attempt's. A keyed turn always commits (its
+    /// record) and reads the store once or three times (a recorded key; a new one), so a
+    /// keyed request costs a store commit where an unkeyed read-only one costs none.
+    ///
+    /// Local only, as [`RuntimeHandle::invoke`]: no routed form (`invoke_routed`) or
+    /// transport frame carries a key yet. In a cluster the key is checked against the
+    /// shared, fenced store, so it holds wherever the actor is active next, but the
+    /// request itself runs on this node's runtime.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke`]. A turn that writes so much that the record no longer
+    /// fits ([`crate::TURN_WRITES_MAX`] less 4) fails with `StorageFailed`
+    /// (`TooManyWrites`), as does one whose reply is larger than
+    /// [`crate::STATE_VALUE_SIZE_MAX`] (refused by the store at commit).
+    ///
+    /// # Cancel safety
+    /// As [`RuntimeHandle::invoke`].
+    pub async fn invoke_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        let request = KeyedRequest {
+            key: key.clone(),
+            payload,
+        };
+        self.send_and_wait(
+            target,
+            Payload::Keyed(Box::new(request)),
+            EnvelopeContext::Root(deadline),
+            None,
+        )
+        .await?
+        .into_bytes(target)
     }
 
     /// As [`RuntimeHandle::invoke`], with the deadline `timeout` from now (capped at

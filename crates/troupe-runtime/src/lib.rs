@@ -29,6 +29,7 @@ mod envelope;
 mod fast_hash;
 mod handle;
 mod handler_slot;
+mod idempotency;
 mod kind_config;
 mod mailbox;
 mod memory_store;
@@ -51,6 +52,10 @@ pub use caller::{Admitted, Caller};
 pub use clock::Clock;
 pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle, WeakRuntimeHandle};
 pub use handler_slot::HANDLER_SLOT_KEPT_BYTES_MAX;
+pub use idempotency::{
+    IdempotencyKey, IdempotencyKeyError, IDEMPOTENCY_KEYS_KEPT_MAX, IDEMPOTENCY_KEY_LENGTH_MAX_BYTES,
+    IDEMPOTENCY_STORE_PREFIX,
+};
 pub use kind_config::{ConfigError, KindConfig};
 pub use memory_store::{MemoryStore, MemoryStoreFaults};
 pub use observer::{RuntimeEvent, RuntimeObserver};

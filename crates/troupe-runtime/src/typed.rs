@@ -38,7 +38,7 @@ use crate::actor::{TurnSlot, ValueTurn};
 use crate::envelope::{EnvelopeContext, Payload};
 use crate::handle::{RouteCache, Told as Handed, IN_TURN};
 use crate::handler_slot::HandlerSlot;
-use crate::{Actor, ActorBox, ActorError, AnyValue, RuntimeHandle, StateChange, Turn};
+use crate::{Actor, ActorBox, ActorError, AnyValue, IdempotencyKey, RuntimeHandle, StateChange, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
 ///
@@ -342,11 +342,46 @@ impl<A: TypedActor> ActorRef<A> {
                     std::any::type_name::<A::Reply>()
                 ),
             }),
-            Payload::Bytes(_) => Err(InvokeError::ActorFailed {
+            Payload::Bytes(_) | Payload::Keyed(_) => Err(InvokeError::ActorFailed {
                 target: self.id.clone(),
                 cause: "the actor replied with bytes to a message sent as a value".to_string(),
             }),
         }
+    }
+
+    /// As [`ActorRef::ask`], for one attempt of the logical request `key` names (see
+    /// [`RuntimeHandle::invoke_keyed`]): a message whose key already has a committed
+    /// reply gets that reply, and the actor's handler does not run again.
+    ///
+    /// The message and the reply travel as bincode bytes (the reply has to be stored),
+    /// not as values: a keyed ask costs their encoding and decoding on top of the store
+    /// commit of its record, where a plain `ask` costs neither.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke_keyed`]; `ActorFailed` if the message cannot be
+    /// encoded or the reply (the stored one too) decoded.
+    ///
+    /// # Cancel safety
+    /// As [`RuntimeHandle::invoke`].
+    pub async fn ask_keyed(
+        &self,
+        key: &IdempotencyKey,
+        message: A::Message,
+        timeout: Duration,
+    ) -> Result<A::Reply, InvokeError> {
+        let failed = |cause: String| InvokeError::ActorFailed {
+            target: self.id.clone(),
+            cause,
+        };
+        let payload = encode(&message, "message").map_err(|error| failed(error.to_string()))?;
+        let deadline = self.handle.deadline_in(timeout);
+        let reply = self.handle.invoke_keyed(&self.id, key, payload, deadline).await?;
+        bincode::deserialize(&reply).map_err(|error| {
+            failed(format!(
+                "the reply is not a bincode-encoded {}: {error}",
+                std::any::type_name::<A::Reply>()
+            ))
+        })
     }
 
     /// Sends `message` without waiting for a reply (fire-and-forget); returns once it is
