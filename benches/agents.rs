@@ -9,6 +9,15 @@
 //!   blocking task) and in a file (WAL, `synchronous = FULL`: each of the round trip's
 //!   three commits waits for the disk).
 //! - `call admission`: one `admit_call` decision at depth 2 (target: < 1 µs).
+//! - `notify and delegate`: the durable fire-and-forget between two agents `a` and `b`
+//!   (`benches/support/scripted_agents.rs`: each answers an inbox entry in one scripted
+//!   model step), with the plain invoke floor again: `notify_as` from `a` to `b` until
+//!   `b`'s turn on it has ended, one at a time and [`NOTIFY_BATCH`] back to back (per
+//!   notification); `delegate` from `a` to `b` until `a`'s turn on the result has ended.
+//!   Ends are seen by an observer (`TurnEnded`), no polling and no timer. On the one
+//!   thread, what remains of a notification after that end (the commit of `b`'s turn,
+//!   the delivery report to `a`) runs before the next one's work: the time per
+//!   notification holds all of it.
 //!
 //! Run: `cargo bench -p troupe-bench --bench agents` (shorter measurement when `CI` is set). Where the
 //! `call_agent` case's time goes, measured: docs/architecture.md ("Where an agent call's
@@ -22,7 +31,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, criterion_main, Bencher, Criterion};
+use troupe::agent::limits::{AGENT_INBOX_CAPACITY, AGENT_OUTBOX_CAPACITY};
 use troupe::agent::AgentSystem;
 use troupe::core::limits::AGENT_CALL_TIMEOUT_MS_DEFAULT;
 use troupe::core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, Deadline};
@@ -54,6 +64,48 @@ fn agent_system() -> AgentSystem {
     scripted_agents::asker_and_answerer(long_lived())
 }
 
+/// The floor of both agent groups: a plain runtime invoke of an echo actor.
+const PLAIN_INVOKE: &str = "plain runtime invoke of an echo actor";
+
+fn plain_invoke(rt: &tokio::runtime::Runtime, b: &mut Bencher<'_>) {
+    let runtime = rt.block_on(async {
+        let runtime = Runtime::builder()
+            .register(
+                ActorKind::new("echo").unwrap(),
+                |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
+                long_lived(),
+            )
+            .unwrap()
+            .start();
+        let target = ActorId::new("echo", "e").unwrap();
+        runtime
+            .invoke(
+                &target,
+                Bytes::from_static(b"x"),
+                runtime.deadline_in(Duration::from_secs(10)),
+            )
+            .await
+            .unwrap();
+        runtime
+    });
+    let target = ActorId::new("echo", "e").unwrap();
+    b.iter_custom(|iters| {
+        rt.block_on(async {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let deadline = runtime.deadline_in(Duration::from_secs(10));
+                black_box(
+                    runtime
+                        .invoke(&target, Bytes::from_static(b"x"), deadline)
+                        .await
+                        .unwrap(),
+                );
+            }
+            start.elapsed()
+        })
+    });
+}
+
 fn ask_vs_invoke(c: &mut Criterion) {
     let rt = current_thread();
     let mut group = c.benchmark_group("agent ask vs plain invoke");
@@ -62,44 +114,7 @@ fn ask_vs_invoke(c: &mut Criterion) {
             .measurement_time(Duration::from_secs(2))
             .warm_up_time(Duration::from_millis(500));
     }
-    group.bench_function("plain runtime invoke of an echo actor", |b| {
-        let runtime = rt.block_on(async {
-            let runtime = Runtime::builder()
-                .register(
-                    ActorKind::new("echo").unwrap(),
-                    |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
-                    long_lived(),
-                )
-                .unwrap()
-                .start();
-            let target = ActorId::new("echo", "e").unwrap();
-            runtime
-                .invoke(
-                    &target,
-                    Bytes::from_static(b"x"),
-                    runtime.deadline_in(Duration::from_secs(10)),
-                )
-                .await
-                .unwrap();
-            runtime
-        });
-        let target = ActorId::new("echo", "e").unwrap();
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    let deadline = runtime.deadline_in(Duration::from_secs(10));
-                    black_box(
-                        runtime
-                            .invoke(&target, Bytes::from_static(b"x"), deadline)
-                            .await
-                            .unwrap(),
-                    );
-                }
-                start.elapsed()
-            })
-        });
-    });
+    group.bench_function(PLAIN_INVOKE, |b| plain_invoke(&rt, b));
     group.bench_function("agent answers in one scripted model step", |b| {
         let system = rt.block_on(async {
             let system = agent_system();
@@ -205,5 +220,93 @@ fn call_agent_by_store(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, ask_vs_invoke, call_agent_by_store, admission);
+/// Notifications `a` sends back to back before waiting for `b` to have processed them
+/// all, in the batch case: within the inbox's and the outbox's capacity (entries).
+const NOTIFY_BATCH: u64 = 32;
+const _: () = assert!(NOTIFY_BATCH <= AGENT_INBOX_CAPACITY && NOTIFY_BATCH <= AGENT_OUTBOX_CAPACITY);
+
+/// `a` and `b` (`scripted_agents::notifier_and_worker`), both activated and past their
+/// first notification and task.
+fn warm_notifier_and_worker(
+    rt: &tokio::runtime::Runtime,
+) -> (
+    AgentSystem,
+    Arc<scripted_agents::TurnsEnded>,
+    Arc<scripted_agents::TurnsEnded>,
+) {
+    rt.block_on(async {
+        let (system, a_turns, b_turns) = scripted_agents::notifier_and_worker(long_lived());
+        scripted_agents::notify_and_wait(&system, &b_turns, 1).await;
+        let task = scripted_agents::delegate_and_wait(&system, &a_turns).await;
+        scripted_agents::assert_completed(&system, &task).await;
+        (system, a_turns, b_turns)
+    })
+}
+
+fn notify_and_delegate(c: &mut Criterion) {
+    let rt = current_thread();
+    let mut group = c.benchmark_group("notify and delegate");
+    if std::env::var_os("CI").is_some() {
+        group
+            .measurement_time(Duration::from_secs(2))
+            .warm_up_time(Duration::from_millis(500));
+    }
+    group.bench_function(PLAIN_INVOKE, |b| plain_invoke(&rt, b));
+    group.bench_function("notify_as a to b, until b's turn on it ended", |bench| {
+        let (system, _, b_turns) = warm_notifier_and_worker(&rt);
+        bench.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    scripted_agents::notify_and_wait(&system, &b_turns, 1).await;
+                }
+                start.elapsed()
+            })
+        });
+    });
+    let batch = format!("notify_as a to b, {NOTIFY_BATCH} back to back until b's turns on all ended, per notification");
+    group.bench_function(batch, |bench| {
+        let (system, _, b_turns) = warm_notifier_and_worker(&rt);
+        // One iteration is one notification: `iters` of them in batches.
+        bench.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                let mut sent = 0;
+                while sent < iters {
+                    let count = NOTIFY_BATCH.min(iters - sent);
+                    scripted_agents::notify_and_wait(&system, &b_turns, count).await;
+                    sent += count;
+                }
+                start.elapsed()
+            })
+        });
+    });
+    group.bench_function("delegate a to b, until a's turn on the result ended", |bench| {
+        let (system, a_turns, _) = warm_notifier_and_worker(&rt);
+        bench.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                let mut task = String::new();
+                for _ in 0..iters {
+                    task = scripted_agents::delegate_and_wait(&system, &a_turns).await;
+                }
+                let elapsed = start.elapsed();
+                // Outside the timing: the last task's committed record.
+                if !task.is_empty() {
+                    scripted_agents::assert_completed(&system, &task).await;
+                }
+                elapsed
+            })
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    ask_vs_invoke,
+    call_agent_by_store,
+    admission,
+    notify_and_delegate
+);
 criterion_main!(benches);

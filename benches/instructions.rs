@@ -34,7 +34,7 @@ use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
 use floor::{floor_round_trip, spawn_floor_server, TypedEcho};
 
 /// The cases, each with what one iteration is.
-const CASES: [(&str, &str); 11] = [
+const CASES: [(&str, &str); 14] = [
     (
         "invoke-floor",
         "mpsc send + oneshot reply (the raw-tokio floor of an invoke)",
@@ -49,6 +49,18 @@ const CASES: [(&str, &str); 11] = [
     ),
     ("agent-step", "an agent that answers in one scripted model step"),
     ("call-agent", "an agent that asks another through call_agent"),
+    (
+        "notify",
+        "AgentClient::notify_as from a to b, until b's turn on it ended",
+    ),
+    (
+        "notify-batch",
+        "NOTIFY_BATCH AgentClient::notify_as from a to b, until b's turns on all ended",
+    ),
+    (
+        "delegate",
+        "AgentClient::delegate from a to b, until a's turn on the result ended",
+    ),
     (
         "plain-invoke",
         "invoke of an echo actor through Runtime::invoke (call-agent's floor)",
@@ -65,6 +77,9 @@ const CASES: [(&str, &str); 11] = [
 
 /// Messages per batch in the fire-and-forget cases (as in `benches/runtime.rs`).
 const TELL_BATCH: u64 = 32;
+
+/// Notifications per batch in the `notify-batch` case (as in `benches/agents.rs`).
+const NOTIFY_BATCH: u64 = 32;
 
 /// Iterations per case when run as a smoke test (no case named).
 const SMOKE_ITERATIONS: u64 = 20;
@@ -171,6 +186,29 @@ async fn run(case: &str, iterations: u64) {
                     let reply = system.ask(agent, "what is 6 x 7?").await.unwrap();
                     assert_eq!(reply.text, "42");
                 }
+            })
+        }
+        "notify" | "notify-batch" | "delegate" => {
+            let (system, a_turns, b_turns) =
+                scripted_agents::notifier_and_worker(KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT));
+            scripted_agents::notify_and_wait(&system, &b_turns, 1).await;
+            let task = scripted_agents::delegate_and_wait(&system, &a_turns).await;
+            scripted_agents::assert_completed(&system, &task).await;
+            let notifications = match case {
+                "notify" => 1,
+                "notify-batch" => NOTIFY_BATCH,
+                _ => 0,
+            };
+            tokio::spawn(async move {
+                let mut task = task;
+                for _ in 0..iterations {
+                    if notifications > 0 {
+                        scripted_agents::notify_and_wait(&system, &b_turns, notifications).await;
+                    } else {
+                        task = scripted_agents::delegate_and_wait(&system, &a_turns).await;
+                    }
+                }
+                scripted_agents::assert_completed(&system, &task).await;
             })
         }
         "cold-floor" => tokio::spawn(async move {
