@@ -342,6 +342,23 @@ pub(crate) struct OutboxEntry {
     pub(crate) approval: Option<u64>,
 }
 
+/// What a delivery report (`Delivered`) needs of a stored [`OutboxEntry`]: its target
+/// and its place in the pair's order, decoded from the same JSON with everything else
+/// skipped, not built (the whole entry's decode was about 15,700 instructions of a
+/// notification's 168,000: callgrind, `benches/instructions.rs notify`, 2026-12-01).
+#[derive(Debug, Deserialize)]
+pub(crate) struct OutboxHead {
+    pub(crate) to: ActorId,
+    pub(crate) entry: InboxEntryHead,
+}
+
+/// The part of an [`InboxEntry`] an [`OutboxHead`] keeps.
+#[derive(Debug, Deserialize)]
+pub(crate) struct InboxEntryHead {
+    #[serde(default)]
+    pub(crate) pair: Option<PairSeq>,
+}
+
 /// Everything an agent's actor handles (bincode on the wire).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum AgentCommand {
@@ -618,6 +635,36 @@ impl PendingSends {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: a delivery report's light decode (`OutboxHead`) reads the same target and
+    /// order place as the whole entry's, from what `to_json` stores: an ordered entry, an
+    /// unordered one, and one stored before the order existed (no `pair` field).
+    #[test]
+    fn an_outbox_head_reads_the_entrys_target_and_order_place() {
+        let entry = |pair| OutboxEntry {
+            to: ActorId::new("agent", "b").unwrap(),
+            entry: InboxEntry {
+                msg_id: "a.0".to_string(),
+                from: Some(ActorId::new("agent", "a").unwrap()),
+                body: InboxBody::Notify {
+                    text: "what is 6 x 7? {\"to\": \"c\", \"pair\": 9}".to_string(),
+                },
+                context: CallContext::root(Deadline::from_micros(5)),
+                budget: Budget::default(),
+                pair,
+            },
+            approval: Some(3),
+        };
+        for pair in [Some(PairSeq { seq: 4, low: 2 }), None] {
+            let stored = to_json(&entry(pair)).unwrap();
+            let head: OutboxHead = from_json("outbox/0", &stored).unwrap();
+            assert_eq!((head.to, head.entry.pair), (entry(pair).to, pair));
+        }
+        let mut old: serde_json::Value = serde_json::from_slice(&to_json(&entry(None)).unwrap()).unwrap();
+        old["entry"].as_object_mut().unwrap().remove("pair");
+        let head: OutboxHead = from_json("outbox/0", old.to_string().as_bytes()).unwrap();
+        assert_eq!(head.entry.pair, None);
+    }
 
     #[test]
     fn commands_round_trip_and_states_have_their_a2a_names() {

@@ -15,8 +15,8 @@ use crate::agent::{agent_id, AgentActor, Conversation};
 use crate::inbox::{
     canceled_key, encode_reply, from_json, inbox_key, outbox_key, pair_in_key, pair_out_key, seen_key, seq_of,
     task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError,
-    OutboxEntry, PairIn, PairOut, PairSeq, PendingSends, SendReply, TaskState, TaskStatus, DELEGATE_TOOL_NAME,
-    NOTIFY_TOOL_NAME,
+    OutboxEntry, OutboxHead, PairIn, PairOut, PairSeq, PendingSends, SendReply, TaskState, TaskStatus,
+    DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY,
@@ -140,13 +140,13 @@ impl AgentActor {
         Ok(())
     }
 
-    /// Takes ordered outbox entry `out` (acknowledged or given up) off its target's
-    /// pending list.
-    async fn release_pair(&self, turn: &mut Turn, out: &OutboxEntry) -> Result<(), ActorError> {
-        let Some(pair) = out.entry.pair else {
+    /// Takes an ordered outbox entry to `to` (acknowledged or given up; `pair`, its
+    /// place in the order) off its target's pending list.
+    async fn release_pair(&self, turn: &mut Turn, to: &ActorId, pair: Option<PairSeq>) -> Result<(), ActorError> {
+        let Some(pair) = pair else {
             return Ok(());
         };
-        let key = pair_out_key(&out.to);
+        let key = pair_out_key(to);
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(());
         };
@@ -648,8 +648,8 @@ impl AgentActor {
         self.relaying.remove(&seq);
         let key = outbox_key(seq);
         if let Some(bytes) = turn.get(&key).await? {
-            let out: OutboxEntry = from_json(&key, &bytes)?;
-            self.release_pair(turn, &out).await?;
+            let out: OutboxHead = from_json(&key, &bytes)?;
+            self.release_pair(turn, &out.to, out.entry.pair).await?;
             turn.delete(key)?;
             self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
         }
@@ -673,7 +673,7 @@ impl AgentActor {
         };
         let out: OutboxEntry = from_json(&key, &bytes)?;
         tracing::warn!(agent = %self.id, msg = %out.entry.msg_id, to = %out.to, %cause, "giving up a delivery");
-        self.release_pair(turn, &out).await?;
+        self.release_pair(turn, &out.to, out.entry.pair).await?;
         turn.delete(key)?;
         self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
         let InboxBody::Task { task_id, .. } = &out.entry.body else {
