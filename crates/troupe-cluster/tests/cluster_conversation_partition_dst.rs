@@ -55,6 +55,43 @@
 //! unacknowledged post may be stored or not) and only the check that some post was
 //! retried failed.
 //!
+//! Kills and slow disks
+//! ([`every_mention_is_answered_exactly_once_under_node_kills_and_slow_disks`]): the
+//! same scenario and partitions, and also a third injector that kills a random node
+//! (`Handle::kill`: its tasks, connections and memory gone) every
+//! [`KILL_GAP_MS`] and restarts it (`Handle::restart`: it joins again with a new lease)
+//! after [`KILL_DOWN_MS`], one node down at a time; and slow disks: a random non-empty
+//! set of nodes whose every store operation first waits up to a per-node bound drawn in
+//! [`SLOW_DISK_TYPICAL_MS`], one in [`SLOW_DISK_STALL_EVERY`] stalling
+//! [`SLOW_DISK_STALL_MS`] (`support/slow_disk.rs`, the slow store of `cluster_sim.rs`).
+//! A post attempt through a node that is dead or dies during it fails; the post is
+//! retried with the same client id through another node. After the last round every
+//! killed node is restarted, then the same settling ([`KILL_SETTLE_BOUND_MS`]) and the
+//! same invariants; a run that killed no node or ran no slow store operation fails. Seeds
+//! 1..=[`KILL_SEEDS`]; `TROUPE_KILL_DST_SEEDS=<n>` or `<a>-<b>` picks others.
+//!
+//! What the kills and slow disks found (2026-12-01, 200 seeds): 12 seeds (14, 20, 32,
+//! 39, 53, 67, 86, 92, 102, 149, 174, 194) leave a mention of `c` unanswered when
+//! checked, or answered by an `Undeliverable` note ("the deadline passed (agent/c is
+//! busy: its mailbox of 64 messages is full)"), although every fault ended long
+//! before: a liveness bug, not an exactly-once one (in all 200 seeds every
+//! acknowledged post is stored once at its seq, the sequence is gap-free and no mention
+//! is answered twice). What the record shows (seed 86 with a 10 s sweep, where only the
+//! room's node-3 has a slow disk and `c` has moved there): after the faults `c` runs no
+//! turn for 250 simulated seconds while its node takes in 255 appends of mentions, the
+//! same mention up to 15 times as new (`MessageReceived`, duplicate false) and none committed: the
+//! agent's mailbox stays full of the delivery tasks' appends (one per pending relay and
+//! per conversation activation that started it, each retried every 100 ms while
+//! refused busy); on the slow disk an append waits in the queue about as long as its
+//! 30 s acknowledgement timeout (`AGENT_DELIVERY_ACK_TIMEOUT_MS`), finishes after its
+//! deadline and is not committed (the runtime drops a turn that ends past its
+//! deadline), and is sent again: the work is redone, never kept, and the inbox's own
+//! processing starves. With the 1 s sweep, 21 of 200 seeds took over 60 s to settle
+//! (up to 272 s) against a median of 0.6 s; with the default 10 s sweep seed 86 still
+//! does not settle in 300 s; without the stalls, the kills or the sweep the four seeds
+//! tried settle (in 0–70 s). The test is ignored until this is fixed; the replay test
+//! runs.
+//!
 //! Run with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p troupe-cluster --test cluster_conversation_partition_dst`.
 #![cfg(madsim)]
 
@@ -64,6 +101,8 @@ mod agents;
 mod sim_etcd;
 #[path = "support/sim_nodes.rs"]
 mod sim_nodes;
+#[path = "support/slow_disk.rs"]
+mod slow_disk;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -76,6 +115,7 @@ use madsim::rand::Rng;
 use madsim::runtime::{Handle, NodeHandle};
 use sim_etcd::start_sim_etcd;
 use sim_nodes::{node_ip, ETCD_ADDRESS};
+use slow_disk::{DiskProfile, SlowDisk};
 use tokio::time::Instant;
 use troupe_agent::{
     AgentClient, ConversationKind, ConversationMessage, Participant, Posted, ScriptRule, ScriptedLlm, Sender,
@@ -136,6 +176,30 @@ const CONTROL_SEEDS: u64 = 30;
 const REPLAY_SEEDS: [u64; 2] = [1, 2];
 /// Simulated time limit of one run, in seconds.
 const RUN_TIME_LIMIT_S: u64 = 600;
+/// Range of the gap before the next node kill, in milliseconds.
+const KILL_GAP_MS: (u64, u64) = (1_000, 6_000);
+/// Range of how long a killed node stays down before it restarts, in milliseconds
+/// (shorter and longer than the 3 s lease TTL).
+const KILL_DOWN_MS: (u64, u64) = (300, 8_000);
+/// Range of the longest wait of a slow disk's operations, drawn per slow node, in
+/// milliseconds.
+const SLOW_DISK_TYPICAL_MS: (u64, u64) = (20, 300);
+/// One operation in this many on a slow disk stalls for [`SLOW_DISK_STALL_MS`].
+const SLOW_DISK_STALL_EVERY: u64 = 50;
+/// A slow disk's stall, in milliseconds: past the lease TTL and a post's ack timeout.
+const SLOW_DISK_STALL_MS: u64 = 3_500;
+/// Seeds of the kill and slow-disk test in CI; `TROUPE_KILL_DST_SEEDS=<n>` runs seeds
+/// 1..=n instead (by hand).
+const KILL_SEEDS: u64 = 20;
+/// How long the kill and slow-disk runs may take to settle after the faults, in
+/// simulated milliseconds: twice the partition runs' bound (a restarted node's rejoin,
+/// every store operation of a slow node waiting), and still below a mention's 120 s
+/// deadline counted from the end of the faults.
+const KILL_SETTLE_BOUND_MS: u64 = 120_000;
+/// Seeds the kill and slow-disk replay test runs, each twice.
+const KILL_REPLAY_SEEDS: [u64; 2] = [3, 4];
+/// What an attempt through a node that was killed (or is dead) fails with.
+const NODE_DIED: &str = "its node died";
 
 /// The scripted model: `ping` → `pong` (placement); a mention of `a` → `a` mentions
 /// `b`; of `b` → `b` mentions `c`; of `c` → `noted`; each after `latency_ms`.
@@ -163,6 +227,30 @@ enum Retry {
     FreshId,
 }
 
+/// The faults a run injects besides the node↔node and node↔etcd partitions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Faults {
+    /// Kill a random node at random moments and restart it after a random time.
+    kills: bool,
+    /// Give a random non-empty set of nodes a slow disk.
+    slow_disks: bool,
+    /// How long the system may take to settle after the faults, in simulated ms.
+    settle_bound_ms: u64,
+}
+
+impl Faults {
+    const PARTITIONS: Self = Self {
+        kills: false,
+        slow_disks: false,
+        settle_bound_ms: SETTLE_BOUND_MS,
+    };
+    const KILLS_AND_SLOW_DISKS: Self = Self {
+        kills: true,
+        slow_disks: true,
+        settle_bound_ms: KILL_SETTLE_BOUND_MS,
+    };
+}
+
 /// What the nodes and the tasks of a run share with the test.
 #[derive(Clone)]
 struct Shared {
@@ -175,6 +263,12 @@ struct Shared {
     /// Set once the faults have ended: every node then runs a resume sweep.
     sweep: Arc<AtomicBool>,
     lease_losses: Arc<AtomicU64>,
+    /// Each node's disk (every store operation of the node goes through it).
+    disks: Arc<[DiskProfile; 3]>,
+    /// Store operations that waited on a slow disk.
+    slow_ops: Arc<AtomicU64>,
+    /// Whether each node is killed (until it restarts).
+    dead: Arc<[AtomicBool; 3]>,
 }
 
 impl Shared {
@@ -190,9 +284,9 @@ struct Cluster {
     shared: Shared,
 }
 
-/// Three nodes, each joining again after a lost lease, each running a resume sweep
-/// once `shared.sweep` is set.
-async fn start_cluster(llm: &ScriptedLlm) -> Cluster {
+/// Three nodes on the disks `disks`, each joining again after a lost lease (and after a
+/// restart), each running a resume sweep once `shared.sweep` is set.
+async fn start_cluster(llm: &ScriptedLlm, disks: [DiskProfile; 3]) -> Cluster {
     let handle = Handle::current();
     let etcd = start_sim_etcd(&handle, ETCD_ADDRESS).await;
     let shared = Shared {
@@ -203,6 +297,9 @@ async fn start_cluster(llm: &ScriptedLlm) -> Cluster {
         start: Instant::now(),
         sweep: Arc::default(),
         lease_losses: Arc::default(),
+        disks: Arc::new(disks),
+        slow_ops: Arc::default(),
+        dead: Arc::default(),
     };
     let nodes = (0..NODE_NAMES.len())
         .map(|index| {
@@ -225,7 +322,8 @@ async fn start_cluster(llm: &ScriptedLlm) -> Cluster {
 /// Node `index`: joins, publishes its client, sweeps once the faults end, and after a
 /// lost lease abandons its node and joins again.
 async fn run_node(index: usize, shared: Shared, llm: ScriptedLlm) {
-    let (store, slots, seen) = (shared.store.clone(), Arc::clone(&shared.slots), shared.seen.clone());
+    let store = SlowDisk::new(shared.store.clone(), shared.disks[index], Arc::clone(&shared.slow_ops));
+    let (slots, seen) = (Arc::clone(&shared.slots), shared.seen.clone());
     let system = move || agent_system(&llm, index, &seen);
     let on_join = shared.clone();
     let joined = move |client: &AgentClient| {
@@ -250,6 +348,14 @@ async fn run_node(index: usize, shared: Shared, llm: ScriptedLlm) {
 }
 
 impl Cluster {
+    /// Node `index`'s current incarnation (a restarted node is a new one: tasks spawned
+    /// through the handle of a killed incarnation never run).
+    fn node(&self, index: usize) -> NodeHandle {
+        Handle::current()
+            .get_node(self.nodes[index].id())
+            .expect("the node exists")
+    }
+
     /// Node `index`'s agent client once it has joined.
     async fn client(&self, index: usize) -> AgentClient {
         sim_nodes::joined_client(&self.shared.slots, index).await
@@ -260,7 +366,7 @@ impl Cluster {
         let client = self.client(index).await;
         let timeout = Duration::from_millis(ASK_TIMEOUT_MS);
         let node = (index, NODE_NAMES[index]);
-        sim_nodes::place_on(&self.nodes[index], client, &self.shared.seen, node, agent, timeout).await;
+        sim_nodes::place_on(&self.node(index), client, &self.shared.seen, node, agent, timeout).await;
     }
 
     /// Runs `work` with node `index`'s client, on that node (its traffic leaves from
@@ -271,7 +377,7 @@ impl Cluster {
         work: impl FnOnce(AgentClient) -> F,
     ) -> T {
         let client = self.client(index).await;
-        self.nodes[index].spawn(work(client)).await.expect("the node's task")
+        self.node(index).spawn(work(client)).await.expect("the node's task")
     }
 
     /// Creates the room through node `index`'s client, so it runs there.
@@ -377,11 +483,25 @@ struct Outcome {
     /// it did not).
     settled_ms: u128,
     settled: bool,
+    /// The bound `settled_ms` was held to.
+    settle_bound_ms: u64,
     node_cuts: u64,
     etcd_cuts: u64,
     lease_losses: u64,
     /// Post attempts that failed or timed out.
     failed_attempts: u64,
+    /// Post attempts that failed because their node was killed (or was dead).
+    died_attempts: u64,
+    /// Attempts sent through another node after the post's previous attempt died with
+    /// its node.
+    retried_elsewhere: u64,
+    /// Node kills and restarts.
+    kills: u64,
+    restarts: u64,
+    /// Store operations that waited on a slow disk.
+    slow_ops: u64,
+    /// The nodes with a slow disk.
+    slow_nodes: Vec<&'static str>,
     /// Duplicated first attempts acknowledged inconsistently (two seqs, or both new).
     mismatches: Vec<String>,
     /// The nodes each agent's turns ran on (turn counts by node).
@@ -448,9 +568,46 @@ async fn inject(
     cuts
 }
 
+/// Kills a random node at random moments while `stop` is unset, one at a time, and
+/// restarts it after a random time (the restarted node joins again with a new lease and
+/// an empty memory). Returns the kills and the restarts.
+async fn kill_nodes(ids: Vec<madsim::task::NodeId>, stop: Arc<AtomicBool>, shared: Shared) -> (u64, u64) {
+    let handle = Handle::current();
+    let (mut kills, mut restarts) = (0, 0);
+    while !stop.load(Ordering::SeqCst) {
+        let (gap, node, down) = {
+            let mut rng = madsim::rand::thread_rng();
+            (
+                rng.gen_range(KILL_GAP_MS.0..KILL_GAP_MS.1),
+                rng.gen_range(0..ids.len()),
+                rng.gen_range(KILL_DOWN_MS.0..KILL_DOWN_MS.1),
+            )
+        };
+        tokio::time::sleep(Duration::from_millis(gap)).await;
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        shared.note(format!("kill {} for {down} ms", NODE_NAMES[node]));
+        shared.dead[node].store(true, Ordering::SeqCst);
+        shared.slots.lock().expect("slots")[node] = None;
+        handle.kill(ids[node]);
+        kills += 1;
+        tokio::time::sleep(Duration::from_millis(down)).await;
+        handle.restart(ids[node]);
+        shared.dead[node].store(false, Ordering::SeqCst);
+        restarts += 1;
+        shared.note(format!("restarted {}", NODE_NAMES[node]));
+    }
+    (kills, restarts)
+}
+
 /// One attempt of a post through node `node`, given up after
-/// [`POST_ATTEMPT_TIMEOUT_MS`] (the request is dropped: it may still commit).
+/// [`POST_ATTEMPT_TIMEOUT_MS`] (the request is dropped: it may still commit). Fails
+/// with [`NODE_DIED`] if the node is dead or is killed during the attempt.
 async fn attempt(cluster: &Cluster, node: usize, id: &str, text: &str) -> Result<Posted, String> {
+    if cluster.shared.dead[node].load(Ordering::SeqCst) {
+        return Err(format!("{NODE_DIED} (dead)"));
+    }
     let client = cluster.shared.slots.lock().expect("slots")[node].clone();
     // A node between two leases: the user's request fails at once.
     let client = client.ok_or_else(|| "the node is not serving".to_string())?;
@@ -463,24 +620,32 @@ async fn attempt(cluster: &Cluster, node: usize, id: &str, text: &str) -> Result
             Err(_) => Err("the user gave up waiting".to_string()),
         }
     };
-    cluster.nodes[node].spawn(attempt).await.expect("the post's task")
+    // A task of a killed node is dropped: its handle resolves to an error.
+    match cluster.node(node).spawn(attempt).await {
+        Ok(outcome) => outcome,
+        Err(_) => Err(format!("{NODE_DIED} during the attempt")),
+    }
 }
 
 /// Posts `text` as the human until an attempt is acknowledged (at most
 /// [`POST_ATTEMPTS_MAX`]), each attempt through a random node; the first attempt is
 /// sent twice at once, through two random nodes (a duplicated request). Retried under
-/// `client_id`, or (the control) a fresh id per attempt. `failed` counts the failed
-/// attempts; a duplicated first attempt acknowledged twice at two seqs, or twice as new,
-/// is added to `mismatches`.
+/// `client_id`, or (the control) a fresh id per attempt; after an attempt that died
+/// with its node, through another node. `counts` counts the failed attempts, those that
+/// died with their node, and the attempts sent elsewhere after one died; a duplicated
+/// first attempt acknowledged twice at two seqs, or twice as new, is added to
+/// `mismatches`.
 async fn post(
     cluster: &Cluster,
     client_id: &str,
     text: &str,
     retry: Retry,
-    failed: &mut u64,
+    counts: &mut AttemptCounts,
     mismatches: &mut Vec<String>,
 ) -> PostOutcome {
     let mut attempts = 0;
+    // The node the previous attempt died with, if it did.
+    let mut died_with = None;
     while attempts < POST_ATTEMPTS_MAX {
         attempts += 1;
         let id = match retry {
@@ -489,7 +654,14 @@ async fn post(
         };
         let (node, twin) = {
             let mut rng = madsim::rand::thread_rng();
-            (rng.gen_range(0..NODE_NAMES.len()), rng.gen_range(0..NODE_NAMES.len()))
+            let (mut node, twin) = (rng.gen_range(0..NODE_NAMES.len()), rng.gen_range(0..NODE_NAMES.len()));
+            if let Some(dead) = died_with {
+                if node == dead {
+                    node = (dead + rng.gen_range(1..NODE_NAMES.len())) % NODE_NAMES.len();
+                }
+                counts.retried_elsewhere += 1;
+            }
+            (node, twin)
         };
         let outcome = if attempts == 1 {
             let (first, second) = tokio::join!(attempt(cluster, node, &id, text), attempt(cluster, twin, &id, text));
@@ -520,7 +692,9 @@ async fn post(
                 };
             }
             Err(error) => {
-                *failed += 1;
+                counts.failed += 1;
+                died_with = error.starts_with(NODE_DIED).then_some(node);
+                counts.died += u64::from(died_with.is_some());
                 cluster.shared.note(format!(
                     "post {client_id} through {} failed (attempt {attempts}): {error}",
                     NODE_NAMES[node]
@@ -536,8 +710,40 @@ async fn post(
     }
 }
 
-/// The scenario of the module docs under the current seed.
-async fn scenario(retry: Retry) -> Outcome {
+/// A run's post attempts: failed, died with their node, sent elsewhere after one died.
+#[derive(Default)]
+struct AttemptCounts {
+    failed: u64,
+    died: u64,
+    retried_elsewhere: u64,
+}
+
+/// Each node's disk: fast, or (with `slow_disks`) slow on a random non-empty set of
+/// nodes, each with its own longest wait.
+fn draw_disks(slow_disks: bool) -> [DiskProfile; 3] {
+    let mut disks = [DiskProfile::FAST; 3];
+    if !slow_disks {
+        return disks;
+    }
+    let mut rng = madsim::rand::thread_rng();
+    let mut slow: Vec<bool> = (0..NODE_NAMES.len()).map(|_| rng.gen_ratio(1, 2)).collect();
+    if !slow.contains(&true) {
+        slow[rng.gen_range(0..NODE_NAMES.len())] = true;
+    }
+    for (disk, slow) in disks.iter_mut().zip(slow) {
+        if slow {
+            *disk = DiskProfile {
+                typical_ms: rng.gen_range(SLOW_DISK_TYPICAL_MS.0..=SLOW_DISK_TYPICAL_MS.1),
+                stall_every: SLOW_DISK_STALL_EVERY,
+                stall_ms: SLOW_DISK_STALL_MS,
+            };
+        }
+    }
+    disks
+}
+
+/// The scenario of the module docs under the current seed, with `faults` added.
+async fn scenario(retry: Retry, faults: Faults) -> Outcome {
     let began = Instant::now();
     let (latency_ms, room_node, placements) = {
         let mut rng = madsim::rand::thread_rng();
@@ -549,7 +755,12 @@ async fn scenario(retry: Retry) -> Outcome {
             .collect();
         (latency_ms, room_node, placements)
     };
-    let cluster = start_cluster(&script(latency_ms)).await;
+    let disks = draw_disks(faults.slow_disks);
+    let slow_nodes: Vec<&'static str> = (0..NODE_NAMES.len())
+        .filter(|node| disks[*node] != DiskProfile::FAST)
+        .map(|node| NODE_NAMES[node])
+        .collect();
+    let cluster = start_cluster(&script(latency_ms), disks).await;
     for (agent, node) in AGENTS.iter().zip(&placements) {
         cluster.place(*node, agent).await;
     }
@@ -559,6 +770,9 @@ async fn scenario(retry: Retry) -> Outcome {
         NODE_NAMES[room_node],
         placements.iter().map(|n| NODE_NAMES[*n]).collect::<Vec<_>>()
     ));
+    if faults.slow_disks {
+        cluster.shared.note(format!("slow disks on {slow_nodes:?}: {disks:?}"));
+    }
 
     let stop = Arc::new(AtomicBool::new(false));
     let node_ids: Vec<_> = cluster.nodes.iter().map(NodeHandle::id).collect();
@@ -569,39 +783,37 @@ async fn scenario(retry: Retry) -> Outcome {
         cluster.shared.clone(),
     ));
     let etcd_injector = tokio::spawn(inject(
-        node_ids,
+        node_ids.clone(),
         Some(cluster.etcd.id()),
         Arc::clone(&stop),
         cluster.shared.clone(),
     ));
+    let killer = faults
+        .kills
+        .then(|| tokio::spawn(kill_nodes(node_ids, Arc::clone(&stop), cluster.shared.clone())));
 
     let mut posts = Vec::new();
-    let mut failed_attempts = 0;
+    let mut counts = AttemptCounts::default();
     let mut mismatches = Vec::new();
     for round in 0..ROUNDS {
         for i in 0..POSTS {
             let client_id = format!("h{round}.{i}");
             let text = format!("@a @c topic {round}.{i}");
-            posts.push(
-                post(
-                    &cluster,
-                    &client_id,
-                    &text,
-                    retry,
-                    &mut failed_attempts,
-                    &mut mismatches,
-                )
-                .await,
-            );
+            posts.push(post(&cluster, &client_id, &text, retry, &mut counts, &mut mismatches).await);
         }
         let pause = madsim::rand::thread_rng().gen_range(0..ROUND_PAUSE_MAX_MS);
         tokio::time::sleep(Duration::from_millis(pause)).await;
     }
 
-    // The faults end: every cut heals (each injector heals its own before it returns).
+    // The faults end: every cut heals (each injector heals its own before it returns),
+    // every killed node restarts.
     stop.store(true, Ordering::SeqCst);
     let node_cuts = node_injector.await.expect("the node↔node injector");
     let etcd_cuts = etcd_injector.await.expect("the node↔etcd injector");
+    let (kills, restarts) = match killer {
+        Some(killer) => killer.await.expect("the killer"),
+        None => (0, 0),
+    };
     cluster.shared.note("faults ended; resume sweeps start".into());
     cluster.shared.sweep.store(true, Ordering::SeqCst);
     let healed = Instant::now();
@@ -610,7 +822,7 @@ async fn scenario(retry: Retry) -> Outcome {
         if all_answered(&messages) && cluster.leftovers().await.none() {
             break true;
         }
-        if healed.elapsed() >= Duration::from_millis(SETTLE_BOUND_MS) {
+        if healed.elapsed() >= Duration::from_millis(faults.settle_bound_ms) {
             break false;
         }
         tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
@@ -636,10 +848,17 @@ async fn scenario(retry: Retry) -> Outcome {
         leftovers,
         settled_ms,
         settled,
+        settle_bound_ms: faults.settle_bound_ms,
         node_cuts,
         etcd_cuts,
         lease_losses: cluster.shared.lease_losses.load(Ordering::SeqCst),
-        failed_attempts,
+        failed_attempts: counts.failed,
+        died_attempts: counts.died,
+        retried_elsewhere: counts.retried_elsewhere,
+        kills,
+        restarts,
+        slow_ops: cluster.shared.slow_ops.load(Ordering::SeqCst),
+        slow_nodes,
         mismatches,
         turns_by_node,
         room_node,
@@ -649,9 +868,13 @@ async fn scenario(retry: Retry) -> Outcome {
 }
 
 fn run_seed(seed: u64, retry: Retry) -> Outcome {
+    run_seed_with(seed, retry, Faults::PARTITIONS)
+}
+
+fn run_seed_with(seed: u64, retry: Retry, faults: Faults) -> Outcome {
     let mut runtime = madsim::runtime::Runtime::with_seed_and_config(seed, madsim::Config::default());
     runtime.set_time_limit(Duration::from_secs(RUN_TIME_LIMIT_S));
-    runtime.block_on(scenario(retry))
+    runtime.block_on(scenario(retry, faults))
 }
 
 /// The invariants of the module docs on one run's outcome; `Err` names the first
@@ -724,7 +947,7 @@ fn check(outcome: &Outcome) -> Result<(), String> {
         return Err(format!("work left over: {:?}", outcome.leftovers));
     }
     if !outcome.settled {
-        return Err(format!("not settled within {SETTLE_BOUND_MS} ms"));
+        return Err(format!("not settled within {} ms", outcome.settle_bound_ms));
     }
     Ok(())
 }
@@ -829,6 +1052,111 @@ fn the_partition_scenario_replays_identically_from_its_seed() {
         assert!(
             first.iter().any(|line| line.contains(" cut ")),
             "seed {seed}: faults were injected"
+        );
+        assert_eq!(first, second, "seed {seed} replays identically");
+    }
+}
+
+/// The seeds of the kill and slow-disk test: 1..=[`KILL_SEEDS`], or with
+/// `TROUPE_KILL_DST_SEEDS` set (by hand) 1..=n for `<n>`, a..=b for `<a>-<b>`.
+fn kill_seeds() -> std::ops::RangeInclusive<u64> {
+    let Ok(seeds) = std::env::var("TROUPE_KILL_DST_SEEDS") else {
+        return 1..=KILL_SEEDS;
+    };
+    let number = |text: &str| text.parse().expect("TROUPE_KILL_DST_SEEDS is <n> or <a>-<b>");
+    match seeds.split_once('-') {
+        Some((first, last)) => number(first)..=number(last),
+        None => 1..=number(&seeds),
+    }
+}
+
+/// Goal: the scenario of the main test, its partitions included, with node kills and
+/// restarts and slow disks added (module docs, "Kills and slow disks"): the same
+/// invariants hold, a post whose attempt died with its node is retried under its
+/// client id through another node, and every run injected both new faults.
+///
+/// Ignored: it found a bug (module docs, "What the kills and slow disks found"): seed
+/// 14 (and 11 other seeds of 200) fails "the mention of c in #51 answered 0 times", a
+/// mention of `c` left undelivered until its deadline ("agent/c is busy: its mailbox of
+/// 64 messages is full"), the agent's mailbox full of delivery appends that each expire
+/// before they commit. Run by hand with `--ignored` (`TROUPE_KILL_DST_SEEDS=14-14`).
+#[test]
+#[ignore = "finds a bug: seed 14, a mention undelivered, the agent's mailbox full of expiring delivery appends (see the module docs)"]
+fn every_mention_is_answered_exactly_once_under_node_kills_and_slow_disks() {
+    let (mut kills, mut restarts, mut slow_ops, mut died, mut elsewhere) = (0, 0, 0, 0, 0);
+    let (mut node_cuts, mut etcd_cuts, mut lease_losses, mut failed) = (0, 0, 0, 0);
+    let (mut acked, mut stored_posts, mut unacked, mut virtual_s, mut slowest) = (0, 0, 0, 0, 0);
+    let seeds = kill_seeds();
+    for seed in seeds.clone() {
+        let outcome = run_seed_with(seed, Retry::SameId, Faults::KILLS_AND_SLOW_DISKS);
+        let stored = outcome
+            .messages
+            .iter()
+            .filter(|m| m.sender == Sender::Human(HUMAN.into()))
+            .count();
+        eprintln!(
+            "seed {seed}: room on {}; {} kills, {} restarts; slow disks on {:?}, {} slow store operations; {} node↔node and {} node↔etcd cuts, {} lease losses; {} post attempts failed ({} died with their node, {} attempts sent elsewhere after); {}/{} posts acknowledged, {stored} stored; {} messages; settled {} ms after the faults; {} s simulated",
+            NODE_NAMES[outcome.room_node],
+            outcome.kills,
+            outcome.restarts,
+            outcome.slow_nodes,
+            outcome.slow_ops,
+            outcome.node_cuts,
+            outcome.etcd_cuts,
+            outcome.lease_losses,
+            outcome.failed_attempts,
+            outcome.died_attempts,
+            outcome.retried_elsewhere,
+            outcome.posts.iter().filter(|p| p.acked.is_some()).count(),
+            outcome.posts.len(),
+            outcome.messages.len(),
+            outcome.settled_ms,
+            outcome.virtual_s,
+        );
+        let vacuous = (outcome.kills == 0 || outcome.restarts != outcome.kills || outcome.slow_ops == 0).then(|| {
+            "the run injected no kill, did not restart every killed node, or ran no slow store operation".to_string()
+        });
+        if let Some(violation) = vacuous.or_else(|| check(&outcome).err()) {
+            for line in &outcome.record {
+                eprintln!("{line}");
+            }
+            panic!("seed {seed}: {violation}");
+        }
+        kills += outcome.kills;
+        restarts += outcome.restarts;
+        slow_ops += outcome.slow_ops;
+        died += outcome.died_attempts;
+        elsewhere += outcome.retried_elsewhere;
+        node_cuts += outcome.node_cuts;
+        etcd_cuts += outcome.etcd_cuts;
+        lease_losses += outcome.lease_losses;
+        failed += outcome.failed_attempts;
+        acked += outcome.posts.iter().filter(|p| p.acked.is_some()).count();
+        unacked += outcome.posts.iter().filter(|p| p.acked.is_none()).count();
+        stored_posts += stored;
+        virtual_s += outcome.virtual_s;
+        slowest = slowest.max(outcome.settled_ms);
+    }
+    eprintln!(
+        "{} seeds × {ROUNDS} rounds × {POSTS} posts: {kills} kills, {restarts} restarts, {slow_ops} slow store operations; {node_cuts} node↔node and {etcd_cuts} node↔etcd cuts, {lease_losses} lease losses; {failed} failed post attempts ({died} died with their node, {elsewhere} attempts sent through another node after); {acked} posts acknowledged ({unacked} not), {stored_posts} stored; settled within {slowest} ms after the faults; {virtual_s} s simulated in all",
+        seeds.count()
+    );
+    assert!(
+        elsewhere > 0,
+        "some post attempt died with its node and the post was retried through another"
+    );
+}
+
+/// Goal: two runs of a seed of the kill and slow-disk scenario record the same agent
+/// events, faults, posts and messages in the same order.
+#[test]
+fn the_kill_and_slow_disk_scenario_replays_identically_from_its_seed() {
+    for seed in KILL_REPLAY_SEEDS {
+        let run = || run_seed_with(seed, Retry::SameId, Faults::KILLS_AND_SLOW_DISKS).record;
+        let (first, second) = (run(), run());
+        assert!(
+            first.iter().any(|line| line.contains(" kill ")),
+            "seed {seed}: a node was killed"
         );
         assert_eq!(first, second, "seed {seed} replays identically");
     }

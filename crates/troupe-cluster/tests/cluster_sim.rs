@@ -29,10 +29,13 @@
 
 #[path = "support/sim_etcd.rs"]
 mod sim_etcd;
+#[path = "support/slow_disk.rs"]
+mod slow_disk;
 #[path = "support/counter.rs"]
 mod support;
 
 use sim_etcd::start_sim_etcd;
+use slow_disk::{DiskProfile, SlowDisk};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,7 +50,7 @@ use tokio::time::Instant;
 use troupe_cluster::ClusterNode;
 use troupe_core::{ActorId, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
-use troupe_runtime::{Claimed, Fence, FencedClaim, MemoryStore, StateStore, StoreError, TurnCommit};
+use troupe_runtime::{MemoryStore, StateStore};
 
 const ETCD_ADDRESS: &str = "10.0.0.1:2379";
 /// The nodes' transport port.
@@ -93,23 +96,6 @@ struct Shared {
     started: Arc<[AtomicBool; 3]>,
 }
 
-/// How a node's disk behaves: every claim, load and commit first waits a random time up
-/// to `typical_ms`; one in `stall_every` waits `stall_ms` instead (0: never).
-#[derive(Clone, Copy, Debug)]
-struct DiskProfile {
-    typical_ms: u64,
-    stall_every: u64,
-    stall_ms: u64,
-}
-
-impl DiskProfile {
-    const FAST: Self = Self {
-        typical_ms: 0,
-        stall_every: 0,
-        stall_ms: 0,
-    };
-}
-
 /// The environment a scenario runs in (the faults are the same in every variant).
 #[derive(Clone, Copy, Debug)]
 struct Variant {
@@ -149,75 +135,6 @@ impl Variant {
                 },
             ],
         }
-    }
-}
-
-/// A store on a slow disk: waits as its [`DiskProfile`] says before each operation.
-#[derive(Clone)]
-struct SlowDisk<S> {
-    inner: S,
-    profile: DiskProfile,
-}
-
-impl<S> SlowDisk<S> {
-    async fn wait(&self) {
-        use madsim::rand::Rng;
-        let profile = self.profile;
-        let ms = {
-            let mut rng = madsim::rand::thread_rng();
-            if profile.stall_every > 0 && rng.gen_range(0..profile.stall_every) == 0 {
-                profile.stall_ms
-            } else if profile.typical_ms > 0 {
-                rng.gen_range(0..=profile.typical_ms)
-            } else {
-                0
-            }
-        };
-        if ms > 0 {
-            tokio::time::sleep(Duration::from_millis(ms)).await;
-        }
-    }
-}
-
-#[async_trait::async_trait]
-impl<S: FencedClaim + Clone> StateStore for SlowDisk<S> {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.wait().await;
-        self.inner.claim(actor).await
-    }
-
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.wait().await;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.wait().await;
-        self.inner.commit(actor, fence, commit).await
-    }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.wait().await;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.wait().await;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
-
-#[async_trait::async_trait]
-impl<S: FencedClaim + Clone> FencedClaim for SlowDisk<S> {
-    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
-        self.wait().await;
-        self.inner.claim_with_fence(actor, fence).await
     }
 }
 
@@ -274,10 +191,7 @@ async fn run_node(index: usize, shared: Shared) {
             .with_lease_ttl_s(SIM_LEASE_TTL_S)
             .with_request_timeout_ms(SIM_REQUEST_TIMEOUT_MS);
             let store = LoggingStore {
-                inner: SlowDisk {
-                    inner: shared.store.clone(),
-                    profile: shared.variant.disks[index],
-                },
+                inner: SlowDisk::new(shared.store.clone(), shared.variant.disks[index], Arc::default()),
                 node: name.to_string(),
                 log: shared.log.clone(),
             };

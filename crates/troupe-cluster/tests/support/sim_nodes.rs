@@ -12,7 +12,7 @@ use madsim::runtime::{Handle, NodeHandle};
 use troupe_agent::{AgentClient, AgentSystemBuilder, ScriptedLlm};
 use troupe_cluster::ClusterNode;
 use troupe_etcd::{EtcdConfig, LeaseLostReason, NodeId};
-use troupe_runtime::MemoryStore;
+use troupe_runtime::{FencedClaim, MemoryStore};
 
 use crate::agents::{agent_system, Seen};
 
@@ -48,10 +48,10 @@ pub(crate) async fn joined_client(slots: &Slots, index: usize) -> AgentClient {
 /// Starts node `index` (named `name`) on the simulated etcd with `store` and the agent
 /// system `system` builds, retrying after [`REJOIN_DELAY_MS`] until it joins: the node
 /// and its agent client.
-pub(crate) async fn join(
+pub(crate) async fn join<S: FencedClaim + Clone>(
     index: usize,
     name: &str,
-    store: &MemoryStore,
+    store: &S,
     system: &impl Fn() -> AgentSystemBuilder,
 ) -> (ClusterNode, AgentClient) {
     loop {
@@ -77,14 +77,14 @@ pub(crate) async fn join(
     }
 }
 
-/// Runs node `index` (named `name`) for ever: it [`join`]s, calls `joined` with its
+/// Runs node `index` (named `name`) on `store` for ever: it [`join`]s, calls `joined` with its
 /// client and publishes the client in `slots`; once its lease is lost and it is fenced
 /// off, it clears its slot, hands what `joined` returned and the reason to `lost`,
 /// abandons the node, and after [`REJOIN_DELAY_MS`] joins again.
-pub(crate) async fn run_rejoining<G>(
+pub(crate) async fn run_rejoining<G, S: FencedClaim + Clone>(
     index: usize,
     name: &str,
-    store: MemoryStore,
+    store: S,
     slots: Arc<Slots>,
     system: impl Fn() -> AgentSystemBuilder,
     mut joined: impl FnMut(&AgentClient) -> G,
