@@ -42,7 +42,7 @@ mod state;
 mod turn_loop;
 mod wire;
 
-pub(crate) use shared::{AgentShared, RecordQueued};
+pub(crate) use shared::{AgentShared, MentionDelivery, RecordQueued};
 pub use spec::{
     agent_id, AgentCatalog, AgentDirectory, AgentSpec, AgentSpecError, ContextWindow, ModelSettings, AGENT_KIND,
 };

@@ -43,11 +43,11 @@ use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError};
 use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, StoreError, Turn};
 
-use crate::agent::{agent_id, AgentActor, AgentShared, Conversation};
+use crate::agent::{agent_id, AgentActor, AgentShared, Conversation, MentionDelivery};
 use crate::inbox::{encode_reply, from_json, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry};
 use crate::limits::{
-    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
-    AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_MENTION_DELIVERY_RETRY_MAX_MS,
+    AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
 };
 use crate::{Budget, ChatMessage, ContactKind, Permitted, Role};
 
@@ -1023,6 +1023,11 @@ impl ConversationActor {
         let Some(runtime) = self.shared.runtime() else {
             return Err(ActorError::failed("the runtime has not started, or has stopped"));
         };
+        // A task of an earlier activation of this conversation in this process may still
+        // deliver it: a second one would double the appends the agent's mailbox takes.
+        let Some(delivery) = self.shared.start_mention_delivery(&self.id, seq, &agent) else {
+            return Ok(());
+        };
         let conversation = self.id.key().to_string();
         let entry = InboxEntry {
             msg_id: format!("{conversation}#{seq}@{agent}"),
@@ -1044,6 +1049,7 @@ impl ConversationActor {
             agent,
             seq,
             entry,
+            delivery,
         ));
         Ok(())
     }
@@ -1059,9 +1065,11 @@ async fn deliver(
     agent: String,
     seq: u64,
     entry: InboxEntry,
+    _delivery: MentionDelivery,
 ) {
     let deadline = entry.context.deadline();
     let payload = AgentCommand::Enqueue(entry).encode();
+    let mut pause = AGENT_DELIVERY_RETRY_MS;
     let report = loop {
         // An agent defined or removed through another process counts once this
         // process's copy of the stored directory is read again.
@@ -1111,7 +1119,11 @@ async fn deliver(
                 cause: format!("the deadline passed ({cause})"),
             };
         }
-        tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await;
+        // Doubling pauses: a busy agent (a slow disk, a long turn) gets fewer appends,
+        // and none that waits so long in its mailbox that it expires before it commits.
+        let left = deadline.remaining_ms(runtime.now()).max(1);
+        tokio::time::sleep(Duration::from_millis(pause.min(left))).await;
+        pause = (pause * 2).min(AGENT_MENTION_DELIVERY_RETRY_MAX_MS);
     };
     // Routed: on a cluster the conversation may have moved to another node meanwhile
     // (a local `tell` there was refused `NotOwner`, and the relay waited for a resume).

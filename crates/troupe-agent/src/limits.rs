@@ -105,6 +105,11 @@ pub const CALL_RECORDS_PENDING_MAX: usize = 4_096;
 pub const CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS: u64 = 5_000;
 /// The pause before a failed delivery is retried, in milliseconds.
 pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;
+/// The longest pause between two attempts of one mention's delivery, in milliseconds:
+/// the pause starts at [`AGENT_DELIVERY_RETRY_MS`] and doubles after each refused or
+/// failed attempt up to this, so the deliveries waiting for a busy agent (a slow disk, a
+/// long turn) do not keep its mailbox full of appends that expire before they commit.
+pub const AGENT_MENTION_DELIVERY_RETRY_MAX_MS: u64 = 5_000;
 /// The pause before a delivery refused as out of order (an earlier entry from the same
 /// sender to the same target is still on its way: `EnqueueReply::OutOfOrder`) is
 /// retried, in milliseconds: shorter than [`AGENT_DELIVERY_RETRY_MS`], since the

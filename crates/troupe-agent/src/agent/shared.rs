@@ -60,6 +60,28 @@ pub(crate) struct AgentShared {
     /// `direct_conversations`): a read through the API asks the conversation to store
     /// its waiting records first only when it has one.
     call_records: std::sync::Mutex<BTreeMap<troupe_core::ActorId, PendingRecords>>,
+    /// Mentions (conversation, seq, agent) a delivery task of this process delivers: one
+    /// task per mention, however many activations of the conversation resumed it (an
+    /// activation's own set is lost when it is rebuilt or moves, while its tasks go on).
+    mention_deliveries: std::sync::Mutex<std::collections::BTreeSet<(troupe_core::ActorId, u64, String)>>,
+}
+
+/// A mention's delivery task of this process, taken by
+/// [`AgentShared::start_mention_delivery`]; dropping it (the task ended, or was dropped
+/// with its runtime) lets the next resume start another.
+pub(crate) struct MentionDelivery {
+    shared: Arc<AgentShared>,
+    mention: (troupe_core::ActorId, u64, String),
+}
+
+impl Drop for MentionDelivery {
+    fn drop(&mut self) {
+        self.shared
+            .mention_deliveries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.mention);
+    }
 }
 
 /// One direct conversation's recorded exchanges not yet stored (question, answer).
@@ -130,7 +152,28 @@ impl AgentShared {
             external_cancels: std::sync::Mutex::default(),
             mention_retries: std::sync::Mutex::default(),
             call_records: std::sync::Mutex::default(),
+            mention_deliveries: std::sync::Mutex::default(),
         }
+    }
+
+    /// Takes the delivery of mention `seq` of `conversation` to `agent` for a task of
+    /// this process; `None` if a task of this process already delivers it.
+    pub(crate) fn start_mention_delivery(
+        self: &Arc<Self>,
+        conversation: &troupe_core::ActorId,
+        seq: u64,
+        agent: &str,
+    ) -> Option<MentionDelivery> {
+        let mention = (conversation.clone(), seq, agent.to_string());
+        let fresh = self
+            .mention_deliveries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(mention.clone());
+        fresh.then(|| MentionDelivery {
+            shared: Arc::clone(self),
+            mention,
+        })
     }
 
     fn call_records(&self) -> std::sync::MutexGuard<'_, BTreeMap<troupe_core::ActorId, PendingRecords>> {
