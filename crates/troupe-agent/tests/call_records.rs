@@ -6,14 +6,14 @@
 //! Runs in both builds: `cargo test -p troupe-agent --test call_records` and under
 //! madsim (`RUSTFLAGS="--cfg madsim"`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use troupe_agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm, Sender, CONVERSATION_KIND};
-use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, MemoryStore, SqliteStore, StateStore, StoreError, TurnCommit};
+use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
+
+#[path = "support/gate_store.rs"]
+mod gate_store;
+use gate_store::GateStore;
 
 /// `a` asks `b` through `call_agent` and replies with its answer; `b` answers "42".
 fn script() -> ScriptedLlm {
@@ -56,40 +56,6 @@ fn exchange(question: &str) -> [(Sender, String); 2] {
     ]
 }
 
-/// A store that counts the commits of the pair's direct conversation.
-struct CountingStore {
-    inner: MemoryStore,
-    conversation_commits: AtomicU64,
-}
-
-#[async_trait]
-impl StateStore for CountingStore {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.inner.claim(actor).await
-    }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        if actor.kind().as_str() == CONVERSATION_KIND && actor.key() == direct() {
-            self.conversation_commits.fetch_add(1, Ordering::SeqCst);
-        }
-        self.inner.commit(actor, fence, commit).await
-    }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(actor, key).await
-    }
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
-
 /// Goal: a call's record is read through the API as soon as the call returned, though
 /// it waits in memory for the conversation's next turn (the read stores it first), on
 /// the multi-thread runtime, call after call.
@@ -111,10 +77,9 @@ async fn a_call_is_read_in_its_conversation_as_soon_as_it_returned() {
 /// there in the order of the calls. Paused time: ten calls at one instant.
 #[tokio::test(start_paused = true)]
 async fn calls_recorded_together_share_one_commit_of_their_conversation() {
-    let store = Arc::new(CountingStore {
-        inner: MemoryStore::new(),
-        conversation_commits: AtomicU64::new(0),
-    });
+    let store = GateStore::new(Arc::new(MemoryStore::new()), false);
+    // The commits of the pair's direct conversation.
+    store.count_commits(|actor, _| actor.kind().as_str() == CONVERSATION_KIND && actor.key() == direct());
     let system = start(store.clone());
     let mut expected = Vec::new();
     for n in 0..10 {
@@ -122,17 +87,13 @@ async fn calls_recorded_together_share_one_commit_of_their_conversation() {
         assert_eq!(system.ask("a", &question).await.unwrap().text, "a got 42");
         expected.extend(exchange(&question));
     }
-    let created = store.conversation_commits.load(Ordering::SeqCst);
+    let created = store.counted_commits();
     assert_eq!(
         created, 1,
         "only the conversation's creation is committed while the calls run"
     );
     tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-    assert_eq!(
-        store.conversation_commits.load(Ordering::SeqCst),
-        2,
-        "the ten exchanges are stored by one commit"
-    );
+    assert_eq!(store.counted_commits(), 2, "the ten exchanges are stored by one commit");
     assert_eq!(recorded(&system).await, expected);
     system.shutdown().await;
 }

@@ -22,6 +22,8 @@ pub(crate) struct GateStore {
     pub(crate) refused_loads: AtomicU64,
     /// Refuses the first commit it is true for, then is removed.
     refuse_commit: Mutex<Option<CommitPredicate>>,
+    /// Counts the commits it is true for (see `count_commits`).
+    counted: Mutex<Option<(CommitPredicate, u64)>>,
 }
 
 /// Which commit `GateStore::refuse_one_commit` refuses.
@@ -37,6 +39,7 @@ impl GateStore {
             refuse_loads: AtomicBool::new(false),
             refused_loads: AtomicU64::new(0),
             refuse_commit: Mutex::new(None),
+            counted: Mutex::new(None),
         })
     }
 
@@ -50,6 +53,18 @@ impl GateStore {
     #[allow(dead_code)]
     pub(crate) fn refused_the_commit(&self) -> bool {
         self.refuse_commit.lock().unwrap().is_none()
+    }
+
+    /// From now on, counts the commits `pick` is true for (read with `counted_commits`).
+    #[allow(dead_code)]
+    pub(crate) fn count_commits(&self, pick: impl Fn(&ActorId, &TurnCommit) -> bool + Send + Sync + 'static) {
+        *self.counted.lock().unwrap() = Some((Box::new(pick), 0));
+    }
+
+    /// How many commits `count_commits`'s predicate picked (refused ones too).
+    #[allow(dead_code)]
+    pub(crate) fn counted_commits(&self) -> u64 {
+        self.counted.lock().unwrap().as_ref().map_or(0, |(_, count)| *count)
     }
 
     fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
@@ -78,6 +93,11 @@ impl StateStore for GateStore {
     }
     async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
         self.check(StoreOperation::Commit)?;
+        if let Some((pick, count)) = self.counted.lock().unwrap().as_mut() {
+            if pick(actor, &commit) {
+                *count += 1;
+            }
+        }
         {
             let mut pick = self.refuse_commit.lock().unwrap();
             if pick.as_ref().is_some_and(|pick| pick(actor, &commit)) {
