@@ -1,0 +1,108 @@
+//! A mention has one delivery task per process (`AgentShared::start_mention_delivery`),
+//! however many activations of its conversation resume it: the cluster DST with node
+//! kills and slow disks found agents' mailboxes full of the same mention's appends, one
+//! per activation that had started a task (`cluster_conversation_partition_dst.rs`).
+//!
+//! Runs in both builds: `cargo test -p troupe-agent --test mention_delivery` and under
+//! madsim (`RUSTFLAGS="--cfg madsim"`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use troupe_agent::{
+    AgentEvent, AgentSpec, AgentSystem, ConversationKind, Participant, ScriptRule, ScriptedLlm, Sender,
+    CONVERSATION_KIND,
+};
+use troupe_runtime::{KindConfig, MemoryStore};
+
+#[path = "support/gate_store.rs"]
+mod gate_store;
+use gate_store::GateStore;
+
+/// b's mailbox: a holding ask runs and two wait, so a delivery's append is refused busy.
+const SMALL_MAILBOX: usize = 2;
+/// How long each of b's holding turns takes.
+const HOLD: Duration = Duration::from_millis(400);
+/// How long the test waits for b's answer to the mention.
+const ANSWER_WAIT: Duration = Duration::from_secs(30);
+
+fn human() -> Sender {
+    Sender::Human("h".to_string())
+}
+
+/// Goal: while a mention's delivery waits for a busy agent, its conversation fails a turn
+/// and is rebuilt, and the rebuilt activation resumes the pending relay: the delivery
+/// task already running goes on alone, so the agent's inbox takes the mention in once
+/// (one `MessageReceived`). Before, the rebuilt activation started a second task, and
+/// the mention was appended twice (the second a duplicate). Multi-thread runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuilt_conversation_does_not_start_a_second_delivery_of_a_pending_mention() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(HOLD),
+        )
+        .rule(ScriptRule::agent("b").reply("hello back"))
+        .without_recording();
+    let store = GateStore::new(Arc::new(MemoryStore::new()), false);
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .kind_config(KindConfig::default().with_mailbox_capacity(SMALL_MAILBOX))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let mut events = system.subscribe();
+    let participants = vec![Participant::Human("h".to_string()), Participant::Agent("b".to_string())];
+    system
+        .create_conversation("room", participants, ConversationKind::Group)
+        .await
+        .unwrap();
+
+    // b busy: one holding turn runs, two wait in its mailbox of 2.
+    let mut holds = Vec::new();
+    for _ in 0..3 {
+        let client = system.client();
+        holds.push(tokio::spawn(async move { client.ask("b", "hold").await.unwrap() }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    system.post_message("room", human(), "m0", "@b hi").await.unwrap();
+    // The conversation's next commit is refused: that turn fails and the conversation is
+    // rebuilt; the same post sent again is the new activation's first request, which
+    // resumes the relay of the mention still on its way.
+    store.refuse_one_commit(|actor, _| actor.kind().as_str() == CONVERSATION_KIND);
+    assert!(system.post_message("room", human(), "m1", "no mention").await.is_err());
+    assert!(store.refused_the_commit());
+    system.post_message("room", human(), "m1", "no mention").await.unwrap();
+    for hold in holds {
+        hold.await.unwrap();
+    }
+
+    let answered = tokio::time::timeout(ANSWER_WAIT, async {
+        loop {
+            let messages = system.read_messages("room", None, 100).await.unwrap();
+            if messages.iter().any(|m| m.text == "hello back") {
+                return messages;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("b answers the mention");
+    assert_eq!(answered.iter().filter(|m| m.text == "hello back").count(), 1);
+    // Every delivery task has ended by now (b acknowledged the mention); one more
+    // backoff's worth lets a second one, if any, reach b.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let mut appends = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        if let AgentEvent::MessageReceived { msg_id, duplicate, .. } = event {
+            if msg_id == "room#0@b" {
+                appends.push(duplicate);
+            }
+        }
+    }
+    assert_eq!(appends, [false], "the mention is appended once, by one delivery task");
+    system.shutdown().await;
+}
