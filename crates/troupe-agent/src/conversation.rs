@@ -33,7 +33,6 @@
 //! An agent may take part in many conversations; its turns stay serialized per agent
 //! (one activation handles one message at a time, whatever the conversation).
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -559,7 +558,6 @@ impl ActorFactory for ConversationFactory {
             info_json: info_json(&state.info)?,
             state,
             shared: Arc::clone(&self.shared),
-            relaying: BTreeSet::new(),
             resumed: false,
             grouped: None,
         }))
@@ -574,8 +572,6 @@ struct ConversationActor {
     /// participants again (see [`encode_state`]).
     info_json: Vec<u8>,
     shared: Arc<AgentShared>,
-    /// Relays a delivery task of this activation is delivering.
-    relaying: BTreeSet<(u64, String)>,
     /// Whether this activation has looked for relays left pending by an earlier one
     /// (see [`ConversationActor::resume_at_activation`]).
     resumed: bool,
@@ -642,12 +638,10 @@ impl ConversationActor {
                 ConvReply::Done
             }
             ConvCommand::Delivered { seq, agent } => {
-                self.relaying.remove(&(seq, agent.clone()));
                 turn.delete(relay_key(seq, &agent))?;
                 ConvReply::Done
             }
             ConvCommand::Undeliverable { seq, agent, cause } => {
-                self.relaying.remove(&(seq, agent.clone()));
                 let key = relay_key(seq, &agent);
                 if turn.get(&key).await?.is_some() {
                     turn.delete(key)?;
@@ -669,9 +663,6 @@ impl ConversationActor {
                 ConvReply::Done
             }
             ConvCommand::Resume { after } => {
-                if after.is_none() {
-                    self.relaying.clear();
-                }
                 let page = turn.scan("relay/", after.as_deref(), AGENT_RESUME_BATCH).await?;
                 for (key, _) in &page {
                     if let Some((seq, agent)) = relay_of(key) {
@@ -1016,15 +1007,14 @@ impl ConversationActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(());
         };
-        if self.relaying.contains(&(seq, agent.clone())) {
-            return Ok(());
-        }
         let record: RelayRecord = from_json(&key, &bytes)?;
         let Some(runtime) = self.shared.runtime() else {
             return Err(ActorError::failed("the runtime has not started, or has stopped"));
         };
-        // A task of an earlier activation of this conversation in this process may still
+        // A task of this activation, or of an earlier one in this process, may still
         // deliver it: a second one would double the appends the agent's mailbox takes.
+        // The guard lives as long as that task, so a relay whose task ended (its report
+        // lost) is delivered again by the next `Relay`, deduplicated by the inbox.
         let Some(delivery) = self.shared.start_mention_delivery(&self.id, seq, &agent) else {
             return Ok(());
         };
@@ -1041,7 +1031,6 @@ impl ConversationActor {
             budget: Budget::UNLIMITED,
             pair: None,
         };
-        self.relaying.insert((seq, agent.clone()));
         tokio::spawn(deliver(
             runtime,
             Arc::clone(&self.shared),
