@@ -23,6 +23,13 @@
 //! - `ractor call!` and `kameo ask`: the same echo on the libraries users would pick
 //!   instead (benches/support/peers.rs), against the invoke's floor, so that they are
 //!   compared with Troupe in the same way;
+//! - `agent one step` and `call_agent`: an agent that answers in one scripted model
+//!   step, and an agent that asks another through `call_agent` (two agent turns, three
+//!   model steps, in-memory store: `benches/support/scripted_agents.rs`, as
+//!   `benches/agents.rs` measures them), against a plain Troupe invoke of the echo
+//!   actor: issue 11's agent-level floor. The floor's block makes
+//!   [`FLOOR_INVOKES_PER_AGENT_ASK`] invokes per agent ask, so both blocks last long
+//!   enough to time; the ratio is per operation;
 //! - `cold` (current_thread only): the first invoke of a never-seen actor id (its task
 //!   spawned, its state loaded, its first turn), against spawning the floor's server
 //!   task and its first round trip; both sides keep what they started alive, and the
@@ -34,10 +41,12 @@
 // A bench measures wall time; the determinism lints are for the library.
 #![allow(clippy::disallowed_methods, missing_docs)]
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
+use troupe::agent::AgentSystem;
 use troupe::core::{ActorId, ActorKind};
 use troupe::runtime::{ActorRef, KindConfig, Runtime, RuntimeHandle};
 
@@ -47,6 +56,10 @@ mod echo;
 mod floor;
 #[path = "support/peers.rs"]
 mod peers;
+// The agents of `benches/agents.rs`; the notify and delegate ones are not used here.
+#[allow(dead_code)]
+#[path = "support/scripted_agents.rs"]
+mod scripted_agents;
 
 use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
 use floor::{floor_round_trip, spawn_floor_server, Request, TypedEcho};
@@ -76,6 +89,18 @@ const BATCHES_PER_BLOCK: u64 = 8;
 /// Messages per batch in the fire-and-forget case (as in `benches/runtime.rs`).
 const TELL_BATCH: u64 = 32;
 
+/// Agent asks per block in the agent cases (about 3-15 µs each here).
+const AGENT_ASKS_PER_BLOCK: u64 = 20;
+
+/// Plain invokes the floor's block makes per agent ask (the floor is one invoke).
+const FLOOR_INVOKES_PER_AGENT_ASK: u64 = 10;
+
+/// Pairs measured in the agent cases (each agent ask adds to its agents' stored logs).
+const AGENT_PAIRS: usize = 1_000;
+
+/// Agent pairs run and discarded first.
+const AGENT_WARM_UP_PAIRS: usize = 100;
+
 /// Each request's timeout: longer than any run.
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -87,6 +112,8 @@ enum Case {
     TypedTellBy,
     Ractor,
     Kameo,
+    AgentStep,
+    CallAgent,
     Cold,
 }
 
@@ -99,6 +126,8 @@ impl Case {
             Case::TypedTellBy => "typed tell_by (per message, one deadline per batch of 32 + an ask)",
             Case::Ractor => "ractor call! (a peer library, same floor as invoke)",
             Case::Kameo => "kameo ask (a peer library, same floor as invoke)",
+            Case::AgentStep => "agent answers in one scripted model step (floor: a plain Troupe invoke)",
+            Case::CallAgent => "agent asks an agent through `call_agent` (floor: a plain Troupe invoke)",
             Case::Cold => "cold: first message to a new actor (floor: spawn, task kept alive)",
         }
     }
@@ -108,7 +137,16 @@ impl Case {
         match self {
             Case::Invoke | Case::TypedAsk | Case::Ractor | Case::Kameo => (ROUND_TRIPS_PER_BLOCK, 1),
             Case::TypedTell | Case::TypedTellBy => (BATCHES_PER_BLOCK, TELL_BATCH + 1),
+            Case::AgentStep | Case::CallAgent => (AGENT_ASKS_PER_BLOCK, 1),
             Case::Cold => (COLD_STARTS_PER_BLOCK, 1),
+        }
+    }
+
+    /// The floor's operations per iteration (the library's are `shape().1`).
+    fn floor_per_iteration(self) -> u64 {
+        match self {
+            Case::AgentStep | Case::CallAgent => FLOOR_INVOKES_PER_AGENT_ASK,
+            _ => self.shape().1,
         }
     }
 
@@ -116,6 +154,7 @@ impl Case {
     fn pairs(self) -> (usize, usize) {
         match self {
             Case::Cold => (COLD_WARM_UP_PAIRS, COLD_PAIRS),
+            Case::AgentStep | Case::CallAgent => (AGENT_WARM_UP_PAIRS, AGENT_PAIRS),
             _ => (WARM_UP_PAIRS, PAIRS),
         }
     }
@@ -130,6 +169,7 @@ struct Targets {
     typed: ActorRef<TypedEcho>,
     ractor: ractor::ActorRef<peers::ractor_echo::Message>,
     kameo: kameo::actor::ActorRef<peers::kameo_echo::Echo>,
+    agents: Arc<AgentSystem>,
 }
 
 /// A block of the floor; in the cold case, the servers it started (kept alive by the
@@ -150,6 +190,16 @@ async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc
                 let (reply, _answer) = oneshot::channel();
                 targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
             }
+        }
+        if matches!(case, Case::AgentStep | Case::CallAgent) {
+            for _ in 0..FLOOR_INVOKES_PER_AGENT_ASK {
+                targets
+                    .handle
+                    .invoke_within(&targets.echo, Bytes::from_static(b"x"), TIMEOUT)
+                    .await
+                    .unwrap();
+            }
+            continue;
         }
         floor_round_trip(&targets.floor).await;
     }
@@ -199,6 +249,14 @@ async fn troupe_block(case: Case, targets: &Targets, iterations: u64, new_ids: &
             }
             Case::Kameo => {
                 peers::kameo_echo::ask(&targets.kameo, Bytes::from_static(b"x")).await;
+            }
+            Case::AgentStep => {
+                let reply = targets.agents.ask("answerer", "what is 6 x 7?").await.unwrap();
+                assert_eq!(reply.text, "42");
+            }
+            Case::CallAgent => {
+                let reply = targets.agents.ask("asker", "what is 6 x 7?").await.unwrap();
+                assert_eq!(reply.text, "42");
             }
             Case::Cold => unreachable!("handled above"),
         }
@@ -266,6 +324,7 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 async fn measure(case: Case, targets: Targets) -> Measured {
     let (iterations, per) = case.shape();
     let operations = (iterations * per) as f64;
+    let floor_operations = (iterations * case.floor_per_iteration()) as f64;
     let (warm_up, pairs) = case.pairs();
     let mut started = Started::default();
     for index in 0..warm_up {
@@ -276,9 +335,9 @@ async fn measure(case: Case, targets: Targets) -> Measured {
     let mut ratios = Vec::with_capacity(pairs);
     for index in 0..pairs {
         let (floor, troupe) = pair(case, &targets, index % 2 == 1, &mut started).await;
-        floors.push(floor / operations);
+        floors.push(floor / floor_operations);
         troupes.push(troupe / operations);
-        ratios.push(troupe / floor);
+        ratios.push((troupe / operations) / (floor / floor_operations));
     }
     for values in [&mut floors, &mut troupes, &mut ratios] {
         values.sort_by(f64::total_cmp);
@@ -329,6 +388,9 @@ fn main() {
                 .actor_ref::<TypedEcho>(ActorId::new("typed", "0").unwrap())
                 .unwrap();
             typed.ask(0, TIMEOUT).await.unwrap();
+            let agents =
+                scripted_agents::asker_and_answerer(KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT));
+            agents.ask("asker", "warm up").await.unwrap();
             let targets = Targets {
                 floor: spawn_floor_server(),
                 handle: echo_runtime.handle(),
@@ -336,6 +398,7 @@ fn main() {
                 typed,
                 ractor: peers::ractor_echo::spawn().await,
                 kameo: peers::kameo_echo::spawn(),
+                agents: Arc::new(agents),
             };
             (echo_runtime, typed_runtime, targets)
         });
@@ -346,6 +409,8 @@ fn main() {
             Case::TypedTellBy,
             Case::Ractor,
             Case::Kameo,
+            Case::AgentStep,
+            Case::CallAgent,
             Case::Cold,
         ] {
             // The cold case as `benches/runtime.rs` measures it: current_thread only.
