@@ -48,6 +48,7 @@ use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::envelope::{EnvelopeContext, Payload};
+use crate::idempotency::{IdempotencyKey, KeyedRequest};
 use crate::signal::Signal;
 use crate::{AnyValue, Clock, RuntimeHandle};
 
@@ -345,6 +346,83 @@ impl Caller {
             .and_then(|reply| reply.into_value(&admitted.target));
         drop(admitted);
         result
+    }
+
+    /// As [`Caller::invoke`], for one attempt of the logical request `key` names, with
+    /// the guarantee of [`RuntimeHandle::invoke_keyed`]: if a turn of the target with this
+    /// key has committed, its recorded reply comes back and the target's handler does not
+    /// run again; otherwise the handler runs and its reply is recorded under `key` in the
+    /// same commit as its writes. So a turn that is run again (its caller retried it, or
+    /// it failed after this call and was retried) and makes the same call with the same
+    /// key does not apply the target's effect twice: derive the key from what names the
+    /// work (a request id the turn received, a step number), not from anything that
+    /// changes between attempts. The admission, the wait-for edge, the deadline and
+    /// cancellation are those of [`Caller::invoke`].
+    ///
+    /// Local only: where this runtime routes its turns' calls ([`Caller::routes_calls`],
+    /// a cluster node), no transport frame carries a key yet, and the call is refused
+    /// `Rejected` with nothing sent.
+    ///
+    /// # Errors
+    /// As [`Caller::invoke`]; `Rejected` (nothing sent) when calls are routed; those of
+    /// [`RuntimeHandle::invoke_keyed`] (a turn whose writes leave no room for the record).
+    ///
+    /// # Panics
+    /// As [`Caller::invoke`].
+    pub async fn invoke_keyed(
+        &self,
+        admitted: Admitted,
+        key: &IdempotencyKey,
+        payload: Bytes,
+    ) -> Result<Bytes, InvokeError> {
+        assert_eq!(
+            admitted.caller, self.inner.id,
+            "an admission is spent by the caller it was made for"
+        );
+        let inner = &*self.inner;
+        if self.routes_calls() {
+            return Err(InvokeError::Rejected {
+                target: admitted.target.clone(),
+                reason: "this runtime routes its turns' calls (a cluster node), and no transport frame carries an \
+                         idempotency key yet: call with Caller::invoke (unkeyed)"
+                    .to_string(),
+            });
+        }
+        let request = KeyedRequest {
+            key: key.clone(),
+            payload,
+        };
+        let result = inner
+            .handle
+            .send_and_wait(
+                &admitted.target,
+                Payload::Keyed(Box::new(request)),
+                admitted.child.clone().into(),
+                Some((&inner.id, Some(inner))),
+            )
+            .await
+            .and_then(|reply| reply.into_bytes(&admitted.target));
+        drop(admitted);
+        result
+    }
+
+    /// Admits and invokes under `key` in one step (see [`Caller::invoke_keyed`]): calls
+    /// `target` with `payload` and waits at most `timeout` (clipped to this turn's
+    /// deadline and to the maximum call timeout).
+    ///
+    /// # Errors
+    /// [`InvokeError::Refused`] with the admission's refusal, or as
+    /// [`Caller::invoke_keyed`].
+    pub async fn call_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, InvokeError> {
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let admitted = self.admit(target, true, Some(timeout_ms))?;
+        self.invoke_keyed(admitted, key, payload).await
     }
 
     /// Admits and invokes in one step: calls `target` with `payload` and waits at most

@@ -455,6 +455,8 @@ impl RuntimeHandle {
     /// record) and reads the store once or three times (a recorded key; a new one), so a
     /// keyed request costs a store commit where an unkeyed read-only one costs none.
     ///
+    /// From a turn, [`crate::Caller::call_keyed`] makes the same guarantee for a call.
+    ///
     /// Local only, as [`RuntimeHandle::invoke`]: no routed form (`invoke_routed`) or
     /// transport frame carries a key yet. In a cluster the key is checked against the
     /// shared, fenced store, so it holds wherever the actor is active next, but the

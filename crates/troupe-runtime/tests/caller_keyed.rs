@@ -1,0 +1,244 @@
+//! Keyed calls from a turn (`Caller::call_keyed`, `Caller::invoke_keyed`): a turn that
+//! is run again and makes the same call under the same idempotency key gets the first
+//! reply back, and the target's effect is applied once. This is the step of a saga: an
+//! `order` actor's turn asks a `counter` to apply an effect, then fails (or its caller
+//! gives up), and the retried turn must not apply the effect again.
+//!
+//! Effects are counted in the counter's committed state (the key `count`), read from
+//! the store. Runs in both builds (the multi-thread variants outside the simulator).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::{ActorId, ActorKind, InvokeError};
+use troupe_runtime::{
+    Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, MemoryStore, Runtime, RuntimeHandle, StateStore, Turn,
+    TurnCall, TurnCallRouter, WaitEdge,
+};
+
+/// `add` adds one to `count` and replies with the new count.
+struct Counter;
+
+impl Actor for Counter {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        assert_eq!(&payload[..], b"add");
+        let count = read_count(turn.get("count").await?);
+        turn.put("count", Bytes::from((count + 1).to_string()))?;
+        Ok(Bytes::from(format!("count={}", count + 1)))
+    }
+}
+
+fn read_count(value: Option<Bytes>) -> u64 {
+    value.map_or(0, |bytes| std::str::from_utf8(&bytes).unwrap().parse().unwrap())
+}
+
+/// Its payload is `<step>` or `<step>:unkeyed`: calls the counter under the key
+/// `step-<step>` (or without a key), then fails while `fail_after_call` is set, else
+/// replies with the counter's reply.
+struct Order {
+    fail_after_call: Arc<AtomicBool>,
+}
+
+impl Actor for Order {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let text = std::str::from_utf8(&payload).unwrap().to_string();
+        let (step, keyed) = match text.strip_suffix(":unkeyed") {
+            Some(step) => (step.to_string(), false),
+            None => (text, true),
+        };
+        let caller = turn.caller();
+        let add = Bytes::from_static(b"add");
+        let reply = if keyed {
+            let key = IdempotencyKey::new(&format!("step-{step}")).unwrap();
+            caller.call_keyed(&counter(), &key, add, LONG).await
+        } else {
+            caller.call(&counter(), add, LONG).await
+        };
+        let reply = reply.map_err(|error| ActorError::failed(format!("the counter: {error}")))?;
+        if self.fail_after_call.load(Ordering::SeqCst) {
+            return Err(ActorError::failed("told to fail after the call"));
+        }
+        Ok(reply)
+    }
+}
+
+const LONG: Duration = Duration::from_secs(10);
+
+fn counter() -> ActorId {
+    ActorId::new("counter", "c").unwrap()
+}
+
+fn order() -> ActorId {
+    ActorId::new("order", "o").unwrap()
+}
+
+fn start(store: Arc<dyn StateStore>, fail_after_call: Arc<AtomicBool>) -> Runtime {
+    let config = KindConfig::default().with_idle_timeout(Duration::from_secs(3_600));
+    Runtime::builder()
+        .store(store)
+        .register(
+            ActorKind::new("counter").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Counter)) },
+            config,
+        )
+        .unwrap()
+        .register(
+            ActorKind::new("order").unwrap(),
+            move |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Order {
+                    fail_after_call: fail_after_call.clone(),
+                }))
+            },
+            config,
+        )
+        .unwrap()
+        .start()
+}
+
+async fn run_order(runtime: &Runtime, payload: &str) -> Result<Bytes, InvokeError> {
+    runtime
+        .invoke_within(&order(), Bytes::from(payload.to_string()), LONG)
+        .await
+}
+
+async fn count(store: &dyn StateStore) -> u64 {
+    read_count(store.get(&counter(), "count").await.unwrap())
+}
+
+/// Goal: an `order` turn that called the counter under a key and then failed is run
+/// again; its second attempt gets the first call's reply and the counter's effect is
+/// applied once. Unkeyed, the same two attempts apply it twice (the control). Another
+/// key is another request. Method: count the counter's committed effects.
+async fn a_turn_run_again_applies_its_keyed_call_once() {
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+
+    let failed = run_order(&runtime, "1").await.unwrap_err();
+    assert!(failed.to_string().contains("told to fail after the call"), "{failed}");
+    assert_eq!(count(&*store).await, 1, "the counter's turn committed");
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(run_order(&runtime, "1").await.unwrap(), "count=1", "the recorded reply");
+    assert_eq!(count(&*store).await, 1, "the effect applied once");
+
+    assert_eq!(run_order(&runtime, "2").await.unwrap(), "count=2", "another key");
+    fail_after_call.store(true, Ordering::SeqCst);
+    run_order(&runtime, "3:unkeyed").await.unwrap_err();
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(run_order(&runtime, "3:unkeyed").await.unwrap(), "count=4");
+    assert_eq!(count(&*store).await, 4, "unkeyed, both attempts applied it");
+    runtime.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_turn_run_again_applies_its_keyed_call_once_current_thread() {
+    a_turn_run_again_applies_its_keyed_call_once().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_run_again_applies_its_keyed_call_once_multi_thread() {
+    a_turn_run_again_applies_its_keyed_call_once().await;
+}
+
+/// Goal: on worker threads, many `order` actors that each fail once after their keyed
+/// call and are retried apply each step exactly once, while they run concurrently.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_retried_turns_apply_each_keyed_call_once_multi_thread() {
+    /// Distinct steps, each first attempted by a turn that fails, then retried.
+    const STEPS: u64 = 64;
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+    let handle = runtime.handle();
+    let attempt_all = |handle: RuntimeHandle| async move {
+        let tasks: Vec<_> = (0..STEPS)
+            .map(|step| {
+                let handle = handle.clone();
+                tokio::spawn(async move {
+                    handle
+                        .invoke_within(&order(), Bytes::from(step.to_string()), LONG)
+                        .await
+                })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for task in tasks {
+            results.push(task.await.unwrap());
+        }
+        results
+    };
+    let first = attempt_all(handle.clone()).await;
+    assert!(
+        first.iter().all(Result::is_err),
+        "every first attempt fails after its call"
+    );
+    assert_eq!(count(&*store).await, STEPS);
+    fail_after_call.store(false, Ordering::SeqCst);
+    let second = attempt_all(handle).await;
+    let mut replies: Vec<u64> = second
+        .into_iter()
+        .map(|reply| {
+            let reply = reply.unwrap();
+            std::str::from_utf8(&reply)
+                .unwrap()
+                .strip_prefix("count=")
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    replies.sort_unstable();
+    assert_eq!(
+        replies,
+        (1..=STEPS).collect::<Vec<_>>(),
+        "each retry gets its first reply"
+    );
+    assert_eq!(count(&*store).await, STEPS, "no step applied twice");
+    runtime.shutdown().await;
+}
+
+/// A router that runs every call here, counting them.
+struct CountingRouter {
+    handle: RuntimeHandle,
+    calls: Mutex<u32>,
+}
+
+#[async_trait]
+impl TurnCallRouter for CountingRouter {
+    async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError> {
+        *self.calls.lock().unwrap() += 1;
+        self.handle
+            .invoke_for_turn(&call.caller, &call.target, call.payload, call.context)
+            .await
+    }
+
+    fn path_leaves_node(&self, _remote_edges: Vec<WaitEdge>) {}
+}
+
+/// Goal: where a router takes a turn's calls (a cluster node), a keyed call is refused
+/// `Rejected` with nothing sent, since no transport frame carries the key: the router
+/// sees no call and the counter never runs.
+#[tokio::test]
+async fn a_runtime_that_routes_calls_refuses_a_keyed_call_with_nothing_sent() {
+    let store = Arc::new(MemoryStore::new());
+    let runtime = start(store.clone(), Arc::default());
+    let router = Arc::new(CountingRouter {
+        handle: runtime.handle(),
+        calls: Mutex::new(0),
+    });
+    assert!(runtime.handle().set_turn_call_router(router.clone()).is_ok());
+    let refused = run_order(&runtime, "1").await.unwrap_err().to_string();
+    assert!(refused.contains("rejected"), "{refused}");
+    assert!(
+        refused.contains("no transport frame carries an idempotency key"),
+        "{refused}"
+    );
+    assert_eq!(*router.calls.lock().unwrap(), 0);
+    assert_eq!(count(&*store).await, 0);
+    runtime.shutdown().await;
+}
