@@ -665,7 +665,12 @@ impl ConversationActor {
             ConvCommand::Resume { after } => {
                 let page = turn.scan("relay/", after.as_deref(), AGENT_RESUME_BATCH).await?;
                 for (key, _) in &page {
-                    if let Some((seq, agent)) = relay_of(key) {
+                    // A mention a task of this process delivers needs no wake-up: its
+                    // turn would find the task and do nothing, after a place in the
+                    // mailbox ahead of the posts.
+                    let pending =
+                        relay_of(key).filter(|(seq, agent)| !self.shared.delivers_mention(&self.id, *seq, agent));
+                    if let Some((seq, agent)) = pending {
                         self.wake_relay(turn, seq, agent).await?;
                     }
                 }
@@ -1003,6 +1008,14 @@ impl ConversationActor {
 
     /// Starts a delivery task for the relay `seq`/`agent` unless one runs or it is gone.
     async fn relay(&mut self, turn: &mut Turn, seq: u64, agent: String) -> Result<(), ActorError> {
+        // A task of this process delivers it already (this activation's or an earlier
+        // one's): nothing to read. Checked before the store read, so a wake-up of a
+        // mention on its way costs no store operation (on a slow disk the resume sweep's
+        // wake-ups, each reading its relay, filled the conversation's mailbox and held
+        // its posts up to 15 s: `cluster_conversation_partition_dst.rs`).
+        if self.relaying.contains(&(seq, agent.clone())) || self.shared.delivers_mention(&self.id, seq, &agent) {
+            return Ok(());
+        }
         let key = relay_key(seq, &agent);
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(());

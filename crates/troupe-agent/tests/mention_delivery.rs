@@ -3,6 +3,15 @@
 //! kills and slow disks found agents' mailboxes full of the same mention's appends, one
 //! per activation that had started a task (`cluster_conversation_partition_dst.rs`).
 //!
+//!
+//! And a wake-up of a mention whose delivery task runs in this process reads nothing
+//! from the store: in the same DST, on a slow disk, every round of the resume sweep
+//! woke every pending relay of the conversation and each wake-up read its relay key
+//! (one store operation, up to 300 ms there, 3.5 s when it stalled), so the
+//! conversation's mailbox stayed full of them and the agents' answers waited behind
+//! them 5 to 15 s each (seed 74: 385 wake-ups, 68 s of the conversation's turns in the
+//! 125 s after the faults); the mentions behind them missed their 120 s deadline.
+//!
 //! Runs in both builds: `cargo test -p troupe-agent --test mention_delivery` and under
 //! madsim (`RUSTFLAGS="--cfg madsim"`).
 
@@ -104,5 +113,79 @@ async fn a_rebuilt_conversation_does_not_start_a_second_delivery_of_a_pending_me
         }
     }
     assert_eq!(appends, [false], "the mention is appended once, by one delivery task");
+    system.shutdown().await;
+}
+
+/// How long b's holding turn takes in the resume test: every resume and post of the
+/// test happens while the mention's append waits behind it.
+const LONG_HOLD: Duration = Duration::from_secs(3);
+/// Resumes of the conversation while the mention's delivery waits.
+const RESUMES: usize = 10;
+
+/// Goal: while a mention's delivery waits for a busy agent, resumes of its conversation
+/// (a cluster node's resume sweep runs one every period) read nothing from the store
+/// for it: the task already running goes on, and its relay is neither woken nor read
+/// (`relay/` gets of the conversation, counted). Before, each resume woke the relay and
+/// the wake-up read its key before it found the task: one store read per mention per
+/// sweep round, in the conversation's mailbox ahead of its posts. Multi-thread runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_reads_nothing_for_a_mention_whose_delivery_runs() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(LONG_HOLD),
+        )
+        .rule(ScriptRule::agent("b").reply("hello back"))
+        .without_recording();
+    let store = GateStore::new(Arc::new(MemoryStore::new()), false);
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let participants = vec![Participant::Human("h".to_string()), Participant::Agent("b".to_string())];
+    system
+        .create_conversation("room", participants, ConversationKind::Group)
+        .await
+        .unwrap();
+
+    // b busy: the mention's append waits in its mailbox behind the holding turn.
+    let client = system.client();
+    let hold = tokio::spawn(async move { client.ask("b", "hold").await.unwrap() });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    system.post_message("room", human(), "m0", "@b hi").await.unwrap();
+    // A post behind the relay's first wake-up: by its answer the delivery task runs.
+    system.post_message("room", human(), "m1", "no mention").await.unwrap();
+    store.count_gets(|actor, key| actor.kind().as_str() == CONVERSATION_KIND && key.starts_with("relay/"));
+    for _ in 0..RESUMES {
+        assert_eq!(system.client().resume_conversations().await.unwrap(), 1);
+    }
+    // Two posts: the first is queued behind the resumes, the second behind whatever
+    // wake-ups they sent; by its answer every one has run.
+    system.post_message("room", human(), "m2", "no mention").await.unwrap();
+    system.post_message("room", human(), "m3", "no mention").await.unwrap();
+    assert!(!hold.is_finished(), "b still holds: the delivery still waits");
+    assert_eq!(
+        store.counted_gets(),
+        0,
+        "no resume read the relay of the mention on its way"
+    );
+
+    hold.await.unwrap();
+    let answered = tokio::time::timeout(ANSWER_WAIT, async {
+        loop {
+            let messages = system.read_messages("room", None, 100).await.unwrap();
+            if messages.iter().any(|m| m.text == "hello back") {
+                return messages;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("b answers the mention");
+    assert_eq!(answered.iter().filter(|m| m.text == "hello back").count(), 1);
     system.shutdown().await;
 }

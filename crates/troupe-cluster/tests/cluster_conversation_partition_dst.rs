@@ -97,12 +97,45 @@
 //! from `AGENT_DELIVERY_RETRY_MS` (100 ms) up to `AGENT_MENTION_DELIVERY_RETRY_MAX_MS`
 //! (5 s) instead of staying at 100 ms. Over the same 200 seeds, one process per seed:
 //! 12 failing seeds before (the list above, the same with a 300 s settle bound), 2 after
-//! (74 and 151). Those two settle, but with an `Undeliverable` system note: a mention's
-//! deadline passed while it waited for an agent on a slow disk ("the mention of @a in
-//! #10 could not be delivered: the deadline passed (invocation of agent/a timed out
-//! after 30000 ms)"; "@c could not answer #30: the deadline passed"). Not yet fixed; the
-//! test runs in CI on seeds 1..=[`KILL_SEEDS`], which includes two of the seeds the
-//! fix made pass (14 and 20: both fail without it).
+//! (74 and 151): a mention's deadline passed while it waited for an agent on a slow
+//! disk (seed 74, as run at 4843f60: the mention of `c` in #10 still
+//! unanswered at the 120 s settle bound; seed 151: "@c could not answer #30: the
+//! deadline passed before it could answer").
+//!
+//! Where those 120 s went (2026-12-01, seeds 74 and 151 recorded with temporary prints of
+//! every delivery attempt, agent turn and conversation turn): to waste, not to the faults.
+//! Seed 74's mention of `c` in #10 (posted at 6.6 s, deadline at 126.6 s; the faults ended
+//! at 33.7 s): 11.6 s of attempts cut by the faults (a kill, a lost lease), 5.7 s until the
+//! room's next activation resumed it, two appends that waited 30 s each in `c`'s mailbox
+//! and expired (60 s), a third accepted after 11.4 s (at 95.6 s), then 31 s in `c`'s inbox
+//! behind earlier mentions. `c`'s mention turns took 4–15 s each, nearly all of it
+//! posting the answer: the room's mailbox was full of the resume sweep's wake-ups (every
+//! round, every pending relay), each reading its relay key on the slow disk before it found
+//! the delivery task already running: 385 such turns, 68 s of the room's 125 s after the
+//! faults (its 45 posts took 11 s, its 32 resumes 11 s); answer posts took a median 4.1 s,
+//! up to 15.3 s; 30 appends timed out at their 30 s acknowledgement. Seed 151 the same (316
+//! wake-ups, 72 s): its mention of `c` in #30 (posted at 40.5 s; the faults ended at 47.6
+//! s) had three appends expire in `c`'s mailbox (90 s), was accepted at 141 s with 19 s
+//! left, and waited past its deadline in the inbox.
+//!
+//! Fixed (1a79a47, `conversation.rs`: `relay` and the `Resume` command): a wake-up of a
+//! mention whose delivery task runs in this process reads nothing (checked before the store
+//! read), and a resume does not wake it. Over 1..=200, one process per seed: 74 and 151
+//! fail before, none after (one run of 1..=200 passes too). With the turns timed (the same
+//! temporary prints; they change no run), the longest time from a mention's first relay to
+//! its answer in a seed: up to 137 s before (6 seeds over 90 s, 11 over 60 s), up to 70 s
+//! after (none over 90 s, 3 over 60 s); appends timed out at 30 s: 173 before, 60 after;
+//! relay turns: 19 575 taking 1 485 s before, 15 770 taking 823 s after (those left read
+//! their relay: a mention's first wake-up in a process, or one whose task there has ended).
+//! Settling after the faults: a median of 0.4 s both, 18 seeds over 60 s before (up to 121
+//! s), 6 after (up to 99 s, seed 13). The test runs in CI on seeds 1..=[`KILL_SEEDS`],
+//! which includes two of the seeds the earlier fix made pass (14 and 20: both fail without
+//! it).
+//!
+//! Still wasted (not fixed): an agent's resume (the sweep's, every round) tells `Process`
+//! again for every inbox entry, those already queued too, and each extra one reads its
+//! entry to find it gone: in seed 13 after the fix, 107 of the agents' 180 `Process`
+//! turns did nothing (25 s of their turns).
 //!
 //! Run with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run -p troupe-cluster --test cluster_conversation_partition_dst`.
 #![cfg(madsim)]
@@ -1087,9 +1120,9 @@ fn kill_seeds() -> std::ops::RangeInclusive<u64> {
 /// invariants hold, a post whose attempt died with its node is retried under its
 /// client id through another node, and every run injected both new faults.
 ///
-/// It found a liveness bug, fixed in part (module docs, "What the kills and slow disks
-/// found"): seeds 14 and 20 of this range fail without the fix; by hand, seeds 74 and
-/// 151 of 1..=200 still fail with an `Undeliverable` note (`TROUPE_KILL_DST_SEEDS=74-74`).
+/// It found a liveness bug, fixed in two steps (module docs, "What the kills and slow
+/// disks found"): seeds 14 and 20 of this range fail without the first; by hand, seeds
+/// 74 and 151 of 1..=200 fail without the second (`TROUPE_KILL_DST_SEEDS=74-74`).
 #[test]
 fn every_mention_is_answered_exactly_once_under_node_kills_and_slow_disks() {
     let (mut kills, mut restarts, mut slow_ops, mut died, mut elsewhere) = (0, 0, 0, 0, 0);

@@ -176,6 +176,15 @@ impl AgentShared {
         })
     }
 
+    /// Whether a task of this process delivers mention `seq` of `conversation` to
+    /// `agent` (taken by [`Self::start_mention_delivery`] and not yet ended).
+    pub(crate) fn delivers_mention(&self, conversation: &troupe_core::ActorId, seq: u64, agent: &str) -> bool {
+        self.mention_deliveries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(&(conversation.clone(), seq, agent.to_string()))
+    }
+
     fn call_records(&self) -> std::sync::MutexGuard<'_, BTreeMap<troupe_core::ActorId, PendingRecords>> {
         self.call_records
             .lock()

@@ -2,7 +2,8 @@
 //! process died; nothing it does reaches the data any more), `refuse_scans` refuses only
 //! scans (so a start-up `resume_pending` fails), counting the scans it refused, and
 //! `refuse_loads` only `load` (what reads the organisation; an activation claims), and
-//! `refuse_one_commit` the first commit a test's predicate picks. A second store over
+//! `refuse_one_commit` the first commit a test's predicate picks; `count_commits` and
+//! `count_gets` count the commits and gets a test's predicate picks. A second store over
 //! the same data is the process after a restart.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,7 +25,12 @@ pub(crate) struct GateStore {
     refuse_commit: Mutex<Option<CommitPredicate>>,
     /// Counts the commits it is true for (see `count_commits`).
     counted: Mutex<Option<(CommitPredicate, u64)>>,
+    /// Counts the gets it is true for (see `count_gets`).
+    counted_gets: Mutex<Option<(GetPredicate, u64)>>,
 }
+
+/// Which gets `GateStore::count_gets` counts: the actor and the key.
+type GetPredicate = Box<dyn Fn(&ActorId, &str) -> bool + Send + Sync>;
 
 /// Which commit `GateStore::refuse_one_commit` refuses.
 type CommitPredicate = Box<dyn Fn(&ActorId, &TurnCommit) -> bool + Send + Sync>;
@@ -40,6 +46,7 @@ impl GateStore {
             refused_loads: AtomicU64::new(0),
             refuse_commit: Mutex::new(None),
             counted: Mutex::new(None),
+            counted_gets: Mutex::new(None),
         })
     }
 
@@ -65,6 +72,22 @@ impl GateStore {
     #[allow(dead_code)]
     pub(crate) fn counted_commits(&self) -> u64 {
         self.counted.lock().unwrap().as_ref().map_or(0, |(_, count)| *count)
+    }
+
+    /// From now on, counts the gets `pick` is true for (read with `counted_gets`).
+    #[allow(dead_code)]
+    pub(crate) fn count_gets(&self, pick: impl Fn(&ActorId, &str) -> bool + Send + Sync + 'static) {
+        *self.counted_gets.lock().unwrap() = Some((Box::new(pick), 0));
+    }
+
+    /// How many gets `count_gets`'s predicate picked.
+    #[allow(dead_code)]
+    pub(crate) fn counted_gets(&self) -> u64 {
+        self.counted_gets
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |(_, count)| *count)
     }
 
     fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
@@ -111,6 +134,11 @@ impl StateStore for GateStore {
     }
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
         self.check(StoreOperation::Get)?;
+        if let Some((pick, count)) = self.counted_gets.lock().unwrap().as_mut() {
+            if pick(actor, key) {
+                *count += 1;
+            }
+        }
         self.inner.get(actor, key).await
     }
     async fn scan(
