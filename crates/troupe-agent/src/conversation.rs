@@ -1013,7 +1013,7 @@ impl ConversationActor {
         // mention on its way costs no store operation (on a slow disk the resume sweep's
         // wake-ups, each reading its relay, filled the conversation's mailbox and held
         // its posts up to 15 s: `cluster_conversation_partition_dst.rs`).
-        if self.relaying.contains(&(seq, agent.clone())) || self.shared.delivers_mention(&self.id, seq, &agent) {
+        if self.shared.delivers_mention(&self.id, seq, &agent) {
             return Ok(());
         }
         let key = relay_key(seq, &agent);
