@@ -77,6 +77,7 @@ impl ActorFactory for AgentFactory {
             state,
             shared: Arc::clone(&self.shared),
             relaying: std::collections::BTreeSet::new(),
+            process_told: std::collections::BTreeMap::new(),
             resumed: false,
             prompt: None,
             spec_generation: None,
@@ -91,6 +92,13 @@ pub(crate) struct AgentActor {
     pub(crate) shared: Arc<AgentShared>,
     /// Outbox seqs a delivery task of this activation is delivering.
     pub(crate) relaying: std::collections::BTreeSet<u64>,
+    /// Inbox seqs whose `Process` this activation has told itself, with that message's
+    /// deadline: until it passes, the message is in this activation's mailbox (or has
+    /// run, which removes the seq), so a resume need not tell it again (each extra
+    /// `Process` is a turn that reads its entry and finds it gone). A message dropped
+    /// unrun at its deadline leaves a seq whose deadline has passed, which no longer
+    /// counts; a rebuilt or new activation starts with none.
+    pub(crate) process_told: std::collections::BTreeMap<u64, troupe_core::Deadline>,
     /// Whether this activation has re-scheduled the entries its snapshot says are
     /// pending (its first request does, so an agent activated on another node, after its
     /// owner died, resumes the work the dead node's in-memory wake-ups held).

@@ -352,7 +352,7 @@ impl AgentActor {
     /// Tells itself to process inbox entry `seq` under the entry's context (plus the
     /// grace that lets a timed-out model loop commit its failure).
     pub(crate) async fn schedule_process(
-        &self,
+        &mut self,
         turn: &Turn,
         seq: u64,
         context: &CallContext,
@@ -362,14 +362,24 @@ impl AgentActor {
 
     /// [`Self::schedule_process`], with the runtime's refusal as it is (`Busy`: the
     /// mailbox is full).
-    async fn try_schedule_process(&self, turn: &Turn, seq: u64, context: &CallContext) -> Result<(), InvokeError> {
+    async fn try_schedule_process(&mut self, turn: &Turn, seq: u64, context: &CallContext) -> Result<(), InvokeError> {
         // An entry already past its deadline is still scheduled (now + grace): its turn
         // resolves it as failed instead of leaving it to the next resume.
         let latest = context.deadline().max(turn.now());
         let deadline = troupe_core::Deadline::after(latest, Duration::from_millis(PROCESS_GRACE_MS));
         turn.caller()
             .tell_self_in(AgentCommand::Process { seq }.encode(), context.with_deadline(deadline))
-            .await
+            .await?;
+        self.process_told.insert(seq, deadline);
+        Ok(())
+    }
+
+    /// Whether a `Process` of `seq` told by this activation may still run (see
+    /// [`AgentActor::process_told`]).
+    fn process_queued(&self, seq: u64, now: troupe_core::Deadline) -> bool {
+        self.process_told
+            .get(&seq)
+            .is_some_and(|deadline| !deadline.has_passed(now))
     }
 
     /// Tries inbox entry `seq` (a mention whose answer could not be posted) again from a
@@ -429,7 +439,7 @@ impl AgentActor {
     /// turn that failed leaves its entry for the actor's next resume: the later ones of
     /// its sender wait for it, not overtake it).
     async fn earlier_of_its_sender_done(
-        &self,
+        &mut self,
         turn: &mut Turn,
         seq: u64,
         entry: &InboxEntry,
@@ -471,6 +481,8 @@ impl AgentActor {
     /// Processes inbox entry `seq` once: the entry's deletion commits with the model's
     /// turn and with whatever it sends, or with the failure it reports.
     async fn process(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
+        // Whatever this turn does, the message told for it has run.
+        self.process_told.remove(&seq);
         let entry_seq = seq;
         let key = inbox_key(seq);
         let Some(bytes) = turn.get(&key).await? else {
@@ -743,6 +755,8 @@ impl AgentActor {
             // in flight (a delivery task whose report was lost would otherwise hold its
             // seq here until the activation ends; a second delivery is deduplicated).
             self.relaying.clear();
+            let now = turn.now();
+            self.process_told.retain(|_, deadline| !deadline.has_passed(now));
         }
         // Its own mailbox full (a wake-up refused `Busy`), a resume stops where it got
         // to and goes on shortly from outside the turn: failing the turn instead would
@@ -755,6 +769,12 @@ impl AgentActor {
         for (key, bytes) in &inbox {
             let entry: InboxEntry = from_json(key, bytes)?;
             let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad inbox key {key}")))?;
+            // Told already and still queued: a second would be a turn that finds the
+            // entry gone (on a slow disk the sweep's rounds piled them up).
+            if self.process_queued(seq, turn.now()) {
+                next_inbox = Some(seq);
+                continue;
+            }
             if !told(self.try_schedule_process(turn, seq, &entry.context).await)? {
                 self.resume_later(next_inbox, outbox_after);
                 return Ok(());
