@@ -219,8 +219,10 @@ pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 ///
 /// History: 3 added the one-way `Probe` frame; 4 added the one-way `Cancel` frame and
 /// the request's trace id (a peer of version 3 would not understand them, so it is
-/// refused at the handshake).
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 4;
+/// refused at the handshake); 5 added the request's optional idempotency key, at the
+/// end of the request (a peer of version 4 would fail to decode a request with it, or
+/// run a keyed request unkeyed, so it is refused at the handshake).
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 5;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.
