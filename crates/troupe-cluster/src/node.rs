@@ -119,6 +119,11 @@ pub(crate) struct Inner {
 /// made through the runtime ([`RuntimeHandle::invoke_routed`], a turn's
 /// `invoke_as_root`), so an agent system attached to [`ClusterNode::handle`] reaches
 /// its agents wherever they are placed (see docs/cluster.md, "Agents on the cluster").
+/// Both carry idempotency keys: a keyed root request
+/// ([`RuntimeHandle::invoke_routed_keyed`]) or a turn's keyed call
+/// (`Caller::invoke_keyed`) runs keyed on the target's owner, here or across the
+/// transport, so an attempt whose outcome its caller did not learn (`Timeout`,
+/// `Unreachable`) can be sent again with the same key, through any node, and lands once.
 ///
 /// When the lease is lost, the node refuses every claim and commit at once and
 /// deactivates every activation it has; [`ClusterNode::fenced_off`] resolves when that

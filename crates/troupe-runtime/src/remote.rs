@@ -5,8 +5,9 @@
 //! Caller::invoke ──► router installed? ──no──► dispatcher (local call, local edge)
 //!                        │ yes
 //!                        ▼
-//!      TurnCallRouter::call(TurnCall { caller, target, payload, context })
-//!        target here ──► RuntimeHandle::invoke_for_turn (the local path above)
+//!      TurnCallRouter::call(TurnCall { caller, target, payload, context, key })
+//!        target here ──► RuntimeHandle::invoke_for_turn (the local path above;
+//!                        invoke_for_turn_keyed for a keyed call)
 //!        target elsewhere ──► RuntimeHandle::begin_remote_wait (edge caller → target,
 //!                             marked remote, refused with DeadlockDetected if it closes
 //!                             a cycle of this graph) ── send ── RemoteWait dropped
