@@ -10,7 +10,13 @@
 //! through node-2. Keyed (`RuntimeHandle::invoke_routed_keyed`, through the node's root
 //! router and the transport), the retry gets the first attempt's reply and the count
 //! stays; unkeyed (`invoke_routed`, the control), the retry applies the effect again.
-//! The same for a turn's keyed call (`Caller::call_keyed` from an `order` actor on
+//!
+//! A second case kills the first attempt's node while the owner commits the attempt's
+//! turn (the shared store's commits are held up for [`COMMIT_STALL_MS`] then): the turn
+//! keeps its commit, and the retry through node-2, queued behind that commit, lands once
+//! keyed and twice unkeyed (two tests, each its own cluster).
+//!
+//! A third does the same for a turn's keyed call (`Caller::call_keyed` from an `order` actor on
 //! node-1 to the counter on node-3, through the node's turn router), the turn run again
 //! after it failed.
 //!
@@ -34,8 +40,8 @@ use troupe_cluster::ClusterNode;
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::{
-    Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, MemoryStore, RuntimeBuilder, RuntimeHandle, StateStore,
-    Turn,
+    Actor, ActorBox, ActorError, Claimed, Fence, FencedClaim, IdempotencyKey, KindConfig, MemoryStore, RuntimeBuilder,
+    RuntimeHandle, StateStore, StoreError, Turn, TurnCommit,
 };
 
 const ETCD_ADDRESS: &str = "10.0.0.1:2379";
@@ -59,6 +65,11 @@ const CUT_AFTER_MS: u64 = 200;
 const FIRST_ATTEMPT_MS: u64 = 2_000;
 /// The deadline of every other request, in milliseconds.
 const CALL_MS: u64 = 5_000;
+/// How long a store commit takes while commits are stalled, in milliseconds.
+const COMMIT_STALL_MS: u64 = 1_000;
+/// When the first attempt's node is killed, after the attempt is sent, in milliseconds:
+/// its turn has run and its commit is stalled.
+const KILL_AFTER_MS: u64 = 300;
 /// The turn's call timeout the `order` actor asks for, in milliseconds: its own deadline
 /// clips it.
 const ORDER_CALL_TIMEOUT_MS: u64 = 60_000;
@@ -145,6 +156,53 @@ fn runtime(node: &'static str, fail_after_call: Arc<AtomicBool>) -> RuntimeBuild
         .expect("register the order")
 }
 
+/// The shared store, whose commits each take [`COMMIT_STALL_MS`] while `stalled` is set
+/// (checked when the commit starts).
+#[derive(Clone)]
+struct StallingStore {
+    inner: MemoryStore,
+    stalled: Arc<AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl StateStore for StallingStore {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.inner.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.inner.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        if self.stalled.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(COMMIT_STALL_MS)).await;
+        }
+        self.inner.commit(actor, fence, commit).await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.inner.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+#[async_trait::async_trait]
+impl FencedClaim for StallingStore {
+    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
+        self.inner.claim_with_fence(actor, fence).await
+    }
+}
+
 fn node_ip(index: usize) -> IpAddr {
     format!("10.0.1.{}", index + 1).parse().expect("an IP address")
 }
@@ -153,7 +211,7 @@ fn node_ip(index: usize) -> IpAddr {
 struct Cluster {
     nodes: Vec<NodeHandle>,
     handles: Vec<RuntimeHandle>,
-    store: MemoryStore,
+    store: StallingStore,
     fail_after_call: Arc<AtomicBool>,
     _etcd: NodeHandle,
 }
@@ -161,7 +219,10 @@ struct Cluster {
 async fn start_cluster() -> Cluster {
     let handle = Handle::current();
     let etcd = start_sim_etcd(&handle, ETCD_ADDRESS).await;
-    let store = MemoryStore::new();
+    let store = StallingStore {
+        inner: MemoryStore::new(),
+        stalled: Arc::default(),
+    };
     let fail_after_call = Arc::new(AtomicBool::new(false));
     let slots: Arc<Mutex<Vec<Option<RuntimeHandle>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
     let nodes = (0..NODE_NAMES.len())
@@ -257,6 +318,29 @@ impl Cluster {
     /// The counter's committed count.
     async fn count(&self) -> u64 {
         read_count(self.store.get(&counter("c"), "count").await.expect("the store"))
+    }
+
+    /// The first attempt: from node-1, `add` to the counter sent as `send`; while its
+    /// turn's commit on node-3 is stalled, node-1 is killed (the stall ends for later
+    /// commits). Returns once the stalled commit is under way and node-1 is dead.
+    async fn first_attempt_then_kill_its_node(&self, send: Sent) {
+        let handle = self.handles[0].clone();
+        self.store.stalled.store(true, Ordering::SeqCst);
+        let attempt = self.nodes[0].spawn(async move {
+            let deadline = handle.deadline_in(Duration::from_millis(CALL_MS));
+            let payload = Bytes::from_static(b"add");
+            match send {
+                Sent::Keyed(key) => {
+                    let key = IdempotencyKey::new(key).expect("a key");
+                    handle.invoke_routed_keyed(&counter("c"), &key, payload, deadline).await
+                }
+                Sent::Unkeyed => handle.invoke_routed(&counter("c"), payload, deadline).await,
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(KILL_AFTER_MS)).await;
+        Handle::current().kill(self.nodes[0].id());
+        self.store.stalled.store(false, Ordering::SeqCst);
+        drop(attempt);
     }
 
     /// Cuts (or heals) both directions of the link between nodes `a` and `b`.
@@ -370,4 +454,36 @@ async fn a_turns_keyed_call_to_another_node_lands_once_when_the_turn_is_run_agai
     let again = cluster.send(0, order("o"), Sent::Unkeyed, "- add", CALL_MS).await;
     assert_eq!(again.expect("run again"), "node-3:7");
     assert_eq!(cluster.count().await, 7, "unkeyed, both attempts applied it");
+}
+
+/// Kills the first attempt's node while the owner commits its turn, then sends the
+/// request again through node-2 as `send`: the retry's reply and the count after it.
+async fn retry_after_the_first_attempts_node_is_killed(send: Sent) -> (String, u64) {
+    let cluster = start_cluster().await;
+    cluster.place_counter_on_node_3().await;
+    cluster.first_attempt_then_kill_its_node(send).await;
+    let retry = cluster.send(1, counter("c"), send, "add", CALL_MS).await;
+    (retry.expect("the retry"), cluster.count().await)
+}
+
+/// Goal: a keyed root request whose first attempt's node is killed while the owner
+/// commits the attempt's turn (a turn already committing keeps its commit), sent again
+/// with the same key through another node, lands once and gets the first attempt's
+/// reply. Method: count the counter's committed effects in the shared store.
+#[madsim::test]
+async fn a_keyed_request_retried_after_its_node_is_killed_in_the_commit_window_lands_once() {
+    let (reply, count) = retry_after_the_first_attempts_node_is_killed(Sent::Keyed("order-9")).await;
+    assert_eq!(reply, "node-3:4", "the first attempt's reply");
+    assert_eq!(count, 4, "keyed, the effect landed once");
+}
+
+/// Goal: the control of the test above: unkeyed, the retry applies the effect again.
+#[madsim::test]
+async fn an_unkeyed_request_retried_after_its_node_is_killed_in_the_commit_window_lands_twice() {
+    let (reply, count) = retry_after_the_first_attempts_node_is_killed(Sent::Unkeyed).await;
+    assert_eq!(reply, "node-3:5");
+    assert_eq!(
+        count, 5,
+        "unkeyed, the killed node's attempt and the retry both applied it"
+    );
 }
