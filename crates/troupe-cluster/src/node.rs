@@ -11,7 +11,9 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError, StoreError};
 use troupe_etcd::{EtcdConfig, EtcdPlacement, LeaseLostReason, NodeId, Placement, PlacementError};
-use troupe_runtime::{FencedClaim, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer, TurnCall};
+use troupe_runtime::{
+    FencedClaim, IdempotencyKey, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer, TurnCall,
+};
 
 use crate::placed_store::{Ownership, PlacedStore, ReleaseObserver};
 use crate::probes::{Hooks, ProbeChannel, RemoteWaitEntry, PROBE_QUEUE_CAPACITY};
@@ -117,6 +119,11 @@ pub(crate) struct Inner {
 /// made through the runtime ([`RuntimeHandle::invoke_routed`], a turn's
 /// `invoke_as_root`), so an agent system attached to [`ClusterNode::handle`] reaches
 /// its agents wherever they are placed (see docs/cluster.md, "Agents on the cluster").
+/// Both carry idempotency keys: a keyed root request
+/// ([`RuntimeHandle::invoke_routed_keyed`]) or a turn's keyed call
+/// (`Caller::invoke_keyed`) runs keyed on the target's owner, here or across the
+/// transport, so an attempt whose outcome its caller did not learn (`Timeout`,
+/// `Unreachable`) can be sent again with the same key, through any node, and lands once.
 ///
 /// When the lease is lost, the node refuses every claim and commit at once and
 /// deactivates every activation it has; [`ClusterNode::fenced_off`] resolves when that
@@ -375,6 +382,18 @@ impl ClusterClient {
     }
 }
 
+/// A turn's call to an actor on another node, as [`Inner::remote_turn_call`] sends it.
+pub(crate) struct RemoteTurnCall<'a> {
+    /// The node that owns the target.
+    pub(crate) owner: &'a NodeId,
+    /// The actor whose turn waits.
+    pub(crate) caller: &'a ActorId,
+    /// The actor called.
+    pub(crate) target: &'a ActorId,
+    /// The call's idempotency key, for a keyed call.
+    pub(crate) key: Option<&'a IdempotencyKey>,
+}
+
 /// Who makes a routed call.
 #[derive(Clone, Copy)]
 pub(crate) enum Origin<'a> {
@@ -384,11 +403,16 @@ pub(crate) enum Origin<'a> {
     /// A root request that came through the runtime's root router
     /// ([`troupe_runtime::RootCallRouter`]): from outside any turn, or from a turn's
     /// `invoke_as_root` (so its local path does not refuse a request made in a turn).
-    RoutedRoot,
-    /// A turn of `caller`; the callee runs under `context` (admission already ran).
+    /// With a key, one attempt of a keyed request (`RuntimeHandle::invoke_routed_keyed`):
+    /// it runs keyed wherever the target lives.
+    RoutedRoot { key: Option<&'a IdempotencyKey> },
+    /// A turn of `caller`; the callee runs under `context` (admission already ran). With
+    /// a key, a keyed call (`Caller::invoke_keyed`): it runs keyed wherever the target
+    /// lives.
     Turn {
         caller: &'a ActorId,
         context: &'a CallContext,
+        key: Option<&'a IdempotencyKey>,
     },
     /// A fire-and-forget message from a turn of `caller`, for the target's runtime to
     /// accept (the reply is empty); the target runs under `context` (admission already
@@ -452,15 +476,26 @@ impl Inner {
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
                         Origin::Root(context) => client.invoke(target, payload.clone(), context.clone(), None).await,
-                        Origin::RoutedRoot => {
+                        Origin::RoutedRoot { key: None } => {
                             client
                                 .invoke(target, payload.clone(), CallContext::root(deadline), None)
                                 .await
                         }
-                        Origin::Turn { caller, context } => {
+                        Origin::RoutedRoot { key: Some(key) } => {
+                            client
+                                .invoke_keyed(target, key, payload.clone(), CallContext::root(deadline), None)
+                                .await
+                        }
+                        Origin::Turn { caller, context, key } => {
                             inner.counters.turn_calls_forwarded.fetch_add(1, Ordering::Relaxed);
+                            let call = RemoteTurnCall {
+                                owner,
+                                caller,
+                                target,
+                                key,
+                            };
                             inner
-                                .remote_turn_call(&client, owner, caller, target, payload.clone(), context.clone())
+                                .remote_turn_call(&client, call, payload.clone(), context.clone())
                                 .await
                         }
                         Origin::TellFromTurn { caller, context } => {
@@ -476,16 +511,36 @@ impl Inner {
                     inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
                     match origin {
                         Origin::Root(context) => inner.handle.invoke_in(target, payload.clone(), context.clone()).await,
-                        Origin::RoutedRoot => {
+                        Origin::RoutedRoot { key: None } => {
                             inner
                                 .handle
                                 .invoke_root_for_router(target, payload.clone(), deadline)
                                 .await
                         }
-                        Origin::Turn { caller, context } => {
+                        Origin::RoutedRoot { key: Some(key) } => {
+                            inner
+                                .handle
+                                .invoke_root_keyed_for_router(target, key, payload.clone(), deadline)
+                                .await
+                        }
+                        Origin::Turn {
+                            caller,
+                            context,
+                            key: None,
+                        } => {
                             inner
                                 .handle
                                 .invoke_for_turn(caller, target, payload.clone(), context.clone())
+                                .await
+                        }
+                        Origin::Turn {
+                            caller,
+                            context,
+                            key: Some(key),
+                        } => {
+                            inner
+                                .handle
+                                .invoke_for_turn_keyed(caller, target, key, payload.clone(), context.clone())
                                 .await
                         }
                         Origin::TellFromTurn { context, .. } => inner
@@ -570,10 +625,12 @@ impl Inner {
             target,
             payload,
             context,
+            key,
         } = call;
         let origin = Origin::Turn {
             caller: &caller,
             context: &context,
+            key: key.as_ref(),
         };
         self.routed(&target, payload, context.deadline(), origin).await
     }
@@ -586,7 +643,10 @@ impl Inner {
             target,
             payload,
             context,
+            key,
         } = call;
+        // A tell carries no key: `Caller::tell` never sets one.
+        debug_assert!(key.is_none(), "a turn's tell carries no idempotency key");
         let origin = Origin::TellFromTurn {
             caller: &caller,
             context: &context,

@@ -131,6 +131,12 @@ impl TurnCallRouter for Hooks {
         })
     }
 
+    /// The node runs a keyed call keyed wherever its target lives (the transport
+    /// carries the key).
+    fn carries_idempotency_keys(&self) -> bool {
+        true
+    }
+
     fn path_leaves_node(&self, remote_edges: Vec<WaitEdge>) {
         let Some(inner) = self.inner.upgrade() else { return };
         if inner.probes_disabled() {
@@ -156,7 +162,29 @@ impl troupe_runtime::RootCallRouter for Hooks {
         match self.inner.upgrade() {
             Some(inner) => {
                 inner
-                    .routed(target, payload, deadline, crate::node::Origin::RoutedRoot)
+                    .routed(target, payload, deadline, crate::node::Origin::RoutedRoot { key: None })
+                    .await
+            }
+            None => Err(InvokeError::Shutdown),
+        }
+    }
+
+    async fn invoke_root_keyed(
+        &self,
+        target: &troupe_core::ActorId,
+        key: &troupe_runtime::IdempotencyKey,
+        payload: Bytes,
+        deadline: troupe_core::Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        match self.inner.upgrade() {
+            Some(inner) => {
+                inner
+                    .routed(
+                        target,
+                        payload,
+                        deadline,
+                        crate::node::Origin::RoutedRoot { key: Some(key) },
+                    )
                     .await
             }
             None => Err(InvokeError::Shutdown),
@@ -221,12 +249,16 @@ impl Inner {
     pub(crate) async fn remote_turn_call(
         &self,
         client: &TransportClient,
-        owner: &NodeId,
-        caller: &ActorId,
-        target: &ActorId,
+        call: crate::node::RemoteTurnCall<'_>,
         payload: Bytes,
         context: CallContext,
     ) -> Result<Bytes, InvokeError> {
+        let crate::node::RemoteTurnCall {
+            owner,
+            caller,
+            target,
+            key,
+        } = call;
         let wait = self.handle.begin_remote_wait(caller, target).await?;
         let call = wait.call_id();
         let (found, mut cycle) = oneshot::channel();
@@ -252,7 +284,12 @@ impl Inner {
                 self.counters.deadlocks_found_by_probes.fetch_add(1, Ordering::Relaxed);
                 Err(InvokeError::DeadlockDetected { cycle })
             }
-            result = client.invoke(target, payload, context, Some(caller)) => result,
+            result = async {
+                match key {
+                    None => client.invoke(target, payload, context, Some(caller)).await,
+                    Some(key) => client.invoke_keyed(target, key, payload, context, Some(caller)).await,
+                }
+            } => result,
         };
         drop(entry);
         drop(wait);

@@ -48,7 +48,7 @@ use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::envelope::{EnvelopeContext, Payload};
-use crate::idempotency::{IdempotencyKey, KeyedRequest};
+use crate::idempotency::IdempotencyKey;
 use crate::signal::Signal;
 use crate::{AnyValue, Clock, RuntimeHandle};
 
@@ -280,6 +280,7 @@ impl Caller {
                     target: admitted.target.clone(),
                     payload,
                     context: admitted.child.clone(),
+                    key: None,
                 };
                 tokio::select! {
                     biased;
@@ -359,13 +360,18 @@ impl Caller {
     /// changes between attempts. The admission, the wait-for edge, the deadline and
     /// cancellation are those of [`Caller::invoke`].
     ///
-    /// Local only: where this runtime routes its turns' calls ([`Caller::routes_calls`],
-    /// a cluster node), no transport frame carries a key yet, and the call is refused
-    /// `Rejected` with nothing sent.
+    /// Where this runtime routes its turns' calls (a [`crate::TurnCallRouter`] is
+    /// installed: a cluster node), the call goes to the router with its key
+    /// ([`crate::TurnCall::key`]), which runs it keyed wherever the target lives (across
+    /// nodes, the transport carries the key); the key is checked against the target's
+    /// committed store, so the guarantee holds whichever node runs the target. A router
+    /// that does not carry keys ([`crate::TurnCallRouter::carries_idempotency_keys`])
+    /// refuses it `Rejected`, with nothing sent.
     ///
     /// # Errors
-    /// As [`Caller::invoke`]; `Rejected` (nothing sent) when calls are routed; those of
-    /// [`RuntimeHandle::invoke_keyed`] (a turn whose writes leave no room for the record).
+    /// As [`Caller::invoke`]; `Rejected` (nothing sent) when the installed router does
+    /// not carry keys; those of [`RuntimeHandle::invoke_keyed`] (a turn whose writes leave
+    /// no room for the record).
     ///
     /// # Panics
     /// As [`Caller::invoke`].
@@ -380,28 +386,42 @@ impl Caller {
             "an admission is spent by the caller it was made for"
         );
         let inner = &*self.inner;
-        if self.routes_calls() {
-            return Err(InvokeError::Rejected {
+        let result = match inner.handle.turn_call_router() {
+            Some(router) if !router.carries_idempotency_keys() => Err(InvokeError::Rejected {
                 target: admitted.target.clone(),
-                reason: "this runtime routes its turns' calls (a cluster node), and no transport frame carries an \
-                         idempotency key yet: call with Caller::invoke (unkeyed)"
+                reason: "this runtime routes its turns' calls through a TurnCallRouter that does not carry \
+                         idempotency keys (TurnCallRouter::carries_idempotency_keys): call with Caller::invoke \
+                         (unkeyed), or install a router that carries keys"
                     .to_string(),
-            });
-        }
-        let request = KeyedRequest {
-            key: key.clone(),
-            payload,
+            }),
+            Some(router) => {
+                let call = crate::TurnCall {
+                    caller: inner.id.clone(),
+                    target: admitted.target.clone(),
+                    payload,
+                    context: admitted.child.clone(),
+                    key: Some(key.clone()),
+                };
+                tokio::select! {
+                    biased;
+                    result = router.call(call) => result,
+                    () = inner.turn_ended() => Err(InvokeError::Cancelled { target: admitted.target.clone() }),
+                }
+            }
+            None => {
+                inner
+                    .handle
+                    .invoke_keyed_from(
+                        &inner.id,
+                        &admitted.target,
+                        key,
+                        payload,
+                        admitted.child.clone(),
+                        Some(inner),
+                    )
+                    .await
+            }
         };
-        let result = inner
-            .handle
-            .send_and_wait(
-                &admitted.target,
-                Payload::Keyed(Box::new(request)),
-                admitted.child.clone().into(),
-                Some((&inner.id, Some(inner))),
-            )
-            .await
-            .and_then(|reply| reply.into_bytes(&admitted.target));
         drop(admitted);
         result
     }
@@ -467,6 +487,7 @@ impl Caller {
                     target: target.clone(),
                     payload,
                     context: admitted.child.clone(),
+                    key: None,
                 };
                 let routed = tokio::select! {
                     biased;

@@ -25,6 +25,14 @@ pub(crate) enum Payload {
 }
 
 impl Payload {
+    /// A keyed request: `payload`, one attempt of the logical request `key` names.
+    pub(crate) fn keyed(key: &crate::IdempotencyKey, payload: Bytes) -> Self {
+        Self::Keyed(Box::new(KeyedRequest {
+            key: key.clone(),
+            payload,
+        }))
+    }
+
     /// The bytes of a reply to a bytes request.
     #[inline]
     pub(crate) fn into_bytes(self, target: &ActorId) -> Result<Bytes, InvokeError> {

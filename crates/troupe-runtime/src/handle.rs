@@ -23,7 +23,7 @@ use crate::caller::CallerInner;
 use crate::control::{CallEdge, Command, Control};
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::fast_hash::FastMap;
-use crate::idempotency::{IdempotencyKey, KeyedRequest};
+use crate::idempotency::IdempotencyKey;
 use crate::mailbox::{Delivery, Mailbox};
 use crate::reply_cell::{ReplyReceiver, TryRecvError};
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
@@ -457,10 +457,11 @@ impl RuntimeHandle {
     ///
     /// From a turn, [`crate::Caller::call_keyed`] makes the same guarantee for a call.
     ///
-    /// Local only, as [`RuntimeHandle::invoke`]: no routed form (`invoke_routed`) or
-    /// transport frame carries a key yet. In a cluster the key is checked against the
-    /// shared, fenced store, so it holds wherever the actor is active next, but the
-    /// request itself runs on this node's runtime.
+    /// Local, as [`RuntimeHandle::invoke`]: the request runs on this runtime. Its routed
+    /// form, [`RuntimeHandle::invoke_routed_keyed`], runs it on the node that owns
+    /// `target` (the transport carries the key, and the target runs it keyed there). In
+    /// a cluster the key is checked against the shared, fenced store, so a retry holds
+    /// wherever the actor is active next and through whichever node it is sent.
     ///
     /// # Errors
     /// As [`RuntimeHandle::invoke`]. A turn that writes so much that the record no longer
@@ -480,15 +481,43 @@ impl RuntimeHandle {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        let request = KeyedRequest {
-            key: key.clone(),
-            payload,
-        };
+        self.invoke_root_keyed(target, key, payload, deadline).await
+    }
+
+    /// A keyed root request on this runtime, without the inside-a-turn check.
+    pub(crate) async fn invoke_root_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
         self.send_and_wait(
             target,
-            Payload::Keyed(Box::new(request)),
+            Payload::keyed(key, payload),
             EnvelopeContext::Root(deadline),
             None,
+        )
+        .await?
+        .into_bytes(target)
+    }
+
+    /// As `invoke_from`, for a keyed call: the target runs it as
+    /// [`RuntimeHandle::invoke_keyed`] does.
+    pub(crate) async fn invoke_keyed_from(
+        &self,
+        caller: &ActorId,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        context: CallContext,
+        turn: Option<&CallerInner>,
+    ) -> Result<Bytes, InvokeError> {
+        self.send_and_wait(
+            target,
+            Payload::keyed(key, payload),
+            context.into(),
+            Some((caller, turn)),
         )
         .await?
         .into_bytes(target)

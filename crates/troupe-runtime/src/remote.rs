@@ -5,18 +5,28 @@
 //! Caller::invoke ──► router installed? ──no──► dispatcher (local call, local edge)
 //!                        │ yes
 //!                        ▼
-//!      TurnCallRouter::call(TurnCall { caller, target, payload, context })
-//!        target here ──► RuntimeHandle::invoke_for_turn (the local path above)
+//!      TurnCallRouter::call(TurnCall { caller, target, payload, context, key })
+//!        target here ──► RuntimeHandle::invoke_for_turn (the local path above;
+//!                        invoke_for_turn_keyed for a keyed call)
 //!        target elsewhere ──► RuntimeHandle::begin_remote_wait (edge caller → target,
 //!                             marked remote, refused with DeadlockDetected if it closes
 //!                             a cycle of this graph) ── send ── RemoteWait dropped
 //!                             when the call ends (the edge is released)
 //! ```
 //!
+//! A keyed call (`Caller::invoke_keyed`) goes to the router with its key in
+//! [`TurnCall::key`], if the router says it carries keys
+//! ([`TurnCallRouter::carries_idempotency_keys`]; else it is refused, nothing sent): the
+//! router runs it keyed wherever the target lives ([`RuntimeHandle::invoke_for_turn_keyed`]
+//! here, the transport's keyed request elsewhere), so a retry with the same key lands
+//! the target's effect once whichever node it goes through.
+//!
 //! Root requests (from outside any turn) have a router of their own,
 //! [`RootCallRouter`]: [`RuntimeHandle::invoke_routed`] and `Caller::invoke_as_root`
 //! go through it when one is installed, so an embedder (the agent layer) reaches an
-//! actor wherever a cluster placed it; [`RuntimeHandle::invoke`] stays local.
+//! actor wherever a cluster placed it; [`RuntimeHandle::invoke`] stays local. A keyed
+//! root request, [`RuntimeHandle::invoke_routed_keyed`], goes through
+//! [`RootCallRouter::invoke_root_keyed`].
 //!
 //! A turn's `tell` to another actor goes to [`TurnCallRouter::tell`] the same way (no
 //! wait-for edge: nobody waits); a router that does not route tells hands them back
@@ -36,7 +46,7 @@ use troupe_core::{ActorId, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::control::{Command, Control};
 use crate::handle::Counters;
-use crate::RuntimeHandle;
+use crate::{IdempotencyKey, RuntimeHandle};
 
 /// One call made by a turn, as handed to a [`TurnCallRouter`]: admission already ran
 /// (the context is the callee's: depth + 1, chain + caller, deadline clipped).
@@ -50,6 +60,11 @@ pub struct TurnCall {
     pub payload: Bytes,
     /// The callee's context.
     pub context: CallContext,
+    /// The call's idempotency key, for a keyed call (`Caller::invoke_keyed`): the router
+    /// must run it keyed ([`RuntimeHandle::invoke_for_turn_keyed`] locally). Only a
+    /// router whose [`TurnCallRouter::carries_idempotency_keys`] says so gets one; `None`
+    /// for unkeyed calls and for tells.
+    pub key: Option<IdempotencyKey>,
 }
 
 /// A wait-for edge of this runtime's graph: `waiter`'s turn waits on the reply of call
@@ -79,7 +94,8 @@ pub enum TellRoute {
 /// Routes the calls turns make to wherever their targets live (a cluster node).
 #[async_trait]
 pub trait TurnCallRouter: Send + Sync + 'static {
-    /// Runs `call` and returns the reply, by the context's deadline.
+    /// Runs `call` and returns the reply, by the context's deadline. A call with a
+    /// [`TurnCall::key`] runs keyed (see [`TurnCallRouter::carries_idempotency_keys`]).
     ///
     /// # Errors
     /// Whatever the callee or the route returned.
@@ -91,6 +107,14 @@ pub trait TurnCallRouter: Send + Sync + 'static {
     /// default hands it back for local delivery ([`TellRoute::Local`]).
     async fn tell(&self, call: TurnCall) -> TellRoute {
         TellRoute::Local(call)
+    }
+
+    /// Whether [`TurnCallRouter::call`] runs a call with a [`TurnCall::key`] keyed,
+    /// wherever its target lives. The default is `false`: a keyed call from a turn is then
+    /// refused `Rejected` with nothing sent, so a router written before keys existed
+    /// cannot run one unkeyed (and apply its effect twice on a retry).
+    fn carries_idempotency_keys(&self) -> bool {
+        false
     }
 
     /// A wait-for edge was just recorded and the path of waits from its target reaches
@@ -128,6 +152,32 @@ pub trait RootCallRouter: Send + Sync + 'static {
         context: CallContext,
     ) -> Result<Bytes, InvokeError> {
         self.invoke_root(target, payload, context.deadline()).await
+    }
+
+    /// As [`RootCallRouter::invoke_root`], for one attempt of the keyed request `key`
+    /// names ([`RuntimeHandle::invoke_routed_keyed`]): it must run keyed wherever `target`
+    /// lives. The local path is [`RuntimeHandle::invoke_root_keyed_for_router`].
+    ///
+    /// The default refuses it `Rejected`, with nothing sent: a router that does not
+    /// carry keys must not run a keyed request unkeyed.
+    ///
+    /// # Errors
+    /// Whatever the owner or the route returned.
+    async fn invoke_root_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        let _ = (key, payload, deadline);
+        Err(InvokeError::Rejected {
+            target: target.clone(),
+            reason: "this runtime's root call router does not carry idempotency keys \
+                     (RootCallRouter::invoke_root_keyed): send the request unkeyed with \
+                     RuntimeHandle::invoke_routed, or install a router that carries keys"
+                .to_string(),
+        })
     }
 }
 
@@ -207,6 +257,40 @@ impl RuntimeHandle {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
         self.invoke_root_routed(target, payload, deadline).await
+    }
+
+    /// As [`RuntimeHandle::invoke_keyed`], through the installed [`RootCallRouter`]'s
+    /// [`RootCallRouter::invoke_root_keyed`] when there is one: the request runs keyed on
+    /// the node that owns `target`, not necessarily here. Without a router it is
+    /// [`RuntimeHandle::invoke_keyed`].
+    ///
+    /// A request that ended `Timeout` or `Unreachable` may or may not have run: send it
+    /// again with the same key (through this node or another) and the target's effect
+    /// lands once; the retry gets the first attempt's reply if that one committed. The
+    /// key's guarantee is the target's ([`RuntimeHandle::invoke_keyed`]): per actor, for
+    /// its last [`crate::IDEMPOTENCY_KEYS_KEPT_MAX`] keys.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke_routed`] and [`RuntimeHandle::invoke_keyed`];
+    /// `Rejected` (nothing sent) if the installed router does not carry keys.
+    ///
+    /// # Cancel safety
+    /// As [`RuntimeHandle::invoke`]; across nodes, as the transport's invoke (a cancel
+    /// follows the request, best effort).
+    pub async fn invoke_routed_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        if crate::handle::IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        match self.shared.root_router.get() {
+            Some(router) => router.invoke_root_keyed(target, key, payload, deadline).await,
+            None => self.invoke_root_keyed(target, key, payload, deadline).await,
+        }
     }
 
     /// As [`RuntimeHandle::invoke_routed`], under `context` instead of a root context
@@ -333,6 +417,22 @@ impl RuntimeHandle {
         self.invoke_root(target, payload, deadline).await
     }
 
+    /// Runs a keyed root request on this runtime: the local path of
+    /// [`RootCallRouter::invoke_root_keyed`], as [`RuntimeHandle::invoke_keyed`] without
+    /// its inside-a-turn check. For routers only.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::invoke_keyed`].
+    pub async fn invoke_root_keyed_for_router(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        self.invoke_root_keyed(target, key, payload, deadline).await
+    }
+
     pub(crate) fn turn_call_router(&self) -> Option<&std::sync::Arc<dyn TurnCallRouter>> {
         self.shared.router.get()
     }
@@ -351,6 +451,24 @@ impl RuntimeHandle {
         context: CallContext,
     ) -> Result<Bytes, InvokeError> {
         self.invoke_from(caller, target, payload, context, None).await
+    }
+
+    /// As [`RuntimeHandle::invoke_for_turn`], for a keyed call ([`TurnCall::key`]): the
+    /// local path of a [`TurnCallRouter`] that carries keys. The target runs it as
+    /// [`RuntimeHandle::invoke_keyed`] does. For routers only.
+    ///
+    /// # Errors
+    /// As [`crate::Caller::invoke_keyed`], without `Cancelled` (the caller adds it).
+    pub async fn invoke_for_turn_keyed(
+        &self,
+        caller: &ActorId,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<Bytes, InvokeError> {
+        self.invoke_keyed_from(caller, target, key, payload, context, None)
+            .await
     }
 
     /// Delivers a turn's fire-and-forget message on this runtime: the local path of

@@ -78,6 +78,13 @@
 //!   naming both versions; the caller sees [`InvokeError::Unreachable`]. A server
 //!   answers a hello of another version before closing, so the client can say which
 //!   version it met; it serves nothing before a valid hello.
+//! - A keyed request ([`TransportClient::invoke_keyed`], since protocol version 5)
+//!   carries its idempotency key; the host checks it on arrival (a malformed one is
+//!   refused [`InvokeError::Rejected`], nothing run) and runs the request as a keyed
+//!   turn, as [`RuntimeHandle::invoke_keyed`](crate::RuntimeHandle::invoke_keyed) does:
+//!   an attempt sent again with the same key, after a `Timeout` or `Unreachable` that
+//!   left its outcome unknown, on any connection, gets the first committed reply and the
+//!   handler does not run again.
 //! - Depth, chain and trace id arrive intact: the host replays the chain with
 //!   [`CallContext::child`], so cycle and depth checks hold across nodes. When the request
 //!   names a caller (or the chain does) the host records the wait-for edge with
@@ -219,8 +226,10 @@ pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 ///
 /// History: 3 added the one-way `Probe` frame; 4 added the one-way `Cancel` frame and
 /// the request's trace id (a peer of version 3 would not understand them, so it is
-/// refused at the handshake).
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 4;
+/// refused at the handshake); 5 added the request's optional idempotency key, at the
+/// end of the request (a peer of version 4 would fail to decode a request with it, or
+/// run a keyed request unkeyed, so it is refused at the handshake).
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 5;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.

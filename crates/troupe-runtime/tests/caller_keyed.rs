@@ -15,8 +15,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_runtime::{
-    Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, MemoryStore, Runtime, RuntimeHandle, StateStore, Turn,
-    TurnCall, TurnCallRouter, WaitEdge,
+    Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, MemoryStore, RootCallRouter, Runtime, RuntimeHandle,
+    StateStore, Turn, TurnCall, TurnCallRouter, WaitEdge,
 };
 
 /// `add` adds one to `count` and replies with the new count.
@@ -202,43 +202,124 @@ async fn concurrent_retried_turns_apply_each_keyed_call_once_multi_thread() {
     runtime.shutdown().await;
 }
 
-/// A router that runs every call here, counting them.
+/// A router that runs every call here, counting them (and the keyed ones), and says
+/// whether it carries idempotency keys.
 struct CountingRouter {
     handle: RuntimeHandle,
+    carries_keys: bool,
     calls: Mutex<u32>,
+    keyed_calls: Mutex<u32>,
+}
+
+impl CountingRouter {
+    fn new(handle: RuntimeHandle, carries_keys: bool) -> Arc<Self> {
+        Arc::new(Self {
+            handle,
+            carries_keys,
+            calls: Mutex::new(0),
+            keyed_calls: Mutex::new(0),
+        })
+    }
 }
 
 #[async_trait]
 impl TurnCallRouter for CountingRouter {
     async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError> {
         *self.calls.lock().unwrap() += 1;
-        self.handle
-            .invoke_for_turn(&call.caller, &call.target, call.payload, call.context)
-            .await
+        match &call.key {
+            Some(key) => {
+                *self.keyed_calls.lock().unwrap() += 1;
+                self.handle
+                    .invoke_for_turn_keyed(&call.caller, &call.target, key, call.payload, call.context)
+                    .await
+            }
+            None => {
+                self.handle
+                    .invoke_for_turn(&call.caller, &call.target, call.payload, call.context)
+                    .await
+            }
+        }
+    }
+
+    fn carries_idempotency_keys(&self) -> bool {
+        self.carries_keys
     }
 
     fn path_leaves_node(&self, _remote_edges: Vec<WaitEdge>) {}
 }
 
-/// Goal: where a router takes a turn's calls (a cluster node), a keyed call is refused
-/// `Rejected` with nothing sent, since no transport frame carries the key: the router
-/// sees no call and the counter never runs.
+/// Goal: where a router takes a turn's calls (a cluster node) and carries keys, a keyed
+/// call goes to the router with its key, and a turn run again after it failed applies
+/// the counter's effect once. Method: count the router's calls (and keyed ones) and the
+/// counter's committed effects. (Before keys crossed the transport, such a call was
+/// refused `Rejected` with nothing sent.)
 #[tokio::test]
-async fn a_runtime_that_routes_calls_refuses_a_keyed_call_with_nothing_sent() {
+async fn a_runtime_that_routes_calls_sends_a_keyed_call_to_its_router_with_the_key() {
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+    let router = CountingRouter::new(runtime.handle(), true);
+    assert!(runtime.handle().set_turn_call_router(router.clone()).is_ok());
+
+    run_order(&runtime, "1").await.unwrap_err();
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(run_order(&runtime, "1").await.unwrap(), "count=1", "the recorded reply");
+    assert_eq!(*router.calls.lock().unwrap(), 2, "both attempts went to the router");
+    assert_eq!(*router.keyed_calls.lock().unwrap(), 2, "with their key");
+    assert_eq!(count(&*store).await, 1, "the effect applied once");
+    runtime.shutdown().await;
+}
+
+/// Goal: a router that does not say it carries keys (the trait's default) never sees a
+/// keyed call: it is refused `Rejected` with nothing sent, so the router cannot run it
+/// unkeyed. Method: the router counts no call and the counter never runs.
+#[tokio::test]
+async fn a_router_that_does_not_carry_keys_is_sent_no_keyed_call() {
     let store = Arc::new(MemoryStore::new());
     let runtime = start(store.clone(), Arc::default());
-    let router = Arc::new(CountingRouter {
-        handle: runtime.handle(),
-        calls: Mutex::new(0),
-    });
+    let router = CountingRouter::new(runtime.handle(), false);
     assert!(runtime.handle().set_turn_call_router(router.clone()).is_ok());
     let refused = run_order(&runtime, "1").await.unwrap_err().to_string();
     assert!(refused.contains("rejected"), "{refused}");
-    assert!(
-        refused.contains("no transport frame carries an idempotency key"),
-        "{refused}"
-    );
+    assert!(refused.contains("does not carry idempotency keys"), "{refused}");
     assert_eq!(*router.calls.lock().unwrap(), 0);
+    assert_eq!(count(&*store).await, 0);
+    runtime.shutdown().await;
+}
+
+/// A root router that keeps the trait's default for keyed requests.
+struct UnkeyedRootRouter {
+    handle: RuntimeHandle,
+}
+
+#[async_trait]
+impl RootCallRouter for UnkeyedRootRouter {
+    async fn invoke_root(
+        &self,
+        target: &ActorId,
+        payload: Bytes,
+        deadline: troupe_core::Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        self.handle.invoke_root_for_router(target, payload, deadline).await
+    }
+}
+
+/// Goal: `RuntimeHandle::invoke_routed_keyed` through a root router that does not carry
+/// keys (the trait's default) is refused `Rejected` with nothing run, not run unkeyed.
+#[tokio::test]
+async fn a_root_router_that_does_not_carry_keys_refuses_a_keyed_request() {
+    let store = Arc::new(MemoryStore::new());
+    let runtime = start(store.clone(), Arc::default());
+    let handle = runtime.handle();
+    let router = Arc::new(UnkeyedRootRouter { handle: handle.clone() });
+    assert!(handle.set_root_call_router(router).is_ok());
+    let key = IdempotencyKey::new("root-1").unwrap();
+    let refused = handle
+        .invoke_routed_keyed(&counter(), &key, Bytes::from_static(b"add"), handle.deadline_in(LONG))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("does not carry idempotency keys"), "{refused}");
     assert_eq!(count(&*store).await, 0);
     runtime.shutdown().await;
 }

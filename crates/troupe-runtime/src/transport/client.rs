@@ -20,7 +20,7 @@ use super::{
     CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, CONNECT_TIMEOUT_MS,
     FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, WRITE_QUEUE_CAPACITY,
 };
-use crate::Clock;
+use crate::{Clock, IdempotencyKey};
 
 /// Invokes actors hosted by the runtime behind one [`TransportServer`](super::TransportServer).
 ///
@@ -121,6 +121,17 @@ enum ConnectionSlot {
     Connecting(Vec<oneshot::Sender<ConnectOutcome>>),
     /// The connection of the last successful attempt (possibly closed since).
     Open(Arc<Connection>),
+}
+
+/// What a request asks of the server.
+#[derive(Debug, Clone, Copy)]
+enum RequestKind<'a> {
+    /// Run it and answer the reply.
+    Invoke,
+    /// Run it as one attempt of the keyed request `.0` names, and answer the reply.
+    Keyed(&'a IdempotencyKey),
+    /// Answer once the target's runtime accepted it (fire-and-forget).
+    Tell,
 }
 
 /// How a pending call ended on the connection's side.
@@ -506,7 +517,33 @@ impl TransportClient {
         context: CallContext,
         caller: Option<&ActorId>,
     ) -> Result<Bytes, InvokeError> {
-        self.request(target, payload, context, caller, false).await
+        self.request(target, payload, context, caller, RequestKind::Invoke)
+            .await
+    }
+
+    /// As [`TransportClient::invoke`], for one attempt of the logical request `key`
+    /// names: the remote runtime runs it as [`crate::RuntimeHandle::invoke_keyed`] does
+    /// (if a turn of `target` with this key has committed, its recorded reply comes back
+    /// and the handler does not run again; otherwise the handler runs and its reply is
+    /// recorded under `key` in the same commit). So a request that ended `Timeout` or
+    /// `Unreachable`, which may or may not have run, can be sent again with the same key,
+    /// on this client or through another node, and its effect lands once.
+    ///
+    /// # Errors
+    /// As [`TransportClient::invoke`], and those of [`crate::RuntimeHandle::invoke_keyed`].
+    ///
+    /// # Cancel safety
+    /// As [`TransportClient::invoke`].
+    pub async fn invoke_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        context: CallContext,
+        caller: Option<&ActorId>,
+    ) -> Result<Bytes, InvokeError> {
+        self.request(target, payload, context, caller, RequestKind::Keyed(key))
+            .await
     }
 
     /// Sends a fire-and-forget message to the remote actor `target` under `context`
@@ -531,17 +568,19 @@ impl TransportClient {
         context: CallContext,
         caller: Option<&ActorId>,
     ) -> Result<(), InvokeError> {
-        self.request(target, payload, context, caller, true).await.map(|_| ())
+        self.request(target, payload, context, caller, RequestKind::Tell)
+            .await
+            .map(|_| ())
     }
 
-    /// An invoke, or a tell (answered at acceptance).
+    /// An invoke, a keyed invoke, or a tell (answered at acceptance).
     async fn request(
         &self,
         target: &ActorId,
         payload: Bytes,
         context: CallContext,
         caller: Option<&ActorId>,
-        tell: bool,
+        kind: RequestKind<'_>,
     ) -> Result<Bytes, InvokeError> {
         let deadline = context.deadline();
         let clock = self.shared.clock;
@@ -556,7 +595,7 @@ impl TransportClient {
         let waited = clock.run_until_from(
             now,
             deadline,
-            self.invoke_until_reply(target, payload, &context, caller, tell),
+            self.invoke_until_reply(target, payload, &context, caller, kind),
         );
         match waited.await {
             Ok(result) => result,
@@ -614,7 +653,7 @@ impl TransportClient {
         payload: Bytes,
         context: &CallContext,
         caller: Option<&ActorId>,
-        tell: bool,
+        kind: RequestKind<'_>,
     ) -> Result<Bytes, InvokeError> {
         let unreachable = |cause: String| InvokeError::Unreachable {
             target: target.clone(),
@@ -654,7 +693,11 @@ impl TransportClient {
             &sync,
             now,
         );
-        request.tell = tell;
+        match kind {
+            RequestKind::Invoke => {}
+            RequestKind::Keyed(key) => request.key = Some(key.as_str().to_owned()),
+            RequestKind::Tell => request.tell = true,
+        }
         let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| InvokeError::Rejected {
             target: target.clone(),
             reason: format!("the request cannot be sent: {error}"),

@@ -752,18 +752,25 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
     let checks = !handle.shared.planted_no_arrival_checks;
     #[cfg(not(feature = "planted-bugs"))]
     let checks = true;
-    let result = match request.context(handle.now()) {
+    // A malformed key is refused before anything runs, as a malformed context is.
+    let key = request.idempotency_key();
+    let result = match request
+        .context(handle.now())
+        .and_then(|context| key.map(|key| (context, key)))
+    {
         Err(refused) => Err(refused),
-        Ok(context) if checks && context.contains(&target) => Err(InvokeError::Refused(CallRefused::CycleDetected {
-            chain: context.chain().iter().chain([&target]).cloned().collect(),
-        })),
-        Ok(context) if checks && context.depth() > AGENT_CALL_DEPTH_MAX => {
+        Ok((context, _)) if checks && context.contains(&target) => {
+            Err(InvokeError::Refused(CallRefused::CycleDetected {
+                chain: context.chain().iter().chain([&target]).cloned().collect(),
+            }))
+        }
+        Ok((context, _)) if checks && context.depth() > AGENT_CALL_DEPTH_MAX => {
             Err(InvokeError::Refused(CallRefused::DepthExceeded {
                 depth: context.depth().saturating_sub(1),
                 max: AGENT_CALL_DEPTH_MAX,
             }))
         }
-        Ok(context) if request.tell => {
+        Ok((context, _)) if request.tell => {
             // Answered at acceptance; the turn runs on its own, under its own deadline.
             handle
                 .send_only(
@@ -774,18 +781,22 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
                 .await
                 .map(|()| Bytes::new())
         }
-        Ok(context) => {
+        Ok((context, key)) => {
             let caller = request.waiting_caller().cloned();
-            let payload = request.payload;
-            match caller {
-                Some(caller) if records_edges => handle.invoke_from(&caller, &target, payload, context, None).await,
-                Some(_) => handle
-                    .send_and_wait(&target, crate::envelope::Payload::Bytes(payload), context.into(), None)
-                    .await
-                    .and_then(|reply| reply.into_bytes(&target)),
-                // A root call (empty chain): its context keeps the trace id.
-                None => handle.invoke_in(&target, payload, context).await,
-            }
+            let payload = match key {
+                None => crate::envelope::Payload::Bytes(request.payload),
+                Some(key) => crate::envelope::Payload::keyed(&key, request.payload),
+            };
+            // The context was rebuilt on this clock, its deadline capped: sent as is (a
+            // root call's, with an empty chain, keeps its trace id).
+            let waiting = match &caller {
+                Some(caller) if records_edges => Some((caller, None)),
+                _ => None,
+            };
+            handle
+                .send_and_wait(&target, payload, context.into(), waiting)
+                .await
+                .and_then(|reply| reply.into_bytes(&target))
         }
     };
     match encode_frame(&ServerMessage::Response(WireResponse { request_id, result })) {
@@ -796,5 +807,83 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
             encode_frame(&ServerMessage::Response(WireResponse { request_id, result }))
                 .expect("a response holding only an error fits a frame")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU64;
+
+    use troupe_core::{ActorId, ActorKind, CallContext};
+
+    use super::*;
+    use crate::transport::clock_sync::ClockSync;
+    use crate::{Actor, ActorBox, ActorError, KindConfig, Runtime, Turn, FRAME_SIZE_MAX_BYTES};
+
+    /// Counts its turns.
+    struct Counting(Arc<AtomicU64>);
+
+    impl Actor for Counting {
+        async fn handle(&mut self, _turn: &mut Turn, _payload: Bytes) -> Result<Bytes, ActorError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(Bytes::from_static(b"ran"))
+        }
+    }
+
+    async fn serve(handle: &RuntimeHandle, key: Option<&str>) -> Result<Bytes, InvokeError> {
+        let target = ActorId::new("counting", "c").unwrap();
+        let now = handle.now();
+        let context = CallContext::root(handle.deadline_in(Duration::from_secs(10)));
+        let sync = ClockSync::from_handshake(now, now, now);
+        let mut request = WireRequest::new(1, target, Bytes::new(), &context, None, &sync, now);
+        request.key = key.map(str::to_string);
+        let frame = serve_connection_request(handle, request, true).await;
+        let message: ServerMessage = read_frame(&mut &frame[..], FRAME_SIZE_MAX_BYTES).await.unwrap();
+        let ServerMessage::Response(response) = message else {
+            panic!("a request is answered with a response: {message:?}")
+        };
+        response.result
+    }
+
+    /// Goal: a request whose idempotency key is malformed (empty, too long, a control
+    /// character: a client that did not build it with `IdempotencyKey`) is refused
+    /// `Rejected`, naming the key, and its target's handler does not run; a valid key
+    /// runs it keyed (a second attempt gets the recorded reply unrun).
+    #[tokio::test]
+    async fn a_request_with_a_malformed_key_is_refused_and_nothing_runs() {
+        let turns = Arc::new(AtomicU64::new(0));
+        let runtime = Runtime::builder()
+            .register(
+                ActorKind::new("counting").unwrap(),
+                {
+                    let turns = Arc::clone(&turns);
+                    move |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                        Ok(ActorBox::new(Counting(Arc::clone(&turns))))
+                    }
+                },
+                KindConfig::default(),
+            )
+            .unwrap()
+            .start();
+        let handle = runtime.handle();
+        let too_long = "k".repeat(crate::IDEMPOTENCY_KEY_LENGTH_MAX_BYTES + 1);
+        for malformed in ["", "a\u{7}b", too_long.as_str()] {
+            let refused = serve(&handle, Some(malformed)).await.unwrap_err();
+            assert!(
+                matches!(&refused, InvokeError::Rejected { reason, .. } if reason.contains("idempotency key is malformed")),
+                "{refused:?}"
+            );
+        }
+        assert_eq!(turns.load(Ordering::SeqCst), 0, "nothing ran");
+        assert_eq!(&serve(&handle, Some("k-1")).await.unwrap()[..], b"ran");
+        assert_eq!(
+            &serve(&handle, Some("k-1")).await.unwrap()[..],
+            b"ran",
+            "the recorded reply"
+        );
+        assert_eq!(turns.load(Ordering::SeqCst), 1, "the keyed request ran once");
+        assert_eq!(&serve(&handle, None).await.unwrap()[..], b"ran");
+        assert_eq!(turns.load(Ordering::SeqCst), 2, "an unkeyed one runs");
+        runtime.shutdown().await;
     }
 }

@@ -13,6 +13,7 @@ use troupe_core::{ActorId, CallContext, Deadline, InvokeError, TraceId};
 
 use super::clock_sync::ClockSync;
 use super::{CALL_CHAIN_LENGTH_MAX, WIRE_PROTOCOL_VERSION};
+use crate::IdempotencyKey;
 
 /// The first field of every [`Hello`] and [`HelloAck`]: "TRPE". A peer that is not a
 /// Troupe transport fails the handshake with a clear cause.
@@ -159,6 +160,11 @@ pub(crate) struct WireRequest {
     /// as soon as the target's runtime accepted it (an empty reply) or refused it, not
     /// when its turn ends; the turn's own reply goes nowhere.
     pub(crate) tell: bool,
+    /// The request's idempotency key, if it is one attempt of a keyed request (since
+    /// protocol version 5): the server runs it as a keyed turn (a recorded reply is
+    /// answered unrun). Checked on receipt ([`WireRequest::idempotency_key`]); never set
+    /// on a tell.
+    pub(crate) key: Option<String>,
 }
 
 /// A deadlock probe of the cluster's edge chasing, sent node to node with no answer:
@@ -208,7 +214,31 @@ impl WireRequest {
             caller,
             trace_id: context.trace_id(),
             tell: false,
+            key: None,
         }
+    }
+
+    /// The request's idempotency key, checked: `None` for an unkeyed request.
+    ///
+    /// # Errors
+    /// [`InvokeError::Rejected`] (the request must not run) if the key is not a valid
+    /// [`IdempotencyKey`], or if a tell carries one (no client sends a keyed tell).
+    pub(crate) fn idempotency_key(&self) -> Result<Option<IdempotencyKey>, InvokeError> {
+        let Some(key) = &self.key else {
+            return Ok(None);
+        };
+        let rejected = |reason: String| InvokeError::Rejected {
+            target: self.target.clone(),
+            reason,
+        };
+        if self.tell {
+            return Err(rejected(
+                "a fire-and-forget message (tell) cannot carry an idempotency key: send it as an invoke".to_string(),
+            ));
+        }
+        IdempotencyKey::new(key)
+            .map(Some)
+            .map_err(|error| rejected(format!("the request's idempotency key is malformed: {error}")))
     }
 
     /// Rebuilds the call context on the receiving clock, which reads `now`: root with the
@@ -387,16 +417,63 @@ mod tests {
     }
 
     #[test]
-    fn a_version_3_peer_which_knows_no_cancel_frame_is_refused_at_the_handshake() {
-        assert_eq!(WIRE_PROTOCOL_VERSION, 4, "version 4 added the cancel frame");
-        let mut hello = Hello::new(Deadline::from_micros(1));
-        hello.version = 3;
-        let refusal = hello.refusal().expect("a version 3 client is refused");
-        assert!(refusal.contains("version 3, this server 4"), "{refusal}");
-        let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
-        ack.version = 3;
-        let refusal = ack.clock_sync(Deadline::from_micros(3)).unwrap_err();
-        assert!(refusal.contains("version 3, this client 4"), "{refusal}");
+    fn a_version_4_peer_which_knows_no_idempotency_key_is_refused_at_the_handshake() {
+        assert_eq!(
+            WIRE_PROTOCOL_VERSION, 5,
+            "version 5 added the request's idempotency key"
+        );
+        for old in [3, 4] {
+            let mut hello = Hello::new(Deadline::from_micros(1));
+            hello.version = old;
+            let refusal = hello.refusal().expect("an older client is refused");
+            assert!(refusal.contains(&format!("version {old}, this server 5")), "{refusal}");
+            let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
+            ack.version = old;
+            let refusal = ack.clock_sync(Deadline::from_micros(3)).unwrap_err();
+            assert!(refusal.contains(&format!("version {old}, this client 5")), "{refusal}");
+        }
+    }
+
+    #[test]
+    fn a_requests_key_is_checked_on_receipt() {
+        let now = Deadline::from_micros(0);
+        let context = CallContext::root(Deadline::from_micros(10));
+        let mut request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, &sync(0, 0, 0), now);
+        assert_eq!(request.idempotency_key().unwrap(), None, "unkeyed");
+        request.key = Some("order-7".to_string());
+        assert_eq!(
+            request.idempotency_key().unwrap(),
+            Some(IdempotencyKey::new("order-7").unwrap())
+        );
+        for malformed in [
+            String::new(),
+            "a\nb".to_string(),
+            "k".repeat(crate::IDEMPOTENCY_KEY_LENGTH_MAX_BYTES + 1),
+        ] {
+            request.key = Some(malformed);
+            let refused = request.idempotency_key().unwrap_err();
+            assert!(
+                matches!(&refused, InvokeError::Rejected { reason, .. } if reason.contains("idempotency key is malformed")),
+                "{refused:?}"
+            );
+        }
+        request.key = Some("order-7".to_string());
+        request.tell = true;
+        assert!(matches!(request.idempotency_key(), Err(InvokeError::Rejected { .. })));
+    }
+
+    /// The key rides at the end of the request: an unkeyed request costs one byte more
+    /// than in version 4 (the `None`).
+    #[test]
+    fn an_unkeyed_request_costs_one_byte_for_its_key() {
+        use crate::transport::frame::encode_frame;
+        let now = Deadline::from_micros(0);
+        let context = CallContext::root(Deadline::from_micros(10));
+        let mut request = WireRequest::new(1, actor("c"), Bytes::new(), &context, None, &sync(0, 0, 0), now);
+        let unkeyed = encode_frame(&ClientMessage::Request(request.clone())).unwrap().len();
+        request.key = Some("k".to_string());
+        let keyed = encode_frame(&ClientMessage::Request(request)).unwrap().len();
+        assert_eq!(keyed - unkeyed, 2, "Some, then the key's length and its byte");
     }
 
     #[test]
