@@ -3,6 +3,7 @@
 //! disk a cluster's resume sweep (one round a second) piled such turns up in a busy
 //! agent's mailbox (`cluster_conversation_partition_dst.rs`, seed 13: 107 of 180
 //! `Process` turns found nothing).
+#![cfg(not(madsim))]
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,7 +34,6 @@ const PROCESS_BOUND: Duration = Duration::from_secs(10);
 /// `resume_pending`), all queued behind the busy turn. Before, each resume told another
 /// `Process`, and each read the entry (`inbox/` gets of `b`, counted): 11 reads. The
 /// notification is processed once either way. Multi-thread runtime.
-#[cfg(not(madsim))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumes_of_a_busy_agent_tell_a_queued_entry_once() {
     let llm = ScriptedLlm::new()
