@@ -89,18 +89,7 @@ async fn a_rebuilt_conversation_does_not_start_a_second_delivery_of_a_pending_me
         hold.await.unwrap();
     }
 
-    let answered = tokio::time::timeout(ANSWER_WAIT, async {
-        loop {
-            let messages = system.read_messages("room", None, 100).await.unwrap();
-            if messages.iter().any(|m| m.text == "hello back") {
-                return messages;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("b answers the mention");
-    assert_eq!(answered.iter().filter(|m| m.text == "hello back").count(), 1);
+    assert_answered_once(&system).await;
     // Every delivery task has ended by now (b acknowledged the mention); one more
     // backoff's worth lets a second one, if any, reach b.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -175,6 +164,13 @@ async fn a_resume_reads_nothing_for_a_mention_whose_delivery_runs() {
     );
 
     hold.await.unwrap();
+    assert_answered_once(&system).await;
+    system.shutdown().await;
+}
+
+/// Waits (at most [`ANSWER_WAIT`]) until b's answer is in the room, and checks that it
+/// is there once.
+async fn assert_answered_once(system: &AgentSystem) {
     let answered = tokio::time::timeout(ANSWER_WAIT, async {
         loop {
             let messages = system.read_messages("room", None, 100).await.unwrap();
@@ -187,5 +183,4 @@ async fn a_resume_reads_nothing_for_a_mention_whose_delivery_runs() {
     .await
     .expect("b answers the mention");
     assert_eq!(answered.iter().filter(|m| m.text == "hello back").count(), 1);
-    system.shutdown().await;
 }
