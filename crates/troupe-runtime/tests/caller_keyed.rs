@@ -19,21 +19,9 @@ use troupe_runtime::{
     StateStore, Turn, TurnCall, TurnCallRouter, WaitEdge,
 };
 
-/// `add` adds one to `count` and replies with the new count.
-struct Counter;
-
-impl Actor for Counter {
-    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
-        assert_eq!(&payload[..], b"add");
-        let count = read_count(turn.get("count").await?);
-        turn.put("count", Bytes::from((count + 1).to_string()))?;
-        Ok(Bytes::from(format!("count={}", count + 1)))
-    }
-}
-
-fn read_count(value: Option<Bytes>) -> u64 {
-    value.map_or(0, |bytes| std::str::from_utf8(&bytes).unwrap().parse().unwrap())
-}
+#[path = "support/counter.rs"]
+mod counter_actor;
+use counter_actor::{read_count, Counter};
 
 /// Its payload is `<step>` or `<step>:unkeyed`: calls the counter under the key
 /// `step-<step>` (or without a key), then fails while `fail_after_call` is set, else
