@@ -274,20 +274,7 @@ impl Caller {
         );
         let inner = &*self.inner;
         let result = match inner.handle.turn_call_router() {
-            Some(router) => {
-                let call = crate::TurnCall {
-                    caller: inner.id.clone(),
-                    target: admitted.target.clone(),
-                    payload,
-                    context: admitted.child.clone(),
-                    key: None,
-                };
-                tokio::select! {
-                    biased;
-                    result = router.call(call) => result,
-                    () = inner.turn_ended() => Err(InvokeError::Cancelled { target: admitted.target.clone() }),
-                }
-            }
+            Some(router) => self.routed_call(router.as_ref(), &admitted, payload, None).await,
             None => {
                 inner
                     .handle
@@ -303,6 +290,30 @@ impl Caller {
         };
         drop(admitted);
         result
+    }
+
+    /// An admitted call handed to `router` (with `key`, if keyed), cancelled when this
+    /// turn ends first.
+    async fn routed_call(
+        &self,
+        router: &dyn crate::TurnCallRouter,
+        admitted: &Admitted,
+        payload: Bytes,
+        key: Option<IdempotencyKey>,
+    ) -> Result<Bytes, InvokeError> {
+        let inner = &*self.inner;
+        let call = crate::TurnCall {
+            caller: inner.id.clone(),
+            target: admitted.target.clone(),
+            payload,
+            context: admitted.child.clone(),
+            key,
+        };
+        tokio::select! {
+            biased;
+            result = router.call(call) => result,
+            () = inner.turn_ended() => Err(InvokeError::Cancelled { target: admitted.target.clone() }),
+        }
     }
 
     /// Whether this runtime hands its turns' calls to a router (a
@@ -395,18 +406,8 @@ impl Caller {
                     .to_string(),
             }),
             Some(router) => {
-                let call = crate::TurnCall {
-                    caller: inner.id.clone(),
-                    target: admitted.target.clone(),
-                    payload,
-                    context: admitted.child.clone(),
-                    key: Some(key.clone()),
-                };
-                tokio::select! {
-                    biased;
-                    result = router.call(call) => result,
-                    () = inner.turn_ended() => Err(InvokeError::Cancelled { target: admitted.target.clone() }),
-                }
+                self.routed_call(router.as_ref(), &admitted, payload, Some(key.clone()))
+                    .await
             }
             None => {
                 inner
