@@ -10,7 +10,7 @@
 //! to the host (what a cluster node does, without etcd). Every keyed case has an unkeyed
 //! control that applies the effect twice, so each fails if the key is not carried.
 //!
-//! Real TCP, so the normal build only (the cluster's simulator tests cross nodes under
+//! Real TCP on the multi-thread runtime, so the normal build only (the cluster's simulator tests cross nodes under
 //! madsim).
 #![cfg(not(madsim))]
 
@@ -72,7 +72,7 @@ async fn start_host() -> (Runtime, Arc<MemoryStore>, TransportServer) {
 /// (on the same connection, then on another client's, as a retry through another node
 /// would be) runs the counter once, and every attempt gets the first reply; unkeyed,
 /// the same two sends apply it twice. Method: count the host's committed effects.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_request_sent_again_across_the_transport_runs_once() {
     let (host, store, server) = start_host().await;
     let clock = troupe_runtime::Clock::new();
@@ -231,7 +231,7 @@ fn start_caller(host: SocketAddr, fail_after_call: Arc<AtomicBool>) -> Runtime {
 /// router carries the key across: sent twice with one key, the host's counter runs once;
 /// `invoke_routed` twice (the control) runs it twice. Method: count the host's
 /// committed effects.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routed_keyed_root_request_sent_again_runs_once_on_the_host() {
     let (host, store, server) = start_host().await;
     let caller = start_caller(server.local_address(), Arc::default());
@@ -259,7 +259,7 @@ async fn a_routed_keyed_root_request_sent_again_runs_once_on_the_host() {
 /// under a key and then failed is run again, and the counter's effect lands once (the
 /// retry gets the recorded reply). Unkeyed, the same two attempts apply it twice.
 /// Method: count the host's committed effects.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turns_keyed_call_across_the_transport_applies_once_when_the_turn_is_run_again() {
     let (host, store, server) = start_host().await;
     let fail_after_call = Arc::new(AtomicBool::new(true));
@@ -285,7 +285,7 @@ async fn a_turns_keyed_call_across_the_transport_applies_once_when_the_turn_is_r
 }
 
 /// Goal: without a root router, `invoke_routed_keyed` is `invoke_keyed` (local, keyed).
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_router_a_routed_keyed_request_runs_here_keyed() {
     let (host, store, server) = start_host().await;
     let handle = host.handle();
