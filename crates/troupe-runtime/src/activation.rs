@@ -469,17 +469,13 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
     }
 }
 
-/// A turn's handler: for bytes or for an in-process value; or, for a keyed request, the
-/// check of its key, then the handler for bytes and the record of its reply (boxed: only
-/// keyed turns pay for it; see `idempotency.rs`).
+/// A turn's handler: for bytes or for an in-process value. A keyed request's turn (the
+/// check of its key, then the handler for bytes and the record of its reply; see
+/// `idempotency.rs`) is a bytes turn in the same slot.
 enum Handler<'a> {
     Bytes(BytesTurn<'a>),
     Value(ValueTurn<'a>),
-    Keyed(KeyedTurn<'a>),
 }
-
-/// The turn of a keyed request (`idempotency::keyed_turn`), boxed.
-type KeyedTurn<'a> = Pin<Box<dyn Future<Output = Result<Bytes, ActorError>> + Send + 'a>>;
 
 impl Future for Handler<'_> {
     type Output = Result<Payload, ActorError>;
@@ -488,7 +484,6 @@ impl Future for Handler<'_> {
         match self.get_mut() {
             Self::Bytes(future) => Pin::new(future).poll(cx).map(|done| done.map(Payload::Bytes)),
             Self::Value(future) => Pin::new(future).poll(cx).map(|done| done.map(Payload::Value)),
-            Self::Keyed(future) => future.as_mut().poll(cx).map(|done| done.map(Payload::Bytes)),
         }
     }
 }
@@ -601,7 +596,7 @@ fn first_poll<'a>(
         handler: crate::handle::InTurn(match payload {
             Payload::Bytes(bytes) => Handler::Bytes(actor.handle(turn, bytes)),
             Payload::Value(value) => Handler::Value(actor.handle_value_turn(turn, value)),
-            Payload::Keyed(request) => Handler::Keyed(Box::pin(crate::idempotency::keyed_turn(actor, turn, *request))),
+            Payload::Keyed(request) => Handler::Bytes(actor.handle_keyed(turn, *request)),
         }),
         ends,
         timer: None,

@@ -35,7 +35,7 @@ use std::fmt;
 
 use bytes::Bytes;
 
-use crate::{ActorBox, ActorError, Turn};
+use crate::{Actor, ActorError, Turn};
 
 /// Longest idempotency key, in bytes.
 pub const IDEMPOTENCY_KEY_LENGTH_MAX_BYTES: usize = 128;
@@ -162,8 +162,8 @@ fn slot_key(slot: u64) -> String {
 
 /// The turn of a keyed request: the recorded reply if `request`'s key has one, else the
 /// handler's, recorded in the turn's writes (committed with the turn, or dropped with it).
-pub(crate) async fn keyed_turn(
-    actor: &mut ActorBox,
+pub(crate) async fn keyed_turn<A: Actor>(
+    actor: &mut A,
     turn: &mut Turn,
     request: KeyedRequest,
 ) -> Result<Bytes, ActorError> {
