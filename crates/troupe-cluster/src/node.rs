@@ -49,6 +49,9 @@ pub struct ClusterStats {
     pub forwarded_calls: u64,
     /// "Not owner" refusals after which a call looked its target up again.
     pub reroutes: u64,
+    /// Keyed requests sent again after their target's owner could not be reached (an
+    /// unkeyed one ends `Unreachable` instead: it may have run).
+    pub keyed_retries: u64,
     /// Activations that found this node's placement from an earlier activation still in
     /// etcd (its release had not run, or failed) and released it and placed anew.
     pub placements_replaced: u64,
@@ -74,6 +77,7 @@ pub(crate) struct Counters {
     local_calls: AtomicU64,
     forwarded_calls: AtomicU64,
     reroutes: AtomicU64,
+    keyed_retries: AtomicU64,
     turn_calls_forwarded: AtomicU64,
     turn_tells_forwarded: AtomicU64,
     pub(crate) probes_sent: AtomicU64,
@@ -255,6 +259,7 @@ impl ClusterNode {
             local_calls: counters.local_calls.load(Ordering::Relaxed),
             forwarded_calls: counters.forwarded_calls.load(Ordering::Relaxed),
             reroutes: counters.reroutes.load(Ordering::Relaxed),
+            keyed_retries: counters.keyed_retries.load(Ordering::Relaxed),
             placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
             turn_calls_forwarded: counters.turn_calls_forwarded.load(Ordering::Relaxed),
             turn_tells_forwarded: counters.turn_tells_forwarded.load(Ordering::Relaxed),
@@ -351,13 +356,39 @@ impl ClusterClient {
     ///
     /// # Errors
     /// Whatever the owner's runtime returns; [`InvokeError::Unreachable`] if the owner
-    /// could not be reached (the request may have run: not retried, as on one node);
+    /// could not be reached (the request may have run: not retried, as on one node; use
+    /// [`ClusterClient::invoke_keyed`] for a request that may be sent again);
     /// [`InvokeError::Timeout`] if the deadline passed, including while the owner could
     /// not be found (etcd unavailable, an owner whose lease has not ended yet).
     pub async fn invoke(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<Bytes, InvokeError> {
         let context = CallContext::root(deadline);
         self.inner
             .routed(target, payload, deadline, Origin::Root(&context))
+            .await
+    }
+
+    /// As [`ClusterClient::invoke`], for one attempt of the logical request `key` names
+    /// ([`RuntimeHandle::invoke_routed_keyed`]): the owner runs it keyed, so its effect
+    /// lands once however often it is sent with that key, through whichever node. For
+    /// the same reason the node sends it again by itself when the owner could not be
+    /// reached, every [`ROUTE_RETRY_DELAY_MS`] with the owner looked up again, until
+    /// the deadline (an owner that died is replaced once its lease ends); see
+    /// [`ClusterStats::keyed_retries`].
+    ///
+    /// # Errors
+    /// As [`ClusterClient::invoke`], except that `Unreachable` comes only when the
+    /// deadline passed with the owner still unreachable (its last error); `Rejected` if
+    /// called inside a turn (a turn uses [`troupe_runtime::Caller::call_keyed`]).
+    pub async fn invoke_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        self.inner
+            .handle
+            .invoke_routed_keyed(target, key, payload, deadline)
             .await
     }
 
@@ -423,6 +454,16 @@ pub(crate) enum Origin<'a> {
     },
 }
 
+impl Origin<'_> {
+    /// Whether the call is one attempt of a keyed request: sent again, it lands once.
+    fn is_keyed(&self) -> bool {
+        matches!(
+            self,
+            Origin::RoutedRoot { key: Some(_) } | Origin::Turn { key: Some(_), .. }
+        )
+    }
+}
+
 impl Drop for ClusterNode {
     fn drop(&mut self) {
         for task in &self.tasks {
@@ -448,9 +489,12 @@ impl Inner {
             timeout_ms,
         };
         let mut refused_before = false;
+        // A keyed call's last `Unreachable`, returned if the deadline passes before an
+        // attempt gets through.
+        let mut unreachable: Option<InvokeError> = None;
         loop {
             if deadline.has_passed(clock.now()) {
-                return Err(timeout());
+                return Err(unreachable.unwrap_or_else(timeout));
             }
             let cached = inner.routes().get(target).cloned();
             let owner = match cached {
@@ -587,7 +631,17 @@ impl Inner {
                 }
                 Err(error @ InvokeError::Unreachable { .. }) => {
                     inner.routes().remove(target);
-                    return Err(error);
+                    if !origin.is_keyed() {
+                        return Err(error);
+                    }
+                    // A keyed attempt that may have run is safe to send again: the
+                    // owner (this one, or the next once its lease ends) answers a key
+                    // whose turn committed with the recorded reply, and a commit still
+                    // in flight on an owner that lost the actor is refused by the fence
+                    // the next one claims (idempotency.rs in troupe-runtime).
+                    inner.counters.keyed_retries.fetch_add(1, Ordering::Relaxed);
+                    unreachable = Some(error);
+                    inner.pause(deadline).await;
                 }
                 other => {
                     if other.is_ok() {

@@ -16,6 +16,11 @@
 //! keeps its commit, and the retry through node-2, queued behind that commit, lands once
 //! keyed and twice unkeyed (two tests, each its own cluster).
 //!
+//! Another kills the counter's node while a request's turn runs there: sent through
+//! `ClusterClient::invoke_keyed`, node-1's router sends it again by itself until the
+//! counter is placed anew (once the dead node's lease has ended) and it lands there;
+//! sent through `ClusterClient::invoke`, the caller gets `Unreachable`.
+//!
 //! A third does the same for a turn's keyed call (`Caller::call_keyed` from an `order` actor on
 //! node-1 to the counter on node-3, through the node's turn router), the turn run again
 //! after it failed.
@@ -36,7 +41,7 @@ use bytes::Bytes;
 use madsim::net::NetSim;
 use madsim::runtime::{Handle, NodeHandle};
 use sim_etcd::start_sim_etcd;
-use troupe_cluster::ClusterNode;
+use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::{
@@ -70,6 +75,12 @@ const COMMIT_STALL_MS: u64 = 1_000;
 /// When the first attempt's node is killed, after the attempt is sent, in milliseconds:
 /// its turn has run and its commit is stalled.
 const KILL_AFTER_MS: u64 = 300;
+/// When the counter's node is killed, after a request is sent, in milliseconds: its
+/// `slow` turn is running there, not yet counted.
+const KILL_OWNER_AFTER_MS: u64 = 200;
+/// The deadline of a request whose owner is killed, in milliseconds: longer than the
+/// dead owner's lease ([`SIM_LEASE_TTL_S`]), so the actor can be placed anew in time.
+const OWNER_DIES_CALL_MS: u64 = 10_000;
 /// The turn's call timeout the `order` actor asks for, in milliseconds: its own deadline
 /// clips it.
 const ORDER_CALL_TIMEOUT_MS: u64 = 60_000;
@@ -211,6 +222,7 @@ fn node_ip(index: usize) -> IpAddr {
 struct Cluster {
     nodes: Vec<NodeHandle>,
     handles: Vec<RuntimeHandle>,
+    clients: Vec<ClusterClient>,
     store: StallingStore,
     fail_after_call: Arc<AtomicBool>,
     _etcd: NodeHandle,
@@ -224,7 +236,8 @@ async fn start_cluster() -> Cluster {
         stalled: Arc::default(),
     };
     let fail_after_call = Arc::new(AtomicBool::new(false));
-    let slots: Arc<Mutex<Vec<Option<RuntimeHandle>>>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
+    type Slots = Vec<Option<(RuntimeHandle, ClusterClient)>>;
+    let slots: Arc<Mutex<Slots>> = Arc::new(Mutex::new(vec![None; NODE_NAMES.len()]));
     let nodes = (0..NODE_NAMES.len())
         .map(|index| {
             let (slots, store, fail_after_call) = (Arc::clone(&slots), store.clone(), Arc::clone(&fail_after_call));
@@ -253,7 +266,7 @@ async fn start_cluster() -> Cluster {
                                 Err(_) => tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await,
                             }
                         };
-                        slots.lock().expect("slots")[index] = Some(node.handle().clone());
+                        slots.lock().expect("slots")[index] = Some((node.handle().clone(), node.client()));
                         std::future::pending::<()>().await;
                         drop(node);
                     }
@@ -261,16 +274,17 @@ async fn start_cluster() -> Cluster {
                 .build()
         })
         .collect();
-    let handles = loop {
-        let ready: Option<Vec<RuntimeHandle>> = slots.lock().expect("slots").iter().cloned().collect();
-        if let Some(handles) = ready {
-            break handles;
+    let (handles, clients) = loop {
+        let ready: Option<Vec<(RuntimeHandle, ClusterClient)>> = slots.lock().expect("slots").iter().cloned().collect();
+        if let Some(ready) = ready {
+            break ready.into_iter().unzip();
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     Cluster {
         nodes,
         handles,
+        clients,
         store,
         fail_after_call,
         _etcd: etcd,
@@ -454,6 +468,55 @@ async fn a_turns_keyed_call_to_another_node_lands_once_when_the_turn_is_run_agai
     let again = cluster.send(0, order("o"), Sent::Unkeyed, "- add", CALL_MS).await;
     assert_eq!(again.expect("run again"), "node-3:7");
     assert_eq!(cluster.count().await, 7, "unkeyed, both attempts applied it");
+}
+
+/// Sends a `slow` request to the counter (placed on node-3) through node-1's
+/// `ClusterClient`, as `send`, and kills node-3 while its turn runs: the request's
+/// outcome and the count after it.
+async fn send_while_the_owner_dies(send: Sent) -> (Result<String, InvokeError>, u64) {
+    let cluster = start_cluster().await;
+    cluster.place_counter_on_node_3().await;
+    let client = cluster.clients[0].clone();
+    let request = cluster.nodes[0].spawn(async move {
+        let deadline = client.deadline_in(Duration::from_millis(OWNER_DIES_CALL_MS));
+        let payload = Bytes::from_static(b"slow");
+        let reply = match send {
+            Sent::Keyed(key) => {
+                let key = IdempotencyKey::new(key).expect("a key");
+                client.invoke_keyed(&counter("c"), &key, payload, deadline).await
+            }
+            Sent::Unkeyed => client.invoke(&counter("c"), payload, deadline).await,
+        };
+        reply.map(|reply| String::from_utf8(reply.to_vec()).expect("text"))
+    });
+    tokio::time::sleep(Duration::from_millis(KILL_OWNER_AFTER_MS)).await;
+    Handle::current().kill(cluster.nodes[2].id());
+    let outcome = request.await.expect("the request's task");
+    (outcome, cluster.count().await)
+}
+
+/// Goal: a keyed request whose owner dies while its turn runs is sent again by the
+/// node's router by itself, the owner looked up again each time, until the actor is
+/// placed anew once the dead owner's lease has ended; it lands once, on a live node.
+/// Method: the caller's reply and the counter's committed count (3 before).
+#[madsim::test]
+async fn a_keyed_request_whose_owner_dies_is_sent_again_by_the_router_until_a_new_owner_answers() {
+    let (outcome, count) = send_while_the_owner_dies(Sent::Keyed("order-11")).await;
+    let reply = outcome.expect("the router sent it again until it got through");
+    assert!(
+        reply == "node-1:4" || reply == "node-2:4",
+        "placed anew on a live node: {reply}"
+    );
+    assert_eq!(count, 4, "the dead owner's turn never counted; the retry did, once");
+}
+
+/// Goal: the control of the test above: unkeyed, the router does not send the request
+/// again (it may have run), and the caller hears `Unreachable`.
+#[madsim::test]
+async fn an_unkeyed_request_whose_owner_dies_ends_unreachable() {
+    let (outcome, count) = send_while_the_owner_dies(Sent::Unkeyed).await;
+    assert!(matches!(outcome, Err(InvokeError::Unreachable { .. })), "{outcome:?}");
+    assert_eq!(count, 3, "the dead owner's turn never counted");
 }
 
 /// Kills the first attempt's node while the owner commits its turn, then sends the
