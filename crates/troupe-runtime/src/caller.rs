@@ -574,6 +574,30 @@ impl Caller {
         .await
     }
 
+    /// As [`Caller::invoke_as_root`], for one attempt of the logical request `key` names
+    /// (see [`crate::RuntimeHandle::invoke_keyed`]): the target runs it keyed, so a turn
+    /// that is run again and sends it again with the same key gets the first reply, and
+    /// the effect lands once. With a [`crate::RootCallRouter`] installed (a cluster
+    /// node) it runs keyed on the node that owns `target`.
+    ///
+    /// # Errors
+    /// As [`Caller::invoke_as_root`] and [`crate::RuntimeHandle::invoke_keyed`];
+    /// `Rejected` (nothing sent) if the installed router does not carry keys.
+    pub async fn invoke_as_root_keyed(
+        &self,
+        target: &ActorId,
+        key: &crate::IdempotencyKey,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, InvokeError> {
+        self.as_root(target, timeout, |deadline| {
+            self.inner
+                .handle
+                .invoke_root_routed_keyed(target, key, payload, deadline)
+        })
+        .await
+    }
+
     /// As [`Caller::invoke_as_root`], passing `message` to the target as a value within
     /// this process (see [`Caller::invoke_value`]).
     ///

@@ -287,10 +287,7 @@ impl RuntimeHandle {
         if crate::handle::IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        match self.shared.root_router.get() {
-            Some(router) => router.invoke_root_keyed(target, key, payload, deadline).await,
-            None => self.invoke_root_keyed(target, key, payload, deadline).await,
-        }
+        self.invoke_root_routed_keyed(target, key, payload, deadline).await
     }
 
     /// As [`RuntimeHandle::invoke_routed`], under `context` instead of a root context
@@ -398,6 +395,21 @@ impl RuntimeHandle {
         match self.shared.root_router.get() {
             Some(router) => router.invoke_root(target, payload, deadline).await,
             None => self.invoke_root(target, payload, deadline).await,
+        }
+    }
+
+    /// A keyed root request through the router if one is installed, else local; no
+    /// inside-a-turn check (for `Caller::invoke_as_root_keyed`).
+    pub(crate) async fn invoke_root_routed_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<Bytes, InvokeError> {
+        match self.shared.root_router.get() {
+            Some(router) => router.invoke_root_keyed(target, key, payload, deadline).await,
+            None => self.invoke_root_keyed(target, key, payload, deadline).await,
         }
     }
 

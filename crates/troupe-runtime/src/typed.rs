@@ -355,7 +355,10 @@ impl<A: TypedActor> ActorRef<A> {
     ///
     /// The message and the reply travel as bincode bytes (the reply has to be stored),
     /// not as values: a keyed ask costs their encoding and decoding on top of the store
-    /// commit of its record, where a plain `ask` costs neither.
+    /// commit of its record, where a plain `ask` costs neither. Being bytes, it is
+    /// routed as [`RuntimeHandle::invoke_routed_keyed`] routes: with a
+    /// [`crate::RootCallRouter`] installed (a cluster node) it runs keyed on the node
+    /// that owns the actor, where a plain `ask` runs on this runtime.
     ///
     /// # Errors
     /// As [`RuntimeHandle::invoke_keyed`]; `ActorFailed` if the message cannot be
@@ -375,7 +378,10 @@ impl<A: TypedActor> ActorRef<A> {
         };
         let payload = encode(&message, "message").map_err(|error| failed(error.to_string()))?;
         let deadline = self.handle.deadline_in(timeout);
-        let reply = self.handle.invoke_keyed(&self.id, key, payload, deadline).await?;
+        let reply = self
+            .handle
+            .invoke_routed_keyed(&self.id, key, payload, deadline)
+            .await?;
         bincode::deserialize(&reply).map_err(|error| {
             failed(format!(
                 "the reply is not a bincode-encoded {}: {error}",

@@ -1,4 +1,5 @@
-//! Keyed calls from a turn (`Caller::call_keyed`, `Caller::invoke_keyed`): a turn that
+//! Keyed calls from a turn (`Caller::call_keyed`, `Caller::invoke_keyed`, and the root
+//! request `Caller::invoke_as_root_keyed`): a turn that
 //! is run again and makes the same call under the same idempotency key gets the first
 //! reply back, and the target's effect is applied once. This is the step of a saga: an
 //! `order` actor's turn asks a `counter` to apply an effect, then fails (or its caller
@@ -22,10 +23,13 @@ use troupe_runtime::{
 #[path = "support/counter.rs"]
 mod counter_actor;
 use counter_actor::{read_count, Counter};
+#[path = "support/keyed_root_router.rs"]
+mod keyed_root_router;
+use keyed_root_router::KeyedRootRouter;
 
-/// Its payload is `<step>` or `<step>:unkeyed`: calls the counter under the key
-/// `step-<step>` (or without a key), then fails while `fail_after_call` is set, else
-/// replies with the counter's reply.
+/// Its payload is `<step>`, `<step>:unkeyed` or `<step>:root`: calls the counter under
+/// the key `step-<step>` (or without a key; or as a keyed root request of the turn), then
+/// fails while `fail_after_call` is set, else replies with the counter's reply.
 struct Order {
     fail_after_call: Arc<AtomicBool>,
 }
@@ -33,17 +37,15 @@ struct Order {
 impl Actor for Order {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let text = std::str::from_utf8(&payload).unwrap().to_string();
-        let (step, keyed) = match text.strip_suffix(":unkeyed") {
-            Some(step) => (step.to_string(), false),
-            None => (text, true),
-        };
+        let (step, mode) = text.split_once(':').unwrap_or((&text, "keyed"));
+        let key = IdempotencyKey::new(&format!("step-{step}")).unwrap();
         let caller = turn.caller();
         let add = Bytes::from_static(b"add");
-        let reply = if keyed {
-            let key = IdempotencyKey::new(&format!("step-{step}")).unwrap();
-            caller.call_keyed(&counter(), &key, add, LONG).await
-        } else {
-            caller.call(&counter(), add, LONG).await
+        let reply = match mode {
+            "keyed" => caller.call_keyed(&counter(), &key, add, LONG).await,
+            "unkeyed" => caller.call(&counter(), add, LONG).await,
+            "root" => caller.invoke_as_root_keyed(&counter(), &key, add, LONG).await,
+            other => panic!("unknown mode {other}"),
         };
         let reply = reply.map_err(|error| ActorError::failed(format!("the counter: {error}")))?;
         if self.fail_after_call.load(Ordering::SeqCst) {
@@ -119,6 +121,37 @@ async fn a_turn_run_again_applies_its_keyed_call_once() {
     assert_eq!(run_order(&runtime, "3:unkeyed").await.unwrap(), "count=4");
     assert_eq!(count(&*store).await, 4, "unkeyed, both attempts applied it");
     runtime.shutdown().await;
+}
+
+/// Goal: the same for a keyed root request of the turn (`Caller::invoke_as_root_keyed`,
+/// not a call of the turn: no wait-for edge, no chain): run again, the turn gets the
+/// first reply and the effect is applied once. Method: count the counter's committed
+/// effects.
+async fn a_turn_run_again_applies_its_keyed_root_request_once() {
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+    run_order(&runtime, "1:root").await.unwrap_err();
+    assert_eq!(count(&*store).await, 1, "the counter's turn committed");
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(
+        run_order(&runtime, "1:root").await.unwrap(),
+        "count=1",
+        "the recorded reply"
+    );
+    assert_eq!(count(&*store).await, 1, "the effect applied once");
+    runtime.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_turn_run_again_applies_its_keyed_root_request_once_current_thread() {
+    a_turn_run_again_applies_its_keyed_root_request_once().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_run_again_applies_its_keyed_root_request_once_multi_thread() {
+    a_turn_run_again_applies_its_keyed_root_request_once().await;
 }
 
 #[tokio::test]
@@ -292,6 +325,31 @@ impl RootCallRouter for UnkeyedRootRouter {
     }
 }
 
+/// Goal: with a root router installed (a cluster node), a turn's keyed root request goes
+/// to the router with its key, and the turn run again applies the effect once. Method:
+/// the keys the router saw, and the counter's committed effects.
+#[tokio::test]
+async fn a_turns_keyed_root_request_goes_to_the_root_router_with_its_key() {
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+    let router = KeyedRootRouter::install(&runtime.handle());
+    run_order(&runtime, "1:root").await.unwrap_err();
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(
+        run_order(&runtime, "1:root").await.unwrap(),
+        "count=1",
+        "the recorded reply"
+    );
+    assert_eq!(
+        *router.keyed.lock().unwrap(),
+        ["step-1", "step-1"],
+        "both attempts, keyed"
+    );
+    assert_eq!(count(&*store).await, 1, "the effect applied once");
+    runtime.shutdown().await;
+}
+
 /// Goal: `RuntimeHandle::invoke_routed_keyed` through a root router that does not carry
 /// keys (the trait's default) is refused `Rejected` with nothing run, not run unkeyed.
 #[tokio::test]
@@ -308,6 +366,12 @@ async fn a_root_router_that_does_not_carry_keys_refuses_a_keyed_request() {
         .unwrap_err()
         .to_string();
     assert!(refused.contains("does not carry idempotency keys"), "{refused}");
+    assert_eq!(count(&*store).await, 0);
+    let refused = run_order(&runtime, "1:root").await.unwrap_err().to_string();
+    assert!(
+        refused.contains("does not carry idempotency keys"),
+        "a turn's keyed root request too: {refused}"
+    );
     assert_eq!(count(&*store).await, 0);
     runtime.shutdown().await;
 }

@@ -18,6 +18,9 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, Notify};
 use troupe_core::{ActorId, ActorKind, InvokeError};
+#[path = "support/keyed_root_router.rs"]
+mod keyed_root_router;
+use keyed_root_router::KeyedRootRouter;
 use troupe_runtime::{
     Actor, ActorBox, ActorError, Claimed, Fence, IdempotencyKey, IdempotencyKeyError, KindConfig, MemoryStore, Runtime,
     StateStore, StoreError, StoreOperation, Turn, TurnCommit, TypedActor, IDEMPOTENCY_KEYS_KEPT_MAX,
@@ -394,6 +397,24 @@ async fn a_typed_keyed_ask_runs_once() {
     assert_eq!(total.ask_keyed(&request, 5, LONG).await.unwrap(), 5);
     assert_eq!(total.ask(0, LONG).await.unwrap(), 5, "the state holds one deposit");
     assert_eq!(total.ask_keyed(&key("deposit-2"), 5, LONG).await.unwrap(), 10);
+    runtime.shutdown().await;
+}
+
+/// Goal: with a root router installed (a cluster node), a typed keyed ask goes to the
+/// router with its key (it runs keyed on the actor's owner), and still runs once per
+/// key. Method: the keys the router saw, and the actor's state.
+#[tokio::test]
+async fn a_typed_keyed_ask_goes_to_the_root_router_with_its_key() {
+    let runtime = Runtime::builder()
+        .register_typed::<Total>(ActorKind::new("total").unwrap(), KindConfig::default())
+        .unwrap()
+        .start();
+    let router = KeyedRootRouter::install(&runtime.handle());
+    let total = runtime.actor_ref::<Total>(ActorId::new("total", "t").unwrap()).unwrap();
+    assert_eq!(total.ask_keyed(&key("deposit-1"), 5, LONG).await.unwrap(), 5);
+    assert_eq!(total.ask_keyed(&key("deposit-1"), 5, LONG).await.unwrap(), 5);
+    assert_eq!(*router.keyed.lock().unwrap(), ["deposit-1", "deposit-1"]);
+    assert_eq!(total.ask(0, LONG).await.unwrap(), 5, "the state holds one deposit");
     runtime.shutdown().await;
 }
 
