@@ -487,6 +487,10 @@ impl Dispatcher {
         }
         if self.shutting_down {
             for envelope in held {
+                // Its caller releases no edge once it has a reply (`ReplyWait::finish`).
+                if envelope.edge {
+                    self.waits.remove(envelope.call);
+                }
                 envelope.reply.send(Err(InvokeError::Shutdown));
             }
             return;
@@ -530,6 +534,10 @@ impl Dispatcher {
             activation.close(id, &mut routes);
             if let Some(waiting) = &mut activation.waiting {
                 for envelope in waiting.held.drain(..) {
+                    // Its caller releases no edge once it has a reply.
+                    if envelope.edge {
+                        self.waits.remove(envelope.call);
+                    }
                     envelope.reply.send(Err(InvokeError::Shutdown));
                 }
             }

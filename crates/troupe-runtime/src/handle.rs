@@ -354,8 +354,9 @@ impl fmt::Debug for WeakRuntimeHandle {
 /// without a reply (timeout, the caller's future dropped, its turn ended), dropping the
 /// guard closes the receiver first, so the callee's turn sees its caller gone and is
 /// cancelled, and the dispatcher never routes the request; then it releases the wait-for
-/// edge (the callee releases it too when it replies: the first release wins) and reports
-/// the abandonment.
+/// edge (the callee may release it too, when it answers: the first release wins) and
+/// reports the abandonment. A wait that got its reply releases nothing: whoever answers
+/// a request with an edge releases the edge before the reply is sent.
 pub(crate) struct WaitGuard<'a> {
     shared: &'a Shared,
     target: &'a ActorId,
@@ -1036,6 +1037,12 @@ impl ReplyWait<'_> {
         match waited {
             Waited::Reply(result) => {
                 guard.answered = true;
+                // Whoever replied released the wait-for edge before replying: the callee
+                // (`respond` in activation.rs sends the release first), or the dispatcher
+                // (a refusal removes the edge, or never added it). A second release from
+                // here would be a control message, and often a wake-up of the
+                // dispatcher, per call from a turn, to remove nothing.
+                guard.edge = false;
                 match result {
                     // The callee timed the turn out itself: report the time this caller
                     // allowed, as when the caller's own timer fires.
