@@ -569,7 +569,7 @@ impl Caller {
         timeout: Duration,
     ) -> Result<Bytes, InvokeError> {
         self.as_root(target, timeout, |deadline| {
-            self.inner.handle.invoke_root_routed(target, payload, deadline)
+            self.inner.handle.invoke_root_routed(target, None, payload, deadline)
         })
         .await
     }
@@ -593,7 +593,7 @@ impl Caller {
         self.as_root(target, timeout, |deadline| {
             self.inner
                 .handle
-                .invoke_root_routed_keyed(target, key, payload, deadline)
+                .invoke_root_routed(target, Some(key), payload, deadline)
         })
         .await
     }

@@ -256,7 +256,7 @@ impl RuntimeHandle {
         if crate::handle::IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        self.invoke_root_routed(target, payload, deadline).await
+        self.invoke_root_routed(target, None, payload, deadline).await
     }
 
     /// As [`RuntimeHandle::invoke_keyed`], through the installed [`RootCallRouter`]'s
@@ -287,7 +287,7 @@ impl RuntimeHandle {
         if crate::handle::IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
         }
-        self.invoke_root_routed_keyed(target, key, payload, deadline).await
+        self.invoke_root_routed(target, Some(key), payload, deadline).await
     }
 
     /// As [`RuntimeHandle::invoke_routed`], under `context` instead of a root context
@@ -384,32 +384,20 @@ impl RuntimeHandle {
         self.invoke_routed(target, payload, self.deadline_in(timeout)).await
     }
 
-    /// A root request through the router if one is installed, else local; no inside-a-turn
-    /// check (for `Caller::invoke_as_root`).
+    /// A root request, keyed or not, through the router if one is installed, else local;
+    /// no inside-a-turn check (for `Caller::invoke_as_root` and its keyed form).
     pub(crate) async fn invoke_root_routed(
         &self,
         target: &ActorId,
+        key: Option<&IdempotencyKey>,
         payload: Bytes,
         deadline: Deadline,
     ) -> Result<Bytes, InvokeError> {
-        match self.shared.root_router.get() {
-            Some(router) => router.invoke_root(target, payload, deadline).await,
-            None => self.invoke_root(target, payload, deadline).await,
-        }
-    }
-
-    /// A keyed root request through the router if one is installed, else local; no
-    /// inside-a-turn check (for `Caller::invoke_as_root_keyed`).
-    pub(crate) async fn invoke_root_routed_keyed(
-        &self,
-        target: &ActorId,
-        key: &IdempotencyKey,
-        payload: Bytes,
-        deadline: Deadline,
-    ) -> Result<Bytes, InvokeError> {
-        match self.shared.root_router.get() {
-            Some(router) => router.invoke_root_keyed(target, key, payload, deadline).await,
-            None => self.invoke_root_keyed(target, key, payload, deadline).await,
+        match (self.shared.root_router.get(), key) {
+            (Some(router), None) => router.invoke_root(target, payload, deadline).await,
+            (Some(router), Some(key)) => router.invoke_root_keyed(target, key, payload, deadline).await,
+            (None, None) => self.invoke_root(target, payload, deadline).await,
+            (None, Some(key)) => self.invoke_root_keyed(target, key, payload, deadline).await,
         }
     }
 
