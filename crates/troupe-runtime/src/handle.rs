@@ -636,6 +636,35 @@ impl RuntimeHandle {
             .await
     }
 
+    /// As [`RuntimeHandle::tell`], for one delivery of the message `key` names: a turn of
+    /// `target` with this key that committed makes every later delivery a no-op (the
+    /// handler does not run again), as for [`RuntimeHandle::invoke_keyed`]. For a source
+    /// that delivers at least once (a queue that redelivers what it could not see
+    /// acknowledged): tell each message under its id, and its effect lands once. A
+    /// delivery whose turn fails, times out or is not committed records nothing, so the
+    /// next delivery runs.
+    ///
+    /// Copies queued together run one after another (an actor's turns are one at a
+    /// time, each commit landing before the next turn starts), so only the first runs the
+    /// handler. A keyed turn always commits (its record), and an actor keeps its last
+    /// [`crate::IDEMPOTENCY_KEYS_KEPT_MAX`] keys, told or asked. Local, as `tell`.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::tell`].
+    pub async fn tell_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<(), InvokeError> {
+        if IN_TURN.get() {
+            return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        self.send_only(target, Payload::keyed(key, payload), EnvelopeContext::Root(deadline))
+            .await
+    }
+
     /// Fire-and-forget delivery of `payload` (see [`RuntimeHandle::tell`]).
     pub(crate) async fn send_only(
         &self,

@@ -418,6 +418,57 @@ async fn a_typed_keyed_ask_goes_to_the_root_router_with_its_key() {
     runtime.shutdown().await;
 }
 
+/// Goal: a keyed tell delivered again, as a source that delivers at least once does,
+/// applies its effect once: copies queued together, and a copy sent after the first
+/// committed; a delivery whose turn failed records nothing, and the next delivery runs.
+/// Method: count the committed effects, each time after a keyed ask sent behind the
+/// tells (one mailbox, in order: it runs after them).
+async fn a_redelivered_keyed_tell_applies_its_effect_once() {
+    let store = Arc::new(MemoryStore::new());
+    let fail = Arc::new(AtomicBool::new(false));
+    let runtime = start(store.clone(), fail.clone());
+    let target = target();
+    let tell = |id: &'static str| {
+        let runtime = &runtime;
+        let target = &target;
+        async move {
+            let deadline = runtime.deadline_in(LONG);
+            runtime
+                .tell_keyed(target, &key(id), Bytes::from_static(b"add"), deadline)
+                .await
+        }
+    };
+    for _ in 0..3 {
+        tell("message-1").await.unwrap();
+    }
+    assert_eq!(add_keyed(&runtime, &key("probe-1")).await.unwrap(), "count=2");
+    assert_eq!(count(&*store).await, 2, "message-1 once, then the probe");
+    tell("message-1").await.unwrap();
+    assert_eq!(add_keyed(&runtime, &key("probe-2")).await.unwrap(), "count=3");
+
+    fail.store(true, Ordering::SeqCst);
+    tell("message-2").await.unwrap();
+    add_keyed(&runtime, &key("probe-3")).await.unwrap_err();
+    assert_eq!(count(&*store).await, 3, "the failed delivery and probe changed nothing");
+    fail.store(false, Ordering::SeqCst);
+    tell("message-2").await.unwrap();
+    tell("message-2").await.unwrap();
+    assert_eq!(add_keyed(&runtime, &key("probe-4")).await.unwrap(), "count=5");
+    assert_eq!(count(&*store).await, 5, "message-2 once after its failed delivery");
+    runtime.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_redelivered_keyed_tell_applies_its_effect_once_current_thread() {
+    a_redelivered_keyed_tell_applies_its_effect_once().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_keyed_tell_applies_its_effect_once_multi_thread() {
+    a_redelivered_keyed_tell_applies_its_effect_once().await;
+}
+
 /// Goal: keys are bounded and checked, with a typed error.
 #[test]
 fn invalid_keys_are_refused_with_a_typed_error() {
