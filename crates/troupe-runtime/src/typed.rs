@@ -390,6 +390,28 @@ impl<A: TypedActor> ActorRef<A> {
         })
     }
 
+    /// As [`ActorRef::tell`], for one delivery of the message `key` names (see
+    /// [`RuntimeHandle::tell_keyed`]): once a delivery's turn has committed, later ones
+    /// do not run the handler. The message travels as bincode bytes, as for
+    /// [`ActorRef::ask_keyed`].
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::tell`]; `ActorFailed` (nothing sent) if the message cannot be
+    /// encoded.
+    pub async fn tell_keyed(
+        &self,
+        key: &IdempotencyKey,
+        message: A::Message,
+        timeout: Duration,
+    ) -> Result<(), InvokeError> {
+        let payload = encode(&message, "message").map_err(|error| InvokeError::ActorFailed {
+            target: self.id.clone(),
+            cause: error.to_string(),
+        })?;
+        let deadline = self.handle.deadline_in(timeout);
+        self.handle.tell_keyed(&self.id, key, payload, deadline).await
+    }
+
     /// Sends `message` without waiting for a reply (fire-and-forget); returns once it is
     /// accepted (see [`RuntimeHandle::tell`]). Its turn must finish within `timeout`.
     ///

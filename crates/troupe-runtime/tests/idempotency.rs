@@ -400,6 +400,24 @@ async fn a_typed_keyed_ask_runs_once() {
     runtime.shutdown().await;
 }
 
+/// Goal: a typed keyed tell delivered twice deposits once. Method: the actor's state,
+/// read by an ask sent behind the tells.
+#[tokio::test]
+async fn a_typed_keyed_tell_delivered_twice_deposits_once() {
+    let runtime = Runtime::builder()
+        .register_typed::<Total>(ActorKind::new("total").unwrap(), KindConfig::default())
+        .unwrap()
+        .start();
+    let total = runtime.actor_ref::<Total>(ActorId::new("total", "t").unwrap()).unwrap();
+    for _ in 0..2 {
+        total.tell_keyed(&key("deposit-7"), 5, LONG).await.unwrap();
+    }
+    assert_eq!(total.ask(0, LONG).await.unwrap(), 5, "one deposit");
+    total.tell_keyed(&key("deposit-8"), 5, LONG).await.unwrap();
+    assert_eq!(total.ask(0, LONG).await.unwrap(), 10, "another key, another deposit");
+    runtime.shutdown().await;
+}
+
 /// Goal: with a root router installed (a cluster node), a typed keyed ask goes to the
 /// router with its key (it runs keyed on the actor's owner), and still runs once per
 /// key. Method: the keys the router saw, and the actor's state.
