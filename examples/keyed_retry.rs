@@ -3,6 +3,8 @@
 //! deposit sent twice (as a client does when it lost the first reply or timed out) is
 //! applied once: the second attempt gets the first one's reply, and so does an attempt
 //! after the runtime restarted on the same file. A deposit under a new key is applied.
+//! Deposits that arrive as fire-and-forget messages from a queue that may deliver one
+//! twice are told under their id (`tell_keyed`): the duplicate changes nothing.
 //!
 //! Run it with `cargo run --example keyed_retry`. It prints each reply and the balance.
 
@@ -91,6 +93,17 @@ async fn main() -> Result<(), Error> {
         "deposit-3:       {}",
         deposit(&runtime, &account, "deposit-3", 100).await?
     );
+
+    // A queue delivers deposit-4 twice: told under its id, it is applied once.
+    let key = IdempotencyKey::new("deposit-4")?;
+    for _ in 0..2 {
+        let deadline = runtime.deadline_in(Duration::from_secs(5));
+        runtime.tell_keyed(&account, &key, Bytes::from("50"), deadline).await?;
+    }
+    // Sent after the tells, into the same mailbox: it runs after them.
+    let balance = deposit(&runtime, &account, "deposit-5", 0).await?;
+    println!("deposit-4 told twice, then deposit-5 of 0: {balance}");
+    assert_eq!(balance, "deposited 0, balance 900", "deposit-4 applied once");
     runtime.shutdown().await;
     Ok(())
 }
