@@ -377,8 +377,9 @@ impl ClusterClient {
     ///
     /// # Errors
     /// As [`ClusterClient::invoke`], except that `Unreachable` comes only when the
-    /// deadline passed with the owner still unreachable (its last error); `Rejected` if
-    /// called inside a turn (a turn uses [`troupe_runtime::Caller::call_keyed`]).
+    /// deadline passed with the owner still unreachable (its last error);
+    /// `Refused(RootInvokeInsideTurn)` inside a turn (a turn uses
+    /// [`troupe_runtime::Caller::call_keyed`]).
     pub async fn invoke_keyed(
         &self,
         target: &ActorId,
