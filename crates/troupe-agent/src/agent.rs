@@ -201,10 +201,7 @@ impl AgentActor {
             AgentCommand::Ask(request) => {
                 let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
                 let content = match &request.from {
-                    Some(from) => {
-                        let sender = crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key());
-                        ["[message from ", &sender, "] ", text].concat()
-                    }
+                    Some(from) => crate::org_prompt::message_from(&self.shared, self.id.key(), from.key(), text),
                     None => text.to_string(),
                 };
                 let conversation = Conversation {
