@@ -156,16 +156,10 @@ pub async fn call_agent(
     // Admission through the turn's caller handle: the in-flight slot, the cycle and
     // depth rules and the deadline all come from the runtime, not from the tool.
     // A local agent of the id wins over a remote one.
-    let remote = if shared.directory.contains(agent_id_text) {
-        None
-    } else {
-        shared.remotes.get(agent_id_text)
-    };
-    let admission = context.caller().admit(
-        &target,
-        remote.is_some() || shared.directory.contains(agent_id_text),
-        timeout_ms,
-    );
+    // The directory is read once for both (nothing runs between the two uses).
+    let local = shared.directory.contains(agent_id_text);
+    let remote = if local { None } else { shared.remotes.get(agent_id_text) };
+    let admission = context.caller().admit(&target, remote.is_some() || local, timeout_ms);
     // The event (its ids copied, the clock read) is made only for someone to receive
     // it: `emit` hands it to the listeners, and there are none.
     let listened = shared.has_listeners();
