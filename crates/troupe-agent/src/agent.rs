@@ -182,8 +182,10 @@ impl AgentActor {
     async fn handle_command(&mut self, turn: &mut Turn, command: AgentCommand) -> Result<Answer, ActorError> {
         self.state.load_window(turn).await?;
         self.resume_at_activation(turn, &command).await?;
-        crate::org_store::ensure_loaded(&self.shared).await;
-        crate::directory_store::ensure_fresh(&self.shared).await;
+        // One reading of the clock for both caches' ages.
+        let now = turn.now();
+        crate::org_store::ensure_loaded(&self.shared, now).await;
+        crate::directory_store::ensure_fresh_at(&self.shared, now).await;
         // Read before the definition it guards: a change made meanwhile leaves a stale
         // generation, and the next turn reads the definition again.
         let generation = self.shared.directory.generation();
