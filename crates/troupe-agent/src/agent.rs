@@ -201,10 +201,17 @@ impl AgentActor {
         }
         match command {
             AgentCommand::Ask(request) => {
-                let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
                 let content = match &request.from {
-                    Some(from) => crate::org_prompt::message_from(&self.shared, self.id.key(), from.key(), text),
-                    None => text.to_string(),
+                    Some(from) => {
+                        let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
+                        crate::org_prompt::message_from(&self.shared, self.id.key(), from.key(), text)
+                    }
+                    // The request's own text, cut in place (not copied).
+                    None => {
+                        let mut text = request.text;
+                        text.truncate(truncate_utf8(&text, AGENT_MESSAGE_SIZE_MAX_BYTES).len());
+                        text
+                    }
                 };
                 let conversation = Conversation {
                     content,
