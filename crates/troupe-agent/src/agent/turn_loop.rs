@@ -180,7 +180,8 @@ impl AgentActor {
         let boxes = self.state.boxes;
         let unsent =
             |agent: &ActorId| PendingSends::new(agent.clone(), boxes.outbox_next, boxes.outbox_len, boxes.tasks_open);
-        let meter = Arc::new(BudgetMeter::new(self.id.clone(), conversation.budget));
+        // The turn's meter, on its own until a tool needs it shared (see `MeterSlot`).
+        let mut meter = MeterSlot::Own(BudgetMeter::new(self.id.clone(), conversation.budget));
         // The tools' context (the turn's caller handle and the shared sends) is made at
         // the first step that calls a tool: a turn that only answers (every turn of an
         // agent without tools, the last step of any) needs neither, and the runtime
@@ -200,7 +201,7 @@ impl AgentActor {
         let mut usage = TokenUsage::default();
         // A turn whose budget runs out replies with the typed error and commits nothing
         // (its spend is reported all the same: the tokens are gone).
-        let exhausted = |steps, usage, error: BudgetExhausted| AgentReply {
+        let exhausted = |meter: &BudgetMeter, steps, usage, error: BudgetExhausted| AgentReply {
             text: String::new(),
             truncated: false,
             steps,
@@ -229,9 +230,9 @@ impl AgentActor {
                     if turn.runtime_aborted() {
                         return Err(self.runtime_aborted());
                     }
-                    let max_tokens = match meter.model_call_cap() {
+                    let max_tokens = match meter.get().model_call_cap() {
                         Ok(cap) => cap,
-                        Err(error) => return Ok(Some(exhausted(steps, usage, error))),
+                        Err(error) => return Ok(Some(exhausted(meter.get(), steps, usage, error))),
                     };
                     steps += 1;
                     let mut messages = Prompt::from(self.system_message());
@@ -252,14 +253,14 @@ impl AgentActor {
                     let reply = match model_call.await {
                         Ok(reply) => reply,
                         Err(LlmError::OverTokenLimit { max_tokens, .. }) => {
-                            let limit = meter.limit().tokens.unwrap_or(u64::MAX);
+                            let limit = meter.get().limit().tokens.unwrap_or(u64::MAX);
                             let error = BudgetExhausted {
                                 agent: self.id.clone(),
                                 resource: BudgetResource::Tokens,
                                 spent: limit.saturating_sub(max_tokens),
                                 limit,
                             };
-                            return Ok(Some(exhausted(steps, usage, error)));
+                            return Ok(Some(exhausted(meter.get(), steps, usage, error)));
                         }
                         Err(error) => return Err(ActorError::failed(format!("the model failed: {error}"))),
                     };
@@ -270,7 +271,7 @@ impl AgentActor {
                     }
                     let charged = reply
                         .usage
-                        .map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
+                        .map_or(Ok(()), |used| meter.get().charge_tokens(used.total_tokens));
                     if self.shared.has_listeners() {
                         self.shared.emit(&AgentEvent::ModelResponded {
                             agent: self.id.clone(),
@@ -285,7 +286,7 @@ impl AgentActor {
                     message.role = Role::Assistant;
                     message.tool_call_id = None;
                     if let Err(error) = charged {
-                        return Ok(Some(exhausted(steps, usage, error)));
+                        return Ok(Some(exhausted(meter.get(), steps, usage, error)));
                     }
                     if message.tool_calls.is_empty() {
                         fresh.push(message);
@@ -301,7 +302,7 @@ impl AgentActor {
                             conversation.call,
                             Arc::clone(&self.shared),
                             Some(Arc::clone(&sends)),
-                            Arc::clone(&meter),
+                            meter.share(),
                         );
                         (context, sends)
                     });
@@ -362,7 +363,7 @@ impl AgentActor {
             truncated: text.len() < answer.len(),
             steps,
             usage,
-            spent: meter.spent(),
+            spent: meter.get().spent(),
             exhausted: None,
         })
     }
@@ -443,6 +444,39 @@ impl AgentActor {
                 .map(|(call, text)| result_message(call, text))
                 .collect(),
         )
+    }
+}
+
+/// A turn's budget meter: its own until the first tool call, which takes it shared
+/// (`ToolExecutionContext` holds an `Arc`), so a turn that calls no tool allocates
+/// none. The same meter either way: `share` moves it, charges and all, into the `Arc`
+/// that every later step reads.
+enum MeterSlot {
+    Own(BudgetMeter),
+    Shared(Arc<BudgetMeter>),
+    /// Only while `share` moves the meter.
+    Moving,
+}
+
+impl MeterSlot {
+    fn get(&self) -> &BudgetMeter {
+        match self {
+            Self::Own(meter) => meter,
+            Self::Shared(meter) => meter,
+            Self::Moving => unreachable!("a meter is moved within `share` only"),
+        }
+    }
+
+    fn share(&mut self) -> Arc<BudgetMeter> {
+        if let Self::Shared(meter) = self {
+            return Arc::clone(meter);
+        }
+        let Self::Own(meter) = std::mem::replace(self, Self::Moving) else {
+            unreachable!("a meter is moved within `share` only")
+        };
+        let meter = Arc::new(meter);
+        *self = Self::Shared(Arc::clone(&meter));
+        meter
     }
 }
 
