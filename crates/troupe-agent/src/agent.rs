@@ -182,8 +182,10 @@ impl AgentActor {
     async fn handle_command(&mut self, turn: &mut Turn, command: AgentCommand) -> Result<Answer, ActorError> {
         self.state.load_window(turn).await?;
         self.resume_at_activation(turn, &command).await?;
-        crate::org_store::ensure_loaded(&self.shared).await;
-        crate::directory_store::ensure_fresh(&self.shared).await;
+        // One reading of the clock for both caches' ages.
+        let now = turn.now();
+        crate::org_store::ensure_loaded(&self.shared, now).await;
+        crate::directory_store::ensure_fresh_at(&self.shared, now).await;
         // Read before the definition it guards: a change made meanwhile leaves a stale
         // generation, and the next turn reads the definition again.
         let generation = self.shared.directory.generation();
@@ -199,13 +201,17 @@ impl AgentActor {
         }
         match command {
             AgentCommand::Ask(request) => {
-                let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
                 let content = match &request.from {
                     Some(from) => {
-                        let sender = crate::org_prompt::sender_label(&self.shared, self.id.key(), from.key());
-                        ["[message from ", &sender, "] ", text].concat()
+                        let text = truncate_utf8(&request.text, AGENT_MESSAGE_SIZE_MAX_BYTES);
+                        crate::org_prompt::message_from(&self.shared, self.id.key(), from.key(), text)
                     }
-                    None => text.to_string(),
+                    // The request's own text, cut in place (not copied).
+                    None => {
+                        let mut text = request.text;
+                        text.truncate(truncate_utf8(&text, AGENT_MESSAGE_SIZE_MAX_BYTES).len());
+                        text
+                    }
                 };
                 let conversation = Conversation {
                     content,

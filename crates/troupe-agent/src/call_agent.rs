@@ -153,32 +153,30 @@ pub async fn call_agent(
     })?;
     let shared = context.shared();
     let call = shared.next_call_id();
-    let now = context.now();
     // Admission through the turn's caller handle: the in-flight slot, the cycle and
     // depth rules and the deadline all come from the runtime, not from the tool.
     // A local agent of the id wins over a remote one.
-    let remote = if shared.directory.contains(agent_id_text) {
-        None
-    } else {
-        shared.remotes.get(agent_id_text)
-    };
-    let admission = context.caller().admit(
-        &target,
-        remote.is_some() || shared.directory.contains(agent_id_text),
-        timeout_ms,
-    );
-    shared.emit(&AgentEvent::CallStarted {
-        call,
-        parent: context.inbound_call(),
-        caller: Some(context.agent_id().clone()),
-        target: target.clone(),
-        depth: context.call_depth().saturating_add(1),
-        at: now,
-    });
+    // The directory is read once for both (nothing runs between the two uses).
+    let local = shared.directory.contains(agent_id_text);
+    let remote = if local { None } else { shared.remotes.get(agent_id_text) };
+    let admission = context.caller().admit(&target, remote.is_some() || local, timeout_ms);
+    // The event (its ids copied, the clock read) is made only for someone to receive
+    // it: `emit` hands it to the listeners, and there are none.
+    let listened = shared.has_listeners();
+    if listened {
+        shared.emit(&AgentEvent::CallStarted {
+            call,
+            parent: context.inbound_call(),
+            caller: Some(context.agent_id().clone()),
+            target: target.clone(),
+            depth: context.call_depth().saturating_add(1),
+            at: context.now(),
+        });
+    }
     let finished = CallEndReport {
         context,
         call,
-        armed: shared.has_listeners(),
+        armed: listened,
     };
     // Then the organisation's admission (links, permissions, approval); the grant is
     // reserved only once the call is admitted; refused, it is not sent.

@@ -86,10 +86,10 @@ pub(crate) async fn record_call(
     question: &str,
     answer: &str,
 ) -> Result<(), ConversationError> {
-    let id = crate::direct_conversation_id(caller, callee);
-    let target = match shared.known_direct_conversation(&id) {
+    let target = match shared.known_direct_conversation(caller, callee) {
         Some(target) => target,
         None => {
+            let id = crate::direct_conversation_id(caller, callee);
             let target = conversation_actor(&id)?;
             let register = ConvCommand::Register {
                 conversation: id.clone(),
@@ -105,7 +105,7 @@ pub(crate) async fn record_call(
                 kind: ConversationKind::Direct,
             };
             request(turn, &target, create).await?;
-            shared.remember_direct_conversation(id, target.clone());
+            shared.remember_direct_conversation(caller, callee, target.clone());
             target
         }
     };

@@ -874,8 +874,10 @@ impl ConversationActor {
             return Ok(ConvReply::Error(error));
         }
         let seq = self.state.next_seq;
+        // Read only for mentions (their refusals and relays): a post without any, such as
+        // every recorded exchange's, copies no name for it.
         let sender_agent = match &request.sender {
-            Sender::Agent(name) => Some(name.clone()),
+            Sender::Agent(name) if !mentions.is_empty() => Some(name.clone()),
             _ => None,
         };
         // Each mention: relayed, or refused with a note.
@@ -931,18 +933,21 @@ impl ConversationActor {
             next += 1;
         }
         self.state.next_seq = next;
-        let deadline = Deadline::after(turn.now(), Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT));
-        for agent in relays {
-            let record = RelayRecord {
-                from: sender_agent.clone(),
-                chain: request.chain.clone(),
-                deadline,
-            };
-            turn.put(relay_key(seq, &agent), to_json(&record)?)?;
-            turn.caller()
-                .tell(&self.id, ConvCommand::Relay { seq, agent }.encode(), WAKE_TIMEOUT)
-                .await
-                .map_err(wake_failed)?;
+        // The clock is read only for relays to send (a recorded exchange has none).
+        if !relays.is_empty() {
+            let deadline = Deadline::after(turn.now(), Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT));
+            for agent in relays {
+                let record = RelayRecord {
+                    from: sender_agent.clone(),
+                    chain: request.chain.clone(),
+                    deadline,
+                };
+                turn.put(relay_key(seq, &agent), to_json(&record)?)?;
+                turn.caller()
+                    .tell(&self.id, ConvCommand::Relay { seq, agent }.encode(), WAKE_TIMEOUT)
+                    .await
+                    .map_err(wake_failed)?;
+            }
         }
         Ok(ConvReply::Posted(Posted { seq, duplicate: false }))
     }

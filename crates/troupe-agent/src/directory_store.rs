@@ -125,15 +125,18 @@ impl DirectoryStore {
         }
     }
 
+    /// Whether the last read (or try) is younger than [`DIRECTORY_REFRESH_MS`] at `now`.
+    fn is_fresh(&self, now: Deadline) -> bool {
+        self.read_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some_and(|at| now.as_micros().saturating_sub(at.as_micros()) < DIRECTORY_REFRESH_MS * 1_000)
+    }
+
     /// Reads the record if the last read (or try) is [`DIRECTORY_REFRESH_MS`] old or
     /// there was none; a failure is logged (the next lookup after that age tries again).
     pub(crate) async fn refresh_if_stale(&self, shared: &AgentShared, runtime: &RuntimeHandle) {
-        let fresh = self
-            .read_at
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_some_and(|at| runtime.now().as_micros().saturating_sub(at.as_micros()) < DIRECTORY_REFRESH_MS * 1_000);
-        if fresh {
+        if self.is_fresh(runtime.now()) {
             return;
         }
         if let Err(error) = self.refresh(shared, runtime).await {
@@ -328,6 +331,16 @@ pub(crate) async fn ensure_fresh(shared: &AgentShared) {
     if let Some(runtime) = shared.runtime() {
         shared.defined.refresh_if_stale(shared, &runtime).await;
     }
+}
+
+/// [`ensure_fresh`] at an agent's turn, with `now` the turn's reading of the runtime's
+/// clock: a read young enough at it is kept without taking the runtime's handle or
+/// reading the clock again.
+pub(crate) async fn ensure_fresh_at(shared: &AgentShared, now: Deadline) {
+    if shared.defined.is_fresh(now) {
+        return;
+    }
+    ensure_fresh(shared).await;
 }
 
 impl AgentClient {

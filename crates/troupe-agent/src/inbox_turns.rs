@@ -80,17 +80,20 @@ impl AgentActor {
     /// Writes a turn's sends to the outbox (and the delegator's task records) and
     /// schedules their relays, which run after this turn commits.
     pub(crate) async fn flush_sends(&mut self, turn: &mut Turn, mut sends: PendingSends) -> Result<(), ActorError> {
-        let now = turn.now();
+        // The clock is read only for the events of delegations (most turns have none).
+        let now = (!sends.tasks.is_empty()).then(|| turn.now());
         self.number_pairs(turn, &mut sends).await?;
         for task in &sends.tasks {
             turn.put(task_key(&task.task_id), to_json(task)?)?;
             self.state.boxes.tasks_open += 1;
-            self.shared.emit(&AgentEvent::DelegationStarted {
-                task_id: task.task_id.clone(),
-                from: self.id.clone(),
-                to: task.to.clone(),
-                at: now,
-            });
+            if let Some(at) = now {
+                self.shared.emit(&AgentEvent::DelegationStarted {
+                    task_id: task.task_id.clone(),
+                    from: self.id.clone(),
+                    to: task.to.clone(),
+                    at,
+                });
+            }
         }
         for (seq, entry) in &sends.entries {
             turn.put(outbox_key(*seq), to_json(entry)?)?;

@@ -90,6 +90,15 @@ pub(crate) fn sender_label(shared: &AgentShared, agent: &str, from: &str) -> Str
     }
 }
 
+/// `text` from agent `from` as `agent`'s model reads it: `[message from {label}] {text}`
+/// with [`sender_label`]'s label, built in one allocation (not the label's first).
+pub(crate) fn message_from(shared: &AgentShared, agent: &str, from: &str, text: &str) -> String {
+    match shared.org.cached().and_then(|org| org.link_context(agent, from)) {
+        Some(context) => ["[message from agent ", from, "; ", &context, "] ", text].concat(),
+        None => ["[message from agent ", from, "] ", text].concat(),
+    }
+}
+
 /// The tool specs `spec`'s model is offered: the tools it may use
 /// ([`AgentSpec::tools`]), where the contact tools' descriptions end with the agents it
 /// may contact. Unchanged (shared) when the agent has every tool and the organisation is

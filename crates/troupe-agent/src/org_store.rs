@@ -126,6 +126,16 @@ impl OrgStore {
             .map(|cached| Arc::clone(&cached.org))
     }
 
+    /// Whether the cache is younger than [`ORG_CACHE_MAX_AGE_MS`] at `now` ([`Self::fresh`]
+    /// without taking the organisation).
+    fn is_fresh(&self, now: Deadline) -> bool {
+        self.cache
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|cached| cached.age_ms(now) < ORG_CACHE_MAX_AGE_MS)
+    }
+
     /// How long until the cache is older than [`ORG_CACHE_MAX_AGE_MS`] (zero if it is, or
     /// if there is none).
     fn fresh_for(&self, now: Deadline) -> Duration {
@@ -445,7 +455,13 @@ pub(crate) async fn admit_contact(
 /// Loads the organisation into the cache if it is not there yet, or again once it is
 /// older than [`ORG_CACHE_MAX_AGE_MS`], so the prompt shows the one admission decides
 /// on; a failure is left for admission to report.
-pub(crate) async fn ensure_loaded(shared: &crate::agent::AgentShared) {
+///
+/// `now` is the caller's reading of the runtime's clock: a cache young enough at it is
+/// kept without taking the runtime's handle or reading the clock again.
+pub(crate) async fn ensure_loaded(shared: &crate::agent::AgentShared, now: Deadline) {
+    if shared.org.is_fresh(now) {
+        return;
+    }
     if let Some(runtime) = shared.runtime() {
         if let Err(error) = shared.org.current(runtime.store().as_ref(), &runtime.clock()).await {
             tracing::warn!(%error, "the organisation could not be loaded");

@@ -26,6 +26,7 @@
 //! [`LlmError::OverTokenLimit`] (nothing delivered, nothing charged), so a scripted turn
 //! never spends past its budget.
 
+use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -293,7 +294,8 @@ impl ScriptedLlm {
 struct TemplateValues<'a> {
     request: &'a LlmRequest,
     input: OnceCell<&'a str>,
-    tool_result: OnceCell<String>,
+    /// Borrowed when there is one result (the usual step), joined when there are more.
+    tool_result: OnceCell<Cow<'a, str>>,
     /// `{route_next}` and `{route_rest}`.
     route: OnceCell<(&'a str, String)>,
 }
@@ -320,17 +322,23 @@ impl<'a> TemplateValues<'a> {
     }
 
     fn tool_result(&self) -> &str {
+        let messages = &self.request.messages;
         self.tool_result.get_or_init(|| {
-            let mut results: Vec<&str> = self
-                .request
-                .messages
-                .iter()
-                .rev()
-                .take_while(|m| m.role == Role::Tool)
-                .map(|m| m.content.as_str())
-                .collect();
-            results.reverse();
-            results.join("; ")
+            let mut results = messages.iter().rev().take_while(|m| m.role == Role::Tool);
+            match (results.next(), results.next()) {
+                (None, _) => Cow::Borrowed(""),
+                (Some(only), None) => Cow::Borrowed(only.content.as_str()),
+                (Some(_), Some(_)) => {
+                    let mut results: Vec<&str> = messages
+                        .iter()
+                        .rev()
+                        .take_while(|m| m.role == Role::Tool)
+                        .map(|m| m.content.as_str())
+                        .collect();
+                    results.reverse();
+                    Cow::Owned(results.join("; "))
+                }
+            }
         })
     }
 
@@ -363,16 +371,18 @@ impl<'a> TemplateValues<'a> {
     /// then replaced too); a placeholder that is not there costs no copy, and a text
     /// without a `{` has none left to replace.
     fn fill(&self, template: &str) -> String {
-        let mut text = template.to_string();
+        // Borrowed until a placeholder is replaced: a template is copied once, filled or
+        // not, rather than copied first and then again by each replacement.
+        let mut text = Cow::Borrowed(template);
         for placeholder in PLACEHOLDERS {
             if !text.contains('{') {
                 break;
             }
             if let Some(filled) = replace_placeholder(&text, placeholder, || self.value(placeholder)) {
-                text = filled;
+                text = Cow::Owned(filled);
             }
         }
-        text
+        text.into_owned()
     }
 
     /// `value` with every string filled in (see [`TemplateValues::fill`]).

@@ -378,15 +378,18 @@ impl AgentClient {
             cause: error.to_string(),
         })?;
         let call = self.shared.next_call_id();
-        let now = self.runtime.now();
-        self.shared.emit(&AgentEvent::CallStarted {
-            call,
-            parent: None,
-            caller: None,
-            target: target.clone(),
-            depth: 0,
-            at: now,
-        });
+        // The event (the id copied, the clock read) is made only for someone to receive
+        // it: `emit` hands it to the listeners, and there are none.
+        if self.shared.has_listeners() {
+            self.shared.emit(&AgentEvent::CallStarted {
+                call,
+                parent: None,
+                caller: None,
+                target: target.clone(),
+                depth: 0,
+                at: self.runtime.now(),
+            });
+        }
         let result = if self.lists_agent(agent).await {
             let timeout = timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
             let request = AgentRequest {
@@ -438,6 +441,10 @@ impl AgentClient {
         call: u64,
         result: Result<AgentReply, AgentCallError>,
     ) -> Result<AgentReply, AgentCallError> {
+        // As the start's: made only for a listener.
+        if !self.shared.has_listeners() {
+            return result;
+        }
         let outcome = match &result {
             Ok(reply) => CallOutcome::Replied {
                 bytes: reply.text.len(),

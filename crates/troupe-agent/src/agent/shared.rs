@@ -41,8 +41,10 @@ pub(crate) struct AgentShared {
     /// strong handle here would be a cycle that keeps a dropped system, its store and
     /// everything in them alive for as long as the process lives.
     runtime: OnceLock<WeakRuntimeHandle>,
-    /// The direct conversations `call_record.rs` created or found in this process.
-    direct_conversations: std::sync::Mutex<std::collections::BTreeMap<String, troupe_core::ActorId>>,
+    /// The direct conversations `call_record.rs` created or found in this process, by
+    /// the pair's names in order (as `direct_conversation_id` orders them): found by the
+    /// two names as they are, without writing the conversation's id for each record.
+    direct_conversations: std::sync::Mutex<BTreeMap<String, BTreeMap<String, troupe_core::ActorId>>>,
     /// External tasks (`external.rs`) whose turn runs now in this process: they read
     /// `working` (the store says `submitted` until the turn commits its outcome).
     pub(crate) external_running: std::sync::Mutex<std::collections::BTreeSet<String>>,
@@ -238,22 +240,29 @@ impl AgentShared {
             .collect()
     }
 
-    /// The actor of direct conversation `id` if it was created (or found) in this
-    /// process (kept, so a recorded call does not validate the id again).
-    pub(crate) fn known_direct_conversation(&self, id: &str) -> Option<troupe_core::ActorId> {
+    /// The actor of the direct conversation of agents `a` and `b` (either order) if it
+    /// was created (or found) in this process (kept, so a recorded call does not
+    /// validate the id again).
+    pub(crate) fn known_direct_conversation(&self, a: &str, b: &str) -> Option<troupe_core::ActorId> {
+        let (first, second) = if a <= b { (a, b) } else { (b, a) };
         self.direct_conversations
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(id)
+            .get(first)
+            .and_then(|pairs| pairs.get(second))
             .cloned()
     }
 
-    /// Remembers that direct conversation `id` exists, as actor `actor`.
-    pub(crate) fn remember_direct_conversation(&self, id: String, actor: troupe_core::ActorId) {
+    /// Remembers that the direct conversation of agents `a` and `b` (either order)
+    /// exists, as actor `actor`.
+    pub(crate) fn remember_direct_conversation(&self, a: &str, b: &str, actor: troupe_core::ActorId) {
+        let (first, second) = if a <= b { (a, b) } else { (b, a) };
         self.direct_conversations
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(id, actor);
+            .entry(first.to_string())
+            .or_default()
+            .insert(second.to_string(), actor);
     }
 
     /// The model client of agent `spec`: its named provider, or the default. `None` if

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use troupe_core::{truncate_utf8, Deadline};
+use troupe_core::{truncate_utf8, ActorId, Deadline};
 use troupe_runtime::{ActorError, Turn};
 
 use super::AgentActor;
@@ -171,24 +171,23 @@ impl AgentActor {
         // The turn's new messages, a part per step (the user message; then each
         // step's assistant message and its tool results), shared with every later
         // prompt of the turn and then with the window.
-        let mut fresh = Prompt::from(vec![ChatMessage::new(Role::User, conversation.content)]);
+        // The user message is its own part, shared from the start (`Prompt::push`: one
+        // allocation, where a `Vec` turned into a part was two and a copy).
+        let mut fresh = Prompt::new();
+        fresh.push(ChatMessage::new(Role::User, conversation.content));
         let private = conversation.history.is_none();
         let own_history = conversation.history.map(Prompt::from);
         let boxes = self.state.boxes;
-        let sends: SharedSends = Arc::new(Mutex::new(PendingSends::new(
-            self.id.clone(),
-            boxes.outbox_next,
-            boxes.outbox_len,
-            boxes.tasks_open,
-        )));
-        let meter = Arc::new(BudgetMeter::new(self.id.clone(), conversation.budget));
-        let tools = ToolExecutionContext::new(
-            turn.caller().clone(),
-            conversation.call,
-            Arc::clone(&self.shared),
-            Some(Arc::clone(&sends)),
-            Arc::clone(&meter),
-        );
+        let unsent =
+            |agent: &ActorId| PendingSends::new(agent.clone(), boxes.outbox_next, boxes.outbox_len, boxes.tasks_open);
+        // The turn's meter, on its own until a tool needs it shared (see `MeterSlot`).
+        let mut meter = MeterSlot::Own(BudgetMeter::new(self.id.clone(), conversation.budget));
+        // The tools' context (the turn's caller handle and the shared sends) is made at
+        // the first step that calls a tool: a turn that only answers (every turn of an
+        // agent without tools, the last step of any) needs neither, and the runtime
+        // builds a turn's caller handle only when it is first asked for. What a tool
+        // sees is the same either way: the handle is the turn's, made once.
+        let mut tools: Option<(ToolExecutionContext, SharedSends)> = None;
         let specs = &Arc::clone(&self.prompt_parts().tools);
         let Some(llm) = self.shared.llm_for(&self.state.spec).cloned() else {
             let provider = self.state.spec.provider.clone().unwrap_or_default();
@@ -202,7 +201,7 @@ impl AgentActor {
         let mut usage = TokenUsage::default();
         // A turn whose budget runs out replies with the typed error and commits nothing
         // (its spend is reported all the same: the tokens are gone).
-        let exhausted = |steps, usage, error: BudgetExhausted| AgentReply {
+        let exhausted = |meter: &BudgetMeter, steps, usage, error: BudgetExhausted| AgentReply {
             text: String::new(),
             truncated: false,
             steps,
@@ -231,9 +230,9 @@ impl AgentActor {
                     if turn.runtime_aborted() {
                         return Err(self.runtime_aborted());
                     }
-                    let max_tokens = match meter.model_call_cap() {
+                    let max_tokens = match meter.get().model_call_cap() {
                         Ok(cap) => cap,
-                        Err(error) => return Ok(Some(exhausted(steps, usage, error))),
+                        Err(error) => return Ok(Some(exhausted(meter.get(), steps, usage, error))),
                     };
                     steps += 1;
                     let mut messages = Prompt::from(self.system_message());
@@ -254,14 +253,14 @@ impl AgentActor {
                     let reply = match model_call.await {
                         Ok(reply) => reply,
                         Err(LlmError::OverTokenLimit { max_tokens, .. }) => {
-                            let limit = meter.limit().tokens.unwrap_or(u64::MAX);
+                            let limit = meter.get().limit().tokens.unwrap_or(u64::MAX);
                             let error = BudgetExhausted {
                                 agent: self.id.clone(),
                                 resource: BudgetResource::Tokens,
                                 spent: limit.saturating_sub(max_tokens),
                                 limit,
                             };
-                            return Ok(Some(exhausted(steps, usage, error)));
+                            return Ok(Some(exhausted(meter.get(), steps, usage, error)));
                         }
                         Err(error) => return Err(ActorError::failed(format!("the model failed: {error}"))),
                     };
@@ -272,7 +271,7 @@ impl AgentActor {
                     }
                     let charged = reply
                         .usage
-                        .map_or(Ok(()), |used| meter.charge_tokens(used.total_tokens));
+                        .map_or(Ok(()), |used| meter.get().charge_tokens(used.total_tokens));
                     if self.shared.has_listeners() {
                         self.shared.emit(&AgentEvent::ModelResponded {
                             agent: self.id.clone(),
@@ -287,7 +286,7 @@ impl AgentActor {
                     message.role = Role::Assistant;
                     message.tool_call_id = None;
                     if let Err(error) = charged {
-                        return Ok(Some(exhausted(steps, usage, error)));
+                        return Ok(Some(exhausted(meter.get(), steps, usage, error)));
                     }
                     if message.tool_calls.is_empty() {
                         fresh.push(message);
@@ -296,13 +295,25 @@ impl AgentActor {
                     if turn.runtime_aborted() {
                         return Err(self.runtime_aborted());
                     }
+                    let (tools, _) = tools.get_or_insert_with(|| {
+                        let sends: SharedSends = Arc::new(Mutex::new(unsent(&self.id)));
+                        let context = ToolExecutionContext::new(
+                            turn.caller().clone(),
+                            conversation.call,
+                            Arc::clone(&self.shared),
+                            Some(Arc::clone(&sends)),
+                            meter.share(),
+                        );
+                        (context, sends)
+                    });
                     // The step's part: the assistant message, then a result per tool
-                    // call, in one list (the results are written into it, not into
-                    // lists of their own first).
-                    let mut step = Vec::with_capacity(1 + message.tool_calls.len());
-                    self.run_tools(&tools, &message.tool_calls, &mut step).await;
-                    step.insert(0, message);
-                    fresh.push_part(step.into());
+                    // call, made as one shared list (one allocation for the usual
+                    // single call, with no list of the results first).
+                    let step: Arc<[ChatMessage]> = match self.run_tools(tools, &message.tool_calls).await {
+                        StepResults::One(result) => Arc::new([message, result]),
+                        StepResults::Many(results) => std::iter::once(message).chain(results).collect(),
+                    };
+                    fresh.push_part(step);
                 }
                 Ok(None)
             })
@@ -326,11 +337,21 @@ impl AgentActor {
         if private {
             self.state.append_log(turn, &fresh)?;
         }
-        drop(tools);
-        let sends = std::mem::replace(
-            &mut *sends.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
-            PendingSends::new(self.id.clone(), 0, 0, 0),
-        );
+        let sends = match tools {
+            None => unsent(&self.id),
+            Some((context, sends)) => {
+                drop(context);
+                // A tool may have kept a clone of its context (a task of its own): then
+                // the sends are taken out, as before.
+                match Arc::try_unwrap(sends) {
+                    Ok(sends) => sends.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner),
+                    Err(sends) => std::mem::replace(
+                        &mut *sends.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+                        PendingSends::new(self.id.clone(), 0, 0, 0),
+                    ),
+                }
+            }
+        };
         self.flush_sends(turn, sends).await?;
         if private {
             self.state.remember(&fresh);
@@ -342,19 +363,14 @@ impl AgentActor {
             truncated: text.len() < answer.len(),
             steps,
             usage,
-            spent: meter.spent(),
+            spent: meter.get().spent(),
             exhausted: None,
         })
     }
 
-    /// Runs one step's tool calls concurrently and appends one tool result message per
-    /// call to `results`, in order.
-    async fn run_tools<'a>(
-        &'a self,
-        context: &'a ToolExecutionContext,
-        calls: &'a [ToolCall],
-        results: &mut Vec<ChatMessage>,
-    ) {
+    /// Runs one step's tool calls concurrently and gives one tool result message per
+    /// call, in order.
+    async fn run_tools<'a>(&'a self, context: &'a ToolExecutionContext, calls: &'a [ToolCall]) -> StepResults {
         let registry = &self.shared.tools;
         let spec = &self.state.spec;
         let granting = calls
@@ -418,10 +434,55 @@ impl AgentActor {
         // One call (the usual step) is awaited alone: `join_all` allocates its list of
         // futures and its list of outputs.
         if let [call] = calls {
-            results.push(result_message(call, run(0, call).await));
-            return;
+            return StepResults::One(result_message(call, run(0, call).await));
         }
         let texts = futures::future::join_all(calls.iter().enumerate().map(|(index, call)| run(index, call))).await;
-        results.extend(calls.iter().zip(texts).map(|(call, text)| result_message(call, text)));
+        StepResults::Many(
+            calls
+                .iter()
+                .zip(texts)
+                .map(|(call, text)| result_message(call, text))
+                .collect(),
+        )
     }
+}
+
+/// A turn's budget meter: its own until the first tool call, which takes it shared
+/// (`ToolExecutionContext` holds an `Arc`), so a turn that calls no tool allocates
+/// none. The same meter either way: `share` moves it, charges and all, into the `Arc`
+/// that every later step reads.
+enum MeterSlot {
+    Own(BudgetMeter),
+    Shared(Arc<BudgetMeter>),
+    /// Only while `share` moves the meter.
+    Moving,
+}
+
+impl MeterSlot {
+    fn get(&self) -> &BudgetMeter {
+        match self {
+            Self::Own(meter) => meter,
+            Self::Shared(meter) => meter,
+            Self::Moving => unreachable!("a meter is moved within `share` only"),
+        }
+    }
+
+    fn share(&mut self) -> Arc<BudgetMeter> {
+        if let Self::Shared(meter) = self {
+            return Arc::clone(meter);
+        }
+        let Self::Own(meter) = std::mem::replace(self, Self::Moving) else {
+            unreachable!("a meter is moved within `share` only")
+        };
+        let meter = Arc::new(meter);
+        *self = Self::Shared(Arc::clone(&meter));
+        meter
+    }
+}
+
+/// The tool results of one step, in the order of its calls.
+enum StepResults {
+    /// The usual step's single call.
+    One(ChatMessage),
+    Many(Vec<ChatMessage>),
 }
