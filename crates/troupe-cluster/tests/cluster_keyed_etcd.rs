@@ -23,10 +23,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use etcd_server::{TestEtcd, TEST_LEASE_TTL_S};
-use support::{counter, counter_runtime, parse_reply};
-use troupe_cluster::ClusterNode;
+use support::{counter, parse_reply, start_counter_nodes};
 use troupe_core::InvokeError;
-use troupe_runtime::{IdempotencyKey, SqliteStore};
+use troupe_runtime::IdempotencyKey;
 
 /// A quick call's timeout, in milliseconds.
 const CALL_TIMEOUT_MS: u64 = 5_000;
@@ -40,19 +39,7 @@ async fn a_request_whose_owner_crashes(name: &str, keyed: bool) -> (Result<(Stri
     let etcd = TestEtcd::start(name).await;
     let directory = tempfile::tempdir().expect("a directory");
     let path = directory.path().join("state.db");
-    let mut nodes = Vec::new();
-    for node in ["node-a", "node-b"] {
-        let store = SqliteStore::open(&path).expect("open the shared SQLite file");
-        let started = ClusterNode::start(
-            etcd.config(node, ""),
-            "127.0.0.1:0".parse().expect("an address"),
-            counter_runtime(node),
-            store,
-        )
-        .await
-        .expect("start the node");
-        nodes.push(started);
-    }
+    let mut nodes = start_counter_nodes(&["node-a", "node-b"], |node| etcd.config(node, ""), &path).await;
     let b = nodes.pop().unwrap();
     let a = nodes.pop().unwrap();
     let actor = counter("on-b");

@@ -22,10 +22,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use etcd_server::{TestEtcd, TEST_LEASE_TTL_S};
-use support::{counter, counter_runtime, parse_reply};
+use support::{counter, parse_reply, start_counter_nodes};
 use troupe_cluster::ClusterNode;
 use troupe_core::ActorId;
-use troupe_runtime::SqliteStore;
 
 /// Each call's timeout (ms).
 const CALL_TIMEOUT_MS: u64 = 5_000;
@@ -53,19 +52,7 @@ async fn node_ends_and_is_freed(end: End, name: &str) {
     let etcd = TestEtcd::start(name).await;
     let directory = tempfile::tempdir().expect("a directory");
     let path = directory.path().join("state.db");
-    let mut nodes = Vec::new();
-    for node in ["node-a", "node-b"] {
-        let store = SqliteStore::open(&path).expect("open the shared SQLite file");
-        let started = ClusterNode::start(
-            etcd.config(node, ""),
-            "127.0.0.1:0".parse().expect("an address"),
-            counter_runtime(node),
-            store,
-        )
-        .await
-        .expect("start the node");
-        nodes.push(started);
-    }
+    let mut nodes = start_counter_nodes(&["node-a", "node-b"], |node| etcd.config(node, ""), &path).await;
     let b = nodes.pop().unwrap();
     let a = nodes.pop().unwrap();
     let (on_a, on_b) = (counter("on-a"), counter("on-b"));

@@ -41,6 +41,32 @@ impl Actor for Counter {
     }
 }
 
+/// Starts a node with a counter runtime for each of `names`, each with its own handle
+/// on the SQLite file at `path` (as separate processes would), in that order; `config`
+/// gives a node's etcd configuration from its name (`TestEtcd::config`).
+#[cfg(not(madsim))]
+#[allow(dead_code)] // cluster_etcd.rs starts its nodes with logging stores instead
+pub(crate) async fn start_counter_nodes(
+    names: &[&str],
+    config: impl Fn(&str) -> troupe_etcd::EtcdConfig,
+    path: &std::path::Path,
+) -> Vec<troupe_cluster::ClusterNode> {
+    let mut nodes = Vec::new();
+    for &node in names {
+        let store = troupe_runtime::SqliteStore::open(path).expect("open the shared SQLite file");
+        let started = troupe_cluster::ClusterNode::start(
+            config(node),
+            "127.0.0.1:0".parse().expect("an address"),
+            counter_runtime(node),
+            store,
+        )
+        .await
+        .expect("start the node");
+        nodes.push(started);
+    }
+    nodes
+}
+
 /// A runtime builder with the `counter` kind, whose replies name `node`.
 pub(crate) fn counter_runtime(node: &str) -> RuntimeBuilder {
     let node = node.to_string();
