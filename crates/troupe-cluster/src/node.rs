@@ -501,7 +501,9 @@ impl Inner {
             let owner = match cached {
                 Some(owner) => Some(owner),
                 None => match clock.run_until(deadline, inner.placement.lookup(target)).await {
-                    Err(_) => return Err(timeout()),
+                    // The deadline passed while looking the owner up: a keyed call that
+                    // met an unreachable owner before says so, as at the loop's top.
+                    Err(_) => return Err(unreachable.unwrap_or_else(timeout)),
                     Ok(Ok(found)) => found.map(|record| record.owner),
                     Ok(Err(error)) => {
                         tracing::debug!(%target, %error, "looking up the owner failed; retrying");
