@@ -642,20 +642,34 @@ fn count_parts(counted: &mut Vec<CountedPart>, prompt: &Prompt) -> u64 {
     // parts, of which one or two are new per step), so that case is a pointer
     // comparison in a loop over each run of parts, and the rest is out of line.
     let mut at = 0;
-    let mut total = 0_u64;
+    // Summed wide, with no check per part: fewer than 2^64 counts below 2^64 cannot
+    // overflow a `u128`; the total is saturated to `u64` once, at the end.
+    let mut total = 0_u128;
     for run in prompt.part_runs() {
-        for part in run {
-            let words = match counted.get(at) {
-                Some((seen, words)) if Arc::ptr_eq(seen, part) => *words,
-                _ => count_part_out_of_order(counted, at, part),
-            };
-            at += 1;
-            // Saturating sums of non-negative counts do not depend on the grouping.
-            total = total.saturating_add(words);
+        let mut rest = run;
+        while !rest.is_empty() {
+            // The longest stretch of `rest` that is the next parts counted, summed in a
+            // tight loop of pointer comparisons (callgrind, 2026-12-01: the loop it
+            // replaced, a lookup and a saturating add per part, cost 3,300 instructions
+            // of a `call_agent` round trip's 76,500).
+            let known = counted.get(at..).unwrap_or_default();
+            let same = rest
+                .iter()
+                .zip(known)
+                .take_while(|(part, (seen, _))| Arc::ptr_eq(seen, part))
+                .count();
+            total += known[..same].iter().map(|(_, words)| u128::from(*words)).sum::<u128>();
+            at += same;
+            rest = &rest[same..];
+            if let Some((part, after)) = rest.split_first() {
+                total += u128::from(count_part_out_of_order(counted, at, part));
+                at += 1;
+                rest = after;
+            }
         }
     }
     counted.truncate(at);
-    total
+    u64::try_from(total).unwrap_or(u64::MAX)
 }
 
 /// The words of `part`, which is not `counted[at]`: a part further on (the ones before
