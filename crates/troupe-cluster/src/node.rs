@@ -448,10 +448,12 @@ pub(crate) enum Origin<'a> {
     },
     /// A fire-and-forget message from a turn of `caller`, for the target's runtime to
     /// accept (the reply is empty); the target runs under `context` (admission already
-    /// ran). No wait-for edge: nobody waits.
+    /// ran). No wait-for edge: nobody waits. With a key, a keyed tell
+    /// (`Caller::tell_keyed`): it is delivered keyed wherever the target lives.
     TellFromTurn {
         caller: &'a ActorId,
         context: &'a CallContext,
+        key: Option<&'a IdempotencyKey>,
     },
 }
 
@@ -460,7 +462,9 @@ impl Origin<'_> {
     fn is_keyed(&self) -> bool {
         matches!(
             self,
-            Origin::RoutedRoot { key: Some(_) } | Origin::Turn { key: Some(_), .. }
+            Origin::RoutedRoot { key: Some(_) }
+                | Origin::Turn { key: Some(_), .. }
+                | Origin::TellFromTurn { key: Some(_), .. }
         )
     }
 }
@@ -545,12 +549,21 @@ impl Inner {
                                 .remote_turn_call(&client, call, payload.clone(), context.clone())
                                 .await
                         }
-                        Origin::TellFromTurn { caller, context } => {
+                        Origin::TellFromTurn { caller, context, key } => {
                             inner.counters.turn_tells_forwarded.fetch_add(1, Ordering::Relaxed);
-                            client
-                                .tell(target, payload.clone(), context.clone(), Some(caller))
-                                .await
-                                .map(|()| Bytes::new())
+                            let told = match key {
+                                None => {
+                                    client
+                                        .tell(target, payload.clone(), context.clone(), Some(caller))
+                                        .await
+                                }
+                                Some(key) => {
+                                    client
+                                        .tell_keyed(target, key, payload.clone(), context.clone(), Some(caller))
+                                        .await
+                                }
+                            };
+                            told.map(|()| Bytes::new())
                         }
                     }
                 }
@@ -590,9 +603,18 @@ impl Inner {
                                 .invoke_for_turn_keyed(caller, target, key, payload.clone(), context.clone())
                                 .await
                         }
-                        Origin::TellFromTurn { context, .. } => inner
+                        Origin::TellFromTurn { context, key: None, .. } => inner
                             .handle
                             .tell_for_turn(target, payload.clone(), context.clone())
+                            .await
+                            .map(|()| Bytes::new()),
+                        Origin::TellFromTurn {
+                            context,
+                            key: Some(key),
+                            ..
+                        } => inner
+                            .handle
+                            .tell_for_turn_keyed(target, key, payload.clone(), context.clone())
                             .await
                             .map(|()| Bytes::new()),
                     }
@@ -702,11 +724,12 @@ impl Inner {
             context,
             key,
         } = call;
-        // A tell carries no key: `Caller::tell` never sets one.
-        debug_assert!(key.is_none(), "a turn's tell carries no idempotency key");
+        // With a key (`Caller::tell_keyed`), delivered keyed wherever the target lives,
+        // and sent again while its owner is unreachable.
         let origin = Origin::TellFromTurn {
             caller: &caller,
             context: &context,
+            key: key.as_ref(),
         };
         self.routed(&target, payload, context.deadline(), origin)
             .await

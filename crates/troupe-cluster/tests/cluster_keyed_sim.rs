@@ -108,7 +108,8 @@ fn read_count(value: Option<Bytes>) -> u64 {
 
 /// Its payload is `<key> <counter payload>`, or `- <counter payload>` for an unkeyed
 /// call: calls `counter:c` under the key `<key>` (or without one), then fails while the
-/// shared flag is set, else replies with the counter's reply.
+/// shared flag is set, else replies with the counter's reply. Prefixed `tell `, it tells
+/// the counter instead (keyed or not) and replies `told`.
 struct Order {
     fail_after_call: Arc<AtomicBool>,
 }
@@ -116,17 +117,27 @@ struct Order {
 impl Actor for Order {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let text = std::str::from_utf8(&payload).map_err(|_| ActorError::rejected("not text"))?;
+        let (tell, text) = match text.strip_prefix("tell ") {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
         let (key, add) = text
             .split_once(' ')
             .ok_or_else(|| ActorError::rejected("<key> <payload>"))?;
         let add = Bytes::from(add.to_string());
         let timeout = Duration::from_millis(ORDER_CALL_TIMEOUT_MS);
         let caller = turn.caller();
-        let reply = match key {
-            "-" => caller.call(&counter("c"), add, timeout).await,
-            key => {
+        let told = |()| Bytes::from_static(b"told");
+        let reply = match (key, tell) {
+            ("-", false) => caller.call(&counter("c"), add, timeout).await,
+            ("-", true) => caller.tell(&counter("c"), add, timeout).await.map(told),
+            (key, tell) => {
                 let key = IdempotencyKey::new(key).map_err(|error| ActorError::rejected(error.to_string()))?;
-                caller.call_keyed(&counter("c"), &key, add, timeout).await
+                if tell {
+                    caller.tell_keyed(&counter("c"), &key, add, timeout).await.map(told)
+                } else {
+                    caller.call_keyed(&counter("c"), &key, add, timeout).await
+                }
             }
         };
         let reply = reply.map_err(|error| ActorError::failed(format!("the counter: {error}")))?;
@@ -468,6 +479,51 @@ async fn a_turns_keyed_call_to_another_node_lands_once_when_the_turn_is_run_agai
     let again = cluster.send(0, order("o"), Sent::Unkeyed, "- add", CALL_MS).await;
     assert_eq!(again.expect("run again"), "node-3:7");
     assert_eq!(cluster.count().await, 7, "unkeyed, both attempts applied it");
+}
+
+/// Goal: a turn's keyed tell to an actor on another node (through the node's turn router
+/// and the transport) lands once when the turn is run again: the `order` turn on node-1
+/// tells the counter on node-3 under a key, then fails; run again, it tells it again
+/// under the same key. Unkeyed, the same two attempts apply the effect twice. Method:
+/// the count an `add` sent from node-1 behind the tells replies (a tell is in the
+/// counter's mailbox when its turn goes on), and the committed count.
+#[madsim::test]
+async fn a_turns_keyed_tell_to_another_node_lands_once_when_the_turn_is_run_again() {
+    let cluster = start_cluster().await;
+    cluster.place_counter_on_node_3().await;
+    let placed = cluster.send(0, order("o"), Sent::Unkeyed, "- add", CALL_MS).await;
+    assert_eq!(placed.expect("the order placed on node-1"), "node-3:4");
+
+    cluster.fail_after_call.store(true, Ordering::SeqCst);
+    let failed = cluster
+        .send(0, order("o"), Sent::Unkeyed, "tell deposit-1 add", CALL_MS)
+        .await;
+    assert!(failed.is_err(), "{failed:?}");
+    cluster.fail_after_call.store(false, Ordering::SeqCst);
+    let again = cluster
+        .send(0, order("o"), Sent::Unkeyed, "tell deposit-1 add", CALL_MS)
+        .await;
+    assert_eq!(again.expect("run again"), "told");
+    let behind = cluster.send(0, counter("c"), Sent::Unkeyed, "add", CALL_MS).await;
+    assert_eq!(
+        behind.expect("an add behind the tells"),
+        "node-3:6",
+        "keyed, the tell landed once"
+    );
+
+    cluster.fail_after_call.store(true, Ordering::SeqCst);
+    let failed = cluster.send(0, order("o"), Sent::Unkeyed, "tell - add", CALL_MS).await;
+    assert!(failed.is_err(), "{failed:?}");
+    cluster.fail_after_call.store(false, Ordering::SeqCst);
+    let again = cluster.send(0, order("o"), Sent::Unkeyed, "tell - add", CALL_MS).await;
+    assert_eq!(again.expect("run again"), "told");
+    let behind = cluster.send(0, counter("c"), Sent::Unkeyed, "add", CALL_MS).await;
+    assert_eq!(
+        behind.expect("an add behind the tells"),
+        "node-3:9",
+        "unkeyed, both applied it"
+    );
+    assert_eq!(cluster.count().await, 9);
 }
 
 /// Sends a `slow` request to the counter (placed on node-3) through node-1's

@@ -474,21 +474,73 @@ impl Caller {
     /// [`InvokeError::Refused`] with the admission's refusal (nothing sent); at
     /// acceptance `Busy`, `DispatcherBusy`, `ActorNotFound`, `Rejected`, `Shutdown`.
     pub async fn tell(&self, target: &ActorId, payload: Bytes, timeout: Duration) -> Result<(), InvokeError> {
+        self.tell_with(target, None, payload, timeout).await
+    }
+
+    /// As [`Caller::tell`], for one delivery of the message `key` names: a turn of
+    /// `target` with this key that committed makes every later delivery a no-op (the
+    /// handler does not run again), as for [`crate::RuntimeHandle::tell_keyed`]. For a
+    /// turn that may run again (its runtime crashed before it committed, or its own
+    /// caller retried it): tell under a key derived from what the turn is doing, and the
+    /// message's effect lands once however often the turn runs.
+    ///
+    /// With a [`crate::TurnCallRouter`] installed (a cluster node), the key goes with the
+    /// message ([`crate::TurnCall::key`]) to wherever the target lives; a router that does
+    /// not carry keys ([`crate::TurnCallRouter::carries_idempotency_keys`]) refuses it
+    /// `Rejected`, with nothing sent. To this actor itself, it runs keyed after this turn.
+    ///
+    /// # Errors
+    /// As [`Caller::tell`]; `Rejected` (nothing sent) when the installed router does not
+    /// carry keys.
+    pub async fn tell_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<(), InvokeError> {
+        self.tell_with(target, Some(key), payload, timeout).await
+    }
+
+    /// [`Caller::tell`] and [`Caller::tell_keyed`].
+    async fn tell_with(
+        &self,
+        target: &ActorId,
+        key: Option<&IdempotencyKey>,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<(), InvokeError> {
         let inner = &*self.inner;
+        let payload_of = |bytes: Bytes| match key {
+            None => Payload::Bytes(bytes),
+            Some(key) => Payload::keyed(key, bytes),
+        };
         if target == &inner.id {
             let context = inner.context.with_deadline(inner.handle.deadline_in(timeout));
-            return self.tell_self_in(payload, context).await;
+            return self.tell_self_payload(payload_of(payload), context).await;
+        }
+        let router = inner.handle.turn_call_router();
+        if let (Some(router), Some(_)) = (&router, key) {
+            if !router.carries_idempotency_keys() {
+                return Err(InvokeError::Rejected {
+                    target: target.clone(),
+                    reason: "this runtime routes its turns' messages through a TurnCallRouter that does not \
+                             carry idempotency keys (TurnCallRouter::carries_idempotency_keys): tell with \
+                             Caller::tell (unkeyed), or install a router that carries keys"
+                        .to_string(),
+                });
+            }
         }
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
         let admitted = self.admit(target, true, Some(timeout_ms))?;
-        let local = match inner.handle.turn_call_router() {
+        let local = match router {
             Some(router) => {
                 let call = crate::TurnCall {
                     caller: inner.id.clone(),
                     target: target.clone(),
                     payload,
                     context: admitted.child.clone(),
-                    key: None,
+                    key: key.cloned(),
                 };
                 let routed = tokio::select! {
                     biased;
@@ -507,7 +559,7 @@ impl Caller {
         };
         let result = inner
             .handle
-            .send_only(target, Payload::Bytes(local), admitted.child.clone().into())
+            .send_only(target, payload_of(local), admitted.child.clone().into())
             .await;
         drop(admitted);
         result
@@ -525,6 +577,11 @@ impl Caller {
     /// [`InvokeError::Rejected`] if `context` does not extend this turn's; otherwise as
     /// [`Caller::tell`].
     pub async fn tell_self_in(&self, payload: Bytes, context: CallContext) -> Result<(), InvokeError> {
+        self.tell_self_payload(Payload::Bytes(payload), context).await
+    }
+
+    /// [`Caller::tell_self_in`] for any payload (a keyed one too).
+    async fn tell_self_payload(&self, payload: Payload, context: CallContext) -> Result<(), InvokeError> {
         let inner = &*self.inner;
         if self.turn_ended() {
             return Err(CallRefused::CallerTurnEnded {
@@ -546,10 +603,7 @@ impl Caller {
         }
         let latest = inner.handle.deadline_in(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
         let context = context.with_deadline(context.deadline().min(latest));
-        inner
-            .handle
-            .send_only(&inner.id, Payload::Bytes(payload), context.into())
-            .await
+        inner.handle.send_only(&inner.id, payload, context.into()).await
     }
 
     /// Sends `payload` to `target` as an independent root request, not as a call of this

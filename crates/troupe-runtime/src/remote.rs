@@ -60,10 +60,11 @@ pub struct TurnCall {
     pub payload: Bytes,
     /// The callee's context.
     pub context: CallContext,
-    /// The call's idempotency key, for a keyed call (`Caller::invoke_keyed`): the router
-    /// must run it keyed ([`RuntimeHandle::invoke_for_turn_keyed`] locally). Only a
-    /// router whose [`TurnCallRouter::carries_idempotency_keys`] says so gets one; `None`
-    /// for unkeyed calls and for tells.
+    /// The call's idempotency key, for a keyed call (`Caller::invoke_keyed`) or a keyed
+    /// tell (`Caller::tell_keyed`): the router must run it keyed
+    /// ([`RuntimeHandle::invoke_for_turn_keyed`] or [`RuntimeHandle::tell_for_turn_keyed`]
+    /// locally). Only a router whose [`TurnCallRouter::carries_idempotency_keys`] says so
+    /// gets one; `None` for unkeyed calls and tells.
     pub key: Option<IdempotencyKey>,
 }
 
@@ -101,18 +102,20 @@ pub trait TurnCallRouter: Send + Sync + 'static {
     /// Whatever the callee or the route returned.
     async fn call(&self, call: TurnCall) -> Result<Bytes, InvokeError>;
 
-    /// Delivers a turn's fire-and-forget message (`Caller::tell` to another actor;
-    /// admission already ran, the context is the target's) wherever its target lives, and
-    /// returns once the target's runtime accepted it, by the context's deadline. The
-    /// default hands it back for local delivery ([`TellRoute::Local`]).
+    /// Delivers a turn's fire-and-forget message (`Caller::tell` or `Caller::tell_keyed`
+    /// to another actor; admission already ran, the context is the target's) wherever its
+    /// target lives, and returns once the target's runtime accepted it, by the context's
+    /// deadline; one with a [`TurnCall::key`] keyed. The default hands it back for local
+    /// delivery ([`TellRoute::Local`]), which keeps its key.
     async fn tell(&self, call: TurnCall) -> TellRoute {
         TellRoute::Local(call)
     }
 
-    /// Whether [`TurnCallRouter::call`] runs a call with a [`TurnCall::key`] keyed,
-    /// wherever its target lives. The default is `false`: a keyed call from a turn is then
-    /// refused `Rejected` with nothing sent, so a router written before keys existed
-    /// cannot run one unkeyed (and apply its effect twice on a retry).
+    /// Whether [`TurnCallRouter::call`] and [`TurnCallRouter::tell`] run a call or a tell
+    /// with a [`TurnCall::key`] keyed, wherever its target lives. The default is `false`:
+    /// a keyed call or tell from a turn is then refused `Rejected` with nothing sent, so a
+    /// router written before keys existed cannot run one unkeyed (and apply its effect
+    /// twice on a retry).
     fn carries_idempotency_keys(&self) -> bool {
         false
     }
@@ -484,6 +487,22 @@ impl RuntimeHandle {
         context: CallContext,
     ) -> Result<(), InvokeError> {
         self.send_only(target, crate::envelope::Payload::Bytes(payload), context.into())
+            .await
+    }
+
+    /// As [`RuntimeHandle::tell_for_turn`], for a keyed tell ([`TurnCall::key`]): the
+    /// local path of a router that carries keys.
+    ///
+    /// # Errors
+    /// As [`RuntimeHandle::tell_for_turn`].
+    pub async fn tell_for_turn_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        context: CallContext,
+    ) -> Result<(), InvokeError> {
+        self.send_only(target, crate::envelope::Payload::keyed(key, payload), context.into())
             .await
     }
 

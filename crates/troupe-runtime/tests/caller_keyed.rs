@@ -1,5 +1,6 @@
-//! Keyed calls from a turn (`Caller::call_keyed`, `Caller::invoke_keyed`, and the root
-//! request `Caller::invoke_as_root_keyed`): a turn that
+//! Keyed calls from a turn (`Caller::call_keyed`, `Caller::invoke_keyed`, the root
+//! request `Caller::invoke_as_root_keyed`, and the fire-and-forget `Caller::tell_keyed`):
+//! a turn that
 //! is run again and makes the same call under the same idempotency key gets the first
 //! reply back, and the target's effect is applied once. This is the step of a saga: an
 //! `order` actor's turn asks a `counter` to apply an effect, then fails (or its caller
@@ -17,7 +18,7 @@ use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_runtime::{
     Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, MemoryStore, RootCallRouter, Runtime, RuntimeHandle,
-    StateStore, Turn, TurnCall, TurnCallRouter, WaitEdge,
+    StateStore, TellRoute, Turn, TurnCall, TurnCallRouter, WaitEdge,
 };
 
 #[path = "support/counter.rs"]
@@ -27,9 +28,11 @@ use counter_actor::{read_count, Counter};
 mod keyed_root_router;
 use keyed_root_router::KeyedRootRouter;
 
-/// Its payload is `<step>`, `<step>:unkeyed` or `<step>:root`: calls the counter under
-/// the key `step-<step>` (or without a key; or as a keyed root request of the turn), then
-/// fails while `fail_after_call` is set, else replies with the counter's reply.
+/// Its payload is `<step>`, `<step>:unkeyed`, `<step>:root`, `<step>:tell` or
+/// `<step>:tell-unkeyed`: calls the counter under the key `step-<step>` (or without a
+/// key; or as a keyed root request of the turn; or tells it, keyed or not), then fails
+/// while `fail_after_call` is set, else replies with the counter's reply (`told` for a
+/// tell).
 struct Order {
     fail_after_call: Arc<AtomicBool>,
 }
@@ -45,6 +48,14 @@ impl Actor for Order {
             "keyed" => caller.call_keyed(&counter(), &key, add, LONG).await,
             "unkeyed" => caller.call(&counter(), add, LONG).await,
             "root" => caller.invoke_as_root_keyed(&counter(), &key, add, LONG).await,
+            "tell" => caller
+                .tell_keyed(&counter(), &key, add, LONG)
+                .await
+                .map(|()| Bytes::from_static(b"told")),
+            "tell-unkeyed" => caller
+                .tell(&counter(), add, LONG)
+                .await
+                .map(|()| Bytes::from_static(b"told")),
             other => panic!("unknown mode {other}"),
         };
         let reply = reply.map_err(|error| ActorError::failed(format!("the counter: {error}")))?;
@@ -143,6 +154,61 @@ async fn a_turn_run_again_applies_its_keyed_root_request_once() {
     runtime.shutdown().await;
 }
 
+/// The counter's count as an unkeyed `add` behind everything told to it so far sees it
+/// (a tell is accepted into the counter's mailbox before the telling turn goes on, and
+/// the mailbox runs in order), less the `add` itself.
+async fn count_after_tells(runtime: &Runtime) -> u64 {
+    let reply = runtime
+        .invoke_within(&counter(), Bytes::from_static(b"add"), LONG)
+        .await
+        .unwrap();
+    let after: u64 = std::str::from_utf8(&reply)
+        .unwrap()
+        .strip_prefix("count=")
+        .unwrap()
+        .parse()
+        .unwrap();
+    after - 1
+}
+
+/// Goal: a turn that told the counter under a key and then failed is run again and
+/// tells it again under the same key; the counter's effect lands once. Unkeyed, the same
+/// two attempts apply it twice (the control). Method: the counter's count behind the
+/// tells.
+async fn a_turn_run_again_applies_its_keyed_tell_once() {
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+    let failed = run_order(&runtime, "1:tell").await.unwrap_err();
+    assert!(failed.to_string().contains("told to fail after the call"), "{failed}");
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(run_order(&runtime, "1:tell").await.unwrap(), "told");
+    assert_eq!(count_after_tells(&runtime).await, 1, "the keyed tell landed once");
+
+    fail_after_call.store(true, Ordering::SeqCst);
+    run_order(&runtime, "2:tell-unkeyed").await.unwrap_err();
+    fail_after_call.store(false, Ordering::SeqCst);
+    run_order(&runtime, "2:tell-unkeyed").await.unwrap();
+    // 1, the control's 2, and the first count's own add.
+    assert_eq!(
+        count_after_tells(&runtime).await,
+        4,
+        "unkeyed, both attempts applied it"
+    );
+    runtime.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_turn_run_again_applies_its_keyed_tell_once_current_thread() {
+    a_turn_run_again_applies_its_keyed_tell_once().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_run_again_applies_its_keyed_tell_once_multi_thread() {
+    a_turn_run_again_applies_its_keyed_tell_once().await;
+}
+
 #[tokio::test]
 async fn a_turn_run_again_applies_its_keyed_root_request_once_current_thread() {
     a_turn_run_again_applies_its_keyed_root_request_once().await;
@@ -223,8 +289,8 @@ async fn concurrent_retried_turns_apply_each_keyed_call_once_multi_thread() {
     runtime.shutdown().await;
 }
 
-/// A router that runs every call here, counting them (and the keyed ones), and says
-/// whether it carries idempotency keys.
+/// A router that runs every call and tell here, counting them (and the keyed ones), and
+/// says whether it carries idempotency keys.
 struct CountingRouter {
     handle: RuntimeHandle,
     carries_keys: bool,
@@ -260,6 +326,23 @@ impl TurnCallRouter for CountingRouter {
                     .await
             }
         }
+    }
+
+    async fn tell(&self, call: TurnCall) -> TellRoute {
+        *self.calls.lock().unwrap() += 1;
+        TellRoute::Sent(match &call.key {
+            Some(key) => {
+                *self.keyed_calls.lock().unwrap() += 1;
+                self.handle
+                    .tell_for_turn_keyed(&call.target, key, call.payload, call.context)
+                    .await
+            }
+            None => {
+                self.handle
+                    .tell_for_turn(&call.target, call.payload, call.context)
+                    .await
+            }
+        })
     }
 
     fn carries_idempotency_keys(&self) -> bool {
@@ -305,6 +388,36 @@ async fn a_router_that_does_not_carry_keys_is_sent_no_keyed_call() {
     assert!(refused.contains("does not carry idempotency keys"), "{refused}");
     assert_eq!(*router.calls.lock().unwrap(), 0);
     assert_eq!(count(&*store).await, 0);
+    runtime.shutdown().await;
+}
+
+/// Goal: the same for a turn's keyed tell: through a router that carries keys, it goes
+/// with its key, and the turn run again lands it once; through one that does not, it is
+/// refused `Rejected` with nothing sent. Method: the router's counts and the counter's
+/// count behind the tells.
+#[tokio::test]
+async fn a_turns_keyed_tell_goes_to_its_router_with_the_key_or_is_refused() {
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+    let router = CountingRouter::new(runtime.handle(), true);
+    assert!(runtime.handle().set_turn_call_router(router.clone()).is_ok());
+    run_order(&runtime, "1:tell").await.unwrap_err();
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(run_order(&runtime, "1:tell").await.unwrap(), "told");
+    assert_eq!(*router.calls.lock().unwrap(), 2, "both attempts went to the router");
+    assert_eq!(*router.keyed_calls.lock().unwrap(), 2, "with their key");
+    assert_eq!(count_after_tells(&runtime).await, 1, "the effect applied once");
+    runtime.shutdown().await;
+
+    let store = Arc::new(MemoryStore::new());
+    let runtime = start(store.clone(), Arc::default());
+    let router = CountingRouter::new(runtime.handle(), false);
+    assert!(runtime.handle().set_turn_call_router(router.clone()).is_ok());
+    let refused = run_order(&runtime, "1:tell").await.unwrap_err().to_string();
+    assert!(refused.contains("does not carry idempotency keys"), "{refused}");
+    assert_eq!(*router.calls.lock().unwrap(), 0, "the router saw nothing");
+    assert_eq!(count_after_tells(&runtime).await, 0, "nothing was told");
     runtime.shutdown().await;
 }
 

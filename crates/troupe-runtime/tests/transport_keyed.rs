@@ -24,7 +24,7 @@ use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, CallContext, Deadline, InvokeError};
 use troupe_runtime::{
     Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, MemoryStore, RootCallRouter, Runtime, StateStore,
-    TransportClient, TransportServer, Turn, TurnCall, TurnCallRouter, WaitEdge,
+    TellRoute, TransportClient, TransportServer, Turn, TurnCall, TurnCallRouter, WaitEdge,
 };
 
 const LONG: Duration = Duration::from_secs(10);
@@ -131,6 +131,24 @@ impl TurnCallRouter for TransportRouter {
         }
     }
 
+    async fn tell(&self, call: TurnCall) -> TellRoute {
+        let TurnCall {
+            caller,
+            target,
+            payload,
+            context,
+            key,
+        } = call;
+        TellRoute::Sent(match key {
+            Some(key) => {
+                self.client
+                    .tell_keyed(&target, &key, payload, context, Some(&caller))
+                    .await
+            }
+            None => self.client.tell(&target, payload, context, Some(&caller)).await,
+        })
+    }
+
     fn carries_idempotency_keys(&self) -> bool {
         true
     }
@@ -159,9 +177,10 @@ impl RootCallRouter for TransportRouter {
     }
 }
 
-/// Its payload is `<step>` or `<step>:unkeyed`: calls the host's counter `c` under the
-/// key `step-<step>` (or without a key), then fails while `fail_after_call` is set, else
-/// replies with the counter's reply.
+/// Its payload is `<step>`, `<step>:unkeyed`, `<step>:tell` or `<step>:tell-unkeyed`:
+/// calls (or tells) the host's counter `c` under the key `step-<step>` (or without a
+/// key), then fails while `fail_after_call` is set, else replies with the counter's reply
+/// (`told` for a tell).
 struct Order {
     fail_after_call: Arc<AtomicBool>,
 }
@@ -169,17 +188,15 @@ struct Order {
 impl Actor for Order {
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let text = std::str::from_utf8(&payload).unwrap().to_string();
-        let (step, keyed) = match text.strip_suffix(":unkeyed") {
-            Some(step) => (step.to_string(), false),
-            None => (text, true),
-        };
-        let caller = turn.caller();
-        let reply = if keyed {
-            caller
-                .call_keyed(&counter("c"), &key(&format!("step-{step}")), add(), LONG)
-                .await
-        } else {
-            caller.call(&counter("c"), add(), LONG).await
+        let (step, mode) = text.split_once(':').unwrap_or((&text, "keyed"));
+        let (caller, key) = (turn.caller(), key(&format!("step-{step}")));
+        let told = |()| Bytes::from_static(b"told");
+        let reply = match mode {
+            "keyed" => caller.call_keyed(&counter("c"), &key, add(), LONG).await,
+            "unkeyed" => caller.call(&counter("c"), add(), LONG).await,
+            "tell" => caller.tell_keyed(&counter("c"), &key, add(), LONG).await.map(told),
+            "tell-unkeyed" => caller.tell(&counter("c"), add(), LONG).await.map(told),
+            other => panic!("unknown mode {other}"),
         };
         let reply = reply.map_err(|error| ActorError::failed(format!("the counter: {error}")))?;
         if self.fail_after_call.load(Ordering::SeqCst) {
@@ -297,6 +314,91 @@ async fn without_a_router_a_routed_keyed_request_runs_here_keyed() {
         assert_eq!(reply.unwrap(), "count=1");
     }
     assert_eq!(count(&*store, "l").await, 1);
+    drop(server);
+    host.shutdown().await;
+}
+
+/// The host counter `name`'s count as an unkeyed `add` sent behind everything told to it
+/// so far sees it (a tell is in the counter's mailbox when its acceptance comes back,
+/// and the mailbox runs in order), less the `add` itself.
+async fn count_after_tells(client: &TransportClient, clock: troupe_runtime::Clock, name: &str) -> u64 {
+    let context = CallContext::root(clock.deadline_in(LONG));
+    let reply = client.invoke(&counter(name), add(), context, None).await.unwrap();
+    let after: u64 = std::str::from_utf8(&reply)
+        .unwrap()
+        .strip_prefix("count=")
+        .unwrap()
+        .parse()
+        .unwrap();
+    after - 1
+}
+
+/// Goal: a keyed tell across the transport (`TransportClient::tell_keyed`), sent again
+/// with the same key on the same connection and on another client's, lands once;
+/// unkeyed, two tells land twice. Method: the host counter's count behind the tells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_tell_sent_again_across_the_transport_lands_once() {
+    let (host, store, server) = start_host().await;
+    let clock = troupe_runtime::Clock::new();
+    let first = TransportClient::new(server.local_address(), clock);
+    let second = TransportClient::new(server.local_address(), clock);
+    let context = || CallContext::root(clock.deadline_in(LONG));
+    let (target, deposit_7) = (counter("t"), key("deposit-7"));
+    for client in [&first, &first, &second] {
+        client
+            .tell_keyed(&target, &deposit_7, add(), context(), None)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        count_after_tells(&first, clock, "t").await,
+        1,
+        "three copies, one effect"
+    );
+    for _ in 0..2 {
+        first.tell(&counter("tu"), add(), context(), None).await.unwrap();
+    }
+    assert_eq!(count_after_tells(&first, clock, "tu").await, 2, "unkeyed, both landed");
+    assert_eq!(count(&*store, "t").await, 2, "the keyed effect and the count's own add");
+    drop(server);
+    host.shutdown().await;
+}
+
+/// Goal: a turn's keyed tell on a runtime that routes its turns' messages over the
+/// transport goes through keyed: the turn, run again after it failed, tells again under
+/// the same key and the host counter's effect lands once. Unkeyed, twice. Method: the
+/// host counter's count behind the tells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turns_keyed_tell_across_the_transport_lands_once_when_the_turn_is_run_again() {
+    let (host, _store, server) = start_host().await;
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let caller = start_caller(server.local_address(), fail_after_call.clone());
+    let target = order();
+    let run = |payload: &'static str| caller.invoke_within(&target, Bytes::from_static(payload.as_bytes()), LONG);
+    let clock = caller.handle().clock();
+    let client = TransportClient::new(server.local_address(), clock);
+
+    let failed = run("1:tell").await.unwrap_err();
+    assert!(failed.to_string().contains("told to fail after the call"), "{failed}");
+    fail_after_call.store(false, Ordering::SeqCst);
+    assert_eq!(run("1:tell").await.unwrap(), "told");
+    assert_eq!(
+        count_after_tells(&client, clock, "c").await,
+        1,
+        "the keyed tell landed once"
+    );
+
+    fail_after_call.store(true, Ordering::SeqCst);
+    run("2:tell-unkeyed").await.unwrap_err();
+    fail_after_call.store(false, Ordering::SeqCst);
+    run("2:tell-unkeyed").await.unwrap();
+    // 1, the count's own add, then the control's 2.
+    assert_eq!(
+        count_after_tells(&client, clock, "c").await,
+        4,
+        "unkeyed, both applied it"
+    );
+    caller.shutdown().await;
     drop(server);
     host.shutdown().await;
 }

@@ -132,6 +132,8 @@ enum RequestKind<'a> {
     Keyed(&'a IdempotencyKey),
     /// Answer once the target's runtime accepted it (fire-and-forget).
     Tell,
+    /// As `Tell`, for one delivery of the message `.0` names.
+    KeyedTell(&'a IdempotencyKey),
 }
 
 /// How a pending call ended on the connection's side.
@@ -573,7 +575,33 @@ impl TransportClient {
             .map(|_| ())
     }
 
-    /// An invoke, a keyed invoke, or a tell (answered at acceptance).
+    /// As [`TransportClient::tell`], for one delivery of the message `key` names: the
+    /// remote runtime delivers it as [`crate::RuntimeHandle::tell_keyed`] does (a turn of
+    /// `target` with this key that committed makes every later delivery a no-op). So a
+    /// tell that ended `Timeout` or `Unreachable`, which may or may not have been
+    /// accepted, can be sent again with the same key, on this client or through another
+    /// node, and its effect lands once. A server older than 2026-12-01 refuses a keyed
+    /// tell `Rejected`, with nothing delivered.
+    ///
+    /// # Errors
+    /// As [`TransportClient::tell`].
+    ///
+    /// # Cancel safety
+    /// As [`TransportClient::tell`].
+    pub async fn tell_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        context: CallContext,
+        caller: Option<&ActorId>,
+    ) -> Result<(), InvokeError> {
+        self.request(target, payload, context, caller, RequestKind::KeyedTell(key))
+            .await
+            .map(|_| ())
+    }
+
+    /// An invoke or a tell (answered at acceptance), keyed or not.
     async fn request(
         &self,
         target: &ActorId,
@@ -697,6 +725,10 @@ impl TransportClient {
             RequestKind::Invoke => {}
             RequestKind::Keyed(key) => request.key = Some(key.as_str().to_owned()),
             RequestKind::Tell => request.tell = true,
+            RequestKind::KeyedTell(key) => {
+                request.tell = true;
+                request.key = Some(key.as_str().to_owned());
+            }
         }
         let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| InvokeError::Rejected {
             target: target.clone(),

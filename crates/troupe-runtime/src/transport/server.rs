@@ -770,14 +770,14 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
                 max: AGENT_CALL_DEPTH_MAX,
             }))
         }
-        Ok((context, _)) if request.tell => {
+        Ok((context, key)) if request.tell => {
             // Answered at acceptance; the turn runs on its own, under its own deadline.
+            let payload = match key {
+                None => crate::envelope::Payload::Bytes(request.payload),
+                Some(key) => crate::envelope::Payload::keyed(&key, request.payload),
+            };
             handle
-                .send_only(
-                    &target,
-                    crate::envelope::Payload::Bytes(request.payload),
-                    context.into(),
-                )
+                .send_only(&target, payload, context.into())
                 .await
                 .map(|()| Bytes::new())
         }

@@ -218,27 +218,22 @@ impl WireRequest {
         }
     }
 
-    /// The request's idempotency key, checked: `None` for an unkeyed request.
+    /// The request's idempotency key, checked: `None` for an unkeyed request. A tell may
+    /// carry one (since 2026-12-01: `TransportClient::tell_keyed`).
     ///
     /// # Errors
     /// [`InvokeError::Rejected`] (the request must not run) if the key is not a valid
-    /// [`IdempotencyKey`], or if a tell carries one (no client sends a keyed tell).
+    /// [`IdempotencyKey`].
     pub(crate) fn idempotency_key(&self) -> Result<Option<IdempotencyKey>, InvokeError> {
         let Some(key) = &self.key else {
             return Ok(None);
         };
-        let rejected = |reason: String| InvokeError::Rejected {
-            target: self.target.clone(),
-            reason,
-        };
-        if self.tell {
-            return Err(rejected(
-                "a fire-and-forget message (tell) cannot carry an idempotency key: send it as an invoke".to_string(),
-            ));
-        }
         IdempotencyKey::new(key)
             .map(Some)
-            .map_err(|error| rejected(format!("the request's idempotency key is malformed: {error}")))
+            .map_err(|error| InvokeError::Rejected {
+                target: self.target.clone(),
+                reason: format!("the request's idempotency key is malformed: {error}"),
+            })
     }
 
     /// Rebuilds the call context on the receiving clock, which reads `now`: root with the
@@ -457,9 +452,13 @@ mod tests {
                 "{refused:?}"
             );
         }
+        // A tell carries its key as an invoke does (a keyed tell).
         request.key = Some("order-7".to_string());
         request.tell = true;
-        assert!(matches!(request.idempotency_key(), Err(InvokeError::Rejected { .. })));
+        assert_eq!(
+            request.idempotency_key().unwrap(),
+            Some(IdempotencyKey::new("order-7").unwrap())
+        );
     }
 
     /// The key rides at the end of the request: an unkeyed request costs one byte more
