@@ -27,6 +27,10 @@ use troupe_sim::SimRng;
 const ROUNDS: u64 = 16;
 const ASKS: u64 = 3;
 
+/// What the client saw acknowledged before the crash: each ask's success, and whether
+/// either of the two copies of the external notification was accepted.
+type Acknowledged = (Vec<bool>, bool);
+
 fn script(latency_ms: u64) -> ScriptedLlm {
     let latency = Duration::from_millis(latency_ms);
     ScriptedLlm::new()
@@ -102,7 +106,7 @@ async fn delegations_and_notifications_resolve_exactly_once_across_random_crashe
         let data = MemoryStore::new();
         let first = start(&llm, Arc::new(data.clone()));
         let client = first.client();
-        let outcome: Arc<Mutex<Option<(Vec<bool>, bool)>>> = Arc::default();
+        let outcome: Arc<Mutex<Option<Acknowledged>>> = Arc::default();
         let done = Arc::clone(&outcome);
         let work = tokio::spawn(async move {
             let mut asked = Vec::new();
