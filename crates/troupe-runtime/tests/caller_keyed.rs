@@ -198,6 +198,46 @@ async fn a_turn_run_again_applies_its_keyed_tell_once() {
     runtime.shutdown().await;
 }
 
+/// Goal: on worker threads, 64 keyed tells from turns that each fail once and are run
+/// again, all attempts in flight together, land each step exactly once. Method: the
+/// counter's count behind all the tells.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_retried_turns_land_each_keyed_tell_once_multi_thread() {
+    /// Distinct steps, each told first by a turn that fails, then by its retry.
+    const STEPS: u64 = 64;
+    let store = Arc::new(MemoryStore::new());
+    let fail_after_call = Arc::new(AtomicBool::new(true));
+    let runtime = start(store.clone(), fail_after_call.clone());
+    let attempt_all = |handle: RuntimeHandle| async move {
+        let tasks: Vec<_> = (0..STEPS)
+            .map(|step| {
+                let handle = handle.clone();
+                tokio::spawn(async move {
+                    handle
+                        .invoke_within(&order(), Bytes::from(format!("{step}:tell")), LONG)
+                        .await
+                })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for task in tasks {
+            results.push(task.await.unwrap());
+        }
+        results
+    };
+    let first = attempt_all(runtime.handle()).await;
+    assert!(
+        first.iter().all(Result::is_err),
+        "every first attempt fails after its tell"
+    );
+    fail_after_call.store(false, Ordering::SeqCst);
+    let second = attempt_all(runtime.handle()).await;
+    assert!(second.iter().all(Result::is_ok), "{second:?}");
+    assert_eq!(count_after_tells(&runtime).await, STEPS, "no step landed twice");
+    runtime.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_turn_run_again_applies_its_keyed_tell_once_current_thread() {
     a_turn_run_again_applies_its_keyed_tell_once().await;
