@@ -526,6 +526,54 @@ async fn a_turns_keyed_tell_to_another_node_lands_once_when_the_turn_is_run_agai
     assert_eq!(cluster.count().await, 9);
 }
 
+/// The counter placed on node-3 (count 4 with the order's placing call), node-3 is
+/// killed, then the `order` turn on node-1 tells the counter `told` (`tell <key> add` or
+/// `tell - add`) under a deadline longer than node-3's lease: the order's reply, and the
+/// reply of an `add` sent behind the tell once it was accepted.
+async fn tell_from_a_turn_after_the_owner_died(told: &'static str) -> (Result<String, InvokeError>, Option<String>) {
+    let cluster = start_cluster().await;
+    cluster.place_counter_on_node_3().await;
+    let placed = cluster.send(0, order("o"), Sent::Unkeyed, "- add", CALL_MS).await;
+    assert_eq!(placed.expect("the order placed on node-1"), "node-3:4");
+    Handle::current().kill(cluster.nodes[2].id());
+    let outcome = cluster
+        .send(0, order("o"), Sent::Unkeyed, told, OWNER_DIES_CALL_MS)
+        .await;
+    let behind = match outcome {
+        Ok(_) => Some(
+            cluster
+                .send(0, counter("c"), Sent::Unkeyed, "add", CALL_MS)
+                .await
+                .expect("an add behind the tell"),
+        ),
+        Err(_) => None,
+    };
+    (outcome, behind)
+}
+
+/// Goal: a turn's keyed tell whose target's owner is dead is sent again by the node's
+/// router until the actor is placed anew (once the dead owner's lease ended), and lands
+/// once there. Method: the order's reply, and the count an `add` behind the tell sees.
+#[madsim::test]
+async fn a_turns_keyed_tell_to_a_dead_owner_is_sent_again_until_a_new_owner_accepts_it() {
+    let (outcome, behind) = tell_from_a_turn_after_the_owner_died("tell deposit-2 add").await;
+    assert_eq!(outcome.expect("accepted by the new owner"), "told");
+    let behind = behind.expect("an add behind the tell");
+    assert!(
+        behind == "node-1:6" || behind == "node-2:6",
+        "the tell landed once, on a live node: {behind}"
+    );
+}
+
+/// Goal: the control of the test above: unkeyed, the router does not send the tell
+/// again (it may have been accepted), and the turn hears `Unreachable`.
+#[madsim::test]
+async fn a_turns_unkeyed_tell_to_a_dead_owner_ends_unreachable() {
+    let (outcome, _) = tell_from_a_turn_after_the_owner_died("tell - add").await;
+    let error = outcome.expect_err("unreachable").to_string();
+    assert!(error.contains("unreachable"), "{error}");
+}
+
 /// Sends a `slow` request to the counter (placed on node-3) through node-1's
 /// `ClusterClient`, as `send`, and kills node-3 while its turn runs: the request's
 /// outcome and the count after it.
