@@ -393,6 +393,48 @@ impl ClusterClient {
             .await
     }
 
+    /// Fire-and-forget: sends `payload` to `target`, wherever the cluster has it, and
+    /// returns once the owner's runtime accepted it (in the target's mailbox, or held for
+    /// its activation), by `deadline` (on this node's clock). Its turn then runs on its
+    /// own under that deadline; its reply and errors go nowhere. As `RuntimeHandle::tell`
+    /// on one node, the accepted message is in memory only (durable delivery is the agent
+    /// inbox's job).
+    ///
+    /// # Errors
+    /// The owner's refusals at acceptance (`Busy`, `ActorNotFound`, `Rejected`,
+    /// `Shutdown`, ...); [`InvokeError::Unreachable`] if the owner could not be reached
+    /// (it may have been accepted: not sent again; use [`ClusterClient::tell_keyed`] for
+    /// a message that may be sent again); [`InvokeError::Timeout`] if the deadline passed.
+    pub async fn tell(&self, target: &ActorId, payload: Bytes, deadline: Deadline) -> Result<(), InvokeError> {
+        self.inner
+            .routed(target, payload, deadline, Origin::RootTell { key: None })
+            .await
+            .map(|_| ())
+    }
+
+    /// As [`ClusterClient::tell`], for one delivery of the message `key` names
+    /// (`RuntimeHandle::tell_keyed` on the owner): a turn of `target` with this key that
+    /// committed makes every later delivery a no-op, so the message lands once however
+    /// often it is sent with that key, through whichever node. For the same reason the
+    /// node sends it again by itself while the owner cannot be reached, until the
+    /// deadline, as [`ClusterClient::invoke_keyed`] does.
+    ///
+    /// # Errors
+    /// As [`ClusterClient::tell`], except that `Unreachable` comes only when the deadline
+    /// passed with the owner still unreachable (its last error).
+    pub async fn tell_keyed(
+        &self,
+        target: &ActorId,
+        key: &IdempotencyKey,
+        payload: Bytes,
+        deadline: Deadline,
+    ) -> Result<(), InvokeError> {
+        self.inner
+            .routed(target, payload, deadline, Origin::RootTell { key: Some(key) })
+            .await
+            .map(|_| ())
+    }
+
     /// As [`ClusterClient::invoke`], under `context` instead of a root context with only
     /// a deadline: the target's turn runs at its depth, with its chain, deadline and
     /// trace id, wherever the target lives (on another node the transport carries them;
@@ -446,6 +488,11 @@ pub(crate) enum Origin<'a> {
         context: &'a CallContext,
         key: Option<&'a IdempotencyKey>,
     },
+    /// A fire-and-forget message from outside any turn (`ClusterClient::tell`), for the
+    /// target's runtime to accept (the reply is empty), under a root context with the
+    /// deadline. With a key (`ClusterClient::tell_keyed`), delivered keyed wherever the
+    /// target lives.
+    RootTell { key: Option<&'a IdempotencyKey> },
     /// A fire-and-forget message from a turn of `caller`, for the target's runtime to
     /// accept (the reply is empty); the target runs under `context` (admission already
     /// ran). No wait-for edge: nobody waits. With a key, a keyed tell
@@ -465,6 +512,7 @@ impl Origin<'_> {
             Origin::RoutedRoot { key: Some(_) }
                 | Origin::Turn { key: Some(_), .. }
                 | Origin::TellFromTurn { key: Some(_), .. }
+                | Origin::RootTell { key: Some(_) }
         )
     }
 }
@@ -549,6 +597,14 @@ impl Inner {
                                 .remote_turn_call(&client, call, payload.clone(), context.clone())
                                 .await
                         }
+                        Origin::RootTell { key } => {
+                            let context = CallContext::root(deadline);
+                            let told = match key {
+                                None => client.tell(target, payload.clone(), context, None).await,
+                                Some(key) => client.tell_keyed(target, key, payload.clone(), context, None).await,
+                            };
+                            told.map(|()| Bytes::new())
+                        }
                         Origin::TellFromTurn { caller, context, key } => {
                             inner.counters.turn_tells_forwarded.fetch_add(1, Ordering::Relaxed);
                             let told = match key {
@@ -603,6 +659,16 @@ impl Inner {
                                 .invoke_for_turn_keyed(caller, target, key, payload.clone(), context.clone())
                                 .await
                         }
+                        Origin::RootTell { key: None } => inner
+                            .handle
+                            .tell_for_turn(target, payload.clone(), CallContext::root(deadline))
+                            .await
+                            .map(|()| Bytes::new()),
+                        Origin::RootTell { key: Some(key) } => inner
+                            .handle
+                            .tell_for_turn_keyed(target, key, payload.clone(), CallContext::root(deadline))
+                            .await
+                            .map(|()| Bytes::new()),
                         Origin::TellFromTurn { context, key: None, .. } => inner
                             .handle
                             .tell_for_turn(target, payload.clone(), context.clone())

@@ -93,3 +93,42 @@ async fn an_unkeyed_request_whose_owner_crashes_ends_unreachable() {
     assert!(matches!(outcome, Err(InvokeError::Unreachable { .. })), "{outcome:?}");
     assert_eq!(retries, 0);
 }
+
+/// Goal: on real etcd, `ClusterClient::tell_keyed` sent three times with one key (twice
+/// through node A, once through node B, the owner) lands once on the owner, and an
+/// unkeyed `ClusterClient::tell` lands as well. Method: the count an `inc` sent through
+/// A behind the tells replies: 1 placed + 1 keyed + 1 unkeyed + itself = 4 (6 if the
+/// key were dropped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_keyed_tell_sent_through_both_nodes_lands_once_on_the_owner() {
+    let etcd = TestEtcd::start("keyed-tell").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let mut nodes = start_counter_nodes(&["node-a", "node-b"], |node| etcd.config(node, ""), &path).await;
+    let b = nodes.pop().unwrap();
+    let a = nodes.pop().unwrap();
+    let actor = counter("told-on-b");
+    let deadline = || b.handle().deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+    let placed = b.invoke(&actor, Bytes::from_static(b"inc"), deadline()).await;
+    assert_eq!(parse_reply(&placed.expect("placed on B")), ("node-b".to_string(), 1));
+
+    let key = IdempotencyKey::new("deposit-21").expect("a key");
+    for client in [a.client(), a.client(), b.client()] {
+        client
+            .tell_keyed(&actor, &key, Bytes::from_static(b"inc"), deadline())
+            .await
+            .expect("accepted by B");
+    }
+    a.client()
+        .tell(&actor, Bytes::from_static(b"inc"), deadline())
+        .await
+        .expect("accepted by B");
+    let behind = a.client().invoke(&actor, Bytes::from_static(b"inc"), deadline()).await;
+    assert_eq!(
+        parse_reply(&behind.expect("an inc behind the tells")),
+        ("node-b".to_string(), 4),
+        "the keyed tell landed once, the unkeyed one too"
+    );
+    a.leave().await.expect("node A leaves");
+    b.leave().await.expect("node B leaves");
+}

@@ -574,6 +574,80 @@ async fn a_turns_unkeyed_tell_to_a_dead_owner_ends_unreachable() {
     assert!(error.contains("unreachable"), "{error}");
 }
 
+/// Tells the counter `add` through node `index`'s `ClusterClient`, keyed with `key` or
+/// not, under a deadline `timeout_ms` away.
+async fn client_tell(
+    cluster: &Cluster,
+    index: usize,
+    key: Option<&'static str>,
+    timeout_ms: u64,
+) -> Result<(), InvokeError> {
+    let client = cluster.clients[index].clone();
+    cluster.nodes[index]
+        .spawn(async move {
+            let deadline = client.deadline_in(Duration::from_millis(timeout_ms));
+            let payload = Bytes::from_static(b"add");
+            match key {
+                Some(key) => {
+                    let key = IdempotencyKey::new(key).expect("a key");
+                    client.tell_keyed(&counter("c"), &key, payload, deadline).await
+                }
+                None => client.tell(&counter("c"), payload, deadline).await,
+            }
+        })
+        .await
+        .expect("the tell's task")
+}
+
+/// Goal: `ClusterClient::tell` from outside any turn reaches the owner on another node;
+/// `ClusterClient::tell_keyed` sent three times with one key, through node-1 twice and
+/// node-2 once, lands once. Method: the count an `add` sent from node-1 behind the tells
+/// replies (3 after placing).
+#[madsim::test]
+async fn a_clients_tell_reaches_the_owner_and_a_keyed_one_sent_again_through_any_node_lands_once() {
+    let cluster = start_cluster().await;
+    cluster.place_counter_on_node_3().await;
+    client_tell(&cluster, 0, None, CALL_MS)
+        .await
+        .expect("accepted on node-3");
+    let behind = cluster.send(0, counter("c"), Sent::Unkeyed, "add", CALL_MS).await;
+    assert_eq!(behind.expect("an add behind the tell"), "node-3:5", "the tell landed");
+    for index in [0, 0, 1] {
+        client_tell(&cluster, index, Some("deposit-3"), CALL_MS)
+            .await
+            .expect("accepted on node-3");
+    }
+    let behind = cluster.send(0, counter("c"), Sent::Unkeyed, "add", CALL_MS).await;
+    assert_eq!(
+        behind.expect("an add behind the tells"),
+        "node-3:7",
+        "three copies, one effect"
+    );
+}
+
+/// Goal: a client's keyed tell whose target's owner is dead is sent again by the node
+/// until the actor is placed anew, and lands once; unkeyed, it ends `Unreachable` (it
+/// may have been accepted). Method: the outcome, and the count an `add` behind sees.
+#[madsim::test]
+async fn a_clients_keyed_tell_to_a_dead_owner_is_sent_again_and_an_unkeyed_one_ends_unreachable() {
+    let cluster = start_cluster().await;
+    cluster.place_counter_on_node_3().await;
+    Handle::current().kill(cluster.nodes[2].id());
+    let unkeyed = client_tell(&cluster, 0, None, OWNER_DIES_CALL_MS).await;
+    assert!(matches!(unkeyed, Err(InvokeError::Unreachable { .. })), "{unkeyed:?}");
+    client_tell(&cluster, 0, Some("deposit-4"), OWNER_DIES_CALL_MS)
+        .await
+        .expect("accepted by the new owner");
+    let behind = cluster
+        .send(0, counter("c"), Sent::Unkeyed, "add", CALL_MS)
+        .await
+        .expect("an add behind the tell");
+    assert!(
+        behind == "node-1:5" || behind == "node-2:5",
+        "the keyed tell landed once, on a live node: {behind}"
+    );
+}
+
 /// Sends a `slow` request to the counter (placed on node-3) through node-1's
 /// `ClusterClient`, as `send`, and kills node-3 while its turn runs: the request's
 /// outcome and the count after it.
