@@ -13,9 +13,9 @@ use troupe_runtime::{ActorError, Turn};
 
 use crate::agent::{agent_id, AgentActor, Conversation};
 use crate::inbox::{
-    canceled_key, encode_reply, from_json, inbox_key, outbox_key, pair_in_key, pair_out_key, seen_key, seq_of,
-    task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError,
-    OutboxEntry, OutboxHead, PairIn, PairOut, PairSeq, PendingSends, SendReply, TaskState, TaskStatus,
+    canceled_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key, pair_out_key, seen_key,
+    seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry,
+    InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PendingSends, Record, SendReply, TaskState, TaskStatus,
     DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
@@ -311,7 +311,7 @@ impl AgentActor {
         let now = turn.now();
         let seq = self.state.boxes.inbox_next;
         let key = inbox_key(seq);
-        let bytes = to_json(&entry)?;
+        let bytes = entry.encode()?;
         turn.put(key.clone(), bytes.clone())?;
         turn.put(seen, seen_value)?;
         if let InboxBody::Task { task_id, .. } = &entry.body {
@@ -476,7 +476,7 @@ impl AgentActor {
             };
             let context = match self.memo.inbox.get(&first_key, &bytes) {
                 Some(earlier) => earlier.context.clone(),
-                None => from_json::<InboxEntry>(&first_key, &bytes)?.context,
+                None => InboxEntry::decode(&first_key, &bytes)?.context,
             };
             self.memo.pair_in.put(turn, key, record)?;
             self.schedule_process(turn, first, &context).await?;
@@ -677,10 +677,7 @@ impl AgentActor {
         if let Some(bytes) = turn.get(&key).await? {
             let (to, pair) = match self.memo.outbox.get(&key, &bytes) {
                 Some(out) => (out.to.clone(), out.entry.pair),
-                None => {
-                    let out: OutboxHead = from_json(&key, &bytes)?;
-                    (out.to, out.entry.pair)
-                }
+                None => outbox_head(&key, &bytes)?,
             };
             self.memo.outbox.forget(&key);
             self.release_pair(turn, &to, pair).await?;
@@ -789,7 +786,7 @@ impl AgentActor {
         let inbox = turn.scan("inbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
         let mut next_inbox = inbox_after;
         for (key, bytes) in &inbox {
-            let entry: InboxEntry = from_json(key, bytes)?;
+            let entry = InboxEntry::decode(key, bytes)?;
             let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad inbox key {key}")))?;
             // Told already and still queued: a second would be a turn that finds the
             // entry gone (on a slow disk the sweep's rounds piled them up).
@@ -1210,7 +1207,7 @@ async fn pending_low(
     let Some(bytes) = bytes else {
         return Ok(u64::MAX);
     };
-    let record: PairOut = from_json(&key, &bytes).map_err(|error| error.to_string())?;
+    let record = PairOut::decode(&key, &bytes).map_err(|error| error.to_string())?;
     Ok(record.pending.first().copied().unwrap_or(u64::MAX))
 }
 
