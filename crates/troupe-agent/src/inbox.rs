@@ -514,7 +514,8 @@ pub(crate) fn from_json<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8])
     serde_json::from_slice(bytes).map_err(|error| ActorError::failed(format!("{key} cannot be decoded: {error}")))
 }
 
-/// The first byte of an inbox record (`inbox/`, `outbox/`, `pair_in/`, `pair_out/`) in
+/// The first byte of an inbox record (`inbox/`, `outbox/`, `pair_in/`, `pair_out/`,
+/// `task/`: [`crate::AgentClient::task`] reads the last with [`Record::decode`]) in
 /// its binary format, version 1: bincode (as `AgentCommand` on the wire) after this
 /// byte. Records stored as JSON (every one before 2026-12-01; a JSON record starts with
 /// `{`) are still read. Encoding an entry as JSON was about 5,000 instructions, as
@@ -565,18 +566,7 @@ macro_rules! binary_record {
     )*};
 }
 
-binary_record!(InboxEntry, OutboxEntry, PairIn, PairOut);
-
-/// A task's record stays JSON: [`crate::AgentClient::task`] reads it from the store.
-impl Record for TaskStatus {
-    fn encode(&self) -> Result<Bytes, ActorError> {
-        to_json(self)
-    }
-
-    fn decode(key: &str, bytes: &[u8]) -> Result<Self, ActorError> {
-        from_json(key, bytes)
-    }
-}
+binary_record!(InboxEntry, OutboxEntry, PairIn, PairOut, TaskStatus);
 
 /// The target and order place of the outbox entry stored at `key` as `bytes`: from JSON
 /// with the rest skipped ([`OutboxHead`]); the binary format is decoded whole (cheaper
@@ -890,7 +880,7 @@ mod tests {
     fn every_memo_record_decodes_from_its_encoding_to_itself() {
         fn round_trips<T: Record + Serialize + PartialEq + std::fmt::Debug>(record: &T) {
             assert_eq!(&T::decode("k", &record.encode().unwrap()).unwrap(), record);
-            // As stored as JSON before the binary format (a task's record still is).
+            // As stored as JSON before the binary format.
             assert_eq!(&T::decode("k", &to_json(record).unwrap()).unwrap(), record);
         }
         let a = ActorId::new("agent", "a").unwrap();

@@ -15,8 +15,8 @@ use crate::agent::{agent_id, AgentActor, Conversation};
 use crate::inbox::{
     canceled_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key, pair_out_key, seen_key,
     seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry,
-    InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PendingSends, Record, SendReply, TaskState, TaskStatus,
-    DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+    InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME,
+    NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY,
@@ -905,7 +905,7 @@ impl AgentActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(encode_reply(&SendReply::UnknownTask));
         };
-        let record: TaskStatus = from_json(&key, &bytes)?;
+        let record = self.memo.tasks.decode(&key, &bytes)?;
         if record.state.is_final() {
             return Ok(encode_reply(&SendReply::AlreadyFinal(record.state)));
         }
@@ -1091,7 +1091,12 @@ async fn deliver(
     seq: u64,
     out: OutboxEntry,
 ) {
-    let mut payload = AgentCommand::Enqueue(out.entry.clone()).encode();
+    // An ordered entry's payload is encoded at each attempt (with the `low` of that
+    // moment), so not here.
+    let mut payload = match out.entry.pair {
+        None => AgentCommand::Enqueue(out.entry.clone()).encode(),
+        Some(_) => Bytes::new(),
+    };
     let is_result = matches!(out.entry.body, InboxBody::TaskUpdate { .. });
     if let Some(approval) = out.approval {
         if let Some(refused) = await_send_approval(&runtime, &shared, &sender, seq, &out, approval).await {

@@ -786,9 +786,9 @@ async fn write_as_stored(store: &MemoryStore, agent: &str, writes: &[(&str, Stri
 /// Goal: the inbox records an older version stored as JSON (before the binary format
 /// of 2026-12-01) still load end to end: b's pending inbox entry with its `pair_in`
 /// record is processed, and a's pending outbox entry with its `pair_out` record is
-/// delivered to c, processed there, and taken off a's outbox and pending list. Method:
-/// the records are written into the store as that version wrote them (its JSON, copied
-/// from a store), then a resume finds them.
+/// delivered to c, processed there, and taken off a's outbox and pending list; a's task
+/// record reads as it was. Method: the records are written into the store as that
+/// version wrote them (its JSON, copied from a store), then a resume finds them.
 #[tokio::test(start_paused = true)]
 async fn inbox_records_stored_as_json_by_an_older_version_still_load() {
     let llm = ScriptedLlm::new()
@@ -829,7 +829,14 @@ async fn inbox_records_stored_as_json_by_an_older_version_still_load() {
     write_as_stored(
         &data,
         "a",
-        &[(&format!("outbox/{first}"), out), ("pair_out/c", pair_out.clone())],
+        &[
+            (&format!("outbox/{first}"), out),
+            ("pair_out/c", pair_out.clone()),
+            (
+                "task/a.9",
+                r#"{"task_id":"a.9","to":{"kind":"agent","key":"b"},"state":"Completed","result":"42","deadline":{"at_us":5},"context":{"depth":0,"chain":[],"deadline":{"at_us":5},"trace_id":null}}"#.to_string(),
+            ),
+        ],
     )
     .await;
 
