@@ -78,6 +78,7 @@ impl ActorFactory for AgentFactory {
             shared: Arc::clone(&self.shared),
             relaying: std::collections::BTreeSet::new(),
             process_told: std::collections::BTreeMap::new(),
+            memo: crate::inbox::RecordMemos::default(),
             resumed: false,
             prompt: None,
             spec_generation: None,
@@ -99,6 +100,8 @@ pub(crate) struct AgentActor {
     /// unrun at its deadline leaves a seq whose deadline has passed, which no longer
     /// counts; a rebuilt or new activation starts with none.
     pub(crate) process_told: std::collections::BTreeMap<u64, troupe_core::Deadline>,
+    /// Its inbox's records as decoded, by the bytes stored (see `inbox::RecordMemos`).
+    pub(crate) memo: crate::inbox::RecordMemos,
     /// Whether this activation has re-scheduled the entries its snapshot says are
     /// pending (its first request does, so an agent activated on another node, after its
     /// owner died, resumes the work the dead node's in-memory wake-ups held).

@@ -514,6 +514,161 @@ pub(crate) fn from_json<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8])
     serde_json::from_slice(bytes).map_err(|error| ActorError::failed(format!("{key} cannot be decoded: {error}")))
 }
 
+/// The first byte of an inbox record (`inbox/`, `outbox/`, `pair_in/`, `pair_out/`,
+/// `task/`: [`crate::AgentClient::task`] reads the last with [`Record::decode`]) in
+/// its binary format, version 1: bincode (as `AgentCommand` on the wire) after this
+/// byte. Records stored as JSON (every one before 2026-12-01; a JSON record starts with
+/// `{`) are still read. Encoding an entry as JSON was about 5,000 instructions, as
+/// bincode about 1,000 (callgrind, `benches/instructions.rs notify`). A record changed in
+/// a way bincode cannot read from the old bytes needs the next version byte.
+const RECORD_BINARY_V1: u8 = 1;
+
+/// A record of an agent's own key space, with its stored encoding.
+pub(crate) trait Record: Sized + Clone {
+    /// Its stored bytes.
+    fn encode(&self) -> Result<Bytes, ActorError>;
+    /// The record stored at `key` as `bytes`.
+    fn decode(key: &str, bytes: &[u8]) -> Result<Self, ActorError>;
+}
+
+/// Encodes `record` in the binary format ([`RECORD_BINARY_V1`]).
+fn to_binary<T: Serialize>(record: &T) -> Result<Bytes, ActorError> {
+    let mut bytes = Vec::with_capacity(128);
+    bytes.push(RECORD_BINARY_V1);
+    bincode::serialize_into(&mut bytes, record).map_err(|error| ActorError::failed(error.to_string()))?;
+    Ok(Bytes::from(bytes))
+}
+
+/// Decodes a record stored in the binary format, or as JSON (stored before it).
+fn from_binary_or_json<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, ActorError> {
+    match bytes.first() {
+        Some(&RECORD_BINARY_V1) => bincode::deserialize(&bytes[1..])
+            .map_err(|error| ActorError::failed(format!("{key} cannot be decoded: {error}"))),
+        Some(b'{') => from_json(key, bytes),
+        _ => Err(ActorError::failed(format!(
+            "{key} cannot be decoded: an unknown format (first byte {:?})",
+            bytes.first()
+        ))),
+    }
+}
+
+macro_rules! binary_record {
+    ($($record:ty),*) => {$(
+        impl Record for $record {
+            fn encode(&self) -> Result<Bytes, ActorError> {
+                to_binary(self)
+            }
+
+            fn decode(key: &str, bytes: &[u8]) -> Result<Self, ActorError> {
+                from_binary_or_json(key, bytes)
+            }
+        }
+    )*};
+}
+
+binary_record!(InboxEntry, OutboxEntry, PairIn, PairOut, TaskStatus);
+
+/// The target and order place of the outbox entry stored at `key` as `bytes`: from JSON
+/// with the rest skipped ([`OutboxHead`]); the binary format is decoded whole (cheaper
+/// than JSON's light decode).
+pub(crate) fn outbox_head(key: &str, bytes: &[u8]) -> Result<(ActorId, Option<PairSeq>), ActorError> {
+    if bytes.first() == Some(&b'{') {
+        let head: OutboxHead = from_json(key, bytes)?;
+        return Ok((head.to, head.entry.pair));
+    }
+    let out = OutboxEntry::decode(key, bytes)?;
+    Ok((out.to, out.entry.pair))
+}
+
+/// How many records a [`Memo`] keeps (the lowest key is dropped for a new one): inbox
+/// and outbox entries are up to [`AGENT_MESSAGE_SIZE_MAX_BYTES`] of text each, and the
+/// common path has a handful pending.
+pub(crate) const RECORD_MEMO_ENTRIES_MAX: usize = 32;
+
+/// This activation's decoded records of its own key space, each kept with the exact
+/// bytes it was encoded to (by a turn of this activation that wrote it) or decoded from:
+/// a read whose stored bytes are those bytes takes the record from here instead of
+/// decoding it again. Keyed by content, not trusted: bytes that differ (another turn, a
+/// rollback, another activation wrote the key, or it was deleted and written again)
+/// are decoded as before, so a memo can be late but never wrong. (A notification
+/// decoded its records from JSON about 8 times, at ~5,500 instructions each: callgrind,
+/// `benches/instructions.rs notify`, 2026-12-01.)
+#[derive(Debug, Default)]
+pub(crate) struct RecordMemos {
+    /// `inbox/{seq}`.
+    pub(crate) inbox: Memo<InboxEntry>,
+    /// `outbox/{seq}`.
+    pub(crate) outbox: Memo<OutboxEntry>,
+    /// `pair_in/{sender}`.
+    pub(crate) pair_in: Memo<PairIn>,
+    /// `pair_out/{target}`.
+    pub(crate) pair_out: Memo<PairOut>,
+    /// `task/{task_id}`.
+    pub(crate) tasks: Memo<TaskStatus>,
+}
+
+/// Records of one kind by store key, each with its stored bytes (see [`RecordMemos`]).
+#[derive(Debug)]
+pub(crate) struct Memo<T> {
+    records: std::collections::BTreeMap<String, (Bytes, T)>,
+}
+
+impl<T> Default for Memo<T> {
+    fn default() -> Self {
+        Self {
+            records: std::collections::BTreeMap::new(),
+        }
+    }
+}
+
+impl<T: Record> Memo<T> {
+    /// The record stored at `key` as `bytes`: a copy of the one kept for those bytes,
+    /// else decoded.
+    pub(crate) fn decode(&self, key: &str, bytes: &Bytes) -> Result<T, ActorError> {
+        match self.records.get(key) {
+            Some((kept, record)) if kept == bytes => Ok(record.clone()),
+            _ => T::decode(key, bytes),
+        }
+    }
+
+    /// As [`Self::decode`], taking the kept record out (none is kept for `key` after).
+    pub(crate) fn take(&mut self, key: &str, bytes: &Bytes) -> Result<T, ActorError> {
+        match self.records.remove(key) {
+            Some((kept, record)) if kept == *bytes => Ok(record),
+            _ => T::decode(key, bytes),
+        }
+    }
+
+    /// The record kept for `key` if it was kept for `bytes`.
+    pub(crate) fn get(&self, key: &str, bytes: &Bytes) -> Option<&T> {
+        self.records
+            .get(key)
+            .and_then(|(kept, record)| (kept == bytes).then_some(record))
+    }
+
+    /// Keeps `record` as what `bytes` (its encoding, or what it was decoded from) at
+    /// `key` decode to.
+    pub(crate) fn keep(&mut self, key: String, bytes: Bytes, record: T) {
+        if self.records.len() >= RECORD_MEMO_ENTRIES_MAX && !self.records.contains_key(&key) {
+            self.records.pop_first();
+        }
+        self.records.insert(key, (bytes, record));
+    }
+
+    /// Encodes `record`, buffers it at `key` in `turn` and keeps it.
+    pub(crate) fn put(&mut self, turn: &mut troupe_runtime::Turn, key: String, record: T) -> Result<(), ActorError> {
+        let bytes = record.encode()?;
+        turn.put(key.clone(), bytes.clone())?;
+        self.keep(key, bytes, record);
+        Ok(())
+    }
+
+    /// Drops what is kept for `key`.
+    pub(crate) fn forget(&mut self, key: &str) {
+        self.records.remove(key);
+    }
+}
+
 /// The deadline `timeout_ms` (default [`AGENT_TASK_TIMEOUT_MS_DEFAULT`], capped at
 /// [`AGENT_TASK_TIMEOUT_MS_MAX`]) after `now`.
 pub(crate) fn task_deadline(now: Deadline, timeout_ms: Option<u64>) -> Deadline {
@@ -664,6 +819,190 @@ mod tests {
         old["entry"].as_object_mut().unwrap().remove("pair");
         let head: OutboxHead = from_json("outbox/0", old.to_string().as_bytes()).unwrap();
         assert_eq!(head.entry.pair, None);
+    }
+
+    fn pair_out(next: u64, pending: &[u64]) -> PairOut {
+        PairOut {
+            next,
+            pending: pending.iter().copied().collect(),
+        }
+    }
+
+    /// Goal: a memo gives back a kept record only for the very bytes it was kept with:
+    /// stored bytes that differ (another writer, a rollback, a delete and a new write)
+    /// are decoded, whatever was kept for the key. Method: keep `pair_out/b` as
+    /// {next 1, pending 0}, then read it as the bytes of {next 3, pending 1, 2}.
+    #[test]
+    fn a_memo_gives_a_kept_record_only_for_the_bytes_it_was_kept_with() {
+        let key = "pair_out/b";
+        let (old, new) = (pair_out(1, &[0]), pair_out(3, &[1, 2]));
+        let (old_bytes, new_bytes) = (to_json(&old).unwrap(), to_json(&new).unwrap());
+        let mut memo = Memo::default();
+        memo.keep(key.to_string(), old_bytes.clone(), old.clone());
+        assert_eq!(memo.get(key, &old_bytes), Some(&old));
+        assert_eq!(memo.get(key, &new_bytes), None, "other bytes: nothing kept for them");
+        assert_eq!(memo.decode(key, &new_bytes).unwrap(), new, "other bytes are decoded");
+        assert_eq!(memo.decode(key, &old_bytes).unwrap(), old);
+        assert_eq!(memo.take(key, &new_bytes).unwrap(), new, "other bytes are decoded");
+        assert_eq!(memo.get(key, &old_bytes), None, "a take leaves nothing kept");
+        // Not JSON, and nothing kept for it: the decoding error, as before.
+        memo.keep(key.to_string(), old_bytes, old);
+        assert!(memo.decode(key, &Bytes::from_static(b"{\"next\":")).is_err());
+        assert_eq!(memo.decode("pair_out/c", &new_bytes).unwrap(), new);
+    }
+
+    /// Goal: a memo holds at most `RECORD_MEMO_ENTRIES_MAX` records, dropping the lowest
+    /// key (the oldest inbox or outbox seq) for a new one, and not for a key it has.
+    #[test]
+    fn a_memo_keeps_at_most_its_bound_and_drops_the_lowest_key() {
+        let mut memo = Memo::default();
+        let count = RECORD_MEMO_ENTRIES_MAX as u64 + 3;
+        for seq in 0..count {
+            let record = pair_out(seq, &[]);
+            memo.keep(outbox_key(seq), to_json(&record).unwrap(), record);
+        }
+        assert_eq!(memo.records.len(), RECORD_MEMO_ENTRIES_MAX);
+        assert_eq!(memo.records.keys().next(), Some(&outbox_key(3)));
+        let record = pair_out(99, &[]);
+        memo.keep(outbox_key(5), to_json(&record).unwrap(), record);
+        assert_eq!(memo.records.len(), RECORD_MEMO_ENTRIES_MAX);
+        assert_eq!(
+            memo.records.keys().next(),
+            Some(&outbox_key(3)),
+            "a kept key is replaced"
+        );
+    }
+
+    /// Goal: what a turn keeps after encoding a record is what decoding the stored
+    /// bytes gives (a memo hit and a miss read the same record), for every record a
+    /// memo keeps and every body an entry can have.
+    #[test]
+    fn every_memo_record_decodes_from_its_encoding_to_itself() {
+        fn round_trips<T: Record + Serialize + PartialEq + std::fmt::Debug>(record: &T) {
+            assert_eq!(&T::decode("k", &record.encode().unwrap()).unwrap(), record);
+            // As stored as JSON before the binary format.
+            assert_eq!(&T::decode("k", &to_json(record).unwrap()).unwrap(), record);
+        }
+        let a = ActorId::new("agent", "a").unwrap();
+        let context = CallContext::root(Deadline::from_micros(5)).child(a.clone(), Deadline::from_micros(4));
+        let bodies = [
+            InboxBody::Notify {
+                text: "hi \"there\" ✓".to_string(),
+            },
+            InboxBody::Task {
+                task_id: "a.1".to_string(),
+                text: String::new(),
+            },
+            InboxBody::TaskUpdate {
+                task_id: "a.1".to_string(),
+                state: TaskState::Failed,
+                text: "no".to_string(),
+            },
+            InboxBody::Cancel {
+                task_id: "a.1".to_string(),
+            },
+            InboxBody::Mention {
+                conversation: "c".to_string(),
+                seq: 3,
+                chain: vec!["x".to_string()],
+            },
+            InboxBody::External {
+                text: "t".to_string(),
+                origin: "o".to_string(),
+                attachment: "{}".to_string(),
+                rejected: Some("r".to_string()),
+            },
+        ];
+        for (index, body) in bodies.into_iter().enumerate() {
+            let entry = InboxEntry {
+                msg_id: format!("a.{index}"),
+                from: (index % 2 == 0).then(|| a.clone()),
+                body,
+                context: context.clone(),
+                budget: Budget {
+                    tokens: Some(7),
+                    tool_calls: None,
+                },
+                pair: (index % 2 == 1).then_some(PairSeq { seq: 2, low: 1 }),
+            };
+            round_trips(&entry);
+            round_trips(&OutboxEntry {
+                to: a.clone(),
+                entry,
+                approval: Some(index as u64),
+            });
+        }
+        round_trips(&pair_out(4, &[1, 3]));
+        round_trips(&PairIn {
+            expected: 9,
+            unprocessed: [4, 8].into_iter().collect(),
+        });
+        round_trips(&TaskStatus {
+            task_id: "a.1".to_string(),
+            to: a.clone(),
+            state: TaskState::Completed,
+            result: Some("42".to_string()),
+            deadline: Deadline::from_micros(9),
+            context,
+        });
+    }
+
+    /// Goal: records stored as JSON before the binary format (these bytes are what the
+    /// inbox stored up to 2026-12-01, copied from a store) still load, to the same records;
+    /// new ones are stored binary; bytes of neither format are refused.
+    #[test]
+    fn records_stored_as_json_before_the_binary_format_still_load() {
+        let a = ActorId::new("agent", "a").unwrap();
+        let b = ActorId::new("agent", "b").unwrap();
+        let context = CallContext::root(Deadline::from_micros(5_000_000_000))
+            .child(a.clone(), Deadline::from_micros(4_000_000_000));
+        let entry = InboxEntry {
+            msg_id: "a.0".into(),
+            from: Some(a),
+            body: InboxBody::Notify { text: "hello".into() },
+            context,
+            budget: Budget::UNLIMITED,
+            pair: Some(PairSeq { seq: 0, low: 0 }),
+        };
+        let out = OutboxEntry {
+            to: b,
+            entry: entry.clone(),
+            approval: None,
+        };
+        let stored_entry = r#"{"msg_id":"a.0","from":{"kind":"agent","key":"a"},"body":{"Notify":{"text":"hello"}},"context":{"depth":1,"chain":[{"kind":"agent","key":"a"}],"deadline":{"at_us":4000000000},"trace_id":null},"budget":{"tokens":null,"tool_calls":null},"pair":{"seq":0,"low":0}}"#;
+        let stored_out = r#"{"to":{"kind":"agent","key":"b"},"entry":{"msg_id":"a.0","from":{"kind":"agent","key":"a"},"body":{"Notify":{"text":"hello"}},"context":{"depth":1,"chain":[{"kind":"agent","key":"a"}],"deadline":{"at_us":4000000000},"trace_id":null},"budget":{"tokens":null,"tool_calls":null},"pair":{"seq":0,"low":0}},"approval":null}"#;
+        assert_eq!(InboxEntry::decode("inbox/0", stored_entry.as_bytes()).unwrap(), entry);
+        assert_eq!(OutboxEntry::decode("outbox/0", stored_out.as_bytes()).unwrap(), out);
+        assert_eq!(
+            outbox_head("outbox/0", stored_out.as_bytes()).unwrap(),
+            (out.to.clone(), out.entry.pair)
+        );
+        let pair_in = PairIn {
+            expected: 1,
+            unprocessed: [0].into_iter().collect(),
+        };
+        assert_eq!(
+            PairIn::decode("pair_in/a", br#"{"expected":1,"unprocessed":[0]}"#).unwrap(),
+            pair_in
+        );
+        assert_eq!(
+            PairOut::decode("pair_out/b", br#"{"next":1,"pending":[0]}"#).unwrap(),
+            pair_out(1, &[0])
+        );
+
+        for bytes in [
+            entry.encode().unwrap(),
+            out.encode().unwrap(),
+            pair_in.encode().unwrap(),
+        ] {
+            assert_eq!(bytes[0], RECORD_BINARY_V1);
+        }
+        assert_eq!(
+            outbox_head("outbox/0", &out.encode().unwrap()).unwrap(),
+            (out.to, out.entry.pair)
+        );
+        assert!(PairOut::decode("pair_out/b", b"").is_err());
+        assert!(PairOut::decode("pair_out/b", &[2, 0, 0]).is_err());
     }
 
     #[test]

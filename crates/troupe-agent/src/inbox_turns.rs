@@ -13,10 +13,10 @@ use troupe_runtime::{ActorError, Turn};
 
 use crate::agent::{agent_id, AgentActor, Conversation};
 use crate::inbox::{
-    canceled_key, encode_reply, from_json, inbox_key, outbox_key, pair_in_key, pair_out_key, seen_key, seq_of,
-    task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError,
-    OutboxEntry, OutboxHead, PairIn, PairOut, PairSeq, PendingSends, SendReply, TaskState, TaskStatus,
-    DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+    canceled_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key, pair_out_key, seen_key,
+    seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry,
+    InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME,
+    NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY,
@@ -83,9 +83,7 @@ impl AgentActor {
         // The clock is read only for the events of delegations (most turns have none).
         let now = (!sends.tasks.is_empty()).then(|| turn.now());
         self.number_pairs(turn, &mut sends).await?;
-        for task in &sends.tasks {
-            turn.put(task_key(&task.task_id), to_json(task)?)?;
-            self.state.boxes.tasks_open += 1;
+        for task in sends.tasks {
             if let Some(at) = now {
                 self.shared.emit(&AgentEvent::DelegationStarted {
                     task_id: task.task_id.clone(),
@@ -94,14 +92,17 @@ impl AgentActor {
                     at,
                 });
             }
+            self.memo.tasks.put(turn, task_key(&task.task_id), task)?;
+            self.state.boxes.tasks_open += 1;
         }
-        for (seq, entry) in &sends.entries {
-            turn.put(outbox_key(*seq), to_json(entry)?)?;
+        let seqs: Vec<u64> = sends.entries.iter().map(|(seq, _)| *seq).collect();
+        for (seq, entry) in sends.entries {
+            self.memo.outbox.put(turn, outbox_key(seq), entry)?;
             self.state.boxes.outbox_len += 1;
         }
         self.state.boxes.outbox_next = self.state.boxes.outbox_next.max(sends.next_seq);
-        for (seq, _) in &sends.entries {
-            let wake = AgentCommand::Relay { seq: *seq }.encode();
+        for seq in seqs {
+            let wake = AgentCommand::Relay { seq }.encode();
             turn.caller()
                 .tell(&self.id, wake, WAKE_TIMEOUT)
                 .await
@@ -113,7 +114,7 @@ impl AgentActor {
     /// Gives each notification and task of `sends` its place in the order of this
     /// agent's entries to its target ([`crate::inbox::PairSeq`]), and records them as
     /// pending (`pair_out/{target}`, written with this turn).
-    async fn number_pairs(&self, turn: &mut Turn, sends: &mut PendingSends) -> Result<(), ActorError> {
+    async fn number_pairs(&mut self, turn: &mut Turn, sends: &mut PendingSends) -> Result<(), ActorError> {
         let mut records: Vec<(ActorId, PairOut)> = Vec::new();
         for (_, out) in &mut sends.entries {
             if !matches!(out.entry.body, InboxBody::Notify { .. } | InboxBody::Task { .. }) {
@@ -124,7 +125,7 @@ impl AgentActor {
                 None => {
                     let key = pair_out_key(&out.to);
                     let record = match turn.get(&key).await? {
-                        Some(bytes) => from_json(&key, &bytes)?,
+                        Some(bytes) => self.memo.pair_out.take(&key, &bytes)?,
                         None => PairOut::default(),
                     };
                     records.push((out.to.clone(), record));
@@ -137,15 +138,15 @@ impl AgentActor {
             record.pending.insert(seq);
             out.entry.pair = Some(PairSeq { seq, low: seq });
         }
-        for (target, record) in &records {
-            turn.put(pair_out_key(target), to_json(record)?)?;
+        for (target, record) in records {
+            self.memo.pair_out.put(turn, pair_out_key(&target), record)?;
         }
         Ok(())
     }
 
     /// Takes an ordered outbox entry to `to` (acknowledged or given up; `pair`, its
     /// place in the order) off its target's pending list.
-    async fn release_pair(&self, turn: &mut Turn, to: &ActorId, pair: Option<PairSeq>) -> Result<(), ActorError> {
+    async fn release_pair(&mut self, turn: &mut Turn, to: &ActorId, pair: Option<PairSeq>) -> Result<(), ActorError> {
         let Some(pair) = pair else {
             return Ok(());
         };
@@ -153,9 +154,11 @@ impl AgentActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(());
         };
-        let mut record: PairOut = from_json(&key, &bytes)?;
+        let mut record = self.memo.pair_out.take(&key, &bytes)?;
         if record.pending.remove(&pair.seq) {
-            turn.put(key, to_json(&record)?)?;
+            self.memo.pair_out.put(turn, key, record)?;
+        } else {
+            self.memo.pair_out.keep(key, bytes, record);
         }
         Ok(())
     }
@@ -196,7 +199,7 @@ impl AgentActor {
         if let (Some(pair), Some(from)) = (entry.pair, &entry.from) {
             let key = pair_in_key(from);
             let mut record: PairIn = match turn.get(&key).await? {
-                Some(bytes) => from_json(&key, &bytes)?,
+                Some(bytes) => self.memo.pair_in.decode(&key, &bytes)?,
                 None => PairIn::default(),
             };
             let expected = record.expected;
@@ -217,15 +220,15 @@ impl AgentActor {
                     self.shared.emit(&received(true));
                     return Ok(encode_reply(&EnqueueReply::Duplicate));
                 };
-                let mut record: TaskStatus = from_json(&key, &bytes)?;
+                let mut record = self.memo.tasks.take(&key, &bytes)?;
                 if record.state.is_final() {
+                    self.memo.tasks.keep(key, bytes, record);
                     turn.put(seen, Bytes::new())?;
                     self.shared.emit(&received(true));
                     return Ok(encode_reply(&EnqueueReply::Duplicate));
                 }
                 record.state = *state;
                 record.result = Some(text.clone());
-                turn.put(key, to_json(&record)?)?;
                 self.state.boxes.tasks_open = self.state.boxes.tasks_open.saturating_sub(1);
                 self.shared.emit(&AgentEvent::DelegationFinished {
                     task_id: task_id.clone(),
@@ -238,6 +241,7 @@ impl AgentActor {
                 entry.context = record
                     .context
                     .with_deadline(task_deadline(now, Some(AGENT_TASK_TIMEOUT_MS_DEFAULT)));
+                self.memo.tasks.put(turn, key, record)?;
             }
             InboxBody::Cancel { task_id } => {
                 turn.put(seen, Bytes::new())?;
@@ -269,7 +273,7 @@ impl AgentActor {
                 turn.delete(canceled_key(task_id))?;
                 turn.put(seen, Bytes::new())?;
                 if let Some((key, record)) = order {
-                    turn.put(key, to_json(&record)?)?;
+                    self.memo.pair_in.put(turn, key, record)?;
                 }
                 self.shared.emit(&received(false));
                 self.report_canceled_before_start(turn, &entry, task_id).await?;
@@ -290,7 +294,7 @@ impl AgentActor {
         }
         if let Some((key, mut record)) = order {
             record.unprocessed.insert(self.state.boxes.inbox_next); // its inbox seq
-            turn.put(key, to_json(&record)?)?;
+            self.memo.pair_in.put(turn, key, record)?;
         }
         self.append(turn, entry, seen, Bytes::new()).await
     }
@@ -306,7 +310,9 @@ impl AgentActor {
     ) -> Result<Bytes, ActorError> {
         let now = turn.now();
         let seq = self.state.boxes.inbox_next;
-        turn.put(inbox_key(seq), to_json(&entry)?)?;
+        let key = inbox_key(seq);
+        let bytes = entry.encode()?;
+        turn.put(key.clone(), bytes.clone())?;
         turn.put(seen, seen_value)?;
         if let InboxBody::Task { task_id, .. } = &entry.body {
             turn.put(tasks_in_key(task_id), to_json(&seq)?)?;
@@ -321,9 +327,11 @@ impl AgentActor {
             at: now,
         });
         self.schedule_process(turn, seq, &entry.context).await?;
-        Ok(encode_reply(&EnqueueReply::Accepted {
+        let reply = encode_reply(&EnqueueReply::Accepted {
             msg_id: entry.msg_id.clone(),
-        }))
+        });
+        self.memo.inbox.keep(key, bytes, entry);
+        Ok(reply)
     }
 
     /// Tells the delegator of the task in `entry` (if it has one) that the task was
@@ -454,7 +462,7 @@ impl AgentActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(true);
         };
-        let mut record: PairIn = from_json(&key, &bytes)?;
+        let mut record = self.memo.pair_in.take(&key, &bytes)?;
         while let Some(&first) = record.unprocessed.first() {
             if first >= seq {
                 break;
@@ -466,9 +474,12 @@ impl AgentActor {
                 record.unprocessed.remove(&first);
                 continue;
             };
-            let earlier: InboxEntry = from_json(&first_key, &bytes)?;
-            turn.put(key, to_json(&record)?)?;
-            self.schedule_process(turn, first, &earlier.context).await?;
+            let context = match self.memo.inbox.get(&first_key, &bytes) {
+                Some(earlier) => earlier.context.clone(),
+                None => InboxEntry::decode(&first_key, &bytes)?.context,
+            };
+            self.memo.pair_in.put(turn, key, record)?;
+            self.schedule_process(turn, first, &context).await?;
             let again = AgentCommand::Process { seq }.encode();
             turn.caller()
                 .tell_self_in(again, turn.context().clone())
@@ -477,7 +488,7 @@ impl AgentActor {
             return Ok(false);
         }
         record.unprocessed.remove(&seq);
-        turn.put(key, to_json(&record)?)?;
+        self.memo.pair_in.put(turn, key, record)?;
         Ok(true)
     }
 
@@ -491,8 +502,9 @@ impl AgentActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(()); // processed already (a duplicate wake-up)
         };
-        let entry: InboxEntry = from_json(&key, &bytes)?;
+        let entry = self.memo.inbox.take(&key, &bytes)?;
         if !self.earlier_of_its_sender_done(turn, seq, &entry).await? {
+            self.memo.inbox.keep(key, bytes, entry);
             return Ok(());
         }
         turn.delete(key)?;
@@ -647,7 +659,7 @@ impl AgentActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(()); // delivered already
         };
-        let out: OutboxEntry = from_json(&key, &bytes)?;
+        let out = self.memo.outbox.decode(&key, &bytes)?;
         let Some(runtime) = self.shared.runtime() else {
             return Err(ActorError::failed("the agent system has not started, or has stopped"));
         };
@@ -663,8 +675,12 @@ impl AgentActor {
         self.relaying.remove(&seq);
         let key = outbox_key(seq);
         if let Some(bytes) = turn.get(&key).await? {
-            let out: OutboxHead = from_json(&key, &bytes)?;
-            self.release_pair(turn, &out.to, out.entry.pair).await?;
+            let (to, pair) = match self.memo.outbox.get(&key, &bytes) {
+                Some(out) => (out.to.clone(), out.entry.pair),
+                None => outbox_head(&key, &bytes)?,
+            };
+            self.memo.outbox.forget(&key);
+            self.release_pair(turn, &to, pair).await?;
             turn.delete(key)?;
             self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
         }
@@ -686,7 +702,7 @@ impl AgentActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(());
         };
-        let out: OutboxEntry = from_json(&key, &bytes)?;
+        let out = self.memo.outbox.take(&key, &bytes)?;
         tracing::warn!(agent = %self.id, msg = %out.entry.msg_id, to = %out.to, %cause, "giving up a delivery");
         self.release_pair(turn, &out.to, out.entry.pair).await?;
         turn.delete(key)?;
@@ -770,7 +786,7 @@ impl AgentActor {
         let inbox = turn.scan("inbox/", after.as_deref(), AGENT_RESUME_BATCH).await?;
         let mut next_inbox = inbox_after;
         for (key, bytes) in &inbox {
-            let entry: InboxEntry = from_json(key, bytes)?;
+            let entry = InboxEntry::decode(key, bytes)?;
             let seq = seq_of(key).ok_or_else(|| ActorError::failed(format!("bad inbox key {key}")))?;
             // Told already and still queued: a second would be a turn that finds the
             // entry gone (on a slow disk the sweep's rounds piled them up).
@@ -889,7 +905,7 @@ impl AgentActor {
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(encode_reply(&SendReply::UnknownTask));
         };
-        let record: TaskStatus = from_json(&key, &bytes)?;
+        let record = self.memo.tasks.decode(&key, &bytes)?;
         if record.state.is_final() {
             return Ok(encode_reply(&SendReply::AlreadyFinal(record.state)));
         }
@@ -1075,7 +1091,12 @@ async fn deliver(
     seq: u64,
     out: OutboxEntry,
 ) {
-    let mut payload = AgentCommand::Enqueue(out.entry.clone()).encode();
+    // An ordered entry's payload is encoded at each attempt (with the `low` of that
+    // moment), so not here.
+    let mut payload = match out.entry.pair {
+        None => AgentCommand::Enqueue(out.entry.clone()).encode(),
+        Some(_) => Bytes::new(),
+    };
     let is_result = matches!(out.entry.body, InboxBody::TaskUpdate { .. });
     if let Some(approval) = out.approval {
         if let Some(refused) = await_send_approval(&runtime, &shared, &sender, seq, &out, approval).await {
@@ -1191,7 +1212,7 @@ async fn pending_low(
     let Some(bytes) = bytes else {
         return Ok(u64::MAX);
     };
-    let record: PairOut = from_json(&key, &bytes).map_err(|error| error.to_string())?;
+    let record = PairOut::decode(&key, &bytes).map_err(|error| error.to_string())?;
     Ok(record.pending.first().copied().unwrap_or(u64::MAX))
 }
 

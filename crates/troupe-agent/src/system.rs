@@ -661,9 +661,9 @@ impl AgentClient {
         let Some(bytes) = self.runtime.store().get(&id, &task_key(task_id)).await? else {
             return Ok(None);
         };
-        serde_json::from_slice(&bytes)
+        <TaskStatus as crate::inbox::Record>::decode(&task_key(task_id), &bytes)
             .map(Some)
-            .map_err(|error| decode_error(format!("task {task_id}: {error}")))
+            .map_err(|error| decode_error(error.to_string()))
     }
 
     /// How many entries agent `agent` has in its inbox and its outbox, committed.

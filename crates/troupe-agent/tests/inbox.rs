@@ -767,3 +767,108 @@ async fn a_task_whose_model_outlives_its_deadline_fails_at_the_deadline() {
     );
     system.shutdown().await;
 }
+
+/// Buffers `writes` into `agent`'s key space as one commit, as a process of an older
+/// version would have left them (its state blob untouched).
+async fn write_as_stored(store: &MemoryStore, agent: &str, writes: &[(&str, String)]) {
+    let id = troupe_agent::agent_id(agent).unwrap();
+    let claimed = store.claim(&id).await.unwrap();
+    let commit = TurnCommit {
+        state: troupe_runtime::StateChange::Unchanged,
+        writes: writes
+            .iter()
+            .map(|(key, value)| (key.to_string(), Some(Bytes::from(value.clone()))))
+            .collect(),
+    };
+    store.commit(&id, claimed.fence, commit).await.unwrap();
+}
+
+/// Goal: the inbox records an older version stored as JSON (before the binary format
+/// of 2026-12-01) still load end to end: b's pending inbox entry with its `pair_in`
+/// record is processed, and a's pending outbox entry with its `pair_out` record is
+/// delivered to c, processed there, and taken off a's outbox and pending list; a's task
+/// record reads as it was. Method: the records are written into the store as that
+/// version wrote them (its JSON, copied from a store), then a resume finds them.
+#[tokio::test(start_paused = true)]
+async fn inbox_records_stored_as_json_by_an_older_version_still_load() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("b").on_user_containing("left in").reply("seen"))
+        .rule(ScriptRule::agent("c").on_user_containing("left in").reply("seen"));
+    let data = MemoryStore::new();
+    let system = start(
+        &llm,
+        &["a", "b", "c"],
+        Arc::new(data.clone()) as Arc<dyn StateStore>,
+        &CallRecorder::new(),
+    );
+    let deadline = system.runtime().now().as_micros() + 60_000_000;
+    let context = format!(
+        r#"{{"depth":1,"chain":[{{"kind":"agent","key":"a"}}],"deadline":{{"at_us":{deadline}}},"trace_id":null}}"#
+    );
+    let entry = |msg_id: &str, text: &str, seq: u64| {
+        format!(
+            r#"{{"msg_id":"{msg_id}","from":{{"kind":"agent","key":"a"}},"body":{{"Notify":{{"text":"{text}"}}}},"context":{context},"budget":{{"tokens":null,"tool_calls":null}},"pair":{{"seq":{seq},"low":{seq}}}}}"#
+        )
+    };
+    let first = format!("{:020}", 0);
+    let pair_out = r#"{"next":1,"pending":[0]}"#.to_string();
+    write_as_stored(
+        &data,
+        "b",
+        &[
+            (&format!("inbox/{first}"), entry("a.7", "left in the inbox", 0)),
+            ("pair_in/a", r#"{"expected":1,"unprocessed":[0]}"#.to_string()),
+            ("seen/a.7", String::new()),
+        ],
+    )
+    .await;
+    let out = format!(
+        r#"{{"to":{{"kind":"agent","key":"c"}},"entry":{},"approval":null}}"#,
+        entry("a.8", "left in the outbox", 0)
+    );
+    write_as_stored(
+        &data,
+        "a",
+        &[
+            (&format!("outbox/{first}"), out),
+            ("pair_out/c", pair_out.clone()),
+            (
+                "task/a.9",
+                r#"{"task_id":"a.9","to":{"kind":"agent","key":"b"},"state":"Completed","result":"42","deadline":{"at_us":5},"context":{"depth":0,"chain":[],"deadline":{"at_us":5},"trace_id":null}}"#.to_string(),
+            ),
+        ],
+    )
+    .await;
+
+    // (The start-up resume may have found some of them already.)
+    system.resume_pending().await.unwrap();
+    settle().await;
+
+    let processed = |log: &[ChatMessage], text: &str| user_messages_containing(log, text);
+    let b_log = system.conversation_log("b").await.unwrap();
+    assert_eq!(
+        processed(&b_log, "left in the inbox"),
+        1,
+        "b processed its JSON entry once"
+    );
+    let c_log = system.conversation_log("c").await.unwrap();
+    assert_eq!(
+        processed(&c_log, "left in the outbox"),
+        1,
+        "a's JSON entry reached c once"
+    );
+    let a = troupe_agent::agent_id("a").unwrap();
+    let b = troupe_agent::agent_id("b").unwrap();
+    assert!(
+        data.scan(&a, "outbox/", None, 10).await.unwrap().is_empty(),
+        "delivered"
+    );
+    assert!(data.scan(&b, "inbox/", None, 10).await.unwrap().is_empty(), "processed");
+    let released = data.get(&a, "pair_out/c").await.unwrap().unwrap();
+    assert_ne!(
+        released,
+        Bytes::from(pair_out),
+        "a's pending list was rewritten without it"
+    );
+    system.shutdown().await;
+}
