@@ -1005,6 +1005,68 @@ mod tests {
         assert!(PairOut::decode("pair_out/b", &[2, 0, 0]).is_err());
     }
 
+    /// Goal: the binary format of version 1 stays what it is. Bincode carries no field
+    /// names, so a record type that gains, loses or reorders a field (or an enum variant
+    /// before the last) no longer reads the records already stored: such a change needs
+    /// the next version byte and a reader kept for version 1 (see `RECORD_BINARY_V1`).
+    /// Method: these bytes were written by version 1 (2026-12-01); they must decode to
+    /// the same records, and those records must encode to them.
+    #[test]
+    fn the_binary_format_of_version_1_is_pinned() {
+        let a = ActorId::new("agent", "a").unwrap();
+        let context = CallContext::root(Deadline::from_micros(5_000_000_000))
+            .child(a.clone(), Deadline::from_micros(4_000_000_000));
+        let entry = InboxEntry {
+            msg_id: "a.0".into(),
+            from: Some(a.clone()),
+            body: InboxBody::Notify { text: "hello".into() },
+            context: context.clone(),
+            budget: Budget::UNLIMITED,
+            pair: Some(PairSeq { seq: 0, low: 0 }),
+        };
+        let task = TaskStatus {
+            task_id: "a.1".to_string(),
+            to: a,
+            state: TaskState::Completed,
+            result: Some("42".to_string()),
+            deadline: Deadline::from_micros(9),
+            context,
+        };
+        let hex = |bytes: &[u8]| bytes.iter().map(|byte| format!("{byte:02x}")).collect::<String>();
+        let pinned = [
+            (hex(&pair_out(4, &[1, 3]).encode().unwrap()), "010400000000000000020000000000000001000000000000000300000000000000"),
+            (
+                hex(&PairIn {
+                    expected: 9,
+                    unprocessed: [4, 8].into_iter().collect(),
+                }
+                .encode()
+                .unwrap()),
+                "010900000000000000020000000000000004000000000000000800000000000000",
+            ),
+            (hex(&entry.encode().unwrap()), "010300000000000000612e300105000000000000006167656e7401000000000000006100000000050000000000000068656c6c6f01000000010000000000000005000000000000006167656e7401000000000000006100286bee000000000000000100000000000000000000000000000000"),
+            (hex(&task.encode().unwrap()), "010300000000000000612e3105000000000000006167656e74010000000000000061030000000102000000000000003432090000000000000001000000010000000000000005000000000000006167656e7401000000000000006100286bee0000000000"),
+        ];
+        for (encoded, expected) in &pinned {
+            assert_eq!(
+                encoded, expected,
+                "version 1's bytes changed: a new format needs a new version byte"
+            );
+        }
+        let unhex = |text: &str| -> Vec<u8> {
+            (0..text.len())
+                .step_by(2)
+                .map(|at| u8::from_str_radix(&text[at..at + 2], 16).unwrap())
+                .collect()
+        };
+        assert_eq!(
+            PairOut::decode("pair_out/b", &unhex(pinned[0].1)).unwrap(),
+            pair_out(4, &[1, 3])
+        );
+        assert_eq!(InboxEntry::decode("inbox/0", &unhex(pinned[2].1)).unwrap(), entry);
+        assert_eq!(TaskStatus::decode("task/a.1", &unhex(pinned[3].1)).unwrap(), task);
+    }
+
     #[test]
     fn commands_round_trip_and_states_have_their_a2a_names() {
         let command = AgentCommand::Process { seq: 7 };
