@@ -23,7 +23,7 @@ use troupe_runtime::{
 
 #[path = "support/counter.rs"]
 mod counter_actor;
-use counter_actor::{read_count, Counter};
+use counter_actor::{count_of_reply, read_count, Counter};
 #[path = "support/keyed_root_router.rs"]
 mod keyed_root_router;
 use keyed_root_router::KeyedRootRouter;
@@ -76,6 +76,12 @@ fn order() -> ActorId {
     ActorId::new("order", "o").unwrap()
 }
 
+/// The counter's mailbox, in messages: room for two rounds of 64 tells queued at once
+/// (a round's tells can still be queued when its retries arrive) and an `add` behind
+/// them. With the default 64, the concurrent tell test's retries met `Busy`, as a
+/// bounded mailbox must answer (1 run in 3 on 2026-12-01).
+const COUNTER_MAILBOX_CAPACITY: usize = 2 * 64 + 1;
+
 fn start(store: Arc<dyn StateStore>, fail_after_call: Arc<AtomicBool>) -> Runtime {
     let config = KindConfig::default().with_idle_timeout(Duration::from_secs(3_600));
     Runtime::builder()
@@ -83,7 +89,7 @@ fn start(store: Arc<dyn StateStore>, fail_after_call: Arc<AtomicBool>) -> Runtim
         .register(
             ActorKind::new("counter").unwrap(),
             |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Counter)) },
-            config,
+            config.with_mailbox_capacity(COUNTER_MAILBOX_CAPACITY),
         )
         .unwrap()
         .register(
@@ -162,13 +168,7 @@ async fn count_after_tells(runtime: &Runtime) -> u64 {
         .invoke_within(&counter(), Bytes::from_static(b"add"), LONG)
         .await
         .unwrap();
-    let after: u64 = std::str::from_utf8(&reply)
-        .unwrap()
-        .strip_prefix("count=")
-        .unwrap()
-        .parse()
-        .unwrap();
-    after - 1
+    count_of_reply(&reply) - 1
 }
 
 /// Goal: a turn that told the counter under a key and then failed is run again and
@@ -198,6 +198,31 @@ async fn a_turn_run_again_applies_its_keyed_tell_once() {
     runtime.shutdown().await;
 }
 
+/// Runs the `order` actor with `<step><suffix>` for every step below `steps`, all at
+/// once from spawned tasks: the outcomes, in step order.
+#[cfg(not(madsim))]
+async fn order_every_step_at_once(
+    handle: &RuntimeHandle,
+    steps: u64,
+    suffix: &'static str,
+) -> Vec<Result<Bytes, InvokeError>> {
+    let tasks: Vec<_> = (0..steps)
+        .map(|step| {
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                handle
+                    .invoke_within(&order(), Bytes::from(format!("{step}{suffix}")), LONG)
+                    .await
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.unwrap());
+    }
+    results
+}
+
 /// Goal: on worker threads, 64 keyed tells from turns that each fail once and are run
 /// again, all attempts in flight together, land each step exactly once. Method: the
 /// counter's count behind all the tells.
@@ -209,30 +234,13 @@ async fn concurrent_retried_turns_land_each_keyed_tell_once_multi_thread() {
     let store = Arc::new(MemoryStore::new());
     let fail_after_call = Arc::new(AtomicBool::new(true));
     let runtime = start(store.clone(), fail_after_call.clone());
-    let attempt_all = |handle: RuntimeHandle| async move {
-        let tasks: Vec<_> = (0..STEPS)
-            .map(|step| {
-                let handle = handle.clone();
-                tokio::spawn(async move {
-                    handle
-                        .invoke_within(&order(), Bytes::from(format!("{step}:tell")), LONG)
-                        .await
-                })
-            })
-            .collect();
-        let mut results = Vec::new();
-        for task in tasks {
-            results.push(task.await.unwrap());
-        }
-        results
-    };
-    let first = attempt_all(runtime.handle()).await;
+    let first = order_every_step_at_once(&runtime.handle(), STEPS, ":tell").await;
     assert!(
         first.iter().all(Result::is_err),
         "every first attempt fails after its tell"
     );
     fail_after_call.store(false, Ordering::SeqCst);
-    let second = attempt_all(runtime.handle()).await;
+    let second = order_every_step_at_once(&runtime.handle(), STEPS, ":tell").await;
     assert!(second.iter().all(Result::is_ok), "{second:?}");
     assert_eq!(count_after_tells(&runtime).await, STEPS, "no step landed twice");
     runtime.shutdown().await;
@@ -282,42 +290,17 @@ async fn concurrent_retried_turns_apply_each_keyed_call_once_multi_thread() {
     let fail_after_call = Arc::new(AtomicBool::new(true));
     let runtime = start(store.clone(), fail_after_call.clone());
     let handle = runtime.handle();
-    let attempt_all = |handle: RuntimeHandle| async move {
-        let tasks: Vec<_> = (0..STEPS)
-            .map(|step| {
-                let handle = handle.clone();
-                tokio::spawn(async move {
-                    handle
-                        .invoke_within(&order(), Bytes::from(step.to_string()), LONG)
-                        .await
-                })
-            })
-            .collect();
-        let mut results = Vec::new();
-        for task in tasks {
-            results.push(task.await.unwrap());
-        }
-        results
-    };
-    let first = attempt_all(handle.clone()).await;
+    let first = order_every_step_at_once(&handle, STEPS, "").await;
     assert!(
         first.iter().all(Result::is_err),
         "every first attempt fails after its call"
     );
     assert_eq!(count(&*store).await, STEPS);
     fail_after_call.store(false, Ordering::SeqCst);
-    let second = attempt_all(handle).await;
+    let second = order_every_step_at_once(&handle, STEPS, "").await;
     let mut replies: Vec<u64> = second
         .into_iter()
-        .map(|reply| {
-            let reply = reply.unwrap();
-            std::str::from_utf8(&reply)
-                .unwrap()
-                .strip_prefix("count=")
-                .unwrap()
-                .parse()
-                .unwrap()
-        })
+        .map(|reply| count_of_reply(&reply.unwrap()))
         .collect();
     replies.sort_unstable();
     assert_eq!(

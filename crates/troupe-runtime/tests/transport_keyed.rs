@@ -31,7 +31,7 @@ const LONG: Duration = Duration::from_secs(10);
 
 #[path = "support/counter.rs"]
 mod counter_actor;
-use counter_actor::{read_count, Counter};
+use counter_actor::{count_of_reply, read_count, Counter};
 
 fn counter(key: &str) -> ActorId {
     ActorId::new("counter", key).unwrap()
@@ -324,13 +324,7 @@ async fn without_a_router_a_routed_keyed_request_runs_here_keyed() {
 async fn count_after_tells(client: &TransportClient, clock: troupe_runtime::Clock, name: &str) -> u64 {
     let context = CallContext::root(clock.deadline_in(LONG));
     let reply = client.invoke(&counter(name), add(), context, None).await.unwrap();
-    let after: u64 = std::str::from_utf8(&reply)
-        .unwrap()
-        .strip_prefix("count=")
-        .unwrap()
-        .parse()
-        .unwrap();
-    after - 1
+    count_of_reply(&reply) - 1
 }
 
 /// Goal: a keyed tell across the transport (`TransportClient::tell_keyed`), sent again

@@ -21,3 +21,14 @@ impl Actor for Counter {
 pub(crate) fn read_count(value: Option<Bytes>) -> u64 {
     value.map_or(0, |bytes| std::str::from_utf8(&bytes).unwrap().parse().unwrap())
 }
+
+/// The count of a counter's reply, `count=<n>`.
+#[allow(dead_code)] // not every test that shares this file reads replies
+pub(crate) fn count_of_reply(reply: &[u8]) -> u64 {
+    std::str::from_utf8(reply)
+        .unwrap()
+        .strip_prefix("count=")
+        .unwrap()
+        .parse()
+        .unwrap()
+}
