@@ -456,6 +456,48 @@ impl ClusterClient {
     }
 }
 
+/// A fire-and-forget message on its way (a client's or a turn's), keyed or not: one
+/// attempt of [`Inner::routed`], sent to the owner's node or delivered here.
+struct Tell<'a> {
+    target: &'a ActorId,
+    key: Option<&'a IdempotencyKey>,
+    payload: Bytes,
+    /// The context the target runs under.
+    context: CallContext,
+}
+
+impl Tell<'_> {
+    /// Sends it over `client` (from `caller`'s turn, if any); the reply is empty.
+    async fn over(self, client: &TransportClient, caller: Option<&ActorId>) -> Result<Bytes, InvokeError> {
+        let Tell {
+            target,
+            key,
+            payload,
+            context,
+        } = self;
+        let told = match key {
+            None => client.tell(target, payload, context, caller).await,
+            Some(key) => client.tell_keyed(target, key, payload, context, caller).await,
+        };
+        told.map(|()| Bytes::new())
+    }
+
+    /// Delivers it on this node's runtime; the reply is empty.
+    async fn here(self, handle: &RuntimeHandle) -> Result<Bytes, InvokeError> {
+        let Tell {
+            target,
+            key,
+            payload,
+            context,
+        } = self;
+        let told = match key {
+            None => handle.tell_for_turn(target, payload, context).await,
+            Some(key) => handle.tell_for_turn_keyed(target, key, payload, context).await,
+        };
+        told.map(|()| Bytes::new())
+    }
+}
+
 /// A turn's call to an actor on another node, as [`Inner::remote_turn_call`] sends it.
 pub(crate) struct RemoteTurnCall<'a> {
     /// The node that owns the target.
@@ -598,28 +640,23 @@ impl Inner {
                                 .await
                         }
                         Origin::RootTell { key } => {
-                            let context = CallContext::root(deadline);
-                            let told = match key {
-                                None => client.tell(target, payload.clone(), context, None).await,
-                                Some(key) => client.tell_keyed(target, key, payload.clone(), context, None).await,
+                            let tell = Tell {
+                                target,
+                                key,
+                                payload: payload.clone(),
+                                context: CallContext::root(deadline),
                             };
-                            told.map(|()| Bytes::new())
+                            tell.over(&client, None).await
                         }
                         Origin::TellFromTurn { caller, context, key } => {
                             inner.counters.turn_tells_forwarded.fetch_add(1, Ordering::Relaxed);
-                            let told = match key {
-                                None => {
-                                    client
-                                        .tell(target, payload.clone(), context.clone(), Some(caller))
-                                        .await
-                                }
-                                Some(key) => {
-                                    client
-                                        .tell_keyed(target, key, payload.clone(), context.clone(), Some(caller))
-                                        .await
-                                }
+                            let tell = Tell {
+                                target,
+                                key,
+                                payload: payload.clone(),
+                                context: context.clone(),
                             };
-                            told.map(|()| Bytes::new())
+                            tell.over(&client, Some(caller)).await
                         }
                     }
                 }
@@ -659,30 +696,24 @@ impl Inner {
                                 .invoke_for_turn_keyed(caller, target, key, payload.clone(), context.clone())
                                 .await
                         }
-                        Origin::RootTell { key: None } => inner
-                            .handle
-                            .tell_for_turn(target, payload.clone(), CallContext::root(deadline))
-                            .await
-                            .map(|()| Bytes::new()),
-                        Origin::RootTell { key: Some(key) } => inner
-                            .handle
-                            .tell_for_turn_keyed(target, key, payload.clone(), CallContext::root(deadline))
-                            .await
-                            .map(|()| Bytes::new()),
-                        Origin::TellFromTurn { context, key: None, .. } => inner
-                            .handle
-                            .tell_for_turn(target, payload.clone(), context.clone())
-                            .await
-                            .map(|()| Bytes::new()),
-                        Origin::TellFromTurn {
-                            context,
-                            key: Some(key),
-                            ..
-                        } => inner
-                            .handle
-                            .tell_for_turn_keyed(target, key, payload.clone(), context.clone())
-                            .await
-                            .map(|()| Bytes::new()),
+                        Origin::RootTell { key } => {
+                            let tell = Tell {
+                                target,
+                                key,
+                                payload: payload.clone(),
+                                context: CallContext::root(deadline),
+                            };
+                            tell.here(&inner.handle).await
+                        }
+                        Origin::TellFromTurn { context, key, .. } => {
+                            let tell = Tell {
+                                target,
+                                key,
+                                payload: payload.clone(),
+                                context: context.clone(),
+                            };
+                            tell.here(&inner.handle).await
+                        }
                     }
                 }
             };
