@@ -228,7 +228,7 @@ impl AgentActor {
                 },
                 ..entry
             };
-            self.append(turn, task, seen, seen_value).await?;
+            self.append(turn, task, Some((seen, seen_value))).await?;
         }
         Ok(encode_reply(&EnqueueReply::Accepted { msg_id: task_id }))
     }

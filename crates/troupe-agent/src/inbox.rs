@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! inbox/{seq:020}     entries to process, oldest first (notifications, tasks, results)
-//! seen/{msg_id}       dedupe marks: one per message ever appended
+//! seen/{msg_id}       dedupe marks: one per message with an id ever appended, but
+//!                     task results (deduplicated by their task record)
 //! tasks_in/{task_id}  → the inbox seq of a task not yet started (for cancel)
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
 //! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
@@ -37,11 +38,13 @@
 //! A: Undeliverable{s}  delete outbox/{s}; a task resolves failed/rejected at A
 //! B: Enqueue    seen? → Duplicate (ack again, no entry) · full? → Full (nothing kept)
 //!               inbox/{n} + seen/{id} (+ tasks_in/{task})  committed, then the ack
+//!               (an id-less message from outside has no mark: nothing can come again)
 //!               self-tell Process{n} under the entry's chain, depth and deadline
 //! B: Process{n} delete inbox/{n}; run the model (a new turn); a task's result or
 //!               failure → outbox/{m} (TaskUpdate to A) + self-tell Relay{m}
 //! A: Enqueue    TaskUpdate: task/{id} already final? → Duplicate; else final state,
-//!               inbox/{k}; A's Process{k} shows the result to A's model, once
+//!               inbox/{k} (no seen/ mark: the record dedupes); A's Process{k} shows
+//!               the result to A's model, once
 //! ```
 //!
 //! Wake-ups are in-memory self-tells; what survives a crash is the store. After a

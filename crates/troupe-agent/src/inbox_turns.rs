@@ -167,11 +167,19 @@ impl AgentActor {
     /// reply (the acknowledgement) leaves only after the commit.
     async fn enqueue(&mut self, turn: &mut Turn, mut entry: InboxEntry) -> Result<Bytes, ActorError> {
         let now = turn.now();
-        if entry.msg_id.is_empty() {
-            // An id-less message (`AgentClient::notify`): the inbox names it, uniquely
-            // for good (its seq is committed with it); there is nothing to dedupe.
+        // Whether the entry needs a dedupe mark (`seen/{msg_id}`), read here and written
+        // with its acceptance. Two kinds need none, so none is read or written for them:
+        // - an id-less message (`AgentClient::notify`): the inbox names it, uniquely for
+        //   good (its seq is committed with it); nothing can come again under that name;
+        // - a final task result: its task record dedupes it (the first final state wins,
+        //   below), as `docs/tla/DelegateInbox.tla` models it. Marks such results wrote
+        //   before are left in place, unread.
+        let marked = if entry.msg_id.is_empty() {
             entry.msg_id = format!("{}.in{}", self.id.key(), self.state.boxes.inbox_next);
-        }
+            false
+        } else {
+            !matches!(&entry.body, InboxBody::TaskUpdate { state, .. } if state.is_final())
+        };
         let kind = entry.body.kind();
         let seen = seen_key(&entry.msg_id);
         let received = |duplicate: bool| AgentEvent::MessageReceived {
@@ -181,7 +189,8 @@ impl AgentActor {
             duplicate,
             at: now,
         };
-        if let Some(first) = turn.get(&seen).await? {
+        let first = if marked { turn.get(&seen).await? } else { None };
+        if let Some(first) = first {
             self.shared.emit(&received(true));
             if matches!(entry.body, InboxBody::External { .. }) {
                 // A resent external task: the id it was given the first time.
@@ -223,7 +232,9 @@ impl AgentActor {
                 let mut record = self.memo.tasks.take(&key, &bytes)?;
                 if record.state.is_final() {
                     self.memo.tasks.keep(key, bytes, record);
-                    turn.put(seen, Bytes::new())?;
+                    if marked {
+                        turn.put(seen, Bytes::new())?; // a non-final update, marked as before
+                    }
                     self.shared.emit(&received(true));
                     return Ok(encode_reply(&EnqueueReply::Duplicate));
                 }
@@ -296,24 +307,26 @@ impl AgentActor {
             record.unprocessed.insert(self.state.boxes.inbox_next); // its inbox seq
             self.memo.pair_in.put(turn, key, record)?;
         }
-        self.append(turn, entry, seen, Bytes::new()).await
+        self.append(turn, entry, marked.then(|| (seen, Bytes::new()))).await
     }
 
     /// Appends `entry` (checked: not seen, room left) to the inbox under the next seq
-    /// and schedules its processing; marks `seen` with `seen_value`.
+    /// and schedules its processing; writes its dedupe mark `seen` (key and value), if
+    /// it has one.
     pub(crate) async fn append(
         &mut self,
         turn: &mut Turn,
         entry: InboxEntry,
-        seen: String,
-        seen_value: Bytes,
+        seen: Option<(String, Bytes)>,
     ) -> Result<Bytes, ActorError> {
         let now = turn.now();
         let seq = self.state.boxes.inbox_next;
         let key = inbox_key(seq);
         let bytes = entry.encode()?;
         turn.put(key.clone(), bytes.clone())?;
-        turn.put(seen, seen_value)?;
+        if let Some((seen, seen_value)) = seen {
+            turn.put(seen, seen_value)?;
+        }
         if let InboxBody::Task { task_id, .. } = &entry.body {
             turn.put(tasks_in_key(task_id), to_json(&seq)?)?;
         }
