@@ -12,10 +12,14 @@
 (*   (MAX_LOSSES) and duplicates (MAX_DUPS deliveries that leave the       *)
 (*   message in flight; attempts themselves are repeated without bound,    *)
 (*   at most MAX_IN_FLIGHT of one entry in flight at once).                *)
-(* - B (durable: Expected, Seen, Inbox) on (e, w): e in Seen -> Duplicate; *)
-(*   else e = Expected \/ (e = w /\ e > Expected) -> append e, Seen, and   *)
-(*   Expected := e + 1 in one commit, then reply Accepted; else            *)
-(*   e < Expected -> Stale; else OutOfOrder (A simply attempts again).     *)
+(* - B (durable: Expected, Skipped, Inbox) on (e, w):                    *)
+(*   e = Expected \/ (e = w /\ e > Expected) -> append e, add the numbers *)
+(*   jumped over (Expected .. e-1) to Skipped and Expected := e + 1 in one *)
+(*   commit, then reply Accepted; else e < Expected -> Stale if e is in    *)
+(*   Skipped, else Duplicate (the order dedupes: every number below        *)
+(*   Expected was taken or skipped, so B keeps no mark per entry; until    *)
+(*   2026-12-01 B kept the set of taken entries and checked it first);     *)
+(*   else OutOfOrder (A simply attempts again).                            *)
 (* - A on Accepted/Duplicate/Stale for e: removes e from Pending. A may    *)
 (*   give up any pending e at any moment (its deadline): removes it from   *)
 (*   Pending while attempts for it may still be in flight.                 *)
@@ -44,14 +48,15 @@ CONSTANTS
     BUG_NO_WATERMARK,       \* B accepts only e = Expected
     BUG_WATERMARK_ANY,      \* B accepts e = Expected \/ (e >= w /\ e > Expected)
     BUG_WATERMARK_BELOW_EXPECTED, \* B accepts e = Expected \/ e = w (no e > Expected)
-    BUG_RETRY_OLD_WATERMARK \* A's retries resend the watermark of e's first attempt
+    BUG_RETRY_OLD_WATERMARK,\* A's retries resend the watermark of e's first attempt
+    BUG_DEDUPE_WITHOUT_SKIPS \* B answers Duplicate to any e < Expected (no Skipped)
 
 ASSUME /\ N \in Nat /\ MAX_LOSSES \in Nat /\ MAX_DUPS \in Nat /\ MAX_CRASHES_B \in Nat
        /\ MAX_IN_FLIGHT \in Nat \ {0}
        /\ LATE_ATTEMPTS \in BOOLEAN
        /\ BUG_NO_ORDER_CHECK \in BOOLEAN /\ BUG_NO_WATERMARK \in BOOLEAN
        /\ BUG_WATERMARK_ANY \in BOOLEAN /\ BUG_WATERMARK_BELOW_EXPECTED \in BOOLEAN
-       /\ BUG_RETRY_OLD_WATERMARK \in BOOLEAN
+       /\ BUG_RETRY_OLD_WATERMARK \in BOOLEAN /\ BUG_DEDUPE_WITHOUT_SKIPS \in BOOLEAN
 
 Entries == 0 .. (N - 1)
 
@@ -62,15 +67,16 @@ VARIABLES
     aFirstW,    \* e -> watermark of e's first attempt (NoW: none yet); set only
                 \* under BUG_RETRY_OLD_WATERMARK, else constant
     bExpected,  \* B's durable next expected pair seq from A
-    bSeen,      \* B's durable set of accepted pair seqs from A
+    bSkipped,   \* B's durable set of pair seqs from A it jumped over (pair_skip/)
+    bSeen,      \* history: the pair seqs B accepted (no longer stored by B)
     bInbox,     \* B's durable inbox: the accepted entries in append order
     net,        \* messages in flight (a set: a delivery consumes its message)
     losses, dups, crashesB
 
-vars == <<aNext, aPending, aGaveUp, aFirstW, bExpected, bSeen, bInbox, net,
+vars == <<aNext, aPending, aGaveUp, aFirstW, bExpected, bSkipped, bSeen, bInbox, net,
           losses, dups, crashesB>>
 aVars == <<aNext, aPending, aGaveUp, aFirstW>>
-bVars == <<bExpected, bSeen, bInbox>>
+bVars == <<bExpected, bSkipped, bSeen, bInbox>>
 
 EntryMsg == [type : {"entry"}, e : Entries, w : 0 .. N]
 ReplyMsg == [type : {"Accepted", "Duplicate", "Stale"}, e : Entries]
@@ -91,6 +97,7 @@ Init ==
     /\ aGaveUp = {}
     /\ aFirstW = [e \in Entries |-> NoW]
     /\ bExpected = 0
+    /\ bSkipped = {}
     /\ bSeen = {}
     /\ bInbox = << >>
     /\ net = {}
@@ -135,23 +142,25 @@ Accepts(e, w) ==
     ELSE IF BUG_WATERMARK_BELOW_EXPECTED THEN e = bExpected \/ e = w
     ELSE e = bExpected \/ (e = w /\ e > bExpected)
 
-\* B's commit of an accepted entry.
+\* B's commit of an accepted entry (with the numbers it jumps over, if any).
 AcceptCommit(e) ==
     /\ bInbox' = Append(bInbox, e)
+    /\ bSkipped' = bSkipped \cup {d \in Entries : bExpected <= d /\ d < e}
     /\ bSeen' = bSeen \cup {e}
     /\ bExpected' = e + 1
+
+\* B's answer to an entry below Expected: it was skipped, or else taken before.
+Skipped(e) == e \in bSkipped /\ ~BUG_DEDUPE_WITHOUT_SKIPS
 
 \* B's answer to (e, w) and its commit (the reply leaves after the commit).
 \* OutOfOrder replies are not modelled: A attempts again in any case.
 Handle(m, rest) ==
-    IF m.e \in bSeen
-    THEN /\ net' = rest \cup {[type |-> "Duplicate", e |-> m.e]}
-         /\ UNCHANGED bVars
-    ELSE IF Accepts(m.e, m.w)
+    IF Accepts(m.e, m.w)
     THEN /\ AcceptCommit(m.e)
          /\ net' = rest \cup {[type |-> "Accepted", e |-> m.e]}
     ELSE IF m.e < bExpected
-    THEN /\ net' = rest \cup {[type |-> "Stale", e |-> m.e]}
+    THEN /\ net' = rest \cup {[type |-> IF Skipped(m.e) THEN "Stale" ELSE "Duplicate",
+                                 e |-> m.e]}
          /\ UNCHANGED bVars
     ELSE /\ net' = rest      \* OutOfOrder
          /\ UNCHANGED bVars
@@ -178,7 +187,6 @@ ReceiveThenCrash(m) ==
     /\ crashesB < MAX_CRASHES_B
     /\ m \in net
     /\ m.type = "entry"
-    /\ m.e \notin bSeen
     /\ Accepts(m.e, m.w)
     /\ AcceptCommit(m.e)
     /\ net' = net \ {m}
@@ -231,10 +239,21 @@ TypeOK ==
     /\ aPending \subseteq Entries /\ aGaveUp \subseteq Entries
     /\ aFirstW \in [Entries -> 0 .. NoW]
     /\ bExpected \in 0 .. N
-    /\ bSeen \subseteq Entries
+    /\ bSkipped \subseteq Entries /\ bSeen \subseteq Entries
     /\ bInbox \in Seq(Entries)
     /\ net \subseteq Msg
     /\ losses \in 0 .. MAX_LOSSES /\ dups \in 0 .. MAX_DUPS /\ crashesB \in 0 .. MAX_CRASHES_B
+
+\* Why B needs no mark per entry: every number below Expected was taken (appended)
+\* or skipped, never both.
+TakenOrSkipped ==
+    /\ \A d \in Entries : d < bExpected <=> (d \in bSeen \/ d \in bSkipped)
+    /\ bSeen \cap bSkipped = {}
+
+\* B answers Duplicate only about an entry it appended: A takes Duplicate as
+\* delivered, so a Duplicate for an entry never appended would lose it silently.
+DuplicateOnlyForTaken ==
+    \A m \in net : m.type = "Duplicate" => m.e \in bSeen
 
 \* Entries from A are appended at B in the order A sent them.
 InOrderPerPair ==

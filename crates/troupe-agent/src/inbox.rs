@@ -6,13 +6,15 @@
 //! ```text
 //! inbox/{seq:020}     entries to process, oldest first (notifications, tasks, results)
 //! seen/{msg_id}       dedupe marks: one per message with an id ever appended, but
-//!                     task results (deduplicated by their task record)
+//!                     task results (deduplicated by their task record) and agents'
+//!                     notifications to agents (by their order: `PairSkipped`)
 //! tasks_in/{task_id}  → the inbox seq of a task not yet started (for cancel)
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
 //! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
 //! pair_out/{target}   the order of its notifications and tasks to target (`PairOut`)
 //! pair_in/{sender}    the next ordered entry expected from sender, and the inbox seqs
 //!                     of those not yet processed (`PairIn`, see `PairSeq`)
+//! pair_skip/{sender}  the ordered entries from sender skipped past (`PairSkipped`)
 //! task/{task_id}      the delegator's record of a task it delegated (A2A state)
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
 //! ext_id/{task_id}    → the seq of that record
@@ -241,8 +243,11 @@ pub(crate) struct InboxEntry {
 ///              Enqueue{entry, pair: {seq, low}} ──► B
 /// B: Enqueue   expected = pair_in/{A}.expected (0 if none)
 ///              seq == expected, or seq == low > expected   → accept; expected = seq + 1,
-///                          unprocessed += {inbox seq}       (committed with the entry)
-///              seq < expected (it was given up, and a later one went in) → Stale (A drops it)
+///                          unprocessed += {inbox seq}       (committed with the entry;
+///                          past a gap, pair_skip/{A} += [expected, seq) too)
+///              seq < expected: skipped (pair_skip/{A}: it was given up, and a later one
+///                          went in) → Stale (A drops it); else taken before → Duplicate
+///                          (the order dedupes: no seen/ mark is read or written for it)
 ///              otherwise (an earlier one is still on its way)  → OutOfOrder (retried)
 /// A: Delivered / Undeliverable{seq}   pending -= {seq}       committed with the outbox delete
 /// B: Process{n}  an earlier inbox seq of A's in unprocessed? → tell Process{it}, then
@@ -273,6 +278,44 @@ pub(crate) struct PairIn {
     /// processed only when none before it is left (a processing turn that failed, or
     /// whose wake-up expired, leaves its entry to the next resume: the later ones wait).
     pub(crate) unprocessed: std::collections::BTreeSet<u64>,
+}
+
+/// The numbers a receiver skipped among one sender's ordered entries
+/// (`pair_skip/{sender key}`, JSON: written only when an entry is taken past a gap, read
+/// only when an entry below the next expected number comes again). Every number below
+/// [`PairIn::expected`] was either taken or skipped, so the order dedupes ordered
+/// entries without a mark each: one that comes again was taken (`Duplicate`) unless it
+/// is here (`Stale`). Holds one range per gap, adjacent ranges merged.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PairSkipped {
+    /// Half-open ranges `[start, end)`, in order, disjoint and not adjacent.
+    pub(crate) ranges: Vec<(u64, u64)>,
+}
+
+impl PairSkipped {
+    /// Whether `seq` was skipped.
+    pub(crate) fn contains(&self, seq: u64) -> bool {
+        self.ranges.iter().any(|&(start, end)| start <= seq && seq < end)
+    }
+
+    /// Adds `skipped`, merging it with a range it touches. Gaps come in order (each
+    /// starts at the number expected then, above every earlier one), so a new range
+    /// extends the last or follows it.
+    pub(crate) fn add(&mut self, skipped: std::ops::Range<u64>) {
+        if skipped.is_empty() {
+            return;
+        }
+        match self.ranges.last_mut() {
+            Some(last) if last.1 >= skipped.start && last.0 <= skipped.end => {
+                last.0 = last.0.min(skipped.start);
+                last.1 = last.1.max(skipped.end);
+            }
+            _ => {
+                self.ranges.push((skipped.start, skipped.end));
+                self.ranges.sort_unstable();
+            }
+        }
+    }
 }
 
 /// A sender's record of its ordered entries to one target (`pair_out/{target key}`).
@@ -500,6 +543,11 @@ pub(crate) fn pair_out_key(target: &ActorId) -> String {
 /// The receiver's next expected [`PairSeq::seq`] from `sender`.
 pub(crate) fn pair_in_key(sender: &ActorId) -> String {
     format!("pair_in/{}", sender.key())
+}
+
+/// The receiver's skipped numbers from `sender` ([`PairSkipped`]).
+pub(crate) fn pair_skip_key(sender: &ActorId) -> String {
+    format!("pair_skip/{}", sender.key())
 }
 
 /// The seq at the end of an `inbox/` or `outbox/` key.

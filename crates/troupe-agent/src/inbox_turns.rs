@@ -13,10 +13,10 @@ use troupe_runtime::{ActorError, Turn};
 
 use crate::agent::{agent_id, AgentActor, Conversation};
 use crate::inbox::{
-    canceled_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key, pair_out_key, seen_key,
-    seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry,
-    InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME,
-    NOTIFY_TOOL_NAME,
+    canceled_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key, pair_out_key,
+    pair_skip_key, seen_key, seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply,
+    InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PairSkipped, PendingSends, Record,
+    SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY,
@@ -167,18 +167,28 @@ impl AgentActor {
     /// reply (the acknowledgement) leaves only after the commit.
     async fn enqueue(&mut self, turn: &mut Turn, mut entry: InboxEntry) -> Result<Bytes, ActorError> {
         let now = turn.now();
-        // Whether the entry needs a dedupe mark (`seen/{msg_id}`), read here and written
-        // with its acceptance. Two kinds need none, so none is read or written for them:
+        // How the entry is deduplicated. A dedupe mark (`seen/{msg_id}`) is read here and
+        // written with the entry's acceptance, except for three kinds:
         // - an id-less message (`AgentClient::notify`): the inbox names it, uniquely for
         //   good (its seq is committed with it); nothing can come again under that name;
         // - a final task result: its task record dedupes it (the first final state wins,
-        //   below), as `docs/tla/DelegateInbox.tla` models it. Marks such results wrote
-        //   before are left in place, unread.
-        let marked = if entry.msg_id.is_empty() {
+        //   below), as `docs/tla/DelegateInbox.tla` models it;
+        // - an ordered entry (an agent's notification or task to an agent, with its
+        //   place in its sender's order, `PairSeq`): the order dedupes it. Every number below the
+        //   one expected next was either taken or skipped (`PairSkipped`), so one of
+        //   them that comes again was taken, unless it was skipped (`PairOrder.tla`).
+        //   A task still writes its mark, unread here: a cancellation that comes after
+        //   it looks for it (below).
+        // Marks written before for such entries are left in place, unread.
+        let ordered = entry.pair.is_some() && entry.from.is_some();
+        let (reads_mark, writes_mark) = if entry.msg_id.is_empty() {
             entry.msg_id = format!("{}.in{}", self.id.key(), self.state.boxes.inbox_next);
-            false
+            (false, false)
+        } else if ordered {
+            (false, matches!(entry.body, InboxBody::Task { .. }))
         } else {
-            !matches!(&entry.body, InboxBody::TaskUpdate { state, .. } if state.is_final())
+            let marked = !matches!(&entry.body, InboxBody::TaskUpdate { state, .. } if state.is_final());
+            (marked, marked)
         };
         let kind = entry.body.kind();
         let seen = seen_key(&entry.msg_id);
@@ -189,7 +199,7 @@ impl AgentActor {
             duplicate,
             at: now,
         };
-        let first = if marked { turn.get(&seen).await? } else { None };
+        let first = if reads_mark { turn.get(&seen).await? } else { None };
         if let Some(first) = first {
             self.shared.emit(&received(true));
             if matches!(entry.body, InboxBody::External { .. }) {
@@ -214,9 +224,21 @@ impl AgentActor {
             let expected = record.expected;
             if pair.seq == expected || (pair.seq == pair.low && pair.seq > expected) {
                 record.expected = pair.seq + 1;
-                order = Some((key, record));
+                // Past a gap: the numbers jumped over were given up by the sender.
+                let skipped = (pair.seq > expected).then_some(expected..pair.seq);
+                order = Some((from.clone(), key, record, skipped));
             } else if pair.seq < expected {
-                return Ok(encode_reply(&EnqueueReply::Stale { expected }));
+                // Taken before, or skipped: it comes again (a redelivery, or an attempt
+                // sent before the sender gave it up).
+                let skipped: PairSkipped = match turn.get(&pair_skip_key(from)).await? {
+                    Some(bytes) => from_json(&pair_skip_key(from), &bytes)?,
+                    None => PairSkipped::default(),
+                };
+                if skipped.contains(pair.seq) {
+                    return Ok(encode_reply(&EnqueueReply::Stale { expected }));
+                }
+                self.shared.emit(&received(true));
+                return Ok(encode_reply(&EnqueueReply::Duplicate));
             } else {
                 return Ok(encode_reply(&EnqueueReply::OutOfOrder { expected }));
             }
@@ -232,7 +254,7 @@ impl AgentActor {
                 let mut record = self.memo.tasks.take(&key, &bytes)?;
                 if record.state.is_final() {
                     self.memo.tasks.keep(key, bytes, record);
-                    if marked {
+                    if writes_mark {
                         turn.put(seen, Bytes::new())?; // a non-final update, marked as before
                     }
                     self.shared.emit(&received(true));
@@ -283,8 +305,9 @@ impl AgentActor {
             InboxBody::Task { task_id, .. } if turn.get(&canceled_key(task_id)).await?.is_some() => {
                 turn.delete(canceled_key(task_id))?;
                 turn.put(seen, Bytes::new())?;
-                if let Some((key, record)) = order {
+                if let Some((from, key, record, skipped)) = order {
                     self.memo.pair_in.put(turn, key, record)?;
+                    record_skipped(turn, &from, skipped).await?;
                 }
                 self.shared.emit(&received(false));
                 self.report_canceled_before_start(turn, &entry, task_id).await?;
@@ -303,11 +326,13 @@ impl AgentActor {
                 }
             }
         }
-        if let Some((key, mut record)) = order {
+        if let Some((from, key, mut record, skipped)) = order {
             record.unprocessed.insert(self.state.boxes.inbox_next); // its inbox seq
             self.memo.pair_in.put(turn, key, record)?;
+            record_skipped(turn, &from, skipped).await?;
         }
-        self.append(turn, entry, marked.then(|| (seen, Bytes::new()))).await
+        self.append(turn, entry, writes_mark.then(|| (seen, Bytes::new())))
+            .await
     }
 
     /// Appends `entry` (checked: not seen, room left) to the inbox under the next seq
@@ -1031,6 +1056,26 @@ pub struct SendArguments {
     pub timeout_ms: Option<u64>,
 }
 
+/// Adds the numbers `skipped` (jumped over by an ordered entry from `from` taken
+/// past a gap) to `from`'s skipped numbers, in this turn's commit.
+async fn record_skipped(
+    turn: &mut Turn,
+    from: &ActorId,
+    skipped: Option<std::ops::Range<u64>>,
+) -> Result<(), ActorError> {
+    let Some(skipped) = skipped else {
+        return Ok(());
+    };
+    let key = pair_skip_key(from);
+    let mut record: PairSkipped = match turn.get(&key).await? {
+        Some(bytes) => from_json(&key, &bytes)?,
+        None => PairSkipped::default(),
+    };
+    record.add(skipped);
+    turn.put(key, to_json(&record)?)?;
+    Ok(())
+}
+
 /// The `delegate_to_agent` tool, registered for every agent.
 pub(crate) fn delegate_tool() -> Tool {
     Tool::typed::<SendArguments, _, _>(
@@ -1300,3 +1345,7 @@ async fn report(
 
 /// How often a delivery task tries to report its outcome to the sender.
 const REPORT_ATTEMPTS: u32 = 10;
+
+#[cfg(test)]
+#[path = "inbox_order_tests.rs"]
+mod order_tests;

@@ -1,0 +1,123 @@
+//! The order dedupes ordered entries: tests that send an agent's actor crafted
+//! `Enqueue`s (the places in an order a delivery could bring, in any order).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use troupe_core::{ActorId, CallContext};
+use troupe_runtime::{MemoryStore, StateStore};
+
+use crate::agent::agent_id;
+use crate::inbox::{
+    decode_reply, pair_skip_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, PairSeq, PairSkipped,
+};
+use crate::{AgentSpec, AgentSystem, Budget, ScriptRule, ScriptedLlm};
+
+/// Sends `b` the notification with place `seq` (and watermark `low`) in `a`'s order.
+async fn enqueue(system: &AgentSystem, a: &ActorId, b: &ActorId, seq: u64, low: u64) -> EnqueueReply {
+    let runtime = system.runtime();
+    let entry = InboxEntry {
+        msg_id: format!("a.{seq}"),
+        from: Some(a.clone()),
+        body: InboxBody::Notify {
+            text: format!("note {seq}"),
+        },
+        context: CallContext::root(runtime.deadline_in(Duration::from_secs(30))),
+        budget: Budget::UNLIMITED,
+        pair: Some(PairSeq { seq, low }),
+    };
+    let reply = runtime
+        .invoke_within(b, AgentCommand::Enqueue(entry).encode(), Duration::from_secs(5))
+        .await
+        .expect("b answers");
+    decode_reply(&reply).expect("an enqueue reply")
+}
+
+fn accepted(seq: u64) -> EnqueueReply {
+    EnqueueReply::Accepted {
+        msg_id: format!("a.{seq}"),
+    }
+}
+
+/// Goal: an ordered entry that comes again is `Duplicate` if it was taken and `Stale`
+/// if it was skipped (its sender gave it up and a later one went in), with no dedupe
+/// mark written or read, also after the receiver was deactivated (the skipped numbers
+/// are stored); each taken entry is processed once.
+#[tokio::test(start_paused = true)]
+async fn ordered_entries_are_deduplicated_by_their_order_without_a_mark() {
+    let store = Arc::new(MemoryStore::new());
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("b").on_user_containing("note").reply("noted"));
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let (a, b) = (agent_id("a").unwrap(), agent_id("b").unwrap());
+    assert_eq!(enqueue(&system, &a, &b, 0, 0).await, accepted(0));
+    assert_eq!(enqueue(&system, &a, &b, 0, 0).await, EnqueueReply::Duplicate);
+    // 1 and 2 given up by a: 3 is its lowest pending entry.
+    assert_eq!(enqueue(&system, &a, &b, 3, 3).await, accepted(3));
+    assert_eq!(
+        enqueue(&system, &a, &b, 1, 1).await,
+        EnqueueReply::Stale { expected: 4 }
+    );
+    assert_eq!(
+        enqueue(&system, &a, &b, 2, 1).await,
+        EnqueueReply::Stale { expected: 4 }
+    );
+    assert_eq!(enqueue(&system, &a, &b, 3, 3).await, EnqueueReply::Duplicate);
+    assert_eq!(
+        enqueue(&system, &a, &b, 5, 4).await,
+        EnqueueReply::OutOfOrder { expected: 4 }
+    );
+    assert_eq!(enqueue(&system, &a, &b, 4, 4).await, accepted(4));
+    // 5 and 6 given up: their range is stored apart from 1 and 2's.
+    assert_eq!(enqueue(&system, &a, &b, 7, 7).await, accepted(7));
+    assert!(system.runtime().deactivate(&b).await.unwrap(), "b was active");
+    assert_eq!(
+        enqueue(&system, &a, &b, 2, 2).await,
+        EnqueueReply::Stale { expected: 8 }
+    );
+    assert_eq!(
+        enqueue(&system, &a, &b, 6, 5).await,
+        EnqueueReply::Stale { expected: 8 }
+    );
+    for taken in [0, 3, 4, 7] {
+        assert_eq!(enqueue(&system, &a, &b, taken, taken).await, EnqueueReply::Duplicate);
+    }
+    let marks = store.scan(&b, "seen/", None, 100).await.unwrap();
+    assert!(marks.is_empty(), "no dedupe marks: {marks:?}");
+    let skipped = store.get(&b, &pair_skip_key(&a)).await.unwrap().expect("stored");
+    let skipped: PairSkipped = serde_json::from_slice(&skipped).unwrap();
+    assert_eq!(skipped.ranges, [(1, 3), (5, 7)]);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let log = system.conversation_log("b").await.unwrap();
+    for seq in [0, 3, 4, 7] {
+        let note = format!("note {seq}");
+        let times = log.iter().filter(|message| message.content.contains(&note)).count();
+        assert_eq!(times, 1, "{note} processed once: {log:?}");
+    }
+    for seq in [1, 2, 5, 6] {
+        let note = format!("note {seq}");
+        assert!(
+            !log.iter().any(|message| message.content.contains(&note)),
+            "{note} never taken"
+        );
+    }
+    system.shutdown().await;
+}
+
+/// Goal: skipped ranges merge when they touch, and a number is skipped only inside one.
+#[test]
+fn skipped_ranges_merge_when_they_touch() {
+    let mut skipped = PairSkipped::default();
+    skipped.add(2..4);
+    skipped.add(4..6);
+    skipped.add(7..7);
+    skipped.add(9..10);
+    assert_eq!(skipped.ranges, [(2, 6), (9, 10)]);
+    let inside: Vec<u64> = (0..12).filter(|seq| skipped.contains(*seq)).collect();
+    assert_eq!(inside, [2, 3, 4, 5, 9]);
+}
