@@ -7,7 +7,7 @@
 //! inbox/{seq:020}     entries to process, oldest first (notifications, tasks, results)
 //! seen/{msg_id}       dedupe marks: one per message with an id ever appended, but
 //!                     task results (deduplicated by their task record) and agents'
-//!                     notifications to agents (by their order: `PairSkipped`)
+//!                     notifications and tasks to agents (by their order: `PairSkipped`)
 //! tasks_in/{task_id}  → the inbox seq of a task not yet started (for cancel)
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
 //! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)

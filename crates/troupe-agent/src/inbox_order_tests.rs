@@ -15,16 +15,29 @@ use crate::{AgentSpec, AgentSystem, Budget, ScriptRule, ScriptedLlm};
 
 /// Sends `b` the notification with place `seq` (and watermark `low`) in `a`'s order.
 async fn enqueue(system: &AgentSystem, a: &ActorId, b: &ActorId, seq: u64, low: u64) -> EnqueueReply {
+    let body = InboxBody::Notify {
+        text: format!("note {seq}"),
+    };
+    send(system, a, b, format!("a.{seq}"), body, Some(PairSeq { seq, low })).await
+}
+
+/// Sends `b` an entry from `a`.
+async fn send(
+    system: &AgentSystem,
+    a: &ActorId,
+    b: &ActorId,
+    msg_id: String,
+    body: InboxBody,
+    pair: Option<PairSeq>,
+) -> EnqueueReply {
     let runtime = system.runtime();
     let entry = InboxEntry {
-        msg_id: format!("a.{seq}"),
+        msg_id,
         from: Some(a.clone()),
-        body: InboxBody::Notify {
-            text: format!("note {seq}"),
-        },
+        body,
         context: CallContext::root(runtime.deadline_in(Duration::from_secs(30))),
         budget: Budget::UNLIMITED,
-        pair: Some(PairSeq { seq, low }),
+        pair,
     };
     let reply = runtime
         .invoke_within(b, AgentCommand::Enqueue(entry).encode(), Duration::from_secs(5))
@@ -106,6 +119,53 @@ async fn ordered_entries_are_deduplicated_by_their_order_without_a_mark() {
             "{note} never taken"
         );
     }
+    system.shutdown().await;
+}
+
+/// Goal: a task deduplicated by its order keeps no mark; a cancellation that arrives
+/// after the task was worked leaves it worked once, and the task sent again is a
+/// `Duplicate`, not canceled (the tombstone the cancellation leaves, not knowing the
+/// task came, is never taken: docs/architecture.md, "The order dedupes").
+#[tokio::test(start_paused = true)]
+async fn a_cancellation_after_its_task_was_worked_changes_nothing() {
+    let store = Arc::new(MemoryStore::new());
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("b").on_user_containing("crunch").reply("crunched"))
+        .rule(ScriptRule::agent("a").on_user_containing("task").reply("seen"));
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let (a, b) = (agent_id("a").unwrap(), agent_id("b").unwrap());
+    let task = || InboxBody::Task {
+        task_id: "a.0".to_string(),
+        text: "crunch it".to_string(),
+    };
+    let first = send(&system, &a, &b, "a.0".into(), task(), Some(PairSeq { seq: 0, low: 0 })).await;
+    assert_eq!(first, EnqueueReply::Accepted { msg_id: "a.0".into() });
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let cancel = InboxBody::Cancel {
+        task_id: "a.0".to_string(),
+    };
+    let canceled = send(&system, &a, &b, "a.1".into(), cancel, None).await;
+    assert_eq!(canceled, EnqueueReply::Accepted { msg_id: "a.1".into() });
+    let again = send(&system, &a, &b, "a.0".into(), task(), Some(PairSeq { seq: 0, low: 0 })).await;
+    assert_eq!(again, EnqueueReply::Duplicate);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let log = system.conversation_log("b").await.unwrap();
+    let worked = log
+        .iter()
+        .filter(|message| message.content.contains("crunch it"))
+        .count();
+    assert_eq!(worked, 1, "the task worked once: {log:?}");
+    assert!(
+        store.get(&b, "seen/a.0").await.unwrap().is_none(),
+        "no mark for the task"
+    );
+    assert_eq!(system.pending("b").await.unwrap(), (0, 0));
     system.shutdown().await;
 }
 

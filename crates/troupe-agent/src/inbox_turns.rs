@@ -177,15 +177,13 @@ impl AgentActor {
         //   place in its sender's order, `PairSeq`): the order dedupes it. Every number below the
         //   one expected next was either taken or skipped (`PairSkipped`), so one of
         //   them that comes again was taken, unless it was skipped (`PairOrder.tla`).
-        //   A task still writes its mark, unread here: a cancellation that comes after
-        //   it looks for it (below).
         // Marks written before for such entries are left in place, unread.
         let ordered = entry.pair.is_some() && entry.from.is_some();
         let (reads_mark, writes_mark) = if entry.msg_id.is_empty() {
             entry.msg_id = format!("{}.in{}", self.id.key(), self.state.boxes.inbox_next);
             (false, false)
         } else if ordered {
-            (false, matches!(entry.body, InboxBody::Task { .. }))
+            (false, false)
         } else {
             let marked = !matches!(&entry.body, InboxBody::TaskUpdate { state, .. } if state.is_final());
             (marked, marked)
@@ -283,6 +281,10 @@ impl AgentActor {
                 let Some(bytes) = turn.get(&index).await? else {
                     // Not here yet (the cancellation overtook the task), or done: a
                     // tombstone makes a task arriving later resolve canceled at once.
+                    // A task is known to have come only by a mark from before tasks
+                    // were deduplicated by their order; since, a cancellation that
+                    // comes after its task started leaves a tombstone nothing takes
+                    // (one small key per such cancellation, against one mark per task).
                     if turn.get(&seen_key(task_id)).await?.is_none() {
                         turn.put(canceled_key(task_id), Bytes::new())?;
                     }

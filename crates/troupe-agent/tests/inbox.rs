@@ -230,11 +230,12 @@ async fn a_delegated_task_round_trips_in_sqlite() {
     delegate_round_trip(Arc::new(store)).await;
 }
 
-/// Goal: a dedupe mark (`seen/`) is kept only for a message that can come again under
-/// its id: a delegated task and a notification with an id get one at their receiver; a
-/// task's result (deduplicated by its task record) and an id-less notification get none.
+/// Goal: a dedupe mark (`seen/`) is kept only for a message that needs one to be known
+/// again: a notification with an id from outside gets one; a delegated task (its place
+/// in the pair's order dedupes it), a task's result (its task record) and an id-less
+/// notification get none.
 #[tokio::test(start_paused = true)]
-async fn dedupe_marks_are_kept_only_for_messages_that_can_come_again() {
+async fn dedupe_marks_are_kept_only_where_nothing_else_dedupes() {
     let store = Arc::new(MemoryStore::new());
     let llm = delegation_script();
     let recorder = CallRecorder::new();
@@ -258,7 +259,7 @@ async fn dedupe_marks_are_kept_only_for_messages_that_can_come_again() {
             found.into_iter().map(|(key, _)| key).collect::<Vec<_>>()
         }
     };
-    assert_eq!(marks("analyst").await, ["seen/coordinator.0", "seen/m-1"]);
+    assert_eq!(marks("analyst").await, ["seen/m-1"]);
     assert_eq!(marks("coordinator").await, Vec::<String>::new());
     system.shutdown().await;
 }
@@ -514,7 +515,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
     // a turn's messages are one log entry, keyed by its last message.
     let expected = [
         "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0",
-        "analyst: inbox/0 pair_in/coordinator seen/coordinator.0 tasks_in/coordinator.0",
+        "analyst: inbox/0 pair_in/coordinator tasks_in/coordinator.0",
         "analyst: -inbox/0 log/1 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
         "coordinator: -outbox/0 pair_out/analyst",
         "coordinator: inbox/0 task/coordinator.0",
@@ -538,7 +539,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
         let note_first = [
             "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0",
             "analyst: inbox/0 seen/n-1",
-            "analyst: inbox/1 pair_in/coordinator seen/coordinator.0 tasks_in/coordinator.0",
+            "analyst: inbox/1 pair_in/coordinator tasks_in/coordinator.0",
             "analyst: -inbox/0 log/1",
             "analyst: -inbox/1 log/3 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
             "coordinator: -outbox/0 pair_out/analyst",
