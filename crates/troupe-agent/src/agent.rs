@@ -46,7 +46,9 @@ pub(crate) use shared::{AgentShared, MentionDelivery, RecordQueued};
 pub use spec::{
     agent_id, AgentCatalog, AgentDirectory, AgentSpec, AgentSpecError, ContextWindow, ModelSettings, AGENT_KIND,
 };
-pub(crate) use state::{close_log_entry, decode_log_entry, log_key, seq_key, window_messages, AgentState, SavedAgent};
+pub(crate) use state::{
+    close_log_entry, decode_log_entry, log_key, seq_key, window_messages, AgentState, BoxCounters, SavedAgent,
+};
 pub(crate) use turn_loop::Conversation;
 pub use wire::{AgentReply, AgentRequest};
 

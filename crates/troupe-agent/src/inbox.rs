@@ -5,7 +5,9 @@
 //!
 //! ```text
 //! inbox/{seq:020}     entries to process, oldest first (notifications, tasks, results)
-//! seen/{msg_id}       dedupe marks: one per message with an id ever appended, but
+//! seen/{msg_id}       dedupe marks of the newest AGENT_SEEN_MARKS_KEPT_MAX messages
+//!                     with an id (seen_slot/{n} → the mark in slot n; external
+//!                     tasks' marks are kept until forgotten), but
 //!                     task results (deduplicated by their task record) and agents'
 //!                     notifications and tasks to agents (by their order: `PairSkipped`)
 //! tasks_in/{task_id}  → the inbox seq of a task not yet started (for cancel)
@@ -543,6 +545,11 @@ pub(crate) fn pair_out_key(target: &ActorId) -> String {
 /// The receiver's next expected [`PairSeq::seq`] from `sender`.
 pub(crate) fn pair_in_key(sender: &ActorId) -> String {
     format!("pair_in/{}", sender.key())
+}
+
+/// Slot `slot` of the window of kept dedupe marks: the key of the mark it holds.
+pub(crate) fn seen_slot_key(slot: u64) -> String {
+    format!("seen_slot/{slot}")
 }
 
 /// The receiver's skipped numbers from `sender` ([`PairSkipped`]).

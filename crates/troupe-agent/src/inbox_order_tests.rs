@@ -11,6 +11,7 @@ use crate::agent::agent_id;
 use crate::inbox::{
     decode_reply, pair_skip_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, PairSeq, PairSkipped,
 };
+use crate::limits::AGENT_SEEN_MARKS_KEPT_MAX;
 use crate::{AgentSpec, AgentSystem, Budget, ScriptRule, ScriptedLlm};
 
 /// Sends `b` the notification with place `seq` (and watermark `low`) in `a`'s order.
@@ -166,6 +167,53 @@ async fn a_cancellation_after_its_task_was_worked_changes_nothing() {
         "no mark for the task"
     );
     assert_eq!(system.pending("b").await.unwrap(), (0, 0));
+    system.shutdown().await;
+}
+
+/// Goal: an agent keeps the dedupe marks of the newest [`AGENT_SEEN_MARKS_KEPT_MAX`]
+/// messages that need one, no more: a copy of one of those is `Duplicate`, a copy of an
+/// older one is taken again. Method: cancellations (each needs a mark, and none runs a
+/// model turn) for tasks that never came.
+#[tokio::test(start_paused = true)]
+async fn an_agent_keeps_the_marks_of_its_newest_marked_messages_only() {
+    let store = Arc::new(MemoryStore::new());
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(ScriptedLlm::new()))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let (a, b) = (agent_id("a").unwrap(), agent_id("b").unwrap());
+    let (running, a, b) = (&system, &a, &b);
+    let cancel = |n: u64| async move {
+        let body = InboxBody::Cancel {
+            task_id: format!("gone.{n}"),
+        };
+        send(running, a, b, format!("c-{n}"), body, None).await
+    };
+    let over = 10;
+    for n in 0..AGENT_SEEN_MARKS_KEPT_MAX + over {
+        assert_eq!(
+            cancel(n).await,
+            EnqueueReply::Accepted {
+                msg_id: format!("c-{n}")
+            }
+        );
+    }
+    let limit = usize::try_from(AGENT_SEEN_MARKS_KEPT_MAX).unwrap() + 10;
+    let marks = store.scan(b, "seen/", None, limit).await.unwrap();
+    assert_eq!(marks.len(), usize::try_from(AGENT_SEEN_MARKS_KEPT_MAX).unwrap());
+    let newest = AGENT_SEEN_MARKS_KEPT_MAX + over - 1;
+    assert_eq!(cancel(newest).await, EnqueueReply::Duplicate);
+    assert_eq!(cancel(over).await, EnqueueReply::Duplicate, "the oldest kept");
+    assert_eq!(
+        cancel(over - 1).await,
+        EnqueueReply::Accepted {
+            msg_id: format!("c-{}", over - 1)
+        },
+        "the newest one let go is taken again"
+    );
     system.shutdown().await;
 }
 

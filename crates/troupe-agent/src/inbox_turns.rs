@@ -11,17 +11,17 @@ use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, CallContext, CallRefused, InvokeError};
 use troupe_runtime::{ActorError, Turn};
 
-use crate::agent::{agent_id, AgentActor, Conversation};
+use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation};
 use crate::inbox::{
     canceled_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key, pair_out_key,
-    pair_skip_key, seen_key, seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand, EnqueueReply,
-    InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PairSkipped, PendingSends, Record,
-    SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+    pair_skip_key, seen_key, seen_slot_key, seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand,
+    EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PairSkipped, PendingSends,
+    Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY,
     AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
-    AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_SEEN_MARKS_KEPT_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -253,7 +253,7 @@ impl AgentActor {
                 if record.state.is_final() {
                     self.memo.tasks.keep(key, bytes, record);
                     if writes_mark {
-                        turn.put(seen, Bytes::new())?; // a non-final update, marked as before
+                        mark_seen(turn, &mut self.state.boxes, seen).await?; // a non-final update
                     }
                     self.shared.emit(&received(true));
                     return Ok(encode_reply(&EnqueueReply::Duplicate));
@@ -275,7 +275,7 @@ impl AgentActor {
                 self.memo.tasks.put(turn, key, record)?;
             }
             InboxBody::Cancel { task_id } => {
-                turn.put(seen, Bytes::new())?;
+                mark_seen(turn, &mut self.state.boxes, seen).await?;
                 self.shared.emit(&received(false));
                 let index = tasks_in_key(task_id);
                 let Some(bytes) = turn.get(&index).await? else {
@@ -306,7 +306,9 @@ impl AgentActor {
             }
             InboxBody::Task { task_id, .. } if turn.get(&canceled_key(task_id)).await?.is_some() => {
                 turn.delete(canceled_key(task_id))?;
-                turn.put(seen, Bytes::new())?;
+                if writes_mark {
+                    mark_seen(turn, &mut self.state.boxes, seen).await?; // a task from before the order
+                }
                 if let Some((from, key, record, skipped)) = order {
                     self.memo.pair_in.put(turn, key, record)?;
                     record_skipped(turn, &from, skipped).await?;
@@ -333,8 +335,10 @@ impl AgentActor {
             self.memo.pair_in.put(turn, key, record)?;
             record_skipped(turn, &from, skipped).await?;
         }
-        self.append(turn, entry, writes_mark.then(|| (seen, Bytes::new())))
-            .await
+        if writes_mark {
+            mark_seen(turn, &mut self.state.boxes, seen).await?;
+        }
+        self.append(turn, entry, None).await
     }
 
     /// Appends `entry` (checked: not seen, room left) to the inbox under the next seq
@@ -1056,6 +1060,23 @@ pub struct SendArguments {
     #[schemars(range(min = 1))]
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+}
+
+/// Writes the dedupe mark `seen` into the window of the newest
+/// [`AGENT_SEEN_MARKS_KEPT_MAX`] marks, deleting the mark whose slot it takes, in this
+/// turn's commit (`boxes` are committed with it too).
+async fn mark_seen(turn: &mut Turn, boxes: &mut BoxCounters, seen: String) -> Result<(), ActorError> {
+    let slot = seen_slot_key(boxes.seen_next % AGENT_SEEN_MARKS_KEPT_MAX);
+    if let Some(evicted) = turn.get(&slot).await? {
+        let evicted = String::from_utf8_lossy(&evicted).into_owned();
+        if evicted != seen {
+            turn.delete(evicted)?;
+        }
+    }
+    turn.put(slot, Bytes::from(seen.clone()))?;
+    turn.put(seen, Bytes::new())?;
+    boxes.seen_next += 1;
+    Ok(())
 }
 
 /// Adds the numbers `skipped` (jumped over by an ordered entry from `from` taken

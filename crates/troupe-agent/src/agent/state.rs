@@ -59,6 +59,10 @@ pub(crate) struct BoxCounters {
     /// External tasks (`external.rs`) not yet ended.
     #[serde(default)]
     pub(crate) external_open: u64,
+    /// Dedupe marks written into the window of kept marks, ever: the next one takes
+    /// slot `seen_next % AGENT_SEEN_MARKS_KEPT_MAX` (`inbox_turns.rs`: `mark_seen`).
+    #[serde(default)]
+    pub(crate) seen_next: u64,
 }
 
 /// What an agent commits after each turn: counters only. The definition comes from
@@ -102,6 +106,7 @@ impl SavedAgent {
         field(&mut out, b",\"outbox_len\":", boxes.outbox_len);
         field(&mut out, b",\"tasks_open\":", boxes.tasks_open);
         field(&mut out, b",\"external_open\":", boxes.external_open);
+        field(&mut out, b",\"seen_next\":", boxes.seen_next);
         out.extend_from_slice(b"}}");
         out
     }
@@ -237,9 +242,9 @@ impl AgentState {
     }
 }
 
-/// Room for an encoded [`SavedAgent`] with nine 20-digit counters, in bytes (the
-/// field names and punctuation take 131).
-const SAVED_AGENT_JSON_CAPACITY_BYTES: usize = 320;
+/// Room for an encoded [`SavedAgent`] with ten 20-digit counters, in bytes (the
+/// field names and punctuation take 144).
+const SAVED_AGENT_JSON_CAPACITY_BYTES: usize = 352;
 
 /// The key of entry `seq` of the conversation log.
 pub(crate) fn log_key(seq: u64) -> String {
@@ -394,14 +399,14 @@ mod tests {
         /// The snapshot written directly is byte for byte serde_json's, and decodes back.
         #[test]
         fn a_snapshot_is_encoded_as_serde_json_writes_it(
-            counters in proptest::array::uniform9(proptest::prop_oneof![proptest::num::u64::ANY, 0u64..1_000]),
+            counters in proptest::array::uniform10(proptest::prop_oneof![proptest::num::u64::ANY, 0u64..1_000]),
         ) {
-            let [log_length, turns, window, inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open] = counters;
+            let [log_length, turns, window, inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open, seen_next] = counters;
             let saved = SavedAgent {
                 log_length,
                 turns,
                 window,
-                boxes: BoxCounters { inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open },
+                boxes: BoxCounters { inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open, seen_next },
             };
             let encoded = saved.encode();
             proptest::prop_assert_eq!(&encoded, &serde_json::to_vec(&saved).unwrap());
