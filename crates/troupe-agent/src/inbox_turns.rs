@@ -168,15 +168,17 @@ impl AgentActor {
     async fn enqueue(&mut self, turn: &mut Turn, mut entry: InboxEntry) -> Result<Bytes, ActorError> {
         let now = turn.now();
         // How the entry is deduplicated. A dedupe mark (`seen/{msg_id}`) is read here and
-        // written with the entry's acceptance, except for three kinds:
+        // written with the entry's acceptance (kept among the newest
+        // `AGENT_SEEN_MARKS_KEPT_MAX`: `mark_seen`), except for three kinds:
         // - an id-less message (`AgentClient::notify`): the inbox names it, uniquely for
         //   good (its seq is committed with it); nothing can come again under that name;
         // - a final task result: its task record dedupes it (the first final state wins,
         //   below), as `docs/tla/DelegateInbox.tla` models it;
         // - an ordered entry (an agent's notification or task to an agent, with its
-        //   place in its sender's order, `PairSeq`): the order dedupes it. Every number below the
-        //   one expected next was either taken or skipped (`PairSkipped`), so one of
-        //   them that comes again was taken, unless it was skipped (`PairOrder.tla`).
+        //   place in its sender's order, `PairSeq`): the order dedupes it. Every number
+        //   below the one expected next was either taken or skipped (`PairSkipped`), so
+        //   one of them that comes again was taken, unless it was skipped
+        //   (`PairOrder.tla`).
         // Marks written before for such entries are left in place, unread.
         let ordered = entry.pair.is_some() && entry.from.is_some();
         let (reads_mark, writes_mark) = if entry.msg_id.is_empty() {
