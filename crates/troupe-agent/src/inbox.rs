@@ -5,14 +5,18 @@
 //!
 //! ```text
 //! inbox/{seq:020}     entries to process, oldest first (notifications, tasks, results)
-//! seen/{msg_id}       dedupe marks of the newest AGENT_SEEN_MARKS_KEPT_MAX messages
-//!                     with an id (seen_slot/{n} → the mark in slot n; external
-//!                     tasks' marks are kept until forgotten), but
-//!                     task results (deduplicated by their task record) and agents'
-//!                     notifications and tasks to agents (by their order: `PairSkipped`)
+//! seen/{msg_id}       dedupe marks of the messages that need one (a notification with
+//!                     an id from outside, a mention, a cancellation; an external
+//!                     task's, until it is forgotten); task results are deduplicated
+//!                     by their task record, agents' notifications and tasks to agents
+//!                     by their order (`PairSkipped`)
+//! dedupe_slot/{n}     the window of the newest AGENT_DEDUPE_KEYS_KEPT_MAX marks and
+//!                     tombstones: slot n names the key in it, deleted when the slot
+//!                     is taken again
 //! tasks_in/{task_id}  → the inbox seq of a task not yet started (for cancel)
 //! outbox/{seq:020}    entries to deliver to other agents' inboxes, until acknowledged
-//! canceled/{task_id}  a cancellation that arrived before its task (a tombstone)
+//! canceled/{task_id}  a cancellation that found no task (a tombstone: cancels the task
+//!                     if it comes)
 //! pair_out/{target}   the order of its notifications and tasks to target (`PairOut`)
 //! pair_in/{sender}    the next ordered entry expected from sender, and the inbox seqs
 //!                     of those not yet processed (`PairIn`, see `PairSeq`)
@@ -548,8 +552,8 @@ pub(crate) fn pair_in_key(sender: &ActorId) -> String {
 }
 
 /// Slot `slot` of the window of kept dedupe marks: the key of the mark it holds.
-pub(crate) fn seen_slot_key(slot: u64) -> String {
-    format!("seen_slot/{slot}")
+pub(crate) fn dedupe_slot_key(slot: u64) -> String {
+    format!("dedupe_slot/{slot}")
 }
 
 /// The receiver's skipped numbers from `sender` ([`PairSkipped`]).

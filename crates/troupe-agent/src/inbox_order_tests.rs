@@ -11,8 +11,20 @@ use crate::agent::agent_id;
 use crate::inbox::{
     decode_reply, pair_skip_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, PairSeq, PairSkipped,
 };
-use crate::limits::AGENT_SEEN_MARKS_KEPT_MAX;
+use crate::limits::AGENT_DEDUPE_KEYS_KEPT_MAX;
 use crate::{AgentSpec, AgentSystem, Budget, ScriptRule, ScriptedLlm};
+
+/// Agents `a` and `b` on `store`, with `llm`, and their ids.
+fn agents_a_and_b(store: &Arc<MemoryStore>, llm: ScriptedLlm) -> (AgentSystem, ActorId, ActorId) {
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    (system, agent_id("a").unwrap(), agent_id("b").unwrap())
+}
 
 /// Sends `b` the notification with place `seq` (and watermark `low`) in `a`'s order.
 async fn enqueue(system: &AgentSystem, a: &ActorId, b: &ActorId, seq: u64, low: u64) -> EnqueueReply {
@@ -61,14 +73,7 @@ fn accepted(seq: u64) -> EnqueueReply {
 async fn ordered_entries_are_deduplicated_by_their_order_without_a_mark() {
     let store = Arc::new(MemoryStore::new());
     let llm = ScriptedLlm::new().rule(ScriptRule::agent("b").on_user_containing("note").reply("noted"));
-    let system = AgentSystem::builder()
-        .store(store.clone())
-        .llm(Arc::new(llm))
-        .agent(AgentSpec::new("a"))
-        .agent(AgentSpec::new("b"))
-        .start()
-        .expect("the system starts");
-    let (a, b) = (agent_id("a").unwrap(), agent_id("b").unwrap());
+    let (system, a, b) = agents_a_and_b(&store, llm);
     assert_eq!(enqueue(&system, &a, &b, 0, 0).await, accepted(0));
     assert_eq!(enqueue(&system, &a, &b, 0, 0).await, EnqueueReply::Duplicate);
     // 1 and 2 given up by a: 3 is its lowest pending entry.
@@ -133,14 +138,7 @@ async fn a_cancellation_after_its_task_was_worked_changes_nothing() {
     let llm = ScriptedLlm::new()
         .rule(ScriptRule::agent("b").on_user_containing("crunch").reply("crunched"))
         .rule(ScriptRule::agent("a").on_user_containing("task").reply("seen"));
-    let system = AgentSystem::builder()
-        .store(store.clone())
-        .llm(Arc::new(llm))
-        .agent(AgentSpec::new("a"))
-        .agent(AgentSpec::new("b"))
-        .start()
-        .expect("the system starts");
-    let (a, b) = (agent_id("a").unwrap(), agent_id("b").unwrap());
+    let (system, a, b) = agents_a_and_b(&store, llm);
     let task = || InboxBody::Task {
         task_id: "a.0".to_string(),
         text: "crunch it".to_string(),
@@ -170,21 +168,15 @@ async fn a_cancellation_after_its_task_was_worked_changes_nothing() {
     system.shutdown().await;
 }
 
-/// Goal: an agent keeps the dedupe marks of the newest [`AGENT_SEEN_MARKS_KEPT_MAX`]
-/// messages that need one, no more: a copy of one of those is `Duplicate`, a copy of an
-/// older one is taken again. Method: cancellations (each needs a mark, and none runs a
-/// model turn) for tasks that never came.
+/// Goal: an agent keeps its newest [`AGENT_DEDUPE_KEYS_KEPT_MAX`] dedupe keys (marks
+/// of the messages that need one, tombstones of cancellations that found no task), no
+/// more: a copy of a message whose mark is kept is `Duplicate`, a copy of an older one
+/// is taken again. Method: cancellations of tasks that never came (each writes a mark
+/// and a tombstone, and none runs a model turn).
 #[tokio::test(start_paused = true)]
-async fn an_agent_keeps_the_marks_of_its_newest_marked_messages_only() {
+async fn an_agent_keeps_its_newest_dedupe_keys_only() {
     let store = Arc::new(MemoryStore::new());
-    let system = AgentSystem::builder()
-        .store(store.clone())
-        .llm(Arc::new(ScriptedLlm::new()))
-        .agent(AgentSpec::new("a"))
-        .agent(AgentSpec::new("b"))
-        .start()
-        .expect("the system starts");
-    let (a, b) = (agent_id("a").unwrap(), agent_id("b").unwrap());
+    let (system, a, b) = agents_a_and_b(&store, ScriptedLlm::new());
     let (running, a, b) = (&system, &a, &b);
     let cancel = |n: u64| async move {
         let body = InboxBody::Cancel {
@@ -193,7 +185,8 @@ async fn an_agent_keeps_the_marks_of_its_newest_marked_messages_only() {
         send(running, a, b, format!("c-{n}"), body, None).await
     };
     let over = 10;
-    for n in 0..AGENT_SEEN_MARKS_KEPT_MAX + over {
+    let kept_cancellations = AGENT_DEDUPE_KEYS_KEPT_MAX / 2; // two keys each
+    for n in 0..kept_cancellations + over {
         assert_eq!(
             cancel(n).await,
             EnqueueReply::Accepted {
@@ -201,10 +194,12 @@ async fn an_agent_keeps_the_marks_of_its_newest_marked_messages_only() {
             }
         );
     }
-    let limit = usize::try_from(AGENT_SEEN_MARKS_KEPT_MAX).unwrap() + 10;
+    let limit = usize::try_from(AGENT_DEDUPE_KEYS_KEPT_MAX).unwrap() + 10;
     let marks = store.scan(b, "seen/", None, limit).await.unwrap();
-    assert_eq!(marks.len(), usize::try_from(AGENT_SEEN_MARKS_KEPT_MAX).unwrap());
-    let newest = AGENT_SEEN_MARKS_KEPT_MAX + over - 1;
+    let tombstones = store.scan(b, "canceled/", None, limit).await.unwrap();
+    let kept = usize::try_from(kept_cancellations).unwrap();
+    assert_eq!((marks.len(), tombstones.len()), (kept, kept));
+    let newest = kept_cancellations + over - 1;
     assert_eq!(cancel(newest).await, EnqueueReply::Duplicate);
     assert_eq!(cancel(over).await, EnqueueReply::Duplicate, "the oldest kept");
     assert_eq!(

@@ -13,15 +13,15 @@ use troupe_runtime::{ActorError, Turn};
 
 use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation};
 use crate::inbox::{
-    canceled_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key, pair_out_key,
-    pair_skip_key, seen_key, seen_slot_key, seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand,
+    canceled_key, dedupe_slot_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key,
+    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand,
     EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PairSkipped, PendingSends,
     Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
 };
 use crate::limits::{
-    AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS, AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY,
-    AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
-    AGENT_SEEN_MARKS_KEPT_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS,
+    AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS,
+    AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -169,7 +169,7 @@ impl AgentActor {
         let now = turn.now();
         // How the entry is deduplicated. A dedupe mark (`seen/{msg_id}`) is read here and
         // written with the entry's acceptance (kept among the newest
-        // `AGENT_SEEN_MARKS_KEPT_MAX`: `mark_seen`), except for three kinds:
+        // `AGENT_DEDUPE_KEYS_KEPT_MAX`: `keep_in_window`), except for three kinds:
         // - an id-less message (`AgentClient::notify`): the inbox names it, uniquely for
         //   good (its seq is committed with it); nothing can come again under that name;
         // - a final task result: its task record dedupes it (the first final state wins,
@@ -255,7 +255,8 @@ impl AgentActor {
                 if record.state.is_final() {
                     self.memo.tasks.keep(key, bytes, record);
                     if writes_mark {
-                        mark_seen(turn, &mut self.state.boxes, seen).await?; // a non-final update
+                        keep_in_window(turn, &mut self.state.boxes, seen).await?;
+                        // a non-final update
                     }
                     self.shared.emit(&received(true));
                     return Ok(encode_reply(&EnqueueReply::Duplicate));
@@ -277,7 +278,7 @@ impl AgentActor {
                 self.memo.tasks.put(turn, key, record)?;
             }
             InboxBody::Cancel { task_id } => {
-                mark_seen(turn, &mut self.state.boxes, seen).await?;
+                keep_in_window(turn, &mut self.state.boxes, seen).await?;
                 self.shared.emit(&received(false));
                 let index = tasks_in_key(task_id);
                 let Some(bytes) = turn.get(&index).await? else {
@@ -285,10 +286,10 @@ impl AgentActor {
                     // tombstone makes a task arriving later resolve canceled at once.
                     // A task is known to have come only by a mark from before tasks
                     // were deduplicated by their order; since, a cancellation that
-                    // comes after its task started leaves a tombstone nothing takes
-                    // (one small key per such cancellation, against one mark per task).
+                    // comes after its task started leaves a tombstone nothing takes,
+                    // so tombstones are kept in the window of dedupe keys too.
                     if turn.get(&seen_key(task_id)).await?.is_none() {
-                        turn.put(canceled_key(task_id), Bytes::new())?;
+                        keep_in_window(turn, &mut self.state.boxes, canceled_key(task_id)).await?;
                     }
                     return Ok(encode_reply(&EnqueueReply::Accepted {
                         msg_id: entry.msg_id.clone(),
@@ -309,7 +310,7 @@ impl AgentActor {
             InboxBody::Task { task_id, .. } if turn.get(&canceled_key(task_id)).await?.is_some() => {
                 turn.delete(canceled_key(task_id))?;
                 if writes_mark {
-                    mark_seen(turn, &mut self.state.boxes, seen).await?; // a task from before the order
+                    keep_in_window(turn, &mut self.state.boxes, seen).await?; // a task from before the order
                 }
                 if let Some((from, key, record, skipped)) = order {
                     self.memo.pair_in.put(turn, key, record)?;
@@ -338,7 +339,7 @@ impl AgentActor {
             record_skipped(turn, &from, skipped).await?;
         }
         if writes_mark {
-            mark_seen(turn, &mut self.state.boxes, seen).await?;
+            keep_in_window(turn, &mut self.state.boxes, seen).await?;
         }
         self.append(turn, entry, None).await
     }
@@ -1064,20 +1065,21 @@ pub struct SendArguments {
     pub timeout_ms: Option<u64>,
 }
 
-/// Writes the dedupe mark `seen` into the window of the newest
-/// [`AGENT_SEEN_MARKS_KEPT_MAX`] marks, deleting the mark whose slot it takes, in this
-/// turn's commit (`boxes` are committed with it too).
-async fn mark_seen(turn: &mut Turn, boxes: &mut BoxCounters, seen: String) -> Result<(), ActorError> {
-    let slot = seen_slot_key(boxes.seen_next % AGENT_SEEN_MARKS_KEPT_MAX);
+/// Writes the empty record `key` (a dedupe mark, `seen/`, or a cancellation's
+/// tombstone, `canceled/`) into the window of the newest [`AGENT_DEDUPE_KEYS_KEPT_MAX`]
+/// such keys, deleting the key whose slot it takes (if still there), in this turn's
+/// commit (`boxes` are committed with it too).
+async fn keep_in_window(turn: &mut Turn, boxes: &mut BoxCounters, key: String) -> Result<(), ActorError> {
+    let slot = dedupe_slot_key(boxes.dedupe_next % AGENT_DEDUPE_KEYS_KEPT_MAX);
     if let Some(evicted) = turn.get(&slot).await? {
         let evicted = String::from_utf8_lossy(&evicted).into_owned();
-        if evicted != seen {
+        if evicted != key {
             turn.delete(evicted)?;
         }
     }
-    turn.put(slot, Bytes::from(seen.clone()))?;
-    turn.put(seen, Bytes::new())?;
-    boxes.seen_next += 1;
+    turn.put(slot, Bytes::from(key.clone()))?;
+    turn.put(key, Bytes::new())?;
+    boxes.dedupe_next += 1;
     Ok(())
 }
 

@@ -73,14 +73,15 @@ const _: () = assert!(AGENT_TOOL_CALLS_PER_STEP_MAX as u32 > troupe_core::limits
 /// with [`crate::InboxError::Full`] at append time (never dropped). Results of the
 /// agent's own delegations are always accepted: [`AGENT_TASKS_OPEN_MAX`] bounds them.
 pub const AGENT_INBOX_CAPACITY: u64 = 256;
-/// Dedupe marks (`seen/`) one agent keeps for the messages that need one (a
-/// notification with an id from outside, a conversation mention, a cancellation), the
-/// newest ones: the mark of the oldest goes when one more is written, so a copy of a
-/// message that comes after this many newer marked messages is taken again (as the
-/// runtime's idempotency keys keep a window of
-/// [`troupe_runtime::IDEMPOTENCY_KEYS_KEPT_MAX`]). Agents' own notifications, tasks and
-/// results need none (`inbox.rs`); external tasks keep theirs until forgotten.
-pub const AGENT_SEEN_MARKS_KEPT_MAX: u64 = 4_096;
+/// Dedupe keys one agent keeps, the newest ones: the marks (`seen/`) of the messages
+/// that need one (a notification with an id from outside, a conversation mention, a
+/// cancellation) and the tombstones of cancellations that found no task
+/// (`canceled/`). The oldest goes when one more is written, so a copy of a message
+/// that comes after this many newer keys is taken again (as the runtime's idempotency
+/// keys keep a window of [`troupe_runtime::IDEMPOTENCY_KEYS_KEPT_MAX`]), and a task
+/// that comes that late after its cancellation runs. Agents' own notifications, tasks
+/// and results need no mark (`inbox.rs`); external tasks keep theirs until forgotten.
+pub const AGENT_DEDUPE_KEYS_KEPT_MAX: u64 = 4_096;
 /// Delegations one agent may have open (delegated, not yet resolved); one more is
 /// refused.
 pub const AGENT_TASKS_OPEN_MAX: u64 = 64;

@@ -521,7 +521,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
         "coordinator: inbox/0 task/coordinator.0",
         "coordinator: -inbox/0 log/5",
         "analyst: -outbox/0",
-        "analyst: inbox/1 seen/n-1 seen_slot/0",
+        "analyst: dedupe_slot/0 inbox/1 seen/n-1",
         "analyst: -inbox/1 log/3",
     ];
     // Paused tokio has one order. The simulator's order depends on the seed (the external
@@ -538,7 +538,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
         };
         let note_first = [
             "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0",
-            "analyst: inbox/0 seen/n-1 seen_slot/0",
+            "analyst: dedupe_slot/0 inbox/0 seen/n-1",
             "analyst: inbox/1 pair_in/coordinator tasks_in/coordinator.0",
             "analyst: -inbox/0 log/1",
             "analyst: -inbox/1 log/3 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",

@@ -60,9 +60,9 @@ pub(crate) struct BoxCounters {
     #[serde(default)]
     pub(crate) external_open: u64,
     /// Dedupe marks written into the window of kept marks, ever: the next one takes
-    /// slot `seen_next % AGENT_SEEN_MARKS_KEPT_MAX` (`inbox_turns.rs`: `mark_seen`).
+    /// slot `dedupe_next % AGENT_DEDUPE_KEYS_KEPT_MAX` (`inbox_turns.rs`: `keep_in_window`).
     #[serde(default)]
-    pub(crate) seen_next: u64,
+    pub(crate) dedupe_next: u64,
 }
 
 /// What an agent commits after each turn: counters only. The definition comes from
@@ -106,7 +106,7 @@ impl SavedAgent {
         field(&mut out, b",\"outbox_len\":", boxes.outbox_len);
         field(&mut out, b",\"tasks_open\":", boxes.tasks_open);
         field(&mut out, b",\"external_open\":", boxes.external_open);
-        field(&mut out, b",\"seen_next\":", boxes.seen_next);
+        field(&mut out, b",\"dedupe_next\":", boxes.dedupe_next);
         out.extend_from_slice(b"}}");
         out
     }
@@ -401,12 +401,12 @@ mod tests {
         fn a_snapshot_is_encoded_as_serde_json_writes_it(
             counters in proptest::array::uniform10(proptest::prop_oneof![proptest::num::u64::ANY, 0u64..1_000]),
         ) {
-            let [log_length, turns, window, inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open, seen_next] = counters;
+            let [log_length, turns, window, inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open, dedupe_next] = counters;
             let saved = SavedAgent {
                 log_length,
                 turns,
                 window,
-                boxes: BoxCounters { inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open, seen_next },
+                boxes: BoxCounters { inbox_next, inbox_len, outbox_next, outbox_len, tasks_open, external_open, dedupe_next },
             };
             let encoded = saved.encode();
             proptest::prop_assert_eq!(&encoded, &serde_json::to_vec(&saved).unwrap());
