@@ -230,11 +230,7 @@ impl AgentActor {
             } else if pair.seq < expected {
                 // Taken before, or skipped: it comes again (a redelivery, or an attempt
                 // sent before the sender gave it up).
-                let skipped: PairSkipped = match turn.get(&pair_skip_key(from)).await? {
-                    Some(bytes) => from_json(&pair_skip_key(from), &bytes)?,
-                    None => PairSkipped::default(),
-                };
-                if skipped.contains(pair.seq) {
+                if skipped_of(turn, &pair_skip_key(from)).await?.contains(pair.seq) {
                     return Ok(encode_reply(&EnqueueReply::Stale { expected }));
                 }
                 self.shared.emit(&received(true));
@@ -1094,13 +1090,18 @@ async fn record_skipped(
         return Ok(());
     };
     let key = pair_skip_key(from);
-    let mut record: PairSkipped = match turn.get(&key).await? {
-        Some(bytes) => from_json(&key, &bytes)?,
-        None => PairSkipped::default(),
-    };
+    let mut record = skipped_of(turn, &key).await?;
     record.add(skipped);
     turn.put(key, to_json(&record)?)?;
     Ok(())
+}
+
+/// The skipped numbers stored at `key` (`pair_skip/{sender}`; none if nothing is).
+async fn skipped_of(turn: &mut Turn, key: &str) -> Result<PairSkipped, ActorError> {
+    Ok(match turn.get(key).await? {
+        Some(bytes) => from_json(key, &bytes)?,
+        None => PairSkipped::default(),
+    })
 }
 
 /// The `delegate_to_agent` tool, registered for every agent.
