@@ -31,7 +31,7 @@ mod floor;
 mod scripted_agents;
 
 use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
-use floor::{floor_round_trip, spawn_floor_server, TypedEcho};
+use floor::{floor_round_trip, floor_tell_batch, spawn_floor_server, spawn_tell_floor_server, TypedEcho};
 
 /// The cases, each with what one iteration is.
 const CASES: [(&str, &str); 14] = [
@@ -163,16 +163,10 @@ async fn run(case: &str, iterations: u64) {
             })
         }
         "tell-floor" => {
-            let sender = spawn_floor_server();
+            let sender = spawn_tell_floor_server();
             tokio::spawn(async move {
                 for _ in 0..iterations {
-                    for _ in 0..TELL_BATCH {
-                        let (reply, _answer) = oneshot::channel();
-                        sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                    }
-                    let (reply, answer) = oneshot::channel();
-                    sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-                    answer.await.unwrap();
+                    floor_tell_batch(&sender, TELL_BATCH).await;
                 }
             })
         }

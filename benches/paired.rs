@@ -45,7 +45,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use troupe::agent::AgentSystem;
 use troupe::core::{ActorId, ActorKind};
 use troupe::runtime::{ActorRef, KindConfig, Runtime, RuntimeHandle};
@@ -62,7 +62,9 @@ mod peers;
 mod scripted_agents;
 
 use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
-use floor::{floor_round_trip, spawn_floor_server, Request, TypedEcho};
+use floor::{
+    floor_round_trip, floor_tell_batch, spawn_floor_server, spawn_tell_floor_server, Request, Told, TypedEcho,
+};
 
 /// Pairs measured per hot case, after [`WARM_UP_PAIRS`] that are not.
 const PAIRS: usize = 2_000;
@@ -164,6 +166,9 @@ impl Case {
 #[derive(Clone)]
 struct Targets {
     floor: mpsc::Sender<Request>,
+    /// The tell cases' floor: a server that only receives (its batch's closing request
+    /// aside).
+    tell_floor: mpsc::Sender<Told>,
     handle: RuntimeHandle,
     echo: ActorId,
     typed: ActorRef<TypedEcho>,
@@ -186,10 +191,8 @@ async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc
     }
     for _ in 0..iterations {
         if matches!(case, Case::TypedTell | Case::TypedTellBy) {
-            for _ in 0..TELL_BATCH {
-                let (reply, _answer) = oneshot::channel();
-                targets.floor.send((Bytes::from_static(b"x"), reply)).await.unwrap();
-            }
+            floor_tell_batch(&targets.tell_floor, TELL_BATCH).await;
+            continue;
         }
         if matches!(case, Case::AgentStep | Case::CallAgent) {
             for _ in 0..FLOOR_INVOKES_PER_AGENT_ASK {
@@ -393,6 +396,7 @@ fn main() {
             agents.ask("asker", "warm up").await.unwrap();
             let targets = Targets {
                 floor: spawn_floor_server(),
+                tell_floor: spawn_tell_floor_server(),
                 handle: echo_runtime.handle(),
                 echo,
                 typed,

@@ -1,5 +1,6 @@
 //! The raw-tokio floor the runtime benchmarks compare with (a task that owns an mpsc
-//! receiver and answers each request over its oneshot), and the typed echo actor.
+//! receiver and answers each request over its oneshot; for `tell`, a task that only
+//! receives, with a request closing each batch), and the typed echo actor.
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
@@ -7,6 +8,10 @@ use troupe::runtime::{ActorError, Turn, TypedActor};
 
 /// One request to the floor's server: a payload and where to answer it.
 pub(crate) type Request = (Bytes, oneshot::Sender<Bytes>);
+
+/// One message to the tell floor's server: a payload and, for the batch's closing
+/// request only, where to answer it.
+pub(crate) type Told = (Bytes, Option<oneshot::Sender<Bytes>>);
 
 /// Spawns the floor's server on the current runtime; it answers every request with its
 /// payload until the sender is dropped.
@@ -20,10 +25,36 @@ pub(crate) fn spawn_floor_server() -> mpsc::Sender<Request> {
     sender
 }
 
+/// Spawns the tell floor's server: it receives every message and answers the ones
+/// that carry a reply channel (the request that closes a batch), until the sender is
+/// dropped. Its own channel, so the invoke's floor keeps its message type.
+pub(crate) fn spawn_tell_floor_server() -> mpsc::Sender<Told> {
+    let (sender, mut receiver) = mpsc::channel::<Told>(64);
+    tokio::spawn(async move {
+        while let Some((payload, reply)) = receiver.recv().await {
+            if let Some(reply) = reply {
+                let _ = reply.send(payload);
+            }
+        }
+    });
+    sender
+}
+
 /// One request-reply round trip to a floor server.
 pub(crate) async fn floor_round_trip(sender: &mpsc::Sender<Request>) {
     let (reply, answer) = oneshot::channel();
     sender.send((Bytes::from_static(b"x"), reply)).await.unwrap();
+    answer.await.unwrap();
+}
+
+/// A batch of `count` told messages to a tell floor's server, each a raw bounded mpsc
+/// send with nothing to answer, then one request-reply that shows all were received.
+pub(crate) async fn floor_tell_batch(sender: &mpsc::Sender<Told>, count: u64) {
+    for _ in 0..count {
+        sender.send((Bytes::from_static(b"x"), None)).await.unwrap();
+    }
+    let (reply, answer) = oneshot::channel();
+    sender.send((Bytes::from_static(b"x"), Some(reply))).await.unwrap();
     answer.await.unwrap();
 }
 
