@@ -27,6 +27,8 @@ use troupe::runtime::{KindConfig, Runtime};
 mod echo;
 #[path = "support/floor.rs"]
 mod floor;
+#[path = "support/peers.rs"]
+mod peers;
 #[path = "support/scripted_agents.rs"]
 mod scripted_agents;
 
@@ -34,7 +36,7 @@ use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
 use floor::{floor_round_trip, floor_tell_batch, spawn_floor_server, spawn_tell_floor_server, TypedEcho};
 
 /// The cases, each with what one iteration is.
-const CASES: [(&str, &str); 14] = [
+const CASES: [(&str, &str); 18] = [
     (
         "invoke-floor",
         "mpsc send + oneshot reply (the raw-tokio floor of an invoke)",
@@ -47,6 +49,13 @@ const CASES: [(&str, &str); 14] = [
         "tell-by",
         "TELL_BATCH ActorRef::tell_by under one deadline, then one ActorRef::ask",
     ),
+    ("ractor", "ractor call! of an active echo actor (a peer library)"),
+    ("kameo", "kameo ask of an active echo actor (a peer library)"),
+    (
+        "ractor-tell",
+        "TELL_BATCH ractor casts, then one call! (a peer library)",
+    ),
+    ("kameo-tell", "TELL_BATCH kameo tells, then one ask (a peer library)"),
     ("agent-step", "an agent that answers in one scripted model step"),
     ("call-agent", "an agent that asks another through call_agent"),
     (
@@ -167,6 +176,34 @@ async fn run(case: &str, iterations: u64) {
             tokio::spawn(async move {
                 for _ in 0..iterations {
                     floor_tell_batch(&sender, TELL_BATCH).await;
+                }
+            })
+        }
+        "ractor" | "ractor-tell" => {
+            let actor = peers::ractor_echo::spawn().await;
+            peers::ractor_echo::ask(&actor, Bytes::from_static(b"x")).await;
+            let tell = case == "ractor-tell";
+            tokio::spawn(async move {
+                for _ in 0..iterations {
+                    if tell {
+                        peers::ractor_echo::tell_batch(&actor, TELL_BATCH).await;
+                    } else {
+                        peers::ractor_echo::ask(&actor, Bytes::from_static(b"x")).await;
+                    }
+                }
+            })
+        }
+        "kameo" | "kameo-tell" => {
+            let actor = peers::kameo_echo::spawn();
+            peers::kameo_echo::ask(&actor, Bytes::from_static(b"x")).await;
+            let tell = case == "kameo-tell";
+            tokio::spawn(async move {
+                for _ in 0..iterations {
+                    if tell {
+                        peers::kameo_echo::tell_batch(&actor, TELL_BATCH).await;
+                    } else {
+                        peers::kameo_echo::ask(&actor, Bytes::from_static(b"x")).await;
+                    }
                 }
             })
         }

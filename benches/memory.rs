@@ -20,6 +20,8 @@ use troupe::runtime::{ActorBox, ActorError, KindConfig, Runtime};
 
 #[path = "support/echo.rs"]
 mod echo;
+// Its fire-and-forget messages are for the time benches.
+#[allow(dead_code)]
 #[path = "support/peers.rs"]
 mod peers;
 

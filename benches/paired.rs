@@ -23,6 +23,9 @@
 //! - `ractor call!` and `kameo ask`: the same echo on the libraries users would pick
 //!   instead (benches/support/peers.rs), against the invoke's floor, so that they are
 //!   compared with Troupe in the same way;
+//! - `ractor cast` and `kameo tell`: those libraries' fire-and-forget, `TELL_BATCH`
+//!   messages then one request-reply, against the typed tell's floor (neither carries a
+//!   deadline; ractor's mailbox is unbounded, kameo's bounded at 64 as Troupe's);
 //! - `agent one step` and `call_agent`: an agent that answers in one scripted model
 //!   step, and an agent that asks another through `call_agent` (two agent turns, three
 //!   model steps, in-memory store: `benches/support/scripted_agents.rs`, as
@@ -114,6 +117,8 @@ enum Case {
     TypedTellBy,
     Ractor,
     Kameo,
+    RactorTell,
+    KameoTell,
     AgentStep,
     CallAgent,
     Cold,
@@ -128,6 +133,8 @@ impl Case {
             Case::TypedTellBy => "typed tell_by (per message, one deadline per batch of 32 + an ask)",
             Case::Ractor => "ractor call! (a peer library, same floor as invoke)",
             Case::Kameo => "kameo ask (a peer library, same floor as invoke)",
+            Case::RactorTell => "ractor cast (a peer library, per message, batch of 32 + a call!; floor as typed tell)",
+            Case::KameoTell => "kameo tell (a peer library, per message, batch of 32 + an ask; floor as typed tell)",
             Case::AgentStep => "agent answers in one scripted model step (floor: a plain Troupe invoke)",
             Case::CallAgent => "agent asks an agent through `call_agent` (floor: a plain Troupe invoke)",
             Case::Cold => "cold: first message to a new actor (floor: spawn, task kept alive)",
@@ -138,7 +145,9 @@ impl Case {
     fn shape(self) -> (u64, u64) {
         match self {
             Case::Invoke | Case::TypedAsk | Case::Ractor | Case::Kameo => (ROUND_TRIPS_PER_BLOCK, 1),
-            Case::TypedTell | Case::TypedTellBy => (BATCHES_PER_BLOCK, TELL_BATCH + 1),
+            Case::TypedTell | Case::TypedTellBy | Case::RactorTell | Case::KameoTell => {
+                (BATCHES_PER_BLOCK, TELL_BATCH + 1)
+            }
             Case::AgentStep | Case::CallAgent => (AGENT_ASKS_PER_BLOCK, 1),
             Case::Cold => (COLD_STARTS_PER_BLOCK, 1),
         }
@@ -190,7 +199,10 @@ async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc
         return started;
     }
     for _ in 0..iterations {
-        if matches!(case, Case::TypedTell | Case::TypedTellBy) {
+        if matches!(
+            case,
+            Case::TypedTell | Case::TypedTellBy | Case::RactorTell | Case::KameoTell
+        ) {
             floor_tell_batch(&targets.tell_floor, TELL_BATCH).await;
             continue;
         }
@@ -253,6 +265,8 @@ async fn troupe_block(case: Case, targets: &Targets, iterations: u64, new_ids: &
             Case::Kameo => {
                 peers::kameo_echo::ask(&targets.kameo, Bytes::from_static(b"x")).await;
             }
+            Case::RactorTell => peers::ractor_echo::tell_batch(&targets.ractor, TELL_BATCH).await,
+            Case::KameoTell => peers::kameo_echo::tell_batch(&targets.kameo, TELL_BATCH).await,
             Case::AgentStep => {
                 let reply = targets.agents.ask("answerer", "what is 6 x 7?").await.unwrap();
                 assert_eq!(reply.text, "42");
@@ -413,6 +427,8 @@ fn main() {
             Case::TypedTellBy,
             Case::Ractor,
             Case::Kameo,
+            Case::RactorTell,
+            Case::KameoTell,
             Case::AgentStep,
             Case::CallAgent,
             Case::Cold,

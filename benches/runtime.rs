@@ -8,8 +8,9 @@
 //! - `routing with N activated actors`: the hot round trip while the activation table
 //!   holds 1k … 1M actors; it should stay flat.
 //!
-//! - Each round-trip and cold case also runs the same echo actor on ractor and kameo
-//!   (benches/support/peers.rs), so the table compares libraries measured together.
+//! - Each round-trip, fire-and-forget and cold case also runs the same echo actor on
+//!   ractor and kameo (benches/support/peers.rs), so the table compares libraries
+//!   measured together.
 //!
 //! Run: `cargo bench -p troupe-bench --bench runtime` (smaller sizes when `CI` is set).
 
@@ -192,6 +193,23 @@ fn tell_and_typed(c: &mut Criterion) {
                         typed.tell(i, Duration::from_secs(5)).await.unwrap();
                     }
                     typed.ask(0, Duration::from_secs(5)).await.unwrap();
+                })
+            });
+        });
+        // The peers' fire-and-forget, the same batch and barrier (no deadline on either).
+        let ractor = rt.block_on(peers::ractor_echo::spawn());
+        group.bench_function("ractor cast, batch + barrier", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &ractor, |actor| async move {
+                    peers::ractor_echo::tell_batch(&actor, TELL_BATCH).await;
+                })
+            });
+        });
+        let kameo = rt.block_on(async { peers::kameo_echo::spawn() });
+        group.bench_function("kameo tell, batch + barrier", |b| {
+            b.iter_custom(|iters| {
+                time_in_task(&rt, iters, &kameo, |actor| async move {
+                    peers::kameo_echo::tell_batch(&actor, TELL_BATCH).await;
                 })
             });
         });

@@ -1,7 +1,12 @@
 //! The same echo actor written with the Rust actor libraries users would pick instead of
 //! Troupe (ractor, kameo), so the benchmarks measure them in the same run as Troupe and
 //! the raw-tokio floor. Each is written the way its own documentation shows: a request
-//! with a reply port (ractor's `call!`), a message with a reply (kameo's `ask`).
+//! with a reply port (ractor's `call!`), a message with a reply (kameo's `ask`); and, for
+//! fire-and-forget, a message without one (ractor's `cast`, kameo's `tell`), sent in a
+//! batch closed by a request-reply, as Troupe's typed `tell` is measured.
+//!
+//! Their mailboxes as each library makes them by default: kameo's is bounded (64
+//! messages, as Troupe's), ractor's unbounded (a `cast` never waits for room).
 
 use bytes::Bytes;
 
@@ -13,10 +18,12 @@ pub(crate) mod ractor_echo {
     /// The actor; it holds no state.
     pub(crate) struct Echo;
 
-    /// Its one message: echo the payload back through the port.
+    /// Its messages.
     pub(crate) enum Message {
-        /// The payload and the reply port.
+        /// Echo the payload back through the port.
         Echo(Bytes, RpcReplyPort<Bytes>),
+        /// A fire-and-forget message: handled, nothing answered.
+        Told(u64),
     }
 
     impl Actor for Echo {
@@ -34,8 +41,14 @@ pub(crate) mod ractor_echo {
             message: Message,
             _state: &mut (),
         ) -> Result<(), ActorProcessingErr> {
-            let Message::Echo(payload, reply) = message;
-            let _ = reply.send(payload);
+            match message {
+                Message::Echo(payload, reply) => {
+                    let _ = reply.send(payload);
+                }
+                Message::Told(message) => {
+                    std::hint::black_box(message);
+                }
+            }
             Ok(())
         }
     }
@@ -49,6 +62,15 @@ pub(crate) mod ractor_echo {
     /// One request-reply round trip.
     pub(crate) async fn ask(actor: &ActorRef<Message>, payload: Bytes) -> Bytes {
         ractor::call!(actor, Message::Echo, payload).expect("ractor call")
+    }
+
+    /// `count` messages sent with `cast`, then one `call!`: when it is answered, all of
+    /// them were handled.
+    pub(crate) async fn tell_batch(actor: &ActorRef<Message>, count: u64) {
+        for message in 0..count {
+            ractor::cast!(actor, Message::Told(message)).expect("ractor cast");
+        }
+        ask(actor, Bytes::from_static(b"x")).await;
     }
 }
 
@@ -66,6 +88,17 @@ pub(crate) mod kameo_echo {
     #[derive(kameo::Reply)]
     pub(crate) struct Echoed(pub(crate) Bytes);
 
+    /// A fire-and-forget message: handled, nothing answered.
+    pub(crate) struct Told(pub(crate) u64);
+
+    impl Message<Told> for Echo {
+        type Reply = ();
+
+        async fn handle(&mut self, message: Told, _ctx: &mut Context<Self, ()>) {
+            std::hint::black_box(message.0);
+        }
+    }
+
     impl Message<Bytes> for Echo {
         type Reply = Echoed;
 
@@ -82,5 +115,14 @@ pub(crate) mod kameo_echo {
     /// One request-reply round trip.
     pub(crate) async fn ask(actor: &ActorRef<Echo>, payload: Bytes) -> Bytes {
         actor.ask(payload).await.expect("kameo ask").0
+    }
+
+    /// `count` messages sent with `tell` (each waits for room in the bounded mailbox),
+    /// then one `ask`: when it is answered, all of them were handled.
+    pub(crate) async fn tell_batch(actor: &ActorRef<Echo>, count: u64) {
+        for message in 0..count {
+            actor.tell(Told(message)).await.expect("kameo tell");
+        }
+        ask(actor, Bytes::from_static(b"x")).await;
     }
 }
