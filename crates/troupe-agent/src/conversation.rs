@@ -518,6 +518,13 @@ struct ConvState {
     next_seq: u64,
 }
 
+/// The definition a conversation's snapshot holds (none before its creation's turn).
+pub(crate) fn decode_definition(snapshot: &[u8]) -> Result<Option<ConversationInfo>, String> {
+    serde_json::from_slice::<ConvState>(snapshot)
+        .map(|state| state.info)
+        .map_err(|error| error.to_string())
+}
+
 /// `info` (a conversation's definition, or none yet) as JSON: what [`encode_state`]
 /// copies into every snapshot.
 fn info_json(info: &Option<impl Serialize>) -> Result<Vec<u8>, ActorError> {

@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use crate::conversation::{
-    check_name, conversation_actor, decode_conv_reply, index_actor, member_prefix, read_committed, ConvCommand,
-    ConvReply, ConversationError, ConversationInfo, ConversationKind, ConversationMessage, Participant, PostRequest,
-    Posted, Sender, CONVERSATIONS_LISTED_MAX, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
+    check_name, conversation_actor, decode_conv_reply, decode_definition, index_actor, member_prefix, read_committed,
+    ConvCommand, ConvReply, ConversationError, ConversationInfo, ConversationKind, ConversationMessage, Participant,
+    PostRequest, Posted, Sender, CONVERSATIONS_LISTED_MAX, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
 };
 use crate::limits::{AGENT_DELIVERY_ACK_TIMEOUT_MS, CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS};
 use crate::AgentClient;
@@ -210,21 +210,76 @@ impl AgentClient {
     }
 
     /// The ids of the conversations agent `agent` takes part in (at most
-    /// [`CONVERSATIONS_LISTED_MAX`]), in id order.
+    /// [`CONVERSATIONS_LISTED_MAX`]), in id order: the first page of
+    /// [`AgentClient::conversations_of_after`].
     ///
     /// # Errors
     /// [`ConversationError::Unavailable`].
     pub async fn conversations_of(&self, agent: &str) -> Result<Vec<String>, ConversationError> {
+        self.conversations_of_after(agent, None, CONVERSATIONS_LISTED_MAX).await
+    }
+
+    /// Up to `limit` (at most [`CONVERSATIONS_LISTED_MAX`]) ids of the conversations agent
+    /// `agent` takes part in, after id `after` (from the first if `None`), in id order:
+    /// one ranged read of the index. A page shorter than `limit` is the last; otherwise
+    /// the next page is the one after its last id.
+    ///
+    /// An id is listed once the index records it, which `create_conversation` does
+    /// first: if a creation stopped there, the id is listed but has no definition yet
+    /// ([`AgentClient::conversation`] is `None`) until the creation is retried.
+    ///
+    /// # Errors
+    /// [`ConversationError::InvalidName`] (a bad `after`), [`ConversationError::Unavailable`].
+    pub async fn conversations_of_after(
+        &self,
+        agent: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<String>, ConversationError> {
         let prefix = member_prefix(agent);
+        let after_key = match after {
+            Some(id) => {
+                check_name("conversation id", id)?;
+                Some(format!("{prefix}{id}"))
+            }
+            None => None,
+        };
         let page = self
             .runtime
             .store()
-            .scan(&index_actor(), &prefix, None, CONVERSATIONS_LISTED_MAX)
+            .scan(
+                &index_actor(),
+                &prefix,
+                after_key.as_deref(),
+                limit.min(CONVERSATIONS_LISTED_MAX),
+            )
             .await?;
         Ok(page
             .into_iter()
             .filter_map(|(key, _)| key.strip_prefix(&prefix).map(str::to_string))
             .collect())
+    }
+
+    /// The definition of conversation `id` (its participants and kind) as committed:
+    /// one read of its snapshot, not of its messages. `None` if it has none: never
+    /// created, a reserved id (starting with `_`), or a creation that stopped after the
+    /// index recorded the id (creating it again with the same definition completes it).
+    ///
+    /// # Errors
+    /// [`ConversationError::InvalidName`], [`ConversationError::Unavailable`] (the store
+    /// failed, or the snapshot cannot be decoded).
+    pub async fn conversation(&self, id: &str) -> Result<Option<ConversationInfo>, ConversationError> {
+        let target = conversation_actor(id)?;
+        if id.starts_with('_') {
+            // Reserved (the index): never a conversation.
+            return Ok(None);
+        }
+        match self.runtime.store().load(&target).await? {
+            Some(snapshot) => decode_definition(&snapshot).map_err(|cause| ConversationError::Unavailable {
+                cause: format!("the state of {target} cannot be decoded: {cause}"),
+            }),
+            None => Ok(None),
+        }
     }
 
     /// Wakes every conversation with undelivered mentions (the system does it at start).

@@ -12,6 +12,10 @@ use troupe_agent::{
 };
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
+#[path = "support/gate_store.rs"]
+mod gate_store;
+use gate_store::GateStore;
+
 fn start(llm: &ScriptedLlm, agents: &[&str], store: Arc<dyn StateStore>) -> AgentSystem {
     let mut builder = AgentSystem::builder().store(store).llm(Arc::new(llm.clone()));
     for agent in agents {
@@ -43,6 +47,74 @@ fn answers_to(messages: &[ConversationMessage], seq: u64, who: &str) -> usize {
 fn assert_gap_free(messages: &[ConversationMessage]) {
     let seqs: Vec<u64> = messages.iter().map(|m| m.seq).collect();
     assert_eq!(seqs, (0..messages.len() as u64).collect::<Vec<_>>());
+}
+
+/// Goal: an agent's conversations page by id (`conversations_of_after`), each once and
+/// in order; a definition reads back as created (`conversation`); and a creation that
+/// stopped after the index recorded the id (its conversation's commit refused) is
+/// listed without a definition until the creation is retried, which completes it.
+#[tokio::test(start_paused = true)]
+async fn conversations_page_by_id_and_a_half_made_one_has_no_definition_until_retried() {
+    let llm = ScriptedLlm::new();
+    let store = GateStore::new(Arc::new(MemoryStore::new()), false);
+    let system = start(&llm, &["alice", "bob"], store.clone());
+    for id in ["g3", "g1", "g2"] {
+        let created = system
+            .create_conversation(id, vec![human("hugo"), agent("alice")], ConversationKind::Group)
+            .await
+            .unwrap();
+        assert_eq!(system.conversation(id).await.unwrap(), Some(created));
+    }
+    let mut pages = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = system
+            .conversations_of_after("alice", after.as_deref(), 2)
+            .await
+            .unwrap();
+        pages.push(page.clone());
+        assert!(pages.len() <= 3, "the cursor does not move: {pages:?}");
+        if page.len() < 2 {
+            break;
+        }
+        after = page.last().cloned();
+    }
+    assert_eq!(pages, [vec!["g1", "g2"], vec!["g3"]]);
+    assert_eq!(
+        system.conversations_of_after("alice", Some("g1"), 10).await.unwrap(),
+        ["g2", "g3"]
+    );
+    assert_eq!(
+        system.conversations_of_after("alice", Some("g3"), 10).await.unwrap(),
+        Vec::<String>::new()
+    );
+    assert_eq!(system.conversation("nowhere").await.unwrap(), None);
+    assert_eq!(
+        system.conversation("_index").await.unwrap(),
+        None,
+        "a reserved id has no definition"
+    );
+    assert!(matches!(
+        system.conversations_of_after("alice", Some(""), 10).await,
+        Err(ConversationError::InvalidName { .. })
+    ));
+
+    // The conversation's own commit of its creation is refused: the index has it.
+    store.refuse_one_commit(|actor, _| actor.key() == "half");
+    let people = vec![human("hugo"), agent("bob")];
+    let failed = system
+        .create_conversation("half", people.clone(), ConversationKind::Direct)
+        .await;
+    assert!(store.refused_the_commit(), "{failed:?}");
+    assert!(failed.is_err(), "{failed:?}");
+    assert_eq!(system.conversations_of("bob").await.unwrap(), ["half"]);
+    assert_eq!(system.conversation("half").await.unwrap(), None);
+    let created = system
+        .create_conversation("half", people, ConversationKind::Direct)
+        .await
+        .unwrap();
+    assert_eq!(system.conversation("half").await.unwrap(), Some(created));
+    system.shutdown().await;
 }
 
 /// Goal: a human mentions two agents of a group of three; each replies once, one

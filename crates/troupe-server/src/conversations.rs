@@ -126,17 +126,54 @@ fn message_json(message: &ConversationMessage) -> Value {
     })
 }
 
-/// `GET /v1/agents/{id}/conversations`: the ids of the conversations the agent takes
-/// part in, in id order (at most [`CONVERSATIONS_LISTED_MAX`]; `truncated` says more
-/// may exist).
-pub(crate) async fn of_agent(State(state): Shared, Path(agent): Path<String>) -> Result<Json<Value>, ApiError> {
+/// The query of `GET /v1/agents/{id}/conversations`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct IdPageQuery {
+    /// Conversations whose id sorts after this one; from the first if absent.
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+/// `GET /v1/agents/{id}/conversations?after=ID&limit=N`: up to `limit` (default and
+/// most [`CONVERSATIONS_LISTED_MAX`]) ids of the conversations the agent takes part in,
+/// after id `after`, in id order; `next_after` is the cursor of the next page (absent
+/// when this page is the last), and `truncated` says the same (more may follow).
+pub(crate) async fn of_agent(
+    State(state): Shared,
+    Path(agent): Path<String>,
+    ApiQuery(query): ApiQuery<IdPageQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let limit = query.limit.unwrap_or(CONVERSATIONS_LISTED_MAX);
+    if limit == 0 || limit > CONVERSATIONS_LISTED_MAX {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+            format!("limit must be between 1 and {CONVERSATIONS_LISTED_MAX}, got {limit}"),
+        ));
+    }
     known(&state, &agent).await?;
-    let ids = state.client.conversations_of(&agent).await?;
+    let ids = state
+        .client
+        .conversations_of_after(&agent, query.after.as_deref(), limit)
+        .await?;
+    let next_after = if ids.len() == limit { ids.last().cloned() } else { None };
     Ok(Json(json!({
         "agent": agent,
-        "truncated": ids.len() >= CONVERSATIONS_LISTED_MAX,
+        "truncated": next_after.is_some(),
+        "next_after": next_after,
         "conversations": ids,
     })))
+}
+
+/// `GET /v1/conversations/{id}`: the conversation's definition, `{id, kind,
+/// participants}`, as committed; 404 when it has none (never created, or a creation
+/// that stopped half-way: creating it again completes it).
+pub(crate) async fn definition(State(state): Shared, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    match state.client.conversation(&id).await? {
+        Some(info) => Ok(Json(info_json(&info))),
+        None => Err(ConversationError::NotFound { id }.into()),
+    }
 }
 
 /// The body of `POST /v1/conversations`.

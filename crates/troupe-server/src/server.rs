@@ -86,6 +86,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         .route("/v1/agents/{id}/tasks/{task}/cancel", post(agents::cancel))
         .route("/v1/agents/{id}/conversations", get(conversations::of_agent))
         .route("/v1/conversations", post(conversations::create))
+        .route("/v1/conversations/{id}", get(conversations::definition))
         .route(
             "/v1/conversations/{id}/messages",
             get(conversations::messages).post(conversations::post),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use troupe_agent::{ScriptRule, ScriptedLlm};
+use troupe_agent::{ScriptRule, ScriptedLlm, CONVERSATIONS_LISTED_MAX};
 use troupe_runtime::KindConfig;
 use troupe_server::limits::SERVER_CONVERSATION_PAGE_MAX;
 use troupe_server::ServerConfig;
@@ -186,6 +186,84 @@ async fn messages_page_by_seq_through_the_cursor_and_a_retried_post_appends_noth
     server.stop().await;
 }
 
+/// Goal: an agent's conversations page by id through the `next_after` cursor, each
+/// once and in id order, the last page without a cursor (a page exactly full is
+/// followed by an empty one); and a conversation's definition reads back as it was
+/// created, participants in their sorted order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_conversations_page_by_id_and_a_definition_reads_back() {
+    let server = start().await;
+    let ids = ["c-04", "c-00", "c-03", "c-01", "c-02"];
+    for id in ids {
+        create_group(&server, id, json!([party("human", "hugo"), party("agent", "alice")])).await;
+    }
+    // Another agent's conversation is not in alice's list.
+    create_group(
+        &server,
+        "c-05",
+        json!([party("human", "hugo"), party("agent", "carol")]),
+    )
+    .await;
+    for limit in [1, 2, 5, 6] {
+        let mut listed = Vec::new();
+        let mut pages = 0;
+        let mut after: Option<String> = None;
+        loop {
+            let path = match &after {
+                Some(id) => format!("/v1/agents/alice/conversations?after={id}&limit={limit}"),
+                None => format!("/v1/agents/alice/conversations?limit={limit}"),
+            };
+            let (status, body) = server.get(&path).await;
+            assert_eq!(status, 200, "{body}");
+            pages += 1;
+            assert!(pages <= 10, "the cursor does not move: {body}");
+            let page: Vec<String> = body["conversations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|id| id.as_str().unwrap().to_string())
+                .collect();
+            assert!(page.len() <= limit, "{body}");
+            assert_eq!(body["truncated"], body["next_after"].is_string(), "{body}");
+            listed.extend(page.iter().cloned());
+            match body["next_after"].as_str() {
+                Some(next) => {
+                    assert_eq!(Some(next), page.last().map(String::as_str), "{body}");
+                    after = Some(next.to_string());
+                }
+                None => break,
+            }
+        }
+        assert_eq!(listed, ["c-00", "c-01", "c-02", "c-03", "c-04"], "limit {limit}");
+        // Five ids: pages of `limit`, and an empty last one when the pages fill exactly.
+        assert_eq!(pages, 5 / limit + 1, "limit {limit}");
+    }
+    // Without a limit: all of them in one page, as before paging.
+    let (status, body) = server.get("/v1/agents/alice/conversations").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["conversations"], json!(["c-00", "c-01", "c-02", "c-03", "c-04"]));
+    assert_eq!((&body["truncated"], &body["next_after"]), (&json!(false), &Value::Null));
+
+    let (status, created) = server
+        .post(
+            "/v1/conversations",
+            json!({"id": "pair", "kind": "direct", "participants": [party("human", "hugo"), party("agent", "carol")]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{created}");
+    let (status, read) = server.get("/v1/conversations/pair").await;
+    assert_eq!(status, 200, "{read}");
+    assert_eq!(read, created);
+    assert_eq!(read["kind"], "direct");
+    let (status, group) = server.get("/v1/conversations/c-03").await;
+    assert_eq!(status, 200, "{group}");
+    assert_eq!(
+        group,
+        json!({"id": "c-03", "kind": "group", "participants": [party("agent", "alice"), party("human", "hugo")]})
+    );
+    server.stop().await;
+}
+
 /// One refused request: what it shows, method, path, body, status, error code.
 type Refusal = (&'static str, reqwest::Method, String, Option<Value>, u16, &'static str);
 
@@ -321,6 +399,46 @@ async fn conversation_refusals_have_their_status_and_code() {
             "cursor not a number",
             reqwest::Method::GET,
             "/v1/conversations/room/messages?after=first".into(),
+            None,
+            400,
+            "invalid_query",
+        ),
+        (
+            "unknown conversation, definition",
+            reqwest::Method::GET,
+            "/v1/conversations/nowhere".into(),
+            None,
+            404,
+            "conversation_not_found",
+        ),
+        (
+            "reserved id, definition",
+            reqwest::Method::GET,
+            "/v1/conversations/_index".into(),
+            None,
+            404,
+            "conversation_not_found",
+        ),
+        (
+            "an agent's list, limit 0",
+            reqwest::Method::GET,
+            "/v1/agents/alice/conversations?limit=0".into(),
+            None,
+            400,
+            "invalid_query",
+        ),
+        (
+            "an agent's list, limit over the max",
+            reqwest::Method::GET,
+            format!("/v1/agents/alice/conversations?limit={}", CONVERSATIONS_LISTED_MAX + 1),
+            None,
+            400,
+            "invalid_query",
+        ),
+        (
+            "an agent's list, an unknown query field",
+            reqwest::Method::GET,
+            "/v1/agents/alice/conversations?from=room".into(),
             None,
             400,
             "invalid_query",
