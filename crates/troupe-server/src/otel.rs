@@ -132,6 +132,23 @@ where
     Ok((layer, OtelGuard { provider }))
 }
 
+/// Makes the W3C Trace Context of `headers` (a `traceparent`, and its `tracestate`) the
+/// parent of `span` in the export: the request's spans then join the caller's trace
+/// instead of starting one. Without a valid `traceparent`, or without the export layer
+/// installed, nothing changes (a new trace, as before).
+pub(crate) fn continue_callers_trace(span: &tracing::Span, headers: &axum::http::HeaderMap) {
+    use opentelemetry::propagation::TextMapPropagator as _;
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let parent = opentelemetry_sdk::propagation::TraceContextPropagator::new()
+        .extract(&opentelemetry_http::HeaderExtractor(headers));
+    if parent.span().span_context().is_valid() {
+        // Fails only when no export layer is installed: then there is no trace to join.
+        let _ = span.set_parent(parent);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -168,6 +168,10 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
         status = tracing::field::Empty,
         latency_us = tracing::field::Empty,
     );
+    // Exported, the request's trace continues the caller's W3C `traceparent`, whose
+    // trace id is also the one the request's turns run under (docs/serve.md, "Trace ids").
+    #[cfg(feature = "otel")]
+    crate::otel::continue_callers_trace(&span, request.headers());
     let started = tokio::time::Instant::now();
     let mut response = next.run(request).instrument(span.clone()).await;
     let status = response.status();

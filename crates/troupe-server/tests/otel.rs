@@ -110,10 +110,18 @@ fn invoke_target(span: &Span) -> Option<String> {
         .find(|value| !value.starts_with("troupe_"))
 }
 
+/// A W3C `traceparent` a traced caller sends: its trace and its span.
+const CALLERS_TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+const CALLERS_TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CALLERS_SPAN_ID: &str = "00f067aa0ba902b7";
+
 /// Goal: the spans of one request reach an OTLP/HTTP collector as protobuf: the
 /// request's `http_request` is the root of one trace holding the `invoke`, `turn`,
 /// `model_call` and `tool_call` spans of both agents (each span's parent in the same
 /// trace), and the callee's `turn` carries the call chain (the caller), the caller's an empty one.
+/// A request with a W3C `traceparent` joins the caller's trace instead: its
+/// `http_request` span has the caller's trace id and span as parent, the trace id the
+/// response names in `x-troupe-trace-id`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn otel_exports_one_trace_per_request_with_the_call_chain() {
     let (endpoint, received) = collector().await;
@@ -133,6 +141,21 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         reply["text"],
         "caller heard: echo: [message from agent caller] from caller: hi"
     );
+    // A second request from a caller that is itself traced: a W3C `traceparent`.
+    let answered = server
+        .request(reqwest::Method::POST, "/v1/agents/echo/messages")
+        .header("traceparent", CALLERS_TRACEPARENT)
+        .json(&json!({"text": "traced"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answered.status(), 200);
+    let troupe_trace_id = answered
+        .headers()
+        .get("x-troupe-trace-id")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_string);
+    assert_eq!(troupe_trace_id.as_deref(), Some(CALLERS_TRACE_ID));
     server.stop().await;
     guard.shutdown().await.expect("the spans are flushed to the collector");
 
@@ -149,8 +172,22 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
             span.name == "http_request" && attribute(span, "route").as_deref() == Some("/v1/agents/{id}/messages")
         })
         .collect();
-    assert_eq!(requests.len(), 1, "one request span: {:#?}", received.spans);
-    let root = requests[0];
+    assert_eq!(requests.len(), 2, "two request spans: {:#?}", received.spans);
+    // The traced request joined its caller's trace: the caller's trace id (the one the
+    // response named too) and the caller's span as its parent; its turn is in it.
+    let hex = |bytes: &[u8]| bytes.iter().map(|byte| format!("{byte:02x}")).collect::<String>();
+    let (joined, root): (Vec<&Span>, Vec<&Span>) = requests
+        .iter()
+        .partition(|span| hex(&span.trace_id) == CALLERS_TRACE_ID);
+    assert_eq!(joined.len(), 1, "one request joined the caller's trace: {requests:#?}");
+    assert_eq!(hex(&joined[0].parent_span_id), CALLERS_SPAN_ID);
+    assert!(
+        received.spans.iter().any(|span| span.name == "turn"
+            && hex(&span.trace_id) == CALLERS_TRACE_ID
+            && attribute(span, "actor").as_deref() == Some("agent/echo")),
+        "echo's turn is in the caller's trace"
+    );
+    let root = root[0];
     assert!(root.parent_span_id.is_empty(), "the request span is a root");
     assert_eq!(attribute(root, "status").as_deref(), Some("200"));
     let trace: Vec<&Span> = received
