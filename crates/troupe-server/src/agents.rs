@@ -281,13 +281,22 @@ pub(crate) async fn message(
 pub const TRACE_ID_HEADER: &str = "x-troupe-trace-id";
 
 /// The trace id of a request that enters the server: the trace-id field of its W3C
-/// `traceparent` header when it has a valid one, else a new one
+/// `traceparent` header when it has a valid one; else, when the spans are exported
+/// (feature `otel`), the id of the trace the export started for the request, so that
+/// the response names the exported trace; else a new one
 /// ([`troupe_agent::AgentClient::new_trace_id`]).
 pub(crate) fn request_trace(state: &AppState, headers: &HeaderMap) -> TraceId {
+    let exported = || {
+        #[cfg(feature = "otel")]
+        return crate::otel::exported_trace_id();
+        #[cfg(not(feature = "otel"))]
+        None
+    };
     headers
         .get("traceparent")
         .and_then(|value| value.to_str().ok())
         .and_then(TraceId::from_traceparent)
+        .or_else(exported)
         .unwrap_or_else(|| state.client.new_trace_id())
 }
 

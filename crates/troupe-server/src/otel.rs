@@ -149,6 +149,21 @@ pub(crate) fn continue_callers_trace(span: &tracing::Span, headers: &axum::http:
     }
 }
 
+/// The trace id of the export's trace the current span belongs to (a request's
+/// `http_request` span, whose trace the export started or joined), as Troupe's trace
+/// id; `None` without the export layer.
+pub(crate) fn exported_trace_id() -> Option<troupe_core::TraceId> {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let context = tracing::Span::current().context();
+    let span = context.span();
+    let exported = span.span_context();
+    exported
+        .is_valid()
+        .then(|| troupe_core::TraceId::new(u128::from_be_bytes(exported.trace_id().to_bytes())))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -135,8 +135,20 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
 
     let builder = support::agents(script(), &["caller", "echo"], KindConfig::default());
     let server = Harness::start(builder, ServerConfig::default()).await;
-    let (status, reply) = server.post("/v1/agents/caller/messages", json!({"text": "hi"})).await;
-    assert_eq!(status, 200, "{reply}");
+    let answered = server
+        .request(reqwest::Method::POST, "/v1/agents/caller/messages")
+        .json(&json!({"text": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answered.status(), 200);
+    let untraced_trace_id = answered
+        .headers()
+        .get("x-troupe-trace-id")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_string)
+        .expect("the response names its trace id");
+    let reply: serde_json::Value = answered.json().await.unwrap();
     assert_eq!(
         reply["text"],
         "caller heard: echo: [message from agent caller] from caller: hi"
@@ -188,6 +200,8 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         "echo's turn is in the caller's trace"
     );
     let root = root[0];
+    // A request without a `traceparent` is named by the trace the export started for it.
+    assert_eq!(hex(&root.trace_id), untraced_trace_id);
     assert!(root.parent_span_id.is_empty(), "the request span is a root");
     assert_eq!(attribute(root, "status").as_deref(), Some("200"));
     let trace: Vec<&Span> = received
