@@ -117,7 +117,7 @@ pub use openai::{
     RESPONSE_BODY_BYTES_MAX, RETRY_AFTER_MS_MAX, RETRY_ATTEMPT_MS_MIN, STREAM_TOOL_CALLS_MAX,
 };
 pub use org::{
-    Approval, ApprovalState, ContactKind, Link, LinkDirection, LinkRelationship, Membership, NotPermitted,
+    Approval, ApprovalState, ContactKind, Link, LinkDirection, LinkPatch, LinkRelationship, Membership, NotPermitted,
     NotPermittedReason, OrgError, OrgPolicy, Organisation, Permitted, ORG_APPROVALS_PENDING_MAX,
     ORG_APPROVALS_RESOLVED_KEPT_MAX, ORG_APPROVAL_MESSAGE_SIZE_MAX_BYTES, ORG_LINKS_MAX, ORG_PROMPT_AGENTS_LISTED_MAX,
     ORG_RULES_PER_AGENT_MAX,

@@ -135,6 +135,33 @@ impl Link {
     }
 }
 
+/// A change to some of a link's fields (`AgentClient::patch_link`): each field given
+/// replaces the link's, each left `None` keeps it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LinkPatch {
+    /// The new direction, if any.
+    #[serde(default)]
+    pub direction: Option<LinkDirection>,
+    /// The new relationship, if any.
+    #[serde(default)]
+    pub relationship: Option<LinkRelationship>,
+    /// The new enabled flag, if any.
+    #[serde(default)]
+    pub enabled: Option<bool>,
+}
+
+impl LinkPatch {
+    /// `link` with the patch's fields applied.
+    pub fn applied_to(self, link: Link) -> Link {
+        Link {
+            direction: self.direction.unwrap_or(link.direction),
+            relationship: self.relationship.unwrap_or(link.relationship),
+            enabled: self.enabled.unwrap_or(link.enabled),
+            ..link
+        }
+    }
+}
+
 /// Whether links are required.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

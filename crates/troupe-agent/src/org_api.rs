@@ -13,8 +13,8 @@ use crate::agent::{agent_id, AgentRequest};
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
 use crate::org_store::{admit_contact, Contact};
 use crate::{
-    AgentCallError, AgentClient, AgentEvent, AgentReply, Approval, ContactKind, Link, Membership, OrgError, OrgPolicy,
-    Organisation, PermissionRule,
+    AgentCallError, AgentClient, AgentEvent, AgentReply, Approval, ContactKind, Link, LinkPatch, Membership, OrgError,
+    OrgPolicy, Organisation, PermissionRule,
 };
 
 impl AgentClient {
@@ -108,6 +108,29 @@ impl AgentClient {
                 });
             }
             org.upsert_link(link.clone())
+        })
+        .await
+    }
+
+    /// Changes the fields `patch` gives of the link from `from` to `to`, keeping the
+    /// others, and returns the link as changed. The link is read and written in one
+    /// change of the organisation, so two patches of different fields made at once both
+    /// land (a [`AgentClient::update_link`] of the whole link from a copy read before
+    /// would undo the other's).
+    ///
+    /// # Errors
+    /// [`OrgError::NoSuchLink`], [`OrgError::Store`].
+    pub async fn patch_link(&self, from: &str, to: &str, patch: LinkPatch) -> Result<Link, OrgError> {
+        self.change_org(|org| {
+            let Some(link) = org.link(from, to).cloned() else {
+                return Err(OrgError::NoSuchLink {
+                    from: from.to_string(),
+                    to: to.to_string(),
+                });
+            };
+            let patched = patch.applied_to(link);
+            org.upsert_link(patched.clone())?;
+            Ok(patched)
         })
         .await
     }

@@ -29,8 +29,8 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use troupe_agent::{
-    Approval, ApprovalState, BehaviourMode, Link, LinkDirection, LinkRelationship, Membership, OrgError, OrgPolicy,
-    PermissionEffect, PermissionRule, PERMISSION_TARGET_ANY,
+    Approval, ApprovalState, BehaviourMode, Link, LinkDirection, LinkPatch, LinkRelationship, Membership, OrgError,
+    OrgPolicy, PermissionEffect, PermissionRule, PERMISSION_TARGET_ANY,
 };
 
 use crate::error::{ApiError, ApiJson};
@@ -43,7 +43,10 @@ pub(crate) fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/org/policy", get(policy).put(set_policy))
         .route("/v1/links", get(links).post(add_link))
-        .route("/v1/links/{from}/{to}", put(update_link).delete(remove_link))
+        .route(
+            "/v1/links/{from}/{to}",
+            put(update_link).patch(patch_link).delete(remove_link),
+        )
         .route("/v1/agents/{id}/permissions", get(permissions))
         .route(
             "/v1/agents/{id}/permissions/{target}",
@@ -187,6 +190,37 @@ async fn update_link(
     same_as_path("invalid_link", "to", body.to.as_ref(), &to)?;
     let link = body.link(from, to);
     state.client.update_link(link.clone()).await?;
+    Ok(Json(json!(link)))
+}
+
+/// The body of `PATCH /v1/links/{from}/{to}`: the fields to change (each left out is
+/// kept); `from` and `to`, if given, must match the path.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LinkPatchBody {
+    from: Option<String>,
+    to: Option<String>,
+    direction: Option<LinkDirection>,
+    relationship: Option<LinkRelationship>,
+    enabled: Option<bool>,
+}
+
+/// `PATCH /v1/links/{from}/{to}`: changes the fields given, keeps the others, returns
+/// the link as changed (read and written in one change of the organisation: two
+/// patches at once both land); 404 `link_not_found` if there is none.
+async fn patch_link(
+    State(state): Shared,
+    Path((from, to)): Path<(String, String)>,
+    ApiJson(body): ApiJson<LinkPatchBody>,
+) -> Result<Json<Value>, ApiError> {
+    same_as_path("invalid_link", "from", body.from.as_ref(), &from)?;
+    same_as_path("invalid_link", "to", body.to.as_ref(), &to)?;
+    let patch = LinkPatch {
+        direction: body.direction,
+        relationship: body.relationship,
+        enabled: body.enabled,
+    };
+    let link = state.client.patch_link(&from, &to, patch).await?;
     Ok(Json(json!(link)))
 }
 

@@ -218,6 +218,84 @@ async fn links_round_trip_over_rest_and_show_in_the_topology() {
     harness.stop().await;
 }
 
+/// Goal: `PATCH /v1/links/{from}/{to}` changes only the fields it is given and returns
+/// the link as changed; two patches of different fields sent at once both land (each
+/// reads and writes the link in one change of the organisation), 20 rounds on 2 worker
+/// threads; its refusals have their status and code and change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_patch_changes_only_its_fields_and_concurrent_patches_both_land() {
+    let harness = start().await;
+    let (status, body) = harness.post("/v1/links", json!({"from": "a", "to": "b"})).await;
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = harness
+        .send(Method::PATCH, "/v1/links/a/b", Some(json!({"enabled": false})))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"from": "a", "to": "b", "direction": "two_way", "relationship": "peer", "enabled": false})
+    );
+    let (status, body) = harness
+        .send(
+            Method::PATCH,
+            "/v1/links/a/b",
+            Some(json!({"from": "a", "relationship": "subordinate"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"from": "a", "to": "b", "direction": "two_way", "relationship": "subordinate", "enabled": false})
+    );
+    let (status, body) = harness.send(Method::PATCH, "/v1/links/a/b", Some(json!({}))).await;
+    assert_eq!((status, &body["relationship"]), (200, &json!("subordinate")), "{body}");
+
+    for round in 0..20 {
+        // Reset, then two patches of different fields at once.
+        let reset = json!({"direction": "two_way", "relationship": "peer", "enabled": true});
+        let (status, body) = harness.put("/v1/links/a/b", reset).await;
+        assert_eq!(status, 200, "{body}");
+        let (direction, enabled) = tokio::join!(
+            harness.send(Method::PATCH, "/v1/links/a/b", Some(json!({"direction": "one_way"}))),
+            harness.send(Method::PATCH, "/v1/links/a/b", Some(json!({"enabled": false}))),
+        );
+        assert_eq!(
+            (direction.0, enabled.0),
+            (200, 200),
+            "round {round}: {direction:?} {enabled:?}"
+        );
+        let (_, body) = harness.get("/v1/links").await;
+        assert_eq!(
+            body["links"],
+            json!([{"from": "a", "to": "b", "direction": "one_way", "relationship": "peer", "enabled": false}]),
+            "round {round}: both patches landed"
+        );
+    }
+
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        ("/v1/links/a/c", json!({"enabled": true}), 404, "link_not_found"),
+        ("/v1/links/a/b", json!({"to": "c"}), 422, "invalid_link"),
+        ("/v1/links/a/b", json!({"colour": "red"}), 422, "invalid_body"),
+        ("/v1/links/a/b", json!({"direction": "sideways"}), 422, "invalid_body"),
+        ("/v1/links/a/b", json!({"enabled": "yes"}), 422, "invalid_body"),
+    ];
+    for (path, body, expected, expected_code) in cases {
+        let (status, answer) = harness.send(Method::PATCH, path, Some(body.clone())).await;
+        assert_eq!(
+            (status, code(&answer)),
+            (expected, expected_code),
+            "{path} {body}: {answer}"
+        );
+    }
+    let (_, body) = harness.get("/v1/links").await;
+    assert_eq!(
+        body["links"],
+        json!([{"from": "a", "to": "b", "direction": "one_way", "relationship": "peer", "enabled": false}]),
+        "no refused patch changed anything"
+    );
+    harness.stop().await;
+}
+
 /// Goal: the policy, links and permission rules set over REST are what admission
 /// decides on. Method: enforced policy, no link: `a`'s call to `b` is refused (its
 /// model reads "no link"); a link added over REST lets it through; a deny rule added
