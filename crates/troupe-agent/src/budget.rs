@@ -216,6 +216,69 @@ impl AskOptions {
     }
 }
 
+/// How [`crate::AgentClient::notify_with`] sends a notification from outside.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NotifyOptions {
+    /// The caller's id for it (non-empty): a retry with the same id never makes a second
+    /// entry. Default: an id is made for it, and a retry makes another.
+    pub msg_id: Option<String>,
+    /// It is processed within this many milliseconds; default and cap as for tasks
+    /// ([`crate::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT`]).
+    pub timeout_ms: Option<u64>,
+    /// The trace the turn that processes it runs under; default none.
+    pub trace_id: Option<troupe_core::TraceId>,
+}
+
+impl NotifyOptions {
+    /// These options with the caller's id `msg_id`.
+    #[must_use]
+    pub fn msg_id(mut self, msg_id: impl Into<String>) -> Self {
+        self.msg_id = Some(msg_id.into());
+        self
+    }
+
+    /// These options with a timeout of `timeout_ms`.
+    #[must_use]
+    pub fn timeout_ms(mut self, timeout_ms: u64) -> Self {
+        self.timeout_ms = Some(timeout_ms);
+        self
+    }
+
+    /// These options with trace id `trace_id`.
+    #[must_use]
+    pub fn traced(mut self, trace_id: troupe_core::TraceId) -> Self {
+        self.trace_id = Some(trace_id);
+        self
+    }
+}
+
+/// How [`crate::AgentClient::delegate_with`] makes an agent delegate a task.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DelegateOptions {
+    /// The task's deadline, this many milliseconds from now; default and cap
+    /// [`crate::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT`] and its maximum.
+    pub timeout_ms: Option<u64>,
+    /// The trace the delegation runs under: the delegating agent's turn, the task's turn
+    /// and the turn that takes its result back; default none.
+    pub trace_id: Option<troupe_core::TraceId>,
+}
+
+impl DelegateOptions {
+    /// These options with a timeout of `timeout_ms`.
+    #[must_use]
+    pub fn timeout_ms(mut self, timeout_ms: u64) -> Self {
+        self.timeout_ms = Some(timeout_ms);
+        self
+    }
+
+    /// These options with trace id `trace_id`.
+    #[must_use]
+    pub fn traced(mut self, trace_id: troupe_core::TraceId) -> Self {
+        self.trace_id = Some(trace_id);
+        self
+    }
+}
+
 #[derive(Debug, Default)]
 struct MeterState {
     spent: Spend,

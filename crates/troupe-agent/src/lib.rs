@@ -84,7 +84,7 @@ pub use agent::{
     agent_id, AgentCatalog, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ContextWindow,
     ModelSettings, AGENT_KIND,
 };
-pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, Spend};
+pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, DelegateOptions, NotifyOptions, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
 pub use config::{
     AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, RemoteAgentConfig, CONFIG_AGENTS_MAX,

@@ -25,8 +25,8 @@ use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use crate::{
     AgentCallError, AgentCatalog, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec,
-    AgentSpecError, Budget, CallOutcome, ChatMessage, InboxError, LlmClient, MessageKind, TaskState, TaskStatus, Tool,
-    ToolRegistry, ToolRegistryError,
+    AgentSpecError, Budget, CallOutcome, ChatMessage, DelegateOptions, InboxError, LlmClient, MessageKind,
+    NotifyOptions, TaskState, TaskStatus, Tool, ToolRegistry, ToolRegistryError,
 };
 
 /// Why an [`AgentSystem`] could not start.
@@ -467,7 +467,7 @@ impl AgentClient {
     /// # Errors
     /// As [`AgentClient::notify_with_id`].
     pub async fn notify(&self, agent: &str, text: &str) -> Result<String, InboxError> {
-        self.append_notification(agent, "", text, None).await
+        self.append_notification(agent, "", text, None, None).await
     }
 
     /// Sends agent `agent` notification `msg_id` (non-empty, chosen by the caller) from
@@ -490,9 +490,30 @@ impl AgentClient {
         if msg_id.is_empty() {
             return Err(InboxError::EmptyMessageId);
         }
-        self.append_notification(agent, msg_id, text, timeout_ms)
+        self.append_notification(agent, msg_id, text, timeout_ms, None)
             .await
             .map(|_| ())
+    }
+
+    /// Sends agent `agent` a notification from outside with `options` (its id, its
+    /// timeout, the trace the turn that processes it runs under); returns its id once
+    /// it is persisted in the agent's inbox, as [`AgentClient::notify_with_id`] (with
+    /// an id) or [`AgentClient::notify`] (without) do.
+    ///
+    /// # Errors
+    /// As [`AgentClient::notify_with_id`].
+    pub async fn notify_with(&self, agent: &str, text: &str, options: NotifyOptions) -> Result<String, InboxError> {
+        let NotifyOptions {
+            msg_id,
+            timeout_ms,
+            trace_id,
+        } = options;
+        if msg_id.as_deref() == Some("") {
+            return Err(InboxError::EmptyMessageId);
+        }
+        let msg_id = msg_id.unwrap_or_default();
+        self.append_notification(agent, &msg_id, text, timeout_ms, trace_id)
+            .await
     }
 
     async fn append_notification(
@@ -501,16 +522,21 @@ impl AgentClient {
         msg_id: &str,
         text: &str,
         timeout_ms: Option<u64>,
+        trace_id: Option<TraceId>,
     ) -> Result<String, InboxError> {
         let target = self.known_agent(agent).await?;
         let now = self.runtime.now();
+        let mut context = CallContext::root(task_deadline(now, timeout_ms));
+        if let Some(trace) = trace_id {
+            context = context.with_trace_id(trace);
+        }
         let entry = InboxEntry {
             msg_id: msg_id.to_string(),
             from: None,
             body: InboxBody::Notify {
                 text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
             },
-            context: CallContext::root(task_deadline(now, timeout_ms)),
+            context,
             budget: Budget::UNLIMITED,
             pair: None,
         };
@@ -549,7 +575,7 @@ impl AgentClient {
     /// [`InboxError::Refused`], [`InboxError::OutboxFull`],
     /// [`InboxError::InvalidAgentId`], [`InboxError::Invoke`].
     pub async fn notify_as(&self, from: &str, to: &str, text: &str) -> Result<String, InboxError> {
-        self.send_as(from, to, text, None, false).await
+        self.send_as(from, to, text, None, false, None).await
     }
 
     /// Makes agent `from` delegate `text` to agent `to`, as its `delegate_to_agent`
@@ -568,7 +594,24 @@ impl AgentClient {
         text: &str,
         timeout_ms: Option<u64>,
     ) -> Result<String, InboxError> {
-        self.send_as(from, to, text, timeout_ms, true).await
+        self.send_as(from, to, text, timeout_ms, true, None).await
+    }
+
+    /// [`AgentClient::delegate`] with `options`: its timeout, and the trace the
+    /// delegation runs under (the delegating agent's turn, the task's turn at `to`, and
+    /// the turn that takes the result back at `from`).
+    ///
+    /// # Errors
+    /// As [`AgentClient::notify_as`].
+    pub async fn delegate_with(
+        &self,
+        from: &str,
+        to: &str,
+        text: &str,
+        options: DelegateOptions,
+    ) -> Result<String, InboxError> {
+        self.send_as(from, to, text, options.timeout_ms, true, options.trace_id)
+            .await
     }
 
     async fn send_as(
@@ -578,6 +621,7 @@ impl AgentClient {
         text: &str,
         timeout_ms: Option<u64>,
         task: bool,
+        trace_id: Option<TraceId>,
     ) -> Result<String, InboxError> {
         let sender = self.known_agent(from).await?;
         let command = if task {
@@ -593,7 +637,7 @@ impl AgentClient {
                 timeout_ms,
             }
         };
-        match self.command(&sender, command).await? {
+        match self.command_traced(&sender, command, trace_id).await? {
             SendReply::Sent(id) => Ok(id),
             SendReply::Refused(refused) => Err(InboxError::Refused(refused)),
             SendReply::NotPermitted(refused) => Err(InboxError::NotPermitted(refused)),
@@ -629,6 +673,24 @@ impl AgentClient {
                 cause: format!("unexpected reply {other:?}"),
             }),
         }
+    }
+
+    /// [`AgentClient::command`], its turn under trace id `trace_id` (if any).
+    async fn command_traced(
+        &self,
+        agent: &ActorId,
+        command: AgentCommand,
+        trace_id: Option<TraceId>,
+    ) -> Result<SendReply, InboxError> {
+        let Some(trace) = trace_id else {
+            return self.command(agent, command).await;
+        };
+        let deadline = self
+            .runtime
+            .deadline_in(Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT));
+        let context = CallContext::root(deadline).with_trace_id(trace);
+        let reply = self.runtime.invoke_routed_in(agent, command.encode(), context).await?;
+        decode_reply(&reply)
     }
 
     pub(crate) async fn command(&self, agent: &ActorId, command: AgentCommand) -> Result<SendReply, InboxError> {

@@ -230,6 +230,83 @@ async fn a_delegated_task_round_trips_in_sqlite() {
     delegate_round_trip(Arc::new(store)).await;
 }
 
+/// The agents (by key) and trace ids of the conversation turns the recorder saw start.
+fn turn_traces(recorder: &CallRecorder) -> Vec<(String, Option<troupe_core::TraceId>)> {
+    recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            AgentEvent::TurnStarted { agent, trace_id, .. } => Some((agent.key().to_string(), trace_id)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Goal: a notification and a delegation sent from outside with a trace id run under
+/// it: the notification's turn; the task's turn at the delegatee and the delegator's
+/// turn on its result (the result keeps the task's trace); untraced ones run untraced.
+#[tokio::test(start_paused = true)]
+async fn traced_notifications_and_delegations_run_under_their_trace_id() {
+    let llm = slow_then_fast_analyst().rule(
+        ScriptRule::agent("coordinator")
+            .on_user_containing("you delegated is")
+            .reply("seen"),
+    );
+    let recorder = CallRecorder::new();
+    let system = start(
+        &llm,
+        &["coordinator", "analyst"],
+        Arc::new(MemoryStore::new()),
+        &recorder,
+    );
+    let noted = troupe_core::TraceId::new(0x1111);
+    let options = troupe_agent::NotifyOptions::default().msg_id("n-1").traced(noted);
+    assert_eq!(
+        system.notify_with("analyst", "[task-like] fyi", options).await.unwrap(),
+        "n-1"
+    );
+    settle().await;
+    assert_eq!(turn_traces(&recorder), [("analyst".to_string(), Some(noted))]);
+    let empty = troupe_agent::NotifyOptions::default().msg_id("");
+    assert!(matches!(
+        system.notify_with("analyst", "x", empty).await,
+        Err(InboxError::EmptyMessageId)
+    ));
+
+    let delegated = troupe_core::TraceId::new(0x2222);
+    let options = troupe_agent::DelegateOptions::default().traced(delegated);
+    let task = system
+        .delegate_with("coordinator", "analyst", "crunch", options)
+        .await
+        .unwrap();
+    settle().await;
+    let status = system.task("coordinator", &task).await.unwrap().unwrap();
+    assert_eq!(status.state, TaskState::Completed);
+    assert_eq!(
+        turn_traces(&recorder)[1..],
+        [
+            ("analyst".to_string(), Some(delegated)),
+            ("coordinator".to_string(), Some(delegated)),
+        ],
+        "the task's turn, then the result's"
+    );
+
+    let untraced = system
+        .delegate("coordinator", "analyst", "crunch again", None)
+        .await
+        .unwrap();
+    settle().await;
+    assert_eq!(
+        system.task("coordinator", &untraced).await.unwrap().unwrap().state,
+        TaskState::Completed
+    );
+    assert_eq!(
+        turn_traces(&recorder)[3..],
+        [("analyst".to_string(), None), ("coordinator".to_string(), None)]
+    );
+    system.shutdown().await;
+}
+
 /// Goal: a dedupe mark (`seen/`) is kept only for a message that needs one to be known
 /// again: a notification with an id from outside gets one; a delegated task (its place
 /// in the pair's order dedupes it), a task's result (its task record) and an id-less

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use troupe_agent::{AgentReply, AgentSpec, AskOptions, DirectoryError, TaskStatus};
+use troupe_agent::{AgentReply, AgentSpec, AskOptions, DelegateOptions, DirectoryError, NotifyOptions, TaskStatus};
 use troupe_core::TraceId;
 
 use crate::error::{ApiError, ApiJson, ApiQuery};
@@ -368,26 +368,29 @@ pub(crate) struct NotifyBody {
 }
 
 /// `POST /v1/agents/{id}/notify`: 202 once the notification is persisted in the agent's
-/// inbox. With `msg_id`, retrying never makes a second entry.
+/// inbox. With `msg_id`, retrying never makes a second entry. The turn that processes
+/// it runs under the request's trace id, which the response names.
 pub(crate) async fn notify(
     State(state): Shared,
     Path(agent): Path<String>,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<NotifyBody>,
 ) -> Result<Response, ApiError> {
     known(&state, &agent).await?;
     check_text(&body.text)?;
     let timeout_ms = check_timeout(body.timeout_ms)?;
-    let msg_id = match body.msg_id {
-        Some(msg_id) => {
-            state
-                .client
-                .notify_with_id(&agent, &msg_id, &body.text, timeout_ms)
-                .await?;
-            msg_id
-        }
-        None => state.client.notify(&agent, &body.text).await?,
+    let trace = request_trace(&state, &headers);
+    let options = NotifyOptions {
+        msg_id: body.msg_id,
+        timeout_ms,
+        trace_id: Some(trace),
     };
-    Ok((StatusCode::ACCEPTED, Json(json!({ "msg_id": msg_id }))).into_response())
+    let sent = state.client.notify_with(&agent, &body.text, options).await;
+    Ok(with_trace(
+        sent.map(|msg_id| (StatusCode::ACCEPTED, Json(json!({ "msg_id": msg_id }))).into_response())
+            .map_err(ApiError::from),
+        trace,
+    ))
 }
 
 /// The body of `POST /v1/agents/{id}/tasks`.
@@ -400,17 +403,29 @@ pub(crate) struct DelegateBody {
 }
 
 /// `POST /v1/agents/{id}/tasks`: agent `id` delegates `text` to agent `to`; 202 with the
-/// task id once the task is committed to its outbox.
+/// task id once the task is committed to its outbox. The delegation runs under the
+/// request's trace id (the delegating turn, the task's turn, the turn that takes the
+/// result back), which the response names.
 pub(crate) async fn delegate(
     State(state): Shared,
     Path(agent): Path<String>,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<DelegateBody>,
 ) -> Result<Response, ApiError> {
     known(&state, &agent).await?;
     check_text(&body.text)?;
     let timeout_ms = check_timeout(body.timeout_ms)?;
-    let task_id = state.client.delegate(&agent, &body.to, &body.text, timeout_ms).await?;
-    Ok((StatusCode::ACCEPTED, Json(json!({ "task_id": task_id }))).into_response())
+    let trace = request_trace(&state, &headers);
+    let options = DelegateOptions {
+        timeout_ms,
+        trace_id: Some(trace),
+    };
+    let sent = state.client.delegate_with(&agent, &body.to, &body.text, options).await;
+    Ok(with_trace(
+        sent.map(|task_id| (StatusCode::ACCEPTED, Json(json!({ "task_id": task_id }))).into_response())
+            .map_err(ApiError::from),
+        trace,
+    ))
 }
 
 /// `GET /v1/agents/{id}/tasks/{task}`: the delegator's committed record of the task.

@@ -9,6 +9,7 @@
 #![cfg(not(madsim))]
 
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tracing::field::{Field, Visit};
@@ -20,7 +21,7 @@ use troupe_runtime::KindConfig;
 use troupe_server::{ServerConfig, TRACE_ID_HEADER};
 
 mod support;
-use support::Harness;
+use support::{Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
 /// A `turn` span: its actor and trace id (empty when it had none).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -167,6 +168,96 @@ async fn a_rest_message_gets_a_trace_id_that_every_turn_of_its_request_runs_unde
     let (status, failed, _) = post(&server, "/v1/agents/echo/messages", json!({"text": ""}), None).await;
     assert_eq!(status, 422);
     assert_eq!(failed, "", "a request refused before it runs has no trace id");
+    server.stop().await;
+}
+
+/// How many turns of each agent (by key) ran under `trace`, by agent.
+fn turns_traced(trace: &str) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for turn in turns().lock().unwrap().iter().filter(|turn| turn.trace_id == trace) {
+        let agent = turn.actor.rsplit('/').next().unwrap_or_default().to_string();
+        *counts.entry(agent).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Waits until `done` holds for the turns traced under `trace` (at most
+/// `TEST_WAIT_MS_MAX`), then returns them.
+async fn wait_for_turns(
+    trace: &str,
+    done: impl Fn(&std::collections::BTreeMap<String, usize>) -> bool,
+) -> std::collections::BTreeMap<String, usize> {
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let counts = turns_traced(trace);
+            if done(&counts) {
+                return counts;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    waited.unwrap_or_else(|_| panic!("turns under {trace}: {:?}", turns_traced(trace)))
+}
+
+/// Goal: a notification and a delegation sent over REST run under the request's trace
+/// id, which the 202 names: the turn that processes the notification; the delegating
+/// turn, the task's turn at the delegatee, and the delegator's turn on the result
+/// (which comes back under the task's trace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rest_notification_and_delegation_run_under_the_requests_trace_id() {
+    let server = start().await;
+    let notified = "1bf92f3577b34da6a3ce929d0e0e4736";
+    let (status, trace, body) = post(
+        &server,
+        "/v1/agents/echo/notify",
+        json!({"text": "fyi", "msg_id": "n-1"}),
+        Some(&format!("00-{notified}-00f067aa0ba902b7-01")),
+    )
+    .await;
+    assert_eq!((status, trace.as_str()), (202, notified), "{body}");
+    let counts = wait_for_turns(notified, |counts| counts.contains_key("echo")).await;
+    assert_eq!(counts.keys().collect::<Vec<_>>(), ["echo"], "{counts:?}");
+
+    // Without a traceparent: a new id, named by the response, and the turn runs under it.
+    let (status, fresh, body) = post(&server, "/v1/agents/echo/notify", json!({"text": "again"}), None).await;
+    assert_eq!(status, 202, "{body}");
+    assert!(TraceId::parse_hex(&fresh).is_some(), "{fresh:?}");
+    wait_for_turns(&fresh, |counts| counts.contains_key("echo")).await;
+
+    let delegated = "2bf92f3577b34da6a3ce929d0e0e4736";
+    let (status, trace, body) = post(
+        &server,
+        "/v1/agents/caller/tasks",
+        json!({"to": "echo", "text": "do it"}),
+        Some(&format!("00-{delegated}-00f067aa0ba902b7-01")),
+    )
+    .await;
+    assert_eq!((status, trace.as_str()), (202, delegated), "{body}");
+    let task = body["task_id"].as_str().unwrap().to_string();
+    // The delegating turn and the result's turn at the caller, the task's at echo.
+    let counts = wait_for_turns(delegated, |counts| {
+        counts.get("caller").copied().unwrap_or(0) >= 2 && counts.contains_key("echo")
+    })
+    .await;
+    assert!(
+        counts.keys().all(|agent| agent == "caller" || agent == "echo"),
+        "{counts:?}"
+    );
+    let (status, record) = server.get(&format!("/v1/agents/caller/tasks/{task}")).await;
+    assert_eq!(status, 200, "{record}");
+    assert_eq!(record["state"], "completed", "{record}");
+
+    // A request refused before it runs (an unknown target) still names its trace.
+    let (status, refused, _) = post(
+        &server,
+        "/v1/agents/caller/tasks",
+        json!({"to": "nobody", "text": "x"}),
+        None,
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert!(TraceId::parse_hex(&refused).is_some(), "{refused:?}");
     server.stop().await;
 }
 
