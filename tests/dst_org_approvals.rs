@@ -281,7 +281,7 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
                     );
                     *outcomes.entry("denied").or_default() += 1;
                 }
-                troupe::agent::ApprovalState::Pending => {
+                troupe::agent::ApprovalState::Pending | troupe::agent::ApprovalState::Expired => {
                     assert_eq!(task.state, TaskState::Failed, "round {round}: {task_id}: {result}");
                     assert!(result.contains("still pending at the deadline"), "{result}");
                     assert!(

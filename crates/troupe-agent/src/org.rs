@@ -38,6 +38,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use troupe_core::Deadline;
 
 use crate::permissions::{resolve_permission, BehaviourMode, PermissionRule, PermissionVerdict, RuleMatch};
 
@@ -359,6 +360,17 @@ pub enum OrgError {
         /// Its id.
         id: u64,
     },
+    /// The approval's contact stopped waiting for it (its deadline passed while it was
+    /// pending): approving or denying it would change nothing. It is now
+    /// [`ApprovalState::Expired`].
+    #[error(
+        "approval {id} expired: the contact waiting for it reached its deadline and was refused as timed out; \
+         nothing waits for this approval any more (the sender may try again, which asks for a new one)"
+    )]
+    Expired {
+        /// Its id.
+        id: u64,
+    },
     /// A config file names a model provider or tool the system does not have; nothing
     /// was applied.
     #[error(transparent)]
@@ -375,6 +387,11 @@ pub enum ApprovalState {
     Approved,
     /// Denied: the contact is refused.
     Denied,
+    /// Nobody waits for it any more: its contact's deadline passed while it was still
+    /// pending (the contact was refused as timed out), so approving or denying it would
+    /// change nothing. Made when it is resolved too late, or when a new approval is
+    /// requested after its deadline; read as such from then on ([`Approval::state_at`]).
+    Expired,
 }
 
 /// A durable record of a contact that waits for approval.
@@ -390,8 +407,32 @@ pub struct Approval {
     pub kind: ContactKind,
     /// The start of the message, at most [`ORG_APPROVAL_MESSAGE_SIZE_MAX_BYTES`].
     pub message: String,
-    /// Where it stands.
+    /// Where it stands (as stored: see [`Approval::state_at`]).
     pub state: ApprovalState,
+    /// When its contact stops waiting for it (the call's or the task's deadline): after
+    /// it, a pending approval is [`ApprovalState::Expired`]. `None` in records stored
+    /// before 2026-12-01, which never expire.
+    #[serde(default)]
+    pub deadline: Option<Deadline>,
+}
+
+impl Approval {
+    /// Where it stands at `now`: a pending approval whose deadline has passed is
+    /// [`ApprovalState::Expired`] (whether or not that was stored yet).
+    pub fn state_at(&self, now: Deadline) -> ApprovalState {
+        match self.state {
+            ApprovalState::Pending if self.deadline.is_some_and(|deadline| deadline.has_passed(now)) => {
+                ApprovalState::Expired
+            }
+            state => state,
+        }
+    }
+
+    /// It as it stands at `now` ([`Approval::state_at`]).
+    pub fn at(mut self, now: Deadline) -> Self {
+        self.state = self.state_at(now);
+        self
+    }
 }
 
 /// The organisation's whole state: what the store keeps and admission reads.
@@ -581,17 +622,24 @@ impl Organisation {
         removed
     }
 
-    /// Records a pending approval for `from` contacting `to`; returns its id.
+    /// Records a pending approval for `from` contacting `to`, whose contact waits until
+    /// `deadline`; returns its id. Pending approvals whose deadline has passed at `now`
+    /// are marked [`ApprovalState::Expired`] first, so that abandoned ones do not hold
+    /// the room of [`ORG_APPROVALS_PENDING_MAX`].
     ///
     /// # Errors
-    /// [`OrgError::TooMany`] if [`ORG_APPROVALS_PENDING_MAX`] are pending.
+    /// [`OrgError::TooMany`] if [`ORG_APPROVALS_PENDING_MAX`] are pending (and not past
+    /// their deadline).
     pub fn request_approval(
         &mut self,
         from: &str,
         to: &str,
         kind: ContactKind,
         message: &str,
+        deadline: Deadline,
+        now: Deadline,
     ) -> Result<u64, OrgError> {
+        self.expire_approvals(now);
         if self.pending_approvals().len() >= ORG_APPROVALS_PENDING_MAX {
             return Err(OrgError::TooMany {
                 what: "pending approvals",
@@ -608,28 +656,57 @@ impl Organisation {
             kind,
             message,
             state: ApprovalState::Pending,
+            deadline: Some(deadline),
         };
         self.approvals.insert(id, approval);
         self.bump();
         Ok(id)
     }
 
-    /// Approves (`approve`) or denies pending approval `id`; returns the record.
+    /// Marks every pending approval whose deadline has passed at `now` as
+    /// [`ApprovalState::Expired`]; returns how many.
+    pub fn expire_approvals(&mut self, now: Deadline) -> usize {
+        let mut expired = 0;
+        for approval in self.approvals.values_mut() {
+            if approval.state == ApprovalState::Pending && approval.state_at(now) == ApprovalState::Expired {
+                approval.state = ApprovalState::Expired;
+                expired += 1;
+            }
+        }
+        if expired > 0 {
+            self.trim_resolved();
+            self.bump();
+        }
+        expired
+    }
+
+    /// Approves (`approve`) or denies pending approval `id` at `now`; returns the
+    /// record. One whose deadline has passed is marked [`ApprovalState::Expired`]
+    /// instead, and returned so: nothing waits for it any more (the caller reports
+    /// [`OrgError::Expired`], after the change is stored).
     ///
     /// # Errors
     /// [`OrgError::NotPending`] if there is no such approval or it is resolved.
-    pub fn resolve_approval(&mut self, id: u64, approve: bool) -> Result<Approval, OrgError> {
+    pub fn resolve_approval(&mut self, id: u64, approve: bool, now: Deadline) -> Result<Approval, OrgError> {
         let approval = self
             .approvals
             .get_mut(&id)
             .filter(|approval| approval.state == ApprovalState::Pending)
             .ok_or(OrgError::NotPending { id })?;
-        approval.state = if approve {
-            ApprovalState::Approved
-        } else {
-            ApprovalState::Denied
+        approval.state = match approval.state_at(now) {
+            ApprovalState::Expired => ApprovalState::Expired,
+            _ if approve => ApprovalState::Approved,
+            _ => ApprovalState::Denied,
         };
         let resolved = approval.clone();
+        self.trim_resolved();
+        self.bump();
+        Ok(resolved)
+    }
+
+    /// Keeps at most [`ORG_APPROVALS_RESOLVED_KEPT_MAX`] resolved (or expired)
+    /// approvals, the newest.
+    fn trim_resolved(&mut self) {
         let mut resolved_ids: Vec<u64> = self
             .approvals
             .values()
@@ -639,8 +716,6 @@ impl Organisation {
         while resolved_ids.len() > ORG_APPROVALS_RESOLVED_KEPT_MAX {
             self.approvals.remove(&resolved_ids.remove(0));
         }
-        self.bump();
-        Ok(resolved)
     }
 
     /// Approval `id`, if it is pending or among the last resolved.
@@ -648,11 +723,22 @@ impl Organisation {
         self.approvals.get(&id)
     }
 
-    /// Every pending approval, oldest first.
+    /// Every approval stored as pending, oldest first (some may be past their deadline:
+    /// see [`Organisation::pending_approvals_at`]).
     pub fn pending_approvals(&self) -> Vec<Approval> {
         self.approvals
             .values()
             .filter(|approval| approval.state == ApprovalState::Pending)
+            .cloned()
+            .collect()
+    }
+
+    /// Every approval pending at `now` (stored as pending, its deadline not passed),
+    /// oldest first.
+    pub fn pending_approvals_at(&self, now: Deadline) -> Vec<Approval> {
+        self.approvals
+            .values()
+            .filter(|approval| approval.state_at(now) == ApprovalState::Pending)
             .cloned()
             .collect()
     }
@@ -820,6 +906,81 @@ impl Organisation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: an approval reads expired from its deadline on (a deadline equal to now
+    /// has passed); resolved in time it is approved or denied, resolved at or after its
+    /// deadline it is stored as expired and resolving again is refused; expired ones do
+    /// not hold the room of the pending maximum, and a new request after their deadline
+    /// marks them expired; a record without a deadline (stored before) never expires.
+    #[test]
+    fn an_approval_past_its_deadline_expires_and_frees_its_room() {
+        let at = Deadline::from_micros;
+        let mut org = Organisation::default();
+        let id = org
+            .request_approval("a", "b", ContactKind::Ask, "hi", at(100), at(0))
+            .unwrap();
+        let approval = org.approval(id).unwrap().clone();
+        assert_eq!(approval.deadline, Some(at(100)));
+        assert_eq!(approval.state_at(at(99)), ApprovalState::Pending);
+        assert_eq!(approval.state_at(at(100)), ApprovalState::Expired);
+        assert_eq!(org.pending_approvals_at(at(99)).len(), 1);
+        assert_eq!(org.pending_approvals_at(at(100)).len(), 0);
+
+        let mut late = org.clone();
+        assert_eq!(
+            late.resolve_approval(id, true, at(100)).unwrap().state,
+            ApprovalState::Expired
+        );
+        assert_eq!(
+            late.approval(id).unwrap().state,
+            ApprovalState::Expired,
+            "stored as expired"
+        );
+        assert_eq!(
+            late.resolve_approval(id, false, at(100)),
+            Err(OrgError::NotPending { id })
+        );
+        let mut in_time = org.clone();
+        assert_eq!(
+            in_time.resolve_approval(id, true, at(99)).unwrap().state,
+            ApprovalState::Approved
+        );
+        assert_eq!(
+            org.resolve_approval(id, false, at(99)).unwrap().state,
+            ApprovalState::Denied
+        );
+
+        // The room of the pending maximum.
+        let mut full = Organisation::default();
+        for n in 0..ORG_APPROVALS_PENDING_MAX {
+            full.request_approval("a", "b", ContactKind::Ask, &n.to_string(), at(1_000), at(0))
+                .unwrap();
+        }
+        assert!(matches!(
+            full.request_approval("a", "b", ContactKind::Ask, "one more", at(5_000), at(999)),
+            Err(OrgError::TooMany { .. })
+        ));
+        let newest = full
+            .request_approval("a", "b", ContactKind::Ask, "one more", at(5_000), at(1_000))
+            .unwrap();
+        let pending = full.pending_approvals();
+        assert_eq!(pending.len(), 1, "the expired ones are stored as expired");
+        assert_eq!(pending[0].id, newest);
+        let expired = full
+            .approvals
+            .values()
+            .filter(|approval| approval.state == ApprovalState::Expired)
+            .count();
+        assert_eq!(expired, ORG_APPROVALS_RESOLVED_KEPT_MAX.min(ORG_APPROVALS_PENDING_MAX));
+
+        // A record stored before deadlines were kept never expires.
+        let old: Approval = serde_json::from_str(
+            r#"{"id": 7, "from": "a", "to": "b", "kind": "ask", "message": "hi", "state": "pending"}"#,
+        )
+        .unwrap();
+        assert_eq!(old.deadline, None);
+        assert_eq!(old.state_at(at(u64::MAX)), ApprovalState::Pending);
+    }
 
     fn org(policy: OrgPolicy) -> Organisation {
         let mut org = Organisation::default();

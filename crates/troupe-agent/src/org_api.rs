@@ -13,8 +13,8 @@ use crate::agent::{agent_id, AgentRequest};
 use crate::limits::AGENT_MESSAGE_SIZE_MAX_BYTES;
 use crate::org_store::{admit_contact, Contact};
 use crate::{
-    AgentCallError, AgentClient, AgentEvent, AgentReply, Approval, ContactKind, Link, LinkPatch, Membership, OrgError,
-    OrgPolicy, Organisation, PermissionRule,
+    AgentCallError, AgentClient, AgentEvent, AgentReply, Approval, ApprovalState, ContactKind, Link, LinkPatch,
+    Membership, OrgError, OrgPolicy, Organisation, PermissionRule,
 };
 
 impl AgentClient {
@@ -68,7 +68,12 @@ impl AgentClient {
 
     /// Resolves approval `id` and reports it as [`AgentEvent::ApprovalResolved`].
     async fn resolve_approval(&self, id: u64, approve: bool) -> Result<Approval, OrgError> {
-        let approval = self.change_org(|org| org.resolve_approval(id, approve)).await?;
+        let now = self.runtime.clock().now();
+        let approval = self.change_org(|org| org.resolve_approval(id, approve, now)).await?;
+        if approval.state == ApprovalState::Expired {
+            // Stored as expired: nothing waits for it, so nothing was resolved.
+            return Err(OrgError::Expired { id });
+        }
         self.shared.emit(&AgentEvent::ApprovalResolved {
             approval: approval.clone(),
             at: self.runtime.clock().now(),
@@ -193,14 +198,31 @@ impl AgentClient {
     /// # Errors
     /// As [`AgentClient::organisation`].
     pub async fn pending_approvals(&self) -> Result<Vec<Approval>, OrgError> {
-        Ok(self.organisation().await?.pending_approvals())
+        let now = self.runtime.clock().now();
+        Ok(self.organisation().await?.pending_approvals_at(now))
     }
 
-    /// Approves pending approval `id`: the contact waiting for it proceeds (if its
-    /// deadline has not passed and the organisation still allows it).
+    /// Approval `id` as it stands now (a pending one past its deadline reads
+    /// [`ApprovalState::Expired`]), if it is pending or among the last resolved.
     ///
     /// # Errors
-    /// [`OrgError::NotPending`], [`OrgError::Store`].
+    /// As [`AgentClient::organisation`].
+    pub async fn approval(&self, id: u64) -> Result<Option<Approval>, OrgError> {
+        let now = self.runtime.clock().now();
+        Ok(self
+            .organisation()
+            .await?
+            .approval(id)
+            .cloned()
+            .map(|approval| approval.at(now)))
+    }
+
+    /// Approves pending approval `id`: the contact waiting for it proceeds (if the
+    /// organisation still allows it).
+    ///
+    /// # Errors
+    /// [`OrgError::NotPending`], [`OrgError::Expired`] (its contact's deadline passed: it
+    /// is marked expired, nothing proceeds), [`OrgError::Store`].
     pub async fn approve(&self, id: u64) -> Result<Approval, OrgError> {
         self.resolve_approval(id, true).await
     }
@@ -210,7 +232,7 @@ impl AgentClient {
     /// result).
     ///
     /// # Errors
-    /// [`OrgError::NotPending`], [`OrgError::Store`].
+    /// [`OrgError::NotPending`], [`OrgError::Expired`], [`OrgError::Store`].
     pub async fn deny(&self, id: u64) -> Result<Approval, OrgError> {
         self.resolve_approval(id, false).await
     }

@@ -382,7 +382,7 @@ pub(crate) async fn decide_contact(
             let id = shared
                 .org
                 .change(store, clock, |org| {
-                    org.request_approval(from, to, kind, contact.message)
+                    org.request_approval(from, to, kind, contact.message, contact.deadline, clock.now())
                 })
                 .await
                 .map_err(unavailable)?;
@@ -430,7 +430,9 @@ pub(crate) async fn await_approval(
             other => other,
         },
         Some(ApprovalState::Denied) => Err(refusal(contact, NotPermittedReason::ApprovalDenied { id })),
-        Some(ApprovalState::Pending) | None => Err(refusal(contact, NotPermittedReason::ApprovalTimedOut { id })),
+        Some(ApprovalState::Pending | ApprovalState::Expired) | None => {
+            Err(refusal(contact, NotPermittedReason::ApprovalTimedOut { id }))
+        }
     };
     emit_decided(shared, clock, contact, now.version(), decision.is_ok());
     decision

@@ -318,7 +318,8 @@ async fn a_call_needing_approval_waits_and_proceeds_or_is_refused() {
 
     // Nobody answers: refused at the call's deadline (call_agent's 30 s default).
     let reply = system.ask("a", "go").await.unwrap();
-    let id = system.pending_approvals().await.unwrap()[0].id;
+    // Still stored as pending, but past its deadline.
+    let id = system.organisation().await.unwrap().pending_approvals()[0].id;
     assert_eq!(
         reply.text,
         format!(
@@ -326,13 +327,23 @@ async fn a_call_needing_approval_waits_and_proceeds_or_is_refused() {
              approval {id} was still pending at the deadline"
         )
     );
+    // Nothing waits for it: it reads expired, is not listed, and approving it is
+    // refused (and stores it as expired).
+    assert!(system.pending_approvals().await.unwrap().is_empty());
+    assert_eq!(
+        system.approval(id).await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+    assert_eq!(system.approve(id).await, Err(OrgError::Expired { id }));
+    assert_eq!(system.deny(id).await, Err(OrgError::NotPending { id }));
     assert_eq!(llm.requests_of("b").len(), 1, "only the approved call reached b");
     system.shutdown().await;
 
-    // The pending record and the membership are in the store.
+    // The expired record and the membership are in the store.
     let again = start_on(&llm, &["a", "b"], store);
     let org = again.organisation().await.unwrap();
-    assert_eq!(org.pending_approvals().len(), 1);
+    assert_eq!(org.approval(id).unwrap().state, ApprovalState::Expired);
+    assert!(org.pending_approvals().is_empty());
     assert_eq!(org.membership("a").mode, BehaviourMode::Supervised);
     again.shutdown().await;
 }

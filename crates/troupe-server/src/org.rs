@@ -78,6 +78,7 @@ impl From<OrgError> for ApiError {
             OrgError::TooMany { .. } => Self::new(StatusCode::CONFLICT, "org_full", message),
             OrgError::ManagerCycle { .. } => Self::new(StatusCode::CONFLICT, "manager_cycle", message),
             OrgError::NotPending { .. } => Self::new(StatusCode::CONFLICT, "approval_not_pending", message),
+            OrgError::Expired { .. } => Self::new(StatusCode::CONFLICT, "approval_expired", message),
             OrgError::Store(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message),
             OrgError::Decode { .. } => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "org_unreadable", message),
             OrgError::Config(_) => Self::unprocessable("invalid_config", message),
@@ -365,11 +366,14 @@ async fn approvals(State(state): Shared) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!({ "approvals": pending })))
 }
 
-/// `GET /v1/approvals/{id}`: a pending approval or one of the last resolved.
+/// `GET /v1/approvals/{id}`: a pending approval or one of the last resolved, as it
+/// stands now (a pending one past its deadline reads `expired`).
 async fn approval(State(state): Shared, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let id = approval_id(&id)?;
-    let org = state.client.organisation().await?;
-    org.approval(id)
+    state
+        .client
+        .approval(id)
+        .await?
         .map(|approval| Json(json!(approval)))
         .ok_or_else(|| approval_not_found(id))
 }
@@ -393,6 +397,7 @@ async fn resolve(state: &AppState, id: &str, approve: bool) -> Result<Json<Value
                     let state = match approval.state {
                         ApprovalState::Approved => "approved",
                         ApprovalState::Denied => "denied",
+                        ApprovalState::Expired => "expired (its contact reached its deadline)",
                         ApprovalState::Pending => "resolved",
                     };
                     Err(ApiError::new(

@@ -578,6 +578,43 @@ async fn a_call_needing_approval_waits_until_approved_or_denied_over_http() {
     harness.stop().await;
 }
 
+/// Goal: an approval whose call stopped waiting (the message's 400 ms timeout passed
+/// before anyone approved) is expired: it reads `expired`, is no longer listed as
+/// pending, approving it is 409 `approval_expired` (nothing proceeds: `b`'s history
+/// stays empty), and resolving it again is 409 `approval_not_pending`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_that_outlives_its_call_expires_and_approving_it_is_refused() {
+    let harness = start().await;
+    harness.supervise_a().await;
+    let asked = harness.post("/v1/agents/a/messages", json!({"text": "go", "timeout_ms": 400}));
+    let seen = async {
+        let pending = harness.pending_approvals().await;
+        assert_eq!(pending.len(), 1, "{pending:?}");
+        assert!(pending[0]["deadline"]["at_us"].is_u64(), "{pending:?}");
+        pending[0]["id"].as_u64().unwrap()
+    };
+    let ((status, reply), id) = tokio::join!(asked, seen);
+    assert_ne!(status, 200, "the message timed out waiting for the approval: {reply}");
+
+    let (status, body) = harness.get(&format!("/v1/approvals/{id}")).await;
+    assert_eq!((status, &body["state"]), (200, &json!("expired")), "{body}");
+    let (_, body) = harness.get("/v1/approvals").await;
+    assert_eq!(body, json!({"approvals": []}));
+    let (status, body) = harness.post(&format!("/v1/approvals/{id}/approve"), json!({})).await;
+    assert_eq!((status, code(&body)), (409, "approval_expired"), "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("deadline"),
+        "{body}"
+    );
+    let (status, body) = harness.post(&format!("/v1/approvals/{id}/deny"), json!({})).await;
+    assert_eq!((status, code(&body)), (409, "approval_not_pending"), "{body}");
+    let (status, body) = harness.get(&format!("/v1/approvals/{id}")).await;
+    assert_eq!((status, &body["state"]), (200, &json!("expired")), "{body}");
+    let (status, body) = harness.get("/v1/agents/b/history").await;
+    assert_eq!((status, &body["total"]), (200, &json!(0)), "nothing reached b: {body}");
+    harness.stop().await;
+}
+
 /// Polls `GET /v1/agents/{agent}/tasks/{task}` until its state is `state`.
 async fn task_when(harness: &Harness, agent: &str, task: &str, state: &str) -> Value {
     let path = format!("/v1/agents/{agent}/tasks/{task}");
