@@ -42,6 +42,11 @@ async fn settle() {
 /// A coordinator and an analyst on the memory store, the coordinator answering "seen"
 /// to the outcome of a task it delegated, the analyst as `analyst` scripts it.
 fn coordinator_and_analyst(analyst: ScriptedLlm) -> AgentSystem {
+    coordinator_and_analyst_observed(analyst, &CallRecorder::new())
+}
+
+/// [`coordinator_and_analyst`], its events reported to `recorder`.
+fn coordinator_and_analyst_observed(analyst: ScriptedLlm, recorder: &CallRecorder) -> AgentSystem {
     let llm = analyst.rule(
         ScriptRule::agent("coordinator")
             .on_user_containing("you delegated is")
@@ -51,7 +56,7 @@ fn coordinator_and_analyst(analyst: ScriptedLlm) -> AgentSystem {
         &llm,
         &["coordinator", "analyst"],
         Arc::new(MemoryStore::new()),
-        &CallRecorder::new(),
+        recorder,
     )
 }
 
@@ -247,18 +252,8 @@ fn turn_traces(recorder: &CallRecorder) -> Vec<(String, Option<troupe_core::Trac
 /// turn on its result (the result keeps the task's trace); untraced ones run untraced.
 #[tokio::test(start_paused = true)]
 async fn traced_notifications_and_delegations_run_under_their_trace_id() {
-    let llm = slow_then_fast_analyst().rule(
-        ScriptRule::agent("coordinator")
-            .on_user_containing("you delegated is")
-            .reply("seen"),
-    );
     let recorder = CallRecorder::new();
-    let system = start(
-        &llm,
-        &["coordinator", "analyst"],
-        Arc::new(MemoryStore::new()),
-        &recorder,
-    );
+    let system = coordinator_and_analyst_observed(slow_then_fast_analyst(), &recorder);
     let noted = troupe_core::TraceId::new(0x1111);
     let options = troupe_agent::NotifyOptions::default().msg_id("n-1").traced(noted);
     assert_eq!(
