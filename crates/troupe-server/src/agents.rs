@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use troupe_agent::{AgentReply, AgentSpec, AskOptions, DelegateOptions, DirectoryError, NotifyOptions, TaskStatus};
 use troupe_core::TraceId;
 
-use crate::error::{ApiError, ApiJson, ApiQuery};
+use crate::error::{page_limit, ApiError, ApiJson, ApiQuery};
 use crate::limits::{
     SERVER_HISTORY_PAGE_DEFAULT, SERVER_HISTORY_PAGE_MAX, SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX,
 };
@@ -325,14 +325,7 @@ pub(crate) async fn history(
     ApiQuery(query): ApiQuery<HistoryQuery>,
 ) -> Result<Json<Value>, ApiError> {
     known(&state, &agent).await?;
-    let limit = query.limit.unwrap_or(SERVER_HISTORY_PAGE_DEFAULT);
-    if limit == 0 || limit > SERVER_HISTORY_PAGE_MAX {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_query",
-            format!("limit must be between 1 and {SERVER_HISTORY_PAGE_MAX}, got {limit}"),
-        ));
-    }
+    let limit = page_limit(query.limit, SERVER_HISTORY_PAGE_DEFAULT, SERVER_HISTORY_PAGE_MAX)?;
     let log = state.client.conversation_log(&agent).await?;
     let total = log.len();
     let end = query.before.unwrap_or(total).min(total);

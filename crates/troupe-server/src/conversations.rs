@@ -16,7 +16,7 @@ use troupe_agent::{
 };
 
 use crate::agents::known;
-use crate::error::{ApiError, ApiJson, ApiQuery};
+use crate::error::{page_limit, ApiError, ApiJson, ApiQuery};
 use crate::limits::{SERVER_CONVERSATION_PAGE_DEFAULT, SERVER_CONVERSATION_PAGE_MAX};
 use crate::server::AppState;
 
@@ -144,14 +144,7 @@ pub(crate) async fn of_agent(
     Path(agent): Path<String>,
     ApiQuery(query): ApiQuery<IdPageQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    let limit = query.limit.unwrap_or(CONVERSATIONS_LISTED_MAX);
-    if limit == 0 || limit > CONVERSATIONS_LISTED_MAX {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_query",
-            format!("limit must be between 1 and {CONVERSATIONS_LISTED_MAX}, got {limit}"),
-        ));
-    }
+    let limit = page_limit(query.limit, CONVERSATIONS_LISTED_MAX, CONVERSATIONS_LISTED_MAX)?;
     known(&state, &agent).await?;
     let ids = state
         .client
@@ -249,14 +242,11 @@ pub(crate) async fn messages(
     Path(id): Path<String>,
     ApiQuery(query): ApiQuery<PageQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    let limit = query.limit.unwrap_or(SERVER_CONVERSATION_PAGE_DEFAULT);
-    if limit == 0 || limit > SERVER_CONVERSATION_PAGE_MAX {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_query",
-            format!("limit must be between 1 and {SERVER_CONVERSATION_PAGE_MAX}, got {limit}"),
-        ));
-    }
+    let limit = page_limit(
+        query.limit,
+        SERVER_CONVERSATION_PAGE_DEFAULT,
+        SERVER_CONVERSATION_PAGE_MAX,
+    )?;
     if !state.client.conversation_exists(&id).await? {
         return Err(ConversationError::NotFound { id }.into());
     }

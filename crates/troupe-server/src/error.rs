@@ -211,3 +211,17 @@ where
         }
     }
 }
+
+/// A page's `limit` query parameter: `default` when absent; 400 `invalid_query` unless
+/// it is between 1 and `max`.
+pub(crate) fn page_limit(given: Option<usize>, default: usize, max: usize) -> Result<usize, ApiError> {
+    let limit = given.unwrap_or(default);
+    if limit == 0 || limit > max {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+            format!("limit must be between 1 and {max}, got {limit}"),
+        ));
+    }
+    Ok(limit)
+}

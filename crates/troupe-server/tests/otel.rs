@@ -110,6 +110,15 @@ fn invoke_target(span: &Span) -> Option<String> {
         .find(|value| !value.starts_with("troupe_"))
 }
 
+/// The trace id a response names (`x-troupe-trace-id`).
+fn trace_id_of(response: &reqwest::Response) -> Option<String> {
+    response
+        .headers()
+        .get("x-troupe-trace-id")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_string)
+}
+
 /// A W3C `traceparent` a traced caller sends: its trace and its span.
 const CALLERS_TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 const CALLERS_TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -142,12 +151,7 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         .await
         .unwrap();
     assert_eq!(answered.status(), 200);
-    let untraced_trace_id = answered
-        .headers()
-        .get("x-troupe-trace-id")
-        .and_then(|value| value.to_str().ok())
-        .map(str::to_string)
-        .expect("the response names its trace id");
+    let untraced_trace_id = trace_id_of(&answered).expect("the response names its trace id");
     let reply: serde_json::Value = answered.json().await.unwrap();
     assert_eq!(
         reply["text"],
@@ -162,12 +166,7 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         .await
         .unwrap();
     assert_eq!(answered.status(), 200);
-    let troupe_trace_id = answered
-        .headers()
-        .get("x-troupe-trace-id")
-        .and_then(|value| value.to_str().ok())
-        .map(str::to_string);
-    assert_eq!(troupe_trace_id.as_deref(), Some(CALLERS_TRACE_ID));
+    assert_eq!(trace_id_of(&answered).as_deref(), Some(CALLERS_TRACE_ID));
     server.stop().await;
     guard.shutdown().await.expect("the spans are flushed to the collector");
 
