@@ -244,8 +244,20 @@ async fn a_rest_notification_and_delegation_run_under_the_requests_trace_id() {
         counts.keys().all(|agent| agent == "caller" || agent == "echo"),
         "{counts:?}"
     );
-    let (status, record) = server.get(&format!("/v1/agents/caller/tasks/{task}")).await;
-    assert_eq!(status, 200, "{record}");
+    // The result's turn has started (its span opened); it commits the task's outcome
+    // when it ends.
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (status, record) = server.get(&format!("/v1/agents/caller/tasks/{task}")).await;
+            assert_eq!(status, 200, "{record}");
+            if record["state"] != "submitted" && record["state"] != "working" {
+                return record;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    let record = waited.expect("the task ended in time");
     assert_eq!(record["state"], "completed", "{record}");
 
     // A request refused before it runs (an unknown target) still names its trace.
