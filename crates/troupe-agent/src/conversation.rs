@@ -20,8 +20,11 @@
 //! post (human or agent) ─► conversation turn: validate, append msg/{s}; for each @agent:
 //!     cycle (in the chain or the sender) / depth (chain ≥ AGENT_CALL_DEPTH_MAX) /
 //!     organisation (Notify from the sending agent) refused → a system note msg/{s+k}
+//!     needs approval → a pending approval recorded, then relay/{s}/{agent} naming it
 //!     else relay/{s}/{agent}                              all committed together
-//! Relay{s, agent}: a delivery task appends Mention{conv, s, chain} to the agent's inbox
+//! Relay{s, agent}: a delivery task waits for the relay's approval, if it names one
+//!     (denied, refused or not approved by the deadline → Refused: a NotPermitted note),
+//!     then appends Mention{conv, s, chain} to the agent's inbox
 //!     (message id {conv}#{s}@{agent}: deduplicated), retries until the deadline
 //! agent Process: reads the last messages up to s from the store (role-relative view),
 //!     runs its model, posts its reply (message id answer:{s}@{agent}) or a failure note
@@ -134,8 +137,8 @@ pub enum NoteKind {
     Cycle,
     /// The mention chain is at the system's depth limit.
     DepthLimit,
-    /// The organisation refused the contact (or it needs approval, which a mention
-    /// does not wait for).
+    /// The organisation refused the contact, or the approval it needed was denied or
+    /// not given by the mention's deadline.
     NotPermitted,
     /// The mentioned name is not a participant (in an agent's reply).
     UnknownMention,
@@ -463,6 +466,15 @@ pub(crate) enum ConvCommand {
     /// that wait in its memory (`call_record.rs`), each as an `Exchange` would, in one
     /// turn. Replies `Done`.
     FlushRecords,
+    /// The approval the relay `seq`/`agent` waited for was denied, or not given by its
+    /// deadline (or the organisation refused the contact by then): the relay is
+    /// dropped with a [`NoteKind::NotPermitted`] note. Last of the variants, so that a
+    /// command encoded before it existed decodes as it did.
+    Refused {
+        seq: u64,
+        agent: String,
+        cause: String,
+    },
 }
 
 /// A message to append.
@@ -510,6 +522,22 @@ struct RelayRecord {
     from: Option<String>,
     chain: Vec<String>,
     deadline: Deadline,
+    /// The pending approval the delivery waits for first (the organisation's record,
+    /// see `org_store.rs`), when the contact needs one. Absent in relays stored before
+    /// mentions waited for approval, and left out when none is needed, so such a relay
+    /// reads as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    approval: Option<u64>,
+}
+
+/// What the organisation and the call rules make of one mention of an agent.
+enum MentionAdmission {
+    /// Relayed to the agent.
+    Relay,
+    /// Relayed once approved: the contact needs approval.
+    AfterApproval,
+    /// Refused: a system note of this kind, saying why.
+    Refused(NoteKind, String),
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -649,24 +677,13 @@ impl ConversationActor {
                 ConvReply::Done
             }
             ConvCommand::Undeliverable { seq, agent, cause } => {
-                let key = relay_key(seq, &agent);
-                if turn.get(&key).await?.is_some() {
-                    turn.delete(key)?;
-                    let note = PostRequest {
-                        sender: Sender::System,
-                        client_id: answer_id(seq, &agent),
-                        text: format!("the mention of @{agent} in #{seq} could not be delivered: {cause}"),
-                        reply_to: Some(seq),
-                        chain: Vec::new(),
-                        note: Some(Note {
-                            agent: agent.clone(),
-                            kind: NoteKind::Undeliverable,
-                        }),
-                        strict: false,
-                        record: false,
-                    };
-                    self.post(turn, note).await?;
-                }
+                let text = format!("the mention of @{agent} in #{seq} could not be delivered: {cause}");
+                self.drop_relay(turn, seq, agent, NoteKind::Undeliverable, text).await?;
+                ConvReply::Done
+            }
+            ConvCommand::Refused { seq, agent, cause } => {
+                let text = format!("@{agent} was not asked to answer #{seq}: {cause}");
+                self.drop_relay(turn, seq, agent, NoteKind::NotPermitted, text).await?;
                 ConvReply::Done
             }
             ConvCommand::Resume { after } => {
@@ -694,6 +711,34 @@ impl ConversationActor {
             }
         };
         Ok(reply)
+    }
+
+    /// Drops the relay `seq`/`agent`, if it is still there, with a system note of `kind`
+    /// saying `text` (under the mention's answer id: at most one per mention).
+    async fn drop_relay(
+        &mut self,
+        turn: &mut Turn,
+        seq: u64,
+        agent: String,
+        kind: NoteKind,
+        text: String,
+    ) -> Result<(), ActorError> {
+        let key = relay_key(seq, &agent);
+        if turn.get(&key).await?.is_none() {
+            return Ok(());
+        }
+        turn.delete(key)?;
+        let note = PostRequest {
+            sender: Sender::System,
+            client_id: answer_id(seq, &agent),
+            text,
+            reply_to: Some(seq),
+            chain: Vec::new(),
+            note: Some(Note { agent, kind }),
+            strict: false,
+            record: false,
+        };
+        self.post(turn, note).await.map(drop)
     }
 
     /// Posts a recorded exchange: `question`, then `answer` replying to it, both in one
@@ -887,19 +932,41 @@ impl ConversationActor {
             Sender::Agent(name) if !mentions.is_empty() => Some(name.clone()),
             _ => None,
         };
-        // Each mention: relayed, or refused with a note.
+        // Each mention: relayed (after an approval, if the contact needs one), or
+        // refused with a note. The clock is read only for relays (a recorded exchange
+        // has none): their deadline, which is also their approval's.
         let mut notes = Vec::new();
         let mut relays = Vec::new();
+        let mut relay_deadline = None;
         for name in &mentions {
-            let refusal = match participant(name) {
-                None => Some((NoteKind::UnknownMention, format!("@{name} is not a participant"))),
-                Some(Participant::Human(_)) => None,
-                Some(Participant::Agent(agent)) => self.refusal(&request, sender_agent.as_deref(), &agent).await,
+            let Some(Participant::Agent(agent)) = participant(name) else {
+                if participant(name).is_none() {
+                    notes.push((
+                        name.clone(),
+                        NoteKind::UnknownMention,
+                        format!("@{name} is not a participant"),
+                    ));
+                }
+                continue;
             };
-            match (refusal, participant(name)) {
-                (Some((kind, text)), _) => notes.push((name.clone(), kind, text)),
-                (None, Some(Participant::Agent(agent))) => relays.push(agent),
-                (None, _) => {}
+            let deadline = *relay_deadline.get_or_insert_with(|| {
+                Deadline::after(turn.now(), Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT))
+            });
+            match self.admission(&request, sender_agent.as_deref(), &agent).await {
+                MentionAdmission::Relay => relays.push((agent, None)),
+                MentionAdmission::AfterApproval => {
+                    // Recorded before this turn commits (as a send's, see `inbox.rs`): a
+                    // turn that then fails leaves it pending until its deadline, with
+                    // nothing waiting for it.
+                    match self
+                        .request_approval(turn, sender_agent.as_deref(), &agent, &request.text, deadline)
+                        .await
+                    {
+                        Ok(id) => relays.push((agent, Some(id))),
+                        Err(refused) => notes.push((name.clone(), NoteKind::NotPermitted, refused.to_string())),
+                    }
+                }
+                MentionAdmission::Refused(kind, text) => notes.push((name.clone(), kind, text)),
             }
         }
         // The request's fields move into the message; only relays read its chain later.
@@ -940,14 +1007,13 @@ impl ConversationActor {
             next += 1;
         }
         self.state.next_seq = next;
-        // The clock is read only for relays to send (a recorded exchange has none).
-        if !relays.is_empty() {
-            let deadline = Deadline::after(turn.now(), Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT));
-            for agent in relays {
+        if let Some(deadline) = relay_deadline {
+            for (agent, approval) in relays {
                 let record = RelayRecord {
                     from: sender_agent.clone(),
                     chain: request.chain.clone(),
                     deadline,
+                    approval,
                 };
                 turn.put(relay_key(seq, &agent), to_json(&record)?)?;
                 turn.caller()
@@ -959,33 +1025,36 @@ impl ConversationActor {
         Ok(ConvReply::Posted(Posted { seq, duplicate: false }))
     }
 
-    /// Why the mention of `agent` in `request` must not trigger a turn, if it must not:
-    /// the call rules (cycle, depth, known agent), then the organisation.
-    async fn refusal(&self, request: &PostRequest, sender: Option<&str>, agent: &str) -> Option<(NoteKind, String)> {
+    /// Whether the mention of `agent` in `request` triggers a turn: the call rules
+    /// (cycle, depth, known agent), then the organisation.
+    async fn admission(&self, request: &PostRequest, sender: Option<&str>, agent: &str) -> MentionAdmission {
+        use MentionAdmission::Refused;
         if !self.shared.directory.contains(agent) {
-            return Some((NoteKind::NotAnAgent, "not an agent of the directory".to_string()));
+            return Refused(NoteKind::NotAnAgent, "not an agent of the directory".to_string());
         }
         if sender == Some(agent) || request.chain.iter().any(|a| a == agent) {
             let chain = request.chain.join(" → ");
-            return Some((
+            return Refused(
                 NoteKind::Cycle,
                 format!("a cycle: already in the mention chain [{chain}]"),
-            ));
+            );
         }
         if request.chain.len() >= AGENT_CALL_DEPTH_MAX as usize {
-            return Some((
+            return Refused(
                 NoteKind::DepthLimit,
                 format!("the mention chain is at the depth limit ({AGENT_CALL_DEPTH_MAX})"),
-            ));
+            );
         }
-        let sender = sender?;
+        let Some(sender) = sender else {
+            return MentionAdmission::Relay;
+        };
         // Never absent during a turn (the turn holds the runtime); if it were, refuse
         // rather than skip the organisation's check.
         let Some(runtime) = self.shared.runtime() else {
-            return Some((
+            return Refused(
                 NoteKind::NotPermitted,
                 "the organisation is unavailable: the runtime has stopped".to_string(),
-            ));
+            );
         };
         let decision = match self
             .shared
@@ -995,20 +1064,46 @@ impl ConversationActor {
         {
             Ok(org) => org.decide(sender, agent, ContactKind::Notify),
             Err(error) => {
-                return Some((
+                return Refused(
                     NoteKind::NotPermitted,
                     format!("the organisation is unavailable: {error}"),
-                ))
+                )
             }
         };
         match decision {
-            Ok(Permitted::NeedsApproval { .. }) => Some((
-                NoteKind::NotPermitted,
-                format!("{sender} needs approval to contact {agent}; a mention does not wait for approval"),
-            )),
-            Ok(_) => None,
-            Err(refused) => Some((NoteKind::NotPermitted, refused.to_string())),
+            Ok(Permitted::NeedsApproval { .. }) => MentionAdmission::AfterApproval,
+            Ok(_) => MentionAdmission::Relay,
+            Err(refused) => Refused(NoteKind::NotPermitted, refused.to_string()),
         }
+    }
+
+    /// Records the pending approval the mention of `agent` by `sender` needs (the
+    /// message's text, its relay's deadline) and returns its id.
+    async fn request_approval(
+        &self,
+        turn: &Turn,
+        sender: Option<&str>,
+        agent: &str,
+        text: &str,
+        deadline: Deadline,
+    ) -> Result<u64, String> {
+        let from = sender.map(agent_id).ok_or("only an agent's mention needs approval")?;
+        let from = from.map_err(|error| error.to_string())?;
+        let to = agent_id(agent).map_err(|error| error.to_string())?;
+        let contact = crate::org_store::Contact {
+            from: &from,
+            to: &to,
+            kind: ContactKind::Notify,
+            message: text,
+            deadline,
+        };
+        let runtime = self
+            .shared
+            .runtime()
+            .ok_or("the organisation is unavailable: the runtime has stopped")?;
+        crate::org_store::request_approval(&self.shared, &turn.clock(), runtime.store().as_ref(), &contact)
+            .await
+            .map_err(|refused| refused.to_string())
     }
 
     async fn wake_relay(&mut self, turn: &Turn, seq: u64, agent: String) -> Result<(), ActorError> {
@@ -1044,6 +1139,7 @@ impl ConversationActor {
             return Ok(());
         };
         let conversation = self.id.key().to_string();
+        let approval = record.approval;
         let entry = InboxEntry {
             msg_id: format!("{conversation}#{seq}@{agent}"),
             from: record.from.as_deref().and_then(|from| agent_id(from).ok()),
@@ -1060,8 +1156,7 @@ impl ConversationActor {
             runtime,
             Arc::clone(&self.shared),
             self.id.clone(),
-            agent,
-            seq,
+            Relayed { agent, seq, approval },
             entry,
             delivery,
         ));
@@ -1069,19 +1164,48 @@ impl ConversationActor {
     }
 }
 
-/// Delivers one mention to an agent's inbox from outside any turn: retries until
-/// acknowledged or its deadline, then reports to the conversation (a lost report leaves
-/// the relay, which the next resume delivers again, deduplicated by the inbox).
+/// Which relay a delivery task delivers.
+struct Relayed {
+    /// The mentioned agent.
+    agent: String,
+    /// The message that mentions it.
+    seq: u64,
+    /// The pending approval to wait for first, if the contact needs one.
+    approval: Option<u64>,
+}
+
+/// Delivers one mention to an agent's inbox from outside any turn: waits for its
+/// approval first if it needs one (denied, or not given by the deadline: reported as
+/// `Refused`), then retries until acknowledged or its deadline, and reports to the
+/// conversation (a lost report leaves the relay, which the next resume delivers again,
+/// deduplicated by the inbox; a resumed delivery waits for the same approval, read
+/// from the store).
 async fn deliver(
     runtime: troupe_runtime::RuntimeHandle,
     shared: Arc<AgentShared>,
     conversation: ActorId,
-    agent: String,
-    seq: u64,
+    relayed: Relayed,
     entry: InboxEntry,
     _delivery: MentionDelivery,
 ) {
+    let Relayed { agent, seq, approval } = relayed;
     let deadline = entry.context.deadline();
+    if let (Some(approval), Some(from)) = (approval, &entry.from) {
+        if let Err(refused) = await_mention_approval(&runtime, &shared, from, &agent, deadline, approval).await {
+            report_to(
+                &runtime,
+                &conversation,
+                seq,
+                ConvCommand::Refused {
+                    seq,
+                    agent,
+                    cause: refused,
+                },
+            )
+            .await;
+            return;
+        }
+    }
     let payload = AgentCommand::Enqueue(entry).encode();
     let mut pause = AGENT_DELIVERY_RETRY_MS;
     let report = loop {
@@ -1139,12 +1263,41 @@ async fn deliver(
         tokio::time::sleep(Duration::from_millis(pause.min(left))).await;
         pause = (pause * 2).min(AGENT_MENTION_DELIVERY_RETRY_MAX_MS);
     };
+    report_to(&runtime, &conversation, seq, report).await;
+}
+
+/// Waits for the approval of the mention of `agent` by `from` until the mention's
+/// deadline; the refusal's text if it is not given.
+async fn await_mention_approval(
+    runtime: &troupe_runtime::RuntimeHandle,
+    shared: &AgentShared,
+    from: &ActorId,
+    agent: &str,
+    deadline: Deadline,
+    approval: u64,
+) -> Result<(), String> {
+    let to = agent_id(agent).map_err(|error| error.to_string())?;
+    let contact = crate::org_store::Contact {
+        from,
+        to: &to,
+        kind: ContactKind::Notify,
+        message: "",
+        deadline,
+    };
+    crate::org_store::await_approval_outside_turn(runtime, shared, &contact, approval)
+        .await
+        .map_err(|refused| refused.to_string())
+}
+
+/// Reports a delivery's outcome to its conversation (a few attempts; if all fail, the
+/// relay stays and the next resume delivers it again).
+async fn report_to(runtime: &troupe_runtime::RuntimeHandle, conversation: &ActorId, seq: u64, report: ConvCommand) {
     // Routed: on a cluster the conversation may have moved to another node meanwhile
     // (a local `tell` there was refused `NotOwner`, and the relay waited for a resume).
     let payload = report.encode();
     let ack = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
     for _ in 0..REPORT_ATTEMPTS {
-        match runtime.invoke_routed_within(&conversation, payload.clone(), ack).await {
+        match runtime.invoke_routed_within(conversation, payload.clone(), ack).await {
             Ok(_) | Err(InvokeError::Shutdown) => return,
             Err(_) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
         }

@@ -1327,28 +1327,20 @@ async fn await_send_approval(
         message,
         deadline: out.entry.context.deadline(),
     };
-    let clock = runtime.clock();
-    loop {
-        let refused = match crate::org_store::await_approval(shared, &clock, &contact, approval).await {
-            Ok(_) => return None,
-            Err(refused) => refused,
-        };
-        let state = match refused.reason {
-            crate::NotPermittedReason::Unavailable { .. } if !contact.deadline.has_passed(runtime.now()) => {
-                tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await;
-                continue;
-            }
-            crate::NotPermittedReason::ApprovalTimedOut { .. } | crate::NotPermittedReason::Unavailable { .. } => {
-                TaskState::Failed
-            }
-            _ => TaskState::Rejected,
-        };
-        return Some(AgentCommand::Undeliverable {
-            seq,
-            cause: format!("not permitted: {refused}"),
-            state,
-        });
-    }
+    let refused = crate::org_store::await_approval_outside_turn(runtime, shared, &contact, approval)
+        .await
+        .err()?;
+    let state = match refused.reason {
+        crate::NotPermittedReason::ApprovalTimedOut { .. } | crate::NotPermittedReason::Unavailable { .. } => {
+            TaskState::Failed
+        }
+        _ => TaskState::Rejected,
+    };
+    Some(AgentCommand::Undeliverable {
+        seq,
+        cause: format!("not permitted: {refused}"),
+        state,
+    })
 }
 
 /// Reports a delivery's outcome to its sender (a few attempts; if all fail, the entry

@@ -379,20 +379,7 @@ pub(crate) async fn decide_contact(
     let org = shared.org.current(store, clock).await.map_err(unavailable)?;
     match org.decide(from, to, kind) {
         Ok(Permitted::NeedsApproval { .. }) => {
-            let id = shared
-                .org
-                .change(store, clock, |org| {
-                    org.request_approval(from, to, kind, contact.message, contact.deadline, clock.now())
-                })
-                .await
-                .map_err(unavailable)?;
-            shared.emit(&AgentEvent::ApprovalRequested {
-                id,
-                from: contact.from.clone(),
-                to: contact.to.clone(),
-                kind,
-                at: clock.now(),
-            });
+            let id = request_approval(shared, clock, store, contact).await?;
             Ok(FirstDecision::Pending { id })
         }
         other => {
@@ -400,6 +387,36 @@ pub(crate) async fn decide_contact(
             other.map(FirstDecision::Decided)
         }
     }
+}
+
+/// Records a pending [`crate::Approval`] of `contact` (durably, until the contact's
+/// deadline) and reports it as [`AgentEvent::ApprovalRequested`]; returns its id.
+///
+/// # Errors
+/// [`NotPermitted`] with reason `Unavailable` when the organisation cannot be changed
+/// (or is full of pending approvals).
+pub(crate) async fn request_approval(
+    shared: &crate::agent::AgentShared,
+    clock: &Clock,
+    store: &dyn StateStore,
+    contact: &Contact<'_>,
+) -> Result<u64, NotPermitted> {
+    let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
+    let id = shared
+        .org
+        .change(store, clock, |org| {
+            org.request_approval(from, to, kind, contact.message, contact.deadline, clock.now())
+        })
+        .await
+        .map_err(|error| unavailable(contact, error))?;
+    shared.emit(&AgentEvent::ApprovalRequested {
+        id,
+        from: contact.from.clone(),
+        to: contact.to.clone(),
+        kind,
+        at: clock.now(),
+    });
+    Ok(id)
 }
 
 /// Waits for pending approval `id` of `contact` until the contact's deadline, then
@@ -436,6 +453,37 @@ pub(crate) async fn await_approval(
     };
     emit_decided(shared, clock, contact, now.version(), decision.is_ok());
     decision
+}
+
+/// Waits, outside any turn, for pending approval `id` of `contact` until the contact's
+/// deadline ([`await_approval`]), trying again every [`AGENT_DELIVERY_RETRY_MS`] while
+/// the organisation's store cannot be read: `Ok` when the contact may go ahead, else
+/// the final refusal (denied, refused by the organisation of that moment, still pending
+/// at the deadline, or the store unavailable at it).
+///
+/// [`AGENT_DELIVERY_RETRY_MS`]: crate::limits::AGENT_DELIVERY_RETRY_MS
+///
+/// # Errors
+/// [`NotPermitted`].
+pub(crate) async fn await_approval_outside_turn(
+    runtime: &RuntimeHandle,
+    shared: &crate::agent::AgentShared,
+    contact: &Contact<'_>,
+    id: u64,
+) -> Result<(), NotPermitted> {
+    let clock = runtime.clock();
+    loop {
+        match await_approval(shared, &clock, contact, id).await {
+            Ok(_) => return Ok(()),
+            Err(NotPermitted {
+                reason: NotPermittedReason::Unavailable { .. },
+                ..
+            }) if !contact.deadline.has_passed(runtime.now()) => {
+                tokio::time::sleep(Duration::from_millis(crate::limits::AGENT_DELIVERY_RETRY_MS)).await;
+            }
+            Err(refused) => return Err(refused),
+        }
+    }
 }
 
 /// The organisation's admission of one contact, waiting: [`decide_contact`], then, if

@@ -6,9 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use troupe_agent::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT;
 use troupe_agent::{
-    AgentSpec, AgentSystem, ConversationError, ConversationKind, ConversationMessage, NoteKind, Participant,
-    PermissionRule, Role, ScriptRule, ScriptedLlm, Sender,
+    AgentSpec, AgentSystem, ApprovalState, BehaviourMode, ContactKind, ConversationError, ConversationKind,
+    ConversationMessage, Membership, NoteKind, Participant, PermissionRule, Role, ScriptRule, ScriptedLlm, Sender,
 };
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
@@ -489,6 +490,132 @@ async fn a_mention_of_a_forbidden_agent_is_recorded_as_not_permitted() {
     let note = messages[2].note.clone().unwrap();
     assert_eq!((note.agent.as_str(), note.kind), ("boss", NoteKind::NotPermitted));
     assert!(llm.requests().iter().all(|request| request.agent.key() != "boss"));
+    system.shutdown().await;
+}
+
+/// Every message of conversation `id` whose text contains `needle`.
+async fn containing(system: &AgentSystem, id: &str, needle: &str) -> Vec<ConversationMessage> {
+    let mut messages = all(system, id).await;
+    messages.retain(|m| m.text.contains(needle));
+    messages
+}
+
+/// The one pending approval, checked to be `dev`'s notification of `boss`.
+async fn the_pending_approval(system: &AgentSystem) -> u64 {
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    assert_eq!(
+        (pending[0].from.as_str(), pending[0].to.as_str(), pending[0].kind),
+        ("dev", "boss", ContactKind::Notify)
+    );
+    assert_eq!(pending[0].message, "asking @boss");
+    pending[0].id
+}
+
+/// Goal: a mention whose contact needs approval waits for it, durably, instead of being
+/// refused: approved (also after a restart on the same store), the agent answers it
+/// once; denied, or not approved by the mention's deadline, it is recorded as a
+/// NotPermitted note naming the approval, and the agent never sees it. Method: `dev` is
+/// supervised, so its every contact needs approval; each round a human asks `dev`, whose
+/// scripted reply mentions `boss`; the approvals are resolved through the API.
+#[tokio::test(start_paused = true)]
+async fn a_mention_needing_approval_waits_for_it_across_a_restart() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("dev").reply("asking @boss"))
+        .rule(ScriptRule::agent("boss").reply("boss answers"));
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let system = start(&llm, &["dev", "boss"], Arc::clone(&store));
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("dev", supervised).await.unwrap();
+    system
+        .create_conversation(
+            "floor",
+            vec![agent("dev"), agent("boss"), human("h")],
+            ConversationKind::Group,
+        )
+        .await
+        .unwrap();
+    let boss_asked = || llm.requests_of("boss").len();
+
+    // Approved: boss answers dev's mention once, only after the approval.
+    system
+        .post_message("floor", Sender::Human("h".into()), "q1", "@dev round one")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let id = the_pending_approval(&system).await;
+    assert_eq!(boss_asked(), 0, "nothing reached boss before the approval");
+    assert_eq!(all(&system, "floor").await.len(), 2, "the question and dev's reply");
+    system.approve(id).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let messages = all(&system, "floor").await;
+    assert_gap_free(&messages);
+    assert_eq!(messages.len(), 3, "{messages:#?}");
+    assert_eq!(
+        (&messages[2].sender, messages[2].text.as_str(), messages[2].reply_to),
+        (&Sender::Agent("boss".into()), "boss answers", Some(1))
+    );
+    assert_eq!(boss_asked(), 1);
+
+    // Denied: a NotPermitted note naming the approval; boss is not asked.
+    system
+        .post_message("floor", Sender::Human("h".into()), "q2", "@dev round two")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let id = the_pending_approval(&system).await;
+    system.deny(id).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let notes = containing(&system, "floor", &format!("approval {id} was denied")).await;
+    assert_eq!(notes.len(), 1, "{:#?}", all(&system, "floor").await);
+    let note = notes[0].note.clone().unwrap();
+    assert_eq!((note.agent.as_str(), note.kind), ("boss", NoteKind::NotPermitted));
+    assert_eq!(notes[0].sender, Sender::System);
+    assert_eq!(boss_asked(), 1, "the denied mention never reached boss");
+
+    // Pending across a restart, approved through the second system: answered once.
+    system
+        .post_message("floor", Sender::Human("h".into()), "q3", "@dev round three")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let id = the_pending_approval(&system).await;
+    system.shutdown().await;
+    let system = start(&llm, &["dev", "boss"], Arc::clone(&store));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(boss_asked(), 1, "still waiting for the approval after the restart");
+    system.approve(id).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(boss_asked(), 2);
+    assert_eq!(containing(&system, "floor", "boss answers").await.len(), 2);
+
+    // Never resolved: refused at the mention's deadline, and the approval expired.
+    system
+        .post_message("floor", Sender::Human("h".into()), "q4", "@dev round four")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let id = the_pending_approval(&system).await;
+    tokio::time::sleep(Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT)).await;
+    let notes = containing(
+        &system,
+        "floor",
+        &format!("approval {id} was still pending at the deadline"),
+    )
+    .await;
+    assert_eq!(notes.len(), 1, "{:#?}", all(&system, "floor").await);
+    assert_eq!(
+        system.approval(id).await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+    assert_eq!(boss_asked(), 2);
+    let messages = all(&system, "floor").await;
+    assert_gap_free(&messages);
+    // Four rounds of a question and dev's reply, two answers, two notes.
+    assert_eq!(messages.len(), 12, "{messages:#?}");
     system.shutdown().await;
 }
 
