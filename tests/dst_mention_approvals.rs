@@ -8,8 +8,8 @@
 //! Method: per round, a fresh store; a supervised agent `dev` (every contact needs
 //! approval) in a group conversation with `boss` and a human; the human posts a job per
 //! message mentioning `dev`, whose scripted reply mentions `boss`; a resolver approves or
-//! denies each pending approval at a random moment (seeded; the first two of the scenario
-//! one of each, then drawn), and in some rounds leaves the last job's to its deadline; the
+//! denies each pending approval at a random moment (seeded; the first two of a round one
+//! of each, then drawn), and in some rounds leaves the last job's to its deadline; the
 //! whole system is dropped (the process dies: running turns and delivery tasks are cut,
 //! their commits fenced off) at a random moment, then a second system starts on the same
 //! data (it resumes by itself), the approvals still pending are resolved there, and the
@@ -34,11 +34,15 @@ use std::time::Duration;
 
 use troupe::agent::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT;
 use troupe::agent::{
-    AgentClient, AgentSpec, AgentSystem, ApprovalState, BehaviourMode, ConversationKind, ConversationMessage,
-    Membership, NoteKind, Participant, ScriptRule, ScriptedLlm, Sender,
+    AgentSpec, AgentSystem, ApprovalState, BehaviourMode, ConversationKind, ConversationMessage, Membership, NoteKind,
+    Participant, ScriptRule, ScriptedLlm, Sender,
 };
 use troupe::runtime::{MemoryStore, StateStore};
 use troupe_sim::SimRng;
+
+#[path = "support/approvals.rs"]
+mod approvals;
+use approvals::Approver;
 
 const ROUNDS: u64 = 10;
 /// Jobs (human posts) per round.
@@ -80,47 +84,6 @@ fn start(llm: &ScriptedLlm, store: Arc<dyn StateStore>) -> AgentSystem {
         .expect("the system starts")
 }
 
-/// Resolves every pending approval (approve or deny, drawn from `rng`; the scenario's
-/// first two decisions one of each) except those of the job marked to be left to its
-/// deadline; records the decisions that returned.
-async fn resolve_pending(
-    client: &AgentClient,
-    rng: &Mutex<SimRng>,
-    leave: Option<&str>,
-    decisions: &Mutex<BTreeMap<u64, bool>>,
-    decided_ever: &Mutex<(bool, bool)>,
-) {
-    let Ok(pending) = client.pending_approvals().await else {
-        return;
-    };
-    for approval in pending {
-        if leave.is_some_and(|job| approval.message.ends_with(job)) {
-            continue;
-        }
-        let approve = match *decided_ever.lock().unwrap() {
-            (false, _) => true,
-            (true, false) => false,
-            (true, true) => rng.lock().unwrap().range(0, 2) == 0,
-        };
-        let resolved = if approve {
-            client.approve(approval.id).await
-        } else {
-            client.deny(approval.id).await
-        };
-        if resolved.is_ok() {
-            decisions.lock().unwrap().insert(approval.id, approve);
-            let mut ever = decided_ever.lock().unwrap();
-            if approve {
-                ever.0 = true;
-            } else {
-                ever.1 = true;
-            }
-        }
-        let pause = rng.lock().unwrap().range(0, 40);
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-    }
-}
-
 /// The replies to message `seq` that are boss's answer or a note about boss.
 fn replies_for_boss(messages: &[ConversationMessage], seq: u64) -> Vec<&ConversationMessage> {
     messages
@@ -159,7 +122,6 @@ async fn settled(system: &AgentSystem) -> bool {
 #[madsim::test]
 async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes() {
     let rng = Arc::new(Mutex::new(SimRng::new()));
-    let decided_ever: Arc<Mutex<(bool, bool)>> = Arc::default();
     let mut outcomes: BTreeMap<&str, usize> = BTreeMap::new();
     let mut crossed_the_crash = 0;
     let mut rounds_left_to_the_deadline = 0;
@@ -171,11 +133,7 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
             .then(|| format!("job{}", JOBS - 1));
         rounds_left_to_the_deadline += u64::from(leave.is_some());
         let approver_away = draw(0, 2) == 0;
-        let resolver_starts_ms = if approver_away {
-            u64::MAX
-        } else {
-            draw(0, 4 * latency_ms + 100)
-        };
+        let resolver_starts_ms = (!approver_away).then(|| draw(0, 4 * latency_ms + 100));
         let crash_after_ms = draw(0, 6 * latency_ms + 200);
         let llm = script(latency_ms);
         let data = MemoryStore::new();
@@ -194,7 +152,7 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
             .create_conversation(FLOOR, people, ConversationKind::Group)
             .await
             .unwrap();
-        let decisions: Arc<Mutex<BTreeMap<u64, bool>>> = Arc::default();
+        let approver = Approver::new(Arc::clone(&rng), leave);
 
         let client = first.client();
         let posts = tokio::spawn(async move {
@@ -205,24 +163,7 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
                     .await;
             }
         });
-        let client = first.client();
-        let (rng2, leave2, decisions2, ever2) = (
-            Arc::clone(&rng),
-            leave.clone(),
-            Arc::clone(&decisions),
-            Arc::clone(&decided_ever),
-        );
-        let resolver = tokio::spawn(async move {
-            if resolver_starts_ms == u64::MAX {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(resolver_starts_ms)).await;
-            loop {
-                resolve_pending(&client, &rng2, leave2.as_deref(), &decisions2, &ever2).await;
-                let pause = rng2.lock().unwrap().range(1, 60);
-                tokio::time::sleep(Duration::from_millis(pause)).await;
-            }
-        });
+        let resolver = approver.spawn(first.client(), resolver_starts_ms);
         tokio::time::sleep(Duration::from_millis(crash_after_ms)).await;
         posts.abort();
         resolver.abort();
@@ -233,12 +174,12 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
         let second = start(&llm, Arc::new(data.clone()));
         let client = second.client();
         // The resumed mention turns of dev ask for approvals again; resolve them as they come.
-        let before = decisions.lock().unwrap().len();
+        let before = approver.decided();
         for _ in 0..5 {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            resolve_pending(&client, &rng, leave.as_deref(), &decisions, &decided_ever).await;
+            approver.resolve_pending(&client).await;
         }
-        if decisions.lock().unwrap().len() > before {
+        if approver.decided() > before {
             crossed_the_crash += 1;
         }
         // Until every mention has its reply, at the latest past every deadline (the
@@ -278,7 +219,7 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
             // no relay (an orphan), and must send nothing whatever its decision.
             orphan_approvals += approvals.len().saturating_sub(1);
             for (id, state) in &approvals {
-                if let Some(approved) = decisions.lock().unwrap().get(id) {
+                if let Some(approved) = approver.decisions.lock().unwrap().get(id) {
                     let expected = if *approved {
                         ApprovalState::Approved
                     } else {

@@ -31,12 +31,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use troupe::agent::{
-    AgentClient, AgentSpec, AgentSystem, BehaviourMode, Membership, ScriptRule, ScriptedLlm, TaskState,
-};
+use troupe::agent::{AgentSpec, AgentSystem, BehaviourMode, Membership, ScriptRule, ScriptedLlm, TaskState};
 use troupe::runtime::{MemoryStore, StateStore};
 use troupe_sim::serde_json::json;
 use troupe_sim::SimRng;
+
+#[path = "support/approvals.rs"]
+mod approvals;
+use approvals::Approver;
 
 const ROUNDS: u64 = 12;
 /// Asks per round, each delegating one job.
@@ -82,53 +84,6 @@ fn start(llm: &ScriptedLlm, store: Arc<dyn StateStore>) -> AgentSystem {
         .expect("the system starts")
 }
 
-/// Resolves every pending approval (approve or deny, drawn from `rng`), except one
-/// marked to be left to its deadline; records the decisions that returned, and each
-/// approval's message (its job).
-async fn resolve_pending(
-    client: &AgentClient,
-    rng: &Mutex<SimRng>,
-    leave: Option<&str>,
-    decisions: &Mutex<BTreeMap<u64, bool>>,
-    jobs: &Mutex<BTreeMap<u64, String>>,
-) {
-    let Ok(pending) = client.pending_approvals().await else {
-        return;
-    };
-    for approval in pending {
-        jobs.lock().unwrap().insert(approval.id, approval.message.clone());
-        if Some(approval.message.as_str()) == leave {
-            continue;
-        }
-        // The round's first two decisions are one of each, the rest drawn: every round
-        // that resolves two approvals covers both outcomes (drawn alone, a seed whose few
-        // committed delegations were all denied failed the coverage check below: base
-        // 1081423923, seed 1081425593, 6 denied).
-        let (approved_any, denied_any) = {
-            let decided = decisions.lock().unwrap();
-            (
-                decided.values().any(|&approved| approved),
-                decided.values().any(|&approved| !approved),
-            )
-        };
-        let approve = match (approved_any, denied_any) {
-            (false, _) => true,
-            (true, false) => false,
-            (true, true) => rng.lock().unwrap().range(0, 2) == 0,
-        };
-        let resolved = if approve {
-            client.approve(approval.id).await
-        } else {
-            client.deny(approval.id).await
-        };
-        if resolved.is_ok() {
-            decisions.lock().unwrap().insert(approval.id, approve);
-        }
-        let pause = rng.lock().unwrap().range(0, 40);
-        tokio::time::sleep(Duration::from_millis(pause)).await;
-    }
-}
-
 /// How many messages of `log` contain `needle`.
 fn count(log: &[troupe::agent::ChatMessage], needle: &str) -> usize {
     log.iter().filter(|m| m.content.contains(needle)).count()
@@ -149,11 +104,7 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         // delegations committed by then wait across the crash); otherwise it resolves
         // while the asks run. Three asks take about 6 model latencies.
         let approver_away = draw(0, 2) == 0;
-        let resolver_starts_ms = if approver_away {
-            u64::MAX
-        } else {
-            draw(0, 4 * latency_ms + 100)
-        };
+        let resolver_starts_ms = (!approver_away).then(|| draw(0, 4 * latency_ms + 100));
         let crash_after_ms = draw(0, 6 * latency_ms + 200);
         let llm = script(latency_ms);
         let data = MemoryStore::new();
@@ -164,8 +115,7 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         };
         first.set_membership("a", supervised).await.unwrap();
         let leave = leave_one.then(|| format!("hand off job{}", JOBS - 1));
-        let decisions: Arc<Mutex<BTreeMap<u64, bool>>> = Arc::default();
-        let jobs: Arc<Mutex<BTreeMap<u64, String>>> = Arc::default();
+        let approver = Approver::new(Arc::clone(&rng), leave);
 
         let client = first.client();
         let asks = tokio::spawn(async move {
@@ -173,24 +123,7 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
                 let _ = client.ask("a", &format!("hand off job{i}")).await;
             }
         });
-        let client = first.client();
-        let (rng2, leave2, decisions2, jobs2) = (
-            Arc::clone(&rng),
-            leave.clone(),
-            Arc::clone(&decisions),
-            Arc::clone(&jobs),
-        );
-        let resolver = tokio::spawn(async move {
-            if resolver_starts_ms == u64::MAX {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(resolver_starts_ms)).await;
-            loop {
-                resolve_pending(&client, &rng2, leave2.as_deref(), &decisions2, &jobs2).await;
-                let pause = rng2.lock().unwrap().range(1, 60);
-                tokio::time::sleep(Duration::from_millis(pause)).await;
-            }
-        });
+        let resolver = approver.spawn(first.client(), resolver_starts_ms);
         tokio::time::sleep(Duration::from_millis(crash_after_ms)).await;
         asks.abort();
         resolver.abort();
@@ -204,9 +137,9 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         let client = second.client();
         // Let the dead process's last turns be cut before resolving what is pending.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let before = decisions.lock().unwrap().len();
-        resolve_pending(&client, &rng, leave.as_deref(), &decisions, &jobs).await;
-        if decisions.lock().unwrap().len() > before {
+        let before = approver.decided();
+        approver.resolve_pending(&client).await;
+        if approver.decided() > before {
             crossed_the_crash += 1;
         }
         // Past every deadline: the one left unresolved times out.
@@ -234,11 +167,11 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         }
         // Approvals the resolver never saw (recorded by a turn of the dead process as it
         // was being cut) are checked like the others: never resolved.
-        let mut jobs = jobs.lock().unwrap().clone();
+        let mut jobs = approver.messages.lock().unwrap().clone();
         for approval in org.pending_approvals() {
             jobs.entry(approval.id).or_insert(approval.message);
         }
-        let decisions = decisions.lock().unwrap().clone();
+        let decisions = approver.decisions.lock().unwrap().clone();
         for (id, job) in &jobs {
             let job_text = job.as_str();
             let state = org.approval(*id).expect("kept").state;
