@@ -909,7 +909,10 @@ impl AgentActor {
         timeout_ms: Option<u64>,
         task: bool,
     ) -> Result<Bytes, ActorError> {
-        let (clock, deadline) = (turn.clock(), turn.context().deadline());
+        let clock = turn.clock();
+        // The send's own deadline, not this command's: an approval it needs is waited
+        // for (in the outbox) until then.
+        let deadline = task_deadline(clock.now(), timeout_ms);
         let admitted = crate::org_store::admit_send(&self.shared, &clock, &self.id, to, text, deadline, task).await;
         let approval = match admitted {
             Ok(approval) => approval,
@@ -923,7 +926,7 @@ impl AgentActor {
             &mut sends,
             to,
             text,
-            timeout_ms,
+            deadline,
             task,
             approval,
         );
@@ -962,8 +965,9 @@ impl AgentActor {
     }
 }
 
-/// Admission, then queues a notification or task from the turn of `caller` (waiting in
-/// the outbox for pending approval `approval`, if given); returns the message (task) id.
+/// Admission, then queues a notification or task from the turn of `caller`, due by
+/// `deadline` (waiting in the outbox for pending approval `approval`, if given, until
+/// then); returns the message (task) id.
 #[allow(clippy::too_many_arguments)]
 fn queue_send(
     caller: &troupe_runtime::Caller,
@@ -971,7 +975,7 @@ fn queue_send(
     sends: &mut PendingSends,
     to: &str,
     text: &str,
-    timeout_ms: Option<u64>,
+    deadline: troupe_core::Deadline,
     task: bool,
     approval: Option<u64>,
 ) -> Result<String, InboxError> {
@@ -982,7 +986,7 @@ fn queue_send(
     // The call rules (cycle, depth, known agent, in-flight cap, time left) give the
     // chain and depth the target will work under; the slot is not held: nothing waits.
     let admitted = caller.admit(&target, shared.directory.contains(to), None)?;
-    let child = admitted.child().with_deadline(task_deadline(caller.now(), timeout_ms));
+    let child = admitted.child().with_deadline(deadline);
     drop(admitted);
     sends.push(target, text, task, child, caller.context(), approval)
 }
@@ -1005,16 +1009,11 @@ async fn tool_send(
     task: bool,
 ) -> Result<Queued, InboxError> {
     let clock = context.clock();
-    let approval = crate::org_store::admit_send(
-        context.shared(),
-        &clock,
-        context.agent_id(),
-        to,
-        text,
-        context.deadline(),
-        task,
-    )
-    .await?;
+    // The send's own deadline, not the turn's: an approval it needs is waited for (in
+    // the outbox, after the turn) until then.
+    let deadline = task_deadline(clock.now(), timeout_ms);
+    let approval =
+        crate::org_store::admit_send(context.shared(), &clock, context.agent_id(), to, text, deadline, task).await?;
     let Some(sends) = context.sends() else {
         return Err(InboxError::Invoke(InvokeError::Rejected {
             target: context.agent_id().clone(),
@@ -1030,7 +1029,7 @@ async fn tool_send(
         &mut sends,
         to,
         text,
-        timeout_ms,
+        deadline,
         task,
         approval,
     );

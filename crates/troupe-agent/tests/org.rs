@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
+use troupe_agent::limits::AGENT_TASK_TIMEOUT_MS_MAX;
 use troupe_agent::{
     AgentCallError, AgentEvent, AgentSpec, AgentSystem, ApprovalState, BehaviourMode, ContactKind, InboxError, Link,
     LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason, OrgConfig, OrgError, OrgPolicy,
@@ -454,6 +455,58 @@ async fn a_send_needing_approval_waits_in_the_outbox_across_a_restart() {
         .count();
     assert_eq!(rejected, 1, "a's model read the denial once");
     assert_eq!(system.pending("a").await.unwrap(), (0, 0));
+    system.shutdown().await;
+}
+
+/// Goal: a send that needs approval can be approved until its own deadline (the
+/// task's or the notification's, which the outbox waits until), not only until the
+/// deadline of the turn or request that sent it: the approval keeps the send's deadline.
+/// Method: `a` is supervised; (1) its turn, asked with a 5 s timeout, delegates and
+/// notifies (120 s each by default): both approved 60 s later are delivered; (2) a
+/// delegation through the API with the longest deadline (300 s), which outlives the API
+/// request's 120 s: approved at 200 s, it is delivered and completes.
+#[tokio::test(start_paused = true)]
+async fn a_send_needing_approval_can_be_approved_until_its_own_deadline() {
+    let llm = hand_off_script();
+    let system = start(&llm, &["a", "b"]);
+    supervise(&system, "a").await;
+
+    let reply = system.ask_with_timeout("a", "hand off", 5 * SECOND).await.unwrap();
+    assert!(reply.text.contains("pending approval"), "{}", reply.text);
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 2, "{pending:?}");
+    tokio::time::sleep(60 * SECOND).await;
+    for approval in &pending {
+        let approved = system.approve(approval.id).await.unwrap();
+        assert_eq!(approved.state, ApprovalState::Approved);
+    }
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(llm.requests_of("b").len(), 2, "the task and the notification reached b");
+    let task = system.task("a", "a.0").await.unwrap().unwrap();
+    assert_eq!(
+        (task.state, task.result.as_deref()),
+        (TaskState::Completed, Some("done"))
+    );
+
+    let task_id = system
+        .delegate("a", "b", "the long job", Some(AGENT_TASK_TIMEOUT_MS_MAX))
+        .await
+        .unwrap();
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    tokio::time::sleep(200 * SECOND).await;
+    assert_eq!(
+        system.pending_approvals().await.unwrap(),
+        pending,
+        "still pending past the request's deadline"
+    );
+    system.approve(pending[0].id).await.unwrap();
+    tokio::time::sleep(10 * SECOND).await;
+    let task = system.task("a", &task_id).await.unwrap().unwrap();
+    assert_eq!(
+        (task.state, task.result.as_deref()),
+        (TaskState::Completed, Some("done"))
+    );
     system.shutdown().await;
 }
 
