@@ -44,7 +44,8 @@ mod wire;
 
 pub(crate) use shared::{AgentShared, MentionDelivery, RecordQueued};
 pub use spec::{
-    agent_id, AgentCatalog, AgentDirectory, AgentSpec, AgentSpecError, ContextWindow, ModelSettings, AGENT_KIND,
+    agent_id, AgentCatalog, AgentDirectory, AgentSpec, AgentSpecError, CallApproval, ContextWindow, ModelSettings,
+    AGENT_KIND,
 };
 pub(crate) use state::{
     close_log_entry, decode_log_entry, log_key, seq_key, window_messages, AgentState, BoxCounters, SavedAgent,

@@ -69,6 +69,33 @@ pub enum AgentCallError {
         /// The decoding error.
         cause: String,
     },
+    /// The call needed approval and the caller sends such calls as delegated tasks
+    /// ([`crate::CallApproval::Delegate`]): no answer now; the question was queued as
+    /// task `task_id` (sent when the turn ends), which waits for approval `approval` in
+    /// the outbox; the answer, or the denial, comes back as the task's result. The
+    /// `call_agent` tool gives the model this text as its result, not as an error.
+    #[error(
+        "{}",
+        match approval {
+            Some(approval) => format!(
+                "the call to {target} needs approval {approval}: your question was sent as task {task_id} \
+                 instead, which is sent once approved; {target}'s answer (or the denial) will come back \
+                 to you as the task's result"
+            ),
+            None => format!(
+                "the call to {target} needed approval: your question was sent as task {task_id} instead; \
+                 {target}'s answer will come back to you as the task's result"
+            ),
+        }
+    )]
+    SentAsTask {
+        /// The callee.
+        target: String,
+        /// The task the question was sent as.
+        task_id: String,
+        /// The pending approval the task waits for (`None` if a delegation needs none).
+        approval: Option<u64>,
+    },
 }
 
 impl AgentCallError {
@@ -83,6 +110,9 @@ impl AgentCallError {
                     cause: self.to_string(),
                 }
             }
+            Self::SentAsTask { task_id, .. } => CallOutcome::SentAsTask {
+                task_id: task_id.clone(),
+            },
         }
     }
 }
@@ -181,7 +211,15 @@ pub async fn call_agent(
     // Then the organisation's admission (links, permissions, approval); the grant is
     // reserved only once the call is admitted; refused, it is not sent.
     let admission = match admission {
-        Ok(admitted) => crate::org_store::admit_call(context, &target, message, admitted).await,
+        Ok(admitted) => match crate::org_store::admit_call(context, &target, message, admitted).await {
+            Ok(crate::org_store::CallAdmission::Call(admitted)) => Ok(admitted),
+            Ok(crate::org_store::CallAdmission::AsTask) => {
+                let result = send_as_task(context, agent_id_text, message).await;
+                finished.finish(result.outcome());
+                return Err(result);
+            }
+            Err(error) => Err(error),
+        },
         Err(refused) => Err(AgentCallError::Refused(refused)),
     };
     let admission = admission.and_then(|admitted| {
@@ -286,6 +324,30 @@ pub async fn call_agent(
     result
 }
 
+/// Sends the question of a call that needs approval as a delegated task (see
+/// [`AgentCallError::SentAsTask`]), with the admission of `delegate_to_agent` (which
+/// records the task's own approval, if it needs one) and its default deadline.
+async fn send_as_task(context: &ToolExecutionContext, to: &str, message: &str) -> AgentCallError {
+    match crate::inbox_turns::tool_send(context, to, message, None, true).await {
+        Ok(queued) => AgentCallError::SentAsTask {
+            target: to.to_string(),
+            task_id: queued.id,
+            approval: queued.approval,
+        },
+        Err(crate::InboxError::Refused(refused)) => AgentCallError::Refused(refused),
+        Err(crate::InboxError::NotPermitted(refused)) => AgentCallError::NotPermitted(refused),
+        Err(crate::InboxError::BudgetExhausted(exhausted)) => AgentCallError::BudgetExhausted(exhausted),
+        Err(crate::InboxError::Invoke(error)) => AgentCallError::Invoke(error),
+        Err(crate::InboxError::InvalidAgentId { agent_id, cause }) => {
+            AgentCallError::InvalidAgentId { agent_id, cause }
+        }
+        Err(other) => AgentCallError::Invoke(InvokeError::Rejected {
+            target: context.agent_id().clone(),
+            reason: format!("the call needed approval and could not be sent as a task: {other}"),
+        }),
+    }
+}
+
 /// The arguments of the `call_agent` tool, as the model sends them; their JSON schema
 /// ([`call_agent_schema`]) is derived from this type.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, JsonSchema)]
@@ -339,10 +401,12 @@ pub(crate) fn call_agent_tool() -> Tool {
          (that would deadlock), chains are at most 5 calls deep, and the answer must arrive \
          before your own deadline.",
         |context, arguments: CallAgentArguments| async move {
-            call_agent(&context, &arguments.agent_id, &arguments.message, arguments.timeout_ms)
-                .await
-                .map(|reply| reply.text)
-                .map_err(|error| ToolError::failed(CALL_AGENT_TOOL_NAME, error.to_string()))
+            match call_agent(&context, &arguments.agent_id, &arguments.message, arguments.timeout_ms).await {
+                Ok(reply) => Ok(reply.text),
+                // Not a failure: the answer comes later, as the task's result.
+                Err(sent @ AgentCallError::SentAsTask { .. }) => Ok(sent.to_string()),
+                Err(error) => Err(ToolError::failed(CALL_AGENT_TOOL_NAME, error.to_string())),
+            }
         },
     )
 }

@@ -25,6 +25,8 @@
 //!                                # (default: AGENT_HISTORY_WINDOW_DEFAULT, 64)
 //! manager = "ceo"                # another declared agent
 //! mode = "supervised"            # autonomous (default), supervised, strict
+//! call_approval = "delegate"     # a call_agent needing approval: wait_in_turn (default), or
+//!                                # delegate (sent as a task that waits for it in the outbox)
 //!
 //! [[links]]
 //! from = "manager"
@@ -165,6 +167,9 @@ pub struct AgentConfig {
     /// Its behaviour mode.
     #[serde(default)]
     pub mode: BehaviourMode,
+    /// What its `call_agent` does when a call needs approval.
+    #[serde(default)]
+    pub call_approval: crate::CallApproval,
 }
 
 /// One declared link.
@@ -645,7 +650,7 @@ impl OrgConfig {
         if let Some(tools) = &agent.tools {
             spec = spec.tools(tools.get_ref().iter().map(|tool| tool.get_ref().clone()));
         }
-        spec
+        spec.call_approval(agent.call_approval)
     }
 
     /// The declared remote agents.
@@ -719,6 +724,7 @@ mode = "supervised"
 max_steps = 3
 window_messages = 4
 window_tokens = 500
+call_approval = "delegate"
 
 [[links]]
 from = "boss"
@@ -747,6 +753,8 @@ effect = "deny"
             }
         );
         assert_eq!(specs[0].window, crate::ContextWindow::default());
+        assert_eq!(specs[0].call_approval, crate::CallApproval::WaitInTurn);
+        assert_eq!(specs[1].call_approval, crate::CallApproval::Delegate);
         let links = config.org_links();
         assert_eq!(links[0].direction, LinkDirection::OneWay);
         assert_eq!(links[0].relationship, LinkRelationship::Superior);
@@ -775,7 +783,7 @@ effect = "deny"
             (
                 "unknown agent in a link",
                 VALID.replace("to = \"worker\"", "to = \"wroker\""),
-                "org.toml:18:6: field `links[0].to`: \"wroker\" is not a declared agent",
+                "org.toml:19:6: field `links[0].to`: \"wroker\" is not a declared agent",
             ),
             (
                 "unknown field",
@@ -786,7 +794,12 @@ effect = "deny"
             (
                 "bad enum value",
                 VALID.replace("\"one_way\"", "\"sideways\""),
-                "org.toml:20:13: unknown variant `sideways`",
+                "org.toml:21:13: unknown variant `sideways`",
+            ),
+            (
+                "bad call_approval",
+                VALID.replace("\"delegate\"", "\"wait\""),
+                "org.toml:15:17: unknown variant `wait`, expected `wait_in_turn` or `delegate`",
             ),
             (
                 "steps out of range",

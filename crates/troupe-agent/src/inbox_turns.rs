@@ -992,16 +992,16 @@ fn queue_send(
 }
 
 /// What a send from a tool queued.
-struct Queued {
+pub(crate) struct Queued {
     /// The message (task) id.
-    id: String,
+    pub(crate) id: String,
     /// The pending approval it waits for in the outbox, if any.
-    approval: Option<u64>,
+    pub(crate) approval: Option<u64>,
 }
 
 /// Queues a send from a tool of the running turn; one that needs approval is queued
 /// with its pending approval (the turn does not wait for it).
-async fn tool_send(
+pub(crate) async fn tool_send(
     context: &ToolExecutionContext,
     to: &str,
     text: &str,

@@ -81,8 +81,8 @@ mod system;
 mod tool;
 
 pub use agent::{
-    agent_id, AgentCatalog, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, ContextWindow,
-    ModelSettings, AGENT_KIND,
+    agent_id, AgentCatalog, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, CallApproval,
+    ContextWindow, ModelSettings, AGENT_KIND,
 };
 pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, DelegateOptions, NotifyOptions, Spend};
 pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};

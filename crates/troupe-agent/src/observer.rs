@@ -37,6 +37,12 @@ pub enum CallOutcome {
         /// What went wrong.
         cause: String,
     },
+    /// The call needed approval and was sent as delegated task `task_id` instead
+    /// ([`crate::CallApproval::Delegate`]); its answer comes back as the task's result.
+    SentAsTask {
+        /// The task.
+        task_id: String,
+    },
     /// The caller stopped waiting before the call ended: its turn was cut (its deadline
     /// passed, or the runtime dropped it) while the call was in flight. The callee's turn
     /// runs under a deadline no later than the caller's, so it is cancelled by then too
@@ -46,7 +52,7 @@ pub enum CallOutcome {
 
 impl CallOutcome {
     /// A short label: `ok`, `refused`, `not permitted`, `timeout`, `failed`,
-    /// `cancelled`.
+    /// `sent as task`, `cancelled`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Replied { .. } => "ok",
@@ -54,6 +60,7 @@ impl CallOutcome {
             Self::NotPermitted(_) => "not permitted",
             Self::Failed(InvokeError::Timeout { .. }) => "timeout",
             Self::Failed(_) | Self::Other { .. } => "failed",
+            Self::SentAsTask { .. } => "sent as task",
             Self::Cancelled => "cancelled",
         }
     }
@@ -395,6 +402,7 @@ fn render_node(node: &CallNode, indent: usize, out: &mut String) {
                 CallOutcome::NotPermitted(refused) => format!("not permitted: {}", refused.reason),
                 CallOutcome::Failed(error) => format!("{}: {error}", outcome.label()),
                 CallOutcome::Other { cause } => format!("failed: {cause}"),
+                CallOutcome::SentAsTask { task_id } => format!("sent as task {task_id}"),
                 CallOutcome::Cancelled => "cancelled: the caller's turn was cut".to_string(),
             };
             (

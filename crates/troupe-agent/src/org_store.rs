@@ -313,6 +313,9 @@ pub(crate) enum FirstDecision {
         /// The approval's id.
         id: u64,
     },
+    /// It needs approval, and the caller chose to make the contact another way
+    /// ([`decide_contact`]'s `defer`): nothing was recorded or reported.
+    Deferred,
 }
 
 /// The refusal of `contact` when the organisation cannot be read or changed.
@@ -363,7 +366,8 @@ fn emit_decided(
 
 /// Decides one contact on the current organisation without waiting: a contact that
 /// needs approval records a pending [`crate::Approval`] (durably) and is returned as
-/// [`FirstDecision::Pending`]; the final decision is then [`await_approval`]'s.
+/// [`FirstDecision::Pending`], unless `defer` says the caller makes it another way
+/// ([`FirstDecision::Deferred`]); the final decision is then [`await_approval`]'s.
 ///
 /// # Errors
 /// [`NotPermitted`] (reported as [`AgentEvent::ContactDecided`]).
@@ -371,6 +375,7 @@ pub(crate) async fn decide_contact(
     shared: &crate::agent::AgentShared,
     clock: &Clock,
     contact: &Contact<'_>,
+    defer: impl FnOnce() -> bool,
 ) -> Result<FirstDecision, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
     let runtime = contact_runtime(shared, contact)?;
@@ -378,6 +383,7 @@ pub(crate) async fn decide_contact(
     let unavailable = |error: OrgError| unavailable(contact, error);
     let org = shared.org.current(store, clock).await.map_err(unavailable)?;
     match org.decide(from, to, kind) {
+        Ok(Permitted::NeedsApproval { .. }) if defer() => Ok(FirstDecision::Deferred),
         Ok(Permitted::NeedsApproval { .. }) => {
             let id = request_approval(shared, clock, store, contact).await?;
             Ok(FirstDecision::Pending { id })
@@ -496,9 +502,10 @@ pub(crate) async fn admit_contact(
     clock: &Clock,
     contact: Contact<'_>,
 ) -> Result<Permitted, NotPermitted> {
-    match decide_contact(shared, clock, &contact).await? {
+    match decide_contact(shared, clock, &contact, || false).await? {
         FirstDecision::Decided(permitted) => Ok(permitted),
         FirstDecision::Pending { id } => await_approval(shared, clock, &contact, id).await,
+        FirstDecision::Deferred => unreachable!("nothing is deferred here"),
     }
 }
 
@@ -549,8 +556,8 @@ pub(crate) async fn admit_send(
         message,
         deadline,
     };
-    match decide_contact(shared, clock, &contact).await {
-        Ok(FirstDecision::Decided(_)) => Ok(None),
+    match decide_contact(shared, clock, &contact, || false).await {
+        Ok(FirstDecision::Decided(_) | FirstDecision::Deferred) => Ok(None),
         Ok(FirstDecision::Pending { id }) => Ok(Some(id)),
         Err(refused) => Err(crate::InboxError::NotPermitted(refused)),
     }
@@ -576,7 +583,7 @@ pub(crate) async fn admit_call(
     target: &ActorId,
     message: &str,
     admitted: troupe_runtime::Admitted,
-) -> Result<troupe_runtime::Admitted, crate::AgentCallError> {
+) -> Result<CallAdmission, crate::AgentCallError> {
     let contact = Contact {
         from: context.agent_id(),
         to: target,
@@ -584,6 +591,24 @@ pub(crate) async fn admit_call(
         message,
         deadline: admitted.child().deadline(),
     };
-    admit_contact(context.shared(), &context.clock(), contact).await?;
-    Ok(admitted)
+    let (shared, clock) = (context.shared(), context.clock());
+    // Read only when the call needs approval: the caller's choice of how to wait.
+    let as_task = || shared.directory.call_approval_of(contact.from.key()) == crate::CallApproval::Delegate;
+    match decide_contact(shared, &clock, &contact, as_task).await? {
+        FirstDecision::Decided(_) => {}
+        FirstDecision::Pending { id } => {
+            await_approval(shared, &clock, &contact, id).await?;
+        }
+        FirstDecision::Deferred => return Ok(CallAdmission::AsTask),
+    }
+    Ok(CallAdmission::Call(admitted))
+}
+
+/// What the organisation's admission made of a `call_agent`.
+pub(crate) enum CallAdmission {
+    /// Permitted (approved, if it needed approval): make the call, in this slot.
+    Call(troupe_runtime::Admitted),
+    /// It needs approval, and its caller sends such calls as delegated tasks
+    /// ([`crate::CallApproval::Delegate`]): nothing was recorded; send it as one.
+    AsTask,
 }

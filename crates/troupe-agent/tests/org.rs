@@ -12,9 +12,9 @@ use std::time::Duration;
 use serde_json::json;
 use troupe_agent::limits::AGENT_TASK_TIMEOUT_MS_MAX;
 use troupe_agent::{
-    AgentCallError, AgentEvent, AgentSpec, AgentSystem, ApprovalState, BehaviourMode, ContactKind, InboxError, Link,
-    LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason, OrgConfig, OrgError, OrgPolicy,
-    PermissionRule, RuleMatch, ScriptRule, ScriptedLlm, TaskState,
+    AgentCallError, AgentEvent, AgentSpec, AgentSystem, ApprovalState, BehaviourMode, CallApproval, ContactKind,
+    InboxError, Link, LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason, OrgConfig,
+    OrgError, OrgPolicy, PermissionRule, RuleMatch, ScriptRule, ScriptedLlm, TaskState,
 };
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
@@ -347,6 +347,116 @@ async fn a_call_needing_approval_waits_and_proceeds_or_is_refused() {
     assert!(org.pending_approvals().is_empty());
     assert_eq!(org.membership("a").mode, BehaviourMode::Supervised);
     again.shutdown().await;
+}
+
+/// `a` (which sends calls needing approval as tasks) and `b` on `store`.
+fn start_sending_calls_as_tasks(llm: &ScriptedLlm, store: Arc<dyn StateStore>) -> AgentSystem {
+    AgentSystem::builder()
+        .store(store)
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a").call_approval(CallApproval::Delegate))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts")
+}
+
+/// The requests of `a`'s model that carried a task's result (`[task ... you delegated
+/// is ...]`), by their last message.
+fn results_read_by_a(llm: &ScriptedLlm) -> Vec<String> {
+    llm.requests_of("a")
+        .iter()
+        .filter_map(|request| request.messages.last())
+        .filter(|message| message.content.contains("you delegated is"))
+        .map(|message| message.content.clone())
+        .collect()
+}
+
+/// Goal: an agent whose calls needing approval are sent as tasks
+/// (`CallApproval::Delegate`) does not wait for the approval in its turn: its model reads
+/// at once that the question was sent as task N pending approval M (a `delegate`
+/// approval); the task waits in the outbox, durably (across a shutdown and a restart on
+/// the same store); approved, `b` answers it and the answer comes back to `a` as the
+/// task's result, read by its model in a turn of its own; denied, the denial comes back
+/// and `b` never sees the question. An agent with the default (`WaitInTurn`) still
+/// waits in its turn (`a_call_needing_approval_waits_and_proceeds_or_is_refused`).
+#[tokio::test(start_paused = true)]
+async fn a_call_needing_approval_can_be_sent_as_a_task_that_waits_durably() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("you delegated is")
+                .reply("a read the result"),
+        )
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "b", "message": "what is 6 x 7?"})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("result: {tool_result}"))
+        .rule(ScriptRule::agent("b").reply("42"));
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let system = start_sending_calls_as_tasks(&llm, Arc::clone(&store));
+    supervise(&system, "a").await;
+
+    // The turn does not wait: it ends with the model's reading of the tool result.
+    let reply = system.ask("a", "go").await.unwrap();
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    assert_eq!(
+        (pending[0].from.as_str(), pending[0].to.as_str(), pending[0].kind),
+        ("a", "b", ContactKind::Delegate)
+    );
+    assert_eq!(pending[0].message, "what is 6 x 7?");
+    let id = pending[0].id;
+    assert_eq!(
+        reply.text,
+        format!(
+            "result: the call to b needs approval {id}: your question was sent as task a.0 instead, which is \
+             sent once approved; b's answer (or the denial) will come back to you as the task's result"
+        )
+    );
+    assert_eq!(
+        system.pending("a").await.unwrap(),
+        (0, 1),
+        "the task waits in a's outbox"
+    );
+
+    // Across a restart, then approved: b answers once, a reads the answer once.
+    system.shutdown().await;
+    let system = start_sending_calls_as_tasks(&llm, Arc::clone(&store));
+    tokio::time::sleep(10 * SECOND).await;
+    assert!(llm.requests_of("b").is_empty(), "nothing reached b before the approval");
+    system.approve(id).await.unwrap();
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(llm.requests_of("b").len(), 1);
+    let task = system.task("a", "a.0").await.unwrap().unwrap();
+    assert_eq!((task.state, task.result.as_deref()), (TaskState::Completed, Some("42")));
+    assert_eq!(results_read_by_a(&llm).len(), 1, "{:?}", results_read_by_a(&llm));
+    assert!(results_read_by_a(&llm)[0].contains("[task a.0 you delegated is completed]"));
+    assert!(results_read_by_a(&llm)[0].contains("42"));
+
+    // Denied: the denial comes back as the result; b never sees the question.
+    system.ask("a", "go again").await.unwrap();
+    let pending = system.pending_approvals().await.unwrap();
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    system.deny(pending[0].id).await.unwrap();
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(llm.requests_of("b").len(), 1, "the denied question never reached b");
+    let task = system.task("a", "a.1").await.unwrap().unwrap();
+    assert_eq!(task.state, TaskState::Rejected);
+    assert_eq!(
+        task.result.as_deref(),
+        Some(
+            format!(
+                "not permitted: a may not delegate to b: approval {} was denied",
+                pending[0].id
+            )
+            .as_str()
+        )
+    );
+    assert_eq!(results_read_by_a(&llm).len(), 2);
+    assert_eq!(system.pending("a").await.unwrap(), (0, 0));
+    system.shutdown().await;
 }
 
 /// `a` delegates to `b` and notifies `b` on "hand off", then reports its tool results;

@@ -123,6 +123,7 @@ pub async fn run_org_demo(store: Arc<dyn StateStore>, config: &OrgConfig) -> Res
                         CallOutcome::Refused(refused) => refused.to_string(),
                         CallOutcome::Failed(error) => error.to_string(),
                         CallOutcome::Other { cause } => cause.clone(),
+                        CallOutcome::SentAsTask { task_id } => format!("sent as task {task_id}"),
                         CallOutcome::Cancelled => "the caller's turn was cut".to_string(),
                     };
                     (outcome.label().to_string(), detail)

@@ -32,6 +32,7 @@ fn agent_json(spec: &AgentSpec) -> Value {
         "model": spec.model.model,
         "max_steps": spec.model.max_steps,
         "history": spec.history,
+        "call_approval": spec.call_approval,
     })
 }
 
@@ -135,6 +136,10 @@ pub(crate) struct AgentBody {
     /// Its history window in messages (`AgentSpec::history`); default
     /// `AGENT_HISTORY_WINDOW_DEFAULT`.
     history: Option<usize>,
+    /// What its `call_agent` does when a call needs approval: `wait_in_turn` (default) or
+    /// `delegate` (`AgentSpec::call_approval`).
+    #[serde(default)]
+    call_approval: troupe_agent::CallApproval,
 }
 
 impl AgentBody {
@@ -142,7 +147,8 @@ impl AgentBody {
         let mut spec = AgentSpec::new(id)
             .role(self.role)
             .system_prompt(self.system_prompt)
-            .model(self.model);
+            .model(self.model)
+            .call_approval(self.call_approval);
         if let Some(name) = self.name {
             spec = spec.name(name);
         }

@@ -117,6 +117,8 @@ impl From<AgentCallError> for ApiError {
             AgentCallError::NotPermitted(_) => Self::new(StatusCode::FORBIDDEN, "not_permitted", error.to_string()),
             AgentCallError::BudgetExhausted(_) => Self::unprocessable("budget_exhausted", error.to_string()),
             AgentCallError::Remote(_) => Self::new(StatusCode::BAD_GATEWAY, "remote_failed", error.to_string()),
+            // Only `call_agent`'s tool gets it (a turn's call); an ask from outside never does.
+            AgentCallError::SentAsTask { .. } => Self::internal(error.to_string()),
         }
     }
 }

@@ -72,6 +72,7 @@ pub fn event_json(event: &AgentEvent) -> Value {
                 CallOutcome::Refused(refused) => json!({"cause": refused.to_string()}),
                 CallOutcome::Failed(error) => json!({"cause": error.to_string()}),
                 CallOutcome::Other { cause } => json!({"cause": cause}),
+                CallOutcome::SentAsTask { task_id } => json!({"task_id": task_id}),
                 CallOutcome::Cancelled => json!({}),
                 CallOutcome::NotPermitted(refused) => json!({"cause": refused.to_string()}),
             };

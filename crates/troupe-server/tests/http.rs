@@ -115,12 +115,18 @@ async fn agents_are_listed_created_updated_and_deleted() {
         .collect();
     assert_eq!(ids, ["boss", "caller", "echo", "slow"]);
 
-    let helper = json!({"id": "helper", "role": "helps", "system_prompt": "Be brief.", "max_steps": 3, "history": 6});
+    let helper = json!({"id": "helper", "role": "helps", "system_prompt": "Be brief.", "max_steps": 3, "history": 6,
+                        "call_approval": "delegate"});
     let (status, body) = server.post("/v1/agents", helper.clone()).await;
     assert_eq!(status, 201, "{body}");
     assert_eq!(body["role"], "helps");
     assert_eq!(body["max_steps"], 3);
     assert_eq!(body["history"], 6);
+    assert_eq!(body["call_approval"], "delegate");
+    assert_eq!(
+        server.system().directory().get("helper").unwrap().call_approval,
+        troupe_agent::CallApproval::Delegate
+    );
     assert_eq!(server.system().directory().get("helper").unwrap().history, 6);
     let (status, body) = server.post("/v1/agents", helper).await;
     assert_eq!(status, 409);
@@ -145,6 +151,7 @@ async fn agents_are_listed_created_updated_and_deleted() {
         server.get("/v1/agents/helper").await.1["history"],
         troupe_agent::limits::AGENT_HISTORY_WINDOW_DEFAULT
     );
+    assert_eq!(server.get("/v1/agents/helper").await.1["call_approval"], "wait_in_turn");
     let (status, body) = server
         .send(reqwest::Method::PUT, "/v1/agents/helper", Some(json!({"history": 1})))
         .await;
@@ -185,6 +192,14 @@ async fn agents_are_listed_created_updated_and_deleted() {
     assert!(body["error"]["message"].as_str().unwrap().contains("colour"), "{body}");
     let (status, body) = server.post("/v1/agents", json!({"id": "x", "max_steps": "many"})).await;
     assert_eq!((status, error_code(&body)), (422, "invalid_body"));
+    let (status, body) = server
+        .post("/v1/agents", json!({"id": "x", "call_approval": "later"}))
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_body"));
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("wait_in_turn"),
+        "{body}"
+    );
     let broken = server
         .request(reqwest::Method::POST, "/v1/agents")
         .header("content-type", "application/json")

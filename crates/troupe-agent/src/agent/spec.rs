@@ -199,6 +199,37 @@ pub struct AgentSpec {
     /// middle of an exchange, so it may hold fewer.
     #[serde(default = "default_history")]
     pub history: usize,
+    /// What its `call_agent` does when the organisation says the call needs approval:
+    /// wait for it in the turn (the default), or send the question as a delegated task
+    /// that waits for it in the outbox. Left out of its stored form when it is the
+    /// default, so a definition stored by an older Troupe reads the same.
+    #[serde(default, skip_serializing_if = "CallApproval::is_default")]
+    pub call_approval: CallApproval,
+}
+
+/// What an agent's `call_agent` does when the call needs approval (a rule with
+/// `requires_approval`, or a `supervised` or `strict` sender).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CallApproval {
+    /// Records a pending approval and waits for it in the calling turn, until the call's
+    /// deadline (30 s by default, at most 300 s): approved, the call proceeds and the
+    /// model reads the answer; denied or not given in time, it reads the refusal. A
+    /// restart loses the wait with its turn.
+    #[default]
+    WaitInTurn,
+    /// Sends the question as a delegated task instead (as `delegate_to_agent` would,
+    /// with its 120 s default deadline): the task waits for its own approval in the
+    /// outbox, durably (across restarts), and the turn goes on; the model reads that the
+    /// question was sent as task N pending approval M, and the callee's answer, or the
+    /// denial, comes back to the agent as the task's result in a turn of its own.
+    Delegate,
+}
+
+impl CallApproval {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 fn default_history() -> usize {
@@ -241,7 +272,15 @@ impl AgentSpec {
             tools: None,
             window: ContextWindow::default(),
             history: AGENT_HISTORY_WINDOW_DEFAULT,
+            call_approval: CallApproval::WaitInTurn,
         }
+    }
+
+    /// Sets what its `call_agent` does when the call needs approval (see
+    /// [`CallApproval`]).
+    pub fn call_approval(mut self, call_approval: CallApproval) -> Self {
+        self.call_approval = call_approval;
+        self
     }
 
     /// Sets how many of its own newest log messages its model sees at every turn
@@ -440,6 +479,16 @@ impl AgentDirectory {
     /// The definition of agent `id`.
     pub fn get(&self, id: &str) -> Option<AgentSpec> {
         self.agents.read().unwrap().get(id).cloned()
+    }
+
+    /// What agent `id`'s `call_agent` does when a call needs approval (the default
+    /// for an unknown id), read without copying its definition.
+    pub(crate) fn call_approval_of(&self, id: &str) -> CallApproval {
+        self.agents
+            .read()
+            .unwrap()
+            .get(id)
+            .map_or_else(CallApproval::default, |spec| spec.call_approval)
     }
 
     /// Whether agent `id` exists.
