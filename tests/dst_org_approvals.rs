@@ -5,7 +5,9 @@
 //! deadline passes, whatever happens to the process meanwhile; its outcome reaches the
 //! delegator exactly once, and nothing that was not approved reaches the delegatee.
 //! Method: per round, a fresh store; a supervised agent `a` (every contact needs
-//! approval) whose scripted model delegates one job per ask to `b`; a resolver approves
+//! approval) whose scripted model delegates one job per ask to `b` (with
+//! `delegate_to_agent`; in the second test with `call_agent`, as an agent whose calls
+//! that need approval are sent as tasks, `CallApproval::Delegate`); a resolver approves
 //! or denies each pending approval at a random moment (seeded; the first two of a round
 //! one of each, then drawn), and in some rounds
 //! leaves the last one to its deadline; the whole system is dropped (the process dies:
@@ -31,7 +33,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use troupe::agent::{AgentSpec, AgentSystem, BehaviourMode, Membership, ScriptRule, ScriptedLlm, TaskState};
+use troupe::agent::{
+    AgentSpec, AgentSystem, BehaviourMode, CallApproval, Membership, ScriptRule, ScriptedLlm, TaskState,
+};
 use troupe::runtime::{MemoryStore, StateStore};
 use troupe_sim::serde_json::json;
 use troupe_sim::SimRng;
@@ -46,8 +50,22 @@ const JOBS: u64 = 3;
 /// The delegations' deadline.
 const TASK_TIMEOUT_MS: u64 = 20_000;
 
-fn script(latency_ms: u64) -> ScriptedLlm {
+/// How `a` hands a job to `b`.
+#[derive(Clone, Copy)]
+enum HandOff {
+    /// With `delegate_to_agent`.
+    Delegate,
+    /// With `call_agent`, as an agent with `CallApproval::Delegate`: the call needs
+    /// approval, so it is sent as a task.
+    CallSentAsTask,
+}
+
+fn script(latency_ms: u64, hand_off: HandOff) -> ScriptedLlm {
     let latency = Duration::from_millis(latency_ms);
+    let tool = match hand_off {
+        HandOff::Delegate => "delegate_to_agent",
+        HandOff::CallSentAsTask => "call_agent",
+    };
     // A task's result quotes the job ("hand off ..."): its rule comes first.
     ScriptedLlm::new()
         .rule(
@@ -60,7 +78,7 @@ fn script(latency_ms: u64) -> ScriptedLlm {
             ScriptRule::agent("a")
                 .on_user_containing("hand off")
                 .call(
-                    "delegate_to_agent",
+                    tool,
                     json!({"agent_id": "b", "message": "{input}", "timeout_ms": TASK_TIMEOUT_MS}),
                 )
                 .latency(latency),
@@ -74,11 +92,15 @@ fn script(latency_ms: u64) -> ScriptedLlm {
         .rule(ScriptRule::agent("b").reply("b did: {input}").latency(latency))
 }
 
-fn start(llm: &ScriptedLlm, store: Arc<dyn StateStore>) -> AgentSystem {
+fn start(llm: &ScriptedLlm, store: Arc<dyn StateStore>, hand_off: HandOff) -> AgentSystem {
+    let call_approval = match hand_off {
+        HandOff::Delegate => CallApproval::WaitInTurn,
+        HandOff::CallSentAsTask => CallApproval::Delegate,
+    };
     AgentSystem::builder()
         .store(store)
         .llm(Arc::new(llm.clone()))
-        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("a").call_approval(call_approval))
         .agent(AgentSpec::new("b"))
         .start()
         .expect("the system starts")
@@ -92,6 +114,33 @@ fn count(log: &[troupe::agent::ChatMessage], needle: &str) -> usize {
 /// Goal and method: see the module documentation.
 #[madsim::test]
 async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crashes() {
+    run(HandOff::Delegate).await;
+}
+
+/// The same, where `a` hands each job off with `call_agent` and its calls that need
+/// approval are sent as tasks (`CallApproval::Delegate`).
+#[madsim::test]
+async fn a_call_sent_as_a_task_for_approval_is_resolved_exactly_once_across_crashes() {
+    run(HandOff::CallSentAsTask).await;
+}
+
+/// The task id and the approval id a tool result of `a` names: "task a.N is pending
+/// approval K: ..." (`delegate_to_agent`) or "the call to b needs approval K: your
+/// question was sent as task a.N instead, ..." (`call_agent`).
+fn task_and_approval(result: &str) -> Option<(String, u64)> {
+    if let Some(rest) = result.strip_prefix("task ") {
+        let (task_id, rest) = rest.split_once(" is pending approval ")?;
+        let (id, _) = rest.split_once(':')?;
+        return Some((task_id.to_string(), id.parse().ok()?));
+    }
+    let rest = result.strip_prefix("the call to b needs approval ")?;
+    let (id, rest) = rest.split_once(':')?;
+    let rest = rest.strip_prefix(" your question was sent as task ")?;
+    let (task_id, _) = rest.split_once(' ')?;
+    Some((task_id.to_string(), id.parse().ok()?))
+}
+
+async fn run(hand_off: HandOff) {
     let rng = Arc::new(Mutex::new(SimRng::new()));
     let mut outcomes: BTreeMap<&str, usize> = BTreeMap::new();
     let mut orphans = 0;
@@ -106,9 +155,9 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         let approver_away = draw(0, 2) == 0;
         let resolver_starts_ms = (!approver_away).then(|| draw(0, 4 * latency_ms + 100));
         let crash_after_ms = draw(0, 6 * latency_ms + 200);
-        let llm = script(latency_ms);
+        let llm = script(latency_ms, hand_off);
         let data = MemoryStore::new();
-        let first = start(&llm, Arc::new(data.clone()));
+        let first = start(&llm, Arc::new(data.clone()), hand_off);
         let supervised = Membership {
             manager: None,
             mode: BehaviourMode::Supervised,
@@ -133,7 +182,7 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
                      // process can still commit after the new one resumed, as if two processes ran).
         tokio::time::sleep(Duration::from_secs(1)).await;
 
-        let second = start(&llm, Arc::new(data.clone()));
+        let second = start(&llm, Arc::new(data.clone()), hand_off);
         let client = second.client();
         // Let the dead process's last turns be cut before resolving what is pending.
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -157,13 +206,10 @@ async fn a_delegation_waiting_for_approval_is_resolved_exactly_once_across_crash
         // (tasks are only created in the first system, so no id is reused).
         let mut task_of: BTreeMap<u64, String> = BTreeMap::new();
         for result in llm.tool_results_seen_by("a") {
-            // "task a.N is pending approval K: ..."
-            let Some(rest) = result.strip_prefix("task ") else {
+            let Some((task_id, id)) = task_and_approval(&result) else {
                 panic!("round {round}: unexpected tool result {result:?}")
             };
-            let (task_id, rest) = rest.split_once(" is pending approval ").expect("the pending text");
-            let (id, _) = rest.split_once(':').expect("the pending text");
-            task_of.insert(id.parse().unwrap(), task_id.to_string());
+            task_of.insert(id, task_id);
         }
         // Approvals the resolver never saw (recorded by a turn of the dead process as it
         // was being cut) are checked like the others: never resolved.

@@ -214,7 +214,7 @@ pub async fn call_agent(
         Ok(admitted) => match crate::org_store::admit_call(context, &target, message, admitted).await {
             Ok(crate::org_store::CallAdmission::Call(admitted)) => Ok(admitted),
             Ok(crate::org_store::CallAdmission::AsTask) => {
-                let result = send_as_task(context, agent_id_text, message).await;
+                let result = send_as_task(context, agent_id_text, message, timeout_ms).await;
                 finished.finish(result.outcome());
                 return Err(result);
             }
@@ -326,9 +326,15 @@ pub async fn call_agent(
 
 /// Sends the question of a call that needs approval as a delegated task (see
 /// [`AgentCallError::SentAsTask`]), with the admission of `delegate_to_agent` (which
-/// records the task's own approval, if it needs one) and its default deadline.
-async fn send_as_task(context: &ToolExecutionContext, to: &str, message: &str) -> AgentCallError {
-    match crate::inbox_turns::tool_send(context, to, message, None, true).await {
+/// records the task's own approval, if it needs one) and its deadline: the call's
+/// `timeout_ms` if given (at most `AGENT_TASK_TIMEOUT_MS_MAX`), else the task default.
+async fn send_as_task(
+    context: &ToolExecutionContext,
+    to: &str,
+    message: &str,
+    timeout_ms: Option<u64>,
+) -> AgentCallError {
+    match crate::inbox_turns::tool_send(context, to, message, timeout_ms, true).await {
         Ok(queued) => AgentCallError::SentAsTask {
             target: to.to_string(),
             task_id: queued.id,

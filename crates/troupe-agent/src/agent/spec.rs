@@ -218,8 +218,9 @@ pub enum CallApproval {
     /// restart loses the wait with its turn.
     #[default]
     WaitInTurn,
-    /// Sends the question as a delegated task instead (as `delegate_to_agent` would,
-    /// with its 120 s default deadline): the task waits for its own approval in the
+    /// Sends the question as a delegated task instead (as `delegate_to_agent` would; its
+    /// deadline is the call's `timeout_ms` if the model gave one, at most 300 s, else the
+    /// task default of 120 s): the task waits for its own approval in the
     /// outbox, durably (across restarts), and the turn goes on; the model reads that the
     /// question was sent as task N pending approval M, and the callee's answer, or the
     /// denial, comes back to the agent as the task's result in a turn of its own.
