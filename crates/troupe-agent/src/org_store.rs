@@ -592,8 +592,12 @@ pub(crate) async fn admit_call(
         deadline: admitted.child().deadline(),
     };
     let (shared, clock) = (context.shared(), context.clock());
-    // Read only when the call needs approval: the caller's choice of how to wait.
-    let as_task = || shared.directory.call_approval_of(contact.from.key()) == crate::CallApproval::Delegate;
+    // Read only when the call needs approval: the caller's choice of how to wait. Only
+    // a local agent can be sent a task: a call to a remote agent waits in the turn.
+    let as_task = || {
+        shared.directory.contains(contact.to.key())
+            && shared.directory.call_approval_of(contact.from.key()) == crate::CallApproval::Delegate
+    };
     match decide_contact(shared, &clock, &contact, as_task).await? {
         FirstDecision::Decided(_) => {}
         FirstDecision::Pending { id } => {

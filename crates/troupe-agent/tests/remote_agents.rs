@@ -8,10 +8,12 @@
 //! reaches the network.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde_json::json;
 use troupe_agent::{
-    AgentSpec, AgentSystem, AgentSystemError, Link, OrgPolicy, RemoteAgent, RemoteAgentError, ScriptRule, ScriptedLlm,
+    AgentEvent, AgentSpec, AgentSystem, AgentSystemError, BehaviourMode, CallApproval, ContactKind, Link, Membership,
+    OrgPolicy, RemoteAgent, RemoteAgentError, ScriptRule, ScriptedLlm,
 };
 
 /// A loopback URL no test sends to: every call here is refused before sending.
@@ -72,6 +74,58 @@ async fn a_remote_agent_without_a_link_is_not_permitted_and_nothing_is_sent() {
         "{}",
         reply.text
     );
+    system.shutdown().await;
+}
+
+/// Goal: an agent whose calls needing approval are sent as tasks
+/// (`CallApproval::Delegate`) still waits in its turn when the call is to a remote
+/// agent, which cannot be sent a task: the approval is an `ask`, and denying it refuses
+/// the call (nothing is sent). Method: `a` supervised, its model calls `hq`; the
+/// approval is denied while the call waits.
+#[tokio::test(start_paused = true)]
+async fn a_call_to_a_remote_agent_needing_approval_waits_in_the_turn_even_when_calls_go_as_tasks() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "hq", "message": "hello"})),
+        );
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a").call_approval(CallApproval::Delegate))
+        .remote_agent(RemoteAgent::new("hq", UNUSED_URL))
+        .start()
+        .expect("the system starts");
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("a", supervised).await.unwrap();
+    let mut events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let requested = async {
+        loop {
+            if let AgentEvent::ApprovalRequested { id, kind, .. } = events.recv().await.unwrap() {
+                break (id, kind);
+            }
+        }
+    };
+    let (id, kind) = tokio::time::timeout(Duration::from_secs(10), requested)
+        .await
+        .expect("the call asks for an approval");
+    assert_eq!(kind, ContactKind::Ask, "a call, not a task");
+    system.deny(id).await.unwrap();
+    let reply = asked.await.unwrap().unwrap();
+    assert!(
+        reply
+            .text
+            .contains(&format!("a may not ask hq: approval {id} was denied")),
+        "{}",
+        reply.text
+    );
+    assert_eq!(system.pending("a").await.unwrap(), (0, 0), "no task was queued");
     system.shutdown().await;
 }
 

@@ -223,7 +223,8 @@ pub enum CallApproval {
     /// task default of 120 s): the task waits for its own approval in the
     /// outbox, durably (across restarts), and the turn goes on; the model reads that the
     /// question was sent as task N pending approval M, and the callee's answer, or the
-    /// denial, comes back to the agent as the task's result in a turn of its own.
+    /// denial, comes back to the agent as the task's result in a turn of its own. A
+    /// call to a remote (A2A) agent, which cannot be sent a task, still waits in the turn.
     Delegate,
 }
 
