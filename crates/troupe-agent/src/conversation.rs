@@ -530,15 +530,8 @@ struct RelayRecord {
     approval: Option<u64>,
 }
 
-/// What the organisation and the call rules make of one mention of an agent.
-enum MentionAdmission {
-    /// Relayed to the agent.
-    Relay,
-    /// Relayed once approved: the contact needs approval.
-    AfterApproval,
-    /// Refused: a system note of this kind, saying why.
-    Refused(NoteKind, String),
-}
+/// Why a mention of an agent is refused: the kind of its system note, and its text.
+type MentionRefusal = (NoteKind, String);
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 struct ConvState {
@@ -949,24 +942,28 @@ impl ConversationActor {
                 }
                 continue;
             };
+            let needs_approval = match self.admission(&request, sender_agent.as_deref(), &agent).await {
+                Ok(needs_approval) => needs_approval,
+                Err((kind, text)) => {
+                    notes.push((name.clone(), kind, text));
+                    continue;
+                }
+            };
             let deadline = *relay_deadline.get_or_insert_with(|| {
                 Deadline::after(turn.now(), Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT))
             });
-            match self.admission(&request, sender_agent.as_deref(), &agent).await {
-                MentionAdmission::Relay => relays.push((agent, None)),
-                MentionAdmission::AfterApproval => {
-                    // Recorded before this turn commits (as a send's, see `inbox.rs`): a
-                    // turn that then fails leaves it pending until its deadline, with
-                    // nothing waiting for it.
-                    match self
-                        .request_approval(turn, sender_agent.as_deref(), &agent, &request.text, deadline)
-                        .await
-                    {
-                        Ok(id) => relays.push((agent, Some(id))),
-                        Err(refused) => notes.push((name.clone(), NoteKind::NotPermitted, refused.to_string())),
-                    }
-                }
-                MentionAdmission::Refused(kind, text) => notes.push((name.clone(), kind, text)),
+            if !needs_approval {
+                relays.push((agent, None));
+                continue;
+            }
+            // Recorded before this turn commits (as a send's, see `inbox.rs`): a turn that
+            // then fails leaves it pending until its deadline, with nothing waiting for it.
+            match self
+                .request_approval(turn, sender_agent.as_deref(), &agent, &request.text, deadline)
+                .await
+            {
+                Ok(id) => relays.push((agent, Some(id))),
+                Err(refused) => notes.push((name.clone(), NoteKind::NotPermitted, refused)),
             }
         }
         // The request's fields move into the message; only relays read its chain later.
@@ -1025,36 +1022,41 @@ impl ConversationActor {
         Ok(ConvReply::Posted(Posted { seq, duplicate: false }))
     }
 
-    /// Whether the mention of `agent` in `request` triggers a turn: the call rules
-    /// (cycle, depth, known agent), then the organisation.
-    async fn admission(&self, request: &PostRequest, sender: Option<&str>, agent: &str) -> MentionAdmission {
-        use MentionAdmission::Refused;
+    /// Whether the mention of `agent` in `request` triggers a turn, by the call rules
+    /// (cycle, depth, known agent), then the organisation: `Ok(true)` once approved (the
+    /// contact needs approval), `Ok(false)` at once, `Err` with its note if refused.
+    async fn admission(
+        &self,
+        request: &PostRequest,
+        sender: Option<&str>,
+        agent: &str,
+    ) -> Result<bool, MentionRefusal> {
         if !self.shared.directory.contains(agent) {
-            return Refused(NoteKind::NotAnAgent, "not an agent of the directory".to_string());
+            return Err((NoteKind::NotAnAgent, "not an agent of the directory".to_string()));
         }
         if sender == Some(agent) || request.chain.iter().any(|a| a == agent) {
             let chain = request.chain.join(" → ");
-            return Refused(
+            return Err((
                 NoteKind::Cycle,
                 format!("a cycle: already in the mention chain [{chain}]"),
-            );
+            ));
         }
         if request.chain.len() >= AGENT_CALL_DEPTH_MAX as usize {
-            return Refused(
+            return Err((
                 NoteKind::DepthLimit,
                 format!("the mention chain is at the depth limit ({AGENT_CALL_DEPTH_MAX})"),
-            );
+            ));
         }
         let Some(sender) = sender else {
-            return MentionAdmission::Relay;
+            return Ok(false);
         };
         // Never absent during a turn (the turn holds the runtime); if it were, refuse
         // rather than skip the organisation's check.
         let Some(runtime) = self.shared.runtime() else {
-            return Refused(
+            return Err((
                 NoteKind::NotPermitted,
                 "the organisation is unavailable: the runtime has stopped".to_string(),
-            );
+            ));
         };
         let decision = match self
             .shared
@@ -1064,16 +1066,16 @@ impl ConversationActor {
         {
             Ok(org) => org.decide(sender, agent, ContactKind::Notify),
             Err(error) => {
-                return Refused(
+                return Err((
                     NoteKind::NotPermitted,
                     format!("the organisation is unavailable: {error}"),
-                )
+                ))
             }
         };
         match decision {
-            Ok(Permitted::NeedsApproval { .. }) => MentionAdmission::AfterApproval,
-            Ok(_) => MentionAdmission::Relay,
-            Err(refused) => Refused(NoteKind::NotPermitted, refused.to_string()),
+            Ok(Permitted::NeedsApproval { .. }) => Ok(true),
+            Ok(_) => Ok(false),
+            Err(refused) => Err((NoteKind::NotPermitted, refused.to_string())),
         }
     }
 
