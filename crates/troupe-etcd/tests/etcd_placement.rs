@@ -132,6 +132,10 @@ async fn expired_lease_lets_another_node_place_with_a_newer_fence_and_the_zombie
     drop(node_a);
     let stopped = Instant::now();
     let takeover_bound = Duration::from_millis(TEST_LEASE_TTL_S * 1_000 + 1_000 + SCHEDULING_ALLOWANCE_MS);
+    // Answers that took etcd longer than the request timeout, retried within the bound: a
+    // loaded CI machine once held one Place past its 500 ms (2026-12-02); what is tested
+    // here is the takeover's bound and fences, not etcd's latency.
+    let mut unanswered = 0;
     let placed_b = loop {
         match node_b.place(&x).await {
             Ok(record) => break record,
@@ -143,10 +147,17 @@ async fn expired_lease_lets_another_node_place_with_a_newer_fence_and_the_zombie
                 );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+            Err(PlacementError::EtcdUnavailable { .. }) if stopped.elapsed() < takeover_bound => {
+                unanswered += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             Err(other) => panic!("B's place failed: {other}"),
         }
     };
-    eprintln!("B placed x {:?} after A stopped renewing", stopped.elapsed());
+    eprintln!(
+        "B placed x {:?} after A stopped renewing ({unanswered} place requests unanswered in time)",
+        stopped.elapsed()
+    );
     assert_eq!(placed_b.owner.as_str(), "node-b");
     assert!(
         placed_b.fence > placed_a.fence,
