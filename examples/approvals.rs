@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe::agent::{
-    AgentSpec, AgentSystem, BehaviourMode, CallApproval, Membership, ScriptRule, ScriptedLlm, TaskState,
+    AgentEvent, AgentSpec, AgentSystem, BehaviourMode, CallApproval, Membership, ScriptRule, ScriptedLlm, TaskState,
 };
 use troupe::json;
 
@@ -49,9 +49,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     };
     system.set_membership("intern", supervised).await?;
 
-    // The intern's turn ends at once: its question waits for approval as a task.
+    // The intern's turn ends at once: its question waits for approval as a task. The
+    // approval is listed for a person once that turn has committed and the task waits
+    // in the outbox, reported as an `ApprovalRequested` event (what a UI listens to).
+    let mut events = system.subscribe();
     let reply = system.ask("intern", "Check the churn estimate.").await?;
     println!("intern: {}", reply.text);
+    let listed = tokio::time::timeout(Duration::from_millis(ANSWER_WAIT_MS_MAX), async {
+        loop {
+            match events.recv().await {
+                Ok(AgentEvent::ApprovalRequested { id, .. }) => return Ok(id),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(closed) => return Err(closed),
+            }
+        }
+    })
+    .await
+    .map_err(|_| format!("no approval was listed within {ANSWER_WAIT_MS_MAX} ms"))??;
+    println!("approval {listed} requested");
     let pending = system.pending_approvals().await?;
     let [approval] = pending.as_slice() else {
         return Err(format!("expected one pending approval, found {pending:?}").into());

@@ -25,6 +25,9 @@
 //!   denied") or never approved in time ("still pending at the deadline"), and boss's
 //!   model never saw the job;
 //! - NoOrphanDelivery: a job whose mention never committed reaches nothing;
+//! - NoOrphanListed: an approval whose mention never committed is never listed for a
+//!   person (the approver resolves only what `pending_approvals` lists): at most one
+//!   approval of a job is listed, none of a job whose mention never committed;
 //! - Drained: no inbox or outbox entries left.
 #![cfg(madsim)]
 
@@ -126,6 +129,7 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
     let mut crossed_the_crash = 0;
     let mut rounds_left_to_the_deadline = 0;
     let mut orphan_approvals = 0;
+    let mut orphans_listed = 0;
     for round in 0..ROUNDS {
         let draw = |low, high| rng.lock().unwrap().range(low, high);
         let latency_ms = draw(1, 120);
@@ -218,6 +222,10 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
             // dev's mention turn cut by the crash and run again: its first approval has
             // no relay (an orphan), and must send nothing whatever its decision.
             orphan_approvals += approvals.len().saturating_sub(1);
+            let listed = {
+                let seen = approver.messages.lock().unwrap();
+                approvals.iter().filter(|(id, _)| seen.contains_key(id)).count()
+            };
             for (id, state) in &approvals {
                 if let Some(approved) = approver.decisions.lock().unwrap().get(id) {
                     let expected = if *approved {
@@ -245,8 +253,10 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
                     "round {round}: orphan {job} answered"
                 );
                 *outcomes.entry("orphan").or_default() += 1;
+                orphans_listed += listed;
                 continue;
             };
+            orphans_listed += listed.saturating_sub(1);
             let replies = replies_for_boss(&messages, mention.seq);
             let [reply] = replies.as_slice() else {
                 panic!("round {round}: {job}: one reply for boss, not {replies:#?}\n{messages:#?}");
@@ -300,7 +310,9 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
     );
     assert!(crossed_the_crash > 0, "some approvals must be resolved after the crash");
     eprintln!(
-        "outcomes {outcomes:?}, orphan approvals {orphan_approvals}, rounds resolving after the crash \
-         {crossed_the_crash}"
+        "outcomes {outcomes:?}, orphan approvals {orphan_approvals} ({orphans_listed} listed), rounds \
+         resolving after the crash {crossed_the_crash}"
     );
+    // NoOrphanListed.
+    assert_eq!(orphans_listed, 0, "orphan approvals were listed for a person");
 }

@@ -26,6 +26,8 @@
 //! - OutcomeOnce: `a`'s log holds the task's outcome exactly once;
 //! - NoOrphanDelivery: an approval whose delegating turn never committed (cut by the
 //!   crash) sends nothing when resolved;
+//! - NoOrphanListed: such an approval is never listed for a person (the approver
+//!   resolves only what `pending_approvals` lists);
 //! - Drained: no inbox or outbox entries left.
 #![cfg(madsim)]
 
@@ -144,6 +146,7 @@ async fn run(hand_off: HandOff) {
     let rng = Arc::new(Mutex::new(SimRng::new()));
     let mut outcomes: BTreeMap<&str, usize> = BTreeMap::new();
     let mut orphans = 0;
+    let mut orphans_listed = 0;
     let mut crossed_the_crash = 0;
     for round in 0..ROUNDS {
         let draw = |low, high| rng.lock().unwrap().range(low, high);
@@ -213,7 +216,8 @@ async fn run(hand_off: HandOff) {
         }
         // Approvals the resolver never saw (recorded by a turn of the dead process as it
         // was being cut) are checked like the others: never resolved.
-        let mut jobs = approver.messages.lock().unwrap().clone();
+        let listed = approver.messages.lock().unwrap().clone();
+        let mut jobs = listed.clone();
         for approval in org.pending_approvals() {
             jobs.entry(approval.id).or_insert(approval.message);
         }
@@ -229,6 +233,9 @@ async fn run(hand_off: HandOff) {
                 // NoOrphanDelivery: the delegating turn never committed.
                 assert_eq!(count(&b_log, job_text), 0, "round {round}: orphan {id} delivered");
                 orphans += 1;
+                if listed.contains_key(id) {
+                    orphans_listed += 1;
+                }
                 continue;
             };
             if let Some(approved) = decisions.get(id) {
@@ -293,6 +300,9 @@ async fn run(hand_off: HandOff) {
     );
     assert!(crossed_the_crash > 0, "some approvals must be resolved after the crash");
     eprintln!(
-        "outcomes {outcomes:?}, orphan approvals {orphans}, rounds resolving after the crash {crossed_the_crash}"
+        "outcomes {outcomes:?}, orphan approvals {orphans} ({orphans_listed} listed), rounds resolving after \
+         the crash {crossed_the_crash}"
     );
+    // NoOrphanListed.
+    assert_eq!(orphans_listed, 0, "orphan approvals were listed for a person");
 }

@@ -1103,7 +1103,8 @@ impl ConversationActor {
             .shared
             .runtime()
             .ok_or("the organisation is unavailable: the runtime has stopped")?;
-        crate::org_store::request_approval(&self.shared, &turn.clock(), runtime.store().as_ref(), &contact)
+        let listing = crate::org_store::Listing::OnDelivery;
+        crate::org_store::request_approval(&self.shared, &turn.clock(), runtime.store().as_ref(), &contact, listing)
             .await
             .map_err(|refused| refused.to_string())
     }

@@ -414,6 +414,20 @@ pub struct Approval {
     /// before 2026-12-01, which never expire.
     #[serde(default)]
     pub deadline: Option<Deadline>,
+    /// Whether it is listed as pending ([`Organisation::pending_approvals_at`]), for a
+    /// person to resolve. A call waiting in its turn is listed at once. A delegation,
+    /// notification or mention is listed once the turn that queued it has committed
+    /// and its delivery waits for the approval ([`Organisation::list_approval`]);
+    /// until then, and for ever if that turn was cut by a crash or rolled back, it is
+    /// not listed (it expires at its deadline, and can still be resolved by its id,
+    /// which then sends nothing). `true` in records stored before 2026-12-02.
+    #[serde(default = "listed_by_default")]
+    pub listed: bool,
+}
+
+/// Records stored before [`Approval::listed`] existed were all listed.
+fn listed_by_default() -> bool {
+    true
 }
 
 impl Approval {
@@ -623,9 +637,10 @@ impl Organisation {
     }
 
     /// Records a pending approval for `from` contacting `to`, whose contact waits until
-    /// `deadline`; returns its id. Pending approvals whose deadline has passed at `now`
-    /// are marked [`ApprovalState::Expired`] first, so that abandoned ones do not hold
-    /// the room of [`ORG_APPROVALS_PENDING_MAX`].
+    /// `deadline`, listed at once (a call waiting for it in its turn); returns its id.
+    /// Pending approvals whose deadline has passed at `now` are marked
+    /// [`ApprovalState::Expired`] first, so that abandoned ones do not hold the room of
+    /// [`ORG_APPROVALS_PENDING_MAX`].
     ///
     /// # Errors
     /// [`OrgError::TooMany`] if [`ORG_APPROVALS_PENDING_MAX`] are pending (and not past
@@ -638,6 +653,39 @@ impl Organisation {
         message: &str,
         deadline: Deadline,
         now: Deadline,
+    ) -> Result<u64, OrgError> {
+        self.record_approval(from, to, kind, message, deadline, now, true)
+    }
+
+    /// [`Organisation::request_approval`] for a contact queued by a turn that has not
+    /// committed yet (a delegation, notification or mention): not listed until its
+    /// delivery waits for it ([`Organisation::list_approval`]), so that an approval
+    /// whose turn is then cut or rolled back is never shown to a person.
+    ///
+    /// # Errors
+    /// As [`Organisation::request_approval`].
+    pub fn request_unlisted_approval(
+        &mut self,
+        from: &str,
+        to: &str,
+        kind: ContactKind,
+        message: &str,
+        deadline: Deadline,
+        now: Deadline,
+    ) -> Result<u64, OrgError> {
+        self.record_approval(from, to, kind, message, deadline, now, false)
+    }
+
+    #[allow(clippy::too_many_arguments)] // the record's fields, each named at the two callers
+    fn record_approval(
+        &mut self,
+        from: &str,
+        to: &str,
+        kind: ContactKind,
+        message: &str,
+        deadline: Deadline,
+        now: Deadline,
+        listed: bool,
     ) -> Result<u64, OrgError> {
         self.expire_approvals(now);
         if self.pending_approvals().len() >= ORG_APPROVALS_PENDING_MAX {
@@ -657,10 +705,27 @@ impl Organisation {
             message,
             state: ApprovalState::Pending,
             deadline: Some(deadline),
+            listed,
         };
         self.approvals.insert(id, approval);
         self.bump();
         Ok(id)
+    }
+
+    /// Lists approval `id` as pending (its contact's delivery now waits for it); returns
+    /// whether that changed anything (false if it was listed already, is resolved, or is
+    /// gone).
+    pub fn list_approval(&mut self, id: u64) -> bool {
+        let Some(approval) = self
+            .approvals
+            .get_mut(&id)
+            .filter(|approval| approval.state == ApprovalState::Pending && !approval.listed)
+        else {
+            return false;
+        };
+        approval.listed = true;
+        self.bump();
+        true
     }
 
     /// Marks every pending approval whose deadline has passed at `now` as
@@ -723,8 +788,8 @@ impl Organisation {
         self.approvals.get(&id)
     }
 
-    /// Every approval stored as pending, oldest first (some may be past their deadline:
-    /// see [`Organisation::pending_approvals_at`]).
+    /// Every approval stored as pending, listed or not, oldest first (some may be past
+    /// their deadline: see [`Organisation::pending_approvals_at`]).
     pub fn pending_approvals(&self) -> Vec<Approval> {
         self.approvals
             .values()
@@ -733,12 +798,12 @@ impl Organisation {
             .collect()
     }
 
-    /// Every approval pending at `now` (stored as pending, its deadline not passed),
-    /// oldest first.
+    /// Every listed approval pending at `now` (stored as pending, its deadline not
+    /// passed, [`Approval::listed`]), oldest first: what a person has to resolve.
     pub fn pending_approvals_at(&self, now: Deadline) -> Vec<Approval> {
         self.approvals
             .values()
-            .filter(|approval| approval.state_at(now) == ApprovalState::Pending)
+            .filter(|approval| approval.listed && approval.state_at(now) == ApprovalState::Pending)
             .cloned()
             .collect()
     }
@@ -980,6 +1045,45 @@ mod tests {
         .unwrap();
         assert_eq!(old.deadline, None);
         assert_eq!(old.state_at(at(u64::MAX)), ApprovalState::Pending);
+        assert!(old.listed, "records stored before the listing existed were all listed");
+    }
+
+    /// Goal: an approval requested for a contact that a turn has not committed yet is
+    /// not listed for a person until its delivery lists it, once; it can be resolved by
+    /// its id meanwhile, and a resolved one is never listed.
+    #[test]
+    fn an_unlisted_approval_is_listed_once_its_delivery_waits_for_it() {
+        let at = Deadline::from_micros;
+        let mut org = Organisation::default();
+        let listed = org
+            .request_approval("a", "b", ContactKind::Ask, "now", at(100), at(0))
+            .unwrap();
+        let held = org
+            .request_unlisted_approval("a", "b", ContactKind::Delegate, "later", at(100), at(0))
+            .unwrap();
+        let ids = |org: &Organisation| -> Vec<u64> { org.pending_approvals_at(at(1)).iter().map(|a| a.id).collect() };
+        assert_eq!(ids(&org), vec![listed]);
+        assert_eq!(org.pending_approvals().len(), 2, "both are stored as pending");
+        assert!(!org.approval(held).unwrap().listed);
+
+        let version = org.version();
+        assert!(org.list_approval(held));
+        assert_eq!(org.version(), version + 1, "listing is a change");
+        assert_eq!(ids(&org), vec![listed, held]);
+        assert!(!org.list_approval(held), "listed once");
+        assert!(!org.list_approval(listed));
+        assert!(!org.list_approval(99), "no such approval");
+        assert_eq!(org.version(), version + 1);
+
+        let resolved = org
+            .request_unlisted_approval("a", "b", ContactKind::Notify, "resolved first", at(100), at(0))
+            .unwrap();
+        assert_eq!(
+            org.resolve_approval(resolved, true, at(1)).unwrap().state,
+            ApprovalState::Approved
+        );
+        assert!(!org.list_approval(resolved), "a resolved approval is not listed");
+        assert_eq!(ids(&org), vec![listed, held]);
     }
 
     fn org(policy: OrgPolicy) -> Organisation {

@@ -304,6 +304,18 @@ pub(crate) struct Contact<'a> {
     pub(crate) deadline: Deadline,
 }
 
+/// When the approval a contact needs is listed for a person ([`crate::Approval::listed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Listing {
+    /// At once: the caller waits for the approval where it is (a call in its turn).
+    Now,
+    /// Once the contact's delivery waits for it ([`await_approval_outside_turn`]), which
+    /// starts after the turn that queued the contact committed (a delegation, a
+    /// notification, a mention). An approval whose turn is cut or rolled back before
+    /// that is never listed.
+    OnDelivery,
+}
+
 /// The organisation's first decision on one contact, made without waiting.
 pub(crate) enum FirstDecision {
     /// Decided now (and reported as [`AgentEvent::ContactDecided`]).
@@ -375,6 +387,7 @@ pub(crate) async fn decide_contact(
     shared: &crate::agent::AgentShared,
     clock: &Clock,
     contact: &Contact<'_>,
+    listing: Listing,
     defer: impl FnOnce() -> bool,
 ) -> Result<FirstDecision, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
@@ -385,7 +398,7 @@ pub(crate) async fn decide_contact(
     match org.decide(from, to, kind) {
         Ok(Permitted::NeedsApproval { .. }) if defer() => Ok(FirstDecision::Deferred),
         Ok(Permitted::NeedsApproval { .. }) => {
-            let id = request_approval(shared, clock, store, contact).await?;
+            let id = request_approval(shared, clock, store, contact, listing).await?;
             Ok(FirstDecision::Pending { id })
         }
         other => {
@@ -396,7 +409,8 @@ pub(crate) async fn decide_contact(
 }
 
 /// Records a pending [`crate::Approval`] of `contact` (durably, until the contact's
-/// deadline) and reports it as [`AgentEvent::ApprovalRequested`]; returns its id.
+/// deadline), listed as `listing` says, and reports it as
+/// [`AgentEvent::ApprovalRequested`] when it is listed; returns its id.
 ///
 /// # Errors
 /// [`NotPermitted`] with reason `Unavailable` when the organisation cannot be changed
@@ -406,23 +420,70 @@ pub(crate) async fn request_approval(
     clock: &Clock,
     store: &dyn StateStore,
     contact: &Contact<'_>,
+    listing: Listing,
 ) -> Result<u64, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
     let id = shared
         .org
         .change(store, clock, |org| {
-            org.request_approval(from, to, kind, contact.message, contact.deadline, clock.now())
+            let (message, deadline, now) = (contact.message, contact.deadline, clock.now());
+            match listing {
+                Listing::Now => org.request_approval(from, to, kind, message, deadline, now),
+                Listing::OnDelivery => org.request_unlisted_approval(from, to, kind, message, deadline, now),
+            }
         })
         .await
         .map_err(|error| unavailable(contact, error))?;
+    if listing == Listing::Now {
+        emit_requested(shared, clock, contact, id);
+    }
+    Ok(id)
+}
+
+fn emit_requested(shared: &crate::agent::AgentShared, clock: &Clock, contact: &Contact<'_>, id: u64) {
     shared.emit(&AgentEvent::ApprovalRequested {
         id,
         from: contact.from.clone(),
         to: contact.to.clone(),
-        kind,
+        kind: contact.kind,
         at: clock.now(),
     });
-    Ok(id)
+}
+
+/// Lists approval `id` of `contact` for a person ([`Listing::OnDelivery`]), once: its
+/// contact's turn committed and its delivery now waits for it. Reports it as
+/// [`AgentEvent::ApprovalRequested`] when this listed it.
+///
+/// # Errors
+/// [`NotPermitted`] with reason `Unavailable` when the organisation cannot be read or
+/// changed.
+async fn list_approval(
+    shared: &crate::agent::AgentShared,
+    clock: &Clock,
+    store: &dyn StateStore,
+    contact: &Contact<'_>,
+    id: u64,
+) -> Result<(), NotPermitted> {
+    let unavailable = |error: OrgError| unavailable(contact, error);
+    let org = shared.org.current(store, clock).await.map_err(unavailable)?;
+    // A resumed delivery, or one listed by an earlier attempt, finds it listed (or
+    // resolved) already: no write then. One this cache does not hold (it was recorded
+    // by another process since the cache was read) is looked up by the change itself.
+    let settled = org
+        .approval(id)
+        .is_some_and(|approval| approval.listed || approval.state != ApprovalState::Pending);
+    if settled {
+        return Ok(());
+    }
+    let listed = shared
+        .org
+        .change(store, clock, |org| Ok(org.list_approval(id)))
+        .await
+        .map_err(unavailable)?;
+    if listed {
+        emit_requested(shared, clock, contact, id);
+    }
+    Ok(())
 }
 
 /// Waits for pending approval `id` of `contact` until the contact's deadline, then
@@ -479,7 +540,12 @@ pub(crate) async fn await_approval_outside_turn(
 ) -> Result<(), NotPermitted> {
     let clock = runtime.clock();
     loop {
-        match await_approval(shared, &clock, contact, id).await {
+        let listed = list_approval(shared, &clock, runtime.store().as_ref(), contact, id).await;
+        let waited = match listed {
+            Ok(()) => await_approval(shared, &clock, contact, id).await,
+            Err(refused) => Err(refused),
+        };
+        match waited {
             Ok(_) => return Ok(()),
             Err(NotPermitted {
                 reason: NotPermittedReason::Unavailable { .. },
@@ -502,7 +568,7 @@ pub(crate) async fn admit_contact(
     clock: &Clock,
     contact: Contact<'_>,
 ) -> Result<Permitted, NotPermitted> {
-    match decide_contact(shared, clock, &contact, || false).await? {
+    match decide_contact(shared, clock, &contact, Listing::Now, || false).await? {
         FirstDecision::Decided(permitted) => Ok(permitted),
         FirstDecision::Pending { id } => await_approval(shared, clock, &contact, id).await,
         FirstDecision::Deferred => unreachable!("nothing is deferred here"),
@@ -556,7 +622,7 @@ pub(crate) async fn admit_send(
         message,
         deadline,
     };
-    match decide_contact(shared, clock, &contact, || false).await {
+    match decide_contact(shared, clock, &contact, Listing::OnDelivery, || false).await {
         Ok(FirstDecision::Decided(_) | FirstDecision::Deferred) => Ok(None),
         Ok(FirstDecision::Pending { id }) => Ok(Some(id)),
         Err(refused) => Err(crate::InboxError::NotPermitted(refused)),
@@ -598,7 +664,7 @@ pub(crate) async fn admit_call(
         shared.directory.contains(contact.to.key())
             && shared.directory.call_approval_of(contact.from.key()) == crate::CallApproval::Delegate
     };
-    match decide_contact(shared, &clock, &contact, as_task).await? {
+    match decide_contact(shared, &clock, &contact, Listing::Now, as_task).await? {
         FirstDecision::Decided(_) => {}
         FirstDecision::Pending { id } => {
             await_approval(shared, &clock, &contact, id).await?;

@@ -12,9 +12,9 @@ use std::time::Duration;
 use serde_json::json;
 use troupe_agent::limits::AGENT_TASK_TIMEOUT_MS_MAX;
 use troupe_agent::{
-    AgentCallError, AgentEvent, AgentSpec, AgentSystem, ApprovalState, BehaviourMode, CallApproval, ContactKind,
-    InboxError, Link, LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason, OrgConfig,
-    OrgError, OrgPolicy, PermissionRule, RuleMatch, ScriptRule, ScriptedLlm, TaskState,
+    AgentCallError, AgentEvent, AgentSpec, AgentSystem, Approval, ApprovalState, BehaviourMode, CallApproval,
+    ContactKind, InboxError, Link, LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason,
+    OrgConfig, OrgError, OrgPolicy, PermissionRule, RuleMatch, ScriptRule, ScriptedLlm, TaskState,
 };
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
@@ -265,7 +265,6 @@ async fn the_manager_hierarchy_bypasses_links_rules_and_modes() {
     system.shutdown().await;
 }
 
-/// Waits for the next `ApprovalRequested` event and returns its id.
 /// Makes `agent` supervised (no manager): each of its contacts needs approval.
 async fn supervise(system: &AgentSystem, agent: &str) {
     let supervised = Membership {
@@ -275,6 +274,21 @@ async fn supervise(system: &AgentSystem, agent: &str) {
     system.set_membership(agent, supervised).await.unwrap();
 }
 
+/// The approvals listed for a person, once there are `count`: a delegation's or a
+/// notification's approval is listed once the turn that sent it has committed and its
+/// delivery waits for it, a moment after the ask that sent it returned.
+async fn listed_approvals(system: &AgentSystem, count: usize) -> Vec<Approval> {
+    for _ in 0..1_000 {
+        let pending = system.pending_approvals().await.unwrap();
+        if pending.len() >= count {
+            return pending;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("{count} approvals were not listed within 1 s")
+}
+
+/// Waits for the next `ApprovalRequested` event and returns its id.
 async fn next_approval(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>) -> u64 {
     loop {
         if let AgentEvent::ApprovalRequested { id, .. } = events.recv().await.unwrap() {
@@ -397,11 +411,15 @@ async fn a_call_needing_approval_can_be_sent_as_a_task_that_waits_durably() {
     let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
     let system = start_sending_calls_as_tasks(&llm, Arc::clone(&store));
     supervise(&system, "a").await;
+    let mut events = system.subscribe();
 
-    // The turn does not wait: it ends with the model's reading of the tool result.
+    // The turn does not wait: it ends with the model's reading of the tool result. The
+    // approval is listed once that turn committed and the task's delivery waits for it.
     let reply = system.ask("a", "go").await.unwrap();
+    let listed = next_approval(&mut events).await;
     let pending = system.pending_approvals().await.unwrap();
     assert_eq!(pending.len(), 1, "{pending:?}");
+    assert_eq!(pending[0].id, listed);
     assert_eq!(
         (pending[0].from.as_str(), pending[0].to.as_str(), pending[0].kind),
         ("a", "b", ContactKind::Delegate)
@@ -436,7 +454,9 @@ async fn a_call_needing_approval_can_be_sent_as_a_task_that_waits_durably() {
     assert!(results_read_by_a(&llm)[0].contains("42"));
 
     // Denied: the denial comes back as the result; b never sees the question.
+    let mut events = system.subscribe();
     system.ask("a", "go again").await.unwrap();
+    next_approval(&mut events).await;
     let pending = system.pending_approvals().await.unwrap();
     assert_eq!(pending.len(), 1, "{pending:?}");
     system.deny(pending[0].id).await.unwrap();
@@ -494,7 +514,7 @@ async fn a_send_needing_approval_waits_in_the_outbox_across_a_restart() {
 
     // Approved: the turn does not wait; b works only after the approval.
     let reply = system.ask("a", "hand off").await.unwrap();
-    let pending = system.pending_approvals().await.unwrap();
+    let pending = listed_approvals(&system, 2).await;
     assert_eq!(pending.len(), 2, "{pending:?}");
     let (task_approval, notify_approval) = (pending[0].id, pending[1].id);
     assert_eq!(pending[0].kind, ContactKind::Delegate);
@@ -527,7 +547,7 @@ async fn a_send_needing_approval_waits_in_the_outbox_across_a_restart() {
 
     // Pending across a restart, then denied: b never sees them; the task is rejected.
     system.ask("a", "hand off").await.unwrap();
-    let pending = system.pending_approvals().await.unwrap();
+    let pending = listed_approvals(&system, 2).await;
     assert_eq!(pending.len(), 2, "{pending:?}");
     let task_id = "a.2";
     assert_eq!(system.pending("a").await.unwrap(), (0, 2));
@@ -583,7 +603,7 @@ async fn a_send_needing_approval_can_be_approved_until_its_own_deadline() {
 
     let reply = system.ask_with_timeout("a", "hand off", 5 * SECOND).await.unwrap();
     assert!(reply.text.contains("pending approval"), "{}", reply.text);
-    let pending = system.pending_approvals().await.unwrap();
+    let pending = listed_approvals(&system, 2).await;
     assert_eq!(pending.len(), 2, "{pending:?}");
     tokio::time::sleep(60 * SECOND).await;
     for approval in &pending {
@@ -602,7 +622,7 @@ async fn a_send_needing_approval_can_be_approved_until_its_own_deadline() {
         .delegate("a", "b", "the long job", Some(AGENT_TASK_TIMEOUT_MS_MAX))
         .await
         .unwrap();
-    let pending = system.pending_approvals().await.unwrap();
+    let pending = listed_approvals(&system, 1).await;
     assert_eq!(pending.len(), 1, "{pending:?}");
     tokio::time::sleep(200 * SECOND).await;
     assert_eq!(

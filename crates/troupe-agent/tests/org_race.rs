@@ -144,13 +144,17 @@ async fn approve_deny_and_the_deadline_racing_give_one_outcome() {
             .delegate("a", "b", &job, Some(APPROVAL_RACE_TIMEOUT_MS))
             .await
             .unwrap();
-        let approval = system
-            .pending_approvals()
-            .await
-            .unwrap()
-            .into_iter()
-            .find(|approval| approval.message == job)
-            .expect("the delegation waits for approval");
+        // Listed once the delegation's delivery waits for it, a moment after it returned.
+        let mut listed = None;
+        for _ in 0..1_000 {
+            let pending = system.pending_approvals().await.unwrap();
+            listed = pending.into_iter().find(|approval| approval.message == job);
+            if listed.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let approval = listed.expect("the delegation waits for approval");
         let (approve_after, deny_after) = ((i * 37) % 300, (i * 53 + 20) % 300);
         let client = system.client();
         let approve = tokio::spawn(async move {
