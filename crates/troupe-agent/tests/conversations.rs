@@ -619,6 +619,210 @@ async fn a_mention_needing_approval_waits_for_it_across_a_restart() {
     system.shutdown().await;
 }
 
+/// Mentions of `boss` that wait for approval in the multi-thread test.
+const RACED_MENTIONS: u64 = 12;
+/// How long that test waits for every mention to be settled.
+const RACED_MENTIONS_SETTLE_MS_MAX: u64 = 20_000;
+
+/// Goal: on tokio's multi-thread runtime, mentions waiting for approval while an
+/// approve and a deny race for each give one outcome per mention: at most one of the
+/// two succeeds (here always one: no deadline is reached); approved, boss answers that
+/// mention once and its model saw the job once; denied, one NotPermitted note names the
+/// approval and boss's model never saw the job; each mention's approval is listed once;
+/// the conversation stays gap-free and the boxes drain. Method: `dev` is supervised; a
+/// human posts 12 jobs at once, each asking `dev`, whose reply mentions `boss` about
+/// that job; an approver lists the pending approvals every 2 ms and, for each new one,
+/// approves and denies it from two tasks after delays spread over 0..20 ms, on 4 worker
+/// threads (real time: well under a second; it fails when the delivery does not wait).
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mentions_waiting_for_approval_get_one_outcome_each_on_the_multi_thread_runtime() {
+    use std::collections::BTreeMap;
+    let mut llm = ScriptedLlm::new();
+    for job in 0..RACED_MENTIONS {
+        llm = llm
+            .rule(
+                ScriptRule::agent("dev")
+                    .on_user_containing(format!("job{job}."))
+                    .reply(format!("asking @boss about job{job}.")),
+            )
+            .rule(
+                ScriptRule::agent("boss")
+                    .on_user_containing(format!("job{job}."))
+                    .reply(format!("boss did job{job}.")),
+            );
+    }
+    let system = start(&llm, &["dev", "boss"], Arc::new(MemoryStore::new()));
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("dev", supervised).await.unwrap();
+    system
+        .create_conversation(
+            "floor",
+            vec![agent("dev"), agent("boss"), human("h")],
+            ConversationKind::Group,
+        )
+        .await
+        .unwrap();
+
+    // The approver: approval id -> (its message, approve won, deny won).
+    let decided = Arc::new(std::sync::Mutex::new(BTreeMap::<u64, (String, bool, bool)>::new()));
+    let approver = {
+        let (client, decided) = (system.client(), Arc::clone(&decided));
+        tokio::spawn(async move {
+            let mut races = Vec::new();
+            for round in 0u64.. {
+                for approval in client.pending_approvals().await.unwrap() {
+                    let new = decided
+                        .lock()
+                        .unwrap()
+                        .insert(approval.id, (approval.message.clone(), false, false))
+                        .is_none();
+                    if !new {
+                        continue;
+                    }
+                    let (approve_ms, deny_ms) = ((approval.id * 7 + round) % 20, (approval.id * 13 + 5) % 20);
+                    for approve in [true, false] {
+                        let (client, decided) = (client.clone(), Arc::clone(&decided));
+                        let delay = Duration::from_millis(if approve { approve_ms } else { deny_ms });
+                        races.push(tokio::spawn(async move {
+                            tokio::time::sleep(delay).await;
+                            let won = if approve {
+                                client.approve(approval.id).await.is_ok()
+                            } else {
+                                client.deny(approval.id).await.is_ok()
+                            };
+                            let mut decided = decided.lock().unwrap();
+                            let entry = decided.get_mut(&approval.id).unwrap();
+                            if approve {
+                                entry.1 = won;
+                            } else {
+                                entry.2 = won;
+                            }
+                        }));
+                    }
+                }
+                if decided.lock().unwrap().len() as u64 >= RACED_MENTIONS {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            for race in races {
+                race.await.unwrap();
+            }
+        })
+    };
+    let mut posts = Vec::new();
+    for job in 0..RACED_MENTIONS {
+        let client = system.client();
+        posts.push(tokio::spawn(async move {
+            client
+                .post_message(
+                    "floor",
+                    Sender::Human("h".into()),
+                    &format!("q{job}"),
+                    &format!("@dev job{job}."),
+                )
+                .await
+                .unwrap();
+        }));
+    }
+    for post in posts {
+        post.await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_millis(RACED_MENTIONS_SETTLE_MS_MAX), approver)
+        .await
+        .expect("every mention's approval was listed")
+        .unwrap();
+
+    // Settled: every mention of boss has a reply for boss, and the boxes are empty.
+    let mut settled = false;
+    for _ in 0..RACED_MENTIONS_SETTLE_MS_MAX / 10 {
+        let messages = all(&system, "floor").await;
+        let mentions_answered = messages
+            .iter()
+            .filter(|m| m.sender == Sender::Agent("dev".into()))
+            .all(|m| answers_to(&messages, m.seq, "boss") > 0);
+        let dev_replies = messages
+            .iter()
+            .filter(|m| m.sender == Sender::Agent("dev".into()))
+            .count();
+        if dev_replies as u64 == RACED_MENTIONS
+            && mentions_answered
+            && system.pending("dev").await.unwrap() == (0, 0)
+            && system.pending("boss").await.unwrap() == (0, 0)
+        {
+            settled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let messages = all(&system, "floor").await;
+    assert!(settled, "{messages:#?}");
+    assert_gap_free(&messages);
+    let decided = decided.lock().unwrap().clone();
+    assert_eq!(
+        decided.len() as u64,
+        RACED_MENTIONS,
+        "one approval listed per mention: {decided:?}"
+    );
+    let boss_seen: Vec<String> = llm
+        .requests_of("boss")
+        .iter()
+        .filter_map(|r| r.messages.last().map(|m| m.content.clone()))
+        .collect();
+    let mut outcomes = [0, 0];
+    for job in 0..RACED_MENTIONS {
+        let job = format!("job{job}.");
+        let approvals: Vec<_> = decided
+            .iter()
+            .filter(|(_, (message, ..))| message.ends_with(&job))
+            .collect();
+        let [(id, (_, approved, denied))] = approvals.as_slice() else {
+            panic!("{job}: one approval, not {approvals:?}")
+        };
+        assert!(
+            approved ^ denied,
+            "{job}: exactly one of approve and deny won: {approvals:?}"
+        );
+        let mention: Vec<_> = messages
+            .iter()
+            .filter(|m| m.sender == Sender::Agent("dev".into()) && m.text.ends_with(&job))
+            .collect();
+        let [mention] = mention.as_slice() else {
+            panic!("{job}: one mention by dev: {messages:#?}")
+        };
+        let replies: Vec<_> = messages
+            .iter()
+            .filter(|m| m.reply_to == Some(mention.seq))
+            .filter(|m| m.sender == Sender::Agent("boss".into()) || m.note.as_ref().is_some_and(|n| n.agent == "boss"))
+            .collect();
+        let [reply] = replies.as_slice() else {
+            panic!("{job}: one reply for boss, not {replies:#?}")
+        };
+        let seen = boss_seen.iter().filter(|m| m.contains(&job)).count();
+        if *approved {
+            assert_eq!(reply.text, format!("boss did {job}"), "{job}");
+            assert_eq!(seen, 1, "{job}: boss's model saw it once");
+            outcomes[0] += 1;
+        } else {
+            let note = reply.note.clone().unwrap_or_else(|| panic!("{job}: {reply:?}"));
+            assert_eq!(note.kind, NoteKind::NotPermitted, "{job}");
+            assert!(
+                reply.text.contains(&format!("approval {id} was denied")),
+                "{job}: {}",
+                reply.text
+            );
+            assert_eq!(seen, 0, "{job}: the denied mention never reached boss");
+            outcomes[1] += 1;
+        }
+    }
+    println!("approved {}, denied {}", outcomes[0], outcomes[1]);
+    system.shutdown().await;
+}
+
 /// Goal: a restart in the middle of a fan-out (one agent answered, the other's model
 /// is still thinking) on SQLite: after the restart every mention is answered exactly
 /// once. Method: shut the first system down while bob's slow model runs, start a second
