@@ -88,7 +88,10 @@ pub enum AgentEvent {
         at: Deadline,
     },
     /// A contact needs approval: [`crate::AgentClient::approve`] or
-    /// [`crate::AgentClient::deny`] approval `id`.
+    /// [`crate::AgentClient::deny`] approval `id`. Reported when the approval is listed
+    /// ([`crate::Approval::listed`]): at once for a call that waits in its turn; for a
+    /// delegation, notification or mention once the turn that queued it committed and
+    /// its delivery waits for it (never, for one whose turn was cut or rolled back).
     ApprovalRequested {
         /// The approval's id.
         id: u64,
