@@ -512,19 +512,9 @@ async fn the_pending_approval(system: &AgentSystem) -> u64 {
     pending[0].id
 }
 
-/// Goal: a mention whose contact needs approval waits for it, durably, instead of being
-/// refused: approved (also after a restart on the same store), the agent answers it
-/// once; denied, or not approved by the mention's deadline, it is recorded as a
-/// NotPermitted note naming the approval, and the agent never sees it. Method: `dev` is
-/// supervised, so its every contact needs approval; each round a human asks `dev`, whose
-/// scripted reply mentions `boss`; the approvals are resolved through the API.
-#[tokio::test(start_paused = true)]
-async fn a_mention_needing_approval_waits_for_it_across_a_restart() {
-    let llm = ScriptedLlm::new()
-        .rule(ScriptRule::agent("dev").reply("asking @boss"))
-        .rule(ScriptRule::agent("boss").reply("boss answers"));
-    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
-    let system = start(&llm, &["dev", "boss"], Arc::clone(&store));
+/// Makes `dev` supervised (its every contact needs approval) and creates the group
+/// conversation `floor` of `dev`, `boss` and the human `h`.
+async fn supervised_dev_on_the_floor(system: &AgentSystem) {
     let supervised = Membership {
         manager: None,
         mode: BehaviourMode::Supervised,
@@ -538,6 +528,22 @@ async fn a_mention_needing_approval_waits_for_it_across_a_restart() {
         )
         .await
         .unwrap();
+}
+
+/// Goal: a mention whose contact needs approval waits for it, durably, instead of being
+/// refused: approved (also after a restart on the same store), the agent answers it
+/// once; denied, or not approved by the mention's deadline, it is recorded as a
+/// NotPermitted note naming the approval, and the agent never sees it. Method: `dev` is
+/// supervised, so its every contact needs approval; each round a human asks `dev`, whose
+/// scripted reply mentions `boss`; the approvals are resolved through the API.
+#[tokio::test(start_paused = true)]
+async fn a_mention_needing_approval_waits_for_it_across_a_restart() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("dev").reply("asking @boss"))
+        .rule(ScriptRule::agent("boss").reply("boss answers"));
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let system = start(&llm, &["dev", "boss"], Arc::clone(&store));
+    supervised_dev_on_the_floor(&system).await;
     let boss_asked = || llm.requests_of("boss").len();
 
     // Approved: boss answers dev's mention once, only after the approval.
@@ -619,6 +625,75 @@ async fn a_mention_needing_approval_waits_for_it_across_a_restart() {
     system.shutdown().await;
 }
 
+/// Goal: a mention whose post was rolled back after it recorded its approval leaves
+/// that approval unlisted (a person never sees an approval that would send nothing),
+/// while the post made again lists its own; approving that one delivers the mention
+/// once, and approving the orphan by its id sends nothing. Method: `dev` is supervised;
+/// the store refuses the first commit of the conversation that records a relay to
+/// `boss` (the post of dev's reply mentioning `boss`, after its approval was recorded);
+/// dev posts its answer again.
+#[tokio::test(start_paused = true)]
+async fn a_mention_whose_post_was_rolled_back_leaves_its_approval_unlisted() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("dev").reply("asking @boss"))
+        .rule(ScriptRule::agent("boss").reply("boss answers"));
+    let store = GateStore::new(Arc::new(MemoryStore::new()), false);
+    let system = start(&llm, &["dev", "boss"], Arc::clone(&store) as Arc<dyn StateStore>);
+    supervised_dev_on_the_floor(&system).await;
+    store.refuse_one_commit(|actor, commit| {
+        actor.kind().as_str() == troupe_agent::CONVERSATION_KIND
+            && commit
+                .writes
+                .iter()
+                .any(|(key, value)| key.starts_with("relay/") && key.ends_with("/boss") && value.is_some())
+    });
+    system
+        .post_message("floor", Sender::Human("h".into()), "q1", "@dev round one")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(store.refused_the_commit(), "the post of dev's reply was refused once");
+
+    let org = system.organisation().await.unwrap();
+    let recorded = org.pending_approvals();
+    assert_eq!(
+        recorded.len(),
+        2,
+        "the rolled-back post's and the second post's: {recorded:#?}"
+    );
+    let (orphan, live) = (&recorded[0], &recorded[1]);
+    assert!(!orphan.listed && live.listed, "{recorded:#?}");
+    let listed = system.pending_approvals().await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:#?}");
+    assert_eq!(listed[0].id, live.id);
+    assert_eq!(listed[0].message, "asking @boss");
+    assert!(
+        llm.requests_of("boss").is_empty(),
+        "nothing reached boss before the approval"
+    );
+
+    system.approve(live.id).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let messages = all(&system, "floor").await;
+    assert_gap_free(&messages);
+    assert_eq!(
+        messages.len(),
+        3,
+        "the question, dev's reply once, boss's answer: {messages:#?}"
+    );
+    assert_eq!(
+        (&messages[2].sender, messages[2].text.as_str()),
+        (&Sender::Agent("boss".into()), "boss answers")
+    );
+    // The orphan can still be resolved by its id; nothing waits for it.
+    let approved = system.approve(orphan.id).await.unwrap();
+    assert_eq!(approved.state, ApprovalState::Approved);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(llm.requests_of("boss").len(), 1, "boss was asked once");
+    assert_eq!(all(&system, "floor").await.len(), 3);
+    system.shutdown().await;
+}
+
 /// Mentions of `boss` that wait for approval in the multi-thread test.
 const RACED_MENTIONS: u64 = 12;
 /// How long that test waits for every mention to be settled.
@@ -653,19 +728,7 @@ async fn mentions_waiting_for_approval_get_one_outcome_each_on_the_multi_thread_
             );
     }
     let system = start(&llm, &["dev", "boss"], Arc::new(MemoryStore::new()));
-    let supervised = Membership {
-        manager: None,
-        mode: BehaviourMode::Supervised,
-    };
-    system.set_membership("dev", supervised).await.unwrap();
-    system
-        .create_conversation(
-            "floor",
-            vec![agent("dev"), agent("boss"), human("h")],
-            ConversationKind::Group,
-        )
-        .await
-        .unwrap();
+    supervised_dev_on_the_floor(&system).await;
 
     // The approver: approval id -> (its message, approve won, deny won).
     let decided = Arc::new(std::sync::Mutex::new(BTreeMap::<u64, (String, bool, bool)>::new()));
