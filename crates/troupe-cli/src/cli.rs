@@ -41,7 +41,7 @@ pub enum Command {
     /// OpenAI-compatible /v1/chat/completions and /v1/models (the model is the agent id).
     /// See docs/serve.md.
     ///
-    /// Serves the demo's five agents (until a configuration file can name others), on
+    /// Serves the demo's five agents, or the organisation a --config file declares, on
     /// the scripted model, or on a real one if OPENAI_API_KEY is set (as `troupe demo`).
     /// Prints `listening on http://ADDR` once it accepts connections. On SIGTERM or
     /// ctrl-c it stops accepting, lets requests in flight finish (up to 10 s), then
