@@ -930,6 +930,9 @@ impl AgentActor {
             task,
             approval,
         );
+        if let (Err(_), Some(id)) = (&queued, approval) {
+            crate::org_store::withdraw_approval(&self.shared, &clock, id).await;
+        }
         let reply = match queued {
             Ok(id) => {
                 self.flush_sends(turn, sends).await?;
@@ -1014,6 +1017,25 @@ pub(crate) async fn tool_send(
     let deadline = task_deadline(clock.now(), timeout_ms);
     let approval =
         crate::org_store::admit_send(context.shared(), &clock, context.agent_id(), to, text, deadline, task).await?;
+    let queued = queue_tool_send(context, to, text, deadline, task, approval);
+    if let (Err(_), Some(id)) = (&queued, approval) {
+        // Recorded but not queued (the outbox full, the budget spent, a call rule):
+        // nobody saw it and nothing will wait for it.
+        crate::org_store::withdraw_approval(context.shared(), &clock, id).await;
+    }
+    queued.map(|id| Queued { id, approval })
+}
+
+/// The checks and the queueing of [`tool_send`] after admission, charging the send's
+/// budget grant when it is queued.
+fn queue_tool_send(
+    context: &ToolExecutionContext,
+    to: &str,
+    text: &str,
+    deadline: troupe_core::Deadline,
+    task: bool,
+    approval: Option<u64>,
+) -> Result<String, InboxError> {
     let Some(sends) = context.sends() else {
         return Err(InboxError::Invoke(InvokeError::Rejected {
             target: context.agent_id().clone(),
@@ -1041,7 +1063,7 @@ pub(crate) async fn tool_send(
     } else {
         context.budget().settle(grant, Spend::default());
     }
-    queued.map(|id| Queued { id, approval })
+    queued
 }
 
 /// The arguments of `delegate_to_agent` and `notify_agent`.

@@ -712,20 +712,36 @@ impl Organisation {
         Ok(id)
     }
 
-    /// Lists approval `id` as pending (its contact's delivery now waits for it); returns
-    /// whether that changed anything (false if it was listed already, is resolved, or is
-    /// gone).
-    pub fn list_approval(&mut self, id: u64) -> bool {
+    /// Lists approval `id` as pending at `now` (its contact's delivery now waits for it);
+    /// returns whether that changed anything (false if it was listed already, is
+    /// resolved, is past its deadline at `now`, or is gone).
+    pub fn list_approval(&mut self, id: u64, now: Deadline) -> bool {
         let Some(approval) = self
             .approvals
             .get_mut(&id)
-            .filter(|approval| approval.state == ApprovalState::Pending && !approval.listed)
+            .filter(|approval| !approval.listed && approval.state_at(now) == ApprovalState::Pending)
         else {
             return false;
         };
         approval.listed = true;
         self.bump();
         true
+    }
+
+    /// Removes approval `id` if it is pending and was never listed: its contact was not
+    /// queued after all (the send it was recorded for failed a later check), so nobody
+    /// saw it and nothing waits for it; returns whether it was removed. It no longer
+    /// holds room of [`ORG_APPROVALS_PENDING_MAX`].
+    pub fn withdraw_approval(&mut self, id: u64) -> bool {
+        let unlisted = self
+            .approvals
+            .get(&id)
+            .is_some_and(|approval| !approval.listed && approval.state == ApprovalState::Pending);
+        if unlisted {
+            self.approvals.remove(&id);
+            self.bump();
+        }
+        unlisted
     }
 
     /// Marks every pending approval whose deadline has passed at `now` as
@@ -1049,8 +1065,9 @@ mod tests {
     }
 
     /// Goal: an approval requested for a contact that a turn has not committed yet is
-    /// not listed for a person until its delivery lists it, once; it can be resolved by
-    /// its id meanwhile, and a resolved one is never listed.
+    /// not listed for a person until its delivery lists it, once, before its deadline;
+    /// it can be resolved by its id meanwhile, and a resolved one is never listed; an
+    /// unlisted pending one can be withdrawn (its send failed a later check).
     #[test]
     fn an_unlisted_approval_is_listed_once_its_delivery_waits_for_it() {
         let at = Deadline::from_micros;
@@ -1067,13 +1084,31 @@ mod tests {
         assert!(!org.approval(held).unwrap().listed);
 
         let version = org.version();
-        assert!(org.list_approval(held));
+        assert!(org.list_approval(held, at(1)));
         assert_eq!(org.version(), version + 1, "listing is a change");
         assert_eq!(ids(&org), vec![listed, held]);
-        assert!(!org.list_approval(held), "listed once");
-        assert!(!org.list_approval(listed));
-        assert!(!org.list_approval(99), "no such approval");
+        assert!(!org.list_approval(held, at(1)), "listed once");
+        assert!(!org.list_approval(listed, at(1)));
+        assert!(!org.list_approval(99, at(1)), "no such approval");
         assert_eq!(org.version(), version + 1);
+
+        // Past its deadline it is not listed: nothing waits for it any more.
+        let late = org
+            .request_unlisted_approval("a", "b", ContactKind::Delegate, "late", at(10), at(0))
+            .unwrap();
+        assert!(!org.list_approval(late, at(10)));
+        assert!(!org.approval(late).unwrap().listed);
+
+        // Withdrawn: only an unlisted pending one, and it frees its room.
+        let withdrawn = org
+            .request_unlisted_approval("a", "b", ContactKind::Notify, "not sent after all", at(100), at(0))
+            .unwrap();
+        let pending = org.pending_approvals().len();
+        assert!(!org.withdraw_approval(listed), "a listed approval stays");
+        assert!(org.withdraw_approval(withdrawn));
+        assert_eq!(org.approval(withdrawn), None);
+        assert_eq!(org.pending_approvals().len(), pending - 1);
+        assert!(!org.withdraw_approval(withdrawn));
 
         let resolved = org
             .request_unlisted_approval("a", "b", ContactKind::Notify, "resolved first", at(100), at(0))
@@ -1082,7 +1117,8 @@ mod tests {
             org.resolve_approval(resolved, true, at(1)).unwrap().state,
             ApprovalState::Approved
         );
-        assert!(!org.list_approval(resolved), "a resolved approval is not listed");
+        assert!(!org.list_approval(resolved, at(1)), "a resolved approval is not listed");
+        assert!(!org.withdraw_approval(resolved), "nor withdrawn");
         assert_eq!(ids(&org), vec![listed, held]);
     }
 

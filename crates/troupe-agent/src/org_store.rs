@@ -452,7 +452,9 @@ fn emit_requested(shared: &crate::agent::AgentShared, clock: &Clock, contact: &C
 
 /// Lists approval `id` of `contact` for a person ([`Listing::OnDelivery`]), once: its
 /// contact's turn committed and its delivery now waits for it. Reports it as
-/// [`AgentEvent::ApprovalRequested`] when this listed it.
+/// [`AgentEvent::ApprovalRequested`] when this listed it, or when it finds it listed
+/// and `tried_before` (an earlier attempt's change may have landed though it failed:
+/// reported then rather than never).
 ///
 /// # Errors
 /// [`NotPermitted`] with reason `Unavailable` when the organisation cannot be read or
@@ -463,27 +465,47 @@ async fn list_approval(
     store: &dyn StateStore,
     contact: &Contact<'_>,
     id: u64,
+    tried_before: bool,
 ) -> Result<(), NotPermitted> {
     let unavailable = |error: OrgError| unavailable(contact, error);
     let org = shared.org.current(store, clock).await.map_err(unavailable)?;
+    let now = clock.now();
     // A resumed delivery, or one listed by an earlier attempt, finds it listed (or
-    // resolved) already: no write then. One this cache does not hold (it was recorded
-    // by another process since the cache was read) is looked up by the change itself.
-    let settled = org
+    // resolved, or past its deadline) already: no write then. One this cache does not
+    // hold (it was recorded by another process since the cache was read) is looked up
+    // by the change itself.
+    let found = org
         .approval(id)
-        .is_some_and(|approval| approval.listed || approval.state != ApprovalState::Pending);
-    if settled {
-        return Ok(());
-    }
-    let listed = shared
-        .org
-        .change(store, clock, |org| Ok(org.list_approval(id)))
-        .await
-        .map_err(unavailable)?;
+        .map(|approval| (approval.listed, approval.state_at(now)));
+    let listed = match found {
+        Some((true, ApprovalState::Pending)) => tried_before,
+        Some((_, state)) if state != ApprovalState::Pending => false,
+        _ => shared
+            .org
+            .change(store, clock, |org| Ok(org.list_approval(id, now)))
+            .await
+            .map_err(unavailable)?,
+    };
     if listed {
         emit_requested(shared, clock, contact, id);
     }
     Ok(())
+}
+
+/// Withdraws approval `id`, recorded unlisted for a send that then failed a later check
+/// (nothing was queued: [`crate::Organisation::withdraw_approval`]). Best effort: if the
+/// organisation cannot be changed, the approval stays unlisted until its deadline.
+pub(crate) async fn withdraw_approval(shared: &crate::agent::AgentShared, clock: &Clock, id: u64) {
+    let Some(runtime) = shared.runtime() else {
+        return;
+    };
+    let withdrawn = shared
+        .org
+        .change(runtime.store().as_ref(), clock, |org| Ok(org.withdraw_approval(id)))
+        .await;
+    if let Err(error) = withdrawn {
+        tracing::warn!(%error, approval = id, "an approval recorded for a send that was not queued could not be withdrawn; it expires at its deadline");
+    }
 }
 
 /// Waits for pending approval `id` of `contact` until the contact's deadline, then
@@ -539,8 +561,10 @@ pub(crate) async fn await_approval_outside_turn(
     id: u64,
 ) -> Result<(), NotPermitted> {
     let clock = runtime.clock();
+    let mut tried_before = false;
     loop {
-        let listed = list_approval(shared, &clock, runtime.store().as_ref(), contact, id).await;
+        let listed = list_approval(shared, &clock, runtime.store().as_ref(), contact, id, tried_before).await;
+        tried_before = listed.is_err();
         let waited = match listed {
             Ok(()) => await_approval(shared, &clock, contact, id).await,
             Err(refused) => Err(refused),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use troupe_agent::limits::AGENT_TASK_TIMEOUT_MS_MAX;
+use troupe_agent::limits::{AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_MAX};
 use troupe_agent::{
     AgentCallError, AgentEvent, AgentSpec, AgentSystem, Approval, ApprovalState, BehaviourMode, CallApproval,
     ContactKind, InboxError, Link, LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason,
@@ -637,6 +637,32 @@ async fn a_send_needing_approval_can_be_approved_until_its_own_deadline() {
         (task.state, task.result.as_deref()),
         (TaskState::Completed, Some("done"))
     );
+    system.shutdown().await;
+}
+
+/// Goal: an approval recorded for a send that then fails a later check (here: the
+/// sender already has `AGENT_TASKS_OPEN_MAX` delegations open) is withdrawn at once, not
+/// left unlisted, where no person can see or deny it, holding room of the 1,000 pending
+/// until its deadline. Method: `a` is supervised (its every contact needs approval); it
+/// delegates `AGENT_TASKS_OPEN_MAX` jobs to `b` through the API (each waits for
+/// approval), then one more.
+#[tokio::test(start_paused = true)]
+async fn an_approval_for_a_send_that_was_not_queued_is_withdrawn() {
+    let llm = hand_off_script();
+    let system = start(&llm, &["a", "b"]);
+    supervise(&system, "a").await;
+    for job in 0..AGENT_TASKS_OPEN_MAX {
+        system.delegate("a", "b", &format!("job {job}"), None).await.unwrap();
+    }
+    let one_more = system.delegate("a", "b", "one job too many", None).await;
+    assert!(matches!(one_more, Err(InboxError::OutboxFull { .. })), "{one_more:?}");
+    let max = usize::try_from(AGENT_TASKS_OPEN_MAX).unwrap();
+    let listed = listed_approvals(&system, max).await;
+    assert_eq!(listed.len(), max);
+    let org = system.organisation().await.unwrap();
+    let recorded = org.pending_approvals();
+    assert_eq!(recorded.len(), max, "the refused one's approval was withdrawn");
+    assert!(recorded.iter().all(|approval| approval.message != "one job too many"));
     system.shutdown().await;
 }
 
