@@ -956,8 +956,9 @@ impl ConversationActor {
                 relays.push((agent, None));
                 continue;
             }
-            // Recorded before this turn commits (as a send's, see `inbox.rs`): a turn that
-            // then fails leaves it pending until its deadline, with nothing waiting for it.
+            // Recorded unlisted before this turn commits (as a send's, see `inbox.rs`), and
+            // listed by the relay's delivery: a turn that then fails leaves it unlisted
+            // and pending until its deadline, with nothing waiting for it.
             match self
                 .request_approval(turn, sender_agent.as_deref(), &agent, &request.text, deadline)
                 .await

@@ -193,7 +193,9 @@ impl AgentClient {
         .await
     }
 
-    /// Every pending approval, oldest first.
+    /// Every listed pending approval, oldest first: what a person has to resolve
+    /// ([`Organisation::pending_approvals_at`]; an approval whose contact's turn has not
+    /// committed is not listed, see [`Approval::listed`]).
     ///
     /// # Errors
     /// As [`AgentClient::organisation`].

@@ -25,8 +25,8 @@ pub enum Command {
     /// A user asks the coordinator for a brief; the coordinator asks the researcher and
     /// the archivist at once; the researcher asks the analyst; the analyst tries to call
     /// the coordinator back up the chain and is refused (the coordinator is waiting on
-    /// it: a deadlock avoided); the archivist is too slow for its 1.5 s timeout and its
-    /// late answer is discarded. Prints the answer and the call tree with depths,
+    /// it: a deadlock avoided); the archivist is too slow for its 1.5 s timeout: the call
+    /// times out and the archivist's turn is cancelled, committing nothing. Prints the answer and the call tree with depths,
     /// durations and outcomes. Then the user notifies the coordinator that the report is
     /// ready (fire-and-forget, persisted in its inbox): in its own turn it delegates a
     /// review to the critic and notifies the researcher, and the critic's review comes
@@ -95,8 +95,8 @@ pub struct NodeArgs {
     /// address needs a token. Without it the node serves only other nodes.
     #[arg(long, value_name = "ADDR")]
     pub http: Option<SocketAddr>,
-    /// The bearer token every HTTP request but GET /health must carry (at least 16
-    /// bytes).
+    /// The bearer token every HTTP request but GET /health (and, with --config, the A2A
+    /// Agent Cards and the topology page's files) must carry (at least 16 bytes).
     #[arg(long, value_name = "T", env = "TROUPE_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Also record every accepted commit (not only every claim) in PostgreSQL's
@@ -135,7 +135,8 @@ pub struct ServeArgs {
     /// directory, removed at exit.
     #[arg(long, value_name = "DIR")]
     pub db: Option<PathBuf>,
-    /// The bearer token every request but GET /health must carry (at least 16 bytes).
+    /// The bearer token every request must carry (at least 16 bytes), but GET /health,
+    /// the A2A Agent Cards and the topology page's files.
     #[arg(long, value_name = "TOKEN", env = "TROUPE_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Use the scripted model even if OPENAI_API_KEY is set.

@@ -360,7 +360,7 @@ fn approval_not_found(id: u64) -> ApiError {
     )
 }
 
-/// `GET /v1/approvals`: every pending approval, oldest first.
+/// `GET /v1/approvals`: every listed pending approval, oldest first.
 async fn approvals(State(state): Shared) -> Result<Json<Value>, ApiError> {
     let pending = state.client.pending_approvals().await?;
     Ok(Json(json!({ "approvals": pending })))
