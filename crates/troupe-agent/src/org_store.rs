@@ -316,8 +316,10 @@ pub(crate) enum Listing {
     OnDelivery,
 }
 
-/// The organisation's first decision on one contact, made without waiting.
-pub(crate) enum FirstDecision {
+/// The organisation's first decision on one contact, made without waiting. `D` is what
+/// a caller that may make the contact another way gets when it does
+/// ([`decide_contact`]'s `defer`); [`Never`] for a caller that never does.
+pub(crate) enum FirstDecision<D = Never> {
     /// Decided now (and reported as [`AgentEvent::ContactDecided`]).
     Decided(Permitted),
     /// It needs approval: pending approval `id` was recorded (durably).
@@ -327,7 +329,15 @@ pub(crate) enum FirstDecision {
     },
     /// It needs approval, and the caller chose to make the contact another way
     /// ([`decide_contact`]'s `defer`): nothing was recorded or reported.
-    Deferred,
+    Deferred(D),
+}
+
+/// No value: the `Deferred` of a caller that never defers cannot be made.
+pub(crate) type Never = std::convert::Infallible;
+
+/// The `defer` of a caller that never makes a contact another way.
+fn never_defer() -> Option<Never> {
+    None
 }
 
 /// The refusal of `contact` when the organisation cannot be read or changed.
@@ -378,26 +388,28 @@ fn emit_decided(
 
 /// Decides one contact on the current organisation without waiting: a contact that
 /// needs approval records a pending [`crate::Approval`] (durably) and is returned as
-/// [`FirstDecision::Pending`], unless `defer` says the caller makes it another way
-/// ([`FirstDecision::Deferred`]); the final decision is then [`await_approval`]'s.
+/// [`FirstDecision::Pending`], unless `defer` gives what the caller makes it another way
+/// with ([`FirstDecision::Deferred`]); the final decision is then [`await_approval`]'s.
 ///
 /// # Errors
 /// [`NotPermitted`] (reported as [`AgentEvent::ContactDecided`]).
-pub(crate) async fn decide_contact(
+pub(crate) async fn decide_contact<D>(
     shared: &crate::agent::AgentShared,
     clock: &Clock,
     contact: &Contact<'_>,
     listing: Listing,
-    defer: impl FnOnce() -> bool,
-) -> Result<FirstDecision, NotPermitted> {
+    defer: impl FnOnce() -> Option<D>,
+) -> Result<FirstDecision<D>, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
     let runtime = contact_runtime(shared, contact)?;
     let store = runtime.store().as_ref();
     let unavailable = |error: OrgError| unavailable(contact, error);
     let org = shared.org.current(store, clock).await.map_err(unavailable)?;
     match org.decide(from, to, kind) {
-        Ok(Permitted::NeedsApproval { .. }) if defer() => Ok(FirstDecision::Deferred),
         Ok(Permitted::NeedsApproval { .. }) => {
+            if let Some(deferred) = defer() {
+                return Ok(FirstDecision::Deferred(deferred));
+            }
             let id = request_approval(shared, clock, store, contact, listing).await?;
             Ok(FirstDecision::Pending { id })
         }
@@ -592,10 +604,10 @@ pub(crate) async fn admit_contact(
     clock: &Clock,
     contact: Contact<'_>,
 ) -> Result<Permitted, NotPermitted> {
-    match decide_contact(shared, clock, &contact, Listing::Now, || false).await? {
+    match decide_contact(shared, clock, &contact, Listing::Now, never_defer).await? {
         FirstDecision::Decided(permitted) => Ok(permitted),
         FirstDecision::Pending { id } => await_approval(shared, clock, &contact, id).await,
-        FirstDecision::Deferred => unreachable!("nothing is deferred here"),
+        FirstDecision::Deferred(never) => match never {},
     }
 }
 
@@ -646,8 +658,9 @@ pub(crate) async fn admit_send(
         message,
         deadline,
     };
-    match decide_contact(shared, clock, &contact, Listing::OnDelivery, || false).await {
-        Ok(FirstDecision::Decided(_) | FirstDecision::Deferred) => Ok(None),
+    match decide_contact(shared, clock, &contact, Listing::OnDelivery, never_defer).await {
+        Ok(FirstDecision::Decided(_)) => Ok(None),
+        Ok(FirstDecision::Deferred(never)) => match never {},
         Ok(FirstDecision::Pending { id }) => Ok(Some(id)),
         Err(refused) => Err(crate::InboxError::NotPermitted(refused)),
     }
@@ -685,15 +698,16 @@ pub(crate) async fn admit_call(
     // Read only when the call needs approval: the caller's choice of how to wait. Only
     // a local agent can be sent a task: a call to a remote agent waits in the turn.
     let as_task = || {
-        shared.directory.contains(contact.to.key())
-            && shared.directory.call_approval_of(contact.from.key()) == crate::CallApproval::Delegate
+        (shared.directory.contains(contact.to.key())
+            && shared.directory.call_approval_of(contact.from.key()) == crate::CallApproval::Delegate)
+            .then_some(())
     };
     match decide_contact(shared, &clock, &contact, Listing::Now, as_task).await? {
         FirstDecision::Decided(_) => {}
         FirstDecision::Pending { id } => {
             await_approval(shared, &clock, &contact, id).await?;
         }
-        FirstDecision::Deferred => return Ok(CallAdmission::AsTask),
+        FirstDecision::Deferred(()) => return Ok(CallAdmission::AsTask),
     }
     Ok(CallAdmission::Call(admitted))
 }
