@@ -15,15 +15,18 @@
 //! data (it resumes by itself), the approvals still pending are resolved there, and the
 //! conversation is checked.
 //!
-//! Faults: process crash at a random time, model latency (random per round), approvals
-//! resolved before, during and after the crash, deadlines passing.
+//! Faults: process crash at a random time, one failed store commit at a random moment
+//! before it in half the rounds (whichever turn or organisation write it lands on),
+//! model latency (random per round), approvals resolved before, during and after the
+//! crash, deadlines passing.
 //! Invariants, per job whose mention of `boss` (dev's reply) committed:
 //! - OneReply: exactly one message replies to dev's mention for `boss`: boss's answer
 //!   to that job, or a system `NotPermitted` note;
 //! - ApprovedOnly: an answer only if one of the job's approvals was approved;
 //! - NoteNamesItsApproval: a note names one of the job's approvals, denied ("was
 //!   denied") or never approved in time ("still pending at the deadline"), and boss's
-//!   model never saw the job;
+//!   model never saw the job; or, in a round whose failed commit was the organisation's
+//!   record of the approval, says the organisation could not be read;
 //! - NoOrphanDelivery: a job whose mention never committed reaches nothing;
 //! - NoOrphanListed: an approval whose mention never committed is never listed for a
 //!   person (the approver resolves only what `pending_approvals` lists): at most one
@@ -130,6 +133,7 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
     let mut rounds_left_to_the_deadline = 0;
     let mut orphan_approvals = 0;
     let mut orphans_listed = 0;
+    let mut commits_failed = 0;
     for round in 0..ROUNDS {
         let draw = |low, high| rng.lock().unwrap().range(low, high);
         let latency_ms = draw(1, 120);
@@ -139,6 +143,11 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
         let approver_away = draw(0, 2) == 0;
         let resolver_starts_ms = (!approver_away).then(|| draw(0, 4 * latency_ms + 100));
         let crash_after_ms = draw(0, 6 * latency_ms + 200);
+        // In half the rounds one commit fails, at a random moment before the crash:
+        // whichever turn it lands on is rolled back (the post of dev's reply after its
+        // approval was recorded leaves that approval an orphan; a failed write of the
+        // organisation refuses the mention with a note that says so).
+        let commit_fails_after_ms = (draw(0, 2) == 0).then(|| draw(0, 6 * latency_ms + 200));
         let llm = script(latency_ms);
         let data = MemoryStore::new();
         let first = start(&llm, Arc::new(data.clone()));
@@ -168,13 +177,27 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
             }
         });
         let resolver = approver.spawn(first.client(), resolver_starts_ms);
+        let fault = commit_fails_after_ms.map(|after_ms| {
+            let faults = data.faults().clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                faults.fail_next_commits(1);
+            })
+        });
         tokio::time::sleep(Duration::from_millis(crash_after_ms)).await;
         posts.abort();
         resolver.abort();
+        if let Some(fault) = fault {
+            fault.abort();
+        }
         drop(first); // the process dies here
                      // A restart takes a moment: by then the dead runtime has aborted its turns.
         tokio::time::sleep(Duration::from_secs(1)).await;
 
+        // The failure, if it was not used, does not outlive the first process.
+        data.faults().heal();
+        let commit_failed = data.faults().injected_count() > 0;
+        commits_failed += u64::from(commit_failed);
         let second = start(&llm, Arc::new(data.clone()));
         let client = second.client();
         // The resumed mention turns of dev ask for approvals again; resolve them as they come.
@@ -277,8 +300,18 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
             assert!(!boss_saw, "round {round}: refused {job} reached boss");
             let named = approvals
                 .iter()
-                .find(|(id, _)| reply.text.contains(&format!("approval {id} ")))
-                .unwrap_or_else(|| panic!("round {round}: {} names none of {approvals:?}", reply.text));
+                .find(|(id, _)| reply.text.contains(&format!("approval {id} ")));
+            let Some(named) = named else {
+                // The failed commit was the organisation's, recording the approval: the
+                // mention is refused with a note that says why, and nothing was listed.
+                assert!(
+                    commit_failed && reply.text.contains("the organisation could not be read"),
+                    "round {round}: {} names none of {approvals:?}",
+                    reply.text
+                );
+                *outcomes.entry("organisation unavailable").or_default() += 1;
+                continue;
+            };
             match named.1 {
                 ApprovalState::Denied => {
                     assert!(reply.text.contains("was denied"), "round {round}: {}", reply.text);
@@ -311,7 +344,7 @@ async fn a_mention_waiting_for_approval_is_answered_at_most_once_across_crashes(
     assert!(crossed_the_crash > 0, "some approvals must be resolved after the crash");
     eprintln!(
         "outcomes {outcomes:?}, orphan approvals {orphan_approvals} ({orphans_listed} listed), rounds \
-         resolving after the crash {crossed_the_crash}"
+         resolving after the crash {crossed_the_crash}, rounds with a failed commit {commits_failed}"
     );
     // NoOrphanListed.
     assert_eq!(orphans_listed, 0, "orphan approvals were listed for a person");

@@ -695,8 +695,10 @@ async fn a_mention_whose_post_was_rolled_back_leaves_its_approval_unlisted() {
 }
 
 /// Mentions of `boss` that wait for approval in the multi-thread test.
+#[cfg(not(madsim))]
 const RACED_MENTIONS: u64 = 12;
 /// How long that test waits for every mention to be settled.
+#[cfg(not(madsim))]
 const RACED_MENTIONS_SETTLE_MS_MAX: u64 = 20_000;
 
 /// Goal: on tokio's multi-thread runtime, mentions waiting for approval while an
