@@ -1014,10 +1014,8 @@ impl ConversationActor {
                     approval,
                 };
                 turn.put(relay_key(seq, &agent), to_json(&record)?)?;
-                turn.caller()
-                    .tell(&self.id, ConvCommand::Relay { seq, agent }.encode(), WAKE_TIMEOUT)
-                    .await
-                    .map_err(wake_failed)?;
+                let wake = ConvCommand::Relay { seq, agent }.encode();
+                crate::inbox_turns::wake_self(turn, &self.shared, &self.id, wake, wake_failed).await?;
             }
         }
         Ok(ConvReply::Posted(Posted { seq, duplicate: false }))

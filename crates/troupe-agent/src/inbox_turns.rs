@@ -21,7 +21,8 @@ use crate::inbox::{
 use crate::limits::{
     AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS,
     AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS,
-    AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_MENTION_DELIVERY_RETRY_MAX_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
+    AGENT_TASK_TIMEOUT_MS_DEFAULT, AGENT_WAKE_RETRY_ATTEMPTS_MAX,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -44,6 +45,59 @@ fn told(result: Result<(), InvokeError>) -> Result<bool, ActorError> {
 
 fn wake_failed(error: InvokeError) -> ActorError {
     ActorError::failed(format!("could not schedule inbox work: {error}"))
+}
+
+/// Tells `id` (the agent or conversation whose turn is running) `wake`, the start of the
+/// work that turn queued (a delivery). If its mailbox is full (`Busy`), the turn does
+/// not fail for it: what it wrote is committed with it, and a task of its own tells
+/// `wake` again a moment later ([`wake_later`]). Any other refusal is an error.
+///
+/// # Errors
+/// The refusal, as an [`ActorError`] naming it.
+pub(crate) async fn wake_self(
+    turn: &Turn,
+    shared: &crate::agent::AgentShared,
+    id: &ActorId,
+    wake: Bytes,
+    wake_failed: fn(InvokeError) -> ActorError,
+) -> Result<(), ActorError> {
+    match turn.caller().tell(id, wake.clone(), WAKE_TIMEOUT).await {
+        Ok(()) => Ok(()),
+        Err(InvokeError::Busy { .. }) => {
+            wake_later(shared, id.clone(), wake);
+            Ok(())
+        }
+        Err(error) => Err(wake_failed(error)),
+    }
+}
+
+/// Tells `id` `wake` from a task of its own, after a pause of [`AGENT_DELIVERY_RETRY_MS`]
+/// that doubles up to [`AGENT_MENTION_DELIVERY_RETRY_MAX_MS`], until it is accepted,
+/// refused otherwise (the runtime stopped, the actor owned by another node: logged), or
+/// [`AGENT_WAKE_RETRY_ATTEMPTS_MAX`] attempts were refused `Busy`; the work then waits
+/// for the next resume.
+fn wake_later(shared: &crate::agent::AgentShared, id: ActorId, wake: Bytes) {
+    let Some(runtime) = shared.runtime() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let mut pause = Duration::from_millis(AGENT_DELIVERY_RETRY_MS);
+        for _ in 0..AGENT_WAKE_RETRY_ATTEMPTS_MAX {
+            tokio::time::sleep(pause).await;
+            pause = pause
+                .saturating_mul(2)
+                .min(Duration::from_millis(AGENT_MENTION_DELIVERY_RETRY_MAX_MS));
+            match runtime.tell(&id, wake.clone(), runtime.deadline_in(WAKE_TIMEOUT)).await {
+                Ok(()) => return,
+                Err(InvokeError::Busy { .. }) => {}
+                Err(error) => {
+                    tracing::warn!(actor = %id, %error, "a wake-up could not be sent; the work waits for the next resume");
+                    return;
+                }
+            }
+        }
+        tracing::warn!(actor = %id, attempts = AGENT_WAKE_RETRY_ATTEMPTS_MAX, "a wake-up was refused busy at every attempt; the work waits for the next resume");
+    });
 }
 
 impl AgentActor {
@@ -103,10 +157,7 @@ impl AgentActor {
         self.state.boxes.outbox_next = self.state.boxes.outbox_next.max(sends.next_seq);
         for seq in seqs {
             let wake = AgentCommand::Relay { seq }.encode();
-            turn.caller()
-                .tell(&self.id, wake, WAKE_TIMEOUT)
-                .await
-                .map_err(wake_failed)?;
+            wake_self(turn, &self.shared, &self.id, wake, wake_failed).await?;
         }
         Ok(())
     }

@@ -114,6 +114,12 @@ pub const CALL_RECORDS_PENDING_MAX: usize = 4_096;
 pub const CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS: u64 = 5_000;
 /// The pause before a failed delivery is retried, in milliseconds.
 pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;
+/// How many times a wake-up that a turn sent to its own agent or conversation (to
+/// deliver what it queued) is tried again from a task of its own when the mailbox
+/// refused it `Busy`; the pause starts at [`AGENT_DELIVERY_RETRY_MS`] and doubles up to
+/// [`AGENT_MENTION_DELIVERY_RETRY_MAX_MS`] (about 75 s in all). After the last, the work
+/// waits for the next resume. The turn itself does not fail for a full mailbox.
+pub const AGENT_WAKE_RETRY_ATTEMPTS_MAX: u32 = 20;
 /// The longest pause between two attempts of one mention's delivery, in milliseconds:
 /// the pause starts at [`AGENT_DELIVERY_RETRY_MS`] and doubles after each refused or
 /// failed attempt up to this, so the deliveries waiting for a busy agent (a slow disk, a

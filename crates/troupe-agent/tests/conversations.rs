@@ -740,13 +740,14 @@ async fn mentions_waiting_for_approval_get_one_outcome_each_on_the_multi_thread_
             let mut races = Vec::new();
             for round in 0u64.. {
                 for approval in client.pending_approvals().await.unwrap() {
-                    let new = decided
-                        .lock()
-                        .unwrap()
-                        .insert(approval.id, (approval.message.clone(), false, false))
-                        .is_none();
-                    if !new {
-                        continue;
+                    {
+                        // Listed again while its race runs: its entry (and any result a
+                        // racer already wrote in it) stays.
+                        let mut decided = decided.lock().unwrap();
+                        if decided.contains_key(&approval.id) {
+                            continue;
+                        }
+                        decided.insert(approval.id, (approval.message.clone(), false, false));
                     }
                     let (approve_ms, deny_ms) = ((approval.id * 7 + round) % 20, (approval.id * 13 + 5) % 20);
                     for approve in [true, false] {

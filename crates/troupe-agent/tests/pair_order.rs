@@ -289,3 +289,42 @@ async fn a_resume_into_a_full_mailbox_goes_on_later_instead_of_looping() {
     assert_eq!(numbers_after(&log, "note "), [0, 1, 2], "each processed once, in order");
     system.shutdown().await;
 }
+
+/// Goal: a turn whose own mailbox is full when it ends does not fail for it: the send it
+/// queued is committed with it and delivered a moment later (the wake-up that starts the
+/// delivery is told again from a task of its own). Before 2026-12-02 the turn failed
+/// with "could not schedule inbox work: ... busy" and the send was lost with it (CI met
+/// it in `notifications_to_a_busy_agent_are_processed_in_the_order_sent_on_the_multi_thread_runtime`).
+/// Method: a mailbox of one message; `a`'s model notifies `b`, then takes a second for
+/// its next step, during which a second ask to `a` fills its mailbox.
+#[tokio::test(start_paused = true)]
+async fn a_turn_whose_mailbox_is_full_at_its_end_still_sends_what_it_queued() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_user_containing("first").call(
+            "notify_agent",
+            serde_json::json!({"agent_id": "b", "message": "hello b"}),
+        ))
+        .rule(
+            ScriptRule::agent("a")
+                .on_tool_result()
+                .reply("sent")
+                .latency(Duration::from_secs(1)),
+        )
+        .rule(ScriptRule::agent("a").reply("second answered"))
+        .rule(ScriptRule::agent("b").reply("noted"));
+    let system = system(llm, 1);
+    let client = system.client();
+    let first = tokio::spawn(async move { client.ask("a", "first").await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let client = system.client();
+    let second = tokio::spawn(async move { client.ask("a", "second").await });
+    let first = first.await.unwrap();
+    assert_eq!(first.map(|reply| reply.text).unwrap(), "sent");
+    let second = second.await.unwrap();
+    assert_eq!(second.map(|reply| reply.text).unwrap(), "second answered");
+    drained(&system).await;
+    let log = system.conversation_log("b").await.unwrap();
+    let received = log.iter().filter(|m| m.content.contains("hello b")).count();
+    assert_eq!(received, 1, "b got the notification once: {log:#?}");
+    system.shutdown().await;
+}
