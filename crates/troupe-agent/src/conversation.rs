@@ -612,6 +612,16 @@ fn wake_failed(error: InvokeError) -> ActorError {
     ActorError::failed(format!("could not schedule a mention delivery: {error}"))
 }
 
+/// Whether a wake-up was told: `false` when the conversation's own mailbox is full
+/// (`Busy`: the work goes on later), any other refusal an error.
+fn told(result: Result<(), InvokeError>) -> Result<bool, ActorError> {
+    match result {
+        Ok(()) => Ok(true),
+        Err(InvokeError::Busy { .. }) => Ok(false),
+        Err(error) => Err(wake_failed(error)),
+    }
+}
+
 impl Actor for ConversationActor {
     /// Its turns' futures are kilobytes: kept, not allocated at each turn (see
     /// [`crate::limits::AGENT_TURN_FUTURE_KEPT_BYTES_MAX`]).
@@ -681,6 +691,11 @@ impl ConversationActor {
             }
             ConvCommand::Resume { after } => {
                 let page = turn.scan("relay/", after.as_deref(), AGENT_RESUME_BATCH).await?;
+                // Its own mailbox full (a wake-up refused `Busy`), the resume stops where
+                // it got to and goes on from a task of its own (`wake_later`): failing
+                // the turn instead left the rest of the page unwoken until the next
+                // request rebuilt the resume.
+                let mut woken = after;
                 for (key, _) in &page {
                     // A mention a task of this process delivers needs no wake-up: its
                     // turn would find the task and do nothing, after a place in the
@@ -688,17 +703,19 @@ impl ConversationActor {
                     let pending =
                         relay_of(key).filter(|(seq, agent)| !self.shared.delivers_mention(&self.id, *seq, agent));
                     if let Some((seq, agent)) = pending {
-                        self.wake_relay(turn, seq, agent).await?;
+                        let wake = ConvCommand::Relay { seq, agent }.encode();
+                        if !told(turn.caller().tell(&self.id, wake, WAKE_TIMEOUT).await)? {
+                            self.resume_later(woken);
+                            return Ok(ConvReply::Done);
+                        }
                     }
+                    woken = Some(key.clone());
                 }
                 if page.len() == AGENT_RESUME_BATCH {
-                    let next = ConvCommand::Resume {
-                        after: page.last().map(|(key, _)| key.clone()),
-                    };
-                    turn.caller()
-                        .tell(&self.id, next.encode(), WAKE_TIMEOUT)
-                        .await
-                        .map_err(wake_failed)?;
+                    let next = ConvCommand::Resume { after: woken.clone() };
+                    if !told(turn.caller().tell(&self.id, next.encode(), WAKE_TIMEOUT).await)? {
+                        self.resume_later(woken);
+                    }
                 }
                 ConvReply::Done
             }
@@ -1108,11 +1125,11 @@ impl ConversationActor {
             .map_err(|refused| refused.to_string())
     }
 
-    async fn wake_relay(&mut self, turn: &Turn, seq: u64, agent: String) -> Result<(), ActorError> {
-        turn.caller()
-            .tell(&self.id, ConvCommand::Relay { seq, agent }.encode(), WAKE_TIMEOUT)
-            .await
-            .map_err(wake_failed)
+    /// Tells this conversation, from a task of its own, to `Resume` after the relay key
+    /// `after` (see [`crate::inbox_turns::wake_later`]).
+    fn resume_later(&self, after: Option<String>) {
+        let resume = ConvCommand::Resume { after }.encode();
+        crate::inbox_turns::wake_later(&self.shared, self.id.clone(), resume);
     }
 
     /// Starts a delivery task for the relay `seq`/`agent` unless one runs or it is gone.

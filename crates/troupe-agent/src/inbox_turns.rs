@@ -76,7 +76,7 @@ pub(crate) async fn wake_self(
 /// refused otherwise (the runtime stopped, the actor owned by another node: logged), or
 /// [`AGENT_WAKE_RETRY_ATTEMPTS_MAX`] attempts were refused `Busy`; the work then waits
 /// for the next resume.
-fn wake_later(shared: &crate::agent::AgentShared, id: ActorId, wake: Bytes) {
+pub(crate) fn wake_later(shared: &crate::agent::AgentShared, id: ActorId, wake: Bytes) {
     let Some(runtime) = shared.runtime() else {
         return;
     };
@@ -420,7 +420,12 @@ impl AgentActor {
             duplicate: false,
             at: now,
         });
-        self.schedule_process(turn, seq, &entry.context).await?;
+        // Its own mailbox full, the entry is accepted all the same (committed with this
+        // turn) and scheduled by a resume from a task of its own: failing the append for
+        // it answered the sender an error for a message the inbox had room for.
+        if !told(self.try_schedule_process(turn, seq, &entry.context).await)? {
+            self.resume_inbox_later(seq);
+        }
         let reply = encode_reply(&EnqueueReply::Accepted {
             msg_id: entry.msg_id.clone(),
         });
@@ -455,18 +460,8 @@ impl AgentActor {
     }
 
     /// Tells itself to process inbox entry `seq` under the entry's context (plus the
-    /// grace that lets a timed-out model loop commit its failure).
-    pub(crate) async fn schedule_process(
-        &mut self,
-        turn: &Turn,
-        seq: u64,
-        context: &CallContext,
-    ) -> Result<(), ActorError> {
-        self.try_schedule_process(turn, seq, context).await.map_err(wake_failed)
-    }
-
-    /// [`Self::schedule_process`], with the runtime's refusal as it is (`Busy`: the
-    /// mailbox is full).
+    /// grace that lets a timed-out model loop commit its failure), with the runtime's
+    /// refusal as it is (`Busy`: the mailbox is full).
     async fn try_schedule_process(&mut self, turn: &Turn, seq: u64, context: &CallContext) -> Result<(), InvokeError> {
         // An entry already past its deadline is still scheduled (now + grace): its turn
         // resolves it as failed instead of leaving it to the next resume.
@@ -573,12 +568,16 @@ impl AgentActor {
                 None => InboxEntry::decode(&first_key, &bytes)?.context,
             };
             self.memo.pair_in.put(turn, key, record)?;
-            self.schedule_process(turn, first, &context).await?;
+            // Its own mailbox full, a resume from a task of its own schedules `first`
+            // and the entries after it, `seq` among them (see `resume_inbox_later`).
+            if !told(self.try_schedule_process(turn, first, &context).await)? {
+                self.resume_inbox_later(first);
+                return Ok(false);
+            }
             let again = AgentCommand::Process { seq }.encode();
-            turn.caller()
-                .tell_self_in(again, turn.context().clone())
-                .await
-                .map_err(wake_failed)?;
+            if !told(turn.caller().tell_self_in(again, turn.context().clone()).await)? {
+                self.resume_inbox_later(seq);
+            }
             return Ok(false);
         }
         record.unprocessed.remove(&seq);
@@ -920,6 +919,19 @@ impl AgentActor {
             }
         }
         Ok(())
+    }
+
+    /// Schedules inbox entries from `seq` on through a `Resume` told from a task of its
+    /// own ([`wake_later`]), for a turn whose wake-up of `seq` was refused `Busy` (its own
+    /// mailbox full): the turn commits what it wrote instead of failing for it. Entries
+    /// whose `Process` is still queued are skipped by the resume.
+    fn resume_inbox_later(&self, seq: u64) {
+        let resume = AgentCommand::Resume {
+            inbox_after: seq.checked_sub(1),
+            // Past every outbox entry: this resume is about the inbox only.
+            outbox_after: Some(u64::MAX),
+        };
+        wake_later(&self.shared, self.id.clone(), resume.encode());
     }
 
     /// Tells this agent, from a task outside any turn, to `Resume` after `inbox_after`

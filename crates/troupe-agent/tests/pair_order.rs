@@ -328,3 +328,60 @@ async fn a_turn_whose_mailbox_is_full_at_its_end_still_sends_what_it_queued() {
     assert_eq!(received, 1, "b got the notification once: {log:#?}");
     system.shutdown().await;
 }
+
+/// Goal: an append during which the agent's own mailbox fills does not fail for it: the
+/// entry is accepted, committed with the append, and processed once, scheduled by a
+/// resume from a task of its own. Before 2026-12-02 the append failed and its sender was
+/// answered `ActorFailed` ("could not schedule inbox work: ... busy") for a message the
+/// inbox had room for; an agent's delivery retried it, an outside sender got the error.
+/// Method: a mailbox of one message; the append of a notification from outside is held
+/// at its dedupe read (`GateStore::hold_gets`) while an ask to `b` takes the mailbox's
+/// one place; then the read goes on, and the append's wake-up is refused `Busy`.
+async fn an_append_whose_mailbox_fills_while_it_runs_is_accepted_and_processed_once() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("[notification")
+                .reply("noted"),
+        )
+        .rule(ScriptRule::agent("b").reply("answered"));
+    let store = GateStore::new(Arc::new(MemoryStore::new()), false);
+    let system = system_on(store.clone(), llm, 1);
+    store.hold_gets(|actor, key| actor.key() == "b" && key.starts_with("seen/"));
+    let client = system.client();
+    let notify = tokio::spawn(async move { client.notify_with_id("b", "n1", "hello b", None).await });
+    for _ in 0..HELD_WAIT.as_millis() {
+        if store.held_gets() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(store.held_gets(), 1, "the append reached its dedupe read");
+    let client = system.client();
+    let ask = tokio::spawn(async move { client.ask("b", "a question").await });
+    // The ask waits in b's mailbox, whose one place it takes, behind the held append.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.release_gets();
+    let notified = notify.await.unwrap();
+    notified.expect("the notification is accepted");
+    assert_eq!(ask.await.unwrap().map(|reply| reply.text).unwrap(), "answered");
+    drained(&system).await;
+    let log = system.conversation_log("b").await.unwrap();
+    let received = log.iter().filter(|m| m.content.contains("hello b")).count();
+    assert_eq!(received, 1, "b processed the notification once: {log:#?}");
+    system.shutdown().await;
+}
+
+/// How long the append test waits for the append to reach its held read, at most.
+const HELD_WAIT: Duration = Duration::from_secs(10);
+
+#[tokio::test(start_paused = true)]
+async fn an_append_whose_mailbox_fills_while_it_runs_is_accepted_and_processed_once_paused() {
+    an_append_whose_mailbox_fills_while_it_runs_is_accepted_and_processed_once().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_append_whose_mailbox_fills_while_it_runs_is_accepted_and_processed_once_on_the_multi_thread_runtime() {
+    an_append_whose_mailbox_fills_while_it_runs_is_accepted_and_processed_once().await;
+}

@@ -3,8 +3,9 @@
 //! scans (so a start-up `resume_pending` fails), counting the scans it refused, and
 //! `refuse_loads` only `load` (what reads the organisation; an activation claims), and
 //! `refuse_one_commit` the first commit a test's predicate picks; `count_commits` and
-//! `count_gets` count the commits and gets a test's predicate picks. A second store over
-//! the same data is the process after a restart.
+//! `count_gets` count the commits and gets a test's predicate picks, and `hold_gets`
+//! holds the gets it picks until `release_gets`. A second store over the same data is the
+//! process after a restart.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,12 @@ pub(crate) struct GateStore {
     counted: Mutex<Option<(CommitPredicate, u64)>>,
     /// Counts the gets it is true for (see `count_gets`).
     counted_gets: Mutex<Option<(GetPredicate, u64)>>,
+    /// Holds the gets it is true for until released (see `hold_gets`).
+    held_gets: Mutex<Option<GetPredicate>>,
+    /// How many gets have been held.
+    held: AtomicU64,
+    /// `true` once `release_gets` let the held gets go on.
+    released: tokio::sync::watch::Sender<bool>,
 }
 
 /// Which gets `GateStore::count_gets` counts: the actor and the key.
@@ -47,7 +54,29 @@ impl GateStore {
             refuse_commit: Mutex::new(None),
             counted: Mutex::new(None),
             counted_gets: Mutex::new(None),
+            held_gets: Mutex::new(None),
+            held: AtomicU64::new(0),
+            released: tokio::sync::watch::channel(false).0,
         })
+    }
+
+    /// From now on, holds the gets `pick` is true for until `release_gets`.
+    #[allow(dead_code)]
+    pub(crate) fn hold_gets(&self, pick: impl Fn(&ActorId, &str) -> bool + Send + Sync + 'static) {
+        *self.held_gets.lock().unwrap() = Some(Box::new(pick));
+    }
+
+    /// How many gets `hold_gets` has held so far.
+    #[allow(dead_code)]
+    pub(crate) fn held_gets(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
+
+    /// Lets every held get go on, and holds no more.
+    #[allow(dead_code)]
+    pub(crate) fn release_gets(&self) {
+        *self.held_gets.lock().unwrap() = None;
+        self.released.send_replace(true);
     }
 
     /// Refuses (`Injected`) the first commit `pick` is true for, once.
@@ -138,6 +167,17 @@ impl StateStore for GateStore {
             if pick(actor, key) {
                 *count += 1;
             }
+        }
+        let hold = self
+            .held_gets
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|pick| pick(actor, key));
+        if hold {
+            let mut released = self.released.subscribe();
+            self.held.fetch_add(1, Ordering::SeqCst);
+            let _ = released.wait_for(|released| *released).await;
         }
         self.inner.get(actor, key).await
     }
