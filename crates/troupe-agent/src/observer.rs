@@ -105,7 +105,9 @@ pub enum AgentEvent {
         at: Deadline,
     },
     /// Approval `approval.id` was approved or denied ([`crate::AgentClient::approve`],
-    /// [`crate::AgentClient::deny`]); `approval` is the record as resolved.
+    /// [`crate::AgentClient::deny`]), or marked expired because the call that waited
+    /// for it in its turn stopped waiting ([`crate::Organisation::abandon_approval`]);
+    /// `approval` is the record as resolved.
     ApprovalResolved {
         /// The record, with its new state.
         approval: crate::Approval,

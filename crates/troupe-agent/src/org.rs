@@ -388,9 +388,11 @@ pub enum ApprovalState {
     /// Denied: the contact is refused.
     Denied,
     /// Nobody waits for it any more: its contact's deadline passed while it was still
-    /// pending (the contact was refused as timed out), so approving or denying it would
-    /// change nothing. Made when it is resolved too late, or when a new approval is
-    /// requested after its deadline; read as such from then on ([`Approval::state_at`]).
+    /// pending (the contact was refused as timed out), or the call that waited for it in
+    /// its turn stopped waiting (its caller gave up: [`Organisation::abandon_approval`]),
+    /// so approving or denying it would change nothing. Made when it is resolved too
+    /// late, when a new approval is requested after its deadline, or when its call
+    /// stopped waiting; read as such from then on ([`Approval::state_at`]).
     Expired,
 }
 
@@ -742,6 +744,25 @@ impl Organisation {
             self.bump();
         }
         unlisted
+    }
+
+    /// Marks pending approval `id` [`ApprovalState::Expired`] because nothing waits for
+    /// it any more: the call that waited for it in its turn stopped waiting (its caller
+    /// gave up, or its client left), so it is no longer listed and approving it is
+    /// refused rather than accepted for a call that will never be made. Returns whether
+    /// that changed anything (false if it is resolved, expired already, or gone).
+    pub fn abandon_approval(&mut self, id: u64) -> bool {
+        let Some(approval) = self
+            .approvals
+            .get_mut(&id)
+            .filter(|approval| approval.state == ApprovalState::Pending)
+        else {
+            return false;
+        };
+        approval.state = ApprovalState::Expired;
+        self.trim_resolved();
+        self.bump();
+        true
     }
 
     /// Marks every pending approval whose deadline has passed at `now` as
@@ -1120,6 +1141,35 @@ mod tests {
         assert!(!org.list_approval(resolved, at(1)), "a resolved approval is not listed");
         assert!(!org.withdraw_approval(resolved), "nor withdrawn");
         assert_eq!(ids(&org), vec![listed, held]);
+    }
+
+    #[test]
+    fn an_approval_whose_call_stopped_waiting_is_expired_and_no_longer_listed() {
+        let at = Deadline::from_micros;
+        let mut org = Organisation::default();
+        let gone = org
+            .request_approval("a", "b", ContactKind::Ask, "caller gave up", at(100), at(0))
+            .unwrap();
+        let kept = org
+            .request_approval("a", "c", ContactKind::Ask, "still waits", at(100), at(0))
+            .unwrap();
+        let version = org.version();
+        assert!(org.abandon_approval(gone));
+        assert_eq!(org.version(), version + 1, "a change");
+        assert_eq!(org.approval(gone).unwrap().state, ApprovalState::Expired);
+        let ids: Vec<u64> = org.pending_approvals_at(at(1)).iter().map(|a| a.id).collect();
+        assert_eq!(ids, vec![kept]);
+        assert_eq!(org.pending_approvals().len(), 1, "it no longer holds room");
+        assert_eq!(
+            org.resolve_approval(gone, true, at(1)),
+            Err(OrgError::NotPending { id: gone })
+        );
+        assert!(!org.abandon_approval(gone), "once");
+        org.resolve_approval(kept, false, at(1)).unwrap();
+        assert!(!org.abandon_approval(kept), "a resolved one stays as resolved");
+        assert_eq!(org.approval(kept).unwrap().state, ApprovalState::Denied);
+        assert!(!org.abandon_approval(99), "no such approval");
+        assert_eq!(org.version(), version + 2);
     }
 
     fn org(policy: OrgPolicy) -> Organisation {

@@ -705,11 +705,69 @@ pub(crate) async fn admit_call(
     match decide_contact(shared, &clock, &contact, Listing::Now, as_task).await? {
         FirstDecision::Decided(_) => {}
         FirstDecision::Pending { id } => {
-            await_approval(shared, &clock, &contact, id).await?;
+            let mut waiting = InTurnWait {
+                shared: Some(Arc::clone(shared)),
+                id,
+            };
+            let waited = await_approval(shared, &clock, &contact, id).await;
+            waiting.shared = None; // the wait ended: nothing to mark
+            waited?;
         }
         FirstDecision::Deferred(()) => return Ok(CallAdmission::AsTask),
     }
     Ok(CallAdmission::Call(admitted))
+}
+
+/// A call waiting in its turn for approval `id`. Dropped before the wait ended (the turn
+/// was cancelled: its caller gave up, or the HTTP client that asked left), it marks the
+/// approval expired from a task of its own ([`Organisation::abandon_approval`]), so that
+/// it is no longer listed for a person and approving it is refused instead of accepted
+/// for a call that will never be made. Disarmed once the wait ended.
+///
+/// A crashed process runs no destructor, and the simulator never runs a task spawned
+/// on a node it killed, so this writes nothing after a crash. Best effort: an approval
+/// the organisation could not be changed for stays listed until its deadline.
+///
+/// [`Organisation::abandon_approval`]: crate::Organisation::abandon_approval
+struct InTurnWait {
+    /// `None` once the wait ended.
+    shared: Option<Arc<crate::agent::AgentShared>>,
+    id: u64,
+}
+
+impl Drop for InTurnWait {
+    fn drop(&mut self) {
+        let Some(shared) = self.shared.take() else {
+            return;
+        };
+        let Some(runtime) = shared.runtime() else {
+            return;
+        };
+        // A turn cancelled while its runtime shuts down may be dropped outside it.
+        let Ok(tasks) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let id = self.id;
+        tasks.spawn(async move {
+            let clock = runtime.clock();
+            let abandoned = shared
+                .org
+                .change(runtime.store().as_ref(), &clock, |org| {
+                    Ok(org.abandon_approval(id).then(|| org.approval(id).cloned()).flatten())
+                })
+                .await;
+            match abandoned {
+                Ok(Some(approval)) => shared.emit(&AgentEvent::ApprovalResolved {
+                    approval,
+                    at: clock.now(),
+                }),
+                Ok(None) => {} // resolved meanwhile, or expired already
+                Err(error) => {
+                    tracing::warn!(%error, approval = id, "the approval of a call that stopped waiting could not be marked expired; it stays listed until its deadline");
+                }
+            }
+        });
+    }
 }
 
 /// What the organisation's admission made of a `call_agent`.

@@ -363,6 +363,70 @@ async fn a_call_needing_approval_waits_and_proceeds_or_is_refused() {
     again.shutdown().await;
 }
 
+/// Goal: a call waiting in its turn for approval whose caller gives up takes its
+/// approval off the list: the approval is marked expired (reported as
+/// `ApprovalResolved`), so a person no longer sees it and approving it is refused
+/// instead of accepted for a call that will never be made; the next call is asked for
+/// afresh. Before 2026-12-02 it stayed listed, approvable, until the call's deadline (30 s
+/// here). Method: `a` is supervised; the ask's task is aborted while its call waits.
+async fn a_call_whose_caller_gave_up_takes_its_approval_off_the_list() {
+    let llm = ask_script();
+    let system = start(&llm, &["a", "b"]);
+    supervise(&system, "a").await;
+    let mut events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let id = next_approval(&mut events).await;
+    assert_eq!(listed_approvals(&system, 1).await[0].id, id);
+    asked.abort();
+    let _ = asked.await;
+    let mut listed = true;
+    for _ in 0..1_000 {
+        listed = !system.pending_approvals().await.unwrap().is_empty();
+        if !listed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        !listed,
+        "the approval is off the list within 1 s of the caller giving up"
+    );
+    assert_eq!(
+        system.approval(id).await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
+    let resolved = loop {
+        if let AgentEvent::ApprovalResolved { approval, .. } = events.recv().await.unwrap() {
+            break approval;
+        }
+    };
+    assert_eq!((resolved.id, resolved.state), (id, ApprovalState::Expired));
+    assert!(llm.requests_of("b").is_empty(), "nothing reached b");
+
+    // The next call is asked for afresh, and goes through once approved.
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let next = next_approval(&mut events).await;
+    assert_ne!(next, id);
+    system.approve(next).await.unwrap();
+    assert_eq!(asked.await.unwrap().unwrap().text, "result: 42");
+    assert_eq!(llm.requests_of("b").len(), 1);
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_caller_gave_up_takes_its_approval_off_the_list_paused() {
+    a_call_whose_caller_gave_up_takes_its_approval_off_the_list().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_whose_caller_gave_up_takes_its_approval_off_the_list_on_the_multi_thread_runtime() {
+    a_call_whose_caller_gave_up_takes_its_approval_off_the_list().await;
+}
+
 /// `a` (which sends calls needing approval as tasks) and `b` on `store`.
 fn start_sending_calls_as_tasks(llm: &ScriptedLlm, store: Arc<dyn StateStore>) -> AgentSystem {
     AgentSystem::builder()
