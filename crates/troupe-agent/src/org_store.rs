@@ -724,9 +724,10 @@ pub(crate) async fn admit_call(
 /// it is no longer listed for a person and approving it is refused instead of accepted
 /// for a call that will never be made. Disarmed once the wait ended.
 ///
-/// A crashed process runs no destructor, and the simulator never runs a task spawned
-/// on a node it killed, so this writes nothing after a crash. Best effort: an approval
-/// the organisation could not be changed for stays listed until its deadline.
+/// A crashed process runs no destructor, the simulator never runs a task spawned on a
+/// node it killed, and a runtime dropped or aborted marks nothing, so this writes
+/// nothing after a crash. Best effort: an approval the organisation could not be
+/// changed for stays listed until its deadline.
 ///
 /// [`Organisation::abandon_approval`]: crate::Organisation::abandon_approval
 struct InTurnWait {
@@ -740,7 +741,9 @@ impl Drop for InTurnWait {
         let Some(shared) = self.shared.take() else {
             return;
         };
-        let Some(runtime) = shared.runtime() else {
+        // A runtime dropped or aborted is a process going away: like a crashed one, it
+        // writes nothing more (and the turns of a dropped system are cut this way).
+        let Some(runtime) = shared.runtime().filter(|runtime| !runtime.is_aborted()) else {
             return;
         };
         // A turn cancelled while its runtime shuts down may be dropped outside it.

@@ -427,6 +427,32 @@ async fn a_call_whose_caller_gave_up_takes_its_approval_off_the_list_on_the_mult
     a_call_whose_caller_gave_up_takes_its_approval_off_the_list().await;
 }
 
+/// Goal: a system dropped while a call waits in its turn for approval writes nothing
+/// more, as a crashed process would not: the approval is still pending for the next
+/// process on the store (where it expires at the call's deadline), not marked expired
+/// by the dying one's cancelled turn.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_system_leaves_its_waiting_call_s_approval_as_a_crash_would() {
+    let llm = ask_script();
+    let data = MemoryStore::new();
+    let system = start_on(&llm, &["a", "b"], Arc::new(data.clone()));
+    supervise(&system, "a").await;
+    let mut events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let id = next_approval(&mut events).await;
+    drop(system);
+    let _ = asked.await;
+    tokio::time::sleep(SECOND).await;
+    let again = start_on(&llm, &["a", "b"], Arc::new(data));
+    assert_eq!(
+        again.approval(id).await.unwrap().unwrap().state,
+        ApprovalState::Pending,
+        "the dropped process marked nothing"
+    );
+    again.shutdown().await;
+}
+
 /// `a` (which sends calls needing approval as tasks) and `b` on `store`.
 fn start_sending_calls_as_tasks(llm: &ScriptedLlm, store: Arc<dyn StateStore>) -> AgentSystem {
     AgentSystem::builder()

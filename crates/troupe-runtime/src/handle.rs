@@ -390,6 +390,14 @@ impl RuntimeHandle {
         }
     }
 
+    /// Whether the runtime was aborted: dropped without a shutdown, or its shutdown
+    /// grace ran out. Nothing is committed or admitted from then on, and its turns are
+    /// being cancelled; code that reacts to a cancelled turn (a guard's `Drop`) should
+    /// start no outside work then, as a crashed process would not.
+    pub fn is_aborted(&self) -> bool {
+        self.shared.aborted()
+    }
+
     /// The runtime's clock.
     pub fn clock(&self) -> Clock {
         self.shared.clock

@@ -33,7 +33,9 @@ pub(crate) struct GateStore {
     /// How many gets have been held.
     held: AtomicU64,
     /// `true` once `release_gets` let the held gets go on.
-    released: tokio::sync::watch::Sender<bool>,
+    released: AtomicBool,
+    /// Wakes the held gets at `release_gets`.
+    release: tokio::sync::Notify,
 }
 
 /// Which gets `GateStore::count_gets` counts: the actor and the key.
@@ -56,7 +58,8 @@ impl GateStore {
             counted_gets: Mutex::new(None),
             held_gets: Mutex::new(None),
             held: AtomicU64::new(0),
-            released: tokio::sync::watch::channel(false).0,
+            released: AtomicBool::new(false),
+            release: tokio::sync::Notify::new(),
         })
     }
 
@@ -76,7 +79,8 @@ impl GateStore {
     #[allow(dead_code)]
     pub(crate) fn release_gets(&self) {
         *self.held_gets.lock().unwrap() = None;
-        self.released.send_replace(true);
+        self.released.store(true, Ordering::SeqCst);
+        self.release.notify_waiters();
     }
 
     /// Refuses (`Injected`) the first commit `pick` is true for, once.
@@ -175,9 +179,17 @@ impl StateStore for GateStore {
             .as_ref()
             .is_some_and(|pick| pick(actor, key));
         if hold {
-            let mut released = self.released.subscribe();
             self.held.fetch_add(1, Ordering::SeqCst);
-            let _ = released.wait_for(|released| *released).await;
+            loop {
+                let released = self.release.notified();
+                tokio::pin!(released);
+                // Registered before the check, so a release after it wakes this one.
+                released.as_mut().enable();
+                if self.released.load(Ordering::SeqCst) {
+                    break;
+                }
+                released.await;
+            }
         }
         self.inner.get(actor, key).await
     }
