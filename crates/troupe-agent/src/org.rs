@@ -750,12 +750,14 @@ impl Organisation {
     /// it any more: the call that waited for it in its turn stopped waiting (its caller
     /// gave up, or its client left), so it is no longer listed and approving it is
     /// refused rather than accepted for a call that will never be made. Returns whether
-    /// that changed anything (false if it is resolved, expired already, or gone).
-    pub fn abandon_approval(&mut self, id: u64) -> bool {
+    /// that changed anything (false if it is resolved, gone, or expired already, also by
+    /// its deadline at `now`: that one is left to read as expired by its deadline, so
+    /// resolving it is refused as [`OrgError::Expired`], as before).
+    pub fn abandon_approval(&mut self, id: u64, now: Deadline) -> bool {
         let Some(approval) = self
             .approvals
             .get_mut(&id)
-            .filter(|approval| approval.state == ApprovalState::Pending)
+            .filter(|approval| approval.state_at(now) == ApprovalState::Pending)
         else {
             return false;
         };
@@ -1154,7 +1156,12 @@ mod tests {
             .request_approval("a", "c", ContactKind::Ask, "still waits", at(100), at(0))
             .unwrap();
         let version = org.version();
-        assert!(org.abandon_approval(gone));
+        assert!(
+            !org.abandon_approval(gone, at(100)),
+            "past its deadline it expires by it"
+        );
+        assert_eq!(org.approval(gone).unwrap().state, ApprovalState::Pending);
+        assert!(org.abandon_approval(gone, at(1)));
         assert_eq!(org.version(), version + 1, "a change");
         assert_eq!(org.approval(gone).unwrap().state, ApprovalState::Expired);
         let ids: Vec<u64> = org.pending_approvals_at(at(1)).iter().map(|a| a.id).collect();
@@ -1164,11 +1171,11 @@ mod tests {
             org.resolve_approval(gone, true, at(1)),
             Err(OrgError::NotPending { id: gone })
         );
-        assert!(!org.abandon_approval(gone), "once");
+        assert!(!org.abandon_approval(gone, at(1)), "once");
         org.resolve_approval(kept, false, at(1)).unwrap();
-        assert!(!org.abandon_approval(kept), "a resolved one stays as resolved");
+        assert!(!org.abandon_approval(kept, at(1)), "a resolved one stays as resolved");
         assert_eq!(org.approval(kept).unwrap().state, ApprovalState::Denied);
-        assert!(!org.abandon_approval(99), "no such approval");
+        assert!(!org.abandon_approval(99, at(1)), "no such approval");
         assert_eq!(org.version(), version + 2);
     }
 

@@ -722,7 +722,8 @@ pub(crate) async fn admit_call(
 /// was cancelled: its caller gave up, or the HTTP client that asked left), it marks the
 /// approval expired from a task of its own ([`Organisation::abandon_approval`]), so that
 /// it is no longer listed for a person and approving it is refused instead of accepted
-/// for a call that will never be made. Disarmed once the wait ended.
+/// for a call that will never be made. Disarmed once the wait ended. One past its
+/// deadline is left as it is (it reads expired by its deadline).
 ///
 /// A crashed process runs no destructor, the simulator never runs a task spawned on a
 /// node it killed, and a runtime dropped or aborted marks nothing, so this writes
@@ -756,7 +757,8 @@ impl Drop for InTurnWait {
             let abandoned = shared
                 .org
                 .change(runtime.store().as_ref(), &clock, |org| {
-                    Ok(org.abandon_approval(id).then(|| org.approval(id).cloned()).flatten())
+                    let now = clock.now();
+                    Ok(org.abandon_approval(id, now).then(|| org.approval(id).cloned()).flatten())
                 })
                 .await;
             match abandoned {

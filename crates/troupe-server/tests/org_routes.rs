@@ -578,6 +578,51 @@ async fn a_call_needing_approval_waits_until_approved_or_denied_over_http() {
     harness.stop().await;
 }
 
+/// Goal: a call waiting for approval whose HTTP client leaves (it gives up on
+/// `POST /v1/agents/a/messages` and closes the connection) takes its approval off the
+/// list: the server drops the request, the call's turn is cancelled, and the approval
+/// reads `expired`, is no longer listed, and approving it is 409 `approval_not_pending`
+/// (nothing proceeds: `b`'s history stays empty). Before 2026-12-02 it stayed listed,
+/// and approvable, until the call's 30 s deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_http_client_left_takes_its_approval_off_the_list() {
+    /// How long the leaving client waits for its answer, in milliseconds.
+    const CLIENT_GIVES_UP_MS: u64 = 500;
+    let harness = start().await;
+    harness.supervise_a().await;
+    let leaving = reqwest::Client::builder()
+        .timeout(Duration::from_millis(CLIENT_GIVES_UP_MS))
+        .build()
+        .unwrap();
+    let asked = leaving
+        .post(format!("{}/v1/agents/a/messages", harness.base))
+        .bearer_auth(TOKEN)
+        .json(&json!({"text": "go"}))
+        .send();
+    let seen = async { harness.pending_approvals().await[0]["id"].as_u64().unwrap() };
+    let (asked, id) = tokio::join!(asked, seen);
+    assert!(asked.unwrap_err().is_timeout(), "the client gave up");
+
+    let off_the_list = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (_, body) = harness.get("/v1/approvals").await;
+            if body == json!({"approvals": []}) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(off_the_list.is_ok(), "the approval is still listed");
+    let (status, body) = harness.get(&format!("/v1/approvals/{id}")).await;
+    assert_eq!((status, &body["state"]), (200, &json!("expired")), "{body}");
+    let (status, body) = harness.post(&format!("/v1/approvals/{id}/approve"), json!({})).await;
+    assert_eq!((status, code(&body)), (409, "approval_not_pending"), "{body}");
+    let (status, body) = harness.get("/v1/agents/b/history").await;
+    assert_eq!((status, &body["total"]), (200, &json!(0)), "nothing reached b: {body}");
+    harness.stop().await;
+}
+
 /// Goal: an approval whose call stopped waiting (the message's 400 ms timeout passed
 /// before anyone approved) is expired: it reads `expired`, is no longer listed as
 /// pending, approving it is 409 `approval_expired` (nothing proceeds: `b`'s history
