@@ -206,7 +206,7 @@ async fn run(start: Box<ActivationStart>) {
     // handled in one poll reads the clock once, not once each. See "The clock of a
     // wake-up" in docs/architecture.md.
     let mut now = WakeClock::UNREAD;
-    loop {
+    'messages: loop {
         let next = NextEvent {
             receiver: &mut receiver,
             idle_timer: idle_timer.as_mut(),
@@ -258,15 +258,39 @@ async fn run(start: Box<ActivationStart>) {
         .await;
         let waker = task_waker.as_ref().expect("set just above");
         {
-            let store_commit = {
-                let Some((mut turn, payload, ends)) = begin(&mut live, &handle.shared, envelope, &mut now) else {
+            let store_commit = 'settled: {
+                let Some((mut turn, payload, begun)) = begin(&mut live, &handle.shared, envelope, &mut now) else {
                     // Refused unrun (abandoned, expired or fenced): answered already.
-                    continue;
+                    continue 'messages;
                 };
                 let (raced, ends) = 'turn: {
-                    let slow = match first_poll(&mut live.actor, &mut turn, payload, ends, &handle.shared, waker) {
-                        Ok(finished) => break 'turn finished,
-                        Err(slow) => slow,
+                    let slow = match begun {
+                        // A told message with nobody to answer, no edge and no span: its
+                        // ends are made only if its turn does not simply succeed.
+                        Begun::Told { call, deadline } => 'told: {
+                            let answer = match told_first_poll(
+                                &mut live.actor,
+                                &mut turn,
+                                payload,
+                                call,
+                                deadline,
+                                &handle.shared,
+                                waker,
+                            ) {
+                                Ok(Told::Answered(answer)) => answer,
+                                Ok(Told::Raced(finished)) => break 'turn finished,
+                                Err(slow) => break 'told slow,
+                            };
+                            let (home, writes) = turn.finish();
+                            live.home = Some(home);
+                            break 'settled settle_told(&mut live, &handle.shared, generation, writes, answer, call);
+                        }
+                        Begun::Full(ends) => {
+                            match first_poll(&mut live.actor, &mut turn, payload, ends, &handle.shared, waker) {
+                                Ok(finished) => break 'turn finished,
+                                Err(slow) => slow,
+                            }
+                        }
                     };
                     now = WakeClock::UNREAD;
                     slow.await
@@ -504,12 +528,7 @@ const TURN_TIMEOUT_US_MAX: u64 = INVOKE_TIMEOUT_MS_MAX * 1_000;
 /// Checks a request at dequeue and answers one that must not run; else builds its turn.
 /// `now` is the clock as read in this wake-up of the task, read here if not yet.
 #[inline(always)]
-fn begin(
-    live: &mut Live,
-    shared: &Shared,
-    envelope: Envelope,
-    now: &mut WakeClock,
-) -> Option<(Turn, Payload, TurnEnds)> {
+fn begin(live: &mut Live, shared: &Shared, envelope: Envelope, now: &mut WakeClock) -> Option<(Turn, Payload, Begun)> {
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
     // request with a caller: its wait ends at its deadline, which closes the reply
     // channel, so an expired request is an abandoned one. (Between the deadline and the
@@ -563,6 +582,12 @@ fn begin(
     // A fire-and-forget message has nobody to watch: its turn is timed by its own timer.
     let watch_caller = reply.has_caller();
     let turn = Turn::new(live.home.take().expect(HOME_LENT), context);
+    if !edge && matches!(reply, ReplyTo::Nobody) && TurnSpans::none_for(&parent) {
+        // `Nobody` and an unrecorded span hold nothing: forgotten rather than dropped.
+        std::mem::forget(reply);
+        std::mem::forget(parent);
+        return Some((turn, payload, Begun::Told { call, deadline }));
+    }
     let spans = TurnSpans::of(&turn, parent);
     let ends = TurnEnds {
         reply,
@@ -573,7 +598,7 @@ fn begin(
         waited: false,
         _spans: spans,
     };
-    Some((turn, payload, ends))
+    Some((turn, payload, Begun::Full(ends)))
 }
 
 /// A turn whose handler has to wait: the race, boxed, to be awaited by the activation.
@@ -591,19 +616,60 @@ fn first_poll<'a>(
     waker: &std::task::Waker,
 ) -> Result<(Raced<Outcome>, TurnEnds), SlowTurn<'a>> {
     let mut race = Race {
-        // Marks the task as running this actor's turn, so that a root invocation from
-        // inside it (through a captured handle) is refused.
-        handler: crate::handle::InTurn(match payload {
-            Payload::Bytes(bytes) => Handler::Bytes(actor.handle(turn, bytes)),
-            Payload::Value(value) => Handler::Value(actor.handle_value_turn(turn, value)),
-            Payload::Keyed(request) => Handler::Bytes(actor.handle_keyed(turn, *request)),
-        }),
+        handler: handler(actor, turn, payload),
         ends,
         timer: None,
     };
     match race.poll_turn(shared, &mut std::task::Context::from_waker(waker)) {
         Poll::Ready(raced) => Ok((raced, race.ends)),
         Poll::Pending => Err(Box::pin(race.run_out(shared))),
+    }
+}
+
+/// The turn's handler future for `payload`, in the actor's slot.
+#[inline(always)]
+fn handler<'a>(actor: &'a mut ActorBox, turn: &'a mut Turn, payload: Payload) -> crate::handle::InTurn<Handler<'a>> {
+    // Marks the task as running this actor's turn, so that a root invocation from inside
+    // it (through a captured handle) is refused.
+    crate::handle::InTurn(match payload {
+        Payload::Bytes(bytes) => Handler::Bytes(actor.handle(turn, bytes)),
+        Payload::Value(value) => Handler::Value(actor.handle_value_turn(turn, value)),
+        Payload::Keyed(request) => Handler::Bytes(actor.handle_keyed(turn, *request)),
+    })
+}
+
+/// [`first_poll`] for a told message (see [`Begun::Told`]): the same poll (there is no
+/// caller to check, and no span to enter), with the turn's ends made only if the
+/// handler does not succeed at once.
+#[inline(always)]
+fn told_first_poll<'a>(
+    actor: &'a mut ActorBox,
+    turn: &'a mut Turn,
+    payload: Payload,
+    call: CallId,
+    deadline: troupe_core::Deadline,
+    shared: &'a Shared,
+    waker: &std::task::Waker,
+) -> Result<Told, SlowTurn<'a>> {
+    let mut handler = handler(actor, turn, payload);
+    let mut cx = std::task::Context::from_waker(waker);
+    match Pin::new(&mut handler).poll(&mut cx) {
+        Poll::Ready(Ok(answer)) => Ok(Told::Answered(answer)),
+        Poll::Ready(Err(error)) => Ok(Told::Raced((
+            Raced::Finished(Ok(Err(error))),
+            TurnEnds::told(call, deadline),
+        ))),
+        Poll::Pending => {
+            let mut race = Race {
+                handler,
+                ends: TurnEnds::told(call, deadline),
+                timer: None,
+            };
+            match race.after_pending(shared, &mut cx) {
+                Poll::Ready(raced) => Ok(Told::Raced((raced, race.finish()))),
+                Poll::Pending => Err(Box::pin(race.run_out(shared))),
+            }
+        }
     }
 }
 
@@ -635,6 +701,43 @@ struct TurnEnds {
     _spans: TurnSpans,
 }
 
+impl TurnEnds {
+    /// The ends of a told message's turn (nobody to answer, no edge, no span): made only
+    /// when its turn waits or fails (see [`Begun::Told`]).
+    fn told(call: CallId, deadline: troupe_core::Deadline) -> Self {
+        Self {
+            reply: ReplyTo::Nobody,
+            call,
+            edge: false,
+            deadline,
+            watch_caller: false,
+            waited: false,
+            _spans: TurnSpans(None),
+        }
+    }
+}
+
+/// What `begin` hands over with a turn: the ends of a request, or of a told message with
+/// nobody to answer (`ReplyTo::Nobody`), no wait-for edge and no span to build, just its
+/// call and deadline. Such a turn takes the told fast path ([`told_first_poll`],
+/// [`settle_told`]): the same checks in the same order as [`first_poll`] and [`settle`]
+/// make for it, without moving its ends between the steps.
+enum Begun {
+    Told {
+        call: CallId,
+        deadline: troupe_core::Deadline,
+    },
+    Full(TurnEnds),
+}
+
+/// A told turn after its first poll: its handler's answer (the handler succeeded), or
+/// the race decided otherwise (it failed, or its own timer fired), to be settled as any
+/// turn is.
+enum Told {
+    Answered(Payload),
+    Raced((Raced<Outcome>, TurnEnds)),
+}
+
 /// A turn's span and its parent's, kept until the turn has answered: boxed, and only
 /// when a subscriber records either, so that a turn without tracing carries one word
 /// where two spans take 80 bytes, moved with the turn's ends at each step.
@@ -647,12 +750,21 @@ impl TurnSpans {
     /// instructions a turn, callgrind, 2026-11-30).
     #[inline(always)]
     fn of(turn: &Turn, parent: EnvelopeSpan) -> Self {
-        if parent.is_none() && !tracing::level_enabled!(tracing::Level::INFO) {
+        if Self::none_for(&parent) {
+            // An unrecorded span holds nothing: forgotten rather than dropped, which the
+            // compiler left as a call to its drop glue.
+            std::mem::forget(parent);
             return Self(None);
         }
         let parent = parent.into_span();
         let span = turn_span(&parent, turn);
         Self::new(span, parent)
+    }
+
+    /// Whether a turn whose sender's span is `parent` builds no span ([`TurnSpans::of`]).
+    #[inline(always)]
+    fn none_for(parent: &EnvelopeSpan) -> bool {
+        parent.is_none() && !tracing::level_enabled!(tracing::Level::INFO)
     }
 
     fn new(span: tracing::Span, parent: tracing::Span) -> Self {
@@ -663,10 +775,25 @@ impl TurnSpans {
         }
     }
 
+    /// Drops the spans, if any were built: the common case (none) is a test inline, where
+    /// the drop glue was a call per turn.
+    #[inline(always)]
+    fn close(self) {
+        if let Some(spans) = self.0 {
+            drop_spans(spans);
+        }
+    }
+
     /// Enters the turn's span, if it is recorded, until the guard drops.
     fn enter(&self) -> Option<tracing::span::Entered<'_>> {
         self.0.as_ref().map(|spans| spans.0.enter())
     }
+}
+
+#[cold]
+#[inline(never)]
+fn drop_spans(spans: Box<(tracing::Span, tracing::Span)>) {
+    drop(spans);
 }
 
 /// A turn's handler raced against its caller giving up (or, with no caller, against
@@ -700,6 +827,14 @@ impl Race<'_> {
         if let Poll::Ready(outcome) = polled {
             return Poll::Ready(Raced::Finished(Ok(outcome)));
         }
+        self.after_pending(shared, cx)
+    }
+
+    /// The rest of a poll of the race whose handler returned `Pending`: the turn has
+    /// waited; its caller, or its own timer, is watched.
+    #[inline(always)]
+    fn after_pending(&mut self, shared: &Shared, cx: &mut std::task::Context<'_>) -> Poll<Raced<Outcome>> {
+        let ends = &mut self.ends;
         ends.waited = true;
         if ends.watch_caller {
             match ends.reply.poll_closed(cx) {
@@ -720,12 +855,30 @@ impl Race<'_> {
         }
     }
 
+    /// The race's ends, once it is decided; its handler is dropped, and its timer, if it
+    /// was armed (tested inline: its drop glue was a call per turn).
+    #[inline(always)]
+    fn finish(self) -> TurnEnds {
+        let Self { handler, ends, timer } = self;
+        drop(handler);
+        if let Some(timer) = timer {
+            drop_timer(timer);
+        }
+        ends
+    }
+
     /// Polls the race to its end (boxed by the caller: only a turn that waits gets
     /// here); the handler and the timer are dropped with it.
     async fn run_out(mut self, shared: &Shared) -> (Raced<Outcome>, TurnEnds) {
         let raced = std::future::poll_fn(|cx| self.poll_turn(shared, cx)).await;
         (raced, self.ends)
     }
+}
+
+#[cold]
+#[inline(never)]
+fn drop_timer(timer: Pin<Box<tokio::time::Sleep>>) {
+    drop(timer);
 }
 
 /// A commit on its way to the store, boxed, to be awaited by the activation; the turn is
@@ -818,6 +971,7 @@ fn settle<'a>(
                     // `Nobody` holds nothing: forgotten rather than dropped, which the
                     // compiler left as a call to its drop glue (13 instructions a message).
                     std::mem::forget(reply);
+                    spans.close();
                     return None;
                 }
                 Ok(None) => Ok(answer),
@@ -844,7 +998,50 @@ fn settle<'a>(
     } else {
         respond(shared, call, edge, reply, result);
     }
+    // Kept until the turn has answered.
+    spans.close();
     None
+}
+
+/// [`settle`] for a told message (see [`Begun::Told`]) whose handler succeeded in its
+/// first poll: the same steps for it (it never waited, and nobody is watched), so its
+/// state change is still checked and a change committed.
+#[inline(always)]
+fn settle_told<'a>(
+    live: &'a mut Live,
+    shared: &'a Shared,
+    generation: u64,
+    writes: TurnWrites,
+    answer: Payload,
+    call: CallId,
+) -> Option<Committing<'a>> {
+    Counters::add(&shared.counters.turns_run);
+    shared.emit(|| RuntimeEvent::TurnCommitting {
+        actor: live.id().clone(),
+        request: call,
+    });
+    match prepare_commit(live, writes) {
+        // Nobody to answer and no edge to release: the answer is dropped.
+        Ok(None) => None,
+        Ok(Some(commit)) => {
+            let store_commit = StoreCommit {
+                commit,
+                answer: Ok(answer),
+                reply: ReplyTo::Nobody,
+                call,
+                edge: false,
+                generation,
+                #[cfg(feature = "planted-bugs")]
+                ignore_commit: false,
+                _spans: TurnSpans(None),
+            };
+            Some(Box::pin(store_commit.run(live, shared)))
+        }
+        Err(error) => {
+            fail(live, shared, call, false, ReplyTo::Nobody, Err(error));
+            None
+        }
+    }
 }
 
 /// Counts a failed turn, rolls the actor back and answers the error.
