@@ -46,7 +46,7 @@ use troupe_core::{ActorId, Deadline, InvokeError};
 
 use crate::actor::{BytesTurn, ValueTurn};
 use crate::control::Control;
-use crate::envelope::{Envelope, EnvelopeSpan, Payload, Reply, ReplyTo};
+use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
 use crate::mailbox::MailboxReceiver;
 use crate::wait_for_graph::CallId;
@@ -259,10 +259,12 @@ async fn run(start: Box<ActivationStart>) {
         let waker = task_waker.as_ref().expect("set just above");
         {
             let store_commit = 'settled: {
-                let Some((mut turn, payload, begun)) = begin(&mut live, &handle.shared, envelope, &mut now) else {
+                let Some((context, payload, begun)) = begin(&live, &handle.shared, envelope, &mut now) else {
                     // Refused unrun (abandoned, expired or fenced): answered already.
                     continue 'messages;
                 };
+                // Built here, where it stays, rather than in `begin` and moved out.
+                let mut turn = Turn::new(live.home.take().expect(HOME_LENT), context);
                 let (raced, ends) = 'turn: {
                     let slow = match begun {
                         // A told message with nobody to answer, no edge and no span: its
@@ -278,14 +280,30 @@ async fn run(start: Box<ActivationStart>) {
                                 waker,
                             ) {
                                 Ok(Told::Answered(answer)) => answer,
-                                Ok(Told::Raced(finished)) => break 'turn finished,
+                                Ok(Told::Raced(finished)) => break 'turn *finished,
                                 Err(slow) => break 'told slow,
                             };
                             let (home, writes) = turn.finish();
                             live.home = Some(home);
                             break 'settled settle_told(&mut live, &handle.shared, generation, writes, answer, call);
                         }
-                        Begun::Full(ends) => {
+                        Begun::Full {
+                            reply,
+                            call,
+                            edge,
+                            deadline,
+                            watch_caller,
+                            parent,
+                        } => {
+                            let ends = TurnEnds {
+                                _spans: TurnSpans::of(&turn, parent),
+                                reply,
+                                call,
+                                edge,
+                                deadline,
+                                watch_caller,
+                                waited: false,
+                            };
                             match first_poll(&mut live.actor, &mut turn, payload, ends, &handle.shared, waker) {
                                 Ok(finished) => break 'turn finished,
                                 Err(slow) => slow,
@@ -525,10 +543,17 @@ type Outcome = Result<Result<Payload, ActorError>, ()>;
 /// The longest a turn may run, in microseconds ([`INVOKE_TIMEOUT_MS_MAX`]).
 const TURN_TIMEOUT_US_MAX: u64 = INVOKE_TIMEOUT_MS_MAX * 1_000;
 
-/// Checks a request at dequeue and answers one that must not run; else builds its turn.
-/// `now` is the clock as read in this wake-up of the task, read here if not yet.
+/// Checks a request at dequeue and answers one that must not run; else hands over what
+/// its turn is made of (the turn itself is built by the loop, where it stays: built here
+/// and moved out, it cost a copy of its 144 bytes per message). `now` is the clock as read
+/// in this wake-up of the task, read here if not yet.
 #[inline(always)]
-fn begin(live: &mut Live, shared: &Shared, envelope: Envelope, now: &mut WakeClock) -> Option<(Turn, Payload, Begun)> {
+fn begin(
+    live: &Live,
+    shared: &Shared,
+    envelope: Envelope,
+    now: &mut WakeClock,
+) -> Option<(EnvelopeContext, Payload, Begun)> {
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
     // request with a caller: its wait ends at its deadline, which closes the reply
     // channel, so an expired request is an abandoned one. (Between the deadline and the
@@ -581,24 +606,24 @@ fn begin(live: &mut Live, shared: &Shared, envelope: Envelope, now: &mut WakeClo
     #[cfg(not(feature = "planted-bugs"))]
     // A fire-and-forget message has nobody to watch: its turn is timed by its own timer.
     let watch_caller = reply.has_caller();
-    let turn = Turn::new(live.home.take().expect(HOME_LENT), context);
     if !edge && matches!(reply, ReplyTo::Nobody) && TurnSpans::none_for(&parent) {
         // `Nobody` and an unrecorded span hold nothing: forgotten rather than dropped.
         std::mem::forget(reply);
         std::mem::forget(parent);
-        return Some((turn, payload, Begun::Told { call, deadline }));
+        return Some((context, payload, Begun::Told { call, deadline }));
     }
-    let spans = TurnSpans::of(&turn, parent);
-    let ends = TurnEnds {
-        reply,
-        call,
-        edge,
-        deadline,
-        watch_caller,
-        waited: false,
-        _spans: spans,
-    };
-    Some((turn, payload, Begun::Full(ends)))
+    Some((
+        context,
+        payload,
+        Begun::Full {
+            reply,
+            call,
+            edge,
+            deadline,
+            watch_caller,
+            parent,
+        },
+    ))
 }
 
 /// A turn whose handler has to wait: the race, boxed, to be awaited by the activation.
@@ -655,10 +680,10 @@ fn told_first_poll<'a>(
     let mut cx = std::task::Context::from_waker(waker);
     match Pin::new(&mut handler).poll(&mut cx) {
         Poll::Ready(Ok(answer)) => Ok(Told::Answered(answer)),
-        Poll::Ready(Err(error)) => Ok(Told::Raced((
+        Poll::Ready(Err(error)) => Ok(Told::Raced(Box::new((
             Raced::Finished(Ok(Err(error))),
             TurnEnds::told(call, deadline),
-        ))),
+        )))),
         Poll::Pending => {
             let mut race = Race {
                 handler,
@@ -666,7 +691,7 @@ fn told_first_poll<'a>(
                 timer: None,
             };
             match race.after_pending(shared, &mut cx) {
-                Poll::Ready(raced) => Ok(Told::Raced((raced, race.finish()))),
+                Poll::Ready(raced) => Ok(Told::Raced(Box::new((raced, race.finish())))),
                 Poll::Pending => Err(Box::pin(race.run_out(shared))),
             }
         }
@@ -727,15 +752,25 @@ enum Begun {
         call: CallId,
         deadline: troupe_core::Deadline,
     },
-    Full(TurnEnds),
+    /// A request's ends, but for its spans, which are built once its turn is.
+    Full {
+        reply: ReplyTo,
+        call: CallId,
+        edge: bool,
+        deadline: troupe_core::Deadline,
+        watch_caller: bool,
+        parent: EnvelopeSpan,
+    },
 }
 
 /// A told turn after its first poll: its handler's answer (the handler succeeded), or
 /// the race decided otherwise (it failed, or its own timer fired), to be settled as any
-/// turn is.
+/// turn is. The second is boxed, so that the first, the common one, is moved as a payload
+/// rather than as the race's outcome and ends (a failed turn allocates already: its
+/// rollback rebuilds the actor).
 enum Told {
     Answered(Payload),
-    Raced((Raced<Outcome>, TurnEnds)),
+    Raced(Box<(Raced<Outcome>, TurnEnds)>),
 }
 
 /// A turn's span and its parent's, kept until the turn has answered: boxed, and only

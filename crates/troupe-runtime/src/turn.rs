@@ -179,6 +179,9 @@ impl Turn {
 
     /// Ends the turn for good (as [`Turn::end`]) and gives back its home, which the
     /// activation lends to its next turn, and its buffered writes, for its commit.
+    /// Inlined into the activation's loop: as a call, its turn was moved into it (a plain
+    /// `#[inline]` was not taken).
+    #[inline(always)]
     pub(crate) fn finish(self) -> (Arc<TurnHome>, TurnWrites) {
         self.end();
         (self.home, TurnWrites(self.writes))
