@@ -390,6 +390,8 @@ fn emit_decided(
 /// needs approval records a pending [`crate::Approval`] (durably) and is returned as
 /// [`FirstDecision::Pending`], unless `defer` gives what the caller makes it another way
 /// with ([`FirstDecision::Deferred`]); the final decision is then [`await_approval`]'s.
+/// `watch`, given by a caller that waits for the approval itself, is armed from the
+/// moment the approval's write starts (see [`ApprovalWatch`]).
 ///
 /// # Errors
 /// [`NotPermitted`] (reported as [`AgentEvent::ContactDecided`]).
@@ -399,6 +401,7 @@ pub(crate) async fn decide_contact<D>(
     contact: &Contact<'_>,
     listing: Listing,
     defer: impl FnOnce() -> Option<D>,
+    watch: Option<&mut ApprovalWatch<'_>>,
 ) -> Result<FirstDecision<D>, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
     let runtime = contact_runtime(shared, contact)?;
@@ -410,7 +413,7 @@ pub(crate) async fn decide_contact<D>(
             if let Some(deferred) = defer() {
                 return Ok(FirstDecision::Deferred(deferred));
             }
-            let id = request_approval(shared, clock, store, contact, listing).await?;
+            let id = request_approval(shared, clock, store, contact, listing, watch).await?;
             Ok(FirstDecision::Pending { id })
         }
         other => {
@@ -422,7 +425,9 @@ pub(crate) async fn decide_contact<D>(
 
 /// Records a pending [`crate::Approval`] of `contact` (durably, until the contact's
 /// deadline), listed as `listing` says, and reports it as
-/// [`AgentEvent::ApprovalRequested`] when it is listed; returns its id.
+/// [`AgentEvent::ApprovalRequested`] when it is listed; returns its id. `watch` is
+/// armed before the write starts and told each id a write carries: a write in flight
+/// when its waiter stops waiting may still land.
 ///
 /// # Errors
 /// [`NotPermitted`] with reason `Unavailable` when the organisation cannot be changed
@@ -433,16 +438,24 @@ pub(crate) async fn request_approval(
     store: &dyn StateStore,
     contact: &Contact<'_>,
     listing: Listing,
+    mut watch: Option<&mut ApprovalWatch<'_>>,
 ) -> Result<u64, NotPermitted> {
     let (from, to, kind) = (contact.from.key(), contact.to.key(), contact.kind);
+    if let Some(watch) = watch.as_deref_mut() {
+        watch.arm(contact);
+    }
     let id = shared
         .org
         .change(store, clock, |org| {
             let (message, deadline, now) = (contact.message, contact.deadline, clock.now());
-            match listing {
+            let id = match listing {
                 Listing::Now => org.request_approval(from, to, kind, message, deadline, now),
                 Listing::OnDelivery => org.request_unlisted_approval(from, to, kind, message, deadline, now),
+            }?;
+            if let Some(watch) = watch.as_deref_mut() {
+                watch.writing(id);
             }
+            Ok(id)
         })
         .await
         .map_err(|error| unavailable(contact, error))?;
@@ -600,15 +613,19 @@ pub(crate) async fn await_approval_outside_turn(
 /// # Errors
 /// [`NotPermitted`].
 pub(crate) async fn admit_contact(
-    shared: &crate::agent::AgentShared,
+    shared: &Arc<crate::agent::AgentShared>,
     clock: &Clock,
     contact: Contact<'_>,
 ) -> Result<Permitted, NotPermitted> {
-    match decide_contact(shared, clock, &contact, Listing::Now, never_defer).await? {
+    let mut watch = ApprovalWatch::new(shared);
+    let decided = decide_contact(shared, clock, &contact, Listing::Now, never_defer, Some(&mut watch)).await?;
+    let waited = match decided {
         FirstDecision::Decided(permitted) => Ok(permitted),
         FirstDecision::Pending { id } => await_approval(shared, clock, &contact, id).await,
         FirstDecision::Deferred(never) => match never {},
-    }
+    };
+    watch.disarm(); // the wait ended: nothing to take off the list
+    waited
 }
 
 /// Loads the organisation into the cache if it is not there yet, or again once it is
@@ -658,7 +675,7 @@ pub(crate) async fn admit_send(
         message,
         deadline,
     };
-    match decide_contact(shared, clock, &contact, Listing::OnDelivery, never_defer).await {
+    match decide_contact(shared, clock, &contact, Listing::OnDelivery, never_defer, None).await {
         Ok(FirstDecision::Decided(_)) => Ok(None),
         Ok(FirstDecision::Deferred(never)) => match never {},
         Ok(FirstDecision::Pending { id }) => Ok(Some(id)),
@@ -702,28 +719,39 @@ pub(crate) async fn admit_call(
             && shared.directory.call_approval_of(contact.from.key()) == crate::CallApproval::Delegate)
             .then_some(())
     };
-    match decide_contact(shared, &clock, &contact, Listing::Now, as_task).await? {
-        FirstDecision::Decided(_) => {}
-        FirstDecision::Pending { id } => {
-            let mut waiting = InTurnWait {
-                shared: Some(Arc::clone(shared)),
-                id,
-            };
-            let waited = await_approval(shared, &clock, &contact, id).await;
-            waiting.shared = None; // the wait ended: nothing to mark
-            waited?;
-        }
-        FirstDecision::Deferred(()) => return Ok(CallAdmission::AsTask),
-    }
-    Ok(CallAdmission::Call(admitted))
+    let mut watch = ApprovalWatch::new(shared);
+    let decided = decide_contact(shared, &clock, &contact, Listing::Now, as_task, Some(&mut watch)).await?;
+    let waited = match decided {
+        FirstDecision::Decided(_) => Ok(()),
+        FirstDecision::Pending { id } => await_approval(shared, &clock, &contact, id).await.map(drop),
+        FirstDecision::Deferred(()) => Ok(()),
+    };
+    watch.disarm(); // the wait ended: nothing to take off the list
+    waited?;
+    Ok(match decided {
+        FirstDecision::Deferred(()) => CallAdmission::AsTask,
+        FirstDecision::Decided(_) | FirstDecision::Pending { .. } => CallAdmission::Call(admitted),
+    })
 }
 
-/// A call waiting in its turn for approval `id`. Dropped before the wait ended (the turn
-/// was cancelled: its caller gave up, or the HTTP client that asked left), it marks the
-/// approval expired from a task of its own ([`Organisation::abandon_approval`]), so that
-/// it is no longer listed for a person and approving it is refused instead of accepted
-/// for a call that will never be made. Disarmed once the wait ended. One past its
-/// deadline is left as it is (it reads expired by its deadline).
+/// The waiter of a listed approval: a call waiting in its turn ([`admit_call`]) or an
+/// [`crate::AgentClient::ask_as`] waiting in its caller's task ([`admit_contact`]).
+/// Armed from the moment the approval's write starts; disarmed once the wait for it
+/// ended. Dropped while armed (the turn was cancelled because its caller gave up or the
+/// HTTP client that asked left, the caller's future was dropped, or the write failed and
+/// may have landed all the same), it takes the approval off the list from a task of its
+/// own: the approval is marked expired ([`Organisation::abandon_approval`]), so a person
+/// no longer sees it and approving it is refused rather than accepted for a call that
+/// will never be made. One past its deadline is left as it is (it reads expired by its
+/// deadline).
+///
+/// The write may still be in flight when the waiter goes: a store that runs it on a
+/// thread of its own (SQLite) or on a server (PostgreSQL) finishes it whether or not
+/// anyone waits. The task's change claims the organisation's record first, which fences
+/// every earlier claim, so that write has either landed before (and the approval is
+/// found and marked) or never lands. The approval is found by the id the write carried
+/// and by its contact (sender, target, kind, message and deadline): a write that did not
+/// land leaves its id to be given again, to another contact.
 ///
 /// A crashed process runs no destructor, the simulator never runs a task spawned on a
 /// node it killed, and a runtime dropped or aborted marks nothing, so this writes
@@ -731,16 +759,70 @@ pub(crate) async fn admit_call(
 /// changed for stays listed until its deadline.
 ///
 /// [`Organisation::abandon_approval`]: crate::Organisation::abandon_approval
-struct InTurnWait {
-    /// `None` once the wait ended.
-    shared: Option<Arc<crate::agent::AgentShared>>,
-    id: u64,
+pub(crate) struct ApprovalWatch<'a> {
+    shared: &'a Arc<crate::agent::AgentShared>,
+    armed: Option<Watched>,
 }
 
-impl Drop for InTurnWait {
+/// What an armed [`ApprovalWatch`] takes off the list.
+struct Watched {
+    shared: Arc<crate::agent::AgentShared>,
+    /// The id of the approval the latest write carried; `None` before a write had one.
+    id: Option<u64>,
+    from: String,
+    to: String,
+    kind: ContactKind,
+    /// As stored: at most [`crate::limits::ORG_APPROVAL_MESSAGE_SIZE_MAX_BYTES`].
+    message: String,
+    deadline: Deadline,
+}
+
+impl<'a> ApprovalWatch<'a> {
+    /// Unarmed, for the contacts of `shared`'s agents.
+    pub(crate) fn new(shared: &'a Arc<crate::agent::AgentShared>) -> Self {
+        Self { shared, armed: None }
+    }
+
+    /// Armed for an approval of `contact` about to be written.
+    fn arm(&mut self, contact: &Contact<'_>) {
+        let message = troupe_core::truncate_utf8(contact.message, crate::org::ORG_APPROVAL_MESSAGE_SIZE_MAX_BYTES);
+        self.armed = Some(Watched {
+            shared: Arc::clone(self.shared),
+            id: None,
+            from: contact.from.key().to_string(),
+            to: contact.to.key().to_string(),
+            kind: contact.kind,
+            message: message.to_string(),
+            deadline: contact.deadline,
+        });
+    }
+
+    /// A write of the approval as `id` is about to be sent.
+    fn writing(&mut self, id: u64) {
+        if let Some(watched) = self.armed.as_mut() {
+            watched.id = Some(id);
+        }
+    }
+
+    /// The wait ended (or never began): nothing to take off the list.
+    pub(crate) fn disarm(&mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for ApprovalWatch<'_> {
     fn drop(&mut self) {
-        let Some(shared) = self.shared.take() else {
-            return;
+        let Some(Watched {
+            shared,
+            id: Some(id),
+            from,
+            to,
+            kind,
+            message,
+            deadline,
+        }) = self.armed.take()
+        else {
+            return; // disarmed, or no write carried the approval
         };
         // A runtime dropped or aborted is a process going away: like a crashed one, it
         // writes nothing more (and the turns of a dropped system are cut this way).
@@ -751,14 +833,25 @@ impl Drop for InTurnWait {
         let Ok(tasks) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let id = self.id;
         tasks.spawn(async move {
             let clock = runtime.clock();
+            let ours = |approval: &crate::Approval| {
+                approval.from == from
+                    && approval.to == to
+                    && approval.kind == kind
+                    && approval.message == message
+                    && approval.deadline == Some(deadline)
+            };
             let abandoned = shared
                 .org
                 .change(runtime.store().as_ref(), &clock, |org| {
                     let now = clock.now();
-                    Ok(org.abandon_approval(id, now).then(|| org.approval(id).cloned()).flatten())
+                    // Nothing of ours to mark: an error, so nothing is written (the claim
+                    // has fenced a write still in flight all the same).
+                    if !(org.approval(id).is_some_and(ours) && org.abandon_approval(id, now)) {
+                        return Err(OrgError::NotPending { id });
+                    }
+                    Ok(org.approval(id).cloned())
                 })
                 .await;
             match abandoned {
@@ -766,9 +859,10 @@ impl Drop for InTurnWait {
                     approval,
                     at: clock.now(),
                 }),
-                Ok(None) => {} // resolved meanwhile, or expired already
+                // Resolved meanwhile, expired already, or its write never landed.
+                Ok(None) | Err(OrgError::NotPending { .. }) => {}
                 Err(error) => {
-                    tracing::warn!(%error, approval = id, "the approval of a call that stopped waiting could not be marked expired; it stays listed until its deadline");
+                    tracing::warn!(%error, approval = id, "the approval of a contact whose waiter stopped waiting could not be marked expired; it stays listed until its deadline");
                 }
             }
         });

@@ -14,8 +14,10 @@ use troupe_agent::limits::{AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_MAX};
 use troupe_agent::{
     AgentCallError, AgentEvent, AgentSpec, AgentSystem, Approval, ApprovalState, BehaviourMode, CallApproval,
     ContactKind, InboxError, Link, LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason,
-    OrgConfig, OrgError, OrgPolicy, PermissionRule, RuleMatch, ScriptRule, ScriptedLlm, TaskState,
+    OrgConfig, OrgError, OrgPolicy, Organisation, PermissionRule, RuleMatch, ScriptRule, ScriptedLlm, TaskState,
+    ORG_STORE_KEY, ORG_STORE_KIND,
 };
+use troupe_core::{ActorId, Deadline};
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
 #[path = "support/gate_store.rs"]
@@ -451,6 +453,204 @@ async fn a_dropped_system_leaves_its_waiting_call_s_approval_as_a_crash_would() 
         "the dropped process marked nothing"
     );
     again.shutdown().await;
+}
+
+/// Waits (up to 1 s, in 1 ms steps) until `done` holds; whether it did is the caller's
+/// to check.
+async fn within_a_second(done: impl Fn() -> bool) -> bool {
+    for _ in 0..1_000 {
+        if done() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    done()
+}
+
+/// Whether no approval is listed, polled every 1 ms for up to 1 s.
+async fn unlisted_within_a_second(system: &AgentSystem) -> bool {
+    for _ in 0..1_000 {
+        if system.pending_approvals().await.unwrap().is_empty() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    false
+}
+
+/// Goal: an `ask_as` whose caller stops waiting for its approval (its future dropped,
+/// as when the HTTP request that asked is gone) takes the approval off the list, as a
+/// call waiting in its turn does. Before 2026-12-02 it stayed listed, approvable, until
+/// the ask's deadline (30 s here), and approving it sent nothing.
+async fn an_ask_as_whose_caller_gave_up_takes_its_approval_off_the_list() {
+    let llm = ask_script();
+    let system = start(&llm, &["a", "b"]);
+    supervise(&system, "a").await;
+    let mut events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask_as("a", "b", "status?", 30 * SECOND).await });
+    let id = next_approval(&mut events).await;
+    assert_eq!(listed_approvals(&system, 1).await[0].id, id);
+    asked.abort();
+    let _ = asked.await;
+    assert!(
+        unlisted_within_a_second(&system).await,
+        "the approval is off the list within 1 s"
+    );
+    let resolved = loop {
+        if let AgentEvent::ApprovalResolved { approval, .. } = events.recv().await.unwrap() {
+            break approval;
+        }
+    };
+    assert_eq!((resolved.id, resolved.state), (id, ApprovalState::Expired));
+    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
+    assert!(llm.requests_of("b").is_empty(), "nothing reached b");
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_ask_as_whose_caller_gave_up_takes_its_approval_off_the_list_paused() {
+    an_ask_as_whose_caller_gave_up_takes_its_approval_off_the_list().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_ask_as_whose_caller_gave_up_takes_its_approval_off_the_list_on_the_multi_thread_runtime() {
+    an_ask_as_whose_caller_gave_up_takes_its_approval_off_the_list().await;
+}
+
+/// `a` supervised, on a store whose organisation's commits are held (in flight: one
+/// lands once released, whether or not anyone waits for it) and then its claims too, and
+/// `a`'s ask of `b` given up while the approval's commit is held. Returns the system,
+/// the store, its data and the events, subscribed before the ask, once the abandoned
+/// waiter's task is held at its claim of the record (or, if nothing claims it, after
+/// 1 s). The task holds the organisation's lock meanwhile: the system cannot read it.
+async fn give_up_while_the_approval_is_written(
+    llm: &ScriptedLlm,
+) -> (
+    AgentSystem,
+    Arc<gate_store::GateStore>,
+    MemoryStore,
+    tokio::sync::broadcast::Receiver<AgentEvent>,
+) {
+    let data = MemoryStore::new();
+    let store = gate_store::GateStore::new(Arc::new(data.clone()), false);
+    let system = start_on(llm, &["a", "b"], store.clone());
+    supervise(&system, "a").await;
+    let org = || ActorId::new(ORG_STORE_KIND, ORG_STORE_KEY).unwrap();
+    let held = org();
+    store.commits.hold(move |actor| *actor == held);
+    let events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    assert!(
+        within_a_second(|| store.commits.held() == 1).await,
+        "the approval's write is held"
+    );
+    let held = org();
+    store.claims.hold(move |actor| *actor == held);
+    asked.abort();
+    let _ = asked.await;
+    // Before 2026-12-02 nothing claims it: this wait runs out.
+    within_a_second(|| store.claims.held() == 1).await;
+    (system, store, data, events)
+}
+
+/// Goal: a call whose caller gave up while the approval it waits for was being written
+/// leaves no approval listed, however the write in flight ends. Before 2026-12-02 the
+/// waiter was armed only once the write had returned, so a write still in flight (as
+/// SQLite's thread or a PostgreSQL server finishes one whose caller left) landed as a
+/// pending approval listed until the call's deadline, with nothing waiting for it.
+/// Method: the ask is aborted while the approval's commit is held. Here the abandoned
+/// waiter's task claims the record before the commit is let go: the commit is fenced
+/// and never lands. The next call is asked for afresh and goes through once approved.
+async fn a_call_given_up_while_its_approval_is_written_leaves_it_unwritten() {
+    let llm = ask_script();
+    let (system, store, _, mut events) = give_up_while_the_approval_is_written(&llm).await;
+    store.claims.release();
+    within_a_second(|| store.claims.done() == 1).await;
+    store.commits.release();
+    assert!(
+        within_a_second(|| store.commits.done() == 1).await,
+        "the write in flight ended"
+    );
+    assert_eq!(
+        system.pending_approvals().await.unwrap(),
+        Vec::<Approval>::new(),
+        "nothing listed: the write in flight was fenced"
+    );
+
+    // The next call is asked for afresh, and goes through once approved.
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let next = next_approval(&mut events).await;
+    assert_eq!(listed_approvals(&system, 1).await[0].id, next);
+    system.approve(next).await.unwrap();
+    assert_eq!(asked.await.unwrap().unwrap().text, "result: 42");
+    assert_eq!(llm.requests_of("b").len(), 1);
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_given_up_while_its_approval_is_written_leaves_it_unwritten_paused() {
+    a_call_given_up_while_its_approval_is_written_leaves_it_unwritten().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_given_up_while_its_approval_is_written_leaves_it_unwritten_on_the_multi_thread_runtime() {
+    a_call_given_up_while_its_approval_is_written_leaves_it_unwritten().await;
+}
+
+/// Goal: as above, but the write in flight lands before the abandoned waiter's task
+/// claims the record: the approval it wrote is found there and marked expired (reported
+/// as `ApprovalResolved`), so it is off the list and approving it is refused.
+async fn a_call_given_up_while_its_approval_is_written_takes_it_off_the_list_once_written() {
+    let llm = ask_script();
+    let (system, store, data, mut events) = give_up_while_the_approval_is_written(&llm).await;
+    store.commits.release();
+    assert!(within_a_second(|| store.commits.done() == 1).await, "the write landed");
+    // Read from the data: the system waits for the organisation's lock.
+    let org = ActorId::new(ORG_STORE_KIND, ORG_STORE_KEY).unwrap();
+    let stored = data.load(&org).await.unwrap().expect("the organisation is stored");
+    let stored: Organisation = serde_json::from_slice(&stored).unwrap();
+    let listed = stored.pending_approvals_at(Deadline::from_micros(0));
+    assert_eq!(
+        listed.len(),
+        1,
+        "the write in flight landed: listed until the waiter's task marks it"
+    );
+    let id = listed[0].id;
+    store.claims.release();
+    assert!(
+        unlisted_within_a_second(&system).await,
+        "the approval is off the list within 1 s"
+    );
+    assert_eq!(
+        system.approval(id).await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
+    let resolved = loop {
+        if let AgentEvent::ApprovalResolved { approval, .. } = events.recv().await.unwrap() {
+            break approval;
+        }
+    };
+    assert_eq!((resolved.id, resolved.state), (id, ApprovalState::Expired));
+    assert!(llm.requests_of("b").is_empty(), "nothing reached b");
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_given_up_while_its_approval_is_written_takes_it_off_the_list_once_written_paused() {
+    a_call_given_up_while_its_approval_is_written_takes_it_off_the_list_once_written().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_given_up_while_its_approval_is_written_takes_it_off_the_list_once_written_on_the_multi_thread_runtime()
+{
+    a_call_given_up_while_its_approval_is_written_takes_it_off_the_list_once_written().await;
 }
 
 /// `a` (which sends calls needing approval as tasks) and `b` on `store`.

@@ -4,8 +4,11 @@
 //! `refuse_loads` only `load` (what reads the organisation; an activation claims), and
 //! `refuse_one_commit` the first commit a test's predicate picks; `count_commits` and
 //! `count_gets` count the commits and gets a test's predicate picks, and `hold_gets`
-//! holds the gets it picks until `release_gets`. A second store over the same data is the
-//! process after a restart.
+//! holds the gets it picks until `release_gets`; `claims` and `commits` hold the claims
+//! and commits of the actors a test picks until released, a held commit in a task of its
+//! own that lands whether or not its caller still waits (as SQLite's thread or a
+//! PostgreSQL server finishes a write whose caller left). A second store over the same
+//! data is the process after a restart.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +39,75 @@ pub(crate) struct GateStore {
     released: AtomicBool,
     /// Wakes the held gets at `release_gets`.
     release: tokio::sync::Notify,
+    /// Holds the claims of the actors it picks (see [`Hold`]).
+    pub(crate) claims: Arc<Hold>,
+    /// Holds the commits of the actors it picks, each in a task of its own.
+    pub(crate) commits: Arc<Hold>,
+}
+
+/// Holds the operations on the actors a test picks (`hold`) until `release`.
+#[derive(Default)]
+pub(crate) struct Hold {
+    pick: Mutex<Option<ActorPredicate>>,
+    /// How many operations it has held.
+    held: AtomicU64,
+    /// How many held operations have been done since (successfully or not).
+    done: AtomicU64,
+    /// Bumped by each `release`: an operation held before it goes on.
+    releases: AtomicU64,
+    release: tokio::sync::Notify,
+}
+
+/// Which actors' operations a [`Hold`] holds.
+type ActorPredicate = Box<dyn Fn(&ActorId) -> bool + Send + Sync>;
+
+#[allow(dead_code)] // not every test that includes this file uses it
+impl Hold {
+    /// From now on, holds the operations on the actors `pick` is true for.
+    pub(crate) fn hold(&self, pick: impl Fn(&ActorId) -> bool + Send + Sync + 'static) {
+        *self.pick.lock().unwrap() = Some(Box::new(pick));
+    }
+
+    /// How many operations it has held so far.
+    pub(crate) fn held(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
+
+    /// How many held operations have been done (successfully or not).
+    pub(crate) fn done(&self) -> u64 {
+        self.done.load(Ordering::SeqCst)
+    }
+
+    /// Lets every held operation go on, and holds no more.
+    pub(crate) fn release(&self) {
+        *self.pick.lock().unwrap() = None;
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        self.release.notify_waiters();
+    }
+
+    /// Whether an operation on `actor` is to be held; if so, counts it and returns the
+    /// release it waits for.
+    fn picks(&self, actor: &ActorId) -> Option<u64> {
+        let picked = self.pick.lock().unwrap().as_ref().is_some_and(|pick| pick(actor));
+        picked.then(|| {
+            self.held.fetch_add(1, Ordering::SeqCst);
+            self.releases.load(Ordering::SeqCst) + 1
+        })
+    }
+
+    /// Waits until `release` has been called `release` times in all.
+    async fn wait(&self, release: u64) {
+        loop {
+            let released = self.release.notified();
+            tokio::pin!(released);
+            // Registered before the check, so a release after it wakes this one.
+            released.as_mut().enable();
+            if self.releases.load(Ordering::SeqCst) >= release {
+                return;
+            }
+            released.await;
+        }
+    }
 }
 
 /// Which gets `GateStore::count_gets` counts: the actor and the key.
@@ -60,6 +132,8 @@ impl GateStore {
             held: AtomicU64::new(0),
             released: AtomicBool::new(false),
             release: tokio::sync::Notify::new(),
+            claims: Arc::default(),
+            commits: Arc::default(),
         })
     }
 
@@ -135,6 +209,12 @@ impl GateStore {
 impl StateStore for GateStore {
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
         self.check(StoreOperation::Claim)?;
+        if let Some(release) = self.claims.picks(actor) {
+            self.claims.wait(release).await;
+            let claimed = self.inner.claim(actor).await;
+            self.claims.done.fetch_add(1, Ordering::SeqCst);
+            return claimed;
+        }
         self.inner.claim(actor).await
     }
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
@@ -162,6 +242,17 @@ impl StateStore for GateStore {
                     operation: StoreOperation::Commit,
                 });
             }
+        }
+        if let Some(release) = self.commits.picks(actor) {
+            let (hold, inner, actor) = (Arc::clone(&self.commits), Arc::clone(&self.inner), actor.clone());
+            // In a task of its own: it lands whether or not this caller still waits.
+            let landing = tokio::spawn(async move {
+                hold.wait(release).await;
+                let committed = inner.commit(&actor, fence, commit).await;
+                hold.done.fetch_add(1, Ordering::SeqCst);
+                committed
+            });
+            return landing.await.expect("a held commit does not panic");
         }
         self.inner.commit(actor, fence, commit).await
     }
