@@ -382,30 +382,7 @@ async fn a_call_whose_caller_gave_up_takes_its_approval_off_the_list() {
     assert_eq!(listed_approvals(&system, 1).await[0].id, id);
     asked.abort();
     let _ = asked.await;
-    let mut listed = true;
-    for _ in 0..1_000 {
-        listed = !system.pending_approvals().await.unwrap().is_empty();
-        if !listed {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    assert!(
-        !listed,
-        "the approval is off the list within 1 s of the caller giving up"
-    );
-    assert_eq!(
-        system.approval(id).await.unwrap().unwrap().state,
-        ApprovalState::Expired
-    );
-    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
-    let resolved = loop {
-        if let AgentEvent::ApprovalResolved { approval, .. } = events.recv().await.unwrap() {
-            break approval;
-        }
-    };
-    assert_eq!((resolved.id, resolved.state), (id, ApprovalState::Expired));
-    assert!(llm.requests_of("b").is_empty(), "nothing reached b");
+    taken_off_the_list(&system, &mut events, &llm, id).await;
 
     // The next call is asked for afresh, and goes through once approved.
     let client = system.client();
@@ -467,15 +444,39 @@ async fn within_a_second(done: impl Fn() -> bool) -> bool {
     done()
 }
 
-/// Whether no approval is listed, polled every 1 ms for up to 1 s.
-async fn unlisted_within_a_second(system: &AgentSystem) -> bool {
+/// Checks that approval `id`, whose waiter gave up, is taken off the list within 1 s
+/// (polled every 1 ms): stored expired, reported as `ApprovalResolved`, approving it
+/// refused as not pending, and nothing reached `b`.
+async fn taken_off_the_list(
+    system: &AgentSystem,
+    events: &mut tokio::sync::broadcast::Receiver<AgentEvent>,
+    llm: &ScriptedLlm,
+    id: u64,
+) {
+    let mut listed = true;
     for _ in 0..1_000 {
-        if system.pending_approvals().await.unwrap().is_empty() {
-            return true;
+        listed = !system.pending_approvals().await.unwrap().is_empty();
+        if !listed {
+            break;
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    false
+    assert!(
+        !listed,
+        "the approval is off the list within 1 s of its waiter giving up"
+    );
+    assert_eq!(
+        system.approval(id).await.unwrap().unwrap().state,
+        ApprovalState::Expired
+    );
+    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
+    let resolved = loop {
+        if let AgentEvent::ApprovalResolved { approval, .. } = events.recv().await.unwrap() {
+            break approval;
+        }
+    };
+    assert_eq!((resolved.id, resolved.state), (id, ApprovalState::Expired));
+    assert!(llm.requests_of("b").is_empty(), "nothing reached b");
 }
 
 /// Goal: an `ask_as` whose caller stops waiting for its approval (its future dropped,
@@ -493,18 +494,7 @@ async fn an_ask_as_whose_caller_gave_up_takes_its_approval_off_the_list() {
     assert_eq!(listed_approvals(&system, 1).await[0].id, id);
     asked.abort();
     let _ = asked.await;
-    assert!(
-        unlisted_within_a_second(&system).await,
-        "the approval is off the list within 1 s"
-    );
-    let resolved = loop {
-        if let AgentEvent::ApprovalResolved { approval, .. } = events.recv().await.unwrap() {
-            break approval;
-        }
-    };
-    assert_eq!((resolved.id, resolved.state), (id, ApprovalState::Expired));
-    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
-    assert!(llm.requests_of("b").is_empty(), "nothing reached b");
+    taken_off_the_list(&system, &mut events, &llm, id).await;
     system.shutdown().await;
 }
 
@@ -622,22 +612,7 @@ async fn a_call_given_up_while_its_approval_is_written_takes_it_off_the_list_onc
     );
     let id = listed[0].id;
     store.claims.release();
-    assert!(
-        unlisted_within_a_second(&system).await,
-        "the approval is off the list within 1 s"
-    );
-    assert_eq!(
-        system.approval(id).await.unwrap().unwrap().state,
-        ApprovalState::Expired
-    );
-    assert_eq!(system.approve(id).await, Err(OrgError::NotPending { id }));
-    let resolved = loop {
-        if let AgentEvent::ApprovalResolved { approval, .. } = events.recv().await.unwrap() {
-            break approval;
-        }
-    };
-    assert_eq!((resolved.id, resolved.state), (id, ApprovalState::Expired));
-    assert!(llm.requests_of("b").is_empty(), "nothing reached b");
+    taken_off_the_list(&system, &mut events, &llm, id).await;
     system.shutdown().await;
 }
 
