@@ -12,14 +12,20 @@
 //! is asked; `JOBS` asks start at random moments, each given up (its future dropped, as
 //! an HTTP client that leaves) at a random moment; a resolver polls the listed approvals
 //! at random intervals and approves, denies or leaves each (seeded draws; the first two
-//! of a round approved and denied at once), after a random pause. Checked at `CHECK_AT_MS`, before any call's deadline (`call_agent`'s 30 s), so
+//! of a round approved and denied at once), after a random pause. The organisation's
+//! writes are in flight for up to `ORG_WRITE_MS_MAX` each and land whether or not their
+//! caller still waits (`InFlightStore`, as SQLite's thread or a PostgreSQL server
+//! finishes a write), and `EARLY_PERCENT` of the asks are given up just after their
+//! model's step, while their approval may be being written. Checked at `CHECK_AT_MS`, before any call's deadline (`call_agent`'s 30 s), so
 //! that no approval can read expired by its deadline.
 //!
-//! Faults: callers giving up at random moments, model latency (random per round),
-//! decisions racing the callers giving up.
+//! Faults: callers giving up at random moments (some while their approval's write is in
+//! flight), model latency (random per round), slow writes of the organisation that
+//! outlive their callers, decisions racing the callers giving up.
 //! Invariants, per approval:
 //! - NoPendingLeft: none is stored pending, and none is listed (before 2026-12-02 an
-//!   approval whose caller gave up stayed pending and listed until the call's deadline);
+//!   approval whose caller gave up stayed pending and listed until the call's deadline;
+//!   until later that day, one whose caller gave up while it was being written did);
 //! - OnlyApprovedReachB: `b` saw the job only if the approval is stored approved;
 //! - AtMostOnce: `b` saw each job at most once;
 //! - AnsweredAsDecided: a caller that got an answer got `b`'s answer to its job only if
@@ -32,12 +38,13 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use troupe::agent::ORG_STORE_KIND;
 use troupe::agent::{
     AgentSpec, AgentSystem, ApprovalState, BehaviourMode, CallApproval, Membership, OrgError, ScriptRule, ScriptedLlm,
 };
 use troupe::runtime::MemoryStore;
 use troupe_sim::serde_json::json;
-use troupe_sim::SimRng;
+use troupe_sim::{InFlightStore, SimRng};
 
 const ROUNDS: u64 = 10;
 /// Asks per round, each calling `b` with one job.
@@ -49,6 +56,11 @@ const START_MS_MAX: u64 = 1_000;
 const GIVE_UP_MS_MIN: u64 = 1_500;
 /// The latest a caller gives up after it started, in milliseconds.
 const GIVE_UP_MS_MAX: u64 = 4_000;
+/// The longest a write of the organisation is in flight, in milliseconds.
+const ORG_WRITE_MS_MAX: u64 = 40;
+/// The share of asks, in percent, given up just after their model's step: up to
+/// `ORG_WRITE_MS_MAX` later, while their approval may be being written.
+const EARLY_PERCENT: u64 = 25;
 /// The longest the resolver pauses before a decision, in milliseconds.
 const DECIDE_MS_MAX: u64 = 2_000;
 /// When the round is checked, in milliseconds from its start: after every caller has an
@@ -80,7 +92,9 @@ fn script(latency_ms: u64) -> ScriptedLlm {
 
 fn start(llm: &ScriptedLlm) -> AgentSystem {
     AgentSystem::builder()
-        .store(Arc::new(MemoryStore::new()))
+        .store(InFlightStore::new(MemoryStore::new(), ORG_WRITE_MS_MAX, |actor| {
+            actor.kind().as_str() == ORG_STORE_KIND
+        }))
         .llm(Arc::new(llm.clone()))
         .agent(AgentSpec::new("a").call_approval(CallApproval::WaitInTurn))
         .agent(AgentSpec::new("b"))
@@ -95,7 +109,8 @@ async fn a_call_waiting_for_approval_ends_once_whether_decided_or_given_up() {
     let draw = |low, high| rng.lock().unwrap().range(low, high);
     let mut outcomes: BTreeMap<&str, usize> = BTreeMap::new();
     for round in 0..ROUNDS {
-        let llm = script(draw(1, 200));
+        let latency_ms = draw(1, 200);
+        let llm = script(latency_ms);
         let system = start(&llm);
         let supervised = Membership {
             manager: None,
@@ -106,8 +121,15 @@ async fn a_call_waiting_for_approval_ends_once_whether_decided_or_given_up() {
         // The asks: job → its answer (`None`: the caller gave up first).
         let answers: Arc<Mutex<BTreeMap<u64, Option<String>>>> = Arc::default();
         let mut asks = Vec::new();
+        let mut early = Vec::new();
         for job in 0..JOBS {
-            let (starts, gives_up) = (draw(0, START_MS_MAX), draw(GIVE_UP_MS_MIN, GIVE_UP_MS_MAX));
+            let starts = draw(0, START_MS_MAX);
+            let gives_up = if draw(0, 100) < EARLY_PERCENT {
+                early.push(format!("job{job}"));
+                latency_ms + draw(0, ORG_WRITE_MS_MAX + 1)
+            } else {
+                draw(GIVE_UP_MS_MIN, GIVE_UP_MS_MAX)
+            };
             let (client, answers) = (system.client(), Arc::clone(&answers));
             asks.push(tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(starts)).await;
@@ -202,6 +224,19 @@ async fn a_call_waiting_for_approval_ends_once_whether_decided_or_given_up() {
                     !b_seen.iter().any(|message| message.contains(job.as_str())),
                     "round {round}: {job}, never approved, reached b"
                 );
+                if early.contains(&job) {
+                    // Stored expired (taken off the list), or never stored (given up
+                    // before its write, or its write in flight fenced).
+                    let stored: Vec<_> = org.approvals().filter(|approval| approval.message == job).collect();
+                    let outcome = match stored.as_slice() {
+                        [] => "given up early, no approval stored",
+                        [approval] if approval.state == ApprovalState::Expired => {
+                            "given up early, taken off the list unseen"
+                        }
+                        other => panic!("round {round}: {job} given up early: {other:?}"),
+                    };
+                    *outcomes.entry(outcome).or_default() += 1;
+                }
             }
         }
         for (id, job) in &seen {
@@ -256,7 +291,16 @@ async fn a_call_waiting_for_approval_ends_once_whether_decided_or_given_up() {
         system.shutdown().await;
     }
     eprintln!("outcomes {outcomes:?}");
-    for needed in ["approved and answered", "denied", "given up, taken off the list"] {
+    for needed in ["approved and answered", "denied"] {
         assert!(outcomes.contains_key(needed), "{needed} must occur: {outcomes:?}");
     }
+    assert!(
+        [
+            "given up, taken off the list",
+            "given up early, taken off the list unseen"
+        ]
+        .iter()
+        .any(|taken_off| outcomes.contains_key(taken_off)),
+        "an approval taken off the list must occur: {outcomes:?}"
+    );
 }

@@ -837,6 +837,12 @@ impl Organisation {
             .collect()
     }
 
+    /// Every approval kept (pending, and the latest resolved ones, at most
+    /// [`ORG_APPROVALS_RESOLVED_KEPT_MAX`]), by id.
+    pub fn approvals(&self) -> impl Iterator<Item = &Approval> {
+        self.approvals.values()
+    }
+
     /// Every listed approval pending at `now` (stored as pending, its deadline not
     /// passed, [`Approval::listed`]), oldest first: what a person has to resolve.
     pub fn pending_approvals_at(&self, now: Deadline) -> Vec<Approval> {

@@ -67,7 +67,7 @@ pub use probe::{
 };
 pub use replay::{replay_cargo_command, replay_command, Scenario};
 pub use rng::SimRng;
-pub use stores::{StoreMode, SyncingStore};
+pub use stores::{ActorPick, InFlightStore, StoreMode, SyncingStore};
 pub use trace::{Event, Stamped, Trace, TraceClock};
 
 #[cfg(madsim)]

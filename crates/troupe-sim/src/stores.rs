@@ -119,3 +119,88 @@ impl StateStore for SyncingStore {
         self.disk.scan(actor, prefix, after, limit).await
     }
 }
+
+/// Which actors' commits an [`InFlightStore`] delays.
+pub type ActorPick = Box<dyn Fn(&ActorId) -> bool + Send + Sync>;
+
+/// A store whose commits to the actors `pick` chooses take a random time, up to
+/// `latency_ms_max` virtual milliseconds each, and run in a task of their own: such a
+/// commit lands (or is refused as fenced) whether or not its caller still waits for it,
+/// as a write handed to SQLite's thread or sent to a PostgreSQL server does. A caller
+/// that gives up while its write is in flight does not take the write back.
+pub struct InFlightStore {
+    disk: MemoryStore,
+    latency_ms_max: u64,
+    pick: ActorPick,
+    rng: std::sync::Mutex<crate::SimRng>,
+}
+
+impl InFlightStore {
+    /// A store over `disk` whose commits to the actors `pick` chooses are in flight for
+    /// up to `latency_ms_max` virtual milliseconds (drawn from the simulation's seed).
+    pub fn new(
+        disk: MemoryStore,
+        latency_ms_max: u64,
+        pick: impl Fn(&ActorId) -> bool + Send + Sync + 'static,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            disk,
+            latency_ms_max,
+            pick: Box::new(pick),
+            rng: std::sync::Mutex::new(crate::SimRng::new()),
+        })
+    }
+
+    /// The disk underneath.
+    pub fn disk(&self) -> &MemoryStore {
+        &self.disk
+    }
+}
+
+#[async_trait]
+impl StateStore for InFlightStore {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.disk.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.disk.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        if !(self.pick)(actor) {
+            return self.disk.commit(actor, fence, commit).await;
+        }
+        let latency = Duration::from_millis(
+            self.rng
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .range(0, self.latency_ms_max + 1),
+        );
+        let (disk, actor) = (self.disk.clone(), actor.clone());
+        let landing = tokio::spawn(async move {
+            tokio::time::sleep(latency).await;
+            disk.commit(&actor, fence, commit).await
+        });
+        landing.await.unwrap_or_else(|error| {
+            Err(StoreError::Backend {
+                operation: troupe_runtime::StoreOperation::Commit,
+                cause: format!("the write's task ended: {error}"),
+            })
+        })
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.disk.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.disk.scan(actor, prefix, after, limit).await
+    }
+}
