@@ -2,7 +2,14 @@
 //! dispatcher) to the activation's task, with the count of messages ever put into it.
 //!
 //! One lock guards the queue, the count, whether the mailbox is open and the task's
-//! waker: a delivery takes it once, a receipt once. (It replaced a tokio bounded `mpsc`
+//! waker: a delivery takes it once. A receipt takes it once when it finds one message
+//! queued; when it finds several, it takes them all in that one critical section (the
+//! queue is swapped with the receiver's empty batch) and hands out the rest of the batch
+//! without the lock, so a burst's messages cost the receiver one lock, not one each. The
+//! receiver alone publishes how many messages it has taken out (`Mailbox::taken`, one
+//! writer, stored rather than atomically added), and a delivery's bound counts what is
+//! delivered and not yet taken: messages in the receiver's batch count as queued, as
+//! before (see "The mailbox's batch" in docs/architecture.md). (It replaced a tokio bounded `mpsc`
 //! channel behind a route's own lock: a delivery took the route's lock, then the
 //! channel's semaphore and its block list's atomics, and every receipt gave its permit
 //! back under the semaphore's waiter lock; see docs/architecture.md, "The mailbox".)
@@ -14,8 +21,10 @@
 //! callers' fast path ─┐
 //!                     ├─► Mailbox::deliver ─► [lock: open? full? push, delivered += 1,
 //! dispatcher ─────────┘                        take the waker] ─► wake the task
-//! activation's task ─► MailboxReceiver::poll_recv ─► [lock: pop, or None when closed
-//!                                                    and empty, or keep the waker]
+//! activation's task ─► MailboxReceiver::poll_recv ─► from its batch, or
+//!                                                    [lock: pop one, or swap several into
+//!                                                    the batch, or None when closed and
+//!                                                    empty, or keep the waker]
 //! dispatcher ─► Route dropped / close_if_delivered ─► closed: the task drains, then None
 //! ```
 //!
@@ -30,6 +39,7 @@
 //! the queue empties, and down to [`MAILBOX_SLOTS_KEPT_IDLE`] at the idle timer.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
@@ -63,8 +73,14 @@ pub(crate) enum Delivery {
 /// The mailbox's sending side, shared by the route map's entry and typed refs' caches.
 pub(crate) struct Mailbox {
     state: Mutex<MailboxState>,
-    /// The most messages it holds at once.
+    /// The most messages it holds at once: delivered and not yet taken by the receiver
+    /// (its batch included).
     capacity: usize,
+    /// Messages the receiver has taken out, written by it alone (a store of its own
+    /// count, not an atomic add) and read by deliveries under the lock. A delivery that
+    /// reads it just before the receiver takes one more sees the mailbox one fuller than
+    /// it is, as it would have had it taken the lock a moment earlier.
+    taken: AtomicU64,
 }
 
 struct MailboxState {
@@ -108,8 +124,13 @@ impl Mailbox {
                 waker: None,
             }),
             capacity,
+            taken: AtomicU64::new(0),
         });
-        let receiver = MailboxReceiver(Arc::clone(&mailbox));
+        let receiver = MailboxReceiver {
+            mailbox: Arc::clone(&mailbox),
+            batch: VecDeque::new(),
+            taken: 0,
+        };
         (mailbox, receiver)
     }
 
@@ -127,7 +148,9 @@ impl Mailbox {
                 drop(state);
                 return Delivery::Closed(Box::new(envelope));
             }
-            if state.queue.len() >= self.capacity {
+            // Delivered and not yet taken: the queue and what is left of the receiver's
+            // batch (`taken` never exceeds `delivered`, which only grows).
+            if state.delivered - self.taken.load(Ordering::Acquire) >= self.capacity as u64 {
                 drop(state);
                 return Delivery::Full(Box::new(envelope), self.capacity);
             }
@@ -164,6 +187,14 @@ impl Mailbox {
     }
 }
 
+/// Gives back a queue's room beyond [`MAILBOX_SLOTS_KEPT`] (after a burst): out of line,
+/// so that the receipt's path stays small.
+#[cold]
+#[inline(never)]
+fn shrink_after_burst(queue: &mut VecDeque<Envelope>) {
+    queue.shrink_to(MAILBOX_SLOTS_KEPT);
+}
+
 /// Closes the mailbox whose lock is `state`, then wakes its task (after the lock is let
 /// go) so that it sees the end once it has taken what is queued.
 fn close_locked(mut state: MutexGuard<'_, MailboxState>) {
@@ -177,7 +208,13 @@ fn close_locked(mut state: MutexGuard<'_, MailboxState>) {
 
 /// The mailbox's receiving side, owned by the activation's task. Dropping it closes the
 /// mailbox and drops what is still queued (those callers see their reply channel close).
-pub(crate) struct MailboxReceiver(Arc<Mailbox>);
+pub(crate) struct MailboxReceiver {
+    mailbox: Arc<Mailbox>,
+    /// Messages taken out of the queue together and not yet handed out, oldest first.
+    batch: VecDeque<Envelope>,
+    /// Messages handed out (published in `Mailbox::taken`).
+    taken: u64,
+}
 
 impl MailboxReceiver {
     /// The next message; `None` once the mailbox is closed and empty. Spends a unit of
@@ -187,26 +224,57 @@ impl MailboxReceiver {
     pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Envelope>> {
         #[cfg(not(madsim))]
         let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
-        let mut state = self.0.state();
-        if let Some(envelope) = state.queue.pop_front() {
-            #[cfg(not(madsim))]
-            coop.made_progress();
-            return Poll::Ready(Some(envelope));
+        if self.batch.is_empty() {
+            // The batch's room beyond a full mailbox's goes back before it is swapped in
+            // as the queue (see [`MAILBOX_SLOTS_KEPT`]).
+            if self.batch.capacity() > MAILBOX_SLOTS_KEPT {
+                shrink_after_burst(&mut self.batch);
+            }
+            let mut state = self.mailbox.state();
+            if state.queue.len() > 1 {
+                // All of them: the queue's buffer goes with its messages and the batch's
+                // (empty) one stays as the queue, so nothing is moved or allocated.
+                std::mem::swap(&mut state.queue, &mut self.batch);
+            } else {
+                // One message, or none: popped in place, so an actor that gets one
+                // message at a time keeps one buffer of one slot.
+                let next = state.queue.pop_front();
+                if next.is_some() {
+                    drop(state);
+                    self.count_taken();
+                    #[cfg(not(madsim))]
+                    coop.made_progress();
+                    return Poll::Ready(next);
+                }
+                if !state.open {
+                    #[cfg(not(madsim))]
+                    coop.made_progress();
+                    return Poll::Ready(None);
+                }
+                if state.queue.capacity() > MAILBOX_SLOTS_KEPT {
+                    shrink_after_burst(&mut state.queue);
+                }
+                // The waker is cloned only when it changed: a clone and its drop are an
+                // atomic operation each on the task's reference count.
+                if !state.waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
+                    state.waker = Some(cx.waker().clone());
+                }
+                return Poll::Pending;
+            }
         }
-        if !state.open {
-            #[cfg(not(madsim))]
-            coop.made_progress();
-            return Poll::Ready(None);
-        }
-        if state.queue.capacity() > MAILBOX_SLOTS_KEPT {
-            state.queue.shrink_to(MAILBOX_SLOTS_KEPT);
-        }
-        // The waker is cloned only when it changed: a clone and its drop are an atomic
-        // operation each on the task's reference count.
-        if !state.waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
-            state.waker = Some(cx.waker().clone());
-        }
-        Poll::Pending
+        let next = self.batch.pop_front();
+        self.count_taken();
+        #[cfg(not(madsim))]
+        coop.made_progress();
+        Poll::Ready(next)
+    }
+
+    /// Counts one message handed out, and publishes the count for the deliveries'
+    /// bound. Release: a delivery that sees this count sees the slot free.
+    #[inline(always)]
+    fn count_taken(&mut self) {
+        self.taken += 1;
+        self.mailbox.taken.store(self.taken, Ordering::Release);
     }
 
     /// The next message; `None` once the mailbox is closed and empty.
@@ -217,8 +285,13 @@ impl MailboxReceiver {
     /// Gives back the queue's room beyond [`MAILBOX_SLOTS_KEPT_IDLE`] if it is empty:
     /// the activation calls it at its idle timer, so an actor that had a burst, then
     /// went quiet, holds one envelope's room, not the burst's.
-    pub(crate) fn trim_idle(&self) {
-        let mut state = self.0.state();
+    pub(crate) fn trim_idle(&mut self) {
+        // The batch is empty between messages (the loop waited for one); the queue keeps
+        // the idle room.
+        if self.batch.is_empty() && self.batch.capacity() > 0 {
+            self.batch = VecDeque::new();
+        }
+        let mut state = self.mailbox.state();
         if state.queue.is_empty() && state.queue.capacity() > MAILBOX_SLOTS_KEPT_IDLE {
             state.queue.shrink_to(MAILBOX_SLOTS_KEPT_IDLE);
         }
@@ -226,20 +299,21 @@ impl MailboxReceiver {
 
     /// Closes the mailbox (the task failed to start): what is queued stays to be taken.
     pub(crate) fn close(&self) {
-        self.0.close();
+        self.mailbox.close();
     }
 }
 
 impl Drop for MailboxReceiver {
     fn drop(&mut self) {
         let queued = {
-            let mut state = self.0.state();
+            let mut state = self.mailbox.state();
             state.open = false;
             state.waker = None;
             std::mem::take(&mut state.queue)
         };
-        // Dropped outside the lock: an envelope's drop closes its reply channel, which
-        // wakes its caller.
+        // Dropped outside the lock, the batch's first (they came first): an envelope's
+        // drop closes its reply channel, which wakes its caller.
+        drop(std::mem::take(&mut self.batch));
         drop(queued);
     }
 }
@@ -294,6 +368,34 @@ mod tests {
         assert!(receiver.recv().await.is_none());
     }
 
+    /// Goal: messages the receiver took out together and has not handed out yet still
+    /// count against the bound: a mailbox never holds more than its capacity, batch
+    /// included, and each message handed out frees one place.
+    #[tokio::test]
+    async fn a_receiver_s_batch_counts_against_the_bound() {
+        let (mailbox, mut receiver) = Mailbox::open(4, std::iter::empty());
+        for call in 0..4 {
+            assert!(delivered(mailbox.deliver(envelope(call))));
+        }
+        assert!(matches!(mailbox.deliver(envelope(4)), Delivery::Full(_, 4)));
+        // The four are taken as one batch; the first is handed out.
+        assert_eq!(receiver.recv().await.unwrap().call, 0);
+        assert_eq!(receiver.batch.len(), 3);
+        assert!(mailbox.state().queue.is_empty());
+        assert!(delivered(mailbox.deliver(envelope(5))));
+        assert!(
+            matches!(mailbox.deliver(envelope(6)), Delivery::Full(_, 4)),
+            "three in the batch and one queued fill a mailbox of four"
+        );
+        assert_eq!(receiver.recv().await.unwrap().call, 1);
+        assert!(delivered(mailbox.deliver(envelope(7))));
+        for call in [2, 3, 5, 7] {
+            assert_eq!(receiver.recv().await.unwrap().call, call);
+        }
+        assert!(mailbox.close_if_delivered(6));
+        assert!(receiver.recv().await.is_none());
+    }
+
     /// Goal: a closed mailbox still hands over what it holds, then ends; a dropped
     /// receiver closes it and drops what was queued (their callers see the reply channel
     /// close).
@@ -332,11 +434,14 @@ mod tests {
         }
         let waiting = tokio::time::timeout(Duration::from_millis(1), receiver.recv()).await;
         assert!(waiting.is_err(), "empty and open: the receiver waits");
+        // The burst was taken as one batch, whose room went back once it had emptied.
         assert!(mailbox.state().queue.capacity() <= MAILBOX_SLOTS_KEPT);
+        assert!(receiver.batch.capacity() <= MAILBOX_SLOTS_KEPT);
         // At the idle timer, down to one envelope's room; a queue that holds messages
         // keeps its room.
         receiver.trim_idle();
         assert!(mailbox.state().queue.capacity() <= MAILBOX_SLOTS_KEPT_IDLE);
+        assert_eq!(receiver.batch.capacity(), 0);
         for call in 0..3 {
             assert!(delivered(mailbox.deliver(envelope(call))));
         }
@@ -366,9 +471,14 @@ mod tests {
         }
     }
 
+    fn mailbox_of(receiver: &MailboxReceiver) -> &Mailbox {
+        &receiver.mailbox
+    }
+
     /// Goal: on worker threads, messages from several senders all arrive, each sender's
     /// in its order, none twice, and a receiver that waits is always woken (a lost
-    /// wake-up hangs the test until its timeout). Method: 4 senders x 5,000 messages into
+    /// wake-up hangs the test until its timeout), and the receiver's batch and the queue
+    /// together never exceed the bound. Method: 4 senders x 5,000 messages into
     /// a mailbox of 8 (so senders keep meeting a full one and retry), on 2 workers; then
     /// the count matches and the close-if-delivered handshake succeeds exactly then.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,6 +513,10 @@ mod tests {
             let mut next = [0_u64; SENDERS as usize];
             for _ in 0..SENDERS * EACH {
                 let call = receiver.recv().await.expect("open").call;
+                // The receiver's batch counts against the bound: never more than 8
+                // delivered and not yet handed out, whatever the senders do meanwhile.
+                let held = receiver.batch.len() + mailbox_of(&receiver).state().queue.len();
+                assert!(held <= 8, "{held} messages held by a mailbox of 8");
                 let (sender, seq) = ((call / EACH) as usize, call % EACH);
                 assert_eq!(seq, next[sender], "sender {sender}'s messages out of order");
                 next[sender] += 1;
