@@ -37,6 +37,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::watch;
+use tracing::Instrument as _;
 use troupe_agent::{TaskState, TroupeCallMetadata};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{StoreError, TraceId};
@@ -438,6 +439,10 @@ fn lost_hold(a2a: &A2a, agent: &str, error: &StoreError) {
 
 /// `POST /a2a/{agent}`: one JSON-RPC request.
 async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
+    // Exported, the request's spans go in the trace its message names, if it names one:
+    // decided before anything of the request opens a span of its own.
+    #[cfg(feature = "otel")]
+    crate::otel::start_in_requested_trace(&headers, &body);
     if let Err(error) = known(&a2a.app, &agent).await {
         return error.into_response();
     }
@@ -826,9 +831,19 @@ impl Ask {
 /// Takes task `id`'s place in its agent's lane now (see [`Lane::queue`]), then runs it
 /// in the background: the one way a task is started, so tasks run in the order they
 /// were created or read back.
+///
+/// The task runs in a span of its own, `a2a_task`: a root, not a child of the request's
+/// `http_request` (whose span would then stay open until the task ends). Exported, it
+/// is started in the trace the task names (`Ask::trace`), so the task's calls and turns
+/// are in that trace, beside the request's span.
 fn spawn_run(a2a: &Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>) {
     let turn = lane.queue();
-    tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane, turn));
+    let span = tracing::info_span!(parent: None, "a2a_task", task = %id, agent = %agent);
+    #[cfg(feature = "otel")]
+    if let Some(trace) = ask.trace {
+        crate::otel::start_in_trace(&span, trace);
+    }
+    tokio::spawn(run(Arc::clone(a2a), id, agent, ask, lane, turn).instrument(span));
 }
 
 /// Runs task `id` in its agent's lane: waits its `turn` (taken by [`spawn_run`]), then

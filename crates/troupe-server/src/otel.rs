@@ -13,11 +13,13 @@
 //! call's `invoke` and `turn` (its `chain` field is the call chain, outermost agent
 //! first), `model_call` and `tool_call`. Their fields become attributes.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{Protocol, WithExportConfig as _};
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
 use tracing::Subscriber;
 use tracing_subscriber::registry::LookupSpan;
@@ -125,11 +127,123 @@ where
     .build();
     let provider = SdkTracerProvider::builder()
         .with_span_processor(processor)
+        .with_id_generator(RequestedTraceIds::default())
         .with_resource(Resource::builder().with_service_name(service_name.to_string()).build())
         .build();
     let tracer = provider.tracer("troupe");
-    let layer = tracing_opentelemetry::layer().with_tracer(tracer);
+    // Without context activation, a span's OpenTelemetry span is started when it is
+    // first needed (a child span, its context asked for, its close), not when it is
+    // first entered: a request's `http_request` span, entered by the middleware before
+    // the A2A handler has read the message, can still be given its message's trace id
+    // ([`start_in_requested_trace`]). Troupe's spans name their parents (explicitly, or
+    // as tracing's current span), so the export's parents are the same either way.
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_context_activation(false);
+    EXPORTING.store(true, Ordering::Relaxed);
     Ok((layer, OtelGuard { provider }))
+}
+
+/// Whether an export layer was made in this process ([`layer`]): until then the A2A
+/// handler does not look for a message's trace id to give the export.
+static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// The trace id the export gives the next trace it starts on this thread, set by
+    /// [`start_in_requested_trace`] around the start of one span.
+    static REQUESTED_TRACE_ID: Cell<Option<u128>> = const { Cell::new(None) };
+}
+
+/// The export's ids: the SDK's random ones, but for a trace id requested on this thread
+/// ([`REQUESTED_TRACE_ID`]), which the next trace started here gets.
+#[derive(Debug, Default)]
+struct RequestedTraceIds(RandomIdGenerator);
+
+impl IdGenerator for RequestedTraceIds {
+    fn new_trace_id(&self) -> opentelemetry::trace::TraceId {
+        match REQUESTED_TRACE_ID.take() {
+            Some(requested) => opentelemetry::trace::TraceId::from(requested),
+            None => self.0.new_trace_id(),
+        }
+    }
+
+    fn new_span_id(&self) -> opentelemetry::trace::SpanId {
+        self.0.new_span_id()
+    }
+}
+
+/// Makes an A2A message's own trace id (`params.message.metadata.troupe.trace_id` of
+/// the JSON-RPC `body`, when it is one: rule 1 of docs/serve.md, "Trace ids") the
+/// export's trace id of the current span, the request's `http_request`: the request's
+/// spans are then exported in the trace the A2A task names. A `traceparent` of the same
+/// trace stays the span's parent; one of another trace is not (the message's id comes
+/// first, as for Troupe's own trace id). Does nothing without an export layer, for a
+/// body that carries no such id, or once the span has started (it has a child span).
+/// Called by the A2A handler before anything else of the request.
+pub(crate) fn start_in_requested_trace(headers: &axum::http::HeaderMap, body: &[u8]) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    if !EXPORTING.load(Ordering::Relaxed) {
+        return;
+    }
+    let Some(requested) = message_trace_id(body) else {
+        return;
+    };
+    let span = tracing::Span::current();
+    let callers = headers
+        .get("traceparent")
+        .and_then(|value| value.to_str().ok())
+        .and_then(troupe_core::TraceId::from_traceparent);
+    if callers != Some(requested) {
+        // A parent of another trace would give the span that trace's id.
+        let _ = span.set_parent(opentelemetry::Context::new());
+    }
+    start_in_trace(&span, requested);
+}
+
+/// Starts `span`, a root span or one whose parent is of trace `trace`, in the export's
+/// trace `trace`: the id generator is asked for it while the span starts, on this
+/// thread (a span with a parent takes its parent's trace id and leaves the request
+/// unused). Does nothing without an export layer, or once the span has started.
+pub(crate) fn start_in_trace(span: &tracing::Span, trace: troupe_core::TraceId) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    if !EXPORTING.load(Ordering::Relaxed) {
+        return;
+    }
+    REQUESTED_TRACE_ID.set(Some(trace.get()));
+    drop(span.context());
+    REQUESTED_TRACE_ID.set(None);
+}
+
+/// `params.message.metadata.troupe.trace_id` of an A2A JSON-RPC body, when it is a
+/// trace id ([`troupe_core::TraceId::parse_hex`]; an older caller's free-form id is
+/// not). Read on its own: the handler reads the body again, and answers whatever is
+/// wrong with it.
+fn message_trace_id(body: &[u8]) -> Option<troupe_core::TraceId> {
+    #[derive(serde::Deserialize)]
+    struct Request {
+        params: Option<Params>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Params {
+        message: Option<Message>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Message {
+        metadata: Option<Metadata>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Metadata {
+        troupe: Option<Troupe>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Troupe {
+        trace_id: Option<String>,
+    }
+    let request: Request = serde_json::from_slice(body).ok()?;
+    let trace_id = request.params?.message?.metadata?.troupe?.trace_id?;
+    troupe_core::TraceId::parse_hex(&trace_id)
 }
 
 /// Makes the W3C Trace Context of `headers` (a `traceparent`, and its `tracestate`) the

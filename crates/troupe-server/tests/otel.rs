@@ -123,6 +123,8 @@ fn trace_id_of(response: &reqwest::Response) -> Option<String> {
 const CALLERS_TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 const CALLERS_TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLERS_SPAN_ID: &str = "00f067aa0ba902b7";
+/// The trace id an A2A message names in its `metadata.troupe` (another than the caller's).
+const MESSAGE_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
 
 /// Goal: the spans of one request reach an OTLP/HTTP collector as protobuf: the
 /// request's `http_request` is the root of one trace holding the `invoke`, `turn`,
@@ -130,7 +132,9 @@ const CALLERS_SPAN_ID: &str = "00f067aa0ba902b7";
 /// trace), and the callee's `turn` carries the call chain (the caller), the caller's an empty one.
 /// A request with a W3C `traceparent` joins the caller's trace instead: its
 /// `http_request` span has the caller's trace id and span as parent, the trace id the
-/// response names in `x-troupe-trace-id`.
+/// response names in `x-troupe-trace-id`. An A2A message that names its own trace id is
+/// exported in that trace (the one its task names), even with a `traceparent` of
+/// another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn otel_exports_one_trace_per_request_with_the_call_chain() {
     let (endpoint, received) = collector().await;
@@ -167,6 +171,27 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         .unwrap();
     assert_eq!(answered.status(), 200);
     assert_eq!(trace_id_of(&answered).as_deref(), Some(CALLERS_TRACE_ID));
+    // An A2A message that names its own trace id (a Troupe caller's call from another
+    // server), with a `traceparent` of another trace: its task names the message's id,
+    // and so does the export.
+    let answered = server
+        .request(reqwest::Method::POST, "/a2a/echo")
+        .header("traceparent", CALLERS_TRACEPARENT)
+        .json(
+            &json!({"jsonrpc": "2.0", "id": "r1", "method": "SendMessage", "params": {"message": {
+                "messageId": "m1", "role": "ROLE_USER", "parts": [{"text": "from far"}],
+                "metadata": {"troupe": {"chain": ["far"], "depth": 1, "trace_id": MESSAGE_TRACE_ID}},
+            }}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answered.status(), 200);
+    let answer: serde_json::Value = answered.json().await.unwrap();
+    assert_eq!(
+        answer["result"]["task"]["metadata"]["troupe"]["trace_id"], MESSAGE_TRACE_ID,
+        "{answer}"
+    );
     server.stop().await;
     guard.shutdown().await.expect("the spans are flushed to the collector");
 
@@ -184,9 +209,32 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         })
         .collect();
     assert_eq!(requests.len(), 2, "two request spans: {:#?}", received.spans);
+    let hex = |bytes: &[u8]| bytes.iter().map(|byte| format!("{byte:02x}")).collect::<String>();
+    // The A2A request's spans are in the trace its message named, with the request's span
+    // its root (the `traceparent` of another trace is not its parent); echo's turn in it.
+    let a2a: Vec<&Span> = received
+        .spans
+        .iter()
+        .filter(|span| span.name == "http_request" && attribute(span, "route").as_deref() == Some("/a2a/{agent}"))
+        .collect();
+    assert_eq!(a2a.len(), 1, "one A2A request span: {:#?}", received.spans);
+    assert_eq!(hex(&a2a[0].trace_id), MESSAGE_TRACE_ID, "{:#?}", a2a[0]);
+    assert!(a2a[0].parent_span_id.is_empty(), "the A2A request span is a root");
+    assert!(
+        received.spans.iter().any(|span| span.name == "turn"
+            && hex(&span.trace_id) == MESSAGE_TRACE_ID
+            && attribute(span, "actor").as_deref() == Some("agent/echo")),
+        "echo's turn on the A2A message is in the message's trace"
+    );
+    let task: Vec<&Span> = received.spans.iter().filter(|span| span.name == "a2a_task").collect();
+    assert_eq!(task.len(), 1, "one A2A task span: {task:#?}");
+    assert_eq!(hex(&task[0].trace_id), MESSAGE_TRACE_ID);
+    assert!(
+        task[0].parent_span_id.is_empty(),
+        "the A2A task's span is a root of its own"
+    );
     // The traced request joined its caller's trace: the caller's trace id (the one the
     // response named too) and the caller's span as its parent; its turn is in it.
-    let hex = |bytes: &[u8]| bytes.iter().map(|byte| format!("{byte:02x}")).collect::<String>();
     let (joined, root): (Vec<&Span>, Vec<&Span>) = requests
         .iter()
         .partition(|span| hex(&span.trace_id) == CALLERS_TRACE_ID);
