@@ -131,9 +131,10 @@ pub use permissions::{
     PERMISSION_TARGET_ANY,
 };
 pub use remote::{
-    RemoteAgent, RemoteAgentError, RemoteCallError, RemoteToken, TroupeCallMetadata, REMOTE_AGENTS_MAX,
-    REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES, REMOTE_RESPONSE_SIZE_MAX_BYTES,
-    REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES, TROUPE_METADATA_KEY,
+    set_traceparent_source, RemoteAgent, RemoteAgentError, RemoteCallError, RemoteToken, TroupeCallMetadata,
+    REMOTE_AGENTS_MAX, REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES,
+    REMOTE_RESPONSE_SIZE_MAX_BYTES, REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES,
+    TROUPE_METADATA_KEY,
 };
 pub use resume_sweep::{ResumeSweep, ResumeSweepError};
 pub use schema::{

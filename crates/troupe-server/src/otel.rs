@@ -141,7 +141,22 @@ where
         .with_tracer(tracer)
         .with_context_activation(false);
     EXPORTING.store(true, Ordering::Relaxed);
+    // Calls to remote agents carry the calling span's context, so that a Troupe server
+    // called exports its spans under that span, in the caller's trace.
+    troupe_agent::set_traceparent_source(current_traceparent);
     Ok((layer, OtelGuard { provider }))
+}
+
+/// The W3C `traceparent` of the current span as the export knows it (it is started
+/// if it was not yet), or `None` when the span is not exported.
+fn current_traceparent() -> Option<String> {
+    use opentelemetry::propagation::TextMapPropagator as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let mut headers = std::collections::HashMap::new();
+    opentelemetry_sdk::propagation::TraceContextPropagator::new()
+        .inject_context(&tracing::Span::current().context(), &mut headers);
+    headers.remove("traceparent")
 }
 
 /// Whether an export layer was made in this process ([`layer`]): until then the A2A
