@@ -8,22 +8,16 @@
 #![cfg(all(feature = "otel", not(madsim)))]
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
 
-use axum::body::Bytes;
-use axum::routing::post;
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
-use prost::Message as _;
 use serde_json::json;
-use tracing_subscriber::layer::SubscriberExt as _;
-use tracing_subscriber::Layer as _;
 use troupe_agent::{ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
 use troupe_server::ServerConfig;
 
+mod otlp;
 mod support;
+use otlp::{attribute, collector, hex, text, trace_id_of};
 use support::Harness;
 
 fn script() -> ScriptedLlm {
@@ -40,66 +34,6 @@ fn script() -> ScriptedLlm {
         )
 }
 
-/// The collector: every span of every export request it received, and the paths asked.
-#[derive(Default)]
-struct Received {
-    spans: Vec<Span>,
-    service_names: BTreeSet<String>,
-    content_types: BTreeSet<String>,
-}
-
-async fn collector() -> (String, Arc<Mutex<Received>>) {
-    let received = Arc::new(Mutex::new(Received::default()));
-    let sink = Arc::clone(&received);
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        post(move |headers: axum::http::HeaderMap, body: Bytes| {
-            let sink = Arc::clone(&sink);
-            async move {
-                let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf export request");
-                let mut received = sink.lock().unwrap();
-                if let Some(kind) = headers.get("content-type").and_then(|value| value.to_str().ok()) {
-                    received.content_types.insert(kind.to_string());
-                }
-                for resource in request.resource_spans {
-                    for attribute in resource.resource.iter().flat_map(|r| r.attributes.iter()) {
-                        if attribute.key == "service.name" {
-                            received
-                                .service_names
-                                .insert(text(attribute.value.as_ref().and_then(|v| v.value.as_ref())));
-                        }
-                    }
-                    for scope in resource.scope_spans {
-                        received.spans.extend(scope.spans);
-                    }
-                }
-                // An empty ExportTraceServiceResponse.
-                ([("content-type", "application/x-protobuf")], Vec::<u8>::new())
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (format!("http://{addr}"), received)
-}
-
-fn text(value: Option<&AnyValue>) -> String {
-    match value {
-        Some(AnyValue::StringValue(text)) => text.clone(),
-        Some(AnyValue::IntValue(number)) => number.to_string(),
-        Some(other) => format!("{other:?}"),
-        None => String::new(),
-    }
-}
-
-fn attribute(span: &Span, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|attribute| attribute.key == key)
-        .map(|attribute| text(attribute.value.as_ref().and_then(|v| v.value.as_ref())))
-}
-
 /// The actor an `invoke` span calls: its `target` field (the exporter also writes the
 /// span's tracing target under the same key).
 fn invoke_target(span: &Span) -> Option<String> {
@@ -108,15 +42,6 @@ fn invoke_target(span: &Span) -> Option<String> {
         .filter(|attribute| attribute.key == "target")
         .map(|attribute| text(attribute.value.as_ref().and_then(|v| v.value.as_ref())))
         .find(|value| !value.starts_with("troupe_"))
-}
-
-/// The trace id a response names (`x-troupe-trace-id`).
-fn trace_id_of(response: &reqwest::Response) -> Option<String> {
-    response
-        .headers()
-        .get("x-troupe-trace-id")
-        .and_then(|value| value.to_str().ok())
-        .map(str::to_string)
 }
 
 /// A W3C `traceparent` a traced caller sends: its trace and its span.
@@ -138,13 +63,7 @@ const MESSAGE_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn otel_exports_one_trace_per_request_with_the_call_chain() {
     let (endpoint, received) = collector().await;
-    let (layer, guard) = troupe_server::otel::layer(&endpoint, "troupe-otel-test").expect("the exporter starts");
-    let filter = tracing_subscriber::filter::Targets::new()
-        .with_target("troupe_server", tracing::Level::INFO)
-        .with_target("troupe_runtime", tracing::Level::INFO)
-        .with_target("troupe_agent", tracing::Level::INFO);
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer.with_filter(filter)))
-        .expect("the only subscriber of this test process");
+    let guard = otlp::install(&endpoint, "troupe-otel-test");
 
     let builder = support::agents(script(), &["caller", "echo"], KindConfig::default());
     let server = Harness::start(builder, ServerConfig::default()).await;
@@ -209,7 +128,6 @@ async fn otel_exports_one_trace_per_request_with_the_call_chain() {
         })
         .collect();
     assert_eq!(requests.len(), 2, "two request spans: {:#?}", received.spans);
-    let hex = |bytes: &[u8]| bytes.iter().map(|byte| format!("{byte:02x}")).collect::<String>();
     // The A2A request's spans are in the trace its message named, with the request's span
     // its root (the `traceparent` of another trace is not its parent); echo's turn in it.
     let a2a: Vec<&Span> = received

@@ -10,63 +10,17 @@
 #![cfg(all(feature = "otel", not(madsim)))]
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 
-use axum::body::Bytes;
-use axum::routing::post;
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
-use prost::Message as _;
 use serde_json::json;
-use tracing_subscriber::layer::SubscriberExt as _;
-use tracing_subscriber::Layer as _;
 use troupe_agent::{RemoteAgent, ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
 use troupe_server::ServerConfig;
 
+mod otlp;
 mod support;
+use otlp::{attribute, collector, hex, trace_id_of};
 use support::Harness;
-
-/// Every span the collector received.
-async fn collector() -> (String, Arc<Mutex<Vec<Span>>>) {
-    let received = Arc::new(Mutex::new(Vec::new()));
-    let sink = Arc::clone(&received);
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        post(move |body: Bytes| {
-            let sink = Arc::clone(&sink);
-            async move {
-                let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf export request");
-                let mut spans = sink.lock().unwrap();
-                for resource in request.resource_spans {
-                    for scope in resource.scope_spans {
-                        spans.extend(scope.spans);
-                    }
-                }
-                ""
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (endpoint, received)
-}
-
-fn attribute(span: &Span, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|attribute| attribute.key == key)
-        .and_then(|attribute| match attribute.value.as_ref()?.value.as_ref()? {
-            AnyValue::StringValue(text) => Some(text.clone()),
-            other => Some(format!("{other:?}")),
-        })
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
-}
 
 /// Goal: a call to a remote Troupe agent is exported as one trace across the two
 /// servers: B's `http_request` span for the A2A message has A's trace id and, as its
@@ -77,13 +31,7 @@ fn hex(bytes: &[u8]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn otel_a_remote_agent_call_is_one_trace_across_two_servers() {
     let (endpoint, received) = collector().await;
-    let (layer, guard) = troupe_server::otel::layer(&endpoint, "troupe-otel-remote-test").expect("the exporter starts");
-    let filter = tracing_subscriber::filter::Targets::new()
-        .with_target("troupe_server", tracing::Level::INFO)
-        .with_target("troupe_runtime", tracing::Level::INFO)
-        .with_target("troupe_agent", tracing::Level::INFO);
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer.with_filter(filter)))
-        .expect("the only subscriber of this test process");
+    let guard = otlp::install(&endpoint, "troupe-otel-remote-test");
 
     let b_script = ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}"));
     let b = Harness::start(
@@ -113,19 +61,15 @@ async fn otel_a_remote_agent_call_is_one_trace_across_two_servers() {
         .await
         .unwrap();
     assert_eq!(answered.status(), 200);
-    let trace = answered
-        .headers()
-        .get("x-troupe-trace-id")
-        .and_then(|value| value.to_str().ok())
-        .map(str::to_string)
-        .expect("the response names its trace id");
+    let trace = trace_id_of(&answered).expect("the response names its trace id");
     let reply: serde_json::Value = answered.json().await.unwrap();
     assert_eq!(reply["text"], "caller heard: echo: hi", "{reply}");
     a.stop().await;
     b.stop().await;
     guard.shutdown().await.expect("the spans are flushed to the collector");
 
-    let spans = received.lock().unwrap();
+    let received = received.lock().unwrap();
+    let spans = &received.spans;
     let in_trace: Vec<&Span> = spans.iter().filter(|span| hex(&span.trace_id) == trace).collect();
     let by_id: HashMap<&[u8], &Span> = in_trace.iter().map(|span| (span.span_id.as_slice(), *span)).collect();
     let requests: Vec<&Span> = in_trace
