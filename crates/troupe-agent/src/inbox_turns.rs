@@ -33,6 +33,17 @@ const WAKE_TIMEOUT: Duration = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
 /// at the deadline still commits the failure (the runtime would roll it back).
 pub(crate) const PROCESS_GRACE_MS: u64 = 1_000;
 
+/// The context a task's result is sent under: a root one (the delegator processes it
+/// under the context it had when it delegated, see `enqueue`) with the task's trace id,
+/// so that its delivery is exported in the task's trace.
+fn result_context(task: &CallContext, deadline: troupe_core::Deadline) -> CallContext {
+    let context = CallContext::root(deadline);
+    match task.trace_id() {
+        Some(trace) => context.with_trace_id(trace),
+        None => context,
+    }
+}
+
 /// Whether a resume's wake-up was told: `false` when the agent's own mailbox is full
 /// (`Busy`: the resume goes on later), any other refusal an error.
 fn told(result: Result<(), InvokeError>) -> Result<bool, ActorError> {
@@ -450,7 +461,7 @@ impl AgentActor {
             state: TaskState::Canceled,
             text: "canceled before it started".to_string(),
         };
-        sends.push_raw(to, body, CallContext::root(entry.context.deadline()));
+        sends.push_raw(to, body, result_context(&entry.context, entry.context.deadline()));
         self.flush_sends(turn, sends).await
     }
 
@@ -707,7 +718,7 @@ impl AgentActor {
                     let mut sends = self.pending_sends();
                     let text = troupe_core::truncate_utf8(&result, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string();
                     let body = InboxBody::TaskUpdate { task_id, state, text };
-                    sends.push_raw(to, body, CallContext::root(deadline));
+                    sends.push_raw(to, body, result_context(&entry.context, deadline));
                     if let Some((_, out)) = sends.entries.last_mut() {
                         out.entry.budget = left;
                     }
@@ -759,7 +770,11 @@ impl AgentActor {
         self.relaying.insert(seq);
         let shared = std::sync::Arc::clone(&self.shared);
         let sender = self.id.clone();
-        tokio::spawn(deliver(runtime, shared, sender, seq, out));
+        let span = delivery_span(&sender, &out);
+        tokio::spawn(tracing::Instrument::instrument(
+            deliver(runtime, shared, sender, seq, out),
+            span,
+        ));
         Ok(())
     }
 
@@ -812,7 +827,7 @@ impl AgentActor {
                 state,
                 text: cause,
             },
-            context: CallContext::root(out.entry.context.deadline()),
+            context: result_context(&out.entry.context, out.entry.context.deadline()),
             budget: out.entry.budget,
             pair: None,
         };
@@ -1248,6 +1263,28 @@ pub(crate) fn notify_tool() -> Tool {
 /// The JSON schema of the `delegate_to_agent` and `notify_agent` arguments.
 pub fn send_schema() -> serde_json::Value {
     tool_parameters_schema::<SendArguments>()
+}
+
+/// The span of an entry's delivery task: a root span (a child would hold this turn's
+/// span open until the delivery ends, which may be the entry's deadline), started in
+/// the entry's exported trace when it has one (so the turns the delivery leads to, at
+/// the target and back at the sender, are exported in the trace of the request that
+/// sent the entry), and following from the relaying turn's span.
+fn delivery_span(sender: &ActorId, out: &OutboxEntry) -> tracing::Span {
+    let trace = out.entry.context.trace_id();
+    let span = tracing::info_span!(
+        parent: None,
+        "deliver",
+        agent = %sender,
+        to = %out.to,
+        msg = %out.entry.msg_id,
+        trace_id = trace.map(tracing::field::display),
+    );
+    span.follows_from(tracing::Span::current());
+    if let Some(trace) = trace {
+        crate::export_hooks::start_in_trace(&span, trace);
+    }
+    span
 }
 
 /// Delivers one outbox entry from outside any turn: retries until acknowledged, until

@@ -56,6 +56,7 @@ mod config;
 mod conversation;
 mod conversation_api;
 mod directory_store;
+mod export_hooks;
 mod external;
 mod inbox;
 mod inbox_turns;
@@ -98,6 +99,7 @@ pub use conversation::{
     CONVERSATION_PARTICIPANTS_MAX, CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
 };
 pub use directory_store::{DirectoryError, DIRECTORY_REFRESH_MS, DIRECTORY_STORE_KEY, DIRECTORY_STORE_KIND};
+pub use export_hooks::{set_trace_starter, set_traceparent_source};
 pub use external::{ExternalCancel, ExternalForget, ExternalReply, ExternalTask, ExternalTaskRequest};
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};
@@ -131,10 +133,9 @@ pub use permissions::{
     PERMISSION_TARGET_ANY,
 };
 pub use remote::{
-    set_traceparent_source, RemoteAgent, RemoteAgentError, RemoteCallError, RemoteToken, TroupeCallMetadata,
-    REMOTE_AGENTS_MAX, REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES,
-    REMOTE_RESPONSE_SIZE_MAX_BYTES, REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES,
-    TROUPE_METADATA_KEY,
+    RemoteAgent, RemoteAgentError, RemoteCallError, RemoteToken, TroupeCallMetadata, REMOTE_AGENTS_MAX,
+    REMOTE_AGENT_URL_LENGTH_MAX_BYTES, REMOTE_ERROR_BODY_QUOTED_MAX_BYTES, REMOTE_RESPONSE_SIZE_MAX_BYTES,
+    REMOTE_TASK_POLL_INTERVAL_MS, REMOTE_TRACE_ID_LENGTH_MAX_BYTES, TROUPE_METADATA_KEY,
 };
 pub use resume_sweep::{ResumeSweep, ResumeSweepError};
 pub use schema::{

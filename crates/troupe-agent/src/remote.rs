@@ -542,20 +542,6 @@ impl RemoteCall<'_> {
     }
 }
 
-/// Where a remote call's W3C `traceparent` header comes from: installed once per
-/// process by an exporter of the spans (troupe-server's `otel` feature), so that the
-/// callee's spans join the caller's exported trace under the span that made the call.
-/// Without one, no `traceparent` is sent (the callee still continues Troupe's trace id,
-/// `metadata.troupe.trace_id`).
-static TRACEPARENT_SOURCE: std::sync::OnceLock<fn() -> Option<String>> = std::sync::OnceLock::new();
-
-/// Installs the source of remote calls' `traceparent` header: a function that gives the
-/// header for the current span, or `None` (see docs/serve.md, "Trace ids"). The first
-/// installation in a process stays; later ones are ignored.
-pub fn set_traceparent_source(source: fn() -> Option<String>) {
-    let _ = TRACEPARENT_SOURCE.set(source);
-}
-
 /// Sends the call and waits for the answer, at most the call's timeout.
 pub(crate) async fn call_remote(
     directory: &RemoteDirectory,
@@ -783,7 +769,7 @@ mod http {
         if let Some(token) = token {
             request = request.bearer_auth(token);
         }
-        if let Some(traceparent) = TRACEPARENT_SOURCE.get().and_then(|source| source()) {
+        if let Some(traceparent) = crate::export_hooks::current_traceparent() {
             request = request.header("traceparent", traceparent);
         }
         let response = request.send().await.map_err(|error| {

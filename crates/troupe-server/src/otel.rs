@@ -144,6 +144,9 @@ where
     // Calls to remote agents carry the calling span's context, so that a Troupe server
     // called exports its spans under that span, in the caller's trace.
     troupe_agent::set_traceparent_source(current_traceparent);
+    // Work that starts outside any turn in a Troupe trace (an inbox entry's delivery) is
+    // exported in that trace.
+    troupe_agent::set_trace_starter(start_in_trace);
     Ok((layer, OtelGuard { provider }))
 }
 
