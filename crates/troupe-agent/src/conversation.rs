@@ -1178,14 +1178,16 @@ impl ConversationActor {
             budget: Budget::UNLIMITED,
             pair: None,
         };
-        tokio::spawn(deliver(
+        let span = crate::inbox_turns::delivery_span(&self.id, &agent, &entry);
+        let delivering = deliver(
             runtime,
             Arc::clone(&self.shared),
             self.id.clone(),
             Relayed { agent, seq, approval },
             entry,
             delivery,
-        ));
+        );
+        tokio::spawn(tracing::Instrument::instrument(delivering, span));
         Ok(())
     }
 }

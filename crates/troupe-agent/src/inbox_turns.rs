@@ -770,7 +770,7 @@ impl AgentActor {
         self.relaying.insert(seq);
         let shared = std::sync::Arc::clone(&self.shared);
         let sender = self.id.clone();
-        let span = delivery_span(&sender, &out);
+        let span = delivery_span(&sender, &out.to, &out.entry);
         tokio::spawn(tracing::Instrument::instrument(
             deliver(runtime, shared, sender, seq, out),
             span,
@@ -1265,19 +1265,20 @@ pub fn send_schema() -> serde_json::Value {
     tool_parameters_schema::<SendArguments>()
 }
 
-/// The span of an entry's delivery task: a root span (a child would hold this turn's
-/// span open until the delivery ends, which may be the entry's deadline), started in
-/// the entry's exported trace when it has one (so the turns the delivery leads to, at
-/// the target and back at the sender, are exported in the trace of the request that
-/// sent the entry), and following from the relaying turn's span.
-fn delivery_span(sender: &ActorId, out: &OutboxEntry) -> tracing::Span {
-    let trace = out.entry.context.trace_id();
+/// The span of a delivery task (an outbox entry's, or a conversation's mention): a root
+/// span (a child would hold the relaying turn's span open until the delivery ends, which
+/// may be the entry's deadline), started in the entry's exported trace when it has one
+/// (so the turns the delivery leads to, at the target and back at the sender, are
+/// exported in the trace of the request that sent the entry), and following from the
+/// relaying turn's span.
+pub(crate) fn delivery_span(from: &ActorId, to: &dyn std::fmt::Display, entry: &InboxEntry) -> tracing::Span {
+    let trace = entry.context.trace_id();
     let span = tracing::info_span!(
         parent: None,
         "deliver",
-        agent = %sender,
-        to = %out.to,
-        msg = %out.entry.msg_id,
+        from = %from,
+        to = %to,
+        msg = %entry.msg_id,
         trace_id = trace.map(tracing::field::display),
     );
     span.follows_from(tracing::Span::current());

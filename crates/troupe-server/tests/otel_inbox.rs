@@ -55,7 +55,9 @@ async fn wait_until(server: &Harness, path: &str, done: impl Fn(&serde_json::Val
 /// `model_call` spans. Each such trace is a tree of the request's `http_request` span and
 /// a tree for each delivery task (its root span `deliver` linked to the turn that
 /// relayed it). Without the delivery's span started in its entry's trace, the task's
-/// turn and the result's turn are exported in traces of their own (the test fails).
+/// turn and the result's turn are exported in traces of their own (the test fails). A
+/// mention in a conversation, which names no trace, is delivered under a `deliver` span
+/// too: the root of the trace echo's turn on it is in, linked to the conversation's turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn otel_inbox_turns_are_exported_in_their_requests_trace() {
     let (endpoint, received) = collector().await;
@@ -99,6 +101,27 @@ async fn otel_inbox_turns_are_exported_in_their_requests_trace() {
     assert_eq!(record["state"], "completed", "{record}");
     wait_until(&server, "/v1/agents/echo", |agent| agent["inbox"] == 0).await;
     wait_until(&server, "/v1/agents/caller", |agent| agent["inbox"] == 0).await;
+    // A mention in a conversation: delivered to echo's inbox by the conversation's
+    // delivery task; echo's reply is appended once its turn ran.
+    let (status, body) = server
+        .post(
+            "/v1/conversations",
+            json!({"id": "room", "kind": "group", "participants": [
+                {"kind": "human", "name": "hugo"}, {"kind": "agent", "name": "echo"}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = server
+        .post(
+            "/v1/conversations/room/messages",
+            json!({"sender": {"kind": "human", "name": "hugo"}, "msg_id": "m1", "text": "@echo hello"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    wait_until(&server, "/v1/conversations/room/messages", |page| {
+        page["messages"].as_array().is_some_and(|messages| messages.len() >= 2)
+    })
+    .await;
     server.stop().await;
     guard.shutdown().await.expect("the spans are flushed to the collector");
 
@@ -167,4 +190,36 @@ async fn otel_inbox_turns_are_exported_in_their_requests_trace() {
             assert_eq!(relayed_by, ["turn"], "trace {trace}: {delivery:#?}");
         }
     }
+    // The mention names no trace (a conversation's post has none): its delivery task's
+    // span is the root of the trace that echo's turn on it, and its model call, are in,
+    // and it is linked to the conversation's relaying turn (in another trace).
+    let deliveries: Vec<&Span> = received
+        .spans
+        .iter()
+        .filter(|span| span.name == "deliver" && attribute(span, "to").as_deref() == Some("echo"))
+        .filter(|span| attribute(span, "from").as_deref() == Some("conversation/room"))
+        .collect();
+    assert_eq!(deliveries.len(), 1, "one delivery of the mention: {deliveries:#?}");
+    let delivery = deliveries[0];
+    assert!(delivery.parent_span_id.is_empty(), "{delivery:#?}");
+    let relayed_by: Vec<(&str, Option<String>)> = delivery
+        .links
+        .iter()
+        .filter_map(|link| received.spans.iter().find(|span| span.span_id == link.span_id))
+        .map(|span| (span.name.as_str(), attribute(span, "actor")))
+        .collect();
+    assert_eq!(relayed_by, [("turn", Some("conversation/room".to_string()))]);
+    let mention_calls: Vec<&Span> = received
+        .spans
+        .iter()
+        .filter(|span| span.trace_id == delivery.trace_id && span.name == "model_call")
+        .collect();
+    assert_eq!(
+        mention_calls
+            .iter()
+            .filter_map(|span| agent_of(span))
+            .collect::<Vec<_>>(),
+        ["echo"],
+        "echo's model call on the mention is in its delivery's trace"
+    );
 }
