@@ -9,7 +9,6 @@
 #![cfg(all(feature = "otel", not(madsim)))]
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::json;
@@ -22,31 +21,10 @@ mod support;
 use otlp::{attribute, collector, hex, trace_id_of};
 use support::Harness;
 
-/// The longest this test waits for inbox work to end.
-const TEST_WAIT_MS_MAX: u64 = 20_000;
-/// How often it looks.
-const POLL_MS: u64 = 20;
-
 /// The agent a span names (its `agent` field, or an `actor` of kind `agent`), by key.
 fn agent_of(span: &Span) -> Option<String> {
     let id = attribute(span, "agent").or_else(|| attribute(span, "actor"))?;
     id.strip_prefix("agent/").map(str::to_string)
-}
-
-/// Polls `GET path` until `done` holds for its body.
-async fn wait_until(server: &Harness, path: &str, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
-    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
-        loop {
-            let (status, body) = server.get(path).await;
-            assert_eq!(status, 200, "{path}: {body}");
-            if done(&body) {
-                return body;
-            }
-            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
-        }
-    })
-    .await;
-    waited.unwrap_or_else(|_| panic!("{path} did not reach the awaited state in {TEST_WAIT_MS_MAX} ms"))
 }
 
 /// Goal: the turn that processes a REST notification (at `echo`), the delegated task's
@@ -94,13 +72,20 @@ async fn otel_inbox_turns_are_exported_in_their_requests_trace() {
 
     // The task ends with the result's turn at the caller (it commits the outcome); the
     // notification's turn ends when echo's inbox is empty again.
-    let record = wait_until(&server, &format!("/v1/agents/caller/tasks/{task}"), |record| {
-        record["state"] != "submitted" && record["state"] != "working"
-    })
-    .await;
+    let record = server
+        .get_when(&format!("/v1/agents/caller/tasks/{task}"), "the task ended", |record| {
+            record["state"] != "submitted" && record["state"] != "working"
+        })
+        .await;
     assert_eq!(record["state"], "completed", "{record}");
-    wait_until(&server, "/v1/agents/echo", |agent| agent["inbox"] == 0).await;
-    wait_until(&server, "/v1/agents/caller", |agent| agent["inbox"] == 0).await;
+    server
+        .get_when("/v1/agents/echo", "echo's inbox drained", |agent| agent["inbox"] == 0)
+        .await;
+    server
+        .get_when("/v1/agents/caller", "the caller's inbox drained", |agent| {
+            agent["inbox"] == 0
+        })
+        .await;
     // A mention in a conversation: delivered to echo's inbox by the conversation's
     // delivery task; echo's reply is appended once its turn ran.
     let (status, body) = server
@@ -118,10 +103,11 @@ async fn otel_inbox_turns_are_exported_in_their_requests_trace() {
         )
         .await;
     assert_eq!(status, 200, "{body}");
-    wait_until(&server, "/v1/conversations/room/messages", |page| {
-        page["messages"].as_array().is_some_and(|messages| messages.len() >= 2)
-    })
-    .await;
+    server
+        .get_when("/v1/conversations/room/messages", "echo answered the mention", |page| {
+            page["messages"].as_array().is_some_and(|messages| messages.len() >= 2)
+        })
+        .await;
     server.stop().await;
     guard.shutdown().await.expect("the spans are flushed to the collector");
 

@@ -81,19 +81,8 @@ impl Harness {
     /// Polls `GET /v1/topology/agents/{agent}/call-tree` until `done` holds (as
     /// `topology_when`).
     async fn call_tree_when(&self, agent: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-        let path = format!("/v1/topology/agents/{agent}/call-tree");
-        let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
-            loop {
-                let (status, tree) = self.send(reqwest::Method::GET, &path, None).await;
-                assert_eq!(status, 200, "{tree}");
-                if done(&tree) {
-                    return tree;
-                }
-                tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
-            }
-        })
-        .await;
-        waited.unwrap_or_else(|_| panic!("{what}: not within {TEST_WAIT_MS_MAX} ms"))
+        self.get_when(&format!("/v1/topology/agents/{agent}/call-tree"), what, done)
+            .await
     }
 }
 

@@ -111,6 +111,23 @@ impl Harness {
         self.send(reqwest::Method::POST, path, Some(body)).await
     }
 
+    /// Polls `GET path` (each answer must be 200) until `done` holds for its body, for
+    /// at most [`TEST_WAIT_MS_MAX`]; panics naming `what` if it does not.
+    pub(crate) async fn get_when(&self, path: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+            loop {
+                let (status, body) = self.get(path).await;
+                assert_eq!(status, 200, "{path}: {body}");
+                if done(&body) {
+                    return body;
+                }
+                tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+            }
+        })
+        .await;
+        waited.unwrap_or_else(|_| panic!("{what}: not within {TEST_WAIT_MS_MAX} ms"))
+    }
+
     /// Stops the server, then the agent system.
     pub(crate) async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
