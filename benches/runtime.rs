@@ -263,8 +263,13 @@ impl<T> Generation<T> {
 
     /// Makes room for `iters` more, outside the timed region: a new runtime if they
     /// would pass the cap (the old one's tasks are dropped with it).
+    /// Whether `iters` more would pass the cap (a new runtime is then due).
+    fn is_full_for(&self, iters: u64) -> bool {
+        self.kept.len() as u64 + iters > COLD_LIVE_MAX && !self.kept.is_empty()
+    }
+
     fn make_room(&mut self, iters: u64) {
-        if self.kept.len() as u64 + iters > COLD_LIVE_MAX && !self.kept.is_empty() {
+        if self.is_full_for(iters) {
             {
                 let _entered = self.rt.enter();
                 self.kept.clear();
@@ -325,7 +330,7 @@ fn cold_activation(c: &mut Criterion) {
     let mut next_key = 0u64;
     group.bench_function("troupe first invoke of a new actor id", |b| {
         b.iter_custom(|iters| {
-            if troupe.kept.len() as u64 + iters > COLD_LIVE_MAX && !troupe.kept.is_empty() {
+            if troupe.is_full_for(iters) {
                 if let Some(old) = runtime.take() {
                     troupe.rt.block_on(old.shutdown());
                 }
