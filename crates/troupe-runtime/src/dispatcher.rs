@@ -21,6 +21,7 @@
 //! It does not retry, reorder or persist messages: a mailbox is memory, and a request
 //! is acknowledged only by its reply.
 
+use std::collections::hash_map::{Entry, VacantEntry};
 use std::collections::VecDeque;
 
 use tokio::sync::{mpsc, oneshot};
@@ -274,22 +275,27 @@ impl Dispatcher {
         let acceptance = envelope.reply.take_acceptance();
         let table_full = self.table.len() >= ACTIVATIONS_MAX;
         let shutting_down = self.shutting_down;
-        let refused = match self.table.get_mut(&target) {
-            Some(activation) => Self::deliver(&self.handle.shared.routes, activation, &target, capacity, envelope),
-            None if shutting_down => Some((envelope, InvokeError::Shutdown)),
-            None if table_full => {
-                let reason = format!("the runtime holds {ACTIVATIONS_MAX} activations");
-                Some((
-                    envelope,
-                    InvokeError::Rejected {
-                        target: target.clone(),
-                        reason,
-                    },
-                ))
-            }
-            None => {
-                self.activate(target.clone(), capacity, VecDeque::from([envelope]));
-                None
+        let refused = if let Some(activation) = self.table.get_mut(&target) {
+            Self::deliver(&self.handle.shared.routes, activation, &target, capacity, envelope)
+        } else {
+            match self.table.entry(target) {
+                Entry::Occupied(_) => unreachable!("looked up just above"),
+                Entry::Vacant(_) if shutting_down => Some((envelope, InvokeError::Shutdown)),
+                Entry::Vacant(entry) if table_full => {
+                    let reason = format!("the runtime holds {ACTIVATIONS_MAX} activations");
+                    let target = entry.into_key();
+                    Some((envelope, InvokeError::Rejected { target, reason }))
+                }
+                Entry::Vacant(entry) => {
+                    Self::activate(
+                        &self.handle,
+                        &mut self.next_generation,
+                        entry,
+                        capacity,
+                        std::iter::once(envelope),
+                    );
+                    None
+                }
             }
         };
         if let Some((envelope, error)) = refused {
@@ -344,43 +350,38 @@ impl Dispatcher {
         }
     }
 
-    /// Spawns a new activation of `id` with `messages` already in its mailbox.
-    fn activate(&mut self, id: ActorId, capacity: usize, messages: VecDeque<Box<Envelope>>) {
-        let generation = self.next_generation;
-        self.next_generation += 1;
-        let (mailbox, receiver) = Mailbox::open(capacity, messages.into_iter());
+    /// Spawns a new activation of the vacant entry's id with `messages` already in its
+    /// mailbox, and fills the entry.
+    fn activate(
+        handle: &RuntimeHandle,
+        next_generation: &mut u64,
+        entry: VacantEntry<'_, ActorId, Activation>,
+        capacity: usize,
+        messages: impl ExactSizeIterator<Item = Box<Envelope>>,
+    ) {
+        let generation = *next_generation;
+        *next_generation += 1;
+        let (mailbox, receiver) = Mailbox::open(capacity, messages);
         let mut lifecycle = Lifecycle::default();
         lifecycle.apply(LifecycleEvent::Activate);
-        assert!(
-            !self.table.contains_key(&id),
-            "a second activation of {id} while one was live"
-        );
+        let id = entry.key();
         // Its notices are handled by this loop, so none can arrive before the entry.
         let task = activation::spawn(ActivationStart {
             id: id.clone(),
             generation,
             receiver,
-            handle: self.handle.clone(),
+            handle: handle.clone(),
         });
-        let previous = self.table.insert(
-            id.clone(),
-            Activation {
-                lifecycle,
-                generation,
-                open: true,
-                task,
-                waiting: None,
-            },
-        );
-        assert!(previous.is_none(), "a second activation of {id} while one was live");
-        let previous = self
-            .handle
-            .shared
-            .routes
-            .lock()
-            .insert(id.clone(), Route::open(mailbox));
+        let previous = handle.shared.routes.lock().insert(id.clone(), Route::open(mailbox));
         assert!(previous.is_none(), "a route to {id} outlived its activation");
-        Counters::add(&self.handle.shared.counters.activations_started);
+        entry.insert(Activation {
+            lifecycle,
+            generation,
+            open: true,
+            task,
+            waiting: None,
+        });
+        Counters::add(&handle.shared.counters.activations_started);
     }
 
     fn on_control(&mut self, control: Control) {
@@ -503,7 +504,16 @@ impl Dispatcher {
             .expect("activations are of registered kinds only")
             .config
             .mailbox_capacity;
-        self.activate(id, capacity, held);
+        let Entry::Vacant(entry) = self.table.entry(id) else {
+            unreachable!("the entry was removed above")
+        };
+        Self::activate(
+            &self.handle,
+            &mut self.next_generation,
+            entry,
+            capacity,
+            held.into_iter(),
+        );
     }
 
     /// Stops every activation at once (the shutdown grace period is over, or the
