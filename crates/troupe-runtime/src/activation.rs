@@ -2,7 +2,7 @@
 //! time, commits each turn atomically, and deactivates it when the dispatcher agrees.
 //!
 //! ```text
-//! load state ─► factory.create ─► on_activate ─► Activated
+//! load state ─► factory.create ─► on_activate ─► (started: no notice; see note_started)
 //!     │ error: fail every queued request, ActivationFailed
 //!     ▼
 //! loop { next message (or idle check after idle_timeout of silence)
@@ -90,9 +90,21 @@ impl Drop for CrashGuard {
 
 /// Spawns the activation's task; the handle lets the dispatcher abort it at shutdown.
 pub(crate) fn spawn(start: ActivationStart) -> tokio::task::AbortHandle {
-    // Boxed: an async fn keeps its arguments in its state for as long as it runs, even
-    // once they are moved out; a box there costs a pointer instead of the whole start.
-    tokio::spawn(run(Box::new(start))).abort_handle()
+    let ActivationStart {
+        id,
+        generation,
+        receiver,
+        handle,
+    } = start;
+    // Armed before the task exists: a task aborted before its first poll (shutdown right
+    // after the spawn) drops it unpolled, and its guard still reports the end.
+    let guard = CrashGuard {
+        control: handle.shared.control.clone(),
+        id,
+        generation,
+        armed: true,
+    };
+    tokio::spawn(run(guard, receiver, handle)).abort_handle()
 }
 
 /// The actor as it runs, with what it needs to roll back.
@@ -139,201 +151,198 @@ impl Live {
 /// in `begin`, and given back by `Turn::finish` before the turn is settled.
 const HOME_LENT: &str = "the home is lent to a turn only between begin and settle";
 
-/// Moves the start out of its box and frees the box now (a box moved out of in place
-/// would be freed only when the task ends).
-#[allow(clippy::boxed_local)] // taking the box is the point: it is freed here
-fn unbox(start: Box<ActivationStart>) -> ActivationStart {
-    *start
-}
-
-async fn run(start: Box<ActivationStart>) {
-    let ActivationStart {
-        id,
-        generation,
-        mut receiver,
-        handle,
-    } = unbox(start);
-    // The task's own state is what an idle actor costs for as long as it stays active,
-    // so it holds each thing once, and the sub-futures of starting, stopping, a turn that
-    // has to wait and a commit that goes to the store are boxed instead of being inlined
-    // into it (a turn that finishes in its first poll with nothing to store allocates
-    // nothing here).
-    let guard = CrashGuard {
-        control: handle.shared.control.clone(),
-        id,
-        generation,
-        armed: true,
-    };
-    // (A labelled block rather than a `match` whose arm awaits: that would keep the
-    // start's result, and the error, in the task's state for as long as it runs.)
-    let mut live = 'started: {
-        let error = match Box::pin(start_actor(&guard.id, &handle)).await {
-            Ok(live) => break 'started live,
-            Err(error) => error,
+/// The activation's task. Not an `async fn`: one moves each argument into a local of its
+/// own at its start and keeps both in its state (104 bytes more here, which a box of the
+/// arguments used to avoid at the price of a malloc and a free per activation); an
+/// `async move` block uses what it captured in place.
+fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) -> impl Future<Output = ()> {
+    async move {
+        let generation = guard.generation;
+        // The task's own state is what an idle actor costs for as long as it stays
+        // active, so it holds each thing once, and the sub-futures of failing to start,
+        // stopping, a turn that has to wait and a commit that goes to the store are boxed
+        // instead of being inlined into it (a turn that finishes in its first poll with
+        // nothing to store allocates nothing here). Starting is not boxed: its future
+        // fits in the room the later awaits take anyway (the task's state is 528 bytes
+        // with it inlined and with it boxed, rustc 1.95), and the box was a malloc and a
+        // free per activation.
+        // (A labelled block rather than a `match` whose arm awaits: that would keep the
+        // start's result, and the error, in the task's state for as long as it runs.)
+        let mut live = 'started: {
+            let error = match start_actor(&guard.id, &handle).await {
+                Ok(live) => break 'started live,
+                Err(error) => error,
+            };
+            Box::pin(fail_queued(&mut receiver, &handle.shared, error)).await;
+            let id = guard.id.clone();
+            guard.finish(Control::ActivationFailed { id, generation });
+            return;
         };
-        Box::pin(fail_queued(&mut receiver, &handle.shared, error)).await;
-        let id = guard.id.clone();
-        guard.finish(Control::ActivationFailed { id, generation });
-        return;
-    };
-    let _ = guard.control.send(Control::Activated {
-        id: guard.id.clone(),
-        generation,
-    });
+        // No notice that it started: the dispatcher learns it from the next notice this
+        // task sends, which only a started activation sends (see `note_started` in
+        // dispatcher.rs).
 
-    let idle_timeout = handle
-        .shared
-        .kinds
-        .get(guard.id.kind())
-        .expect("activations are spawned for registered kinds only")
-        .config
-        .idle_timeout;
-    let mut received: u64 = 0;
-    // The timer is never touched per message (that would cost a clock read and a timer
-    // update per turn). When it fires, it checks whether any message came in during the
-    // last period: if none, the actor has been idle for a whole period and asks to be
-    // deactivated; otherwise it waits another period. So an actor is deactivated between
-    // one and two idle timeouts after its last message.
-    let mut received_at_last_check: u64 = 0;
-    let idle_timer = tokio::time::sleep(idle_timeout);
-    tokio::pin!(idle_timer);
-    // Whether the timer holds the task's waker (see `NextEvent`).
-    let mut idle_timer_registered = false;
-    let mut task_waker: Option<std::task::Waker> = None;
-    // The clock as read once in this wake-up of the task, for the expiry check of
-    // fire-and-forget messages at dequeue: forgotten whenever the task waits (its mailbox
-    // empty, a turn that waits, a commit that goes to the store), so a batch of messages
-    // handled in one poll reads the clock once, not once each. See "The clock of a
-    // wake-up" in docs/architecture.md.
-    let mut now = WakeClock::UNREAD;
-    'messages: loop {
-        let next = NextEvent {
-            receiver: &mut receiver,
-            idle_timer: idle_timer.as_mut(),
-            idle_timer_registered: &mut idle_timer_registered,
-            now: &mut now,
-        };
-        let envelope = match next.await {
-            Next::Message(envelope) => envelope,
-            Next::Closed => break,
-            Next::IdleTimerFired => {
-                if received == received_at_last_check {
-                    // If the dispatcher refuses (something was routed meanwhile, or
-                    // calls are in flight), the actor asks again after another period.
-                    let id = guard.id.clone();
-                    let _ = guard.control.send(Control::IdleCheck {
-                        id,
-                        generation,
-                        received,
-                    });
+        let idle_timeout = handle
+            .shared
+            .kinds
+            .get(guard.id.kind())
+            .expect("activations are spawned for registered kinds only")
+            .config
+            .idle_timeout;
+        let mut received: u64 = 0;
+        // The timer is never touched per message (that would cost a clock read and a timer
+        // update per turn). When it fires, it checks whether any message came in during the
+        // last period: if none, the actor has been idle for a whole period and asks to be
+        // deactivated; otherwise it waits another period. So an actor is deactivated between
+        // one and two idle timeouts after its last message.
+        let mut received_at_last_check: u64 = 0;
+        let idle_timer = tokio::time::sleep(idle_timeout);
+        tokio::pin!(idle_timer);
+        // Whether the timer holds the task's waker (see `NextEvent`).
+        let mut idle_timer_registered = false;
+        let mut task_waker: Option<std::task::Waker> = None;
+        // The clock as read once in this wake-up of the task, for the expiry check of
+        // fire-and-forget messages at dequeue: forgotten whenever the task waits (its mailbox
+        // empty, a turn that waits, a commit that goes to the store), so a batch of messages
+        // handled in one poll reads the clock once, not once each. See "The clock of a
+        // wake-up" in docs/architecture.md.
+        let mut now = WakeClock::UNREAD;
+        'messages: loop {
+            let next = NextEvent {
+                receiver: &mut receiver,
+                idle_timer: idle_timer.as_mut(),
+                idle_timer_registered: &mut idle_timer_registered,
+                now: &mut now,
+            };
+            let envelope = match next.await {
+                Next::Message(envelope) => envelope,
+                Next::Closed => break,
+                Next::IdleTimerFired => {
+                    if received == received_at_last_check {
+                        // If the dispatcher refuses (something was routed meanwhile, or
+                        // calls are in flight), the actor asks again after another period.
+                        let id = guard.id.clone();
+                        let _ = guard.control.send(Control::IdleCheck {
+                            id,
+                            generation,
+                            received,
+                        });
+                    }
+                    received_at_last_check = received;
+                    // Once a period, not per message: a burst's room goes back.
+                    receiver.trim_idle();
+                    idle_timer.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
+                    idle_timer_registered = false;
+                    continue;
                 }
-                received_at_last_check = received;
-                // Once a period, not per message: a burst's room goes back.
-                receiver.trim_idle();
-                idle_timer.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
-                idle_timer_registered = false;
-                continue;
-            }
-        };
-        received += 1;
-        // The turn's fast path: its first poll runs here, inline, in the activation's own
-        // task, and a turn that finishes in it with nothing to store is answered at once.
-        // Only a turn that has to wait (the same handler future goes on in a box), or a
-        // commit that has to reach the store, is boxed; see "The turn's fast path" in
-        // docs/architecture.md. The shapes below keep the task small: nothing bigger than
-        // a pointer is alive across an await except the turn itself, and that only while
-        // its handler waits, where it shares space with what the other awaits hold (a
-        // `match` or `if let` whose arm awaits would keep its scrutinee instead).
-        //
-        // The task's waker, for the first poll (this await holds nothing). It is kept
-        // across messages and cloned again only if the task's waker changed: a clone and
-        // its drop are an atomic operation each on the task's reference count, per
-        // message (perf, 2026-11-25).
-        std::future::poll_fn(|cx| {
-            if !task_waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
-                task_waker = Some(cx.waker().clone());
-            }
-            Poll::Ready(())
-        })
-        .await;
-        let waker = task_waker.as_ref().expect("set just above");
-        {
-            let store_commit = 'settled: {
-                let Some((context, payload, begun)) = begin(&live, &handle.shared, envelope, &mut now) else {
-                    // Refused unrun (abandoned, expired or fenced): answered already.
-                    continue 'messages;
-                };
-                // Built here, where it stays, rather than in `begin` and moved out.
-                let mut turn = Turn::new(live.home.take().expect(HOME_LENT), context);
-                let (raced, ends) = 'turn: {
-                    let slow = match begun {
-                        // A told message with nobody to answer, no edge and no span: its
-                        // ends are made only if its turn does not simply succeed.
-                        Begun::Told { call, deadline } => 'told: {
-                            let answer = match told_first_poll(
-                                &mut live.actor,
-                                &mut turn,
-                                payload,
-                                call,
-                                deadline,
-                                &handle.shared,
-                                waker,
-                            ) {
-                                Ok(Told::Answered(answer)) => answer,
-                                Ok(Told::Raced(finished)) => break 'turn *finished,
-                                Err(slow) => break 'told slow,
-                            };
-                            let (home, writes) = turn.finish();
-                            live.home = Some(home);
-                            break 'settled settle_told(&mut live, &handle.shared, generation, writes, answer, call);
-                        }
-                        Begun::Full {
-                            reply,
-                            call,
-                            edge,
-                            deadline,
-                            watch_caller,
-                            parent,
-                        } => {
-                            let ends = TurnEnds {
-                                _spans: TurnSpans::of(&turn, parent),
+            };
+            received += 1;
+            // The turn's fast path: its first poll runs here, inline, in the activation's own
+            // task, and a turn that finishes in it with nothing to store is answered at once.
+            // Only a turn that has to wait (the same handler future goes on in a box), or a
+            // commit that has to reach the store, is boxed; see "The turn's fast path" in
+            // docs/architecture.md. The shapes below keep the task small: nothing bigger than
+            // a pointer is alive across an await except the turn itself, and that only while
+            // its handler waits, where it shares space with what the other awaits hold (a
+            // `match` or `if let` whose arm awaits would keep its scrutinee instead).
+            //
+            // The task's waker, for the first poll (this await holds nothing). It is kept
+            // across messages and cloned again only if the task's waker changed: a clone and
+            // its drop are an atomic operation each on the task's reference count, per
+            // message (perf, 2026-11-25).
+            std::future::poll_fn(|cx| {
+                if !task_waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
+                    task_waker = Some(cx.waker().clone());
+                }
+                Poll::Ready(())
+            })
+            .await;
+            let waker = task_waker.as_ref().expect("set just above");
+            {
+                let store_commit = 'settled: {
+                    let Some((context, payload, begun)) = begin(&live, &handle.shared, envelope, &mut now) else {
+                        // Refused unrun (abandoned, expired or fenced): answered already.
+                        continue 'messages;
+                    };
+                    // Built here, where it stays, rather than in `begin` and moved out.
+                    let mut turn = Turn::new(live.home.take().expect(HOME_LENT), context);
+                    let (raced, ends) = 'turn: {
+                        let slow = match begun {
+                            // A told message with nobody to answer, no edge and no span: its
+                            // ends are made only if its turn does not simply succeed.
+                            Begun::Told { call, deadline } => 'told: {
+                                let answer = match told_first_poll(
+                                    &mut live.actor,
+                                    &mut turn,
+                                    payload,
+                                    call,
+                                    deadline,
+                                    &handle.shared,
+                                    waker,
+                                ) {
+                                    Ok(Told::Answered(answer)) => answer,
+                                    Ok(Told::Raced(finished)) => break 'turn *finished,
+                                    Err(slow) => break 'told slow,
+                                };
+                                let (home, writes) = turn.finish();
+                                live.home = Some(home);
+                                break 'settled settle_told(
+                                    &mut live,
+                                    &handle.shared,
+                                    generation,
+                                    writes,
+                                    answer,
+                                    call,
+                                );
+                            }
+                            Begun::Full {
                                 reply,
                                 call,
                                 edge,
                                 deadline,
                                 watch_caller,
-                                waited: false,
-                            };
-                            match first_poll(&mut live.actor, &mut turn, payload, ends, &handle.shared, waker) {
-                                Ok(finished) => break 'turn finished,
-                                Err(slow) => slow,
+                                parent,
+                            } => {
+                                let ends = TurnEnds {
+                                    _spans: TurnSpans::of(&turn, parent),
+                                    reply,
+                                    call,
+                                    edge,
+                                    deadline,
+                                    watch_caller,
+                                    waited: false,
+                                };
+                                match first_poll(&mut live.actor, &mut turn, payload, ends, &handle.shared, waker) {
+                                    Ok(finished) => break 'turn finished,
+                                    Err(slow) => slow,
+                                }
                             }
-                        }
+                        };
+                        now = WakeClock::UNREAD;
+                        slow.await
                     };
-                    now = WakeClock::UNREAD;
-                    slow.await
+                    // The turn has ended: calls still in flight from tasks it spawned are
+                    // cancelled, and its home comes back with its writes.
+                    let (home, writes) = turn.finish();
+                    live.home = Some(home);
+                    settle(&mut live, &handle.shared, generation, writes, raced, ends)
                 };
-                // The turn has ended: calls still in flight from tasks it spawned are
-                // cancelled, and its home comes back with its writes.
-                let (home, writes) = turn.finish();
-                live.home = Some(home);
-                settle(&mut live, &handle.shared, generation, writes, raced, ends)
-            };
-            if let Some(store_commit) = store_commit {
-                now = WakeClock::UNREAD;
-                store_commit.await;
+                if let Some(store_commit) = store_commit {
+                    now = WakeClock::UNREAD;
+                    store_commit.await;
+                }
             }
         }
-    }
 
-    // The dispatcher closed the mailbox: deactivate.
-    Box::pin(deactivate(&mut live, &handle.shared)).await;
-    // The actor instance goes before the dispatcher hears of it: once it has, the next
-    // message may build the next instance at once, on another thread, and the two must
-    // not overlap (an actor that holds a resource until dropped would see them do so).
-    drop(live);
-    let id = guard.id.clone();
-    guard.finish(Control::Deactivated { id, generation });
+        // The dispatcher closed the mailbox: deactivate.
+        Box::pin(deactivate(&mut live, &handle.shared)).await;
+        // The actor instance goes before the dispatcher hears of it: once it has, the next
+        // message may build the next instance at once, on another thread, and the two must
+        // not overlap (an actor that holds a resource until dropped would see them do so).
+        drop(live);
+        let id = guard.id.clone();
+        guard.finish(Control::Deactivated { id, generation });
+    }
 }
 
 /// What the activation's loop waits for next.

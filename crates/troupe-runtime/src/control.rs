@@ -67,8 +67,6 @@ pub(crate) enum Control {
     /// Stop every activation at once: the shutdown grace period is over, or the
     /// `Runtime` was dropped.
     Abort,
-    /// The activation loaded its state and ran `on_activate`.
-    Activated { id: ActorId, generation: u64 },
     /// The activation failed to start; its mailbox is closed and drained.
     ActivationFailed { id: ActorId, generation: u64 },
     /// The activation has been idle since it took its `received`-th message.

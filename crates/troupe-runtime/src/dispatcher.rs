@@ -61,6 +61,22 @@ struct Waiting {
 }
 
 impl Activation {
+    /// Records that the activation has started (state loaded, `on_activate` run), on a
+    /// notice that only a started activation's task sends: an idle check, or
+    /// `Deactivated`. The task sends no notice of its own for it: that was a channel send
+    /// and a table lookup per activation, and nothing here waits for it (an idle check
+    /// and a deactivation are what need the activation started, and their notices prove
+    /// it). A mailbox closed while it was starting (shutdown, fencing, `deactivate`)
+    /// starts its deactivation here.
+    fn note_started(&mut self) {
+        if self.lifecycle.state() == LifecycleState::Activating {
+            self.lifecycle.apply(LifecycleEvent::Activated);
+            if !self.open {
+                self.lifecycle.apply(LifecycleEvent::Deactivate);
+            }
+        }
+    }
+
     fn held_len(&self) -> usize {
         self.waiting.as_ref().map_or(0, |waiting| waiting.held.len())
     }
@@ -73,7 +89,7 @@ impl Activation {
 impl Activation {
     /// Closes the mailbox, if it is open, by removing its route (the only sender), and
     /// starts deactivating: the running turn and queued requests finish, then the
-    /// activation saves and ends. Still activating: `Activated` sees the closed mailbox
+    /// activation saves and ends. Still activating: `note_started` sees the closed mailbox
     /// and deactivates then.
     fn close(&mut self, id: &ActorId, routes: &mut FastMap<ActorId, Route>) {
         if !self.open {
@@ -216,11 +232,8 @@ impl Dispatcher {
     fn stats(&self) -> DispatcherStats {
         DispatcherStats {
             activations: self.table.len(),
-            deactivating: self
-                .table
-                .values()
-                .filter(|a| a.lifecycle.state() == LifecycleState::Deactivating)
-                .count(),
+            // Closed: deactivating, or about to once it has started.
+            deactivating: self.table.values().filter(|a| !a.open).count(),
             held_messages: self.table.values().map(Activation::held_len).sum(),
             wait_for_edges: self.waits.len(),
         }
@@ -394,16 +407,6 @@ impl Dispatcher {
                     self.close(&id);
                 }
             }
-            Control::Activated { id, generation } => {
-                let Some(activation) = self.current(&id, generation) else {
-                    return;
-                };
-                activation.lifecycle.apply(LifecycleEvent::Activated);
-                if !activation.open {
-                    // Shutdown closed the mailbox while the activation was starting.
-                    activation.lifecycle.apply(LifecycleEvent::Deactivate);
-                }
-            }
             Control::IdleCheck {
                 id,
                 generation,
@@ -413,6 +416,7 @@ impl Dispatcher {
                 let routes = &self.handle.shared.routes;
                 let current = self.table.get_mut(&id).filter(|a| a.generation == generation);
                 let Some(activation) = current else { return };
+                activation.note_started();
                 if activation.lifecycle.state() != LifecycleState::Active || !activation.open || waiting {
                     return;
                 }
@@ -455,6 +459,9 @@ impl Dispatcher {
         let Some(activation) = self.current(&id, generation) else {
             return;
         };
+        if event == LifecycleEvent::Deactivated {
+            activation.note_started();
+        }
         let state = activation.lifecycle.apply(event);
         assert_eq!(state, LifecycleState::Inactive);
         if activation.open {
