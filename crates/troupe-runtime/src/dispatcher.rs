@@ -23,6 +23,7 @@
 
 use std::collections::hash_map::{Entry, VacantEntry};
 use std::collections::VecDeque;
+use std::task::Poll;
 
 use tokio::sync::{mpsc, oneshot};
 use troupe_core::limits::ACTIVATIONS_MAX;
@@ -105,6 +106,12 @@ impl Activation {
     }
 }
 
+/// What the dispatcher's loop takes next.
+enum Next {
+    Control(Control),
+    Command(Command),
+}
+
 pub(crate) struct Dispatcher {
     handle: RuntimeHandle,
     commands: mpsc::Receiver<Command>,
@@ -136,10 +143,25 @@ impl Dispatcher {
 
     pub(crate) async fn run(mut self) {
         loop {
-            tokio::select! {
-                biased;
-                Some(control) = self.control.recv() => self.on_control(control),
-                Some(command) = self.commands.recv() => {
+            // Notices first, then commands: a fixed order (runs replay under madsim), as
+            // a biased `select!` gave, without that macro's machinery around each wait.
+            let (control, commands) = (&mut self.control, &mut self.commands);
+            let next = std::future::poll_fn(|cx| {
+                let control_closed = match control.poll_recv(cx) {
+                    Poll::Ready(Some(control)) => return Poll::Ready(Some(Next::Control(control))),
+                    Poll::Ready(None) => true,
+                    Poll::Pending => false,
+                };
+                match commands.poll_recv(cx) {
+                    Poll::Ready(Some(command)) => Poll::Ready(Some(Next::Command(command))),
+                    Poll::Ready(None) if control_closed => Poll::Ready(None),
+                    Poll::Ready(None) | Poll::Pending => Poll::Pending,
+                }
+            })
+            .await;
+            match next {
+                Some(Next::Control(control)) => self.on_control(control),
+                Some(Next::Command(command)) => {
                     // Notices sent before this command (causally) are applied first: a
                     // callee releases its wait-for edge before it replies, so a call made
                     // after that reply never meets the stale edge.
@@ -148,7 +170,7 @@ impl Dispatcher {
                     }
                     self.on_command(command);
                 }
-                else => break,
+                None => break,
             }
             if self.shutting_down && self.table.is_empty() {
                 break;
