@@ -155,6 +155,7 @@ const HOME_LENT: &str = "the home is lent to a turn only between begin and settl
 /// own at its start and keeps both in its state (104 bytes more here, which a box of the
 /// arguments used to avoid at the price of a malloc and a free per activation); an
 /// `async move` block uses what it captured in place.
+#[allow(clippy::manual_async_fn)] // on purpose: see above
 fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) -> impl Future<Output = ()> {
     async move {
         let generation = guard.generation;
