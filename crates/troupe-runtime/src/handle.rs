@@ -120,7 +120,8 @@ pub struct RuntimeCounters {
 pub struct DispatcherStats {
     /// Entries in the activation table (any live state).
     pub activations: usize,
-    /// Of those, how many are deactivating.
+    /// Of those, how many have a closed mailbox: deactivating, or closed while still
+    /// starting (they deactivate once started). New messages for them are held.
     pub deactivating: usize,
     /// Messages held for actors whose previous activation is still deactivating.
     pub held_messages: usize,
