@@ -42,7 +42,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
-use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError};
+use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, InvokeError, TraceId};
 use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, StoreError, Turn};
 
 use crate::agent::{agent_id, AgentActor, AgentShared, Conversation, MentionDelivery};
@@ -528,6 +528,12 @@ struct RelayRecord {
     /// reads as before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     approval: Option<u64>,
+    /// The trace of the post that made the mention (its turn's trace id), which its
+    /// delivery and the mentioned agent's turn run under. Absent when the post named
+    /// none, and in relays stored before mentions carried a trace: such a delivery
+    /// starts a trace of its own, as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trace_id: Option<TraceId>,
 }
 
 /// Why a mention of an agent is refused: the kind of its system note, and its text.
@@ -1029,6 +1035,7 @@ impl ConversationActor {
                     chain: request.chain.clone(),
                     deadline,
                     approval,
+                    trace_id: turn.context().trace_id(),
                 };
                 turn.put(relay_key(seq, &agent), to_json(&record)?)?;
                 let wake = ConvCommand::Relay { seq, agent }.encode();
@@ -1174,10 +1181,14 @@ impl ConversationActor {
                 seq,
                 chain: record.chain,
             },
-            context: CallContext::root(record.deadline),
+            context: match record.trace_id {
+                Some(trace) => CallContext::root(record.deadline).with_trace_id(trace),
+                None => CallContext::root(record.deadline),
+            },
             budget: Budget::UNLIMITED,
             pair: None,
         };
+        // Started in the post's trace when it named one (see `delivery_span`).
         let span = crate::inbox_turns::delivery_span(&self.id, &agent, &entry);
         let delivering = deliver(
             runtime,
@@ -1462,6 +1473,22 @@ impl AgentActor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: a relay record keeps its post's trace id; one stored before relays carried
+    /// a trace (no field) reads as having none, and one with none is written as before.
+    #[test]
+    fn a_relay_record_keeps_its_trace_and_reads_old_records() {
+        let old = r#"{"from":"a","chain":["a"],"deadline":{"at_us":5}}"#;
+        let record: RelayRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(record.trace_id, None);
+        assert_eq!(serde_json::to_string(&record).unwrap(), old);
+        let traced = RelayRecord {
+            trace_id: Some(TraceId::new(0xabc)),
+            ..record
+        };
+        let back: RelayRecord = serde_json::from_slice(&to_json(&traced).unwrap()).unwrap();
+        assert_eq!(back, traced);
+    }
 
     proptest::proptest! {
         /// The snapshot built from the definition's JSON is serde_json's encoding of the

@@ -7,21 +7,43 @@ use crate::conversation::{
     ConvCommand, ConvReply, ConversationError, ConversationInfo, ConversationKind, ConversationMessage, Participant,
     PostRequest, Posted, Sender, CONVERSATIONS_LISTED_MAX, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
 };
+use troupe_core::{CallContext, TraceId};
+
 use crate::limits::{AGENT_DELIVERY_ACK_TIMEOUT_MS, CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS};
 use crate::AgentClient;
 
 impl AgentClient {
     async fn conversation_request(&self, key: &str, command: ConvCommand) -> Result<ConvReply, ConversationError> {
+        self.conversation_request_in(key, command, None).await
+    }
+
+    /// [`AgentClient::conversation_request`], the conversation's turn under trace id
+    /// `trace_id` (if any).
+    async fn conversation_request_in(
+        &self,
+        key: &str,
+        command: ConvCommand,
+        trace_id: Option<TraceId>,
+    ) -> Result<ConvReply, ConversationError> {
         let target = if key.is_empty() {
             index_actor()
         } else {
             conversation_actor(key)?
         };
         let timeout = Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS);
-        let bytes = self
-            .runtime
-            .invoke_routed_within(&target, command.encode(), timeout)
-            .await?;
+        let bytes = match trace_id {
+            None => {
+                self.runtime
+                    .invoke_routed_within(&target, command.encode(), timeout)
+                    .await?
+            }
+            Some(trace) => {
+                let context = CallContext::root(self.runtime.deadline_in(timeout)).with_trace_id(trace);
+                self.runtime
+                    .invoke_routed_in(&target, command.encode(), context)
+                    .await?
+            }
+        };
         match decode_conv_reply(&bytes)? {
             ConvReply::Error(error) => Err(error),
             other => Ok(other),
@@ -139,6 +161,26 @@ impl AgentClient {
         msg_id: &str,
         text: &str,
     ) -> Result<Posted, ConversationError> {
+        self.post_message_in(id, sender, msg_id, text, None).await
+    }
+
+    /// [`AgentClient::post_message`] under trace id `trace_id` (if any): the
+    /// conversation's turn on the post runs under it, and so does the delivery of each
+    /// mention it triggers, with the mentioned agent's turn and model calls (its
+    /// `deliver` span starts in that trace when the spans are exported; see
+    /// `troupe_agent::set_trace_starter`). The agent's reply, posted from that turn,
+    /// carries the trace on to the mentions it makes.
+    ///
+    /// # Errors
+    /// As [`AgentClient::post_message`].
+    pub async fn post_message_in(
+        &self,
+        id: &str,
+        sender: Sender,
+        msg_id: &str,
+        text: &str,
+        trace_id: Option<TraceId>,
+    ) -> Result<Posted, ConversationError> {
         check_name("message id", msg_id)?;
         if msg_id.starts_with("answer:") {
             return Err(ConversationError::InvalidName {
@@ -163,7 +205,10 @@ impl AgentClient {
             strict: true,
             record: false,
         };
-        match self.conversation_request(id, ConvCommand::Post(request)).await? {
+        match self
+            .conversation_request_in(id, ConvCommand::Post(request), trace_id)
+            .await?
+        {
             ConvReply::Posted(posted) => Ok(posted),
             other => Err(ConversationError::Unavailable {
                 cause: format!("unexpected reply {other:?}"),

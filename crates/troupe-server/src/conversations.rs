@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -15,7 +16,7 @@ use troupe_agent::{
     CONVERSATIONS_LISTED_MAX,
 };
 
-use crate::agents::known;
+use crate::agents::{known, request_trace, with_trace};
 use crate::error::{page_limit, ApiError, ApiJson, ApiQuery};
 use crate::limits::{SERVER_CONVERSATION_PAGE_DEFAULT, SERVER_CONVERSATION_PAGE_MAX};
 use crate::server::AppState;
@@ -209,20 +210,28 @@ pub(crate) struct PostBody {
 
 /// `POST /v1/conversations/{id}/messages`: appends the message; each `@agent` mention
 /// triggers one turn of that agent, whose reply is appended later (read the messages).
+/// The post, the mentions' deliveries and the turns they trigger run under the
+/// request's trace id, which the response names.
 pub(crate) async fn post(
     State(state): Shared,
     Path(id): Path<String>,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<PostBody>,
-) -> Result<Json<Value>, ApiError> {
+) -> Response {
+    let trace = request_trace(&state, &headers);
     let posted = state
         .client
-        .post_message(&id, body.sender.sender(), &body.msg_id, &body.text)
-        .await?;
-    Ok(Json(json!({
-        "conversation": id,
-        "seq": posted.seq,
-        "duplicate": posted.duplicate,
-    })))
+        .post_message_in(&id, body.sender.sender(), &body.msg_id, &body.text, Some(trace))
+        .await;
+    let response = posted.map_err(ApiError::from).map(|posted| {
+        Json(json!({
+            "conversation": id,
+            "seq": posted.seq,
+            "duplicate": posted.duplicate,
+        }))
+        .into_response()
+    });
+    with_trace(response, trace)
 }
 
 /// The query of `GET /v1/conversations/{id}/messages`.

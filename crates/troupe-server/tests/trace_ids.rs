@@ -273,6 +273,50 @@ async fn a_rest_notification_and_delegation_run_under_the_requests_trace_id() {
     server.stop().await;
 }
 
+/// Goal: a post to a conversation over REST runs under the request's trace id, which
+/// the response names, and so does the turn of the agent it mentions (delivered later
+/// by the conversation's delivery task, from the relay record the post stored); a
+/// refused post names its trace too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rest_post_to_a_conversation_and_the_turn_it_mentions_run_under_the_requests_trace_id() {
+    let server = start().await;
+    let (status, _, body) = post(
+        &server,
+        "/v1/conversations",
+        json!({"id": "room", "kind": "group", "participants": [
+            {"kind": "human", "name": "hugo"}, {"kind": "agent", "name": "echo"}]}),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let posted = "3bf92f3577b34da6a3ce929d0e0e4736";
+    let (status, trace, body) = post(
+        &server,
+        "/v1/conversations/room/messages",
+        json!({"sender": {"kind": "human", "name": "hugo"}, "msg_id": "m1", "text": "@echo hello"}),
+        Some(&format!("00-{posted}-00f067aa0ba902b7-01")),
+    )
+    .await;
+    assert_eq!((status, trace.as_str()), (200, posted), "{body}");
+    // The conversation's turns (the post, the relay, the delivery's report, echo's
+    // reply) and echo's turn on the mention.
+    let counts = wait_for_turns(posted, |counts| counts.contains_key("echo")).await;
+    assert!(counts.contains_key("room"), "{counts:?}");
+    assert!(counts.keys().all(|key| key == "room" || key == "echo"), "{counts:?}");
+
+    // Refused (the sender takes no part): the response still names its trace.
+    let (status, refused, body) = post(
+        &server,
+        "/v1/conversations/room/messages",
+        json!({"sender": {"kind": "human", "name": "mallory"}, "msg_id": "m2", "text": "hi"}),
+        None,
+    )
+    .await;
+    assert_eq!(status, 403, "{body}");
+    assert!(TraceId::parse_hex(&refused).is_some(), "{refused:?}");
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_openai_chat_completion_names_its_trace_id() {
     let server = start().await;
