@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use troupe_agent::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT;
 use troupe_agent::{
-    AgentSpec, AgentSystem, ApprovalState, BehaviourMode, ContactKind, ConversationError, ConversationKind,
-    ConversationMessage, Membership, NoteKind, Participant, PermissionRule, Role, ScriptRule, ScriptedLlm, Sender,
+    AgentEvent, AgentSpec, AgentSystem, ApprovalState, BehaviourMode, CallRecorder, ContactKind, ConversationError,
+    ConversationKind, ConversationMessage, Membership, NoteKind, Participant, PermissionRule, Role, ScriptRule,
+    ScriptedLlm, Sender,
 };
+use troupe_core::TraceId;
 use troupe_runtime::{MemoryStore, SqliteStore, StateStore};
 
 #[path = "support/gate_store.rs"]
@@ -622,6 +624,74 @@ async fn a_mention_needing_approval_waits_for_it_across_a_restart() {
     assert_gap_free(&messages);
     // Four rounds of a question and dev's reply, two answers, two notes.
     assert_eq!(messages.len(), 12, "{messages:#?}");
+    system.shutdown().await;
+}
+
+/// The traces (by agent key) of the turns `recorder` saw start, in order.
+fn turn_traces(recorder: &CallRecorder, agent: &str) -> Vec<Option<TraceId>> {
+    recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            AgentEvent::TurnStarted {
+                agent: started,
+                trace_id,
+                ..
+            } if started.key() == agent => Some(trace_id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Goal: a post's trace id goes with the mentions it triggers, hop by hop and across a
+/// restart: a human's post under trace T mentions `dev`, whose turn runs under T; its
+/// reply mentions `boss`, and that mention (waiting for an approval, so pending when
+/// the system restarts) is delivered after the restart from its stored relay record,
+/// and boss's turn runs under T too. An untraced post's mentions run untraced.
+#[tokio::test(start_paused = true)]
+async fn a_posts_trace_reaches_the_mentioned_agents_also_after_a_restart() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("dev").reply("asking @boss"))
+        .rule(ScriptRule::agent("boss").reply("boss answers"));
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let recorder = CallRecorder::new();
+    let start_observed = |store: &Arc<dyn StateStore>| {
+        AgentSystem::builder()
+            .store(Arc::clone(store))
+            .llm(Arc::new(llm.clone()))
+            .observer(Arc::new(recorder.clone()))
+            .agent(AgentSpec::new("dev"))
+            .agent(AgentSpec::new("boss"))
+            .start()
+            .expect("the system starts")
+    };
+    let system = start_observed(&store);
+    supervised_dev_on_the_floor(&system).await;
+    let trace = TraceId::new(0x7e57);
+    system
+        .post_message_in("floor", Sender::Human("h".into()), "q1", "@dev traced", Some(trace))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(turn_traces(&recorder, "dev"), [Some(trace)]);
+    let id = the_pending_approval(&system).await;
+    assert!(turn_traces(&recorder, "boss").is_empty(), "boss waits for the approval");
+
+    system.shutdown().await;
+    let system = start_observed(&store);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    system.approve(id).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(containing(&system, "floor", "boss answers").await.len(), 1);
+    assert_eq!(turn_traces(&recorder, "boss"), [Some(trace)]);
+
+    // Untraced: dev's turn on it has no trace.
+    system
+        .post_message("floor", Sender::Human("h".into()), "q2", "@dev untraced")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(turn_traces(&recorder, "dev"), [Some(trace), None]);
     system.shutdown().await;
 }
 
