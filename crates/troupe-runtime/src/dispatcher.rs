@@ -372,11 +372,14 @@ impl Dispatcher {
         }
         let routes = routes.lock();
         let route = routes.get(target).expect("an open activation has a route");
-        match route.deliver(*envelope) {
+        let mut place = Some(*envelope);
+        let delivery = route.deliver(&mut place);
+        let mut refused = || Box::new(place.take().expect("a refused envelope stays in its place"));
+        match delivery {
             Delivery::Delivered => None,
-            Delivery::Full(envelope, _) => Some((envelope, busy())),
-            Delivery::Closed(envelope) => Some((
-                envelope,
+            Delivery::Full(_) => Some((refused(), busy())),
+            Delivery::Closed => Some((
+                refused(),
                 InvokeError::ActorFailed {
                     target: target.clone(),
                     cause: "the activation ended before the message was delivered".to_string(),
