@@ -372,14 +372,11 @@ impl Dispatcher {
         }
         let routes = routes.lock();
         let route = routes.get(target).expect("an open activation has a route");
-        let mut place = Some(*envelope);
-        let delivery = route.deliver(&mut place);
-        let mut refused = || Box::new(place.take().expect("a refused envelope stays in its place"));
-        match delivery {
+        match route.deliver(*envelope) {
             Delivery::Delivered => None,
-            Delivery::Full(_) => Some((refused(), busy())),
-            Delivery::Closed => Some((
-                refused(),
+            Delivery::Full(envelope, _) => Some((envelope, busy())),
+            Delivery::Closed(envelope) => Some((
+                envelope,
                 InvokeError::ActorFailed {
                     target: target.clone(),
                     cause: "the activation ended before the message was delivered".to_string(),

@@ -141,9 +141,8 @@ impl Route {
         Self(mailbox)
     }
 
-    /// Delivers into the mailbox (the caller holds the route map's lock); see
-    /// [`Mailbox::deliver`].
-    pub(crate) fn deliver(&self, envelope: &mut Option<Envelope>) -> Delivery {
+    /// Delivers into the mailbox (the caller holds the route map's lock).
+    pub(crate) fn deliver(&self, envelope: Envelope) -> Delivery {
         self.0.deliver(envelope)
     }
 
@@ -200,17 +199,13 @@ pub(crate) enum Told {
 }
 
 /// What the fast path did with a message.
-/// Why an envelope the fast path did not deliver is still in its place.
-const REFUSED_STAYS: &str = "the fast path leaves an envelope it did not deliver in its place";
-
 enum FastPath {
     /// Put into the open mailbox.
     Delivered,
     /// Refused at once (full mailbox).
     Refused(InvokeError),
-    /// No open mailbox: the dispatcher must route it (and maybe activate). The
-    /// envelope is still in the caller's place.
-    ToDispatcher,
+    /// No open mailbox: the dispatcher must route it (and maybe activate).
+    ToDispatcher(Box<Envelope>),
 }
 
 pub(crate) struct Shared {
@@ -262,32 +257,37 @@ impl Shared {
         self.next_call.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Delivers the envelope in `envelope` straight into an open mailbox, skipping the
-    /// dispatcher's queue: through `cache` (a typed ref's) if it holds an open route,
-    /// else through the route map (and then remembers the route in `cache`). Unless it
-    /// was delivered, the envelope stays in `envelope` (see [`Mailbox::deliver`]).
-    fn fast_path(&self, target: &ActorId, envelope: &mut Option<Envelope>, cache: Option<&RouteCache>) -> FastPath {
+    /// Delivers straight into an open mailbox, skipping the dispatcher's queue: through
+    /// `cache` (a typed ref's) if it holds an open route, else through the route map
+    /// (and then remembers the route in `cache`).
+    fn fast_path(&self, target: &ActorId, envelope: Envelope, cache: Option<&RouteCache>) -> FastPath {
         let Some(cache) = cache else {
             let routes = self.routes.lock();
             let Some(route) = routes.get(target) else {
-                return FastPath::ToDispatcher;
+                drop(routes);
+                return FastPath::ToDispatcher(Box::new(envelope));
             };
             return self.delivered(target, route.deliver(envelope));
         };
         let mut cached = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut envelope = envelope;
         if let Some(mailbox) = cached.as_ref() {
             match mailbox.deliver(envelope) {
-                // That activation is ending or gone: look for the next one.
-                Delivery::Closed => *cached = None,
+                Delivery::Closed(back) => {
+                    // That activation is ending or gone: look for the next one.
+                    *cached = None;
+                    envelope = *back;
+                }
                 delivery => return self.delivered(target, delivery),
             }
         }
         let routes = self.routes.lock();
         let Some(route) = routes.get(target) else {
-            return FastPath::ToDispatcher;
+            drop(routes);
+            return FastPath::ToDispatcher(Box::new(envelope));
         };
         let delivery = route.deliver(envelope);
-        if !matches!(delivery, Delivery::Closed) {
+        if !matches!(delivery, Delivery::Closed(_)) {
             *cached = Some(route.share());
         }
         self.delivered(target, delivery)
@@ -297,7 +297,7 @@ impl Shared {
     fn delivered(&self, target: &ActorId, delivery: Delivery) -> FastPath {
         match delivery {
             Delivery::Delivered => FastPath::Delivered,
-            Delivery::Full(capacity) => {
+            Delivery::Full(_, capacity) => {
                 Counters::add(&self.counters.busy_refused);
                 FastPath::Refused(InvokeError::Busy {
                     target: target.clone(),
@@ -305,7 +305,7 @@ impl Shared {
                 })
             }
             // The activation ended; the dispatcher knows what to do next.
-            Delivery::Closed => FastPath::ToDispatcher,
+            Delivery::Closed(envelope) => FastPath::ToDispatcher(envelope),
         }
     }
 }
@@ -733,18 +733,18 @@ impl RuntimeHandle {
         }
         let call = shared.next_call();
         let span = tracing::info_span!("tell", target = %target, request = call, depth = context.depth());
-        let mut envelope = Some(Envelope {
+        let envelope = Envelope {
             payload,
             context,
             reply: ReplyTo::Nobody,
             call,
             edge: false,
             span: EnvelopeSpan::new(span),
-        });
-        let mut envelope = match shared.fast_path(target, &mut envelope, cache) {
+        };
+        let mut envelope = match shared.fast_path(target, envelope, cache) {
             FastPath::Delivered => return Ok(Told::Accepted),
             FastPath::Refused(error) => return Err(error),
-            FastPath::ToDispatcher => Box::new(envelope.take().expect(REFUSED_STAYS)),
+            FastPath::ToDispatcher(back) => back,
         };
         let (acceptance, accepted) = oneshot::channel();
         envelope.reply = ReplyTo::Acceptance(acceptance);
@@ -895,14 +895,14 @@ impl RuntimeHandle {
         // The parent of the callee's turn span: a child of the caller's current span (its
         // own turn's, for a call from a turn), so one request is one tree of spans.
         let span = tracing::info_span!("invoke", target = %target, request = call, depth = context.depth());
-        let mut envelope = Some(Envelope {
+        let envelope = Envelope {
             payload,
             context,
             reply: ReplyTo::Caller(reply),
             call,
             edge: edge.is_some(),
             span: EnvelopeSpan::new(span),
-        });
+        };
         let wait = |guard| ReplyWait {
             guard,
             deadline,
@@ -913,17 +913,18 @@ impl RuntimeHandle {
         };
         // A call from outside any turn adds no wait-for edge, so it may skip the
         // dispatcher when the target's mailbox is open.
-        if edge.is_none() {
-            match shared.fast_path(target, &mut envelope, cache) {
+        let envelope = if edge.is_none() {
+            match shared.fast_path(target, envelope, cache) {
                 FastPath::Delivered => return Ok(wait(guard)),
                 FastPath::Refused(error) => {
                     guard.answered = true;
                     return Err(error);
                 }
-                FastPath::ToDispatcher => {}
+                FastPath::ToDispatcher(back) => back,
             }
-        }
-        let envelope = Box::new(envelope.take().expect(REFUSED_STAYS));
+        } else {
+            Box::new(envelope)
+        };
         let command = Command::Invoke {
             target: target.clone(),
             envelope,

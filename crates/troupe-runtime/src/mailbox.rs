@@ -60,14 +60,14 @@ pub(crate) const MAILBOX_SLOTS_KEPT: usize = troupe_core::limits::MAILBOX_CAPACI
 /// one envelope's room, which an actor called by one caller at a time never outgrows.
 pub(crate) const MAILBOX_SLOTS_KEPT_IDLE: usize = 1;
 
-/// What became of one delivery attempt into a mailbox. A refused envelope stays where
-/// the caller put it (see [`Mailbox::deliver`]).
+/// What became of one delivery attempt into a mailbox.
 pub(crate) enum Delivery {
     Delivered,
-    /// The mailbox is full; its capacity.
-    Full(usize),
+    /// The mailbox is full; its capacity. (The envelope comes back boxed: only a
+    /// refused one pays for the box.)
+    Full(Box<Envelope>, usize),
     /// The mailbox is closed (its activation is ending, or its task has ended).
-    Closed,
+    Closed(Box<Envelope>),
 }
 
 /// The mailbox's sending side, shared by the route map's entry and typed refs' caches.
@@ -139,27 +139,22 @@ impl Mailbox {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes the envelope out of `envelope` into the mailbox and counts it, if it is
-    /// open and not full, and wakes the task if it waits; a refused one stays in
-    /// `envelope`. Through a place rather than by value: a 120-byte envelope passed by
-    /// value is copied at each call on its way here (the sender's three copies were
-    /// about 45 instructions of a `tell`, callgrind), and a refusal needs no box to give
-    /// it back.
-    ///
-    /// # Panics
-    /// If `envelope` is empty.
-    pub(crate) fn deliver(&self, envelope: &mut Option<Envelope>) -> Delivery {
+    /// Puts `envelope` into the mailbox and counts it, if it is open and not full, and
+    /// wakes the task if it waits.
+    pub(crate) fn deliver(&self, envelope: Envelope) -> Delivery {
         let waker = {
             let mut state = self.state();
             if !state.open {
-                return Delivery::Closed;
+                drop(state);
+                return Delivery::Closed(Box::new(envelope));
             }
             // Delivered and not yet taken: the queue and what is left of the receiver's
             // batch (`taken` never exceeds `delivered`, which only grows).
             if state.delivered - self.taken.load(Ordering::Acquire) >= self.capacity as u64 {
-                return Delivery::Full(self.capacity);
+                drop(state);
+                return Delivery::Full(Box::new(envelope), self.capacity);
             }
-            state.queue.push_back(envelope.take().expect("an envelope to deliver"));
+            state.queue.push_back(envelope);
             state.delivered += 1;
             state.waker.take()
         };
@@ -345,29 +340,8 @@ mod tests {
         }
     }
 
-    /// A delivery's outcome, with the envelope it refused (left in the caller's place).
-    enum Sent {
-        Delivered,
-        Full(Envelope, usize),
-        Closed(Envelope),
-    }
-
-    /// Delivers `envelope` from a place of its own, as the callers do: emptied when
-    /// delivered, left holding the envelope when refused.
-    fn send(mailbox: &Mailbox, envelope: Envelope) -> Sent {
-        let mut place = Some(envelope);
-        match mailbox.deliver(&mut place) {
-            Delivery::Delivered => {
-                assert!(place.is_none(), "a delivered envelope is taken from its place");
-                Sent::Delivered
-            }
-            Delivery::Full(capacity) => Sent::Full(place.expect("a refused envelope stays in its place"), capacity),
-            Delivery::Closed => Sent::Closed(place.expect("a refused envelope stays in its place")),
-        }
-    }
-
-    fn delivered(sent: Sent) -> bool {
-        matches!(sent, Sent::Delivered)
+    fn delivered(delivery: Delivery) -> bool {
+        matches!(delivery, Delivery::Delivered)
     }
 
     /// Goal: first in, first out; a full mailbox refuses with its capacity and gives the
@@ -376,21 +350,21 @@ mod tests {
     #[tokio::test]
     async fn fifo_bounded_and_counted() {
         let (mailbox, mut receiver) = Mailbox::open(3, [Box::new(envelope(0))].into_iter());
-        assert!(delivered(send(&mailbox, envelope(1))));
-        assert!(delivered(send(&mailbox, envelope(2))));
-        match send(&mailbox, envelope(3)) {
-            Sent::Full(back, capacity) => assert_eq!((back.call, capacity), (3, 3)),
+        assert!(delivered(mailbox.deliver(envelope(1))));
+        assert!(delivered(mailbox.deliver(envelope(2))));
+        match mailbox.deliver(envelope(3)) {
+            Delivery::Full(back, capacity) => assert_eq!((back.call, capacity), (3, 3)),
             _ => panic!("a full mailbox took a message"),
         }
         assert_eq!(receiver.recv().await.unwrap().call, 0);
-        assert!(delivered(send(&mailbox, envelope(4))));
+        assert!(delivered(mailbox.deliver(envelope(4))));
         for call in [1, 2, 4] {
             assert_eq!(receiver.recv().await.unwrap().call, call);
         }
         assert!(!mailbox.close_if_delivered(3), "4 were delivered, not 3");
         assert!(!mailbox.is_closed());
         assert!(mailbox.close_if_delivered(4));
-        assert!(matches!(send(&mailbox, envelope(5)), Sent::Closed(back) if back.call == 5));
+        assert!(matches!(mailbox.deliver(envelope(5)), Delivery::Closed(back) if back.call == 5));
         assert!(receiver.recv().await.is_none());
     }
 
@@ -401,20 +375,20 @@ mod tests {
     async fn a_receiver_s_batch_counts_against_the_bound() {
         let (mailbox, mut receiver) = Mailbox::open(4, std::iter::empty());
         for call in 0..4 {
-            assert!(delivered(send(&mailbox, envelope(call))));
+            assert!(delivered(mailbox.deliver(envelope(call))));
         }
-        assert!(matches!(send(&mailbox, envelope(4)), Sent::Full(_, 4)));
+        assert!(matches!(mailbox.deliver(envelope(4)), Delivery::Full(_, 4)));
         // The four are taken as one batch; the first is handed out.
         assert_eq!(receiver.recv().await.unwrap().call, 0);
         assert_eq!(receiver.batch.len(), 3);
         assert!(mailbox.state().queue.is_empty());
-        assert!(delivered(send(&mailbox, envelope(5))));
+        assert!(delivered(mailbox.deliver(envelope(5))));
         assert!(
-            matches!(send(&mailbox, envelope(6)), Sent::Full(_, 4)),
+            matches!(mailbox.deliver(envelope(6)), Delivery::Full(_, 4)),
             "three in the batch and one queued fill a mailbox of four"
         );
         assert_eq!(receiver.recv().await.unwrap().call, 1);
-        assert!(delivered(send(&mailbox, envelope(7))));
+        assert!(delivered(mailbox.deliver(envelope(7))));
         for call in [2, 3, 5, 7] {
             assert_eq!(receiver.recv().await.unwrap().call, call);
         }
@@ -428,9 +402,9 @@ mod tests {
     #[tokio::test]
     async fn closing_drains_and_a_dropped_receiver_drops_the_queue() {
         let (mailbox, mut receiver) = Mailbox::open(4, std::iter::empty());
-        assert!(delivered(send(&mailbox, envelope(1))));
+        assert!(delivered(mailbox.deliver(envelope(1))));
         mailbox.close();
-        assert!(matches!(send(&mailbox, envelope(2)), Sent::Closed(_)));
+        assert!(matches!(mailbox.deliver(envelope(2)), Delivery::Closed(_)));
         assert_eq!(receiver.recv().await.unwrap().call, 1);
         assert!(receiver.recv().await.is_none());
 
@@ -438,13 +412,13 @@ mod tests {
         let (reply, waiting) = crate::reply_cell::channel();
         let mut queued = envelope(3);
         queued.reply = ReplyTo::Caller(reply);
-        assert!(delivered(send(&mailbox, queued)));
+        assert!(delivered(mailbox.deliver(queued)));
         drop(receiver);
         assert!(
             waiting.recv().await.is_err(),
             "the queued request's reply channel closed"
         );
-        assert!(matches!(send(&mailbox, envelope(4)), Sent::Closed(_)));
+        assert!(matches!(mailbox.deliver(envelope(4)), Delivery::Closed(_)));
     }
 
     /// Goal: a burst's room is given back once the queue empties, down to
@@ -453,7 +427,7 @@ mod tests {
     async fn a_burst_s_room_is_given_back() {
         let (mailbox, mut receiver) = Mailbox::open(1_000, std::iter::empty());
         for call in 0..1_000 {
-            assert!(delivered(send(&mailbox, envelope(call))));
+            assert!(delivered(mailbox.deliver(envelope(call))));
         }
         for _ in 0..1_000 {
             receiver.recv().await.unwrap();
@@ -469,7 +443,7 @@ mod tests {
         assert!(mailbox.state().queue.capacity() <= MAILBOX_SLOTS_KEPT_IDLE);
         assert_eq!(receiver.batch.capacity(), 0);
         for call in 0..3 {
-            assert!(delivered(send(&mailbox, envelope(call))));
+            assert!(delivered(mailbox.deliver(envelope(call))));
         }
         let room = mailbox.state().queue.capacity();
         assert!(room >= 3);
@@ -492,7 +466,7 @@ mod tests {
         assert_eq!(mailbox.state().queue.capacity(), 1);
         for call in 1..100 {
             assert_eq!(receiver.recv().await.unwrap().call, call - 1);
-            assert!(delivered(send(&mailbox, envelope(call))));
+            assert!(delivered(mailbox.deliver(envelope(call))));
             assert_eq!(mailbox.state().queue.capacity(), 1, "one at a time needs one slot");
         }
     }
@@ -519,15 +493,16 @@ mod tests {
                 let full = Arc::clone(&full);
                 tokio::spawn(async move {
                     for seq in 0..EACH {
-                        let mut message = Some(envelope(sender * EACH + seq));
+                        let mut message = envelope(sender * EACH + seq);
                         loop {
-                            match mailbox.deliver(&mut message) {
+                            match mailbox.deliver(message) {
                                 Delivery::Delivered => break,
-                                Delivery::Full(_) => {
+                                Delivery::Full(back, _) => {
                                     full.fetch_add(1, Ordering::Relaxed);
+                                    message = *back;
                                     tokio::task::yield_now().await;
                                 }
-                                Delivery::Closed => panic!("closed while sending"),
+                                Delivery::Closed(_) => panic!("closed while sending"),
                             }
                         }
                     }
