@@ -2,13 +2,13 @@
 
 use std::time::Duration;
 
+use troupe_core::{CallContext, TraceId};
+
 use crate::conversation::{
     check_name, conversation_actor, decode_conv_reply, decode_definition, index_actor, member_prefix, read_committed,
     ConvCommand, ConvReply, ConversationError, ConversationInfo, ConversationKind, ConversationMessage, Participant,
     PostRequest, Posted, Sender, CONVERSATIONS_LISTED_MAX, CONVERSATION_PAGE_MAX, CONVERSATION_PARTICIPANTS_MAX,
 };
-use troupe_core::{CallContext, TraceId};
-
 use crate::limits::{AGENT_DELIVERY_ACK_TIMEOUT_MS, CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS};
 use crate::AgentClient;
 
