@@ -36,7 +36,9 @@
 //! - `cold` (current_thread only): the first invoke of a never-seen actor id (its task
 //!   spawned, its state loaded, its first turn), against spawning the floor's server
 //!   task and its first round trip; both sides keep what they started alive, and the
-//!   ids are made before the clock starts, as in `benches/runtime.rs`.
+//!   ids are made before the clock starts, as in `benches/runtime.rs`; both start in
+//!   heap memory touched before the run (`benches/support/heap.rs`: in fresh memory the
+//!   floor's larger servers page-fault about twice as often as Troupe's activations).
 //!
 //! Run: `cargo bench -p troupe-bench --bench paired` (prints a markdown table; `scripts/paired-ratios`
 //! runs it several times and combines the runs).
@@ -57,6 +59,8 @@ use troupe::runtime::{ActorRef, KindConfig, Runtime, RuntimeHandle};
 mod echo;
 #[path = "support/floor.rs"]
 mod floor;
+#[path = "support/heap.rs"]
+mod heap;
 #[path = "support/peers.rs"]
 mod peers;
 // The agents of `benches/agents.rs`; the notify and delegate ones are not used here.
@@ -382,6 +386,9 @@ fn runtime(flavor: &str) -> tokio::runtime::Runtime {
 fn main() {
     // `cargo bench` passes `--bench`; a filter, if any, picks cases by name.
     let filter: Vec<String> = std::env::args().skip(1).filter(|arg| !arg.starts_with("--")).collect();
+    // The cold case starts its tasks and actors in memory touched before, not in pages
+    // faulted in as they start (see benches/support/heap.rs).
+    heap::touch_heap();
     println!("| case | runtime | floor | library | ratio (median of the pairs) | quartiles |");
     println!("|---|---|---|---|---|---|");
     for flavor in ["current_thread", "multi_thread (2 workers)"] {

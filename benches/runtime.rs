@@ -6,7 +6,8 @@
 //! - `cold activation and first reply`: invoke a never-seen actor id (spawn its task,
 //!   load from the store, first turn), against a bare tokio spawn + first reply; each
 //!   side in a spawned task, keeping at most `COLD_LIVE_MAX` (100,000) alive at a time
-//!   (since 2026-12-02; before, millions, and in `block_on`'s own future).
+//!   (since 2026-12-02; before, millions, and in `block_on`'s own future), in heap
+//!   memory touched before the group starts (since 2026-12-03: `benches/support/heap.rs`).
 //! - `routing with N activated actors`: the hot round trip while the activation table
 //!   holds 1k … 1M actors; it should stay flat.
 //!
@@ -31,6 +32,8 @@ use troupe::runtime::{KindConfig, Runtime};
 mod echo;
 #[path = "support/floor.rs"]
 mod floor;
+#[path = "support/heap.rs"]
+mod heap;
 #[path = "support/peers.rs"]
 mod peers;
 
@@ -296,6 +299,9 @@ impl<T> Generation<T> {
 }
 
 fn cold_activation(c: &mut Criterion) {
+    // Every side starts in memory touched before, not in pages faulted in as it starts
+    // (benches/support/heap.rs).
+    heap::touch_heap();
     let rt = current_thread();
     let mut group = c.benchmark_group("cold activation and first reply");
     group.bench_function("bare tokio spawn + first reply, task ends after (floor)", |b| {
