@@ -21,7 +21,6 @@
 //! It does not retry, reorder or persist messages: a mailbox is memory, and a request
 //! is acknowledged only by its reply.
 
-use std::collections::hash_map::{Entry, VacantEntry};
 use std::collections::VecDeque;
 use std::task::Poll;
 
@@ -32,7 +31,7 @@ use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleStat
 use crate::activation::{self, ActivationStart};
 use crate::control::{CallEdge, Command, Control};
 use crate::envelope::Envelope;
-use crate::fast_hash::FastMap;
+use crate::fast_hash::{IdEntry, IdMap, VacantId};
 use crate::handle::{Counters, Route, Routes};
 use crate::mailbox::{Delivery, Mailbox};
 use crate::observer::RuntimeEvent;
@@ -92,7 +91,7 @@ impl Activation {
     /// starts deactivating: the running turn and queued requests finish, then the
     /// activation saves and ends. Still activating: `note_started` sees the closed mailbox
     /// and deactivates then.
-    fn close(&mut self, id: &ActorId, routes: &mut FastMap<ActorId, Route>) {
+    fn close(&mut self, id: &ActorId, routes: &mut IdMap<Route>) {
         if !self.open {
             return;
         }
@@ -116,7 +115,7 @@ pub(crate) struct Dispatcher {
     handle: RuntimeHandle,
     commands: mpsc::Receiver<Command>,
     control: mpsc::UnboundedReceiver<Control>,
-    table: FastMap<ActorId, Activation>,
+    table: IdMap<Activation>,
     waits: WaitForGraph,
     next_generation: u64,
     shutdown: Option<oneshot::Sender<()>>,
@@ -133,7 +132,7 @@ impl Dispatcher {
             handle,
             commands,
             control,
-            table: FastMap::default(),
+            table: IdMap::default(),
             waits: WaitForGraph::default(),
             next_generation: 1,
             shutdown: None,
@@ -314,14 +313,14 @@ impl Dispatcher {
             Self::deliver(&self.handle.shared.routes, activation, &target, capacity, envelope)
         } else {
             match self.table.entry(target) {
-                Entry::Occupied(_) => unreachable!("looked up just above"),
-                Entry::Vacant(_) if shutting_down => Some((envelope, InvokeError::Shutdown)),
-                Entry::Vacant(entry) if table_full => {
+                IdEntry::Occupied(_) => unreachable!("looked up just above"),
+                IdEntry::Vacant(_) if shutting_down => Some((envelope, InvokeError::Shutdown)),
+                IdEntry::Vacant(entry) if table_full => {
                     let reason = format!("the runtime holds {ACTIVATIONS_MAX} activations");
                     let target = entry.into_key();
                     Some((envelope, InvokeError::Rejected { target, reason }))
                 }
-                Entry::Vacant(entry) => {
+                IdEntry::Vacant(entry) => {
                     Self::activate(
                         &self.handle,
                         &mut self.next_generation,
@@ -390,7 +389,7 @@ impl Dispatcher {
     fn activate(
         handle: &RuntimeHandle,
         next_generation: &mut u64,
-        entry: VacantEntry<'_, ActorId, Activation>,
+        entry: VacantId<'_, Activation>,
         capacity: usize,
         messages: impl ExactSizeIterator<Item = Box<Envelope>>,
     ) {
@@ -533,7 +532,7 @@ impl Dispatcher {
             .expect("activations are of registered kinds only")
             .config
             .mailbox_capacity;
-        let Entry::Vacant(entry) = self.table.entry(id) else {
+        let IdEntry::Vacant(entry) = self.table.entry(id) else {
             unreachable!("the entry was removed above")
         };
         Self::activate(

@@ -22,7 +22,7 @@ use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, Invoke
 use crate::caller::CallerInner;
 use crate::control::{CallEdge, Command, Control};
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
-use crate::fast_hash::FastMap;
+use crate::fast_hash::IdMap;
 use crate::idempotency::IdempotencyKey;
 use crate::mailbox::{Delivery, Mailbox};
 use crate::reply_cell::{ReplyReceiver, TryRecvError};
@@ -182,10 +182,10 @@ pub(crate) struct RouteCache(Mutex<Option<Arc<Mailbox>>>);
 /// the count it compares is exact. Lock order: a ref's cache, then this map, then a
 /// mailbox's lock.
 #[derive(Default)]
-pub(crate) struct Routes(Mutex<FastMap<ActorId, Route>>);
+pub(crate) struct Routes(Mutex<IdMap<Route>>);
 
 impl Routes {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, FastMap<ActorId, Route>> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, IdMap<Route>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

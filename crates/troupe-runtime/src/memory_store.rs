@@ -32,7 +32,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::ActorId;
 
-use crate::fast_hash::FastMap;
+use crate::fast_hash::IdMap;
 use crate::state_store::{
     check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreOperation, TurnCommit,
     STATE_SCAN_LIMIT_MAX,
@@ -149,7 +149,7 @@ impl ActorSlot {
 
 #[derive(Default)]
 struct Disk {
-    actors: FastMap<ActorId, ActorSlot>,
+    actors: IdMap<ActorSlot>,
     /// The actors whose [`ActorSlot::unflushed`] is `Some`, each once: what a flush or a
     /// crash visits.
     unflushed: Vec<ActorId>,
@@ -160,7 +160,7 @@ struct Disk {
 impl Disk {
     /// The actor's slot, created empty (no fence, no data) if it has none yet.
     fn slot_mut(&mut self, actor: &ActorId) -> &mut ActorSlot {
-        self.actors.entry(actor.clone()).or_default()
+        self.actors.get_or_insert_with(actor, ActorSlot::default)
     }
 
     fn visible_state(&self, actor: &ActorId) -> Option<Bytes> {
@@ -686,7 +686,7 @@ mod tests {
         {
             let disk = store.lock();
             assert_eq!(disk.unflushed, vec![ids[7].clone()]);
-            let unflushed = disk.actors[&ids[7]].unflushed.as_deref().unwrap();
+            let unflushed = disk.actors.get(&ids[7]).unwrap().unflushed.as_deref().unwrap();
             assert_eq!(unflushed.state, None);
             let recorded: Vec<(&str, bool)> = unflushed
                 .entries
