@@ -32,17 +32,28 @@ mod peers;
 #[path = "support/scripted_agents.rs"]
 mod scripted_agents;
 
-use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
-use floor::{floor_round_trip, floor_tell_batch, spawn_floor_server, spawn_tell_floor_server, TypedEcho};
+use echo::{echo_runtime, relay_runtime, ECHO_IDLE_TIMEOUT};
+use floor::{
+    floor_round_trip, floor_tell_batch, spawn_floor_server, spawn_relay_floor_server, spawn_tell_floor_server,
+    TypedEcho,
+};
 
 /// The cases, each with what one iteration is.
-const CASES: [(&str, &str); 18] = [
+const CASES: [(&str, &str); 20] = [
     (
         "invoke-floor",
         "mpsc send + oneshot reply (the raw-tokio floor of an invoke)",
     ),
     ("invoke", "RuntimeHandle::invoke_within of an active echo actor"),
     ("typed-ask", "ActorRef::ask of an active typed echo actor"),
+    (
+        "relay-floor",
+        "a request to a task that asks another task and answers with its reply (the relay's floor)",
+    ),
+    (
+        "relay",
+        "RuntimeHandle::invoke_within of an active relay actor, whose turn calls an echo actor (Turn::invoke)",
+    ),
     ("tell-floor", "TELL_BATCH bounded mpsc sends, then one request-reply"),
     ("tell", "TELL_BATCH ActorRef::tell, then one ActorRef::ask"),
     (
@@ -143,6 +154,33 @@ async fn run(case: &str, iterations: u64) {
                             .await
                             .unwrap();
                     }
+                }
+            })
+        }
+        "relay-floor" => {
+            let sender = spawn_relay_floor_server(spawn_floor_server());
+            floor_round_trip(&sender).await;
+            tokio::spawn(async move {
+                for _ in 0..iterations {
+                    floor_round_trip(&sender).await;
+                }
+            })
+        }
+        "relay" => {
+            let runtime = relay_runtime();
+            let target = ActorId::new("relay", "0").unwrap();
+            let handle = runtime.handle();
+            handle
+                .invoke_within(&target, Bytes::from_static(b"x"), TIMEOUT)
+                .await
+                .unwrap();
+            tokio::spawn(async move {
+                let _runtime = runtime;
+                for _ in 0..iterations {
+                    handle
+                        .invoke_within(&target, Bytes::from_static(b"x"), TIMEOUT)
+                        .await
+                        .unwrap();
                 }
             })
         }

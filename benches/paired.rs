@@ -68,9 +68,10 @@ mod peers;
 #[path = "support/scripted_agents.rs"]
 mod scripted_agents;
 
-use echo::{echo_runtime, ECHO_IDLE_TIMEOUT};
+use echo::{relay_runtime, ECHO_IDLE_TIMEOUT};
 use floor::{
-    floor_round_trip, floor_tell_batch, spawn_floor_server, spawn_tell_floor_server, Request, Told, TypedEcho,
+    floor_round_trip, floor_tell_batch, spawn_floor_server, spawn_relay_floor_server, spawn_tell_floor_server, Request,
+    Told, TypedEcho,
 };
 
 /// Pairs measured per hot case, after [`WARM_UP_PAIRS`] that are not.
@@ -117,6 +118,7 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 enum Case {
     Invoke,
     TypedAsk,
+    Relay,
     TypedTell,
     TypedTellBy,
     Ractor,
@@ -133,6 +135,9 @@ impl Case {
         match self {
             Case::Invoke => "invoke (invoke_within)",
             Case::TypedAsk => "typed ask",
+            Case::Relay => {
+                "call from a turn (invoke of an actor whose turn calls another; floor: a task that asks another)"
+            }
             Case::TypedTell => "typed tell (per message, batch of 32 + an ask)",
             Case::TypedTellBy => "typed tell_by (per message, one deadline per batch of 32 + an ask)",
             Case::Ractor => "ractor call! (a peer library, same floor as invoke)",
@@ -148,7 +153,7 @@ impl Case {
     /// Iterations per block, and operations per iteration (for the per-operation time).
     fn shape(self) -> (u64, u64) {
         match self {
-            Case::Invoke | Case::TypedAsk | Case::Ractor | Case::Kameo => (ROUND_TRIPS_PER_BLOCK, 1),
+            Case::Invoke | Case::TypedAsk | Case::Relay | Case::Ractor | Case::Kameo => (ROUND_TRIPS_PER_BLOCK, 1),
             Case::TypedTell | Case::TypedTellBy | Case::RactorTell | Case::KameoTell => {
                 (BATCHES_PER_BLOCK, TELL_BATCH + 1)
             }
@@ -179,11 +184,14 @@ impl Case {
 #[derive(Clone)]
 struct Targets {
     floor: mpsc::Sender<Request>,
+    /// The relay case's floor: a server that asks `floor`'s kind of server.
+    relay_floor: mpsc::Sender<Request>,
     /// The tell cases' floor: a server that only receives (its batch's closing request
     /// aside).
     tell_floor: mpsc::Sender<Told>,
     handle: RuntimeHandle,
     echo: ActorId,
+    relay: ActorId,
     typed: ActorRef<TypedEcho>,
     ractor: ractor::ActorRef<peers::ractor_echo::Message>,
     kameo: kameo::actor::ActorRef<peers::kameo_echo::Echo>,
@@ -220,6 +228,10 @@ async fn floor_block(case: Case, targets: &Targets, iterations: u64) -> Vec<mpsc
             }
             continue;
         }
+        if case == Case::Relay {
+            floor_round_trip(&targets.relay_floor).await;
+            continue;
+        }
         floor_round_trip(&targets.floor).await;
     }
     Vec::new()
@@ -248,6 +260,13 @@ async fn troupe_block(case: Case, targets: &Targets, iterations: u64, new_ids: &
             }
             Case::TypedAsk => {
                 targets.typed.ask(7, TIMEOUT).await.unwrap();
+            }
+            Case::Relay => {
+                targets
+                    .handle
+                    .invoke_within(&targets.relay, Bytes::from_static(b"x"), TIMEOUT)
+                    .await
+                    .unwrap();
             }
             Case::TypedTell => {
                 for message in 0..TELL_BATCH {
@@ -394,7 +413,8 @@ fn main() {
     for flavor in ["current_thread", "multi_thread (2 workers)"] {
         let rt = runtime(flavor);
         let (echo_runtime, typed_runtime, targets) = rt.block_on(async {
-            let echo_runtime = echo_runtime();
+            // The echo kind and the relay kind, whose turns call `echo/0`.
+            let echo_runtime = relay_runtime();
             let typed_runtime = Runtime::builder()
                 .register_typed::<TypedEcho>(
                     ActorKind::new("typed").unwrap(),
@@ -408,6 +428,14 @@ fn main() {
                 .invoke_within(&echo, Bytes::new(), TIMEOUT)
                 .await
                 .unwrap();
+            let relay = ActorId::new("relay", "0").unwrap();
+            echo_runtime
+                .handle()
+                .invoke_within(&relay, Bytes::new(), TIMEOUT)
+                .await
+                .unwrap();
+            let relay_floor = spawn_relay_floor_server(spawn_floor_server());
+            floor_round_trip(&relay_floor).await;
             let typed = typed_runtime
                 .actor_ref::<TypedEcho>(ActorId::new("typed", "0").unwrap())
                 .unwrap();
@@ -417,9 +445,11 @@ fn main() {
             agents.ask("asker", "warm up").await.unwrap();
             let targets = Targets {
                 floor: spawn_floor_server(),
+                relay_floor,
                 tell_floor: spawn_tell_floor_server(),
                 handle: echo_runtime.handle(),
                 echo,
+                relay,
                 typed,
                 ractor: peers::ractor_echo::spawn().await,
                 kameo: peers::kameo_echo::spawn(),
@@ -430,6 +460,7 @@ fn main() {
         for case in [
             Case::Invoke,
             Case::TypedAsk,
+            Case::Relay,
             Case::TypedTell,
             Case::TypedTellBy,
             Case::Ractor,

@@ -20,7 +20,46 @@ impl Actor for Echo {
     }
 }
 
+/// Calls `echo/0` from its turn (`Turn::invoke`, a call with a wait-for edge) with the
+/// message it got, and answers with the echo's reply: a relay's round trip is an
+/// invoke plus one call from a turn. (Not every bench that includes this file uses it.)
+#[allow(dead_code)]
+pub(crate) struct Relay;
+
+/// The relay's call's timeout: longer than any run.
+#[allow(dead_code)]
+const RELAY_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Actor for Relay {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let echo = ActorId::new("echo", "0").expect("a valid id");
+        Ok(turn.invoke(&echo, payload, RELAY_CALL_TIMEOUT).await?)
+    }
+}
+
+/// A runtime on an in-memory store with the kinds `echo` and `relay` registered.
+#[allow(dead_code)]
+pub(crate) fn relay_runtime() -> Runtime {
+    let config = KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT);
+    Runtime::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .register(
+            ActorKind::new("echo").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
+            config,
+        )
+        .unwrap()
+        .register(
+            ActorKind::new("relay").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Relay)) },
+            config,
+        )
+        .unwrap()
+        .start()
+}
+
 /// A runtime on an in-memory store with the kind `echo` registered.
+#[allow(dead_code)]
 pub(crate) fn echo_runtime() -> Runtime {
     let config = KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT);
     Runtime::builder()

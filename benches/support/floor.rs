@@ -25,6 +25,27 @@ pub(crate) fn spawn_floor_server() -> mpsc::Sender<Request> {
     sender
 }
 
+/// Spawns the relay floor's server: for every request it asks `next` (a floor server)
+/// with the payload, over a new oneshot, and answers with `next`'s reply: the raw-tokio
+/// shape of an actor whose turn calls another actor. (Not every bench that includes
+/// this file uses it.)
+#[allow(dead_code)]
+pub(crate) fn spawn_relay_floor_server(next: mpsc::Sender<Request>) -> mpsc::Sender<Request> {
+    let (sender, mut receiver) = mpsc::channel::<Request>(64);
+    tokio::spawn(async move {
+        while let Some((payload, reply)) = receiver.recv().await {
+            let (asked, answer) = oneshot::channel();
+            if next.send((payload, asked)).await.is_err() {
+                break;
+            }
+            if let Ok(answered) = answer.await {
+                let _ = reply.send(answered);
+            }
+        }
+    });
+    sender
+}
+
 /// Spawns the tell floor's server: it receives every message and answers the ones
 /// that carry a reply channel (the request that closes a batch), until the sender is
 /// dropped. Its own channel, so the invoke's floor keeps its message type.

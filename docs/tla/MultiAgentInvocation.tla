@@ -95,9 +95,10 @@ Path(x, y, R) == y \in Reach(Succ(x, R), R, Cardinality(Agents))
 Acyclic(R) == \A a \in Agents : ~Path(a, a, R)
 
 (* Two nodes at most: node 2 hosts the agents in Remote, node 1 the others.  *)
-(* Each node's dispatcher records the edges of the calls it routes, i.e. the  *)
-(* calls made by its own agents (crates/troupe-runtime/src/dispatcher.rs; the  *)
-(* transport does not share them), and checks a new edge against those only. *)
+(* Each node's runtime records the edges of the calls its agents make (in    *)
+(* the code, under the graph's lock as the call is sent: wait_for_graph.rs;  *)
+(* the transport does not share them), and checks a new edge against those   *)
+(* only.                                                                     *)
 NodeOf(a) == IF a \in Remote THEN 2 ELSE 1
 EdgesOf(S) == {<<calls[c].caller, calls[c].target>> : c \in S}
 (* The union of the dispatchers' views (the graph of one node when Remote = {}). *)

@@ -2,7 +2,7 @@
 //!
 //! A wait edge is (waiter, call id, target): the waiter's turn waits for the reply of
 //! call `call id` to the target. Each node's runtime keeps its own edges in its
-//! wait-for graph: local calls (the dispatcher records them) and calls to other nodes
+//! wait-for graph: local calls (recorded when a turn sends them) and calls to other nodes
 //! ([`RuntimeHandle::begin_remote_wait`](troupe_runtime::RuntimeHandle::begin_remote_wait),
 //! marked remote). The protocol:
 //!

@@ -443,12 +443,12 @@ async fn fail_queued(receiver: &mut MailboxReceiver, shared: &Shared, error: Inv
     }
 }
 
-/// Answers one request: releases its wait-for edge first, so that no call made after
+/// Answers one request: removes its wait-for edge first, so that no call made after
 /// the caller has its reply can meet the edge, then replies (a caller that is gone is
 /// ignored).
 fn respond(shared: &Shared, call: CallId, edge: bool, reply: ReplyTo, result: Reply) {
     if edge {
-        let _ = shared.control.send(Control::ReleaseCall { call });
+        shared.waits.remove(call);
     }
     reply.send(result);
 }

@@ -11,8 +11,9 @@
 //!   │                                     depth ≥ 5? unknown? ≥ 10 in flight? no time?
 //!   ▼ Admitted (holds an in-flight slot and the child context: depth+1, chain+self,
 //!   │           deadline clipped to this turn's)
-//! Caller::invoke(admitted, payload)  ──►  dispatcher: wait-for edge self → target
-//!   │                                      (refused with DeadlockDetected if it closes a cycle)
+//! Caller::invoke(admitted, payload)  ──►  wait-for edge self → target (the graph's lock;
+//!   │                                      refused with DeadlockDetected if it closes a
+//!   │                                      cycle), then the target's mailbox
 //!   ▼ reply, or the error; the edge ends when the callee replies or this wait ends
 //! ```
 //!
@@ -252,7 +253,7 @@ impl Caller {
     }
 
     /// Sends `payload` for an admitted call and waits for the reply until the child's
-    /// deadline. The dispatcher records the wait-for edge from this actor to the target
+    /// deadline. The runtime records the wait-for edge from this actor to the target
     /// while the call is open and refuses it with `DeadlockDetected` if the edge would
     /// close a cycle of waiting actors.
     ///
@@ -274,7 +275,9 @@ impl Caller {
         );
         let inner = &*self.inner;
         let result = match inner.handle.turn_call_router() {
-            Some(router) => self.routed_call(router.as_ref(), &admitted, payload, None).await,
+            // Boxed: a routed call's future (the router's call raced with the turn's end)
+            // would otherwise set the size of every call's, local ones included.
+            Some(router) => Box::pin(self.routed_call(router.as_ref(), &admitted, payload, None)).await,
             None => {
                 inner
                     .handle

@@ -8,20 +8,11 @@ use troupe_core::ActorId;
 use crate::envelope::Envelope;
 use crate::wait_for_graph::CallId;
 
-/// A call made from inside a turn: the dispatcher records `caller → target`.
-pub(crate) struct CallEdge {
-    pub(crate) id: CallId,
-    pub(crate) caller: ActorId,
-}
-
 /// Requests from callers, through the dispatcher's bounded queue.
 pub(crate) enum Command {
-    /// Route `envelope` to `target`.
-    Invoke {
-        target: ActorId,
-        envelope: Box<Envelope>,
-        edge: Option<CallEdge>,
-    },
+    /// Route `envelope` to `target`. A call from a turn (`envelope.edge`) comes with its
+    /// wait-for edge already added by its caller.
+    Invoke { target: ActorId, envelope: Box<Envelope> },
     /// Record the wait-for edge `caller → target` of a call to another node; answer
     /// whether it was recorded (`DeadlockDetected` if it closes a cycle). Not recorded
     /// if `reply` is closed (the caller gave up).
@@ -49,17 +40,14 @@ pub(crate) enum Command {
 
 /// Notices from actor tasks and call guards. Their number is bounded by construction:
 /// at most four per activation (activated or failed, one idle check per idle period,
-/// deactivated or crashed), two per admitted call (the callee's release and the
-/// caller's) and one shutdown per runtime, so the channel is unbounded.
+/// deactivated or crashed) and one shutdown per runtime, so the channel is unbounded.
+/// (Calls send none: their wait-for edges are added and removed under the graph's own
+/// lock, `wait_for_graph::SharedWaits`.)
 ///
 /// Ordering: the dispatcher drains this channel before it handles each command, so a
 /// notice sent before a command (by the same task, or causally before it) is always
-/// applied first. That is what keeps the wait-for graph exact: a callee releases its
-/// edge before it replies, so no call made after the reply can see the stale edge.
+/// applied first.
 pub(crate) enum Control {
-    /// The call ended: its callee replied (or dropped it unrun), or its caller stopped
-    /// waiting. Sent by both; the second is ignored.
-    ReleaseCall { call: CallId },
     /// Stop: refuse new work, close every mailbox; `reply` is answered when every
     /// activation has ended. Sent by `Runtime::shutdown` (with a reply) and by dropping
     /// the `Runtime` (without).

@@ -14,9 +14,11 @@
 //! - **No deactivation with work in flight** (NoDeactivationWithCallsInFlight): an idle
 //!   check is granted only if the activation has taken every message routed to it and
 //!   its turn is not waiting on any call.
-//! - **Wait-for graph** (WaitForGraphAcyclic): a call from inside a turn adds an edge;
-//!   an edge that would close a cycle is refused with `DeadlockDetected` before any
-//!   message is queued.
+//! - **Wait-for graph** (WaitForGraphAcyclic): a call from inside a turn adds an edge
+//!   (its caller's task does, under the graph's lock, before the message is sent: see
+//!   `wait_for_graph.rs`); an edge that would close a cycle is refused with
+//!   `DeadlockDetected` before any message is queued. The dispatcher removes the edge of
+//!   a call it refuses, before it answers, as a callee does before it replies.
 //!
 //! It does not retry, reorder or persist messages: a mailbox is memory, and a request
 //! is acknowledged only by its reply.
@@ -29,13 +31,13 @@ use troupe_core::limits::ACTIVATIONS_MAX;
 use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleState};
 
 use crate::activation::{self, ActivationStart};
-use crate::control::{CallEdge, Command, Control};
+use crate::control::{Command, Control};
 use crate::envelope::Envelope;
 use crate::fast_hash::{IdEntry, IdMap, VacantId};
 use crate::handle::{Counters, Route, Routes};
 use crate::mailbox::{Delivery, Mailbox};
 use crate::observer::RuntimeEvent;
-use crate::wait_for_graph::{EdgeRefused, WaitForGraph};
+use crate::wait_for_graph::EdgeRefused;
 use crate::{DispatcherStats, RuntimeHandle};
 
 struct Activation {
@@ -116,7 +118,6 @@ pub(crate) struct Dispatcher {
     commands: mpsc::Receiver<Command>,
     control: mpsc::UnboundedReceiver<Control>,
     table: IdMap<Activation>,
-    waits: WaitForGraph,
     next_generation: u64,
     shutdown: Option<oneshot::Sender<()>>,
     shutting_down: bool,
@@ -133,7 +134,6 @@ impl Dispatcher {
             commands,
             control,
             table: IdMap::default(),
-            waits: WaitForGraph::default(),
             next_generation: 1,
             shutdown: None,
             shutting_down: false,
@@ -161,9 +161,9 @@ impl Dispatcher {
             match next {
                 Some(Next::Control(control)) => self.on_control(control),
                 Some(Next::Command(command)) => {
-                    // Notices sent before this command (causally) are applied first: a
-                    // callee releases its wait-for edge before it replies, so a call made
-                    // after that reply never meets the stale edge.
+                    // Notices sent before this command (causally) are applied first: an
+                    // activation that reported its end before a request was sent is gone
+                    // from the table when the request is routed.
                     while let Ok(control) = self.control.try_recv() {
                         self.on_control(control);
                     }
@@ -190,9 +190,9 @@ impl Dispatcher {
             Command::Invoke { envelope, .. } if self.shutting_down => {
                 // A new request, or a call made by a turn still finishing: refused at
                 // once, never left to wait out its deadline.
-                envelope.reply.send(Err(InvokeError::Shutdown));
+                self.refuse(*envelope, InvokeError::Shutdown);
             }
-            Command::Invoke { target, envelope, edge } => self.route(target, envelope, edge),
+            Command::Invoke { target, envelope } => self.route(target, envelope),
             Command::AddRemoteEdge { reply, .. } if self.shutting_down => {
                 let _ = reply.send(Err(InvokeError::Shutdown));
             }
@@ -202,12 +202,18 @@ impl Dispatcher {
                 target,
                 reply,
             } => {
+                // Checked under the graph's lock: a `RemoteWait` dropped meanwhile closes
+                // its answer before it removes its edge under that lock, so either this
+                // sees it closed and adds nothing, or the removal comes after the add.
+                let mut waits = self.handle.shared.waits.lock();
                 if reply.is_closed() {
-                    // The caller gave up before the edge was recorded: its release has
-                    // been applied already, so recording it now would leak it.
+                    // The caller gave up before the edge was recorded: recording it now
+                    // would leak it.
                     return;
                 }
-                let result = match self.waits.try_add_remote(call, &caller, &target) {
+                let added = waits.try_add_remote(call, &caller, &target);
+                drop(waits);
+                let result = match added {
                     Ok(()) => Ok(()),
                     Err(EdgeRefused::Cycle(cycle)) => {
                         Counters::add(&self.handle.shared.counters.deadlocks_refused);
@@ -221,7 +227,7 @@ impl Dispatcher {
                 let _ = reply.send(result);
             }
             Command::Waits { actor, reply } => {
-                let _ = reply.send(self.waits.edges_of(&actor));
+                let _ = reply.send(self.handle.shared.waits.lock().edges_of(&actor));
             }
             Command::Stats { reply } => {
                 let _ = reply.send(self.stats());
@@ -256,54 +262,39 @@ impl Dispatcher {
             // Closed: deactivating, or about to once it has started.
             deactivating: self.table.values().filter(|a| !a.open).count(),
             held_messages: self.table.values().map(Activation::held_len).sum(),
-            wait_for_edges: self.waits.len(),
+            wait_for_edges: self.handle.shared.waits.lock().len(),
         }
     }
 
-    fn route(&mut self, target: ActorId, envelope: Box<Envelope>, edge: Option<CallEdge>) {
+    /// Answers `envelope` with `error`, removing its wait-for edge first (a call from a
+    /// turn: its caller added the edge when it sent it, and takes no release once it
+    /// has a reply).
+    fn refuse(&self, envelope: Envelope, error: InvokeError) {
+        if envelope.edge {
+            self.handle.shared.waits.remove(envelope.call);
+        }
+        envelope.reply.send(Err(error));
+    }
+
+    fn route(&mut self, target: ActorId, envelope: Box<Envelope>) {
         if envelope.reply.is_closed() {
-            // The caller stopped waiting before we got here: do not run it.
+            // The caller stopped waiting before we got here: do not run it (its edge, if
+            // any, went with its wait).
             return;
         }
         let now = self.handle.shared.clock.now();
         if envelope.context.deadline().has_passed(now) {
             Counters::add(&self.handle.shared.counters.expired_dropped);
-            envelope.reply.send(Err(InvokeError::Timeout { target, timeout_ms: 0 }));
+            self.refuse(*envelope, InvokeError::Timeout { target, timeout_ms: 0 });
             return;
         }
         let Some(kind) = self.handle.shared.kinds.get(target.kind()) else {
             let kind = target.kind().to_string();
-            envelope.reply.send(Err(InvokeError::ActorNotFound { target, kind }));
+            self.refuse(*envelope, InvokeError::ActorNotFound { target, kind });
             return;
         };
         let capacity = kind.config.mailbox_capacity;
-        if let Some(edge) = &edge {
-            match self.waits.try_add(edge.id, &edge.caller, &target) {
-                Ok(()) => {
-                    if self.waits.has_remote() {
-                        if let Some(router) = self.handle.turn_call_router() {
-                            let leaving = self.waits.remote_edges_reachable(&target);
-                            if !leaving.is_empty() {
-                                router.path_leaves_node(leaving);
-                            }
-                        }
-                    }
-                }
-                Err(EdgeRefused::Cycle(cycle)) => {
-                    Counters::add(&self.handle.shared.counters.deadlocks_refused);
-                    envelope.reply.send(Err(InvokeError::DeadlockDetected { cycle }));
-                    return;
-                }
-                Err(EdgeRefused::Full) => {
-                    envelope.reply.send(Err(InvokeError::Rejected {
-                        target,
-                        reason: "the wait-for graph is full".to_string(),
-                    }));
-                    return;
-                }
-            }
-        }
-        let call = edge.map(|edge| edge.id);
+        let edge = envelope.edge.then_some(envelope.call);
         // A fire-and-forget message is accepted once it is in the mailbox or held.
         let mut envelope = envelope;
         let acceptance = envelope.reply.take_acceptance();
@@ -333,8 +324,8 @@ impl Dispatcher {
             }
         };
         if let Some((envelope, error)) = refused {
-            if let Some(call) = call {
-                self.waits.remove(call);
+            if let Some(call) = edge {
+                self.handle.shared.waits.remove(call);
             }
             if matches!(error, InvokeError::Busy { .. }) {
                 Counters::add(&self.handle.shared.counters.busy_refused);
@@ -420,7 +411,6 @@ impl Dispatcher {
 
     fn on_control(&mut self, control: Control) {
         match control {
-            Control::ReleaseCall { call } => self.waits.remove(call),
             Control::Shutdown { reply } => self.begin_shutdown(reply),
             Control::Abort => self.abort(),
             Control::Fenced { id, generation } => {
@@ -433,7 +423,7 @@ impl Dispatcher {
                 generation,
                 received,
             } => {
-                let waiting = self.waits.is_waiting(&id);
+                let waiting = self.handle.shared.waits.lock().is_waiting(&id);
                 let routes = &self.handle.shared.routes;
                 let current = self.table.get_mut(&id).filter(|a| a.generation == generation);
                 let Some(activation) = current else { return };
@@ -518,7 +508,7 @@ impl Dispatcher {
             for envelope in held {
                 // Its caller releases no edge once it has a reply (`ReplyWait::finish`).
                 if envelope.edge {
-                    self.waits.remove(envelope.call);
+                    self.handle.shared.waits.remove(envelope.call);
                 }
                 envelope.reply.send(Err(InvokeError::Shutdown));
             }
@@ -574,7 +564,7 @@ impl Dispatcher {
                 for envelope in waiting.held.drain(..) {
                     // Its caller releases no edge once it has a reply.
                     if envelope.edge {
-                        self.waits.remove(envelope.call);
+                        self.handle.shared.waits.remove(envelope.call);
                     }
                     envelope.reply.send(Err(InvokeError::Shutdown));
                 }

@@ -20,12 +20,13 @@ use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::caller::CallerInner;
-use crate::control::{CallEdge, Command, Control};
+use crate::control::{Command, Control};
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::fast_hash::IdMap;
 use crate::idempotency::IdempotencyKey;
 use crate::mailbox::{Delivery, Mailbox};
 use crate::reply_cell::{ReplyReceiver, TryRecvError};
+use crate::wait_for_graph::{CallId, EdgeRefused};
 use crate::{ActorFactory, Clock, KindConfig, RuntimeEvent, RuntimeObserver, StateStore};
 
 thread_local! {
@@ -216,6 +217,9 @@ pub(crate) struct Shared {
     pub(crate) store: Arc<dyn StateStore>,
     pub(crate) counters: Counters,
     pub(crate) routes: Routes,
+    /// The wait-for graph of the calls made by this runtime's turns (and the cluster
+    /// layer's remote waits).
+    pub(crate) waits: crate::wait_for_graph::SharedWaits,
     pub(crate) observer: Option<Arc<dyn RuntimeObserver>>,
     /// Set once when running turns must stop at once: the shutdown grace period ended,
     /// or the `Runtime` was dropped. Every activation watches it.
@@ -354,10 +358,10 @@ impl fmt::Debug for WeakRuntimeHandle {
 /// Owns the reply receiver of one request while its caller waits. When the wait ends
 /// without a reply (timeout, the caller's future dropped, its turn ended), dropping the
 /// guard closes the receiver first, so the callee's turn sees its caller gone and is
-/// cancelled, and the dispatcher never routes the request; then it releases the wait-for
-/// edge (the callee may release it too, when it answers: the first release wins) and
-/// reports the abandonment. A wait that got its reply releases nothing: whoever answers
-/// a request with an edge releases the edge before the reply is sent.
+/// cancelled, and the dispatcher never routes the request; then it removes the wait-for
+/// edge (the callee may remove it too, when it answers: the second removal finds
+/// nothing) and reports the abandonment. A wait that got its reply removes nothing:
+/// whoever answers a request with an edge removes the edge before the reply is sent.
 pub(crate) struct WaitGuard<'a> {
     shared: &'a Shared,
     target: &'a ActorId,
@@ -371,8 +375,7 @@ impl Drop for WaitGuard<'_> {
     fn drop(&mut self) {
         drop(self.answer.take());
         if self.edge {
-            // The dispatcher may already be gone at shutdown; nothing to release then.
-            let _ = self.shared.control.send(Control::ReleaseCall { call: self.call });
+            self.shared.waits.remove(self.call);
         }
         if !self.answered {
             self.shared.emit(|| RuntimeEvent::RequestAbandoned {
@@ -603,9 +606,9 @@ impl RuntimeHandle {
 
     /// Sends `payload` to `target` on behalf of `caller`'s running turn under `context`
     /// (the callee's context: depth, chain and deadline already derived by admission).
-    /// The dispatcher records the wait-for edge `caller → target` until the callee
-    /// replies or the caller stops waiting, and refuses the call at once with
-    /// `DeadlockDetected` if the edge would close a cycle. The wait also ends, with
+    /// The wait-for edge `caller → target` is in the runtime's graph from before the
+    /// message is sent until the callee replies or the caller stops waiting; the call is
+    /// refused at once with `DeadlockDetected` if the edge would close a cycle. The wait also ends, with
     /// `Cancelled`, when `turn_end` reports that the calling turn has ended.
     ///
     /// Only [`crate::Caller`] calls this: identity and context come from the runtime.
@@ -617,9 +620,20 @@ impl RuntimeHandle {
         context: CallContext,
         turn: Option<&CallerInner>,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, Payload::Bytes(payload), context.into(), Some((caller, turn)))
-            .await?
-            .into_bytes(target)
+        // The request is started here and its wait awaited directly (not through
+        // `send_and_wait`'s nested futures): a turn's future holds this one across the
+        // call, and a smaller turn future stays in its activation's slot.
+        let now = self.shared.clock.now();
+        self.start_call(
+            now,
+            target,
+            Payload::Bytes(payload),
+            context.into(),
+            Some((caller, turn)),
+            None,
+        )?
+        .await?
+        .into_bytes(target)
     }
 
     /// Sends `payload` to `target` from outside any actor without waiting for a reply
@@ -751,7 +765,6 @@ impl RuntimeHandle {
         let command = Command::Invoke {
             target: target.clone(),
             envelope,
-            edge: None,
         };
         match shared.commands.try_send(command) {
             Ok(()) => Ok(Told::ToDispatcher(accepted)),
@@ -853,8 +866,9 @@ impl RuntimeHandle {
     /// small future, [`ReplyWait`], instead of a chain of nested `async fn` states.
     ///
     /// The request is sent when this returns `Ok`; dropping the [`ReplyWait`] abandons it.
-    /// `cache` is a typed ref's cached route (calls from a turn have none: they go
-    /// through the dispatcher for their wait-for edge).
+    /// `cache` is a typed ref's cached route (calls from a turn have none). A call from a
+    /// turn (`caller`) adds its wait-for edge first (`add_call_edge`), then goes the same
+    /// way as any request: into the open mailbox, or through the dispatcher.
     pub(crate) fn start_call<'a>(
         &'a self,
         now: Deadline,
@@ -873,17 +887,18 @@ impl RuntimeHandle {
             });
         }
         let call = shared.next_call();
-        let (reply, answer) = crate::reply_cell::channel();
         let (edge, turn_end) = match caller {
-            Some((caller, turn_end)) => (
-                Some(CallEdge {
-                    id: call,
-                    caller: caller.clone(),
-                }),
-                turn_end,
-            ),
+            Some((caller, turn_end)) => (Some(caller), turn_end),
             None => (None, None),
         };
+        // A call from a turn adds its wait-for edge now, before the message is anywhere,
+        // and is refused if the edge would close a cycle: nothing is queued then.
+        if let Some(caller) = edge {
+            self.add_call_edge(call, caller, target)?;
+        }
+        let (reply, answer) = crate::reply_cell::channel();
+        // From here on the guard owns the edge: a refusal below, or a wait that ends
+        // without a reply, removes it when the guard drops.
         let mut guard = WaitGuard {
             shared,
             target,
@@ -911,24 +926,19 @@ impl RuntimeHandle {
             yields: 0,
             slow: None,
         };
-        // A call from outside any turn adds no wait-for edge, so it may skip the
-        // dispatcher when the target's mailbox is open.
-        let envelope = if edge.is_none() {
-            match shared.fast_path(target, envelope, cache) {
-                FastPath::Delivered => return Ok(wait(guard)),
-                FastPath::Refused(error) => {
-                    guard.answered = true;
-                    return Err(error);
-                }
-                FastPath::ToDispatcher(back) => back,
+        // Straight into the target's mailbox when it is open (a call from a turn too:
+        // its edge is in the graph already); otherwise through the dispatcher.
+        let envelope = match shared.fast_path(target, envelope, cache) {
+            FastPath::Delivered => return Ok(wait(guard)),
+            FastPath::Refused(error) => {
+                guard.answered = true;
+                return Err(error);
             }
-        } else {
-            Box::new(envelope)
+            FastPath::ToDispatcher(back) => back,
         };
         let command = Command::Invoke {
             target: target.clone(),
             envelope,
-            edge,
         };
         match shared.commands.try_send(command) {
             Ok(()) => Ok(wait(guard)),
@@ -944,6 +954,43 @@ impl RuntimeHandle {
                 guard.answered = true;
                 Err(InvokeError::Shutdown)
             }
+        }
+    }
+}
+
+impl RuntimeHandle {
+    /// Adds the wait-for edge `caller → target` of `call`, or refuses the call:
+    /// `DeadlockDetected` with the cycle the edge would close, `Rejected` when the graph
+    /// is full. When a path from `target` reaches a call to another node, the installed
+    /// router hears of it (after the graph's lock is let go), to probe for a cycle that
+    /// crosses nodes.
+    fn add_call_edge(&self, call: CallId, caller: &ActorId, target: &ActorId) -> Result<(), InvokeError> {
+        let shared = &*self.shared;
+        let mut waits = shared.waits.lock();
+        match waits.try_add(call, caller, target) {
+            Ok(()) => {
+                let leaving = if waits.has_remote() && self.turn_call_router().is_some() {
+                    waits.remote_edges_reachable(target)
+                } else {
+                    Vec::new()
+                };
+                drop(waits);
+                if !leaving.is_empty() {
+                    if let Some(router) = self.turn_call_router() {
+                        router.path_leaves_node(leaving);
+                    }
+                }
+                Ok(())
+            }
+            Err(EdgeRefused::Cycle(cycle)) => {
+                drop(waits);
+                Counters::add(&shared.counters.deadlocks_refused);
+                Err(InvokeError::DeadlockDetected { cycle })
+            }
+            Err(EdgeRefused::Full) => Err(InvokeError::Rejected {
+                target: target.clone(),
+                reason: "the wait-for graph is full".to_string(),
+            }),
         }
     }
 }

@@ -2,7 +2,8 @@
 //! wait-for edges those calls add to this runtime's graph.
 //!
 //! ```text
-//! Caller::invoke ──► router installed? ──no──► dispatcher (local call, local edge)
+//! Caller::invoke ──► router installed? ──no──► local call (local edge, then the
+//!                        │                      target's mailbox or the dispatcher)
 //!                        │ yes
 //!                        ▼
 //!      TurnCallRouter::call(TurnCall { caller, target, payload, context, key })
@@ -44,7 +45,7 @@ use tokio::sync::oneshot;
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, CallContext, CallRefused, Deadline, InvokeError};
 
-use crate::control::{Command, Control};
+use crate::control::Command;
 use crate::handle::Counters;
 use crate::{IdempotencyKey, RuntimeHandle};
 
@@ -121,7 +122,8 @@ pub trait TurnCallRouter: Send + Sync + 'static {
     }
 
     /// A wait-for edge was just recorded and the path of waits from its target reaches
-    /// these edges marked remote. Called from the dispatcher's loop: must not block.
+    /// these edges marked remote. Called from the calling turn's task, just after the
+    /// edge was added (not under the graph's lock): must not block.
     fn path_leaves_node(&self, remote_edges: Vec<WaitEdge>);
 }
 
@@ -203,13 +205,10 @@ impl RemoteWait {
 impl Drop for RemoteWait {
     fn drop(&mut self) {
         // Close the answer first: a dispatcher that has not added the edge yet sees the
-        // closed channel and never adds it; one that has, gets the release after.
+        // closed channel (it looks under the graph's lock) and never adds it; one that
+        // has, added it before this removal takes the lock.
         drop(self.answer.take());
-        let _ = self
-            .handle
-            .shared
-            .control
-            .send(Control::ReleaseCall { call: self.call });
+        self.handle.shared.waits.remove(self.call);
     }
 }
 
@@ -441,8 +440,7 @@ impl RuntimeHandle {
     }
 
     /// Runs a turn's call on this runtime: the local path of a [`TurnCallRouter`]. The
-    /// dispatcher records the wait-for edge `caller → target` as for any call from a
-    /// turn. For routers only: `caller` must be the actor whose turn made the call.
+    /// wait-for edge `caller → target` is recorded as for any call from a turn. For routers only: `caller` must be the actor whose turn made the call.
     ///
     /// # Errors
     /// As [`crate::Caller::invoke`], without `Cancelled` (the caller adds it).

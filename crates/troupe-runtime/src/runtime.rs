@@ -278,6 +278,7 @@ impl RuntimeBuilder {
             store: self.store,
             counters: Counters::default(),
             routes: Routes::default(),
+            waits: crate::wait_for_graph::SharedWaits::default(),
             observer: self.observer,
             abort: AtomicBool::new(false),
             shutdown_grace: self.shutdown_grace,

@@ -1,15 +1,21 @@
 //! The wait-for graph: which actor's turn is blocked on which actor.
 //!
-//! An edge `caller → target` exists from the moment the dispatcher routes a call made
-//! inside `caller`'s turn until the caller stops waiting (reply, error, timeout or
-//! cancellation). Actors are non-reentrant, so a cycle in this graph is a deadlock that
-//! only deadlines would break. [`WaitForGraph::try_add`] refuses an edge that would close
-//! a cycle and returns the cycle; the graph therefore stays acyclic (WaitForGraphAcyclic
-//! in `docs/tla/MultiAgentInvocation.tla`).
+//! An edge `caller → target` exists from the moment a call made inside `caller`'s turn
+//! is sent (the caller's task adds it, under the graph's lock, before the message is put
+//! anywhere) until the call ends: whoever answers it removes the edge before replying
+//! (the callee, or the dispatcher when it refuses the call), and a caller that stops
+//! waiting without a reply (timeout, cancellation) removes it itself. Actors are
+//! non-reentrant, so a cycle in this graph is a deadlock that only deadlines would
+//! break. [`WaitForGraph::try_add`] refuses an edge that would close a cycle and returns
+//! the cycle; the graph therefore stays acyclic (WaitForGraphAcyclic in
+//! `docs/tla/MultiAgentInvocation.tla`): the check and the insert are one critical
+//! section, as they were one step of the dispatcher's loop when it owned the graph.
 //!
 //! This catches what the call chain cannot: two independent requests where A waits on B
 //! while B waits on A. Edges are keyed by call id, so several concurrent calls between
 //! the same pair are counted separately and released exactly.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::fast_hash::{FastMap, FastSet};
 
@@ -26,6 +32,27 @@ pub(crate) enum EdgeRefused {
     Cycle(Vec<ActorId>),
     /// The graph holds [`WAIT_FOR_EDGES_MAX`] edges.
     Full,
+}
+
+/// The runtime's one wait-for graph, shared by the tasks that add and remove edges (a
+/// turn's calls, the activations that answer them, the dispatcher's refusals, the
+/// cluster layer's remote waits). Each critical section is a lookup or two and, for an
+/// added edge, the search for a path back: short, and never held across an `.await`.
+/// Lock order: this lock is taken alone (no other lock of the runtime is taken while
+/// it is held, nor is it taken under one).
+#[derive(Debug, Default)]
+pub(crate) struct SharedWaits(Mutex<WaitForGraph>);
+
+impl SharedWaits {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, WaitForGraph> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Removes `call`'s edge, if it is there (a call id not in the graph is ignored:
+    /// both ends of a call may remove it).
+    pub(crate) fn remove(&self, call: CallId) {
+        self.lock().remove(call);
+    }
 }
 
 /// The blocked-on relation between actors, with multiplicities. Its tables hash with

@@ -132,3 +132,87 @@ async fn a_first_invoke_of_a_new_actor_allocates_nothing_for_the_callers_wait() 
     );
     runtime.shutdown().await;
 }
+
+/// Allocations per round trip of a relay whose turn calls an active echo actor, beyond
+/// the relay's own invoke (allocations), as counted on 2026-12-04 (valgrind's dhat): the
+/// turn's context, boxed when it is first read (`Turn::context`), and the turn's caller
+/// handle (`Turn::caller`), both made at the turn's first call; the child context's
+/// chain (admission) and its box in the envelope; and the race of a turn that had to
+/// wait, boxed when its first poll is pending. None for the call's wait-for edge (added
+/// and removed under the graph's lock, in tables that keep their room), for the turn's
+/// future (the relay's is under the 1,024 bytes its slot keeps,
+/// `Actor::TURN_FUTURE_KEPT_BYTES_MAX`) or for the caller's wait: the message goes
+/// straight into the echo's open mailbox and the reply is there when the relay's wait
+/// looks again, so the wait arms no timer. Until 2026-12-04 such a call went through the
+/// dispatcher for its edge (a boxed command), its reply came a scheduling round too late
+/// for the wait's yields (a boxed wait with its timer), and `Turn::invoke`'s future was
+/// 1,072 bytes (880 now), which put the relay's over the slot's 1,024 (a block per
+/// turn): 9 allocations a round trip (1,800 for 200), against 5 now.
+const NESTED_CALL_ALLOCATIONS_MAX: u64 = 5;
+
+/// Calls `echo/0` from its turn with the message it got; answers with the reply.
+struct Relay {
+    echo: ActorId,
+}
+
+impl Actor for Relay {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        Ok(turn.invoke(&self.echo, payload, Duration::from_secs(5)).await?)
+    }
+}
+
+#[tokio::test]
+async fn a_call_from_a_turn_to_an_active_actor_allocates_nothing_for_its_edge_or_its_wait() {
+    let runtime = Runtime::builder()
+        .register(
+            ActorKind::new("echo").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
+            KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
+        )
+        .unwrap()
+        .register(
+            ActorKind::new("relay").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Relay {
+                    echo: ActorId::new("echo", "0").unwrap(),
+                }))
+            },
+            KindConfig::default().with_idle_timeout(Duration::from_secs(3_600)),
+        )
+        .unwrap()
+        .start();
+    let relay = ActorId::new("relay", "0").unwrap();
+    let timeout = Duration::from_secs(5);
+    let payload = Bytes::from_static(b"x");
+    let handle = runtime.handle();
+    // In a spawned task, as in the cold test above: the test's own future would be
+    // polled only after every other ready task, which hides the rounds a wait yields.
+    let round_trips = tokio::spawn(async move {
+        for _ in 0..INVOKES {
+            handle.invoke_within(&relay, payload.clone(), timeout).await.unwrap();
+        }
+        let before = allocations();
+        for _ in 0..INVOKES {
+            assert_eq!(
+                handle.invoke_within(&relay, payload.clone(), timeout).await.unwrap(),
+                payload
+            );
+        }
+        allocations() - before
+    })
+    .await
+    .unwrap();
+    eprintln!("{round_trips} allocations for {INVOKES} relayed invokes");
+    let budget = INVOKES * (INVOKE_ALLOCATIONS_MAX + NESTED_CALL_ALLOCATIONS_MAX);
+    assert!(
+        round_trips <= budget,
+        "{round_trips} allocations for {INVOKES} relayed invokes: more than {} each",
+        INVOKE_ALLOCATIONS_MAX + NESTED_CALL_ALLOCATIONS_MAX
+    );
+    assert_eq!(
+        runtime.stats().await.unwrap().wait_for_edges,
+        0,
+        "every edge was removed"
+    );
+    runtime.shutdown().await;
+}

@@ -1,8 +1,8 @@
 //! Every wait-for edge a turn's call adds is released, however the call ends: a reply,
 //! an error the callee answers, a timeout of the caller, a cycle refused by the chain,
-//! a deadlock refused by the dispatcher. A caller that got its reply sends no release of its own (whoever answered
-//! released the edge first, `ReplyWait::finish` in handle.rs), so a leak would show here
-//! as an edge left in the dispatcher's graph (`RuntimeStats::wait_for_edges`).
+//! a deadlock refused at the call. A caller that got its reply removes nothing itself
+//! (whoever answered removed the edge first, `ReplyWait::finish` in handle.rs), so a leak
+//! would show here as an edge left in the runtime's graph (`RuntimeStats::wait_for_edges`).
 //!
 //! Runs in both builds, and on tokio's multi-thread runtime outside the simulator.
 
@@ -75,8 +75,8 @@ async fn edges(runtime: &Runtime) -> usize {
 }
 
 /// Goal: after calls from turns that end each way, no wait-for edge is left. Method: the
-/// dispatcher's edge count after each call (its release notices are applied before the
-/// stats command sent after the reply), over [`ROUNDS`] rounds.
+/// runtime's edge count after each call (whoever answers removes the edge before the
+/// reply), over [`ROUNDS`] rounds.
 async fn every_calls_edge_is_released() {
     let runtime = runtime();
     let target = node("a");

@@ -2,14 +2,14 @@
 //! waiting on each other survives.
 //!
 //! Observed from the callers: `WaitBegin` when a turn starts waiting on a call,
-//! `WaitEnd` when it stops. A caller records its wait just before the dispatcher sees
-//! the call, so a cycle may appear for an instant before the dispatcher refuses the
+//! `WaitEnd` when it stops. A caller records its wait just before the runtime adds the
+//! call's edge, so a cycle may appear for an instant before the runtime refuses the
 //! closing edge; it must be gone within [`WAIT_FOR_CYCLE_GRACE_US`] of virtual time.
 //! A deadlock broken only by deadlines lives for the whole timeout and is caught.
 //! A killed node's waits end with its tasks (their guards record `WaitEnd`).
 //!
-//! Scope: the runtime's wait-for graph is per node (each dispatcher records the edges
-//! of the calls it routes; the transport does not share them), so the check applies to
+//! Scope: the runtime's wait-for graph is per node (each runtime records the edges of
+//! its turns' calls; the transport does not share them), so the check applies to
 //! cycles whose edges are all routed by one node. A cycle across nodes is broken only by
 //! deadlines; EveryCallResolves bounds it. The DST report lists this as a known gap
 //! against the TLA+ model, where the graph is global.
