@@ -222,7 +222,7 @@ impl AgentActor {
                 let conversation = Conversation {
                     content,
                     call: request.call,
-                    deadline: turn.context().deadline(),
+                    deadline: turn.deadline(),
                     budget: request.budget,
                     history: None,
                 };

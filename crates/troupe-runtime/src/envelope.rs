@@ -202,6 +202,17 @@ impl EnvelopeContext {
     }
 }
 
+impl EnvelopeContext {
+    /// The context as an owned value: a root one built anew (no box, unlike
+    /// [`EnvelopeContext::context`]), a full one cloned (its chain is shared).
+    pub(crate) fn to_context(&self) -> CallContext {
+        match self {
+            Self::Root(deadline) => CallContext::root(*deadline),
+            Self::Full(context) => CallContext::clone(context),
+        }
+    }
+}
+
 impl From<CallContext> for EnvelopeContext {
     fn from(context: CallContext) -> Self {
         if context.depth() == 0 && context.chain().is_empty() && context.trace_id().is_none() {
@@ -260,6 +271,7 @@ mod tests {
             );
             assert_eq!(travelled.deadline(), deadline);
             let root = std::sync::OnceLock::new();
+            assert_eq!(travelled.to_context(), context);
             assert_eq!(travelled.context(&root), &context);
             assert_eq!(root.get().is_some(), matches!(travelled, EnvelopeContext::Root(_)));
         }

@@ -229,8 +229,13 @@ impl Turn {
 
     /// This turn's handle for calling other actors; clone it into tools and tasks.
     pub fn caller(&self) -> &Caller {
-        self.caller
-            .get_or_init(|| Caller::new(self.home.handle.clone(), self.home.id.clone(), self.context().clone()))
+        self.caller.get_or_init(|| {
+            Caller::new(
+                self.home.handle.clone(),
+                self.home.id.clone(),
+                self.context.to_context(),
+            )
+        })
     }
 
     /// Calls `target` and waits for its reply for at most `timeout`, clipped to this

@@ -135,20 +135,22 @@ async fn a_first_invoke_of_a_new_actor_allocates_nothing_for_the_callers_wait() 
 
 /// Allocations per round trip of a relay whose turn calls an active echo actor, beyond
 /// the relay's own invoke (allocations), as counted on 2026-12-04 (valgrind's dhat): the
-/// turn's context, boxed when it is first read (`Turn::context`), and the turn's caller
-/// handle (`Turn::caller`), both made at the turn's first call; the child context's
-/// chain (admission) and its box in the envelope; and the race of a turn that had to
-/// wait, boxed when its first poll is pending. None for the call's wait-for edge (added
-/// and removed under the graph's lock, in tables that keep their room), for the turn's
-/// future (the relay's is under the 1,024 bytes its slot keeps,
-/// `Actor::TURN_FUTURE_KEPT_BYTES_MAX`) or for the caller's wait: the message goes
-/// straight into the echo's open mailbox and the reply is there when the relay's wait
-/// looks again, so the wait arms no timer. Until 2026-12-04 such a call went through the
-/// dispatcher for its edge (a boxed command), its reply came a scheduling round too late
-/// for the wait's yields (a boxed wait with its timer), and `Turn::invoke`'s future was
-/// 1,072 bytes (880 now), which put the relay's over the slot's 1,024 (a block per
-/// turn): 9 allocations a round trip (1,800 for 200), against 5 now.
-const NESTED_CALL_ALLOCATIONS_MAX: u64 = 5;
+/// turn's caller handle (`Turn::caller`, made at the turn's first call); the child
+/// context's chain (admission) and its box in the envelope; and the race of a turn that
+/// had to wait, boxed when its first poll is pending. None for the call's wait-for edge
+/// (added and removed under the graph's lock, in tables that keep their room), for the
+/// turn's own context (a caller handle takes it by value, not from the box
+/// `Turn::context` makes of a root context when it is read), for the turn's future (the
+/// relay's is under the 1,024 bytes its slot keeps, `Actor::TURN_FUTURE_KEPT_BYTES_MAX`)
+/// or for the caller's wait: the message goes straight into the echo's open mailbox and
+/// the reply is there when the relay's wait looks again, so the wait arms no timer.
+/// Until 2026-12-04 such a call went through the dispatcher for its edge (a boxed
+/// command), its reply came a scheduling round too late for the wait's yields (a boxed
+/// wait with its timer), the caller handle was made from the boxed context, and
+/// `Turn::invoke`'s future was 1,072 bytes (880 now), which put the relay's over the
+/// slot's 1,024 (a block per turn): 9 allocations a round trip (1,800 for 200), against
+/// 4 now.
+const NESTED_CALL_ALLOCATIONS_MAX: u64 = 4;
 
 /// Calls `echo/0` from its turn with the message it got; answers with the reply.
 struct Relay {

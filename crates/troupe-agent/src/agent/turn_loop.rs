@@ -153,11 +153,14 @@ impl AgentActor {
     /// turn's sends (outbox entries, task records, relays).
     async fn converse_steps(&mut self, turn: &mut Turn, conversation: Conversation) -> Result<AgentReply, ActorError> {
         let clock = turn.clock();
-        let context = turn.context().clone();
-        let deadline = conversation.deadline.min(context.deadline());
+        // The turn's deadline without its whole context: a root request's context is
+        // built (and boxed) only when it is read (`Turn::context`), here only for a
+        // listener.
+        let deadline = conversation.deadline.min(turn.deadline());
         let started = clock.now();
         let timeout_ms = |from: troupe_core::Deadline| deadline.remaining_ms(from);
         if self.shared.has_listeners() {
+            let context = turn.context();
             self.shared.emit(&AgentEvent::TurnStarted {
                 agent: self.id.clone(),
                 call: conversation.call,
