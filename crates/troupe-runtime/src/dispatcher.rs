@@ -506,11 +506,7 @@ impl Dispatcher {
         }
         if self.shutting_down {
             for envelope in held {
-                // Its caller releases no edge once it has a reply (`ReplyWait::finish`).
-                if envelope.edge {
-                    self.handle.shared.waits.remove(envelope.call);
-                }
-                envelope.reply.send(Err(InvokeError::Shutdown));
+                self.refuse(*envelope, InvokeError::Shutdown);
             }
             return;
         }
@@ -557,18 +553,19 @@ impl Dispatcher {
         if let Some(reply) = reply {
             self.shutdown = Some(reply);
         }
+        let mut held = Vec::new();
         let mut routes = self.handle.shared.routes.lock();
         for (id, activation) in self.table.iter_mut() {
             activation.close(id, &mut routes);
             if let Some(waiting) = &mut activation.waiting {
-                for envelope in waiting.held.drain(..) {
-                    // Its caller releases no edge once it has a reply.
-                    if envelope.edge {
-                        self.handle.shared.waits.remove(envelope.call);
-                    }
-                    envelope.reply.send(Err(InvokeError::Shutdown));
-                }
+                held.extend(waiting.held.drain(..));
             }
+        }
+        drop(routes);
+        // Refused once the route map's lock is let go: the wait-for graph's lock is
+        // never taken under another.
+        for envelope in held {
+            self.refuse(*envelope, InvokeError::Shutdown);
         }
     }
 }
