@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+use troupe::runtime::{Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, RuntimeBuilder, Turn};
 
 /// How long an echo actor stays active without a message: longer than any benchmark, so
 /// none is deactivated while it is measured.
@@ -40,19 +40,11 @@ impl Actor for Relay {
 /// A runtime on an in-memory store with the kinds `echo` and `relay` registered.
 #[allow(dead_code)]
 pub(crate) fn relay_runtime() -> Runtime {
-    let config = KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT);
-    Runtime::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .register(
-            ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
-            config,
-        )
-        .unwrap()
+    echo_builder()
         .register(
             ActorKind::new("relay").unwrap(),
             |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Relay)) },
-            config,
+            KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT),
         )
         .unwrap()
         .start()
@@ -61,14 +53,17 @@ pub(crate) fn relay_runtime() -> Runtime {
 /// A runtime on an in-memory store with the kind `echo` registered.
 #[allow(dead_code)]
 pub(crate) fn echo_runtime() -> Runtime {
-    let config = KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT);
+    echo_builder().start()
+}
+
+/// A builder on an in-memory store with the kind `echo` registered.
+fn echo_builder() -> RuntimeBuilder {
     Runtime::builder()
         .store(Arc::new(MemoryStore::new()))
         .register(
             ActorKind::new("echo").unwrap(),
             |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
-            config,
+            KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT),
         )
         .unwrap()
-        .start()
 }
