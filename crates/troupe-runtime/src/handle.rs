@@ -1122,11 +1122,10 @@ impl ReplyWait<'_> {
         match waited {
             Waited::Reply(result) => {
                 guard.answered = true;
-                // Whoever replied released the wait-for edge before replying: the callee
-                // (`respond` in activation.rs sends the release first), or the dispatcher
-                // (a refusal removes the edge, or never added it). A second release from
-                // here would be a control message, and often a wake-up of the
-                // dispatcher, per call from a turn, to remove nothing.
+                // Whoever replied removed the wait-for edge before replying: the callee
+                // (`respond` in activation.rs), or the dispatcher (`Dispatcher::refuse`).
+                // A second removal from here would take the graph's lock, per call from a
+                // turn, to remove nothing.
                 guard.edge = false;
                 match result {
                     // The callee timed the turn out itself: report the time this caller
