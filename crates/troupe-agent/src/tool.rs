@@ -466,9 +466,9 @@ impl Tool {
         context: &ToolExecutionContext,
         call: impl Future<Output = Result<String, ToolError>>,
     ) -> Result<String, ToolError> {
-        match context.clock().run_until(context.deadline(), call).await {
+        match context.clock().until(context.deadline(), call).await {
             Ok(result) => result,
-            Err(_elapsed) => Err(ToolError::DeadlineExceeded {
+            Err(troupe_runtime::DeadlinePassed) => Err(ToolError::DeadlineExceeded {
                 tool: self.spec.name.clone(),
             }),
         }

@@ -72,6 +72,23 @@ impl Clock {
         self.run_until_from(self.now(), deadline, future)
     }
 
+    /// Runs `future` until `deadline`, arming the deadline's timer only if `future` has
+    /// to wait ([`Until`]); `Err(DeadlinePassed)` if the deadline passes first. Reads no
+    /// clock: a future that finishes in its first poll costs no timer and no clock
+    /// reading, even if the deadline has passed (as with [`Clock::run_until`], a ready
+    /// future wins). With `None` (or a deadline past the clock's range) there is no
+    /// deadline: the future runs to its end, in the same future type (a caller whose
+    /// deadline is sometimes enforced elsewhere awaits one future either way).
+    pub fn until<F: std::future::Future>(&self, deadline: impl Into<Option<Deadline>>, future: F) -> Until<F> {
+        Until {
+            future,
+            at: deadline
+                .into()
+                .and_then(|deadline| self.epoch.checked_add(Duration::from_micros(deadline.as_micros()))),
+            timer: None,
+        }
+    }
+
     /// As [`Clock::run_until`], with the current time already read as `now`.
     ///
     /// # Errors
@@ -84,6 +101,61 @@ impl Clock {
         future: F,
     ) -> impl std::future::Future<Output = Result<F::Output, tokio::time::error::Elapsed>> {
         tokio::time::timeout(deadline.remaining(now), future)
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A future run until a deadline, whose timer is made only if the future has to
+    /// wait: what [`Clock::until`] returns.
+    ///
+    /// Unlike `tokio::time::timeout` (what [`Clock::run_until`] uses), making it reads no
+    /// clock (the deadline is an instant already) and builds no timer, so a future that
+    /// finishes in its first poll (an agent turn whose model answers at once) never has
+    /// one. Once the future returns `Pending`, the timer is made at the deadline's instant
+    /// and polled after the future in every poll: the wait ends at the deadline as with
+    /// `timeout`, and a future ready in the poll in which the timer fires still wins.
+    #[must_use = "futures do nothing unless polled"]
+    pub struct Until<F> {
+        #[pin]
+        future: F,
+        // The deadline's instant; `None` past the clock's range (a deadline that never
+        // passes: no timer).
+        at: Option<tokio::time::Instant>,
+        #[pin]
+        timer: Option<tokio::time::Sleep>,
+    }
+}
+
+/// The deadline of a [`Clock::until`] passed before its future finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the deadline passed")]
+pub struct DeadlinePassed;
+
+impl<F: std::future::Future> std::future::Future for Until<F> {
+    type Output = Result<F::Output, DeadlinePassed>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        let mut this = self.project();
+        if let Poll::Ready(output) = this.future.poll(cx) {
+            return Poll::Ready(Ok(output));
+        }
+        let Some(at) = *this.at else {
+            return Poll::Pending;
+        };
+        if this.timer.is_none() {
+            this.timer.set(Some(tokio::time::sleep_until(at)));
+        }
+        let timer = this.timer.as_pin_mut().expect("made just above");
+        // As tokio's `timeout` does: a future that used up the task's cooperative budget
+        // must not keep its deadline from firing, so the timer is then polled outside it.
+        #[cfg(not(madsim))]
+        if !coop_budget_left() {
+            return std::pin::pin!(tokio::task::unconstrained(timer))
+                .poll(cx)
+                .map(|()| Err(DeadlinePassed));
+        }
+        timer.poll(cx).map(|()| Err(DeadlinePassed))
     }
 }
 
@@ -108,6 +180,98 @@ impl Default for Clock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: `Clock::until` answers as `tokio::time::timeout` at the deadline would: a
+    /// future ready in its first poll wins even past its deadline, one that waits past
+    /// the deadline fails exactly at it, one that finishes before it succeeds, and with
+    /// no deadline the future runs to its end. Method: paused time (virtual under
+    /// madsim), times compared exactly but for the timer wheel's millisecond.
+    #[tokio::test(start_paused = true)]
+    async fn until_fails_at_the_deadline_only_a_future_that_waits_past_it() {
+        let clock = Clock::new();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let passed = clock.now();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(clock.until(passed, async { 7 }).await, Ok(7), "a ready future wins");
+
+        let deadline = clock.deadline_in(Duration::from_millis(100));
+        let waited = clock.until(deadline, std::future::pending::<()>()).await;
+        assert_eq!(waited, Err(DeadlinePassed));
+        // At the deadline: not before it, and within the timer wheel's millisecond (the
+        // deadline is whole microseconds from the clock's epoch, the timer an instant).
+        let late = clock.now().as_micros().checked_sub(deadline.as_micros());
+        assert!(
+            late.is_some_and(|late| late < 1_000),
+            "it fails at the deadline, {late:?} µs after it"
+        );
+
+        let started = tokio::time::Instant::now();
+        let deadline = clock.deadline_in(Duration::from_millis(100));
+        let slept = clock
+            .until(deadline, tokio::time::sleep(Duration::from_millis(60)))
+            .await;
+        assert_eq!(slept, Ok(()));
+        let about = |elapsed: Duration, expected: Duration| {
+            elapsed >= expected && elapsed - expected < Duration::from_millis(1)
+        };
+        assert!(
+            about(started.elapsed(), Duration::from_millis(60)),
+            "{:?}",
+            started.elapsed()
+        );
+
+        let started = tokio::time::Instant::now();
+        let long = Duration::from_secs(60);
+        assert_eq!(clock.until(None, tokio::time::sleep(long)).await, Ok(()));
+        assert!(
+            about(started.elapsed(), long),
+            "no deadline: the future runs to its end"
+        );
+        let never = Deadline::from_micros(u64::MAX);
+        assert_eq!(clock.until(never, tokio::time::sleep(long)).await, Ok(()));
+    }
+
+    /// Goal: the deadline fires on the multi-thread runtime, where the timer is polled
+    /// from whichever worker runs the task. Method: real time, a 50 ms deadline on a
+    /// future that never finishes, bounded by a 10 s outer timeout.
+    #[cfg(not(madsim))]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn until_fails_at_the_deadline_on_the_multi_thread_runtime() {
+        let clock = Clock::new();
+        let started = tokio::time::Instant::now();
+        let waited = tokio::time::timeout(
+            Duration::from_secs(10),
+            clock.until(
+                clock.deadline_in(Duration::from_millis(50)),
+                std::future::pending::<()>(),
+            ),
+        )
+        .await;
+        assert_eq!(waited, Ok(Err(DeadlinePassed)));
+        assert!(started.elapsed() >= Duration::from_millis(50));
+    }
+
+    /// Goal: a future that spends the task's whole cooperative budget in every poll does
+    /// not keep its deadline from firing (the timer is polled outside the budget, as
+    /// tokio's `timeout` does; without that the timer is refused at every poll and never
+    /// registered). Method: a loop of `consume_budget` under a 50 ms deadline, bounded by
+    /// a 10 s outer timeout. Tokio's budget only: the simulator has none.
+    #[cfg(not(madsim))]
+    #[tokio::test]
+    async fn until_fires_for_a_future_that_spends_the_whole_budget() {
+        let clock = Clock::new();
+        let busy = async {
+            loop {
+                tokio::task::consume_budget().await;
+            }
+        };
+        let waited = tokio::time::timeout(
+            Duration::from_secs(10),
+            clock.until(clock.deadline_in(Duration::from_millis(50)), busy),
+        )
+        .await;
+        assert_eq!(waited, Ok(Err(DeadlinePassed)));
+    }
 
     /// Goal: `Clock::has_passed` answers exactly as `Deadline::has_passed` on a reading of
     /// the clock, at the boundary (a deadline equal to now has passed, one a microsecond

@@ -49,7 +49,7 @@ mod wait_for_graph;
 
 pub use actor::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, ANY_VALUE_INLINE_BYTES};
 pub use caller::{Admitted, Caller};
-pub use clock::Clock;
+pub use clock::{Clock, DeadlinePassed, Until};
 pub use handle::{DispatcherStats, RuntimeCounters, RuntimeHandle, WeakRuntimeHandle};
 pub use handler_slot::HANDLER_SLOT_KEPT_BYTES_MAX;
 pub use idempotency::{
