@@ -256,6 +256,45 @@ async fn a_callee_slower_than_the_timeout_yields_timeout_and_its_late_reply_is_d
     system.shutdown().await;
 }
 
+/// Goal: on worker threads too, a callee agent whose model outlives its caller's timeout
+/// is cut at the deadline by the runtime (its model loop has no timer of its own for an
+/// ask) and commits nothing, while the caller gets the timeout as its tool result.
+/// Method: a multi_thread runtime in real time; `slow`'s model takes 1 s, A calls it with
+/// timeout_ms 100; then wait past the slow model's latency.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callee_slower_than_the_timeout_commits_nothing_on_the_multi_thread_runtime() {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "slow", "message": "take your time", "timeout_ms": 100}),
+        ))
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("slow").reply("late answer").latency(SECOND));
+    let recorder = CallRecorder::new();
+    let system = start(&llm, &["a", "slow"], &recorder);
+    let reply = system.ask("a", "go").await.unwrap();
+    assert!(
+        reply
+            .text
+            .starts_with("error: call_agent failed: call failed: invocation of agent/slow timed out after 100 ms"),
+        "{}",
+        reply.text
+    );
+    tokio::time::sleep(SECOND + SECOND / 2).await;
+    assert!(
+        llm.answers().iter().all(|a| a.agent.key() != "slow"),
+        "the late answer was never produced"
+    );
+    assert!(
+        system.conversation_log("slow").await.unwrap().is_empty(),
+        "the cut turn committed nothing"
+    );
+    let counters = system.runtime().counters();
+    assert_eq!(counters.turns_failed + counters.turns_abandoned, 1, "{counters:?}");
+    system.shutdown().await;
+}
+
 /// Goal: the deadline only shrinks along a chain, and a chain never outlives its root.
 /// Method: a0 → … → a5, each model step takes 1 s and hop i asks for (40 − 5i) s; record
 /// each turn's deadline. Then a root with a 3 s deadline: the whole chain must give up by

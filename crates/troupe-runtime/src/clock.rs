@@ -39,10 +39,16 @@ impl Clock {
     /// is when at least `d` microseconds have elapsed. A deadline past the clock's range
     /// never passes.
     pub(crate) fn has_passed(&self, deadline: Deadline) -> bool {
-        match self.epoch.checked_add(Duration::from_micros(deadline.as_micros())) {
+        match self.checked_instant_of(deadline) {
             Some(at) => tokio::time::Instant::now() >= at,
             None => false,
         }
+    }
+
+    /// The instant of `deadline`, or `None` past the clock's range (a deadline that
+    /// never passes).
+    fn checked_instant_of(&self, deadline: Deadline) -> Option<tokio::time::Instant> {
+        self.epoch.checked_add(Duration::from_micros(deadline.as_micros()))
     }
 
     /// The deadline `duration` from now.
@@ -82,9 +88,7 @@ impl Clock {
     pub fn until<F: std::future::Future>(&self, deadline: impl Into<Option<Deadline>>, future: F) -> Until<F> {
         Until {
             future,
-            at: deadline
-                .into()
-                .and_then(|deadline| self.epoch.checked_add(Duration::from_micros(deadline.as_micros()))),
+            at: deadline.into().and_then(|deadline| self.checked_instant_of(deadline)),
             timer: None,
         }
     }

@@ -223,8 +223,8 @@ impl AgentActor {
         // whose turn gets a grace to commit the failure), made only if the loop has to
         // wait (`Clock::until`). A second timer at the turn's deadline cost a clock
         // reading and a timer each turn, and a registration in the timer wheel for each
-        // that waits (an agent step 18,450 → 18,108 instructions, a `call_agent` round
-        // trip 66,980 → 66,251 and about 5 % of its wall-clock time, 2026-12-04). A step
+        // that waits (an agent step 18,450 → 18,233 instructions, a `call_agent` round
+        // trip 66,980 → 66,413 and about 5 % of its wall-clock time, 2026-12-04). A step
         // that finishes at the deadline's very instant is caught below, before the log
         // is written.
         let own_deadline = (deadline < turn_deadline).then_some(deadline);
