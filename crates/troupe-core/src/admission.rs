@@ -111,7 +111,8 @@ pub enum CallRefused {
     /// only end at a timeout.
     #[error(
         "a root invocation from inside an actor's turn is refused: call through the turn's caller \
-         (call_agent, Turn::invoke, Caller::call), or use Caller::invoke_as_root for independent work"
+         (call_agent, Turn::invoke, Caller::call, ActorRef::ask_from), or use Caller::invoke_as_root for \
+         independent work"
     )]
     RootInvokeInsideTurn,
     /// The runtime is shutting down and admits no new calls.

@@ -37,6 +37,15 @@ pub enum ActorError {
     Store(#[from] StoreError),
 }
 
+/// An id a turn could not build (from what a message said, typically): the request is
+/// refused, [`ActorError::Rejected`] with the reason, so a handler can use `?` on
+/// `ActorId::new`.
+impl From<troupe_core::IdError> for ActorError {
+    fn from(error: troupe_core::IdError) -> Self {
+        Self::rejected(error.to_string())
+    }
+}
+
 impl ActorError {
     /// A [`ActorError::Failed`] with `cause`.
     pub fn failed(cause: impl Into<String>) -> Self {

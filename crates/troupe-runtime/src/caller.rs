@@ -51,7 +51,7 @@ use troupe_core::{admit_call, ActorId, ActorKind, AdmissionRequest, CallContext,
 use crate::envelope::{EnvelopeContext, Payload};
 use crate::idempotency::IdempotencyKey;
 use crate::signal::Signal;
-use crate::{AnyValue, Clock, RuntimeHandle};
+use crate::{ActorRef, ActorRefError, AnyValue, Clock, RuntimeHandle, TypedActor};
 
 /// A turn's handle for calling other actors. Cheap to clone; every clone speaks for the
 /// same turn and stops working when the turn ends.
@@ -503,6 +503,44 @@ impl Caller {
         timeout: Duration,
     ) -> Result<(), InvokeError> {
         self.tell_with(target, Some(key), payload, timeout).await
+    }
+
+    /// As [`Caller::tell`], passing `message` to the target as a value within this
+    /// process, unserialized (see [`Caller::invoke_value`]): the target's
+    /// [`crate::Actor::handle_value`] gets it, and its reply goes nowhere. The admission,
+    /// the deadline and every refusal are those of [`Caller::tell`]: only the payload's
+    /// form differs. [`crate::ActorRef::tell_from`] is the typed way to use it.
+    ///
+    /// # Errors
+    /// As [`Caller::tell`]; `Rejected` (nothing sent) when this runtime routes its turns'
+    /// calls ([`Caller::routes_calls`]) and `target` is another actor (a message to this
+    /// actor itself stays in this process).
+    pub async fn tell_value(&self, target: &ActorId, message: AnyValue, timeout: Duration) -> Result<(), InvokeError> {
+        let inner = &*self.inner;
+        if target == &inner.id {
+            let context = inner.context.with_deadline(inner.handle.deadline_in(timeout));
+            return self.tell_self_payload(Payload::Value(message), context).await;
+        }
+        if self.routes_calls() {
+            return Err(values_are_not_routed(target));
+        }
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let admitted = self.admit(target, true, Some(timeout_ms))?;
+        let result = inner
+            .handle
+            .send_only(target, Payload::Value(message), admitted.child.clone().into())
+            .await;
+        drop(admitted);
+        result
+    }
+
+    /// A typed reference to the actor `id` (as [`RuntimeHandle::actor_ref`]), for calls
+    /// from this turn: [`crate::ActorRef::ask_from`] and [`crate::ActorRef::tell_from`].
+    ///
+    /// # Errors
+    /// [`ActorRefError`] if `id`'s kind is not registered, or not for `A`.
+    pub fn actor_ref<A: TypedActor>(&self, id: ActorId) -> Result<ActorRef<A>, ActorRefError> {
+        self.inner.handle.actor_ref(id)
     }
 
     /// [`Caller::tell`] and [`Caller::tell_keyed`].

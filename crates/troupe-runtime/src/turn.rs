@@ -227,6 +227,16 @@ impl Turn {
         self.home.handle.shared.aborted()
     }
 
+    /// A typed reference to the actor `id`, for calls from this turn with
+    /// [`crate::ActorRef::ask_from`] and [`crate::ActorRef::tell_from`] (given
+    /// [`Turn::caller`]).
+    ///
+    /// # Errors
+    /// [`crate::ActorRefError`] if `id`'s kind is not registered, or not for `A`.
+    pub fn actor_ref<A: crate::TypedActor>(&self, id: ActorId) -> Result<crate::ActorRef<A>, crate::ActorRefError> {
+        self.home.handle.actor_ref(id)
+    }
+
     /// This turn's handle for calling other actors; clone it into tools and tasks.
     pub fn caller(&self) -> &Caller {
         self.caller.get_or_init(|| {

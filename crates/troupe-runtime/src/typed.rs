@@ -38,7 +38,7 @@ use crate::actor::{TurnSlot, ValueTurn};
 use crate::envelope::{EnvelopeContext, Payload};
 use crate::handle::{RouteCache, Told as Handed, IN_TURN};
 use crate::handler_slot::HandlerSlot;
-use crate::{Actor, ActorBox, ActorError, AnyValue, IdempotencyKey, RuntimeHandle, StateChange, Turn};
+use crate::{Actor, ActorBox, ActorError, AnyValue, Caller, IdempotencyKey, RuntimeHandle, StateChange, Turn};
 
 /// An actor with typed messages and replies, whose state is the actor itself.
 ///
@@ -223,6 +223,15 @@ struct Told<M>(M);
 /// The reply value of a `tell`: zero-sized, so boxing it allocates nothing.
 struct Unread;
 
+/// A reference a turn could not make ([`Turn::actor_ref`]: the kind is not registered,
+/// or not for that type): the turn fails, [`ActorError::Failed`] with the reason, so a
+/// handler can use `?` on it.
+impl From<ActorRefError> for ActorError {
+    fn from(error: ActorRefError) -> Self {
+        Self::failed(error.to_string())
+    }
+}
+
 /// Builds the [`Actor`] for a typed kind: from `Default`, or from its saved encoding.
 pub(crate) fn typed_factory<A: TypedActor>(
 ) -> impl Fn(&ActorId, Option<Bytes>) -> Result<ActorBox, ActorError> + Send + Sync + 'static {
@@ -312,7 +321,7 @@ impl<A: TypedActor> ActorRef<A> {
     /// # Errors
     /// As [`RuntimeHandle::invoke`]. From inside a turn it is refused
     /// (`Refused(RootInvokeInsideTurn)`): calls from a turn go through its
-    /// [`crate::Caller`], which records who waits for whom.
+    /// [`crate::Caller`], which records who waits for whom ([`ActorRef::ask_from`]).
     ///
     /// # Cancel safety
     /// As [`RuntimeHandle::invoke`].
@@ -453,6 +462,79 @@ impl<A: TypedActor> ActorRef<A> {
         match self.hand_over(None, message, deadline)? {
             Handed::Accepted => Ok(()),
             Handed::ToDispatcher(accepted) => accepted.await.unwrap_or(Err(InvokeError::Shutdown)),
+        }
+    }
+
+    /// Asks from inside a turn, as a call of that turn: `caller` is the turn's
+    /// ([`Turn::caller`], or a clone of it in a task the turn spawned). The call is
+    /// [`Caller::call`]'s: the target runs at depth + 1 with the caller in its chain, a
+    /// target already in the chain is refused at once with the chain in the error, and
+    /// the call waits at most `timeout`, clipped to the caller's own deadline. The wait
+    /// is recorded in the wait-for graph, and the call is cancelled if the turn ends
+    /// first. (`ActorRef::ask` from a turn is refused: it would skip all of this.)
+    ///
+    /// Within one process the message and the reply pass as values. On a runtime that
+    /// routes its turns' calls (a cluster node, [`Caller::routes_calls`]) they travel as
+    /// bincode bytes through the router, to wherever the actor lives.
+    ///
+    /// # Errors
+    /// As [`Caller::call`]; `ActorFailed` if, on a routing runtime, the message cannot be
+    /// encoded (nothing sent) or the reply cannot be decoded.
+    ///
+    /// # Cancel safety
+    /// As [`Caller::invoke`]: dropping the future abandons the call.
+    pub async fn ask_from(
+        &self,
+        caller: &Caller,
+        message: A::Message,
+        timeout: Duration,
+    ) -> Result<A::Reply, InvokeError> {
+        if caller.routes_calls() {
+            let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+            let reply = caller.call(&self.id, payload, timeout).await?;
+            return bincode::deserialize(&reply).map_err(|error| {
+                self.failed(format!(
+                    "the reply is not a bincode-encoded {}: {error}",
+                    std::any::type_name::<A::Reply>()
+                ))
+            });
+        }
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let admitted = caller.admit(&self.id, true, Some(timeout_ms))?;
+        let reply = caller.invoke_value(admitted, AnyValue::new(message)).await?;
+        reply.downcast::<A::Reply>().map_err(|_| {
+            self.failed(format!(
+                "the actor replied with something other than a {}",
+                std::any::type_name::<A::Reply>()
+            ))
+        })
+    }
+
+    /// Tells from inside a turn, as [`Caller::tell`] does: the target runs the message at
+    /// depth + 1 with the caller in its chain, under a deadline `timeout` from now
+    /// clipped to the caller's (a message to the caller itself runs after its turn, at
+    /// its depth, unclipped). Returns once the message is accepted.
+    ///
+    /// Within one process the message passes as a value ([`Caller::tell_value`]); on a
+    /// runtime that routes its turns' calls it travels as bincode bytes through the
+    /// router, as for [`ActorRef::ask_from`].
+    ///
+    /// # Errors
+    /// As [`Caller::tell`]; `ActorFailed` (nothing sent) if, on a routing runtime, the
+    /// message cannot be encoded.
+    pub async fn tell_from(&self, caller: &Caller, message: A::Message, timeout: Duration) -> Result<(), InvokeError> {
+        if caller.routes_calls() && caller.id() != &self.id {
+            let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+            return caller.tell(&self.id, payload, timeout).await;
+        }
+        caller.tell_value(&self.id, AnyValue::new(Told(message)), timeout).await
+    }
+
+    /// `ActorFailed` for this actor with `cause`.
+    fn failed(&self, cause: String) -> InvokeError {
+        InvokeError::ActorFailed {
+            target: self.id.clone(),
+            cause,
         }
     }
 
