@@ -21,7 +21,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 use troupe::core::{ActorId, ActorKind};
-use troupe::runtime::{KindConfig, Runtime};
+use troupe::runtime::{ActorError, KindConfig, Runtime, Turn, TypedActor};
 
 #[path = "support/echo.rs"]
 mod echo;
@@ -39,7 +39,7 @@ use floor::{
 };
 
 /// The cases, each with what one iteration is.
-const CASES: [(&str, &str); 20] = [
+const CASES: [(&str, &str); 21] = [
     (
         "invoke-floor",
         "mpsc send + oneshot reply (the raw-tokio floor of an invoke)",
@@ -53,6 +53,10 @@ const CASES: [(&str, &str); 20] = [
     (
         "relay",
         "RuntimeHandle::invoke_within of an active relay actor, whose turn calls an echo actor (Turn::invoke)",
+    ),
+    (
+        "typed-relay",
+        "ActorRef::ask of an active typed relay, whose turn asks a typed echo (ActorRef::ask_from)",
     ),
     ("tell-floor", "TELL_BATCH bounded mpsc sends, then one request-reply"),
     ("tell", "TELL_BATCH ActorRef::tell, then one ActorRef::ask"),
@@ -107,10 +111,32 @@ const SMOKE_ITERATIONS: u64 = 20;
 /// Each request's timeout: longer than any run.
 const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Asks `typed/0` (a [`TypedEcho`]) from its turn with the message it got, and answers
+/// with the echo's reply: the typed relay's round trip is a typed ask plus one typed
+/// call from a turn (`Turn::actor_ref`, `ActorRef::ask_from`), as written in a handler.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct TypedRelay;
+
+impl TypedActor for TypedRelay {
+    type Message = u64;
+    type Reply = u64;
+
+    async fn handle(&mut self, turn: &mut Turn, message: u64) -> Result<u64, ActorError> {
+        let echo = turn.actor_ref::<TypedEcho>(ActorId::new("typed", "0")?)?;
+        Ok(echo.ask_from(turn.caller(), message, TIMEOUT).await?)
+    }
+}
+
+/// A runtime with the typed kinds `typed` ([`TypedEcho`]) and `typed-relay`.
 fn typed_runtime() -> Runtime {
     Runtime::builder()
         .register_typed::<TypedEcho>(
             ActorKind::new("typed").unwrap(),
+            KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT),
+        )
+        .unwrap()
+        .register_typed::<TypedRelay>(
+            ActorKind::new("typed-relay").unwrap(),
             KindConfig::default().with_idle_timeout(ECHO_IDLE_TIMEOUT),
         )
         .unwrap()
@@ -181,6 +207,19 @@ async fn run(case: &str, iterations: u64) {
                         .invoke_within(&target, Bytes::from_static(b"x"), TIMEOUT)
                         .await
                         .unwrap();
+                }
+            })
+        }
+        "typed-relay" => {
+            let runtime = typed_runtime();
+            let relay = runtime
+                .actor_ref::<TypedRelay>(ActorId::new("typed-relay", "0").unwrap())
+                .unwrap();
+            relay.ask(0, TIMEOUT).await.unwrap();
+            tokio::spawn(async move {
+                let _runtime = runtime;
+                for message in 0..iterations {
+                    relay.ask(message, TIMEOUT).await.unwrap();
                 }
             })
         }
