@@ -13,8 +13,8 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe::core::{ActorId, ActorKind, CallRefused, InvokeError};
 use troupe::runtime::{
-    Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeHandle, TellRoute, Turn, TurnCall, TurnCallRouter,
-    TypedActor, WaitEdge,
+    Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, Runtime, RuntimeHandle, TellRoute, Turn, TurnCall,
+    TurnCallRouter, TypedActor, WaitEdge,
 };
 
 const RELAY: &str = "relay";
@@ -36,6 +36,11 @@ enum Hop {
     /// Ask the actor `x` of kind `0` for `Where` from this turn (a kind that is not a
     /// relay's: the reference is refused).
     AskKind(String),
+    /// Add this much to the relay's `added`, then reply as `Where`.
+    Add(u64),
+    /// Send relay `to` an `Add(1)` from this turn (a tell if `tell`, else an ask), under
+    /// the idempotency key `key` (none if empty), then fail the turn.
+    AddThenFail { to: String, key: String, tell: bool },
     /// Reply as `Where`; a message that cannot be encoded (it crosses as a value only).
     Opaque(NoWire),
 }
@@ -58,12 +63,15 @@ struct Place {
     chain: Vec<String>,
     deadline_us: u64,
     notes: Vec<(u32, Vec<String>)>,
+    added: u64,
 }
 
 #[derive(Default, Serialize, Deserialize)]
 struct Relay {
     /// (depth, chain keys) of each `Note` turn, in order.
     notes: Vec<(u32, Vec<String>)>,
+    /// The sum of the `Add`s.
+    added: u64,
 }
 
 impl Relay {
@@ -75,6 +83,7 @@ impl Relay {
             chain: context.chain().iter().map(|id| id.key().to_string()).collect(),
             deadline_us: turn.deadline().as_micros(),
             notes: self.notes.clone(),
+            added: self.added,
         }
     }
 }
@@ -93,6 +102,25 @@ impl TypedActor for Relay {
                     .ask_from(turn.caller(), *next, Duration::from_millis(ms))
                     .await
                     .and_then(|answer| answer))
+            }
+            Hop::Add(n) => {
+                self.added += n;
+                Ok(Ok(self.place(turn)))
+            }
+            Hop::AddThenFail { to, key, tell } => {
+                let target = turn.actor_ref::<Relay>(ActorId::new(RELAY, to)?)?;
+                let caller = turn.caller();
+                let sent = match (IdempotencyKey::new(&key).ok(), tell) {
+                    (Some(key), true) => target.tell_keyed_from(caller, &key, Hop::Add(1), SECONDS_5).await,
+                    (Some(key), false) => target
+                        .ask_keyed_from(caller, &key, Hop::Add(1), SECONDS_5)
+                        .await
+                        .map(|_| ()),
+                    (None, true) => target.tell_from(caller, Hop::Add(1), SECONDS_5).await,
+                    (None, false) => target.ask_from(caller, Hop::Add(1), SECONDS_5).await.map(|_| ()),
+                };
+                sent?;
+                Err(ActorError::failed("failed after its call"))
             }
             Hop::AskKind(kind) => {
                 let target = turn.actor_ref::<Relay>(ActorId::new(kind, "x")?)?;
@@ -340,5 +368,40 @@ async fn typed_calls_from_a_turn_go_through_a_router_as_bytes() {
     assert_eq!(*router.tells.lock().unwrap(), 1);
     let c = ask(&rt, "c", Hop::Where).await.unwrap();
     assert_eq!(c.notes, vec![(1, keys(&["a"]))]);
+    rt.shutdown().await;
+}
+
+/// Goal: a turn run again that sends the same keyed typed ask or tell from its turn
+/// (`ask_keyed_from`, `tell_keyed_from`) applies the target's effect once; unkeyed
+/// (`ask_from`, `tell_from`, the control) the effect lands each time.
+#[tokio::test(start_paused = true)]
+async fn a_turn_run_again_applies_its_keyed_typed_call_or_tell_once() {
+    let rt = start();
+    for (target, key, tell, landed) in [
+        ("ask-keyed", "order-7", false, 1),
+        ("ask-unkeyed", "", false, 2),
+        ("tell-keyed", "order-8", true, 1),
+        ("tell-unkeyed", "", true, 2),
+    ] {
+        for _ in 0..2 {
+            let hop = Hop::AddThenFail {
+                to: target.to_string(),
+                key: key.to_string(),
+                tell,
+            };
+            let failed = rt
+                .actor_ref::<Relay>(relay("saga"))
+                .unwrap()
+                .ask(hop, SECONDS_5)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&failed, InvokeError::ActorFailed { cause, .. } if cause.contains("failed after its call")),
+                "{failed:?}"
+            );
+        }
+        let place = ask(&rt, target, Hop::Where).await.unwrap();
+        assert_eq!(place.added, landed, "{target}");
+    }
     rt.shutdown().await;
 }

@@ -530,6 +530,54 @@ impl<A: TypedActor> ActorRef<A> {
         caller.tell_value(&self.id, AnyValue::new(Told(message)), timeout).await
     }
 
+    /// As [`ActorRef::ask_from`], for one attempt of the logical request `key` names
+    /// ([`Caller::call_keyed`]): if a turn of the actor under this key has committed, its
+    /// recorded reply comes back and the handler does not run again. So a turn that is
+    /// run again (it failed after the call, or its own caller retried it) and asks again
+    /// under the same key applies the effect once: derive the key from what names the
+    /// work, not from anything that changes between attempts. The message and the reply
+    /// travel as bincode bytes (the reply is stored with the actor's commit), in process
+    /// too; through a router on a cluster node.
+    ///
+    /// # Errors
+    /// As [`Caller::call_keyed`]; `ActorFailed` if the message cannot be encoded
+    /// (nothing sent) or the reply, the recorded one too, cannot be decoded.
+    pub async fn ask_keyed_from(
+        &self,
+        caller: &Caller,
+        key: &IdempotencyKey,
+        message: A::Message,
+        timeout: Duration,
+    ) -> Result<A::Reply, InvokeError> {
+        let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+        let reply = caller.call_keyed(&self.id, key, payload, timeout).await?;
+        bincode::deserialize(&reply).map_err(|error| {
+            self.failed(format!(
+                "the reply is not a bincode-encoded {}: {error}",
+                std::any::type_name::<A::Reply>()
+            ))
+        })
+    }
+
+    /// As [`ActorRef::tell_from`], for one delivery of the message `key` names
+    /// ([`Caller::tell_keyed`]): once a delivery's turn has committed, later ones do not
+    /// run the handler, so a turn run again that tells again under the same key lands
+    /// the message once. The message travels as bincode bytes.
+    ///
+    /// # Errors
+    /// As [`Caller::tell_keyed`]; `ActorFailed` (nothing sent) if the message cannot be
+    /// encoded.
+    pub async fn tell_keyed_from(
+        &self,
+        caller: &Caller,
+        key: &IdempotencyKey,
+        message: A::Message,
+        timeout: Duration,
+    ) -> Result<(), InvokeError> {
+        let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+        caller.tell_keyed(&self.id, key, payload, timeout).await
+    }
+
     /// `ActorFailed` for this actor with `cause`.
     fn failed(&self, cause: String) -> InvokeError {
         InvokeError::ActorFailed {
