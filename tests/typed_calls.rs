@@ -281,6 +281,16 @@ async fn typed_asks_from_a_turn_are_its_calls_on_the_multi_thread_runtime() {
 /// its turn, at its own depth.
 #[tokio::test(start_paused = true)]
 async fn typed_tells_from_a_turn_run_as_its_messages() {
+    check_tells_from_a_turn_run_as_its_messages().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_tells_from_a_turn_run_as_its_messages_on_the_multi_thread_runtime() {
+    check_tells_from_a_turn_run_as_its_messages().await;
+}
+
+async fn check_tells_from_a_turn_run_as_its_messages() {
     let rt = start();
     let told = ask(&rt, "a", Hop::Tell("b".to_string())).await.unwrap();
     assert_eq!((told.key.as_str(), told.depth), ("a", 0));
@@ -376,6 +386,16 @@ async fn typed_calls_from_a_turn_go_through_a_router_as_bytes() {
 /// (`ask_from`, `tell_from`, the control) the effect lands each time.
 #[tokio::test(start_paused = true)]
 async fn a_turn_run_again_applies_its_keyed_typed_call_or_tell_once() {
+    check_keyed_typed_calls_and_tells_land_once().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_run_again_applies_its_keyed_typed_call_or_tell_once_on_the_multi_thread_runtime() {
+    check_keyed_typed_calls_and_tells_land_once().await;
+}
+
+async fn check_keyed_typed_calls_and_tells_land_once() {
     let rt = start();
     for (target, key, tell, landed) in [
         ("ask-keyed", "order-7", false, 1),
