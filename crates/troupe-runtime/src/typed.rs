@@ -381,22 +381,13 @@ impl<A: TypedActor> ActorRef<A> {
         message: A::Message,
         timeout: Duration,
     ) -> Result<A::Reply, InvokeError> {
-        let failed = |cause: String| InvokeError::ActorFailed {
-            target: self.id.clone(),
-            cause,
-        };
-        let payload = encode(&message, "message").map_err(|error| failed(error.to_string()))?;
+        let payload = self.encode_message(&message)?;
         let deadline = self.handle.deadline_in(timeout);
         let reply = self
             .handle
             .invoke_routed_keyed(&self.id, key, payload, deadline)
             .await?;
-        bincode::deserialize(&reply).map_err(|error| {
-            failed(format!(
-                "the reply is not a bincode-encoded {}: {error}",
-                std::any::type_name::<A::Reply>()
-            ))
-        })
+        self.decode_reply(&reply)
     }
 
     /// As [`ActorRef::tell`], for one delivery of the message `key` names (see
@@ -413,10 +404,7 @@ impl<A: TypedActor> ActorRef<A> {
         message: A::Message,
         timeout: Duration,
     ) -> Result<(), InvokeError> {
-        let payload = encode(&message, "message").map_err(|error| InvokeError::ActorFailed {
-            target: self.id.clone(),
-            cause: error.to_string(),
-        })?;
+        let payload = self.encode_message(&message)?;
         let deadline = self.handle.deadline_in(timeout);
         self.handle.tell_keyed(&self.id, key, payload, deadline).await
     }
@@ -490,14 +478,9 @@ impl<A: TypedActor> ActorRef<A> {
         timeout: Duration,
     ) -> Result<A::Reply, InvokeError> {
         if caller.routes_calls() {
-            let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+            let payload = self.encode_message(&message)?;
             let reply = caller.call(&self.id, payload, timeout).await?;
-            return bincode::deserialize(&reply).map_err(|error| {
-                self.failed(format!(
-                    "the reply is not a bincode-encoded {}: {error}",
-                    std::any::type_name::<A::Reply>()
-                ))
-            });
+            return self.decode_reply(&reply);
         }
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1);
         let admitted = caller.admit(&self.id, true, Some(timeout_ms))?;
@@ -524,7 +507,7 @@ impl<A: TypedActor> ActorRef<A> {
     /// message cannot be encoded.
     pub async fn tell_from(&self, caller: &Caller, message: A::Message, timeout: Duration) -> Result<(), InvokeError> {
         if caller.routes_calls() && caller.id() != &self.id {
-            let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+            let payload = self.encode_message(&message)?;
             return caller.tell(&self.id, payload, timeout).await;
         }
         caller.tell_value(&self.id, AnyValue::new(Told(message)), timeout).await
@@ -549,14 +532,9 @@ impl<A: TypedActor> ActorRef<A> {
         message: A::Message,
         timeout: Duration,
     ) -> Result<A::Reply, InvokeError> {
-        let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+        let payload = self.encode_message(&message)?;
         let reply = caller.call_keyed(&self.id, key, payload, timeout).await?;
-        bincode::deserialize(&reply).map_err(|error| {
-            self.failed(format!(
-                "the reply is not a bincode-encoded {}: {error}",
-                std::any::type_name::<A::Reply>()
-            ))
-        })
+        self.decode_reply(&reply)
     }
 
     /// As [`ActorRef::tell_from`], for one delivery of the message `key` names
@@ -574,8 +552,24 @@ impl<A: TypedActor> ActorRef<A> {
         message: A::Message,
         timeout: Duration,
     ) -> Result<(), InvokeError> {
-        let payload = encode(&message, "message").map_err(|error| self.failed(error.to_string()))?;
+        let payload = self.encode_message(&message)?;
         caller.tell_keyed(&self.id, key, payload, timeout).await
+    }
+
+    /// The message as bincode bytes, or `ActorFailed` for this actor (nothing sent).
+    fn encode_message(&self, message: &A::Message) -> Result<Bytes, InvokeError> {
+        encode(message, "message").map_err(|error| self.failed(error.to_string()))
+    }
+
+    /// A reply that came as bincode bytes, decoded; `ActorFailed` for this actor if it
+    /// is not an `A::Reply`.
+    fn decode_reply(&self, reply: &[u8]) -> Result<A::Reply, InvokeError> {
+        bincode::deserialize(reply).map_err(|error| {
+            self.failed(format!(
+                "the reply is not a bincode-encoded {}: {error}",
+                std::any::type_name::<A::Reply>()
+            ))
+        })
     }
 
     /// `ActorFailed` for this actor with `cause`.
