@@ -214,9 +214,10 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                 idle_timer: idle_timer.as_mut(),
                 idle_timer_registered: &mut idle_timer_registered,
                 now: &mut now,
+                task_waker: &mut task_waker,
             };
-            let envelope = match next.await {
-                Next::Message(envelope) => envelope,
+            match next.await {
+                Next::Message => {}
                 Next::Closed => break,
                 Next::IdleTimerFired => {
                     if received == received_at_last_check {
@@ -246,22 +247,12 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
             // a pointer is alive across an await except the turn itself, and that only while
             // its handler waits, where it shares space with what the other awaits hold (a
             // `match` or `if let` whose arm awaits would keep its scrutinee instead).
-            //
-            // The task's waker, for the first poll (this await holds nothing). It is kept
-            // across messages and cloned again only if the task's waker changed: a clone and
-            // its drop are an atomic operation each on the task's reference count, per
-            // message (perf, 2026-11-25).
-            std::future::poll_fn(|cx| {
-                if !task_waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
-                    task_waker = Some(cx.waker().clone());
-                }
-                Poll::Ready(())
-            })
-            .await;
-            let waker = task_waker.as_ref().expect("set just above");
+            let waker = task_waker
+                .as_ref()
+                .expect("set by the wait that handed out the message");
             {
                 let store_commit = 'settled: {
-                    let Some((context, payload, begun)) = begin(&live, &handle.shared, envelope, &mut now) else {
+                    let Some((context, payload, begun)) = begin(&live, &handle.shared, &mut receiver, &mut now) else {
                         // Refused unrun (abandoned, expired or fenced): answered already.
                         continue 'messages;
                     };
@@ -348,7 +339,8 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
 
 /// What the activation's loop waits for next.
 enum Next {
-    Message(Envelope),
+    /// A message is at the front of the mailbox's batch (`MailboxReceiver::take_ready`).
+    Message,
     /// The dispatcher closed the mailbox and it is drained.
     Closed,
     IdleTimerFired,
@@ -373,6 +365,14 @@ struct NextEvent<'a> {
     idle_timer_registered: &'a mut bool,
     /// The wake-up's clock reading, forgotten when this wait has to wait.
     now: &'a mut WakeClock,
+    /// The task's waker, for the first poll of the turn of the message handed out, set
+    /// when the wait hands one out. It is kept across messages and cloned again only if
+    /// the task's waker changed: a clone and its drop are an atomic operation each on the
+    /// task's reference count, per message (perf, 2026-11-25). Taken here rather than in
+    /// an await of its own after the message: across that await the message was kept in
+    /// the task's state, a copy of the envelope in and one out, each read back whole right
+    /// after being written piecewise (see "Twenty-ninth pass" in docs/architecture.md).
+    task_waker: &'a mut Option<std::task::Waker>,
 }
 
 /// The clock as read once in a wake-up of an activation's task, or not yet read: in 8
@@ -399,9 +399,18 @@ impl Future for NextEvent<'_> {
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Next> {
         let this = self.get_mut();
-        match this.receiver.poll_recv(cx) {
-            Poll::Ready(Some(envelope)) => return Poll::Ready(Next::Message(envelope)),
-            Poll::Ready(None) => return Poll::Ready(Next::Closed),
+        match this.receiver.poll_ready(cx) {
+            Poll::Ready(true) => {
+                if !this
+                    .task_waker
+                    .as_ref()
+                    .is_some_and(|waker| waker.will_wake(cx.waker()))
+                {
+                    *this.task_waker = Some(cx.waker().clone());
+                }
+                return Poll::Ready(Next::Message);
+            }
+            Poll::Ready(false) => return Poll::Ready(Next::Closed),
             Poll::Pending => {}
         }
         // A timer that holds the task's waker wakes the task when it fires, and is marked
@@ -553,15 +562,18 @@ type Outcome = Result<Result<Payload, ActorError>, ()>;
 /// The longest a turn may run, in microseconds ([`INVOKE_TIMEOUT_MS_MAX`]).
 const TURN_TIMEOUT_US_MAX: u64 = INVOKE_TIMEOUT_MS_MAX * 1_000;
 
-/// Checks a request at dequeue and answers one that must not run; else hands over what
-/// its turn is made of (the turn itself is built by the loop, where it stays: built here
-/// and moved out, it cost a copy of its 144 bytes per message). `now` is the clock as read
-/// in this wake-up of the task, read here if not yet.
+/// Takes the message the wait found ready out of `receiver`'s batch, checks it at dequeue
+/// and answers one that must not run; else hands over what its turn is made of (the turn
+/// itself is built by the loop, where it stays: built here and moved out, it cost a copy
+/// of its 144 bytes per message). The envelope is taken apart where it is taken out of
+/// the batch, not passed in: passed by value, it was copied once more, and read back
+/// right after being written (see "Twenty-ninth pass" in docs/architecture.md). `now` is
+/// the clock as read in this wake-up of the task, read here if not yet.
 #[inline(always)]
 fn begin(
     live: &Live,
     shared: &Shared,
-    envelope: Envelope,
+    receiver: &mut MailboxReceiver,
     now: &mut WakeClock,
 ) -> Option<(EnvelopeContext, Payload, Begun)> {
     // Abandoned (its caller timed out, or gave up): never run it. No clock read for a
@@ -571,9 +583,16 @@ fn begin(
     // takes the reply if it arrives first, or the turn is cancelled.) A fire-and-forget
     // message has no caller to close anything: its deadline is checked against the
     // wake-up's clock.
-    let mut expired =
-        || !envelope.reply.has_caller() && envelope.context.deadline().has_passed(now.read(&shared.clock));
-    let refusal = if envelope.reply.is_closed() || expired() {
+    let Envelope {
+        payload,
+        mut context,
+        reply,
+        call,
+        edge,
+        span: parent,
+    } = receiver.take_ready();
+    let mut expired = || !reply.has_caller() && context.deadline().has_passed(now.read(&shared.clock));
+    let refusal = if reply.is_closed() || expired() {
         Counters::add(&shared.counters.expired_dropped);
         Some(InvokeError::Timeout {
             target: live.id().clone(),
@@ -588,14 +607,6 @@ fn begin(
             source: (**fenced).clone(),
         })
     };
-    let Envelope {
-        payload,
-        mut context,
-        reply,
-        call,
-        edge,
-        span: parent,
-    } = envelope;
     if let Some(error) = refusal {
         respond(shared, call, edge, reply, Err(error));
         return None;

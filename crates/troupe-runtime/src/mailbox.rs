@@ -2,10 +2,15 @@
 //! dispatcher) to the activation's task, with the count of messages ever put into it.
 //!
 //! One lock guards the queue, the count, whether the mailbox is open and the task's
-//! waker: a delivery takes it once. A receipt takes it once when it finds one message
-//! queued; when it finds several, it takes them all in that one critical section (the
-//! queue is swapped with the receiver's empty batch) and hands out the rest of the batch
-//! without the lock, so a burst's messages cost the receiver one lock, not one each. The
+//! waker: a delivery takes it once. A receipt that finds its batch empty takes it once
+//! and takes everything queued in that one critical section (the queue is swapped with
+//! the receiver's empty batch; the buffers change places, no envelope moves), then hands
+//! the batch's messages out without the lock, so a burst's messages cost the receiver one
+//! lock, not one each. A message is taken out of the batch where it lies, by the
+//! activation's loop itself (`poll_ready`, then `take_ready`), not returned through the
+//! wait's output: each move of a 120-byte envelope through a return value was a copy the
+//! processor read back right after writing it (see "Twenty-ninth pass" in
+//! docs/architecture.md). The
 //! receiver alone publishes how many messages it has taken out (`Mailbox::taken`, one
 //! writer, stored rather than atomically added), and a delivery's bound counts what is
 //! delivered and not yet taken: messages in the receiver's batch count as queued, as
@@ -21,10 +26,11 @@
 //! callers' fast path ─┐
 //!                     ├─► Mailbox::deliver ─► [lock: open? full? push, delivered += 1,
 //! dispatcher ─────────┘                        take the waker] ─► wake the task
-//! activation's task ─► MailboxReceiver::poll_recv ─► from its batch, or
-//!                                                    [lock: pop one, or swap several into
-//!                                                    the batch, or None when closed and
-//!                                                    empty, or keep the waker]
+//! activation's task ─► MailboxReceiver::poll_ready ─► ready if its batch holds one, or
+//!                                                     [lock: swap the queue in as the
+//!                                                     batch, or closed when closed and
+//!                                                     empty, or keep the waker]
+//!                   ─► MailboxReceiver::take_ready ─► the batch's front, in place
 //! dispatcher ─► Route dropped / close_if_delivered ─► closed: the task drains, then None
 //! ```
 //!
@@ -36,7 +42,10 @@
 //! of tells) about 110 instructions a message (callgrind, 2026-11-29). The buffer is
 //! made with the activation's first message, with room for the messages it opens with
 //! (usually one), grows with bursts, is given back down to [`MAILBOX_SLOTS_KEPT`] once
-//! the queue empties, and down to [`MAILBOX_SLOTS_KEPT_IDLE`] at the idle timer.
+//! the queue empties, and down to [`MAILBOX_SLOTS_KEPT_IDLE`] at the idle timer. The
+//! queue and the batch trade buffers at each receipt, so an actor that has received more
+//! than one message holds two (one slot each for an actor called one at a time) until its
+//! idle timer gives the batch's back.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -176,6 +185,11 @@ impl Mailbox {
                 drop(state);
                 return Delivery::Full(Box::new(envelope), self.capacity);
             }
+            if state.queue.capacity() == 0 {
+                // The receiver's emptied batch, swapped in as the queue: one slot, not
+                // the four an empty `VecDeque` grows to.
+                reserve_one(&mut state.queue);
+            }
             state.queue.push_back(envelope);
             state.delivered += 1;
             state.waker.take()
@@ -217,6 +231,14 @@ fn shrink_after_burst(queue: &mut VecDeque<Envelope>) {
     queue.shrink_to(MAILBOX_SLOTS_KEPT);
 }
 
+/// Makes room for one envelope in a queue that has none: out of line, as it happens once
+/// per activation (or after an idle period's trim), not per message.
+#[cold]
+#[inline(never)]
+fn reserve_one(queue: &mut VecDeque<Envelope>) {
+    queue.reserve_exact(1);
+}
+
 /// Closes the mailbox whose lock is `state`, then wakes its task (after the lock is let
 /// go) so that it sees the end once it has taken what is queued.
 fn close_locked(mut state: MutexGuard<'_, MailboxState>) {
@@ -244,51 +266,49 @@ impl MailboxReceiver {
     /// finding messages yields after the budget (128), so senders on other workers cannot
     /// keep it from yielding (the simulator has no budget).
     pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Envelope>> {
+        self.poll_ready(cx).map(|ready| ready.then(|| self.take_ready()))
+    }
+
+    /// Whether a message is ready: `Ready(true)` when one is at the front of the batch,
+    /// to be taken with [`MailboxReceiver::take_ready`]; `Ready(false)` once the mailbox
+    /// is closed and empty.
+    #[inline(always)]
+    pub(crate) fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
         #[cfg(not(madsim))]
         let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         if self.batch.is_empty() {
-            // The batch's room beyond a full mailbox's goes back before it is swapped in
-            // as the queue (see [`MAILBOX_SLOTS_KEPT`]).
             if self.batch.capacity() > MAILBOX_SLOTS_KEPT {
                 shrink_after_burst(&mut self.batch);
             }
             let mut state = self.mailbox.state();
-            if state.queue.len() > 1 {
-                // All of them: the queue's buffer goes with its messages and the batch's
-                // (empty) one stays as the queue, so nothing is moved or allocated.
-                std::mem::swap(&mut state.queue, &mut self.batch);
-            } else {
-                // One message, or none: popped in place, so an actor that gets one
-                // message at a time keeps one buffer of one slot.
-                let next = state.queue.pop_front();
-                if next.is_some() {
-                    drop(state);
-                    self.count_taken();
-                    #[cfg(not(madsim))]
-                    coop.made_progress();
-                    return Poll::Ready(next);
-                }
+            if state.queue.is_empty() {
                 if !state.open {
                     #[cfg(not(madsim))]
                     coop.made_progress();
-                    return Poll::Ready(None);
+                    return Poll::Ready(false);
                 }
                 if state.queue.capacity() > MAILBOX_SLOTS_KEPT {
                     shrink_after_burst(&mut state.queue);
                 }
-                // The waker is cloned only when it changed: a clone and its drop are an
-                // atomic operation each on the task's reference count.
                 if !state.waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
                     state.waker = Some(cx.waker().clone());
                 }
                 return Poll::Pending;
             }
+            std::mem::swap(&mut state.queue, &mut self.batch);
         }
-        let next = self.batch.pop_front();
-        self.count_taken();
         #[cfg(not(madsim))]
         coop.made_progress();
-        Poll::Ready(next)
+        Poll::Ready(true)
+    }
+
+    /// The message [`MailboxReceiver::poll_ready`] found, taken out of the batch where
+    /// it lies.
+    #[inline(always)]
+    pub(crate) fn take_ready(&mut self) -> Envelope {
+        let envelope = self.batch.pop_front().expect("poll_ready found a message");
+        self.count_taken();
+        envelope
     }
 
     /// Counts one message handed out, and publishes the count for the deliveries'
@@ -494,9 +514,10 @@ mod tests {
     }
 
     /// Goal: a mailbox opened with one message keeps it in the block of the box it came
-    /// in (no allocation of its own), and that block serves as the queue's room for later
-    /// messages. Method: the envelope's address in its box, then in the queue; a message
-    /// delivered after the first is taken goes to the same place.
+    /// in (no allocation of its own), and that block serves as room for later messages:
+    /// the queue and the batch trade buffers at each receipt, so every other message
+    /// goes to it. Method: the envelope's address in its box, then in the queue; the
+    /// messages delivered after the first alternate between that block and one other.
     #[tokio::test]
     async fn a_first_message_s_box_becomes_the_queue_s_room() {
         let first = Box::new(envelope(0));
@@ -505,8 +526,14 @@ mod tests {
         assert_eq!(mailbox.state().queue.as_slices().0.as_ptr(), at);
         assert_eq!(receiver.recv().await.unwrap().call, 0);
         assert!(delivered(mailbox.deliver(envelope(1))));
-        assert_eq!(mailbox.state().queue.as_slices().0.as_ptr(), at);
-        assert_eq!(receiver.recv().await.unwrap().call, 1);
+        let other = mailbox.state().queue.as_slices().0.as_ptr();
+        assert_ne!(other, at, "the first block is the batch's now");
+        for call in 1..10 {
+            assert_eq!(receiver.recv().await.unwrap().call, call);
+            assert!(delivered(mailbox.deliver(envelope(call + 1))));
+            let expected = if call % 2 == 1 { at } else { other };
+            assert_eq!(mailbox.state().queue.as_slices().0.as_ptr(), expected);
+        }
     }
 
     fn mailbox_of(receiver: &MailboxReceiver) -> &Mailbox {
