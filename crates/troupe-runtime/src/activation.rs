@@ -164,8 +164,8 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
         // stopping, a turn that has to wait and a commit that goes to the store are boxed
         // instead of being inlined into it (a turn that finishes in its first poll with
         // nothing to store allocates nothing here). Starting is not boxed: its future
-        // fits in the room the later awaits take anyway (the task's state is 528 bytes
-        // with it inlined and with it boxed, rustc 1.95), and the box was a malloc and a
+        // fits in the room the later awaits take anyway (the task's state was 528 bytes
+        // with it inlined and with it boxed, rustc 1.95; 624 since the twenty-ninth pass), and the box was a malloc and a
         // free per activation.
         // (A labelled block rather than a `match` whose arm awaits: that would keep the
         // start's result, and the error, in the task's state for as long as it runs.)
@@ -214,7 +214,6 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                 idle_timer: idle_timer.as_mut(),
                 idle_timer_registered: &mut idle_timer_registered,
                 now: &mut now,
-                task_waker: &mut task_waker,
             };
             match next.await {
                 Next::Message => {}
@@ -247,9 +246,20 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
             // a pointer is alive across an await except the turn itself, and that only while
             // its handler waits, where it shares space with what the other awaits hold (a
             // `match` or `if let` whose arm awaits would keep its scrutinee instead).
-            let waker = task_waker
-                .as_ref()
-                .expect("set by the wait that handed out the message");
+            //
+            // The task's waker, for the first poll (this await holds nothing: the message
+            // is still in the mailbox's batch, taken out by `begin` below). It is kept
+            // across messages and cloned again only if the task's waker changed: a clone
+            // and its drop are an atomic operation each on the task's reference count, per
+            // message (perf, 2026-11-25).
+            std::future::poll_fn(|cx| {
+                if !task_waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
+                    task_waker = Some(cx.waker().clone());
+                }
+                Poll::Ready(())
+            })
+            .await;
+            let waker = task_waker.as_ref().expect("set just above");
             {
                 let store_commit = 'settled: {
                     let Some((context, payload, begun)) = begin(&live, &handle.shared, &mut receiver, &mut now) else {
@@ -365,14 +375,6 @@ struct NextEvent<'a> {
     idle_timer_registered: &'a mut bool,
     /// The wake-up's clock reading, forgotten when this wait has to wait.
     now: &'a mut WakeClock,
-    /// The task's waker, for the first poll of the turn of the message handed out, set
-    /// when the wait hands one out. It is kept across messages and cloned again only if
-    /// the task's waker changed: a clone and its drop are an atomic operation each on the
-    /// task's reference count, per message (perf, 2026-11-25). Taken here rather than in
-    /// an await of its own after the message: across that await the message was kept in
-    /// the task's state, a copy of the envelope in and one out, each read back whole right
-    /// after being written piecewise (see "Twenty-ninth pass" in docs/architecture.md).
-    task_waker: &'a mut Option<std::task::Waker>,
 }
 
 /// The clock as read once in a wake-up of an activation's task, or not yet read: in 8
@@ -400,16 +402,7 @@ impl Future for NextEvent<'_> {
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Next> {
         let this = self.get_mut();
         match this.receiver.poll_ready(cx) {
-            Poll::Ready(true) => {
-                if !this
-                    .task_waker
-                    .as_ref()
-                    .is_some_and(|waker| waker.will_wake(cx.waker()))
-                {
-                    *this.task_waker = Some(cx.waker().clone());
-                }
-                return Poll::Ready(Next::Message);
-            }
+            Poll::Ready(true) => return Poll::Ready(Next::Message),
             Poll::Ready(false) => return Poll::Ready(Next::Closed),
             Poll::Pending => {}
         }
