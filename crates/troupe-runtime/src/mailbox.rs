@@ -10,9 +10,9 @@
 //! activation's loop itself (`poll_ready`, then `take_ready`), not returned through the
 //! wait's output: each move of a 120-byte envelope through a return value was a copy the
 //! processor read back right after writing it (see "Twenty-ninth pass" in
-//! docs/architecture.md). The
-//! receiver alone publishes how many messages it has taken out (`Mailbox::taken`, one
-//! writer, stored rather than atomically added), and a delivery's bound counts what is
+//! docs/architecture.md). The receiver alone publishes how many messages it has taken
+//! out (`Mailbox::taken`, one writer, stored rather than atomically added), and a
+//! delivery's bound counts what is
 //! delivered and not yet taken: messages in the receiver's batch count as queued, as
 //! before (see "The mailbox's batch" in docs/architecture.md). (It replaced a tokio bounded `mpsc`
 //! channel behind a route's own lock: a delivery took the route's lock, then the
@@ -271,12 +271,15 @@ impl MailboxReceiver {
 
     /// Whether a message is ready: `Ready(true)` when one is at the front of the batch,
     /// to be taken with [`MailboxReceiver::take_ready`]; `Ready(false)` once the mailbox
-    /// is closed and empty.
+    /// is closed and empty. Spends tokio's cooperative budget as
+    /// [`MailboxReceiver::poll_recv`] says.
     #[inline(always)]
     pub(crate) fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
         #[cfg(not(madsim))]
         let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         if self.batch.is_empty() {
+            // The batch's room beyond a full mailbox's goes back before it is swapped in
+            // as the queue (see [`MAILBOX_SLOTS_KEPT`]).
             if self.batch.capacity() > MAILBOX_SLOTS_KEPT {
                 shrink_after_burst(&mut self.batch);
             }
@@ -290,11 +293,16 @@ impl MailboxReceiver {
                 if state.queue.capacity() > MAILBOX_SLOTS_KEPT {
                     shrink_after_burst(&mut state.queue);
                 }
+                // The waker is cloned only when it changed: a clone and its drop are an
+                // atomic operation each on the task's reference count.
                 if !state.waker.as_ref().is_some_and(|waker| waker.will_wake(cx.waker())) {
                     state.waker = Some(cx.waker().clone());
                 }
                 return Poll::Pending;
             }
+            // All of it, one message or many: the queue's buffer goes with its messages
+            // and the batch's (empty) one stays as the queue, so nothing is moved or
+            // allocated here.
             std::mem::swap(&mut state.queue, &mut self.batch);
         }
         #[cfg(not(madsim))]
