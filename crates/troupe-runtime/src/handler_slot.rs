@@ -28,6 +28,12 @@
 //!   (leaked with it) rather than reuse or free memory that a pinned future still owns.
 //! - A block is written only with a future of exactly the layout it was allocated for;
 //!   a future of another layout gets a new block (the old one, unoccupied, is freed).
+//! - The slot's table (`SlotVTable`: layout, poll, drop) is the one of the future
+//!   placed last, set together with it; the block is freed with the table's layout,
+//!   which changes only for a future of the same layout or after the old block was
+//!   freed. An [`InSlot`] polls through the table's poll, cast back to the type it had:
+//!   `place_with` returns `InSlot<'_, F::Output>` with `VTableOf::<F>`'s table, and the
+//!   slot stays borrowed by it, so no other future's table can replace it meanwhile.
 //!
 //! Checked under Miri (2026-11-28; not in CI, which installs no nightly toolchain):
 //! `cargo +nightly miri test -p troupe-runtime --lib handler_slot::tests::turns_reuse`
@@ -36,6 +42,7 @@
 
 use std::alloc::{self, Layout};
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::ptr::NonNull;
 use std::task::{Context, Poll};
@@ -51,8 +58,10 @@ pub(crate) struct HandlerSlot {
     /// The block, once a future was placed (dangling and unallocated for a zero-sized
     /// future).
     block: Option<NonNull<u8>>,
-    /// The layout the block was allocated with.
-    layout: Layout,
+    /// What the slot knows of the future placed last: its layout (the block's), and how
+    /// to poll and drop it. One static per future type ([`VTableOf`]), so that an
+    /// [`InSlot`] is a single pointer, to the slot (see [`InSlot`]).
+    vtable: &'static SlotVTable,
     /// Whether a future lives in the block: set by `place`, cleared by its `InSlot`'s
     /// drop. Still set after an `InSlot` was leaked (see the module's safety argument).
     occupied: bool,
@@ -65,12 +74,63 @@ pub(crate) struct HandlerSlot {
 // borrows the slot, and only `Send` futures are placed.
 unsafe impl Send for HandlerSlot {}
 
+/// A future's layout and its poll and drop, with its type erased: what a slot needs to
+/// run and end the future in its block.
+struct SlotVTable {
+    layout: Layout,
+    /// `poll_in::<F>`, an `unsafe fn(NonNull<u8>, &mut Context<'_>) -> Poll<F::Output>`
+    /// with its output type erased; only the `InSlot<'_, F::Output>` that `place_with`
+    /// returned with this table calls it, as that type again.
+    poll: unsafe fn(),
+    /// `drop_in::<F>`.
+    drop: unsafe fn(NonNull<u8>),
+}
+
+/// The [`SlotVTable`] of futures of type `F`.
+struct VTableOf<F>(PhantomData<F>);
+
+impl<F: Future> VTableOf<F> {
+    const VTABLE: SlotVTable = SlotVTable {
+        layout: Layout::new::<F>(),
+        // SAFETY: a cast between function pointer types; see `SlotVTable::poll` for
+        // where it is cast back.
+        poll: unsafe {
+            std::mem::transmute::<unsafe fn(NonNull<u8>, &mut Context<'_>) -> Poll<F::Output>, unsafe fn()>(
+                poll_in::<F>,
+            )
+        },
+        drop: drop_in::<F>,
+    };
+}
+
+/// Polls the `F` in `block`.
+///
+/// # Safety
+/// `block` holds a live `F` that stays where it is until it is dropped.
+unsafe fn poll_in<F: Future>(block: NonNull<u8>, cx: &mut Context<'_>) -> Poll<F::Output> {
+    // SAFETY: the caller's promise: a live `F`, pinned where it lies.
+    unsafe { Pin::new_unchecked(block.cast::<F>().as_mut()) }.poll(cx)
+}
+
+/// Drops the `F` in `block`, in place.
+///
+/// # Safety
+/// `block` holds a live `F`, dropped only here and only once.
+unsafe fn drop_in<F>(block: NonNull<u8>) {
+    // SAFETY: the caller's promise.
+    unsafe { block.cast::<F>().as_ptr().drop_in_place() }
+}
+
+/// The table of an empty slot: a zero-sized layout, so nothing is ever freed with it.
+/// (`Pending` is never placed, only named: no future is in a slot with this table.)
+const EMPTY: &SlotVTable = &VTableOf::<std::future::Pending<()>>::VTABLE;
+
 impl HandlerSlot {
     /// An empty slot: it allocates at its first `place`.
     pub(crate) const fn new() -> Self {
         Self {
             block: None,
-            layout: Layout::new::<()>(),
+            vtable: EMPTY,
             occupied: false,
             kept_max: 0,
         }
@@ -101,10 +161,13 @@ impl HandlerSlot {
             self.block = None;
             self.occupied = false;
         }
-        let layout = Layout::new::<F>();
+        let vtable: &'static SlotVTable = &VTableOf::<F>::VTABLE;
+        let layout = vtable.layout;
         let block = match self.block {
-            Some(block) if self.layout == layout => block,
+            Some(block) if self.vtable.layout == layout => block,
             _ => {
+                // (Freed with the layout it was allocated with: the table is replaced
+                // only below.)
                 self.free();
                 let block = if layout.size() == 0 {
                     NonNull::<F>::dangling().cast::<u8>()
@@ -114,26 +177,28 @@ impl HandlerSlot {
                     NonNull::new(memory).unwrap_or_else(|| alloc::handle_alloc_error(layout))
                 };
                 self.block = Some(block);
-                self.layout = layout;
                 block
             }
         };
-        let at = block.cast::<F>();
+        self.vtable = vtable;
         // SAFETY: the block is valid for writes of `layout`, which is `F`'s layout, and
         // holds no live value (not occupied).
-        unsafe { at.as_ptr().write(make()) };
+        unsafe { block.cast::<F>().as_ptr().write(make()) };
         self.occupied = true;
-        let future: NonNull<dyn Future<Output = F::Output> + Send + 'a> = at;
-        InSlot { future, slot: self }
+        InSlot {
+            slot: self,
+            _output: PhantomData,
+        }
     }
 
     /// Frees the block, if it is allocated and free.
     fn free(&mut self) {
         if let Some(block) = self.block.take() {
-            if !self.occupied && self.layout.size() != 0 {
-                // SAFETY: allocated with `self.layout` by `place`, and no future lives in
-                // it.
-                unsafe { alloc::dealloc(block.as_ptr(), self.layout) };
+            if !self.occupied && self.vtable.layout.size() != 0 {
+                // SAFETY: allocated with this layout by `place_with` (the table changes
+                // only together with the block, or for a future of the same layout), and
+                // no future lives in it.
+                unsafe { alloc::dealloc(block.as_ptr(), self.vtable.layout) };
             }
         }
     }
@@ -152,34 +217,60 @@ impl Default for HandlerSlot {
 }
 
 /// A future living in a [`HandlerSlot`]'s block: polled in place, dropped in place.
+///
+/// One pointer, to the slot, which knows the block and the future's table: so a turn's
+/// future comes back from the actor's vtable call in a register. (When it was the
+/// future's own wide pointer and the slot's, 24 bytes, it came back through memory,
+/// written as three words and read back at once as two halves of a 16-byte load, which
+/// the processor cannot forward from the stores: perf, 2026-12-04; see "Thirtieth pass"
+/// in docs/architecture.md.)
 pub(crate) struct InSlot<'a, T> {
-    future: NonNull<dyn Future<Output = T> + Send + 'a>,
-    /// The slot whose block holds the future (not the block itself: the future is
-    /// reached through `future` only).
+    /// The slot whose block holds the future, its table the future's, both unchanged for
+    /// as long as this borrow lasts.
     slot: &'a mut HandlerSlot,
+    _output: PhantomData<fn() -> T>,
 }
 
 // SAFETY: it owns a `Send` future (`place` takes only those) and borrows the slot, which
 // is `Send`.
 unsafe impl<T> Send for InSlot<'_, T> {}
 
+impl<T> InSlot<'_, T> {
+    /// The block of the slot's future.
+    #[inline(always)]
+    fn block(&self) -> NonNull<u8> {
+        // SAFETY: `place_with` set the block before it made this `InSlot`, and nothing
+        // takes it while this `InSlot` borrows the slot (only its own drop frees it).
+        unsafe { self.slot.block.unwrap_unchecked() }
+    }
+}
+
 impl<T> Future for InSlot<'_, T> {
     type Output = T;
 
+    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let this = self.get_mut();
-        // SAFETY: the future lives in the slot's block until this `InSlot` drops it, and
-        // the block does not move meanwhile (the slot is borrowed by this `InSlot`).
-        unsafe { Pin::new_unchecked(this.future.as_mut()) }.poll(cx)
+        // SAFETY: the table is `VTableOf::<F>`'s for the future `F` that `place_with`
+        // wrote into the block and that made this `InSlot<'_, F::Output>`, so `T` is
+        // `F::Output` and this is `poll_in::<F>`'s own type. The future lives in the
+        // block until this `InSlot` drops it, and the block does not move meanwhile (the
+        // slot is borrowed by this `InSlot`).
+        unsafe {
+            let poll = std::mem::transmute::<unsafe fn(), unsafe fn(NonNull<u8>, &mut Context<'_>) -> Poll<T>>(
+                this.slot.vtable.poll,
+            );
+            poll(this.block(), cx)
+        }
     }
 }
 
 impl<T> Drop for InSlot<'_, T> {
     fn drop(&mut self) {
-        // SAFETY: the future was written by `place` and is dropped only here, once.
-        unsafe { self.future.as_ptr().drop_in_place() };
+        // SAFETY: the future was written by `place_with` and is dropped only here, once.
+        unsafe { (self.slot.vtable.drop)(self.block()) };
         self.slot.occupied = false;
-        if self.slot.layout.size() > self.slot.kept_max as usize {
+        if self.slot.vtable.layout.size() > self.slot.kept_max as usize {
             self.slot.free();
         }
     }
@@ -254,11 +345,16 @@ mod tests {
         assert_eq!(drops.load(Ordering::Relaxed), 7);
     }
 
-    /// Goal: the kept size rides in the slot's padding: a slot is still 32 bytes of
-    /// every idle activation.
+    /// Goal: the kept size rides in the slot's padding, and the future's layout in its
+    /// static table: a slot is 24 bytes of every idle activation. A future in the slot
+    /// is one pointer, so that the actor's vtable call returns it in a register.
     #[test]
-    fn a_slot_is_32_bytes() {
-        assert_eq!(std::mem::size_of::<HandlerSlot>(), 32);
+    fn a_slot_is_24_bytes_and_a_placed_future_one_pointer() {
+        assert_eq!(std::mem::size_of::<HandlerSlot>(), 24);
+        assert_eq!(
+            std::mem::size_of::<InSlot<'_, [u64; 8]>>(),
+            std::mem::size_of::<usize>()
+        );
     }
 
     /// Goal: an actor's own kept size (`Actor::TURN_FUTURE_KEPT_BYTES_MAX`) decides:
@@ -307,7 +403,7 @@ mod tests {
         let placed: AtTheLimit = std::future::ready([1_u8; HANDLER_SLOT_KEPT_BYTES_MAX - 1]);
         assert_eq!(slot.place(placed).await[0], 1);
         assert_eq!(
-            (slot.block.is_some(), slot.layout.size()),
+            (slot.block.is_some(), slot.vtable.layout.size()),
             (true, HANDLER_SLOT_KEPT_BYTES_MAX)
         );
     }
