@@ -277,7 +277,7 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                             // A told message with nobody to answer, no edge and no span: its
                             // ends are made only if its turn does not simply succeed.
                             Begun::Told { call, deadline } => 'told: {
-                                let answer = match told_first_poll(
+                                match told_first_poll(
                                     &mut live.actor,
                                     &mut turn,
                                     payload,
@@ -286,20 +286,13 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                                     &handle.shared,
                                     waker,
                                 ) {
-                                    Ok(Told::Answered(answer)) => answer,
+                                    Ok(Told::Answered) => {}
                                     Ok(Told::Raced(finished)) => break 'turn *finished,
                                     Err(slow) => break 'told slow,
-                                };
+                                }
                                 let (home, writes) = turn.finish();
                                 live.home = Some(home);
-                                break 'settled settle_told(
-                                    &mut live,
-                                    &handle.shared,
-                                    generation,
-                                    writes,
-                                    answer,
-                                    call,
-                                );
+                                break 'settled settle_told(&mut live, &handle.shared, generation, writes, call);
                             }
                             Begun::Full {
                                 reply,
@@ -696,8 +689,13 @@ fn told_first_poll<'a>(
 ) -> Result<Told, SlowTurn<'a>> {
     let mut handler = handler(actor, turn, payload);
     let mut cx = std::task::Context::from_waker(waker);
-    match Pin::new(&mut handler).poll(&mut cx) {
-        Poll::Ready(Ok(answer)) => Ok(Told::Answered(answer)),
+    let polled = Pin::new(&mut handler).poll(&mut cx);
+    match polled {
+        // Nobody reads a told turn's answer: it is not moved (`_` binds nothing), but
+        // dropped where the handler's poll wrote it, at the end of this function, rather
+        // than copied to `settle_told` or to a drop call: each copy was read back as soon
+        // as it was written (perf, "Thirtieth pass" in docs/architecture.md).
+        Poll::Ready(Ok(_)) => Ok(Told::Answered),
         Poll::Ready(Err(error)) => Ok(Told::Raced(Box::new((
             Raced::Finished(Ok(Err(error))),
             TurnEnds::told(call, deadline),
@@ -781,13 +779,13 @@ enum Begun {
     },
 }
 
-/// A told turn after its first poll: its handler's answer (the handler succeeded), or
-/// the race decided otherwise (it failed, or its own timer fired), to be settled as any
-/// turn is. The second is boxed, so that the first, the common one, is moved as a payload
-/// rather than as the race's outcome and ends (a failed turn allocates already: its
-/// rollback rebuilds the actor).
+/// A told turn after its first poll: its handler succeeded (its answer, which nobody
+/// reads, already dropped), or the race decided otherwise (it failed, or its own timer
+/// fired), to be settled as any turn is. The second is boxed, so that the first, the
+/// common one, moves nothing (a failed turn allocates already: its rollback rebuilds the
+/// actor).
 enum Told {
-    Answered(Payload),
+    Answered,
     Raced(Box<(Raced<Outcome>, TurnEnds)>),
 }
 
@@ -1065,7 +1063,6 @@ fn settle_told<'a>(
     shared: &'a Shared,
     generation: u64,
     writes: TurnWrites,
-    answer: Payload,
     call: CallId,
 ) -> Option<Committing<'a>> {
     Counters::add(&shared.counters.turns_run);
@@ -1074,12 +1071,14 @@ fn settle_told<'a>(
         request: call,
     });
     match prepare_commit(live, writes) {
-        // Nobody to answer and no edge to release: the answer is dropped.
+        // Nobody to answer and no edge to release.
         Ok(None) => None,
         Ok(Some(commit)) => {
             let store_commit = StoreCommit {
                 commit,
-                answer: Ok(answer),
+                // What the commit's success is answered with, to nobody: the turn's own
+                // answer was dropped when the handler returned it.
+                answer: Ok(Payload::Bytes(Bytes::new())),
                 reply: ReplyTo::Nobody,
                 call,
                 edge: false,
