@@ -392,6 +392,69 @@ async fn concurrent_typed_asks_and_tells_land_exactly_once_on_the_multi_thread_r
     rt.shutdown().await;
 }
 
+/// Deactivations forced while `check_one_ref_across_activations` sends.
+const FORCED_DEACTIVATIONS: u64 = 12;
+
+/// One `ActorRef` (not clones: one route cache) shared by several tasks that tell, tell
+/// by a deadline and ask, while another task deactivates the actor again and again. The
+/// ref keeps its first activation's mailbox without a lock and its later ones under one
+/// (`RouteCache` in handle.rs): whichever it tries, every message lands exactly once, in
+/// the activation that is open, and the total is exact.
+async fn check_one_ref_across_activations() {
+    const TASKS: u64 = 4;
+    const EACH: u64 = 300;
+    let rt = start(Arc::new(MemoryStore::new()), 4_096);
+    let a = Arc::new(rt.actor_ref::<Counter>(counter("a")).unwrap());
+    assert_eq!(a.ask(Op::Add(0), SECONDS_5).await.unwrap(), 0);
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let a = Arc::clone(&a);
+        tasks.push(tokio::spawn(async move {
+            for i in 0..EACH {
+                match (task + i) % 3 {
+                    0 => a.tell(Op::Add(1), SECONDS_5).await.unwrap(),
+                    1 => a.tell_by(Op::Add(1), a.deadline_in(SECONDS_5)).await.unwrap(),
+                    _ => drop(a.ask(Op::Add(1), SECONDS_5).await.unwrap()),
+                }
+                if i % 16 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    let mut forced = 0;
+    while forced < FORCED_DEACTIVATIONS {
+        // Activate it again through the shared ref, then close that activation.
+        a.ask(Op::Add(0), SECONDS_5).await.unwrap();
+        if rt.deactivate(a.id()).await.unwrap() {
+            forced += 1;
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(a.ask(Op::Get, SECONDS_5).await.unwrap(), TASKS * EACH);
+    let started = rt.counters().activations_started;
+    assert!(
+        started > FORCED_DEACTIVATIONS,
+        "{started} activations for {FORCED_DEACTIVATIONS} deactivations"
+    );
+    rt.shutdown().await;
+}
+
+/// Goal: see `check_one_ref_across_activations`.
+#[tokio::test]
+async fn one_ref_shared_by_tasks_delivers_exactly_once_across_activations() {
+    check_one_ref_across_activations().await;
+}
+
+/// Goal: as above, with the tasks on four worker threads.
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_ref_shared_by_tasks_delivers_exactly_once_across_activations_on_the_multi_thread_runtime() {
+    check_one_ref_across_activations().await;
+}
+
 /// Rounds of `check_waiting_turns_and_callers_that_give_up`.
 const WAITING_ROUNDS: u64 = 20;
 
