@@ -458,15 +458,15 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
         .kinds
         .get(id.kind())
         .expect("activations are spawned for registered kinds only");
-    let Claimed { fence, state: saved } =
-        shared
-            .store
-            .claim(id)
-            .await
-            .map_err(|source| InvokeError::StorageFailed {
-                target: id.clone(),
-                source,
-            })?;
+    // At once when the store can (no boxed future for it), else awaited.
+    let claimed = match shared.store.claim_now(id) {
+        Some(claimed) => claimed,
+        None => shared.store.claim(id).await,
+    };
+    let Claimed { fence, state: saved } = claimed.map_err(|source| InvokeError::StorageFailed {
+        target: id.clone(),
+        source,
+    })?;
     let failed = |error: ActorError| InvokeError::ActorFailed {
         target: id.clone(),
         cause: error.to_string(),

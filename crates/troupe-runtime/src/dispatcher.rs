@@ -282,8 +282,8 @@ impl Dispatcher {
             // any, went with its wait).
             return;
         }
-        let now = self.handle.shared.clock.now();
-        if envelope.context.deadline().has_passed(now) {
+        // (Compared as instants: no reading turned into a `Deadline`, see `Clock::has_passed`.)
+        if self.handle.shared.clock.has_passed(envelope.context.deadline()) {
             Counters::add(&self.handle.shared.counters.expired_dropped);
             self.refuse(*envelope, InvokeError::Timeout { target, timeout_ms: 0 });
             return;

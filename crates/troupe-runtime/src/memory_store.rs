@@ -296,6 +296,20 @@ impl MemoryStore {
         self.lock().states
     }
 
+    /// A claim (`StateStore::claim` and `claim_now` both): a fence newer than any
+    /// issued for `actor`, and its visible state, under the lock.
+    fn claim_at_once(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.faults.take(&self.faults.inner.fail_loads, StoreOperation::Claim)?;
+        let mut disk = self.lock();
+        let slot = disk.slot_mut(actor);
+        let fence = slot.fence.map_or(Fence::FIRST, |newest| newest.next());
+        slot.fence = Some(fence);
+        Ok(Claimed {
+            fence,
+            state: slot.state.clone(),
+        })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Disk> {
         self.disk.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -326,15 +340,11 @@ impl FencedClaim for MemoryStore {
 #[async_trait]
 impl StateStore for MemoryStore {
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.faults.take(&self.faults.inner.fail_loads, StoreOperation::Claim)?;
-        let mut disk = self.lock();
-        let slot = disk.slot_mut(actor);
-        let fence = slot.fence.map_or(Fence::FIRST, |newest| newest.next());
-        slot.fence = Some(fence);
-        Ok(Claimed {
-            fence,
-            state: slot.state.clone(),
-        })
+        self.claim_at_once(actor)
+    }
+
+    fn claim_now(&self, actor: &ActorId) -> Option<Result<Claimed, StoreError>> {
+        Some(self.claim_at_once(actor))
     }
 
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
@@ -484,6 +494,8 @@ mod tests {
     #[derive(Clone, Debug)]
     enum Op {
         Claim(usize),
+        /// A claim through `StateStore::claim_now`, which the runtime calls first.
+        ClaimNow(usize),
         ClaimWithFence(usize, u64),
         /// `fence_back`: how many fences older than the actor's newest to commit under.
         Commit {
@@ -503,6 +515,7 @@ mod tests {
         let write = (0..KEYS.len(), prop::option::weighted(0.7, any::<u8>()));
         prop_oneof![
             3 => (0..ACTORS.len()).prop_map(Op::Claim),
+            2 => (0..ACTORS.len()).prop_map(Op::ClaimNow),
             1 => (0..ACTORS.len(), 1..12u64).prop_map(|(a, f)| Op::ClaimWithFence(a, f)),
             8 => (0..ACTORS.len(), prop_oneof![4 => Just(0u64), 1 => 1..3u64], state, prop::collection::vec(write, 0..5))
                 .prop_map(|(actor, fence_back, state, writes)| Op::Commit { actor, fence_back, state, writes }),
@@ -515,8 +528,12 @@ mod tests {
 
     fn run(store: &MemoryStore, model: &mut Model, op: Op) {
         match op {
-            Op::Claim(a) => {
-                let claimed = ready(store.claim(&actor(a))).unwrap();
+            Op::Claim(a) | Op::ClaimNow(a) => {
+                let claimed = match op {
+                    Op::Claim(_) => ready(store.claim(&actor(a))),
+                    _ => store.claim_now(&actor(a)).expect("a memory store claims at once"),
+                }
+                .unwrap();
                 let fence = model.fences.get(&a).map_or(Fence::FIRST, |f| f.next());
                 model.fences.insert(a, fence);
                 assert_eq!(claimed.fence, fence);

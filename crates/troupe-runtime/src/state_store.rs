@@ -224,6 +224,16 @@ pub trait StateStore: Send + Sync + 'static {
     /// must not start the actor from a default state.
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError>;
 
+    /// [`StateStore::claim`] done at once, without a future, by a store that can (its
+    /// data in this process, behind a lock held only briefly): `None` if it cannot, and
+    /// then the runtime awaits `claim`. The default is `None`. A store that answers
+    /// `Some` must answer exactly as `claim` would (the same fences, the same faults):
+    /// an activation's start then costs no boxed future for its claim (`MemoryStore`
+    /// implements `claim` as this; see "Thirtieth pass" in docs/architecture.md).
+    fn claim_now(&self, _actor: &ActorId) -> Option<Result<Claimed, StoreError>> {
+        None
+    }
+
     /// The actor's last committed state blob, or `None` if it has none; a plain read
     /// that claims nothing (for tools that inspect state, not for activations).
     ///
