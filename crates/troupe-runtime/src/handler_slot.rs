@@ -345,6 +345,36 @@ mod tests {
         assert_eq!(drops.load(Ordering::Relaxed), 7);
     }
 
+    /// Two futures of one layout but of different types: `Ready<u64>` and a future
+    /// that returns its own `u64` plus one.
+    struct PlusOne(Option<u64>);
+
+    impl Future for PlusOne {
+        type Output = u64;
+
+        fn poll(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<u64> {
+            Poll::Ready(self.0.take().expect("polled once") + 1)
+        }
+    }
+
+    /// Goal: a block reused by a future of another type but the same layout runs that
+    /// future, through its own table (poll and drop), not the previous future's.
+    #[tokio::test]
+    async fn a_block_reused_by_another_type_of_the_same_layout_runs_that_type() {
+        assert_eq!(
+            Layout::new::<PlusOne>(),
+            Layout::new::<std::future::Ready<u64>>(),
+            "the test needs two types of one layout"
+        );
+        let mut slot = HandlerSlot::new();
+        assert_eq!(slot.place(std::future::ready(5_u64)).await, 5);
+        let block = slot.block;
+        assert_eq!(slot.place(PlusOne(Some(5))).await, 6, "the second type's poll ran");
+        assert_eq!(slot.block, block, "one layout, one block");
+        assert_eq!(slot.place(std::future::ready(7_u64)).await, 7);
+        assert_eq!(slot.block, block);
+    }
+
     /// Goal: the kept size rides in the slot's padding, and the future's layout in its
     /// static table: a slot is 24 bytes of every idle activation. A future in the slot
     /// is one pointer, so that the actor's vtable call returns it in a register.
