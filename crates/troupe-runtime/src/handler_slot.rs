@@ -5,7 +5,7 @@
 //! `HANDLER_SLOT_KEPT_BYTES_MAX`) is freed when its turn ends.
 //!
 //! ```text
-//! turn 1: HandlerSlot::place(future) ─► allocates the block, moves the future in ─► InSlot
+//! turn 1: HandlerSlot::place_with(make) ─► allocates the block, writes the future in ─► InSlot
 //! InSlot polled where it lies (the block never moves while a future lives in it)
 //! InSlot dropped ─► the future is dropped in place; the block stays for turn 2
 //! activation ends ─► the slot (in the `ActorBox`) frees the block
@@ -18,7 +18,7 @@
 //! turn only.
 //!
 //! The safety argument, in one place:
-//! - A future is written into the block by [`HandlerSlot::place`], which borrows the
+//! - A future is written into the block by [`HandlerSlot::place_with`], which borrows the
 //!   slot mutably for as long as the returned [`InSlot`] lives: nothing else can place
 //!   a future, move the block or free it meanwhile. So the future stays where it was
 //!   written until it is dropped, which is what pinning it requires.
@@ -147,7 +147,7 @@ impl HandlerSlot {
         self.place_with(HANDLER_SLOT_KEPT_BYTES_MAX, || future)
     }
 
-    /// As [`HandlerSlot::place`], with the future made by `make` once its block is
+    /// As `HandlerSlot::place` (tests only), with the future made by `make` once its block is
     /// ready, so that it can be written straight into the block rather than moved there,
     /// and its block kept after the turn if it is at most `kept_max` bytes.
     #[inline]
