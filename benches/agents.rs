@@ -19,6 +19,8 @@
 //!   the delivery report to `a`) runs before the next one's work: the time per
 //!   notification holds all of it.
 //!
+//! Every timed loop runs in a spawned task ([`in_task`]), as a server's handler would.
+//!
 //! Run: `cargo bench -p troupe-bench --bench agents` (shorter measurement when `CI` is set). Where the
 //! `call_agent` case's time goes, measured: docs/architecture.md ("Where an agent call's
 //! time goes").
@@ -60,6 +62,19 @@ fn long_lived() -> KindConfig {
     KindConfig::default().with_idle_timeout(Duration::from_secs(3_600))
 }
 
+/// Runs `timed` in a task spawned on `rt` (as a server's request handler would) and
+/// returns its output, as benches/runtime.rs and benches/paired.rs time their cases: in
+/// `block_on`'s own future, on current_thread, every wake-up first polls the I/O driver
+/// (a syscall), which inflated this bench's plain-invoke floor (711 ns against 447 ns in
+/// the paired bench on 2026-12-04) and so flattered the agent rows' ratios.
+fn in_task<F>(rt: &tokio::runtime::Runtime, timed: F) -> F::Output
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    rt.block_on(async move { tokio::spawn(timed).await.unwrap() })
+}
+
 fn agent_system() -> AgentSystem {
     scripted_agents::asker_and_answerer(long_lived())
 }
@@ -88,9 +103,11 @@ fn plain_invoke(rt: &tokio::runtime::Runtime, b: &mut Bencher<'_>) {
             .unwrap();
         runtime
     });
+    let runtime = Arc::new(runtime);
     let target = ActorId::new("echo", "e").unwrap();
     b.iter_custom(|iters| {
-        rt.block_on(async {
+        let (runtime, target) = (Arc::clone(&runtime), target.clone());
+        in_task(rt, async move {
             let start = Instant::now();
             for _ in 0..iters {
                 let deadline = runtime.deadline_in(Duration::from_secs(10));
@@ -119,10 +136,11 @@ fn ask_vs_invoke(c: &mut Criterion) {
         let system = rt.block_on(async {
             let system = agent_system();
             system.ask("answerer", "warm up").await.unwrap();
-            system
+            Arc::new(system)
         });
         b.iter_custom(|iters| {
-            rt.block_on(async {
+            let system = Arc::clone(&system);
+            in_task(&rt, async move {
                 let start = Instant::now();
                 for _ in 0..iters {
                     black_box(system.ask("answerer", "what is 6 x 7?").await.unwrap());
@@ -135,10 +153,11 @@ fn ask_vs_invoke(c: &mut Criterion) {
         let system = rt.block_on(async {
             let system = agent_system();
             system.ask("asker", "warm up").await.unwrap();
-            system
+            Arc::new(system)
         });
         b.iter_custom(|iters| {
-            rt.block_on(async {
+            let system = Arc::clone(&system);
+            in_task(&rt, async move {
                 let start = Instant::now();
                 for _ in 0..iters {
                     let reply = system.ask("asker", "what is 6 x 7?").await.unwrap();
@@ -181,16 +200,22 @@ fn call_agent_round_trips(rt: &tokio::runtime::Runtime, store: Arc<dyn StateStor
     let system = rt.block_on(async {
         let system = scripted_agents::asker_and_answerer_on(store, long_lived());
         system.ask("asker", "warm up").await.unwrap();
-        system
+        Arc::new(system)
     });
-    let elapsed = rt.block_on(async {
-        let start = Instant::now();
-        for _ in 0..iters {
-            let reply = system.ask("asker", "what is 6 x 7?").await.unwrap();
-            assert_eq!(reply.text, "42");
+    let elapsed = in_task(rt, {
+        let system = Arc::clone(&system);
+        async move {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let reply = system.ask("asker", "what is 6 x 7?").await.unwrap();
+                assert_eq!(reply.text, "42");
+            }
+            start.elapsed()
         }
-        start.elapsed()
     });
+    let Ok(system) = Arc::try_unwrap(system) else {
+        unreachable!("the timed task ended and dropped its reference")
+    };
     rt.block_on(system.shutdown());
     elapsed
 }
@@ -254,8 +279,10 @@ fn notify_and_delegate(c: &mut Criterion) {
     group.bench_function(PLAIN_INVOKE, |b| plain_invoke(&rt, b));
     group.bench_function("notify_as a to b, until b's turn on it ended", |bench| {
         let (system, _, b_turns) = warm_notifier_and_worker(&rt);
+        let system = Arc::new(system);
         bench.iter_custom(|iters| {
-            rt.block_on(async {
+            let (system, b_turns) = (Arc::clone(&system), Arc::clone(&b_turns));
+            in_task(&rt, async move {
                 let start = Instant::now();
                 for _ in 0..iters {
                     scripted_agents::notify_and_wait(&system, &b_turns, 1).await;
@@ -267,9 +294,11 @@ fn notify_and_delegate(c: &mut Criterion) {
     let batch = format!("notify_as a to b, {NOTIFY_BATCH} back to back until b's turns on all ended, per notification");
     group.bench_function(batch, |bench| {
         let (system, _, b_turns) = warm_notifier_and_worker(&rt);
+        let system = Arc::new(system);
         // One iteration is one notification: `iters` of them in batches.
         bench.iter_custom(|iters| {
-            rt.block_on(async {
+            let (system, b_turns) = (Arc::clone(&system), Arc::clone(&b_turns));
+            in_task(&rt, async move {
                 let start = Instant::now();
                 let mut sent = 0;
                 while sent < iters {
@@ -283,8 +312,10 @@ fn notify_and_delegate(c: &mut Criterion) {
     });
     group.bench_function("delegate a to b, until a's turn on the result ended", |bench| {
         let (system, a_turns, _) = warm_notifier_and_worker(&rt);
+        let system = Arc::new(system);
         bench.iter_custom(|iters| {
-            rt.block_on(async {
+            let (system, a_turns) = (Arc::clone(&system), Arc::clone(&a_turns));
+            in_task(&rt, async move {
                 let start = Instant::now();
                 let mut task = String::new();
                 for _ in 0..iters {
