@@ -361,6 +361,15 @@ async fn a_tell_that_expires_in_the_mailbox_is_dropped_unrun_on_the_multi_thread
     check_a_tell_expiring_behind_a_slow_turn(300, 50).await;
 }
 
+/// Adds 1 to `a` by a tell, a tell by a deadline or an ask, in turn by `n`.
+async fn add_one_by_turns(a: &ActorRef<Counter>, n: u64) {
+    match n % 3 {
+        0 => a.tell(Op::Add(1), SECONDS_5).await.unwrap(),
+        1 => a.tell_by(Op::Add(1), a.deadline_in(SECONDS_5)).await.unwrap(),
+        _ => drop(a.ask(Op::Add(1), SECONDS_5).await.unwrap()),
+    }
+}
+
 /// Goal: on the multi-thread runtime, concurrent typed asks, tells and `tell_by`s from
 /// many tasks all land exactly once (one activation, no lost or doubled update).
 #[cfg(not(madsim))]
@@ -375,11 +384,7 @@ async fn concurrent_typed_asks_and_tells_land_exactly_once_on_the_multi_thread_r
         let a = a.clone();
         tasks.push(tokio::spawn(async move {
             for i in 0..EACH {
-                match (task + i) % 3 {
-                    0 => a.tell(Op::Add(1), SECONDS_5).await.unwrap(),
-                    1 => a.tell_by(Op::Add(1), a.deadline_in(SECONDS_5)).await.unwrap(),
-                    _ => drop(a.ask(Op::Add(1), SECONDS_5).await.unwrap()),
-                }
+                add_one_by_turns(&a, task + i).await;
             }
         }));
     }
@@ -411,11 +416,7 @@ async fn check_one_ref_across_activations() {
         let a = Arc::clone(&a);
         tasks.push(tokio::spawn(async move {
             for i in 0..EACH {
-                match (task + i) % 3 {
-                    0 => a.tell(Op::Add(1), SECONDS_5).await.unwrap(),
-                    1 => a.tell_by(Op::Add(1), a.deadline_in(SECONDS_5)).await.unwrap(),
-                    _ => drop(a.ask(Op::Add(1), SECONDS_5).await.unwrap()),
-                }
+                add_one_by_turns(&a, task + i).await;
                 if i % 16 == 0 {
                     tokio::task::yield_now().await;
                 }
