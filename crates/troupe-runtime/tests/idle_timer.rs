@@ -76,6 +76,43 @@ async fn a_busy_actor_stays_active_and_an_idle_one_is_deactivated_in_one_to_two_
     runtime.shutdown().await;
 }
 
+/// Goal: an actor activated by a single message and then left alone is deactivated
+/// between one and two idle timeouts after that message, and the next activation's the
+/// same: the first idle period, which starts with the activation, cannot end one sooner
+/// (its first check finds the message received). A first period started early with that
+/// check skipped (a planted bug: half the timeout, the count taken as seen) deactivates
+/// 16 ms after the message and fails here, while the many-message test above passes.
+/// Method: paused clock (virtual under madsim), deactivation polled every millisecond,
+/// three activations in a row.
+#[tokio::test(start_paused = true)]
+async fn an_actor_activated_by_one_message_is_deactivated_in_one_to_two_timeouts() {
+    let idle_timeout = Duration::from_millis(IDLE_TIMEOUT_MS);
+    let runtime = start(idle_timeout);
+    let target = ActorId::new("echo", "single").unwrap();
+    for activation in 1..=3 {
+        runtime
+            .invoke_within(&target, Bytes::from_static(b"x"), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let last = tokio::time::Instant::now();
+        while runtime.counters().deactivations_finished < activation {
+            assert!(
+                last.elapsed() <= 2 * idle_timeout + Duration::from_millis(1),
+                "activation {activation} still active {:?} after its only message",
+                last.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(
+            last.elapsed() >= idle_timeout,
+            "activation {activation} deactivated {:?} after its only message",
+            last.elapsed()
+        );
+        assert_eq!(runtime.counters().activations_started, activation);
+    }
+    runtime.shutdown().await;
+}
+
 /// Idle timeout of the multi-thread test (ms).
 #[cfg(not(madsim))]
 const IDLE_TIMEOUT_MT_MS: u64 = 50;
