@@ -18,6 +18,11 @@ pub const WAIT_FOR_EDGES_MAX: usize = 1_000_000;
 pub const ACTOR_IDLE_TIMEOUT_MS_DEFAULT: u64 = 60_000;
 /// Shortest idle timeout a kind may configure, in milliseconds.
 pub const ACTOR_IDLE_TIMEOUT_MS_MIN: u64 = 1;
+/// Longest idle timeout a kind may configure, in milliseconds (30 days): an activation
+/// that should outlive it is kept by its traffic, or reactivated by its next message.
+/// Bounded so that every clock reading plus the timeout is an instant the runtime can
+/// represent, on the simulator's clock too.
+pub const ACTOR_IDLE_TIMEOUT_MS_MAX: u64 = 30 * 24 * 60 * 60 * 1_000;
 /// Default deadline of an invocation made without one, in milliseconds.
 pub const INVOKE_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 /// Longest deadline any invocation may have, in milliseconds.
@@ -43,4 +48,5 @@ const _: () = assert!(INVOKE_TIMEOUT_MS_DEFAULT <= INVOKE_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_CALL_TIMEOUT_MS_DEFAULT <= AGENT_CALL_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_CALL_TIMEOUT_MS_MAX <= INVOKE_TIMEOUT_MS_MAX);
 const _: () = assert!(ACTOR_IDLE_TIMEOUT_MS_MIN <= ACTOR_IDLE_TIMEOUT_MS_DEFAULT);
+const _: () = assert!(ACTOR_IDLE_TIMEOUT_MS_DEFAULT <= ACTOR_IDLE_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_CALL_DEPTH_MAX >= 1);

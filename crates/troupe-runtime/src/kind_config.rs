@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use troupe_core::limits::{
-    ACTOR_IDLE_TIMEOUT_MS_DEFAULT, ACTOR_IDLE_TIMEOUT_MS_MIN, MAILBOX_CAPACITY_DEFAULT, MAILBOX_CAPACITY_MAX,
+    ACTOR_IDLE_TIMEOUT_MS_DEFAULT, ACTOR_IDLE_TIMEOUT_MS_MAX, ACTOR_IDLE_TIMEOUT_MS_MIN, MAILBOX_CAPACITY_DEFAULT,
+    MAILBOX_CAPACITY_MAX,
 };
 
 /// A configuration value out of range; the message states the violated inequality.
@@ -17,13 +18,15 @@ pub enum ConfigError {
         /// [`MAILBOX_CAPACITY_MAX`].
         max: usize,
     },
-    /// The idle timeout is too short.
-    #[error("idle_timeout must satisfy {value_ms} ms >= {min_ms} ms")]
+    /// The idle timeout is out of range.
+    #[error("idle_timeout must satisfy {min_ms} ms <= {value_ms} ms <= {max_ms} ms")]
     IdleTimeout {
         /// The value given, in milliseconds.
         value_ms: u128,
         /// [`ACTOR_IDLE_TIMEOUT_MS_MIN`].
         min_ms: u64,
+        /// [`ACTOR_IDLE_TIMEOUT_MS_MAX`].
+        max_ms: u64,
     },
     /// The shutdown grace period is too long.
     #[error("shutdown_grace must satisfy {value_ms} ms <= {max_ms} ms")]
@@ -84,10 +87,12 @@ impl KindConfig {
                 max: MAILBOX_CAPACITY_MAX,
             });
         }
-        if self.idle_timeout < Duration::from_millis(ACTOR_IDLE_TIMEOUT_MS_MIN) {
+        let range = Duration::from_millis(ACTOR_IDLE_TIMEOUT_MS_MIN)..=Duration::from_millis(ACTOR_IDLE_TIMEOUT_MS_MAX);
+        if !range.contains(&self.idle_timeout) {
             return Err(ConfigError::IdleTimeout {
                 value_ms: self.idle_timeout.as_millis(),
                 min_ms: ACTOR_IDLE_TIMEOUT_MS_MIN,
+                max_ms: ACTOR_IDLE_TIMEOUT_MS_MAX,
             });
         }
         Ok(())

@@ -8,8 +8,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use troupe_core::limits::{ACTOR_IDLE_TIMEOUT_MS_MAX, ACTOR_IDLE_TIMEOUT_MS_MIN};
 use troupe_core::{ActorId, ActorKind};
-use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime};
+use troupe_runtime::{Actor, ActorBox, ActorError, ConfigError, KindConfig, Runtime, RuntimeBuilder};
 
 struct Echo;
 
@@ -19,15 +20,16 @@ impl Actor for Echo {
     }
 }
 
+fn register(idle_timeout: Duration) -> Result<RuntimeBuilder, ConfigError> {
+    Runtime::builder().register(
+        ActorKind::new("echo").unwrap(),
+        |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
+        KindConfig::default().with_idle_timeout(idle_timeout),
+    )
+}
+
 fn start(idle_timeout: Duration) -> Runtime {
-    Runtime::builder()
-        .register(
-            ActorKind::new("echo").unwrap(),
-            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
-            KindConfig::default().with_idle_timeout(idle_timeout),
-        )
-        .unwrap()
-        .start()
+    register(idle_timeout).unwrap().start()
 }
 
 /// Idle timeout of the paused-clock test (ms).
@@ -155,5 +157,67 @@ async fn idle_actors_are_deactivated_after_many_round_trips_multi_thread() {
     }
     assert!(last.elapsed() >= idle_timeout);
     assert_eq!(runtime.counters().activations_started, 4);
+    runtime.shutdown().await;
+}
+
+/// Goal: an idle timeout out of range is refused when the kind is registered, with a
+/// typed error that names the range; the longest one allowed works: the activation's
+/// timer is reset (a clock reading plus the timeout) and deactivates the actor in one to
+/// two timeouts. (`Duration::MAX` was accepted before the upper bound, and its first
+/// reset would have overflowed the instant, under madsim too, whose clock jumps to the
+/// next timer when nothing else is due.)
+/// Method: registrations at zero, the maximum plus a millisecond and `Duration::MAX`;
+/// then an actor at the maximum on a paused clock (virtual under madsim), checked just
+/// before one timeout, just before two and just after two.
+#[tokio::test(start_paused = true)]
+async fn idle_timeouts_out_of_range_are_refused_and_the_longest_allowed_works() {
+    let max = Duration::from_millis(ACTOR_IDLE_TIMEOUT_MS_MAX);
+    for refused in [Duration::ZERO, max + Duration::from_millis(1), Duration::MAX] {
+        let error = register(refused)
+            .err()
+            .expect("an idle timeout out of range was accepted");
+        assert_eq!(
+            error,
+            ConfigError::IdleTimeout {
+                value_ms: refused.as_millis(),
+                min_ms: ACTOR_IDLE_TIMEOUT_MS_MIN,
+                max_ms: ACTOR_IDLE_TIMEOUT_MS_MAX,
+            }
+        );
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "idle_timeout must satisfy 1 ms <= {} ms <= 2592000000 ms",
+                refused.as_millis()
+            )
+        );
+    }
+
+    let runtime = start(max);
+    let target = ActorId::new("echo", "longest").unwrap();
+    let call = || runtime.invoke_within(&target, Bytes::from_static(b"x"), Duration::from_secs(5));
+    call().await.unwrap();
+    let margin = Duration::from_secs(1);
+    tokio::time::sleep(max - margin).await;
+    assert_eq!(
+        runtime.counters().deactivations_finished,
+        0,
+        "deactivated before one timeout"
+    );
+    // The first period ends with the message seen: the timer is reset for a second one.
+    tokio::time::sleep(max).await;
+    assert_eq!(
+        runtime.counters().deactivations_finished,
+        0,
+        "deactivated before two timeouts"
+    );
+    tokio::time::sleep(2 * margin).await;
+    assert_eq!(
+        runtime.counters().deactivations_finished,
+        1,
+        "still active after two timeouts"
+    );
+    call().await.unwrap();
+    assert_eq!(runtime.counters().activations_started, 2);
     runtime.shutdown().await;
 }
