@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use troupe_server::limits::{A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT};
+use troupe_server::limits::{
+    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
+};
 
 /// troupe: a virtual-actor runtime for AI agents.
 #[derive(Debug, Parser)]
@@ -159,13 +161,13 @@ pub struct ServeArgs {
     /// in a troupe built with `--features otel`; otherwise the flag is refused.
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
-    /// Requests handled at once (at least 1); one more is answered 503 `overloaded` with
-    /// Retry-After.
+    /// Requests handled at once (1 to 65536); one more is answered 503 `overloaded`
+    /// with Retry-After.
     #[arg(
         long,
         value_name = "N",
         default_value_t = SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT as u64,
-        value_parser = clap::value_parser!(u64).range(1..)
+        value_parser = clap::value_parser!(u64).range(1..=SERVER_CONCURRENT_REQUESTS_MAX as u64)
     )]
     pub concurrent_requests_max: u64,
     /// A2A tasks kept, in memory and in the store (1 to 10000): past it, a new task
@@ -290,8 +292,15 @@ mod tests {
             panic!("not serve")
         };
         assert_eq!((args.concurrent_requests_max, args.a2a_tasks_kept), (8, 3));
+        let cli = Cli::try_parse_from(["troupe", "serve", "--concurrent-requests-max", "65536"]).unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
+        assert_eq!(args.concurrent_requests_max, SERVER_CONCURRENT_REQUESTS_MAX as u64);
         for (flag, value) in [
             ("--concurrent-requests-max", "0"),
+            ("--concurrent-requests-max", "65537"),
+            ("--concurrent-requests-max", "18446744073709551615"),
             ("--a2a-tasks-kept", "0"),
             ("--a2a-tasks-kept", "10001"),
         ] {

@@ -7,7 +7,8 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::limits::{
-    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_DEFAULT,
+    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
+    SERVER_REQUEST_TIMEOUT_MS_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_MAX, SERVER_REQUEST_TIMEOUT_MS_MIN,
     SERVER_TOKEN_LENGTH_MIN_BYTES,
 };
 
@@ -18,9 +19,11 @@ pub struct ServerConfig {
     /// (`Authorization: Bearer TOKEN`); `None`: no authentication (loopback only, see
     /// [`ServerConfig::check_bind`]).
     pub token: Option<String>,
-    /// Requests handled at once; one more gets 503 `overloaded`.
+    /// Requests handled at once, from 1 to [`SERVER_CONCURRENT_REQUESTS_MAX`]; one more
+    /// gets 503 `overloaded`.
     pub concurrent_requests_max: usize,
-    /// How long a request may take until its response headers.
+    /// How long a request may take until its response headers, from
+    /// [`SERVER_REQUEST_TIMEOUT_MS_MIN`] to [`SERVER_REQUEST_TIMEOUT_MS_MAX`] ms.
     pub request_timeout: Duration,
     /// A2A tasks kept (in memory and in the store), at most, from 1 to
     /// [`A2A_TASKS_KEPT_MAX`] (the default): past it the oldest ended task is forgotten,
@@ -115,7 +118,10 @@ impl ServerConfig {
     /// # Errors
     /// [`ServeError::TokenTooShort`] for a token under [`SERVER_TOKEN_LENGTH_MIN_BYTES`];
     /// [`ServeError::TokenRequired`] for a non-loopback address without a token;
-    /// [`ServeError::NoConcurrency`] if no request may run;
+    /// [`ServeError::ConcurrentRequests`] for a `concurrent_requests_max` of 0 or over
+    /// [`SERVER_CONCURRENT_REQUESTS_MAX`];
+    /// [`ServeError::RequestTimeout`] for a `request_timeout` under
+    /// [`SERVER_REQUEST_TIMEOUT_MS_MIN`] or over [`SERVER_REQUEST_TIMEOUT_MS_MAX`] ms;
     /// [`ServeError::A2aTasksKept`] for an `a2a_tasks_kept` of 0 or over
     /// [`A2A_TASKS_KEPT_MAX`].
     pub fn check_bind(&self, addr: SocketAddr) -> Result<(), ServeError> {
@@ -129,8 +135,20 @@ impl ServerConfig {
         } else if !addr.ip().is_loopback() {
             return Err(ServeError::TokenRequired { addr });
         }
-        if self.concurrent_requests_max == 0 {
-            return Err(ServeError::NoConcurrency);
+        if !(1..=SERVER_CONCURRENT_REQUESTS_MAX).contains(&self.concurrent_requests_max) {
+            return Err(ServeError::ConcurrentRequests {
+                given: self.concurrent_requests_max,
+                max: SERVER_CONCURRENT_REQUESTS_MAX,
+            });
+        }
+        let timeouts =
+            Duration::from_millis(SERVER_REQUEST_TIMEOUT_MS_MIN)..=Duration::from_millis(SERVER_REQUEST_TIMEOUT_MS_MAX);
+        if !timeouts.contains(&self.request_timeout) {
+            return Err(ServeError::RequestTimeout {
+                given_ms: self.request_timeout.as_millis(),
+                min_ms: SERVER_REQUEST_TIMEOUT_MS_MIN,
+                max_ms: SERVER_REQUEST_TIMEOUT_MS_MAX,
+            });
         }
         if !(1..=A2A_TASKS_KEPT_MAX).contains(&self.a2a_tasks_kept) {
             return Err(ServeError::A2aTasksKept {
@@ -162,9 +180,24 @@ pub enum ServeError {
         /// [`SERVER_TOKEN_LENGTH_MIN_BYTES`].
         min: usize,
     },
-    /// `concurrent_requests_max` is 0.
-    #[error("concurrent_requests_max is 0: no request could ever be served; give at least 1")]
-    NoConcurrency,
+    /// `concurrent_requests_max` is out of its range (0 would serve no request).
+    #[error("concurrent_requests_max is {given}: give from 1 to {max} requests to handle at once")]
+    ConcurrentRequests {
+        /// The number given.
+        given: usize,
+        /// [`SERVER_CONCURRENT_REQUESTS_MAX`].
+        max: usize,
+    },
+    /// `request_timeout` is out of its range (zero would answer every request 504).
+    #[error("request_timeout is {given_ms} ms: give from {min_ms} to {max_ms} ms")]
+    RequestTimeout {
+        /// The timeout given, in milliseconds.
+        given_ms: u128,
+        /// [`SERVER_REQUEST_TIMEOUT_MS_MIN`].
+        min_ms: u64,
+        /// [`SERVER_REQUEST_TIMEOUT_MS_MAX`].
+        max_ms: u64,
+    },
     /// `a2a_tasks_kept` is out of its range.
     #[error("a2a_tasks_kept is {kept}: give from 1 to {max} A2A tasks to keep")]
     A2aTasksKept {

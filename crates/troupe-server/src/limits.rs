@@ -19,6 +19,10 @@ pub const SERVER_REQUEST_BODY_DRAIN_MS: u64 = 5_000;
 /// Requests handled at once by default; one more is refused at once with 503
 /// `overloaded` and `Retry-After`. A streamed response counts until its headers are sent.
 pub const SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT: usize = 256;
+/// The most requests a server may be configured to handle at once, in requests: `serve`
+/// (and `troupe serve --concurrent-requests-max`) refuses more. Each one holds a task
+/// and its agent's turn; far more than one machine serves usefully.
+pub const SERVER_CONCURRENT_REQUESTS_MAX: usize = 65_536;
 /// Open SSE streams of `/v1/events` at once; one more is refused with 503 `overloaded`.
 pub const SERVER_EVENT_STREAMS_MAX: usize = 64;
 /// Calls the topology keeps for call trees (the most recent ones), in calls; an older
@@ -37,6 +41,13 @@ pub const TOPOLOGY_AGENTS_LISTED_MAX: usize = 256;
 /// milliseconds; then it is answered 504 `request_timeout`. Longer than an agent's
 /// default ask timeout, so the agent's own timeout (504 `timeout`) comes first.
 pub const SERVER_REQUEST_TIMEOUT_MS_DEFAULT: u64 = AGENT_ASK_TIMEOUT_MS_DEFAULT + 10_000;
+/// The shortest request timeout a server may be configured with, in milliseconds
+/// (`Duration::ZERO` would answer every request 504).
+pub const SERVER_REQUEST_TIMEOUT_MS_MIN: u64 = 1;
+/// The longest request timeout a server may be configured with, in milliseconds (an
+/// hour: a request waits for at most one agent's answer, whose own timeout is at most
+/// [`SERVER_MESSAGE_TIMEOUT_MS_MAX`]).
+pub const SERVER_REQUEST_TIMEOUT_MS_MAX: u64 = 3_600_000;
 /// The `timeout_ms` a message request may ask for, at most, in milliseconds.
 pub const SERVER_MESSAGE_TIMEOUT_MS_MAX: u64 = INVOKE_TIMEOUT_MS_MAX;
 /// Largest message text accepted, in bytes (the agent's own limit); a longer one is
@@ -92,6 +103,10 @@ pub const A2A_CHAIN_LENGTH_MAX: usize = AGENT_CALL_DEPTH_MAX as usize + 1;
 const _: () = assert!(SERVER_MESSAGE_SIZE_MAX_BYTES < SERVER_REQUEST_BODY_SIZE_MAX_BYTES);
 const _: () = assert!(SERVER_REQUEST_BODY_SIZE_MAX_BYTES < SERVER_REQUEST_BODY_DRAIN_MAX_BYTES);
 const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT > AGENT_ASK_TIMEOUT_MS_DEFAULT);
+const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_MIN <= SERVER_REQUEST_TIMEOUT_MS_DEFAULT);
+const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT <= SERVER_REQUEST_TIMEOUT_MS_MAX);
+const _: () = assert!(SERVER_MESSAGE_TIMEOUT_MS_MAX < SERVER_REQUEST_TIMEOUT_MS_MAX);
+const _: () = assert!(SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT <= SERVER_CONCURRENT_REQUESTS_MAX);
 const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
 const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);
 const _: () = assert!(SERVER_CONVERSATION_PAGE_DEFAULT <= SERVER_CONVERSATION_PAGE_MAX);

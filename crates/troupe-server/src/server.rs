@@ -61,7 +61,12 @@ pub fn router(client: AgentClient, config: ServerConfig) -> Router {
 fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
     let state = Arc::new(AppState {
         client,
-        requests: Arc::new(Semaphore::new(config.concurrent_requests_max)),
+        // `serve` refuses more than SERVER_CONCURRENT_REQUESTS_MAX; a router built
+        // without it (`router`) must not panic in `Semaphore::new` either, and no server
+        // reaches tokio's bound of permits (2^61) in requests at once.
+        requests: Arc::new(Semaphore::new(
+            config.concurrent_requests_max.min(Semaphore::MAX_PERMITS),
+        )),
         config,
         metrics: Metrics::default(),
         event_streams: Arc::new(Semaphore::new(SERVER_EVENT_STREAMS_MAX)),

@@ -859,12 +859,45 @@ async fn a_non_loopback_address_without_a_token_is_refused_with_what_to_do() {
         .is_ok());
     let short = ServerConfig::default().token("short").check_bind(anywhere).unwrap_err();
     assert!(matches!(short, ServeError::TokenTooShort { length: 5, .. }), "{short}");
-    let none = ServerConfig::default().concurrent_requests_max(0);
-    assert!(matches!(
-        none.check_bind("127.0.0.1:1".parse().unwrap()),
-        Err(ServeError::NoConcurrency)
-    ));
     let loopback: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let most = troupe_server::limits::SERVER_CONCURRENT_REQUESTS_MAX;
+    for given in [0, most + 1, usize::MAX] {
+        let error = ServerConfig::default()
+            .concurrent_requests_max(given)
+            .check_bind(loopback)
+            .unwrap_err();
+        assert!(
+            matches!(error, ServeError::ConcurrentRequests { given: g, max } if g == given && max == most),
+            "{error}"
+        );
+        assert_eq!(
+            error.to_string(),
+            format!("concurrent_requests_max is {given}: give from 1 to 65536 requests to handle at once")
+        );
+    }
+    for given in [1, most] {
+        let config = ServerConfig::default().concurrent_requests_max(given);
+        assert!(config.check_bind(loopback).is_ok(), "{given}");
+    }
+    let longest = Duration::from_millis(troupe_server::limits::SERVER_REQUEST_TIMEOUT_MS_MAX);
+    for given in [Duration::ZERO, longest + Duration::from_millis(1), Duration::MAX] {
+        let error = ServerConfig::default()
+            .request_timeout(given)
+            .check_bind(loopback)
+            .unwrap_err();
+        assert!(
+            matches!(error, ServeError::RequestTimeout { given_ms, min_ms: 1, max_ms: 3_600_000 } if given_ms == given.as_millis()),
+            "{error}"
+        );
+        assert_eq!(
+            error.to_string(),
+            format!("request_timeout is {} ms: give from 1 to 3600000 ms", given.as_millis())
+        );
+    }
+    for given in [Duration::from_millis(1), longest] {
+        let config = ServerConfig::default().request_timeout(given);
+        assert!(config.check_bind(loopback).is_ok(), "{given:?}");
+    }
     for kept in [0, troupe_server::limits::A2A_TASKS_KEPT_MAX + 1] {
         let error = ServerConfig::default()
             .a2a_tasks_kept(kept)
@@ -939,4 +972,33 @@ async fn shutdown_lets_requests_in_flight_finish_and_ends_event_streams() {
         "a new connection was accepted after shutdown: {refused:?}"
     );
     server.system.take().unwrap().shutdown().await;
+}
+
+/// Goal: a router built without `serve`'s checks (`troupe_server::router`, for an
+/// embedder's own axum server) takes any `concurrent_requests_max` without panicking and
+/// serves: tokio's `Semaphore::new` panicked above 2^61 permits, so `usize::MAX` crashed
+/// the embedder at start.
+/// Method: the router with `usize::MAX` under `axum::serve` on loopback, and a
+/// `GET /health` through it.
+#[tokio::test]
+async fn a_router_built_with_any_concurrency_limit_serves() {
+    let system = support::agents(script(), &["echo"], KindConfig::default())
+        .start()
+        .unwrap();
+    let app = troupe_server::router(
+        system.client(),
+        ServerConfig::default().concurrent_requests_max(usize::MAX),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let served = tokio::spawn(async move { axum::serve(listener, app).await });
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_millis(TEST_WAIT_MS_MAX))
+        .build()
+        .unwrap();
+    let response = http.get(format!("http://{addr}/health")).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    served.abort();
+    system.shutdown().await;
 }
