@@ -126,6 +126,16 @@ pub enum StoreError {
         /// The node the placement names, if this node could tell.
         owner: Option<String>,
     },
+    /// A turn tried to write (or delete) a key under a prefix the runtime keeps for its
+    /// own records in every actor's key-value space (`troupe_runtime`'s
+    /// `IDEMPOTENCY_STORE_PREFIX`); nothing was written. Reading such keys is allowed.
+    #[error("key {key:?} starts with {prefix:?}, which the runtime keeps for its own records")]
+    ReservedKey {
+        /// The key refused.
+        key: String,
+        /// The reserved prefix it starts with.
+        prefix: String,
+    },
 }
 
 fn display_owner(owner: &Option<String>) -> String {
@@ -175,6 +185,10 @@ mod tests {
                 actor: ActorId::new("counter", "c").unwrap(),
                 held: Fence::FIRST,
                 current: None,
+            },
+            StoreError::ReservedKey {
+                key: "\u{0}troupe/idem/next".to_string(),
+                prefix: "\u{0}troupe/idem/".to_string(),
             },
         ];
         for error in errors {

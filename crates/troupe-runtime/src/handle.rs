@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
-use troupe_core::limits::{DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
+use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, DISPATCHER_QUEUE_CAPACITY, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 
 use crate::caller::CallerInner;
@@ -389,6 +389,45 @@ impl fmt::Debug for WeakRuntimeHandle {
     }
 }
 
+/// Why a request from outside any turn under `context` must not run, if it must not:
+/// no admission could have given that context. `target` waits up its chain (its turn
+/// would wait on itself: `CycleDetected`, the chain with `target` appended), or the
+/// context is deeper than [`AGENT_CALL_DEPTH_MAX`] (`DepthExceeded`, with the caller's
+/// depth). The transport's arrival check (`serve_connection_request`) refuses the same,
+/// and is skipped with it under the planted bug `plant_bug_no_arrival_checks`.
+pub(crate) fn refusal_of_context(shared: &Shared, target: &ActorId, context: &CallContext) -> Option<InvokeError> {
+    #[cfg(feature = "planted-bugs")]
+    if shared.planted_no_arrival_checks {
+        return None;
+    }
+    #[cfg(not(feature = "planted-bugs"))]
+    let _ = shared;
+    if context.contains(target) {
+        let chain = context.chain().iter().chain([target]).cloned().collect();
+        return Some(CallRefused::CycleDetected { chain }.into());
+    }
+    if context.depth() > AGENT_CALL_DEPTH_MAX {
+        return Some(
+            CallRefused::DepthExceeded {
+                depth: context.depth() - 1,
+                max: AGENT_CALL_DEPTH_MAX,
+            }
+            .into(),
+        );
+    }
+    None
+}
+
+/// `deadline`, or [`INVOKE_TIMEOUT_MS_MAX`] after `now` if that is earlier: the deadline
+/// of a root request sent at `now` with a deadline its caller chose (`invoke`,
+/// `invoke_keyed`, `invoke_routed` on this runtime, `invoke_root_for_router`). A request
+/// with a caller has no timer but its caller's, so an uncut deadline (the end of time,
+/// `Deadline::from_micros(u64::MAX)`) let its turn run unbounded.
+#[inline]
+fn root_deadline_capped(now: Deadline, deadline: Deadline) -> Deadline {
+    deadline.min(Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)))
+}
+
 /// Owns the reply receiver of one request while its caller waits. When the wait ends
 /// without a reply (timeout, the caller's future dropped, its turn ended), dropping the
 /// guard closes the receiver first, so the callee's turn sees its caller gone and is
@@ -464,7 +503,10 @@ impl RuntimeHandle {
     }
 
     /// Sends `payload` to `target` from outside any actor and waits for the reply until
-    /// `deadline`. Activates the actor if it is inactive.
+    /// `deadline`. Activates the actor if it is inactive. A `deadline` further than
+    /// [`INVOKE_TIMEOUT_MS_MAX`] away is cut to that much from now (the request's turn
+    /// and the wait end then, with `Timeout`), as [`RuntimeHandle::invoke_within`] cuts a
+    /// timeout.
     ///
     /// # Errors
     /// [`InvokeError`]: `Timeout` when the deadline passes first (the request is then
@@ -503,6 +545,7 @@ impl RuntimeHandle {
     /// keyed request costs a store commit where an unkeyed read-only one costs none.
     ///
     /// From a turn, [`crate::Caller::call_keyed`] makes the same guarantee for a call.
+    /// The deadline is cut as [`RuntimeHandle::invoke`] cuts it.
     ///
     /// Local, as [`RuntimeHandle::invoke`]: the request runs on this runtime. Its routed
     /// form, [`RuntimeHandle::invoke_routed_keyed`], runs it on the node that owns
@@ -539,10 +582,12 @@ impl RuntimeHandle {
         payload: Bytes,
         deadline: Deadline,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(
+        let now = self.shared.clock.now();
+        self.send_and_wait_from(
+            now,
             target,
             Payload::keyed(key, payload),
-            EnvelopeContext::Root(deadline),
+            EnvelopeContext::Root(root_deadline_capped(now, deadline)),
             None,
         )
         .await?
@@ -606,8 +651,15 @@ impl RuntimeHandle {
     /// ([`CallContext::continued`]). No wait-for edge is recorded (the callers are in
     /// another process).
     ///
+    /// A context no admission could have given is refused before anything runs, as the
+    /// transport refuses it on arrival: one whose chain holds `target`, and one deeper
+    /// than [`AGENT_CALL_DEPTH_MAX`].
+    ///
     /// # Errors
-    /// As [`RuntimeHandle::invoke`].
+    /// As [`RuntimeHandle::invoke`]; `Refused(CycleDetected)` (the chain with `target`
+    /// appended) if `target` is in the context's chain, `Refused(DepthExceeded)` (with
+    /// the caller's depth, one less than the context's) if the context is deeper than
+    /// [`AGENT_CALL_DEPTH_MAX`].
     pub async fn invoke_in(
         &self,
         target: &ActorId,
@@ -616,6 +668,9 @@ impl RuntimeHandle {
     ) -> Result<Bytes, InvokeError> {
         if IN_TURN.get() {
             return Err(CallRefused::RootInvokeInsideTurn.into());
+        }
+        if let Some(refused) = refusal_of_context(&self.shared, target, &context) {
+            return Err(refused);
         }
         let now = self.shared.clock.now();
         let latest = Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
@@ -633,7 +688,9 @@ impl RuntimeHandle {
         payload: Bytes,
         deadline: Deadline,
     ) -> Result<Bytes, InvokeError> {
-        self.send_and_wait(target, Payload::Bytes(payload), EnvelopeContext::Root(deadline), None)
+        let now = self.shared.clock.now();
+        let context = EnvelopeContext::Root(root_deadline_capped(now, deadline));
+        self.send_and_wait_from(now, target, Payload::Bytes(payload), context, None)
             .await?
             .into_bytes(target)
     }

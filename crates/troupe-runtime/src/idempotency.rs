@@ -28,8 +28,8 @@
 //! claim (and is read) or is refused.
 //!
 //! The records live in the actor's own key-value space under [`IDEMPOTENCY_STORE_PREFIX`],
-//! which is reserved for the runtime: an actor must not write keys that start with it
-//! (and a `scan` with an empty prefix sees them).
+//! which is reserved for the runtime: `Turn::put` and `Turn::delete` refuse keys that
+//! start with it (`StoreError::ReservedKey`); a `scan` with an empty prefix sees them.
 
 use std::fmt;
 
@@ -47,7 +47,8 @@ pub const IDEMPOTENCY_KEY_LENGTH_MAX_BYTES: usize = 128;
 pub const IDEMPOTENCY_KEYS_KEPT_MAX: u64 = 256;
 
 /// The prefix of the store keys the runtime keeps idempotency records under, in each
-/// actor's key-value space. Reserved: actors must not write keys that start with it.
+/// actor's key-value space. Reserved: a turn's `put` or `delete` of a key that starts
+/// with it is refused (`StoreError::ReservedKey`).
 pub const IDEMPOTENCY_STORE_PREFIX: &str = "\u{0}troupe/idem/";
 
 /// The key of one logical request: every attempt of it (the first and each retry) is sent
@@ -193,14 +194,14 @@ async fn record(turn: &mut Turn, key: &IdempotencyKey, reply: &Bytes) -> Result<
         let oldest = std::str::from_utf8(&oldest).map_err(|_| corrupt("a slot's key is not UTF-8"))?;
         // (The key itself cannot be in its own next slot: it had no reply recorded. The
         // deletion goes first anyway, so that the put below would win.)
-        turn.delete(reply_key(oldest))?;
+        turn.delete_record(reply_key(oldest))?;
     }
-    turn.put(reply_key(key.as_str()), reply.clone())?;
-    turn.put(slot, Bytes::copy_from_slice(key.as_str().as_bytes()))?;
+    turn.put_record(reply_key(key.as_str()), reply.clone())?;
+    turn.put_record(slot, Bytes::copy_from_slice(key.as_str().as_bytes()))?;
     let next = next
         .checked_add(1)
         .ok_or_else(|| corrupt("the sequence number overflowed"))?;
-    turn.put(next_key(), Bytes::copy_from_slice(&next.to_be_bytes()))?;
+    turn.put_record(next_key(), Bytes::copy_from_slice(&next.to_be_bytes()))?;
     Ok(())
 }
 

@@ -302,7 +302,19 @@ impl MemoryStore {
         self.faults.take(&self.faults.inner.fail_loads, StoreOperation::Claim)?;
         let mut disk = self.lock();
         let slot = disk.slot_mut(actor);
-        let fence = slot.fence.map_or(Fence::FIRST, |newest| newest.next());
+        let fence = match slot.fence {
+            None => Fence::FIRST,
+            // `u64::MAX` can only have been given (`claim_with_fence`): no newer fence
+            // exists, and `Fence::next` would panic under the lock.
+            Some(newest) => newest
+                .token()
+                .checked_add(1)
+                .and_then(Fence::from_token)
+                .ok_or_else(|| StoreError::Backend {
+                    operation: StoreOperation::Claim,
+                    cause: format!("{newest} is the newest fence of {actor}: no claim can issue a newer one"),
+                })?,
+        };
         slot.fence = Some(fence);
         Ok(Claimed {
             fence,
@@ -717,5 +729,31 @@ mod tests {
         assert_eq!(ready(store.get(&ids[7], "log/000")).unwrap(), Some(value(4)));
         assert_eq!(ready(store.get(&ids[7], "log/100")).unwrap(), None);
         assert_eq!(store.actor_count(), 50);
+    }
+
+    /// Goal: an actor whose newest fence is the last one (`u64::MAX`, given through
+    /// `claim_with_fence`) gets a store error from its next claim, not a panic while the
+    /// store's lock is held (`Fence::next` overflowed); the fence stays what it was and
+    /// its commits are still accepted. Method: claim under `u64::MAX`, claim again,
+    /// commit under `u64::MAX`.
+    #[test]
+    fn a_claim_after_the_last_fence_is_an_error_not_a_panic() {
+        let store = MemoryStore::new();
+        let id = actor(0);
+        let last = Fence::from_token(u64::MAX).unwrap();
+        assert_eq!(ready(store.claim_with_fence(&id, last)).unwrap().fence, last);
+        assert_eq!(
+            ready(store.claim(&id)),
+            Err(StoreError::Backend {
+                operation: StoreOperation::Claim,
+                cause: format!("{last} is the newest fence of {id}: no claim can issue a newer one"),
+            })
+        );
+        assert_eq!(store.claim_now(&id).map(|claimed| claimed.is_err()), Some(true));
+        let commit = TurnCommit {
+            state: StateChange::Set(value(1)),
+            writes: Vec::new(),
+        };
+        assert_eq!(ready(store.commit(&id, last, commit)), Ok(()));
     }
 }

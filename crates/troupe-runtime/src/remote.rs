@@ -334,7 +334,8 @@ impl RuntimeHandle {
     /// [`RuntimeHandle::has_root_call_router`] first and send bytes there.
     ///
     /// # Errors
-    /// As [`RuntimeHandle::invoke_in`]; `Rejected` (nothing sent) where root requests
+    /// As [`RuntimeHandle::invoke_in`] (a context no admission gives is refused
+    /// `CycleDetected` or `DepthExceeded`); `Rejected` (nothing sent) where root requests
     /// are routed; and what the target does with a value (an actor that takes bytes only
     /// rejects it).
     pub async fn invoke_value_in(
@@ -353,6 +354,9 @@ impl RuntimeHandle {
                          with RuntimeHandle::invoke_routed_in"
                     .to_string(),
             });
+        }
+        if let Some(refused) = crate::handle::refusal_of_context(&self.shared, target, &context) {
+            return Err(refused);
         }
         let now = self.shared.clock.now();
         let latest = Deadline::after(now, std::time::Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
@@ -406,7 +410,8 @@ impl RuntimeHandle {
     /// Runs a root request on this runtime: the local path of a [`RootCallRouter`].
     /// Unlike [`RuntimeHandle::invoke`] it does not refuse a request made from inside a
     /// turn, since `Caller::invoke_as_root` reaches the router from a turn. For routers
-    /// only.
+    /// only. The deadline is cut as [`RuntimeHandle::invoke`] cuts it (at most
+    /// [`INVOKE_TIMEOUT_MS_MAX`] from now).
     ///
     /// # Errors
     /// As [`RuntimeHandle::invoke`].

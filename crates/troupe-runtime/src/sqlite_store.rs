@@ -128,10 +128,17 @@ impl SqliteStore {
     /// that returned `Ok` survives a crash. Opening does blocking I/O; call it at startup
     /// or from a blocking task.
     ///
+    /// `path` must name a file: the empty path (to SQLite, a private temporary
+    /// database), `:memory:` and a path starting with `file:` (an SQLite URI, which may
+    /// name a database in memory) are refused, since nothing committed to them would
+    /// outlive the store. [`SqliteStore::open_in_memory`] makes a store in memory.
+    ///
     /// # Errors
-    /// [`StoreError::Backend`] with operation `"open"` if the file cannot be opened or is
-    /// not an SQLite database, or if its schema version is newer than this code knows.
+    /// [`StoreError::Backend`] with operation `"open"` if `path` names no file of its own
+    /// (see above), if the file cannot be opened or is not an SQLite database, or if its
+    /// schema version is newer than this code knows.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        check_path(path.as_ref())?;
         from_connection_seed_randomness();
         let connection = Connection::open(path.as_ref()).map_err(|e| open_error("opening the file", e))?;
         // Before anything that locks: another store may be writing to the file, and
@@ -198,6 +205,31 @@ impl SqliteStore {
                 cause: error.to_string(),
             })
     }
+}
+
+/// Refuses a path that SQLite opens as something other than a file of its own: the empty
+/// path (a private temporary database, deleted when closed), `:memory:`, and a path
+/// starting with `file:` (read as a URI, since rusqlite opens with `SQLITE_OPEN_URI`:
+/// `file:x?mode=memory` is a database in memory). A file whose name merely contains
+/// these (`./:memory:`, `/data/file:x`) is a file, and is accepted.
+fn check_path(path: &Path) -> Result<(), StoreError> {
+    let bytes = path.as_os_str().as_encoded_bytes();
+    let cause = if bytes.is_empty() {
+        "an empty path opens a temporary database that is deleted when it is closed"
+    } else if bytes == b":memory:" {
+        "\":memory:\" opens a database in memory"
+    } else if bytes.starts_with(b"file:") {
+        "a path starting with \"file:\" is read as an SQLite URI"
+    } else {
+        return Ok(());
+    };
+    Err(StoreError::Backend {
+        operation: StoreOperation::Open,
+        cause: format!(
+            "the path {path:?} names no file of its own: {cause}, so nothing would outlive the store \
+             (use SqliteStore::open_in_memory for a store in memory)"
+        ),
+    })
 }
 
 /// Creates the schema in a fresh file, checks the version of an existing one.
@@ -669,6 +701,42 @@ mod tests {
             Err(other) => panic!("expected a backend error, got {other:?}"),
             Ok(_) => panic!("a file with a newer schema version was opened"),
         }
+    }
+
+    /// Goal: a path that SQLite would not open as a file of its own is refused, so an
+    /// empty path from a configuration does not silently give a store whose commits are
+    /// lost when it closes. Method: the empty path (SQLite opens a private temporary
+    /// database), `:memory:` (a database in memory), and a `file:` URI (read as a URI,
+    /// here one of a database in memory), each refused with the reason, no file made.
+    /// Before: each opened `Ok`.
+    #[tokio::test]
+    async fn paths_that_name_no_durable_file_are_refused() {
+        for (path, cause) in [
+            (
+                "",
+                "an empty path opens a temporary database that is deleted when it is closed",
+            ),
+            (":memory:", "\":memory:\" opens a database in memory"),
+            (
+                "file:troupe-state?mode=memory",
+                "a path starting with \"file:\" is read as an SQLite URI",
+            ),
+        ] {
+            let opened = SqliteStore::open(path);
+            let expected = StoreError::Backend {
+                operation: StoreOperation::Open,
+                cause: format!(
+                    "the path {path:?} names no file of its own: {cause}, so nothing would outlive the store \
+                     (use SqliteStore::open_in_memory for a store in memory)"
+                ),
+            };
+            assert_eq!(opened.err(), Some(expected), "{path:?}");
+        }
+        // A file whose name only contains those words is a file.
+        let directory = TestDirectory::new("paths_that_name_no_durable_file_are_refused");
+        let file = directory.0.path().join("file:memory:");
+        drop(SqliteStore::open(&file).expect("open a file named like a URI in a directory"));
+        assert!(file.exists());
     }
 
     /// Goal: opening a file twice keeps the schema version and the data. Method: open,

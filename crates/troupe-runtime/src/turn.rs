@@ -8,6 +8,7 @@ use bytes::Bytes;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 
 use crate::envelope::EnvelopeContext;
+use crate::idempotency::IDEMPOTENCY_STORE_PREFIX;
 use crate::state_store::{check_key, STATE_SCAN_LIMIT_MAX, TURN_WRITES_MAX};
 use crate::{Caller, Clock, RuntimeHandle, StoreError};
 
@@ -264,9 +265,13 @@ impl Turn {
     ///
     /// # Errors
     /// [`StoreError::TooLarge`] for an over-long key, [`StoreError::TooManyWrites`] past
-    /// [`TURN_WRITES_MAX`] distinct keys; nothing is buffered then.
+    /// [`TURN_WRITES_MAX`] distinct keys, [`StoreError::ReservedKey`] for a key that
+    /// starts with [`crate::IDEMPOTENCY_STORE_PREFIX`] (the runtime's records); nothing
+    /// is buffered then.
     pub fn put(&mut self, key: impl Into<String>, value: Bytes) -> Result<(), StoreError> {
-        self.buffer(key.into(), Some(value))
+        let key = key.into();
+        check_not_reserved(&key)?;
+        self.buffer(key, Some(value))
     }
 
     /// Buffers the deletion of `key`, committed with the turn.
@@ -274,7 +279,20 @@ impl Turn {
     /// # Errors
     /// As [`Turn::put`].
     pub fn delete(&mut self, key: impl Into<String>) -> Result<(), StoreError> {
-        self.buffer(key.into(), None)
+        let key = key.into();
+        check_not_reserved(&key)?;
+        self.buffer(key, None)
+    }
+
+    /// As [`Turn::put`], for the runtime's own records (under
+    /// [`crate::IDEMPOTENCY_STORE_PREFIX`]).
+    pub(crate) fn put_record(&mut self, key: String, value: Bytes) -> Result<(), StoreError> {
+        self.buffer(key, Some(value))
+    }
+
+    /// As [`Turn::delete`], for the runtime's own records.
+    pub(crate) fn delete_record(&mut self, key: String) -> Result<(), StoreError> {
+        self.buffer(key, None)
     }
 
     fn buffer(&mut self, key: String, value: Option<Bytes>) -> Result<(), StoreError> {
@@ -348,6 +366,20 @@ impl Turn {
         }
         Ok(merged.into_iter().take(limit).collect())
     }
+}
+
+/// Refuses a key under [`IDEMPOTENCY_STORE_PREFIX`]: the runtime's records, which a
+/// turn's own write would corrupt or forge (a recorded reply its handler never gave).
+/// The prefix starts with a NUL, so an ordinary key is let through at its first byte.
+#[inline]
+fn check_not_reserved(key: &str) -> Result<(), StoreError> {
+    if key.starts_with(IDEMPOTENCY_STORE_PREFIX) {
+        return Err(StoreError::ReservedKey {
+            key: key.to_string(),
+            prefix: IDEMPOTENCY_STORE_PREFIX.to_string(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

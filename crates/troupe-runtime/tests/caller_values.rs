@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{ActorId, ActorKind, CallContext, CallRefused, Deadline, InvokeError};
 use troupe_runtime::{
     Actor, ActorBox, ActorError, AnyValue, KindConfig, RootCallRouter, Runtime, RuntimeHandle, Turn, TurnCall,
@@ -353,6 +354,59 @@ async fn values_from_outside_cross_as_themselves_under_the_context_given() {
             ("c".to_string(), 2, vec!["x".to_string(), "y".to_string()]),
             ("c".to_string(), 1, vec!["b".to_string()]),
         ]
+    );
+    runtime.shutdown().await;
+}
+
+/// Goal: a request from outside under a context that no admission could have given is
+/// refused before anything runs, as the transport refuses it on arrival: a chain that
+/// already holds the target (it waits up the chain: the call would wait on itself) is
+/// `CycleDetected` with the chain and the target, a depth past
+/// [`AGENT_CALL_DEPTH_MAX`] is `DepthExceeded` (with the caller's depth, one less),
+/// through `invoke_value_in` and `invoke_in` alike. Before, both ran (the cyclic one
+/// as a turn of an actor its own chain says is waiting). The deepest admitted depth
+/// still runs.
+#[tokio::test(start_paused = true)]
+async fn contexts_no_admission_gives_are_refused_from_outside() {
+    let seen = Seen::default();
+    let runtime = start(&seen);
+    let handle = runtime.handle();
+    let in_ten_seconds = runtime.deadline_in(Duration::from_secs(10));
+    let sent = Arc::new("x".to_string());
+    let echo = || AnyValue::new(Message::Echo(Arc::clone(&sent)));
+
+    let cyclic = CallContext::continued(2, vec![hop("x"), hop("c")], in_ten_seconds);
+    let cycle = InvokeError::Refused(CallRefused::CycleDetected {
+        chain: vec![hop("x"), hop("c"), hop("c")],
+    });
+    let reply = handle.invoke_value_in(&hop("c"), echo(), cyclic).await;
+    assert_eq!(reply.err(), Some(cycle));
+    let bytes_only = ActorId::new(BYTES_ONLY_KIND, "x").unwrap();
+    let cyclic = CallContext::continued(1, vec![bytes_only.clone()], in_ten_seconds);
+    let reply = handle.invoke_in(&bytes_only, Bytes::from_static(b"hi"), cyclic).await;
+    assert_eq!(
+        reply,
+        Err(InvokeError::Refused(CallRefused::CycleDetected {
+            chain: vec![bytes_only.clone(), bytes_only.clone()],
+        }))
+    );
+
+    let too_deep = CallContext::continued(AGENT_CALL_DEPTH_MAX + 1, vec![hop("x")], in_ten_seconds);
+    let depth = InvokeError::Refused(CallRefused::DepthExceeded {
+        depth: AGENT_CALL_DEPTH_MAX,
+        max: AGENT_CALL_DEPTH_MAX,
+    });
+    let reply = handle.invoke_value_in(&hop("d"), echo(), too_deep.clone()).await;
+    assert_eq!(reply.err(), Some(depth.clone()));
+    let reply = handle.invoke_in(&bytes_only, Bytes::from_static(b"hi"), too_deep).await;
+    assert_eq!(reply, Err(depth));
+
+    let deepest = CallContext::continued(AGENT_CALL_DEPTH_MAX, vec![hop("x")], in_ten_seconds);
+    assert_eq!(value_from_outside(&runtime, &hop("e"), deepest).await, "same");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![("e".to_string(), AGENT_CALL_DEPTH_MAX, vec!["x".to_string()])],
+        "only the admissible request ran"
     );
     runtime.shutdown().await;
 }

@@ -487,6 +487,75 @@ async fn a_redelivered_keyed_tell_applies_its_effect_once_multi_thread() {
     a_redelivered_keyed_tell_applies_its_effect_once().await;
 }
 
+/// Writes what its payload says, as a key-value actor writes its users' keys: `put`,
+/// a key and a value, or `delete` and a key, one per line; replies `ok`.
+struct Notes;
+
+impl Actor for Notes {
+    async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        let text = std::str::from_utf8(&payload).map_err(|_| ActorError::rejected("not text"))?;
+        match text.split('\n').collect::<Vec<_>>()[..] {
+            ["put", key, value] => turn.put(key, Bytes::copy_from_slice(value.as_bytes()))?,
+            ["delete", key] => turn.delete(key)?,
+            _ => return Err(ActorError::rejected("neither put nor delete")),
+        }
+        Ok(Bytes::from_static(b"ok"))
+    }
+}
+
+/// Goal: a turn cannot write or delete keys under [`IDEMPOTENCY_STORE_PREFIX`], which
+/// the runtime keeps for its records: `Turn::put` and `Turn::delete` refuse them with
+/// `StoreError::ReservedKey` (the caller sees `StorageFailed`), and nothing is written,
+/// so a keyed request still runs its handler. Before, an actor that wrote keys its
+/// users chose let one forge the recorded reply of a key the actor had not yet seen:
+/// the keyed request then got the forged reply and its handler never ran.
+#[tokio::test]
+async fn a_turn_cannot_write_the_runtimes_reserved_keys() {
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    let runtime = Runtime::builder()
+        .store(Arc::clone(&store))
+        .register(
+            ActorKind::new("notes").unwrap(),
+            |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Notes)) },
+            KindConfig::default(),
+        )
+        .unwrap()
+        .start();
+    let notes = ActorId::new("notes", "n").unwrap();
+    let forged_key = format!("{IDEMPOTENCY_STORE_PREFIX}reply/k");
+    let refused = |key: &str| InvokeError::StorageFailed {
+        target: notes.clone(),
+        source: StoreError::ReservedKey {
+            key: key.to_string(),
+            prefix: IDEMPOTENCY_STORE_PREFIX.to_string(),
+        },
+    };
+    let forge = Bytes::from(format!("put\n{forged_key}\nforged"));
+    let result = runtime.invoke_within(&notes, forge, Duration::from_secs(5)).await;
+    assert_eq!(result, Err(refused(&forged_key)));
+    let next_key = format!("{IDEMPOTENCY_STORE_PREFIX}next");
+    let delete = Bytes::from(format!("delete\n{next_key}"));
+    let result = runtime.invoke_within(&notes, delete, Duration::from_secs(5)).await;
+    assert_eq!(result, Err(refused(&next_key)));
+    assert_eq!(store.get(&notes, &forged_key).await, Ok(None), "nothing was written");
+    // The keyed request runs its handler (which writes `note`), and its reply is recorded.
+    let deadline = runtime.deadline_in(Duration::from_secs(5));
+    let reply = runtime
+        .invoke_keyed(&notes, &key("k"), Bytes::from_static(b"put\nnote\nkept"), deadline)
+        .await;
+    assert_eq!(reply, Ok(Bytes::from_static(b"ok")));
+    assert_eq!(store.get(&notes, "note").await, Ok(Some(Bytes::from_static(b"kept"))));
+    assert_eq!(
+        store.get(&notes, &forged_key).await,
+        Ok(Some(Bytes::from_static(b"ok")))
+    );
+    // A key that merely contains the prefix, later on, is the actor's own.
+    let own = Bytes::from(format!("put\nmine/{IDEMPOTENCY_STORE_PREFIX}\nx"));
+    let result = runtime.invoke_within(&notes, own, Duration::from_secs(5)).await;
+    assert_eq!(result, Ok(Bytes::from_static(b"ok")));
+    runtime.shutdown().await;
+}
+
 /// Goal: keys are bounded and checked, with a typed error.
 #[test]
 fn invalid_keys_are_refused_with_a_typed_error() {

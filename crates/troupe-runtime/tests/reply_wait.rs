@@ -10,9 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use troupe_core::{ActorId, ActorKind, InvokeError};
+use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+use troupe_core::{ActorId, ActorKind, Deadline, InvokeError};
 use troupe_runtime::{
-    Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeEvent, RuntimeObserver, Turn, TypedActor,
+    Actor, ActorBox, ActorError, IdempotencyKey, KindConfig, Runtime, RuntimeEvent, RuntimeObserver, Turn, TypedActor,
 };
 
 /// Replies with the payload after sleeping the number of milliseconds it spells (none
@@ -133,6 +134,56 @@ async fn a_reply_that_comes_too_late_times_out_at_the_deadline() {
     assert!(
         matches!(&result, Err(InvokeError::Timeout { timeout_ms: 150, .. })),
         "{result:?}"
+    );
+}
+
+/// A root request made with a deadline further away than [`INVOKE_TIMEOUT_MS_MAX`] (the
+/// end of time here) is cut to that much from when it is sent, as `invoke_within` and
+/// `tell` cut theirs: its turn, which would run for 400 s, is cancelled at 300 s and its
+/// caller gets `Timeout` with the time it was allowed, through each entry point that
+/// takes a deadline (`invoke`, `invoke_keyed`, `invoke_routed` without a router,
+/// `invoke_root_for_router`). Before, the deadline was kept as given: the turn ran
+/// unbounded (here to its end at 400 s, answering `Ok`; a turn that never ends held its
+/// actor forever). 400 virtual seconds at most: within the simulator's 600.
+#[tokio::test(start_paused = true)]
+async fn a_root_deadline_past_the_longest_invoke_timeout_is_cut_to_it() {
+    let runtime = start(Arc::default());
+    let never = Deadline::from_micros(u64::MAX);
+    let long = || Bytes::from_static(b"400000");
+    let (a, b, c, d) = (sleepy("far-a"), sleepy("far-b"), sleepy("far-c"), sleepy("far-d"));
+    let key = IdempotencyKey::new("far").unwrap();
+    let started = tokio::time::Instant::now();
+    let timed = |result: Result<Bytes, InvokeError>| {
+        let waited = started.elapsed();
+        (result, waited)
+    };
+    let (invoked, keyed, routed, for_router) = tokio::join!(
+        async { timed(runtime.invoke(&a, long(), never).await) },
+        async { timed(runtime.invoke_keyed(&b, &key, long(), never).await) },
+        async { timed(runtime.invoke_routed(&c, long(), never).await) },
+        async { timed(runtime.invoke_root_for_router(&d, long(), never).await) },
+    );
+    let cap = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
+    for ((result, waited), target) in [(invoked, a), (keyed, b), (routed, c), (for_router, d)] {
+        assert_eq!(
+            result,
+            Err(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: INVOKE_TIMEOUT_MS_MAX
+            }),
+            "{target}"
+        );
+        assert!(
+            waited >= cap && waited < cap + Duration::from_millis(1),
+            "{target}: the wait ends at the cap, waited {waited:?}"
+        );
+    }
+    // Let the activations see their callers gone.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        runtime.counters().turns_abandoned,
+        4,
+        "each turn was cancelled at the cap"
     );
 }
 
