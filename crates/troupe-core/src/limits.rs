@@ -2,7 +2,9 @@
 //!
 //! Relations between limits are checked at compile time at the bottom of this file.
 
-/// Default capacity of one actor's mailbox, in messages.
+/// Default capacity of one actor's mailbox, in messages. A kind's capacity also bounds
+/// the messages held for an actor while its previous activation is deactivating; past
+/// it, a message is refused `Busy` as a full mailbox refuses it.
 pub const MAILBOX_CAPACITY_DEFAULT: usize = 64;
 /// Largest mailbox capacity a kind may configure, in messages.
 pub const MAILBOX_CAPACITY_MAX: usize = 65_536;
@@ -10,8 +12,6 @@ pub const MAILBOX_CAPACITY_MAX: usize = 65_536;
 pub const DISPATCHER_QUEUE_CAPACITY: usize = 4_096;
 /// Most activations one dispatcher holds at once (active or deactivating), in actors.
 pub const ACTIVATIONS_MAX: usize = 4_000_000;
-/// Most messages held for an actor while its previous activation is deactivating.
-pub const DEACTIVATING_PENDING_MAX: usize = MAILBOX_CAPACITY_DEFAULT;
 /// Most wait-for edges (blocked calls between actors) the dispatcher tracks at once.
 pub const WAIT_FOR_EDGES_MAX: usize = 1_000_000;
 /// Default idle time after which an actor is deactivated, in milliseconds.
@@ -43,7 +43,6 @@ pub const AGENT_CONCURRENT_CALLS_MAX: u32 = 10;
 
 const _: () = assert!(MAILBOX_CAPACITY_DEFAULT >= 1);
 const _: () = assert!(MAILBOX_CAPACITY_DEFAULT <= MAILBOX_CAPACITY_MAX);
-const _: () = assert!(DEACTIVATING_PENDING_MAX <= MAILBOX_CAPACITY_MAX);
 const _: () = assert!(INVOKE_TIMEOUT_MS_DEFAULT <= INVOKE_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_CALL_TIMEOUT_MS_DEFAULT <= AGENT_CALL_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_CALL_TIMEOUT_MS_MAX <= INVOKE_TIMEOUT_MS_MAX);
