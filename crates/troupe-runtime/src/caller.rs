@@ -451,6 +451,11 @@ impl Caller {
 
     /// Admits and invokes in one step: calls `target` with `payload` and waits at most
     /// `timeout` (clipped to this turn's deadline and to the maximum call timeout).
+    /// The timeout counts in whole milliseconds, rounded down, and one under 1 ms (zero
+    /// too) is 1 ms: a call that may not wait at all times out at once rather than being
+    /// refused (unlike [`Caller::admit`] given `Some(0)`, which refuses it with
+    /// `InvalidTimeout`). The other forms that take a `Duration` (`call_keyed`, `tell`,
+    /// `tell_value`, the typed `ask_from` and `tell_from`) count it the same way.
     ///
     /// # Errors
     /// [`InvokeError::Refused`] with the admission's refusal, or as [`Caller::invoke`].
