@@ -158,3 +158,55 @@ async fn a_turn_reports_model_responses_tool_calls_and_its_end_with_usage() {
     assert_eq!(worker[0], "turn depth 1");
     system.shutdown().await;
 }
+
+/// A model whose provider reports `u64::MAX` tokens for every call: a tool call first,
+/// then (once a tool result is in the prompt) the answer.
+struct HugeUsage;
+
+#[async_trait::async_trait]
+impl troupe_agent::LlmClient for HugeUsage {
+    async fn complete(
+        &self,
+        request: troupe_agent::LlmRequest,
+    ) -> Result<troupe_agent::LlmReply, troupe_agent::LlmError> {
+        let answered = request.messages.iter().any(|m| m.role == troupe_agent::Role::Tool);
+        let mut message = ChatMessage::new(troupe_agent::Role::Assistant, if answered { "done" } else { "" });
+        if !answered {
+            message.tool_calls.push(troupe_agent::ToolCall {
+                id: "c1".into(),
+                name: "no_such_tool".into(),
+                arguments: json!({}),
+            });
+        }
+        let huge = TokenUsage {
+            prompt_tokens: u64::MAX,
+            completion_tokens: u64::MAX,
+            total_tokens: u64::MAX,
+        };
+        Ok(troupe_agent::LlmReply::new(message).with_usage(huge))
+    }
+}
+
+/// Goal: the usage a provider reports is untrusted input; two steps each reporting
+/// `u64::MAX` tokens sum to `u64::MAX` (saturating), not an arithmetic overflow that
+/// panics the turn.
+#[tokio::test(start_paused = true)]
+async fn usage_reported_near_u64_max_saturates_instead_of_overflowing() {
+    let system = AgentSystem::builder()
+        .llm(Arc::new(HugeUsage) as Arc<dyn troupe_agent::LlmClient>)
+        .agent(AgentSpec::new("a"))
+        .start()
+        .unwrap();
+    let reply = system.ask("a", "go").await.unwrap();
+    assert_eq!(reply.steps, 2);
+    assert_eq!(reply.text, "done");
+    assert_eq!(
+        reply.usage,
+        TokenUsage {
+            prompt_tokens: u64::MAX,
+            completion_tokens: u64::MAX,
+            total_tokens: u64::MAX,
+        }
+    );
+    system.shutdown().await;
+}

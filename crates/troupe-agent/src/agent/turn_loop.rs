@@ -278,10 +278,12 @@ impl AgentActor {
                         }
                         Err(error) => return Err(ActorError::failed(format!("the model failed: {error}"))),
                     };
+                    // The provider's counts are untrusted: summed saturating, so a
+                    // huge report cannot overflow (a panic in the turn).
                     if let Some(used) = reply.usage {
-                        usage.prompt_tokens += used.prompt_tokens;
-                        usage.completion_tokens += used.completion_tokens;
-                        usage.total_tokens += used.total_tokens;
+                        usage.prompt_tokens = usage.prompt_tokens.saturating_add(used.prompt_tokens);
+                        usage.completion_tokens = usage.completion_tokens.saturating_add(used.completion_tokens);
+                        usage.total_tokens = usage.total_tokens.saturating_add(used.total_tokens);
                     }
                     let charged = reply
                         .usage
