@@ -22,7 +22,8 @@
 //!   bounded by the `timeout` given to the `connect_*` functions: [`McpError::Timeout`].
 //! - **Schemas.** Each tool's `inputSchema` is compiled like a hand-written one; a
 //!   schema that does not compile is [`McpError::InvalidToolSchema`] (not a panic). A
-//!   server with more than [`MCP_TOOLS_MAX`] tools is [`McpError::TooManyTools`].
+//!   server with more than [`MCP_TOOLS_MAX`] tools is [`McpError::TooManyTools`], as
+//!   soon as its pages of `tools/list` hold more (the pages are read one at a time).
 //! - **Results.** Text blocks are joined with newlines; other blocks (images, audio,
 //!   resources) are named, not inlined; structured content is appended as JSON when
 //!   there is no text. The result is cut to [`MCP_TOOL_RESULT_BYTES_MAX`] bytes on a
@@ -99,7 +100,8 @@ pub enum McpError {
     TooManyTools {
         /// The server's name.
         server: String,
-        /// How many it offers.
+        /// How many it listed before it was refused: more than [`MCP_TOOLS_MAX`] (the
+        /// listing stops at the first page past the limit).
         count: usize,
     },
     /// A tool's input schema is not a schema this crate can compile.
@@ -194,10 +196,31 @@ impl McpServer {
                 server: name.clone(),
                 cause: error.to_string(),
             })?;
-            let tools = connection.list_all_tools().await.map_err(|error| McpError::ListTools {
-                server: name.clone(),
-                cause: error.to_string(),
-            })?;
+            // Page by page, stopping past the limit: a server that keeps naming a
+            // next page is refused there, not read (and kept) until the timeout.
+            let mut tools = Vec::new();
+            let mut cursor = None;
+            loop {
+                let params = rmcp::model::PaginatedRequestParams::default().with_cursor(cursor);
+                let page = connection
+                    .list_tools(Some(params))
+                    .await
+                    .map_err(|error| McpError::ListTools {
+                        server: name.clone(),
+                        cause: error.to_string(),
+                    })?;
+                tools.extend(page.tools);
+                if tools.len() > MCP_TOOLS_MAX {
+                    return Err(McpError::TooManyTools {
+                        server: name.clone(),
+                        count: tools.len(),
+                    });
+                }
+                cursor = page.next_cursor;
+                if cursor.is_none() {
+                    break;
+                }
+            }
             Ok::<_, McpError>((connection, tools))
         };
         let (connection, tools) =
@@ -207,12 +230,6 @@ impl McpServer {
                     server: name.clone(),
                     timeout_ms,
                 })??;
-        if tools.len() > MCP_TOOLS_MAX {
-            return Err(McpError::TooManyTools {
-                server: name,
-                count: tools.len(),
-            });
-        }
         Ok(Self {
             name,
             connection: Arc::new(connection),

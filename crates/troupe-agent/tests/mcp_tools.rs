@@ -288,3 +288,68 @@ async fn an_agent_limited_to_one_mcp_tool_is_offered_only_it() {
     assert_eq!(offered, vec!["add"]);
     system.shutdown().await;
 }
+
+/// An MCP server whose `tools/list` never ends: every page holds one tool and names a
+/// next page. Counts the pages it served.
+#[derive(Clone, Default)]
+struct EndlessPages(Arc<std::sync::atomic::AtomicUsize>);
+
+impl rmcp::ServerHandler for EndlessPages {
+    fn get_info(&self) -> rmcp::model::ServerConfig {
+        rmcp::model::ServerConfig::new(rmcp::model::ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, rmcp::model::ErrorData> {
+        let page = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tool = rmcp::model::Tool::new(
+            format!("tool_{page}"),
+            "One more tool.",
+            serde_json::Map::from_iter([("type".to_owned(), json!("object"))]),
+        );
+        let mut result = rmcp::model::ListToolsResult::with_all_items(vec![tool]);
+        result.next_cursor = Some((page + 1).to_string());
+        Ok(result)
+    }
+}
+
+/// Goal: a server that keeps naming a next page of tools is refused with
+/// `TooManyTools` once it has listed more than `MCP_TOOLS_MAX`, not paged (and kept in
+/// memory) until the connect timeout. Method: the server above over streamable HTTP,
+/// a connect timeout of 20 s; the refusal must come with at most `MCP_TOOLS_MAX + 1`
+/// pages read and well before the timeout.
+#[tokio::test]
+async fn a_server_listing_tools_without_end_is_refused_at_the_tool_limit() {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+
+    let handler = EndlessPages::default();
+    let pages = Arc::clone(&handler.0);
+    let service: StreamableHttpService<EndlessPages, LocalSessionManager> = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Default::default(),
+        StreamableHttpServerConfig::default(),
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let _shutdown = tokio_util_like::Shutdown(tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    }));
+
+    let started = Instant::now();
+    let error = McpServer::connect_http("endless", &format!("http://{address}/mcp"), CONNECT_TIMEOUT)
+        .await
+        .unwrap_err();
+    let read = pages.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        matches!(&error, McpError::TooManyTools { server, count } if server == "endless" && *count > troupe_agent::MCP_TOOLS_MAX),
+        "{error:?} after {read} pages in {:?}",
+        started.elapsed()
+    );
+    assert!(read <= troupe_agent::MCP_TOOLS_MAX + 1, "{read} pages read");
+    assert!(started.elapsed() < CONNECT_TIMEOUT / 2, "{:?}", started.elapsed());
+}
