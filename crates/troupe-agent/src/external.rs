@@ -28,7 +28,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use troupe_core::{ActorId, CallContext, Deadline};
+use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
+use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use troupe_runtime::{ActorError, StoreError, Turn};
 
 use crate::agent::{agent_id, AgentActor, AgentShared};
@@ -60,7 +61,7 @@ pub struct ExternalTaskRequest {
     pub timeout_ms: Option<u64>,
     /// The call chain it arrives through (agent ids; empty: from outside).
     pub chain: Vec<String>,
-    /// The depth it arrives at (0: from outside).
+    /// The depth it arrives at (0: from outside): at least the chain's length.
     pub depth: u32,
     /// Opaque data of the caller, stored with the task and returned as is.
     pub attachment: String,
@@ -334,6 +335,43 @@ async fn external_record_in(turn: &mut Turn, task_id: &str) -> Result<Option<(St
     Ok(Some((key, record)))
 }
 
+/// The chain request `request` arrives through, as actor ids, once its `chain` and
+/// `depth` are checked by the rules [`crate::TroupeCallMetadata::check`] applies to a
+/// call arriving over A2A: at most [`AGENT_CALL_DEPTH_MAX`]` + 1` entries, each an agent
+/// id, and a depth at least the chain's length (every agent in the chain is one call
+/// deeper). [`CallContext::continued`] panics on the last; an embedder's request
+/// reaches it with no A2A server in front.
+///
+/// # Errors
+/// What is wrong and what to give instead.
+fn arrival_chain(request: &ExternalTaskRequest) -> Result<Vec<ActorId>, String> {
+    let longest = AGENT_CALL_DEPTH_MAX as usize + 1;
+    if request.chain.len() > longest {
+        return Err(format!(
+            "the request's chain has {} entries, more than the limit of {longest}: give the agents \
+             whose turns wait on it, outermost first (none from outside)",
+            request.chain.len()
+        ));
+    }
+    let chain = request
+        .chain
+        .iter()
+        .map(|id| {
+            agent_id(id).map_err(|error| format!("the request's chain holds {id:?}, which is not an agent id: {error}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if (request.depth as usize) < chain.len() {
+        return Err(format!(
+            "the request's depth is {} but its chain has {} entries: a call is at least as deep as its \
+             chain is long; give a depth of at least {} (0 with an empty chain from outside)",
+            request.depth,
+            chain.len(),
+            chain.len()
+        ));
+    }
+    Ok(chain)
+}
+
 fn decode_error(cause: String) -> StoreError {
     StoreError::Backend {
         operation: troupe_runtime::StoreOperation::Decode,
@@ -353,12 +391,20 @@ impl AgentClient {
     /// [`InboxError::Full`] (the inbox, or the agent's open external tasks
     /// ([`AGENT_EXTERNAL_TASKS_OPEN_MAX`]), are full: nothing kept, retry later),
     /// [`InboxError::Refused`] (`AgentNotFound`), [`InboxError::InvalidAgentId`],
-    /// [`InboxError::Invoke`] (timeout, storage, shutdown, a full mailbox: whether it
-    /// was kept is unknown; retry with the same `msg_id`).
+    /// [`InboxError::Invoke`] with [`InvokeError::Rejected`] (the request's `chain` and
+    /// `depth` do not fit together, as [`crate::TroupeCallMetadata::check`] has them:
+    /// nothing was kept; fix the request), [`InboxError::Invoke`] otherwise (timeout,
+    /// storage, shutdown, a full mailbox: whether it was kept is unknown; retry with the
+    /// same `msg_id`).
     pub async fn delegate_external(&self, to: &str, request: ExternalTaskRequest) -> Result<String, InboxError> {
         let target = self.known_agent(to).await?;
+        let chain = arrival_chain(&request).map_err(|reason| {
+            InboxError::Invoke(InvokeError::Rejected {
+                target: target.clone(),
+                reason,
+            })
+        })?;
         let deadline = task_deadline(self.runtime.now(), request.timeout_ms);
-        let chain: Vec<ActorId> = request.chain.iter().filter_map(|id| agent_id(id).ok()).collect();
         let mut context = if chain.is_empty() && request.depth == 0 {
             CallContext::root(deadline)
         } else {
