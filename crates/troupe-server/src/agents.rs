@@ -16,7 +16,8 @@ use troupe_core::TraceId;
 
 use crate::error::{page_limit, ApiError, ApiJson, ApiQuery};
 use crate::limits::{
-    SERVER_HISTORY_PAGE_DEFAULT, SERVER_HISTORY_PAGE_MAX, SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX,
+    SERVER_HISTORY_PAGE_DEFAULT, SERVER_HISTORY_PAGE_MAX, SERVER_MESSAGE_ID_LENGTH_MAX_BYTES,
+    SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX,
 };
 use crate::server::AppState;
 
@@ -84,6 +85,23 @@ pub(crate) fn check_text(text: &str) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// A notification's `msg_id` checked: 422 `invalid_message_id` if it is longer than
+/// [`SERVER_MESSAGE_ID_LENGTH_MAX_BYTES`] (the agent's store could not key it). An empty
+/// one is the agent's to refuse (the same code).
+pub(crate) fn check_message_id(msg_id: Option<&str>) -> Result<(), ApiError> {
+    match msg_id {
+        Some(id) if id.len() > SERVER_MESSAGE_ID_LENGTH_MAX_BYTES => Err(ApiError::unprocessable(
+            "invalid_message_id",
+            format!(
+                "msg_id is {} bytes, more than the limit of {SERVER_MESSAGE_ID_LENGTH_MAX_BYTES}; use a shorter id \
+                 (a UUID fits)",
+                id.len()
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// `timeout_ms` checked: 422 unless 1..=[`SERVER_MESSAGE_TIMEOUT_MS_MAX`].
@@ -377,6 +395,7 @@ pub(crate) async fn notify(
 ) -> Result<Response, ApiError> {
     known(&state, &agent).await?;
     check_text(&body.text)?;
+    check_message_id(body.msg_id.as_deref())?;
     let timeout_ms = check_timeout(body.timeout_ms)?;
     let trace = request_trace(&state, &headers);
     let options = NotifyOptions {

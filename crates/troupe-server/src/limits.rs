@@ -2,6 +2,7 @@
 
 use troupe_agent::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
 use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
+use troupe_runtime::STATE_KEY_LENGTH_MAX;
 
 /// Largest request body accepted, in bytes; a larger one is refused with 413
 /// `body_too_large`. Room for a full agent message in JSON, and an OpenAI-style
@@ -55,6 +56,12 @@ pub const SERVER_MESSAGE_TIMEOUT_MS_MAX: u64 = INVOKE_TIMEOUT_MS_MAX;
 pub const SERVER_MESSAGE_SIZE_MAX_BYTES: usize = AGENT_MESSAGE_SIZE_MAX_BYTES;
 /// The `Retry-After` sent with 429 (agent busy) and 503 (server overloaded), in seconds.
 pub const SERVER_RETRY_AFTER_S: u64 = 1;
+/// Longest `msg_id` a notification (`POST /v1/agents/{id}/notify`) may carry, in bytes;
+/// a longer one is refused with 422 `invalid_message_id`. The agent keeps the id as
+/// part of a store key (its dedupe mark), which the store limits to
+/// `STATE_KEY_LENGTH_MAX` bytes: without this check a long id failed in the store, as a
+/// 500. A UUID (36 bytes) fits many times over.
+pub const SERVER_MESSAGE_ID_LENGTH_MAX_BYTES: usize = 256;
 /// Most history entries one page returns; `limit` above it is refused with 400.
 pub const SERVER_HISTORY_PAGE_MAX: usize = 1_000;
 /// History entries one page returns when no `limit` is given.
@@ -108,6 +115,8 @@ const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT <= SERVER_REQUEST_TIMEOU
 const _: () = assert!(SERVER_MESSAGE_TIMEOUT_MS_MAX < SERVER_REQUEST_TIMEOUT_MS_MAX);
 const _: () = assert!(SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT <= SERVER_CONCURRENT_REQUESTS_MAX);
 const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
+// The agent's key made of it (`seen/{msg_id}`) fits in the store's key limit.
+const _: () = assert!(SERVER_MESSAGE_ID_LENGTH_MAX_BYTES + 16 <= STATE_KEY_LENGTH_MAX);
 const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);
 const _: () = assert!(SERVER_CONVERSATION_PAGE_DEFAULT <= SERVER_CONVERSATION_PAGE_MAX);
 const _: () = assert!(A2A_LIST_TASKS_PAGE_DEFAULT <= A2A_LIST_TASKS_PAGE_MAX);

@@ -1002,3 +1002,43 @@ async fn a_router_built_with_any_concurrency_limit_serves() {
     served.abort();
     system.shutdown().await;
 }
+
+/// Goal: a notification's `msg_id` longer than the server takes is refused as the
+/// client's error (422 `invalid_message_id`, naming the limit), not answered 500
+/// `storage_failed` once the agent's store refuses the key it makes of it; an id of
+/// exactly the limit is accepted.
+/// Method: `POST /v1/agents/echo/notify` with ids of `SERVER_MESSAGE_ID_LENGTH_MAX_BYTES`, 100,000
+/// bytes and one byte over the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_id_over_the_limit_is_422_not_a_storage_failure() {
+    use troupe_server::limits::SERVER_MESSAGE_ID_LENGTH_MAX_BYTES;
+    let server = start_default().await;
+    let longest = "n".repeat(SERVER_MESSAGE_ID_LENGTH_MAX_BYTES);
+    let (status, body) = server
+        .post("/v1/agents/echo/notify", json!({"text": "fyi", "msg_id": longest}))
+        .await;
+    assert_eq!(
+        (status, body["msg_id"].as_str()),
+        (202, Some(longest.as_str())),
+        "{body}"
+    );
+    for length in [100_000, SERVER_MESSAGE_ID_LENGTH_MAX_BYTES + 1] {
+        let (status, body) = server
+            .post(
+                "/v1/agents/echo/notify",
+                json!({"text": "fyi", "msg_id": "n".repeat(length)}),
+            )
+            .await;
+        assert_eq!(
+            (status, error_code(&body)),
+            (422, "invalid_message_id"),
+            "{length}: {body}"
+        );
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&length.to_string()) && message.contains(&SERVER_MESSAGE_ID_LENGTH_MAX_BYTES.to_string()),
+            "{message}"
+        );
+    }
+    server.stop().await;
+}
