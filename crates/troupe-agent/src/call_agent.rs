@@ -243,6 +243,11 @@ pub async fn call_agent(
                     .child()
                     .trace_id()
                     .map_or_else(|| per_call.clone(), |trace| trace.to_string());
+                // The time left now, not at admission: an approval waited for in
+                // between (`admit_call`) has spent part of it, and the remote callee
+                // must not get more than this caller has left (a local call waits
+                // until the child's deadline, which is absolute).
+                let timeout = admitted.child().deadline().remaining(context.now());
                 let result = crate::remote::call_remote(
                     &shared.remotes,
                     crate::remote::RemoteCall {
@@ -250,7 +255,7 @@ pub async fn call_agent(
                         target: &target,
                         text: &request.text,
                         child: admitted.child(),
-                        timeout: admitted.timeout(),
+                        timeout,
                         // One per call: the receiving server takes a message sent again
                         // with the same id as the task it started, not a new one.
                         message_id: format!("{trace_id}.{per_call}"),

@@ -153,3 +153,94 @@ async fn the_builder_refuses_a_clashing_id_and_a_bad_url() {
         "{error}"
     );
 }
+
+/// Goal: a call to a remote agent that waited in its turn for approval sends only the
+/// time the caller has left after the wait, and gives up at the caller's deadline: a
+/// child never gets more time than its parent has left. Method (normal build: a real
+/// A2A endpoint on loopback that records the `metadata.troupe.timeout_ms` it is sent
+/// and never answers, real time): `a` supervised calls `hq` with `timeout_ms` 3,000;
+/// the approval is given 1.5 s later. The endpoint must be sent at most the 1.5 s left
+/// (plus a slack), and the call must end by its deadline, 3 s after it was made.
+#[cfg(not(madsim))]
+#[tokio::test]
+#[allow(clippy::disallowed_methods)] // wall-clock time: a real HTTP endpoint
+async fn a_remote_call_that_waited_for_approval_sends_only_the_time_left() {
+    const CALL_TIMEOUT_MS: u64 = 3_000;
+    const APPROVED_AFTER_MS: u64 = 1_500;
+    const SLACK_MS: u64 = 400;
+    let sent: Arc<std::sync::Mutex<Vec<u64>>> = Arc::default();
+    let recorded = Arc::clone(&sent);
+    let endpoint = axum::routing::post(move |body: String| {
+        let recorded = Arc::clone(&recorded);
+        async move {
+            let request: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let timeout_ms = request
+                .pointer("/params/message/metadata/troupe/timeout_ms")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap();
+            recorded.lock().unwrap().push(timeout_ms);
+            // Never answers in time.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            String::new()
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, axum::Router::new().route("/a2a/hq", endpoint)).await;
+    });
+
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::agent("a").on_user_containing("").call(
+            "call_agent",
+            json!({"agent_id": "hq", "message": "hello", "timeout_ms": CALL_TIMEOUT_MS}),
+        ));
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("a"))
+        .remote_agent(RemoteAgent::new("hq", format!("http://{address}/a2a/hq")))
+        .start()
+        .expect("the system starts");
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("a", supervised).await.unwrap();
+    let mut events = system.subscribe();
+    let client = system.client();
+    let asked = tokio::spawn(async move { client.ask("a", "go").await });
+    let requested = async {
+        loop {
+            if let AgentEvent::ApprovalRequested { id, .. } = events.recv().await.unwrap() {
+                break id;
+            }
+        }
+    };
+    let id = tokio::time::timeout(Duration::from_secs(10), requested)
+        .await
+        .expect("the call asks for an approval");
+    let called = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(APPROVED_AFTER_MS)).await;
+    system.approve(id).await.unwrap();
+    let reply = asked.await.unwrap().unwrap();
+    let took = called.elapsed();
+    assert!(
+        reply.text.contains("timed out") || reply.text.contains("timeout"),
+        "{}",
+        reply.text
+    );
+    let sent = sent.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert!(
+        sent[0] <= CALL_TIMEOUT_MS - APPROVED_AFTER_MS + SLACK_MS,
+        "the remote agent was given {} ms, {APPROVED_AFTER_MS} ms after a call of {CALL_TIMEOUT_MS} ms",
+        sent[0]
+    );
+    assert!(
+        took < Duration::from_millis(CALL_TIMEOUT_MS + SLACK_MS),
+        "the call ended {took:?} after it was made, past its {CALL_TIMEOUT_MS} ms"
+    );
+    system.shutdown().await;
+    server.abort();
+}
