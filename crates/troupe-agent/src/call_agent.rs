@@ -377,8 +377,9 @@ pub struct CallAgentArguments {
 }
 
 /// `timeout_ms` as JSON Schema reads `integer`: `5000` and `5000.0` alike (the schema
-/// has already refused fractions and negatives).
-fn call_agent_timeout_whole_milliseconds<'de, D: serde::Deserializer<'de>>(
+/// has already refused fractions and negatives). Also `delegate_to_agent`'s and
+/// `notify_agent`'s (`SendArguments`).
+pub(crate) fn call_agent_timeout_whole_milliseconds<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<u64>, D::Error> {
     let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else {

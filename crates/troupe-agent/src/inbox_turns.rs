@@ -1156,7 +1156,10 @@ pub struct SendArguments {
     pub message: String,
     /// Its deadline, in milliseconds from now (default 120000, at most 300000).
     #[schemars(range(min = 1))]
-    #[serde(default)]
+    #[serde(
+        default,
+        deserialize_with = "crate::call_agent::call_agent_timeout_whole_milliseconds"
+    )]
     pub timeout_ms: Option<u64>,
 }
 

@@ -388,3 +388,26 @@ fn call_agent_timeout_accepts_integral_floats() {
     assert_eq!(parse(json!({"agent_id": "b", "message": "m"})).unwrap(), None);
     assert!(parse(json!({"agent_id": "b", "message": "m", "timeout_ms": 1.5})).is_err());
 }
+
+/// Goal: `delegate_to_agent`'s and `notify_agent`'s `timeout_ms` reads as JSON
+/// Schema's `integer` does, as `call_agent`'s: the schema (`send_schema`) accepts
+/// `5000.0`, so the arguments must too (5000 ms), not refuse what the schema let
+/// through; a fraction is still refused, naming the field's rule.
+#[test]
+fn send_timeout_accepts_integral_floats_as_its_schema_does() {
+    let schema = troupe_agent::send_schema();
+    let whole_float = json!({"agent_id": "b", "message": "m", "timeout_ms": 5000.0});
+    assert!(validate(&schema, &whole_float).is_ok());
+    let parse = |value: Value| serde_json::from_value::<troupe_agent::SendArguments>(value).map(|a| a.timeout_ms);
+    assert_eq!(parse(whole_float).unwrap(), Some(5000));
+    assert_eq!(
+        parse(json!({"agent_id": "b", "message": "m", "timeout_ms": 7})).unwrap(),
+        Some(7)
+    );
+    assert_eq!(parse(json!({"agent_id": "b", "message": "m"})).unwrap(), None);
+    let fraction = parse(json!({"agent_id": "b", "message": "m", "timeout_ms": 1.5})).unwrap_err();
+    assert!(
+        fraction.to_string().contains("whole number of milliseconds"),
+        "{fraction}"
+    );
+}
