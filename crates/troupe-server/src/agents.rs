@@ -17,7 +17,7 @@ use troupe_core::TraceId;
 use crate::error::{page_limit, ApiError, ApiJson, ApiQuery};
 use crate::limits::{
     SERVER_HISTORY_PAGE_DEFAULT, SERVER_HISTORY_PAGE_MAX, SERVER_MESSAGE_ID_LENGTH_MAX_BYTES,
-    SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX,
+    SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_TASK_ID_LENGTH_MAX_BYTES,
 };
 use crate::server::AppState;
 
@@ -102,6 +102,32 @@ pub(crate) fn check_message_id(msg_id: Option<&str>) -> Result<(), ApiError> {
         )),
         _ => Ok(()),
     }
+}
+
+/// 404 `task_not_found` for task `task_id` of agent `agent`.
+fn task_not_found(agent: &str, task_id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "task_not_found",
+        format!("agent {agent:?} has no task {task_id:?}"),
+    )
+}
+
+/// 404 `task_not_found` for a task id longer than [`SERVER_TASK_ID_LENGTH_MAX_BYTES`]:
+/// no agent gives a task such an id (and the store could not key it).
+fn check_task_id(agent: &str, task_id: &str) -> Result<(), ApiError> {
+    if task_id.len() > SERVER_TASK_ID_LENGTH_MAX_BYTES {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "task_not_found",
+            format!(
+                "agent {agent:?} has no task whose id is {} bytes: task ids are at most \
+                 {SERVER_TASK_ID_LENGTH_MAX_BYTES} bytes; use the task_id the delegation answered",
+                task_id.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `timeout_ms` checked: 422 unless 1..=[`SERVER_MESSAGE_TIMEOUT_MS_MAX`].
@@ -452,13 +478,10 @@ pub(crate) async fn task(
     Path((agent, task_id)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     known(&state, &agent).await?;
+    check_task_id(&agent, &task_id)?;
     match state.client.task(&agent, &task_id).await? {
         Some(status) => Ok(Json(task_json(&status))),
-        None => Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "task_not_found",
-            format!("agent {agent:?} has no task {task_id:?}"),
-        )),
+        None => Err(task_not_found(&agent, &task_id)),
     }
 }
 
@@ -469,6 +492,7 @@ pub(crate) async fn cancel(
     Path((agent, task_id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
     known(&state, &agent).await?;
+    check_task_id(&agent, &task_id)?;
     match state.client.cancel(&agent, &task_id).await? {
         None => Ok((
             StatusCode::ACCEPTED,

@@ -1,7 +1,7 @@
 //! The server's limits, as named constants with their unit last.
 
 use troupe_agent::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
-use troupe_core::limits::{AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
+use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, AGENT_CALL_DEPTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_runtime::STATE_KEY_LENGTH_MAX;
 
 /// Largest request body accepted, in bytes; a larger one is refused with 413
@@ -62,6 +62,12 @@ pub const SERVER_RETRY_AFTER_S: u64 = 1;
 /// `STATE_KEY_LENGTH_MAX` bytes: without this check a long id failed in the store, as a
 /// 500. A UUID (36 bytes) fits many times over.
 pub const SERVER_MESSAGE_ID_LENGTH_MAX_BYTES: usize = 256;
+/// Longest task id the task routes (`GET /v1/agents/{id}/tasks/{task}`, `.../cancel`)
+/// look up, in bytes: longer than any id an agent gives a task (an agent id of at most
+/// `ACTOR_KEY_LENGTH_MAX` bytes, a separator and a number), so a longer one names no task
+/// and is answered 404 `task_not_found` without a store read (whose key it would make
+/// longer than the store allows: a 500).
+pub const SERVER_TASK_ID_LENGTH_MAX_BYTES: usize = ACTOR_KEY_LENGTH_MAX + 64;
 /// Most history entries one page returns; `limit` above it is refused with 400.
 pub const SERVER_HISTORY_PAGE_MAX: usize = 1_000;
 /// History entries one page returns when no `limit` is given.
@@ -115,8 +121,10 @@ const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT <= SERVER_REQUEST_TIMEOU
 const _: () = assert!(SERVER_MESSAGE_TIMEOUT_MS_MAX < SERVER_REQUEST_TIMEOUT_MS_MAX);
 const _: () = assert!(SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT <= SERVER_CONCURRENT_REQUESTS_MAX);
 const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
-// The agent's key made of it (`seen/{msg_id}`) fits in the store's key limit.
+// The agent's keys made of them (`seen/{msg_id}`, `task/{id}`, `canceled/{id}`,
+// `tasks_in/{id}`) fit in the store's key limit.
 const _: () = assert!(SERVER_MESSAGE_ID_LENGTH_MAX_BYTES + 16 <= STATE_KEY_LENGTH_MAX);
+const _: () = assert!(SERVER_TASK_ID_LENGTH_MAX_BYTES + 16 <= STATE_KEY_LENGTH_MAX);
 const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);
 const _: () = assert!(SERVER_CONVERSATION_PAGE_DEFAULT <= SERVER_CONVERSATION_PAGE_MAX);
 const _: () = assert!(A2A_LIST_TASKS_PAGE_DEFAULT <= A2A_LIST_TASKS_PAGE_MAX);

@@ -1042,3 +1042,35 @@ async fn a_notification_id_over_the_limit_is_422_not_a_storage_failure() {
     }
     server.stop().await;
 }
+
+/// Goal: a task id longer than any id an agent gives a task names no task: `GET` and
+/// `cancel` answer 404 `task_not_found`, not 500 `storage_failed` (the store refuses a
+/// key that long), and nothing is cancelled.
+/// Method: ids of `SERVER_TASK_ID_LENGTH_MAX_BYTES` + 1 and 50,000 bytes against agent
+/// `boss`, which has delegated nothing; an id of exactly the limit is looked up too
+/// (404 as well: no such task).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_id_over_the_limit_is_404_not_a_storage_failure() {
+    use troupe_server::limits::SERVER_TASK_ID_LENGTH_MAX_BYTES;
+    let server = start_default().await;
+    for length in [
+        SERVER_TASK_ID_LENGTH_MAX_BYTES,
+        SERVER_TASK_ID_LENGTH_MAX_BYTES + 1,
+        50_000,
+    ] {
+        let path = format!("/v1/agents/boss/tasks/{}", "t".repeat(length));
+        let (status, body) = server.get(&path).await;
+        assert_eq!(
+            (status, error_code(&body)),
+            (404, "task_not_found"),
+            "GET {length}: {body}"
+        );
+        let (status, body) = server.post(&format!("{path}/cancel"), json!({})).await;
+        assert_eq!(
+            (status, error_code(&body)),
+            (404, "task_not_found"),
+            "cancel {length}: {body}"
+        );
+    }
+    server.stop().await;
+}
