@@ -1028,6 +1028,10 @@ impl AgentActor {
     /// task resolves when the delegatee answers: canceled if it had not started, else
     /// with its result.
     async fn cancel(&mut self, turn: &mut Turn, task_id: &str) -> Result<Bytes, ActorError> {
+        if task_id.len() > crate::limits::AGENT_TASK_ID_LENGTH_MAX_BYTES {
+            // No delegation has such an id (and its key would not fit in the store's).
+            return Ok(encode_reply(&SendReply::UnknownTask));
+        }
         let key = task_key(task_id);
         let Some(bytes) = turn.get(&key).await? else {
             return Ok(encode_reply(&SendReply::UnknownTask));

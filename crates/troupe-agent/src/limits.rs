@@ -85,6 +85,12 @@ pub const AGENT_DEDUPE_KEYS_KEPT_MAX: u64 = 4_096;
 /// Delegations one agent may have open (delegated, not yet resolved); one more is
 /// refused.
 pub const AGENT_TASKS_OPEN_MAX: u64 = 64;
+/// The longest id of a task an agent delegated, in bytes: `{delegator}.{seq}`, an agent
+/// id of at most `ACTOR_KEY_LENGTH_MAX` bytes, a dot and a `u64` in decimal (20 digits
+/// at most). A longer id names no task: [`crate::AgentClient::cancel`] answers
+/// [`crate::InboxError::UnknownTask`] and [`crate::AgentClient::task`] `None` for it
+/// (its record's key would not fit in the store's).
+pub const AGENT_TASK_ID_LENGTH_MAX_BYTES: usize = troupe_core::limits::ACTOR_KEY_LENGTH_MAX + 1 + 20;
 /// External tasks ([`crate::AgentClient::delegate_external`]) one agent holds not yet
 /// ended (waiting or running), at most; one more is refused with
 /// [`crate::InboxError::Full`] and nothing is kept.
@@ -156,6 +162,8 @@ pub const AGENT_EVENT_STREAM_CAPACITY: usize = 1_024;
 pub const AGENT_SEND_GRANT_DIVISOR: u64 = 2;
 
 const _: () = assert!(AGENT_SEND_GRANT_DIVISOR >= 1);
+// A task's record (`task/{id}`) fits in the store's key.
+const _: () = assert!("task/".len() + AGENT_TASK_ID_LENGTH_MAX_BYTES <= troupe_runtime::STATE_KEY_LENGTH_MAX);
 const _: () = assert!(AGENT_TASKS_OPEN_MAX <= AGENT_OUTBOX_CAPACITY);
 const _: () = assert!(AGENT_EXTERNAL_TASKS_OPEN_MAX <= AGENT_INBOX_CAPACITY);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX);

@@ -22,7 +22,7 @@ use crate::inbox::{
 };
 use crate::inbox_turns::{delegate_tool, notify_tool};
 use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
-use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES};
+use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_TASK_ID_LENGTH_MAX_BYTES};
 use crate::{
     AgentCallError, AgentCatalog, AgentDirectory, AgentEvent, AgentObserver, AgentReply, AgentRequest, AgentSpec,
     AgentSpecError, Budget, CallOutcome, ChatMessage, DelegateOptions, InboxError, LlmClient, MessageKind,
@@ -655,10 +655,18 @@ impl AgentClient {
     /// ended.
     ///
     /// # Errors
-    /// [`InboxError::UnknownTask`], [`InboxError::InvalidAgentId`],
+    /// [`InboxError::UnknownTask`] (also for an id longer than
+    /// [`AGENT_TASK_ID_LENGTH_MAX_BYTES`], which no task has), [`InboxError::InvalidAgentId`],
     /// [`InboxError::Invoke`].
     pub async fn cancel(&self, agent: &str, task_id: &str) -> Result<Option<TaskState>, InboxError> {
         let delegator = self.known_agent(agent).await?;
+        if task_id.len() > AGENT_TASK_ID_LENGTH_MAX_BYTES {
+            // No delegation has such an id (and its key would not fit in the store's).
+            return Err(InboxError::UnknownTask {
+                agent: delegator,
+                task_id: task_id.to_string(),
+            });
+        }
         let command = AgentCommand::Cancel {
             task_id: task_id.to_string(),
         };
@@ -714,12 +722,17 @@ impl AgentClient {
         Ok(id)
     }
 
-    /// Agent `agent`'s committed record of task `task_id` it delegated.
+    /// Agent `agent`'s committed record of task `task_id` it delegated; `None` if there
+    /// is none (an id longer than [`AGENT_TASK_ID_LENGTH_MAX_BYTES`] names none).
     ///
     /// # Errors
     /// As [`AgentClient::conversation_log`].
     pub async fn task(&self, agent: &str, task_id: &str) -> Result<Option<TaskStatus>, StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
+        if task_id.len() > AGENT_TASK_ID_LENGTH_MAX_BYTES {
+            // No delegation has such an id (and its key would not fit in the store's).
+            return Ok(None);
+        }
         let Some(bytes) = self.runtime.store().get(&id, &task_key(task_id)).await? else {
             return Ok(None);
         };

@@ -978,3 +978,30 @@ async fn inbox_records_stored_as_json_by_an_older_version_still_load() {
     );
     system.shutdown().await;
 }
+
+/// Goal: a task id no delegation can have (longer than `AGENT_TASK_ID_LENGTH_MAX_BYTES`,
+/// the longest `{agent}.{seq}`) names no task: `cancel` is `UnknownTask` and `task` is
+/// `None`, as for any other unknown id, not a storage failure of a key too long for
+/// the store; the agent still answers after. Method: the id of `STATE_KEY_LENGTH_MAX`
+/// bytes, and one just over the limit.
+#[tokio::test(start_paused = true)]
+async fn a_task_id_longer_than_any_task_id_names_no_task() {
+    let system = coordinator_and_analyst(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok")));
+    for length in [
+        troupe_agent::limits::AGENT_TASK_ID_LENGTH_MAX_BYTES + 1,
+        troupe_runtime::STATE_KEY_LENGTH_MAX,
+    ] {
+        let id = "c".repeat(length);
+        assert_eq!(
+            system.cancel("coordinator", &id).await,
+            Err(InboxError::UnknownTask {
+                agent: ActorId::new("agent", "coordinator").unwrap(),
+                task_id: id.clone(),
+            }),
+            "{length} bytes"
+        );
+        assert_eq!(system.task("coordinator", &id).await, Ok(None), "{length} bytes");
+    }
+    assert_eq!(system.ask("coordinator", "hi").await.unwrap().text, "ok");
+    system.shutdown().await;
+}
