@@ -35,6 +35,11 @@ pub const TOPOLOGY_AGENTS_TRACKED_MAX: usize = 4_096;
 /// Observed links (ordered pairs of agents) the topology counts, in links; traffic on
 /// further pairs is not counted.
 pub const TOPOLOGY_LINKS_MAX: usize = 16_384;
+/// Agents the topology remembers the last request of (for their call trees), in agents.
+/// When it holds this many, the agents whose last request is no longer kept (among the
+/// last [`TOPOLOGY_CALLS_KEPT`] calls) are forgotten: at most two per kept call remain
+/// (its caller and its target), so the next forgetting is that many agents away.
+pub const TOPOLOGY_LAST_ROOTS_MAX: usize = 4 * TOPOLOGY_CALLS_KEPT;
 /// Agents one `GET /v1/topology` lists (by id), in agents; it reads each one's inbox
 /// and outbox lengths from the store. Beyond it, `agents_truncated` is `true`.
 pub const TOPOLOGY_AGENTS_LISTED_MAX: usize = 256;
@@ -128,4 +133,5 @@ const _: () = assert!(SERVER_TASK_ID_LENGTH_MAX_BYTES + 16 <= STATE_KEY_LENGTH_M
 const _: () = assert!(SERVER_EVENT_STREAMS_MAX >= 1);
 const _: () = assert!(SERVER_CONVERSATION_PAGE_DEFAULT <= SERVER_CONVERSATION_PAGE_MAX);
 const _: () = assert!(A2A_LIST_TASKS_PAGE_DEFAULT <= A2A_LIST_TASKS_PAGE_MAX);
+const _: () = assert!(TOPOLOGY_LAST_ROOTS_MAX > 2 * TOPOLOGY_CALLS_KEPT);
 const _: () = assert!(A2A_TASKS_WAITING_PER_AGENT_MAX <= A2A_TASKS_KEPT_MAX);

@@ -50,7 +50,10 @@ use troupe_core::ActorId;
 use crate::agents::known;
 use crate::error::ApiError;
 use crate::events::event_json;
-use crate::limits::{TOPOLOGY_AGENTS_LISTED_MAX, TOPOLOGY_AGENTS_TRACKED_MAX, TOPOLOGY_CALLS_KEPT, TOPOLOGY_LINKS_MAX};
+use crate::limits::{
+    TOPOLOGY_AGENTS_LISTED_MAX, TOPOLOGY_AGENTS_TRACKED_MAX, TOPOLOGY_CALLS_KEPT, TOPOLOGY_LAST_ROOTS_MAX,
+    TOPOLOGY_LINKS_MAX,
+};
 use crate::server::AppState;
 
 /// The page's HTML.
@@ -314,7 +317,8 @@ struct Observed {
     calls: HashMap<u64, CallSeen>,
     /// The kept calls, oldest first.
     order: VecDeque<u64>,
-    /// Per agent, the root call of the last request that touched it.
+    /// Per agent, the root call of the last request that touched it (bounded:
+    /// [`TOPOLOGY_LAST_ROOTS_MAX`]).
     last_root: HashMap<String, u64>,
     events_missed: u64,
 }
@@ -378,9 +382,9 @@ impl Observed {
                         link.calls += 1;
                         link.last_at_us = at_us;
                     }
-                    self.last_root.insert(caller.clone(), root);
+                    self.remember_root(caller.clone(), root);
                 }
-                self.last_root.insert(target.clone(), root);
+                self.remember_root(target.clone(), root);
                 self.keep(
                     *call,
                     CallSeen {
@@ -486,6 +490,17 @@ impl Observed {
         }
     }
 
+    /// Records `root` as the last request that touched `agent`. At
+    /// [`TOPOLOGY_LAST_ROOTS_MAX`] agents, first forgets those whose last request is no
+    /// longer kept (their call tree is gone anyway).
+    fn remember_root(&mut self, agent: String, root: u64) {
+        if self.last_root.len() >= TOPOLOGY_LAST_ROOTS_MAX && !self.last_root.contains_key(&agent) {
+            let calls = &self.calls;
+            self.last_root.retain(|_, root| calls.contains_key(root));
+        }
+        self.last_root.insert(agent, root);
+    }
+
     /// Keeps `call`, forgetting the oldest beyond [`TOPOLOGY_CALLS_KEPT`].
     fn keep(&mut self, call: u64, seen: CallSeen) {
         while self.order.len() >= TOPOLOGY_CALLS_KEPT {
@@ -523,5 +538,51 @@ impl Observed {
             "detail": detail,
             "children": children,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use troupe_agent::agent_id;
+    use troupe_core::Deadline;
+
+    use super::*;
+
+    fn call_from_outside(call: u64, target: &str) -> AgentEvent {
+        AgentEvent::CallStarted {
+            call,
+            parent: None,
+            caller: None,
+            target: agent_id(target).unwrap(),
+            depth: 0,
+            at: Deadline::from_micros(call),
+        }
+    }
+
+    /// Goal: the per-agent record of the last request (`last_root`, for call trees) stays
+    /// bounded however many distinct agents the event stream names: agents created and
+    /// deleted over time, or ids a model's `call_agent` names (its `CallStarted` comes
+    /// before the target is looked up); before, it kept one entry per agent ever seen.
+    /// Method: calls from outside to 3 × `TOPOLOGY_LAST_ROOTS_MAX` distinct agents, one
+    /// each; the map never holds more than the limit, and the last agents' trees are
+    /// still there.
+    #[test]
+    fn the_last_request_of_each_agent_is_kept_for_a_bounded_number_of_agents() {
+        let mut observed = Observed::default();
+        let calls = 3 * TOPOLOGY_LAST_ROOTS_MAX as u64;
+        for call in 0..calls {
+            observed.record(&call_from_outside(call, &format!("a{call}")));
+            assert!(
+                observed.last_root.len() <= TOPOLOGY_LAST_ROOTS_MAX,
+                "{} agents remembered after {} calls",
+                observed.last_root.len(),
+                call + 1
+            );
+        }
+        for call in calls - 10..calls {
+            let root = observed.last_root.get(&format!("a{call}")).copied();
+            assert_eq!(root, Some(call));
+            assert_eq!(observed.tree(call)["target"], format!("a{call}"));
+        }
     }
 }
