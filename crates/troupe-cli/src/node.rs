@@ -70,6 +70,9 @@ pub const NODE_LEASE_TTL_MS_MAX: u64 = troupe_etcd::ETCD_LEASE_TTL_S_MAX * 1_000
 pub const NODE_HTTP_BODY_BYTES_MAX: usize = CONVERSATION_TEXT_BYTES_MAX + 1_024;
 /// Longest append key (the `id` of an append), in bytes: a UUID (36) fits.
 pub const APPEND_ID_BYTES_MAX: usize = 64;
+/// The `Retry-After` a node sends with 429 (the conversation's mailbox is full) and 503
+/// (its dispatcher is overloaded, or it is stopping), in seconds.
+pub const NODE_RETRY_AFTER_S: u64 = 1;
 /// How many append keys a conversation remembers, in keys: the keys of its last this
 /// many keyed appends; the oldest is forgotten first, and a resend of a forgotten key is
 /// stored again as a new message.
@@ -112,6 +115,63 @@ pub fn check_append_id(id: &str) -> Result<(), AppendIdError> {
     {
         Some(character) => Err(AppendIdError::Character { character }),
         None => Ok(()),
+    }
+}
+
+/// An append body that cannot be used, with the status it is answered with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AppendBodyError {
+    /// The body is larger than [`NODE_HTTP_BODY_BYTES_MAX`]: 413.
+    #[error(
+        "the body is larger than the limit of {NODE_HTTP_BODY_BYTES_MAX} bytes; a message's text holds at most \
+         {CONVERSATION_TEXT_BYTES_MAX} bytes"
+    )]
+    TooLarge,
+    /// The text is longer than [`CONVERSATION_TEXT_BYTES_MAX`]: 422.
+    #[error("text is {bytes} bytes; at most {CONVERSATION_TEXT_BYTES_MAX} bytes are accepted: send a shorter message")]
+    TextTooLong {
+        /// Its length, in bytes.
+        bytes: usize,
+    },
+    /// The body is not `application/json`: 415.
+    #[error("the body must be JSON with Content-Type: application/json: {cause}")]
+    NotJson {
+        /// What the extractor said.
+        cause: String,
+    },
+    /// The body is JSON but not `{"text": ..., "id": ...}`: 422.
+    #[error("the body must be JSON {{\"text\": \"...\", \"id\": \"optional key\"}}: {cause}")]
+    Fields {
+        /// What the extractor said.
+        cause: String,
+    },
+    /// The body is not JSON, or could not be read: 400.
+    #[error("the body must be JSON {{\"text\": \"...\", \"id\": \"optional key\"}}: {cause}")]
+    Unreadable {
+        /// What the extractor said.
+        cause: String,
+    },
+}
+
+impl AppendBodyError {
+    /// The HTTP status it is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::TextTooLong { .. } | Self::Fields { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::NotJson { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::Unreadable { .. } => StatusCode::BAD_REQUEST,
+        }
+    }
+
+    fn of_rejection(rejection: &axum::extract::rejection::JsonRejection) -> Self {
+        let cause = rejection.body_text();
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => Self::TooLarge,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::NotJson { cause },
+            StatusCode::UNPROCESSABLE_ENTITY => Self::Fields { cause },
+            _ => Self::Unreadable { cause },
+        }
     }
 }
 
@@ -492,6 +552,17 @@ fn error_response(status: StatusCode, message: impl std::fmt::Display) -> Respon
     (status, Json(json!({"error": message.to_string()}))).into_response()
 }
 
+/// [`error_response`] with `Retry-After:` [`NODE_RETRY_AFTER_S`]: the client may send
+/// it again.
+fn retry_response(status: StatusCode, message: impl std::fmt::Display) -> Response {
+    let mut response = error_response(status, message);
+    response.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        axum::http::HeaderValue::from(NODE_RETRY_AFTER_S),
+    );
+    response
+}
+
 /// The 401 answer if the node wants a token and `headers` do not carry it.
 fn refusal(state: &HttpState, headers: &HeaderMap) -> Option<Response> {
     let Some(token) = &state.token else {
@@ -550,6 +621,13 @@ async fn call(state: &HttpState, id: &str, request: &ConversationRequest) -> Res
         Err(error @ (InvokeError::Unreachable { .. } | InvokeError::StorageFailed { .. })) => {
             error_response(StatusCode::SERVICE_UNAVAILABLE, error)
         }
+        // The conversation's mailbox is full: nothing was stored; send it again later.
+        Err(error @ InvokeError::Busy { .. }) => retry_response(StatusCode::TOO_MANY_REQUESTS, error),
+        // The runtime is overloaded or stopping: the client may send it again (with an
+        // id, an append is stored once).
+        Err(error @ (InvokeError::DispatcherBusy { .. } | InvokeError::Shutdown)) => {
+            retry_response(StatusCode::SERVICE_UNAVAILABLE, error)
+        }
         Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
     }
 }
@@ -565,13 +643,15 @@ async fn append(
     }
     let Json(body) = match body {
         Ok(body) => body,
-        Err(error) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                format!("the body must be JSON {{\"text\": \"...\", \"id\": \"optional key\"}}: {error}"),
-            )
+        Err(rejection) => {
+            let error = AppendBodyError::of_rejection(&rejection);
+            return error_response(error.status(), error);
         }
     };
+    if body.text.len() > CONVERSATION_TEXT_BYTES_MAX {
+        let error = AppendBodyError::TextTooLong { bytes: body.text.len() };
+        return error_response(error.status(), error);
+    }
     if let Some(key) = &body.id {
         if let Err(error) = check_append_id(key) {
             let body = json!({"error": error.to_string(), "field": "id"});

@@ -1599,3 +1599,71 @@ async fn a_task_whose_delegatee_node_is_killed_completes_through_the_survivors_r
     assert_eq!(worked, 1, "b's committed log holds the task once: {log:?}");
     assert_eq!(inbox_entries(database, "b").await, 0, "b's inbox drained");
 }
+
+/// Appends sent at once to one conversation through one node, by the burst test.
+const BURST_APPENDS: usize = 400;
+
+/// Goal: a node's conversation API answers a client's mistakes and its own limits with
+/// the status that says so, never 400 for everything or 500: a body over
+/// `NODE_HTTP_BODY_BYTES_MAX` is 413, a text over `CONVERSATION_TEXT_BYTES_MAX` in a
+/// body within it is 422, and appends beyond the conversation's mailbox are 429 (busy:
+/// retry), not 500. Nothing refused is stored.
+/// Method: one node on real etcd and PostgreSQL; the two oversized appends; then
+/// [`BURST_APPENDS`] appends from as many threads released at once on one conversation
+/// (its mailbox holds 64): every answer is 200 or 429, and the conversation holds
+/// exactly the 200s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_answers_oversized_and_excess_appends_with_their_own_statuses() {
+    use troupe_cli::node::{CONVERSATION_TEXT_BYTES_MAX, NODE_HTTP_BODY_BYTES_MAX};
+    let etcd = TestEtcd::start("cluster-statuses").await;
+    let postgres = TestServer::start("cluster-statuses");
+    let database = postgres.create_database("statuses").await;
+    let node = NodeProcess::start("b0", &etcd.endpoint(), &database);
+    let path = "/v1/conversations/limits/messages";
+
+    let body = serde_json::json!({"text": "x".repeat(NODE_HTTP_BODY_BYTES_MAX + 1)}).to_string();
+    let (status, reply) = http(&node.http, "POST", path, &body).expect("an answer");
+    assert_eq!(status, 413, "a body over the limit: {reply}");
+    let long = serde_json::json!({"text": "x".repeat(CONVERSATION_TEXT_BYTES_MAX + 1)}).to_string();
+    assert!(long.len() <= NODE_HTTP_BODY_BYTES_MAX);
+    let (status, reply) = http(&node.http, "POST", path, &long).expect("an answer");
+    assert_eq!(status, 422, "a text over the limit: {reply}");
+    assert!(
+        reply["error"]
+            .as_str()
+            .is_some_and(|error| error.contains(&CONVERSATION_TEXT_BYTES_MAX.to_string())),
+        "{reply}"
+    );
+    let (status, reply) = http(&node.http, "GET", path, "").expect("an answer");
+    assert_eq!(
+        (status, reply["messages"].as_array().map(Vec::len)),
+        (200, Some(0)),
+        "{reply}"
+    );
+
+    let burst = "/v1/conversations/burst/messages";
+    let gate = Arc::new(std::sync::Barrier::new(BURST_APPENDS));
+    let senders: Vec<_> = (0..BURST_APPENDS)
+        .map(|index| {
+            let (address, gate) = (node.http.clone(), Arc::clone(&gate));
+            std::thread::spawn(move || {
+                gate.wait();
+                http(&address, "POST", burst, &format!(r#"{{"text": "m{index}"}}"#))
+            })
+        })
+        .collect();
+    let mut statuses = BTreeMap::<u16, usize>::new();
+    for sender in senders {
+        let (status, reply) = sender.join().expect("a sender").expect("an answer");
+        assert!(matches!(status, 200 | 429), "{status}: {reply}");
+        *statuses.entry(status).or_default() += 1;
+    }
+    println!("burst of {BURST_APPENDS}: {statuses:?}");
+    let (status, reply) = http(&node.http, "GET", burst, "").expect("an answer");
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        reply["messages"].as_array().map(Vec::len),
+        Some(statuses.get(&200).copied().unwrap_or(0)),
+        "{reply}"
+    );
+}
