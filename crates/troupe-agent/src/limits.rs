@@ -56,6 +56,12 @@ pub const SCRIPTED_LLM_RECORDED_MAX: usize = 100_000;
 pub const SCRIPTED_LLM_COUNTED_AGENTS_MAX: usize = 1_024;
 /// Longest system prompt an agent may have, in bytes.
 pub const AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES: usize = 16 * 1024;
+/// Longest role an agent (local or remote) may have, in bytes. A role is listed in the
+/// system message of every agent that may contact it (up to [`AGENT_PEERS_LISTED_MAX`]
+/// of them), so this bounds what one definition adds to each of theirs.
+pub const AGENT_ROLE_SIZE_MAX_BYTES: usize = 1_024;
+/// Longest display name an agent may have, in bytes (it is in its own system message).
+pub const AGENT_NAME_SIZE_MAX_BYTES: usize = 256;
 
 const _: () = assert!(AGENT_TURN_STEPS_MAX >= 1);
 const _: () = assert!(AGENT_HISTORY_WINDOW_MIN >= 2);

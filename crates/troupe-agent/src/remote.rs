@@ -120,16 +120,23 @@ impl RemoteAgent {
         self
     }
 
-    /// Checks the id, the URL and the token's variable name.
+    /// Checks the id, the URL, the role's size and the token's variable name.
     ///
     /// # Errors
     /// [`RemoteAgentError::InvalidId`], [`RemoteAgentError::InvalidUrl`],
-    /// [`RemoteAgentError::InvalidTokenEnv`].
+    /// [`RemoteAgentError::RoleTooLong`], [`RemoteAgentError::InvalidTokenEnv`].
     pub fn validate(&self) -> Result<(), RemoteAgentError> {
         agent_id(&self.id).map_err(|cause| RemoteAgentError::InvalidId {
             id: self.id.clone(),
             cause: cause.to_string(),
         })?;
+        if self.role.len() > crate::limits::AGENT_ROLE_SIZE_MAX_BYTES {
+            return Err(RemoteAgentError::RoleTooLong {
+                id: self.id.clone(),
+                size: self.role.len(),
+                limit: crate::limits::AGENT_ROLE_SIZE_MAX_BYTES,
+            });
+        }
         check_url(&self.url).map_err(|cause| RemoteAgentError::InvalidUrl {
             id: self.id.clone(),
             url: self.url.clone(),
@@ -214,6 +221,17 @@ pub enum RemoteAgentError {
     ClashesWithLocal {
         /// The id.
         id: String,
+    },
+    /// Its role is longer than [`crate::limits::AGENT_ROLE_SIZE_MAX_BYTES`] (it is
+    /// listed in the system message of every agent that may call it).
+    #[error("remote agent {id:?}: its role is {size} bytes, more than the limit of {limit}; shorten it")]
+    RoleTooLong {
+        /// The id.
+        id: String,
+        /// The role's size in bytes.
+        size: usize,
+        /// [`crate::limits::AGENT_ROLE_SIZE_MAX_BYTES`].
+        limit: usize,
     },
     /// Too many remote agents.
     #[error("at most {limit} remote agents may be known")]

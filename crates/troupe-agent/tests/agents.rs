@@ -904,3 +904,79 @@ async fn a_prepared_system_runs_on_a_runtime_started_by_the_embedder() {
     assert_eq!(client.conversation_log("a").await.unwrap().len(), 2);
     runtime.shutdown().await;
 }
+
+/// Goal: an agent's role is listed in the system message of every agent that may
+/// contact it (up to `AGENT_PEERS_LISTED_MAX` of them), and its name in its own: both
+/// are bounded (`AGENT_ROLE_SIZE_MAX_BYTES`, `AGENT_NAME_SIZE_MAX_BYTES`) as the system
+/// prompt is, so one definition cannot blow up every peer's prompt. A longer one is
+/// refused by the builder, by `define_agent` (nothing stored), and for a remote agent's
+/// role, naming the field, the size and the limit; one at the limit is taken.
+#[tokio::test(start_paused = true)]
+async fn a_role_or_name_longer_than_its_limit_is_refused() {
+    use troupe_agent::limits::{AGENT_NAME_SIZE_MAX_BYTES, AGENT_ROLE_SIZE_MAX_BYTES};
+    use troupe_agent::{AgentSpecError, AgentSystemError, DirectoryError, RemoteAgent, RemoteAgentError};
+
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"));
+    let build = |spec: AgentSpec| {
+        AgentSystem::builder()
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("peer"))
+            .agent(spec)
+            .start()
+    };
+    let too_long = |field: &'static str, limit: usize| AgentSpecError::FieldTooLong {
+        id: "a".into(),
+        field,
+        size: limit + 1,
+        limit,
+    };
+    let long_role = build(AgentSpec::new("a").role("r".repeat(AGENT_ROLE_SIZE_MAX_BYTES + 1)))
+        .expect_err("a role over the limit is refused");
+    let expected = too_long("role", AGENT_ROLE_SIZE_MAX_BYTES);
+    assert_eq!(long_role.to_string(), expected.to_string());
+    assert!(matches!(long_role, AgentSystemError::Spec(error) if error == expected));
+    assert_eq!(
+        expected.to_string(),
+        format!(
+            "the role of a is {} bytes, more than the limit of {AGENT_ROLE_SIZE_MAX_BYTES}; shorten it",
+            AGENT_ROLE_SIZE_MAX_BYTES + 1
+        )
+    );
+    let long_name = build(AgentSpec::new("a").name("n".repeat(AGENT_NAME_SIZE_MAX_BYTES + 1)))
+        .expect_err("a name over the limit is refused");
+    let expected = too_long("name", AGENT_NAME_SIZE_MAX_BYTES);
+    assert!(matches!(long_name, AgentSystemError::Spec(error) if error == expected));
+
+    let at_limit = AgentSpec::new("a")
+        .role("r".repeat(AGENT_ROLE_SIZE_MAX_BYTES))
+        .name("n".repeat(AGENT_NAME_SIZE_MAX_BYTES));
+    let system = build(at_limit).unwrap();
+    let defined = system
+        .define_agent(AgentSpec::new("b").role("r".repeat(AGENT_ROLE_SIZE_MAX_BYTES + 1)))
+        .await
+        .expect_err("define_agent refuses it");
+    assert!(
+        matches!(&defined, DirectoryError::Invalid(AgentSpecError::FieldTooLong { id, field: "role", .. }) if id == "b"),
+        "{defined:?}"
+    );
+    assert!(!system.directory().contains("b"), "nothing defined");
+    assert_eq!(system.ask("a", "hi").await.unwrap().text, "ok");
+    system.shutdown().await;
+
+    let remote = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a"))
+        .remote_agent(
+            RemoteAgent::new("hq", "http://127.0.0.1:9/a2a/hq").role("r".repeat(AGENT_ROLE_SIZE_MAX_BYTES + 1)),
+        )
+        .start()
+        .expect_err("a remote agent's role over the limit is refused");
+    assert!(
+        matches!(
+            remote,
+            AgentSystemError::Remote(RemoteAgentError::RoleTooLong { ref id, size, limit: AGENT_ROLE_SIZE_MAX_BYTES })
+                if id == "hq" && size == AGENT_ROLE_SIZE_MAX_BYTES + 1
+        ),
+        "{remote:?}"
+    );
+}

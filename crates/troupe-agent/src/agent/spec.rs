@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, ActorKind, IdError};
 
 use crate::limits::{
-    AGENT_HISTORY_WINDOW_DEFAULT, AGENT_HISTORY_WINDOW_MAX, AGENT_HISTORY_WINDOW_MIN,
-    AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+    AGENT_HISTORY_WINDOW_DEFAULT, AGENT_HISTORY_WINDOW_MAX, AGENT_HISTORY_WINDOW_MIN, AGENT_NAME_SIZE_MAX_BYTES,
+    AGENT_ROLE_SIZE_MAX_BYTES, AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
 };
 
 /// The actor kind of every agent.
@@ -64,6 +64,19 @@ pub enum AgentSpecError {
         /// Its size in bytes.
         size: usize,
         /// [`AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES`].
+        limit: usize,
+    },
+    /// The role or the display name is too long (see [`AGENT_ROLE_SIZE_MAX_BYTES`],
+    /// [`AGENT_NAME_SIZE_MAX_BYTES`]).
+    #[error("the {field} of {id} is {size} bytes, more than the limit of {limit}; shorten it")]
+    FieldTooLong {
+        /// The agent.
+        id: String,
+        /// `role` or `name`.
+        field: &'static str,
+        /// Its size in bytes.
+        size: usize,
+        /// [`AGENT_ROLE_SIZE_MAX_BYTES`] or [`AGENT_NAME_SIZE_MAX_BYTES`].
         limit: usize,
     },
     /// An agent with this id is already defined.
@@ -359,7 +372,7 @@ impl AgentSpec {
         self
     }
 
-    /// Checks the id, the prompt size and the windows.
+    /// Checks the id, the prompt, role and name sizes and the windows.
     ///
     /// # Errors
     /// [`AgentSpecError`].
@@ -395,6 +408,19 @@ impl AgentSpec {
             id: self.id.clone(),
             cause,
         })?;
+        for (field, size, limit) in [
+            ("role", self.role.len(), AGENT_ROLE_SIZE_MAX_BYTES),
+            ("name", self.name.len(), AGENT_NAME_SIZE_MAX_BYTES),
+        ] {
+            if size > limit {
+                return Err(AgentSpecError::FieldTooLong {
+                    id: self.id.clone(),
+                    field,
+                    size,
+                    limit,
+                });
+            }
+        }
         if self.system_prompt.len() > AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES {
             return Err(AgentSpecError::SystemPromptTooLong {
                 id: self.id.clone(),
