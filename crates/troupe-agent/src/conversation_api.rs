@@ -259,6 +259,7 @@ impl AgentClient {
     /// [`AgentClient::conversations_of_after`].
     ///
     /// # Errors
+    /// [`ConversationError::InvalidName`] (`agent` cannot be an agent id),
     /// [`ConversationError::Unavailable`].
     pub async fn conversations_of(&self, agent: &str) -> Result<Vec<String>, ConversationError> {
         self.conversations_of_after(agent, None, CONVERSATIONS_LISTED_MAX).await
@@ -274,13 +275,20 @@ impl AgentClient {
     /// ([`AgentClient::conversation`] is `None`) until the creation is retried.
     ///
     /// # Errors
-    /// [`ConversationError::InvalidName`] (a bad `after`), [`ConversationError::Unavailable`].
+    /// [`ConversationError::InvalidName`] (`agent` cannot be an agent id, or a bad
+    /// `after`), [`ConversationError::Unavailable`].
     pub async fn conversations_of_after(
         &self,
         agent: &str,
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<String>, ConversationError> {
+        // Only an agent id takes part (and its prefix fits in the store's keys).
+        crate::agent::agent_id(agent).map_err(|error| ConversationError::InvalidName {
+            what: "agent id".to_string(),
+            value: agent.to_string(),
+            reason: error.to_string(),
+        })?;
         let prefix = member_prefix(agent);
         let after_key = match after {
             Some(id) => {

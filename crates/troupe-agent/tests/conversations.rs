@@ -1125,3 +1125,25 @@ async fn an_answer_the_store_refused_is_posted_again_without_another_request() {
 async fn an_answer_the_store_refused_is_posted_again_on_the_multi_thread_runtime() {
     an_answer_the_store_refused_is_posted_again().await;
 }
+
+/// Goal: listing the conversations of something that cannot be an agent id (empty, or
+/// longer than `ACTOR_KEY_LENGTH_MAX`) is `InvalidName` naming the agent id, not
+/// `Unavailable` (the error to retry) from a store key that does not fit.
+#[tokio::test(start_paused = true)]
+async fn listing_the_conversations_of_an_invalid_agent_id_is_an_invalid_name() {
+    let system = start(&ScriptedLlm::new(), &["alice"], Arc::new(MemoryStore::new()));
+    for bad in [
+        String::new(),
+        "x".repeat(troupe_core::limits::ACTOR_KEY_LENGTH_MAX + 1),
+        "x".repeat(600),
+    ] {
+        let listed = system.conversations_of(&bad).await;
+        assert!(
+            matches!(&listed, Err(ConversationError::InvalidName { what, value, .. }) if what == "agent id" && *value == bad),
+            "{} bytes: {listed:?}",
+            bad.len()
+        );
+    }
+    assert_eq!(system.conversations_of("alice").await.unwrap(), Vec::<String>::new());
+    system.shutdown().await;
+}
