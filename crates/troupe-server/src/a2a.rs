@@ -150,13 +150,29 @@ pub(crate) fn is_public(method: &Method, path: &str) -> bool {
     method == Method::GET && path.starts_with("/a2a/") && path.ends_with(AGENT_CARD_PATH)
 }
 
-/// The agent's A2A base URL as the client reached this server.
+/// The agent's A2A base URL as the client reached this server, the agent's id escaped
+/// as one path segment: an id may hold `?`, `#`, `%` or spaces, which as they are would
+/// send the client's requests to another path (another agent, or none).
 fn base_url(headers: &HeaderMap, agent: &str) -> String {
     let host = headers
         .get(header::HOST)
         .and_then(|value| value.to_str().ok())
         .unwrap_or("127.0.0.1");
-    format!("http://{host}/a2a/{agent}")
+    format!("http://{host}/a2a/{}", path_segment(agent))
+}
+
+/// `text` as one URL path segment: every byte but RFC 3986's unreserved characters
+/// (`A-Z a-z 0-9 - . _ ~`) percent-encoded.
+fn path_segment(text: &str) -> String {
+    let mut segment = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            segment.push(char::from(byte));
+        } else {
+            segment.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    segment
 }
 
 /// `GET /a2a/{agent}/.well-known/agent-card.json`.

@@ -805,3 +805,58 @@ async fn wait_for(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, wan
     .await
     .expect("the event comes");
 }
+
+/// Goal: an agent card's interface URL reaches that agent whatever its id holds: an
+/// agent id may hold `?`, `#`, `%` or spaces (only `/` and control characters are
+/// refused), and the card's URL is where an A2A client sends every request. Before, the
+/// id went into the URL as it is: for agent `x?y` the client's requests went to agent
+/// `x` (the rest became a query), for `a%41` to agent `aA`.
+/// Method: agents `x`, `x?y`, `aA`, `a%41` and `two words`, each answering its own
+/// name; each one's card is read at its escaped path, and a blocking `SendMessage`
+/// posted to the card's URL must be answered by that agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_cards_url_reaches_its_agent_whatever_its_id_holds() {
+    let ids = ["x", "x?y", "aA", "a%41", "two words"];
+    let mut llm = ScriptedLlm::new();
+    for id in ids {
+        llm = llm.rule(ScriptRule::agent(id).reply(format!("I am {id}")));
+    }
+    let server = Harness::start(
+        support::agents(llm, &ids, KindConfig::default()),
+        ServerConfig::default(),
+    )
+    .await;
+    for id in ["x?y", "a%41", "two words"] {
+        let mut card_url = reqwest::Url::parse(&server.base).unwrap();
+        card_url
+            .path_segments_mut()
+            .unwrap()
+            .extend(["a2a", id, ".well-known", "agent-card.json"]);
+        let response = server.http.get(card_url).send().await.unwrap();
+        assert_eq!(response.status(), 200, "the card of {id:?}");
+        let card: Value = response.json().await.unwrap();
+        assert_eq!(card["name"], id, "{card}");
+        let url = card["supportedInterfaces"][0]["url"].as_str().unwrap().to_string();
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": send_params("who?")});
+        let response = server
+            .http
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("A2A-Version", "1.0")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap_or_else(|error| panic!("{id:?}: the card's URL {url:?} is not usable: {error}"));
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        assert_eq!(status, 200, "{id:?} through {url:?}: {text}");
+        let answer: Value = serde_json::from_str(&text).unwrap();
+        let task = &answer["result"]["task"];
+        assert_eq!(
+            text_of(&task["artifacts"][0]["parts"]),
+            format!("I am {id}"),
+            "{id:?} through {url:?}: {answer}"
+        );
+    }
+    server.stop().await;
+}
