@@ -615,7 +615,7 @@ impl Inner {
                         continue;
                     };
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
-                    match origin {
+                    let forwarded = match origin {
                         Origin::Root(context) => client.invoke(target, payload.clone(), context.clone(), None).await,
                         Origin::RoutedRoot { key: None } => {
                             client
@@ -658,7 +658,11 @@ impl Inner {
                             };
                             tell.over(&client, Some(caller)).await
                         }
+                    };
+                    if matches!(forwarded, Err(InvokeError::Unreachable { .. })) {
+                        inner.forget_client(owner, &client);
                     }
+                    forwarded
                 }
                 _ => {
                     inner.counters.local_calls.fetch_add(1, Ordering::Relaxed);
@@ -850,6 +854,17 @@ impl Inner {
         };
         let client = Arc::new(TransportClient::new(address, clock));
         Some(Arc::clone(self.clients().entry(owner.clone()).or_insert(client)))
+    }
+
+    /// Forgets `client`, the one for `owner`, after it could not reach `owner`: a node
+    /// that starts again under its name may publish another address (a new port, a new
+    /// IP), and a node that left should not keep a client here. The next call to `owner`
+    /// reads its membership record again. A client put there meanwhile stays.
+    pub(crate) fn forget_client(&self, owner: &NodeId, client: &Arc<TransportClient>) {
+        let mut clients = self.clients();
+        if clients.get(owner).is_some_and(|cached| Arc::ptr_eq(cached, client)) {
+            clients.remove(owner);
+        }
     }
 
     fn clients(&self) -> MutexGuard<'_, HashMap<NodeId, Arc<TransportClient>>> {

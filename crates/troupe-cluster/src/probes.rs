@@ -421,6 +421,9 @@ impl Inner {
                     inner.counters.probes_sent.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(error) => {
+                    if matches!(error, InvokeError::Unreachable { .. }) {
+                        inner.forget_client(&owner, &client);
+                    }
                     tracing::debug!(node = %owner, %error, "a deadlock probe could not be sent");
                     inner.counters.probes_dropped.fetch_add(1, Ordering::Relaxed);
                 }

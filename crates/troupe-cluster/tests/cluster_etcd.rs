@@ -599,6 +599,61 @@ async fn a_turn_s_call_on_a_stale_route_is_rerouted_to_the_new_owner() {
     );
 }
 
+/// Goal: a node restarted under its name at another address (a supervisor restarting it
+/// on a free port, a pod given a new IP) is reached there by the nodes that called it
+/// before. Method: A calls an actor on B (A now holds a transport client for B); B
+/// leaves and starts again as "node-b" on 127.0.0.2 and hosts the actor again; A calls
+/// it at most `CALLS_AFTER_RESTART` times. The first call may still meet the old address
+/// (`Unreachable`, not resent: unkeyed); one of them must be served by the new B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_restarted_under_its_name_at_a_new_address_is_reached_there() {
+    const CALLS_AFTER_RESTART: usize = 3;
+    let mut cluster = start_cluster("readdress").await;
+    let actor = counter("readdressed");
+    let (served_by, _) = call(&cluster.nodes[1], &actor, b"inc").await.expect("placed on B");
+    assert_eq!(served_by, "node-b");
+    let (served_by, count) = call(&cluster.nodes[0], &actor, b"inc").await.expect("A reaches B");
+    assert_eq!((served_by.as_str(), count), ("node-b", 2));
+
+    let old = cluster.nodes.remove(1);
+    let old_address = old.address();
+    old.leave().await.expect("B leaves");
+    let restarted = ClusterNode::start(
+        cluster.etcd.config("node-b", ""),
+        "127.0.0.2:0".parse().expect("an address"),
+        hops::with_hop(counter_runtime("node-b"), "node-b"),
+        cluster.stores[1].clone(),
+    )
+    .await
+    .expect("B starts again");
+    assert_ne!(restarted.address(), old_address);
+    let (served_by, count) = call(&restarted, &actor, b"inc").await.expect("placed on the new B");
+    assert_eq!((served_by.as_str(), count), ("node-b", 3));
+
+    let mut failures = Vec::new();
+    let mut served = None;
+    for _ in 0..CALLS_AFTER_RESTART {
+        match call(&cluster.nodes[0], &actor, b"inc").await {
+            Ok(reply) => {
+                served = Some(reply);
+                break;
+            }
+            Err(error) => failures.push(error),
+        }
+    }
+    let (served_by, count) = served.unwrap_or_else(|| {
+        panic!(
+            "A never reached B at {} after {CALLS_AFTER_RESTART} calls: {failures:?}",
+            restarted.address()
+        )
+    });
+    assert_eq!((served_by.as_str(), count), ("node-b", 4));
+    assert!(
+        failures.len() <= 1,
+        "at most the first call met the old address: {failures:?}"
+    );
+}
+
 /// One node of [`agents_on_two_nodes_call_each_other_and_their_history_persists`]: the
 /// node and its attached agent client.
 async fn start_agent_node(
