@@ -38,6 +38,50 @@ pub enum ClusterError {
     /// Joining the cluster in etcd failed.
     #[error("joining the cluster failed: {0}")]
     Join(#[from] PlacementError),
+    /// The address this node would publish for the others to dial is not one they can
+    /// dial; nothing was bound or sent to etcd.
+    #[error(
+        "other nodes cannot dial {address:?}: {reason}; set EtcdConfig::address to the ip:port \
+         the other nodes reach this node at, or listen on a specific IP (troupe node: --listen)"
+    )]
+    Address {
+        /// The address that would have been published (the listen address when
+        /// `EtcdConfig::address` is empty).
+        address: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+/// Checks the address a node publishes in its membership record (`configured`, or the
+/// listen address `listen` when that is empty): other nodes parse it as a
+/// [`SocketAddr`] and dial it, so it must be one, with a specific IP (`0.0.0.0` or `::`
+/// would have every other node dial itself) and a port (a listen port 0 is replaced by
+/// the bound one).
+fn check_published_address(configured: &str, listen: SocketAddr) -> Result<(), ClusterError> {
+    let refused = |address: String, reason: &'static str| Err(ClusterError::Address { address, reason });
+    if configured.is_empty() {
+        if listen.ip().is_unspecified() {
+            return refused(
+                listen.to_string(),
+                "EtcdConfig::address is empty, so the listen address would be published, and its IP is unspecified",
+            );
+        }
+        return Ok(());
+    }
+    let Ok(address) = configured.parse::<SocketAddr>() else {
+        return refused(
+            configured.to_string(),
+            "it is not ip:port (host names are not resolved)",
+        );
+    };
+    if address.ip().is_unspecified() {
+        return refused(configured.to_string(), "its IP is unspecified");
+    }
+    if address.port() == 0 {
+        return refused(configured.to_string(), "its port is 0");
+    }
+    Ok(())
 }
 
 /// What a node did so far.
@@ -148,6 +192,9 @@ impl ClusterNode {
     /// and its observer (an observer set before is replaced).
     ///
     /// # Errors
+    /// [`ClusterError::Address`] if the address to publish is not one other nodes can
+    /// dial (`etcd.address` not `ip:port`, or with an unspecified IP or port 0; or empty
+    /// with `listen` on an unspecified IP), before anything is bound;
     /// [`ClusterError::Listen`] if `listen` cannot be bound; [`ClusterError::Join`] if
     /// the etcd configuration is invalid or etcd does not answer.
     pub async fn start<S: FencedClaim>(
@@ -156,6 +203,7 @@ impl ClusterNode {
         runtime: RuntimeBuilder,
         store: S,
     ) -> Result<Self, ClusterError> {
+        check_published_address(&etcd.address, listen)?;
         let listener = TcpListener::bind(listen)
             .await
             .map_err(|cause| ClusterError::Listen { address: listen, cause })?;

@@ -25,7 +25,7 @@ use bytes::Bytes;
 use etcd_server::{TestEtcd, TEST_LEASE_TTL_S, TEST_REQUEST_TIMEOUT_MS};
 use support::{check_distinct_acks, counter, counter_runtime, parse_reply, LoggingStore, StoreLog, SLOW_TURN_MS};
 use tokio::time::Instant;
-use troupe_cluster::ClusterNode;
+use troupe_cluster::{ClusterError, ClusterNode};
 use troupe_core::{ActorId, InvokeError, StoreError};
 use troupe_etcd::{LeaseLostReason, Placement};
 use troupe_runtime::{Fence, SqliteStore, StateChange, StateStore, TurnCommit};
@@ -652,6 +652,64 @@ async fn a_node_restarted_under_its_name_at_a_new_address_is_reached_there() {
         failures.len() <= 1,
         "at most the first call met the old address: {failures:?}"
     );
+}
+
+/// Goal: a node does not publish an address other nodes cannot dial. Listening on the
+/// unspecified address (`0.0.0.0`, `::`) with no `EtcdConfig::address` would publish
+/// `0.0.0.0:port`, which every other node dials as itself; an explicit address that is
+/// not `ip:port`, or is unspecified or port 0, is never dialled (callers then end in
+/// `Timeout`, far from the cause). Method: each of those configurations is refused at
+/// start, naming the address and what to set, and nothing joins etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_refuses_to_publish_an_address_other_nodes_cannot_dial() {
+    let etcd = TestEtcd::start("undialable").await;
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
+    let cases = [
+        ("", "0.0.0.0:0".parse().expect("an address")),
+        ("", "[::]:0".parse().expect("an address")),
+        ("node-z.internal:7100", loopback),
+        ("0.0.0.0:7100", loopback),
+        ("127.0.0.1:0", loopback),
+        ("127.0.0.1", loopback),
+    ];
+    for (published, listen) in cases {
+        let directory = tempfile::tempdir().expect("a directory");
+        let store = SqliteStore::open(directory.path().join("state.db")).expect("a store");
+        let started = ClusterNode::start(
+            etcd.config("node-z", published),
+            listen,
+            counter_runtime("node-z"),
+            store,
+        )
+        .await;
+        let refusal = match started {
+            Ok(node) => panic!(
+                "published {published:?} listening on {listen}: started at {}",
+                node.address()
+            ),
+            Err(error) => error,
+        };
+        assert!(
+            matches!(&refusal, ClusterError::Address { address, .. } if *address == published || published.is_empty()),
+            "{published:?} on {listen}: {refusal:?}"
+        );
+        let message = refusal.to_string();
+        assert!(
+            message.contains("cannot dial") && message.contains("EtcdConfig::address"),
+            "{published:?} on {listen}: {message}"
+        );
+    }
+    let directory = tempfile::tempdir().expect("a directory");
+    let store = SqliteStore::open(directory.path().join("state.db")).expect("a store");
+    let members = ClusterNode::start(etcd.config("node-y", ""), loopback, counter_runtime("node-y"), store)
+        .await
+        .expect("a loopback node starts")
+        .placement()
+        .nodes()
+        .await
+        .expect("the members");
+    let names: Vec<&str> = members.iter().map(|member| member.node.as_str()).collect();
+    assert_eq!(names, ["node-y"], "no refused node joined");
 }
 
 /// One node of [`agents_on_two_nodes_call_each_other_and_their_history_persists`]: the

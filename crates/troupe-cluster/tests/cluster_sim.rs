@@ -202,6 +202,7 @@ async fn run_node(index: usize, shared: Shared) {
                     let stage = match error {
                         troupe_cluster::ClusterError::Listen { .. } => "listen",
                         troupe_cluster::ClusterError::Join(_) => "join",
+                        troupe_cluster::ClusterError::Address { .. } => "address",
                     };
                     shared.note(format!("{name} could not start ({stage})"));
                     tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;
