@@ -191,8 +191,21 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
     let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
     span.record("status", status);
     span.record("latency_us", latency_us);
-    state.metrics.record(method.as_str(), &route, status);
+    state.metrics.record(method_label(&method), &route, status);
     response
+}
+
+/// The method as the metrics name it: a standard method by its name, any other (HTTP
+/// allows any token, and a client may invent one per request) as `other`, so that the
+/// series stay bounded by the routes.
+fn method_label(method: &Method) -> &'static str {
+    const STANDARD: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE",
+    ];
+    STANDARD
+        .into_iter()
+        .find(|standard| *standard == method.as_str())
+        .unwrap_or("other")
 }
 
 /// Reads the request body whole, up to [`SERVER_REQUEST_BODY_SIZE_MAX_BYTES`], before a

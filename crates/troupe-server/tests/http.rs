@@ -1074,3 +1074,41 @@ async fn a_task_id_over_the_limit_is_404_not_a_storage_failure() {
     }
     server.stop().await;
 }
+
+/// Methods sent by [`metrics_series_stay_bounded_whatever_methods_clients_send`].
+const INVENTED_METHODS: usize = 50;
+
+/// Goal: `/metrics` has one series per standard method, route template and status, not
+/// one per method name a client invents: HTTP allows any token as a method, and every
+/// request is counted, a refused one too (401 without the token), so before, anyone who
+/// could reach the server grew the metrics (and their memory) without bound.
+/// Method: a server with a token; [`INVENTED_METHODS`] requests without it, each with a
+/// method of its own (`PROBE0`, `PROBE1`, ...): none is named in `/metrics`, they are
+/// counted together under `method="other"`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_series_stay_bounded_whatever_methods_clients_send() {
+    let server = start(ServerConfig::default().token(TOKEN), KindConfig::default()).await;
+    for index in 0..INVENTED_METHODS {
+        let method = reqwest::Method::from_bytes(format!("PROBE{index}").as_bytes()).unwrap();
+        let response = server.request(method, "/v1/agents").send().await.unwrap();
+        assert_eq!(response.status().as_u16(), 401);
+    }
+    let response = server
+        .request(reqwest::Method::GET, "/metrics")
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().await.unwrap();
+    let invented = text.lines().filter(|line| line.contains("method=\"PROBE")).count();
+    assert_eq!(invented, 0, "series named by clients' methods:\n{text}");
+    let expected = format!(
+        "troupe_http_requests_total{{method=\"other\",route=\"/v1/agents\",status=\"401\"}} {INVENTED_METHODS}"
+    );
+    assert!(
+        text.lines().any(|line| line == expected),
+        "{expected} missing from\n{text}"
+    );
+    server.stop().await;
+}
