@@ -146,7 +146,7 @@ pub use schema::{
 /// direct dependency: `#[derive(JsonSchema)] #[schemars(crate = "troupe_agent::schemars")]`.
 pub use schemars;
 pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
-pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError, PendingAgentSystem};
+pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError, LogPage, PendingAgentSystem};
 pub use tool::{
     tool_parameters_schema, Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError,
 };

@@ -822,6 +822,48 @@ impl AgentClient {
         Ok(messages)
     }
 
+    /// A page of agent `agent`'s conversation log: at most `limit` messages ending
+    /// before message number `before` (`None`: the log's end; past it: the end), oldest
+    /// first, with the log's length when read. Reads only the log entries that hold the
+    /// page's messages (and the agent's saved counters), so a page of an old agent's
+    /// log costs what a page of a new one does; [`AgentClient::conversation_log`] reads
+    /// the whole log.
+    ///
+    /// # Errors
+    /// As [`AgentClient::conversation_log`].
+    pub async fn conversation_log_page(
+        &self,
+        agent: &str,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<LogPage, StoreError> {
+        let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
+        let store = self.runtime.store();
+        let total = match store.load(&id).await? {
+            Some(bytes) => SavedAgent::decode(&bytes).map_err(decode_error)?.log_length,
+            None => 0,
+        };
+        let end = before.unwrap_or(total).min(total);
+        let start = end.saturating_sub(u64::try_from(limit).unwrap_or(u64::MAX));
+        let wanted = usize::try_from(end - start).unwrap_or(usize::MAX);
+        let mut messages = Vec::with_capacity(wanted);
+        // Entries are keyed by their last message's number: the first entry after the
+        // key of `start - 1` holds message `start`. An entry holds one message or more
+        // (a turn's), so `wanted` entries are enough, and a page of entries may run past
+        // `end` (cut below). A turn committed since the counters were read only adds
+        // entries after `end`.
+        let mut after = start.checked_sub(1).map(log_key);
+        while messages.len() < wanted {
+            let scan_limit = (wanted - messages.len()).min(troupe_runtime::STATE_SCAN_LIMIT_MAX);
+            let page = store.scan(&id, "log/", after.as_deref(), scan_limit).await?;
+            let Some((last, _)) = page.last() else { break };
+            after = Some(last.clone());
+            messages.extend(window_messages(page, start).map_err(decode_error)?);
+        }
+        messages.truncate(wanted);
+        Ok(LogPage { total, start, messages })
+    }
+
     /// Agent `agent`'s committed conversation window (what its model sees besides the
     /// system prompt), oldest first; empty if it never finished a turn.
     ///
@@ -846,6 +888,17 @@ fn decode_error(cause: String) -> StoreError {
         operation: StoreOperation::Decode,
         cause,
     }
+}
+
+/// A page of an agent's conversation log ([`AgentClient::conversation_log_page`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogPage {
+    /// The log's length when it was read, in messages.
+    pub total: u64,
+    /// The number of the page's first message (0: the log's first).
+    pub start: u64,
+    /// Messages `start..start + messages.len()`, oldest first.
+    pub messages: Vec<ChatMessage>,
 }
 
 /// A running agent system: a [`Runtime`] with the agent kind registered, and an

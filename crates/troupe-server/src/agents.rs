@@ -376,11 +376,12 @@ pub(crate) async fn history(
 ) -> Result<Json<Value>, ApiError> {
     known(&state, &agent).await?;
     let limit = page_limit(query.limit, SERVER_HISTORY_PAGE_DEFAULT, SERVER_HISTORY_PAGE_MAX)?;
-    let log = state.client.conversation_log(&agent).await?;
-    let total = log.len();
-    let end = query.before.unwrap_or(total).min(total);
-    let start = end.saturating_sub(limit);
-    let messages: Vec<Value> = log[start..end]
+    // Only the page's entries are read: the log grows with the agent's age.
+    let before = query.before.map(|before| u64::try_from(before).unwrap_or(u64::MAX));
+    let page = state.client.conversation_log_page(&agent, before, limit).await?;
+    let (total, start) = (page.total, page.start);
+    let messages: Vec<Value> = page
+        .messages
         .iter()
         .zip(start..)
         .map(|(message, index)| {
