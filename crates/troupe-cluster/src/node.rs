@@ -135,7 +135,7 @@ pub(crate) struct Inner {
     placement: EtcdPlacement,
     ownership: Arc<Ownership>,
     pub(crate) handle: RuntimeHandle,
-    routes: Mutex<HashMap<ActorId, NodeId>>,
+    routes: Mutex<RouteCache>,
     clients: Mutex<HashMap<NodeId, Arc<TransportClient>>>,
     pub(crate) counters: Counters,
     fenced_off: troupe_runtime::Latch<LeaseLostReason>,
@@ -236,7 +236,7 @@ impl ClusterNode {
             placement,
             ownership,
             handle,
-            routes: Mutex::new(HashMap::default()),
+            routes: Mutex::new(RouteCache::default()),
             clients: Mutex::new(HashMap::default()),
             counters: Counters::default(),
             fenced_off,
@@ -379,6 +379,51 @@ impl ClusterNode {
             runtime.shutdown().await;
         }
         self.inner.placement.stop_renewing();
+    }
+}
+
+/// The owner a node last found for each actor: at most [`ROUTE_CACHE_ENTRIES_MAX`]
+/// entries, emptied when full.
+#[derive(Default)]
+struct RouteCache(HashMap<ActorId, NodeId>);
+
+impl RouteCache {
+    fn get(&self, actor: &ActorId) -> Option<&NodeId> {
+        self.0.get(actor)
+    }
+
+    fn remove(&mut self, actor: &ActorId) {
+        self.0.remove(actor);
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Remembers that `owner` served `actor`.
+    fn remember(&mut self, actor: &ActorId, owner: NodeId) {
+        if self.0.len() >= ROUTE_CACHE_ENTRIES_MAX && !self.0.contains_key(actor) {
+            self.0.clear();
+        }
+        self.0.insert(actor.clone(), owner);
+    }
+
+    /// `refused_by` (this node when `None`) refused `actor` as not its owner, naming
+    /// `hint` as the owner if it knew one: the route is dropped, and the hint becomes
+    /// the next route unless it names the node that refused (under the cap, as
+    /// [`RouteCache::remember`]).
+    fn reroute(&mut self, actor: &ActorId, refused_by: Option<&NodeId>, hint: Option<NodeId>) {
+        self.0.remove(actor);
+        if let Some(hint) = hint {
+            if Some(&hint) != refused_by {
+                self.remember(actor, hint);
+            }
+        }
     }
 }
 
@@ -789,15 +834,8 @@ impl Inner {
                     ..
                 }) => {
                     inner.counters.reroutes.fetch_add(1, Ordering::Relaxed);
-                    {
-                        let mut routes = inner.routes();
-                        routes.remove(target);
-                        if let Some(hint) = hint.and_then(|hint| NodeId::new(hint).ok()) {
-                            if Some(&hint) != owner.as_ref() {
-                                routes.insert(target.clone(), hint);
-                            }
-                        }
-                    }
+                    let hint = hint.and_then(|hint| NodeId::new(hint).ok());
+                    inner.routes().reroute(target, owner.as_ref(), hint);
                     if refused_before {
                         inner.pause(deadline).await;
                     }
@@ -828,16 +866,12 @@ impl Inner {
         }
     }
 
-    fn routes(&self) -> MutexGuard<'_, HashMap<ActorId, NodeId>> {
+    fn routes(&self) -> MutexGuard<'_, RouteCache> {
         self.routes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn remember(&self, actor: &ActorId, owner: NodeId) {
-        let mut routes = self.routes();
-        if routes.len() >= ROUTE_CACHE_ENTRIES_MAX && !routes.contains_key(actor) {
-            routes.clear();
-        }
-        routes.insert(actor.clone(), owner);
+        self.routes().remember(actor, owner);
     }
 
     async fn pause(&self, deadline: Deadline) {
@@ -939,5 +973,41 @@ impl Inner {
         }
         self.routes().clear();
         self.fenced_off.set(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn actor(index: usize) -> ActorId {
+        ActorId::new("counter", format!("k{index}")).expect("an actor id")
+    }
+
+    fn node(name: &str) -> NodeId {
+        NodeId::new(name).expect("a node name")
+    }
+
+    /// Goal: the route cache holds at most `ROUTE_CACHE_ENTRIES_MAX` entries whichever
+    /// way its routes come in, including the owner named by a "not owner" refusal.
+    /// Method: as `routed` does when a looked-up owner refuses and names another, which
+    /// then serves: `reroute` with the hint, then `remember` of the hinted owner, for
+    /// more distinct actors than the cap.
+    #[test]
+    fn routes_from_not_owner_hints_stay_within_the_cache_cap() {
+        let mut routes = RouteCache::default();
+        let (stale, hinted) = (node("node-b"), node("node-c"));
+        for index in 0..=ROUTE_CACHE_ENTRIES_MAX {
+            let target = actor(index);
+            routes.reroute(&target, Some(&stale), Some(hinted.clone()));
+            routes.remember(&target, hinted.clone());
+            assert!(
+                routes.len() <= ROUTE_CACHE_ENTRIES_MAX,
+                "{} routes after {} actors, over ROUTE_CACHE_ENTRIES_MAX = {ROUTE_CACHE_ENTRIES_MAX}",
+                routes.len(),
+                index + 1
+            );
+            assert_eq!(routes.get(&target), Some(&hinted), "the newest route is kept");
+        }
     }
 }
