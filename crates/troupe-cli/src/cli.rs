@@ -56,7 +56,7 @@ pub enum Command {
     /// Serves durable conversation logs (the actor kind `conversation`) over HTTP on
     /// --http: POST /v1/conversations/ID/messages {"text": ...} appends a message and
     /// answers its sequence number; GET /v1/conversations/ID/messages reads them in
-    /// order. Any node answers for any conversation: the call is routed to the node that
+    /// order, a page at a time (?after=SEQ reads on from the reply's next_after). Any node answers for any conversation: the call is routed to the node that
     /// owns it, and when that node dies another takes it over once its lease (--lease-ttl-ms)
     /// has ended. Prints `node NAME transport ADDR` and `listening on http://ADDR` once
     /// it serves. On SIGTERM or ctrl-c it stops serving, saves and leaves the cluster.

@@ -30,7 +30,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -43,7 +44,9 @@ use troupe_agent::{AgentClient, AgentSystem, LlmClient, OrgConfig};
 use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::{EtcdConfig, EtcdPlacement, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS};
-use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeBuilder, Turn, STATE_SCAN_LIMIT_MAX};
+use troupe_runtime::{
+    Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeBuilder, Turn, FRAME_SIZE_MAX_BYTES, STATE_SCAN_LIMIT_MAX,
+};
 
 use crate::NodeArgs;
 
@@ -54,8 +57,14 @@ pub const CONVERSATION_KIND: &str = "conversation";
 pub const LOG_KIND_WITH_AGENTS: &str = "conversation-log";
 /// Longest message a conversation accepts, in bytes.
 pub const CONVERSATION_TEXT_BYTES_MAX: usize = 16 * 1024;
-/// Most messages one read returns, in messages (the first ones, in order).
+/// Most messages one read returns, in messages (in order, from the read's `after`); a
+/// read that stops at it names where the next one starts (`next_after`).
 pub const CONVERSATION_READ_MESSAGES_MAX: usize = STATE_SCAN_LIMIT_MAX;
+/// Most bytes of messages (as JSON) one read returns, in bytes: half a transport frame
+/// ([`FRAME_SIZE_MAX_BYTES`]), so the reply crosses between nodes whatever the messages
+/// hold. A read stops before the message that would pass it and names where the next
+/// one starts (`next_after`).
+pub const CONVERSATION_READ_REPLY_BYTES_MAX: usize = FRAME_SIZE_MAX_BYTES / 2;
 /// How long one HTTP request may wait for its conversation, in milliseconds; it covers
 /// finding a new owner after one died (one lease) and the call itself.
 pub const NODE_CALL_TIMEOUT_MS: u64 = 30_000;
@@ -77,6 +86,11 @@ pub const NODE_RETRY_AFTER_S: u64 = 1;
 /// many keyed appends; the oldest is forgotten first, and a resend of a forgotten key is
 /// stored again as a new message.
 pub const APPEND_IDS_REMEMBERED: usize = 256;
+
+// The largest message, as JSON (every byte escaped as `\u00XX`: 6 bytes), fits in one
+// read, and the reply's envelope in the rest of the frame.
+const _: () = assert!(6 * CONVERSATION_TEXT_BYTES_MAX + 1_024 < CONVERSATION_READ_REPLY_BYTES_MAX);
+const _: () = assert!(CONVERSATION_READ_REPLY_BYTES_MAX + 64 * 1_024 < FRAME_SIZE_MAX_BYTES);
 
 /// An append key (`id`) that cannot be used, naming the field and what to send.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -375,8 +389,15 @@ pub enum ConversationRequest {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         id: Option<String>,
     },
-    /// Read the messages; the reply is `{"messages": [{"seq", "text"}], "owner": NODE}`.
-    Read,
+    /// Read the messages after seq `after` (from the first if absent), at most
+    /// [`CONVERSATION_READ_MESSAGES_MAX`] of them and [`CONVERSATION_READ_REPLY_BYTES_MAX`]
+    /// bytes; the reply is `{"messages": [{"seq", "text"}], "next_after": SEQ | null,
+    /// "owner": NODE}`, `next_after` the `after` of the next read when more may follow.
+    Read {
+        /// The seq the read starts after.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<u64>,
+    },
 }
 
 /// A conversation log: numbered messages, each an entry `msg/<seq>` written in the turn
@@ -474,19 +495,32 @@ impl Actor for Conversation {
                 }
                 json!({"seq": seq, "duplicate": false, "owner": self.node})
             }
-            ConversationRequest::Read => {
+            ConversationRequest::Read { after } => {
+                let after_key = after.map(message_key);
                 let entries = turn
-                    .scan("msg/", None, CONVERSATION_READ_MESSAGES_MAX)
+                    .scan("msg/", after_key.as_deref(), CONVERSATION_READ_MESSAGES_MAX)
                     .await
                     .map_err(|error| ActorError::failed(error.to_string()))?;
+                let full_page = entries.len() == CONVERSATION_READ_MESSAGES_MAX;
                 let mut messages = Vec::with_capacity(entries.len());
+                let (mut bytes, mut last, mut cut) = (0_usize, None, false);
                 for (key, value) in entries {
                     let seq: u64 = key.trim_start_matches("msg/").parse().map_err(|_| {
                         ActorError::failed(format!("the conversation holds a key {key:?} that is not msg/<seq>"))
                     })?;
-                    messages.push(json!({"seq": seq, "text": String::from_utf8_lossy(&value)}));
+                    let message = json!({"seq": seq, "text": String::from_utf8_lossy(&value)});
+                    let size = message.to_string().len();
+                    if bytes + size > CONVERSATION_READ_REPLY_BYTES_MAX {
+                        cut = true;
+                        break;
+                    }
+                    bytes += size;
+                    last = Some(seq);
+                    messages.push(message);
                 }
-                json!({"messages": messages, "owner": self.node})
+                // More may follow: the page stopped at its byte or message limit.
+                let next_after = if cut || full_page { last } else { None };
+                json!({"messages": messages, "next_after": next_after, "owner": self.node})
             }
         };
         Ok(Bytes::from(reply.to_string()))
@@ -665,18 +699,40 @@ async fn append(
     call(&state, &id, &request).await
 }
 
-async fn read(State(state): State<HttpState>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+/// The query of a read: `?after=SEQ`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReadQuery {
+    after: Option<u64>,
+}
+
+async fn read(
+    State(state): State<HttpState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    query: Result<Query<ReadQuery>, QueryRejection>,
+) -> Response {
     if let Some(refused) = refusal(&state, &headers) {
         return refused;
     }
-    call(&state, &id, &ConversationRequest::Read).await
+    let Query(query) = match query {
+        Ok(query) => query,
+        Err(rejection) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                format!("the query may hold after=SEQ (a message's seq, from next_after) only: {rejection}"),
+            )
+        }
+    };
+    call(&state, &id, &ConversationRequest::Read { after: query.after }).await
 }
 
 async fn health(State(state): State<HttpState>) -> Response {
     (StatusCode::OK, Json(json!({"status": "ok", "node": state.node}))).into_response()
 }
 
-/// The node's HTTP API: `GET /health`, `POST` and `GET /v1/conversations/{id}/messages`.
+/// The node's HTTP API: `GET /health`, `POST` and `GET /v1/conversations/{id}/messages`
+/// (a read is one page: `?after=SEQ` reads on from the reply's `next_after`).
 pub fn router(client: ClusterClient, token: Option<String>) -> Router {
     let state = HttpState {
         node: client.node().to_string(),
@@ -1046,7 +1102,7 @@ mod tests {
     }
 
     async fn texts(runtime: &Runtime) -> Vec<(u64, String)> {
-        let reply = send(runtime, &ConversationRequest::Read).await.unwrap();
+        let reply = send(runtime, &ConversationRequest::Read { after: None }).await.unwrap();
         reply["messages"]
             .as_array()
             .unwrap()
@@ -1241,5 +1297,91 @@ mod tests {
         assert_eq!(check_append_id("a/b"), Err(AppendIdError::Character { character: '/' }));
         assert_eq!(check_append_id("é"), Err(AppendIdError::Character { character: 'é' }));
         assert!(AppendIdError::Empty.to_string().starts_with("id is empty"));
+    }
+
+    /// A raw request (JSON) to conversation `c`: its reply and the reply's size in bytes.
+    async fn send_raw(runtime: &Runtime, request: serde_json::Value) -> (serde_json::Value, usize) {
+        let handle = runtime.handle();
+        let actor = ActorId::new(CONVERSATION_KIND, "c").unwrap();
+        let reply = handle
+            .invoke(
+                &actor,
+                Bytes::from(request.to_string()),
+                handle.deadline_in(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        (serde_json::from_slice(&reply).unwrap(), reply.len())
+    }
+
+    /// Reads conversation `c` page by page (`after` the last page's `next_after`, at
+    /// most `pages_max` pages): every (seq, text length) read, and the largest reply.
+    async fn read_all(runtime: &Runtime, pages_max: usize) -> (Vec<(u64, usize)>, usize) {
+        let (mut read, mut largest, mut after) = (Vec::new(), 0, None::<u64>);
+        for _ in 0..pages_max {
+            let request = match after {
+                Some(after) => json!({"op": "read", "after": after}),
+                None => json!({"op": "read"}),
+            };
+            let (reply, size) = send_raw(runtime, request).await;
+            largest = largest.max(size);
+            for message in reply["messages"].as_array().unwrap() {
+                read.push((
+                    message["seq"].as_u64().unwrap(),
+                    message["text"].as_str().unwrap().len(),
+                ));
+            }
+            match reply["next_after"].as_u64() {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        (read, largest)
+    }
+
+    /// Goal: a conversation of any length is read whole, page by page: a read answers at
+    /// most `CONVERSATION_READ_MESSAGES_MAX` messages and names where the next page starts
+    /// (`next_after`), and `?after=SEQ` reads on from there. Before, a read answered the
+    /// first 10,000 messages and nothing said there were more: the rest could not be read.
+    /// Method: 10,005 one-byte messages, read through the cursor: every seq once, in order.
+    #[tokio::test]
+    async fn messages_past_one_reads_limit_are_reached_through_the_cursor() {
+        let runtime = log_runtime(&Arc::new(troupe_runtime::MemoryStore::new()));
+        let count = CONVERSATION_READ_MESSAGES_MAX as u64 + 5;
+        for _ in 0..count {
+            send_raw(&runtime, json!({"op": "append", "text": "m"})).await;
+        }
+        let (read, _) = read_all(&runtime, 10).await;
+        let seqs: Vec<u64> = read.iter().map(|(seq, _)| *seq).collect();
+        assert_eq!(seqs.len() as u64, count, "messages read of {count}");
+        assert!(seqs.iter().copied().eq(1..=count), "every seq once, in order");
+        runtime.shutdown().await;
+    }
+
+    /// Goal: a read's reply fits in one transport frame (`FRAME_SIZE_MAX_BYTES`), so a
+    /// conversation is readable through any node, not only its owner: a read stops at
+    /// `CONVERSATION_READ_REPLY_BYTES_MAX` and names where the next page starts. Before,
+    /// 1,100 messages of the largest size (16 KiB) made one reply of 18 MB, more than a
+    /// frame holds, which a node reading through another could not receive.
+    /// Method: 1,100 messages of `CONVERSATION_TEXT_BYTES_MAX` bytes, read through the
+    /// cursor: every reply within the frame limit, every message read once, whole.
+    #[tokio::test]
+    async fn a_reads_reply_fits_in_one_transport_frame() {
+        let runtime = log_runtime(&Arc::new(troupe_runtime::MemoryStore::new()));
+        let count = 1_100_u64;
+        let text = "x".repeat(CONVERSATION_TEXT_BYTES_MAX);
+        for _ in 0..count {
+            send_raw(&runtime, json!({"op": "append", "text": text})).await;
+        }
+        let (read, largest) = read_all(&runtime, 100).await;
+        assert!(
+            largest <= troupe_runtime::FRAME_SIZE_MAX_BYTES,
+            "a reply of {largest} bytes, more than a frame's {}",
+            troupe_runtime::FRAME_SIZE_MAX_BYTES
+        );
+        assert_eq!(read.len() as u64, count);
+        assert!(read.iter().map(|(seq, _)| *seq).eq(1..=count));
+        assert!(read.iter().all(|(_, length)| *length == CONVERSATION_TEXT_BYTES_MAX));
+        runtime.shutdown().await;
     }
 }

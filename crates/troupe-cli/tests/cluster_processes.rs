@@ -1666,4 +1666,11 @@ async fn a_node_answers_oversized_and_excess_appends_with_their_own_statuses() {
         Some(statuses.get(&200).copied().unwrap_or(0)),
         "{reply}"
     );
+    // A read is a page: `?after=SEQ` reads on after a seq; a bad cursor is 400.
+    assert_eq!(reply["next_after"], Value::Null, "one page holds them all: {reply}");
+    let (status, page) = http(&node.http, "GET", &format!("{burst}?after=1"), "").expect("an answer");
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["messages"][0]["seq"], 2, "{page}");
+    let (status, refused) = http(&node.http, "GET", &format!("{burst}?after=first"), "").expect("an answer");
+    assert_eq!(status, 400, "{refused}");
 }
