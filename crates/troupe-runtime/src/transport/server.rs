@@ -573,7 +573,12 @@ async fn serve_connection(
                 shared.requests_refused_duplicate_id.fetch_add(1, Ordering::Relaxed);
             }
             tokio::spawn(async move {
-                let Some((_entry, mut cancelled)) = registered else {
+                // Taken into the task's body before its cancel entry, so that on every
+                // way out the entry is dropped first: a slot freed while its entry is
+                // still registered could be taken by the next request, whose entry
+                // would then be one over the limit `Cancels::register` asserts.
+                let slot = slot;
+                let Some((entry, mut cancelled)) = registered else {
                     let response = refuse_duplicate_id(&request);
                     drop(request_bytes);
                     let response_bytes = budget.acquire(response.len()).await;
@@ -611,6 +616,7 @@ async fn serve_connection(
                         _permit: response_bytes,
                     })
                     .await;
+                drop(entry);
                 drop(running);
                 drop(slot);
             });
