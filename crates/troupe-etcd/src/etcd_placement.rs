@@ -10,7 +10,7 @@ use tokio::task::JoinHandle;
 use troupe_core::ActorId;
 use troupe_runtime::Fence;
 
-use crate::config::{EtcdConfig, NodeId, ETCD_LEASE_EXPIRY_SLACK_MS};
+use crate::config::{EtcdConfig, NodeId};
 use crate::error::{LeaseLostReason, PlacementError, PlacementOperation};
 use crate::lease::{self, LeaseStanding};
 use crate::placement::{NodeRecord, Placement, PlacementRecord};
@@ -38,7 +38,8 @@ use crate::placement::{NodeRecord, Placement, PlacementRecord};
 ///
 /// When the lease is lost ([`EtcdPlacement::lease_lost`]) the node must stop serving its
 /// actors: other nodes may place them as soon as etcd expired the lease. The node knows
-/// it is lost no later than TTL − [`ETCD_LEASE_EXPIRY_SLACK_MS`] after its last
+/// it is lost no later than TTL −
+/// [`ETCD_LEASE_EXPIRY_SLACK_MS`](crate::config::ETCD_LEASE_EXPIRY_SLACK_MS) after its last
 /// confirmed renewal, which is before etcd can expire it. Every request to etcd is
 /// bounded by the configured request timeout; etcd not answering is
 /// [`PlacementError::EtcdUnavailable`], never a hang.
@@ -105,9 +106,9 @@ impl EtcdPlacement {
             lease_client.grant(ttl_s, None),
         )
         .await?;
-        let (lease, granted_ttl_s) = (granted.id(), granted.ttl());
-        let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
-        let valid_until = granted_at + Duration::from_secs(granted_ttl_s.max(0).unsigned_abs()).saturating_sub(slack);
+        // A grant longer than asked for is trusted only as far as asked.
+        let (lease, granted_ttl_s) = (granted.id(), granted.ttl().min(ttl_s));
+        let valid_until = lease::trusted_until(granted_at, granted_ttl_s, granted_ttl_s);
         let standing = Arc::new(LeaseStanding::new(valid_until));
         let prefix = format!("/troupe/{}/", config.cluster);
         let node_key = format!("{prefix}nodes/{}", config.node);

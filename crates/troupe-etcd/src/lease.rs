@@ -83,6 +83,17 @@ enum Renewal {
     Failed,
 }
 
+/// Until when a lease that etcd said, at `sent` or later, has `ttl_s` seconds left may
+/// be trusted: `sent + ttl − slack`, the TTL taken as at most `granted_ttl_s` (what the
+/// grant gave, itself at most what the node asked for). The answer is the server's; a
+/// TTL beyond the grant (or near `i64::MAX`, past any instant) is never trusted, and a
+/// TTL of zero or less trusts nothing beyond `sent`.
+pub(crate) fn trusted_until(sent: Instant, ttl_s: i64, granted_ttl_s: i64) -> Instant {
+    let ttl = Duration::from_secs(ttl_s.min(granted_ttl_s).max(0).unsigned_abs());
+    let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
+    sent + ttl.saturating_sub(slack)
+}
+
 /// Renews `lease` until it is lost; runs as a task of its own, aborted when the
 /// placement is dropped.
 pub(crate) async fn keep_alive(
@@ -93,7 +104,6 @@ pub(crate) async fn keep_alive(
     interval: Duration,
     request_timeout: Duration,
 ) {
-    let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     loop {
         let sent = tokio::time::Instant::now();
@@ -104,8 +114,7 @@ pub(crate) async fn keep_alive(
             };
         match renewal {
             Renewal::Renewed(ttl_s) if ttl_s > 0 => {
-                let ttl = Duration::from_secs(ttl_s.unsigned_abs());
-                standing.renewed(sent + ttl.saturating_sub(slack));
+                standing.renewed(trusted_until(sent, ttl_s, granted_ttl_s));
             }
             Renewal::Renewed(_) | Renewal::Gone => {
                 standing.lose(LeaseLostReason::ExpiredOnServer);
@@ -158,5 +167,29 @@ async fn renew(
         Ok(None) => Renewal::Failed,
         Err(error) if crate::etcd_placement::says_lease_gone(&error) => Renewal::Gone,
         Err(_) => Renewal::Failed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_ttl_past_the_grant_is_trusted_only_as_far_as_the_grant() {
+        let sent = Instant::now();
+        let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
+        let granted = sent + Duration::from_secs(10) - slack;
+        // Within the grant: as etcd says.
+        assert_eq!(trusted_until(sent, 6, 10), sent + Duration::from_secs(6) - slack);
+        assert_eq!(trusted_until(sent, 10, 10), granted);
+        // Beyond it, up to the largest TTL etcd's answer can carry: the grant's (this
+        // overflowed the instant and panicked the keep-alive task for i64::MAX).
+        for ttl_s in [11, 1_000_000, i64::MAX / 2, i64::MAX] {
+            assert_eq!(trusted_until(sent, ttl_s, 10), granted, "{ttl_s}");
+        }
+        // Nothing left: trusted no later than sent.
+        for ttl_s in [0, -1, i64::MIN] {
+            assert_eq!(trusted_until(sent, ttl_s, 10), sent, "{ttl_s}");
+        }
     }
 }
