@@ -50,8 +50,8 @@ use crate::agents::known;
 use crate::error::ApiError;
 use crate::limits::{
     A2A_BLOCKING_HEADROOM_MS, A2A_FORWARD_CONNECT_TIMEOUT_MS, A2A_FORWARD_TIMEOUT_MS, A2A_LIST_TASKS_PAGE_DEFAULT,
-    A2A_LIST_TASKS_PAGE_MAX, A2A_TASK_OUTCOME_GRACE_MS, A2A_TASK_POLL_MS, SERVER_MESSAGE_SIZE_MAX_BYTES,
-    SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
+    A2A_LIST_TASKS_PAGE_MAX, A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES, A2A_TASK_OUTCOME_GRACE_MS, A2A_TASK_POLL_MS,
+    SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
 };
 use crate::server::AppState;
 
@@ -682,6 +682,13 @@ fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>, headers: &HeaderM
             text.len()
         )));
     }
+    let fields = fields_size(&raw);
+    if fields > A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES {
+        return Err(RpcError::params(format!(
+            "the message's fields besides its text (ids, metadata, extensions) are {fields} bytes of JSON, more than \
+             the limit of {A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES}; send less metadata"
+        )));
+    }
     let troupe = TroupeCallMetadata::from_metadata(message.metadata.as_ref()).map_err(RpcError::params)?;
     // The caller's remaining time, never more than this server allows a message.
     let timeout_ms = troupe
@@ -706,6 +713,20 @@ fn accept(a2a: &A2a, agent: &str, params: &Map<String, Value>, headers: &HeaderM
             .unwrap_or_else(|| crate::agents::request_trace(&a2a.app, headers)),
         troupe,
     })
+}
+
+/// The size of `message` as JSON without its parts' text, in bytes: what it holds besides
+/// the text (bounded by [`A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES`]).
+fn fields_size(message: &Value) -> usize {
+    let mut fields = message.clone();
+    if let Some(parts) = fields.get_mut("parts").and_then(Value::as_array_mut) {
+        for part in parts {
+            if let Some(text) = part.get_mut("text") {
+                *text = Value::String(String::new());
+            }
+        }
+    }
+    fields.to_string().len()
 }
 
 /// Why Troupe's call rules refuse the message, if they do.

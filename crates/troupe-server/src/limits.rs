@@ -114,6 +114,12 @@ pub const A2A_FORWARD_CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// milliseconds: a task's longest turn and the wait for its outcome past its deadline
 /// (a stream of it ends by then).
 pub const A2A_FORWARD_TIMEOUT_MS: u64 = SERVER_MESSAGE_TIMEOUT_MS_MAX + A2A_TASK_OUTCOME_GRACE_MS;
+/// Bytes of an A2A message, as JSON, besides its parts' text, at most: its ids, role,
+/// metadata, extensions and the parts' other fields (the text is limited by
+/// [`SERVER_MESSAGE_SIZE_MAX_BYTES`]). A larger message is invalid params. Each task keeps
+/// its message (in memory and in the store, up to [`A2A_TASKS_KEPT_MAX`] tasks) and every
+/// `GetTask`, `ListTasks` and stream sends it back.
+pub const A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES: usize = 16 * 1024;
 /// Entries `metadata.troupe.chain` may hold, at most (the deepest chain plus its
 /// target); a longer one is invalid params.
 pub const A2A_CHAIN_LENGTH_MAX: usize = AGENT_CALL_DEPTH_MAX as usize + 1;

@@ -860,3 +860,50 @@ async fn an_agent_cards_url_reaches_its_agent_whatever_its_id_holds() {
     }
     server.stop().await;
 }
+
+/// Goal: an A2A message is bounded as a whole, not only its text: everything besides
+/// the parts' text (ids, metadata, extensions) is at most
+/// `A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES` of JSON, or the send is invalid params naming
+/// the limit and no task is made. Each task keeps its message (10,000 tasks by
+/// default, in memory and in the store) and every `GetTask` and `ListTasks` page (100
+/// tasks) sends it back; before, a 32 KiB text could come with up to the body limit
+/// (256 KiB) of metadata, kept and sent back with every read.
+/// Method: a message with 100,000 bytes of metadata and one just over the limit are
+/// refused (-32602, the limit named) and `ListTasks` stays empty; one just within the
+/// limit, and one with the longest text, are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_with_more_than_its_texts_worth_of_other_fields_is_invalid_params() {
+    use troupe_server::limits::{A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES, SERVER_MESSAGE_SIZE_MAX_BYTES};
+    let server = start().await;
+    // The message's JSON without its text: `{"messageId":"mN","role":"ROLE_USER","parts":[{"text":""}],"metadata":{"junk":""}}`
+    let with_junk = |junk: usize| {
+        let mut message = message("hi");
+        message["metadata"] = json!({"junk": "j".repeat(junk)});
+        let fields = {
+            let mut without_text = message.clone();
+            without_text["parts"][0]["text"] = json!("");
+            without_text.to_string().len()
+        };
+        (json!({"message": message}), fields)
+    };
+    for junk in [100_000, A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES] {
+        let (params, fields) = with_junk(junk);
+        assert!(fields > A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES);
+        let (code, text) = server.error("echo", "SendMessage", params).await;
+        assert_eq!(code, -32602, "{text}");
+        assert!(
+            text.contains(&fields.to_string()) && text.contains(&A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES.to_string()),
+            "{text}"
+        );
+    }
+    let listed = server.ok("echo", "ListTasks", json!({})).await;
+    assert_eq!(listed["tasks"], json!([]), "no task was made: {listed}");
+    let (params, fields) = with_junk(A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES - 200);
+    assert!(fields <= A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES);
+    let result = server.ok("echo", "SendMessage", params).await;
+    assert_eq!(result["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{result}");
+    let longest = "t".repeat(SERVER_MESSAGE_SIZE_MAX_BYTES);
+    let result = server.ok("echo", "SendMessage", send_params(&longest)).await;
+    assert_eq!(result["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{result}");
+    server.stop().await;
+}
