@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError, StoreError};
 use troupe_etcd::{EtcdConfig, EtcdPlacement, LeaseLostReason, NodeId, Placement, PlacementError};
 use troupe_runtime::{
@@ -671,7 +672,21 @@ impl Inner {
     ) -> Result<Bytes, InvokeError> {
         let inner = self;
         let clock = inner.handle.clock();
-        let timeout_ms = deadline.remaining_ms(clock.now());
+        // A deadline further than the longest invocation is cut to it, as a root request
+        // on one node is (`RuntimeHandle::invoke`): the loop below retries until the
+        // deadline while the owner cannot be found, and a far one (the end of time) kept
+        // it retrying as long. A turn's call already has a deadline within it.
+        let now = clock.now();
+        let deadline = deadline.min(Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+        let capped_context;
+        let origin = match origin {
+            Origin::Root(context) if context.deadline() > deadline => {
+                capped_context = context.with_deadline(deadline);
+                Origin::Root(&capped_context)
+            }
+            other => other,
+        };
+        let timeout_ms = deadline.remaining_ms(now);
         let timeout = || InvokeError::Timeout {
             target: target.clone(),
             timeout_ms,

@@ -1200,3 +1200,60 @@ async fn a_turn_s_tell_reaches_an_actor_on_another_node() {
     );
     eprintln!("tell across nodes accepted in {took:?}; the next call waited {waited:?} behind the told turn");
 }
+
+/// How much longer than `INVOKE_TIMEOUT_MS_MAX` the far-deadline test waits before it
+/// calls the request stuck, in milliseconds (the sweep of `scripts/dst` stops a seed at
+/// 600 simulated seconds as a hang: both requests run at once).
+const FAR_DEADLINE_GRACE_MS: u64 = 60_000;
+
+/// Goal: a root request through a cluster node whose deadline is far (here the end of
+/// time) is cut to `INVOKE_TIMEOUT_MS_MAX` from when it was made, as on one node: while
+/// the owner cannot be found (etcd cut off from the node), the node retries its lookup
+/// until then and answers `Timeout`, rather than until the far deadline. (Before, it
+/// retried for as long as the deadline allowed: the end of time.) The unkeyed and the
+/// keyed entry points at once, each from the node whose etcd link is cut.
+#[madsim::test]
+async fn a_far_root_deadline_is_cut_to_the_longest_invoke_timeout_while_no_owner_is_found() {
+    use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
+    use troupe_core::Deadline;
+    use troupe_runtime::IdempotencyKey;
+    let cluster = start_hop_cluster(false).await;
+    let net = NetSim::current();
+    net.clog_link(cluster.nodes[0].id(), cluster._etcd.id());
+    net.clog_link(cluster._etcd.id(), cluster.nodes[0].id());
+    let calls: Vec<_> = [false, true]
+        .into_iter()
+        .map(|keyed| {
+            let client = cluster.clients[0].clone();
+            let call = cluster.nodes[0].spawn(async move {
+                let started = Instant::now();
+                let target = hop(if keyed { "nowhere-keyed" } else { "nowhere" });
+                let far = Deadline::from_micros(u64::MAX);
+                let call = async {
+                    if keyed {
+                        let key = IdempotencyKey::new("far-deadline").expect("a key");
+                        client.invoke_keyed(&target, &key, Bytes::from("ping"), far).await
+                    } else {
+                        client.invoke(&target, Bytes::from("ping"), far).await
+                    }
+                };
+                let waited = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX + FAR_DEADLINE_GRACE_MS);
+                let result = tokio::time::timeout(waited, call).await;
+                (result, started.elapsed())
+            });
+            (keyed, call)
+        })
+        .collect();
+    for (keyed, call) in calls {
+        let (result, took) = call.await.expect("the call's task");
+        let result = result.unwrap_or_else(|_| panic!("keyed {keyed}: still waiting after {took:?}"));
+        assert!(
+            matches!(result, Err(InvokeError::Timeout { .. })),
+            "keyed {keyed}: {result:?}"
+        );
+        assert!(
+            took <= Duration::from_millis(INVOKE_TIMEOUT_MS_MAX + DEADLINE_TOLERANCE_MS),
+            "keyed {keyed}: took {took:?}"
+        );
+    }
+}
