@@ -123,7 +123,13 @@ impl Ownership {
 
     /// Releases `actor`'s placement if no activation on this node holds it.
     pub(crate) async fn release_if_idle(&self, actor: &ActorId) {
-        let gate = self.gate(actor);
+        // No entry: nothing of it is placed here (an earlier release of an activation
+        // that ended just before removed it). Taking the gate through `gate` would make
+        // an empty entry that nothing removes: one per actor so released, for the
+        // node's life.
+        let Some(gate) = self.held().get(actor).map(|holding| Arc::clone(&holding.gate)) else {
+            return;
+        };
         let _guard = gate.lock().await;
         let idle = self
             .held()
