@@ -326,13 +326,20 @@ async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "));
+        .and_then(bearer_credential);
     let refusal = match given {
         Some(given) if same_secret(given.as_bytes(), token.as_bytes()) => return next.run(request).await,
         Some(_) => unauthorized("the bearer token is not valid"),
         None => unauthorized("this server needs Authorization: Bearer TOKEN (the token given to troupe serve)"),
     };
     refuse_after_reading(request, refusal).await
+}
+
+/// The credential of an `Authorization: Bearer TOKEN` value: the scheme matched in any
+/// case (HTTP's authentication schemes are case-insensitive, RFC 9110 11.1).
+fn bearer_credential(value: &str) -> Option<&str> {
+    let (scheme, credential) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("Bearer").then_some(credential)
 }
 
 fn unauthorized(message: &str) -> Response {

@@ -1112,3 +1112,31 @@ async fn metrics_series_stay_bounded_whatever_methods_clients_send() {
     );
     server.stop().await;
 }
+
+/// Goal: the token is taken whatever case the client writes the scheme in: HTTP's
+/// authentication scheme is case-insensitive (RFC 9110, 11.1), so `bearer TOKEN` is the
+/// same credential as `Bearer TOKEN`; before, it was refused 401 as if absent. A wrong
+/// token stays refused in any case.
+/// Method: `GET /v1/agents` with `Authorization: bearer`, `BEARER` and `Bearer` and the
+/// token (200), and with `bearer` and a wrong token (401).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bearer_scheme_is_matched_whatever_its_case() {
+    let server = start(ServerConfig::default().token(TOKEN), KindConfig::default()).await;
+    for scheme in ["bearer", "BEARER", "Bearer", "bEaReR"] {
+        let response = server
+            .request(reqwest::Method::GET, "/v1/agents")
+            .header("authorization", format!("{scheme} {TOKEN}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200, "{scheme}");
+    }
+    let wrong = server
+        .request(reqwest::Method::GET, "/v1/agents")
+        .header("authorization", "bearer test-token-0123456780")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status().as_u16(), 401);
+    server.stop().await;
+}
