@@ -602,10 +602,12 @@ fn refusal(state: &HttpState, headers: &HeaderMap) -> Option<Response> {
     let Some(token) = &state.token else {
         return None;
     };
+    // The scheme in any case: HTTP's authentication schemes are case-insensitive.
     let given = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "));
+        .and_then(|value| value.split_once(' '))
+        .and_then(|(scheme, credential)| scheme.eq_ignore_ascii_case("Bearer").then_some(credential));
     match given {
         Some(given) if bool::from(subtle::ConstantTimeEq::ct_eq(given.as_bytes(), token.as_bytes())) => None,
         _ => Some(error_response(

@@ -1674,3 +1674,43 @@ async fn a_node_answers_oversized_and_excess_appends_with_their_own_statuses() {
     let (status, refused) = http(&node.http, "GET", &format!("{burst}?after=first"), "").expect("an answer");
     assert_eq!(status, 400, "{refused}");
 }
+
+/// Goal: a node's conversation API takes its token with the scheme in any case, as
+/// `troupe serve` does (HTTP's authentication schemes are case-insensitive, RFC 9110
+/// 11.1): `bearer TOKEN` was refused 401 with the right token.
+/// Method: one node with `--token`; appends with `bearer`, `BEARER` and `Bearer` and
+/// the token (200), one with `bearer` and a wrong token (401).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nodes_token_is_taken_with_the_bearer_scheme_in_any_case() {
+    let etcd = TestEtcd::start("cluster-bearer").await;
+    let postgres = TestServer::start("cluster-bearer");
+    let database = postgres.create_database("bearer").await;
+    let token = "a-token-of-at-least-16-bytes";
+    let node = NodeProcess::start_with("t0", &etcd.endpoint(), &database, &["--token", token]);
+    let path = "/v1/conversations/t/messages";
+    let send = |authorization: String| {
+        let mut stream = TcpStream::connect(&node.http).expect("connect");
+        stream
+            .set_read_timeout(Some(Duration::from_millis(HTTP_READ_TIMEOUT_MS)))
+            .unwrap();
+        let body = r#"{"text": "hi"}"#;
+        write!(
+            stream,
+            "POST {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+             Authorization: {authorization}\r\nContent-Length: {}\r\n\r\n{body}",
+            node.http,
+            body.len()
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+            .get(9..12)
+            .and_then(|status| status.parse::<u16>().ok())
+            .unwrap_or(0)
+    };
+    for scheme in ["bearer", "BEARER", "Bearer"] {
+        assert_eq!(send(format!("{scheme} {token}")), 200, "{scheme}");
+    }
+    assert_eq!(send("bearer wrong-token-of-16-bytes".to_string()), 401);
+}
