@@ -391,12 +391,14 @@ impl AgentClient {
     /// [`InboxError::Full`] (the inbox, or the agent's open external tasks
     /// ([`AGENT_EXTERNAL_TASKS_OPEN_MAX`]), are full: nothing kept, retry later),
     /// [`InboxError::Refused`] (`AgentNotFound`), [`InboxError::InvalidAgentId`],
+    /// [`InboxError::MessageIdTooLong`] (nothing sent),
     /// [`InboxError::Invoke`] with [`InvokeError::Rejected`] (the request's `chain` and
     /// `depth` do not fit together, as [`crate::TroupeCallMetadata::check`] has them:
     /// nothing was kept; fix the request), [`InboxError::Invoke`] otherwise (timeout,
     /// storage, shutdown, a full mailbox: whether it was kept is unknown; retry with the
     /// same `msg_id`).
     pub async fn delegate_external(&self, to: &str, request: ExternalTaskRequest) -> Result<String, InboxError> {
+        crate::inbox::check_message_id_length(&request.msg_id)?;
         let target = self.known_agent(to).await?;
         let chain = arrival_chain(&request).map_err(|reason| {
             InboxError::Invoke(InvokeError::Rejected {

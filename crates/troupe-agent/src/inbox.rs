@@ -200,6 +200,15 @@ pub enum InboxError {
     /// A caller-chosen message id must not be empty.
     #[error("a message id must not be empty")]
     EmptyMessageId,
+    /// A caller-chosen message id is longer than
+    /// [`crate::limits::AGENT_MESSAGE_ID_LENGTH_MAX_BYTES`]; nothing was sent.
+    #[error("a message id of {length_bytes} bytes is longer than the limit of {max_bytes}; use a shorter id (a UUID is 36 bytes)")]
+    MessageIdTooLong {
+        /// The id's length, in bytes.
+        length_bytes: usize,
+        /// [`crate::limits::AGENT_MESSAGE_ID_LENGTH_MAX_BYTES`].
+        max_bytes: usize,
+    },
     /// No such task among the agent's delegations.
     #[error("{agent} has no task {task_id:?}")]
     UnknownTask {
@@ -523,6 +532,18 @@ pub(crate) fn inbox_key(seq: u64) -> String {
 
 pub(crate) fn outbox_key(seq: u64) -> String {
     crate::agent::seq_key("outbox/", seq)
+}
+
+/// `Ok` if a caller-chosen message id fits [`crate::limits::AGENT_MESSAGE_ID_LENGTH_MAX_BYTES`].
+pub(crate) fn check_message_id_length(msg_id: &str) -> Result<(), InboxError> {
+    let max_bytes = crate::limits::AGENT_MESSAGE_ID_LENGTH_MAX_BYTES;
+    if msg_id.len() > max_bytes {
+        return Err(InboxError::MessageIdTooLong {
+            length_bytes: msg_id.len(),
+            max_bytes,
+        });
+    }
+    Ok(())
 }
 
 pub(crate) fn seen_key(msg_id: &str) -> String {

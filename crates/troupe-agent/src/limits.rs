@@ -97,6 +97,13 @@ pub const AGENT_TASKS_OPEN_MAX: u64 = 64;
 /// [`crate::InboxError::UnknownTask`] and [`crate::AgentClient::task`] `None` for it
 /// (its record's key would not fit in the store's).
 pub const AGENT_TASK_ID_LENGTH_MAX_BYTES: usize = troupe_core::limits::ACTOR_KEY_LENGTH_MAX + 1 + 20;
+/// The longest id a caller may give a message it sends an agent from outside (a
+/// notification's `msg_id`, an external task's `msg_id`), in bytes: the agent keeps it
+/// in the key of its dedupe mark (`seen/{msg_id}`), which the store limits to
+/// `STATE_KEY_LENGTH_MAX` bytes. A longer one is refused with
+/// [`crate::InboxError::MessageIdTooLong`] before anything is sent (it failed in the
+/// store before, as a storage error that said to retry).
+pub const AGENT_MESSAGE_ID_LENGTH_MAX_BYTES: usize = troupe_runtime::STATE_KEY_LENGTH_MAX - "seen/".len();
 /// External tasks ([`crate::AgentClient::delegate_external`]) one agent holds not yet
 /// ended (waiting or running), at most; one more is refused with
 /// [`crate::InboxError::Full`] and nothing is kept.

@@ -478,6 +478,7 @@ impl AgentClient {
     /// # Errors
     /// [`InboxError::Full`] (nothing kept), [`InboxError::Refused`] (`AgentNotFound`),
     /// [`InboxError::InvalidAgentId`], [`InboxError::EmptyMessageId`],
+    /// [`InboxError::MessageIdTooLong`] (nothing sent),
     /// [`InboxError::Invoke`] (timeout, storage, shutdown: whether it was kept is
     /// unknown; retry with the same id).
     pub async fn notify_with_id(
@@ -490,6 +491,7 @@ impl AgentClient {
         if msg_id.is_empty() {
             return Err(InboxError::EmptyMessageId);
         }
+        crate::inbox::check_message_id_length(msg_id)?;
         self.append_notification(agent, msg_id, text, timeout_ms, None)
             .await
             .map(|_| ())
@@ -511,6 +513,7 @@ impl AgentClient {
         if msg_id.as_deref() == Some("") {
             return Err(InboxError::EmptyMessageId);
         }
+        crate::inbox::check_message_id_length(msg_id.as_deref().unwrap_or_default())?;
         let msg_id = msg_id.unwrap_or_default();
         self.append_notification(agent, &msg_id, text, timeout_ms, trace_id)
             .await

@@ -178,6 +178,76 @@ async fn a_notification_to_an_inactive_agent_is_processed_exactly_once_and_a_dup
     system.shutdown().await;
 }
 
+/// Goal: a caller-chosen message id is at most `AGENT_MESSAGE_ID_LENGTH_MAX_BYTES`
+/// (what the agent's dedupe mark `seen/{msg_id}` leaves of the store's key limit): the
+/// longest is taken, and deduplicated, by `notify_with_id`, `notify_with` and
+/// `delegate_external`; one byte more is `MessageIdTooLong` naming both lengths, and
+/// nothing is kept. (Before, it failed in the store as a storage error that said to
+/// retry, which could never succeed.)
+#[tokio::test(start_paused = true)]
+async fn a_message_id_longer_than_its_limit_is_refused_and_the_longest_is_taken() {
+    use troupe_agent::limits::AGENT_MESSAGE_ID_LENGTH_MAX_BYTES;
+    use troupe_agent::{ExternalTaskRequest, NotifyOptions};
+    let llm = delegation_script();
+    let recorder = CallRecorder::new();
+    let system = start(
+        &llm,
+        &["coordinator", "analyst"],
+        Arc::new(MemoryStore::new()),
+        &recorder,
+    );
+    let too_long = InboxError::MessageIdTooLong {
+        length_bytes: AGENT_MESSAGE_ID_LENGTH_MAX_BYTES + 1,
+        max_bytes: AGENT_MESSAGE_ID_LENGTH_MAX_BYTES,
+    };
+    let id = |byte: char, extra: usize| byte.to_string().repeat(AGENT_MESSAGE_ID_LENGTH_MAX_BYTES + extra);
+    let external = |msg_id: String| ExternalTaskRequest {
+        origin: "test".to_string(),
+        msg_id,
+        text: "crunch".to_string(),
+        ..ExternalTaskRequest::default()
+    };
+    assert_eq!(
+        system.notify_with_id("analyst", &id('a', 1), "over", None).await,
+        Err(too_long.clone())
+    );
+    let options = NotifyOptions::default().msg_id(id('b', 1));
+    assert_eq!(
+        system.notify_with("analyst", "over", options).await,
+        Err(too_long.clone())
+    );
+    assert_eq!(
+        system.delegate_external("analyst", external(id('c', 1))).await,
+        Err(too_long.clone())
+    );
+    assert!(too_long.to_string().contains("use a shorter id"), "{too_long}");
+    settle().await;
+    assert!(
+        system.conversation_log("analyst").await.unwrap().is_empty(),
+        "nothing kept"
+    );
+
+    // The longest: taken, and a resend of it is a duplicate.
+    for _ in 0..2 {
+        system
+            .notify_with_id("analyst", &id('a', 0), "longest", None)
+            .await
+            .unwrap();
+        let options = NotifyOptions::default().msg_id(id('b', 0));
+        assert_eq!(
+            system.notify_with("analyst", "longest too", options).await.unwrap(),
+            id('b', 0)
+        );
+    }
+    let first = system.delegate_external("analyst", external(id('c', 0))).await.unwrap();
+    let again = system.delegate_external("analyst", external(id('c', 0))).await.unwrap();
+    assert_eq!(first, again, "a resent external task is the same task");
+    settle().await;
+    let log = system.conversation_log("analyst").await.unwrap();
+    assert_eq!(user_messages_containing(&log, "longest"), 2, "each notification once");
+    system.shutdown().await;
+}
+
 async fn delegate_round_trip(store: Arc<dyn StateStore>) {
     let llm = delegation_script();
     let recorder = CallRecorder::new();

@@ -134,7 +134,9 @@ impl From<InboxError> for ApiError {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "outbox_full", message).retry_after()
             }
             InboxError::InvalidAgentId { .. } => Self::bad_request(message),
-            InboxError::EmptyMessageId => Self::unprocessable("invalid_message_id", message),
+            InboxError::EmptyMessageId | InboxError::MessageIdTooLong { .. } => {
+                Self::unprocessable("invalid_message_id", message)
+            }
             InboxError::UnknownTask { .. } => Self::new(StatusCode::NOT_FOUND, "task_not_found", message),
             InboxError::Malformed { .. } => Self::internal(message),
             InboxError::NotPermitted(_) => Self::new(StatusCode::FORBIDDEN, "not_permitted", message),
