@@ -176,7 +176,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_ttl_past_the_grant_is_trusted_only_as_far_as_the_grant() {
-        let sent = Instant::now();
+        let sent = tokio::time::Instant::now();
         let slack = Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
         let granted = sent + Duration::from_secs(10) - slack;
         // Within the grant: as etcd says.
