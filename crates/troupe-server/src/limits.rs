@@ -17,6 +17,14 @@ pub const SERVER_REQUEST_BODY_DRAIN_MAX_BYTES: usize = 16 * SERVER_REQUEST_BODY_
 /// How long the server reads a refused body for, at most, in milliseconds; then it
 /// answers 413 with the rest unread.
 pub const SERVER_REQUEST_BODY_DRAIN_MS: u64 = 5_000;
+/// How long an admitted request's body may take to arrive whole, in milliseconds, from
+/// when the server starts reading it; a body still arriving then is answered 408
+/// `body_timeout` and its connection closed. Without it a client that sends its headers
+/// and then its body slowly (or never) held one of the concurrent-request slots until
+/// the request timeout (130 s by default), and as many such clients as slots held the
+/// server at 503 for everyone. The largest body
+/// ([`SERVER_REQUEST_BODY_SIZE_MAX_BYTES`]) arrives in time at 26 KB/s.
+pub const SERVER_REQUEST_BODY_READ_MS: u64 = 10_000;
 /// Requests handled at once by default; one more is refused at once with 503
 /// `overloaded` and `Retry-After`. A streamed response counts until its headers are sent.
 pub const SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT: usize = 256;

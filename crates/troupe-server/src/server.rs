@@ -24,7 +24,7 @@ use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
 use crate::limits::{
     SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_DRAIN_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MS,
-    SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS,
+    SERVER_REQUEST_BODY_READ_MS, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS,
 };
 use crate::metrics::Metrics;
 use crate::{a2a, agents, conversations, events, openai_compat, org, topology};
@@ -215,8 +215,9 @@ fn method_label(method: &Method) -> &'static str {
 /// [`SERVER_REQUEST_BODY_DRAIN_MS`], so that a client still writing it gets the answer
 /// rather than a reset connection. A body declared larger than that is answered at once,
 /// unread. A body that breaks off (the client hung up or sent bad chunking) is 400
-/// `body_unreadable`. Runs after authentication and the concurrency limit: only an
-/// admitted request is read.
+/// `body_unreadable`. A body that has not arrived whole within
+/// [`SERVER_REQUEST_BODY_READ_MS`] is 408 `body_timeout`, its connection closed. Runs
+/// after authentication and the concurrency limit: only an admitted request is read.
 async fn read_body(request: Request, next: Next) -> Response {
     let (parts, body) = request.into_parts();
     let declared = declared_length(&parts.headers);
@@ -229,25 +230,59 @@ async fn read_body(request: Request, next: Next) -> Response {
         drain(&mut frames, 0).await;
         return body_too_large();
     }
-    let mut read: Vec<u8> = Vec::with_capacity(declared.map_or(0, |length| length as usize));
-    while let Some(chunk) = frames.next().await {
-        let Ok(chunk) = chunk else {
-            return ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "body_unreadable",
-                "the request body broke off before its end; send it again",
+    let reading = async {
+        let mut read: Vec<u8> = Vec::with_capacity(declared.map_or(0, |length| length as usize));
+        while let Some(chunk) = frames.next().await {
+            let Ok(chunk) = chunk else {
+                return BodyRead::Broken;
+            };
+            if read.len() + chunk.len() > SERVER_REQUEST_BODY_SIZE_MAX_BYTES {
+                return BodyRead::TooLarge(read.len() + chunk.len());
+            }
+            read.extend_from_slice(&chunk);
+        }
+        BodyRead::Whole(read)
+    };
+    let read = tokio::time::timeout(Duration::from_millis(SERVER_REQUEST_BODY_READ_MS), reading).await;
+    match read {
+        Ok(BodyRead::Whole(read)) => next.run(Request::from_parts(parts, Body::from(read))).await,
+        Ok(BodyRead::TooLarge(seen)) => {
+            drain(&mut frames, seen).await;
+            body_too_large()
+        }
+        Ok(BodyRead::Broken) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "body_unreadable",
+            "the request body broke off before its end; send it again",
+        )
+        .into_response(),
+        Err(_) => {
+            let mut response = ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!(
+                    "the request body did not arrive whole within the server's limit of                      {SERVER_REQUEST_BODY_READ_MS} ms; send it again, at once"
+                ),
             )
             .into_response();
-        };
-        if read.len() + chunk.len() > SERVER_REQUEST_BODY_SIZE_MAX_BYTES {
-            let seen = read.len() + chunk.len();
-            drop(read);
-            drain(&mut frames, seen).await;
-            return body_too_large();
+            // The rest of the body is not read: the connection cannot carry another
+            // request.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            response
         }
-        read.extend_from_slice(&chunk);
     }
-    next.run(Request::from_parts(parts, Body::from(read))).await
+}
+
+/// How reading a request body ended (within [`SERVER_REQUEST_BODY_READ_MS`]).
+enum BodyRead {
+    /// All of it, within the size limit.
+    Whole(Vec<u8>),
+    /// Over the size limit once this many bytes were seen; the rest is unread.
+    TooLarge(usize),
+    /// The client hung up or sent bad chunking.
+    Broken,
 }
 
 /// The body's length as its `Content-Length` declares it, if it does.

@@ -324,6 +324,35 @@ async fn raw_exchange(server: &Harness, head: &str, body: &[u8]) -> String {
         .expect("the server answers in time")
 }
 
+/// Goal: a client that sends its headers and then stops short of its body's end gets
+/// 408 `body_timeout` once `SERVER_REQUEST_BODY_READ_MS` has passed, not at the request
+/// timeout, and the connection closes (before, it held its concurrency slot for the
+/// whole request timeout, 130 s by default); a body that arrives whole is answered as
+/// before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_short_is_answered_408_within_the_read_limit() {
+    use troupe_server::limits::SERVER_REQUEST_BODY_READ_MS;
+    let server = start_default().await;
+    let body = br#"{"text": "#;
+    let head = format!(
+        "POST /v1/agents/echo/messages HTTP/1.1\r\nhost: troupe\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len() + 10
+    );
+    let started = tokio::time::Instant::now();
+    let answer = raw_exchange(&server, &head, body).await;
+    let took = started.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_timeout"), "{answer}");
+    assert!(
+        took >= Duration::from_millis(SERVER_REQUEST_BODY_READ_MS)
+            && took < Duration::from_millis(SERVER_REQUEST_BODY_READ_MS + 3_000),
+        "answered after {took:?}"
+    );
+    let (status, reply) = server.post("/v1/agents/echo/messages", json!({"text": "whole"})).await;
+    assert_eq!(status, 200, "{reply}");
+    server.stop().await;
+}
+
 /// A body over the limit gets its 413, whether declared or chunked, and a client that
 /// writes all of it before it reads still gets the answer (the server reads the rest and
 /// discards it) rather than a reset connection; a body declared beyond what the server
