@@ -28,7 +28,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use troupe_runtime::{ActorError, StoreError, Turn};
 
@@ -41,6 +40,7 @@ use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_EXTERNAL_TASKS_OPEN_MAX, AGENT_EXTERNAL_TASKS_PAGE_MAX, AGENT_INBOX_CAPACITY,
     AGENT_MESSAGE_SIZE_MAX_BYTES,
 };
+use crate::remote::ChainFault;
 use crate::{AgentClient, AgentEvent, Budget, TokenUsage};
 
 /// The result of a task canceled before it started.
@@ -336,40 +336,26 @@ async fn external_record_in(turn: &mut Turn, task_id: &str) -> Result<Option<(St
 }
 
 /// The chain request `request` arrives through, as actor ids, once its `chain` and
-/// `depth` are checked by the rules [`crate::TroupeCallMetadata::check`] applies to a
-/// call arriving over A2A: at most [`AGENT_CALL_DEPTH_MAX`]` + 1` entries, each an agent
-/// id, and a depth at least the chain's length (every agent in the chain is one call
-/// deeper). [`CallContext::continued`] panics on the last; an embedder's request
-/// reaches it with no A2A server in front.
+/// `depth` pass the rules every arrival is checked by
+/// ([`crate::remote::arrival_chain`], as [`crate::TroupeCallMetadata::check`] for a call
+/// over A2A); an embedder's request reaches here with no A2A server in front.
 ///
 /// # Errors
 /// What is wrong and what to give instead.
 fn arrival_chain(request: &ExternalTaskRequest) -> Result<Vec<ActorId>, String> {
-    let longest = AGENT_CALL_DEPTH_MAX as usize + 1;
-    if request.chain.len() > longest {
-        return Err(format!(
-            "the request's chain has {} entries, more than the limit of {longest}: give the agents \
-             whose turns wait on it, outermost first (none from outside)",
-            request.chain.len()
-        ));
-    }
-    let chain = request
-        .chain
-        .iter()
-        .map(|id| {
-            agent_id(id).map_err(|error| format!("the request's chain holds {id:?}, which is not an agent id: {error}"))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    if (request.depth as usize) < chain.len() {
-        return Err(format!(
-            "the request's depth is {} but its chain has {} entries: a call is at least as deep as its \
-             chain is long; give a depth of at least {} (0 with an empty chain from outside)",
-            request.depth,
-            chain.len(),
-            chain.len()
-        ));
-    }
-    Ok(chain)
+    crate::remote::arrival_chain(&request.chain, request.depth).map_err(|fault| match fault {
+        ChainFault::TooLong { entries, limit } => format!(
+            "the request's chain has {entries} entries, more than the limit of {limit}: give the agents \
+             whose turns wait on it, outermost first (none from outside)"
+        ),
+        ChainFault::NotAnAgent { id, cause } => {
+            format!("the request's chain holds {id:?}, which is not an agent id: {cause}")
+        }
+        ChainFault::ShallowerThanChain { depth, entries } => format!(
+            "the request's depth is {depth} but its chain has {entries} entries: a call is at least as deep as its \
+             chain is long; give a depth of at least {entries} (0 with an empty chain from outside)"
+        ),
+    })
 }
 
 fn decode_error(cause: String) -> StoreError {

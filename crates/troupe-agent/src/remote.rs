@@ -363,25 +363,17 @@ impl TroupeCallMetadata {
     /// # Errors
     /// What is wrong, naming the field.
     pub fn check(&self) -> Result<(), String> {
-        let longest = AGENT_CALL_DEPTH_MAX as usize + 1;
-        if self.chain.len() > longest {
-            return Err(format!(
-                "\"metadata.troupe.chain\" has {} entries, more than the limit of {longest}",
-                self.chain.len()
-            ));
-        }
-        if let Some(bad) = self.chain.iter().find(|id| agent_id(id).is_err()) {
-            return Err(format!(
-                "\"metadata.troupe.chain\" holds {bad:?}, which is not an agent id"
-            ));
-        }
-        if (self.depth as usize) < self.chain.len() {
-            return Err(format!(
-                "\"metadata.troupe.depth\" is {} but the chain has {} entries: a call is at least as deep as its chain is long",
-                self.depth,
-                self.chain.len()
-            ));
-        }
+        arrival_chain(&self.chain, self.depth).map_err(|fault| match fault {
+            ChainFault::TooLong { entries, limit } => {
+                format!("\"metadata.troupe.chain\" has {entries} entries, more than the limit of {limit}")
+            }
+            ChainFault::NotAnAgent { id, .. } => {
+                format!("\"metadata.troupe.chain\" holds {id:?}, which is not an agent id")
+            }
+            ChainFault::ShallowerThanChain { depth, entries } => format!(
+                "\"metadata.troupe.depth\" is {depth} but the chain has {entries} entries: a call is at least as deep as its chain is long"
+            ),
+        })?;
         if self.timeout_ms == Some(0) {
             return Err("\"metadata.troupe.timeout_ms\" is 0: the caller has no time left".into());
         }
@@ -976,6 +968,47 @@ impl AgentClient {
         };
         self.outside_call_finished(call, result)
     }
+}
+
+/// What is wrong with the chain and depth a call arrives with ([`arrival_chain`]).
+pub(crate) enum ChainFault {
+    /// More entries than any call tree has (`AGENT_CALL_DEPTH_MAX + 1`).
+    TooLong { entries: usize, limit: usize },
+    /// An entry that is not an agent id.
+    NotAnAgent { id: String, cause: String },
+    /// A depth below the chain's length (every agent in the chain is one call deeper).
+    ShallowerThanChain { depth: u32, entries: usize },
+}
+
+/// The chain a call arrives through, as agent ids, once checked by Troupe's rules for
+/// arrivals (over A2A, [`TroupeCallMetadata::check`]; from an embedder,
+/// `AgentClient::delegate_external`): at most `AGENT_CALL_DEPTH_MAX + 1` entries, each
+/// an agent id, and a depth at least the chain's length (`CallContext::continued`
+/// asserts the last). Each caller words the fault for its own input.
+pub(crate) fn arrival_chain(chain: &[String], depth: u32) -> Result<Vec<ActorId>, ChainFault> {
+    let limit = AGENT_CALL_DEPTH_MAX as usize + 1;
+    if chain.len() > limit {
+        return Err(ChainFault::TooLong {
+            entries: chain.len(),
+            limit,
+        });
+    }
+    let ids = chain
+        .iter()
+        .map(|id| {
+            agent_id(id).map_err(|error| ChainFault::NotAnAgent {
+                id: id.clone(),
+                cause: error.to_string(),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if (depth as usize) < ids.len() {
+        return Err(ChainFault::ShallowerThanChain {
+            depth,
+            entries: ids.len(),
+        });
+    }
+    Ok(ids)
 }
 
 #[cfg(test)]

@@ -9,7 +9,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError, StoreError};
 use troupe_etcd::{EtcdConfig, EtcdPlacement, LeaseLostReason, NodeId, Placement, PlacementError};
 use troupe_runtime::{
@@ -677,7 +676,7 @@ impl Inner {
         // deadline while the owner cannot be found, and a far one (the end of time) kept
         // it retrying as long. A turn's call already has a deadline within it.
         let now = clock.now();
-        let deadline = deadline.min(Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)));
+        let deadline = deadline.cut_to_longest_invoke(now);
         let capped_context;
         let origin = match origin {
             Origin::Root(context) if context.deadline() > deadline => {

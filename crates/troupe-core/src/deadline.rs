@@ -62,6 +62,18 @@ impl Deadline {
         self.at_us <= now.at_us
     }
 
+    /// This deadline, or [`crate::limits::INVOKE_TIMEOUT_MS_MAX`] after `now` if that is
+    /// earlier: the deadline of a root request made at `now` with a deadline its caller
+    /// chose (one further away would let its turn, or a cluster node's search for the
+    /// owner, run unbounded).
+    #[inline]
+    pub fn cut_to_longest_invoke(self, now: Deadline) -> Deadline {
+        self.min(Deadline::after(
+            now,
+            Duration::from_millis(crate::limits::INVOKE_TIMEOUT_MS_MAX),
+        ))
+    }
+
     /// The earlier of two deadlines.
     pub fn min(self, other: Deadline) -> Deadline {
         if other.at_us < self.at_us {

@@ -425,7 +425,7 @@ pub(crate) fn refusal_of_context(shared: &Shared, target: &ActorId, context: &Ca
 /// `Deadline::from_micros(u64::MAX)`) let its turn run unbounded.
 #[inline]
 fn root_deadline_capped(now: Deadline, deadline: Deadline) -> Deadline {
-    deadline.min(Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX)))
+    deadline.cut_to_longest_invoke(now)
 }
 
 /// Owns the reply receiver of one request while its caller waits. When the wait ends
@@ -673,8 +673,7 @@ impl RuntimeHandle {
             return Err(refused);
         }
         let now = self.shared.clock.now();
-        let latest = Deadline::after(now, Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
-        let context = context.with_deadline(context.deadline().min(latest));
+        let context = context.with_deadline(context.deadline().cut_to_longest_invoke(now));
         self.send_and_wait_from(now, target, Payload::Bytes(payload), context.into(), None)
             .await?
             .into_bytes(target)
