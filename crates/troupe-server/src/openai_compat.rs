@@ -29,7 +29,9 @@ use crate::agents::{check_text, known};
 use crate::error::{ApiError, ApiJson};
 use crate::server::AppState;
 
-/// One message of a chat-completions request; other fields are ignored.
+/// One message of a chat-completions request; other fields (name, tool_calls, ...) are
+/// ignored. A null or absent `content` (OpenAI's assistant messages with tool calls) is
+/// `Value::Null`: refused only on the last user message, the one sent to the agent.
 #[derive(Debug, Deserialize)]
 pub(crate) struct ChatMessageBody {
     role: String,
@@ -37,13 +39,18 @@ pub(crate) struct ChatMessageBody {
     content: Value,
 }
 
-/// A chat-completions request; fields other than these (temperature, ...) are ignored.
+/// A chat-completions request; fields other than these (temperature, max_tokens,
+/// stream_options, user, ...) are ignored, whatever their value, null included.
+///
+/// OpenAI types every optional field as nullable: null is the field absent. `stream` is
+/// an `Option` for that (null or absent: not streamed); a `bool` with a default refused
+/// null as 422 `invalid_body`, and clients other than OpenAI's Python one send nulls.
 #[derive(Debug, Deserialize)]
 pub(crate) struct ChatCompletionBody {
     model: String,
     messages: Vec<ChatMessageBody>,
     #[serde(default)]
-    stream: bool,
+    stream: Option<bool>,
 }
 
 /// The text of a message's `content`: a string, or the `text` parts of an array.
@@ -107,7 +114,7 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
     let reply = state.client.ask_with(&body.model, &text, options).await?;
     let id = format!("chatcmpl-troupe-{}", state.completions.fetch_add(1, Ordering::Relaxed));
     let finish_reason = if reply.truncated { "length" } else { "stop" };
-    if !body.stream {
+    if !body.stream.unwrap_or(false) {
         return Ok(Json(json!({
             "id": id,
             "object": "chat.completion",

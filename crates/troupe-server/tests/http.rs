@@ -839,6 +839,83 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
     server.stop().await;
 }
 
+/// Goal: the OpenAI-compatible route takes a request whose optional fields are JSON
+/// `null`, as OpenAI's API does (it types them nullable, `stream` default false) and as
+/// clients other than the official Python one send them: null is absent. Method: raw
+/// JSON bodies (not built from a `json!` that could drop a field) with every optional
+/// request field OpenAI documents as nullable set to null, also on the messages; the
+/// answer must be the plain `chat.completion` (null `stream` is not streaming), and with
+/// `"stream": true` beside the nulls the SSE chunks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_openai_request_with_null_optional_fields_is_served_as_if_they_were_absent() {
+    let server = start_default().await;
+    let nulls = r#""stream_options": null, "max_tokens": null, "max_completion_tokens": null,
+        "temperature": null, "top_p": null, "n": null, "stop": null, "presence_penalty": null,
+        "frequency_penalty": null, "logit_bias": null, "logprobs": null, "top_logprobs": null,
+        "user": null, "seed": null, "tools": null, "tool_choice": null, "parallel_tool_calls": null,
+        "response_format": null, "service_tier": null, "metadata": null, "store": null,
+        "reasoning_effort": null, "modalities": null, "audio": null, "prediction": null,
+        "functions": null, "function_call": null, "web_search_options": null"#;
+    let messages = r#""messages": [
+        {"role": "system", "content": "ignored", "name": null},
+        {"role": "user", "content": "first", "name": null},
+        {"role": "assistant", "content": null, "name": null, "tool_calls": null, "refusal": null,
+         "function_call": null, "audio": null},
+        {"role": "user", "content": "second", "name": null}
+    ]"#;
+    let post = |body: String| {
+        server
+            .request(reqwest::Method::POST, "/v1/chat/completions")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+
+    let plain = format!(r#"{{"model": "echo", {messages}, "stream": null, {nulls}}}"#);
+    let response = post(plain).await.unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    assert_eq!(status, 200, "a request with null optional fields: {text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        body["object"], "chat.completion",
+        "null stream is not streaming: {body}"
+    );
+    assert_eq!(body["choices"][0]["message"]["content"], "echo: second");
+
+    let streamed = format!(r#"{{"model": "echo", {messages}, "stream": true, {nulls}}}"#);
+    let response = post(streamed).await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let events = parse_sse(&response.text().await.unwrap());
+    assert_eq!(
+        events.last().map(|(_, data)| data.as_str()),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .filter_map(|(_, data)| {
+            serde_json::from_str::<Value>(data).unwrap()["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(text, "echo: second");
+
+    // Null where OpenAI requires a value is still refused, naming the field.
+    let response = post(r#"{"model": "echo", "messages": null}"#.to_string())
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 422);
+    let body: Value = serde_json::from_str(&response.text().await.unwrap()).unwrap();
+    assert_eq!(error_code(&body), "invalid_body");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("messages"),
+        "{body}"
+    );
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_by_route_and_status_and_show_the_runtimes_counters() {
     let server = start_default().await;
