@@ -20,7 +20,8 @@
 //! pair_out/{target}   the order of its notifications and tasks to target (`PairOut`)
 //! pair_in/{sender}    the next ordered entry expected from sender, and the inbox seqs
 //!                     of those not yet processed (`PairIn`, see `PairSeq`)
-//! pair_skip/{sender}  the ordered entries from sender skipped past (`PairSkipped`)
+//! pair_skip/{sender}  the ordered entries from sender skipped past (`PairSkipped`),
+//!                     for AGENT_PAIR_SKIPPED_KEPT_MS after each gap
 //! task/{task_id}      the delegator's record of a task it delegated (A2A state)
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
 //! ext_id/{task_id}    → the seq of that record
@@ -74,8 +75,8 @@ use troupe_runtime::ActorError;
 
 use crate::agent::AgentRequest;
 use crate::limits::{
-    AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_OUTBOX_CAPACITY, AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT,
-    AGENT_TASK_TIMEOUT_MS_MAX,
+    AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_OUTBOX_CAPACITY, AGENT_PAIR_SKIPPED_KEPT_MS, AGENT_PAIR_SKIPPED_RANGES_MAX,
+    AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT, AGENT_TASK_TIMEOUT_MS_MAX,
 };
 use crate::Budget;
 
@@ -301,35 +302,105 @@ pub(crate) struct PairIn {
 /// [`PairIn::expected`] was either taken or skipped, so the order dedupes ordered
 /// entries without a mark each: one that comes again was taken (`Duplicate`) unless it
 /// is here (`Stale`). Holds one range per gap, adjacent ranges merged.
+///
+/// A range is kept for [`AGENT_PAIR_SKIPPED_KEPT_MS`] after it was recorded (the
+/// longest an attempt of a number in it can still come), and at most the newest
+/// [`AGENT_PAIR_SKIPPED_RANGES_MAX`] ranges are kept; older ones are dropped when a gap
+/// is added. What a dropped number changes, should an attempt of it still come: it is
+/// answered `Duplicate` instead of `Stale`, nothing else. It is below
+/// [`PairIn::expected`], so it is never taken (the order is kept); and its sender gave
+/// it up in the commit that took it off its pending list (before the receiver could
+/// jump it), deleting its outbox entry, so the sender's report of either answer
+/// (`Delivered` or `Undeliverable`) finds no entry and changes nothing (a task given up
+/// resolved at that commit). Only the delivery's `MessageSent` event is then wrong.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct PairSkipped {
-    /// Half-open ranges `[start, end)`, in order, disjoint and not adjacent.
-    pub(crate) ranges: Vec<(u64, u64)>,
+    /// Half-open ranges `[start, end)`, in order, disjoint and not adjacent, each with
+    /// when it was last extended.
+    pub(crate) ranges: Vec<SkippedRange>,
+}
+
+/// One range of [`PairSkipped`]: the numbers `[start, end)`, recorded (or last
+/// extended) at `recorded_us` (microseconds of the runtime's clock). Stored as the JSON
+/// array `[start, end, recorded_us]`; a range stored before the time was kept,
+/// `[start, end]`, reads as recorded at 0 (dropped at the next gap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "StoredSkippedRange", into = "StoredSkippedRange")]
+pub(crate) struct SkippedRange {
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) recorded_us: u64,
+}
+
+/// How a [`SkippedRange`] is stored: with its time, or as stored before it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(untagged)]
+enum StoredSkippedRange {
+    Dated(u64, u64, u64),
+    Undated(u64, u64),
+}
+
+impl From<StoredSkippedRange> for SkippedRange {
+    fn from(stored: StoredSkippedRange) -> Self {
+        let (start, end, recorded_us) = match stored {
+            StoredSkippedRange::Dated(start, end, recorded_us) => (start, end, recorded_us),
+            StoredSkippedRange::Undated(start, end) => (start, end, 0),
+        };
+        Self {
+            start,
+            end,
+            recorded_us,
+        }
+    }
+}
+
+impl From<SkippedRange> for StoredSkippedRange {
+    fn from(range: SkippedRange) -> Self {
+        Self::Dated(range.start, range.end, range.recorded_us)
+    }
 }
 
 impl PairSkipped {
     /// Whether `seq` was skipped.
     pub(crate) fn contains(&self, seq: u64) -> bool {
-        self.ranges.iter().any(|&(start, end)| start <= seq && seq < end)
+        self.ranges.iter().any(|range| range.start <= seq && seq < range.end)
     }
 
-    /// Adds `skipped`, merging it with a range it touches. Gaps come in order (each
-    /// starts at the number expected then, above every earlier one), so a new range
-    /// extends the last or follows it.
-    pub(crate) fn add(&mut self, skipped: std::ops::Range<u64>) {
+    /// Adds `skipped`, skipped at `now`, merging it with a range it touches, then drops
+    /// the ranges recorded [`AGENT_PAIR_SKIPPED_KEPT_MS`] or longer before `now` and the
+    /// oldest past [`AGENT_PAIR_SKIPPED_RANGES_MAX`]. Gaps come in order (each starts at
+    /// the number expected then, above every earlier one), so a new range extends the
+    /// last or follows it, and the ranges are in the order they were recorded.
+    pub(crate) fn add(&mut self, skipped: std::ops::Range<u64>, now: Deadline) {
         if skipped.is_empty() {
             return;
         }
+        let recorded_us = now.as_micros();
         match self.ranges.last_mut() {
-            Some(last) if last.1 >= skipped.start && last.0 <= skipped.end => {
-                last.0 = last.0.min(skipped.start);
-                last.1 = last.1.max(skipped.end);
+            Some(last) if last.end >= skipped.start && last.start <= skipped.end => {
+                last.start = last.start.min(skipped.start);
+                last.end = last.end.max(skipped.end);
+                last.recorded_us = last.recorded_us.max(recorded_us);
             }
             _ => {
-                self.ranges.push((skipped.start, skipped.end));
-                self.ranges.sort_unstable();
+                self.ranges.push(SkippedRange {
+                    start: skipped.start,
+                    end: skipped.end,
+                    recorded_us,
+                });
+                self.ranges.sort_unstable_by_key(|range| range.start);
             }
         }
+        let kept_us = AGENT_PAIR_SKIPPED_KEPT_MS.saturating_mul(1_000);
+        self.ranges
+            .retain(|range| range.recorded_us.saturating_add(kept_us) > recorded_us);
+        let over = self.ranges.len().saturating_sub(AGENT_PAIR_SKIPPED_RANGES_MAX);
+        self.ranges.drain(..over);
+        assert!(
+            self.ranges.len() <= AGENT_PAIR_SKIPPED_RANGES_MAX,
+            "{} skipped ranges kept, more than {AGENT_PAIR_SKIPPED_RANGES_MAX}",
+            self.ranges.len()
+        );
     }
 }
 

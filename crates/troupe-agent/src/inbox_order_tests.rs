@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use troupe_core::{ActorId, CallContext};
+use troupe_core::{ActorId, CallContext, Deadline};
 use troupe_runtime::{MemoryStore, StateStore};
 
 use crate::agent::agent_id;
 use crate::inbox::{
     decode_reply, pair_skip_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, PairSeq, PairSkipped,
 };
-use crate::limits::AGENT_DEDUPE_KEYS_KEPT_MAX;
+use crate::limits::{AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_PAIR_SKIPPED_KEPT_MS, AGENT_PAIR_SKIPPED_RANGES_MAX};
 use crate::{AgentSpec, AgentSystem, Budget, ScriptRule, ScriptedLlm};
 
 /// Agents `a` and `b` on `store`, with `llm`, and their ids.
@@ -110,7 +110,8 @@ async fn ordered_entries_are_deduplicated_by_their_order_without_a_mark() {
     assert!(marks.is_empty(), "no dedupe marks: {marks:?}");
     let skipped = store.get(&b, &pair_skip_key(&a)).await.unwrap().expect("stored");
     let skipped: PairSkipped = serde_json::from_slice(&skipped).unwrap();
-    assert_eq!(skipped.ranges, [(1, 3), (5, 7)]);
+    let ranges: Vec<(u64, u64)> = skipped.ranges.iter().map(|range| (range.start, range.end)).collect();
+    assert_eq!(ranges, [(1, 3), (5, 7)]);
     tokio::time::sleep(Duration::from_secs(20)).await;
     let log = system.conversation_log("b").await.unwrap();
     for seq in [0, 3, 4, 7] {
@@ -212,15 +213,114 @@ async fn an_agent_keeps_its_newest_dedupe_keys_only() {
     system.shutdown().await;
 }
 
-/// Goal: skipped ranges merge when they touch, and a number is skipped only inside one.
+/// Goal: skipped ranges merge when they touch (the merged range dated by its newest
+/// part), and a number is skipped only inside one.
 #[test]
 fn skipped_ranges_merge_when_they_touch() {
+    let at = Deadline::from_micros;
     let mut skipped = PairSkipped::default();
-    skipped.add(2..4);
-    skipped.add(4..6);
-    skipped.add(7..7);
-    skipped.add(9..10);
-    assert_eq!(skipped.ranges, [(2, 6), (9, 10)]);
+    skipped.add(2..4, at(1));
+    skipped.add(4..6, at(2));
+    skipped.add(7..7, at(3));
+    skipped.add(9..10, at(4));
+    let ranges: Vec<(u64, u64, u64)> = skipped
+        .ranges
+        .iter()
+        .map(|range| (range.start, range.end, range.recorded_us))
+        .collect();
+    assert_eq!(ranges, [(2, 6, 2), (9, 10, 4)]);
     let inside: Vec<u64> = (0..12).filter(|seq| skipped.contains(*seq)).collect();
     assert_eq!(inside, [2, 3, 4, 5, 9]);
+}
+
+/// Goal: a sender that gives up entries faster than their ranges age out leaves at most
+/// [`AGENT_PAIR_SKIPPED_RANGES_MAX`] ranges, the newest; a range is dropped once it is
+/// [`AGENT_PAIR_SKIPPED_KEPT_MS`] old, not a microsecond before.
+#[test]
+fn skipped_ranges_are_bounded_in_number_and_in_age() {
+    let mut skipped = PairSkipped::default();
+    let count = AGENT_PAIR_SKIPPED_RANGES_MAX as u64 + 5;
+    for gap in 0..count {
+        skipped.add(2 * gap..2 * gap + 1, Deadline::from_micros(gap));
+    }
+    assert_eq!(skipped.ranges.len(), AGENT_PAIR_SKIPPED_RANGES_MAX);
+    assert_eq!(skipped.ranges[0].start, 10, "the five oldest dropped");
+    assert!(skipped.contains(2 * (count - 1)));
+    let kept_us = AGENT_PAIR_SKIPPED_KEPT_MS * 1_000;
+    let newest = count - 1;
+    skipped.add(2 * count..2 * count + 1, Deadline::from_micros(newest + kept_us - 1));
+    assert!(skipped.contains(2 * newest), "not yet as old as the retention");
+    assert_eq!(skipped.ranges.len(), 2);
+    skipped.add(2 * count + 2..2 * count + 3, Deadline::from_micros(newest + kept_us));
+    assert!(!skipped.contains(2 * newest), "as old as the retention: dropped");
+    assert_eq!(skipped.ranges.len(), 2);
+}
+
+/// Goal: a record stored before the ranges were dated (`[start, end]`) still reads, its
+/// ranges as recorded at 0; it is stored dated.
+#[test]
+fn skipped_ranges_stored_undated_still_load() {
+    let skipped: PairSkipped = serde_json::from_str(r#"{"ranges":[[1,3],[5,7]]}"#).unwrap();
+    assert!(skipped.contains(2) && skipped.contains(6) && !skipped.contains(4));
+    assert!(skipped.ranges.iter().all(|range| range.recorded_us == 0));
+    let stored = serde_json::to_string(&skipped).unwrap();
+    assert_eq!(stored, r#"{"ranges":[[1,3,0],[5,7,0]]}"#);
+    assert_eq!(serde_json::from_str::<PairSkipped>(&stored).unwrap(), skipped);
+}
+
+/// Goal: a receiver's record of the numbers it skipped from one sender stays bounded
+/// however many entries that sender gives up: a skipped range is kept only while an
+/// attempt of a number in it can still come
+/// ([`crate::limits::AGENT_PAIR_SKIPPED_KEPT_MS`]), and the order is kept all the while
+/// (an entry taken is `Duplicate` when it comes again, one skipped lately `Stale`).
+/// Method: crafted `Enqueue`s in which every other number of `a`'s order was given up
+/// (each taken entry jumps a gap), a round of them, then virtual time past the
+/// retention, then another round, and so once more: the stored record holds the
+/// newest round's ranges only, and does not grow from one round to the next.
+#[tokio::test(start_paused = true)]
+async fn skipped_numbers_are_kept_only_while_an_attempt_of_them_can_still_come() {
+    let store = Arc::new(MemoryStore::new());
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("b").on_user_containing("note").reply("noted"));
+    let (system, a, b) = agents_a_and_b(&store, llm);
+    let gaps_per_round: u64 = 40;
+    let stored = || async {
+        let bytes = store.get(&b, &pair_skip_key(&a)).await.unwrap().expect("stored");
+        let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        (bytes.len(), value["ranges"].as_array().expect("ranges").len())
+    };
+    let mut next = 0;
+    let mut sizes = Vec::new();
+    for round in 0..3 {
+        for _ in 0..gaps_per_round {
+            // `next` was given up: `next + 1` is taken past it.
+            let taken = next + 1;
+            assert_eq!(enqueue(&system, &a, &b, taken, taken).await, accepted(taken));
+            next = taken + 1;
+        }
+        let (bytes, ranges) = stored().await;
+        assert_eq!(
+            ranges,
+            usize::try_from(gaps_per_round).unwrap(),
+            "round {round}: the ranges of this round only"
+        );
+        sizes.push(bytes);
+        // The order still dedupes: the newest taken entry is a duplicate, the newest
+        // skipped one stale.
+        assert_eq!(
+            enqueue(&system, &a, &b, next - 1, next - 1).await,
+            EnqueueReply::Duplicate
+        );
+        assert_eq!(
+            enqueue(&system, &a, &b, next - 2, next - 2).await,
+            EnqueueReply::Stale { expected: next }
+        );
+        tokio::time::sleep(Duration::from_millis(AGENT_PAIR_SKIPPED_KEPT_MS + 1_000)).await;
+    }
+    // Rounds 1 and 2 store times of as many digits; their numbers may take a digit more.
+    let slack = 2 * usize::try_from(gaps_per_round).unwrap();
+    assert!(
+        sizes[2] <= sizes[1] + slack,
+        "the stored record does not grow from one round to the next: {sizes:?}"
+    );
+    system.shutdown().await;
 }

@@ -1186,7 +1186,8 @@ async fn keep_in_window(turn: &mut Turn, boxes: &mut BoxCounters, key: String) -
 }
 
 /// Adds the numbers `skipped` (jumped over by an ordered entry from `from` taken
-/// past a gap) to `from`'s skipped numbers, in this turn's commit.
+/// past a gap) to `from`'s skipped numbers, in this turn's commit, dropping the ranges
+/// that no longer matter (see [`PairSkipped`]).
 async fn record_skipped(
     turn: &mut Turn,
     from: &ActorId,
@@ -1197,7 +1198,7 @@ async fn record_skipped(
     };
     let key = pair_skip_key(from);
     let mut record = skipped_of(turn, &key).await?;
-    record.add(skipped);
+    record.add(skipped, turn.now());
     turn.put(key, to_json(&record)?)?;
     Ok(())
 }

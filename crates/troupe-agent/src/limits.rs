@@ -163,6 +163,19 @@ pub const AGENT_MENTION_ANSWER_ATTEMPTS_MAX: u32 = 5;
 pub const AGENT_TASK_TIMEOUT_MS_DEFAULT: u64 = 120_000;
 /// The longest deadline of a delegated task or a notification, in milliseconds.
 pub const AGENT_TASK_TIMEOUT_MS_MAX: u64 = 300_000;
+/// How long a receiver keeps a range of numbers it skipped in one sender's order
+/// (`pair_skip/{sender}`, see `inbox::PairSkipped`), in milliseconds from when the
+/// range was recorded: the longest an attempt of a skipped entry can still come. Its
+/// sender sent it before the entry taken past it, so its deadline is at most
+/// [`AGENT_TASK_TIMEOUT_MS_MAX`] after that; its delivery task makes no attempt past
+/// its deadline, and an attempt waits at most [`AGENT_DELIVERY_ACK_TIMEOUT_MS`].
+pub const AGENT_PAIR_SKIPPED_KEPT_MS: u64 = AGENT_TASK_TIMEOUT_MS_MAX + AGENT_DELIVERY_ACK_TIMEOUT_MS;
+/// Ranges of skipped numbers a receiver keeps for one sender (see
+/// [`AGENT_PAIR_SKIPPED_KEPT_MS`]), the newest: a backstop for a sender that gives up
+/// entries faster than they age out (about 40 bytes each as stored: 40 KiB at most).
+/// A range dropped early changes only the answer to a late attempt of its numbers
+/// (`Duplicate` instead of `Stale`), never the order: `inbox::PairSkipped`.
+pub const AGENT_PAIR_SKIPPED_RANGES_MAX: usize = 1_024;
 /// Inbox or outbox entries one resume turn re-schedules before it continues in the
 /// next turn (it must fit in a mailbox: below `MAILBOX_CAPACITY_DEFAULT`).
 pub const AGENT_RESUME_BATCH: usize = 16;
