@@ -10,12 +10,14 @@
 //! name = "Manager"               # default: the id
 //! role = "runs the team"
 //! system_prompt = "You run a small team."
-//! model = "gpt-4o-mini"          # passed to the model client; default: its default
+//! model = "gpt-4o-mini"          # passed to the model client; default: its default;
+//!                                # at most AGENT_MODEL_NAME_SIZE_MAX_BYTES (256)
 //! provider = "openai"            # a provider registered with AgentSystemBuilder::provider;
 //!                                # default: the system's default client (`llm`)
 //! tools = ["call_agent"]         # registered tools (built-in, custom or MCP) it may use;
 //!                                # default: every registered tool
-//! max_steps = 4                  # model steps per turn, 1..=AGENT_TURN_STEPS_MAX
+//! max_steps = 4                  # model steps per turn,
+//!                                # AGENT_TURN_STEPS_MIN..=AGENT_TURN_STEPS_MAX (1..=8)
 //! window_messages = 16           # conversation messages its prompt shows when it answers a
 //!                                # mention, 1..=CONVERSATION_WINDOW_MESSAGES_MAX (default: the max)
 //! window_tokens = 2000           # and at most this many approximate tokens of them,
@@ -64,7 +66,6 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::limits::AGENT_TURN_STEPS_MAX;
 use crate::permissions::{BehaviourMode, PermissionEffect, PermissionRule, PERMISSION_TARGET_ANY};
 use crate::{AgentSpec, Link, LinkDirection, LinkRelationship, Membership, OrgPolicy};
 
@@ -431,6 +432,12 @@ impl OrgConfig {
                     ),
                 ));
             }
+            // The definition's own check, reported at the field rather than at the id.
+            if let Some(steps) = &agent.max_steps {
+                if let Err(error) = AgentSpec::check_max_steps(id, *steps.get_ref()) {
+                    return Err(invalid(steps.span(), field("max_steps"), error.to_string()));
+                }
+            }
             if let Err(error) = self.spec(agent).validate() {
                 return Err(invalid(agent.id.span(), field("id"), error.to_string()));
             }
@@ -447,15 +454,6 @@ impl OrgConfig {
                     field("id"),
                     format!("agent {id:?} is declared twice; give each agent its own id"),
                 ));
-            }
-            if let Some(steps) = &agent.max_steps {
-                if !(1..=AGENT_TURN_STEPS_MAX).contains(steps.get_ref()) {
-                    return Err(invalid(
-                        steps.span(),
-                        field("max_steps"),
-                        format!("{} is not in 1..={AGENT_TURN_STEPS_MAX}", steps.get_ref()),
-                    ));
-                }
             }
             if let Some(tools) = &agent.tools {
                 let mut seen = BTreeSet::new();
@@ -804,7 +802,7 @@ effect = "deny"
             (
                 "steps out of range",
                 VALID.replace("max_steps = 3", "max_steps = 0"),
-                "org.toml:12:13: field `agents[1].max_steps`: 0 is not in 1..=",
+                "org.toml:12:13: field `agents[1].max_steps`: the max_steps of worker is 0, which is not in 1..=8",
             ),
             (
                 "window out of range",

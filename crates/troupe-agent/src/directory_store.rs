@@ -27,7 +27,9 @@
 //! Agents the system was built with (its builder, its config file) are the base: the
 //! record's entries replace or remove them, and an agent the record does not name is
 //! left as built. A stored definition this process cannot run (it names a provider or
-//! tool this system does not have) is skipped with a warning.
+//! tool this system does not have, or is invalid: a field over its limit) is skipped
+//! with a warning; one whose `max_steps` is out of range (an older Troupe stored any and
+//! clipped it at the turns) is clipped into range with a warning and kept.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, PoisonError};
@@ -97,6 +99,27 @@ impl DefinedAgents {
     }
 }
 
+/// `spec` with its `max_steps` clipped into
+/// `AGENT_TURN_STEPS_MIN..=AGENT_TURN_STEPS_MAX`, with a warning if it was out of it.
+/// An older Troupe stored any value and clipped it at the agent's turns; now such a
+/// definition is refused when defined, and one already stored keeps running as it did
+/// (rather than being skipped as an invalid definition is).
+fn clip_stored_steps(spec: &AgentSpec) -> std::borrow::Cow<'_, AgentSpec> {
+    use crate::limits::{AGENT_TURN_STEPS_MAX, AGENT_TURN_STEPS_MIN};
+    let steps = spec.model.max_steps;
+    let clipped = steps.clamp(AGENT_TURN_STEPS_MIN, AGENT_TURN_STEPS_MAX);
+    if clipped == steps {
+        return std::borrow::Cow::Borrowed(spec);
+    }
+    tracing::warn!(
+        agent = %spec.id,
+        stored = steps,
+        used = clipped,
+        "a stored agent definition's max_steps is out of range; clipped (replace the definition to fix it)"
+    );
+    std::borrow::Cow::Owned(spec.clone().max_steps(clipped))
+}
+
 fn record_id() -> ActorId {
     ActorId::new(DIRECTORY_STORE_KIND, DIRECTORY_STORE_KEY).expect("the directory's record id is valid")
 }
@@ -154,8 +177,9 @@ impl DirectoryStore {
         }
         *applied = record.version;
         for (id, spec) in &record.agents {
-            if shared.directory.get(id).as_ref() != Some(spec) {
-                if let Err(error) = shared.directory.upsert(spec.clone()) {
+            let spec = clip_stored_steps(spec);
+            if shared.directory.get(id).as_ref() != Some(spec.as_ref()) {
+                if let Err(error) = shared.directory.upsert(spec.into_owned()) {
                     tracing::warn!(agent = %id, %error, "a stored agent definition cannot run in this process; skipped");
                 }
             }

@@ -6,8 +6,12 @@
 use troupe_core::limits::{AGENT_CALL_TIMEOUT_MS_MAX, INVOKE_TIMEOUT_MS_MAX};
 
 /// Most model steps (LLM calls) in one turn; a turn that still asks for tools after this
-/// many steps fails.
+/// many steps fails. An agent's own `max_steps` is at most this
+/// ([`crate::AgentSpec::validate`]).
 pub const AGENT_TURN_STEPS_MAX: u32 = 8;
+/// Fewest model steps an agent's turn may be given (its `max_steps`): one, for the
+/// answer.
+pub const AGENT_TURN_STEPS_MIN: u32 = 1;
 /// Largest inbound message an agent accepts, in bytes; longer ones are truncated on a
 /// character boundary.
 pub const AGENT_MESSAGE_SIZE_MAX_BYTES: usize = 32 * 1024;
@@ -62,8 +66,13 @@ pub const AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES: usize = 16 * 1024;
 pub const AGENT_ROLE_SIZE_MAX_BYTES: usize = 1_024;
 /// Longest display name an agent may have, in bytes (it is in its own system message).
 pub const AGENT_NAME_SIZE_MAX_BYTES: usize = 256;
+/// Longest model name an agent may have, in bytes: it goes into every request to the
+/// agent's model provider (names such as `gpt-4o-mini-2024-07-18`, a fine-tune's
+/// `ft:...` or an `organisation/model` path are well under it).
+pub const AGENT_MODEL_NAME_SIZE_MAX_BYTES: usize = 256;
 
-const _: () = assert!(AGENT_TURN_STEPS_MAX >= 1);
+const _: () = assert!(AGENT_TURN_STEPS_MIN >= 1);
+const _: () = assert!(AGENT_TURN_STEPS_MIN <= AGENT_TURN_STEPS_MAX);
 const _: () = assert!(AGENT_HISTORY_WINDOW_MIN >= 2);
 const _: () = assert!(AGENT_HISTORY_WINDOW_MIN <= AGENT_HISTORY_WINDOW_DEFAULT);
 const _: () = assert!(AGENT_HISTORY_WINDOW_DEFAULT <= AGENT_HISTORY_WINDOW_MAX);

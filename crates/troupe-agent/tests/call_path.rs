@@ -64,7 +64,7 @@ async fn a_caller_that_gives_up_stops_its_callees_model_and_tool_calls_and_nothi
     let system = AgentSystem::builder()
         .llm(Arc::new(llm.clone()))
         .agent(AgentSpec::new("boss"))
-        .agent(AgentSpec::new("worker").max_steps(50))
+        .agent(AgentSpec::new("worker").max_steps(troupe_agent::limits::AGENT_TURN_STEPS_MAX))
         .tool(step_tool(&steps, 100))
         .start()
         .unwrap();

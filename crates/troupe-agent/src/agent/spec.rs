@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, ActorKind, IdError};
 
 use crate::limits::{
-    AGENT_HISTORY_WINDOW_DEFAULT, AGENT_HISTORY_WINDOW_MAX, AGENT_HISTORY_WINDOW_MIN, AGENT_NAME_SIZE_MAX_BYTES,
-    AGENT_ROLE_SIZE_MAX_BYTES, AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+    AGENT_HISTORY_WINDOW_DEFAULT, AGENT_HISTORY_WINDOW_MAX, AGENT_HISTORY_WINDOW_MIN, AGENT_MODEL_NAME_SIZE_MAX_BYTES,
+    AGENT_NAME_SIZE_MAX_BYTES, AGENT_ROLE_SIZE_MAX_BYTES, AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+    AGENT_TURN_STEPS_MIN,
 };
 
 /// The actor kind of every agent.
@@ -30,9 +31,12 @@ pub fn agent_id(key: &str) -> Result<ActorId, IdError> {
 /// Which model an agent uses and how many steps a turn may take.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSettings {
-    /// The model's name, passed to the [`crate::LlmClient`]; empty means the client's default.
+    /// The model's name, passed to the [`crate::LlmClient`]; empty means the client's
+    /// default. At most [`AGENT_MODEL_NAME_SIZE_MAX_BYTES`] (checked by
+    /// [`AgentSpec::validate`]).
     pub model: String,
-    /// Most model steps per turn; clipped to [`AGENT_TURN_STEPS_MAX`].
+    /// Most model steps per turn, [`AGENT_TURN_STEPS_MIN`]..=[`AGENT_TURN_STEPS_MAX`]
+    /// (checked by [`AgentSpec::validate`]).
     pub max_steps: u32,
 }
 
@@ -66,18 +70,32 @@ pub enum AgentSpecError {
         /// [`AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES`].
         limit: usize,
     },
-    /// The role or the display name is too long (see [`AGENT_ROLE_SIZE_MAX_BYTES`],
-    /// [`AGENT_NAME_SIZE_MAX_BYTES`]).
+    /// The role, the display name or the model name is too long (see
+    /// [`AGENT_ROLE_SIZE_MAX_BYTES`], [`AGENT_NAME_SIZE_MAX_BYTES`],
+    /// [`AGENT_MODEL_NAME_SIZE_MAX_BYTES`]).
     #[error("the {field} of {id} is {size} bytes, more than the limit of {limit}; shorten it")]
     FieldTooLong {
         /// The agent.
         id: String,
-        /// `role` or `name`.
+        /// `role`, `name` or `model`.
         field: &'static str,
         /// Its size in bytes.
         size: usize,
-        /// [`AGENT_ROLE_SIZE_MAX_BYTES`] or [`AGENT_NAME_SIZE_MAX_BYTES`].
+        /// [`AGENT_ROLE_SIZE_MAX_BYTES`], [`AGENT_NAME_SIZE_MAX_BYTES`] or
+        /// [`AGENT_MODEL_NAME_SIZE_MAX_BYTES`].
         limit: usize,
+    },
+    /// The most model steps per turn is out of range.
+    #[error("the max_steps of {id} is {value}, which is not in {min}..={max}; pick a value in range")]
+    MaxStepsOutOfRange {
+        /// The agent.
+        id: String,
+        /// The value given.
+        value: u32,
+        /// [`AGENT_TURN_STEPS_MIN`].
+        min: u32,
+        /// [`AGENT_TURN_STEPS_MAX`].
+        max: u32,
     },
     /// An agent with this id is already defined.
     #[error("agent {id:?} is already defined")]
@@ -360,19 +378,41 @@ impl AgentSpec {
         self
     }
 
-    /// Sets the model name.
+    /// Sets the model name (checked by [`AgentSpec::validate`]: at most
+    /// [`AGENT_MODEL_NAME_SIZE_MAX_BYTES`]).
     pub fn model(mut self, model: impl Into<String>) -> Self {
         self.model.model = model.into();
         self
     }
 
-    /// Sets the most model steps per turn.
+    /// Sets the most model steps per turn (checked by [`AgentSpec::validate`]:
+    /// [`AGENT_TURN_STEPS_MIN`]..=[`AGENT_TURN_STEPS_MAX`]).
     pub fn max_steps(mut self, steps: u32) -> Self {
         self.model.max_steps = steps;
         self
     }
 
-    /// Checks the id, the prompt, role and name sizes and the windows.
+    /// Checks that `steps` may be agent `id`'s most model steps per turn: the one check
+    /// of `max_steps` for every path a definition takes (the builder, the API, a config
+    /// file, which reports it at the field's line and column).
+    ///
+    /// # Errors
+    /// [`AgentSpecError::MaxStepsOutOfRange`] outside
+    /// [`AGENT_TURN_STEPS_MIN`]..=[`AGENT_TURN_STEPS_MAX`].
+    pub(crate) fn check_max_steps(id: &str, steps: u32) -> Result<(), AgentSpecError> {
+        if (AGENT_TURN_STEPS_MIN..=AGENT_TURN_STEPS_MAX).contains(&steps) {
+            return Ok(());
+        }
+        Err(AgentSpecError::MaxStepsOutOfRange {
+            id: id.to_string(),
+            value: steps,
+            min: AGENT_TURN_STEPS_MIN,
+            max: AGENT_TURN_STEPS_MAX,
+        })
+    }
+
+    /// Checks the id, the prompt, role, name and model name sizes, the steps and the
+    /// windows.
     ///
     /// # Errors
     /// [`AgentSpecError`].
@@ -411,6 +451,7 @@ impl AgentSpec {
         for (field, size, limit) in [
             ("role", self.role.len(), AGENT_ROLE_SIZE_MAX_BYTES),
             ("name", self.name.len(), AGENT_NAME_SIZE_MAX_BYTES),
+            ("model", self.model.model.len(), AGENT_MODEL_NAME_SIZE_MAX_BYTES),
         ] {
             if size > limit {
                 return Err(AgentSpecError::FieldTooLong {
@@ -428,7 +469,7 @@ impl AgentSpec {
                 limit: AGENT_SYSTEM_PROMPT_SIZE_MAX_BYTES,
             });
         }
-        Ok(())
+        Self::check_max_steps(&self.id, self.model.max_steps)
     }
 }
 
