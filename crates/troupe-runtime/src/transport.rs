@@ -100,8 +100,10 @@
 //! - Nothing grows without bound: the client's pending map holds at most
 //!   [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] entries (a caller over it waits for a slot until its
 //!   deadline), an entry is freed when its caller stops waiting for any reason, the
-//!   server runs at most [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests per connection (it
-//!   stops reading until one finishes), both write queues are bounded in frames
+//!   server runs at most [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests per connection (one
+//!   more is answered [`InvokeError::DispatcherBusy`] at once, unrun, and the server
+//!   keeps reading, so cancels reach their requests while every slot is taken; a
+//!   cancel frees its request's slot as it is read), both write queues are bounded in frames
 //!   ([`WRITE_QUEUE_CAPACITY`]) and in bytes (below), and at most one refresh hello per
 //!   connection is outstanding.
 //! - A bad frame from the network is a typed [`FrameError`] that closes that connection;
@@ -172,9 +174,9 @@
 //!   not). Callers that need exactly-once effects deduplicate in the actor.
 //! - No routing or placement: a client talks to one address. The directory decides which
 //!   node hosts an actor and keeps one client per node.
-//! - No guaranteed cancel: a cancel lost to a partition, a full write queue, or a server
-//!   that is not reading (at `SERVER_REQUESTS_IN_FLIGHT_MAX` it reads nothing until a
-//!   request ends) leaves the remote call to its (translated) deadline, which is no later
+//! - No guaranteed cancel: a cancel lost to a partition or a full write queue, or held
+//!   up behind a server that is not reading (its connection's byte budget or write queue
+//!   full), leaves the remote call to its (translated) deadline, which is no later
 //!   than the caller's.
 //! - No clock synchronization between nodes beyond each connection's bound, and no
 //!   defence against a clock that jumps (the runtime clock is monotonic) or drifts
@@ -212,8 +214,11 @@ pub use wire::Probe;
 /// Most requests one [`TransportClient`] has in flight at once; a caller over it waits
 /// for a slot until its deadline.
 pub const CLIENT_REQUESTS_IN_FLIGHT_MAX: usize = 1_024;
-/// Most requests a [`TransportServer`] runs at once for one connection; past it the
-/// server stops reading that connection until one finishes.
+/// Most requests a [`TransportServer`] runs at once for one connection; one more is
+/// answered [`InvokeError::DispatcherBusy`] at once (counted in
+/// [`TransportServerStats::requests_refused_busy`]) and never runs. The server keeps
+/// reading the connection meanwhile, so a cancel reaches its request, and frees its
+/// slot, while every slot is taken.
 pub const SERVER_REQUESTS_IN_FLIGHT_MAX: usize = 1_024;
 /// Capacity of each connection's queue of encoded frames waiting to be written, in frames.
 pub const WRITE_QUEUE_CAPACITY: usize = 256;
@@ -288,7 +293,9 @@ pub const CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES: usize = 32 * 1024 * 1024;
 
 const _: () = assert!(CLIENT_REQUESTS_IN_FLIGHT_MAX >= 1);
 const _: () = assert!(SERVER_REQUESTS_IN_FLIGHT_MAX >= 1);
-// One client at its limit never stalls on the server's per-connection limit.
+// One client at its limit is not refused busy by the server's per-connection limit: a
+// slot is freed before its reply is queued and when its cancel is read (a lost cancel,
+// or a request ending at its deadline a moment after its caller's, may still be met).
 const _: () = assert!(CLIENT_REQUESTS_IN_FLIGHT_MAX <= SERVER_REQUESTS_IN_FLIGHT_MAX);
 const _: () = assert!(WRITE_QUEUE_CAPACITY >= 1);
 const _: () = assert!(WRITE_BATCH_FRAMES_MAX >= 1);

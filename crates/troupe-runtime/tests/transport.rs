@@ -34,7 +34,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use troupe_core::{ActorId, ActorKind, CallContext, InvokeError, TraceId};
-use troupe_runtime::{Actor, ActorBox, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, Turn};
+use troupe_runtime::{
+    Actor, ActorBox, ActorError, Clock, KindConfig, Runtime, TransportClient, TransportServer, TransportServerStats,
+    Turn, SERVER_REQUESTS_IN_FLIGHT_MAX,
+};
 
 // ---------------------------------------------------------------------------------------
 // The probe actor
@@ -357,6 +360,100 @@ async fn a_remote_tell_returns_at_acceptance_and_its_turn_runs(client: &Transpor
     );
 }
 
+/// How long each turn holding a slot in
+/// [`a_cancel_reaches_a_server_whose_request_slots_are_full`] sleeps, in milliseconds:
+/// far past the test's checks, so no slot frees itself meanwhile.
+const SLOT_HOLDING_TURN_SLEEP_MS: u64 = 20_000;
+
+/// Waits (up to `limit`, looking every 10 ms) until `done` holds of the server's stats;
+/// returns the last stats read either way.
+async fn until_server_stats(
+    server_stats: &impl Fn() -> TransportServerStats,
+    limit: Duration,
+    done: impl Fn(&TransportServerStats) -> bool,
+) -> TransportServerStats {
+    let step = Duration::from_millis(10);
+    let mut waited = Duration::ZERO;
+    loop {
+        let stats = server_stats();
+        if done(&stats) || waited >= limit {
+            return stats;
+        }
+        tokio::time::sleep(step).await;
+        waited += step;
+    }
+}
+
+/// Goal: a caller that gives up cancels its remote call even when the server's request
+/// slots for its connection are all taken: the server still reads the cancel, drops the
+/// call (its turn cancelled) and frees its slot, so the next call is served while the
+/// others still run. Method: `SERVER_REQUESTS_IN_FLIGHT_MAX` calls (the client's own
+/// limit too) to probes that sleep [`SLOT_HOLDING_TURN_SLEEP_MS`] fill the connection's
+/// slots; one caller gives up (its task aborted); within [`CANCEL_TAKES_EFFECT_MS_MAX`]
+/// the server must count one request cancelled with the rest still running, and an echo
+/// in the freed slot must be answered within 1 s. The callers left are then dropped.
+async fn a_cancel_reaches_a_server_whose_request_slots_are_full(
+    client: &Arc<TransportClient>,
+    clock: &Clock,
+    server_stats: impl Fn() -> TransportServerStats,
+) {
+    echo(client, clock, "warm", b"warm", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut holders: Vec<_> = (0..SERVER_REQUESTS_IN_FLIGHT_MAX)
+        .map(|index| {
+            let client = Arc::clone(client);
+            let clock = *clock;
+            tokio::spawn(async move {
+                let sleepy = encode(&Probe::Sleep {
+                    milliseconds: SLOT_HOLDING_TURN_SLEEP_MS,
+                });
+                let context = root_context(&clock, Duration::from_millis(2 * SLOT_HOLDING_TURN_SLEEP_MS));
+                client
+                    .invoke(&probe(&format!("holder-{index}")), sleepy, context, None)
+                    .await
+            })
+        })
+        .collect();
+    let full = until_server_stats(&server_stats, Duration::from_secs(10), |stats| {
+        stats.requests_running == SERVER_REQUESTS_IN_FLIGHT_MAX
+    })
+    .await;
+    assert_eq!(
+        full.requests_running, SERVER_REQUESTS_IN_FLIGHT_MAX,
+        "the connection's slots filled: {full:?}"
+    );
+
+    // One caller gives up: its future is dropped, and the client queues a cancel.
+    let gave_up = holders.remove(0);
+    gave_up.abort();
+    assert!(gave_up.await.unwrap_err().is_cancelled());
+    let stats = until_server_stats(
+        &server_stats,
+        Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX),
+        |stats| stats.requests_cancelled == 1,
+    )
+    .await;
+    assert_eq!(
+        stats.requests_cancelled, 1,
+        "the cancel was not acted on within {CANCEL_TAKES_EFFECT_MS_MAX} ms while the connection's \
+         {SERVER_REQUESTS_IN_FLIGHT_MAX} request slots were full: {stats:?}"
+    );
+    assert_eq!(stats.requests_running, SERVER_REQUESTS_IN_FLIGHT_MAX - 1, "{stats:?}");
+    assert_eq!(client.stats().cancels_sent, 1, "{:?}", client.stats());
+
+    // The freed slot serves the next call while the others still run.
+    let reply = echo(client, clock, "after-cancel", b"served", Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(&reply[..], b"served");
+    let stats = server_stats();
+    assert_eq!(stats.requests_running, SERVER_REQUESTS_IN_FLIGHT_MAX - 1, "{stats:?}");
+    for holder in holders {
+        holder.abort();
+    }
+}
+
 /// The handshake frames as the wire encodes them, mirrored here (serde encodes an
 /// enum by variant index, so a mirror with the same variants in the same order
 /// encodes the same bytes).
@@ -394,6 +491,82 @@ mod mirror {
 
     pub(super) fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> T {
         bincode::DefaultOptions::new().deserialize(body).unwrap()
+    }
+}
+
+/// Requests, cancels and responses as the wire encodes them, mirrored here as
+/// [`mirror`] mirrors the handshake (the same variants in the same order). Used by the
+/// simulated raw-client tests.
+#[cfg(madsim)]
+mod wire_mirror {
+    use bytes::Bytes;
+    use serde::{Deserialize, Serialize};
+    use troupe_core::{ActorId, InvokeError, TraceId};
+
+    #[derive(Debug, Serialize)]
+    #[allow(dead_code, reason = "every variant holds its wire index; the tests send only some")]
+    pub(super) enum ClientMessage {
+        Hello {
+            magic: u32,
+            version: u16,
+            client_now_us: u64,
+        },
+        Request(Request),
+        /// A deadlock probe: never sent here, only holds its place.
+        Probe(()),
+        Cancel {
+            request_id: u64,
+        },
+    }
+
+    #[derive(Debug, Serialize)]
+    pub(super) struct Request {
+        pub(super) request_id: u64,
+        pub(super) target: ActorId,
+        pub(super) payload: Bytes,
+        pub(super) depth: u32,
+        pub(super) chain: Vec<ActorId>,
+        pub(super) deadline_us: u64,
+        pub(super) caller: Option<ActorId>,
+        pub(super) trace_id: Option<TraceId>,
+        pub(super) tell: bool,
+        pub(super) key: Option<String>,
+    }
+
+    impl Request {
+        /// A root request, its deadline as far as the server allows.
+        pub(super) fn root(request_id: u64, target: ActorId, payload: Bytes) -> ClientMessage {
+            ClientMessage::Request(Self {
+                request_id,
+                target,
+                payload,
+                depth: 0,
+                chain: Vec::new(),
+                deadline_us: u64::MAX,
+                caller: None,
+                trace_id: None,
+                tell: false,
+                key: None,
+            })
+        }
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[allow(
+        dead_code,
+        reason = "every variant holds its wire index; the tests read only some fields"
+    )]
+    pub(super) enum ServerMessage {
+        HelloAck {
+            magic: u32,
+            version: u16,
+            client_now_us: u64,
+            server_now_us: u64,
+        },
+        Response {
+            request_id: u64,
+            result: Result<Bytes, InvokeError>,
+        },
     }
 }
 
@@ -516,6 +689,24 @@ mod loopback {
             .await
             .unwrap();
         a_remote_tell_returns_at_acceptance_and_its_turn_runs(&client, &clock, "told").await;
+    }
+
+    /// Goal: on worker threads, a cancel reaches a server whose request slots for the
+    /// connection are full, and the cancelled turn ends (see
+    /// [`a_cancel_reaches_a_server_whose_request_slots_are_full`]). Method: that scenario
+    /// on a 4-thread runtime; the host also counts one turn abandoned.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_cancel_reaches_a_server_whose_request_slots_are_full_on_the_multi_thread_runtime() {
+        let (runtime, server) = start_server().await;
+        let clock = Clock::new();
+        let client = Arc::new(TransportClient::new(server.local_address(), clock));
+        a_cancel_reaches_a_server_whose_request_slots_are_full(&client, &clock, || server.stats()).await;
+        assert_eq!(
+            runtime.handle().counters().turns_abandoned,
+            1,
+            "the cancelled turn ended: {:?}",
+            runtime.handle().counters()
+        );
     }
 
     /// Goal: remote tells from many tasks on worker threads over one connection: each
@@ -1200,9 +1391,9 @@ mod simulated {
     use madsim::net::NetSim;
     use madsim::runtime::{Handle, NodeHandle};
     use troupe_runtime::{
-        TransportServerStats, CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX,
-        CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX, CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES, CONNECT_TIMEOUT_MS,
-        FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
+        CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CONNECTIONS_PER_NODE_MAX,
+        CONNECTIONS_PER_PEER_MAX, CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES, CONNECT_TIMEOUT_MS, FRAME_HEADER_SIZE_BYTES,
+        FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
     };
 
     use super::*;
@@ -1746,6 +1937,116 @@ mod simulated {
         assert_eq!((stats.requests_cancelled, stats.cancels_unmatched), (1, 0), "{stats:?}");
         assert!(took <= Duration::from_millis(CANCEL_TAKES_EFFECT_MS_MAX), "{took:?}");
         println!("the callee's actor served its next request {took:?} after the caller gave up");
+    }
+
+    /// Goal: across simulated nodes too, a cancel reaches a server whose request slots
+    /// for the connection are full (see
+    /// [`a_cancel_reaches_a_server_whose_request_slots_are_full`]). Method: that scenario
+    /// from the client node.
+    #[madsim::test]
+    async fn a_cancel_reaches_a_server_whose_request_slots_are_full_across_nodes() {
+        let handle = Handle::current();
+        let (_server, slot) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let clock = Clock::new();
+                let transport = Arc::new(TransportClient::new(server_address(), clock));
+                a_cancel_reaches_a_server_whose_request_slots_are_full(&transport, &clock, || server_stats(&slot))
+                    .await;
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Goal: a request that finds every request slot of its connection taken is refused
+    /// `DispatcherBusy` at once and never runs (nothing queued), and the server keeps
+    /// reading that connection: a cancel read next frees its slot for the request after
+    /// it. Method: a raw client (which, unlike `TransportClient`, does not keep within
+    /// the limit) sends `SERVER_REQUESTS_IN_FLIGHT_MAX` requests whose turns sleep 20 s,
+    /// then one more that would count a turn; it must be answered within 1 s, refused;
+    /// then a cancel for the first and an echo, answered within 1 s. The counting turn
+    /// never ran.
+    #[madsim::test]
+    async fn a_request_over_its_connections_request_slots_is_refused_busy_at_once_and_never_runs() {
+        const ANSWER_WITHIN: Duration = Duration::from_secs(1);
+        let handle = Handle::current();
+        let (_server, slot) = start_observed_server_node(&handle);
+        let client = client_node(&handle);
+        client
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let mut stream = raw_handshake(server_address()).await;
+                let sleepy = encode(&Probe::Sleep { milliseconds: 20_000 });
+                let holders = u64::try_from(SERVER_REQUESTS_IN_FLIGHT_MAX).unwrap();
+                for request_id in 0..holders {
+                    let request =
+                        wire_mirror::Request::root(request_id, probe(&format!("raw-{request_id}")), sleepy.clone());
+                    stream.write_all(&mirror::frame(&request)).await.unwrap();
+                }
+                stream.flush().await.unwrap();
+                let stats = until_server_stats(&|| server_stats(&slot), Duration::from_secs(5), |stats| {
+                    stats.requests_running == SERVER_REQUESTS_IN_FLIGHT_MAX
+                })
+                .await;
+                assert_eq!(stats.requests_running, SERVER_REQUESTS_IN_FLIGHT_MAX, "{stats:?}");
+
+                let over = wire_mirror::Request::root(holders, probe("raw-over"), encode(&Probe::Count));
+                stream.write_all(&mirror::frame(&over)).await.unwrap();
+                stream.flush().await.unwrap();
+                let answer = tokio::time::timeout(ANSWER_WITHIN, read_raw_frame(&mut stream)).await;
+                let answer: wire_mirror::ServerMessage =
+                    mirror::decode(&answer.expect("the request over the slots was answered at once"));
+                let wire_mirror::ServerMessage::Response { request_id, result } = answer else {
+                    panic!("a request is answered with a response: {answer:?}")
+                };
+                assert_eq!(request_id, holders);
+                assert_eq!(
+                    result,
+                    Err(InvokeError::DispatcherBusy {
+                        capacity: SERVER_REQUESTS_IN_FLIGHT_MAX
+                    })
+                );
+                let stats = server_stats(&slot);
+                assert_eq!(stats.requests_refused_busy, 1, "{stats:?}");
+                assert_eq!(stats.requests_running, SERVER_REQUESTS_IN_FLIGHT_MAX, "{stats:?}");
+
+                // Still reading: a cancel frees a slot, which the next request takes.
+                let cancel = wire_mirror::ClientMessage::Cancel { request_id: 0 };
+                stream.write_all(&mirror::frame(&cancel)).await.unwrap();
+                let echo_id = holders + 1;
+                let echoed = wire_mirror::Request::root(
+                    echo_id,
+                    probe("raw-echo"),
+                    encode(&Probe::Echo(Bytes::from_static(b"served"))),
+                );
+                stream.write_all(&mirror::frame(&echoed)).await.unwrap();
+                stream.flush().await.unwrap();
+                let answer = tokio::time::timeout(ANSWER_WITHIN, read_raw_frame(&mut stream)).await;
+                let answer: wire_mirror::ServerMessage =
+                    mirror::decode(&answer.expect("the request after the cancel was answered"));
+                let wire_mirror::ServerMessage::Response { request_id, result } = answer else {
+                    panic!("a request is answered with a response: {answer:?}")
+                };
+                assert_eq!((request_id, result), (echo_id, Ok(Bytes::from_static(b"served"))));
+                let stats = server_stats(&slot);
+                assert_eq!(
+                    (stats.requests_cancelled, stats.requests_refused_busy),
+                    (1, 1),
+                    "{stats:?}"
+                );
+
+                let clock = Clock::new();
+                let transport = TransportClient::new(server_address(), clock);
+                assert_eq!(
+                    turns_of(&transport, &clock, "raw-over").await,
+                    0,
+                    "the refused request never ran"
+                );
+            })
+            .await
+            .unwrap();
     }
 
     /// How far from a server timeout the test may see its effect: the close reaches the

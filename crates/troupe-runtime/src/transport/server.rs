@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{CallRefused, Deadline, InvokeError};
 
@@ -37,7 +37,10 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 /// [`WRITE_QUEUE_CAPACITY`] frames.
 ///
 /// A request whose deadline (sent on this runtime's clock) has passed when it is read is
-/// answered [`InvokeError::Timeout`] and never runs.
+/// answered [`InvokeError::Timeout`] and never runs. A connection runs at most
+/// [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests at once; a request that arrives while all
+/// of them run is answered [`InvokeError::DispatcherBusy`] at once and never runs (the
+/// server keeps reading the connection, so its cancels and probes are still acted on).
 ///
 /// Defends itself against slow and hostile peers (see the transport module's
 /// documentation in the source): at most
@@ -127,6 +130,9 @@ pub struct TransportServerStats {
     /// Requests refused `Rejected` because their id was already in flight on their
     /// connection (a client bug or a hostile peer: a cancel could not tell them apart).
     pub requests_refused_duplicate_id: u64,
+    /// Requests refused `DispatcherBusy` on arrival because their connection already ran
+    /// [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests: they never ran.
+    pub requests_refused_busy: u64,
 }
 
 /// State shared by the server's tasks.
@@ -143,6 +149,7 @@ struct ServerShared {
     requests_cancelled: AtomicU64,
     cancels_unmatched: AtomicU64,
     requests_refused_duplicate_id: AtomicU64,
+    requests_refused_busy: AtomicU64,
     probes: ProbeSinkSlot,
 }
 
@@ -289,6 +296,7 @@ impl TransportServer {
             requests_cancelled: load(&shared.requests_cancelled),
             cancels_unmatched: load(&shared.cancels_unmatched),
             requests_refused_duplicate_id: load(&shared.requests_refused_duplicate_id),
+            requests_refused_busy: load(&shared.requests_refused_busy),
         }
     }
 }
@@ -434,57 +442,110 @@ impl Drop for RunningRequest {
 }
 
 /// The requests of one connection that are running (or waiting to start), by request
-/// id, each with the sender that cancels it. At most [`SERVER_REQUESTS_IN_FLIGHT_MAX`]
-/// entries: an entry lives as long as its request's task, which holds an in-flight slot.
+/// id, each with the sender that cancels it and its in-flight slot. At most
+/// [`SERVER_REQUESTS_IN_FLIGHT_MAX`] entries, as each holds a slot.
+///
+/// A slot lives in its request's entry, so it is freed exactly when the entry leaves:
+/// when the request's task ends, or at once when the reader acts on a cancel for it (the
+/// task, told to stop, ends at its next poll without running anything more). A slot
+/// freed by a cancel is free for the very next frame the reader reads, which is often
+/// the request the client sent in the cancelled one's place.
 #[derive(Debug, Default)]
 struct Cancels {
-    running: Mutex<BTreeMap<u64, oneshot::Sender<()>>>,
+    state: Mutex<CancelsState>,
+}
+
+#[derive(Debug, Default)]
+struct CancelsState {
+    running: BTreeMap<u64, Registered>,
+    /// Tells apart the entries of one request id taken again after a cancel removed its
+    /// first entry (a client must not reuse an id before its reply, a hostile one may).
+    next_registration: u64,
+}
+
+/// A running request's entry in [`Cancels`].
+#[derive(Debug)]
+struct Registered {
+    registration: u64,
+    cancel: oneshot::Sender<()>,
+    _slot: OwnedSemaphorePermit,
 }
 
 impl Cancels {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, oneshot::Sender<()>>> {
-        self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> std::sync::MutexGuard<'_, CancelsState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Registers request `request_id`; the receiver resolves when a cancel for it
-    /// arrives. `None` if a request of that id is already running on this connection.
-    fn register(self: &Arc<Self>, request_id: u64) -> Option<(CancelEntry, oneshot::Receiver<()>)> {
-        let mut running = self.lock();
-        if running.contains_key(&request_id) {
-            return None;
+    /// Registers request `request_id` holding `slot`; the receiver resolves when a cancel
+    /// for it arrives.
+    ///
+    /// # Errors
+    /// The slot, handed back, if a request of that id is already running on this
+    /// connection.
+    fn register(
+        self: &Arc<Self>,
+        request_id: u64,
+        slot: OwnedSemaphorePermit,
+    ) -> Result<(CancelEntry, oneshot::Receiver<()>), OwnedSemaphorePermit> {
+        let mut state = self.lock();
+        if state.running.contains_key(&request_id) {
+            return Err(slot);
         }
+        let registration = state.next_registration;
+        state.next_registration += 1;
         let (cancel, cancelled) = oneshot::channel();
-        running.insert(request_id, cancel);
+        state.running.insert(
+            request_id,
+            Registered {
+                registration,
+                cancel,
+                _slot: slot,
+            },
+        );
         assert!(
-            running.len() <= SERVER_REQUESTS_IN_FLIGHT_MAX,
+            state.running.len() <= SERVER_REQUESTS_IN_FLIGHT_MAX,
             "{} requests registered on one connection, over {SERVER_REQUESTS_IN_FLIGHT_MAX}",
-            running.len()
+            state.running.len()
         );
         let entry = CancelEntry {
             cancels: Arc::clone(self),
             request_id,
+            registration,
         };
-        Some((entry, cancelled))
+        Ok((entry, cancelled))
     }
 
-    /// Cancels request `request_id`; `false` if it is not running.
+    /// Cancels request `request_id` and frees its slot; `false` if it is not running.
     fn cancel(&self, request_id: u64) -> bool {
-        let cancel = self.lock().remove(&request_id);
+        let removed = self.lock().running.remove(&request_id);
         // The request's task may be ending at this moment: then nothing is cancelled.
-        cancel.is_some_and(|cancel| cancel.send(()).is_ok())
+        // Its slot is freed here either way, outside the lock.
+        removed.is_some_and(|registered| registered.cancel.send(()).is_ok())
     }
 }
 
 /// A request's place in its connection's [`Cancels`]; removed when dropped (its task
-/// ended).
+/// ended), which frees its slot, unless a cancel removed it first.
 struct CancelEntry {
     cancels: Arc<Cancels>,
     request_id: u64,
+    registration: u64,
 }
 
 impl Drop for CancelEntry {
     fn drop(&mut self) {
-        self.cancels.lock().remove(&self.request_id);
+        let removed = {
+            let mut state = self.cancels.lock();
+            match state.running.get(&self.request_id) {
+                Some(registered) if registered.registration == self.registration => {
+                    state.running.remove(&self.request_id)
+                }
+                // Cancelled (removed then), and perhaps its id taken again since.
+                _ => None,
+            }
+        };
+        // The slot is freed here, outside the lock.
+        drop(removed);
     }
 }
 
@@ -524,12 +585,10 @@ async fn serve_connection(
         }
         activity.touch();
         loop {
-            let slot = Arc::clone(&slots)
-                .acquire_owned()
-                .await
-                .expect("the connection's request semaphore is never closed");
-            // Bytes are budgeted before the body is read: past the budget, the server
-            // stops reading this connection until a request ends or a reply is written.
+            // Read whatever the slots: a cancel must reach its request, and free its
+            // slot, while every slot is taken. Bytes are budgeted before the body is
+            // read: past the budget, the server stops reading this connection until a
+            // request ends or a reply is written.
             let size_bytes = read_frame_length(&mut reader, FRAME_SIZE_MAX_BYTES).await?;
             let request_bytes = budget.acquire(FRAME_HEADER_SIZE_BYTES + size_bytes).await;
             let message = read_frame_body::<ClientMessage, _>(&mut reader, size_bytes).await?;
@@ -543,7 +602,6 @@ async fn serve_connection(
                 }
                 ClientMessage::Probe(probe) => {
                     drop(request_bytes);
-                    drop(slot);
                     if probe.path.len() <= CALL_CHAIN_LENGTH_MAX {
                         if let Some(sink) = &shared.probes.0 {
                             sink.on_probe(probe);
@@ -553,7 +611,6 @@ async fn serve_connection(
                 }
                 ClientMessage::Cancel(WireCancel { request_id }) => {
                     drop(request_bytes);
-                    drop(slot);
                     let counter = if cancels.cancel(request_id) {
                         &shared.requests_cancelled
                     } else {
@@ -563,32 +620,49 @@ async fn serve_connection(
                     continue;
                 }
             };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                // Every slot runs a request: refused at once, never queued. Answering
+                // waits only for room in the byte budget and the write queue, as any
+                // reply does.
+                shared.requests_refused_busy.fetch_add(1, Ordering::Relaxed);
+                let response = refuse_busy(&request);
+                drop(request_bytes);
+                let response_bytes = budget.acquire(response.len()).await;
+                let refusal = BudgetedFrame {
+                    frame: response,
+                    _permit: response_bytes,
+                };
+                if responses.send(refusal).await.is_err() {
+                    return Err(ConnectionEnd::Frame(FrameError::Closed));
+                }
+                continue;
+            };
             let running = RunningRequest::start(&shared, &activity);
             let records_edges = shared.probes.0.is_none();
             let handle = handle.clone();
             let responses = responses.clone();
             let budget = budget.clone();
-            let registered = cancels.register(request.request_id);
-            if registered.is_none() {
+            let registered = cancels.register(request.request_id, slot);
+            if registered.is_err() {
                 shared.requests_refused_duplicate_id.fetch_add(1, Ordering::Relaxed);
             }
             tokio::spawn(async move {
-                // Taken into the task's body before its cancel entry, so that on every
-                // way out the entry is dropped first: a slot freed while its entry is
-                // still registered could be taken by the next request, whose entry
-                // would then be one over the limit `Cancels::register` asserts.
-                let slot = slot;
-                let Some((entry, mut cancelled)) = registered else {
-                    let response = refuse_duplicate_id(&request);
-                    drop(request_bytes);
-                    let response_bytes = budget.acquire(response.len()).await;
-                    let _ = responses
-                        .send(BudgetedFrame {
-                            frame: response,
-                            _permit: response_bytes,
-                        })
-                        .await;
-                    return;
+                let (entry, mut cancelled) = match registered {
+                    Ok(registered) => registered,
+                    Err(slot) => {
+                        // Holds its slot until its refusal is queued.
+                        let _slot = slot;
+                        let response = refuse_duplicate_id(&request);
+                        drop(request_bytes);
+                        let response_bytes = budget.acquire(response.len()).await;
+                        let _ = responses
+                            .send(BudgetedFrame {
+                                frame: response,
+                                _permit: response_bytes,
+                            })
+                            .await;
+                        return;
+                    }
                 };
                 let response = tokio::select! {
                     biased;
@@ -609,16 +683,24 @@ async fn serve_connection(
                     _ = &mut cancelled => return,
                     permit = budget.acquire(response.len()) => permit,
                 };
-                // The connection may close meanwhile; the reply is then dropped.
-                let _ = responses
-                    .send(BudgetedFrame {
-                        frame: response,
-                        _permit: response_bytes,
-                    })
-                    .await;
+                let place = tokio::select! {
+                    biased;
+                    _ = &mut cancelled => return,
+                    // The connection closed: the reply is dropped.
+                    place = responses.reserve() => match place {
+                        Ok(place) => place,
+                        Err(_closed) => return,
+                    },
+                };
+                // The slot is freed before the reply is queued: a client may send its
+                // next request as soon as it reads this reply, and it must find the
+                // slot free, not be refused busy.
                 drop(entry);
+                place.send(BudgetedFrame {
+                    frame: response,
+                    _permit: response_bytes,
+                });
                 drop(running);
-                drop(slot);
             });
         }
     };
@@ -734,6 +816,20 @@ fn refuse_duplicate_id(request: &WireRequest) -> Bytes {
             "request id {} is already in flight on this connection; a client must not reuse an id until its reply",
             request.request_id
         ),
+    });
+    encode_frame(&ServerMessage::Response(WireResponse {
+        request_id: request.request_id,
+        result,
+    }))
+    .expect("a response holding only an error fits a frame")
+}
+
+/// The response frame refusing `request`, which arrived while its connection ran
+/// [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests; it never runs. A client that keeps within
+/// its own limit meets this only when one of its cancels was lost, or a reply is late.
+fn refuse_busy(request: &WireRequest) -> Bytes {
+    let result = Err(InvokeError::DispatcherBusy {
+        capacity: SERVER_REQUESTS_IN_FLIGHT_MAX,
     });
     encode_frame(&ServerMessage::Response(WireResponse {
         request_id: request.request_id,
