@@ -100,7 +100,7 @@ pub(crate) mod code {
 }
 
 /// What the A2A routes share.
-struct A2a {
+pub(crate) struct A2a {
     app: Arc<AppState>,
     tasks: TaskRegistry,
     /// Where the records are kept.
@@ -131,6 +131,9 @@ pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
         held: Mutex::default(),
         forwarder: std::sync::OnceLock::new(),
     });
+    // The server's other routes reach it through a weak reference (it holds the state
+    // they share): the agent routes tell it of a deleted agent, `/metrics` reads its size.
+    let _ = a2a.app.a2a.set(Arc::downgrade(&a2a));
     // Read the stored tasks back now (and resume those that had not ended), not only at
     // the first A2A request. A cluster node reads an agent's when it takes them over
     // (`ready` reads nothing there).
@@ -142,6 +145,42 @@ pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
         .route("/a2a/{agent}/.well-known/agent-card.json", get(card))
         .route("/a2a/{agent}", post(rpc))
         .with_state(a2a)
+}
+
+/// Lets everything the A2A layer keeps of the deleted agent `agent` go: its tasks (in
+/// memory and their stored records), its lane, and on a cluster node its hold. Streams
+/// of its tasks end; an agent made again under its id starts with none. Called by
+/// `DELETE /v1/agents/{id}`, and by an A2A request that finds the agent gone (deleted
+/// by another process sharing the store). A failure to delete the stored records is
+/// logged: they are read back at the next start only if an agent of that id is defined
+/// then.
+pub(crate) async fn forget_agent(app: &AppState, agent: &str) {
+    let Some(a2a) = app.a2a.get().and_then(std::sync::Weak::upgrade) else {
+        return; // a router without its A2A routes, or one being dropped
+    };
+    forget(&a2a, agent).await;
+}
+
+async fn forget(a2a: &A2a, agent: &str) {
+    let forgotten = a2a.tasks.forget_agent(agent);
+    a2a.held.lock().unwrap_or_else(PoisonError::into_inner).remove(agent);
+    if let Err(error) = a2a.store.forget_agent(agent, &forgotten).await {
+        tracing::warn!(%agent, records = forgotten.len(), %error, "could not delete a deleted agent's stored A2A tasks");
+    }
+}
+
+/// How much the A2A layer keeps, for `/metrics`: the tasks it holds, and the agents it
+/// keeps anything of (tasks, a lane, a hold, a store writer's fence).
+pub(crate) async fn sizes(app: &AppState) -> (usize, usize) {
+    let Some(a2a) = app.a2a.get().and_then(std::sync::Weak::upgrade) else {
+        return (0, 0);
+    };
+    let (tasks, mut agents) = a2a.tasks.sizes();
+    agents.extend(a2a.held.lock().unwrap_or_else(PoisonError::into_inner).keys().cloned());
+    agents.extend(a2a.store.agents_fenced().await);
+    agents.sort_unstable();
+    agents.dedup();
+    (tasks, agents.len())
 }
 
 /// Whether `path` is served without a token: the agent cards, which say how to
@@ -460,6 +499,16 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
     #[cfg(feature = "otel")]
     crate::otel::start_in_requested_trace(&headers, &body);
     if let Err(error) = known(&a2a.app, &agent).await {
+        // Deleted by another process sharing the store: let its tasks go here too.
+        if a2a.tasks.tracks(&agent)
+            || a2a
+                .held
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains_key(&agent)
+        {
+            forget(&a2a, &agent).await;
+        }
         return error.into_response();
     }
     ready(&a2a).await;
@@ -786,7 +835,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         Created::New(record, lane, forgotten) => (record, lane, forgotten),
     };
     // Stored before the client hears of it.
-    let saved = a2a.store.save(&record, &forgotten).await;
+    let saved = a2a.store.save(&a2a.tasks, &record, &forgotten).await;
     // Let go from memory either way: their agents forget them too.
     for forgotten in forgotten {
         forget_inner(&a2a.app, forgotten);
@@ -902,7 +951,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
     if !started {
         // Canceled while it waited: store that.
         if let Some(record) = record {
-            if let Err(error) = a2a.store.save(&record, &[]).await {
+            if let Err(error) = a2a.store.save(&a2a.tasks, &record, &[]).await {
                 tracing::warn!(task = %id, %error, "could not store an A2A task");
             }
         }
@@ -947,7 +996,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
         true
     });
     if let Some(record) = record {
-        if let Err(error) = a2a.store.save(&record, &[]).await {
+        if let Err(error) = a2a.store.save(&a2a.tasks, &record, &[]).await {
             lost_hold(&a2a, &agent, &error);
             tracing::warn!(task = %id, %error, "could not store an ended A2A task");
         }
@@ -1202,7 +1251,7 @@ async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Res
     match a2a.tasks.cancel(agent, &params.id) {
         CancelOutcome::Canceled(task) => {
             // The lane skips it (and stores it too); stored here before the answer.
-            a2a.store.save(&task, &[]).await.map_err(|error| {
+            a2a.store.save(&a2a.tasks, &task, &[]).await.map_err(|error| {
                 RpcError::new(code::INTERNAL_ERROR, format!("the cancel could not be stored: {error}"))
             })?;
             Ok(task_json(&task, None, true))

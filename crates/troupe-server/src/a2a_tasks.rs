@@ -37,7 +37,7 @@ use serde_json::Value;
 use tokio::sync::watch;
 use troupe_agent::TaskState;
 use troupe_core::{ActorId, StoreError};
-use troupe_runtime::{StateChange, StateStore, TurnCommit};
+use troupe_runtime::{StateChange, StateStore, TurnCommit, TURN_WRITES_MAX};
 
 use crate::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
 
@@ -151,9 +151,14 @@ impl TaskStore {
         }
     }
 
-    async fn write(&self, agent: &str, writes: Vec<(String, Option<Bytes>)>) -> Result<(), StoreError> {
+    /// Writes `writes` to `agent`'s key space, `fences` (the writer's lock) held.
+    async fn write(
+        &self,
+        fences: &mut HashMap<String, troupe_runtime::Fence>,
+        agent: &str,
+        writes: Vec<(String, Option<Bytes>)>,
+    ) -> Result<(), StoreError> {
         let id = store_id(agent)?;
-        let mut fences = self.writer.lock().await;
         let commit = |writes| TurnCommit {
             state: StateChange::Unchanged,
             writes,
@@ -186,18 +191,56 @@ impl TaskStore {
         Ok(())
     }
 
-    /// Writes `record`, and deletes `forgotten` (records the registry let go).
-    pub(crate) async fn save(&self, record: &TaskRecord, forgotten: &[Forgotten]) -> Result<(), StoreError> {
+    /// Deletes `forgotten` (records the registry let go), then writes `record` if
+    /// `registry` still holds it. Checked under the writer's lock: a record whose agent
+    /// was deleted meanwhile ([`TaskStore::forget_agent`], which takes the lock after
+    /// the registry let the agent's tasks go) is not written back.
+    pub(crate) async fn save(
+        &self,
+        registry: &TaskRegistry,
+        record: &TaskRecord,
+        forgotten: &[Forgotten],
+    ) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(record).map_err(|error| StoreError::Backend {
             operation: troupe_core::StoreOperation::Decode,
             cause: error.to_string(),
         })?;
+        let mut fences = self.writer.lock().await;
         for forgotten in forgotten {
             let key = task_key(forgotten.node.as_deref(), forgotten.seq);
-            self.write(&forgotten.agent, vec![(key, None)]).await?;
+            self.write(&mut fences, &forgotten.agent, vec![(key, None)]).await?;
+        }
+        if !registry.holds(&record.id) {
+            return Ok(());
         }
         let key = task_key(record.node.as_deref(), record.seq);
-        self.write(&record.agent, vec![(key, Some(Bytes::from(bytes)))]).await
+        self.write(&mut fences, &record.agent, vec![(key, Some(Bytes::from(bytes)))])
+            .await
+    }
+
+    /// Deletes the records of the deleted agent `agent` that the registry let go
+    /// (`forgotten`, from [`TaskRegistry::forget_agent`]), and forgets the fence of its
+    /// key space.
+    pub(crate) async fn forget_agent(&self, agent: &str, forgotten: &[Forgotten]) -> Result<(), StoreError> {
+        let mut fences = self.writer.lock().await;
+        let mut deleted = Ok(());
+        for chunk in forgotten.chunks(TURN_WRITES_MAX) {
+            let writes = chunk
+                .iter()
+                .map(|forgotten| (task_key(forgotten.node.as_deref(), forgotten.seq), None))
+                .collect();
+            deleted = self.write(&mut fences, agent, writes).await;
+            if deleted.is_err() {
+                break;
+            }
+        }
+        fences.remove(agent);
+        deleted
+    }
+
+    /// Agents whose key space this server holds a fence of (the writer's lock taken).
+    pub(crate) async fn agents_fenced(&self) -> Vec<String> {
+        self.writer.lock().await.keys().cloned().collect()
     }
 
     /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]).
@@ -307,6 +350,8 @@ struct Inner {
     /// The task each message started, by agent and `messageId`, for as long as the
     /// task is kept (so at most `TaskRegistry::kept_max` entries).
     by_message: HashMap<(String, String), String>,
+    /// How many of `tasks` each agent has (no entry for none).
+    per_agent: HashMap<String, usize>,
 }
 
 /// A message's `messageId`, as a task keeps it in its request.
@@ -430,6 +475,7 @@ impl TaskRegistry {
         inner.tasks.insert(id.clone(), watch::channel(record.clone()).0);
         inner.order.push_back(id.clone());
         inner.by_message.insert(message, id);
+        *inner.per_agent.entry(agent.to_string()).or_default() += 1;
         Ok(Created::New(record, lane, forgotten))
     }
 
@@ -467,6 +513,7 @@ impl TaskRegistry {
                     .is_some_and(|sender| sender.borrow().order() <= record.order())
             })
             .map_or(0, |before| before + 1);
+        *inner.per_agent.entry(record.agent.clone()).or_default() += 1;
         inner.tasks.insert(id.clone(), watch::channel(record).0);
         inner.order.insert(position, id);
         lane
@@ -515,6 +562,55 @@ impl TaskRegistry {
         }
     }
 
+    /// Whether it holds task `id`.
+    pub(crate) fn holds(&self, id: &str) -> bool {
+        self.lock().tasks.contains_key(id)
+    }
+
+    /// Whether it holds anything of `agent`: a task or a lane.
+    pub(crate) fn tracks(&self, agent: &str) -> bool {
+        let inner = self.lock();
+        inner.per_agent.contains_key(agent) || inner.lanes.contains_key(agent)
+    }
+
+    /// Lets every task of the deleted agent `agent` go, and its lane: what is left to
+    /// delete from the store. Watchers of its tasks see their channel close (their
+    /// streams end); a task still waiting in the lane finds itself gone when its turn
+    /// comes and does not run; one running is not stored when it ends.
+    pub(crate) fn forget_agent(&self, agent: &str) -> Vec<Forgotten> {
+        let mut inner = self.lock();
+        inner.lanes.remove(agent);
+        if inner.per_agent.remove(agent).is_none() {
+            return Vec::new();
+        }
+        let Inner {
+            tasks,
+            order,
+            by_message,
+            ..
+        } = &mut *inner;
+        let mut forgotten = Vec::new();
+        order.retain(|id| {
+            if tasks.get(id).is_none_or(|sender| sender.borrow().agent != agent) {
+                return true;
+            }
+            if let Some(sender) = tasks.remove(id) {
+                forgotten.push(let_go(by_message, id, &sender.borrow()));
+            }
+            false
+        });
+        forgotten
+    }
+
+    /// The tasks it holds, and the agents it holds a task or a lane of.
+    pub(crate) fn sizes(&self) -> (usize, Vec<String>) {
+        let inner = self.lock();
+        let mut agents: Vec<String> = inner.per_agent.keys().chain(inner.lanes.keys()).cloned().collect();
+        agents.sort_unstable();
+        agents.dedup();
+        (inner.tasks.len(), agents)
+    }
+
     /// The tasks of `agent`, newest first, that `keep` keeps.
     pub(crate) fn list(&self, agent: &str, keep: impl Fn(&TaskRecord) -> bool) -> Vec<TaskRecord> {
         let inner = self.lock();
@@ -548,16 +644,28 @@ impl Inner {
         let id = self.order.remove(position)?;
         let sender = self.tasks.remove(&id)?;
         let record = sender.borrow();
-        let message = (record.agent.clone(), message_id(&record.request).to_string());
-        if self.by_message.get(&message) == Some(&id) {
-            self.by_message.remove(&message);
+        if let Some(count) = self.per_agent.get_mut(&record.agent) {
+            *count -= 1;
+            if *count == 0 {
+                self.per_agent.remove(&record.agent);
+            }
         }
-        Some(Forgotten {
-            agent: record.agent.clone(),
-            node: record.node.clone(),
-            seq: record.seq,
-            inner: record.inner.clone(),
-        })
+        Some(let_go(&mut self.by_message, &id, &record))
+    }
+}
+
+/// Task `id` (`record`), taken out of the tasks: its message's entry goes too (if it is
+/// still this task's), and what is left to forget elsewhere.
+fn let_go(by_message: &mut HashMap<(String, String), String>, id: &str, record: &TaskRecord) -> Forgotten {
+    let message = (record.agent.clone(), message_id(&record.request).to_string());
+    if by_message.get(&message).is_some_and(|kept| kept == id) {
+        by_message.remove(&message);
+    }
+    Forgotten {
+        agent: record.agent.clone(),
+        node: record.node.clone(),
+        seq: record.seq,
+        inner: record.inner.clone(),
     }
 }
 

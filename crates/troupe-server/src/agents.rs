@@ -265,12 +265,16 @@ pub(crate) async fn update(
 
 /// `DELETE /v1/agents/{id}`: 204; the agent leaves the directory and its activation
 /// deactivates after its running and queued requests; its stored conversation is kept.
+/// Its A2A tasks are let go, in memory and in the store (`a2a::forget_agent`).
 pub(crate) async fn delete(State(state): Shared, Path(agent): Path<String>) -> Result<StatusCode, ApiError> {
     // Held across the deactivation (which may wait for a running turn) so that a PUT
     // racing with the delete cannot put the agent back.
     let _writes = state.directory_writes.lock().await;
     match state.client.remove_agent(&agent).await {
-        Ok(Some(_)) => Ok(StatusCode::NO_CONTENT),
+        Ok(Some(_)) => {
+            crate::a2a::forget_agent(&state, &agent).await;
+            Ok(StatusCode::NO_CONTENT)
+        }
         Ok(None) => Err(ApiError::agent_not_found(&agent)),
         Err(error) => Err((&error).into()),
     }

@@ -23,8 +23,9 @@ impl Metrics {
             .or_insert(0) += 1;
     }
 
-    /// The text of `/metrics`.
-    pub(crate) fn render(&self, client: &AgentClient, event_streams_open: usize) -> String {
+    /// The text of `/metrics`; `a2a` is the A2A tasks held and the agents the A2A layer
+    /// keeps anything of.
+    pub(crate) fn render(&self, client: &AgentClient, event_streams_open: usize, a2a: (usize, usize)) -> String {
         let mut out = String::new();
         out.push_str("# HELP troupe_http_requests_total HTTP requests answered, by method, route and status.\n");
         out.push_str("# TYPE troupe_http_requests_total counter\n");
@@ -108,6 +109,12 @@ impl Metrics {
                 "troupe_event_streams_open",
                 "Open SSE streams of /v1/events.",
                 event_streams_open,
+            ),
+            ("troupe_a2a_tasks_kept", "A2A tasks the server holds in memory.", a2a.0),
+            (
+                "troupe_a2a_agents_tracked",
+                "Agents the A2A layer keeps anything of in memory (tasks, a lane, a hold, a store fence).",
+                a2a.1,
             ),
         ];
         for (name, help, value) in gauges {

@@ -47,6 +47,8 @@ pub(crate) struct AppState {
     pub(crate) completions: AtomicU64,
     /// Numbers the HTTP requests (the `id` of their `http_request` span), from 1.
     pub(crate) requests_seen: AtomicU64,
+    /// The A2A routes' state, set when they are made (weak: it holds this state).
+    pub(crate) a2a: std::sync::OnceLock<std::sync::Weak<a2a::A2a>>,
 }
 
 /// The HTTP API over `client`, configured by `config`: every route, with the error
@@ -74,6 +76,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         directory_writes: tokio::sync::Mutex::new(()),
         completions: AtomicU64::new(0),
         requests_seen: AtomicU64::new(0),
+        a2a: std::sync::OnceLock::new(),
     });
     let api = Router::new()
         .route("/health", get(health))
@@ -437,6 +440,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let open = SERVER_EVENT_STREAMS_MAX - state.event_streams.available_permits();
-    let text = state.metrics.render(&state.client, open);
+    let a2a = a2a::sizes(&state).await;
+    let text = state.metrics.render(&state.client, open, a2a);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

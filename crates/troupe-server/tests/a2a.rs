@@ -907,3 +907,87 @@ async fn a_message_with_more_than_its_texts_worth_of_other_fields_is_invalid_par
     assert_eq!(result["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{result}");
     server.stop().await;
 }
+
+/// The value of the gauge `name` in a `/metrics` text.
+fn gauge(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no gauge {name} in /metrics:\n{metrics}"))
+        .parse()
+        .unwrap()
+}
+
+/// Goal: a deleted agent's A2A tasks are gone: the server keeps nothing of them, in
+/// memory or in the store, so create/delete cycles do not grow it, and an agent made
+/// again under the same id starts with no tasks (before: every agent id ever used kept
+/// its lane, its tasks, its message ids and its store writer's fence for good, and a
+/// new agent of that id listed the old one's tasks). Method: an agent created over
+/// REST gets a task, is deleted and created again: `ListTasks` is empty, `GetTask` of
+/// the old task is -32001, the store holds no record of it; then 40 cycles of
+/// create, send (completed), delete, each under a new id, leave `/metrics` showing no
+/// A2A task and no agent tracked by the A2A layer (only `echo` is left, with none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_agents_a2a_tasks_are_gone_and_create_delete_cycles_leave_nothing() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}"));
+    let config = ServerConfig::default().token(TOKEN);
+    let server = Harness::start(support::agents(llm, &["echo"], KindConfig::default()), config).await;
+    let create = |id: String| {
+        let server = &server;
+        async move {
+            let (status, body) = server.post("/v1/agents", json!({"id": id})).await;
+            assert_eq!(status, 201, "create {id}: {body}");
+        }
+    };
+    let delete = |id: String| {
+        let server = &server;
+        async move {
+            let (status, body) = server
+                .send(reqwest::Method::DELETE, &format!("/v1/agents/{id}"), None)
+                .await;
+            assert_eq!(status, 204, "delete {id}: {body}");
+        }
+    };
+
+    create("again".to_string()).await;
+    let first = server.ok("again", "SendMessage", send_params("first life")).await;
+    assert_eq!(first["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{first}");
+    let old_task = first["task"]["id"].as_str().unwrap().to_string();
+    delete("again".to_string()).await;
+    create("again".to_string()).await;
+    let listed = server.ok("again", "ListTasks", json!({})).await;
+    assert_eq!(
+        listed["totalSize"], 0,
+        "a new agent of a deleted one's id has no tasks: {listed}"
+    );
+    let (code, text) = server.error("again", "GetTask", json!({"id": old_task})).await;
+    assert_eq!(code, -32001, "{text}");
+    let store = Arc::clone(server.system().runtime().store());
+    let key_space = troupe_core::ActorId::new("troupe-a2a", "again").unwrap();
+    let stored = store.scan(&key_space, "task/", None, 16).await.unwrap();
+    assert!(
+        stored.is_empty(),
+        "the deleted agent's task records are still stored: {stored:?}"
+    );
+    delete("again".to_string()).await;
+
+    for cycle in 0..40 {
+        let id = format!("cycle-{cycle}");
+        create(id.clone()).await;
+        let sent = server.ok(&id, "SendMessage", send_params("hello")).await;
+        assert_eq!(sent["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{sent}");
+        delete(id).await;
+    }
+    let metrics = server
+        .request(reqwest::Method::GET, "/metrics")
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(gauge(&metrics, "troupe_a2a_tasks_kept"), 0, "{metrics}");
+    assert_eq!(gauge(&metrics, "troupe_a2a_agents_tracked"), 0, "{metrics}");
+    server.stop().await;
+}
