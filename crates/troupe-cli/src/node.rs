@@ -864,6 +864,7 @@ pub async fn run_node(
         .await
         .map_err(NodeError::Postgres)?
         .with_holder(node_name.clone())
+        .map_err(|error| NodeError::Postgres(error.into()))?
         .with_commit_log(plan.fence_log_commits);
     let (runtime, pending) = match &plan.org {
         None => (conversation_runtime(&node_name)?, None),

@@ -10,7 +10,7 @@ mod postgres_store;
 
 #[cfg(not(madsim))]
 pub use postgres_store::{
-    PostgresStore, POSTGRES_BATCH_BYTES_MAX, POSTGRES_CONNECT_TIMEOUT_MS, POSTGRES_POOL_SIZE,
+    HolderError, PostgresStore, POSTGRES_BATCH_BYTES_MAX, POSTGRES_CONNECT_TIMEOUT_MS, POSTGRES_POOL_SIZE,
     POSTGRES_POOL_WAIT_TIMEOUT_MS, POSTGRES_SCHEMA_VERSION,
 };
 #[cfg(not(madsim))]

@@ -119,6 +119,33 @@ const SCAN_STRICTLY_AFTER: &str = "
     SELECT entry_key, value FROM troupe_actor_entry
     WHERE kind = $1 AND key = $2 AND entry_key > $3 ORDER BY entry_key LIMIT $4";
 
+/// Why a holder name was refused ([`PostgresStore::with_holder`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HolderError {
+    /// The name has a NUL byte, which PostgreSQL text cannot store.
+    #[error(
+        "the holder name {holder:?} has a NUL byte at byte {position}, which PostgreSQL text cannot store; \
+         give a name without one"
+    )]
+    ContainsNul {
+        /// The name given.
+        holder: String,
+        /// The byte offset of its first NUL.
+        position: usize,
+    },
+}
+
+impl From<HolderError> for StoreError {
+    /// As a [`StoreError::Backend`] of [`StoreOperation::Open`], for a caller that
+    /// reports every failure to open a store as one.
+    fn from(error: HolderError) -> Self {
+        StoreError::Backend {
+            operation: StoreOperation::Open,
+            cause: error.to_string(),
+        }
+    }
+}
+
 /// A [`StateStore`] on a PostgreSQL database, shared by every runtime that connects to it.
 ///
 /// Schema (created by [`PostgresStore::connect`] if absent, in one transaction under an
@@ -242,9 +269,18 @@ impl PostgresStore {
 
     /// Names this store's claims (and logged commits) in the fence log's `holder`
     /// column, e.g. with the node's name.
-    pub fn with_holder(mut self, holder: impl Into<String>) -> Self {
-        self.holder = Some(Arc::from(holder.into()));
-        self
+    ///
+    /// # Errors
+    /// [`HolderError::ContainsNul`] if `holder` has a NUL byte, which a PostgreSQL
+    /// `TEXT` column cannot store (every claim would fail with an encoding error); the
+    /// store is dropped.
+    pub fn with_holder(mut self, holder: impl Into<String>) -> Result<Self, HolderError> {
+        let holder = holder.into();
+        if let Some(position) = holder.bytes().position(|byte| byte == 0) {
+            return Err(HolderError::ContainsNul { holder, position });
+        }
+        self.holder = Some(Arc::from(holder));
+        Ok(self)
     }
 
     /// Also writes every accepted commit to the fence log (one more row per turn that

@@ -443,11 +443,13 @@ async fn fence_log_records_accepted_claims_and_logged_commits_only() {
         .await
         .expect("connect a")
         .with_holder("a")
+        .expect("a holder name")
         .with_commit_log(true);
     let b = PostgresStore::connect(&config)
         .await
         .expect("connect b")
-        .with_holder("b");
+        .with_holder("b")
+        .expect("a holder name");
     let owner = actor("agent", "x");
     let first = a.claim(&owner).await.expect("claim").fence;
     a.commit(&owner, first, state_commit("1", vec![put("k", "1")]))
@@ -480,6 +482,58 @@ async fn fence_log_records_accepted_claims_and_logged_commits_only() {
         ("commit".into(), 11, Some("a".into())),
     ];
     assert_eq!(fence_log_rows(&config, &owner).await, expected);
+}
+
+/// Goal: a holder name that PostgreSQL text cannot store (one with a NUL byte) is
+/// refused when it is given, with `HolderError::ContainsNul` naming the name and where
+/// the NUL is, instead of being taken and making every later claim fail with an
+/// encoding error. Method: give a store such a name (refused), then a good one on a
+/// fresh connection, which claims and is in the fence log.
+#[tokio::test]
+async fn a_holder_name_with_a_nul_byte_is_refused_when_given() {
+    use troupe_postgres::HolderError;
+
+    let server = TestServer::start("holder-nul");
+    let config = server.create_database("holder").await;
+    let refused = PostgresStore::connect(&config)
+        .await
+        .expect("connect")
+        .with_holder("node\0one")
+        .expect_err("a holder name with a NUL byte is refused");
+    assert_eq!(
+        refused,
+        HolderError::ContainsNul {
+            holder: "node\0one".into(),
+            position: 4
+        }
+    );
+    assert_eq!(
+        refused.to_string(),
+        "the holder name \"node\\0one\" has a NUL byte at byte 4, which PostgreSQL text cannot store; \
+         give a name without one"
+    );
+    assert!(matches!(
+        StoreError::from(refused),
+        StoreError::Backend {
+            operation: StoreOperation::Open,
+            ..
+        }
+    ));
+    let store = PostgresStore::connect(&config)
+        .await
+        .expect("connect")
+        .with_holder("node-one")
+        .expect("a name without a NUL byte is taken");
+    let owner = actor("agent", "h");
+    let fence = store.claim(&owner).await.expect("claim").fence;
+    assert_eq!(
+        fence_log_rows(&config, &owner).await,
+        vec![(
+            "claim".into(),
+            i64::try_from(fence.token()).unwrap(),
+            Some("node-one".into())
+        )]
+    );
 }
 
 /// Goal: a version 1 database (no fence log) is migrated to version 2 at connect,
