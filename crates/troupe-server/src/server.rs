@@ -221,7 +221,12 @@ fn method_label(method: &Method) -> &'static str {
 /// `body_unreadable`. A body that has not arrived whole within
 /// [`SERVER_REQUEST_BODY_READ_MS`] is 408 `body_timeout`, its connection closed. Runs
 /// after authentication and the concurrency limit: only an admitted request is read.
-async fn read_body(request: Request, next: Next) -> Response {
+///
+/// Public so that another HTTP API (`troupe node`'s conversation logs) applies the same
+/// rule: `router.layer(axum::middleware::from_fn(troupe_server::read_body))`, inside its
+/// own concurrency limit. A smaller limit of its own (axum's `DefaultBodyLimit`) still
+/// applies to the body read.
+pub async fn read_body(request: Request, next: Next) -> Response {
     let (parts, body) = request.into_parts();
     let declared = declared_length(&parts.headers);
     let limit = SERVER_REQUEST_BODY_SIZE_MAX_BYTES as u64;
