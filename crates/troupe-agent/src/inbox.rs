@@ -23,6 +23,10 @@
 //! pair_skip/{sender}  the ordered entries from sender skipped past (`PairSkipped`),
 //!                     for AGENT_PAIR_SKIPPED_KEPT_MS after each gap
 //! task/{task_id}      the delegator's record of a task it delegated (A2A state)
+//! task_end/{at_us:020}/{task_id}
+//!                     a delegated task that ended: its record is deleted at `at_us`,
+//!                     AGENT_TASK_RECORD_KEPT_MS after (by a later delegation or result
+//!                     turn, AGENT_TASK_RECORDS_PRUNED_PER_PASS at a time)
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
 //! ext_id/{task_id}    → the seq of that record
 //! ```
@@ -51,7 +55,8 @@
 //!               self-tell Process{n} under the entry's chain, depth and deadline
 //! B: Process{n} delete inbox/{n}; run the model (a new turn); a task's result or
 //!               failure → outbox/{m} (TaskUpdate to A) + self-tell Relay{m}
-//! A: Enqueue    TaskUpdate: task/{id} already final? → Duplicate; else final state,
+//! A: Enqueue    TaskUpdate: task/{id} already final, or gone (an ended task's record
+//!               goes AGENT_TASK_RECORD_KEPT_MS after it ended)? → Duplicate; else final state,
 //!               inbox/{k} (no seen/ mark: the record dedupes); A's Process{k} shows
 //!               the result to A's model, once
 //! ```
@@ -625,6 +630,20 @@ pub(crate) fn task_key(task_id: &str) -> String {
     format!("task/{task_id}")
 }
 
+/// The prefix of the keys of ended delegated tasks, by when their record goes.
+pub(crate) const TASK_END_PREFIX: &str = "task_end/";
+
+/// The key saying that the record of ended task `task_id` is deleted at `due`.
+pub(crate) fn task_end_key(due: Deadline, task_id: &str) -> String {
+    format!("{TASK_END_PREFIX}{:020}/{task_id}", due.as_micros())
+}
+
+/// The time (microseconds) and task id in a [`task_end_key`].
+pub(crate) fn task_end_of(key: &str) -> Option<(u64, &str)> {
+    let (due, task_id) = key.strip_prefix(TASK_END_PREFIX)?.split_once('/')?;
+    Some((due.parse().ok()?, task_id))
+}
+
 pub(crate) fn canceled_key(task_id: &str) -> String {
     format!("canceled/{task_id}")
 }
@@ -759,6 +778,11 @@ pub(crate) struct RecordMemos {
     pub(crate) pair_out: Memo<PairOut>,
     /// `task/{task_id}`.
     pub(crate) tasks: Memo<TaskStatus>,
+    /// No `task_end/` key is due before this time (microseconds), as this activation
+    /// last read and wrote them; `None`: not known (not read yet, or more were due than
+    /// one pass deletes). A pass before it has nothing to delete, so reads nothing. Late
+    /// at worst (a rolled-back delete): the record then goes at the next pass after it.
+    pub(crate) tasks_ended_due_us: Option<u64>,
 }
 
 /// Records of one kind by store key, each with its stored bytes (see [`RecordMemos`]).

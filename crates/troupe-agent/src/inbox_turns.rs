@@ -8,21 +8,22 @@ use bytes::Bytes;
 use schemars::JsonSchema;
 use serde::Deserialize;
 use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, INVOKE_TIMEOUT_MS_MAX};
-use troupe_core::{ActorId, CallContext, CallRefused, InvokeError};
+use troupe_core::{ActorId, CallContext, CallRefused, Deadline, InvokeError};
 use troupe_runtime::{ActorError, Turn};
 
 use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation};
 use crate::inbox::{
     canceled_key, dedupe_slot_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key,
-    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_key, tasks_in_key, to_json, AgentCommand,
-    EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq, PairSkipped, PendingSends,
-    Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_end_key, task_end_of, task_key, tasks_in_key,
+    to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq,
+    PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME, TASK_END_PREFIX,
 };
 use crate::limits::{
     AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS,
     AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS,
     AGENT_MENTION_DELIVERY_RETRY_MAX_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
-    AGENT_TASK_TIMEOUT_MS_DEFAULT, AGENT_WAKE_RETRY_ATTEMPTS_MAX,
+    AGENT_TASK_RECORDS_PRUNED_PER_PASS, AGENT_TASK_RECORD_KEPT_MS, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_WAKE_RETRY_ATTEMPTS_MAX,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -147,6 +148,9 @@ impl AgentActor {
     pub(crate) async fn flush_sends(&mut self, turn: &mut Turn, mut sends: PendingSends) -> Result<(), ActorError> {
         // The clock is read only for the events of delegations (most turns have none).
         let now = (!sends.tasks.is_empty()).then(|| turn.now());
+        if now.is_some() {
+            self.prune_ended_tasks(turn).await?;
+        }
         self.number_pairs(turn, &mut sends).await?;
         for task in sends.tasks {
             if let Some(at) = now {
@@ -170,6 +174,39 @@ impl AgentActor {
             let wake = AgentCommand::Relay { seq }.encode();
             wake_self(turn, &self.shared, &self.id, wake, wake_failed).await?;
         }
+        Ok(())
+    }
+
+    /// Deletes the records of this agent's delegated tasks that ended
+    /// [`AGENT_TASK_RECORD_KEPT_MS`] ago or longer (their `task_end/` keys due), at most
+    /// [`AGENT_TASK_RECORDS_PRUNED_PER_PASS`], in this turn's commit. Run by the turns
+    /// that make a record (a delegation) and that end one (its result), so records go
+    /// faster than they come. A result that comes after its record went is still a
+    /// duplicate: a result for no record is one (`enqueue`), as every record is written
+    /// before its task is sent and only ended ones are deleted.
+    async fn prune_ended_tasks(&mut self, turn: &mut Turn) -> Result<(), ActorError> {
+        let now = turn.now().as_micros();
+        if self.memo.tasks_ended_due_us.is_some_and(|due| due > now) {
+            return Ok(());
+        }
+        let ended = turn
+            .scan(TASK_END_PREFIX, None, AGENT_TASK_RECORDS_PRUNED_PER_PASS)
+            .await?;
+        // Fewer than a pass: every key was read, none is left due after this pass.
+        let mut next_due = (ended.len() < AGENT_TASK_RECORDS_PRUNED_PER_PASS).then_some(u64::MAX);
+        for (key, _) in ended {
+            let (due, task_id) =
+                task_end_of(&key).ok_or_else(|| ActorError::failed(format!("bad ended-task key {key}")))?;
+            if due > now {
+                next_due = Some(due);
+                break;
+            }
+            let record = task_key(task_id);
+            self.memo.tasks.forget(&record);
+            turn.delete(record)?;
+            turn.delete(key)?;
+        }
+        self.memo.tasks_ended_due_us = next_due;
         Ok(())
     }
 
@@ -334,6 +371,13 @@ impl AgentActor {
                     .context
                     .with_deadline(task_deadline(now, Some(AGENT_TASK_TIMEOUT_MS_DEFAULT)));
                 self.memo.tasks.put(turn, key, record)?;
+                if state.is_final() {
+                    let due = Deadline::after(now, Duration::from_millis(AGENT_TASK_RECORD_KEPT_MS));
+                    turn.put(task_end_key(due, task_id), Bytes::new())?;
+                    let memo = &mut self.memo.tasks_ended_due_us;
+                    *memo = memo.map(|known| known.min(due.as_micros()));
+                    self.prune_ended_tasks(turn).await?;
+                }
             }
             InboxBody::Cancel { task_id } => {
                 keep_in_window(turn, &mut self.state.boxes, seen).await?;
@@ -1499,3 +1543,7 @@ const REPORT_ATTEMPTS: u32 = 10;
 #[cfg(test)]
 #[path = "inbox_order_tests.rs"]
 mod order_tests;
+
+#[cfg(test)]
+#[path = "inbox_retention_tests.rs"]
+mod retention_tests;

@@ -185,6 +185,16 @@ pub const AGENT_PAIR_SKIPPED_KEPT_MS: u64 = AGENT_TASK_TIMEOUT_MS_MAX + AGENT_DE
 /// A range dropped early changes only the answer to a late attempt of its numbers
 /// (`Duplicate` instead of `Stale`), never the order: `inbox::PairSkipped`.
 pub const AGENT_PAIR_SKIPPED_RANGES_MAX: usize = 1_024;
+/// How long the record of a task an agent delegated (`task/{task_id}`) is kept after
+/// the task ended, in milliseconds: [`crate::AgentClient::task`] (and the server's
+/// `GET /v1/agents/{id}/tasks/{task}`) reads it until then, and answers `None` after.
+/// Its result's dedupe does not end with it: a result of a task with no record is a
+/// duplicate (every record is written before its task is sent).
+pub const AGENT_TASK_RECORD_KEPT_MS: u64 = 3_600_000;
+/// Records of ended delegated tasks one turn deletes, at most (their retention passed,
+/// see [`AGENT_TASK_RECORD_KEPT_MS`]): a delegation's turn and a result's turn each
+/// delete up to this many, so they are deleted faster than delegations make them.
+pub const AGENT_TASK_RECORDS_PRUNED_PER_PASS: usize = 16;
 /// Inbox or outbox entries one resume turn re-schedules before it continues in the
 /// next turn (it must fit in a mailbox: below `MAILBOX_CAPACITY_DEFAULT`).
 pub const AGENT_RESUME_BATCH: usize = 16;
@@ -200,6 +210,13 @@ const _: () = assert!(AGENT_SEND_GRANT_DIVISOR >= 1);
 // A task's record (`task/{id}`) fits in the store's key.
 const _: () = assert!("task/".len() + AGENT_TASK_ID_LENGTH_MAX_BYTES <= troupe_runtime::STATE_KEY_LENGTH_MAX);
 const _: () = assert!(AGENT_TASKS_OPEN_MAX <= AGENT_OUTBOX_CAPACITY);
+// An ended task's record outlives every attempt its delegatee's delivery can still make
+// within the task's deadline (the longest deadline and the longest wait of one attempt).
+const _: () = assert!(AGENT_TASK_RECORD_KEPT_MS >= AGENT_TASK_TIMEOUT_MS_MAX + INVOKE_TIMEOUT_MS_MAX);
+const _: () = assert!(AGENT_TASK_RECORDS_PRUNED_PER_PASS >= 2);
+// The key of an ended task (`task_end/{at_us:020}/{task_id}`) fits in the store's key.
+const _: () =
+    assert!("task_end/".len() + 20 + 1 + AGENT_TASK_ID_LENGTH_MAX_BYTES <= troupe_runtime::STATE_KEY_LENGTH_MAX);
 const _: () = assert!(AGENT_EXTERNAL_TASKS_OPEN_MAX <= AGENT_INBOX_CAPACITY);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_MAX <= troupe_core::limits::INVOKE_TIMEOUT_MS_MAX);

@@ -36,7 +36,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit};
 use tracing::Instrument as _;
 use troupe_agent::{TaskState, TroupeCallMetadata};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
@@ -1216,12 +1216,14 @@ async fn send_streaming(
     headers: &HeaderMap,
 ) -> Result<Response, RpcError> {
     let accepted = accept(a2a, agent, params, headers)?;
+    // Taken before the task is made: a stream over the limit starts nothing.
+    let slot = stream_slot(a2a)?;
     let record = start(a2a, agent, &accepted).await?;
     let watcher = a2a
         .tasks
         .watch(agent, &record.id)
         .ok_or_else(|| RpcError::new(code::INTERNAL_ERROR, "the task was forgotten at once"))?;
-    Ok(task_stream(a2a, watcher, record, id.clone()))
+    Ok(task_stream(a2a, watcher, record, id.clone(), slot))
 }
 
 #[derive(Debug, Deserialize)]
@@ -1395,7 +1397,14 @@ fn subscribe(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>, id: &Valu
             ),
         ));
     }
-    Ok(task_stream(a2a, watcher, record, id.clone()))
+    let slot = stream_slot(a2a)?;
+    Ok(task_stream(a2a, watcher, record, id.clone(), slot))
+}
+
+/// A slot among the server's open streams (`server::stream_slot`), or the retryable
+/// 503 refusal.
+fn stream_slot(a2a: &A2a) -> Result<OwnedSemaphorePermit, RpcError> {
+    crate::server::stream_slot(&a2a.app).map_err(|message| RpcError::retry(StatusCode::SERVICE_UNAVAILABLE, message))
 }
 
 /// What a task stream follows.
@@ -1406,6 +1415,9 @@ struct Follower {
     last: TaskState,
     ready: VecDeque<Value>,
     done: bool,
+    /// The stream's slot among the open streams: freed when the stream ends or its
+    /// client goes away, both of which drop it.
+    _slot: OwnedSemaphorePermit,
 }
 
 impl Follower {
@@ -1463,7 +1475,13 @@ impl Follower {
 }
 
 /// The SSE of one task: the task itself first, then its changes until it ends.
-fn task_stream(a2a: &A2a, mut watcher: watch::Receiver<TaskRecord>, first: TaskRecord, id: Value) -> Response {
+fn task_stream(
+    a2a: &A2a,
+    mut watcher: watch::Receiver<TaskRecord>,
+    first: TaskRecord,
+    id: Value,
+    slot: OwnedSemaphorePermit,
+) -> Response {
     watcher.mark_unchanged();
     let mut follower = Follower {
         id,
@@ -1472,6 +1490,7 @@ fn task_stream(a2a: &A2a, mut watcher: watch::Receiver<TaskRecord>, first: TaskR
         last: first.state,
         ready: VecDeque::from([json!({"task": task_json(&first, None, true)})]),
         done: first.state.is_final(),
+        _slot: slot,
     };
     // A change between `first` and the watcher's mark would be lost: catch it up.
     let now = follower.watcher.borrow().clone();

@@ -317,7 +317,9 @@ pub(crate) async fn message(
             .is_some_and(|accept| accept.contains("text/event-stream"));
     let trace = request_trace(&state, &headers);
     if wants_stream {
-        let response = crate::agents_stream::streamed_turn(&state, agent, body.text, timeout, trace);
+        // Taken before the turn starts: a stream over the limit starts nothing.
+        let slot = crate::server::stream_slot(&state).map_err(ApiError::overloaded)?;
+        let response = crate::agents_stream::streamed_turn(&state, agent, body.text, timeout, trace, slot);
         return Ok(with_trace(Ok(response), trace));
     }
     let options = AskOptions::default().timeout(timeout).traced(trace);

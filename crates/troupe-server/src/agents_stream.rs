@@ -2,7 +2,8 @@
 //! (`call_started`, `turn_started`, `model_responded`, `tool_finished`, `call_finished`,
 //! `turn_ended`, ... as in `GET /v1/events`), then one `reply` event with the reply's
 //! JSON, or one `error` event with the error shape and its HTTP `status`; then the
-//! stream ends.
+//! stream ends. It holds one of the server's `streams_open_max` stream slots until then
+//! (or until its client goes away).
 //!
 //! The tree's root is the first call from outside to the agent after the request
 //! subscribed: if other clients message the same agent at the same instant, the stream
@@ -19,7 +20,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-use tokio::sync::{broadcast, oneshot};
+use tokio::sync::{broadcast, oneshot, OwnedSemaphorePermit};
 use troupe_agent::{agent_id, AgentCallError, AgentEvent, AgentReply, AskOptions};
 use troupe_core::{ActorId, TraceId};
 
@@ -37,6 +38,7 @@ pub(crate) fn streamed_turn(
     text: String,
     timeout: Duration,
     trace: TraceId,
+    slot: OwnedSemaphorePermit,
 ) -> Response {
     let events = state.client.subscribe();
     let (sender, reply) = oneshot::channel();
@@ -59,6 +61,7 @@ pub(crate) fn streamed_turn(
         calls: HashSet::new(),
         agents: HashSet::new(),
         ready: VecDeque::new(),
+        _slot: slot,
     };
     let stream = futures::stream::unfold(follower, |mut follower| async move {
         let event = follower.next().await?;
@@ -77,6 +80,9 @@ struct TurnFollower {
     calls: HashSet<u64>,
     agents: HashSet<ActorId>,
     ready: VecDeque<Event>,
+    /// The stream's slot among the open streams (`server::stream_slot`): freed when the
+    /// stream ends or its client goes away, both of which drop it.
+    _slot: OwnedSemaphorePermit,
 }
 
 impl TurnFollower {

@@ -9,7 +9,7 @@ use futures::future::BoxFuture;
 use crate::limits::{
     A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
     SERVER_REQUEST_TIMEOUT_MS_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_MAX, SERVER_REQUEST_TIMEOUT_MS_MIN,
-    SERVER_TOKEN_LENGTH_MIN_BYTES,
+    SERVER_STREAMS_OPEN_MAX, SERVER_STREAMS_OPEN_MAX_DEFAULT, SERVER_TOKEN_LENGTH_MIN_BYTES,
 };
 
 /// How a server behaves: its bearer token and its limits.
@@ -22,6 +22,11 @@ pub struct ServerConfig {
     /// Requests handled at once, from 1 to [`SERVER_CONCURRENT_REQUESTS_MAX`]; one more
     /// gets 503 `overloaded`.
     pub concurrent_requests_max: usize,
+    /// Streamed answers open at once (a streamed message, A2A `SendStreamingMessage`
+    /// and `SubscribeToTask`), from 1 to [`SERVER_STREAMS_OPEN_MAX`]; one more gets 503
+    /// with `Retry-After` before it starts anything. A stream holds its slot until it
+    /// ends or its client goes away.
+    pub streams_open_max: usize,
     /// How long a request may take until its response headers, from
     /// [`SERVER_REQUEST_TIMEOUT_MS_MIN`] to [`SERVER_REQUEST_TIMEOUT_MS_MAX`] ms.
     pub request_timeout: Duration,
@@ -54,6 +59,7 @@ impl std::fmt::Debug for ServerConfig {
             .debug_struct("ServerConfig")
             .field("token", &self.token.as_ref().map(|_| "<set>"))
             .field("concurrent_requests_max", &self.concurrent_requests_max)
+            .field("streams_open_max", &self.streams_open_max)
             .field("request_timeout", &self.request_timeout)
             .field("a2a_tasks_kept", &self.a2a_tasks_kept)
             .field("node", &self.node)
@@ -67,6 +73,7 @@ impl Default for ServerConfig {
         Self {
             token: None,
             concurrent_requests_max: SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
+            streams_open_max: SERVER_STREAMS_OPEN_MAX_DEFAULT,
             request_timeout: Duration::from_millis(SERVER_REQUEST_TIMEOUT_MS_DEFAULT),
             a2a_tasks_kept: A2A_TASKS_KEPT_MAX,
             node: None,
@@ -85,6 +92,13 @@ impl ServerConfig {
     /// Handles at most `max` requests at once.
     pub fn concurrent_requests_max(mut self, max: usize) -> Self {
         self.concurrent_requests_max = max;
+        self
+    }
+
+    /// Keeps at most `max` streamed answers open at once (see
+    /// [`ServerConfig::streams_open_max`]).
+    pub fn streams_open_max(mut self, max: usize) -> Self {
+        self.streams_open_max = max;
         self
     }
 
@@ -120,6 +134,8 @@ impl ServerConfig {
     /// [`ServeError::TokenRequired`] for a non-loopback address without a token;
     /// [`ServeError::ConcurrentRequests`] for a `concurrent_requests_max` of 0 or over
     /// [`SERVER_CONCURRENT_REQUESTS_MAX`];
+    /// [`ServeError::StreamsOpen`] for a `streams_open_max` of 0 or over
+    /// [`SERVER_STREAMS_OPEN_MAX`];
     /// [`ServeError::RequestTimeout`] for a `request_timeout` under
     /// [`SERVER_REQUEST_TIMEOUT_MS_MIN`] or over [`SERVER_REQUEST_TIMEOUT_MS_MAX`] ms;
     /// [`ServeError::A2aTasksKept`] for an `a2a_tasks_kept` of 0 or over
@@ -139,6 +155,12 @@ impl ServerConfig {
             return Err(ServeError::ConcurrentRequests {
                 given: self.concurrent_requests_max,
                 max: SERVER_CONCURRENT_REQUESTS_MAX,
+            });
+        }
+        if !(1..=SERVER_STREAMS_OPEN_MAX).contains(&self.streams_open_max) {
+            return Err(ServeError::StreamsOpen {
+                given: self.streams_open_max,
+                max: SERVER_STREAMS_OPEN_MAX,
             });
         }
         let timeouts =
@@ -186,6 +208,14 @@ pub enum ServeError {
         /// The number given.
         given: usize,
         /// [`SERVER_CONCURRENT_REQUESTS_MAX`].
+        max: usize,
+    },
+    /// `streams_open_max` is out of its range (0 would serve no stream).
+    #[error("streams_open_max is {given}: give from 1 to {max} streamed answers to keep open at once")]
+    StreamsOpen {
+        /// The number given.
+        given: usize,
+        /// [`SERVER_STREAMS_OPEN_MAX`].
         max: usize,
     },
     /// `request_timeout` is out of its range (zero would answer every request 504).

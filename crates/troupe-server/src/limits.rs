@@ -32,6 +32,16 @@ pub const SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT: usize = 256;
 /// (and `troupe serve --concurrent-requests-max`) refuses more. Each one holds a task
 /// and its agent's turn; far more than one machine serves usefully.
 pub const SERVER_CONCURRENT_REQUESTS_MAX: usize = 65_536;
+/// Streamed answers open at once by default, in streams: a streamed message
+/// (`POST /v1/agents/{id}/messages?stream=true`) and the A2A streams
+/// (`SendStreamingMessage`, `SubscribeToTask`). One more is refused at once with 503 and
+/// `Retry-After`, before it starts anything. Such a stream lives until its turn or task
+/// ends (or its client goes away), long after its request left the concurrent-request
+/// limit (which counts it only until its headers are sent).
+pub const SERVER_STREAMS_OPEN_MAX_DEFAULT: usize = 256;
+/// The most streams a server may be configured to keep open at once, in streams:
+/// `serve` refuses more (see [`SERVER_STREAMS_OPEN_MAX_DEFAULT`]).
+pub const SERVER_STREAMS_OPEN_MAX: usize = 65_536;
 /// Open SSE streams of `/v1/events` at once; one more is refused with 503 `overloaded`.
 pub const SERVER_EVENT_STREAMS_MAX: usize = 64;
 /// Calls the topology keeps for call trees (the most recent ones), in calls; an older
@@ -139,6 +149,8 @@ const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_MIN <= SERVER_REQUEST_TIMEOUT_MS
 const _: () = assert!(SERVER_REQUEST_TIMEOUT_MS_DEFAULT <= SERVER_REQUEST_TIMEOUT_MS_MAX);
 const _: () = assert!(SERVER_MESSAGE_TIMEOUT_MS_MAX < SERVER_REQUEST_TIMEOUT_MS_MAX);
 const _: () = assert!(SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT <= SERVER_CONCURRENT_REQUESTS_MAX);
+const _: () = assert!(SERVER_STREAMS_OPEN_MAX_DEFAULT >= 1);
+const _: () = assert!(SERVER_STREAMS_OPEN_MAX_DEFAULT <= SERVER_STREAMS_OPEN_MAX);
 const _: () = assert!(SERVER_HISTORY_PAGE_DEFAULT <= SERVER_HISTORY_PAGE_MAX);
 // The agent's keys made of them (`seen/{msg_id}`, `task/{id}`, `canceled/{id}`,
 // `tasks_in/{id}`) fit in the store's key limit.

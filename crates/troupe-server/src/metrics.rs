@@ -23,9 +23,10 @@ impl Metrics {
             .or_insert(0) += 1;
     }
 
-    /// The text of `/metrics`; `a2a` is the A2A tasks held and the agents the A2A layer
-    /// keeps anything of.
-    pub(crate) fn render(&self, client: &AgentClient, event_streams_open: usize, a2a: (usize, usize)) -> String {
+    /// The text of `/metrics`; `streams_open` is the open `/v1/events` streams and the
+    /// open streamed answers; `a2a` the A2A tasks held and the agents the A2A layer keeps
+    /// anything of.
+    pub(crate) fn render(&self, client: &AgentClient, streams_open: [usize; 2], a2a: (usize, usize)) -> String {
         let mut out = String::new();
         out.push_str("# HELP troupe_http_requests_total HTTP requests answered, by method, route and status.\n");
         out.push_str("# TYPE troupe_http_requests_total counter\n");
@@ -108,7 +109,12 @@ impl Metrics {
             (
                 "troupe_event_streams_open",
                 "Open SSE streams of /v1/events.",
-                event_streams_open,
+                streams_open[0],
+            ),
+            (
+                "troupe_streams_open",
+                "Open streamed answers (streamed messages, A2A streams), at most streams_open_max.",
+                streams_open[1],
             ),
             ("troupe_a2a_tasks_kept", "A2A tasks the server holds in memory.", a2a.0),
             (

@@ -16,7 +16,7 @@ use axum::Router;
 use futures::StreamExt as _;
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument as _;
 use troupe_agent::AgentClient;
 
@@ -36,6 +36,9 @@ pub(crate) struct AppState {
     pub(crate) metrics: Metrics,
     /// One permit per request being handled.
     pub(crate) requests: Arc<Semaphore>,
+    /// One permit per open streamed answer (a streamed message, an A2A stream): see
+    /// [`stream_slot`].
+    pub(crate) streams: Arc<Semaphore>,
     /// One permit per open `/v1/events` stream.
     pub(crate) event_streams: Arc<Semaphore>,
     /// Set to `true` when the server shuts down: event streams end.
@@ -69,6 +72,8 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         requests: Arc::new(Semaphore::new(
             config.concurrent_requests_max.min(Semaphore::MAX_PERMITS),
         )),
+        // As for `requests`: `serve` refuses more than SERVER_STREAMS_OPEN_MAX.
+        streams: Arc::new(Semaphore::new(config.streams_open_max.min(Semaphore::MAX_PERMITS))),
         config,
         metrics: Metrics::default(),
         event_streams: Arc::new(Semaphore::new(SERVER_EVENT_STREAMS_MAX)),
@@ -426,6 +431,25 @@ async fn limit(State(state): State<Arc<AppState>>, request: Request, next: Next)
     }
 }
 
+/// A slot for one streamed answer (a streamed message, A2A `SendStreamingMessage` or
+/// `SubscribeToTask`), taken before the stream starts anything and held by the stream
+/// until it ends or its client goes away (the response body, dropped then, holds it).
+/// The concurrent-request limit counts a stream only until its headers are sent; this
+/// one counts it for as long as it is open.
+///
+/// # Errors
+/// With `streams_open_max` streams open, what to tell the client (the caller answers it
+/// 503 with `Retry-After`, in its route's error shape).
+pub(crate) fn stream_slot(state: &AppState) -> Result<OwnedSemaphorePermit, String> {
+    Arc::clone(&state.streams).try_acquire_owned().map_err(|_| {
+        format!(
+            "the server has {} streamed answers open, its limit (streams_open_max); retry later, or ask without \
+             streaming",
+            state.config.streams_open_max
+        )
+    })
+}
+
 async fn not_found(request: Request<Body>) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -446,6 +470,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let open = SERVER_EVENT_STREAMS_MAX - state.event_streams.available_permits();
     let a2a = a2a::sizes(&state).await;
-    let text = state.metrics.render(&state.client, open, a2a);
+    let streams = state.config.streams_open_max.min(Semaphore::MAX_PERMITS) - state.streams.available_permits();
+    let text = state.metrics.render(&state.client, [open, streams], a2a);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
