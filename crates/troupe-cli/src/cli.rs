@@ -116,6 +116,16 @@ pub struct NodeArgs {
     /// With --config: use the scripted model even if OPENAI_API_KEY is set.
     #[arg(long)]
     pub scripted: bool,
+    /// HTTP requests handled at once (1 to 65536), as `troupe serve`'s flag; one more is
+    /// answered 503 with Retry-After. With --config, the agents' API has a limit of its
+    /// own of the same size.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT as u64,
+        value_parser = clap::value_parser!(u64).range(1..=SERVER_CONCURRENT_REQUESTS_MAX as u64)
+    )]
+    pub concurrent_requests_max: u64,
 }
 
 /// The default cluster name of `troupe node`.

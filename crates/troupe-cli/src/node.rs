@@ -268,6 +268,8 @@ pub struct NodePlan {
     pub fence_log_commits: bool,
     /// The organisation of --config (its agents are served), with its file.
     pub org: Option<(PathBuf, OrgConfig)>,
+    /// HTTP requests handled at once (--concurrent-requests-max).
+    pub concurrent_requests_max: usize,
 }
 
 /// Checks `args` and builds the plan; nothing is started or connected.
@@ -349,6 +351,8 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
         token,
         fence_log_commits: args.fence_log_commits,
         org,
+        // Within 1..=SERVER_CONCURRENT_REQUESTS_MAX: clap checked it.
+        concurrent_requests_max: usize::try_from(args.concurrent_requests_max).unwrap_or(usize::MAX),
     })
 }
 
@@ -574,6 +578,58 @@ struct HttpState {
     kind: &'static str,
 }
 
+/// The places of the node's own HTTP requests: one per request handled at once.
+#[derive(Clone)]
+struct RequestPlaces {
+    places: Arc<tokio::sync::Semaphore>,
+    max: usize,
+}
+
+/// Admits at most [`NodePlan::concurrent_requests_max`] requests at once, as `troupe
+/// serve` does: one more is answered 503 with `Retry-After` at once, its body unread.
+/// Runs before the body is read ([`troupe_server::read_body`]), so a request whose body
+/// is slow holds its place at most `SERVER_REQUEST_BODY_READ_MS`.
+async fn limit_requests(
+    State(places): State<RequestPlaces>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Ok(_place) = Arc::clone(&places.places).try_acquire_owned() else {
+        return retry_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the node is handling {} requests, its limit (--concurrent-requests-max); retry later",
+                places.max
+            ),
+        );
+    };
+    next.run(request).await
+}
+
+/// The node's limits on its own routes, the same as `troupe serve`'s: at most
+/// `concurrent_requests_max` requests at once ([`limit_requests`]), then the body read
+/// under [`troupe_server::read_body`]'s rule (whole within `SERVER_REQUEST_BODY_READ_MS`,
+/// else 408 `body_timeout`), then the node's own body limit
+/// ([`NODE_HTTP_BODY_BYTES_MAX`], 413).
+fn with_request_limits(routes: Router<HttpState>, concurrent_requests_max: usize) -> Router<HttpState> {
+    assert!(
+        concurrent_requests_max >= 1,
+        "a node admits at least one request at once"
+    );
+    let places = RequestPlaces {
+        // No node reaches tokio's bound of permits (2^61) in requests at once.
+        places: Arc::new(tokio::sync::Semaphore::new(
+            concurrent_requests_max.min(tokio::sync::Semaphore::MAX_PERMITS),
+        )),
+        max: concurrent_requests_max,
+    };
+    // Layers run outside in: the last added runs first.
+    routes
+        .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
+        .layer(axum::middleware::from_fn(troupe_server::read_body))
+        .layer(axum::middleware::from_fn_with_state(places, limit_requests))
+}
+
 #[derive(Deserialize)]
 struct AppendBody {
     text: String,
@@ -734,19 +790,23 @@ async fn health(State(state): State<HttpState>) -> Response {
 }
 
 /// The node's HTTP API: `GET /health`, `POST` and `GET /v1/conversations/{id}/messages`
-/// (a read is one page: `?after=SEQ` reads on from the reply's `next_after`).
-pub fn router(client: ClusterClient, token: Option<String>) -> Router {
+/// (a read is one page: `?after=SEQ` reads on from the reply's `next_after`), at most
+/// `concurrent_requests_max` requests at once, each body read under `troupe serve`'s
+/// rule (see [`with_request_limits`]).
+///
+/// # Panics
+/// If `concurrent_requests_max` is 0.
+pub fn router(client: ClusterClient, token: Option<String>, concurrent_requests_max: usize) -> Router {
     let state = HttpState {
         node: client.node().to_string(),
         client,
         token: token.map(Arc::from),
         kind: CONVERSATION_KIND,
     };
-    Router::new()
+    let routes = Router::new()
         .route("/health", get(health))
-        .route("/v1/conversations/{id}/messages", get(read).post(append))
-        .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
-        .with_state(state)
+        .route("/v1/conversations/{id}/messages", get(read).post(append));
+    with_request_limits(routes, concurrent_requests_max).with_state(state)
 }
 
 /// The HTTP API of a node that serves agents (`--config`): `troupe serve`'s API over
@@ -755,15 +815,23 @@ pub fn router(client: ClusterClient, token: Option<String>) -> Router {
 /// `GET /v1/logs/{id}/messages`.
 /// With `placement`, an A2A request for an agent whose A2A tasks another node holds is
 /// forwarded to the HTTP address that node published in etcd
-/// ([`troupe_etcd::EtcdPlacement::publish_http`]).
+/// ([`troupe_etcd::EtcdPlacement::publish_http`]). The logs' routes admit at most
+/// `concurrent_requests_max` requests at once, and so do the agents' (each its own
+/// limit); every body is read under `troupe serve`'s rule.
+///
+/// # Panics
+/// If `concurrent_requests_max` is 0.
 pub fn agents_router(
     client: ClusterClient,
     agents: AgentClient,
     token: Option<String>,
     placement: Option<EtcdPlacement>,
+    concurrent_requests_max: usize,
 ) -> Router {
     // A2A tasks are numbered in this node's own space (`ServerConfig::node`).
-    let mut config = troupe_server::ServerConfig::default().node(client.node().to_string());
+    let mut config = troupe_server::ServerConfig::default()
+        .node(client.node().to_string())
+        .concurrent_requests_max(concurrent_requests_max);
     if let Some(placement) = placement {
         config = config.peers(Arc::new(EtcdPeers(placement)));
     }
@@ -776,10 +844,8 @@ pub fn agents_router(
         token: token.map(Arc::from),
         kind: LOG_KIND_WITH_AGENTS,
     };
-    let logs = Router::new()
-        .route("/v1/logs/{id}/messages", get(read).post(append))
-        .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
-        .with_state(state);
+    let logs = Router::new().route("/v1/logs/{id}/messages", get(read).post(append));
+    let logs = with_request_limits(logs, concurrent_requests_max).with_state(state);
     logs.merge(troupe_server::router(agents, config))
 }
 
@@ -973,8 +1039,9 @@ pub async fn run_node(
                         agents.clone(),
                         plan.token.clone(),
                         Some(node.placement().clone()),
+                        plan.concurrent_requests_max,
                     ),
-                    None => router(node.client(), plan.token.clone()),
+                    None => router(node.client(), plan.token.clone(), plan.concurrent_requests_max),
                 };
                 axum::serve(listener, app)
                     .with_graceful_shutdown(shutdown)

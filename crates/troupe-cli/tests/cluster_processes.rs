@@ -1618,7 +1618,16 @@ async fn a_node_answers_oversized_and_excess_appends_with_their_own_statuses() {
     let etcd = TestEtcd::start("cluster-statuses").await;
     let postgres = TestServer::start("cluster-statuses");
     let database = postgres.create_database("statuses").await;
-    let node = NodeProcess::start("b0", &etcd.endpoint(), &database);
+    // Room for the whole burst at once: it is the conversation's mailbox that refuses
+    // here, not the node's limit on requests at once (256 by default; see
+    // `a_node_over_its_concurrent_request_limit_answers_503_with_retry_after`).
+    let places = (2 * BURST_APPENDS).to_string();
+    let node = NodeProcess::start_with(
+        "b0",
+        &etcd.endpoint(),
+        &database,
+        &["--concurrent-requests-max", &places],
+    );
     let path = "/v1/conversations/limits/messages";
 
     let body = serde_json::json!({"text": "x".repeat(NODE_HTTP_BODY_BYTES_MAX + 1)}).to_string();
@@ -1713,4 +1722,147 @@ async fn a_nodes_token_is_taken_with_the_bearer_scheme_in_any_case() {
         assert_eq!(send(format!("{scheme} {token}")), 200, "{scheme}");
     }
     assert_eq!(send("bearer wrong-token-of-16-bytes".to_string()), 401);
+}
+
+/// An HTTP/1.1 answer read whole: its status, its head (status line and headers) and
+/// its body.
+struct RawAnswer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl RawAnswer {
+    /// The value of header `name` (any case), if the answer has it.
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            key.trim().eq_ignore_ascii_case(name).then(|| value.trim())
+        })
+    }
+}
+
+/// Writes `request` (head and as much body as given) on a fresh connection and reads the
+/// answer until the node closes the connection or `limit` passes (then an error).
+fn raw_http(addr: &str, request: &str, limit: Duration) -> std::io::Result<RawAnswer> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(limit))?;
+    stream.write_all(request.as_bytes())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what}: {response:?}"));
+    let status = response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("no status"))?;
+    let (head, body) = response.split_once("\r\n\r\n").ok_or_else(|| bad("no body"))?;
+    Ok(RawAnswer {
+        status,
+        head: head.to_string(),
+        body: body.to_string(),
+    })
+}
+
+/// The head of an append to `path` on `addr` whose body is `length` bytes of JSON,
+/// with `Connection: close`.
+fn append_head(addr: &str, path: &str, length: usize) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {length}\r\n\r\n"
+    )
+}
+
+/// How much later than `SERVER_REQUEST_BODY_READ_MS` a stalled body's 408 may come, in
+/// milliseconds (a shared machine).
+const BODY_TIMEOUT_SLACK_MS: u64 = 5_000;
+
+/// Goal: a node's conversation API reads a request body under `troupe serve`'s rule: a
+/// body that has not arrived whole within `SERVER_REQUEST_BODY_READ_MS` (10 s) is
+/// answered 408 `body_timeout` and its connection closed, rather than held (with its
+/// request's place) for as long as the client keeps the connection. Method: one node;
+/// an append announces 64 bytes of body, sends 12 and stops; its answer must be 408 and
+/// come between the read limit and the limit plus [`BODY_TIMEOUT_SLACK_MS`]; an append
+/// sent whole still gets 200.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nodes_append_whose_body_stops_short_is_answered_408_within_the_read_limit() {
+    use troupe_server::limits::SERVER_REQUEST_BODY_READ_MS;
+    let etcd = TestEtcd::start("cluster-body-timeout").await;
+    let postgres = TestServer::start("cluster-body-timeout");
+    let database = postgres.create_database("bodytimeout").await;
+    let node = NodeProcess::start("s0", &etcd.endpoint(), &database);
+    let path = "/v1/conversations/stalled/messages";
+
+    let started = Instant::now();
+    let request = format!("{}{{\"text\": \"st", append_head(&node.http, path, 64));
+    let answer = raw_http(
+        &node.http,
+        &request,
+        Duration::from_millis(SERVER_REQUEST_BODY_READ_MS + BODY_TIMEOUT_SLACK_MS),
+    )
+    .unwrap_or_else(|error| {
+        panic!(
+            "no answer to a stalled body within {} ms: {error}",
+            SERVER_REQUEST_BODY_READ_MS + BODY_TIMEOUT_SLACK_MS
+        )
+    });
+    let took = started.elapsed();
+    assert_eq!(answer.status, 408, "{}", answer.body);
+    assert!(answer.body.contains("body_timeout"), "{}", answer.body);
+    assert!(
+        took >= Duration::from_millis(SERVER_REQUEST_BODY_READ_MS),
+        "answered after {took:?}, before the read limit"
+    );
+
+    let (status, reply) = append(&node.http, "stalled", "whole").expect("an answer");
+    assert_eq!(status, 200, "{reply}");
+}
+
+/// Goal: a node's conversation API admits at most `--concurrent-requests-max` requests
+/// at once (by default `troupe serve`'s 256); one more is answered 503 with
+/// `Retry-After` at once, and room comes back when a request ends. Method: one node
+/// with `--concurrent-requests-max 2`; two appends whose bodies stop short hold both
+/// places (their bodies are read within the limit); a third append must be answered
+/// 503 with `Retry-After` within 2 s; once the two stalled clients hang up (their
+/// requests end, 400), an append gets 200.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_over_its_concurrent_request_limit_answers_503_with_retry_after() {
+    let etcd = TestEtcd::start("cluster-concurrency").await;
+    let postgres = TestServer::start("cluster-concurrency");
+    let database = postgres.create_database("concurrency").await;
+    let node = NodeProcess::start_with("c0", &etcd.endpoint(), &database, &["--concurrent-requests-max", "2"]);
+    let path = "/v1/conversations/crowded/messages";
+
+    let stalled: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut stream = TcpStream::connect(&node.http).expect("connect");
+            let request = format!("{}{{\"text\": \"st", append_head(&node.http, path, 64));
+            stream.write_all(request.as_bytes()).expect("write");
+            stream
+        })
+        .collect();
+    // Both requests are admitted and reading their bodies.
+    std::thread::sleep(Duration::from_millis(500));
+
+    let started = Instant::now();
+    let body = r#"{"text": "one too many"}"#;
+    let request = format!("{}{body}", append_head(&node.http, path, body.len()));
+    let answer = raw_http(&node.http, &request, Duration::from_secs(2)).expect("an answer at once");
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert!(answer.header("retry-after").is_some(), "{}", answer.head);
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+
+    drop(stalled);
+    let mut last = (0, Value::Null);
+    for _ in 0..50 {
+        last = append(&node.http, "crowded", "room again").expect("an answer");
+        if last.0 == 200 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        last.0, 200,
+        "room came back once the stalled requests ended: {}",
+        last.1
+    );
 }
