@@ -203,6 +203,8 @@ impl AgentActor {
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
         let mut usage = TokenUsage::default();
+        // The answer's length as the model gave it, before it was cut.
+        let mut answer_bytes = 0;
         // A turn whose budget runs out replies with the typed error and commits nothing
         // (its spend is reported all the same: the tokens are gone).
         let exhausted = |meter: &BudgetMeter, steps, usage, error: BudgetExhausted| AgentReply {
@@ -305,6 +307,12 @@ impl AgentActor {
                         return Ok(Some(exhausted(meter.get(), steps, usage, error)));
                     }
                     if message.tool_calls.is_empty() {
+                        // Kept as the caller gets it (cut to AGENT_REPLY_SIZE_MAX_BYTES on a
+                        // character boundary): kept whole, a provider's oversized answer
+                        // went into the log and every later prompt of the window.
+                        answer_bytes = message.content.len();
+                        let kept = truncate_utf8(&message.content, AGENT_REPLY_SIZE_MAX_BYTES).len();
+                        message.content.truncate(kept);
                         fresh.push(message);
                         break;
                     }
@@ -373,10 +381,14 @@ impl AgentActor {
             self.state.remember(&fresh);
         }
         self.state.turns += 1;
-        let text = truncate_utf8(answer, AGENT_REPLY_SIZE_MAX_BYTES);
+        assert!(
+            answer.len() <= AGENT_REPLY_SIZE_MAX_BYTES,
+            "an answer of {} bytes was kept, over {AGENT_REPLY_SIZE_MAX_BYTES}",
+            answer.len()
+        );
         Ok(AgentReply {
-            text: text.to_string(),
-            truncated: text.len() < answer.len(),
+            text: answer.clone(),
+            truncated: answer.len() < answer_bytes,
             steps,
             usage,
             spent: meter.get().spent(),
