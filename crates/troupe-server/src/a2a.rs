@@ -122,7 +122,7 @@ type Shared = State<Arc<A2a>>;
 
 /// The A2A routes over `app`, to merge into the server's router.
 pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
-    let store = TaskStore::new(Arc::clone(app.client.runtime().store()));
+    let store = TaskStore::new(Arc::clone(app.client.runtime().store()), app.config.node.clone());
     let a2a = Arc::new(A2a {
         tasks: TaskRegistry::new(app.config.a2a_tasks_kept, app.config.node.clone()),
         app,
@@ -325,7 +325,10 @@ async fn ready(a2a: &Arc<A2a>) {
                 .map(|spec| spec.id)
                 .collect();
             match a2a.store.load(&agents).await {
-                Ok(records) => resume(a2a, records),
+                Ok(loaded) => {
+                    a2a.tasks.number_from(loaded.seq_next);
+                    resume(a2a, loaded.records);
+                }
                 Err(error) => {
                     tracing::error!(%error, "the stored A2A tasks cannot be read; they are not resumed");
                 }
@@ -369,9 +372,10 @@ async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), Refused> {
     let taken = cell
         .get_or_try_init(|| async {
             a2a.store.claim(agent).await?;
-            let records = a2a.store.load(&[agent.to_string()]).await?;
-            tracing::info!(%agent, records = records.len(), "this node holds the agent's A2A tasks");
-            resume(a2a, records);
+            let loaded = a2a.store.load(&[agent.to_string()]).await?;
+            tracing::info!(%agent, records = loaded.records.len(), "this node holds the agent's A2A tasks");
+            a2a.tasks.number_from(loaded.seq_next);
+            resume(a2a, loaded.records);
             Ok::<(), StoreError>(())
         })
         .await;
@@ -796,8 +800,19 @@ fn refusal(agent: &str, troupe: &TroupeCallMetadata) -> Option<String> {
 }
 
 /// Makes the task, stores it and, unless it is rejected at once, puts it in its
-/// agent's lane.
+/// agent's lane. The first task of an agent the registry holds nothing of is numbered
+/// after every task the agent id had (its `seq_next`, read from the store): the agent
+/// may be one deleted and made again, whose inbox knows the old ids.
 async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
+    if !a2a.tasks.tracks(agent) {
+        let seq_next = a2a.store.seq_next(agent).await.map_err(|error| {
+            RpcError::retry(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("agent {agent:?}'s A2A task numbers cannot be read now; retry later: {error}"),
+            )
+        })?;
+        a2a.tasks.number_from(seq_next);
+    }
     let troupe = accepted.troupe.clone().unwrap_or_default();
     let rejected = refusal(agent, &troupe);
     let created = a2a

@@ -17,6 +17,18 @@
 //! back in its lane and is handed to the agent again, which finds the task it already
 //! holds (running, resumed, or done) instead of a second one.
 //!
+//! A task id is never given twice to one agent id. The agent's inbox keeps its record
+//! of every task it was handed (by id) beyond the A2A records: past a delete of the
+//! agent (which deletes the records) and, when forgetting it fails, past the record's
+//! end. A task numbered again as one of those would be answered with that task's
+//! outcome, and run nothing. So each record is written with the number the next task
+//! takes (`seq_next`, or `seq_next/{node}` on a cluster node; one key per agent id,
+//! kept when the agent is deleted), and no task of the agent is numbered below it:
+//! it is read with the agent's records (at start; on a cluster node, when the node
+//! takes them over) and before the first task of an agent the registry holds nothing
+//! of ([`TaskStore::seq_next`]). Without it the numbers went on from the records read
+//! back, which need not hold the agent's last task.
+//!
 //! A message sent again (the same `messageId` to the same agent, with the same parts)
 //! is the task it started, while the server keeps that task: a client that retries a
 //! send after a lost answer gets the first task, and the agent runs once. The same id
@@ -46,6 +58,17 @@ use crate::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
 pub(crate) const A2A_STORE_KIND: &str = "troupe-a2a";
 /// Records one store scan reads when the server loads its tasks.
 const A2A_LOAD_PAGE: usize = 256;
+
+/// The key of the number the next task of this server's space takes, in an agent's key
+/// space: `seq_next`, or `seq_next/{node}` on a cluster node (its tasks are numbered
+/// in its own space, see [`TaskRecord::node`]). Not under `task/`: the records' scan
+/// does not read it, and deleting an agent's records leaves it.
+fn seq_next_key(node: Option<&str>) -> String {
+    match node {
+        Some(node) => format!("seq_next/{node}"),
+        None => "seq_next".to_string(),
+    }
+}
 
 /// One A2A task as the server knows it (and stores it, as JSON).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -118,6 +141,9 @@ pub(crate) struct Forgotten {
 /// The server's A2A records in the store.
 pub(crate) struct TaskStore {
     store: Arc<dyn StateStore>,
+    /// The cluster node the server runs on (`ServerConfig::node`): whose `seq_next`
+    /// it writes and reads.
+    node: Option<String>,
     /// One claim-and-commit at a time (a claim fences out the previous one). It holds
     /// the fence of each agent's key space this server claimed last: its writes commit
     /// under it until the store refuses it (another writer claimed since), and only then
@@ -143,10 +169,21 @@ fn store_id(agent: &str) -> Result<ActorId, StoreError> {
     })
 }
 
+/// What [`TaskStore::load`] read.
+pub(crate) struct Loaded {
+    /// The records, oldest first (by [`TaskRecord::order`]).
+    pub(crate) records: Vec<TaskRecord>,
+    /// The highest `seq_next` of the agents read: no new task is numbered below it.
+    pub(crate) seq_next: u64,
+}
+
 impl TaskStore {
-    pub(crate) fn new(store: Arc<dyn StateStore>) -> Self {
+    /// The records in `store`, of the tasks numbered in `node`'s space (`None`: a
+    /// single server).
+    pub(crate) fn new(store: Arc<dyn StateStore>, node: Option<String>) -> Self {
         Self {
             store,
+            node,
             writer: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
@@ -192,7 +229,9 @@ impl TaskStore {
     }
 
     /// Deletes `forgotten` (records the registry let go), then writes `record` if
-    /// `registry` still holds it. Checked under the writer's lock: a record whose agent
+    /// `registry` still holds it, with the number the registry's next task takes
+    /// (`seq_next`: read under the writer's lock, so the values written only grow).
+    /// Checked under the writer's lock: a record whose agent
     /// was deleted meanwhile ([`TaskStore::forget_agent`], which takes the lock after
     /// the registry let the agent's tasks go) is not written back.
     pub(crate) async fn save(
@@ -213,9 +252,40 @@ impl TaskStore {
         if !registry.holds(&record.id) {
             return Ok(());
         }
-        let key = task_key(record.node.as_deref(), record.seq);
-        self.write(&mut fences, &record.agent, vec![(key, Some(Bytes::from(bytes)))])
-            .await
+        let seq_next = registry.seq_next();
+        assert!(
+            seq_next > record.seq,
+            "task {} is numbered {} but the next number is {seq_next}",
+            record.id,
+            record.seq
+        );
+        let writes = vec![
+            (task_key(record.node.as_deref(), record.seq), Some(Bytes::from(bytes))),
+            (
+                seq_next_key(self.node.as_deref()),
+                Some(Bytes::from(seq_next.to_string())),
+            ),
+        ];
+        self.write(&mut fences, &record.agent, writes).await
+    }
+
+    /// The number below which no new task of `agent` is numbered (`seq_next` in its
+    /// key space; 0 if it never had a task here). Kept when the agent is deleted.
+    ///
+    /// # Errors
+    /// The store's, or [`StoreError::Backend`] (`Decode`) if the value is not a number.
+    pub(crate) async fn seq_next(&self, agent: &str) -> Result<u64, StoreError> {
+        let key = seq_next_key(self.node.as_deref());
+        let Some(bytes) = self.store.get(&store_id(agent)?, &key).await? else {
+            return Ok(0);
+        };
+        std::str::from_utf8(&bytes)
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .ok_or_else(|| StoreError::Backend {
+                operation: troupe_core::StoreOperation::Decode,
+                cause: format!("{key} of agent {agent:?}'s A2A tasks is not a number: {bytes:?}"),
+            })
     }
 
     /// Deletes the records of the deleted agent `agent` that the registry let go
@@ -243,10 +313,13 @@ impl TaskStore {
         self.writer.lock().await.keys().cloned().collect()
     }
 
-    /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]).
-    pub(crate) async fn load(&self, agents: &[String]) -> Result<Vec<TaskRecord>, StoreError> {
+    /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]), and
+    /// the highest of their [`TaskStore::seq_next`].
+    pub(crate) async fn load(&self, agents: &[String]) -> Result<Loaded, StoreError> {
         let mut records = Vec::new();
+        let mut seq_next = 0;
         for agent in agents {
+            seq_next = seq_next.max(self.seq_next(agent).await?);
             let id = store_id(agent)?;
             let mut after: Option<String> = None;
             loop {
@@ -262,7 +335,7 @@ impl TaskStore {
             }
         }
         records.sort_by(|a, b| a.order().cmp(&b.order()));
-        Ok(records)
+        Ok(Loaded { records, seq_next })
     }
 }
 
@@ -560,6 +633,18 @@ impl TaskRegistry {
             Some(record) => CancelOutcome::NotCancelable(record),
             None => CancelOutcome::NotFound,
         }
+    }
+
+    /// The number its next task takes.
+    pub(crate) fn seq_next(&self) -> u64 {
+        self.lock().next
+    }
+
+    /// Numbers no further task below `seq_next` (read from the store: see
+    /// [`TaskStore::seq_next`]).
+    pub(crate) fn number_from(&self, seq_next: u64) {
+        let mut inner = self.lock();
+        inner.next = inner.next.max(seq_next);
     }
 
     /// Whether it holds task `id`.

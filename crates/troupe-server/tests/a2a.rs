@@ -991,3 +991,56 @@ async fn a_deleted_agents_a2a_tasks_are_gone_and_create_delete_cycles_leave_noth
     assert_eq!(gauge(&metrics, "troupe_a2a_agents_tracked"), 0, "{metrics}");
     server.stop().await;
 }
+
+/// Goal: an A2A task id is never given twice to one agent id, across a delete and a
+/// restart: an agent deleted, then created again under its id after a restart on the
+/// same SQLite file, runs a new turn for a new message and answers it. Before, the task
+/// numbers restarted from the records read at start (none of the deleted agent's: the
+/// delete took them), so the new task was given the deleted one's id, which the agent's
+/// inbox (kept across the delete) deduplicates: it answered with the old task's outcome
+/// and ran nothing. Method: a server on an SQLite file; create `again`, a completed
+/// task, delete it, stop; a second server on the file; create `again`, send a new
+/// message: a new task id, the new text's answer, and a model call of `again` in the
+/// second server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_id_is_not_given_again_after_its_agent_is_deleted_and_the_server_restarts() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("troupe.db");
+    let start = |llm: Arc<ScriptedLlm>| {
+        let store = Arc::new(troupe_runtime::SqliteStore::open(&path).expect("the SQLite file opens"));
+        let builder = troupe_agent::AgentSystem::builder()
+            .llm(llm as _)
+            .store(store as _)
+            .agent(troupe_agent::AgentSpec::new("echo"));
+        Harness::start(builder, ServerConfig::default().token(TOKEN))
+    };
+    let script = || Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")));
+
+    let first = start(script()).await;
+    let (status, body) = first.post("/v1/agents", json!({"id": "again"})).await;
+    assert_eq!(status, 201, "create: {body}");
+    let old = first.ok("again", "SendMessage", send_params("first life")).await;
+    assert_eq!(old["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{old}");
+    assert_eq!(
+        text_of(&old["task"]["artifacts"][0]["parts"]),
+        "heard: first life",
+        "{old}"
+    );
+    let (status, body) = first.send(reqwest::Method::DELETE, "/v1/agents/again", None).await;
+    assert_eq!(status, 204, "delete: {body}");
+    first.stop().await;
+
+    let llm = script();
+    let second = start(Arc::clone(&llm)).await;
+    let (status, body) = second.post("/v1/agents", json!({"id": "again"})).await;
+    assert_eq!(status, 201, "create again: {body}");
+    let new = second.ok("again", "SendMessage", send_params("second life")).await;
+    assert_ne!(new["task"]["id"], old["task"]["id"], "a task id given again: {new}");
+    assert_eq!(
+        text_of(&new["task"]["artifacts"][0]["parts"]),
+        "heard: second life",
+        "the new message is answered, not the deleted agent's: {new}"
+    );
+    assert_eq!(llm.requests_of("again").len(), 1, "one turn of the new agent ran");
+    second.stop().await;
+}

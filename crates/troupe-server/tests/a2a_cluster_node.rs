@@ -446,3 +446,60 @@ async fn a_node_that_loses_an_agents_a2a_records_stops_serving_them() {
     assert_eq!(asked("after"), 0, "the refused send did not run: {history:?}");
     h1.stop().await;
 }
+
+/// Goal: without a delete too, a node never gives one of an agent's A2A task ids twice:
+/// after a restart, a node numbers an agent's new task after every task it numbered for
+/// that agent, even when the agent's last record was let go to make room (the records
+/// it reads back when it takes the agent's over are not its last). Before, the node
+/// numbered from the records read back, none of `echo`'s: its next task was given
+/// `echo-task-h1-0` again (a client holding the old id would read the new task; had
+/// the agent not forgotten the old one, it would have answered with its outcome).
+/// Method: node h1 keeps 2 tasks; `echo` gets a task (completed), `slow` two (the first
+/// still running when the second is made, so `echo`'s is the oldest ended and goes);
+/// then h1 restarts on the same store and `echo` gets a new task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_after_an_agents_last_record_was_let_go_numbers_its_next_task_after_it() {
+    let store = Arc::new(MemoryStore::new());
+    let start = || {
+        let agents = support::agents(
+            ScriptedLlm::new()
+                .rule(ScriptRule::agent("echo").reply("echo: {input}"))
+                .rule(
+                    ScriptRule::agent("slow")
+                        .reply("slow done")
+                        .latency(Duration::from_millis(2_000)),
+                ),
+            &["echo", "slow"],
+            KindConfig::default(),
+        );
+        Harness::start(
+            agents.store(Arc::clone(&store) as Arc<dyn StateStore>),
+            ServerConfig::default().node("h1".to_string()).a2a_tasks_kept(2),
+        )
+    };
+    let send = |text: &str, id: &str, immediately: bool| {
+        json!({
+            "message": {"messageId": id, "role": "ROLE_USER", "parts": [{"text": text}]},
+            "configuration": {"returnImmediately": immediately},
+        })
+    };
+    let first = start().await;
+    let old = rpc(&first, "SendMessage", send("one", "m1", false)).await;
+    assert_eq!(old["task"]["id"], "echo-task-h1-0", "{old}");
+    assert_eq!(reply_text(&old["task"]), "echo: one", "{old}");
+    for (text, id) in [("long", "m2"), ("longer", "m3")] {
+        let (status, _, answer) = post_rpc_to(&first.base, "slow", "SendMessage", send(text, id, true), &[]).await;
+        assert_eq!(status, 200, "{answer}");
+        assert!(answer.get("error").is_none(), "{answer}");
+    }
+    let (status, _, gone) = post_rpc(&first.base, "GetTask", json!({"id": "echo-task-h1-0"}), &[]).await;
+    assert_eq!(status, 200, "{gone}");
+    assert_eq!(gone["error"]["code"], -32001, "echo's task was let go: {gone}");
+    first.stop().await;
+
+    let second = start().await;
+    let new = rpc(&second, "SendMessage", send("two", "m4", false)).await;
+    assert_ne!(new["task"]["id"], "echo-task-h1-0", "a task id given again: {new}");
+    assert_eq!(reply_text(&new["task"]), "echo: two", "{new}");
+    second.stop().await;
+}
