@@ -706,21 +706,30 @@ async fn call(state: &HttpState, id: &str, request: &ConversationRequest) -> Res
             }
             Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
         },
-        Err(error @ InvokeError::Rejected { .. }) => error_response(StatusCode::BAD_REQUEST, error),
-        Err(error @ InvokeError::Timeout { .. }) => error_response(StatusCode::GATEWAY_TIMEOUT, error),
+        Err(error) => invoke_error_response(error),
+    }
+}
+
+/// The answer to a conversation call that failed with `error`: what went wrong, and
+/// whether (and when: `Retry-After`) the client may send it again.
+fn invoke_error_response(error: InvokeError) -> Response {
+    match error {
+        error @ InvokeError::Rejected { .. } => error_response(StatusCode::BAD_REQUEST, error),
+        error @ InvokeError::Timeout { .. } => error_response(StatusCode::GATEWAY_TIMEOUT, error),
         // The owner died mid-call, or could not be claimed: the message may or may not
         // be stored; the client decides whether to send it again.
-        Err(error @ (InvokeError::Unreachable { .. } | InvokeError::StorageFailed { .. })) => {
+        error @ (InvokeError::Unreachable { .. } | InvokeError::StorageFailed { .. }) => {
             error_response(StatusCode::SERVICE_UNAVAILABLE, error)
         }
         // The conversation's mailbox is full: nothing was stored; send it again later.
-        Err(error @ InvokeError::Busy { .. }) => retry_response(StatusCode::TOO_MANY_REQUESTS, error),
-        // The runtime is overloaded or stopping: the client may send it again (with an
-        // id, an append is stored once).
-        Err(error @ (InvokeError::DispatcherBusy { .. } | InvokeError::Shutdown)) => {
+        error @ InvokeError::Busy { .. } => retry_response(StatusCode::TOO_MANY_REQUESTS, error),
+        // The runtime is overloaded or stopping (or the owner's transport connection
+        // from this node is at its most requests): the client may send it again (with
+        // an id, an append is stored once).
+        error @ (InvokeError::DispatcherBusy { .. } | InvokeError::Shutdown) => {
             retry_response(StatusCode::SERVICE_UNAVAILABLE, error)
         }
-        Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
+        error => error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
     }
 }
 
@@ -1453,5 +1462,85 @@ mod tests {
         assert!(read.iter().map(|(seq, _)| *seq).eq(1..=count));
         assert!(read.iter().all(|(_, length)| *length == CONVERSATION_TEXT_BYTES_MAX));
         runtime.shutdown().await;
+    }
+
+    /// Goal: a failed conversation call is answered with the status that says what to
+    /// do, `Retry-After` exactly where sending again later helps: a full mailbox 429, an
+    /// overloaded or stopping runtime 503, both with `Retry-After:` `NODE_RETRY_AFTER_S`;
+    /// an unreachable owner or a store failure 503 without it (the message may be
+    /// stored; the client decides); a timeout 504, a refusal 400; the body names the
+    /// error. Method: each `InvokeError` through `invoke_error_response`.
+    #[tokio::test]
+    async fn failed_calls_are_answered_with_their_status_and_retry_after_where_it_helps() {
+        use troupe_core::{StoreError, StoreOperation};
+        let target = ActorId::new(CONVERSATION_KIND, "c").unwrap();
+        let retry_after = NODE_RETRY_AFTER_S.to_string();
+        let cases = [
+            (
+                InvokeError::Busy {
+                    target: target.clone(),
+                    capacity: 64,
+                },
+                StatusCode::TOO_MANY_REQUESTS,
+                Some(retry_after.as_str()),
+            ),
+            (
+                InvokeError::DispatcherBusy { capacity: 1_024 },
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(retry_after.as_str()),
+            ),
+            (
+                InvokeError::Shutdown,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(retry_after.as_str()),
+            ),
+            (
+                InvokeError::Unreachable {
+                    target: target.clone(),
+                    cause: "connection reset".to_string(),
+                },
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+            ),
+            (
+                InvokeError::StorageFailed {
+                    target: target.clone(),
+                    source: StoreError::Injected {
+                        operation: StoreOperation::Commit,
+                    },
+                },
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+            ),
+            (
+                InvokeError::Timeout {
+                    target: target.clone(),
+                    timeout_ms: NODE_CALL_TIMEOUT_MS,
+                },
+                StatusCode::GATEWAY_TIMEOUT,
+                None,
+            ),
+            (
+                InvokeError::Rejected {
+                    target: target.clone(),
+                    reason: "no".to_string(),
+                },
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
+        ];
+        for (error, status, expected_retry_after) in cases {
+            let text = error.to_string();
+            let response = invoke_error_response(error);
+            assert_eq!(response.status(), status, "{text}");
+            let retry_after = response
+                .headers()
+                .get(axum::http::header::RETRY_AFTER)
+                .map(|value| value.to_str().unwrap().to_string());
+            assert_eq!(retry_after.as_deref(), expected_retry_after, "{text}");
+            let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body["error"], json!(text));
+        }
     }
 }

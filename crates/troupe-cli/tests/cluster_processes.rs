@@ -1643,6 +1643,17 @@ async fn a_node_answers_oversized_and_excess_appends_with_their_own_statuses() {
             .is_some_and(|error| error.contains(&CONVERSATION_TEXT_BYTES_MAX.to_string())),
         "{reply}"
     );
+    // A JSON body not said to be JSON: 415, naming the content type to send.
+    let plain = r#"{"text": "not said to be JSON"}"#;
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: text/plain\r\n\
+         Content-Length: {}\r\n\r\n{plain}",
+        node.http,
+        plain.len()
+    );
+    let answer = raw_http(&node.http, &request, Duration::from_millis(HTTP_READ_TIMEOUT_MS)).expect("an answer");
+    assert_eq!(answer.status, 415, "{}", answer.body);
+    assert!(answer.body.contains("application/json"), "{}", answer.body);
     let (status, reply) = http(&node.http, "GET", path, "").expect("an answer");
     assert_eq!(
         (status, reply["messages"].as_array().map(Vec::len)),
@@ -1657,16 +1668,26 @@ async fn a_node_answers_oversized_and_excess_appends_with_their_own_statuses() {
             let (address, gate) = (node.http.clone(), Arc::clone(&gate));
             std::thread::spawn(move || {
                 gate.wait();
-                http(&address, "POST", burst, &format!(r#"{{"text": "m{index}"}}"#))
+                let body = format!(r#"{{"text": "m{index}"}}"#);
+                let request = format!("{}{body}", append_head(&address, burst, body.len()));
+                raw_http(&address, &request, Duration::from_millis(HTTP_READ_TIMEOUT_MS))
             })
         })
         .collect();
     let mut statuses = BTreeMap::<u16, usize>::new();
     for sender in senders {
-        let (status, reply) = sender.join().expect("a sender").expect("an answer");
-        assert!(matches!(status, 200 | 429), "{status}: {reply}");
-        *statuses.entry(status).or_default() += 1;
+        let answer = sender.join().expect("a sender").expect("an answer");
+        assert!(matches!(answer.status, 200 | 429), "{}: {}", answer.status, answer.body);
+        if answer.status == 429 {
+            // Busy: send it again after the node's Retry-After.
+            assert_eq!(answer.header("retry-after"), Some("1"), "{}", answer.head);
+        }
+        *statuses.entry(answer.status).or_default() += 1;
     }
+    assert!(
+        statuses.get(&429).is_some_and(|busy| *busy > 0),
+        "the mailbox refused some: {statuses:?}"
+    );
     println!("burst of {BURST_APPENDS}: {statuses:?}");
     let (status, reply) = http(&node.http, "GET", burst, "").expect("an answer");
     assert_eq!(status, 200, "{reply}");
