@@ -196,10 +196,8 @@ impl AgentBody {
         if let Some(name) = self.name {
             spec = spec.name(name);
         }
+        // Checked by `validate` below, with the other limits (`AgentSpec::check_max_steps`).
         if let Some(steps) = self.max_steps {
-            if steps == 0 {
-                return Err(ApiError::unprocessable("invalid_agent", "max_steps must be at least 1"));
-            }
             spec = spec.max_steps(steps);
         }
         if let Some(history) = self.history {

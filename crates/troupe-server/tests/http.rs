@@ -252,6 +252,66 @@ async fn concurrent_creates_of_one_agent_succeed_exactly_once() {
     Arc::into_inner(server).unwrap().stop().await;
 }
 
+/// Goal: a definition out of the agent layer's limits is 422 `invalid_agent` with the
+/// one message `AgentSpec::validate` gives, naming the range or the limit: `max_steps` 0
+/// and `AGENT_TURN_STEPS_MAX` + 1 (by POST and by PUT), a model name one byte over
+/// `AGENT_MODEL_NAME_SIZE_MAX_BYTES`; the bounds themselves are taken. Method: POST and
+/// PUT /v1/agents, then GET: nothing refused was defined or changed.
+#[tokio::test]
+async fn a_definition_out_of_the_agent_limits_is_422_naming_the_range() {
+    use troupe_agent::limits::{AGENT_MODEL_NAME_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX, AGENT_TURN_STEPS_MIN};
+    let server = start_default().await;
+    let range = format!("{AGENT_TURN_STEPS_MIN}..={AGENT_TURN_STEPS_MAX}");
+    for steps in [0, AGENT_TURN_STEPS_MAX + 1] {
+        let (status, body) = server
+            .post("/v1/agents", json!({"id": "steps", "max_steps": steps}))
+            .await;
+        assert_eq!((status, error_code(&body)), (422, "invalid_agent"), "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("max_steps of steps is {steps}")) && message.contains(&range),
+            "max_steps {steps}: {message}"
+        );
+    }
+    let (status, body) = server.get("/v1/agents/steps").await;
+    assert_eq!((status, error_code(&body)), (404, "agent_not_found"), "{body}");
+
+    let longest = "m".repeat(AGENT_MODEL_NAME_SIZE_MAX_BYTES);
+    let (status, body) = server
+        .post("/v1/agents", json!({"id": "model", "model": format!("{longest}m")}))
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_agent"), "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    let sizes = format!(
+        "{} bytes, more than the limit of {AGENT_MODEL_NAME_SIZE_MAX_BYTES}",
+        AGENT_MODEL_NAME_SIZE_MAX_BYTES + 1
+    );
+    assert!(
+        message.contains("model of model") && message.contains(&sizes),
+        "{message}"
+    );
+
+    let at_bounds = json!({"id": "model", "model": longest, "max_steps": AGENT_TURN_STEPS_MAX});
+    let (status, body) = server.post("/v1/agents", at_bounds).await;
+    assert_eq!(status, 201, "the bounds are taken: {body}");
+    let (status, body) = server
+        .send(reqwest::Method::PUT, "/v1/agents/model", Some(json!({"max_steps": 0})))
+        .await;
+    assert_eq!((status, error_code(&body)), (422, "invalid_agent"), "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&range), "PUT max_steps 0: {message}");
+    let (status, body) = server
+        .send(
+            reqwest::Method::PUT,
+            "/v1/agents/model",
+            Some(json!({"max_steps": AGENT_TURN_STEPS_MIN})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["max_steps"], AGENT_TURN_STEPS_MIN, "{body}");
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_gets_the_agents_reply_and_errors_map_to_their_statuses() {
     let server = start_default().await;
