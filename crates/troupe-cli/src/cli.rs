@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use troupe_server::limits::{
     A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
+    SERVER_STREAMS_OPEN_MAX, SERVER_STREAMS_OPEN_MAX_DEFAULT,
 };
 
 /// troupe: a virtual-actor runtime for AI agents.
@@ -180,6 +181,16 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u64).range(1..=SERVER_CONCURRENT_REQUESTS_MAX as u64)
     )]
     pub concurrent_requests_max: u64,
+    /// Streamed answers open at once (1 to 65536): streamed messages, A2A
+    /// SendStreamingMessage and SubscribeToTask, each counted until it ends or its client
+    /// goes away; one more is answered 503 with Retry-After (`ServerConfig::streams_open_max`).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = SERVER_STREAMS_OPEN_MAX_DEFAULT as u64,
+        value_parser = clap::value_parser!(u64).range(1..=SERVER_STREAMS_OPEN_MAX as u64)
+    )]
+    pub streams_open_max: u64,
     /// A2A tasks kept, in memory and in the store (1 to 10000): past it, a new task
     /// lets the oldest ended one go, and its agent forgets it too (its id then answers
     /// -32001, and its message id, sent again, starts a new task).
@@ -324,6 +335,35 @@ mod tests {
         let error = Cli::try_parse_from(["troupe", "serve", "--bind", "localhost"]).expect_err("not an address");
         assert_eq!(error.kind(), ErrorKind::ValueValidation);
         assert!(error.to_string().contains("localhost"), "{error}");
+    }
+
+    /// Goal: `--streams-open-max` parses as `--concurrent-requests-max` does: its
+    /// default is `SERVER_STREAMS_OPEN_MAX_DEFAULT`, a value in 1..=`SERVER_STREAMS_OPEN_MAX`
+    /// is taken (the bounds too), and 0, the maximum plus one and `u64::MAX` are refused
+    /// by clap naming the flag and the value.
+    #[test]
+    fn serve_streams_open_max_parses_within_its_range() {
+        let serve = |flags: &[&str]| {
+            let cli = Cli::try_parse_from(["troupe", "serve"].iter().chain(flags)).unwrap();
+            let Command::Serve(args) = cli.command else {
+                panic!("not serve")
+            };
+            args.streams_open_max
+        };
+        assert_eq!(serve(&[]), SERVER_STREAMS_OPEN_MAX_DEFAULT as u64);
+        assert_eq!(serve(&["--streams-open-max", "1"]), 1);
+        assert_eq!(serve(&["--streams-open-max", "8"]), 8);
+        assert_eq!(serve(&["--streams-open-max", "65536"]), SERVER_STREAMS_OPEN_MAX as u64);
+        let over = (SERVER_STREAMS_OPEN_MAX + 1).to_string();
+        for value in ["0", over.as_str(), "18446744073709551615"] {
+            let error =
+                Cli::try_parse_from(["troupe", "serve", "--streams-open-max", value]).expect_err("out of range");
+            assert_eq!(error.kind(), ErrorKind::ValueValidation, "{value}");
+            assert!(
+                error.to_string().contains("--streams-open-max") && error.to_string().contains(value),
+                "{error}"
+            );
+        }
     }
 
     #[test]

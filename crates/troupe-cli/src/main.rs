@@ -131,10 +131,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     use troupe_server::ServerConfig;
 
     let otel = init_logging(args.log_format, args.otlp_endpoint.as_deref())?;
-    // Both within their ranges (checked by clap, and by `check_bind` below).
+    // All within their ranges (checked by clap, and by `check_bind` below).
     let as_count = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
     let mut config = ServerConfig::default()
         .concurrent_requests_max(as_count(args.concurrent_requests_max))
+        .streams_open_max(as_count(args.streams_open_max))
         .a2a_tasks_kept(as_count(args.a2a_tasks_kept));
     if let Some(token) = args.token.clone().filter(|token| !token.is_empty()) {
         config = config.token(token);

@@ -180,6 +180,58 @@ async fn serve_keeps_as_many_a2a_tasks_as_asked_and_refuses_a_limit_out_of_range
     );
 }
 
+/// Goal: `--streams-open-max` reaches the server, and a value out of range stops it
+/// before it listens, naming the flag and the range. Method: serve with one stream;
+/// hold a streamed message to the archivist open (its scripted turn takes 4 s) and ask
+/// for a second stream: 503 naming the limit, while a plain request is served. Then
+/// start with `--streams-open-max 0`.
+#[tokio::test]
+async fn serve_keeps_as_many_streams_open_as_asked_and_refuses_a_limit_out_of_range() {
+    use std::io::{BufRead, Write};
+    let mut child = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--streams-open-max", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (_stdout, addr) = read_address(&mut child);
+    let body = r#"{"text": "Any reports on batteries?"}"#;
+    let mut held = std::net::TcpStream::connect(&addr).unwrap();
+    held.set_read_timeout(Some(Duration::from_millis(SERVE_WAIT_MS_MAX)))
+        .unwrap();
+    write!(
+        held,
+        "POST /v1/agents/archivist/messages?stream=true HTTP/1.1\r\nHost: {addr}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut status_line = String::new();
+    BufReader::new(&held).read_line(&mut status_line).unwrap();
+    assert!(
+        status_line.starts_with("HTTP/1.1 200"),
+        "the first stream opens: {status_line}"
+    );
+
+    let (status, answer) = http(&addr, "POST", "/v1/agents/critic/messages?stream=true", body);
+    assert_eq!(status, 503, "a second stream over the limit of 1: {answer}");
+    assert!(answer.contains("streams_open_max"), "{answer}");
+    let (status, answer) = http(&addr, "GET", "/v1/agents", "");
+    assert_eq!(status, 200, "a plain request is served: {answer}");
+    drop(held);
+    send_sigterm(&child);
+    assert!(wait(&mut child).await.success());
+
+    let output = troupe_serve(&["--bind", "127.0.0.1:0", "--scripted", "--streams-open-max", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--streams-open-max") && stderr.contains("1..=65536"),
+        "{stderr}"
+    );
+}
+
 /// Goal: a broken config stops `troupe serve` before it listens, naming the file's line
 /// and field. Method: serve a file with a misspelt field.
 #[test]
