@@ -70,4 +70,4 @@ pub use error::ApiError;
 #[cfg(not(madsim))]
 pub use events::event_json;
 #[cfg(not(madsim))]
-pub use server::{read_body, router, serve};
+pub use server::{bearer_credential, read_body, router, same_secret, serve};

@@ -385,7 +385,10 @@ async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next
 
 /// The credential of an `Authorization: Bearer TOKEN` value: the scheme matched in any
 /// case (HTTP's authentication schemes are case-insensitive, RFC 9110 11.1).
-fn bearer_credential(value: &str) -> Option<&str> {
+///
+/// Public so that another HTTP API (`troupe node`'s conversation logs) takes the token
+/// by the same rule, with [`same_secret`].
+pub fn bearer_credential(value: &str) -> Option<&str> {
     let (scheme, credential) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("Bearer").then_some(credential)
 }
@@ -398,8 +401,9 @@ fn unauthorized(message: &str) -> Response {
     response
 }
 
-/// Compares without an early exit on the first differing byte.
-fn same_secret(given: &[u8], expected: &[u8]) -> bool {
+/// Whether `given` is `expected`, compared without an early exit on the first differing
+/// byte (a length that differs is answered at once: the length is not the secret).
+pub fn same_secret(given: &[u8], expected: &[u8]) -> bool {
     if given.len() != expected.len() {
         return false;
     }
