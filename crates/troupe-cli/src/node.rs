@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -47,6 +47,7 @@ use troupe_etcd::{EtcdConfig, EtcdPlacement, NodeId, ETCD_KEEP_ALIVES_PER_TTL, E
 use troupe_runtime::{
     Actor, ActorBox, ActorError, KindConfig, Runtime, RuntimeBuilder, Turn, FRAME_SIZE_MAX_BYTES, STATE_SCAN_LIMIT_MAX,
 };
+use troupe_server::limits::SERVER_REQUEST_BODY_DRAIN_MS;
 
 use crate::NodeArgs;
 
@@ -573,7 +574,6 @@ pub fn register_log_kind(builder: RuntimeBuilder, kind: &str, node: &str) -> Res
 struct HttpState {
     client: ClusterClient,
     node: String,
-    token: Option<Arc<str>>,
     /// The conversation log's actor kind.
     kind: &'static str,
 }
@@ -585,10 +585,28 @@ struct RequestPlaces {
     max: usize,
 }
 
+impl RequestPlaces {
+    /// `max` places.
+    ///
+    /// # Panics
+    /// If `max` is 0.
+    fn new(max: usize) -> Self {
+        assert!(max >= 1, "a node admits at least one request at once");
+        Self {
+            // No node reaches tokio's bound of permits (2^61) in requests at once.
+            places: Arc::new(tokio::sync::Semaphore::new(
+                max.min(tokio::sync::Semaphore::MAX_PERMITS),
+            )),
+            max,
+        }
+    }
+}
+
 /// Admits at most [`NodePlan::concurrent_requests_max`] requests at once, as `troupe
 /// serve` does: one more is answered 503 with `Retry-After` at once, its body unread.
 /// Runs before the body is read ([`troupe_server::read_body`]), so a request whose body
-/// is slow holds its place at most `SERVER_REQUEST_BODY_READ_MS`.
+/// is slow holds its place at most `SERVER_REQUEST_BODY_READ_MS`, and after the token
+/// check ([`authenticate`]), so a request without the token takes no place.
 async fn limit_requests(
     State(places): State<RequestPlaces>,
     request: axum::extract::Request,
@@ -606,28 +624,69 @@ async fn limit_requests(
     next.run(request).await
 }
 
+/// Refuses a request without `Authorization: Bearer TOKEN` (the node's `--token`; the
+/// scheme in any case), by `troupe serve`'s rule ([`troupe_server::bearer_credential`],
+/// [`troupe_server::same_secret`]): 401 `{"error": ...}` at once, before the request
+/// takes a place ([`limit_requests`]) and before its body is read, so a client without
+/// the token makes the node neither read nor parse a body, nor wait for one. The refused
+/// body is read and discarded afterwards, apart from the answer ([`authenticate_drain`]).
+async fn authenticate(
+    State(token): State<Arc<str>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let given = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(troupe_server::bearer_credential);
+    if given.is_some_and(|given| troupe_server::same_secret(given.as_bytes(), token.as_bytes())) {
+        return next.run(request).await;
+    }
+    tokio::spawn(authenticate_drain(request.into_body()));
+    error_response(
+        StatusCode::UNAUTHORIZED,
+        "missing or wrong bearer token: send Authorization: Bearer TOKEN",
+    )
+}
+
+/// Reads and discards a refused request's body, as `troupe serve` drains a refused body,
+/// so that its client, still writing a body the node would take, gets the 401 rather
+/// than a connection reset: at most [`NODE_HTTP_BODY_BYTES_MAX`] bytes (a body declared
+/// longer is not read at all; one found longer is read no further) and for at most
+/// `SERVER_REQUEST_BODY_DRAIN_MS`. It runs apart from the answer, which is sent at once,
+/// and holds no place; once it stops, the connection closes if the body is not read
+/// whole.
+async fn authenticate_drain(body: axum::body::Body) {
+    let declared = axum::body::HttpBody::size_hint(&body).lower();
+    if declared > NODE_HTTP_BODY_BYTES_MAX as u64 {
+        return;
+    }
+    let reading = axum::body::to_bytes(body, NODE_HTTP_BODY_BYTES_MAX);
+    // A body over the limit, broken off or slower than the limit is only left unread.
+    let _ = tokio::time::timeout(Duration::from_millis(SERVER_REQUEST_BODY_DRAIN_MS), reading).await;
+}
+
 /// The node's limits on its own routes, the same as `troupe serve`'s: at most
-/// `concurrent_requests_max` requests at once ([`limit_requests`]), then the body read
-/// under [`troupe_server::read_body`]'s rule (whole within `SERVER_REQUEST_BODY_READ_MS`,
-/// else 408 `body_timeout`), then the node's own body limit
-/// ([`NODE_HTTP_BODY_BYTES_MAX`], 413).
-fn with_request_limits(routes: Router<HttpState>, concurrent_requests_max: usize) -> Router<HttpState> {
-    assert!(
-        concurrent_requests_max >= 1,
-        "a node admits at least one request at once"
-    );
-    let places = RequestPlaces {
-        // No node reaches tokio's bound of permits (2^61) in requests at once.
-        places: Arc::new(tokio::sync::Semaphore::new(
-            concurrent_requests_max.min(tokio::sync::Semaphore::MAX_PERMITS),
-        )),
-        max: concurrent_requests_max,
-    };
+/// `places.max` requests at once ([`limit_requests`]), then the body read under
+/// [`troupe_server::read_body`]'s rule (whole within `SERVER_REQUEST_BODY_READ_MS`, else
+/// 408 `body_timeout`), then the node's own body limit ([`NODE_HTTP_BODY_BYTES_MAX`],
+/// 413). With `token`, [`authenticate`] runs first, before all of them. Routers made
+/// with one `places` share its places.
+fn with_request_limits(
+    routes: Router<HttpState>,
+    places: &RequestPlaces,
+    token: Option<&Arc<str>>,
+) -> Router<HttpState> {
     // Layers run outside in: the last added runs first.
-    routes
+    let limited = routes
         .layer(axum::extract::DefaultBodyLimit::max(NODE_HTTP_BODY_BYTES_MAX))
         .layer(axum::middleware::from_fn(troupe_server::read_body))
-        .layer(axum::middleware::from_fn_with_state(places, limit_requests))
+        .layer(axum::middleware::from_fn_with_state(places.clone(), limit_requests));
+    match token {
+        Some(token) => limited.layer(axum::middleware::from_fn_with_state(Arc::clone(token), authenticate)),
+        None => limited,
+    }
 }
 
 #[derive(Deserialize)]
@@ -651,26 +710,6 @@ fn retry_response(status: StatusCode, message: impl std::fmt::Display) -> Respon
         axum::http::HeaderValue::from(NODE_RETRY_AFTER_S),
     );
     response
-}
-
-/// The 401 answer if the node wants a token and `headers` do not carry it.
-fn refusal(state: &HttpState, headers: &HeaderMap) -> Option<Response> {
-    let Some(token) = &state.token else {
-        return None;
-    };
-    // The scheme in any case: HTTP's authentication schemes are case-insensitive.
-    let given = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.split_once(' '))
-        .and_then(|(scheme, credential)| scheme.eq_ignore_ascii_case("Bearer").then_some(credential));
-    match given {
-        Some(given) if bool::from(subtle::ConstantTimeEq::ct_eq(given.as_bytes(), token.as_bytes())) => None,
-        _ => Some(error_response(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong bearer token: send Authorization: Bearer TOKEN",
-        )),
-    }
 }
 
 async fn call(state: &HttpState, id: &str, request: &ConversationRequest) -> Response {
@@ -736,12 +775,8 @@ fn invoke_error_response(error: InvokeError) -> Response {
 async fn append(
     State(state): State<HttpState>,
     Path(id): Path<String>,
-    headers: HeaderMap,
     body: Result<Json<AppendBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
-    if let Some(refused) = refusal(&state, &headers) {
-        return refused;
-    }
     let Json(body) = match body {
         Ok(body) => body,
         Err(rejection) => {
@@ -776,12 +811,8 @@ struct ReadQuery {
 async fn read(
     State(state): State<HttpState>,
     Path(id): Path<String>,
-    headers: HeaderMap,
     query: Result<Query<ReadQuery>, QueryRejection>,
 ) -> Response {
-    if let Some(refused) = refusal(&state, &headers) {
-        return refused;
-    }
     let Query(query) = match query {
         Ok(query) => query,
         Err(rejection) => {
@@ -801,7 +832,9 @@ async fn health(State(state): State<HttpState>) -> Response {
 /// The node's HTTP API: `GET /health`, `POST` and `GET /v1/conversations/{id}/messages`
 /// (a read is one page: `?after=SEQ` reads on from the reply's `next_after`), at most
 /// `concurrent_requests_max` requests at once, each body read under `troupe serve`'s
-/// rule (see [`with_request_limits`]).
+/// rule (see [`with_request_limits`]). With `token`, the conversations answer only
+/// requests that carry it, checked first ([`authenticate`]); `GET /health` never needs
+/// it.
 ///
 /// # Panics
 /// If `concurrent_requests_max` is 0.
@@ -809,13 +842,15 @@ pub fn router(client: ClusterClient, token: Option<String>, concurrent_requests_
     let state = HttpState {
         node: client.node().to_string(),
         client,
-        token: token.map(Arc::from),
         kind: CONVERSATION_KIND,
     };
-    let routes = Router::new()
-        .route("/health", get(health))
-        .route("/v1/conversations/{id}/messages", get(read).post(append));
-    with_request_limits(routes, concurrent_requests_max).with_state(state)
+    let token: Option<Arc<str>> = token.map(Arc::from);
+    let places = RequestPlaces::new(concurrent_requests_max);
+    let conversations = Router::new().route("/v1/conversations/{id}/messages", get(read).post(append));
+    let health = Router::new().route("/health", get(health));
+    with_request_limits(conversations, &places, token.as_ref())
+        .merge(with_request_limits(health, &places, None))
+        .with_state(state)
 }
 
 /// The HTTP API of a node that serves agents (`--config`): `troupe serve`'s API over
@@ -850,11 +885,12 @@ pub fn agents_router(
     let state = HttpState {
         node: client.node().to_string(),
         client,
-        token: token.map(Arc::from),
         kind: LOG_KIND_WITH_AGENTS,
     };
+    let token: Option<Arc<str>> = token.map(Arc::from);
+    let places = RequestPlaces::new(concurrent_requests_max);
     let logs = Router::new().route("/v1/logs/{id}/messages", get(read).post(append));
-    let logs = with_request_limits(logs, concurrent_requests_max).with_state(state);
+    let logs = with_request_limits(logs, &places, token.as_ref()).with_state(state);
     logs.merge(troupe_server::router(agents, config))
 }
 

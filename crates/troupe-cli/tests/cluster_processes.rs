@@ -1887,3 +1887,186 @@ async fn a_node_over_its_concurrent_request_limit_answers_503_with_retry_after()
         last.1
     );
 }
+
+/// How soon a node answers a request refused for its token, in milliseconds: far below
+/// the body read limit (`SERVER_REQUEST_BODY_READ_MS`, 10 s) the refusal must not wait
+/// for, with room for a shared machine.
+const TOKEN_REFUSAL_MS_MAX: u64 = 2_000;
+
+/// The body of a node's 401.
+const TOKEN_REFUSAL_ERROR: &str = "missing or wrong bearer token: send Authorization: Bearer TOKEN";
+
+/// Opens a connection to `addr` and sends an append to `path`, with the header line
+/// `authorization` if given, that announces 64 bytes of body and sends 12: the stream,
+/// its body stalled.
+fn stalled_append(addr: &str, path: &str, authorization: Option<&str>) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    let authorization = authorization.map_or(String::new(), |value| format!("Authorization: {value}\r\n"));
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         {authorization}Content-Length: 64\r\n\r\n{{\"text\": \"st"
+    );
+    stream.write_all(request.as_bytes()).expect("write");
+    stream
+}
+
+/// Reads one answer from `stream` (its head, then as many body bytes as its
+/// `Content-Length` says), without waiting for the connection to close; an error if it
+/// has not come whole within `limit`.
+fn read_answer(stream: &mut TcpStream, limit: Duration) -> std::io::Result<RawAnswer> {
+    let deadline = Instant::now() + limit;
+    let mut read = Vec::new();
+    let mut chunk = [0_u8; 4_096];
+    loop {
+        let text = String::from_utf8_lossy(&read).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let answer = RawAnswer {
+                status: text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0),
+                head: head.to_string(),
+                body: body.to_string(),
+            };
+            let length = answer
+                .header("content-length")
+                .and_then(|value| value.parse::<usize>().ok());
+            if length.is_some_and(|length| answer.body.len() >= length) {
+                return Ok(answer);
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no whole answer within {limit:?}: {text:?}"),
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut chunk) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("closed before a whole answer: {text:?}"),
+                ))
+            }
+            Ok(count) => read.extend_from_slice(&chunk[..count]),
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no whole answer within {limit:?}: {text:?}"),
+                ))
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Asserts that `stream`'s request is answered 401 with the node's error body within
+/// [`TOKEN_REFUSAL_MS_MAX`]; `what` names the request.
+fn assert_refused_at_once(stream: &mut TcpStream, what: &str) {
+    let started = Instant::now();
+    let answer = read_answer(stream, Duration::from_millis(TOKEN_REFUSAL_MS_MAX))
+        .unwrap_or_else(|error| panic!("{what}: no answer within {TOKEN_REFUSAL_MS_MAX} ms: {error}"));
+    assert_eq!(answer.status, 401, "{what}: {}", answer.body);
+    let body: Value = serde_json::from_str(&answer.body).unwrap_or_else(|error| panic!("{what}: {error}"));
+    assert_eq!(body, serde_json::json!({"error": TOKEN_REFUSAL_ERROR}), "{what}");
+    assert!(
+        started.elapsed() < Duration::from_millis(TOKEN_REFUSAL_MS_MAX),
+        "{what}: answered after {:?}",
+        started.elapsed()
+    );
+}
+
+/// Goal: a node with `--token` refuses a request without it (or with a wrong one) 401
+/// before reading its body and before the request takes one of the
+/// `--concurrent-requests-max` places, as `troupe serve` refuses one: a client without
+/// the token can neither make the node read and parse a body nor hold a place while it
+/// sends one. Before, the handler checked the token after the body was read: a request
+/// with a wrong token whose body stalled held a place and was answered only at the body
+/// read limit (`SERVER_REQUEST_BODY_READ_MS`, 10 s), 408.
+/// Method: one node with `--token` and `--concurrent-requests-max 2`; appends that
+/// announce 64 bytes of body and send 12. Without the token, with a wrong one and with
+/// the wrong scheme: each answered 401 with the node's error body within
+/// [`TOKEN_REFUSAL_MS_MAX`]; one more with a wrong token, answered, then sends the rest
+/// of its body: the connection stays open for it and closes once it has come (the node
+/// discards it); with four refused appends still connected, an append with the token
+/// gets 200 (they hold no place). Then two stalled appends with the token hold
+/// both places: a whole append with the token is 503, one with a wrong token still 401
+/// at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nodes_request_without_its_token_is_refused_401_before_its_body_is_read_and_holds_no_place() {
+    let etcd = TestEtcd::start("cluster-token-first").await;
+    let postgres = TestServer::start("cluster-token-first");
+    let database = postgres.create_database("tokenfirst").await;
+    let token = "a-token-of-at-least-16-bytes";
+    let node = NodeProcess::start_with(
+        "k0",
+        &etcd.endpoint(),
+        &database,
+        &["--token", token, "--concurrent-requests-max", "2"],
+    );
+    let path = "/v1/conversations/guarded/messages";
+    let authorized = format!("Bearer {token}");
+    let other_scheme = format!("Basic {token}");
+
+    let mut unauthenticated = Vec::new();
+    for (what, authorization) in [
+        ("no token", None),
+        ("a wrong token", Some("Bearer wrong-token-of-16-bytes")),
+        (
+            "a wrong token, scheme in lower case",
+            Some("bearer wrong-token-of-16-bytes"),
+        ),
+        ("the token under another scheme", Some(other_scheme.as_str())),
+    ] {
+        let mut stream = stalled_append(&node.http, path, authorization);
+        assert_refused_at_once(&mut stream, what);
+        unauthenticated.push(stream);
+    }
+    // The refused body is still read, apart from the answer, and discarded: its client,
+    // sending the rest after the answer, is not cut off, and the connection closes once
+    // the body has come whole.
+    let mut stream = stalled_append(&node.http, path, Some("Bearer wrong-token-of-16-bytes"));
+    assert_refused_at_once(&mut stream, "a wrong token, the body sent after the answer");
+    stream.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let waiting = stream.read(&mut [0_u8; 64]);
+    assert!(
+        waiting.as_ref().is_err_and(|error| matches!(
+            error.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )),
+        "the connection waits for the rest of the body: {waiting:?}"
+    );
+    stream
+        .write_all(&[b' '; 64 - 12])
+        .expect("the rest of the body is taken");
+    stream
+        .set_read_timeout(Some(Duration::from_millis(TOKEN_REFUSAL_MS_MAX)))
+        .unwrap();
+    let mut after = Vec::new();
+    let closed = stream.read_to_end(&mut after);
+    assert!(
+        matches!(closed, Ok(0)),
+        "closed once the body came whole, nothing more sent: {closed:?} {after:?}"
+    );
+
+    // Four refused clients still connected, their bodies unsent: both places are free.
+    let body = r#"{"text": "past the refused"}"#;
+    let (status, reply) = http_with_token(&node.http, "POST", path, body, Some(token)).expect("an answer");
+    assert_eq!(status, 200, "the refused requests hold no place: {reply}");
+
+    let holding: Vec<TcpStream> = (0..2)
+        .map(|_| stalled_append(&node.http, path, Some(&authorized)))
+        .collect();
+    // Both requests are admitted and reading their bodies.
+    std::thread::sleep(Duration::from_millis(500));
+    let body = r#"{"text": "one too many"}"#;
+    let (status, reply) = http_with_token(&node.http, "POST", path, body, Some(token)).expect("an answer");
+    assert_eq!(status, 503, "both places are held: {reply}");
+    let mut stream = stalled_append(&node.http, path, Some("Bearer wrong-token-of-16-bytes"));
+    assert_refused_at_once(&mut stream, "a wrong token with every place held");
+    drop((holding, unauthenticated));
+}
