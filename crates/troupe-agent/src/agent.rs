@@ -192,6 +192,8 @@ impl AgentActor {
         let now = turn.now();
         crate::org_store::ensure_loaded(&self.shared, now).await;
         crate::directory_store::ensure_fresh_at(&self.shared, now).await;
+        // Before any delegation of this turn counts its open tasks.
+        self.resolve_overdue_tasks(turn, now).await?;
         // Read before the definition it guards: a change made meanwhile leaves a stale
         // generation, and the next turn reads the definition again.
         let generation = self.shared.directory.generation();

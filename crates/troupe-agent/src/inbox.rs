@@ -27,6 +27,11 @@
 //!                     a delegated task that ended: its record is deleted at `at_us`,
 //!                     AGENT_TASK_RECORD_KEPT_MS after (by a later delegation or result
 //!                     turn, AGENT_TASK_RECORDS_PRUNED_PER_PASS at a time)
+//! task_due/{at_us:020}/{task_id}
+//!                     a delegated task still open (value: its grant): resolved failed at
+//!                     `at_us`, its deadline plus AGENT_TASK_RESULT_GRACE_MS, if no result
+//!                     came (by the agent's next turn, AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS
+//!                     at a time); deleted with the task's end
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
 //! ext_id/{task_id}    → the seq of that record
 //! ```
@@ -36,7 +41,8 @@
 //! ```text
 //! A: turn (tool delegate_to_agent / notify_agent, or the Rust API)
 //!      admission (cycle, depth, known, in-flight, deadline) → child chain and depth
-//!      outbox/{s} + task/{A.s}=submitted     committed with A's turn
+//!      outbox/{s} + task/{A.s}=submitted + task_due/{deadline+grace}/{A.s}
+//!                                            committed with A's turn
 //!      self-tell Relay{s}                    runs after the commit
 //! A: Relay{s}   spawns a delivery task (outside any turn: A's mailbox never waits on B)
 //!      task:    invoke(B, Enqueue)  ── ack = B committed ──►  tell A Delivered{s}
@@ -57,8 +63,12 @@
 //!               failure → outbox/{m} (TaskUpdate to A) + self-tell Relay{m}
 //! A: Enqueue    TaskUpdate: task/{id} already final, or gone (an ended task's record
 //!               goes AGENT_TASK_RECORD_KEPT_MS after it ended)? → Duplicate; else final state,
-//!               inbox/{k} (no seen/ mark: the record dedupes); A's Process{k} shows
-//!               the result to A's model, once
+//!               inbox/{k} (no seen/ mark: the record dedupes), task_due/ deleted;
+//!               A's Process{k} shows the result to A's model, once
+//! A: any turn   a task/{id} still open past its task_due/ time (B accepted it and
+//!               never answered: removed, or its entry lost) → resolved failed as a
+//!               TaskUpdate from A itself (as Undeliverable's), its slot counted back;
+//!               B's result, if it ever comes, is then a Duplicate
 //! ```
 //!
 //! Wake-ups are in-memory self-tells; what survives a crash is the store. After a
@@ -81,7 +91,7 @@ use troupe_runtime::ActorError;
 use crate::agent::AgentRequest;
 use crate::limits::{
     AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_OUTBOX_CAPACITY, AGENT_PAIR_SKIPPED_KEPT_MS, AGENT_PAIR_SKIPPED_RANGES_MAX,
-    AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_DEFAULT, AGENT_TASK_TIMEOUT_MS_MAX,
+    AGENT_TASKS_OPEN_MAX, AGENT_TASK_RESULT_GRACE_MS, AGENT_TASK_TIMEOUT_MS_DEFAULT, AGENT_TASK_TIMEOUT_MS_MAX,
 };
 use crate::Budget;
 
@@ -644,6 +654,27 @@ pub(crate) fn task_end_of(key: &str) -> Option<(u64, &str)> {
     Some((due.parse().ok()?, task_id))
 }
 
+/// The prefix of the keys of open delegated tasks, by when they are overdue.
+pub(crate) const TASK_DUE_PREFIX: &str = "task_due/";
+
+/// The key saying that open task `task_id` is resolved failed at `due` if no result
+/// came by then (its value: the task's grant, a JSON [`crate::Budget`]).
+pub(crate) fn task_due_key(due: Deadline, task_id: &str) -> String {
+    format!("{TASK_DUE_PREFIX}{:020}/{task_id}", due.as_micros())
+}
+
+/// The time (microseconds) and task id in a [`task_due_key`].
+pub(crate) fn task_due_of(key: &str) -> Option<(u64, &str)> {
+    let (due, task_id) = key.strip_prefix(TASK_DUE_PREFIX)?.split_once('/')?;
+    Some((due.parse().ok()?, task_id))
+}
+
+/// When a task due by `deadline` is overdue at its delegator: its deadline plus
+/// [`AGENT_TASK_RESULT_GRACE_MS`], the time its result's delivery can still take.
+pub(crate) fn task_overdue_at(deadline: Deadline) -> Deadline {
+    Deadline::after(deadline, Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS))
+}
+
 pub(crate) fn canceled_key(task_id: &str) -> String {
     format!("canceled/{task_id}")
 }
@@ -783,6 +814,10 @@ pub(crate) struct RecordMemos {
     /// one pass deletes). A pass before it has nothing to delete, so reads nothing. Late
     /// at worst (a rolled-back delete): the record then goes at the next pass after it.
     pub(crate) tasks_ended_due_us: Option<u64>,
+    /// No `task_due/` key is due before this time (microseconds), as this activation
+    /// last read and wrote them (as [`Self::tasks_ended_due_us`]): a turn before it
+    /// resolves no overdue task, so reads nothing.
+    pub(crate) tasks_overdue_due_us: Option<u64>,
 }
 
 /// Records of one kind by store key, each with its stored bytes (see [`RecordMemos`]).

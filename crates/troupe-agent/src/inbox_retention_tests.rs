@@ -11,7 +11,7 @@ use troupe_runtime::{MemoryStore, StateStore};
 
 use crate::agent::agent_id;
 use crate::inbox::{decode_reply, AgentCommand, EnqueueReply, InboxBody, InboxEntry, TaskState, TaskStatus};
-use crate::{AgentSpec, AgentSystem, Budget, Role, ScriptRule, ScriptedLlm};
+use crate::{AgentSpec, AgentSystem, Budget, InboxError, Role, ScriptRule, ScriptedLlm};
 
 /// Long enough for every delivery and turn of the tests' delegations to be done.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -138,6 +138,186 @@ async fn ended_task_records_are_deleted_after_their_retention_and_a_late_result_
     assert!(
         task_records(&store, &coordinator).await.len() == 1,
         "the copy made no record"
+    );
+    system.shutdown().await;
+}
+
+/// The delegatees of [`coordinator_workers_and_reviewer`].
+fn worker(n: u64) -> String {
+    format!("worker-{n}")
+}
+
+/// A coordinator whose model delegates "plan" to `worker-0` and "review" to a reviewer
+/// (which answers at once), and [`crate::limits::AGENT_TASKS_OPEN_MAX`] workers, whose
+/// model takes 30 s of a task's 60.
+fn coordinator_workers_and_reviewer(store: &Arc<MemoryStore>, recorder: &crate::CallRecorder) -> AgentSystem {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("coordinator").on_user_containing("plan").call(
+            "delegate_to_agent",
+            json!({"agent_id": "worker-0", "message": "crunch {input}", "timeout_ms": 60000}),
+        ))
+        .rule(ScriptRule::agent("coordinator").on_user_containing("review").call(
+            "delegate_to_agent",
+            json!({"agent_id": "reviewer", "message": "check {input}", "timeout_ms": 60000}),
+        ))
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_user_containing("you delegated is")
+                .reply("thanks"),
+        )
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_tool_result()
+                .reply("sent: {tool_result}"),
+        )
+        .rule(ScriptRule::agent("reviewer").on_user_containing("[task").reply("fine"))
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("[task")
+                .reply("result-42")
+                .latency(Duration::from_secs(30)),
+        );
+    let mut builder = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .observer(Arc::new(recorder.clone()))
+        .agent(AgentSpec::new("coordinator"))
+        .agent(AgentSpec::new("reviewer"));
+    for n in 0..crate::limits::AGENT_TASKS_OPEN_MAX {
+        builder = builder.agent(AgentSpec::new(worker(n)));
+    }
+    builder.start().expect("the system starts")
+}
+
+/// Goal: a task whose delegatee accepted it and then never answers (here the delegatee
+/// is removed while it works, so its result is never delivered) does not stay open at
+/// its delegator for good: once its deadline and
+/// [`crate::limits::AGENT_TASK_RESULT_GRACE_MS`] have passed, the delegator's next turn
+/// resolves it `failed` ("no result by the task's deadline ..."), with one
+/// `DelegationFinished`, and counts its slot back, so an agent whose
+/// [`crate::limits::AGENT_TASKS_OPEN_MAX`] slots were all held by such tasks delegates
+/// again; a result that comes after that is a `Duplicate`, never shown to the model.
+/// Method: the coordinator delegates a task to each worker (the first by its model, the
+/// rest by the API), all its slots; each worker accepts its task and is removed while
+/// working on it; one more delegation is refused; virtual time passes the deadline and
+/// the grace; one more delegation (to a reviewer) is accepted and completes; then a
+/// crafted copy of the first task's result comes to the coordinator.
+#[tokio::test(start_paused = true)]
+async fn a_task_whose_delegatee_never_answers_fails_after_its_deadline_and_frees_its_slot() {
+    use crate::limits::{AGENT_TASKS_OPEN_MAX, AGENT_TASK_RESULT_GRACE_MS};
+    let store = Arc::new(MemoryStore::new());
+    let recorder = crate::CallRecorder::new();
+    let system = coordinator_workers_and_reviewer(&store, &recorder);
+    let coordinator = agent_id("coordinator").unwrap();
+    let reply = system.ask("coordinator", "plan 0").await.unwrap().text;
+    assert!(reply.starts_with("sent: "), "the model delegated: {reply}");
+    for n in 1..AGENT_TASKS_OPEN_MAX {
+        let text = format!("plan {n}");
+        let delegated = system.delegate("coordinator", &worker(n), &text, Some(60_000)).await;
+        delegated.expect("a slot is free");
+    }
+    // Every worker has accepted its task and works on it; each goes away meanwhile.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "all acknowledged");
+    // All at once: a removal returns once its agent's running turn ended.
+    let removals = (0..AGENT_TASKS_OPEN_MAX).map(|n| {
+        let client = system.client();
+        tokio::spawn(async move { client.remove_agent(&worker(n)).await })
+    });
+    for removal in futures::future::join_all(removals).await {
+        let removed = removal.expect("the removal ran").expect("the removal is stored");
+        assert!(removed.is_some());
+    }
+    let full = system
+        .delegate("coordinator", "reviewer", "review early", Some(60_000))
+        .await;
+    let limit = AGENT_TASKS_OPEN_MAX;
+    assert_eq!(
+        full,
+        Err(InboxError::OutboxFull {
+            agent: coordinator.clone(),
+            limit
+        })
+    );
+    // Within the grace, nothing is resolved.
+    tokio::time::sleep(Duration::from_millis(60_000)).await;
+    let refused = system.delegate("coordinator", "reviewer", "review", Some(60_000)).await;
+    assert_eq!(
+        refused,
+        Err(InboxError::OutboxFull {
+            agent: coordinator.clone(),
+            limit
+        })
+    );
+
+    tokio::time::sleep(Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS)).await;
+    let task = system
+        .delegate("coordinator", "reviewer", "review late", Some(60_000))
+        .await
+        .expect("the overdue tasks' slots are free again");
+    tokio::time::sleep(SETTLE).await;
+    let records = task_records(&store, &coordinator).await;
+    let (to_workers, to_reviewer): (Vec<_>, Vec<_>) = records.iter().partition(|(id, _)| *id != task);
+    assert_eq!(to_reviewer.len(), 1);
+    assert_eq!(to_reviewer[0].1.state, TaskState::Completed);
+    assert_eq!(to_workers.len() as u64, AGENT_TASKS_OPEN_MAX);
+    for (id, record) in &to_workers {
+        assert_eq!(record.state, TaskState::Failed, "{id}: {record:?}");
+        let result = record.result.as_deref().unwrap_or_default();
+        assert!(result.starts_with("no result by the task's deadline"), "{id}: {result}");
+    }
+    let finished: Vec<(String, TaskState)> = recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            crate::AgentEvent::DelegationFinished { task_id, state, .. } => Some((task_id, state)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        finished.len() as u64,
+        AGENT_TASKS_OPEN_MAX + 1,
+        "one end each: {finished:?}"
+    );
+    let failed = finished.iter().filter(|(_, state)| *state == TaskState::Failed);
+    assert_eq!(failed.count() as u64, AGENT_TASKS_OPEN_MAX);
+
+    // A late copy of the first task's result, as its worker's delivery would bring it.
+    let first = "coordinator.0".to_string();
+    let runtime = system.runtime();
+    let copy = InboxEntry {
+        msg_id: "worker-0.late".to_string(),
+        from: Some(agent_id("worker-0").unwrap()),
+        body: InboxBody::TaskUpdate {
+            task_id: first.clone(),
+            state: TaskState::Completed,
+            text: "result-42 after all".to_string(),
+        },
+        context: CallContext::root(runtime.deadline_in(Duration::from_secs(30))),
+        budget: Budget::UNLIMITED,
+        pair: None,
+    };
+    let reply = runtime
+        .invoke_within(
+            &coordinator,
+            AgentCommand::Enqueue(copy).encode(),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("the coordinator answers");
+    assert_eq!(decode_reply::<EnqueueReply>(&reply).unwrap(), EnqueueReply::Duplicate);
+    tokio::time::sleep(SETTLE).await;
+    let log = system.conversation_log("coordinator").await.unwrap();
+    let shown = |needle: &str| {
+        log.iter()
+            .filter(|message| message.role == Role::User && message.content.contains(needle))
+            .count()
+    };
+    assert_eq!(shown("after all"), 0, "the late copy is not shown: {log:?}");
+    assert_eq!(shown(&format!("[task {first} you delegated is failed] no result")), 1);
+    assert_eq!(
+        system.task("coordinator", &first).await.unwrap().unwrap().state,
+        TaskState::Failed
     );
     system.shutdown().await;
 }

@@ -14,16 +14,17 @@ use troupe_runtime::{ActorError, Turn};
 use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation};
 use crate::inbox::{
     canceled_key, dedupe_slot_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key,
-    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_end_key, task_end_of, task_key, tasks_in_key,
-    to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq,
-    PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME, TASK_END_PREFIX,
+    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_due_key, task_due_of, task_end_key, task_end_of,
+    task_key, task_overdue_at, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError,
+    OutboxEntry, PairIn, PairOut, PairSeq, PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME,
+    NOTIFY_TOOL_NAME, TASK_DUE_PREFIX, TASK_END_PREFIX,
 };
 use crate::limits::{
     AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS,
     AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS,
     AGENT_MENTION_DELIVERY_RETRY_MAX_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
-    AGENT_TASK_RECORDS_PRUNED_PER_PASS, AGENT_TASK_RECORD_KEPT_MS, AGENT_TASK_TIMEOUT_MS_DEFAULT,
-    AGENT_WAKE_RETRY_ATTEMPTS_MAX,
+    AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS, AGENT_TASK_RECORDS_PRUNED_PER_PASS, AGENT_TASK_RECORD_KEPT_MS,
+    AGENT_TASK_RESULT_GRACE_MS, AGENT_TASK_TIMEOUT_MS_DEFAULT, AGENT_WAKE_RETRY_ATTEMPTS_MAX,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -166,6 +167,13 @@ impl AgentActor {
         }
         let seqs: Vec<u64> = sends.entries.iter().map(|(seq, _)| *seq).collect();
         for (seq, entry) in sends.entries {
+            if let InboxBody::Task { task_id, .. } = &entry.entry.body {
+                // Resolved failed at this time if no result came (`resolve_overdue_tasks`).
+                let due = task_overdue_at(entry.entry.context.deadline());
+                turn.put(task_due_key(due, task_id), to_json(&entry.entry.budget)?)?;
+                let memo = &mut self.memo.tasks_overdue_due_us;
+                *memo = memo.map(|known| known.min(due.as_micros()));
+            }
             self.memo.outbox.put(turn, outbox_key(seq), entry)?;
             self.state.boxes.outbox_len += 1;
         }
@@ -207,6 +215,76 @@ impl AgentActor {
             turn.delete(key)?;
         }
         self.memo.tasks_ended_due_us = next_due;
+        Ok(())
+    }
+
+    /// Resolves `failed` the tasks this agent delegated that are still open
+    /// [`AGENT_TASK_RESULT_GRACE_MS`] past their deadline (their `task_due/` keys due),
+    /// at most [`AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS`], in this turn's commit: each as
+    /// a result from itself through its own inbox (as an undeliverable task's failure),
+    /// so it ends like any other (final record, `DelegationFinished`, its slot among
+    /// [`crate::limits::AGENT_TASKS_OPEN_MAX`] counted back, its failure shown to the
+    /// model in a turn of its own), and a result that comes later is a duplicate. Its
+    /// delegatee accepted it and never answered: removed, or its entry lost. Run before
+    /// every command of the agent (`handle_command`): a turn with no task open, or none
+    /// due as this activation knows, reads nothing; each result it makes is a turn that
+    /// resolves the next ones.
+    pub(crate) async fn resolve_overdue_tasks(&mut self, turn: &mut Turn, now: Deadline) -> Result<(), ActorError> {
+        if self.state.boxes.tasks_open == 0 {
+            return Ok(());
+        }
+        let now_us = now.as_micros();
+        if self.memo.tasks_overdue_due_us.is_some_and(|due| due > now_us) {
+            return Ok(());
+        }
+        let due = turn
+            .scan(TASK_DUE_PREFIX, None, AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS)
+            .await?;
+        // Fewer than a pass: every key was read, none is left due after this pass.
+        let mut next_due = (due.len() < AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS).then_some(u64::MAX);
+        for (key, grant) in due {
+            let (at, task_id) =
+                task_due_of(&key).ok_or_else(|| ActorError::failed(format!("bad open-task key {key}")))?;
+            if at > now_us {
+                next_due = Some(at);
+                break;
+            }
+            let record_key = task_key(task_id);
+            let record = match turn.get(&record_key).await? {
+                Some(bytes) => self.memo.tasks.decode(&record_key, &bytes)?,
+                None => {
+                    turn.delete(key)?; // no record: nothing open
+                    continue;
+                }
+            };
+            if record.state.is_final() {
+                turn.delete(key)?; // ended meanwhile (its key outlived it)
+                continue;
+            }
+            let grant: crate::Budget = from_json(&key, &grant)?;
+            let waited_ms = AGENT_TASK_RESULT_GRACE_MS;
+            let entry = InboxEntry {
+                msg_id: format!("{task_id}.overdue"),
+                from: None,
+                body: InboxBody::TaskUpdate {
+                    task_id: task_id.to_string(),
+                    state: TaskState::Failed,
+                    text: format!(
+                        "no result by the task's deadline, nor in the {waited_ms} ms after it that a result's \
+                         delivery may take: {} did not answer (removed, or its work lost); a result that comes \
+                         later is dropped",
+                        record.to
+                    ),
+                },
+                context: result_context(&record.context, record.deadline),
+                // What the task left of its grant is unknown: nothing (all of it when
+                // the grant was unlimited), as for a task whose work failed.
+                budget: grant.after(Spend::all_of(grant)),
+                pair: None,
+            };
+            self.enqueue(turn, entry).await?;
+        }
+        self.memo.tasks_overdue_due_us = next_due;
         Ok(())
     }
 
@@ -356,6 +434,8 @@ impl AgentActor {
                     self.shared.emit(&received(true));
                     return Ok(encode_reply(&EnqueueReply::Duplicate));
                 }
+                // Its end is no longer due: it has come.
+                turn.delete(task_due_key(task_overdue_at(record.deadline), task_id))?;
                 record.state = *state;
                 record.result = Some(text.clone());
                 self.state.boxes.tasks_open = self.state.boxes.tasks_open.saturating_sub(1);

@@ -195,6 +195,19 @@ pub const AGENT_TASK_RECORD_KEPT_MS: u64 = 3_600_000;
 /// see [`AGENT_TASK_RECORD_KEPT_MS`]): a delegation's turn and a result's turn each
 /// delete up to this many, so they are deleted faster than delegations make them.
 pub const AGENT_TASK_RECORDS_PRUNED_PER_PASS: usize = 16;
+/// How long past a delegated task's deadline its delegator waits for the result before
+/// it resolves the task `failed` itself, in milliseconds: the time one result delivery
+/// can still take after the deadline (the delegatee's turn commits its failure within
+/// `PROCESS_GRACE_MS` of it; one delivery attempt then waits at most
+/// [`AGENT_DELIVERY_ACK_TIMEOUT_MS`], and a failed one is tried again after
+/// [`AGENT_DELIVERY_RETRY_MS`]). A delegatee that accepted a task and never answers (it
+/// was removed, or its entry lost) would otherwise hold one of the delegator's
+/// [`AGENT_TASKS_OPEN_MAX`] slots for good; a result that comes later is a duplicate.
+pub const AGENT_TASK_RESULT_GRACE_MS: u64 = 60_000;
+/// Overdue delegated tasks (see [`AGENT_TASK_RESULT_GRACE_MS`]) one turn of their
+/// delegator resolves `failed`, at most; each one resolved is a result in its inbox, whose
+/// turn resolves the next ones.
+pub const AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS: usize = 16;
 /// Inbox or outbox entries one resume turn re-schedules before it continues in the
 /// next turn (it must fit in a mailbox: below `MAILBOX_CAPACITY_DEFAULT`).
 pub const AGENT_RESUME_BATCH: usize = 16;
@@ -217,6 +230,16 @@ const _: () = assert!(AGENT_TASK_RECORDS_PRUNED_PER_PASS >= 2);
 // The key of an ended task (`task_end/{at_us:020}/{task_id}`) fits in the store's key.
 const _: () =
     assert!("task_end/".len() + 20 + 1 + AGENT_TASK_ID_LENGTH_MAX_BYTES <= troupe_runtime::STATE_KEY_LENGTH_MAX);
+// An overdue task waits past its deadline for its delegatee's failure to commit and for
+// one delivery attempt of it, and one retry.
+const _: () = assert!(
+    AGENT_TASK_RESULT_GRACE_MS
+        >= crate::inbox_turns::PROCESS_GRACE_MS + AGENT_DELIVERY_ACK_TIMEOUT_MS + AGENT_DELIVERY_RETRY_MS
+);
+const _: () = assert!(AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS >= 1);
+// The key of an open task (`task_due/{at_us:020}/{task_id}`) fits in the store's key.
+const _: () =
+    assert!("task_due/".len() + 20 + 1 + AGENT_TASK_ID_LENGTH_MAX_BYTES <= troupe_runtime::STATE_KEY_LENGTH_MAX);
 const _: () = assert!(AGENT_EXTERNAL_TASKS_OPEN_MAX <= AGENT_INBOX_CAPACITY);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_MAX <= troupe_core::limits::INVOKE_TIMEOUT_MS_MAX);

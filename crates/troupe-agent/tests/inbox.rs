@@ -506,9 +506,12 @@ struct CrashStore {
 }
 
 fn short(key: &str, put: bool) -> String {
-    // An ended task's key holds when its record goes, which depends on the run's timing.
-    if let Some(task) = key.strip_prefix("task_end/").and_then(|rest| rest.split_once('/')) {
-        return format!("{}task_end/{}", if put { "" } else { "-" }, task.1);
+    // An ended task's key holds when its record goes, and an open task's when it is
+    // overdue, which depend on the run's timing.
+    for prefix in ["task_end/", "task_due/"] {
+        if let Some(task) = key.strip_prefix(prefix).and_then(|rest| rest.split_once('/')) {
+            return format!("{}{prefix}{}", if put { "" } else { "-" }, task.1);
+        }
     }
     let key = match key.rsplit_once('/') {
         Some((prefix, seq)) if seq.len() == 20 => format!("{prefix}/{}", seq.parse::<u64>().unwrap()),
@@ -660,11 +663,11 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
     // The crash points, in the order the fault-free run commits them (docs/architecture.md);
     // a turn's messages are one log entry, keyed by its last message.
     let expected = [
-        "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0",
+        "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0",
         "analyst: inbox/0 pair_in/coordinator tasks_in/coordinator.0",
         "analyst: -inbox/0 log/1 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
         "coordinator: -outbox/0 pair_out/analyst",
-        "coordinator: inbox/0 task/coordinator.0 task_end/coordinator.0",
+        "coordinator: inbox/0 task/coordinator.0 -task_due/coordinator.0 task_end/coordinator.0",
         "coordinator: -inbox/0 log/5",
         "analyst: -outbox/0",
         "analyst: dedupe_slot/0 inbox/1 seen/n-1",
@@ -683,13 +686,13 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
             list
         };
         let note_first = [
-            "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0",
+            "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0",
             "analyst: dedupe_slot/0 inbox/0 seen/n-1",
             "analyst: inbox/1 pair_in/coordinator tasks_in/coordinator.0",
             "analyst: -inbox/0 log/1",
             "analyst: -inbox/1 log/3 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
             "coordinator: -outbox/0 pair_out/analyst",
-            "coordinator: inbox/0 task/coordinator.0 task_end/coordinator.0",
+            "coordinator: inbox/0 task/coordinator.0 -task_due/coordinator.0 task_end/coordinator.0",
             "coordinator: -inbox/0 log/5",
             "analyst: -outbox/0",
         ];
