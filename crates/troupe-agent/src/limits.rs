@@ -18,6 +18,12 @@ pub const AGENT_MESSAGE_SIZE_MAX_BYTES: usize = 32 * 1024;
 /// Largest reply an agent sends, in bytes; longer ones are truncated on a character
 /// boundary and marked `truncated`.
 pub const AGENT_REPLY_SIZE_MAX_BYTES: usize = 32 * 1024;
+/// Largest arguments of one tool call an agent keeps, in bytes of their JSON text, in
+/// its log, its history window and the later steps of its turn (the tool runs on them as
+/// the model gave them); longer ones are kept as a JSON string of their text cut on a
+/// character boundary. Twice [`AGENT_MESSAGE_SIZE_MAX_BYTES`]: a call that sends a
+/// message of that size, its text escaped in JSON, is kept whole.
+pub const AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES: usize = 2 * AGENT_MESSAGE_SIZE_MAX_BYTES;
 /// Largest tool result fed back to the model, in bytes.
 pub const AGENT_TOOL_RESULT_SIZE_MAX_BYTES: usize = 16 * 1024;
 /// Messages an agent keeps in its private history window by default (the newest of its

@@ -10,13 +10,74 @@ use super::AgentActor;
 use crate::budget::BudgetMeter;
 use crate::inbox::{PendingSends, SharedSends};
 use crate::limits::{
-    AGENT_REPLY_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_RESULT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+    AGENT_REPLY_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES,
+    AGENT_TOOL_RESULT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
 };
 use crate::{
     AgentEvent, AgentReply, AgentSpec, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmError, LlmRequest,
     Prompt, Role, TokenUsage, ToolCall, ToolExecutionContext, ToolSpec, CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME,
     NOTIFY_TOOL_NAME,
 };
+
+/// Cuts a tool-calling assistant message to what an agent keeps of it: its text to
+/// [`AGENT_REPLY_SIZE_MAX_BYTES`] (as an answer), each call's arguments to
+/// [`AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES`] of JSON text (longer ones become a JSON
+/// string of their text cut there), both on a character boundary.
+fn converse_steps_keep_within_limits(message: &mut ChatMessage) {
+    let kept = truncate_utf8(&message.content, AGENT_REPLY_SIZE_MAX_BYTES).len();
+    message.content.truncate(kept);
+    for call in &mut message.tool_calls {
+        let cut = match &call.arguments {
+            serde_json::Value::String(text) if text.len() > AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES => {
+                Some(truncate_utf8(text, AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES).to_string())
+            }
+            serde_json::Value::String(_) => None,
+            arguments if json_size_over(arguments, AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES) => {
+                let text = arguments.to_string();
+                Some(truncate_utf8(&text, AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES).to_string())
+            }
+            _ => None,
+        };
+        if let Some(text) = cut {
+            call.arguments = serde_json::Value::String(text);
+        }
+        let arguments_bytes = match &call.arguments {
+            serde_json::Value::String(text) => text.len(),
+            _ => 0, // checked above, without writing them out again
+        };
+        assert!(
+            arguments_bytes <= AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES,
+            "arguments of {arguments_bytes} bytes were kept, over {AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES}"
+        );
+    }
+    assert!(
+        message.content.len() <= AGENT_REPLY_SIZE_MAX_BYTES,
+        "a text of {} bytes was kept, over {AGENT_REPLY_SIZE_MAX_BYTES}",
+        message.content.len()
+    );
+}
+
+/// Whether `value` written as JSON is longer than `limit` bytes: written into a counter
+/// that stops at the limit (no copy of the text is made).
+fn json_size_over(value: &serde_json::Value, limit: usize) -> bool {
+    struct Counter {
+        bytes: usize,
+        limit: usize,
+    }
+    impl std::io::Write for Counter {
+        fn write(&mut self, buffer: &[u8]) -> std::io::Result<usize> {
+            self.bytes += buffer.len();
+            if self.bytes > self.limit {
+                return Err(std::io::Error::other("over the limit"));
+            }
+            Ok(buffer.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    serde_json::to_writer(&mut Counter { bytes: 0, limit }, value).is_err()
+}
 
 /// One conversation turn to run: the user message and who it serves.
 pub(crate) struct Conversation {
@@ -333,7 +394,13 @@ impl AgentActor {
                     // The step's part: the assistant message, then a result per tool
                     // call, made as one shared list (one allocation for the usual
                     // single call, with no list of the results first).
-                    let step: Arc<[ChatMessage]> = match self.run_tools(tools, &message.tool_calls).await {
+                    let results = self.run_tools(tools, &message.tool_calls).await;
+                    // Kept (the turn's later steps, the log, the window) within the limits
+                    // of an answer; the tools ran on the arguments as given. Kept whole, a
+                    // provider's oversized text or arguments went into every later prompt
+                    // (and over the store's value limit, failing the turn).
+                    converse_steps_keep_within_limits(&mut message);
+                    let step: Arc<[ChatMessage]> = match results {
                         StepResults::One(result) => Arc::new([message, result]),
                         StepResults::Many(results) => std::iter::once(message).chain(results).collect(),
                     };
