@@ -6,9 +6,15 @@
 //! With `"stream": true` the answer comes as OpenAI `chat.completion.chunk` SSE messages
 //! once the agent's turn has ended: one with the role, one with the whole reply text,
 //! one with `finish_reason: "stop"`, then `data: [DONE]`. The agent does not stream
-//! tokens through the client API, so the text is one chunk. Errors before the answer
-//! keep their HTTP status and the one error shape. `created` is 0: the server reads no
-//! wall clock.
+//! tokens through the client API, so the text is one chunk. With
+//! `"stream_options": {"include_usage": true}`, as OpenAI's: a last chunk before
+//! `[DONE]` with empty `choices` and the turn's `usage`, every other chunk with
+//! `"usage": null`. Errors before the answer keep their HTTP status and the one error
+//! shape. `created` is 0: the server reads no wall clock.
+//!
+//! `usage`, streamed or not, is the agent's turn's real token usage as its model
+//! reported it ([`troupe_agent::AgentReply::usage`]: the turn's model calls summed, the
+//! turns of agents it called not included; zero for a model that reports none).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -39,8 +45,8 @@ pub(crate) struct ChatMessageBody {
     content: Value,
 }
 
-/// A chat-completions request; fields other than these (temperature, max_tokens,
-/// stream_options, user, ...) are ignored, whatever their value, null included.
+/// A chat-completions request; fields other than these (temperature, max_tokens, user,
+/// ...) are ignored, whatever their value, null included.
 ///
 /// OpenAI types every optional field as nullable: null is the field absent. `stream` is
 /// an `Option` for that (null or absent: not streamed); a `bool` with a default refused
@@ -51,6 +57,17 @@ pub(crate) struct ChatCompletionBody {
     messages: Vec<ChatMessageBody>,
     #[serde(default)]
     stream: Option<bool>,
+    /// Read only when streamed (a plain answer always has its `usage`).
+    #[serde(default)]
+    stream_options: Option<StreamOptionsBody>,
+}
+
+/// A chat-completions request's `stream_options`; null fields are absent.
+#[derive(Debug, Deserialize)]
+pub(crate) struct StreamOptionsBody {
+    /// Whether a streamed answer ends with a chunk carrying the turn's token usage.
+    #[serde(default)]
+    include_usage: Option<bool>,
 }
 
 /// The text of a message's `content`: a string, or the `text` parts of an array.
@@ -114,6 +131,11 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
     let reply = state.client.ask_with(&body.model, &text, options).await?;
     let id = format!("chatcmpl-troupe-{}", state.completions.fetch_add(1, Ordering::Relaxed));
     let finish_reason = if reply.truncated { "length" } else { "stop" };
+    let usage = json!({
+        "prompt_tokens": reply.usage.prompt_tokens,
+        "completion_tokens": reply.usage.completion_tokens,
+        "total_tokens": reply.usage.total_tokens,
+    });
     if !body.stream.unwrap_or(false) {
         return Ok(Json(json!({
             "id": id,
@@ -125,32 +147,38 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
                 "message": {"role": "assistant", "content": reply.text},
                 "finish_reason": finish_reason,
             }],
-            "usage": {
-                "prompt_tokens": reply.usage.prompt_tokens,
-                "completion_tokens": reply.usage.completion_tokens,
-                "total_tokens": reply.usage.total_tokens,
-            },
+            "usage": usage,
         }))
         .into_response());
     }
-    let chunk = |delta: Value, finish: Option<&str>| {
-        Event::default().data(
-            json!({
-                "id": id,
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": body.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            })
-            .to_string(),
-        )
+    let include_usage = body
+        .stream_options
+        .as_ref()
+        .and_then(|options| options.include_usage)
+        .unwrap_or(false);
+    let chunk = |choices: Value, usage: Option<Value>| {
+        let mut chunk = json!({
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": body.model,
+            "choices": choices,
+        });
+        if include_usage {
+            chunk["usage"] = usage.unwrap_or(Value::Null);
+        }
+        Event::default().data(chunk.to_string())
     };
-    let events = vec![
-        chunk(json!({"role": "assistant", "content": ""}), None),
-        chunk(json!({"content": reply.text}), None),
-        chunk(json!({}), Some(finish_reason)),
-        Event::default().data("[DONE]"),
+    let choice = |delta: Value, finish: Option<&str>| json!([{"index": 0, "delta": delta, "finish_reason": finish}]);
+    let mut events = vec![
+        chunk(choice(json!({"role": "assistant", "content": ""}), None), None),
+        chunk(choice(json!({"content": reply.text}), None), None),
+        chunk(choice(json!({}), Some(finish_reason)), None),
     ];
+    if include_usage {
+        events.push(chunk(json!([]), Some(usage)));
+    }
+    events.push(Event::default().data("[DONE]"));
     let stream = futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>));
     Ok(Sse::new(stream).into_response())
 }

@@ -976,6 +976,111 @@ async fn an_openai_request_with_null_optional_fields_is_served_as_if_they_were_a
     server.stop().await;
 }
 
+/// The usage of `llm`'s last turn for agent `agent`, a one-step turn, recomputed here as
+/// the scripted model counts it (one token per whitespace-separated word of the prompt's
+/// messages and of the answer): OpenAI's `usage` object.
+fn scripted_turn_usage(llm: &ScriptedLlm, agent: &str) -> Value {
+    let request = llm.requests_of(agent).pop().expect("the agent asked its model");
+    let words = |text: &str| u64::try_from(text.split_whitespace().count()).unwrap();
+    let prompt: u64 = request
+        .messages
+        .iter()
+        .map(|message| {
+            assert!(
+                message.tool_calls.is_empty(),
+                "a prompt without tool calls: {message:?}"
+            );
+            words(&message.content)
+        })
+        .sum();
+    let answer = llm.answers().pop().expect("the model answered");
+    assert_eq!(answer.agent.key(), agent);
+    let completion = words(&answer.message.content);
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// Goal: a streamed chat completion asked with `"stream_options": {"include_usage":
+/// true}` ends as OpenAI's does: after the finish chunk, one chunk with empty `choices`
+/// and the turn's real token usage, the last before `[DONE]`, every other chunk with
+/// `"usage": null`; asked without it (absent, null, or false), no chunk has a `usage`
+/// field. The plain answer's `usage` is its turn's too. Method: raw JSON bodies to a
+/// real server over an agent on the scripted model; the expected usage is recomputed
+/// from the requests and answers the model recorded, turn by turn (the agent keeps its
+/// conversation, so each turn's prompt is longer and the numbers differ).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_completion_asked_for_usage_ends_with_the_turns_usage_chunk() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}"));
+    let server = Harness::start(
+        support::agents(llm.clone(), &["echo"], KindConfig::default()),
+        ServerConfig::default(),
+    )
+    .await;
+    let post = |options: &str, stream: bool| {
+        let body = format!(
+            r#"{{"model": "echo", "messages": [{{"role": "user", "content": "count these four words"}}],
+                "stream": {stream}{options}}}"#
+        );
+        server
+            .request(reqwest::Method::POST, "/v1/chat/completions")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let chunks_of = |text: &str| -> Vec<Value> {
+        let events = parse_sse(text);
+        assert_eq!(events.last().map(|(_, data)| data.as_str()), Some("[DONE]"), "{text}");
+        events[..events.len() - 1]
+            .iter()
+            .map(|(_, data)| serde_json::from_str(data).unwrap())
+            .collect()
+    };
+
+    let response = post(r#", "stream_options": {"include_usage": true}"#, true)
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let chunks = chunks_of(&response.text().await.unwrap());
+    let expected = scripted_turn_usage(&llm, "echo");
+    let (usage_chunk, others) = chunks.split_last().unwrap();
+    assert_eq!(
+        usage_chunk["choices"],
+        json!([]),
+        "the usage chunk is last before [DONE]: {chunks:?}"
+    );
+    assert_eq!(usage_chunk["usage"], expected, "{usage_chunk}");
+    assert_eq!(usage_chunk["object"], "chat.completion.chunk");
+    assert_eq!(usage_chunk["id"], others[0]["id"], "{chunks:?}");
+    assert_eq!(
+        others.last().unwrap()["choices"][0]["finish_reason"],
+        "stop",
+        "{chunks:?}"
+    );
+    for chunk in others {
+        assert_eq!(chunk.get("usage"), Some(&Value::Null), "{chunk}");
+    }
+
+    for options in [
+        "",
+        r#", "stream_options": null"#,
+        r#", "stream_options": {"include_usage": false}"#,
+    ] {
+        let response = post(options, true).await.unwrap();
+        assert_eq!(response.status().as_u16(), 200, "{options}");
+        let chunks = chunks_of(&response.text().await.unwrap());
+        for chunk in &chunks {
+            assert!(chunk.get("usage").is_none(), "{options}: {chunk}");
+            assert_eq!(chunk["choices"].as_array().map(Vec::len), Some(1), "{options}: {chunk}");
+        }
+    }
+
+    let response = post("", false).await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let body: Value = serde_json::from_str(&response.text().await.unwrap()).unwrap();
+    assert_eq!(body["usage"], scripted_turn_usage(&llm, "echo"), "{body}");
+    assert_ne!(body["usage"], expected, "a later turn's prompt is longer");
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_by_route_and_status_and_show_the_runtimes_counters() {
     let server = start_default().await;
