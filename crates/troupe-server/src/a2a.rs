@@ -34,6 +34,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt as _;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::{watch, OwnedSemaphorePermit};
@@ -415,7 +416,19 @@ struct Refused {
 /// (streamed as it comes, for SSE). Once only: a forwarded request carries
 /// [`FORWARDED_BY_HEADER`] and is never forwarded again. `None` when there is no address
 /// for it or it cannot be reached: the caller gives the refusal naming it instead.
-async fn forward(a2a: &A2a, holder: &str, agent: &str, headers: &HeaderMap, body: Bytes) -> Option<Response> {
+///
+/// `slot`, given for a streaming method, is this node's slot among its open streams
+/// (`server::stream_slot`): a streamed answer holds it in its body until it ends or its
+/// client goes away, as a stream this node serves itself does; any other answer lets it
+/// go at once.
+async fn forward(
+    a2a: &A2a,
+    holder: &str,
+    agent: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    slot: Option<OwnedSemaphorePermit>,
+) -> Option<Response> {
     let node = a2a.app.config.node.as_deref()?;
     let address = a2a.app.config.peers.as_ref()?.http_address(holder).await?;
     let client = match a2a.forwarder.get() {
@@ -474,8 +487,12 @@ async fn forward(a2a: &A2a, holder: &str, agent: &str, headers: &HeaderMap, body
         .get(header::CONTENT_TYPE.as_str())
         .is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"));
     let body = if streamed {
-        // SSE: each event as it comes.
-        axum::body::Body::from_stream(answer.bytes_stream())
+        // SSE: each event as it comes, the slot held as long as the body is.
+        let events = answer.bytes_stream().map(move |event| {
+            let _held = &slot;
+            event
+        });
+        axum::body::Body::from_stream(events)
     } else {
         match answer.bytes().await {
             Ok(bytes) => axum::body::Body::from(bytes),
@@ -541,7 +558,16 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
         if let Err(refused) = hold(&a2a, &agent).await {
             if let Some(holder) = refused.holder.as_deref() {
                 if !headers.contains_key(FORWARDED_BY_HEADER) {
-                    if let Some(response) = forward(&a2a, holder, &agent, &headers, body.clone()).await {
+                    // A stream forwarded is open here too: one over this node's limit is
+                    // refused before it is forwarded, as one served here is.
+                    let slot = match method {
+                        "SendStreamingMessage" | "SubscribeToTask" => match stream_slot(&a2a) {
+                            Ok(slot) => Some(slot),
+                            Err(error) => return error.answer(&id),
+                        },
+                        _ => None,
+                    };
+                    if let Some(response) = forward(&a2a, holder, &agent, &headers, body.clone(), slot).await {
                         return response;
                     }
                 }

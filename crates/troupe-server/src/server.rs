@@ -436,8 +436,10 @@ async fn limit(State(state): State<Arc<AppState>>, request: Request, next: Next)
 }
 
 /// A slot for one streamed answer (a streamed message, A2A `SendStreamingMessage` or
-/// `SubscribeToTask`), taken before the stream starts anything and held by the stream
-/// until it ends or its client goes away (the response body, dropped then, holds it).
+/// `SubscribeToTask`, served here or forwarded by this cluster node to the node holding
+/// the agent's A2A tasks), taken before the stream starts or forwards anything and held
+/// by the stream until it ends or its client goes away (the response body, dropped
+/// then, holds it).
 /// The concurrent-request limit counts a stream only until its headers are sent; this
 /// one counts it for as long as it is open.
 ///

@@ -5,7 +5,9 @@
 //!   end;
 //! - a node asked for an agent's tasks that another node holds forwards the request to
 //!   that node's server (`ServerConfig::peers`), once, or refuses it as retryable,
-//!   naming that node.
+//!   naming that node;
+//! - a streamed answer a node forwards is one of its own open streams
+//!   (`ServerConfig::streams_open_max`) for as long as it is open.
 //!
 //! Real `troupe_server::serve`s and real `AgentSystem`s on the scripted model. Here the
 //! store stands in for etcd's placement: a store that refuses the claim of the A2A
@@ -22,13 +24,13 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use serde_json::{json, Value};
-use troupe_agent::{ScriptRule, ScriptedLlm};
+use troupe_agent::{LlmClient, LlmError, LlmReply, LlmRequest, ScriptRule, ScriptedLlm};
 use troupe_core::{ActorId, StoreError};
 use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateChange, StateStore, TurnCommit};
 use troupe_server::{PeerAddresses, ServerConfig};
 
 mod support;
-use support::{Harness, POLL_MS, TEST_WAIT_MS_MAX};
+use support::{parse_sse, Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
 /// A task record as a node stores it (`troupe-a2a/{agent}`, key `task/{node}/{seq}`).
 fn record(node: &str, seq: u64, state: &str, text: &str, reply: Option<&str>) -> (String, Value) {
@@ -502,4 +504,178 @@ async fn a_node_restarted_after_an_agents_last_record_was_let_go_numbers_its_nex
     assert_ne!(new["task"]["id"], "echo-task-h1-0", "a task id given again: {new}");
     assert_eq!(reply_text(&new["task"]), "echo: two", "{new}");
     second.stop().await;
+}
+
+/// The scripted model behind a gate: each model call waits for a permit the test adds,
+/// so the turns (and the streams that follow them) stay open until the test says.
+struct Gated {
+    script: ScriptedLlm,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+#[async_trait::async_trait]
+impl LlmClient for Gated {
+    async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
+        let permit = self.gate.acquire().await.expect("the gate is never closed");
+        permit.forget();
+        self.script.complete(request).await
+    }
+}
+
+/// Sends the JSON-RPC request `method` with `params` to `/a2a/echo` of `base`: the
+/// response, its headers received and its body not read.
+async fn open_rpc(base: &str, method: &str, params: Value) -> reqwest::Response {
+    let body = json!({"jsonrpc": "2.0", "id": 7, "method": method, "params": params});
+    reqwest::Client::new()
+        .post(format!("{base}/a2a/echo"))
+        .timeout(Duration::from_millis(TEST_WAIT_MS_MAX))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("the server answers")
+}
+
+/// Reads an open SSE response until its first event: the event's data as JSON.
+async fn first_event(response: &mut reqwest::Response) -> Value {
+    let mut text = String::new();
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let chunk = response.chunk().await.unwrap().expect("the stream stays open");
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+            if let Some((_, data)) = parse_sse(&text).into_iter().next() {
+                return serde_json::from_str(&data).unwrap();
+            }
+        }
+    })
+    .await
+    .expect("the stream's first event arrives")
+}
+
+/// Goal: a streamed A2A answer node h1 forwards to h0 (the node holding the agent's
+/// tasks) counts against h1's `streams_open_max` for as long as it is open, as a stream
+/// h1 serves itself does: with h1's limit at 1 and one forwarded stream open, a second
+/// `SendStreamingMessage` and a `SubscribeToTask` through h1 are refused 503 with
+/// `Retry-After: 1` and JSON-RPC -32000 naming the limit, forwarded nowhere (h0 makes
+/// no task for them, though h0 has room), while a plain `GetTask` is still forwarded;
+/// once the open stream ends, a new one through h1 is forwarded and served to its reply;
+/// a forwarded stream whose client goes away frees its slot too.
+/// Method: two servers in one process, h0's model behind a gate the test opens, h1 on a
+/// store where h0 holds the A2A records, with h0's address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_stream_counts_against_the_forwarding_nodes_stream_limit() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let gated = Gated {
+        script: ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}")),
+        gate: Arc::clone(&gate),
+    };
+    let h0 = Harness::start(
+        troupe_agent::AgentSystem::builder()
+            .llm(Arc::new(gated))
+            .kind_config(KindConfig::default())
+            .agent(troupe_agent::AgentSpec::new("echo")),
+        ServerConfig::default().node("h0".to_string()),
+    )
+    .await;
+    let h0_address: SocketAddr = h0.base.trim_start_matches("http://").parse().unwrap();
+    let h1 = Harness::start(
+        echo_agents().store(Arc::new(HeldElsewhere::new("h0", true))),
+        ServerConfig::default()
+            .node("h1".to_string())
+            .peers(Arc::new(Peer("h0", h0_address.to_string())))
+            .streams_open_max(1),
+    )
+    .await;
+    let send =
+        |text: &str, id: &str| json!({"message": {"messageId": id, "role": "ROLE_USER", "parts": [{"text": text}]}});
+
+    let mut open = open_rpc(&h1.base, "SendStreamingMessage", send("held", "m1")).await;
+    assert_eq!(open.status().as_u16(), 200);
+    assert_eq!(
+        open.headers()
+            .get("x-troupe-forwarded-to")
+            .map(|value| value.to_str().unwrap()),
+        Some("h0")
+    );
+    let first = first_event(&mut open).await;
+    assert_eq!(first["result"]["task"]["id"], "echo-task-h0-0", "{first}");
+
+    for (method, params) in [
+        ("SendStreamingMessage", send("one too many", "m2")),
+        ("SubscribeToTask", json!({"id": "echo-task-h0-0"})),
+    ] {
+        let refused = open_rpc(&h1.base, method, params).await;
+        assert_eq!(refused.status().as_u16(), 503, "a second forwarded stream ({method})");
+        assert_eq!(
+            refused
+                .headers()
+                .get("retry-after")
+                .map(|value| value.to_str().unwrap()),
+            Some("1"),
+            "{method}"
+        );
+        assert!(
+            refused.headers().get("x-troupe-forwarded-to").is_none(),
+            "{method}: not forwarded"
+        );
+        let answer: Value = serde_json::from_str(&refused.text().await.unwrap()).unwrap();
+        assert_eq!(answer["error"]["code"], -32000, "{method}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("streams_open_max"), "{method}: {answer}");
+    }
+    // A plain request is forwarded, and h0 made no task for the refused stream.
+    let (status, forwarded_to, listed) = post_rpc(&h1.base, "ListTasks", json!({}), &[]).await;
+    assert_eq!((status, forwarded_to.as_deref()), (200, Some("h0")), "{listed}");
+    assert_eq!(listed["result"]["totalSize"], 1, "{listed}");
+
+    // The open stream ends with its reply, and its slot is free again.
+    gate.add_permits(2);
+    let rest = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), open.text())
+        .await
+        .expect("the stream ends once its turn has")
+        .unwrap();
+    assert!(rest.contains("echo: held"), "{rest}");
+    let mut polls = 0;
+    let events = loop {
+        let (status, forwarded_to, answer) = post_rpc(
+            &h1.base,
+            "SendStreamingMessage",
+            send("after", &format!("m3-{polls}")),
+            &[],
+        )
+        .await;
+        if status == 200 {
+            assert_eq!(forwarded_to.as_deref(), Some("h0"));
+            break answer.as_str().unwrap().to_string();
+        }
+        assert_eq!(status, 503, "{answer}");
+        polls += 1;
+        assert!(polls * POLL_MS < TEST_WAIT_MS_MAX, "the slot was never freed: {answer}");
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    };
+    assert!(events.contains("echo: after"), "{events}");
+
+    // A held stream whose client leaves frees h1's slot (its model waits at the gate).
+    let mut left = open_rpc(&h1.base, "SendStreamingMessage", send("left", "m4")).await;
+    assert_eq!(left.status().as_u16(), 200);
+    first_event(&mut left).await;
+    drop(left);
+    let mut polls = 0;
+    loop {
+        let mut next = open_rpc(&h1.base, "SendStreamingMessage", send("next", &format!("m5-{polls}"))).await;
+        if next.status().as_u16() == 200 {
+            first_event(&mut next).await;
+            break;
+        }
+        assert_eq!(next.status().as_u16(), 503);
+        polls += 1;
+        assert!(
+            polls * POLL_MS < TEST_WAIT_MS_MAX,
+            "a left stream's slot was never freed"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+    gate.add_permits(2);
+    h1.stop().await;
+    h0.stop().await;
 }
