@@ -640,33 +640,47 @@ pub(crate) fn task_key(task_id: &str) -> String {
     format!("task/{task_id}")
 }
 
-/// The prefix of the keys of ended delegated tasks, by when their record goes.
-pub(crate) const TASK_END_PREFIX: &str = "task_end/";
-
-/// The key saying that the record of ended task `task_id` is deleted at `due`.
-pub(crate) fn task_end_key(due: Deadline, task_id: &str) -> String {
-    format!("{TASK_END_PREFIX}{:020}/{task_id}", due.as_micros())
+/// An index of delegated tasks by a due time: one key `{prefix}{due_us:020}/{task_id}`
+/// a task, so that a scan of the prefix reads the earliest due first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DueIndex {
+    /// The keys' prefix, ending in `/`.
+    pub(crate) prefix: &'static str,
+    /// What a key says, for the error on a key that does not parse.
+    what: &'static str,
 }
 
-/// The time (microseconds) and task id in a [`task_end_key`].
-pub(crate) fn task_end_of(key: &str) -> Option<(u64, &str)> {
-    let (due, task_id) = key.strip_prefix(TASK_END_PREFIX)?.split_once('/')?;
-    Some((due.parse().ok()?, task_id))
-}
+/// The index of ended delegated tasks, by when their record goes (value: empty).
+pub(crate) const TASK_END_INDEX: DueIndex = DueIndex {
+    prefix: "task_end/",
+    what: "ended-task",
+};
 
-/// The prefix of the keys of open delegated tasks, by when they are overdue.
-pub(crate) const TASK_DUE_PREFIX: &str = "task_due/";
+/// The index of open delegated tasks, by when they are overdue: resolved failed then if
+/// no result came (value: the task's grant, a JSON [`crate::Budget`]).
+pub(crate) const TASK_DUE_INDEX: DueIndex = DueIndex {
+    prefix: "task_due/",
+    what: "open-task",
+};
 
-/// The key saying that open task `task_id` is resolved failed at `due` if no result
-/// came by then (its value: the task's grant, a JSON [`crate::Budget`]).
-pub(crate) fn task_due_key(due: Deadline, task_id: &str) -> String {
-    format!("{TASK_DUE_PREFIX}{:020}/{task_id}", due.as_micros())
-}
+impl DueIndex {
+    /// The key saying that task `task_id` is due at `due`.
+    pub(crate) fn key(self, due: Deadline, task_id: &str) -> String {
+        format!("{}{:020}/{task_id}", self.prefix, due.as_micros())
+    }
 
-/// The time (microseconds) and task id in a [`task_due_key`].
-pub(crate) fn task_due_of(key: &str) -> Option<(u64, &str)> {
-    let (due, task_id) = key.strip_prefix(TASK_DUE_PREFIX)?.split_once('/')?;
-    Some((due.parse().ok()?, task_id))
+    /// The time (microseconds) and task id in a [`Self::key`].
+    ///
+    /// # Errors
+    ///
+    /// A key that is not this index's, or whose time is not a number.
+    pub(crate) fn parse(self, key: &str) -> Result<(u64, &str), ActorError> {
+        let parsed = key.strip_prefix(self.prefix).and_then(|rest| {
+            let (due, task_id) = rest.split_once('/')?;
+            Some((due.parse().ok()?, task_id))
+        });
+        parsed.ok_or_else(|| ActorError::failed(format!("bad {} key {key}", self.what)))
+    }
 }
 
 /// When a task due by `deadline` is overdue at its delegator: its deadline plus

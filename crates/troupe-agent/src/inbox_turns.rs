@@ -14,10 +14,10 @@ use troupe_runtime::{ActorError, Turn};
 use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation};
 use crate::inbox::{
     canceled_key, dedupe_slot_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key,
-    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_due_key, task_due_of, task_end_key, task_end_of,
-    task_key, task_overdue_at, tasks_in_key, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry, InboxError,
-    OutboxEntry, PairIn, PairOut, PairSeq, PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME,
-    NOTIFY_TOOL_NAME, TASK_DUE_PREFIX, TASK_END_PREFIX,
+    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_key, task_overdue_at, tasks_in_key, to_json,
+    AgentCommand, DueIndex, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq,
+    PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME, TASK_DUE_INDEX,
+    TASK_END_INDEX,
 };
 use crate::limits::{
     AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS,
@@ -58,6 +58,54 @@ fn told(result: Result<(), InvokeError>) -> Result<bool, ActorError> {
 
 fn wake_failed(error: InvokeError) -> ActorError {
     ActorError::failed(format!("could not schedule inbox work: {error}"))
+}
+
+/// A key of a [`DueIndex`] that a [`scan_due_keys`] found due.
+struct DueKey {
+    key: String,
+    task_id: String,
+    value: Bytes,
+}
+
+/// What a [`scan_due_keys`] read.
+struct DueScan {
+    /// The keys due, earliest first.
+    due: Vec<DueKey>,
+    /// No key is due before this time (microseconds) once `due` is handled: the first
+    /// key read that is not due yet, `u64::MAX` when the scan read every key; `None`
+    /// (not known) when it stopped at its limit with every key read due.
+    next_due_us: Option<u64>,
+}
+
+/// The keys of `index` due by `now_us`, earliest first, at most `limit`, in one scan of
+/// the store that stops at the first key not due yet; `None`, reading nothing, when
+/// `known_due_us` (no key is due before it, as this activation knows: see
+/// [`crate::inbox::RecordMemos`]) is later than `now_us`. Used by the passes that prune
+/// ended tasks' records and resolve overdue tasks.
+async fn scan_due_keys(
+    turn: &mut Turn,
+    index: DueIndex,
+    now_us: u64,
+    known_due_us: Option<u64>,
+    limit: usize,
+) -> Result<Option<DueScan>, ActorError> {
+    if known_due_us.is_some_and(|due| due > now_us) {
+        return Ok(None);
+    }
+    let keys = turn.scan(index.prefix, None, limit).await?;
+    // Fewer than the limit: every key was read, none is left due after this pass.
+    let mut next_due_us = (keys.len() < limit).then_some(u64::MAX);
+    let mut due = Vec::with_capacity(keys.len());
+    for (key, value) in keys {
+        let (at_us, task_id) = index.parse(&key)?;
+        if at_us > now_us {
+            next_due_us = Some(at_us);
+            break;
+        }
+        let task_id = task_id.to_string();
+        due.push(DueKey { key, task_id, value });
+    }
+    Ok(Some(DueScan { due, next_due_us }))
 }
 
 /// Tells `id` (the agent or conversation whose turn is running) `wake`, the start of the
@@ -170,7 +218,7 @@ impl AgentActor {
             if let InboxBody::Task { task_id, .. } = &entry.entry.body {
                 // Resolved failed at this time if no result came (`resolve_overdue_tasks`).
                 let due = task_overdue_at(entry.entry.context.deadline());
-                turn.put(task_due_key(due, task_id), to_json(&entry.entry.budget)?)?;
+                turn.put(TASK_DUE_INDEX.key(due, task_id), to_json(&entry.entry.budget)?)?;
                 let memo = &mut self.memo.tasks_overdue_due_us;
                 *memo = memo.map(|known| known.min(due.as_micros()));
             }
@@ -194,27 +242,18 @@ impl AgentActor {
     /// before its task is sent and only ended ones are deleted.
     async fn prune_ended_tasks(&mut self, turn: &mut Turn) -> Result<(), ActorError> {
         let now = turn.now().as_micros();
-        if self.memo.tasks_ended_due_us.is_some_and(|due| due > now) {
+        let known = self.memo.tasks_ended_due_us;
+        let limit = AGENT_TASK_RECORDS_PRUNED_PER_PASS;
+        let Some(scan) = scan_due_keys(turn, TASK_END_INDEX, now, known, limit).await? else {
             return Ok(());
-        }
-        let ended = turn
-            .scan(TASK_END_PREFIX, None, AGENT_TASK_RECORDS_PRUNED_PER_PASS)
-            .await?;
-        // Fewer than a pass: every key was read, none is left due after this pass.
-        let mut next_due = (ended.len() < AGENT_TASK_RECORDS_PRUNED_PER_PASS).then_some(u64::MAX);
-        for (key, _) in ended {
-            let (due, task_id) =
-                task_end_of(&key).ok_or_else(|| ActorError::failed(format!("bad ended-task key {key}")))?;
-            if due > now {
-                next_due = Some(due);
-                break;
-            }
-            let record = task_key(task_id);
+        };
+        for due in scan.due {
+            let record = task_key(&due.task_id);
             self.memo.tasks.forget(&record);
             turn.delete(record)?;
-            turn.delete(key)?;
+            turn.delete(due.key)?;
         }
-        self.memo.tasks_ended_due_us = next_due;
+        self.memo.tasks_ended_due_us = scan.next_due_us;
         Ok(())
     }
 
@@ -234,21 +273,18 @@ impl AgentActor {
             return Ok(());
         }
         let now_us = now.as_micros();
-        if self.memo.tasks_overdue_due_us.is_some_and(|due| due > now_us) {
+        let known = self.memo.tasks_overdue_due_us;
+        let limit = AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS;
+        let Some(scan) = scan_due_keys(turn, TASK_DUE_INDEX, now_us, known, limit).await? else {
             return Ok(());
-        }
-        let due = turn
-            .scan(TASK_DUE_PREFIX, None, AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS)
-            .await?;
-        // Fewer than a pass: every key was read, none is left due after this pass.
-        let mut next_due = (due.len() < AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS).then_some(u64::MAX);
-        for (key, grant) in due {
-            let (at, task_id) =
-                task_due_of(&key).ok_or_else(|| ActorError::failed(format!("bad open-task key {key}")))?;
-            if at > now_us {
-                next_due = Some(at);
-                break;
-            }
+        };
+        for DueKey {
+            key,
+            task_id,
+            value: grant,
+        } in scan.due
+        {
+            let task_id = task_id.as_str();
             let record_key = task_key(task_id);
             let record = match turn.get(&record_key).await? {
                 Some(bytes) => self.memo.tasks.decode(&record_key, &bytes)?,
@@ -284,7 +320,7 @@ impl AgentActor {
             };
             self.enqueue(turn, entry).await?;
         }
-        self.memo.tasks_overdue_due_us = next_due;
+        self.memo.tasks_overdue_due_us = scan.next_due_us;
         Ok(())
     }
 
@@ -435,7 +471,7 @@ impl AgentActor {
                     return Ok(encode_reply(&EnqueueReply::Duplicate));
                 }
                 // Its end is no longer due: it has come.
-                turn.delete(task_due_key(task_overdue_at(record.deadline), task_id))?;
+                turn.delete(TASK_DUE_INDEX.key(task_overdue_at(record.deadline), task_id))?;
                 record.state = *state;
                 record.result = Some(text.clone());
                 self.state.boxes.tasks_open = self.state.boxes.tasks_open.saturating_sub(1);
@@ -453,7 +489,7 @@ impl AgentActor {
                 self.memo.tasks.put(turn, key, record)?;
                 if state.is_final() {
                     let due = Deadline::after(now, Duration::from_millis(AGENT_TASK_RECORD_KEPT_MS));
-                    turn.put(task_end_key(due, task_id), Bytes::new())?;
+                    turn.put(TASK_END_INDEX.key(due, task_id), Bytes::new())?;
                     let memo = &mut self.memo.tasks_ended_due_us;
                     *memo = memo.map(|known| known.min(due.as_micros()));
                     self.prune_ended_tasks(turn).await?;
