@@ -191,11 +191,8 @@ pub async fn call_agent(
     let remote = if local { None } else { shared.remotes.get(agent_id_text) };
     let admission = context.caller().admit(&target, remote.is_some() || local, timeout_ms);
     // The event (its ids copied, the clock read) is made only for someone to receive
-    // it: `emit` hands it to the listeners, and there are none. It is made only for an
-    // agent (local or remote): observers count the agents and links calls name (the
-    // server's topology), so a call to an id that names none (refused by admission
-    // with `AgentNotFound`) is not announced, and neither is its end.
-    let listened = shared.has_listeners() && (local || remote.is_some());
+    // it: `emit` hands it to the listeners, and there are none.
+    let listened = shared.has_listeners();
     if listened {
         shared.emit(&AgentEvent::CallStarted {
             call,

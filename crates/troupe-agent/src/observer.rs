@@ -1,10 +1,8 @@
 //! Watching what agents do: the [`AgentObserver`] hook and a [`CallRecorder`] that turns
 //! the events into a call tree.
 //!
-//! The agent layer reports every call to an agent (from outside, and every `call_agent`,
-//! admitted or refused; a call to an id that names no agent, refused with
-//! `AgentNotFound`, is not reported, so observers that count the agents and links calls
-//! name count only real ones), the start of every turn, and every activation and deactivation of an agent
+//! The agent layer reports every call (from outside, and every `call_agent`, admitted or
+//! refused), the start of every turn, and every activation and deactivation of an agent
 //! (from the runtime's `on_activate`/`on_deactivate` hooks). Every `call_agent` that
 //! reports `CallStarted` reports exactly one `CallFinished`, even when its caller's turn
 //! is cut while the call is in flight ([`CallOutcome::Cancelled`]). Observers are called synchronously on the
@@ -180,8 +178,7 @@ pub enum AgentEvent {
         /// When.
         at: Deadline,
     },
-    /// A call to an agent (local or remote) was made (and maybe refused at once; then
-    /// `CallFinished` follows). A call to an id that names no agent is not reported.
+    /// A call was made (and maybe refused at once; then `CallFinished` follows).
     CallStarted {
         /// Unique within one agent system.
         call: u64,

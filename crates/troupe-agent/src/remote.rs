@@ -935,23 +935,17 @@ impl AgentClient {
             })
         })?;
         let call = self.shared.next_call_id();
-        let started = self.runtime.now();
-        // Announced only for an agent, as `ask_with` does: observers count the agents
-        // and links calls name (the server's topology).
-        let listed = self.lists_agent(agent).await;
-        if listed {
-            self.shared.emit(&AgentEvent::CallStarted {
-                call,
-                parent: None,
-                caller: None,
-                target: target.clone(),
-                depth: context.depth,
-                at: started,
-            });
-        }
+        self.shared.emit(&AgentEvent::CallStarted {
+            call,
+            parent: None,
+            caller: None,
+            target: target.clone(),
+            depth: context.depth,
+            at: self.runtime.now(),
+        });
         let result = if let Some(refused) = context.refusal(agent) {
             Err(AgentCallError::Refused(refused))
-        } else if !listed {
+        } else if !self.lists_agent(agent).await {
             Err(AgentCallError::Refused(CallRefused::AgentNotFound {
                 target: target.clone(),
             }))
@@ -972,10 +966,6 @@ impl AgentClient {
             // owner, at the caller's depth, with its chain and trace id.
             crate::system::ask_from_outside(&self.runtime, &target, request, call_context).await
         };
-        if !listed {
-            // Its start was not announced: neither is its end.
-            return result;
-        }
         self.outside_call_finished(call, result)
     }
 }

@@ -326,8 +326,7 @@ impl AgentClient {
 
     /// Sends `text` (cut to `AGENT_MESSAGE_SIZE_MAX_BYTES`) to agent `agent` from
     /// outside (depth 0) and waits up to `timeout` (capped at the runtime's maximum) for
-    /// its reply. The call is reported to the observers as a root of the call tree
-    /// (unless `agent` names no agent: then it is refused unreported).
+    /// its reply. The call is reported to the observers as a root of the call tree.
     ///
     /// # Errors
     /// [`AgentCallError::Refused`] with `AgentNotFound` for an agent not in the directory,
@@ -380,38 +379,38 @@ impl AgentClient {
         })?;
         let call = self.shared.next_call_id();
         // The event (the id copied, the clock read) is made only for someone to receive
-        // it: `emit` hands it to the listeners, and there are none. It is made only for
-        // an agent: observers count the agents and links calls name (the server's
-        // topology), so an id that names none is refused without a word to them.
-        let started = self.shared.has_listeners().then(|| self.runtime.now());
-        if !self.lists_agent(agent).await {
-            return Err(AgentCallError::Refused(CallRefused::AgentNotFound { target }));
-        }
-        if let Some(at) = started {
+        // it: `emit` hands it to the listeners, and there are none.
+        if self.shared.has_listeners() {
             self.shared.emit(&AgentEvent::CallStarted {
                 call,
                 parent: None,
                 caller: None,
                 target: target.clone(),
                 depth: 0,
-                at,
+                at: self.runtime.now(),
             });
         }
-        let timeout = timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
-        let request = AgentRequest {
-            text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
-            from: None,
-            call: Some(call),
-            budget,
+        let result = if self.lists_agent(agent).await {
+            let timeout = timeout.min(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+            let request = AgentRequest {
+                text: truncate_utf8(text, AGENT_MESSAGE_SIZE_MAX_BYTES).to_string(),
+                from: None,
+                call: Some(call),
+                budget,
+            };
+            let deadline = self.runtime.deadline_in(timeout);
+            // Routed with its context: on a cluster node the turn runs under the trace id
+            // (if any) on the agent's owner.
+            let mut context = CallContext::root(deadline);
+            if let Some(trace) = trace_id {
+                context = context.with_trace_id(trace);
+            }
+            ask_from_outside(&self.runtime, &target, request, context).await
+        } else {
+            Err(AgentCallError::Refused(CallRefused::AgentNotFound {
+                target: target.clone(),
+            }))
         };
-        let deadline = self.runtime.deadline_in(timeout);
-        // Routed with its context: on a cluster node the turn runs under the trace id
-        // (if any) on the agent's owner.
-        let mut context = CallContext::root(deadline);
-        if let Some(trace) = trace_id {
-            context = context.with_trace_id(trace);
-        }
-        let result = ask_from_outside(&self.runtime, &target, request, context).await;
         self.outside_call_finished(call, result)
     }
 

@@ -45,7 +45,7 @@ use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::broadcast::error::RecvError;
 use troupe_agent::{AgentClient, AgentEvent, CallOutcome, Link};
-use troupe_core::ActorId;
+use troupe_core::{ActorId, CallRefused};
 
 use crate::agents::known;
 use crate::error::ApiError;
@@ -283,6 +283,18 @@ impl AgentSeen {
     fn turns_running(&self) -> u32 {
         self.turns_on_calls + self.turns_other
     }
+
+    /// Whether nothing was counted for this agent (what a call to an id that names no
+    /// agent leaves once taken back).
+    fn counts_nothing(&self) -> bool {
+        !self.active
+            && self.turns_running() == 0
+            && self.calls_made == 0
+            && self.calls_received == 0
+            && self.calls_from_outside == 0
+            && self.messages_sent == 0
+            && self.messages_received == 0
+    }
 }
 
 /// An observed link's counts.
@@ -415,7 +427,14 @@ impl Observed {
                         agent.turns_on_calls = agent.turns_on_calls.saturating_sub(1);
                     }
                 }
-                if matches!(outcome, CallOutcome::Refused(_) | CallOutcome::NotPermitted(_)) {
+                if let CallOutcome::Refused(CallRefused::AgentNotFound { .. }) = outcome {
+                    // The target names no agent: its start counted it as one (the start
+                    // comes before the lookup); take that back, so ids a model or a
+                    // client invents do not fill the agents and links (the call itself
+                    // stays in its tree, and in its caller's calls made).
+                    let root = seen.root;
+                    self.forget_not_found(caller, &target, root);
+                } else if matches!(outcome, CallOutcome::Refused(_) | CallOutcome::NotPermitted(_)) {
                     if let Some(link) = caller.and_then(|caller| self.links.get_mut(&(caller, target))) {
                         link.refused += 1;
                     }
@@ -493,6 +512,34 @@ impl Observed {
     /// Records `root` as the last request that touched `agent`. At
     /// [`TOPOLOGY_LAST_ROOTS_MAX`] agents, first forgets those whose last request is no
     /// longer kept (their call tree is gone anyway).
+    /// Takes back what the start of call `root`'s descendant from `caller` to `target`
+    /// counted, the target being no agent: its received calls and the link's call; an
+    /// entry left with nothing counted goes, with the target's last request if it is
+    /// this call's.
+    fn forget_not_found(&mut self, caller: Option<String>, target: &str, root: u64) {
+        if let Some(seen) = self.agents.get_mut(target) {
+            seen.calls_received = seen.calls_received.saturating_sub(1);
+            if caller.is_none() {
+                seen.calls_from_outside = seen.calls_from_outside.saturating_sub(1);
+            }
+            if seen.counts_nothing() {
+                self.agents.remove(target);
+                if self.last_root.get(target) == Some(&root) {
+                    self.last_root.remove(target);
+                }
+            }
+        }
+        if let Some(caller) = caller {
+            let key = (caller, target.to_string());
+            if let Some(link) = self.links.get_mut(&key) {
+                link.calls = link.calls.saturating_sub(1);
+                if link.calls == 0 && link.refused == 0 && link.messages == 0 {
+                    self.links.remove(&key);
+                }
+            }
+        }
+    }
+
     fn remember_root(&mut self, agent: String, root: u64) {
         if self.last_root.len() >= TOPOLOGY_LAST_ROOTS_MAX && !self.last_root.contains_key(&agent) {
             let calls = &self.calls;

@@ -35,6 +35,16 @@ fn script() -> ScriptedLlm {
                 .reply("caller heard: {tool_result}"),
         )
         .rule(ScriptRule::agent("boss").reply("noted"))
+        .rule(
+            ScriptRule::agent("ghoster")
+                .on_user_containing("")
+                .call("call_agent", json!({"agent_id": "{input}", "message": "anyone there?"})),
+        )
+        .rule(
+            ScriptRule::agent("ghoster")
+                .on_tool_result()
+                .reply("ghoster heard: {tool_result}"),
+        )
 }
 
 async fn start() -> Harness {
@@ -43,7 +53,7 @@ async fn start() -> Harness {
         ..ServerConfig::default()
     };
     Harness::start(
-        support::agents(script(), &["boss", "caller", "echo"], KindConfig::default()),
+        support::agents(script(), &["boss", "caller", "echo", "ghoster"], KindConfig::default()),
         config,
     )
     .await
@@ -114,7 +124,7 @@ async fn topology_counts_and_links_move_with_traffic() {
         .iter()
         .map(|agent| agent["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, ["boss", "caller", "echo"], "{before}");
+    assert_eq!(ids, ["boss", "caller", "echo", "ghoster"], "{before}");
     assert_eq!(agent(&before, "caller")["description"], "the caller agent");
     for id in ids {
         let seen = agent(&before, id);
@@ -273,5 +283,60 @@ async fn the_page_files_have_their_types_and_csp_and_need_no_token() {
     let response = anonymous.post(format!("{}/", harness.base)).send().await.unwrap();
     assert_eq!(response.status().as_u16(), 401);
 
+    harness.stop().await;
+}
+
+/// Goal: ids that name no agent do not become agents or links of the topology. A
+/// model's `call_agent` announces its call before the target is looked up (the observer
+/// sees every call, refused ones too); the topology takes back what such a call's start
+/// counted when it ends refused `AgentNotFound`, so a model (or a client) naming
+/// invented ids cannot fill the agents and links the page shows (up to their bounds).
+/// Method: an agent whose model calls `call_agent` with the id it is given, sent 8
+/// invented ids; the agents listed stay the defined ones, no link leaves the caller,
+/// the caller's calls made count the 8, and the last request's tree still shows the
+/// refused call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_to_ids_that_name_no_agent_add_no_agent_and_no_link() {
+    let harness = start().await;
+    let ghosts = 8;
+    for n in 0..ghosts {
+        let (status, reply) = harness
+            .send(
+                reqwest::Method::POST,
+                "/v1/agents/ghoster/messages",
+                Some(json!({"text": format!("ghost-{n}")})),
+            )
+            .await;
+        assert_eq!(status, 200, "{reply}");
+        assert!(reply.to_string().contains("not found"), "{reply}");
+    }
+    let after = harness
+        .topology_when("the ghoster's calls counted", |topology| {
+            agent(topology, "ghoster")["calls_made"] == ghosts && agent(topology, "ghoster")["turns_running"] == 0
+        })
+        .await;
+    let ids: Vec<&str> = after["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|agent| agent["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["boss", "caller", "echo", "ghoster"], "{after}");
+    assert_eq!(
+        after["links"],
+        json!([]),
+        "no link to an id that names no agent: {after}"
+    );
+    let tree = harness
+        .call_tree_when("ghoster", "the last request ended", |tree| {
+            !tree["root"]["outcome"].is_null()
+        })
+        .await;
+    let refused = &tree["root"]["children"][0];
+    assert_eq!(
+        (&refused["target"], &refused["outcome"]),
+        (&json!("ghost-7"), &json!("refused")),
+        "the refused call stays in its tree: {tree}"
+    );
     harness.stop().await;
 }
