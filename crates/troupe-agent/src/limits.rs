@@ -51,8 +51,20 @@ pub const AGENT_TURN_FUTURE_KEPT_BYTES_MAX: usize = 8 * 1024;
 /// this many bytes, then the next message starts another. An entry is at most this plus
 /// one message.
 pub const AGENT_LOG_ENTRY_CLOSE_BYTES: usize = 256 * 1024;
-/// Most tool calls of one model step that are executed; extra ones get an error result.
+/// Most tool calls of one model step that are executed and kept (in the turn's later
+/// steps, its log and its history window); the rest are neither, and the last kept
+/// call's result says how many were skipped.
 pub const AGENT_TOOL_CALLS_PER_STEP_MAX: usize = 16;
+/// Largest tool-call id an agent keeps, in bytes (the call and its result keep the same
+/// id). OpenAI's chat completions refuse a longer one in a request ("expected a string
+/// with maximum length 40"); its own ids are 29 bytes (`call_` and 24). A longer id is
+/// cut on a character boundary and ends in `~{the call's index in its step}`, so the
+/// kept ids of one message stay as distinct as the model made them.
+pub const AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES: usize = 40;
+/// Largest tool name of a call an agent keeps, in bytes, cut on a character boundary:
+/// OpenAI's limit on a function's name (64 characters of `[a-zA-Z0-9_-]`), so a longer
+/// one names no tool a model can be offered.
+pub const AGENT_TOOL_NAME_SIZE_MAX_BYTES: usize = 64;
 /// Default time an outside caller waits for an agent's reply, in milliseconds.
 pub const AGENT_ASK_TIMEOUT_MS_DEFAULT: u64 = 120_000;
 /// Most peers listed in an agent's system message (the directory may hold many more;
@@ -89,6 +101,9 @@ const _: () = assert!(AGENT_CALL_TIMEOUT_MS_MAX <= INVOKE_TIMEOUT_MS_MAX);
 // fit into the next agent's inbound message.
 const _: () = assert!(AGENT_REPLY_SIZE_MAX_BYTES <= AGENT_MESSAGE_SIZE_MAX_BYTES);
 const _: () = assert!(AGENT_TOOL_CALLS_PER_STEP_MAX as u32 > troupe_core::limits::AGENT_CONCURRENT_CALLS_MAX);
+// A cut tool-call id keeps room for its suffix (`~` and the call's index in its step).
+const _: () = assert!(AGENT_TOOL_CALLS_PER_STEP_MAX <= 1_000);
+const _: () = assert!(AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES >= 2 * "~999".len());
 
 /// Entries one agent's durable inbox holds; one more notification or task is refused
 /// with [`crate::InboxError::Full`] at append time (never dropped). Results of the

@@ -11,7 +11,8 @@ use crate::budget::BudgetMeter;
 use crate::inbox::{PendingSends, SharedSends};
 use crate::limits::{
     AGENT_REPLY_SIZE_MAX_BYTES, AGENT_TOOL_CALLS_PER_STEP_MAX, AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES,
-    AGENT_TOOL_RESULT_SIZE_MAX_BYTES, AGENT_TURN_STEPS_MAX,
+    AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES, AGENT_TOOL_NAME_SIZE_MAX_BYTES, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
+    AGENT_TURN_STEPS_MAX,
 };
 use crate::{
     AgentEvent, AgentReply, AgentSpec, Budget, BudgetExhausted, BudgetResource, ChatMessage, LlmError, LlmRequest,
@@ -19,14 +20,37 @@ use crate::{
     NOTIFY_TOOL_NAME,
 };
 
-/// Cuts a tool-calling assistant message to what an agent keeps of it: its text to
-/// [`AGENT_REPLY_SIZE_MAX_BYTES`] (as an answer), each call's arguments to
-/// [`AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES`] of JSON text (longer ones become a JSON
-/// string of their text cut there), both on a character boundary.
-fn converse_steps_keep_within_limits(message: &mut ChatMessage) {
+/// Cuts a tool-calling assistant message and its step's tool results (one per call
+/// run, in order) to what an agent keeps of them: the first
+/// [`AGENT_TOOL_CALLS_PER_STEP_MAX`] calls (the ones run; the last result says how many
+/// more were skipped); the text to [`AGENT_REPLY_SIZE_MAX_BYTES`] (as an answer); each
+/// call's id to [`AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES`] (its result's id with it, see
+/// [`converse_steps_kept_id`]), its name to [`AGENT_TOOL_NAME_SIZE_MAX_BYTES`] and its
+/// arguments to [`AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES`] of JSON text (longer ones
+/// become a JSON string of their text cut there), all on a character boundary. Every
+/// kept call keeps a result with its id, as a chat's protocol requires.
+fn converse_steps_keep_within_limits(message: &mut ChatMessage, results: &mut [ChatMessage]) {
+    message.tool_calls.truncate(AGENT_TOOL_CALLS_PER_STEP_MAX);
+    assert_eq!(message.tool_calls.len(), results.len(), "a result for every kept call");
     let kept = truncate_utf8(&message.content, AGENT_REPLY_SIZE_MAX_BYTES).len();
     message.content.truncate(kept);
-    for call in &mut message.tool_calls {
+    for (index, (call, result)) in message.tool_calls.iter_mut().zip(results.iter_mut()).enumerate() {
+        if let Some(id) = converse_steps_kept_id(&call.id, index) {
+            result.tool_call_id = Some(id.clone());
+            call.id = id;
+        }
+        let kept = truncate_utf8(&call.name, AGENT_TOOL_NAME_SIZE_MAX_BYTES).len();
+        call.name.truncate(kept);
+        assert!(
+            call.id.len() <= AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES,
+            "an id of {} bytes was kept",
+            call.id.len()
+        );
+        assert_eq!(
+            result.tool_call_id.as_deref(),
+            Some(call.id.as_str()),
+            "a result keeps its call's id"
+        );
         let cut = match &call.arguments {
             serde_json::Value::String(text) if text.len() > AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES => {
                 Some(truncate_utf8(text, AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES).to_string())
@@ -55,6 +79,20 @@ fn converse_steps_keep_within_limits(message: &mut ChatMessage) {
         "a text of {} bytes was kept, over {AGENT_REPLY_SIZE_MAX_BYTES}",
         message.content.len()
     );
+}
+
+/// The id an agent keeps for a tool call with `id`, the `index`th call of its step, if
+/// not `id` itself: cut to [`AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES`] on a character
+/// boundary, ending in `~{index}` (so two long ids that differ only past the cut stay
+/// distinct).
+fn converse_steps_kept_id(id: &str, index: usize) -> Option<String> {
+    if id.len() <= AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES {
+        return None;
+    }
+    let suffix = format!("~{index}");
+    let mut kept = truncate_utf8(id, AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES - suffix.len()).to_string();
+    kept.push_str(&suffix);
+    Some(kept)
 }
 
 /// Whether `value` written as JSON is longer than `limit` bytes: written into a counter
@@ -394,12 +432,13 @@ impl AgentActor {
                     // The step's part: the assistant message, then a result per tool
                     // call, made as one shared list (one allocation for the usual
                     // single call, with no list of the results first).
-                    let results = self.run_tools(tools, &message.tool_calls).await;
+                    let mut results = self.run_tools(tools, &message.tool_calls).await;
                     // Kept (the turn's later steps, the log, the window) within the limits
-                    // of an answer; the tools ran on the arguments as given. Kept whole, a
-                    // provider's oversized text or arguments went into every later prompt
-                    // (and over the store's value limit, failing the turn).
-                    converse_steps_keep_within_limits(&mut message);
+                    // of an answer; the tools ran on the calls as given. Kept whole, a
+                    // provider's oversized text, arguments, ids or number of calls went
+                    // into every later prompt (and over the store's value limit, failing
+                    // the turn).
+                    converse_steps_keep_within_limits(&mut message, results.as_mut_slice());
                     let step: Arc<[ChatMessage]> = match results {
                         StepResults::One(result) => Arc::new([message, result]),
                         StepResults::Many(results) => std::iter::once(message).chain(results).collect(),
@@ -463,8 +502,9 @@ impl AgentActor {
         })
     }
 
-    /// Runs one step's tool calls concurrently and gives one tool result message per
-    /// call, in order.
+    /// Runs one step's tool calls concurrently, the first
+    /// [`AGENT_TOOL_CALLS_PER_STEP_MAX`] of them, and gives one tool result message per
+    /// call run, in order; the last says how many more calls were skipped, if any.
     async fn run_tools<'a>(&'a self, context: &'a ToolExecutionContext, calls: &'a [ToolCall]) -> StepResults {
         let registry = &self.shared.tools;
         let spec = &self.state.spec;
@@ -477,12 +517,9 @@ impl AgentActor {
         context.budget().begin_step(granting);
         // Polled in place on the turn's task (no spawned tasks, which would outlive a
         // cancelled turn), first in input order; dropped with the turn.
-        let run = |index: usize, call: &'a ToolCall| async move {
-            if index >= AGENT_TOOL_CALLS_PER_STEP_MAX {
-                return format!(
-                    "error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; this one was skipped"
-                );
-            }
+        let skipped = calls.len().saturating_sub(AGENT_TOOL_CALLS_PER_STEP_MAX);
+        let calls = &calls[..calls.len() - skipped];
+        let run_one = |call: &'a ToolCall| async move {
             if !spec.allows_tool(&call.name) {
                 // Refused before anything runs or is charged: the agent's tool set is
                 // enforced here, not left to the model reading its tool list.
@@ -516,13 +553,32 @@ impl AgentActor {
                     at: self.shared.now(),
                 });
             }
-            let mut result = match executed {
+            match executed {
                 Ok(text) => text,
                 Err(error) => format!("error: {error}"),
-            };
+            }
+        };
+        // Said after the last call's result, which is cut to leave room for it.
+        let skipped_note = (skipped > 0).then(|| {
+            format!(
+                "\n(error: at most {AGENT_TOOL_CALLS_PER_STEP_MAX} tool calls run per step; the {skipped} calls \
+                 after this one were skipped, and are not kept)"
+            )
+        });
+        let skipped_note = skipped_note.as_deref();
+        let run = |index: usize, call: &'a ToolCall| async move {
+            let mut result = run_one(call).await;
+            let note = skipped_note.filter(|_| index + 1 == calls.len());
             // Cut in place (a result within the limit is kept as it is, not copied).
-            let kept = truncate_utf8(&result, AGENT_TOOL_RESULT_SIZE_MAX_BYTES).len();
+            let room = AGENT_TOOL_RESULT_SIZE_MAX_BYTES - note.map_or(0, str::len);
+            let kept = truncate_utf8(&result, room).len();
             result.truncate(kept);
+            result.push_str(note.unwrap_or_default());
+            assert!(
+                result.len() <= AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
+                "a result of {} bytes was kept",
+                result.len()
+            );
             result
         };
         let result_message = |call: &ToolCall, result| ChatMessage::tool_result(call.id.clone(), result);
@@ -580,4 +636,13 @@ enum StepResults {
     /// The usual step's single call.
     One(ChatMessage),
     Many(Vec<ChatMessage>),
+}
+
+impl StepResults {
+    fn as_mut_slice(&mut self) -> &mut [ChatMessage] {
+        match self {
+            Self::One(result) => std::slice::from_mut(result),
+            Self::Many(results) => results,
+        }
+    }
 }
