@@ -192,7 +192,9 @@ impl AgentActor {
         let now = turn.now();
         crate::org_store::ensure_loaded(&self.shared, now).await;
         crate::directory_store::ensure_fresh_at(&self.shared, now).await;
-        // Before any delegation of this turn counts its open tasks.
+        // Before any delegation of this turn counts its open tasks (and before the
+        // overdue ones are looked for: older records get their index keys first).
+        self.migrate_task_index(turn, now).await?;
         self.resolve_overdue_tasks(turn, now).await?;
         // Read before the definition it guards: a change made meanwhile leaves a stale
         // generation, and the next turn reads the definition again.

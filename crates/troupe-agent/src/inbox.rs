@@ -32,6 +32,11 @@
 //!                     `at_us`, its deadline plus AGENT_TASK_RESULT_GRACE_MS, if no result
 //!                     came (by the agent's next turn, AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS
 //!                     at a time); deleted with the task's end
+//! task_index_version  every task/ record has its task_end/ or task_due/ key (value
+//!                     "1"): written with the agent's first record, or once the records
+//!                     of a version before those keys are indexed
+//!                     (AGENT_TASK_INDEX_MIGRATED_PER_TURN a turn)
+//! task_index_cursor   the last task/ key that indexing has done, until it is done
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
 //! ext_id/{task_id}    → the seq of that record
 //! ```
@@ -683,6 +688,15 @@ impl DueIndex {
     }
 }
 
+/// The key whose presence says that every task record of the agent has its index key
+/// (`task_end/` when ended, `task_due/` when open); value: [`TASK_INDEX_VERSION`].
+pub(crate) const TASK_INDEX_VERSION_KEY: &str = "task_index_version";
+/// The version of the task indexes that [`TASK_INDEX_VERSION_KEY`] holds.
+pub(crate) const TASK_INDEX_VERSION: &[u8] = b"1";
+/// The key of the last task record that the indexing of older records has done, while
+/// it is not done (see `migrate_task_index`).
+pub(crate) const TASK_INDEX_CURSOR_KEY: &str = "task_index_cursor";
+
 /// When a task due by `deadline` is overdue at its delegator: its deadline plus
 /// [`AGENT_TASK_RESULT_GRACE_MS`], the time its result's delivery can still take.
 pub(crate) fn task_overdue_at(deadline: Deadline) -> Deadline {
@@ -832,6 +846,12 @@ pub(crate) struct RecordMemos {
     /// last read and wrote them (as [`Self::tasks_ended_due_us`]): a turn before it
     /// resolves no overdue task, so reads nothing.
     pub(crate) tasks_overdue_due_us: Option<u64>,
+    /// Whether every task record has its index key, as this activation read and wrote
+    /// them: `Some(true)` with the [`TASK_INDEX_VERSION_KEY`] marker stored,
+    /// `Some(false)` with no marker and no task record (the first record written
+    /// writes the marker), `None` not known (not read yet, or indexing older records).
+    /// Late at worst (a rolled-back turn): the next activation reads the store again.
+    pub(crate) task_index_marked: Option<bool>,
 }
 
 /// Records of one kind by store key, each with its stored bytes (see [`RecordMemos`]).

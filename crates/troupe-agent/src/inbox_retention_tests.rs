@@ -326,3 +326,118 @@ async fn a_task_whose_delegatee_never_answers_fails_after_its_deadline_and_frees
     );
     system.shutdown().await;
 }
+
+/// Deletes from `agent`'s key space every key under `prefixes`, as one commit, and gives
+/// how many went: the store as a version before those keys would have left it.
+#[cfg(not(madsim))]
+async fn delete_as_stored(store: &MemoryStore, agent: &ActorId, prefixes: &[&str]) -> usize {
+    let mut writes = Vec::new();
+    for prefix in prefixes {
+        for (key, _) in store.scan(agent, prefix, None, 1_000).await.unwrap() {
+            writes.push((key, None));
+        }
+    }
+    let deleted = writes.len();
+    let claimed = store.claim(agent).await.unwrap();
+    let commit = troupe_runtime::TurnCommit {
+        state: troupe_runtime::StateChange::Unchanged,
+        writes,
+    };
+    store.commit(agent, claimed.fence, commit).await.unwrap();
+    deleted
+}
+
+/// Goal: task records stored before the `task_end/` and `task_due/` indexes (an agent
+/// upgraded from a version before 3cd28b6 and acfd711) get their index keys once the
+/// agent runs again, so an old open task whose delegatee never answers is resolved
+/// failed after its deadline and [`crate::limits::AGENT_TASK_RESULT_GRACE_MS`], and an
+/// old ended record is deleted after [`crate::limits::AGENT_TASK_RECORD_KEPT_MS`].
+/// Method: the coordinator delegates a task that completes and one whose worker is
+/// removed while working; the system stops and the index keys (and the index marker)
+/// are deleted from the store, as the old version left it; a new system on that store
+/// passes the deadline and grace and delegates (its turn indexes the old records and
+/// resolves the overdue one); then it passes the retention and delegates again.
+///
+/// Normal build only (tokio's paused clock): it passes an hour of virtual time, and the
+/// simulator's sweep (`scripts/dst`) stops any seed at 600 virtual seconds as a hang.
+#[cfg(not(madsim))]
+#[tokio::test(start_paused = true)]
+async fn task_records_from_before_the_indexes_are_indexed_then_resolved_and_deleted() {
+    use crate::limits::{AGENT_TASK_RECORD_KEPT_MS, AGENT_TASK_RESULT_GRACE_MS};
+    let store = Arc::new(MemoryStore::new());
+    let coordinator = agent_id("coordinator").unwrap();
+    let system = coordinator_workers_and_reviewer(&store, &crate::CallRecorder::new());
+    let reviewed = system
+        .delegate("coordinator", "reviewer", "review first", Some(60_000))
+        .await
+        .expect("delegated");
+    tokio::time::sleep(SETTLE).await;
+    let abandoned = system
+        .delegate("coordinator", &worker(0), "plan 0", Some(60_000))
+        .await
+        .expect("delegated");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
+    assert!(removed.is_some());
+    system.shutdown().await;
+    for prefix in ["task_end/", "task_due/"] {
+        let deleted = delete_as_stored(&store, &coordinator, &[prefix]).await;
+        assert_eq!(deleted, 1, "the one {prefix} key");
+    }
+    delete_as_stored(&store, &coordinator, &[crate::inbox::TASK_INDEX_VERSION_KEY]).await;
+
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("reviewer").on_user_containing("[task").reply("fine"))
+        .rule(
+            ScriptRule::agent("coordinator")
+                .on_user_containing("you delegated is")
+                .reply("thanks"),
+        );
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("coordinator"))
+        .agent(AgentSpec::new("reviewer"))
+        .start()
+        .expect("the system starts");
+    // Past the old task's deadline and grace, however far the new system's clock is.
+    let deadline = system
+        .task("coordinator", &abandoned)
+        .await
+        .unwrap()
+        .expect("kept")
+        .deadline;
+    let overdue = Duration::from_micros(deadline.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
+    tokio::time::sleep(overdue + SETTLE).await;
+    system
+        .delegate("coordinator", "reviewer", "review late", Some(60_000))
+        .await
+        .expect("delegated");
+    tokio::time::sleep(SETTLE).await;
+    let record = system.task("coordinator", &abandoned).await.unwrap().expect("kept");
+    assert_eq!(
+        record.state,
+        TaskState::Failed,
+        "the old open task is resolved: {record:?}"
+    );
+    let result = record.result.unwrap_or_default();
+    assert!(result.starts_with("no result by the task's deadline"), "{result}");
+    assert!(
+        system.task("coordinator", &reviewed).await.unwrap().is_some(),
+        "the old ended record is kept for its retention"
+    );
+
+    tokio::time::sleep(Duration::from_millis(AGENT_TASK_RECORD_KEPT_MS)).await;
+    let last = system
+        .delegate("coordinator", "reviewer", "review last", Some(60_000))
+        .await
+        .expect("delegated");
+    tokio::time::sleep(SETTLE).await;
+    let kept: Vec<String> = task_records(&store, &coordinator)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(kept, [last], "only the newest task's record is kept");
+    system.shutdown().await;
+}

@@ -17,14 +17,15 @@ use crate::inbox::{
     pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_key, task_overdue_at, tasks_in_key, to_json,
     AgentCommand, DueIndex, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq,
     PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME, TASK_DUE_INDEX,
-    TASK_END_INDEX,
+    TASK_END_INDEX, TASK_INDEX_CURSOR_KEY, TASK_INDEX_VERSION, TASK_INDEX_VERSION_KEY,
 };
 use crate::limits::{
     AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS,
     AGENT_DELIVERY_RETRY_MS, AGENT_INBOX_CAPACITY, AGENT_MENTION_ANSWER_ATTEMPTS_MAX, AGENT_MENTION_ANSWER_RETRY_MS,
     AGENT_MENTION_DELIVERY_RETRY_MAX_MS, AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH,
-    AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS, AGENT_TASK_RECORDS_PRUNED_PER_PASS, AGENT_TASK_RECORD_KEPT_MS,
-    AGENT_TASK_RESULT_GRACE_MS, AGENT_TASK_TIMEOUT_MS_DEFAULT, AGENT_WAKE_RETRY_ATTEMPTS_MAX,
+    AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS, AGENT_TASK_INDEX_MIGRATED_PER_TURN, AGENT_TASK_RECORDS_PRUNED_PER_PASS,
+    AGENT_TASK_RECORD_KEPT_MS, AGENT_TASK_RESULT_GRACE_MS, AGENT_TASK_TIMEOUT_MS_DEFAULT,
+    AGENT_WAKE_RETRY_ATTEMPTS_MAX,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
 
@@ -201,6 +202,14 @@ impl AgentActor {
             self.prune_ended_tasks(turn).await?;
         }
         self.number_pairs(turn, &mut sends).await?;
+        if !sends.tasks.is_empty() && self.memo.task_index_marked == Some(false) {
+            // The agent's first task record: every record has its index key from now on.
+            turn.put(
+                TASK_INDEX_VERSION_KEY.to_string(),
+                Bytes::from_static(TASK_INDEX_VERSION),
+            )?;
+            self.memo.task_index_marked = Some(true);
+        }
         for task in sends.tasks {
             if let Some(at) = now {
                 self.shared.emit(&AgentEvent::DelegationStarted {
@@ -254,6 +263,76 @@ impl AgentActor {
             turn.delete(due.key)?;
         }
         self.memo.tasks_ended_due_us = scan.next_due_us;
+        Ok(())
+    }
+
+    /// Gives the task records stored before the `task_end/` and `task_due/` indexes
+    /// (3cd28b6, acfd711) the index key they lack, once per agent: an ended record a
+    /// `task_end/` key due [`AGENT_TASK_RECORD_KEPT_MS`] from now (when it ended is not
+    /// known), an open one its `task_due/` key at its deadline plus
+    /// [`AGENT_TASK_RESULT_GRACE_MS`] (if it has none; its grant is not known: the
+    /// default, unlimited, as the failure's turn then gets). At most
+    /// [`AGENT_TASK_INDEX_MIGRATED_PER_TURN`] records a turn, in key order, after the
+    /// last page committed (`task_index_cursor`): a crash resumes there. When every
+    /// record is done, writes the `task_index_version` marker; an agent with the marker,
+    /// or with no task record (whose first record writes it, `flush_sends`), reads one
+    /// key and nothing more. A record written meanwhile has its key already; one visited
+    /// again is harmless (an extra `task_end/` key deletes nothing that is still kept
+    /// after its own key is due, and then itself). Run before every command of the
+    /// agent, before `resolve_overdue_tasks`.
+    pub(crate) async fn migrate_task_index(&mut self, turn: &mut Turn, now: Deadline) -> Result<(), ActorError> {
+        if self.memo.task_index_marked.is_some() {
+            return Ok(());
+        }
+        if turn.get(TASK_INDEX_VERSION_KEY).await?.is_some() {
+            self.memo.task_index_marked = Some(true);
+            return Ok(());
+        }
+        let cursor = turn.get(TASK_INDEX_CURSOR_KEY).await?;
+        let after = match &cursor {
+            Some(bytes) => Some(
+                std::str::from_utf8(bytes)
+                    .map_err(|_| ActorError::failed(format!("bad {TASK_INDEX_CURSOR_KEY}: not UTF-8")))?
+                    .to_string(),
+            ),
+            None => None,
+        };
+        let limit = AGENT_TASK_INDEX_MIGRATED_PER_TURN;
+        let page = turn.scan("task/", after.as_deref(), limit).await?;
+        if page.is_empty() && after.is_none() {
+            self.memo.task_index_marked = Some(false); // no record: nothing to index
+            return Ok(());
+        }
+        let last = page.last().map(|(key, _)| key.clone());
+        for (key, bytes) in &page {
+            let record = self.memo.tasks.decode(key, bytes)?;
+            if record.state.is_final() {
+                let due = Deadline::after(now, Duration::from_millis(AGENT_TASK_RECORD_KEPT_MS));
+                turn.put(TASK_END_INDEX.key(due, &record.task_id), Bytes::new())?;
+                let memo = &mut self.memo.tasks_ended_due_us;
+                *memo = memo.map(|known| known.min(due.as_micros()));
+            } else {
+                let due = task_overdue_at(record.deadline);
+                let index_key = TASK_DUE_INDEX.key(due, &record.task_id);
+                if turn.get(&index_key).await?.is_none() {
+                    turn.put(index_key, to_json(&crate::Budget::default())?)?;
+                    let memo = &mut self.memo.tasks_overdue_due_us;
+                    *memo = memo.map(|known| known.min(due.as_micros()));
+                }
+            }
+        }
+        if page.len() < limit {
+            turn.put(
+                TASK_INDEX_VERSION_KEY.to_string(),
+                Bytes::from_static(TASK_INDEX_VERSION),
+            )?;
+            if cursor.is_some() {
+                turn.delete(TASK_INDEX_CURSOR_KEY.to_string())?;
+            }
+            self.memo.task_index_marked = Some(true);
+        } else if let Some(last) = last {
+            turn.put(TASK_INDEX_CURSOR_KEY.to_string(), Bytes::from(last))?;
+        }
         Ok(())
     }
 

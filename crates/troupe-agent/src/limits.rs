@@ -229,6 +229,12 @@ pub const AGENT_TASK_RESULT_GRACE_MS: u64 = 60_000;
 /// delegator resolves `failed`, at most; each one resolved is a result in its inbox, whose
 /// turn resolves the next ones.
 pub const AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS: usize = 16;
+/// Task records an agent indexes a turn, once, when its store has records from before
+/// the `task_end/` and `task_due/` indexes (3cd28b6, acfd711) and no
+/// `task_index_version` marker: each gets the index key it lacks, in pages of this many
+/// (one scan each), by its next turns of any kind, resumed after a crash where the last
+/// committed page ended (`task_index_cursor`).
+pub const AGENT_TASK_INDEX_MIGRATED_PER_TURN: usize = 64;
 /// Inbox or outbox entries one resume turn re-schedules before it continues in the
 /// next turn (it must fit in a mailbox: below `MAILBOX_CAPACITY_DEFAULT`).
 pub const AGENT_RESUME_BATCH: usize = 16;
@@ -258,6 +264,8 @@ const _: () = assert!(
         >= crate::inbox_turns::PROCESS_GRACE_MS + AGENT_DELIVERY_ACK_TIMEOUT_MS + AGENT_DELIVERY_RETRY_MS
 );
 const _: () = assert!(AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS >= 1);
+const _: () = assert!(AGENT_TASK_INDEX_MIGRATED_PER_TURN >= 1);
+const _: () = assert!(AGENT_TASK_INDEX_MIGRATED_PER_TURN <= troupe_runtime::STATE_SCAN_LIMIT_MAX);
 // The key of an open task (`task_due/{at_us:020}/{task_id}`) fits in the store's key.
 const _: () =
     assert!("task_due/".len() + 20 + 1 + AGENT_TASK_ID_LENGTH_MAX_BYTES <= troupe_runtime::STATE_KEY_LENGTH_MAX);

@@ -663,7 +663,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
     // The crash points, in the order the fault-free run commits them (docs/architecture.md);
     // a turn's messages are one log entry, keyed by its last message.
     let expected = [
-        "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0",
+        "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0 task_index_version",
         "analyst: inbox/0 pair_in/coordinator tasks_in/coordinator.0",
         "analyst: -inbox/0 log/1 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
         "coordinator: -outbox/0 pair_out/analyst",
@@ -686,7 +686,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
             list
         };
         let note_first = [
-            "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0",
+            "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0 task_index_version",
             "analyst: dedupe_slot/0 inbox/0 seen/n-1",
             "analyst: inbox/1 pair_in/coordinator tasks_in/coordinator.0",
             "analyst: -inbox/0 log/1",
