@@ -441,3 +441,93 @@ async fn task_records_from_before_the_indexes_are_indexed_then_resolved_and_dele
     assert_eq!(kept, [last], "only the newest task's record is kept");
     system.shutdown().await;
 }
+
+/// A system of one coordinator that answers "hi" to anything, on `store`.
+fn coordinator_alone(store: &Arc<MemoryStore>) -> AgentSystem {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("coordinator").on_user_containing("").reply("hi"));
+    AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("coordinator"))
+        .start()
+        .expect("the system starts")
+}
+
+/// The number of `agent`'s keys under `prefix`.
+async fn keys_under(store: &MemoryStore, agent: &ActorId, prefix: &str) -> usize {
+    store.scan(agent, prefix, None, 10_000).await.unwrap().len()
+}
+
+/// Goal: the indexing of task records from before the indexes goes
+/// [`crate::limits::AGENT_TASK_INDEX_MIGRATED_PER_TURN`] records a turn, and a new
+/// activation (as after a crash) resumes after the last committed page: every record
+/// gets exactly one index key (a page done again would give its ended records a second
+/// `task_end/` key, at another time), then the marker, and the cursor goes. Method:
+/// 2 × the page + 5 records, every other one ended, are written into the store as the
+/// old version left them; one turn; the system stops and a new one runs two more turns.
+#[tokio::test(start_paused = true)]
+async fn task_index_migration_goes_a_page_a_turn_and_resumes_after_the_last_committed_page() {
+    use crate::inbox::{Record, TASK_INDEX_CURSOR_KEY, TASK_INDEX_VERSION_KEY};
+    use crate::limits::AGENT_TASK_INDEX_MIGRATED_PER_TURN as PAGE;
+    let store = Arc::new(MemoryStore::new());
+    let coordinator = agent_id("coordinator").unwrap();
+    let records = 2 * PAGE + 5;
+    let deadline = troupe_core::Deadline::from_micros(3_600_000_000);
+    let writes = (0..records)
+        .map(|n| {
+            let task_id = format!("coordinator.{n:04}");
+            let ended = n % 2 == 0;
+            let record = TaskStatus {
+                task_id: task_id.clone(),
+                to: agent_id("gone").unwrap(),
+                state: if ended {
+                    TaskState::Completed
+                } else {
+                    TaskState::Submitted
+                },
+                result: ended.then(|| "done".to_string()),
+                deadline,
+                context: CallContext::root(deadline),
+            };
+            (format!("task/{task_id}"), Some(record.encode().unwrap()))
+        })
+        .collect();
+    let claimed = store.claim(&coordinator).await.unwrap();
+    let commit = troupe_runtime::TurnCommit {
+        state: troupe_runtime::StateChange::Unchanged,
+        writes,
+    };
+    store.commit(&coordinator, claimed.fence, commit).await.unwrap();
+    let indexed = |store: Arc<MemoryStore>, coordinator: ActorId| async move {
+        keys_under(&store, &coordinator, "task_end/").await + keys_under(&store, &coordinator, "task_due/").await
+    };
+
+    let system = coordinator_alone(&store);
+    assert_eq!(system.ask("coordinator", "one").await.unwrap().text, "hi");
+    assert_eq!(
+        indexed(store.clone(), coordinator.clone()).await,
+        PAGE,
+        "one page a turn"
+    );
+    assert_eq!(keys_under(&store, &coordinator, TASK_INDEX_CURSOR_KEY).await, 1);
+    system.shutdown().await;
+
+    let system = coordinator_alone(&store);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for text in ["two", "three"] {
+        assert_eq!(system.ask("coordinator", text).await.unwrap().text, "hi");
+    }
+    assert_eq!(
+        keys_under(&store, &coordinator, "task_end/").await,
+        records.div_ceil(2),
+        "one task_end/ key per ended record"
+    );
+    assert_eq!(keys_under(&store, &coordinator, "task_due/").await, records / 2);
+    assert_eq!(
+        keys_under(&store, &coordinator, TASK_INDEX_VERSION_KEY).await,
+        1,
+        "done"
+    );
+    assert_eq!(keys_under(&store, &coordinator, TASK_INDEX_CURSOR_KEY).await, 0);
+    system.shutdown().await;
+}
