@@ -50,6 +50,46 @@ fn coordinator_and_analyst(store: &Arc<MemoryStore>) -> AgentSystem {
         .start()
         .expect("the system starts")
 }
+/// Sends `coordinator` a copy of task `task_id`'s result from `from`, as that agent's
+/// delivery would bring it late, and gives the coordinator's answer.
+async fn send_late_result(
+    system: &AgentSystem,
+    coordinator: &ActorId,
+    from: &str,
+    msg_id: &str,
+    task_id: &str,
+    text: &str,
+) -> EnqueueReply {
+    let runtime = system.runtime();
+    let copy = InboxEntry {
+        msg_id: msg_id.to_string(),
+        from: Some(agent_id(from).unwrap()),
+        body: InboxBody::TaskUpdate {
+            task_id: task_id.to_string(),
+            state: TaskState::Completed,
+            text: text.to_string(),
+        },
+        context: CallContext::root(runtime.deadline_in(Duration::from_secs(30))),
+        budget: Budget::UNLIMITED,
+        pair: None,
+    };
+    let reply = runtime
+        .invoke_within(
+            coordinator,
+            AgentCommand::Enqueue(copy).encode(),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("the coordinator answers");
+    decode_reply::<EnqueueReply>(&reply).unwrap()
+}
+
+/// How many user messages of `log` contain `needle`.
+fn user_messages_containing(log: &[crate::ChatMessage], needle: &str) -> usize {
+    log.iter()
+        .filter(|message| message.role == Role::User && message.content.contains(needle))
+        .count()
+}
 
 /// The coordinator's task records, by task id.
 async fn task_records(store: &MemoryStore, coordinator: &ActorId) -> Vec<(String, TaskStatus)> {
@@ -109,35 +149,19 @@ async fn ended_task_records_are_deleted_after_their_retention_and_a_late_result_
 
     // A late copy of the first task's result, as the analyst's delivery would bring it.
     let (first, _) = &ended[0];
-    let runtime = system.runtime();
-    let copy = InboxEntry {
-        msg_id: format!("analyst.late.{first}"),
-        from: Some(agent_id("analyst").unwrap()),
-        body: InboxBody::TaskUpdate {
-            task_id: first.clone(),
-            state: TaskState::Completed,
-            text: "result-42 once more".to_string(),
-        },
-        context: CallContext::root(runtime.deadline_in(Duration::from_secs(30))),
-        budget: Budget::UNLIMITED,
-        pair: None,
-    };
-    let reply = runtime
-        .invoke_within(
-            &coordinator,
-            AgentCommand::Enqueue(copy).encode(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("the coordinator answers");
-    assert_eq!(decode_reply::<EnqueueReply>(&reply).unwrap(), EnqueueReply::Duplicate);
+    let reply = send_late_result(
+        &system,
+        &coordinator,
+        "analyst",
+        &format!("analyst.late.{first}"),
+        first,
+        "result-42 once more",
+    )
+    .await;
+    assert_eq!(reply, EnqueueReply::Duplicate);
     tokio::time::sleep(SETTLE).await;
     let log = system.conversation_log("coordinator").await.unwrap();
-    let shown = |needle: &str| {
-        log.iter()
-            .filter(|message| message.role == Role::User && message.content.contains(needle))
-            .count()
-    };
+    let shown = |needle: &str| user_messages_containing(&log, needle);
     assert_eq!(shown("once more"), 0, "the late copy is not shown: {log:?}");
     assert_eq!(shown(&format!("[task {first} you delegated is completed]")), 1);
     assert!(
@@ -289,35 +313,19 @@ async fn a_task_whose_delegatee_never_answers_fails_after_its_deadline_and_frees
 
     // A late copy of the first task's result, as its worker's delivery would bring it.
     let first = "coordinator.0".to_string();
-    let runtime = system.runtime();
-    let copy = InboxEntry {
-        msg_id: "worker-0.late".to_string(),
-        from: Some(agent_id("worker-0").unwrap()),
-        body: InboxBody::TaskUpdate {
-            task_id: first.clone(),
-            state: TaskState::Completed,
-            text: "result-42 after all".to_string(),
-        },
-        context: CallContext::root(runtime.deadline_in(Duration::from_secs(30))),
-        budget: Budget::UNLIMITED,
-        pair: None,
-    };
-    let reply = runtime
-        .invoke_within(
-            &coordinator,
-            AgentCommand::Enqueue(copy).encode(),
-            Duration::from_secs(5),
-        )
-        .await
-        .expect("the coordinator answers");
-    assert_eq!(decode_reply::<EnqueueReply>(&reply).unwrap(), EnqueueReply::Duplicate);
+    let reply = send_late_result(
+        &system,
+        &coordinator,
+        "worker-0",
+        "worker-0.late",
+        &first,
+        "result-42 after all",
+    )
+    .await;
+    assert_eq!(reply, EnqueueReply::Duplicate);
     tokio::time::sleep(SETTLE).await;
     let log = system.conversation_log("coordinator").await.unwrap();
-    let shown = |needle: &str| {
-        log.iter()
-            .filter(|message| message.role == Role::User && message.content.contains(needle))
-            .count()
-    };
+    let shown = |needle: &str| user_messages_containing(&log, needle);
     assert_eq!(shown("after all"), 0, "the late copy is not shown: {log:?}");
     assert_eq!(shown(&format!("[task {first} you delegated is failed] no result")), 1);
     assert_eq!(
