@@ -24,13 +24,13 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use serde_json::{json, Value};
-use troupe_agent::{LlmClient, LlmError, LlmReply, LlmRequest, ScriptRule, ScriptedLlm};
+use troupe_agent::{ScriptRule, ScriptedLlm};
 use troupe_core::{ActorId, StoreError};
 use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateChange, StateStore, TurnCommit};
 use troupe_server::{PeerAddresses, ServerConfig};
 
 mod support;
-use support::{parse_sse, Harness, POLL_MS, TEST_WAIT_MS_MAX};
+use support::{parse_sse, Gated, Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
 /// A task record as a node stores it (`troupe-a2a/{agent}`, key `task/{node}/{seq}`).
 fn record(node: &str, seq: u64, state: &str, text: &str, reply: Option<&str>) -> (String, Value) {
@@ -504,22 +504,6 @@ async fn a_node_restarted_after_an_agents_last_record_was_let_go_numbers_its_nex
     assert_ne!(new["task"]["id"], "echo-task-h1-0", "a task id given again: {new}");
     assert_eq!(reply_text(&new["task"]), "echo: two", "{new}");
     second.stop().await;
-}
-
-/// The scripted model behind a gate: each model call waits for a permit the test adds,
-/// so the turns (and the streams that follow them) stay open until the test says.
-struct Gated {
-    script: ScriptedLlm,
-    gate: Arc<tokio::sync::Semaphore>,
-}
-
-#[async_trait::async_trait]
-impl LlmClient for Gated {
-    async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
-        let permit = self.gate.acquire().await.expect("the gate is never closed");
-        permit.forget();
-        self.script.complete(request).await
-    }
 }
 
 /// Sends the JSON-RPC request `method` with `params` to `/a2a/echo` of `base`: the

@@ -11,30 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use troupe_agent::{LlmClient, LlmError, LlmReply, LlmRequest, ScriptRule, ScriptedLlm};
+use troupe_agent::{ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
 use troupe_server::{ServeError, ServerConfig};
 
 mod support;
-use support::{parse_sse, Harness, POLL_MS, TEST_WAIT_MS_MAX};
+use support::{parse_sse, Gated, Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
 const TOKEN: &str = "stream-limit-token-0123456789";
-
-/// The scripted model behind a gate: each model call waits for a permit the test adds,
-/// so the turns (and the streams that follow them) stay open until the test says.
-struct Gated {
-    script: ScriptedLlm,
-    gate: Arc<tokio::sync::Semaphore>,
-}
-
-#[async_trait::async_trait]
-impl LlmClient for Gated {
-    async fn complete(&self, request: LlmRequest) -> Result<LlmReply, LlmError> {
-        let permit = self.gate.acquire().await.expect("the gate is never closed");
-        permit.forget();
-        self.script.complete(request).await
-    }
-}
 
 /// A served system of agents `a`, `b`, `c` behind the gate, at most `streams` streams
 /// open.

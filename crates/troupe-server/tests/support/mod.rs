@@ -155,3 +155,22 @@ pub(crate) fn parse_sse(text: &str) -> Vec<(String, String)> {
     }
     out
 }
+
+/// The scripted model behind a gate: each model call waits for a permit the test adds,
+/// so the turns (and the streams that follow them) stay open until the test says.
+pub(crate) struct Gated {
+    pub(crate) script: ScriptedLlm,
+    pub(crate) gate: Arc<tokio::sync::Semaphore>,
+}
+
+#[async_trait::async_trait]
+impl troupe_agent::LlmClient for Gated {
+    async fn complete(
+        &self,
+        request: troupe_agent::LlmRequest,
+    ) -> Result<troupe_agent::LlmReply, troupe_agent::LlmError> {
+        let permit = self.gate.acquire().await.expect("the gate is never closed");
+        permit.forget();
+        self.script.complete(request).await
+    }
+}
