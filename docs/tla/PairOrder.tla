@@ -23,6 +23,21 @@
 (* - A on Accepted/Duplicate/Stale for e: removes e from Pending. A may    *)
 (*   give up any pending e at any moment (its deadline): removes it from   *)
 (*   Pending while attempts for it may still be in flight.                 *)
+(* - Pruning (in the code since 2026-12-05: AGENT_PAIR_SKIPPED_KEPT_MS,    *)
+(*   AGENT_PAIR_SKIPPED_RANGES_MAX). Skipped holds ranges, one per gap.    *)
+(*   With PRUNE, B may drop a range (PruneSkipped) once no attempt of its  *)
+(*   numbers can still come. The code drops it 330 s after it was          *)
+(*   recorded, on the argument that by then each of its numbers is past    *)
+(*   its deadline (at most 300 s after its send, which came before the     *)
+(*   skip), so no delivery task attempts it again, and every attempt made  *)
+(*   was answered or abandoned (30 s acknowledgement wait). Time is        *)
+(*   abstracted by that consequence: a range may go once each of its       *)
+(*   numbers was given up and has no attempt in flight, and from then on   *)
+(*   no attempt of them starts (aExpired). BUG_PRUNE_EARLY drops the       *)
+(*   guard: any range at any moment, while A may go on attempting its      *)
+(*   numbers. SKIPPED_RANGES_MAX > 0 is the code's count bound: when a gap *)
+(*   is added only the newest that many ranges are kept, whatever their    *)
+(*   age.                                                                  *)
 (* - Crashes lose memory only. B: a crash between its commit and its reply *)
 (*   (ReceiveThenCrash; B keeps nothing else in memory). A: its delivery   *)
 (*   tasks die and resume restarts one per entry still pending, so an      *)
@@ -49,7 +64,10 @@ CONSTANTS
     BUG_WATERMARK_ANY,      \* B accepts e = Expected \/ (e >= w /\ e > Expected)
     BUG_WATERMARK_BELOW_EXPECTED, \* B accepts e = Expected \/ e = w (no e > Expected)
     BUG_RETRY_OLD_WATERMARK,\* A's retries resend the watermark of e's first attempt
-    BUG_DEDUPE_WITHOUT_SKIPS \* B answers Duplicate to any e < Expected (no Skipped)
+    BUG_DEDUPE_WITHOUT_SKIPS,\* B answers Duplicate to any e < Expected (no Skipped)
+    PRUNE,                  \* B drops a skipped range once no attempt of it can come
+    BUG_PRUNE_EARLY,        \* with PRUNE: B drops any skipped range at any moment
+    SKIPPED_RANGES_MAX      \* 0: no bound; else B keeps the newest this many ranges
 
 ASSUME /\ N \in Nat /\ MAX_LOSSES \in Nat /\ MAX_DUPS \in Nat /\ MAX_CRASHES_B \in Nat
        /\ MAX_IN_FLIGHT \in Nat \ {0}
@@ -57,6 +75,8 @@ ASSUME /\ N \in Nat /\ MAX_LOSSES \in Nat /\ MAX_DUPS \in Nat /\ MAX_CRASHES_B \
        /\ BUG_NO_ORDER_CHECK \in BOOLEAN /\ BUG_NO_WATERMARK \in BOOLEAN
        /\ BUG_WATERMARK_ANY \in BOOLEAN /\ BUG_WATERMARK_BELOW_EXPECTED \in BOOLEAN
        /\ BUG_RETRY_OLD_WATERMARK \in BOOLEAN /\ BUG_DEDUPE_WITHOUT_SKIPS \in BOOLEAN
+       /\ PRUNE \in BOOLEAN /\ BUG_PRUNE_EARLY \in BOOLEAN /\ SKIPPED_RANGES_MAX \in Nat
+       /\ BUG_PRUNE_EARLY => PRUNE
 
 Entries == 0 .. (N - 1)
 
@@ -64,25 +84,37 @@ VARIABLES
     aNext,      \* A's durable pair counter: the seq of the next entry it sends
     aPending,   \* A's durable Pending: entries sent and neither answered nor given up
     aGaveUp,    \* history: entries A gave up at their deadline (GiveUp)
+    aExpired,   \* entries past their deadline at every delivery task of them: no
+                \* attempt of them starts again. Set by PruneSkipped under the time
+                \* guard (TIMED), which implies it; else empty
     aFirstW,    \* e -> watermark of e's first attempt (NoW: none yet); set only
                 \* under BUG_RETRY_OLD_WATERMARK, else constant
     bExpected,  \* B's durable next expected pair seq from A
-    bSkipped,   \* B's durable set of pair seqs from A it jumped over (pair_skip/)
+    bSkipped,   \* B's durable skipped ranges (pair_skip/): a set of <<lo, hi>>, the
+                \* numbers lo .. hi-1 jumped over by one entry taken past a gap
+    bJumped,    \* history: every pair seq B ever jumped over (kept or pruned since)
     bSeen,      \* history: the pair seqs B accepted (no longer stored by B)
     bInbox,     \* B's durable inbox: the accepted entries in append order
     net,        \* messages in flight (a set: a delivery consumes its message)
     losses, dups, crashesB
 
-vars == <<aNext, aPending, aGaveUp, aFirstW, bExpected, bSkipped, bSeen, bInbox, net,
-          losses, dups, crashesB>>
-aVars == <<aNext, aPending, aGaveUp, aFirstW>>
-bVars == <<bExpected, bSkipped, bSeen, bInbox>>
+vars == <<aNext, aPending, aGaveUp, aExpired, aFirstW, bExpected, bSkipped, bJumped,
+          bSeen, bInbox, net, losses, dups, crashesB>>
+aVars == <<aNext, aPending, aGaveUp, aExpired, aFirstW>>
+bVars == <<bExpected, bSkipped, bJumped, bSeen, bInbox>>
 
 EntryMsg == [type : {"entry"}, e : Entries, w : 0 .. N]
 ReplyMsg == [type : {"Accepted", "Duplicate", "Stale"}, e : Entries]
 Msg == EntryMsg \cup ReplyMsg
 
 Min(S) == CHOOSE x \in S : \A y \in S : x <= y
+
+\* The numbers of a range, and the numbers B still keeps as skipped.
+RangeNums(r) == {d \in Entries : r[1] <= d /\ d < r[2]}
+SkippedNums == UNION {RangeNums(r) : r \in bSkipped}
+
+\* Pruning under the time guard (PruneSkipped).
+TIMED == PRUNE /\ ~BUG_PRUNE_EARLY
 
 \* The watermark an attempt reads from A's committed state: the lowest pending pair
 \* seq; with nothing pending (only a late attempt), the next seq to be sent (no entry
@@ -95,9 +127,11 @@ Init ==
     /\ aNext = 0
     /\ aPending = {}
     /\ aGaveUp = {}
+    /\ aExpired = {}
     /\ aFirstW = [e \in Entries |-> NoW]
     /\ bExpected = 0
     /\ bSkipped = {}
+    /\ bJumped = {}
     /\ bSeen = {}
     /\ bInbox = << >>
     /\ net = {}
@@ -110,7 +144,7 @@ Send ==
     /\ aNext < N
     /\ aNext' = aNext + 1
     /\ aPending' = aPending \cup {aNext}
-    /\ UNCHANGED <<aGaveUp, aFirstW, bVars, net, losses, dups, crashesB>>
+    /\ UNCHANGED <<aGaveUp, aExpired, aFirstW, bVars, net, losses, dups, crashesB>>
 
 \* One delivery attempt for e: reads the watermark and sends (e, w). With
 \* LATE_ATTEMPTS, also for a sent entry no longer pending (a task that has not yet
@@ -121,18 +155,19 @@ AttemptW(e) ==
 
 Attempt(e) ==
     /\ e \in aPending \/ (LATE_ATTEMPTS /\ e < aNext)
+    /\ e \notin aExpired
     /\ Cardinality({m \in net : m.type = "entry" /\ m.e = e}) < MAX_IN_FLIGHT
     /\ net' = net \cup {[type |-> "entry", e |-> e, w |-> AttemptW(e)]}
     /\ aFirstW' = IF BUG_RETRY_OLD_WATERMARK /\ aFirstW[e] = NoW
                   THEN [aFirstW EXCEPT ![e] = Watermark] ELSE aFirstW
-    /\ UNCHANGED <<aNext, aPending, aGaveUp, bVars, losses, dups, crashesB>>
+    /\ UNCHANGED <<aNext, aPending, aGaveUp, aExpired, bVars, losses, dups, crashesB>>
 
 \* The deadline of e passed: A gives it up (attempts may still be in flight).
 GiveUp(e) ==
     /\ e \in aPending
     /\ aPending' = aPending \ {e}
     /\ aGaveUp' = aGaveUp \cup {e}
-    /\ UNCHANGED <<aNext, aFirstW, bVars, net, losses, dups, crashesB>>
+    /\ UNCHANGED <<aNext, aExpired, aFirstW, bVars, net, losses, dups, crashesB>>
 
 \* B's acceptance rule (each bug replaces it by one plausible mistake).
 Accepts(e, w) ==
@@ -142,15 +177,48 @@ Accepts(e, w) ==
     ELSE IF BUG_WATERMARK_BELOW_EXPECTED THEN e = bExpected \/ e = w
     ELSE e = bExpected \/ (e = w /\ e > bExpected)
 
-\* B's commit of an accepted entry (with the numbers it jumps over, if any).
+\* The newest SKIPPED_RANGES_MAX ranges of S (all of them with no bound). Gaps come
+\* in order, so the newest are the highest.
+KeepNewest(S) ==
+    IF SKIPPED_RANGES_MAX = 0 \/ Cardinality(S) <= SKIPPED_RANGES_MAX THEN S
+    ELSE {r \in S : Cardinality({q \in S : q[1] > r[1]}) < SKIPPED_RANGES_MAX}
+
+\* B's commit of an accepted entry (with the range it jumps over, if any: one range
+\* per gap; a gap starts above the entry taken last, so it never touches an earlier
+\* range and the code's merge of adjacent ranges never applies). The count bound
+\* applies when a range is added, as in the code.
 AcceptCommit(e) ==
     /\ bInbox' = Append(bInbox, e)
-    /\ bSkipped' = bSkipped \cup {d \in Entries : bExpected <= d /\ d < e}
+    /\ bSkipped' = IF e > bExpected THEN KeepNewest(bSkipped \cup {<<bExpected, e>>})
+                   ELSE bSkipped
+    /\ bJumped' = bJumped \cup {d \in Entries : bExpected <= d /\ d < e}
     /\ bSeen' = bSeen \cup {e}
     /\ bExpected' = e + 1
 
 \* B's answer to an entry below Expected: it was skipped, or else taken before.
-Skipped(e) == e \in bSkipped /\ ~BUG_DEDUPE_WITHOUT_SKIPS
+Skipped(e) == e \in SkippedNums /\ ~BUG_DEDUPE_WITHOUT_SKIPS
+
+\* B drops skipped range r (the code: when a gap is added, the ranges recorded
+\* AGENT_PAIR_SKIPPED_KEPT_MS or longer before; here at any moment, which covers it).
+\* The time guard (TIMED), abstracted by what 330 s after the skip implies for each
+\* number d of r: A gave d up; no attempt of d is in flight (each was answered, lost,
+\* or abandoned after its 30 s wait); and d is past its deadline at every delivery
+\* task of it (at most 300 s after its send, before the skip), so none attempts it
+\* again: aExpired, which Attempt respects. The code's tasks stop at their deadline,
+\* before the prune; a run where a task stops before the prune is one where it makes
+\* no more attempts, which the model has too. BUG_PRUNE_EARLY: no guard, and A may
+\* go on attempting.
+PruneSkipped(r) ==
+    /\ PRUNE
+    /\ r \in bSkipped
+    /\ BUG_PRUNE_EARLY \/
+           \A d \in RangeNums(r) :
+               /\ d \in aGaveUp
+               /\ ~\E m \in net : m.type = "entry" /\ m.e = d
+    /\ bSkipped' = bSkipped \ {r}
+    /\ aExpired' = IF TIMED THEN aExpired \cup RangeNums(r) ELSE aExpired
+    /\ UNCHANGED <<aNext, aPending, aGaveUp, aFirstW, bExpected, bJumped, bSeen, bInbox,
+                   net, losses, dups, crashesB>>
 
 \* B's answer to (e, w) and its commit (the reply leaves after the commit).
 \* OutOfOrder replies are not modelled: A attempts again in any case.
@@ -201,7 +269,7 @@ HandleReply(m) ==
     /\ m.type \in {"Accepted", "Duplicate", "Stale"}
     /\ net' = net \ {m}
     /\ aPending' = aPending \ {m.e}
-    /\ UNCHANGED <<aNext, aGaveUp, aFirstW, bVars, losses, dups, crashesB>>
+    /\ UNCHANGED <<aNext, aGaveUp, aExpired, aFirstW, bVars, losses, dups, crashesB>>
 
 Lose(m) ==
     /\ m \in net
@@ -219,12 +287,13 @@ Next ==
     \/ Finished
     \/ Send
     \/ \E e \in Entries : Attempt(e) \/ GiveUp(e)
+    \/ \E r \in bSkipped : PruneSkipped(r)
     \/ \E m \in net : Receive(m) \/ ReceiveCopy(m) \/ ReceiveThenCrash(m) \/ HandleReply(m)
                       \/ Lose(m)
 
 \* Attempts are repeated (resume after a crash restarts them), the network delivers
 \* what it does not lose, B answers, A handles answers: weakly fair. Sending,
-\* giving up, losses, duplicates and crashes are not.
+\* giving up, pruning, losses, duplicates and crashes are not.
 Fairness ==
     /\ \A e \in Entries : WF_vars(e \in aPending /\ Attempt(e))
     /\ \A m \in EntryMsg : WF_vars(Receive(m))
@@ -236,24 +305,42 @@ Spec == Init /\ [][Next]_vars /\ Fairness
 
 TypeOK ==
     /\ aNext \in 0 .. N
-    /\ aPending \subseteq Entries /\ aGaveUp \subseteq Entries
+    /\ aPending \subseteq Entries /\ aGaveUp \subseteq Entries /\ aExpired \subseteq aGaveUp
     /\ aFirstW \in [Entries -> 0 .. NoW]
     /\ bExpected \in 0 .. N
-    /\ bSkipped \subseteq Entries /\ bSeen \subseteq Entries
+    /\ bSkipped \subseteq (0 .. N) \X (0 .. N) /\ bJumped \subseteq Entries
+    /\ bSeen \subseteq Entries
     /\ bInbox \in Seq(Entries)
     /\ net \subseteq Msg
     /\ losses \in 0 .. MAX_LOSSES /\ dups \in 0 .. MAX_DUPS /\ crashesB \in 0 .. MAX_CRASHES_B
 
 \* Why B needs no mark per entry: every number below Expected was taken (appended)
-\* or skipped, never both.
+\* or skipped, never both; and B keeps as skipped only numbers it skipped (without
+\* pruning it keeps all of them: SkippedNums = bJumped).
 TakenOrSkipped ==
-    /\ \A d \in Entries : d < bExpected <=> (d \in bSeen \/ d \in bSkipped)
-    /\ bSeen \cap bSkipped = {}
+    /\ \A d \in Entries : d < bExpected <=> (d \in bSeen \/ d \in bJumped)
+    /\ bSeen \cap bJumped = {}
+    /\ SkippedNums \subseteq bJumped
+
+\* A number B skipped is never taken afterwards (however late an attempt of it comes,
+\* and whether its range is still kept or was pruned). Part of TakenOrSkipped, named.
+SkippedNeverTaken == bSeen \cap bJumped = {}
 
 \* B answers Duplicate only about an entry it appended: A takes Duplicate as
 \* delivered, so a Duplicate for an entry never appended would lose it silently.
 DuplicateOnlyForTaken ==
     \A m \in net : m.type = "Duplicate" => m.e \in bSeen
+
+\* What is left of it when ranges may be pruned early (BUG_PRUNE_EARLY, or the
+\* count bound): a Duplicate for an entry never appended concerns only a number B
+\* skipped, whose range it no longer keeps, and that A had given up. A no longer
+\* holds it pending (a given-up entry never is again), so taking it as delivered
+\* changes nothing at A: in the code the outbox entry is gone, only the delivery's
+\* MessageSent event is wrong.
+DuplicateOnlyForTakenOrPruned ==
+    \A m \in net : m.type = "Duplicate" =>
+        \/ m.e \in bSeen
+        \/ m.e \in bJumped /\ m.e \notin SkippedNums /\ m.e \in aGaveUp /\ m.e \notin aPending
 
 \* Entries from A are appended at B in the order A sent them.
 InOrderPerPair ==
@@ -274,6 +361,10 @@ NoPendingEntrySkipped ==
 \* Stale reply never arrives for an entry A still holds pending.
 StaleOnlyForGivenUp ==
     \A m \in net : m.type = "Stale" => m.e \in aGaveUp
+
+\* Reachability witness (expected to FAIL with PRUNE): B drops a skipped range under
+\* the time guard, so the safe pruning configs are not vacuous.
+NothingPruned == SkippedNums = bJumped
 
 \* Reachability witness (expected to FAIL): B may append an entry A has given up
 \* (an attempt sent before the give-up arrives later). A give-up means "outcome
