@@ -762,10 +762,10 @@ fn invoke_error_response(error: InvokeError) -> Response {
         }
         // The conversation's mailbox is full: nothing was stored; send it again later.
         error @ InvokeError::Busy { .. } => retry_response(StatusCode::TOO_MANY_REQUESTS, error),
-        // The runtime is overloaded or stopping (or the owner's transport connection
-        // from this node is at its most requests): the client may send it again (with
+        // The runtime is overloaded or stopping, or the owner's transport connection
+        // from this node is at its most requests: the client may send it again (with
         // an id, an append is stored once).
-        error @ (InvokeError::DispatcherBusy { .. } | InvokeError::Shutdown) => {
+        error @ (InvokeError::DispatcherBusy { .. } | InvokeError::ConnectionBusy { .. } | InvokeError::Shutdown) => {
             retry_response(StatusCode::SERVICE_UNAVAILABLE, error)
         }
         error => error_response(StatusCode::INTERNAL_SERVER_ERROR, error),
@@ -1522,6 +1522,14 @@ mod tests {
             ),
             (
                 InvokeError::DispatcherBusy { capacity: 1_024 },
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(retry_after.as_str()),
+            ),
+            (
+                InvokeError::ConnectionBusy {
+                    target: target.clone(),
+                    capacity: 1_024,
+                },
                 StatusCode::SERVICE_UNAVAILABLE,
                 Some(retry_after.as_str()),
             ),

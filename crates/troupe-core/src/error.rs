@@ -114,6 +114,19 @@ pub enum InvokeError {
         /// The actor called.
         target: ActorId,
     },
+    /// The node that hosts the target already runs the most requests it runs at once for
+    /// this caller's connection (the transport's `SERVER_REQUESTS_IN_FLIGHT_MAX`); the
+    /// request was refused on arrival and never ran. Retry later. A client that keeps
+    /// within its own limit meets this only when one of its cancels was lost or a reply
+    /// is late. (Transport protocol version 6 and later; the last variant, so the others
+    /// keep their index in bincode, which numbers variants.)
+    #[error("{target}'s node is running {capacity} requests from this connection, its limit: the request was not run")]
+    ConnectionBusy {
+        /// The actor invoked.
+        target: ActorId,
+        /// The requests a connection may have running at once.
+        capacity: usize,
+    },
 }
 
 impl InvokeError {
@@ -121,7 +134,11 @@ impl InvokeError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Self::Busy { .. } | Self::DispatcherBusy { .. } | Self::Timeout { .. } | Self::Unreachable { .. }
+            Self::Busy { .. }
+                | Self::DispatcherBusy { .. }
+                | Self::ConnectionBusy { .. }
+                | Self::Timeout { .. }
+                | Self::Unreachable { .. }
         )
     }
 }

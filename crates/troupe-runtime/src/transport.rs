@@ -101,7 +101,7 @@
 //!   [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] entries (a caller over it waits for a slot until its
 //!   deadline), an entry is freed when its caller stops waiting for any reason, the
 //!   server runs at most [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests per connection (one
-//!   more is answered [`InvokeError::DispatcherBusy`] at once, unrun, and the server
+//!   more is answered [`InvokeError::ConnectionBusy`] at once, unrun, and the server
 //!   keeps reading, so cancels reach their requests while every slot is taken; a
 //!   cancel frees its request's slot as it is read), both write queues are bounded in frames
 //!   ([`WRITE_QUEUE_CAPACITY`]) and in bytes (below), and at most one refresh hello per
@@ -215,7 +215,7 @@ pub use wire::Probe;
 /// for a slot until its deadline.
 pub const CLIENT_REQUESTS_IN_FLIGHT_MAX: usize = 1_024;
 /// Most requests a [`TransportServer`] runs at once for one connection; one more is
-/// answered [`InvokeError::DispatcherBusy`] at once (counted in
+/// answered [`InvokeError::ConnectionBusy`] at once (counted in
 /// [`TransportServerStats::requests_refused_busy`]) and never runs. The server keeps
 /// reading the connection meanwhile, so a cancel reaches its request, and frees its
 /// slot, while every slot is taken.
@@ -233,8 +233,11 @@ pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 /// the request's trace id (a peer of version 3 would not understand them, so it is
 /// refused at the handshake); 5 added the request's optional idempotency key, at the
 /// end of the request (a peer of version 4 would fail to decode a request with it, or
-/// run a keyed request unkeyed, so it is refused at the handshake).
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 5;
+/// run a keyed request unkeyed, so it is refused at the handshake); 6 added
+/// [`InvokeError::ConnectionBusy`], the answer to a request over a connection's limit
+/// (version 5 answered `DispatcherBusy`, which named the wrong queue; a peer of version 5
+/// could not decode the new variant).
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 6;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.

@@ -1961,7 +1961,7 @@ mod simulated {
     }
 
     /// Goal: a request that finds every request slot of its connection taken is refused
-    /// `DispatcherBusy` at once and never runs (nothing queued), and the server keeps
+    /// `ConnectionBusy` at once and never runs (nothing queued), and the server keeps
     /// reading that connection: a cancel read next frees its slot for the request after
     /// it. Method: a raw client (which, unlike `TransportClient`, does not keep within
     /// the limit) sends `SERVER_REQUESTS_IN_FLIGHT_MAX` requests whose turns sleep 20 s,
@@ -2004,7 +2004,8 @@ mod simulated {
                 assert_eq!(request_id, holders);
                 assert_eq!(
                     result,
-                    Err(InvokeError::DispatcherBusy {
+                    Err(InvokeError::ConnectionBusy {
+                        target: probe("raw-over"),
                         capacity: SERVER_REQUESTS_IN_FLIGHT_MAX
                     })
                 );

@@ -89,7 +89,7 @@ impl From<&InvokeError> for ApiError {
         match error {
             InvokeError::Timeout { .. } => Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message),
             InvokeError::Busy { .. } => Self::new(StatusCode::TOO_MANY_REQUESTS, "busy", message).retry_after(),
-            InvokeError::DispatcherBusy { .. } => Self::overloaded(message),
+            InvokeError::DispatcherBusy { .. } | InvokeError::ConnectionBusy { .. } => Self::overloaded(message),
             InvokeError::Refused(refused) => refused.into(),
             InvokeError::ActorFailed { .. } => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "agent_failed", message),
             InvokeError::Rejected { .. } | InvokeError::DeadlockDetected { .. } => {

@@ -39,7 +39,7 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 /// A request whose deadline (sent on this runtime's clock) has passed when it is read is
 /// answered [`InvokeError::Timeout`] and never runs. A connection runs at most
 /// [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests at once; a request that arrives while all
-/// of them run is answered [`InvokeError::DispatcherBusy`] at once and never runs (the
+/// of them run is answered [`InvokeError::ConnectionBusy`] at once and never runs (the
 /// server keeps reading the connection, so its cancels and probes are still acted on).
 ///
 /// Defends itself against slow and hostile peers (see the transport module's
@@ -130,7 +130,7 @@ pub struct TransportServerStats {
     /// Requests refused `Rejected` because their id was already in flight on their
     /// connection (a client bug or a hostile peer: a cancel could not tell them apart).
     pub requests_refused_duplicate_id: u64,
-    /// Requests refused `DispatcherBusy` on arrival because their connection already ran
+    /// Requests refused `ConnectionBusy` on arrival because their connection already ran
     /// [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests: they never ran.
     pub requests_refused_busy: u64,
 }
@@ -828,7 +828,8 @@ fn refuse_duplicate_id(request: &WireRequest) -> Bytes {
 /// [`SERVER_REQUESTS_IN_FLIGHT_MAX`] requests; it never runs. A client that keeps within
 /// its own limit meets this only when one of its cancels was lost, or a reply is late.
 fn refuse_busy(request: &WireRequest) -> Bytes {
-    let result = Err(InvokeError::DispatcherBusy {
+    let result = Err(InvokeError::ConnectionBusy {
+        target: request.target.clone(),
         capacity: SERVER_REQUESTS_IN_FLIGHT_MAX,
     });
     encode_frame(&ServerMessage::Response(WireResponse {
