@@ -552,6 +552,10 @@ pub(crate) enum AgentCommand {
     /// Forget an ended external task of this agent (`external.rs`): the reply is a
     /// [`SendReply`] (`Forgotten`, `Running`: not ended, `UnknownTask`).
     ForgetExternal { task_id: String },
+    /// Resolve the delegated tasks that are overdue (a timer's wake-up, armed for the
+    /// earliest `task_due/` time: `arm_overdue_wake`); every command's turn does it
+    /// first, so this one does nothing more.
+    ResolveOverdue,
 }
 
 impl AgentCommand {

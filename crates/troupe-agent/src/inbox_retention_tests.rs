@@ -335,6 +335,53 @@ async fn a_task_whose_delegatee_never_answers_fails_after_its_deadline_and_frees
     system.shutdown().await;
 }
 
+/// Goal: a task whose delegatee accepted it and then never answers is resolved `failed`
+/// at its due time (its deadline plus [`crate::limits::AGENT_TASK_RESULT_GRACE_MS`])
+/// with nothing more sent to its delegator: the delegation armed the delegator's
+/// wake-up for that time. Before, it was resolved only by the delegator's next command,
+/// and `AgentClient::task` said `submitted` for as long as none came. Method: the
+/// coordinator delegates (by the API) a task to a worker, which accepts it and is
+/// removed while working on it; nothing else is sent; the task is read just before its
+/// due time and after it.
+#[tokio::test(start_paused = true)]
+async fn an_overdue_task_is_resolved_at_its_due_time_with_no_other_turn_of_its_delegator() {
+    use crate::limits::AGENT_TASK_RESULT_GRACE_MS;
+    let store = Arc::new(MemoryStore::new());
+    let recorder = crate::CallRecorder::new();
+    let system = coordinator_workers_and_reviewer(&store, &recorder);
+    let timeout_ms = 60_000;
+    let task = system
+        .delegate("coordinator", &worker(0), "plan alone", Some(timeout_ms))
+        .await
+        .expect("delegated");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "acknowledged");
+    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
+    assert!(removed.is_some());
+    let due = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
+    let due = Duration::from_micros(due.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
+    let now = Duration::from_micros(system.runtime().now().as_micros());
+    tokio::time::sleep(due - now - Duration::from_secs(1)).await;
+    let record = system.task("coordinator", &task).await.unwrap().expect("kept");
+    assert_eq!(record.state, TaskState::Submitted, "not due yet: {record:?}");
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let record = system.task("coordinator", &task).await.unwrap().expect("kept");
+    assert_eq!(record.state, TaskState::Failed, "resolved at its due time: {record:?}");
+    let result = record.result.unwrap_or_default();
+    assert!(result.starts_with("no result by the task's deadline"), "{result}");
+    let failed = recorder
+        .events()
+        .into_iter()
+        .filter(|event| {
+            matches!(event, crate::AgentEvent::DelegationFinished { task_id, state: TaskState::Failed, .. }
+                if *task_id == task)
+        })
+        .count();
+    assert_eq!(failed, 1, "one end");
+    system.shutdown().await;
+}
+
 /// Deletes from `agent`'s key space every key under `prefixes`, as one commit, and gives
 /// how many went: the store as a version before those keys would have left it.
 #[cfg(not(madsim))]

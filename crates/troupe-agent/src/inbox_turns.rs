@@ -1,6 +1,7 @@
 //! The agent's inbox and outbox turns (see `inbox.rs` for the protocol), and the
 //! `delegate_to_agent` and `notify_agent` tools.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
@@ -162,6 +163,106 @@ pub(crate) fn wake_later(shared: &crate::agent::AgentShared, id: ActorId, wake: 
     });
 }
 
+/// Arms agent `id`'s wake-up for `due_us` (microseconds on the runtime's clock), the
+/// time a `task_due/` key of its is due: at that time a task of this process tells it
+/// [`AgentCommand::ResolveOverdue`], which activates it if need be, and its turn
+/// resolves the overdue tasks (`resolve_overdue_tasks`) and arms the next due time it
+/// found. Without it an overdue task was resolved only when something else reached its
+/// delegator. One timer per agent in this process ([`crate::agent::AgentShared`]'s
+/// `overdue_wakes`): an earlier due moves it earlier, a later one (or `u64::MAX`, none)
+/// changes nothing. A wake-up for a key deleted meanwhile, or armed by a turn that was
+/// rolled back, is a turn that finds nothing due (and arms the due it finds). The task
+/// holds the system weakly: a dropped system's timer ends when it fires, telling nothing.
+pub(crate) fn arm_overdue_wake(shared: &Arc<crate::agent::AgentShared>, id: &ActorId, due_us: u64) {
+    if due_us == OverdueWake::DISARMED {
+        return;
+    }
+    let Some(runtime) = shared.runtime() else {
+        return;
+    };
+    let mut wakes = shared.overdue_wakes.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(armed) = wakes.get(id) {
+        if due_us < armed.due_us.load(Ordering::Relaxed) {
+            armed.due_us.store(due_us, Ordering::Relaxed);
+            armed.changed.notify_one();
+        }
+        return;
+    }
+    let wake = Arc::new(OverdueWake {
+        due_us: AtomicU64::new(due_us),
+        changed: tokio::sync::Notify::new(),
+    });
+    wakes.insert(id.clone(), Arc::clone(&wake));
+    drop(wakes);
+    let clock = runtime.clock();
+    drop(runtime);
+    let system = Arc::downgrade(shared);
+    let id = id.clone();
+    tokio::spawn(async move {
+        loop {
+            // Before the read: a change made after it leaves a permit, so it is not missed.
+            let changed = wake.changed.notified();
+            let due_us = wake.due_us.load(Ordering::Relaxed);
+            if due_us == OverdueWake::DISARMED {
+                return;
+            }
+            let at = clock.instant_of(Deadline::from_micros(due_us));
+            tokio::select! {
+                () = tokio::time::sleep_until(at) => break,
+                () = changed => {}
+            }
+        }
+        let Some(shared) = system.upgrade() else {
+            return;
+        };
+        {
+            let mut wakes = shared.overdue_wakes.lock().unwrap_or_else(PoisonError::into_inner);
+            if wake.due_us.load(Ordering::Relaxed) == OverdueWake::DISARMED {
+                return; // disarmed as it fired: the entry, if any, is another timer's
+            }
+            // Out before the tell: a due armed from now on gets a timer of its own.
+            wakes.remove(&id);
+        }
+        let Some(runtime) = shared.runtime() else {
+            return;
+        };
+        let wake = AgentCommand::ResolveOverdue.encode();
+        match runtime.tell(&id, wake.clone(), runtime.deadline_in(WAKE_TIMEOUT)).await {
+            Ok(()) => {}
+            Err(InvokeError::Busy { .. }) => wake_later(&shared, id, wake),
+            Err(error) => {
+                tracing::warn!(agent = %id, %error, "could not wake an agent to resolve its overdue tasks; its next turn will");
+            }
+        }
+    });
+}
+
+/// An agent's armed wake-up (see [`arm_overdue_wake`]), shared by its timer task and
+/// the map of armed wake-ups; changed only under that map's lock.
+pub(crate) struct OverdueWake {
+    /// When the timer fires (microseconds), or [`Self::DISARMED`].
+    due_us: AtomicU64,
+    /// Told when `due_us` changes (earlier, or disarmed): wakes the timer, in order
+    /// (not a `watch`: see `clippy.toml`).
+    changed: tokio::sync::Notify,
+}
+
+impl OverdueWake {
+    /// The `due_us` of a wake-up that no longer fires: its timer ends.
+    const DISARMED: u64 = u64::MAX;
+}
+
+/// Drops agent `id`'s armed wake-up (its timer ends): it has no open task left. A turn
+/// that did it and was rolled back leaves its open tasks to the next activation, whose
+/// first turn scans them again and arms the wake-up anew.
+fn disarm_overdue_wake(shared: &crate::agent::AgentShared, id: &ActorId) {
+    let mut wakes = shared.overdue_wakes.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(armed) = wakes.remove(id) {
+        armed.due_us.store(OverdueWake::DISARMED, Ordering::Relaxed);
+        armed.changed.notify_one();
+    }
+}
+
 impl AgentActor {
     /// Everything but an ask.
     pub(crate) async fn handle_box(&mut self, turn: &mut Turn, command: AgentCommand) -> Result<Bytes, ActorError> {
@@ -190,6 +291,8 @@ impl AgentActor {
             AgentCommand::Cancel { task_id } => self.cancel(turn, &task_id).await,
             AgentCommand::CancelExternal { task_id } => self.cancel_external(turn, &task_id).await,
             AgentCommand::ForgetExternal { task_id } => self.forget_external(turn, &task_id).await,
+            // `handle_command` has resolved the overdue tasks (and armed the next wake-up).
+            AgentCommand::ResolveOverdue => Ok(Bytes::new()),
         }
     }
 
@@ -230,6 +333,7 @@ impl AgentActor {
                 turn.put(TASK_DUE_INDEX.key(due, task_id), to_json(&entry.entry.budget)?)?;
                 let memo = &mut self.memo.tasks_overdue_due_us;
                 *memo = memo.map(|known| known.min(due.as_micros()));
+                arm_overdue_wake(&self.shared, &self.id, due.as_micros());
             }
             self.memo.outbox.put(turn, outbox_key(seq), entry)?;
             self.state.boxes.outbox_len += 1;
@@ -318,6 +422,7 @@ impl AgentActor {
                     turn.put(index_key, to_json(&crate::Budget::default())?)?;
                     let memo = &mut self.memo.tasks_overdue_due_us;
                     *memo = memo.map(|known| known.min(due.as_micros()));
+                    arm_overdue_wake(&self.shared, &self.id, due.as_micros());
                 }
             }
         }
@@ -346,7 +451,10 @@ impl AgentActor {
     /// delegatee accepted it and never answered: removed, or its entry lost. Run before
     /// every command of the agent (`handle_command`): a turn with no task open, or none
     /// due as this activation knows, reads nothing; each result it makes is a turn that
-    /// resolves the next ones.
+    /// resolves the next ones. The first key it finds not due yet arms the agent's
+    /// wake-up for its time ([`arm_overdue_wake`], as each delegation does for its own),
+    /// so that a task is resolved at its due time even if nothing else reaches the
+    /// agent.
     pub(crate) async fn resolve_overdue_tasks(&mut self, turn: &mut Turn, now: Deadline) -> Result<(), ActorError> {
         if self.state.boxes.tasks_open == 0 {
             return Ok(());
@@ -400,6 +508,10 @@ impl AgentActor {
             self.enqueue(turn, entry).await?;
         }
         self.memo.tasks_overdue_due_us = scan.next_due_us;
+        if let Some(next_due_us) = scan.next_due_us {
+            // `None`: more were due than one pass resolves; each result's turn goes on.
+            arm_overdue_wake(&self.shared, &self.id, next_due_us);
+        }
         Ok(())
     }
 
@@ -554,6 +666,9 @@ impl AgentActor {
                 record.state = *state;
                 record.result = Some(text.clone());
                 self.state.boxes.tasks_open = self.state.boxes.tasks_open.saturating_sub(1);
+                if self.state.boxes.tasks_open == 0 {
+                    disarm_overdue_wake(&self.shared, &self.id);
+                }
                 self.shared.emit(&AgentEvent::DelegationFinished {
                     task_id: task_id.clone(),
                     from: self.id.clone(),

@@ -66,6 +66,11 @@ pub(crate) struct AgentShared {
     /// task per mention, however many activations of the conversation resumed it (an
     /// activation's own set is lost when it is rebuilt or moves, while its tasks go on).
     mention_deliveries: std::sync::Mutex<std::collections::BTreeSet<(troupe_core::ActorId, u64, String)>>,
+    /// The wake-up armed for each agent with a delegated task due to be resolved
+    /// overdue (`inbox_turns.rs`, `arm_overdue_wake`): the time its one timer task of
+    /// this process sleeps until, the earliest due that the agent's turns armed. The
+    /// task takes its entry out when it fires (a turn then arms the next due).
+    pub(crate) overdue_wakes: std::sync::Mutex<BTreeMap<troupe_core::ActorId, Arc<crate::inbox_turns::OverdueWake>>>,
 }
 
 /// A mention's delivery task of this process, taken by
@@ -155,6 +160,7 @@ impl AgentShared {
             mention_retries: std::sync::Mutex::default(),
             call_records: std::sync::Mutex::default(),
             mention_deliveries: std::sync::Mutex::default(),
+            overdue_wakes: std::sync::Mutex::default(),
         }
     }
 
