@@ -30,8 +30,9 @@
 //! task_due/{at_us:020}/{task_id}
 //!                     a delegated task still open (value: its grant): resolved failed at
 //!                     `at_us`, its deadline plus AGENT_TASK_RESULT_GRACE_MS, if no result
-//!                     came (by the agent's next turn, AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS
-//!                     at a time); deleted with the task's end
+//!                     came (by the wake-up armed for the earliest such time, or the
+//!                     agent's next turn, AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS at a
+//!                     time); deleted with the task's end
 //! task_index_version  every task/ record has its task_end/ or task_due/ key (value
 //!                     "1"): written with the agent's first record, or once the records
 //!                     of a version before those keys are indexed
@@ -70,7 +71,8 @@
 //!               goes AGENT_TASK_RECORD_KEPT_MS after it ended)? → Duplicate; else final state,
 //!               inbox/{k} (no seen/ mark: the record dedupes), task_due/ deleted;
 //!               A's Process{k} shows the result to A's model, once
-//! A: any turn   a task/{id} still open past its task_due/ time (B accepted it and
+//! A: any turn (the ResolveOverdue wake-up armed for the earliest task_due/ time too)
+//!               a task/{id} still open past its task_due/ time (B accepted it and
 //!               never answered: removed, or its entry lost) → resolved failed as a
 //!               TaskUpdate from A itself (as Undeliverable's), its slot counted back;
 //!               B's result, if it ever comes, is then a Duplicate
