@@ -5,8 +5,8 @@ Starts the troupe binary (the path is the first argument) on 127.0.0.1 with a fr
 a bearer token and the scripted model, then with the `openai` client: lists the models
 (the agents), asks the `critic` agent without and with streaming (and streamed with
 `stream_options={"include_usage": True}`: the last chunk carries the turn's token usage,
-as the scripted model counts it, one token per word), and checks that an unknown model
-and a wrong key fail with the client's typed errors. The server is
+as the scripted model counts it, one token per word), and checks that `stream_options`
+without streaming, an unknown model and a wrong key fail with the client's typed errors. The server is
 stopped with SIGTERM at the end (killed if it does not stop in time). Every wait is
 bounded; a missing `openai` package fails the run with what to install.
 
@@ -112,6 +112,15 @@ def run(address):
         f"streamed usage: {streamed_usage}",
     )
     print(f"ok chat.completions.create(stream=True, include_usage): {len(chunks)} chunks, {streamed_usage}")
+
+    # As OpenAI's API: stream_options on a request that is not streamed is a 400.
+    try:
+        client.chat.completions.create(model="critic", messages=messages, stream_options={"include_usage": True})
+        raise AssertionError("stream_options without stream was answered")
+    except openai.BadRequestError as error:
+        check(error.code == "invalid_request_error", f"stream_options without stream: code {error.code!r}: {error}")
+        check("stream_options" in str(error), f"stream_options without stream: {error}")
+        print("ok stream_options without stream: BadRequestError")
 
     try:
         client.chat.completions.create(model="nobody", messages=messages)

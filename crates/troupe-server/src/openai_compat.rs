@@ -12,6 +12,10 @@
 //! `"usage": null`. Errors before the answer keep their HTTP status and the one error
 //! shape. `created` is 0: the server reads no wall clock.
 //!
+//! `stream_options` on a request that is not streamed (`stream` false, null or absent)
+//! is refused as OpenAI's API refuses it: 400 `invalid_request_error`, before the agent
+//! is asked.
+//!
 //! `usage`, streamed or not, is the agent's turn's real token usage as its model
 //! reported it ([`troupe_agent::AgentReply::usage`]: the turn's model calls summed, the
 //! turns of agents it called not included; zero for a model that reports none).
@@ -57,7 +61,8 @@ pub(crate) struct ChatCompletionBody {
     messages: Vec<ChatMessageBody>,
     #[serde(default)]
     stream: Option<bool>,
-    /// Read only when streamed (a plain answer always has its `usage`).
+    /// Only with `"stream": true` (a plain answer always has its `usage`): a non-null
+    /// value on a request that is not streamed is refused, as OpenAI refuses it.
     #[serde(default)]
     stream_options: Option<StreamOptionsBody>,
 }
@@ -107,7 +112,24 @@ pub(crate) async fn chat_completions(
     Ok(crate::agents::with_trace(result, trace))
 }
 
+/// The one request field combination refused before anything else: `stream_options`
+/// (not null) on a request that is not streamed. OpenAI's API answers it 400
+/// `invalid_request_error` with this message (and `param: "stream_options"`); silently
+/// ignoring it hid a client's mistake.
+fn check_stream_options(body: &ChatCompletionBody) -> Result<(), ApiError> {
+    if body.stream_options.is_some() && !body.stream.unwrap_or(false) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled: send \"stream\": true, \
+             or leave stream_options out (or null)",
+        ));
+    }
+    Ok(())
+}
+
 async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: TraceId) -> Result<Response, ApiError> {
+    check_stream_options(&body)?;
     known(state, &body.model).await.map_err(|_| {
         ApiError::new(
             StatusCode::NOT_FOUND,

@@ -1081,6 +1081,66 @@ async fn a_streamed_completion_asked_for_usage_ends_with_the_turns_usage_chunk()
     server.stop().await;
 }
 
+/// Goal: `stream_options` on a chat completion that is not streamed is refused as
+/// OpenAI's API refuses it: 400 `invalid_request_error`, the message naming
+/// `stream_options` and `stream`, before the agent is asked (before: it was ignored, 200
+/// with a plain answer, and the agent ran a turn). `stream` false, null and absent are
+/// all "not streamed"; `stream_options` `{}` counts as given, null as absent. Method: raw
+/// JSON bodies to a real server over an agent on the scripted model; the model's
+/// recorded requests show whether the agent ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_options_on_a_completion_that_is_not_streamed_is_refused_400() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}"));
+    let server = Harness::start(
+        support::agents(llm.clone(), &["echo"], KindConfig::default()),
+        ServerConfig::default(),
+    )
+    .await;
+    let post = |fields: &str| {
+        let body = format!(r#"{{"model": "echo", "messages": [{{"role": "user", "content": "hi"}}]{fields}}}"#);
+        server
+            .request(reqwest::Method::POST, "/v1/chat/completions")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    for fields in [
+        r#", "stream": false, "stream_options": {"include_usage": true}"#,
+        r#", "stream_options": {"include_usage": true}"#,
+        r#", "stream": null, "stream_options": {"include_usage": false}"#,
+        r#", "stream_options": {}"#,
+    ] {
+        let response = post(fields).await.unwrap();
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        assert_eq!(status, 400, "{fields}: {text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error_code(&body), "invalid_request_error", "{fields}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("'stream_options'") && message.contains("'stream'"),
+            "{fields}: {message}"
+        );
+    }
+    assert!(llm.requests_of("echo").is_empty(), "a refused request asked the agent");
+
+    // Null is absent; with `"stream": true` the options are read (as before).
+    let response = post(r#", "stream": false, "stream_options": null"#).await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let response = post(r#", "stream": true, "stream_options": {"include_usage": true}"#)
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let events = parse_sse(&response.text().await.unwrap());
+    assert_eq!(
+        events.last().map(|(_, data)| data.as_str()),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert_eq!(llm.requests_of("echo").len(), 2, "the two accepted requests ran");
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_by_route_and_status_and_show_the_runtimes_counters() {
     let server = start_default().await;
