@@ -34,8 +34,8 @@
 //!                     agent's next turn, AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS at a
 //!                     time); deleted with the task's end
 //! task_index_version  every task/ record has its task_end/ or task_due/ key (value
-//!                     "1"): written with the agent's first record, or once the records
-//!                     of a version before those keys are indexed
+//!                     "1"): written by the agent's first turn if it has no record, or
+//!                     once the records of a version before those keys are indexed
 //!                     (AGENT_TASK_INDEX_MIGRATED_PER_TURN a turn)
 //! task_index_cursor   the last task/ key that indexing has done, until it is done
 //! ext/{seq:020}       the record of a task from outside, with no delegator (`external.rs`)
@@ -852,12 +852,11 @@ pub(crate) struct RecordMemos {
     /// last read and wrote them (as [`Self::tasks_ended_due_us`]): a turn before it
     /// resolves no overdue task, so reads nothing.
     pub(crate) tasks_overdue_due_us: Option<u64>,
-    /// Whether every task record has its index key, as this activation read and wrote
-    /// them: `Some(true)` with the [`TASK_INDEX_VERSION_KEY`] marker stored,
-    /// `Some(false)` with no marker and no task record (the first record written
-    /// writes the marker), `None` not known (not read yet, or indexing older records).
-    /// Late at worst (a rolled-back turn): the next activation reads the store again.
-    pub(crate) task_index_marked: Option<bool>,
+    /// Whether the [`TASK_INDEX_VERSION_KEY`] marker is stored (every task record has
+    /// its index key), as this activation read and wrote it; `false`: not known (not
+    /// read yet, or indexing older records). Late at worst (a rolled-back turn): the
+    /// next activation reads the store again.
+    pub(crate) task_index_marked: bool,
 }
 
 /// Records of one kind by store key, each with its stored bytes (see [`RecordMemos`]).

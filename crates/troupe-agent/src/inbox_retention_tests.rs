@@ -513,6 +513,35 @@ async fn keys_under(store: &MemoryStore, agent: &ActorId, prefix: &str) -> usize
     store.scan(agent, prefix, None, 10_000).await.unwrap().len()
 }
 
+/// Goal: an agent with no task record and no `task_index_version` marker looks for
+/// records to index once ever, not once per activation: its first turn finds none and
+/// writes the marker with its commit, so a later activation reads the marker and scans
+/// nothing. Before, nothing was written and every activation scanned `task/` again (one
+/// empty scan each). Method: a fresh agent is asked once; the marker is read from the
+/// store; the system stops and a new one asks it again, and the marker is still the
+/// only task key.
+#[tokio::test(start_paused = true)]
+async fn an_agent_with_no_task_record_marks_its_task_index_at_its_first_turn() {
+    use crate::inbox::{TASK_INDEX_VERSION, TASK_INDEX_VERSION_KEY};
+    let store = Arc::new(MemoryStore::new());
+    let coordinator = agent_id("coordinator").unwrap();
+    let system = coordinator_alone(&store);
+    assert_eq!(system.ask("coordinator", "one").await.unwrap().text, "hi");
+    assert_eq!(keys_under(&store, &coordinator, "task/").await, 0, "no record");
+    let marker = store.get(&coordinator, TASK_INDEX_VERSION_KEY).await.unwrap();
+    assert_eq!(
+        marker.as_deref(),
+        Some(TASK_INDEX_VERSION),
+        "marked with the first turn"
+    );
+    system.shutdown().await;
+
+    let system = coordinator_alone(&store);
+    assert_eq!(system.ask("coordinator", "two").await.unwrap().text, "hi");
+    assert_eq!(keys_under(&store, &coordinator, TASK_INDEX_VERSION_KEY).await, 1);
+    system.shutdown().await;
+}
+
 /// Goal: the indexing of task records from before the indexes goes
 /// [`crate::limits::AGENT_TASK_INDEX_MIGRATED_PER_TURN`] records a turn, and a new
 /// activation (as after a crash) resumes after the last committed page: every record

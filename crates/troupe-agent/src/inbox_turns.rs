@@ -305,14 +305,6 @@ impl AgentActor {
             self.prune_ended_tasks(turn).await?;
         }
         self.number_pairs(turn, &mut sends).await?;
-        if !sends.tasks.is_empty() && self.memo.task_index_marked == Some(false) {
-            // The agent's first task record: every record has its index key from now on.
-            turn.put(
-                TASK_INDEX_VERSION_KEY.to_string(),
-                Bytes::from_static(TASK_INDEX_VERSION),
-            )?;
-            self.memo.task_index_marked = Some(true);
-        }
         for task in sends.tasks {
             if let Some(at) = now {
                 self.shared.emit(&AgentEvent::DelegationStarted {
@@ -378,18 +370,18 @@ impl AgentActor {
     /// default, unlimited, as the failure's turn then gets). At most
     /// [`AGENT_TASK_INDEX_MIGRATED_PER_TURN`] records a turn, in key order, after the
     /// last page committed (`task_index_cursor`): a crash resumes there. When every
-    /// record is done, writes the `task_index_version` marker; an agent with the marker,
-    /// or with no task record (whose first record writes it, `flush_sends`), reads one
-    /// key and nothing more. A record written meanwhile has its key already; one visited
+    /// record is done, writes the `task_index_version` marker; an agent with no task
+    /// record writes it at once (with the turn: one empty scan per agent, not one per
+    /// activation); an agent with the marker reads one key and nothing more. A record written meanwhile has its key already; one visited
     /// again is harmless (an extra `task_end/` key deletes nothing that is still kept
     /// after its own key is due, and then itself). Run before every command of the
     /// agent, before `resolve_overdue_tasks`.
     pub(crate) async fn migrate_task_index(&mut self, turn: &mut Turn, now: Deadline) -> Result<(), ActorError> {
-        if self.memo.task_index_marked.is_some() {
+        if self.memo.task_index_marked {
             return Ok(());
         }
         if turn.get(TASK_INDEX_VERSION_KEY).await?.is_some() {
-            self.memo.task_index_marked = Some(true);
+            self.memo.task_index_marked = true;
             return Ok(());
         }
         let cursor = turn.get(TASK_INDEX_CURSOR_KEY).await?;
@@ -404,7 +396,13 @@ impl AgentActor {
         let limit = AGENT_TASK_INDEX_MIGRATED_PER_TURN;
         let page = turn.scan("task/", after.as_deref(), limit).await?;
         if page.is_empty() && after.is_none() {
-            self.memo.task_index_marked = Some(false); // no record: nothing to index
+            // No record: nothing to index, ever (every record written from now on has
+            // its key). Marked with this turn, so no later activation scans again.
+            turn.put(
+                TASK_INDEX_VERSION_KEY.to_string(),
+                Bytes::from_static(TASK_INDEX_VERSION),
+            )?;
+            self.memo.task_index_marked = true;
             return Ok(());
         }
         let last = page.last().map(|(key, _)| key.clone());
@@ -434,7 +432,7 @@ impl AgentActor {
             if cursor.is_some() {
                 turn.delete(TASK_INDEX_CURSOR_KEY.to_string())?;
             }
-            self.memo.task_index_marked = Some(true);
+            self.memo.task_index_marked = true;
         } else if let Some(last) = last {
             turn.put(TASK_INDEX_CURSOR_KEY.to_string(), Bytes::from(last))?;
         }

@@ -661,10 +661,11 @@ async fn run_with_crash(crash_at: u64, data: Arc<dyn StateStore>) -> Vec<String>
 async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
     let commits = run_with_crash(0, Arc::new(MemoryStore::new())).await;
     // The crash points, in the order the fault-free run commits them (docs/architecture.md);
-    // a turn's messages are one log entry, keyed by its last message.
+    // a turn's messages are one log entry, keyed by its last message. Each agent's first
+    // commit marks its task index (`task_index_version`): it has no record to index.
     let expected = [
         "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0 task_index_version",
-        "analyst: inbox/0 pair_in/coordinator tasks_in/coordinator.0",
+        "analyst: inbox/0 pair_in/coordinator task_index_version tasks_in/coordinator.0",
         "analyst: -inbox/0 log/1 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
         "coordinator: -outbox/0 pair_out/analyst",
         "coordinator: inbox/0 task/coordinator.0 -task_due/coordinator.0 task_end/coordinator.0",
@@ -687,7 +688,7 @@ async fn delegate_and_notify_survive_a_crash_at_every_commit_of_the_protocol() {
         };
         let note_first = [
             "coordinator: log/3 outbox/0 pair_out/analyst task/coordinator.0 task_due/coordinator.0 task_index_version",
-            "analyst: dedupe_slot/0 inbox/0 seen/n-1",
+            "analyst: dedupe_slot/0 inbox/0 seen/n-1 task_index_version",
             "analyst: inbox/1 pair_in/coordinator tasks_in/coordinator.0",
             "analyst: -inbox/0 log/1",
             "analyst: -inbox/1 log/3 outbox/0 pair_in/coordinator -tasks_in/coordinator.0",
