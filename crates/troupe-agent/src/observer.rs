@@ -229,7 +229,9 @@ pub enum AgentEvent {
         step: u32,
         /// The tokens the provider reported for this call.
         usage: Option<TokenUsage>,
-        /// How many tool calls the model asked for.
+        /// How many of the model's tool calls the step keeps and runs: at most
+        /// [`crate::limits::AGENT_TOOL_CALLS_PER_STEP_MAX`] (the ones after are skipped,
+        /// and the step's last tool result says how many).
         tool_calls: usize,
         /// When the answer arrived.
         at: Deadline,

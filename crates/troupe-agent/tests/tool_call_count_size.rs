@@ -16,8 +16,8 @@ use troupe_agent::limits::{
     AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES, AGENT_TOOL_NAME_SIZE_MAX_BYTES, AGENT_TOOL_RESULT_SIZE_MAX_BYTES,
 };
 use troupe_agent::{
-    AgentSpec, AgentSystem, ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, ScriptRule, ScriptedLlm,
-    ToolCall,
+    AgentEvent, AgentSpec, AgentSystem, CallRecorder, ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role,
+    ScriptRule, ScriptedLlm, ToolCall,
 };
 use troupe_runtime::MemoryStore;
 
@@ -196,5 +196,49 @@ async fn a_message_with_thousands_of_tool_calls_and_huge_ids_is_kept_within_boun
         prompt_bytes <= prompt_bound,
         "the next prompt holds {prompt_bytes} bytes, over {prompt_bound}"
     );
+    system.shutdown().await;
+}
+
+/// Goal: the `ModelResponded` event of a step whose model asked for 10,000 tool calls
+/// reports the calls the step keeps and runs, `AGENT_TOOL_CALLS_PER_STEP_MAX`, as many
+/// as the `ToolFinished` events that follow it (before: 10,000, the model's raw count,
+/// of which 9,984 never ran). Method: the flooding model behind an observer; the
+/// events of the turn are read.
+#[tokio::test(start_paused = true)]
+async fn model_responded_reports_the_tool_calls_kept_not_all_the_model_asked_for() {
+    let script = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("go")
+                .call("lookup", json!({})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("done"));
+    let recorder = CallRecorder::new();
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(Flooding { script }))
+        .observer(Arc::new(recorder.clone()))
+        .agent(AgentSpec::new("a"))
+        .start()
+        .expect("the system starts");
+    assert_eq!(system.ask("a", "go").await.unwrap().text, "done");
+    let events = recorder.events();
+    let reported: Vec<(u32, usize)> = events
+        .iter()
+        .filter_map(|event| match event {
+            AgentEvent::ModelResponded { step, tool_calls, .. } => Some((*step, *tool_calls)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        reported,
+        [(1, AGENT_TOOL_CALLS_PER_STEP_MAX), (2, 0)],
+        "the calls kept, then the answer"
+    );
+    let finished = events
+        .iter()
+        .filter(|event| matches!(event, AgentEvent::ToolFinished { .. }))
+        .count();
+    assert_eq!(finished, AGENT_TOOL_CALLS_PER_STEP_MAX, "as many as ran");
     system.shutdown().await;
 }

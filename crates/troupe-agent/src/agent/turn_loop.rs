@@ -395,7 +395,8 @@ impl AgentActor {
                             call: conversation.call,
                             step: steps,
                             usage: reply.usage,
-                            tool_calls: reply.message.tool_calls.len(),
+                            // The calls kept and run, not all the model asked for.
+                            tool_calls: reply.message.tool_calls.len().min(AGENT_TOOL_CALLS_PER_STEP_MAX),
                             at: clock.now(),
                         });
                     }
