@@ -51,8 +51,9 @@ use crate::agents::known;
 use crate::error::ApiError;
 use crate::limits::{
     A2A_BLOCKING_HEADROOM_MS, A2A_FORWARD_CONNECT_TIMEOUT_MS, A2A_FORWARD_TIMEOUT_MS, A2A_LIST_TASKS_PAGE_DEFAULT,
-    A2A_LIST_TASKS_PAGE_MAX, A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES, A2A_TASK_OUTCOME_GRACE_MS, A2A_TASK_POLL_MS,
-    SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX, SERVER_RETRY_AFTER_S,
+    A2A_LIST_TASKS_PAGE_MAX, A2A_MESSAGE_FIELDS_SIZE_MAX_BYTES, A2A_TASK_NUMBER_RESERVATIONS_PER_SEND_MAX,
+    A2A_TASK_OUTCOME_GRACE_MS, A2A_TASK_POLL_MS, SERVER_MESSAGE_SIZE_MAX_BYTES, SERVER_MESSAGE_TIMEOUT_MS_MAX,
+    SERVER_RETRY_AFTER_S,
 };
 use crate::server::AppState;
 
@@ -326,10 +327,7 @@ async fn ready(a2a: &Arc<A2a>) {
                 .map(|spec| spec.id)
                 .collect();
             match a2a.store.load(&agents).await {
-                Ok(loaded) => {
-                    a2a.tasks.number_from(loaded.seq_next);
-                    resume(a2a, loaded.records);
-                }
+                Ok(records) => resume(a2a, records),
                 Err(error) => {
                     tracing::error!(%error, "the stored A2A tasks cannot be read; they are not resumed");
                 }
@@ -373,10 +371,9 @@ async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), Refused> {
     let taken = cell
         .get_or_try_init(|| async {
             a2a.store.claim(agent).await?;
-            let loaded = a2a.store.load(&[agent.to_string()]).await?;
-            tracing::info!(%agent, records = loaded.records.len(), "this node holds the agent's A2A tasks");
-            a2a.tasks.number_from(loaded.seq_next);
-            resume(a2a, loaded.records);
+            let records = a2a.store.load(&[agent.to_string()]).await?;
+            tracing::info!(%agent, records = records.len(), "this node holds the agent's A2A tasks");
+            resume(a2a, records);
             Ok::<(), StoreError>(())
         })
         .await;
@@ -826,24 +823,16 @@ fn refusal(agent: &str, troupe: &TroupeCallMetadata) -> Option<String> {
 }
 
 /// Makes the task, stores it and, unless it is rejected at once, puts it in its
-/// agent's lane. The first task of an agent the registry holds nothing of is numbered
-/// after every task the agent id had (its `seq_next`, read from the store): the agent
-/// may be one deleted and made again, whose inbox knows the old ids.
+/// agent's lane. Its number is one reserved in the store for this server (a block is
+/// reserved when the agent has none left here: see [`crate::a2a_tasks`]), so no server
+/// on the store gives its id again, nor this one after a delete of the agent (whose
+/// inbox knows the old ids) or a restart.
 async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
-    if !a2a.tasks.tracks(agent) {
-        let seq_next = a2a.store.seq_next(agent).await.map_err(|error| {
-            RpcError::retry(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("agent {agent:?}'s A2A task numbers cannot be read now; retry later: {error}"),
-            )
-        })?;
-        a2a.tasks.number_from(seq_next);
-    }
     let troupe = accepted.troupe.clone().unwrap_or_default();
     let rejected = refusal(agent, &troupe);
-    let created = a2a
-        .tasks
-        .create(
+    let mut reservations = 0;
+    let created = loop {
+        let created = a2a.tasks.create(
             agent,
             accepted.context_id.clone(),
             accepted.request.clone(),
@@ -853,9 +842,23 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
                 timeout_ms: u64::try_from(accepted.timeout.as_millis()).unwrap_or(u64::MAX),
                 trace_id: accepted.trace.to_string(),
             },
-            rejected,
-        )
-        .map_err(|error| match error {
+            rejected.clone(),
+        );
+        // Other sends to the agent may use a new block up before this one numbers its
+        // task: reserve again, a bounded number of times.
+        if !matches!(created, Err(AdmitError::NoNumbers)) || reservations == A2A_TASK_NUMBER_RESERVATIONS_PER_SEND_MAX {
+            break created;
+        }
+        reservations += 1;
+        if let Err(error) = a2a.store.reserve_numbers(&a2a.tasks, agent).await {
+            lost_hold(a2a, agent, &error);
+            return Err(RpcError::retry(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("agent {agent:?}'s A2A task numbers cannot be reserved now; retry later: {error}"),
+            ));
+        }
+    };
+    let created = created.map_err(|error| match error {
             AdmitError::LaneFull => RpcError::retry(
                 StatusCode::TOO_MANY_REQUESTS,
                 format!("agent {agent:?} has too many A2A tasks waiting; retry later"),
@@ -869,6 +872,13 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
                  give each new message its own messageId",
                 message_id(&accepted.request)
             )),
+            AdmitError::NoNumbers => RpcError::retry(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "agent {agent:?}'s A2A task numbers were used up by other sends {A2A_TASK_NUMBER_RESERVATIONS_PER_SEND_MAX} \
+                     times over while this one waited; retry later"
+                ),
+            ),
         })?;
     let (record, lane, forgotten) = match created {
         // Sent again: the task it started, which runs (or ran) once.

@@ -17,17 +17,31 @@
 //! back in its lane and is handed to the agent again, which finds the task it already
 //! holds (running, resumed, or done) instead of a second one.
 //!
-//! A task id is never given twice to one agent id. The agent's inbox keeps its record
-//! of every task it was handed (by id) beyond the A2A records: past a delete of the
-//! agent (which deletes the records) and, when forgetting it fails, past the record's
-//! end. A task numbered again as one of those would be answered with that task's
-//! outcome, and run nothing. So each record is written with the number the next task
-//! takes (`seq_next`, or `seq_next/{node}` on a cluster node; one key per agent id,
-//! kept when the agent is deleted), and no task of the agent is numbered below it:
-//! it is read with the agent's records (at start; on a cluster node, when the node
-//! takes them over) and before the first task of an agent the registry holds nothing
-//! of ([`TaskStore::seq_next`]). Without it the numbers went on from the records read
-//! back, which need not hold the agent's last task.
+//! A task id is never given twice to one agent id, by this server or by any other
+//! sharing its store (two `troupe serve` processes on one SQLite file, say). The
+//! agent's inbox keeps its record of every task it was handed (by id) beyond the A2A
+//! records: past a delete of the agent (which deletes the records) and, when forgetting
+//! it fails, past the record's end. A task numbered as another one, here or by another
+//! server, would be answered with that task's outcome, and run nothing (and overwrite
+//! its record). So a task's number is reserved in the store before it is given: an
+//! agent's tasks are numbered on their own (`{agent}-task-{n}`), and `seq_next` in its
+//! key space (`seq_next/{node}` on a cluster node, which numbers in its own space; one
+//! key per agent id, kept when the agent is deleted) is the number below which every
+//! number has been reserved by some server. A server reserves
+//! [`A2A_TASK_NUMBERS_RESERVED`] numbers at a time ([`TaskStore::reserve_numbers`]):
+//! it reads `seq_next` and commits it raised by the block under the key space's fence.
+//! The store has no compare-and-swap, but its fence is a conditional write: a commit
+//! is refused ([`StoreError::Fenced`]) if anyone claimed the key space after the fence
+//! it is made under, and every writer of it claims before it writes, so a commit that
+//! succeeds had no other write between its read and itself: two servers never reserve
+//! the same numbers (one fenced out reads again under a new claim). The block is then
+//! given to the agent's tasks from memory ([`TaskRegistry::create`]): one store write
+//! per block, none per task beyond the task's own record, where a reservation per task
+//! would add a read and a write, and under two servers a claim, to every send. The
+//! cost: the numbers left of a block when the server stops, when the agent is deleted,
+//! or when a newer block replaces it are never given (ids have gaps). A server of a
+//! version before this wrote `seq_next` with every record, from its own count: mixed
+//! with this one on a store it can lower it and give numbers again.
 //!
 //! A message sent again (the same `messageId` to the same agent, with the same parts)
 //! is the task it started, while the server keeps that task: a client that retries a
@@ -51,7 +65,9 @@ use troupe_agent::TaskState;
 use troupe_core::{ActorId, StoreError};
 use troupe_runtime::{StateChange, StateStore, TurnCommit, TURN_WRITES_MAX};
 
-use crate::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
+use crate::limits::{
+    A2A_TASKS_WAITING_PER_AGENT_MAX, A2A_TASK_NUMBERS_RESERVED, A2A_TASK_NUMBERS_RESERVE_ATTEMPTS_MAX,
+};
 
 /// The kind of the server's A2A key spaces (one per agent: `troupe-a2a/{agent}`), which
 /// no runtime registers: the server writes them directly, fenced, one writer at a time.
@@ -59,10 +75,11 @@ pub(crate) const A2A_STORE_KIND: &str = "troupe-a2a";
 /// Records one store scan reads when the server loads its tasks.
 const A2A_LOAD_PAGE: usize = 256;
 
-/// The key of the number the next task of this server's space takes, in an agent's key
-/// space: `seq_next`, or `seq_next/{node}` on a cluster node (its tasks are numbered
-/// in its own space, see [`TaskRecord::node`]). Not under `task/`: the records' scan
-/// does not read it, and deleting an agent's records leaves it.
+/// The key of the number below which every task number of an agent has been reserved
+/// (see the module's doc), in the agent's key space: `seq_next`, or `seq_next/{node}` on
+/// a cluster node (its tasks are numbered in its own space, see [`TaskRecord::node`]).
+/// Not under `task/`: the records' scan does not read it, and deleting an agent's
+/// records leaves it.
 fn seq_next_key(node: Option<&str>) -> String {
     match node {
         Some(node) => format!("seq_next/{node}"),
@@ -75,7 +92,9 @@ fn seq_next_key(node: Option<&str>) -> String {
 pub(crate) struct TaskRecord {
     /// `{agent}-task-{n}`, or `{agent}-task-{node}-{n}` on a cluster node.
     pub(crate) id: String,
-    /// Creation order, across every agent; the `ListTasks` page token.
+    /// Its number among its agent's tasks (in its node's space on a cluster node),
+    /// reserved in the store for the server that gave it: the order the agent's tasks
+    /// were created in here, and the `ListTasks` page token.
     pub(crate) seq: u64,
     /// The agent doing it.
     pub(crate) agent: String,
@@ -169,14 +188,6 @@ fn store_id(agent: &str) -> Result<ActorId, StoreError> {
     })
 }
 
-/// What [`TaskStore::load`] read.
-pub(crate) struct Loaded {
-    /// The records, oldest first (by [`TaskRecord::order`]).
-    pub(crate) records: Vec<TaskRecord>,
-    /// The highest `seq_next` of the agents read: no new task is numbered below it.
-    pub(crate) seq_next: u64,
-}
-
 impl TaskStore {
     /// The records in `store`, of the tasks numbered in `node`'s space (`None`: a
     /// single server).
@@ -229,9 +240,7 @@ impl TaskStore {
     }
 
     /// Deletes `forgotten` (records the registry let go), then writes `record` if
-    /// `registry` still holds it, with the number the registry's next task takes
-    /// (`seq_next`: read under the writer's lock, so the values written only grow).
-    /// Checked under the writer's lock: a record whose agent
+    /// `registry` still holds it. Checked under the writer's lock: a record whose agent
     /// was deleted meanwhile ([`TaskStore::forget_agent`], which takes the lock after
     /// the registry let the agent's tasks go) is not written back.
     pub(crate) async fn save(
@@ -252,31 +261,82 @@ impl TaskStore {
         if !registry.holds(&record.id) {
             return Ok(());
         }
-        let seq_next = registry.seq_next();
-        assert!(
-            seq_next > record.seq,
-            "task {} is numbered {} but the next number is {seq_next}",
-            record.id,
-            record.seq
-        );
-        let writes = vec![
-            (task_key(record.node.as_deref(), record.seq), Some(Bytes::from(bytes))),
-            (
-                seq_next_key(self.node.as_deref()),
-                Some(Bytes::from(seq_next.to_string())),
-            ),
-        ];
+        let writes = vec![(task_key(record.node.as_deref(), record.seq), Some(Bytes::from(bytes)))];
         self.write(&mut fences, &record.agent, writes).await
     }
 
-    /// The number below which no new task of `agent` is numbered (`seq_next` in its
-    /// key space; 0 if it never had a task here). Kept when the agent is deleted.
+    /// Reserves the next [`A2A_TASK_NUMBERS_RESERVED`] task numbers of `agent` for this
+    /// server and gives them to `registry` ([`TaskRegistry::give_numbers`]); see the
+    /// module's doc. Under the key space's fence (the one this server holds, else a new
+    /// claim) it reads `seq_next` and commits it raised by the block; a commit fenced out
+    /// by another writer is made again under a new claim after a new read, at most
+    /// [`A2A_TASK_NUMBERS_RESERVE_ATTEMPTS_MAX`] times in all. A block also starts past
+    /// every task of the agent the registry holds ([`TaskRegistry::numbered_past`]:
+    /// records from before `seq_next` was kept, and on a cluster node the tasks of other
+    /// nodes it took over, so that its new tasks are listed after them). Given under the
+    /// writer's lock, so blocks reach the registry in the order they were reserved, each
+    /// above the one before.
+    ///
+    /// # Errors
+    /// The store's ([`StoreError::Fenced`] after the last attempt, [`StoreError::NotOwner`]
+    /// on a cluster node that no longer holds the agent's records); [`StoreError::Backend`]
+    /// (`Decode`) if `seq_next` is not a number, (`Commit`) if the numbers ran out.
+    pub(crate) async fn reserve_numbers(&self, registry: &TaskRegistry, agent: &str) -> Result<(), StoreError> {
+        let id = store_id(agent)?;
+        let key = seq_next_key(self.node.as_deref());
+        let mut fences = self.writer.lock().await;
+        let mut attempt = 1;
+        loop {
+            let fence = match fences.get(agent).copied() {
+                Some(fence) => fence,
+                None => {
+                    let claimed = self.store.claim(&id).await?;
+                    fences.insert(agent.to_string(), claimed.fence);
+                    claimed.fence
+                }
+            };
+            // Read after the fence was issued: the commit below succeeds only if nobody
+            // claimed the key space since, and so only if nobody wrote it since.
+            let from = self
+                .read_seq_next(&id, &key, agent)
+                .await?
+                .max(registry.numbered_past(agent));
+            let to = from
+                .checked_add(A2A_TASK_NUMBERS_RESERVED)
+                .ok_or_else(|| StoreError::Backend {
+                    operation: troupe_core::StoreOperation::Commit,
+                    cause: format!("agent {agent:?}'s A2A task numbers are used up ({key} is {from})"),
+                })?;
+            let commit = TurnCommit {
+                state: StateChange::Unchanged,
+                writes: vec![(key.clone(), Some(Bytes::from(to.to_string())))],
+            };
+            match self.store.commit(&id, fence, commit).await {
+                Ok(()) => {
+                    registry.give_numbers(agent, from..to);
+                    return Ok(());
+                }
+                Err(StoreError::Fenced { .. }) if attempt < A2A_TASK_NUMBERS_RESERVE_ATTEMPTS_MAX => {
+                    // Another writer claimed since: claim again and read again.
+                    fences.remove(agent);
+                    attempt += 1;
+                }
+                Err(error) => {
+                    if matches!(error, StoreError::Fenced { .. } | StoreError::NotOwner { .. }) {
+                        fences.remove(agent);
+                    }
+                    return Err(error);
+                }
+            }
+        }
+    }
+
+    /// `seq_next` (`key`) in `agent`'s key space `id`: 0 if it never had a task.
     ///
     /// # Errors
     /// The store's, or [`StoreError::Backend`] (`Decode`) if the value is not a number.
-    pub(crate) async fn seq_next(&self, agent: &str) -> Result<u64, StoreError> {
-        let key = seq_next_key(self.node.as_deref());
-        let Some(bytes) = self.store.get(&store_id(agent)?, &key).await? else {
+    async fn read_seq_next(&self, id: &ActorId, key: &str, agent: &str) -> Result<u64, StoreError> {
+        let Some(bytes) = self.store.get(id, key).await? else {
             return Ok(0);
         };
         std::str::from_utf8(&bytes)
@@ -313,13 +373,10 @@ impl TaskStore {
         self.writer.lock().await.keys().cloned().collect()
     }
 
-    /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]), and
-    /// the highest of their [`TaskStore::seq_next`].
-    pub(crate) async fn load(&self, agents: &[String]) -> Result<Loaded, StoreError> {
+    /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]).
+    pub(crate) async fn load(&self, agents: &[String]) -> Result<Vec<TaskRecord>, StoreError> {
         let mut records = Vec::new();
-        let mut seq_next = 0;
         for agent in agents {
-            seq_next = seq_next.max(self.seq_next(agent).await?);
             let id = store_id(agent)?;
             let mut after: Option<String> = None;
             loop {
@@ -335,7 +392,7 @@ impl TaskStore {
             }
         }
         records.sort_by(|a, b| a.order().cmp(&b.order()));
-        Ok(Loaded { records, seq_next })
+        Ok(records)
     }
 }
 
@@ -368,6 +425,9 @@ pub(crate) enum AdmitError {
     /// The message's id was sent before, to this agent, with other parts: the task it
     /// started.
     MessageIdReused(String),
+    /// No task number of the agent is reserved for this server (none yet, or its block
+    /// is used up): reserve some ([`TaskStore::reserve_numbers`]) and create again.
+    NoNumbers,
 }
 
 /// What a cancel found.
@@ -419,7 +479,9 @@ struct Inner {
     /// Task ids, oldest first.
     order: VecDeque<String>,
     lanes: HashMap<String, Arc<Lane>>,
-    next: u64,
+    /// Per agent, the task numbers reserved in the store for this server and not given
+    /// yet ([`TaskStore::reserve_numbers`]); its next task takes the first.
+    numbers: HashMap<String, std::ops::Range<u64>>,
     /// The task each message started, by agent and `messageId`, for as long as the
     /// task is kept (so at most `TaskRegistry::kept_max` entries).
     by_message: HashMap<(String, String), String>,
@@ -459,7 +521,9 @@ impl TaskRegistry {
     }
 
     /// A new task for `agent`, `submitted` if `queued` (it takes a place in the
-    /// agent's lane, returned) or else in `state` at once (e.g. `rejected`).
+    /// agent's lane, returned) or else in `state` at once (e.g. `rejected`), numbered
+    /// with the first of the agent's reserved numbers ([`AdmitError::NoNumbers`] if
+    /// none is left: nothing changed).
     pub(crate) fn create(
         &self,
         agent: &str,
@@ -505,9 +569,12 @@ impl TaskRegistry {
         if oldest_ended.len() < excess {
             return Err(AdmitError::Full);
         }
+        let Some(numbers) = inner.numbers.get_mut(agent).filter(|numbers| !numbers.is_empty()) else {
+            return Err(AdmitError::NoNumbers);
+        };
+        let seq = numbers.start;
+        numbers.start += 1;
         let forgotten = oldest_ended.iter().filter_map(|id| inner.forget(id)).collect();
-        let seq = inner.next;
-        inner.next += 1;
         let (id, context_id) = match &self.node {
             Some(node) => (
                 format!("{agent}-task-{node}-{seq}"),
@@ -561,7 +628,6 @@ impl TaskRegistry {
         if inner.tasks.contains_key(&record.id) {
             return None;
         }
-        inner.next = inner.next.max(record.seq.saturating_add(1));
         let lane = if record.state.is_final() {
             None
         } else {
@@ -635,16 +701,25 @@ impl TaskRegistry {
         }
     }
 
-    /// The number its next task takes.
-    pub(crate) fn seq_next(&self) -> u64 {
-        self.lock().next
+    /// The number past every task of `agent` it holds, whichever node numbered it (a
+    /// new task is listed after them): 0 if it holds none.
+    pub(crate) fn numbered_past(&self, agent: &str) -> u64 {
+        let inner = self.lock();
+        inner
+            .tasks
+            .values()
+            .filter_map(|sender| {
+                let task = sender.borrow();
+                (task.agent == agent).then(|| task.seq.saturating_add(1))
+            })
+            .max()
+            .unwrap_or(0)
     }
 
-    /// Numbers no further task below `seq_next` (read from the store: see
-    /// [`TaskStore::seq_next`]).
-    pub(crate) fn number_from(&self, seq_next: u64) {
-        let mut inner = self.lock();
-        inner.next = inner.next.max(seq_next);
+    /// Gives `agent`'s next tasks the numbers `numbers`, reserved for this server in the
+    /// store ([`TaskStore::reserve_numbers`]); any left of the block before are dropped.
+    pub(crate) fn give_numbers(&self, agent: &str, numbers: std::ops::Range<u64>) {
+        self.lock().numbers.insert(agent.to_string(), numbers);
     }
 
     /// Whether it holds task `id`.
@@ -652,19 +727,21 @@ impl TaskRegistry {
         self.lock().tasks.contains_key(id)
     }
 
-    /// Whether it holds anything of `agent`: a task or a lane.
+    /// Whether it holds anything of `agent`: a task, a lane or reserved numbers.
     pub(crate) fn tracks(&self, agent: &str) -> bool {
         let inner = self.lock();
-        inner.per_agent.contains_key(agent) || inner.lanes.contains_key(agent)
+        inner.per_agent.contains_key(agent) || inner.lanes.contains_key(agent) || inner.numbers.contains_key(agent)
     }
 
-    /// Lets every task of the deleted agent `agent` go, and its lane: what is left to
+    /// Lets every task of the deleted agent `agent` go, its lane and its reserved
+    /// numbers (an agent made again under its id reserves new ones): what is left to
     /// delete from the store. Watchers of its tasks see their channel close (their
     /// streams end); a task still waiting in the lane finds itself gone when its turn
     /// comes and does not run; one running is not stored when it ends.
     pub(crate) fn forget_agent(&self, agent: &str) -> Vec<Forgotten> {
         let mut inner = self.lock();
         inner.lanes.remove(agent);
+        inner.numbers.remove(agent);
         if inner.per_agent.remove(agent).is_none() {
             return Vec::new();
         }
@@ -687,10 +764,16 @@ impl TaskRegistry {
         forgotten
     }
 
-    /// The tasks it holds, and the agents it holds a task or a lane of.
+    /// The tasks it holds, and the agents it holds a task, a lane or numbers of.
     pub(crate) fn sizes(&self) -> (usize, Vec<String>) {
         let inner = self.lock();
-        let mut agents: Vec<String> = inner.per_agent.keys().chain(inner.lanes.keys()).cloned().collect();
+        let mut agents: Vec<String> = inner
+            .per_agent
+            .keys()
+            .chain(inner.lanes.keys())
+            .chain(inner.numbers.keys())
+            .cloned()
+            .collect();
         agents.sort_unstable();
         agents.dedup();
         (inner.tasks.len(), agents)
@@ -834,6 +917,12 @@ mod tests {
         theirs.node = Some("n1".to_string());
         theirs.id = "echo-task-n1-0".to_string();
         registry.restore(theirs);
+        assert!(
+            matches!(create(&registry, "new-1"), Err(AdmitError::NoNumbers)),
+            "no number reserved yet"
+        );
+        assert_eq!(registry.numbered_past("echo"), 1, "past the other node's task too");
+        registry.give_numbers("echo", 1..3);
         let Ok(Created::New(mine, _, forgotten)) = create(&registry, "new-1") else {
             panic!("room was made");
         };
@@ -852,6 +941,7 @@ mod tests {
         assert_eq!(stored.node.as_deref(), Some("n2"));
 
         let single = TaskRegistry::new(1, None);
+        single.give_numbers("echo", 0..1);
         let Ok(Created::New(plain, _, _)) = create(&single, "new-1") else {
             panic!("a task");
         };
@@ -876,6 +966,8 @@ mod tests {
         registry.restore(record(2, TaskState::Failed));
         registry.restore(record(3, TaskState::Completed));
         registry.restore(record(4, TaskState::Submitted));
+        assert_eq!(registry.numbered_past("echo"), 5);
+        registry.give_numbers("echo", 5..69);
         // 5 kept, 3 allowed: 3 must go, and only 3 have ended.
         let Ok(Created::New(_, _, forgotten)) = create(&registry, "new-1") else {
             panic!("room was made");

@@ -112,6 +112,20 @@ pub const A2A_TASKS_KEPT_MAX: usize = 10_000;
 /// A2A tasks waiting for one agent (submitted, not yet started), at most; one more is
 /// refused with 429 and `Retry-After`. The server runs one A2A task per agent at a time.
 pub const A2A_TASKS_WAITING_PER_AGENT_MAX: usize = 64;
+/// A2A task numbers a server reserves for one agent at a time, in task numbers: a block
+/// reserved in the store (`seq_next` raised under the key space's fence) and given to
+/// the agent's next tasks from memory, so a send writes nothing more than its task's
+/// record (see `a2a_tasks`). The numbers left of a block when the server stops or the
+/// agent is deleted are never given: at most this many minus one per agent and stop.
+pub const A2A_TASK_NUMBERS_RESERVED: u64 = 64;
+/// Attempts one reservation of A2A task numbers makes, at most: each is refused if
+/// another server wrote the agent's A2A records between its read and its commit (then
+/// it claims and reads again); past them the send is refused as retryable (503).
+pub const A2A_TASK_NUMBERS_RESERVE_ATTEMPTS_MAX: u32 = 8;
+/// Reservations of A2A task numbers one send makes, at most: other sends to the agent
+/// may use a new block up before this one takes a number; past them the send is
+/// refused as retryable (503).
+pub const A2A_TASK_NUMBER_RESERVATIONS_PER_SEND_MAX: u32 = 4;
 /// How often an A2A task's lane reads its Troupe task while waiting for its outcome,
 /// in milliseconds.
 pub const A2A_TASK_POLL_MS: u64 = 20;
@@ -161,3 +175,6 @@ const _: () = assert!(SERVER_CONVERSATION_PAGE_DEFAULT <= SERVER_CONVERSATION_PA
 const _: () = assert!(A2A_LIST_TASKS_PAGE_DEFAULT <= A2A_LIST_TASKS_PAGE_MAX);
 const _: () = assert!(TOPOLOGY_LAST_ROOTS_MAX > 2 * TOPOLOGY_CALLS_KEPT);
 const _: () = assert!(A2A_TASKS_WAITING_PER_AGENT_MAX <= A2A_TASKS_KEPT_MAX);
+const _: () = assert!(A2A_TASK_NUMBERS_RESERVED >= 1);
+const _: () = assert!(A2A_TASK_NUMBERS_RESERVE_ATTEMPTS_MAX >= 1);
+const _: () = assert!(A2A_TASK_NUMBER_RESERVATIONS_PER_SEND_MAX >= 1);

@@ -1044,3 +1044,81 @@ async fn a_task_id_is_not_given_again_after_its_agent_is_deleted_and_the_server_
     assert_eq!(llm.requests_of("again").len(), 1, "one turn of the new agent ran");
     second.stop().await;
 }
+
+/// Goal: two plain servers (not cluster nodes) on one store never give one agent's A2A
+/// task id twice: each number is reserved in the store before it is given (before:
+/// each server counted on its own from the `seq_next` it read at its agent's first
+/// task, so with sends alternating between them the third task was numbered as the
+/// second, `echo-task-1` on both, and the agent, whose inbox deduplicates external
+/// tasks by id, answered it with the other server's task's outcome and ran nothing).
+/// Method: two servers, each its own `AgentSystem`, on one SQLite file; blocking sends
+/// alternate between them: four answered by the agent (each must be answered with its
+/// own text; one the other runtime's claim fenced off is sent again), then enough
+/// rejected ones (a chain that holds the agent: no turn, a task
+/// all the same) that each server uses up its first block of numbers and reserves
+/// another, while the other reserves between; every id, and every context id, differs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_on_one_store_never_give_one_agents_task_id_twice() {
+    use troupe_server::limits::A2A_TASK_NUMBERS_RESERVED;
+    /// Times one message is sent, at most, until a task of it is answered.
+    const SENDS_PER_MESSAGE_MAX: usize = 3;
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("troupe.db");
+    let start = || {
+        let store = Arc::new(troupe_runtime::SqliteStore::open(&path).expect("the SQLite file opens"));
+        let llm = Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")));
+        let builder = troupe_agent::AgentSystem::builder()
+            .llm(llm as _)
+            .store(store as _)
+            .agent(troupe_agent::AgentSpec::new("echo"));
+        Harness::start(builder, ServerConfig::default().token(TOKEN))
+    };
+    let servers = [start().await, start().await];
+    let mut ids = std::collections::HashSet::new();
+    let mut contexts = std::collections::HashSet::new();
+    let mut take = |task: &Value, turn: usize| {
+        let id = task["id"].as_str().expect("a task id").to_string();
+        let context = task["contextId"].as_str().expect("a context id").to_string();
+        assert!(ids.insert(id.clone()), "send {turn}: task id {id} given twice: {task}");
+        assert!(
+            contexts.insert(context.clone()),
+            "send {turn}: context id {context} given twice: {task}"
+        );
+    };
+
+    for (turn, text) in ["one", "two", "three", "four"].into_iter().enumerate() {
+        // The two runtimes fence each other's activation of `echo`: the first turn on
+        // a server after the other's fails `storage_failed` (fenced) and closes the
+        // stale activation; the message sent again (a new task) is answered.
+        let mut answered = None;
+        for _ in 0..SENDS_PER_MESSAGE_MAX {
+            let result = servers[turn % 2].ok("echo", "SendMessage", send_params(text)).await;
+            let task = result["task"].clone();
+            take(&task, turn);
+            if task["status"]["state"] == "TASK_STATE_COMPLETED" {
+                answered = Some(task);
+                break;
+            }
+            let reason = text_of(&task["status"]["message"]["parts"]);
+            assert!(reason.contains("fenced"), "send {turn}: {task}");
+        }
+        let task = answered.unwrap_or_else(|| panic!("send {turn} never answered"));
+        assert_eq!(
+            text_of(&task["artifacts"][0]["parts"]),
+            format!("heard: {text}"),
+            "send {turn} is answered for its own message: {task}"
+        );
+    }
+    let rejected = usize::try_from(A2A_TASK_NUMBERS_RESERVED).unwrap() * 2 + 8;
+    for turn in 4..4 + rejected {
+        let mut params = send_params("hop");
+        params["message"]["metadata"] = json!({"troupe": {"chain": ["a", "echo"], "depth": 2}});
+        let result = servers[turn % 2].ok("echo", "SendMessage", params).await;
+        assert_eq!(result["task"]["status"]["state"], "TASK_STATE_REJECTED", "{result}");
+        take(&result["task"], turn);
+    }
+    assert!(ids.len() >= 4 + rejected, "{} ids", ids.len());
+    let [first, second] = servers;
+    first.stop().await;
+    second.stop().await;
+}
