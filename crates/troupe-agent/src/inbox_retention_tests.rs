@@ -382,6 +382,51 @@ async fn an_overdue_task_is_resolved_at_its_due_time_with_no_other_turn_of_its_d
     system.shutdown().await;
 }
 
+/// Goal: after a restart, an agent whose delegated task stays open (its delegatee never
+/// answers) and that has nothing else pending still has it resolved `failed` at its due
+/// time with nothing sent to it: the new system arms the agent's wake-up from its
+/// earliest `task_due/` key when it starts. Before, the wake-up armed by the delegation
+/// was lost with the process, and the task stayed `submitted` until the agent's next
+/// command. Method: the coordinator delegates a task to a worker, which accepts it and
+/// is removed while working on it; the system stops; a new system (no worker) starts on
+/// the same store; nothing is sent; the task is read past its due time.
+#[tokio::test(start_paused = true)]
+async fn an_overdue_task_left_open_by_a_restart_is_resolved_at_its_due_time() {
+    use crate::limits::AGENT_TASK_RESULT_GRACE_MS;
+    let store = Arc::new(MemoryStore::new());
+    let system = coordinator_workers_and_reviewer(&store, &crate::CallRecorder::new());
+    let task = system
+        .delegate("coordinator", &worker(0), "plan alone", Some(60_000))
+        .await
+        .expect("delegated");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "acknowledged");
+    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
+    assert!(removed.is_some());
+    system.shutdown().await;
+
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::agent("coordinator")
+            .on_user_containing("you delegated is")
+            .reply("thanks"),
+    );
+    let system = AgentSystem::builder()
+        .store(store.clone())
+        .llm(Arc::new(llm))
+        .agent(AgentSpec::new("coordinator"))
+        .start()
+        .expect("the system starts");
+    // Past the task's deadline and grace, however far the new system's clock is.
+    let deadline = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
+    let due = Duration::from_micros(deadline.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
+    tokio::time::sleep(due + Duration::from_secs(1)).await;
+    let record = system.task("coordinator", &task).await.unwrap().expect("kept");
+    assert_eq!(record.state, TaskState::Failed, "resolved at its due time: {record:?}");
+    let result = record.result.unwrap_or_default();
+    assert!(result.starts_with("no result by the task's deadline"), "{result}");
+    system.shutdown().await;
+}
+
 /// Deletes from `agent`'s key space every key under `prefixes`, as one commit, and gives
 /// how many went: the store as a version before those keys would have left it.
 #[cfg(not(madsim))]

@@ -18,7 +18,7 @@ use crate::agent::{
 use crate::budget::{reply_or_exhausted, AskOptions};
 use crate::call_agent::call_agent_tool;
 use crate::inbox::{
-    decode_reply, task_deadline, task_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, SendReply,
+    decode_reply, task_deadline, task_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, SendReply, TASK_DUE_INDEX,
 };
 use crate::inbox_turns::{delegate_tool, notify_tool};
 use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
@@ -277,6 +277,9 @@ impl PendingAgentSystem {
         tokio::spawn(async move {
             if let Err(error) = resumer.resume_pending().await {
                 tracing::warn!(%error, "resuming pending inbox and outbox entries failed");
+            }
+            if let Err(error) = resumer.arm_overdue_wakes().await {
+                tracing::warn!(%error, "arming the wake-ups of open delegated tasks failed");
             }
             if let Err(error) = resumer.resume_conversations().await {
                 tracing::warn!(%error, "resuming pending mentions failed");
@@ -788,6 +791,35 @@ impl AgentClient {
             }
         }
         Ok(woken)
+    }
+
+    /// Arms, for every agent of the directory with an open delegated task (a
+    /// `task_due/` key), the wake-up that resolves its tasks overdue at the earliest due
+    /// time (`inbox_turns::arm_overdue_wake`), without activating it: the wake-ups armed
+    /// by the delegations of an earlier run were in memory, and an agent with nothing
+    /// else pending is not resumed. Run by `attach`, one key read per agent. Returns how
+    /// many agents have one armed.
+    ///
+    /// # Errors
+    /// [`StoreError`] if reading a key fails.
+    pub(crate) async fn arm_overdue_wakes(&self) -> Result<usize, StoreError> {
+        let mut armed = 0;
+        let store = self.runtime.store();
+        for spec in self.shared.directory.list() {
+            let Ok(id) = agent_id(&spec.id) else { continue };
+            let first = store.scan(&id, TASK_DUE_INDEX.prefix, None, 1).await?;
+            let Some((key, _)) = first.first() else {
+                continue;
+            };
+            match TASK_DUE_INDEX.parse(key) {
+                Ok((due_us, _)) => {
+                    crate::inbox_turns::arm_overdue_wake(&self.shared, &id, due_us);
+                    armed += 1;
+                }
+                Err(error) => tracing::warn!(agent = %id, %error, "an open task's key does not parse"),
+            }
+        }
+        Ok(armed)
     }
 
     /// A stream of every [`AgentEvent`] from now on: a bounded broadcast
