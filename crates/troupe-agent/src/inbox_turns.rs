@@ -207,9 +207,12 @@ pub(crate) fn arm_overdue_wake(shared: &Arc<crate::agent::AgentShared>, id: &Act
                 return;
             }
             let at = clock.instant_of(Deadline::from_micros(due_us));
+            // Biased, as every `select!` here (a random order would differ between seeds'
+            // replays); a change first, so a disarm that came with the due time is seen.
             tokio::select! {
-                () = tokio::time::sleep_until(at) => break,
+                biased;
                 () = changed => {}
+                () = tokio::time::sleep_until(at) => break,
             }
         }
         let Some(shared) = system.upgrade() else {
