@@ -1122,3 +1122,114 @@ async fn two_servers_on_one_store_never_give_one_agents_task_id_twice() {
     first.stop().await;
     second.stop().await;
 }
+
+/// Goal: when another process sharing the store deletes an agent, this server lets
+/// that agent's A2A tasks go at the agent's next A2A request (the request that finds
+/// the agent gone): its tasks leave memory (`/metrics`) and the store, and an agent
+/// made again under the id does not show them. Method: two servers on one SQLite file;
+/// `gone` is created on the first and gets a completed task there; the second deletes
+/// it (its registry holds none of the first's tasks, so its own delete removes none of
+/// them); a `GetTask` of the old task through the first is 404 once its directory has
+/// read the delete (within `DIRECTORY_REFRESH_MS`); then the first holds no A2A task and
+/// tracks no agent, the store holds no record of `gone`'s, and after `gone` is created
+/// again the old task is -32001 on the first and `ListTasks` is empty. With the prune
+/// removed (`forget` not called from the request that finds the agent gone) the first
+/// still holds the task: checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_deleted_by_another_process_has_its_a2a_tasks_let_go_at_its_next_request() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("troupe.db");
+    let start = || {
+        let store = Arc::new(troupe_runtime::SqliteStore::open(&path).expect("the SQLite file opens"));
+        let llm = Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")));
+        let builder = troupe_agent::AgentSystem::builder()
+            .llm(llm as _)
+            .store(store as _)
+            .agent(troupe_agent::AgentSpec::new("echo"));
+        Harness::start(builder, ServerConfig::default().token(TOKEN))
+    };
+    let here = start().await;
+    let elsewhere = start().await;
+    let metrics = |server: &Harness| {
+        let request = server
+            .request(reqwest::Method::GET, "/metrics")
+            .bearer_auth(TOKEN)
+            .send();
+        async move { request.await.unwrap().text().await.unwrap() }
+    };
+
+    let (status, body) = here.post("/v1/agents", json!({"id": "gone"})).await;
+    assert_eq!(status, 201, "create: {body}");
+    let sent = here.ok("gone", "SendMessage", send_params("before")).await;
+    assert_eq!(sent["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{sent}");
+    let old_task = sent["task"]["id"].as_str().unwrap().to_string();
+    let shown = metrics(&here).await;
+    assert_eq!(gauge(&shown, "troupe_a2a_tasks_kept"), 1, "{shown}");
+
+    // The other process reads the definition, then deletes it.
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (status, _) = elsewhere.get("/v1/agents/gone").await;
+            if status == 200 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "the other server never saw `gone`");
+    let (status, body) = elsewhere.send(reqwest::Method::DELETE, "/v1/agents/gone", None).await;
+    assert_eq!(status, 204, "delete elsewhere: {body}");
+
+    // This server's next A2A request for `gone` finds it gone (once its directory has
+    // read the delete) and lets its tasks go.
+    let get_old = json!({"jsonrpc": "2.0", "id": "r1", "method": "GetTask", "params": {"id": old_task}});
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (status, _, text) = here.raw("gone", get_old.to_string()).await;
+            if status == 404 {
+                return text;
+            }
+            assert_eq!(status, 200, "{text}");
+            tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
+        }
+    })
+    .await;
+    let text = waited.expect("the delete made elsewhere reaches this server's lookups");
+    assert!(text.contains("agent_not_found"), "{text}");
+    let shown = metrics(&here).await;
+    assert_eq!(
+        gauge(&shown, "troupe_a2a_tasks_kept"),
+        0,
+        "the deleted agent's task is still held: {shown}"
+    );
+    assert_eq!(gauge(&shown, "troupe_a2a_agents_tracked"), 0, "{shown}");
+    let store = Arc::clone(here.system().runtime().store());
+    let key_space = troupe_core::ActorId::new("troupe-a2a", "gone").unwrap();
+    let stored = store.scan(&key_space, "task/", None, 16).await.unwrap();
+    assert!(
+        stored.is_empty(),
+        "the deleted agent's task records are still stored: {stored:?}"
+    );
+
+    // Made again (elsewhere), the agent has none of the old one's tasks here.
+    let (status, body) = elsewhere.post("/v1/agents", json!({"id": "gone"})).await;
+    assert_eq!(status, 201, "create again: {body}");
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (status, _) = here.get("/v1/agents/gone").await;
+            if status == 200 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "this server never saw `gone` made again");
+    let (code, message) = here.error("gone", "GetTask", json!({"id": old_task})).await;
+    assert_eq!(code, -32001, "{message}");
+    let listed = here.ok("gone", "ListTasks", json!({})).await;
+    assert_eq!(listed["totalSize"], 0, "{listed}");
+    here.stop().await;
+    elsewhere.stop().await;
+}
