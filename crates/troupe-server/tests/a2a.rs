@@ -1135,6 +1135,19 @@ async fn two_servers_on_one_store_never_give_one_agents_task_id_twice() {
 /// again the old task is -32001 on the first and `ListTasks` is empty. With the prune
 /// removed (`forget` not called from the request that finds the agent gone) the first
 /// still holds the task: checked.
+/// Waits (at most `TEST_WAIT_MS_MAX`) until `server` answers 200 for `path`: a server's
+/// directory reads another process's changes within `DIRECTORY_REFRESH_MS`. Panics
+/// with `never` if it does not.
+async fn until_agent_shown(server: &Harness, path: &str, never: &str) {
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        while server.get(path).await.0 != 200 {
+            tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "{never}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_deleted_by_another_process_has_its_a2a_tasks_let_go_at_its_next_request() {
     let directory = tempfile::tempdir().unwrap();
@@ -1167,17 +1180,7 @@ async fn an_agent_deleted_by_another_process_has_its_a2a_tasks_let_go_at_its_nex
     assert_eq!(gauge(&shown, "troupe_a2a_tasks_kept"), 1, "{shown}");
 
     // The other process reads the definition, then deletes it.
-    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
-        loop {
-            let (status, _) = elsewhere.get("/v1/agents/gone").await;
-            if status == 200 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
-        }
-    })
-    .await;
-    assert!(waited.is_ok(), "the other server never saw `gone`");
+    until_agent_shown(&elsewhere, "/v1/agents/gone", "the other server never saw `gone`").await;
     let (status, body) = elsewhere.send(reqwest::Method::DELETE, "/v1/agents/gone", None).await;
     assert_eq!(status, 204, "delete elsewhere: {body}");
 
@@ -1215,17 +1218,7 @@ async fn an_agent_deleted_by_another_process_has_its_a2a_tasks_let_go_at_its_nex
     // Made again (elsewhere), the agent has none of the old one's tasks here.
     let (status, body) = elsewhere.post("/v1/agents", json!({"id": "gone"})).await;
     assert_eq!(status, 201, "create again: {body}");
-    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
-        loop {
-            let (status, _) = here.get("/v1/agents/gone").await;
-            if status == 200 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
-        }
-    })
-    .await;
-    assert!(waited.is_ok(), "this server never saw `gone` made again");
+    until_agent_shown(&here, "/v1/agents/gone", "this server never saw `gone` made again").await;
     let (code, message) = here.error("gone", "GetTask", json!({"id": old_task})).await;
     assert_eq!(code, -32001, "{message}");
     let listed = here.ok("gone", "ListTasks", json!({})).await;
