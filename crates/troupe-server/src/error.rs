@@ -95,6 +95,14 @@ impl From<&InvokeError> for ApiError {
             InvokeError::Rejected { .. } | InvokeError::DeadlockDetected { .. } => {
                 Self::new(StatusCode::CONFLICT, "refused", message)
             }
+            // Another process (another server on the same store) took the agent over
+            // since this server's activation of it: the turn committed nothing and the
+            // stale activation is closed, so the same request sent again runs on a
+            // fresh activation from the newest state.
+            InvokeError::StorageFailed {
+                source: StoreError::Fenced { .. },
+                ..
+            } => Self::new(StatusCode::SERVICE_UNAVAILABLE, "fenced", message).retry_after(),
             InvokeError::StorageFailed { .. } => {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message)
             }

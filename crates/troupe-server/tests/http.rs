@@ -1471,3 +1471,53 @@ async fn the_bearer_scheme_is_matched_whatever_its_case() {
     assert_eq!(wrong.status().as_u16(), 401);
     server.stop().await;
 }
+
+/// Goal: with two servers on one SQLite file (a supported set-up: each sees the other's
+/// agents within `DIRECTORY_REFRESH_MS`), a message whose turn ran on this server's
+/// activation after the other server had taken the agent over (the turn's commit was
+/// fenced off: nothing was committed, and the stale activation is closed at once) is
+/// answered 503 `fenced` with `Retry-After`, an answer a client retries, not 500
+/// `storage_failed`; the same message sent again is answered from the newest state.
+/// Method: `echo` asked on the first server, then on the second, then on the first
+/// (fenced), then on the first again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_turn_another_server_fenced_off_is_503_fenced_with_retry_after() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("troupe.db");
+    let start = || {
+        let store = Arc::new(troupe_runtime::SqliteStore::open(&path).expect("the SQLite file opens"));
+        let builder = AgentSystem::builder()
+            .llm(Arc::new(script()))
+            .store(store as _)
+            .agent(AgentSpec::new("echo"));
+        Harness::start(builder, ServerConfig::default())
+    };
+    let here = start().await;
+    let elsewhere = start().await;
+    let (status, body) = here.post("/v1/agents/echo/messages", json!({"text": "one"})).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = elsewhere.post("/v1/agents/echo/messages", json!({"text": "two"})).await;
+    assert_eq!(status, 200, "{body}");
+
+    let response = here
+        .request(reqwest::Method::POST, "/v1/agents/echo/messages")
+        .header("content-type", "application/json")
+        .body(json!({"text": "three"}).to_string())
+        .send()
+        .await
+        .expect("the server answers");
+    assert_eq!(response.status().as_u16(), 503);
+    assert!(
+        response.headers().get("retry-after").is_some(),
+        "{:?}",
+        response.headers()
+    );
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(error_code(&body), "fenced", "{body}");
+
+    let (status, body) = here.post("/v1/agents/echo/messages", json!({"text": "three"})).await;
+    assert_eq!(status, 200, "sent again: {body}");
+    assert_eq!(body["text"], "echo: three", "{body}");
+    here.stop().await;
+    elsewhere.stop().await;
+}
