@@ -411,21 +411,21 @@ mod tests {
             .contains("not a Troupe transport server"));
     }
 
+    /// A peer of version 4 knows no idempotency key (added in 5), one of version 5 no
+    /// `InvokeError::ConnectionBusy` (added in 6): both are refused at the handshake,
+    /// in either role, with both versions in the refusal.
     #[test]
-    fn a_version_4_peer_which_knows_no_idempotency_key_is_refused_at_the_handshake() {
-        assert_eq!(
-            WIRE_PROTOCOL_VERSION, 5,
-            "version 5 added the request's idempotency key"
-        );
-        for old in [3, 4] {
+    fn a_peer_of_an_older_version_is_refused_at_the_handshake() {
+        assert_eq!(WIRE_PROTOCOL_VERSION, 6, "version 6 added InvokeError::ConnectionBusy");
+        for old in [3, 4, 5] {
             let mut hello = Hello::new(Deadline::from_micros(1));
             hello.version = old;
             let refusal = hello.refusal().expect("an older client is refused");
-            assert!(refusal.contains(&format!("version {old}, this server 5")), "{refusal}");
+            assert!(refusal.contains(&format!("version {old}, this server 6")), "{refusal}");
             let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
             ack.version = old;
             let refusal = ack.clock_sync(Deadline::from_micros(3)).unwrap_err();
-            assert!(refusal.contains(&format!("version {old}, this client 5")), "{refusal}");
+            assert!(refusal.contains(&format!("version {old}, this client 6")), "{refusal}");
         }
     }
 
