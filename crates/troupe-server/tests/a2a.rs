@@ -1065,16 +1065,7 @@ async fn two_servers_on_one_store_never_give_one_agents_task_id_twice() {
     const SENDS_PER_MESSAGE_MAX: usize = 3;
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("troupe.db");
-    let start = || {
-        let store = Arc::new(troupe_runtime::SqliteStore::open(&path).expect("the SQLite file opens"));
-        let llm = Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")));
-        let builder = troupe_agent::AgentSystem::builder()
-            .llm(llm as _)
-            .store(store as _)
-            .agent(troupe_agent::AgentSpec::new("echo"));
-        Harness::start(builder, ServerConfig::default().token(TOKEN))
-    };
-    let servers = [start().await, start().await];
+    let servers = [server_on_file(&path).await, server_on_file(&path).await];
     let mut ids = std::collections::HashSet::new();
     let mut contexts = std::collections::HashSet::new();
     let mut take = |task: &Value, turn: usize| {
@@ -1130,18 +1121,6 @@ async fn two_servers_on_one_store_never_give_one_agents_task_id_twice() {
     second.stop().await;
 }
 
-/// Goal: when another process sharing the store deletes an agent, this server lets
-/// that agent's A2A tasks go at the agent's next A2A request (the request that finds
-/// the agent gone): its tasks leave memory (`/metrics`) and the store, and an agent
-/// made again under the id does not show them. Method: two servers on one SQLite file;
-/// `gone` is created on the first and gets a completed task there; the second deletes
-/// it (its registry holds none of the first's tasks, so its own delete removes none of
-/// them); a `GetTask` of the old task through the first is 404 once its directory has
-/// read the delete (within `DIRECTORY_REFRESH_MS`); then the first holds no A2A task and
-/// tracks no agent, the store holds no record of `gone`'s, and after `gone` is created
-/// again the old task is -32001 on the first and `ListTasks` is empty. With the prune
-/// removed (`forget` not called from the request that finds the agent gone) the first
-/// still holds the task: checked.
 /// Waits (at most `TEST_WAIT_MS_MAX`) until `server` answers 200 for `path`: a server's
 /// directory reads another process's changes within `DIRECTORY_REFRESH_MS`. Panics
 /// with `never` if it does not.
@@ -1155,21 +1134,36 @@ async fn until_agent_shown(server: &Harness, path: &str, never: &str) {
     assert!(waited.is_ok(), "{never}");
 }
 
+/// A server with its own `AgentSystem` (agent `echo` on a model that answers "heard:
+/// {input}") on the SQLite file at `path`, which other servers may share.
+async fn server_on_file(path: &std::path::Path) -> Harness {
+    let store = Arc::new(troupe_runtime::SqliteStore::open(path).expect("the SQLite file opens"));
+    let llm = Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")));
+    let builder = troupe_agent::AgentSystem::builder()
+        .llm(llm as _)
+        .store(store as _)
+        .agent(troupe_agent::AgentSpec::new("echo"));
+    Harness::start(builder, ServerConfig::default().token(TOKEN)).await
+}
+
+/// Goal: when another process sharing the store deletes an agent, this server lets
+/// that agent's A2A tasks go at the agent's next A2A request (the request that finds
+/// the agent gone): its tasks leave memory (`/metrics`) and the store, and an agent
+/// made again under the id does not show them. Method: two servers on one SQLite file;
+/// `gone` is created on the first and gets a completed task there; the second deletes
+/// it (its registry holds none of the first's tasks, so its own delete removes none of
+/// them); a `GetTask` of the old task through the first is 404 once its directory has
+/// read the delete (within `DIRECTORY_REFRESH_MS`); then the first holds no A2A task and
+/// tracks no agent, the store holds no record of `gone`'s, and after `gone` is created
+/// again the old task is -32001 on the first and `ListTasks` is empty. With the prune
+/// removed (`forget` not called from the request that finds the agent gone) the first
+/// still holds the task: checked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_deleted_by_another_process_has_its_a2a_tasks_let_go_at_its_next_request() {
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("troupe.db");
-    let start = || {
-        let store = Arc::new(troupe_runtime::SqliteStore::open(&path).expect("the SQLite file opens"));
-        let llm = Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")));
-        let builder = troupe_agent::AgentSystem::builder()
-            .llm(llm as _)
-            .store(store as _)
-            .agent(troupe_agent::AgentSpec::new("echo"));
-        Harness::start(builder, ServerConfig::default().token(TOKEN))
-    };
-    let here = start().await;
-    let elsewhere = start().await;
+    let here = server_on_file(&path).await;
+    let elsewhere = server_on_file(&path).await;
     let metrics = |server: &Harness| {
         let request = server
             .request(reqwest::Method::GET, "/metrics")
