@@ -267,6 +267,18 @@ fn disarm_overdue_wake(shared: &crate::agent::AgentShared, id: &ActorId) {
 }
 
 impl AgentActor {
+    /// Writes open task `task_id`'s `task_due/` key for `due` (its value: the task's
+    /// grant), lowers this activation's known earliest due to it, and arms the agent's
+    /// wake-up for it ([`arm_overdue_wake`]): what a delegation and the index's migration
+    /// both do for each open task.
+    fn put_task_due(&mut self, turn: &mut Turn, due: Deadline, task_id: &str, grant: Bytes) -> Result<(), ActorError> {
+        turn.put(TASK_DUE_INDEX.key(due, task_id), grant)?;
+        let memo = &mut self.memo.tasks_overdue_due_us;
+        *memo = memo.map(|known| known.min(due.as_micros()));
+        arm_overdue_wake(&self.shared, &self.id, due.as_micros());
+        Ok(())
+    }
+
     /// Everything but an ask.
     pub(crate) async fn handle_box(&mut self, turn: &mut Turn, command: AgentCommand) -> Result<Bytes, ActorError> {
         match command {
@@ -325,10 +337,7 @@ impl AgentActor {
             if let InboxBody::Task { task_id, .. } = &entry.entry.body {
                 // Resolved failed at this time if no result came (`resolve_overdue_tasks`).
                 let due = task_overdue_at(entry.entry.context.deadline());
-                turn.put(TASK_DUE_INDEX.key(due, task_id), to_json(&entry.entry.budget)?)?;
-                let memo = &mut self.memo.tasks_overdue_due_us;
-                *memo = memo.map(|known| known.min(due.as_micros()));
-                arm_overdue_wake(&self.shared, &self.id, due.as_micros());
+                self.put_task_due(turn, due, task_id, to_json(&entry.entry.budget)?)?;
             }
             self.memo.outbox.put(turn, outbox_key(seq), entry)?;
             self.state.boxes.outbox_len += 1;
@@ -420,10 +429,7 @@ impl AgentActor {
                 let due = task_overdue_at(record.deadline);
                 let index_key = TASK_DUE_INDEX.key(due, &record.task_id);
                 if turn.get(&index_key).await?.is_none() {
-                    turn.put(index_key, to_json(&crate::Budget::default())?)?;
-                    let memo = &mut self.memo.tasks_overdue_due_us;
-                    *memo = memo.map(|known| known.min(due.as_micros()));
-                    arm_overdue_wake(&self.shared, &self.id, due.as_micros());
+                    self.put_task_due(turn, due, &record.task_id, to_json(&crate::Budget::default())?)?;
                 }
             }
         }
