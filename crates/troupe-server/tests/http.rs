@@ -54,6 +54,28 @@ async fn start_default() -> Harness {
     start(ServerConfig::default(), KindConfig::default()).await
 }
 
+/// A server whose one agent, `echo`, answers "echo: {input}", and its scripted model
+/// (whose recorded requests show what the agent was asked).
+async fn echo_server() -> (ScriptedLlm, Harness) {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}"));
+    let server = Harness::start(
+        support::agents(llm.clone(), &["echo"], KindConfig::default()),
+        ServerConfig::default(),
+    )
+    .await;
+    (llm, server)
+}
+
+/// `POST /v1/chat/completions` with `body` as it is (raw JSON text: the nulls and field
+/// combinations a typed body would not send).
+fn chat_raw(server: &Harness, body: String) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
+    server
+        .request(reqwest::Method::POST, "/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+}
+
 fn error_code(body: &Value) -> &str {
     body["error"]["code"]
         .as_str()
@@ -852,13 +874,7 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
 
     let mut streamed = request;
     streamed["stream"] = json!(true);
-    let response = server
-        .request(reqwest::Method::POST, "/v1/chat/completions")
-        .header("content-type", "application/json")
-        .body(streamed.to_string())
-        .send()
-        .await
-        .unwrap();
+    let response = chat_raw(&server, streamed.to_string()).await.unwrap();
     assert_eq!(response.status().as_u16(), 200);
     let events = parse_sse(&response.text().await.unwrap());
     assert_eq!(events.last().unwrap().1, "[DONE]");
@@ -923,13 +939,7 @@ async fn an_openai_request_with_null_optional_fields_is_served_as_if_they_were_a
          "function_call": null, "audio": null},
         {"role": "user", "content": "second", "name": null}
     ]"#;
-    let post = |body: String| {
-        server
-            .request(reqwest::Method::POST, "/v1/chat/completions")
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-    };
+    let post = |body: String| chat_raw(&server, body);
 
     let plain = format!(r#"{{"model": "echo", {messages}, "stream": null, {nulls}}}"#);
     let response = post(plain).await.unwrap();
@@ -1009,22 +1019,13 @@ fn scripted_turn_usage(llm: &ScriptedLlm, agent: &str) -> Value {
 /// conversation, so each turn's prompt is longer and the numbers differ).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_completion_asked_for_usage_ends_with_the_turns_usage_chunk() {
-    let llm = ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}"));
-    let server = Harness::start(
-        support::agents(llm.clone(), &["echo"], KindConfig::default()),
-        ServerConfig::default(),
-    )
-    .await;
+    let (llm, server) = echo_server().await;
     let post = |options: &str, stream: bool| {
         let body = format!(
             r#"{{"model": "echo", "messages": [{{"role": "user", "content": "count these four words"}}],
                 "stream": {stream}{options}}}"#
         );
-        server
-            .request(reqwest::Method::POST, "/v1/chat/completions")
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
+        chat_raw(&server, body)
     };
     let chunks_of = |text: &str| -> Vec<Value> {
         let events = parse_sse(text);
@@ -1090,19 +1091,10 @@ async fn a_streamed_completion_asked_for_usage_ends_with_the_turns_usage_chunk()
 /// recorded requests show whether the agent ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_options_on_a_completion_that_is_not_streamed_is_refused_400() {
-    let llm = ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}"));
-    let server = Harness::start(
-        support::agents(llm.clone(), &["echo"], KindConfig::default()),
-        ServerConfig::default(),
-    )
-    .await;
+    let (llm, server) = echo_server().await;
     let post = |fields: &str| {
         let body = format!(r#"{{"model": "echo", "messages": [{{"role": "user", "content": "hi"}}]{fields}}}"#);
-        server
-            .request(reqwest::Method::POST, "/v1/chat/completions")
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
+        chat_raw(&server, body)
     };
     for fields in [
         r#", "stream": false, "stream_options": {"include_usage": true}"#,
