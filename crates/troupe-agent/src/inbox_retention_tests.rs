@@ -335,6 +335,31 @@ async fn a_task_whose_delegatee_never_answers_fails_after_its_deadline_and_frees
     system.shutdown().await;
 }
 
+/// Delegates "plan alone" (by the API) from the coordinator to worker 0 with a 60 s
+/// timeout, waits for its acknowledgement and removes the worker: the task stays open
+/// with nobody to answer it. Its id.
+async fn delegate_to_a_removed_worker(system: &AgentSystem) -> String {
+    let task = system
+        .delegate("coordinator", &worker(0), "plan alone", Some(60_000))
+        .await
+        .expect("delegated");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "acknowledged");
+    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
+    assert!(removed.is_some());
+    task
+}
+
+/// A new system of `agents` on `store` (what an earlier system left), on `llm`: the
+/// restart of a process.
+fn restarted(store: &Arc<MemoryStore>, llm: ScriptedLlm, agents: &[&str]) -> AgentSystem {
+    let mut builder = AgentSystem::builder().store(store.clone()).llm(Arc::new(llm));
+    for agent in agents {
+        builder = builder.agent(AgentSpec::new(*agent));
+    }
+    builder.start().expect("the system starts")
+}
+
 /// Goal: a task whose delegatee accepted it and then never answers is resolved `failed`
 /// at its due time (its deadline plus [`crate::limits::AGENT_TASK_RESULT_GRACE_MS`])
 /// with nothing more sent to its delegator: the delegation armed the delegator's
@@ -349,15 +374,7 @@ async fn an_overdue_task_is_resolved_at_its_due_time_with_no_other_turn_of_its_d
     let store = Arc::new(MemoryStore::new());
     let recorder = crate::CallRecorder::new();
     let system = coordinator_workers_and_reviewer(&store, &recorder);
-    let timeout_ms = 60_000;
-    let task = system
-        .delegate("coordinator", &worker(0), "plan alone", Some(timeout_ms))
-        .await
-        .expect("delegated");
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "acknowledged");
-    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
-    assert!(removed.is_some());
+    let task = delegate_to_a_removed_worker(&system).await;
     let due = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
     let due = Duration::from_micros(due.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
     let now = Duration::from_micros(system.runtime().now().as_micros());
@@ -395,14 +412,7 @@ async fn an_overdue_task_left_open_by_a_restart_is_resolved_at_its_due_time() {
     use crate::limits::AGENT_TASK_RESULT_GRACE_MS;
     let store = Arc::new(MemoryStore::new());
     let system = coordinator_workers_and_reviewer(&store, &crate::CallRecorder::new());
-    let task = system
-        .delegate("coordinator", &worker(0), "plan alone", Some(60_000))
-        .await
-        .expect("delegated");
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "acknowledged");
-    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
-    assert!(removed.is_some());
+    let task = delegate_to_a_removed_worker(&system).await;
     system.shutdown().await;
 
     let llm = ScriptedLlm::new().rule(
@@ -410,12 +420,7 @@ async fn an_overdue_task_left_open_by_a_restart_is_resolved_at_its_due_time() {
             .on_user_containing("you delegated is")
             .reply("thanks"),
     );
-    let system = AgentSystem::builder()
-        .store(store.clone())
-        .llm(Arc::new(llm))
-        .agent(AgentSpec::new("coordinator"))
-        .start()
-        .expect("the system starts");
+    let system = restarted(&store, llm, &["coordinator"]);
     // Past the task's deadline and grace, however far the new system's clock is.
     let deadline = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
     let due = Duration::from_micros(deadline.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
@@ -493,13 +498,7 @@ async fn task_records_from_before_the_indexes_are_indexed_then_resolved_and_dele
                 .on_user_containing("you delegated is")
                 .reply("thanks"),
         );
-    let system = AgentSystem::builder()
-        .store(store.clone())
-        .llm(Arc::new(llm))
-        .agent(AgentSpec::new("coordinator"))
-        .agent(AgentSpec::new("reviewer"))
-        .start()
-        .expect("the system starts");
+    let system = restarted(&store, llm, &["coordinator", "reviewer"]);
     // Past the old task's deadline and grace, however far the new system's clock is.
     let deadline = system
         .task("coordinator", &abandoned)
