@@ -76,6 +76,17 @@ fn chat_raw(server: &Harness, body: String) -> impl std::future::Future<Output =
         .send()
 }
 
+/// The chunks of a streamed chat completion's SSE `text`, parsed, after checking that
+/// the stream ends with `[DONE]` (not included).
+fn chat_chunks(text: &str) -> Vec<Value> {
+    let events = parse_sse(text);
+    assert_eq!(events.last().map(|(_, data)| data.as_str()), Some("[DONE]"), "{text}");
+    events[..events.len() - 1]
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
 fn error_code(body: &Value) -> &str {
     body["error"]["code"]
         .as_str()
@@ -956,19 +967,9 @@ async fn an_openai_request_with_null_optional_fields_is_served_as_if_they_were_a
     let streamed = format!(r#"{{"model": "echo", {messages}, "stream": true, {nulls}}}"#);
     let response = post(streamed).await.unwrap();
     assert_eq!(response.status().as_u16(), 200);
-    let events = parse_sse(&response.text().await.unwrap());
-    assert_eq!(
-        events.last().map(|(_, data)| data.as_str()),
-        Some("[DONE]"),
-        "{events:?}"
-    );
-    let text: String = events[..events.len() - 1]
+    let text: String = chat_chunks(&response.text().await.unwrap())
         .iter()
-        .filter_map(|(_, data)| {
-            serde_json::from_str::<Value>(data).unwrap()["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(str::to_string)
-        })
+        .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str().map(str::to_string))
         .collect();
     assert_eq!(text, "echo: second");
 
@@ -1027,20 +1028,12 @@ async fn a_streamed_completion_asked_for_usage_ends_with_the_turns_usage_chunk()
         );
         chat_raw(&server, body)
     };
-    let chunks_of = |text: &str| -> Vec<Value> {
-        let events = parse_sse(text);
-        assert_eq!(events.last().map(|(_, data)| data.as_str()), Some("[DONE]"), "{text}");
-        events[..events.len() - 1]
-            .iter()
-            .map(|(_, data)| serde_json::from_str(data).unwrap())
-            .collect()
-    };
 
     let response = post(r#", "stream_options": {"include_usage": true}"#, true)
         .await
         .unwrap();
     assert_eq!(response.status().as_u16(), 200);
-    let chunks = chunks_of(&response.text().await.unwrap());
+    let chunks = chat_chunks(&response.text().await.unwrap());
     let expected = scripted_turn_usage(&llm, "echo");
     let (usage_chunk, others) = chunks.split_last().unwrap();
     assert_eq!(
@@ -1067,7 +1060,7 @@ async fn a_streamed_completion_asked_for_usage_ends_with_the_turns_usage_chunk()
     ] {
         let response = post(options, true).await.unwrap();
         assert_eq!(response.status().as_u16(), 200, "{options}");
-        let chunks = chunks_of(&response.text().await.unwrap());
+        let chunks = chat_chunks(&response.text().await.unwrap());
         for chunk in &chunks {
             assert!(chunk.get("usage").is_none(), "{options}: {chunk}");
             assert_eq!(chunk["choices"].as_array().map(Vec::len), Some(1), "{options}: {chunk}");
@@ -1123,12 +1116,7 @@ async fn stream_options_on_a_completion_that_is_not_streamed_is_refused_400() {
         .await
         .unwrap();
     assert_eq!(response.status().as_u16(), 200);
-    let events = parse_sse(&response.text().await.unwrap());
-    assert_eq!(
-        events.last().map(|(_, data)| data.as_str()),
-        Some("[DONE]"),
-        "{events:?}"
-    );
+    chat_chunks(&response.text().await.unwrap());
     assert_eq!(llm.requests_of("echo").len(), 2, "the two accepted requests ran");
     server.stop().await;
 }
