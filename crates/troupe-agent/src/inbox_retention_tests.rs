@@ -659,3 +659,65 @@ async fn task_index_migration_goes_a_page_a_turn_and_resumes_after_the_last_comm
     assert_eq!(keys_under(&store, &coordinator, TASK_INDEX_CURSOR_KEY).await, 0);
     system.shutdown().await;
 }
+
+/// Goal: the overdue wake-up's bookkeeping (`arm_overdue_wake`, `disarm_overdue_wake`)
+/// holds on the multi-thread runtime, where turns on several workers arm and disarm at
+/// once: many concurrent arms of one agent leave one armed wake-up, at the earliest due
+/// armed, which tells the agent at that time (it is activated) and is then gone; an
+/// agent whose every arm was followed by a disarm is never told; no entry is left.
+/// Method: 2 workers, a fresh system (nothing active); 8 tasks arm `coordinator` 100
+/// times each for dues 2.00-2.04 s away, while 8 others each arm `reviewer` and then
+/// disarm it, 100 times; the armed due is read, then the dispatcher's activations and
+/// the map 2.5 s later (real time: the paused clock needs a current_thread runtime).
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overdue_wake_ups_armed_and_disarmed_from_many_workers_fire_at_the_earliest_or_never() {
+    const TASKS: u64 = 8;
+    const ARMS: u64 = 100;
+    let store = Arc::new(MemoryStore::new());
+    let system = restarted(&store, ScriptedLlm::new(), &["coordinator", "reviewer"]);
+    let shared = Arc::clone(&system.client().shared);
+    let coordinator = agent_id("coordinator").unwrap();
+    let reviewer = agent_id("reviewer").unwrap();
+    assert_eq!(
+        system.runtime().stats().await.unwrap().activations,
+        0,
+        "nothing active yet"
+    );
+    let base = system.runtime().now().as_micros() + 2_000_000;
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let (shared, coordinator, reviewer) = (Arc::clone(&shared), coordinator.clone(), reviewer.clone());
+        tasks.push(tokio::spawn(async move {
+            for arm in 0..ARMS {
+                // 40 ms of dues, the earliest (`base`) armed by task 0's first arm.
+                super::arm_overdue_wake(&shared, &coordinator, base + (task * ARMS + arm) * 50);
+                super::arm_overdue_wake(&shared, &reviewer, base);
+                super::disarm_overdue_wake(&shared, &reviewer);
+                tokio::task::yield_now().await;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    {
+        let wakes = shared.overdue_wakes.lock().unwrap();
+        assert_eq!(wakes.len(), 1, "one wake-up, the coordinator's");
+        let armed = wakes.get(&coordinator).expect("the coordinator's");
+        assert_eq!(
+            armed.due_us.load(std::sync::atomic::Ordering::Relaxed),
+            base,
+            "the earliest due"
+        );
+    }
+
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(shared.overdue_wakes.lock().unwrap().is_empty(), "fired, and gone");
+    assert_eq!(
+        system.runtime().stats().await.unwrap().activations,
+        1,
+        "the coordinator was told (activated); the reviewer never"
+    );
+    system.shutdown().await;
+}
