@@ -391,12 +391,14 @@ async fn until_server_stats(
 /// limit too) to probes that sleep [`SLOT_HOLDING_TURN_SLEEP_MS`] fill the connection's
 /// slots; one caller gives up (its task aborted); within [`CANCEL_TAKES_EFFECT_MS_MAX`]
 /// the server must count one request cancelled with the rest still running, and an echo
-/// in the freed slot must be answered within 1 s. The callers left are then dropped.
+/// in the freed slot must be answered within 1 s. The callers left are returned, to be
+/// dropped (their calls cancelled) once the test has read what it checks: their cancels
+/// would add to the host's counters.
 async fn a_cancel_reaches_a_server_whose_request_slots_are_full(
     client: &Arc<TransportClient>,
     clock: &Clock,
     server_stats: impl Fn() -> TransportServerStats,
-) {
+) -> CallersLeft {
     echo(client, clock, "warm", b"warm", Duration::from_secs(5))
         .await
         .unwrap();
@@ -449,8 +451,18 @@ async fn a_cancel_reaches_a_server_whose_request_slots_are_full(
     assert_eq!(&reply[..], b"served");
     let stats = server_stats();
     assert_eq!(stats.requests_running, SERVER_REQUESTS_IN_FLIGHT_MAX - 1, "{stats:?}");
-    for holder in holders {
-        holder.abort();
+    CallersLeft(holders)
+}
+
+/// Callers' tasks whose calls are still running: dropped, each task is aborted (its call
+/// dropped, so the client sends a cancel).
+struct CallersLeft(Vec<tokio::task::JoinHandle<Result<Bytes, InvokeError>>>);
+
+impl Drop for CallersLeft {
+    fn drop(&mut self) {
+        for caller in &self.0 {
+            caller.abort();
+        }
     }
 }
 
@@ -700,13 +712,22 @@ mod loopback {
         let (runtime, server) = start_server().await;
         let clock = Clock::new();
         let client = Arc::new(TransportClient::new(server.local_address(), clock));
-        a_cancel_reaches_a_server_whose_request_slots_are_full(&client, &clock, || server.stats()).await;
+        let callers_left =
+            a_cancel_reaches_a_server_whose_request_slots_are_full(&client, &clock, || server.stats()).await;
+        // Read before the callers left are dropped: each of their cancels ends a turn too.
+        for _ in 0..CANCEL_TAKES_EFFECT_MS_MAX / 10 {
+            if runtime.handle().counters().turns_abandoned >= 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(
             runtime.handle().counters().turns_abandoned,
             1,
             "the cancelled turn ended: {:?}",
             runtime.handle().counters()
         );
+        drop(callers_left);
     }
 
     /// Goal: remote tells from many tasks on worker threads over one connection: each
@@ -1953,8 +1974,10 @@ mod simulated {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let clock = Clock::new();
                 let transport = Arc::new(TransportClient::new(server_address(), clock));
-                a_cancel_reaches_a_server_whose_request_slots_are_full(&transport, &clock, || server_stats(&slot))
-                    .await;
+                drop(
+                    a_cancel_reaches_a_server_whose_request_slots_are_full(&transport, &clock, || server_stats(&slot))
+                        .await,
+                );
             })
             .await
             .unwrap();
