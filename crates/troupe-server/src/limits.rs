@@ -33,8 +33,9 @@ pub const SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT: usize = 256;
 /// and its agent's turn; far more than one machine serves usefully.
 pub const SERVER_CONCURRENT_REQUESTS_MAX: usize = 65_536;
 /// Streamed answers open at once by default, in streams: a streamed message
-/// (`POST /v1/agents/{id}/messages?stream=true`) and the A2A streams
-/// (`SendStreamingMessage`, `SubscribeToTask`). One more is refused at once with 503 and
+/// (`POST /v1/agents/{id}/messages?stream=true`), a streamed chat completion
+/// (`POST /v1/chat/completions` with `"stream": true`, counted from before its turn) and
+/// the A2A streams (`SendStreamingMessage`, `SubscribeToTask`). One more is refused at once with 503 and
 /// `Retry-After`, before it starts anything. Such a stream lives until its turn or task
 /// ends (or its client goes away), long after its request left the concurrent-request
 /// limit (which counts it only until its headers are sent).

@@ -113,7 +113,7 @@ impl Metrics {
             ),
             (
                 "troupe_streams_open",
-                "Open streamed answers (streamed messages, A2A streams), at most streams_open_max.",
+                "Open streamed answers (streamed messages, streamed chat completions, A2A streams), at most streams_open_max.",
                 streams_open[1],
             ),
             ("troupe_a2a_tasks_kept", "A2A tasks the server holds in memory.", a2a.0),

@@ -6,7 +6,12 @@
 //! With `"stream": true` the answer comes as OpenAI `chat.completion.chunk` SSE messages
 //! once the agent's turn has ended: one with the role, one with the whole reply text,
 //! one with `finish_reason: "stop"`, then `data: [DONE]`. The agent does not stream
-//! tokens through the client API, so the text is one chunk. With
+//! tokens through the client API, so the text is one chunk. A streamed completion holds
+//! one of the server's `streams_open_max` stream slots (`server::stream_slot`) from when
+//! it is accepted (its request checked, before the agent is asked) until its body ends or
+//! its client goes away (while the turn runs or while the body is sent); one over the
+//! limit is refused at once, before the agent is asked, in this route's one error shape:
+//! 503 `overloaded` with `Retry-After`. With
 //! `"stream_options": {"include_usage": true}`, as OpenAI's: a last chunk before
 //! `[DONE]` with empty `choices` and the turn's `usage`, every other chunk with
 //! `"usage": null`. Errors before the answer keep their HTTP status and the one error
@@ -148,6 +153,14 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
     };
     let text = content_text(&last_user.content)?;
     check_text(&text)?;
+    let streamed = body.stream.unwrap_or(false);
+    // Taken before the turn starts: a stream over the limit starts nothing. Held by the
+    // turn's wait (this future), then by the body.
+    let slot = if streamed {
+        Some(crate::server::stream_slot(state).map_err(ApiError::overloaded)?)
+    } else {
+        None
+    };
     let timeout = Duration::from_millis(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT);
     let options = AskOptions::default().timeout(timeout).traced(trace);
     let reply = state.client.ask_with(&body.model, &text, options).await?;
@@ -158,7 +171,7 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
         "completion_tokens": reply.usage.completion_tokens,
         "total_tokens": reply.usage.total_tokens,
     });
-    if !body.stream.unwrap_or(false) {
+    if !streamed {
         return Ok(Json(json!({
             "id": id,
             "object": "chat.completion",
@@ -201,7 +214,12 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
         events.push(chunk(json!([]), Some(usage)));
     }
     events.push(Event::default().data("[DONE]"));
-    let stream = futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>));
+    // The slot goes with the events: dropped once the last one is taken (the body's end)
+    // or with the body, when its client goes away.
+    let stream = futures::stream::unfold((events.into_iter(), slot), |(mut events, slot)| async move {
+        let event = events.next()?;
+        Some((Ok::<_, std::convert::Infallible>(event), (events, slot)))
+    });
     Ok(Sse::new(stream).into_response())
 }
 

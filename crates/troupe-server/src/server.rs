@@ -36,7 +36,8 @@ pub(crate) struct AppState {
     pub(crate) metrics: Metrics,
     /// One permit per request being handled.
     pub(crate) requests: Arc<Semaphore>,
-    /// One permit per open streamed answer (a streamed message, an A2A stream): see
+    /// One permit per open streamed answer (a streamed message, a streamed chat
+    /// completion, an A2A stream): see
     /// [`stream_slot`].
     pub(crate) streams: Arc<Semaphore>,
     /// One permit per open `/v1/events` stream.
@@ -435,11 +436,12 @@ async fn limit(State(state): State<Arc<AppState>>, request: Request, next: Next)
     }
 }
 
-/// A slot for one streamed answer (a streamed message, A2A `SendStreamingMessage` or
-/// `SubscribeToTask`, served here or forwarded by this cluster node to the node holding
-/// the agent's A2A tasks), taken before the stream starts or forwards anything and held
-/// by the stream until it ends or its client goes away (the response body, dropped
-/// then, holds it).
+/// A slot for one streamed answer (a streamed message, a streamed chat completion, A2A
+/// `SendStreamingMessage` or `SubscribeToTask`, served here or forwarded by this cluster
+/// node to the node holding the agent's A2A tasks), taken before the stream starts or
+/// forwards anything and held by the stream until it ends or its client goes away (the
+/// response body, dropped then, holds it; a chat completion's handler holds it during
+/// the turn, before the body exists).
 /// The concurrent-request limit counts a stream only until its headers are sent; this
 /// one counts it for as long as it is open.
 ///

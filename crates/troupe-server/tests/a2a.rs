@@ -17,7 +17,7 @@ use troupe_server::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
 use troupe_server::ServerConfig;
 
 mod support;
-use support::{Harness, TEST_WAIT_MS_MAX};
+use support::{gauge, Harness, TEST_WAIT_MS_MAX};
 
 /// How long the `slow` agent's model takes, in milliseconds.
 const SLOW_TURN_MS: u64 = 3_000;
@@ -906,16 +906,6 @@ async fn a_message_with_more_than_its_texts_worth_of_other_fields_is_invalid_par
     let result = server.ok("echo", "SendMessage", send_params(&longest)).await;
     assert_eq!(result["task"]["status"]["state"], "TASK_STATE_COMPLETED", "{result}");
     server.stop().await;
-}
-
-/// The value of the gauge `name` in a `/metrics` text.
-fn gauge(metrics: &str, name: &str) -> u64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no gauge {name} in /metrics:\n{metrics}"))
-        .parse()
-        .unwrap()
 }
 
 /// Goal: a deleted agent's A2A tasks are gone: the server keeps nothing of them, in

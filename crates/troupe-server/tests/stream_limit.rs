@@ -1,7 +1,8 @@
 //! The limit on streamed answers open at once (`ServerConfig::streams_open_max`): a
-//! streamed message and the A2A streams (`SendStreamingMessage`, `SubscribeToTask`)
-//! each hold a slot until they end or their client goes away; one more is refused 503
-//! with `Retry-After` before it starts anything. A real `troupe_server::serve` on
+//! streamed message, a streamed chat completion (from before its turn) and the A2A
+//! streams (`SendStreamingMessage`, `SubscribeToTask`) each hold a slot until they end
+//! or their client goes away; one more is refused 503 with `Retry-After` before it
+//! starts anything. A real `troupe_server::serve` on
 //! 127.0.0.1:0 over a real `AgentSystem` whose model waits at a gate the test opens.
 //!
 //! Normal build only: HTTP is not simulated (the crate is empty under madsim).
@@ -19,6 +20,12 @@ mod support;
 use support::{parse_sse, Gated, Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
 const TOKEN: &str = "stream-limit-token-0123456789";
+/// The gauge of `/metrics` that counts the open streamed answers.
+const STREAMS_OPEN: &str = "troupe_streams_open";
+/// How long a refusal over the limit may take, in milliseconds: it is answered at once,
+/// before any turn (an accepted streamed chat completion answers only after its turn,
+/// which the gate holds).
+const REFUSAL_WAIT_MS: u64 = 5_000;
 
 /// A served system of agents `a`, `b`, `c` behind the gate, at most `streams` streams
 /// open.
@@ -88,9 +95,57 @@ async fn first_event(response: &mut reqwest::Response) -> String {
     .expect("the stream's first event arrives")
 }
 
-/// Checks that `response` is the refusal of a stream over the limit: 503, `Retry-After`,
-/// and `json` (the REST error shape or, for A2A, a JSON-RPC error) naming the limit.
-async fn assert_refused(response: reqwest::Response, what: &str) {
+/// Sends a streamed chat completion (`POST /v1/chat/completions`, `"stream": true`)
+/// asking `agent`: the response, its headers received (an accepted one answers once
+/// its turn has ended).
+async fn chat_stream(server: &Harness, agent: &str) -> reqwest::Response {
+    let body =
+        json!({"model": agent, "messages": [{"role": "user", "content": format!("to {agent}")}], "stream": true});
+    server
+        .request(reqwest::Method::POST, "/v1/chat/completions")
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("the server answers")
+}
+
+/// A streamed chat completion asking `agent` that must be answered within
+/// [`REFUSAL_WAIT_MS`] (a refusal; an accepted one would wait for its gated turn).
+async fn chat_stream_at_once(server: &Harness, agent: &str) -> reqwest::Response {
+    tokio::time::timeout(Duration::from_millis(REFUSAL_WAIT_MS), chat_stream(server, agent))
+        .await
+        .unwrap_or_else(|_| {
+            panic!("a streamed chat completion to {agent} got no answer within {REFUSAL_WAIT_MS} ms: accepted, its turn waiting at the gate, not refused")
+        })
+}
+
+/// Checks that a streamed chat completion's SSE `text` is OpenAI's chunks of a reply
+/// containing `reply`, ended by `[DONE]`.
+fn assert_chat_served(text: &str, reply: &str) {
+    let events = parse_sse(text);
+    assert_eq!(events.last().map(|(_, data)| data.as_str()), Some("[DONE]"), "{text}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|(_, data)| serde_json::from_str(data).unwrap())
+        .collect();
+    assert!(
+        chunks.iter().all(|chunk| chunk["object"] == "chat.completion.chunk"),
+        "{text}"
+    );
+    assert!(
+        chunks.iter().any(|chunk| chunk["choices"][0]["delta"]["content"]
+            .as_str()
+            .is_some_and(|content| content.contains(reply))),
+        "{text}"
+    );
+}
+
+/// Checks that `response` is the refusal of a stream over the limit of `limit` streams:
+/// 503, `Retry-After`, and `json` (the REST and OpenAI error shape or, for A2A, a
+/// JSON-RPC error) naming the limit.
+async fn assert_refused(response: reqwest::Response, limit: usize, what: &str) {
     assert_eq!(response.status().as_u16(), 503, "{what}");
     assert_eq!(
         response
@@ -105,7 +160,7 @@ async fn assert_refused(response: reqwest::Response, what: &str) {
     let (code, message) = (body["error"]["code"].to_string(), body["error"]["message"].to_string());
     assert!(code == "\"overloaded\"" || code == "-32000", "{what}: {body}");
     assert!(
-        message.contains("streams_open_max") && message.contains('3'),
+        message.contains("streams_open_max") && message.contains(&limit.to_string()),
         "{what}: {body}"
     );
 }
@@ -135,14 +190,16 @@ async fn streams_over_the_limit_are_refused_503_until_one_ends_or_its_client_lea
     let subscribed = a2a(&server, "b", "SubscribeToTask", json!({"id": task_id})).await;
     assert_eq!(subscribed.status().as_u16(), 200);
 
-    assert_refused(rest_stream(&server, "c").await, "a fourth stream (REST)").await;
+    assert_refused(rest_stream(&server, "c").await, 3, "a fourth stream (REST)").await;
     assert_refused(
         a2a(&server, "c", "SendStreamingMessage", send_params("c", 1)).await,
+        3,
         "a fourth stream (A2A)",
     )
     .await;
     assert_refused(
         a2a(&server, "b", "SubscribeToTask", json!({"id": task_id})).await,
+        3,
         "a fourth stream (subscription)",
     )
     .await;
@@ -168,7 +225,7 @@ async fn streams_over_the_limit_are_refused_503_until_one_ends_or_its_client_lea
     })
     .await
     .expect("a dropped stream's slot frees");
-    assert_refused(rest_stream(&server, "c").await, "full again").await;
+    assert_refused(rest_stream(&server, "c").await, 3, "full again").await;
 
     // The turns end: so do their streams, and their slots free.
     gate.add_permits(16);
@@ -186,6 +243,193 @@ async fn streams_over_the_limit_are_refused_503_until_one_ends_or_its_client_lea
     let text = served.text().await.unwrap();
     assert!(parse_sse(&text).iter().any(|(event, _)| event == "reply"), "{text}");
     server.stop().await;
+}
+
+/// Goal: a streamed chat completion counts against `streams_open_max` as the other
+/// streams do: beside a held stream it is refused at once, before its agent is asked,
+/// in the route's error shape (503 `overloaded`, `Retry-After`, naming the limit), and
+/// once that stream ends a new one is served (before 2026-12-06 it was not counted: it
+/// was accepted and waited for its turn). Method: limit 1; a streamed REST message to
+/// `a` stays open (its model waits at a gate); a streamed chat completion to `b` must be
+/// answered within `REFUSAL_WAIT_MS`, refused. The gate opens: the REST stream ends, a
+/// streamed chat completion to `b` is served to `[DONE]`, the slots are all free again,
+/// and `b`'s conversation holds that one exchange only (the refused one asked nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_chat_completion_beside_a_held_stream_is_refused_503_until_it_ends() {
+    let (server, gate) = start(1).await;
+    let rest = rest_stream(&server, "a").await;
+    assert_eq!(rest.status().as_u16(), 200);
+
+    let refused = chat_stream_at_once(&server, "b").await;
+    assert_refused(refused, 1, "a streamed chat completion beside a held stream").await;
+
+    gate.add_permits(16);
+    let rest_text = rest.text().await.unwrap();
+    assert!(
+        parse_sse(&rest_text)
+            .iter()
+            .any(|(event, data)| event == "reply" && data.contains("heard")),
+        "{rest_text}"
+    );
+    let served = chat_stream(&server, "b").await;
+    assert_eq!(served.status().as_u16(), 200);
+    assert_chat_served(&served.text().await.unwrap(), "heard: to b");
+    server.gauge_when(STREAMS_OPEN, 0, "every stream ended").await;
+    let (status, history) = server.get("/v1/agents/b/history").await;
+    assert_eq!(status, 200);
+    assert_eq!(history["total"], 2, "one exchange, the served one: {history}");
+    server.stop().await;
+}
+
+/// Goal: a streamed chat completion holds its slot from when it is accepted (before its
+/// turn) until its body ends, or until its client goes away during the turn; meanwhile
+/// another stream of any route is refused. Method: limit 1; a streamed chat completion
+/// to `a` waits for its turn (the gate is shut): `/metrics` shows one stream open, and
+/// a streamed message and a streamed chat completion are refused 503. Its client goes
+/// away: the slot frees. A second one, to `b`, holds the slot while it waits; the gate
+/// opens: it is served to `[DONE]` and then the slot is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_chat_completion_holds_a_slot_from_before_its_turn_until_its_body_ends_or_its_client_leaves() {
+    let (server, gate) = start(1).await;
+    let server = Arc::new(server);
+    let first = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move { chat_stream(&server, "a").await })
+    };
+    server
+        .gauge_when(
+            STREAMS_OPEN,
+            1,
+            "a streamed chat completion holds a slot while its turn runs",
+        )
+        .await;
+    assert_refused(
+        rest_stream(&server, "b").await,
+        1,
+        "a streamed message beside a streamed chat completion",
+    )
+    .await;
+    assert_refused(
+        chat_stream_at_once(&server, "c").await,
+        1,
+        "a second streamed chat completion",
+    )
+    .await;
+
+    // Its client goes away before the turn ends: the slot frees.
+    first.abort();
+    assert!(
+        first.await.unwrap_err().is_cancelled(),
+        "the first one was still waiting for its turn"
+    );
+    server
+        .gauge_when(
+            STREAMS_OPEN,
+            0,
+            "a streamed chat completion whose client left frees its slot",
+        )
+        .await;
+
+    let second = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move {
+            let response = chat_stream(&server, "b").await;
+            (response.status().as_u16(), response.text().await.unwrap())
+        })
+    };
+    server.gauge_when(STREAMS_OPEN, 1, "the second one's slot").await;
+    gate.add_permits(16);
+    let (status, text) = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), second)
+        .await
+        .expect("the second streamed chat completion is answered")
+        .unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert_chat_served(&text, "heard: to b");
+    server
+        .gauge_when(
+            STREAMS_OPEN,
+            0,
+            "a streamed chat completion whose body ended frees its slot",
+        )
+        .await;
+    Arc::into_inner(server).unwrap().stop().await;
+}
+
+/// Goal: under concurrent streamed chat completions no more than `streams_open_max` are
+/// accepted at once: the rest are refused at once (503 `overloaded`, `Retry-After`).
+/// Method: limit 2, the gate shut; 8 streamed chat completions to `a`, `b`, `c` sent at
+/// once from tasks on two worker threads. 6 are refused within `TEST_WAIT_MS_MAX` and no
+/// seventh answer comes while the gate is shut; `/metrics` shows 2 streams open. The
+/// gate opens: the 2 accepted ones are served to `[DONE]`, and the slots free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_streamed_chat_completions_past_the_limit_are_refused_and_at_most_the_limit_accepted() {
+    const LIMIT: usize = 2;
+    const REQUESTS: usize = 8;
+    let (server, gate) = start(LIMIT).await;
+    let server = Arc::new(server);
+    let (answers, mut answered) = tokio::sync::mpsc::unbounded_channel();
+    for n in 0..REQUESTS {
+        let server = Arc::clone(&server);
+        let answers = answers.clone();
+        tokio::spawn(async move {
+            let agent = ["a", "b", "c"][n % 3];
+            let response = chat_stream(&server, agent).await;
+            let status = response.status().as_u16();
+            let retry_after = response.headers().get("retry-after").cloned();
+            let text = response.text().await.unwrap();
+            drop(server);
+            let _ = answers.send((status, retry_after, text));
+        });
+    }
+    drop(answers);
+
+    let refused = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        let mut refused = Vec::new();
+        while refused.len() < REQUESTS - LIMIT {
+            refused.push(answered.recv().await.expect("every request is answered"));
+        }
+        refused
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "{} of {REQUESTS} streamed chat completions refused at once",
+            REQUESTS - LIMIT
+        )
+    });
+    for (status, retry_after, text) in &refused {
+        assert_eq!(*status, 503, "{text}");
+        assert_eq!(
+            retry_after.as_ref().map(|value| value.to_str().unwrap()),
+            Some("1"),
+            "{text}"
+        );
+        let body: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(body["error"]["code"], "overloaded", "{text}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains("streams_open_max"),
+            "{text}"
+        );
+    }
+    assert!(
+        answered.try_recv().is_err(),
+        "no more than {LIMIT} accepted: the rest wait at the gate"
+    );
+    server
+        .gauge_when(STREAMS_OPEN, LIMIT as u64, "the accepted ones' slots")
+        .await;
+
+    gate.add_permits(64);
+    for _ in 0..LIMIT {
+        let (status, _, text) = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), answered.recv())
+            .await
+            .expect("an accepted streamed chat completion is answered once the gate opens")
+            .expect("every request is answered");
+        assert_eq!(status, 200, "{text}");
+        assert_chat_served(&text, "heard: to ");
+    }
+    server.gauge_when(STREAMS_OPEN, 0, "every stream ended").await;
+    Arc::into_inner(server).unwrap().stop().await;
 }
 
 /// Goal: `streams_open_max` outside 1 ..= `SERVER_STREAMS_OPEN_MAX` is refused by

@@ -128,12 +128,54 @@ impl Harness {
         waited.unwrap_or_else(|_| panic!("{what}: not within {TEST_WAIT_MS_MAX} ms"))
     }
 
+    /// The text of `GET /metrics` (with the token, if the server has one).
+    pub(crate) async fn metrics(&self) -> String {
+        let mut request = self.request(reqwest::Method::GET, "/metrics");
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.expect("the server answers");
+        assert_eq!(response.status().as_u16(), 200, "/metrics");
+        response.text().await.unwrap()
+    }
+
+    /// Polls the gauge `name` of `/metrics` until it is `expected`, for at most
+    /// [`TEST_WAIT_MS_MAX`]; panics naming `what` and the last value if it is not.
+    pub(crate) async fn gauge_when(&self, name: &str, expected: u64, what: &str) {
+        let mut last = None;
+        let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+            loop {
+                let value = gauge(&self.metrics().await, name);
+                last = Some(value);
+                if value == expected {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+            }
+        })
+        .await;
+        if waited.is_err() {
+            let last = last.map_or_else(|| "unread".to_string(), |value| value.to_string());
+            panic!("{what}: {name} is {last}, not {expected}, after {TEST_WAIT_MS_MAX} ms");
+        }
+    }
+
     /// Stops the server, then the agent system.
     pub(crate) async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
         self.served.take().unwrap().await.unwrap().expect("serve ends cleanly");
         self.system.take().unwrap().shutdown().await;
     }
+}
+
+/// The value of the gauge `name` in a `/metrics` text.
+pub(crate) fn gauge(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no gauge {name} in /metrics:\n{metrics}"))
+        .parse()
+        .unwrap()
 }
 
 /// The `(event, data)` pairs of an SSE body.
