@@ -233,6 +233,11 @@ pub enum AgentEvent {
         /// [`crate::limits::AGENT_TOOL_CALLS_PER_STEP_MAX`] (the ones after are skipped,
         /// and the step's last tool result says how many).
         tool_calls: usize,
+        /// How many tool calls the model asked for in this step beyond
+        /// [`crate::limits::AGENT_TOOL_CALLS_PER_STEP_MAX`]: neither run nor kept. The
+        /// model asked for `tool_calls + tool_calls_dropped`; 0 when it asked for no more
+        /// than the limit.
+        tool_calls_dropped: usize,
         /// When the answer arrived.
         at: Deadline,
     },

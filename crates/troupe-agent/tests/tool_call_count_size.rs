@@ -3,10 +3,13 @@
 //! `AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES` and its name to `AGENT_TOOL_NAME_SIZE_MAX_BYTES`,
 //! and a result per kept call with the same id: a provider's message with thousands of
 //! calls or huge ids is neither stored whole nor in every later prompt, and the chat
-//! stays one a provider accepts (every call answered by its id).
+//! stays one a provider accepts (every call answered by its id). The step's
+//! `ModelResponded` event counts the calls kept (`tool_calls`) and those dropped past the
+//! limit (`tool_calls_dropped`).
 //!
 //! Runs in both builds: `cargo test -p troupe-agent --test tool_call_count_size`.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -57,6 +60,52 @@ impl LlmClient for Flooding {
         }
         Ok(reply)
     }
+}
+
+/// A model whose `n`-th call (from 0) asks for `calls[n]` tool calls of a tool the agent
+/// does not have (each answered by an error result), and which answers "done" once
+/// `calls` is used up.
+struct Asking {
+    calls: Vec<usize>,
+    step: AtomicUsize,
+}
+
+#[async_trait]
+impl LlmClient for Asking {
+    async fn complete(&self, _request: LlmRequest) -> Result<LlmReply, LlmError> {
+        let step = self.step.fetch_add(1, Ordering::Relaxed);
+        let mut message = ChatMessage::new(Role::Assistant, "");
+        match self.calls.get(step) {
+            Some(&count) => {
+                message.tool_calls = (0..count)
+                    .map(|index| ToolCall {
+                        id: format!("call-{step}-{index}"),
+                        name: "lookup".to_string(),
+                        arguments: json!({"index": index}),
+                    })
+                    .collect();
+            }
+            None => message.content = "done".to_string(),
+        }
+        Ok(LlmReply::new(message))
+    }
+}
+
+/// The `(step, tool_calls, tool_calls_dropped)` of every `ModelResponded` in `events`,
+/// in order.
+fn model_steps(events: &[AgentEvent]) -> Vec<(u32, usize, usize)> {
+    events
+        .iter()
+        .filter_map(|event| match event {
+            AgentEvent::ModelResponded {
+                step,
+                tool_calls,
+                tool_calls_dropped,
+                ..
+            } => Some((*step, *tool_calls, *tool_calls_dropped)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Asserts that every tool call in `messages` is followed by one result with its id, in
@@ -202,8 +251,9 @@ async fn a_message_with_thousands_of_tool_calls_and_huge_ids_is_kept_within_boun
 /// Goal: the `ModelResponded` event of a step whose model asked for 10,000 tool calls
 /// reports the calls the step keeps and runs, `AGENT_TOOL_CALLS_PER_STEP_MAX`, as many
 /// as the `ToolFinished` events that follow it (before: 10,000, the model's raw count,
-/// of which 9,984 never ran). Method: the flooding model behind an observer; the
-/// events of the turn are read.
+/// of which 9,984 never ran), and the 9,984 dropped past the limit in
+/// `tool_calls_dropped` (before 2026-12-06 no event said they were dropped). Method:
+/// the flooding model behind an observer; the events of the turn are read.
 #[tokio::test(start_paused = true)]
 async fn model_responded_reports_the_tool_calls_kept_not_all_the_model_asked_for() {
     let script = ScriptedLlm::new()
@@ -223,22 +273,56 @@ async fn model_responded_reports_the_tool_calls_kept_not_all_the_model_asked_for
         .expect("the system starts");
     assert_eq!(system.ask("a", "go").await.unwrap().text, "done");
     let events = recorder.events();
-    let reported: Vec<(u32, usize)> = events
-        .iter()
-        .filter_map(|event| match event {
-            AgentEvent::ModelResponded { step, tool_calls, .. } => Some((*step, *tool_calls)),
-            _ => None,
-        })
-        .collect();
     assert_eq!(
-        reported,
-        [(1, AGENT_TOOL_CALLS_PER_STEP_MAX), (2, 0)],
-        "the calls kept, then the answer"
+        model_steps(&events),
+        [
+            (
+                1,
+                AGENT_TOOL_CALLS_PER_STEP_MAX,
+                FLOOD_CALLS - AGENT_TOOL_CALLS_PER_STEP_MAX
+            ),
+            (2, 0, 0)
+        ],
+        "the calls kept and dropped, then the answer"
     );
     let finished = events
         .iter()
         .filter(|event| matches!(event, AgentEvent::ToolFinished { .. }))
         .count();
     assert_eq!(finished, AGENT_TOOL_CALLS_PER_STEP_MAX, "as many as ran");
+    system.shutdown().await;
+}
+
+/// Goal: `ModelResponded` reports `tool_calls_dropped` 0 for a step that asks for fewer
+/// calls than `AGENT_TOOL_CALLS_PER_STEP_MAX` or exactly as many, and the excess for one
+/// that asks for one more, beside the calls kept; as many `ToolFinished` as calls kept.
+/// Method: a model asking for 3, then `AGENT_TOOL_CALLS_PER_STEP_MAX`, then one more than
+/// it, then answering, behind an observer; the events of the one turn are read.
+#[tokio::test(start_paused = true)]
+async fn model_responded_reports_no_dropped_calls_up_to_the_limit_and_the_excess_past_it() {
+    let most = AGENT_TOOL_CALLS_PER_STEP_MAX;
+    let recorder = CallRecorder::new();
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(Asking {
+            calls: vec![3, most, most + 1],
+            step: AtomicUsize::new(0),
+        }))
+        .observer(Arc::new(recorder.clone()))
+        .agent(AgentSpec::new("a"))
+        .start()
+        .expect("the system starts");
+    assert_eq!(system.ask("a", "go").await.unwrap().text, "done");
+    let events = recorder.events();
+    assert_eq!(
+        model_steps(&events),
+        [(1, 3, 0), (2, most, 0), (3, most, 1), (4, 0, 0)],
+        "fewer than the limit, the limit, one past it, then the answer"
+    );
+    let finished = events
+        .iter()
+        .filter(|event| matches!(event, AgentEvent::ToolFinished { .. }))
+        .count();
+    assert_eq!(finished, 3 + 2 * most, "as many as kept");
     system.shutdown().await;
 }

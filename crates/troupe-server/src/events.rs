@@ -97,9 +97,11 @@ pub fn event_json(event: &AgentEvent) -> Value {
             step,
             usage,
             tool_calls,
+            tool_calls_dropped,
             at,
         } => json!({"type": "model_responded", "agent": agent.to_string(), "call": call, "step": step,
-                    "usage": usage, "tool_calls": tool_calls, "at_us": at.as_micros()}),
+                    "usage": usage, "tool_calls": tool_calls, "tool_calls_dropped": tool_calls_dropped,
+                    "at_us": at.as_micros()}),
         AgentEvent::ToolFinished { agent, tool, ok, at } => {
             json!({"type": "tool_finished", "agent": agent.to_string(), "tool": tool, "ok": ok,
                    "at_us": at.as_micros()})
@@ -199,4 +201,32 @@ fn event_stream(
             Some((Ok(item), (events, shutdown, permit)))
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use troupe_agent::agent_id;
+    use troupe_core::Deadline;
+
+    use super::*;
+
+    /// Goal: a `model_responded` event's JSON (in `/v1/events` and a streamed message)
+    /// shows the tool calls dropped past the step's limit beside those kept. Method: the
+    /// JSON of an event whose model asked for 10,000 calls, 16 kept.
+    #[test]
+    fn model_responded_shows_the_tool_calls_kept_and_dropped() {
+        let event = AgentEvent::ModelResponded {
+            agent: agent_id("a").unwrap(),
+            call: Some(7),
+            step: 1,
+            usage: None,
+            tool_calls: 16,
+            tool_calls_dropped: 9_984,
+            at: Deadline::from_micros(5),
+        };
+        let json = event_json(&event);
+        assert_eq!(json["type"], "model_responded", "{json}");
+        assert_eq!(json["tool_calls"], 16, "{json}");
+        assert_eq!(json["tool_calls_dropped"], 9_984, "{json}");
+    }
 }

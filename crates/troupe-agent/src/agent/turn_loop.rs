@@ -390,13 +390,16 @@ impl AgentActor {
                         .usage
                         .map_or(Ok(()), |used| meter.get().charge_tokens(used.total_tokens));
                     if self.shared.has_listeners() {
+                        // The calls the step keeps and runs, and those asked for past the limit.
+                        let asked = reply.message.tool_calls.len();
+                        let kept = asked.min(AGENT_TOOL_CALLS_PER_STEP_MAX);
                         self.shared.emit(&AgentEvent::ModelResponded {
                             agent: self.id.clone(),
                             call: conversation.call,
                             step: steps,
                             usage: reply.usage,
-                            // The calls kept and run, not all the model asked for.
-                            tool_calls: reply.message.tool_calls.len().min(AGENT_TOOL_CALLS_PER_STEP_MAX),
+                            tool_calls: kept,
+                            tool_calls_dropped: asked - kept,
                             at: clock.now(),
                         });
                     }
