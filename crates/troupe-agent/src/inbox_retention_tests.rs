@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use troupe_core::{ActorId, CallContext};
+use troupe_core::{ActorId, CallContext, Deadline};
 use troupe_runtime::{MemoryStore, StateStore};
 
 use crate::agent::agent_id;
@@ -421,14 +421,60 @@ async fn an_overdue_task_left_open_by_a_restart_is_resolved_at_its_due_time() {
             .reply("thanks"),
     );
     let system = restarted(&store, llm, &["coordinator"]);
-    // Past the task's deadline and grace, however far the new system's clock is.
+    // Past the task's deadline and grace on the new system's clock.
     let deadline = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
-    let due = Duration::from_micros(deadline.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
-    tokio::time::sleep(due + Duration::from_secs(1)).await;
+    let due = Deadline::after(deadline, Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS));
+    tokio::time::sleep(due.remaining(system.runtime().now()) + Duration::from_secs(1)).await;
     let record = system.task("coordinator", &task).await.unwrap().expect("kept");
     assert_eq!(record.state, TaskState::Failed, "resolved at its due time: {record:?}");
     let result = record.result.unwrap_or_default();
     assert!(result.starts_with("no result by the task's deadline"), "{result}");
+    system.shutdown().await;
+}
+
+/// Goal: a delegated task's due time means the same instant to the process that reads it
+/// after a restart as to the one that stored it: the task is resolved at its due time,
+/// however long the first process had run. Before 2026-12-06 each runtime's clock counted
+/// from the runtime's start, so the restarted process read the due time late by the first
+/// runtime's age at the delegation (300 s here): the task was still `submitted` a second
+/// after its due time. Method: the first system runs 300 s, then the coordinator delegates
+/// to a worker that accepts and is removed; the due time is taken as an instant on the
+/// simulator's clock; the system stops and a new one starts on the same store; the task
+/// is read a second before that instant and a second after it.
+///
+/// Simulator only: its wall clock is virtual and goes on across the restart, as a real
+/// one does. Tokio's paused clock (the normal build's tests) pauses the monotonic clock
+/// but not the wall clock, so there a restarted clock is anchored at the real time,
+/// behind the virtual time passed.
+#[cfg(madsim)]
+#[tokio::test]
+async fn a_due_time_stored_before_a_restart_keeps_its_real_time() {
+    use crate::limits::AGENT_TASK_RESULT_GRACE_MS;
+    let store = Arc::new(MemoryStore::new());
+    let system = coordinator_workers_and_reviewer(&store, &crate::CallRecorder::new());
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    let task = delegate_to_a_removed_worker(&system).await;
+    let deadline = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
+    let due = Deadline::after(deadline, Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS));
+    let due_at = tokio::time::Instant::now() + due.remaining(system.runtime().now());
+    system.shutdown().await;
+
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::agent("coordinator")
+            .on_user_containing("you delegated is")
+            .reply("thanks"),
+    );
+    let system = restarted(&store, llm, &["coordinator"]);
+    tokio::time::sleep_until(due_at - Duration::from_secs(1)).await;
+    let record = system.task("coordinator", &task).await.unwrap().expect("kept");
+    assert_eq!(record.state, TaskState::Submitted, "not due yet: {record:?}");
+    tokio::time::sleep_until(due_at + Duration::from_secs(1)).await;
+    let record = system.task("coordinator", &task).await.unwrap().expect("kept");
+    assert_eq!(
+        record.state,
+        TaskState::Failed,
+        "resolved at its due time, a second ago: {record:?}"
+    );
     system.shutdown().await;
 }
 
@@ -600,7 +646,9 @@ async fn task_index_migration_goes_a_page_a_turn_and_resumes_after_the_last_comm
     let store = Arc::new(MemoryStore::new());
     let coordinator = agent_id("coordinator").unwrap();
     let records = 2 * PAGE + 5;
-    let deadline = troupe_core::Deadline::from_micros(3_600_000_000);
+    // An hour from now (on a clock anchored as the system's will be): no open task is
+    // overdue during the test.
+    let deadline = troupe_runtime::Clock::new().deadline_in(Duration::from_secs(3_600));
     let writes = (0..records)
         .map(|n| {
             let task_id = format!("coordinator.{n:04}");

@@ -1,36 +1,38 @@
-//! Absolute deadlines on the runtime's monotonic clock.
+//! Absolute deadlines on the runtime's clock (monotonic, anchored on the wall clock).
 
 use std::fmt;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-/// An instant on the runtime's monotonic clock, in microseconds since the clock's epoch.
+/// An instant on the runtime's clock, in microseconds since the Unix epoch.
 ///
-/// The runtime reads its clock from `tokio::time`, so under madsim deadlines are virtual
-/// time. A deadline is absolute: a child call carries its parent's deadline or an earlier
-/// one, never a fresh budget, so a chain of calls can never outlive its root. Clocks of
-/// two nodes have different epochs: the transport translates a deadline to the peer's
-/// clock through a bound on the offset measured at connection time, rounded so the
-/// remote deadline is never later than the local one.
+/// The runtime reads its clock from `tokio::time`, anchored on one reading of the wall
+/// clock when the clock is made (`troupe_runtime::Clock`), so under madsim deadlines are
+/// virtual time, and a deadline stored by one process means the same instant to another.
+/// A deadline is absolute: a child call carries its parent's deadline or an earlier one,
+/// never a fresh budget, so a chain of calls can never outlive its root. Clocks of two
+/// nodes differ by their machines' skew: the transport translates a deadline to the
+/// peer's clock through a bound on the offset measured at connection time, rounded so
+/// the remote deadline is never later than the local one.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Deadline {
     at_us: u64,
 }
 
 impl Deadline {
-    /// The instant `at_us` microseconds after the clock's epoch.
+    /// The instant `at_us` microseconds after the Unix epoch.
     pub const fn from_micros(at_us: u64) -> Self {
         Self { at_us }
     }
 
-    /// Microseconds since the clock's epoch.
+    /// Microseconds since the Unix epoch.
     pub const fn as_micros(self) -> u64 {
         self.at_us
     }
 
-    /// The instant `elapsed` after the clock's epoch, in whole microseconds (rounded
-    /// down), saturating at the end of time.
+    /// The instant `elapsed` after the Unix epoch, in whole microseconds (rounded down),
+    /// saturating at the end of time.
     #[inline]
     pub fn since_epoch(elapsed: Duration) -> Self {
         Self {

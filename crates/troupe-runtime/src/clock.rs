@@ -1,34 +1,67 @@
-//! The runtime's monotonic clock, read from `tokio::time` (virtual under madsim).
+//! The runtime's clock: monotonic, read from `tokio::time` (virtual under madsim), and
+//! anchored on the wall clock once, when it is made, so its readings mean the same thing
+//! in every process (a deadline stored by one runtime and read by another).
 
 use std::time::Duration;
 
 use troupe_core::Deadline;
 
-/// Converts between [`Deadline`]s (microseconds since the clock's epoch) and
-/// `tokio::time::Instant`s. Copy it freely; all copies share the epoch.
+/// Converts between [`Deadline`]s (microseconds since the Unix epoch, counted on this
+/// process's monotonic clock from one reading of the wall clock) and
+/// `tokio::time::Instant`s. Copy it freely; all copies share the anchor.
+///
+/// Why anchored on the wall clock: deadlines are stored (an inbox entry's, a delegated
+/// task's due time, a retention's end) and read again by another runtime, after a
+/// restart or by another node of a cluster. Until 2026-12-06 a clock counted from its
+/// runtime's start, so a stored deadline read by a restarted runtime was late by the old
+/// runtime's age, and read by an older node it was early
+/// (`a_due_time_stored_before_a_restart_keeps_its_real_time`, simulated). Now two clocks
+/// agree to the skew of their machines' wall clocks at their anchors (NTP keeps it to
+/// milliseconds). Within a process the clock stays monotonic: the wall clock is read
+/// once, when the clock is made, so a step of the wall clock later (NTP, an operator)
+/// moves no deadline of a running runtime. Across the wire the transport still measures
+/// the peers' offset at each connection (`transport`), so a remote call's deadline never
+/// depends on the skew. Under madsim the wall clock is the simulator's (it replaces
+/// `clock_gettime`), seeded like everything else: every node of a simulated world reads
+/// one wall clock, and a restarted node goes on from it.
 #[derive(Debug, Clone, Copy)]
 pub struct Clock {
     epoch: tokio::time::Instant,
+    // The wall clock at `epoch`, in whole microseconds since the Unix epoch.
+    epoch_us: u64,
 }
 
 impl Clock {
-    /// A clock whose epoch is now.
+    /// A clock whose anchor is now: the monotonic clock and the wall clock read together.
     pub fn new() -> Self {
-        Self {
-            epoch: tokio::time::Instant::now(),
-        }
+        let epoch = tokio::time::Instant::now();
+        Self::anchored(epoch, wall_clock_us())
+    }
+
+    /// A clock reading `epoch_us` microseconds (since the Unix epoch) at `epoch`: for
+    /// tests that place a clock at a chosen time, as a restarted process would be.
+    pub fn anchored(epoch: tokio::time::Instant, epoch_us: u64) -> Self {
+        Self { epoch, epoch_us }
     }
 
     /// The current time.
     #[inline]
     pub fn now(&self) -> Deadline {
-        Deadline::since_epoch(tokio::time::Instant::now().saturating_duration_since(self.epoch))
+        Deadline::after(
+            Deadline::from_micros(self.epoch_us),
+            tokio::time::Instant::now().saturating_duration_since(self.epoch),
+        )
     }
 
     /// The `tokio::time::Instant` of `deadline`, without reading the clock: for timers
     /// armed at an absolute instant (`tokio::time::sleep_until`).
+    /// A deadline before the clock's anchor (stored by an earlier process) gives the
+    /// anchor's instant or an earlier one: passed either way.
     pub fn instant_of(&self, deadline: Deadline) -> tokio::time::Instant {
-        self.epoch + Duration::from_micros(deadline.as_micros())
+        match deadline.as_micros().checked_sub(self.epoch_us) {
+            Some(after) => self.epoch + Duration::from_micros(after),
+            None => self.before_epoch(self.epoch_us - deadline.as_micros()),
+        }
     }
 
     /// Whether `deadline` has passed now: as `deadline.has_passed(self.now())`, without
@@ -48,7 +81,19 @@ impl Clock {
     /// The instant of `deadline`, or `None` past the clock's range (a deadline that
     /// never passes).
     fn checked_instant_of(&self, deadline: Deadline) -> Option<tokio::time::Instant> {
-        self.epoch.checked_add(Duration::from_micros(deadline.as_micros()))
+        match deadline.as_micros().checked_sub(self.epoch_us) {
+            Some(after) => self.epoch.checked_add(Duration::from_micros(after)),
+            None => Some(self.before_epoch(self.epoch_us - deadline.as_micros())),
+        }
+    }
+
+    /// The instant `before_us` microseconds before the anchor, or the anchor itself if the
+    /// monotonic clock does not reach that far back (it counts from the machine's boot):
+    /// a time already passed either way.
+    fn before_epoch(&self, before_us: u64) -> tokio::time::Instant {
+        self.epoch
+            .checked_sub(Duration::from_micros(before_us))
+            .unwrap_or(self.epoch)
     }
 
     /// The deadline `duration` from now.
@@ -173,6 +218,18 @@ pub(crate) fn coop_budget_left() -> bool {
     #[cfg(madsim)]
     let left = true;
     left
+}
+
+/// The wall clock, in whole microseconds since the Unix epoch (0 for a clock set before
+/// it). The only read of the wall clock in library code (`tests/determinism_guard.rs`
+/// allows this file and no other): once per [`Clock`], and under madsim the simulator's
+/// wall clock, which it seeds (it replaces `clock_gettime`), so seed replay holds
+/// (`crates/troupe-runtime/tests/clock_anchor.rs`).
+fn wall_clock_us() -> u64 {
+    #[allow(clippy::disallowed_methods)]
+    let now = std::time::SystemTime::now();
+    now.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| Deadline::since_epoch(since).as_micros())
 }
 
 impl Default for Clock {

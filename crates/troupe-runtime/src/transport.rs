@@ -30,8 +30,10 @@
 //!
 //! # Deadlines across nodes
 //!
-//! Each runtime's [`Clock`](crate::Clock) counts from its own epoch, so a deadline is
-//! translated when it crosses the wire. Every new connection (and so every reconnect)
+//! Each runtime's [`Clock`](crate::Clock) is anchored on its machine's wall clock when it
+//! starts, so two clocks differ by the machines' skew (and by anything that stepped a
+//! wall clock between the two anchors); a call's deadline must never depend on that, so
+//! it is translated when it crosses the wire. Every new connection (and so every reconnect)
 //! starts with a handshake: the client sends `Hello` stamped with its clock (`sent`),
 //! the server answers `HelloAck` with the stamp echoed and its own clock read when the
 //! hello arrived, and the client reads its clock when the answer arrives (`received`).
@@ -50,8 +52,8 @@
 //! Why this design rather than the alternatives: sending the time remaining (what this
 //! transport did first) gives the transit time back to the host, and a request held up
 //! by a partition or retransmissions ran with its whole budget after its caller had
-//! given up. Sending deadlines on a shared wall clock needs synchronized clocks and
-//! `SystemTime`, which the runtime does not read (it would also not be simulated). A
+//! given up. Sending deadlines as they are, on clocks anchored on the wall clock, trusts
+//! the machines' clocks to be synchronized, which a skew or a stepped clock breaks. A
 //! cancel message alone (there is one, for callers that stop before their deadline)
 //! cannot stop a request held up in a partition: it is held up with it. The
 //! handshake needs no clock synchronization beyond the connection, costs one round trip

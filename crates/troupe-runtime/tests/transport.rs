@@ -1689,12 +1689,15 @@ mod simulated {
     }
 
     /// Goal: the clock handshake bounds the server's clock offset correctly when the two
-    /// runtimes' clocks started at different times, and a remote turn's deadline is never
-    /// later (in real time) than its caller's. Method: the server starts its runtime
-    /// 3.5 s after the client's clock started, on a link with 1-10 ms of random latency;
-    /// compare the client's estimate with the true offset (both epochs read from the
-    /// simulator's one clock), then check a reported remote deadline; after 2 s a call
-    /// refreshes the bound.
+    /// runtimes' clocks disagree, and a remote turn's deadline is never later (in real
+    /// time) than its caller's. Method: the client's clock is anchored 3.5 s ahead of the
+    /// wall clock (a skewed machine: `Clock::anchored`; clocks anchored on the simulator's
+    /// one wall clock would agree), and the server starts its runtime 3.5 s after the
+    /// client's clock started, on a link with 1-10 ms of random latency; compare the
+    /// client's estimate with the true offset (both epochs read from the simulator's one
+    /// clock), then check a reported remote deadline; after 2 s a call refreshes the
+    /// bound. (Until 2026-12-06 clocks counted from their runtime's start, and the late
+    /// start alone made them differ.)
     #[madsim::test]
     async fn the_clock_handshake_bounds_the_offset_between_runtimes_started_at_different_times() {
         let handle = Handle::current();
@@ -1727,7 +1730,11 @@ mod simulated {
                 NetSim::current().update_config(|config| {
                     config.send_latency = Duration::from_millis(1)..Duration::from_millis(10);
                 });
-                let clock = Clock::new();
+                let skew = Duration::from_millis(3_500);
+                let clock = Clock::anchored(
+                    tokio::time::Instant::now(),
+                    troupe_core::Deadline::after(reference.now(), skew).as_micros(),
+                );
                 let client_epoch = epoch_on(clock.now());
                 tokio::time::sleep(Duration::from_secs(4)).await;
                 let transport = TransportClient::new(server_address(), clock);
@@ -1742,7 +1749,7 @@ mod simulated {
                 let report: ContextReport = bincode::deserialize(&reply).unwrap();
 
                 let server_epoch = server_epoch.lock().unwrap().expect("the server started");
-                // server clock - client clock: negative, the server started later.
+                // server clock - client clock: negative, the client's runs ahead.
                 let true_offset_us = client_epoch - server_epoch;
                 assert!(
                     true_offset_us <= -3_400_000,

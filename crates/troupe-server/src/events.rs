@@ -24,8 +24,9 @@ use crate::limits::SERVER_EVENT_STREAMS_MAX;
 use crate::server::AppState;
 
 /// `event` as a JSON object: `type` (snake_case variant name), its fields, agents and
-/// actors as their ids (`agent/NAME`), times `at_us` in microseconds on the runtime's
-/// clock (since the runtime started, not wall-clock time).
+/// actors as their ids (`agent/NAME`), times `at_us` in microseconds since the Unix
+/// epoch on the runtime's clock (anchored on the wall clock when the runtime started,
+/// monotonic from there).
 pub fn event_json(event: &AgentEvent) -> Value {
     match event {
         AgentEvent::MessageSent {
