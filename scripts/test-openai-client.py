@@ -14,6 +14,7 @@ bounded; a missing `openai` package fails the run with what to install.
 """
 
 import sys
+import time
 
 from serve_harness import check, serving
 
@@ -70,6 +71,9 @@ def run(address):
     check(text == "Looks fine.", f"chat.completions: {text!r}")
     check(completion.choices[0].finish_reason == "stop", f"finish_reason {completion.choices[0].finish_reason}")
     check(completion.model == "critic", f"model {completion.model}")
+    # `created`: Unix seconds of the completion, from the server's runtime clock.
+    now = time.time()
+    check(now - 60 <= completion.created <= now + 1, f"created {completion.created}, now {now}")
     print(f"ok chat.completions.create: {text!r}")
 
     usage = completion.usage

@@ -15,7 +15,9 @@
 //! `"stream_options": {"include_usage": true}`, as OpenAI's: a last chunk before
 //! `[DONE]` with empty `choices` and the turn's `usage`, every other chunk with
 //! `"usage": null`. Errors before the answer keep their HTTP status and the one error
-//! shape. `created` is 0: the server reads no wall clock.
+//! shape. `created` is when the turn was asked for, in Unix seconds, on the runtime's
+//! clock (anchored on the wall clock when the runtime started); a model's `created` in
+//! `/v1/models` is 0 (when an agent was made is not kept).
 //!
 //! `stream_options` on a request that is not streamed (`stream` false, null or absent)
 //! is refused as OpenAI's API refuses it: 400 `invalid_request_error`, before the agent
@@ -161,6 +163,9 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
     } else {
         None
     };
+    // When the completion was created, in Unix seconds, as OpenAI's `created`: the
+    // runtime's clock, anchored on the wall clock, read as the turn is asked for.
+    let created = state.client.runtime().now().as_micros() / 1_000_000;
     let timeout = Duration::from_millis(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT);
     let options = AskOptions::default().timeout(timeout).traced(trace);
     let reply = state.client.ask_with(&body.model, &text, options).await?;
@@ -175,7 +180,7 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
         return Ok(Json(json!({
             "id": id,
             "object": "chat.completion",
-            "created": 0,
+            "created": created,
             "model": body.model,
             "choices": [{
                 "index": 0,
@@ -195,7 +200,7 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
         let mut chunk = json!({
             "id": id,
             "object": "chat.completion.chunk",
-            "created": 0,
+            "created": created,
             "model": body.model,
             "choices": choices,
         });

@@ -87,6 +87,13 @@ fn chat_chunks(text: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The wall clock in whole Unix seconds: what an OpenAI `created` is compared with.
+#[allow(clippy::disallowed_methods)]
+fn unix_seconds() -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.expect("after 1970").as_secs()
+}
+
 fn error_code(body: &Value) -> &str {
     body["error"]["code"]
         .as_str()
@@ -872,10 +879,18 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
         ],
         "temperature": 0.2,
     });
+    let before = unix_seconds();
     let (status, body) = server.post("/v1/chat/completions", request.clone()).await;
+    let after = unix_seconds();
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["model"], "echo");
+    // `created`: when the completion was made, in Unix seconds (0 until 2026-12-06).
+    let created = body["created"].as_u64().unwrap_or_else(|| panic!("{body}"));
+    assert!(
+        (before..=after).contains(&created),
+        "created {created}, the wall clock {before}..={after}"
+    );
     assert_eq!(
         body["choices"][0]["message"],
         json!({"role": "assistant", "content": "echo: second"})
@@ -894,6 +909,12 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
         .map(|(_, data)| serde_json::from_str(data).unwrap())
         .collect();
     assert!(chunks.iter().all(|chunk| chunk["object"] == "chat.completion.chunk"));
+    let created = chunks[0]["created"].as_u64().unwrap_or_else(|| panic!("{}", chunks[0]));
+    assert!((after..=unix_seconds()).contains(&created), "created {created}");
+    assert!(
+        chunks.iter().all(|chunk| chunk["created"] == created),
+        "one `created` for every chunk"
+    );
     let text: String = chunks
         .iter()
         .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str())
