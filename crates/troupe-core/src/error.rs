@@ -130,7 +130,11 @@ pub enum InvokeError {
 }
 
 impl InvokeError {
-    /// Whether retrying the same request later may succeed (busy, overloaded, timed out).
+    /// Whether retrying the same request later may succeed: busy, overloaded, timed out,
+    /// unreachable, or a turn fenced off by another activation of its actor (a
+    /// [`StoreError::Fenced`] storage failure: the stale activation closes, and a later
+    /// request activates the actor again from its newest committed state). Any other
+    /// storage failure is not: retrying a failed store blindly can make it worse.
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
@@ -139,6 +143,10 @@ impl InvokeError {
                 | Self::ConnectionBusy { .. }
                 | Self::Timeout { .. }
                 | Self::Unreachable { .. }
+                | Self::StorageFailed {
+                    source: StoreError::Fenced { .. },
+                    ..
+                }
         )
     }
 }
@@ -192,6 +200,29 @@ mod tests {
             after(0).to_string(),
             "invocation of agent/b timed out: its deadline passed"
         );
+    }
+
+    /// Goal: a turn fenced off by another activation is transient (a retry activates the
+    /// actor again and can succeed, as `troupe serve` tells its clients with 503
+    /// `fenced` and Retry-After), and other storage failures are not. Before 2026-12-06
+    /// the fenced one was not (`is_transient` was false).
+    #[test]
+    fn a_fenced_turn_is_transient_and_other_storage_failures_are_not() {
+        let target = ActorId::new("agent", "a").unwrap();
+        let failed = |source| InvokeError::StorageFailed {
+            target: target.clone(),
+            source,
+        };
+        let fenced = failed(StoreError::Fenced {
+            actor: target.clone(),
+            held: crate::Fence::from_token(1).unwrap(),
+            current: crate::Fence::from_token(2),
+        });
+        assert!(fenced.is_transient(), "{fenced}");
+        let injected = failed(StoreError::Injected {
+            operation: crate::StoreOperation::Commit,
+        });
+        assert!(!injected.is_transient(), "{injected}");
     }
 
     #[test]
