@@ -545,15 +545,15 @@ async fn task_records_from_before_the_indexes_are_indexed_then_resolved_and_dele
                 .reply("thanks"),
         );
     let system = restarted(&store, llm, &["coordinator", "reviewer"]);
-    // Past the old task's deadline and grace, however far the new system's clock is.
+    // Past the old task's deadline and grace on the new system's clock.
     let deadline = system
         .task("coordinator", &abandoned)
         .await
         .unwrap()
         .expect("kept")
         .deadline;
-    let overdue = Duration::from_micros(deadline.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
-    tokio::time::sleep(overdue + SETTLE).await;
+    let overdue = Deadline::after(deadline, Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS));
+    tokio::time::sleep(overdue.remaining(system.runtime().now()) + SETTLE).await;
     system
         .delegate("coordinator", "reviewer", "review late", Some(60_000))
         .await
