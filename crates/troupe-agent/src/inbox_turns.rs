@@ -1,7 +1,6 @@
 //! The agent's inbox and outbox turns (see `inbox.rs` for the protocol), and the
 //! `delegate_to_agent` and `notify_agent` tools.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
@@ -29,9 +28,12 @@ use crate::limits::{
     AGENT_WAKE_RETRY_ATTEMPTS_MAX,
 };
 use crate::{tool_parameters_schema, AgentEvent, Spend, Tool, ToolError, ToolExecutionContext};
+// The overdue-task wake-ups' module; its types are named here too (the agent's shared
+// state and the tests name them through this module).
+pub(crate) use crate::overdue_wake::{arm_overdue_wake, disarm_overdue_wake, OverdueWake};
 
 /// How long a self-told wake-up (process, relay, resume) may wait in the mailbox.
-const WAKE_TIMEOUT: Duration = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
+pub(crate) const WAKE_TIMEOUT: Duration = Duration::from_millis(INVOKE_TIMEOUT_MS_MAX);
 
 /// Extra time a processing turn gets past its entry's deadline, so that a model loop cut
 /// at the deadline still commits the failure (the runtime would roll it back).
@@ -161,109 +163,6 @@ pub(crate) fn wake_later(shared: &crate::agent::AgentShared, id: ActorId, wake: 
         }
         tracing::warn!(actor = %id, attempts = AGENT_WAKE_RETRY_ATTEMPTS_MAX, "a wake-up was refused busy at every attempt; the work waits for the next resume");
     });
-}
-
-/// Arms agent `id`'s wake-up for `due_us` (microseconds on the runtime's clock), the
-/// time a `task_due/` key of its is due: at that time a task of this process tells it
-/// [`AgentCommand::ResolveOverdue`], which activates it if need be, and its turn
-/// resolves the overdue tasks (`resolve_overdue_tasks`) and arms the next due time it
-/// found. Without it an overdue task was resolved only when something else reached its
-/// delegator. One timer per agent in this process ([`crate::agent::AgentShared`]'s
-/// `overdue_wakes`): an earlier due moves it earlier, a later one (or `u64::MAX`, none)
-/// changes nothing. A wake-up for a key deleted meanwhile, or armed by a turn that was
-/// rolled back, is a turn that finds nothing due (and arms the due it finds). The task
-/// holds the system weakly: a dropped system's timer ends when it fires, telling nothing.
-pub(crate) fn arm_overdue_wake(shared: &Arc<crate::agent::AgentShared>, id: &ActorId, due_us: u64) {
-    if due_us == OverdueWake::DISARMED {
-        return;
-    }
-    let Some(runtime) = shared.runtime() else {
-        return;
-    };
-    let mut wakes = shared.overdue_wakes.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(armed) = wakes.get(id) {
-        if due_us < armed.due_us.load(Ordering::Relaxed) {
-            armed.due_us.store(due_us, Ordering::Relaxed);
-            armed.changed.notify_one();
-        }
-        return;
-    }
-    let wake = Arc::new(OverdueWake {
-        due_us: AtomicU64::new(due_us),
-        changed: tokio::sync::Notify::new(),
-    });
-    wakes.insert(id.clone(), Arc::clone(&wake));
-    drop(wakes);
-    let clock = runtime.clock();
-    drop(runtime);
-    let system = Arc::downgrade(shared);
-    let id = id.clone();
-    tokio::spawn(async move {
-        loop {
-            // Before the read: a change made after it leaves a permit, so it is not missed.
-            let changed = wake.changed.notified();
-            let due_us = wake.due_us.load(Ordering::Relaxed);
-            if due_us == OverdueWake::DISARMED {
-                return;
-            }
-            let at = clock.instant_of(Deadline::from_micros(due_us));
-            // Biased, as every `select!` here (a random order would differ between seeds'
-            // replays); a change first, so a disarm that came with the due time is seen.
-            tokio::select! {
-                biased;
-                () = changed => {}
-                () = tokio::time::sleep_until(at) => break,
-            }
-        }
-        let Some(shared) = system.upgrade() else {
-            return;
-        };
-        {
-            let mut wakes = shared.overdue_wakes.lock().unwrap_or_else(PoisonError::into_inner);
-            if wake.due_us.load(Ordering::Relaxed) == OverdueWake::DISARMED {
-                return; // disarmed as it fired: the entry, if any, is another timer's
-            }
-            // Out before the tell: a due armed from now on gets a timer of its own.
-            wakes.remove(&id);
-        }
-        let Some(runtime) = shared.runtime() else {
-            return;
-        };
-        let wake = AgentCommand::ResolveOverdue.encode();
-        match runtime.tell(&id, wake.clone(), runtime.deadline_in(WAKE_TIMEOUT)).await {
-            Ok(()) => {}
-            Err(InvokeError::Busy { .. }) => wake_later(&shared, id, wake),
-            Err(error) => {
-                tracing::warn!(agent = %id, %error, "could not wake an agent to resolve its overdue tasks; its next turn will");
-            }
-        }
-    });
-}
-
-/// An agent's armed wake-up (see [`arm_overdue_wake`]), shared by its timer task and
-/// the map of armed wake-ups; changed only under that map's lock.
-pub(crate) struct OverdueWake {
-    /// When the timer fires (microseconds), or [`Self::DISARMED`].
-    due_us: AtomicU64,
-    /// Told when `due_us` changes (earlier, or disarmed): wakes the timer, in order
-    /// (not a `watch`: see `clippy.toml`).
-    changed: tokio::sync::Notify,
-}
-
-impl OverdueWake {
-    /// The `due_us` of a wake-up that no longer fires: its timer ends.
-    const DISARMED: u64 = u64::MAX;
-}
-
-/// Drops agent `id`'s armed wake-up (its timer ends): it has no open task left. A turn
-/// that did it and was rolled back leaves its open tasks to the next activation, whose
-/// first turn scans them again and arms the wake-up anew.
-fn disarm_overdue_wake(shared: &crate::agent::AgentShared, id: &ActorId) {
-    let mut wakes = shared.overdue_wakes.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(armed) = wakes.remove(id) {
-        armed.due_us.store(OverdueWake::DISARMED, Ordering::Relaxed);
-        armed.changed.notify_one();
-    }
 }
 
 impl AgentActor {

@@ -72,6 +72,7 @@ mod org;
 mod org_api;
 mod org_prompt;
 mod org_store;
+mod overdue_wake;
 mod permissions;
 mod remote;
 mod resume_sweep;

@@ -225,6 +225,15 @@ pub const AGENT_TASK_RECORDS_PRUNED_PER_PASS: usize = 16;
 /// was removed, or its entry lost) would otherwise hold one of the delegator's
 /// [`AGENT_TASKS_OPEN_MAX`] slots for good; a result that comes later is a duplicate.
 pub const AGENT_TASK_RESULT_GRACE_MS: u64 = 60_000;
+/// How long past an open task's due time (see [`AGENT_TASK_RESULT_GRACE_MS`]) a cluster
+/// node that learnt of the task from the store, not from a turn of its delegator (at its
+/// start, or in a resume sweep), waits before it reads the delegator's earliest
+/// `task_due/` key again and, only if that key is still due, wakes the delegator
+/// wherever it lives, in milliseconds. The node that runs the delegator's turns wakes it
+/// at the due time itself and its turn deletes the key, so in the usual case the other
+/// nodes find it gone and send nothing; when that node died, the first node to look
+/// takes the delegator over and resolves the task this much late.
+pub const AGENT_OVERDUE_TAKEOVER_DELAY_MS: u64 = 5_000;
 /// Overdue delegated tasks (see [`AGENT_TASK_RESULT_GRACE_MS`]) one turn of their
 /// delegator resolves `failed`, at most; each one resolved is a result in its inbox, whose
 /// turn resolves the next ones.
@@ -264,6 +273,10 @@ const _: () = assert!(
         >= crate::inbox_turns::PROCESS_GRACE_MS + AGENT_DELIVERY_ACK_TIMEOUT_MS + AGENT_DELIVERY_RETRY_MS
 );
 const _: () = assert!(AGENT_TASKS_OVERDUE_RESOLVED_PER_PASS >= 1);
+// A takeover waits for the owner's own wake-up and turn, and is not later than the
+// overdue task's grace is long.
+const _: () = assert!(AGENT_OVERDUE_TAKEOVER_DELAY_MS >= 1);
+const _: () = assert!(AGENT_OVERDUE_TAKEOVER_DELAY_MS <= AGENT_TASK_RESULT_GRACE_MS);
 const _: () = assert!(AGENT_TASK_INDEX_MIGRATED_PER_TURN >= 1);
 const _: () = assert!(AGENT_TASK_INDEX_MIGRATED_PER_TURN <= troupe_runtime::STATE_SCAN_LIMIT_MAX);
 // The key of an open task (`task_due/{at_us:020}/{task_id}`) fits in the store's key.
@@ -274,7 +287,7 @@ const _: () = assert!(AGENT_TASK_TIMEOUT_MS_DEFAULT <= AGENT_TASK_TIMEOUT_MS_MAX
 const _: () = assert!(AGENT_TASK_TIMEOUT_MS_MAX <= troupe_core::limits::INVOKE_TIMEOUT_MS_MAX);
 const _: () = assert!(AGENT_RESUME_BATCH * 2 < troupe_core::limits::MAILBOX_CAPACITY_DEFAULT);
 /// The shortest period of a resume sweep ([`crate::AgentClient::start_resume_sweep`]),
-/// in milliseconds: every round reads two keys per agent and one per conversation.
+/// in milliseconds: every round reads three keys per agent and one per conversation.
 pub const AGENT_RESUME_SWEEP_MS_MIN: u64 = 100;
 /// The longest period of a resume sweep, in milliseconds (an hour).
 pub const AGENT_RESUME_SWEEP_MS_MAX: u64 = 3_600_000;

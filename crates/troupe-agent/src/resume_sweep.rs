@@ -1,5 +1,5 @@
-//! A resume sweep: [`AgentClient::resume_pending`] and
-//! [`AgentClient::resume_conversations`] run again every period, for as long as the
+//! A resume sweep: [`AgentClient::resume_pending`], `AgentClient::arm_overdue_wakes`
+//! and [`AgentClient::resume_conversations`] run again every period, for as long as the
 //! [`ResumeSweep`] is kept.
 //!
 //! Why: on a cluster, an agent with pending inbox or outbox entries whose node died is
@@ -12,9 +12,18 @@
 //! activation process the entries. Resuming is idempotent, so a sweep that meets an
 //! agent already at work changes nothing.
 //!
-//! Cost: each round reads two keys per agent of the directory and, for the conversations,
-//! one page of the index per `CONVERSATIONS_LISTED_MAX` conversations and one key each.
-//! A single process does not need a sweep: `attach` and each activation resume.
+//! Each round also arms, for every agent with an open delegated task, the wake-up that
+//! resolves it once overdue (`AgentClient::arm_overdue_wakes`; on a cluster node a watch
+//! that wakes the agent only if its own node has not resolved the task shortly after its
+//! due time: `overdue_wake.rs`). Without it, a task delegated after a node's start by an
+//! agent whose node then died stayed `submitted` past its due time until something
+//! reached the agent: the wake-up its delegation armed died with its node, and the
+//! other nodes had read the open tasks only at their start.
+//!
+//! Cost: each round reads three keys per agent of the directory and, for the
+//! conversations, one page of the index per `CONVERSATIONS_LISTED_MAX` conversations and
+//! one key each. A single process does not need a sweep: `attach` and each activation
+//! resume and arm.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -46,7 +55,8 @@ pub struct ResumeSweep {
 }
 
 impl ResumeSweep {
-    /// Rounds completed so far (each ran both resumes, whatever they found).
+    /// Rounds completed so far (each ran both resumes and armed the overdue wake-ups,
+    /// whatever they found).
     pub fn rounds(&self) -> u64 {
         self.rounds.load(Ordering::Relaxed)
     }
@@ -63,8 +73,9 @@ impl Drop for ResumeSweep {
 }
 
 impl AgentClient {
-    /// Runs [`AgentClient::resume_pending`] and [`AgentClient::resume_conversations`]
-    /// every `every`, the first time `every` from now (`attach` has just run both), on
+    /// Runs [`AgentClient::resume_pending`], `arm_overdue_wakes` and
+    /// [`AgentClient::resume_conversations`] every `every`, the first time `every` from
+    /// now (`attach` has just run them), on
     /// the current runtime, until the returned [`ResumeSweep`] is dropped. A round that
     /// fails (the store) is logged and the next one runs on time. Meant for cluster
     /// nodes (module doc of `resume_sweep.rs`); `troupe node` runs one every
@@ -97,6 +108,10 @@ impl AgentClient {
                     Ok(woken) if woken > 0 => tracing::debug!(woken, "resume sweep: agents with pending entries"),
                     Ok(_) => {}
                     Err(error) => tracing::warn!(%error, "resume sweep: reading pending entries failed"),
+                }
+                match client.arm_overdue_wakes().await {
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(%error, "resume sweep: reading open delegated tasks failed"),
                 }
                 match client.resume_conversations().await {
                     Ok(woken) if woken > 0 => {

@@ -18,7 +18,7 @@ use crate::agent::{
 use crate::budget::{reply_or_exhausted, AskOptions};
 use crate::call_agent::call_agent_tool;
 use crate::inbox::{
-    decode_reply, task_deadline, task_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, SendReply, TASK_DUE_INDEX,
+    decode_reply, task_deadline, task_key, AgentCommand, EnqueueReply, InboxBody, InboxEntry, SendReply,
 };
 use crate::inbox_turns::{delegate_tool, notify_tool};
 use crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS;
@@ -795,29 +795,35 @@ impl AgentClient {
 
     /// Arms, for every agent of the directory with an open delegated task (a
     /// `task_due/` key), the wake-up that resolves its tasks overdue at the earliest due
-    /// time (`inbox_turns::arm_overdue_wake`), without activating it: the wake-ups armed
-    /// by the delegations of an earlier run were in memory, and an agent with nothing
-    /// else pending is not resumed. Run by `attach`, one key read per agent. Returns how
-    /// many agents have one armed.
+    /// time, without activating it: the wake-ups armed by the turns of an earlier run,
+    /// or of another node, are in that process's memory. Run by `attach`, and on a
+    /// cluster node by each round of a resume sweep; one key read per agent. Returns how
+    /// many agents have an open task.
+    ///
+    /// In a single process (no root call router) each is armed as its turns would arm
+    /// it (`overdue_wake::arm_overdue_wake`): told at the due time. On a cluster node,
+    /// which may not run the agent, as a watch (`overdue_wake::watch_overdue_wake`): it
+    /// looks again [`crate::limits::AGENT_OVERDUE_TAKEOVER_DELAY_MS`] after the due time
+    /// and wakes the agent, through the router, only if its node has not resolved the
+    /// task by then (it died, say). The node that runs the agent arms its own wake-up at
+    /// the agent's turns (each activation's first command scans the index).
     ///
     /// # Errors
     /// [`StoreError`] if reading a key fails.
     pub(crate) async fn arm_overdue_wakes(&self) -> Result<usize, StoreError> {
         let mut armed = 0;
-        let store = self.runtime.store();
+        let cluster = self.runtime.has_root_call_router();
         for spec in self.shared.directory.list() {
             let Ok(id) = agent_id(&spec.id) else { continue };
-            let first = store.scan(&id, TASK_DUE_INDEX.prefix, None, 1).await?;
-            let Some((key, _)) = first.first() else {
+            let Some(due_us) = crate::overdue_wake::earliest_task_due(&self.runtime, &id).await? else {
                 continue;
             };
-            match TASK_DUE_INDEX.parse(key) {
-                Ok((due_us, _)) => {
-                    crate::inbox_turns::arm_overdue_wake(&self.shared, &id, due_us);
-                    armed += 1;
-                }
-                Err(error) => tracing::warn!(agent = %id, %error, "an open task's key does not parse"),
+            if cluster {
+                crate::overdue_wake::watch_overdue_wake(&self.shared, &id, due_us);
+            } else {
+                crate::overdue_wake::arm_overdue_wake(&self.shared, &id, due_us);
             }
+            armed += 1;
         }
         Ok(armed)
     }
