@@ -360,6 +360,17 @@ fn restarted(store: &Arc<MemoryStore>, llm: ScriptedLlm, agents: &[&str]) -> Age
     builder.start().expect("the system starts")
 }
 
+/// The coordinator alone, restarted on `store`, thanking for whatever it is told of a
+/// task it delegated (the failure of an overdue one).
+fn restarted_coordinator(store: &Arc<MemoryStore>) -> AgentSystem {
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::agent("coordinator")
+            .on_user_containing("you delegated is")
+            .reply("thanks"),
+    );
+    restarted(store, llm, &["coordinator"])
+}
+
 /// Goal: a task whose delegatee accepted it and then never answers is resolved `failed`
 /// at its due time (its deadline plus [`crate::limits::AGENT_TASK_RESULT_GRACE_MS`])
 /// with nothing more sent to its delegator: the delegation armed the delegator's
@@ -415,12 +426,7 @@ async fn an_overdue_task_left_open_by_a_restart_is_resolved_at_its_due_time() {
     let task = delegate_to_a_removed_worker(&system).await;
     system.shutdown().await;
 
-    let llm = ScriptedLlm::new().rule(
-        ScriptRule::agent("coordinator")
-            .on_user_containing("you delegated is")
-            .reply("thanks"),
-    );
-    let system = restarted(&store, llm, &["coordinator"]);
+    let system = restarted_coordinator(&store);
     // Past the task's deadline and grace on the new system's clock.
     let deadline = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
     let due = Deadline::after(deadline, Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS));
@@ -459,12 +465,7 @@ async fn a_due_time_stored_before_a_restart_keeps_its_real_time() {
     let due_at = tokio::time::Instant::now() + due.remaining(system.runtime().now());
     system.shutdown().await;
 
-    let llm = ScriptedLlm::new().rule(
-        ScriptRule::agent("coordinator")
-            .on_user_containing("you delegated is")
-            .reply("thanks"),
-    );
-    let system = restarted(&store, llm, &["coordinator"]);
+    let system = restarted_coordinator(&store);
     tokio::time::sleep_until(due_at - Duration::from_secs(1)).await;
     let record = system.task("coordinator", &task).await.unwrap().expect("kept");
     assert_eq!(record.state, TaskState::Submitted, "not due yet: {record:?}");
