@@ -3,9 +3,10 @@
 
 Starts the troupe binary (the path is the first argument) on 127.0.0.1 with a free port,
 a bearer token and the scripted model, then with the `a2a-sdk` client (JSON-RPC
-transport): resolves an agent card from its well-known path, sends a blocking message,
-streams one, reads a task back (GetTask, ListTasks), delegates without blocking to the
-slow `archivist` agent, cancels a second task still waiting behind it (canceled) and the
+transport): resolves an agent card from its well-known path, sends a blocking message
+(its task's `status.timestamp` within a minute of now), reads the task back (GetTask,
+ListTasks, ListTasks since that timestamp), streams a message, delegates without
+blocking to the slow `archivist` agent, cancels a second task still waiting behind it (canceled) and the
 running one (not cancelable), subscribes to the running one until it completes, and
 checks the typed errors: an unknown task, a refused cycle in `metadata.troupe`, an
 unknown method and a wrong token. The server is stopped with SIGTERM at the end (killed
@@ -17,6 +18,7 @@ the run with what to install.
 
 import asyncio
 import sys
+import time
 
 from serve_harness import check, serving
 
@@ -92,6 +94,10 @@ async def run(address):
         check(reply == "Looks fine.", f"SendMessage reply {reply!r}")
         check(text_of(task.status.message.parts) == "Looks fine.", f"status message {task.status.message}")
         print(f"ok SendMessage (blocking): {task.id} completed: {reply!r}")
+        check(task.status.HasField("timestamp"), f"no status.timestamp: {task.status}")
+        off_s = abs(time.time() - task.status.timestamp.ToNanoseconds() / 1e9)
+        check(off_s < 60, f"status.timestamp {task.status.timestamp.ToJsonString()} is {off_s:.1f} s from now")
+        print(f"ok status.timestamp: {task.status.timestamp.ToJsonString()} ({off_s:.3f} s from now)")
 
         # GetTask and ListTasks.
         got = await blocking.get_task(pb.GetTaskRequest(id=task.id))
@@ -100,6 +106,9 @@ async def run(address):
         listed = await blocking.list_tasks(pb.ListTasksRequest())
         check(task.id in [t.id for t in listed.tasks], f"ListTasks: {listed}")
         print(f"ok GetTask, ListTasks: {len(listed.tasks)} task(s)")
+        since = await blocking.list_tasks(pb.ListTasksRequest(status_timestamp_after=task.status.timestamp))
+        check(task.id in [t.id for t in since.tasks], f"ListTasks statusTimestampAfter its own time: {since}")
+        print(f"ok ListTasks statusTimestampAfter: {len(since.tasks)} task(s)")
 
         # SendStreamingMessage: the task, then its updates, the reply artifact, the end.
         streaming = await client_for(http, address, "critic")

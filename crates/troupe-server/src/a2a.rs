@@ -843,6 +843,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
                 trace_id: accepted.trace.to_string(),
             },
             rejected.clone(),
+            a2a.app.client.runtime().now(),
         );
         // Other sends to the agent may use a new block up before this one numbers its
         // task: reserve again, a bounded number of times.
@@ -894,8 +895,9 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
     if let Err(error) = saved {
         lost_hold(a2a, agent, &error);
         let reason = format!("the task could not be stored: {error}");
+        let now = a2a.app.client.runtime().now();
         a2a.tasks.update(&record.id, |task| {
-            task.state = TaskState::Failed;
+            task.enter(TaskState::Failed, now);
             task.reason = Some(reason.clone());
             // The client is told to retry: its message sent again starts a new task.
             task.busy = true;
@@ -992,10 +994,11 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
     let _turn = turn.await;
     lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     let mut started = false;
+    let now = a2a.app.client.runtime().now();
     let record = a2a.tasks.update(&id, |task| {
         started = task.state == TaskState::Submitted;
         if started {
-            task.state = TaskState::Working;
+            task.enter(TaskState::Working, now);
         }
         started
     });
@@ -1022,7 +1025,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
                 } else {
                     "agent_failed"
                 };
-                task.state = done.state;
+                task.enter(done.state, now);
                 task.inner = Some(done.task_id);
                 let result = done.result.unwrap_or_default();
                 if done.state == TaskState::Completed {
@@ -1035,11 +1038,12 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
                 }
             }
             Err(error) => {
-                task.state = if matches!(error.code, "refused" | "agent_not_found") {
+                let state = if matches!(error.code, "refused" | "agent_not_found") {
                     TaskState::Rejected
                 } else {
                     TaskState::Failed
                 };
+                task.enter(state, now);
                 task.busy = error.retry_after_s.is_some();
                 task.reason = Some(format!("{}: {}", error.code, error.message));
             }
@@ -1148,8 +1152,37 @@ fn agent_message(task: &TaskRecord, suffix: &str, text: &str) -> Value {
     })
 }
 
+/// A time by the runtime's clock (microseconds since the Unix epoch) as A2A writes a
+/// status time: RFC 3339 in UTC with six fractional digits, `2026-12-06T06:41:29.123456Z`
+/// (protobuf's JSON form of a `Timestamp`, as the `a2a-sdk` reads it), so it reads back
+/// to the same microsecond. None past the year 9999, which RFC 3339 cannot write.
+fn timestamp_json(micros: u64) -> Option<String> {
+    let at = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(micros) * 1_000).ok()?;
+    Some(format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
+        at.year(),
+        u8::from(at.month()),
+        at.day(),
+        at.hour(),
+        at.minute(),
+        at.second(),
+        at.microsecond()
+    ))
+}
+
+/// An RFC 3339 time (any offset, any number of fractional digits) in nanoseconds since
+/// the Unix epoch (negative before it); None if it is not one.
+fn timestamp_parse(text: &str) -> Option<i128> {
+    time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+        .ok()
+        .map(time::OffsetDateTime::unix_timestamp_nanos)
+}
+
 fn status_json(task: &TaskRecord) -> Value {
     let mut status = json!({"state": state_name(task.state)});
+    if let Some(timestamp) = task.state_since_micros.and_then(timestamp_json) {
+        status["timestamp"] = Value::String(timestamp);
+    }
     if let Some(reply) = &task.reply {
         status["message"] = agent_message(task, "reply", reply);
     } else if let Some(reason) = &task.reason {
@@ -1301,7 +1334,7 @@ fn get_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value
 /// ended is not cancelable.
 async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
     let params: TaskIdParams = parse(params)?;
-    match a2a.tasks.cancel(agent, &params.id) {
+    match a2a.tasks.cancel(agent, &params.id, a2a.app.client.runtime().now()) {
         CancelOutcome::Canceled(task) => {
             // The lane skips it (and stores it too); stored here before the answer.
             a2a.store.save(&a2a.tasks, &task, &[]).await.map_err(|error| {
@@ -1336,14 +1369,25 @@ struct ListParams {
     status_timestamp_after: Option<Value>,
 }
 
-/// `ListTasks`: the agent's tasks, newest first, a page at a time.
+/// `ListTasks`: the agent's tasks, newest first, a page at a time. With
+/// `statusTimestampAfter`, only those whose status time is at or after it (as the
+/// `a2a-sdk`'s own task stores compare); a task without one (stored by a version before
+/// it was kept) is left out.
 fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
     let params: ListParams = parse(params)?;
-    if params.status_timestamp_after.is_some() {
-        return Err(RpcError::params(
-            "\"statusTimestampAfter\" cannot be served: tasks carry no timestamps (the server reads no wall clock)",
-        ));
-    }
+    let since_nanos = match &params.status_timestamp_after {
+        None => None,
+        Some(Value::String(text)) => Some(timestamp_parse(text).ok_or_else(|| {
+            RpcError::params(format!(
+                "\"statusTimestampAfter\" {text:?} is not an RFC 3339 time (e.g. \"2026-12-06T06:41:29.123Z\")"
+            ))
+        })?),
+        Some(other) => {
+            return Err(RpcError::params(format!(
+                "\"statusTimestampAfter\" must be an RFC 3339 time string, got {other}"
+            )))
+        }
+    };
     let page_size = match params.page_size {
         None => A2A_LIST_TASKS_PAGE_DEFAULT,
         Some(size) => match usize::try_from(size) {
@@ -1402,6 +1446,10 @@ fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Val
             .as_deref()
             .is_none_or(|context| context.is_empty() || task.context_id == context)
             && status.is_none_or(|state| task.state == state)
+            && since_nanos.is_none_or(|since| {
+                task.state_since_micros
+                    .is_some_and(|micros| i128::from(micros) * 1_000 >= since)
+            })
     });
     let total = matching.len();
     let page: Vec<&TaskRecord> = matching

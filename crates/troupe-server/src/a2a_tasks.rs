@@ -49,6 +49,12 @@
 //! with other parts is refused. A task that ended with a refusal to retry (`busy`: the
 //! agent was busy, or the task could not be stored) is not reused: its message sent
 //! again starts a new task.
+//!
+//! Each record keeps when its task entered its state ([`TaskRecord::state_since_micros`],
+//! by the runtime's clock, which is anchored on the wall clock): A2A's
+//! `status.timestamp`. `working` is not stored, so a task read back that had not ended
+//! shows `submitted` with the time it was submitted; records stored before the time was
+//! kept have none.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -62,7 +68,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::watch;
 use troupe_agent::TaskState;
-use troupe_core::{ActorId, StoreError};
+use troupe_core::{ActorId, Deadline, StoreError};
 use troupe_runtime::{StateChange, StateStore, TurnCommit, TURN_WRITES_MAX};
 
 use crate::limits::{
@@ -100,7 +106,7 @@ pub(crate) struct TaskRecord {
     pub(crate) agent: String,
     /// The A2A context id: the client's, or `{agent}-context-{n}`.
     pub(crate) context_id: String,
-    /// Its state.
+    /// Its state (changed with [`TaskRecord::enter`], which keeps `state_since_micros`).
     pub(crate) state: TaskState,
     /// The message that started it, as A2A JSON (with `taskId` and `contextId` set).
     pub(crate) request: Value,
@@ -137,6 +143,11 @@ pub(crate) struct TaskRecord {
     /// external tasks by id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) node: Option<String>,
+    /// When it entered its state, in microseconds since the Unix epoch by the runtime's
+    /// clock ([`Deadline::as_micros`]): A2A's `status.timestamp`. None in tasks stored
+    /// before it was kept (served without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) state_since_micros: Option<u64>,
 }
 
 impl TaskRecord {
@@ -144,6 +155,12 @@ impl TaskRecord {
     /// two cluster nodes numbered alike) by the node that numbered it.
     pub(crate) fn order(&self) -> (u64, Option<&str>) {
         (self.seq, self.node.as_deref())
+    }
+
+    /// Puts it in `state` as of `now` (the runtime's clock).
+    pub(crate) fn enter(&mut self, state: TaskState, now: Deadline) {
+        self.state = state;
+        self.state_since_micros = Some(now.as_micros());
     }
 }
 
@@ -521,9 +538,9 @@ impl TaskRegistry {
     }
 
     /// A new task for `agent`, `submitted` if `queued` (it takes a place in the
-    /// agent's lane, returned) or else in `state` at once (e.g. `rejected`), numbered
-    /// with the first of the agent's reserved numbers ([`AdmitError::NoNumbers`] if
-    /// none is left: nothing changed).
+    /// agent's lane, returned) or else in `state` at once (e.g. `rejected`), as of `now`,
+    /// numbered with the first of the agent's reserved numbers ([`AdmitError::NoNumbers`]
+    /// if none is left: nothing changed).
     pub(crate) fn create(
         &self,
         agent: &str,
@@ -531,6 +548,7 @@ impl TaskRegistry {
         mut request: Value,
         call: TaskCall,
         rejected: Option<String>,
+        now: Deadline,
     ) -> Result<Created, AdmitError> {
         let TaskCall {
             chain,
@@ -608,6 +626,7 @@ impl TaskRegistry {
             trace_id,
             inner: None,
             node: self.node.clone(),
+            state_since_micros: Some(now.as_micros()),
         };
         if let Some(lane) = &lane {
             lane.waiting.fetch_add(1, Ordering::SeqCst);
@@ -621,8 +640,9 @@ impl TaskRegistry {
 
     /// Takes back a stored record (at start, or when a cluster node takes its agent's
     /// records over; oldest first): one that had not ended waits in its agent's lane
-    /// again, `submitted` (returned with the lane). A task it already has is left as it
-    /// is (`None`).
+    /// again, `submitted` (returned with the lane), keeping the time it was stored with
+    /// (`working` is not stored, so that is when it was submitted). A task it already
+    /// has is left as it is (`None`).
     pub(crate) fn restore(&self, mut record: TaskRecord) -> Option<Arc<Lane>> {
         let mut inner = self.lock();
         if inner.tasks.contains_key(&record.id) {
@@ -680,15 +700,15 @@ impl TaskRegistry {
         Some(record)
     }
 
-    /// Cancels task `id` of `agent` if it has not started.
-    pub(crate) fn cancel(&self, agent: &str, id: &str) -> CancelOutcome {
+    /// Cancels task `id` of `agent` if it has not started, as of `now`.
+    pub(crate) fn cancel(&self, agent: &str, id: &str, now: Deadline) -> CancelOutcome {
         if self.get(agent, id).is_none() {
             return CancelOutcome::NotFound;
         }
         let mut canceled = false;
         let record = self.update(id, |task| {
             if task.state == TaskState::Submitted {
-                task.state = TaskState::Canceled;
+                task.enter(TaskState::Canceled, now);
                 task.reason = Some("canceled by the client before it started".to_string());
                 canceled = true;
             }
@@ -888,6 +908,7 @@ mod tests {
             trace_id: String::new(),
             inner: Some(format!("echo-inner-{seq}")),
             node: None,
+            state_since_micros: None,
         }
     }
 
@@ -902,7 +923,7 @@ mod tests {
 
     fn create(registry: &TaskRegistry, message: &str) -> Result<Created, AdmitError> {
         let request = json!({"messageId": message, "parts": [{"text": "new"}]});
-        registry.create("echo", None, request, call(), None)
+        registry.create("echo", None, request, call(), None, Deadline::from_micros(1))
     }
 
     /// Goal: on a cluster node, tasks are numbered in the node's own space: the id, the

@@ -492,11 +492,7 @@ async fn bad_requests_get_a2a_error_codes() {
         ("ListTasks", json!({"pageSize": 101}), -32602),
         ("ListTasks", json!({"pageToken": "abc"}), -32602),
         ("ListTasks", json!({"status": "TASK_STATE_BORED"}), -32602),
-        (
-            "ListTasks",
-            json!({"statusTimestampAfter": "2026-01-01T00:00:00Z"}),
-            -32602,
-        ),
+        ("ListTasks", json!({"statusTimestampAfter": "2026-01-01"}), -32602),
         ("CreateTaskPushNotificationConfig", json!({}), -32003),
         ("GetExtendedAgentCard", json!({}), -32007),
     ];
@@ -1216,4 +1212,190 @@ async fn an_agent_deleted_by_another_process_has_its_a2a_tasks_let_go_at_its_nex
     assert_eq!(listed["totalSize"], 0, "{listed}");
     here.stop().await;
     elsewhere.stop().await;
+}
+
+/// How far the server's clock may stand from the wall clock in these tests, in
+/// microseconds: the runtime's clock reads the wall clock once, at its start, and counts
+/// on the monotonic clock from there, which NTP may slew (at most 500 ppm) away from it.
+const WALL_CLOCK_SLACK_US: i128 = 100_000;
+
+/// The wall clock in microseconds since the Unix epoch (library code reads the
+/// runtime's clock instead).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test compares the server's status times with the wall clock"
+)]
+fn wall_clock_us() -> i128 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the wall clock is past 1970");
+    i128::try_from(since.as_micros()).unwrap()
+}
+
+/// A task's `status.timestamp`, which must be there: its text and its time in
+/// microseconds since the Unix epoch. Its form is checked: RFC 3339 in UTC with six
+/// fractional digits, as protobuf writes a `Timestamp` in JSON.
+fn status_time(task: &Value) -> (String, i128) {
+    let text = task["status"]["timestamp"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no status.timestamp: {task}"))
+        .to_string();
+    assert_eq!(text.len(), "2026-12-06T06:41:29.123456Z".len(), "{text}");
+    assert!(text.ends_with('Z'), "{text}");
+    let at = time::OffsetDateTime::parse(&text, &time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|error| panic!("{text:?} is not RFC 3339: {error}"));
+    (text, at.unix_timestamp_nanos() / 1_000)
+}
+
+/// Goal: a task's status carries A2A's `timestamp`, the time it entered its state by
+/// the server's clock (which is anchored on the wall clock): a task answered at once
+/// as `submitted` carries a time between wall-clock reads taken before and after the
+/// send, the same task once completed a later one, which reads back unchanged; a
+/// blocking send's completed task, a time within the send. Before, statuses carried no
+/// time. Method: `echo`, one send returning at once, polled to its end, and one
+/// blocking send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tasks_status_carries_the_time_it_entered_its_state() {
+    let server = start().await;
+    let mut params = send_params("when");
+    params["configuration"] = json!({"returnImmediately": true});
+    let before = wall_clock_us();
+    let submitted = server.ok("echo", "SendMessage", params).await["task"].clone();
+    let after = wall_clock_us();
+    assert_eq!(submitted["status"]["state"], "TASK_STATE_SUBMITTED", "{submitted}");
+    let (_, submitted_at) = status_time(&submitted);
+    assert!(
+        (before - WALL_CLOCK_SLACK_US..=after + WALL_CLOCK_SLACK_US).contains(&submitted_at),
+        "submitted at {submitted_at} µs, sent between {before} and {after}: {submitted}"
+    );
+    let id = submitted["id"].as_str().unwrap().to_string();
+    let completed = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let task = server.ok("echo", "GetTask", json!({"id": id})).await;
+            if task["status"]["state"] == "TASK_STATE_COMPLETED" {
+                break task;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the task completes");
+    let (completed_text, completed_at) = status_time(&completed);
+    assert!(
+        completed_at > submitted_at,
+        "a new state, a new time: submitted {submitted}, completed {completed}"
+    );
+    assert!(completed_at <= wall_clock_us() + WALL_CLOCK_SLACK_US, "{completed}");
+    let again = server.ok("echo", "GetTask", json!({"id": id})).await;
+    assert_eq!(
+        status_time(&again).0,
+        completed_text,
+        "the time a state began, not of the read"
+    );
+
+    let before = wall_clock_us();
+    let blocking = server.ok("echo", "SendMessage", send_params("now")).await["task"].clone();
+    let after = wall_clock_us();
+    assert_eq!(blocking["status"]["state"], "TASK_STATE_COMPLETED", "{blocking}");
+    let (_, blocking_at) = status_time(&blocking);
+    assert!(
+        (before - WALL_CLOCK_SLACK_US..=after + WALL_CLOCK_SLACK_US).contains(&blocking_at),
+        "completed at {blocking_at} µs, sent between {before} and {after}: {blocking}"
+    );
+    server.stop().await;
+}
+
+/// Goal: a task's status time is stored with its record and read back after a restart;
+/// a record stored by a version before it was kept (no time) loads and is served without
+/// one; `ListTasks` with `statusTimestampAfter` keeps only the tasks whose status time
+/// is at or after it (as the `a2a-sdk`'s own task stores compare), leaving out a task
+/// without one, and a value that is not an RFC 3339 time is invalid params naming it.
+/// Before, `statusTimestampAfter` was refused whatever its value (tasks carried no
+/// time). Method: an older record written to a memory store before a server starts on
+/// it; two blocking sends, listed with each one's time and others; the server stopped
+/// and a second started on the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_times_are_stored_and_list_tasks_keeps_the_tasks_at_or_after_a_time() {
+    use troupe_runtime::StateStore as _;
+    let store = Arc::new(troupe_runtime::MemoryStore::new());
+    // A record as the version before status times stored it.
+    let older = json!({
+        "id": "echo-task-0",
+        "seq": 0,
+        "agent": "echo",
+        "context_id": "echo-context-0",
+        "state": "Completed",
+        "request": {"messageId": "older-m0", "role": "ROLE_USER", "parts": [{"text": "older"}],
+                    "taskId": "echo-task-0", "contextId": "echo-context-0"},
+        "reply": "echo: older",
+        "reply_meta": null,
+        "reason": null,
+        "chain": [],
+        "depth": 0,
+        "timeout_ms": 10_000,
+        "busy": false,
+        "trace_id": "",
+    });
+    let key_space = troupe_core::ActorId::new("troupe-a2a", "echo").unwrap();
+    let claimed = store.claim(&key_space).await.unwrap();
+    let commit = troupe_runtime::TurnCommit {
+        state: troupe_runtime::StateChange::Unchanged,
+        writes: vec![(
+            format!("task/{:020}", 0),
+            Some(axum::body::Bytes::from(older.to_string())),
+        )],
+    };
+    store.commit(&key_space, claimed.fence, commit).await.unwrap();
+    let start_on_store = || {
+        let builder = support::agents(script(), &["echo"], KindConfig::default()).store(Arc::clone(&store) as _);
+        Harness::start(builder, ServerConfig::default().token(TOKEN))
+    };
+
+    let server = start_on_store().await;
+    let read_back = server.ok("echo", "GetTask", json!({"id": "echo-task-0"})).await;
+    assert_eq!(read_back["status"]["state"], "TASK_STATE_COMPLETED", "{read_back}");
+    assert!(read_back["status"].get("timestamp").is_none(), "{read_back}");
+    let first = server.ok("echo", "SendMessage", send_params("first")).await["task"].clone();
+    let (first_text, first_at) = status_time(&first);
+    let second = server.ok("echo", "SendMessage", send_params("second")).await["task"].clone();
+    let (second_text, second_at) = status_time(&second);
+    assert!(second_at > first_at, "{first} {second}");
+    let ids = |listed: &Value| -> Vec<String> {
+        listed["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|task| task["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (first_id, second_id) = (first["id"].as_str().unwrap(), second["id"].as_str().unwrap());
+    let all = server.ok("echo", "ListTasks", json!({})).await;
+    assert_eq!(ids(&all), [second_id, first_id, "echo-task-0"], "{all}");
+    let after = |time: &str| json!({"statusTimestampAfter": time});
+    let since_second = server.ok("echo", "ListTasks", after(&second_text)).await;
+    assert_eq!(ids(&since_second), [second_id], "{since_second}");
+    assert_eq!(since_second["totalSize"], 1, "{since_second}");
+    let since_first = server.ok("echo", "ListTasks", after(&first_text)).await;
+    assert_eq!(ids(&since_first), [second_id, first_id], "{since_first}");
+    // Any offset; a task without a time is left out.
+    let since_2000 = server.ok("echo", "ListTasks", after("2000-01-01T02:00:00+02:00")).await;
+    assert_eq!(ids(&since_2000), [second_id, first_id], "{since_2000}");
+    let none = server.ok("echo", "ListTasks", after("9999-12-31T23:59:59Z")).await;
+    assert_eq!(ids(&none), Vec::<String>::new(), "{none}");
+    let (code, message) = server.error("echo", "ListTasks", after("yesterday")).await;
+    assert_eq!(code, -32602, "{message}");
+    assert!(message.contains("\"yesterday\""), "the value is named: {message}");
+    let (code, message) = server
+        .error("echo", "ListTasks", json!({"statusTimestampAfter": 1_796_000_000}))
+        .await;
+    assert_eq!(code, -32602, "{message}");
+    assert!(message.contains("1796000000"), "the value is named: {message}");
+    server.stop().await;
+
+    let restarted = start_on_store().await;
+    let first_again = restarted.ok("echo", "GetTask", json!({"id": first_id})).await;
+    assert_eq!(status_time(&first_again).0, first_text, "stored with its record");
+    let older_again = restarted.ok("echo", "GetTask", json!({"id": "echo-task-0"})).await;
+    assert!(older_again["status"].get("timestamp").is_none(), "{older_again}");
+    restarted.stop().await;
 }
