@@ -1282,6 +1282,12 @@ mod loopback {
             .collect();
 
         let limit = Duration::from_millis(WRITE_STALL_TIMEOUT_MS + 5_000);
+        // A peer held up behind the stalled one would wait for the stall timeout; a quarter
+        // of it leaves room for a loaded machine (this test shares one thread with 64 MiB
+        // of echoes) without letting a stall pass. Each call of the other peer gets that
+        // long (until 2026-12-06 1 s, tighter than the bound asserted below: a CI run on a
+        // loaded machine had one time out after 999 ms).
+        let served_within = Duration::from_millis(WRITE_STALL_TIMEOUT_MS / 4);
         let (mut most_bytes, mut slowest_call, mut calls) = (0, Duration::ZERO, 0_u128);
         let closed_after = loop {
             let stats = server.stats();
@@ -1294,9 +1300,7 @@ mod loopback {
                 "the stalled peer was never closed: {stats:?}"
             );
             let started = clock.now();
-            let reply = echo(&served, &clock, "served", &[7], Duration::from_secs(1))
-                .await
-                .unwrap();
+            let reply = echo(&served, &clock, "served", &[7], served_within).await.unwrap();
             assert_eq!(&reply[..], &[7]);
             slowest_call = slowest_call.max(elapsed(&clock, started));
             calls += 1;
@@ -1316,10 +1320,6 @@ mod loopback {
             most_bytes <= CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES + 1_024,
             "{most_bytes} bytes buffered"
         );
-        // A peer held up behind the stalled one would wait for the stall timeout; a quarter
-        // of it leaves room for a loaded machine (this test shares one thread with 64 MiB
-        // of echoes) without letting a stall pass.
-        let served_within = Duration::from_millis(WRITE_STALL_TIMEOUT_MS / 4);
         assert!(
             slowest_call < served_within,
             "another peer's call took {slowest_call:?}"
