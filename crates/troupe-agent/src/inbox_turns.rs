@@ -1582,6 +1582,17 @@ async fn deliver(
     }
     let report_command = loop {
         let target_known = shared.directory.contains(out.to.key());
+        // No attempt starts past the deadline (a result has none of its own): one that
+        // passed during the pause, or while the process was down, is given up here, not
+        // acknowledged by a target that would only drop it (`MessageSent` told for
+        // nothing) or fail it unworked.
+        if !is_result && out.entry.context.deadline().has_passed(runtime.now()) {
+            break AgentCommand::Undeliverable {
+                seq,
+                cause: "the deadline passed before it could be delivered".to_string(),
+                state: TaskState::Failed,
+            };
+        }
         // An ordered entry carries, at each attempt, the sender's lowest entry to the
         // target still pending (read from the store: the sender's committed record).
         let mut pause = Duration::from_millis(AGENT_DELIVERY_RETRY_MS);

@@ -494,6 +494,74 @@ async fn refused_delegations_keep_nothing_and_an_expired_task_resolves_failed_un
     system.shutdown().await;
 }
 
+/// Goal: a delivery attempt is never started after its entry's deadline. Method: the
+/// analyst's model takes 40 s on a first task; a second task, of a deadline 50 ms longer
+/// than a delivery's acknowledgement wait (`AGENT_DELIVERY_ACK_TIMEOUT_MS`), waits behind
+/// that turn: its first attempt times out 50 ms before its deadline, the deadline passes
+/// during the pause before the next attempt, and that attempt must not be made. Before
+/// 2026-12-06 it was made, waited for the analyst's turn, was acknowledged (the delegator
+/// told `MessageSent` for a task past its deadline) and failed at the analyst, unworked.
+#[tokio::test(start_paused = true)]
+async fn a_delivery_whose_deadline_passes_during_its_pause_is_not_attempted_again() {
+    use troupe_agent::limits::{AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS};
+    const ANALYST_TURN_S: u64 = 40;
+    // Passes within the pause after the first attempt's acknowledgement wait ends.
+    const TASK_TIMEOUT_MS: u64 = AGENT_DELIVERY_ACK_TIMEOUT_MS + AGENT_DELIVERY_RETRY_MS / 2;
+    let recorder = CallRecorder::new();
+    let system = coordinator_and_analyst_observed(
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("long")
+                    .reply("long done")
+                    .latency(Duration::from_secs(ANALYST_TURN_S)),
+            )
+            .rule(ScriptRule::agent("analyst").on_user_containing("[task").reply("worked")),
+        &recorder,
+    );
+    let long = system
+        .delegate("coordinator", "analyst", "long one", None)
+        .await
+        .unwrap();
+    // The long task's turn has started before the second task is sent.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let late = system
+        .delegate("coordinator", "analyst", "late one", Some(TASK_TIMEOUT_MS))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(ANALYST_TURN_S + 20)).await;
+    let status = system.task("coordinator", &late).await.unwrap().unwrap();
+    assert_eq!(
+        (status.state, status.result.as_deref()),
+        (
+            TaskState::Failed,
+            Some("the deadline passed before it could be delivered")
+        ),
+        "{status:?}"
+    );
+    let sent: Vec<String> = recorder
+        .events()
+        .into_iter()
+        .filter_map(|event| match event {
+            AgentEvent::MessageSent { msg_id, .. } => Some(msg_id),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !sent.iter().any(|msg_id| msg_id.contains(late.as_str())),
+        "the task was reported sent after its deadline: {sent:?}"
+    );
+    assert!(sent.iter().any(|msg_id| msg_id.contains(long.as_str())), "{sent:?}");
+    let analyst = system.conversation_log("analyst").await.unwrap();
+    assert_eq!(user_messages_containing(&analyst, "late one"), 0);
+    let coordinator = system.conversation_log("coordinator").await.unwrap();
+    assert_eq!(
+        user_messages_containing(&coordinator, &format!("[task {late} you delegated is failed]")),
+        1
+    );
+    system.shutdown().await;
+}
+
 /// A store that "crashes the process" at its k-th commit: that commit is applied but
 /// reported failed, and every later operation fails.
 struct CrashStore {
