@@ -179,3 +179,21 @@ const _: () = assert!(A2A_TASKS_WAITING_PER_AGENT_MAX <= A2A_TASKS_KEPT_MAX);
 const _: () = assert!(A2A_TASK_NUMBERS_RESERVED >= 1);
 const _: () = assert!(A2A_TASK_NUMBERS_RESERVE_ATTEMPTS_MAX >= 1);
 const _: () = assert!(A2A_TASK_NUMBER_RESERVATIONS_PER_SEND_MAX >= 1);
+
+/// How long a streamed chat completion (`POST /v1/chat/completions` with `"stream":
+/// true`) waits for its agent's turn before it sends its response headers, in
+/// milliseconds (at most half the server's request timeout). An error known as the turn
+/// is asked for (a full mailbox: 429 `busy`; the agent gone: 404; the server shutting
+/// down: 503), and a turn that ends this soon, are answered as without streaming: the
+/// error with its HTTP status. Past it the headers and the role chunk go out, the turn's
+/// end follows in the stream (an error then as an error event), and the request leaves
+/// the concurrent-request limit and its timeout. The client API tells no "admitted" apart
+/// from the answer, hence a bound: a refusal takes a mailbox check (a round trip on a
+/// cluster node), far less than this; the first chunk is this much later at most.
+pub const OPENAI_STREAM_HEADERS_WAIT_MS: u64 = 200;
+/// How long a streamed chat completion whose turn runs stays silent, at most, in
+/// milliseconds: then it sends an SSE comment (a keep-alive, which OpenAI clients skip),
+/// so that proxies and clients with a read timeout keep the connection.
+pub const OPENAI_STREAM_KEEP_ALIVE_MS: u64 = 15_000;
+
+const _: () = assert!(OPENAI_STREAM_HEADERS_WAIT_MS < OPENAI_STREAM_KEEP_ALIVE_MS);
