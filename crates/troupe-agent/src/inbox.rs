@@ -334,7 +334,9 @@ pub(crate) struct PairIn {
 /// it up in the commit that took it off its pending list (before the receiver could
 /// jump it), deleting its outbox entry, so the sender's report of either answer
 /// (`Delivered` or `Undeliverable`) finds no entry and changes nothing (a task given up
-/// resolved at that commit). Only the delivery's `MessageSent` event is then wrong.
+/// resolved at that commit), and tells no `MessageSent` (told only by a report that
+/// finds its entry; before 2026-12-06 by every acknowledged attempt, so a dropped range
+/// could make a wrong event).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct PairSkipped {
     /// Half-open ranges `[start, end)`, in order, disjoint and not adjacent, each with

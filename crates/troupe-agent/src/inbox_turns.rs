@@ -185,7 +185,13 @@ impl AgentActor {
             AgentCommand::Enqueue(entry) => self.enqueue(turn, entry).await,
             AgentCommand::Process { seq } => self.process(turn, seq).await.map(|()| Bytes::new()),
             AgentCommand::Relay { seq } => self.relay(turn, seq).await.map(|()| Bytes::new()),
-            AgentCommand::Delivered { seq } => self.delivered(turn, seq).await.map(|()| Bytes::new()),
+            AgentCommand::Delivered { seq } => self.delivered(turn, seq).await.map(|found| {
+                if found {
+                    Bytes::from_static(DELIVERED_FOUND)
+                } else {
+                    Bytes::new()
+                }
+            }),
             AgentCommand::Undeliverable { seq, cause, state } => {
                 self.undeliverable(turn, seq, cause, state).await.map(|()| Bytes::new())
             }
@@ -1039,20 +1045,21 @@ impl AgentActor {
     }
 
     /// The delivery task's report: outbox entry `seq` was acknowledged.
-    async fn delivered(&mut self, turn: &mut Turn, seq: u64) -> Result<(), ActorError> {
+    async fn delivered(&mut self, turn: &mut Turn, seq: u64) -> Result<bool, ActorError> {
         self.relaying.remove(&seq);
         let key = outbox_key(seq);
-        if let Some(bytes) = turn.get(&key).await? {
-            let (to, pair) = match self.memo.outbox.get(&key, &bytes) {
-                Some(out) => (out.to.clone(), out.entry.pair),
-                None => outbox_head(&key, &bytes)?,
-            };
-            self.memo.outbox.forget(&key);
-            self.release_pair(turn, &to, pair).await?;
-            turn.delete(key)?;
-            self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
-        }
-        Ok(())
+        let Some(bytes) = turn.get(&key).await? else {
+            return Ok(false);
+        };
+        let (to, pair) = match self.memo.outbox.get(&key, &bytes) {
+            Some(out) => (out.to.clone(), out.entry.pair),
+            None => outbox_head(&key, &bytes)?,
+        };
+        self.memo.outbox.forget(&key);
+        self.release_pair(turn, &to, pair).await?;
+        turn.delete(key)?;
+        self.state.boxes.outbox_len = self.state.boxes.outbox_len.saturating_sub(1);
+        Ok(true)
     }
 
     /// The delivery task's report: outbox entry `seq` cannot be delivered. It is
@@ -1633,13 +1640,6 @@ async fn deliver(
         let permanent = match result {
             Ok(reply) => match bincode::deserialize::<EnqueueReply>(&reply) {
                 Ok(EnqueueReply::Accepted { .. } | EnqueueReply::Duplicate) => {
-                    shared.emit(&AgentEvent::MessageSent {
-                        msg_id: out.entry.msg_id.clone(),
-                        from: Some(sender.clone()),
-                        to: out.to.clone(),
-                        kind: out.entry.body.kind(),
-                        at: runtime.now(),
-                    });
                     break AgentCommand::Delivered { seq };
                 }
                 Ok(EnqueueReply::Full { .. }) => None,
@@ -1680,8 +1680,26 @@ async fn deliver(
             _ => tokio::time::sleep(pause).await,
         }
     };
-    report(&runtime, &sender, seq, report_command).await;
+    let delivered = matches!(report_command, AgentCommand::Delivered { .. });
+    let reply = report(&runtime, &sender, seq, report_command).await;
+    // Told by the report that took the entry off the outbox, not by each acknowledged
+    // attempt: another delivery task of the same entry (one a later activation resumed
+    // while this one waited), or an attempt of an entry given up meanwhile (answered
+    // `Duplicate` by a receiver that no longer knows it skipped it), finds no entry.
+    if delivered && reply.as_deref() == Some(DELIVERED_FOUND) {
+        shared.emit(&AgentEvent::MessageSent {
+            msg_id: out.entry.msg_id.clone(),
+            from: Some(sender.clone()),
+            to: out.to.clone(),
+            kind: out.entry.body.kind(),
+            at: runtime.now(),
+        });
+    }
 }
+
+/// The reply to a `Delivered` report that found its outbox entry and took it off (an
+/// empty reply: it was gone already).
+const DELIVERED_FOUND: &[u8] = &[1];
 
 /// `sender`'s lowest ordered entry to `target` still pending (`u64::MAX` if none: an
 /// attempt of an entry given up meanwhile, which the target then refuses as stale).
@@ -1747,21 +1765,24 @@ async fn await_send_approval(
 /// Reports a delivery's outcome to its sender (a few attempts; if all fail, the entry
 /// stays in the outbox and the next resume delivers it again, deduplicated). Routed
 /// (`invoke_routed`): on a cluster the sender may have moved to another node since
-/// this delivery task started.
+/// this delivery task started. Returns the sender's reply, or `None` if the report did
+/// not get through.
 async fn report(
     runtime: &troupe_runtime::RuntimeHandle,
     sender: &troupe_core::ActorId,
     seq: u64,
     report: AgentCommand,
-) {
+) -> Option<Bytes> {
     let deadline = runtime.deadline_in(WAKE_TIMEOUT);
     for _ in 0..REPORT_ATTEMPTS {
         match runtime.invoke_routed(sender, report.encode(), deadline).await {
-            Ok(_) | Err(InvokeError::Shutdown) => return,
+            Ok(reply) => return Some(reply),
+            Err(InvokeError::Shutdown) => return None,
             Err(_busy) => tokio::time::sleep(Duration::from_millis(AGENT_DELIVERY_RETRY_MS)).await,
         }
     }
     tracing::warn!(agent = %sender, seq, "could not report a delivery; the next resume delivers it again");
+    None
 }
 
 /// How often a delivery task tries to report its outcome to the sender.

@@ -562,6 +562,81 @@ async fn a_delivery_whose_deadline_passes_during_its_pause_is_not_attempted_agai
     system.shutdown().await;
 }
 
+/// Goal: `MessageSent` is told once per entry, by the report that takes it off the
+/// outbox, however many delivery tasks delivered it. Method: agents idle out after 1 s;
+/// the coordinator delegates a task while the analyst is in a 10 s turn, so its delivery
+/// waits; the coordinator idles out, is asked again (its new activation resumes the
+/// pending outbox entry: a second delivery task for it), and when the analyst's turn
+/// ends both deliveries are acknowledged (`Accepted`, then `Duplicate`) and both report.
+/// Before 2026-12-06 each acknowledged attempt told `MessageSent`: two for one task.
+#[tokio::test(start_paused = true)]
+async fn a_task_delivered_by_two_delivery_tasks_is_reported_sent_once() {
+    const ANALYST_TURN_S: u64 = 10;
+    let idle = Duration::from_secs(1);
+    let recorder = CallRecorder::new();
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("long")
+                .reply("long done")
+                .latency(Duration::from_secs(ANALYST_TURN_S)),
+        )
+        .rule(ScriptRule::agent("analyst").on_user_containing("[task").reply("worked"))
+        .rule(ScriptRule::agent("coordinator").reply("seen"));
+    let mut builder = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm))
+        .observer(Arc::new(recorder.clone()))
+        .kind_config(troupe_runtime::KindConfig {
+            idle_timeout: idle,
+            ..troupe_runtime::KindConfig::default()
+        });
+    for agent in ["coordinator", "analyst"] {
+        builder = builder.agent(AgentSpec::new(agent).role(format!("the {agent}")));
+    }
+    let system = builder.start().expect("the system starts");
+    let deactivated = |agent: &str| {
+        recorder
+            .events()
+            .iter()
+            .filter(|event| matches!(event, AgentEvent::Deactivated { agent: id, .. } if id.key() == agent))
+            .count()
+    };
+    system
+        .delegate("coordinator", "analyst", "long one", None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let task = system
+        .delegate("coordinator", "analyst", "second one", None)
+        .await
+        .unwrap();
+    tokio::time::sleep(idle * 3).await;
+    assert!(
+        deactivated("coordinator") >= 1,
+        "the coordinator idled out while its delivery waited"
+    );
+    assert_eq!(
+        system.pending("coordinator").await.unwrap().1,
+        1,
+        "the task is still in the outbox"
+    );
+    // A new activation of the coordinator: it resumes its pending outbox entry.
+    system.ask("coordinator", "hello").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(ANALYST_TURN_S + 20)).await;
+    let status = system.task("coordinator", &task).await.unwrap().unwrap();
+    assert_eq!(status.state, TaskState::Completed, "{status:?}");
+    let analyst = system.conversation_log("analyst").await.unwrap();
+    assert_eq!(user_messages_containing(&analyst, "second one"), 1, "worked once");
+    let sent = recorder
+        .events()
+        .into_iter()
+        .filter(|event| matches!(event, AgentEvent::MessageSent { msg_id, .. } if *msg_id == task))
+        .count();
+    assert_eq!(sent, 1, "MessageSent told for {task}");
+    system.shutdown().await;
+}
+
 /// A store that "crashes the process" at its k-th commit: that commit is applied but
 /// reported failed, and every later operation fails.
 struct CrashStore {
