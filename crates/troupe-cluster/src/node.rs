@@ -880,6 +880,31 @@ impl Inner {
         }
     }
 
+    /// Whether `target` is placed on another node right now (the root router's
+    /// [`troupe_runtime::RootCallRouter::placed_elsewhere`], which the agent layer's
+    /// resumes ask before waking an actor with a local tell): one etcd read
+    /// ([`Placement::lookup`], bounded by the etcd request timeout), nothing activated.
+    /// `false` when the placement names this node (under any lease of its name: a claim
+    /// here replaces an old one) or there is none.
+    ///
+    /// The route cache is neither read nor written: a cached route may be stale (its
+    /// owner died and its lease ended; the cache learns it only when a call there
+    /// fails), and an actor skipped on a stale route would never be taken over by the
+    /// node that asks.
+    ///
+    /// # Errors
+    /// `Unreachable` naming `target` if etcd did not answer: where it is placed is not
+    /// known.
+    pub(crate) async fn placed_elsewhere(&self, target: &ActorId) -> Result<bool, InvokeError> {
+        match self.placement.lookup(target).await {
+            Ok(record) => Ok(record.is_some_and(|record| record.owner != self.node)),
+            Err(error) => Err(InvokeError::Unreachable {
+                target: target.clone(),
+                cause: format!("looking up its placement failed: {error}"),
+            }),
+        }
+    }
+
     fn routes(&self) -> MutexGuard<'_, RouteCache> {
         self.routes.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -206,6 +206,14 @@ impl troupe_runtime::RootCallRouter for Hooks {
             None => Err(InvokeError::Shutdown),
         }
     }
+
+    /// An etcd read: [`Inner::placed_elsewhere`].
+    async fn placed_elsewhere(&self, target: &troupe_core::ActorId) -> Result<bool, InvokeError> {
+        match self.inner.upgrade() {
+            Some(inner) => inner.placed_elsewhere(target).await,
+            None => Err(InvokeError::Shutdown),
+        }
+    }
 }
 
 /// Runs the node's probe work, one item at a time.

@@ -184,6 +184,24 @@ pub trait RootCallRouter: Send + Sync + 'static {
                 .to_string(),
         })
     }
+
+    /// Whether `target` is placed on another node right now: that node's activation
+    /// runs it, and an activation started here would be refused its claim. Asked without
+    /// activating `target` anywhere (the agent layer's resumes ask it before waking an
+    /// actor with a local tell: [`RuntimeHandle::placed_elsewhere`]). `false` when it is
+    /// placed here or nowhere (a local activation claims it here).
+    ///
+    /// The default, for a router that cannot tell (it knows of no other node), is
+    /// `Ok(false)`: the actor is resumed here.
+    ///
+    /// # Errors
+    /// Whatever prevented the router from finding out (for a cluster node: its placement
+    /// store did not answer): the caller does not know, and should neither assume the
+    /// actor free nor placed.
+    async fn placed_elsewhere(&self, target: &ActorId) -> Result<bool, InvokeError> {
+        let _ = target;
+        Ok(false)
+    }
 }
 
 /// A remote wait-for edge of this runtime's graph, held while the call is open; dropping
@@ -240,6 +258,22 @@ impl RuntimeHandle {
     /// Whether a [`RootCallRouter`] is installed (the runtime runs in a cluster node).
     pub fn has_root_call_router(&self) -> bool {
         self.shared.root_router.get().is_some()
+    }
+
+    /// Whether `target` is placed on another node right now, asked of the installed
+    /// [`RootCallRouter`] ([`RootCallRouter::placed_elsewhere`]) without activating it:
+    /// a local activation of it would then be refused its claim. `Ok(false)` at once,
+    /// with nothing looked up, when no router is installed (a single process owns every
+    /// actor it runs).
+    ///
+    /// # Errors
+    /// Whatever the router returned: where `target` is placed is not known (for a
+    /// cluster node: etcd did not answer).
+    pub async fn placed_elsewhere(&self, target: &ActorId) -> Result<bool, InvokeError> {
+        match self.shared.root_router.get() {
+            Some(router) => router.placed_elsewhere(target).await,
+            None => Ok(false),
+        }
     }
 
     /// As [`RuntimeHandle::invoke`], but through the installed [`RootCallRouter`] when
