@@ -338,12 +338,19 @@ impl AgentClient {
     /// Wakes every conversation with undelivered mentions (the system does it at start).
     /// Returns how many were woken.
     ///
+    /// On a cluster node (a root call router installed), a conversation with pending
+    /// relays that is placed on another node is not woken: its owner's activation
+    /// delivers them. One placement lookup (an etcd read) each; one whose lookup fails
+    /// is skipped too, for the next call to look again. One placed here or nowhere is
+    /// woken here (which claims it here), as [`AgentClient::resume_pending`] does.
+    ///
     /// # Errors
     /// [`ConversationError::Unavailable`] if the store fails.
     pub async fn resume_conversations(&self) -> Result<usize, ConversationError> {
         let store = self.runtime.store();
         let mut after: Option<String> = None;
         let mut woken = 0;
+        let (mut placed_elsewhere, mut unknown) = (0_usize, 0_usize);
         loop {
             let page = store
                 .scan(&index_actor(), "c/", after.as_deref(), CONVERSATIONS_LISTED_MAX)
@@ -353,6 +360,19 @@ impl AgentClient {
                 let Ok(target) = conversation_actor(id) else { continue };
                 if store.scan(&target, "relay/", None, 1).await?.is_empty() {
                     continue;
+                }
+                // `Ok(false)` at once without a router (a single process).
+                match self.runtime.placed_elsewhere(&target).await {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        placed_elsewhere += 1;
+                        continue;
+                    }
+                    Err(error) => {
+                        tracing::debug!(conversation = %id, %error, "not resumed: where it is placed is not known");
+                        unknown += 1;
+                        continue;
+                    }
                 }
                 let deadline = self
                     .runtime
@@ -367,6 +387,14 @@ impl AgentClient {
                 }
             }
             if page.len() < CONVERSATIONS_LISTED_MAX {
+                if placed_elsewhere + unknown > 0 {
+                    tracing::debug!(
+                        woken,
+                        placed_elsewhere,
+                        unknown,
+                        "conversations with pending relays not resumed here: placed on another node, or not known where"
+                    );
+                }
                 return Ok(woken);
             }
             after = page.last().map(|(key, _)| key.clone());

@@ -7,10 +7,23 @@
 //! request or at a node's start (`attach` resumes what is free). A delegatee whose node
 //! died after it acknowledged a task, with no later request to it and no node starting,
 //! kept the task unresolved. A sweep on every living node finds such an agent once the
-//! dead node's lease has ended (before that the agent is still placed there and the
-//! sweep's wake-up is refused `NotOwner` where it is activated), claims it and lets its
-//! activation process the entries. Resuming is idempotent, so a sweep that meets an
-//! agent already at work changes nothing.
+//! dead node's lease has ended (before that the agent is still placed there, and the
+//! sweep leaves it alone), claims it and lets its activation process the entries.
+//! Resuming is idempotent, so a sweep that meets an agent already at work changes
+//! nothing.
+//!
+//! An agent (or conversation) with pending entries that another node owns is not woken
+//! here: on a cluster node `resume_pending` and `resume_conversations` first ask where
+//! it is placed (`RuntimeHandle::placed_elsewhere`, an etcd read through the node's
+//! router, never its route cache, which may name a dead owner). Its owner's activation
+//! processes its entries; if that owner dies, its lease ends, its placement goes with
+//! it, and the next round wakes the agent here, which claims it. Waking it locally
+//! anyway, as before, started an activation whose claim the placement refused
+//! `NotOwner` (an etcd transaction and a failed activation per such agent per node per
+//! round, seen by nobody); routing the wake-up to the owner instead would send it a
+//! redundant `Resume` from every node every round. When the lookup fails (etcd does not
+//! answer) the agent is skipped for the round, logged at debug, rather than claimed
+//! blindly: the next round looks again.
 //!
 //! Each round also arms, for every agent with an open delegated task, the wake-up that
 //! resolves it once overdue (`AgentClient::arm_overdue_wakes`; on a cluster node a watch
@@ -22,8 +35,10 @@
 //!
 //! Cost: each round reads three keys per agent of the directory and, for the
 //! conversations, one page of the index per `CONVERSATIONS_LISTED_MAX` conversations and
-//! one key each. A single process does not need a sweep: `attach` and each activation
-//! resume and arm.
+//! one key each; on a cluster node, one etcd read more per agent and per conversation
+//! that has pending entries (none for the others), and a local activation only for one
+//! placed here or nowhere. A single process does not need a sweep: `attach` and each
+//! activation resume and arm (with no router installed nothing is looked up).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

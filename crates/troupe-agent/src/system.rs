@@ -765,10 +765,20 @@ impl AgentClient {
     /// it starts), or whenever the embedder wants (it is idempotent). Returns how many
     /// agents were woken.
     ///
+    /// On a cluster node (a root call router installed), an agent with entries that is
+    /// placed on another node is not woken: its owner's activation processes them (a
+    /// local wake-up would start an activation here that the placement refuses). Each
+    /// such agent costs one placement lookup (an etcd read); one whose lookup fails is
+    /// skipped too, for the next call (the next sweep round) to look again. An agent
+    /// placed here or nowhere is woken here, which claims it here: so an agent whose
+    /// node died is taken over once that node's lease has ended. In a single process
+    /// nothing is looked up.
+    ///
     /// # Errors
     /// [`StoreError`] if reading a snapshot fails.
     pub async fn resume_pending(&self) -> Result<usize, StoreError> {
         let mut woken = 0;
+        let (mut placed_elsewhere, mut unknown) = (0_usize, 0_usize);
         let store = self.runtime.store();
         for spec in self.shared.directory.list() {
             let Ok(id) = agent_id(&spec.id) else { continue };
@@ -777,6 +787,19 @@ impl AgentClient {
             let outbox = store.scan(&id, "outbox/", None, 1).await?;
             if inbox.is_empty() && outbox.is_empty() {
                 continue;
+            }
+            // `Ok(false)` at once without a router (a single process).
+            match self.runtime.placed_elsewhere(&id).await {
+                Ok(false) => {}
+                Ok(true) => {
+                    placed_elsewhere += 1;
+                    continue;
+                }
+                Err(error) => {
+                    tracing::debug!(agent = %id, %error, "not resumed: where it is placed is not known");
+                    unknown += 1;
+                    continue;
+                }
             }
             let resume = AgentCommand::Resume {
                 inbox_after: None,
@@ -789,6 +812,14 @@ impl AgentClient {
                 Ok(()) => woken += 1,
                 Err(error) => tracing::warn!(agent = %id, %error, "could not resume"),
             }
+        }
+        if placed_elsewhere + unknown > 0 {
+            tracing::debug!(
+                woken,
+                placed_elsewhere,
+                unknown,
+                "agents with pending entries not resumed here: placed on another node, or not known where"
+            );
         }
         Ok(woken)
     }
