@@ -7,9 +7,11 @@ transport): resolves an agent card from its well-known path, sends a blocking me
 (its task's `status.timestamp` within a minute of now), reads the task back (GetTask,
 ListTasks, ListTasks since that timestamp), streams a message, delegates without
 blocking to the slow `archivist` agent, cancels a second task still waiting behind it (canceled) and the
-running one (not cancelable), subscribes to the running one until it completes, and
+running one (not cancelable), subscribes to the running one until it completes,
 checks the typed errors: an unknown task, a refused cycle in `metadata.troupe`, an
-unknown method and a wrong token. The server is stopped with SIGTERM at the end (killed
+unknown method and a wrong token, and checks that ListTasks lists each agent's tasks in
+the a2a-sdk's own order (its `InMemoryTaskStore` given the same tasks), whole and in
+pages of one. The server is stopped with SIGTERM at the end (killed
 if it does not stop in time). Every wait is bounded; a missing `a2a-sdk` package fails
 the run with what to install.
 
@@ -29,6 +31,9 @@ try:
     from a2a.client.errors import A2AClientError
     from a2a.types import a2a_pb2 as pb
     from a2a.utils.errors import MethodNotFoundError, TaskNotCancelableError, TaskNotFoundError
+    from a2a.server.context import ServerCallContext
+    from a2a.server.tasks import InMemoryTaskStore
+    from a2a.server.tasks.inmemory_task_store import _list_sort_key
     from importlib.metadata import version
 except ImportError as error:
     print(
@@ -67,6 +72,38 @@ async def send(client, message, return_immediately=False):
     request = pb.SendMessageRequest(message=message)
     request.configuration.return_immediately = return_immediately
     return [event async for event in client.send_message(request)]
+
+
+async def list_pages(list_tasks, page_size):
+    """Every task `list_tasks` lists, walking its pages of `page_size` from the first."""
+    ids, token = [], ""
+    while True:
+        page = await list_tasks(pb.ListTasksRequest(page_size=page_size, page_token=token))
+        ids += [task.id for task in page.tasks]
+        check(len(ids) <= page.total_size, f"more tasks than {page.total_size}: {ids}")
+        token = page.next_page_token
+        if not token:
+            return ids
+
+
+async def check_list_order(client, agent):
+    """ListTasks of `agent` lists its tasks in the order the a2a-sdk's own task store
+    lists them (by `(has status timestamp, status timestamp, id)`, greatest first,
+    `_list_sort_key`): the tasks it lists, put in an `InMemoryTaskStore` and listed by it,
+    whole and a page of one at a time (each with its own tokens). The ids, in order."""
+    tasks = (await client.list_tasks(pb.ListTasksRequest(page_size=100))).tasks
+    store, context = InMemoryTaskStore(), ServerCallContext()
+    for task in tasks:
+        await store.save(task, context)
+    ours = [task.id for task in tasks]
+    theirs = [task.id for task in (await store.list(pb.ListTasksRequest(page_size=100), context)).tasks]
+    check(ours == theirs, f"ListTasks of {agent}: {ours}, the a2a-sdk lists {theirs}")
+    check(ours == [task.id for task in sorted(tasks, key=_list_sort_key, reverse=True)], f"{agent}: {ours}")
+    paged = await list_pages(client.list_tasks, 1)
+    sdk_paged = await list_pages(lambda request: store.list(request, context), 1)
+    check(paged == ours and sdk_paged == ours, f"{agent} in pages of one: {paged}, the a2a-sdk's {sdk_paged}")
+    print(f"ok ListTasks of {agent} in the a2a-sdk's order (whole and in pages of one): {ours}")
+    return ours
 
 
 async def run(address):
@@ -170,6 +207,12 @@ async def run(address):
         )
         check(raw.json()["error"]["code"] == -32601, f"unknown method: {raw.text}")
         print("ok unknown method: -32601")
+
+        # ListTasks' order is the a2a-sdk's own: the archivist's first task, which
+        # completed after the second was canceled, comes first.
+        listed = await check_list_order(archivist, "archivist")
+        check(listed == [first.id, second.id], f"the task whose state changed last first: {listed}")
+        await check_list_order(blocking, "critic")
 
     async with httpx.AsyncClient(headers={"Authorization": "Bearer wrong-" + TOKEN}) as wrong_http:
         wrong = await client_for(wrong_http, address, "critic", streaming=False)

@@ -44,8 +44,8 @@ use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{StoreError, TraceId};
 
 use crate::a2a_tasks::{
-    message_id, AdmitError, CancelOutcome, Created, Forgotten, Lane, LaneTurn, TaskCall, TaskRecord, TaskRegistry,
-    TaskStore,
+    message_id, AdmitError, CancelOutcome, Created, Forgotten, Lane, LaneTurn, ListPlace, TaskCall, TaskRecord,
+    TaskRegistry, TaskStore,
 };
 use crate::agents::known;
 use crate::error::ApiError;
@@ -1369,10 +1369,77 @@ struct ListParams {
     status_timestamp_after: Option<Value>,
 }
 
-/// `ListTasks`: the agent's tasks, newest first, a page at a time. With
-/// `statusTimestampAfter`, only those whose status time is at or after it (as the
-/// `a2a-sdk`'s own task stores compare); a task without one (stored by a version before
-/// it was kept) is left out.
+/// The first character of a `ListTasks` page token. A token of a version before
+/// 2026-12-06 (a task number, `{seq}` or `{seq}.{node}`) begins with a digit.
+const PAGE_TOKEN_TAG: char = 'c';
+
+/// The `ListTasks` page token after `place` (the last task of a page): a keyset cursor,
+/// `c{micros}.{id}` (`c.{id}` for a task without a status time), the id in lowercase
+/// hex (an agent id may hold any character but `/` and control characters).
+fn page_token(place: ListPlace<'_>) -> String {
+    use std::fmt::Write as _;
+    let mut token = String::from(PAGE_TOKEN_TAG);
+    if let Some(micros) = place.micros() {
+        let _ = write!(token, "{micros}");
+    }
+    token.push('.');
+    for byte in place.id().bytes() {
+        let _ = write!(token, "{byte:02x}");
+    }
+    token
+}
+
+/// The cursor a page token holds: the status time (None: the task had none) and the id
+/// of the last task of the page before. Only a token [`page_token`] writes is read
+/// (anything else is invalid params naming it); a number, the token of a version before
+/// 2026-12-06 (which listed by task number), is refused saying so.
+fn page_cursor(token: &str) -> Result<(Option<u64>, String), RpcError> {
+    let refused = || RpcError::params(format!("\"pageToken\" {token:?} is not one this server gave"));
+    let number = token.split('.').next().unwrap_or_default();
+    if !number.is_empty() && number.bytes().all(|byte| byte.is_ascii_digit()) {
+        return Err(RpcError::params(format!(
+            "\"pageToken\" {token:?} is not one this server gave: it is a task number, the page token of a \
+             Troupe server before 2026-12-06; tasks are now listed by status time, most recent first \
+             (as the a2a-sdk lists them): list again from the first page, without a pageToken"
+        )));
+    }
+    let (micros, id) = token
+        .strip_prefix(PAGE_TOKEN_TAG)
+        .and_then(|rest| rest.split_once('.'))
+        .ok_or_else(refused)?;
+    let micros = match micros {
+        "" => None,
+        digits => Some(digits.parse::<u64>().map_err(|_| refused())?),
+    };
+    if id.is_empty() || id.len() % 2 != 0 || !id.bytes().all(|byte| byte.is_ascii_hexdigit()) {
+        return Err(refused());
+    }
+    let bytes = (0..id.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(&id[at..at + 2], 16))
+        .collect::<Result<Vec<u8>, _>>()
+        .map_err(|_| refused())?;
+    let id = String::from_utf8(bytes).map_err(|_| refused())?;
+    // One spelling only: what `page_token` writes (no leading zeros, lowercase hex).
+    if page_token(ListPlace::new(micros, &id)) != token {
+        return Err(refused());
+    }
+    Ok((micros, id))
+}
+
+/// `ListTasks`: the agent's tasks a page at a time, in the `a2a-sdk`'s order
+/// ([`ListPlace`]): the task whose state changed last first, tasks without a status
+/// time (stored by a version before it was kept) last, ties by task id, greatest first.
+/// The page token is a keyset cursor, the place of the page's last task: the next page
+/// holds the tasks strictly after it, wherever that task is now. So while the agent's
+/// tasks keep their places a walk through the pages lists each once, in order; a task
+/// whose state changes during the walk moves to the front (a new status time): listed
+/// before the change, it is not listed again; not listed yet, it is skipped (a
+/// `statusTimestampAfter` query finds it). A task whose place moves back (a task read
+/// back after a restart that was `working`, listed at its `submitted` time) may be
+/// listed twice. With `statusTimestampAfter`, only those whose status time is at or
+/// after it (as the `a2a-sdk`'s own task stores compare); a task without one is left
+/// out.
 fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
     let params: ListParams = parse(params)?;
     let since_nanos = match &params.status_timestamp_after {
@@ -1425,20 +1492,9 @@ fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Val
             )))
         }
     };
-    // The page token is the last task's place: `{seq}`, or `{seq}.{node}` for a task a
-    // cluster node numbered (two nodes may give the same number).
-    let before: Option<(u64, Option<&str>)> = match params.page_token.as_deref() {
+    let after = match params.page_token.as_deref() {
         None | Some("") => None,
-        Some(token) => {
-            let (seq, node) = match token.split_once('.') {
-                Some((seq, node)) => (seq, Some(node)),
-                None => (token, None),
-            };
-            let seq = seq
-                .parse::<u64>()
-                .map_err(|_| RpcError::params(format!("\"pageToken\" {token:?} is not one this server gave")))?;
-            Some((seq, node))
-        }
+        Some(token) => Some(page_cursor(token)?),
     };
     let matching = a2a.tasks.list(agent, |task| {
         params
@@ -1452,16 +1508,20 @@ fn list_tasks(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Val
             })
     });
     let total = matching.len();
-    let page: Vec<&TaskRecord> = matching
-        .iter()
-        .filter(|task| before.is_none_or(|before| task.order() < before))
-        .take(page_size)
-        .collect();
+    let start = match &after {
+        None => 0,
+        Some((micros, id)) => {
+            let after = ListPlace::new(*micros, id);
+            matching
+                .iter()
+                .position(|task| task.list_place() < after)
+                .unwrap_or(total)
+        }
+    };
+    let end = start.saturating_add(page_size).min(total);
+    let page = &matching[start..end];
     let next = match page.last() {
-        Some(last) if matching.iter().any(|task| task.order() < last.order()) => match &last.node {
-            Some(node) => format!("{}.{node}", last.seq),
-            None => last.seq.to_string(),
-        },
+        Some(last) if end < total => page_token(last.list_place()),
         _ => String::new(),
     };
     let artifacts = params.include_artifacts.unwrap_or(false);
@@ -1599,4 +1659,26 @@ fn task_stream(
         Some((Ok::<_, Infallible>(event), follower))
     });
     Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: a `ListTasks` page token reads back to the place it was written for, whatever
+    /// the task id holds (an agent id may hold spaces, `?`, `#`, `.`, any letter) and with
+    /// or without a status time; a token whose id is not UTF-8 is refused, not misread.
+    #[test]
+    fn a_page_token_reads_back_to_the_place_it_was_written_for() {
+        for id in ["echo-task-0", "echo #2?.x-task-h1-7", "éé-task-1", "🤖-task-12"] {
+            for micros in [None, Some(0), Some(1_796_000_000_123_456), Some(u64::MAX)] {
+                let token = page_token(ListPlace::new(micros, id));
+                assert!(token.starts_with(PAGE_TOKEN_TAG), "{token}");
+                let (read_micros, read_id) = page_cursor(&token).unwrap_or_else(|_| panic!("{token} is refused"));
+                assert_eq!((read_micros, read_id.as_str()), (micros, id), "{token}");
+            }
+        }
+        assert!(page_cursor("c1.ff").is_err(), "not UTF-8");
+        assert!(page_cursor("c.").is_err(), "no id");
+    }
 }

@@ -100,7 +100,8 @@ pub(crate) struct TaskRecord {
     pub(crate) id: String,
     /// Its number among its agent's tasks (in its node's space on a cluster node),
     /// reserved in the store for the server that gave it: the order the agent's tasks
-    /// were created in here, and the `ListTasks` page token.
+    /// were created in here (which tasks are let go first; `ListTasks` lists by
+    /// [`TaskRecord::list_place`]).
     pub(crate) seq: u64,
     /// The agent doing it.
     pub(crate) agent: String,
@@ -150,11 +151,53 @@ pub(crate) struct TaskRecord {
     pub(crate) state_since_micros: Option<u64>,
 }
 
+/// A place in `ListTasks`' order, which is the `a2a-sdk`'s (its task stores'
+/// `_list_sort_key` and `ListTasksCursor`): `(has a status time, the status time or 0,
+/// the task id)`, listed greatest first. So the task whose state changed last comes
+/// first; tasks without a status time (stored before it was kept) come last; tasks with
+/// the same time (or none) are listed by id, greatest first, the ids compared as strings
+/// (by code point, as Python compares them: `echo-task-9` before `echo-task-10`). The
+/// SDK compares nanoseconds; a status time here is whole microseconds and is served with
+/// all six digits, so the order is the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct ListPlace<'a> {
+    // The field order is the comparison's (the derived `Ord`).
+    timed: bool,
+    micros: u64,
+    id: &'a str,
+}
+
+impl<'a> ListPlace<'a> {
+    /// The place of task `id` whose status time is `micros` (None: it has none).
+    pub(crate) fn new(micros: Option<u64>, id: &'a str) -> Self {
+        Self {
+            timed: micros.is_some(),
+            micros: micros.unwrap_or(0),
+            id,
+        }
+    }
+
+    /// The status time, in microseconds since the Unix epoch (None: none).
+    pub(crate) fn micros(self) -> Option<u64> {
+        self.timed.then_some(self.micros)
+    }
+
+    /// The task id.
+    pub(crate) fn id(self) -> &'a str {
+        self.id
+    }
+}
+
 impl TaskRecord {
     /// Where it stands among the tasks, oldest first: by number, then (for tasks that
     /// two cluster nodes numbered alike) by the node that numbered it.
     pub(crate) fn order(&self) -> (u64, Option<&str>) {
         (self.seq, self.node.as_deref())
+    }
+
+    /// Its place in `ListTasks`' order (see [`ListPlace`]).
+    pub(crate) fn list_place(&self) -> ListPlace<'_> {
+        ListPlace::new(self.state_since_micros, &self.id)
     }
 
     /// Puts it in `state` as of `now` (the runtime's clock).
@@ -799,17 +842,23 @@ impl TaskRegistry {
         (inner.tasks.len(), agents)
     }
 
-    /// The tasks of `agent`, newest first, that `keep` keeps.
+    /// The tasks of `agent` that `keep` keeps, in `ListTasks`' order (greatest
+    /// [`TaskRecord::list_place`] first: the task whose state changed last first).
     pub(crate) fn list(&self, agent: &str, keep: impl Fn(&TaskRecord) -> bool) -> Vec<TaskRecord> {
-        let inner = self.lock();
-        inner
-            .order
-            .iter()
-            .rev()
-            .filter_map(|id| inner.tasks.get(id))
-            .map(|sender| sender.borrow().clone())
-            .filter(|task| task.agent == agent && keep(task))
-            .collect()
+        let mut tasks: Vec<TaskRecord> = {
+            let inner = self.lock();
+            inner
+                .tasks
+                .values()
+                .filter(|sender| {
+                    let task = sender.borrow();
+                    task.agent == agent && keep(&task)
+                })
+                .map(|sender| sender.borrow().clone())
+                .collect()
+        };
+        tasks.sort_unstable_by(|a, b| b.list_place().cmp(&a.list_place()));
+        tasks
     }
 }
 

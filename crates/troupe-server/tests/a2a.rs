@@ -16,6 +16,8 @@ use troupe_runtime::KindConfig;
 use troupe_server::limits::A2A_TASKS_WAITING_PER_AGENT_MAX;
 use troupe_server::ServerConfig;
 
+#[path = "support/a2a_records.rs"]
+mod a2a_records;
 mod support;
 use support::{gauge, Harness, TEST_WAIT_MS_MAX};
 
@@ -1316,36 +1318,10 @@ async fn a_tasks_status_carries_the_time_it_entered_its_state() {
 /// and a second started on the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_times_are_stored_and_list_tasks_keeps_the_tasks_at_or_after_a_time() {
-    use troupe_runtime::StateStore as _;
     let store = Arc::new(troupe_runtime::MemoryStore::new());
     // A record as the version before status times stored it.
-    let older = json!({
-        "id": "echo-task-0",
-        "seq": 0,
-        "agent": "echo",
-        "context_id": "echo-context-0",
-        "state": "Completed",
-        "request": {"messageId": "older-m0", "role": "ROLE_USER", "parts": [{"text": "older"}],
-                    "taskId": "echo-task-0", "contextId": "echo-context-0"},
-        "reply": "echo: older",
-        "reply_meta": null,
-        "reason": null,
-        "chain": [],
-        "depth": 0,
-        "timeout_ms": 10_000,
-        "busy": false,
-        "trace_id": "",
-    });
-    let key_space = troupe_core::ActorId::new("troupe-a2a", "echo").unwrap();
-    let claimed = store.claim(&key_space).await.unwrap();
-    let commit = troupe_runtime::TurnCommit {
-        state: troupe_runtime::StateChange::Unchanged,
-        writes: vec![(
-            format!("task/{:020}", 0),
-            Some(axum::body::Bytes::from(older.to_string())),
-        )],
-    };
-    store.commit(&key_space, claimed.fence, commit).await.unwrap();
+    let older = a2a_records::stored_task("echo", None, 0, "Completed", "older", Some("echo: older"));
+    a2a_records::write_records(&*store, "echo", &[older]).await;
     let start_on_store = || {
         let builder = support::agents(script(), &["echo"], KindConfig::default()).store(Arc::clone(&store) as _);
         Harness::start(builder, ServerConfig::default().token(TOKEN))
@@ -1398,4 +1374,248 @@ async fn status_times_are_stored_and_list_tasks_keeps_the_tasks_at_or_after_a_ti
     let older_again = restarted.ok("echo", "GetTask", json!({"id": "echo-task-0"})).await;
     assert!(older_again["status"].get("timestamp").is_none(), "{older_again}");
     restarted.stop().await;
+}
+
+/// The ids of the tasks a `ListTasks` answered, in order.
+fn listed_ids(listed: &Value) -> Vec<String> {
+    listed["tasks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tasks: {listed}"))
+        .iter()
+        .map(|task| task["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Polls `GetTask` of task `id` of `agent` until it is in `state` (an A2A state name),
+/// for at most [`TEST_WAIT_MS_MAX`].
+async fn until_state(server: &Harness, agent: &str, id: &str, state: &str) {
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        while server.ok(agent, "GetTask", json!({"id": id})).await["status"]["state"] != state {
+            tokio::time::sleep(Duration::from_millis(support::POLL_MS)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("task {id} was not {state} within {TEST_WAIT_MS_MAX} ms"));
+}
+
+/// Walks `ListTasks` of `agent` with `params` a page of `size` at a time from the first
+/// page: the ids in the order listed, and the page tokens given. Every page is full but
+/// the last, and says `total` tasks in all.
+async fn walk_pages(server: &Harness, agent: &str, size: usize, total: usize) -> (Vec<String>, Vec<String>) {
+    let mut seen = Vec::new();
+    let mut tokens = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = server
+            .ok(agent, "ListTasks", json!({"pageSize": size, "pageToken": token}))
+            .await;
+        assert_eq!(page["totalSize"], total, "{page}");
+        let ids = listed_ids(&page);
+        token = page["nextPageToken"].as_str().unwrap().to_string();
+        if !token.is_empty() {
+            assert_eq!(ids.len(), size, "a page before the last is full: {page}");
+            tokens.push(token.clone());
+        }
+        seen.extend(ids);
+        assert!(seen.len() <= total, "more tasks than there are: {seen:?}");
+        if token.is_empty() {
+            return (seen, tokens);
+        }
+    }
+}
+
+/// Goal: `ListTasks` lists an agent's tasks as the `a2a-sdk` lists them: the task whose
+/// state changed last first, not the task made last. A walk through the pages (each
+/// token the place of its page's last task) goes on from that place: a task whose
+/// state changes during the walk moves to the front and is skipped, and
+/// `statusTimestampAfter` (the time of the first task listed) finds it. Before, tasks
+/// were listed newest first by creation: t1, canceled after t3 was made, was listed
+/// third (`[t3, t2, t1, t0]`). Method: `gated`'s model waits at a gate the test opens:
+/// t0 runs (held), t1, t2 and t3 wait in the lane; t1 is canceled; then t2, during a
+/// walk of pages of one; then the gate opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_tasks_lists_the_task_whose_state_changed_last_first() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let gated = support::Gated {
+        script: ScriptedLlm::new().rule(ScriptRule::agent("gated").reply("gated: {input}")),
+        gate: Arc::clone(&gate),
+    };
+    let builder = troupe_agent::AgentSystem::builder()
+        .llm(Arc::new(gated))
+        .kind_config(KindConfig::default())
+        .agent(troupe_agent::AgentSpec::new("gated"));
+    let server = Harness::start(builder, ServerConfig::default().token(TOKEN)).await;
+    let mut ids = Vec::new();
+    for text in ["t0", "t1", "t2", "t3"] {
+        let mut params = send_params(text);
+        params["configuration"] = json!({"returnImmediately": true});
+        let task = server.ok("gated", "SendMessage", params).await["task"].clone();
+        ids.push(task["id"].as_str().unwrap().to_string());
+        if text == "t0" {
+            until_state(&server, "gated", &ids[0], "TASK_STATE_WORKING").await;
+        }
+    }
+    let [t0, t1, t2, t3] = [ids[0].as_str(), ids[1].as_str(), ids[2].as_str(), ids[3].as_str()];
+    let canceled = server.ok("gated", "CancelTask", json!({"id": t1})).await;
+    assert_eq!(canceled["status"]["state"], "TASK_STATE_CANCELED", "{canceled}");
+    let listed = server.ok("gated", "ListTasks", json!({})).await;
+    assert_eq!(
+        listed_ids(&listed),
+        [t1, t3, t2, t0],
+        "the task whose state changed last first: {listed}"
+    );
+    let canceled_at = listed["tasks"][0]["status"]["timestamp"].as_str().unwrap().to_string();
+
+    // A walk in pages of one; t2 is canceled after the first page.
+    let page = server.ok("gated", "ListTasks", json!({"pageSize": 1})).await;
+    assert_eq!(listed_ids(&page), [t1], "{page}");
+    let canceled = server.ok("gated", "CancelTask", json!({"id": t2})).await;
+    assert_eq!(canceled["status"]["state"], "TASK_STATE_CANCELED", "{canceled}");
+    let mut seen = listed_ids(&page);
+    let mut token = page["nextPageToken"].as_str().unwrap().to_string();
+    while !token.is_empty() {
+        let page = server
+            .ok("gated", "ListTasks", json!({"pageSize": 1, "pageToken": token}))
+            .await;
+        assert_eq!(page["totalSize"], 4, "{page}");
+        seen.extend(listed_ids(&page));
+        token = page["nextPageToken"].as_str().unwrap().to_string();
+        assert!(seen.len() <= 4, "{seen:?}");
+    }
+    assert_eq!(
+        seen,
+        [t1, t3, t0],
+        "t2 moved ahead of the walk's place when it changed state: skipped"
+    );
+    let since = server
+        .ok("gated", "ListTasks", json!({"statusTimestampAfter": canceled_at}))
+        .await;
+    assert_eq!(listed_ids(&since), [t2, t1], "what changed since: {since}");
+
+    // t0 and then t3 run to their end: t3 changed state last.
+    gate.add_permits(2);
+    until_state(&server, "gated", t3, "TASK_STATE_COMPLETED").await;
+    let listed = server.ok("gated", "ListTasks", json!({})).await;
+    assert_eq!(listed_ids(&listed), [t3, t0, t2, t1], "{listed}");
+    server.stop().await;
+}
+
+/// Goal: pages of `ListTasks` walk every task of the agent once, none missing, in the
+/// `a2a-sdk`'s order: by status time, most recent first, tasks with the same time by id
+/// compared as strings, greatest first (`echo-task-2` before `echo-task-11`), and the
+/// tasks stored without a status time (by a version before 2026-12-06) last, by id
+/// (`echo-task-9` before `echo-task-10`), in pages of 1 or 4; a task made between two
+/// pages does not move the pages after it. Before, tasks were listed by number, newest
+/// first (`11, 10, 9, 2` after the new ones). Method: four records written to the
+/// store before the server starts (two with one status time in 2026-01, two without),
+/// and two blocking sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_tasks_pages_walk_every_task_once_in_the_sdks_order() {
+    /// 2026-01-01T00:00:00Z, in microseconds since the Unix epoch.
+    const JANUARY_US: u64 = 1_767_225_600_000_000;
+    let store = Arc::new(troupe_runtime::MemoryStore::new());
+    let timed = |seq: u64| {
+        let (key, mut record) = a2a_records::stored_task("echo", None, seq, "Completed", "timed", Some("echo: timed"));
+        record["state_since_micros"] = json!(JANUARY_US);
+        (key, record)
+    };
+    let untimed = |seq: u64| a2a_records::stored_task("echo", None, seq, "Completed", "untimed", Some("echo: untimed"));
+    a2a_records::write_records(&*store, "echo", &[timed(2), timed(11), untimed(9), untimed(10)]).await;
+    let builder = support::agents(script(), &["echo"], KindConfig::default()).store(Arc::clone(&store) as _);
+    let server = Harness::start(builder, ServerConfig::default().token(TOKEN)).await;
+    let first = server.ok("echo", "SendMessage", send_params("first")).await["task"]["id"].clone();
+    let second = server.ok("echo", "SendMessage", send_params("second")).await["task"]["id"].clone();
+    let (first, second) = (first.as_str().unwrap(), second.as_str().unwrap());
+    let expected = [
+        second,
+        first,
+        "echo-task-2",
+        "echo-task-11",
+        "echo-task-9",
+        "echo-task-10",
+    ];
+
+    let all = server.ok("echo", "ListTasks", json!({})).await;
+    assert_eq!(listed_ids(&all), expected, "{all}");
+    assert_eq!(all["totalSize"], 6, "{all}");
+    assert_eq!(all["nextPageToken"], "", "{all}");
+    let times: Vec<Option<&str>> = all["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|task| task["status"]["timestamp"].as_str())
+        .collect();
+    assert_eq!(
+        times[2..],
+        [
+            Some("2026-01-01T00:00:00.000000Z"),
+            Some("2026-01-01T00:00:00.000000Z"),
+            None,
+            None
+        ],
+        "{all}"
+    );
+    let (seen, _) = walk_pages(&server, "echo", 1, 6).await;
+    assert_eq!(seen, expected, "pages of one");
+    let (seen, _) = walk_pages(&server, "echo", 4, 6).await;
+    assert_eq!(seen, expected, "pages of four");
+
+    // A task made between two pages is listed first, ahead of the walk: the pages after
+    // are as they were.
+    let page = server.ok("echo", "ListTasks", json!({"pageSize": 2})).await;
+    assert_eq!(listed_ids(&page), expected[..2], "{page}");
+    let third = server.ok("echo", "SendMessage", send_params("third")).await["task"]["id"].clone();
+    let mut token = page["nextPageToken"].as_str().unwrap().to_string();
+    for wanted in [&expected[2..4], &expected[4..]] {
+        let page = server
+            .ok("echo", "ListTasks", json!({"pageSize": 2, "pageToken": token}))
+            .await;
+        assert_eq!(listed_ids(&page), wanted, "{page}");
+        assert_eq!(page["totalSize"], 7, "{page}");
+        token = page["nextPageToken"].as_str().unwrap().to_string();
+    }
+    assert_eq!(token, "", "the last page");
+    let all = server.ok("echo", "ListTasks", json!({})).await;
+    assert_eq!(listed_ids(&all)[0], third.as_str().unwrap(), "{all}");
+    server.stop().await;
+}
+
+/// Goal: a `ListTasks` page token of the versions before 2026-12-06 (a task number,
+/// `{seq}` or `{seq}.{node}`, a place in the order by number, which means nothing in the
+/// order by status time) is invalid params naming it and saying what it is, and so is a
+/// token this server did not write (one it wrote, altered). Before, `"2"` was a token
+/// (the tasks numbered below 2). Method: `echo`, two blocking sends, pages of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_token_of_the_versions_that_listed_by_number_is_refused_naming_it() {
+    let server = start().await;
+    for text in ["one", "two"] {
+        server.ok("echo", "SendMessage", send_params(text)).await;
+    }
+    let (seen, tokens) = walk_pages(&server, "echo", 1, 2).await;
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    // Tokens of the versions before 2026-12-06, and altered ones.
+    for token in ["2", "12", "11.h1"] {
+        let (code, message) = server.error("echo", "ListTasks", json!({"pageToken": token})).await;
+        assert_eq!(code, -32602, "{token}: {message}");
+        assert!(
+            message.contains(&format!("{token:?}")) && message.contains("a Troupe server before 2026-12-06"),
+            "the old token is named and said to be one: {message}"
+        );
+    }
+    let timed_token = &tokens[0];
+    let altered = [
+        timed_token.to_uppercase(),
+        format!("{timed_token}0"),
+        timed_token.replacen('c', "c0", 1),
+        timed_token.replacen('.', "x.", 1),
+    ];
+    for token in altered {
+        let (code, message) = server.error("echo", "ListTasks", json!({"pageToken": token})).await;
+        assert_eq!(code, -32602, "{token}: {message}");
+        assert!(
+            message.contains(&format!("\"pageToken\" {token:?} is not one this server gave")),
+            "{message}"
+        );
+    }
+    server.stop().await;
 }

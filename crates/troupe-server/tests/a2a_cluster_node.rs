@@ -26,54 +26,18 @@ use axum::body::Bytes;
 use serde_json::{json, Value};
 use troupe_agent::{ScriptRule, ScriptedLlm};
 use troupe_core::{ActorId, StoreError};
-use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateChange, StateStore, TurnCommit};
+use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateStore, TurnCommit};
 use troupe_server::{PeerAddresses, ServerConfig};
 
+#[path = "support/a2a_records.rs"]
+mod a2a_records;
 mod support;
 use support::{parse_sse, Gated, Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
-/// A task record as a node stores it (`troupe-a2a/{agent}`, key `task/{node}/{seq}`).
+/// A task record as node `node` stores it (key `task/{node}/{seq}`), without a status
+/// time (as the versions before 2026-12-06 stored it).
 fn record(node: &str, seq: u64, state: &str, text: &str, reply: Option<&str>) -> (String, Value) {
-    let id = format!("echo-task-{node}-{seq}");
-    let request = json!({
-        "messageId": format!("{node}-m{seq}"),
-        "role": "ROLE_USER",
-        "parts": [{"text": text}],
-        "taskId": id,
-        "contextId": format!("echo-context-{node}-{seq}"),
-    });
-    let record = json!({
-        "id": id,
-        "seq": seq,
-        "agent": "echo",
-        "context_id": format!("echo-context-{node}-{seq}"),
-        "state": state,
-        "request": request,
-        "reply": reply,
-        "reply_meta": null,
-        "reason": null,
-        "chain": [],
-        "depth": 0,
-        "timeout_ms": 10_000,
-        "busy": false,
-        "trace_id": "",
-        "node": node,
-    });
-    (format!("task/{node}/{seq:020}"), record)
-}
-
-async fn write_records(store: &MemoryStore, records: &[(String, Value)]) {
-    let id = ActorId::new("troupe-a2a", "echo").unwrap();
-    let claimed = store.claim(&id).await.unwrap();
-    let writes = records
-        .iter()
-        .map(|(key, record)| (key.clone(), Some(Bytes::from(record.to_string()))))
-        .collect();
-    let commit = TurnCommit {
-        state: StateChange::Unchanged,
-        writes,
-    };
-    store.commit(&id, claimed.fence, commit).await.unwrap();
+    a2a_records::stored_task("echo", Some(node), seq, state, text, reply)
 }
 
 async fn rpc(server: &Harness, method: &str, params: Value) -> Value {
@@ -82,6 +46,16 @@ async fn rpc(server: &Harness, method: &str, params: Value) -> Value {
     assert_eq!(status, 200, "{method}: {answer}");
     assert!(answer.get("error").is_none(), "{method}: {answer}");
     answer["result"].clone()
+}
+
+/// Whether each task `ListTasks` answered carries a status time, in order.
+fn listed_times(listed: &Value) -> Vec<bool> {
+    listed["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|task| task["status"].get("timestamp").is_some())
+        .collect()
 }
 
 fn reply_text(task: &Value) -> &str {
@@ -93,14 +67,20 @@ fn reply_text(task: &Value) -> &str {
 /// Goal: node h1, taking over agent `echo`'s A2A records, serves the tasks h0 and h2
 /// numbered (one ended, read back as it was), resumes h0's task that was working when
 /// h0 died (it completes with the agent's reply), numbers its own new task after all of
-/// them, and lists them newest first a page at a time, telling apart two tasks two
-/// nodes gave the same number. Method: write the records to the shared store first,
-/// then start the server with `ServerConfig::node("h1")` and ask it.
+/// them, and lists them a page at a time in the `a2a-sdk`'s order: the task whose state
+/// changed last first, the records stored without a status time last, by id (so two
+/// tasks two nodes gave the same number are told apart); a page token of the versions
+/// before 2026-12-06 (a task number, `2.h1`) is invalid params naming it. Before, tasks
+/// were listed by number (`h1-2, h2-1, h0-1, h0-0`: h0's resumed task, completed
+/// after h2's was stored, listed after it), and `2.h1` was a token. Method: write the
+/// records (without status times, as an older version stored them) to the shared store
+/// first, then start the server with `ServerConfig::node("h1")` and ask it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_taking_an_agents_a2a_records_over_serves_and_resumes_the_tasks_other_nodes_stored() {
     let store = MemoryStore::new();
-    write_records(
+    a2a_records::write_records(
         &store,
+        "echo",
         &[
             record("h0", 0, "Completed", "first", Some("echo: first")),
             record("h0", 1, "Working", "resume me", None),
@@ -170,21 +150,37 @@ async fn a_node_taking_an_agents_a2a_records_over_serves_and_resumes_the_tasks_o
     }
     assert_eq!(
         seen,
-        ["echo-task-h1-2", "echo-task-h2-1", "echo-task-h0-1", "echo-task-h0-0"],
-        "newest first, ties by node"
+        ["echo-task-h1-2", "echo-task-h0-1", "echo-task-h2-1", "echo-task-h0-0"],
+        "the a2a-sdk's order: the task whose state changed last first (h1's new one, then \
+         h0's resumed one, which completed here before it was made), then those stored \
+         without a status time, by id (greatest first)"
     );
-    assert_eq!(tokens, ["2.h1", "1.h2", "1.h0"]);
-    let (status, answer) = server
-        .post(
-            "/a2a/echo",
-            json!({"jsonrpc": "2.0", "id": 2, "method": "ListTasks", "params": {"pageToken": "x.h0"}}),
-        )
-        .await;
-    assert_eq!(status, 200, "{answer}");
-    assert_eq!(
-        answer["error"]["code"], -32602,
-        "a token this server did not give: {answer}"
+    let times: Vec<bool> = listed_times(&all);
+    assert_eq!(times, [true, true, false, false], "{all}");
+    assert!(
+        tokens
+            .iter()
+            .all(|token| !token.starts_with(|c: char| c.is_ascii_digit())),
+        "no token is a task number: {tokens:?}"
     );
+    for (token, message) in [
+        ("2.h1", "a Troupe server before 2026-12-06"),
+        ("x.h0", "is not one this server gave"),
+    ] {
+        let (status, answer) = server
+            .post(
+                "/a2a/echo",
+                json!({"jsonrpc": "2.0", "id": 2, "method": "ListTasks", "params": {"pageToken": token}}),
+            )
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["error"]["code"], -32602, "{token}: {answer}");
+        let text = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            text.contains(&format!("{token:?}")) && text.contains(message),
+            "{token}: {answer}"
+        );
+    }
     server.stop().await;
 }
 
