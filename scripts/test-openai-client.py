@@ -5,16 +5,22 @@ Starts the troupe binary (the path is the first argument) on 127.0.0.1 with a fr
 a bearer token and the scripted model, then with the `openai` client: lists the models
 (the agents), asks the `critic` agent without and with streaming (and streamed with
 `stream_options={"include_usage": True}`: the last chunk carries the turn's token usage,
-as the scripted model counts it, one token per word), and checks that `stream_options`
-without streaming, an unknown model and a wrong key fail with the client's typed errors. The server is
-stopped with SIGTERM at the end (killed if it does not stop in time). Every wait is
-bounded; a missing `openai` package fails the run with what to install.
+as the scripted model counts it, one token per word), streams a long turn of the
+`coordinator` (its role chunk arrives while the turn runs, a second or more before its
+content), then gives the coordinator one model step so that its turn fails after its
+tool calls, after the headers: the stream's error event is raised as `openai.APIError`.
+It checks that `stream_options` without streaming, an unknown model and a wrong key fail
+with the client's typed errors. The server is stopped with SIGTERM at the end (killed if
+it does not stop in time). Every wait is bounded; a missing `openai` package fails the
+run with what to install.
 
     python3 scripts/test-openai-client.py target/debug/troupe
 """
 
+import json
 import sys
 import time
+import urllib.request
 
 from serve_harness import check, serving
 
@@ -28,10 +34,12 @@ TOKEN = "openai-client-test-token-0123456789"
 # Bounds, in seconds.
 REQUEST_TIMEOUT_S = 30
 AGENTS = ["analyst", "archivist", "coordinator", "critic", "researcher"]
-
-
-
-
+# What the scripted coordinator takes a brief for: its turn calls the researcher (who
+# calls the analyst) and the archivist (4 s to answer, called with a 1.5 s timeout).
+BRIEF = [{"role": "user", "content": "Write a brief on battery prices."}]
+# How much later than the role chunk the coordinator's content must arrive, in seconds:
+# its turn waits 1.5 s for the archivist alone, after the headers went out (0.2 s at most).
+STREAMED_GAP_MIN_S = 1.0
 
 
 def words(text):
@@ -117,6 +125,9 @@ def run(address):
     )
     print(f"ok chat.completions.create(stream=True, include_usage): {len(chunks)} chunks, {streamed_usage}")
 
+    stream_streams_while_the_turn_runs(client)
+    an_error_after_the_headers_raises_api_error(client, address)
+
     # As OpenAI's API: stream_options on a request that is not streamed is a 400.
     try:
         client.chat.completions.create(model="critic", messages=messages, stream_options={"include_usage": True})
@@ -139,6 +150,53 @@ def run(address):
         raise AssertionError("a wrong key was accepted")
     except openai.AuthenticationError:
         print("ok wrong key: AuthenticationError")
+
+
+def stream_streams_while_the_turn_runs(client):
+    """A streamed answer's role chunk comes while the turn runs, its content at the end."""
+    started = time.monotonic()
+    stream = client.chat.completions.create(model="coordinator", messages=BRIEF, stream=True)
+    chunks = iter(stream)
+    role = next(chunks)
+    role_at = time.monotonic() - started
+    check(role.choices[0].delta.role == "assistant", f"the first chunk is the role: {role}")
+    rest = list(chunks)
+    ended_at = time.monotonic() - started
+    streamed, finish = stream_text(rest)
+    check(streamed.startswith("Brief. "), f"the coordinator's brief: {streamed!r}")
+    check(finish == "stop", f"finish_reason {finish}")
+    check(
+        ended_at - role_at >= STREAMED_GAP_MIN_S,
+        f"the role chunk at {role_at:.2f} s, the content at {ended_at:.2f} s: not streamed while the turn ran",
+    )
+    print(f"ok stream=True streams: the role chunk at {role_at:.2f} s, the answer at {ended_at:.2f} s")
+
+
+def an_error_after_the_headers_raises_api_error(client, address):
+    """A turn that fails after the headers: the stream's error event is `openai.APIError`."""
+    # One model step: the coordinator's turn calls its tools, then has no step left to
+    # answer, and fails (500 `agent_failed` had it failed before the headers).
+    body = json.dumps({"role": "the coordinator, short of steps", "model": "scripted", "max_steps": 1}).encode()
+    request = urllib.request.Request(
+        f"http://{address}/v1/agents/coordinator",
+        data=body,
+        method="PUT",
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+        check(response.status == 200, f"PUT coordinator: {response.status}")
+    stream = client.chat.completions.create(model="coordinator", messages=BRIEF, stream=True)
+    chunks = iter(stream)
+    role = next(chunks)
+    check(role.choices[0].delta.role == "assistant", f"the first chunk is the role: {role}")
+    try:
+        rest = list(chunks)
+        raise AssertionError(f"a failed turn's stream ended without an error: {rest}")
+    except openai.APIError as error:
+        check(not isinstance(error, openai.APIStatusError), f"an HTTP status error, not an in-stream one: {error!r}")
+        check(error.code == "agent_failed", f"in-stream error: code {error.code!r}: {error}")
+        check("model steps" in error.message, f"in-stream error: {error.message!r}")
+        print(f"ok an error after the headers: APIError {error.code}: {error.message}")
 
 
 def main():

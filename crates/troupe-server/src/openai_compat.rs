@@ -3,21 +3,55 @@
 //! sent to the agent, the rest of the conversation is ignored: the agent keeps its own)
 //! and `GET /v1/models` (every agent as a model).
 //!
-//! With `"stream": true` the answer comes as OpenAI `chat.completion.chunk` SSE messages
-//! once the agent's turn has ended: one with the role, one with the whole reply text,
-//! one with `finish_reason: "stop"`, then `data: [DONE]`. The agent does not stream
-//! tokens through the client API, so the text is one chunk. A streamed completion holds
-//! one of the server's `streams_open_max` stream slots (`server::stream_slot`) from when
-//! it is accepted (its request checked, before the agent is asked) until its body ends or
-//! its client goes away (while the turn runs or while the body is sent); one over the
-//! limit is refused at once, before the agent is asked, in this route's one error shape:
-//! 503 `overloaded` with `Retry-After`. With
-//! `"stream_options": {"include_usage": true}`, as OpenAI's: a last chunk before
+//! With `"stream": true` the answer is OpenAI `chat.completion.chunk` SSE messages,
+//! sent while the agent's turn runs:
+//!
+//! ```text
+//! checked (404/422/400) ─► stream slot (503) ─► turn asked, waited for ≤ 200 ms
+//!   ├─ ended: an error ─► its HTTP status (429 busy, 503, 500 ...), as without streaming
+//!   ├─ ended: a reply  ─► 200, every chunk at once
+//!   └─ running         ─► 200, headers + role chunk ─► ":" every 15 s ─┬─► content, finish, [usage], [DONE]
+//!                                                                      └─► one error event, end
+//! ```
+//!
+//! - The request is checked first (unknown model 404 `model_not_found`, no user message
+//!   422, `stream_options` without streaming 400), then it takes one of the server's
+//!   `streams_open_max` stream slots (`server::stream_slot`; over the limit: 503
+//!   `overloaded` with `Retry-After`, before the agent is asked), all answered with HTTP
+//!   statuses in the route's one error shape.
+//! - The turn is asked for, and the handler waits for it for
+//!   [`OPENAI_STREAM_HEADERS_WAIT_MS`] (at most half the request timeout). The client API
+//!   tells nothing between "asked" and "answered" (`AgentClient::ask_with` returns the
+//!   reply or the error), so the wait is a bound, not an admission signal: an error known
+//!   as the turn is asked for (a full mailbox, 429 `busy` with `Retry-After`; the agent
+//!   deleted meanwhile, 404; a full dispatcher or a shutdown, 503) comes well within it
+//!   and keeps its HTTP status, as without streaming; so does a turn that fails that
+//!   soon. A turn that ends that soon is streamed whole at once.
+//! - Past the wait the headers go out with the role chunk (`delta: {"role": "assistant",
+//!   "content": ""}`), and the request leaves the concurrent-request limit and its
+//!   timeout (which bound the time to the headers: a long turn is no 504). While the turn
+//!   runs, an SSE comment every [`OPENAI_STREAM_KEEP_ALIVE_MS`] keeps the connection (the
+//!   OpenAI clients skip comments). When it ends: one chunk with the whole reply text
+//!   (the agent does not stream tokens through the client API), one with `finish_reason`
+//!   (`"stop"`, or `"length"` for a cut reply), then `data: [DONE]`.
+//! - An error after the headers is one `data:` event whose JSON is the route's HTTP error
+//!   body, `{"error": {"code", "message"}}` (the same code as the HTTP answer of the same
+//!   error; no status: the headers said 200), as OpenAI sends one; then the stream ends,
+//!   without `[DONE]`. OpenAI's Python package raises it as `openai.APIError` (`code`
+//!   and `message` set).
+//! - The stream's slot is held from before the turn until the body ends or its client
+//!   goes away. The turn is polled by the response body: a client that goes away drops
+//!   the body and with it the ask, so the runtime cancels the turn (it commits nothing,
+//!   unless its commit had started; `RuntimeCounters::turns_abandoned` counts it), as it
+//!   does when the client of a completion that is not streamed goes away.
+//!
+//! With `"stream_options": {"include_usage": true}`, as OpenAI's: a last chunk before
 //! `[DONE]` with empty `choices` and the turn's `usage`, every other chunk with
-//! `"usage": null`. Errors before the answer keep their HTTP status and the one error
-//! shape. `created` is when the turn was asked for, in Unix seconds, on the runtime's
-//! clock (anchored on the wall clock when the runtime started); a model's `created` in
-//! `/v1/models` is 0 (when an agent was made is not kept).
+//! `"usage": null`. `created` is when the turn was asked for, in Unix seconds, on the
+//! runtime's clock (anchored on the wall clock when the runtime started); every chunk of
+//! a stream has the same `id` and `created`. A model's `created` in `/v1/models` is 0:
+//! when an agent was defined is not kept (agents registered in code are defined anew at
+//! every start, and the stored definitions carry no time).
 //!
 //! `stream_options` on a request that is not streamed (`stream` false, null or absent)
 //! is refused as OpenAI's API refuses it: 400 `invalid_request_error`, before the agent
@@ -27,23 +61,30 @@
 //! reported it ([`troupe_agent::AgentReply::usage`]: the turn's model calls summed, the
 //! turns of agents it called not included; zero for a model that reports none).
 
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::Instrument as _;
 
-use troupe_agent::AskOptions;
+use troupe_agent::{AgentCallError, AgentReply, AskOptions};
 use troupe_core::TraceId;
 
 use crate::agents::{check_text, known};
 use crate::error::{ApiError, ApiJson};
+use crate::limits::{OPENAI_STREAM_HEADERS_WAIT_MS, OPENAI_STREAM_KEEP_ALIVE_MS};
 use crate::server::AppState;
 
 /// One message of a chat-completions request; other fields (name, tool_calls, ...) are
@@ -168,64 +209,187 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
     let created = state.client.runtime().now().as_micros() / 1_000_000;
     let timeout = Duration::from_millis(troupe_agent::limits::AGENT_ASK_TIMEOUT_MS_DEFAULT);
     let options = AskOptions::default().timeout(timeout).traced(trace);
-    let reply = state.client.ask_with(&body.model, &text, options).await?;
-    let id = format!("chatcmpl-troupe-{}", state.completions.fetch_add(1, Ordering::Relaxed));
-    let finish_reason = if reply.truncated { "length" } else { "stop" };
-    let usage = json!({
-        "prompt_tokens": reply.usage.prompt_tokens,
-        "completion_tokens": reply.usage.completion_tokens,
-        "total_tokens": reply.usage.total_tokens,
-    });
-    if !streamed {
+    let next_id = || format!("chatcmpl-troupe-{}", state.completions.fetch_add(1, Ordering::Relaxed));
+    let Some(slot) = slot else {
+        let reply = state.client.ask_with(&body.model, &text, options).await?;
         return Ok(Json(json!({
-            "id": id,
+            "id": next_id(),
             "object": "chat.completion",
             "created": created,
             "model": body.model,
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": reply.text},
-                "finish_reason": finish_reason,
+                "finish_reason": finish_reason(&reply),
             }],
-            "usage": usage,
+            "usage": usage(&reply),
         }))
         .into_response());
-    }
+    };
     let include_usage = body
         .stream_options
         .as_ref()
         .and_then(|options| options.include_usage)
         .unwrap_or(false);
-    let chunk = |choices: Value, usage: Option<Value>| {
+    let chunks = Chunks {
+        id: next_id(),
+        created,
+        model: body.model.clone(),
+        include_usage,
+    };
+    // The turn: polled here for a short while, then by the response body, which drops
+    // it (and so cancels the turn) if its client goes away first. Instrumented with the
+    // request's span, so that the turn's spans stay under it whoever polls it.
+    let client = state.client.clone();
+    let mut turn: Turn = Box::pin(
+        async move { client.ask_with(&body.model, &text, options).await }.instrument(tracing::Span::current()),
+    );
+    // Within the request's timeout, with room to answer.
+    let wait = Duration::from_millis(OPENAI_STREAM_HEADERS_WAIT_MS).min(state.config.request_timeout / 2);
+    match tokio::time::timeout(wait, &mut turn).await {
+        // Known at once (a full mailbox, a refusal, shutdown, ...) or a turn this short:
+        // as without streaming, an error keeps its HTTP status.
+        Ok(Err(error)) => Err(error.into()),
+        Ok(Ok(reply)) => Ok(streamed_answer(chunks, Ended(Ok(reply)), slot)),
+        Err(_) => Ok(streamed_answer(chunks, Running(turn), slot)),
+    }
+}
+
+/// A turn being asked for, boxed so that the response body can go on polling it.
+type Turn = Pin<Box<dyn Future<Output = Result<AgentReply, AgentCallError>> + Send>>;
+
+/// Where a streamed completion's turn stands when its headers go out.
+enum TurnState {
+    /// Still running: the body polls it.
+    Running(Turn),
+    /// Ended, with this result, not yet sent.
+    Ended(Result<AgentReply, AgentCallError>),
+    /// Its end is sent (or queued to be).
+    Over,
+}
+use TurnState::{Ended, Over, Running};
+
+/// OpenAI's `finish_reason` for `reply`.
+fn finish_reason(reply: &AgentReply) -> &'static str {
+    if reply.truncated {
+        "length"
+    } else {
+        "stop"
+    }
+}
+
+/// OpenAI's `usage` for `reply`.
+fn usage(reply: &AgentReply) -> Value {
+    json!({
+        "prompt_tokens": reply.usage.prompt_tokens,
+        "completion_tokens": reply.usage.completion_tokens,
+        "total_tokens": reply.usage.total_tokens,
+    })
+}
+
+/// Makes one streamed completion's `chat.completion.chunk` events.
+struct Chunks {
+    id: String,
+    created: u64,
+    model: String,
+    /// Whether the chunks carry `usage` (null but on the last one) and a usage chunk
+    /// ends them (`stream_options.include_usage`).
+    include_usage: bool,
+}
+
+impl Chunks {
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> Event {
         let mut chunk = json!({
-            "id": id,
+            "id": self.id,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": body.model,
+            "created": self.created,
+            "model": self.model,
             "choices": choices,
         });
-        if include_usage {
+        if self.include_usage {
             chunk["usage"] = usage.unwrap_or(Value::Null);
         }
         Event::default().data(chunk.to_string())
-    };
-    let choice = |delta: Value, finish: Option<&str>| json!([{"index": 0, "delta": delta, "finish_reason": finish}]);
-    let mut events = vec![
-        chunk(choice(json!({"role": "assistant", "content": ""}), None), None),
-        chunk(choice(json!({"content": reply.text}), None), None),
-        chunk(choice(json!({}), Some(finish_reason)), None),
-    ];
-    if include_usage {
-        events.push(chunk(json!([]), Some(usage)));
     }
-    events.push(Event::default().data("[DONE]"));
-    // The slot goes with the events: dropped once the last one is taken (the body's end)
-    // or with the body, when its client goes away.
-    let stream = futures::stream::unfold((events.into_iter(), slot), |(mut events, slot)| async move {
-        let event = events.next()?;
-        Some((Ok::<_, std::convert::Infallible>(event), (events, slot)))
+
+    fn choice(&self, delta: Value, finish: Option<&str>) -> Event {
+        self.chunk(json!([{"index": 0, "delta": delta, "finish_reason": finish}]), None)
+    }
+
+    /// The first chunk: the role, with empty content (as OpenAI's).
+    fn role(&self) -> Event {
+        self.choice(json!({"role": "assistant", "content": ""}), None)
+    }
+
+    /// What follows the role chunk once the turn has ended with `result`: the reply's
+    /// text, the finish, the usage if asked for, `[DONE]`; or, for an error, one event
+    /// whose JSON is the route's HTTP error body (OpenAI's clients raise it: the Python
+    /// package's `APIError`), and then the stream ends, without `[DONE]`.
+    fn end(&self, result: Result<AgentReply, AgentCallError>) -> Vec<Event> {
+        let reply = match result {
+            Ok(reply) => reply,
+            Err(error) => {
+                let error = ApiError::from(error);
+                // `ApiError`'s body, as `IntoResponse` makes it.
+                let body = json!({"error": {"code": error.code, "message": error.message}});
+                return vec![Event::default().data(body.to_string())];
+            }
+        };
+        let mut events = vec![
+            self.choice(json!({"content": reply.text}), None),
+            self.choice(json!({}), Some(finish_reason(&reply))),
+        ];
+        if self.include_usage {
+            events.push(self.chunk(json!([]), Some(usage(&reply))));
+        }
+        events.push(Event::default().data("[DONE]"));
+        events
+    }
+}
+
+/// A streamed completion's SSE answer: the role chunk at once, then keep-alive comments
+/// every [`OPENAI_STREAM_KEEP_ALIVE_MS`] while the turn runs, then its end
+/// ([`Chunks::end`]). The body holds the turn and the stream's `slot`: both go when the
+/// body ends or is dropped (its client went away), which cancels a turn still running.
+fn streamed_answer(chunks: Chunks, turn: TurnState, slot: OwnedSemaphorePermit) -> Response {
+    let ready = VecDeque::from([chunks.role()]);
+    let answer = StreamedAnswer {
+        chunks,
+        turn,
+        ready,
+        _slot: slot,
+    };
+    let stream = futures::stream::unfold(answer, |mut answer| async move {
+        let event = answer.next().await?;
+        Some((Ok::<_, Infallible>(event), answer))
     });
-    Ok(Sse::new(stream).into_response())
+    let keep_alive = KeepAlive::new().interval(Duration::from_millis(OPENAI_STREAM_KEEP_ALIVE_MS));
+    Sse::new(stream).keep_alive(keep_alive).into_response()
+}
+
+/// The state of a streamed completion's body.
+struct StreamedAnswer {
+    chunks: Chunks,
+    turn: TurnState,
+    /// Events to send before anything else.
+    ready: VecDeque<Event>,
+    /// The stream's slot among the open streams (`server::stream_slot`).
+    _slot: OwnedSemaphorePermit,
+}
+
+impl StreamedAnswer {
+    /// The next event; `None` at the stream's end.
+    async fn next(&mut self) -> Option<Event> {
+        if self.ready.is_empty() {
+            let result = match std::mem::replace(&mut self.turn, Over) {
+                Running(turn) => turn.await,
+                Ended(result) => result,
+                Over => return None,
+            };
+            self.ready.extend(self.chunks.end(result));
+        }
+        self.ready.pop_front()
+    }
 }
 
 /// `GET /v1/models`: every agent as a model.
@@ -238,4 +402,131 @@ pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
         .map(|spec| json!({"id": spec.id, "object": "model", "created": 0, "owned_by": "troupe"}))
         .collect();
     Json(json!({"object": "list", "data": data}))
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use futures::StreamExt as _;
+    use tokio::sync::{oneshot, Semaphore};
+    use troupe_agent::{Spend, TokenUsage};
+
+    use super::*;
+
+    fn chunks(include_usage: bool) -> Chunks {
+        Chunks {
+            id: "chatcmpl-troupe-7".to_string(),
+            created: 1_700_000_000,
+            model: "a".to_string(),
+            include_usage,
+        }
+    }
+
+    fn reply(text: &str) -> AgentReply {
+        AgentReply {
+            text: text.to_string(),
+            truncated: false,
+            steps: 1,
+            usage: TokenUsage {
+                prompt_tokens: 3,
+                completion_tokens: 2,
+                total_tokens: 5,
+            },
+            spent: Spend::default(),
+            exhausted: None,
+        }
+    }
+
+    /// The body's next frame, as text; `None` at its end.
+    async fn next_frame(body: &mut axum::body::BodyDataStream) -> Option<String> {
+        let frame = body.next().await?.expect("the body reads");
+        Some(String::from_utf8(frame.to_vec()).unwrap())
+    }
+
+    /// The JSON of one `data:` frame.
+    fn data(frame: &str) -> Value {
+        let data = frame
+            .strip_prefix("data: ")
+            .and_then(|rest| rest.strip_suffix("\n\n"))
+            .unwrap_or_else(|| panic!("not one data event: {frame:?}"));
+        serde_json::from_str(data).unwrap()
+    }
+
+    /// Goal: while the turn runs the stream sends the role chunk at once, then a
+    /// keep-alive comment every `OPENAI_STREAM_KEEP_ALIVE_MS` and nothing else; when the
+    /// turn ends, its content, finish, usage (asked for) and `[DONE]`, and the body ends
+    /// and frees its slot. Method: paused time (it advances when everything waits); the
+    /// turn is a channel the test answers.
+    #[tokio::test(start_paused = true)]
+    async fn a_running_turn_sends_the_role_then_keep_alives_then_its_end() {
+        let slots = Arc::new(Semaphore::new(1));
+        let slot = Arc::clone(&slots).try_acquire_owned().unwrap();
+        let (answer, answered) = oneshot::channel();
+        let turn: Turn = Box::pin(async move { answered.await.unwrap() });
+        let response = streamed_answer(chunks(true), Running(turn), slot);
+        assert_eq!(response.headers()["content-type"], "text/event-stream");
+        let mut body = Body::into_data_stream(response.into_body());
+
+        let started = tokio::time::Instant::now();
+        let role = data(&next_frame(&mut body).await.unwrap());
+        assert_eq!(started.elapsed(), Duration::ZERO, "the role chunk at once");
+        assert_eq!(
+            role,
+            json!({"id": "chatcmpl-troupe-7", "object": "chat.completion.chunk", "created": 1_700_000_000,
+                   "model": "a", "usage": null,
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]})
+        );
+        for n in 1..=2 {
+            let frame = next_frame(&mut body).await.unwrap();
+            assert!(
+                frame.starts_with(':') && frame.ends_with("\n\n"),
+                "a comment: {frame:?}"
+            );
+            assert_eq!(
+                started.elapsed(),
+                Duration::from_millis(n * OPENAI_STREAM_KEEP_ALIVE_MS),
+                "keep-alive {n}"
+            );
+        }
+        assert_eq!(slots.available_permits(), 0, "the running stream holds its slot");
+
+        answer.send(Ok(reply("done"))).unwrap();
+        let content = data(&next_frame(&mut body).await.unwrap());
+        assert_eq!(content["choices"][0]["delta"], json!({"content": "done"}));
+        let finish = data(&next_frame(&mut body).await.unwrap());
+        assert_eq!(finish["choices"][0]["finish_reason"], "stop");
+        let usage = data(&next_frame(&mut body).await.unwrap());
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(
+            usage["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
+        );
+        assert_eq!(next_frame(&mut body).await.as_deref(), Some("data: [DONE]\n\n"));
+        assert_eq!(next_frame(&mut body).await, None);
+        drop(body);
+        assert_eq!(slots.available_permits(), 1, "the ended stream's slot is free");
+    }
+
+    /// Goal: a turn that fails after the headers ends the stream with one event, the
+    /// route's error body (as `ApiError` answers it over HTTP), and no `[DONE]`.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_failing_after_the_headers_ends_the_stream_with_the_error_body() {
+        let slots = Arc::new(Semaphore::new(1));
+        let slot = Arc::clone(&slots).try_acquire_owned().unwrap();
+        let error = AgentCallError::Invoke(troupe_core::InvokeError::Shutdown);
+        let http = ApiError::from(error.clone());
+        let turn: Turn = Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            Err(error)
+        });
+        let mut body = Body::into_data_stream(streamed_answer(chunks(false), Running(turn), slot).into_body());
+        let role = data(&next_frame(&mut body).await.unwrap());
+        assert!(role.get("usage").is_none(), "usage not asked for: {role}");
+        let failed = data(&next_frame(&mut body).await.unwrap());
+        assert_eq!(failed, json!({"error": {"code": http.code, "message": http.message}}));
+        assert_eq!(failed["error"]["code"], "shutting_down");
+        assert_eq!(next_frame(&mut body).await, None, "no [DONE] after an error");
+        drop(body);
+        assert_eq!(slots.available_permits(), 1);
+    }
 }

@@ -23,8 +23,7 @@ const TOKEN: &str = "stream-limit-token-0123456789";
 /// The gauge of `/metrics` that counts the open streamed answers.
 const STREAMS_OPEN: &str = "troupe_streams_open";
 /// How long a refusal over the limit may take, in milliseconds: it is answered at once,
-/// before any turn (an accepted streamed chat completion answers only after its turn,
-/// which the gate holds).
+/// before any turn.
 const REFUSAL_WAIT_MS: u64 = 5_000;
 
 /// A served system of agents `a`, `b`, `c` behind the gate, at most `streams` streams
@@ -96,8 +95,8 @@ async fn first_event(response: &mut reqwest::Response) -> String {
 }
 
 /// Sends a streamed chat completion (`POST /v1/chat/completions`, `"stream": true`)
-/// asking `agent`: the response, its headers received (an accepted one answers once
-/// its turn has ended).
+/// asking `agent`: the response, its headers received (an accepted one sends them
+/// while its turn runs, within `OPENAI_STREAM_HEADERS_WAIT_MS`).
 async fn chat_stream(server: &Harness, agent: &str) -> reqwest::Response {
     let body =
         json!({"model": agent, "messages": [{"role": "user", "content": format!("to {agent}")}], "stream": true});
@@ -112,13 +111,12 @@ async fn chat_stream(server: &Harness, agent: &str) -> reqwest::Response {
 }
 
 /// A streamed chat completion asking `agent` that must be answered within
-/// [`REFUSAL_WAIT_MS`] (a refusal; an accepted one would wait for its gated turn).
+/// [`REFUSAL_WAIT_MS`] (a refusal is; an accepted one is too, with 200: the caller
+/// checks which).
 async fn chat_stream_at_once(server: &Harness, agent: &str) -> reqwest::Response {
     tokio::time::timeout(Duration::from_millis(REFUSAL_WAIT_MS), chat_stream(server, agent))
         .await
-        .unwrap_or_else(|_| {
-            panic!("a streamed chat completion to {agent} got no answer within {REFUSAL_WAIT_MS} ms: accepted, its turn waiting at the gate, not refused")
-        })
+        .unwrap_or_else(|_| panic!("a streamed chat completion to {agent} got no answer within {REFUSAL_WAIT_MS} ms"))
 }
 
 /// Checks that a streamed chat completion's SSE `text` is OpenAI's chunks of a reply
@@ -282,20 +280,21 @@ async fn a_streamed_chat_completion_beside_a_held_stream_is_refused_503_until_it
 }
 
 /// Goal: a streamed chat completion holds its slot from when it is accepted (before its
-/// turn) until its body ends, or until its client goes away during the turn; meanwhile
-/// another stream of any route is refused. Method: limit 1; a streamed chat completion
-/// to `a` waits for its turn (the gate is shut): `/metrics` shows one stream open, and
-/// a streamed message and a streamed chat completion are refused 503. Its client goes
-/// away: the slot frees. A second one, to `b`, holds the slot while it waits; the gate
-/// opens: it is served to `[DONE]` and then the slot is free.
+/// turn) until its body ends, or until its client goes away during the turn, which
+/// cancels the turn (it commits nothing); meanwhile another stream of any route is
+/// refused. Method: limit 1; a streamed chat completion to `a` gets its headers and its
+/// role chunk while its turn waits (the gate is shut): `/metrics` shows one stream open,
+/// and a streamed message and a streamed chat completion are refused 503. Its client
+/// goes away: the slot frees, the runtime counts the turn abandoned, and `a`'s
+/// conversation stays empty once the gate opens. A second one, to `b`, holds the slot
+/// while it waits; the gate opens: it is served to `[DONE]` and then the slot is free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_chat_completion_holds_a_slot_from_before_its_turn_until_its_body_ends_or_its_client_leaves() {
     let (server, gate) = start(1).await;
-    let server = Arc::new(server);
-    let first = {
-        let server = Arc::clone(&server);
-        tokio::spawn(async move { chat_stream(&server, "a").await })
-    };
+    let mut first = chat_stream(&server, "a").await;
+    assert_eq!(first.status().as_u16(), 200);
+    let role: Value = serde_json::from_str(&first_event(&mut first).await).unwrap();
+    assert_eq!(role["choices"][0]["delta"]["role"], "assistant", "{role}");
     server
         .gauge_when(
             STREAMS_OPEN,
@@ -315,13 +314,10 @@ async fn a_streamed_chat_completion_holds_a_slot_from_before_its_turn_until_its_
         "a second streamed chat completion",
     )
     .await;
+    assert_eq!(server.system().runtime().counters().turns_abandoned, 0);
 
-    // Its client goes away before the turn ends: the slot frees.
-    first.abort();
-    assert!(
-        first.await.unwrap_err().is_cancelled(),
-        "the first one was still waiting for its turn"
-    );
+    // Its client goes away before the turn ends: the slot frees, the turn is cancelled.
+    drop(first);
     server
         .gauge_when(
             STREAMS_OPEN,
@@ -329,21 +325,19 @@ async fn a_streamed_chat_completion_holds_a_slot_from_before_its_turn_until_its_
             "a streamed chat completion whose client left frees its slot",
         )
         .await;
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        while server.system().runtime().counters().turns_abandoned == 0 {
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await
+    .expect("the turn of a streamed chat completion whose client left is cancelled");
 
-    let second = {
-        let server = Arc::clone(&server);
-        tokio::spawn(async move {
-            let response = chat_stream(&server, "b").await;
-            (response.status().as_u16(), response.text().await.unwrap())
-        })
-    };
+    let second = chat_stream(&server, "b").await;
+    assert_eq!(second.status().as_u16(), 200);
     server.gauge_when(STREAMS_OPEN, 1, "the second one's slot").await;
     gate.add_permits(16);
-    let (status, text) = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), second)
-        .await
-        .expect("the second streamed chat completion is answered")
-        .unwrap();
-    assert_eq!(status, 200, "{text}");
+    let text = second.text().await.unwrap();
     assert_chat_served(&text, "heard: to b");
     server
         .gauge_when(
@@ -352,7 +346,10 @@ async fn a_streamed_chat_completion_holds_a_slot_from_before_its_turn_until_its_
             "a streamed chat completion whose body ended frees its slot",
         )
         .await;
-    Arc::into_inner(server).unwrap().stop().await;
+    let (status, history) = server.get("/v1/agents/a/history").await;
+    assert_eq!(status, 200);
+    assert_eq!(history["total"], 0, "the cancelled turn committed nothing: {history}");
+    server.stop().await;
 }
 
 /// Goal: under concurrent streamed chat completions no more than `streams_open_max` are
