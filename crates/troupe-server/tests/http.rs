@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe_agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
 use troupe_server::{ServeError, ServerConfig};
 
 mod support;
-use support::{parse_sse, Harness, TEST_WAIT_MS_MAX};
+use support::{parse_sse, turn_started, Harness, TEST_WAIT_MS_MAX};
 
 /// How long the `slow` agent's model takes, in milliseconds.
 const SLOW_TURN_MS: u64 = 3_000;
@@ -98,21 +98,6 @@ fn error_code(body: &Value) -> &str {
     body["error"]["code"]
         .as_str()
         .unwrap_or_else(|| panic!("not the error shape: {body}"))
-}
-
-/// Waits until agent `agent` starts a turn.
-async fn turn_started(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, agent: &str) {
-    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
-        loop {
-            if let Ok(AgentEvent::TurnStarted { agent: started, .. }) = events.recv().await {
-                if started.key() == agent {
-                    return;
-                }
-            }
-        }
-    })
-    .await
-    .expect("the turn starts");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

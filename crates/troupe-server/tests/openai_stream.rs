@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use troupe_agent::{AgentEvent, ScriptRule, ScriptedLlm};
+use troupe_agent::{ScriptRule, ScriptedLlm};
 use troupe_runtime::KindConfig;
 use troupe_server::ServerConfig;
 
 mod support;
-use support::{parse_sse, Gated, Harness, TEST_WAIT_MS_MAX};
+use support::{parse_sse, turn_started, Gated, Harness, TEST_WAIT_MS_MAX};
 
 /// The server's request timeout in these tests, in milliseconds: a turn held at the
 /// gate lasts longer.
@@ -107,21 +107,6 @@ impl Events {
         let data = self.next().await.expect("a chunk, not the body's end");
         serde_json::from_str(&data).unwrap_or_else(|error| panic!("not JSON ({error}): {data}"))
     }
-}
-
-/// Waits until agent `agent` starts a turn.
-async fn turn_started(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, agent: &str) {
-    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
-        loop {
-            if let Ok(AgentEvent::TurnStarted { agent: started, .. }) = events.recv().await {
-                if started.key() == agent {
-                    return;
-                }
-            }
-        }
-    })
-    .await
-    .expect("the turn starts");
 }
 
 /// Goal: a streamed completion whose turn outlasts the server's request timeout gets

@@ -216,3 +216,18 @@ impl troupe_agent::LlmClient for Gated {
         self.script.complete(request).await
     }
 }
+
+/// Waits until agent `agent` starts a turn (at most [`TEST_WAIT_MS_MAX`]).
+pub(crate) async fn turn_started(events: &mut tokio::sync::broadcast::Receiver<troupe_agent::AgentEvent>, agent: &str) {
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            if let Ok(troupe_agent::AgentEvent::TurnStarted { agent: started, .. }) = events.recv().await {
+                if started.key() == agent {
+                    return;
+                }
+            }
+        }
+    })
+    .await
+    .expect("the turn starts");
+}
