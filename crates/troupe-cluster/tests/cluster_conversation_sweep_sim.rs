@@ -47,18 +47,14 @@ mod sim_etcd;
 mod sim_nodes;
 
 use sim_etcd::start_sim_etcd;
-use sim_nodes::ETCD_ADDRESS;
+use sim_nodes::{answers_of_b, ETCD_ADDRESS};
 use std::time::Duration;
 
 use agents::{script, SLOW_TASK_MODEL_LATENCY_MS};
 use madsim::rand::Rng;
 use madsim::runtime::Handle;
 use tokio::time::Instant;
-use troupe_agent::{
-    ConversationKind, ConversationMessage, Participant, Sender, TaskState, CONVERSATION_KIND, CONVERSATION_PAGE_MAX,
-};
-use troupe_core::ActorId;
-use troupe_runtime::StateStore;
+use troupe_agent::{ConversationKind, ConversationMessage, Participant, Sender, TaskState};
 
 const NODE_NAMES: [&str; 2] = ["node-1", "node-2"];
 /// How long each ask may take, in milliseconds.
@@ -111,34 +107,6 @@ impl Cluster {
             .expect("node-2 creates the room");
     }
 
-    async fn task_state(&self, id: &str) -> TaskState {
-        let id = id.to_string();
-        self.on_node_1(|client| async move { client.task("a", &id).await })
-            .await
-            .expect("the task reads")
-            .expect("an acknowledged task has a record")
-            .state
-    }
-
-    /// The room's committed messages, read through node-1.
-    async fn room(&self) -> Vec<ConversationMessage> {
-        self.on_node_1(|client| async move { client.read_messages(ROOM, None, CONVERSATION_PAGE_MAX).await })
-            .await
-            .expect("the room reads")
-    }
-
-    /// The room's stored relay keys (mentions committed, not yet seen delivered).
-    async fn relays(&self) -> Vec<String> {
-        let room = ActorId::new(CONVERSATION_KIND, ROOM).expect("the room's actor id");
-        self.store
-            .scan(&room, "relay/", None, CONVERSATION_PAGE_MAX)
-            .await
-            .expect("the store scans")
-            .into_iter()
-            .map(|(key, _)| key)
-            .collect()
-    }
-
     /// The nodes `agent`'s turns ran on, in order, repeats collapsed.
     fn nodes_of(&self, agent: &str) -> Vec<&'static str> {
         let mut nodes: Vec<&'static str> = self
@@ -150,20 +118,6 @@ impl Cluster {
         nodes.dedup();
         nodes
     }
-}
-
-/// The messages answering the mention of `b` in message `seq`: its reply, or a system
-/// note about it.
-fn answers_of_b(messages: &[ConversationMessage], seq: u64) -> Vec<ConversationMessage> {
-    messages
-        .iter()
-        .filter(|message| {
-            message.reply_to == Some(seq)
-                && (message.sender == Sender::Agent("b".into())
-                    || message.note.as_ref().is_some_and(|note| note.agent == "b"))
-        })
-        .cloned()
-        .collect()
 }
 
 /// What one run saw.
@@ -221,7 +175,7 @@ async fn scenario(b_node: usize, sweep: bool) -> Outcome {
     // The mention is durable and undelivered: its relay stored, b's inbox holding only
     // the task b is still working, no answer.
     let relay = format!("relay/{:020}/b", posted.seq);
-    assert_eq!(cluster.relays().await, [relay], "the relay is stored at the kill");
+    assert_eq!(cluster.relays(ROOM).await, [relay], "the relay is stored at the kill");
     assert_eq!(
         cluster.pending("b").await,
         (1, 0),
@@ -230,14 +184,14 @@ async fn scenario(b_node: usize, sweep: bool) -> Outcome {
     let at_kill = cluster.task_state(&task).await;
     assert!(!at_kill.is_final(), "b is still working at the kill: {at_kill:?}");
     assert!(
-        answers_of_b(&cluster.room().await, posted.seq).is_empty(),
+        answers_of_b(&cluster.room(ROOM).await, posted.seq).is_empty(),
         "no answer at the kill"
     );
     Handle::current().kill(cluster.nodes[1].id());
     let killed = Instant::now();
     let (answers, relays, b_pending) = loop {
-        let answers = answers_of_b(&cluster.room().await, posted.seq);
-        let (relays, b_pending) = (cluster.relays().await, cluster.pending("b").await);
+        let answers = answers_of_b(&cluster.room(ROOM).await, posted.seq);
+        let (relays, b_pending) = (cluster.relays(ROOM).await, cluster.pending("b").await);
         let settled = !answers.is_empty() && relays.is_empty() && b_pending == (0, 0);
         if settled || killed.elapsed() >= Duration::from_millis(SETTLE_BOUND_MS) {
             break (answers, relays, b_pending);
@@ -246,7 +200,7 @@ async fn scenario(b_node: usize, sweep: bool) -> Outcome {
     };
     let settled_ms = killed.elapsed().as_millis();
     let mut record = cluster.seen.record();
-    record.extend(cluster.room().await.iter().map(|message| format!("{message:?}")));
+    record.extend(cluster.room(ROOM).await.iter().map(|message| format!("{message:?}")));
     Outcome {
         answers,
         relays,

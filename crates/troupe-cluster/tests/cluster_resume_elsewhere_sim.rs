@@ -42,14 +42,9 @@ use std::time::Duration;
 use agents::script;
 use madsim::runtime::Handle;
 use sim_etcd::start_sim_etcd;
-use sim_nodes::ETCD_ADDRESS;
+use sim_nodes::{answers_of_b, ETCD_ADDRESS};
 use tokio::time::Instant;
-use troupe_agent::{
-    ConversationKind, ConversationMessage, Participant, ScriptRule, ScriptedLlm, Sender, TaskState, CONVERSATION_KIND,
-    CONVERSATION_PAGE_MAX,
-};
-use troupe_core::ActorId;
-use troupe_runtime::StateStore;
+use troupe_agent::{ConversationKind, ConversationMessage, Participant, ScriptRule, ScriptedLlm, Sender, TaskState};
 
 const NODE_NAMES: [&str; 2] = ["node-1", "node-2"];
 /// How long each ask may take, in milliseconds.
@@ -104,51 +99,10 @@ impl Cluster {
         .expect("node-1 creates the room");
     }
 
-    async fn task_state(&self, id: &str) -> TaskState {
-        let id = id.to_string();
-        self.on_node_1(|client| async move { client.task("a", &id).await })
-            .await
-            .expect("the task reads")
-            .expect("an acknowledged task has a record")
-            .state
-    }
-
-    /// The room's committed messages, read through node-1.
-    async fn room(&self) -> Vec<ConversationMessage> {
-        self.on_node_1(|client| async move { client.read_messages(ROOM, None, CONVERSATION_PAGE_MAX).await })
-            .await
-            .expect("the room reads")
-    }
-
-    /// The room's stored relay keys (mentions committed, not yet seen delivered).
-    async fn relays(&self) -> Vec<String> {
-        let room = ActorId::new(CONVERSATION_KIND, ROOM).expect("the room's actor id");
-        self.store
-            .scan(&room, "relay/", None, CONVERSATION_PAGE_MAX)
-            .await
-            .expect("the store scans")
-            .into_iter()
-            .map(|(key, _)| key)
-            .collect()
-    }
-
     /// Activations node `index`'s runtime has started so far.
     async fn activations_started(&self, index: usize) -> u64 {
         self.client(index).await.runtime().counters().activations_started
     }
-}
-
-/// `b`'s answers to the mention in message `seq`: its reply, or a system note about it.
-fn answers_of_b(messages: &[ConversationMessage], seq: u64) -> Vec<ConversationMessage> {
-    messages
-        .iter()
-        .filter(|message| {
-            message.reply_to == Some(seq)
-                && (message.sender == Sender::Agent("b".into())
-                    || message.note.as_ref().is_some_and(|note| note.agent == "b"))
-        })
-        .cloned()
-        .collect()
 }
 
 /// What one run saw.
@@ -208,12 +162,12 @@ async fn scenario() -> Outcome {
     let posted_at = Instant::now();
     tokio::time::sleep(Duration::from_millis(WATCHED_MS)).await;
     let b_pending_watched = cluster.pending("b").await;
-    let relays_watched = cluster.relays().await.len();
+    let relays_watched = cluster.relays(ROOM).await.len();
     let node_2_activations_watched = cluster.activations_started(1).await;
     let (task_state, answers, relays, b_pending) = loop {
         let task_state = cluster.task_state(&task).await;
-        let answers = answers_of_b(&cluster.room().await, posted.seq);
-        let (relays, b_pending) = (cluster.relays().await, cluster.pending("b").await);
+        let answers = answers_of_b(&cluster.room(ROOM).await, posted.seq);
+        let (relays, b_pending) = (cluster.relays(ROOM).await, cluster.pending("b").await);
         let settled =
             task_state == TaskState::Completed && !answers.is_empty() && relays.is_empty() && b_pending == (0, 0);
         if settled || posted_at.elapsed() >= Duration::from_millis(SETTLE_BOUND_MS) {

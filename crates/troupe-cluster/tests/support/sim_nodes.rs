@@ -9,10 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use madsim::runtime::{Handle, NodeHandle};
-use troupe_agent::{AgentClient, AgentSystemBuilder, ScriptedLlm};
+use troupe_agent::{
+    AgentClient, AgentSystemBuilder, ConversationMessage, ScriptedLlm, Sender, TaskState, CONVERSATION_KIND,
+    CONVERSATION_PAGE_MAX,
+};
 use troupe_cluster::ClusterNode;
+use troupe_core::ActorId;
 use troupe_etcd::{EtcdConfig, LeaseLostReason, NodeId};
-use troupe_runtime::{FencedClaim, MemoryStore};
+use troupe_runtime::{FencedClaim, MemoryStore, StateStore};
 
 use crate::agents::{agent_system, Seen};
 
@@ -204,6 +208,50 @@ impl SweepCluster {
             .await
             .expect("the counters read")
     }
+
+    /// The state of task `id` that `a` delegated, read through node-1.
+    pub(crate) async fn task_state(&self, id: &str) -> TaskState {
+        let id = id.to_string();
+        self.on_node_1(|client| async move { client.task("a", &id).await })
+            .await
+            .expect("the task reads")
+            .expect("an acknowledged task has a record")
+            .state
+    }
+
+    /// Conversation `room`'s committed messages, read through node-1.
+    pub(crate) async fn room(&self, room: &'static str) -> Vec<ConversationMessage> {
+        self.on_node_1(move |client| async move { client.read_messages(room, None, CONVERSATION_PAGE_MAX).await })
+            .await
+            .expect("the room reads")
+    }
+
+    /// Conversation `room`'s stored relay keys (mentions committed, not yet seen
+    /// delivered).
+    pub(crate) async fn relays(&self, room: &str) -> Vec<String> {
+        let room = ActorId::new(CONVERSATION_KIND, room).expect("the room's actor id");
+        self.store
+            .scan(&room, "relay/", None, CONVERSATION_PAGE_MAX)
+            .await
+            .expect("the store scans")
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect()
+    }
+}
+
+/// `b`'s answers to the mention in message `seq` among `messages`: its reply, or a
+/// system note about it.
+pub(crate) fn answers_of_b(messages: &[ConversationMessage], seq: u64) -> Vec<ConversationMessage> {
+    messages
+        .iter()
+        .filter(|message| {
+            message.reply_to == Some(seq)
+                && (message.sender == Sender::Agent("b".into())
+                    || message.note.as_ref().is_some_and(|note| note.agent == "b"))
+        })
+        .cloned()
+        .collect()
 }
 
 /// Places `agent` on `node` (node `index`, named `name`) by asking it `ping` through
