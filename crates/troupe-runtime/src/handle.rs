@@ -96,7 +96,9 @@ pub struct RuntimeCounters {
     pub turns_run: u64,
     /// Turns that failed, timed out or whose commit failed.
     pub turns_failed: u64,
-    /// Requests dropped unrun because their deadline had passed.
+    /// Requests and messages dropped unrun when dequeued: their deadline had passed, or
+    /// (a request) its caller had stopped waiting (timed out, or went away) before it
+    /// started.
     pub expired_dropped: u64,
     /// Requests refused with `Busy`.
     pub busy_refused: u64,

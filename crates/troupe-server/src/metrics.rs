@@ -61,7 +61,7 @@ impl Metrics {
             ),
             (
                 "expired_dropped",
-                "Requests dropped unrun because their deadline had passed.",
+                "Requests dropped unrun: deadline passed, or caller gone, before they started.",
                 counters.expired_dropped,
             ),
             (
