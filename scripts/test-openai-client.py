@@ -3,7 +3,7 @@
 
 Starts the troupe binary (the path is the first argument) on 127.0.0.1 with a free port,
 a bearer token and the scripted model, then with the `openai` client: lists the models
-(the agents), asks the `critic` agent without and with streaming (and streamed with
+(the agents, each `created` within a day of now), asks the `critic` agent without and with streaming (and streamed with
 `stream_options={"include_usage": True}`: the last chunk carries the turn's token usage,
 as the scripted model counts it, one token per word), streams a long turn of the
 `coordinator` (its role chunk arrives while the turn runs, a second or more before its
@@ -66,8 +66,14 @@ def run(address):
         base_url=f"http://{address}/v1", api_key=TOKEN, timeout=REQUEST_TIMEOUT_S, max_retries=0
     )
 
-    models = sorted(model.id for model in client.models.list())
+    listed = list(client.models.list())
+    models = sorted(model.id for model in listed)
     check(models == AGENTS, f"models.list: {models}")
+    # `created`: Unix seconds of the agent's definition; these agents come from the
+    # config, defined when the server started (0 until 2026-12-06).
+    now = time.time()
+    for model in listed:
+        check(now - 86_400 <= model.created <= now + 1, f"{model.id} created {model.created}, now {now}")
     print(f"ok models.list: {models}")
 
     messages = [

@@ -30,6 +30,12 @@
 //! tool this system does not have, or is invalid: a field over its limit) is skipped
 //! with a warning; one whose `max_steps` is out of range (an older Troupe stored any and
 //! clipped it at the turns) is clipped into range with a warning and kept.
+//!
+//! Each stored definition carries when it was defined or last replaced, on the
+//! runtime's clock (`defined_at_us`, [`AgentSpec::defined_at_us`]: `GET /v1/models`'s
+//! `created`); one stored by an older Troupe has none and loads as before. The time is
+//! not part of the definition's equality: a record whose entry differs from this
+//! process's only by it updates the time, not the directory's generation.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, PoisonError};
@@ -79,7 +85,9 @@ pub enum DirectoryError {
     },
 }
 
-/// The stored record: what the API changed, laid over the built agents.
+/// The stored record: what the API changed, laid over the built agents. Each stored
+/// definition carries the time it was defined or last replaced (`defined_at_us`, see
+/// [`AgentSpec::defined_at_us`]); one stored by an older Troupe has none.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 struct DefinedAgents {
     /// Counts the changes.
@@ -178,9 +186,19 @@ impl DirectoryStore {
         *applied = record.version;
         for (id, spec) in &record.agents {
             let spec = clip_stored_steps(spec);
-            if shared.directory.get(id).as_ref() != Some(spec.as_ref()) {
-                if let Err(error) = shared.directory.upsert(spec.into_owned()) {
-                    tracing::warn!(agent = %id, %error, "a stored agent definition cannot run in this process; skipped");
+            match shared.directory.get(id) {
+                // The same definition (the time is not part of it): only its time may
+                // have changed (replaced by an equal one), which is not a change of the
+                // directory's contents.
+                Some(current) if current == *spec => {
+                    if current.defined_at_us != spec.defined_at_us {
+                        shared.directory.set_defined_at(id, spec.defined_at_us);
+                    }
+                }
+                _ => {
+                    if let Err(error) = shared.directory.upsert(spec.into_owned()) {
+                        tracing::warn!(agent = %id, %error, "a stored agent definition cannot run in this process; skipped");
+                    }
                 }
             }
         }
@@ -274,7 +292,8 @@ impl AgentClient {
                     _ => {}
                 }
                 record.removed.remove(id);
-                record.agents.insert(id.clone(), spec.clone());
+                let defined = spec.clone().defined_at(self.runtime.now().as_micros());
+                record.agents.insert(id.clone(), defined);
                 Ok(())
             })
             .await
@@ -374,7 +393,9 @@ impl AgentClient {
     /// memberships, rules). Agents, links and rules not declared are kept. For a system
     /// whose agents came from the same file through its builder, such as each node of a
     /// cluster (`troupe node --config`): every node may write it, and the same file
-    /// gives the same records.
+    /// gives the same records (but for the agents' definition times,
+    /// [`AgentSpec::defined_at_us`]: the time of the last write, as the file's agents are
+    /// defined anew at each start).
     ///
     /// # Errors
     /// [`crate::OrgError::Store`] if a record could not be written, other
@@ -385,9 +406,11 @@ impl AgentClient {
         let stored = shared
             .defined
             .change(shared, &self.runtime, |record| {
+                // The file's agents are defined anew at each start, as built ones are.
+                let now = self.runtime.now().as_micros();
                 for spec in &specs {
                     record.removed.remove(&spec.id);
-                    record.agents.insert(spec.id.clone(), spec.clone());
+                    record.agents.insert(spec.id.clone(), spec.clone().defined_at(now));
                 }
                 Ok(())
             })

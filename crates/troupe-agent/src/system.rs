@@ -270,6 +270,8 @@ impl PendingAgentSystem {
             return Err(AgentSystemError::NotRegistered);
         }
         let shared = self.shared;
+        // The agents it was built with are defined anew at each start: now.
+        shared.directory.set_defined_at_where_unknown(runtime.now().as_micros());
         shared.set_runtime(runtime.clone());
         let client = AgentClient { runtime, shared };
         // Inbox and outbox entries left by an earlier run are scheduled again.

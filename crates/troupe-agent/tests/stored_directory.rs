@@ -196,3 +196,65 @@ async fn two_processes_defining_one_id_at_once_make_one_agent() {
     one.shutdown().await;
     two.shutdown().await;
 }
+
+/// Goal: every agent carries when it was defined, on the runtime's clock (what `GET
+/// /v1/models` answers as `created`): one the system was built with, the time the
+/// system started; one defined through the API, the time of its definition, stored with
+/// it; a definition stored by an older Troupe, without that time, still loads and has
+/// none. The time is not part of what makes two definitions equal. Method: a system
+/// built with `a` defines `x` and `y` and shuts down; `x`'s time is taken out of the
+/// stored record, as an older Troupe wrote it; a second system on the store reads it.
+#[tokio::test(start_paused = true)]
+async fn definitions_carry_when_they_were_defined_and_older_records_load_without() {
+    use troupe_agent::{DIRECTORY_STORE_KEY, DIRECTORY_STORE_KIND};
+    use troupe_core::ActorId;
+    use troupe_runtime::{StateChange, TurnCommit};
+
+    let llm = script();
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    let first = start_on(&llm, &["a"], Arc::clone(&store));
+    let started = first.directory().get("a").unwrap().defined_at_us();
+    assert!(
+        started.is_some_and(|at| at <= first.runtime().now().as_micros()),
+        "a built agent has the time the system started: {started:?}"
+    );
+    let before = first.runtime().now().as_micros();
+    first.define_agent(AgentSpec::new("x")).await.expect("x is defined");
+    first.define_agent(AgentSpec::new("y")).await.expect("y is defined");
+    let after = first.runtime().now().as_micros();
+    let x = first.directory().get("x").unwrap();
+    let defined = x.defined_at_us().expect("a stored definition has a time");
+    assert!(
+        (before..=after).contains(&defined),
+        "{defined} not in {before}..={after}"
+    );
+    assert_eq!(x, AgentSpec::new("x"), "the time does not make definitions differ");
+    let y_defined = first.directory().get("y").unwrap().defined_at_us();
+    first.shutdown().await;
+
+    let record = ActorId::new(DIRECTORY_STORE_KIND, DIRECTORY_STORE_KEY).unwrap();
+    let claimed = store.claim(&record).await.unwrap();
+    let mut stored: serde_json::Value = serde_json::from_slice(&claimed.state.expect("a stored record")).unwrap();
+    let x_stored = stored["agents"]["x"].as_object_mut().expect("x is stored");
+    assert_eq!(
+        x_stored.remove("defined_at_us").and_then(|at| at.as_u64()),
+        Some(defined)
+    );
+    let commit = TurnCommit {
+        state: StateChange::Set(serde_json::to_vec(&stored).unwrap().into()),
+        writes: Vec::new(),
+    };
+    store.commit(&record, claimed.fence, commit).await.unwrap();
+
+    let second = start_on(&llm, &["a"], Arc::clone(&store));
+    assert_eq!(second.ask("x", "hello").await.expect("x answers").text, "x says hi");
+    assert_eq!(
+        second.directory().get("x").unwrap().defined_at_us(),
+        None,
+        "an older record has no time"
+    );
+    assert_eq!(second.directory().get("y").unwrap().defined_at_us(), y_defined);
+    let restarted = second.directory().get("a").unwrap().defined_at_us();
+    assert!(restarted >= started, "a built agent is defined anew at each start");
+    second.shutdown().await;
+}

@@ -49,9 +49,13 @@
 //! `[DONE]` with empty `choices` and the turn's `usage`, every other chunk with
 //! `"usage": null`. `created` is when the turn was asked for, in Unix seconds, on the
 //! runtime's clock (anchored on the wall clock when the runtime started); every chunk of
-//! a stream has the same `id` and `created`. A model's `created` in `/v1/models` is 0:
-//! when an agent was defined is not kept (agents registered in code are defined anew at
-//! every start, and the stored definitions carry no time).
+//! a stream has the same `id` and `created`. A model's `created` in `/v1/models` is when
+//! its agent was defined, in Unix seconds on the runtime's clock
+//! (`AgentSpec::defined_at_us`): for an agent the system was built with (in code or its
+//! config file), when this system started, as such an agent is defined anew at every
+//! start; for one defined through the API (`POST`/`PUT /v1/agents`), when it was
+//! defined or last replaced, stored with its definition. 0 for a definition stored by
+//! an older Troupe, which carries no time.
 //!
 //! `stream_options` on a request that is not streamed (`stream` false, null or absent)
 //! is refused as OpenAI's API refuses it: 400 `invalid_request_error`, before the agent
@@ -392,14 +396,18 @@ impl StreamedAnswer {
     }
 }
 
-/// `GET /v1/models`: every agent as a model.
+/// `GET /v1/models`: every agent as a model; `created` is when it was defined, in Unix
+/// seconds (0 if not known: a definition stored by an older Troupe).
 pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     let data: Vec<Value> = state
         .client
         .directory()
         .list()
         .iter()
-        .map(|spec| json!({"id": spec.id, "object": "model", "created": 0, "owned_by": "troupe"}))
+        .map(|spec| {
+            let created = spec.defined_at_us().map_or(0, |at| at / 1_000_000);
+            json!({"id": spec.id, "object": "model", "created": created, "owned_by": "troupe"})
+        })
         .collect();
     Json(json!({"object": "list", "data": data}))
 }

@@ -843,15 +843,94 @@ async fn the_event_stream_carries_agent_events_as_they_happen() {
     server.stop().await;
 }
 
+/// The `created` of model `id` in a `GET /v1/models` answer.
+fn model_created(models: &Value, id: &str) -> u64 {
+    let model = models["data"]
+        .as_array()
+        .and_then(|data| data.iter().find(|model| model["id"] == id))
+        .unwrap_or_else(|| panic!("{id} is not in {models}"));
+    model["created"].as_u64().unwrap_or_else(|| panic!("{model}"))
+}
+
+/// Goal: `GET /v1/models` answers when each agent was defined, in Unix seconds, as
+/// OpenAI's `created` (0 for every agent until 2026-12-06): an agent the system was
+/// built with, the time the system started; one defined or replaced through the API,
+/// the time of that definition. Method: read the wall clock before the server starts
+/// and around each request; define `helper` with `POST`, replace it with `PUT`, and
+/// check every `created` lies between the reads around what defined it (and that the
+/// replacement's time, in microseconds, is later than the definition's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_answer_when_each_agent_was_defined() {
+    let before_start = unix_seconds();
+    let server = start_default().await;
+    let (status, models) = server.get("/v1/models").await;
+    let after = unix_seconds();
+    assert_eq!(status, 200, "{models}");
+    let built = models["data"].as_array().expect("a list of models");
+    assert_eq!(built.len(), 4, "{models}");
+    for model in built {
+        let created = model["created"].as_u64().unwrap_or_else(|| panic!("{model}"));
+        assert!(
+            (before_start..=after).contains(&created),
+            "{model}: created {created}, the wall clock {before_start}..={after}"
+        );
+    }
+
+    let before_post = unix_seconds();
+    let (status, body) = server
+        .post("/v1/agents", json!({"id": "helper", "role": "helps"}))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let (_, models) = server.get("/v1/models").await;
+    let after = unix_seconds();
+    let defined = model_created(&models, "helper");
+    assert!(
+        (before_post..=after).contains(&defined),
+        "created {defined}, the wall clock {before_post}..={after}"
+    );
+    let defined_us = server.system().directory().get("helper").unwrap().defined_at_us();
+
+    let before_put = unix_seconds();
+    let (status, body) = server
+        .send(
+            reqwest::Method::PUT,
+            "/v1/agents/helper",
+            Some(json!({"role": "helps more"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (_, models) = server.get("/v1/models").await;
+    let after = unix_seconds();
+    let replaced = model_created(&models, "helper");
+    assert!(
+        (before_put..=after).contains(&replaced),
+        "created {replaced}, the wall clock {before_put}..={after}"
+    );
+    let replaced_us = server.system().directory().get("helper").unwrap().defined_at_us();
+    assert!(
+        replaced_us > defined_us && defined_us.is_some(),
+        "replaced at {replaced_us:?}, defined at {defined_us:?}"
+    );
+    // The built agents keep the time the system started.
+    for model in built {
+        let id = model["id"].as_str().unwrap();
+        assert_eq!(model_created(&models, id), model["created"].as_u64().unwrap(), "{id}");
+    }
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
     let server = start_default().await;
     let (status, models) = server.get("/v1/models").await;
     assert_eq!(status, 200);
     assert_eq!(models["object"], "list");
+    // `created` is when the agent was defined (`models_answer_when_each_agent_was_defined`).
+    let created = models["data"][0]["created"].clone();
+    assert!(created.as_u64().is_some_and(|created| created > 0), "{models}");
     assert_eq!(
         models["data"][0],
-        json!({"id": "boss", "object": "model", "created": 0, "owned_by": "troupe"})
+        json!({"id": "boss", "object": "model", "created": created, "owned_by": "troupe"})
     );
 
     let request = json!({

@@ -200,7 +200,10 @@ impl AgentCatalog {
 }
 
 /// The definition of an agent: who it is and how it thinks.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Two definitions are equal when every field but the time they were defined
+/// ([`AgentSpec::defined_at_us`]) is.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AgentSpec {
     /// Its id, the key of its actor id (`agent/{id}`); what `call_agent` names.
     pub id: String,
@@ -236,7 +239,46 @@ pub struct AgentSpec {
     /// default, so a definition stored by an older Troupe reads the same.
     #[serde(default, skip_serializing_if = "CallApproval::is_default")]
     pub call_approval: CallApproval,
+    /// When it was defined, in microseconds since the Unix epoch on the runtime's
+    /// clock (see [`AgentSpec::defined_at_us`]); set by the system, not by the builder
+    /// methods. Stored with a definition made through the API; a definition stored by
+    /// an older Troupe has none (and reads the same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) defined_at_us: Option<u64>,
 }
+
+impl PartialEq for AgentSpec {
+    /// Every field but `defined_at_us`: the same definition made at another time is the
+    /// same definition.
+    fn eq(&self, other: &Self) -> bool {
+        // Destructured, so a new field cannot be left out of the comparison unnoticed.
+        let Self {
+            id,
+            name,
+            system_prompt,
+            role,
+            model,
+            provider,
+            tools,
+            window,
+            history,
+            call_approval,
+            defined_at_us: _,
+        } = self;
+        *id == other.id
+            && *name == other.name
+            && *system_prompt == other.system_prompt
+            && *role == other.role
+            && *model == other.model
+            && *provider == other.provider
+            && *tools == other.tools
+            && *window == other.window
+            && *history == other.history
+            && *call_approval == other.call_approval
+    }
+}
+
+impl Eq for AgentSpec {}
 
 /// What an agent's `call_agent` does when the call needs approval (a rule with
 /// `requires_approval`, or a `supervised` or `strict` sender).
@@ -306,7 +348,28 @@ impl AgentSpec {
             window: ContextWindow::default(),
             history: AGENT_HISTORY_WINDOW_DEFAULT,
             call_approval: CallApproval::WaitInTurn,
+            defined_at_us: None,
         }
+    }
+
+    /// When the agent was defined, in microseconds since the Unix epoch on the
+    /// runtime's clock (`RuntimeHandle::now`): for an agent the system was built with
+    /// (its builder, its config file), the time this system started, as such an agent is
+    /// defined anew at each start (a config file's agents written to the store,
+    /// [`crate::AgentClient::store_config`], the time they were written); for one
+    /// defined through the API ([`crate::AgentClient::define_agent`],
+    /// [`crate::AgentClient::replace_agent`]), the time it was defined or last replaced,
+    /// stored with it. `None`: not known (a definition stored by an older Troupe, a spec
+    /// not yet in a started system's directory, or one added to it with
+    /// [`AgentDirectory::upsert`] directly). `GET /v1/models` answers it as `created`.
+    pub fn defined_at_us(&self) -> Option<u64> {
+        self.defined_at_us
+    }
+
+    /// This definition, defined at `at_us` (see [`AgentSpec::defined_at_us`]).
+    pub(crate) fn defined_at(mut self, at_us: u64) -> Self {
+        self.defined_at_us = Some(at_us);
+        self
     }
 
     /// Sets what its `call_agent` does when the call needs approval (see
@@ -538,6 +601,22 @@ impl AgentDirectory {
         let removed = agents.remove(id);
         self.generation.fetch_add(1, Ordering::SeqCst);
         removed
+    }
+
+    /// Sets when agent `id` was defined (see [`AgentSpec::defined_at_us`]), without
+    /// counting a change: the time is not part of the definition its turns use.
+    pub(crate) fn set_defined_at(&self, id: &str, at_us: Option<u64>) {
+        if let Some(spec) = self.agents.write().unwrap().get_mut(id) {
+            spec.defined_at_us = at_us;
+        }
+    }
+
+    /// Sets `at_us` as the time every agent that has none was defined: the agents the
+    /// system was built with, when it starts. Not counted as a change.
+    pub(crate) fn set_defined_at_where_unknown(&self, at_us: u64) {
+        for spec in self.agents.write().unwrap().values_mut() {
+            spec.defined_at_us.get_or_insert(at_us);
+        }
     }
 
     /// How many changes the directory has had: equal generations, equal contents.
