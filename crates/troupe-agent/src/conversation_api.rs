@@ -350,7 +350,7 @@ impl AgentClient {
         let store = self.runtime.store();
         let mut after: Option<String> = None;
         let mut woken = 0;
-        let (mut placed_elsewhere, mut unknown) = (0_usize, 0_usize);
+        let mut skipped = crate::system::NotResumedHere::default();
         loop {
             let page = store
                 .scan(&index_actor(), "c/", after.as_deref(), CONVERSATIONS_LISTED_MAX)
@@ -361,18 +361,8 @@ impl AgentClient {
                 if store.scan(&target, "relay/", None, 1).await?.is_empty() {
                     continue;
                 }
-                // `Ok(false)` at once without a router (a single process).
-                match self.runtime.placed_elsewhere(&target).await {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        placed_elsewhere += 1;
-                        continue;
-                    }
-                    Err(error) => {
-                        tracing::debug!(conversation = %id, %error, "not resumed: where it is placed is not known");
-                        unknown += 1;
-                        continue;
-                    }
+                if !skipped.resume_here(&self.runtime, &target).await {
+                    continue;
                 }
                 let deadline = self
                     .runtime
@@ -387,14 +377,7 @@ impl AgentClient {
                 }
             }
             if page.len() < CONVERSATIONS_LISTED_MAX {
-                if placed_elsewhere + unknown > 0 {
-                    tracing::debug!(
-                        woken,
-                        placed_elsewhere,
-                        unknown,
-                        "conversations with pending relays not resumed here: placed on another node, or not known where"
-                    );
-                }
+                skipped.log(woken, "conversations with pending relays");
                 return Ok(woken);
             }
             after = page.last().map(|(key, _)| key.clone());

@@ -780,7 +780,7 @@ impl AgentClient {
     /// [`StoreError`] if reading a snapshot fails.
     pub async fn resume_pending(&self) -> Result<usize, StoreError> {
         let mut woken = 0;
-        let (mut placed_elsewhere, mut unknown) = (0_usize, 0_usize);
+        let mut skipped = NotResumedHere::default();
         let store = self.runtime.store();
         for spec in self.shared.directory.list() {
             let Ok(id) = agent_id(&spec.id) else { continue };
@@ -790,18 +790,8 @@ impl AgentClient {
             if inbox.is_empty() && outbox.is_empty() {
                 continue;
             }
-            // `Ok(false)` at once without a router (a single process).
-            match self.runtime.placed_elsewhere(&id).await {
-                Ok(false) => {}
-                Ok(true) => {
-                    placed_elsewhere += 1;
-                    continue;
-                }
-                Err(error) => {
-                    tracing::debug!(agent = %id, %error, "not resumed: where it is placed is not known");
-                    unknown += 1;
-                    continue;
-                }
+            if !skipped.resume_here(&self.runtime, &id).await {
+                continue;
             }
             let resume = AgentCommand::Resume {
                 inbox_after: None,
@@ -815,14 +805,7 @@ impl AgentClient {
                 Err(error) => tracing::warn!(agent = %id, %error, "could not resume"),
             }
         }
-        if placed_elsewhere + unknown > 0 {
-            tracing::debug!(
-                woken,
-                placed_elsewhere,
-                unknown,
-                "agents with pending entries not resumed here: placed on another node, or not known where"
-            );
-        }
+        skipped.log(woken, "agents with pending entries");
         Ok(woken)
     }
 
@@ -1058,5 +1041,47 @@ pub(crate) async fn ask_from_outside(
             })
             .and_then(reply_or_exhausted),
         Err(error) => Err(AgentCallError::Invoke(error)),
+    }
+}
+
+/// What a resume (`resume_pending`, `resume_conversations`) left to other nodes: actors
+/// with pending entries placed on another node, or whose placement could not be looked
+/// up (the next round looks again).
+#[derive(Debug, Default)]
+pub(crate) struct NotResumedHere {
+    placed_elsewhere: usize,
+    unknown: usize,
+}
+
+impl NotResumedHere {
+    /// Whether `id` is to be woken here: not when the root router places it on another
+    /// node or cannot say where it is (`Ok(false)` at once without a router: a single
+    /// process resumes everything), which is counted.
+    pub(crate) async fn resume_here(&mut self, runtime: &troupe_runtime::RuntimeHandle, id: &ActorId) -> bool {
+        match runtime.placed_elsewhere(id).await {
+            Ok(false) => true,
+            Ok(true) => {
+                self.placed_elsewhere += 1;
+                false
+            }
+            Err(error) => {
+                tracing::debug!(actor = %id, %error, "not resumed: where it is placed is not known");
+                self.unknown += 1;
+                false
+            }
+        }
+    }
+
+    /// Logs (debug) what was left to other nodes, if anything, beside the `woken` count
+    /// of `what`.
+    pub(crate) fn log(&self, woken: usize, what: &str) {
+        if self.placed_elsewhere + self.unknown > 0 {
+            tracing::debug!(
+                woken,
+                placed_elsewhere = self.placed_elsewhere,
+                unknown = self.unknown,
+                "{what} not resumed here: placed on another node, or not known where"
+            );
+        }
     }
 }
