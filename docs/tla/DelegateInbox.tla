@@ -17,6 +17,13 @@
 (* - A appends a result: its task record already final? ack, nothing new   *)
 (*   (dedupe by task); else record final + inbox entry, then the ack.      *)
 (* - A processes the result: deletes the entry in the commit that uses it. *)
+(* - A's delivery task, acked, reports Delivered to A; A's turn takes the  *)
+(*   entry off its outbox and answers whether it found it; only then is    *)
+(*   the MessageSent event told (inbox_turns.rs: deliver, DELIVERED_FOUND,  *)
+(*   since 2026-12-06). BUG_SENT_PER_ACK tells it at every ack instead,    *)
+(*   as before: an ack duplicated by the network (or two delivery tasks of *)
+(*   one entry) tells it twice. The event is told after the commit, so a   *)
+(*   crash between the two loses it: it is told at most once, not surely.  *)
 (* - A crash loses only volatile state (appends acked but not persisted,   *)
 (*   which exist only with BUG_ACK_BEFORE_PERSIST); wake-ups are rebuilt   *)
 (*   from the store by resume, so every step enabled by persistent state   *)
@@ -31,10 +38,12 @@ CONSTANTS
     MAX_LOSSES,             \* bound on lost messages (liveness needs it finite)
     MAX_CRASHES,            \* bound on crashes
     BUG_NO_DEDUPE,          \* appends skip the seen mark / the task-record check
-    BUG_ACK_BEFORE_PERSIST  \* the append acks first and persists in a later step
+    BUG_ACK_BEFORE_PERSIST, \* the append acks first and persists in a later step
+    BUG_SENT_PER_ACK        \* MessageSent told at every ack, not by the report that found the entry
 
 ASSUME /\ MAX_LOSSES \in Nat /\ MAX_CRASHES \in Nat
        /\ BUG_NO_DEDUPE \in BOOLEAN /\ BUG_ACK_BEFORE_PERSIST \in BOOLEAN
+       /\ BUG_SENT_PER_ACK \in BOOLEAN
 
 VARIABLES
     aTask,      \* t -> "none" | "submitted" | "final"   (A's task record)
@@ -45,12 +54,13 @@ VARIABLES
     bInbox,     \* t -> Nat: task entries at B not yet processed
     bWorked,    \* t -> Nat: times B's work on t committed
     bOutbox,    \* SUBSET Tasks: results not yet acknowledged by A
+    aSent,      \* t -> Nat: times A told MessageSent for t's task entry
     volatile,   \* set of [at, t]: appends acked but not persisted (bug only)
     net,        \* messages in flight
     losses, crashes
 
-vars == <<aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, net,
-          losses, crashes>>
+vars == <<aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, aSent, volatile,
+          net, losses, crashes>>
 
 Msg == [type : {"task", "taskAck", "result", "resultAck"}, t : Tasks]
 
@@ -63,6 +73,7 @@ Init ==
     /\ bInbox = [t \in Tasks |-> 0]
     /\ bWorked = [t \in Tasks |-> 0]
     /\ bOutbox = {}
+    /\ aSent = [t \in Tasks |-> 0]
     /\ volatile = {}
     /\ net = {}
     /\ losses = 0
@@ -72,12 +83,12 @@ Delegate(t) ==
     /\ aTask[t] = "none"
     /\ aTask' = [aTask EXCEPT ![t] = "submitted"]
     /\ aOutbox' = aOutbox \cup {t}
-    /\ UNCHANGED <<aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, net, losses, crashes>>
+    /\ UNCHANGED <<aSent, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, net, losses, crashes>>
 
 RelayTask(t) ==
     /\ t \in aOutbox
     /\ net' = net \cup {[type |-> "task", t |-> t]}
-    /\ UNCHANGED <<aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, losses, crashes>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, losses, crashes>>
 
 \* B's append of a task (the Enqueue turn).
 AppendTask(t) ==
@@ -91,12 +102,16 @@ AppendTask(t) ==
             ELSE /\ bSeen' = bSeen \cup {t}
                  /\ bInbox' = [bInbox EXCEPT ![t] = @ + 1]
                  /\ UNCHANGED volatile
-    /\ UNCHANGED <<aTask, aOutbox, aInbox, aDone, bWorked, bOutbox, losses, crashes>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, aInbox, aDone, bWorked, bOutbox, losses, crashes>>
 
+\* An ack reaches A's delivery task, which reports Delivered: A's turn takes the entry
+\* off its outbox if it is still there, and the event is told if it was (with the bug:
+\* at every ack, found or not; the ack stays in `net`, so it may be received again).
 TaskAcked(t) ==
     /\ [type |-> "taskAck", t |-> t] \in net
-    /\ t \in aOutbox
+    /\ t \in aOutbox \/ (BUG_SENT_PER_ACK /\ aSent[t] < 2)
     /\ aOutbox' = aOutbox \ {t}
+    /\ aSent' = [aSent EXCEPT ![t] = @ + 1]
     /\ UNCHANGED <<aTask, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, net, losses, crashes>>
 
 \* B's Process turn: entry deleted, work recorded, result queued, in one commit.
@@ -105,12 +120,12 @@ Work(t) ==
     /\ bInbox' = [bInbox EXCEPT ![t] = @ - 1]
     /\ bWorked' = [bWorked EXCEPT ![t] = @ + 1]
     /\ bOutbox' = bOutbox \cup {t}
-    /\ UNCHANGED <<aTask, aOutbox, aInbox, aDone, bSeen, volatile, net, losses, crashes>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, aInbox, aDone, bSeen, volatile, net, losses, crashes>>
 
 RelayResult(t) ==
     /\ t \in bOutbox
     /\ net' = net \cup {[type |-> "result", t |-> t]}
-    /\ UNCHANGED <<aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, losses, crashes>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, losses, crashes>>
 
 \* A's append of a result: dedupe by the task record.
 AppendResult(t) ==
@@ -124,20 +139,20 @@ AppendResult(t) ==
             ELSE /\ aTask' = [aTask EXCEPT ![t] = "final"]
                  /\ aInbox' = [aInbox EXCEPT ![t] = @ + 1]
                  /\ UNCHANGED volatile
-    /\ UNCHANGED <<aOutbox, aDone, bSeen, bInbox, bWorked, bOutbox, losses, crashes>>
+    /\ UNCHANGED <<aSent, aOutbox, aDone, bSeen, bInbox, bWorked, bOutbox, losses, crashes>>
 
 ResultAcked(t) ==
     /\ [type |-> "resultAck", t |-> t] \in net
     /\ t \in bOutbox
     /\ bOutbox' = bOutbox \ {t}
-    /\ UNCHANGED <<aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, volatile, net, losses, crashes>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, volatile, net, losses, crashes>>
 
 \* A's Process turn on the result.
 Resolve(t) ==
     /\ aInbox[t] > 0
     /\ aInbox' = [aInbox EXCEPT ![t] = @ - 1]
     /\ aDone' = [aDone EXCEPT ![t] = @ + 1]
-    /\ UNCHANGED <<aTask, aOutbox, bSeen, bInbox, bWorked, bOutbox, volatile, net, losses, crashes>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, bSeen, bInbox, bWorked, bOutbox, volatile, net, losses, crashes>>
 
 \* With BUG_ACK_BEFORE_PERSIST only: the late write of an acked append.
 Persist(v) ==
@@ -150,14 +165,14 @@ Persist(v) ==
        ELSE /\ aTask' = [aTask EXCEPT ![v.t] = "final"]
             /\ aInbox' = [aInbox EXCEPT ![v.t] = @ + 1]
             /\ UNCHANGED <<bSeen, bInbox>>
-    /\ UNCHANGED <<aOutbox, aDone, bWorked, bOutbox, net, losses, crashes>>
+    /\ UNCHANGED <<aSent, aOutbox, aDone, bWorked, bOutbox, net, losses, crashes>>
 
 Lose(m) ==
     /\ m \in net
     /\ losses < MAX_LOSSES
     /\ net' = net \ {m}
     /\ losses' = losses + 1
-    /\ UNCHANGED <<aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, crashes>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, volatile, crashes>>
 
 \* A process crash: memory is lost (acked-but-unpersisted appends, messages of the
 \* dead process are modelled by Lose); the store stays.
@@ -165,7 +180,7 @@ Crash ==
     /\ crashes < MAX_CRASHES
     /\ crashes' = crashes + 1
     /\ volatile' = {}
-    /\ UNCHANGED <<aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, net, losses>>
+    /\ UNCHANGED <<aSent, aTask, aOutbox, aInbox, aDone, bSeen, bInbox, bWorked, bOutbox, net, losses>>
 
 \* Every task delegated and resolved, nothing left to send: the run may stop here.
 Finished ==
@@ -196,6 +211,7 @@ Spec == Init /\ [][Next]_vars /\ Fairness
 TypeOK ==
     /\ aTask \in [Tasks -> {"none", "submitted", "final"}]
     /\ aOutbox \subseteq Tasks /\ bOutbox \subseteq Tasks /\ bSeen \subseteq Tasks
+    /\ aSent \in [Tasks -> 0..2]
     /\ net \subseteq Msg
 
 \* No message is processed twice: B works each task at most once, A processes each
@@ -208,6 +224,11 @@ ExactlyOnceResolve == \A t \in Tasks : aDone[t] + aInbox[t] <= 1
 NoAckedMessageLost ==
     /\ \A t \in Tasks : (aTask[t] = "submitted" /\ t \notin aOutbox) => t \in bSeen
     /\ \A t \in Tasks : (bWorked[t] > 0 /\ t \notin bOutbox) => aTask[t] = "final"
+
+\* MessageSent is told at most once per task entry, and only for an entry B took
+\* (persisted): a listener counting sent messages sees each once.
+SentToldAtMostOnce == \A t \in Tasks : aSent[t] <= 1
+SentOnlyWhenTaken == \A t \in Tasks : aSent[t] > 0 => t \in bSeen
 
 \* Every accepted delegation resolves (liveness).
 EveryDelegationResolves == \A t \in Tasks : (aTask[t] = "submitted") ~> (aDone[t] = 1)
