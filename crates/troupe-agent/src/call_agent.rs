@@ -238,11 +238,20 @@ pub async fn call_agent(
             let allowed_ms = u64::try_from(admitted.timeout().as_millis()).unwrap_or(u64::MAX);
             if let Some(remote) = &remote {
                 // The admission (its in-flight slot) is held until the answer.
-                let per_call = format!("{}-call-{call}", context.agent_id().key());
+                // The message's id names this call alone, also across processes and
+                // restarts: a receiver takes an id it has seen as the task it already
+                // started (a Troupe server answers it with that task, or refuses it
+                // `MessageIdReused` if the text differs). Before, `{agent}-call-{n}`
+                // from a counter every process starts at 1 was made again after a
+                // restart (tests/remote_message_ids.rs). Short, whatever the agent's id:
+                // the receiver keys its dedupe mark by it.
+                let message_id = format!("call-{:032x}", shared.fresh_id(context.now()));
+                // Without a trace id, the message id stands in for the logs (not 32 hex
+                // digits alone: the callee starts a trace of its own).
                 let trace_id = admitted
                     .child()
                     .trace_id()
-                    .map_or_else(|| per_call.clone(), |trace| trace.to_string());
+                    .map_or_else(|| message_id.clone(), |trace| trace.to_string());
                 // The time left now, not at admission: an approval waited for in
                 // between (`admit_call`) has spent part of it, and the remote callee
                 // must not get more than this caller has left (a local call waits
@@ -256,9 +265,7 @@ pub async fn call_agent(
                         text: &request.text,
                         child: admitted.child(),
                         timeout,
-                        // One per call: the receiving server takes a message sent again
-                        // with the same id as the task it started, not a new one.
-                        message_id: format!("{trace_id}.{per_call}"),
+                        message_id,
                         trace_id,
                     },
                 )

@@ -424,19 +424,7 @@ impl AgentClient {
     /// with fixed keys), so it draws no randomness: under simulation the same seed makes
     /// the same ids. Not a secret; unique in practice across processes and restarts.
     pub fn new_trace_id(&self) -> TraceId {
-        use std::hash::{Hash, Hasher};
-        let n = self
-            .shared
-            .next_trace
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let now = self.runtime.now().as_micros();
-        let half = |salt: u8| {
-            let mut hasher = std::hash::DefaultHasher::new();
-            (salt, n, now, std::process::id()).hash(&mut hasher);
-            u128::from(hasher.finish())
-        };
-        let value = (half(0) << 64) | half(1);
-        TraceId::new(if value == 0 { 1 } else { value })
+        TraceId::new(self.shared.fresh_id(self.runtime.now()))
     }
 
     /// Reports the end of call `call` from outside ([`AgentEvent::CallFinished`]) and

@@ -31,7 +31,8 @@ pub(crate) struct AgentShared {
     /// The broadcast event stream ([`crate::AgentClient::subscribe`]).
     pub(crate) stream: tokio::sync::broadcast::Sender<AgentEvent>,
     next_call: AtomicU64,
-    /// Counts the trace ids this process made (`AgentClient::new_trace_id`).
+    /// Counts the ids this process made (`AgentShared::fresh_id`: trace ids, remote
+    /// calls' message ids).
     pub(crate) next_trace: AtomicU64,
     /// The runtime's clock, set once the runtime has started (before any agent can
     /// activate): the time of the events the hooks report, which have no turn at hand.
@@ -317,6 +318,29 @@ impl AgentShared {
 
     pub(crate) fn next_call_id(&self) -> u64 {
         self.next_call.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A new id for something that must not be named alike by another process, nor by
+    /// this one after a restart (a trace id, a remote call's A2A message id): made from
+    /// a per-process counter, the runtime's clock (anchored on the wall clock) and the
+    /// process id, hashed (SipHash with fixed keys), so it draws no randomness: under
+    /// simulation the same seed makes the same ids. Not a secret; unique in practice.
+    /// Never zero.
+    pub(crate) fn fresh_id(&self, now: Deadline) -> u128 {
+        use std::hash::{Hash, Hasher};
+        let n = self.next_trace.fetch_add(1, Ordering::Relaxed);
+        let now = now.as_micros();
+        let half = |salt: u8| {
+            let mut hasher = std::hash::DefaultHasher::new();
+            (salt, n, now, std::process::id()).hash(&mut hasher);
+            u128::from(hasher.finish())
+        };
+        let value = (half(0) << 64) | half(1);
+        if value == 0 {
+            1
+        } else {
+            value
+        }
     }
 
     pub(crate) fn emit(&self, event: &AgentEvent) {
