@@ -318,10 +318,14 @@ async fn ready(a2a: &Arc<A2a>) {
     }
     a2a.loaded
         .get_or_init(|| async {
+            // The stored directory, not only the agents this system was built with: an
+            // agent defined over REST by an earlier run is read from the store (at the
+            // server's start nothing has read it yet), and its tasks are resumed too.
             let agents: Vec<String> = a2a
                 .app
                 .client
-                .directory()
+                .current_directory()
+                .await
                 .list()
                 .into_iter()
                 .map(|spec| spec.id)
@@ -536,7 +540,11 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
     let id = request.get("id").cloned().unwrap_or(Value::Null);
     let (method, params) = match envelope(&request) {
         Ok(parts) => parts,
-        Err(error) => return error.answer(&Value::Null),
+        // An Invalid Request is answered with the id `null` (JSON-RPC 2.0, 5.1: its id
+        // may be the broken part); params that are not an object come from a request
+        // whose id was read, and are answered under it, as every other error is.
+        Err(error) if error.code == code::INVALID_REQUEST => return error.answer(&Value::Null),
+        Err(error) => return error.answer(&id),
     };
     if let Some(version) = headers.get(A2A_VERSION_HEADER).and_then(|value| value.to_str().ok()) {
         if !version_served(version) {

@@ -43,6 +43,10 @@ pub const SERVER_STREAMS_OPEN_MAX_DEFAULT: usize = 256;
 /// The most streams a server may be configured to keep open at once, in streams:
 /// `serve` refuses more (see [`SERVER_STREAMS_OPEN_MAX_DEFAULT`]).
 pub const SERVER_STREAMS_OPEN_MAX: usize = 65_536;
+/// The most of the text of an error answered outside the handlers (axum's: a 405, a
+/// path segment refused) that the server reads to name what was wrong in its JSON error,
+/// in bytes; longer (none is), the error says only its status.
+pub const SERVER_PLAIN_ERROR_TEXT_MAX_BYTES: usize = 4 * 1024;
 /// Open SSE streams of `/v1/events` at once; one more is refused with 503 `overloaded`.
 pub const SERVER_EVENT_STREAMS_MAX: usize = 64;
 /// Calls the topology keeps for call trees (the most recent ones), in calls; an older

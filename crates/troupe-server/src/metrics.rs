@@ -23,10 +23,16 @@ impl Metrics {
             .or_insert(0) += 1;
     }
 
-    /// The text of `/metrics`; `streams_open` is the open `/v1/events` streams and the
-    /// open streamed answers; `a2a` the A2A tasks held and the agents the A2A layer keeps
-    /// anything of.
-    pub(crate) fn render(&self, client: &AgentClient, streams_open: [usize; 2], a2a: (usize, usize)) -> String {
+    /// The text of `/metrics`; `agents` the agents in the directory; `streams_open` the
+    /// open `/v1/events` streams and the open streamed answers; `a2a` the A2A tasks held
+    /// and the agents the A2A layer keeps anything of.
+    pub(crate) fn render(
+        &self,
+        client: &AgentClient,
+        agents: usize,
+        streams_open: [usize; 2],
+        a2a: (usize, usize),
+    ) -> String {
         let mut out = String::new();
         out.push_str("# HELP troupe_http_requests_total HTTP requests answered, by method, route and status.\n");
         out.push_str("# TYPE troupe_http_requests_total counter\n");
@@ -104,7 +110,7 @@ impl Metrics {
             (
                 "troupe_agents",
                 "Agents in the directory.",
-                client.directory().list().len(),
+                agents,
             ),
             (
                 "troupe_event_streams_open",

@@ -401,7 +401,8 @@ impl StreamedAnswer {
 pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     let data: Vec<Value> = state
         .client
-        .directory()
+        .current_directory()
+        .await
         .list()
         .iter()
         .map(|spec| {

@@ -86,9 +86,12 @@ impl From<OrgError> for ApiError {
     }
 }
 
-/// 404 `agent_not_found` unless `agent` is a local agent or a remote agent.
-fn known_agent(state: &AppState, agent: &str) -> Result<(), ApiError> {
-    let known = state.client.directory().contains(agent)
+/// 404 `agent_not_found` unless `agent` is a local agent or a remote agent. The stored
+/// directory is read again if this process's read is stale (as every agent route does):
+/// an agent defined over REST by an earlier run, or by another server on the store, is
+/// known.
+async fn known_agent(state: &AppState, agent: &str) -> Result<(), ApiError> {
+    let known = state.client.current_directory().await.contains(agent)
         || state.client.remote_agents().iter().any(|remote| remote.id == agent);
     if known {
         Ok(())
@@ -173,8 +176,8 @@ async fn add_link(State(state): Shared, ApiJson(body): ApiJson<LinkBody>) -> Res
             "a link needs \"from\" and \"to\" (agent ids)",
         ));
     };
-    known_agent(&state, &from)?;
-    known_agent(&state, &to)?;
+    known_agent(&state, &from).await?;
+    known_agent(&state, &to).await?;
     let link = body.link(from, to);
     state.client.add_link(link.clone()).await?;
     Ok((StatusCode::CREATED, Json(json!(link))).into_response())
@@ -249,7 +252,7 @@ pub(crate) struct PermissionBody {
 /// `GET /v1/agents/{id}/permissions`: the agent's rules (one per target) and its
 /// membership.
 async fn permissions(State(state): Shared, Path(agent): Path<String>) -> Result<Json<Value>, ApiError> {
-    known_agent(&state, &agent)?;
+    known_agent(&state, &agent).await?;
     let org = state.client.organisation().await?;
     Ok(Json(json!({
         "agent": agent,
@@ -267,9 +270,9 @@ async fn set_permission(
 ) -> Result<Json<Value>, ApiError> {
     same_as_path("invalid_permission", "agent", body.agent.as_ref(), &agent)?;
     same_as_path("invalid_permission", "target", body.target.as_ref(), &target)?;
-    known_agent(&state, &agent)?;
+    known_agent(&state, &agent).await?;
     if target != PERMISSION_TARGET_ANY {
-        known_agent(&state, &target)?;
+        known_agent(&state, &target).await?;
     }
     if body.effect == PermissionEffect::Deny && body.requires_approval {
         return Err(ApiError::unprocessable(
@@ -315,7 +318,7 @@ pub(crate) struct MembershipBody {
 
 /// `GET /v1/agents/{id}/membership`.
 async fn membership(State(state): Shared, Path(agent): Path<String>) -> Result<Json<Value>, ApiError> {
-    known_agent(&state, &agent)?;
+    known_agent(&state, &agent).await?;
     let org = state.client.organisation().await?;
     Ok(Json(json!({"agent": agent, "membership": org.membership(&agent)})))
 }
@@ -327,9 +330,9 @@ async fn set_membership(
     Path(agent): Path<String>,
     ApiJson(body): ApiJson<MembershipBody>,
 ) -> Result<Json<Value>, ApiError> {
-    known_agent(&state, &agent)?;
+    known_agent(&state, &agent).await?;
     if let Some(manager) = &body.manager {
-        known_agent(&state, manager)?;
+        known_agent(&state, manager).await?;
     }
     let membership = Membership {
         manager: body.manager,

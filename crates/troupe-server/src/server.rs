@@ -23,8 +23,9 @@ use troupe_agent::AgentClient;
 use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
 use crate::limits::{
-    SERVER_EVENT_STREAMS_MAX, SERVER_REQUEST_BODY_DRAIN_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MS,
-    SERVER_REQUEST_BODY_READ_MS, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS,
+    SERVER_EVENT_STREAMS_MAX, SERVER_PLAIN_ERROR_TEXT_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MAX_BYTES,
+    SERVER_REQUEST_BODY_DRAIN_MS, SERVER_REQUEST_BODY_READ_MS, SERVER_REQUEST_BODY_SIZE_MAX_BYTES,
+    SERVER_SHUTDOWN_GRACE_MS,
 };
 use crate::metrics::Metrics;
 use crate::{a2a, agents, conversations, events, openai_compat, org, topology};
@@ -194,7 +195,7 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
         .get(header::CONTENT_TYPE)
         .is_some_and(|value| value.as_bytes().starts_with(b"application/json"));
     if (status.is_client_error() || status.is_server_error()) && !is_json {
-        response = plain_error(status, method.as_str(), &route);
+        response = plain_error(response, method.as_str(), &route).await;
     }
     let status = response.status().as_u16();
     let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
@@ -271,14 +272,7 @@ pub async fn read_body(request: Request, next: Next) -> Response {
         )
         .into_response(),
         Err(_) => {
-            let mut response = ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!(
-                    "the request body did not arrive whole within the server's limit of                      {SERVER_REQUEST_BODY_READ_MS} ms; send it again, at once"
-                ),
-            )
-            .into_response();
+            let mut response = body_timeout().into_response();
             // The rest of the body is not read: the connection cannot carry another
             // request.
             response
@@ -287,6 +281,18 @@ pub async fn read_body(request: Request, next: Next) -> Response {
             response
         }
     }
+}
+
+/// 408 `body_timeout`: the body did not arrive whole within [`SERVER_REQUEST_BODY_READ_MS`].
+fn body_timeout() -> ApiError {
+    ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "body_timeout",
+        format!(
+            "the request body did not arrive whole within the server's limit of \
+             {SERVER_REQUEST_BODY_READ_MS} ms; send it again, at once"
+        ),
+    )
 }
 
 /// How reading a request body ended (within [`SERVER_REQUEST_BODY_READ_MS`]).
@@ -351,9 +357,20 @@ fn body_too_large() -> Response {
     .into_response()
 }
 
-fn plain_error(status: StatusCode, method: &str, route: &str) -> Response {
+/// An error answered outside the handlers' error shape (axum's own: a 405, or a path
+/// segment its `Path` extractor refused, such as `%FF`, which is no UTF-8) in the one
+/// JSON shape, its text (what was wrong, at most [`SERVER_PLAIN_ERROR_TEXT_MAX_BYTES`])
+/// kept as the message: a 400 is `bad_request`.
+async fn plain_error(response: Response, method: &str, route: &str) -> Response {
+    let status = response.status();
+    let text = axum::body::to_bytes(response.into_body(), SERVER_PLAIN_ERROR_TEXT_MAX_BYTES)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_string())
+        .unwrap_or_default();
     let (code, message) = match status {
         StatusCode::METHOD_NOT_ALLOWED => ("method_not_allowed", format!("{method} is not allowed on {route}")),
+        StatusCode::BAD_REQUEST if !text.is_empty() => ("bad_request", text),
+        other if !text.is_empty() => ("http_error", format!("the request failed with status {other}: {text}")),
         other => ("http_error", format!("the request failed with status {other}")),
     };
     ApiError::new(status, code, message).into_response()
@@ -471,7 +488,7 @@ async fn not_found(request: Request<Body>) -> ApiError {
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    let agents = state.client.directory().list().len();
+    let agents = state.client.current_directory().await.list().len();
     axum::Json(json!({"status": "ok", "agents": agents})).into_response()
 }
 
@@ -479,6 +496,29 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let open = SERVER_EVENT_STREAMS_MAX - state.event_streams.available_permits();
     let a2a = a2a::sizes(&state).await;
     let streams = state.config.streams_open_max.min(Semaphore::MAX_PERMITS) - state.streams.available_permits();
-    let text = state.metrics.render(&state.client, [open, streams], a2a);
+    // Read again if stale, so that `troupe_agents` counts the agents defined over REST
+    // (by an earlier run, or by another server on the store), as `/v1/agents` lists them.
+    let agents = state.client.current_directory().await.list().len();
+    let text = state.metrics.render(&state.client, agents, [open, streams], a2a);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: the 408's message reads as one sentence. Until 2026-12-06 its format string
+    /// held the next line's indentation ("limit of" followed by 22 spaces).
+    #[test]
+    fn the_body_timeout_message_is_one_sentence() {
+        let error = body_timeout();
+        assert_eq!(
+            error.message,
+            format!(
+                "the request body did not arrive whole within the server's limit of {SERVER_REQUEST_BODY_READ_MS} ms; \
+                 send it again, at once"
+            )
+        );
+        assert!(!error.message.contains("  "), "{:?}", error.message);
+    }
 }

@@ -119,7 +119,7 @@ async fn style() -> Response {
 /// `GET /v1/topology`.
 async fn topology(State(state): State<Arc<AppState>>, Extension(tracker): Extension<Arc<Tracker>>) -> Response {
     tracker.start();
-    let mut specs = state.client.directory().list();
+    let mut specs = state.client.current_directory().await.list();
     specs.sort_by(|a, b| a.id.cmp(&b.id));
     let truncated = specs.len() > TOPOLOGY_AGENTS_LISTED_MAX;
     specs.truncate(TOPOLOGY_AGENTS_LISTED_MAX);
