@@ -376,7 +376,8 @@ impl AgentClient {
     /// # Errors
     /// [`InboxError::Full`] (the inbox, or the agent's open external tasks
     /// ([`AGENT_EXTERNAL_TASKS_OPEN_MAX`]), are full: nothing kept, retry later),
-    /// [`InboxError::Refused`] (`AgentNotFound`), [`InboxError::InvalidAgentId`],
+    /// [`InboxError::Refused`] (`AgentNotFound`; `InvalidTimeout` for a `timeout_ms` of
+    /// 0, nothing sent), [`InboxError::InvalidAgentId`],
     /// [`InboxError::MessageIdTooLong`] (nothing sent),
     /// [`InboxError::Invoke`] with [`InvokeError::Rejected`] (the request's `chain` and
     /// `depth` do not fit together, as [`crate::TroupeCallMetadata::check`] has them:
@@ -385,6 +386,7 @@ impl AgentClient {
     /// same `msg_id`).
     pub async fn delegate_external(&self, to: &str, request: ExternalTaskRequest) -> Result<String, InboxError> {
         crate::inbox::check_message_id_length(&request.msg_id)?;
+        crate::inbox::check_send_timeout(request.timeout_ms)?;
         let target = self.known_agent(to).await?;
         let chain = arrival_chain(&request).map_err(|reason| {
             InboxError::Invoke(InvokeError::Rejected {

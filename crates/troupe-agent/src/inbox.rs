@@ -633,6 +633,17 @@ pub(crate) fn outbox_key(seq: u64) -> String {
     crate::agent::seq_key("outbox/", seq)
 }
 
+/// `Ok` unless a send from the API was given a timeout of 0 ms: no time at all is
+/// refused as a call's is ([`CallRefused::InvalidTimeout`]) and as the tools' schema
+/// refuses it, not taken as the smallest deadline (which acknowledged an entry that
+/// could only fail or be dropped unworked). Longer ones are capped, as documented.
+pub(crate) fn check_send_timeout(timeout_ms: Option<u64>) -> Result<(), InboxError> {
+    match timeout_ms {
+        Some(0) => Err(InboxError::Refused(CallRefused::InvalidTimeout { requested_ms: 0 })),
+        _ => Ok(()),
+    }
+}
+
 /// `Ok` if a caller-chosen message id fits [`crate::limits::AGENT_MESSAGE_ID_LENGTH_MAX_BYTES`].
 pub(crate) fn check_message_id_length(msg_id: &str) -> Result<(), InboxError> {
     let max_bytes = crate::limits::AGENT_MESSAGE_ID_LENGTH_MAX_BYTES;

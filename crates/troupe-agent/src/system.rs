@@ -469,7 +469,8 @@ impl AgentClient {
     /// there: retrying with the same id never makes a second entry.
     ///
     /// # Errors
-    /// [`InboxError::Full`] (nothing kept), [`InboxError::Refused`] (`AgentNotFound`),
+    /// [`InboxError::Full`] (nothing kept), [`InboxError::Refused`] (`AgentNotFound`;
+    /// `InvalidTimeout` for a `timeout_ms` of 0, nothing sent),
     /// [`InboxError::InvalidAgentId`], [`InboxError::EmptyMessageId`],
     /// [`InboxError::MessageIdTooLong`] (nothing sent),
     /// [`InboxError::Invoke`] (timeout, storage, shutdown: whether it was kept is
@@ -520,6 +521,7 @@ impl AgentClient {
         timeout_ms: Option<u64>,
         trace_id: Option<TraceId>,
     ) -> Result<String, InboxError> {
+        crate::inbox::check_send_timeout(timeout_ms)?;
         let target = self.known_agent(agent).await?;
         let now = self.runtime.now();
         let mut context = CallContext::root(task_deadline(now, timeout_ms));
@@ -576,7 +578,8 @@ impl AgentClient {
 
     /// Makes agent `from` delegate `text` to agent `to`, as its `delegate_to_agent`
     /// tool does, with a deadline `timeout_ms` from now (default
-    /// [`crate::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT`]). Returns the task id at once;
+    /// [`crate::limits::AGENT_TASK_TIMEOUT_MS_DEFAULT`], capped at its maximum; 0 is
+    /// refused, [`InboxError::Refused`] with `InvalidTimeout`). Returns the task id at once;
     /// the task is committed to `from`'s outbox and delivered until acknowledged; `to`
     /// works on it in a turn of its own, and the result, failure or cancellation comes
     /// back to `from` as a new turn, exactly once ([`AgentClient::task`] shows it).
@@ -619,6 +622,7 @@ impl AgentClient {
         task: bool,
         trace_id: Option<TraceId>,
     ) -> Result<String, InboxError> {
+        crate::inbox::check_send_timeout(timeout_ms)?;
         let sender = self.known_agent(from).await?;
         let command = if task {
             AgentCommand::Delegate {

@@ -1,0 +1,513 @@
+//! Probes of the agent layer's guarantees as an embedder meets them, through the public
+//! API only (the builder, the client, the scripted model that really emits tool calls),
+//! where the other test files do not already look:
+//!
+//! - a delegated task whose process is dropped while its delegatee's model works, and a
+//!   new process on the same SQLite file: the result turn happens once;
+//! - two processes on one SQLite file at once, both delegating from the same agent and
+//!   resuming: every acknowledged task is worked once and its result taken once;
+//! - `delegate_to_agent` and `notify_agent` called by the model with bad arguments:
+//!   each is a tool error the model reads, naming what is wrong, and nothing is sent.
+//!
+//! The SQLite probes run on tokio's multi-thread runtime in real time (normal build);
+//! the argument probe in both builds (`cargo test -p troupe-agent --test embedder_probes`,
+//! and under `RUSTFLAGS="--cfg madsim"`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use troupe_agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
+use troupe_runtime::MemoryStore;
+
+/// Goal: a model's `delegate_to_agent` and `notify_agent` calls with bad arguments (a
+/// number for the agent id, the message missing, an unknown field, an unknown agent, a
+/// message longer than `AGENT_MESSAGE_SIZE_MAX_BYTES`, a timeout of 0 or a fraction, the
+/// agent itself) are each answered with a tool error the model reads, naming what is
+/// wrong, and nothing is queued: no task record, no outbox entry, no turn at the target.
+#[tokio::test(start_paused = true)]
+async fn bad_send_arguments_from_the_model_are_tool_errors_and_send_nothing() {
+    let oversized = "x".repeat(troupe_agent::limits::AGENT_MESSAGE_SIZE_MAX_BYTES + 1);
+    let cases: Vec<(&str, serde_json::Value, &str)> = vec![
+        ("case-type", json!({"agent_id": 5, "message": "hi"}), "agent_id"),
+        ("case-missing", json!({"agent_id": "b"}), "message"),
+        (
+            "case-unknown-field",
+            json!({"agent_id": "b", "message": "hi", "urgent": true}),
+            "urgent",
+        ),
+        (
+            "case-unknown-agent",
+            json!({"agent_id": "ghost", "message": "hi"}),
+            "ghost",
+        ),
+        (
+            "case-oversized",
+            json!({"agent_id": "b", "message": oversized}),
+            "message",
+        ),
+        (
+            "case-zero-timeout",
+            json!({"agent_id": "b", "message": "hi", "timeout_ms": 0}),
+            "timeout_ms",
+        ),
+        (
+            "case-fraction",
+            json!({"agent_id": "b", "message": "hi", "timeout_ms": 1.5}),
+            "timeout_ms",
+        ),
+        ("case-self", json!({"agent_id": "a", "message": "hi"}), "cycle"),
+        (
+            "case-bad-id",
+            json!({"agent_id": "no/slash", "message": "hi"}),
+            "no/slash",
+        ),
+    ];
+    for tool in ["delegate_to_agent", "notify_agent"] {
+        let mut llm = ScriptedLlm::new().rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"));
+        for (needle, arguments, _) in &cases {
+            llm = llm.rule(
+                ScriptRule::agent("a")
+                    .on_user_containing(*needle)
+                    .call(tool, arguments.clone()),
+            );
+        }
+        let llm = llm.rule(ScriptRule::agent("b").reply("b was reached"));
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("a"))
+            .agent(AgentSpec::new("b"))
+            .start()
+            .expect("the system starts");
+        for (needle, _, named) in &cases {
+            let reply = tokio::time::timeout(Duration::from_secs(60), system.ask("a", needle))
+                .await
+                .expect("answered within 60 s")
+                .expect("the turn ends with the tool's error as the model's answer");
+            assert!(
+                reply.text.contains("error") && reply.text.contains(named),
+                "{tool} {needle}: the model read {:?}, which does not name {named:?}",
+                reply.text
+            );
+        }
+        // Whatever was queued would have been delivered by now (paused time).
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(system.pending("a").await.unwrap(), (0, 0), "{tool}");
+        assert_eq!(system.pending("b").await.unwrap(), (0, 0), "{tool}");
+        assert!(llm.requests_of("b").is_empty(), "{tool}: b was reached");
+        assert_eq!(
+            system.task("a", "a.0").await.unwrap(),
+            None,
+            "{tool}: a task record was written"
+        );
+        system.shutdown().await;
+    }
+}
+
+/// Waits (bounded, paused time) until `agent`'s log holds an assistant message
+/// containing `needle`; that message.
+async fn answered(system: &AgentSystem, agent: &str, needle: &str) -> String {
+    let wait = async {
+        loop {
+            let log = system.conversation_log(agent).await.unwrap();
+            if let Some(found) = log
+                .iter()
+                .find(|m| m.role == troupe_agent::Role::Assistant && m.content.contains(needle))
+            {
+                break found.content.clone();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(600), wait)
+        .await
+        .unwrap_or_else(|_| panic!("{agent} never answered with {needle:?}"))
+}
+
+/// Goal: a chain of delegations is bounded at depth 5 as a chain of calls is: d0 (asked
+/// from outside, depth 0) delegates to d1, whose task turn delegates to d2, ...; d5's
+/// task turn (depth 5) is refused `DepthExceeded` naming the limit, d6 never runs, and
+/// the four delegations before it each end `completed` back at their delegator.
+#[tokio::test(start_paused = true)]
+async fn a_chain_of_delegations_stops_at_depth_five() {
+    let names: Vec<String> = (0..7).map(|i| format!("d{i}")).collect();
+    let mut llm = ScriptedLlm::new();
+    for i in 0..6 {
+        llm = llm
+            .rule(
+                ScriptRule::agent(names[i].clone())
+                    .on_user_containing("you delegated is")
+                    .reply("result seen"),
+            )
+            .rule(
+                ScriptRule::agent(names[i].clone())
+                    .on_tool_result()
+                    .reply(format!("{} sent: {{tool_result}}", names[i])),
+            )
+            .rule(
+                ScriptRule::agent(names[i].clone())
+                    .on_user_containing(if i == 0 { "start" } else { "[task" })
+                    .call(
+                        "delegate_to_agent",
+                        json!({"agent_id": names[i + 1], "message": format!("hop {}", i + 1)}),
+                    ),
+            );
+    }
+    let llm = llm.rule(ScriptRule::agent("d6").reply("unreachable"));
+    let mut builder = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()));
+    for name in &names {
+        builder = builder.agent(AgentSpec::new(name.clone()));
+    }
+    let system = builder.start().expect("the system starts");
+    let reply = system.ask("d0", "start").await.unwrap();
+    assert!(
+        reply.text.starts_with("d0 sent: delegated as task d0.0"),
+        "{}",
+        reply.text
+    );
+    let refused = answered(&system, "d5", "d5 sent:").await;
+    assert!(refused.contains("call depth 5 has reached the limit of 5"), "{refused}");
+    for name in &names[..5] {
+        let task = format!("{name}.0");
+        let wait = async {
+            loop {
+                let status = system.task(name, &task).await.unwrap().expect("the task's record");
+                if status.state.is_final() {
+                    break status;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        let status = tokio::time::timeout(Duration::from_secs(600), wait).await.unwrap();
+        assert_eq!(status.state, troupe_agent::TaskState::Completed, "{name}: {status:?}");
+    }
+    assert!(llm.requests_of("d6").is_empty(), "d6 must never run");
+    system.shutdown().await;
+}
+
+/// Goal: a cycle that closes through a delegation, a call and a notification is refused
+/// with the whole chain: a delegates to b; b's task turn calls c; c's turn notifies a,
+/// which is in its chain: `CycleDetected` "agent/a -> agent/b -> agent/c -> agent/a",
+/// read by c's model; a gets no notification, and b's call still answers.
+#[tokio::test(start_paused = true)]
+async fn a_cycle_through_a_delegation_a_call_and_a_notification_is_refused_with_the_chain() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("you delegated is")
+                .reply("result seen"),
+        )
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("[notification")
+                .reply("unexpected"),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("a sent: {tool_result}"))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("start")
+                .call("delegate_to_agent", json!({"agent_id": "b", "message": "work"})),
+        )
+        .rule(ScriptRule::agent("b").on_tool_result().reply("b got: {tool_result}"))
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("[task")
+                .call("call_agent", json!({"agent_id": "c", "message": "help"})),
+        )
+        .rule(ScriptRule::agent("c").on_tool_result().reply("c sent: {tool_result}"))
+        .rule(
+            ScriptRule::agent("c")
+                .on_user_containing("help")
+                .call("notify_agent", json!({"agent_id": "a", "message": "loop"})),
+        );
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .agent(AgentSpec::new("c"))
+        .start()
+        .expect("the system starts");
+    system.ask("a", "start").await.unwrap();
+    let b = answered(&system, "b", "b got:").await;
+    assert!(
+        b.contains(
+            "c sent: error: notify_agent failed: refused: cycle detected: agent/a -> agent/b -> agent/c -> agent/a"
+        ),
+        "{b}"
+    );
+    answered(&system, "a", "result seen").await;
+    assert!(
+        llm.requests_of("a")
+            .iter()
+            .all(|r| r.messages.iter().all(|m| !m.content.contains("[notification"))),
+        "a was notified"
+    );
+    system.shutdown().await;
+}
+
+/// Goal: a timeout of 0 ms given to the Rust API's sends (`delegate`, `delegate_with`,
+/// `notify_with_id`, `notify_with`, `delegate_external`) is refused as `call_agent`'s
+/// and the tools' are, `InvalidTimeout`, and nothing is sent or kept; 1 ms is taken.
+/// Before: each was taken as a 1 ms deadline and acknowledged, so the task or
+/// notification was kept and then failed or dropped unworked.
+#[tokio::test(start_paused = true)]
+async fn a_zero_timeout_given_to_the_api_is_refused_and_sends_nothing() {
+    use troupe_agent::{DelegateOptions, ExternalTaskRequest, InboxError, NotifyOptions};
+    use troupe_core::CallRefused;
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("b").reply("b was reached"))
+        .rule(ScriptRule::agent("a").reply("seen"));
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let external = ExternalTaskRequest {
+        origin: "probe".into(),
+        msg_id: "ext-0".into(),
+        text: "x".into(),
+        timeout_ms: Some(0),
+        ..ExternalTaskRequest::default()
+    };
+    let results = [
+        ("delegate", system.delegate("a", "b", "x", Some(0)).await),
+        (
+            "delegate_with",
+            system
+                .delegate_with("a", "b", "x", DelegateOptions::default().timeout_ms(0))
+                .await,
+        ),
+        (
+            "notify_with_id",
+            system
+                .notify_with_id("b", "m-0", "x", Some(0))
+                .await
+                .map(|()| String::new()),
+        ),
+        (
+            "notify_with",
+            system
+                .notify_with(
+                    "b",
+                    "x",
+                    NotifyOptions {
+                        timeout_ms: Some(0),
+                        ..NotifyOptions::default()
+                    },
+                )
+                .await,
+        ),
+        ("delegate_external", system.delegate_external("b", external).await),
+    ];
+    for (api, result) in results {
+        assert!(
+            matches!(
+                result,
+                Err(InboxError::Refused(CallRefused::InvalidTimeout { requested_ms: 0 }))
+            ),
+            "{api}: {result:?}"
+        );
+    }
+    // Whatever was kept would have been worked or dropped by now (paused time).
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(system.pending("a").await.unwrap(), (0, 0));
+    assert_eq!(system.pending("b").await.unwrap(), (0, 0));
+    assert_eq!(system.task("a", "a.0").await.unwrap(), None);
+    assert!(system.external_tasks("b", None, 10).await.unwrap().is_empty());
+    assert!(llm.requests_of("b").is_empty(), "b was reached");
+    // The smallest timeout is taken.
+    system
+        .notify_with_id("b", "m-1", "x", Some(1))
+        .await
+        .expect("1 ms is taken");
+    system.shutdown().await;
+}
+
+#[cfg(not(madsim))]
+mod sqlite {
+    use super::*;
+    use std::collections::BTreeMap;
+    use troupe_agent::{AgentEvent, ChatMessage, Role, TaskState};
+    use troupe_runtime::SqliteStore;
+
+    fn user_messages_containing(log: &[ChatMessage], needle: &str) -> usize {
+        log.iter()
+            .filter(|m| m.role == Role::User && m.content.contains(needle))
+            .count()
+    }
+
+    fn script(latency: Duration) -> ScriptedLlm {
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("[task")
+                    .reply("done {input}")
+                    .latency(latency),
+            )
+            .rule(
+                ScriptRule::agent("coordinator")
+                    .on_user_containing("you delegated is")
+                    .reply("thanks"),
+            )
+    }
+
+    fn process(path: &std::path::Path, llm: &ScriptedLlm) -> AgentSystem {
+        AgentSystem::builder()
+            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("coordinator"))
+            .agent(AgentSpec::new("analyst"))
+            .start()
+            .expect("the system starts")
+    }
+
+    /// Waits (bounded) until every task of `tasks` that `coordinator` delegated is final,
+    /// reading the store through `system`; their states.
+    async fn final_states(system: &AgentSystem, tasks: &[String]) -> BTreeMap<String, TaskState> {
+        let wait = async {
+            loop {
+                let mut states = BTreeMap::new();
+                for task in tasks {
+                    if let Some(status) = system.task("coordinator", task).await.unwrap() {
+                        if status.state.is_final() {
+                            states.insert(task.clone(), status.state);
+                        }
+                    }
+                }
+                if states.len() == tasks.len() {
+                    break states;
+                }
+                // Polls the store: the turns that end the tasks may run in another process.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), wait)
+            .await
+            .expect("every task ends within 60 s")
+    }
+
+    /// Goal: a task whose process is dropped while its delegatee's model is answering
+    /// is worked and its result taken exactly once by a new process on the same SQLite
+    /// file, and the dropped process's late answer commits nothing. Method: the
+    /// analyst's model takes 2 s; the first system is dropped once the analyst's turn
+    /// started; a second system starts on the file (its start resumes the entries); once
+    /// the task is completed, and again after the dropped model call could have ended,
+    /// the logs are counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_task_whose_process_is_dropped_mid_work_completes_once_in_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let slow = script(Duration::from_secs(2));
+        let first = process(&path, &slow);
+        let mut events = first.subscribe();
+        let task = first
+            .delegate("coordinator", "analyst", "job-1", Some(60_000))
+            .await
+            .expect("the delegation is acknowledged");
+        let started = async {
+            loop {
+                if let Ok(AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
+                    if agent.key() == "analyst" {
+                        break;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), started)
+            .await
+            .expect("the analyst starts the task");
+        drop(first);
+
+        let second = process(&path, &script(Duration::ZERO));
+        let states = final_states(&second, std::slice::from_ref(&task)).await;
+        assert_eq!(states[&task], TaskState::Completed);
+        // Past the dropped model call's end (2 s after it began): a late commit of the
+        // dropped process would show now.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let analyst = second.conversation_log("analyst").await.unwrap();
+        let coordinator = second.conversation_log("coordinator").await.unwrap();
+        assert_eq!(user_messages_containing(&analyst, "job-1"), 1, "{analyst:#?}");
+        assert_eq!(user_messages_containing(&coordinator, "done"), 1, "{coordinator:#?}");
+        assert_eq!(second.pending("analyst").await.unwrap(), (0, 0));
+        assert_eq!(second.pending("coordinator").await.unwrap(), (0, 0));
+        second.shutdown().await;
+    }
+
+    /// Goal: two processes on one SQLite file at once, both delegating from the same
+    /// agent to the same agent and both resuming entries: every delegation a process
+    /// acknowledged ends `completed`, its task is in the analyst's log once and its
+    /// result in the coordinator's once; a delegation refused (its process's activation
+    /// fenced by the other's) leaves nothing. Fencing keeps one committer per agent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_processes_on_one_file_work_each_acknowledged_task_once() {
+        const JOBS_PER_PROCESS: usize = 6;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let llm = script(Duration::from_millis(100));
+        let one = process(&path, &llm);
+        let two = process(&path, &llm);
+        let mut sends = Vec::new();
+        for (p, system) in [&one, &two].into_iter().enumerate() {
+            for i in 0..JOBS_PER_PROCESS {
+                let client = system.client();
+                let text = format!("job-{p}-{i}.");
+                sends.push(tokio::spawn(async move {
+                    let sent = client.delegate("coordinator", "analyst", &text, Some(60_000)).await;
+                    let _ = client.resume_pending().await;
+                    (text, sent)
+                }));
+            }
+        }
+        let mut acknowledged = Vec::new();
+        let mut refused = Vec::new();
+        for send in sends {
+            let (text, sent) = tokio::time::timeout(Duration::from_secs(30), send)
+                .await
+                .expect("each delegation answers within 30 s")
+                .unwrap();
+            match sent {
+                Ok(task) => acknowledged.push((text, task)),
+                Err(error) => refused.push((text, error.to_string())),
+            }
+        }
+        assert!(!acknowledged.is_empty(), "nothing acknowledged: {refused:?}");
+        let tasks: Vec<String> = acknowledged.iter().map(|(_, task)| task.clone()).collect();
+        let mut ids = tasks.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), tasks.len(), "one task id given twice: {acknowledged:?}");
+        let states = final_states(&one, &tasks).await;
+        for (text, task) in &acknowledged {
+            assert_eq!(states[task], TaskState::Completed, "{text} ({task})");
+        }
+        // Let both processes' deliveries and resumes settle.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let analyst = one.conversation_log("analyst").await.unwrap();
+        let coordinator = one.conversation_log("coordinator").await.unwrap();
+        for (text, task) in &acknowledged {
+            assert_eq!(
+                user_messages_containing(&analyst, text),
+                1,
+                "{text} ({task}) in the analyst's log: {analyst:#?}"
+            );
+            let result = format!("[task {task} you delegated is completed]");
+            let results: Vec<&ChatMessage> = coordinator
+                .iter()
+                .filter(|m| m.role == Role::User && m.content.contains(&result))
+                .collect();
+            assert_eq!(results.len(), 1, "{text}: {results:#?}");
+            assert!(results[0].content.contains(text.as_str()), "{results:#?}");
+        }
+        for (text, _) in &refused {
+            assert_eq!(user_messages_containing(&analyst, text), 0, "refused {text} was worked");
+        }
+        one.shutdown().await;
+        two.shutdown().await;
+    }
+}
