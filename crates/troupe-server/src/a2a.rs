@@ -1001,6 +1001,11 @@ fn spawn_run(a2a: &Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane
 async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>, turn: LaneTurn) {
     let _turn = turn.await;
     lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    if stopping(&a2a) {
+        // Its turn came as the server stops (the task before it gave up waiting): it
+        // stays `submitted` in the store, and the next start resumes it.
+        return;
+    }
     let mut started = false;
     let now = a2a.app.client.runtime().now();
     let record = a2a.tasks.update(&id, |task| {
@@ -1066,6 +1071,12 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
     }
 }
 
+/// Whether the server is shutting down (`serve`'s shutdown began): A2A tasks stop being
+/// handed to their agents, and those not ended are resumed at the next start.
+fn stopping(a2a: &A2a) -> bool {
+    *a2a.app.shutdown.borrow()
+}
+
 /// Forgets the agent's record of a task the registry let go (in the background: it
 /// waits behind the agent's running turn). A failure leaves the agent's record in
 /// place, logged.
@@ -1111,6 +1122,11 @@ async fn outcome(a2a: &A2a, id: &str, agent: &str, ask: &Ask) -> Option<Result<t
     };
     let inner = match client.delegate_external(agent, request).await {
         Ok(inner) => inner,
+        // The agent system stopping under the hand-over fails it ("could not schedule
+        // inbox work: the runtime has shut down"): not the task's outcome. Until
+        // 2026-12-06 it was stored as the task's failure, and a task answered
+        // `submitted` came back `failed` after a graceful restart.
+        Err(_) if stopping(a2a) => return None,
         Err(error) => return Some(Err(ApiError::from(error))),
     };
     let mut shutdown = a2a.app.shutdown.subscribe();

@@ -235,7 +235,7 @@ pub(crate) async fn create(State(state): Shared, ApiJson(body): ApiJson<AgentBod
         return Err(ApiError::unprocessable("invalid_agent", "the agent needs an \"id\""));
     };
     let spec = body.into_spec(id)?;
-    let _writes = state.directory_writes.lock().await;
+    let _writes = state.directory_writes.lock(&spec.id).await;
     state.client.define_agent(spec.clone()).await?;
     Ok((StatusCode::CREATED, Json(agent_json(&spec))).into_response())
 }
@@ -256,7 +256,7 @@ pub(crate) async fn update(
         }
     }
     let spec = body.into_spec(agent.clone())?;
-    let _writes = state.directory_writes.lock().await;
+    let _writes = state.directory_writes.lock(&agent).await;
     state.client.replace_agent(spec.clone()).await?;
     Ok(Json(agent_json(&spec)))
 }
@@ -266,8 +266,9 @@ pub(crate) async fn update(
 /// Its A2A tasks are let go, in memory and in the store (`a2a::forget_agent`).
 pub(crate) async fn delete(State(state): Shared, Path(agent): Path<String>) -> Result<StatusCode, ApiError> {
     // Held across the deactivation (which may wait for a running turn) so that a PUT
-    // racing with the delete cannot put the agent back.
-    let _writes = state.directory_writes.lock().await;
+    // racing with the delete cannot put the agent back; the agent's own lock only, so
+    // that changes to other agents do not wait for its turn.
+    let _writes = state.directory_writes.lock(&agent).await;
     match state.client.remove_agent(&agent).await {
         Ok(Some(_)) => {
             crate::a2a::forget_agent(&state, &agent).await;

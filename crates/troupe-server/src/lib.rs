@@ -47,6 +47,8 @@ mod conversations;
 mod error;
 #[cfg(not(madsim))]
 mod events;
+#[cfg(not(madsim))]
+mod keyed_lock;
 pub mod limits;
 #[cfg(not(madsim))]
 mod metrics;

@@ -45,9 +45,13 @@ pub(crate) struct AppState {
     pub(crate) event_streams: Arc<Semaphore>,
     /// Set to `true` when the server shuts down: event streams end.
     pub(crate) shutdown: watch::Sender<bool>,
-    /// Serializes the server's changes to the agent directory (create, update, delete),
-    /// so "create" of an existing id is refused, never an overwrite.
-    pub(crate) directory_writes: tokio::sync::Mutex<()>,
+    /// Serializes the server's changes to one agent's definition (create, update,
+    /// delete), by its id, so "create" of an existing id is refused, never an overwrite,
+    /// and a replace racing with a delete cannot put the agent back. By id: a delete
+    /// waits for the agent's running turn, and a change to another agent must not wait
+    /// for it (until 2026-12-06 one lock for all agents made every create, replace and
+    /// delete wait for it).
+    pub(crate) directory_writes: crate::keyed_lock::KeyedLocks,
     /// Numbers the OpenAI-compatible completions (`chatcmpl-troupe-N`).
     pub(crate) completions: AtomicU64,
     /// Numbers the HTTP requests (the `id` of their `http_request` span), from 1.
@@ -80,7 +84,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         metrics: Metrics::default(),
         event_streams: Arc::new(Semaphore::new(SERVER_EVENT_STREAMS_MAX)),
         shutdown: watch::channel(false).0,
-        directory_writes: tokio::sync::Mutex::new(()),
+        directory_writes: crate::keyed_lock::KeyedLocks::default(),
         completions: AtomicU64::new(0),
         requests_seen: AtomicU64::new(0),
         a2a: std::sync::OnceLock::new(),

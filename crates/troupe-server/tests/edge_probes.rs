@@ -16,7 +16,7 @@ use troupe_runtime::KindConfig;
 use troupe_server::ServerConfig;
 
 mod support;
-use support::{gauge, Harness, POLL_MS, TEST_WAIT_MS_MAX};
+use support::{gauge, turn_started, Gated, Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
 const TOKEN: &str = "edge-probe-token-0123456789";
 
@@ -147,6 +147,73 @@ async fn the_a2a_tasks_of_an_agent_defined_over_rest_survive_a_restart() {
     second.stop().await;
 }
 
+/// Goal: a graceful stop of the server (`serve`'s shutdown, then the agent system's)
+/// leaves every A2A task the client was answered `submitted` about to the next start,
+/// which runs it: none is stored `failed` for the stop. Method: 13 `returnImmediately`
+/// sends to `echo` (model latency 200 ms, one task at a time in its lane), the server
+/// stopped once the first is `working`, a second server on the same file: each task
+/// completes with its own reply. Before the fix the tasks whose turn in the lane came
+/// while the agent system stopped were handed to it anyway, and the hand-over's failure
+/// was stored as theirs: `TASK_STATE_FAILED`, "agent_failed: agent/echo failed: could
+/// not schedule inbox work: the runtime has shut down".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_leaves_the_waiting_a2a_tasks_to_the_next_start() {
+    /// Tasks sent: one running when the server stops, the rest waiting in the lane.
+    const TASKS: usize = 13;
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("troupe.db");
+    let latency = Duration::from_millis(200);
+
+    let first = server_on_file(&path, latency).await;
+    let mut tasks = Vec::new();
+    for n in 0..TASKS {
+        let (status, sent) = first
+            .rpc(
+                "echo",
+                "SendMessage",
+                send_params(&format!("m-{n}"), &format!("text {n}"), true),
+            )
+            .await;
+        assert_eq!(status, 200, "{sent}");
+        assert_eq!(
+            sent["result"]["task"]["status"]["state"], "TASK_STATE_SUBMITTED",
+            "{sent}"
+        );
+        tasks.push(sent["result"]["task"]["id"].as_str().unwrap().to_string());
+    }
+    let first_task = tasks[0].clone();
+    let mut last = Value::Null;
+    let working = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (_, read) = first.rpc("echo", "GetTask", json!({"id": first_task})).await;
+            let state = read["result"]["status"]["state"].clone();
+            last = read;
+            if state == "TASK_STATE_WORKING" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(working.is_ok(), "the first task does not start: {last}");
+    first.stop().await;
+
+    let second = server_on_file(&path, latency).await;
+    for (n, task) in tasks.iter().enumerate() {
+        let ended = second.task_ended("echo", task).await;
+        assert_eq!(
+            ended["result"]["status"]["state"], "TASK_STATE_COMPLETED",
+            "task {n}: {ended}"
+        );
+        assert_eq!(
+            ended["result"]["artifacts"][0]["parts"][0]["text"],
+            format!("heard: text {n}"),
+            "task {n}: {ended}"
+        );
+    }
+    second.stop().await;
+}
+
 /// Goal: after a restart on the same store, an agent defined over REST is in every
 /// listing and every route that checks an agent exists, from the first request: `GET
 /// /v1/models`, `GET /health`'s count, `/metrics`' `troupe_agents`, `GET /v1/topology`,
@@ -205,6 +272,98 @@ async fn after_a_restart_an_agent_defined_over_rest_is_in_every_listing_from_the
         .await;
     assert_eq!(status, 200, "a rule naming it: {rule}");
     third.stop().await;
+}
+
+/// Goal: a delete that waits for its agent's running turn holds up no change to another
+/// agent: while `held`'s turn runs (its model behind a gate) and `DELETE
+/// /v1/agents/held` waits for it, creating, replacing and deleting other agents are
+/// answered at once; the delete answers 204 once the turn ends. Before the fix one lock
+/// for every definition change was held across the delete's wait: the create of
+/// `other` waited for `held`'s turn and failed this test's bound (`creating another
+/// agent waited for the delete`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delete_waiting_for_its_agents_turn_holds_up_no_change_to_another_agent() {
+    /// How long a change to another agent may take here, in milliseconds: it is answered
+    /// at once; the turn it must not wait for is held until the test opens the gate.
+    const CHANGE_WAIT_MS: u64 = 3_000;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let llm = Gated {
+        script: ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")),
+        gate: Arc::clone(&gate),
+    };
+    let builder = troupe_agent::AgentSystem::builder()
+        .llm(Arc::new(llm))
+        .agent(troupe_agent::AgentSpec::new("held"))
+        .agent(troupe_agent::AgentSpec::new("kept"));
+    let server = Arc::new(Harness::start(builder, ServerConfig::default().token(TOKEN)).await);
+    let mut events = server.system().client().subscribe();
+
+    let message = tokio::spawn({
+        let server = Arc::clone(&server);
+        async move { server.post("/v1/agents/held/messages", json!({"text": "hold"})).await }
+    });
+    turn_started(&mut events, "held").await;
+    let delete = tokio::spawn({
+        let server = Arc::clone(&server);
+        async move { server.send(reqwest::Method::DELETE, "/v1/agents/held", None).await }
+    });
+    // The delete has taken `held` out of the directory and waits for its turn.
+    server
+        .get_when("/v1/agents", "held leaves the directory", |body| {
+            !body["agents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|agent| agent["id"] == "held")
+        })
+        .await;
+    assert!(!delete.is_finished(), "the delete waits for the running turn");
+
+    let change = |what: &'static str, method: reqwest::Method, path: &'static str, body: Option<Value>| {
+        let server = Arc::clone(&server);
+        async move {
+            tokio::time::timeout(Duration::from_millis(CHANGE_WAIT_MS), server.send(method, path, body))
+                .await
+                .unwrap_or_else(|_| panic!("{what} waited for the delete"))
+        }
+    };
+    let (status, body) = change(
+        "creating another agent",
+        reqwest::Method::POST,
+        "/v1/agents",
+        Some(json!({"id": "other"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = change(
+        "replacing another agent",
+        reqwest::Method::PUT,
+        "/v1/agents/kept",
+        Some(json!({"role": "replaced"})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = change(
+        "deleting another agent",
+        reqwest::Method::DELETE,
+        "/v1/agents/other",
+        None,
+    )
+    .await;
+    assert_eq!(status, 204, "{body}");
+    assert!(!delete.is_finished(), "the turn is still held");
+
+    gate.add_permits(1);
+    let (status, body) = message.await.unwrap();
+    assert_eq!((status, &body["text"]), (200, &json!("heard: hold")), "{body}");
+    let (status, body) = delete.await.unwrap();
+    assert_eq!(status, 204, "{body}");
+    let (status, body) = server.get("/v1/agents/held").await;
+    assert_eq!(status, 404, "{body}");
+    Arc::into_inner(server)
+        .expect("no request holds the server")
+        .stop()
+        .await;
 }
 
 /// Goal: a path segment that is no UTF-8 once percent-decoded (`%FF`) is 400
