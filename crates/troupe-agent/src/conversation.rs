@@ -291,10 +291,30 @@ impl From<troupe_runtime::StoreError> for ConversationError {
 }
 
 /// The id of the direct conversation of two agents (or participants): the same for
-/// either order.
+/// either order, and another for every other pair. `dm:{first}|{second}`, with a `|`
+/// or `\` inside a name escaped by a `\` (names without either, the usual ones, are
+/// as they were before escaping): `a` with `b|c` is `dm:a|b\|c`, `a|b` with `c` is
+/// `dm:a\|b|c`. Before, both were `dm:a|b|c`: the second pair's exchanges went to
+/// the first pair's conversation (refused as a conflicting definition, so never
+/// recorded) and the index listed that conversation for the second pair's agents.
 pub fn direct_conversation_id(a: &str, b: &str) -> String {
     let (first, second) = if a <= b { (a, b) } else { (b, a) };
-    ["dm:", first, "|", second].concat()
+    let mut id = String::with_capacity("dm:|".len() + first.len() + second.len());
+    id.push_str("dm:");
+    push_escaped(&mut id, first);
+    id.push('|');
+    push_escaped(&mut id, second);
+    id
+}
+
+/// `name` onto `id`, each `|` and `\` in it after a `\`.
+fn push_escaped(id: &mut String, name: &str) {
+    for c in name.chars() {
+        if c == '|' || c == '\\' {
+            id.push('\\');
+        }
+        id.push(c);
+    }
 }
 
 /// The `@name` tokens of `text`, in order of first appearance, each once. A mention
@@ -1574,6 +1594,11 @@ mod tests {
     fn direct_ids_do_not_depend_on_order_and_relay_keys_round_trip() {
         assert_eq!(direct_conversation_id("b", "a"), direct_conversation_id("a", "b"));
         assert_eq!(direct_conversation_id("a", "b"), "dm:a|b");
+        // Escaped, so no two pairs share an id.
+        assert_eq!(direct_conversation_id("a", "b|c"), r"dm:a|b\|c");
+        assert_eq!(direct_conversation_id("a|b", "c"), r"dm:a\|b|c");
+        assert_eq!(direct_conversation_id(r"a\", "b"), r"dm:a\\|b");
+        assert_ne!(direct_conversation_id(r"a\", "|b"), direct_conversation_id(r"a\|", "b"));
         assert_eq!(relay_of(&relay_key(7, "x/y")), Some((7, "x/y".to_string())));
         assert!(check_name("id", "").is_err());
         assert!(check_name("id", "a\nb").is_err());

@@ -329,8 +329,100 @@ async fn a_zero_timeout_given_to_the_api_is_refused_and_sends_nothing() {
     system.shutdown().await;
 }
 
+/// Goal: an ask given no time (`ask_with_timeout` of 0) ends at once with a typed
+/// `Timeout`, asks no model and commits nothing.
+#[tokio::test(start_paused = true)]
+async fn an_ask_given_no_time_is_a_typed_timeout_and_asks_no_model() {
+    use troupe_agent::AgentCallError;
+    use troupe_core::InvokeError;
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("a").reply("hello"));
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a"))
+        .start()
+        .expect("the system starts");
+    let none = tokio::time::timeout(
+        Duration::from_secs(1),
+        system.ask_with_timeout("a", "go", Duration::ZERO),
+    )
+    .await
+    .expect("no time ends at once");
+    assert!(
+        matches!(none, Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))),
+        "{none:?}"
+    );
+    assert!(llm.requests_of("a").is_empty(), "a's model was asked");
+    assert!(system.conversation_log("a").await.unwrap().is_empty());
+    assert_eq!(system.ask("a", "go").await.unwrap().text, "hello");
+    system.shutdown().await;
+}
+
+/// Goal: the direct conversation that records a pair's `call_agent` exchanges is that
+/// pair's alone, whatever characters the agents' ids hold: agents `a` and `b|c`, and
+/// agents `a|b` and `c`, each call the other; each pair's exchange is in its own direct
+/// conversation, and an agent lists only conversations it takes part in. Before the
+/// fix both pairs were `dm:a|b|c`: the first pair's conversation, the second pair's
+/// exchange not recorded (a definition conflict, logged) and `c` and `a|b` listed in
+/// a conversation of `a` and `b|c`.
+#[tokio::test(start_paused = true)]
+async fn each_pair_has_its_own_direct_conversation_whatever_its_ids_hold() {
+    use troupe_agent::{direct_conversation_id, Participant};
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::any_agent().on_tool_result().reply("{tool_result}"))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("go")
+                .call("call_agent", json!({"agent_id": "b|c", "message": "from a"})),
+        )
+        .rule(
+            ScriptRule::agent("a|b")
+                .on_user_containing("go")
+                .call("call_agent", json!({"agent_id": "c", "message": "from a|b"})),
+        )
+        .rule(ScriptRule::agent("b|c").reply("b|c answers"))
+        .rule(ScriptRule::agent("c").reply("c answers"));
+    let mut builder = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm));
+    for agent in ["a", "b|c", "a|b", "c"] {
+        builder = builder.agent(AgentSpec::new(agent));
+    }
+    let system = builder.start().expect("the system starts");
+    assert_eq!(system.ask("a", "go").await.unwrap().text, "b|c answers");
+    assert_eq!(system.ask("a|b", "go").await.unwrap().text, "c answers");
+    let first = direct_conversation_id("a", "b|c");
+    let second = direct_conversation_id("a|b", "c");
+    assert_ne!(first, second, "two pairs, one conversation id");
+    for (id, question, answer) in [(&first, "from a", "b|c answers"), (&second, "from a|b", "c answers")] {
+        let texts: Vec<String> = system
+            .read_messages(id, None, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.text)
+            .collect();
+        assert_eq!(texts, [question, answer], "{id}");
+    }
+    for agent in ["a", "b|c", "a|b", "c"] {
+        for id in system.conversations_of(agent).await.unwrap() {
+            let info = system
+                .conversation(&id)
+                .await
+                .unwrap()
+                .expect("a listed conversation exists");
+            assert!(
+                info.participants.contains(&Participant::Agent(agent.to_string())),
+                "{agent} lists {id}, a conversation of {:?}",
+                info.participants
+            );
+        }
+    }
+    system.shutdown().await;
+}
+
 #[cfg(not(madsim))]
-mod sqlite {
+mod real_time {
     use super::*;
     use std::collections::BTreeMap;
     use troupe_agent::{AgentEvent, ChatMessage, Role, TaskState};
@@ -509,5 +601,91 @@ mod sqlite {
         }
         one.shutdown().await;
         two.shutdown().await;
+    }
+    /// Goal: on the multi-thread runtime, concurrent callers of one agent with a small
+    /// mailbox, some of whom give up (a short timeout, or their future dropped) while
+    /// their question waits or is being answered: each caller gets its answer or a
+    /// typed error (`Busy` for a full mailbox, `Timeout`), and the agent's log holds
+    /// exactly the questions whose callers got an answer, each once: a question whose
+    /// caller gave up is never committed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_callers_that_give_up_leave_nothing_and_the_others_get_their_answer() {
+        use troupe_agent::AgentCallError;
+        use troupe_core::InvokeError;
+        const CALLERS: usize = 24;
+        let llm = ScriptedLlm::new().rule(
+            ScriptRule::agent("w")
+                .reply("answer to {input}")
+                .latency(Duration::from_millis(200)),
+        );
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm))
+            .kind_config(troupe_runtime::KindConfig::default().with_mailbox_capacity(4))
+            .agent(AgentSpec::new("w"))
+            .start()
+            .expect("the system starts");
+        // Callers come a few at a time, so some find room in the mailbox and some wait;
+        // every fifth drops its future 50 ms after asking (while its question waits or
+        // is being answered), every third of the others gives it 150 ms.
+        let mut callers = Vec::new();
+        for i in 0..CALLERS {
+            let client = system.client();
+            let question = format!("q-{i}.");
+            let timeout = if i % 3 == 0 {
+                Duration::from_millis(150)
+            } else {
+                Duration::from_secs(20)
+            };
+            let drops = i % 5 == 4;
+            let asked = {
+                let question = question.clone();
+                tokio::spawn(async move {
+                    let ask = client.ask_with_timeout("w", &question, timeout);
+                    if drops {
+                        tokio::time::timeout(Duration::from_millis(50), ask).await.ok()
+                    } else {
+                        Some(ask.await)
+                    }
+                })
+            };
+            callers.push((question, asked));
+            if i % 4 == 3 {
+                tokio::time::sleep(Duration::from_millis(120)).await;
+            }
+        }
+        let mut answered = Vec::new();
+        let mut outcomes = std::collections::BTreeMap::<&str, usize>::new();
+        for (question, asked) in callers {
+            let result = tokio::time::timeout(Duration::from_secs(30), asked)
+                .await
+                .expect("every caller is answered within 30 s")
+                .unwrap();
+            let kind = match &result {
+                None => "dropped",
+                Some(Ok(reply)) => {
+                    assert_eq!(reply.text, format!("answer to {question}"));
+                    answered.push(question.clone());
+                    "answered"
+                }
+                Some(Err(AgentCallError::Invoke(InvokeError::Busy { .. }))) => "busy",
+                Some(Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))) => "timeout",
+                Some(Err(other)) => panic!("{question}: an error neither Busy nor Timeout: {other}"),
+            };
+            *outcomes.entry(kind).or_default() += 1;
+        }
+        // Past the longest turn a dropped or timed-out question could still be in.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let log = system.conversation_log("w").await.unwrap();
+        let mut logged: Vec<String> = log
+            .iter()
+            .filter(|m| m.role == Role::User)
+            .map(|m| m.content.clone())
+            .collect();
+        logged.sort();
+        answered.sort();
+        assert_eq!(logged, answered, "outcomes {outcomes:?}");
+        assert!(outcomes.get("answered").copied().unwrap_or(0) > 0, "{outcomes:?}");
+        system.shutdown().await;
     }
 }
