@@ -1299,8 +1299,15 @@ async fn send_message(
         .tasks
         .watch(agent, &record.id)
         .ok_or_else(|| RpcError::new(code::INTERNAL_ERROR, "the task was forgotten at once"))?;
-    // Timed out (or the registry dropped it): the task as it is now.
-    let _ = tokio::time::timeout(blocking_wait(a2a), watcher.wait_for(|task| task.state.is_final())).await;
+    // Timed out (or the registry dropped it), or the server stops: the task as it is
+    // now. At a stop its lane no longer follows it (the next start resumes it), so
+    // waiting on would only hold the answer until the shutdown grace cuts the
+    // connection (until 2026-12-06 it did: no answer, and the server's exit 10 s late).
+    let mut stopping = a2a.app.shutdown.subscribe();
+    tokio::select! {
+        _ = tokio::time::timeout(blocking_wait(a2a), watcher.wait_for(|task| task.state.is_final())) => {}
+        _ = stopping.wait_for(|stop| *stop) => {}
+    }
     let task = watcher.borrow().clone();
     if task.busy {
         return Err(RpcError::retry(

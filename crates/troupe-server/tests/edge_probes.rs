@@ -214,6 +214,86 @@ async fn a_graceful_stop_leaves_the_waiting_a2a_tasks_to_the_next_start() {
     second.stop().await;
 }
 
+/// Goal: a blocking `SendMessage` in flight when the server stops gracefully is
+/// answered at once with its task as it is (not ended), and the server stops without
+/// waiting out its shutdown grace; the next start completes the task. Method: `echo`'s
+/// model takes 3 s; a blocking send is in flight and its task `working`; the server is
+/// stopped: the send's answer and `serve`'s return each come within 2 s (the grace is
+/// `SERVER_SHUTDOWN_GRACE_MS`, 10 s); a second server on the file completes the task.
+/// Before the fix the send waited for an end its lane no longer followed, until the
+/// grace cut its connection (`the blocking send is answered at the stop: Elapsed`; by
+/// hand, SIGTERM to `troupe serve`: curl got no answer after 11 s, the process exited
+/// after 12 s, while a REST message in flight got its reply).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_send_in_flight_at_a_stop_is_answered_with_its_task_as_it_is() {
+    /// How long the answer and the stop may take, in milliseconds: far less than the
+    /// shutdown grace.
+    const STOP_WAIT_MS: u64 = 2_000;
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("troupe.db");
+    let latency = Duration::from_millis(3_000);
+
+    let first = server_on_file(&path, latency).await;
+    let send = tokio::spawn(
+        first
+            .request(reqwest::Method::POST, "/a2a/echo")
+            .bearer_auth(TOKEN)
+            .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "SendMessage",
+                          "params": send_params("m-block", "blocking", false)}))
+            .send(),
+    );
+    let mut last = Value::Null;
+    let working = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let (_, listed) = first.rpc("echo", "ListTasks", json!({})).await;
+            let state = listed["result"]["tasks"][0]["status"]["state"].clone();
+            last = listed;
+            if state == "TASK_STATE_WORKING" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(working.is_ok(), "the task does not start: {last}");
+    // The server's stop (`serve` returning), apart from the agent system's, which waits
+    // for the running turn.
+    let mut first = first;
+    let _ = first.stop.take().unwrap().send(());
+    let served = first.served.take().unwrap();
+    let response = tokio::time::timeout(Duration::from_millis(STOP_WAIT_MS), send)
+        .await
+        .expect("the blocking send is answered at the stop")
+        .unwrap()
+        .expect("the blocking send gets an answer, not a cut connection");
+    let status = response.status().as_u16();
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let task = answer["result"]["task"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{answer}"))
+        .to_string();
+    assert_eq!(
+        answer["result"]["task"]["status"]["state"], "TASK_STATE_WORKING",
+        "{answer}"
+    );
+    tokio::time::timeout(Duration::from_millis(STOP_WAIT_MS), served)
+        .await
+        .expect("the stop waited out the shutdown grace")
+        .unwrap()
+        .expect("serve ends cleanly");
+    first.system.take().unwrap().shutdown().await;
+
+    let second = server_on_file(&path, Duration::ZERO).await;
+    let ended = second.task_ended("echo", &task).await;
+    assert_eq!(ended["result"]["status"]["state"], "TASK_STATE_COMPLETED", "{ended}");
+    assert_eq!(
+        ended["result"]["artifacts"][0]["parts"][0]["text"], "heard: blocking",
+        "{ended}"
+    );
+    second.stop().await;
+}
+
 /// Goal: after a restart on the same store, an agent defined over REST is in every
 /// listing and every route that checks an agent exists, from the first request: `GET
 /// /v1/models`, `GET /health`'s count, `/metrics`' `troupe_agents`, `GET /v1/topology`,
