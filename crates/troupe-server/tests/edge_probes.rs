@@ -608,3 +608,185 @@ async fn json_rpc_envelope_errors_carry_the_requests_id_when_it_was_read() {
     assert_eq!(answer["id"], Value::Null, "{answer}");
     server.stop().await;
 }
+
+/// Goal: the OpenAI-compatible route answers the requests a client of OpenAI may send as
+/// docs/serve.md says: fields it does not use are ignored (`n` > 1 gets one choice; the
+/// client's `tools` and `tool_choice` are not the agent's tools), only the last `user`
+/// message goes to the agent (messages of other roles, unknown ones included, are
+/// ignored, also after it), text parts are joined as they are; and each malformed request
+/// is a typed 4xx naming what was wrong, the same streamed or not, before the agent is
+/// asked. Held before any fix (a probe kept as a test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_requests_with_unused_fields_or_malformed_parts_are_answered_as_documented() {
+    let llm = ScriptedLlm::new().rule(ScriptRule::agent("echo").reply("echo: {input}"));
+    let server = Harness::start(
+        support::agents(llm.clone(), &["echo"], KindConfig::default()),
+        ServerConfig::default().token(TOKEN),
+    )
+    .await;
+    let user = |text: &str| json!({"role": "user", "content": text});
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "echo", "n": 3, "tool_choice": "required",
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                   "messages": [user("first"), {"role": "robot", "content": "?"}, user("second"),
+                                {"role": "assistant", "content": "after"}, {"role": "tool", "content": "t"}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"].as_array().map(Vec::len), Some(1), "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], "echo: second", "{body}");
+    assert!(body["choices"][0]["message"].get("tool_calls").is_none(), "{body}");
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "echo", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}),
+        )
+        .await;
+    assert_eq!(
+        (status, &body["choices"][0]["message"]["content"]),
+        (200, &json!("echo: ab")),
+        "{body}"
+    );
+    let asked = llm.requests_of("echo").len();
+
+    let long = "x".repeat(troupe_server::limits::SERVER_MESSAGE_SIZE_MAX_BYTES + 1);
+    let refusals = [
+        (json!({"model": "echo", "messages": []}), 422, "no_user_message", "user"),
+        (
+            json!({"model": "echo", "messages": [{"role": "robot", "content": "x"}]}),
+            422,
+            "no_user_message",
+            "user",
+        ),
+        (json!({"model": "echo"}), 422, "invalid_body", "messages"),
+        (json!({"messages": [user("x")]}), 422, "invalid_body", "model"),
+        (
+            json!({"model": "echo", "messages": [{"content": "x"}]}),
+            422,
+            "invalid_body",
+            "role",
+        ),
+        (
+            json!({"model": "echo", "messages": [user("x")], "stream": "true"}),
+            422,
+            "invalid_body",
+            "stream",
+        ),
+        (
+            json!({"model": "echo", "messages": [user("")]}),
+            422,
+            "empty_message",
+            "empty",
+        ),
+        (
+            json!({"model": "echo", "messages": [{"role": "user", "content": null}]}),
+            422,
+            "unsupported_content",
+            "content",
+        ),
+        (
+            json!({"model": "echo", "messages": [{"role": "user", "content": 7}]}),
+            422,
+            "unsupported_content",
+            "content",
+        ),
+        (
+            json!({"model": "echo", "messages": [user(&long)]}),
+            422,
+            "message_too_long",
+            "limit",
+        ),
+        (
+            json!({"model": "", "messages": [user("x")]}),
+            404,
+            "model_not_found",
+            "model",
+        ),
+        (
+            json!({"model": "../echo", "messages": [user("x")]}),
+            404,
+            "model_not_found",
+            "model",
+        ),
+    ];
+    for (body, status_expected, code, named) in refusals {
+        for stream in [false, true] {
+            let mut request = body.clone();
+            if stream && request.get("stream").is_none() {
+                request["stream"] = json!(true);
+            }
+            let (status, answer) = server.post("/v1/chat/completions", request.clone()).await;
+            assert_eq!(
+                (status, error_code(&answer)),
+                (status_expected, code),
+                "{request}: {answer}"
+            );
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains(named),
+                "{request}: the message names {named:?}: {message}"
+            );
+        }
+    }
+    assert_eq!(
+        llm.requests_of("echo").len(),
+        asked,
+        "no refused request reached the agent"
+    );
+    server.stop().await;
+}
+
+fn error_code(body: &Value) -> &str {
+    body["error"]["code"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error code: {body}"))
+}
+
+/// Goal: `GET /v1/events` keeps at most `SERVER_EVENT_STREAMS_MAX` (64) streams open:
+/// one more is 503 `overloaded` with `Retry-After: 1`, a stream whose client leaves gives
+/// its place back (`troupe_event_streams_open` counts them, back to 0 when all left).
+/// Held before any fix (a probe kept as a test: the limit had no test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_streams_past_their_limit_are_refused_503_until_one_leaves() {
+    use troupe_server::limits::SERVER_EVENT_STREAMS_MAX;
+    const OPEN: &str = "troupe_event_streams_open";
+    let server = Harness::start(
+        support::agents(ScriptedLlm::new(), &["echo"], KindConfig::default()),
+        ServerConfig::default().token(TOKEN),
+    )
+    .await;
+    let open = || {
+        server
+            .request(reqwest::Method::GET, "/v1/events")
+            .bearer_auth(TOKEN)
+            .send()
+    };
+    let mut streams = Vec::new();
+    for n in 0..SERVER_EVENT_STREAMS_MAX {
+        let response = open().await.expect("the server answers");
+        assert_eq!(response.status().as_u16(), 200, "stream {n}");
+        streams.push(response);
+    }
+    server
+        .gauge_when(OPEN, SERVER_EVENT_STREAMS_MAX as u64, "all open")
+        .await;
+    let refused = open().await.expect("the server answers");
+    assert_eq!(refused.status().as_u16(), 503);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(error_code(&body), "overloaded", "{body}");
+
+    drop(streams.pop());
+    server
+        .gauge_when(OPEN, SERVER_EVENT_STREAMS_MAX as u64 - 1, "a stream whose client left")
+        .await;
+    let again = open().await.expect("the server answers");
+    assert_eq!(again.status().as_u16(), 200, "the place given back is taken");
+    streams.push(again);
+    drop(streams);
+    server.gauge_when(OPEN, 0, "every client left").await;
+    server.stop().await;
+}
