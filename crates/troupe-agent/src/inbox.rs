@@ -656,8 +656,22 @@ pub(crate) fn check_message_id_length(msg_id: &str) -> Result<(), InboxError> {
     Ok(())
 }
 
+/// The dedupe mark of a message whose id a caller outside chose (a notification with
+/// an id, an external task): `seen/{msg_id}`.
 pub(crate) fn seen_key(msg_id: &str) -> String {
     format!("seen/{msg_id}")
+}
+
+/// The dedupe mark of a message Troupe named (an agent's cancellation, `{agent}.{n}`;
+/// a conversation's mention, `{conversation}#{n}@{agent}`; an entry from before the
+/// order): `seen_own/{msg_id}`, apart from the ids callers outside choose, which may
+/// be any text. Before (2026-12-06) both were `seen/{msg_id}`, and an outside
+/// notification whose id was that of a cancellation the agent had taken was
+/// acknowledged as a duplicate and never processed (or the cancellation, coming
+/// second, was dropped). A mention's mark written there before is still read
+/// ([`seen_key`]).
+pub(crate) fn own_seen_key(msg_id: &str) -> String {
+    format!("seen_own/{msg_id}")
 }
 
 pub(crate) fn task_key(task_id: &str) -> String {

@@ -13,11 +13,11 @@ use troupe_runtime::{ActorError, Turn};
 
 use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation};
 use crate::inbox::{
-    canceled_key, dedupe_slot_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, pair_in_key,
-    pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_key, task_overdue_at, tasks_in_key, to_json,
-    AgentCommand, DueIndex, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut, PairSeq,
-    PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME, TASK_DUE_INDEX,
-    TASK_END_INDEX, TASK_INDEX_CURSOR_KEY, TASK_INDEX_VERSION, TASK_INDEX_VERSION_KEY,
+    canceled_key, dedupe_slot_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, own_seen_key,
+    pair_in_key, pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_key, task_overdue_at, tasks_in_key,
+    to_json, AgentCommand, DueIndex, EnqueueReply, InboxBody, InboxEntry, InboxError, OutboxEntry, PairIn, PairOut,
+    PairSeq, PairSkipped, PendingSends, Record, SendReply, TaskState, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME,
+    TASK_DUE_INDEX, TASK_END_INDEX, TASK_INDEX_CURSOR_KEY, TASK_INDEX_VERSION, TASK_INDEX_VERSION_KEY,
 };
 use crate::limits::{
     AGENT_DEDUPE_KEYS_KEPT_MAX, AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_OUT_OF_ORDER_RETRY_MS,
@@ -507,7 +507,16 @@ impl AgentActor {
             (marked, marked)
         };
         let kind = entry.body.kind();
-        let seen = seen_key(&entry.msg_id);
+        // A message named outside (a notification with the caller's id, an external
+        // task) and one Troupe named keep their marks apart: an outside id may be any
+        // text, also one shaped like an agent's own.
+        let named_outside = matches!(entry.body, InboxBody::External { .. })
+            || (entry.from.is_none() && matches!(entry.body, InboxBody::Notify { .. }));
+        let seen = if named_outside {
+            seen_key(&entry.msg_id)
+        } else {
+            own_seen_key(&entry.msg_id)
+        };
         let received = |duplicate: bool| AgentEvent::MessageReceived {
             msg_id: entry.msg_id.clone(),
             agent: self.id.clone(),
@@ -515,7 +524,20 @@ impl AgentActor {
             duplicate,
             at: now,
         };
-        let first = if reads_mark { turn.get(&seen).await? } else { None };
+        let first = match (reads_mark, named_outside) {
+            (false, _) => None,
+            (true, true) => turn.get(&seen).await?,
+            // A mention's mark written before Troupe's names had their own (`seen/`)
+            // still counts, so a mention delivered again across the upgrade is not
+            // answered twice (an outside id shaped like a mention's,
+            // `{conversation}#{n}@{agent}`, is not expected). Other own messages read
+            // only their own marks: a cancellation taken twice changes nothing, and an
+            // outside id shaped like `{agent}.{n}` must not hide one.
+            (true, false) => match turn.get(&seen).await? {
+                None if matches!(entry.body, InboxBody::Mention { .. }) => turn.get(&seen_key(&entry.msg_id)).await?,
+                first => first,
+            },
+        };
         if let Some(first) = first {
             self.shared.emit(&received(true));
             if matches!(entry.body, InboxBody::External { .. }) {
@@ -611,8 +633,10 @@ impl AgentActor {
                     // A task is known to have come only by a mark from before tasks
                     // were deduplicated by their order; since, a cancellation that
                     // comes after its task started leaves a tombstone nothing takes,
-                    // so tombstones are kept in the window of dedupe keys too.
-                    if turn.get(&seen_key(task_id)).await?.is_none() {
+                    // so tombstones are kept in the window of dedupe keys too. (Only
+                    // Troupe's own marks are read: an outside notification may carry
+                    // the task's id as its own, and a tombstone too many is harmless.)
+                    if turn.get(&own_seen_key(task_id)).await?.is_none() {
                         keep_in_window(turn, &mut self.state.boxes, canceled_key(task_id)).await?;
                     }
                     return Ok(encode_reply(&EnqueueReply::Accepted {

@@ -421,6 +421,103 @@ async fn each_pair_has_its_own_direct_conversation_whatever_its_ids_hold() {
     system.shutdown().await;
 }
 
+/// Goal: a notification an outside caller sends with an id of its choosing is
+/// processed (once) whatever the id looks like, also when it is shaped like an id the
+/// agents make for their own messages (`{agent}.{n}`): the receiver must not take it
+/// for a duplicate of an agent's cancellation it had. Method: the coordinator delegates
+/// a slow task and a second one and cancels the second (its cancellation is the
+/// coordinator's message `coordinator.2`, marked as seen by the analyst); then an
+/// outside caller notifies the analyst with the id `coordinator.2`; and likewise a
+/// message id shaped like a mention's. Each acknowledged notification must reach the
+/// analyst's model.
+#[tokio::test(start_paused = true)]
+async fn an_outside_message_id_shaped_like_an_agents_own_is_not_taken_for_a_duplicate() {
+    use troupe_agent::TaskState;
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("slow")
+                .reply("slow done")
+                .latency(Duration::from_secs(5)),
+        )
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("[task")
+                .reply("fast done"),
+        )
+        .rule(
+            ScriptRule::agent("analyst")
+                .on_user_containing("[notification")
+                .reply("noted"),
+        )
+        .rule(ScriptRule::agent("coordinator").reply("seen"));
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("coordinator"))
+        .agent(AgentSpec::new("analyst"))
+        .start()
+        .expect("the system starts");
+    let first = system
+        .delegate("coordinator", "analyst", "slow one", None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = system
+        .delegate("coordinator", "analyst", "second one", None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(system.cancel("coordinator", &second).await, Ok(None));
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(
+        system.task("coordinator", &second).await.unwrap().unwrap().state,
+        TaskState::Canceled
+    );
+    assert_eq!(first, "coordinator.0");
+    // The coordinator's third message (after its two tasks) was the cancellation.
+    system
+        .notify_with_id("analyst", "coordinator.2", "outside note one", None)
+        .await
+        .expect("acknowledged");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let log = system.conversation_log("analyst").await.unwrap();
+    let shown = log.iter().filter(|m| m.content.contains("outside note one")).count();
+    assert_eq!(shown, 1, "an acknowledged notification was processed {shown} times");
+
+    // The other way round: the outside id first, then the coordinator's cancellation
+    // of that name (its messages 3 and 4 are tasks, 5 the cancellation).
+    system
+        .notify_with_id("analyst", "coordinator.5", "outside note two", None)
+        .await
+        .expect("acknowledged");
+    let slow = system
+        .delegate("coordinator", "analyst", "slow two", None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let fourth = system
+        .delegate("coordinator", "analyst", "fourth one", None)
+        .await
+        .unwrap();
+    assert_eq!((slow.as_str(), fourth.as_str()), ("coordinator.3", "coordinator.4"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(system.cancel("coordinator", &fourth).await, Ok(None));
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(
+        system.task("coordinator", &fourth).await.unwrap().unwrap().state,
+        TaskState::Canceled,
+        "the cancellation was taken for a duplicate of the outside note"
+    );
+    let log = system.conversation_log("analyst").await.unwrap();
+    assert!(
+        !log.iter().any(|m| m.content.contains("fourth one")),
+        "the canceled task was worked"
+    );
+    assert_eq!(log.iter().filter(|m| m.content.contains("outside note two")).count(), 1);
+    system.shutdown().await;
+}
+
 #[cfg(not(madsim))]
 mod real_time {
     use super::*;
