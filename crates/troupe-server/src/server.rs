@@ -492,7 +492,9 @@ async fn not_found(request: Request<Body>) -> ApiError {
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    let agents = state.client.current_directory().await.list().len();
+    // The agents this process has read, without a store read: a liveness answer must not
+    // wait on the store.
+    let agents = state.client.directory().list().len();
     axum::Json(json!({"status": "ok", "agents": agents})).into_response()
 }
 
@@ -500,9 +502,9 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let open = SERVER_EVENT_STREAMS_MAX - state.event_streams.available_permits();
     let a2a = a2a::sizes(&state).await;
     let streams = state.config.streams_open_max.min(Semaphore::MAX_PERMITS) - state.streams.available_permits();
-    // Read again if stale, so that `troupe_agents` counts the agents defined over REST
-    // (by an earlier run, or by another server on the store), as `/v1/agents` lists them.
-    let agents = state.client.current_directory().await.list().len();
+    // The agents this process has read (the stored directory is read at the start and
+    // by every agent route), without a store read: a scrape must not wait on the store.
+    let agents = state.client.directory().list().len();
     let text = state.metrics.render(&state.client, agents, [open, streams], a2a);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

@@ -16,7 +16,7 @@ use troupe_runtime::KindConfig;
 use troupe_server::ServerConfig;
 
 mod support;
-use support::{gauge, turn_started, Gated, Harness, POLL_MS, TEST_WAIT_MS_MAX};
+use support::{turn_started, Gated, Harness, POLL_MS, TEST_WAIT_MS_MAX};
 
 const TOKEN: &str = "edge-probe-token-0123456789";
 
@@ -294,64 +294,64 @@ async fn a_blocking_send_in_flight_at_a_stop_is_answered_with_its_task_as_it_is(
     second.stop().await;
 }
 
-/// Goal: after a restart on the same store, an agent defined over REST is in every
-/// listing and every route that checks an agent exists, from the first request: `GET
-/// /v1/models`, `GET /health`'s count, `/metrics`' `troupe_agents`, `GET /v1/topology`,
-/// and `POST /v1/links` and `PUT .../permissions/...` naming it. Method: `made` created
-/// over REST on a first server, a second server on the same file asked in that order
-/// (each route first, before any route that reads the stored directory). Before the fix
-/// these read the directory in memory, holding only the agents the system was built
-/// with until some other route read the stored one: `/v1/models` listed `echo` only,
-/// and `POST /v1/links` from `made` was 404 `agent_not_found`.
+/// Goal: an agent defined over REST by another server on the same store is, within the
+/// directory's refresh period, in every listing and every route that checks an agent
+/// exists: `GET /v1/models`, `GET /v1/topology`, and `POST /v1/links` and `PUT
+/// .../permissions/...` naming it; so is one defined by an earlier run, after a restart.
+/// Method: two servers on one SQLite file, both started before `made` is created on
+/// the first; the second is asked only through these routes (polling `/v1/models` until
+/// it lists `made`, at most `TEST_WAIT_MS_MAX`); then a third server on the file after
+/// both stopped. Before the fix these routes read the directory in memory, which only
+/// the agent routes read again from the store: the second server's `/v1/models` never
+/// listed `made` (`/v1/models lists the agent defined elsewhere: not within 15000 ms`),
+/// and after a restart, before the server's start read the stored directory too, `POST
+/// /v1/links` from it was 404 `agent_not_found` (seen by hand with `troupe serve --db`).
+/// (`/health` and `/metrics` count the agents this process has read, without a store
+/// read of their own.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_restart_an_agent_defined_over_rest_is_in_every_listing_from_the_first_request() {
+async fn an_agent_defined_over_rest_elsewhere_or_before_a_restart_is_in_every_listing() {
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("troupe.db");
-    let first = server_on_file(&path, Duration::ZERO).await;
-    let (status, body) = first.post("/v1/agents", json!({"id": "made"})).await;
+    let here = server_on_file(&path, Duration::ZERO).await;
+    let elsewhere = server_on_file(&path, Duration::ZERO).await;
+    let (status, body) = here.post("/v1/agents", json!({"id": "made"})).await;
     assert_eq!(status, 201, "create: {body}");
-    first.stop().await;
+    let ids = |list: &Value, field: &str| -> Vec<String> {
+        list[field]
+            .as_array()
+            .unwrap_or_else(|| panic!("{list}"))
+            .iter()
+            .map(|item| item["id"].as_str().unwrap().to_string())
+            .collect()
+    };
 
-    let second = server_on_file(&path, Duration::ZERO).await;
-    let (status, models) = second.get("/v1/models").await;
-    assert_eq!(status, 200, "{models}");
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|model| model["id"].as_str().unwrap())
-        .collect();
-    assert_eq!(ids, ["echo", "made"], "/v1/models: {models}");
-    let (status, health) = second.get("/health").await;
-    assert_eq!((status, &health["agents"]), (200, &json!(2)), "/health: {health}");
-    assert_eq!(
-        gauge(&second.metrics().await, "troupe_agents"),
-        2,
-        "/metrics troupe_agents"
-    );
-    let (status, topology) = second.get("/v1/topology").await;
+    let models = elsewhere
+        .get_when("/v1/models", "/v1/models lists the agent defined elsewhere", |models| {
+            ids(models, "data").contains(&"made".to_string())
+        })
+        .await;
+    assert_eq!(ids(&models, "data"), ["echo", "made"], "{models}");
+    let (status, topology) = elsewhere.get("/v1/topology").await;
     assert_eq!(status, 200, "{topology}");
-    let listed: Vec<&str> = topology["agents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|agent| agent["id"].as_str().unwrap())
-        .collect();
-    assert_eq!(listed, ["echo", "made"], "/v1/topology: {topology}");
-    second.stop().await;
+    assert_eq!(ids(&topology, "agents"), ["echo", "made"], "/v1/topology: {topology}");
+    let (status, link) = elsewhere.post("/v1/links", json!({"from": "made", "to": "echo"})).await;
+    assert_eq!(status, 201, "a link from the agent defined elsewhere: {link}");
+    here.stop().await;
+    elsewhere.stop().await;
 
-    let third = server_on_file(&path, Duration::ZERO).await;
-    let (status, link) = third.post("/v1/links", json!({"from": "made", "to": "echo"})).await;
-    assert_eq!(status, 201, "a link from the agent defined over REST: {link}");
-    let (status, rule) = third
+    let restarted = server_on_file(&path, Duration::ZERO).await;
+    let (status, models) = restarted.get("/v1/models").await;
+    assert_eq!(status, 200, "{models}");
+    assert_eq!(ids(&models, "data"), ["echo", "made"], "after a restart: {models}");
+    let (status, rule) = restarted
         .send(
             reqwest::Method::PUT,
             "/v1/agents/echo/permissions/made",
             Some(json!({"effect": "deny"})),
         )
         .await;
-    assert_eq!(status, 200, "a rule naming it: {rule}");
-    third.stop().await;
+    assert_eq!(status, 200, "a rule naming it after a restart: {rule}");
+    restarted.stop().await;
 }
 
 /// Goal: a delete that waits for its agent's running turn holds up no change to another
