@@ -218,7 +218,7 @@ async fn a_graceful_stop_leaves_the_waiting_a2a_tasks_to_the_next_start() {
 /// answered at once with its task as it is (not ended), and the server stops without
 /// waiting out its shutdown grace; the next start completes the task. Method: `echo`'s
 /// model takes 3 s; a blocking send is in flight and its task `working`; the server is
-/// stopped: the send's answer and `serve`'s return each come within 2 s (the grace is
+/// stopped: the send's answer and `serve`'s return each come within 5 s (the grace is
 /// `SERVER_SHUTDOWN_GRACE_MS`, 10 s); a second server on the file completes the task.
 /// Before the fix the send waited for an end its lane no longer followed, until the
 /// grace cut its connection (`the blocking send is answered at the stop: Elapsed`; by
@@ -228,7 +228,7 @@ async fn a_graceful_stop_leaves_the_waiting_a2a_tasks_to_the_next_start() {
 async fn a_blocking_send_in_flight_at_a_stop_is_answered_with_its_task_as_it_is() {
     /// How long the answer and the stop may take, in milliseconds: far less than the
     /// shutdown grace.
-    const STOP_WAIT_MS: u64 = 2_000;
+    const STOP_WAIT_MS: u64 = 5_000;
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("troupe.db");
     let latency = Duration::from_millis(3_000);
@@ -365,7 +365,7 @@ async fn an_agent_defined_over_rest_elsewhere_or_before_a_restart_is_in_every_li
 async fn a_delete_waiting_for_its_agents_turn_holds_up_no_change_to_another_agent() {
     /// How long a change to another agent may take here, in milliseconds: it is answered
     /// at once; the turn it must not wait for is held until the test opens the gate.
-    const CHANGE_WAIT_MS: u64 = 3_000;
+    const CHANGE_WAIT_MS: u64 = 5_000;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let llm = Gated {
         script: ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}")),
