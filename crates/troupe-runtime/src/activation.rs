@@ -48,7 +48,7 @@ use crate::actor::{BytesTurn, ValueTurn};
 use crate::control::Control;
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
-use crate::mailbox::MailboxReceiver;
+use crate::mailbox::{Mailbox, MailboxReceiver};
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},
@@ -136,6 +136,13 @@ impl Live {
 
     /// Rebuilds the actor from the last committed snapshot.
     ///
+    /// The failed instance is dropped before its successor is built, so two instances
+    /// of one actor are never alive at once, here as across activations: an actor that
+    /// holds something exclusive for as long as its instance lives (a lock, a
+    /// registration under its id) is rebuilt. (Built first, the successor met the old
+    /// instance still holding it, and the factory's refusal crashed the activation:
+    /// `a_rollback_drops_the_failed_instance_before_it_builds_the_next`.)
+    ///
     /// # Panics
     /// If the factory cannot rebuild from a snapshot the actor itself produced; the
     /// crash guard then ends the activation.
@@ -144,6 +151,7 @@ impl Live {
             .kinds
             .get(self.id().kind())
             .expect("activations are spawned for registered kinds only");
+        drop(std::mem::replace(&mut self.actor, ActorBox::vacant()));
         match kind.factory.create(self.id(), self.committed.clone()) {
             Ok(actor) => self.actor = actor,
             Err(error) => panic!(
@@ -302,7 +310,14 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                                 }
                                 let (home, writes) = turn.finish();
                                 live.home = Some(home);
-                                break 'settled settle_told(&mut live, &handle.shared, generation, writes, call);
+                                break 'settled settle_told(
+                                    &mut live,
+                                    &handle.shared,
+                                    generation,
+                                    receiver.mailbox(),
+                                    writes,
+                                    call,
+                                );
                             }
                             Begun::Full {
                                 reply,
@@ -334,7 +349,15 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                     // cancelled, and its home comes back with its writes.
                     let (home, writes) = turn.finish();
                     live.home = Some(home);
-                    settle(&mut live, &handle.shared, generation, writes, raced, ends)
+                    settle(
+                        &mut live,
+                        &handle.shared,
+                        generation,
+                        receiver.mailbox(),
+                        writes,
+                        raced,
+                        ends,
+                    )
                 };
                 if let Some(store_commit) = store_commit {
                     now = WakeClock::UNREAD;
@@ -497,6 +520,14 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
 
 async fn deactivate(live: &mut Live, shared: &Shared) {
     let id = &live.home.as_ref().expect(HOME_LENT).id;
+    if shared.aborted() {
+        // The runtime was aborted (dropped, or its shutdown grace is over) while this
+        // task ran: the dispatcher closes the mailbox before it aborts the task, and a
+        // task running on another worker meanwhile sees the end of its mailbox here. An
+        // aborted activation runs no `on_deactivate` and saves nothing, as one the abort
+        // reaches at an `.await` does not.
+        return;
+    }
     if let Err(error) = live.actor.on_deactivate(id).await {
         // Its state may be half-way through whatever on_deactivate was doing: keep the
         // last committed turn's state instead.
@@ -592,7 +623,14 @@ fn begin(
         span: parent,
     } = receiver.take_ready();
     let mut expired = || !reply.has_caller() && context.deadline().has_passed(now.read(&shared.clock));
-    let refusal = if reply.is_closed() || expired() {
+    let refusal = if shared.aborted() {
+        // The runtime was aborted (dropped, or its shutdown grace is over) while this
+        // task was running: it is cancelled at its next `.await`, but until then it
+        // would go on taking messages, and a turn that finishes in its first poll never
+        // awaits. No turn starts for a runtime that is gone: what is still queued is
+        // answered `Shutdown`, unrun, as the abort answers it once the task is dropped.
+        Some(InvokeError::Shutdown)
+    } else if reply.is_closed() || expired() {
         Counters::add(&shared.counters.expired_dropped);
         Some(InvokeError::Timeout {
             target: live.id().clone(),
@@ -947,12 +985,14 @@ fn drop_timer(timer: Pin<Box<tokio::time::Sleep>>) {
 type Committing<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 
 /// Decides a finished (or abandoned) turn: answers it at once when no store commit is
-/// needed, else returns the commit, which answers once made.
+/// needed, else returns the commit, which answers once made. `mailbox` is the
+/// activation's, which a commit refused for a newer claim closes.
 #[inline(always)]
 fn settle<'a>(
     live: &'a mut Live,
     shared: &'a Shared,
     generation: u64,
+    mailbox: &'a Mailbox,
     writes: TurnWrites,
     raced: Raced<Outcome>,
     ends: TurnEnds,
@@ -1004,7 +1044,7 @@ fn settle<'a>(
                         ignore_commit: true,
                         _spans: spans,
                     }
-                    .run(live, shared),
+                    .run(live, shared, mailbox),
                 )),
                 Ok(None) | Err(_) => {
                     fail(live, shared, call, edge, reply, result);
@@ -1048,7 +1088,7 @@ fn settle<'a>(
                         ignore_commit: false,
                         _spans: spans,
                     };
-                    return Some(Box::pin(store_commit.run(live, shared)));
+                    return Some(Box::pin(store_commit.run(live, shared, mailbox)));
                 }
                 Err(error) => Err(error),
             }
@@ -1072,6 +1112,7 @@ fn settle_told<'a>(
     live: &'a mut Live,
     shared: &'a Shared,
     generation: u64,
+    mailbox: &'a Mailbox,
     writes: TurnWrites,
     call: CallId,
 ) -> Option<Committing<'a>> {
@@ -1097,7 +1138,7 @@ fn settle_told<'a>(
                 ignore_commit: false,
                 _spans: TurnSpans(None),
             };
-            Some(Box::pin(store_commit.run(live, shared)))
+            Some(Box::pin(store_commit.run(live, shared, mailbox)))
         }
         Err(error) => {
             fail(live, shared, call, false, ReplyTo::Nobody, Err(error));
@@ -1131,7 +1172,7 @@ struct StoreCommit {
 }
 
 impl StoreCommit {
-    async fn run(self, live: &mut Live, shared: &Shared) {
+    async fn run(self, live: &mut Live, shared: &Shared, mailbox: &Mailbox) {
         let was_fenced = live.fenced.is_some();
         let committed = store_commit(live, shared, self.commit).await;
         if !was_fenced && live.fenced.is_some() {
@@ -1147,6 +1188,19 @@ impl StoreCommit {
                 id,
                 generation: self.generation,
             });
+            // And the mailbox is closed here, before the answer too: a request from
+            // outside goes straight into an open mailbox, without the dispatcher, and the
+            // dispatcher may not have applied the notice yet, so the caller's next request
+            // found this stale mailbox still open and was refused with the fence again
+            // (13 of 40 such requests on worker threads,
+            // `the_request_after_a_fenced_refusal_is_served_by_a_fresh_activation`).
+            // Closed, it is handed to the dispatcher, which has the notice by then and
+            // holds the request for the next activation. What is queued still fails with
+            // the fence, unrun. (Closed after the notice is sent, so the dispatcher meets
+            // this closed mailbox as still open only with a command whose notices it
+            // drained just before the notice was sent, and delivers just after the close:
+            // that request fails `ActorFailed`, as one meeting a crashed activation.)
+            mailbox.close();
         }
         #[cfg(feature = "planted-bugs")]
         let committed = if self.ignore_commit { Ok(()) } else { committed };

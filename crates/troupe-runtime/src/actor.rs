@@ -256,6 +256,13 @@ impl ActorBox {
         }))
     }
 
+    /// A box holding no actor, for the moment between dropping a failed instance and
+    /// building its successor (`Live::roll_back` in activation.rs). It allocates
+    /// nothing (a box of a zero-sized type), and nothing is ever asked of it.
+    pub(crate) fn vacant() -> Self {
+        Self(Box::new(Vacant))
+    }
+
     pub(crate) fn on_activate<'a>(&'a mut self, id: &'a ActorId) -> HookFuture<'a> {
         self.0.on_activate(id)
     }
@@ -308,6 +315,39 @@ trait ErasedActor: Send {
     fn handle_keyed<'a>(&'a mut self, turn: &'a mut Turn, request: KeyedRequest) -> BytesTurn<'a>;
     fn handle_value_turn<'a>(&'a mut self, turn: &'a mut Turn, message: AnyValue) -> ValueTurn<'a>;
     fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError>;
+}
+
+/// What [`ActorBox::vacant`] holds: no actor. Its methods are never called: the box is
+/// replaced by the rebuilt actor at once, or the activation's task ends with a panic.
+struct Vacant;
+
+/// Why a [`Vacant`] box is never used.
+const VACANT: &str = "a vacant ActorBox is replaced before it is used";
+
+impl ErasedActor for Vacant {
+    fn on_activate<'a>(&'a mut self, _id: &'a ActorId) -> HookFuture<'a> {
+        unreachable!("{VACANT}")
+    }
+
+    fn on_deactivate<'a>(&'a mut self, _id: &'a ActorId) -> HookFuture<'a> {
+        unreachable!("{VACANT}")
+    }
+
+    fn handle<'a>(&'a mut self, _turn: &'a mut Turn, _payload: Bytes) -> BytesTurn<'a> {
+        unreachable!("{VACANT}")
+    }
+
+    fn handle_keyed<'a>(&'a mut self, _turn: &'a mut Turn, _request: KeyedRequest) -> BytesTurn<'a> {
+        unreachable!("{VACANT}")
+    }
+
+    fn handle_value_turn<'a>(&'a mut self, _turn: &'a mut Turn, _message: AnyValue) -> ValueTurn<'a> {
+        unreachable!("{VACANT}")
+    }
+
+    fn state_change(&self, _committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
+        unreachable!("{VACANT}")
+    }
 }
 
 /// An actor and the slot its turns' futures run in.

@@ -351,6 +351,12 @@ impl MailboxReceiver {
     pub(crate) fn close(&self) {
         self.mailbox.close();
     }
+
+    /// The mailbox's sending side, for the task to close it from a turn's commit (the
+    /// receiver itself is not `Sync`: its batch holds values that are only `Send`).
+    pub(crate) fn mailbox(&self) -> &Mailbox {
+        &self.mailbox
+    }
 }
 
 impl Drop for MailboxReceiver {
