@@ -1502,6 +1502,22 @@ async fn skipped_of(turn: &mut Turn, key: &str) -> Result<PairSkipped, ActorErro
     })
 }
 
+/// The tool error for a task or notification to `to` when it names a remote agent (and
+/// no local one): a remote A2A agent can only be asked, with `call_agent`; without
+/// this the model read "agent not found" for an agent its prompt lists.
+fn remote_send_refusal(context: &ToolExecutionContext, tool: &str, to: &str) -> Option<ToolError> {
+    let shared = context.shared();
+    (!shared.directory.contains(to) && shared.remotes.get(to).is_some()).then(|| {
+        ToolError::failed(
+            tool,
+            format!(
+                "{to} is an agent on another server: it can only be asked, with call_agent \
+                 (a remote agent cannot be sent a task or a notification); nothing was sent"
+            ),
+        )
+    })
+}
+
 /// The `delegate_to_agent` tool, registered for every agent.
 pub(crate) fn delegate_tool() -> Tool {
     Tool::typed::<SendArguments, _, _>(
@@ -1509,6 +1525,9 @@ pub(crate) fn delegate_tool() -> Tool {
         "Hand a task to another agent and continue at once: returns a task id; the result \
          (or failure) comes back to you later as a new message. Sent when your turn ends.",
         |context, arguments: SendArguments| async move {
+            if let Some(refused) = remote_send_refusal(&context, DELEGATE_TOOL_NAME, &arguments.agent_id) {
+                return Err(refused);
+            }
             tool_send(
                 &context,
                 &arguments.agent_id,
@@ -1539,6 +1558,9 @@ pub(crate) fn notify_tool() -> Tool {
         NOTIFY_TOOL_NAME,
         "Send another agent a notification (no answer comes back). Sent when your turn ends.",
         |context, arguments: SendArguments| async move {
+            if let Some(refused) = remote_send_refusal(&context, NOTIFY_TOOL_NAME, &arguments.agent_id) {
+                return Err(refused);
+            }
             tool_send(
                 &context,
                 &arguments.agent_id,

@@ -12,8 +12,17 @@ use crate::inbox::{DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 use crate::limits::AGENT_PEERS_LISTED_MAX;
 use crate::{AgentSpec, ToolSpec, CALL_AGENT_TOOL_NAME};
 
+/// An agent `agent` may contact: its id, its role, and whether it is a remote agent
+/// (on another server: it can only be asked, with `call_agent`, not sent a task or a
+/// notification).
+struct Peer {
+    id: String,
+    role: String,
+    remote: bool,
+}
+
 /// The agents `agent` may contact (possibly after approval), with their roles, by id.
-fn reachable(shared: &AgentShared, agent: &str) -> Vec<(String, String)> {
+fn reachable(shared: &AgentShared, agent: &str) -> Vec<Peer> {
     let others: Vec<_> = shared
         .directory
         .list()
@@ -44,7 +53,11 @@ fn reachable(shared: &AgentShared, agent: &str) -> Vec<(String, String)> {
                 .is_none_or(|org| org.decide(agent, &spec.id, crate::ContactKind::Ask).is_ok())
         })
         .take(AGENT_PEERS_LISTED_MAX)
-        .map(|spec| (spec.id, spec.role))
+        .map(|spec| Peer {
+            remote: !shared.directory.contains(&spec.id),
+            id: spec.id,
+            role: spec.role,
+        })
         .collect()
 }
 
@@ -68,14 +81,27 @@ pub(crate) fn contacts_section(shared: &AgentShared, spec: &AgentSpec) -> String
     if contact_tools.is_empty() {
         return text;
     }
-    let peers = reachable(shared, agent);
+    // A remote agent can only be asked: listed only to an agent with `call_agent`,
+    // marked so when the agent has other contact tools too.
+    let asks = spec.allows_tool(CALL_AGENT_TOOL_NAME);
+    let sends = contact_tools.len() > usize::from(asks);
+    let peers: Vec<Peer> = reachable(shared, agent)
+        .into_iter()
+        .filter(|peer| asks || !peer.remote)
+        .collect();
     if !peers.is_empty() {
         let tools = match contact_tools.split_last() {
             Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
             _ => contact_tools.join(""),
         };
         text.push_str(&format!("\nAgents you may contact with {tools}:\n"));
-        let lines: Vec<String> = peers.iter().map(|(id, role)| format!("- {id}: {role}")).collect();
+        let lines: Vec<String> = peers
+            .iter()
+            .map(|peer| {
+                let only = if peer.remote && sends { " (call_agent only)" } else { "" };
+                format!("- {}: {}{only}", peer.id, peer.role)
+            })
+            .collect();
         text.push_str(&lines.join("\n"));
     }
     text
@@ -116,20 +142,32 @@ pub(crate) fn tool_specs_for(shared: &AgentShared, spec: &AgentSpec) -> Arc<[Too
             .cloned()
             .collect();
     }
-    let peers: Vec<String> = reachable(shared, agent).into_iter().map(|(id, _)| id).collect();
-    let suffix = if peers.is_empty() {
-        " You may contact no agent.".to_string()
-    } else {
-        format!(" Agents you may contact: {}.", peers.join(", "))
+    let peers = reachable(shared, agent);
+    let suffix = |remotes: bool| {
+        let ids: Vec<&str> = peers
+            .iter()
+            .filter(|peer| remotes || !peer.remote)
+            .map(|peer| peer.id.as_str())
+            .collect();
+        if ids.is_empty() {
+            " You may contact no agent.".to_string()
+        } else {
+            format!(" Agents you may contact: {}.", ids.join(", "))
+        }
     };
+    // `call_agent` reaches remote agents too; a task or a notification cannot be sent
+    // to one.
+    let (asked, sent) = (suffix(true), suffix(false));
     shared
         .tool_specs
         .iter()
         .filter(|tool| spec.allows_tool(&tool.name))
         .map(|spec| {
             let mut spec = spec.clone();
-            if [CALL_AGENT_TOOL_NAME, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME].contains(&spec.name.as_str()) {
-                spec.description.push_str(&suffix);
+            if spec.name == CALL_AGENT_TOOL_NAME {
+                spec.description.push_str(&asked);
+            } else if [DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME].contains(&spec.name.as_str()) {
+                spec.description.push_str(&sent);
             }
             spec
         })

@@ -518,6 +518,74 @@ async fn an_outside_message_id_shaped_like_an_agents_own_is_not_taken_for_a_dupl
     system.shutdown().await;
 }
 
+/// Goal: a remote agent, which can only be asked (`call_agent`: a remote A2A agent
+/// cannot be sent a task or a notification), is not offered to the model as a target of
+/// `delegate_to_agent` or `notify_agent`, and a model that sends it one anyway reads
+/// why, not that it does not exist; nothing is sent. Method: agent `a` beside remote
+/// `hq` (a URL nothing listens on: nothing may be sent); the tools' descriptions and
+/// the prompt are read, then `a`'s model delegates to and notifies `hq`.
+#[tokio::test(start_paused = true)]
+async fn a_remote_agent_is_offered_for_calls_only_and_a_send_to_it_says_why() {
+    use troupe_agent::{Link, OrgPolicy, RemoteAgent};
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("delegate")
+                .call("delegate_to_agent", json!({"agent_id": "hq", "message": "work"})),
+        )
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("notify")
+                .call("notify_agent", json!({"agent_id": "hq", "message": "news"})),
+        )
+        .rule(ScriptRule::agent("a").reply("hello"));
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .remote_agent(RemoteAgent::new("hq", "http://127.0.0.1:9/a2a/hq").role("analyses for HQ"))
+        .start()
+        .expect("the system starts");
+    system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+    system.add_link(Link::new("a", "b")).await.unwrap();
+    system.add_link(Link::new("a", "hq")).await.unwrap();
+    system.ask("a", "hi").await.unwrap();
+    let request = &llm.requests_of("a")[0];
+    let description = |name: &str| {
+        request
+            .tools
+            .iter()
+            .find(|tool| tool.name == name)
+            .unwrap()
+            .description
+            .clone()
+    };
+    assert!(description("call_agent").ends_with(" Agents you may contact: b, hq."));
+    for tool in ["delegate_to_agent", "notify_agent"] {
+        assert!(
+            description(tool).ends_with(" Agents you may contact: b."),
+            "{tool}: {}",
+            description(tool)
+        );
+    }
+    let prompt = &request.messages[0].content;
+    assert!(prompt.contains("- hq: analyses for HQ (call_agent only)"), "{prompt}");
+    for (ask, tool) in [("delegate", "delegate_to_agent"), ("notify", "notify_agent")] {
+        let reply = system.ask("a", ask).await.unwrap().text;
+        assert!(
+            reply.starts_with(&format!("error: {tool} failed"))
+                && reply.contains("hq is an agent on another server")
+                && reply.contains("call_agent"),
+            "{reply}"
+        );
+    }
+    assert_eq!(system.pending("a").await.unwrap(), (0, 0));
+    assert_eq!(system.task("a", "a.0").await.unwrap(), None);
+    system.shutdown().await;
+}
+
 #[cfg(not(madsim))]
 mod real_time {
     use super::*;
@@ -625,6 +693,67 @@ mod real_time {
         assert_eq!(user_messages_containing(&coordinator, "done"), 1, "{coordinator:#?}");
         assert_eq!(second.pending("analyst").await.unwrap(), (0, 0));
         assert_eq!(second.pending("coordinator").await.unwrap(), (0, 0));
+        second.shutdown().await;
+    }
+
+    /// Goal: an acknowledged notification whose process is dropped while the agent's
+    /// model works on it is processed exactly once by a new process on the same
+    /// SQLite file, and the same id sent again to the new process is a duplicate.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_notification_whose_process_is_dropped_mid_turn_is_processed_once_in_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let script = |latency: Duration| {
+            ScriptedLlm::new().rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("[notification")
+                    .reply("noted")
+                    .latency(latency),
+            )
+        };
+        let first = process(&path, &script(Duration::from_secs(2)));
+        let mut events = first.subscribe();
+        first
+            .notify_with_id("analyst", "note-1", "disk is full", None)
+            .await
+            .expect("acknowledged");
+        let started = async {
+            loop {
+                if let Ok(AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
+                    if agent.key() == "analyst" {
+                        break;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), started)
+            .await
+            .expect("the analyst starts on the notification");
+        drop(first);
+
+        let llm = script(Duration::ZERO);
+        let second = process(&path, &llm);
+        let processed = async {
+            loop {
+                let log = second.conversation_log("analyst").await.unwrap();
+                if log.iter().any(|m| m.role == Role::Assistant && m.content == "noted") {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), processed)
+            .await
+            .expect("processed by the next process within 30 s");
+        second
+            .notify_with_id("analyst", "note-1", "disk is full", None)
+            .await
+            .expect("a resend is acknowledged");
+        // Past the dropped model call's end, and past the resend's processing if any.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let log = second.conversation_log("analyst").await.unwrap();
+        assert_eq!(user_messages_containing(&log, "disk is full"), 1, "{log:#?}");
+        assert_eq!(second.pending("analyst").await.unwrap(), (0, 0));
         second.shutdown().await;
     }
 
