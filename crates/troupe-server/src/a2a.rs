@@ -1305,6 +1305,7 @@ async fn send_message(
     // connection (until 2026-12-06 it did: no answer, and the server's exit 10 s late).
     let mut stopping = a2a.app.shutdown.subscribe();
     tokio::select! {
+        biased;
         _ = tokio::time::timeout(blocking_wait(a2a), watcher.wait_for(|task| task.state.is_final())) => {}
         _ = stopping.wait_for(|stop| *stop) => {}
     }
