@@ -980,3 +980,61 @@ async fn a_role_or_name_longer_than_its_limit_is_refused() {
         "{remote:?}"
     );
 }
+
+/// `*` is every agent in permission rules and links, and an id padded with whitespace
+/// reads as another's: neither can be an agent's id, at the builder or through
+/// `define_agent`, and nothing is defined. (Before 2026-12-06 both were accepted: an
+/// agent `*` could not be named alone by any rule, as `PUT
+/// /v1/agents/x/permissions/*` showed.)
+#[tokio::test]
+async fn an_id_that_cannot_name_one_agent_is_refused() {
+    use troupe_agent::{AgentSpecError, AgentSystemError, DirectoryError};
+
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"));
+    for (id, why) in [
+        ("*", "\"*\" means every agent in permission rules and links"),
+        (" ", "it begins or ends with whitespace"),
+        ("coordinator ", "it begins or ends with whitespace"),
+        ("\u{a0}critic", "it begins or ends with whitespace"),
+    ] {
+        let expected = AgentSpecError::UnusableId { id: id.into(), why };
+        let built = AgentSystem::builder()
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new(id))
+            .start()
+            .expect_err("the builder refuses it");
+        assert!(
+            matches!(&built, AgentSystemError::Spec(error) if *error == expected),
+            "{id:?}: {built:?}"
+        );
+        assert_eq!(
+            built.to_string(),
+            format!("agent id {id:?} cannot name an agent: {why}; pick another id")
+        );
+        let system = AgentSystem::builder()
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("a"))
+            .start()
+            .unwrap();
+        let defined = system
+            .define_agent(AgentSpec::new(id))
+            .await
+            .expect_err("define_agent refuses it");
+        assert!(
+            matches!(&defined, DirectoryError::Invalid(error) if *error == expected),
+            "{id:?}: {defined:?}"
+        );
+        assert!(!system.directory().contains(id), "{id:?}: nothing defined");
+        system.shutdown().await;
+    }
+    // Ids that hold a space or a star inside, or start with `@`, name one agent each.
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .agent(AgentSpec::new("two words"))
+        .agent(AgentSpec::new("a*b"))
+        .agent(AgentSpec::new("@critic"))
+        .start()
+        .unwrap();
+    assert_eq!(system.ask("two words", "hi").await.unwrap().text, "ok");
+    system.shutdown().await;
+}

@@ -52,6 +52,16 @@ impl Default for ModelSettings {
 /// Why an agent definition was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AgentSpecError {
+    /// The id is a valid actor key but cannot name one agent: `*` is every agent in
+    /// permission rules and links ([`crate::PERMISSION_TARGET_ANY`]), and an id with
+    /// whitespace at either end reads as another agent's in prompts, mentions and logs.
+    #[error("agent id {id:?} cannot name an agent: {why}; pick another id")]
+    UnusableId {
+        /// The id.
+        id: String,
+        /// Why.
+        why: &'static str,
+    },
     /// The id cannot be an actor key.
     #[error("agent id {id:?} is invalid: {cause}")]
     InvalidId {
@@ -511,6 +521,19 @@ impl AgentSpec {
             id: self.id.clone(),
             cause,
         })?;
+        let unusable = if self.id == crate::permissions::PERMISSION_TARGET_ANY {
+            Some("\"*\" means every agent in permission rules and links")
+        } else if self.id.trim() != self.id {
+            Some("it begins or ends with whitespace")
+        } else {
+            None
+        };
+        if let Some(why) = unusable {
+            return Err(AgentSpecError::UnusableId {
+                id: self.id.clone(),
+                why,
+            });
+        }
         for (field, size, limit) in [
             ("role", self.role.len(), AGENT_ROLE_SIZE_MAX_BYTES),
             ("name", self.name.len(), AGENT_NAME_SIZE_MAX_BYTES),
