@@ -634,8 +634,15 @@ struct ConversationActor {
     grouped: Option<(Vec<u8>, usize, u64)>,
 }
 
+/// A wake-up refused: the turn fails with the refusal in its cause, except when the
+/// runtime stops, which reaches the caller as the runtime's own typed `Shutdown` (a
+/// turn of the shutdown's grace; a caller, such as `troupe serve`, must not take it
+/// for the agent's failure).
 fn wake_failed(error: InvokeError) -> ActorError {
-    ActorError::failed(format!("could not schedule a mention delivery: {error}"))
+    match error {
+        InvokeError::Shutdown => ActorError::Invoke(InvokeError::Shutdown),
+        error => ActorError::failed(format!("could not schedule a mention delivery: {error}")),
+    }
 }
 
 /// Whether a wake-up was told: `false` when the conversation's own mailbox is full

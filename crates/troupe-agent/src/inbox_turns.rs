@@ -60,8 +60,15 @@ fn told(result: Result<(), InvokeError>) -> Result<bool, ActorError> {
     }
 }
 
+/// A wake-up refused: the turn fails with the refusal in its cause, except when the
+/// runtime stops, which reaches the caller as the runtime's own typed `Shutdown` (a
+/// turn of the shutdown's grace; a caller, such as `troupe serve`, must not take it
+/// for the agent's failure).
 fn wake_failed(error: InvokeError) -> ActorError {
-    ActorError::failed(format!("could not schedule inbox work: {error}"))
+    match error {
+        InvokeError::Shutdown => ActorError::Invoke(InvokeError::Shutdown),
+        error => ActorError::failed(format!("could not schedule inbox work: {error}")),
+    }
 }
 
 /// A key of a [`DueIndex`] that a [`scan_due_keys`] found due.

@@ -463,3 +463,42 @@ async fn concurrent_external_sends_to_one_agent_each_make_one_task_and_one_outco
     assert_eq!(system.pending("echo").await.unwrap(), (0, 0));
     system.shutdown().await;
 }
+
+/// Goal: an external task whose enqueue turn runs in the shutdown's grace (queued behind
+/// a long turn when the shutdown began) is refused `Shutdown`, the runtime's typed
+/// error, not `ActorFailed` with the refusal in a string: the turn's wake-up of its own
+/// processing is refused because the runtime stops, and that reaches the caller as it
+/// is. (Before 2026-12-06: `ActorFailed { cause: "could not schedule inbox work: the
+/// runtime has shut down" }`; `troupe serve` stored that as the A2A task's outcome.)
+#[tokio::test(start_paused = true)]
+async fn an_external_task_taken_during_the_shutdown_grace_is_refused_shutdown() {
+    let llm = script();
+    let system = start(&llm, Arc::new(MemoryStore::new()));
+    let client = system.client();
+    let asking = {
+        let client = client.clone();
+        tokio::spawn(async move { client.ask("slow", "take your time").await })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let delegating = {
+        let client = client.clone();
+        tokio::spawn(async move { client.delegate_external("slow", request("m-grace", "after")).await })
+    };
+    // The shutdown starts while the slow turn runs and the task waits behind it; the
+    // turn ends (at SLOW_MS) well within the grace, and the task's turn runs then.
+    tokio::time::sleep(Duration::from_millis(SLOW_MS - 1_000)).await;
+    system.shutdown().await;
+    assert_eq!(
+        asking
+            .await
+            .unwrap()
+            .expect("the running turn finishes in the grace")
+            .text,
+        "slow done"
+    );
+    let refused = delegating.await.unwrap().expect_err("the runtime stopped");
+    assert!(
+        matches!(refused, InboxError::Invoke(troupe_core::InvokeError::Shutdown)),
+        "{refused:?}"
+    );
+}
