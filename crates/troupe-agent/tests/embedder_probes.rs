@@ -649,6 +649,22 @@ mod real_time {
             .expect("every task ends within 60 s")
     }
 
+    /// Waits (at most 10 s) for a turn of the analyst to start, failing with `what`.
+    async fn analyst_started(events: &mut tokio::sync::broadcast::Receiver<AgentEvent>, what: &str) {
+        let started = async {
+            loop {
+                if let Ok(AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
+                    if agent.key() == "analyst" {
+                        break;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), started)
+            .await
+            .expect(what);
+    }
+
     /// Goal: a task whose process is dropped while its delegatee's model is answering
     /// is worked and its result taken exactly once by a new process on the same SQLite
     /// file, and the dropped process's late answer commits nothing. Method: the
@@ -667,18 +683,7 @@ mod real_time {
             .delegate("coordinator", "analyst", "job-1", Some(60_000))
             .await
             .expect("the delegation is acknowledged");
-        let started = async {
-            loop {
-                if let Ok(AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
-                    if agent.key() == "analyst" {
-                        break;
-                    }
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), started)
-            .await
-            .expect("the analyst starts the task");
+        analyst_started(&mut events, "the analyst starts the task").await;
         drop(first);
 
         let second = process(&path, &script(Duration::ZERO));
@@ -717,18 +722,7 @@ mod real_time {
             .notify_with_id("analyst", "note-1", "disk is full", None)
             .await
             .expect("acknowledged");
-        let started = async {
-            loop {
-                if let Ok(AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
-                    if agent.key() == "analyst" {
-                        break;
-                    }
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), started)
-            .await
-            .expect("the analyst starts on the notification");
+        analyst_started(&mut events, "the analyst starts on the notification").await;
         drop(first);
 
         let llm = script(Duration::ZERO);
