@@ -897,10 +897,14 @@ impl RuntimeHandle {
     /// held and start the next activation. Nothing accepted is dropped, and at most one
     /// activation exists throughout.
     ///
-    /// Returns whether an activation was live (`false`: nothing to do).
+    /// Returns whether an activation was live (`false`: nothing to do). A graceful
+    /// shutdown that begins while this waits deactivates the activation the same way
+    /// (its turn finishes, `on_deactivate` runs, the state is saved), and this returns
+    /// `Ok(true)`.
     ///
     /// # Errors
-    /// [`InvokeError::Shutdown`] if the runtime has stopped (or stops meanwhile).
+    /// [`InvokeError::Shutdown`] if the runtime has stopped, or is aborted (dropped, or
+    /// its shutdown grace over) before the activation has ended.
     pub async fn deactivate(&self, target: &ActorId) -> Result<bool, InvokeError> {
         let (reply, answer) = oneshot::channel();
         let command = Command::Deactivate {

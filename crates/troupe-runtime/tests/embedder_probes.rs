@@ -1912,3 +1912,107 @@ fn a_runtime_outliving_its_tokio_runtime_drops_and_answers_without_a_panic() {
     drop(handle);
     assert_eq!(instances.alive(), 0, "the instance went with the tokio runtime's tasks");
 }
+
+/// Goal: `RuntimeHandle::deactivate` waiting on a busy activation when a graceful
+/// shutdown begins is answered as its docs say: the shutdown deactivates the activation
+/// the usual way (the turn finishes, `on_deactivate` runs, the state is saved), so the
+/// call returns `Ok(true)`; once the runtime has stopped, `deactivate` is `Shutdown`.
+/// Method: a turn that sleeps 200 ms, a deactivation waiting on it, then `shutdown()`
+/// with a 10 s grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deactivation_waiting_when_a_graceful_shutdown_begins_returns_true_once_saved() {
+    let instances = Arc::new(Instances::default());
+    let store = Arc::new(MemoryStore::new());
+    let runtime = start_with(
+        store.clone(),
+        &instances,
+        KindConfig::default(),
+        Duration::from_secs(10),
+    );
+    let handle = runtime.handle();
+    let id = worker("graceful");
+    let busy = tokio::spawn({
+        let handle = handle.clone();
+        let id = id.clone();
+        async move { handle.invoke_within(&id, Bytes::from_static(b"sleep:200"), HANG).await }
+    });
+    let deactivation = tokio::spawn({
+        let handle = handle.clone();
+        let id = id.clone();
+        async move {
+            // Sent once the actor is active, so the deactivation waits on the turn.
+            while handle.stats().await.unwrap().activations == 0 {
+                tokio::task::yield_now().await;
+            }
+            handle.deactivate(&id).await
+        }
+    });
+    while within("stats", handle.stats()).await.unwrap().deactivating == 0 {
+        tokio::task::yield_now().await;
+    }
+    within("shutdown", runtime.shutdown()).await;
+    assert_eq!(
+        within("the sleeping turn", busy).await.unwrap(),
+        Ok(Bytes::from_static(b"1")),
+        "the running turn finished within the grace"
+    );
+    assert_eq!(
+        within("the deactivation", deactivation).await.unwrap(),
+        Ok(true),
+        "the activation was live and ended"
+    );
+    assert_eq!(stored_count(store.as_ref(), "graceful").await, 1, "saved at its end");
+    assert_eq!(
+        within("a deactivation after", handle.deactivate(&id)).await,
+        Err(InvokeError::Shutdown)
+    );
+}
+
+/// Goal: what two runtimes on one file promise, and what they do not. The fence makes
+/// one committer per actor; it does not make reads fresh. An activation that another
+/// runtime's newer claim has made stale still answers turns that commit nothing from
+/// the state it loaded, until a turn of it commits and is refused `Fenced`; then the next
+/// request is served by a fresh activation, from the newest state. This pins down the
+/// limit docs/architecture.md states ("Two runtimes on one file: one committer, not
+/// fresh reads"). Method: runtime a activates the counter and reads 0; runtime b adds
+/// one (committed: 1); a reads again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_activation_answers_reads_from_its_own_state_until_a_commit_is_fenced() {
+    let file = TempFile::new("stale-reads");
+    let instances = Arc::new(Instances::default());
+    let a = start_with(file.open(), &instances, KindConfig::default(), Duration::from_secs(1));
+    let b = start_with(file.open(), &instances, KindConfig::default(), Duration::from_secs(1));
+    let send = |runtime: &Runtime, command: &'static str| {
+        let handle = runtime.handle();
+        async move {
+            handle
+                .invoke_within(&worker("s"), Bytes::from_static(command.as_bytes()), HANG)
+                .await
+        }
+    };
+    assert_eq!(within("a: get", send(&a, "get")).await, Ok(Bytes::from_static(b"0")));
+    assert_eq!(within("b: add", send(&b, "add")).await, Ok(Bytes::from_static(b"1")));
+    assert_eq!(
+        within("a: get, stale", send(&a, "get")).await,
+        Ok(Bytes::from_static(b"0")),
+        "a read-only turn of the stale activation commits nothing, so nothing refuses it"
+    );
+    let refused = within("a: add", send(&a, "add")).await;
+    assert!(
+        matches!(
+            refused,
+            Err(InvokeError::StorageFailed {
+                source: troupe_runtime::StoreError::Fenced { .. },
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(
+        within("a: get after the fence", send(&a, "get")).await,
+        Ok(Bytes::from_static(b"1")),
+        "a fresh activation reads the newest state"
+    );
+    within("shutdown", a.shutdown()).await;
+    within("shutdown", b.shutdown()).await;
+}
