@@ -113,7 +113,8 @@ pub enum Sender {
 /// Direct (two participants) or group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ConversationKind {
-    /// Exactly two participants; the id of a pair of agents is [`direct_conversation_id`].
+    /// Exactly two participants; the id of a pair's direct conversation is
+    /// [`direct_conversation_id_of`] ([`direct_conversation_id`] for two agents).
     Direct,
     /// Two or more participants.
     Group,
@@ -290,13 +291,17 @@ impl From<troupe_runtime::StoreError> for ConversationError {
     }
 }
 
-/// The id of the direct conversation of two agents (or participants): the same for
-/// either order, and another for every other pair. `dm:{first}|{second}`, with a `|`
-/// or `\` inside a name escaped by a `\` (names without either, the usual ones, are
-/// as they were before escaping): `a` with `b|c` is `dm:a|b\|c`, `a|b` with `c` is
-/// `dm:a\|b|c`. Before, both were `dm:a|b|c`: the second pair's exchanges went to
-/// the first pair's conversation (refused as a conflicting definition, so never
-/// recorded) and the index listed that conversation for the second pair's agents.
+/// The id of the direct conversation of two agents: the same for either order, and
+/// another for every other pair. `dm:{first}|{second}`, with a `|` or `\` inside a
+/// name escaped by a `\` (names without either, the usual ones, are as they were
+/// before escaping): `a` with `b|c` is `dm:a|b\|c`, `a|b` with `c` is `dm:a\|b|c`.
+/// Before, both were `dm:a|b|c`: the second pair's exchanges went to the first pair's
+/// conversation (refused as a conflicting definition, so never recorded) and the index
+/// listed that conversation for the second pair's agents.
+///
+/// A pair with a human has another id, [`direct_conversation_id_of`]; this one, from
+/// the names alone, is what `call_agent`'s records use, and what stored agent pairs'
+/// conversations are under.
 pub fn direct_conversation_id(a: &str, b: &str) -> String {
     let (first, second) = if a <= b { (a, b) } else { (b, a) };
     let mut id = String::with_capacity("dm:|".len() + first.len() + second.len());
@@ -305,6 +310,38 @@ pub fn direct_conversation_id(a: &str, b: &str) -> String {
     id.push('|');
     push_escaped(&mut id, second);
     id
+}
+
+/// What marks a human's name in the id of a direct conversation
+/// ([`direct_conversation_id_of`]): a `\` followed by a character the escaping of names
+/// never puts after one (only `|` and `\`), so no agent pair's id holds it.
+const DIRECT_HUMAN_MARK: &str = "\\h";
+
+/// The id of the direct conversation of participants `a` and `b` (what
+/// [`crate::AgentClient::direct_conversation`] uses): the same for either order, and
+/// another for every other pair, kinds included. Two agents get
+/// [`direct_conversation_id`] of their names, unchanged; a human's name is marked with
+/// `\h` before it (after the escaping of `|` and `\`), so human `alice` with agent `bob`
+/// is `dm:\halice|bob` (the two names ordered as their marked forms), never `dm:alice|bob`,
+/// agents `alice` and `bob`'s id. Before 2026-12-06 a pair with a human had the agents'
+/// form too: human `alice` with agent `bob` and agents `alice` and `bob` shared
+/// `dm:alice|bob`, and whichever pair came second was refused `Conflict` (an exchange of
+/// the agents, recorded there, was lost).
+pub fn direct_conversation_id_of(a: &Participant, b: &Participant) -> String {
+    if !matches!((a, b), (Participant::Human(_), _) | (_, Participant::Human(_))) {
+        return direct_conversation_id(a.name(), b.name());
+    }
+    let marked = |participant: &Participant| {
+        let mut token = String::with_capacity(DIRECT_HUMAN_MARK.len() + participant.name().len());
+        if let Participant::Human(_) = participant {
+            token.push_str(DIRECT_HUMAN_MARK);
+        }
+        push_escaped(&mut token, participant.name());
+        token
+    };
+    let (a, b) = (marked(a), marked(b));
+    let (first, second) = if a <= b { (a, b) } else { (b, a) };
+    format!("dm:{first}|{second}")
 }
 
 /// `name` onto `id`, each `|` and `\` in it after a `\`.

@@ -126,9 +126,22 @@ impl AgentClient {
         }
     }
 
-    /// The direct conversation of agents (or participants) `a` and `b`, created on first
-    /// use; its id is [`crate::direct_conversation_id`] of the pair, the same either way
-    /// round.
+    /// The direct conversation of participants `a` and `b`, created on first use; its id
+    /// is [`crate::direct_conversation_id_of`] of the pair, the same either way round
+    /// (of two agents, [`crate::direct_conversation_id`] of their ids, where their
+    /// `call_agent` exchanges are recorded).
+    ///
+    /// A pair with a human: before 2026-12-06 its id was the one two agents of the same
+    /// names have (human `alice` with agent `bob`: `dm:alice|bob`). A conversation stored
+    /// there by an older version is still this pair's: when the pair's id names no
+    /// conversation yet and the old one holds a direct conversation of exactly this pair
+    /// (the same names and kinds), that one is returned, and none is made under the new
+    /// id. When the old id holds another pair's (agents `alice` and `bob`, whose id it
+    /// is), the pair gets its own under the new id. Only the other way round is not
+    /// repaired: agents `alice` and `bob`, whose id holds human `alice`'s old
+    /// conversation with `bob`, cannot have theirs there (their creation is refused
+    /// `Conflict`, and their exchanges are not recorded) until that conversation is
+    /// moved.
     ///
     /// # Errors
     /// As [`AgentClient::create_conversation`].
@@ -137,7 +150,17 @@ impl AgentClient {
         a: Participant,
         b: Participant,
     ) -> Result<ConversationInfo, ConversationError> {
-        let id = crate::direct_conversation_id(a.name(), b.name());
+        let id = crate::direct_conversation_id_of(&a, &b);
+        let old = crate::direct_conversation_id(a.name(), b.name());
+        if old != id && self.conversation(&id).await?.is_none() {
+            if let Some(stored) = self.conversation(&old).await? {
+                let mut pair = vec![a.clone(), b.clone()];
+                pair.sort();
+                if stored.kind == ConversationKind::Direct && stored.participants == pair {
+                    return Ok(stored);
+                }
+            }
+        }
         self.create_conversation(&id, vec![a, b], ConversationKind::Direct)
             .await
     }

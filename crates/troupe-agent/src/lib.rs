@@ -93,9 +93,9 @@ pub use config::{
     CONFIG_FILE_SIZE_MAX_BYTES,
 };
 pub use conversation::{
-    conversation_window, conversation_window_within, direct_conversation_id, parse_mentions, ConversationError,
-    ConversationInfo, ConversationKind, ConversationMessage, Note, NoteKind, Participant, Posted, Sender,
-    CONVERSATIONS_LISTED_MAX, CONVERSATION_BYTES_PER_TOKEN, CONVERSATION_KIND, CONVERSATION_MENTIONS_MAX,
+    conversation_window, conversation_window_within, direct_conversation_id, direct_conversation_id_of, parse_mentions,
+    ConversationError, ConversationInfo, ConversationKind, ConversationMessage, Note, NoteKind, Participant, Posted,
+    Sender, CONVERSATIONS_LISTED_MAX, CONVERSATION_BYTES_PER_TOKEN, CONVERSATION_KIND, CONVERSATION_MENTIONS_MAX,
     CONVERSATION_MESSAGES_MAX, CONVERSATION_NAME_LENGTH_MAX_BYTES, CONVERSATION_PAGE_MAX,
     CONVERSATION_PARTICIPANTS_MAX, CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
 };
