@@ -229,6 +229,7 @@ impl AgentActor {
                     deadline: turn.deadline(),
                     budget: request.budget,
                     history: None,
+                    allowed_ms: None,
                 };
                 let reply = self.converse(turn, conversation).await?;
                 Ok(Answer::Reply(reply))

@@ -265,6 +265,7 @@ pub async fn call_agent(
                         text: &request.text,
                         child: admitted.child(),
                         timeout,
+                        allowed_ms,
                         message_id,
                         trace_id,
                     },

@@ -71,6 +71,9 @@ pub const CONVERSATION_WINDOW_TOKENS_MAX: usize = 8_000;
 pub const CONVERSATION_BYTES_PER_TOKEN: usize = 4;
 /// Longest conversation id, participant name or client message id, in bytes.
 pub const CONVERSATION_NAME_LENGTH_MAX_BYTES: usize = 200;
+/// How long a mention has, from its post, to be delivered and answered: its relay's
+/// deadline, the mentioned agent's turn's, and the time a note of its timeout names.
+pub(crate) const CONVERSATION_MENTION_TIMEOUT_MS: u64 = AGENT_TASK_TIMEOUT_MS_DEFAULT;
 /// Most conversations [`crate::AgentClient::conversations_of`] lists.
 pub const CONVERSATIONS_LISTED_MAX: usize = 1_000;
 
@@ -1037,7 +1040,7 @@ impl ConversationActor {
                 }
             };
             let deadline = *relay_deadline.get_or_insert_with(|| {
-                Deadline::after(turn.now(), Duration::from_millis(AGENT_TASK_TIMEOUT_MS_DEFAULT))
+                Deadline::after(turn.now(), Duration::from_millis(CONVERSATION_MENTION_TIMEOUT_MS))
             });
             if !needs_approval {
                 relays.push((agent, None));
@@ -1479,6 +1482,7 @@ impl AgentActor {
                 deadline,
                 budget: entry.budget,
                 history: Some(history),
+                allowed_ms: Some(CONVERSATION_MENTION_TIMEOUT_MS),
             };
             match self.converse(turn, turn_input).await {
                 Ok(reply) => match reply.exhausted {

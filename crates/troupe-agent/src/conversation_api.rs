@@ -41,7 +41,8 @@ impl AgentClient {
                 let context = CallContext::root(self.runtime.deadline_in(timeout)).with_trace_id(trace);
                 self.runtime
                     .invoke_routed_in(&target, command.encode(), context)
-                    .await?
+                    .await
+                    .map_err(|error| crate::system::timeout_as_given(error, &target, timeout))?
             }
         };
         match decode_conv_reply(&bytes)? {

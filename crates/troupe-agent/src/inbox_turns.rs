@@ -926,6 +926,7 @@ impl AgentActor {
                         deadline,
                         budget: entry.budget,
                         history: None,
+                        allowed_ms: Some(0),
                     };
                     match self.converse(turn, conversation).await {
                         Ok(reply) if reply.exhausted.is_none() => {}
@@ -983,6 +984,7 @@ impl AgentActor {
                         deadline,
                         budget: entry.budget,
                         history: None,
+                        allowed_ms: Some(0),
                     };
                     let running = external.then(|| self.external_started(&task_id));
                     let conversed = self.converse(turn, conversation).await;
@@ -1030,6 +1032,7 @@ impl AgentActor {
                     deadline,
                     budget: entry.budget,
                     history: None,
+                    allowed_ms: Some(0),
                 };
                 match self.converse(turn, conversation).await {
                     Ok(reply) if reply.exhausted.is_none() => {}

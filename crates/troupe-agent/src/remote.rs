@@ -516,7 +516,8 @@ pub enum RemoteCallError {
 }
 
 /// A call to remote agent `remote` that admission let through: `child` is the callee's
-/// context (chain with the caller, depth, deadline), `timeout` what it has left.
+/// context (chain with the caller, depth, deadline), `timeout` what it has left, and
+/// `allowed_ms` the time the caller allowed (what a timeout's error names).
 #[cfg_attr(madsim, allow(dead_code))]
 pub(crate) struct RemoteCall<'a> {
     pub(crate) remote: &'a RemoteAgent,
@@ -524,6 +525,11 @@ pub(crate) struct RemoteCall<'a> {
     pub(crate) text: &'a str,
     pub(crate) child: &'a CallContext,
     pub(crate) timeout: Duration,
+    /// The time the caller allowed when admission let the call through, in
+    /// milliseconds: a timeout names it. `timeout` is read later (after an approval's
+    /// wait, and from a second clock reading): a call given 100 ms said "timed out
+    /// after 99 ms", one that waited 1.5 s of 3 s for its approval "after 1499 ms".
+    pub(crate) allowed_ms: u64,
     /// What goes in `metadata.troupe.trace_id`: the caller's trace id in hex, or
     /// (a caller without one) a per-call id for the logs, which the callee ignores.
     pub(crate) trace_id: String,
@@ -547,7 +553,7 @@ impl RemoteCall<'_> {
     fn timed_out(&self) -> AgentCallError {
         AgentCallError::Invoke(InvokeError::Timeout {
             target: self.target.clone(),
-            timeout_ms: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
+            timeout_ms: self.allowed_ms,
         })
     }
 }
@@ -1049,6 +1055,7 @@ mod tests {
             text: "hi",
             child: &child,
             timeout: Duration::from_millis(1_500),
+            allowed_ms: 2_000,
             trace_id: "a-call-7".into(),
             message_id: "a-call-7.a-call-7".into(),
         };

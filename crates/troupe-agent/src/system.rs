@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_core::limits::INVOKE_TIMEOUT_MS_MAX;
-use troupe_core::{truncate_utf8, ActorId, ActorKind, CallContext, CallRefused, TraceId};
+use troupe_core::{truncate_utf8, ActorId, ActorKind, CallContext, CallRefused, InvokeError, TraceId};
 use troupe_runtime::{
     AnyValue, ConfigError, KindConfig, Runtime, RuntimeBuilder, RuntimeHandle, StateStore, StoreError, StoreOperation,
 };
@@ -410,7 +410,12 @@ impl AgentClient {
             if let Some(trace) = trace_id {
                 context = context.with_trace_id(trace);
             }
-            ask_from_outside(&self.runtime, &target, request, context).await
+            ask_from_outside(&self.runtime, &target, request, context)
+                .await
+                .map_err(|error| match error {
+                    AgentCallError::Invoke(error) => AgentCallError::Invoke(timeout_as_given(error, &target, timeout)),
+                    other => other,
+                })
         } else {
             Err(AgentCallError::Refused(CallRefused::AgentNotFound {
                 target: target.clone(),
@@ -697,7 +702,11 @@ impl AgentClient {
             .runtime
             .deadline_in(Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT));
         let context = CallContext::root(deadline).with_trace_id(trace);
-        let reply = self.runtime.invoke_routed_in(agent, command.encode(), context).await?;
+        let reply = self
+            .runtime
+            .invoke_routed_in(agent, command.encode(), context)
+            .await
+            .map_err(|error| timeout_as_given(error, agent, Duration::from_millis(AGENT_ASK_TIMEOUT_MS_DEFAULT)))?;
         decode_reply(&reply)
     }
 
@@ -1033,6 +1042,21 @@ pub(crate) async fn ask_from_outside(
             })
             .and_then(reply_or_exhausted),
         Err(error) => Err(AgentCallError::Invoke(error)),
+    }
+}
+
+/// `error`, a timeout of `target` naming `timeout`, the time its caller gave, where the
+/// caller made the request's deadline itself (`deadline_in`, to give the request a
+/// context) and the runtime, reading the clock again when it sent it, names the time
+/// from that later reading: on a real clock every ask from outside with 100 ms said
+/// "timed out after 99 ms" (`tests/timeout_texts.rs`). Any other error is as it was.
+pub(crate) fn timeout_as_given(error: InvokeError, target: &ActorId, timeout: Duration) -> InvokeError {
+    match error {
+        InvokeError::Timeout { target: timed_out, .. } if timed_out == *target => InvokeError::Timeout {
+            target: timed_out,
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        },
+        other => other,
     }
 }
 

@@ -131,6 +131,16 @@ pub(crate) struct Conversation {
     /// conversation's role-relative window); such a turn is neither logged in nor
     /// remembered by the private log: the conversation keeps it.
     pub(crate) history: Option<Vec<ChatMessage>>,
+    /// The time its sender allowed, which the turn's timeout names if the deadline
+    /// passes in its model loop (`AgentActor::timed_out`): `None` for an ask,
+    /// whose caller's wait names the time it allowed in place of the turn's, so the turn
+    /// names what it had left when it started; `Some(0)` where only the deadline is
+    /// known (a task's or a notification's entry carries its deadline, not the time
+    /// its sender gave: "its deadline passed"); a mention's whole time. Before, every
+    /// turn named the time left when it started: a task delegated with 100 ms failed
+    /// "timed out after 99 ms" when the clock moved between the delegation and the
+    /// turn (`tests/timeout_texts.rs`), and far less after a wait in the inbox.
+    pub(crate) allowed_ms: Option<u64>,
 }
 
 /// What an agent's model is shown besides the chat: its system message and the tool
@@ -258,7 +268,8 @@ impl AgentActor {
         let turn_deadline = turn.deadline();
         let deadline = conversation.deadline.min(turn_deadline);
         let started = clock.now();
-        let timeout_ms = |from: troupe_core::Deadline| deadline.remaining_ms(from);
+        let allowed_ms = conversation.allowed_ms;
+        let timeout_ms = |from: troupe_core::Deadline| allowed_ms.unwrap_or_else(|| deadline.remaining_ms(from));
         if self.shared.has_listeners() {
             let context = turn.context();
             self.shared.emit(&AgentEvent::TurnStarted {
