@@ -341,7 +341,8 @@ impl Dispatcher {
         }
     }
 
-    /// Hands `envelope` to a live activation, or gives it back with the refusal.
+    /// Hands `envelope` to a live activation, or holds it for the next one while this one
+    /// ends, or gives it back with the refusal.
     fn deliver(
         routes: &Routes,
         activation: &mut Activation,
@@ -349,29 +350,37 @@ impl Dispatcher {
         capacity: usize,
         envelope: Box<Envelope>,
     ) -> Option<(Box<Envelope>, InvokeError)> {
-        let busy = || InvokeError::Busy {
+        let envelope = if activation.open {
+            let mut routes = routes.lock();
+            let route = routes.get(target).expect("an open activation has a route");
+            match route.deliver(*envelope) {
+                Delivery::Delivered => return None,
+                Delivery::Full(envelope, _) => return Some((envelope, Self::busy(target, capacity))),
+                Delivery::Closed(envelope) => {
+                    // The activation's task closed its mailbox itself (a fenced commit) or
+                    // ended (a crash, an abort), and its notice, sent before, was not here
+                    // yet when this command's notices were applied. The message never got
+                    // in, so it never ran: it waits for the next activation, as one that
+                    // comes during a deactivation does, instead of failing `ActorFailed`.
+                    // The notice follows and ends this activation (`finish`).
+                    activation.close(target, &mut routes);
+                    envelope
+                }
+            }
+        } else {
+            envelope
+        };
+        if activation.held_len() < capacity {
+            activation.waiting().held.push_back(envelope);
+            return None;
+        }
+        Some((envelope, Self::busy(target, capacity)))
+    }
+
+    fn busy(target: &ActorId, capacity: usize) -> InvokeError {
+        InvokeError::Busy {
             target: target.clone(),
             capacity,
-        };
-        if !activation.open {
-            if activation.held_len() < capacity {
-                activation.waiting().held.push_back(envelope);
-                return None;
-            }
-            return Some((envelope, busy()));
-        }
-        let routes = routes.lock();
-        let route = routes.get(target).expect("an open activation has a route");
-        match route.deliver(*envelope) {
-            Delivery::Delivered => None,
-            Delivery::Full(envelope, _) => Some((envelope, busy())),
-            Delivery::Closed(envelope) => Some((
-                envelope,
-                InvokeError::ActorFailed {
-                    target: target.clone(),
-                    cause: "the activation ended before the message was delivered".to_string(),
-                },
-            )),
         }
     }
 
@@ -567,5 +576,62 @@ impl Dispatcher {
         for envelope in held {
             self.refuse(*envelope, InvokeError::Shutdown);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use troupe_core::{CallContext, Deadline};
+
+    use super::*;
+    use crate::envelope::{EnvelopeSpan, Payload, ReplyTo};
+
+    fn envelope(call: u64) -> Box<Envelope> {
+        Box::new(Envelope {
+            payload: Payload::Bytes(Bytes::new()),
+            context: CallContext::root(Deadline::from_micros(u64::MAX)).into(),
+            reply: ReplyTo::Nobody,
+            call,
+            edge: false,
+            span: EnvelopeSpan::new(tracing::Span::none()),
+        })
+    }
+
+    /// Goal: a request the dispatcher routes to an activation it still takes for open,
+    /// whose task has closed the mailbox itself (a fenced commit) or ended (a crash, an
+    /// abort) and whose notice the dispatcher has not applied yet, is held for the next
+    /// activation (it never got in, so it never ran), and the activation is closed: the
+    /// window docs/architecture.md named under "A commit refused for a newer claim".
+    /// Before, it was refused `ActorFailed` ("the activation ended before the message
+    /// was delivered"). Method: an activation whose mailbox's receiver is dropped (as a
+    /// task's end drops it), its route still in the map.
+    #[tokio::test]
+    async fn a_request_that_meets_a_mailbox_its_task_closed_is_held_for_the_next_activation() {
+        let target = ActorId::new("worker", "w").unwrap();
+        let routes = Routes::default();
+        let (mailbox, receiver) = Mailbox::open(2, std::iter::empty());
+        routes.lock().insert(target.clone(), Route::open(mailbox));
+        drop(receiver);
+        let mut lifecycle = Lifecycle::default();
+        lifecycle.apply(LifecycleEvent::Activate);
+        lifecycle.apply(LifecycleEvent::Activated);
+        let mut activation = Activation {
+            lifecycle,
+            generation: 0,
+            open: true,
+            task: tokio::spawn(async {}).abort_handle(),
+            waiting: None,
+        };
+        let refused = Dispatcher::deliver(&routes, &mut activation, &target, 2, envelope(1));
+        assert!(refused.is_none(), "refused: {:?}", refused.map(|(_, error)| error));
+        assert_eq!(activation.held_len(), 1, "held for the next activation");
+        assert!(!activation.open, "the activation is closed");
+        assert!(routes.lock().get(&target).is_none(), "its route is gone");
+        assert_eq!(activation.lifecycle.state(), LifecycleState::Deactivating);
+        // The hold is bounded by the mailbox's capacity, as during a deactivation.
+        assert!(Dispatcher::deliver(&routes, &mut activation, &target, 2, envelope(2)).is_none());
+        let full = Dispatcher::deliver(&routes, &mut activation, &target, 2, envelope(3));
+        assert!(matches!(full, Some((_, InvokeError::Busy { capacity: 2, .. }))));
     }
 }

@@ -142,7 +142,8 @@ impl Instances {
 /// of its key-value space, read and written through the turn, yielding `n` times in
 /// between); `deadline` (reply the turn's
 /// deadline in microseconds); `call:<key>:<ms>` (call `worker/<key>` with `deadline`
-/// for at most `<ms>` ms, reply `<mine>,<child's>`); `get`.
+/// for at most `<ms>` ms, reply `<mine>,<child's>`); `get`; `panic` (ends the activation's
+/// task: a crash).
 struct Worker {
     key: String,
     count: u64,
@@ -162,6 +163,7 @@ impl Actor for Worker {
         match parts.next().unwrap_or_default() {
             "add" => {}
             "get" => return Ok(Bytes::from(self.count.to_string())),
+            "panic" => panic!("worker/{} was asked to panic", self.key),
             "sleep" => {
                 let ms: u64 = parts.next().unwrap().parse().unwrap();
                 tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -2015,4 +2017,133 @@ async fn a_stale_activation_answers_reads_from_its_own_state_until_a_commit_is_f
     );
     within("shutdown", a.shutdown()).await;
     within("shutdown", b.shutdown()).await;
+}
+
+/// Goal: requests that reach a stale activation while its fenced commit closes its
+/// mailbox are answered with the fence or served by a fresh activation, never with
+/// `ActorFailed` ("the activation ended before the message was delivered"): a request
+/// the dispatcher routes between the fence's close and its notice is held for the
+/// next activation, as during a deactivation. Method: two runtimes on one SQLite file;
+/// for each of 60 actors runtime `a` activates it, runtime `b` commits (a newer claim),
+/// then 8 tasks send `add` through `a` at once, each retrying on the fence; every answer
+/// must be `Ok`. This probe held before the dispatcher's fix too (it reaches the window
+/// too rarely): the fix's test is `dispatcher::tests::a_request_that_meets_a_mailbox_its_task_closed_is_held_for_the_next_activation`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_racing_a_fenced_close_are_fenced_or_served_never_failed() {
+    const ACTORS: usize = 60;
+    const SENDERS: usize = 8;
+    const RETRIES: usize = 20;
+    let file = TempFile::new("fenced-race");
+    let instances = Arc::new(Instances::default());
+    let a = start_with(file.open(), &instances, KindConfig::default(), Duration::from_secs(1));
+    let b = start_with(file.open(), &instances, KindConfig::default(), Duration::from_secs(1));
+    let mut kinds: HashMap<String, usize> = HashMap::new();
+    for actor in 0..ACTORS {
+        let id = worker(&format!("r{actor}"));
+        let get = a.invoke_within(&id, Bytes::from_static(b"get"), HANG);
+        assert_eq!(within("a: get", get).await, Ok(Bytes::from_static(b"0")));
+        let add = b.invoke_within(&id, Bytes::from_static(b"add"), HANG);
+        assert_eq!(within("b: add", add).await, Ok(Bytes::from_static(b"1")));
+        let senders: Vec<_> = (0..SENDERS)
+            .map(|_| {
+                let handle = a.handle();
+                let id = id.clone();
+                tokio::spawn(async move {
+                    // Retried on the fence, as a caller would: the retries race the close.
+                    for _ in 0..RETRIES {
+                        match handle.invoke_within(&id, Bytes::from_static(b"add"), HANG).await {
+                            Err(InvokeError::StorageFailed {
+                                source: troupe_runtime::StoreError::Fenced { .. },
+                                ..
+                            }) => continue,
+                            other => return other,
+                        }
+                    }
+                    panic!("fenced {RETRIES} times in a row")
+                })
+            })
+            .collect();
+        for sender in senders {
+            let kind = match within("a: add", sender).await.unwrap() {
+                Ok(_) => "Ok".to_string(),
+                Err(error) => error_kind(&error),
+            };
+            *kinds.entry(kind).or_default() += 1;
+        }
+    }
+    let unexpected: Vec<_> = kinds.iter().filter(|(kind, _)| kind.as_str() != "Ok").collect();
+    assert!(
+        unexpected.is_empty(),
+        "outcomes of {} sends: {kinds:?}",
+        ACTORS * SENDERS
+    );
+    within("shutdown", a.shutdown()).await;
+    within("shutdown", b.shutdown()).await;
+}
+
+/// Goal: a request that reaches an activation whose task has just crashed (its mailbox
+/// gone with it), before the dispatcher has had the crash notice, is held and served by
+/// the next activation, as one that comes during a deactivation is: it never ran, so it
+/// is not failed. Requests already in the crashed mailbox fail `ActorFailed` ("ended
+/// before it replied"): they may have run. Method: 4 tasks send `add` in a loop through
+/// one runtime while a fifth asks the actor to panic, 40 times; every failure must be
+/// one of the queued kind. This probe held before the dispatcher's fix too (the notice is
+/// sent before the mailbox goes, and the dispatcher applies notices before each command,
+/// so the window is one command's routing wide): the fix's test is the dispatcher's unit
+/// test named above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_racing_a_crash_notice_is_served_by_the_next_activation() {
+    const ROUNDS: usize = 40;
+    const SENDERS: usize = 4;
+    const SENDS: usize = 50;
+    let instances = Arc::new(Instances::default());
+    let runtime = start_with(
+        Arc::new(MemoryStore::new()),
+        &instances,
+        KindConfig::default(),
+        Duration::from_secs(1),
+    );
+    let mut undelivered = Vec::new();
+    let mut outcomes: HashMap<String, usize> = HashMap::new();
+    for round in 0..ROUNDS {
+        let id = worker(&format!("c{round}"));
+        let senders: Vec<_> = (0..SENDERS)
+            .map(|_| {
+                let handle = runtime.handle();
+                let id = id.clone();
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    for _ in 0..SENDS {
+                        seen.push(handle.invoke_within(&id, Bytes::from_static(b"add"), HANG).await);
+                    }
+                    seen
+                })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        let crash = runtime.invoke_within(&id, Bytes::from_static(b"panic"), HANG);
+        assert!(
+            matches!(within("the panic", crash).await, Err(InvokeError::ActorFailed { .. })),
+            "the panicking turn fails"
+        );
+        for sender in senders {
+            for outcome in within("the senders", sender).await.unwrap() {
+                let kind = match &outcome {
+                    Ok(_) => "Ok".to_string(),
+                    Err(InvokeError::ActorFailed { cause, .. }) => format!("ActorFailed: {cause}"),
+                    Err(other) => error_kind(other),
+                };
+                if kind.contains("before the message was delivered") {
+                    undelivered.push(round);
+                }
+                *outcomes.entry(kind).or_default() += 1;
+            }
+        }
+    }
+    assert!(
+        undelivered.is_empty(),
+        "{} requests never delivered were failed (rounds {undelivered:?}); outcomes: {outcomes:?}",
+        undelivered.len()
+    );
+    within("shutdown", runtime.shutdown()).await;
 }
