@@ -9,8 +9,9 @@ as the scripted model counts it, one token per word), streams a long turn of the
 `coordinator` (its role chunk arrives while the turn runs, a second or more before its
 content), then gives the coordinator one model step so that its turn fails after its
 tool calls, after the headers: the stream's error event is raised as `openai.APIError`.
-It checks that `stream_options` without streaming, an unknown model and a wrong key fail
-with the client's typed errors. The server is stopped with SIGTERM at the end (killed if
+It retrieves every model (`models.retrieve`, each as listed) and checks that retrieving
+an unknown model, `stream_options` without streaming, `n=3`, an unknown model and a wrong
+key fail with the client's typed errors. The server is stopped with SIGTERM at the end (killed if
 it does not stop in time). Every wait is bounded; a missing `openai` package fails the
 run with what to install.
 
@@ -75,6 +76,20 @@ def run(address):
     for model in listed:
         check(now - 86_400 <= model.created <= now + 1, f"{model.id} created {model.created}, now {now}")
     print(f"ok models.list: {models}")
+
+    # Retrieve model: each agent as its entry of the list; an unknown one is a 404 in
+    # OpenAI's error shape (until 2026-12-06 the route did not exist).
+    for model in listed:
+        retrieved = client.models.retrieve(model.id)
+        check(retrieved == model, f"models.retrieve({model.id!r}): {retrieved}, listed {model}")
+    try:
+        client.models.retrieve("nobody")
+        raise AssertionError("an unknown model was retrieved")
+    except openai.NotFoundError as error:
+        check(error.code == "model_not_found", f"retrieve an unknown model: code {error.code!r}: {error}")
+        check(error.type == "invalid_request_error", f"retrieve an unknown model: type {error.type!r}: {error}")
+        check(error.param == "model", f"retrieve an unknown model: param {error.param!r}: {error}")
+        print("ok models.retrieve: every agent; an unknown one NotFoundError model_not_found")
 
     messages = [
         {"role": "system", "content": "ignored: the agent has its own prompt"},
@@ -142,6 +157,17 @@ def run(address):
         check(error.code == "invalid_request_error", f"stream_options without stream: code {error.code!r}: {error}")
         check("stream_options" in str(error), f"stream_options without stream: {error}")
         print("ok stream_options without stream: BadRequestError")
+
+    # n other than 1: refused, not answered with one choice (until 2026-12-06 ignored).
+    try:
+        client.chat.completions.create(model="critic", messages=messages, n=3)
+        raise AssertionError("n=3 was answered")
+    except openai.BadRequestError as error:
+        check(error.param == "n", f"n=3: param {error.param!r}: {error}")
+        check(error.type == "invalid_request_error", f"n=3: type {error.type!r}: {error}")
+        print("ok n=3: BadRequestError naming n")
+    completion = client.chat.completions.create(model="critic", messages=messages, n=1)
+    check(len(completion.choices) == 1, f"n=1: {completion}")
 
     try:
         client.chat.completions.create(model="nobody", messages=messages)

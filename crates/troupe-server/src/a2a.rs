@@ -69,6 +69,11 @@ pub(crate) const FORWARDED_BY_HEADER: &str = "x-troupe-forwarded-by";
 pub(crate) const FORWARDED_TO_HEADER: &str = "x-troupe-forwarded-to";
 /// The agent card's path under an agent's A2A base URL.
 const AGENT_CARD_PATH: &str = "/.well-known/agent-card.json";
+/// The prefix of the message id an A2A task is handed to its agent with
+/// (`a2a:{task id}`), which the agent dedupes by: reserved, a REST notification's
+/// `msg_id` may not start with it (`agents::check_message_id`), so that neither can be
+/// taken for the other.
+pub(crate) const A2A_MESSAGE_ID_PREFIX: &str = "a2a:";
 
 /// A2A's JSON-RPC error codes (the SDK's `JSON_RPC_ERROR_CODE_MAP`).
 pub(crate) mod code {
@@ -1111,7 +1116,7 @@ async fn outcome(a2a: &A2a, id: &str, agent: &str, ask: &Ask) -> Option<Result<t
     });
     let request = troupe_agent::ExternalTaskRequest {
         origin: "a2a".to_string(),
-        msg_id: format!("a2a:{id}"),
+        msg_id: format!("{A2A_MESSAGE_ID_PREFIX}{id}"),
         text: ask.text.clone(),
         timeout_ms: Some(timeout_ms),
         chain: ask.chain.clone(),

@@ -88,10 +88,22 @@ pub(crate) fn check_text(text: &str) -> Result<(), ApiError> {
 }
 
 /// A notification's `msg_id` checked: 422 `invalid_message_id` if it is longer than
-/// [`SERVER_MESSAGE_ID_LENGTH_MAX_BYTES`] (the agent's store could not key it). An empty
-/// one is the agent's to refuse (the same code).
+/// [`SERVER_MESSAGE_ID_LENGTH_MAX_BYTES`] (the agent's store could not key it), or if it
+/// starts with [`crate::a2a::A2A_MESSAGE_ID_PREFIX`], reserved for the messages of A2A
+/// tasks: the agent dedupes both kinds by their id in one namespace, so until 2026-12-06
+/// a notification `a2a:{task id}` was taken for that A2A task's message (or the other way
+/// round: the task, coming second, was never worked). An empty one is the agent's to
+/// refuse (the same code).
 pub(crate) fn check_message_id(msg_id: Option<&str>) -> Result<(), ApiError> {
+    use crate::a2a::A2A_MESSAGE_ID_PREFIX;
     match msg_id {
+        Some(id) if id.starts_with(A2A_MESSAGE_ID_PREFIX) => Err(ApiError::unprocessable(
+            "invalid_message_id",
+            format!(
+                "msg_id {id:?} starts with {A2A_MESSAGE_ID_PREFIX:?}, reserved for the messages of A2A tasks \
+                 (send those through /a2a/{{agent}}); use another id (a UUID fits)"
+            ),
+        )),
         Some(id) if id.len() > SERVER_MESSAGE_ID_LENGTH_MAX_BYTES => Err(ApiError::unprocessable(
             "invalid_message_id",
             format!(

@@ -22,6 +22,12 @@ pub struct ApiError {
     pub message: String,
     /// Seconds to wait before retrying, sent as `Retry-After`.
     pub retry_after_s: Option<u64>,
+    /// OpenAI's error `type` (`invalid_request_error`, `server_error`): set on the
+    /// OpenAI-compatible routes' errors, whose body then also carries `type` and `param`
+    /// as OpenAI's does (`{"error": {"message", "type", "param", "code"}}`).
+    pub openai_type: Option<&'static str>,
+    /// The request field the error is about (OpenAI's `param`), if any.
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -32,7 +38,39 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after_s: None,
+            openai_type: None,
+            param: None,
         }
+    }
+
+    /// The same error in OpenAI's shape: `type` (`invalid_request_error` for a client
+    /// error, `server_error` otherwise, unless set already) and `param` in its body.
+    pub fn openai(mut self) -> Self {
+        if self.openai_type.is_none() {
+            self.openai_type = Some(if self.status.is_client_error() {
+                "invalid_request_error"
+            } else {
+                "server_error"
+            });
+        }
+        self
+    }
+
+    /// The same error about request field `param` (OpenAI's `param`).
+    pub fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    /// The JSON body: `{"error": {"code", "message"}}`, plus `type` and `param` (null
+    /// if none) for an error in OpenAI's shape ([`ApiError::openai`]).
+    pub fn body(&self) -> serde_json::Value {
+        let mut error = json!({"code": self.code, "message": self.message});
+        if let Some(kind) = self.openai_type {
+            error["type"] = json!(kind);
+            error["param"] = json!(self.param);
+        }
+        json!({ "error": error })
     }
 
     fn retry_after(mut self) -> Self {
@@ -161,8 +199,7 @@ impl From<StoreError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
-        let mut response = (self.status, axum::Json(body)).into_response();
+        let mut response = (self.status, axum::Json(self.body())).into_response();
         if let Some(seconds) = self.retry_after_s {
             response
                 .headers_mut()

@@ -199,5 +199,11 @@ pub const OPENAI_STREAM_HEADERS_WAIT_MS: u64 = 200;
 /// milliseconds: then it sends an SSE comment (a keep-alive, which OpenAI clients skip),
 /// so that proxies and clients with a read timeout keep the connection.
 pub const OPENAI_STREAM_KEEP_ALIVE_MS: u64 = 15_000;
+/// The choices a chat completion answers, at most: one. A choice is an agent's turn,
+/// which changes the agent's state (its conversation, what it sent), so `n` choices
+/// would be `n` turns one after the other, each seeing the ones before: not the `n`
+/// independent samples OpenAI's `n` means. A request with another `n` is refused 400
+/// `invalid_request_error` (`param: "n"`) rather than answered with fewer choices.
+pub const OPENAI_CHOICES_MAX: u64 = 1;
 
 const _: () = assert!(OPENAI_STREAM_HEADERS_WAIT_MS < OPENAI_STREAM_KEEP_ALIVE_MS);

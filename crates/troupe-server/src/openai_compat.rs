@@ -88,7 +88,7 @@ use troupe_core::TraceId;
 
 use crate::agents::{check_text, known};
 use crate::error::{ApiError, ApiJson};
-use crate::limits::{OPENAI_STREAM_HEADERS_WAIT_MS, OPENAI_STREAM_KEEP_ALIVE_MS};
+use crate::limits::{OPENAI_CHOICES_MAX, OPENAI_STREAM_HEADERS_WAIT_MS, OPENAI_STREAM_KEEP_ALIVE_MS};
 use crate::server::AppState;
 
 /// One message of a chat-completions request; other fields (name, tool_calls, ...) are
@@ -117,6 +117,10 @@ pub(crate) struct ChatCompletionBody {
     /// value on a request that is not streamed is refused, as OpenAI refuses it.
     #[serde(default)]
     stream_options: Option<StreamOptionsBody>,
+    /// How many choices: only [`OPENAI_CHOICES_MAX`] (null or absent: one); another
+    /// value is refused (`check_choices`).
+    #[serde(default)]
+    n: Option<i64>,
 }
 
 /// A chat-completions request's `stream_options`; null fields are absent.
@@ -160,8 +164,28 @@ pub(crate) async fn chat_completions(
     ApiJson(body): ApiJson<ChatCompletionBody>,
 ) -> Result<Response, ApiError> {
     let trace = crate::agents::request_trace(&state, &headers);
-    let result = completion(&state, body, trace).await;
+    let result = completion(&state, body, trace).await.map_err(ApiError::openai);
     Ok(crate::agents::with_trace(result, trace))
+}
+
+/// `n` other than [`OPENAI_CHOICES_MAX`] refused, 400 `invalid_request_error` with
+/// `param: "n"`, before the agent is asked. Until 2026-12-06 it was ignored, and a client
+/// asking for 3 choices got 1 without a word.
+fn check_choices(body: &ChatCompletionBody) -> Result<(), ApiError> {
+    match body.n {
+        None => Ok(()),
+        Some(n) if u64::try_from(n) == Ok(OPENAI_CHOICES_MAX) => Ok(()),
+        Some(n) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!(
+                "n is {n}: this server answers {OPENAI_CHOICES_MAX} choice per request (OPENAI_CHOICES_MAX), as \
+                 each choice is a turn of the agent, which changes its state; send n: 1 or leave n out, and send \
+                 several requests for several answers"
+            ),
+        )
+        .param("n")),
+    }
 }
 
 /// The one request field combination refused before anything else: `stream_options`
@@ -175,23 +199,18 @@ fn check_stream_options(body: &ChatCompletionBody) -> Result<(), ApiError> {
             "invalid_request_error",
             "The 'stream_options' parameter is only allowed when 'stream' is enabled: send \"stream\": true, \
              or leave stream_options out (or null)",
-        ));
+        )
+        .param("stream_options"));
     }
     Ok(())
 }
 
 async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: TraceId) -> Result<Response, ApiError> {
     check_stream_options(&body)?;
-    known(state, &body.model).await.map_err(|_| {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "model_not_found",
-            format!(
-                "no agent {:?}: the model is an agent id; GET /v1/models lists them",
-                body.model
-            ),
-        )
-    })?;
+    check_choices(&body)?;
+    known(state, &body.model)
+        .await
+        .map_err(|_| model_not_found(&body.model))?;
     let Some(last_user) = body.messages.iter().rev().find(|message| message.role == "user") else {
         return Err(ApiError::unprocessable(
             "no_user_message",
@@ -333,9 +352,8 @@ impl Chunks {
         let reply = match result {
             Ok(reply) => reply,
             Err(error) => {
-                let error = ApiError::from(error);
-                // `ApiError`'s body, as `IntoResponse` makes it.
-                let body = json!({"error": {"code": error.code, "message": error.message}});
+                // `ApiError`'s body, as `IntoResponse` makes it for this route.
+                let body = ApiError::from(error).openai().body();
                 return vec![Event::default().data(body.to_string())];
             }
         };
@@ -396,6 +414,35 @@ impl StreamedAnswer {
     }
 }
 
+/// 404 `model_not_found` for `model`, in OpenAI's shape (`param: "model"`).
+fn model_not_found(model: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "model_not_found",
+        format!("no agent {model:?}: the model is an agent id; GET /v1/models lists them"),
+    )
+    .param("model")
+    .openai()
+}
+
+/// One agent as an OpenAI model: `created` is when it was defined, in Unix seconds (0
+/// if not known: a definition stored by an older Troupe).
+fn model(spec: &troupe_agent::AgentSpec) -> Value {
+    let created = spec.defined_at_us().map_or(0, |at| at / 1_000_000);
+    json!({"id": spec.id, "object": "model", "created": created, "owned_by": "troupe"})
+}
+
+/// `GET /v1/models/{model}`: OpenAI's "retrieve model", the agent `model` as one entry
+/// of `GET /v1/models`; 404 `model_not_found` in OpenAI's error shape for an unknown one.
+/// Until 2026-12-06 the route did not exist (404 `route_not_found`).
+pub(crate) async fn retrieve_model(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let spec = known(&state, &id).await.map_err(|_| model_not_found(&id))?;
+    Ok(Json(model(&spec)))
+}
+
 /// `GET /v1/models`: every agent as a model; `created` is when it was defined, in Unix
 /// seconds (0 if not known: a definition stored by an older Troupe).
 pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
@@ -405,10 +452,7 @@ pub(crate) async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
         .await
         .list()
         .iter()
-        .map(|spec| {
-            let created = spec.defined_at_us().map_or(0, |at| at / 1_000_000);
-            json!({"id": spec.id, "object": "model", "created": created, "owned_by": "troupe"})
-        })
+        .map(model)
         .collect();
     Json(json!({"object": "list", "data": data}))
 }
@@ -532,7 +576,12 @@ mod tests {
         let role = data(&next_frame(&mut body).await.unwrap());
         assert!(role.get("usage").is_none(), "usage not asked for: {role}");
         let failed = data(&next_frame(&mut body).await.unwrap());
-        assert_eq!(failed, json!({"error": {"code": http.code, "message": http.message}}));
+        // The route's HTTP error body, in OpenAI's shape (`type` and `param` since
+        // 2026-12-06).
+        assert_eq!(
+            failed,
+            json!({"error": {"code": http.code, "message": http.message, "type": "server_error", "param": null}})
+        );
         assert_eq!(failed["error"]["code"], "shutting_down");
         assert_eq!(next_frame(&mut body).await, None, "no [DONE] after an error");
         drop(body);

@@ -113,6 +113,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         .route("/v1/events", get(events::events))
         .route("/v1/chat/completions", post(openai_compat::chat_completions))
         .route("/v1/models", get(openai_compat::models))
+        .route("/v1/models/{model}", get(openai_compat::retrieve_model))
         .merge(org::routes())
         .merge(a2a::routes(Arc::clone(&state)))
         .merge(topology::routes(&state.client))

@@ -610,8 +610,9 @@ async fn json_rpc_envelope_errors_carry_the_requests_id_when_it_was_read() {
 }
 
 /// Goal: the OpenAI-compatible route answers the requests a client of OpenAI may send as
-/// docs/serve.md says: fields it does not use are ignored (`n` > 1 gets one choice; the
-/// client's `tools` and `tool_choice` are not the agent's tools), only the last `user`
+/// docs/serve.md says: fields it does not use are ignored (the client's `tools` and
+/// `tool_choice` are not the agent's tools; `n: 1` is served, another `n` refused since
+/// 2026-12-06, below and in `tests/serve_gaps.rs`), only the last `user`
 /// message goes to the agent (messages of other roles, unknown ones included, are
 /// ignored, also after it), text parts are joined as they are; and each malformed request
 /// is a typed 4xx naming what was wrong, the same streamed or not, before the agent is
@@ -628,7 +629,7 @@ async fn openai_requests_with_unused_fields_or_malformed_parts_are_answered_as_d
     let (status, body) = server
         .post(
             "/v1/chat/completions",
-            json!({"model": "echo", "n": 3, "tool_choice": "required",
+            json!({"model": "echo", "n": 1, "tool_choice": "required",
                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
                    "messages": [user("first"), {"role": "robot", "content": "?"}, user("second"),
                                 {"role": "assistant", "content": "after"}, {"role": "tool", "content": "t"}]}),
@@ -655,6 +656,12 @@ async fn openai_requests_with_unused_fields_or_malformed_parts_are_answered_as_d
     let long = "x".repeat(troupe_server::limits::SERVER_MESSAGE_SIZE_MAX_BYTES + 1);
     let refusals = [
         (json!({"model": "echo", "messages": []}), 422, "no_user_message", "user"),
+        (
+            json!({"model": "echo", "n": 3, "messages": [user("x")]}),
+            400,
+            "invalid_request_error",
+            "n is 3",
+        ),
         (
             json!({"model": "echo", "messages": [{"role": "robot", "content": "x"}]}),
             422,
