@@ -48,7 +48,9 @@ pub enum Command {
     /// the scripted model, or on a real one if OPENAI_API_KEY is set (as `troupe demo`).
     /// Prints `listening on http://ADDR` once it accepts connections. On SIGTERM or
     /// ctrl-c it stops accepting, lets requests in flight finish (up to 10 s), then
-    /// shuts the agents down.
+    /// shuts the agents down. A second SIGTERM or ctrl-c during that grace stops it at
+    /// once (exit code 1): requests in flight are cut, turns still running half a second
+    /// later are cut as by a crash; what was acknowledged is kept.
     Serve(ServeArgs),
     /// Run one node of a Troupe cluster: actors' state in PostgreSQL (fenced), their
     /// placement and the node's membership in etcd, calls between nodes over TCP. See
@@ -136,6 +138,11 @@ pub const NODE_LEASE_TTL_MS_DEFAULT: u64 = 5_000;
 
 /// The default address of `troupe serve`.
 pub const SERVE_BIND_DEFAULT: &str = "127.0.0.1:8080";
+
+/// How long `troupe serve` waits for its agents to stop after a second SIGTERM or ctrl-c
+/// (during the grace the first one started), in milliseconds: turns still running then
+/// are cut as by a crash (a turn commits whole or not at all).
+pub const SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS: u64 = 500;
 
 /// The options of `troupe serve`.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]

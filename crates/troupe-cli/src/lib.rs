@@ -25,7 +25,7 @@ mod org_demo;
 
 pub use cli::{
     Cli, Command, DemoArgs, LogFormat, NodeArgs, ServeArgs, NODE_CLUSTER_DEFAULT, NODE_LEASE_TTL_MS_DEFAULT,
-    SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT,
+    SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT, SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS,
 };
 pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS, ORG_DEMO_WAIT_MS};
 

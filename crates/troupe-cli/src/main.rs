@@ -41,9 +41,18 @@ fn real_model() -> Result<Option<RealModel>, String> {
 type OpenedStore = (Arc<dyn StateStore>, std::path::PathBuf, Option<tempfile::TempDir>);
 
 /// The SQLite store in DIR/troupe.db, or in a new temporary directory (named with
-/// `prefix`) that is removed when the returned guard drops.
-fn open_store(dir: Option<&std::path::Path>, prefix: &str) -> Result<OpenedStore, String> {
+/// `prefix`) that is removed when the returned guard drops. `flag` names the option that
+/// gave DIR, for the refusal of a DIR that is a file. Called once everything that can
+/// refuse the run before it starts has been checked: a refused run creates no DIR.
+fn open_store(dir: Option<&std::path::Path>, flag: &str, prefix: &str) -> Result<OpenedStore, String> {
     let (directory, temporary) = match dir {
+        // Until 2026-12-06 this read "cannot create FILE: File exists".
+        Some(dir) if dir.exists() && !dir.is_dir() => {
+            return Err(format!(
+                "{flag} {}: not a directory; {flag} takes a directory, the state goes in DIR/troupe.db",
+                dir.display()
+            ))
+        }
         Some(dir) => (dir.to_path_buf(), None),
         None => {
             let temporary = tempfile::Builder::new()
@@ -62,10 +71,15 @@ fn open_store(dir: Option<&std::path::Path>, prefix: &str) -> Result<OpenedStore
 
 async fn demo(args: DemoArgs) -> Result<bool, String> {
     let real = if args.scripted { None } else { real_model()? };
+    // Read before the store is opened: a file that cannot be used creates no --data-dir.
+    let org = match &args.config {
+        Some(path) => Some(troupe_agent::OrgConfig::from_file(path).map_err(|error| error.to_string())?),
+        None => None,
+    };
     // Without --data-dir, a new temporary directory, removed when `temporary` drops.
-    let (store, path, temporary) = open_store(args.data_dir.as_deref(), "troupe-demo-")?;
-    if let Some(config_path) = &args.config {
-        let ok = org_demo(store, config_path).await;
+    let (store, path, temporary) = open_store(args.data_dir.as_deref(), "--data-dir", "troupe-demo-")?;
+    if let (Some(config), Some(config_path)) = (&org, &args.config) {
+        let ok = org_demo(store, config, config_path).await;
         drop(temporary);
         return ok;
     }
@@ -143,13 +157,18 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     // Refuse a bad address, token or limit before anything starts.
     config.check_bind(args.bind).map_err(|error| error.to_string())?;
     let real = if args.scripted { None } else { real_model()? };
-    let (store, path, temporary) = open_store(args.db.as_deref(), "troupe-serve-")?;
     // A config file replaces the built-in organisation (read before anything starts, so
     // a broken file stops here naming its line and field).
     let org = match &args.config {
         Some(file) => Some(troupe_agent::OrgConfig::from_file(file).map_err(|error| error.to_string())?),
         None => None,
     };
+    // The port before the store: a run that cannot listen writes nothing (until
+    // 2026-12-06 it had created `--db` and synced the config into it first).
+    let listener = tokio::net::TcpListener::bind(args.bind)
+        .await
+        .map_err(|error| listen_error(args.bind, &error))?;
+    let (store, path, temporary) = open_store(args.db.as_deref(), "--db", "troupe-serve-")?;
     let (agents, script) = match &org {
         Some(_) => (Vec::new(), troupe_cli::org_demo_script()),
         None => serve_organisation(if real.is_some() { "" } else { "scripted" }),
@@ -174,9 +193,6 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|error| format!("{}: the config could not be applied: {error}", file.display()))?;
         count = org.agent_specs().len();
     }
-    let listener = tokio::net::TcpListener::bind(args.bind)
-        .await
-        .map_err(|error| format!("cannot listen on {}: {error}", args.bind))?;
     let local = listener
         .local_addr()
         .map_err(|error| format!("cannot read the listening address: {error}"))?;
@@ -187,8 +203,29 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     );
     println!("listening on http://{local}");
     let _ = std::io::stdout().flush();
-    let served = troupe_server::serve(listener, system.client(), config, shutdown_signal()).await;
-    system.shutdown().await;
+    // The first SIGTERM or ctrl-c stops accepting and lets requests in flight finish (up
+    // to the grace); a second one during it stops at once. Until 2026-12-06 a second
+    // signal was ignored, and the process waited for the requests in flight anyway.
+    let (first, second) = stop_signals();
+    let served = tokio::select! {
+        biased;
+        served = troupe_server::serve(listener, system.client(), config, first) => Some(served),
+        () = second => None,
+    };
+    if served.is_none() {
+        eprintln!("troupe serve: a second signal: stopping now, without waiting for the requests in flight");
+        // The runtime's stop waits for the turns running: past this bound they are cut
+        // as by a crash (a turn commits whole or not at all).
+        let wait = std::time::Duration::from_millis(troupe_cli::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS);
+        if tokio::time::timeout(wait, system.shutdown()).await.is_err() {
+            eprintln!(
+                "troupe serve: turns still running after {} ms were cut (a turn commits whole or not at all)",
+                troupe_cli::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS
+            );
+        }
+    } else {
+        system.shutdown().await;
+    }
     drop(temporary);
     #[cfg(feature = "otel")]
     if let Some(guard) = otel {
@@ -198,9 +235,27 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     }
     #[cfg(not(feature = "otel"))]
     let _: OtelGuard = otel;
+    let Some(served) = served else {
+        return Err(
+            "stopped by a second signal: the requests in flight were cut (a turn commits whole or not at \
+             all); what was acknowledged before is kept"
+                .to_string(),
+        );
+    };
     served.map_err(|error| error.to_string())?;
     println!("troupe serve: stopped");
     Ok(())
+}
+
+/// The refusal of `--bind ADDR` that cannot be listened on, with what to do.
+#[cfg(not(madsim))]
+fn listen_error(addr: std::net::SocketAddr, error: &std::io::Error) -> String {
+    let hint = match error.kind() {
+        std::io::ErrorKind::AddrInUse => "another process listens there: stop it, or give --bind another port",
+        std::io::ErrorKind::PermissionDenied => "ports under 1024 need privileges: give --bind another port",
+        _ => "give --bind an address of this machine",
+    };
+    format!("--bind {addr}: cannot listen there ({error}); {hint} (port 0 picks a free one)")
 }
 
 /// Logs to stderr in `format`, filtered by RUST_LOG (or [`SERVE_LOG_FILTER_DEFAULT`]).
@@ -263,6 +318,48 @@ type OtelGuard = Option<troupe_server::otel::OtelGuard>;
 #[cfg(all(not(madsim), not(feature = "otel")))]
 type OtelGuard = Option<std::convert::Infallible>;
 
+/// A future that completes on a stop signal (or never, if the signal is not watched).
+#[cfg(not(madsim))]
+type StopSignal = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Two futures: the first completes on the first SIGTERM or ctrl-c (SIGINT), the second
+/// on the next one after it. The signals are watched from this call on. If they cannot
+/// be watched, the first is [`shutdown_signal`] and the second never completes.
+#[cfg(not(madsim))]
+fn stop_signals() -> (StopSignal, StopSignal) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut terminate, mut interrupt) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(terminate), Ok(interrupt)) => (terminate, interrupt),
+        (Err(error), _) | (_, Err(error)) => {
+            eprintln!(
+                "troupe serve: cannot watch SIGTERM and SIGINT ({error}); only the first signal stops the server"
+            );
+            return (Box::pin(shutdown_signal()), Box::pin(std::future::pending()));
+        }
+    };
+    let (first_sent, first) = tokio::sync::oneshot::channel::<()>();
+    let (second_sent, second) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        for sent in [first_sent, second_sent] {
+            tokio::select! {
+                biased;
+                _ = terminate.recv() => {}
+                _ = interrupt.recv() => {}
+            }
+            let _ = sent.send(());
+        }
+    });
+    // A sender dropped without sending (the watching task gone) is no signal.
+    let wait = |received: tokio::sync::oneshot::Receiver<()>| -> StopSignal {
+        Box::pin(async move {
+            if received.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+    };
+    (wait(first), wait(second))
+}
+
 /// Completes on SIGTERM or ctrl-c (SIGINT).
 #[cfg(not(madsim))]
 async fn shutdown_signal() {
@@ -282,8 +379,11 @@ async fn shutdown_signal() {
 }
 
 /// `troupe demo --config FILE`: the organisation of FILE on the scripted model.
-async fn org_demo(store: Arc<dyn StateStore>, path: &std::path::Path) -> Result<bool, String> {
-    let config = troupe_agent::OrgConfig::from_file(path).map_err(|error| error.to_string())?;
+async fn org_demo(
+    store: Arc<dyn StateStore>,
+    config: &troupe_agent::OrgConfig,
+    path: &std::path::Path,
+) -> Result<bool, String> {
     println!(
         "Troupe organisation demo: {} agents, {} links, {} permission rules, policy {:?}, from {} (scripted model)",
         config.agents.len(),
@@ -294,7 +394,7 @@ async fn org_demo(store: Arc<dyn StateStore>, path: &std::path::Path) -> Result<
     );
     println!("Every agent tries to contact every other agent (call_agent).");
     println!();
-    let report = run_org_demo(store, &config).await?;
+    let report = run_org_demo(store, config).await?;
     println!("Who talked to whom:");
     for contact in &report.contacts {
         let detail = if contact.detail.is_empty() {

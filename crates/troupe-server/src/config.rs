@@ -195,7 +195,10 @@ pub enum ServeError {
         addr: SocketAddr,
     },
     /// The token is too short to be a secret.
-    #[error("the bearer token is {length} bytes, shorter than the minimum of {min}: use a longer random token")]
+    #[error(
+        "the bearer token (--token or TROUPE_TOKEN) is {length} bytes, shorter than the minimum of {min}: \
+         use a longer random token, e.g. `openssl rand -hex 16`"
+    )]
     TokenTooShort {
         /// Its length, in bytes.
         length: usize,

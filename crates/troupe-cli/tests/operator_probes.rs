@@ -1,0 +1,413 @@
+//! The `troupe` program probed from outside, as a new user and an operator run it: bad
+//! flags and config files, a taken port, signals during load, restarts on the same data.
+//! Each probe runs the built binary as a child process on loopback, waits a bounded
+//! time, and kills what it started when it is dropped. Normal build only (the server is
+//! not built under madsim).
+#![cfg(not(madsim))]
+// Real processes and real time only: blocking HTTP clients on OS threads, polled waits.
+#![allow(clippy::disallowed_methods)]
+
+mod support;
+
+use std::io::{BufReader, Read};
+use std::path::Path;
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::time::Duration;
+
+/// The longest the binary may take to start, answer or stop, in milliseconds.
+const PROBE_WAIT_MS_MAX: u64 = 20_000;
+/// How often a stopping child is checked, in milliseconds.
+const PROBE_POLL_MS: u64 = 20;
+
+/// A `troupe` child killed when dropped (a failed assertion leaves no process behind).
+struct Running {
+    child: Child,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Running {
+    /// Sends `signal` (`TERM`, `INT`) to the child, as a service manager or ctrl-c does.
+    fn signal(&self, signal: &str) {
+        let sent = Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill -{signal} {} failed", self.child.id());
+    }
+
+    /// Its exit status once it stops, within `PROBE_WAIT_MS_MAX`; else panics (the drop
+    /// kills it).
+    fn wait(&mut self) -> std::process::ExitStatus {
+        for _ in 0..PROBE_WAIT_MS_MAX / PROBE_POLL_MS {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(PROBE_POLL_MS));
+        }
+        panic!("troupe did not stop within {PROBE_WAIT_MS_MAX} ms");
+    }
+
+    /// The rest of its stderr (once it has stopped).
+    fn stderr(&mut self) -> String {
+        let mut text = String::new();
+        if let Some(mut stderr) = self.child.stderr.take() {
+            stderr.read_to_string(&mut text).unwrap();
+        }
+        text
+    }
+}
+
+fn troupe() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_troupe"));
+    command
+        .env_remove("TROUPE_TOKEN")
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("RUST_LOG");
+    command
+}
+
+/// Runs `troupe ARGS` to its end (it must stop by itself within the wait).
+fn run(args: &[&str]) -> Output {
+    let mut running = Running {
+        child: troupe()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    };
+    let status = running.wait();
+    let mut stdout = Vec::new();
+    running.child.stdout.take().unwrap().read_to_end(&mut stdout).unwrap();
+    let mut stderr = Vec::new();
+    running.child.stderr.take().unwrap().read_to_end(&mut stderr).unwrap();
+    Output { status, stdout, stderr }
+}
+
+/// `troupe serve --scripted --bind 127.0.0.1:0 ARGS`, up to the address it prints.
+fn serve(args: &[&str]) -> (Running, BufReader<ChildStdout>, String) {
+    let mut running = Running {
+        child: troupe()
+            .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    };
+    let (stdout, addr) = support::read_address(&mut running.child).unwrap_or_else(|| {
+        let _ = running.child.kill();
+        panic!("troupe serve printed no address: {}", running.stderr())
+    });
+    (running, stdout, addr)
+}
+
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    support::http(addr, method, path, body, PROBE_WAIT_MS_MAX)
+}
+
+/// A refusal as an operator must see it: exit code 1, nothing on stdout about
+/// listening, one `troupe: ` line on stderr holding every `needle`, and no panic.
+fn assert_refused(output: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(!stdout.contains("listening on"), "{stdout}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
+        "{stderr}"
+    );
+    assert!(stderr.starts_with("troupe: "), "{stderr}");
+    for needle in needles {
+        assert!(stderr.contains(needle), "{needle:?} not in: {stderr}");
+    }
+}
+
+/// Goal: a `troupe serve --db DIR` that refuses to start (its config file missing, a
+/// directory, not TOML, or naming an agent twice) says which file and what is wrong,
+/// and leaves nothing behind: DIR is not created, no `troupe.db` is made for a run that
+/// never started. Method: each bad file with a `--db` that does not exist yet.
+#[test]
+fn serve_refusing_its_config_names_the_file_and_leaves_no_state_behind() {
+    let directory = tempfile::tempdir().unwrap();
+    let root = directory.path();
+    let write = |name: &str, text: &str| {
+        let path = root.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let missing = root.join("missing.toml").to_str().unwrap().to_string();
+    let a_directory = root.to_str().unwrap().to_string();
+    let syntax = write("syntax.toml", "[[agents]\nid = \"a\"\n");
+    let twice = write("twice.toml", "[[agents]]\nid = \"a\"\n\n[[agents]]\nid = \"a\"\n");
+    let unknown = write("unknown.toml", "[[agents]]\nid = \"a\"\nsystem_promt = \"x\"\n");
+    let link = write(
+        "link.toml",
+        "[[agents]]\nid = \"a\"\n\n[[links]]\nfrom = \"a\"\nto = \"zed\"\n",
+    );
+    for (n, (file, needles)) in [
+        (&missing, vec!["missing.toml", "No such file"]),
+        (&a_directory, vec!["Is a directory"]),
+        (&syntax, vec!["syntax.toml:1:"]),
+        (&twice, vec!["twice.toml:5:", "declared twice"]),
+        (&unknown, vec!["unknown.toml:3:", "system_promt"]),
+        (&link, vec!["link.toml:6:", "zed"]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let db = root.join(format!("state-{n}"));
+        let output = run(&[
+            "serve",
+            "--scripted",
+            "--bind",
+            "127.0.0.1:0",
+            "--db",
+            db.to_str().unwrap(),
+            "--config",
+            file,
+        ]);
+        assert_refused(&output, &needles);
+        assert!(
+            !db.exists(),
+            "{file}: the refused run left {} behind: {:?}",
+            db.display(),
+            std::fs::read_dir(&db).map(|entries| entries.count())
+        );
+    }
+}
+
+/// Goal: as `troupe serve`, `troupe demo --data-dir DIR --config FILE` with a FILE it
+/// cannot read creates no DIR.
+#[test]
+fn demo_refusing_its_config_leaves_no_data_dir_behind() {
+    let directory = tempfile::tempdir().unwrap();
+    let data = directory.path().join("data");
+    let missing = directory.path().join("missing.toml");
+    let output = run(&[
+        "demo",
+        "--scripted",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--config",
+        missing.to_str().unwrap(),
+    ]);
+    assert_refused(&output, &["missing.toml"]);
+    assert!(!data.exists(), "the refused demo left {} behind", data.display());
+}
+
+/// Goal: a port another process holds stops `troupe serve` before it writes anything,
+/// with a message naming the address, `--bind`, and what to do. Method: hold a loopback
+/// port, serve on it with a `--db` and a config file.
+#[test]
+fn serve_on_a_taken_port_says_what_to_do_and_writes_nothing() {
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap().to_string();
+    let directory = tempfile::tempdir().unwrap();
+    let db = directory.path().join("state");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/org.toml");
+    let output = run(&[
+        "serve",
+        "--scripted",
+        "--bind",
+        &taken,
+        "--db",
+        db.to_str().unwrap(),
+        "--config",
+        config,
+    ]);
+    assert_refused(&output, &[&taken, "in use", "--bind", "port 0"]);
+    assert!(!db.exists(), "the refused run left {} behind", db.display());
+    drop(holder);
+}
+
+/// Goal: `--db` naming a file (not a directory) is refused saying that `--db` takes a
+/// directory, not "cannot create FILE: File exists". The same for `demo --data-dir`.
+#[test]
+fn a_state_directory_that_is_a_file_is_refused_saying_a_directory_is_needed() {
+    let directory = tempfile::tempdir().unwrap();
+    let file = directory.path().join("troupe.db");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let file = file.to_str().unwrap();
+    let output = run(&["serve", "--scripted", "--bind", "127.0.0.1:0", "--db", file]);
+    assert_refused(&output, &["--db", file, "not a directory"]);
+    let output = run(&["demo", "--scripted", "--data-dir", file]);
+    assert_refused(&output, &["--data-dir", file, "not a directory"]);
+    assert_eq!(
+        std::fs::read(file).unwrap(),
+        b"not a directory",
+        "the file is untouched"
+    );
+}
+
+/// Goal: a token too short is refused naming the flag and the environment variable it
+/// may come from, and the minimum.
+#[test]
+fn a_short_token_is_refused_naming_where_it_came_from() {
+    let output = run(&["serve", "--scripted", "--bind", "127.0.0.1:0", "--token", "abc"]);
+    assert_refused(&output, &["--token", "TROUPE_TOKEN", "16"]);
+}
+
+/// Goal: a bad RUST_LOG stops `troupe serve` naming it; `--bind` that is no address is
+/// clap's usage error (exit 2) naming the flag and the value.
+#[test]
+fn a_bad_log_filter_or_bind_address_is_refused_naming_it() {
+    let output = troupe()
+        .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+        .env("RUST_LOG", "troupe=[")
+        .output()
+        .unwrap();
+    assert_refused(&output, &["RUST_LOG"]);
+    let output = run(&["serve", "--bind", "localhost:8080"]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--bind") && stderr.contains("localhost:8080"),
+        "{stderr}"
+    );
+}
+
+/// Goal: SIGTERM while a turn runs lets it finish (within the 10 s grace): its request
+/// is answered 200, the process exits 0 saying it stopped, and what it acknowledged is
+/// there after a restart on the same `--db`. Method: ask the coordinator (its scripted
+/// turn calls three agents, about 2 s), SIGTERM 300 ms in; restart, read its history.
+#[test]
+fn sigterm_during_a_turn_lets_it_finish_and_keeps_it_across_a_restart() {
+    let directory = tempfile::tempdir().unwrap();
+    let db = directory.path().to_str().unwrap();
+    let (mut running, mut stdout, addr) = serve(&["--db", db]);
+    let asking = std::thread::spawn({
+        let addr = addr.clone();
+        move || {
+            http(
+                &addr,
+                "POST",
+                "/v1/agents/coordinator/messages",
+                r#"{"text": "Prepare a brief"}"#,
+            )
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    running.signal("TERM");
+    let (status, body) = asking.join().unwrap();
+    assert_eq!(status, 200, "the turn in flight finishes: {body}");
+    assert!(body.contains("Brief."), "{body}");
+    assert!(running.wait().success(), "{}", running.stderr());
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("troupe serve: stopped"), "{rest}");
+
+    let (mut again, _stdout, addr) = serve(&["--db", db]);
+    let (status, history) = http(&addr, "GET", "/v1/agents/coordinator/history", "");
+    assert_eq!(status, 200, "{history}");
+    assert!(
+        history.contains("Prepare a brief") && history.contains("Brief."),
+        "the acknowledged turn is kept: {history}"
+    );
+    again.signal("INT");
+    assert!(again.wait().success(), "ctrl-c stops it with 0 too");
+}
+
+/// Goal: the flags docs/serve.md's table names are the flags `troupe serve --help`
+/// lists, with the defaults it documents; `--version` is the package version.
+#[test]
+fn serve_help_lists_the_documented_flags() {
+    let output = run(&["serve", "--help"]);
+    assert!(output.status.success(), "{output:?}");
+    let help = String::from_utf8_lossy(&output.stdout);
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve.md")).unwrap();
+    let table: Vec<&str> = docs
+        .lines()
+        .skip_while(|line| !line.starts_with("| flag | meaning |"))
+        .skip(2)
+        .take_while(|line| line.starts_with("| `--"))
+        .collect();
+    assert!(table.len() >= 10, "the flag table of docs/serve.md: {table:?}");
+    for row in &table {
+        let flag = row[3..].split([' ', '`']).next().unwrap();
+        assert!(
+            help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
+            "{flag} of docs/serve.md is not in --help:\n{help}"
+        );
+    }
+    for default in [
+        "[default: 127.0.0.1:8080]",
+        "[default: 256]",
+        "[default: 10000]",
+        "[default: text]",
+    ] {
+        assert!(help.contains(default), "{default} not in --help:\n{help}");
+    }
+    let output = run(&["--version"]);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("troupe {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+/// Goal: a second SIGTERM or ctrl-c during the shutdown grace stops `troupe serve` at
+/// once, as an operator pressing ctrl-c twice expects, rather than after the requests in
+/// flight (up to the 10 s grace): exit code 1, a line saying requests were cut; what was
+/// acknowledged before is kept. Method: a message to the critic (acknowledged), then one
+/// to the archivist (its scripted turn takes 4 s), SIGTERM 300 ms in, SIGINT 300 ms
+/// later: the process must be gone within `SECOND_SIGNAL_STOP_MS_MAX` of the second
+/// signal; restarted on the same `--db`, the critic's exchange is there.
+#[test]
+fn a_second_signal_during_the_grace_stops_at_once_keeping_what_was_acknowledged() {
+    /// How long after the second signal the process may take to be gone, in ms: far
+    /// less than the archivist's 4 s turn.
+    const SECOND_SIGNAL_STOP_MS_MAX: u64 = 1_500;
+    let directory = tempfile::tempdir().unwrap();
+    let db = directory.path().to_str().unwrap();
+    let (mut running, _stdout, addr) = serve(&["--db", db]);
+    let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", r#"{"text": "a brief"}"#);
+    assert_eq!(status, 200, "{body}");
+    let _asking = std::thread::spawn({
+        let addr = addr.clone();
+        move || {
+            let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+            let body = r#"{"text": "Any reports on batteries?"}"#;
+            let _ = std::io::Write::write_all(
+                &mut stream,
+                format!(
+                    "POST /v1/agents/archivist/messages HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+                     Content-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .as_bytes(),
+            );
+            let mut answer = String::new();
+            let _ = stream.read_to_string(&mut answer);
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    running.signal("TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    running.signal("INT");
+    let signalled = std::time::Instant::now();
+    let status = running.wait();
+    let took = signalled.elapsed();
+    let stderr = running.stderr();
+    assert!(
+        took < Duration::from_millis(SECOND_SIGNAL_STOP_MS_MAX),
+        "still running {took:?} after the second signal: {stderr}"
+    );
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("second signal"), "{stderr}");
+
+    let (_again, _stdout, addr) = serve(&["--db", db]);
+    let (status, history) = http(&addr, "GET", "/v1/agents/critic/history", "");
+    assert_eq!(status, 200, "{history}");
+    assert!(
+        history.contains("Looks fine."),
+        "the acknowledged turn is kept: {history}"
+    );
+}
