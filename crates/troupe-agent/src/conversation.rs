@@ -26,6 +26,7 @@
 //!     (denied, refused or not approved by the deadline → Refused: a NotPermitted note),
 //!     then appends Mention{conv, s, chain} to the agent's inbox
 //!     (message id {conv}#{s}@{agent}: deduplicated), retries until the deadline
+//!     (none at or past it: Undeliverable, an Undeliverable note)
 //! agent Process: reads the last messages up to s from the store (role-relative view),
 //!     runs its model, posts its reply (message id answer:{s}@{agent}) or a failure note
 //!     with the same id: exactly one answer per (conversation, seq, agent)
@@ -1282,7 +1283,9 @@ struct Relayed {
 
 /// Delivers one mention to an agent's inbox from outside any turn: waits for its
 /// approval first if it needs one (denied, or not given by the deadline: reported as
-/// `Refused`), then retries until acknowledged or its deadline, and reports to the
+/// `Refused`), then retries until acknowledged or its deadline (no attempt starts at
+/// or past it: the mention is then reported `Undeliverable`, "the deadline passed
+/// before it could be delivered"), and reports to the
 /// conversation (a lost report leaves the relay, which the next resume delivers again,
 /// deduplicated by the inbox; a resumed delivery waits for the same approval, read
 /// from the store).
@@ -1314,7 +1317,24 @@ async fn deliver(
     }
     let payload = AgentCommand::Enqueue(entry).encode();
     let mut pause = AGENT_DELIVERY_RETRY_MS;
+    // Why the last attempt failed, for the report when the deadline passes.
+    let mut last_failure: Option<String> = None;
     let report = loop {
+        // No attempt starts at or past the deadline, as in the inbox's delivery
+        // (`inbox_turns.rs`): one that passed during the pause (the last pause ends at
+        // the deadline), during the approval's wait, or while the process was down is
+        // given up here. Before, the pause after the last refused attempt was cut to
+        // the deadline and one more attempt was made there (under a millisecond before
+        // it on a clock that moves, the pause being cut to whole milliseconds): the
+        // agent took the mention and ran a turn that could only post "the deadline
+        // passed before it could answer" (`tests/mention_delivery.rs`).
+        if deadline.has_passed(runtime.now()) {
+            let cause = match &last_failure {
+                Some(failure) => format!("the deadline passed before it could be delivered ({failure})"),
+                None => "the deadline passed before it could be delivered".to_string(),
+            };
+            break ConvCommand::Undeliverable { seq, agent, cause };
+        }
         // An agent defined or removed through another process counts once this
         // process's copy of the stored directory is read again.
         crate::directory_store::ensure_fresh(&shared).await;
@@ -1356,17 +1376,13 @@ async fn deliver(
             }
             Err(error) => error.to_string(),
         };
-        if deadline.has_passed(runtime.now()) {
-            break ConvCommand::Undeliverable {
-                seq,
-                agent,
-                cause: format!("the deadline passed ({cause})"),
-            };
-        }
+        last_failure = Some(cause);
         // Doubling pauses: a busy agent (a slow disk, a long turn) gets fewer appends,
         // and none that waits so long in its mailbox that it expires before it commits.
-        let left = deadline.remaining_ms(runtime.now()).max(1);
-        tokio::time::sleep(Duration::from_millis(pause.min(left))).await;
+        // The last pause ends at the deadline (the time left in whole microseconds, not
+        // cut to milliseconds), where the check above records the mention timed out.
+        let left = deadline.remaining(runtime.now());
+        tokio::time::sleep(Duration::from_millis(pause).min(left)).await;
         pause = (pause * 2).min(AGENT_MENTION_DELIVERY_RETRY_MAX_MS);
     };
     report_to(&runtime, &conversation, seq, report).await;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use troupe_agent::{
-    AgentEvent, AgentSpec, AgentSystem, ConversationKind, Participant, ScriptRule, ScriptedLlm, Sender,
+    AgentEvent, AgentSpec, AgentSystem, ConversationKind, NoteKind, Participant, ScriptRule, ScriptedLlm, Sender,
     CONVERSATION_KIND,
 };
 use troupe_runtime::{KindConfig, MemoryStore};
@@ -183,4 +183,88 @@ async fn assert_answered_once(system: &AgentSystem) {
     .await
     .expect("b answers the mention");
     assert_eq!(answered.iter().filter(|m| m.text == "hello back").count(), 1);
+}
+
+/// How long b's holding turn takes in the deadline test: until 2 s before the mention's
+/// deadline, after the delivery's last attempt that b refuses (its pauses double from
+/// 100 ms to 5 s: attempts about 6.3 s + 5 s·k after the post, the last before the
+/// deadline at 116.3 s, then a pause cut to the 3.7 s left).
+const HOLD_TO_DEADLINE: Duration = Duration::from_secs(118);
+/// The holding asks' timeout (more than the hold).
+const HOLD_TIMEOUT: Duration = Duration::from_secs(200);
+
+/// Goal: a mention's delivery makes no attempt at or after the mention's deadline, as
+/// the inbox's delivery does not: the mention is recorded undeliverable
+/// (`NoteKind::Undeliverable`, "the deadline passed") and b's inbox never takes it.
+/// Method: b's mailbox of 1 holds a waiting ask behind a turn that runs until 2 s
+/// before the mention's deadline, so every attempt until then is refused busy; b is
+/// free at the deadline. Before, the pause after the last refused attempt was cut to
+/// the deadline and one more attempt was made there: b took the mention
+/// (`MessageReceived`) and ran a turn past its deadline, which posted "the deadline
+/// passed before it could answer" (`NoteKind::Failed`; paused time); under the
+/// simulator, whose clock moves a little at every poll, the pause (cut to whole
+/// milliseconds) ended 0.998 ms before the deadline, and b answered in that last
+/// millisecond. Paused time (normal build) and the simulator: the times are exact.
+#[tokio::test(start_paused = true)]
+async fn a_mention_is_not_delivered_at_or_after_its_deadline() {
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("b")
+                .on_user_containing("hold")
+                .reply("held")
+                .latency(HOLD_TO_DEADLINE),
+        )
+        .rule(ScriptRule::agent("b").reply("hello back"))
+        .without_recording();
+    let system = AgentSystem::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .llm(Arc::new(llm))
+        .kind_config(KindConfig::default().with_mailbox_capacity(1))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let mut events = system.subscribe();
+    let participants = vec![Participant::Human("h".to_string()), Participant::Agent("b".to_string())];
+    system
+        .create_conversation("room", participants, ConversationKind::Group)
+        .await
+        .unwrap();
+
+    // b busy: the holding turn runs, a quick ask fills its mailbox of 1.
+    let client = system.client();
+    let hold = tokio::spawn(async move { client.ask_with_timeout("b", "hold", HOLD_TIMEOUT).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let client = system.client();
+    let quick = tokio::spawn(async move { client.ask_with_timeout("b", "quick", HOLD_TIMEOUT).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    system.post_message("room", human(), "m0", "@b hi").await.unwrap();
+    assert_eq!(hold.await.unwrap().unwrap().text, "held");
+    assert_eq!(quick.await.unwrap().unwrap().text, "hello back");
+
+    let note = tokio::time::timeout(ANSWER_WAIT, async {
+        loop {
+            let messages = system.read_messages("room", None, 100).await.unwrap();
+            if let Some(note) = messages.into_iter().find(|m| m.reply_to == Some(0)) {
+                return note;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the mention is resolved");
+    assert_eq!(
+        note.note.as_ref().map(|note| note.kind),
+        Some(NoteKind::Undeliverable),
+        "{}",
+        note.text
+    );
+    assert!(note.text.contains("the deadline passed"), "{}", note.text);
+    let mut received = 0;
+    while let Ok(event) = events.try_recv() {
+        if let AgentEvent::MessageReceived { msg_id, .. } = event {
+            received += usize::from(msg_id == "room#0@b");
+        }
+    }
+    assert_eq!(received, 0, "b's inbox took the mention");
+    system.shutdown().await;
 }
