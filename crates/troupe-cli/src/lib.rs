@@ -18,6 +18,37 @@
 
 #![warn(missing_docs)]
 
+/// `println!` that never panics: a failed write to stdout (its reader went away, as in
+/// `troupe demo | head -1`, or a log pipe that died under `troupe serve`) is ignored, so
+/// the program goes on (a demo to its end, a server serving) and exits as it would have.
+/// Until 2026-12-06 `println!` panicked there ("failed printing to stdout: Broken pipe"),
+/// exit code 101.
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::writeln!(::std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `print!` that never panics, as [`outln!`].
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::write!(::std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that never panics: a failed write to stderr is ignored, as [`outln!`].
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::writeln!(::std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod cli;
 #[cfg(not(madsim))]
 pub mod node;

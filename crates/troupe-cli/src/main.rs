@@ -92,24 +92,24 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
             "scripted model (no API key needed)".to_string(),
         ),
     };
-    println!("Troupe demo: five agents as virtual actors, {description}");
-    println!(
+    troupe_cli::outln!("Troupe demo: five agents as virtual actors, {description}");
+    troupe_cli::outln!(
         "state: {} (SQLite){}",
         path.display(),
         if temporary.is_some() { ", removed at exit" } else { "" }
     );
-    println!();
-    println!("user -> coordinator: {DEMO_QUESTION}");
+    troupe_cli::outln!();
+    troupe_cli::outln!("user -> coordinator: {DEMO_QUESTION}");
     let report = run_demo(store, llm, &model).await.map_err(|error| error.to_string())?;
     match &report.answer {
-        Ok(reply) => println!("coordinator: {}", reply.text),
-        Err(error) => println!("coordinator failed: {error}"),
+        Ok(reply) => troupe_cli::outln!("coordinator: {}", reply.text),
+        Err(error) => troupe_cli::outln!("coordinator failed: {error}"),
     }
-    println!();
-    println!("Call tree (caller -> callee, depth, duration, outcome):");
-    print!("{}", report.tree);
-    println!();
-    println!(
+    troupe_cli::outln!();
+    troupe_cli::outln!("Call tree (caller -> callee, depth, duration, outcome):");
+    troupe_cli::out!("{}", report.tree);
+    troupe_cli::outln!();
+    troupe_cli::outln!(
         "calls: {} ok, {} refused, {} timed out, {} failed; turns run: {}, turns rolled back: {}",
         report.count("ok"),
         report.count("refused"),
@@ -123,12 +123,12 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
         .iter()
         .map(|(agent, n)| format!("{agent} {n}"))
         .collect();
-    println!();
-    println!("user -> coordinator (notification): {DEMO_HANDOFF}");
+    troupe_cli::outln!();
+    troupe_cli::outln!("user -> coordinator (notification): {DEMO_HANDOFF}");
     for line in &report.handoff {
-        println!("  {line}");
+        troupe_cli::outln!("  {line}");
     }
-    println!("messages in each agent's durable log: {}", logs.join(", "));
+    troupe_cli::outln!("messages in each agent's durable log: {}", logs.join(", "));
     drop(temporary);
     if scripted && !report.scripted_story_happened() {
         return Err("the scripted demo did not play out as expected (see the call tree above)".to_string());
@@ -196,12 +196,12 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let local = listener
         .local_addr()
         .map_err(|error| format!("cannot read the listening address: {error}"))?;
-    println!(
+    troupe_cli::outln!(
         "troupe serve: {count} agents, {description}, state in {}{}",
         path.display(),
         if temporary.is_some() { " (removed at exit)" } else { "" }
     );
-    println!("listening on http://{local}");
+    troupe_cli::outln!("listening on http://{local}");
     let _ = std::io::stdout().flush();
     // The first SIGTERM or ctrl-c stops accepting and lets requests in flight finish (up
     // to the grace); a second one during it stops at once. Until 2026-12-06 a second
@@ -213,12 +213,12 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         () = second => None,
     };
     if served.is_none() {
-        eprintln!("troupe serve: a second signal: stopping now, without waiting for the requests in flight");
+        troupe_cli::errln!("troupe serve: a second signal: stopping now, without waiting for the requests in flight");
         // The runtime's stop waits for the turns running: past this bound they are cut
         // as by a crash (a turn commits whole or not at all).
         let wait = std::time::Duration::from_millis(troupe_cli::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS);
         if tokio::time::timeout(wait, system.shutdown()).await.is_err() {
-            eprintln!(
+            troupe_cli::errln!(
                 "troupe serve: turns still running after {} ms were cut (a turn commits whole or not at all)",
                 troupe_cli::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS
             );
@@ -230,7 +230,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     #[cfg(feature = "otel")]
     if let Some(guard) = otel {
         if let Err(error) = guard.shutdown().await {
-            eprintln!("troupe serve: {error}");
+            troupe_cli::errln!("troupe serve: {error}");
         }
     }
     #[cfg(not(feature = "otel"))]
@@ -243,7 +243,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         );
     };
     served.map_err(|error| error.to_string())?;
-    println!("troupe serve: stopped");
+    troupe_cli::outln!("troupe serve: stopped");
     Ok(())
 }
 
@@ -331,7 +331,7 @@ fn stop_signals() -> (StopSignal, StopSignal) {
     let (mut terminate, mut interrupt) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
         (Ok(terminate), Ok(interrupt)) => (terminate, interrupt),
         (Err(error), _) | (_, Err(error)) => {
-            eprintln!(
+            troupe_cli::errln!(
                 "troupe serve: cannot watch SIGTERM and SIGINT ({error}); only the first signal stops the server"
             );
             return (Box::pin(shutdown_signal()), Box::pin(std::future::pending()));
@@ -366,7 +366,7 @@ async fn shutdown_signal() {
     let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(terminate) => terminate,
         Err(error) => {
-            eprintln!("troupe serve: cannot watch SIGTERM ({error}); ctrl-c still stops the server");
+            troupe_cli::errln!("troupe serve: cannot watch SIGTERM ({error}); ctrl-c still stops the server");
             let _ = tokio::signal::ctrl_c().await;
             return;
         }
@@ -384,7 +384,7 @@ async fn org_demo(
     config: &troupe_agent::OrgConfig,
     path: &std::path::Path,
 ) -> Result<bool, String> {
-    println!(
+    troupe_cli::outln!(
         "Troupe organisation demo: {} agents, {} links, {} permission rules, policy {:?}, from {} (scripted model)",
         config.agents.len(),
         config.links.len(),
@@ -392,20 +392,20 @@ async fn org_demo(
         config.policy,
         path.display()
     );
-    println!("Every agent tries to contact every other agent (call_agent).");
-    println!();
+    troupe_cli::outln!("Every agent tries to contact every other agent (call_agent).");
+    troupe_cli::outln!();
     let report = run_org_demo(store, config).await?;
-    println!("Who talked to whom:");
+    troupe_cli::outln!("Who talked to whom:");
     for contact in &report.contacts {
         let detail = if contact.detail.is_empty() {
             String::new()
         } else {
             format!(": {}", contact.detail)
         };
-        println!("  {} -> {}  {}{detail}", contact.from, contact.to, contact.label);
+        troupe_cli::outln!("  {} -> {}  {}{detail}", contact.from, contact.to, contact.label);
     }
-    println!();
-    println!(
+    troupe_cli::outln!();
+    troupe_cli::outln!(
         "contacts: {} ok, {} not permitted, {} other",
         report.with_label("ok").len(),
         report.with_label("not permitted").len(),
@@ -423,7 +423,7 @@ async fn main() -> ExitCode {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::FAILURE,
             Err(message) => {
-                eprintln!("troupe: {message}");
+                troupe_cli::errln!("troupe: {message}");
                 ExitCode::FAILURE
             }
         },
@@ -431,7 +431,7 @@ async fn main() -> ExitCode {
         Command::Serve(serve_args) => match serve(serve_args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(message) => {
-                eprintln!("troupe: {message}");
+                troupe_cli::errln!("troupe: {message}");
                 ExitCode::FAILURE
             }
         },
@@ -441,7 +441,7 @@ async fn main() -> ExitCode {
             let _logging = match init_logging(troupe_cli::LogFormat::Text, None) {
                 Ok(guard) => guard,
                 Err(message) => {
-                    eprintln!("troupe: {message}");
+                    troupe_cli::errln!("troupe: {message}");
                     return ExitCode::FAILURE;
                 }
             };
@@ -451,7 +451,7 @@ async fn main() -> ExitCode {
                 match real_model() {
                     Ok(model) => model.map(|(client, _)| client),
                     Err(message) => {
-                        eprintln!("troupe: {message}");
+                        troupe_cli::errln!("troupe: {message}");
                         return ExitCode::FAILURE;
                     }
                 }
@@ -460,23 +460,23 @@ async fn main() -> ExitCode {
             };
             match troupe_cli::node::run_node(&node_args, model, shutdown_signal()).await {
                 Ok(()) => {
-                    println!("troupe node: stopped");
+                    troupe_cli::outln!("troupe node: stopped");
                     ExitCode::SUCCESS
                 }
                 Err(error) => {
-                    eprintln!("troupe: {error}");
+                    troupe_cli::errln!("troupe: {error}");
                     ExitCode::FAILURE
                 }
             }
         }
         #[cfg(madsim)]
         Command::Node(_) => {
-            eprintln!("troupe: node is not built under the simulator (--cfg madsim)");
+            troupe_cli::errln!("troupe: node is not built under the simulator (--cfg madsim)");
             ExitCode::FAILURE
         }
         #[cfg(madsim)]
         Command::Serve(_) => {
-            eprintln!("troupe: serve is not built under the simulator (--cfg madsim)");
+            troupe_cli::errln!("troupe: serve is not built under the simulator (--cfg madsim)");
             ExitCode::FAILURE
         }
     }

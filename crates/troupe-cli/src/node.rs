@@ -1042,7 +1042,7 @@ pub async fn run_node(
             .start_resume_sweep(Duration::from_millis(AGENT_RESUME_SWEEP_MS_DEFAULT))
             .expect("AGENT_RESUME_SWEEP_MS_DEFAULT is in range")
     });
-    println!(
+    crate::outln!(
         "node {node_name} transport {} cluster {} lease {} ms{}",
         node.address(),
         plan.etcd.cluster,
@@ -1076,7 +1076,7 @@ pub async fn run_node(
                             cause: std::io::Error::other(format!("publishing it in etcd failed: {error}")),
                         })?;
                 }
-                println!("listening on http://{address}");
+                crate::outln!("listening on http://{address}");
                 let _ = std::io::stdout().flush();
                 let app = match &agents {
                     Some(agents) => agents_router(

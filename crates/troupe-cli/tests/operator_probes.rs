@@ -411,3 +411,45 @@ fn a_second_signal_during_the_grace_stops_at_once_keeping_what_was_acknowledged(
         "the acknowledged turn is kept: {history}"
     );
 }
+
+/// Goal: `troupe demo | head -1` does not panic when `head` goes away: a stdout whose
+/// reader closed is no error (the demo runs to its end and exits 0, nothing on stderr
+/// about it). Method: read the demo's first line from its piped stdout, close the pipe,
+/// wait for the exit.
+#[test]
+fn demo_whose_stdout_reader_goes_away_does_not_panic() {
+    use std::io::BufRead as _;
+    let mut running = Running {
+        child: troupe()
+            .args(["demo", "--scripted"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    };
+    let mut stdout = BufReader::new(running.child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert!(first.starts_with("Troupe demo:"), "{first}");
+    drop(stdout);
+    let status = running.wait();
+    let stderr = running.stderr();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(status.code(), Some(0), "{stderr}");
+}
+
+/// Goal: `troupe serve` whose stdout reader goes away (a log pipe that died) goes on
+/// serving and stops on SIGTERM with 0, without a panic at its last line. Method: read
+/// the address, close stdout, ask the critic, SIGTERM.
+#[test]
+fn serve_whose_stdout_reader_goes_away_serves_on_and_stops_cleanly() {
+    let (mut running, stdout, addr) = serve(&[]);
+    drop(stdout);
+    let (status, body) = http(&addr, "POST", "/v1/agents/critic/messages", r#"{"text": "a brief"}"#);
+    assert_eq!(status, 200, "{body}");
+    running.signal("TERM");
+    let status = running.wait();
+    let stderr = running.stderr();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(status.code(), Some(0), "{stderr}");
+}
