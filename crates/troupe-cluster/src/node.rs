@@ -653,10 +653,21 @@ impl Origin<'_> {
 }
 
 impl Drop for ClusterNode {
+    /// A node dropped without [`ClusterNode::leave`] or [`ClusterNode::abandon`] ends
+    /// as an abandoned one: it stops committing, and its lease is no longer renewed, so
+    /// its actors move to other nodes one lease TTL later. What the embedder may still
+    /// hold of it (a [`ClusterClient`], a [`RuntimeHandle`] clone, an agent client
+    /// attached to it) keeps the etcd client for lookups, not the lease: before, the
+    /// lease task lived as long as any of those, renewing the lease of a node that
+    /// served nothing, so its actors were unreachable for as long.
     fn drop(&mut self) {
         for task in &self.tasks {
             task.abort();
         }
+        // After `leave` or `abandon` (or one of them cancelled half-way) this is done
+        // already, or finishes what they started.
+        self.inner.ownership.mark_lost();
+        self.inner.placement.stop_renewing();
     }
 }
 

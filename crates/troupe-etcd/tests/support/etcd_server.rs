@@ -28,6 +28,7 @@ pub(crate) struct TestEtcd {
     child: Option<Child>,
     _directory: tempfile::TempDir,
     client_port: u16,
+    peer_port: u16,
 }
 
 impl TestEtcd {
@@ -45,34 +46,12 @@ impl TestEtcd {
                 .tempdir()
                 .expect("create the server's directory");
             let (client_port, peer_port) = (free_port(), free_port());
-            let client_url = format!("http://127.0.0.1:{client_port}");
-            let peer_url = format!("http://127.0.0.1:{peer_port}");
-            let child = Command::new(&binary)
-                .arg("--data-dir")
-                .arg(directory.path().join("data"))
-                .args([
-                    "--listen-client-urls",
-                    &client_url,
-                    "--advertise-client-urls",
-                    &client_url,
-                ])
-                .args([
-                    "--listen-peer-urls",
-                    &peer_url,
-                    "--initial-advertise-peer-urls",
-                    &peer_url,
-                ])
-                .args(["--initial-cluster", &format!("default={peer_url}")])
-                .stdout(Stdio::null())
-                .stderr(Stdio::from(
-                    std::fs::File::create(directory.path().join("etcd.log")).expect("create the server's log"),
-                ))
-                .spawn()
-                .expect("start etcd");
+            let child = spawn(&directory, client_port, peer_port);
             let mut server = Self {
                 child: Some(child),
                 _directory: directory,
                 client_port,
+                peer_port,
             };
             if server.answers().await {
                 return server;
@@ -81,6 +60,22 @@ impl TestEtcd {
             server.kill();
         }
         panic!("etcd did not start in {SERVER_START_ATTEMPTS} attempts");
+    }
+
+    /// Stops the server at once (SIGKILL), keeping its data and ports for
+    /// [`TestEtcd::restart`].
+    #[allow(dead_code)] // only the tests that restart etcd use it
+    pub(crate) fn stop(&mut self) {
+        self.kill();
+    }
+
+    /// Starts the server again on its data and ports, after [`TestEtcd::stop`], and
+    /// waits until it answers a read.
+    #[allow(dead_code)] // only the tests that restart etcd use it
+    pub(crate) async fn restart(&mut self) {
+        self.kill();
+        self.child = Some(spawn(&self._directory, self.client_port, self.peer_port));
+        assert!(self.answers().await, "etcd did not answer after its restart");
     }
 
     /// Waits until the server answers a read.
@@ -135,6 +130,38 @@ impl Drop for TestEtcd {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Starts etcd on `directory`'s data and the given loopback ports, its log appended to
+/// `etcd.log` there.
+fn spawn(directory: &tempfile::TempDir, client_port: u16, peer_port: u16) -> Child {
+    let client_url = format!("http://127.0.0.1:{client_port}");
+    let peer_url = format!("http://127.0.0.1:{peer_port}");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(directory.path().join("etcd.log"))
+        .expect("open the server's log");
+    Command::new(ETCD_BINARY)
+        .arg("--data-dir")
+        .arg(directory.path().join("data"))
+        .args([
+            "--listen-client-urls",
+            &client_url,
+            "--advertise-client-urls",
+            &client_url,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+        ])
+        .args(["--initial-cluster", &format!("default={peer_url}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .expect("start etcd")
 }
 
 /// A free loopback port (free when asked; the caller binds it soon after).

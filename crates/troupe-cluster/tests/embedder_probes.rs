@@ -1,0 +1,407 @@
+//! The cluster probed from outside, as an embedder uses it on day one: two
+//! `ClusterNode`s in one process on a real etcd (Debian `etcd-server`, started per test
+//! on loopback) and one SQLite file both nodes open (one handle each, as two processes
+//! would), on tokio's multi-thread runtime. Only the public API is used.
+//!
+//! Each test checks one promise an embedder relies on: one activation per actor for a
+//! burst of first calls from both nodes; a dropped node's actors taken over even while
+//! the embedder still holds a client of it; a second node under a live node's name
+//! refused at start; a call's deadline kept across nodes; etcd unreachable at start, or
+//! one of its endpoints dead, reported or survived within bounded times; etcd restarted.
+//! Every await is bounded; each test ends by itself within seconds.
+//!
+//! Run with `cargo nextest run -p troupe-cluster --test embedder_probes`.
+#![cfg(not(madsim))]
+
+#[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
+mod etcd_server;
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use etcd_server::{free_port, TestEtcd, TEST_LEASE_TTL_S, TEST_REQUEST_TIMEOUT_MS};
+use tokio::time::Instant;
+use troupe_cluster::{ClusterError, ClusterNode};
+use troupe_core::{ActorId, ActorKind, InvokeError};
+use troupe_etcd::{EtcdConfig, LeaseLostReason, NodeId, PlacementError};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, RuntimeBuilder, SqliteStore, Turn};
+
+/// Deadline of an ordinary call, in milliseconds.
+const CALL_TIMEOUT_MS: u64 = 5_000;
+/// Bound on any single await of a test that is not a call, in milliseconds.
+const STEP_TIMEOUT_MS: u64 = 15_000;
+/// Allowance for a loaded 2-core machine on top of a bound a test checks, in ms.
+const SCHEDULING_ALLOWANCE_MS: u64 = 2_000;
+/// Concurrent first calls each node makes in the burst test.
+const BURST_CALLS_PER_NODE: usize = 24;
+/// Pause between two attempts of a call that waits for a takeover, in milliseconds.
+const RETRY_PAUSE_MS: u64 = 50;
+
+/// Counts its calls; `sleep:<ms>` sleeps first. Each reply is `node:count`.
+struct Probe {
+    node: String,
+    count: u64,
+}
+
+impl Actor for Probe {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        if let Some(ms) = payload.strip_prefix(b"sleep:".as_slice()) {
+            let ms: u64 = std::str::from_utf8(ms)
+                .ok()
+                .and_then(|text| text.parse().ok())
+                .ok_or_else(|| ActorError::failed("sleep:<ms>"))?;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        self.count += 1;
+        Ok(Bytes::from(format!("{}:{}", self.node, self.count)))
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        Ok(Some(Bytes::from(self.count.to_string())))
+    }
+}
+
+/// A runtime with the `probe` kind; every activation (factory call) on any node counts
+/// in `activations`.
+fn probe_runtime(node: &str, activations: Arc<AtomicU64>) -> RuntimeBuilder {
+    let node = node.to_string();
+    troupe_runtime::Runtime::builder()
+        .register(
+            ActorKind::new("probe").expect("a kind name"),
+            move |_id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                activations.fetch_add(1, Ordering::SeqCst);
+                let count = match saved {
+                    None => 0,
+                    Some(bytes) => std::str::from_utf8(&bytes)
+                        .ok()
+                        .and_then(|text| text.parse().ok())
+                        .ok_or_else(|| ActorError::failed("the saved count is not a number"))?,
+                };
+                Ok(ActorBox::new(Probe {
+                    node: node.clone(),
+                    count,
+                }))
+            },
+            KindConfig::default(),
+        )
+        .expect("register the probe kind")
+}
+
+fn probe(key: &str) -> ActorId {
+    ActorId::new("probe", key).expect("an actor id")
+}
+
+fn loopback() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("an address")
+}
+
+/// Awaits `future`, failing the test with `what` if it takes longer than
+/// [`STEP_TIMEOUT_MS`].
+async fn bounded<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_millis(STEP_TIMEOUT_MS), future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not end within {STEP_TIMEOUT_MS} ms"))
+}
+
+/// Splits a reply `node:count`.
+fn parse_reply(reply: &[u8]) -> (String, u64) {
+    let text = std::str::from_utf8(reply).expect("a text reply");
+    let (node, count) = text.rsplit_once(':').expect("node:count");
+    (node.to_string(), count.parse().expect("a count"))
+}
+
+async fn start_node(etcd: &TestEtcd, name: &str, path: &std::path::Path, activations: &Arc<AtomicU64>) -> ClusterNode {
+    let store = SqliteStore::open(path).expect("open the shared SQLite file");
+    bounded(
+        "starting a node",
+        ClusterNode::start(
+            etcd.config(name, ""),
+            loopback(),
+            probe_runtime(name, Arc::clone(activations)),
+            store,
+        ),
+    )
+    .await
+    .unwrap_or_else(|error| panic!("start {name}: {error}"))
+}
+
+async fn call(node: &ClusterNode, actor: &ActorId, payload: &'static [u8]) -> Result<(String, u64), InvokeError> {
+    let deadline = node.handle().deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+    bounded("a call", node.invoke(actor, Bytes::from_static(payload), deadline))
+        .await
+        .map(|reply| parse_reply(&reply))
+}
+
+/// Calls `actor` through `node` until a call is served, allowing only transient errors
+/// meanwhile; fails the test with the last error after `bound`.
+async fn call_until_served(node: &ClusterNode, actor: &ActorId, bound: Duration) -> (String, u64) {
+    let started = Instant::now();
+    loop {
+        match call(node, actor, b"inc").await {
+            Ok(reply) => return reply,
+            Err(error) => {
+                assert!(
+                    started.elapsed() < bound,
+                    "{actor} was not served through {} within {bound:?}; last error: {error}",
+                    node.node()
+                );
+                assert!(
+                    error.is_transient(),
+                    "{actor}: only transient errors meanwhile: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+            }
+        }
+    }
+}
+
+/// Goal: one activation per actor across nodes, for the commonest race: a new actor id
+/// called first by many callers on two nodes at once. Method: 24 concurrent calls from
+/// each node to an actor never seen; the factory counts activations on both nodes.
+/// Every call must be answered (the node that lost the placement reroutes its queued
+/// calls to the winner), with 48 distinct counts, all from one node, and one
+/// activation in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_first_calls_from_two_nodes_activates_the_actor_once() {
+    let etcd = TestEtcd::start("probe-burst").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let target = probe("fresh");
+
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..BURST_CALLS_PER_NODE {
+        for node in [&a, &b] {
+            let client = node.client();
+            let target = target.clone();
+            calls.spawn(async move {
+                let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+                (
+                    client.node().to_string(),
+                    client.invoke(&target, Bytes::from_static(b"inc"), deadline).await,
+                )
+            });
+        }
+    }
+    let mut counts = BTreeSet::new();
+    let mut servers = BTreeSet::new();
+    while let Some(joined) = bounded("the burst", calls.join_next()).await {
+        let (caller, result) = joined.expect("a call task");
+        let (served_by, count) =
+            parse_reply(&result.unwrap_or_else(|error| panic!("a call through {caller}: {error}")));
+        assert!(counts.insert(count), "count {count} acknowledged twice");
+        servers.insert(served_by);
+    }
+    let calls = (2 * BURST_CALLS_PER_NODE) as u64;
+    assert_eq!(counts, (1..=calls).collect(), "every call counted once");
+    assert_eq!(servers.len(), 1, "one node served every call: {servers:?}");
+    assert_eq!(
+        activations.load(Ordering::SeqCst),
+        1,
+        "activations of one actor, both nodes together"
+    );
+    bounded("a leaves", a.leave()).await.expect("a leaves");
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+}
+
+/// Goal: a node the embedder drops (without `leave` or `abandon`) hands its actors over
+/// within a lease time, also while the embedder still holds something of it: a
+/// `ClusterClient` (to call through) or a `RuntimeHandle` clone (an attached
+/// `AgentClient` holds one). Method: node A activates an actor and commits count 1; the
+/// test keeps A's client and runtime handle and drops A; B calls the actor until it is
+/// served, which must happen within the lease TTL plus allowance, with A's committed
+/// count. A's kept client still gets answers or typed errors, promptly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dropped_node_hands_its_actors_over_while_its_client_is_still_held() {
+    let etcd = TestEtcd::start("probe-drop-held").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let target = probe("held");
+    assert_eq!(
+        call(&a, &target, b"inc").await.expect("A serves"),
+        ("node-a".to_string(), 1)
+    );
+
+    let kept_client = a.client();
+    let kept_handle = a.handle().clone();
+    drop(a);
+    let dropped_at = Instant::now();
+    let bound = Duration::from_millis(TEST_LEASE_TTL_S * 1_000 + SCHEDULING_ALLOWANCE_MS);
+    let served = call_until_served(&b, &target, bound).await;
+    assert_eq!(
+        served,
+        ("node-b".to_string(), 2),
+        "B takes A's actor over with its count"
+    );
+    eprintln!(
+        "served by B {} ms after A was dropped",
+        dropped_at.elapsed().as_millis()
+    );
+
+    // The client the embedder kept: routed to B now, or a typed error; never a hang.
+    let deadline = kept_client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+    match bounded(
+        "the kept client's call",
+        kept_client.invoke(&target, Bytes::from_static(b"inc"), deadline),
+    )
+    .await
+    {
+        Ok(reply) => assert_eq!(parse_reply(&reply).0, "node-b"),
+        Err(error) => eprintln!("the dropped node's client: {error}"),
+    }
+    drop((kept_client, kept_handle));
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+}
+
+/// Goal: a call's deadline holds across nodes: a call with 100 ms left to a busy actor
+/// on another node ends `Timeout` about then, not after a transport or turn default.
+/// Method: the actor is activated on B; from A, a call whose turn sleeps 3 s, under a
+/// 100 ms deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_to_another_node_with_100_ms_left_times_out_on_time() {
+    /// The call's deadline, in milliseconds.
+    const SHORT_DEADLINE_MS: u64 = 100;
+    /// How late after its deadline the call may end, in milliseconds.
+    const LATE_MAX_MS: u64 = 400;
+    let etcd = TestEtcd::start("probe-deadline").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let target = probe("far");
+    assert_eq!(
+        call(&b, &target, b"inc").await.expect("B serves"),
+        ("node-b".to_string(), 1)
+    );
+    // Warm A's route and connection, as a running system has them.
+    assert_eq!(
+        call(&a, &target, b"inc").await.expect("A reaches B"),
+        ("node-b".to_string(), 2)
+    );
+
+    let started = Instant::now();
+    let deadline = a.handle().deadline_in(Duration::from_millis(SHORT_DEADLINE_MS));
+    let result = bounded(
+        "the short call",
+        a.invoke(&target, Bytes::from_static(b"sleep:3000"), deadline),
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(matches!(result, Err(InvokeError::Timeout { .. })), "{result:?}");
+    assert!(
+        took < Duration::from_millis(SHORT_DEADLINE_MS + LATE_MAX_MS),
+        "the call with {SHORT_DEADLINE_MS} ms ended after {took:?}"
+    );
+    eprintln!("Timeout after {} ms", took.as_millis());
+    bounded("a leaves", a.leave()).await.expect("a leaves");
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+}
+
+/// Goal: a node pointed at an etcd nobody serves fails to start with a typed error that
+/// names the endpoint, within about the request timeout, and frees its listen port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_pointed_at_no_etcd_fails_to_start_quickly_and_frees_its_port() {
+    let dead_endpoint = format!("127.0.0.1:{}", free_port());
+    let config = EtcdConfig::new(
+        vec![dead_endpoint.clone()],
+        "probe",
+        NodeId::new("node-a").expect("a node name"),
+        "",
+    )
+    .with_lease_ttl_s(TEST_LEASE_TTL_S)
+    .with_request_timeout_ms(TEST_REQUEST_TIMEOUT_MS);
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("an address");
+    let directory = tempfile::tempdir().expect("a directory");
+    let store = SqliteStore::open(directory.path().join("state.db")).expect("open SQLite");
+    let started = Instant::now();
+    let result = bounded(
+        "starting against no etcd",
+        ClusterNode::start(config, listen, probe_runtime("node-a", Arc::default()), store),
+    )
+    .await;
+    let took = started.elapsed();
+    match result {
+        Err(ref error @ ClusterError::Join(PlacementError::EtcdUnavailable { ref endpoints, .. })) => {
+            assert!(endpoints.contains(&dead_endpoint), "{endpoints}");
+            eprintln!("refused in {} ms: {error}", took.as_millis());
+        }
+        Err(other) => panic!("not EtcdUnavailable: {other}"),
+        Ok(_) => panic!("started without etcd"),
+    }
+    assert!(
+        took < Duration::from_millis(3 * TEST_REQUEST_TIMEOUT_MS + SCHEDULING_ALLOWANCE_MS),
+        "took {took:?}"
+    );
+    std::net::TcpListener::bind(listen).expect("the failed start freed its listen port");
+}
+
+/// Goal: etcd restarted (killed, down longer than the lease, started again on its
+/// data): the node reports it has ended (`fenced_off`, `NotRenewedInTime`) within the
+/// lease time, its calls fail with typed errors while etcd is down, and once etcd is
+/// back a new node under the same name serves the actor with the count committed
+/// before. Method: one node; etcd killed for TTL + 1 s; then restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_etcd_restarts_a_new_node_serves_the_committed_state() {
+    let mut etcd = TestEtcd::start("probe-etcd-restart").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let target = probe("survivor");
+    assert_eq!(
+        call(&a, &target, b"inc").await.expect("A serves"),
+        ("node-a".to_string(), 1)
+    );
+
+    etcd.stop();
+    let stopped_at = Instant::now();
+    let reason = bounded("fenced off", a.fenced_off()).await;
+    assert_eq!(reason, LeaseLostReason::NotRenewedInTime);
+    let fenced_after = stopped_at.elapsed();
+    assert!(
+        fenced_after < Duration::from_millis(TEST_LEASE_TTL_S * 1_000 + SCHEDULING_ALLOWANCE_MS),
+        "fenced off {fenced_after:?} after etcd stopped"
+    );
+    let error = call(&a, &target, b"inc")
+        .await
+        .expect_err("no owner can be found without etcd");
+    assert!(
+        error.is_transient() || matches!(error, InvokeError::StorageFailed { .. }),
+        "{error}"
+    );
+    eprintln!(
+        "fenced off {} ms after etcd stopped; a call then: {error}",
+        fenced_after.as_millis()
+    );
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(TEST_LEASE_TTL_S * 1_000 + 1_000).saturating_sub(stopped_at.elapsed()))
+        .await;
+
+    etcd.restart().await;
+    let restarted_at = Instant::now();
+    let again = start_node(&etcd, "node-a", &path, &activations).await;
+    // The old lease comes back with etcd and must expire first: a lease TTL.
+    let bound = Duration::from_millis(2 * TEST_LEASE_TTL_S * 1_000 + SCHEDULING_ALLOWANCE_MS);
+    let served = call_until_served(&again, &target, bound).await;
+    assert_eq!(
+        served,
+        ("node-a".to_string(), 2),
+        "the count committed before the restart"
+    );
+    eprintln!(
+        "served again {} ms after etcd restarted",
+        restarted_at.elapsed().as_millis()
+    );
+    bounded("leaving", again.leave()).await.expect("leaves");
+}
