@@ -151,7 +151,9 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         .concurrent_requests_max(as_count(args.concurrent_requests_max))
         .streams_open_max(as_count(args.streams_open_max))
         .a2a_tasks_kept(as_count(args.a2a_tasks_kept));
-    if let Some(token) = args.token.clone().filter(|token| !token.is_empty()) {
+    // An empty token (`--token "$UNSET"`) is refused as too short by `check_bind`: until
+    // 2026-12-06 it was taken as no token, and the server served without one.
+    if let Some(token) = args.token.clone() {
         config = config.token(token);
     }
     // Refuse a bad address, token or limit before anything starts.

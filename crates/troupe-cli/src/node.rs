@@ -318,7 +318,9 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
         return Err(NodeArgError::NoPostgres);
     }
     let mut server = troupe_server::ServerConfig::default();
-    let token = args.token.clone().filter(|token| !token.is_empty());
+    // An empty token is refused as too short by `check_bind`, as `troupe serve`'s (until
+    // 2026-12-06 it was taken as no token).
+    let token = args.token.clone();
     if let Some(token) = &token {
         server = server.token(token.clone());
     }

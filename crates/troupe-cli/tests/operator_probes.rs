@@ -249,11 +249,30 @@ fn a_state_directory_that_is_a_file_is_refused_saying_a_directory_is_needed() {
 }
 
 /// Goal: a token too short is refused naming the flag and the environment variable it
-/// may come from, and the minimum.
+/// may come from, and the minimum; so is an empty `--token ""` (an unset shell variable,
+/// `--token "$T"`), which until 2026-12-06 was taken as no token: the server started
+/// on loopback serving every request without one, though the operator asked for one.
+/// The same for `troupe node --http`.
 #[test]
-fn a_short_token_is_refused_naming_where_it_came_from() {
-    let output = run(&["serve", "--scripted", "--bind", "127.0.0.1:0", "--token", "abc"]);
-    assert_refused(&output, &["--token", "TROUPE_TOKEN", "16"]);
+fn a_short_or_empty_token_is_refused_naming_where_it_came_from() {
+    for token in ["abc", ""] {
+        let output = run(&["serve", "--scripted", "--bind", "127.0.0.1:0", "--token", token]);
+        assert_refused(&output, &["--token", "TROUPE_TOKEN", "16"]);
+        let output = run(&[
+            "node",
+            "--etcd",
+            "127.0.0.1:1",
+            "--postgres",
+            "postgresql://troupe@127.0.0.1:1/troupe",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--token",
+            token,
+        ]);
+        assert_refused(&output, &["--token", "TROUPE_TOKEN", "16"]);
+    }
 }
 
 /// Goal: a bad RUST_LOG stops `troupe serve` naming it; `--bind` that is no address is
