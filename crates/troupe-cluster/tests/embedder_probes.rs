@@ -346,6 +346,45 @@ async fn a_node_pointed_at_no_etcd_fails_to_start_quickly_and_frees_its_port() {
     std::net::TcpListener::bind(listen).expect("the failed start freed its listen port");
 }
 
+/// Goal: a node given two etcd endpoints, one of them dead (a member of a three-member
+/// etcd down), joins, places actors and keeps its lease over two lease times: the dead
+/// endpoint costs nothing. Method: endpoints [dead, live]; calls every 250 ms for 2 TTLs,
+/// each served, and `fenced_off` never resolves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_with_one_dead_etcd_endpoint_keeps_its_lease_and_serves() {
+    let etcd = TestEtcd::start("probe-dead-endpoint").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let mut config = etcd.config("node-a", "");
+    config.endpoints = vec![format!("127.0.0.1:{}", free_port()), etcd.endpoint()];
+    let node = bounded(
+        "starting with a dead endpoint",
+        ClusterNode::start(
+            config,
+            loopback(),
+            probe_runtime("node-a", Arc::default()),
+            SqliteStore::open(&path).expect("open SQLite"),
+        ),
+    )
+    .await
+    .expect("a node with one live endpoint starts");
+    let until = Instant::now() + Duration::from_secs(2 * TEST_LEASE_TTL_S);
+    let mut round = 0_u64;
+    while Instant::now() < until {
+        round += 1;
+        let target = probe(&format!("k{}", round % 4));
+        call(&node, &target, b"inc")
+            .await
+            .unwrap_or_else(|error| panic!("round {round}: {error}"));
+        tokio::select! {
+            biased;
+            reason = node.fenced_off() => panic!("the node lost its lease in round {round}: {reason:?}"),
+            () = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    }
+    bounded("leaving", node.leave()).await.expect("leaves");
+}
+
 /// Goal: etcd restarted (killed, down longer than the lease, started again on its
 /// data): the node reports it has ended (`fenced_off`, `NotRenewedInTime`) within the
 /// lease time, its calls fail with typed errors while etcd is down, and once etcd is

@@ -27,6 +27,11 @@ pub const ETCD_REQUEST_TIMEOUT_MS_MIN: u64 = 50;
 /// lease can end up to one second early. A node stops trusting its lease this long
 /// before the TTL since its last confirmed renewal is up.
 pub const ETCD_LEASE_EXPIRY_SLACK_MS: u64 = 1_000;
+/// Pause before a request to etcd that met etcd unavailable (a dead endpoint, a broken
+/// connection) is sent again, in milliseconds; it is sent again until the request
+/// timeout has passed since the first attempt. A lease renewal that failed is likewise
+/// tried again on a new stream within its request timeout.
+pub const ETCD_RETRY_PAUSE_MS: u64 = 10;
 /// Keep-alives per lease TTL: a node renews its lease every `TTL / 3`.
 pub const ETCD_KEEP_ALIVES_PER_TTL: u32 = 3;
 

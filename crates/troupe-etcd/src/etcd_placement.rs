@@ -10,7 +10,7 @@ use tokio::task::JoinHandle;
 use troupe_core::ActorId;
 use troupe_runtime::Fence;
 
-use crate::config::{EtcdConfig, NodeId};
+use crate::config::{EtcdConfig, NodeId, ETCD_RETRY_PAUSE_MS};
 use crate::error::{LeaseLostReason, PlacementError, PlacementOperation};
 use crate::lease::{self, LeaseStanding};
 use crate::placement::{NodeRecord, Placement, PlacementRecord};
@@ -94,35 +94,36 @@ impl EtcdPlacement {
         config.validate()?;
         let endpoints = config.endpoints.join(",");
         let timeout = config.request_timeout();
-        let client = bounded(&endpoints, timeout, PlacementOperation::Connect, None, connect(&config)).await?;
+        let client = bounded(&endpoints, timeout, PlacementOperation::Connect, None, || {
+            connect(&config)
+        })
+        .await?;
+        let node_key = format!("/troupe/{}/nodes/{}", config.cluster, config.node);
+        let kv = client.kv_client();
         let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
-        let mut lease_client = client.lease_client();
+        let lease_client = client.lease_client();
         let granted_at = tokio::time::Instant::now();
-        let granted = bounded(
-            &endpoints,
-            timeout,
-            PlacementOperation::GrantLease,
-            None,
-            lease_client.grant(ttl_s, None),
-        )
+        // A grant sent again after an answer was lost leaves a lease nobody renews: it
+        // holds no key, and expires after its TTL.
+        let granted = bounded(&endpoints, timeout, PlacementOperation::GrantLease, None, || {
+            let mut lease_client = lease_client.clone();
+            async move { lease_client.grant(ttl_s, None).await }
+        })
         .await?;
         // A grant longer than asked for is trusted only as far as asked.
         let (lease, granted_ttl_s) = (granted.id(), granted.ttl().min(ttl_s));
         let valid_until = lease::trusted_until(granted_at, granted_ttl_s, granted_ttl_s);
         let standing = Arc::new(LeaseStanding::new(valid_until));
         let prefix = format!("/troupe/{}/", config.cluster);
-        let node_key = format!("{prefix}nodes/{}", config.node);
-        let mut kv = client.kv_client();
         bounded(
             &endpoints,
             timeout,
             PlacementOperation::Join,
             Some((&config.node, lease)),
-            kv.put(
-                node_key,
-                config.address.clone(),
-                Some(PutOptions::new().with_lease(lease)),
-            ),
+            || {
+                let (mut kv, key, address) = (kv.clone(), node_key.clone(), config.address.clone());
+                async move { kv.put(key, address, Some(PutOptions::new().with_lease(lease))).await }
+            },
         )
         .await?;
         let keep_alive_task = tokio::spawn(lease::keep_alive(
@@ -184,11 +185,13 @@ impl EtcdPlacement {
     pub async fn leave(&self) -> Result<(), PlacementError> {
         self.inner.keep_alive_task.abort();
         self.inner.standing.lose(LeaseLostReason::Left);
-        let mut lease_client = self.inner.client.lease_client();
-        match self
-            .request(PlacementOperation::Leave, lease_client.revoke(self.inner.lease))
-            .await
-        {
+        let lease_client = self.inner.client.lease_client();
+        let lease = self.inner.lease;
+        let revoke = || {
+            let mut lease_client = lease_client.clone();
+            async move { lease_client.revoke(lease).await }
+        };
+        match self.request(PlacementOperation::Leave, revoke).await {
             // etcd no longer knows the lease: it already ended, which is what leaving wants.
             Ok(_) | Err(PlacementError::LeaseExpired { .. }) => Ok(()),
             Err(other) => Err(other),
@@ -204,11 +207,13 @@ impl EtcdPlacement {
     /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time.
     pub async fn publish_http(&self, address: &str) -> Result<(), PlacementError> {
         let key = format!("{}http/{}", self.inner.prefix, self.inner.config.node);
-        let mut kv = self.inner.client.kv_client();
+        let kv = self.inner.client.kv_client();
         let options = PutOptions::new().with_lease(self.inner.lease);
-        self.request(PlacementOperation::PublishHttp, kv.put(key, address, Some(options)))
-            .await
-            .map(|_| ())
+        let put = || {
+            let (mut kv, key, address, options) = (kv.clone(), key.clone(), address.to_string(), options.clone());
+            async move { kv.put(key, address, Some(options)).await }
+        };
+        self.request(PlacementOperation::PublishHttp, put).await.map(|_| ())
     }
 
     /// The address `node` serves HTTP on, as it published it; `None` if it published
@@ -219,9 +224,8 @@ impl EtcdPlacement {
     /// [`PlacementError::MalformedRecord`] if the record is not UTF-8.
     pub async fn http_address(&self, node: &NodeId) -> Result<Option<String>, PlacementError> {
         let key = format!("{}http/{node}", self.inner.prefix);
-        let mut kv = self.inner.client.kv_client();
         let response = self
-            .request(PlacementOperation::LookupHttp, kv.get(key.clone(), None))
+            .request(PlacementOperation::LookupHttp, self.get(&key, None))
             .await?;
         response
             .kvs()
@@ -244,11 +248,41 @@ impl EtcdPlacement {
         )
     }
 
-    async fn request<T>(
+    /// One attempt of a read of `key`, for [`EtcdPlacement::request`].
+    fn get(
         &self,
-        operation: PlacementOperation,
-        future: impl Future<Output = Result<T, etcd_client::Error>>,
-    ) -> Result<T, PlacementError> {
+        key: &str,
+        options: Option<GetOptions>,
+    ) -> impl FnMut() -> std::pin::Pin<Box<dyn Future<Output = Result<etcd_client::GetResponse, etcd_client::Error>> + Send>>
+    {
+        let kv = self.inner.client.kv_client();
+        let key = key.to_string();
+        move || {
+            let (mut kv, key, options) = (kv.clone(), key.clone(), options.clone());
+            Box::pin(async move { kv.get(key, options).await })
+        }
+    }
+
+    /// One attempt of a transaction, for [`EtcdPlacement::request`].
+    fn txn(
+        &self,
+        txn: Txn,
+    ) -> impl FnMut() -> std::pin::Pin<Box<dyn Future<Output = Result<etcd_client::TxnResponse, etcd_client::Error>> + Send>>
+    {
+        let kv = self.inner.client.kv_client();
+        move || {
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            Box::pin(async move { kv.txn(txn).await })
+        }
+    }
+
+    /// Runs the request `attempt` makes, sent again while etcd is unavailable, within
+    /// the request timeout (see [`bounded`]).
+    async fn request<T, F, Fut>(&self, operation: PlacementOperation, attempt: F) -> Result<T, PlacementError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
         let uses_lease = matches!(
             operation,
             PlacementOperation::Place
@@ -261,7 +295,7 @@ impl EtcdPlacement {
             self.inner.config.request_timeout(),
             operation,
             uses_lease.then_some((&self.inner.config.node, self.inner.lease)),
-            future,
+            attempt,
         )
         .await;
         if let Err(PlacementError::LeaseExpired { reason, .. }) = &result {
@@ -345,8 +379,7 @@ impl Placement for EtcdPlacement {
                 TxnOp::put(key.clone(), self.inner.owner_value.clone(), Some(create)),
                 TxnOp::get(key.clone(), None),
             ]);
-        let mut kv = self.inner.client.kv_client();
-        let response = self.request(PlacementOperation::Place, kv.txn(txn)).await?;
+        let response = self.request(PlacementOperation::Place, self.txn(txn)).await?;
         let kv = response
             .op_responses()
             .into_iter()
@@ -370,10 +403,7 @@ impl Placement for EtcdPlacement {
 
     async fn lookup(&self, actor: &ActorId) -> Result<Option<PlacementRecord>, PlacementError> {
         let key = self.placement_key(actor);
-        let mut kv = self.inner.client.kv_client();
-        let response = self
-            .request(PlacementOperation::Lookup, kv.get(key.clone(), None))
-            .await?;
+        let response = self.request(PlacementOperation::Lookup, self.get(&key, None)).await?;
         response
             .kvs()
             .first()
@@ -390,18 +420,16 @@ impl Placement for EtcdPlacement {
                 self.inner.owner_value.clone(),
             )])
             .and_then(vec![TxnOp::delete(key, None)]);
-        let mut kv = self.inner.client.kv_client();
-        let response = self.request(PlacementOperation::Release, kv.txn(txn)).await?;
+        let response = self.request(PlacementOperation::Release, self.txn(txn)).await?;
         Ok(response.succeeded())
     }
 
     async fn nodes(&self) -> Result<Vec<NodeRecord>, PlacementError> {
         let prefix = format!("{}nodes/", self.inner.prefix);
-        let mut kv = self.inner.client.kv_client();
         let response = self
             .request(
                 PlacementOperation::ListNodes,
-                kv.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+                self.get(&prefix, Some(GetOptions::new().with_prefix())),
             )
             .await?;
         let mut nodes = Vec::with_capacity(response.kvs().len());
@@ -436,25 +464,53 @@ async fn connect(config: &EtcdConfig) -> Result<Client, etcd_client::Error> {
     Client::connect(&config.endpoints, None).await
 }
 
-/// Runs one etcd request within `timeout` and types its failure.
+/// Runs one etcd request within `timeout` and types its failure; `attempt` makes one
+/// attempt of it.
+///
+/// An attempt that fails as etcd being unavailable (a connection refused or broken, an
+/// `Unavailable` answer, ...) is made again after [`ETCD_RETRY_PAUSE_MS`], until
+/// `timeout` has passed since the first: the client spreads requests over all its
+/// endpoints, so with one etcd member down a request may meet the dead one and the
+/// next the live ones. Every request this crate sends may be sent twice: a placement
+/// finds its own record, a release deletes only its own, a revoke of a revoked lease is
+/// "not found", puts write the same value, and a second lease granted holds nothing.
+/// Any other error ends the request at once.
 ///
 /// `lease_holder` is the node and lease the request uses, if it uses one: etcd saying
 /// "not found" to such a request means the lease is gone.
-async fn bounded<T>(
+async fn bounded<T, F, Fut>(
     endpoints: &str,
     timeout: Duration,
     operation: PlacementOperation,
     lease_holder: Option<(&NodeId, i64)>,
-    future: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, PlacementError> {
-    match tokio::time::timeout(timeout, future).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(classify(endpoints, operation, lease_holder, &error)),
-        Err(_elapsed) => Err(PlacementError::EtcdUnavailable {
+    mut attempt: F,
+) -> Result<T, PlacementError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut last_unavailable: Option<PlacementError> = None;
+    let attempts = async {
+        loop {
+            match attempt().await {
+                Ok(value) => return Ok(value),
+                Err(error) => match classify(endpoints, operation, lease_holder, &error) {
+                    unavailable @ PlacementError::EtcdUnavailable { .. } => {
+                        last_unavailable = Some(unavailable);
+                        tokio::time::sleep(Duration::from_millis(ETCD_RETRY_PAUSE_MS)).await;
+                    }
+                    other => return Err(other),
+                },
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, attempts).await {
+        Ok(result) => result,
+        Err(_elapsed) => Err(last_unavailable.unwrap_or_else(|| PlacementError::EtcdUnavailable {
             endpoints: endpoints.to_string(),
             operation,
             cause: format!("no answer within {} ms", timeout.as_millis()),
-        }),
+        })),
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! every TTL/3:  sent = now ── keep-alive ──► etcd ── ttl ──►  valid_until = sent + ttl − slack
-//!               no answer, an error, a closed stream  →  reopen the stream next round
+//!               an error, a closed stream  →  reopen the stream, again within the request timeout
+//!               no answer within the request timeout  →  reopen the stream next round
 //!               etcd says the lease is gone (ttl ≤ 0, NotFound)  →  lost: ExpiredOnServer
 //!               now ≥ valid_until                                 →  lost: NotRenewedInTime
 //! ```
@@ -20,7 +21,7 @@ use etcd_client::{LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
 use tokio::time::Instant;
 use troupe_runtime::Latch;
 
-use crate::config::ETCD_LEASE_EXPIRY_SLACK_MS;
+use crate::config::{ETCD_LEASE_EXPIRY_SLACK_MS, ETCD_RETRY_PAUSE_MS};
 use crate::error::LeaseLostReason;
 
 /// The lease's standing, shared by the placement handles and the keep-alive task.
@@ -107,11 +108,24 @@ pub(crate) async fn keep_alive(
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     loop {
         let sent = tokio::time::Instant::now();
-        let renewal =
-            match tokio::time::timeout(request_timeout, renew(&mut client, lease, granted_ttl_s, &mut stream)).await {
-                Ok(renewal) => renewal,
-                Err(_elapsed) => Renewal::Failed,
-            };
+        // A failed renewal (a dead endpoint, a broken stream) is tried again on a new
+        // stream within the request timeout: with one etcd member down, a stream opened
+        // on it fails and the next one may reach a live member.
+        let renew_until_answered = async {
+            loop {
+                match renew(&mut client, lease, granted_ttl_s, &mut stream).await {
+                    Renewal::Failed => {
+                        stream = None;
+                        tokio::time::sleep(Duration::from_millis(ETCD_RETRY_PAUSE_MS)).await;
+                    }
+                    answered => return answered,
+                }
+            }
+        };
+        let renewal = match tokio::time::timeout(request_timeout, renew_until_answered).await {
+            Ok(renewal) => renewal,
+            Err(_elapsed) => Renewal::Failed,
+        };
         match renewal {
             Renewal::Renewed(ttl_s) if ttl_s > 0 => {
                 standing.renewed(trusted_until(sent, ttl_s, granted_ttl_s));
