@@ -536,6 +536,14 @@ pub(crate) enum ConvCommand {
         agent: String,
         cause: String,
     },
+    /// To the index: `agents` do not take part in `conversation` (a creation that named
+    /// them was refused `Conflict`, after `Register` had recorded them): their entries
+    /// are deleted, the conversation's own is kept. Replies `Done`. Last of the
+    /// variants, so that a command encoded before it existed decodes as it did.
+    Unregister {
+        conversation: String,
+        agents: Vec<String>,
+    },
 }
 
 /// A message to append.
@@ -734,6 +742,12 @@ impl ConversationActor {
                 turn.put(format!("c/{conversation}"), Bytes::new())?;
                 for agent in agents {
                     turn.put(format!("{}{conversation}", member_prefix(&agent)), Bytes::new())?;
+                }
+                ConvReply::Done
+            }
+            ConvCommand::Unregister { conversation, agents } => {
+                for agent in agents {
+                    turn.delete(format!("{}{conversation}", member_prefix(&agent)))?;
                 }
                 ConvReply::Done
             }

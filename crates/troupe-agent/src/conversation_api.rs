@@ -55,7 +55,11 @@ impl AgentClient {
     /// participants and kind: retrying is safe). Agents must be in the directory; a
     /// direct conversation has exactly two participants, a group at least two; at most
     /// [`CONVERSATION_PARTICIPANTS_MAX`]. The conversation is recorded in the index
-    /// first, so [`AgentClient::conversations_of`] lists it for each agent.
+    /// first, so [`AgentClient::conversations_of`] lists it for each agent. An id
+    /// taken by another definition is refused `Conflict` before the index records
+    /// anything; a creation that loses a race to another definition is refused too, and
+    /// takes its agents that are not participants of the winner out of the index again
+    /// (best effort: logged if that fails).
     ///
     /// # Errors
     /// [`ConversationError::InvalidName`] (ids starting with `_` are reserved),
@@ -111,19 +115,64 @@ impl AgentClient {
                 agents.push(agent.clone());
             }
         }
+        // An id taken by another definition is refused before the index records it for
+        // these agents (one snapshot read); a creation that loses a race to another
+        // definition takes its agents out of the index again (below). Before, the
+        // index kept them: an agent listed a conversation it was not in
+        // (`tests/conversation_probes.rs`).
+        let conflict = || ConversationError::Conflict { id: id.to_string() };
+        if let Some(existing) = self.conversation(id).await? {
+            if existing.kind != kind || existing.participants != sorted {
+                return Err(conflict());
+            }
+        }
         let register = ConvCommand::Register {
             conversation: id.to_string(),
-            agents,
+            agents: agents.clone(),
         };
         self.conversation_request("", register).await?;
         match self
             .conversation_request(id, ConvCommand::Create { participants, kind })
-            .await?
+            .await
         {
-            ConvReply::Created(info) => Ok(info),
-            other => Err(ConversationError::Unavailable {
+            Ok(ConvReply::Created(info)) => Ok(info),
+            Err(ConversationError::Conflict { .. }) => {
+                self.unregister_outsiders(id, agents).await;
+                Err(conflict())
+            }
+            Err(error) => Err(error),
+            Ok(other) => Err(ConversationError::Unavailable {
                 cause: format!("unexpected reply {other:?}"),
             }),
+        }
+    }
+
+    /// Takes `agents`, recorded in the index for conversation `id` by a creation that
+    /// was then refused `Conflict`, out of the index again, except those that take part
+    /// in the conversation as it was created. Best effort (logged): an entry left
+    /// lists a conversation whose definition does not name the agent, as before.
+    async fn unregister_outsiders(&self, id: &str, agents: Vec<String>) {
+        let existing = match self.conversation(id).await {
+            Ok(Some(existing)) => existing,
+            Ok(None) => return,
+            Err(error) => {
+                tracing::warn!(conversation = %id, %error, "could not read the conversation to take a refused creation's agents out of the index");
+                return;
+            }
+        };
+        let outsiders: Vec<String> = agents
+            .into_iter()
+            .filter(|agent| !existing.participants.contains(&Participant::Agent(agent.clone())))
+            .collect();
+        if outsiders.is_empty() {
+            return;
+        }
+        let unregister = ConvCommand::Unregister {
+            conversation: id.to_string(),
+            agents: outsiders,
+        };
+        if let Err(error) = self.conversation_request("", unregister).await {
+            tracing::warn!(conversation = %id, %error, "could not take a refused creation's agents out of the index");
         }
     }
 
