@@ -35,7 +35,10 @@ mod node;
 mod placed_store;
 mod probes;
 
-pub use node::{ClusterClient, ClusterError, ClusterNode, ClusterStats, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS};
+pub use node::{
+    ClusterClient, ClusterError, ClusterNode, ClusterStats, NODE_NAME_CHECK_TIMEOUT_MS, ROUTE_CACHE_ENTRIES_MAX,
+    ROUTE_RETRY_DELAY_MS,
+};
 pub use placed_store::{PlacedStore, RELEASE_QUEUE_CAPACITY};
 pub use probes::{
     PROBES_SENT_PER_SECOND_MAX, PROBE_LOCAL_VISITS_MAX, PROBE_PATH_ACTORS_MAX, PROBE_QUEUE_CAPACITY,

@@ -24,6 +24,12 @@ pub const ROUTE_RETRY_DELAY_MS: u64 = 50;
 /// Most actors whose owner a node remembers, in actors; past it the cache is emptied.
 pub const ROUTE_CACHE_ENTRIES_MAX: usize = 65_536;
 
+/// How long a starting node tries to connect to the address another node published
+/// under its name, to learn whether that node is alive, in milliseconds
+/// ([`ClusterError::NodeNameInUse`]). A connection within it means a live node; a
+/// refusal or no answer, a node that is gone.
+pub const NODE_NAME_CHECK_TIMEOUT_MS: u64 = 1_000;
+
 /// Why a cluster node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -38,6 +44,21 @@ pub enum ClusterError {
     /// Joining the cluster in etcd failed.
     #[error("joining the cluster failed: {0}")]
     Join(#[from] PlacementError),
+    /// A live node already serves under this node's name (its membership record names
+    /// another address, and a connection there succeeds); nothing was written to etcd.
+    /// Two live nodes under one name share one membership record: calls for the first
+    /// one's actors would go to the second, which cannot serve them.
+    #[error(
+        "node name {node} is in use: a live node serves under it at {address}; give this node another \
+         name (troupe node: --node), or stop that node first (a node that crashed or lost its lease \
+         frees its name when its lease ends, within the lease TTL)"
+    )]
+    NodeNameInUse {
+        /// The name asked for.
+        node: NodeId,
+        /// Where the live node serves, as its membership record says.
+        address: String,
+    },
     /// The address this node would publish for the others to dial is not one they can
     /// dial; nothing was bound or sent to etcd.
     #[error(
@@ -82,6 +103,20 @@ fn check_published_address(configured: &str, listen: SocketAddr) -> Result<(), C
         return refused(configured.to_string(), "its port is 0");
     }
     Ok(())
+}
+
+/// Whether a node listens at `address` (published by another node under this node's
+/// name): a connection within [`NODE_NAME_CHECK_TIMEOUT_MS`]. An address that is not
+/// `ip:port` is nobody's.
+async fn answers(address: String) -> bool {
+    let Ok(address) = address.parse::<SocketAddr>() else {
+        return false;
+    };
+    let timeout = Duration::from_millis(NODE_NAME_CHECK_TIMEOUT_MS);
+    matches!(
+        tokio::time::timeout(timeout, tokio::net::TcpStream::connect(address)).await,
+        Ok(Ok(_))
+    )
 }
 
 /// What a node did so far.
@@ -195,8 +230,10 @@ impl ClusterNode {
     /// [`ClusterError::Address`] if the address to publish is not one other nodes can
     /// dial (`etcd.address` not `ip:port`, or with an unspecified IP or port 0; or empty
     /// with `listen` on an unspecified IP), before anything is bound;
-    /// [`ClusterError::Listen`] if `listen` cannot be bound; [`ClusterError::Join`] if
-    /// the etcd configuration is invalid or etcd does not answer.
+    /// [`ClusterError::Listen`] if `listen` cannot be bound;
+    /// [`ClusterError::NodeNameInUse`] if a live node serves under this node's name at
+    /// another address; [`ClusterError::Join`] if the etcd configuration is invalid or
+    /// etcd does not answer.
     pub async fn start<S: FencedClaim>(
         mut etcd: EtcdConfig,
         listen: SocketAddr,
@@ -214,7 +251,12 @@ impl ClusterNode {
             etcd.address = address.to_string();
         }
         let node = etcd.node.clone();
-        let placement = EtcdPlacement::join(etcd).await?;
+        let placement = EtcdPlacement::join_unless_in_use(etcd, answers)
+            .await
+            .map_err(|error| match error {
+                PlacementError::NodeNameInUse { node, address } => ClusterError::NodeNameInUse { node, address },
+                other => ClusterError::Join(other),
+            })?;
         let (ownership, mut releases) = Ownership::new(placement.clone());
         let shared = runtime.shared_record_kinds().cloned().collect();
         let runtime = runtime

@@ -263,6 +263,61 @@ async fn a_dropped_node_hands_its_actors_over_while_its_client_is_still_held() {
     bounded("b leaves", b.leave()).await.expect("b leaves");
 }
 
+/// Goal: a second node started under the name of a live node is refused at start,
+/// naming the name and where the live node serves, and the live node keeps its actors
+/// reachable. Before, the second node overwrote the live node's membership record:
+/// every call to the live node's actors from the other nodes went to the second node,
+/// which refused them ("not owner", naming the name they share), until the deadline.
+/// Method: A (`node-a`) serves an actor; a second `node-a` starts on another port; then
+/// B calls A's actor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_node_under_a_live_nodes_name_is_refused_at_start() {
+    let etcd = TestEtcd::start("probe-same-name").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let target = probe("of-a");
+    assert_eq!(
+        call(&a, &target, b"inc").await.expect("A serves"),
+        ("node-a".to_string(), 1)
+    );
+
+    let started = Instant::now();
+    let second = bounded(
+        "starting a second node-a",
+        ClusterNode::start(
+            etcd.config("node-a", ""),
+            loopback(),
+            probe_runtime("node-a-twin", Arc::clone(&activations)),
+            SqliteStore::open(&path).expect("open the shared SQLite file"),
+        ),
+    )
+    .await;
+    match second {
+        Err(ref error @ ClusterError::NodeNameInUse { ref node, ref address }) => {
+            eprintln!("refused in {} ms: {error}", started.elapsed().as_millis());
+            assert_eq!(node.as_str(), "node-a");
+            assert_eq!(address, &a.address().to_string());
+            let text = error.to_string();
+            assert!(text.contains("node-a") && text.contains(address.as_str()), "{text}");
+        }
+        Err(other) => panic!("refused, but not as a name in use: {other}"),
+        Ok(twin) => panic!(
+            "a second node started under node-a (at {}) while node-a serves at {}",
+            twin.address(),
+            a.address()
+        ),
+    }
+    assert_eq!(
+        call(&b, &target, b"inc").await.expect("B reaches A's actor"),
+        ("node-a".to_string(), 2)
+    );
+    bounded("a leaves", a.leave()).await.expect("a leaves");
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+}
+
 /// Goal: a call's deadline holds across nodes: a call with 100 ms left to a busy actor
 /// on another node ends `Timeout` about then, not after a transport or turn default.
 /// Method: the actor is activated on B; from A, a call whose turn sleeps 3 s, under a

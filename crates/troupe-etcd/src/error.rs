@@ -122,6 +122,18 @@ pub enum PlacementError {
         /// Why it counts as lost.
         reason: LeaseLostReason,
     },
+    /// Another live node serves under this node's name
+    /// ([`crate::EtcdPlacement::join_unless_in_use`]); nothing was written.
+    #[error(
+        "node name {node} is in use by a live node at {address}; give this node another name, or stop \
+         that node first (a node that crashed or lost its lease frees its name when its lease ends)"
+    )]
+    NodeNameInUse {
+        /// The name asked for.
+        node: NodeId,
+        /// Where the live node serves, as its membership record says.
+        address: String,
+    },
     /// A record in etcd does not have the form this crate writes.
     #[error("the etcd record at {key} is malformed: {reason}")]
     MalformedRecord {

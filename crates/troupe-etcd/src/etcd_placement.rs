@@ -91,6 +91,26 @@ impl EtcdPlacement {
     /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time;
     /// [`PlacementError::EtcdRefused`] if etcd refuses the lease or the record.
     pub async fn join(config: EtcdConfig) -> Result<Self, PlacementError> {
+        Self::join_unless_in_use(config, |_address| std::future::ready(false)).await
+    }
+
+    /// As [`EtcdPlacement::join`], but first reads the membership record of this node's
+    /// name: if one names an address other than `config.address`, `in_use(address)`
+    /// says whether a live node serves there (e.g. whether it accepts a connection).
+    /// If it does, nothing is written and the join is refused: two live nodes under one
+    /// name would share one membership record, and calls for the first one's actors
+    /// would go to the second, which cannot serve them. A record of a node that is gone
+    /// (crashed, or an earlier incarnation whose lease has not ended yet) is
+    /// overwritten, as by `join`.
+    ///
+    /// # Errors
+    /// As [`EtcdPlacement::join`], and [`PlacementError::NodeNameInUse`] naming the
+    /// live node's address.
+    pub async fn join_unless_in_use<F, Fut>(config: EtcdConfig, in_use: F) -> Result<Self, PlacementError>
+    where
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = bool>,
+    {
         config.validate()?;
         let endpoints = config.endpoints.join(",");
         let timeout = config.request_timeout();
@@ -100,6 +120,20 @@ impl EtcdPlacement {
         .await?;
         let node_key = format!("/troupe/{}/nodes/{}", config.cluster, config.node);
         let kv = client.kv_client();
+        let previous = bounded(&endpoints, timeout, PlacementOperation::Join, None, || {
+            let (mut kv, key) = (kv.clone(), node_key.clone());
+            async move { kv.get(key, None).await }
+        })
+        .await?;
+        if let Some(record) = previous.kvs().first() {
+            let address = String::from_utf8_lossy(record.value()).into_owned();
+            if address != config.address && in_use(address.clone()).await {
+                return Err(PlacementError::NodeNameInUse {
+                    node: config.node.clone(),
+                    address,
+                });
+            }
+        }
         let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
         let lease_client = client.lease_client();
         let granted_at = tokio::time::Instant::now();

@@ -1,15 +1,17 @@
 //! `EtcdPlacement` probed as an embedder runs it: against a real etcd (Debian
 //! `etcd-server`, started per test on loopback), with an etcd member down among the
-//! endpoints. Every await is bounded.
+//! endpoints, and with a second node under a name in use. Every await is bounded.
 //!
 //! Run with `cargo nextest run -p troupe-etcd --test embedder_probes`.
 #![cfg(not(madsim))]
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use troupe_core::ActorId;
-use troupe_etcd::{EtcdPlacement, Placement};
+use troupe_etcd::{EtcdPlacement, Placement, PlacementError};
 
 #[path = "support/etcd_server.rs"]
 mod etcd_server;
@@ -66,4 +68,69 @@ async fn one_dead_endpoint_among_two_fails_no_request_and_loses_no_lease() {
     }
     eprintln!("{requests} requests answered with one of two endpoints dead");
     bounded("leaving", placement.leave()).await.expect("leaves");
+}
+
+/// Goal: `join_unless_in_use` refuses a name whose membership record names another
+/// address where a live node serves, and writes nothing; it overwrites the record of a
+/// node that is gone, and does not ask about its own address. Method: node-a joins at
+/// address X; a second node-a at Y, told X is live, is refused naming X, and the record
+/// still says X; told X is gone, it joins and the record says Y; a third at Y is not
+/// asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_in_use_by_a_live_node_is_refused_and_a_gone_ones_is_taken() {
+    let etcd = TestEtcd::start("probe-name-in-use").await;
+    let first = bounded(
+        "the first join",
+        EtcdPlacement::join(etcd.config("node-a", "10.0.0.1:7100")),
+    )
+    .await
+    .expect("the first node-a joins");
+    let asked = Arc::new(AtomicBool::new(false));
+    let in_use = |answer: bool| {
+        let asked = Arc::clone(&asked);
+        move |address: String| {
+            assert_eq!(address, "10.0.0.1:7100", "asked about the recorded address");
+            asked.store(true, Ordering::SeqCst);
+            std::future::ready(answer)
+        }
+    };
+    let refused = bounded(
+        "a join under a live name",
+        EtcdPlacement::join_unless_in_use(etcd.config("node-a", "10.0.0.2:7100"), in_use(true)),
+    )
+    .await;
+    match refused {
+        Err(ref error @ PlacementError::NodeNameInUse { ref node, ref address }) => {
+            assert_eq!((node.as_str(), address.as_str()), ("node-a", "10.0.0.1:7100"));
+            eprintln!("{error}");
+        }
+        other => panic!("not refused as a name in use: {other:?}"),
+    }
+    assert!(asked.swap(false, Ordering::SeqCst));
+    let members = bounded("listing", first.nodes()).await.expect("nodes");
+    assert_eq!(members.len(), 1);
+    assert_eq!(members[0].address, "10.0.0.1:7100", "the refused join wrote nothing");
+
+    let second = bounded(
+        "a join under a gone node's name",
+        EtcdPlacement::join_unless_in_use(etcd.config("node-a", "10.0.0.2:7100"), in_use(false)),
+    )
+    .await
+    .expect("a gone node's name is taken");
+    assert!(asked.swap(false, Ordering::SeqCst));
+    let members = bounded("listing", first.nodes()).await.expect("nodes");
+    assert_eq!(members[0].address, "10.0.0.2:7100");
+
+    let third = bounded(
+        "a join at the recorded address",
+        EtcdPlacement::join_unless_in_use(
+            etcd.config("node-a", "10.0.0.2:7100"),
+            |_address: String| -> std::future::Ready<bool> { panic!("asked about its own address") },
+        ),
+    )
+    .await
+    .expect("a node at its own recorded address joins");
+    for placement in [first, second, third] {
+        bounded("leaving", placement.leave()).await.expect("leaves");
+    }
 }
