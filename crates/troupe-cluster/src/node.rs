@@ -752,6 +752,7 @@ impl Inner {
                 return Err(unreachable.unwrap_or_else(timeout));
             }
             let cached = inner.routes().get(target).cloned();
+            let route_was_cached = cached.is_some();
             let owner = match cached {
                 Some(owner) => Some(owner),
                 None => match clock.run_until(deadline, inner.placement.lookup(target)).await {
@@ -887,11 +888,21 @@ impl Inner {
             }) = &result
             {
                 if inner.ownership.is_lost() && owner.as_ref().is_none_or(|owner| *owner == inner.node) {
-                    // This node refused it because its lease is lost for good: it will
-                    // refuse it again until the deadline (a turn looping here held up
-                    // the node's own deactivations, and so its rejoining, for the
-                    // call's whole timeout, 30 s in the mention fault scenario). The
-                    // caller hears it now.
+                    if route_was_cached {
+                        // A route to this node cached before the lease was lost (the
+                        // routes are emptied only once every activation here ended):
+                        // the actor may be placed on another node by now, so etcd is
+                        // asked. Before, the call failed here with this non-transient
+                        // refusal while the new owner served the actor.
+                        inner.routes().remove(target);
+                        continue;
+                    }
+                    // etcd names this node or nobody, and this node refused it because
+                    // its lease is lost for good: it will refuse it again until the
+                    // deadline (a turn looping here held up the node's own
+                    // deactivations, and so its rejoining, for the call's whole
+                    // timeout, 30 s in the mention fault scenario). The caller hears
+                    // it now.
                     return result;
                 }
             }

@@ -318,6 +318,70 @@ async fn a_second_node_under_a_live_nodes_name_is_refused_at_start() {
     bounded("b leaves", b.leave()).await.expect("b leaves");
 }
 
+/// Goal: a node whose lease was lost stays a client: a call through it to one of its
+/// former actors, which another node serves now, is served there. Before, while the
+/// lost node still waited for its running turns to end (its route cache is emptied
+/// only then), such a call met the node's cached route to itself and failed at once
+/// with `StorageFailed(NotOwner)`, "this node has lost its cluster lease", which is
+/// not transient. Method: A serves x and y; a 3 s turn of y runs on A; A's lease is
+/// revoked through etcd; B serves x; once A knows its lease is lost, and before it has
+/// ended its activations, x is called through A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_that_lost_its_lease_routes_calls_for_its_former_actors_to_the_new_owner() {
+    let etcd = TestEtcd::start("probe-lost-client").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (x, y) = (probe("x"), probe("y"));
+    assert_eq!(
+        call(&a, &x, b"inc").await.expect("A serves x"),
+        ("node-a".to_string(), 1)
+    );
+    assert_eq!(
+        call(&a, &y, b"inc").await.expect("A serves y"),
+        ("node-a".to_string(), 1)
+    );
+    let slow = {
+        let client = a.client();
+        let y = y.clone();
+        tokio::spawn(async move {
+            let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+            client.invoke(&y, Bytes::from_static(b"sleep:3000"), deadline).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut admin = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .expect("an admin client");
+    bounded("the revoke", admin.lease_revoke(a.placement().lease()))
+        .await
+        .expect("revoke A's lease");
+    let bound = Duration::from_millis(TEST_LEASE_TTL_S * 1_000 + SCHEDULING_ALLOWANCE_MS);
+    assert_eq!(call_until_served(&b, &x, bound).await, ("node-b".to_string(), 2));
+    bounded("A noticing its lease is gone", async {
+        while a.placement().holds_lease() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        tokio::time::timeout(Duration::ZERO, a.fenced_off()).await.is_err(),
+        "A ended its activations already: the test missed the window it probes"
+    );
+    let through_a = call(&a, &x, b"inc").await;
+    assert_eq!(
+        through_a.as_ref().map_err(ToString::to_string),
+        Ok(&("node-b".to_string(), 3)),
+        "a call through the node that lost its lease, to its former actor served by B"
+    );
+    let slow = bounded("the slow call", slow).await.expect("the slow call's task");
+    eprintln!("the slow turn's call: {slow:?}");
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+    drop(a);
+}
+
 /// Goal: a call's deadline holds across nodes: a call with 100 ms left to a busy actor
 /// on another node ends `Timeout` about then, not after a transport or turn default.
 /// Method: the actor is activated on B; from A, a call whose turn sleeps 3 s, under a
