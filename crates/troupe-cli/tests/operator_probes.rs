@@ -20,8 +20,11 @@ const PROBE_WAIT_MS_MAX: u64 = 20_000;
 const PROBE_POLL_MS: u64 = 20;
 
 /// A `troupe` child killed when dropped (a failed assertion leaves no process behind).
+/// Its stderr is read all along by a thread: a server logging a line per span would
+/// otherwise fill the pipe and block.
 struct Running {
     child: Child,
+    stderr: Option<std::thread::JoinHandle<String>>,
 }
 
 impl Drop for Running {
@@ -34,6 +37,21 @@ impl Drop for Running {
 }
 
 impl Running {
+    /// Starts `command` with stdout and stderr piped.
+    fn spawn(command: &mut Command) -> Self {
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut pipe = child.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        });
+        Self {
+            child,
+            stderr: Some(stderr),
+        }
+    }
+
     /// Sends `signal` (`TERM`, `INT`) to the child, as a service manager or ctrl-c does.
     fn signal(&self, signal: &str) {
         let sent = Command::new("kill")
@@ -55,13 +73,12 @@ impl Running {
         panic!("troupe did not stop within {PROBE_WAIT_MS_MAX} ms");
     }
 
-    /// The rest of its stderr (once it has stopped).
+    /// Its stderr (once it has stopped: this waits for the pipe's end).
     fn stderr(&mut self) -> String {
-        let mut text = String::new();
-        if let Some(mut stderr) = self.child.stderr.take() {
-            stderr.read_to_string(&mut text).unwrap();
-        }
-        text
+        self.stderr
+            .take()
+            .map(|reader| reader.join().unwrap_or_default())
+            .unwrap_or_default()
     }
 }
 
@@ -76,33 +93,21 @@ fn troupe() -> Command {
 
 /// Runs `troupe ARGS` to its end (it must stop by itself within the wait).
 fn run(args: &[&str]) -> Output {
-    let mut running = Running {
-        child: troupe()
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    };
+    let mut running = Running::spawn(troupe().args(args));
     let status = running.wait();
     let mut stdout = Vec::new();
     running.child.stdout.take().unwrap().read_to_end(&mut stdout).unwrap();
-    let mut stderr = Vec::new();
-    running.child.stderr.take().unwrap().read_to_end(&mut stderr).unwrap();
+    let stderr = running.stderr().into_bytes();
     Output { status, stdout, stderr }
 }
 
 /// `troupe serve --scripted --bind 127.0.0.1:0 ARGS`, up to the address it prints.
 fn serve(args: &[&str]) -> (Running, BufReader<ChildStdout>, String) {
-    let mut running = Running {
-        child: troupe()
+    let mut running = Running::spawn(
+        troupe()
             .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    };
+            .args(args),
+    );
     let (stdout, addr) = support::read_address(&mut running.child).unwrap_or_else(|| {
         let _ = running.child.kill();
         panic!("troupe serve printed no address: {}", running.stderr())
@@ -438,14 +443,7 @@ fn a_second_signal_during_the_grace_stops_at_once_keeping_what_was_acknowledged(
 #[test]
 fn demo_whose_stdout_reader_goes_away_does_not_panic() {
     use std::io::BufRead as _;
-    let mut running = Running {
-        child: troupe()
-            .args(["demo", "--scripted"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    };
+    let mut running = Running::spawn(troupe().args(["demo", "--scripted"]));
     let mut stdout = BufReader::new(running.child.stdout.take().unwrap());
     let mut first = String::new();
     stdout.read_line(&mut first).unwrap();
@@ -471,4 +469,68 @@ fn serve_whose_stdout_reader_goes_away_serves_on_and_stops_cleanly() {
     let stderr = running.stderr();
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(status.code(), Some(0), "{stderr}");
+}
+
+/// Goal: ctrl-c (SIGINT) under a load of notifications exits 0 within the grace, and
+/// every notification answered 202 is kept: after a restart on the same `--db` the
+/// critic's history holds each acknowledged text (processed before the stop, or
+/// resumed from its inbox after the restart). Method: `NOTIFY_CLIENTS` clients each
+/// sending up to `NOTIFY_PER_CLIENT` notifications with their own `msg_id`, SIGINT
+/// 300 ms in; the clients stop at their first failed request.
+#[test]
+fn sigint_under_notify_load_exits_0_and_keeps_every_acknowledged_notification() {
+    const NOTIFY_CLIENTS: usize = 4;
+    const NOTIFY_PER_CLIENT: usize = 40;
+    let directory = tempfile::tempdir().unwrap();
+    let db = directory.path().to_str().unwrap();
+    let (mut running, _stdout, addr) = serve(&["--db", db]);
+    let clients: Vec<_> = (0..NOTIFY_CLIENTS)
+        .map(|client| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let mut acknowledged = Vec::new();
+                for n in 0..NOTIFY_PER_CLIENT {
+                    let text = format!("note-{client}-{n}");
+                    let body = format!(r#"{{"text": "{text}", "msg_id": "m-{client}-{n}"}}"#);
+                    let answered = std::panic::catch_unwind(|| http(&addr, "POST", "/v1/agents/critic/notify", &body));
+                    match answered {
+                        Ok((202, _)) => acknowledged.push(text),
+                        _ => break,
+                    }
+                }
+                acknowledged
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    running.signal("INT");
+    let acknowledged: Vec<String> = clients.into_iter().flat_map(|client| client.join().unwrap()).collect();
+    let status = running.wait();
+    assert!(status.success(), "{}", running.stderr());
+    assert!(
+        !acknowledged.is_empty(),
+        "no notification was acknowledged before the stop"
+    );
+
+    let (_again, _stdout, addr) = serve(&["--db", db]);
+    let waited = std::time::Instant::now();
+    loop {
+        let (status, history) = http(&addr, "GET", "/v1/agents/critic/history?limit=1000", "");
+        assert_eq!(status, 200, "{history}");
+        let missing: Vec<&String> = acknowledged
+            .iter()
+            // As the agent reads it: "[notification m-0-1 from outside] note-0-1".
+            .filter(|text| !history.contains(&format!("] {text}\"")))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_millis(PROBE_WAIT_MS_MAX),
+            "{} of {} acknowledged notifications are not in the history after the restart: {missing:?}",
+            missing.len(),
+            acknowledged.len()
+        );
+        std::thread::sleep(Duration::from_millis(PROBE_POLL_MS));
+    }
 }
