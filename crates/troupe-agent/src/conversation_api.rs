@@ -347,6 +347,12 @@ impl AgentClient {
     /// first: if a creation stopped there, the id is listed but has no definition yet
     /// ([`AgentClient::conversation`] is `None`) until the creation is retried.
     ///
+    /// Where the agent's id or a conversation's id holds a `/`, the index's entry
+    /// cannot say whose it is (agent `a` in `b/x`, or agent `a/b` in `x`): such an entry
+    /// is listed only if the conversation's definition names the agent (one snapshot
+    /// read each, so not before its creation completed), and the page goes on reading
+    /// the index until it has `limit` ids or the index has no more.
+    ///
     /// # Errors
     /// [`ConversationError::InvalidName`] (`agent` cannot be an agent id, or a bad
     /// `after`), [`ConversationError::Unavailable`].
@@ -370,22 +376,52 @@ impl AgentClient {
             }
             None => None,
         };
-        let page = self
-            .runtime
-            .store()
-            .scan(
-                &index_actor(),
-                &prefix,
-                after_key.as_deref(),
-                limit.min(CONVERSATIONS_LISTED_MAX),
-            )
-            .await?;
-        Ok(page
-            .into_iter()
-            .filter_map(|(key, _)| key.strip_prefix(&prefix).map(str::to_string))
-            .collect())
+        let limit = limit.min(CONVERSATIONS_LISTED_MAX);
+        let mut listed = Vec::new();
+        let mut after_key = after_key;
+        while listed.len() < limit {
+            let page = self
+                .runtime
+                .store()
+                .scan(&index_actor(), &prefix, after_key.as_deref(), limit)
+                .await?;
+            let last_page = page.len() < limit;
+            after_key = page.last().map(|(key, _)| key.clone());
+            for (key, _) in page {
+                let Some(id) = key.strip_prefix(&prefix) else { continue };
+                // `member/{agent}/{conversation}` splits at any `/` when the agent's id
+                // or the conversation's holds one: `member/a/b/x` is agent `a` in `b/x`
+                // or agent `a/b` in `x`. Such an entry is listed only if the
+                // conversation's definition names the agent (one snapshot read); the
+                // usual ids, without `/`, are listed as the index holds them. Before,
+                // agent `a` listed `b/x` for agent `a/b`'s `x`
+                // (`tests/conversation_probes.rs`).
+                if (agent.contains('/') || id.contains('/')) && !self.takes_part(agent, id).await? {
+                    continue;
+                }
+                if listed.len() < limit {
+                    listed.push(id.to_string());
+                }
+            }
+            if last_page {
+                break;
+            }
+        }
+        Ok(listed)
     }
 
+    /// Whether conversation `id`'s definition names agent `agent` (`false` for an id no
+    /// conversation can have, or one without a definition).
+    async fn takes_part(&self, agent: &str, id: &str) -> Result<bool, ConversationError> {
+        if conversation_actor(id).is_err() {
+            return Ok(false);
+        }
+        let participant = Participant::Agent(agent.to_string());
+        Ok(self
+            .conversation(id)
+            .await?
+            .is_some_and(|info| info.participants.contains(&participant)))
+    }
     /// The definition of conversation `id` (its participants and kind) as committed:
     /// one read of its snapshot, not of its messages. `None` if it has none: never
     /// created, a reserved id (starting with `_`), or a creation that stopped after the

@@ -232,3 +232,45 @@ async fn racing_creations_leave_only_the_winners_agent_listed_on_the_multi_threa
 async fn racing_creations_leave_only_the_winners_agent_listed() {
     racing_creations_of_one_id_leave_only_the_winners_agent_listed().await;
 }
+
+/// Goal: an agent lists only its own conversations when another agent's id starts
+/// with its id and a `/` (agents `a` and `a/b`), either way round, and a page is not
+/// cut short by the entries it leaves out. The index keys `member/{agent}/{id}`:
+/// `member/a/b/x1` is agent `a/b` in `x1`, or agent `a` in `b/x1`. Before, `a` listed
+/// `["b/x1", "b/x2", "b/x3", "b/z", "y"]` (`a/b`'s three as its own), and `a/b` listed
+/// `z` (`a`'s `b/z`).
+#[tokio::test(start_paused = true)]
+async fn an_agent_does_not_list_the_conversations_of_an_agent_whose_id_extends_its_own() {
+    let system = start(&["a", "a/b"]);
+    let create = |id: &'static str, member: &'static str| {
+        let system = &system;
+        async move {
+            system
+                .create_conversation(id, vec![human("hugo"), agent(member)], ConversationKind::Group)
+                .await
+                .unwrap();
+        }
+    };
+    for id in ["x1", "x2", "x3"] {
+        create(id, "a/b").await;
+    }
+    create("y", "a").await;
+    create("b/z", "a").await;
+    assert_eq!(system.conversations_of("a/b").await.unwrap(), ["x1", "x2", "x3"]);
+    assert_eq!(system.conversations_of("a").await.unwrap(), ["b/z", "y"]);
+    // In pages of 2: the entries of `a/b` first in the index, left out, do not end
+    // `a`'s listing early.
+    let mut pages = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = system.conversations_of_after("a", after.as_deref(), 2).await.unwrap();
+        pages.push(page.clone());
+        assert!(pages.len() <= 3, "{pages:?}");
+        if page.len() < 2 {
+            break;
+        }
+        after = page.last().cloned();
+    }
+    assert_eq!(pages.concat(), ["b/z", "y"], "{pages:?}");
+    system.shutdown().await;
+}
