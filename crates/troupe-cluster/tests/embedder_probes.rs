@@ -5,9 +5,11 @@
 //!
 //! Each test checks one promise an embedder relies on: one activation per actor for a
 //! burst of first calls from both nodes; a dropped node's actors taken over even while
-//! the embedder still holds a client of it; a second node under a live node's name
-//! refused at start; a call's deadline kept across nodes; etcd unreachable at start, or
-//! one of its endpoints dead, reported or survived within bounded times; etcd restarted.
+//! the embedder still holds a client of it; a node leaving under traffic; a node that
+//! lost its lease still routing calls as a client; a second node under a live node's
+//! name refused at start; a call's deadline kept across nodes; etcd unreachable at
+//! start, or one of its endpoints dead, reported or survived within bounded times; etcd
+//! restarted.
 //! Every await is bounded; each test ends by itself within seconds.
 //!
 //! Run with `cargo nextest run -p troupe-cluster --test embedder_probes`.
@@ -380,6 +382,126 @@ async fn a_node_that_lost_its_lease_routes_calls_for_its_former_actors_to_the_ne
     eprintln!("the slow turn's call: {slow:?}");
     bounded("b leaves", b.leave()).await.expect("b leaves");
     drop(a);
+}
+
+/// Goal: a node that leaves (`ClusterNode::leave`) while another node's callers keep
+/// calling its actors hands them over with everything it committed: every call ends
+/// by its deadline with a reply or a transient typed error, no count is acknowledged
+/// twice, and the counts the other node serves after the takeover continue the ones
+/// the leaving node acknowledged. Method: 4 actors on A, each slow every fourth call
+/// (200 ms), 4 callers on B; A leaves 300 ms into the traffic; the traffic goes on 1 s
+/// after the leave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_leaving_under_traffic_hands_over_everything_it_committed() {
+    /// Actors the traffic goes to.
+    const ACTORS: usize = 4;
+    /// Concurrent callers on B.
+    const CALLERS: usize = 4;
+    /// Deadline of each call of the traffic, in milliseconds.
+    const TRAFFIC_CALL_TIMEOUT_MS: u64 = 2_000;
+    let etcd = TestEtcd::start("probe-leave-traffic").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let actors: Vec<ActorId> = (0..ACTORS).map(|index| probe(&format!("l{index}"))).collect();
+    for actor in &actors {
+        assert_eq!(
+            call(&a, actor, b"inc").await.expect("A serves"),
+            ("node-a".to_string(), 1)
+        );
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut callers = tokio::task::JoinSet::new();
+    for caller in 0..CALLERS {
+        let (client, stop, actors) = (b.client(), Arc::clone(&stop), actors.clone());
+        callers.spawn(async move {
+            let (mut acks, mut errors) = (Vec::new(), Vec::new());
+            let mut round = caller;
+            while !stop.load(Ordering::SeqCst) {
+                round += 1;
+                let target = actors[round % ACTORS].clone();
+                let payload = if round % 4 == 0 { "sleep:200" } else { "inc" };
+                let deadline = client.deadline_in(Duration::from_millis(TRAFFIC_CALL_TIMEOUT_MS));
+                let started = Instant::now();
+                let result = tokio::time::timeout(
+                    Duration::from_millis(TRAFFIC_CALL_TIMEOUT_MS + SCHEDULING_ALLOWANCE_MS),
+                    client.invoke(&target, Bytes::from(payload), deadline),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("a call to {target} outlived its deadline"));
+                match result {
+                    Ok(reply) => acks.push((target, parse_reply(&reply), Instant::now())),
+                    Err(error) => {
+                        errors.push((error, started.elapsed()));
+                        tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+                    }
+                }
+            }
+            (acks, errors)
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let leaving_at = Instant::now();
+    bounded("A leaving", a.leave()).await.expect("A leaves");
+    let left_at = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    stop.store(true, Ordering::SeqCst);
+
+    let mut by_actor: std::collections::BTreeMap<String, Vec<(String, u64, Instant)>> = Default::default();
+    let mut errors = Vec::new();
+    while let Some(joined) = bounded("the callers", callers.join_next()).await {
+        let (acks, caller_errors) = joined.expect("a caller task");
+        for (target, (served_by, count), at) in acks {
+            by_actor
+                .entry(target.to_string())
+                .or_default()
+                .push((served_by, count, at));
+        }
+        errors.extend(caller_errors);
+    }
+    for (error, took) in &errors {
+        assert!(error.is_transient(), "a call failed with {error} after {took:?}");
+    }
+    let mut first_on_b: Option<Instant> = None;
+    for (actor, mut acks) in by_actor {
+        acks.sort_by_key(|(_, count, _)| *count);
+        let counts: BTreeSet<u64> = acks.iter().map(|(_, count, _)| *count).collect();
+        assert_eq!(
+            counts.len(),
+            acks.len(),
+            "{actor}: a count acknowledged twice: {acks:?}"
+        );
+        let highest_on_a = acks
+            .iter()
+            .filter(|(node, ..)| node == "node-a")
+            .map(|(_, count, _)| *count)
+            .max();
+        let on_b: Vec<_> = acks.iter().filter(|(node, ..)| node == "node-b").collect();
+        assert!(!on_b.is_empty(), "{actor}: never served by B after A left");
+        let lowest_on_b = on_b.iter().map(|(_, count, _)| *count).min().expect("one");
+        assert!(
+            highest_on_a.is_none_or(|highest| lowest_on_b > highest),
+            "{actor}: B served count {lowest_on_b}, A had acknowledged {highest_on_a:?}: a committed count was lost"
+        );
+        let earliest = on_b.iter().map(|(_, _, at)| *at).min().expect("one");
+        first_on_b = Some(first_on_b.map_or(earliest, |first| first.min(earliest)));
+    }
+    eprintln!(
+        "leave took {} ms; B served A's actors from {} ms after the leave began; {} transient errors: {:?}",
+        left_at.duration_since(leaving_at).as_millis(),
+        first_on_b
+            .expect("B served")
+            .saturating_duration_since(leaving_at)
+            .as_millis(),
+        errors.len(),
+        errors
+            .iter()
+            .map(|(error, _)| error.to_string())
+            .collect::<BTreeSet<_>>()
+    );
+    bounded("b leaves", b.leave()).await.expect("b leaves");
 }
 
 /// Goal: a call's deadline holds across nodes: a call with 100 ms left to a busy actor
