@@ -960,6 +960,22 @@ impl ConversationActor {
         if let Some(id_key) = &id_key {
             if let Some(bytes) = turn.get(id_key).await? {
                 let seq: u64 = from_json(id_key, &bytes)?;
+                // A post through the API under an id another post used (another sender,
+                // or another text) is not its retry: refused, not answered as a
+                // duplicate of a message its sender never wrote (which it then never
+                // was). Before, a second human's post under an id the first had used
+                // was dropped as a "duplicate" (`tests/conversation_probes.rs`). An
+                // agent's answer (not strict) is deduplicated by its id alone: a turn
+                // run again may word it otherwise, and exactly one must land.
+                if request.strict && !posted_as(turn, seq, &request).await? {
+                    return Ok(ConvReply::Error(ConversationError::InvalidName {
+                        what: "message id".to_string(),
+                        value: request.client_id,
+                        reason: format!(
+                            "it names message #{seq}, posted by another sender or with another text; a retry sends the same sender and text, a new message needs a new id"
+                        ),
+                    }));
+                }
                 return Ok(ConvReply::Posted(Posted { seq, duplicate: true }));
             }
         }
@@ -1283,6 +1299,22 @@ impl ConversationActor {
         tokio::spawn(tracing::Instrument::instrument(delivering, span));
         Ok(())
     }
+}
+
+/// Whether message `seq` was posted by `request`'s sender with its text (`true` if the
+/// message cannot be read as one: then the id alone decides, as before).
+async fn posted_as(turn: &mut Turn, seq: u64, request: &PostRequest) -> Result<bool, ActorError> {
+    let key = message_key(seq);
+    let Some(bytes) = turn.get(&key).await? else {
+        return Ok(true);
+    };
+    let Ok(entry) = crate::agent::decode_log_entry::<ConversationMessage>(&bytes) else {
+        return Ok(true);
+    };
+    Ok(entry
+        .iter()
+        .find(|message| message.seq == seq)
+        .is_none_or(|message| message.sender == request.sender && message.text == request.text))
 }
 
 /// Which relay a delivery task delivers.

@@ -274,3 +274,47 @@ async fn an_agent_does_not_list_the_conversations_of_an_agent_whose_id_extends_i
     assert_eq!(pages.concat(), ["b/z", "y"], "{pages:?}");
     system.shutdown().await;
 }
+
+/// Goal: a message id names one post: the same sender's retry with the same text is a
+/// duplicate (the first seq), but another sender's post, or another text, under an id
+/// already used is refused (`InvalidName`, naming the id) rather than answered as a
+/// duplicate of a message its sender never wrote. Before, `h2`'s "mine" under `h1`'s
+/// id "m-1" was answered `Posted { seq: 0, duplicate: true }` and never appended.
+#[tokio::test(start_paused = true)]
+async fn a_message_id_used_by_another_post_is_refused_not_taken_for_a_retry() {
+    use troupe_agent::{Posted, Sender};
+    let system = start(&["bot"]);
+    system
+        .create_conversation("room", vec![human("h1"), human("h2")], ConversationKind::Group)
+        .await
+        .unwrap();
+    let post = |sender: &'static str, text: &'static str| {
+        system.post_message("room", Sender::Human(sender.into()), "m-1", text)
+    };
+    assert_eq!(
+        post("h1", "hello").await,
+        Ok(Posted {
+            seq: 0,
+            duplicate: false
+        })
+    );
+    assert_eq!(
+        post("h1", "hello").await,
+        Ok(Posted {
+            seq: 0,
+            duplicate: true
+        }),
+        "a retry"
+    );
+    for (sender, text) in [("h2", "mine"), ("h2", "hello"), ("h1", "edited")] {
+        match post(sender, text).await {
+            Err(ConversationError::InvalidName { what, value, .. }) => {
+                assert_eq!((what.as_str(), value.as_str()), ("message id", "m-1"));
+            }
+            other => panic!("{sender} {text:?}: {other:?}"),
+        }
+    }
+    let messages = system.read_messages("room", None, 10).await.unwrap();
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    system.shutdown().await;
+}
