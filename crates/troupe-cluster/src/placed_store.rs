@@ -121,6 +121,15 @@ impl Ownership {
         Ok(record.fence)
     }
 
+    /// Whether etcd still has `actor` placed on this node under `fence` (a failed lookup
+    /// counts as no).
+    async fn still_placed_here(&self, actor: &ActorId, fence: Fence) -> bool {
+        match self.placement.lookup(actor).await {
+            Ok(Some(record)) => record.owner == *self.placement.node() && record.fence == fence,
+            Ok(None) | Err(_) => false,
+        }
+    }
+
     /// Releases `actor`'s placement if no activation on this node holds it.
     pub(crate) async fn release_if_idle(&self, actor: &ActorId) {
         // No entry: nothing of it is placed here (an earlier release of an activation
@@ -150,6 +159,30 @@ impl Ownership {
                 tracing::warn!(%actor, %error, "releasing a placement failed; it ends with the lease or the next activation");
             }
         }
+    }
+}
+
+/// The claim refusal when etcd's placement of `actor` on this node, fence `held` (its
+/// create revision), is current, yet the store holds a newer fence `current`. A newer
+/// fence could only come from a placement made after this one ended, so etcd's
+/// revisions went back: the nodes use a new etcd cluster, or one rebuilt without its
+/// data. Every actor claimed before would be refused as `Fenced` (transient, so
+/// retried until the callers' deadlines) until etcd's revision passes its fence, which
+/// may be never: this error is not transient, and says what happened.
+fn etcd_behind_the_store(actor: &ActorId, held: Fence, current: Fence) -> StoreError {
+    let cause = format!(
+        "etcd placed {actor} under revision {held_token}, but the store already holds its fence {current_token}: \
+         etcd's revisions are behind the store's fences (a new etcd cluster, or one restored without its data), \
+         so no actor claimed before can be claimed until etcd's revision passes its fence. Point every node at \
+         the etcd the store was used with; or, with every node stopped, reset the store's fences (PostgreSQL: \
+         UPDATE troupe_actor_owner SET fence = 1)",
+        held_token = held.token(),
+        current_token = current.token(),
+    );
+    tracing::error!(%actor, held = held.token(), current = current.token(), "etcd is behind the store's fences");
+    StoreError::Backend {
+        operation: StoreOperation::Claim,
+        cause,
     }
 }
 
@@ -228,7 +261,16 @@ impl<S: FencedClaim> StateStore for PlacedStore<S> {
         let gate = ownership.gate(actor);
         let _guard = gate.lock().await;
         let claimed = match ownership.place(actor).await {
-            Ok(fence) => self.store.claim_with_fence(actor, fence).await,
+            Ok(fence) => match self.store.claim_with_fence(actor, fence).await {
+                Err(StoreError::Fenced {
+                    held,
+                    current: Some(current),
+                    ..
+                }) if current > held && ownership.still_placed_here(actor, held).await => {
+                    Err(etcd_behind_the_store(actor, held, current))
+                }
+                other => other,
+            },
             Err(error) => Err(error),
         };
         let mut held = ownership.held();

@@ -549,6 +549,132 @@ async fn a_call_to_another_node_with_100_ms_left_times_out_on_time() {
     bounded("b leaves", b.leave()).await.expect("b leaves");
 }
 
+/// Goal: a call to an actor whose owner's published address accepts connections but
+/// never answers (a hung process, a black hole) ends by the caller's deadline, not at
+/// the transport's connect or handshake timeout (5 s). Method: B publishes the address
+/// of a listener that accepts and stays silent, and serves z (called through B); A
+/// calls z with 300 ms left, twice (the second finds the connection attempt under
+/// way), and once keyed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_to_a_silent_owner_ends_by_its_deadline() {
+    /// The calls' deadline, in milliseconds.
+    const SHORT_DEADLINE_MS: u64 = 300;
+    /// How late after its deadline a call may end, in milliseconds.
+    const LATE_MAX_MS: u64 = 500;
+    let etcd = TestEtcd::start("probe-silent-owner").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let silent = tokio::net::TcpListener::bind(loopback()).await.expect("bind");
+    let silent_address = silent.local_addr().expect("an address");
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            held.push(connection);
+        }
+    });
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = bounded(
+        "starting B",
+        ClusterNode::start(
+            etcd.config("node-b", &silent_address.to_string()),
+            loopback(),
+            probe_runtime("node-b", Arc::clone(&activations)),
+            SqliteStore::open(&path).expect("open the shared SQLite file"),
+        ),
+    )
+    .await
+    .expect("start B");
+    let target = probe("z");
+    assert_eq!(
+        call(&b, &target, b"inc").await.expect("B serves z"),
+        ("node-b".to_string(), 1)
+    );
+
+    for attempt in ["first", "second", "keyed"] {
+        let started = Instant::now();
+        let deadline = a.handle().deadline_in(Duration::from_millis(SHORT_DEADLINE_MS));
+        let call = async {
+            if attempt == "keyed" {
+                let key = troupe_runtime::IdempotencyKey::new("probe-silent").expect("a key");
+                a.client()
+                    .invoke_keyed(&target, &key, Bytes::from_static(b"inc"), deadline)
+                    .await
+            } else {
+                a.invoke(&target, Bytes::from_static(b"inc"), deadline).await
+            }
+        };
+        let result = bounded("a call to a silent owner", call).await;
+        let took = started.elapsed();
+        eprintln!("{attempt}: {result:?} after {} ms", took.as_millis());
+        assert!(
+            matches!(
+                result,
+                Err(InvokeError::Timeout { .. } | InvokeError::Unreachable { .. })
+            ),
+            "{attempt}: {result:?}"
+        );
+        assert!(
+            took < Duration::from_millis(SHORT_DEADLINE_MS + LATE_MAX_MS),
+            "{attempt}: the call with {SHORT_DEADLINE_MS} ms ended after {took:?}"
+        );
+    }
+    holder.abort();
+    bounded("a leaves", a.leave()).await.expect("a leaves");
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+}
+
+/// Goal: a cluster moved to an etcd whose revisions are behind the store's fences (a
+/// new etcd cluster, or one whose data was lost and rebuilt) fails loudly, naming the
+/// cause, rather than refusing every known actor as a transient `Fenced` until the
+/// caller's deadline. Method: on etcd 1, whose revision is pushed past 100 first, node
+/// A serves x (fence > 100); A leaves; a node on a fresh etcd 2 (revision about 3)
+/// with the same store calls x.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fresh_etcd_behind_the_stores_fences_fails_loudly() {
+    /// Writes that push etcd 1's revision up before the actor is placed.
+    const REVISION_PUSH_WRITES: usize = 100;
+    let first = TestEtcd::start("probe-etcd-reset-1").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let mut admin = etcd_client::Client::connect([first.endpoint()], None)
+        .await
+        .expect("an admin client");
+    for index in 0..REVISION_PUSH_WRITES {
+        bounded("a write", admin.put("/elsewhere", index.to_string(), None))
+            .await
+            .expect("a write");
+    }
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&first, "node-a", &path, &activations).await;
+    let target = probe("x");
+    assert_eq!(
+        call(&a, &target, b"inc").await.expect("A serves x"),
+        ("node-a".to_string(), 1)
+    );
+    bounded("a leaves", a.leave()).await.expect("a leaves");
+    drop(first);
+
+    let second = TestEtcd::start("probe-etcd-reset-2").await;
+    let again = start_node(&second, "node-a", &path, &activations).await;
+    let started = Instant::now();
+    let result = call(&again, &target, b"inc").await;
+    let took = started.elapsed();
+    eprintln!("after {} ms: {result:?}", took.as_millis());
+    match &result {
+        Err(error @ InvokeError::StorageFailed { .. }) if !error.is_transient() => {
+            let text = error.to_string();
+            assert!(text.contains("etcd"), "the error does not name etcd: {text}");
+        }
+        other => panic!("not a loud, non-transient refusal naming etcd: {other:?} after {took:?}"),
+    }
+    assert!(
+        took < Duration::from_millis(CALL_TIMEOUT_MS / 2),
+        "the refusal came after {took:?}, near the call's deadline"
+    );
+    bounded("leaving", again.leave()).await.expect("leaves");
+}
+
 /// Goal: a node pointed at an etcd nobody serves fails to start with a typed error that
 /// names the endpoint, within about the request timeout, and frees its listen port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
