@@ -374,6 +374,16 @@ async fn run_handoff(system: &AgentSystem) -> (Vec<String>, Option<TaskState>) {
                     lines.push(format!("task {task_id} {} (back at {})", state.as_str(), from.key()));
                     return Some(state);
                 }
+                // The coordinator's turn on the hand-off failed (a model unreachable or
+                // refusing the key): no review will come of it now. Until 2026-12-06 the
+                // demo waited the whole DEMO_HANDOFF_TIMEOUT_MS (60 s) for it.
+                Ok(AgentEvent::TurnEnded { agent, ok: false, .. }) if agent.key() == "coordinator" => {
+                    lines.push(
+                        "coordinator's turn on the notification failed (it stays in its inbox, to be tried again)"
+                            .to_string(),
+                    );
+                    return None;
+                }
                 Ok(_) => {}
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
                     lines.push(format!("(missed {missed} events)"));

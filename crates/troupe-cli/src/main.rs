@@ -103,7 +103,16 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     let report = run_demo(store, llm, &model).await.map_err(|error| error.to_string())?;
     match &report.answer {
         Ok(reply) => troupe_cli::outln!("coordinator: {}", reply.text),
-        Err(error) => troupe_cli::outln!("coordinator failed: {error}"),
+        Err(error) => {
+            troupe_cli::outln!("coordinator failed: {error}");
+            if !scripted {
+                // What a new user can do about a real model that fails.
+                troupe_cli::outln!(
+                    "(the agents think with the real model of OPENAI_API_KEY: check it, OPENAI_BASE_URL and \
+                     OPENAI_MODEL, or run `troupe demo --scripted`)"
+                );
+            }
+        }
     }
     troupe_cli::outln!();
     troupe_cli::outln!("Call tree (caller -> callee, depth, duration, outcome):");

@@ -534,3 +534,45 @@ fn sigint_under_notify_load_exits_0_and_keeps_every_acknowledged_notification() 
         std::thread::sleep(Duration::from_millis(PROBE_POLL_MS));
     }
 }
+
+/// Goal: `troupe demo` with a model it cannot reach (OPENAI_API_KEY set, OPENAI_BASE_URL
+/// a closed port: a new user's typo) fails within seconds, exit code 1, saying the
+/// model provider is unreachable, rather than waiting out the hand-off's 60 s for a
+/// review no turn can write. Method: a loopback port bound and closed again.
+#[test]
+fn demo_with_an_unreachable_model_fails_quickly_saying_so() {
+    /// How long the demo may take, in milliseconds: its ask fails in well under a
+    /// second (three retries from 250 ms), the hand-off's turn as fast.
+    const DEMO_UNREACHABLE_MS_MAX: u64 = 10_000;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut running = Running::spawn(
+        troupe()
+            .args(["demo"])
+            .env("OPENAI_API_KEY", "sk-probe")
+            .env("OPENAI_BASE_URL", format!("http://{closed}/v1")),
+    );
+    let status = running.wait();
+    let took = started.elapsed();
+    let mut stdout = String::new();
+    running
+        .child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    let stderr = running.stderr();
+    assert_eq!(status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("unreachable") && stdout.contains("OPENAI_BASE_URL") && stdout.contains("--scripted"),
+        "{stdout}"
+    );
+    assert!(
+        took < Duration::from_millis(DEMO_UNREACHABLE_MS_MAX),
+        "the demo took {took:?}: {stdout}"
+    );
+}
