@@ -576,3 +576,52 @@ fn demo_with_an_unreachable_model_fails_quickly_saying_so() {
         "the demo took {took:?}: {stdout}"
     );
 }
+
+/// Goal: what an operator sees running two `troupe serve` on one `--db` (one SQLite
+/// file) and sending one agent's messages through both in turn: the runtime's fencing
+/// keeps one committer, so each answer is 200, or 503 `fenced` with `Retry-After: 1`
+/// (the other process took the agent over; nothing of the turn was committed), and
+/// that request sent again is 200; the agent's history holds every message once, in
+/// the order answered. Held before any change; it measures how often the operator pays
+/// a fenced turn (counted in the message on failure: with alternating traffic, every
+/// request after the first pair).
+#[test]
+fn two_servers_on_one_file_answer_fenced_turns_503_and_their_retries_200() {
+    const ROUNDS: usize = 4;
+    let directory = tempfile::tempdir().unwrap();
+    let db = directory.path().to_str().unwrap();
+    let (_first, _first_out, first) = serve(&["--db", db]);
+    let (_second, _second_out, second) = serve(&["--db", db]);
+    let mut sent = Vec::new();
+    let mut fenced = 0;
+    for round in 0..ROUNDS {
+        for (name, addr) in [("a", &first), ("b", &second)] {
+            let text = format!("m{round}{name}");
+            let body = format!(r#"{{"text": "{text}"}}"#);
+            let (status, head, answer) =
+                support::http_with_head(addr, "POST", "/v1/agents/critic/messages", &body, PROBE_WAIT_MS_MAX);
+            if status == 503 {
+                assert!(answer.contains("\"code\":\"fenced\""), "{answer}");
+                assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+                fenced += 1;
+                let (status, answer) = http(addr, "POST", "/v1/agents/critic/messages", &body);
+                assert_eq!(status, 200, "the retry of a fenced request: {answer}");
+            } else {
+                assert_eq!(status, 200, "{answer}");
+            }
+            sent.push(text);
+        }
+    }
+    eprintln!("{fenced} of {} requests were fenced and sent again", 2 * ROUNDS);
+    let (status, history) = http(&first, "GET", "/v1/agents/critic/history?limit=1000", "");
+    assert_eq!(status, 200, "{history}");
+    let history: serde_json::Value = serde_json::from_str(&history).unwrap();
+    let asked: Vec<&str> = history["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|message| message["role"] == "user")
+        .filter_map(|message| message["content"].as_str())
+        .collect();
+    assert_eq!(asked, sent, "each message once, in order ({fenced} fenced turns)");
+}
