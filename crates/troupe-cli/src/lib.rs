@@ -49,6 +49,19 @@ macro_rules! errln {
     }};
 }
 
+/// The refusal of `flag ADDR` (`--bind`, `--listen`, `--http`) that cannot be listened
+/// on, saying what to do: "--bind 127.0.0.1:8080: cannot listen there (Address already in
+/// use (os error 98)); another process listens there: stop it, or give --bind another
+/// port (port 0 picks a free one)".
+pub fn listen_refusal(flag: &str, addr: std::net::SocketAddr, error: &std::io::Error) -> String {
+    let hint = match error.kind() {
+        std::io::ErrorKind::AddrInUse => format!("another process listens there: stop it, or give {flag} another port"),
+        std::io::ErrorKind::PermissionDenied => format!("ports under 1024 need privileges: give {flag} another port"),
+        _ => format!("give {flag} an address of this machine"),
+    };
+    format!("{flag} {addr}: cannot listen there ({error}); {hint} (port 0 picks a free one)")
+}
+
 mod cli;
 #[cfg(not(madsim))]
 pub mod node;

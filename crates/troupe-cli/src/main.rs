@@ -178,7 +178,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     // 2026-12-06 it had created `--db` and synced the config into it first).
     let listener = tokio::net::TcpListener::bind(args.bind)
         .await
-        .map_err(|error| listen_error(args.bind, &error))?;
+        .map_err(|error| troupe_cli::listen_refusal("--bind", args.bind, &error))?;
     let (store, path, temporary) = open_store(args.db.as_deref(), "--db", "troupe-serve-")?;
     let (agents, script) = match &org {
         Some(_) => (Vec::new(), troupe_cli::org_demo_script()),
@@ -256,17 +256,6 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     served.map_err(|error| error.to_string())?;
     troupe_cli::outln!("troupe serve: stopped");
     Ok(())
-}
-
-/// The refusal of `--bind ADDR` that cannot be listened on, with what to do.
-#[cfg(not(madsim))]
-fn listen_error(addr: std::net::SocketAddr, error: &std::io::Error) -> String {
-    let hint = match error.kind() {
-        std::io::ErrorKind::AddrInUse => "another process listens there: stop it, or give --bind another port",
-        std::io::ErrorKind::PermissionDenied => "ports under 1024 need privileges: give --bind another port",
-        _ => "give --bind an address of this machine",
-    };
-    format!("--bind {addr}: cannot listen there ({error}); {hint} (port 0 picks a free one)")
 }
 
 /// Logs to stderr in `format`, filtered by RUST_LOG (or [`SERVE_LOG_FILTER_DEFAULT`]).

@@ -943,7 +943,20 @@ pub enum NodeError {
     /// The node could not start or join.
     #[error("cannot start the node (--listen, --etcd): {0}")]
     Cluster(#[from] troupe_cluster::ClusterError),
-    /// The HTTP address could not be bound or served.
+    /// `flag`'s address (`--listen`, `--http`) could not be listened on; the message
+    /// says what to do. Until 2026-12-06 a taken port read "--http ADDR: Address already
+    /// in use (os error 98)", or for --listen "cannot start the node (--listen, --etcd):
+    /// cannot listen on ADDR: ...".
+    #[error("{}", crate::listen_refusal(flag, *address, cause))]
+    Bind {
+        /// The flag that gave the address.
+        flag: &'static str,
+        /// The address.
+        address: SocketAddr,
+        /// The operating system's error.
+        cause: std::io::Error,
+    },
+    /// The HTTP address could not be served.
     #[error("--http {address}: {cause}")]
     Http {
         /// The address.
@@ -1003,11 +1016,24 @@ pub async fn run_node(
         Some(address) => Some(
             tokio::net::TcpListener::bind(address)
                 .await
-                .map_err(|cause| NodeError::Http { address, cause })?,
+                .map_err(|cause| NodeError::Bind {
+                    flag: "--http",
+                    address,
+                    cause,
+                })?,
         ),
         None => None,
     };
-    let node = ClusterNode::start(plan.etcd.clone(), plan.listen, runtime, store).await?;
+    let node = ClusterNode::start(plan.etcd.clone(), plan.listen, runtime, store)
+        .await
+        .map_err(|error| match error {
+            troupe_cluster::ClusterError::Listen { address, cause } => NodeError::Bind {
+                flag: "--listen",
+                address,
+                cause,
+            },
+            error => NodeError::Cluster(error),
+        })?;
     let agents = match pending {
         Some(pending) => {
             let applied = match pending.attach(node.handle().clone()) {
