@@ -22,7 +22,14 @@ fn real_model() -> Result<Option<RealModel>, String> {
     if std::env::var("OPENAI_API_KEY").map_or(true, |key| key.trim().is_empty()) {
         return Ok(None);
     }
-    let config = troupe_agent::OpenAiConfig::from_env().map_err(|error| error.to_string())?;
+    // The client's refusal says what is wrong, not where it came from (until 2026-12-06:
+    // "base_url must start with http:// or https://, got ..." alone).
+    let config = troupe_agent::OpenAiConfig::from_env().map_err(|error| {
+        format!(
+            "OPENAI_API_KEY is set, so the agents think with a real model, but its configuration is refused: \
+             {error}; check OPENAI_BASE_URL and OPENAI_MODEL, or give --scripted"
+        )
+    })?;
     let description = format!("{} at {}", config.model, config.base_url);
     // The client reads deadlines on a clock whose epoch is now, a moment before the
     // runtime's: its time budgets come out a few microseconds short, never long.

@@ -625,3 +625,27 @@ fn two_servers_on_one_file_answer_fenced_turns_503_and_their_retries_200() {
         .collect();
     assert_eq!(asked, sent, "each message once, in order ({fenced} fenced turns)");
 }
+
+/// Goal: with OPENAI_API_KEY set, a model configuration the client refuses (an
+/// OPENAI_BASE_URL that is no URL) stops `troupe serve` and `troupe demo` naming the
+/// environment variables to check and `--scripted`, before anything starts.
+#[test]
+fn a_refused_model_configuration_names_the_variables_and_scripted() {
+    for args in [&["serve", "--bind", "127.0.0.1:0"][..], &["demo"]] {
+        let mut running = Running::spawn(
+            troupe()
+                .args(args)
+                .env("OPENAI_API_KEY", "sk-probe")
+                .env("OPENAI_BASE_URL", "api.example.com/v1"),
+        );
+        let status = running.wait();
+        let mut stdout = Vec::new();
+        running.child.stdout.take().unwrap().read_to_end(&mut stdout).unwrap();
+        let output = Output {
+            status,
+            stdout,
+            stderr: running.stderr().into_bytes(),
+        };
+        assert_refused(&output, &["api.example.com/v1", "OPENAI_BASE_URL", "--scripted"]);
+    }
+}
