@@ -1,0 +1,118 @@
+//! The echo server's misbehaving modes (`troupe-mcp-echo --mode MODE`), for the probes
+//! in `tests/mcp_probes.rs`: each mode serves the echo tools and breaks one rule.
+//!
+//! - `crash`: an extra tool `crash {}` makes the process exit (status 3) without
+//!   answering, mid-call.
+//! - `huge`: an extra tool `huge {bytes}` answers with that many bytes of text (at most
+//!   [`HUGE_BYTES_MAX`]).
+//! - `bad-schema`: lists an extra tool `broken` whose input schema does not compile.
+//! - `slow-list`: answers `tools/list` after [`SLOW_LIST_MS`].
+
+use std::time::Duration;
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData, ListToolsResult,
+    PaginatedRequestParams, ServerConfig, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use rmcp::ServerHandler;
+use serde_json::{json, Value};
+
+use crate::echo::EchoServer;
+
+/// The largest result `huge` gives, in bytes.
+const HUGE_BYTES_MAX: u64 = 16 * 1024 * 1024;
+
+/// How long `slow-list` takes to list its tools, in milliseconds.
+const SLOW_LIST_MS: u64 = 30_000;
+
+/// How the server misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Crash,
+    Huge,
+    BadSchema,
+    SlowList,
+}
+
+impl Mode {
+    pub(crate) fn parse(name: &str) -> Option<Self> {
+        match name {
+            "crash" => Some(Self::Crash),
+            "huge" => Some(Self::Huge),
+            "bad-schema" => Some(Self::BadSchema),
+            "slow-list" => Some(Self::SlowList),
+            _ => None,
+        }
+    }
+}
+
+/// The echo server, misbehaving as `mode` says.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Misbehaving {
+    pub(crate) mode: Mode,
+}
+
+fn object(value: Value) -> serde_json::Map<String, Value> {
+    match value {
+        Value::Object(map) => map,
+        _ => unreachable!("every schema here is an object"),
+    }
+}
+
+impl ServerHandler for Misbehaving {
+    fn get_info(&self) -> ServerConfig {
+        EchoServer.get_info()
+    }
+
+    async fn list_tools(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let mut listed = EchoServer.list_tools(request, context).await?;
+        match self.mode {
+            Mode::Crash => listed.tools.push(Tool::new(
+                "crash",
+                "Exits the server without answering.",
+                object(json!({"type": "object", "properties": {}})),
+            )),
+            Mode::Huge => listed.tools.push(Tool::new(
+                "huge",
+                "Answers with `bytes` bytes of text.",
+                object(json!({"type": "object",
+                              "properties": {"bytes": {"type": "integer", "minimum": 0}},
+                              "required": ["bytes"]})),
+            )),
+            Mode::BadSchema => listed.tools.push(Tool::new(
+                "broken",
+                "Its schema does not compile.",
+                object(json!({"type": 12})),
+            )),
+            Mode::SlowList => tokio::time::sleep(Duration::from_millis(SLOW_LIST_MS)).await,
+        }
+        Ok(listed)
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        match (self.mode, request.name.as_ref()) {
+            (Mode::Crash, "crash") => std::process::exit(3),
+            (Mode::Huge, "huge") => {
+                let bytes = request
+                    .arguments
+                    .as_ref()
+                    .and_then(|arguments| arguments.get("bytes"))
+                    .and_then(Value::as_u64)
+                    .unwrap_or_default()
+                    .min(HUGE_BYTES_MAX);
+                let text = "x".repeat(usize::try_from(bytes).unwrap_or_default());
+                Ok(CallToolResult::success(vec![ContentBlock::text(text)]).into())
+            }
+            _ => EchoServer.call_tool(request, context).await,
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! Probes of `McpServer` against MCP servers that misbehave, as an embedder meets them:
+//! a server that exits at start, never answers, crashes mid-call, lists a tool whose
+//! schema does not compile, answers with a huge result, is slow to list its tools; and
+//! one server shared by several agents at once.
+//!
+//! Goal: each misbehaviour ends in a typed error within its bound (the connect timeout,
+//! or the turn's deadline), the model reads a tool failure as a tool result, nothing
+//! hangs, and no child process is left behind (alive or a zombie).
+//!
+//! Method: the server is this crate's `troupe-mcp-echo` binary, with `--mode MODE`
+//! for the misbehaviours (`src/bin/troupe-mcp-echo/misbehave.rs`), or a shell command.
+//! The model is scripted. Every wait is bounded.
+//!
+//! Run: `cargo nextest run -p troupe-agent --test mcp_probes`.
+
+#![cfg(all(not(madsim), target_os = "linux"))]
+// Wall-clock timing of real child processes is the point here; never simulated.
+#![allow(clippy::disallowed_methods)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use troupe_agent::{AgentSpec, AgentSystem, McpError, McpServer, ScriptRule, ScriptedLlm};
+
+const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// How much later than its bound a wait may end (ms).
+const SLACK_MS_MAX: u64 = 1_500;
+/// How long a child gets to be gone after its last user went (ms).
+const EXIT_WAIT_MS: u64 = 5_000;
+/// How often the test looks at `/proc` meanwhile (ms).
+const POLL_MS: u64 = 20;
+
+/// The pids and states of this process's children whose command line holds `marker`
+/// (zombies included: a child killed but never waited for is one).
+fn children_with(marker: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc is readable").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else { continue };
+        let mut rest = stat[close + 1..].split_whitespace();
+        let (Some(state), Some(ppid)) = (rest.next(), rest.next()) else {
+            continue;
+        };
+        if ppid.parse::<u32>() != Ok(me) {
+            continue;
+        }
+        // A zombie's command line is empty: it is known by the marker in its name then.
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let comm = &stat[stat.find('(').map_or(0, |open| open + 1)..close];
+        if cmdline.contains(marker) || (state == "Z" && marker.contains(comm)) {
+            found.push((pid, state.to_owned()));
+        }
+    }
+    found
+}
+
+/// Waits (at most `EXIT_WAIT_MS`) until no child with `marker` is left, alive or zombie.
+async fn assert_no_child_within_wait(marker: &str, when: &str) {
+    let deadline = Instant::now() + Duration::from_millis(EXIT_WAIT_MS);
+    loop {
+        let left = children_with(marker);
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{EXIT_WAIT_MS} ms after {when}, children are left (pid, state): {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
+
+async fn misbehaving(mode: &str) -> McpServer {
+    McpServer::connect_stdio(mode, ECHO_SERVER, ["--mode", mode], CONNECT_TIMEOUT)
+        .await
+        .expect("the echo server starts")
+}
+
+/// An agent `calc` that calls `tool` with `arguments`, then replies with the result.
+fn calling_agent(tool: &str, arguments: serde_json::Value) -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("calc").on_user_containing("go").call(tool, arguments))
+        .rule(
+            ScriptRule::agent("calc")
+                .on_tool_result()
+                .reply("result: {tool_result}"),
+        )
+}
+
+fn system_with(llm: Arc<ScriptedLlm>, server: &McpServer, agents: &[&str]) -> AgentSystem {
+    let mut builder = AgentSystem::builder().llm(llm);
+    for agent in agents {
+        builder = builder.agent(AgentSpec::new(*agent));
+    }
+    for tool in server.tools().expect("the tools compile") {
+        builder = builder.tool(tool);
+    }
+    builder.start().expect("the system starts")
+}
+
+/// A program that exits at once (before `initialize`) is a `Connect` error naming the
+/// server, at once: not a `Timeout` after the whole connect timeout.
+#[tokio::test]
+async fn a_server_that_exits_at_start_is_a_connect_error_at_once() {
+    let started = Instant::now();
+    let error = McpServer::connect_stdio("quitter", "sh", ["-c", "exit 3"], CONNECT_TIMEOUT)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, McpError::Connect { server, .. } if server == "quitter"),
+        "{error:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(SLACK_MS_MAX),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// A program that never answers `initialize` times out at the connect timeout, and its
+/// process is killed and reaped (no zombie) once the connect gave up.
+#[tokio::test]
+async fn a_server_that_never_answers_times_out_and_leaves_no_process() {
+    let marker = "sleep 37.5";
+    let started = Instant::now();
+    let error = McpServer::connect_stdio(
+        "mute",
+        "sh",
+        ["-c", &format!("exec {marker}")],
+        Duration::from_millis(400),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        error,
+        McpError::Timeout {
+            server: "mute".to_owned(),
+            timeout_ms: 400
+        }
+    );
+    assert!(started.elapsed() < Duration::from_millis(400 + SLACK_MS_MAX));
+    assert_no_child_within_wait(marker, "the connect timed out").await;
+}
+
+/// A server slow to list its tools (30 s) is bounded by the connect timeout, and its
+/// process is gone afterwards.
+#[tokio::test]
+async fn a_server_slow_to_list_its_tools_times_out() {
+    let started = Instant::now();
+    let error = McpServer::connect_stdio("slow", ECHO_SERVER, ["--mode", "slow-list"], Duration::from_millis(500))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, McpError::Timeout { timeout_ms: 500, .. }), "{error:?}");
+    assert!(started.elapsed() < Duration::from_millis(500 + SLACK_MS_MAX));
+    assert_no_child_within_wait("slow-list", "the connect timed out").await;
+}
+
+/// A listed tool whose schema does not compile: `tools()` is a typed
+/// `InvalidToolSchema` naming it (no panic); the names are still listed.
+#[tokio::test]
+async fn a_tool_with_a_schema_that_does_not_compile_is_a_typed_error() {
+    let server = misbehaving("bad-schema").await;
+    assert!(server.tool_names().contains(&"broken".to_owned()));
+    let error = server.tools().unwrap_err();
+    assert!(
+        matches!(&error, McpError::InvalidToolSchema { tool, .. } if tool == "broken"),
+        "{error:?}"
+    );
+}
+
+/// A server that exits in the middle of a call: the model reads a tool failure at once
+/// (not a wait until the turn's deadline), the turn answers, and the next call to the
+/// dead server fails at once too.
+#[tokio::test]
+async fn a_server_that_crashes_mid_call_is_a_tool_failure_at_once() {
+    let server = misbehaving("crash").await;
+    let llm = Arc::new(calling_agent("crash", json!({})));
+    let system = system_with(llm.clone(), &server, &["calc"]);
+    let timeout = Duration::from_secs(10);
+
+    for attempt in 0..2 {
+        let started = Instant::now();
+        let reply = system.ask_with_timeout("calc", "go", timeout).await;
+        let elapsed = started.elapsed();
+        let reply = reply.unwrap_or_else(|error| panic!("attempt {attempt}: {error:?} after {elapsed:?}"));
+        assert!(
+            reply.text.starts_with("result: error: crash failed: "),
+            "attempt {attempt}: {}",
+            reply.text
+        );
+        assert!(
+            elapsed < Duration::from_millis(SLACK_MS_MAX),
+            "attempt {attempt} waited {elapsed:?}: {}",
+            reply.text
+        );
+    }
+    system.shutdown().await;
+    drop(server);
+    assert_no_child_within_wait("crash", "the server crashed and was dropped").await;
+}
+
+/// A result of 4 MiB reaches the model cut to `MCP_TOOL_RESULT_BYTES_MAX` or less
+/// (the agent's own limit on a tool result may be lower).
+#[tokio::test]
+async fn a_huge_result_is_cut() {
+    let server = misbehaving("huge").await;
+    let llm = Arc::new(calling_agent("huge", json!({"bytes": 4 * 1024 * 1024})));
+    let system = system_with(llm.clone(), &server, &["calc"]);
+
+    let reply = system.ask("calc", "go").await.unwrap();
+
+    let seen = llm.tool_results_seen_by("calc");
+    assert_eq!(seen.len(), 1);
+    assert!(
+        seen[0].len() <= troupe_agent::MCP_TOOL_RESULT_BYTES_MAX,
+        "{}",
+        seen[0].len()
+    );
+    assert!(seen[0].starts_with("xxxx"));
+    assert!(reply.text.starts_with("result: xxxx"));
+    system.shutdown().await;
+}
+
+/// Eight agents share one stdio server and call it at once, each with its own numbers,
+/// on a multi-threaded runtime: every answer is its own sum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_sharing_one_server_get_their_own_answers() {
+    let server = McpServer::connect_stdio("echo", ECHO_SERVER, std::iter::empty::<&str>(), CONNECT_TIMEOUT)
+        .await
+        .expect("the echo server starts");
+    let agents: Vec<String> = (0..8).map(|index| format!("calc{index}")).collect();
+    let mut llm = ScriptedLlm::new();
+    for (index, agent) in agents.iter().enumerate() {
+        llm = llm
+            .rule(
+                ScriptRule::agent(agent)
+                    .on_user_containing("go")
+                    .call("add", json!({"a": index * 1000, "b": 7})),
+            )
+            .rule(ScriptRule::agent(agent).on_tool_result().reply("{tool_result}"));
+    }
+    let names: Vec<&str> = agents.iter().map(String::as_str).collect();
+    let system = system_with(Arc::new(llm), &server, &names);
+
+    let asks = agents.iter().map(|agent| {
+        let client = system.client();
+        let agent = agent.clone();
+        tokio::spawn(async move { client.ask(&agent, "go").await })
+    });
+    let replies = tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(asks))
+        .await
+        .expect("every ask ends");
+    for (index, reply) in replies.into_iter().enumerate() {
+        let reply = reply.unwrap().unwrap();
+        assert_eq!(reply.text, (index * 1000 + 7).to_string());
+    }
+    system.shutdown().await;
+}
