@@ -53,7 +53,11 @@
 //!   [`LlmError::Unreachable`]; the budget ran out → [`LlmError::Timeout`]; an answer
 //!   that is not the protocol (bad JSON, no choices, tool-call arguments that are not
 //!   JSON, a body over [`RESPONSE_BODY_BYTES_MAX`], a truncated stream) →
-//!   [`LlmError::Malformed`].
+//!   [`LlmError::Malformed`]; a status-200 body that is an `error` object is
+//!   [`LlmError::Malformed`] with the provider's message.
+//! - **Config.** An API key that cannot be sent in a header (a control or non-ASCII
+//!   character) and a base URL that does not parse are refused by
+//!   [`OpenAiConfig::validate`] ([`OpenAiClient::new`]), not reported per call.
 //! - **Cancellation.** Dropping the future of [`LlmClient::complete`] (the turn was
 //!   cancelled or its deadline passed) drops the HTTP request: the connection is closed
 //!   and no further attempt is made.
@@ -165,11 +169,21 @@ pub enum OpenAiConfigError {
     /// The API key is empty.
     #[error("api_key must not be empty")]
     EmptyApiKey,
-    /// The base URL is not an `http://` or `https://` URL.
-    #[error("base_url must start with http:// or https://, got {base_url:?}")]
+    /// The API key cannot be sent in the `Authorization` header (it holds a character
+    /// other than visible ASCII: a newline, a control or a non-ASCII character pasted
+    /// with it). The key itself is not shown.
+    #[error("api_key cannot be sent in an HTTP header: {cause}; check the key for a pasted newline, space or non-ASCII character")]
+    InvalidApiKey {
+        /// Which character is wrong, and where (never the key).
+        cause: String,
+    },
+    /// The base URL is not an `http://` or `https://` URL, or does not parse as one.
+    #[error("base_url must be an http:// or https:// URL, got {base_url:?}{}", cause.as_deref().map(|cause| format!(": {cause}")).unwrap_or_default())]
     InvalidBaseUrl {
         /// The rejected URL.
         base_url: String,
+        /// Why it does not parse, when it starts right.
+        cause: Option<String>,
     },
     /// The model name is empty.
     #[error("model must not be empty")]
@@ -306,12 +320,33 @@ impl OpenAiConfig {
     /// Checks every field.
     ///
     /// # Errors
-    /// The first violated rule: a non-empty API key and model, an `http(s)://` base URL,
+    /// The first violated rule: a non-empty API key of visible ASCII (it goes in a
+    /// header), a non-empty model, an `http(s)://` base URL that parses,
     /// `0 < request_timeout <= OPENAI_REQUEST_TIMEOUT_MS_MAX` ms, `retries_max <=
     /// OPENAI_RETRIES_MAX` and `0 < retry_backoff_initial <= retry_backoff_max`.
     pub fn validate(&self) -> Result<(), OpenAiConfigError> {
         if self.api_key.is_empty() {
             return Err(OpenAiConfigError::EmptyApiKey);
+        }
+        // What a header value may hold: visible ASCII and spaces (RFC 9110 field values,
+        // as reqwest builds them). Checked here, a key that cannot be sent was the
+        // request's "builder error", reported as `Unreachable` after every retry.
+        if let Some((index, character)) = self
+            .api_key
+            .char_indices()
+            .find(|(_, character)| !(character.is_ascii_graphic() || *character == ' '))
+        {
+            return Err(OpenAiConfigError::InvalidApiKey {
+                cause: format!(
+                    "character {} of the key is {}",
+                    self.api_key[..index].chars().count() + 1,
+                    if character.is_ascii_control() {
+                        format!("the control character {:?}", character)
+                    } else {
+                        format!("the non-ASCII character U+{:04X}", u32::from(character))
+                    }
+                ),
+            });
         }
         let scheme_ok = self.base_url.starts_with("http://") || self.base_url.starts_with("https://");
         let host_present = self
@@ -321,6 +356,15 @@ impl OpenAiConfig {
         if !scheme_ok || !host_present {
             return Err(OpenAiConfigError::InvalidBaseUrl {
                 base_url: self.base_url.clone(),
+                cause: None,
+            });
+        }
+        // Parsed as the request will parse it: a URL that does not parse was the
+        // request's "builder error", reported as `Unreachable` after every retry.
+        if let Err(error) = reqwest::Url::parse(&self.chat_completions_url()) {
+            return Err(OpenAiConfigError::InvalidBaseUrl {
+                base_url: self.base_url.clone(),
+                cause: Some(error.to_string()),
             });
         }
         if self.model.is_empty() {
@@ -841,8 +885,30 @@ fn decode_arguments(id: &str, name: &str, arguments: &str) -> Result<serde_json:
 
 /// Decodes a successful chat-completions body into the first choice's message.
 fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
-    let response: WireResponse = serde_json::from_slice(bytes).map_err(|error| LlmError::Malformed {
-        cause: format!("the response is not a chat completion: {error}"),
+    let response: WireResponse = serde_json::from_slice(bytes).map_err(|error| {
+        // Some gateways answer an error with status 200 and an `error` object: its text
+        // is what says what went wrong (before, only "missing field `choices`" did).
+        #[derive(Deserialize)]
+        struct WireErrorBody {
+            error: serde_json::Value,
+        }
+        match serde_json::from_slice::<WireErrorBody>(bytes) {
+            Ok(WireErrorBody { error }) if !error.is_null() => {
+                let text = match error.get("message").and_then(serde_json::Value::as_str) {
+                    Some(message) => message.to_owned(),
+                    None => error.to_string(),
+                };
+                LlmError::Malformed {
+                    cause: format!(
+                        "the provider answered status 200 with an error instead of a chat completion: {}",
+                        troupe_core::truncate_utf8(&text, PROVIDER_ERROR_BODY_BYTES_MAX)
+                    ),
+                }
+            }
+            _ => LlmError::Malformed {
+                cause: format!("the response is not a chat completion: {error}"),
+            },
+        }
     })?;
     let Some(choice) = response.choices.into_iter().next() else {
         return Err(LlmError::Malformed {

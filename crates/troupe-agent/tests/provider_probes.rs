@@ -1,0 +1,448 @@
+//! Probes of an agent system whose model is an OpenAI-compatible provider that
+//! misbehaves, as an embedder meets it: silent past the ask's deadline, refusing the
+//! key, failing then recovering, resetting the connection mid-body, answering with no
+//! choices, a body over the limit, a stream cut before `[DONE]`, a tool the agent does
+//! not have.
+//!
+//! Goal: what the caller of `ask` gets in each case is typed and names the cause (a
+//! timeout is `InvokeError::Timeout`, on time); a failed turn commits nothing to the
+//! agent's log; a retried model call does not duplicate anything in it.
+//!
+//! Method: a tokio HTTP/1.1 server on `127.0.0.1:0` scripted per request (as in
+//! `openai_resilience.rs`), an `OpenAiClient` on the runtime's clock, an agent system
+//! with one agent. Every wait is bounded.
+//!
+//! Run: `cargo nextest run -p troupe-agent --test provider_probes`.
+
+#![cfg(not(madsim))]
+// Real sockets and wall-clock timing are the point of this test, which never runs under
+// the simulator.
+#![allow(clippy::disallowed_methods)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use troupe_agent::{AgentCallError, AgentSpec, AgentSystem, OpenAiClient, OpenAiConfig, Role};
+use troupe_core::InvokeError;
+
+/// How long a test waits for anything that should happen promptly.
+const TEST_WAIT_MS_MAX: u64 = 10_000;
+/// How much later than its deadline an ask may end.
+const DEADLINE_SLACK_MS_MAX: u64 = 1_500;
+
+/// What the server does with one request.
+#[derive(Clone)]
+enum Behaviour {
+    /// A complete response: status, extra headers, body.
+    Respond {
+        status: u16,
+        headers: Vec<(&'static str, String)>,
+        body: String,
+    },
+    /// Headers promising `length` bytes, then `sent` of the body, then the connection
+    /// is closed.
+    CutBody { length: usize, sent: String },
+    /// An SSE response: these raw pieces, then the connection closes.
+    Sse(Vec<String>),
+    /// Reads the request and answers nothing (until the client hangs up).
+    Hang,
+}
+
+/// A scripted OpenAI-compatible server on loopback.
+struct FakeServer {
+    base_url: String,
+    requests: Arc<AtomicUsize>,
+    bodies: Arc<Mutex<Vec<Value>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FakeServer {
+    async fn start(script: impl Fn(usize) -> Behaviour + Send + Sync + 'static) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+        let address = listener.local_addr().expect("local address");
+        let requests = Arc::new(AtomicUsize::new(0));
+        let bodies = Arc::new(Mutex::new(Vec::new()));
+        let script = Arc::new(script);
+        let task = {
+            let requests = requests.clone();
+            let bodies = bodies.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        return;
+                    };
+                    let script = script.clone();
+                    let requests = requests.clone();
+                    let bodies = bodies.clone();
+                    tokio::spawn(async move {
+                        let Some((body, mut stream)) = read_request(stream).await else {
+                            return;
+                        };
+                        let index = requests.fetch_add(1, Ordering::SeqCst);
+                        bodies.lock().unwrap().push(body);
+                        answer(&mut stream, script(index)).await;
+                    });
+                }
+            })
+        };
+        Self {
+            base_url: format!("http://{address}/v1"),
+            requests,
+            bodies,
+            task,
+        }
+    }
+
+    fn requests(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+/// Reads one HTTP/1.1 request with a `Content-Length` body; `None` if the client hung up.
+async fn read_request(mut stream: TcpStream) -> Option<(Value, TcpStream)> {
+    let mut bytes = Vec::new();
+    let mut buffer = [0_u8; 4096];
+    let header_end = loop {
+        let read = stream.read(&mut buffer).await.ok()?;
+        if read == 0 {
+            return None;
+        }
+        bytes.extend_from_slice(&buffer[..read]);
+        if let Some(position) = bytes.windows(4).position(|window| window == b"\r\n\r\n") {
+            break position + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&bytes[..header_end]).to_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map(|value| value.trim().parse().expect("numeric content-length"))
+        .expect("the client sends Content-Length");
+    while bytes.len() < header_end + length {
+        let read = stream.read(&mut buffer).await.ok()?;
+        if read == 0 {
+            return None;
+        }
+        bytes.extend_from_slice(&buffer[..read]);
+    }
+    let body = serde_json::from_slice(&bytes[header_end..header_end + length]).expect("the request body is JSON");
+    Some((body, stream))
+}
+
+async fn answer(stream: &mut TcpStream, behaviour: Behaviour) {
+    match behaviour {
+        Behaviour::Respond { status, headers, body } => {
+            let mut head = format!(
+                "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n",
+                body.len()
+            );
+            for (name, value) in headers {
+                head.push_str(&format!("{name}: {value}\r\n"));
+            }
+            head.push_str("\r\n");
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(body.as_bytes()).await;
+            let _ = stream.shutdown().await;
+        }
+        Behaviour::CutBody { length, sent } => {
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\
+                 Connection: close\r\n\r\n"
+            );
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(sent.as_bytes()).await;
+            let _ = stream.flush().await;
+            let _ = stream.shutdown().await;
+        }
+        Behaviour::Sse(pieces) => {
+            let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n";
+            let _ = stream.write_all(head.as_bytes()).await;
+            for piece in pieces {
+                let _ = stream.write_all(piece.as_bytes()).await;
+                let _ = stream.flush().await;
+            }
+            let _ = stream.shutdown().await;
+        }
+        Behaviour::Hang => {
+            let mut buffer = [0_u8; 256];
+            let _ = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+                while matches!(stream.read(&mut buffer).await, Ok(read) if read > 0) {}
+            })
+            .await;
+        }
+    }
+}
+
+fn respond(status: u16, body: &str) -> Behaviour {
+    Behaviour::Respond {
+        status,
+        headers: Vec::new(),
+        body: body.to_owned(),
+    }
+}
+
+fn completion(message: Value) -> String {
+    json!({
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    })
+    .to_string()
+}
+
+fn text(text: &str) -> Behaviour {
+    respond(200, &completion(json!({"role": "assistant", "content": text})))
+}
+
+/// A system with one agent, `bob`, whose model is the provider at `base_url` (request
+/// timeout 30 s, `retries_max` retries with 10..=40 ms backoff).
+fn system(base_url: &str, retries_max: u32, stream: bool) -> AgentSystem {
+    let mut config = OpenAiConfig::new("sk-probe-secret");
+    config.base_url = base_url.to_owned();
+    config.model = "probe-model".to_owned();
+    config.request_timeout = Duration::from_secs(30);
+    config.retries_max = retries_max;
+    config.retry_backoff_initial = Duration::from_millis(10);
+    config.retry_backoff_max = Duration::from_millis(40);
+    config.stream = stream;
+    let client = OpenAiClient::new(config, troupe_runtime::Clock::new()).expect("valid config");
+    AgentSystem::builder()
+        .llm(Arc::new(client))
+        .agent(AgentSpec::new("bob"))
+        .start()
+        .expect("the system starts")
+}
+
+/// The cause of a failed turn, or a panic naming what came instead.
+fn failure_cause(result: Result<troupe_agent::AgentReply, AgentCallError>) -> String {
+    match result {
+        Err(AgentCallError::Invoke(InvokeError::ActorFailed { cause, .. })) => cause,
+        other => panic!("expected the turn to fail, got {other:?}"),
+    }
+}
+
+async fn assert_log_empty(system: &AgentSystem) {
+    let log = system.client().conversation_log("bob").await.unwrap();
+    assert!(log.is_empty(), "a failed turn committed: {log:?}");
+}
+
+/// A provider that never answers, and an ask shorter than the client's request
+/// timeout: the caller gets `InvokeError::Timeout` (not the model's own timeout as a
+/// failed turn), on time, every time; nothing is committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_provider_ends_the_ask_with_a_typed_timeout_on_time() {
+    let server = FakeServer::start(|_| Behaviour::Hang).await;
+    let system = system(&server.base_url, 3, false);
+    let timeout = Duration::from_millis(300);
+    for attempt in 0..8 {
+        let started = Instant::now();
+        let result = system.ask_with_timeout("bob", "hello", timeout).await;
+        let elapsed = started.elapsed();
+        assert!(
+            matches!(result, Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))),
+            "attempt {attempt}: expected a timeout, got {result:?}"
+        );
+        assert!(
+            elapsed <= timeout + Duration::from_millis(DEADLINE_SLACK_MS_MAX),
+            "attempt {attempt}: {elapsed:?}"
+        );
+    }
+    assert_eq!(server.requests(), 8, "a timed-out model call is not retried");
+    assert_log_empty(&system).await;
+    system.shutdown().await;
+}
+
+/// A 401 fails the turn at once with the status and the provider's text, is not
+/// retried, and commits nothing.
+#[tokio::test]
+async fn a_refused_key_fails_the_turn_with_the_status_and_commits_nothing() {
+    let server = FakeServer::start(|_| respond(401, r#"{"error":{"message":"Incorrect API key provided"}}"#)).await;
+    let system = system(&server.base_url, 3, false);
+
+    let cause = failure_cause(system.ask("bob", "hello").await);
+
+    assert!(cause.contains("401"), "{cause}");
+    assert!(cause.contains("Incorrect API key provided"), "{cause}");
+    assert!(!cause.contains("sk-probe-secret"), "{cause}");
+    assert_eq!(server.requests(), 1);
+    assert_log_empty(&system).await;
+    system.shutdown().await;
+}
+
+/// 503, a body cut mid-way (connection closed), a 429 whose `Retry-After` is an HTTP
+/// date, then an answer: the one turn succeeds after four requests, and the log holds
+/// the user message and the answer once.
+#[tokio::test]
+async fn retried_model_calls_commit_the_turn_once() {
+    let server = FakeServer::start(|index| match index {
+        0 => respond(503, "overloaded"),
+        1 => Behaviour::CutBody {
+            length: 1_000,
+            sent: r#"{"choices":[{"mess"#.to_owned(),
+        },
+        2 => Behaviour::Respond {
+            status: 429,
+            headers: vec![("Retry-After", "Wed, 21 Oct 2015 07:28:00 GMT".to_owned())],
+            body: "slow down".to_owned(),
+        },
+        _ => text("hi there"),
+    })
+    .await;
+    let system = system(&server.base_url, 3, false);
+
+    let reply = system.ask("bob", "hello").await.unwrap();
+
+    assert_eq!(reply.text, "hi there");
+    assert_eq!(server.requests(), 4);
+    let log = system.client().conversation_log("bob").await.unwrap();
+    let said: Vec<(Role, &str)> = log
+        .iter()
+        .map(|message| (message.role, message.content.as_str()))
+        .collect();
+    assert_eq!(said, vec![(Role::User, "hello"), (Role::Assistant, "hi there")]);
+    system.shutdown().await;
+}
+
+/// Answers that are not the protocol fail the turn, each naming what was wrong, and
+/// commit nothing: no choices, a body over `RESPONSE_BODY_BYTES_MAX`, a tool call
+/// without an id, a stream cut before `[DONE]`.
+#[tokio::test]
+async fn malformed_answers_fail_the_turn_naming_the_fault() {
+    let cases: Vec<(Behaviour, bool, &str)> = vec![
+        (respond(200, r#"{"choices":[]}"#), false, "no choices"),
+        (
+            respond(
+                200,
+                &format!(r#"{{"pad":"{}"}}"#, "x".repeat(troupe_agent::RESPONSE_BODY_BYTES_MAX)),
+            ),
+            false,
+            "exceeds",
+        ),
+        (
+            respond(
+                200,
+                &completion(json!({"role": "assistant", "content": null,
+                    "tool_calls": [{"type": "function", "function": {"name": "x", "arguments": "{}"}}]})),
+            ),
+            false,
+            "not a chat completion",
+        ),
+        (
+            Behaviour::Sse(vec![
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hal\"}}]}\n\n".to_owned(),
+            ]),
+            true,
+            "before data: [DONE]",
+        ),
+    ];
+    for (behaviour, stream, expected) in cases {
+        let server = FakeServer::start(move |_| behaviour.clone()).await;
+        let system = system(&server.base_url, 3, stream);
+        let cause = failure_cause(system.ask("bob", "hello").await);
+        assert!(cause.contains(expected), "expected {expected:?} in {cause}");
+        assert_eq!(server.requests(), 1, "{cause}: a malformed answer is not retried");
+        assert_log_empty(&system).await;
+        system.shutdown().await;
+    }
+}
+
+/// The model calls a tool the agent does not have: the model reads an `unknown tool`
+/// result naming the tools there are, and the turn goes on to its answer.
+#[tokio::test]
+async fn a_call_of_an_unknown_tool_is_answered_to_the_model() {
+    let server = FakeServer::start(|index| match index {
+        0 => respond(
+            200,
+            &completion(json!({"role": "assistant", "content": null,
+                "tool_calls": [{"id": "c1", "type": "function",
+                                "function": {"name": "launch_rockets", "arguments": "{\"n\":1}"}}]})),
+        ),
+        _ => text("could not"),
+    })
+    .await;
+    let system = system(&server.base_url, 0, false);
+
+    let reply = system.ask("bob", "hello").await.unwrap();
+
+    assert_eq!(reply.text, "could not");
+    let bodies = server.bodies.lock().unwrap().clone();
+    assert_eq!(bodies.len(), 2);
+    let messages = bodies[1]["messages"].as_array().unwrap();
+    let result = messages.last().unwrap();
+    assert_eq!(result["role"], "tool");
+    assert_eq!(result["tool_call_id"], "c1");
+    let content = result["content"].as_str().unwrap();
+    assert!(
+        content.starts_with("error: unknown tool \"launch_rockets\"; available tools: "),
+        "{content}"
+    );
+    system.shutdown().await;
+}
+
+/// A 200 whose body is the provider's error object (some gateways answer so) fails the
+/// turn with the provider's own message, not only with "missing field `choices`".
+#[tokio::test]
+async fn an_error_object_under_status_200_names_the_providers_message() {
+    let server = FakeServer::start(|_| {
+        respond(
+            200,
+            r#"{"error":{"message":"The model `probe-model` does not exist","type":"invalid_request_error"}}"#,
+        )
+    })
+    .await;
+    let system = system(&server.base_url, 3, false);
+
+    let cause = failure_cause(system.ask("bob", "hello").await);
+
+    assert!(cause.contains("The model `probe-model` does not exist"), "{cause}");
+    assert_eq!(server.requests(), 1);
+    assert_log_empty(&system).await;
+    system.shutdown().await;
+}
+
+/// An API key that cannot be sent in an HTTP header (a newline or a non-ASCII
+/// character pasted into it), or a base URL that does not parse, is refused when the
+/// client is built, with the reason and without the key: before, every model call
+/// failed as `Unreachable` ("builder error"), after every retry.
+#[tokio::test]
+async fn a_key_or_url_that_cannot_be_sent_is_refused_when_the_client_is_built() {
+    let server = FakeServer::start(|_| text("unreachable")).await;
+    for key in ["sk-probe\nsecret", "sk-probe\u{2011}secret", "sk-probe\u{0}secret"] {
+        let mut config = OpenAiConfig::new(key);
+        config.base_url = server.base_url.clone();
+        let error = OpenAiClient::new(config, troupe_runtime::Clock::new())
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(error, troupe_agent::OpenAiConfigError::InvalidApiKey { .. }),
+            "{key:?}: {error:?}"
+        );
+        let shown = error.to_string();
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(shown.contains("header"), "{shown}");
+    }
+    for base_url in ["http://exa mple.com/v1", "http://[::1/v1", "http://host:99999/v1"] {
+        let mut config = OpenAiConfig::new("sk-probe");
+        config.base_url = base_url.to_owned();
+        let error = OpenAiClient::new(config, troupe_runtime::Clock::new())
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(error, troupe_agent::OpenAiConfigError::InvalidBaseUrl { .. }),
+            "{base_url:?}: {error:?}"
+        );
+    }
+    assert_eq!(server.requests(), 0);
+}
