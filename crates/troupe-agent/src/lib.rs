@@ -109,7 +109,10 @@ pub use llm::{
     TokenUsage, ToolCall, ToolSpec,
 };
 #[cfg(not(madsim))]
-pub use mcp::{McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_RESULT_BYTES_MAX};
+pub use mcp::{
+    McpError, McpServer, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_NAME_BYTES_MAX,
+    MCP_TOOL_RESULT_BYTES_MAX,
+};
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]
 pub use openai::{

@@ -33,6 +33,13 @@
 //!   from it is alive; a stdio child process is killed when the connection closes.
 //! - **Names.** Tools keep the server's names, or get `{prefix}{name}` with
 //!   [`McpServer::tools_with_prefix`] when two servers (or a built-in tool) clash.
+//!   MCP allows names that model providers refuse (OpenAI-compatible ones accept
+//!   `^[a-zA-Z0-9_-]{1,64}$`; a request offering `files.read` is a 400, for every turn
+//!   of every agent that has the tool): such a name is offered with each other
+//!   character replaced by `_`, and one over [`MCP_TOOL_NAME_BYTES_MAX`] is cut and
+//!   ends in `_{n}`, `n` its position in the server's list (so two cut names stay
+//!   distinct). The server is still called under its own name. Two names that become
+//!   the same are refused when the agent system starts (a duplicate tool).
 //!
 //! Not under madsim (`#[cfg(not(madsim))]`): child processes and sockets are not
 //! simulated.
@@ -59,6 +66,10 @@ pub const MCP_TOOLS_MAX: usize = 256;
 
 /// The longest tool result handed to the model, in bytes.
 pub const MCP_TOOL_RESULT_BYTES_MAX: usize = 64 * 1024;
+
+/// The longest tool name offered to the model, in bytes: the limit of OpenAI-compatible
+/// providers (a longer name of the server's is cut, see the module's **Names**).
+pub const MCP_TOOL_NAME_BYTES_MAX: usize = 64;
 
 /// Why an MCP server could not be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -256,20 +267,22 @@ impl McpServer {
     }
 
     /// As [`McpServer::tools`], each named `{prefix}{name}` (the server is still called
-    /// with its own name).
+    /// with its own name), made a name model providers accept (see the module's
+    /// **Names**).
     ///
     /// # Errors
     /// As [`McpServer::tools`].
     pub fn tools_with_prefix(&self, prefix: &str) -> Result<Vec<Tool>, McpError> {
         self.tools
             .iter()
-            .map(|tool| {
+            .enumerate()
+            .map(|(index, tool)| {
                 let parameters = Value::Object((*tool.input_schema).clone());
                 ArgumentSchema::compile(&parameters).map_err(|invalid| McpError::InvalidToolSchema {
                     tool: tool.name.to_string(),
                     cause: invalid.to_string(),
                 })?;
-                let exposed = format!("{prefix}{}", tool.name);
+                let exposed = offered_name(prefix, &tool.name, index);
                 let handler = McpToolHandler {
                     exposed: exposed.clone(),
                     remote: tool.name.to_string(),
@@ -280,6 +293,34 @@ impl McpServer {
             })
             .collect()
     }
+}
+
+/// The name tool `name` (the `index`th of its server's list) is offered under:
+/// `{prefix}{name}` with every character outside `[a-zA-Z0-9_-]` replaced by `_`, cut
+/// to [`MCP_TOOL_NAME_BYTES_MAX`] ending in `_{index}` when longer (`tool_{index}` when
+/// empty).
+fn offered_name(prefix: &str, name: &str, index: usize) -> String {
+    let mut offered: String = prefix
+        .chars()
+        .chain(name.chars())
+        .map(|character| {
+            if character.is_ascii_alphanumeric() || character == '_' || character == '-' {
+                character
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if offered.is_empty() {
+        return format!("tool_{index}");
+    }
+    if offered.len() > MCP_TOOL_NAME_BYTES_MAX {
+        let suffix = format!("_{index}");
+        // Every character is ASCII here: any byte is a character boundary.
+        offered.truncate(MCP_TOOL_NAME_BYTES_MAX - suffix.len());
+        offered.push_str(&suffix);
+    }
+    offered
 }
 
 /// Calls one remote tool.
@@ -327,5 +368,21 @@ impl ToolHandler for McpToolHandler {
         } else {
             Ok(text)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offered_names_keep_within_the_providers_rule_at_the_edges() {
+        assert_eq!(offered_name("", "", 3), "tool_3");
+        assert_eq!(offered_name("fs.", "été", 0), "fs__t_");
+        let exact = "a".repeat(MCP_TOOL_NAME_BYTES_MAX);
+        assert_eq!(offered_name("", &exact, 7), exact);
+        let over = offered_name("", &"a".repeat(MCP_TOOL_NAME_BYTES_MAX + 1), 12);
+        assert_eq!(over.len(), MCP_TOOL_NAME_BYTES_MAX);
+        assert!(over.ends_with("a_12"), "{over}");
     }
 }

@@ -265,3 +265,70 @@ async fn agents_sharing_one_server_get_their_own_answers() {
     }
     system.shutdown().await;
 }
+
+/// Whether `name` is a tool name OpenAI-compatible providers accept
+/// (`^[a-zA-Z0-9_-]{1,64}$`).
+fn provider_accepts(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|byte| byte.is_ascii_alphanumeric() || byte == b'_' || byte == b'-')
+}
+
+/// A server whose tool names MCP allows but model providers refuse (`files.read`, a
+/// space, 100 characters): the tools are offered under names the provider accepts
+/// (distinct), and a call under such a name reaches the server's tool of the original
+/// name. Before, the names were offered as they were, and a provider refused every
+/// request of every agent that had them (OpenAI: 400, "does not match pattern").
+#[tokio::test]
+async fn tool_names_a_provider_refuses_are_offered_under_names_it_accepts() {
+    let server = misbehaving("odd-names").await;
+    let tools = server.tools().unwrap();
+    let names: Vec<String> = tools.iter().map(|tool| tool.spec().name.clone()).collect();
+    for name in &names {
+        assert!(provider_accepts(name), "{name:?} is offered; all: {names:?}");
+    }
+    let mut distinct = names.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), names.len(), "{names:?}");
+    for (original, expected) in [
+        ("echo", "echo"),
+        ("files.read", "files_read"),
+        ("read file", "read_file"),
+    ] {
+        assert!(
+            names.iter().any(|name| name == expected),
+            "{original:?} is not offered as {expected:?}: {names:?}"
+        );
+    }
+    let prefixed = server.tools_with_prefix("fs.").unwrap();
+    assert!(prefixed.iter().all(|tool| provider_accepts(&tool.spec().name)));
+
+    let long = names
+        .iter()
+        .find(|name| name.starts_with("nnnn"))
+        .expect("the long name is offered")
+        .clone();
+    let llm = Arc::new(
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("calc")
+                    .on_user_containing("dot")
+                    .call("files_read", json!({})),
+            )
+            .rule(
+                ScriptRule::agent("calc")
+                    .on_user_containing("long")
+                    .call(&long, json!({})),
+            )
+            .rule(ScriptRule::agent("calc").on_tool_result().reply("{tool_result}")),
+    );
+    let system = system_with(llm, &server, &["calc"]);
+    assert_eq!(system.ask("calc", "dot").await.unwrap().text, "called files.read");
+    assert_eq!(
+        system.ask("calc", "long").await.unwrap().text,
+        format!("called {}", "n".repeat(100))
+    );
+    system.shutdown().await;
+}

@@ -7,6 +7,8 @@
 //!   [`HUGE_BYTES_MAX`]).
 //! - `bad-schema`: lists an extra tool `broken` whose input schema does not compile.
 //! - `slow-list`: answers `tools/list` after [`SLOW_LIST_MS`].
+//! - `odd-names`: lists extra tools named as MCP allows but model providers refuse
+//!   (`files.read`, `read file`, a name of 100 characters); each answers `called NAME`.
 
 use std::time::Duration;
 
@@ -26,6 +28,11 @@ const HUGE_BYTES_MAX: u64 = 16 * 1024 * 1024;
 /// How long `slow-list` takes to list its tools, in milliseconds.
 const SLOW_LIST_MS: u64 = 30_000;
 
+/// The tool names of `odd-names`.
+fn odd_names() -> Vec<String> {
+    vec!["files.read".to_owned(), "read file".to_owned(), "n".repeat(100)]
+}
+
 /// How the server misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -33,6 +40,7 @@ pub(crate) enum Mode {
     Huge,
     BadSchema,
     SlowList,
+    OddNames,
 }
 
 impl Mode {
@@ -42,6 +50,7 @@ impl Mode {
             "huge" => Some(Self::Huge),
             "bad-schema" => Some(Self::BadSchema),
             "slow-list" => Some(Self::SlowList),
+            "odd-names" => Some(Self::OddNames),
             _ => None,
         }
     }
@@ -90,6 +99,15 @@ impl ServerHandler for Misbehaving {
                 object(json!({"type": 12})),
             )),
             Mode::SlowList => tokio::time::sleep(Duration::from_millis(SLOW_LIST_MS)).await,
+            Mode::OddNames => {
+                for name in odd_names() {
+                    listed.tools.push(Tool::new(
+                        name,
+                        "Answers with its own name.",
+                        object(json!({"type": "object", "properties": {}})),
+                    ));
+                }
+            }
         }
         Ok(listed)
     }
@@ -111,6 +129,9 @@ impl ServerHandler for Misbehaving {
                     .min(HUGE_BYTES_MAX);
                 let text = "x".repeat(usize::try_from(bytes).unwrap_or_default());
                 Ok(CallToolResult::success(vec![ContentBlock::text(text)]).into())
+            }
+            (Mode::OddNames, name) if odd_names().iter().any(|odd| odd == name) => {
+                Ok(CallToolResult::success(vec![ContentBlock::text(format!("called {name}"))]).into())
             }
             _ => EchoServer.call_tool(request, context).await,
         }
