@@ -373,7 +373,7 @@ async fn shutdown_signal() {
     let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(terminate) => terminate,
         Err(error) => {
-            troupe_cli::errln!("troupe serve: cannot watch SIGTERM ({error}); ctrl-c still stops the server");
+            troupe_cli::errln!("troupe: cannot watch SIGTERM ({error}); ctrl-c still stops it");
             let _ = tokio::signal::ctrl_c().await;
             return;
         }
@@ -421,15 +421,42 @@ async fn org_demo(
     Ok(true)
 }
 
+/// The exit code of a demo stopped by ctrl-c or SIGTERM: 128 + SIGINT, as a shell reports
+/// a command ctrl-c stopped.
+const DEMO_INTERRUPTED_EXIT_CODE: u8 = 130;
+
+/// `work`'s output, or `None` if SIGTERM or ctrl-c came first: `work` is then dropped,
+/// and with it what it holds (the demo's temporary directory). Until 2026-12-06 the demo
+/// died by the signal and left its `troupe-demo-*` directory behind.
+#[cfg(not(madsim))]
+async fn interruptible<T>(work: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        biased;
+        () = shutdown_signal() => None,
+        output = work => Some(output),
+    }
+}
+
+/// Under the simulator there are no signals.
+#[cfg(madsim)]
+async fn interruptible<T>(work: impl std::future::Future<Output = T>) -> Option<T> {
+    Some(work.await)
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     // `--help`, `--version` and parse errors print and exit here (errors with code 2).
     let cli = Cli::parse();
     match cli.command {
-        Command::Demo(demo_args) => match demo(demo_args).await {
-            Ok(true) => ExitCode::SUCCESS,
-            Ok(false) => ExitCode::FAILURE,
-            Err(message) => {
+        Command::Demo(demo_args) => match interruptible(demo(demo_args)).await {
+            None => {
+                // Its temporary directory (without --data-dir) went with the dropped demo.
+                troupe_cli::errln!("troupe: interrupted");
+                ExitCode::from(DEMO_INTERRUPTED_EXIT_CODE)
+            }
+            Some(Ok(true)) => ExitCode::SUCCESS,
+            Some(Ok(false)) => ExitCode::FAILURE,
+            Some(Err(message)) => {
                 troupe_cli::errln!("troupe: {message}");
                 ExitCode::FAILURE
             }

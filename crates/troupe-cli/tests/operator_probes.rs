@@ -649,3 +649,37 @@ fn a_refused_model_configuration_names_the_variables_and_scripted() {
         assert_refused(&output, &["api.example.com/v1", "OPENAI_BASE_URL", "--scripted"]);
     }
 }
+
+/// Goal: ctrl-c (or SIGTERM) during `troupe demo` without `--data-dir` stops it and
+/// removes the temporary directory it made for its state (exit code 130, saying it was
+/// interrupted), rather than dying by the signal and leaving `troupe-demo-*` behind in
+/// the temporary directory at every interrupted run. Method: TMPDIR a directory of the
+/// test's own; interrupt the demo once it has printed its state line, then list TMPDIR.
+#[test]
+fn an_interrupted_demo_removes_its_temporary_state() {
+    use std::io::BufRead as _;
+    for signal in ["INT", "TERM"] {
+        let temporary = tempfile::tempdir().unwrap();
+        let mut running = Running::spawn(troupe().args(["demo", "--scripted"]).env("TMPDIR", temporary.path()));
+        let mut stdout = BufReader::new(running.child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.starts_with("state: ") {
+            line.clear();
+            assert!(stdout.read_line(&mut line).unwrap() > 0, "no state line");
+        }
+        assert!(line.contains(temporary.path().to_str().unwrap()), "{line}");
+        running.signal(signal);
+        let status = running.wait();
+        let stderr = running.stderr();
+        let left: Vec<_> = std::fs::read_dir(temporary.path())
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name())
+            .collect();
+        assert!(
+            left.is_empty(),
+            "SIG{signal}: left behind: {left:?} ({status:?}, {stderr})"
+        );
+        assert_eq!(status.code(), Some(130), "SIG{signal}: {stderr}");
+        assert!(stderr.contains("interrupted"), "{stderr}");
+    }
+}
