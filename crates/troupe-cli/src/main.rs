@@ -23,18 +23,20 @@ fn real_model() -> Result<Option<RealModel>, String> {
         return Ok(None);
     }
     // The client's refusal says what is wrong, not where it came from (until 2026-12-06:
-    // "base_url must start with http:// or https://, got ..." alone).
-    let config = troupe_agent::OpenAiConfig::from_env().map_err(|error| {
+    // "base_url must start with http:// or https://, got ..." alone). It may come from
+    // reading the environment or from building the client (a key that cannot be sent).
+    let refused = |error: &dyn std::fmt::Display| {
         format!(
             "OPENAI_API_KEY is set, so the agents think with a real model, but its configuration is refused: \
-             {error}; check OPENAI_BASE_URL and OPENAI_MODEL, or give --scripted"
+             {error}; check OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL, or give --scripted"
         )
-    })?;
+    };
+    let config = troupe_agent::OpenAiConfig::from_env().map_err(|error| refused(&error))?;
     let description = format!("{} at {}", config.model, config.base_url);
     // The client reads deadlines on a clock whose epoch is now, a moment before the
     // runtime's: its time budgets come out a few microseconds short, never long.
     let client =
-        troupe_agent::OpenAiClient::new(config, troupe_runtime::Clock::new()).map_err(|error| error.to_string())?;
+        troupe_agent::OpenAiClient::new(config, troupe_runtime::Clock::new()).map_err(|error| refused(&error))?;
     Ok(Some((Arc::new(client), description)))
 }
 

@@ -627,16 +627,26 @@ fn two_servers_on_one_file_answer_fenced_turns_503_and_their_retries_200() {
 }
 
 /// Goal: with OPENAI_API_KEY set, a model configuration the client refuses (an
-/// OPENAI_BASE_URL that is no URL) stops `troupe serve` and `troupe demo` naming the
-/// environment variables to check and `--scripted`, before anything starts.
+/// OPENAI_BASE_URL that is no URL; a key that cannot be sent in a header) stops `troupe
+/// serve` and `troupe demo` naming the environment variables to check and
+/// `--scripted`, before anything starts.
 #[test]
 fn a_refused_model_configuration_names_the_variables_and_scripted() {
-    for args in [&["serve", "--bind", "127.0.0.1:0"][..], &["demo"]] {
+    let refusals = [
+        ("sk-probe", "api.example.com/v1", "api.example.com/v1"),
+        ("sk-pro\nbe", "http://127.0.0.1:1/v1", "OPENAI_API_KEY"),
+    ];
+    for ((key, url, named), args) in refusals.into_iter().flat_map(|refusal| {
+        [
+            (refusal, &["serve", "--bind", "127.0.0.1:0"][..]),
+            (refusal, &["demo"][..]),
+        ]
+    }) {
         let mut running = Running::spawn(
             troupe()
                 .args(args)
-                .env("OPENAI_API_KEY", "sk-probe")
-                .env("OPENAI_BASE_URL", "api.example.com/v1"),
+                .env("OPENAI_API_KEY", key)
+                .env("OPENAI_BASE_URL", url),
         );
         let status = running.wait();
         let mut stdout = Vec::new();
@@ -646,7 +656,7 @@ fn a_refused_model_configuration_names_the_variables_and_scripted() {
             stdout,
             stderr: running.stderr().into_bytes(),
         };
-        assert_refused(&output, &["api.example.com/v1", "OPENAI_BASE_URL", "--scripted"]);
+        assert_refused(&output, &[named, "OPENAI_BASE_URL", "--scripted"]);
     }
 }
 
