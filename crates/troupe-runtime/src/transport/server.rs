@@ -905,7 +905,12 @@ async fn serve_connection_request(handle: &RuntimeHandle, request: WireRequest, 
     match encode_frame(&ServerMessage::Response(WireResponse { request_id, result })) {
         Ok(frame) => frame,
         Err(error) => {
-            let cause = format!("the reply cannot be sent: {error}");
+            // Only a reply can be too large here (an error fits a frame): the turn ran and
+            // committed, so the caller must not take this for a turn that did nothing.
+            let cause = format!(
+                "its turn ran and its effects are committed, but the reply cannot be sent: {error}; \
+                 a reply between nodes must fit a frame: return less, or store it and return a reference"
+            );
             let result = Err(InvokeError::ActorFailed { target, cause });
             encode_frame(&ServerMessage::Response(WireResponse { request_id, result }))
                 .expect("a response holding only an error fits a frame")
@@ -933,8 +938,21 @@ mod tests {
         }
     }
 
+    /// Counts its turns and answers one byte more than a frame holds.
+    struct Oversized(Arc<AtomicU64>);
+
+    impl Actor for Oversized {
+        async fn handle(&mut self, _turn: &mut Turn, _payload: Bytes) -> Result<Bytes, ActorError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(Bytes::from(vec![b'x'; FRAME_SIZE_MAX_BYTES + 1]))
+        }
+    }
+
     async fn serve(handle: &RuntimeHandle, key: Option<&str>) -> Result<Bytes, InvokeError> {
-        let target = ActorId::new("counting", "c").unwrap();
+        serve_to(handle, ActorId::new("counting", "c").unwrap(), key).await
+    }
+
+    async fn serve_to(handle: &RuntimeHandle, target: ActorId, key: Option<&str>) -> Result<Bytes, InvokeError> {
         let now = handle.now();
         let context = CallContext::root(handle.deadline_in(Duration::from_secs(10)));
         let sync = ClockSync::from_handshake(now, now, now);
@@ -987,6 +1005,41 @@ mod tests {
         assert_eq!(turns.load(Ordering::SeqCst), 1, "the keyed request ran once");
         assert_eq!(&serve(&handle, None).await.unwrap()[..], b"ran");
         assert_eq!(turns.load(Ordering::SeqCst), 2, "an unkeyed one runs");
+        runtime.shutdown().await;
+    }
+
+    /// Goal: a turn that ran and committed but whose reply does not fit a frame is
+    /// answered `ActorFailed` saying so (the effects are committed; what to do), not only
+    /// "the reply cannot be sent", which a caller could take for a turn that did nothing
+    /// and retry unkeyed (helper-50's cluster probe, 2026-12-06). Method: an actor whose
+    /// reply is one byte over `FRAME_SIZE_MAX_BYTES`, asked through the server's request
+    /// path.
+    #[tokio::test]
+    async fn a_reply_too_large_for_a_frame_says_the_turn_ran_and_committed() {
+        let turns = Arc::new(AtomicU64::new(0));
+        let runtime = Runtime::builder()
+            .register(
+                ActorKind::new("oversized").unwrap(),
+                {
+                    let turns = Arc::clone(&turns);
+                    move |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                        Ok(ActorBox::new(Oversized(Arc::clone(&turns))))
+                    }
+                },
+                KindConfig::default(),
+            )
+            .unwrap()
+            .start();
+        let target = ActorId::new("oversized", "o").unwrap();
+        let refused = serve_to(&runtime.handle(), target, None).await.unwrap_err();
+        let InvokeError::ActorFailed { cause, .. } = &refused else {
+            panic!("{refused:?}")
+        };
+        assert!(
+            cause.contains("its turn ran and its effects are committed") && cause.contains("exceeds the limit"),
+            "{cause}"
+        );
+        assert_eq!(turns.load(Ordering::SeqCst), 1);
         runtime.shutdown().await;
     }
 }
