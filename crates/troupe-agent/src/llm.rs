@@ -459,12 +459,28 @@ pub struct LlmReply {
     /// The tokens the call used; `None` when the provider did not say.
     #[serde(default)]
     pub usage: Option<TokenUsage>,
+    /// The provider stopped the answer at its token limit (OpenAI's `finish_reason:
+    /// "length"`): the text may end mid-sentence. A final answer so cut reaches the
+    /// caller with `AgentReply::truncated` set.
+    #[serde(default)]
+    pub truncated: bool,
 }
 
 impl LlmReply {
     /// A reply of `message` with no usage reported.
     pub fn new(message: ChatMessage) -> Self {
-        Self { message, usage: None }
+        Self {
+            message,
+            usage: None,
+            truncated: false,
+        }
+    }
+
+    /// This reply, marked as stopped at the provider's token limit.
+    #[must_use]
+    pub fn cut_at_token_limit(mut self) -> Self {
+        self.truncated = true;
+        self
     }
 
     /// This reply with `usage`.

@@ -45,6 +45,10 @@
 //!   [`OpenAiClient::with_stream_observer`], as it arrives. A stream that ends without
 //!   `data: [DONE]`, a chunk that is not JSON, an `error` chunk, or a tool-call index of
 //!   [`STREAM_TOOL_CALLS_MAX`] or more is [`LlmError::Malformed`].
+//! - **Token limit.** An answer whose `finish_reason` is `"length"` (the provider
+//!   stopped at its token limit, e.g. the cap a budget sets) is returned with
+//!   [`LlmReply::truncated`]; a tool call it cut (arguments that are not JSON) is
+//!   [`LlmError::Malformed`] naming the token limit.
 //! - **Usage.** The provider's `usage` (prompt, completion, total tokens) is returned in
 //!   [`LlmReply::usage`]; `None` when the provider sent none.
 //! - **Errors.** HTTP status >= 400 (after retries) → [`LlmError::Provider`] with the
@@ -716,6 +720,8 @@ struct StreamAssembly {
     calls: Vec<PartialToolCall>,
     usage: Option<TokenUsage>,
     done: bool,
+    /// The provider stopped at its token limit (`finish_reason: "length"`).
+    cut: bool,
 }
 
 #[derive(Default)]
@@ -759,6 +765,9 @@ impl StreamAssembly {
             self.usage = Some(usage.into());
         }
         for choice in chunk.choices.into_iter().filter(|choice| choice.index == 0) {
+            if choice.finish_reason.as_deref() == Some(FINISH_REASON_LENGTH) {
+                self.cut = true;
+            }
             if let Some(text) = choice.delta.content.filter(|text| !text.is_empty()) {
                 if let Some(observer) = observer {
                     observer.on_delta(agent, &StreamDelta::Text(&text));
@@ -814,7 +823,7 @@ impl StreamAssembly {
                     cause: format!("streamed tool call {:?} has no name", call.id),
                 });
             }
-            let arguments = decode_arguments(&call.id, &call.name, &call.arguments)?;
+            let arguments = decode_arguments(&call.id, &call.name, &call.arguments, self.cut)?;
             tool_calls.push(ToolCall {
                 id: call.id,
                 name: call.name,
@@ -830,6 +839,7 @@ impl StreamAssembly {
         Ok(LlmReply {
             message,
             usage: self.usage,
+            truncated: self.cut,
         })
     }
 }
@@ -873,13 +883,26 @@ async fn read_stream(
     assembly.finish()
 }
 
-/// Parses one tool call's JSON-string arguments; empty means `{}`.
-fn decode_arguments(id: &str, name: &str, arguments: &str) -> Result<serde_json::Value, LlmError> {
+/// The `finish_reason` of an answer the provider stopped at its token limit.
+const FINISH_REASON_LENGTH: &str = "length";
+
+/// Parses one tool call's JSON-string arguments; empty means `{}`. `cut`: the provider
+/// stopped the answer at its token limit, which the error then names (the likely
+/// reason the arguments end early).
+fn decode_arguments(id: &str, name: &str, arguments: &str, cut: bool) -> Result<serde_json::Value, LlmError> {
     if arguments.trim().is_empty() {
         return Ok(serde_json::Value::Object(serde_json::Map::new()));
     }
     serde_json::from_str(arguments).map_err(|error| LlmError::Malformed {
-        cause: format!("the arguments of tool call {id:?} ({name}) are not JSON: {error}"),
+        cause: format!(
+            "the arguments of tool call {id:?} ({name}) are not JSON: {error}{}",
+            if cut {
+                "; the provider stopped the answer at its token limit (finish_reason \"length\"): allow the \
+                 call more tokens (the agent's budget, or the provider's max_tokens)"
+            } else {
+                ""
+            }
+        ),
     })
 }
 
@@ -915,9 +938,10 @@ fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
             cause: "the response has no choices".to_owned(),
         });
     };
+    let cut = choice.finish_reason.as_deref() == Some(FINISH_REASON_LENGTH);
     let mut tool_calls = Vec::with_capacity(choice.message.tool_calls.len());
     for call in choice.message.tool_calls {
-        let arguments = decode_arguments(&call.id, &call.function.name, &call.function.arguments)?;
+        let arguments = decode_arguments(&call.id, &call.function.name, &call.function.arguments, cut)?;
         tool_calls.push(ToolCall {
             id: call.id,
             name: call.function.name,
@@ -933,6 +957,7 @@ fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
     Ok(LlmReply {
         message,
         usage: response.usage.map(TokenUsage::from),
+        truncated: cut,
     })
 }
 
@@ -1103,6 +1128,10 @@ struct WireChunkChoice {
     index: u32,
     #[serde(default)]
     delta: WireDelta,
+    /// On the choice's last chunk: `"length"` when the provider stopped at its token
+    /// limit.
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1134,6 +1163,9 @@ struct WireFunctionDelta {
 #[derive(Deserialize)]
 struct WireChoice {
     message: WireReplyMessage,
+    /// `"length"` when the provider stopped at its token limit.
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Deserialize)]

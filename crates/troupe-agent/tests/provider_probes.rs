@@ -446,3 +446,65 @@ async fn a_key_or_url_that_cannot_be_sent_is_refused_when_the_client_is_built() 
     }
     assert_eq!(server.requests(), 0);
 }
+
+/// A completion with `finish_reason` `reason` (and the given message).
+fn finished(message: Value, reason: &str) -> Behaviour {
+    let body = json!({
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": reason}],
+        "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    });
+    respond(200, &body.to_string())
+}
+
+/// An answer the provider stopped at its token limit (`finish_reason: "length"`, the
+/// cap a budget sets, or the provider's own) reaches the caller marked `truncated`,
+/// streamed or not; a tool call it cut (arguments that are not JSON) fails the turn
+/// naming the token limit. Before, a cut answer was taken as complete
+/// (`truncated: false`) and a cut call failed as arguments "not JSON" only.
+#[tokio::test]
+async fn an_answer_cut_at_the_token_limit_is_marked_truncated() {
+    let server =
+        FakeServer::start(|_| finished(json!({"role": "assistant", "content": "The answer is"}), "length")).await;
+    let agents = system(&server.base_url, 0, false);
+    let reply = agents.ask("bob", "hello").await.unwrap();
+    assert_eq!(reply.text, "The answer is");
+    assert!(reply.truncated, "a cut answer is marked: {reply:?}");
+    agents.shutdown().await;
+
+    let server = FakeServer::start(|_| finished(json!({"role": "assistant", "content": "All of it."}), "stop")).await;
+    let agents = system(&server.base_url, 0, false);
+    let reply = agents.ask("bob", "hello").await.unwrap();
+    assert!(!reply.truncated, "{reply:?}");
+    agents.shutdown().await;
+
+    let server = FakeServer::start(|_| {
+        Behaviour::Sse(vec![
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"The answer\"}}]}\n\n".to_owned(),
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"length\"}]}\n\n".to_owned(),
+            "data: [DONE]\n\n".to_owned(),
+        ])
+    })
+    .await;
+    let agents = system(&server.base_url, 0, true);
+    let reply = agents.ask("bob", "hello").await.unwrap();
+    assert_eq!(reply.text, "The answer");
+    assert!(reply.truncated, "a cut streamed answer is marked: {reply:?}");
+    agents.shutdown().await;
+
+    let server = FakeServer::start(|_| {
+        finished(
+            json!({"role": "assistant", "content": null,
+                   "tool_calls": [{"id": "c1", "type": "function",
+                                   "function": {"name": "call_agent", "arguments": "{\"agent\": \"al"}}]}),
+            "length",
+        )
+    })
+    .await;
+    let agents = system(&server.base_url, 0, false);
+    let cause = failure_cause(agents.ask("bob", "hello").await);
+    assert!(cause.contains("token limit"), "{cause}");
+    assert_log_empty(&agents).await;
+    agents.shutdown().await;
+}

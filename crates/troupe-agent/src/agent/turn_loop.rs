@@ -315,6 +315,8 @@ impl AgentActor {
         let mut usage = TokenUsage::default();
         // The answer's length as the model gave it, before it was cut.
         let mut answer_bytes = 0;
+        // Whether the provider stopped the answer at its token limit.
+        let mut answer_cut_by_model = false;
         // A turn whose budget runs out replies with the typed error and commits nothing
         // (its spend is reported all the same: the tokens are gone).
         let exhausted = |meter: &BudgetMeter, steps, usage, error: BudgetExhausted| AgentReply {
@@ -414,6 +416,7 @@ impl AgentActor {
                             at: clock.now(),
                         });
                     }
+                    let cut_by_model = reply.truncated;
                     let mut message = reply.message;
                     message.role = Role::Assistant;
                     message.tool_call_id = None;
@@ -425,6 +428,7 @@ impl AgentActor {
                         // character boundary): kept whole, a provider's oversized answer
                         // went into the log and every later prompt of the window.
                         answer_bytes = message.content.len();
+                        answer_cut_by_model = cut_by_model;
                         let kept = truncate_utf8(&message.content, AGENT_REPLY_SIZE_MAX_BYTES).len();
                         message.content.truncate(kept);
                         fresh.push(message);
@@ -509,7 +513,7 @@ impl AgentActor {
         );
         Ok(AgentReply {
             text: answer.clone(),
-            truncated: answer.len() < answer_bytes,
+            truncated: answer.len() < answer_bytes || answer_cut_by_model,
             steps,
             usage,
             spent: meter.get().spent(),

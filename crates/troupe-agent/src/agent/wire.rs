@@ -29,7 +29,8 @@ pub struct AgentRequest {
 pub struct AgentReply {
     /// The final assistant text, at most [`crate::limits::AGENT_REPLY_SIZE_MAX_BYTES`].
     pub text: String,
-    /// Whether `text` was cut to fit.
+    /// Whether `text` was cut: to fit, or by the model's provider at its token limit
+    /// (`LlmReply::truncated`).
     pub truncated: bool,
     /// Model steps the turn took.
     pub steps: u32,
