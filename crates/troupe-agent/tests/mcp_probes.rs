@@ -17,6 +17,9 @@
 // Wall-clock timing of real child processes is the point here; never simulated.
 #![allow(clippy::disallowed_methods)]
 
+#[path = "../src/bin/troupe-mcp-echo/echo.rs"]
+mod echo;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -329,6 +332,61 @@ async fn tool_names_a_provider_refuses_are_offered_under_names_it_accepts() {
     assert_eq!(
         system.ask("calc", "long").await.unwrap().text,
         format!("called {}", "n".repeat(100))
+    );
+    system.shutdown().await;
+}
+
+/// A server that prints a banner line on stdout before speaking MCP (many do): what
+/// the embedder gets is either a working server or a typed error, within the connect
+/// timeout.
+#[tokio::test]
+async fn a_server_that_prints_a_banner_first_works_or_is_a_typed_error() {
+    let script = format!("echo 'Starting the server on stdio...'; exec {ECHO_SERVER}");
+    let started = Instant::now();
+    let connected = McpServer::connect_stdio("chatty", "sh", ["-c", &script], Duration::from_secs(5)).await;
+    let elapsed = started.elapsed();
+    let server = connected.unwrap_or_else(|error| panic!("{error:?} after {elapsed:?}"));
+    let llm = Arc::new(calling_agent("add", json!({"a": 1, "b": 2})));
+    let system = system_with(llm, &server, &["calc"]);
+    assert_eq!(system.ask("calc", "go").await.unwrap().text, "result: 3");
+    system.shutdown().await;
+}
+
+/// A streamable-HTTP server that goes away after connecting: a call is a tool failure
+/// the model reads, long before the turn's deadline.
+#[tokio::test]
+async fn an_http_server_gone_after_connecting_is_a_tool_failure_at_once() {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+
+    let service: StreamableHttpService<echo::EchoServer, LocalSessionManager> = StreamableHttpService::new(
+        || Ok(echo::EchoServer),
+        Default::default(),
+        StreamableHttpServerConfig::default(),
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let server = McpServer::connect_http("gone-later", &format!("http://{address}/mcp"), CONNECT_TIMEOUT)
+        .await
+        .unwrap();
+    task.abort();
+    let _ = task.await;
+
+    let llm = Arc::new(calling_agent("add", json!({"a": 1, "b": 2})));
+    let system = system_with(llm, &server, &["calc"]);
+    let started = Instant::now();
+    let reply = system.ask_with_timeout("calc", "go", Duration::from_secs(10)).await;
+    let elapsed = started.elapsed();
+    let reply = reply.unwrap_or_else(|error| panic!("{error:?} after {elapsed:?}"));
+    assert!(reply.text.starts_with("result: error: add failed: "), "{}", reply.text);
+    assert!(
+        elapsed < Duration::from_millis(SLACK_MS_MAX),
+        "{elapsed:?}: {}",
+        reply.text
     );
     system.shutdown().await;
 }
