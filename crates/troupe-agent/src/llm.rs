@@ -500,8 +500,9 @@ pub enum LlmError {
         /// The time allowed, in milliseconds.
         timeout_ms: u64,
     },
-    /// The provider answered with an error status.
-    #[error("the model provider answered {status}: {body}")]
+    /// The provider answered with an error status. Its text says what to check for the
+    /// usual statuses (401/403, 404, 408/429, 413, 5xx), then the provider's own words.
+    #[error("the model provider answered {status}{}: {body}", provider_status_hint(*status))]
     Provider {
         /// The HTTP status.
         status: u16,
@@ -509,7 +510,7 @@ pub enum LlmError {
         body: String,
     },
     /// The provider could not be reached.
-    #[error("the model provider is unreachable: {cause}")]
+    #[error("the model provider is unreachable (check the base URL and that the provider is up): {cause}")]
     Unreachable {
         /// What failed.
         cause: String,
@@ -535,6 +536,22 @@ pub enum LlmError {
         /// What the script said.
         cause: String,
     },
+}
+
+/// What an [`LlmError::Provider`] of `status` tells the reader to check (empty for a
+/// status without a usual cause).
+fn provider_status_hint(status: u16) -> &'static str {
+    match status {
+        401 | 403 => " (the API key was refused: check it, and that it may use this model)",
+        404 => {
+            " (no such endpoint or model: check the base URL, which ends before /chat/completions \
+             (e.g. https://api.openai.com/v1), and the model name)"
+        }
+        408 | 429 => " (rate limited or overloaded, also after the client's retries: retry later, or allow more time)",
+        413 => " (the request is too large for the provider: a shorter history or fewer tools)",
+        500..=599 => " (the provider failed, also after the client's retries: retry later)",
+        _ => "",
+    }
 }
 
 /// A chat-completions model with tool calling.

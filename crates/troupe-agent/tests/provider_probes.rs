@@ -508,3 +508,52 @@ async fn an_answer_cut_at_the_token_limit_is_marked_truncated() {
     assert_log_empty(&agents).await;
     agents.shutdown().await;
 }
+
+/// What the caller reads for the usual refusals says what to do, besides the status
+/// and the provider's text: a refused key, a wrong base URL or model, a rate limit or
+/// an outage that outlasted the retries, nobody listening.
+#[tokio::test]
+async fn provider_failures_say_what_to_check() {
+    let cases: [(u16, &str, &[&str]); 4] = [
+        (
+            401,
+            r#"{"error":{"message":"Unauthorized"}}"#,
+            &["401", "Unauthorized", "API key"],
+        ),
+        (
+            404,
+            "<html>Not Found</html>",
+            &["404", "Not Found", "base URL", "model"],
+        ),
+        (
+            429,
+            r#"{"error":{"message":"Rate limit reached"}}"#,
+            &["429", "Rate limit reached", "retry later"],
+        ),
+        (
+            503,
+            "upstream connect error",
+            &["503", "upstream connect error", "retry later"],
+        ),
+    ];
+    for (status, body, expected) in cases {
+        let server = FakeServer::start(move |_| respond(status, body)).await;
+        let agents = system(&server.base_url, 0, false);
+        let cause = failure_cause(agents.ask("bob", "hello").await);
+        for part in expected {
+            assert!(cause.contains(part), "{status}: expected {part:?} in {cause}");
+        }
+        agents.shutdown().await;
+    }
+
+    let address = {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        listener.local_addr().unwrap()
+    };
+    let agents = system(&format!("http://{address}/v1"), 0, false);
+    let cause = failure_cause(agents.ask("bob", "hello").await);
+    for part in ["unreachable", &address.to_string(), "base URL"] {
+        assert!(cause.contains(part), "nobody listening: expected {part:?} in {cause}");
+    }
+    agents.shutdown().await;
+}
