@@ -390,3 +390,78 @@ async fn an_http_server_gone_after_connecting_is_a_tool_failure_at_once() {
     );
     system.shutdown().await;
 }
+
+/// On one shared server, a call cut by its turn's deadline does not disturb the calls
+/// of other agents running at the same time, nor the server: four agents' `sleep`s of
+/// 400..700 ms answer each its own while a fifth's `sleep` of 5 s is cancelled at its
+/// 300 ms deadline (multi-threaded runtime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_call_on_a_shared_server_leaves_the_other_calls_alone() {
+    let server = McpServer::connect_stdio("echo", ECHO_SERVER, std::iter::empty::<&str>(), CONNECT_TIMEOUT)
+        .await
+        .expect("the echo server starts");
+    let mut llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("sleeper")
+                .on_user_containing("go")
+                .call("sleep", json!({"ms": 5_000})),
+        )
+        .rule(ScriptRule::agent("sleeper").on_tool_result().reply("{tool_result}"));
+    let adders: Vec<String> = (0..4).map(|index| format!("adder{index}")).collect();
+    for (index, agent) in adders.iter().enumerate() {
+        llm = llm
+            .rule(
+                ScriptRule::agent(agent)
+                    .on_user_containing("go")
+                    .call("sleep", json!({"ms": 400 + 100 * index})),
+            )
+            .rule(
+                ScriptRule::agent(agent)
+                    .on_tool_result()
+                    .reply(&format!("{agent}: {{tool_result}}")),
+            );
+    }
+    let mut names: Vec<&str> = adders.iter().map(String::as_str).collect();
+    names.push("sleeper");
+    let system = system_with(Arc::new(llm), &server, &names);
+
+    let sleeper = {
+        let client = system.client();
+        tokio::spawn(async move {
+            client
+                .ask_with_timeout("sleeper", "go", Duration::from_millis(300))
+                .await
+        })
+    };
+    let asks: Vec<_> = adders
+        .iter()
+        .map(|agent| {
+            let client = system.client();
+            let agent = agent.clone();
+            tokio::spawn(async move { client.ask(&agent, "go").await })
+        })
+        .collect();
+    let started = Instant::now();
+    let slept = tokio::time::timeout(Duration::from_secs(10), sleeper)
+        .await
+        .expect("the sleeper's ask ends")
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(300 + SLACK_MS_MAX),
+        "{:?}",
+        started.elapsed()
+    );
+    match slept {
+        Err(troupe_agent::AgentCallError::Invoke(troupe_core::InvokeError::Timeout { .. })) => {}
+        Ok(reply) => assert_eq!(reply.text, "error: sleep did not finish before the turn's deadline"),
+        Err(other) => panic!("{other:?}"),
+    }
+    let replies = tokio::time::timeout(Duration::from_secs(10), futures::future::join_all(asks))
+        .await
+        .expect("every ask ends");
+    for (index, reply) in replies.into_iter().enumerate() {
+        let reply = reply.unwrap().unwrap();
+        assert_eq!(reply.text, format!("adder{index}: slept {} ms", 400 + 100 * index));
+    }
+    system.shutdown().await;
+}
