@@ -71,7 +71,9 @@
 //!   `content: null`, as the protocol expects; tool-call arguments are sent as a JSON
 //!   string. An empty `tools` list is omitted (providers reject `tools: []`).
 //! - **Arguments.** `tool_calls[].function.arguments` is a JSON *string*; it is parsed
-//!   into a [`serde_json::Value`]. An empty string means no arguments and becomes `{}`.
+//!   into a [`serde_json::Value`]. An empty string (or null) means no arguments and
+//!   becomes `{}`. A JSON object sent in its place (some servers do) is taken as it is;
+//!   anything else is [`LlmError::Malformed`].
 //!   The arguments are not checked against the tool's schema here.
 //! - **Secrets.** The API key is sent only in the `Authorization` header and never
 //!   appears in `Debug` output or errors.
@@ -941,7 +943,21 @@ fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
     let cut = choice.finish_reason.as_deref() == Some(FINISH_REASON_LENGTH);
     let mut tool_calls = Vec::with_capacity(choice.message.tool_calls.len());
     for call in choice.message.tool_calls {
-        let arguments = decode_arguments(&call.id, &call.function.name, &call.function.arguments, cut)?;
+        let arguments = match call.function.arguments {
+            serde_json::Value::String(text) => decode_arguments(&call.id, &call.function.name, &text, cut)?,
+            serde_json::Value::Null => serde_json::Value::Object(serde_json::Map::new()),
+            object @ serde_json::Value::Object(_) => object,
+            other => {
+                return Err(LlmError::Malformed {
+                    cause: format!(
+                        "the arguments of tool call {:?} ({}) are neither a JSON string nor an object: {}",
+                        call.id,
+                        call.function.name,
+                        troupe_core::truncate_utf8(&other.to_string(), PROVIDER_ERROR_BODY_BYTES_MAX)
+                    ),
+                })
+            }
+        };
         tool_calls.push(ToolCall {
             id: call.id,
             name: call.function.name,
@@ -1185,8 +1201,9 @@ struct WireToolCallIn {
 #[derive(Deserialize)]
 struct WireFunctionCallIn {
     name: String,
+    /// A JSON string by the protocol; some servers send the JSON object itself.
     #[serde(default)]
-    arguments: String,
+    arguments: serde_json::Value,
 }
 
 /// `tool_calls: null` is what some providers send for "no calls".

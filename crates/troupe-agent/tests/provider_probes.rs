@@ -557,3 +557,45 @@ async fn provider_failures_say_what_to_check() {
     }
     agents.shutdown().await;
 }
+
+/// A provider that sends a tool call's arguments as a JSON object rather than a JSON
+/// string (some OpenAI-compatible servers do): the call is taken as the object says.
+/// Before, the whole answer failed the turn ("invalid type: map, expected a string").
+/// Arguments that are neither (a number) still fail it, naming the call.
+#[tokio::test]
+async fn tool_call_arguments_sent_as_an_object_are_taken() {
+    let server = FakeServer::start(|index| match index {
+        0 => respond(
+            200,
+            &completion(json!({"role": "assistant", "content": null,
+                "tool_calls": [{"id": "c1", "type": "function",
+                                "function": {"name": "lookup", "arguments": {"city": "Oslo"}}}]})),
+        ),
+        _ => text("done"),
+    })
+    .await;
+    let agents = system(&server.base_url, 0, false);
+
+    let reply = agents.ask("bob", "hello").await.unwrap();
+
+    assert_eq!(reply.text, "done");
+    let bodies = server.bodies.lock().unwrap().clone();
+    let messages = bodies[1]["messages"].as_array().unwrap();
+    let call = &messages[messages.len() - 2]["tool_calls"][0];
+    assert_eq!(call["function"]["arguments"], r#"{"city":"Oslo"}"#);
+    agents.shutdown().await;
+
+    let server = FakeServer::start(|_| {
+        respond(
+            200,
+            &completion(json!({"role": "assistant", "content": null,
+                "tool_calls": [{"id": "c9", "type": "function",
+                                "function": {"name": "lookup", "arguments": 42}}]})),
+        )
+    })
+    .await;
+    let agents = system(&server.base_url, 0, false);
+    let cause = failure_cause(agents.ask("bob", "hello").await);
+    assert!(cause.contains("\"c9\""), "{cause}");
+    agents.shutdown().await;
+}
