@@ -418,7 +418,7 @@ async fn a_cancelled_call_on_a_shared_server_leaves_the_other_calls_alone() {
             .rule(
                 ScriptRule::agent(agent)
                     .on_tool_result()
-                    .reply(&format!("{agent}: {{tool_result}}")),
+                    .reply(format!("{agent}: {{tool_result}}")),
             );
     }
     let mut names: Vec<&str> = adders.iter().map(String::as_str).collect();
