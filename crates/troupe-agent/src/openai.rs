@@ -40,7 +40,9 @@
 //! - **Streaming.** With [`OpenAiConfig::stream`] the request asks for `stream: true`
 //!   (and usage in the last chunk); the SSE `data:` chunks are assembled into one reply:
 //!   text deltas are concatenated, tool-call deltas are merged by `index` (id and name
-//!   from the first delta that has them, argument fragments concatenated). Every delta
+//!   from the first delta that has them, argument fragments concatenated); a delta
+//!   naming another id than its index's call starts a new call (servers that send
+//!   parallel calls whole, all at index 0). Calls keep the order they started in. Every delta
 //!   is also handed to the [`StreamObserver`] set by
 //!   [`OpenAiClient::with_stream_observer`], as it arrives. A stream that ends without
 //!   `data: [DONE]`, a chunk that is not JSON, an `error` chunk, or a tool-call index of
@@ -719,7 +721,10 @@ async fn read_capped(mut response: reqwest::Response, limit_bytes: usize) -> Res
 #[derive(Default)]
 struct StreamAssembly {
     content: String,
+    /// In the order they started.
     calls: Vec<PartialToolCall>,
+    /// The position in `calls` of the call each provider index last started.
+    position_of_index: Vec<Option<usize>>,
     usage: Option<TokenUsage>,
     done: bool,
     /// The provider stopped at its token limit (`finish_reason: "length"`).
@@ -782,22 +787,44 @@ impl StreamAssembly {
                         cause: format!("tool call index {} is not below {STREAM_TOOL_CALLS_MAX}", call.index),
                     });
                 }
-                if self.calls.len() <= call.index {
-                    self.calls.resize_with(call.index + 1, PartialToolCall::default);
+                if self.position_of_index.len() <= call.index {
+                    self.position_of_index.resize(call.index + 1, None);
                 }
+                // A delta continues the call its index started, unless it names another
+                // id: some servers send parallel calls whole, each at index 0 (or with no
+                // index). Merged, their arguments ran together ("trailing characters").
+                let continued = self.position_of_index[call.index].filter(|position| {
+                    let held = &self.calls[*position].id;
+                    call.id
+                        .as_deref()
+                        .is_none_or(|id| id.is_empty() || held.is_empty() || id == held)
+                });
+                let position = match continued {
+                    Some(position) => position,
+                    None => {
+                        if self.calls.len() >= STREAM_TOOL_CALLS_MAX {
+                            return Err(LlmError::Malformed {
+                                cause: format!("the answer holds more than {STREAM_TOOL_CALLS_MAX} tool calls"),
+                            });
+                        }
+                        self.calls.push(PartialToolCall::default());
+                        self.position_of_index[call.index] = Some(self.calls.len() - 1);
+                        self.calls.len() - 1
+                    }
+                };
                 let function = call.function.unwrap_or_default();
                 if let Some(observer) = observer {
                     observer.on_delta(
                         agent,
                         &StreamDelta::ToolCall {
-                            index: call.index,
+                            index: position,
                             id: call.id.as_deref(),
                             name: function.name.as_deref(),
                             arguments: function.arguments.as_deref().unwrap_or(""),
                         },
                     );
                 }
-                let partial = &mut self.calls[call.index];
+                let partial = &mut self.calls[position];
                 if let Some(id) = call.id.filter(|_| partial.id.is_empty()) {
                     partial.id = id;
                 }

@@ -599,3 +599,61 @@ async fn tool_call_arguments_sent_as_an_object_are_taken() {
     assert!(cause.contains("\"c9\""), "{cause}");
     agents.shutdown().await;
 }
+
+/// A streamed answer whose parallel tool calls all come at index 0 (or without an
+/// index), each whole and with its own id, as some OpenAI-compatible servers send
+/// them: each id is a call of its own. Before, they were merged into one call whose
+/// arguments were the two objects run together, and the turn failed ("trailing
+/// characters").
+#[tokio::test]
+async fn streamed_parallel_calls_at_one_index_stay_separate_calls() {
+    use troupe_agent::LlmClient;
+
+    let chunk = |call: Value| {
+        format!(
+            "data: {}\n\n",
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+        )
+    };
+    let server = FakeServer::start(move |_| {
+        Behaviour::Sse(vec![
+            chunk(json!({"index": 0, "id": "c1", "type": "function",
+                         "function": {"name": "lookup", "arguments": "{\"city\":"}})),
+            chunk(json!({"index": 0, "function": {"arguments": "\"Oslo\"}"}})),
+            chunk(json!({"id": "c2", "type": "function",
+                         "function": {"name": "lookup", "arguments": "{\"city\":\"Bergen\"}"}})),
+            "data: [DONE]\n\n".to_owned(),
+        ])
+    })
+    .await;
+    let mut config = OpenAiConfig::new("sk-probe");
+    config.base_url = server.base_url.clone();
+    config.stream = true;
+    config.retries_max = 0;
+    let clock = troupe_runtime::Clock::new();
+    let client = OpenAiClient::new(config, clock).unwrap();
+    let request = troupe_agent::LlmRequest {
+        max_tokens: None,
+        agent: troupe_core::ActorId::new("agent", "bob").unwrap(),
+        model: String::new(),
+        messages: vec![troupe_agent::ChatMessage::new(Role::User, "weather?")].into(),
+        tools: Vec::new().into(),
+        deadline: clock.deadline_in(Duration::from_secs(10)),
+    };
+
+    let reply = client.complete(request).await.unwrap();
+
+    let calls: Vec<(&str, &str, Value)> = reply
+        .message
+        .tool_calls
+        .iter()
+        .map(|call| (call.id.as_str(), call.name.as_str(), call.arguments.clone()))
+        .collect();
+    assert_eq!(
+        calls,
+        vec![
+            ("c1", "lookup", json!({"city": "Oslo"})),
+            ("c2", "lookup", json!({"city": "Bergen"}))
+        ]
+    );
+}
