@@ -28,7 +28,9 @@
 //!   resources) are named, not inlined; structured content is appended as JSON when
 //!   there is no text. The result is cut to [`MCP_TOOL_RESULT_BYTES_MAX`] bytes on a
 //!   UTF-8 boundary. A result with `isError: true`, or a protocol error, is
-//!   [`ToolError::Failed`] with that text.
+//!   [`ToolError::Failed`] with that text; a failure of the connection names the
+//!   server, and one whose connection is gone (a stdio server that exited) says that
+//!   its tools fail until it is connected again (nothing reconnects by itself).
 //! - **Lifetime.** The connection stays open while the [`McpServer`] or any tool made
 //!   from it is alive; a stdio child process is killed when the connection closes.
 //! - **Names.** Tools keep the server's names, or get `{prefix}{name}` with
@@ -284,6 +286,7 @@ impl McpServer {
                 })?;
                 let exposed = offered_name(prefix, &tool.name, index);
                 let handler = McpToolHandler {
+                    server: self.name.clone(),
                     exposed: exposed.clone(),
                     remote: tool.name.to_string(),
                     connection: self.connection.clone(),
@@ -325,9 +328,30 @@ fn offered_name(prefix: &str, name: &str, index: usize) -> String {
 
 /// Calls one remote tool.
 struct McpToolHandler {
+    /// The server's name, as given when connecting.
+    server: String,
     exposed: String,
     remote: String,
     connection: Arc<Connection>,
+}
+
+impl McpToolHandler {
+    /// What a failed call says: which server, and, when its connection is gone, that
+    /// every later call fails too until it is connected again (before: "the MCP call
+    /// failed: Transport closed").
+    fn describe_failure(&self, error: &rmcp::ServiceError) -> String {
+        let server = &self.server;
+        match error {
+            rmcp::ServiceError::TransportClosed => format!(
+                "the MCP server {server:?} is gone (its process exited or its connection closed): its tools fail \
+                 until it is connected again (McpServer::connect_stdio or connect_http)"
+            ),
+            rmcp::ServiceError::TransportSend(_) => {
+                format!("the MCP server {server:?} could not be reached: {error}")
+            }
+            _ => format!("the call to MCP server {server:?} failed: {error}"),
+        }
+    }
 }
 
 #[async_trait]
@@ -343,7 +367,7 @@ impl ToolHandler for McpToolHandler {
             .connection
             .call_tool(params)
             .await
-            .map_err(|error| ToolError::failed(&self.exposed, format!("the MCP call failed: {error}")))?;
+            .map_err(|error| ToolError::failed(&self.exposed, self.describe_failure(&error)))?;
         let mut parts: Vec<String> = result
             .content
             .iter()

@@ -200,6 +200,15 @@ async fn a_server_that_crashes_mid_call_is_a_tool_failure_at_once() {
             "attempt {attempt}: {}",
             reply.text
         );
+        // What failed and what to do: the server (by name) is gone, until connected
+        // again. Before: "crash failed: the MCP call failed: Transport closed".
+        for part in ["MCP server \"crash\" is gone", "connect"] {
+            assert!(
+                reply.text.contains(part),
+                "attempt {attempt}: {part:?} in {}",
+                reply.text
+            );
+        }
         assert!(
             elapsed < Duration::from_millis(SLACK_MS_MAX),
             "attempt {attempt} waited {elapsed:?}: {}",
@@ -383,6 +392,11 @@ async fn an_http_server_gone_after_connecting_is_a_tool_failure_at_once() {
     let elapsed = started.elapsed();
     let reply = reply.unwrap_or_else(|error| panic!("{error:?} after {elapsed:?}"));
     assert!(reply.text.starts_with("result: error: add failed: "), "{}", reply.text);
+    assert!(
+        reply.text.contains("\"gone-later\""),
+        "the server is named: {}",
+        reply.text
+    );
     assert!(
         elapsed < Duration::from_millis(SLACK_MS_MAX),
         "{elapsed:?}: {}",
