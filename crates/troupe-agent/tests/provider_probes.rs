@@ -657,3 +657,96 @@ async fn streamed_parallel_calls_at_one_index_stay_separate_calls() {
         ]
     );
 }
+
+/// A stream that only ever sends keep-alive comments: the ask ends with a typed
+/// timeout at its deadline, not when the provider would stop.
+#[tokio::test]
+async fn a_stream_of_keep_alives_only_ends_on_time() {
+    // A comment every 20 ms, 400 of them: 8 s, far past the 300 ms ask.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Some((_, mut stream)) = read_request(stream).await else {
+                    return;
+                };
+                let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n";
+                let _ = stream.write_all(head.as_bytes()).await;
+                for _ in 0..400 {
+                    if stream.write_all(b": keep-alive\n\n").await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            });
+        }
+    });
+    let agents = system(&format!("http://{address}/v1"), 3, true);
+    let timeout = Duration::from_millis(300);
+    let started = Instant::now();
+    let result = agents.ask_with_timeout("bob", "hello", timeout).await;
+    let elapsed = started.elapsed();
+    assert!(
+        matches!(result, Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))),
+        "{result:?}"
+    );
+    assert!(
+        elapsed <= timeout + Duration::from_millis(DEADLINE_SLACK_MS_MAX),
+        "{elapsed:?}"
+    );
+    assert_log_empty(&agents).await;
+    agents.shutdown().await;
+    task.abort();
+}
+
+/// Eight agents share one client (one connection pool, one jitter generator) on a
+/// multi-threaded runtime while the provider fails the first eight requests with 503:
+/// every agent answers, and each log holds its own question and the answer once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_sharing_one_client_through_failures_each_commit_once() {
+    let server = FakeServer::start(|index| if index < 8 { respond(503, "busy") } else { text("ok") }).await;
+    let mut config = OpenAiConfig::new("sk-probe");
+    config.base_url = server.base_url.clone();
+    config.retries_max = troupe_agent::OPENAI_RETRIES_MAX;
+    config.retry_backoff_initial = Duration::from_millis(10);
+    config.retry_backoff_max = Duration::from_millis(40);
+    let client = Arc::new(OpenAiClient::new(config, troupe_runtime::Clock::new()).unwrap());
+    let names: Vec<String> = (0..8).map(|index| format!("agent{index}")).collect();
+    let mut builder = AgentSystem::builder().llm(client);
+    for name in &names {
+        builder = builder.agent(AgentSpec::new(name));
+    }
+    let agents = builder.start().unwrap();
+
+    let asks: Vec<_> = names
+        .iter()
+        .map(|name| {
+            let client = agents.client();
+            let name = name.clone();
+            tokio::spawn(async move { client.ask(&name, &format!("hello {name}")).await })
+        })
+        .collect();
+    let replies = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), futures::future::join_all(asks))
+        .await
+        .expect("every ask ends");
+    for reply in replies {
+        assert_eq!(reply.unwrap().unwrap().text, "ok");
+    }
+    assert_eq!(server.requests(), 16, "8 failures, 8 answers");
+    for name in &names {
+        let log = agents.client().conversation_log(name).await.unwrap();
+        let said: Vec<(Role, String)> = log
+            .iter()
+            .map(|message| (message.role, message.content.clone()))
+            .collect();
+        assert_eq!(
+            said,
+            vec![
+                (Role::User, format!("hello {name}")),
+                (Role::Assistant, "ok".to_owned())
+            ]
+        );
+    }
+    agents.shutdown().await;
+}
