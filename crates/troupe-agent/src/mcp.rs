@@ -32,7 +32,11 @@
 //!   server, and one whose connection is gone (a stdio server that exited) says that
 //!   its tools fail until it is connected again (nothing reconnects by itself).
 //! - **Lifetime.** The connection stays open while the [`McpServer`] or any tool made
-//!   from it is alive; a stdio child process is killed when the connection closes.
+//!   from it is alive; a stdio child process is killed when the connection closes. On
+//!   Unix it leads a process group of its own, and the whole group is killed then
+//!   (SIGKILL; also when connecting fails): the processes it started go with it. (So it
+//!   does not get a terminal's Ctrl-C either; it reads end of input when this process
+//!   ends.)
 //! - **Names.** Tools keep the server's names, or get `{prefix}{name}` with
 //!   [`McpServer::tools_with_prefix`] when two servers (or a built-in tool) clash.
 //!   MCP allows names that model providers refuse (OpenAI-compatible ones accept
@@ -129,6 +133,63 @@ pub enum McpError {
 
 type Connection = RunningService<RoleClient, ()>;
 
+/// A connection, and the process group of its stdio server (killed when the last
+/// holder drops it).
+struct Connected {
+    service: Connection,
+    _group: ProcessGroup,
+}
+
+/// The process group a stdio server leads (`process_group(0)`: its id is the server's
+/// pid), sent SIGKILL when dropped: the server and every process it started that did
+/// not leave the group. rmcp stops only the server (at once, or after closing its input
+/// and a grace), so a helper that does not read its input (a browser, a language
+/// server) outlived it as an orphan. The group's id cannot be taken by another process
+/// while any member lives; once the group is empty the signal finds no one.
+struct ProcessGroup {
+    #[cfg(unix)]
+    id: Option<libc::pid_t>,
+}
+
+impl ProcessGroup {
+    fn none() -> Self {
+        Self {
+            #[cfg(unix)]
+            id: None,
+        }
+    }
+
+    /// The group led by the process `pid` (none without a pid).
+    fn of(pid: Option<u32>) -> Self {
+        #[cfg(unix)]
+        {
+            Self {
+                id: pid
+                    .and_then(|pid| libc::pid_t::try_from(pid).ok())
+                    .filter(|pid| *pid > 1),
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = pid;
+            Self {}
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        #[cfg(unix)]
+        if let Some(id) = self.id {
+            // SAFETY: `killpg` only sends a signal; it reads and writes no memory of
+            // this process. An error (the group is empty: ESRCH) needs no handling.
+            unsafe {
+                libc::killpg(id, libc::SIGKILL);
+            }
+        }
+    }
+}
+
 /// A connected MCP server and the tools it listed.
 ///
 /// # Examples
@@ -143,7 +204,7 @@ type Connection = RunningService<RoleClient, ()>;
 #[derive(Clone)]
 pub struct McpServer {
     name: String,
-    connection: Arc<Connection>,
+    connection: Arc<Connected>,
     tools: Vec<rmcp::model::Tool>,
 }
 
@@ -178,11 +239,17 @@ impl McpServer {
         let name = name.into();
         let mut command = tokio::process::Command::new(program);
         command.args(args);
+        // Its own process group, killed whole when the connection closes: a helper the
+        // server started (a browser, a language server) is not left running as an
+        // orphan, as it was when only the server was stopped.
+        #[cfg(unix)]
+        command.process_group(0);
         let transport = TokioChildProcess::new(command).map_err(|error| McpError::Spawn {
             server: name.clone(),
             cause: error.to_string(),
         })?;
-        Self::connect_with(name, timeout, async move { ().serve(transport).await }).await
+        let group = ProcessGroup::of(transport.id());
+        Self::connect_with(name, timeout, group, async move { ().serve(transport).await }).await
     }
 
     /// Connects to a streamable-HTTP MCP endpoint at `url` (for example
@@ -195,10 +262,20 @@ impl McpServer {
     pub async fn connect_http(name: impl Into<String>, url: &str, timeout: Duration) -> Result<Self, McpError> {
         crate::openai::ensure_tls_provider();
         let transport = StreamableHttpClientTransport::from_uri(url.to_owned());
-        Self::connect_with(name.into(), timeout, async move { ().serve(transport).await }).await
+        Self::connect_with(name.into(), timeout, ProcessGroup::none(), async move {
+            ().serve(transport).await
+        })
+        .await
     }
 
-    async fn connect_with<F, E>(name: String, timeout: Duration, connect: F) -> Result<Self, McpError>
+    /// Connects with `connect` within `timeout`; `group` is the stdio server's process
+    /// group, killed if this fails, or else when the connection is dropped.
+    async fn connect_with<F, E>(
+        name: String,
+        timeout: Duration,
+        group: ProcessGroup,
+        connect: F,
+    ) -> Result<Self, McpError>
     where
         F: std::future::Future<Output = Result<Connection, E>>,
         E: std::fmt::Display,
@@ -245,7 +322,10 @@ impl McpServer {
                 })??;
         Ok(Self {
             name,
-            connection: Arc::new(connection),
+            connection: Arc::new(Connected {
+                service: connection,
+                _group: group,
+            }),
             tools,
         })
     }
@@ -332,7 +412,7 @@ struct McpToolHandler {
     server: String,
     exposed: String,
     remote: String,
-    connection: Arc<Connection>,
+    connection: Arc<Connected>,
 }
 
 impl McpToolHandler {
@@ -365,6 +445,7 @@ impl ToolHandler for McpToolHandler {
         // cancels the request on the server.
         let result = self
             .connection
+            .service
             .call_tool(params)
             .await
             .map_err(|error| ToolError::failed(&self.exposed, self.describe_failure(&error)))?;

@@ -479,3 +479,53 @@ async fn a_cancelled_call_on_a_shared_server_leaves_the_other_calls_alone() {
     }
     system.shutdown().await;
 }
+
+/// The pids of every process (not only this one's children: an orphan is adopted by
+/// init) whose command line holds `marker` and that is not a zombie.
+fn processes_with(marker: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc is readable").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else { continue };
+        if stat[close + 1..].split_whitespace().next() == Some("Z") {
+            continue;
+        }
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(marker) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// A server that started a helper process of its own (a browser, a language server)
+/// which does not read stdin: once the server is dropped, the helper is gone too, not
+/// left running as an orphan. The server is killed at once when dropped (rmcp), so it
+/// cannot stop its helpers itself.
+#[tokio::test]
+async fn a_servers_own_helper_processes_end_with_it() {
+    let marker = "sleep 41.25";
+    let script = format!("{marker} & exec {ECHO_SERVER}");
+    let server = McpServer::connect_stdio("parent", "sh", ["-c", &script], CONNECT_TIMEOUT)
+        .await
+        .expect("the server starts");
+    assert_eq!(processes_with(marker).len(), 1, "the helper runs");
+    drop(server);
+    let deadline = Instant::now() + Duration::from_millis(EXIT_WAIT_MS);
+    loop {
+        let left = processes_with(marker);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{EXIT_WAIT_MS} ms after the server was dropped, its helper is still running: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
