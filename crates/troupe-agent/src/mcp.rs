@@ -33,8 +33,9 @@
 //!   its tools fail until it is connected again (nothing reconnects by itself).
 //! - **Lifetime.** The connection stays open while the [`McpServer`] or any tool made
 //!   from it is alive; a stdio child process is killed when the connection closes. On
-//!   Unix it leads a process group of its own, and the whole group is killed then
-//!   (SIGKILL; also when connecting fails): the processes it started go with it. (So it
+//!   Unix it leads a process group of its own, and the whole group is killed
+//!   [`MCP_CLOSE_GRACE_MS`] later (SIGKILL; also when connecting fails), once the
+//!   server had its grace to stop on its own: the processes it started go with it. (So it
 //!   does not get a terminal's Ctrl-C either; it reads end of input when this process
 //!   ends.)
 //! - **Names.** Tools keep the server's names, or get `{prefix}{name}` with
@@ -66,6 +67,11 @@ use crate::{ArgumentSchema, Tool, ToolError, ToolExecutionContext, ToolHandler};
 /// How long connecting (start, `initialize`, `tools/list`) may take by default, in
 /// milliseconds.
 pub const MCP_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
+
+/// How long a stdio server's process group may outlive its connection before it is
+/// killed, in milliseconds: the grace rmcp gives the server to stop on its own once its
+/// input is closed (its `MAX_WAIT_ON_DROP_SECS`).
+pub const MCP_CLOSE_GRACE_MS: u64 = 3_000;
 
 /// The most tools one server may offer.
 pub const MCP_TOOLS_MAX: usize = 256;
@@ -180,12 +186,35 @@ impl ProcessGroup {
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         #[cfg(unix)]
-        if let Some(id) = self.id {
-            // SAFETY: `killpg` only sends a signal; it reads and writes no memory of
-            // this process. An error (the group is empty: ESRCH) needs no handling.
-            unsafe {
-                libc::killpg(id, libc::SIGKILL);
+        if let Some(id) = self.id.take() {
+            let kill = KillGroup(id);
+            // After the grace rmcp gives the server to stop on its own (its input
+            // closed), as MCP's stdio shutdown asks. The kill is the task's to drop:
+            // a runtime that shuts down first, or has, drops the task and kills at once.
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(MCP_CLOSE_GRACE_MS)).await;
+                        drop(kill);
+                    });
+                }
+                Err(_) => drop(kill),
             }
+        }
+    }
+}
+
+/// Sends SIGKILL to process group `.0` when dropped.
+#[cfg(unix)]
+struct KillGroup(libc::pid_t);
+
+#[cfg(unix)]
+impl Drop for KillGroup {
+    fn drop(&mut self) {
+        // SAFETY: `killpg` only sends a signal; it reads and writes no memory of this
+        // process. An error (the group is empty: ESRCH) needs no handling.
+        unsafe {
+            libc::killpg(self.0, libc::SIGKILL);
         }
     }
 }

@@ -505,8 +505,8 @@ fn processes_with(marker: &str) -> Vec<u32> {
 
 /// A server that started a helper process of its own (a browser, a language server)
 /// which does not read stdin: once the server is dropped, the helper is gone too, not
-/// left running as an orphan. The server is killed at once when dropped (rmcp), so it
-/// cannot stop its helpers itself.
+/// left running as an orphan (it goes when the server's process group is killed, after
+/// `MCP_CLOSE_GRACE_MS`).
 #[tokio::test]
 async fn a_servers_own_helper_processes_end_with_it() {
     let marker = "sleep 41.25";
@@ -516,7 +516,9 @@ async fn a_servers_own_helper_processes_end_with_it() {
         .expect("the server starts");
     assert_eq!(processes_with(marker).len(), 1, "the helper runs");
     drop(server);
-    let deadline = Instant::now() + Duration::from_millis(EXIT_WAIT_MS);
+    let dropped = Instant::now();
+    let wait_ms = troupe_agent::MCP_CLOSE_GRACE_MS + EXIT_WAIT_MS;
+    let deadline = dropped + Duration::from_millis(wait_ms);
     loop {
         let left = processes_with(marker);
         if left.is_empty() {
@@ -524,8 +526,42 @@ async fn a_servers_own_helper_processes_end_with_it() {
         }
         assert!(
             Instant::now() < deadline,
-            "{EXIT_WAIT_MS} ms after the server was dropped, its helper is still running: {left:?}"
+            "{wait_ms} ms after the server was dropped, its helper is still running: {left:?}"
         );
         tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
+
+/// The same when the runtime ends before the grace is over (an embedder's `main`
+/// returning): the helper is killed as the runtime ends, not left behind.
+#[test]
+fn a_servers_helpers_end_with_the_runtime_that_ran_it() {
+    let marker = "sleep 43.75";
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let script = format!("{marker} & exec {ECHO_SERVER}");
+        let server = McpServer::connect_stdio("parent", "sh", ["-c", &script], CONNECT_TIMEOUT)
+            .await
+            .expect("the server starts");
+        assert_eq!(processes_with(marker).len(), 1, "the helper runs");
+        drop(server);
+    });
+    let ended = Instant::now();
+    drop(runtime);
+    loop {
+        let left = processes_with(marker);
+        if left.is_empty() {
+            break;
+        }
+        // Well before the grace: the kill came with the runtime's end.
+        assert!(
+            ended.elapsed() < Duration::from_millis(SLACK_MS_MAX),
+            "{:?} after the runtime ended, the helper is still running: {left:?}",
+            ended.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(POLL_MS));
     }
 }
