@@ -565,3 +565,26 @@ fn a_servers_helpers_end_with_the_runtime_that_ran_it() {
         std::thread::sleep(Duration::from_millis(POLL_MS));
     }
 }
+
+/// An HTTP endpoint that is not an MCP server (404 at the path given): a typed
+/// `Connect` error naming the server and the status, at once, not a `Timeout`.
+#[tokio::test]
+async fn an_http_url_that_is_not_an_mcp_server_is_a_connect_error_at_once() {
+    let router = axum::Router::new().route("/", axum::routing::get(|| async { "hello" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let started = Instant::now();
+    let error = McpServer::connect_http("wrong-path", &format!("http://{address}/mcp"), CONNECT_TIMEOUT)
+        .await
+        .unwrap_err();
+    let elapsed = started.elapsed();
+    task.abort();
+    assert!(
+        matches!(&error, McpError::Connect { server, cause } if server == "wrong-path" && cause.contains("404")),
+        "{error:?} after {elapsed:?}"
+    );
+    assert!(elapsed < Duration::from_millis(SLACK_MS_MAX), "{elapsed:?}");
+}
