@@ -127,6 +127,32 @@ fn parse_reply(reply: &[u8]) -> (String, u64) {
     (node.to_string(), count.parse().expect("a count"))
 }
 
+/// An etcd of its own and a shared SQLite file in a directory of its own, for nodes that
+/// count their activations together ([`two_nodes`]).
+struct Pair {
+    etcd: TestEtcd,
+    _directory: tempfile::TempDir,
+    path: std::path::PathBuf,
+    activations: Arc<AtomicU64>,
+}
+
+/// A [`Pair`] and nodes `node-a` and `node-b` on it.
+async fn two_nodes(name: &str) -> (Pair, ClusterNode, ClusterNode) {
+    let etcd = TestEtcd::start(name).await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let path = directory.path().join("state.db");
+    let activations = Arc::new(AtomicU64::new(0));
+    let a = start_node(&etcd, "node-a", &path, &activations).await;
+    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let pair = Pair {
+        etcd,
+        _directory: directory,
+        path,
+        activations,
+    };
+    (pair, a, b)
+}
+
 async fn start_node(etcd: &TestEtcd, name: &str, path: &std::path::Path, activations: &Arc<AtomicU64>) -> ClusterNode {
     let store = SqliteStore::open(path).expect("open the shared SQLite file");
     bounded(
@@ -180,12 +206,7 @@ async fn call_until_served(node: &ClusterNode, actor: &ActorId, bound: Duration)
 /// activation in all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_of_first_calls_from_two_nodes_activates_the_actor_once() {
-    let etcd = TestEtcd::start("probe-burst").await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
-    let activations = Arc::new(AtomicU64::new(0));
-    let a = start_node(&etcd, "node-a", &path, &activations).await;
-    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (pair, a, b) = two_nodes("probe-burst").await;
     let target = probe("fresh");
 
     let mut calls = tokio::task::JoinSet::new();
@@ -215,9 +236,9 @@ async fn a_burst_of_first_calls_from_two_nodes_activates_the_actor_once() {
     assert_eq!(counts, (1..=calls).collect(), "every call counted once");
     assert_eq!(servers.len(), 1, "one node served every call: {servers:?}");
     assert_eq!(
-        activations.load(Ordering::SeqCst),
+        pair.activations.load(Ordering::SeqCst),
         1,
-        "activations of one actor, both nodes together"
+        "pair.activations of one actor, both nodes together"
     );
     bounded("a leaves", a.leave()).await.expect("a leaves");
     bounded("b leaves", b.leave()).await.expect("b leaves");
@@ -232,12 +253,7 @@ async fn a_burst_of_first_calls_from_two_nodes_activates_the_actor_once() {
 /// count. A's kept client still gets answers or typed errors, promptly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dropped_node_hands_its_actors_over_while_its_client_is_still_held() {
-    let etcd = TestEtcd::start("probe-drop-held").await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
-    let activations = Arc::new(AtomicU64::new(0));
-    let a = start_node(&etcd, "node-a", &path, &activations).await;
-    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (_pair, a, b) = two_nodes("probe-drop-held").await;
     let target = probe("held");
     assert_eq!(
         call(&a, &target, b"inc").await.expect("A serves"),
@@ -284,12 +300,7 @@ async fn a_dropped_node_hands_its_actors_over_while_its_client_is_still_held() {
 /// B calls A's actor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_second_node_under_a_live_nodes_name_is_refused_at_start() {
-    let etcd = TestEtcd::start("probe-same-name").await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
-    let activations = Arc::new(AtomicU64::new(0));
-    let a = start_node(&etcd, "node-a", &path, &activations).await;
-    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (pair, a, b) = two_nodes("probe-same-name").await;
     let target = probe("of-a");
     assert_eq!(
         call(&a, &target, b"inc").await.expect("A serves"),
@@ -300,10 +311,10 @@ async fn a_second_node_under_a_live_nodes_name_is_refused_at_start() {
     let second = bounded(
         "starting a second node-a",
         ClusterNode::start(
-            etcd.config("node-a", ""),
+            pair.etcd.config("node-a", ""),
             loopback(),
-            probe_runtime("node-a-twin", Arc::clone(&activations)),
-            SqliteStore::open(&path).expect("open the shared SQLite file"),
+            probe_runtime("node-a-twin", Arc::clone(&pair.activations)),
+            SqliteStore::open(&pair.path).expect("open the shared SQLite file"),
         ),
     )
     .await;
@@ -340,12 +351,7 @@ async fn a_second_node_under_a_live_nodes_name_is_refused_at_start() {
 /// ended its activations, x is called through A.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_that_lost_its_lease_routes_calls_for_its_former_actors_to_the_new_owner() {
-    let etcd = TestEtcd::start("probe-lost-client").await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
-    let activations = Arc::new(AtomicU64::new(0));
-    let a = start_node(&etcd, "node-a", &path, &activations).await;
-    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (pair, a, b) = two_nodes("probe-lost-client").await;
     let (x, y) = (probe("x"), probe("y"));
     assert_eq!(
         call(&a, &x, b"inc").await.expect("A serves x"),
@@ -364,7 +370,7 @@ async fn a_node_that_lost_its_lease_routes_calls_for_its_former_actors_to_the_ne
         })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut admin = etcd_client::Client::connect([etcd.endpoint()], None)
+    let mut admin = etcd_client::Client::connect([pair.etcd.endpoint()], None)
         .await
         .expect("an admin client");
     bounded("the revoke", admin.lease_revoke(a.placement().lease()))
@@ -380,7 +386,7 @@ async fn a_node_that_lost_its_lease_routes_calls_for_its_former_actors_to_the_ne
     .await;
     assert!(
         tokio::time::timeout(Duration::ZERO, a.fenced_off()).await.is_err(),
-        "A ended its activations already: the test missed the window it probes"
+        "A ended its pair.activations already: the test missed the window it probes"
     );
     let through_a = call(&a, &x, b"inc").await;
     assert_eq!(
@@ -409,12 +415,7 @@ async fn a_node_leaving_under_traffic_hands_over_everything_it_committed() {
     const CALLERS: usize = 4;
     /// Deadline of each call of the traffic, in milliseconds.
     const TRAFFIC_CALL_TIMEOUT_MS: u64 = 2_000;
-    let etcd = TestEtcd::start("probe-leave-traffic").await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
-    let activations = Arc::new(AtomicU64::new(0));
-    let a = start_node(&etcd, "node-a", &path, &activations).await;
-    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (_pair, a, b) = two_nodes("probe-leave-traffic").await;
     let actors: Vec<ActorId> = (0..ACTORS).map(|index| probe(&format!("l{index}"))).collect();
     for actor in &actors {
         assert_eq!(
@@ -524,12 +525,7 @@ async fn a_call_to_another_node_with_100_ms_left_times_out_on_time() {
     const SHORT_DEADLINE_MS: u64 = 100;
     /// How late after its deadline the call may end, in milliseconds.
     const LATE_MAX_MS: u64 = 400;
-    let etcd = TestEtcd::start("probe-deadline").await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
-    let activations = Arc::new(AtomicU64::new(0));
-    let a = start_node(&etcd, "node-a", &path, &activations).await;
-    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (_pair, a, b) = two_nodes("probe-deadline").await;
     let target = probe("far");
     assert_eq!(
         call(&b, &target, b"inc").await.expect("B serves"),
@@ -693,12 +689,7 @@ async fn a_fresh_etcd_behind_the_stores_fences_fails_loudly() {
 async fn an_oversized_request_or_reply_between_nodes_fails_typed_and_spares_the_connection() {
     /// A size over the transport's frame limit, in bytes.
     const OVERSIZED_BYTES: usize = 17 * 1024 * 1024;
-    let etcd = TestEtcd::start("probe-oversized").await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let path = directory.path().join("state.db");
-    let activations = Arc::new(AtomicU64::new(0));
-    let a = start_node(&etcd, "node-a", &path, &activations).await;
-    let b = start_node(&etcd, "node-b", &path, &activations).await;
+    let (_pair, a, b) = two_nodes("probe-oversized").await;
     let (x, y) = (probe("x"), probe("y"));
     assert_eq!(
         call(&b, &x, b"inc").await.expect("B serves x"),
