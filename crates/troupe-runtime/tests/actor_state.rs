@@ -382,6 +382,30 @@ async fn two_runtimes_on_one_sqlite_file_lose_no_acknowledged_increment_on_worke
     alternating_increments_on_two_runtimes_lose_nothing(directory).await;
 }
 
+/// Where the two racing runtimes wait for each other: a count and a `Notify`, not a
+/// `tokio::sync::Barrier`, whose wake order follows tokio's own random generator under
+/// the simulator (see `clippy.toml`).
+#[derive(Default)]
+struct BothStarted {
+    arrived: std::sync::atomic::AtomicUsize,
+    all_in: tokio::sync::Notify,
+}
+
+impl BothStarted {
+    async fn arrive_and_wait(&self) {
+        // Registered before this arrival counts, so the other side's wake-up cannot fall
+        // between the count and the wait.
+        let all_in = self.all_in.notified();
+        tokio::pin!(all_in);
+        all_in.as_mut().enable();
+        if self.arrived.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == 2 {
+            self.all_in.notify_waiters();
+        } else {
+            all_in.await;
+        }
+    }
+}
+
 /// Goal: the fence holds when the two runtimes race, not only when they alternate.
 /// Method: on worker threads, both runtimes activate the counter, wait for each other,
 /// then send their increments concurrently, each restarting itself after a refusal (so
@@ -393,16 +417,13 @@ async fn racing_runtimes_on_one_sqlite_file_lose_no_acknowledged_increment() {
     let directory = TestDirectory::new("racing_runtimes_on_one_sqlite_file_lose_no_acknowledged_increment");
     let file = directory.file();
     let id = counter("c");
-    let both_started = Arc::new(tokio::sync::Barrier::new(2));
-    let race = |file: PathBuf, id: ActorId, both_started: Arc<tokio::sync::Barrier>| async move {
+    let both_started = Arc::new(BothStarted::default());
+    let race = |file: PathBuf, id: ActorId, both_started: Arc<BothStarted>| async move {
         let activations = Activations::default();
         let open = || -> Arc<dyn StateStore> { Arc::new(SqliteStore::open(&file).expect("open the file")) };
         let mut runtime = start(open(), KindConfig::default(), &activations);
         send(&runtime, &id, "get").await.expect("activate the counter");
-        // Two parties, so one waiter at most: no wake order to vary under the simulator
-        // (see clippy.toml on `Barrier::wait`).
-        #[allow(clippy::disallowed_methods)]
-        both_started.wait().await;
+        both_started.arrive_and_wait().await;
         let (mut acknowledged, mut refused) = (0_u64, 0_u64);
         for _ in 0..INCREMENTS_PER_RUNTIME {
             tokio::task::yield_now().await;
