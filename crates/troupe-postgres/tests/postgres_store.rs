@@ -322,8 +322,8 @@ async fn racing_runtimes_on_one_database_lose_no_acknowledged_increment() {
                 Err(other) => panic!("activating the counter failed with {other:?}"),
             }
         }
-        // Two parties, so one waiter at most: no wake order to vary (see clippy.toml on
-        // `Barrier::wait`), and this file runs in the normal build only.
+        // The normal build only (this file), where a replay is not promised (see
+        // clippy.toml on `Barrier::wait`).
         #[allow(clippy::disallowed_methods)]
         both_started.wait().await;
         let (mut acknowledged, mut refused) = (0_u64, 0_u64);
