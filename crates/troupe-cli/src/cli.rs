@@ -46,11 +46,12 @@ pub enum Command {
     ///
     /// Serves the demo's five agents, or the organisation a --config file declares, on
     /// the scripted model, or on a real one if OPENAI_API_KEY is set (as `troupe demo`).
-    /// Prints `listening on http://ADDR` once it accepts connections. On SIGTERM or
-    /// ctrl-c it stops accepting, lets requests in flight finish (up to 10 s), then
-    /// shuts the agents down. A second SIGTERM or ctrl-c during that grace stops it at
-    /// once (exit code 1): requests in flight are cut, turns still running half a second
-    /// later are cut as by a crash; what was acknowledged is kept.
+    /// Prints `listening on http://ADDR` once it accepts connections. On SIGTERM, ctrl-c
+    /// (SIGINT) or SIGHUP (its terminal closed) it stops accepting, lets requests in
+    /// flight finish (up to 10 s), then shuts the agents down and exits 0. A second
+    /// signal during that grace stops it at once (exit code 1): requests in flight are
+    /// cut, turns still running half a second later are cut as by a crash; what was
+    /// acknowledged is kept. A signal while it starts stops it once started.
     Serve(ServeArgs),
     /// Run one node of a Troupe cluster: actors' state in PostgreSQL (fenced), their
     /// placement and the node's membership in etcd, calls between nodes over TCP. See
@@ -62,7 +63,11 @@ pub enum Command {
     /// order, a page at a time (?after=SEQ reads on from the reply's next_after). Any node answers for any conversation: the call is routed to the node that
     /// owns it, and when that node dies another takes it over once its lease (--lease-ttl-ms)
     /// has ended. Prints `node NAME transport ADDR` and `listening on http://ADDR` once
-    /// it serves. On SIGTERM or ctrl-c it stops serving, saves and leaves the cluster.
+    /// it serves. On SIGTERM, ctrl-c (SIGINT) or SIGHUP (its terminal closed) it stops
+    /// serving, lets the requests in flight finish, saves and leaves the cluster (exit
+    /// code 0). A second signal during that stops it at once (exit code 1): requests in
+    /// flight are cut, turns still running half a second later are cut as by a crash,
+    /// and its lease ends by itself; what was acknowledged is kept.
     ///
     /// With --config FILE (the organisation file of `troupe serve --config`), the node
     /// also serves those agents with `troupe serve`'s HTTP API (/v1/agents/...), each
@@ -139,8 +144,8 @@ pub const NODE_LEASE_TTL_MS_DEFAULT: u64 = 5_000;
 /// The default address of `troupe serve`.
 pub const SERVE_BIND_DEFAULT: &str = "127.0.0.1:8080";
 
-/// How long `troupe serve` waits for its agents to stop after a second SIGTERM or ctrl-c
-/// (during the grace the first one started), in milliseconds: turns still running then
+/// How long `troupe serve` and `troupe node` wait for their agents to stop after a
+/// second SIGTERM, ctrl-c or SIGHUP (during the grace the first one started), in milliseconds: turns still running then
 /// are cut as by a crash (a turn commits whole or not at all).
 pub const SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS: u64 = 500;
 

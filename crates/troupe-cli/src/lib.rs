@@ -66,6 +66,8 @@ mod cli;
 #[cfg(not(madsim))]
 pub mod node;
 mod org_demo;
+#[cfg(not(madsim))]
+pub mod signals;
 
 pub use cli::{
     Cli, Command, DemoArgs, LogFormat, NodeArgs, ServeArgs, NODE_CLUSTER_DEFAULT, NODE_LEASE_TTL_MS_DEFAULT,

@@ -10,7 +10,7 @@ use clap::Parser;
 use troupe_agent::LlmClient;
 use troupe_cli::{demo_script, run_demo, run_org_demo, Cli, Command, DemoArgs, DEMO_HANDOFF, DEMO_QUESTION};
 #[cfg(not(madsim))]
-use troupe_cli::{serve_organisation, ServeArgs};
+use troupe_cli::{serve_organisation, signals::StopSignal, ServeArgs};
 use troupe_runtime::{SqliteStore, StateStore};
 
 /// A real model client and a description of it.
@@ -154,10 +154,11 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     Ok(report.answer.is_ok())
 }
 
-/// `troupe serve`: the organisation of [`serve_organisation`] over HTTP until SIGTERM
-/// or ctrl-c.
+/// `troupe serve`: the organisation of [`serve_organisation`] over HTTP until SIGTERM,
+/// SIGINT (ctrl-c) or SIGHUP: `first`, which lets the requests in flight finish; `second`
+/// (the next signal) stops at once.
 #[cfg(not(madsim))]
-async fn serve(args: ServeArgs) -> Result<(), String> {
+async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> Result<(), String> {
     use std::io::Write as _;
     use troupe_agent::AgentSystem;
     use troupe_server::ServerConfig;
@@ -223,10 +224,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     );
     troupe_cli::outln!("listening on http://{local}");
     let _ = std::io::stdout().flush();
-    // The first SIGTERM or ctrl-c stops accepting and lets requests in flight finish (up
-    // to the grace); a second one during it stops at once. Until 2026-12-06 a second
-    // signal was ignored, and the process waited for the requests in flight anyway.
-    let (first, second) = stop_signals();
+    // The first SIGTERM, ctrl-c or SIGHUP stops accepting and lets requests in flight
+    // finish (up to the grace); a second one during it stops at once. Until 2026-12-06 a
+    // second signal was ignored, and the process waited for the requests in flight
+    // anyway. One that came while it started (the signals are watched from `main`'s
+    // command starts) stops it as soon as it serves, removing its temporary state.
     let served = tokio::select! {
         biased;
         served = troupe_server::serve(listener, system.client(), config, first) => Some(served),
@@ -327,66 +329,6 @@ type OtelGuard = Option<troupe_server::otel::OtelGuard>;
 #[cfg(all(not(madsim), not(feature = "otel")))]
 type OtelGuard = Option<std::convert::Infallible>;
 
-/// A future that completes on a stop signal (or never, if the signal is not watched).
-#[cfg(not(madsim))]
-type StopSignal = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-
-/// Two futures: the first completes on the first SIGTERM or ctrl-c (SIGINT), the second
-/// on the next one after it. The signals are watched from this call on. If they cannot
-/// be watched, the first is [`shutdown_signal`] and the second never completes.
-#[cfg(not(madsim))]
-fn stop_signals() -> (StopSignal, StopSignal) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (mut terminate, mut interrupt) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(terminate), Ok(interrupt)) => (terminate, interrupt),
-        (Err(error), _) | (_, Err(error)) => {
-            troupe_cli::errln!(
-                "troupe serve: cannot watch SIGTERM and SIGINT ({error}); only the first signal stops the server"
-            );
-            return (Box::pin(shutdown_signal()), Box::pin(std::future::pending()));
-        }
-    };
-    let (first_sent, first) = tokio::sync::oneshot::channel::<()>();
-    let (second_sent, second) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        for sent in [first_sent, second_sent] {
-            tokio::select! {
-                biased;
-                _ = terminate.recv() => {}
-                _ = interrupt.recv() => {}
-            }
-            let _ = sent.send(());
-        }
-    });
-    // A sender dropped without sending (the watching task gone) is no signal.
-    let wait = |received: tokio::sync::oneshot::Receiver<()>| -> StopSignal {
-        Box::pin(async move {
-            if received.await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        })
-    };
-    (wait(first), wait(second))
-}
-
-/// Completes on SIGTERM or ctrl-c (SIGINT).
-#[cfg(not(madsim))]
-async fn shutdown_signal() {
-    let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(terminate) => terminate,
-        Err(error) => {
-            troupe_cli::errln!("troupe: cannot watch SIGTERM ({error}); ctrl-c still stops it");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        biased;
-        _ = terminate.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
-}
-
 /// `troupe demo --config FILE`: the organisation of FILE on the scripted model.
 async fn org_demo(
     store: Arc<dyn StateStore>,
@@ -427,14 +369,16 @@ async fn org_demo(
 /// a command ctrl-c stopped.
 const DEMO_INTERRUPTED_EXIT_CODE: u8 = 130;
 
-/// `work`'s output, or `None` if SIGTERM or ctrl-c came first: `work` is then dropped,
-/// and with it what it holds (the demo's temporary directory). Until 2026-12-06 the demo
-/// died by the signal and left its `troupe-demo-*` directory behind.
+/// `work`'s output, or `None` if SIGTERM, ctrl-c or SIGHUP came first: `work` is then
+/// dropped, and with it what it holds (the demo's temporary directory). Until 2026-12-06
+/// the demo died by the signal and left its `troupe-demo-*` directory behind.
 #[cfg(not(madsim))]
 async fn interruptible<T>(work: impl std::future::Future<Output = T>) -> Option<T> {
+    // Watched before `work` first runs: before it creates anything.
+    let (stop, _) = troupe_cli::signals::stop_signals("troupe demo");
     tokio::select! {
         biased;
-        () = shutdown_signal() => None,
+        () = stop => None,
         output = work => Some(output),
     }
 }
@@ -464,15 +408,22 @@ async fn main() -> ExitCode {
             }
         },
         #[cfg(not(madsim))]
-        Command::Serve(serve_args) => match serve(serve_args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(message) => {
-                troupe_cli::errln!("troupe: {message}");
-                ExitCode::FAILURE
+        Command::Serve(serve_args) => {
+            // Watched before anything is created: a signal while the server starts no
+            // longer kills it with its temporary state left behind.
+            let (first, second) = troupe_cli::signals::stop_signals("troupe serve");
+            match serve(serve_args, first, second).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(message) => {
+                    troupe_cli::errln!("troupe: {message}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
         #[cfg(not(madsim))]
         Command::Node(node_args) => {
+            // As `troupe serve`: watched first; a second signal stops at once.
+            let (first, second) = troupe_cli::signals::stop_signals("troupe node");
             // Kept alive until the node stops (it flushes an OTLP export, if any, on drop).
             let _logging = match init_logging(troupe_cli::LogFormat::Text, None) {
                 Ok(guard) => guard,
@@ -494,7 +445,7 @@ async fn main() -> ExitCode {
             } else {
                 None
             };
-            match troupe_cli::node::run_node(&node_args, model, shutdown_signal()).await {
+            match troupe_cli::node::run_node(&node_args, model, first, second).await {
                 Ok(()) => {
                     troupe_cli::outln!("troupe node: stopped");
                     ExitCode::SUCCESS

@@ -964,13 +964,22 @@ pub enum NodeError {
         /// What failed.
         cause: std::io::Error,
     },
+    /// A second stop signal came while the node stopped gracefully: it stopped at once.
+    #[error(
+        "stopped by a second signal: the requests in flight were cut (a turn commits whole or not at all); \
+         what was acknowledged before is kept"
+    )]
+    SecondSignal,
     /// The node's etcd lease ended: it owns nothing any more.
     #[error("the node's etcd lease was lost ({0:?}): it owns nothing now; start the node again")]
     LeaseLost(troupe_etcd::LeaseLostReason),
 }
 
-/// Runs a node from `args` until `shutdown` completes (then it leaves the cluster) or
-/// its lease is lost (an error). Prints `node NAME transport ADDR` and, with --http,
+/// Runs a node from `args` until `shutdown` completes (then it lets the HTTP requests in
+/// flight finish and leaves the cluster) or its lease is lost (an error). If `stop_now`
+/// completes while it stops so (a second SIGTERM or ctrl-c), it cuts the requests in
+/// flight, gives its turns [`crate::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS`] to end and
+/// returns [`NodeError::SecondSignal`], as `troupe serve` does. Prints `node NAME transport ADDR` and, with --http,
 /// `listening on http://ADDR` once it serves. With --config, the agents think with
 /// `model`, or with the scripted model of `troupe serve --config`
 /// ([`crate::org_demo_script`]) if it is `None`.
@@ -981,8 +990,11 @@ pub async fn run_node(
     args: &NodeArgs,
     model: Option<Arc<dyn LlmClient>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    stop_now: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), NodeError> {
     use std::io::Write as _;
+
+    let mut stop_now = std::pin::pin!(stop_now);
 
     let plan = plan(args)?;
     let node_name = plan.etcd.node.to_string();
@@ -1128,13 +1140,47 @@ pub async fn run_node(
             }
         }
     };
-    let outcome = tokio::select! {
+    let mut outcome = tokio::select! {
         biased;
         reason = node.fenced_off() => Err(NodeError::LeaseLost(reason)),
         served = served => served,
+        () = &mut stop_now => Err(NodeError::SecondSignal),
     };
-    if let Err(error) = node.leave().await {
-        tracing::warn!(%error, "leaving the cluster failed; the lease ends by itself");
+    // Until 2026-12-06 a second signal was ignored: the node waited for the requests in
+    // flight without bound, then for its turns.
+    let stopping_now = matches!(outcome, Err(NodeError::SecondSignal));
+    if stopping_now {
+        crate::errln!("troupe node: a second signal: stopping now, without waiting for the requests in flight");
+    }
+    let wait = Duration::from_millis(crate::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS);
+    let cut = async {
+        if !stopping_now {
+            (&mut stop_now).await;
+            crate::errln!("troupe node: a second signal: stopping now, without waiting for the turns running");
+        }
+        tokio::time::sleep(wait).await;
+    };
+    // Leaving saves the actors (it waits for the turns running): past the wait it is
+    // dropped half-way, as a crash (a turn commits whole or not at all; the lease ends
+    // by itself).
+    let left = tokio::select! {
+        biased;
+        left = node.leave() => Some(left),
+        () = cut => None,
+    };
+    match left {
+        Some(Ok(())) => {}
+        Some(Err(error)) => tracing::warn!(%error, "leaving the cluster failed; the lease ends by itself"),
+        None => {
+            crate::errln!(
+                "troupe node: turns still running after {} ms were cut (a turn commits whole or not at all); its \
+                 lease ends by itself",
+                crate::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS
+            );
+            if outcome.is_ok() {
+                outcome = Err(NodeError::SecondSignal);
+            }
+        }
     }
     outcome
 }

@@ -14,6 +14,7 @@
 mod etcd_server;
 #[path = "../../troupe-postgres/tests/support/postgres_server.rs"]
 mod postgres_server;
+mod support;
 
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -97,4 +98,159 @@ async fn a_node_whose_port_is_taken_names_the_flag_and_what_to_do() {
         }
     }
     drop(holder);
+}
+
+/// `troupe node` on `etcd` and `database` with `--http` on a free loopback port, up to
+/// the address it prints: the child (stderr read by a thread, so its logs never fill the
+/// pipe), the rest of its stdout and the HTTP address.
+fn node_serving(
+    etcd: &str,
+    database: &str,
+    id: &str,
+) -> (
+    std::process::Child,
+    std::thread::JoinHandle<String>,
+    std::io::BufReader<std::process::ChildStdout>,
+    String,
+) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
+        .args(["node", "--etcd", etcd, "--postgres", database, "--node-id", id])
+        .args([
+            "--lease-ttl-ms",
+            "3000",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .env_remove("TROUPE_TOKEN")
+        .env_remove("OPENAI_API_KEY")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pipe = child.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    });
+    let Some((stdout, addr)) = support::read_address(&mut child) else {
+        let _ = child.kill();
+        panic!("troupe node printed no address: {}", stderr.join().unwrap());
+    };
+    (child, stderr, stdout, addr)
+}
+
+/// Sends `signal` (`TERM`, `INT`, `HUP`) to `child`.
+fn signal(child: &std::process::Child, signal: &str) {
+    let sent = Command::new("kill")
+        .args([format!("-{signal}"), child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{signal} {}", child.id());
+}
+
+/// `child`'s exit status, or `None` if it still runs `wait_ms` milliseconds later.
+fn exited_within(child: &mut std::process::Child, wait_ms: u64) -> Option<std::process::ExitStatus> {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(wait_ms) {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// Goal: a second SIGTERM or ctrl-c while `troupe node` stops gracefully stops it at
+/// once (exit code 1, a line saying so), as `troupe serve` does; what it acknowledged
+/// before is in the store. Until 2026-12-06 the node ignored it and waited for the
+/// requests in flight without bound. Method: a message appended (acknowledged), then a
+/// request whose body never comes (the HTTP drain waits for it), SIGTERM; the node must
+/// still be up 300 ms later (the drain waits), then SIGINT: it must be gone within
+/// `SECOND_SIGNAL_STOP_MS_MAX`.
+#[tokio::test]
+async fn a_second_signal_stops_a_draining_node_at_once() {
+    /// How long after the second signal the node may take to be gone, in ms.
+    const SECOND_SIGNAL_STOP_MS_MAX: u64 = 1_500;
+    let etcd = TestEtcd::start("node-second-signal").await;
+    let postgres = TestServer::start("node-second-signal");
+    let database = postgres.create_database("probes").await;
+    let (mut child, stderr, _stdout, addr) = node_serving(&etcd.endpoint(), &database, "second");
+    let (status, body) = support::http(
+        &addr,
+        "POST",
+        "/v1/conversations/c/messages",
+        r#"{"text": "kept"}"#,
+        NODE_EXIT_MS_MAX,
+    );
+    assert_eq!(status, 200, "{body}");
+    // A request whose body never comes: the drain waits for it.
+    let mut hanging = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(
+        &mut hanging,
+        format!(
+            "POST /v1/conversations/c/messages HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 100\r\n\r\n{{\"text\""
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    signal(&child, "TERM");
+    let draining = exited_within(&mut child, 300);
+    assert!(
+        draining.is_none(),
+        "the node did not wait for the request in flight: {draining:?}"
+    );
+    signal(&child, "INT");
+    let Some(status) = exited_within(&mut child, SECOND_SIGNAL_STOP_MS_MAX) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "still running {SECOND_SIGNAL_STOP_MS_MAX} ms after the second signal: {}",
+            stderr.join().unwrap()
+        );
+    };
+    let stderr = stderr.join().unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("second signal"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    drop(hanging);
+    let (client, connection) =
+        troupe_postgres::tokio_postgres::connect(&database, troupe_postgres::tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let rows = client.query("SELECT 1 FROM troupe_actor_state LIMIT 1", &[]).await;
+    assert!(
+        matches!(&rows, Ok(rows) if !rows.is_empty()),
+        "the acknowledged message is stored: {rows:?}"
+    );
+}
+
+/// Goal: SIGHUP (its terminal closed, its ssh session ended) stops `troupe node` as
+/// SIGTERM does: it leaves the cluster and exits 0 saying it stopped; `--help` says so.
+/// Until 2026-12-06 SIGHUP's default action killed it without leaving. Method: a node
+/// with `--http`, SIGHUP.
+#[tokio::test]
+async fn sighup_stops_a_node_gracefully() {
+    let etcd = TestEtcd::start("node-sighup").await;
+    let postgres = TestServer::start("node-sighup");
+    let database = postgres.create_database("probes").await;
+    let (mut child, stderr, mut stdout, _addr) = node_serving(&etcd.endpoint(), &database, "hup");
+    signal(&child, "HUP");
+    let status = exited_within(&mut child, NODE_EXIT_MS_MAX);
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let stderr = stderr.join().unwrap();
+    assert_eq!(status.and_then(|status| status.code()), Some(0), "{status:?}: {stderr}");
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("troupe node: stopped"), "{rest}");
+    let (_, help, _) = node(&["--help"]);
+    assert!(help.contains("SIGHUP"), "--help does not say what SIGHUP does:\n{help}");
 }

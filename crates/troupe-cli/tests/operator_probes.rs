@@ -693,3 +693,101 @@ fn an_interrupted_demo_removes_its_temporary_state() {
         assert!(stderr.contains("interrupted"), "{stderr}");
     }
 }
+
+/// The entries of `directory` (an emptied TMPDIR lists nothing).
+fn entries(directory: &Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(directory)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name())
+        .collect()
+}
+
+/// Goal: SIGHUP (the terminal `troupe serve` runs in is closed, or an ssh session ends)
+/// stops it as SIGTERM does: requests in flight finish, it exits 0 saying it stopped and
+/// removes its temporary state; `--help` says so. Until 2026-12-06 SIGHUP's default
+/// action killed it at once, leaving `troupe-serve-*` behind. Method: TMPDIR of the
+/// test's own, a coordinator turn (about 2 s) in flight, SIGHUP 300 ms in.
+#[test]
+fn sighup_stops_serve_gracefully_as_sigterm_does() {
+    let temporary = tempfile::tempdir().unwrap();
+    let mut running = Running::spawn(
+        troupe()
+            .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+            .env("TMPDIR", temporary.path()),
+    );
+    let (mut stdout, addr) = support::read_address(&mut running.child).expect("an address");
+    assert_eq!(entries(temporary.path()).len(), 1, "its temporary state");
+    let asking = std::thread::spawn({
+        let addr = addr.clone();
+        move || {
+            http(
+                &addr,
+                "POST",
+                "/v1/agents/coordinator/messages",
+                r#"{"text": "Prepare a brief"}"#,
+            )
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    running.signal("HUP");
+    let (status, body) = asking.join().unwrap();
+    assert_eq!(status, 200, "the turn in flight finishes: {body}");
+    let exit = running.wait();
+    let stderr = running.stderr();
+    assert_eq!(exit.code(), Some(0), "{exit:?}: {stderr}");
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("troupe serve: stopped"), "{rest}");
+    assert!(
+        entries(temporary.path()).is_empty(),
+        "left behind: {:?}",
+        entries(temporary.path())
+    );
+    let output = run(&["serve", "--help"]);
+    let help = String::from_utf8_lossy(&output.stdout);
+    assert!(help.contains("SIGHUP"), "--help does not say what SIGHUP does:\n{help}");
+}
+
+/// Goal: a SIGTERM that comes while `troupe serve` is starting (before it listens)
+/// stops it without leaving its temporary state behind: it exits 0 (the signal was
+/// taken: it stops as soon as it has started) or, if the signal came before the program
+/// watched signals at all, dies by it before it has created anything. Until 2026-12-06
+/// the handlers were installed only once it listened: a signal while it opened its store
+/// killed it and left `troupe-serve-*` in TMPDIR. Method: `EARLY_SIGNAL_RUNS` starts,
+/// each with a TMPDIR of its own, SIGTERM sent 0, 1, 2, ... ms after the spawn (the
+/// first right after it), then TMPDIR listed.
+#[test]
+fn an_early_sigterm_leaves_no_temporary_state_behind() {
+    use std::os::unix::process::ExitStatusExt as _;
+    /// How many starts are signalled.
+    const EARLY_SIGNAL_RUNS: u64 = 40;
+    /// How much later each start is signalled than the one before, in microseconds.
+    const EARLY_SIGNAL_STEP_US: u64 = 2_500;
+    let mut outcomes = std::collections::BTreeMap::<String, u32>::new();
+    for run in 0..EARLY_SIGNAL_RUNS {
+        let temporary = tempfile::tempdir().unwrap();
+        let mut running = Running::spawn(
+            troupe()
+                .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+                .env("TMPDIR", temporary.path()),
+        );
+        std::thread::sleep(Duration::from_micros(run * EARLY_SIGNAL_STEP_US));
+        running.signal("TERM");
+        let status = running.wait();
+        let stderr = running.stderr();
+        let left = entries(temporary.path());
+        assert!(
+            left.is_empty(),
+            "SIGTERM {} us after the spawn: left behind {left:?} ({status:?}, {stderr})",
+            run * EARLY_SIGNAL_STEP_US
+        );
+        assert!(
+            status.code() == Some(0) || (status.code().is_none() && status.signal() == Some(15)),
+            "SIGTERM {} us after the spawn: {status:?}: {stderr}",
+            run * EARLY_SIGNAL_STEP_US
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        *outcomes.entry(format!("{status:?}")).or_default() += 1;
+    }
+    eprintln!("early SIGTERM outcomes: {outcomes:?}");
+}
