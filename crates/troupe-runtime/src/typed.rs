@@ -70,6 +70,14 @@ use crate::{Actor, ActorBox, ActorError, AnyValue, Caller, IdempotencyKey, Runti
 /// }
 /// ```
 ///
+/// The state is stored as its bincode encoding, which does not describe itself: a state
+/// type changed between versions is not always noticed when the new version loads the
+/// old bytes. What is noticed (bytes that end too soon, or are left over once the new
+/// type is read, or values the type refuses) fails the activation with `ActorFailed`
+/// naming the actor, and leaves the stored bytes as they were; a type that reads the
+/// old bytes whole but differently (a `u64` become an `i64`) is not. Change a state type
+/// by deploying one that decodes the old encoding and converts it.
+///
 /// (Before issue 11 it was an `#[async_trait]` trait; awaiting the handler inline now
 /// saves a heap allocation per message.)
 pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
@@ -111,6 +119,22 @@ impl<A> TypedAdapter<A> {
     }
 }
 
+/// Decodes a `T` from bincode bytes (the encoding [`encode`] gives: fixed-size integers,
+/// little-endian), strictly: bytes left over after the `T` are an error, not ignored as
+/// `bincode::deserialize` ignores them. bincode is not self-describing, so a state
+/// stored by another version of its type decodes as whatever the new type reads in its
+/// bytes; reading all of them, and no more, is the one check it allows. Without it a
+/// state type that lost a `String` field before a number read the string's length as
+/// the number and committed that over the stored bytes
+/// (`a_state_stored_by_another_version_is_refused_and_left_untouched`).
+fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, bincode::Error> {
+    use bincode::Options;
+    bincode::DefaultOptions::new()
+        .with_fixint_encoding()
+        .reject_trailing_bytes()
+        .deserialize(bytes)
+}
+
 fn encode<T: Serialize>(value: &T, what: &str) -> Result<Bytes, ActorError> {
     bincode::serialize(value)
         .map(Bytes::from)
@@ -121,7 +145,7 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
     const TURN_FUTURE_KEPT_BYTES_MAX: usize = A::TURN_FUTURE_KEPT_BYTES_MAX;
 
     async fn handle(&mut self, turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
-        let message: A::Message = bincode::deserialize(&payload).map_err(|error| {
+        let message: A::Message = decode(&payload).map_err(|error| {
             ActorError::rejected(format!(
                 "the message is not a bincode-encoded {}: {error}",
                 std::any::type_name::<A::Message>()
@@ -238,10 +262,13 @@ pub(crate) fn typed_factory<A: TypedActor>(
     |id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
         let actor = match saved {
             None => A::default(),
-            Some(bytes) => bincode::deserialize(&bytes).map_err(|error| {
+            Some(bytes) => decode(&bytes).map_err(|error| {
+                let state = std::any::type_name::<A>();
                 ActorError::failed(format!(
-                    "the saved state of {id} is not a bincode-encoded {}: {error}",
-                    std::any::type_name::<A>()
+                    "the saved state of {id} is not a bincode-encoded {state} ({error}); it is left as stored, \
+                     and {id} cannot be activated until {state} reads it: if the type changed since the state \
+                     was saved, deploy a version that decodes the old encoding (and converts it), or delete \
+                     the state to start {id} anew"
                 ))
             })?,
         };
@@ -564,7 +591,7 @@ impl<A: TypedActor> ActorRef<A> {
     /// A reply that came as bincode bytes, decoded; `ActorFailed` for this actor if it
     /// is not an `A::Reply`.
     fn decode_reply(&self, reply: &[u8]) -> Result<A::Reply, InvokeError> {
-        bincode::deserialize(reply).map_err(|error| {
+        decode(reply).map_err(|error| {
             self.failed(format!(
                 "the reply is not a bincode-encoded {}: {error}",
                 std::any::type_name::<A::Reply>()
