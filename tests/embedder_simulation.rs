@@ -4,8 +4,8 @@
 //! "Testing your agents under the simulator", walks through it.
 //!
 //! The application: `coordinator` asks `analyst` through `call_agent`, on a model that
-//! the test makes flaky (it fails or answers slowly, at times past the ask's timeout, as the seed decides), with
-//! its state in a SQLite file. The process is killed at a moment the seed picks and
+//! the test makes flaky (it fails or answers slowly, at times past the ask's timeout, as
+//! the seed decides), with its state in a SQLite file. The process is killed at a moment the seed picks and
 //! started again on the same file. What the application's users must be able to rely on:
 //! - every ask ends by its timeout (plus [`DEADLINE_SLACK_MS`]), answered or with a
 //!   typed error;
