@@ -882,3 +882,85 @@ async fn after_etcd_restarts_a_new_node_serves_the_committed_state() {
     );
     bounded("leaving", again.leave()).await.expect("leaves");
 }
+
+/// Rounds of the race in `two_nodes_started_under_one_name_at_once_have_one_winner`.
+const START_RACE_ROUNDS: usize = 8;
+
+/// Goal: two `ClusterNode::start` under one name at the same moment never both start:
+/// exactly one serves, the other is refused `NodeNameInUse` naming the winner's
+/// address, and the other nodes reach the winner's actors. Before, the name check was
+/// a read (and a TCP connect to the recorded address) followed by a later write: both
+/// starts read no record, both wrote, and two live nodes shared one membership record.
+/// Method: next to A and B, 8 rounds of two `node-c` starts spawned together on loopback
+/// ports; the winner serves an actor B calls; it then leaves (the next race finds the
+/// name free) or is abandoned as by a crash (the next race finds its record, whose
+/// address no longer answers, and overwrites it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_nodes_started_under_one_name_at_once_have_one_winner() {
+    let (pair, a, b) = two_nodes("probe-start-race").await;
+    let mut previous: Option<String> = None;
+    for round in 0..START_RACE_ROUNDS {
+        let contenders: Vec<_> = (0..2)
+            .map(|_| {
+                let config = pair.etcd.config("node-c", "");
+                let runtime = probe_runtime("node-c", Arc::clone(&pair.activations));
+                let store = SqliteStore::open(&pair.path).expect("open the shared SQLite file");
+                tokio::spawn(ClusterNode::start(config, loopback(), runtime, store))
+            })
+            .collect();
+        let mut won = Vec::new();
+        let mut refused = Vec::new();
+        for contender in contenders {
+            match bounded("a racing start", contender).await.expect("the start task ends") {
+                Ok(node) => won.push(node),
+                Err(ClusterError::NodeNameInUse { address, .. }) => refused.push(address),
+                Err(other) => panic!("round {round}: a start failed otherwise: {other}"),
+            }
+        }
+        assert_eq!(
+            (won.len(), refused.len()),
+            (1, 1),
+            "round {round}: {} starts won and {} were refused (the won ones at {:?})",
+            won.len(),
+            refused.len(),
+            won.iter().map(ClusterNode::address).collect::<Vec<_>>()
+        );
+        let winner = won.pop().expect("one winner");
+        assert_eq!(
+            refused[0],
+            winner.address().to_string(),
+            "round {round}: the refusal names the winner"
+        );
+        let target = probe(&format!("of-c-{round}"));
+        assert_eq!(
+            call(&winner, &target, b"inc").await.expect("the winner serves"),
+            ("node-c".to_string(), 1)
+        );
+        // B may still hold a client of the last round's node-c, whose address no longer
+        // answers: that call ends `Unreachable` (documented: it is not retried) and
+        // drops the client, so the next one reads the new record.
+        let reply = match call(&b, &target, b"inc").await {
+            Err(InvokeError::Unreachable { cause, .. })
+                if previous
+                    .as_ref()
+                    .is_some_and(|address| cause.contains(address.as_str())) =>
+            {
+                call(&b, &target, b"inc").await
+            }
+            other => other,
+        };
+        assert_eq!(
+            reply.expect("B reaches the winner's actor"),
+            ("node-c".to_string(), 2),
+            "round {round}"
+        );
+        previous = Some(winner.address().to_string());
+        if round % 2 == 0 {
+            bounded("the winner leaves", winner.leave()).await.expect("leaves");
+        } else {
+            bounded("the winner is abandoned", winner.abandon()).await;
+        }
+    }
+    bounded("a leaves", a.leave()).await.expect("a leaves");
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+}

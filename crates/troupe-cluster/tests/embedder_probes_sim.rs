@@ -250,3 +250,52 @@ async fn a_node_dropped_while_its_client_is_kept_hands_its_actors_over() {
         dropped_at.elapsed().as_millis()
     );
 }
+
+/// Rounds of the race in `two_machines_starting_one_name_at_once_have_one_winner`.
+const SIM_START_RACE_ROUNDS: u8 = 4;
+
+/// Goal (simulated): two machines starting a node under one name at the same moment
+/// never both start: exactly one serves, the other is refused `NodeNameInUse` naming
+/// the winner's address. Before, both read the name free and both wrote the membership
+/// record. Method: 4 rounds of two new machines starting `node-a` at once; the winner
+/// serves an actor; both machines are then killed, so the next round meets the dead
+/// winner's record (left until its lease ends) and takes it over.
+#[madsim::test]
+async fn two_machines_starting_one_name_at_once_have_one_winner() {
+    let handle = Handle::current();
+    let _etcd = start_sim_etcd(&handle, ETCD_ADDRESS).await;
+    let store = MemoryStore::new();
+    let (started_sender, mut started) = mpsc::unbounded_channel();
+    for round in 0..SIM_START_RACE_ROUNDS {
+        let indices = [2 * round + 1, 2 * round + 2];
+        let machines = indices.map(|index| machine(&handle, index, "node-a", store.clone(), started_sender.clone()));
+        let outcomes = [next_start(&mut started).await, next_start(&mut started).await];
+        let won: Vec<&ClusterClient> = outcomes.iter().filter_map(|outcome| outcome.as_ref().ok()).collect();
+        let refused: Vec<&String> = outcomes.iter().filter_map(|outcome| outcome.as_ref().err()).collect();
+        assert_eq!(
+            (won.len(), refused.len()),
+            (1, 1),
+            "round {round}: {} starts won, refusals {refused:?}",
+            won.len()
+        );
+        let winner = won[0].clone();
+        // The winner's runtime runs the call: its reply names its machine.
+        let target = probe(&format!("r{round}"));
+        let reply = call(&machines[0].0, &winner, &target).await.expect("the winner serves");
+        let winner_index = indices
+            .into_iter()
+            .find(|index| reply == format!("machine-{index}:1"))
+            .unwrap_or_else(|| panic!("round {round}: the reply {reply:?} names neither machine"));
+        assert_eq!(
+            refused[0],
+            &format!(
+                "name in use at {}",
+                SocketAddr::new(machine_ip(winner_index), NODE_PORT)
+            ),
+            "round {round}: the refusal names the winner, machine {winner_index}"
+        );
+        for (machine, _) in &machines {
+            handle.kill(machine.id());
+        }
+    }
+}

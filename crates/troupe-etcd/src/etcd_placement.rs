@@ -85,6 +85,9 @@ impl EtcdPlacement {
     /// A node of the same name that is still a member (an earlier incarnation) has its
     /// membership record overwritten; its placements stay until its lease ends, and this
     /// node's `place` reports them as [`PlacementError::PlacementConflict`] until then.
+    /// The name is claimed atomically: of two joins under one name at the same moment,
+    /// one writes the record and the other is refused with
+    /// [`PlacementError::NodeNameInUse`] naming the winner's address.
     ///
     /// # Errors
     /// [`PlacementError::Config`] if the configuration is invalid (nothing is sent);
@@ -103,9 +106,14 @@ impl EtcdPlacement {
     /// (crashed, or an earlier incarnation whose lease has not ended yet) is
     /// overwritten, as by `join`.
     ///
+    /// The claim is one etcd transaction after the lease is granted: create the record
+    /// if there is none, or overwrite the one read only if it is unchanged (its value,
+    /// and on real etcd its mod_revision). A join that loses the race to another under
+    /// the same name revokes its lease and is refused as above, naming the winner.
+    ///
     /// # Errors
     /// As [`EtcdPlacement::join`], and [`PlacementError::NodeNameInUse`] naming the
-    /// live node's address.
+    /// live node's address (or the address of the join that won a race for the name).
     pub async fn join_unless_in_use<F, Fut>(config: EtcdConfig, in_use: F) -> Result<Self, PlacementError>
     where
         F: FnOnce(String) -> Fut,
@@ -118,13 +126,14 @@ impl EtcdPlacement {
             connect(&config)
         })
         .await?;
-        let node_key = format!("/troupe/{}/nodes/{}", config.cluster, config.node);
         let kv = client.kv_client();
+        let node_key = format!("/troupe/{}/nodes/{}", config.cluster, config.node);
         let previous = bounded(&endpoints, timeout, PlacementOperation::Join, None, || {
             let (mut kv, key) = (kv.clone(), node_key.clone());
             async move { kv.get(key, None).await }
         })
         .await?;
+        let mut expected = None;
         if let Some(record) = previous.kvs().first() {
             let address = String::from_utf8_lossy(record.value()).into_owned();
             if address != config.address && in_use(address.clone()).await {
@@ -133,6 +142,10 @@ impl EtcdPlacement {
                     address,
                 });
             }
+            expected = Some(Expected {
+                value: record.value().to_vec(),
+                mod_revision: record.mod_revision(),
+            });
         }
         let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
         let lease_client = client.lease_client();
@@ -149,17 +162,37 @@ impl EtcdPlacement {
         let valid_until = lease::trusted_until(granted_at, granted_ttl_s, granted_ttl_s);
         let standing = Arc::new(LeaseStanding::new(valid_until));
         let prefix = format!("/troupe/{}/", config.cluster);
-        bounded(
-            &endpoints,
-            timeout,
-            PlacementOperation::Join,
-            Some((&config.node, lease)),
-            || {
-                let (mut kv, key, address) = (kv.clone(), node_key.clone(), config.address.clone());
-                async move { kv.put(key, address, Some(PutOptions::new().with_lease(lease))).await }
-            },
-        )
-        .await?;
+        let mut claimed = claim_name(&kv, &config, &node_key, expected.take(), lease).await;
+        if matches!(claimed, Ok(NameClaim::Vanished)) {
+            // The record read above ended with its lease in the meantime: the name is
+            // free, claim it as an absent one (that never vanishes).
+            claimed = claim_name(&kv, &config, &node_key, None, lease).await;
+        }
+        let refusal = match claimed {
+            Ok(NameClaim::Claimed) => None,
+            Ok(NameClaim::HeldBy(address)) => Some(PlacementError::NodeNameInUse {
+                node: config.node.clone(),
+                address,
+            }),
+            Ok(NameClaim::Vanished) => Some(PlacementError::MalformedRecord {
+                key: node_key.clone(),
+                reason: "the membership transaction returned no record".to_string(),
+            }),
+            Err(error) => Some(error),
+        };
+        if let Some(refusal) = refusal {
+            // The lease holds nothing; revoked so that it does not linger for its TTL.
+            // If the revoke fails the lease simply expires.
+            let revoked = bounded(&endpoints, timeout, PlacementOperation::Leave, None, || {
+                let mut lease_client = lease_client.clone();
+                async move { lease_client.revoke(lease).await }
+            })
+            .await;
+            if let Err(error) = revoked {
+                tracing::debug!(%error, "revoking the lease of a refused join failed; it expires by itself");
+            }
+            return Err(refusal);
+        }
         let keep_alive_task = tokio::spawn(lease::keep_alive(
             Arc::clone(&standing),
             lease_client,
@@ -483,6 +516,95 @@ impl Placement for EtcdPlacement {
         nodes.sort_by(|a, b| a.node.cmp(&b.node));
         Ok(nodes)
     }
+}
+
+/// The membership record a join read and found free to take (a gone node's, or this
+/// node's own address): the claim overwrites it only if it is still that record.
+struct Expected {
+    value: Vec<u8>,
+    mod_revision: i64,
+}
+
+/// How a claim of a node name ended.
+enum NameClaim {
+    /// The membership record is this node's, under its lease.
+    Claimed,
+    /// Another join wrote the record since it was read: a node starting under the same
+    /// name at the same moment, at this address.
+    HeldBy(String),
+    /// The record read before is gone (its lease ended) and nothing replaced it.
+    Vanished,
+}
+
+/// Claims the name `config.node` for `lease` in one transaction: creates the membership
+/// record if there is none (`expected` is `None`), or overwrites the one read before
+/// only if it is still that one. Of two joins racing for one name exactly one writes;
+/// the other reads the winner's record. The answer is judged by the lease the record
+/// is bound to, so a transaction sent again after its answer was lost finds its own
+/// record.
+async fn claim_name(
+    kv: &etcd_client::KvClient,
+    config: &EtcdConfig,
+    key: &str,
+    expected: Option<Expected>,
+    lease: i64,
+) -> Result<NameClaim, PlacementError> {
+    let put = TxnOp::put(
+        key.to_string(),
+        config.address.clone(),
+        Some(PutOptions::new().with_lease(lease)),
+    );
+    let get = TxnOp::get(key.to_string(), None);
+    let txn = match expected {
+        // Value comparisons only (all the simulator offers): every record written is
+        // non-empty, and a missing key fails `> ""` in etcd and the simulator.
+        None => Txn::new()
+            .when(vec![Compare::value(key.to_string(), CompareOp::Greater, "")])
+            .and_then(vec![get])
+            .or_else(vec![put, get_again(key)]),
+        Some(expected) => {
+            #[cfg_attr(madsim, allow(unused_mut))]
+            let mut compares = vec![Compare::value(key.to_string(), CompareOp::Equal, expected.value)];
+            // Real etcd also tells two writes of the same address apart by revision; the
+            // simulator compares values only (two of its machines never share an address).
+            #[cfg(not(madsim))]
+            compares.push(Compare::mod_revision(
+                key.to_string(),
+                CompareOp::Equal,
+                expected.mod_revision,
+            ));
+            #[cfg(madsim)]
+            let _ = expected.mod_revision;
+            Txn::new()
+                .when(compares)
+                .and_then(vec![put, get])
+                .or_else(vec![get_again(key)])
+        }
+    };
+    let response = bounded(
+        &config.endpoints.join(","),
+        config.request_timeout(),
+        PlacementOperation::Join,
+        Some((&config.node, lease)),
+        || {
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        },
+    )
+    .await?;
+    let record = response.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+        _ => None,
+    });
+    Ok(match record {
+        None => NameClaim::Vanished,
+        Some(record) if record.lease() == lease => NameClaim::Claimed,
+        Some(record) => NameClaim::HeldBy(String::from_utf8_lossy(record.value()).into_owned()),
+    })
+}
+
+fn get_again(key: &str) -> TxnOp {
+    TxnOp::get(key.to_string(), None)
 }
 
 #[cfg(not(madsim))]

@@ -134,3 +134,79 @@ async fn a_name_in_use_by_a_live_node_is_refused_and_a_gone_ones_is_taken() {
         bounded("leaving", placement.leave()).await.expect("leaves");
     }
 }
+
+/// Rounds of the race in `two_joins_under_one_name_at_the_same_moment_have_one_winner`.
+const NAME_RACE_ROUNDS: usize = 20;
+
+/// Goal: two joins under one name at the same moment never both succeed: exactly one
+/// writes the membership record, the other is refused `NodeNameInUse` naming the
+/// winner's address, and the record names the winner. Before, the check was a read
+/// and the write a later put: both joins read the same record (or none), both wrote,
+/// the later put won the record and both nodes ran under one name. Method: 20 rounds
+/// of two `join_unless_in_use` spawned together on a multi-thread runtime, each told
+/// that the other contender's address is live; in even rounds the name is free (the
+/// last winner left), in odd rounds the last winner's record is still there and
+/// counts as gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_joins_under_one_name_at_the_same_moment_have_one_winner() {
+    let etcd = TestEtcd::start("probe-name-race").await;
+    let mut holder: Option<EtcdPlacement> = None;
+    for round in 0..NAME_RACE_ROUNDS {
+        let addresses = [format!("10.0.{round}.1:7100"), format!("10.0.{round}.2:7100")];
+        if round % 2 == 0 {
+            if let Some(last) = holder.take() {
+                bounded("the last winner leaving", last.leave()).await.expect("leaves");
+            }
+        }
+        let contenders: Vec<_> = addresses
+            .iter()
+            .map(|address| {
+                let config = etcd.config("node-a", address);
+                let live = addresses.clone();
+                tokio::spawn(EtcdPlacement::join_unless_in_use(config, move |recorded: String| {
+                    std::future::ready(live.contains(&recorded))
+                }))
+            })
+            .collect();
+        let mut won = Vec::new();
+        let mut refused = Vec::new();
+        for (contender, address) in contenders.into_iter().zip(&addresses) {
+            match bounded("a racing join", contender).await.expect("the join task ends") {
+                Ok(placement) => won.push((placement, address.clone())),
+                Err(PlacementError::NodeNameInUse { address: named, .. }) => refused.push((address.clone(), named)),
+                Err(other) => panic!("round {round}: a join failed otherwise: {other}"),
+            }
+        }
+        assert_eq!(
+            (won.len(), refused.len()),
+            (1, 1),
+            "round {round}: {} joins won and {} were refused (the won ones at {:?})",
+            won.len(),
+            refused.len(),
+            won.iter().map(|(_, address)| address).collect::<Vec<_>>()
+        );
+        let (winner, winner_address) = won.pop().expect("one winner");
+        let (_, named) = refused.pop().expect("one refused");
+        assert_eq!(named, winner_address, "round {round}: the refusal names the winner");
+        let members = bounded("listing", winner.nodes()).await.expect("nodes");
+        assert_eq!(members.len(), 1, "round {round}");
+        assert_eq!(
+            members[0].address, winner_address,
+            "round {round}: the record names the winner"
+        );
+        if let Some(last) = holder.replace(winner) {
+            bounded("the last winner leaving", last.leave()).await.expect("leaves");
+            let members = bounded("listing", holder.as_ref().expect("held").nodes())
+                .await
+                .expect("nodes");
+            assert_eq!(
+                members.first().map(|member| member.address.clone()),
+                Some(winner_address),
+                "round {round}: the old holder's leave took the new record with it"
+            );
+        }
+    }
+    if let Some(last) = holder {
+        bounded("leaving", last.leave()).await.expect("leaves");
+    }
+}
