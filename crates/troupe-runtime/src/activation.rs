@@ -510,6 +510,8 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
         home: Some(Arc::new(TurnHome {
             id: id.clone(),
             handle: handle.clone(),
+            fence,
+            fence_refused: std::sync::OnceLock::new(),
         })),
         actor,
         committed: saved,
@@ -1052,7 +1054,10 @@ fn settle<'a>(
                 }
             };
         }
-        Raced::Finished(Ok(Err(error))) => Err(actor_error(live.id(), error)),
+        Raced::Finished(Ok(Err(error))) => {
+            close_if_fence_refused(live, shared, generation, mailbox);
+            Err(actor_error(live.id(), error))
+        }
         // The commit decision: only while the caller still waits.
         Raced::Finished(Ok(Ok(_))) if watch_caller && reply.is_closed() => {
             abandon(live, shared, call, edge, reply);
@@ -1176,31 +1181,7 @@ impl StoreCommit {
         let was_fenced = live.fenced.is_some();
         let committed = store_commit(live, shared, self.commit).await;
         if !was_fenced && live.fenced.is_some() {
-            // Another activation claimed this actor since (another runtime on the same
-            // store): this one is stale. Ask to be deactivated at once rather than when
-            // idle, so the next request activates the actor afresh from the newest state.
-            // Sent before the refusal is answered: the dispatcher applies its notices
-            // before any command sent after the caller has its answer, so a caller that
-            // then asks the dispatcher (a request through it, `stats`) finds this
-            // activation closed, never still open for another stale turn.
-            let id = live.id().clone();
-            let _ = shared.control.send(Control::Fenced {
-                id,
-                generation: self.generation,
-            });
-            // And the mailbox is closed here, before the answer too: a request from
-            // outside goes straight into an open mailbox, without the dispatcher, and the
-            // dispatcher may not have applied the notice yet, so the caller's next request
-            // found this stale mailbox still open and was refused with the fence again
-            // (13 of 40 such requests on worker threads,
-            // `the_request_after_a_fenced_refusal_is_served_by_a_fresh_activation`).
-            // Closed, it is handed to the dispatcher, which has the notice by then and
-            // holds the request for the next activation. What is queued still fails with
-            // the fence, unrun. (Closed after the notice is sent, so the dispatcher meets
-            // this closed mailbox as still open only with a command whose notices it
-            // drained just before the notice was sent, and delivers just after the close:
-            // that request fails `ActorFailed`, as one meeting a crashed activation.)
-            mailbox.close();
+            close_fenced(live, shared, self.generation, mailbox);
         }
         #[cfg(feature = "planted-bugs")]
         let committed = if self.ignore_commit { Ok(()) } else { committed };
@@ -1211,6 +1192,49 @@ impl StoreCommit {
             respond(shared, self.call, self.edge, self.reply, result);
         }
     }
+}
+
+/// Closes an activation found stale (`live.fenced` just set): another activation claimed
+/// this actor since (another runtime on the same store). Asks to be deactivated at once
+/// rather than when idle, so the next request activates the actor afresh from the newest
+/// state. Called before the refusal is answered: the dispatcher applies its notices
+/// before any command sent after the caller has its answer, so a caller that then asks
+/// the dispatcher (a request through it, `stats`) finds this activation closed, never
+/// still open for another stale turn.
+#[cold]
+#[inline(never)]
+fn close_fenced(live: &Live, shared: &Shared, generation: u64, mailbox: &Mailbox) {
+    let id = live.id().clone();
+    let _ = shared.control.send(Control::Fenced { id, generation });
+    // And the mailbox is closed here, before the answer too: a request from outside
+    // goes straight into an open mailbox, without the dispatcher, and the dispatcher may
+    // not have applied the notice yet, so the caller's next request found this stale
+    // mailbox still open and was refused with the fence again (13 of 40 such requests on
+    // worker threads, `the_request_after_a_fenced_refusal_is_served_by_a_fresh_activation`).
+    // Closed, it is handed to the dispatcher, which has the notice by then and holds the
+    // request for the next activation. What is queued still fails with the fence, unrun.
+    // (Closed after the notice is sent, so the dispatcher meets this closed mailbox as
+    // still open only with a command whose notices it drained just before the notice was
+    // sent, and delivers just after the close: that request fails `ActorFailed`, as one
+    // meeting a crashed activation.)
+    mailbox.close();
+}
+
+/// After a failed turn: if the turn met its fence refused ([`Turn::check_fence`]), the
+/// activation is stale, and is closed as after a refused commit (a failed turn commits
+/// nothing, so no commit would ever tell it). Only failed turns look: the hot path of a
+/// turn that succeeds reads nothing more (its commit, if any, meets the refusal itself).
+#[cold]
+#[inline(never)]
+fn close_if_fence_refused(live: &mut Live, shared: &Shared, generation: u64, mailbox: &Mailbox) {
+    if live.fenced.is_some() {
+        return;
+    }
+    let Some(refused) = live.home.as_ref().and_then(|home| home.fence_refused.get()) else {
+        return;
+    };
+    live.fenced = Some(Box::new(refused.clone()));
+    close_fenced(live, shared, generation, mailbox);
 }
 
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.

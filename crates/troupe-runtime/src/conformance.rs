@@ -80,6 +80,7 @@ cases!(
     commit_under_another_actors_fence_is_refused,
     empty_commit_under_an_older_fence_is_refused,
     fences_of_two_actors_are_independent,
+    a_fence_check_answers_as_a_commit_would,
     delete_write_removes_the_key,
     writes_in_one_commit_apply_in_order,
     empty_value_is_stored_and_differs_from_an_absent_key,
@@ -445,6 +446,54 @@ pub async fn fences_of_two_actors_are_independent(store: &dyn StateStore) {
         .expect("claims of other actors do not fence this one");
     assert_eq!(store.load(&first).await.expect("load"), Some(bytes("first")));
     assert_eq!(store.load(&second).await.expect("load"), Some(bytes("second")));
+}
+
+/// Conformance case `a_fence_check_answers_as_a_commit_would`: `check_fence` refuses
+/// exactly the fences a commit would refuse, with the same error, and writes nothing. A
+/// store that does not check (the trait's default) answers `Ok` to every fence; that is
+/// allowed, and found out here by its answer for an actor never claimed, which a store
+/// that checks refuses.
+pub async fn a_fence_check_answers_as_a_commit_would(store: &dyn StateStore) {
+    let never = actor("agent", "never-claimed");
+    let checks = match store.check_fence(&never, Fence::FIRST).await {
+        Ok(()) => false,
+        Err(error) => {
+            assert_eq!(error, fenced(&never, Fence::FIRST, None));
+            true
+        }
+    };
+    let owner = actor("agent", "a");
+    let other = actor("agent", "b");
+    let older = claim(store, &owner).await;
+    store
+        .check_fence(&owner, older)
+        .await
+        .expect("the only claim is current");
+    claim(store, &other).await;
+    store
+        .check_fence(&owner, older)
+        .await
+        .expect("claims of other actors do not fence this one");
+    let newer = claim(store, &owner).await;
+    let checked = store.check_fence(&owner, older).await;
+    let committed = store.commit(&owner, older, TurnCommit::default()).await;
+    assert_eq!(committed, Err(fenced(&owner, older, Some(newer))));
+    if checks {
+        assert_eq!(checked, committed, "the check refuses what the commit refuses");
+    } else {
+        assert_eq!(checked, Ok(()), "a store that does not check answers Ok");
+    }
+    store
+        .check_fence(&owner, newer)
+        .await
+        .expect("the newest claim is current");
+    store
+        .commit(&owner, newer, state_commit("A", vec![put("k", "v")]))
+        .await
+        .expect("the newest claim commits after its checks");
+    assert_eq!(store.load(&owner).await.expect("load"), Some(bytes("A")));
+    // A check writes nothing: the fences issued after it go on from the newest.
+    assert_eq!(claim(store, &owner).await, newer.next());
 }
 
 /// Conformance case `delete_write_removes_the_key`.

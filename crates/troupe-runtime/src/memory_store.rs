@@ -390,6 +390,20 @@ impl StateStore for MemoryStore {
         Ok(())
     }
 
+    /// The actor's newest fence, compared under the lock; no fault is injected here
+    /// (a check is advisory: the commit after it still meets the injected faults).
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        let current = self.lock().actors.get(actor).and_then(|slot| slot.fence);
+        if current == Some(fence) {
+            return Ok(());
+        }
+        Err(StoreError::Fenced {
+            actor: actor.clone(),
+            held: fence,
+            current,
+        })
+    }
+
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
         check_key(key)?;
         self.faults.take(&self.faults.inner.fail_reads, StoreOperation::Get)?;

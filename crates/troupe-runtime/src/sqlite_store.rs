@@ -115,10 +115,67 @@ const SCAN_FROM: &str = "SELECT entry_key, value FROM actor_entry
 const SCAN_STRICTLY_AFTER: &str = "SELECT entry_key, value FROM actor_entry
     WHERE kind = ?1 AND key = ?2 AND entry_key > ?3 ORDER BY entry_key LIMIT ?4";
 
+/// The most actors whose newest fence a store remembers for [`StateStore::check_fence`]
+/// (actors); past it the memory is forgotten whole, and checks read again.
+const FENCE_CHECK_REMEMBERED_MAX: usize = 4_096;
+
 /// A [`StateStore`] in one SQLite file; clones share the same connection.
 #[derive(Clone)]
 pub struct SqliteStore {
     connection: Arc<Mutex<Connection>>,
+    /// What [`StateStore::check_fence`] has read, locked only while `connection` is.
+    fences: Arc<Mutex<FenceMemory>>,
+}
+
+/// The newest fences [`StateStore::check_fence`] has read, valid while no other
+/// connection has committed: `PRAGMA data_version` changes exactly when one has (SQLite
+/// documents it so, in WAL mode too), and this connection's own claims forget what they
+/// change. So a check whose actor's fence was read since costs the pragma alone, and
+/// reads no table.
+#[derive(Default)]
+struct FenceMemory {
+    /// `PRAGMA data_version` when `newest` was read; `None` before the first check.
+    data_version: Option<i64>,
+    /// Actor (kind, key) → its newest fence as read (`None`: never claimed).
+    newest: std::collections::BTreeMap<(String, String), Option<i64>>,
+    /// Reads of `actor_owner` made by checks, for tests.
+    reads: u64,
+}
+
+impl FenceMemory {
+    /// The actor's newest fence: remembered, if no other connection has committed since
+    /// (`data_version` is the connection's now), else read with `read` and remembered.
+    fn newest(
+        &mut self,
+        data_version: i64,
+        actor: (String, String),
+        read: impl FnOnce(&str, &str) -> rusqlite::Result<Option<i64>>,
+    ) -> rusqlite::Result<Option<i64>> {
+        if self.data_version != Some(data_version) {
+            self.newest.clear();
+            self.data_version = Some(data_version);
+        }
+        if let Some(newest) = self.newest.get(&actor) {
+            return Ok(*newest);
+        }
+        let newest = read(&actor.0, &actor.1)?;
+        self.reads += 1;
+        if self.newest.len() >= FENCE_CHECK_REMEMBERED_MAX {
+            self.newest.clear();
+        }
+        self.newest.insert(actor, newest);
+        Ok(newest)
+    }
+
+    /// Forgets the actor's fence: this connection has just claimed it (a change that
+    /// `data_version` does not show to the connection that made it).
+    fn forget(&mut self, kind: &str, key: &str) {
+        self.newest.remove(&(kind.to_string(), key.to_string()));
+    }
+}
+
+fn fence_memory_lock(fences: &Mutex<FenceMemory>) -> MutexGuard<'_, FenceMemory> {
+    fences.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl SqliteStore {
@@ -179,6 +236,7 @@ impl SqliteStore {
         from_connection_create_schema(&mut connection)?;
         Ok(Self {
             connection: Arc::new(Mutex::new(connection)),
+            fences: Arc::default(),
         })
     }
 
@@ -447,8 +505,11 @@ impl FencedClaim for SqliteStore {
                 cause: format!("{fence} does not fit the fence column (at most {})", i64::MAX),
             });
         };
+        let fences = Arc::clone(&self.fences);
         let (accepted, current, state) = self
             .run(StoreOperation::Claim, move |connection| {
+                // Forgotten first, so that a claim that fails part-way forgets it too.
+                fence_memory_lock(&fences).forget(&kind, &key);
                 // IMMEDIATE, as in `claim`: the check and the update are one step.
                 let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 let accepted: Option<i64> = prepared(&transaction, CLAIM_GIVEN_FENCE)?
@@ -489,8 +550,11 @@ impl FencedClaim for SqliteStore {
 impl StateStore for SqliteStore {
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
         let (kind, key) = actor_columns(actor);
+        let fences = Arc::clone(&self.fences);
         let (token, state) = self
             .run(StoreOperation::Claim, move |connection| {
+                // Forgotten first, so that a claim that fails part-way forgets it too.
+                fence_memory_lock(&fences).forget(&kind, &key);
                 // IMMEDIATE takes the write lock up front: a claim in another process waits
                 // (busy timeout) instead of failing when the read would have to upgrade.
                 let transaction = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -567,6 +631,34 @@ impl StateStore for SqliteStore {
                     .transpose()?,
             }),
         }
+    }
+
+    /// `PRAGMA data_version`, and a read of the actor's fence only when another
+    /// connection has committed since this store last read it ([`FenceMemory`]).
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        let columns = actor_columns(actor);
+        let fences = Arc::clone(&self.fences);
+        // A check is the fence comparison of a commit, without its writes.
+        let current = self
+            .run(StoreOperation::Commit, move |connection| {
+                let data_version: i64 = prepared(connection, "PRAGMA data_version")?.query_row([], |row| row.get(0))?;
+                fence_memory_lock(&fences).newest(data_version, columns, |kind, key| {
+                    prepared(connection, SELECT_FENCE)?
+                        .query_row(params![kind, key], |row| row.get(0))
+                        .optional()
+                })
+            })
+            .await?;
+        if current == i64::try_from(fence.token()).ok() {
+            return Ok(());
+        }
+        Err(StoreError::Fenced {
+            actor: actor.clone(),
+            held: fence,
+            current: current
+                .map(|token| fence_from_column(StoreOperation::Commit, token))
+                .transpose()?,
+        })
     }
 
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
@@ -825,6 +917,59 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Goal: a fence check reads the actor's fence only when another connection has
+    /// committed since it last read it (`PRAGMA data_version`), and is right all the
+    /// same: after another connection's claim, and after a claim through this one
+    /// (which `data_version` does not show to it). Method: two stores on one file,
+    /// counting the checks' reads.
+    #[tokio::test]
+    async fn a_fence_check_reads_again_only_after_a_commit_elsewhere_or_a_claim_here() {
+        let directory = TestDirectory::new("a_fence_check_reads_again_only_after_a_commit_elsewhere_or_a_claim_here");
+        let here = SqliteStore::open(directory.file()).expect("open");
+        let elsewhere = SqliteStore::open(directory.file()).expect("open");
+        let reads = || fence_memory_lock(&here.fences).reads;
+        let actor = agent("a");
+        let first = here.claim(&actor).await.expect("claim").fence;
+        here.check_fence(&actor, first).await.expect("current");
+        assert_eq!(reads(), 1);
+        for _ in 0..3 {
+            here.check_fence(&actor, first).await.expect("current");
+        }
+        assert_eq!(reads(), 1, "nothing committed elsewhere: no read");
+        // A commit elsewhere, of another actor: read again, still current.
+        elsewhere.claim(&agent("b")).await.expect("claim");
+        here.check_fence(&actor, first).await.expect("current");
+        assert_eq!(reads(), 2);
+        // A claim elsewhere fences this one.
+        let second = elsewhere.claim(&actor).await.expect("claim").fence;
+        let fenced = |held: Fence, current: Fence| StoreError::Fenced {
+            actor: actor.clone(),
+            held,
+            current: Some(current),
+        };
+        assert_eq!(here.check_fence(&actor, first).await, Err(fenced(first, second)));
+        assert_eq!(reads(), 3);
+        here.check_fence(&actor, second).await.expect("the newest is current");
+        assert_eq!(reads(), 3);
+        // A claim through this connection changes no data_version here: it forgets.
+        let third = here.claim(&actor).await.expect("claim").fence;
+        assert_eq!(here.check_fence(&actor, second).await, Err(fenced(second, third)));
+        here.check_fence(&actor, third).await.expect("current");
+        // And a given fence (claim_with_fence) through this connection too.
+        let given = Fence::from_token(third.token() + 10).expect("a fence");
+        here.claim_with_fence(&actor, given).await.expect("claim");
+        assert_eq!(here.check_fence(&actor, third).await, Err(fenced(third, given)));
+        // An actor never claimed has no current fence.
+        assert_eq!(
+            here.check_fence(&agent("never"), Fence::FIRST).await,
+            Err(StoreError::Fenced {
+                actor: agent("never"),
+                held: Fence::FIRST,
+                current: None
+            })
+        );
     }
 
     /// Goal: a file written by schema version 1 (before fences) opens, keeps its data,

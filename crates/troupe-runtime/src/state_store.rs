@@ -252,6 +252,25 @@ pub trait StateStore: Send + Sync + 'static {
     /// commit is visible.
     async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError>;
 
+    /// Whether `fence` is still `actor`'s newest fence: what [`StateStore::commit`] would
+    /// find, without writing anything. For a turn to learn that its activation is stale
+    /// (another runtime on the same data claimed the actor since) before it does
+    /// expensive work whose commit would be refused ([`crate::Turn::check_fence`]).
+    ///
+    /// Advisory: `Ok(())` does not promise that a commit under `fence` will be accepted
+    /// (a claim may come in between; the commit checks again), but `Err(Fenced)` means
+    /// that every commit under `fence` will be refused. The default answers `Ok(())`
+    /// without looking: a store that cannot check cheaply leaves it to the commit.
+    ///
+    /// # Errors
+    /// [`StoreError::Fenced`] (as [`StateStore::commit`] gives it, with the newest fence)
+    /// if `actor` was claimed after `fence` was issued, or never under `fence`;
+    /// [`StoreError::Backend`] (or [`StoreError::Injected`]) if the backend fails.
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        let _ = (actor, fence);
+        Ok(())
+    }
+
     /// One committed value from the actor's key-value space.
     ///
     /// # Errors

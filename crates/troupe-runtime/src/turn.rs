@@ -10,7 +10,7 @@ use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use crate::envelope::EnvelopeContext;
 use crate::idempotency::IDEMPOTENCY_STORE_PREFIX;
 use crate::state_store::{check_key, STATE_SCAN_LIMIT_MAX, TURN_WRITES_MAX};
-use crate::{Caller, Clock, RuntimeHandle, StoreError};
+use crate::{Caller, Clock, Fence, RuntimeHandle, StoreError};
 
 /// The context of one turn of one actor.
 ///
@@ -46,6 +46,12 @@ pub struct Turn {
 pub(crate) struct TurnHome {
     pub(crate) id: ActorId,
     pub(crate) handle: RuntimeHandle,
+    /// The fence the activation claimed, which its commits are made under.
+    pub(crate) fence: Fence,
+    /// The store's refusal of `fence`, once a turn's [`Turn::check_fence`] has met it:
+    /// the activation reads it when a turn fails, and closes itself as after a refused
+    /// commit.
+    pub(crate) fence_refused: OnceLock<StoreError>,
 }
 
 /// The most distinct keys a turn's writes keep in a sorted vector before they move to
@@ -226,6 +232,37 @@ impl Turn {
     /// stop rather than start more work for a process that is gone.
     pub fn runtime_aborted(&self) -> bool {
         self.home.handle.shared.aborted()
+    }
+
+    /// Whether this activation can still commit: asks the store whether the fence it
+    /// claimed is still the actor's newest ([`crate::StateStore::check_fence`]). Where
+    /// several runtimes share one store (two processes on one SQLite file), another may
+    /// have claimed the actor since this activation started; this one is then stale,
+    /// and its turn's commit will be refused. A turn about to do expensive work outside
+    /// the runtime (a model call, a tool with effects) can call this first and stop.
+    ///
+    /// On `Err(Fenced)`, return an error from the turn (the `?` operator does): the
+    /// turn is rolled back, its caller gets `StorageFailed` with the refusal, and the
+    /// activation closes before the caller is answered, so the next request runs in a
+    /// fresh activation from the newest state (as after a refused commit; the activation
+    /// closes whatever error the turn returns, once it has met the refusal here).
+    ///
+    /// Advisory: `Ok(())` does not promise that the commit will be accepted (a claim may
+    /// come after it; the commit checks again). Not free: a store round trip (on SQLite,
+    /// `PRAGMA data_version` and, only when another connection has committed since the
+    /// last check of this actor, a read of its fence); a store that cannot check answers
+    /// `Ok(())` at once. Not called by the runtime itself.
+    ///
+    /// # Errors
+    /// [`StoreError::Fenced`] if the actor was claimed since this activation's claim;
+    /// [`StoreError::Backend`] if the store fails (the commit decides then).
+    pub async fn check_fence(&self) -> Result<(), StoreError> {
+        let home = &self.home;
+        let checked = home.handle.shared.store.check_fence(&home.id, home.fence).await;
+        if let Err(refused @ (StoreError::Fenced { .. } | StoreError::NotOwner { .. })) = &checked {
+            let _ = home.fence_refused.set(refused.clone());
+        }
+        checked
     }
 
     /// A typed reference to the actor `id`, for calls from this turn with

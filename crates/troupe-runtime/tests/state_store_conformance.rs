@@ -103,6 +103,7 @@ macro_rules! conformance_suite {
                 commit_under_another_actors_fence_is_refused,
                 empty_commit_under_an_older_fence_is_refused,
                 fences_of_two_actors_are_independent,
+                a_fence_check_answers_as_a_commit_would,
                 delete_write_removes_the_key,
                 writes_in_one_commit_apply_in_order,
                 empty_value_is_stored_and_differs_from_an_absent_key,
