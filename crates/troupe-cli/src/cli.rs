@@ -175,7 +175,9 @@ pub struct ServeArgs {
     pub config: Option<PathBuf>,
     /// The format of the log lines on stderr: `text` (one readable line per event) or
     /// `json` (one JSON object per line). What is logged is chosen by RUST_LOG (default:
-    /// `info` for the troupe crates, `warn` for the others).
+    /// `info` for the troupe crates, `warn` for the others, and no line per request; with
+    /// RUST_LOG set, e.g. `RUST_LOG=info`, each span of a request, from `http_request`
+    /// down to `model_call`, also logs a line when it closes).
     #[arg(long, value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// Export the spans (each request's `http_request`, `invoke`, `turn` with its call
@@ -226,7 +228,8 @@ pub enum LogFormat {
 }
 
 /// `troupe serve`'s log filter when RUST_LOG is not set: `info` for the troupe crates,
-/// `warn` for every other (axum, hyper, ...).
+/// `warn` for every other (axum, hyper, ...). The spans' close lines (a request's
+/// detail) are then not written: RUST_LOG set writes them.
 pub const SERVE_LOG_FILTER_DEFAULT: &str =
     "warn,troupe=info,troupe_cli=info,troupe_server=info,troupe_runtime=info,troupe_agent=info,troupe_core=info";
 

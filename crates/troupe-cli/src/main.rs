@@ -270,8 +270,8 @@ async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> Result
 }
 
 /// Logs to stderr in `format`, filtered by RUST_LOG (or [`SERVE_LOG_FILTER_DEFAULT`]).
-/// Every span also logs one line when it closes, with its fields and its busy and idle
-/// times: a request's `http_request` line carries its status and latency, and its
+/// With RUST_LOG set, every span it enables also logs one line when it closes, with its
+/// fields and its busy and idle times (without it, a request logs no line): a request's `http_request` line carries its status and latency, and its
 /// `invoke`, `turn` and `model_call` lines list it among their ancestors. With
 /// `otlp_endpoint` (feature `otel`), the same spans are also exported over OTLP/HTTP;
 /// the guard returned flushes them.
@@ -283,14 +283,19 @@ fn init_logging(format: troupe_cli::LogFormat, otlp_endpoint: Option<&str>) -> R
     use tracing_subscriber::util::SubscriberInitExt as _;
     use tracing_subscriber::{EnvFilter, Layer as _};
 
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(directives) if !directives.trim().is_empty() => {
-            EnvFilter::try_new(&directives).map_err(|error| format!("RUST_LOG={directives}: {error}"))?
-        }
-        _ => EnvFilter::new(troupe_cli::SERVE_LOG_FILTER_DEFAULT),
+    // The spans' close lines are the per-request detail (a coordinator request wrote 32
+    // of them, about 14 KiB): written only when RUST_LOG asks for a filter. Until
+    // 2026-12-06 the default wrote them too, and a server whose stderr nobody read (a full
+    // 64 KiB pipe) stalled on its next line after a few requests.
+    let (filter, span_lines) = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.trim().is_empty() => (
+            EnvFilter::try_new(&directives).map_err(|error| format!("RUST_LOG={directives}: {error}"))?,
+            FmtSpan::CLOSE,
+        ),
+        _ => (EnvFilter::new(troupe_cli::SERVE_LOG_FILTER_DEFAULT), FmtSpan::NONE),
     };
     let lines = tracing_subscriber::fmt::layer()
-        .with_span_events(FmtSpan::CLOSE)
+        .with_span_events(span_lines)
         .with_writer(std::io::stderr);
     let lines = match format {
         troupe_cli::LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).boxed(),

@@ -791,3 +791,44 @@ fn an_early_sigterm_leaves_no_temporary_state_behind() {
     }
     eprintln!("early SIGTERM outcomes: {outcomes:?}");
 }
+/// Goal: a `troupe serve` whose stderr nobody reads (a pipe to a process that went
+/// away, a service manager's pipe that is full) keeps answering at the default log
+/// level: a request writes no line at `info` (its detail is at `debug`), so the 64 KiB
+/// pipe never fills. Until 2026-12-06 a coordinator request wrote 32 lines (about 14
+/// KiB) at `info`: a few requests filled the pipe and the server stalled on its next
+/// log line. Method: stderr piped and never read, `UNREAD_STDERR_REQUESTS` coordinator
+/// requests one after the other, each answered within `UNREAD_STDERR_ANSWER_MS_MAX`.
+#[test]
+fn a_server_whose_stderr_is_never_read_keeps_answering() {
+    /// How many requests are sent.
+    const UNREAD_STDERR_REQUESTS: usize = 300;
+    /// The longest one answer may take, in milliseconds (a coordinator turn is about 2 s
+    /// of scripted delays; the first ones are asked of the critic, which answers at once).
+    const UNREAD_STDERR_ANSWER_MS_MAX: u64 = 10_000;
+    let mut child = troupe()
+        .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Held, never read.
+    let _stderr = child.stderr.take().unwrap();
+    let mut running = Running { child, stderr: None };
+    let (_stdout, addr) = support::read_address(&mut running.child).expect("an address");
+    for request in 0..UNREAD_STDERR_REQUESTS {
+        // One coordinator request (32 lines before), then the critic (4 lines each).
+        let (path, body) = if request == 0 {
+            ("/v1/agents/coordinator/messages", r#"{"text": "Prepare a brief"}"#)
+        } else {
+            ("/v1/agents/critic/messages", r#"{"text": "a brief"}"#)
+        };
+        let started = std::time::Instant::now();
+        let (status, answer) = support::http(&addr, "POST", path, body, UNREAD_STDERR_ANSWER_MS_MAX);
+        assert_eq!(status, 200, "request {request}: {answer}");
+        assert!(
+            started.elapsed() < Duration::from_millis(UNREAD_STDERR_ANSWER_MS_MAX),
+            "request {request} took {:?}",
+            started.elapsed()
+        );
+    }
+}
