@@ -28,8 +28,10 @@ use crate::{
 /// [`converse_steps_kept_id`]), its name to [`AGENT_TOOL_NAME_SIZE_MAX_BYTES`] and its
 /// arguments to [`AGENT_TOOL_CALL_ARGUMENTS_SIZE_MAX_BYTES`] of JSON text (longer ones
 /// become a JSON string of their text cut there), all on a character boundary. Every
-/// kept call keeps a result with its id, as a chat's protocol requires.
-fn converse_steps_keep_within_limits(message: &mut ChatMessage, results: &mut [ChatMessage]) {
+/// kept call keeps a result with its id, as a chat's protocol requires, and the ids of
+/// one step are present and distinct (see [`converse_steps_unique_id`]): a provider
+/// refuses an empty id and cannot pair results with calls that share one.
+fn converse_steps_keep_within_limits(message: &mut ChatMessage, results: &mut [ChatMessage], step: u32) {
     message.tool_calls.truncate(AGENT_TOOL_CALLS_PER_STEP_MAX);
     assert_eq!(message.tool_calls.len(), results.len(), "a result for every kept call");
     let kept = truncate_utf8(&message.content, AGENT_REPLY_SIZE_MAX_BYTES).len();
@@ -39,6 +41,26 @@ fn converse_steps_keep_within_limits(message: &mut ChatMessage, results: &mut [C
             result.tool_call_id = Some(id.clone());
             call.id = id;
         }
+    }
+    // The provider's ids (as kept), which a made id must not take, and the ids given so
+    // far in this step (each at most AGENT_TOOL_CALLS_PER_STEP_MAX).
+    let provided: Vec<String> = message.tool_calls.iter().map(|call| call.id.clone()).collect();
+    let mut given: Vec<String> = Vec::with_capacity(message.tool_calls.len());
+    for (index, (call, result)) in message.tool_calls.iter_mut().zip(results.iter_mut()).enumerate() {
+        if call.id.is_empty() || given.contains(&call.id) {
+            let id = converse_steps_unique_id(step, index, &provided, &given);
+            tracing::warn!(
+                step,
+                call = index,
+                from = %call.id,
+                to = %id,
+                "a tool call's id is empty or repeats an earlier call's of its step: it is sent and kept under an id \
+                 of its own"
+            );
+            result.tool_call_id = Some(id.clone());
+            call.id = id;
+        }
+        given.push(call.id.clone());
         let kept = truncate_utf8(&call.name, AGENT_TOOL_NAME_SIZE_MAX_BYTES).len();
         call.name.truncate(kept);
         assert!(
@@ -93,6 +115,24 @@ fn converse_steps_kept_id(id: &str, index: usize) -> Option<String> {
     let mut kept = truncate_utf8(id, AGENT_TOOL_CALL_ID_SIZE_MAX_BYTES - suffix.len()).to_string();
     kept.push_str(&suffix);
     Some(kept)
+}
+
+/// An id for the `index`th call of step `step` whose own id is empty or repeats an
+/// earlier call's of the step: `call_{step}_{index}`, made from the step and the
+/// position only (the same on every run, as the simulator needs), or
+/// `call_{step}_{index}_{n}` with the least `n` that makes it none of `provided` (the
+/// provider's ids in the step, which may look like it) and `given` (the ids given so
+/// far). Each of them rules out one `n` at most, so the id stays short.
+fn converse_steps_unique_id(step: u32, index: usize, provided: &[String], given: &[String]) -> String {
+    let taken = |id: &String| provided.contains(id) || given.contains(id);
+    let id = format!("call_{step}_{index}");
+    if !taken(&id) {
+        return id;
+    }
+    (1..=provided.len() + given.len())
+        .map(|n| format!("{id}_{n}"))
+        .find(|candidate| !taken(candidate))
+        .expect("each taken id rules out at most one candidate")
 }
 
 /// Whether `value` written as JSON is longer than `limit` bytes: written into a counter
@@ -457,7 +497,7 @@ impl AgentActor {
                     // provider's oversized text, arguments, ids or number of calls went
                     // into every later prompt (and over the store's value limit, failing
                     // the turn).
-                    converse_steps_keep_within_limits(&mut message, results.as_mut_slice());
+                    converse_steps_keep_within_limits(&mut message, results.as_mut_slice(), steps);
                     let step: Arc<[ChatMessage]> = match results {
                         StepResults::One(result) => Arc::new([message, result]),
                         StepResults::Many(results) => std::iter::once(message).chain(results).collect(),
