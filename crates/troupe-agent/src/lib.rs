@@ -105,8 +105,8 @@ pub use external::{ExternalCancel, ExternalForget, ExternalReply, ExternalTask, 
 pub use inbox::{InboxError, MessageKind, TaskState, TaskStatus, DELEGATE_TOOL_NAME, NOTIFY_TOOL_NAME};
 pub use inbox_turns::{send_schema, SendArguments};
 pub use llm::{
-    ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, LlmRouter, Prompt, PromptIter, PromptParts, Role,
-    TokenUsage, ToolCall, ToolSpec,
+    ChatMessage, EarlyStop, LlmClient, LlmError, LlmReply, LlmRequest, LlmRouter, Prompt, PromptIter, PromptParts,
+    Role, TokenUsage, ToolCall, ToolSpec,
 };
 #[cfg(not(madsim))]
 pub use mcp::{
@@ -116,7 +116,7 @@ pub use mcp::{
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]
 pub use openai::{
-    ensure_tls_provider, OpenAiClient, OpenAiConfig, OpenAiConfigError, StreamDelta, StreamObserver,
+    ensure_tls_provider, OpenAiClient, OpenAiConfig, OpenAiConfigError, StreamDelta, StreamObserver, TokenCapField,
     OPENAI_BASE_URL_DEFAULT, OPENAI_MODEL_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_DEFAULT, OPENAI_REQUEST_TIMEOUT_MS_MAX,
     OPENAI_RETRIES_DEFAULT, OPENAI_RETRIES_MAX, OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT,
     OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT, OPENAI_RETRY_JITTER_SEED_DEFAULT, PROVIDER_ERROR_BODY_BYTES_MAX,

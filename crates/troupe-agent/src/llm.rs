@@ -530,12 +530,50 @@ pub enum LlmError {
         /// The call's cap.
         max_tokens: u64,
     },
+    /// The provider ended the answer early for a reason of its own (its
+    /// `finish_reason`): its content filter withheld it, or it failed mid-answer. What
+    /// had arrived is not an answer and is not used (before, an empty or partial text
+    /// was taken for a complete answer).
+    #[error(
+        "the model provider stopped the answer early: {reason} (finish_reason {finish_reason:?}); the \
+         {partial_bytes} bytes of text that had arrived are not used"
+    )]
+    StoppedEarly {
+        /// Why, as far as the protocol says.
+        reason: EarlyStop,
+        /// The provider's `finish_reason`, as sent.
+        finish_reason: String,
+        /// How much text had arrived, in bytes.
+        partial_bytes: usize,
+    },
     /// A failure injected by a script or the simulator.
     #[error("injected model failure: {cause}")]
     Injected {
         /// What the script said.
         cause: String,
     },
+}
+
+/// Why a provider ended an answer early ([`LlmError::StoppedEarly`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EarlyStop {
+    /// Its content filter withheld (part of) the answer (OpenAI's `finish_reason:
+    /// "content_filter"`).
+    ContentFilter,
+    /// It failed while answering (`finish_reason: "error"`, as some gateways send).
+    Error,
+}
+
+impl std::fmt::Display for EarlyStop {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            Self::ContentFilter => {
+                "its content filter withheld the answer (rephrase the request, or check the provider's content \
+                 policy)"
+            }
+            Self::Error => "it failed while answering (retry later)",
+        })
+    }
 }
 
 /// What an [`LlmError::Provider`] of `status` tells the reader to check (empty for a

@@ -51,6 +51,19 @@
 //!   stopped at its token limit, e.g. the cap a budget sets) is returned with
 //!   [`LlmReply::truncated`]; a tool call it cut (arguments that are not JSON) is
 //!   [`LlmError::Malformed`] naming the token limit.
+//! - **Other finish reasons.** `"content_filter"` (the provider withheld the answer) and
+//!   `"error"` (it failed mid-answer, as some gateways say) are
+//!   [`LlmError::StoppedEarly`] with [`crate::EarlyStop`], streamed or not: the empty
+//!   or partial text is not taken for an answer. `"stop"`, `"tool_calls"`,
+//!   `"function_call"`, none, and the end-of-answer values of common local servers
+//!   (`"eos"`, `"eos_token"`, `"stop_sequence"`, `"end_turn"`) are a complete answer;
+//!   any other value is taken as one too, with a warning naming it.
+//! - **Token cap field.** The completion's cap ([`LlmRequest::max_tokens`]) is sent as
+//!   `max_tokens`, or `max_completion_tokens` with [`OpenAiConfig::token_cap_field`]
+//!   (OpenAI's newer models refuse `max_tokens` with a 400). A 400 that refuses the
+//!   field sent (it names it, as unsupported) is sent again at once, once, with the
+//!   other field (not counted as a retry), and the client and its clones send that
+//!   field from then on.
 //! - **Usage.** The provider's `usage` (prompt, completion, total tokens) is returned in
 //!   [`LlmReply::usage`]; `None` when the provider sent none.
 //! - **Errors.** HTTP status >= 400 (after retries) → [`LlmError::Provider`] with the
@@ -92,6 +105,7 @@
 //! arrives, which streaming needs. TLS is rustls with the `ring` provider (no C build of
 //! aws-lc); the provider is installed as the process default when none is.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -100,7 +114,7 @@ use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, Deadline};
 use troupe_runtime::Clock;
 
-use crate::{ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall, ToolSpec};
+use crate::{ChatMessage, EarlyStop, LlmClient, LlmError, LlmReply, LlmRequest, Role, TokenUsage, ToolCall, ToolSpec};
 
 /// The base URL used when `OPENAI_BASE_URL` is not set.
 pub const OPENAI_BASE_URL_DEFAULT: &str = "https://api.openai.com/v1";
@@ -149,6 +163,49 @@ pub const OPENAI_RETRY_JITTER_SEED_DEFAULT: u64 = 0x7201_0BE5_EED5_0001;
 /// The number of distinct tool calls one streamed answer may carry (indices
 /// `0..STREAM_TOOL_CALLS_MAX`); a higher index is [`LlmError::Malformed`].
 pub const STREAM_TOOL_CALLS_MAX: usize = 128;
+
+/// Which request field carries the completion's token cap ([`LlmRequest::max_tokens`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TokenCapField {
+    /// `max_tokens`: what OpenAI-compatible servers read (the default).
+    #[default]
+    MaxTokens,
+    /// `max_completion_tokens`: what OpenAI's newer models (the o-series, gpt-5)
+    /// require; they refuse `max_tokens` with a 400.
+    MaxCompletionTokens,
+}
+
+impl TokenCapField {
+    /// The field's name in the request.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MaxTokens => "max_tokens",
+            Self::MaxCompletionTokens => "max_completion_tokens",
+        }
+    }
+
+    fn other(self) -> Self {
+        match self {
+            Self::MaxTokens => Self::MaxCompletionTokens,
+            Self::MaxCompletionTokens => Self::MaxTokens,
+        }
+    }
+
+    fn from_u8(value: u8) -> Self {
+        if value == 1 {
+            Self::MaxCompletionTokens
+        } else {
+            Self::MaxTokens
+        }
+    }
+
+    fn to_u8(self) -> u8 {
+        match self {
+            Self::MaxTokens => 0,
+            Self::MaxCompletionTokens => 1,
+        }
+    }
+}
 
 const _: () = assert!(OPENAI_REQUEST_TIMEOUT_MS_DEFAULT > 0);
 const _: () = assert!(OPENAI_REQUEST_TIMEOUT_MS_DEFAULT <= OPENAI_REQUEST_TIMEOUT_MS_MAX);
@@ -248,6 +305,9 @@ pub struct OpenAiConfig {
     pub retry_backoff_max: Duration,
     /// Seeds the jitter generator (default [`OPENAI_RETRY_JITTER_SEED_DEFAULT`]).
     pub retry_jitter_seed: u64,
+    /// The field the token cap is sent in (default [`TokenCapField::MaxTokens`]; env
+    /// `OPENAI_TOKEN_CAP_FIELD`). A 400 refusing it switches to the other one.
+    pub token_cap_field: TokenCapField,
 }
 
 impl std::fmt::Debug for OpenAiConfig {
@@ -263,6 +323,7 @@ impl std::fmt::Debug for OpenAiConfig {
             .field("retry_backoff_initial", &self.retry_backoff_initial)
             .field("retry_backoff_max", &self.retry_backoff_max)
             .field("retry_jitter_seed", &self.retry_jitter_seed)
+            .field("token_cap_field", &self.token_cap_field)
             .finish()
     }
 }
@@ -280,11 +341,20 @@ impl OpenAiConfig {
             retry_backoff_initial: Duration::from_millis(OPENAI_RETRY_BACKOFF_INITIAL_MS_DEFAULT),
             retry_backoff_max: Duration::from_millis(OPENAI_RETRY_BACKOFF_MS_MAX_DEFAULT),
             retry_jitter_seed: OPENAI_RETRY_JITTER_SEED_DEFAULT,
+            token_cap_field: TokenCapField::MaxTokens,
         }
     }
 
+    /// This config, sending the token cap in `field`.
+    #[must_use]
+    pub fn with_token_cap_field(mut self, field: TokenCapField) -> Self {
+        self.token_cap_field = field;
+        self
+    }
+
     /// Reads the config from the process environment: `OPENAI_API_KEY` (required),
-    /// `OPENAI_BASE_URL`, `OPENAI_MODEL` and `OPENAI_REQUEST_TIMEOUT_MS` (optional; an
+    /// `OPENAI_BASE_URL`, `OPENAI_MODEL`, `OPENAI_REQUEST_TIMEOUT_MS` and
+    /// `OPENAI_TOKEN_CAP_FIELD` (`max_tokens` or `max_completion_tokens`) (optional; an
     /// empty variable counts as unset), then validates it. The other fields keep their
     /// defaults.
     ///
@@ -320,6 +390,18 @@ impl OpenAiConfig {
                     cause: format!("{timeout_ms:?} is not a whole number of milliseconds: {error}"),
                 })?;
             config.request_timeout = Duration::from_millis(timeout_ms);
+        }
+        if let Some(field) = read("OPENAI_TOKEN_CAP_FIELD") {
+            config.token_cap_field = match field.trim() {
+                "max_tokens" => TokenCapField::MaxTokens,
+                "max_completion_tokens" => TokenCapField::MaxCompletionTokens,
+                other => {
+                    return Err(OpenAiConfigError::InvalidEnv {
+                        name: "OPENAI_TOKEN_CAP_FIELD",
+                        cause: format!("{other:?} is neither max_tokens nor max_completion_tokens"),
+                    })
+                }
+            };
         }
         config.validate()?;
         Ok(config)
@@ -488,6 +570,9 @@ pub struct OpenAiClient {
     http: reqwest::Client,
     jitter: Arc<Mutex<Jitter>>,
     observer: Option<Arc<dyn StreamObserver>>,
+    /// The [`TokenCapField`] sent now (`to_u8`), shared by clones: the config's, until a
+    /// 400 refuses it.
+    token_cap_field: Arc<AtomicU8>,
 }
 
 impl std::fmt::Debug for OpenAiClient {
@@ -518,12 +603,14 @@ impl OpenAiClient {
         let jitter = Arc::new(Mutex::new(Jitter {
             state: config.retry_jitter_seed,
         }));
+        let token_cap_field = Arc::new(AtomicU8::new(config.token_cap_field.to_u8()));
         Ok(Self {
             config,
             clock,
             http,
             jitter,
             observer: None,
+            token_cap_field,
         })
     }
 
@@ -638,8 +725,13 @@ impl LlmClient for OpenAiClient {
         } else {
             request.model.as_str()
         };
-        let body = serde_json::to_vec(&WireRequest::from_request(model, &request, self.config.stream))
-            .expect("a request of strings and JSON values always serializes");
+        let mut field = TokenCapField::from_u8(self.token_cap_field.load(Ordering::Relaxed));
+        let encode = |field| {
+            serde_json::to_vec(&WireRequest::from_request(model, &request, self.config.stream, field))
+                .expect("a request of strings and JSON values always serializes")
+        };
+        let mut body = encode(field);
+        let mut switched = false;
         let mut retries = 0;
         loop {
             let outcome = match self.clock.run_until(end, self.attempt(&body, &request.agent)).await {
@@ -648,7 +740,24 @@ impl LlmClient for OpenAiClient {
             };
             let (error, retry_after) = match outcome {
                 Ok(reply) => return Ok(reply),
-                Err(Attempt::Final(error)) => return Err(error),
+                Err(Attempt::Final(error)) => {
+                    // The model refuses the field the cap was sent in (OpenAI's newer
+                    // models and `max_tokens`): once, at once, with the other field,
+                    // which the client keeps.
+                    if !switched && request.max_tokens.is_some() && refuses_token_cap_field(&error, field) {
+                        tracing::info!(
+                            refused = field.name(),
+                            sent = field.other().name(),
+                            "model call: the provider refuses the token cap's field; sending the other"
+                        );
+                        field = field.other();
+                        self.token_cap_field.store(field.to_u8(), Ordering::Relaxed);
+                        body = encode(field);
+                        switched = true;
+                        continue;
+                    }
+                    return Err(error);
+                }
                 Err(Attempt::Retryable { error, retry_after }) => (error, retry_after),
             };
             if retries >= self.config.retries_max {
@@ -665,6 +774,25 @@ impl LlmClient for OpenAiClient {
             retries += 1;
         }
     }
+}
+
+/// Whether `error` is a 400 that refuses the token cap's `field` (it names the field,
+/// quoted, as unsupported or unknown, or names the other field instead), as OpenAI's
+/// "Unsupported parameter: 'max_tokens' is not supported with this model. Use
+/// 'max_completion_tokens' instead." does.
+fn refuses_token_cap_field(error: &LlmError, field: TokenCapField) -> bool {
+    let LlmError::Provider { status: 400, body } = error else {
+        return false;
+    };
+    let body = body.to_ascii_lowercase();
+    let named = [format!("'{}'", field.name()), format!("\"{}\"", field.name())]
+        .iter()
+        .any(|quoted| body.contains(quoted.as_str()));
+    let refused = ["unsupported", "not supported", "unrecognized", "unknown", "not allowed"]
+        .iter()
+        .any(|word| body.contains(word))
+        || body.contains(field.other().name());
+    named && refused
 }
 
 /// The wait a 429/5xx asks for: `retry-after-ms` (OpenAI's, milliseconds) or
@@ -729,6 +857,8 @@ struct StreamAssembly {
     done: bool,
     /// The provider stopped at its token limit (`finish_reason: "length"`).
     cut: bool,
+    /// The provider stopped early for another reason, and its `finish_reason`.
+    early: Option<(EarlyStop, String)>,
 }
 
 #[derive(Default)]
@@ -772,8 +902,14 @@ impl StreamAssembly {
             self.usage = Some(usage.into());
         }
         for choice in chunk.choices.into_iter().filter(|choice| choice.index == 0) {
-            if choice.finish_reason.as_deref() == Some(FINISH_REASON_LENGTH) {
-                self.cut = true;
+            match finish_of(choice.finish_reason.as_deref()) {
+                Finish::Complete => {}
+                Finish::Cut => self.cut = true,
+                Finish::Early(early) => {
+                    let reason = choice.finish_reason.as_deref().unwrap_or_default();
+                    let reason = troupe_core::truncate_utf8(reason, PROVIDER_ERROR_BODY_BYTES_MAX).to_owned();
+                    self.early = Some((early, reason));
+                }
             }
             if let Some(text) = choice.delta.content.filter(|text| !text.is_empty()) {
                 if let Some(observer) = observer {
@@ -845,6 +981,13 @@ impl StreamAssembly {
                 cause: "the stream ended before data: [DONE]".to_owned(),
             });
         }
+        if let Some((reason, finish_reason)) = self.early {
+            return Err(LlmError::StoppedEarly {
+                reason,
+                finish_reason,
+                partial_bytes: self.content.len(),
+            });
+        }
         let mut tool_calls = Vec::with_capacity(self.calls.len());
         for call in self.calls {
             if call.name.is_empty() {
@@ -912,8 +1055,50 @@ async fn read_stream(
     assembly.finish()
 }
 
-/// The `finish_reason` of an answer the provider stopped at its token limit.
-const FINISH_REASON_LENGTH: &str = "length";
+/// How an answer ended, by its `finish_reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finish {
+    /// Complete (`"stop"`, `"tool_calls"`, none, ...).
+    Complete,
+    /// Stopped at the provider's token limit (`"length"`).
+    Cut,
+    /// Stopped early for another reason ([`LlmError::StoppedEarly`]).
+    Early(EarlyStop),
+}
+
+/// What a `finish_reason` says (see the module's **Other finish reasons**).
+fn finish_of(reason: Option<&str>) -> Finish {
+    match reason {
+        None
+        | Some("" | "stop" | "tool_calls" | "function_call" | "eos" | "eos_token" | "stop_sequence" | "end_turn") => {
+            Finish::Complete
+        }
+        Some("length") => Finish::Cut,
+        Some("content_filter") => Finish::Early(EarlyStop::ContentFilter),
+        Some("error") => Finish::Early(EarlyStop::Error),
+        Some(other) => {
+            tracing::warn!(
+                finish_reason = other,
+                "model call: an unknown finish_reason, taken as a complete answer"
+            );
+            Finish::Complete
+        }
+    }
+}
+
+/// An answer that ended as `finish` after `partial_bytes` of text, as an error when it
+/// ended early.
+fn check_finish(finish: Finish, reason: Option<&str>, partial_bytes: usize) -> Result<(), LlmError> {
+    match finish {
+        Finish::Early(early) => Err(LlmError::StoppedEarly {
+            reason: early,
+            finish_reason: troupe_core::truncate_utf8(reason.unwrap_or_default(), PROVIDER_ERROR_BODY_BYTES_MAX)
+                .to_owned(),
+            partial_bytes,
+        }),
+        Finish::Complete | Finish::Cut => Ok(()),
+    }
+}
 
 /// Parses one tool call's JSON-string arguments; empty means `{}`. `cut`: the provider
 /// stopped the answer at its token limit, which the error then names (the likely
@@ -967,7 +1152,13 @@ fn parse_response(bytes: &[u8]) -> Result<LlmReply, LlmError> {
             cause: "the response has no choices".to_owned(),
         });
     };
-    let cut = choice.finish_reason.as_deref() == Some(FINISH_REASON_LENGTH);
+    let finish = finish_of(choice.finish_reason.as_deref());
+    check_finish(
+        finish,
+        choice.finish_reason.as_deref(),
+        choice.message.content.as_deref().map_or(0, str::len),
+    )?;
+    let cut = finish == Finish::Cut;
     let mut tool_calls = Vec::with_capacity(choice.message.tool_calls.len());
     for call in choice.message.tool_calls {
         let arguments = match call.function.arguments {
@@ -1016,9 +1207,12 @@ struct WireRequest<'a> {
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_options: Option<WireStreamOptions>,
-    /// The turn's tokens left (the provider caps the completion with it).
+    /// The turn's tokens left (the provider caps the completion with it), in the
+    /// field [`TokenCapField`] says.
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_completion_tokens: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -1027,14 +1221,19 @@ struct WireStreamOptions {
 }
 
 impl<'a> WireRequest<'a> {
-    fn from_request(model: &'a str, request: &'a LlmRequest, stream: bool) -> Self {
+    fn from_request(model: &'a str, request: &'a LlmRequest, stream: bool, cap_field: TokenCapField) -> Self {
+        let (max_tokens, max_completion_tokens) = match cap_field {
+            TokenCapField::MaxTokens => (request.max_tokens, None),
+            TokenCapField::MaxCompletionTokens => (None, request.max_tokens),
+        };
         Self {
             model,
             messages: request.messages.iter().map(WireMessage::from_message).collect(),
             tools: request.tools.iter().map(WireTool::from_spec).collect(),
             stream,
             stream_options: stream.then_some(WireStreamOptions { include_usage: true }),
-            max_tokens: request.max_tokens,
+            max_tokens,
+            max_completion_tokens,
         }
     }
 }

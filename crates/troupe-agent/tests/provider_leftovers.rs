@@ -1,0 +1,535 @@
+//! The provider client's leftovers, as a demanding embedder meets them: tool-call ids a
+//! provider sends empty or twice in one step, answers its content filter stopped, and
+//! newer models that refuse `max_tokens` for `max_completion_tokens`.
+//!
+//! Goal: the next request always pairs every tool result with exactly one call (ids
+//! present and distinct within the step); an answer the provider withheld or broke off
+//! is a typed error, not an empty answer taken for a normal one; a token cap reaches a
+//! model that wants `max_completion_tokens`, by setting or by one resend.
+//!
+//! Method: a tokio HTTP/1.1 server on `127.0.0.1:0` scripted per request (as in
+//! `provider_probes.rs`), an `OpenAiClient` on the runtime's clock. Every wait is
+//! bounded.
+//!
+//! Run: `cargo nextest run -p troupe-agent --test provider_leftovers`.
+
+#![cfg(not(madsim))]
+// Real sockets are the point of this test, which never runs under the simulator.
+#![allow(clippy::disallowed_methods)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use troupe_agent::{
+    AgentCallError, AgentSpec, AgentSystem, ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig,
+    Role, Tool,
+};
+use troupe_core::InvokeError;
+
+/// What the server does with one request.
+#[derive(Clone)]
+enum Behaviour {
+    /// A complete response: status, extra headers, body.
+    Respond {
+        status: u16,
+        headers: Vec<(&'static str, String)>,
+        body: String,
+    },
+    /// An SSE response: these raw pieces, then the connection closes.
+    Sse(Vec<String>),
+}
+
+/// A scripted OpenAI-compatible server on loopback; the script sees each request's
+/// number and body.
+struct FakeServer {
+    base_url: String,
+    requests: Arc<AtomicUsize>,
+    bodies: Arc<Mutex<Vec<Value>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FakeServer {
+    async fn start(script: impl Fn(usize, &Value) -> Behaviour + Send + Sync + 'static) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+        let address = listener.local_addr().expect("local address");
+        let requests = Arc::new(AtomicUsize::new(0));
+        let bodies = Arc::new(Mutex::new(Vec::new()));
+        let script = Arc::new(script);
+        let task = {
+            let requests = requests.clone();
+            let bodies = bodies.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        return;
+                    };
+                    let script = script.clone();
+                    let requests = requests.clone();
+                    let bodies = bodies.clone();
+                    tokio::spawn(async move {
+                        let Some((body, mut stream)) = read_request(stream).await else {
+                            return;
+                        };
+                        let index = requests.fetch_add(1, Ordering::SeqCst);
+                        let behaviour = script(index, &body);
+                        bodies.lock().unwrap().push(body);
+                        answer(&mut stream, behaviour).await;
+                    });
+                }
+            })
+        };
+        Self {
+            base_url: format!("http://{address}/v1"),
+            requests,
+            bodies,
+            task,
+        }
+    }
+
+    fn requests(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+/// Reads one HTTP/1.1 request with a `Content-Length` body; `None` if the client hung up.
+async fn read_request(mut stream: TcpStream) -> Option<(Value, TcpStream)> {
+    let mut bytes = Vec::new();
+    let mut buffer = [0_u8; 4096];
+    let header_end = loop {
+        let read = stream.read(&mut buffer).await.ok()?;
+        if read == 0 {
+            return None;
+        }
+        bytes.extend_from_slice(&buffer[..read]);
+        if let Some(position) = bytes.windows(4).position(|window| window == b"\r\n\r\n") {
+            break position + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&bytes[..header_end]).to_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map(|value| value.trim().parse().expect("numeric content-length"))
+        .expect("the client sends Content-Length");
+    while bytes.len() < header_end + length {
+        let read = stream.read(&mut buffer).await.ok()?;
+        if read == 0 {
+            return None;
+        }
+        bytes.extend_from_slice(&buffer[..read]);
+    }
+    let body = serde_json::from_slice(&bytes[header_end..header_end + length]).expect("the request body is JSON");
+    Some((body, stream))
+}
+
+async fn answer(stream: &mut TcpStream, behaviour: Behaviour) {
+    match behaviour {
+        Behaviour::Respond { status, headers, body } => {
+            let mut head = format!(
+                "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n",
+                body.len()
+            );
+            for (name, value) in headers {
+                head.push_str(&format!("{name}: {value}\r\n"));
+            }
+            head.push_str("\r\n");
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(body.as_bytes()).await;
+            let _ = stream.shutdown().await;
+        }
+        Behaviour::Sse(pieces) => {
+            let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n";
+            let _ = stream.write_all(head.as_bytes()).await;
+            for piece in pieces {
+                let _ = stream.write_all(piece.as_bytes()).await;
+                let _ = stream.flush().await;
+            }
+            let _ = stream.shutdown().await;
+        }
+    }
+}
+
+fn respond(status: u16, body: &str) -> Behaviour {
+    Behaviour::Respond {
+        status,
+        headers: Vec::new(),
+        body: body.to_owned(),
+    }
+}
+
+/// A completion of `message` with `finish_reason` `reason`.
+fn finished(message: Value, reason: &str) -> Behaviour {
+    let body = json!({
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": reason}],
+        "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    });
+    respond(200, &body.to_string())
+}
+
+fn text(text: &str) -> Behaviour {
+    finished(json!({"role": "assistant", "content": text}), "stop")
+}
+
+fn config(base_url: &str, stream: bool) -> OpenAiConfig {
+    let mut config = OpenAiConfig::new("sk-probe-secret");
+    config.base_url = base_url.to_owned();
+    config.model = "probe-model".to_owned();
+    config.request_timeout = Duration::from_secs(30);
+    config.retries_max = 0;
+    config.stream = stream;
+    config
+}
+
+/// A system with one agent, `bob`, whose model is the provider at `base_url`, and a
+/// tool `lookup` that answers `weather in {city}`.
+fn system(base_url: &str, stream: bool) -> AgentSystem {
+    let client = OpenAiClient::new(config(base_url, stream), troupe_runtime::Clock::new()).expect("valid config");
+    let lookup = Tool::from_fn(
+        "lookup",
+        "Looks up the weather of a city.",
+        json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+        |_context, arguments: Value| async move { Ok(format!("weather in {}", arguments["city"].as_str().unwrap_or("?"))) },
+    );
+    AgentSystem::builder()
+        .llm(Arc::new(client))
+        .tool(lookup)
+        .agent(AgentSpec::new("bob"))
+        .start()
+        .expect("the system starts")
+}
+
+/// The cause of a failed turn, or a panic naming what came instead.
+fn failure_cause(result: Result<troupe_agent::AgentReply, AgentCallError>) -> String {
+    match result {
+        Err(AgentCallError::Invoke(InvokeError::ActorFailed { cause, .. })) => cause,
+        other => panic!("expected the turn to fail, got {other:?}"),
+    }
+}
+
+async fn assert_log_empty(system: &AgentSystem) {
+    let log = system.client().conversation_log("bob").await.unwrap();
+    assert!(log.is_empty(), "a failed turn committed: {log:?}");
+}
+
+fn call(id: &str, city: &str) -> Value {
+    json!({"id": id, "type": "function",
+           "function": {"name": "lookup", "arguments": json!({"city": city}).to_string()}})
+}
+
+/// The ids of the calls in the second request's assistant message, and for each tool
+/// result after it, its `tool_call_id` and its text; asserts every result answers the
+/// call at its position and the ids are present and distinct.
+fn pairs_of_second_request(bodies: &[Value], cities: &[&str]) -> Vec<String> {
+    assert_eq!(bodies.len(), 2, "a tool step, then the answer");
+    let messages = bodies[1]["messages"].as_array().unwrap();
+    let position = messages
+        .iter()
+        .position(|message| message["role"] == "assistant")
+        .expect("the tool-calling message is sent back");
+    let ids: Vec<String> = messages[position]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|call| call["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids.len(), cities.len(), "{ids:?}");
+    let results = &messages[position + 1..];
+    assert_eq!(results.len(), cities.len(), "a result per call: {results:?}");
+    for (index, (id, result)) in ids.iter().zip(results).enumerate() {
+        assert!(!id.is_empty(), "call {index} has an empty id: {ids:?}");
+        assert!(
+            ids.iter().filter(|other| *other == id).count() == 1,
+            "id {id:?} is repeated in the step: {ids:?}"
+        );
+        assert_eq!(result["role"], "tool");
+        assert_eq!(result["tool_call_id"].as_str(), Some(id.as_str()), "result {index}");
+        assert_eq!(
+            result["content"].as_str(),
+            Some(format!("weather in {}", cities[index]).as_str()),
+            "result {index} answers its own call"
+        );
+    }
+    ids
+}
+
+/// One step's tool calls with empty ids and a repeated id: the next request sends each
+/// call with an id of its own (the provider's when it is present and first, otherwise
+/// one made from the step and the call's position, the same on every run) and each
+/// result under its call's id. Before, the results were sent under `""` and `"dup"`
+/// twice, which a provider refuses (empty id) or cannot pair with their calls.
+#[tokio::test]
+async fn empty_and_repeated_tool_call_ids_get_ids_of_their_own() {
+    let cities = ["Oslo", "Bergen", "Rome", "Paris"];
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let server = FakeServer::start(move |index, _| match index {
+            0 => finished(
+                json!({"role": "assistant", "content": null,
+                       "tool_calls": [call("", "Oslo"), call("", "Bergen"), call("dup", "Rome"), call("dup", "Paris")]}),
+                "tool_calls",
+            ),
+            _ => text("done"),
+        })
+        .await;
+        let system = system(&server.base_url, false);
+        let reply = system.ask("bob", "weather?").await.unwrap();
+        assert_eq!(reply.text, "done");
+        let bodies = server.bodies.lock().unwrap().clone();
+        let ids = pairs_of_second_request(&bodies, &cities);
+        assert_eq!(ids[2], "dup", "a present, first id is the provider's own");
+        // The log keeps the same pairs (later turns send them again).
+        let log = system.client().conversation_log("bob").await.unwrap();
+        let logged: Vec<String> = log
+            .iter()
+            .flat_map(|message| message.tool_calls.iter().map(|call| call.id.clone()))
+            .collect();
+        assert_eq!(logged, ids);
+        let answered: Vec<String> = log.iter().filter_map(|message| message.tool_call_id.clone()).collect();
+        assert_eq!(answered, ids);
+        system.shutdown().await;
+        runs.push(ids);
+    }
+    assert_eq!(runs[0], runs[1], "the ids made are the same on every run");
+}
+
+/// Streamed calls at two indices that carry no id at all (some local servers): each
+/// gets an id of its own and its result is sent under it. Before, both went out as
+/// `""`.
+#[tokio::test]
+async fn streamed_tool_calls_without_ids_get_ids_of_their_own() {
+    let chunk = |call: Value| {
+        format!(
+            "data: {}\n\n",
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+        )
+    };
+    let server = FakeServer::start(move |index, _| match index {
+        0 => Behaviour::Sse(vec![
+            chunk(json!({"index": 0, "type": "function",
+                         "function": {"name": "lookup", "arguments": "{\"city\":\"Oslo\"}"}})),
+            chunk(json!({"index": 1, "type": "function",
+                         "function": {"name": "lookup", "arguments": "{\"city\":\"Bergen\"}"}})),
+            "data: [DONE]\n\n".to_owned(),
+        ]),
+        _ => Behaviour::Sse(vec![
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"done\"}}]}\n\n".to_owned(),
+            "data: [DONE]\n\n".to_owned(),
+        ]),
+    })
+    .await;
+    let system = system(&server.base_url, true);
+    let reply = system.ask("bob", "weather?").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let bodies = server.bodies.lock().unwrap().clone();
+    pairs_of_second_request(&bodies, &["Oslo", "Bergen"]);
+    system.shutdown().await;
+}
+
+/// An answer the provider's content filter stopped (`finish_reason:
+/// "content_filter"`), streamed or not, or one it broke off (`"error"`), fails the turn
+/// naming the reason, and commits nothing. Before, the empty (or partial) text was the
+/// agent's answer, as if complete.
+#[tokio::test]
+async fn an_answer_the_provider_stopped_early_fails_the_turn_naming_why() {
+    let cases: Vec<(Behaviour, bool, &str)> = vec![
+        (
+            finished(json!({"role": "assistant", "content": ""}), "content_filter"),
+            false,
+            "content_filter",
+        ),
+        (
+            finished(
+                json!({"role": "assistant", "content": "The recipe starts with"}),
+                "content_filter",
+            ),
+            false,
+            "content_filter",
+        ),
+        (
+            Behaviour::Sse(vec![
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"The recipe\"}}]}\n\n".to_owned(),
+                "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"content_filter\"}]}\n\n".to_owned(),
+                "data: [DONE]\n\n".to_owned(),
+            ]),
+            true,
+            "content_filter",
+        ),
+        (
+            finished(json!({"role": "assistant", "content": "Half an"}), "error"),
+            false,
+            "\"error\"",
+        ),
+    ];
+    for (behaviour, stream, expected) in cases {
+        let server = FakeServer::start(move |_, _| behaviour.clone()).await;
+        let system = system(&server.base_url, stream);
+        let cause = failure_cause(system.ask("bob", "hello").await);
+        assert!(cause.contains(expected), "expected {expected:?} in {cause}");
+        assert_eq!(server.requests(), 1, "{cause}: not retried");
+        assert_log_empty(&system).await;
+        system.shutdown().await;
+    }
+}
+
+fn request(clock: &troupe_runtime::Clock, max_tokens: Option<u64>) -> LlmRequest {
+    LlmRequest {
+        max_tokens,
+        agent: troupe_core::ActorId::new("agent", "bob").unwrap(),
+        model: String::new(),
+        messages: vec![ChatMessage::new(Role::User, "hello")].into(),
+        tools: Vec::new().into(),
+        deadline: clock.deadline_in(Duration::from_secs(10)),
+    }
+}
+
+/// What OpenAI answers a newer model (o1, o3, gpt-5) sent `max_tokens`.
+const MAX_TOKENS_REFUSED: &str = r#"{"error":{"message":"Unsupported parameter: 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead.","type":"invalid_request_error","param":"max_tokens","code":"unsupported_parameter"}}"#;
+
+/// A provider like OpenAI's newer models: `max_tokens` is a 400, `max_completion_tokens`
+/// is taken.
+async fn refusing_max_tokens() -> FakeServer {
+    FakeServer::start(|_, body| {
+        if body.get("max_tokens").is_some() {
+            respond(400, MAX_TOKENS_REFUSED)
+        } else {
+            text("capped")
+        }
+    })
+    .await
+}
+
+/// A model that refuses `max_tokens` with OpenAI's 400: the call is sent once more at
+/// once with `max_completion_tokens` (the same cap), and the client's later calls (its
+/// clones' too) send that field from the start. Before, every call with a token cap
+/// (every turn of an agent with a token budget) failed with the 400.
+#[tokio::test]
+async fn a_model_that_refuses_max_tokens_gets_max_completion_tokens() {
+    let server = refusing_max_tokens().await;
+    let clock = troupe_runtime::Clock::new();
+    let client = OpenAiClient::new(config(&server.base_url, false), clock).unwrap();
+
+    let reply = client.complete(request(&clock, Some(500))).await;
+
+    let reply = reply.unwrap_or_else(|error| panic!("the capped call failed: {error}"));
+    assert_eq!(reply.message.content, "capped");
+    let bodies = server.bodies.lock().unwrap().clone();
+    assert_eq!(bodies.len(), 2, "one resend: {bodies:?}");
+    assert_eq!(bodies[0]["max_tokens"], 500);
+    assert_eq!(bodies[1]["max_completion_tokens"], 500);
+    assert!(bodies[1].get("max_tokens").is_none(), "{}", bodies[1]);
+
+    // Learned: the next call, from a clone, goes with the right field at once.
+    let clone = client.clone();
+    clone.complete(request(&clock, Some(40))).await.unwrap();
+    let bodies = server.bodies.lock().unwrap().clone();
+    assert_eq!(bodies.len(), 3, "{bodies:?}");
+    assert_eq!(bodies[2]["max_completion_tokens"], 40);
+}
+
+/// Another 400 is not resent (one request), and a call without a cap sends neither
+/// field.
+#[tokio::test]
+async fn only_the_refusal_of_the_token_field_is_resent() {
+    let server = FakeServer::start(|_, _| respond(400, r#"{"error":{"message":"messages must not be empty"}}"#)).await;
+    let clock = troupe_runtime::Clock::new();
+    let client = OpenAiClient::new(config(&server.base_url, false), clock).unwrap();
+    let error = client.complete(request(&clock, Some(500))).await.unwrap_err();
+    assert!(matches!(error, LlmError::Provider { status: 400, .. }), "{error:?}");
+    assert_eq!(server.requests(), 1);
+
+    let server = refusing_max_tokens().await;
+    let client = OpenAiClient::new(config(&server.base_url, false), clock).unwrap();
+    client.complete(request(&clock, None)).await.unwrap();
+    let bodies = server.bodies.lock().unwrap().clone();
+    assert_eq!(bodies.len(), 1);
+    assert!(bodies[0].get("max_tokens").is_none() && bodies[0].get("max_completion_tokens").is_none());
+}
+
+/// The client's caller sees the reason typed: `LlmError::StoppedEarly` with
+/// `EarlyStop::ContentFilter` (or `Error`), the provider's `finish_reason` and how much
+/// text had arrived; `"stop"`, `"tool_calls"` and a value the client does not know are
+/// complete answers.
+#[tokio::test]
+async fn the_reason_an_answer_stopped_early_is_typed() {
+    use troupe_agent::EarlyStop;
+
+    let clock = troupe_runtime::Clock::new();
+    let cases = [
+        ("content_filter", Some(EarlyStop::ContentFilter)),
+        ("error", Some(EarlyStop::Error)),
+        ("stop", None),
+        ("tool_calls", None),
+        ("a_reason_from_the_future", None),
+    ];
+    for (reason, early) in cases {
+        let server =
+            FakeServer::start(move |_, _| finished(json!({"role": "assistant", "content": "Part"}), reason)).await;
+        let client = OpenAiClient::new(config(&server.base_url, false), clock).unwrap();
+        let outcome = client.complete(request(&clock, None)).await;
+        match early {
+            Some(expected) => assert_eq!(
+                outcome,
+                Err(LlmError::StoppedEarly {
+                    reason: expected,
+                    finish_reason: reason.to_owned(),
+                    partial_bytes: 4,
+                }),
+                "{reason}"
+            ),
+            None => assert_eq!(outcome.unwrap().message.content, "Part", "{reason}"),
+        }
+    }
+}
+
+/// The field is a setting too: `OpenAiConfig::token_cap_field` (or
+/// `with_token_cap_field`, or `OPENAI_TOKEN_CAP_FIELD`) sends `max_completion_tokens`
+/// from the first request; a value that is neither field is refused.
+#[tokio::test]
+async fn the_token_cap_field_is_a_setting() {
+    use troupe_agent::TokenCapField;
+
+    let server = refusing_max_tokens().await;
+    let clock = troupe_runtime::Clock::new();
+    let config = config(&server.base_url, false).with_token_cap_field(TokenCapField::MaxCompletionTokens);
+    let client = OpenAiClient::new(config, clock).unwrap();
+    client.complete(request(&clock, Some(64))).await.unwrap();
+    let bodies = server.bodies.lock().unwrap().clone();
+    assert_eq!(bodies.len(), 1, "{bodies:?}");
+    assert_eq!(bodies[0]["max_completion_tokens"], 64);
+
+    let lookup = |field: &'static str| {
+        move |name: &str| match name {
+            "OPENAI_API_KEY" => Some("k".to_owned()),
+            "OPENAI_TOKEN_CAP_FIELD" => Some(field.to_owned()),
+            _ => None,
+        }
+    };
+    let config = OpenAiConfig::from_lookup(lookup("max_completion_tokens")).unwrap();
+    assert_eq!(config.token_cap_field, TokenCapField::MaxCompletionTokens);
+    let config = OpenAiConfig::from_lookup(lookup("max_tokens")).unwrap();
+    assert_eq!(config.token_cap_field, TokenCapField::MaxTokens);
+    let error = OpenAiConfig::from_lookup(lookup("max_output_tokens")).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            troupe_agent::OpenAiConfigError::InvalidEnv {
+                name: "OPENAI_TOKEN_CAP_FIELD",
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+}
