@@ -153,4 +153,5 @@ pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer
 pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError, LogPage, PendingAgentSystem};
 pub use tool::{
     tool_parameters_schema, Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError,
+    TOOL_NAME_BYTES_MAX,
 };

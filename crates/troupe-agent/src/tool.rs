@@ -475,6 +475,10 @@ impl Tool {
     }
 }
 
+/// The longest tool name model providers accept, in bytes (OpenAI-compatible ones take
+/// `^[a-zA-Z0-9_-]{1,64}$`); a longer name is refused when the tool is registered.
+pub const TOOL_NAME_BYTES_MAX: usize = 64;
+
 /// Why a tool could not be registered.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ToolRegistryError {
@@ -484,6 +488,41 @@ pub enum ToolRegistryError {
         /// The name.
         name: String,
     },
+    /// The name breaks the model providers' rule for tool names: 1 to
+    /// [`TOOL_NAME_BYTES_MAX`] bytes of `a-zA-Z0-9_-`. A provider refuses a request that
+    /// offers such a tool (a 400 for every turn of every agent that has it), so it is
+    /// refused here, when the system is built.
+    #[error(
+        "tool name {name:?} is not one model providers accept: {cause}; a tool name is 1 to {TOOL_NAME_BYTES_MAX} \
+         bytes of a-zA-Z0-9_- (rename it, e.g. `files_read` for `files.read`)"
+    )]
+    InvalidName {
+        /// The name.
+        name: String,
+        /// What breaks the rule.
+        cause: String,
+    },
+}
+
+/// Checks `name` against the providers' rule for tool names (see
+/// [`ToolRegistryError::InvalidName`]).
+fn check_tool_name(name: &str) -> Result<(), ToolRegistryError> {
+    let cause = if name.is_empty() {
+        "it is empty".to_owned()
+    } else if name.len() > TOOL_NAME_BYTES_MAX {
+        format!("it is {} bytes long", name.len())
+    } else if let Some(character) = name
+        .chars()
+        .find(|character| !(character.is_ascii_alphanumeric() || *character == '_' || *character == '-'))
+    {
+        format!("it holds {character:?}")
+    } else {
+        return Ok(());
+    };
+    Err(ToolRegistryError::InvalidName {
+        name: name.to_owned(),
+        cause,
+    })
 }
 
 /// Tools by name.
@@ -501,8 +540,10 @@ impl ToolRegistry {
     /// Adds `tool`.
     ///
     /// # Errors
-    /// [`ToolRegistryError::Duplicate`] if its name is taken.
+    /// [`ToolRegistryError::InvalidName`] if its name is not one model providers accept,
+    /// [`ToolRegistryError::Duplicate`] if it is taken.
     pub fn register(&mut self, tool: Tool) -> Result<(), ToolRegistryError> {
+        check_tool_name(&tool.spec.name)?;
         let name = tool.spec.name.clone();
         if self.tools.contains_key(&name) {
             return Err(ToolRegistryError::Duplicate { name });
