@@ -184,6 +184,18 @@ async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> Result
         Some(file) => Some(troupe_agent::OrgConfig::from_file(file).map_err(|error| error.to_string())?),
         None => None,
     };
+    // Served, not refused: agents may be created through the API, and an earlier run's
+    // are kept in --db. Until 2026-12-06 such a file served 0 agents without a word.
+    if let (Some(org), Some(file)) = (&org, &args.config) {
+        if org.agents.is_empty() {
+            troupe_cli::errln!(
+                "troupe serve: warning: --config {} declares no [[agents]]: the server has only the agents \
+                 created through POST /v1/agents (and those an earlier run kept in --db); a minimal agent entry \
+                 is the two lines `[[agents]]` and `id = \"assistant\"` (see examples/org.toml)",
+                file.display()
+            );
+        }
+    }
     // The port before the store: a run that cannot listen writes nothing (until
     // 2026-12-06 it had created `--db` and synced the config into it first).
     let listener = tokio::net::TcpListener::bind(args.bind)

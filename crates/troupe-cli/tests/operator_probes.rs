@@ -832,3 +832,36 @@ fn a_server_whose_stderr_is_never_read_keeps_answering() {
         );
     }
 }
+
+/// Goal: `troupe serve --config FILE` whose FILE declares no agent (empty, or only a
+/// policy) says so on stderr, naming the file, that it declares no `[[agents]]`, and
+/// what a minimal entry looks like; it still serves (agents may be created through
+/// `POST /v1/agents`, and those of an earlier run are kept in `--db`). Until 2026-12-06
+/// it served 0 agents without a word. Method: an empty file and a policy-only file.
+#[test]
+fn a_config_without_agents_is_served_with_a_warning_saying_what_an_agent_entry_is() {
+    let directory = tempfile::tempdir().unwrap();
+    for (name, text) in [("empty.toml", ""), ("policy.toml", "policy = \"enforced\"\n")] {
+        let file = directory.path().join(name);
+        std::fs::write(&file, text).unwrap();
+        let file = file.to_str().unwrap();
+        let (mut running, _stdout, addr) = serve(&["--config", file]);
+        let (status, body) = http(&addr, "GET", "/v1/agents", "");
+        assert_eq!(status, 200, "{name}: {body}");
+        running.signal("TERM");
+        assert!(running.wait().success(), "{name}");
+        let stderr = running.stderr();
+        let warning = stderr
+            .lines()
+            .find(|line| line.contains("warning"))
+            .unwrap_or_else(|| panic!("{name}: no warning: {stderr:?}"));
+        for needle in [
+            file,
+            "no [[agents]]",
+            "POST /v1/agents",
+            "`[[agents]]` and `id = \"assistant\"`",
+        ] {
+            assert!(warning.contains(needle), "{name}: {needle:?} not in: {warning}");
+        }
+    }
+}
