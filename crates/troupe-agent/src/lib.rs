@@ -110,8 +110,8 @@ pub use llm::{
 };
 #[cfg(not(madsim))]
 pub use mcp::{
-    McpError, McpServer, MCP_CLOSE_GRACE_MS, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_TOOLS_MAX, MCP_TOOL_NAME_BYTES_MAX,
-    MCP_TOOL_RESULT_BYTES_MAX,
+    McpError, McpServer, MCP_CLOSE_GRACE_MS, MCP_CONNECT_TIMEOUT_MS_DEFAULT, MCP_RECONNECT_ATTEMPTS_MAX,
+    MCP_RECONNECT_PAUSE_MS, MCP_TOOLS_MAX, MCP_TOOL_NAME_BYTES_MAX, MCP_TOOL_RESULT_BYTES_MAX,
 };
 pub use observer::{AgentEvent, AgentObserver, CallNode, CallOutcome, CallRecorder};
 #[cfg(not(madsim))]

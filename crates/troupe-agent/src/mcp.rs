@@ -20,8 +20,10 @@
 //!   `notifications/cancelled`.
 //! - **Connecting** (start, `initialize`, `tools/list`) happens outside any turn and is
 //!   bounded by the `timeout` given to the `connect_*` functions: [`McpError::Timeout`].
-//! - **Schemas.** Each tool's `inputSchema` is compiled like a hand-written one; a
-//!   schema that does not compile is [`McpError::InvalidToolSchema`] (not a panic). A
+//! - **Schemas.** Each tool's `inputSchema` is compiled like a hand-written one; a tool
+//!   whose schema does not compile is skipped (not offered; a warning names it and
+//!   why, and [`McpServer::skipped_tools`] lists it as [`McpError::InvalidToolSchema`]),
+//!   and the server's other tools are offered. A
 //!   server with more than [`MCP_TOOLS_MAX`] tools is [`McpError::TooManyTools`], as
 //!   soon as its pages of `tools/list` hold more (the pages are read one at a time).
 //! - **Results.** Text blocks are joined with newlines; other blocks (images, audio,
@@ -29,8 +31,18 @@
 //!   there is no text. The result is cut to [`MCP_TOOL_RESULT_BYTES_MAX`] bytes on a
 //!   UTF-8 boundary. A result with `isError: true`, or a protocol error, is
 //!   [`ToolError::Failed`] with that text; a failure of the connection names the
-//!   server, and one whose connection is gone (a stdio server that exited) says that
-//!   its tools fail until it is connected again (nothing reconnects by itself).
+//!   server.
+//! - **Reconnecting.** A server found dead at a call (its stdio process exited, its
+//!   connection closed, or an earlier call lost it) is started (connected) again,
+//!   `initialize` included, before the call is sent: up to
+//!   [`MCP_RECONNECT_ATTEMPTS_MAX`] attempts, [`MCP_RECONNECT_PAUSE_MS`] apart, each
+//!   bounded by the connect timeout given at first (and the whole by the turn's
+//!   deadline). Calls that find it dead at the same time start it once. When it cannot
+//!   be, the call fails with [`McpError::Reconnect`]'s text (the server and the
+//!   attempts), and the next call tries again. A call the server was lost during is not
+//!   sent again (it may have run): it fails, and the next call reconnects; a call a
+//!   stdio server never read (writing it failed: the process was gone) is sent again
+//!   once after reconnecting. The tools keep the names and schemas listed at first.
 //! - **Lifetime.** The connection stays open while the [`McpServer`] or any tool made
 //!   from it is alive; a stdio child process is killed when the connection closes. On
 //!   Unix it leads a process group of its own, and the whole group is killed
@@ -51,7 +63,8 @@
 //! Not under madsim (`#[cfg(not(madsim))]`): child processes and sockets are not
 //! simulated.
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -81,7 +94,16 @@ pub const MCP_TOOL_RESULT_BYTES_MAX: usize = 64 * 1024;
 
 /// The longest tool name offered to the model, in bytes: the limit of OpenAI-compatible
 /// providers (a longer name of the server's is cut, see the module's **Names**).
-pub const MCP_TOOL_NAME_BYTES_MAX: usize = 64;
+pub const MCP_TOOL_NAME_BYTES_MAX: usize = crate::TOOL_NAME_BYTES_MAX;
+
+/// How many times a server found dead is started (connected) again for one call before
+/// the call gives up.
+pub const MCP_RECONNECT_ATTEMPTS_MAX: u32 = 3;
+
+/// The pause between two attempts to start a dead server again, in milliseconds.
+pub const MCP_RECONNECT_PAUSE_MS: u64 = 200;
+
+const _: () = assert!(MCP_RECONNECT_ATTEMPTS_MAX >= 1);
 
 /// Why an MCP server could not be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -127,12 +149,26 @@ pub enum McpError {
         /// listing stops at the first page past the limit).
         count: usize,
     },
-    /// A tool's input schema is not a schema this crate can compile.
+    /// A tool's input schema is not a schema this crate can compile (the tool is
+    /// skipped, see [`McpServer::skipped_tools`]).
     #[error("MCP tool {tool:?} has an invalid input schema: {cause}")]
     InvalidToolSchema {
         /// The tool's name.
         tool: String,
         /// What is wrong.
+        cause: String,
+    },
+    /// A dead server could not be started (connected) again.
+    #[error(
+        "MCP server {server:?} is gone and could not be started again in {attempts} attempts \
+         ({MCP_RECONNECT_PAUSE_MS} ms apart): {cause}; its tools fail until it can be"
+    )]
+    Reconnect {
+        /// The server's name.
+        server: String,
+        /// The attempts made ([`MCP_RECONNECT_ATTEMPTS_MAX`]).
+        attempts: u32,
+        /// Why the last attempt failed.
         cause: String,
     },
 }
@@ -144,6 +180,115 @@ type Connection = RunningService<RoleClient, ()>;
 struct Connected {
     service: Connection,
     _group: ProcessGroup,
+    /// A call lost the connection (the server is not to be trusted with another).
+    broken: AtomicBool,
+}
+
+impl Connected {
+    /// Whether the connection is gone (or was lost by a call).
+    fn is_dead(&self) -> bool {
+        self.broken.load(Ordering::Relaxed) || self.service.is_closed() || self.service.peer().is_transport_closed()
+    }
+}
+
+/// How to connect to a server (again).
+enum Recipe {
+    Stdio { program: OsString, args: Vec<OsString> },
+    Http { url: String },
+}
+
+/// A server's current connection, and how to make a new one when it dies.
+struct Link {
+    name: String,
+    recipe: Recipe,
+    /// The connect timeout given at first, for every reconnection too.
+    timeout: Duration,
+    current: std::sync::Mutex<Arc<Connected>>,
+    /// Held while reconnecting: calls that find the server dead at once start it once.
+    reconnecting: tokio::sync::Mutex<()>,
+}
+
+impl Link {
+    fn current(&self) -> Arc<Connected> {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The connection to call on: the current one, or a new one when it is dead.
+    async fn live(&self) -> Result<Arc<Connected>, McpError> {
+        let current = self.current();
+        if !current.is_dead() {
+            return Ok(current);
+        }
+        self.reconnect(&current).await
+    }
+
+    /// Replaces `dead` with a new connection (unless another caller already did), within
+    /// [`MCP_RECONNECT_ATTEMPTS_MAX`] attempts.
+    async fn reconnect(&self, dead: &Arc<Connected>) -> Result<Arc<Connected>, McpError> {
+        let _one_at_a_time = self.reconnecting.lock().await;
+        let current = self.current();
+        if !Arc::ptr_eq(&current, dead) && !current.is_dead() {
+            return Ok(current);
+        }
+        let mut cause = String::new();
+        for attempt in 1..=MCP_RECONNECT_ATTEMPTS_MAX {
+            if attempt > 1 {
+                tokio::time::sleep(Duration::from_millis(MCP_RECONNECT_PAUSE_MS)).await;
+            }
+            match open(&self.name, &self.recipe, self.timeout).await {
+                Ok((connected, _tools)) => {
+                    tracing::info!(server = %self.name, attempt, "MCP server connected again");
+                    let connected = Arc::new(connected);
+                    *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = connected.clone();
+                    return Ok(connected);
+                }
+                Err(error) => {
+                    tracing::warn!(server = %self.name, attempt, %error, "MCP server could not be connected again");
+                    cause = error.to_string();
+                }
+            }
+        }
+        Err(McpError::Reconnect {
+            server: self.name.clone(),
+            attempts: MCP_RECONNECT_ATTEMPTS_MAX,
+            cause,
+        })
+    }
+}
+
+/// Connects to the server `recipe` says, within `timeout`.
+async fn open(name: &str, recipe: &Recipe, timeout: Duration) -> Result<(Connected, Vec<rmcp::model::Tool>), McpError> {
+    match recipe {
+        Recipe::Stdio { program, args } => {
+            let mut command = tokio::process::Command::new(program);
+            command.args(args);
+            // Its own process group, killed whole when the connection closes: a helper
+            // the server started (a browser, a language server) is not left running as
+            // an orphan, as it was when only the server was stopped.
+            #[cfg(unix)]
+            command.process_group(0);
+            let transport = TokioChildProcess::new(command).map_err(|error| McpError::Spawn {
+                server: name.to_owned(),
+                cause: error.to_string(),
+            })?;
+            let group = ProcessGroup::of(transport.id());
+            connect_with(name, timeout, group, async move { ().serve(transport).await }).await
+        }
+        Recipe::Http { url } => {
+            crate::openai::ensure_tls_provider();
+            let transport = StreamableHttpClientTransport::from_uri(url.clone());
+            connect_with(
+                name,
+                timeout,
+                ProcessGroup::none(),
+                async move { ().serve(transport).await },
+            )
+            .await
+        }
+    }
 }
 
 /// The process group a stdio server leads (`process_group(0)`: its id is the server's
@@ -233,7 +378,7 @@ impl Drop for KillGroup {
 #[derive(Clone)]
 pub struct McpServer {
     name: String,
-    connection: Arc<Connected>,
+    link: Arc<Link>,
     tools: Vec<rmcp::model::Tool>,
 }
 
@@ -265,20 +410,11 @@ impl McpServer {
         I: IntoIterator<Item = A>,
         A: AsRef<OsStr>,
     {
-        let name = name.into();
-        let mut command = tokio::process::Command::new(program);
-        command.args(args);
-        // Its own process group, killed whole when the connection closes: a helper the
-        // server started (a browser, a language server) is not left running as an
-        // orphan, as it was when only the server was stopped.
-        #[cfg(unix)]
-        command.process_group(0);
-        let transport = TokioChildProcess::new(command).map_err(|error| McpError::Spawn {
-            server: name.clone(),
-            cause: error.to_string(),
-        })?;
-        let group = ProcessGroup::of(transport.id());
-        Self::connect_with(name, timeout, group, async move { ().serve(transport).await }).await
+        let recipe = Recipe::Stdio {
+            program: program.as_ref().to_owned(),
+            args: args.into_iter().map(|arg| arg.as_ref().to_owned()).collect(),
+        };
+        Self::connect(name.into(), recipe, timeout).await
     }
 
     /// Connects to a streamable-HTTP MCP endpoint at `url` (for example
@@ -289,74 +425,39 @@ impl McpServer {
     /// [`McpError::Connect`], [`McpError::Timeout`], [`McpError::ListTools`] or
     /// [`McpError::TooManyTools`].
     pub async fn connect_http(name: impl Into<String>, url: &str, timeout: Duration) -> Result<Self, McpError> {
-        crate::openai::ensure_tls_provider();
-        let transport = StreamableHttpClientTransport::from_uri(url.to_owned());
-        Self::connect_with(name.into(), timeout, ProcessGroup::none(), async move {
-            ().serve(transport).await
-        })
-        .await
+        Self::connect(name.into(), Recipe::Http { url: url.to_owned() }, timeout).await
     }
 
-    /// Connects with `connect` within `timeout`; `group` is the stdio server's process
-    /// group, killed if this fails, or else when the connection is dropped.
-    async fn connect_with<F, E>(
-        name: String,
-        timeout: Duration,
-        group: ProcessGroup,
-        connect: F,
-    ) -> Result<Self, McpError>
-    where
-        F: std::future::Future<Output = Result<Connection, E>>,
-        E: std::fmt::Display,
-    {
-        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        let setup = async {
-            let connection = connect.await.map_err(|error| McpError::Connect {
-                server: name.clone(),
-                cause: error.to_string(),
-            })?;
-            // Page by page, stopping past the limit: a server that keeps naming a
-            // next page is refused there, not read (and kept) until the timeout.
-            let mut tools = Vec::new();
-            let mut cursor = None;
-            loop {
-                let params = rmcp::model::PaginatedRequestParams::default().with_cursor(cursor);
-                let page = connection
-                    .list_tools(Some(params))
-                    .await
-                    .map_err(|error| McpError::ListTools {
-                        server: name.clone(),
-                        cause: error.to_string(),
-                    })?;
-                tools.extend(page.tools);
-                if tools.len() > MCP_TOOLS_MAX {
-                    return Err(McpError::TooManyTools {
-                        server: name.clone(),
-                        count: tools.len(),
-                    });
-                }
-                cursor = page.next_cursor;
-                if cursor.is_none() {
-                    break;
-                }
-            }
-            Ok::<_, McpError>((connection, tools))
-        };
-        let (connection, tools) =
-            tokio::time::timeout(timeout, setup)
-                .await
-                .map_err(|_elapsed| McpError::Timeout {
-                    server: name.clone(),
-                    timeout_ms,
-                })??;
+    async fn connect(name: String, recipe: Recipe, timeout: Duration) -> Result<Self, McpError> {
+        let (connected, tools) = open(&name, &recipe, timeout).await?;
         Ok(Self {
-            name,
-            connection: Arc::new(Connected {
-                service: connection,
-                _group: group,
+            name: name.clone(),
+            link: Arc::new(Link {
+                name,
+                recipe,
+                timeout,
+                current: std::sync::Mutex::new(Arc::new(connected)),
+                reconnecting: tokio::sync::Mutex::new(()),
             }),
             tools,
         })
+    }
+
+    /// Whether the connection is up, as far as this side knows (a stdio server that
+    /// exited may be noticed only at the next call).
+    pub fn is_connected(&self) -> bool {
+        !self.link.current().is_dead()
+    }
+
+    /// Starts (connects to) the server again now, replacing the connection, as a call
+    /// does when it finds the server dead (see the module's **Reconnecting**). Calls in
+    /// flight on the old connection finish or fail on it.
+    ///
+    /// # Errors
+    /// [`McpError::Reconnect`] after [`MCP_RECONNECT_ATTEMPTS_MAX`] failed attempts.
+    pub async fn reconnect(&self) -> Result<(), McpError> {
+        let current = self.link.current();
+        self.link.reconnect(&current).await.map(drop)
     }
 
     /// The name given when connecting.
@@ -369,10 +470,12 @@ impl McpServer {
         self.tools.iter().map(|tool| tool.name.to_string()).collect()
     }
 
-    /// Every tool of the server as a Troupe [`Tool`], under the server's names.
+    /// Every tool of the server as a Troupe [`Tool`], under the server's names, but those
+    /// whose schema does not compile: they are skipped with a warning naming them and why
+    /// ([`McpServer::skipped_tools`]).
     ///
     /// # Errors
-    /// [`McpError::InvalidToolSchema`] for the first tool whose schema does not compile.
+    /// None today (a bad schema costs only its own tool); kept for errors to come.
     pub fn tools(&self) -> Result<Vec<Tool>, McpError> {
         self.tools_with_prefix("")
     }
@@ -384,27 +487,110 @@ impl McpServer {
     /// # Errors
     /// As [`McpServer::tools`].
     pub fn tools_with_prefix(&self, prefix: &str) -> Result<Vec<Tool>, McpError> {
+        let mut offered = Vec::with_capacity(self.tools.len());
+        for (index, tool) in self.tools.iter().enumerate() {
+            let parameters = Value::Object((*tool.input_schema).clone());
+            if let Err(invalid) = ArgumentSchema::compile(&parameters) {
+                // One bad schema costs only its own tool (before, every tool of the
+                // server was refused with it).
+                tracing::warn!(
+                    server = %self.name,
+                    tool = %tool.name,
+                    cause = %invalid,
+                    "MCP tool skipped: its input schema does not compile"
+                );
+                continue;
+            }
+            let exposed = offered_name(prefix, &tool.name, index);
+            let handler = McpToolHandler {
+                server: self.name.clone(),
+                exposed: exposed.clone(),
+                remote: tool.name.to_string(),
+                link: self.link.clone(),
+            };
+            let description = tool.description.as_deref().unwrap_or_default().to_owned();
+            offered.push(Tool::new(exposed, description, parameters, handler));
+        }
+        Ok(offered)
+    }
+
+    /// The server's tools that [`McpServer::tools`] skips, each an
+    /// [`McpError::InvalidToolSchema`] naming it and saying why, in the server's order.
+    pub fn skipped_tools(&self) -> Vec<McpError> {
         self.tools
             .iter()
-            .enumerate()
-            .map(|(index, tool)| {
+            .filter_map(|tool| {
                 let parameters = Value::Object((*tool.input_schema).clone());
-                ArgumentSchema::compile(&parameters).map_err(|invalid| McpError::InvalidToolSchema {
-                    tool: tool.name.to_string(),
-                    cause: invalid.to_string(),
-                })?;
-                let exposed = offered_name(prefix, &tool.name, index);
-                let handler = McpToolHandler {
-                    server: self.name.clone(),
-                    exposed: exposed.clone(),
-                    remote: tool.name.to_string(),
-                    connection: self.connection.clone(),
-                };
-                let description = tool.description.as_deref().unwrap_or_default().to_owned();
-                Ok(Tool::new(exposed, description, parameters, handler))
+                ArgumentSchema::compile(&parameters)
+                    .err()
+                    .map(|invalid| McpError::InvalidToolSchema {
+                        tool: tool.name.to_string(),
+                        cause: invalid.to_string(),
+                    })
             })
             .collect()
     }
+}
+
+/// Connects with `connect` within `timeout`; `group` is the stdio server's process
+/// group, killed if this fails, or else when the connection is dropped.
+async fn connect_with<F, E>(
+    name: &str,
+    timeout: Duration,
+    group: ProcessGroup,
+    connect: F,
+) -> Result<(Connected, Vec<rmcp::model::Tool>), McpError>
+where
+    F: std::future::Future<Output = Result<Connection, E>>,
+    E: std::fmt::Display,
+{
+    let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+    let setup = async {
+        let connection = connect.await.map_err(|error| McpError::Connect {
+            server: name.to_owned(),
+            cause: error.to_string(),
+        })?;
+        // Page by page, stopping past the limit: a server that keeps naming a
+        // next page is refused there, not read (and kept) until the timeout.
+        let mut tools = Vec::new();
+        let mut cursor = None;
+        loop {
+            let params = rmcp::model::PaginatedRequestParams::default().with_cursor(cursor);
+            let page = connection
+                .list_tools(Some(params))
+                .await
+                .map_err(|error| McpError::ListTools {
+                    server: name.to_owned(),
+                    cause: error.to_string(),
+                })?;
+            tools.extend(page.tools);
+            if tools.len() > MCP_TOOLS_MAX {
+                return Err(McpError::TooManyTools {
+                    server: name.to_owned(),
+                    count: tools.len(),
+                });
+            }
+            cursor = page.next_cursor;
+            if cursor.is_none() {
+                break;
+            }
+        }
+        Ok::<_, McpError>((connection, tools))
+    };
+    let (connection, tools) = tokio::time::timeout(timeout, setup)
+        .await
+        .map_err(|_elapsed| McpError::Timeout {
+            server: name.to_owned(),
+            timeout_ms,
+        })??;
+    Ok((
+        Connected {
+            service: connection,
+            _group: group,
+            broken: AtomicBool::new(false),
+        },
+        tools,
+    ))
 }
 
 /// The name tool `name` (the `index`th of its server's list) is offered under:
@@ -441,19 +627,19 @@ struct McpToolHandler {
     server: String,
     exposed: String,
     remote: String,
-    connection: Arc<Connected>,
+    link: Arc<Link>,
 }
 
 impl McpToolHandler {
     /// What a failed call says: which server, and, when its connection is gone, that
-    /// every later call fails too until it is connected again (before: "the MCP call
-    /// failed: Transport closed").
+    /// it is connected again at the next call (before: "the MCP call failed: Transport
+    /// closed").
     fn describe_failure(&self, error: &rmcp::ServiceError) -> String {
         let server = &self.server;
         match error {
             rmcp::ServiceError::TransportClosed => format!(
-                "the MCP server {server:?} is gone (its process exited or its connection closed): its tools fail \
-                 until it is connected again (McpServer::connect_stdio or connect_http)"
+                "the MCP server {server:?} is gone (its process exited or its connection closed) during the call, \
+                 which may or may not have run: it is started (connected) again at the next call"
             ),
             rmcp::ServiceError::TransportSend(_) => {
                 format!("the MCP server {server:?} could not be reached: {error}")
@@ -472,12 +658,40 @@ impl ToolHandler for McpToolHandler {
         }
         // Bounded by the turn's deadline in `Tool::execute`; dropping this future
         // cancels the request on the server.
-        let result = self
-            .connection
-            .service
-            .call_tool(params)
-            .await
-            .map_err(|error| ToolError::failed(&self.exposed, self.describe_failure(&error)))?;
+        let failed = |error: McpError| ToolError::failed(&self.exposed, error.to_string());
+        let connection = self.link.live().await.map_err(failed)?;
+        let result = match connection.service.call_tool(params.clone()).await {
+            Ok(result) => result,
+            Err(error) => {
+                let lost = matches!(
+                    error,
+                    rmcp::ServiceError::TransportClosed | rmcp::ServiceError::TransportSend(_)
+                );
+                if lost {
+                    connection.broken.store(true, Ordering::Relaxed);
+                }
+                // A request that could not be written to a stdio server's input never
+                // reached it (the process was gone): sent once more to a new process.
+                let unread = matches!(error, rmcp::ServiceError::TransportSend(_))
+                    && matches!(self.link.recipe, Recipe::Stdio { .. });
+                if !unread {
+                    return Err(ToolError::failed(&self.exposed, self.describe_failure(&error)));
+                }
+                let connection = self.link.reconnect(&connection).await.map_err(failed)?;
+                match connection.service.call_tool(params).await {
+                    Ok(result) => result,
+                    Err(error) => {
+                        if matches!(
+                            error,
+                            rmcp::ServiceError::TransportClosed | rmcp::ServiceError::TransportSend(_)
+                        ) {
+                            connection.broken.store(true, Ordering::Relaxed);
+                        }
+                        return Err(ToolError::failed(&self.exposed, self.describe_failure(&error)));
+                    }
+                }
+            }
+        };
         let mut parts: Vec<String> = result
             .content
             .iter()

@@ -9,6 +9,8 @@
 //! - `slow-list`: answers `tools/list` after [`SLOW_LIST_MS`].
 //! - `odd-names`: lists extra tools named as MCP allows but model providers refuse
 //!   (`files.read`, `read file`, a name of 100 characters); each answers `called NAME`.
+//! - `exit-after-call`: answers its first tool call as the echo server does, then
+//!   exits (status 0) [`EXIT_AFTER_CALL_MS`] later: a server that dies between calls.
 
 use std::time::Duration;
 
@@ -28,6 +30,10 @@ const HUGE_BYTES_MAX: u64 = 16 * 1024 * 1024;
 /// How long `slow-list` takes to list its tools, in milliseconds.
 const SLOW_LIST_MS: u64 = 30_000;
 
+/// How long `exit-after-call` lives after answering its first call, in milliseconds
+/// (time for the answer to be written out).
+const EXIT_AFTER_CALL_MS: u64 = 50;
+
 /// The tool names of `odd-names`.
 fn odd_names() -> Vec<String> {
     vec!["files.read".to_owned(), "read file".to_owned(), "n".repeat(100)]
@@ -41,6 +47,7 @@ pub(crate) enum Mode {
     BadSchema,
     SlowList,
     OddNames,
+    ExitAfterCall,
 }
 
 impl Mode {
@@ -51,6 +58,7 @@ impl Mode {
             "bad-schema" => Some(Self::BadSchema),
             "slow-list" => Some(Self::SlowList),
             "odd-names" => Some(Self::OddNames),
+            "exit-after-call" => Some(Self::ExitAfterCall),
             _ => None,
         }
     }
@@ -98,6 +106,7 @@ impl ServerHandler for Misbehaving {
                 "Its schema does not compile.",
                 object(json!({"type": 12})),
             )),
+            Mode::ExitAfterCall => {}
             Mode::SlowList => tokio::time::sleep(Duration::from_millis(SLOW_LIST_MS)).await,
             Mode::OddNames => {
                 for name in odd_names() {
@@ -132,6 +141,13 @@ impl ServerHandler for Misbehaving {
             }
             (Mode::OddNames, name) if odd_names().iter().any(|odd| odd == name) => {
                 Ok(CallToolResult::success(vec![ContentBlock::text(format!("called {name}"))]).into())
+            }
+            (Mode::ExitAfterCall, _) => {
+                tokio::spawn(async {
+                    tokio::time::sleep(Duration::from_millis(EXIT_AFTER_CALL_MS)).await;
+                    std::process::exit(0);
+                });
+                EchoServer.call_tool(request, context).await
             }
             _ => EchoServer.call_tool(request, context).await,
         }
