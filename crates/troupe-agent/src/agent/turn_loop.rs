@@ -398,6 +398,13 @@ impl AgentActor {
                     if turn.runtime_aborted() {
                         return Err(self.runtime_aborted());
                     }
+                    // Another runtime on this store (a second process on the SQLite file)
+                    // may have claimed the agent since this activation started: a stale
+                    // activation stops here, before paying for a model call whose answer it
+                    // could not commit, and closes (`Turn::check_fence`). On SQLite a
+                    // `PRAGMA data_version`, and a read only after another connection
+                    // committed; on a store that cannot check, nothing.
+                    turn.check_fence().await?;
                     let max_tokens = match meter.get().model_call_cap() {
                         Ok(cap) => cap,
                         Err(error) => return Ok(Some(exhausted(meter.get(), steps, usage, error))),
