@@ -34,6 +34,7 @@
 mod node;
 mod placed_store;
 mod probes;
+mod store_identity;
 
 pub use node::{
     ClusterClient, ClusterError, ClusterNode, ClusterStats, NODE_NAME_CHECK_TIMEOUT_MS, ROUTE_CACHE_ENTRIES_MAX,
@@ -44,3 +45,4 @@ pub use probes::{
     PROBES_SENT_PER_SECOND_MAX, PROBE_LOCAL_VISITS_MAX, PROBE_PATH_ACTORS_MAX, PROBE_QUEUE_CAPACITY,
     PROBE_SEND_TIMEOUT_MS,
 };
+pub use store_identity::sqlite_store_identity;

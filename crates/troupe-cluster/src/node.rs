@@ -59,6 +59,24 @@ pub enum ClusterError {
         /// Where the live node serves, as its membership record says.
         address: String,
     },
+    /// The cluster is bound to another store than this node's
+    /// ([`EtcdConfig::store_identity`]): another deployment uses the cluster name on this
+    /// etcd. Nothing of this node was written to etcd.
+    #[error(
+        "cluster {cluster:?} on this etcd keeps its actors in store {recorded:?}, but this node's store is \
+         {store:?}: another deployment uses this cluster name on this etcd, and the two would mix their \
+         placements. Give this deployment its own cluster name (troupe node: --cluster), or point this node \
+         at the cluster's store; if the whole cluster moved to this store, stop every node and delete the \
+         etcd key /troupe/{cluster}/store"
+    )]
+    StoreMismatch {
+        /// The cluster's name.
+        cluster: String,
+        /// The store identity recorded for the cluster in etcd.
+        recorded: String,
+        /// This node's store identity.
+        store: String,
+    },
     /// The address this node would publish for the others to dial is not one they can
     /// dial; nothing was bound or sent to etcd.
     #[error(
@@ -232,8 +250,9 @@ impl ClusterNode {
     /// with `listen` on an unspecified IP), before anything is bound;
     /// [`ClusterError::Listen`] if `listen` cannot be bound;
     /// [`ClusterError::NodeNameInUse`] if a live node serves under this node's name at
-    /// another address; [`ClusterError::Join`] if the etcd configuration is invalid or
-    /// etcd does not answer.
+    /// another address; [`ClusterError::StoreMismatch`] if `etcd.store_identity` is set
+    /// and the cluster is bound to another store; [`ClusterError::Join`] if the etcd
+    /// configuration is invalid or etcd does not answer.
     pub async fn start<S: FencedClaim>(
         mut etcd: EtcdConfig,
         listen: SocketAddr,
@@ -255,6 +274,15 @@ impl ClusterNode {
             .await
             .map_err(|error| match error {
                 PlacementError::NodeNameInUse { node, address } => ClusterError::NodeNameInUse { node, address },
+                PlacementError::StoreMismatch {
+                    cluster,
+                    recorded,
+                    store,
+                } => ClusterError::StoreMismatch {
+                    cluster,
+                    recorded,
+                    store,
+                },
                 other => ClusterError::Join(other),
             })?;
         let (ownership, mut releases) = Ownership::new(placement.clone());

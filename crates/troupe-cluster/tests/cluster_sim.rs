@@ -204,6 +204,7 @@ async fn run_node(index: usize, shared: Shared) {
                         troupe_cluster::ClusterError::Join(_) => "join",
                         troupe_cluster::ClusterError::Address { .. } => "address",
                         troupe_cluster::ClusterError::NodeNameInUse { .. } => "name in use",
+                        troupe_cluster::ClusterError::StoreMismatch { .. } => "another store",
                     };
                     shared.note(format!("{name} could not start ({stage})"));
                     tokio::time::sleep(Duration::from_millis(REJOIN_DELAY_MS)).await;

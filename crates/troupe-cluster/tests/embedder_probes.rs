@@ -964,3 +964,68 @@ async fn two_nodes_started_under_one_name_at_once_have_one_winner() {
     bounded("a leaves", a.leave()).await.expect("a leaves");
     bounded("b leaves", b.leave()).await.expect("b leaves");
 }
+
+/// Starts `name` on the SQLite file at `path` in the test cluster, with the file's
+/// identity; the outcome as it is.
+async fn start_with_sqlite_identity(
+    etcd: &TestEtcd,
+    name: &str,
+    path: &std::path::Path,
+) -> Result<ClusterNode, ClusterError> {
+    let store = SqliteStore::open(path).expect("open the SQLite file");
+    let identity = troupe_cluster::sqlite_store_identity(path).expect("the file's identity");
+    bounded(
+        "starting a node",
+        ClusterNode::start(
+            etcd.config(name, "").with_store_identity(identity),
+            loopback(),
+            probe_runtime(name, Arc::new(AtomicU64::new(0))),
+            store,
+        ),
+    )
+    .await
+}
+
+/// Goal: two deployments sharing a cluster name on one etcd, each with its own SQLite
+/// file, are told apart: the second one's node is refused `StoreMismatch` naming both
+/// files; a node of the first deployment that names the file by another path (a
+/// symbolic link) has the same identity and starts. Before, the second deployment's
+/// node started in the first one's cluster and its calls reached the first one's
+/// actors. Method: node-a on file one serves x; node-x on file two is refused; node-b
+/// on file one through a link reaches x.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_of_another_sqlite_file_under_the_same_cluster_name_is_refused() {
+    let etcd = TestEtcd::start("probe-sqlite-two-deployments").await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let (one, two) = (directory.path().join("one.db"), directory.path().join("two.db"));
+    let a = start_with_sqlite_identity(&etcd, "node-a", &one)
+        .await
+        .expect("node-a binds the cluster to file one");
+    let x = probe("x");
+    assert_eq!(call(&a, &x, b"inc").await.expect("A serves"), ("node-a".to_string(), 1));
+    match start_with_sqlite_identity(&etcd, "node-x", &two).await {
+        Err(
+            ref error @ ClusterError::StoreMismatch {
+                ref recorded,
+                ref store,
+                ..
+            },
+        ) => {
+            assert!(recorded.ends_with("one.db") && store.ends_with("two.db"), "{error}");
+            eprintln!("{error}");
+        }
+        Err(other) => panic!("refused, but not as another store: {other}"),
+        Ok(node) => panic!("node-x on file two started in file one's cluster at {}", node.address()),
+    }
+    let link = directory.path().join("link-to-one.db");
+    std::os::unix::fs::symlink(&one, &link).expect("a symbolic link");
+    let b = start_with_sqlite_identity(&etcd, "node-b", &link)
+        .await
+        .expect("node-b on file one through a link starts");
+    assert_eq!(
+        call(&b, &x, b"inc").await.expect("B reaches x"),
+        ("node-a".to_string(), 2)
+    );
+    bounded("a leaves", a.leave()).await.expect("a leaves");
+    bounded("b leaves", b.leave()).await.expect("b leaves");
+}

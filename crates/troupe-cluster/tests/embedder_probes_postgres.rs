@@ -19,7 +19,7 @@ use bytes::Bytes;
 use etcd_server::{TestEtcd, TEST_LEASE_TTL_S};
 use postgres_server::TestServer;
 use tokio::time::Instant;
-use troupe_cluster::ClusterNode;
+use troupe_cluster::{ClusterError, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::LeaseLostReason;
 use troupe_postgres::{tokio_postgres, PostgresStore};
@@ -283,4 +283,119 @@ async fn a_revoked_node_never_commits_beside_the_new_owner_on_postgres() {
     let _ = connection.await;
     bounded("b leaves", b.leave()).await.expect("b leaves");
     drop(a);
+}
+
+/// Starts `name` on `database` in `cluster` with the store's identity; the error as it is.
+async fn start_with_identity(
+    etcd: &TestEtcd,
+    cluster: &str,
+    name: &str,
+    database: &str,
+) -> (Result<ClusterNode, ClusterError>, String) {
+    let store = bounded("connecting a store", PostgresStore::connect(database))
+        .await
+        .expect("connect the store");
+    let identity = bounded("the store's identity", store.identity())
+        .await
+        .expect("the store's identity");
+    let mut config = etcd.config(name, "").with_store_identity(identity.clone());
+    config.cluster = cluster.to_string();
+    let started = bounded(
+        "starting a node",
+        ClusterNode::start(
+            config,
+            "127.0.0.1:0".parse().expect("an address"),
+            counter_runtime(name),
+            store,
+        ),
+    )
+    .await;
+    (started, identity)
+}
+
+async fn call_counter(node: &ClusterNode, index: usize) -> (String, u64) {
+    let deadline = node.handle().deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+    let reply = bounded(
+        "a call",
+        node.invoke(&counter(index), Bytes::from_static(b"inc"), deadline),
+    )
+    .await
+    .expect("served");
+    parse_reply(&reply)
+}
+
+/// Goal: two deployments that share a cluster name on one etcd, each with its own
+/// PostgreSQL database, are told apart: the second one's node is refused at start with
+/// `StoreMismatch` naming the cluster, both store identities and what to do, and the
+/// first deployment goes on. Before, it started and joined the first deployment's
+/// cluster: its calls went to the first deployment's nodes, which keep other state
+/// (a call from it to c0 answered `node-a:2`, the first deployment's count). Method:
+/// databases `one` and `two` on one server; node-a on `one` serves c0; node-x on `two`
+/// under the same cluster name is refused; node-b on `one` through another connection
+/// string (host `localhost`, another role) has the same identity, starts and reaches
+/// c0; node-x starts under its own cluster name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_deployment_under_the_same_cluster_name_is_refused_on_postgres() {
+    let etcd = TestEtcd::start("probe-pg-two-deployments").await;
+    let server = TestServer::start("probe-cluster-two-deployments");
+    let one = server.create_database("one").await;
+    let two = server.create_database("two").await;
+    let cluster = etcd.config("node-a", "").cluster;
+    let (a, identity_one) = start_with_identity(&etcd, &cluster, "node-a", &one).await;
+    let a = a.expect("node-a binds the cluster to database one");
+    assert_eq!(call_counter(&a, 0).await, ("node-a".to_string(), 1));
+
+    let (refused, identity_two) = start_with_identity(&etcd, &cluster, "node-x", &two).await;
+    assert_ne!(identity_one, identity_two, "two databases have two identities");
+    match refused {
+        Err(
+            ref error @ ClusterError::StoreMismatch {
+                cluster: ref named,
+                ref recorded,
+                ref store,
+            },
+        ) => {
+            assert_eq!((named, recorded, store), (&cluster, &identity_one, &identity_two));
+            let text = error.to_string();
+            assert!(
+                text.contains(&identity_one) && text.contains(&identity_two) && text.contains("--cluster"),
+                "{text}"
+            );
+            eprintln!("{error}");
+        }
+        Err(other) => panic!("refused, but not as another store: {other}"),
+        Ok(node) => panic!(
+            "node-x on database two started in the cluster of database one; its call to c0 answered {:?}",
+            call_counter(&node, 0).await
+        ),
+    }
+
+    let other_role = one.replace("user=troupe", "user=node_b") + " password=b";
+    {
+        let (client, connection) = tokio_postgres::connect(&one, tokio_postgres::NoTls)
+            .await
+            .expect("connect as the superuser");
+        let connection = tokio::spawn(connection);
+        client
+            .batch_execute("CREATE ROLE node_b LOGIN PASSWORD 'b'; GRANT ALL ON SCHEMA public TO node_b; GRANT ALL ON ALL TABLES IN SCHEMA public TO node_b")
+            .await
+            .expect("create a role");
+        drop(client);
+        connection.await.expect("the connection task").expect("the connection");
+    }
+    let other_host = other_role.replace("host=127.0.0.1", "host=localhost");
+    let (b, identity_b) = start_with_identity(&etcd, &cluster, "node-b", &other_host).await;
+    assert_eq!(
+        identity_b, identity_one,
+        "another host name and role, the same database"
+    );
+    let b = b.expect("node-b on database one starts");
+    assert_eq!(call_counter(&b, 0).await, ("node-a".to_string(), 2));
+
+    let (x, _) = start_with_identity(&etcd, &format!("{cluster}-two"), "node-x", &two).await;
+    let x = x.expect("node-x starts under its own cluster name");
+    assert_eq!(call_counter(&x, 0).await, ("node-x".to_string(), 1));
+    for node in [a, b, x] {
+        bounded("leaving", node.leave()).await.expect("leaves");
+    }
 }

@@ -34,6 +34,8 @@ pub const ETCD_LEASE_EXPIRY_SLACK_MS: u64 = 1_000;
 pub const ETCD_RETRY_PAUSE_MS: u64 = 10;
 /// Keep-alives per lease TTL: a node renews its lease every `TTL / 3`.
 pub const ETCD_KEEP_ALIVES_PER_TTL: u32 = 3;
+/// Longest store identity ([`EtcdConfig::store_identity`]), in bytes.
+pub const STORE_IDENTITY_LENGTH_MAX: usize = 1_024;
 
 /// The name of one node in a cluster, as it appears in etcd keys: 1 to
 /// [`NAME_LENGTH_MAX`] bytes of ASCII letters, digits, `-`, `_` and `.`.
@@ -108,6 +110,14 @@ pub struct EtcdConfig {
     pub lease_ttl_s: u64,
     /// How long one request to etcd may take, in milliseconds.
     pub request_timeout_ms: u64,
+    /// The identity of the store this node's actors are kept in (e.g.
+    /// `PostgresStore::identity`, or `troupe_cluster::sqlite_store_identity`), or
+    /// `None` to check nothing. The first node that joins with one records it under
+    /// `/troupe/<cluster>/store`; a node whose store has another identity is refused
+    /// ([`crate::PlacementError::StoreMismatch`]): two deployments that share a cluster
+    /// name on one etcd would mix their placements, and calls would reach nodes that
+    /// keep other state.
+    pub store_identity: Option<String>,
 }
 
 impl EtcdConfig {
@@ -120,7 +130,15 @@ impl EtcdConfig {
             address: address.into(),
             lease_ttl_s: ETCD_LEASE_TTL_S_DEFAULT,
             request_timeout_ms: ETCD_REQUEST_TIMEOUT_MS_DEFAULT,
+            store_identity: None,
         }
+    }
+
+    /// Sets the identity of the store the node uses ([`EtcdConfig::store_identity`]).
+    #[must_use]
+    pub fn with_store_identity(mut self, identity: impl Into<String>) -> Self {
+        self.store_identity = Some(identity.into());
+        self
     }
 
     /// Sets the lease TTL, in seconds.
@@ -150,6 +168,17 @@ impl EtcdConfig {
             return Err(ConfigError::NoEndpoints);
         }
         check_name("cluster", &self.cluster)?;
+        if let Some(identity) = &self.store_identity {
+            if identity.is_empty() || identity.len() > STORE_IDENTITY_LENGTH_MAX {
+                return Err(ConfigError::BadStoreIdentity {
+                    identity: identity.clone(),
+                    reason: format!(
+                        "must be 1 to {STORE_IDENTITY_LENGTH_MAX} bytes long, is {}",
+                        identity.len()
+                    ),
+                });
+            }
+        }
         if !(ETCD_LEASE_TTL_S_MIN..=ETCD_LEASE_TTL_S_MAX).contains(&self.lease_ttl_s) {
             return Err(ConfigError::OutOfRange {
                 field: "lease_ttl_s",

@@ -59,6 +59,14 @@ pub enum ConfigError {
     /// No etcd endpoint was given.
     #[error("no etcd endpoint given: pass at least one `host:port`")]
     NoEndpoints,
+    /// The store identity is empty or too long.
+    #[error("store identity {identity:?} is invalid: {reason}")]
+    BadStoreIdentity {
+        /// The identity given.
+        identity: String,
+        /// Which rule it breaks.
+        reason: String,
+    },
     /// A number is outside its allowed range.
     #[error("{field} is {value}, must be in {min}..={max}")]
     OutOfRange {
@@ -133,6 +141,25 @@ pub enum PlacementError {
         node: NodeId,
         /// Where the live node serves, as its membership record says.
         address: String,
+    },
+    /// The cluster is bound to another store: the first node of the cluster recorded
+    /// its store's identity under `/troupe/<cluster>/store`, and this node's store has
+    /// another ([`crate::EtcdConfig::store_identity`]). Two deployments share the
+    /// cluster name on this etcd; nothing of this node was written.
+    #[error(
+        "cluster {cluster:?} on this etcd keeps its actors in store {recorded:?}, but this node's store is \
+         {store:?}: two deployments share the cluster name, and their placements would mix. Give this \
+         deployment its own cluster name (troupe node: --cluster), or point this node at the cluster's \
+         store; if the whole cluster moved to this store, stop every node and delete the etcd key \
+         /troupe/{cluster}/store"
+    )]
+    StoreMismatch {
+        /// The cluster's name.
+        cluster: String,
+        /// The identity recorded for the cluster.
+        recorded: String,
+        /// This node's store identity.
+        store: String,
     },
     /// A record in etcd does not have the form this crate writes.
     #[error("the etcd record at {key} is malformed: {reason}")]

@@ -92,7 +92,10 @@ impl EtcdPlacement {
     /// # Errors
     /// [`PlacementError::Config`] if the configuration is invalid (nothing is sent);
     /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time;
-    /// [`PlacementError::EtcdRefused`] if etcd refuses the lease or the record.
+    /// [`PlacementError::EtcdRefused`] if etcd refuses the lease or the record;
+    /// [`PlacementError::StoreMismatch`] if [`EtcdConfig::store_identity`] is set and
+    /// the cluster is bound to another store (checked before anything of this node is
+    /// written; the first node with an identity binds the cluster to it).
     pub async fn join(config: EtcdConfig) -> Result<Self, PlacementError> {
         Self::join_unless_in_use(config, |_address| std::future::ready(false)).await
     }
@@ -127,6 +130,9 @@ impl EtcdPlacement {
         })
         .await?;
         let kv = client.kv_client();
+        if let Some(identity) = &config.store_identity {
+            bind_store(&kv, &config, identity).await?;
+        }
         let node_key = format!("/troupe/{}/nodes/{}", config.cluster, config.node);
         let previous = bounded(&endpoints, timeout, PlacementOperation::Join, None, || {
             let (mut kv, key) = (kv.clone(), node_key.clone());
@@ -600,6 +606,50 @@ async fn claim_name(
         None => NameClaim::Vanished,
         Some(record) if record.lease() == lease => NameClaim::Claimed,
         Some(record) => NameClaim::HeldBy(String::from_utf8_lossy(record.value()).into_owned()),
+    })
+}
+
+/// Binds the cluster to the store `identity`, or checks that it is bound to it: one
+/// transaction creates `/troupe/<cluster>/store` if absent (not bound to any lease: the
+/// binding outlives every node) and reads it. Another identity there is
+/// [`PlacementError::StoreMismatch`].
+async fn bind_store(kv: &etcd_client::KvClient, config: &EtcdConfig, identity: &str) -> Result<(), PlacementError> {
+    let key = format!("/troupe/{}/store", config.cluster);
+    // Value comparisons only (all the simulator offers); validate refuses an empty
+    // identity, so a missing key is the only one that fails `> ""`.
+    let txn = Txn::new()
+        .when(vec![Compare::value(key.clone(), CompareOp::Greater, "")])
+        .and_then(vec![TxnOp::get(key.clone(), None)])
+        .or_else(vec![TxnOp::put(key.clone(), identity, None), get_again(&key)]);
+    let response = bounded(
+        &config.endpoints.join(","),
+        config.request_timeout(),
+        PlacementOperation::Join,
+        None,
+        || {
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        },
+    )
+    .await?;
+    let recorded = response
+        .op_responses()
+        .into_iter()
+        .find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+            _ => None,
+        })
+        .ok_or_else(|| PlacementError::MalformedRecord {
+            key: key.clone(),
+            reason: "the store transaction returned no record".to_string(),
+        })?;
+    if recorded.value() == identity.as_bytes() {
+        return Ok(());
+    }
+    Err(PlacementError::StoreMismatch {
+        cluster: config.cluster.clone(),
+        recorded: String::from_utf8_lossy(recorded.value()).into_owned(),
+        store: identity.to_string(),
     })
 }
 

@@ -37,7 +37,7 @@ mod placement;
 pub use config::{
     EtcdConfig, NodeId, ETCD_KEEP_ALIVES_PER_TTL, ETCD_LEASE_EXPIRY_SLACK_MS, ETCD_LEASE_TTL_S_DEFAULT,
     ETCD_LEASE_TTL_S_MAX, ETCD_LEASE_TTL_S_MIN, ETCD_REQUEST_TIMEOUT_MS_DEFAULT, ETCD_REQUEST_TIMEOUT_MS_MIN,
-    ETCD_RETRY_PAUSE_MS, NAME_LENGTH_MAX,
+    ETCD_RETRY_PAUSE_MS, NAME_LENGTH_MAX, STORE_IDENTITY_LENGTH_MAX,
 };
 pub use error::{ConfigError, LeaseLostReason, PlacementError, PlacementOperation};
 pub use etcd_placement::EtcdPlacement;

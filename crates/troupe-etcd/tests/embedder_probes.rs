@@ -210,3 +210,84 @@ async fn two_joins_under_one_name_at_the_same_moment_have_one_winner() {
         bounded("leaving", last.leave()).await.expect("leaves");
     }
 }
+
+/// Goal: a cluster name on one etcd is bound to the store of its first node that names
+/// one: a node with another store identity is refused `StoreMismatch` naming the
+/// cluster and both identities, and writes nothing; the binding outlives every node.
+/// Before, nothing was compared: two deployments sharing a cluster name (each with its
+/// own database) joined one cluster and mixed their placements. Method: node-a joins
+/// with store-1; node-b with store-2 is refused and is no member; node-c with store-1
+/// and node-d with no identity join; all leave; node-e with store-2 is still refused;
+/// another cluster name takes store-2; an empty identity is refused before anything is
+/// sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_bound_to_one_store_refuses_a_node_of_another() {
+    let etcd = TestEtcd::start("probe-store-binding").await;
+    let join = |node: &str, identity: Option<&str>| {
+        let config = etcd.config(node, &format!("10.0.9.{}:7100", node.len()));
+        let config = match identity {
+            Some(identity) => config.with_store_identity(identity),
+            None => config,
+        };
+        EtcdPlacement::join(config)
+    };
+    let a = bounded("node-a joining", join("node-a", Some("store-1")))
+        .await
+        .expect("the first node binds the cluster to its store");
+    match bounded("node-b joining", join("node-b", Some("store-2"))).await {
+        Err(
+            ref error @ PlacementError::StoreMismatch {
+                ref cluster,
+                ref recorded,
+                ref store,
+            },
+        ) => {
+            assert_eq!((recorded.as_str(), store.as_str()), ("store-1", "store-2"), "{error}");
+            let text = error.to_string();
+            assert!(
+                text.contains(cluster.as_str()) && text.contains("store-1") && text.contains("store-2"),
+                "{text}"
+            );
+            assert!(text.contains("cluster name"), "says what to do: {text}");
+            eprintln!("{error}");
+        }
+        other => panic!("a node of another store was not refused: {other:?}"),
+    }
+    let members = bounded("listing", a.nodes()).await.expect("nodes");
+    assert_eq!(
+        members.iter().map(|member| member.node.as_str()).collect::<Vec<_>>(),
+        ["node-a"],
+        "the refused node is no member"
+    );
+    let c = bounded("node-c joining", join("node-c", Some("store-1")))
+        .await
+        .expect("a node of the same store joins");
+    let d = bounded("node-d joining", join("node-d", None))
+        .await
+        .expect("a node that names no store is not checked");
+    for placement in [a, c, d] {
+        bounded("leaving", placement.leave()).await.expect("leaves");
+    }
+    assert!(
+        matches!(
+            bounded("node-e joining", join("node-e", Some("store-2"))).await,
+            Err(PlacementError::StoreMismatch { .. })
+        ),
+        "the binding outlives the nodes"
+    );
+    let mut other_cluster = etcd.config("node-b", "10.0.9.2:7100").with_store_identity("store-2");
+    other_cluster.cluster = format!("{}-other", other_cluster.cluster);
+    let b = bounded("node-b joining another cluster", EtcdPlacement::join(other_cluster))
+        .await
+        .expect("another cluster name takes the other store");
+    bounded("leaving", b.leave()).await.expect("leaves");
+    assert!(
+        matches!(
+            bounded("an empty identity", join("node-f", Some(""))).await,
+            Err(PlacementError::Config(
+                troupe_etcd::ConfigError::BadStoreIdentity { .. }
+            ))
+        ),
+        "an empty identity is refused"
+    );
+}

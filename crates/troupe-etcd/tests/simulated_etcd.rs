@@ -281,3 +281,79 @@ fn scenario_replays_identically_from_its_seed() {
     }
     eprintln!("{} distinct records from {REPLAY_SEEDS} seeds", distinct.len());
 }
+
+/// Goal (simulated): the store binding and the atomic name claim hold against the
+/// simulated etcd, which compares values only. Method: node-a joins with store-1;
+/// node-b with store-2 is refused `StoreMismatch` and is no member; two node-c joins
+/// from two machines at one instant: exactly one joins, the other is refused
+/// `NodeNameInUse` naming the winner.
+#[madsim::test]
+async fn the_store_binding_and_the_name_claim_hold_on_the_simulated_etcd() {
+    let handle = Handle::current();
+    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
+    let _etcd = handle
+        .create_node()
+        .name("etcd")
+        .ip(etcd_address.ip())
+        .init(move || async move {
+            etcd_client::SimServer::builder()
+                .serve(etcd_address)
+                .await
+                .expect("the simulated etcd serves");
+        })
+        .build();
+    let machines: Vec<_> = (1..=3)
+        .map(|index| {
+            handle
+                .create_node()
+                .name(format!("machine-{index}"))
+                .ip(ip(&format!("10.0.1.{index}")))
+                .build()
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let a = machines[0]
+        .spawn(EtcdPlacement::join(config("node-a").with_store_identity("store-1")))
+        .await
+        .expect("the task")
+        .expect("node-a binds the cluster to store-1");
+    let refused = machines[1]
+        .spawn(EtcdPlacement::join(config("node-b").with_store_identity("store-2")))
+        .await
+        .expect("the task");
+    match refused {
+        Err(PlacementError::StoreMismatch { recorded, store, .. }) => {
+            assert_eq!((recorded.as_str(), store.as_str()), ("store-1", "store-2"));
+        }
+        other => panic!("node-b of store-2 was not refused: {other:?}"),
+    }
+    assert_eq!(member_names(&a).await, ["node-a"]);
+
+    let racing: Vec<_> = machines[1..]
+        .iter()
+        .enumerate()
+        .map(|(index, machine)| {
+            let mut config = config("node-c").with_store_identity("store-1");
+            config.address = format!("10.0.1.{}:7100", index + 2);
+            machine.spawn(EtcdPlacement::join_unless_in_use(config, |_address: String| {
+                std::future::ready(true)
+            }))
+        })
+        .collect();
+    let mut won = Vec::new();
+    let mut refused = Vec::new();
+    for join in racing {
+        match join.await.expect("the task") {
+            Ok(placement) => won.push(placement),
+            Err(PlacementError::NodeNameInUse { address, .. }) => refused.push(address),
+            Err(other) => panic!("a racing join failed otherwise: {other}"),
+        }
+    }
+    assert_eq!((won.len(), refused.len()), (1, 1), "one winner, one refused");
+    let members = won[0].nodes().await.expect("nodes");
+    let recorded = members
+        .iter()
+        .find(|member| member.node.as_str() == "node-c")
+        .expect("node-c is a member");
+    assert_eq!(recorded.address, refused[0], "the refusal names the winner");
+}

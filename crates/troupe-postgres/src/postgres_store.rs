@@ -291,6 +291,33 @@ impl PostgresStore {
         self
     }
 
+    /// This store's identity, for `troupe_etcd::EtcdConfig::with_store_identity`:
+    /// `postgresql:<system_identifier>/<database>`, where `system_identifier` is the
+    /// number `initdb` gave the server's data directory (`pg_control_system()`, readable
+    /// by every role). Every connection to one database gives the same identity,
+    /// whatever host name, port or user it uses; another database or another server
+    /// gives another. A physical replica shares its primary's system identifier, so a
+    /// failover to it keeps the identity; a dump restored into another server, or a
+    /// renamed database, has a new one.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] with [`StoreOperation::Open`] if the server cannot be
+    /// asked.
+    pub async fn identity(&self) -> Result<String, StoreError> {
+        let operation = StoreOperation::Open;
+        let client = self.client(operation).await?;
+        let row = client
+            .query_one(
+                "SELECT system_identifier::text, current_database()::text FROM pg_control_system()",
+                &[],
+            )
+            .await
+            .map_err(backend(operation))?;
+        let system: String = row.try_get(0).map_err(backend(operation))?;
+        let database: String = row.try_get(1).map_err(backend(operation))?;
+        Ok(format!("postgresql:{system}/{database}"))
+    }
+
     async fn create_schema(&self) -> Result<(), StoreError> {
         let operation = StoreOperation::Open;
         let mut client = self.client(operation).await?;

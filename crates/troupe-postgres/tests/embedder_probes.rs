@@ -210,3 +210,35 @@ async fn a_missing_database_or_user_fails_to_open_at_once_naming_it() {
         assert!(took < Duration::from_millis(2_000), "{config}: took {took:?}");
     }
 }
+
+/// Goal: `PostgresStore::identity` names the database, not the connection: two stores
+/// on one database have one identity, another database on the same server another,
+/// and it has the form `postgresql:<system_identifier>/<database>`. Method: stores on
+/// databases `first` (twice, once through host `localhost`) and `second`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stores_identity_names_its_database_whatever_the_connection() {
+    let server = TestServer::start("probe-identity");
+    let first_config = server.create_database("first").await;
+    let first = server.store_on(&first_config).await;
+    let again = server
+        .store_on(&first_config.replace("host=127.0.0.1", "host=localhost"))
+        .await;
+    let second = server.store("second").await;
+    let identity = bounded("an identity", first.identity()).await.expect("identity");
+    assert_eq!(
+        bounded("an identity", again.identity()).await.expect("identity"),
+        identity
+    );
+    let other = bounded("an identity", second.identity()).await.expect("identity");
+    assert_ne!(other, identity);
+    let (system, database) = identity
+        .strip_prefix("postgresql:")
+        .and_then(|rest| rest.split_once('/'))
+        .unwrap_or_else(|| panic!("{identity:?} is not postgresql:<system>/<database>"));
+    assert!(system.parse::<u64>().is_ok(), "{identity}");
+    assert_eq!(database, "first");
+    assert!(
+        other.ends_with("/second") && other.starts_with(&format!("postgresql:{system}/")),
+        "{other}"
+    );
+}

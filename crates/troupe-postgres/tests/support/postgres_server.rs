@@ -129,6 +129,11 @@ impl TestServer {
         self.config(database)
     }
 
+    /// A store connected with `config`.
+    pub(crate) async fn store_on(&self, config: &str) -> PostgresStore {
+        PostgresStore::connect(config).await.expect("connect a store")
+    }
+
     /// A store on a new database of its own.
     pub(crate) async fn store(&self, database: &str) -> PostgresStore {
         let config = self.create_database(database).await;
