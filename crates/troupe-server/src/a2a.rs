@@ -1051,6 +1051,16 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
                         .reply
                         .map(|reply| json!({"steps": reply.steps, "usage": reply.usage, "truncated": reply.truncated}));
                     task.reply = Some(result);
+                } else if code == "timeout" {
+                    // Named by the time its caller gave (`timeout_ms`, clipped to the
+                    // server's maximum), as the runtime's own texts are: the agent's
+                    // text says only that the deadline passed, and the deadline the
+                    // agent got was counted from a later clock reading (until
+                    // 2026-12-06 the text named no time).
+                    task.reason = Some(format!(
+                        "timeout: timed out after {} ms, the timeout its caller gave: {result}",
+                        ask.timeout_ms
+                    ));
                 } else {
                     task.reason = Some(format!("{code}: {result}"));
                 }

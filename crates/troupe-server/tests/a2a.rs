@@ -1619,3 +1619,26 @@ async fn a_page_token_of_the_versions_that_listed_by_number_is_refused_naming_it
     }
     server.stop().await;
 }
+
+/// Goal: a task sent with Troupe's context and `timeout_ms` T that times out says
+/// "timed out after T ms", the time its caller gave (as the runtime's own texts do,
+/// `crates/troupe-agent/tests/timeout_texts.rs`). Until 2026-12-06 it named no time
+/// ("timeout: invocation of agent/slow timed out: its deadline passed"; before the
+/// runtime's texts were fixed, the time left when its turn was handed over, read from a
+/// later clock: 199 ms for 200). Method: `slow` (a 3 s turn) asked with `timeout_ms` 200 and 350, blocking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_task_names_the_timeout_its_caller_gave() {
+    let server = start().await;
+    for timeout_ms in [200_u64, 350] {
+        let mut params = send_params("take your time");
+        params["message"]["metadata"] = json!({"troupe": {"chain": ["a"], "depth": 1, "timeout_ms": timeout_ms}});
+        let sent = server.ok("slow", "SendMessage", params).await;
+        assert_eq!(sent["task"]["status"]["state"], "TASK_STATE_FAILED", "{sent}");
+        let text = text_of(&sent["task"]["status"]["message"]["parts"]);
+        assert!(
+            text.contains(&format!("timed out after {timeout_ms} ms")),
+            "timeout_ms {timeout_ms}: {text}"
+        );
+    }
+    server.stop().await;
+}
