@@ -71,7 +71,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rmcp::model::{CallToolRequestParams, ContentBlock};
 use rmcp::service::RunningService;
-use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::transport::async_rw::AsyncRwTransport;
+use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::Value;
 
@@ -91,6 +92,14 @@ pub const MCP_TOOLS_MAX: usize = 256;
 
 /// The longest tool result handed to the model, in bytes.
 pub const MCP_TOOL_RESULT_BYTES_MAX: usize = 64 * 1024;
+
+/// The longest message (one line of JSON-RPC) read from a stdio server, in bytes: a
+/// longer one closes the connection at once, and the call waiting for it fails (the
+/// server is started again at the next call). What one server's answer may hold in
+/// memory while it is read; its text is cut to [`MCP_TOOL_RESULT_BYTES_MAX`] after.
+pub const MCP_MESSAGE_BYTES_MAX: usize = 8 * 1024 * 1024;
+
+const _: () = assert!(MCP_TOOL_RESULT_BYTES_MAX < MCP_MESSAGE_BYTES_MAX);
 
 /// The longest tool name offered to the model, in bytes: the limit of OpenAI-compatible
 /// providers (a longer name of the server's is cut, see the module's **Names**).
@@ -182,6 +191,9 @@ struct Connected {
     _group: ProcessGroup,
     /// A call lost the connection (the server is not to be trusted with another).
     broken: AtomicBool,
+    /// The stdio server sent a message over [`MCP_MESSAGE_BYTES_MAX`] (which closed the
+    /// connection); never set over HTTP.
+    oversized: Arc<AtomicBool>,
 }
 
 impl Connected {
@@ -270,22 +282,28 @@ async fn open(name: &str, recipe: &Recipe, timeout: Duration) -> Result<(Connect
             // an orphan, as it was when only the server was stopped.
             #[cfg(unix)]
             command.process_group(0);
-            let transport = TokioChildProcess::new(command).map_err(|error| McpError::Spawn {
+            let oversized = Arc::new(AtomicBool::new(false));
+            let transport = StdioServer::spawn(command, oversized.clone()).map_err(|error| McpError::Spawn {
                 server: name.to_owned(),
                 cause: error.to_string(),
             })?;
             let group = ProcessGroup::of(transport.id());
-            connect_with(name, timeout, group, async move { ().serve(transport).await }).await
+            connect_with(
+                name,
+                timeout,
+                group,
+                oversized,
+                async move { ().serve(transport).await },
+            )
+            .await
         }
         Recipe::Http { url } => {
             crate::openai::ensure_tls_provider();
             let transport = StreamableHttpClientTransport::from_uri(url.clone());
-            connect_with(
-                name,
-                timeout,
-                ProcessGroup::none(),
-                async move { ().serve(transport).await },
-            )
+            let oversized = Arc::new(AtomicBool::new(false));
+            connect_with(name, timeout, ProcessGroup::none(), oversized, async move {
+                ().serve(transport).await
+            })
             .await
         }
     }
@@ -538,6 +556,7 @@ async fn connect_with<F, E>(
     name: &str,
     timeout: Duration,
     group: ProcessGroup,
+    oversized: Arc<AtomicBool>,
     connect: F,
 ) -> Result<(Connected, Vec<rmcp::model::Tool>), McpError>
 where
@@ -588,9 +607,151 @@ where
             service: connection,
             _group: group,
             broken: AtomicBool::new(false),
+            oversized,
         },
         tools,
     ))
+}
+
+/// A stdio server's output, failing the read of a line over [`MCP_MESSAGE_BYTES_MAX`]
+/// (and every read after it). rmcp drops such a line itself, but only after reading
+/// 16 MiB of it, and then never answers the call that waited for it: the call hung
+/// until its turn's deadline. A failed read ends the connection: the call fails at
+/// once.
+struct CappedLines<R> {
+    inner: R,
+    /// The bytes of the line being read so far.
+    line_bytes: usize,
+    oversized: Arc<AtomicBool>,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for CappedLines<R> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+        buffer: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let over = || {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the MCP server sent a message over {MCP_MESSAGE_BYTES_MAX} bytes"),
+            )
+        };
+        if self.oversized.load(Ordering::Relaxed) {
+            return std::task::Poll::Ready(Err(over()));
+        }
+        let before = buffer.filled().len();
+        std::task::ready!(std::pin::Pin::new(&mut self.inner).poll_read(context, buffer))?;
+        let mut line_bytes = self.line_bytes;
+        let mut lines = buffer.filled()[before..].split(|byte| *byte == b'\n');
+        let mut longest = 0;
+        if let Some(rest_of_line) = lines.next() {
+            line_bytes += rest_of_line.len();
+            longest = line_bytes;
+        }
+        for line in lines {
+            line_bytes = line.len();
+            longest = longest.max(line_bytes);
+        }
+        if longest > MCP_MESSAGE_BYTES_MAX {
+            self.oversized.store(true, Ordering::Relaxed);
+            return std::task::Poll::Ready(Err(over()));
+        }
+        self.line_bytes = line_bytes;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// A stdio MCP server: its child process and the JSON-RPC lines on its stdin and
+/// stdout (stderr inherited), its output read through [`CappedLines`]. The child is
+/// killed when this is dropped, as rmcp's own `TokioChildProcess` does; `close` first
+/// closes its input and gives it [`MCP_CLOSE_GRACE_MS`] to exit.
+struct StdioServer {
+    transport: AsyncRwTransport<RoleClient, CappedLines<tokio::process::ChildStdout>, tokio::process::ChildStdin>,
+    child: Option<tokio::process::Child>,
+    /// Shared with its [`CappedLines`].
+    oversized: Arc<AtomicBool>,
+}
+
+impl StdioServer {
+    fn spawn(mut command: tokio::process::Command, oversized: Arc<AtomicBool>) -> std::io::Result<Self> {
+        command
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = command.spawn()?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(std::io::Error::other("the child's stdin or stdout was not piped"));
+        };
+        let stdout = CappedLines {
+            inner: stdout,
+            line_bytes: 0,
+            oversized: oversized.clone(),
+        };
+        Ok(Self {
+            transport: AsyncRwTransport::new(stdout, stdin),
+            child: Some(child),
+            oversized,
+        })
+    }
+
+    fn id(&self) -> Option<u32> {
+        self.child.as_ref()?.id()
+    }
+
+    fn transport_oversized(&self) -> bool {
+        self.oversized.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for StdioServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Killed and reaped (no zombie) on the runtime when there is one; else
+            // `kill_on_drop` kills it and tokio reaps it later.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    let _ = child.kill().await;
+                });
+            }
+        }
+    }
+}
+
+impl rmcp::transport::Transport<RoleClient> for StdioServer {
+    type Error = std::io::Error;
+
+    fn send(
+        &mut self,
+        item: rmcp::service::TxJsonRpcMessage<RoleClient>,
+    ) -> impl std::future::Future<Output = Result<(), Self::Error>> + Send + 'static {
+        self.transport.send(item)
+    }
+
+    fn receive(
+        &mut self,
+    ) -> impl std::future::Future<Output = Option<rmcp::service::RxJsonRpcMessage<RoleClient>>> + Send {
+        self.transport.receive()
+    }
+
+    async fn close(&mut self) -> Result<(), Self::Error> {
+        self.transport.close().await?;
+        if let Some(mut child) = self.child.take() {
+            // A server that sent a message over the limit is killed at once: it may be
+            // stuck writing the rest of it, and the calls waiting on it fail only once
+            // the connection is closed.
+            let grace = if self.transport_oversized() {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(MCP_CLOSE_GRACE_MS)
+            };
+            if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                child.kill().await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The name tool `name` (the `index`th of its server's list) is offered under:
@@ -634,9 +795,13 @@ impl McpToolHandler {
     /// What a failed call says: which server, and, when its connection is gone, that
     /// it is connected again at the next call (before: "the MCP call failed: Transport
     /// closed").
-    fn describe_failure(&self, error: &rmcp::ServiceError) -> String {
+    fn describe_failure(&self, connection: &Connected, error: &rmcp::ServiceError) -> String {
         let server = &self.server;
         match error {
+            rmcp::ServiceError::TransportClosed if connection.oversized.load(Ordering::Relaxed) => format!(
+                "the MCP server {server:?} answered with a message over {MCP_MESSAGE_BYTES_MAX} bytes: the \
+                 connection was closed without reading it; the server is started again at the next call"
+            ),
             rmcp::ServiceError::TransportClosed => format!(
                 "the MCP server {server:?} is gone (its process exited or its connection closed) during the call, \
                  which may or may not have run: it is started (connected) again at the next call"
@@ -675,7 +840,10 @@ impl ToolHandler for McpToolHandler {
                 let unread = matches!(error, rmcp::ServiceError::TransportSend(_))
                     && matches!(self.link.recipe, Recipe::Stdio { .. });
                 if !unread {
-                    return Err(ToolError::failed(&self.exposed, self.describe_failure(&error)));
+                    return Err(ToolError::failed(
+                        &self.exposed,
+                        self.describe_failure(&connection, &error),
+                    ));
                 }
                 let connection = self.link.reconnect(&connection).await.map_err(failed)?;
                 match connection.service.call_tool(params).await {
@@ -687,7 +855,10 @@ impl ToolHandler for McpToolHandler {
                         ) {
                             connection.broken.store(true, Ordering::Relaxed);
                         }
-                        return Err(ToolError::failed(&self.exposed, self.describe_failure(&error)));
+                        return Err(ToolError::failed(
+                            &self.exposed,
+                            self.describe_failure(&connection, &error),
+                        ));
                     }
                 }
             }

@@ -215,3 +215,68 @@ async fn one_bad_schema_costs_only_its_own_tool() {
     assert_eq!(system.ask("calc", "go").await.unwrap().text, "result: 3");
     system.shutdown().await;
 }
+
+/// A tool result whose message is over `MCP_MESSAGE_BYTES_MAX` (9 MiB and 16 MiB of
+/// text): the call fails at once, naming the server and the limit, without the message
+/// being held whole; the next call is answered (the server started again). Before, a
+/// 9 MiB message was read and held whole (rmcp's own limit is 16 MiB), and one over
+/// 16 MiB was dropped by rmcp while the call waited until its turn's deadline (a probe:
+/// a 4 s ask ended as a timeout after 4 s).
+#[tokio::test]
+async fn a_message_over_the_limit_fails_the_call_at_once() {
+    let server = McpServer::connect_stdio("huge", ECHO_SERVER, ["--mode", "huge"], CONNECT_TIMEOUT)
+        .await
+        .expect("the echo server starts");
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("calc")
+                .on_user_containing("bigger")
+                .call("huge", json!({"bytes": 16 * 1024 * 1024})),
+        )
+        .rule(
+            ScriptRule::agent("calc")
+                .on_user_containing("big")
+                .call("huge", json!({"bytes": 9 * 1024 * 1024})),
+        )
+        .rule(
+            ScriptRule::agent("calc")
+                .on_user_containing("small")
+                .call("huge", json!({"bytes": 3})),
+        )
+        .rule(
+            ScriptRule::agent("calc")
+                .on_tool_result()
+                .reply("result: {tool_result}"),
+        );
+    let mut builder = AgentSystem::builder().llm(Arc::new(llm)).agent(AgentSpec::new("calc"));
+    for tool in server.tools().unwrap() {
+        builder = builder.tool(tool);
+    }
+    let system = builder.start().unwrap();
+    let timeout = Duration::from_secs(10);
+
+    for ask in ["big", "bigger"] {
+        let started = Instant::now();
+        let reply = system.ask_with_timeout("calc", ask, timeout).await;
+        let elapsed = started.elapsed();
+        let reply = reply.unwrap_or_else(|error| panic!("{ask}: {error:?} after {elapsed:?}"));
+        assert!(
+            reply.text.starts_with("result: error: huge failed: "),
+            "{ask}: {}",
+            troupe_core::truncate_utf8(&reply.text, 200)
+        );
+        for part in [
+            "\"huge\"".to_owned(),
+            format!("over {} bytes", troupe_agent::MCP_MESSAGE_BYTES_MAX),
+        ] {
+            assert!(reply.text.contains(&part), "{ask}: {part:?} in {}", reply.text);
+        }
+        assert!(elapsed < Duration::from_secs(3), "{ask}: {elapsed:?}");
+
+        let reply = system.ask_with_timeout("calc", "small", timeout).await.unwrap();
+        assert_eq!(reply.text, "result: xxx", "after {ask}");
+    }
+    system.shutdown().await;
+    drop(server);
+    wait_until_no_live_child("--mode huge", "the server was dropped").await;
+}
