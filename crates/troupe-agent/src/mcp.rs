@@ -31,7 +31,11 @@
 //!   there is no text. The result is cut to [`MCP_TOOL_RESULT_BYTES_MAX`] bytes on a
 //!   UTF-8 boundary. A result with `isError: true`, or a protocol error, is
 //!   [`ToolError::Failed`] with that text; a failure of the connection names the
-//!   server.
+//!   server. A message a stdio server sends is read only up to
+//!   [`MCP_MESSAGE_BYTES_MAX`] bytes (what one answer may hold in memory): a longer one
+//!   closes the connection at once and the call waiting for it fails, naming the limit
+//!   (rmcp alone read up to 16 MiB, then dropped the line and left the call waiting
+//!   until its deadline). Over HTTP, rmcp's own limit of 16 MiB per event applies.
 //! - **Reconnecting.** A server found dead at a call (its stdio process exited, its
 //!   connection closed, or an earlier call lost it) is started (connected) again,
 //!   `initialize` included, before the call is sent: up to
