@@ -533,3 +533,30 @@ async fn the_token_cap_field_is_a_setting() {
         "{error:?}"
     );
 }
+
+/// Eight calls at once on one client (multi-threaded runtime), to a model that refuses
+/// `max_tokens`: every call is answered, none needs more than its one resend, and the
+/// client sends `max_completion_tokens` from then on. Before, all eight failed with
+/// the 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_switch_the_token_cap_field_each_at_most_once() {
+    let server = refusing_max_tokens().await;
+    let clock = troupe_runtime::Clock::new();
+    let client = OpenAiClient::new(config(&server.base_url, false), clock).unwrap();
+    let calls: Vec<_> = (0..8_u64)
+        .map(|index| {
+            let client = client.clone();
+            tokio::spawn(async move { client.complete(request(&clock, Some(100 + index))).await })
+        })
+        .collect();
+    for call in calls {
+        let reply = call.await.unwrap().unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(reply.message.content, "capped");
+    }
+    let requests = server.requests();
+    assert!((9..=16).contains(&requests), "{requests} requests for 8 calls");
+    client.complete(request(&clock, Some(7))).await.unwrap();
+    let bodies = server.bodies.lock().unwrap().clone();
+    assert_eq!(bodies.len(), requests + 1);
+    assert_eq!(bodies.last().unwrap()["max_completion_tokens"], 7);
+}
