@@ -32,7 +32,9 @@
 //! rebuild is not a new activation: `on_activate` and `on_deactivate` do not run for it.
 //!
 //! A panic in the actor ends the task; a guard reports `Crashed` so the dispatcher frees
-//! the entry, and callers of the queued requests see `ActorFailed`.
+//! the entry. The turn that panicked fails its caller (`ActorFailed`, "ended before it
+//! replied"); the requests still queued never started, and go to the next activation
+//! with the notice (those of a task that panicked while starting fail as that one).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -62,12 +64,28 @@ pub(crate) struct ActivationStart {
     pub(crate) handle: RuntimeHandle,
 }
 
-/// Reports `Crashed` unless disarmed: runs when the task unwinds from a panic.
+/// Reports `Crashed` unless disarmed: runs when the task's future is dropped unfinished
+/// (after a panic, or aborted). It holds the task's mailbox receiver, so that the crash
+/// notice carries the messages still queued, which never started: the dispatcher hands
+/// them to the next activation instead of failing them.
+///
+/// (Before, the receiver was dropped with the task, and its queued messages failed
+/// `ActorFailed` "ended before it replied". Among them, a request sent right after the
+/// crashing turn's caller had its failure: the panic's unwinding drops that caller's
+/// reply before the task's future, and its mailbox, go. Its caller's next request then
+/// failed in 6 of 12 runs, `panics_in_default_or_serialize_fail_the_caller_and_nothing_else`
+/// in tests/typed_probes.rs.)
 struct CrashGuard {
     control: mpsc::UnboundedSender<Control>,
     id: ActorId,
     generation: u64,
     armed: bool,
+    /// Whether the actor started (its claim, factory and `on_activate` succeeded): only
+    /// then are the unrun messages handed on. A task that panics while starting fails
+    /// them instead ("ended before it replied"), or the next activation would meet the
+    /// same panic with the same messages, again and again.
+    started: bool,
+    receiver: MailboxReceiver,
 }
 
 impl CrashGuard {
@@ -83,6 +101,11 @@ impl Drop for CrashGuard {
             let _ = self.control.send(Control::Crashed {
                 id: self.id.clone(),
                 generation: self.generation,
+                unrun: if self.started {
+                    self.receiver.take_unrun()
+                } else {
+                    Vec::new()
+                },
             });
         }
     }
@@ -103,6 +126,8 @@ pub(crate) fn spawn(start: ActivationStart) -> tokio::task::AbortHandle {
         id,
         generation,
         armed: true,
+        started: false,
+        receiver,
     };
     // Boxed: the task's future (528 bytes) is then one pointer in tokio's task cell.
     // Spawned unboxed, `tokio::spawn` and the cell's stages copied the whole future ten
@@ -111,7 +136,7 @@ pub(crate) fn spawn(start: ActivationStart) -> tokio::task::AbortHandle {
     // malloc and a free (cold 15,062 → 14,514 instructions, the `cold` bench run alone
     // 2.17x–2.43x → 2.04x–2.17x of a spawn, 16 bytes more per idle actor; the
     // per-message paths gain one pointer to follow per poll: invoke 2,878 → 2,896).
-    tokio::spawn(Box::pin(run(guard, receiver, handle))).abort_handle()
+    tokio::spawn(Box::pin(run(guard, handle))).abort_handle()
 }
 
 /// The actor as it runs, with what it needs to roll back.
@@ -171,7 +196,7 @@ const HOME_LENT: &str = "the home is lent to a turn only between begin and settl
 /// arguments used to avoid at the price of a malloc and a free per activation); an
 /// `async move` block uses what it captured in place.
 #[allow(clippy::manual_async_fn)] // on purpose: see above
-fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) -> impl Future<Output = ()> {
+fn run(mut guard: CrashGuard, handle: RuntimeHandle) -> impl Future<Output = ()> {
     async move {
         let generation = guard.generation;
         // The task's own state is what an idle actor costs for as long as it stays
@@ -193,10 +218,13 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
         // start's result, and the error, in the task's state for as long as it runs.)
         let mut live = 'started: {
             let error = match Box::pin(start_actor(&guard.id, &handle)).await {
-                Ok(live) => break 'started live,
+                Ok(live) => {
+                    guard.started = true;
+                    break 'started live;
+                }
                 Err(error) => error,
             };
-            Box::pin(fail_queued(&mut receiver, &handle.shared, error)).await;
+            Box::pin(fail_queued(&mut guard.receiver, &handle.shared, error)).await;
             let id = guard.id.clone();
             guard.finish(Control::ActivationFailed { id, generation });
             return;
@@ -232,7 +260,7 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
         let mut now = WakeClock::UNREAD;
         'messages: loop {
             let next = NextEvent {
-                receiver: &mut receiver,
+                receiver: &mut guard.receiver,
                 idle_timer: idle_timer.as_mut(),
                 idle_timer_registered: &mut idle_timer_registered,
                 now: &mut now,
@@ -253,7 +281,7 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                     }
                     received_at_last_check = received;
                     // Once a period, not per message: a burst's room goes back.
-                    receiver.trim_idle();
+                    guard.receiver.trim_idle();
                     idle_timer.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
                     idle_timer_registered = false;
                     continue;
@@ -284,7 +312,8 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
             let waker = task_waker.as_ref().expect("set just above");
             {
                 let store_commit = 'settled: {
-                    let Some((context, payload, begun)) = begin(&live, &handle.shared, &mut receiver, &mut now) else {
+                    let Some((context, payload, begun)) = begin(&live, &handle.shared, &mut guard.receiver, &mut now)
+                    else {
                         // Refused unrun (abandoned, expired or fenced): answered already.
                         continue 'messages;
                     };
@@ -314,7 +343,7 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                                     &mut live,
                                     &handle.shared,
                                     generation,
-                                    receiver.mailbox(),
+                                    guard.receiver.mailbox(),
                                     writes,
                                     call,
                                 );
@@ -353,7 +382,7 @@ fn run(guard: CrashGuard, mut receiver: MailboxReceiver, handle: RuntimeHandle) 
                         &mut live,
                         &handle.shared,
                         generation,
-                        receiver.mailbox(),
+                        guard.receiver.mailbox(),
                         writes,
                         raced,
                         ends,

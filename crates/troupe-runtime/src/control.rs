@@ -68,6 +68,12 @@ pub(crate) enum Control {
     Fenced { id: ActorId, generation: u64 },
     /// The activation ran `on_deactivate`, saved, and its task is ending.
     Deactivated { id: ActorId, generation: u64 },
-    /// The activation's task ended abnormally.
-    Crashed { id: ActorId, generation: u64 },
+    /// The activation's task ended abnormally (a panic, or aborted). `unrun`: the
+    /// messages still in its mailbox, which never started, oldest first, for the next
+    /// activation.
+    Crashed {
+        id: ActorId,
+        generation: u64,
+        unrun: Vec<Envelope>,
+    },
 }

@@ -455,13 +455,13 @@ impl Dispatcher {
                 }
             }
             Control::Deactivated { id, generation } => {
-                self.finish(id, generation, LifecycleEvent::Deactivated);
+                self.finish(id, generation, LifecycleEvent::Deactivated, Vec::new());
             }
             Control::ActivationFailed { id, generation } => {
-                self.finish(id, generation, LifecycleEvent::ActivationFailed);
+                self.finish(id, generation, LifecycleEvent::ActivationFailed, Vec::new());
             }
-            Control::Crashed { id, generation } => {
-                self.finish(id, generation, LifecycleEvent::Crashed);
+            Control::Crashed { id, generation, unrun } => {
+                self.finish(id, generation, LifecycleEvent::Crashed, unrun);
             }
         }
     }
@@ -474,9 +474,14 @@ impl Dispatcher {
     }
 
     /// Removes an activation whose task has ended; starts the next one if messages were
-    /// held for it.
-    fn finish(&mut self, id: ActorId, generation: u64, event: LifecycleEvent) {
+    /// held for it, or left unrun in the mailbox of a task that crashed (`unrun`: those
+    /// came first, so they go first).
+    fn finish(&mut self, id: ActorId, generation: u64, event: LifecycleEvent, unrun: Vec<Envelope>) {
         let Some(activation) = self.current(&id, generation) else {
+            // Not current (a task's notice is its last, so not expected): routed anew.
+            for envelope in unrun {
+                self.route(id.clone(), Box::new(envelope));
+            }
             return;
         };
         if event == LifecycleEvent::Deactivated {
@@ -506,8 +511,10 @@ impl Dispatcher {
         for waiter in deactivation_waiters {
             let _ = waiter.send(true);
         }
-        let held: VecDeque<Box<Envelope>> = held
+        let mut held: VecDeque<Box<Envelope>> = unrun
             .into_iter()
+            .map(Box::new)
+            .chain(held)
             .filter(|envelope| !envelope.reply.is_closed())
             .collect();
         if held.is_empty() {
@@ -527,6 +534,14 @@ impl Dispatcher {
             .expect("activations are of registered kinds only")
             .config
             .mailbox_capacity;
+        // A crashed mailbox's unrun messages and those held since: up to a mailbox's worth
+        // go to the next activation, the newest of the rest are refused as a full mailbox
+        // refuses them.
+        if held.len() > capacity {
+            for envelope in held.split_off(capacity) {
+                self.refuse(*envelope, Self::busy(&id, capacity));
+            }
+        }
         let IdEntry::Vacant(entry) = self.table.entry(id) else {
             unreachable!("the entry was removed above")
         };

@@ -352,6 +352,21 @@ impl MailboxReceiver {
         self.mailbox.close();
     }
 
+    /// Closes the mailbox and takes every message in it that was never handed out (the
+    /// batch's, then the queue's, oldest first): for the crash notice of a task that
+    /// ended without taking them, so that they go to the next activation. Cold: once
+    /// per crash.
+    #[cold]
+    pub(crate) fn take_unrun(&mut self) -> Vec<Envelope> {
+        let queued = {
+            let mut state = self.mailbox.state();
+            state.open = false;
+            state.waker = None;
+            std::mem::take(&mut state.queue)
+        };
+        std::mem::take(&mut self.batch).into_iter().chain(queued).collect()
+    }
+
     /// The mailbox's sending side, for the task to close it from a turn's commit (the
     /// receiver itself is not `Sync`: its batch holds values that are only `Send`).
     pub(crate) fn mailbox(&self) -> &Mailbox {
