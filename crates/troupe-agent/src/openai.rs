@@ -776,23 +776,32 @@ impl LlmClient for OpenAiClient {
     }
 }
 
-/// Whether `error` is a 400 that refuses the token cap's `field` (it names the field,
-/// quoted, as unsupported or unknown, or names the other field instead), as OpenAI's
-/// "Unsupported parameter: 'max_tokens' is not supported with this model. Use
-/// 'max_completion_tokens' instead." does.
+/// Whether `error` is a 400 that refuses the token cap's `field`: it says a parameter
+/// is unsupported, unknown or not allowed, and of the two fields' names (whole words) it
+/// names `field` first, as OpenAI's "Unsupported parameter: 'max_tokens' is not supported
+/// with this model. Use 'max_completion_tokens' instead." does. A 400 about the field's
+/// value ("max_tokens is too large") is not a refusal of it.
 fn refuses_token_cap_field(error: &LlmError, field: TokenCapField) -> bool {
     let LlmError::Provider { status: 400, body } = error else {
         return false;
     };
     let body = body.to_ascii_lowercase();
-    let named = [format!("'{}'", field.name()), format!("\"{}\"", field.name())]
+    let refusal = ["unsupported", "not supported", "unrecognized", "unknown", "not allowed"]
         .iter()
-        .any(|quoted| body.contains(quoted.as_str()));
-    let refused = ["unsupported", "not supported", "unrecognized", "unknown", "not allowed"]
-        .iter()
-        .any(|word| body.contains(word))
-        || body.contains(field.other().name());
-    named && refused
+        .any(|word| body.contains(word));
+    let first_named = |name: &str| {
+        body.match_indices(name).map(|(at, _)| at).find(|&at| {
+            let word_byte = |byte: u8| byte.is_ascii_alphanumeric() || byte == b'_';
+            let before = at.checked_sub(1).map(|index| body.as_bytes()[index]);
+            let after = body.as_bytes().get(at + name.len()).copied();
+            !before.is_some_and(word_byte) && !after.is_some_and(word_byte)
+        })
+    };
+    match (first_named(field.name()), first_named(field.other().name())) {
+        (Some(sent), Some(other)) => refusal && sent < other,
+        (Some(_), None) => refusal,
+        (None, _) => false,
+    }
 }
 
 /// The wait a 429/5xx asks for: `retry-after-ms` (OpenAI's, milliseconds) or
@@ -1641,6 +1650,46 @@ mod tests {
         );
         let error = assembly.line(line.as_bytes(), &agent, None).unwrap_err();
         assert!(matches!(error, LlmError::Malformed { .. }), "{error:?}");
+    }
+
+    #[test]
+    fn only_a_400_refusing_the_field_sent_switches_it() {
+        let provider = |status, body: &str| LlmError::Provider {
+            status,
+            body: body.to_owned(),
+        };
+        let refused = provider(
+            400,
+            r#"{"error":{"message":"Unsupported parameter: 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead.","param":"max_tokens","code":"unsupported_parameter"}}"#,
+        );
+        assert!(refuses_token_cap_field(&refused, TokenCapField::MaxTokens));
+        // The other field was sent: this refusal is not about it.
+        assert!(!refuses_token_cap_field(&refused, TokenCapField::MaxCompletionTokens));
+        let unknown = provider(
+            400,
+            r#"{"detail":"Unrecognized request argument supplied: max_completion_tokens"}"#,
+        );
+        assert!(refuses_token_cap_field(&unknown, TokenCapField::MaxCompletionTokens));
+        assert!(!refuses_token_cap_field(&unknown, TokenCapField::MaxTokens));
+        let unknown = provider(400, r#"{"error":"unknown field \"max_completion_tokens\""}"#);
+        assert!(refuses_token_cap_field(&unknown, TokenCapField::MaxCompletionTokens));
+        // A cap too large for the model is a 400 about the field, not a refusal of it.
+        let too_large = provider(
+            400,
+            r#"{"error":{"message":"max_tokens is too large: 500000. This model supports at most 16384 completion tokens.","param":"max_tokens","code":"invalid_value"}}"#,
+        );
+        assert!(!refuses_token_cap_field(&too_large, TokenCapField::MaxTokens));
+        assert!(!refuses_token_cap_field(
+            &provider(422, refused_body(&refused)),
+            TokenCapField::MaxTokens
+        ));
+    }
+
+    fn refused_body(error: &LlmError) -> &str {
+        match error {
+            LlmError::Provider { body, .. } => body,
+            _ => "",
+        }
     }
 
     #[test]
