@@ -37,8 +37,8 @@ mod probes;
 mod store_identity;
 
 pub use node::{
-    ClusterClient, ClusterError, ClusterNode, ClusterStats, NODE_NAME_CHECK_TIMEOUT_MS, ROUTE_CACHE_ENTRIES_MAX,
-    ROUTE_RETRY_DELAY_MS,
+    ClusterClient, ClusterError, ClusterNode, ClusterStats, LEAVE_REPLY_DRAIN_MS_MAX, LEAVE_REPLY_DRAIN_POLL_MS,
+    NODE_NAME_CHECK_TIMEOUT_MS, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS,
 };
 pub use placed_store::{PlacedStore, RELEASE_QUEUE_CAPACITY};
 pub use probes::{

@@ -30,6 +30,13 @@ pub const ROUTE_CACHE_ENTRIES_MAX: usize = 65_536;
 /// refusal or no answer, a node that is gone.
 pub const NODE_NAME_CHECK_TIMEOUT_MS: u64 = 1_000;
 
+/// Longest a leaving node waits, after its runtime shut down, for the replies of its
+/// last turns to be written to their connections before it closes them, in
+/// milliseconds ([`ClusterNode::leave`]).
+pub const LEAVE_REPLY_DRAIN_MS_MAX: u64 = 1_000;
+/// How often a leaving node looks whether those replies are written, in milliseconds.
+pub const LEAVE_REPLY_DRAIN_POLL_MS: u64 = 5;
+
 /// Why a cluster node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -425,9 +432,29 @@ impl ClusterNode {
     /// [`PlacementError::EtcdUnavailable`] if etcd did not answer the revoke; the lease
     /// then ends after its TTL.
     pub async fn leave(mut self) -> Result<(), PlacementError> {
-        self.server.take();
+        // The transport keeps serving while the runtime shuts down: a request in flight
+        // gets its reply, and one that arrives meanwhile is answered `Shutdown`
+        // (nothing ran), on which its caller looks the owner up again. Before, the
+        // server went first: calls in flight here ended `Unreachable` ("the connection
+        // broke": they may or may not have run). The server goes before the revoke, so
+        // that its listener is closed by the time the lease is (a node started again at
+        // this address right after can bind it).
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown().await;
+        }
+        if let Some(server) = self.server.take() {
+            // The replies of the turns that just finished are written before the
+            // connections close (dropping the server closes them at once).
+            let drained_by = tokio::time::Instant::now() + Duration::from_millis(LEAVE_REPLY_DRAIN_MS_MAX);
+            loop {
+                let stats = server.stats();
+                if (stats.requests_running == 0 && stats.bytes_in_flight == 0)
+                    || tokio::time::Instant::now() >= drained_by
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(LEAVE_REPLY_DRAIN_POLL_MS)).await;
+            }
         }
         for task in self.tasks.drain(..) {
             task.abort();
@@ -850,6 +877,15 @@ impl Inner {
                     };
                     if matches!(forwarded, Err(InvokeError::Unreachable { .. })) {
                         inner.forget_client(owner, &client);
+                    }
+                    if matches!(forwarded, Err(InvokeError::Shutdown)) {
+                        // The owner is shutting down (leaving): the request did not run
+                        // there, or its turn was rolled back. Its placements go when its
+                        // lease is revoked; look the owner up again until then.
+                        inner.counters.reroutes.fetch_add(1, Ordering::Relaxed);
+                        inner.routes().remove(target);
+                        inner.pause(deadline).await;
+                        continue;
                     }
                     forwarded
                 }
