@@ -291,3 +291,79 @@ async fn a_cluster_bound_to_one_store_refuses_a_node_of_another() {
         "an empty identity is refused"
     );
 }
+
+/// Actors placed before the compaction in `compaction_under_placements_changes_no_owner_and_no_fence`.
+const COMPACTION_ACTORS: usize = 16;
+
+/// Goal: etcd's compaction (an operator runs `etcdctl compact`, or the server's
+/// auto-compaction) changes nothing this crate relies on: placements keep their owner
+/// and fence (a key's create_revision survives compaction), fences placed after it are
+/// larger than every one before, the lease keeps being renewed and a node joins. Method:
+/// node-a places 16 actors; etcd is compacted at its current revision (physically);
+/// the 16 are looked up again; node-a releases one and node-b places it (new fence
+/// larger than all); both hold their leases for one more TTL; node-c joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_under_placements_changes_no_owner_and_no_fence() {
+    let etcd = TestEtcd::start("probe-compaction").await;
+    let a = bounded(
+        "node-a joining",
+        EtcdPlacement::join(etcd.config("node-a", "10.0.8.1:7100")),
+    )
+    .await
+    .expect("node-a joins");
+    let b = bounded(
+        "node-b joining",
+        EtcdPlacement::join(etcd.config("node-b", "10.0.8.2:7100")),
+    )
+    .await
+    .expect("node-b joins");
+    let mut placed = Vec::new();
+    for index in 0..COMPACTION_ACTORS {
+        let target = actor(&format!("k{index}"));
+        placed.push(bounded("a place", a.place(&target)).await.expect("placed"));
+    }
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .expect("an etcd client");
+    let revision = client
+        .get("/", None)
+        .await
+        .expect("a read")
+        .header()
+        .expect("a header")
+        .revision();
+    client
+        .compact(revision, Some(etcd_client::CompactionOptions::new().with_physical()))
+        .await
+        .expect("etcd compacts");
+    for record in &placed {
+        let found = bounded("a lookup", b.lookup(&record.actor)).await.expect("lookup");
+        assert_eq!(found.as_ref(), Some(record), "after compaction at revision {revision}");
+    }
+    let moved = placed[0].actor.clone();
+    assert!(bounded("a release", a.release(&moved)).await.expect("release"));
+    let again = bounded("a place by node-b", b.place(&moved))
+        .await
+        .expect("node-b places it");
+    let newest = placed.iter().map(|record| record.fence).max().expect("fences");
+    assert!(
+        again.fence > newest,
+        "a fence after compaction {:?} is not above {newest:?}",
+        again.fence
+    );
+    tokio::time::sleep(Duration::from_secs(TEST_LEASE_TTL_S)).await;
+    assert!(
+        a.holds_lease() && b.holds_lease(),
+        "the leases are still renewed after compaction"
+    );
+    let c = bounded(
+        "node-c joining",
+        EtcdPlacement::join(etcd.config("node-c", "10.0.8.3:7100")),
+    )
+    .await
+    .expect("node-c joins after compaction");
+    assert_eq!(bounded("listing", c.nodes()).await.expect("nodes").len(), 3);
+    for placement in [a, b, c] {
+        bounded("leaving", placement.leave()).await.expect("leaves");
+    }
+}
