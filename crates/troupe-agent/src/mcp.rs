@@ -195,16 +195,30 @@ struct Connected {
     _group: ProcessGroup,
     /// A call lost the connection (the server is not to be trusted with another).
     broken: AtomicBool,
-    /// The stdio server sent a message over [`MCP_MESSAGE_BYTES_MAX`] (which closed the
-    /// connection); never set over HTTP.
-    oversized: Arc<AtomicBool>,
+    /// What was seen of a stdio server's output; nothing is set over HTTP.
+    output: Arc<OutputState>,
 }
 
 impl Connected {
-    /// Whether the connection is gone (or was lost by a call).
+    /// Whether the connection is gone (or was lost by a call, or the stdio server's
+    /// output ended: it cannot answer).
     fn is_dead(&self) -> bool {
-        self.broken.load(Ordering::Relaxed) || self.service.is_closed() || self.service.peer().is_transport_closed()
+        self.broken.load(Ordering::Relaxed)
+            || self.output.ended.load(Ordering::Relaxed)
+            || self.service.is_closed()
+            || self.service.peer().is_transport_closed()
     }
+}
+
+/// What [`CappedLines`] saw of a stdio server's output.
+#[derive(Default)]
+struct OutputState {
+    /// A message over [`MCP_MESSAGE_BYTES_MAX`] came (which closed the connection).
+    oversized: AtomicBool,
+    /// The output ended (the server exited or closed it), as soon as it is read: before
+    /// rmcp's service notices, so the next call starts the server again instead of being
+    /// sent to it.
+    ended: AtomicBool,
 }
 
 /// How to connect to a server (again).
@@ -286,26 +300,19 @@ async fn open(name: &str, recipe: &Recipe, timeout: Duration) -> Result<(Connect
             // an orphan, as it was when only the server was stopped.
             #[cfg(unix)]
             command.process_group(0);
-            let oversized = Arc::new(AtomicBool::new(false));
-            let transport = StdioServer::spawn(command, oversized.clone()).map_err(|error| McpError::Spawn {
+            let output = Arc::new(OutputState::default());
+            let transport = StdioServer::spawn(command, output.clone()).map_err(|error| McpError::Spawn {
                 server: name.to_owned(),
                 cause: error.to_string(),
             })?;
             let group = ProcessGroup::of(transport.id());
-            connect_with(
-                name,
-                timeout,
-                group,
-                oversized,
-                async move { ().serve(transport).await },
-            )
-            .await
+            connect_with(name, timeout, group, output, async move { ().serve(transport).await }).await
         }
         Recipe::Http { url } => {
             crate::openai::ensure_tls_provider();
             let transport = StreamableHttpClientTransport::from_uri(url.clone());
-            let oversized = Arc::new(AtomicBool::new(false));
-            connect_with(name, timeout, ProcessGroup::none(), oversized, async move {
+            let output = Arc::new(OutputState::default());
+            connect_with(name, timeout, ProcessGroup::none(), output, async move {
                 ().serve(transport).await
             })
             .await
@@ -560,7 +567,7 @@ async fn connect_with<F, E>(
     name: &str,
     timeout: Duration,
     group: ProcessGroup,
-    oversized: Arc<AtomicBool>,
+    output: Arc<OutputState>,
     connect: F,
 ) -> Result<(Connected, Vec<rmcp::model::Tool>), McpError>
 where
@@ -611,7 +618,7 @@ where
             service: connection,
             _group: group,
             broken: AtomicBool::new(false),
-            oversized,
+            output,
         },
         tools,
     ))
@@ -626,7 +633,7 @@ struct CappedLines<R> {
     inner: R,
     /// The bytes of the line being read so far.
     line_bytes: usize,
-    oversized: Arc<AtomicBool>,
+    output: Arc<OutputState>,
 }
 
 impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for CappedLines<R> {
@@ -641,11 +648,15 @@ impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for CappedLines<R> {
                 format!("the MCP server sent a message over {MCP_MESSAGE_BYTES_MAX} bytes"),
             )
         };
-        if self.oversized.load(Ordering::Relaxed) {
+        if self.output.oversized.load(Ordering::Relaxed) {
             return std::task::Poll::Ready(Err(over()));
         }
         let before = buffer.filled().len();
-        std::task::ready!(std::pin::Pin::new(&mut self.inner).poll_read(context, buffer))?;
+        let read = std::task::ready!(std::pin::Pin::new(&mut self.inner).poll_read(context, buffer));
+        if read.is_err() || (buffer.filled().len() == before && buffer.remaining() > 0) {
+            self.output.ended.store(true, Ordering::Relaxed);
+        }
+        read?;
         let mut line_bytes = self.line_bytes;
         let mut lines = buffer.filled()[before..].split(|byte| *byte == b'\n');
         let mut longest = 0;
@@ -658,7 +669,7 @@ impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for CappedLines<R> {
             longest = longest.max(line_bytes);
         }
         if longest > MCP_MESSAGE_BYTES_MAX {
-            self.oversized.store(true, Ordering::Relaxed);
+            self.output.oversized.store(true, Ordering::Relaxed);
             return std::task::Poll::Ready(Err(over()));
         }
         self.line_bytes = line_bytes;
@@ -674,11 +685,11 @@ struct StdioServer {
     transport: AsyncRwTransport<RoleClient, CappedLines<tokio::process::ChildStdout>, tokio::process::ChildStdin>,
     child: Option<tokio::process::Child>,
     /// Shared with its [`CappedLines`].
-    oversized: Arc<AtomicBool>,
+    output: Arc<OutputState>,
 }
 
 impl StdioServer {
-    fn spawn(mut command: tokio::process::Command, oversized: Arc<AtomicBool>) -> std::io::Result<Self> {
+    fn spawn(mut command: tokio::process::Command, output: Arc<OutputState>) -> std::io::Result<Self> {
         command
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -691,12 +702,12 @@ impl StdioServer {
         let stdout = CappedLines {
             inner: stdout,
             line_bytes: 0,
-            oversized: oversized.clone(),
+            output: output.clone(),
         };
         Ok(Self {
             transport: AsyncRwTransport::new(stdout, stdin),
             child: Some(child),
-            oversized,
+            output,
         })
     }
 
@@ -705,7 +716,7 @@ impl StdioServer {
     }
 
     fn transport_oversized(&self) -> bool {
-        self.oversized.load(Ordering::Relaxed)
+        self.output.oversized.load(Ordering::Relaxed)
     }
 }
 
@@ -802,7 +813,7 @@ impl McpToolHandler {
     fn describe_failure(&self, connection: &Connected, error: &rmcp::ServiceError) -> String {
         let server = &self.server;
         match error {
-            rmcp::ServiceError::TransportClosed if connection.oversized.load(Ordering::Relaxed) => format!(
+            rmcp::ServiceError::TransportClosed if connection.output.oversized.load(Ordering::Relaxed) => format!(
                 "the MCP server {server:?} answered with a message over {MCP_MESSAGE_BYTES_MAX} bytes: the \
                  connection was closed without reading it; the server is started again at the next call"
             ),

@@ -73,6 +73,20 @@ async fn wait_until_no_live_child(marker: &str, when: &str) {
     }
 }
 
+/// Waits (at most `EXIT_WAIT_MS`) until `server` knows its connection is gone (its
+/// process's output ended): the next call then starts it again rather than racing the
+/// news of its death (a call the death is noticed during fails, as it may have run).
+async fn wait_until_disconnected(server: &McpServer) {
+    let deadline = Instant::now() + Duration::from_millis(EXIT_WAIT_MS);
+    while server.is_connected() {
+        assert!(
+            Instant::now() < deadline,
+            "{EXIT_WAIT_MS} ms on, the server still looks connected"
+        );
+        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+    }
+}
+
 /// Agents that call `add {a: 1, b: 2}` on "go", then reply with the result.
 fn adding_agents() -> ScriptedLlm {
     ScriptedLlm::new()
@@ -109,6 +123,7 @@ async fn a_server_that_died_between_calls_is_started_again_at_the_next_call() {
         let reply = system.ask("calc", "go").await.unwrap();
         assert_eq!(reply.text, "result: 3", "attempt {attempt}");
         wait_until_no_live_child(marker, "the server answered and exited").await;
+        wait_until_disconnected(&server).await;
     }
     system.shutdown().await;
     drop(server);
@@ -133,6 +148,7 @@ async fn calls_that_find_a_killed_server_at_once_start_it_again_once() {
         .expect("kill runs");
     assert!(killed.success());
     wait_until_no_live_child("troupe-mcp-echo", "the server was killed").await;
+    wait_until_disconnected(&server).await;
 
     let asks = agents.map(|agent| {
         let system = system.clone();
@@ -165,6 +181,7 @@ async fn a_server_that_cannot_be_started_again_is_a_typed_error_naming_it() {
     let system = system_with(&server, &["calc"]);
     assert_eq!(system.ask("calc", "go").await.unwrap().text, "result: 3");
     wait_until_no_live_child("exit-after-call", "the server answered and exited").await;
+    wait_until_disconnected(&server).await;
 
     let started = Instant::now();
     let reply = system.ask("calc", "go").await.unwrap();
