@@ -42,25 +42,17 @@ fn converse_steps_keep_within_limits(message: &mut ChatMessage, results: &mut [C
             call.id = id;
         }
     }
-    // The provider's ids (as kept), which a made id must not take, and the ids given so
-    // far in this step (each at most AGENT_TOOL_CALLS_PER_STEP_MAX).
-    let provided: Vec<String> = message.tool_calls.iter().map(|call| call.id.clone()).collect();
-    let mut given: Vec<String> = Vec::with_capacity(message.tool_calls.len());
-    for (index, (call, result)) in message.tool_calls.iter_mut().zip(results.iter_mut()).enumerate() {
-        if call.id.is_empty() || given.contains(&call.id) {
-            let id = converse_steps_unique_id(step, index, &provided, &given);
-            tracing::warn!(
-                step,
-                call = index,
-                from = %call.id,
-                to = %id,
-                "a tool call's id is empty or repeats an earlier call's of its step: it is sent and kept under an id \
-                 of its own"
-            );
-            result.tool_call_id = Some(id.clone());
-            call.id = id;
-        }
-        given.push(call.id.clone());
+    // Ids present and distinct (the usual step) are looked at, not copied: only a step
+    // with an empty or repeated id pays for making them distinct.
+    let calls = &message.tool_calls;
+    let ids_to_make = calls
+        .iter()
+        .enumerate()
+        .any(|(index, call)| call.id.is_empty() || calls[..index].iter().any(|earlier| earlier.id == call.id));
+    if ids_to_make {
+        converse_steps_make_ids_distinct(message, results, step);
+    }
+    for (call, result) in message.tool_calls.iter_mut().zip(results.iter_mut()) {
         let kept = truncate_utf8(&call.name, AGENT_TOOL_NAME_SIZE_MAX_BYTES).len();
         call.name.truncate(kept);
         assert!(
@@ -101,6 +93,34 @@ fn converse_steps_keep_within_limits(message: &mut ChatMessage, results: &mut [C
         "a text of {} bytes was kept, over {AGENT_REPLY_SIZE_MAX_BYTES}",
         message.content.len()
     );
+}
+
+/// Gives each call of step `step` whose id is empty or repeats an earlier call's an id
+/// of its own ([`converse_steps_unique_id`]), its result with it, and says so in a
+/// warning naming both ids.
+#[cold]
+#[inline(never)]
+fn converse_steps_make_ids_distinct(message: &mut ChatMessage, results: &mut [ChatMessage], step: u32) {
+    // The provider's ids (as kept), which a made id must not take, and the ids given so
+    // far in this step (each at most AGENT_TOOL_CALLS_PER_STEP_MAX).
+    let provided: Vec<String> = message.tool_calls.iter().map(|call| call.id.clone()).collect();
+    let mut given: Vec<String> = Vec::with_capacity(message.tool_calls.len());
+    for (index, (call, result)) in message.tool_calls.iter_mut().zip(results.iter_mut()).enumerate() {
+        if call.id.is_empty() || given.contains(&call.id) {
+            let id = converse_steps_unique_id(step, index, &provided, &given);
+            tracing::warn!(
+                step,
+                call = index,
+                from = %call.id,
+                to = %id,
+                "a tool call's id is empty or repeats an earlier call's of its step: it is sent and kept under an id \
+                 of its own"
+            );
+            result.tool_call_id = Some(id.clone());
+            call.id = id;
+        }
+        given.push(call.id.clone());
+    }
 }
 
 /// The id an agent keeps for a tool call with `id`, the `index`th call of its step, if
