@@ -1004,6 +1004,10 @@ pub async fn run_node(
         .with_holder(node_name.clone())
         .map_err(|error| NodeError::Postgres(error.into()))?
         .with_commit_log(plan.fence_log_commits);
+    // The cluster name is bound to this database on etcd: a node of another deployment
+    // (another database) under the same cluster name is refused `StoreMismatch`.
+    let identity = store.identity().await.map_err(NodeError::Postgres)?;
+    let etcd = plan.etcd.clone().with_store_identity(identity);
     let (runtime, pending) = match &plan.org {
         None => (conversation_runtime(&node_name)?, None),
         Some((path, org)) => {
@@ -1036,7 +1040,7 @@ pub async fn run_node(
         ),
         None => None,
     };
-    let node = ClusterNode::start(plan.etcd.clone(), plan.listen, runtime, store)
+    let node = ClusterNode::start(etcd, plan.listen, runtime, store)
         .await
         .map_err(|error| match error {
             troupe_cluster::ClusterError::Listen { address, cause } => NodeError::Bind {

@@ -254,3 +254,46 @@ async fn sighup_stops_a_node_gracefully() {
     let (_, help, _) = node(&["--help"]);
     assert!(help.contains("SIGHUP"), "--help does not say what SIGHUP does:\n{help}");
 }
+
+/// Goal: a second deployment started under the cluster name of a running one, on its own
+/// database, is refused before it joins: the cluster name is bound to the first
+/// deployment's database on etcd, and the refusal names both stores and what to do.
+/// Before, `troupe node` never named its store to etcd, so the second node joined and
+/// the two deployments' placements mixed.
+#[tokio::test]
+async fn a_node_of_another_database_under_a_running_clusters_name_is_refused() {
+    let etcd = TestEtcd::start("node-store-mismatch").await;
+    let postgres = TestServer::start("node-store-mismatch");
+    let first = postgres.create_database("first").await;
+    let second = postgres.create_database("second").await;
+    let endpoint = etcd.endpoint();
+    let (mut child, stderr, _stdout, _addr) = node_serving(&endpoint, &first, "first");
+    let (code, stdout, refused) = node(&[
+        "--etcd",
+        endpoint.as_str(),
+        "--postgres",
+        second.as_str(),
+        "--node-id",
+        "second",
+        "--lease-ttl-ms",
+        "3000",
+        "--listen",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+    ]);
+    signal(&child, "TERM");
+    if exited_within(&mut child, NODE_EXIT_MS_MAX).is_none() {
+        let _ = child.kill();
+    }
+    let first_log = stderr.join().unwrap();
+    assert_eq!(
+        code,
+        Some(1),
+        "the second deployment's node: stdout {stdout}\nstderr {refused}\nfirst: {first_log}"
+    );
+    assert!(!stdout.contains("listening on"), "{stdout}");
+    for needle in ["/first\"", "/second\"", "--cluster"] {
+        assert!(refused.contains(needle), "{needle:?} not in: {refused}");
+    }
+}

@@ -304,6 +304,20 @@ impl<S: FencedClaim> StateStore for PlacedStore<S> {
         self.store.commit(actor, fence, commit).await
     }
 
+    /// What [`StateStore::commit`] would find before the store's own check: a placed
+    /// actor on a node that may no longer serve (its lease is gone) is `NotOwner`, and
+    /// the store then answers for the fence (PostgreSQL reads it; a store that cannot
+    /// check answers `Ok`). A turn that meets either refusal closes its activation.
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        if self.is_placed(actor) && !self.ownership.may_serve() {
+            return Err(StoreError::NotOwner {
+                actor: actor.clone(),
+                owner: None,
+            });
+        }
+        self.store.check_fence(actor, fence).await
+    }
+
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
         self.store.get(actor, key).await
     }

@@ -587,17 +587,8 @@ impl StateStore for PostgresStore {
 
         if commit.is_empty() {
             // Nothing to write: a plain read of the newest fence is the whole check.
-            let select = client.prepare_cached(SELECT_FENCE).await.map_err(backend(operation))?;
-            let current: Option<i64> = client
-                .query_opt(&select, &[&kind, &key])
-                .await
-                .and_then(|row| row.map(|row| row.try_get(0)).transpose())
-                .map_err(backend(operation))?;
-            return if current.is_some() && current == held {
-                Ok(())
-            } else {
-                Err(fenced(current))
-            };
+            drop(client);
+            return self.check_fence(actor, fence).await;
         }
 
         let transaction = client.transaction().await.map_err(backend(operation))?;
@@ -700,6 +691,31 @@ impl StateStore for PostgresStore {
         logged.map_err(backend(operation))?;
         // Dropping the transaction on an error above rolls all of it back.
         transaction.commit().await.map_err(backend(operation))
+    }
+
+    /// One read of the actor's newest fence (no row lock): what an empty commit checks.
+    /// A round trip to the server, which a turn pays before its expensive work
+    /// (`Turn::check_fence`) rather than after it.
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        let operation = StoreOperation::Commit;
+        let (kind, key) = (actor.kind().as_str(), actor.key());
+        let held = i64::try_from(fence.token()).ok();
+        let client = self.client(operation).await?;
+        let select = client.prepare_cached(SELECT_FENCE).await.map_err(backend(operation))?;
+        let current: Option<i64> = client
+            .query_opt(&select, &[&kind, &key])
+            .await
+            .and_then(|row| row.map(|row| row.try_get(0)).transpose())
+            .map_err(backend(operation))?;
+        if current.is_some() && current == held {
+            return Ok(());
+        }
+        let current = current.map(|token| fence_from_column(operation, token)).transpose()?;
+        Err(StoreError::Fenced {
+            actor: actor.clone(),
+            held: fence,
+            current,
+        })
     }
 
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {

@@ -71,6 +71,33 @@ async fn two_stores_take_newer_external_fences_and_refuse_older() {
     claim_with_fence_takes_newer_fences_and_refuses_older(&node_a, &node_b).await;
 }
 
+/// Goal: a stale owner learns it is fenced from a check, before any commit: the first
+/// store's fence check answers what its commit would (`Fenced`, naming the newer fence),
+/// and the second's check passes. Before, the store answered every check `Ok` (the
+/// trait's default), so a stale agent on PostgreSQL still called its model.
+#[tokio::test]
+async fn a_fence_check_on_a_second_store_refuses_the_stale_owner() {
+    let server = TestServer::start("fence-check");
+    let config = server.create_database("shared").await;
+    let first = PostgresStore::connect(&config).await.expect("connect the first store");
+    let second = PostgresStore::connect(&config).await.expect("connect the second store");
+    let owner = actor("agent", "writer");
+    let stale = first.claim(&owner).await.expect("claim").fence;
+    first
+        .check_fence(&owner, stale)
+        .await
+        .expect("the only claim is current");
+    let newer = second.claim(&owner).await.expect("claim").fence;
+    assert_eq!(
+        first.check_fence(&owner, stale).await,
+        Err(fenced(&owner, stale, Some(newer)))
+    );
+    second
+        .check_fence(&owner, newer)
+        .await
+        .expect("the newest claim is current");
+}
+
 /// Goal: fencing holds between two stores on one database, as between two processes:
 /// the second's claim fences off the first, whose commit (a zombie owner's) is refused
 /// and leaves nothing visible, and no acknowledged update is lost. Method: two stores,
