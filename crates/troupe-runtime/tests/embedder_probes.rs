@@ -2087,8 +2087,10 @@ async fn requests_racing_a_fenced_close_are_fenced_or_served_never_failed() {
 /// Goal: a request that reaches an activation whose task has just crashed (its mailbox
 /// gone with it), before the dispatcher has had the crash notice, is held and served by
 /// the next activation, as one that comes during a deactivation is: it never ran, so it
-/// is not failed. Requests already in the crashed mailbox fail `ActorFailed` ("ended
-/// before it replied"): they may have run. Method: 4 tasks send `add` in a loop through
+/// is not failed. Requests queued in the crashed mailbox had not started either: since
+/// 9c35b1a the crash notice carries them to the next activation too (before, they
+/// failed `ActorFailed`, "ended before it replied"); only the panicking turn's caller
+/// fails. Method: 4 tasks send `add` in a loop through
 /// one runtime while a fifth asks the actor to panic, 40 times; every failure must be
 /// one of the queued kind. This probe held before the dispatcher's fix too (the notice is
 /// sent before the mailbox goes, and the dispatcher applies notices before each command,
