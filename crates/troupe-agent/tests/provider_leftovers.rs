@@ -17,156 +17,20 @@
 // Real sockets are the point of this test, which never runs under the simulator.
 #![allow(clippy::disallowed_methods)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use troupe_agent::{
     AgentCallError, AgentSpec, AgentSystem, ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig,
     Role, Tool,
 };
 use troupe_core::InvokeError;
 
-/// What the server does with one request.
-#[derive(Clone)]
-enum Behaviour {
-    /// A complete response: status, extra headers, body.
-    Respond {
-        status: u16,
-        headers: Vec<(&'static str, String)>,
-        body: String,
-    },
-    /// An SSE response: these raw pieces, then the connection closes.
-    Sse(Vec<String>),
-}
-
-/// A scripted OpenAI-compatible server on loopback; the script sees each request's
-/// number and body.
-struct FakeServer {
-    base_url: String,
-    requests: Arc<AtomicUsize>,
-    bodies: Arc<Mutex<Vec<Value>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for FakeServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl FakeServer {
-    async fn start(script: impl Fn(usize, &Value) -> Behaviour + Send + Sync + 'static) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
-        let address = listener.local_addr().expect("local address");
-        let requests = Arc::new(AtomicUsize::new(0));
-        let bodies = Arc::new(Mutex::new(Vec::new()));
-        let script = Arc::new(script);
-        let task = {
-            let requests = requests.clone();
-            let bodies = bodies.clone();
-            tokio::spawn(async move {
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        return;
-                    };
-                    let script = script.clone();
-                    let requests = requests.clone();
-                    let bodies = bodies.clone();
-                    tokio::spawn(async move {
-                        let Some((body, mut stream)) = read_request(stream).await else {
-                            return;
-                        };
-                        let index = requests.fetch_add(1, Ordering::SeqCst);
-                        let behaviour = script(index, &body);
-                        bodies.lock().unwrap().push(body);
-                        answer(&mut stream, behaviour).await;
-                    });
-                }
-            })
-        };
-        Self {
-            base_url: format!("http://{address}/v1"),
-            requests,
-            bodies,
-            task,
-        }
-    }
-
-    fn requests(&self) -> usize {
-        self.requests.load(Ordering::SeqCst)
-    }
-}
-
-/// Reads one HTTP/1.1 request with a `Content-Length` body; `None` if the client hung up.
-async fn read_request(mut stream: TcpStream) -> Option<(Value, TcpStream)> {
-    let mut bytes = Vec::new();
-    let mut buffer = [0_u8; 4096];
-    let header_end = loop {
-        let read = stream.read(&mut buffer).await.ok()?;
-        if read == 0 {
-            return None;
-        }
-        bytes.extend_from_slice(&buffer[..read]);
-        if let Some(position) = bytes.windows(4).position(|window| window == b"\r\n\r\n") {
-            break position + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&bytes[..header_end]).to_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|line| line.strip_prefix("content-length:"))
-        .map(|value| value.trim().parse().expect("numeric content-length"))
-        .expect("the client sends Content-Length");
-    while bytes.len() < header_end + length {
-        let read = stream.read(&mut buffer).await.ok()?;
-        if read == 0 {
-            return None;
-        }
-        bytes.extend_from_slice(&buffer[..read]);
-    }
-    let body = serde_json::from_slice(&bytes[header_end..header_end + length]).expect("the request body is JSON");
-    Some((body, stream))
-}
-
-async fn answer(stream: &mut TcpStream, behaviour: Behaviour) {
-    match behaviour {
-        Behaviour::Respond { status, headers, body } => {
-            let mut head = format!(
-                "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-                 Connection: close\r\n",
-                body.len()
-            );
-            for (name, value) in headers {
-                head.push_str(&format!("{name}: {value}\r\n"));
-            }
-            head.push_str("\r\n");
-            let _ = stream.write_all(head.as_bytes()).await;
-            let _ = stream.write_all(body.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        }
-        Behaviour::Sse(pieces) => {
-            let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n";
-            let _ = stream.write_all(head.as_bytes()).await;
-            for piece in pieces {
-                let _ = stream.write_all(piece.as_bytes()).await;
-                let _ = stream.flush().await;
-            }
-            let _ = stream.shutdown().await;
-        }
-    }
-}
-
-fn respond(status: u16, body: &str) -> Behaviour {
-    Behaviour::Respond {
-        status,
-        headers: Vec::new(),
-        body: body.to_owned(),
-    }
-}
+#[allow(dead_code)] // the answers the other provider tests use and these do not
+#[path = "support/fake_provider.rs"]
+mod fake_provider;
+use fake_provider::{respond, Behaviour, FakeServer};
 
 /// A completion of `message` with `finish_reason` `reason`.
 fn finished(message: Value, reason: &str) -> Behaviour {

@@ -19,178 +19,23 @@
 // the simulator.
 #![allow(clippy::disallowed_methods)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
 use troupe_agent::{AgentCallError, AgentSpec, AgentSystem, OpenAiClient, OpenAiConfig, Role};
 use troupe_core::InvokeError;
+
+#[path = "support/fake_provider.rs"]
+mod fake_provider;
+use fake_provider::{read_request, respond, Behaviour, FakeServer};
 
 /// How long a test waits for anything that should happen promptly.
 const TEST_WAIT_MS_MAX: u64 = 10_000;
 /// How much later than its deadline an ask may end.
 const DEADLINE_SLACK_MS_MAX: u64 = 1_500;
-
-/// What the server does with one request.
-#[derive(Clone)]
-enum Behaviour {
-    /// A complete response: status, extra headers, body.
-    Respond {
-        status: u16,
-        headers: Vec<(&'static str, String)>,
-        body: String,
-    },
-    /// Headers promising `length` bytes, then `sent` of the body, then the connection
-    /// is closed.
-    CutBody { length: usize, sent: String },
-    /// An SSE response: these raw pieces, then the connection closes.
-    Sse(Vec<String>),
-    /// Reads the request and answers nothing (until the client hangs up).
-    Hang,
-}
-
-/// A scripted OpenAI-compatible server on loopback.
-struct FakeServer {
-    base_url: String,
-    requests: Arc<AtomicUsize>,
-    bodies: Arc<Mutex<Vec<Value>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for FakeServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl FakeServer {
-    async fn start(script: impl Fn(usize) -> Behaviour + Send + Sync + 'static) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
-        let address = listener.local_addr().expect("local address");
-        let requests = Arc::new(AtomicUsize::new(0));
-        let bodies = Arc::new(Mutex::new(Vec::new()));
-        let script = Arc::new(script);
-        let task = {
-            let requests = requests.clone();
-            let bodies = bodies.clone();
-            tokio::spawn(async move {
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        return;
-                    };
-                    let script = script.clone();
-                    let requests = requests.clone();
-                    let bodies = bodies.clone();
-                    tokio::spawn(async move {
-                        let Some((body, mut stream)) = read_request(stream).await else {
-                            return;
-                        };
-                        let index = requests.fetch_add(1, Ordering::SeqCst);
-                        bodies.lock().unwrap().push(body);
-                        answer(&mut stream, script(index)).await;
-                    });
-                }
-            })
-        };
-        Self {
-            base_url: format!("http://{address}/v1"),
-            requests,
-            bodies,
-            task,
-        }
-    }
-
-    fn requests(&self) -> usize {
-        self.requests.load(Ordering::SeqCst)
-    }
-}
-
-/// Reads one HTTP/1.1 request with a `Content-Length` body; `None` if the client hung up.
-async fn read_request(mut stream: TcpStream) -> Option<(Value, TcpStream)> {
-    let mut bytes = Vec::new();
-    let mut buffer = [0_u8; 4096];
-    let header_end = loop {
-        let read = stream.read(&mut buffer).await.ok()?;
-        if read == 0 {
-            return None;
-        }
-        bytes.extend_from_slice(&buffer[..read]);
-        if let Some(position) = bytes.windows(4).position(|window| window == b"\r\n\r\n") {
-            break position + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&bytes[..header_end]).to_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|line| line.strip_prefix("content-length:"))
-        .map(|value| value.trim().parse().expect("numeric content-length"))
-        .expect("the client sends Content-Length");
-    while bytes.len() < header_end + length {
-        let read = stream.read(&mut buffer).await.ok()?;
-        if read == 0 {
-            return None;
-        }
-        bytes.extend_from_slice(&buffer[..read]);
-    }
-    let body = serde_json::from_slice(&bytes[header_end..header_end + length]).expect("the request body is JSON");
-    Some((body, stream))
-}
-
-async fn answer(stream: &mut TcpStream, behaviour: Behaviour) {
-    match behaviour {
-        Behaviour::Respond { status, headers, body } => {
-            let mut head = format!(
-                "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-                 Connection: close\r\n",
-                body.len()
-            );
-            for (name, value) in headers {
-                head.push_str(&format!("{name}: {value}\r\n"));
-            }
-            head.push_str("\r\n");
-            let _ = stream.write_all(head.as_bytes()).await;
-            let _ = stream.write_all(body.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        }
-        Behaviour::CutBody { length, sent } => {
-            let head = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\
-                 Connection: close\r\n\r\n"
-            );
-            let _ = stream.write_all(head.as_bytes()).await;
-            let _ = stream.write_all(sent.as_bytes()).await;
-            let _ = stream.flush().await;
-            let _ = stream.shutdown().await;
-        }
-        Behaviour::Sse(pieces) => {
-            let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n";
-            let _ = stream.write_all(head.as_bytes()).await;
-            for piece in pieces {
-                let _ = stream.write_all(piece.as_bytes()).await;
-                let _ = stream.flush().await;
-            }
-            let _ = stream.shutdown().await;
-        }
-        Behaviour::Hang => {
-            let mut buffer = [0_u8; 256];
-            let _ = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
-                while matches!(stream.read(&mut buffer).await, Ok(read) if read > 0) {}
-            })
-            .await;
-        }
-    }
-}
-
-fn respond(status: u16, body: &str) -> Behaviour {
-    Behaviour::Respond {
-        status,
-        headers: Vec::new(),
-        body: body.to_owned(),
-    }
-}
 
 fn completion(message: Value) -> String {
     json!({
@@ -243,7 +88,7 @@ async fn assert_log_empty(system: &AgentSystem) {
 /// failed turn), on time, every time; nothing is committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_provider_ends_the_ask_with_a_typed_timeout_on_time() {
-    let server = FakeServer::start(|_| Behaviour::Hang).await;
+    let server = FakeServer::start(|_, _| Behaviour::Hang).await;
     let system = system(&server.base_url, 3, false);
     let timeout = Duration::from_millis(300);
     for attempt in 0..8 {
@@ -268,7 +113,7 @@ async fn a_silent_provider_ends_the_ask_with_a_typed_timeout_on_time() {
 /// retried, and commits nothing.
 #[tokio::test]
 async fn a_refused_key_fails_the_turn_with_the_status_and_commits_nothing() {
-    let server = FakeServer::start(|_| respond(401, r#"{"error":{"message":"Incorrect API key provided"}}"#)).await;
+    let server = FakeServer::start(|_, _| respond(401, r#"{"error":{"message":"Incorrect API key provided"}}"#)).await;
     let system = system(&server.base_url, 3, false);
 
     let cause = failure_cause(system.ask("bob", "hello").await);
@@ -286,7 +131,7 @@ async fn a_refused_key_fails_the_turn_with_the_status_and_commits_nothing() {
 /// the user message and the answer once.
 #[tokio::test]
 async fn retried_model_calls_commit_the_turn_once() {
-    let server = FakeServer::start(|index| match index {
+    let server = FakeServer::start(|index, _| match index {
         0 => respond(503, "overloaded"),
         1 => Behaviour::CutBody {
             length: 1_000,
@@ -348,7 +193,7 @@ async fn malformed_answers_fail_the_turn_naming_the_fault() {
         ),
     ];
     for (behaviour, stream, expected) in cases {
-        let server = FakeServer::start(move |_| behaviour.clone()).await;
+        let server = FakeServer::start(move |_, _| behaviour.clone()).await;
         let system = system(&server.base_url, 3, stream);
         let cause = failure_cause(system.ask("bob", "hello").await);
         assert!(cause.contains(expected), "expected {expected:?} in {cause}");
@@ -362,7 +207,7 @@ async fn malformed_answers_fail_the_turn_naming_the_fault() {
 /// result naming the tools there are, and the turn goes on to its answer.
 #[tokio::test]
 async fn a_call_of_an_unknown_tool_is_answered_to_the_model() {
-    let server = FakeServer::start(|index| match index {
+    let server = FakeServer::start(|index, _| match index {
         0 => respond(
             200,
             &completion(json!({"role": "assistant", "content": null,
@@ -395,7 +240,7 @@ async fn a_call_of_an_unknown_tool_is_answered_to_the_model() {
 /// turn with the provider's own message, not only with "missing field `choices`".
 #[tokio::test]
 async fn an_error_object_under_status_200_names_the_providers_message() {
-    let server = FakeServer::start(|_| {
+    let server = FakeServer::start(|_, _| {
         respond(
             200,
             r#"{"error":{"message":"The model `probe-model` does not exist","type":"invalid_request_error"}}"#,
@@ -418,7 +263,7 @@ async fn an_error_object_under_status_200_names_the_providers_message() {
 /// failed as `Unreachable` ("builder error"), after every retry.
 #[tokio::test]
 async fn a_key_or_url_that_cannot_be_sent_is_refused_when_the_client_is_built() {
-    let server = FakeServer::start(|_| text("unreachable")).await;
+    let server = FakeServer::start(|_, _| text("unreachable")).await;
     for key in ["sk-probe\nsecret", "sk-probe\u{2011}secret", "sk-probe\u{0}secret"] {
         let mut config = OpenAiConfig::new(key);
         config.base_url = server.base_url.clone();
@@ -466,20 +311,21 @@ fn finished(message: Value, reason: &str) -> Behaviour {
 #[tokio::test]
 async fn an_answer_cut_at_the_token_limit_is_marked_truncated() {
     let server =
-        FakeServer::start(|_| finished(json!({"role": "assistant", "content": "The answer is"}), "length")).await;
+        FakeServer::start(|_, _| finished(json!({"role": "assistant", "content": "The answer is"}), "length")).await;
     let agents = system(&server.base_url, 0, false);
     let reply = agents.ask("bob", "hello").await.unwrap();
     assert_eq!(reply.text, "The answer is");
     assert!(reply.truncated, "a cut answer is marked: {reply:?}");
     agents.shutdown().await;
 
-    let server = FakeServer::start(|_| finished(json!({"role": "assistant", "content": "All of it."}), "stop")).await;
+    let server =
+        FakeServer::start(|_, _| finished(json!({"role": "assistant", "content": "All of it."}), "stop")).await;
     let agents = system(&server.base_url, 0, false);
     let reply = agents.ask("bob", "hello").await.unwrap();
     assert!(!reply.truncated, "{reply:?}");
     agents.shutdown().await;
 
-    let server = FakeServer::start(|_| {
+    let server = FakeServer::start(|_, _| {
         Behaviour::Sse(vec![
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"The answer\"}}]}\n\n".to_owned(),
             "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"length\"}]}\n\n".to_owned(),
@@ -493,7 +339,7 @@ async fn an_answer_cut_at_the_token_limit_is_marked_truncated() {
     assert!(reply.truncated, "a cut streamed answer is marked: {reply:?}");
     agents.shutdown().await;
 
-    let server = FakeServer::start(|_| {
+    let server = FakeServer::start(|_, _| {
         finished(
             json!({"role": "assistant", "content": null,
                    "tool_calls": [{"id": "c1", "type": "function",
@@ -537,7 +383,7 @@ async fn provider_failures_say_what_to_check() {
         ),
     ];
     for (status, body, expected) in cases {
-        let server = FakeServer::start(move |_| respond(status, body)).await;
+        let server = FakeServer::start(move |_, _| respond(status, body)).await;
         let agents = system(&server.base_url, 0, false);
         let cause = failure_cause(agents.ask("bob", "hello").await);
         for part in expected {
@@ -564,7 +410,7 @@ async fn provider_failures_say_what_to_check() {
 /// Arguments that are neither (a number) still fail it, naming the call.
 #[tokio::test]
 async fn tool_call_arguments_sent_as_an_object_are_taken() {
-    let server = FakeServer::start(|index| match index {
+    let server = FakeServer::start(|index, _| match index {
         0 => respond(
             200,
             &completion(json!({"role": "assistant", "content": null,
@@ -585,7 +431,7 @@ async fn tool_call_arguments_sent_as_an_object_are_taken() {
     assert_eq!(call["function"]["arguments"], r#"{"city":"Oslo"}"#);
     agents.shutdown().await;
 
-    let server = FakeServer::start(|_| {
+    let server = FakeServer::start(|_, _| {
         respond(
             200,
             &completion(json!({"role": "assistant", "content": null,
@@ -615,7 +461,7 @@ async fn streamed_parallel_calls_at_one_index_stay_separate_calls() {
             json!({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
         )
     };
-    let server = FakeServer::start(move |_| {
+    let server = FakeServer::start(move |_, _| {
         Behaviour::Sse(vec![
             chunk(json!({"index": 0, "id": "c1", "type": "function",
                          "function": {"name": "lookup", "arguments": "{\"city\":"}})),
@@ -705,7 +551,7 @@ async fn a_stream_of_keep_alives_only_ends_on_time() {
 /// every agent answers, and each log holds its own question and the answer once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_sharing_one_client_through_failures_each_commit_once() {
-    let server = FakeServer::start(|index| if index < 8 { respond(503, "busy") } else { text("ok") }).await;
+    let server = FakeServer::start(|index, _| if index < 8 { respond(503, "busy") } else { text("ok") }).await;
     let mut config = OpenAiConfig::new("sk-probe");
     config.base_url = server.base_url.clone();
     config.retries_max = troupe_agent::OPENAI_RETRIES_MAX;
