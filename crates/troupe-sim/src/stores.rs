@@ -68,6 +68,12 @@ impl StateStore for SyncingStore {
         self.disk.claim(actor).await
     }
 
+    /// The disk's answer: a node sharing the disk ([`crate::Disk::Shared`]) learns
+    /// there that another claimed the actor since, as two processes on one file do.
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        self.disk.check_fence(actor, fence).await
+    }
+
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
         self.disk.load(actor).await
     }
@@ -161,6 +167,11 @@ impl InFlightStore {
 impl StateStore for InFlightStore {
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
         self.disk.claim(actor).await
+    }
+
+    /// The disk's answer (a write still in flight does not change the fence).
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        self.disk.check_fence(actor, fence).await
     }
 
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
