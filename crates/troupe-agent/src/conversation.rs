@@ -1552,6 +1552,9 @@ impl AgentActor {
                     None => Ok(reply.text),
                     Some(exhausted) => Err(exhausted.to_string()),
                 },
+                // Stale (fenced, or the node lost its lease): no note; the turn fails and
+                // the mention stays for the agent's current owner.
+                Err(error) if AgentActor::is_fence_refusal(&error) => return Err(error),
                 Err(error) => Err(error.to_string()),
             }
         };

@@ -934,6 +934,8 @@ impl AgentActor {
                             let error = reply.exhausted.map(|error| error.to_string()).unwrap_or_default();
                             tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
                         }
+                        // Stale: the turn fails whole; the entry stays for the current owner.
+                        Err(error) if Self::is_fence_refusal(&error) => return Err(error),
                         Err(error) => {
                             tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
                         }
@@ -1002,6 +1004,9 @@ impl AgentActor {
                                 Some(exhausted) => (TaskState::Failed, exhausted.to_string(), left),
                             }
                         }
+                        // Stale: no failed result goes back; the task stays for the
+                        // agent's current owner.
+                        Err(error) if Self::is_fence_refusal(&error) => return Err(error),
                         Err(error) => (
                             TaskState::Failed,
                             error.to_string(),
@@ -1040,6 +1045,7 @@ impl AgentActor {
                         let error = reply.exhausted.map(|error| error.to_string()).unwrap_or_default();
                         tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
                     }
+                    Err(error) if Self::is_fence_refusal(&error) => return Err(error),
                     Err(error) => {
                         tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
                     }

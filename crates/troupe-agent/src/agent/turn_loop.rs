@@ -292,6 +292,19 @@ impl AgentActor {
         ActorError::Invoke(troupe_core::InvokeError::Shutdown)
     }
 
+    /// Whether `error` (from [`AgentActor::converse`]) is this activation's fence
+    /// refused: another runtime on the store claimed the agent since, or this node lost
+    /// its cluster lease (the turn loop checks before each model call). Such a turn must
+    /// fail whole, so that the stale activation closes and the message stays for the
+    /// agent's current owner; answered as the model's failure (a note in a conversation,
+    /// a failed task), it would report a failure the agent never had.
+    pub(crate) fn is_fence_refusal(error: &ActorError) -> bool {
+        matches!(
+            error,
+            ActorError::Store(troupe_runtime::StoreError::Fenced { .. } | troupe_runtime::StoreError::NotOwner { .. })
+        )
+    }
+
     /// Runs one conversation turn (see `converse_steps`) and reports its end
     /// ([`AgentEvent::TurnEnded`]) when anyone listens.
     pub(crate) async fn converse(
