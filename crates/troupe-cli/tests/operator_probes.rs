@@ -299,6 +299,20 @@ fn a_bad_log_filter_or_bind_address_is_refused_naming_it() {
     );
 }
 
+/// Asks the demo's coordinator for a brief (a turn that calls three agents, about 2 s)
+/// on a thread of its own: the status and body it is answered with.
+fn ask_for_a_brief_in_the_background(addr: &str) -> std::thread::JoinHandle<(u16, String)> {
+    let addr = addr.to_string();
+    std::thread::spawn(move || {
+        http(
+            &addr,
+            "POST",
+            "/v1/agents/coordinator/messages",
+            r#"{"text": "Prepare a brief"}"#,
+        )
+    })
+}
+
 /// Goal: SIGTERM while a turn runs lets it finish (within the 10 s grace): its request
 /// is answered 200, the process exits 0 saying it stopped, and what it acknowledged is
 /// there after a restart on the same `--db`. Method: ask the coordinator (its scripted
@@ -308,17 +322,7 @@ fn sigterm_during_a_turn_lets_it_finish_and_keeps_it_across_a_restart() {
     let directory = tempfile::tempdir().unwrap();
     let db = directory.path().to_str().unwrap();
     let (mut running, mut stdout, addr) = serve(&["--db", db]);
-    let asking = std::thread::spawn({
-        let addr = addr.clone();
-        move || {
-            http(
-                &addr,
-                "POST",
-                "/v1/agents/coordinator/messages",
-                r#"{"text": "Prepare a brief"}"#,
-            )
-        }
-    });
+    let asking = ask_for_a_brief_in_the_background(&addr);
     std::thread::sleep(Duration::from_millis(300));
     running.signal("TERM");
     let (status, body) = asking.join().unwrap();
@@ -717,17 +721,7 @@ fn sighup_stops_serve_gracefully_as_sigterm_does() {
     );
     let (mut stdout, addr) = support::read_address(&mut running.child).expect("an address");
     assert_eq!(entries(temporary.path()).len(), 1, "its temporary state");
-    let asking = std::thread::spawn({
-        let addr = addr.clone();
-        move || {
-            http(
-                &addr,
-                "POST",
-                "/v1/agents/coordinator/messages",
-                r#"{"text": "Prepare a brief"}"#,
-            )
-        }
-    });
+    let asking = ask_for_a_brief_in_the_background(&addr);
     std::thread::sleep(Duration::from_millis(300));
     running.signal("HUP");
     let (status, body) = asking.join().unwrap();

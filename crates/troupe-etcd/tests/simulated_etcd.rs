@@ -55,6 +55,22 @@ fn commit(text: &str) -> TurnCommit {
     }
 }
 
+/// The simulated etcd's machine, serving at [`ETCD_ADDRESS`].
+fn start_etcd(handle: &Handle) -> madsim::runtime::NodeHandle {
+    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
+    handle
+        .create_node()
+        .name("etcd")
+        .ip(etcd_address.ip())
+        .init(move || async move {
+            etcd_client::SimServer::builder()
+                .serve(etcd_address)
+                .await
+                .expect("the simulated etcd serves");
+        })
+        .build()
+}
+
 fn ip(text: &str) -> IpAddr {
     text.parse().expect("an IP address")
 }
@@ -93,18 +109,7 @@ async fn partition_and_kill_scenario() -> Vec<String> {
     let start = Instant::now();
     let mut record = Vec::new();
     let mut note = |step: String| record.push(format!("{:>6} ms {step}", start.elapsed().as_millis()));
-    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
-    let etcd = handle
-        .create_node()
-        .name("etcd")
-        .ip(etcd_address.ip())
-        .init(move || async move {
-            etcd_client::SimServer::builder()
-                .serve(etcd_address)
-                .await
-                .expect("the simulated etcd serves");
-        })
-        .build();
+    let etcd = start_etcd(&handle);
     let node_a = handle.create_node().name("node-a").ip(ip("10.0.1.1")).build();
     let node_b = handle.create_node().name("node-b").ip(ip("10.0.1.2")).build();
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -290,18 +295,7 @@ fn scenario_replays_identically_from_its_seed() {
 #[madsim::test]
 async fn the_store_binding_and_the_name_claim_hold_on_the_simulated_etcd() {
     let handle = Handle::current();
-    let etcd_address: SocketAddr = ETCD_ADDRESS.parse().expect("an address");
-    let _etcd = handle
-        .create_node()
-        .name("etcd")
-        .ip(etcd_address.ip())
-        .init(move || async move {
-            etcd_client::SimServer::builder()
-                .serve(etcd_address)
-                .await
-                .expect("the simulated etcd serves");
-        })
-        .build();
+    let _etcd = start_etcd(&handle);
     let machines: Vec<_> = (1..=3)
         .map(|index| {
             handle
