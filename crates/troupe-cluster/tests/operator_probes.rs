@@ -211,13 +211,9 @@ impl Fleet {
 
     /// Starts `name` listening on `listen` and puts it behind the load balancer.
     async fn start(&mut self, name: &str, listen: SocketAddr) {
-        let node = start_node(
-            &self.etcd,
-            name,
-            &self.path,
-            listen,
-            counter_runtime(name, &self.live, &self.most_live),
-        )
+        let node = start_node(&self.etcd, name, &self.path, listen, || {
+            counter_runtime(name, &self.live, &self.most_live)
+        })
         .await;
         self.clients.lock().expect("the clients").push(node.client());
         self.nodes.insert(name.to_string(), node);
@@ -374,20 +370,39 @@ fn error_kind(error: &InvokeError) -> String {
     }
 }
 
+/// How long a node started again at the address a crashed node held waits for the
+/// kernel to free it, in milliseconds (its sockets may still be closing: in CI, once,
+/// "Address already in use" right after a crash).
+const REBIND_WAIT_MS_MAX: u64 = 5_000;
+
+/// Starts node `name` on the shared SQLite file at `path`, listening on `listen`, with a
+/// runtime from `runtime`; a port still held (a restart at a crashed node's address) is
+/// tried again every `CALL_PAUSE_MS` for up to [`REBIND_WAIT_MS_MAX`].
 async fn start_node(
     etcd: &TestEtcd,
     name: &str,
     path: &Path,
     listen: SocketAddr,
-    runtime: RuntimeBuilder,
+    runtime: impl Fn() -> RuntimeBuilder,
 ) -> ClusterNode {
-    let store = SqliteStore::open(path).expect("open the shared SQLite file");
-    bounded(
-        "starting a node",
-        ClusterNode::start(etcd.config(name, ""), listen, runtime, store),
-    )
-    .await
-    .unwrap_or_else(|error| panic!("start {name}: {error}"))
+    let waited_since = Instant::now();
+    loop {
+        let store = SqliteStore::open(path).expect("open the shared SQLite file");
+        let started = bounded(
+            "starting a node",
+            ClusterNode::start(etcd.config(name, ""), listen, runtime(), store),
+        )
+        .await;
+        match started {
+            Err(troupe_cluster::ClusterError::Listen { cause, .. })
+                if cause.kind() == std::io::ErrorKind::AddrInUse
+                    && waited_since.elapsed() < Duration::from_millis(REBIND_WAIT_MS_MAX) =>
+            {
+                tokio::time::sleep(Duration::from_millis(CALL_PAUSE_MS)).await;
+            }
+            started => return started.unwrap_or_else(|error| panic!("start {name}: {error}")),
+        }
+    }
 }
 
 fn loopback() -> SocketAddr {
