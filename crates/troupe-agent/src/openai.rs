@@ -47,6 +47,9 @@
 //!   [`OpenAiClient::with_stream_observer`], as it arrives. A stream that ends without
 //!   `data: [DONE]`, a chunk that is not JSON, an `error` chunk, or a tool-call index of
 //!   [`STREAM_TOOL_CALLS_MAX`] or more is [`LlmError::Malformed`].
+//! - **Tool-call ids.** A tool call without an `id` (left out, `null` or empty, as some
+//!   OpenAI-compatible servers send), streamed or not, is passed on with an empty id;
+//!   the agent's turn gives it `call_{step}_{index}` and sends its result under it.
 //! - **Token limit.** An answer whose `finish_reason` is `"length"` (the provider
 //!   stopped at its token limit, e.g. the cap a budget sets) is returned with
 //!   [`LlmReply::truncated`]; a tool call it cut (arguments that are not JSON) is
@@ -1429,6 +1432,9 @@ struct WireReplyMessage {
 
 #[derive(Deserialize)]
 struct WireToolCallIn {
+    /// Absent or `null` from some OpenAI-compatible servers: then empty, and the agent
+    /// gives the call an id of its own (`call_{step}_{index}`, as for an empty id).
+    #[serde(default, deserialize_with = "null_as_empty_text")]
     id: String,
     function: WireFunctionCallIn,
 }
@@ -1439,6 +1445,11 @@ struct WireFunctionCallIn {
     /// A JSON string by the protocol; some servers send the JSON object itself.
     #[serde(default)]
     arguments: serde_json::Value,
+}
+
+/// A text field sent as `null` (or left out, with `#[serde(default)]`): empty.
+fn null_as_empty_text<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 /// `tool_calls: null` is what some providers send for "no calls".

@@ -169,6 +169,36 @@ async fn empty_and_repeated_tool_call_ids_get_ids_of_their_own() {
     assert_eq!(runs[0], runs[1], "the ids made are the same on every run");
 }
 
+/// A non-streamed answer whose tool calls carry no `id` field, or `"id": null` (some
+/// OpenAI-compatible servers): the calls run, and each gets the id a call with an empty
+/// id gets, `call_{step}_{index}`, its result sent under it. Before, the whole answer
+/// was `LlmError::Malformed` ("missing field `id`") and the turn failed.
+#[tokio::test]
+async fn tool_calls_without_an_id_field_get_ids_of_their_own() {
+    let cities = ["Oslo", "Bergen"];
+    let server = FakeServer::start(move |index, _| match index {
+        0 => {
+            let mut first = call("", "Oslo");
+            first.as_object_mut().unwrap().remove("id");
+            let mut second = call("", "Bergen");
+            second["id"] = Value::Null;
+            finished(
+                json!({"role": "assistant", "content": null, "tool_calls": [first, second]}),
+                "tool_calls",
+            )
+        }
+        _ => text("done"),
+    })
+    .await;
+    let system = system(&server.base_url, false);
+    let reply = system.ask("bob", "weather?").await.unwrap();
+    assert_eq!(reply.text, "done");
+    let bodies = server.bodies.lock().unwrap().clone();
+    let ids = pairs_of_second_request(&bodies, &cities);
+    assert_eq!(ids, ["call_1_0", "call_1_1"]);
+    system.shutdown().await;
+}
+
 /// Streamed calls at two indices that carry no id at all (some local servers): each
 /// gets an id of its own and its result is sent under it. Before, both went out as
 /// `""`.
