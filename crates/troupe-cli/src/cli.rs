@@ -149,6 +149,24 @@ pub const SERVE_BIND_DEFAULT: &str = "127.0.0.1:8080";
 /// are cut as by a crash (a turn commits whole or not at all).
 pub const SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS: u64 = 500;
 
+/// Most log lines of `troupe serve` and `troupe node` waiting to be written to stderr,
+/// in lines (a span's close line is about 250 bytes: about 1 MiB). The lines go through
+/// a queue of this many, written by a thread of their own; a line that finds it full
+/// is dropped and counted, never waited for, so a stderr read slowly or not at all
+/// never stalls a request. The count is reported at exit (and, while lines are being
+/// dropped, every [`SERVE_LOG_DROPPED_REPORT_MS`]).
+pub const SERVE_LOG_LINES_BUFFERED_MAX: usize = 4_096;
+
+/// How often `troupe serve` and `troupe node` say how many log lines they dropped since
+/// the last report, in milliseconds (only when some were: see
+/// [`SERVE_LOG_LINES_BUFFERED_MAX`]).
+pub const SERVE_LOG_DROPPED_REPORT_MS: u64 = 10_000;
+
+/// How long `troupe serve` and `troupe node` wait at exit for their queued log lines to
+/// reach stderr, in milliseconds; lines still queued then (nobody reads stderr) are
+/// lost, and the exit goes on.
+pub const SERVE_LOG_FLUSH_WAIT_MS: u64 = 2_000;
+
 /// The options of `troupe serve`.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct ServeArgs {

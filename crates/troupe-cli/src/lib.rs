@@ -64,6 +64,8 @@ pub fn listen_refusal(flag: &str, addr: std::net::SocketAddr, error: &std::io::E
 
 mod cli;
 #[cfg(not(madsim))]
+pub mod log_lines;
+#[cfg(not(madsim))]
 pub mod node;
 mod org_demo;
 #[cfg(not(madsim))]
@@ -71,7 +73,8 @@ pub mod signals;
 
 pub use cli::{
     Cli, Command, DemoArgs, LogFormat, NodeArgs, ServeArgs, NODE_CLUSTER_DEFAULT, NODE_LEASE_TTL_MS_DEFAULT,
-    SERVE_BIND_DEFAULT, SERVE_LOG_FILTER_DEFAULT, SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS,
+    SERVE_BIND_DEFAULT, SERVE_LOG_DROPPED_REPORT_MS, SERVE_LOG_FILTER_DEFAULT, SERVE_LOG_FLUSH_WAIT_MS,
+    SERVE_LOG_LINES_BUFFERED_MAX, SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS,
 };
 pub use org_demo::{org_demo_script, run_org_demo, Contact, OrgDemoReport, ORG_DEMO_ASK_TIMEOUT_MS, ORG_DEMO_WAIT_MS};
 

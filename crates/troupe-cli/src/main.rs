@@ -159,11 +159,21 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
 /// (the next signal) stops at once.
 #[cfg(not(madsim))]
 async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> Result<(), String> {
+    let (otel, mut lines) = init_logging("troupe serve", args.log_format, args.otlp_endpoint.as_deref())?;
+    lines.report_dropped_lines();
+    let served = serve_logged(args, first, second, otel).await;
+    // The lines still queued reach stderr (bounded), the count of dropped ones last.
+    lines.finish().await;
+    served
+}
+
+/// [`serve`] once its log is set up.
+#[cfg(not(madsim))]
+async fn serve_logged(args: ServeArgs, first: StopSignal, second: StopSignal, otel: OtelGuard) -> Result<(), String> {
     use std::io::Write as _;
     use troupe_agent::AgentSystem;
     use troupe_server::ServerConfig;
 
-    let otel = init_logging(args.log_format, args.otlp_endpoint.as_deref())?;
     // All within their ranges (checked by clap, and by `check_bind` below).
     let as_count = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
     let mut config = ServerConfig::default()
@@ -286,9 +296,15 @@ async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> Result
 /// fields and its busy and idle times (without it, a request logs no line): a request's `http_request` line carries its status and latency, and its
 /// `invoke`, `turn` and `model_call` lines list it among their ancestors. With
 /// `otlp_endpoint` (feature `otel`), the same spans are also exported over OTLP/HTTP;
-/// the guard returned flushes them.
+/// the guard returned flushes them. The lines go through a bounded queue
+/// ([`troupe_cli::log_lines::LogLines`], of `program`): a stderr read slowly or not at all
+/// never stalls the program, and lines dropped are counted; finish it at exit.
 #[cfg(not(madsim))]
-fn init_logging(format: troupe_cli::LogFormat, otlp_endpoint: Option<&str>) -> Result<OtelGuard, String> {
+fn init_logging(
+    program: &'static str,
+    format: troupe_cli::LogFormat,
+    otlp_endpoint: Option<&str>,
+) -> Result<(OtelGuard, troupe_cli::log_lines::LogLines), String> {
     use std::io::IsTerminal as _;
     use tracing_subscriber::fmt::format::FmtSpan;
     use tracing_subscriber::layer::SubscriberExt as _;
@@ -306,9 +322,12 @@ fn init_logging(format: troupe_cli::LogFormat, otlp_endpoint: Option<&str>) -> R
         ),
         _ => (EnvFilter::new(troupe_cli::SERVE_LOG_FILTER_DEFAULT), FmtSpan::NONE),
     };
+    // Until 2026-12-06 written from the thread that logged (`with_writer(std::io::stderr)`):
+    // with RUST_LOG set, a stderr nobody read stalled the server after about 64 requests.
+    let queue = troupe_cli::log_lines::LogLines::stderr(program);
     let lines = tracing_subscriber::fmt::layer()
         .with_span_events(span_lines)
-        .with_writer(std::io::stderr);
+        .with_writer(queue.writer());
     let lines = match format {
         troupe_cli::LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).boxed(),
         troupe_cli::LogFormat::Json => lines.json().with_current_span(true).with_span_list(true).boxed(),
@@ -337,7 +356,7 @@ fn init_logging(format: troupe_cli::LogFormat, otlp_endpoint: Option<&str>) -> R
         .with(filter)
         .try_init()
         .map_err(|error| format!("cannot install the logger: {error}"))?;
-    Ok(guard)
+    Ok((guard, queue))
 }
 
 /// What flushes the OpenTelemetry export at exit (nothing without the `otel` feature).
@@ -442,13 +461,14 @@ async fn main() -> ExitCode {
             // As `troupe serve`: watched first; a second signal stops at once.
             let (first, second) = troupe_cli::signals::stop_signals("troupe node");
             // Kept alive until the node stops (it flushes an OTLP export, if any, on drop).
-            let _logging = match init_logging(troupe_cli::LogFormat::Text, None) {
-                Ok(guard) => guard,
+            let (_otel, mut lines) = match init_logging("troupe node", troupe_cli::LogFormat::Text, None) {
+                Ok(logging) => logging,
                 Err(message) => {
                     troupe_cli::errln!("troupe: {message}");
                     return ExitCode::FAILURE;
                 }
             };
+            lines.report_dropped_lines();
             // With --config, the agents use a real model when OPENAI_API_KEY is set (as
             // `troupe serve`), else the scripted one.
             let model = if node_args.config.is_some() && !node_args.scripted {
@@ -462,7 +482,10 @@ async fn main() -> ExitCode {
             } else {
                 None
             };
-            match troupe_cli::node::run_node(&node_args, model, first, second).await {
+            let ran = troupe_cli::node::run_node(&node_args, model, first, second).await;
+            // The lines still queued reach stderr (bounded), the count of dropped ones last.
+            lines.finish().await;
+            match ran {
                 Ok(()) => {
                     troupe_cli::outln!("troupe node: stopped");
                     ExitCode::SUCCESS

@@ -859,3 +859,73 @@ fn a_config_without_agents_is_served_with_a_warning_saying_what_an_agent_entry_i
         }
     }
 }
+
+/// Goal: a `troupe serve` that logs a line per span (RUST_LOG set) keeps answering when
+/// nobody reads its stderr: log lines go through a bounded queue written by a thread of
+/// their own, and lines that find the queue full are dropped and counted, never waited
+/// for; at a graceful exit the queue is flushed and its last line says how many were
+/// dropped. Until 2026-12-06 only the default level was safe (a4b7626): with
+/// `RUST_LOG=info` the 64 KiB pipe filled after about 64 critic requests (4 lines each)
+/// and the server stalled on its next line. Method: stderr piped and held unread,
+/// `UNREAD_LOG_REQUESTS` critic requests (more lines than the pipe and
+/// `SERVE_LOG_LINES_BUFFERED_MAX` hold), each answered within `UNREAD_LOG_ANSWER_MS_MAX`;
+/// then stderr is read, SIGTERM: exit 0 and the last line reports the dropped lines.
+#[test]
+fn a_server_logging_every_span_keeps_answering_when_its_stderr_is_never_read() {
+    /// How many requests are sent: 4 lines each at `info`, so about 8,000 lines (2
+    /// MiB), more than the pipe (64 KiB) and the queue (`SERVE_LOG_LINES_BUFFERED_MAX`).
+    const UNREAD_LOG_REQUESTS: usize = 2_000;
+    /// The longest one answer may take, in milliseconds (the critic answers at once).
+    const UNREAD_LOG_ANSWER_MS_MAX: u64 = 10_000;
+    let mut child = troupe()
+        .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Held, not read until the requests are answered.
+    let mut pipe = child.stderr.take().unwrap();
+    let mut running = Running { child, stderr: None };
+    let (_stdout, addr) = support::read_address(&mut running.child).expect("an address");
+    let started = std::time::Instant::now();
+    for request in 0..UNREAD_LOG_REQUESTS {
+        let asked = std::time::Instant::now();
+        let (status, answer) = support::http(
+            &addr,
+            "POST",
+            "/v1/agents/critic/messages",
+            r#"{"text": "a brief"}"#,
+            UNREAD_LOG_ANSWER_MS_MAX,
+        );
+        assert_eq!(status, 200, "request {request}: {answer}");
+        assert!(
+            asked.elapsed() < Duration::from_millis(UNREAD_LOG_ANSWER_MS_MAX),
+            "request {request} took {:?}",
+            asked.elapsed()
+        );
+    }
+    eprintln!(
+        "{UNREAD_LOG_REQUESTS} requests with stderr unread: {:?}",
+        started.elapsed()
+    );
+    running.stderr = Some(std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    }));
+    running.signal("TERM");
+    let status = running.wait();
+    let stderr = running.stderr();
+    assert!(status.success(), "{status:?}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    let dropped: usize = last
+        .strip_prefix("troupe serve: ")
+        .and_then(|rest| rest.split_once(" log lines were dropped"))
+        .and_then(|(count, _)| count.parse().ok())
+        .unwrap_or_else(|| panic!("the last line reports no dropped lines: {last:?}"));
+    let written = stderr.lines().filter(|line| line.contains("http_request")).count();
+    eprintln!("dropped {dropped} lines, {written} request lines written; last line: {last}");
+    assert!(dropped > 0 && written > 0, "{last}");
+}
