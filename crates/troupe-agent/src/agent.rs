@@ -50,7 +50,7 @@ pub use spec::{
 pub(crate) use state::{
     close_log_entry, decode_log_entry, log_key, seq_key, window_messages, AgentState, BoxCounters, SavedAgent,
 };
-pub(crate) use turn_loop::Conversation;
+pub(crate) use turn_loop::{Conversation, TurnError};
 pub use wire::{AgentReply, AgentRequest};
 
 /// Builds agents from the directory and their snapshots.
@@ -231,7 +231,10 @@ impl AgentActor {
                     history: None,
                     allowed_ms: None,
                 };
-                let reply = self.converse(turn, conversation).await?;
+                let reply = self
+                    .converse(turn, conversation)
+                    .await
+                    .map_err(TurnError::into_actor_error)?;
                 Ok(Answer::Reply(reply))
             }
             other => self.handle_box(turn, other).await.map(Answer::Bytes),

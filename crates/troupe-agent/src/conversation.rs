@@ -1554,7 +1554,7 @@ impl AgentActor {
                 },
                 // Stale (fenced, or the node lost its lease): no note; the turn fails and
                 // the mention stays for the agent's current owner.
-                Err(error) if AgentActor::is_fence_refusal(&error) => return Err(error),
+                Err(crate::agent::TurnError::Refused(error)) => return Err(error),
                 Err(error) => Err(error.to_string()),
             }
         };

@@ -11,7 +11,7 @@ use troupe_core::limits::{ACTOR_KEY_LENGTH_MAX, INVOKE_TIMEOUT_MS_MAX};
 use troupe_core::{ActorId, CallContext, CallRefused, Deadline, InvokeError};
 use troupe_runtime::{ActorError, Turn};
 
-use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation};
+use crate::agent::{agent_id, AgentActor, BoxCounters, Conversation, TurnError};
 use crate::inbox::{
     canceled_key, dedupe_slot_key, encode_reply, from_json, inbox_key, outbox_head, outbox_key, own_seen_key,
     pair_in_key, pair_out_key, pair_skip_key, seen_key, seq_of, task_deadline, task_key, task_overdue_at, tasks_in_key,
@@ -934,8 +934,9 @@ impl AgentActor {
                             let error = reply.exhausted.map(|error| error.to_string()).unwrap_or_default();
                             tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
                         }
-                        // Stale: the turn fails whole; the entry stays for the current owner.
-                        Err(error) if Self::is_fence_refusal(&error) => return Err(error),
+                        // Stale (or the store refused): the turn fails whole; the entry
+                        // stays for the current owner.
+                        Err(TurnError::Refused(error)) => return Err(error),
                         Err(error) => {
                             tracing::warn!(agent = %self.id, msg = %entry.msg_id, %error, "processing a notification failed");
                         }
@@ -1004,9 +1005,9 @@ impl AgentActor {
                                 Some(exhausted) => (TaskState::Failed, exhausted.to_string(), left),
                             }
                         }
-                        // Stale: no failed result goes back; the task stays for the
-                        // agent's current owner.
-                        Err(error) if Self::is_fence_refusal(&error) => return Err(error),
+                        // Stale (or the store refused): no failed result goes back;
+                        // the task stays for the agent's current owner.
+                        Err(TurnError::Refused(error)) => return Err(error),
                         Err(error) => (
                             TaskState::Failed,
                             error.to_string(),
@@ -1045,7 +1046,7 @@ impl AgentActor {
                         let error = reply.exhausted.map(|error| error.to_string()).unwrap_or_default();
                         tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
                     }
-                    Err(error) if Self::is_fence_refusal(&error) => return Err(error),
+                    Err(TurnError::Refused(error)) => return Err(error),
                     Err(error) => {
                         tracing::warn!(agent = %self.id, task = %task_id, %error, "processing a task result failed");
                     }

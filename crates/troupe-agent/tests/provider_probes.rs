@@ -162,7 +162,8 @@ async fn retried_model_calls_commit_the_turn_once() {
 
 /// Answers that are not the protocol fail the turn, each naming what was wrong, and
 /// commit nothing: no choices, a body over `RESPONSE_BODY_BYTES_MAX`, a tool call
-/// without an id, a stream cut before `[DONE]`.
+/// without a name, a stream cut before `[DONE]`. (A tool call without an id is not
+/// malformed: it gets an id of its own, `provider_leftovers.rs`.)
 #[tokio::test]
 async fn malformed_answers_fail_the_turn_naming_the_fault() {
     let cases: Vec<(Behaviour, bool, &str)> = vec![
@@ -179,7 +180,7 @@ async fn malformed_answers_fail_the_turn_naming_the_fault() {
             respond(
                 200,
                 &completion(json!({"role": "assistant", "content": null,
-                    "tool_calls": [{"type": "function", "function": {"name": "x", "arguments": "{}"}}]})),
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"arguments": "{}"}}]})),
             ),
             false,
             "not a chat completion",

@@ -203,6 +203,59 @@ pub(crate) struct Conversation {
     pub(crate) allowed_ms: Option<u64>,
 }
 
+/// Why a conversation turn ([`AgentActor::converse`]) gave no answer: either the turn
+/// must fail whole, answered by no one, or the agent could not answer, which its caller
+/// is told (an ask's error, a failure note in a conversation, a failed task result).
+#[derive(Debug)]
+pub(crate) enum TurnError {
+    /// The turn must fail whole, commit nothing and be answered by no one: this
+    /// activation's fence was refused (another runtime on the store claimed the agent
+    /// since, or this node lost its cluster lease: `StoreError::Fenced`, `NotOwner`),
+    /// the store failed or refused a write, or the runtime was aborted. The agent never
+    /// had the failure: an inbox entry stays, for the agent's current owner or a later
+    /// try. Answered as the agent's failure (a note, a failed task), it reported a
+    /// failure that was not the agent's (`cluster_conversation_partition_dst`, seed 19).
+    Refused(ActorError),
+    /// The agent's model gave no answer.
+    Model(LlmError),
+    /// The agent could not answer for another reason: the turn's deadline passed, it
+    /// used all its model steps, its model provider is unknown, a send was refused.
+    Failed(ActorError),
+}
+
+impl TurnError {
+    /// The text an ask's caller gets for a model failure: `the model failed: ` and the
+    /// error's text (`ModelFailed::from_cause` reads it back).
+    pub(crate) const MODEL_FAILED_PREFIX: &'static str = "the model failed: ";
+
+    /// The error of a write or send of the turn: a store's error refuses the whole turn
+    /// ([`TurnError::Refused`]); any other is the agent's failure.
+    fn of_store(error: ActorError) -> Self {
+        match error {
+            ActorError::Store(_) => Self::Refused(error),
+            other => Self::Failed(other),
+        }
+    }
+
+    /// As the actor's turn fails with it (an ask's caller gets this).
+    pub(crate) fn into_actor_error(self) -> ActorError {
+        match self {
+            Self::Refused(error) | Self::Failed(error) => error,
+            Self::Model(error) => ActorError::failed(format!("{}{error}", Self::MODEL_FAILED_PREFIX)),
+        }
+    }
+}
+
+/// The text of [`TurnError::into_actor_error`].
+impl std::fmt::Display for TurnError {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(error) | Self::Failed(error) => error.fmt(formatter),
+            Self::Model(error) => write!(formatter, "{}{error}", Self::MODEL_FAILED_PREFIX),
+        }
+    }
+}
+
 /// What an agent's model is shown besides the chat: its system message and the tool
 /// specs, kept with what they are derived from (the directory's and the remote
 /// directory's generations, the organisation in the cache), so they are built again only
@@ -292,26 +345,13 @@ impl AgentActor {
         ActorError::Invoke(troupe_core::InvokeError::Shutdown)
     }
 
-    /// Whether `error` (from [`AgentActor::converse`]) is this activation's fence
-    /// refused: another runtime on the store claimed the agent since, or this node lost
-    /// its cluster lease (the turn loop checks before each model call). Such a turn must
-    /// fail whole, so that the stale activation closes and the message stays for the
-    /// agent's current owner; answered as the model's failure (a note in a conversation,
-    /// a failed task), it would report a failure the agent never had.
-    pub(crate) fn is_fence_refusal(error: &ActorError) -> bool {
-        matches!(
-            error,
-            ActorError::Store(troupe_runtime::StoreError::Fenced { .. } | troupe_runtime::StoreError::NotOwner { .. })
-        )
-    }
-
     /// Runs one conversation turn (see `converse_steps`) and reports its end
     /// ([`AgentEvent::TurnEnded`]) when anyone listens.
     pub(crate) async fn converse(
         &mut self,
         turn: &mut Turn,
         conversation: Conversation,
-    ) -> Result<AgentReply, ActorError> {
+    ) -> Result<AgentReply, TurnError> {
         let call = conversation.call;
         let result = self.converse_steps(turn, conversation).await;
         if self.shared.has_listeners() {
@@ -333,7 +373,7 @@ impl AgentActor {
 
     /// The model loop (until `conversation.deadline`), then the log writes and the
     /// turn's sends (outbox entries, task records, relays).
-    async fn converse_steps(&mut self, turn: &mut Turn, conversation: Conversation) -> Result<AgentReply, ActorError> {
+    async fn converse_steps(&mut self, turn: &mut Turn, conversation: Conversation) -> Result<AgentReply, TurnError> {
         let clock = turn.clock();
         // The turn's deadline without its whole context: a root request's context is
         // built (and boxed) only when it is read (`Turn::context`), here only for a
@@ -378,10 +418,10 @@ impl AgentActor {
         let specs = &Arc::clone(&self.prompt_parts().tools);
         let Some(llm) = self.shared.llm_for(&self.state.spec).cloned() else {
             let provider = self.state.spec.provider.clone().unwrap_or_default();
-            return Err(ActorError::failed(format!(
+            return Err(TurnError::Failed(ActorError::failed(format!(
                 "{} names model provider {provider:?}, which this system does not have",
                 self.id
-            )));
+            ))));
         };
         let max_steps = self.state.spec.model.max_steps.clamp(1, AGENT_TURN_STEPS_MAX);
         let mut steps = 0;
@@ -419,17 +459,17 @@ impl AgentActor {
             .until(own_deadline, async {
                 loop {
                     if steps == max_steps {
-                        return Err(ActorError::failed(format!(
+                        return Err(TurnError::Failed(ActorError::failed(format!(
                             "{} used all {max_steps} model steps without a final answer",
                             self.id
-                        )));
+                        ))));
                     }
                     // A runtime that was aborted (dropped, or its shutdown grace over) commits
                     // nothing more of this turn: no further model request or tool is started
                     // for it (the tool results of its last step may be refusals the model would
                     // otherwise be asked about).
                     if turn.runtime_aborted() {
-                        return Err(self.runtime_aborted());
+                        return Err(TurnError::Refused(self.runtime_aborted()));
                     }
                     // Another runtime on this store (a second process on the SQLite file)
                     // may have claimed the agent since this activation started: a stale
@@ -437,7 +477,9 @@ impl AgentActor {
                     // could not commit, and closes (`Turn::check_fence`). On SQLite a
                     // `PRAGMA data_version`, and a read only after another connection
                     // committed; on a store that cannot check, nothing.
-                    turn.check_fence().await?;
+                    turn.check_fence()
+                        .await
+                        .map_err(|error| TurnError::Refused(error.into()))?;
                     let max_tokens = match meter.get().model_call_cap() {
                         Ok(cap) => cap,
                         Err(error) => return Ok(Some(exhausted(meter.get(), steps, usage, error))),
@@ -470,7 +512,7 @@ impl AgentActor {
                             };
                             return Ok(Some(exhausted(meter.get(), steps, usage, error)));
                         }
-                        Err(error) => return Err(ActorError::failed(format!("the model failed: {error}"))),
+                        Err(error) => return Err(TurnError::Model(error)),
                     };
                     // The provider's counts are untrusted: summed saturating, so a
                     // huge report cannot overflow (a panic in the turn).
@@ -515,7 +557,7 @@ impl AgentActor {
                         break;
                     }
                     if turn.runtime_aborted() {
-                        return Err(self.runtime_aborted());
+                        return Err(TurnError::Refused(self.runtime_aborted()));
                     }
                     let (tools, _) = tools.get_or_insert_with(|| {
                         let sends: SharedSends = Arc::new(Mutex::new(unsent(&self.id)));
@@ -553,7 +595,7 @@ impl AgentActor {
             Ok(Err(error)) => return Err(error),
             Err(troupe_runtime::DeadlinePassed) => {
                 tracing::debug!(agent = %self.id, steps, "the turn reached its deadline in its model loop");
-                return Err(self.timed_out(timeout_ms(started)));
+                return Err(TurnError::Failed(self.timed_out(timeout_ms(started))));
             }
         }
         let answer = &fresh.last().expect("the loop ends with the answer").content;
@@ -561,10 +603,12 @@ impl AgentActor {
         // the timer, but the caller has given up by then (a deadline equal to now has
         // passed): such a turn must not commit.
         if deadline.has_passed(clock.now()) {
-            return Err(self.timed_out(timeout_ms(started)));
+            return Err(TurnError::Failed(self.timed_out(timeout_ms(started))));
         }
         if private {
-            self.state.append_log(turn, &fresh)?;
+            self.state
+                .append_log(turn, &fresh)
+                .map_err(|error| TurnError::Refused(error.into()))?;
         }
         let sends = match tools {
             None => unsent(&self.id),
@@ -581,7 +625,7 @@ impl AgentActor {
                 }
             }
         };
-        self.flush_sends(turn, sends).await?;
+        self.flush_sends(turn, sends).await.map_err(TurnError::of_store)?;
         if private {
             self.state.remember(&fresh);
         }

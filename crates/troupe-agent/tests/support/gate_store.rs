@@ -25,6 +25,11 @@ pub(crate) struct GateStore {
     pub(crate) refused_scans: AtomicU64,
     pub(crate) refuse_loads: AtomicBool,
     pub(crate) refused_loads: AtomicU64,
+    /// Fails every fence check (`StoreError::Injected`, the store's failure, not a
+    /// refusal of the fence), counting them; otherwise a check is `Ok` (the trait's
+    /// default, as before this knob).
+    pub(crate) fail_fence_checks: AtomicBool,
+    pub(crate) failed_fence_checks: AtomicU64,
     /// Refuses the first commit it is true for, then is removed.
     refuse_commit: Mutex<Option<CommitPredicate>>,
     /// Counts the commits it is true for (see `count_commits`).
@@ -125,6 +130,8 @@ impl GateStore {
             refused_scans: AtomicU64::new(0),
             refuse_loads: AtomicBool::new(false),
             refused_loads: AtomicU64::new(0),
+            fail_fence_checks: AtomicBool::new(false),
+            failed_fence_checks: AtomicU64::new(0),
             refuse_commit: Mutex::new(None),
             counted: Mutex::new(None),
             counted_gets: Mutex::new(None),
@@ -207,6 +214,15 @@ impl GateStore {
 
 #[async_trait]
 impl StateStore for GateStore {
+    async fn check_fence(&self, _actor: &ActorId, _fence: Fence) -> Result<(), StoreError> {
+        if self.fail_fence_checks.load(Ordering::SeqCst) {
+            self.failed_fence_checks.fetch_add(1, Ordering::SeqCst);
+            return Err(StoreError::Injected {
+                operation: StoreOperation::Get,
+            });
+        }
+        Ok(())
+    }
     async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
         self.check(StoreOperation::Claim)?;
         if let Some(release) = self.claims.picks(actor) {
