@@ -77,4 +77,4 @@ pub use transport::{
     WRITE_STALL_TIMEOUT_MS,
 };
 pub use turn::Turn;
-pub use typed::{ActorRef, ActorRefError, TypedActor};
+pub use typed::{ActorRef, ActorRefError, StateVersionError, StoredState, TypedActor, STATE_VERSION_TAG_BYTES};

@@ -70,13 +70,72 @@ use crate::{Actor, ActorBox, ActorError, AnyValue, Caller, IdempotencyKey, Runti
 /// }
 /// ```
 ///
-/// The state is stored as its bincode encoding, which does not describe itself: a state
-/// type changed between versions is not always noticed when the new version loads the
-/// old bytes. What is noticed (bytes that end too soon, or are left over once the new
-/// type is read, or values the type refuses) fails the activation with `ActorFailed`
-/// naming the actor, and leaves the stored bytes as they were; a type that reads the
-/// old bytes whole but differently (a `u64` become an `i64`) is not. Change a state type
-/// by deploying one that decodes the old encoding and converts it.
+/// # State versions
+///
+/// The state is stored as its bincode encoding, which does not describe itself: a type
+/// that reads another type's bytes whole, but with another meaning (a `u64` become an
+/// `i64`, two fields of one type swapped), would read them silently. So a state type
+/// declares its version, [`TypedActor::STATE_VERSION`] (0 unless said), which is stored
+/// with the state; when a state stored at another version is loaded,
+/// [`TypedActor::migrate`] converts it, and by default refuses it: the activation fails
+/// with `ActorFailed` naming the actor, the type and both versions, and the stored
+/// bytes stay as they were. Raise `STATE_VERSION` whenever the meaning of the encoding
+/// changes, and implement `migrate` for the versions still stored:
+///
+/// ```
+/// use serde::{Deserialize, Serialize};
+/// use troupe_runtime::{ActorError, StateVersionError, StoredState, Turn, TypedActor};
+///
+/// /// Version 0 counted visits in a `u64`; version 1 keeps a signed balance.
+/// #[derive(Default, Serialize, Deserialize)]
+/// struct Account {
+///     balance: i64,
+/// }
+///
+/// impl TypedActor for Account {
+///     type Message = i64;
+///     type Reply = i64;
+///     const STATE_VERSION: u32 = 1;
+///
+///     fn migrate(stored: StoredState<'_>) -> Result<Self, StateVersionError> {
+///         match stored.version() {
+///             0 => {
+///                 let visits: u64 = stored.decode()?;
+///                 let balance = i64::try_from(visits).map_err(|_| stored.fail("too many visits"))?;
+///                 Ok(Account { balance })
+///             }
+///             _ => Err(stored.refuse()),
+///         }
+///     }
+///
+///     async fn handle(&mut self, _turn: &mut Turn, add: i64) -> Result<i64, ActorError> {
+///         self.balance += add;
+///         Ok(self.balance)
+///     }
+/// }
+/// ```
+///
+/// A state at version 0 is stored as its bare encoding, as every state was before
+/// versions existed: such a state loads as version 0. A state at a later version is
+/// stored after a 12-byte tag ([`STATE_VERSION_TAG_BYTES`]: 8 fixed bytes, then the
+/// version). A migrated state is committed, at its new version, after the first turn
+/// that succeeds (its encoding differs from the stored one). Within the version, a
+/// change that decoding notices (bytes that end too soon, or are left over once the
+/// type is read, or values the type refuses) also fails the activation and leaves the
+/// bytes as they were; one that it does not notice is what the version is for.
+///
+/// # Activation hooks, and fields that are not state
+///
+/// [`TypedActor::on_activate`] runs once per activation, after the state is loaded and
+/// before the first message; [`TypedActor::on_deactivate`] once before the activation
+/// ends, on the state of its last committed turn, and its changes are committed after
+/// it. Fields that are not state (a connection, a cache) are `#[serde(skip)]`: they are
+/// built with `Default`, and a turn that fails (an error, its deadline passed, its
+/// commit refused) rolls the actor back by decoding the last committed state again, so
+/// **every `#[serde(skip)]` field is reset to its default at every rollback**, not only
+/// at activation. `on_activate` does not run again after a rollback: something it put
+/// in a skipped field is gone after the first failed turn. Build such a field lazily
+/// (an `Option` filled by the turn that first needs it), not in `on_activate` alone.
 ///
 /// (Before issue 11 it was an `#[async_trait]` trait; awaiting the handler inline now
 /// saves a heap allocation per message.)
@@ -93,6 +152,48 @@ pub trait TypedActor: Serialize + DeserializeOwned + Default + Send + 'static {
     /// actor whose `handle` holds more across an `.await` may raise it, so that each
     /// message costs no `malloc` and `free` of its future.
     const TURN_FUTURE_KEPT_BYTES_MAX: usize = crate::HANDLER_SLOT_KEPT_BYTES_MAX;
+
+    /// The version of the state's encoding, stored with the state (see "State
+    /// versions" above). Raise it when the meaning of the encoding changes; a state
+    /// stored at another version goes through [`TypedActor::migrate`]. Default 0: a
+    /// state stored before versions existed is version 0.
+    const STATE_VERSION: u32 = 0;
+
+    /// Converts a state stored at another version than [`TypedActor::STATE_VERSION`]
+    /// (older, or newer: a build rolled back). Called when the actor is activated, and
+    /// again when it is rebuilt after a failed turn, until a turn commits the converted
+    /// state. [`StoredState::decode`] reads the stored encoding as the type that wrote
+    /// it.
+    ///
+    /// # Errors
+    /// [`StateVersionError`]: the activation fails with it, naming the actor, and the
+    /// stored bytes are left as they are. The default refuses every other version
+    /// ([`StoredState::refuse`]).
+    fn migrate(stored: StoredState<'_>) -> Result<Self, StateVersionError> {
+        Err(stored.refuse())
+    }
+
+    /// Runs once per activation, after the state is loaded and before the first
+    /// message (not after a rollback). The default does nothing. Write it as `async fn
+    /// on_activate(&mut self, id: &ActorId) -> Result<(), ActorError>`.
+    ///
+    /// # Errors
+    /// An error ends the activation; every queued request fails with it.
+    fn on_activate(&mut self, _id: &ActorId) -> impl Future<Output = Result<(), ActorError>> + Send {
+        async { Ok(()) }
+    }
+
+    /// Runs once before the activation ends (idle, or the runtime shutting down), on
+    /// the state of its last committed turn; what it changes in the state is committed
+    /// after it. The default does nothing. Not run when the activation crashes or is
+    /// aborted.
+    ///
+    /// # Errors
+    /// An error is logged, and nothing it changed is committed: the last turn's state
+    /// stays committed.
+    fn on_deactivate(&mut self, _id: &ActorId) -> impl Future<Output = Result<(), ActorError>> + Send {
+        async { Ok(()) }
+    }
 
     /// Handles one message. After it returns `Ok`, the actor's new state is committed
     /// (if it changed) before the reply is sent. Write it as `async fn handle(&mut self,
@@ -139,6 +240,167 @@ fn encode<T: Serialize>(value: &T, what: &str) -> Result<Bytes, ActorError> {
     bincode::serialize(value)
         .map(Bytes::from)
         .map_err(|error| ActorError::failed(format!("cannot encode the {what}: {error}")))
+}
+
+/// Bytes of the tag stored before a state whose [`TypedActor::STATE_VERSION`] is not 0:
+/// [`STATE_VERSION_TAG_MAGIC`], then the version as a little-endian `u32`. A state at
+/// version 0 has no tag (it is stored as every state was before versions existed).
+pub const STATE_VERSION_TAG_BYTES: usize = STATE_VERSION_TAG_MAGIC.len() + 4;
+
+/// The first 8 bytes of a version tag. Chosen so that no common first field of a
+/// version-0 state begins with them: read as a length (of a `String`, a `Vec`) it is
+/// above 2^63, as an enum's variant index above 4 billion, as an `Option` or a `bool`
+/// an invalid tag byte, as an `f64` a NaN. A version-0 state whose encoding does begin
+/// with them and a non-zero `u32` (a `u64` first field of exactly
+/// 0xFFF7_5653_5052_54C7, say) is read as tagged, and refused by the default
+/// [`TypedActor::migrate`]: refused, never misread or overwritten.
+const STATE_VERSION_TAG_MAGIC: [u8; 8] = [0xC7, b'T', b'R', b'P', b'S', b'V', 0xF7, 0xFF];
+
+/// The tag of a state at `version` (meaningful for a version other than 0).
+const fn state_version_tag(version: u32) -> [u8; STATE_VERSION_TAG_BYTES] {
+    let mut tag = [0; STATE_VERSION_TAG_BYTES];
+    let mut at = 0;
+    while at < STATE_VERSION_TAG_MAGIC.len() {
+        tag[at] = STATE_VERSION_TAG_MAGIC[at];
+        at += 1;
+    }
+    let version = version.to_le_bytes();
+    while at < STATE_VERSION_TAG_BYTES {
+        tag[at] = version[at - STATE_VERSION_TAG_MAGIC.len()];
+        at += 1;
+    }
+    tag
+}
+
+/// The version a stored state was written at, and its encoding: the tagged version and
+/// what follows the tag, or version 0 and the bytes whole for an untagged state (the
+/// format before versions; a tag of version 0 is never written, so it is not one).
+fn stored_version(bytes: &[u8]) -> (u32, &[u8]) {
+    if let Some(rest) = bytes.strip_prefix(&STATE_VERSION_TAG_MAGIC) {
+        if let Some((version, encoding)) = rest.split_first_chunk::<4>() {
+            let version = u32::from_le_bytes(*version);
+            if version != 0 {
+                return (version, encoding);
+            }
+        }
+    }
+    (0, bytes)
+}
+
+/// The state as stored for `A`: its bincode encoding, after `A`'s version tag if
+/// `A::STATE_VERSION` is not 0.
+fn encode_state<A: TypedActor>(actor: &A) -> Result<Bytes, ActorError> {
+    if A::STATE_VERSION == 0 {
+        return encode(actor, "state");
+    }
+    let failed = |error: bincode::Error| ActorError::failed(format!("cannot encode the state: {error}"));
+    let size = usize::try_from(bincode::serialized_size(actor).map_err(failed)?).unwrap_or(usize::MAX);
+    let mut bytes = Vec::with_capacity(STATE_VERSION_TAG_BYTES.saturating_add(size));
+    bytes.extend_from_slice(&state_version_tag(A::STATE_VERSION));
+    bincode::serialize_into(&mut bytes, actor).map_err(failed)?;
+    Ok(Bytes::from(bytes))
+}
+
+/// A state stored at another version than the actor's [`TypedActor::STATE_VERSION`], as
+/// [`TypedActor::migrate`] gets it.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredState<'a> {
+    id: &'a ActorId,
+    state: &'static str,
+    version: u32,
+    expected: u32,
+    encoding: &'a [u8],
+}
+
+impl<'a> StoredState<'a> {
+    /// The actor whose state it is.
+    pub fn id(&self) -> &'a ActorId {
+        self.id
+    }
+
+    /// The version it was stored at (0 for a state stored without a version).
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// Its encoding (after the version tag, if it has one): the bincode encoding of the
+    /// type that stored it.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.encoding
+    }
+
+    /// Its encoding read as a `T` (the type that stored it, typically), strictly: bytes
+    /// left over after the `T` are an error too.
+    ///
+    /// # Errors
+    /// [`StateVersionError::Unconvertible`] saying why it is not a `T`.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, StateVersionError> {
+        decode(self.encoding).map_err(|error| {
+            self.fail(format!(
+                "it is not a bincode-encoded {}: {error}",
+                std::any::type_name::<T>()
+            ))
+        })
+    }
+
+    /// The refusal of a version `migrate` does not convert: what the default
+    /// [`TypedActor::migrate`] returns.
+    pub fn refuse(&self) -> StateVersionError {
+        StateVersionError::NotMigrated {
+            actor: self.id.clone(),
+            state: self.state,
+            stored: self.version,
+            expected: self.expected,
+        }
+    }
+
+    /// The failure of a conversion, with `reason`.
+    pub fn fail(&self, reason: impl Into<String>) -> StateVersionError {
+        StateVersionError::Unconvertible {
+            actor: self.id.clone(),
+            state: self.state,
+            stored: self.version,
+            expected: self.expected,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Why a typed actor's state stored at another version could not be loaded
+/// ([`TypedActor::migrate`]). The activation fails with it (`ActorFailed`, its text the
+/// cause) and the stored bytes are left as they are.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateVersionError {
+    /// The actor's type has no conversion from the stored version.
+    #[error(
+        "the saved state of {actor} is version {stored} of {state}, which is now version {expected} and does          not migrate version {stored}; it is left as stored, and {actor} cannot be activated until it is          converted: implement TypedActor::migrate for version {stored} in {state}, or deploy the build of          {state} that stored it, or delete the state to start {actor} anew"
+    )]
+    NotMigrated {
+        /// The actor.
+        actor: ActorId,
+        /// The state type (its Rust name).
+        state: &'static str,
+        /// The version it was stored at.
+        stored: u32,
+        /// The type's version, [`TypedActor::STATE_VERSION`].
+        expected: u32,
+    },
+    /// The conversion failed.
+    #[error(
+        "the saved state of {actor}, version {stored} of {state}, cannot be converted to version {expected}:          {reason}; it is left as stored, and {actor} cannot be activated until {state}'s migrate converts it          (or the state is deleted, to start {actor} anew)"
+    )]
+    Unconvertible {
+        /// The actor.
+        actor: ActorId,
+        /// The state type (its Rust name).
+        state: &'static str,
+        /// The version it was stored at.
+        stored: u32,
+        /// The type's version, [`TypedActor::STATE_VERSION`].
+        expected: u32,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl<A: TypedActor> Actor for TypedAdapter<A> {
@@ -195,18 +457,35 @@ impl<A: TypedActor> Actor for TypedAdapter<A> {
         }))
     }
 
+    fn on_activate(&mut self, id: &ActorId) -> impl Future<Output = Result<(), ActorError>> + Send {
+        self.actor.on_activate(id)
+    }
+
+    fn on_deactivate(&mut self, id: &ActorId) -> impl Future<Output = Result<(), ActorError>> + Send {
+        self.actor.on_deactivate(id)
+    }
+
     fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
-        encode(&self.actor, "state").map(Some)
+        encode_state(&self.actor).map(Some)
     }
 
     /// Encodes the state into a writer that compares it with the committed encoding as
     /// it goes and stops at the first difference: an unchanged state (most turns of most
-    /// actors) is neither allocated nor copied; a changed one is then encoded anew.
+    /// actors) is neither allocated nor copied; a changed one is then encoded anew. (A
+    /// versioned state compares its tag first: a committed state of another version, one
+    /// just migrated, is a change.)
     fn state_change(&self, committed: Option<&Bytes>) -> Result<StateChange, ActorError> {
         if let Some(committed) = committed {
-            let mut same = SameAs { rest: committed };
-            if bincode::serialize_into(&mut same, &self.actor).is_ok() && same.rest.is_empty() {
-                return Ok(StateChange::Unchanged);
+            let encoding = if A::STATE_VERSION == 0 {
+                Some(committed.as_ref())
+            } else {
+                committed.strip_prefix(&state_version_tag(A::STATE_VERSION))
+            };
+            if let Some(encoding) = encoding {
+                let mut same = SameAs { rest: encoding };
+                if bincode::serialize_into(&mut same, &self.actor).is_ok() && same.rest.is_empty() {
+                    return Ok(StateChange::Unchanged);
+                }
             }
         }
         self.snapshot().map(|state| StateChange::between(committed, state))
@@ -260,17 +539,27 @@ impl From<ActorRefError> for ActorError {
 pub(crate) fn typed_factory<A: TypedActor>(
 ) -> impl Fn(&ActorId, Option<Bytes>) -> Result<ActorBox, ActorError> + Send + Sync + 'static {
     |id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+        let state = std::any::type_name::<A>();
         let actor = match saved {
             None => A::default(),
-            Some(bytes) => decode(&bytes).map_err(|error| {
-                let state = std::any::type_name::<A>();
-                ActorError::failed(format!(
-                    "the saved state of {id} is not a bincode-encoded {state} ({error}); it is left as stored, \
-                     and {id} cannot be activated until {state} reads it: if the type changed since the state \
-                     was saved, deploy a version that decodes the old encoding (and converts it), or delete \
-                     the state to start {id} anew"
-                ))
-            })?,
+            Some(bytes) => match stored_version(&bytes) {
+                (version, encoding) if version == A::STATE_VERSION => decode(encoding).map_err(|error| {
+                    ActorError::failed(format!(
+                        "the saved state of {id} is not a bincode-encoded {state} (version {version}: {error}); \
+                         it is left as stored, and {id} cannot be activated until {state} reads it: if the type \
+                         changed since the state was saved, raise its TypedActor::STATE_VERSION and implement \
+                         TypedActor::migrate from version {version}, or delete the state to start {id} anew"
+                    ))
+                })?,
+                (version, encoding) => A::migrate(StoredState {
+                    id,
+                    state,
+                    version,
+                    expected: A::STATE_VERSION,
+                    encoding,
+                })
+                .map_err(|error| ActorError::failed(error.to_string()))?,
+            },
         };
         Ok(ActorBox::new(TypedAdapter::new(actor)))
     }
@@ -736,6 +1025,51 @@ mod tests {
             .map(Bytes::from);
             let expected = StateChange::between(committed.as_ref(), actor.snapshot().unwrap());
             prop_assert_eq!(actor.state_change(committed.as_ref()).unwrap(), expected);
+        }
+    }
+
+    /// `Varied` at version 3.
+    #[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+    struct Versioned(Varied);
+
+    impl TypedActor for Versioned {
+        type Message = ();
+        type Reply = ();
+        const STATE_VERSION: u32 = 3;
+
+        async fn handle(&mut self, _turn: &mut Turn, (): ()) -> Result<(), ActorError> {
+            Ok(())
+        }
+    }
+
+    proptest! {
+        /// Goal: a versioned state's change (its tag compared first, then its encoding as
+        /// it is written) is the change its snapshot gives, for committed states of its
+        /// own version (equal or not), of other versions (0: untagged), or cut short; and
+        /// what it stores reads back as its version and its encoding.
+        #[test]
+        fn a_versioned_state_change_is_the_snapshots_change(
+            state in varied(),
+            before in varied(),
+            before_version in 0u32..5,
+            cut in any::<prop::sample::Index>(),
+            same in any::<bool>(),
+        ) {
+            let actor = TypedAdapter::new(Versioned(state.clone()));
+            let snapshot = actor.snapshot().unwrap().unwrap();
+            let (version, encoding) = stored_version(&snapshot);
+            prop_assert_eq!((version, encoding), (3, &bincode::serialize(&state).unwrap()[..]));
+            let mut committed = if before_version == 0 {
+                Vec::new()
+            } else {
+                state_version_tag(before_version).to_vec()
+            };
+            committed.extend_from_slice(&bincode::serialize(if same { &state } else { &before }).unwrap());
+            for committed in [committed.clone(), committed[..cut.index(committed.len())].to_vec()] {
+                let committed = Some(Bytes::from(committed));
+                let expected = StateChange::between(committed.as_ref(), actor.snapshot().unwrap());
+                prop_assert_eq!(actor.state_change(committed.as_ref()).unwrap(), expected);
+            }
         }
     }
 
