@@ -83,6 +83,13 @@ pub const APPEND_ID_BYTES_MAX: usize = 64;
 /// The `Retry-After` a node sends with 429 (the conversation's mailbox is full) and 503
 /// (its dispatcher is overloaded, or it is stopping), in seconds.
 pub const NODE_RETRY_AFTER_S: u64 = 1;
+/// How long a node stopped by a signal while it joins the cluster lets the join go on,
+/// in milliseconds (two etcd requests' timeouts): a join that ends within it is left at
+/// once (its lease revoked, its membership record gone); one still running then is cut,
+/// and a lease it may hold already ends by itself within `--lease-ttl-ms`. A second
+/// signal cuts it at once. A signal while the node connects to PostgreSQL stops it at
+/// once: nothing is registered yet.
+pub const NODE_JOIN_STOP_WAIT_MS: u64 = 2 * NODE_ETCD_REQUEST_TIMEOUT_MS_MAX;
 /// How many append keys a conversation remembers, in keys: the keys of its last this
 /// many keyed appends; the oldest is forgotten first, and a resend of a forgotten key is
 /// stored again as a new message.
@@ -979,7 +986,12 @@ pub enum NodeError {
 /// flight finish and leaves the cluster) or its lease is lost (an error). If `stop_now`
 /// completes while it stops so (a second SIGTERM or ctrl-c), it cuts the requests in
 /// flight, gives its turns [`crate::SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS`] to end and
-/// returns [`NodeError::SecondSignal`], as `troupe serve` does. Prints `node NAME transport ADDR` and, with --http,
+/// returns [`NodeError::SecondSignal`], as `troupe serve` does. If `shutdown` completes
+/// before the node serves, it stops where it is: at once while it connects to
+/// PostgreSQL, within [`NODE_JOIN_STOP_WAIT_MS`] while it joins the cluster (leaving it
+/// if the join ends meanwhile), and returns `Ok` saying so on stderr; until 2026-12-06 a
+/// signal then was acted on only once the node served (after PostgreSQL's 10 s connect
+/// timeout, or etcd's request timeout, it exited 1). Prints `node NAME transport ADDR` and, with --http,
 /// `listening on http://ADDR` once it serves. With --config, the agents think with
 /// `model`, or with the scripted model of `troupe serve --config`
 /// ([`crate::org_demo_script`]) if it is `None`.
@@ -994,19 +1006,39 @@ pub async fn run_node(
 ) -> Result<(), NodeError> {
     use std::io::Write as _;
 
+    use futures::FutureExt as _;
+
     let mut stop_now = std::pin::pin!(stop_now);
+    // Watched from the start (while the node connects) and then by the HTTP server.
+    let shutdown: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> = Box::pin(shutdown);
+    let shutdown = shutdown.shared();
 
     let plan = plan(args)?;
     let node_name = plan.etcd.node.to_string();
-    let store = troupe_postgres::PostgresStore::connect(&plan.postgres)
-        .await
-        .map_err(NodeError::Postgres)?
-        .with_holder(node_name.clone())
-        .map_err(|error| NodeError::Postgres(error.into()))?
-        .with_commit_log(plan.fence_log_commits);
-    // The cluster name is bound to this database on etcd: a node of another deployment
-    // (another database) under the same cluster name is refused `StoreMismatch`.
-    let identity = store.identity().await.map_err(NodeError::Postgres)?;
+    let connect = async {
+        let store = troupe_postgres::PostgresStore::connect(&plan.postgres)
+            .await
+            .map_err(NodeError::Postgres)?
+            .with_holder(node_name.clone())
+            .map_err(|error| NodeError::Postgres(error.into()))?
+            .with_commit_log(plan.fence_log_commits);
+        // The cluster name is bound to this database on etcd: a node of another
+        // deployment (another database) under the same cluster name is refused
+        // `StoreMismatch`.
+        let identity = store.identity().await.map_err(NodeError::Postgres)?;
+        Ok::<_, NodeError>((store, identity))
+    };
+    // Nothing is registered anywhere yet: a signal stops the node at once.
+    let (store, identity) = tokio::select! {
+        biased;
+        () = shutdown.clone() => {
+            crate::errln!(
+                "troupe node: a signal before it joined the cluster (while it connected to PostgreSQL): stopped"
+            );
+            return Ok(());
+        }
+        connected = connect => connected?,
+    };
     let etcd = plan.etcd.clone().with_store_identity(identity);
     let (runtime, pending) = match &plan.org {
         None => (conversation_runtime(&node_name)?, None),
@@ -1040,16 +1072,24 @@ pub async fn run_node(
         ),
         None => None,
     };
-    let node = ClusterNode::start(etcd, plan.listen, runtime, store)
-        .await
-        .map_err(|error| match error {
-            troupe_cluster::ClusterError::Listen { address, cause } => NodeError::Bind {
-                flag: "--listen",
-                address,
-                cause,
-            },
-            error => NodeError::Cluster(error),
-        })?;
+    let start = ClusterNode::start(etcd, plan.listen, runtime, store);
+    let mut start = std::pin::pin!(start);
+    let started = tokio::select! {
+        biased;
+        () = shutdown.clone() => None,
+        started = &mut start => Some(started),
+    };
+    let Some(started) = started else {
+        return stop_while_joining(start, stop_now).await;
+    };
+    let node = started.map_err(|error| match error {
+        troupe_cluster::ClusterError::Listen { address, cause } => NodeError::Bind {
+            flag: "--listen",
+            address,
+            cause,
+        },
+        error => NodeError::Cluster(error),
+    })?;
     let agents = match pending {
         Some(pending) => {
             let applied = match pending.attach(node.handle().clone()) {
@@ -1133,13 +1173,13 @@ pub async fn run_node(
                     None => router(node.client(), plan.token.clone(), plan.concurrent_requests_max),
                 };
                 axum::serve(listener, app)
-                    .with_graceful_shutdown(shutdown)
+                    .with_graceful_shutdown(shutdown.clone())
                     .await
                     .map_err(|cause| NodeError::Http { address, cause })
             }
             None => {
                 let _ = std::io::stdout().flush();
-                shutdown.await;
+                shutdown.clone().await;
                 Ok(())
             }
         }
@@ -1187,6 +1227,54 @@ pub async fn run_node(
         }
     }
     outcome
+}
+
+/// A signal came while the node joined the cluster: the join goes on for up to
+/// [`NODE_JOIN_STOP_WAIT_MS`] (each etcd request is bounded by its timeout), so that a
+/// join that ends is left at once, its lease revoked, rather than leave a membership
+/// record behind for a whole lease; past it, or on `stop_now`, the join is cut. `Ok`
+/// in every case: the node stopped as asked.
+async fn stop_while_joining(
+    start: std::pin::Pin<&mut impl std::future::Future<Output = Result<ClusterNode, troupe_cluster::ClusterError>>>,
+    stop_now: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Result<(), NodeError> {
+    let wait = Duration::from_millis(NODE_JOIN_STOP_WAIT_MS);
+    let mut stop_now = stop_now;
+    let joined = tokio::select! {
+        biased;
+        () = &mut stop_now => None,
+        joined = tokio::time::timeout(wait, start) => joined.ok(),
+    };
+    match joined {
+        Some(Ok(node)) => {
+            let left = tokio::select! {
+                biased;
+                () = &mut stop_now => None,
+                left = tokio::time::timeout(wait, node.leave()) => left.ok(),
+            };
+            match left {
+                Some(Ok(())) => crate::errln!(
+                    "troupe node: a signal while it joined the cluster: it joined, then left at once: stopped"
+                ),
+                Some(Err(error)) => crate::errln!(
+                    "troupe node: a signal while it joined the cluster: leaving failed ({error}); its lease ends by \
+                     itself: stopped"
+                ),
+                None => crate::errln!(
+                    "troupe node: a signal while it joined the cluster: leaving was cut; its lease ends by itself: \
+                     stopped"
+                ),
+            }
+        }
+        Some(Err(error)) => {
+            crate::errln!("troupe node: a signal before it joined the cluster (the join failed: {error}): stopped")
+        }
+        None => crate::errln!(
+            "troupe node: a signal while it joined the cluster: the join was cut (after at most {NODE_JOIN_STOP_WAIT_MS} \
+             ms); a lease it may hold ends by itself within --lease-ttl-ms: stopped"
+        ),
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -297,3 +297,179 @@ async fn a_node_of_another_database_under_a_running_clusters_name_is_refused() {
         assert!(refused.contains(needle), "{needle:?} not in: {refused}");
     }
 }
+
+/// How long a node signalled while it connects may take to be gone, in milliseconds
+/// (PostgreSQL's connect timeout is 10 s, an etcd request's 1 s).
+const CONNECT_SIGNAL_STOP_MS_MAX: u64 = 3_000;
+
+/// `troupe node` on `etcd` and `postgres` (which may not answer), stdout and stderr
+/// read by threads: the child and the two readers.
+fn node_connecting(
+    etcd: &str,
+    postgres: &str,
+    id: &str,
+) -> (
+    std::process::Child,
+    std::thread::JoinHandle<String>,
+    std::thread::JoinHandle<String>,
+) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
+        .args(["node", "--etcd", etcd, "--postgres", postgres, "--node-id", id])
+        .args([
+            "--lease-ttl-ms",
+            "3000",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .env_remove("TROUPE_TOKEN")
+        .env_remove("OPENAI_API_KEY")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let read = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        })
+    };
+    let stdout = read(Box::new(child.stdout.take().unwrap()));
+    let stderr = read(Box::new(child.stderr.take().unwrap()));
+    (child, stdout, stderr)
+}
+
+/// Waits for `child` to exit within `CONNECT_SIGNAL_STOP_MS_MAX` of the signal; else
+/// kills it and panics with its output. Its exit code, stdout and stderr.
+fn stopped_after_signal(
+    mut child: std::process::Child,
+    stdout: std::thread::JoinHandle<String>,
+    stderr: std::thread::JoinHandle<String>,
+) -> (Option<i32>, String, String) {
+    let signalled = Instant::now();
+    let status = exited_within(&mut child, CONNECT_SIGNAL_STOP_MS_MAX);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    let Some(status) = status else {
+        panic!("still running {CONNECT_SIGNAL_STOP_MS_MAX} ms after SIGTERM\nstdout: {stdout}\nstderr: {stderr}");
+    };
+    eprintln!("gone {:?} after SIGTERM: {status:?}", signalled.elapsed());
+    (status.code(), stdout, stderr)
+}
+
+/// Goal: SIGTERM while `troupe node` waits for a PostgreSQL server that does not answer
+/// stops it at once: exit 0 as for any stop by a signal, saying it stopped before it
+/// joined the cluster, no panic. Until 2026-12-06 the signal was acted on only once the
+/// node served: here, after PostgreSQL's 10 s connect timeout, exit 1 ("cannot open the
+/// PostgreSQL store"). Method: a loopback port that accepts connections and never
+/// answers as `--postgres` (etcd is never reached), SIGTERM 500 ms after the spawn.
+#[test]
+fn a_signal_while_postgres_does_not_answer_stops_the_node_at_once() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let postgres = format!(
+        "host=127.0.0.1 port={} user=troupe dbname=troupe",
+        silent.local_addr().unwrap().port()
+    );
+    let (child, stdout, stderr) = node_connecting("127.0.0.1:9", &postgres, "connecting");
+    std::thread::sleep(Duration::from_millis(500));
+    signal(&child, "TERM");
+    let (code, stdout, stderr) = stopped_after_signal(child, stdout, stderr);
+    assert_eq!(code, Some(0), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stderr.contains("before it joined the cluster"), "{stderr}");
+    assert!(stdout.contains("troupe node: stopped"), "{stdout}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    drop(silent);
+}
+
+/// Goal: SIGTERM while `troupe node` joins an etcd that does not answer stops it: exit
+/// 0, saying it stopped before it joined the cluster (nothing was registered: etcd never
+/// answered), not the refusal of an unreachable etcd. Until 2026-12-06 the signal was
+/// left for later and the node exited 1 when its etcd request timed out ("etcd
+/// unavailable"). Method: a real PostgreSQL; a loopback port that accepts connections
+/// and never answers as `--etcd`; SIGTERM as soon as the node connects to it.
+#[tokio::test]
+async fn a_signal_while_etcd_does_not_answer_stops_the_node() {
+    let postgres = TestServer::start("node-etcd-silent");
+    let database = postgres.create_database("probes").await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let etcd = silent.local_addr().unwrap().to_string();
+    let (child, stdout, stderr) = node_connecting(&etcd, &database, "joining");
+    // The node's first connection to the silent etcd: it is joining now. Held open.
+    let (_connection, _) = silent.accept().unwrap();
+    signal(&child, "TERM");
+    let (code, stdout, stderr) = stopped_after_signal(child, stdout, stderr);
+    assert_eq!(code, Some(0), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stderr.contains("before it joined the cluster"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Goal: a signal at any moment of a node's start leaves no membership record in etcd:
+/// while it connects to PostgreSQL nothing is registered yet, a join under way is let
+/// end and then left (`NODE_JOIN_STOP_WAIT_MS`), and a node that serves leaves as it
+/// stops. Every run exits 0 (or dies by the signal, if it came before the signals were
+/// watched, in the first milliseconds). Method: `STARTS` starts on a real etcd and
+/// PostgreSQL, SIGTERM `STEP_MS` later each time; etcd read after each exit.
+#[tokio::test]
+async fn a_signal_at_any_moment_of_the_start_leaves_no_node_in_etcd() {
+    use std::os::unix::process::ExitStatusExt as _;
+    /// How many starts are signalled.
+    const STARTS: u64 = 24;
+    /// How much later each start is signalled than the one before, in milliseconds.
+    const STEP_MS: u64 = 3;
+    let etcd = TestEtcd::start("node-start-signals").await;
+    let postgres = TestServer::start("node-start-signals");
+    let database = postgres.create_database("probes").await;
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    for run in 0..STARTS {
+        let (child, stdout, stderr) = node_connecting(&etcd.endpoint(), &database, &format!("start-{run}"));
+        std::thread::sleep(Duration::from_millis(run * STEP_MS));
+        signal(&child, "TERM");
+        let mut child = child;
+        let status = exited_within(&mut child, NODE_EXIT_MS_MAX);
+        if status.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+        let status = status.unwrap_or_else(|| panic!("run {run}: still running\n{stdout}\n{stderr}"));
+        assert!(
+            status.code() == Some(0) || (status.code().is_none() && status.signal() == Some(15)),
+            "run {run}: {status:?}\nstdout: {stdout}\nstderr: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        let nodes = client
+            .get(
+                "/troupe/troupe/nodes/",
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await
+            .unwrap();
+        let left: Vec<String> = nodes
+            .kvs()
+            .iter()
+            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+            .collect();
+        assert!(
+            left.is_empty(),
+            "run {run} ({} ms): left {left:?}\n{stderr}",
+            run * STEP_MS
+        );
+        let outcome = stderr
+            .lines()
+            .find(|line| line.starts_with("troupe node: a signal"))
+            .unwrap_or(if stdout.contains("listening on") {
+                "served, then stopped"
+            } else {
+                "other"
+            });
+        *outcomes.entry(format!("{outcome} ({status:?})")).or_default() += 1;
+    }
+    eprintln!("outcomes: {outcomes:#?}");
+}
