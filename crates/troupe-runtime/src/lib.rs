@@ -63,10 +63,10 @@ pub use remote::{RemoteWait, RootCallRouter, TellRoute, TurnCall, TurnCallRouter
 pub use runtime::{Runtime, RuntimeBuilder, SHUTDOWN_ABORT_WAIT_MS, SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX};
 pub use signal::Latch;
 #[cfg(feature = "sqlite")]
-pub use sqlite_store::SqliteStore;
+pub use sqlite_store::{SqliteStore, SQLITE_IDENTITY_LENGTH_MAX_BYTES};
 pub use state_store::{
-    check_key, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreItem, StoreOperation, TurnCommit,
-    STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
+    check_key, sqlite_file_identity, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreItem,
+    StoreOperation, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
 pub use transport::{
     FrameError, Probe, ProbeSink, TransportClient, TransportClientStats, TransportServer, TransportServerStats,

@@ -6,8 +6,21 @@
 //! actor_state (kind, key, state)             PRIMARY KEY (kind, key)             one state blob per actor
 //! actor_entry (kind, key, entry_key, value)  PRIMARY KEY (kind, key, entry_key)  the actor's key-value space
 //! actor_owner (kind, key, fence)             PRIMARY KEY (kind, key)             the actor's newest fence (v2)
+//! troupe_meta (name, value)                  PRIMARY KEY (name)                  the store's identity (see below)
 //! PRAGMA user_version = SQLITE_SCHEMA_VERSION
 //! ```
+//!
+//! **Identity.** A file keeps its identity ([`SqliteStore::identity`]) in `troupe_meta`,
+//! written once, when the store creates its schema in the file:
+//! `sqlite:<microseconds since the Unix epoch at creation>:<the file's canonical path
+//! then>`, read from the runtime's [`crate::Clock`] (the simulator's wall clock under
+//! madsim). So the identity survives a move or a rename of the file, a copy keeps it,
+//! and two files created at one path one after another (deleted in between) differ, as
+//! long as the wall clock moved between their creations. A file that has Troupe's
+//! schema but no identity yet (created before identities were stored) gets
+//! `sqlite:<its canonical path>` on its first open, the identity computed from its path
+//! before: a cluster name bound to it stays bound to it. Adding `troupe_meta` keeps
+//! the schema version (older builds open such a file and ignore the table).
 //!
 //! Guarantees:
 //! - a commit is one SQLite transaction: its state and all its writes become visible, and
@@ -67,6 +80,23 @@ use crate::state_store::{
 /// Version 2 added `actor_owner`.
 const SQLITE_SCHEMA_VERSION: i64 = 2;
 
+/// Longest identity a store keeps ([`SqliteStore::identity`]), in bytes: a longer path
+/// is cut from its start. The limit of a cluster's store identity (troupe-etcd's
+/// `STORE_IDENTITY_LENGTH_MAX`), so that every identity a store gives is one a cluster
+/// takes.
+pub const SQLITE_IDENTITY_LENGTH_MAX_BYTES: usize = 1_024;
+
+/// The row of `troupe_meta` that holds the identity.
+const SQLITE_META_IDENTITY: &str = "identity";
+
+/// Creates `troupe_meta` where it is missing (every file before identities).
+const SQLITE_META_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS troupe_meta (
+        name  TEXT NOT NULL PRIMARY KEY,
+        value TEXT NOT NULL
+    ) WITHOUT ROWID;
+";
+
 /// How long an operation waits for a lock held by another process (say, `sqlite3`).
 const SQLITE_BUSY_TIMEOUT_MS: u64 = 5_000;
 /// How many times opening tries to switch a file that other connections hold to WAL
@@ -123,6 +153,8 @@ const FENCE_CHECK_REMEMBERED_MAX: usize = 4_096;
 #[derive(Clone)]
 pub struct SqliteStore {
     connection: Arc<Mutex<Connection>>,
+    /// The identity stored in the file, read when it was opened.
+    identity: Arc<str>,
     /// What [`StateStore::check_fence`] has read, locked only while `connection` is.
     fences: Arc<Mutex<FenceMemory>>,
 }
@@ -212,10 +244,14 @@ impl SqliteStore {
                 "sqlite store could not switch to wal journal mode"
             );
         }
-        Self::from_connection(connection)
+        // The file exists now: its canonical path names it whatever path opened it.
+        let canonical = std::fs::canonicalize(path.as_ref())
+            .map_err(|error| open_error_io("resolving the file's canonical path", &error))?;
+        Self::from_connection(connection, &canonical.display().to_string())
     }
 
-    /// An empty store that lives in memory only, for tests.
+    /// An empty store that lives in memory only, for tests. Its identity is
+    /// `sqlite:<microseconds at creation>::memory:`.
     ///
     /// # Errors
     /// [`StoreError::Backend`] with operation `"open"` if SQLite cannot create it.
@@ -223,18 +259,32 @@ impl SqliteStore {
         from_connection_seed_randomness();
         Self::from_connection(
             Connection::open_in_memory().map_err(|e| open_error("creating the in-memory database", e))?,
+            ":memory:",
         )
     }
 
-    fn from_connection(mut connection: Connection) -> Result<Self, StoreError> {
+    /// The identity stored in the file (see the module documentation): `sqlite:<creation
+    /// time in microseconds>:<canonical path at creation>` for a file this build
+    /// created, `sqlite:<canonical path at its first open>` for one created before
+    /// identities were stored. Every store opened on one file gives the same identity,
+    /// whatever path named it, and keeps giving it after the file is moved; for
+    /// `troupe_etcd::EtcdConfig::with_store_identity` (through
+    /// `troupe_cluster::store_identity`).
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// `name`: the file's canonical path, or `:memory:`.
+    fn from_connection(mut connection: Connection, name: &str) -> Result<Self, StoreError> {
         connection
             .pragma_update(None, "synchronous", "FULL")
             .map_err(|e| open_error("setting synchronous = FULL", e))?;
         connection
             .busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))
             .map_err(|e| open_error("setting the busy timeout", e))?;
-        from_connection_create_schema(&mut connection)?;
+        let identity = from_connection_create_schema(&mut connection, name)?;
         Ok(Self {
+            identity: Arc::from(identity),
             connection: Arc::new(Mutex::new(connection)),
             fences: Arc::default(),
         })
@@ -290,8 +340,10 @@ fn check_path(path: &Path) -> Result<(), StoreError> {
     })
 }
 
-/// Creates the schema in a fresh file, checks the version of an existing one.
-fn from_connection_create_schema(connection: &mut Connection) -> Result<(), StoreError> {
+/// Creates the schema in a fresh file, checks the version of an existing one; returns
+/// the file's identity, stored now if it had none (see the module documentation).
+/// `name` is the file's canonical path (or `:memory:`).
+fn from_connection_create_schema(connection: &mut Connection, name: &str) -> Result<String, StoreError> {
     // IMMEDIATE: a deferred transaction that reads the version and then writes the
     // schema fails at once if another store wrote in between, instead of waiting.
     let transaction = connection
@@ -317,7 +369,55 @@ fn from_connection_create_schema(connection: &mut Connection) -> Result<(), Stor
             .pragma_update(None, "user_version", SQLITE_SCHEMA_VERSION)
             .map_err(|e| open_error("setting the schema version", e))?;
     }
-    transaction.commit().map_err(|e| open_error("committing the schema", e))
+    transaction
+        .execute_batch(SQLITE_META_SCHEMA)
+        .map_err(|e| open_error("creating troupe_meta", e))?;
+    let stored: Option<String> = transaction
+        .query_row(
+            "SELECT value FROM troupe_meta WHERE name = ?1",
+            [SQLITE_META_IDENTITY],
+            |row| row.get(0),
+        )
+        .optional()
+        .map_err(|e| open_error("reading the store's identity", e))?;
+    let identity = match stored {
+        Some(identity) => identity,
+        None => {
+            // A file without Troupe's schema (version 0) is created now; one with it
+            // was created before identities were stored, and keeps the identity its
+            // path gave it then.
+            let created_us = (version == 0).then(|| crate::Clock::new().now().as_micros());
+            let identity = new_identity(created_us, name);
+            transaction
+                .execute(
+                    "INSERT INTO troupe_meta (name, value) VALUES (?1, ?2)",
+                    [SQLITE_META_IDENTITY, identity.as_str()],
+                )
+                .map_err(|e| open_error("storing the store's identity", e))?;
+            identity
+        }
+    };
+    transaction
+        .commit()
+        .map_err(|e| open_error("committing the schema", e))?;
+    Ok(identity)
+}
+
+/// The identity of a file named `name` (its canonical path), created at `created_us`
+/// (microseconds since the Unix epoch), or created before identities were stored
+/// (`None`): `sqlite:<created_us>:<name>` or `sqlite:<name>`, cut to
+/// [`SQLITE_IDENTITY_LENGTH_MAX_BYTES`] by dropping the start of `name`.
+fn new_identity(created_us: Option<u64>, name: &str) -> String {
+    let prefix = match created_us {
+        Some(created_us) => format!("sqlite:{created_us}:"),
+        None => "sqlite:".to_string(),
+    };
+    let room = SQLITE_IDENTITY_LENGTH_MAX_BYTES.saturating_sub(prefix.len());
+    let mut start = name.len().saturating_sub(room);
+    while !name.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("{prefix}{}", &name[start..])
 }
 
 /// Switches the file to WAL journal mode (a no-op if it is in it already) and returns
@@ -347,6 +447,14 @@ fn switch_to_wal(connection: &Connection) -> Result<String, StoreError> {
             }
             Err(error) => return Err(open_error("switching to WAL journal mode", error)),
         }
+    }
+}
+
+/// An I/O error of opening the store, naming the step that failed.
+fn open_error_io(at: &str, error: &std::io::Error) -> StoreError {
+    StoreError::Backend {
+        operation: StoreOperation::Open,
+        cause: format!("{at}: {error}"),
     }
 }
 
@@ -1006,6 +1114,100 @@ mod tests {
             .expect("read user_version");
         assert_eq!(version, SQLITE_SCHEMA_VERSION);
         assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"v2")));
+    }
+
+    /// Goal: a store's identity is stored in its file: it survives a move and a rename of
+    /// the file (before, the identity was `sqlite:<canonical path>`, and changed with
+    /// the path), every store on the file gives it (named through a symbolic link too),
+    /// and a file created later at the first one's path has another one.
+    #[test]
+    fn the_identity_is_stored_in_the_file_and_survives_a_move() {
+        let directory = TestDirectory::new("the_identity_is_stored_in_the_file_and_survives_a_move");
+        let first = directory.file();
+        let identity = SqliteStore::open(&first)
+            .expect("create the file")
+            .identity()
+            .to_string();
+        let canonical = std::fs::canonicalize(&first).expect("the file's canonical path");
+        let created_at_path = format!(":{}", canonical.display());
+        assert!(
+            identity.starts_with("sqlite:") && identity.ends_with(&created_at_path),
+            "sqlite:<creation time>:<path>: {identity}"
+        );
+        let link = directory.0.path().join("link.sqlite");
+        std::os::unix::fs::symlink(&first, &link).expect("a symbolic link");
+        assert_eq!(
+            SqliteStore::open(&link).expect("open through the link").identity(),
+            identity
+        );
+        std::fs::remove_file(&link).expect("remove the link");
+
+        let moved = directory.0.path().join("elsewhere");
+        std::fs::create_dir(&moved).expect("another directory");
+        let moved = moved.join("renamed.sqlite");
+        std::fs::rename(&first, &moved).expect("move the file");
+        let reopened = SqliteStore::open(&moved).expect("open the moved file");
+        assert_eq!(reopened.identity(), identity, "the identity moved with the file");
+
+        // The first path again, a new file: another identity (the wall clock moved).
+        let recreated = SqliteStore::open(&first).expect("create a file at the first path");
+        assert!(recreated.identity().ends_with(&created_at_path));
+        assert_ne!(recreated.identity(), identity, "a new file at the same path");
+    }
+
+    /// Goal: a file created before identities were stored (Troupe's schema, no
+    /// `troupe_meta`) gets the identity its path gave it before, `sqlite:<canonical
+    /// path>`, on its first open, and keeps it afterwards, moved too; its data is kept.
+    #[tokio::test]
+    async fn a_file_from_before_identities_keeps_its_path_identity() {
+        let directory = TestDirectory::new("a_file_from_before_identities_keeps_its_path_identity");
+        let actor = agent("a");
+        {
+            let store = SqliteStore::open(directory.file()).expect("create the file");
+            let claimed = store.claim(&actor).await.expect("claim");
+            let commit = TurnCommit {
+                state: StateChange::Set(Bytes::from_static(b"kept")),
+                writes: vec![],
+            };
+            store.commit(&actor, claimed.fence, commit).await.expect("commit");
+            run_lock(&store.connection)
+                .execute_batch("DROP TABLE troupe_meta")
+                .expect("make it a file from before identities");
+        }
+        let canonical = std::fs::canonicalize(directory.file()).expect("the canonical path");
+        let legacy = format!("sqlite:{}", canonical.display());
+        assert_eq!(SqliteStore::open(directory.file()).expect("open").identity(), legacy);
+        let moved = directory.0.path().join("moved.sqlite");
+        std::fs::rename(directory.file(), &moved).expect("move the file");
+        let store = SqliteStore::open(&moved).expect("open the moved file");
+        assert_eq!(
+            store.identity(),
+            legacy,
+            "stored at the first open, kept after the move"
+        );
+        assert_eq!(
+            store.load(&actor).await.expect("load"),
+            Some(Bytes::from_static(b"kept"))
+        );
+    }
+
+    /// Goal: an identity is at most `SQLITE_IDENTITY_LENGTH_MAX_BYTES` long (a cluster
+    /// takes no longer one): a long path loses its start, at a character boundary.
+    #[test]
+    fn a_long_path_gives_an_identity_cut_from_its_start() {
+        let name = format!("/{}/state.sqlite", "é".repeat(SQLITE_IDENTITY_LENGTH_MAX_BYTES));
+        for created_us in [None, Some(1_796_597_160_510_844)] {
+            let identity = new_identity(created_us, &name);
+            assert!(identity.len() <= SQLITE_IDENTITY_LENGTH_MAX_BYTES, "{}", identity.len());
+            assert!(
+                identity.len() >= SQLITE_IDENTITY_LENGTH_MAX_BYTES - 1,
+                "{}",
+                identity.len()
+            );
+            assert!(identity.ends_with("é/state.sqlite"), "{identity}");
+        }
+        assert_eq!(new_identity(Some(7), "/a.db"), "sqlite:7:/a.db");
+        assert_eq!(new_identity(None, "/a.db"), "sqlite:/a.db");
     }
 
     /// Goal: an owner row that no claim can have written is an error, not a panic.

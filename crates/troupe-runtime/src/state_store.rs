@@ -291,6 +291,36 @@ pub trait StateStore: Send + Sync + 'static {
     ) -> Result<Vec<(String, Bytes)>, StoreError>;
 }
 
+/// The identity stored in the SQLite store file at `path`
+/// ([`crate::SqliteStore::identity`]), read by opening the file as
+/// [`crate::SqliteStore::open`] does (which gives a file that has none its identity
+/// first). For crates that take a store's identity by its path without depending on
+/// this crate's `sqlite` feature (`troupe_cluster::sqlite_store_identity`): it answers
+/// whenever anything in the build enables the feature, as a program that uses a
+/// `SqliteStore` does.
+///
+/// # Errors
+/// As [`crate::SqliteStore::open`] (it creates a file that does not exist: check first
+/// if that matters); [`StoreError::Backend`] with operation `"open"` if this build of
+/// the crate has no SQLite (the `sqlite` feature is off).
+pub fn sqlite_file_identity(path: &std::path::Path) -> Result<String, StoreError> {
+    #[cfg(feature = "sqlite")]
+    {
+        crate::SqliteStore::open(path).map(|store| store.identity().to_string())
+    }
+    #[cfg(not(feature = "sqlite"))]
+    {
+        Err(StoreError::Backend {
+            operation: StoreOperation::Open,
+            cause: format!(
+                "cannot read the identity of {}: this build of troupe-runtime has no SQLite (its `sqlite` feature \
+                 is off)",
+                path.display()
+            ),
+        })
+    }
+}
+
 /// A store that also accepts fences issued outside it: a cluster's placement service
 /// (the etcd revision of the key that names the actor's owner) hands out the fencing
 /// token, and the store holds every claim and commit to it.
