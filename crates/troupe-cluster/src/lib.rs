@@ -38,7 +38,8 @@ mod store_identity;
 
 pub use node::{
     ClusterClient, ClusterError, ClusterNode, ClusterStats, LEAVE_REPLY_DRAIN_MS_MAX, LEAVE_REPLY_DRAIN_POLL_MS,
-    NODE_NAME_CHECK_TIMEOUT_MS, ROUTE_CACHE_ENTRIES_MAX, ROUTE_RETRY_DELAY_MS,
+    NODE_NAME_CHECK_TIMEOUT_MS, NOT_SENT_RETRIES_MAX, NOT_SENT_RETRY_PAUSE_MS, ROUTE_CACHE_ENTRIES_MAX,
+    ROUTE_RETRY_DELAY_MS,
 };
 pub use placed_store::{PlacedStore, RELEASE_QUEUE_CAPACITY};
 pub use probes::{

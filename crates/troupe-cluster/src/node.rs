@@ -12,7 +12,8 @@ use tokio::task::JoinHandle;
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError, StoreError};
 use troupe_etcd::{EtcdConfig, EtcdPlacement, LeaseLostReason, NodeId, Placement, PlacementError};
 use troupe_runtime::{
-    FencedClaim, IdempotencyKey, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient, TransportServer, TurnCall,
+    FencedClaim, IdempotencyKey, RequestFailure, RequestKind, Runtime, RuntimeBuilder, RuntimeHandle, TransportClient,
+    TransportServer, TurnCall,
 };
 
 use crate::placed_store::{Ownership, PlacedStore, ReleaseObserver};
@@ -21,6 +22,14 @@ use crate::probes::{Hooks, ProbeChannel, RemoteWaitEntry, PROBE_QUEUE_CAPACITY};
 /// Pause before a call looks its target's owner up again after a "not owner" refusal
 /// or a failed lookup, in milliseconds (the first re-lookup after a refusal is at once).
 pub const ROUTE_RETRY_DELAY_MS: u64 = 50;
+/// Most times a call is sent again, to the owner looked up anew, after the transport
+/// said the request was never sent (its connection was refused, or had closed before the
+/// request was queued on it: a route to a node that left or crashed), in attempts. Past
+/// it the call ends `Unreachable`; never past its deadline.
+pub const NOT_SENT_RETRIES_MAX: u32 = 4;
+/// Pause before each of those attempts, in milliseconds: a leaving node closes its
+/// port a moment before its lease is revoked, and etcd names it until then.
+pub const NOT_SENT_RETRY_PAUSE_MS: u64 = 50;
 /// Most actors whose owner a node remembers, in actors; past it the cache is emptied.
 pub const ROUTE_CACHE_ENTRIES_MAX: usize = 65_536;
 
@@ -156,6 +165,10 @@ pub struct ClusterStats {
     /// Keyed requests sent again after their target's owner could not be reached (an
     /// unkeyed one ends `Unreachable` instead: it may have run).
     pub keyed_retries: u64,
+    /// Calls sent again, to the owner looked up anew, after the transport said the
+    /// request never left this node (at most [`NOT_SENT_RETRIES_MAX`] per call): it
+    /// cannot have run, keyed or not.
+    pub not_sent_retries: u64,
     /// Activations that found this node's placement from an earlier activation still in
     /// etcd (its release had not run, or failed) and released it and placed anew.
     pub placements_replaced: u64,
@@ -182,6 +195,7 @@ pub(crate) struct Counters {
     forwarded_calls: AtomicU64,
     reroutes: AtomicU64,
     keyed_retries: AtomicU64,
+    not_sent_retries: AtomicU64,
     turn_calls_forwarded: AtomicU64,
     turn_tells_forwarded: AtomicU64,
     pub(crate) probes_sent: AtomicU64,
@@ -385,6 +399,7 @@ impl ClusterNode {
             forwarded_calls: counters.forwarded_calls.load(Ordering::Relaxed),
             reroutes: counters.reroutes.load(Ordering::Relaxed),
             keyed_retries: counters.keyed_retries.load(Ordering::Relaxed),
+            not_sent_retries: counters.not_sent_retries.load(Ordering::Relaxed),
             placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
             turn_calls_forwarded: counters.turn_calls_forwarded.load(Ordering::Relaxed),
             turn_tells_forwarded: counters.turn_tells_forwarded.load(Ordering::Relaxed),
@@ -658,18 +673,21 @@ struct Tell<'a> {
 
 impl Tell<'_> {
     /// Sends it over `client` (from `caller`'s turn, if any); the reply is empty.
-    async fn over(self, client: &TransportClient, caller: Option<&ActorId>) -> Result<Bytes, InvokeError> {
+    async fn over(self, client: &TransportClient, caller: Option<&ActorId>) -> Result<Bytes, RequestFailure> {
         let Tell {
             target,
             key,
             payload,
             context,
         } = self;
-        let told = match key {
-            None => client.tell(target, payload, context, caller).await,
-            Some(key) => client.tell_keyed(target, key, payload, context, caller).await,
+        let kind = match key {
+            None => RequestKind::Tell,
+            Some(key) => RequestKind::KeyedTell(key),
         };
-        told.map(|()| Bytes::new())
+        client
+            .attempt(target, payload, context, caller, kind)
+            .await
+            .map(|_| Bytes::new())
     }
 
     /// Delivers it on this node's runtime; the reply is empty.
@@ -799,6 +817,8 @@ impl Inner {
             timeout_ms,
         };
         let mut refused_before = false;
+        // Attempts sent again because the transport never sent them.
+        let mut not_sent_retries = 0_u32;
         // A keyed call's last `Unreachable`, returned if the deadline passes before an
         // attempt gets through.
         let mut unreachable: Option<InvokeError> = None;
@@ -832,15 +852,21 @@ impl Inner {
                     };
                     inner.counters.forwarded_calls.fetch_add(1, Ordering::Relaxed);
                     let forwarded = match origin {
-                        Origin::Root(context) => client.invoke(target, payload.clone(), context.clone(), None).await,
-                        Origin::RoutedRoot { key: None } => {
+                        Origin::Root(context) => {
                             client
-                                .invoke(target, payload.clone(), CallContext::root(deadline), None)
+                                .attempt(target, payload.clone(), context.clone(), None, RequestKind::Invoke)
+                                .await
+                        }
+                        Origin::RoutedRoot { key: None } => {
+                            let context = CallContext::root(deadline);
+                            client
+                                .attempt(target, payload.clone(), context, None, RequestKind::Invoke)
                                 .await
                         }
                         Origin::RoutedRoot { key: Some(key) } => {
+                            let context = CallContext::root(deadline);
                             client
-                                .invoke_keyed(target, key, payload.clone(), CallContext::root(deadline), None)
+                                .attempt(target, payload.clone(), context, None, RequestKind::Keyed(key))
                                 .await
                         }
                         Origin::Turn { caller, context, key } => {
@@ -875,8 +901,28 @@ impl Inner {
                             tell.over(&client, Some(caller)).await
                         }
                     };
+                    // Never sent (the owner's port refused the connection, or the
+                    // connection had closed before the request was queued): it cannot
+                    // have run, so it goes to whoever owns the actor now, keyed or not.
+                    // Before, it ended `Unreachable` like a request that may have run.
+                    let never_sent = matches!(
+                        &forwarded,
+                        Err(failure @ RequestFailure { error: InvokeError::Unreachable { .. }, .. })
+                            if failure.was_never_sent()
+                    );
+                    let forwarded = forwarded.map_err(|failure| failure.error);
                     if matches!(forwarded, Err(InvokeError::Unreachable { .. })) {
                         inner.forget_client(owner, &client);
+                    }
+                    if never_sent && not_sent_retries < NOT_SENT_RETRIES_MAX && !deadline.has_passed(clock.now()) {
+                        not_sent_retries += 1;
+                        inner.counters.not_sent_retries.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%target, %owner, ?forwarded, "the request was never sent; looking the owner up again");
+                        inner.routes().remove(target);
+                        let pause = Duration::from_millis(NOT_SENT_RETRY_PAUSE_MS).min(deadline.remaining(clock.now()));
+                        tokio::time::sleep(pause).await;
+                        unreachable = forwarded.err();
+                        continue;
                     }
                     if matches!(forwarded, Err(InvokeError::Shutdown)) {
                         // The owner is shutting down (leaving): the request did not run

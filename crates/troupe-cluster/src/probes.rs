@@ -35,7 +35,10 @@ use tokio::sync::{mpsc, oneshot};
 use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{ActorId, CallContext, InvokeError};
 use troupe_etcd::NodeId;
-use troupe_runtime::{Probe, ProbeSink, TellRoute, TransportClient, TurnCall, TurnCallRouter, WaitEdge};
+use troupe_runtime::{
+    Delivery, Probe, ProbeSink, RequestFailure, RequestKind, TellRoute, TransportClient, TurnCall, TurnCallRouter,
+    WaitEdge,
+};
 
 use crate::node::Inner;
 
@@ -260,14 +263,22 @@ impl Inner {
         call: crate::node::RemoteTurnCall<'_>,
         payload: Bytes,
         context: CallContext,
-    ) -> Result<Bytes, InvokeError> {
+    ) -> Result<Bytes, RequestFailure> {
         let crate::node::RemoteTurnCall {
             owner,
             caller,
             target,
             key,
         } = call;
-        let wait = self.handle.begin_remote_wait(caller, target).await?;
+        // Refused here (a cycle in this node's graph, the turn ended): nothing was sent.
+        let wait = self
+            .handle
+            .begin_remote_wait(caller, target)
+            .await
+            .map_err(|error| RequestFailure {
+                error,
+                delivery: Delivery::NeverSent,
+            })?;
         let call = wait.call_id();
         let (found, mut cycle) = oneshot::channel();
         self.remote_waits().insert(
@@ -290,13 +301,18 @@ impl Inner {
             biased;
             Ok(cycle) = &mut cycle => {
                 self.counters.deadlocks_found_by_probes.fetch_add(1, Ordering::Relaxed);
-                Err(InvokeError::DeadlockDetected { cycle })
+                // The request was sent and its turn may run on until it is cancelled.
+                Err(RequestFailure {
+                    error: InvokeError::DeadlockDetected { cycle },
+                    delivery: Delivery::MaybeSent,
+                })
             }
             result = async {
-                match key {
-                    None => client.invoke(target, payload, context, Some(caller)).await,
-                    Some(key) => client.invoke_keyed(target, key, payload, context, Some(caller)).await,
-                }
+                let kind = match key {
+                    None => RequestKind::Invoke,
+                    Some(key) => RequestKind::Keyed(key),
+                };
+                client.attempt(target, payload, context, Some(caller), kind).await
             } => result,
         };
         drop(entry);

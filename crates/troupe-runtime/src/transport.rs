@@ -99,6 +99,13 @@
 //!   handshake) every call pending on it fails at once with
 //!   [`InvokeError::Unreachable`]; none waits for its deadline. The next call opens a
 //!   new connection, with a new handshake.
+//! - A failed request says how far it got ([`TransportClient::attempt`]'s
+//!   [`RequestFailure::delivery`]): [`Delivery::NeverSent`] when no byte of it was
+//!   written (no connection could be had: refused, timed out, handshake failed; the
+//!   connection had closed before the request was queued; the deadline passed first),
+//!   so it did not run and may be sent to another node; [`Delivery::MaybeSent`] once
+//!   it was queued on an open connection (it may have run). A request queued behind a
+//!   connection the peer had just closed, and reset by it, counts as maybe sent.
 //! - Nothing grows without bound: the client's pending map holds at most
 //!   [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] entries (a caller over it waits for a slot until its
 //!   deadline), an entry is freed when its caller stops waiting for any reason, the
@@ -171,7 +178,8 @@
 //! as on one node (the DST check allows only 1 µs of rounding per comparison).
 //!
 //! What it deliberately does not do:
-//! - No retries, and no at-most-once across reconnects: a request may have run even if
+//! - No retries (a router may retry a request that was never sent, see above), and no
+//!   at-most-once across reconnects: a request may have run even if
 //!   its caller saw `Unreachable` or `Timeout` (it arrived in time, but its reply did
 //!   not). Callers that need exactly-once effects deduplicate in the actor.
 //! - No routing or placement: a client talks to one address. The directory decides which
@@ -208,7 +216,7 @@ mod frame;
 mod server;
 mod wire;
 
-pub use client::{TransportClient, TransportClientStats};
+pub use client::{Delivery, RequestFailure, RequestKind, TransportClient, TransportClientStats};
 pub use frame::{FrameError, FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES};
 pub use server::{ProbeSink, TransportServer, TransportServerStats};
 pub use wire::Probe;

@@ -123,9 +123,10 @@ enum ConnectionSlot {
     Open(Arc<Connection>),
 }
 
-/// What a request asks of the server.
+/// What a request asks of the server: one of the four forms a [`TransportClient`]
+/// sends, for [`TransportClient::attempt`].
 #[derive(Debug, Clone, Copy)]
-enum RequestKind<'a> {
+pub enum RequestKind<'a> {
     /// Run it and answer the reply.
     Invoke,
     /// Run it as one attempt of the keyed request `.0` names, and answer the reply.
@@ -134,6 +135,51 @@ enum RequestKind<'a> {
     Tell,
     /// As `Tell`, for one delivery of the message `.0` names.
     KeyedTell(&'a IdempotencyKey),
+}
+
+/// How far a request that failed got: whether any of it may have reached the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// No byte of the request was written: no connection could be had (refused, timed
+    /// out, the handshake failed), the connection had closed before the request was
+    /// queued on it, or the deadline passed first. The server never saw it, so it did
+    /// not run, and sending it again (to this server or another) cannot run it twice.
+    NeverSent,
+    /// The request was queued on an open connection, so it may have reached the
+    /// server and run even though no reply came back (the connection broke, the
+    /// deadline passed). Sending it again may run it twice, unless it is keyed.
+    MaybeSent,
+}
+
+/// A failed [`TransportClient::attempt`]: the error the call ends with, and whether
+/// the request may have reached the server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestFailure {
+    /// What the caller of [`TransportClient::invoke`] (or its siblings) gets.
+    pub error: InvokeError,
+    /// Whether the request may have reached the server.
+    pub delivery: Delivery,
+}
+
+impl RequestFailure {
+    fn never_sent(error: InvokeError) -> Self {
+        Self {
+            error,
+            delivery: Delivery::NeverSent,
+        }
+    }
+
+    fn maybe_sent(error: InvokeError) -> Self {
+        Self {
+            error,
+            delivery: Delivery::MaybeSent,
+        }
+    }
+
+    /// Whether the request never reached the server ([`Delivery::NeverSent`]).
+    pub fn was_never_sent(&self) -> bool {
+        self.delivery == Delivery::NeverSent
+    }
 }
 
 /// How a pending call ended on the connection's side.
@@ -519,8 +565,9 @@ impl TransportClient {
         context: CallContext,
         caller: Option<&ActorId>,
     ) -> Result<Bytes, InvokeError> {
-        self.request(target, payload, context, caller, RequestKind::Invoke)
+        self.attempt(target, payload, context, caller, RequestKind::Invoke)
             .await
+            .map_err(|failure| failure.error)
     }
 
     /// As [`TransportClient::invoke`], for one attempt of the logical request `key`
@@ -544,8 +591,9 @@ impl TransportClient {
         context: CallContext,
         caller: Option<&ActorId>,
     ) -> Result<Bytes, InvokeError> {
-        self.request(target, payload, context, caller, RequestKind::Keyed(key))
+        self.attempt(target, payload, context, caller, RequestKind::Keyed(key))
             .await
+            .map_err(|failure| failure.error)
     }
 
     /// Sends a fire-and-forget message to the remote actor `target` under `context`
@@ -570,9 +618,10 @@ impl TransportClient {
         context: CallContext,
         caller: Option<&ActorId>,
     ) -> Result<(), InvokeError> {
-        self.request(target, payload, context, caller, RequestKind::Tell)
+        self.attempt(target, payload, context, caller, RequestKind::Tell)
             .await
             .map(|_| ())
+            .map_err(|failure| failure.error)
     }
 
     /// As [`TransportClient::tell`], for one delivery of the message `key` names: the
@@ -596,41 +645,63 @@ impl TransportClient {
         context: CallContext,
         caller: Option<&ActorId>,
     ) -> Result<(), InvokeError> {
-        self.request(target, payload, context, caller, RequestKind::KeyedTell(key))
+        self.attempt(target, payload, context, caller, RequestKind::KeyedTell(key))
             .await
             .map(|_| ())
+            .map_err(|failure| failure.error)
     }
 
-    /// An invoke or a tell (answered at acceptance), keyed or not.
-    async fn request(
+    /// One request of any [`RequestKind`] (what [`TransportClient::invoke`],
+    /// [`TransportClient::invoke_keyed`], [`TransportClient::tell`] and
+    /// [`TransportClient::tell_keyed`] send), whose failure also says whether the
+    /// request may have reached the server ([`RequestFailure::delivery`]): a router
+    /// can send a request that was never sent to the actor's current owner, while one
+    /// that may have run must not be sent again unless it is keyed.
+    ///
+    /// # Errors
+    /// As the method of that kind, with its [`Delivery`].
+    ///
+    /// # Cancel safety
+    /// As [`TransportClient::invoke`].
+    pub async fn attempt(
         &self,
         target: &ActorId,
         payload: Bytes,
         context: CallContext,
         caller: Option<&ActorId>,
         kind: RequestKind<'_>,
-    ) -> Result<Bytes, InvokeError> {
+    ) -> Result<Bytes, RequestFailure> {
         let deadline = context.deadline();
         let clock = self.shared.clock;
         let now = clock.now();
         if deadline.has_passed(now) {
-            return Err(InvokeError::Timeout {
+            return Err(RequestFailure::never_sent(InvokeError::Timeout {
                 target: target.clone(),
                 timeout_ms: 0,
-            });
+            }));
         }
         let timeout_ms = deadline.remaining_ms(now);
+        // Set once the request is queued on a connection: from then on it may reach
+        // the server.
+        let queued = AtomicBool::new(false);
         let waited = clock.run_until_from(
             now,
             deadline,
-            self.invoke_until_reply(target, payload, &context, caller, kind),
+            self.invoke_until_reply(target, payload, &context, caller, kind, &queued),
         );
         match waited.await {
             Ok(result) => result,
-            Err(_elapsed) => Err(InvokeError::Timeout {
-                target: target.clone(),
-                timeout_ms,
-            }),
+            Err(_elapsed) => {
+                let timeout = InvokeError::Timeout {
+                    target: target.clone(),
+                    timeout_ms,
+                };
+                Err(if queued.load(Ordering::Relaxed) {
+                    RequestFailure::maybe_sent(timeout)
+                } else {
+                    RequestFailure::never_sent(timeout)
+                })
+            }
         }
     }
 
@@ -682,24 +753,27 @@ impl TransportClient {
         context: &CallContext,
         caller: Option<&ActorId>,
         kind: RequestKind<'_>,
-    ) -> Result<Bytes, InvokeError> {
+        queued: &AtomicBool,
+    ) -> Result<Bytes, RequestFailure> {
         let unreachable = |cause: String| InvokeError::Unreachable {
             target: target.clone(),
             cause,
         };
+        let never_sent = |cause: String| RequestFailure::never_sent(unreachable(cause));
         let slot = Arc::clone(&self.slots)
             .acquire_owned()
             .await
             .expect("the client's in-flight semaphore is never closed");
         let (connection, request_id, reply) = loop {
-            let connection = self.invoke_connection().await.map_err(unreachable)?;
+            let connection = self.invoke_connection().await.map_err(never_sent)?;
             let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
             let (waiter, reply) = oneshot::channel();
             match connection.pending.register(request_id, waiter) {
                 Ok(()) => break (connection, request_id, reply),
                 // Closed for idleness before anything was sent on it: take a new one.
                 Err(Closure::Retired) => {}
-                Err(Closure::Broken(cause)) => return Err(unreachable(cause)),
+                // Broke before this request was queued on it: nothing of it was sent.
+                Err(Closure::Broken(cause)) => return Err(never_sent(cause)),
             }
         };
         let mut entry = PendingEntry {
@@ -730,21 +804,30 @@ impl TransportClient {
                 request.key = Some(key.as_str().to_owned());
             }
         }
-        let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| InvokeError::Rejected {
-            target: target.clone(),
-            reason: format!("the request cannot be sent: {error}"),
+        let frame = encode_frame(&ClientMessage::Request(request)).map_err(|error| {
+            RequestFailure::never_sent(InvokeError::Rejected {
+                target: target.clone(),
+                reason: format!("the request cannot be sent: {error}"),
+            })
         })?;
         let permit = connection.budget.acquire(frame.len()).await;
-        let queued = BudgetedFrame { frame, _permit: permit };
-        if connection.frames.send(queued).await.is_err() {
-            return Err(unreachable("the connection closed".to_string()));
+        let budgeted = BudgetedFrame { frame, _permit: permit };
+        // A send cancelled at the deadline before it completed queued nothing (tokio's
+        // `Sender::send` is cancel safe); the flag is set in the same poll as it
+        // completes.
+        if connection.frames.send(budgeted).await.is_err() {
+            // The connection's task has ended: the frame was never taken for writing.
+            return Err(never_sent("the connection closed".to_string()));
         }
+        queued.store(true, Ordering::Relaxed);
         // Queued: from now on, a caller that stops waiting tells the server (on drop).
         entry.sent = Some(Arc::clone(&connection));
         match reply.await {
-            Ok(Outcome::Reply(result)) => result,
-            Ok(Outcome::Broken(cause)) => Err(unreachable(cause)),
-            Err(_closed) => Err(unreachable("the connection closed".to_string())),
+            Ok(Outcome::Reply(result)) => result.map_err(RequestFailure::maybe_sent),
+            Ok(Outcome::Broken(cause)) => Err(RequestFailure::maybe_sent(unreachable(cause))),
+            Err(_closed) => Err(RequestFailure::maybe_sent(unreachable(
+                "the connection closed".to_string(),
+            ))),
         }
     }
 
