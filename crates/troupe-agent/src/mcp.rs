@@ -46,7 +46,13 @@
 //!   attempts), and the next call tries again. A call the server was lost during is not
 //!   sent again (it may have run): it fails, and the next call reconnects; a call a
 //!   stdio server never read (writing it failed: the process was gone) is sent again
-//!   once after reconnecting. The tools keep the names and schemas listed at first.
+//!   once after reconnecting. The server's tool list is read again at each
+//!   reconnection, and at the next call after it sends
+//!   `notifications/tools/list_changed`: a tool it no longer lists fails its calls
+//!   with [`McpError::ToolGone`]'s text, naming it and the tools offered now, without
+//!   being sent; [`McpServer::tools`] and [`McpServer::tool_names`] give the new list
+//!   (a tool new in it is callable once made from them). A tool kept keeps the name and
+//!   schema it was made with.
 //! - **Lifetime.** The connection stays open while the [`McpServer`] or any tool made
 //!   from it is alive; a stdio child process is killed when the connection closes. On
 //!   Unix it leads a process group of its own, and the whole group is killed
@@ -171,6 +177,23 @@ pub enum McpError {
         /// What is wrong.
         cause: String,
     },
+    /// The server no longer offers the tool: it was started (connected) again, or
+    /// said its list changed (`notifications/tools/list_changed`), and its new list
+    /// does not hold it. The tool's calls fail with this until the server lists it
+    /// again; [`McpServer::tools`] gives the tools it offers now.
+    #[error(
+        "MCP server {server:?} no longer offers tool {tool:?} (its list was read again after it was \
+         started again or said its tools changed); it offers: {}",
+        offered.join(", ")
+    )]
+    ToolGone {
+        /// The server's name.
+        server: String,
+        /// The tool's name on the server.
+        tool: String,
+        /// The names the server lists now.
+        offered: Vec<String>,
+    },
     /// A dead server could not be started (connected) again.
     #[error(
         "MCP server {server:?} is gone and could not be started again in {attempts} attempts \
@@ -186,7 +209,19 @@ pub enum McpError {
     },
 }
 
-type Connection = RunningService<RoleClient, ()>;
+type Connection = RunningService<RoleClient, ListWatcher>;
+
+/// The client side of a connection: marks the server's `notifications/tools/list_changed`,
+/// so the next call reads the list again before it is sent.
+struct ListWatcher {
+    changed: Arc<AtomicBool>,
+}
+
+impl rmcp::ClientHandler for ListWatcher {
+    async fn on_tool_list_changed(&self, _context: rmcp::service::NotificationContext<RoleClient>) {
+        self.changed.store(true, Ordering::Relaxed);
+    }
+}
 
 /// A connection, and the process group of its stdio server (killed when the last
 /// holder drops it).
@@ -197,6 +232,8 @@ struct Connected {
     broken: AtomicBool,
     /// What was seen of a stdio server's output; nothing is set over HTTP.
     output: Arc<OutputState>,
+    /// The server said its tool list changed since it was last read.
+    list_changed: Arc<AtomicBool>,
 }
 
 impl Connected {
@@ -234,6 +271,9 @@ struct Link {
     /// The connect timeout given at first, for every reconnection too.
     timeout: Duration,
     current: std::sync::Mutex<Arc<Connected>>,
+    /// The tools the server listed last: at connecting, again at each reconnection and
+    /// after it said its list changed.
+    tools: std::sync::Mutex<Arc<[rmcp::model::Tool]>>,
     /// Held while reconnecting: calls that find the server dead at once start it once.
     reconnecting: tokio::sync::Mutex<()>,
 }
@@ -244,6 +284,45 @@ impl Link {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
+    }
+
+    /// The tools the server listed last.
+    fn tools(&self) -> Arc<[rmcp::model::Tool]> {
+        self.tools
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_tools(&self, tools: Vec<rmcp::model::Tool>) {
+        *self.tools.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = tools.into();
+    }
+
+    /// `Ok` if the server's last list holds tool `remote`; else [`McpError::ToolGone`].
+    /// A list the server said changed is read again first (on `connection`).
+    async fn offers(&self, connection: &Connected, remote: &str) -> Result<(), McpError> {
+        if connection.list_changed.swap(false, Ordering::Relaxed) {
+            match list_tools(&self.name, &connection.service).await {
+                Ok(tools) => {
+                    tracing::info!(server = %self.name, tools = tools.len(), "MCP server's tool list read again");
+                    self.set_tools(tools);
+                }
+                Err(error) => {
+                    // Read again at the next call.
+                    connection.list_changed.store(true, Ordering::Relaxed);
+                    return Err(error);
+                }
+            }
+        }
+        let tools = self.tools();
+        if tools.iter().any(|tool| tool.name == remote) {
+            return Ok(());
+        }
+        Err(McpError::ToolGone {
+            server: self.name.clone(),
+            tool: remote.to_owned(),
+            offered: tools.iter().map(|tool| tool.name.to_string()).collect(),
+        })
     }
 
     /// The connection to call on: the current one, or a new one when it is dead.
@@ -269,9 +348,12 @@ impl Link {
                 tokio::time::sleep(Duration::from_millis(MCP_RECONNECT_PAUSE_MS)).await;
             }
             match open(&self.name, &self.recipe, self.timeout).await {
-                Ok((connected, _tools)) => {
-                    tracing::info!(server = %self.name, attempt, "MCP server connected again");
+                Ok((connected, tools)) => {
+                    tracing::info!(server = %self.name, attempt, tools = tools.len(), "MCP server connected again");
                     let connected = Arc::new(connected);
+                    // Its tools as it lists them now: a server started again may offer
+                    // others (before, the list read at first was kept).
+                    self.set_tools(tools);
                     *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = connected.clone();
                     return Ok(connected);
                 }
@@ -306,14 +388,25 @@ async fn open(name: &str, recipe: &Recipe, timeout: Duration) -> Result<(Connect
                 cause: error.to_string(),
             })?;
             let group = ProcessGroup::of(transport.id());
-            connect_with(name, timeout, group, output, async move { ().serve(transport).await }).await
+            let changed = Arc::new(AtomicBool::new(false));
+            let watcher = ListWatcher {
+                changed: changed.clone(),
+            };
+            connect_with(name, timeout, group, output, changed, async move {
+                watcher.serve(transport).await
+            })
+            .await
         }
         Recipe::Http { url } => {
             crate::openai::ensure_tls_provider();
             let transport = StreamableHttpClientTransport::from_uri(url.clone());
             let output = Arc::new(OutputState::default());
-            connect_with(name, timeout, ProcessGroup::none(), output, async move {
-                ().serve(transport).await
+            let changed = Arc::new(AtomicBool::new(false));
+            let watcher = ListWatcher {
+                changed: changed.clone(),
+            };
+            connect_with(name, timeout, ProcessGroup::none(), output, changed, async move {
+                watcher.serve(transport).await
             })
             .await
         }
@@ -408,7 +501,6 @@ impl Drop for KillGroup {
 pub struct McpServer {
     name: String,
     link: Arc<Link>,
-    tools: Vec<rmcp::model::Tool>,
 }
 
 impl std::fmt::Debug for McpServer {
@@ -466,9 +558,9 @@ impl McpServer {
                 recipe,
                 timeout,
                 current: std::sync::Mutex::new(Arc::new(connected)),
+                tools: std::sync::Mutex::new(tools.into()),
                 reconnecting: tokio::sync::Mutex::new(()),
             }),
-            tools,
         })
     }
 
@@ -494,14 +586,18 @@ impl McpServer {
         &self.name
     }
 
-    /// The server's tool names, as it listed them.
+    /// The server's tool names, as it listed them last (at connecting, or again after
+    /// it was started again or said its list changed).
     pub fn tool_names(&self) -> Vec<String> {
-        self.tools.iter().map(|tool| tool.name.to_string()).collect()
+        self.link.tools().iter().map(|tool| tool.name.to_string()).collect()
     }
 
     /// Every tool of the server as a Troupe [`Tool`], under the server's names, but those
     /// whose schema does not compile: they are skipped with a warning naming them and why
-    /// ([`McpServer::skipped_tools`]).
+    /// ([`McpServer::skipped_tools`]). The tools the server listed last: after it was
+    /// started again, or said its list changed, asked again, this gives the tools it
+    /// offers now (a tool made earlier that it no longer lists fails its calls with
+    /// [`McpError::ToolGone`]'s text).
     ///
     /// # Errors
     /// None today (a bad schema costs only its own tool); kept for errors to come.
@@ -516,8 +612,9 @@ impl McpServer {
     /// # Errors
     /// As [`McpServer::tools`].
     pub fn tools_with_prefix(&self, prefix: &str) -> Result<Vec<Tool>, McpError> {
-        let mut offered = Vec::with_capacity(self.tools.len());
-        for (index, tool) in self.tools.iter().enumerate() {
+        let tools = self.link.tools();
+        let mut offered = Vec::with_capacity(tools.len());
+        for (index, tool) in tools.iter().enumerate() {
             let parameters = Value::Object((*tool.input_schema).clone());
             if let Err(invalid) = ArgumentSchema::compile(&parameters) {
                 // One bad schema costs only its own tool (before, every tool of the
@@ -546,7 +643,8 @@ impl McpServer {
     /// The server's tools that [`McpServer::tools`] skips, each an
     /// [`McpError::InvalidToolSchema`] naming it and saying why, in the server's order.
     pub fn skipped_tools(&self) -> Vec<McpError> {
-        self.tools
+        self.link
+            .tools()
             .iter()
             .filter_map(|tool| {
                 let parameters = Value::Object((*tool.input_schema).clone());
@@ -568,6 +666,7 @@ async fn connect_with<F, E>(
     timeout: Duration,
     group: ProcessGroup,
     output: Arc<OutputState>,
+    list_changed: Arc<AtomicBool>,
     connect: F,
 ) -> Result<(Connected, Vec<rmcp::model::Tool>), McpError>
 where
@@ -580,31 +679,7 @@ where
             server: name.to_owned(),
             cause: error.to_string(),
         })?;
-        // Page by page, stopping past the limit: a server that keeps naming a
-        // next page is refused there, not read (and kept) until the timeout.
-        let mut tools = Vec::new();
-        let mut cursor = None;
-        loop {
-            let params = rmcp::model::PaginatedRequestParams::default().with_cursor(cursor);
-            let page = connection
-                .list_tools(Some(params))
-                .await
-                .map_err(|error| McpError::ListTools {
-                    server: name.to_owned(),
-                    cause: error.to_string(),
-                })?;
-            tools.extend(page.tools);
-            if tools.len() > MCP_TOOLS_MAX {
-                return Err(McpError::TooManyTools {
-                    server: name.to_owned(),
-                    count: tools.len(),
-                });
-            }
-            cursor = page.next_cursor;
-            if cursor.is_none() {
-                break;
-            }
-        }
+        let tools = list_tools(name, &connection).await?;
         Ok::<_, McpError>((connection, tools))
     };
     let (connection, tools) = tokio::time::timeout(timeout, setup)
@@ -619,9 +694,38 @@ where
             _group: group,
             broken: AtomicBool::new(false),
             output,
+            list_changed,
         },
         tools,
     ))
+}
+
+/// The server's tools, page by page, stopping past the limit: a server that keeps
+/// naming a next page is refused there, not read (and kept) until the timeout.
+async fn list_tools(name: &str, connection: &Connection) -> Result<Vec<rmcp::model::Tool>, McpError> {
+    let mut tools = Vec::new();
+    let mut cursor = None;
+    loop {
+        let params = rmcp::model::PaginatedRequestParams::default().with_cursor(cursor);
+        let page = connection
+            .list_tools(Some(params))
+            .await
+            .map_err(|error| McpError::ListTools {
+                server: name.to_owned(),
+                cause: error.to_string(),
+            })?;
+        tools.extend(page.tools);
+        if tools.len() > MCP_TOOLS_MAX {
+            return Err(McpError::TooManyTools {
+                server: name.to_owned(),
+                count: tools.len(),
+            });
+        }
+        cursor = page.next_cursor;
+        if cursor.is_none() {
+            return Ok(tools);
+        }
+    }
 }
 
 /// A stdio server's output, failing the read of a line over [`MCP_MESSAGE_BYTES_MAX`]
@@ -840,6 +944,10 @@ impl ToolHandler for McpToolHandler {
         // cancels the request on the server.
         let failed = |error: McpError| ToolError::failed(&self.exposed, error.to_string());
         let connection = self.link.live().await.map_err(failed)?;
+        // Not sent when the server (started again, or after saying its list changed)
+        // no longer lists the tool: a typed failure naming it, not whatever the server
+        // answers to a name it does not know.
+        self.link.offers(&connection, &self.remote).await.map_err(failed)?;
         let result = match connection.service.call_tool(params.clone()).await {
             Ok(result) => result,
             Err(error) => {
@@ -861,6 +969,7 @@ impl ToolHandler for McpToolHandler {
                     ));
                 }
                 let connection = self.link.reconnect(&connection).await.map_err(failed)?;
+                self.link.offers(&connection, &self.remote).await.map_err(failed)?;
                 match connection.service.call_tool(params).await {
                     Ok(result) => result,
                     Err(error) => {

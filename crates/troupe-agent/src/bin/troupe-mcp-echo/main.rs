@@ -6,7 +6,7 @@
 //! result. It serves until its stdin closes.
 //!
 //! `--mode MODE` makes it misbehave for the probes (`crash`, `huge`, `bad-schema`,
-//! `slow-list`, `odd-names`, `exit-after-call`: see `misbehave.rs`).
+//! `slow-list`, `odd-names`, `exit-after-call`, `upgraded`, `grows`: see `misbehave.rs`).
 
 #[cfg(not(madsim))]
 mod echo;

@@ -11,7 +11,12 @@
 //!   (`files.read`, `read file`, a name of 100 characters); each answers `called NAME`.
 //! - `exit-after-call`: answers its first tool call as the echo server does, then
 //!   exits (status 0) [`EXIT_AFTER_CALL_MS`] later: a server that dies between calls.
+//! - `upgraded`: a newer version of the server: lists the echo tools without `add`
+//!   (a call of it is refused as an unknown tool) and with `multiply {a, b}`.
+//! - `grows`: after its first `echo` call, lists `multiply {a, b}` too, and says so
+//!   with `notifications/tools/list_changed` before it answers.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rmcp::model::{
@@ -34,6 +39,20 @@ const SLOW_LIST_MS: u64 = 30_000;
 /// (time for the answer to be written out).
 const EXIT_AFTER_CALL_MS: u64 = 50;
 
+/// Whether `grows` has grown (one server per process).
+static GROWN: AtomicBool = AtomicBool::new(false);
+
+/// `multiply {a, b}`, of `upgraded` and `grows`.
+fn multiply() -> Tool {
+    Tool::new(
+        "multiply",
+        "Multiplies two integers.",
+        object(json!({"type": "object",
+                      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "required": ["a", "b"]})),
+    )
+}
+
 /// The tool names of `odd-names`.
 fn odd_names() -> Vec<String> {
     vec!["files.read".to_owned(), "read file".to_owned(), "n".repeat(100)]
@@ -48,6 +67,8 @@ pub(crate) enum Mode {
     SlowList,
     OddNames,
     ExitAfterCall,
+    Upgraded,
+    Grows,
 }
 
 impl Mode {
@@ -59,6 +80,8 @@ impl Mode {
             "slow-list" => Some(Self::SlowList),
             "odd-names" => Some(Self::OddNames),
             "exit-after-call" => Some(Self::ExitAfterCall),
+            "upgraded" => Some(Self::Upgraded),
+            "grows" => Some(Self::Grows),
             _ => None,
         }
     }
@@ -107,6 +130,15 @@ impl ServerHandler for Misbehaving {
                 object(json!({"type": 12})),
             )),
             Mode::ExitAfterCall => {}
+            Mode::Upgraded => {
+                listed.tools.retain(|tool| tool.name != "add");
+                listed.tools.push(multiply());
+            }
+            Mode::Grows => {
+                if GROWN.load(Ordering::SeqCst) {
+                    listed.tools.push(multiply());
+                }
+            }
             Mode::SlowList => tokio::time::sleep(Duration::from_millis(SLOW_LIST_MS)).await,
             Mode::OddNames => {
                 for name in odd_names() {
@@ -147,6 +179,18 @@ impl ServerHandler for Misbehaving {
                     tokio::time::sleep(Duration::from_millis(EXIT_AFTER_CALL_MS)).await;
                     std::process::exit(0);
                 });
+                EchoServer.call_tool(request, context).await
+            }
+            (Mode::Upgraded, "add") => Err(ErrorData::invalid_params("no tool named add", None)),
+            (Mode::Upgraded | Mode::Grows, "multiply") => {
+                let arguments = request.arguments.unwrap_or_default();
+                let number = |name: &str| arguments.get(name).and_then(Value::as_i64).unwrap_or_default();
+                let product = number("a").saturating_mul(number("b"));
+                Ok(CallToolResult::success(vec![ContentBlock::text(product.to_string())]).into())
+            }
+            (Mode::Grows, "echo") if !GROWN.swap(true, Ordering::SeqCst) => {
+                // Said before the answer, so the client has it when the call returns.
+                let _ = context.peer.notify_tool_list_changed().await;
                 EchoServer.call_tool(request, context).await
             }
             _ => EchoServer.call_tool(request, context).await,
