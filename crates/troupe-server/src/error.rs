@@ -1,6 +1,8 @@
 //! The one error shape of every route: `{"error": {"code": "...", "message": "..."}}`,
 //! with the status and (for 429 and 503) `Retry-After` decided from the typed error.
 
+use std::borrow::Cow;
+
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -26,8 +28,9 @@ pub struct ApiError {
     /// OpenAI-compatible routes' errors, whose body then also carries `type` and `param`
     /// as OpenAI's does (`{"error": {"message", "type", "param", "code"}}`).
     pub openai_type: Option<&'static str>,
-    /// The request field the error is about (OpenAI's `param`), if any.
-    pub param: Option<&'static str>,
+    /// The request field the error is about (OpenAI's `param`), if any: a top-level
+    /// field's name, or serde's path to a nested one (`messages[0].role`).
+    pub param: Option<Cow<'static, str>>,
 }
 
 impl ApiError {
@@ -57,8 +60,8 @@ impl ApiError {
     }
 
     /// The same error about request field `param` (OpenAI's `param`).
-    pub fn param(mut self, param: &'static str) -> Self {
-        self.param = Some(param);
+    pub fn param(mut self, param: impl Into<Cow<'static, str>>) -> Self {
+        self.param = Some(param.into());
         self
     }
 
@@ -236,6 +239,97 @@ where
                 Err(ApiError::new(status, code, rejection.body_text()))
             }
         }
+    }
+}
+
+/// A JSON body of an OpenAI-compatible route: as [`ApiJson`] (same statuses and codes),
+/// its refusals in OpenAI's shape (`type: "invalid_request_error"`) with `param` naming
+/// the field that is wrong, as serde's path to it (`messages[0].role`; a missing field
+/// by its own path; null when the body as a whole is wrong: not JSON at its start, or
+/// not `Content-Type: application/json`). Until 2026-12-06 the chat completion's body
+/// was read by [`ApiJson`], whose refusals had neither `type` nor `param`.
+pub(crate) struct OpenAiJson<T>(pub(crate) T);
+
+impl<T, S> axum::extract::FromRequest<S> for OpenAiJson<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        if !is_json(request.headers()) {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "Expected request with `Content-Type: application/json`",
+            )
+            .openai());
+        }
+        let bytes = axum::body::Bytes::from_request(request, state)
+            .await
+            .map_err(|rejection| {
+                let code = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    "body_too_large"
+                } else {
+                    "body_unreadable"
+                };
+                ApiError::new(rejection.status(), code, rejection.body_text()).openai()
+            })?;
+        let mut json = serde_json::Deserializer::from_slice(&bytes);
+        let value: T = serde_path_to_error::deserialize(&mut json)
+            .map_err(|error| body_refusal(&error.path().to_string(), error.inner()))?;
+        // Anything but white space after the value (as serde_json::from_slice refuses).
+        json.end().map_err(|error| body_refusal(".", &error))?;
+        Ok(Self(value))
+    }
+}
+
+/// Whether `headers` say the body is JSON: `application/json`, or `application/*+json`.
+fn is_json(headers: &axum::http::HeaderMap) -> bool {
+    let Some(value) = headers.get(header::CONTENT_TYPE).and_then(|value| value.to_str().ok()) else {
+        return false;
+    };
+    let media = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
+}
+
+/// The refusal of a body serde could not read: 400 `invalid_json` for a syntax error
+/// (or a body that ends early), 422 `invalid_body` for a field missing or of the wrong
+/// type; `param` the field's path.
+fn body_refusal(path: &str, inner: &serde_json::Error) -> ApiError {
+    let (status, code, what) = match inner.classify() {
+        serde_json::error::Category::Data => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_body",
+            "Failed to deserialize the JSON body into the target type",
+        ),
+        _ => (
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            "Failed to parse the request body as JSON",
+        ),
+    };
+    let at = (path != ".").then(|| path.to_string());
+    // serde names a missing field in its message only: "missing field `model`".
+    let missing = inner
+        .to_string()
+        .strip_prefix("missing field `")
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(field, _)| field.to_string());
+    let param = match (at, missing) {
+        (Some(at), Some(field)) => Some(format!("{at}.{field}")),
+        (None, Some(field)) => Some(field),
+        (at, None) => at,
+    };
+    let message = match &param {
+        Some(param) => format!("{what}: {param}: {inner}"),
+        None => format!("{what}: {inner}"),
+    };
+    let refusal = ApiError::new(status, code, message).openai();
+    match param {
+        Some(param) => refusal.param(param),
+        None => refusal,
     }
 }
 

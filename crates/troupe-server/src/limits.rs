@@ -207,3 +207,8 @@ pub const OPENAI_STREAM_KEEP_ALIVE_MS: u64 = 15_000;
 pub const OPENAI_CHOICES_MAX: u64 = 1;
 
 const _: () = assert!(OPENAI_STREAM_HEADERS_WAIT_MS < OPENAI_STREAM_KEEP_ALIVE_MS);
+
+/// Most bytes of an error body that an OpenAI-compatible route puts in OpenAI's shape
+/// (`openai_compat::in_openai_shape`), in bytes: every error body this server makes is
+/// far shorter (its messages are a few hundred bytes).
+pub const OPENAI_ERROR_BODY_MAX_BYTES: usize = 64 * 1024;

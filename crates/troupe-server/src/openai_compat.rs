@@ -87,8 +87,10 @@ use troupe_agent::{AgentCallError, AgentReply, AskOptions};
 use troupe_core::TraceId;
 
 use crate::agents::{check_text, known};
-use crate::error::{ApiError, ApiJson};
-use crate::limits::{OPENAI_CHOICES_MAX, OPENAI_STREAM_HEADERS_WAIT_MS, OPENAI_STREAM_KEEP_ALIVE_MS};
+use crate::error::{ApiError, OpenAiJson};
+use crate::limits::{
+    OPENAI_CHOICES_MAX, OPENAI_ERROR_BODY_MAX_BYTES, OPENAI_STREAM_HEADERS_WAIT_MS, OPENAI_STREAM_KEEP_ALIVE_MS,
+};
 use crate::server::AppState;
 
 /// One message of a chat-completions request; other fields (name, tool_calls, ...) are
@@ -157,11 +159,55 @@ fn content_text(content: &Value) -> Result<String, ApiError> {
     }
 }
 
+/// Whether `route` (a matched route's template) is one of the OpenAI-compatible routes,
+/// whose every error is in OpenAI's shape ([`in_openai_shape`]).
+pub(crate) fn is_route(route: &str) -> bool {
+    matches!(route, "/v1/chat/completions" | "/v1/models" | "/v1/models/{model}")
+}
+
+/// An error answered on an OpenAI-compatible route in OpenAI's shape: one made before
+/// the route's code ran (401 `unauthorized`, 503 `overloaded`, 413 `body_too_large`, 408
+/// `body_timeout`, ...) is in the REST routes' shape `{"error": {"code", "message"}}`;
+/// it gets `type` (`invalid_request_error` for a 4xx, `server_error` for a 5xx) and
+/// `param` (null), its status and headers (`Retry-After`, `WWW-Authenticate`) kept. One
+/// with a `type` already, or that is not such a JSON body, is left as it is. Until
+/// 2026-12-06 those errors had neither `type` nor `param` on these routes.
+pub(crate) async fn in_openai_shape(response: Response) -> Response {
+    let (mut parts, body) = response.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, OPENAI_ERROR_BODY_MAX_BYTES).await else {
+        // Longer than any error body this server makes: not one of them.
+        return ApiError::internal("an error body longer than OPENAI_ERROR_BODY_MAX_BYTES")
+            .openai()
+            .into_response();
+    };
+    let reshaped = serde_json::from_slice::<Value>(&bytes).ok().and_then(|mut body| {
+        let error = body.get_mut("error")?.as_object_mut()?;
+        if error.contains_key("type") || !error.contains_key("code") {
+            return None;
+        }
+        let kind = if parts.status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        error.insert("type".to_string(), json!(kind));
+        error.insert("param".to_string(), Value::Null);
+        serde_json::to_vec(&body).ok()
+    });
+    match reshaped {
+        Some(reshaped) => {
+            parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+            Response::from_parts(parts, axum::body::Body::from(reshaped))
+        }
+        None => Response::from_parts(parts, axum::body::Body::from(bytes)),
+    }
+}
+
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    ApiJson(body): ApiJson<ChatCompletionBody>,
+    OpenAiJson(body): OpenAiJson<ChatCompletionBody>,
 ) -> Result<Response, ApiError> {
     let trace = crate::agents::request_trace(&state, &headers);
     let result = completion(&state, body, trace).await.map_err(ApiError::openai);
@@ -215,10 +261,12 @@ async fn completion(state: &Arc<AppState>, body: ChatCompletionBody, trace: Trac
         return Err(ApiError::unprocessable(
             "no_user_message",
             "messages has no message with role \"user\"; the last one is sent to the agent",
-        ));
+        )
+        .param("messages"));
     };
-    let text = content_text(&last_user.content)?;
-    check_text(&text)?;
+    // The last user message is the one refused: its content names no other field.
+    let text = content_text(&last_user.content).map_err(|error| error.param("messages"))?;
+    check_text(&text).map_err(|error| error.param("messages"))?;
     let streamed = body.stream.unwrap_or(false);
     // Taken before the turn starts: a stream over the limit starts nothing. Held by the
     // turn's wait (this future), then by the body.

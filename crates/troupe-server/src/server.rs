@@ -202,6 +202,9 @@ async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Nex
     if (status.is_client_error() || status.is_server_error()) && !is_json {
         response = plain_error(response, method.as_str(), &route).await;
     }
+    if (status.is_client_error() || status.is_server_error()) && openai_compat::is_route(&route) {
+        response = openai_compat::in_openai_shape(response).await;
+    }
     let status = response.status().as_u16();
     let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
     span.record("status", status);

@@ -180,3 +180,137 @@ async fn a_notification_cannot_take_an_a2a_tasks_message_id() {
     }
     server.stop().await;
 }
+
+/// Goal: every refusal of `POST /v1/chat/completions` is in OpenAI's error shape, those
+/// of its body too, with `type: "invalid_request_error"` and `param` naming the field
+/// that is wrong (serde's path: `messages[0].role`; null for the body as a whole), so
+/// that an OpenAI client's typed error carries `.type` and `.param` whatever was wrong.
+/// The statuses and codes are as before: 400 `invalid_json` (not JSON), 422
+/// `invalid_body` (a field missing or of the wrong type), 413 `body_too_large`, 415
+/// `unsupported_media_type`; the route's own refusals of the messages name `messages`.
+/// Until 2026-12-06 the body's refusals (read before the route's code runs) were in
+/// the REST routes' shape, `{"error": {"code", "message"}}`, without `type` and
+/// `param`, and the route's `no_user_message` and `empty_message` had no `param`.
+/// Method: raw bodies, each sent streamed and not.
+#[tokio::test]
+async fn every_chat_completion_refusal_is_in_openais_shape_naming_the_field() {
+    let server = server().await;
+    let too_large = format!(
+        r#"{{"model": "echo", "messages": [{{"role": "user", "content": "{}"}}]}}"#,
+        "x".repeat(troupe_server::limits::SERVER_REQUEST_BODY_SIZE_MAX_BYTES)
+    );
+    let refusals: [(&str, &str, u16, &str, Value); 10] = [
+        (
+            r#"{"model": "echo", "messages": [{"role": "user", "content": "hi"}"#,
+            "application/json",
+            400,
+            "invalid_json",
+            json!("messages"),
+        ),
+        ("not json", "application/json", 400, "invalid_json", Value::Null),
+        (
+            r#"{"model": "echo", "messages": "hi"}"#,
+            "application/json",
+            422,
+            "invalid_body",
+            json!("messages"),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "hi"}]}"#,
+            "application/json",
+            422,
+            "invalid_body",
+            json!("model"),
+        ),
+        (
+            r#"{"model": "echo", "messages": [{"content": "hi"}]}"#,
+            "application/json",
+            422,
+            "invalid_body",
+            json!("messages[0].role"),
+        ),
+        (
+            r#"{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "n": "two"}"#,
+            "application/json",
+            422,
+            "invalid_body",
+            json!("n"),
+        ),
+        (
+            r#"{"model": "echo", "messages": [{"role": "user", "content": "hi"}]}"#,
+            "text/plain",
+            415,
+            "unsupported_media_type",
+            Value::Null,
+        ),
+        (&too_large, "application/json", 413, "body_too_large", Value::Null),
+        (
+            r#"{"model": "echo", "messages": [{"role": "assistant", "content": "hi"}]}"#,
+            "application/json",
+            422,
+            "no_user_message",
+            json!("messages"),
+        ),
+        (
+            r#"{"model": "echo", "messages": [{"role": "user", "content": ""}]}"#,
+            "application/json",
+            422,
+            "empty_message",
+            json!("messages"),
+        ),
+    ];
+    for (body, content_type, status, code, param) in refusals {
+        for stream in [false, true] {
+            // `stream` as the body's first field: the body stays what it is after it.
+            let body = if stream && body.starts_with('{') {
+                format!(r#"{{"stream": true, {}"#, &body[1..])
+            } else {
+                body.to_string()
+            };
+            let response = server
+                .request(reqwest::Method::POST, "/v1/chat/completions")
+                .header("content-type", content_type)
+                .body(body.clone())
+                .send()
+                .await
+                .unwrap();
+            let answered = response.status().as_u16();
+            let answer: Value = response.json().await.unwrap();
+            let shown = &body[..body.len().min(120)];
+            assert_eq!(answered, status, "{shown}: {answer}");
+            let error = &answer["error"];
+            assert_eq!(
+                (&error["type"], &error["param"], &error["code"]),
+                (&json!("invalid_request_error"), &param, &json!(code)),
+                "{shown}: {answer}"
+            );
+            assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{answer}");
+        }
+    }
+    server.stop().await;
+
+    // Refused before the route's code runs (no bearer token): OpenAI's shape too, its
+    // `WWW-Authenticate` kept.
+    let llm = ScriptedLlm::new().rule(ScriptRule::any_agent().reply("heard: {input}"));
+    let guarded = Harness::start(
+        agents(llm, &["echo"], KindConfig::default()),
+        ServerConfig::default().token("a-token-of-sixteen-bytes"),
+    )
+    .await;
+    let response = guarded
+        .request(reqwest::Method::POST, "/v1/chat/completions")
+        .json(&json!({"model": "echo", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 401);
+    assert_eq!(response.headers()["www-authenticate"], "Bearer");
+    let answer: Value = response.json().await.unwrap();
+    let error = &answer["error"];
+    assert_eq!(
+        (&error["type"], &error["param"], &error["code"]),
+        (&json!("invalid_request_error"), &Value::Null, &json!("unauthorized")),
+        "{answer}"
+    );
+    guarded.stop().await;
+}
