@@ -233,6 +233,56 @@ mod tests {
         assert_eq!(text.lines().count(), WRITTEN - dropped + 1, "{text}");
     }
 
+    /// Goal: while lines are being dropped, a line every `SERVE_LOG_DROPPED_REPORT_MS`
+    /// says how many since the last one and in all; a period without drops says nothing.
+    #[tokio::test]
+    async fn dropped_lines_are_reported_every_period_in_which_some_were() {
+        const QUEUED: usize = 4;
+        let sink = Sink::default();
+        let stuck = Arc::clone(&sink.stuck);
+        let held = stuck.lock().unwrap();
+        let mut lines = LogLines::new("troupe test", sink.clone(), QUEUED);
+        let mut writer = lines.writer();
+        for n in 0..100 {
+            writer.write_all(format!("line {n}\n").as_bytes()).unwrap();
+        }
+        let dropped = lines.dropped();
+        drop(held);
+        // The writer's thread writes what was queued (real time), then the report's
+        // periods pass in paused time.
+        let written = |text: String| text.lines().count();
+        let waited = tokio::time::Instant::now();
+        while written(sink.text()) < 100 - dropped && waited.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::pause();
+        lines.report_dropped_lines();
+        let period = Duration::from_millis(SERVE_LOG_DROPPED_REPORT_MS);
+        // The first period has drops to report, the second none.
+        tokio::time::sleep(period + Duration::from_millis(1)).await;
+        tokio::time::sleep(period).await;
+        tokio::time::resume();
+        let reports = |text: String| -> Vec<String> {
+            text.lines()
+                .filter(|line| line.contains("more log lines dropped"))
+                .map(str::to_string)
+                .collect()
+        };
+        let waited = tokio::time::Instant::now();
+        while reports(sink.text()).is_empty() && waited.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            reports(sink.text()),
+            vec![format!(
+                "troupe test: {dropped} more log lines dropped in the last {} s ({dropped} in all): stderr is not \
+                 read as fast as they come; up to {QUEUED} lines wait to be written",
+                period.as_secs()
+            )]
+        );
+        lines.finish().await;
+    }
+
     /// Goal: nothing dropped, nothing reported; every line reaches the sink by `finish`.
     #[tokio::test(flavor = "multi_thread")]
     async fn finish_writes_every_queued_line_and_no_report_when_none_was_dropped() {
