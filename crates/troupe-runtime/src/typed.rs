@@ -15,12 +15,15 @@
 //!   TypedAdapter<A>::handle_value: downcast ─► A::handle(turn, msg).await (inline, no box)
 //!     ─► ask: AnyValue(A::Reply); tell: AnyValue(Unread) (zero-sized)
 //! RuntimeHandle::invoke(bytes) ─► TypedAdapter<A>::handle: bincode ─► A::handle ─► bincode
-//! state: bincode(A) committed after a turn that changed it; bincode → A on activation
+//! state: [tag(A::STATE_VERSION)] bincode(A) committed after a turn that changed it;
+//!        on activation: same version → bincode → A; another → A::migrate (default: refuse)
 //! ```
 //!
 //! The actor is its own state: `A: Serialize + DeserializeOwned + Default`, built with
 //! `Default` the first time and from its last committed encoding afterwards. Fields that
-//! are not state (a connection, a cache) are `#[serde(skip)]`.
+//! are not state (a connection, a cache) are `#[serde(skip)]`, and are reset at every
+//! rollback (see [`TypedActor`]). A state at version 0 has no tag: the format of every
+//! state stored before versions existed.
 
 use std::any::TypeId;
 use std::fmt;
@@ -313,6 +316,19 @@ pub struct StoredState<'a> {
 }
 
 impl<'a> StoredState<'a> {
+    /// The state of `id` stored at `version` as `encoding` (without a tag), as the
+    /// runtime hands it to `A`'s [`TypedActor::migrate`]: to test a migration without a
+    /// runtime and a store (`A::migrate(StoredState::of::<A>(&id, 1, &old_bytes))`).
+    pub fn of<A: TypedActor>(id: &'a ActorId, version: u32, encoding: &'a [u8]) -> Self {
+        Self {
+            id,
+            state: std::any::type_name::<A>(),
+            version,
+            expected: A::STATE_VERSION,
+            encoding,
+        }
+    }
+
     /// The actor whose state it is.
     pub fn id(&self) -> &'a ActorId {
         self.id
@@ -551,14 +567,8 @@ pub(crate) fn typed_factory<A: TypedActor>(
                          TypedActor::migrate from version {version}, or delete the state to start {id} anew"
                     ))
                 })?,
-                (version, encoding) => A::migrate(StoredState {
-                    id,
-                    state,
-                    version,
-                    expected: A::STATE_VERSION,
-                    encoding,
-                })
-                .map_err(|error| ActorError::failed(error.to_string()))?,
+                (version, encoding) => A::migrate(StoredState::of::<A>(id, version, encoding))
+                    .map_err(|error| ActorError::failed(error.to_string()))?,
             },
         };
         Ok(ActorBox::new(TypedAdapter::new(actor)))

@@ -361,3 +361,36 @@ async fn a_version_0_type_is_refused_a_tagged_state_and_reads_an_untagged_one_wh
     head.copy_from_slice(LOOKS_TAGGED);
     assert_eq!(ask_once::<Raw>(&store, &raw, ()).await, Ok(head));
 }
+
+/// Goal: an embedder can test a migration without a runtime or a store: the stored
+/// state the runtime hands `migrate` can be made (`StoredState::of`), and the default's
+/// refusal compared as a value.
+#[test]
+fn a_migration_is_testable_without_a_runtime() {
+    let id = account("unit");
+    let migrated = VisitsCounted::migrate(StoredState::of::<VisitsCounted>(&id, 0, STORED_BEFORE_VERSIONS))
+        .expect("version 0 converts");
+    assert_eq!((migrated.visits, migrated.since_upgrade), (7, 0));
+    let refused = BalanceV2::migrate(StoredState::of::<BalanceV2>(&id, 1, STORED_BEFORE_VERSIONS)).unwrap_err();
+    assert_eq!(
+        refused,
+        StateVersionError::NotMigrated {
+            actor: id.clone(),
+            state: std::any::type_name::<BalanceV2>(),
+            stored: 1,
+            expected: 2,
+        }
+    );
+    let unreadable = VisitsCounted::migrate(StoredState::of::<VisitsCounted>(&id, 0, &[1, 2, 3])).unwrap_err();
+    assert!(
+        matches!(
+            &unreadable,
+            StateVersionError::Unconvertible {
+                stored: 0,
+                expected: 1,
+                ..
+            }
+        ),
+        "{unreadable}"
+    );
+}
