@@ -1172,8 +1172,8 @@ pub async fn run_node(
                     ),
                     None => router(node.client(), plan.token.clone(), plan.concurrent_requests_max),
                 };
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(shutdown.clone())
+                // As `troupe serve`: hyper's header read timeout in force.
+                troupe_server::serve_http(listener, app, shutdown.clone())
                     .await
                     .map_err(|cause| NodeError::Http { address, cause })
             }

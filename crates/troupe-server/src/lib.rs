@@ -72,4 +72,4 @@ pub use error::ApiError;
 #[cfg(not(madsim))]
 pub use events::event_json;
 #[cfg(not(madsim))]
-pub use server::{bearer_credential, read_body, router, same_secret, serve};
+pub use server::{bearer_credential, read_body, router, same_secret, serve, serve_http};

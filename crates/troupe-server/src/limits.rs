@@ -212,3 +212,11 @@ const _: () = assert!(OPENAI_STREAM_HEADERS_WAIT_MS < OPENAI_STREAM_KEEP_ALIVE_M
 /// (`openai_compat::in_openai_shape`), in bytes: every error body this server makes is
 /// far shorter (its messages are a few hundred bytes).
 pub const OPENAI_ERROR_BODY_MAX_BYTES: usize = 64 * 1024;
+/// How long a connection may take to send a request's head (its request line and
+/// headers), in milliseconds; also how long a kept-alive connection may stay idle
+/// between two requests. Past it the connection is closed (hyper's header read timeout,
+/// with a timer set), so connections that never send a whole request cannot pile up.
+pub const SERVER_HEADER_READ_MS: u64 = 10_000;
+/// How long `serve_http` waits before accepting again after an accept failed for a
+/// reason other than that connection (out of file descriptors, ...), in milliseconds.
+pub const SERVER_ACCEPT_RETRY_MS: u64 = 1_000;

@@ -23,9 +23,9 @@ use troupe_agent::AgentClient;
 use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
 use crate::limits::{
-    SERVER_EVENT_STREAMS_MAX, SERVER_PLAIN_ERROR_TEXT_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MAX_BYTES,
-    SERVER_REQUEST_BODY_DRAIN_MS, SERVER_REQUEST_BODY_READ_MS, SERVER_REQUEST_BODY_SIZE_MAX_BYTES,
-    SERVER_SHUTDOWN_GRACE_MS,
+    SERVER_ACCEPT_RETRY_MS, SERVER_EVENT_STREAMS_MAX, SERVER_HEADER_READ_MS, SERVER_PLAIN_ERROR_TEXT_MAX_BYTES,
+    SERVER_REQUEST_BODY_DRAIN_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MS, SERVER_REQUEST_BODY_READ_MS,
+    SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS,
 };
 use crate::metrics::Metrics;
 use crate::{a2a, agents, conversations, events, openai_compat, org, topology};
@@ -152,7 +152,7 @@ pub async fn serve(
         // `changed` fails only if the sender is gone, which `state` prevents.
         let _ = stopping.wait_for(|stop| *stop).await;
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(stopped);
+    let server = serve_http(listener, app, stopped);
     let trigger = async {
         shutdown.await;
         tracing::info!("shutting down: no new connections; requests in flight may finish");
@@ -165,6 +165,130 @@ pub async fn serve(
         () = trigger => tracing::warn!(grace_ms = SERVER_SHUTDOWN_GRACE_MS, "requests still in flight at the end of the shutdown grace were cut"),
     }
     Ok(())
+}
+
+/// Serves `app` over HTTP/1.1 on `listener` until `shutdown` completes; then accepts no
+/// new connection, asks every open one to close after its request in flight
+/// (keep-alive off) and returns once all are closed. As `axum::serve(..)
+/// .with_graceful_shutdown(..)`, with hyper's header read timeout in force (axum's
+/// `serve` sets no timer, so it never applied): a connection that has not sent a whole
+/// request head within [`SERVER_HEADER_READ_MS`], or stays idle that long between two
+/// requests, is closed. Until 2026-12-06 such a connection was held for good, and
+/// enough of them would exhaust the process's file descriptors.
+///
+/// Public so that another HTTP API (`troupe node`'s) is served by the same rules.
+///
+/// # Errors
+/// None so far: a failed accept (out of file descriptors, ...) is logged and tried
+/// again [`SERVER_ACCEPT_RETRY_MS`] later, as axum does; the `Result` is axum's.
+pub async fn serve_http(
+    listener: TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    // Every connection's task holds a sender: once all are dropped, all are closed.
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
+    let closing = Arc::new(Closing::default());
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            // The connection was gone before it was accepted: nothing to do.
+            Err(error) if is_connection_error(&error) => continue,
+            Err(error) => {
+                tracing::error!(%error, "accepting a connection failed; trying again");
+                tokio::time::sleep(Duration::from_millis(SERVER_ACCEPT_RETRY_MS)).await;
+                continue;
+            }
+        };
+        tokio::spawn(serve_connection(
+            stream,
+            app.clone(),
+            Arc::clone(&closing),
+            open.clone(),
+        ));
+    }
+    drop(listener);
+    closing.start();
+    drop(open);
+    let _ = all_closed.recv().await;
+    Ok(())
+}
+
+/// Whether a failed accept concerns that connection only (as axum tells them apart).
+fn is_connection_error(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::ConnectionRefused
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::ConnectionReset
+    )
+}
+
+/// The shutdown of [`serve_http`], seen by every connection.
+#[derive(Default)]
+struct Closing {
+    started: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Closing {
+    fn start(&self) {
+        self.started.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    /// Completes once the shutdown has started.
+    async fn started(&self) {
+        loop {
+            let notified = self.notify.notified();
+            if self.started.load(Ordering::SeqCst) {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// One connection of [`serve_http`]: HTTP/1.1 with the header read timeout, asked to
+/// close gracefully once the shutdown starts; `_open` is dropped when it is closed.
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    app: Router,
+    closing: Arc<Closing>,
+    _open: tokio::sync::mpsc::Sender<()>,
+) {
+    let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+        let mut app = app.clone();
+        // A router is always ready: no poll_ready needed before `call`.
+        tower::Service::call(&mut app, request.map(Body::new))
+    });
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(SERVER_HEADER_READ_MS));
+    let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    let mut connection = std::pin::pin!(connection);
+    let mut asked_to_close = false;
+    loop {
+        tokio::select! {
+            biased;
+            served = connection.as_mut() => {
+                if let Err(error) = served {
+                    tracing::debug!(%error, "a connection ended with an error");
+                }
+                return;
+            }
+            () = closing.started(), if !asked_to_close => {
+                asked_to_close = true;
+                connection.as_mut().graceful_shutdown();
+            }
+        }
+    }
 }
 
 /// Counts every answer by route and status, gives every error the one JSON shape

@@ -314,3 +314,46 @@ async fn every_chat_completion_refusal_is_in_openais_shape_naming_the_field() {
     );
     guarded.stop().await;
 }
+
+/// Goal: a connection that sends an incomplete request head (slowloris), or nothing at
+/// all, is closed once `SERVER_HEADER_READ_MS` has passed, so connections held open
+/// without a request cannot pile up until the process runs out of file descriptors;
+/// the server answers others all along. Until 2026-12-06 axum's `serve` ran hyper
+/// without a timer, so hyper's header read timeout never applied: a half-sent head held
+/// its connection for good (still open 45 s later in the probe). Method: two raw
+/// connections, one with half a request head, one silent; each must be closed (read
+/// gives 0 bytes or a reset) within `SERVER_HEADER_READ_MS` and a margin, while a
+/// request on a third connection is answered.
+#[tokio::test]
+async fn a_connection_without_a_whole_request_head_is_closed_after_the_header_read_timeout() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    /// Margin over the timeout for the close to be seen, in milliseconds.
+    const CLOSE_MARGIN_MS: u64 = 3_000;
+    let server = server().await;
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let mut half = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    half.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    let mut silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (status, _) = server.get("/health").await;
+    assert_eq!(status, 200);
+    let started = tokio::time::Instant::now();
+    let bound = std::time::Duration::from_millis(troupe_server::limits::SERVER_HEADER_READ_MS + CLOSE_MARGIN_MS);
+    for (name, connection) in [("half a head", &mut half), ("nothing", &mut silent)] {
+        let mut buffer = [0_u8; 256];
+        let left = bound.saturating_sub(started.elapsed());
+        let read = tokio::time::timeout(left, connection.read(&mut buffer)).await;
+        assert!(
+            matches!(read, Ok(Ok(_)) | Ok(Err(_))),
+            "a connection that sent {name} is still open {:?} after it connected",
+            started.elapsed()
+        );
+        if let Ok(Ok(n)) = read {
+            // hyper may answer 408 before closing: then the connection ends.
+            let text = String::from_utf8_lossy(&buffer[..n]).to_string();
+            assert!(n == 0 || text.starts_with("HTTP/1.1 408"), "{name}: {text}");
+        }
+    }
+    let (status, _) = server.get("/health").await;
+    assert_eq!(status, 200);
+    server.stop().await;
+}
