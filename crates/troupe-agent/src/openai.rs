@@ -44,7 +44,9 @@
 //!   naming another id than its index's call starts a new call (servers that send
 //!   parallel calls whole, all at index 0). Calls keep the order they started in. Every delta
 //!   is also handed to the [`StreamObserver`] set by
-//!   [`OpenAiClient::with_stream_observer`], as it arrives. A stream that ends without
+//!   [`OpenAiClient::with_stream_observer`], as it arrives, and then how the stream
+//!   ended ([`StreamDelta::End`]: an observer that showed text learns that a
+//!   `content_filter` or `error` finish reason made it no answer). A stream that ends without
 //!   `data: [DONE]`, a chunk that is not JSON, an `error` chunk, or a tool-call index of
 //!   [`STREAM_TOOL_CALLS_MAX`] or more is [`LlmError::Malformed`].
 //! - **Tool-call ids.** A tool call without an `id` (left out, `null` or empty, as some
@@ -492,7 +494,7 @@ impl OpenAiConfig {
     }
 }
 
-/// One piece of a streamed answer, as it arrives.
+/// One piece of a streamed answer, as it arrives, and its end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamDelta<'a> {
     /// More of the assistant's text.
@@ -507,6 +509,17 @@ pub enum StreamDelta<'a> {
         name: Option<&'a str>,
         /// The next fragment of the arguments' JSON text (may be empty).
         arguments: &'a str,
+    },
+    /// The stream ended: the answer's last delta. `Ok` when what arrived is the answer
+    /// (the model call returns it); `Err` with the call's error when it is not: the
+    /// provider stopped it early ([`LlmError::StoppedEarly`]: its content filter withheld
+    /// it, or it failed mid-answer), or the stream broke off or was malformed. Text an
+    /// observer already showed is then to be withdrawn: it is not the agent's answer.
+    /// Not sent for a call cut before its stream ended (its deadline passed, its turn
+    /// was cancelled), nor for one answered with an error status (no delta came).
+    End {
+        /// How the stream ended.
+        outcome: Result<(), &'a LlmError>,
     },
 }
 
@@ -785,7 +798,7 @@ impl LlmClient for OpenAiClient {
 /// with this model. Use 'max_completion_tokens' instead." does. A 400 about the field's
 /// value ("max_tokens is too large") is not a refusal of it.
 fn refuses_token_cap_field(error: &LlmError, field: TokenCapField) -> bool {
-    let LlmError::Provider { status: 400, body } = error else {
+    let LlmError::Provider { status: 400, body, .. } = error else {
         return false;
     };
     let body = body.to_ascii_lowercase();
@@ -1028,8 +1041,27 @@ impl StreamAssembly {
     }
 }
 
-/// Reads an SSE body line by line into one reply, at most [`RESPONSE_BODY_BYTES_MAX`].
+/// Reads an SSE body line by line into one reply ([`read_stream_body`]), and tells the
+/// observer how the stream ended ([`StreamDelta::End`]).
 async fn read_stream(
+    response: reqwest::Response,
+    agent: &ActorId,
+    observer: Option<&dyn StreamObserver>,
+) -> Result<LlmReply, LlmError> {
+    let read = read_stream_body(response, agent, observer).await;
+    if let Some(observer) = observer {
+        observer.on_delta(
+            agent,
+            &StreamDelta::End {
+                outcome: read.as_ref().map(drop),
+            },
+        );
+    }
+    read
+}
+
+/// Reads an SSE body line by line into one reply, at most [`RESPONSE_BODY_BYTES_MAX`].
+async fn read_stream_body(
     mut response: reqwest::Response,
     agent: &ActorId,
     observer: Option<&dyn StreamObserver>,

@@ -11,8 +11,9 @@
 //! `Malformed`; dropping the call's future closes the connection.
 //!
 //! Method: each test starts a tokio HTTP/1.1 server on `127.0.0.1:0` whose answer to
-//! the n-th request is scripted (`Behaviour`); it counts requests and reports when a
-//! held connection is closed by the client.
+//! the n-th request is scripted (`Behaviour`, `support/fake_provider.rs`, shared with
+//! the other provider tests); it counts requests and reports when a held connection is
+//! closed by the client.
 //!
 //! Run: `cargo nextest run -p troupe-agent --test openai_resilience`.
 
@@ -21,14 +22,10 @@
 // the simulator.
 #![allow(clippy::disallowed_methods)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use troupe_agent::{
     ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig, Role, StreamDelta, TokenUsage, ToolCall,
 };
@@ -41,161 +38,10 @@ const TEST_WAIT_MS_MAX: u64 = 10_000;
 /// How much later than its deadline a call may return.
 const DEADLINE_SLACK_MS_MAX: u64 = 1_500;
 
-/// What the server does with one request.
-#[derive(Clone)]
-enum Behaviour {
-    /// A complete response: status, extra headers, body.
-    Respond {
-        status: u16,
-        headers: Vec<(&'static str, String)>,
-        body: String,
-    },
-    /// An SSE response: these raw pieces, written one by one, then the connection closes.
-    Sse(Vec<String>),
-    /// Reads the request and answers nothing; reports when the client closes.
-    Hang,
-}
-
-/// A scripted OpenAI-compatible server on loopback.
-struct FakeServer {
-    base_url: String,
-    requests: Arc<AtomicUsize>,
-    bodies: Arc<Mutex<Vec<Value>>>,
-    received: mpsc::UnboundedReceiver<()>,
-    closed: mpsc::UnboundedReceiver<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for FakeServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl FakeServer {
-    /// A server answering request `n` (0-based) with `script(n)`.
-    async fn start(script: impl Fn(usize) -> Behaviour + Send + Sync + 'static) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
-        let address = listener.local_addr().expect("local address");
-        let requests = Arc::new(AtomicUsize::new(0));
-        let bodies = Arc::new(Mutex::new(Vec::new()));
-        let (received_sender, received) = mpsc::unbounded_channel();
-        let (closed_sender, closed) = mpsc::unbounded_channel();
-        let script = Arc::new(script);
-        let task = {
-            let requests = requests.clone();
-            let bodies = bodies.clone();
-            tokio::spawn(async move {
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        return;
-                    };
-                    let script = script.clone();
-                    let requests = requests.clone();
-                    let bodies = bodies.clone();
-                    let received_sender = received_sender.clone();
-                    let closed_sender = closed_sender.clone();
-                    tokio::spawn(async move {
-                        let (body, mut stream) = read_request(stream).await;
-                        let index = requests.fetch_add(1, Ordering::SeqCst);
-                        bodies.lock().unwrap().push(body);
-                        let _ = received_sender.send(());
-                        answer(&mut stream, script(index), &closed_sender).await;
-                    });
-                }
-            })
-        };
-        Self {
-            base_url: format!("http://{address}/v1"),
-            requests,
-            bodies,
-            received,
-            closed,
-            task,
-        }
-    }
-
-    fn requests(&self) -> usize {
-        self.requests.load(Ordering::SeqCst)
-    }
-}
-
-/// Reads one HTTP/1.1 request with a `Content-Length` body; returns the body as JSON.
-async fn read_request(mut stream: TcpStream) -> (Value, TcpStream) {
-    let mut bytes = Vec::new();
-    let mut buffer = [0_u8; 4096];
-    let header_end = loop {
-        let read = stream.read(&mut buffer).await.expect("read request");
-        assert!(read > 0, "the client closed before sending a whole request");
-        bytes.extend_from_slice(&buffer[..read]);
-        if let Some(position) = bytes.windows(4).position(|window| window == b"\r\n\r\n") {
-            break position + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&bytes[..header_end]).to_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|line| line.strip_prefix("content-length:"))
-        .map(|value| value.trim().parse().expect("numeric content-length"))
-        .expect("the client sends Content-Length");
-    while bytes.len() < header_end + length {
-        let read = stream.read(&mut buffer).await.expect("read body");
-        assert!(read > 0, "the client closed mid-body");
-        bytes.extend_from_slice(&buffer[..read]);
-    }
-    let body = serde_json::from_slice(&bytes[header_end..header_end + length]).expect("the request body is JSON");
-    (body, stream)
-}
-
-async fn answer(stream: &mut TcpStream, behaviour: Behaviour, closed: &mpsc::UnboundedSender<()>) {
-    match behaviour {
-        Behaviour::Respond { status, headers, body } => {
-            let mut head = format!(
-                "HTTP/1.1 {status} Scripted\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-                 Connection: close\r\n",
-                body.len()
-            );
-            for (name, value) in headers {
-                head.push_str(&format!("{name}: {value}\r\n"));
-            }
-            head.push_str("\r\n");
-            let _ = stream.write_all(head.as_bytes()).await;
-            let _ = stream.write_all(body.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        }
-        Behaviour::Sse(pieces) => {
-            let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n";
-            let _ = stream.write_all(head.as_bytes()).await;
-            for piece in pieces {
-                let _ = stream.write_all(piece.as_bytes()).await;
-                let _ = stream.flush().await;
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            let _ = stream.shutdown().await;
-        }
-        Behaviour::Hang => {
-            let mut buffer = [0_u8; 256];
-            loop {
-                match tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), stream.read(&mut buffer)).await {
-                    Ok(Ok(0)) | Ok(Err(_)) => {
-                        let _ = closed.send(());
-                        return;
-                    }
-                    Ok(Ok(_)) => {}
-                    Err(_) => return,
-                }
-            }
-        }
-    }
-}
-
-fn respond(status: u16, body: &str) -> Behaviour {
-    Behaviour::Respond {
-        status,
-        headers: Vec::new(),
-        body: body.to_owned(),
-    }
-}
+#[allow(dead_code)] // the answers the other provider tests use and these do not
+#[path = "support/fake_provider.rs"]
+mod fake_provider;
+use fake_provider::{respond, Behaviour, FakeServer};
 
 fn completion(text: &str) -> String {
     json!({
@@ -238,7 +84,7 @@ fn wait() -> Duration {
 /// time; the request was sent once (a timeout is not retried).
 #[tokio::test]
 async fn slow_server_hits_the_deadline_and_times_out() {
-    let server = FakeServer::start(|_| Behaviour::Hang).await;
+    let server = FakeServer::start(|_, _| Behaviour::Hang).await;
     let clock = Clock::new();
     let client = OpenAiClient::new(config(&server.base_url, 3), clock).unwrap();
     let deadline_in = Duration::from_millis(300);
@@ -264,7 +110,7 @@ async fn slow_server_hits_the_deadline_and_times_out() {
 /// no sooner than the second asked for.
 #[tokio::test]
 async fn rate_limited_then_success_is_retried_once_after_retry_after() {
-    let server = FakeServer::start(|index| match index {
+    let server = FakeServer::start(|index, _| match index {
         0 => Behaviour::Respond {
             status: 429,
             headers: vec![("Retry-After", "1".to_owned())],
@@ -299,7 +145,7 @@ async fn rate_limited_then_success_is_retried_once_after_retry_after() {
 /// 503 twice, then success, with backoff (no Retry-After): exactly three requests.
 #[tokio::test]
 async fn server_errors_are_retried_with_backoff_until_success() {
-    let server = FakeServer::start(|index| {
+    let server = FakeServer::start(|index, _| {
         if index < 2 {
             respond(503, "overloaded")
         } else {
@@ -320,7 +166,7 @@ async fn server_errors_are_retried_with_backoff_until_success() {
 /// `Provider` error.
 #[tokio::test]
 async fn server_error_forever_gives_up_after_retries_max() {
-    let server = FakeServer::start(|_| respond(500, "boom")).await;
+    let server = FakeServer::start(|_, _| respond(500, "boom")).await;
     let clock = Clock::new();
     let client = OpenAiClient::new(config(&server.base_url, 2), clock).unwrap();
 
@@ -344,7 +190,7 @@ async fn server_error_forever_gives_up_after_retries_max() {
 /// `RETRY_ATTEMPT_MS_MIN` is not started), after at least one retry.
 #[tokio::test]
 async fn server_error_forever_gives_up_with_provider_error_within_the_deadline() {
-    let server = FakeServer::start(|_| respond(500, "boom")).await;
+    let server = FakeServer::start(|_, _| respond(500, "boom")).await;
     let clock = Clock::new();
     let mut config = config(&server.base_url, 10);
     config.retry_backoff_initial = Duration::from_millis(100);
@@ -370,7 +216,7 @@ async fn server_error_forever_gives_up_with_provider_error_within_the_deadline()
 /// A 400 is the caller's fault: not retried.
 #[tokio::test]
 async fn client_error_is_not_retried() {
-    let server = FakeServer::start(|_| respond(400, "bad request")).await;
+    let server = FakeServer::start(|_, _| respond(400, "bad request")).await;
     let clock = Clock::new();
     let client = OpenAiClient::new(config(&server.base_url, 3), clock).unwrap();
 
@@ -392,7 +238,7 @@ async fn client_error_is_not_retried() {
 /// A 200 whose body is not JSON is `Malformed`, and not retried.
 #[tokio::test]
 async fn malformed_json_is_malformed_and_not_retried() {
-    let server = FakeServer::start(|_| respond(200, "{\"choices\": [")).await;
+    let server = FakeServer::start(|_, _| respond(200, "{\"choices\": [")).await;
     let clock = Clock::new();
     let client = OpenAiClient::new(config(&server.base_url, 3), clock).unwrap();
 
@@ -413,7 +259,7 @@ async fn malformed_json_is_malformed_and_not_retried() {
 #[tokio::test]
 async fn connection_refused_is_retried_then_unreachable() {
     let address = {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         listener.local_addr().unwrap()
     };
     let clock = Clock::new();
@@ -478,7 +324,7 @@ fn recording_observer() -> (Arc<Mutex<Vec<String>>>, Arc<dyn troupe_agent::Strea
 /// the observer sees every delta in order; the request asked for a stream with usage.
 #[tokio::test]
 async fn streamed_text_and_tool_calls_are_assembled_and_observed() {
-    let server = FakeServer::start(|_| Behaviour::Sse(streamed_answer())).await;
+    let server = FakeServer::start(|_, _| Behaviour::Sse(streamed_answer())).await;
     let clock = Clock::new();
     let mut config = config(&server.base_url, 0);
     config.stream = true;
@@ -518,6 +364,7 @@ async fn streamed_text_and_tool_calls_are_assembled_and_observed() {
             r#"agent/alice ToolCall { index: 0, id: None, name: None, arguments: "{\"a\": 2," }"#,
             r#"agent/alice ToolCall { index: 0, id: None, name: None, arguments: " \"b\": 3}" }"#,
             r#"agent/alice ToolCall { index: 1, id: Some("call_2"), name: Some("now"), arguments: "" }"#,
+            r#"agent/alice End { outcome: Ok(()) }"#,
         ]
     );
     let body = server.bodies.lock().unwrap()[0].clone();
@@ -526,10 +373,10 @@ async fn streamed_text_and_tool_calls_are_assembled_and_observed() {
 }
 
 /// A stream cut in the middle of a chunk is `Malformed`; what arrived before was
-/// observed; the request is not retried.
+/// observed, then the end with the error; the request is not retried.
 #[tokio::test]
 async fn truncated_stream_is_malformed() {
-    let server = FakeServer::start(|_| {
+    let server = FakeServer::start(|_, _| {
         Behaviour::Sse(vec![
             sse(&json!({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})),
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo".to_owned(),
@@ -551,14 +398,21 @@ async fn truncated_stream_is_malformed() {
         panic!("expected Malformed, got {error:?}");
     };
     assert!(cause.starts_with("a stream chunk is not JSON"), "{cause}");
-    assert_eq!(*seen.lock().unwrap(), vec![r#"agent/alice Text("Hel")"#]);
+    // Then the end, with the error: what was shown is no answer.
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![
+            r#"agent/alice Text("Hel")"#.to_owned(),
+            format!("agent/alice End {{ outcome: Err({error:?}) }}"),
+        ]
+    );
     assert_eq!(server.requests(), 1);
 }
 
 /// A stream that ends cleanly but without `data: [DONE]` is `Malformed` too.
 #[tokio::test]
 async fn stream_without_done_is_malformed() {
-    let server = FakeServer::start(|_| {
+    let server = FakeServer::start(|_, _| {
         Behaviour::Sse(vec![sse(
             &json!({"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": "stop"}]}),
         )])
@@ -586,7 +440,7 @@ async fn stream_without_done_is_malformed() {
 /// the client hang up, and no second request is made.
 #[tokio::test]
 async fn dropping_the_call_closes_the_connection() {
-    let mut server = FakeServer::start(|_| Behaviour::Hang).await;
+    let mut server = FakeServer::start(|_, _| Behaviour::Hang).await;
     let clock = Clock::new();
     let client = OpenAiClient::new(config(&server.base_url, 3), clock).unwrap();
     let call = tokio::spawn({

@@ -23,7 +23,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use troupe_agent::{
     AgentCallError, AgentSpec, AgentSystem, ChatMessage, LlmClient, LlmError, LlmRequest, OpenAiClient, OpenAiConfig,
-    Role, Tool,
+    Role, StreamDelta, Tool,
 };
 use troupe_core::InvokeError;
 
@@ -453,4 +453,55 @@ async fn concurrent_calls_switch_the_token_cap_field_each_at_most_once() {
     let bodies = server.bodies.lock().unwrap().clone();
     assert_eq!(bodies.len(), requests + 1);
     assert_eq!(bodies.last().unwrap()["max_completion_tokens"], 7);
+}
+
+/// A stream observer learns how each streamed answer ended, after its deltas
+/// (`StreamDelta::End`): a `content_filter` finish reason after text it showed is
+/// `Err(StoppedEarly)` (the text is no answer, to be withdrawn); a complete answer is
+/// `Ok`. Before, the observer saw "The recipe" and then nothing: it could not tell a
+/// withheld answer from a complete one.
+#[tokio::test]
+async fn a_stream_observer_learns_that_the_stream_was_stopped() {
+    let stopped = vec![
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"The recipe\"}}]}\n\n".to_owned(),
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"content_filter\"}]}\n\n".to_owned(),
+        "data: [DONE]\n\n".to_owned(),
+    ];
+    let complete = vec![
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"done\"}}]}\n\n".to_owned(),
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n".to_owned(),
+        "data: [DONE]\n\n".to_owned(),
+    ];
+    let server = FakeServer::start(move |index, _| match index {
+        0 => Behaviour::Sse(stopped.clone()),
+        _ => Behaviour::Sse(complete.clone()),
+    })
+    .await;
+    let seen: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let observer = {
+        let seen = seen.clone();
+        move |_agent: &troupe_core::ActorId, delta: &StreamDelta<'_>| {
+            let said = match delta {
+                StreamDelta::Text(text) => format!("text {text}"),
+                StreamDelta::ToolCall { .. } => "tool call".to_owned(),
+                StreamDelta::End { outcome: Ok(()) } => "end ok".to_owned(),
+                StreamDelta::End { outcome: Err(error) } => format!("end {error:?}"),
+            };
+            seen.lock().unwrap().push(said);
+        }
+    };
+    let clock = troupe_runtime::Clock::new();
+    let client = OpenAiClient::new(config(&server.base_url, true), clock)
+        .expect("valid config")
+        .with_stream_observer(Arc::new(observer));
+
+    let error = client.complete(request(&clock, None)).await.unwrap_err();
+    assert!(matches!(error, LlmError::StoppedEarly { .. }), "{error:?}");
+    let reply = client.complete(request(&clock, None)).await.unwrap();
+    assert_eq!(reply.message.content, "done");
+    let ended_early = format!("end {error:?}");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["text The recipe", ended_early.as_str(), "text done", "end ok"]
+    );
 }

@@ -1,7 +1,8 @@
 //! A scripted OpenAI-compatible server on loopback for the provider tests
-//! (`provider_probes.rs`, `provider_leftovers.rs`): each request is read whole (HTTP/1.1,
-//! `Content-Length`) and answered as the test's script says for its number and body.
-//! Real sockets: the normal build only.
+//! (`provider_probes.rs`, `provider_leftovers.rs`, `openai_resilience.rs`): each request
+//! is read whole (HTTP/1.1, `Content-Length`) and answered as the test's script says for
+//! its number and body; the server reports each request read, and each held (`Hang`)
+//! connection the client closed. Real sockets: the normal build only.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,9 +11,14 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 
 /// How long a `Hang` answer waits for the client to hang up, at most.
 const HANG_MS_MAX: u64 = 10_000;
+
+/// The pause after each piece of an `Sse` answer, in milliseconds (so the client reads
+/// them as separate chunks, as a provider sends them).
+const SSE_PIECE_PAUSE_MS: u64 = 5;
 
 /// What the server does with one request.
 #[derive(Clone)]
@@ -26,9 +32,10 @@ pub(crate) enum Behaviour {
     /// Headers promising `length` bytes, then `sent` of the body, then the connection
     /// is closed.
     CutBody { length: usize, sent: String },
-    /// An SSE response: these raw pieces, then the connection closes.
+    /// An SSE response: these raw pieces, one by one, then the connection closes.
     Sse(Vec<String>),
-    /// Reads the request and answers nothing (until the client hangs up).
+    /// Reads the request and answers nothing (until the client hangs up, which `closed`
+    /// reports).
     Hang,
 }
 
@@ -38,6 +45,12 @@ pub(crate) struct FakeServer {
     requests: Arc<AtomicUsize>,
     /// Every request's body, in the order they were read.
     pub(crate) bodies: Arc<Mutex<Vec<Value>>>,
+    /// One message per request read.
+    #[allow(dead_code)] // read by openai_resilience.rs only
+    pub(crate) received: mpsc::UnboundedReceiver<()>,
+    /// One message per `Hang` connection the client closed.
+    #[allow(dead_code)] // read by openai_resilience.rs only
+    pub(crate) closed: mpsc::UnboundedReceiver<()>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -54,6 +67,8 @@ impl FakeServer {
         let address = listener.local_addr().expect("local address");
         let requests = Arc::new(AtomicUsize::new(0));
         let bodies = Arc::new(Mutex::new(Vec::new()));
+        let (received_sender, received) = mpsc::unbounded_channel();
+        let (closed_sender, closed) = mpsc::unbounded_channel();
         let script = Arc::new(script);
         let task = {
             let requests = requests.clone();
@@ -66,6 +81,8 @@ impl FakeServer {
                     let script = script.clone();
                     let requests = requests.clone();
                     let bodies = bodies.clone();
+                    let received_sender = received_sender.clone();
+                    let closed_sender = closed_sender.clone();
                     tokio::spawn(async move {
                         let Some((body, mut stream)) = read_request(stream).await else {
                             return;
@@ -73,7 +90,8 @@ impl FakeServer {
                         let index = requests.fetch_add(1, Ordering::SeqCst);
                         let behaviour = script(index, &body);
                         bodies.lock().unwrap().push(body);
-                        answer(&mut stream, behaviour).await;
+                        let _ = received_sender.send(());
+                        answer(&mut stream, behaviour, &closed_sender).await;
                     });
                 }
             })
@@ -82,6 +100,8 @@ impl FakeServer {
             base_url: format!("http://{address}/v1"),
             requests,
             bodies,
+            received,
+            closed,
             task,
         }
     }
@@ -123,7 +143,7 @@ pub(crate) async fn read_request(mut stream: TcpStream) -> Option<(Value, TcpStr
     Some((body, stream))
 }
 
-async fn answer(stream: &mut TcpStream, behaviour: Behaviour) {
+async fn answer(stream: &mut TcpStream, behaviour: Behaviour, closed: &mpsc::UnboundedSender<()>) {
     match behaviour {
         Behaviour::Respond { status, headers, body } => {
             let mut head = format!(
@@ -155,15 +175,19 @@ async fn answer(stream: &mut TcpStream, behaviour: Behaviour) {
             for piece in pieces {
                 let _ = stream.write_all(piece.as_bytes()).await;
                 let _ = stream.flush().await;
+                tokio::time::sleep(Duration::from_millis(SSE_PIECE_PAUSE_MS)).await;
             }
             let _ = stream.shutdown().await;
         }
         Behaviour::Hang => {
             let mut buffer = [0_u8; 256];
-            let _ = tokio::time::timeout(Duration::from_millis(HANG_MS_MAX), async {
+            let hung_up = tokio::time::timeout(Duration::from_millis(HANG_MS_MAX), async {
                 while matches!(stream.read(&mut buffer).await, Ok(read) if read > 0) {}
             })
             .await;
+            if hung_up.is_ok() {
+                let _ = closed.send(());
+            }
         }
     }
 }
