@@ -1232,47 +1232,70 @@ pub async fn run_node(
 /// A signal came while the node joined the cluster: the join goes on for up to
 /// [`NODE_JOIN_STOP_WAIT_MS`] (each etcd request is bounded by its timeout), so that a
 /// join that ends is left at once, its lease revoked, rather than leave a membership
-/// record behind for a whole lease; past it, or on `stop_now`, the join is cut. `Ok`
-/// in every case: the node stopped as asked.
+/// record behind for a whole lease; past it the join is cut. `Ok`: the node stopped as
+/// asked; [`NodeError::SecondSignal`] if `stop_now` (a second signal) cut the join or
+/// the leave, as a second signal does once the node serves (exit 1).
 async fn stop_while_joining(
     start: std::pin::Pin<&mut impl std::future::Future<Output = Result<ClusterNode, troupe_cluster::ClusterError>>>,
     stop_now: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
 ) -> Result<(), NodeError> {
+    /// How a wait bounded by [`NODE_JOIN_STOP_WAIT_MS`] and a second signal ended.
+    enum Waited<T> {
+        Ended(T),
+        TimedOut,
+        SecondSignal,
+    }
     let wait = Duration::from_millis(NODE_JOIN_STOP_WAIT_MS);
     let mut stop_now = stop_now;
     let joined = tokio::select! {
         biased;
-        () = &mut stop_now => None,
-        joined = tokio::time::timeout(wait, start) => joined.ok(),
+        () = &mut stop_now => Waited::SecondSignal,
+        joined = tokio::time::timeout(wait, start) => joined.map_or(Waited::TimedOut, Waited::Ended),
     };
-    match joined {
-        Some(Ok(node)) => {
-            let left = tokio::select! {
-                biased;
-                () = &mut stop_now => None,
-                left = tokio::time::timeout(wait, node.leave()) => left.ok(),
-            };
-            match left {
-                Some(Ok(())) => crate::errln!(
-                    "troupe node: a signal while it joined the cluster: it joined, then left at once: stopped"
-                ),
-                Some(Err(error)) => crate::errln!(
-                    "troupe node: a signal while it joined the cluster: leaving failed ({error}); its lease ends by \
-                     itself: stopped"
-                ),
-                None => crate::errln!(
-                    "troupe node: a signal while it joined the cluster: leaving was cut; its lease ends by itself: \
-                     stopped"
-                ),
-            }
+    let node = match joined {
+        Waited::Ended(Ok(node)) => node,
+        Waited::Ended(Err(error)) => {
+            crate::errln!("troupe node: a signal before it joined the cluster (the join failed: {error}): stopped");
+            return Ok(());
         }
-        Some(Err(error)) => {
-            crate::errln!("troupe node: a signal before it joined the cluster (the join failed: {error}): stopped")
+        Waited::TimedOut => {
+            crate::errln!(
+                "troupe node: a signal while it joined the cluster: the join was cut after {NODE_JOIN_STOP_WAIT_MS} \
+                 ms; a lease it may hold ends by itself within --lease-ttl-ms: stopped"
+            );
+            return Ok(());
         }
-        None => crate::errln!(
-            "troupe node: a signal while it joined the cluster: the join was cut (after at most {NODE_JOIN_STOP_WAIT_MS} \
-             ms); a lease it may hold ends by itself within --lease-ttl-ms: stopped"
+        Waited::SecondSignal => {
+            crate::errln!(
+                "troupe node: a second signal while it joined the cluster: the join was cut; a lease it may hold \
+                 ends by itself within --lease-ttl-ms"
+            );
+            return Err(NodeError::SecondSignal);
+        }
+    };
+    let left = tokio::select! {
+        biased;
+        () = &mut stop_now => Waited::SecondSignal,
+        left = tokio::time::timeout(wait, node.leave()) => left.map_or(Waited::TimedOut, Waited::Ended),
+    };
+    match left {
+        Waited::Ended(Ok(())) => {
+            crate::errln!("troupe node: a signal while it joined the cluster: it joined, then left at once: stopped");
+        }
+        Waited::Ended(Err(error)) => crate::errln!(
+            "troupe node: a signal while it joined the cluster: leaving failed ({error}); its lease ends by itself: \
+             stopped"
         ),
+        Waited::TimedOut => crate::errln!(
+            "troupe node: a signal while it joined the cluster: leaving was cut; its lease ends by itself: stopped"
+        ),
+        Waited::SecondSignal => {
+            crate::errln!(
+                "troupe node: a second signal while it left the cluster it had just joined: leaving was cut; its \
+                 lease ends by itself"
+            );
+            return Err(NodeError::SecondSignal);
+        }
     }
     Ok(())
 }

@@ -473,3 +473,37 @@ async fn a_signal_at_any_moment_of_the_start_leaves_no_node_in_etcd() {
     }
     eprintln!("outcomes: {outcomes:#?}");
 }
+
+/// Goal: a second signal while a signalled node waits for its join to end cuts the
+/// join at once and exits 1 saying so, as a second signal does once the node serves
+/// (`a_second_signal_stops_a_draining_node_at_once`). Before, the second signal cut the
+/// wait but the node exited 0 as for a graceful stop. Method: a silent etcd (the join
+/// waits for its 1 s request timeout); SIGTERM once the node connects to it, SIGINT 100
+/// ms later: gone within `SECOND_SIGNAL_STOP_MS_MAX`, exit 1, "second signal" on stderr.
+#[tokio::test]
+async fn a_second_signal_while_the_join_ends_cuts_it_and_exits_1() {
+    /// How long after the second signal the node may take to be gone, in ms (well under
+    /// the join's 1 s request timeout).
+    const SECOND_SIGNAL_STOP_MS_MAX: u64 = 600;
+    let postgres = TestServer::start("node-join-second-signal");
+    let database = postgres.create_database("probes").await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let etcd = silent.local_addr().unwrap().to_string();
+    let (mut child, stdout, stderr) = node_connecting(&etcd, &database, "joining");
+    let (_connection, _) = silent.accept().unwrap();
+    signal(&child, "TERM");
+    std::thread::sleep(Duration::from_millis(100));
+    signal(&child, "INT");
+    let status = exited_within(&mut child, SECOND_SIGNAL_STOP_MS_MAX);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    let status = status.unwrap_or_else(|| {
+        panic!("still running {SECOND_SIGNAL_STOP_MS_MAX} ms after the second signal\n{stdout}\n{stderr}")
+    });
+    assert_eq!(status.code(), Some(1), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stderr.contains("second signal"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
