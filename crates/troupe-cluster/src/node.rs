@@ -30,6 +30,15 @@ pub const NOT_SENT_RETRIES_MAX: u32 = 4;
 /// Pause before each of those attempts, in milliseconds: a leaving node closes its
 /// port a moment before its lease is revoked, and etcd names it until then.
 pub const NOT_SENT_RETRY_PAUSE_MS: u64 = 50;
+/// Pause between two attempts of a node to take a new lease after its lease was lost,
+/// when it rejoins by itself ([`ClusterNode::rejoin_after_a_lost_lease`]), in
+/// milliseconds: while etcd does not answer, each attempt ends within the etcd request
+/// timeout and the next one starts this long after.
+pub const REJOIN_RETRY_PAUSE_MS: u64 = 500;
+/// Most attempts to take a new lease after a lost one, in attempts (with
+/// [`REJOIN_RETRY_PAUSE_MS`], at least 5 minutes); past it the node stops trying and
+/// [`ClusterNode::fenced_off`] resolves.
+pub const REJOIN_ATTEMPTS_MAX: u32 = 600;
 /// Most actors whose owner a node remembers, in actors; past it the cache is emptied.
 pub const ROUTE_CACHE_ENTRIES_MAX: usize = 65_536;
 
@@ -169,6 +178,9 @@ pub struct ClusterStats {
     /// request never left this node (at most [`NOT_SENT_RETRIES_MAX`] per call): it
     /// cannot have run, keyed or not.
     pub not_sent_retries: u64,
+    /// New leases this node took by itself after it lost one
+    /// ([`ClusterNode::rejoin_after_a_lost_lease`]).
+    pub rejoins: u64,
     /// Activations that found this node's placement from an earlier activation still in
     /// etcd (its release had not run, or failed) and released it and placed anew.
     pub placements_replaced: u64,
@@ -196,6 +208,7 @@ pub(crate) struct Counters {
     reroutes: AtomicU64,
     keyed_retries: AtomicU64,
     not_sent_retries: AtomicU64,
+    rejoins: AtomicU64,
     turn_calls_forwarded: AtomicU64,
     turn_tells_forwarded: AtomicU64,
     pub(crate) probes_sent: AtomicU64,
@@ -213,6 +226,9 @@ pub(crate) struct Inner {
     clients: Mutex<HashMap<NodeId, Arc<TransportClient>>>,
     pub(crate) counters: Counters,
     fenced_off: troupe_runtime::Latch<LeaseLostReason>,
+    /// Whether the node takes a new lease by itself once it lost one and every
+    /// activation ended ([`ClusterNode::rejoin_after_a_lost_lease`]).
+    rejoin: std::sync::atomic::AtomicBool,
     /// This node's open calls to other nodes made by turns, by call id (the wait-for
     /// edge's id in this runtime).
     pub(crate) remote_waits: Mutex<HashMap<u64, RemoteWaitEntry>>,
@@ -331,6 +347,7 @@ impl ClusterNode {
             clients: Mutex::new(HashMap::default()),
             counters: Counters::default(),
             fenced_off,
+            rejoin: std::sync::atomic::AtomicBool::new(false),
             remote_waits: Mutex::new(HashMap::default()),
             probes,
             probe_window: Mutex::new((now, 0)),
@@ -359,8 +376,14 @@ impl ClusterNode {
         let lease_task = tokio::spawn({
             let inner = Arc::clone(&inner);
             async move {
-                let reason = inner.placement.lease_lost().await;
-                inner.drop_activations(reason).await;
+                loop {
+                    let reason = inner.placement.lease_lost().await;
+                    inner.drop_activations().await;
+                    if !inner.rejoin.load(Ordering::SeqCst) || !inner.rejoin_with_a_new_lease(&reason).await {
+                        inner.fenced_off.set(reason);
+                        return;
+                    }
+                }
             }
         });
         Ok(Self {
@@ -400,6 +423,7 @@ impl ClusterNode {
             reroutes: counters.reroutes.load(Ordering::Relaxed),
             keyed_retries: counters.keyed_retries.load(Ordering::Relaxed),
             not_sent_retries: counters.not_sent_retries.load(Ordering::Relaxed),
+            rejoins: counters.rejoins.load(Ordering::Relaxed),
             placements_replaced: self.inner.ownership.replaced.load(Ordering::Relaxed),
             turn_calls_forwarded: counters.turn_calls_forwarded.load(Ordering::Relaxed),
             turn_tells_forwarded: counters.turn_tells_forwarded.load(Ordering::Relaxed),
@@ -417,7 +441,24 @@ impl ClusterNode {
         self.inner.planted_no_probes.store(true, Ordering::SeqCst);
     }
 
-    /// Resolves once the lease was lost and every activation of this node has ended.
+    /// Makes this node take a new lease by itself after it lost its lease (etcd did not
+    /// answer its renewals in time, for instance while etcd restarted), once every
+    /// activation it had has ended: it revokes the lost lease (its placements go at
+    /// once), joins again under its name and address, and serves again; attempts every
+    /// [`REJOIN_RETRY_PAUSE_MS`] while etcd does not answer, at most
+    /// [`REJOIN_ATTEMPTS_MAX`]. Off by default: a node that lost its lease then stays
+    /// fenced off ([`ClusterNode::fenced_off`]) and a supervisor starts a new one. With
+    /// it on, `fenced_off` resolves only when the node gives up (a live node took its
+    /// name, or the attempts ran out). Safe for the same reason a restart is: nothing
+    /// the node ran under the old lease is active any more, its stale commits meet the
+    /// newer fences, and every actor is claimed anew under the new lease.
+    pub fn rejoin_after_a_lost_lease(&self, rejoin: bool) {
+        self.inner.rejoin.store(rejoin, Ordering::SeqCst);
+    }
+
+    /// Resolves once the lease was lost and every activation of this node has ended
+    /// (with [`ClusterNode::rejoin_after_a_lost_lease`], only once the node gave up
+    /// rejoining).
     pub async fn fenced_off(&self) -> LeaseLostReason {
         self.inner.fenced_off.wait().await
     }
@@ -1167,9 +1208,9 @@ impl Inner {
     }
 
     /// The lease is lost: refuse every claim and commit, then end every activation.
-    async fn drop_activations(&self, reason: LeaseLostReason) {
+    async fn drop_activations(&self) {
         self.ownership.mark_lost();
-        tracing::warn!(node = %self.node, ?reason, "lease lost: dropping every activation");
+        tracing::warn!(node = %self.node, "lease lost: dropping every activation");
         let ends: Vec<_> = self
             .ownership
             .live_actors()
@@ -1185,7 +1226,31 @@ impl Inner {
             let _ = end.await;
         }
         self.routes().clear();
-        self.fenced_off.set(reason);
+    }
+
+    /// Takes a new lease after `reason` lost the old one (every activation has ended):
+    /// `true` once the node serves again, `false` if it gave up.
+    async fn rejoin_with_a_new_lease(&self, reason: &LeaseLostReason) -> bool {
+        for attempt in 1..=REJOIN_ATTEMPTS_MAX {
+            match self.placement.rejoin_unless_in_use(answers).await {
+                Ok(()) => {
+                    self.ownership.rejoined();
+                    self.counters.rejoins.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(node = %self.node, ?reason, attempt, "lease lost, then a new one taken: serving again");
+                    return true;
+                }
+                Err(PlacementError::NodeNameInUse { address, .. }) => {
+                    tracing::error!(node = %self.node, %address, "lease lost, and a live node took this name: not rejoining");
+                    return false;
+                }
+                Err(error) => {
+                    tracing::debug!(node = %self.node, %error, attempt, "taking a new lease failed; trying again");
+                    tokio::time::sleep(Duration::from_millis(REJOIN_RETRY_PAUSE_MS)).await;
+                }
+            }
+        }
+        tracing::error!(node = %self.node, "lease lost, and no new one after {REJOIN_ATTEMPTS_MAX} attempts: not rejoining");
+        false
     }
 }
 

@@ -73,6 +73,15 @@ impl Ownership {
         self.lost.store(true, Ordering::SeqCst);
     }
 
+    /// The node took a new lease after the lost one, every activation under the old one
+    /// ended: claims and commits are allowed again (under the new lease, whose
+    /// placements are new). What was recorded of the old placements (gone with the
+    /// revoked lease) is forgotten.
+    pub(crate) fn rejoined(&self) {
+        self.held().retain(|_, holding| holding.live);
+        self.lost.store(false, Ordering::SeqCst);
+    }
+
     /// Whether the lease is known lost (for good: the node serves nothing more until it
     /// joins again with a new lease).
     pub(crate) fn is_lost(&self) -> bool {

@@ -55,11 +55,25 @@ pub struct EtcdPlacement {
 struct Inner {
     config: EtcdConfig,
     client: Client,
+    prefix: String,
+    /// The lease this node holds now: replaced by [`EtcdPlacement::rejoin_unless_in_use`]
+    /// once the one before was lost.
+    held: std::sync::Mutex<Arc<HeldLease>>,
+}
+
+/// One lease of this node, its standing and its keep-alive task.
+struct HeldLease {
     lease: i64,
     standing: Arc<LeaseStanding>,
-    prefix: String,
+    /// `<lease hex>/<node>`: the value of every placement made under this lease.
     owner_value: String,
     keep_alive_task: JoinHandle<()>,
+}
+
+impl Drop for HeldLease {
+    fn drop(&mut self) {
+        self.keep_alive_task.abort();
+    }
 }
 
 impl std::fmt::Debug for Inner {
@@ -67,14 +81,14 @@ impl std::fmt::Debug for Inner {
         f.debug_struct("EtcdPlacement")
             .field("node", &self.config.node)
             .field("cluster", &self.config.cluster)
-            .field("lease", &format_args!("{:x}", self.lease))
+            .field("lease", &format_args!("{:x}", self.held().lease))
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for Inner {
-    fn drop(&mut self) {
-        self.keep_alive_task.abort();
+impl Inner {
+    fn held(&self) -> Arc<HeldLease> {
+        Arc::clone(&self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 }
 
@@ -129,106 +143,81 @@ impl EtcdPlacement {
             connect(&config)
         })
         .await?;
-        let kv = client.kv_client();
         if let Some(identity) = &config.store_identity {
-            bind_store(&kv, &config, identity).await?;
+            bind_store(&client.kv_client(), &config, identity).await?;
         }
-        let node_key = format!("/troupe/{}/nodes/{}", config.cluster, config.node);
-        let previous = bounded(&endpoints, timeout, PlacementOperation::Join, None, || {
-            let (mut kv, key) = (kv.clone(), node_key.clone());
-            async move { kv.get(key, None).await }
-        })
-        .await?;
-        let mut expected = None;
-        if let Some(record) = previous.kvs().first() {
-            let address = String::from_utf8_lossy(record.value()).into_owned();
-            if address != config.address && in_use(address.clone()).await {
-                return Err(PlacementError::NodeNameInUse {
-                    node: config.node.clone(),
-                    address,
-                });
-            }
-            expected = Some(Expected {
-                value: record.value().to_vec(),
-                mod_revision: record.mod_revision(),
-            });
-        }
-        let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
-        let lease_client = client.lease_client();
-        let granted_at = tokio::time::Instant::now();
-        // A grant sent again after an answer was lost leaves a lease nobody renews: it
-        // holds no key, and expires after its TTL.
-        let granted = bounded(&endpoints, timeout, PlacementOperation::GrantLease, None, || {
-            let mut lease_client = lease_client.clone();
-            async move { lease_client.grant(ttl_s, None).await }
-        })
-        .await?;
-        // A grant longer than asked for is trusted only as far as asked.
-        let (lease, granted_ttl_s) = (granted.id(), granted.ttl().min(ttl_s));
-        let valid_until = lease::trusted_until(granted_at, granted_ttl_s, granted_ttl_s);
-        let standing = Arc::new(LeaseStanding::new(valid_until));
-        let prefix = format!("/troupe/{}/", config.cluster);
-        let mut claimed = claim_name(&kv, &config, &node_key, expected.take(), lease).await;
-        if matches!(claimed, Ok(NameClaim::Vanished)) {
-            // The record read above ended with its lease in the meantime: the name is
-            // free, claim it as an absent one (that never vanishes).
-            claimed = claim_name(&kv, &config, &node_key, None, lease).await;
-        }
-        let refusal = match claimed {
-            Ok(NameClaim::Claimed) => None,
-            Ok(NameClaim::HeldBy(address)) => Some(PlacementError::NodeNameInUse {
-                node: config.node.clone(),
-                address,
-            }),
-            Ok(NameClaim::Vanished) => Some(PlacementError::MalformedRecord {
-                key: node_key.clone(),
-                reason: "the membership transaction returned no record".to_string(),
-            }),
-            Err(error) => Some(error),
-        };
-        if let Some(refusal) = refusal {
-            // The lease holds nothing; revoked so that it does not linger for its TTL.
-            // If the revoke fails the lease simply expires.
-            let revoked = bounded(&endpoints, timeout, PlacementOperation::Leave, None, || {
-                let mut lease_client = lease_client.clone();
-                async move { lease_client.revoke(lease).await }
-            })
-            .await;
-            if let Err(error) = revoked {
-                tracing::debug!(%error, "revoking the lease of a refused join failed; it expires by itself");
-            }
-            return Err(refusal);
-        }
-        let keep_alive_task = tokio::spawn(lease::keep_alive(
-            Arc::clone(&standing),
-            lease_client,
-            lease,
-            granted_ttl_s,
-            config.keep_alive_interval(),
-            timeout,
-        ));
-        tracing::info!(node = %config.node, lease = format_args!("{lease:x}"), "joined the cluster");
+        let held = take_lease(&client, &config, in_use).await?;
+        tracing::info!(node = %config.node, lease = format_args!("{:x}", held.lease), "joined the cluster");
         Ok(Self {
             inner: Arc::new(Inner {
-                owner_value: format!("{lease:x}/{}", config.node),
+                prefix: format!("/troupe/{}/", config.cluster),
                 config,
                 client,
-                lease,
-                standing,
-                prefix,
-                keep_alive_task,
+                held: std::sync::Mutex::new(Arc::new(held)),
             }),
         })
+    }
+
+    /// Takes a new lease after this node's lease was lost
+    /// ([`EtcdPlacement::lease_lost`]), as a join does: revokes the lost lease first
+    /// (best effort: it may still live on etcd, for instance after etcd restarted, and
+    /// its placements would keep the actors from this node and every other until it
+    /// ends; the caller must have stopped everything it served under it), then grants
+    /// a lease, writes the membership record under it and renews it. Every clone sees
+    /// the new lease. Does nothing if the lease is not lost.
+    ///
+    /// # Errors
+    /// As [`EtcdPlacement::join_unless_in_use`]: [`PlacementError::NodeNameInUse`]
+    /// when a live node took this node's name meanwhile (`in_use` as there);
+    /// [`PlacementError::EtcdUnavailable`] if etcd does not answer in time (try again
+    /// later). The lost lease stays in place on an error.
+    pub async fn rejoin_unless_in_use<F, Fut>(&self, in_use: F) -> Result<(), PlacementError>
+    where
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = bool>,
+    {
+        let old = self.inner.held();
+        if old.standing.lost().is_none() {
+            return Ok(());
+        }
+        old.keep_alive_task.abort();
+        let lease_client = self.inner.client.lease_client();
+        let (old_lease, config) = (old.lease, &self.inner.config);
+        let revoked = bounded(
+            &config.endpoints.join(","),
+            config.request_timeout(),
+            PlacementOperation::Leave,
+            None,
+            || {
+                let mut lease_client = lease_client.clone();
+                async move { lease_client.revoke(old_lease).await }
+            },
+        )
+        .await;
+        if let Err(error) = revoked {
+            // Gone already (expired), or etcd did not answer: the join below fails too
+            // in that case, and the next attempt revokes it again.
+            tracing::debug!(%error, lease = format_args!("{old_lease:x}"), "revoking the lost lease failed");
+        }
+        let held = take_lease(&self.inner.client, config, in_use).await?;
+        tracing::info!(node = %config.node, lease = format_args!("{:x}", held.lease), "rejoined the cluster with a new lease");
+        *self
+            .inner
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(held);
+        Ok(())
     }
 
     /// This node's lease id.
     pub fn lease(&self) -> i64 {
-        self.inner.lease
+        self.inner.held().lease
     }
 
     /// Whether the lease is still held (not lost, and its last renewal recent enough).
     pub fn holds_lease(&self) -> bool {
-        self.inner.standing.lost().is_none() && tokio::time::Instant::now() < self.inner.standing.valid_until()
+        let held = self.inner.held();
+        held.standing.lost().is_none() && tokio::time::Instant::now() < held.standing.valid_until()
     }
 
     /// Resolves when this node's lease is lost, with the reason: the signal for the
@@ -237,7 +226,8 @@ impl EtcdPlacement {
     /// # Cancel safety
     /// Cancel safe: dropping the future only stops waiting.
     pub async fn lease_lost(&self) -> LeaseLostReason {
-        self.inner.standing.wait_lost().await
+        let standing = Arc::clone(&self.inner.held().standing);
+        standing.wait_lost().await
     }
 
     /// Stops renewing the lease without revoking it, as a crashed node does: etcd
@@ -245,7 +235,7 @@ impl EtcdPlacement {
     /// renewal. For tests and for a node that must stop at once; prefer
     /// [`EtcdPlacement::leave`].
     pub fn stop_renewing(&self) {
-        self.inner.keep_alive_task.abort();
+        self.inner.held().keep_alive_task.abort();
     }
 
     /// Leaves the cluster: stops renewing and revokes the lease, which removes this
@@ -256,10 +246,11 @@ impl EtcdPlacement {
     /// [`PlacementError::EtcdUnavailable`] if etcd did not answer in time; the lease
     /// then ends after its TTL.
     pub async fn leave(&self) -> Result<(), PlacementError> {
-        self.inner.keep_alive_task.abort();
-        self.inner.standing.lose(LeaseLostReason::Left);
+        let held = self.inner.held();
+        held.keep_alive_task.abort();
+        held.standing.lose(LeaseLostReason::Left);
         let lease_client = self.inner.client.lease_client();
-        let lease = self.inner.lease;
+        let lease = held.lease;
         let revoke = || {
             let mut lease_client = lease_client.clone();
             async move { lease_client.revoke(lease).await }
@@ -281,7 +272,7 @@ impl EtcdPlacement {
     pub async fn publish_http(&self, address: &str) -> Result<(), PlacementError> {
         let key = format!("{}http/{}", self.inner.prefix, self.inner.config.node);
         let kv = self.inner.client.kv_client();
-        let options = PutOptions::new().with_lease(self.inner.lease);
+        let options = PutOptions::new().with_lease(self.inner.held().lease);
         let put = || {
             let (mut kv, key, address, options) = (kv.clone(), key.clone(), address.to_string(), options.clone());
             async move { kv.put(key, address, Some(options)).await }
@@ -363,39 +354,40 @@ impl EtcdPlacement {
                 | PlacementOperation::Leave
                 | PlacementOperation::PublishHttp
         );
+        let held = self.inner.held();
         let result = bounded(
             &self.inner.config.endpoints.join(","),
             self.inner.config.request_timeout(),
             operation,
-            uses_lease.then_some((&self.inner.config.node, self.inner.lease)),
+            uses_lease.then_some((&self.inner.config.node, held.lease)),
             attempt,
         )
         .await;
         if let Err(PlacementError::LeaseExpired { reason, .. }) = &result {
-            self.inner.standing.lose(reason.clone());
+            held.standing.lose(reason.clone());
         }
         result
     }
 
-    fn lease_expired(&self, reason: LeaseLostReason) -> PlacementError {
+    fn lease_expired(&self, lease: i64, reason: LeaseLostReason) -> PlacementError {
         PlacementError::LeaseExpired {
             node: self.inner.config.node.clone(),
-            lease: self.inner.lease,
+            lease,
             reason,
         }
     }
 
     /// Refuses a write under the lease unless the lease is held and a request started
     /// now ends before the lease can have expired on the server.
-    fn check_lease_for_write(&self, operation: PlacementOperation) -> Result<(), PlacementError> {
-        if let Some(reason) = self.inner.standing.lost() {
-            return Err(self.lease_expired(reason));
+    fn check_lease_for_write(&self, held: &HeldLease, operation: PlacementOperation) -> Result<(), PlacementError> {
+        if let Some(reason) = held.standing.lost() {
+            return Err(self.lease_expired(held.lease, reason));
         }
         let now = tokio::time::Instant::now();
-        let valid_until = self.inner.standing.valid_until();
+        let valid_until = held.standing.valid_until();
         if now >= valid_until {
-            self.inner.standing.lose(LeaseLostReason::NotRenewedInTime);
-            return Err(self.lease_expired(LeaseLostReason::NotRenewedInTime));
+            held.standing.lose(LeaseLostReason::NotRenewedInTime);
+            return Err(self.lease_expired(held.lease, LeaseLostReason::NotRenewedInTime));
         }
         if now + self.inner.config.request_timeout() > valid_until {
             return Err(PlacementError::EtcdUnavailable {
@@ -440,16 +432,17 @@ impl Placement for EtcdPlacement {
     }
 
     async fn place(&self, actor: &ActorId) -> Result<PlacementRecord, PlacementError> {
-        self.check_lease_for_write(PlacementOperation::Place)?;
+        let held = self.inner.held();
+        self.check_lease_for_write(&held, PlacementOperation::Place)?;
         let key = self.placement_key(actor);
-        let create = PutOptions::new().with_lease(self.inner.lease);
+        let create = PutOptions::new().with_lease(held.lease);
         // Compare by value only (all the simulator offers): every record this crate
         // writes is non-empty, and a missing key fails `> ""` in etcd and the simulator.
         let txn = Txn::new()
             .when(vec![Compare::value(key.clone(), CompareOp::Greater, "")])
             .and_then(vec![TxnOp::get(key.clone(), None)])
             .or_else(vec![
-                TxnOp::put(key.clone(), self.inner.owner_value.clone(), Some(create)),
+                TxnOp::put(key.clone(), held.owner_value.clone(), Some(create)),
                 TxnOp::get(key.clone(), None),
             ]);
         let response = self.request(PlacementOperation::Place, self.txn(txn)).await?;
@@ -465,7 +458,7 @@ impl Placement for EtcdPlacement {
                 reason: "the placement transaction returned no record".to_string(),
             })?;
         let record = self.record(actor, &key, &kv)?;
-        if kv.value() != self.inner.owner_value.as_bytes() {
+        if kv.value() != held.owner_value.as_bytes() {
             return Err(PlacementError::PlacementConflict {
                 actor: actor.clone(),
                 owner: record.owner,
@@ -490,7 +483,7 @@ impl Placement for EtcdPlacement {
             .when(vec![Compare::value(
                 key.clone(),
                 CompareOp::Equal,
-                self.inner.owner_value.clone(),
+                self.inner.held().owner_value.clone(),
             )])
             .and_then(vec![TxnOp::delete(key, None)]);
         let response = self.request(PlacementOperation::Release, self.txn(txn)).await?;
@@ -522,6 +515,98 @@ impl Placement for EtcdPlacement {
         nodes.sort_by(|a, b| a.node.cmp(&b.node));
         Ok(nodes)
     }
+}
+
+/// Claims this node's name under a new lease and starts renewing it: reads the
+/// membership record (a live node under the name at another address refuses it, as
+/// `in_use` says), grants the lease, writes the record under it in one transaction.
+async fn take_lease<F, Fut>(client: &Client, config: &EtcdConfig, in_use: F) -> Result<HeldLease, PlacementError>
+where
+    F: FnOnce(String) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let endpoints = config.endpoints.join(",");
+    let timeout = config.request_timeout();
+    let kv = client.kv_client();
+    let node_key = format!("/troupe/{}/nodes/{}", config.cluster, config.node);
+    let previous = bounded(&endpoints, timeout, PlacementOperation::Join, None, || {
+        let (mut kv, key) = (kv.clone(), node_key.clone());
+        async move { kv.get(key, None).await }
+    })
+    .await?;
+    let mut expected = None;
+    if let Some(record) = previous.kvs().first() {
+        let address = String::from_utf8_lossy(record.value()).into_owned();
+        if address != config.address && in_use(address.clone()).await {
+            return Err(PlacementError::NodeNameInUse {
+                node: config.node.clone(),
+                address,
+            });
+        }
+        expected = Some(Expected {
+            value: record.value().to_vec(),
+            mod_revision: record.mod_revision(),
+        });
+    }
+    let ttl_s = i64::try_from(config.lease_ttl_s).expect("validate bounds the lease TTL");
+    let lease_client = client.lease_client();
+    let granted_at = tokio::time::Instant::now();
+    // A grant sent again after an answer was lost leaves a lease nobody renews: it
+    // holds no key, and expires after its TTL.
+    let granted = bounded(&endpoints, timeout, PlacementOperation::GrantLease, None, || {
+        let mut lease_client = lease_client.clone();
+        async move { lease_client.grant(ttl_s, None).await }
+    })
+    .await?;
+    // A grant longer than asked for is trusted only as far as asked.
+    let (lease, granted_ttl_s) = (granted.id(), granted.ttl().min(ttl_s));
+    let valid_until = lease::trusted_until(granted_at, granted_ttl_s, granted_ttl_s);
+    let standing = Arc::new(LeaseStanding::new(valid_until));
+    let mut claimed = claim_name(&kv, config, &node_key, expected.take(), lease).await;
+    if matches!(claimed, Ok(NameClaim::Vanished)) {
+        // The record read above ended with its lease in the meantime: the name is
+        // free, claim it as an absent one (that never vanishes).
+        claimed = claim_name(&kv, config, &node_key, None, lease).await;
+    }
+    let refusal = match claimed {
+        Ok(NameClaim::Claimed) => None,
+        Ok(NameClaim::HeldBy(address)) => Some(PlacementError::NodeNameInUse {
+            node: config.node.clone(),
+            address,
+        }),
+        Ok(NameClaim::Vanished) => Some(PlacementError::MalformedRecord {
+            key: node_key.clone(),
+            reason: "the membership transaction returned no record".to_string(),
+        }),
+        Err(error) => Some(error),
+    };
+    if let Some(refusal) = refusal {
+        // The lease holds nothing; revoked so that it does not linger for its TTL.
+        // If the revoke fails the lease simply expires.
+        let revoked = bounded(&endpoints, timeout, PlacementOperation::Leave, None, || {
+            let mut lease_client = lease_client.clone();
+            async move { lease_client.revoke(lease).await }
+        })
+        .await;
+        if let Err(error) = revoked {
+            tracing::debug!(%error, "revoking the lease of a refused join failed; it expires by itself");
+        }
+        return Err(refusal);
+    }
+    let keep_alive_task = tokio::spawn(lease::keep_alive(
+        Arc::clone(&standing),
+        lease_client,
+        lease,
+        granted_ttl_s,
+        config.keep_alive_interval(),
+        timeout,
+    ));
+    Ok(HeldLease {
+        owner_value: format!("{lease:x}/{}", config.node),
+        lease,
+        standing,
+        keep_alive_task,
+    })
 }
 
 /// The membership record a join read and found free to take (a gone node's, or this
