@@ -42,9 +42,17 @@ pub enum AgentCallError {
     /// sent.
     #[error("call not permitted: {0}")]
     NotPermitted(#[from] crate::NotPermitted),
-    /// The call was sent and failed: timed out, the callee failed, a deadlock, ...
+    /// The call was sent and failed: timed out, the callee's turn failed (other than
+    /// by its model: [`AgentCallError::ModelFailed`]), a deadlock, ...
     #[error("call failed: {0}")]
     Invoke(#[from] InvokeError),
+    /// The callee's model gave no answer, so neither did the callee: the model's
+    /// [`crate::LlmError`], typed (rate limited, request too large, timed out,
+    /// unreachable, malformed, stopped early, ...). Its text names the error's kind
+    /// ([`crate::LlmError::kind`]), which `call_agent`'s tool result shows the calling
+    /// model. The callee's turn committed nothing, as for any failed turn.
+    #[error("call failed: {0}")]
+    ModelFailed(#[from] ModelFailed),
     /// The agent id cannot name an actor.
     #[error("agent id {agent_id:?} is not valid: {cause}")]
     InvalidAgentId {
@@ -98,13 +106,73 @@ pub enum AgentCallError {
     },
 }
 
+/// An agent's model gave no answer, so the agent could not ([`AgentCallError::ModelFailed`]).
+///
+/// # Examples
+/// ```
+/// use troupe_agent::{agent_id, AgentCallError, LlmError, ModelFailed};
+/// let error = AgentCallError::ModelFailed(ModelFailed {
+///     agent: agent_id("analyst").unwrap(),
+///     error: LlmError::Provider { status: 429, body: "slow down".into(), retry_after_ms: Some(2_000) },
+/// });
+/// match &error {
+///     AgentCallError::ModelFailed(ModelFailed {
+///         error: LlmError::Provider { status: 429, retry_after_ms: Some(wait), .. }, ..
+///     }) => assert_eq!(*wait, 2_000),
+///     other => panic!("{other}"),
+/// }
+/// assert!(error.to_string().contains("(rate_limited)"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the model of {agent} failed ({}): {error}", error.kind())]
+pub struct ModelFailed {
+    /// The agent whose model failed.
+    pub agent: ActorId,
+    /// What the model's client said.
+    pub error: crate::LlmError,
+}
+
+impl ModelFailed {
+    /// The model failure of `target`'s turn that `error` reports, if it is one: a turn
+    /// that failed with its model's error has the cause `the model failed: ` and the
+    /// error's text (`TurnError::into_actor_error`), which is read back typed here, the
+    /// same whether the reply came as a value or as bytes from another process.
+    pub(crate) fn of_invoke(error: &InvokeError, target: &ActorId) -> Option<Self> {
+        let InvokeError::ActorFailed { target: failed, cause } = error else {
+            return None;
+        };
+        if failed != target {
+            return None;
+        }
+        let text = cause.strip_prefix(crate::agent::TurnError::MODEL_FAILED_PREFIX)?;
+        Some(Self {
+            agent: failed.clone(),
+            error: crate::LlmError::from_text(text)?,
+        })
+    }
+}
+
 impl AgentCallError {
+    /// `error` of a call to agent `target`, typed: its model's failure is
+    /// [`AgentCallError::ModelFailed`], any other [`AgentCallError::Invoke`].
+    pub(crate) fn of_invoke(error: InvokeError, target: &ActorId) -> Self {
+        match ModelFailed::of_invoke(&error, target) {
+            Some(failed) => Self::ModelFailed(failed),
+            None => Self::Invoke(error),
+        }
+    }
+
     /// What the observer records for this error.
     pub(crate) fn outcome(&self) -> CallOutcome {
         match self {
             Self::Refused(refused) => CallOutcome::Refused(refused.clone()),
             Self::NotPermitted(refused) => CallOutcome::NotPermitted(refused.clone()),
             Self::Invoke(error) => CallOutcome::Failed(error.clone()),
+            // Recorded as the callee's failed turn, as before the error was typed.
+            Self::ModelFailed(failed) => CallOutcome::Failed(InvokeError::ActorFailed {
+                target: failed.agent.clone(),
+                cause: format!("{}{}", crate::agent::TurnError::MODEL_FAILED_PREFIX, failed.error),
+            }),
             Self::InvalidAgentId { .. } | Self::MalformedReply { .. } | Self::BudgetExhausted(_) | Self::Remote(_) => {
                 CallOutcome::Other {
                     cause: self.to_string(),
@@ -164,8 +232,10 @@ impl Drop for CallEndReport<'_> {
 /// # Errors
 /// [`AgentCallError::Refused`] (cycle, depth, unknown agent, too many calls, bad timeout,
 /// no time left), [`AgentCallError::BudgetExhausted`] (no budget left to grant, or the
-/// callee ran out of its grant), [`AgentCallError::Invoke`] (timeout, the callee failed, deadlock, busy,
-/// shutdown), [`AgentCallError::InvalidAgentId`], [`AgentCallError::MalformedReply`].
+/// callee ran out of its grant), [`AgentCallError::ModelFailed`] (the callee's model
+/// failed: the model's error, typed), [`AgentCallError::Invoke`] (timeout, the callee
+/// failed otherwise, deadlock, busy, shutdown), [`AgentCallError::InvalidAgentId`],
+/// [`AgentCallError::MalformedReply`].
 ///
 /// # Cancel safety
 /// Dropping the future abandons the call: the in-flight slot is freed, the dispatcher
@@ -311,7 +381,7 @@ pub async fn call_agent(
                     }))
                 }
                 Err(InvokeError::Refused(refused)) => Err(AgentCallError::Refused(refused)),
-                Err(error) => Err(AgentCallError::Invoke(error)),
+                Err(error) => Err(AgentCallError::of_invoke(error, &target)),
             };
             let result = settle_call(context.budget(), grant, result);
             if let Ok(reply) = &result {

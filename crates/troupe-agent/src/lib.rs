@@ -87,7 +87,9 @@ pub use agent::{
     ContextWindow, ModelSettings, AGENT_KIND,
 };
 pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, DelegateOptions, NotifyOptions, Spend};
-pub use call_agent::{call_agent, call_agent_schema, AgentCallError, CallAgentArguments, CALL_AGENT_TOOL_NAME};
+pub use call_agent::{
+    call_agent, call_agent_schema, AgentCallError, CallAgentArguments, ModelFailed, CALL_AGENT_TOOL_NAME,
+};
 pub use config::{
     AgentConfig, ConfigError, LinkConfig, OrgConfig, PermissionConfig, RemoteAgentConfig, CONFIG_AGENTS_MAX,
     CONFIG_FILE_SIZE_MAX_BYTES,

@@ -501,13 +501,24 @@ pub enum LlmError {
         timeout_ms: u64,
     },
     /// The provider answered with an error status. Its text says what to check for the
-    /// usual statuses (401/403, 404, 408/429, 413, 5xx), then the provider's own words.
-    #[error("the model provider answered {status}{}: {body}", provider_status_hint(*status))]
+    /// usual statuses (401/403, 404, 408/429, 413, 5xx), the wait the provider asked
+    /// for if it did, then the provider's own words.
+    #[error(
+        "the model provider answered {status}{}{}: {body}",
+        provider_status_hint(*status),
+        retry_after_text(*retry_after_ms)
+    )]
     Provider {
         /// The HTTP status.
         status: u16,
         /// The start of the response body.
         body: String,
+        /// How long the provider asked to wait before trying again (its `retry-after-ms`
+        /// or `Retry-After` header, in milliseconds, capped at `RETRY_AFTER_MS_MAX`), if
+        /// it said; typically with 429 or 503. The client waited as asked between its
+        /// own retries; this is what the last answer asked.
+        #[serde(default)]
+        retry_after_ms: Option<u64>,
     },
     /// The provider could not be reached.
     #[error("the model provider is unreachable (check the base URL and that the provider is up): {cause}")]
@@ -554,6 +565,103 @@ pub enum LlmError {
     },
 }
 
+impl LlmError {
+    /// A short name of what went wrong, for a model or a log to read (a Rust caller
+    /// matches the variant): `timeout`; for [`LlmError::Provider`] by its status
+    /// `rate_limited` (408, 429), `too_large` (413: a shorter history or fewer tools),
+    /// `context_too_long` (a 400 whose body says the context length was exceeded, as
+    /// OpenAI's `context_length_exceeded` does), `refused_key` (401, 403), `not_found`
+    /// (404), `provider_failed` (5xx) or `provider_error` (any other); `unreachable`,
+    /// `malformed`, `over_token_limit`, `stopped_early`, `injected`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Timeout { .. } => "timeout",
+            Self::Provider { status: 400, body, .. } if says_context_too_long(body) => "context_too_long",
+            Self::Provider { status, .. } => match status {
+                408 | 429 => "rate_limited",
+                413 => "too_large",
+                401 | 403 => "refused_key",
+                404 => "not_found",
+                500..=599 => "provider_failed",
+                _ => "provider_error",
+            },
+            Self::Unreachable { .. } => "unreachable",
+            Self::Malformed { .. } => "malformed",
+            Self::OverTokenLimit { .. } => "over_token_limit",
+            Self::StoppedEarly { .. } => "stopped_early",
+            Self::Injected { .. } => "injected",
+        }
+    }
+
+    /// The error whose text (`Display`) is `text`: the inverse of its `Display`, so an
+    /// error that crossed a boundary as text (an agent's failed turn, whose cause is a
+    /// string on the wire) is typed again. `None` for a text no error writes. A
+    /// [`LlmError::StoppedEarly`]'s `finish_reason` is read back as written when it is
+    /// printable ASCII (`Debug` escapes other characters in ways not all read back).
+    pub(crate) fn from_text(text: &str) -> Option<Self> {
+        if let Some(rest) = text.strip_prefix("the model did not answer within ") {
+            let timeout_ms = rest.strip_suffix(" ms")?.parse().ok()?;
+            return Some(Self::Timeout { timeout_ms });
+        }
+        if let Some(rest) = text.strip_prefix("the model provider answered ") {
+            let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            let status: u16 = rest[..digits].parse().ok()?;
+            let rest = rest[digits..].strip_prefix(provider_status_hint(status))?;
+            let (retry_after_ms, rest) = match rest.strip_prefix(" (it asked to wait ") {
+                Some(wait) => {
+                    let (ms, rest) = wait.split_once(" ms before retrying)")?;
+                    (Some(ms.parse().ok()?), rest)
+                }
+                None => (None, rest),
+            };
+            return Some(Self::Provider {
+                status,
+                body: rest.strip_prefix(": ")?.to_string(),
+                retry_after_ms,
+            });
+        }
+        if let Some(cause) =
+            text.strip_prefix("the model provider is unreachable (check the base URL and that the provider is up): ")
+        {
+            return Some(Self::Unreachable {
+                cause: cause.to_string(),
+            });
+        }
+        if let Some(cause) = text.strip_prefix("the model's answer is malformed: ") {
+            return Some(Self::Malformed {
+                cause: cause.to_string(),
+            });
+        }
+        if let Some(rest) = text.strip_prefix("the model provider stopped the answer early: ") {
+            let (reason, rest) = [EarlyStop::ContentFilter, EarlyStop::Error]
+                .into_iter()
+                .find_map(|reason| Some((reason, rest.strip_prefix(reason.to_string().as_str())?)))?;
+            let rest = rest
+                .strip_prefix(" (finish_reason ")?
+                .strip_suffix(" bytes of text that had arrived are not used")?;
+            let (quoted, partial_bytes) = rest.rsplit_once("); the ")?;
+            let finish_reason = serde_json::from_str::<String>(quoted).ok()?;
+            return Some(Self::StoppedEarly {
+                reason,
+                finish_reason,
+                partial_bytes: partial_bytes.parse().ok()?,
+            });
+        }
+        if let Some(cause) = text.strip_prefix("injected model failure: ") {
+            return Some(Self::Injected {
+                cause: cause.to_string(),
+            });
+        }
+        let rest = text.strip_prefix("the answer needs ")?;
+        let (needed, rest) = rest.split_once(" tokens, more than the ")?;
+        let max_tokens = rest.strip_suffix(" this call may use")?;
+        Some(Self::OverTokenLimit {
+            needed: needed.parse().ok()?,
+            max_tokens: max_tokens.parse().ok()?,
+        })
+    }
+}
+
 /// Why a provider ended an answer early ([`LlmError::StoppedEarly`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EarlyStop {
@@ -574,6 +682,27 @@ impl std::fmt::Display for EarlyStop {
             Self::Error => "it failed while answering (retry later)",
         })
     }
+}
+
+/// Whether a provider's error body says the request's context was too long (OpenAI's
+/// code `context_length_exceeded`, its message "maximum context length", and the
+/// wording of common local servers).
+fn says_context_too_long(body: &str) -> bool {
+    let body = body.to_ascii_lowercase();
+    [
+        "context_length_exceeded",
+        "maximum context length",
+        "context length",
+        "context window",
+    ]
+    .iter()
+    .any(|said| body.contains(said))
+}
+
+/// What an [`LlmError::Provider`] says of the wait its provider asked for (empty when
+/// it did not).
+fn retry_after_text(retry_after_ms: Option<u64>) -> String {
+    retry_after_ms.map_or_else(String::new, |ms| format!(" (it asked to wait {ms} ms before retrying)"))
 }
 
 /// What an [`LlmError::Provider`] of `status` tells the reader to check (empty for a
@@ -735,6 +864,76 @@ mod tests {
             let json = serde_json::to_string(&prompt).unwrap();
             proptest::prop_assert_eq!(&json, &serde_json::to_string(&all).unwrap());
             proptest::prop_assert_eq!(serde_json::from_str::<Prompt>(&json).unwrap(), prompt);
+        }
+    }
+
+    /// Any text, and printable ASCII (what a provider's `finish_reason` is).
+    fn any_error() -> impl proptest::strategy::Strategy<Value = LlmError> {
+        use proptest::prelude::*;
+        let text = ".{0,40}";
+        prop_oneof![
+            any::<u64>().prop_map(|timeout_ms| LlmError::Timeout { timeout_ms }),
+            (
+                prop_oneof![
+                    Just(400u16),
+                    Just(401),
+                    Just(404),
+                    Just(413),
+                    Just(429),
+                    Just(503),
+                    100u16..1000
+                ],
+                text,
+                proptest::option::of(any::<u64>())
+            )
+                .prop_map(|(status, body, retry_after_ms)| LlmError::Provider {
+                    status,
+                    body,
+                    retry_after_ms
+                }),
+            text.prop_map(|cause| LlmError::Unreachable { cause }),
+            text.prop_map(|cause| LlmError::Malformed { cause }),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(needed, max_tokens)| LlmError::OverTokenLimit { needed, max_tokens }),
+            (any::<bool>(), "[ -~]{0,20}", any::<usize>()).prop_map(|(filter, finish_reason, partial_bytes)| {
+                LlmError::StoppedEarly {
+                    reason: if filter {
+                        EarlyStop::ContentFilter
+                    } else {
+                        EarlyStop::Error
+                    },
+                    finish_reason,
+                    partial_bytes,
+                }
+            }),
+            text.prop_map(|cause| LlmError::Injected { cause }),
+        ]
+    }
+
+    #[test]
+    fn a_provider_error_is_named_by_its_status_and_a_context_too_long_by_its_body() {
+        let provider = |status, body: &str| LlmError::Provider {
+            status,
+            body: body.to_owned(),
+            retry_after_ms: None,
+        };
+        let openai = r#"{"error": {"message": "This model's maximum context length is 8192 tokens.", "code": "context_length_exceeded"}}"#;
+        assert_eq!(provider(400, openai).kind(), "context_too_long");
+        assert_eq!(provider(400, "bad request").kind(), "provider_error");
+        assert_eq!(provider(429, "").kind(), "rate_limited");
+        assert_eq!(provider(413, "").kind(), "too_large");
+        assert_eq!(provider(503, "").kind(), "provider_failed");
+    }
+
+    proptest::proptest! {
+        /// Every model error's text reads back as the error (an agent's failed turn
+        /// carries it as text, also across processes), and no other text does.
+        #[test]
+        fn a_model_errors_text_reads_back_as_the_error(error in any_error(), other in ".{0,40}") {
+            proptest::prop_assert_eq!(LlmError::from_text(&error.to_string()), Some(error));
+            if let Some(read) = LlmError::from_text(&other) {
+                proptest::prop_assert_eq!(read.to_string(), other);
+            }
         }
     }
 

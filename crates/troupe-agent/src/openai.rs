@@ -687,6 +687,7 @@ impl OpenAiClient {
             let error = LlmError::Provider {
                 status,
                 body: troupe_core::truncate_utf8(&text, PROVIDER_ERROR_BODY_BYTES_MAX).to_owned(),
+                retry_after_ms: retry_after.map(|wait| u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
             };
             return Err(if status == 408 || status == 429 || status >= 500 {
                 Attempt::Retryable { error, retry_after }
@@ -1700,6 +1701,7 @@ mod tests {
         let provider = |status, body: &str| LlmError::Provider {
             status,
             body: body.to_owned(),
+            retry_after_ms: None,
         };
         let refused = provider(
             400,

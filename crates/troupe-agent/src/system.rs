@@ -335,9 +335,11 @@ impl AgentClient {
     ///
     /// # Errors
     /// [`AgentCallError::Refused`] with `AgentNotFound` for an agent not in the directory,
-    /// [`AgentCallError::InvalidAgentId`], [`AgentCallError::Invoke`] (timeout, the
-    /// agent's turn failed: its model failed or it ran out of steps, storage, shutdown),
-    /// [`AgentCallError::MalformedReply`].
+    /// [`AgentCallError::InvalidAgentId`], [`AgentCallError::ModelFailed`] (the agent's
+    /// model failed: the model's [`crate::LlmError`], typed: rate limited, too large,
+    /// timed out, unreachable, malformed, stopped early, ...), [`AgentCallError::Invoke`]
+    /// (timeout, the agent's turn failed otherwise: it ran out of steps, storage,
+    /// shutdown), [`AgentCallError::MalformedReply`].
     pub async fn ask_with_timeout(
         &self,
         agent: &str,
@@ -1041,7 +1043,7 @@ pub(crate) async fn ask_from_outside(
                 cause,
             })
             .and_then(reply_or_exhausted),
-        Err(error) => Err(AgentCallError::Invoke(error)),
+        Err(error) => Err(AgentCallError::of_invoke(error, target)),
     }
 }
 

@@ -561,10 +561,15 @@ async fn a_model_failure_commits_nothing_and_long_replies_are_capped_on_a_charac
     let system = start(&llm, &["a"], &CallRecorder::new());
     let failed = system.ask("a", "please fail").await;
     match failed {
-        Err(AgentCallError::Invoke(InvokeError::ActorFailed { cause, .. })) => {
-            assert_eq!(cause, "the model failed: injected model failure: provider down");
+        Err(AgentCallError::ModelFailed(failed)) => {
+            assert_eq!(
+                failed.error,
+                troupe_agent::LlmError::Injected {
+                    cause: "provider down".into()
+                }
+            );
         }
-        other => panic!("expected ActorFailed, got {other:?}"),
+        other => panic!("expected ModelFailed, got {other:?}"),
     }
     assert!(system.conversation_log("a").await.unwrap().is_empty());
     let long = system.ask("a", "something long").await.unwrap();

@@ -335,7 +335,7 @@ async fn status_429_is_provider_error_with_status_and_truncated_body() {
         .await
         .expect_err("a 429 is an error");
 
-    let LlmError::Provider { status, body } = error else {
+    let LlmError::Provider { status, body, .. } = error else {
         panic!("expected LlmError::Provider, got {error:?}");
     };
     assert_eq!(status, 429);

@@ -179,7 +179,8 @@ async fn server_error_forever_gives_up_after_retries_max() {
         error,
         LlmError::Provider {
             status: 500,
-            body: "boom".to_owned()
+            body: "boom".to_owned(),
+            retry_after_ms: None
         }
     );
     assert_eq!(server.requests(), 3);
@@ -206,7 +207,8 @@ async fn server_error_forever_gives_up_with_provider_error_within_the_deadline()
         error,
         LlmError::Provider {
             status: 500,
-            body: "boom".to_owned()
+            body: "boom".to_owned(),
+            retry_after_ms: None
         }
     );
     assert!(elapsed < deadline_in, "gave up only after the deadline: {elapsed:?}");
@@ -229,7 +231,8 @@ async fn client_error_is_not_retried() {
         error,
         LlmError::Provider {
             status: 400,
-            body: "bad request".to_owned()
+            body: "bad request".to_owned(),
+            retry_after_ms: None
         }
     );
     assert_eq!(server.requests(), 1);

@@ -78,6 +78,7 @@ fn system(base_url: &str, stream: bool) -> AgentSystem {
 /// The cause of a failed turn, or a panic naming what came instead.
 fn failure_cause(result: Result<troupe_agent::AgentReply, AgentCallError>) -> String {
     match result {
+        Err(AgentCallError::ModelFailed(failed)) => format!("the model failed: {}", failed.error),
         Err(AgentCallError::Invoke(InvokeError::ActorFailed { cause, .. })) => cause,
         other => panic!("expected the turn to fail, got {other:?}"),
     }
@@ -453,6 +454,39 @@ async fn concurrent_calls_switch_the_token_cap_field_each_at_most_once() {
     let bodies = server.bodies.lock().unwrap().clone();
     assert_eq!(bodies.len(), requests + 1);
     assert_eq!(bodies.last().unwrap()["max_completion_tokens"], 7);
+}
+
+/// A provider that answers 429 with `Retry-After` (after the client's retries): the
+/// embedder's ask is `AgentCallError::ModelFailed` with the status, the body and the
+/// wait the provider asked for, and the call is not answered with `ActorFailed` text.
+/// Before, it was `Invoke(ActorFailed { cause: "the model failed: the model provider
+/// answered 429 ..." })`, and the wait was not kept.
+#[tokio::test]
+async fn a_rate_limited_model_reaches_the_embedder_typed_with_its_wait() {
+    let server = FakeServer::start(|_, _| Behaviour::Respond {
+        status: 429,
+        headers: vec![("retry-after", "2".to_owned())],
+        body: "{\"error\": {\"message\": \"Rate limit reached\"}}".to_owned(),
+    })
+    .await;
+    let system = system(&server.base_url, false);
+    match system.ask("bob", "hello").await {
+        Err(AgentCallError::ModelFailed(troupe_agent::ModelFailed { agent, error })) => {
+            assert_eq!(agent.key(), "bob");
+            assert_eq!(
+                error,
+                LlmError::Provider {
+                    status: 429,
+                    body: "{\"error\": {\"message\": \"Rate limit reached\"}}".to_owned(),
+                    retry_after_ms: Some(2_000),
+                }
+            );
+            assert_eq!(error.kind(), "rate_limited");
+        }
+        other => panic!("expected ModelFailed, got {other:?}"),
+    }
+    assert_log_empty(&system).await;
+    system.shutdown().await;
 }
 
 /// A stream observer learns how each streamed answer ended, after its deltas

@@ -73,6 +73,7 @@ fn system(base_url: &str, retries_max: u32, stream: bool) -> AgentSystem {
 /// The cause of a failed turn, or a panic naming what came instead.
 fn failure_cause(result: Result<troupe_agent::AgentReply, AgentCallError>) -> String {
     match result {
+        Err(AgentCallError::ModelFailed(failed)) => format!("the model failed: {}", failed.error),
         Err(AgentCallError::Invoke(InvokeError::ActorFailed { cause, .. })) => cause,
         other => panic!("expected the turn to fail, got {other:?}"),
     }
