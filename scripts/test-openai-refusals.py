@@ -8,7 +8,7 @@ a bearer token and the scripted model (scripts/serve_harness.py), then checks th
 
 - every refusal the client can provoke is its typed error with OpenAI's `type`
   (`invalid_request_error`) and `param` naming the field: a message without `role`
-  (UnprocessableEntityError, param `messages[0].role`), a wrong `n` type, no user
+  (BadRequestError, param `messages[0].role`), a wrong `n` type, no user
   message (param `messages`), a body over the server's 256 KiB limit (413, param null),
   a wrong key (AuthenticationError); until 2026-12-06 those made before the route's
   code ran (the body's, the token's) had `type` and `param` None;
@@ -87,24 +87,24 @@ def refusals(client, address):
     refused(
         "a message without role",
         lambda: create(model="critic", messages=[{"content": "hi"}]),
-        openai.UnprocessableEntityError,
-        422,
+        openai.BadRequestError,
+        400,
         "messages[0].role",
         "invalid_body",
     )
     refused(
         "n of the wrong type",
         lambda: create(model="critic", messages=BRIEF, n="two"),
-        openai.UnprocessableEntityError,
-        422,
+        openai.BadRequestError,
+        400,
         "n",
         "invalid_body",
     )
     refused(
         "no user message",
         lambda: create(model="critic", messages=[{"role": "assistant", "content": "hi"}]),
-        openai.UnprocessableEntityError,
-        422,
+        openai.BadRequestError,
+        400,
         "messages",
         "no_user_message",
     )

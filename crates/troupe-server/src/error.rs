@@ -49,6 +49,11 @@ impl ApiError {
     /// The same error in OpenAI's shape: `type` (`invalid_request_error` for a client
     /// error, `server_error` otherwise, unless set already) and `param` in its body.
     pub fn openai(mut self) -> Self {
+        // OpenAI's API answers every invalid request 400 (its clients raise
+        // `BadRequestError`); the REST routes' 422 becomes that.
+        if self.status == StatusCode::UNPROCESSABLE_ENTITY {
+            self.status = StatusCode::BAD_REQUEST;
+        }
         if self.openai_type.is_none() {
             self.openai_type = Some(if self.status.is_client_error() {
                 "invalid_request_error"
@@ -161,6 +166,11 @@ impl From<AgentCallError> for ApiError {
         match &error {
             AgentCallError::Refused(refused) => refused.into(),
             AgentCallError::Invoke(invoke) => invoke.into(),
+            // The agent's model failed (typed since 2026-12-07; an `ActorFailed` before):
+            // answered as that was, 500 `agent_failed` with the same text.
+            AgentCallError::ModelFailed(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "agent_failed", error.to_string())
+            }
             AgentCallError::InvalidAgentId { .. } => Self::bad_request(error.to_string()),
             AgentCallError::MalformedReply { .. } => Self::internal(error.to_string()),
             AgentCallError::NotPermitted(_) => Self::new(StatusCode::FORBIDDEN, "not_permitted", error.to_string()),

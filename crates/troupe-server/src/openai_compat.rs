@@ -192,6 +192,10 @@ pub(crate) async fn in_openai_shape(response: Response) -> Response {
         };
         error.insert("type".to_string(), json!(kind));
         error.insert("param".to_string(), Value::Null);
+        // As `ApiError::openai`: an invalid request is 400 in OpenAI's API.
+        if parts.status == axum::http::StatusCode::UNPROCESSABLE_ENTITY {
+            parts.status = axum::http::StatusCode::BAD_REQUEST;
+        }
         serde_json::to_vec(&body).ok()
     });
     match reshaped {

@@ -655,7 +655,7 @@ async fn openai_requests_with_unused_fields_or_malformed_parts_are_answered_as_d
 
     let long = "x".repeat(troupe_server::limits::SERVER_MESSAGE_SIZE_MAX_BYTES + 1);
     let refusals = [
-        (json!({"model": "echo", "messages": []}), 422, "no_user_message", "user"),
+        (json!({"model": "echo", "messages": []}), 400, "no_user_message", "user"),
         (
             json!({"model": "echo", "n": 3, "messages": [user("x")]}),
             400,
@@ -664,45 +664,45 @@ async fn openai_requests_with_unused_fields_or_malformed_parts_are_answered_as_d
         ),
         (
             json!({"model": "echo", "messages": [{"role": "robot", "content": "x"}]}),
-            422,
+            400,
             "no_user_message",
             "user",
         ),
-        (json!({"model": "echo"}), 422, "invalid_body", "messages"),
-        (json!({"messages": [user("x")]}), 422, "invalid_body", "model"),
+        (json!({"model": "echo"}), 400, "invalid_body", "messages"),
+        (json!({"messages": [user("x")]}), 400, "invalid_body", "model"),
         (
             json!({"model": "echo", "messages": [{"content": "x"}]}),
-            422,
+            400,
             "invalid_body",
             "role",
         ),
         (
             json!({"model": "echo", "messages": [user("x")], "stream": "true"}),
-            422,
+            400,
             "invalid_body",
             "stream",
         ),
         (
             json!({"model": "echo", "messages": [user("")]}),
-            422,
+            400,
             "empty_message",
             "empty",
         ),
         (
             json!({"model": "echo", "messages": [{"role": "user", "content": null}]}),
-            422,
+            400,
             "unsupported_content",
             "content",
         ),
         (
             json!({"model": "echo", "messages": [{"role": "user", "content": 7}]}),
-            422,
+            400,
             "unsupported_content",
             "content",
         ),
         (
             json!({"model": "echo", "messages": [user(&long)]}),
-            422,
+            400,
             "message_too_long",
             "limit",
         ),

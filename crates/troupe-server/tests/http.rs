@@ -1000,14 +1000,14 @@ async fn openai_style_chat_completions_and_models_answer_in_openais_shapes() {
             json!({"model": "echo", "messages": [{"role": "system", "content": "x"}]}),
         )
         .await;
-    assert_eq!((status, error_code(&body)), (422, "no_user_message"));
+    assert_eq!((status, error_code(&body)), (400, "no_user_message"));
     let (status, body) = server
         .post(
             "/v1/chat/completions",
             json!({"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         )
         .await;
-    assert_eq!((status, error_code(&body)), (422, "unsupported_content"));
+    assert_eq!((status, error_code(&body)), (400, "unsupported_content"));
     server.stop().await;
 }
 
@@ -1062,7 +1062,7 @@ async fn an_openai_request_with_null_optional_fields_is_served_as_if_they_were_a
     let response = post(r#"{"model": "echo", "messages": null}"#.to_string())
         .await
         .unwrap();
-    assert_eq!(response.status().as_u16(), 422);
+    assert_eq!(response.status().as_u16(), 400);
     let body: Value = serde_json::from_str(&response.text().await.unwrap()).unwrap();
     assert_eq!(error_code(&body), "invalid_body");
     assert!(

@@ -185,8 +185,9 @@ async fn a_notification_cannot_take_an_a2a_tasks_message_id() {
 /// of its body too, with `type: "invalid_request_error"` and `param` naming the field
 /// that is wrong (serde's path: `messages[0].role`; null for the body as a whole), so
 /// that an OpenAI client's typed error carries `.type` and `.param` whatever was wrong.
-/// The statuses and codes are as before: 400 `invalid_json` (not JSON), 422
-/// `invalid_body` (a field missing or of the wrong type), 413 `body_too_large`, 415
+/// The codes are as before: 400 `invalid_json` (not JSON), `invalid_body` (a field
+/// missing or of the wrong type; 400, as OpenAI's API answers any invalid request, since
+/// 2026-12-07; 422 before, as the REST routes), 413 `body_too_large`, 415
 /// `unsupported_media_type`; the route's own refusals of the messages name `messages`.
 /// Until 2026-12-06 the body's refusals (read before the route's code runs) were in
 /// the REST routes' shape, `{"error": {"code", "message"}}`, without `type` and
@@ -211,28 +212,28 @@ async fn every_chat_completion_refusal_is_in_openais_shape_naming_the_field() {
         (
             r#"{"model": "echo", "messages": "hi"}"#,
             "application/json",
-            422,
+            400,
             "invalid_body",
             json!("messages"),
         ),
         (
             r#"{"messages": [{"role": "user", "content": "hi"}]}"#,
             "application/json",
-            422,
+            400,
             "invalid_body",
             json!("model"),
         ),
         (
             r#"{"model": "echo", "messages": [{"content": "hi"}]}"#,
             "application/json",
-            422,
+            400,
             "invalid_body",
             json!("messages[0].role"),
         ),
         (
             r#"{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "n": "two"}"#,
             "application/json",
-            422,
+            400,
             "invalid_body",
             json!("n"),
         ),
@@ -247,14 +248,14 @@ async fn every_chat_completion_refusal_is_in_openais_shape_naming_the_field() {
         (
             r#"{"model": "echo", "messages": [{"role": "assistant", "content": "hi"}]}"#,
             "application/json",
-            422,
+            400,
             "no_user_message",
             json!("messages"),
         ),
         (
             r#"{"model": "echo", "messages": [{"role": "user", "content": ""}]}"#,
             "application/json",
-            422,
+            400,
             "empty_message",
             json!("messages"),
         ),
