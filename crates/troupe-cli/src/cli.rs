@@ -134,6 +134,13 @@ pub struct NodeArgs {
         value_parser = clap::value_parser!(u64).range(1..=SERVER_CONCURRENT_REQUESTS_MAX as u64)
     )]
     pub concurrent_requests_max: u64,
+    /// After etcd did not answer for longer than the lease (an etcd outage or restart),
+    /// take a new lease and serve again once every actor of this node has stopped,
+    /// instead of exiting: retried for about 5 minutes while etcd does not answer; the
+    /// node exits 1 when it gives up, or when a live node took its name meanwhile. Off by default: the node then exits 1 on a lost lease
+    /// and a supervisor starts it again.
+    #[arg(long)]
+    pub rejoin_after_lost_lease: bool,
 }
 
 /// The default cluster name of `troupe node`.

@@ -97,6 +97,10 @@ pub const APPEND_IDS_REMEMBERED: usize = 256;
 
 // The largest message, as JSON (every byte escaped as `\u00XX`: 6 bytes), fits in one
 // read, and the reply's envelope in the rest of the frame.
+/// How often a node with `--rejoin-after-lost-lease` whose lease was lost looks whether
+/// it holds a new one (to log the line saying it rejoined), in milliseconds.
+pub const NODE_REJOIN_WATCH_MS: u64 = 200;
+
 const _: () = assert!(6 * CONVERSATION_TEXT_BYTES_MAX + 1_024 < CONVERSATION_READ_REPLY_BYTES_MAX);
 const _: () = assert!(CONVERSATION_READ_REPLY_BYTES_MAX + 64 * 1_024 < FRAME_SIZE_MAX_BYTES);
 
@@ -278,6 +282,9 @@ pub struct NodePlan {
     pub org: Option<(PathBuf, OrgConfig)>,
     /// HTTP requests handled at once (--concurrent-requests-max).
     pub concurrent_requests_max: usize,
+    /// Whether the node takes a new lease after it lost its lease
+    /// (--rejoin-after-lost-lease).
+    pub rejoin_after_lost_lease: bool,
 }
 
 /// Checks `args` and builds the plan; nothing is started or connected.
@@ -363,6 +370,7 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
         org,
         // Within 1..=SERVER_CONCURRENT_REQUESTS_MAX: clap checked it.
         concurrent_requests_max: usize::try_from(args.concurrent_requests_max).unwrap_or(usize::MAX),
+        rejoin_after_lost_lease: args.rejoin_after_lost_lease,
     })
 }
 
@@ -978,8 +986,46 @@ pub enum NodeError {
     )]
     SecondSignal,
     /// The node's etcd lease ended: it owns nothing any more.
-    #[error("the node's etcd lease was lost ({0:?}): it owns nothing now; start the node again")]
+    #[error(
+        "the node's etcd lease was lost ({0:?}): it owns nothing now; start the node again (with \
+         --rejoin-after-lost-lease it takes a new lease by itself)"
+    )]
     LeaseLost(troupe_etcd::LeaseLostReason),
+    /// The node's etcd lease ended and, with --rejoin-after-lost-lease, it could not take
+    /// a new one: it owns nothing any more.
+    #[error(
+        "the node's etcd lease was lost ({0:?}) and it took no new one (a live node took its name, or etcd did not \
+         answer for {attempts} attempts {pause_ms} ms apart): it owns nothing now; start the node again",
+        attempts = troupe_cluster::REJOIN_ATTEMPTS_MAX,
+        pause_ms = troupe_cluster::REJOIN_RETRY_PAUSE_MS
+    )]
+    RejoinGaveUp(troupe_etcd::LeaseLostReason),
+}
+
+/// Logs a warning line each time the node's lease is lost and a line once it holds a new
+/// one (a node with `--rejoin-after-lost-lease`), until aborted.
+async fn log_lease_losses(placement: EtcdPlacement) {
+    loop {
+        let reason = placement.lease_lost().await;
+        tracing::warn!(
+            ?reason,
+            "troupe node: the etcd lease was lost: every actor of this node stops, then it takes a new lease \
+             (--rejoin-after-lost-lease)"
+        );
+        while !placement.holds_lease() {
+            tokio::time::sleep(Duration::from_millis(NODE_REJOIN_WATCH_MS)).await;
+        }
+        tracing::warn!("troupe node: rejoined the cluster with a new etcd lease: serving again");
+    }
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Runs a node from `args` until `shutdown` completes (then it lets the HTTP requests in
@@ -1090,6 +1136,11 @@ pub async fn run_node(
         },
         error => NodeError::Cluster(error),
     })?;
+    // Off by default: a lost lease then ends the node (`fenced_off` below).
+    node.rejoin_after_a_lost_lease(plan.rejoin_after_lost_lease);
+    let _rejoin_lines = plan
+        .rejoin_after_lost_lease
+        .then(|| AbortOnDrop(tokio::spawn(log_lease_losses(node.placement().clone()))));
     let agents = match pending {
         Some(pending) => {
             let applied = match pending.attach(node.handle().clone()) {
@@ -1186,7 +1237,11 @@ pub async fn run_node(
     };
     let mut outcome = tokio::select! {
         biased;
-        reason = node.fenced_off() => Err(NodeError::LeaseLost(reason)),
+        reason = node.fenced_off() => Err(if plan.rejoin_after_lost_lease {
+            NodeError::RejoinGaveUp(reason)
+        } else {
+            NodeError::LeaseLost(reason)
+        }),
         served = served => served,
         () = &mut stop_now => Err(NodeError::SecondSignal),
     };

@@ -113,6 +113,21 @@ fn node_serving(
     std::io::BufReader<std::process::ChildStdout>,
     String,
 ) {
+    node_serving_with(etcd, database, id, &[])
+}
+
+/// As [`node_serving`], with `extra` flags.
+fn node_serving_with(
+    etcd: &str,
+    database: &str,
+    id: &str,
+    extra: &[&str],
+) -> (
+    std::process::Child,
+    std::thread::JoinHandle<String>,
+    std::io::BufReader<std::process::ChildStdout>,
+    String,
+) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
         .args(["node", "--etcd", etcd, "--postgres", database, "--node-id", id])
         .args([
@@ -123,6 +138,7 @@ fn node_serving(
             "--http",
             "127.0.0.1:0",
         ])
+        .args(extra)
         .env_remove("TROUPE_TOKEN")
         .env_remove("OPENAI_API_KEY")
         .env("RUST_LOG", "warn")
@@ -506,4 +522,121 @@ async fn a_second_signal_while_the_join_ends_cuts_it_and_exits_1() {
     assert_eq!(status.code(), Some(1), "stdout: {stdout}\nstderr: {stderr}");
     assert!(stderr.contains("second signal"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// One `POST /v1/conversations/CONVERSATION/messages` of `text` to `addr`, waiting at
+/// most `timeout_ms`: the status, or `None` if the node did not answer in time (or
+/// refused the connection).
+fn append_status(addr: &str, conversation: &str, text: &str, timeout_ms: u64) -> Option<(u16, String)> {
+    use std::io::Write as _;
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(Duration::from_millis(timeout_ms))).ok()?;
+    let body = format!(r#"{{"text": "{text}"}}"#);
+    write!(
+        stream,
+        "POST /v1/conversations/{conversation}/messages HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.get(9..12)?.parse().ok()?;
+    Some((status, response.split_once("\r\n\r\n")?.1.to_string()))
+}
+
+/// Goal: `troupe node --rejoin-after-lost-lease` rides through an etcd outage longer
+/// than its lease: the same process takes a new lease and serves again, logging a line
+/// when the lease is lost and one when it rejoined; a node without the flag exits 1
+/// naming the lost lease (the behaviour of every node before 2026-12-07). Method: real
+/// etcd and PostgreSQL, a node with the flag and one without (lease 3 s); a message
+/// appended through the first; etcd killed for `OUTAGE_MS`, then started again on its
+/// data and ports; the node without the flag must exit within `NODE_EXIT_MS_MAX`, the one
+/// with it must still run and acknowledge an append within `SERVES_AGAIN_MS_MAX` of
+/// etcd's restart, and the first message must still be there.
+#[tokio::test]
+async fn a_node_with_rejoin_after_lost_lease_serves_again_after_an_etcd_outage() {
+    /// How long etcd is down, in milliseconds: longer than the nodes' 3 s lease.
+    const OUTAGE_MS: u64 = 5_000;
+    /// How long after etcd's restart the node with the flag may take to acknowledge an
+    /// append again, in milliseconds.
+    const SERVES_AGAIN_MS_MAX: u64 = 20_000;
+    /// How long one append waits for its answer, in milliseconds.
+    const APPEND_WAIT_MS: u64 = 2_000;
+    let mut etcd = TestEtcd::start("node-rejoin").await;
+    let postgres = TestServer::start("node-rejoin");
+    let database = postgres.create_database("probes").await;
+    let endpoint = etcd.endpoint();
+    let (mut rejoining, rejoining_log, _rejoining_out, addr) =
+        node_serving_with(&endpoint, &database, "rejoining", &["--rejoin-after-lost-lease"]);
+    let (mut plain, plain_log, _plain_out, _plain_addr) = node_serving(&endpoint, &database, "plain");
+    let (status, body) = support::http(
+        &addr,
+        "POST",
+        "/v1/conversations/kept/messages",
+        r#"{"text": "before"}"#,
+        NODE_EXIT_MS_MAX,
+    );
+    assert_eq!(status, 200, "{body}");
+    etcd.stop();
+    std::thread::sleep(Duration::from_millis(OUTAGE_MS));
+    etcd.restart().await;
+    let restarted = Instant::now();
+    let plain_status = exited_within(&mut plain, NODE_EXIT_MS_MAX);
+    if plain_status.is_none() {
+        let _ = plain.kill();
+        let _ = plain.wait();
+    }
+    let plain_log = plain_log.join().unwrap();
+    assert_eq!(
+        plain_status.and_then(|status| status.code()),
+        Some(1),
+        "the node without the flag: {plain_status:?}\n{plain_log}"
+    );
+    assert!(plain_log.contains("lease was lost"), "{plain_log}");
+    assert!(plain_log.contains("--rejoin-after-lost-lease"), "{plain_log}");
+    let mut answered = None;
+    while restarted.elapsed() < Duration::from_millis(SERVES_AGAIN_MS_MAX) {
+        if let Some(exited) = rejoining.try_wait().unwrap() {
+            panic!(
+                "the node with the flag exited: {exited:?}\n{}",
+                rejoining_log.join().unwrap()
+            );
+        }
+        match append_status(&addr, "after", "again", APPEND_WAIT_MS) {
+            Some((200, body)) => {
+                answered = Some(body);
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+    let served_again = restarted.elapsed();
+    let still_running = rejoining.try_wait().unwrap().is_none();
+    let read = answered
+        .as_ref()
+        .map(|_| support::http(&addr, "GET", "/v1/conversations/kept/messages", "", NODE_EXIT_MS_MAX));
+    signal(&rejoining, "TERM");
+    let stopped = exited_within(&mut rejoining, NODE_EXIT_MS_MAX);
+    if stopped.is_none() {
+        let _ = rejoining.kill();
+        let _ = rejoining.wait();
+    }
+    let rejoining_log = rejoining_log.join().unwrap();
+    let Some(body) = answered else {
+        panic!("no append acknowledged within {SERVES_AGAIN_MS_MAX} ms of etcd's restart\n{rejoining_log}");
+    };
+    eprintln!("served again {served_again:?} after etcd's restart: {body}");
+    assert!(still_running, "{rejoining_log}");
+    let (status, messages) = read.unwrap();
+    assert_eq!(status, 200, "{messages}");
+    assert!(
+        messages.contains("before"),
+        "the message acknowledged before the outage: {messages}"
+    );
+    for needle in ["the etcd lease was lost", "rejoined the cluster with a new etcd lease"] {
+        assert!(rejoining_log.contains(needle), "{needle:?} not in: {rejoining_log}");
+    }
+    assert!(!rejoining_log.contains("panicked"), "{rejoining_log}");
+    assert_eq!(stopped.and_then(|status| status.code()), Some(0), "{rejoining_log}");
 }
