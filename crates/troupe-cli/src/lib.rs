@@ -40,13 +40,27 @@ macro_rules! out {
     }};
 }
 
-/// `eprintln!` that never panics: a failed write to stderr is ignored, as [`outln!`].
+/// `eprintln!` that never panics (a failed write to stderr is ignored, as [`outln!`])
+/// and, while `troupe serve` or `troupe node` runs its log queue, never blocks: the line
+/// goes through the queue (`log_lines::stderr_line`).
 #[macro_export]
 macro_rules! errln {
     ($($arg:tt)*) => {{
-        use ::std::io::Write as _;
-        let _ = ::std::writeln!(::std::io::stderr(), $($arg)*);
+        $crate::errln_line(::std::format_args!($($arg)*));
     }};
+}
+
+/// What [`errln!`] writes with: through the log queue when one runs
+/// (`log_lines::stderr_line`); directly under the simulator, which has no queue.
+#[doc(hidden)]
+pub fn errln_line(line: std::fmt::Arguments<'_>) {
+    #[cfg(not(madsim))]
+    log_lines::stderr_line(line);
+    #[cfg(madsim)]
+    {
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "{line}");
+    }
 }
 
 /// The refusal of `flag ADDR` (`--bind`, `--listen`, `--http`) that cannot be listened

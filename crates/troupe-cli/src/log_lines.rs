@@ -10,6 +10,7 @@
 //! about 64 requests and stopped answering.
 
 use std::io::Write;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, NonBlockingBuilder, WorkerGuard};
@@ -19,6 +20,28 @@ use crate::{SERVE_LOG_DROPPED_REPORT_MS, SERVE_LOG_FLUSH_WAIT_MS, SERVE_LOG_LINE
 /// How long [`LogLines::finish`] waits between two tries of its report line when the
 /// queue is full, in milliseconds.
 const LOG_REPORT_RETRY_MS: u64 = 10;
+
+/// The queue of the [`LogLines`] of stderr running now, if any: the lines of
+/// [`crate::errln!`] go through it ([`stderr_line`]).
+static STDERR_QUEUE: Mutex<Option<NonBlocking>> = Mutex::new(None);
+
+/// Writes `line` and a newline to stderr: through the queue of the [`LogLines::stderr`]
+/// running now (queued, or dropped and counted if it is full: never waited for), else
+/// directly. What [`crate::errln!`] writes with. Until 2026-12-07 every such line was
+/// written directly: a second signal's line or the final `troupe: ...` refusal blocked
+/// forever on a full stderr pipe nobody read, and the process never exited.
+pub fn stderr_line(line: std::fmt::Arguments<'_>) {
+    let text = format!("{line}\n");
+    let queue = STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    match queue {
+        Some(mut queue) => {
+            let _ = queue.write_all(text.as_bytes());
+        }
+        None => {
+            let _ = std::io::stderr().write_all(text.as_bytes());
+        }
+    }
+}
 
 /// The queue of log lines and the thread that writes them. Keep it until the program
 /// stops, then call [`LogLines::finish`]: lines still queued are written then (up to
@@ -30,6 +53,17 @@ pub struct LogLines {
     buffered_max: usize,
     guard: Option<WorkerGuard>,
     reporter: Option<tokio::task::JoinHandle<()>>,
+    /// Whether it is the queue of [`crate::errln!`] ([`LogLines::stderr`]): it stops
+    /// being so at [`LogLines::finish`] or when dropped.
+    errln_queue: bool,
+}
+
+impl Drop for LogLines {
+    fn drop(&mut self) {
+        if self.errln_queue {
+            *STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        }
+    }
 }
 
 impl std::fmt::Debug for LogLines {
@@ -45,8 +79,13 @@ impl std::fmt::Debug for LogLines {
 impl LogLines {
     /// Lines of `program` (`troupe serve`, which starts its reports) to stderr, at most
     /// [`SERVE_LOG_LINES_BUFFERED_MAX`] queued.
+    /// From now until [`LogLines::finish`], the lines of [`crate::errln!`] go through it
+    /// too.
     pub fn stderr(program: &'static str) -> Self {
-        Self::new(program, std::io::stderr(), SERVE_LOG_LINES_BUFFERED_MAX)
+        let mut lines = Self::new(program, std::io::stderr(), SERVE_LOG_LINES_BUFFERED_MAX);
+        *STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = Some(lines.writer());
+        lines.errln_queue = true;
+        lines
     }
 
     /// Lines of `program` to `sink`, at most `buffered_max` queued (at least one).
@@ -65,6 +104,7 @@ impl LogLines {
             buffered_max,
             guard: Some(guard),
             reporter: None,
+            errln_queue: false,
         }
     }
 
@@ -113,7 +153,13 @@ impl LogLines {
     /// N log lines were dropped in all: ...`, tried again while the queue is full), then
     /// waits up to [`SERVE_LOG_FLUSH_WAIT_MS`] for the queued lines to be written. Lines
     /// still queued then (nobody reads stderr) are lost; the caller goes on to exit.
+    ///
+    /// From then on [`crate::errln!`] writes to stderr directly (which may block on a
+    /// full pipe): write the last lines before.
     pub async fn finish(mut self) {
+        if std::mem::take(&mut self.errln_queue) {
+            *STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        }
         if let Some(reporter) = self.reporter.take() {
             reporter.abort();
         }

@@ -156,15 +156,27 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
 
 /// `troupe serve`: the organisation of [`serve_organisation`] over HTTP until SIGTERM,
 /// SIGINT (ctrl-c) or SIGHUP: `first`, which lets the requests in flight finish; `second`
-/// (the next signal) stops at once.
+/// (the next signal) stops at once. Whether it stopped without an error; a refusal is
+/// written on stderr (`troupe: ...`) through the log queue, so a stderr nobody reads
+/// never blocks the exit (until 2026-12-07 it was written after the queue's end,
+/// directly, and blocked forever on a full pipe).
 #[cfg(not(madsim))]
-async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> Result<(), String> {
-    let (otel, mut lines) = init_logging("troupe serve", args.log_format, args.otlp_endpoint.as_deref())?;
+async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> bool {
+    let (otel, mut lines) = match init_logging("troupe serve", args.log_format, args.otlp_endpoint.as_deref()) {
+        Ok(logging) => logging,
+        Err(message) => {
+            troupe_cli::errln!("troupe: {message}");
+            return false;
+        }
+    };
     lines.report_dropped_lines();
     let served = serve_logged(args, first, second, otel).await;
+    if let Err(message) = &served {
+        troupe_cli::errln!("troupe: {message}");
+    }
     // The lines still queued reach stderr (bounded), the count of dropped ones last.
     lines.finish().await;
-    served
+    served.is_ok()
 }
 
 /// [`serve`] once its log is set up.
@@ -448,12 +460,11 @@ async fn main() -> ExitCode {
             // Watched before anything is created: a signal while the server starts no
             // longer kills it with its temporary state left behind.
             let (first, second) = troupe_cli::signals::stop_signals("troupe serve");
-            match serve(serve_args, first, second).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(message) => {
-                    troupe_cli::errln!("troupe: {message}");
-                    ExitCode::FAILURE
-                }
+            // Its refusal is written by `serve`, through the log queue.
+            if serve(serve_args, first, second).await {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
             }
         }
         #[cfg(not(madsim))]
@@ -483,6 +494,11 @@ async fn main() -> ExitCode {
                 None
             };
             let ran = troupe_cli::node::run_node(&node_args, model, first, second).await;
+            // Queued before the queue's end: until 2026-12-07 written after it, directly,
+            // and a full stderr pipe nobody read blocked the exit forever.
+            if let Err(error) = &ran {
+                troupe_cli::errln!("troupe: {error}");
+            }
             // The lines still queued reach stderr (bounded), the count of dropped ones last.
             lines.finish().await;
             match ran {
@@ -490,10 +506,7 @@ async fn main() -> ExitCode {
                     troupe_cli::outln!("troupe node: stopped");
                     ExitCode::SUCCESS
                 }
-                Err(error) => {
-                    troupe_cli::errln!("troupe: {error}");
-                    ExitCode::FAILURE
-                }
+                Err(_) => ExitCode::FAILURE,
             }
         }
         #[cfg(madsim)]

@@ -929,3 +929,82 @@ fn a_server_logging_every_span_keeps_answering_when_its_stderr_is_never_read() {
     eprintln!("dropped {dropped} lines, {written} request lines written; last line: {last}");
     assert!(dropped > 0 && written > 0, "{last}");
 }
+
+/// Goal: a server whose stderr nobody reads (a full pipe) still stops within a bound
+/// after a second signal: its direct stderr lines (the second signal's, the final
+/// `troupe: ...` refusal) go through the bounded log queue, as its log lines do, and are
+/// dropped when it is full. Until 2026-12-07 they were written to stderr directly and
+/// blocked forever on the full pipe: the process never exited. Method: `RUST_LOG=info`,
+/// stderr held and never read, `UNREAD_FILL_REQUESTS` requests (about 1 KiB of lines
+/// each, far more than the 64 KiB pipe); a request whose body never comes (the graceful
+/// stop waits for it), SIGTERM, then SIGINT: gone within `UNREAD_SECOND_SIGNAL_STOP_MS_MAX`,
+/// exit 1.
+#[test]
+fn a_server_whose_stderr_is_never_read_stops_at_a_second_signal() {
+    /// How many requests fill the pipe.
+    const UNREAD_FILL_REQUESTS: usize = 400;
+    /// How long after the second signal the process may take to be gone, in ms: the
+    /// turns' cut (`SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS`, 500 ms) and the log's flush
+    /// (`SERVE_LOG_FLUSH_WAIT_MS`, 2 s) with room to spare.
+    const UNREAD_SECOND_SIGNAL_STOP_MS_MAX: u64 = 5_000;
+    let mut child = troupe()
+        .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Held, never read while the process runs.
+    let mut pipe = child.stderr.take().unwrap();
+    let mut running = Running { child, stderr: None };
+    let (_stdout, addr) = support::read_address(&mut running.child).expect("an address");
+    for request in 0..UNREAD_FILL_REQUESTS {
+        let (status, answer) = http(&addr, "POST", "/v1/agents/critic/messages", r#"{"text": "a brief"}"#);
+        assert_eq!(status, 200, "request {request}: {answer}");
+    }
+    // A request whose body never comes: the graceful stop waits for it.
+    let mut hanging = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(
+        &mut hanging,
+        format!(
+            "POST /v1/agents/critic/messages HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 100\r\n\r\n{{\"text\""
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    running.signal("TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    running.signal("INT");
+    let signalled = std::time::Instant::now();
+    let mut status = None;
+    while signalled.elapsed() < Duration::from_millis(UNREAD_SECOND_SIGNAL_STOP_MS_MAX) {
+        status = running.child.try_wait().unwrap();
+        if status.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(PROBE_POLL_MS));
+    }
+    let took = signalled.elapsed();
+    // Read now (the drop kills a process still running): what the pipe held.
+    if status.is_none() {
+        let _ = running.child.kill();
+        let _ = running.child.wait();
+    }
+    let mut stderr = String::new();
+    let _ = pipe.read_to_string(&mut stderr);
+    let Some(status) = status else {
+        panic!(
+            "still running {took:?} after the second signal with its stderr unread ({} bytes in the pipe)",
+            stderr.len()
+        );
+    };
+    eprintln!(
+        "gone {took:?} after the second signal; {} bytes in the pipe",
+        stderr.len()
+    );
+    assert_eq!(status.code(), Some(1), "{status:?}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    drop(hanging);
+}
