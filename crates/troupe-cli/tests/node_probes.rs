@@ -640,3 +640,75 @@ async fn a_node_with_rejoin_after_lost_lease_serves_again_after_an_etcd_outage()
     assert!(!rejoining_log.contains("panicked"), "{rejoining_log}");
     assert_eq!(stopped.and_then(|status| status.code()), Some(0), "{rejoining_log}");
 }
+
+/// Goal: a `troupe node` whose stderr nobody reads (a full pipe) still exits when its
+/// lease is lost: its final `troupe: ...` line goes through the bounded log queue and is
+/// dropped when it is full. Until 2026-12-07 it was written directly after the queue's
+/// end and blocked forever on the full pipe. Method: `RUST_LOG=trace` (the etcd client's
+/// lines fill the 64 KiB pipe within a second), stderr held and never read, etcd killed
+/// `UNREAD_FILL_MS` after the node serves: exit 1 within `UNREAD_LEASE_LOST_EXIT_MS_MAX`.
+#[tokio::test]
+async fn a_node_whose_stderr_is_never_read_exits_when_its_lease_is_lost() {
+    /// How long the node logs before etcd is killed, in milliseconds.
+    const UNREAD_FILL_MS: u64 = 2_000;
+    /// How long after etcd's kill the node may take to be gone, in milliseconds: the
+    /// lease (3 s) and the log's flush (`SERVE_LOG_FLUSH_WAIT_MS`, 2 s) with room to spare.
+    const UNREAD_LEASE_LOST_EXIT_MS_MAX: u64 = 15_000;
+    let mut etcd = TestEtcd::start("node-unread-stderr").await;
+    let postgres = TestServer::start("node-unread-stderr");
+    let database = postgres.create_database("probes").await;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
+        .args([
+            "node",
+            "--etcd",
+            &etcd.endpoint(),
+            "--postgres",
+            &database,
+            "--node-id",
+            "unread",
+        ])
+        .args([
+            "--lease-ttl-ms",
+            "3000",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .env_remove("TROUPE_TOKEN")
+        .env_remove("OPENAI_API_KEY")
+        .env("RUST_LOG", "trace")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Held, never read while the node runs.
+    let mut pipe = child.stderr.take().unwrap();
+    let Some((_stdout, _addr)) = support::read_address(&mut child) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("troupe node printed no address");
+    };
+    std::thread::sleep(Duration::from_millis(UNREAD_FILL_MS));
+    etcd.stop();
+    let killed = Instant::now();
+    let status = exited_within(&mut child, UNREAD_LEASE_LOST_EXIT_MS_MAX);
+    let took = killed.elapsed();
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut stderr = Vec::new();
+    let _ = pipe.read_to_end(&mut stderr);
+    let Some(status) = status else {
+        panic!(
+            "still running {took:?} after etcd was killed, its stderr unread ({} bytes in the pipe)",
+            stderr.len()
+        );
+    };
+    eprintln!(
+        "gone {took:?} after etcd was killed; {} bytes in the pipe",
+        stderr.len()
+    );
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}
