@@ -116,6 +116,28 @@ fn node_serving(
     node_serving_with(etcd, database, id, &[])
 }
 
+/// `troupe node` on `etcd` and `postgres` as node `id`, with a 3 s lease, loopback ports
+/// of its own, no token, no model key, `RUST_LOG=rust_log` and both pipes piped.
+fn node_command(etcd: &str, postgres: &str, id: &str, rust_log: &str) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_troupe"));
+    command
+        .args(["node", "--etcd", etcd, "--postgres", postgres, "--node-id", id])
+        .args([
+            "--lease-ttl-ms",
+            "3000",
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .env_remove("TROUPE_TOKEN")
+        .env_remove("OPENAI_API_KEY")
+        .env("RUST_LOG", rust_log)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
 /// As [`node_serving`], with `extra` flags.
 fn node_serving_with(
     etcd: &str,
@@ -128,24 +150,7 @@ fn node_serving_with(
     std::io::BufReader<std::process::ChildStdout>,
     String,
 ) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["node", "--etcd", etcd, "--postgres", database, "--node-id", id])
-        .args([
-            "--lease-ttl-ms",
-            "3000",
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-        ])
-        .args(extra)
-        .env_remove("TROUPE_TOKEN")
-        .env_remove("OPENAI_API_KEY")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = node_command(etcd, database, id, "warn").args(extra).spawn().unwrap();
     let mut pipe = child.stderr.take().unwrap();
     let stderr = std::thread::spawn(move || {
         let mut text = String::new();
@@ -329,23 +334,7 @@ fn node_connecting(
     std::thread::JoinHandle<String>,
     std::thread::JoinHandle<String>,
 ) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["node", "--etcd", etcd, "--postgres", postgres, "--node-id", id])
-        .args([
-            "--lease-ttl-ms",
-            "3000",
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-        ])
-        .env_remove("TROUPE_TOKEN")
-        .env_remove("OPENAI_API_KEY")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = node_command(etcd, postgres, id, "warn").spawn().unwrap();
     let read = |mut pipe: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut text = String::new();
@@ -657,29 +646,7 @@ async fn a_node_whose_stderr_is_never_read_exits_when_its_lease_is_lost() {
     let mut etcd = TestEtcd::start("node-unread-stderr").await;
     let postgres = TestServer::start("node-unread-stderr");
     let database = postgres.create_database("probes").await;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args([
-            "node",
-            "--etcd",
-            &etcd.endpoint(),
-            "--postgres",
-            &database,
-            "--node-id",
-            "unread",
-        ])
-        .args([
-            "--lease-ttl-ms",
-            "3000",
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-        ])
-        .env_remove("TROUPE_TOKEN")
-        .env_remove("OPENAI_API_KEY")
-        .env("RUST_LOG", "trace")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    let mut child = node_command(&etcd.endpoint(), &database, "unread", "trace")
         .spawn()
         .unwrap();
     // Held, never read while the node runs.

@@ -860,6 +860,28 @@ fn a_config_without_agents_is_served_with_a_warning_saying_what_an_agent_entry_i
     }
 }
 
+/// `troupe serve --scripted` on a free loopback port with `RUST_LOG=info`, up to the
+/// address it prints: the running server, its stderr pipe (taken, for the caller to hold
+/// unread), the rest of its stdout and the address.
+fn serving_with_stderr_unread() -> (
+    Running,
+    std::process::ChildStderr,
+    std::io::BufReader<std::process::ChildStdout>,
+    String,
+) {
+    let mut child = troupe()
+        .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pipe = child.stderr.take().unwrap();
+    let mut running = Running { child, stderr: None };
+    let (stdout, addr) = support::read_address(&mut running.child).expect("an address");
+    (running, pipe, stdout, addr)
+}
+
 /// Goal: a `troupe serve` that logs a line per span (RUST_LOG set) keeps answering when
 /// nobody reads its stderr: log lines go through a bounded queue written by a thread of
 /// their own, and lines that find the queue full are dropped and counted, never waited
@@ -877,17 +899,8 @@ fn a_server_logging_every_span_keeps_answering_when_its_stderr_is_never_read() {
     const UNREAD_LOG_REQUESTS: usize = 2_000;
     /// The longest one answer may take, in milliseconds (the critic answers at once).
     const UNREAD_LOG_ANSWER_MS_MAX: u64 = 10_000;
-    let mut child = troupe()
-        .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Held, not read until the requests are answered.
-    let mut pipe = child.stderr.take().unwrap();
-    let mut running = Running { child, stderr: None };
-    let (_stdout, addr) = support::read_address(&mut running.child).expect("an address");
+    // The pipe is held, not read until the requests are answered.
+    let (mut running, mut pipe, _stdout, addr) = serving_with_stderr_unread();
     let started = std::time::Instant::now();
     for request in 0..UNREAD_LOG_REQUESTS {
         let asked = std::time::Instant::now();
@@ -947,17 +960,8 @@ fn a_server_whose_stderr_is_never_read_stops_at_a_second_signal() {
     /// turns' cut (`SERVE_SECOND_SIGNAL_SHUTDOWN_WAIT_MS`, 500 ms) and the log's flush
     /// (`SERVE_LOG_FLUSH_WAIT_MS`, 2 s) with room to spare.
     const UNREAD_SECOND_SIGNAL_STOP_MS_MAX: u64 = 5_000;
-    let mut child = troupe()
-        .args(["serve", "--scripted", "--bind", "127.0.0.1:0"])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Held, never read while the process runs.
-    let mut pipe = child.stderr.take().unwrap();
-    let mut running = Running { child, stderr: None };
-    let (_stdout, addr) = support::read_address(&mut running.child).expect("an address");
+    // The pipe is held, never read while the process runs.
+    let (mut running, mut pipe, _stdout, addr) = serving_with_stderr_unread();
     for request in 0..UNREAD_FILL_REQUESTS {
         let (status, answer) = http(&addr, "POST", "/v1/agents/critic/messages", r#"{"text": "a brief"}"#);
         assert_eq!(status, 200, "request {request}: {answer}");

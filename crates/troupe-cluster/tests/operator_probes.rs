@@ -783,6 +783,32 @@ struct Outage {
     recovered_ms: u128,
 }
 
+/// Asks every actor through every node's own client until each answers, failing if one
+/// is still not served `bound_ms` after `back` (when `what` came back).
+async fn every_node_serves_every_actor_again(fleet: &Fleet, back: Instant, bound_ms: u64, what: &str) {
+    let clients: Vec<ClusterClient> = fleet.nodes.values().map(ClusterNode::client).collect();
+    for client in &clients {
+        for index in 0..ACTORS {
+            let target = counter(index);
+            loop {
+                let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
+                match client.invoke(&target, Bytes::from_static(b"get"), deadline).await {
+                    Ok(_) => break,
+                    Err(error) => {
+                        assert!(
+                            back.elapsed() < Duration::from_millis(bound_ms),
+                            "{target} not served through {} {} ms after {what} came back: {error}",
+                            client.node(),
+                            back.elapsed().as_millis()
+                        );
+                        tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Stops etcd (SIGKILL) for `down_ms` while three nodes serve traffic, starts it again
 /// on the same data directory and ports; a node that lost its lease, seen within one
 /// TTL after etcd answered, is taken from the balancer, left and started again at its
@@ -831,27 +857,7 @@ async fn an_etcd_outage_under_traffic(name: &str, down_ms: u64, rejoin: bool, le
         tokio::time::sleep(Duration::from_millis(CALL_PAUSE_MS)).await;
     }
     // Every node serves every actor again, each node's own client asked.
-    let clients: Vec<ClusterClient> = fleet.nodes.values().map(ClusterNode::client).collect();
-    for client in &clients {
-        for index in 0..ACTORS {
-            let target = counter(index);
-            loop {
-                let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
-                match client.invoke(&target, Bytes::from_static(b"get"), deadline).await {
-                    Ok(_) => break,
-                    Err(error) => {
-                        assert!(
-                            restarted.elapsed() < Duration::from_millis(ETCD_RECOVERY_BOUND_MS),
-                            "{name}: {target} not served through {} {} ms after etcd came back: {error}",
-                            client.node(),
-                            restarted.elapsed().as_millis()
-                        );
-                        tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
-                    }
-                }
-            }
-        }
-    }
+    every_node_serves_every_actor_again(&fleet, restarted, ETCD_RECOVERY_BOUND_MS, &format!("{name}: etcd")).await;
     let recovered_ms = restarted.elapsed().as_millis();
     let rejoins: u64 = fleet.nodes.values().map(|node| node.stats().rejoins).sum();
     eprintln!(
@@ -1005,27 +1011,7 @@ async fn a_postgres_restart_under_traffic_loses_nothing_and_the_cluster_serves_a
     let restarting = Instant::now();
     tokio::task::block_in_place(|| server.restart());
     let back = Instant::now();
-    let clients: Vec<ClusterClient> = fleet.nodes.values().map(ClusterNode::client).collect();
-    for client in &clients {
-        for index in 0..ACTORS {
-            let target = counter(index);
-            loop {
-                let deadline = client.deadline_in(Duration::from_millis(CALL_TIMEOUT_MS));
-                match client.invoke(&target, Bytes::from_static(b"get"), deadline).await {
-                    Ok(_) => break,
-                    Err(error) => {
-                        assert!(
-                            back.elapsed() < Duration::from_millis(POSTGRES_RECOVERY_BOUND_MS),
-                            "{target} not served through {} {} ms after PostgreSQL came back: {error}",
-                            client.node(),
-                            back.elapsed().as_millis()
-                        );
-                        tokio::time::sleep(Duration::from_millis(RETRY_PAUSE_MS)).await;
-                    }
-                }
-            }
-        }
-    }
+    every_node_serves_every_actor_again(&fleet, back, POSTGRES_RECOVERY_BOUND_MS, "PostgreSQL").await;
     eprintln!(
         "PostgreSQL restarted in {} ms; every node served every actor {} ms after it was back",
         (back - restarting).as_millis(),
