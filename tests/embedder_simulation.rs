@@ -127,8 +127,9 @@ async fn ask_all(system: &AgentSystem, round: &str, answered: &Answered) -> usiz
             Ok(reply) => {
                 answered.lock().unwrap().insert(question, reply.text);
             }
-            // A model that fails or is too slow: the runtime's typed errors.
-            Err(AgentCallError::Invoke(_)) => failed += 1,
+            // A model that fails: its typed error (the fault wrapper's `Unreachable`);
+            // one too slow, or a call cut by the crash: the runtime's typed errors.
+            Err(AgentCallError::ModelFailed(_)) | Err(AgentCallError::Invoke(_)) => failed += 1,
             Err(other) => panic!("`{question}` failed with an error the application does not expect: {other}"),
         }
     }
