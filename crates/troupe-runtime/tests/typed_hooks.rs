@@ -73,6 +73,8 @@ impl TypedActor for Hooked {
 /// committed. Before the typed layer forwarded them, neither ran (`SEEN` stayed empty).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn typed_hooks_run_once_each_per_activation_on_the_committed_state() {
+    // The simulator runs seeds one after another in one process: start from zero.
+    SEEN.lock().unwrap().clear();
     let store = Arc::new(MemoryStore::new());
     let id = ActorId::new("hooked", "h").unwrap();
     let runtime = start::<Hooked>(&store, "hooked");
@@ -185,6 +187,8 @@ impl TypedActor for Skipping {
 /// is gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serde_skip_fields_reset_at_every_rollback_as_documented() {
+    // The simulator runs seeds one after another in one process: start from zero.
+    SKIPPING_ACTIVATIONS.store(0, Ordering::SeqCst);
     let store = Arc::new(MemoryStore::new());
     let runtime = start::<Skipping>(&store, "skipping");
     let actor = runtime

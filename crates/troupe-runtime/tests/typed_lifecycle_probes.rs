@@ -79,6 +79,8 @@ impl TypedActor for Migrating {
 /// converted state (each reply once, 101 to 116).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_first_callers_of_a_migrating_actor_share_one_migration() {
+    // The simulator runs seeds one after another in one process: start from zero.
+    MIGRATIONS.store(0, Ordering::SeqCst);
     let store = Arc::new(MemoryStore::new());
     let id = ActorId::new("migrating", "m").unwrap();
     store_state(&store, &id, Bytes::copy_from_slice(&100u32.to_le_bytes())).await;
@@ -205,6 +207,9 @@ impl TypedActor for Idle {
 /// idle timeouts, not only at shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn typed_hooks_pair_up_across_idle_deactivations() {
+    // The simulator runs seeds one after another in one process: start from zero.
+    IDLE_ACTIVATIONS.store(0, Ordering::SeqCst);
+    IDLE_DEACTIVATIONS.store(0, Ordering::SeqCst);
     const IDLE_TIMEOUT_MS: u64 = 20;
     let store = Arc::new(MemoryStore::new());
     let config = KindConfig::default().with_idle_timeout(Duration::from_millis(IDLE_TIMEOUT_MS));
