@@ -252,7 +252,8 @@ where
     }
 }
 
-/// A JSON body of an OpenAI-compatible route: as [`ApiJson`] (same statuses and codes),
+/// A JSON body of an OpenAI-compatible route: as [`ApiJson`] (the same codes; a 422 is
+/// 400 there, as OpenAI's API answers any invalid request: [`ApiError::openai`]),
 /// its refusals in OpenAI's shape (`type: "invalid_request_error"`) with `param` naming
 /// the field that is wrong, as serde's path to it (`messages[0].role`; a missing field
 /// by its own path; null when the body as a whole is wrong: not JSON at its start, or
@@ -305,8 +306,8 @@ fn is_json(headers: &axum::http::HeaderMap) -> bool {
 }
 
 /// The refusal of a body serde could not read: 400 `invalid_json` for a syntax error
-/// (or a body that ends early), 422 `invalid_body` for a field missing or of the wrong
-/// type; `param` the field's path.
+/// (or a body that ends early), `invalid_body` for a field missing or of the wrong type
+/// (400 once in OpenAI's shape); `param` the field's path.
 fn body_refusal(path: &str, inner: &serde_json::Error) -> ApiError {
     let (status, code, what) = match inner.classify() {
         serde_json::error::Category::Data => (
