@@ -1296,7 +1296,8 @@ impl ConversationActor {
             entry,
             delivery,
         );
-        tokio::spawn(tracing::Instrument::instrument(delivering, span));
+        self.shared
+            .spawn_delivery(tracing::Instrument::instrument(delivering, span));
         Ok(())
     }
 }

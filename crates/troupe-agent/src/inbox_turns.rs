@@ -1078,7 +1078,7 @@ impl AgentActor {
         let shared = std::sync::Arc::clone(&self.shared);
         let sender = self.id.clone();
         let span = delivery_span(&sender, &out.to, &out.entry);
-        tokio::spawn(tracing::Instrument::instrument(
+        self.shared.spawn_delivery(tracing::Instrument::instrument(
             deliver(runtime, shared, sender, seq, out),
             span,
         ));

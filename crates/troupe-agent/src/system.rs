@@ -997,7 +997,10 @@ impl AgentSystem {
     /// Stores the `call_agent` exchanges recorded in this process that still wait in
     /// memory (each conversation within
     /// [`crate::limits::CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS`]), then deactivates every
-    /// agent and stops the runtime.
+    /// agent and stops the runtime, then waits (at most
+    /// [`crate::limits::DELIVERY_TASKS_SHUTDOWN_WAIT_MS`]) for the tasks delivering
+    /// inbox entries and mentions to end: what they had not delivered is still stored,
+    /// and the next start delivers it.
     pub async fn shutdown(self) {
         let shared = &self.client.shared;
         for conversation in shared.conversations_with_waiting_records() {
@@ -1009,6 +1012,17 @@ impl AgentSystem {
             }
         }
         self.runtime.shutdown().await;
+        // The delivery tasks end at their next attempt (the runtime refuses it
+        // `Shutdown`); waiting for them closes their spans before an exporter's last
+        // flush, and leaves no task of this system running after it.
+        let within = Duration::from_millis(crate::limits::DELIVERY_TASKS_SHUTDOWN_WAIT_MS);
+        let running = shared.deliveries_ended(within).await;
+        if running > 0 {
+            tracing::warn!(
+                running,
+                "delivery tasks still ran when the shutdown stopped waiting for them"
+            );
+        }
     }
 }
 

@@ -72,6 +72,23 @@ pub(crate) struct AgentShared {
     /// this process sleeps until, the earliest due that the agent's turns armed. The
     /// task takes its entry out when it fires (a turn then arms the next due).
     pub(crate) overdue_wakes: std::sync::Mutex<BTreeMap<troupe_core::ActorId, Arc<crate::inbox_turns::OverdueWake>>>,
+    /// The delivery tasks of this process still running (outbox entries' and
+    /// mentions', `AgentShared::spawn_delivery`), and the wake-up for who waits for
+    /// them to end ([`crate::AgentSystem::shutdown`]).
+    deliveries_live: std::sync::atomic::AtomicUsize,
+    deliveries_ended: tokio::sync::Notify,
+}
+
+/// Counts one delivery task while it lives (dropped when it ends, or is dropped with its
+/// runtime).
+struct DeliveryLive(Arc<AgentShared>);
+
+impl Drop for DeliveryLive {
+    fn drop(&mut self) {
+        if self.0.deliveries_live.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.deliveries_ended.notify_waiters();
+        }
+    }
 }
 
 /// A mention's delivery task of this process, taken by
@@ -162,6 +179,42 @@ impl AgentShared {
             call_records: std::sync::Mutex::default(),
             mention_deliveries: std::sync::Mutex::default(),
             overdue_wakes: std::sync::Mutex::default(),
+            deliveries_live: std::sync::atomic::AtomicUsize::new(0),
+            deliveries_ended: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Spawns a delivery task (an outbox entry's or a mention's, instrumented with its
+    /// `deliver` span), counted while it lives. The task's future, and with it its span,
+    /// is dropped before the count goes down: once [`Self::deliveries_ended`] returns,
+    /// every ended delivery's span is closed (and handed to an exporter, if any).
+    pub(crate) fn spawn_delivery(self: &Arc<Self>, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.deliveries_live.fetch_add(1, Ordering::AcqRel);
+        let live = DeliveryLive(Arc::clone(self));
+        tokio::spawn(async move {
+            let _live = live;
+            task.await;
+        });
+    }
+
+    /// Waits until no delivery task of this process runs, or `within` has passed;
+    /// returns how many still run.
+    pub(crate) async fn deliveries_ended(&self, within: std::time::Duration) -> usize {
+        let waited = tokio::time::timeout(within, async {
+            loop {
+                let ended = self.deliveries_ended.notified();
+                tokio::pin!(ended);
+                ended.as_mut().enable();
+                if self.deliveries_live.load(Ordering::Acquire) == 0 {
+                    return;
+                }
+                ended.await;
+            }
+        })
+        .await;
+        match waited {
+            Ok(()) => 0,
+            Err(_) => self.deliveries_live.load(Ordering::Acquire),
         }
     }
 
