@@ -25,6 +25,21 @@ const LOG_REPORT_RETRY_MS: u64 = 10;
 /// [`crate::errln!`] go through it ([`stderr_line`]).
 static STDERR_QUEUE: Mutex<Option<NonBlocking>> = Mutex::new(None);
 
+/// The count of lines dropped by the last [`LogLines::stderr`] started, kept after its
+/// end: what [`stderr_lines_dropped`] reads.
+static STDERR_DROPPED: Mutex<Option<ErrorCounter>> = Mutex::new(None);
+
+/// How many log lines the queue of [`LogLines::stderr`] has dropped so far (0 before one
+/// starts): what `/metrics` shows as `troupe_log_lines_dropped_total`
+/// (`troupe_server::ServerConfig::log_lines_dropped`). Until 2026-12-07 the count was
+/// only written to stderr, which is just what nobody reads when lines are dropped.
+pub fn stderr_lines_dropped() -> u64 {
+    let dropped = STDERR_DROPPED.lock().unwrap_or_else(PoisonError::into_inner);
+    dropped
+        .as_ref()
+        .map_or(0, |counter| u64::try_from(counter.dropped_lines()).unwrap_or(u64::MAX))
+}
+
 /// Writes `line` and a newline to stderr: through the queue of the [`LogLines::stderr`]
 /// running now (queued, or dropped and counted if it is full: never waited for), else
 /// directly. What [`crate::errln!`] writes with. Until 2026-12-07 every such line was
@@ -84,6 +99,7 @@ impl LogLines {
     pub fn stderr(program: &'static str) -> Self {
         let mut lines = Self::new(program, std::io::stderr(), SERVE_LOG_LINES_BUFFERED_MAX);
         *STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = Some(lines.writer());
+        *STDERR_DROPPED.lock().unwrap_or_else(PoisonError::into_inner) = Some(lines.dropped.clone());
         lines.errln_queue = true;
         lines
     }

@@ -892,7 +892,9 @@ pub fn agents_router(
     // A2A tasks are numbered in this node's own space (`ServerConfig::node`).
     let mut config = troupe_server::ServerConfig::default()
         .node(client.node().to_string())
-        .concurrent_requests_max(concurrent_requests_max);
+        .concurrent_requests_max(concurrent_requests_max)
+        // The log queue of `troupe node` (none in a test that builds this router: 0).
+        .log_lines_dropped(Arc::new(crate::log_lines::stderr_lines_dropped));
     if let Some(placement) = placement {
         config = config.peers(Arc::new(EtcdPeers(placement)));
     }

@@ -892,6 +892,9 @@ fn serving_with_stderr_unread() -> (
 /// `UNREAD_LOG_REQUESTS` critic requests (more lines than the pipe and
 /// `SERVE_LOG_LINES_BUFFERED_MAX` hold), each answered within `UNREAD_LOG_ANSWER_MS_MAX`;
 /// then stderr is read, SIGTERM: exit 0 and the last line reports the dropped lines.
+/// `/metrics` shows them too (`troupe_log_lines_dropped_total`: 0 at the start, some
+/// once the requests are answered, at most the count reported at the end); until
+/// 2026-12-07 it had no such counter, and an operator scraping it could not see them.
 #[test]
 fn a_server_logging_every_span_keeps_answering_when_its_stderr_is_never_read() {
     /// How many requests are sent: 4 lines each at `info`, so about 8,000 lines (2
@@ -901,6 +904,7 @@ fn a_server_logging_every_span_keeps_answering_when_its_stderr_is_never_read() {
     const UNREAD_LOG_ANSWER_MS_MAX: u64 = 10_000;
     // The pipe is held, not read until the requests are answered.
     let (mut running, mut pipe, _stdout, addr) = serving_with_stderr_unread();
+    assert_eq!(log_lines_dropped(&addr), 0);
     let started = std::time::Instant::now();
     for request in 0..UNREAD_LOG_REQUESTS {
         let asked = std::time::Instant::now();
@@ -922,6 +926,7 @@ fn a_server_logging_every_span_keeps_answering_when_its_stderr_is_never_read() {
         "{UNREAD_LOG_REQUESTS} requests with stderr unread: {:?}",
         started.elapsed()
     );
+    let scraped = log_lines_dropped(&addr);
     running.stderr = Some(std::thread::spawn(move || {
         let mut text = String::new();
         let _ = pipe.read_to_string(&mut text);
@@ -939,8 +944,27 @@ fn a_server_logging_every_span_keeps_answering_when_its_stderr_is_never_read() {
         .and_then(|(count, _)| count.parse().ok())
         .unwrap_or_else(|| panic!("the last line reports no dropped lines: {last:?}"));
     let written = stderr.lines().filter(|line| line.contains("http_request")).count();
-    eprintln!("dropped {dropped} lines, {written} request lines written; last line: {last}");
+    eprintln!(
+        "dropped {dropped} lines ({scraped} in /metrics after the requests), {written} request lines written; last \
+         line: {last}"
+    );
     assert!(dropped > 0 && written > 0, "{last}");
+    assert!(
+        scraped > 0 && scraped <= dropped as u64,
+        "/metrics showed {scraped} log lines dropped; {dropped} were at the end"
+    );
+}
+
+/// The counter `troupe_log_lines_dropped_total` of the `/metrics` of the server at `addr`.
+fn log_lines_dropped(addr: &str) -> u64 {
+    let (status, metrics) = http(addr, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{metrics}");
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("troupe_log_lines_dropped_total "))
+        .unwrap_or_else(|| panic!("no troupe_log_lines_dropped_total in /metrics:\n{metrics}"))
+        .parse()
+        .unwrap()
 }
 
 /// Goal: a server whose stderr nobody reads (a full pipe) still stops within a bound

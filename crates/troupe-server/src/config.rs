@@ -44,7 +44,16 @@ pub struct ServerConfig {
     /// the request to that node's server, once; without an address it refuses it as
     /// retryable (503), naming the node.
     pub peers: Option<Arc<dyn PeerAddresses>>,
+    /// How many log lines the process has dropped so far, read at every scrape of
+    /// `/metrics` (as `troupe_log_lines_dropped_total`): `troupe serve` and `troupe node`
+    /// write their log lines through a bounded queue that drops a line when it is full
+    /// (stderr not read as fast as they come). `None`: the process has no such queue,
+    /// and `/metrics` leaves the counter out.
+    pub log_lines_dropped: Option<LogLinesDropped>,
 }
+
+/// Reads a count of log lines dropped (see [`ServerConfig::log_lines_dropped`]).
+pub type LogLinesDropped = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// Where the other nodes of a cluster serve HTTP (`troupe node` reads the addresses the
 /// nodes publish in etcd).
@@ -64,6 +73,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("a2a_tasks_kept", &self.a2a_tasks_kept)
             .field("node", &self.node)
             .field("peers", &self.peers.as_ref().map(|_| "<set>"))
+            .field("log_lines_dropped", &self.log_lines_dropped.as_ref().map(|_| "<set>"))
             .finish()
     }
 }
@@ -78,6 +88,7 @@ impl Default for ServerConfig {
             a2a_tasks_kept: A2A_TASKS_KEPT_MAX,
             node: None,
             peers: None,
+            log_lines_dropped: None,
         }
     }
 }
@@ -124,6 +135,13 @@ impl ServerConfig {
     /// gives for it (see [`ServerConfig::peers`]).
     pub fn peers(mut self, peers: Arc<dyn PeerAddresses>) -> Self {
         self.peers = Some(peers);
+        self
+    }
+
+    /// Shows `dropped()`, the log lines dropped so far, in `/metrics` (see
+    /// [`ServerConfig::log_lines_dropped`]).
+    pub fn log_lines_dropped(mut self, dropped: LogLinesDropped) -> Self {
+        self.log_lines_dropped = Some(dropped);
         self
     }
 

@@ -66,7 +66,7 @@ mod topology;
 #[cfg(not(madsim))]
 pub use agents::TRACE_ID_HEADER;
 #[cfg(not(madsim))]
-pub use config::{PeerAddresses, ServeError, ServerConfig};
+pub use config::{LogLinesDropped, PeerAddresses, ServeError, ServerConfig};
 #[cfg(not(madsim))]
 pub use error::ApiError;
 #[cfg(not(madsim))]

@@ -25,13 +25,15 @@ impl Metrics {
 
     /// The text of `/metrics`; `agents` the agents in the directory; `streams_open` the
     /// open `/v1/events` streams and the open streamed answers; `a2a` the A2A tasks held
-    /// and the agents the A2A layer keeps anything of.
+    /// and the agents the A2A layer keeps anything of; `log_lines_dropped` the log lines
+    /// the process dropped so far, if it has a log queue that drops them.
     pub(crate) fn render(
         &self,
         client: &AgentClient,
         agents: usize,
         streams_open: [usize; 2],
         a2a: (usize, usize),
+        log_lines_dropped: Option<u64>,
     ) -> String {
         let mut out = String::new();
         out.push_str("# HELP troupe_http_requests_total HTTP requests answered, by method, route and status.\n");
@@ -105,6 +107,14 @@ impl Metrics {
             let _ = writeln!(out, "# HELP troupe_runtime_{name}_total {help}");
             let _ = writeln!(out, "# TYPE troupe_runtime_{name}_total counter");
             let _ = writeln!(out, "troupe_runtime_{name}_total {value}");
+        }
+        if let Some(dropped) = log_lines_dropped {
+            out.push_str(
+                "# HELP troupe_log_lines_dropped_total Log lines dropped because the log queue was full (stderr not \
+                 read as fast as they came).\n",
+            );
+            out.push_str("# TYPE troupe_log_lines_dropped_total counter\n");
+            let _ = writeln!(out, "troupe_log_lines_dropped_total {dropped}");
         }
         let gauges = [
             (

@@ -633,7 +633,10 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // The agents this process has read (the stored directory is read at the start and
     // by every agent route), without a store read: a scrape must not wait on the store.
     let agents = state.client.directory().list().len();
-    let text = state.metrics.render(&state.client, agents, [open, streams], a2a);
+    let dropped = state.config.log_lines_dropped.as_ref().map(|dropped| dropped());
+    let text = state
+        .metrics
+        .render(&state.client, agents, [open, streams], a2a, dropped);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
