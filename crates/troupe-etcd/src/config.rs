@@ -158,8 +158,8 @@ impl EtcdConfig {
     /// Checks every field and the relation between the times: after a renewal, a node
     /// trusts its lease for `TTL − ETCD_LEASE_EXPIRY_SLACK_MS`, and places an actor only
     /// if a request can finish inside that; the next renewal comes `TTL / 3` later, so
-    /// `TTL − slack − request timeout` must exceed `TTL / 3`, else a healthy node would
-    /// refuse placements between renewals.
+    /// `TTL − slack − request timeout` must exceed `TTL / 3`, else a healthy node's
+    /// placements would wait for a renewal between every two renewals.
     ///
     /// # Errors
     /// [`ConfigError`] naming the field and the violated bound.

@@ -119,8 +119,9 @@ pub enum PlacementError {
         /// The node that holds it.
         owner: NodeId,
     },
-    /// This node's lease is lost (or too close to its end for a request to finish
-    /// inside it): the node must stop serving its actors; it places nothing more.
+    /// This node's lease is lost (a placement that waited for a late renewal meets this
+    /// when the lease's validity ends first): the node must stop serving its actors; it
+    /// places nothing more.
     #[error("the lease {lease:x} of node {node} is lost ({reason:?})")]
     LeaseExpired {
         /// This node.

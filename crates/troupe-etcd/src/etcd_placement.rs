@@ -377,30 +377,21 @@ impl EtcdPlacement {
         }
     }
 
-    /// Refuses a write under the lease unless the lease is held and a request started
-    /// now ends before the lease can have expired on the server.
-    fn check_lease_for_write(&self, held: &HeldLease, operation: PlacementOperation) -> Result<(), PlacementError> {
-        if let Some(reason) = held.standing.lost() {
-            return Err(self.lease_expired(held.lease, reason));
-        }
-        let now = tokio::time::Instant::now();
-        let valid_until = held.standing.valid_until();
-        if now >= valid_until {
-            held.standing.lose(LeaseLostReason::NotRenewedInTime);
-            return Err(self.lease_expired(held.lease, LeaseLostReason::NotRenewedInTime));
-        }
-        if now + self.inner.config.request_timeout() > valid_until {
-            return Err(PlacementError::EtcdUnavailable {
-                endpoints: self.inner.config.endpoints.join(","),
-                operation,
-                cause: format!(
-                    "the lease's last confirmed renewal leaves {} ms, less than one request ({} ms)",
-                    (valid_until - now).as_millis(),
-                    self.inner.config.request_timeout_ms
-                ),
-            });
-        }
-        Ok(())
+    /// Lets a write under the lease start once the lease is held and a request started
+    /// now ends before the lease can have expired on the server: when the last
+    /// confirmed renewal leaves less than one request, waits for the next renewal, at
+    /// most until the lease's validity ends (then refused [`PlacementError::LeaseExpired`],
+    /// the lease lost). See [`LeaseStanding::wait_for_write`] for why the wait never
+    /// lets a node act on a lease the server may have expired.
+    ///
+    /// The wait is bounded by the lease alone, not by the caller's deadline, which the
+    /// [`Placement`] API does not carry: it is shorter than one request timeout, the
+    /// time the caller budgets for the request it is about to make anyway.
+    async fn lease_for_write(&self, held: &HeldLease) -> Result<(), PlacementError> {
+        held.standing
+            .wait_for_write(self.inner.config.request_timeout())
+            .await
+            .map_err(|reason| self.lease_expired(held.lease, reason))
     }
 
     fn record(&self, actor: &ActorId, key: &str, kv: &KeyValue) -> Result<PlacementRecord, PlacementError> {
@@ -433,7 +424,7 @@ impl Placement for EtcdPlacement {
 
     async fn place(&self, actor: &ActorId) -> Result<PlacementRecord, PlacementError> {
         let held = self.inner.held();
-        self.check_lease_for_write(&held, PlacementOperation::Place)?;
+        self.lease_for_write(&held).await?;
         let key = self.placement_key(actor);
         let create = PutOptions::new().with_lease(held.lease);
         // Compare by value only (all the simulator offers): every record this crate

@@ -351,3 +351,159 @@ async fn the_store_binding_and_the_name_claim_hold_on_the_simulated_etcd() {
         .expect("node-c is a member");
     assert_eq!(recorded.address, refused[0], "the refusal names the winner");
 }
+
+/// The largest request timeout a 3 s lease accepts, in milliseconds
+/// (`TTL − slack − TTL/3 − 1`): what the CI tests of the cluster run with, where a
+/// renewal answered a few milliseconds late left less than one request of trust.
+const LATE_RENEWAL_REQUEST_TIMEOUT_MS: u64 = 999;
+/// When, after the join (and the first renewal it starts), the etcd → node link is
+/// clogged, in virtual milliseconds: before the next renewal, sent one TTL/3 = 1 s in.
+const LATE_RENEWAL_CLOG_AT_MS: u64 = 950;
+/// When, after the join, the node places an actor, in virtual milliseconds: after the
+/// renewal was sent (its answer is held back), so the last confirmed renewal leaves
+/// about 900 ms, less than one request.
+const LATE_RENEWAL_PLACE_AT_MS: u64 = 1_100;
+/// When, after the join, the link heals in the test where the renewal lands, in virtual
+/// milliseconds: the held-back answer reaches the node at the simulator's next retry
+/// (by about 1.5 s), within the renewal's request timeout and the lease's validity.
+const LATE_RENEWAL_HEAL_AT_MS: u64 = 1_300;
+/// How much later than the lease's validity (2 s after the first renewal) a waiting
+/// placement may be refused, in virtual milliseconds: the first renewal is sent a few
+/// simulated network delays after the join returns.
+const LEASE_END_SLACK_MS: u64 = 50;
+
+/// A node of a 3 s lease and a 999 ms request timeout on its own machine, the etcd
+/// → node link clogged [`LATE_RENEWAL_CLOG_AT_MS`] after its join; returns the
+/// node's machine, the placement, the join's instant and etcd's machine.
+async fn node_whose_renewal_is_held_back() -> (
+    madsim::runtime::NodeHandle,
+    EtcdPlacement,
+    Instant,
+    madsim::runtime::NodeHandle,
+) {
+    let handle = Handle::current();
+    let etcd = start_etcd(&handle);
+    let node = handle.create_node().name("node-a").ip(ip("10.0.1.1")).build();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let placement = node
+        .spawn(EtcdPlacement::join(
+            config("node-a").with_request_timeout_ms(LATE_RENEWAL_REQUEST_TIMEOUT_MS),
+        ))
+        .await
+        .expect("the task")
+        .expect("node-a joins");
+    let joined = Instant::now();
+    tokio::time::sleep_until(joined + Duration::from_millis(LATE_RENEWAL_CLOG_AT_MS)).await;
+    NetSim::current().clog_link(etcd.id(), node.id());
+    tokio::time::sleep_until(joined + Duration::from_millis(LATE_RENEWAL_PLACE_AT_MS)).await;
+    (node, placement, joined, etcd)
+}
+
+/// Goal (simulated): a node whose lease renewal is merely late places an actor once
+/// the renewal lands, instead of refusing. Method: a 3 s lease, 999 ms requests; the
+/// answer to the renewal sent 1 s after the join is held back (etcd → node clogged);
+/// 1.1 s in, with about 900 ms of confirmed validity left (less than one request), the
+/// node places `x`; 1.3 s in the link heals. The placement succeeds after the heal
+/// (it waited for the renewal) and the node holds its lease. Before the wait it was
+/// refused at once: `EtcdUnavailable` "the lease's last confirmed renewal leaves ...
+/// less than one request (999 ms)".
+#[madsim::test]
+async fn a_placement_waits_for_a_late_renewal_and_succeeds_once_it_lands() {
+    let (node, placement, joined, etcd) = node_whose_renewal_is_held_back().await;
+    let x = ActorId::new("counter", "x").expect("an actor id");
+    let placing = node.spawn({
+        let (placement, x) = (placement.clone(), x.clone());
+        async move {
+            let result = placement.place(&x).await;
+            (result, Instant::now())
+        }
+    });
+    tokio::time::sleep_until(joined + Duration::from_millis(LATE_RENEWAL_HEAL_AT_MS)).await;
+    NetSim::current().unclog_link(etcd.id(), node.id());
+    let (placed, answered) = placing.await.expect("the task");
+    let record = placed.expect("the placement waits for the late renewal and succeeds");
+    assert_eq!(record.owner.as_str(), "node-a");
+    let waited = answered - (joined + Duration::from_millis(LATE_RENEWAL_PLACE_AT_MS));
+    eprintln!("the placement waited {} ms for the late renewal", waited.as_millis());
+    assert!(
+        answered >= joined + Duration::from_millis(LATE_RENEWAL_HEAL_AT_MS),
+        "the placement was answered before the renewal could land"
+    );
+    assert!(placement.holds_lease(), "the renewed lease is held");
+    let lookup = placement.lookup(&x).await.expect("a lookup").expect("x is placed");
+    assert_eq!(lookup.owner.as_str(), "node-a");
+}
+
+/// Goal (simulated): a placement waiting for a renewal that never lands is refused by
+/// the end of the lease's validity, not later, and the node places nothing afterwards.
+/// Method: as the test above, but the link stays clogged until 5 s after the join
+/// (past the lease's end on etcd). The placement is refused `LeaseExpired`
+/// (`NotRenewedInTime`) no earlier than 1.9 s and no later than 2 s +
+/// [`LEASE_END_SLACK_MS`] after the join; the lease counts as lost from then on; after
+/// the link heals, the node's next placement is refused `LeaseExpired` without
+/// reaching etcd, and another node places `x`. Before the wait it was refused at once
+/// (1.1 s in) as `EtcdUnavailable`.
+#[madsim::test]
+async fn a_placement_waiting_for_a_renewal_that_never_lands_is_refused_by_the_leases_end() {
+    let (node, placement, joined, etcd) = node_whose_renewal_is_held_back().await;
+    let x = ActorId::new("counter", "x").expect("an actor id");
+    let (refused, answered) = node
+        .spawn({
+            let (placement, x) = (placement.clone(), x.clone());
+            async move {
+                let result = placement.place(&x).await;
+                (result, Instant::now())
+            }
+        })
+        .await
+        .expect("the task");
+    let after_join = answered - joined;
+    eprintln!(
+        "the waiting placement was refused {} ms after the join",
+        after_join.as_millis()
+    );
+    match refused {
+        Err(PlacementError::LeaseExpired { reason, .. }) => assert_eq!(reason, LeaseLostReason::NotRenewedInTime),
+        other => panic!("a placement past the lease's validity must be refused LeaseExpired: {other:?}"),
+    }
+    assert!(
+        after_join >= Duration::from_millis(1_900),
+        "refused {after_join:?} after the join, before the lease's validity ended"
+    );
+    assert!(
+        after_join <= Duration::from_millis((SIM_LEASE_TTL_S - 1) * 1_000 + LEASE_END_SLACK_MS),
+        "refused {after_join:?} after the join, later than the lease's validity"
+    );
+    assert!(!placement.holds_lease(), "the lease counts as lost once refused");
+    assert_eq!(placement.lease_lost().await, LeaseLostReason::NotRenewedInTime);
+
+    tokio::time::sleep_until(joined + Duration::from_millis(5_000)).await;
+    NetSim::current().unclog_link(etcd.id(), node.id());
+    let again = node
+        .spawn({
+            let (placement, x) = (placement.clone(), x.clone());
+            async move { placement.place(&x).await }
+        })
+        .await
+        .expect("the task");
+    assert!(
+        matches!(again, Err(PlacementError::LeaseExpired { .. })),
+        "a node whose lease was lost places nothing: {again:?}"
+    );
+    let other = Handle::current()
+        .create_node()
+        .name("node-b")
+        .ip(ip("10.0.1.2"))
+        .build();
+    let taken = other
+        .spawn({
+            let x = x.clone();
+            async move {
+                let placement = EtcdPlacement::join(config("node-b")).await.expect("node-b joins");
+                place_when_free(&placement, &x).await
+            }
+        })
+        .await
+        .expect("the task");
+    assert_eq!(taken.owner.as_str(), "node-b", "x is free for another node");
+}
