@@ -20,7 +20,8 @@
 //!
 //! Errors are JSON-RPC error objects with A2A's codes, in a 200 answer, except a busy
 //! agent (429, `Retry-After`) and a full server (503, `Retry-After`): the client may
-//! retry those.
+//! retry those. A notification (a request without `id`) is run but never answered in
+//! JSON-RPC: 202 Accepted with no body ([`notified`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -543,22 +544,35 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
         return RpcError::new(code::PARSE_ERROR, "the body is not JSON").answer(&Value::Null);
     };
     let id = request.get("id").cloned().unwrap_or(Value::Null);
+    // A request object without an `id` member is a notification, which JSON-RPC 2.0
+    // (4.1) forbids any reply to (one with `"id": null` is a request, answered under
+    // `null`).
+    let notification = request.as_object().is_some_and(|object| !object.contains_key("id"));
     let (method, params) = match envelope(&request) {
         Ok(parts) => parts,
         // An Invalid Request is answered with the id `null` (JSON-RPC 2.0, 5.1: its id
-        // may be the broken part); params that are not an object come from a request
-        // whose id was read, and are answered under it, as every other error is.
+        // may be the broken part), a notification's too (it is no valid request, so no
+        // notification either: 5.1's own example); params that are not an object come
+        // from a request whose id was read, and are answered under it, as every other
+        // error is.
         Err(error) if error.code == code::INVALID_REQUEST => return error.answer(&Value::Null),
+        Err(error) if notification => return notified(method_of(&request), Err(error)),
         Err(error) => return error.answer(&id),
     };
     if let Some(version) = headers.get(A2A_VERSION_HEADER).and_then(|value| value.to_str().ok()) {
         if !version_served(version) {
-            return RpcError::new(
+            let error = RpcError::new(
                 code::VERSION_NOT_SUPPORTED,
                 format!("A2A-Version {version:?} is not served; this server speaks {A2A_PROTOCOL_VERSION}"),
-            )
-            .answer(&id);
+            );
+            if notification {
+                return notified(method, Err(error));
+            }
+            return error.answer(&id);
         }
+    }
+    if notification {
+        return notify(&a2a, &agent, method, params, &headers, body).await;
     }
     let tasks_method = matches!(
         method,
@@ -609,6 +623,85 @@ async fn rpc(State(a2a): Shared, Path(agent): Path<String>, headers: HeaderMap, 
         )),
     };
     answered.unwrap_or_else(|error| error.answer(&id))
+}
+
+/// A notification (a request without `id`) of `method`: run as the same request would
+/// be, its answer never sent (JSON-RPC 2.0, 4.1: the server MUST NOT reply to a
+/// notification). `SendMessage` and `SendStreamingMessage` start their task and are
+/// not waited for (nobody reads the task's outcome or a stream); `CancelTask` cancels.
+/// The other methods only answer, so nothing is run for them. Held by another cluster
+/// node, it is forwarded there as a request is, and its answer is that node's.
+/// Answered as [`notified`] says.
+async fn notify(
+    a2a: &Arc<A2a>,
+    agent: &str,
+    method: &str,
+    params: &Map<String, Value>,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !matches!(method, "SendMessage" | "SendStreamingMessage" | "CancelTask") {
+        return notified(method, Ok(()));
+    }
+    if let Err(refused) = hold(a2a, agent).await {
+        if let Some(holder) = refused.holder.as_deref() {
+            if !headers.contains_key(FORWARDED_BY_HEADER) {
+                // No stream: nothing takes a stream slot.
+                if let Some(response) = forward(a2a, holder, agent, headers, body, None).await {
+                    return response;
+                }
+            }
+        }
+        return notified(method, Err(refused.error));
+    }
+    let outcome = match method {
+        "CancelTask" => cancel_task(a2a, agent, params).await.map(drop),
+        _ => match accept(a2a, agent, params, headers) {
+            Ok(accepted) => start(a2a, agent, &accepted).await.map(drop),
+            Err(error) => Err(error),
+        },
+    };
+    notified(method, outcome)
+}
+
+/// The HTTP answer to a notification of `method` that ended with `outcome`: never a
+/// JSON-RPC response. 202 Accepted with no body, whatever it did (a notification's
+/// errors are not told, JSON-RPC 2.0 4.1; they are logged at `debug`), except a refusal
+/// the client may retry (a busy agent, a full server): that is an HTTP refusal, 429 or
+/// 503 with `Retry-After`, in the server's error shape (`{"error": {"code", "message"}}`,
+/// no JSON-RPC member), so that a client that sends notifications can still hold back.
+/// The official Python server (`a2a-python`'s JSON-RPC app, its 0.3 line as read on
+/// 2026-12-07) answers a request without `id` with a JSON-RPC error instead (-32602: its
+/// request models require the `id`); A2A itself says nothing of notifications.
+fn notified(method: &str, outcome: Result<(), RpcError>) -> Response {
+    match outcome {
+        Ok(()) => StatusCode::ACCEPTED.into_response(),
+        Err(error) if error.status == StatusCode::OK => {
+            tracing::debug!(
+                method,
+                code = error.code,
+                message = %error.message,
+                "an A2A notification failed; no reply is sent to a notification"
+            );
+            StatusCode::ACCEPTED.into_response()
+        }
+        Err(error) => {
+            let code = if error.status == StatusCode::TOO_MANY_REQUESTS {
+                "busy"
+            } else {
+                "overloaded"
+            };
+            ApiError::new(error.status, code, error.message)
+                .retry_after()
+                .into_response()
+        }
+    }
+}
+
+/// The `method` of a request object, if it is a string (for the log of a notification
+/// refused before its method was read).
+fn method_of(request: &Value) -> &str {
+    request.get("method").and_then(Value::as_str).unwrap_or("")
 }
 
 /// `1.0`, `1.0.x`: the major and minor served.

@@ -81,7 +81,8 @@ impl ApiError {
         json!({ "error": error })
     }
 
-    fn retry_after(mut self) -> Self {
+    /// The same error with `Retry-After: SERVER_RETRY_AFTER_S`.
+    pub(crate) fn retry_after(mut self) -> Self {
         self.retry_after_s = Some(SERVER_RETRY_AFTER_S);
         self
     }
