@@ -121,9 +121,13 @@ impl LeaseStanding {
                 request_ms = request.as_millis(),
                 "the lease's renewal is late; a write waits for it"
             );
+            // Biased: an unbiased select! draws its first branch from tokio's
+            // thread-local generator, which outlives a simulated run
+            // (tests/determinism_guard.rs). Every branch leads to the checks above.
             tokio::select! {
-                () = renewed => {}
+                biased;
                 _reason = self.wait_lost() => {}
+                () = renewed => {}
                 () = tokio::time::sleep_until(valid_until) => {}
             }
         }
