@@ -100,12 +100,28 @@
 //!   [`InvokeError::Unreachable`]; none waits for its deadline. The next call opens a
 //!   new connection, with a new handshake.
 //! - A failed request says how far it got ([`TransportClient::attempt`]'s
-//!   [`RequestFailure::delivery`]): [`Delivery::NeverSent`] when no byte of it was
-//!   written (no connection could be had: refused, timed out, handshake failed; the
-//!   connection had closed before the request was queued; the deadline passed first),
-//!   so it did not run and may be sent to another node; [`Delivery::MaybeSent`] once
-//!   it was queued on an open connection (it may have run). A request queued behind a
-//!   connection the peer had just closed, and reset by it, counts as maybe sent.
+//!   [`RequestFailure::delivery`]): [`Delivery::NeverSent`] when the server never read
+//!   it (no connection could be had: refused, timed out, handshake failed; the
+//!   connection had closed before the request was queued; the deadline passed first;
+//!   or the server, stopping, said it had not read it: below), so it did not run and
+//!   may be sent to another node; [`Delivery::MaybeSent`] once it was queued on an open
+//!   connection and may have been read (it may have run). A request queued on a
+//!   connection that broke without the server's word (reset, killed node, partition)
+//!   counts as maybe sent.
+//! - A server that stops (dropped: its node leaving) goes away cleanly (since protocol
+//!   version 7): each connection stops reading at once (a request not wholly read then
+//!   never runs), writes the replies already queued, then a last `GoingAway` frame
+//!   with the number of request frames it read on that connection, shuts its side and
+//!   reads (discarding) until the client closes, at most `GOING_AWAY_LINGER_MS` (1 s),
+//!   so that unread bytes do not turn the close into a reset that could erase the last
+//!   frame at the client. The client numbers its requests in the order it queues them
+//!   on the connection (the order they are written, and read; not their ids, which are
+//!   taken before queuing), and on `GoingAway` fails at once every request queued
+//!   after the first `requests_read` as `Unreachable`, [`Delivery::NeverSent`], and
+//!   the others (read, unanswered: they may have run, or been abandoned) as
+//!   `Unreachable`, [`Delivery::MaybeSent`]. Requests running when the server stops are
+//!   abandoned, as on any close. Writing the replies and `GoingAway` takes at most
+//!   `GOING_AWAY_WRITE_MS_MAX` (1 s); past it the connection closes without it.
 //! - Nothing grows without bound: the client's pending map holds at most
 //!   [`CLIENT_REQUESTS_IN_FLIGHT_MAX`] entries (a caller over it waits for a slot until its
 //!   deadline), an entry is freed when its caller stops waiting for any reason, the
@@ -246,8 +262,11 @@ pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 /// run a keyed request unkeyed, so it is refused at the handshake); 6 added
 /// [`InvokeError::ConnectionBusy`], the answer to a request over a connection's limit
 /// (version 5 answered `DispatcherBusy`, which named the wrong queue; a peer of version 5
-/// could not decode the new variant).
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 6;
+/// could not decode the new variant); 7 added the server's last frame `GoingAway`, which
+/// says how many of the connection's requests a stopping server read, so the client
+/// knows the others never ran (a client of version 6 could not decode it). Every node of
+/// a cluster must run the same version: a node of another one cannot call or be called.
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 7;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.
@@ -288,6 +307,16 @@ pub const CLIENT_CONNECTION_IDLE_TIMEOUT_MS: u64 = 30_000;
 /// (a write or flush that makes no progress), in milliseconds; then the peer is taken
 /// not to read and the connection is closed.
 pub const WRITE_STALL_TIMEOUT_MS: u64 = 10_000;
+/// Longest a stopping [`TransportServer`] spends, per connection, writing the replies
+/// it had queued and its last frame (`GoingAway`, which tells the client which of its
+/// requests were never read), in milliseconds. Past it the connection is closed as it
+/// is: its pending requests then end `Unreachable` as possibly sent.
+pub(crate) const GOING_AWAY_WRITE_MS_MAX: u64 = 1_000;
+/// Longest a stopping [`TransportServer`] keeps a connection open after its last frame,
+/// reading (and discarding, unrun) what the client still sends, until the client closes
+/// it, in milliseconds. Closing a socket with unread bytes resets it, and a reset may
+/// erase, at the client, the last frame not yet read.
+pub(crate) const GOING_AWAY_LINGER_MS: u64 = 1_000;
 /// Most connections one [`TransportServer`] (one node) holds open at once, in
 /// connections; one accepted over it is closed at once, unread (counted in
 /// [`TransportServerStats::connections_refused`]).

@@ -15,7 +15,7 @@ use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use super::budget::{BudgetedFrame, ByteBudget};
 use super::clock_sync::ClockSync;
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
-use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
+use super::wire::{ClientMessage, GoingAway, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
 use super::{
     CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, CONNECT_TIMEOUT_MS,
     FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, WRITE_QUEUE_CAPACITY,
@@ -29,7 +29,9 @@ use crate::{Clock, IdempotencyKey};
 /// a clock handshake, so deadlines cross it as absolute instants on the server's clock
 /// (see the transport module's documentation in the source). When the connection breaks,
 /// every call pending on it fails at once with [`InvokeError::Unreachable`] and the next
-/// call connects (and handshakes) again. Never retries a request.
+/// call connects (and handshakes) again. When its server stops, it says how many of the
+/// connection's requests it read: the others fail as never sent
+/// ([`Delivery::NeverSent`]). Never retries a request.
 ///
 /// A connection is opened by a task of its own, bounded by
 /// [`CONNECT_TIMEOUT_MS`] and not by any caller's deadline:
@@ -84,6 +86,12 @@ pub struct TransportClientStats {
     /// budget was full at that moment; those requests run on remotely until their own
     /// deadline (never later than their caller's).
     pub cancels_dropped: u64,
+    /// Connections whose server said it was going away (it stopped: its node left)
+    /// and closed them.
+    pub connections_server_went_away: u64,
+    /// Requests written on a connection whose server then went away without reading
+    /// them: they failed `Unreachable` as never sent ([`Delivery::NeverSent`]).
+    pub requests_not_read: u64,
 }
 
 #[derive(Debug, Default)]
@@ -96,6 +104,8 @@ struct Counters {
     bytes_in_flight: Arc<AtomicUsize>,
     cancels_sent: AtomicU64,
     cancels_dropped: AtomicU64,
+    connections_server_went_away: AtomicU64,
+    requests_not_read: AtomicU64,
 }
 
 /// What the client shares with its connect and connection tasks.
@@ -140,10 +150,11 @@ pub enum RequestKind<'a> {
 /// How far a request that failed got: whether any of it may have reached the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Delivery {
-    /// No byte of the request was written: no connection could be had (refused, timed
+    /// The server never read the request: no connection could be had (refused, timed
     /// out, the handshake failed), the connection had closed before the request was
-    /// queued on it, or the deadline passed first. The server never saw it, so it did
-    /// not run, and sending it again (to this server or another) cannot run it twice.
+    /// queued on it, the deadline passed first, or the server, stopping, said it had
+    /// not read it (since protocol version 7). It did not run, and sending it again (to
+    /// this server or another) cannot run it twice.
     NeverSent,
     /// The request was queued on an open connection, so it may have reached the
     /// server and run even though no reply came back (the connection broke, the
@@ -186,7 +197,10 @@ impl RequestFailure {
 #[derive(Debug)]
 enum Outcome {
     Reply(Result<Bytes, InvokeError>),
+    /// The connection closed before the reply: the request may have been read.
     Broken(String),
+    /// The server went away without reading the request: it did not run.
+    NotRead(String),
 }
 
 /// One open connection: the queue to its writer, the calls waiting on it and its clock
@@ -231,11 +245,23 @@ struct Pending {
 
 #[derive(Debug)]
 struct PendingState {
-    waiting: BTreeMap<u64, oneshot::Sender<Outcome>>,
-    /// Set once, when the connection closes; nothing registers after that.
+    waiting: BTreeMap<u64, Waiting>,
+    /// Set once, when the connection closes; nothing registers or is queued after that.
     closed: Option<Closure>,
     /// When a call last registered or ended on this connection.
     last_active: Deadline,
+    /// Request frames queued on the connection so far: the next one's place in the
+    /// order the server reads them.
+    requests_queued: u64,
+}
+
+/// A call waiting on a connection.
+#[derive(Debug)]
+struct Waiting {
+    reply: oneshot::Sender<Outcome>,
+    /// The request's place among the request frames queued on this connection (the
+    /// writer writes them in that order, the server reads them in it), once queued.
+    place: Option<u64>,
 }
 
 /// Why a connection takes no more calls.
@@ -255,6 +281,7 @@ impl Pending {
                 waiting: BTreeMap::new(),
                 closed: None,
                 last_active: clock.now(),
+                requests_queued: 0,
             }),
         }
     }
@@ -275,9 +302,38 @@ impl Pending {
         if let Some(closure) = &state.closed {
             return Err(closure.clone());
         }
-        let previous = state.waiting.insert(request_id, waiter);
+        let previous = state.waiting.insert(
+            request_id,
+            Waiting {
+                reply: waiter,
+                place: None,
+            },
+        );
         assert!(previous.is_none(), "request id {request_id} registered twice");
         state.last_active = state.last_active.max(now);
+        Ok(())
+    }
+
+    /// Queues request `request_id`'s `frame` in the place reserved on the connection's
+    /// writer queue, and notes its place among the connection's requests, under the
+    /// lock, so that places follow the queue's order, unless the connection is closed
+    /// (then nothing is queued).
+    fn queue(
+        &self,
+        request_id: u64,
+        place_in_queue: mpsc::Permit<'_, BudgetedFrame>,
+        frame: BudgetedFrame,
+    ) -> Result<(), Closure> {
+        let mut state = self.lock();
+        if let Some(closure) = &state.closed {
+            return Err(closure.clone());
+        }
+        let place = state.requests_queued;
+        state.requests_queued += 1;
+        if let Some(waiting) = state.waiting.get_mut(&request_id) {
+            waiting.place = Some(place);
+        }
+        place_in_queue.send(frame);
         Ok(())
     }
 
@@ -300,7 +356,7 @@ impl Pending {
             state.waiting.remove(&response.request_id)
         };
         match waiter {
-            Some(waiter) => waiter.send(Outcome::Reply(response.result)).is_ok(),
+            Some(waiter) => waiter.reply.send(Outcome::Reply(response.result)).is_ok(),
             None => false,
         }
     }
@@ -314,8 +370,38 @@ impl Pending {
         };
         for waiter in waiting.into_values() {
             // The caller may have stopped waiting already.
-            let _ = waiter.send(Outcome::Broken(cause.to_string()));
+            let _ = waiter.reply.send(Outcome::Broken(cause.to_string()));
         }
+    }
+
+    /// The server went away having read the first `going_away.requests_read` requests
+    /// queued on this connection: marks the connection broken and fails every waiting
+    /// call, those queued later as never read ([`Outcome::NotRead`]), the others as
+    /// broken (they may have run). A call not yet queued is not answered: it finds the
+    /// connection closed when it tries to queue. Returns how many failed as never read.
+    fn go_away(&self, going_away: GoingAway, address: SocketAddr) -> u64 {
+        let GoingAway { requests_read } = going_away;
+        let broken =
+            format!("the server at {address} went away (it stopped) after reading this request, without answering it");
+        let not_read = format!("the server at {address} went away (it stopped) without reading this request");
+        let waiting = {
+            let mut state = self.lock();
+            state.closed.get_or_insert_with(|| Closure::Broken(broken.clone()));
+            std::mem::take(&mut state.waiting)
+        };
+        let mut failed_not_read = 0;
+        for waiter in waiting.into_values() {
+            // The caller may have stopped waiting already.
+            let _ = match waiter.place {
+                Some(place) if place >= requests_read => {
+                    failed_not_read += 1;
+                    waiter.reply.send(Outcome::NotRead(not_read.clone()))
+                }
+                Some(_) => waiter.reply.send(Outcome::Broken(broken.clone())),
+                None => Ok(()),
+            };
+        }
+        failed_not_read
     }
 
     /// Returns once no call has been pending for [`CLIENT_CONNECTION_IDLE_TIMEOUT_MS`],
@@ -518,6 +604,8 @@ impl TransportClient {
             clock_offset_error_us: sync.map(|sync| sync.error_bound_us()),
             bytes_in_flight: counters.bytes_in_flight.load(Ordering::Relaxed),
             cancels_sent: load(&counters.cancels_sent),
+            connections_server_went_away: load(&counters.connections_server_went_away),
+            requests_not_read: load(&counters.requests_not_read),
             cancels_dropped: load(&counters.cancels_dropped),
         }
     }
@@ -812,12 +900,18 @@ impl TransportClient {
         })?;
         let permit = connection.budget.acquire(frame.len()).await;
         let budgeted = BudgetedFrame { frame, _permit: permit };
-        // A send cancelled at the deadline before it completed queued nothing (tokio's
-        // `Sender::send` is cancel safe); the flag is set in the same poll as it
-        // completes.
-        if connection.frames.send(budgeted).await.is_err() {
+        // A reservation cancelled at the deadline before it completed queued nothing
+        // (tokio's `Sender::reserve` is cancel safe); the frame is queued, and the flag
+        // set, in the poll it completes.
+        let Ok(place_in_queue) = connection.frames.reserve().await else {
             // The connection's task has ended: the frame was never taken for writing.
             return Err(never_sent("the connection closed".to_string()));
+        };
+        match connection.pending.queue(request_id, place_in_queue, budgeted) {
+            Ok(()) => {}
+            // Closed (broke, or its server went away) before the request was queued.
+            Err(Closure::Broken(cause)) => return Err(never_sent(cause)),
+            Err(Closure::Retired) => return Err(never_sent("the connection closed".to_string())),
         }
         queued.store(true, Ordering::Relaxed);
         // Queued: from now on, a caller that stops waiting tells the server (on drop).
@@ -825,6 +919,7 @@ impl TransportClient {
         match reply.await {
             Ok(Outcome::Reply(result)) => result.map_err(RequestFailure::maybe_sent),
             Ok(Outcome::Broken(cause)) => Err(RequestFailure::maybe_sent(unreachable(cause))),
+            Ok(Outcome::NotRead(cause)) => Err(never_sent(cause)),
             Err(_closed) => Err(RequestFailure::maybe_sent(unreachable(
                 "the connection closed".to_string(),
             ))),
@@ -888,6 +983,9 @@ async fn handshake(stream: &mut TcpStream, clock: &Clock) -> Result<ClockSync, F
         ServerMessage::Response(_) => Err(FrameError::Handshake {
             cause: "the server answered the hello with a response".to_string(),
         }),
+        ServerMessage::GoingAway(_) => Err(FrameError::Handshake {
+            cause: "the server is going away (it is stopping)".to_string(),
+        }),
     }
 }
 
@@ -935,9 +1033,11 @@ impl Connection {
         });
         tokio::spawn(async move {
             let (mut reader, mut writer) = tokio::io::split(stream);
+            // Ends with the server's `GoingAway`, its last frame, or an error.
             let read_replies = async {
                 loop {
                     match read_frame::<ServerMessage, _>(&mut reader, FRAME_SIZE_MAX_BYTES).await? {
+                        ServerMessage::GoingAway(going_away) => return Ok::<_, FrameError>(going_away),
                         ServerMessage::Response(response) => {
                             if !pending.complete(response) {
                                 counters.late_replies_discarded.fetch_add(1, Ordering::Relaxed);
@@ -954,10 +1054,26 @@ impl Connection {
             };
             // No write stall timeout here: a server stops reading on purpose when its
             // limits are reached, and every caller waiting behind it has a deadline.
-            let write_requests = write_frames(&mut writer, &mut frame_queue, None, || {});
+            let write_requests = write_frames(&mut writer, &mut frame_queue, None, || {}, std::future::pending());
             let ended: Result<(), FrameError> = tokio::select! {
                 biased;
-                read = read_replies => read,
+                read = read_replies => match read {
+                    Ok(going_away) => {
+                        // Closes the connection as this task ends, so the server, which
+                        // reads until then, closes it without a reset.
+                        let not_read = pending.go_away(going_away, address);
+                        counters.connections_server_went_away.fetch_add(1, Ordering::Relaxed);
+                        counters.requests_not_read.fetch_add(not_read, Ordering::Relaxed);
+                        tracing::debug!(
+                            %address,
+                            requests_read = going_away.requests_read,
+                            not_read,
+                            "transport connection closed: the server went away"
+                        );
+                        return;
+                    }
+                    Err(error) => Err(error),
+                },
                 // Ends with `Ok` when the last `Arc<Connection>` is dropped: nobody can
                 // send on this connection any more.
                 written = write_requests => written,

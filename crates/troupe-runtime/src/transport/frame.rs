@@ -211,6 +211,11 @@ where
 /// flush) and calling `on_flushed` after each flush. A frame is dropped (releasing its
 /// budget) once written.
 ///
+/// Once `closing` resolves, the queue is closed (its senders' `closed()` resolves, and
+/// nothing more can be queued, except through a place already reserved): the frames
+/// already queued are written, then this returns `Ok`. Pass
+/// `std::future::pending()` to write until the senders are gone.
+///
 /// With `stall_timeout`, a write or flush that makes no progress for that long fails:
 /// the peer is not reading.
 ///
@@ -222,12 +227,26 @@ pub(crate) async fn write_frames<W, F>(
     frames: &mut mpsc::Receiver<F>,
     stall_timeout: Option<Duration>,
     mut on_flushed: impl FnMut(),
+    closing: impl std::future::Future<Output = ()>,
 ) -> Result<(), FrameError>
 where
     W: AsyncWrite + Unpin,
     F: AsRef<[u8]>,
 {
-    while let Some(frame) = frames.recv().await {
+    let mut closing = std::pin::pin!(closing);
+    let mut closed = false;
+    loop {
+        // `recv` is cancel safe: a frame is either taken here or left in the queue.
+        let next = tokio::select! {
+            biased;
+            () = &mut closing, if !closed => {
+                frames.close();
+                closed = true;
+                continue;
+            }
+            next = frames.recv() => next,
+        };
+        let Some(frame) = next else { break };
         write_frames_all(writer, frame.as_ref(), stall_timeout).await?;
         drop(frame);
         let mut batched = 1;
@@ -239,6 +258,25 @@ where
         write_frames_within(stall_timeout, writer.flush()).await??;
         on_flushed();
     }
+    Ok(())
+}
+
+/// Writes one frame (`bytes`, prefix included) and flushes it, each socket operation
+/// within `stall_timeout`: a connection's last frame, after its writer's queue was
+/// drained.
+///
+/// # Errors
+/// As [`write_frames`].
+pub(crate) async fn write_frame_now<W>(
+    writer: &mut W,
+    bytes: &[u8],
+    stall_timeout: Option<Duration>,
+) -> Result<(), FrameError>
+where
+    W: AsyncWrite + Unpin,
+{
+    write_frames_all(writer, bytes, stall_timeout).await?;
+    write_frames_within(stall_timeout, writer.flush()).await??;
     Ok(())
 }
 

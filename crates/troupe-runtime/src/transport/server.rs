@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,13 +14,16 @@ use troupe_core::limits::AGENT_CALL_DEPTH_MAX;
 use troupe_core::{CallRefused, Deadline, InvokeError};
 
 use super::budget::{BudgetedFrame, ByteBudget};
-use super::frame::{encode_frame, read_frame, read_frame_body, read_frame_length, write_frames, FrameError};
+use super::frame::{
+    encode_frame, read_frame, read_frame_body, read_frame_length, write_frame_now, write_frames, FrameError,
+};
 use super::wire::WIRE_MAGIC;
-use super::wire::{ClientMessage, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
+use super::wire::{ClientMessage, GoingAway, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
 use super::{
     ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX, CONNECTIONS_PER_NODE_MAX, CONNECTIONS_PER_PEER_MAX,
-    FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS,
-    SERVER_CONNECTION_IDLE_TIMEOUT_MS, SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
+    FRAME_HEADER_SIZE_BYTES, FRAME_SIZE_MAX_BYTES, GOING_AWAY_LINGER_MS, GOING_AWAY_WRITE_MS_MAX,
+    HANDSHAKE_FRAME_SIZE_MAX_BYTES, HANDSHAKE_TIMEOUT_MS, SERVER_CONNECTION_IDLE_TIMEOUT_MS,
+    SERVER_REQUESTS_IN_FLIGHT_MAX, WRITE_QUEUE_CAPACITY, WRITE_STALL_TIMEOUT_MS,
 };
 use crate::{Clock, RuntimeHandle};
 
@@ -59,8 +62,14 @@ const HANDSHAKE_REFUSAL_LINGER_MS: u64 = 100;
 /// started never runs, a running turn is cancelled and rolled back (nothing committed,
 /// as for a local caller that gives up), and its wait-for edge is released at once.
 ///
-/// Dropping the server stops accepting and closes every connection at once; clients
-/// then fail their pending calls with [`InvokeError::Unreachable`].
+/// Dropping the server stops accepting and closes every connection: each stops reading
+/// at once (a request not wholly read by then never runs), writes the replies already
+/// queued and a last `GoingAway` frame saying how many of the connection's requests it
+/// read (within `GOING_AWAY_WRITE_MS_MAX`, 1 s), then closes (once the client has, or
+/// after `GOING_AWAY_LINGER_MS`, 1 s). Requests running then are abandoned, as on any
+/// close. Clients fail their pending calls with [`InvokeError::Unreachable`]: as never
+/// sent (`Delivery::NeverSent`) those the server had not read, as possibly sent the
+/// others.
 #[derive(Debug)]
 pub struct TransportServer {
     local_address: SocketAddr,
@@ -338,7 +347,7 @@ async fn accept_connections(listener: TcpListener, handle: RuntimeHandle, shared
 /// Why a connection ended.
 #[derive(Debug)]
 enum ConnectionEnd {
-    /// The server was dropped.
+    /// The server was dropped: the connection goes away (see [`go_away`]).
     Stopped,
     /// No valid hello within [`HANDSHAKE_TIMEOUT_MS`].
     HandshakeTimeout,
@@ -552,7 +561,8 @@ impl Drop for CancelEntry {
 /// Runs one connection until the peer closes it, a frame is bad, a write fails or
 /// stalls, the handshake or the idle timer runs out, or the server is dropped. Reading,
 /// writing and the idle timer run in this one task, so when any ends the socket is
-/// closed at once.
+/// closed at once; when the server is dropped, reading stops at once and the
+/// connection goes away ([`go_away`]) before it closes.
 async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
@@ -575,6 +585,11 @@ async fn serve_connection(
             requests_running: 0,
         }),
     });
+    // Request frames read whole on this connection, in the order the client wrote them;
+    // counted in the same poll as the request is handed to its task (no await between),
+    // so a request not counted never runs. Told to the client when the server stops.
+    let requests_read = AtomicU64::new(0);
+    let handshake_done = AtomicBool::new(false);
     let read_requests = async {
         // The first frame must be a hello: no request is served before the client
         // knows this runtime's clock.
@@ -583,6 +598,7 @@ async fn serve_connection(
             Err(_elapsed) => return Err(ConnectionEnd::HandshakeTimeout),
             Ok(handshake) => handshake?,
         }
+        handshake_done.store(true, Ordering::Relaxed);
         activity.touch();
         loop {
             // Read whatever the slots: a cancel must reach its request, and free its
@@ -594,7 +610,10 @@ async fn serve_connection(
             let message = read_frame_body::<ClientMessage, _>(&mut reader, size_bytes).await?;
             activity.touch();
             let request = match message {
-                ClientMessage::Request(request) => request,
+                ClientMessage::Request(request) => {
+                    requests_read.fetch_add(1, Ordering::Relaxed);
+                    request
+                }
                 ClientMessage::Hello(hello) => {
                     drop(request_bytes);
                     answer_hello(&hello, &handle, &budget, &responses).await?;
@@ -704,25 +723,54 @@ async fn serve_connection(
             });
         }
     };
-    let write_replies = write_frames(
+    // Boxed, so that each can be dropped (and its borrow of its half of the socket
+    // ended) on its own when the server stops.
+    let mut read_requests = Box::pin(read_requests);
+    // Once the server stops, the queue is closed and what it holds is written; then
+    // this ends `Ok`.
+    let mut write_replies = Box::pin(write_frames(
         &mut writer,
         &mut response_queue,
         Some(Duration::from_millis(WRITE_STALL_TIMEOUT_MS)),
         || activity.touch(),
-    );
+        stop.stopped(),
+    ));
     let ended: ConnectionEnd = tokio::select! {
         biased;
         () = stop.stopped() => ConnectionEnd::Stopped,
-        read = read_requests => {
+        read = &mut read_requests => {
             let read: Result<std::convert::Infallible, ConnectionEnd> = read;
             match read {
                 Err(end) => end,
             }
         }
-        // The queue never closes while the reader holds a sender: `Ok` is unreachable.
-        written = write_replies => ConnectionEnd::Frame(written.err().unwrap_or(FrameError::Closed)),
+        // The queue never closes while the reader holds a sender and the server runs:
+        // `Ok` is unreachable.
+        written = &mut write_replies => ConnectionEnd::Frame(written.err().unwrap_or(FrameError::Closed)),
         () = activity.until_idle() => ConnectionEnd::Idle,
     };
+    // Reading stops here: no request is read, hence run, any more.
+    drop(read_requests);
+    if matches!(ended, ConnectionEnd::Stopped) && handshake_done.load(Ordering::Relaxed) {
+        let going_away = GoingAway {
+            requests_read: requests_read.load(Ordering::Relaxed),
+        };
+        let clock = handle.clock();
+        let write_by = clock.deadline_in(Duration::from_millis(GOING_AWAY_WRITE_MS_MAX));
+        let written = clock.run_until(write_by, write_replies).await;
+        if matches!(written, Ok(Ok(()))) {
+            go_away(
+                &mut reader,
+                &mut writer,
+                going_away,
+                write_by.remaining(clock.now()),
+                peer,
+            )
+            .await;
+        }
+    } else {
+        drop(write_replies);
+    }
     match &ended {
         ConnectionEnd::Stopped | ConnectionEnd::Frame(FrameError::Closed) => {
             tracing::debug!(%peer, "transport connection closed");
@@ -744,6 +792,40 @@ async fn serve_connection(
         ConnectionEnd::Frame(error) => tracing::warn!(%peer, %error, "transport connection closed on error"),
     }
     drop(ticket);
+}
+
+/// The end of a connection whose server stopped, once reading stopped and every reply
+/// queued was written: writes `going_away` within `write_time` (the client then knows
+/// which of its requests were never read), shuts the writing side, and reads
+/// (discarding, running nothing) until the client closes, at most
+/// [`GOING_AWAY_LINGER_MS`]: closing a socket with unread bytes resets it, and a reset
+/// may erase, at the client, the last frame before it is read.
+async fn go_away<R, W>(reader: &mut R, writer: &mut W, going_away: GoingAway, write_time: Duration, peer: SocketAddr)
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let frame = encode_frame(&ServerMessage::GoingAway(going_away)).expect("a going-away frame encodes");
+    match tokio::time::timeout(write_time, write_frame_now(writer, &frame, None)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => {
+            tracing::debug!(%peer, %error, "transport connection: the going-away frame was not written");
+            return;
+        }
+        Err(_elapsed) => {
+            tracing::debug!(%peer, "transport connection: the going-away frame was not written in time");
+            return;
+        }
+    }
+    tracing::debug!(%peer, requests_read = going_away.requests_read, "transport connection going away");
+    let _ = writer.shutdown().await;
+    let linger = async {
+        let mut discarded = [0_u8; 4_096];
+        while matches!(reader.read(&mut discarded).await, Ok(read) if read > 0) {}
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(GOING_AWAY_LINGER_MS), linger).await;
 }
 
 /// Reads the connection's first frame, which must be a valid hello of at most

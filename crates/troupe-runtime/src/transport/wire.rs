@@ -2,7 +2,8 @@
 //! server answers [`HelloAck`] (the clock handshake, see [`ClockSync`]); then the client
 //! sends [`WireRequest`]s and the server answers [`WireResponse`]s. A client may send
 //! another [`Hello`] at any time to refresh its clock bound, and a [`WireCancel`] for a
-//! request whose caller stopped waiting (no answer).
+//! request whose caller stopped waiting (no answer). A server that stops (its node
+//! leaving) stops reading, writes the replies it has, then [`GoingAway`], and closes.
 
 use std::time::Duration;
 
@@ -47,6 +48,23 @@ pub(crate) struct WireCancel {
 pub(crate) enum ServerMessage {
     HelloAck(HelloAck),
     Response(WireResponse),
+    /// The server's last frame on a connection it closes because it is stopping (its
+    /// node leaving). Since protocol version 7; the last variant, so the others keep
+    /// their encoding.
+    GoingAway(GoingAway),
+}
+
+/// The server stopped reading this connection and is closing it: it read the first
+/// `requests_read` request frames the client wrote on it, and no other. A request
+/// written later was never read, so it did not run; one of the first `requests_read`
+/// may have run, and is answered by a `Response` before this frame if its reply was
+/// ready, otherwise never.
+///
+/// Requests are counted in the order their frames were written, not by request id:
+/// a client numbers requests when it makes them and may queue them in another order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct GoingAway {
+    pub(crate) requests_read: u64,
 }
 
 /// The client's side of the clock handshake.
@@ -412,21 +430,49 @@ mod tests {
     }
 
     /// A peer of version 4 knows no idempotency key (added in 5), one of version 5 no
-    /// `InvokeError::ConnectionBusy` (added in 6): both are refused at the handshake,
-    /// in either role, with both versions in the refusal.
+    /// `InvokeError::ConnectionBusy` (added in 6), one of version 6 no `GoingAway`
+    /// (added in 7: a client of version 6 could not decode it, and would take a leaving
+    /// node's unread requests for requests that may have run): all are refused at the
+    /// handshake, in either role, with both versions in the refusal.
     #[test]
     fn a_peer_of_an_older_version_is_refused_at_the_handshake() {
-        assert_eq!(WIRE_PROTOCOL_VERSION, 6, "version 6 added InvokeError::ConnectionBusy");
-        for old in [3, 4, 5] {
+        assert_eq!(WIRE_PROTOCOL_VERSION, 7, "version 7 added ServerMessage::GoingAway");
+        for old in [3, 4, 5, 6] {
             let mut hello = Hello::new(Deadline::from_micros(1));
             hello.version = old;
             let refusal = hello.refusal().expect("an older client is refused");
-            assert!(refusal.contains(&format!("version {old}, this server 6")), "{refusal}");
+            assert!(refusal.contains(&format!("version {old}, this server 7")), "{refusal}");
             let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
             ack.version = old;
             let refusal = ack.clock_sync(Deadline::from_micros(3)).unwrap_err();
-            assert!(refusal.contains(&format!("version {old}, this client 6")), "{refusal}");
+            assert!(refusal.contains(&format!("version {old}, this client 7")), "{refusal}");
         }
+    }
+
+    /// `GoingAway` is a new variant at the end: the hello's answer and a response keep
+    /// the encoding of version 6 (variant 0 and 1), and the new frame is small.
+    #[test]
+    fn going_away_is_appended_and_keeps_the_other_server_frames_encoding() {
+        use crate::transport::frame::encode_frame;
+        use crate::transport::FRAME_HEADER_SIZE_BYTES;
+
+        let ack = encode_frame(&ServerMessage::HelloAck(
+            Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2)),
+        ))
+        .unwrap();
+        assert_eq!(ack[FRAME_HEADER_SIZE_BYTES], 0, "HelloAck is variant 0");
+        let response = encode_frame(&ServerMessage::Response(WireResponse {
+            request_id: 1,
+            result: Ok(Bytes::new()),
+        }))
+        .unwrap();
+        assert_eq!(response[FRAME_HEADER_SIZE_BYTES], 1, "Response is variant 1");
+        let going_away = encode_frame(&ServerMessage::GoingAway(GoingAway {
+            requests_read: u64::MAX,
+        }))
+        .unwrap();
+        assert_eq!(going_away[FRAME_HEADER_SIZE_BYTES], 2, "GoingAway is variant 2");
+        assert!(going_away.len() - FRAME_HEADER_SIZE_BYTES <= 10, "{}", going_away.len());
     }
 
     #[test]
