@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use troupe_server::limits::{
-    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
-    SERVER_STREAMS_OPEN_MAX, SERVER_STREAMS_OPEN_MAX_DEFAULT,
+    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT, SERVER_CONNECTIONS_MAX,
+    SERVER_CONNECTIONS_MAX_DEFAULT, SERVER_STREAMS_OPEN_MAX, SERVER_STREAMS_OPEN_MAX_DEFAULT,
 };
 
 /// troupe: a virtual-actor runtime for AI agents.
@@ -134,6 +134,16 @@ pub struct NodeArgs {
         value_parser = clap::value_parser!(u64).range(1..=SERVER_CONCURRENT_REQUESTS_MAX as u64)
     )]
     pub concurrent_requests_max: u64,
+    /// HTTP connections served at once (1 to 65536), as `troupe serve`'s flag: past it
+    /// no new connection is accepted until one closes.
+    #[arg(
+        long,
+        visible_alias = "connections-max",
+        value_name = "N",
+        default_value_t = SERVER_CONNECTIONS_MAX_DEFAULT as u64,
+        value_parser = clap::value_parser!(u64).range(1..=SERVER_CONNECTIONS_MAX as u64)
+    )]
+    pub max_connections: u64,
     /// After etcd did not answer for longer than the lease (an etcd outage or restart),
     /// take a new lease and serve again once every actor of this node has stopped,
     /// instead of exiting: retried for about 5 minutes while etcd does not answer; the
@@ -220,6 +230,19 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u64).range(1..=SERVER_CONCURRENT_REQUESTS_MAX as u64)
     )]
     pub concurrent_requests_max: u64,
+    /// HTTP connections served at once (1 to 65536): past it no new connection is
+    /// accepted until one closes (they wait, unanswered; an idle connection closes after
+    /// 10 s), so that a flood of connections cannot use up the process's file
+    /// descriptors. Keep it under the descriptor limit (`ulimit -n`) less what the store
+    /// and the model clients need.
+    #[arg(
+        long,
+        visible_alias = "connections-max",
+        value_name = "N",
+        default_value_t = SERVER_CONNECTIONS_MAX_DEFAULT as u64,
+        value_parser = clap::value_parser!(u64).range(1..=SERVER_CONNECTIONS_MAX as u64)
+    )]
+    pub max_connections: u64,
     /// Streamed answers open at once (1 to 65536): streamed messages, A2A
     /// SendStreamingMessage and SubscribeToTask, each counted until it ends or its client
     /// goes away; one more is answered 503 with Retry-After (`ServerConfig::streams_open_max`).
@@ -375,6 +398,46 @@ mod tests {
         let error = Cli::try_parse_from(["troupe", "serve", "--bind", "localhost"]).expect_err("not an address");
         assert_eq!(error.kind(), ErrorKind::ValueValidation);
         assert!(error.to_string().contains("localhost"), "{error}");
+    }
+
+    /// Goal: `--max-connections` (alias `--connections-max`) of `troupe serve` and
+    /// `troupe node` defaults to `SERVER_CONNECTIONS_MAX_DEFAULT`, takes 1 to
+    /// `SERVER_CONNECTIONS_MAX`, and refuses 0 and more, naming the flag and the value.
+    /// Before 2026-12-07 there was no such flag.
+    #[test]
+    fn max_connections_defaults_takes_its_range_and_refuses_the_rest() {
+        let connections = |args: &[&str]| match Cli::try_parse_from(args).unwrap().command {
+            Command::Serve(args) => args.max_connections,
+            Command::Node(args) => args.max_connections,
+            Command::Demo(_) => panic!("not serve or node"),
+        };
+        let node = [
+            "troupe",
+            "node",
+            "--etcd",
+            "http://127.0.0.1:2379",
+            "--postgres",
+            "host=x",
+            "--listen",
+            "127.0.0.1:0",
+        ];
+        assert_eq!(connections(&["troupe", "serve"]), SERVER_CONNECTIONS_MAX_DEFAULT as u64);
+        assert_eq!(connections(&node), SERVER_CONNECTIONS_MAX_DEFAULT as u64);
+        for flag in ["--max-connections", "--connections-max"] {
+            assert_eq!(connections(&["troupe", "serve", flag, "4"]), 4);
+            assert_eq!(connections(&[&node[..], &[flag, "65536"]].concat()), 65_536);
+        }
+        for value in ["0", "65537"] {
+            for command in [&["troupe", "serve"][..], &node[..]] {
+                let error =
+                    Cli::try_parse_from([command, &["--max-connections", value]].concat()).expect_err("out of range");
+                assert_eq!(error.kind(), ErrorKind::ValueValidation, "{value}");
+                assert!(
+                    error.to_string().contains("--max-connections") && error.to_string().contains(value),
+                    "{error}"
+                );
+            }
+        }
     }
 
     /// Goal: `--streams-open-max` parses as `--concurrent-requests-max` does: its

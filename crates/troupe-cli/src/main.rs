@@ -192,6 +192,7 @@ async fn serve_logged(args: ServeArgs, first: StopSignal, second: StopSignal, ot
         .concurrent_requests_max(as_count(args.concurrent_requests_max))
         .streams_open_max(as_count(args.streams_open_max))
         .a2a_tasks_kept(as_count(args.a2a_tasks_kept))
+        .connections_max(as_count(args.max_connections))
         .log_lines_dropped(Arc::new(troupe_cli::log_lines::stderr_lines_dropped));
     // An empty token (`--token "$UNSET"`) is refused as too short by `check_bind`: until
     // 2026-12-06 it was taken as no token, and the server served without one.

@@ -282,6 +282,8 @@ pub struct NodePlan {
     pub org: Option<(PathBuf, OrgConfig)>,
     /// HTTP requests handled at once (--concurrent-requests-max).
     pub concurrent_requests_max: usize,
+    /// HTTP connections served at once (--max-connections).
+    pub connections_max: usize,
     /// Whether the node takes a new lease after it lost its lease
     /// (--rejoin-after-lost-lease).
     pub rejoin_after_lost_lease: bool,
@@ -370,6 +372,8 @@ pub fn plan(args: &NodeArgs) -> Result<NodePlan, NodeArgError> {
         org,
         // Within 1..=SERVER_CONCURRENT_REQUESTS_MAX: clap checked it.
         concurrent_requests_max: usize::try_from(args.concurrent_requests_max).unwrap_or(usize::MAX),
+        // Within 1..=SERVER_CONNECTIONS_MAX: clap checked it.
+        connections_max: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         rejoin_after_lost_lease: args.rejoin_after_lost_lease,
     })
 }
@@ -1225,8 +1229,9 @@ pub async fn run_node(
                     ),
                     None => router(node.client(), plan.token.clone(), plan.concurrent_requests_max),
                 };
-                // As `troupe serve`: hyper's header read timeout in force.
-                troupe_server::serve_http(listener, app, shutdown.clone())
+                // As `troupe serve`: hyper's header read timeout and the connection cap in
+                // force.
+                troupe_server::serve_http(listener, app, shutdown.clone(), plan.connections_max)
                     .await
                     .map_err(|cause| NodeError::Http { address, cause })
             }

@@ -1036,3 +1036,81 @@ fn a_server_whose_stderr_is_never_read_stops_at_a_second_signal() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     drop(hanging);
 }
+
+/// Goal: `troupe serve --max-connections N` serves at most N connections at once: a
+/// flood of idle connections past it is not accepted (they wait in the kernel's
+/// backlog), so the process's descriptors grow by N at most and the store and model
+/// clients keep theirs; a request on one more connection waits, unanswered, and is
+/// answered at once when the idle connections go. Until 2026-12-07 there was no such
+/// flag and every connection was accepted: by hand, 2,000 idle connections took 1,628
+/// descriptors of the process (idle ones close only after `SERVER_HEADER_READ_MS`, 10 s),
+/// and under `prlimit --nofile=256` a message waited 7.1 s for a descriptor. Method:
+/// `--max-connections CAP`, `IDLE` idle connections, the child's `/proc/PID/fd` counted.
+#[test]
+fn idle_connections_past_max_connections_wait_and_the_descriptors_stay_bounded() {
+    /// The cap given, in connections.
+    const CAP: usize = 4;
+    /// Idle connections opened, far more than the cap and fewer than the listen backlog
+    /// holds (about 128 here): past the backlog the kernel drops new connection attempts
+    /// and the client's TCP retries them (1 s, 3 s, 7 s later), which a probe need not
+    /// wait for.
+    const IDLE: usize = 64;
+    /// Descriptors the server may open meanwhile besides the cap's (a log line, a store
+    /// file).
+    const SLACK: usize = 16;
+    /// How long the request on one more connection is given while the idle ones are
+    /// held, in milliseconds: it must not be answered.
+    const HELD_MS: u64 = 1_000;
+    /// How soon it must be answered once they are gone, in milliseconds.
+    const ANSWERED_MS: u64 = 3_000;
+    let (mut running, _stdout, addr) = serve(&["--max-connections", &CAP.to_string()]);
+    let pid = running.child.id();
+    let descriptors = || std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
+    let before = descriptors();
+    let idle: Vec<std::net::TcpStream> = (0..IDLE)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    // The server accepts what it will.
+    std::thread::sleep(Duration::from_millis(300));
+    let grown = descriptors().saturating_sub(before);
+    eprintln!("{IDLE} idle connections, --max-connections {CAP}: the server's descriptors grew by {grown}");
+    assert!(
+        grown <= CAP + SLACK,
+        "{grown} descriptors more for {IDLE} idle connections with --max-connections {CAP}"
+    );
+
+    // One more connection waits behind them, unanswered.
+    let mut waiting = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(
+        &mut waiting,
+        format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .unwrap();
+    waiting.set_read_timeout(Some(Duration::from_millis(HELD_MS))).unwrap();
+    let mut first = [0_u8; 1];
+    match waiting.read(&mut first) {
+        Err(error)
+            if matches!(
+                error.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
+        other => panic!("a request past the cap was answered: {other:?}"),
+    }
+    let released = std::time::Instant::now();
+    drop(idle);
+    waiting
+        .set_read_timeout(Some(Duration::from_millis(ANSWERED_MS)))
+        .unwrap();
+    let mut answer = String::new();
+    waiting
+        .read_to_string(&mut answer)
+        .expect("answered once the idle connections are gone");
+    let took = released.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        took < Duration::from_millis(ANSWERED_MS),
+        "answered {took:?} after the idle connections went"
+    );
+    running.signal("TERM");
+    assert!(running.wait().success());
+}

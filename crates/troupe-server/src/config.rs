@@ -7,9 +7,10 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::limits::{
-    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT,
-    SERVER_REQUEST_TIMEOUT_MS_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_MAX, SERVER_REQUEST_TIMEOUT_MS_MIN,
-    SERVER_STREAMS_OPEN_MAX, SERVER_STREAMS_OPEN_MAX_DEFAULT, SERVER_TOKEN_LENGTH_MIN_BYTES,
+    A2A_TASKS_KEPT_MAX, SERVER_CONCURRENT_REQUESTS_MAX, SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT, SERVER_CONNECTIONS_MAX,
+    SERVER_CONNECTIONS_MAX_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_DEFAULT, SERVER_REQUEST_TIMEOUT_MS_MAX,
+    SERVER_REQUEST_TIMEOUT_MS_MIN, SERVER_STREAMS_OPEN_MAX, SERVER_STREAMS_OPEN_MAX_DEFAULT,
+    SERVER_TOKEN_LENGTH_MIN_BYTES,
 };
 
 /// How a server behaves: its bearer token and its limits.
@@ -50,6 +51,12 @@ pub struct ServerConfig {
     /// (stderr not read as fast as they come). `None`: the process has no such queue,
     /// and `/metrics` leaves the counter out.
     pub log_lines_dropped: Option<LogLinesDropped>,
+    /// Connections served at once, from 1 to [`SERVER_CONNECTIONS_MAX`]: past it
+    /// [`crate::serve`] accepts no new connection until one closes (the connections
+    /// asking wait in the kernel's listen backlog, unanswered), so that connections (idle
+    /// ones above all) cannot use up the process's file descriptors, which its store,
+    /// etcd and model clients need too.
+    pub connections_max: usize,
 }
 
 /// Reads a count of log lines dropped (see [`ServerConfig::log_lines_dropped`]).
@@ -74,6 +81,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("node", &self.node)
             .field("peers", &self.peers.as_ref().map(|_| "<set>"))
             .field("log_lines_dropped", &self.log_lines_dropped.as_ref().map(|_| "<set>"))
+            .field("connections_max", &self.connections_max)
             .finish()
     }
 }
@@ -89,6 +97,7 @@ impl Default for ServerConfig {
             node: None,
             peers: None,
             log_lines_dropped: None,
+            connections_max: SERVER_CONNECTIONS_MAX_DEFAULT,
         }
     }
 }
@@ -145,6 +154,12 @@ impl ServerConfig {
         self
     }
 
+    /// Serves at most `max` connections at once (see [`ServerConfig::connections_max`]).
+    pub fn connections_max(mut self, max: usize) -> Self {
+        self.connections_max = max;
+        self
+    }
+
     /// Checks the configuration for serving on `addr`.
     ///
     /// # Errors
@@ -157,7 +172,9 @@ impl ServerConfig {
     /// [`ServeError::RequestTimeout`] for a `request_timeout` under
     /// [`SERVER_REQUEST_TIMEOUT_MS_MIN`] or over [`SERVER_REQUEST_TIMEOUT_MS_MAX`] ms;
     /// [`ServeError::A2aTasksKept`] for an `a2a_tasks_kept` of 0 or over
-    /// [`A2A_TASKS_KEPT_MAX`].
+    /// [`A2A_TASKS_KEPT_MAX`];
+    /// [`ServeError::Connections`] for a `connections_max` of 0 or over
+    /// [`SERVER_CONNECTIONS_MAX`].
     pub fn check_bind(&self, addr: SocketAddr) -> Result<(), ServeError> {
         if let Some(token) = &self.token {
             if token.len() < SERVER_TOKEN_LENGTH_MIN_BYTES {
@@ -194,6 +211,12 @@ impl ServerConfig {
             return Err(ServeError::A2aTasksKept {
                 kept: self.a2a_tasks_kept,
                 max: A2A_TASKS_KEPT_MAX,
+            });
+        }
+        if !(1..=SERVER_CONNECTIONS_MAX).contains(&self.connections_max) {
+            return Err(ServeError::Connections {
+                given: self.connections_max,
+                max: SERVER_CONNECTIONS_MAX,
             });
         }
         Ok(())
@@ -255,6 +278,14 @@ pub enum ServeError {
         /// The number given.
         kept: usize,
         /// [`A2A_TASKS_KEPT_MAX`].
+        max: usize,
+    },
+    /// `connections_max` is out of its range (0 would serve no connection).
+    #[error("connections_max is {given}: give from 1 to {max} connections to serve at once")]
+    Connections {
+        /// The number given.
+        given: usize,
+        /// [`SERVER_CONNECTIONS_MAX`].
         max: usize,
     },
     /// Reading the listener's address or serving failed.

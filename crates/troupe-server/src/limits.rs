@@ -220,3 +220,23 @@ pub const SERVER_HEADER_READ_MS: u64 = 10_000;
 /// How long `serve_http` waits before accepting again after an accept failed for a
 /// reason other than that connection (out of file descriptors, ...), in milliseconds.
 pub const SERVER_ACCEPT_RETRY_MS: u64 = 1_000;
+/// Connections a server serves at once by default, in connections: past it, it accepts
+/// no new connection until one closes, and the connections asking wait in the kernel's
+/// listen backlog, unanswered (an idle one closes within [`SERVER_HEADER_READ_MS`], so a
+/// wait is at most about that long). Each connection holds a file descriptor: without a
+/// cap, a flood of idle connections used up the process's descriptors (1,024 is a common
+/// soft limit), and its store, etcd and model clients could open none. Room for every
+/// request ([`SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT`]) and every stream
+/// ([`SERVER_STREAMS_OPEN_MAX_DEFAULT`]) open at once, each on a connection of its own,
+/// and under 1,024 with the process's other descriptors.
+pub const SERVER_CONNECTIONS_MAX_DEFAULT: usize = 512;
+/// How often a server at its connection cap says so in a `warn` line, at most, in
+/// milliseconds.
+pub const SERVER_CONNECTIONS_FULL_WARN_MS: u64 = 10_000;
+/// The most connections a server may be configured to serve at once, in connections:
+/// `serve` (and `troupe serve --max-connections`) refuses more.
+pub const SERVER_CONNECTIONS_MAX: usize = 65_536;
+
+const _: () =
+    assert!(SERVER_CONNECTIONS_MAX_DEFAULT >= SERVER_CONCURRENT_REQUESTS_MAX_DEFAULT + SERVER_STREAMS_OPEN_MAX_DEFAULT);
+const _: () = assert!(SERVER_CONNECTIONS_MAX_DEFAULT <= SERVER_CONNECTIONS_MAX);

@@ -25,15 +25,16 @@ impl Metrics {
 
     /// The text of `/metrics`; `agents` the agents in the directory; `streams_open` the
     /// open `/v1/events` streams and the open streamed answers; `a2a` the A2A tasks held
-    /// and the agents the A2A layer keeps anything of; `log_lines_dropped` the log lines
-    /// the process dropped so far, if it has a log queue that drops them.
+    /// and the agents the A2A layer keeps anything of; `process[0]` the log lines the
+    /// process dropped so far, if it has a log queue that drops them; `process[1]` the
+    /// connections open, if `serve` counts them.
     pub(crate) fn render(
         &self,
         client: &AgentClient,
         agents: usize,
         streams_open: [usize; 2],
         a2a: (usize, usize),
-        log_lines_dropped: Option<u64>,
+        process: [Option<u64>; 2],
     ) -> String {
         let mut out = String::new();
         out.push_str("# HELP troupe_http_requests_total HTTP requests answered, by method, route and status.\n");
@@ -108,6 +109,7 @@ impl Metrics {
             let _ = writeln!(out, "# TYPE troupe_runtime_{name}_total counter");
             let _ = writeln!(out, "troupe_runtime_{name}_total {value}");
         }
+        let [log_lines_dropped, connections_open] = process;
         if let Some(dropped) = log_lines_dropped {
             out.push_str(
                 "# HELP troupe_log_lines_dropped_total Log lines dropped because the log queue was full (stderr not \
@@ -143,6 +145,14 @@ impl Metrics {
             let _ = writeln!(out, "# HELP {name} {help}");
             let _ = writeln!(out, "# TYPE {name} gauge");
             let _ = writeln!(out, "{name} {value}");
+        }
+        if let Some(open) = connections_open {
+            out.push_str(
+                "# HELP troupe_http_connections_open HTTP connections open, at most connections_max (past it new \
+                 ones wait).\n",
+            );
+            out.push_str("# TYPE troupe_http_connections_open gauge\n");
+            let _ = writeln!(out, "troupe_http_connections_open {open}");
         }
         out
     }

@@ -23,9 +23,9 @@ use troupe_agent::AgentClient;
 use crate::config::{ServeError, ServerConfig};
 use crate::error::ApiError;
 use crate::limits::{
-    SERVER_ACCEPT_RETRY_MS, SERVER_EVENT_STREAMS_MAX, SERVER_HEADER_READ_MS, SERVER_PLAIN_ERROR_TEXT_MAX_BYTES,
-    SERVER_REQUEST_BODY_DRAIN_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MS, SERVER_REQUEST_BODY_READ_MS,
-    SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS,
+    SERVER_ACCEPT_RETRY_MS, SERVER_CONNECTIONS_FULL_WARN_MS, SERVER_EVENT_STREAMS_MAX, SERVER_HEADER_READ_MS,
+    SERVER_PLAIN_ERROR_TEXT_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MAX_BYTES, SERVER_REQUEST_BODY_DRAIN_MS,
+    SERVER_REQUEST_BODY_READ_MS, SERVER_REQUEST_BODY_SIZE_MAX_BYTES, SERVER_SHUTDOWN_GRACE_MS,
 };
 use crate::metrics::Metrics;
 use crate::{a2a, agents, conversations, events, openai_compat, org, topology};
@@ -58,6 +58,10 @@ pub(crate) struct AppState {
     pub(crate) requests_seen: AtomicU64,
     /// The A2A routes' state, set when they are made (weak: it holds this state).
     pub(crate) a2a: std::sync::OnceLock<std::sync::Weak<a2a::A2a>>,
+    /// The connections served, when [`serve`] serves this state (a router served
+    /// otherwise counts its connections elsewhere, if at all): `/metrics` shows them as
+    /// `troupe_http_connections_open`.
+    pub(crate) connections: std::sync::OnceLock<Arc<Connections>>,
 }
 
 /// The HTTP API over `client`, configured by `config`: every route, with the error
@@ -88,6 +92,7 @@ fn build(client: AgentClient, config: ServerConfig) -> (Router, Arc<AppState>) {
         completions: AtomicU64::new(0),
         requests_seen: AtomicU64::new(0),
         a2a: std::sync::OnceLock::new(),
+        connections: std::sync::OnceLock::new(),
     });
     let api = Router::new()
         .route("/health", get(health))
@@ -146,13 +151,15 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     config.check_bind(listener.local_addr()?)?;
+    let connections = Arc::new(Connections::new(config.connections_max));
     let (app, state) = build(client, config);
+    let _ = state.connections.set(Arc::clone(&connections));
     let mut stopping = state.shutdown.subscribe();
     let stopped = async move {
         // `changed` fails only if the sender is gone, which `state` prevents.
         let _ = stopping.wait_for(|stop| *stop).await;
     };
-    let server = serve_http(listener, app, stopped);
+    let server = serve_connections(listener, app, stopped, connections);
     let trigger = async {
         shutdown.await;
         tracing::info!("shutting down: no new connections; requests in flight may finish");
@@ -176,6 +183,14 @@ pub async fn serve(
 /// requests, is closed. Until 2026-12-06 such a connection was held for good, and
 /// enough of them would exhaust the process's file descriptors.
 ///
+/// At most `connections_max` connections (at least one) are served at once: past it no
+/// new connection is accepted until one closes, and the connections asking wait in the
+/// kernel's listen backlog, unanswered (an idle one closes within
+/// [`SERVER_HEADER_READ_MS`]); a `warn` line says so, at most every
+/// [`SERVER_CONNECTIONS_FULL_WARN_MS`]. Until 2026-12-07 every connection was accepted,
+/// and a flood of idle ones used up the process's file descriptors, which its store,
+/// etcd and model clients need too.
+///
 /// Public so that another HTTP API (`troupe node`'s) is served by the same rules.
 ///
 /// # Errors
@@ -185,12 +200,87 @@ pub async fn serve_http(
     listener: TcpListener,
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    connections_max: usize,
+) -> std::io::Result<()> {
+    serve_connections(listener, app, shutdown, Arc::new(Connections::new(connections_max))).await
+}
+
+/// The connections [`serve_http`] serves: a slot each, at most as many as it allows.
+pub(crate) struct Connections {
+    /// One permit per connection served (and one held by the accept loop while it waits
+    /// for the next connection).
+    slots: Arc<Semaphore>,
+    /// The connections open.
+    open: AtomicU64,
+}
+
+impl Connections {
+    /// Room for `max` connections (at least one).
+    fn new(max: usize) -> Self {
+        Self {
+            slots: Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS))),
+            open: AtomicU64::new(0),
+        }
+    }
+
+    /// The connections open now.
+    pub(crate) fn open(&self) -> u64 {
+        self.open.load(Ordering::Relaxed)
+    }
+}
+
+/// One connection's place among the [`Connections`]: given back when dropped.
+struct ConnectionSlot {
+    _permit: OwnedSemaphorePermit,
+    connections: Arc<Connections>,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.connections.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// [`serve_http`] with a slot of `connections` per connection served.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "this crate is empty under the simulator (lib.rs), so its clock cannot touch seed replay"
+)]
+async fn serve_connections(
+    listener: TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    connections: Arc<Connections>,
 ) -> std::io::Result<()> {
     // Every connection's task holds a sender: once all are dropped, all are closed.
     let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     let closing = Arc::new(Closing::default());
     let mut shutdown = std::pin::pin!(shutdown);
+    let mut warned: Option<tokio::time::Instant> = None;
     loop {
+        // Room for one more connection first: at the cap, the next waits in the backlog.
+        let permit = match Arc::clone(&connections.slots).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                let warn_every = Duration::from_millis(SERVER_CONNECTIONS_FULL_WARN_MS);
+                if warned.is_none_or(|at| at.elapsed() >= warn_every) {
+                    warned = Some(tokio::time::Instant::now());
+                    tracing::warn!(
+                        "serving as many connections as allowed (connections_max, troupe serve \
+                         --max-connections): new connections wait until one closes"
+                    );
+                }
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    permit = Arc::clone(&connections.slots).acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        // Never closed: nothing more to serve.
+                        Err(_) => break,
+                    },
+                }
+            }
+        };
         let accepted = tokio::select! {
             biased;
             () = &mut shutdown => break,
@@ -206,11 +296,17 @@ pub async fn serve_http(
                 continue;
             }
         };
+        connections.open.fetch_add(1, Ordering::Relaxed);
+        let slot = ConnectionSlot {
+            _permit: permit,
+            connections: Arc::clone(&connections),
+        };
         tokio::spawn(serve_connection(
             stream,
             app.clone(),
             Arc::clone(&closing),
             open.clone(),
+            slot,
         ));
     }
     drop(listener);
@@ -256,12 +352,14 @@ impl Closing {
 }
 
 /// One connection of [`serve_http`]: HTTP/1.1 with the header read timeout, asked to
-/// close gracefully once the shutdown starts; `_open` is dropped when it is closed.
+/// close gracefully once the shutdown starts; `_open` and `_slot` (its place among the
+/// connections served) are dropped when it is closed.
 async fn serve_connection(
     stream: tokio::net::TcpStream,
     app: Router,
     closing: Arc<Closing>,
     _open: tokio::sync::mpsc::Sender<()>,
+    _slot: ConnectionSlot,
 ) {
     let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
         let mut app = app.clone();
@@ -634,9 +732,10 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // by every agent route), without a store read: a scrape must not wait on the store.
     let agents = state.client.directory().list().len();
     let dropped = state.config.log_lines_dropped.as_ref().map(|dropped| dropped());
+    let connections = state.connections.get().map(|connections| connections.open());
     let text = state
         .metrics
-        .render(&state.client, agents, [open, streams], a2a, dropped);
+        .render(&state.client, agents, [open, streams], a2a, [dropped, connections]);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

@@ -1,6 +1,7 @@
 //! Gaps an operator of `troupe serve` met next, closed on 2026-12-07, each probed as a
 //! client sees it: the log lines dropped by the process's log queue in `/metrics`; an
-//! A2A JSON-RPC notification (a request without `id`), which was answered.
+//! A2A JSON-RPC notification (a request without `id`), which was answered; and no cap on
+//! the connections served.
 //!
 //! Normal build only: HTTP is not simulated (the crate is empty under madsim).
 #![cfg(not(madsim))]
@@ -261,3 +262,127 @@ async fn a_json_rpc_notification_runs_but_is_never_answered() {
     server.stop().await;
 }
 
+/// The file descriptors this process holds (Linux: the entries of `/proc/self/fd`).
+fn descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd is readable")
+        .count()
+}
+
+/// The text of `GET /metrics` on a connection of its own, closed after it.
+async fn scrape_closing(address: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(
+        Duration::from_millis(TEST_WAIT_MS_MAX),
+        stream.read_to_string(&mut answer),
+    )
+    .await
+    .expect("answered in time")
+    .unwrap();
+    let (_, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
+    body.to_string()
+}
+
+/// A client that opens a connection of its own for every request (none kept for the
+/// next), each request bounded by `timeout_ms`.
+fn fresh_client(timeout_ms: u64) -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_millis(timeout_ms))
+        .build()
+        .unwrap()
+}
+
+/// Goal: a server serves at most `connections_max` connections at once: a flood of idle
+/// connections past it is not accepted (they wait in the kernel's backlog), so the
+/// process's descriptors grow by the client's ends and the cap only, and a request on a
+/// new connection waits instead of being served; once the idle connections go, it is
+/// answered at once. `/metrics` shows the connections open
+/// (`troupe_http_connections_open`), and a cap of 0 or over `SERVER_CONNECTIONS_MAX` is
+/// refused. Before: every connection was accepted (two descriptors per idle connection
+/// in this process, client and server end), until the descriptors ran out. Method: a
+/// cap of `CAP`, `IDLE` idle connections from this process, a `GET /health` on one more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_wait_unaccepted_and_the_descriptors_stay_bounded() {
+    /// The server's cap, in connections.
+    const CAP: usize = 4;
+    /// Idle connections opened, far more than the cap.
+    const IDLE: usize = 64;
+    /// Descriptors this process may open besides the idle connections' client ends and
+    /// the cap's server ends (a runtime's, a client's).
+    const SLACK: usize = 8;
+    /// How long the request on one more connection is given while the idle ones are
+    /// held, in milliseconds: it must not be answered.
+    const HELD_MS: u64 = 1_000;
+    /// How soon it must be answered once they are gone, in milliseconds.
+    const ANSWERED_MS: u64 = 3_000;
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    for refused in [0, troupe_server::limits::SERVER_CONNECTIONS_MAX + 1] {
+        let error = ServerConfig::default()
+            .connections_max(refused)
+            .check_bind(loopback)
+            .expect_err("out of range");
+        assert!(
+            matches!(error, troupe_server::ServeError::Connections { given, .. } if given == refused),
+            "{error}"
+        );
+    }
+
+    let server = serve_echo(ServerConfig::default().connections_max(CAP)).await;
+    let address = server.base.trim_start_matches("http://").to_string();
+    let before = descriptors();
+    let mut idle = Vec::new();
+    for _ in 0..IDLE {
+        idle.push(tokio::net::TcpStream::connect(&address).await.unwrap());
+    }
+    // The server accepts what it will.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let grown = descriptors() - before;
+    eprintln!("{IDLE} idle connections, cap {CAP}: this process's descriptors grew by {grown}");
+    assert!(
+        grown <= IDLE + CAP + SLACK,
+        "{grown} descriptors more for {IDLE} idle connections with a cap of {CAP}: the server accepted past its cap"
+    );
+
+    // One more connection waits behind them, unanswered.
+    let health = format!("{}/health", server.base);
+    let waiting = tokio::spawn(async move {
+        let started = tokio::time::Instant::now();
+        let answer = fresh_client(HELD_MS + ANSWERED_MS).get(&health).send().await;
+        (answer.map(|answer| answer.status().as_u16()), started.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(HELD_MS)).await;
+    assert!(!waiting.is_finished(), "a request was served past the cap");
+    let released = tokio::time::Instant::now();
+    drop(idle);
+    let (status, _) = waiting.await.unwrap();
+    let took = released.elapsed();
+    assert_eq!(status.expect("answered once the idle connections are gone"), 200);
+    assert!(
+        took < Duration::from_millis(ANSWERED_MS),
+        "answered {took:?} after the idle connections went"
+    );
+
+    // The gauge: the scrape's own connection, once the others are closed.
+    let mut last = None;
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let open = gauge(&scrape_closing(&address).await, "troupe_http_connections_open");
+            last = Some(open);
+            if open == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(
+        waited.is_ok(),
+        "troupe_http_connections_open never came back to 1: {last:?}"
+    );
+    server.stop().await;
+}
