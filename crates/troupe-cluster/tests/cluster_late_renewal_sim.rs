@@ -5,8 +5,8 @@
 //! the call by the end of its lease, not later, and serves nothing afterwards.
 //!
 //! Method: the simulated etcd, one node (3 s lease, 999 ms requests: the CI tests'
-//! settings), started at `S`; its first renewal is sent as it joins, the next one about
-//! 1 s later. At `S + 0.8 s` the etcd → node link is clogged, so the answer to that
+//! settings), started at `S`; its first renewal is sent as it joins, the next one 901 ms
+//! later (`TTL − slack − request timeout − ETCD_RENEWAL_HEADROOM_MS`). At `S + 0.7 s` the etcd → node link is clogged, so the answer to that
 //! renewal is held back (the simulator delivers it at its next retry after the link
 //! heals); at `S + 1.1 s`, with under 999 ms of confirmed validity left, a call with a
 //! 5 s deadline activates a new counter. In the first test the link heals at
@@ -46,7 +46,7 @@ const SIM_LEASE_TTL_S: u64 = 3;
 /// etcd request timeout, in milliseconds: the largest a 3 s lease accepts.
 const SIM_REQUEST_TIMEOUT_MS: u64 = 999;
 /// When the etcd → node link is clogged, after the node started, in milliseconds.
-const CLOG_AT_MS: u64 = 800;
+const CLOG_AT_MS: u64 = 700;
 /// When the call is made, after the node started, in milliseconds.
 const CALL_AT_MS: u64 = 1_100;
 /// When the link heals in the test where the renewal lands, after the node started, in

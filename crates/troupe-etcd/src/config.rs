@@ -32,8 +32,16 @@ pub const ETCD_LEASE_EXPIRY_SLACK_MS: u64 = 1_000;
 /// timeout has passed since the first attempt. A lease renewal that failed is likewise
 /// tried again on a new stream within its request timeout.
 pub const ETCD_RETRY_PAUSE_MS: u64 = 10;
-/// Keep-alives per lease TTL: a node renews its lease every `TTL / 3`.
+/// Keep-alives per lease TTL: a node renews its lease every `TTL / 3`, or sooner (see
+/// [`ETCD_RENEWAL_HEADROOM_MS`]).
 pub const ETCD_KEEP_ALIVES_PER_TTL: u32 = 3;
+/// Validity beyond one request timeout that a renewal leaves when it is sent, in
+/// milliseconds: a node renews every `min(TTL / 3, TTL − slack − request timeout −
+/// this)` after the last renewal was sent, so a renewal answered within this never
+/// leaves a placement waiting for it (with the largest request timeout a 3 s lease
+/// accepts, 999 ms, `TTL / 3` left exactly one request and every renewal's round trip
+/// made placements wait).
+pub const ETCD_RENEWAL_HEADROOM_MS: u64 = 100;
 /// Longest store identity ([`EtcdConfig::store_identity`]), in bytes.
 pub const STORE_IDENTITY_LENGTH_MAX: usize = 1_024;
 
@@ -157,8 +165,8 @@ impl EtcdConfig {
 
     /// Checks every field and the relation between the times: after a renewal, a node
     /// trusts its lease for `TTL − ETCD_LEASE_EXPIRY_SLACK_MS`, and places an actor only
-    /// if a request can finish inside that; the next renewal comes `TTL / 3` later, so
-    /// `TTL − slack − request timeout` must exceed `TTL / 3`, else a healthy node's
+    /// if a request can finish inside that; the next renewal comes at most `TTL / 3`
+    /// later, so `TTL − slack − request timeout` must exceed `TTL / 3`, else a healthy node's
     /// placements would wait for a renewal between every two renewals.
     ///
     /// # Errors
@@ -204,7 +212,62 @@ impl EtcdConfig {
         Duration::from_millis(self.request_timeout_ms)
     }
 
+    /// How long after one renewal was sent the next is sent: `TTL / 3`, or sooner so
+    /// that one request and [`ETCD_RENEWAL_HEADROOM_MS`] of validity are left then.
     pub(crate) fn keep_alive_interval(&self) -> Duration {
-        Duration::from_secs(self.lease_ttl_s) / ETCD_KEEP_ALIVES_PER_TTL
+        let every_third = Duration::from_secs(self.lease_ttl_s) / ETCD_KEEP_ALIVES_PER_TTL;
+        let headroom = Duration::from_secs(self.lease_ttl_s)
+            .saturating_sub(Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS))
+            .saturating_sub(self.request_timeout())
+            .saturating_sub(Duration::from_millis(ETCD_RENEWAL_HEADROOM_MS));
+        every_third.min(headroom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(lease_ttl_s: u64, request_timeout_ms: u64) -> EtcdConfig {
+        EtcdConfig::new(
+            vec!["127.0.0.1:2379".to_string()],
+            "c",
+            NodeId::new("n").expect("a node name"),
+            "127.0.0.1:7100",
+        )
+        .with_lease_ttl_s(lease_ttl_s)
+        .with_request_timeout_ms(request_timeout_ms)
+    }
+
+    /// Goal: every valid configuration renews while one request and
+    /// `ETCD_RENEWAL_HEADROOM_MS` of validity are left, and no more often than needed:
+    /// TTL/3 where that leaves enough (the default 5 s and 1 s; 3 s and 500 ms), sooner
+    /// where it does not (3 s and 999 ms: 901 ms, not 1 s, which left exactly one
+    /// request). Method: the interval of named configurations, and the bound for every
+    /// TTL up to 30 s with request timeouts across their valid range.
+    #[test]
+    fn renewals_leave_one_request_and_the_headroom_of_validity() {
+        assert_eq!(config(3, 999).keep_alive_interval(), Duration::from_millis(901));
+        assert_eq!(config(3, 500).keep_alive_interval(), Duration::from_secs(1));
+        assert_eq!(config(5, 1_000).keep_alive_interval(), Duration::from_secs(5) / 3);
+        for ttl_s in ETCD_LEASE_TTL_S_MIN..=30 {
+            for request_ms in (ETCD_REQUEST_TIMEOUT_MS_MIN..ttl_s * 1_000).step_by(37) {
+                let config = config(ttl_s, request_ms);
+                if config.validate().is_err() {
+                    continue;
+                }
+                let interval = config.keep_alive_interval();
+                let validity = Duration::from_secs(ttl_s) - Duration::from_millis(ETCD_LEASE_EXPIRY_SLACK_MS);
+                assert!(
+                    validity - interval >= Duration::from_millis(request_ms + ETCD_RENEWAL_HEADROOM_MS),
+                    "{ttl_s} s, {request_ms} ms: renews every {interval:?}"
+                );
+                assert!(interval <= Duration::from_secs(ttl_s) / ETCD_KEEP_ALIVES_PER_TTL);
+                assert!(
+                    interval >= Duration::from_millis(800),
+                    "{ttl_s} s, {request_ms} ms: {interval:?}"
+                );
+            }
+        }
     }
 }

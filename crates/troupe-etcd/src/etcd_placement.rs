@@ -1,6 +1,7 @@
 //! [`EtcdPlacement`]: the [`Placement`] directory on etcd.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,7 +29,8 @@ use crate::placement::{NodeRecord, Placement, PlacementRecord};
 /// ```
 ///
 /// [`EtcdPlacement::join`] grants the node a lease of `lease_ttl_s`, writes its
-/// membership record under it and starts a task that renews it every TTL/3. A placement
+/// membership record under it and starts a task that renews it every TTL/3 (sooner if
+/// that would leave less than one request of validity). A placement
 /// is created by one transaction, `if value(key) > "" then get(key) else put(key, owner,
 /// lease); get(key)`, so of two nodes racing for an actor exactly one creates the key
 /// and both read the winner. When the node dies or is cut off from etcd its lease
@@ -59,6 +61,8 @@ struct Inner {
     /// The lease this node holds now: replaced by [`EtcdPlacement::rejoin_unless_in_use`]
     /// once the one before was lost.
     held: std::sync::Mutex<Arc<HeldLease>>,
+    /// Placements that waited for a late renewal ([`EtcdPlacement::late_renewal_waits`]).
+    late_renewal_waits: AtomicU64,
 }
 
 /// One lease of this node, its standing and its keep-alive task.
@@ -154,6 +158,7 @@ impl EtcdPlacement {
                 config,
                 client,
                 held: std::sync::Mutex::new(Arc::new(held)),
+                late_renewal_waits: AtomicU64::new(0),
             }),
         })
     }
@@ -207,6 +212,15 @@ impl EtcdPlacement {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(held);
         Ok(())
+    }
+
+    /// How many placements by this node (and its clones, across rejoins) found less
+    /// than one request timeout of confirmed validity left and waited for a renewal
+    /// before they went on or were refused: a healthy node's renewals land before that
+    /// (see [`crate::ETCD_RENEWAL_HEADROOM_MS`]), so a growing count means late
+    /// renewals (a loaded node, a slow etcd).
+    pub fn late_renewal_waits(&self) -> u64 {
+        self.inner.late_renewal_waits.load(Ordering::Relaxed)
     }
 
     /// This node's lease id.
@@ -388,10 +402,15 @@ impl EtcdPlacement {
     /// [`Placement`] API does not carry: it is shorter than one request timeout, the
     /// time the caller budgets for the request it is about to make anyway.
     async fn lease_for_write(&self, held: &HeldLease) -> Result<(), PlacementError> {
-        held.standing
+        let waited = held
+            .standing
             .wait_for_write(self.inner.config.request_timeout())
             .await
-            .map_err(|reason| self.lease_expired(held.lease, reason))
+            .map_err(|reason| self.lease_expired(held.lease, reason))?;
+        if waited {
+            self.inner.late_renewal_waits.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     fn record(&self, actor: &ActorId, key: &str, kv: &KeyValue) -> Result<PlacementRecord, PlacementError> {

@@ -2,12 +2,15 @@
 //! lost; and the keep-alive task that renews it.
 //!
 //! ```text
-//! every TTL/3:  sent = now ── keep-alive ──► etcd ── ttl ──►  valid_until = sent + ttl − slack
+//! every interval: sent = now ── keep-alive ──► etcd ── ttl ──►  valid_until = sent + ttl − slack
 //!               an error, a closed stream  →  reopen the stream, again within the request timeout
 //!               no answer within the request timeout  →  reopen the stream next round
 //!               etcd says the lease is gone (ttl ≤ 0, NotFound)  →  lost: ExpiredOnServer
 //!               now ≥ valid_until                                 →  lost: NotRenewedInTime
 //! ```
+//!
+//! The interval is TTL/3, or less so that a renewal is sent while one request timeout
+//! and `ETCD_RENEWAL_HEADROOM_MS` of validity are left (`EtcdConfig::keep_alive_interval`).
 //!
 //! The server expires the lease no earlier than `ttl − slack` after it received the
 //! renewal, which is after `sent`; so while `now < valid_until` the lease is alive on
@@ -96,9 +99,12 @@ impl LeaseStanding {
     /// waiting write is refused there and the lease is marked lost, and a lost lease
     /// is never trusted again.
     ///
+    /// Returns whether the write had to wait.
+    ///
     /// # Errors
     /// Why the lease is lost, if it is or becomes lost before a write may start.
-    pub(crate) async fn wait_for_write(&self, request: Duration) -> Result<(), LeaseLostReason> {
+    pub(crate) async fn wait_for_write(&self, request: Duration) -> Result<bool, LeaseLostReason> {
+        let mut waited = false;
         loop {
             // Created before `valid_until` is read: `notify_waiters` wakes every
             // `Notified` created before it, polled or not, so a renewal recorded
@@ -114,8 +120,9 @@ impl LeaseStanding {
                 return Err(self.lost().unwrap_or(LeaseLostReason::NotRenewedInTime));
             }
             if now + request <= valid_until {
-                return Ok(());
+                return Ok(waited);
             }
+            waited = true;
             tracing::debug!(
                 left_ms = (valid_until - now).as_millis(),
                 request_ms = request.as_millis(),
@@ -289,7 +296,9 @@ mod tests {
     const RENEWAL_AFTER_MS: u64 = 100;
 
     /// Spawns the writers; each answers what its wait returned and when.
-    fn writers(standing: &Arc<LeaseStanding>) -> Vec<tokio::task::JoinHandle<(Result<(), LeaseLostReason>, Instant)>> {
+    fn writers(
+        standing: &Arc<LeaseStanding>,
+    ) -> Vec<tokio::task::JoinHandle<(Result<bool, LeaseLostReason>, Instant)>> {
         (0..WAITING_WRITERS)
             .map(|_| {
                 let standing = Arc::clone(standing);
@@ -319,7 +328,7 @@ mod tests {
         standing.renewed(renewed_at + Duration::from_secs(10));
         for writer in writers {
             let (result, at) = writer.await.expect("the writer");
-            assert_eq!(result, Ok(()));
+            assert_eq!(result, Ok(true), "the writer waited");
             assert!(at >= renewed_at, "a writer started before the renewal");
             assert!(
                 at < started + Duration::from_millis(VALIDITY_LEFT_MS),
@@ -390,7 +399,8 @@ mod tests {
         let standing = LeaseStanding::new(started + Duration::from_millis(WRITE_REQUEST_MS + RENEWAL_AFTER_MS));
         assert_eq!(
             standing.wait_for_write(Duration::from_millis(WRITE_REQUEST_MS)).await,
-            Ok(())
+            Ok(false),
+            "no wait"
         );
         assert!(
             started.elapsed() < Duration::from_millis(RENEWAL_AFTER_MS),

@@ -357,15 +357,16 @@ async fn the_store_binding_and_the_name_claim_hold_on_the_simulated_etcd() {
 /// renewal answered a few milliseconds late left less than one request of trust.
 const LATE_RENEWAL_REQUEST_TIMEOUT_MS: u64 = 999;
 /// When, after the join (and the first renewal it starts), the etcd → node link is
-/// clogged, in virtual milliseconds: before the next renewal, sent one TTL/3 = 1 s in.
-const LATE_RENEWAL_CLOG_AT_MS: u64 = 950;
+/// clogged, in virtual milliseconds: before the next renewal, sent 901 ms in (TTL −
+/// slack − request timeout − `ETCD_RENEWAL_HEADROOM_MS`, sooner than TTL/3).
+const LATE_RENEWAL_CLOG_AT_MS: u64 = 850;
 /// When, after the join, the node places an actor, in virtual milliseconds: after the
 /// renewal was sent (its answer is held back), so the last confirmed renewal leaves
 /// about 900 ms, less than one request.
 const LATE_RENEWAL_PLACE_AT_MS: u64 = 1_100;
 /// When, after the join, the link heals in the test where the renewal lands, in virtual
 /// milliseconds: the held-back answer reaches the node at the simulator's next retry
-/// (by about 1.5 s), within the renewal's request timeout and the lease's validity.
+/// (by about 1.4 s), within the renewal's request timeout and the lease's validity.
 const LATE_RENEWAL_HEAL_AT_MS: u64 = 1_300;
 /// How much later than the lease's validity (2 s after the first renewal) a waiting
 /// placement may be refused, in virtual milliseconds: the first renewal is sent a few
@@ -401,7 +402,7 @@ async fn node_whose_renewal_is_held_back() -> (
 
 /// Goal (simulated): a node whose lease renewal is merely late places an actor once
 /// the renewal lands, instead of refusing. Method: a 3 s lease, 999 ms requests; the
-/// answer to the renewal sent 1 s after the join is held back (etcd → node clogged);
+/// answer to the renewal sent 901 ms after the join is held back (etcd → node clogged);
 /// 1.1 s in, with about 900 ms of confirmed validity left (less than one request), the
 /// node places `x`; 1.3 s in the link heals. The placement succeeds after the heal
 /// (it waited for the renewal) and the node holds its lease. Before the wait it was
@@ -506,4 +507,45 @@ async fn a_placement_waiting_for_a_renewal_that_never_lands_is_refused_by_the_le
         .await
         .expect("the task");
     assert_eq!(taken.owner.as_str(), "node-b", "x is free for another node");
+}
+
+/// Placements the healthy node makes, one every [`STEADY_PLACE_EVERY_MS`].
+const STEADY_PLACEMENTS: u64 = 600;
+/// Pause between two placements of the healthy node, in virtual milliseconds: 600 of
+/// them span 6 s, six renewals.
+const STEADY_PLACE_EVERY_MS: u64 = 10;
+
+/// Goal (simulated): a healthy node never waits for a renewal, even with the largest
+/// request timeout its lease accepts (3 s lease, 999 ms: the CI tests' settings).
+/// Method: no fault; the node places 600 actors, one every 10 ms over 6 s (six
+/// renewals); every placement succeeds and `late_renewal_waits` stays 0. Renewing
+/// every TTL/3 left exactly one request of validity when each renewal was sent, so
+/// each renewal's round trip made the placements in it wait.
+#[madsim::test]
+async fn a_healthy_node_with_the_largest_request_timeout_never_waits_for_a_renewal() {
+    let handle = Handle::current();
+    let _etcd = start_etcd(&handle);
+    let node = handle.create_node().name("node-a").ip(ip("10.0.1.1")).build();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let placement = node
+        .spawn(async move {
+            let placement =
+                EtcdPlacement::join(config("node-a").with_request_timeout_ms(LATE_RENEWAL_REQUEST_TIMEOUT_MS))
+                    .await
+                    .expect("node-a joins");
+            for index in 0..STEADY_PLACEMENTS {
+                let actor = ActorId::new("counter", format!("p{index}")).expect("an actor id");
+                placement.place(&actor).await.expect("a healthy node places");
+                tokio::time::sleep(Duration::from_millis(STEADY_PLACE_EVERY_MS)).await;
+            }
+            placement
+        })
+        .await
+        .expect("the task");
+    eprintln!(
+        "{} of {STEADY_PLACEMENTS} placements waited for a renewal",
+        placement.late_renewal_waits()
+    );
+    assert_eq!(placement.late_renewal_waits(), 0, "a healthy node's placements waited");
+    assert!(placement.holds_lease());
 }
