@@ -22,12 +22,17 @@
 /// `troupe demo | head -1`, or a log pipe that died under `troupe serve`) is ignored, so
 /// the program goes on (a demo to its end, a server serving) and exits as it would have.
 /// Until 2026-12-06 `println!` panicked there ("failed printing to stdout: Broken pipe"),
-/// exit code 101.
+/// exit code 101. While `troupe serve` or `troupe node` runs its stdout queue
+/// (`log_lines::LogLines::stdout`), it never blocks either: the line goes through the
+/// queue (`log_lines::stdout_text`); elsewhere (`troupe demo`) a slow reader holds it, as
+/// it should.
 #[macro_export]
 macro_rules! outln {
+    () => {{
+        $crate::out_text(::std::format_args!("\n"));
+    }};
     ($($arg:tt)*) => {{
-        use ::std::io::Write as _;
-        let _ = ::std::writeln!(::std::io::stdout(), $($arg)*);
+        $crate::out_text(::std::format_args!("{}\n", ::std::format_args!($($arg)*)));
     }};
 }
 
@@ -35,9 +40,21 @@ macro_rules! outln {
 #[macro_export]
 macro_rules! out {
     ($($arg:tt)*) => {{
-        use ::std::io::Write as _;
-        let _ = ::std::write!(::std::io::stdout(), $($arg)*);
+        $crate::out_text(::std::format_args!($($arg)*));
     }};
+}
+
+/// What [`outln!`] and [`out!`] write with: through the stdout queue when one runs
+/// (`log_lines::stdout_text`); directly otherwise, and under the simulator.
+#[doc(hidden)]
+pub fn out_text(text: std::fmt::Arguments<'_>) {
+    #[cfg(not(madsim))]
+    log_lines::stdout_text(text);
+    #[cfg(madsim)]
+    {
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), "{text}");
+    }
 }
 
 /// `eprintln!` that never panics (a failed write to stderr is ignored, as [`outln!`])

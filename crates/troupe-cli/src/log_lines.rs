@@ -8,6 +8,12 @@
 //! Until 2026-12-06 the lines were written to stderr from the thread that logged them:
 //! with `RUST_LOG=info`, a server whose stderr nobody read filled the 64 KiB pipe after
 //! about 64 requests and stopped answering.
+//!
+//! The lines of `crate::outln!` (the address, `stopped`) go to stdout the same way while
+//! a server runs ([`LogLines::stdout`]): until 2026-12-07 they were written from the
+//! thread that printed them, and a `troupe serve` whose stdout was a full pipe (shared
+//! with its stderr, or a reader that stopped) blocked on its first line, before it
+//! served, and never exited at SIGTERM.
 
 use std::io::Write;
 use std::sync::{Mutex, PoisonError};
@@ -17,6 +23,10 @@ use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, NonBlockingBuild
 
 use crate::{SERVE_LOG_DROPPED_REPORT_MS, SERVE_LOG_FLUSH_WAIT_MS, SERVE_LOG_LINES_BUFFERED_MAX};
 
+/// Writes of [`crate::outln!`] that wait for stdout at most, in writes (`troupe serve`
+/// and `troupe node` print a few lines); one more is dropped and counted.
+pub const SERVE_STDOUT_LINES_BUFFERED_MAX: usize = 64;
+
 /// How long [`LogLines::finish`] waits between two tries of its report line when the
 /// queue is full, in milliseconds.
 const LOG_REPORT_RETRY_MS: u64 = 10;
@@ -24,6 +34,26 @@ const LOG_REPORT_RETRY_MS: u64 = 10;
 /// The queue of the [`LogLines`] of stderr running now, if any: the lines of
 /// [`crate::errln!`] go through it ([`stderr_line`]).
 static STDERR_QUEUE: Mutex<Option<NonBlocking>> = Mutex::new(None);
+
+/// The queue of the [`LogLines`] of stdout running now, if any: the text of
+/// [`crate::outln!`] goes through it ([`stdout_text`]).
+static STDOUT_QUEUE: Mutex<Option<NonBlocking>> = Mutex::new(None);
+
+/// Writes `text` to stdout: through the queue of the [`LogLines::stdout`] running now
+/// (queued, or dropped and counted if it is full: never waited for), else directly
+/// (waiting for a slow reader, as `troupe demo` should). What [`crate::outln!`] writes
+/// with.
+pub fn stdout_text(text: std::fmt::Arguments<'_>) {
+    let queue = STDOUT_QUEUE.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    match queue {
+        Some(mut queue) => {
+            let _ = queue.write_all(text.to_string().as_bytes());
+        }
+        None => {
+            let _ = std::io::stdout().write_fmt(text);
+        }
+    }
+}
 
 /// The count of lines dropped by the last [`LogLines::stderr`] started, kept after its
 /// end: what [`stderr_lines_dropped`] reads.
@@ -63,20 +93,22 @@ pub fn stderr_line(line: std::fmt::Arguments<'_>) {
 /// [`SERVE_LOG_FLUSH_WAIT_MS`]).
 pub struct LogLines {
     program: &'static str,
+    /// What the sink is called in the reports (`stderr`, `stdout`).
+    stream: &'static str,
     writer: NonBlocking,
     dropped: ErrorCounter,
     buffered_max: usize,
     guard: Option<WorkerGuard>,
     reporter: Option<tokio::task::JoinHandle<()>>,
-    /// Whether it is the queue of [`crate::errln!`] ([`LogLines::stderr`]): it stops
-    /// being so at [`LogLines::finish`] or when dropped.
-    errln_queue: bool,
+    /// The process-wide queue it is ([`LogLines::stderr`], [`LogLines::stdout`]), if
+    /// any: it stops being so at [`LogLines::finish`] or when dropped.
+    queue_of: Option<&'static Mutex<Option<NonBlocking>>>,
 }
 
 impl Drop for LogLines {
     fn drop(&mut self) {
-        if self.errln_queue {
-            *STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        if let Some(queue) = self.queue_of.take() {
+            *queue.lock().unwrap_or_else(PoisonError::into_inner) = None;
         }
     }
 }
@@ -100,7 +132,19 @@ impl LogLines {
         let mut lines = Self::new(program, std::io::stderr(), SERVE_LOG_LINES_BUFFERED_MAX);
         *STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = Some(lines.writer());
         *STDERR_DROPPED.lock().unwrap_or_else(PoisonError::into_inner) = Some(lines.dropped.clone());
-        lines.errln_queue = true;
+        lines.queue_of = Some(&STDERR_QUEUE);
+        lines
+    }
+
+    /// The text of [`crate::outln!`] to stdout, written by a thread of its own: at most
+    /// [`SERVE_STDOUT_LINES_BUFFERED_MAX`] writes queued, and from now until
+    /// [`LogLines::finish`] an `outln!` never waits for stdout's reader. Finish it after
+    /// the program's last `outln!` (a later one writes directly, and may block).
+    pub fn stdout(program: &'static str) -> Self {
+        let mut lines = Self::new(program, std::io::stdout(), SERVE_STDOUT_LINES_BUFFERED_MAX);
+        lines.stream = "stdout";
+        *STDOUT_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = Some(lines.writer());
+        lines.queue_of = Some(&STDOUT_QUEUE);
         lines
     }
 
@@ -115,12 +159,13 @@ impl LogLines {
         let dropped = writer.error_counter();
         Self {
             program,
+            stream: "stderr",
             writer,
             dropped,
             buffered_max,
             guard: Some(guard),
             reporter: None,
-            errln_queue: false,
+            queue_of: None,
         }
     }
 
@@ -139,8 +184,9 @@ impl LogLines {
     /// ends with a line saying how many (queued as any other line: dropped too if the
     /// queue is still full, and counted in the next report). Needs a tokio runtime.
     pub fn report_dropped_lines(&mut self) {
-        let (program, mut writer, dropped, buffered_max) = (
+        let (program, stream, mut writer, dropped, buffered_max) = (
             self.program,
+            self.stream,
             self.writer.clone(),
             self.dropped.clone(),
             self.buffered_max,
@@ -153,8 +199,8 @@ impl LogLines {
                 let now = dropped.dropped_lines();
                 if now > reported {
                     let line = format!(
-                        "{program}: {} more log lines dropped in the last {} s ({now} in all): stderr is not read as \
-                         fast as they come; up to {buffered_max} lines wait to be written\n",
+                        "{program}: {} more log lines dropped in the last {} s ({now} in all): {stream} is not read \
+                         as fast as they come; up to {buffered_max} lines wait to be written\n",
                         now - reported,
                         period.as_secs(),
                     );
@@ -173,8 +219,8 @@ impl LogLines {
     /// From then on [`crate::errln!`] writes to stderr directly (which may block on a
     /// full pipe): write the last lines before.
     pub async fn finish(mut self) {
-        if std::mem::take(&mut self.errln_queue) {
-            *STDERR_QUEUE.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        if let Some(queue) = self.queue_of.take() {
+            *queue.lock().unwrap_or_else(PoisonError::into_inner) = None;
         }
         if let Some(reporter) = self.reporter.take() {
             reporter.abort();
@@ -184,9 +230,9 @@ impl LogLines {
         let dropped = self.dropped();
         if dropped > 0 {
             let line = format!(
-                "{}: {dropped} log lines were dropped in all: stderr was not read as fast as they came (up to {} \
+                "{}: {dropped} log lines were dropped in all: {} was not read as fast as they came (up to {} \
                  lines wait to be written; see SERVE_LOG_LINES_BUFFERED_MAX)\n",
-                self.program, self.buffered_max
+                self.program, self.stream, self.buffered_max
             );
             loop {
                 let before = self.dropped();

@@ -162,6 +162,9 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
 /// directly, and blocked forever on a full pipe).
 #[cfg(not(madsim))]
 async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> bool {
+    // Its stdout lines (the address, `stopped`) go through a queue of their own too: a
+    // full stdout pipe no longer blocks the start (until 2026-12-07 it never served).
+    let out = troupe_cli::log_lines::LogLines::stdout("troupe serve");
     let (otel, mut lines) = match init_logging("troupe serve", args.log_format, args.otlp_endpoint.as_deref()) {
         Ok(logging) => logging,
         Err(message) => {
@@ -174,15 +177,15 @@ async fn serve(args: ServeArgs, first: StopSignal, second: StopSignal) -> bool {
     if let Err(message) = &served {
         troupe_cli::errln!("troupe: {message}");
     }
-    // The lines still queued reach stderr (bounded), the count of dropped ones last.
-    lines.finish().await;
+    // The lines still queued reach stderr and stdout (bounded), the count of dropped
+    // ones last.
+    tokio::join!(lines.finish(), out.finish());
     served.is_ok()
 }
 
 /// [`serve`] once its log is set up.
 #[cfg(not(madsim))]
 async fn serve_logged(args: ServeArgs, first: StopSignal, second: StopSignal, otel: OtelGuard) -> Result<(), String> {
-    use std::io::Write as _;
     use troupe_agent::AgentSystem;
     use troupe_server::ServerConfig;
 
@@ -258,8 +261,8 @@ async fn serve_logged(args: ServeArgs, first: StopSignal, second: StopSignal, ot
         path.display(),
         if temporary.is_some() { " (removed at exit)" } else { "" }
     );
+    // A line (stdout is line-buffered): written as soon as stdout is read.
     troupe_cli::outln!("listening on http://{local}");
-    let _ = std::io::stdout().flush();
     // The first SIGTERM, ctrl-c or SIGHUP stops accepting and lets requests in flight
     // finish (up to the grace); a second one during it stops at once. Until 2026-12-06 a
     // second signal was ignored, and the process waited for the requests in flight
@@ -473,6 +476,8 @@ async fn main() -> ExitCode {
         Command::Node(node_args) => {
             // As `troupe serve`: watched first; a second signal stops at once.
             let (first, second) = troupe_cli::signals::stop_signals("troupe node");
+            // As `troupe serve`'s: a full stdout pipe never blocks it.
+            let out = troupe_cli::log_lines::LogLines::stdout("troupe node");
             // Kept alive until the node stops (it flushes an OTLP export, if any, on drop).
             let (_otel, mut lines) = match init_logging("troupe node", troupe_cli::LogFormat::Text, None) {
                 Ok(logging) => logging,
@@ -496,18 +501,17 @@ async fn main() -> ExitCode {
                 None
             };
             let ran = troupe_cli::node::run_node(&node_args, model, first, second).await;
-            // Queued before the queue's end: until 2026-12-07 written after it, directly,
-            // and a full stderr pipe nobody read blocked the exit forever.
-            if let Err(error) = &ran {
-                troupe_cli::errln!("troupe: {error}");
+            // Queued before the queues' end: until 2026-12-07 written after it, directly,
+            // and a full stderr (or stdout) pipe nobody read blocked the exit forever.
+            match &ran {
+                Ok(()) => troupe_cli::outln!("troupe node: stopped"),
+                Err(error) => troupe_cli::errln!("troupe: {error}"),
             }
-            // The lines still queued reach stderr (bounded), the count of dropped ones last.
-            lines.finish().await;
+            // The lines still queued reach stderr and stdout (bounded), the count of
+            // dropped ones last.
+            tokio::join!(lines.finish(), out.finish());
             match ran {
-                Ok(()) => {
-                    troupe_cli::outln!("troupe node: stopped");
-                    ExitCode::SUCCESS
-                }
+                Ok(()) => ExitCode::SUCCESS,
                 Err(_) => ExitCode::FAILURE,
             }
         }

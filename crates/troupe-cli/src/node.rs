@@ -1056,8 +1056,6 @@ pub async fn run_node(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     stop_now: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), NodeError> {
-    use std::io::Write as _;
-
     use futures::FutureExt as _;
 
     let mut stop_now = std::pin::pin!(stop_now);
@@ -1217,8 +1215,9 @@ pub async fn run_node(
                             cause: std::io::Error::other(format!("publishing it in etcd failed: {error}")),
                         })?;
                 }
+                // A line (stdout is line-buffered): no flush, which would wait for the
+                // queue's writer while it waits for a reader.
                 crate::outln!("listening on http://{address}");
-                let _ = std::io::stdout().flush();
                 let app = match &agents {
                     Some(agents) => agents_router(
                         node.client(),
@@ -1236,7 +1235,6 @@ pub async fn run_node(
                     .map_err(|cause| NodeError::Http { address, cause })
             }
             None => {
-                let _ = std::io::stdout().flush();
                 shutdown.clone().await;
                 Ok(())
             }

@@ -1114,3 +1114,59 @@ fn idle_connections_past_max_connections_wait_and_the_descriptors_stay_bounded()
     running.signal("TERM");
     assert!(running.wait().success());
 }
+
+/// Goal: a `troupe serve` whose stdout is a full pipe nobody reads (a reader that
+/// stopped, a pipe shared with another writer) still serves and stops at SIGTERM: its
+/// stdout lines (the address, `stopped`) go through a bounded queue written by a thread
+/// of its own, as its log lines do, and are never waited for. Until 2026-12-07 they were
+/// written from the thread that printed them: the process blocked on its first line,
+/// before it served, and a SIGTERM did not stop it (probed by hand: `/health` not
+/// answered in 5 s, still running 5 s after SIGTERM). Method: stdout a pipe filled by a
+/// thread of this test before the start and never read; `--bind` a port picked here;
+/// `/health` within `FULL_STDOUT_SERVES_MS`, then SIGTERM: exit 0 within
+/// `PROBE_WAIT_MS_MAX`.
+#[test]
+fn a_server_whose_stdout_is_a_full_pipe_serves_and_stops() {
+    /// How long the server may take to answer `/health`, in milliseconds.
+    const FULL_STDOUT_SERVES_MS: u64 = 10_000;
+    let (reader, writer) = std::io::pipe().unwrap();
+    // Fills the pipe, then blocks until the reader is dropped (its write then fails).
+    let mut filler = writer.try_clone().unwrap();
+    let filling = std::thread::spawn(move || {
+        let chunk = [b'x'; 4096];
+        while std::io::Write::write_all(&mut filler, &chunk).is_ok() {}
+    });
+    // Its head start: 64 KiB fill in far less.
+    std::thread::sleep(Duration::from_millis(200));
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let child = troupe()
+        .args(["serve", "--scripted", "--bind", &addr])
+        .stdout(writer)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut running = Running { child, stderr: None };
+    let started = std::time::Instant::now();
+    let mut served = false;
+    while started.elapsed() < Duration::from_millis(FULL_STDOUT_SERVES_MS) {
+        if std::net::TcpStream::connect(&addr).is_ok() {
+            let (status, body) = support::http(&addr, "GET", "/health", "", FULL_STDOUT_SERVES_MS);
+            assert_eq!(status, 200, "{body}");
+            served = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(PROBE_POLL_MS));
+    }
+    let took = started.elapsed();
+    assert!(served, "not serving {took:?} after the start with its stdout full");
+    eprintln!("serving {took:?} after the start with its stdout full");
+    running.signal("TERM");
+    let status = running.wait();
+    assert!(status.success(), "{status:?}");
+    drop(reader);
+    filling.join().unwrap();
+}
