@@ -4,7 +4,7 @@
 //! ```text
 //! every interval: sent = now ── keep-alive ──► etcd ── ttl ──►  valid_until = sent + ttl − slack
 //!               an error, a closed stream  →  reopen the stream, again within the request timeout
-//!               no answer within the request timeout  →  reopen the stream next round
+//!               no answer within the request timeout  →  a new round on a new stream at once
 //!               etcd says the lease is gone (ttl ≤ 0, NotFound)  →  lost: ExpiredOnServer
 //!               now ≥ valid_until                                 →  lost: NotRenewedInTime
 //! ```
@@ -205,9 +205,13 @@ pub(crate) async fn keep_alive(
             Ok(renewal) => renewal,
             Err(_elapsed) => Renewal::Failed,
         };
-        match renewal {
+        // After a renewed round the next comes one interval after this one was sent;
+        // after a failed one, at once (after the retry pause): waiting for the interval
+        // left a 3 s lease with 500 ms requests no second try before its validity ended.
+        let next = match renewal {
             Renewal::Renewed(ttl_s) if ttl_s > 0 => {
                 standing.renewed(trusted_until(sent, ttl_s, granted_ttl_s));
+                sent + interval
             }
             Renewal::Renewed(_) | Renewal::Gone => {
                 standing.lose(LeaseLostReason::ExpiredOnServer);
@@ -216,14 +220,15 @@ pub(crate) async fn keep_alive(
             Renewal::Failed => {
                 tracing::debug!(lease, "etcd lease renewal failed; retrying on a new stream");
                 stream = None;
+                tokio::time::Instant::now() + Duration::from_millis(ETCD_RETRY_PAUSE_MS)
             }
-        }
+        };
         let valid_until = standing.valid_until();
         if tokio::time::Instant::now() >= valid_until {
             standing.lose(LeaseLostReason::NotRenewedInTime);
             return;
         }
-        tokio::time::sleep_until((sent + interval).min(valid_until)).await;
+        tokio::time::sleep_until(next.min(valid_until)).await;
         if tokio::time::Instant::now() >= standing.valid_until() && standing.lost().is_none() {
             // The next renewal may still succeed, but the bound has passed: from here on
             // the server may have expired the lease.

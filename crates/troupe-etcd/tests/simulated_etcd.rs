@@ -549,3 +549,58 @@ async fn a_healthy_node_with_the_largest_request_timeout_never_waits_for_a_renew
     assert_eq!(placement.late_renewal_waits(), 0, "a healthy node's placements waited");
     assert!(placement.holds_lease());
 }
+
+/// When, after the join, node and etcd are cut from each other in the failed-round
+/// test, in virtual milliseconds: before the renewal sent 1 s in (3 s lease, 500 ms
+/// requests: TTL/3).
+const FAILED_ROUND_CUT_AT_MS: u64 = 950;
+/// When, after the join, the cut heals in the failed-round test, in virtual
+/// milliseconds: after that renewal's round (500 ms) failed, before the validity (2 s
+/// after the first renewal) ends.
+const FAILED_ROUND_HEAL_AT_MS: u64 = 1_700;
+/// When, after the join, the failed-round test checks the lease, in virtual
+/// milliseconds: past the validity the failed round left.
+const FAILED_ROUND_CHECK_AT_MS: u64 = 2_500;
+
+/// Goal (simulated): a renewal round that fails (no answer within the request timeout)
+/// is followed by another at once, so a lease whose etcd comes back before the
+/// validity ends is kept. Method: 3 s lease, 500 ms requests (renewals every 1 s,
+/// validity 2 s); node and etcd cut from each other 0.95-1.7 s after the join, so the
+/// round sent at 1 s fails at 1.5 s; 2.5 s in the node holds its lease and places an
+/// actor. Before, the next round waited for the interval (2 s in), the end of the
+/// validity: the lease was lost (`NotRenewedInTime`) 2 s in although etcd answered
+/// again from 1.7 s.
+#[madsim::test]
+async fn a_failed_renewal_round_is_tried_again_at_once_and_the_lease_kept() {
+    let handle = Handle::current();
+    let etcd = start_etcd(&handle);
+    let node = handle.create_node().name("node-a").ip(ip("10.0.1.1")).build();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let placement = node
+        .spawn(EtcdPlacement::join(config("node-a")))
+        .await
+        .expect("the task")
+        .expect("node-a joins");
+    let joined = Instant::now();
+    let net = NetSim::current();
+    tokio::time::sleep_until(joined + Duration::from_millis(FAILED_ROUND_CUT_AT_MS)).await;
+    net.clog_link(etcd.id(), node.id());
+    net.clog_link(node.id(), etcd.id());
+    tokio::time::sleep_until(joined + Duration::from_millis(FAILED_ROUND_HEAL_AT_MS)).await;
+    net.unclog_link(etcd.id(), node.id());
+    net.unclog_link(node.id(), etcd.id());
+    tokio::time::sleep_until(joined + Duration::from_millis(FAILED_ROUND_CHECK_AT_MS)).await;
+    assert!(
+        placement.holds_lease(),
+        "the lease was lost although etcd answered again before its validity ended"
+    );
+    let x = ActorId::new("counter", "x").expect("an actor id");
+    let placed = node
+        .spawn({
+            let placement = placement.clone();
+            async move { placement.place(&x).await }
+        })
+        .await
+        .expect("the task");
+    assert_eq!(placed.expect("the node places").owner.as_str(), "node-a");
+}
