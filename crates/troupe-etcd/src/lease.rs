@@ -113,7 +113,7 @@ impl LeaseStanding {
             if let Some(reason) = self.lost() {
                 return Err(reason);
             }
-            let now = Instant::now();
+            let now = tokio::time::Instant::now();
             let valid_until = self.valid_until();
             if now >= valid_until {
                 self.lose(LeaseLostReason::NotRenewedInTime);
@@ -309,7 +309,7 @@ mod tests {
                 let standing = Arc::clone(standing);
                 tokio::spawn(async move {
                     let result = standing.wait_for_write(Duration::from_millis(WRITE_REQUEST_MS)).await;
-                    (result, Instant::now())
+                    (result, tokio::time::Instant::now())
                 })
             })
             .collect()
@@ -325,11 +325,11 @@ mod tests {
     #[cfg_attr(not(madsim), tokio::test(flavor = "multi_thread", worker_threads = 2))]
     #[cfg_attr(madsim, tokio::test)]
     async fn writers_waiting_for_a_late_renewal_all_start_once_it_lands_and_none_before() {
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let standing = Arc::new(LeaseStanding::new(started + Duration::from_millis(VALIDITY_LEFT_MS)));
         let writers = writers(&standing);
         tokio::time::sleep(Duration::from_millis(RENEWAL_AFTER_MS)).await;
-        let renewed_at = Instant::now();
+        let renewed_at = tokio::time::Instant::now();
         standing.renewed(renewed_at + Duration::from_secs(10));
         for writer in writers {
             let (result, at) = writer.await.expect("the writer");
@@ -352,7 +352,7 @@ mod tests {
     #[cfg_attr(not(madsim), tokio::test(flavor = "multi_thread", worker_threads = 2))]
     #[cfg_attr(madsim, tokio::test)]
     async fn writers_waiting_for_a_renewal_that_never_comes_are_refused_at_the_leases_end() {
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let valid_until = started + Duration::from_millis(VALIDITY_LEFT_MS);
         let standing = Arc::new(LeaseStanding::new(valid_until));
         for writer in writers(&standing) {
@@ -370,7 +370,7 @@ mod tests {
             );
         }
         assert_eq!(standing.lost(), Some(LeaseLostReason::NotRenewedInTime));
-        standing.renewed(Instant::now() + Duration::from_secs(10));
+        standing.renewed(tokio::time::Instant::now() + Duration::from_secs(10));
         let late = standing.wait_for_write(Duration::from_millis(WRITE_REQUEST_MS)).await;
         assert_eq!(late, Err(LeaseLostReason::NotRenewedInTime), "a lost lease stays lost");
     }
@@ -382,7 +382,7 @@ mod tests {
     #[cfg_attr(not(madsim), tokio::test(flavor = "multi_thread", worker_threads = 2))]
     #[cfg_attr(madsim, tokio::test)]
     async fn writers_waiting_for_a_renewal_are_refused_as_soon_as_the_lease_is_lost() {
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let valid_until = started + Duration::from_millis(VALIDITY_LEFT_MS);
         let standing = Arc::new(LeaseStanding::new(valid_until));
         let writers = writers(&standing);
@@ -400,7 +400,7 @@ mod tests {
     /// those 100 ms, not at the validity's end.
     #[tokio::test]
     async fn a_writer_with_a_request_of_validity_left_starts_at_once() {
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let standing = LeaseStanding::new(started + Duration::from_millis(WRITE_REQUEST_MS + RENEWAL_AFTER_MS));
         assert_eq!(
             standing.wait_for_write(Duration::from_millis(WRITE_REQUEST_MS)).await,
