@@ -188,7 +188,20 @@ impl From<HolderError> for StoreError {
 ///   refused with [`StoreError::Backend`] rather than read or migrated by guess;
 /// - keys are `BYTEA`, so any Rust string is a key (NUL too), prefixes match byte for
 ///   byte and keys are ordered as bytes, the same order as Rust's `str`;
-/// - every database error is a [`StoreError::Backend`] naming the operation; none panics.
+/// - every database error is a [`StoreError::Backend`] naming the operation, or, if it
+///   passes (the connection refused, reset or closed, the server shutting down or
+///   starting up, out of connection slots, a serialization failure or deadlock, no pooled
+///   connection in time), a [`StoreError::Unavailable`] with the same text, which the
+///   runtime tries again within the request's deadline; opening fails with `Backend`
+///   only; none panics;
+/// - a commit whose connection failed after its `COMMIT` was sent (`Unavailable`) may
+///   have been applied; made again under the same fence it leaves the store as one
+///   application would, since its writes are absolute values (or it is refused
+///   `Fenced` if the actor was claimed since). A commit made again waits on the owner
+///   row's lock for the first one's transaction, if the server still runs it, so the
+///   two never interleave. With [`PostgresStore::with_commit_log`], a commit whose first
+///   `COMMIT` was applied unseen and that is made again is logged twice, under the same
+///   fence.
 ///
 /// A commit's writes are applied in order by keeping the last write per key: a delete
 /// and an upsert statement, each for many keys, whatever the number of writes (an
@@ -393,8 +406,11 @@ impl PostgresStore {
 }
 
 /// A backend error for `operation`, with the error's whole chain of causes (a
-/// `tokio_postgres::Error` says only "db error" on its own).
-fn backend<E: StdError>(operation: StoreOperation) -> impl Fn(E) -> StoreError {
+/// `tokio_postgres::Error` says only "db error" on its own): [`StoreError::Unavailable`]
+/// if it is one that passes ([`is_transient`]) and the store is open, else
+/// [`StoreError::Backend`]. Opening keeps `Backend` for every failure: a store that
+/// cannot open is the embedder's to retry, and says why once.
+fn backend<E: StdError + 'static>(operation: StoreOperation) -> impl Fn(E) -> StoreError {
     move |error| {
         let mut cause = error.to_string();
         let mut source = error.source();
@@ -403,8 +419,77 @@ fn backend<E: StdError>(operation: StoreOperation) -> impl Fn(E) -> StoreError {
             cause.push_str(&inner.to_string());
             source = inner.source();
         }
-        StoreError::Backend { operation, cause }
+        if operation != StoreOperation::Open && is_transient(&error) {
+            StoreError::Unavailable { operation, cause }
+        } else {
+            StoreError::Backend { operation, cause }
+        }
     }
+}
+
+/// Whether `error` is one that passes, so that the same operation may succeed if tried
+/// again soon: the connection closed, refused, reset or timed out; the server shutting
+/// down, starting up, out of connection slots; a transaction rolled back for a
+/// serialization failure or a deadlock; no pooled connection in time. Any other error
+/// (SQL, a constraint, a decode, a configuration) is not.
+///
+/// Whatever the step that failed, trying the operation again is safe: a claim that the
+/// server applied unseen only wasted a fence (the next claim issues a newer one, and a
+/// cluster node places the actor anew before it claims again), and a commit is a set of
+/// absolute writes under one fence, so making it again leaves the store as one
+/// application would (see [`StoreError::Unavailable`]).
+fn is_transient(error: &(dyn StdError + 'static)) -> bool {
+    if let Some(error) = error.downcast_ref::<tokio_postgres::Error>() {
+        return postgres_error_is_transient(error);
+    }
+    if let Some(error) = error.downcast_ref::<deadpool_postgres::PoolError>() {
+        return match error {
+            deadpool_postgres::PoolError::Timeout(_) => true,
+            deadpool_postgres::PoolError::Backend(error) => postgres_error_is_transient(error),
+            deadpool_postgres::PoolError::PostCreateHook(deadpool_postgres::HookError::Backend(error)) => {
+                postgres_error_is_transient(error)
+            }
+            _ => false,
+        };
+    }
+    false
+}
+
+fn postgres_error_is_transient(error: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    if error.is_closed() {
+        return true;
+    }
+    if let Some(code) = error.code() {
+        return *code == SqlState::ADMIN_SHUTDOWN
+            || *code == SqlState::CRASH_SHUTDOWN
+            || *code == SqlState::CANNOT_CONNECT_NOW
+            || *code == SqlState::TOO_MANY_CONNECTIONS
+            || *code == SqlState::T_R_SERIALIZATION_FAILURE
+            || *code == SqlState::T_R_DEADLOCK_DETECTED
+            // Class 08, connection exception.
+            || code.code().starts_with("08");
+    }
+    // An I/O error on the connection, or of connecting (a connect timeout is one too:
+    // `TimedOut`).
+    let mut source = StdError::source(error);
+    while let Some(inner) = source {
+        if let Some(io) = inner.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::NotConnected
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::TimedOut
+                    | std::io::ErrorKind::Interrupted
+            );
+        }
+        source = inner.source();
+    }
+    false
 }
 
 /// A fence read from `troupe_actor_owner`, which holds only fences a claim issued.

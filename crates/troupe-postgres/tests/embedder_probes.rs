@@ -52,7 +52,8 @@ struct Written {
 /// Commits counts 1, 2, … for `owner` until `stop` says so and it made
 /// [`COMMITS_AFTER_RESTART`] commits after `restarted` was set. A failed commit is
 /// retried with the same count under a fresh claim (the failure may have been applied
-/// or not: the claim reads which). Every error must be a typed backend error.
+/// or not: the claim reads which). Every error must be a typed transient one
+/// (`Unavailable`, which the runtime tries again within the request's deadline).
 async fn write(
     store: PostgresStore,
     owner: ActorId,
@@ -86,7 +87,16 @@ async fn write(
                     claimed.fence
                 }
                 Err(error) => {
-                    assert!(matches!(error, StoreError::Backend { .. }), "{owner}: {error}");
+                    assert!(
+                        matches!(
+                            error,
+                            StoreError::Unavailable {
+                                operation: StoreOperation::Claim,
+                                ..
+                            }
+                        ),
+                        "{owner}: a claim failed with {error:?}"
+                    );
                     written.failures += 1;
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
@@ -110,12 +120,12 @@ async fn write(
                 assert!(
                     matches!(
                         error,
-                        StoreError::Backend {
+                        StoreError::Unavailable {
                             operation: StoreOperation::Commit,
                             ..
                         }
                     ),
-                    "{owner}: a commit failed with {error}"
+                    "{owner}: a commit failed with {error:?}"
                 );
                 written.failures += 1;
                 fence = None;
@@ -126,8 +136,8 @@ async fn write(
 }
 
 /// Goal: the database server restarted under load (`pg_ctl restart -m fast`: every
-/// open connection closed, the data kept) costs only typed backend errors while it is
-/// down; once it is back, every writer commits again within a bound on the same store
+/// open connection closed, the data kept) costs only typed transient errors
+/// (`StoreError::Unavailable`, until 2026-12-07 `Backend`) while it is down; once it is back, every writer commits again within a bound on the same store
 /// (the pool replaces its dead connections), and no acknowledged commit is lost.
 /// Method: 4 writers commit counts to 4 actors in a loop; the server restarts; each
 /// writer must then commit 20 more counts; the stored count is checked against what

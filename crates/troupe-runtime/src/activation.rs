@@ -51,10 +51,12 @@ use crate::control::Control;
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
 use crate::mailbox::{Mailbox, MailboxReceiver};
+use crate::store_retry::{retry, RetryBounds};
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},
-    ActorBox, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StoreError, Turn, TurnCommit,
+    ActorBox, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StoreError, StoreOperation, Turn,
+    TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -217,7 +219,7 @@ fn run(mut guard: CrashGuard, handle: RuntimeHandle) -> impl Future<Output = ()>
         // (A labelled block rather than a `match` whose arm awaits: that would keep the
         // start's result, and the error, in the task's state for as long as it runs.)
         let mut live = 'started: {
-            let error = match Box::pin(start_actor(&guard.id, &handle)).await {
+            let error = match Box::pin(start_actor(&guard.id, &handle, &mut guard.receiver)).await {
                 Ok(live) => {
                     guard.started = true;
                     break 'started live;
@@ -346,6 +348,7 @@ fn run(mut guard: CrashGuard, handle: RuntimeHandle) -> impl Future<Output = ()>
                                     guard.receiver.mailbox(),
                                     writes,
                                     call,
+                                    deadline,
                                 );
                             }
                             Begun::Full {
@@ -514,7 +517,15 @@ fn respond(shared: &Shared, call: CallId, edge: bool, reply: ReplyTo, result: Re
     reply.send(result);
 }
 
-async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, InvokeError> {
+/// Claims the actor's state, builds the actor and runs `on_activate`. `receiver` holds
+/// the requests the activation was started for: a claim the store fails for a moment is
+/// tried again within the oldest one's deadline ([`claim_failed`]). (Borrowed `mut`
+/// because a shared borrow of it is not `Send`: its batch is not `Sync`.)
+async fn start_actor(
+    id: &ActorId,
+    handle: &RuntimeHandle,
+    receiver: &mut MailboxReceiver,
+) -> Result<Live, InvokeError> {
     let shared = &handle.shared;
     let kind = shared
         .kinds
@@ -524,6 +535,13 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
     let claimed = match shared.store.claim_now(id) {
         Some(claimed) => claimed,
         None => shared.store.claim(id).await,
+    };
+    let claimed = match claimed {
+        Err(source) if source.is_transient() => {
+            let deadline = receiver.first_deadline();
+            Box::pin(claim_failed(id, shared, receiver.mailbox(), deadline, source)).await
+        }
+        claimed => claimed,
     };
     let Claimed { fence, state: saved } = claimed.map_err(|source| InvokeError::StorageFailed {
         target: id.clone(),
@@ -549,6 +567,41 @@ async fn start_actor(id: &ActorId, handle: &RuntimeHandle) -> Result<Live, Invok
     })
 }
 
+/// [`start_actor`]'s claim after the store failed it for a moment (`source`): tried
+/// again until `deadline`, the oldest queued request's (capped at the longest a turn
+/// may run from now, as a fire-and-forget message's is when it starts; none queued,
+/// not tried again). A claim the store applied unseen costs only a fence: the next
+/// claim issues a newer one.
+#[cold]
+#[inline(never)]
+async fn claim_failed(
+    id: &ActorId,
+    shared: &Shared,
+    mailbox: &Mailbox,
+    deadline: Option<Deadline>,
+    source: StoreError,
+) -> Result<Claimed, StoreError> {
+    let now = shared.clock.now();
+    let latest = Deadline::from_micros(now.as_micros().saturating_add(TURN_TIMEOUT_US_MAX));
+    let Some(deadline) = deadline else {
+        return Err(source);
+    };
+    let bounds = RetryBounds {
+        shared,
+        deadline: Deadline::min(deadline, latest),
+        mailbox,
+        actor: id,
+        operation: StoreOperation::Claim,
+    };
+    retry(bounds, source, || async {
+        match shared.store.claim_now(id) {
+            Some(claimed) => claimed,
+            None => shared.store.claim(id).await,
+        }
+    })
+    .await
+}
+
 async fn deactivate(live: &mut Live, shared: &Shared) {
     let id = &live.home.as_ref().expect(HOME_LENT).id;
     if shared.aborted() {
@@ -564,6 +617,12 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
         // last committed turn's state instead.
         Counters::add(&shared.counters.deactivation_saves_failed);
         tracing::warn!(actor = %id, %error, "on_deactivate failed; nothing saved, the last turn's state stays committed");
+        return;
+    }
+    if live.fenced.as_deref().is_some_and(StoreError::is_transient) {
+        // A commit given up on while the store was unavailable may have been applied
+        // unseen (`store_commit_failed`): a save made from the rolled-back state could
+        // undo it. The next activation claims and reads what the store holds.
         return;
     }
     let saved = match live.actor.state_change(live.committed.as_ref()) {
@@ -1072,6 +1131,7 @@ fn settle<'a>(
                         call,
                         edge,
                         generation,
+                        deadline,
                         ignore_commit: true,
                         _spans: spans,
                     }
@@ -1118,6 +1178,7 @@ fn settle<'a>(
                         call,
                         edge,
                         generation,
+                        deadline,
                         #[cfg(feature = "planted-bugs")]
                         ignore_commit: false,
                         _spans: spans,
@@ -1149,6 +1210,7 @@ fn settle_told<'a>(
     mailbox: &'a Mailbox,
     writes: TurnWrites,
     call: CallId,
+    deadline: Deadline,
 ) -> Option<Committing<'a>> {
     Counters::add(&shared.counters.turns_run);
     shared.emit(|| RuntimeEvent::TurnCommitting {
@@ -1168,6 +1230,7 @@ fn settle_told<'a>(
                 call,
                 edge: false,
                 generation,
+                deadline,
                 #[cfg(feature = "planted-bugs")]
                 ignore_commit: false,
                 _spans: TurnSpans(None),
@@ -1199,6 +1262,9 @@ struct StoreCommit {
     edge: bool,
     /// The activation's generation, for the dispatcher's notice if the store fences it.
     generation: u64,
+    /// The deadline of the turn's request: a commit that fails for a moment is tried
+    /// again until it (`store_retry.rs`).
+    deadline: Deadline,
     /// Planted bug: the commit of a failed turn, whose outcome does not matter.
     #[cfg(feature = "planted-bugs")]
     ignore_commit: bool,
@@ -1208,7 +1274,7 @@ struct StoreCommit {
 impl StoreCommit {
     async fn run(self, live: &mut Live, shared: &Shared, mailbox: &Mailbox) {
         let was_fenced = live.fenced.is_some();
-        let committed = store_commit(live, shared, self.commit).await;
+        let committed = store_commit(live, shared, self.commit, self.deadline, mailbox).await;
         if !was_fenced && live.fenced.is_some() {
             close_fenced(live, shared, self.generation, mailbox);
         }
@@ -1304,8 +1370,15 @@ fn prepare_commit(live: &Live, writes: TurnWrites) -> Result<Option<TurnCommit>,
 
 /// Commits a turn's state change and writes atomically under the activation's fence. A
 /// refusal for a newer claim marks the activation fenced: every later request is then
-/// answered with it, unrun.
-async fn store_commit(live: &mut Live, shared: &Shared, commit: TurnCommit) -> Result<(), InvokeError> {
+/// answered with it, unrun. A commit the store fails for a moment is tried again until
+/// `deadline` ([`store_commit_failed`]); the success path is the one try.
+async fn store_commit(
+    live: &mut Live,
+    shared: &Shared,
+    commit: TurnCommit,
+    deadline: Deadline,
+    mailbox: &Mailbox,
+) -> Result<(), InvokeError> {
     // The runtime was aborted (dropped, or its shutdown grace is over) while the turn
     // ran: nothing more is committed. The caller gets `Shutdown`, and the turn is rolled
     // back like any failed one. (A commit already inside the store when the abort came
@@ -1314,7 +1387,75 @@ async fn store_commit(live: &mut Live, shared: &Shared, commit: TurnCommit) -> R
         return Err(InvokeError::Shutdown);
     }
     let committed = commit.state.applied_to(live.committed.clone());
+    // What a second try needs and the store takes: the writes (the state change is
+    // `committed` against `live.committed` again). Copied only for a store that may
+    // fail for a moment; a turn without writes needs no copy.
+    let writes = if commit.writes.is_empty() {
+        Some(Vec::new())
+    } else if shared.store.may_be_unavailable() {
+        Some(commit.writes.clone())
+    } else {
+        None
+    };
     match shared.store.commit(live.id(), live.fence, commit).await {
+        Ok(()) => {
+            live.committed = committed;
+            Ok(())
+        }
+        Err(source) => {
+            Box::pin(store_commit_failed(
+                live, shared, source, committed, writes, deadline, mailbox,
+            ))
+            .await
+        }
+    }
+}
+
+/// [`store_commit`] after its first try failed with `source`: tries the same commit
+/// again while the store is unavailable ([`StoreError::Unavailable`]), within the
+/// request's `deadline` (`store_retry.rs`), if its `writes` were kept. `committed` is the
+/// snapshot the commit makes.
+///
+/// A commit given up on while unavailable may have been applied all the same (its
+/// connection failed while its last step was on its way: see
+/// [`StoreError::Unavailable`]): the activation no longer knows what the store holds,
+/// so it is closed as a fenced one is, and the next activation claims and reads it.
+#[cold]
+#[inline(never)]
+async fn store_commit_failed(
+    live: &mut Live,
+    shared: &Shared,
+    source: StoreError,
+    committed: Option<Bytes>,
+    writes: Option<Vec<(String, Option<Bytes>)>>,
+    deadline: Deadline,
+    mailbox: &Mailbox,
+) -> Result<(), InvokeError> {
+    let result = match writes {
+        Some(writes) if source.is_transient() => {
+            // The same commit: under the same fence, with the same absolute writes, so a
+            // try after one the store applied unseen leaves the store as one would.
+            let state = StateChange::between(live.committed.as_ref(), committed.clone());
+            let (id, fence) = (live.id(), live.fence);
+            let bounds = RetryBounds {
+                shared,
+                deadline,
+                mailbox,
+                actor: id,
+                operation: StoreOperation::Commit,
+            };
+            retry(bounds, source, || {
+                let commit = TurnCommit {
+                    state: state.clone(),
+                    writes: writes.clone(),
+                };
+                shared.store.commit(id, fence, commit)
+            })
+            .await
+        }
+        _ => Err(source),
+    };
+    match result {
         Ok(()) => {
             live.committed = committed;
             Ok(())
@@ -1322,7 +1463,8 @@ async fn store_commit(live: &mut Live, shared: &Shared, commit: TurnCommit) -> R
         Err(source) => {
             // Fenced: another activation claimed the actor since. NotOwner: a cluster
             // node lost the actor's placement (its lease). Either way this one is stale.
-            if matches!(source, StoreError::Fenced { .. } | StoreError::NotOwner { .. }) {
+            // Unavailable: what the store holds is not known (see above).
+            if source.is_transient() || matches!(source, StoreError::Fenced { .. } | StoreError::NotOwner { .. }) {
                 live.fenced = Some(Box::new(source.clone()));
             }
             Err(InvokeError::StorageFailed {

@@ -77,6 +77,7 @@ pub(crate) struct Counters {
     pub(crate) turns_abandoned: AtomicU64,
     pub(crate) activations_aborted: AtomicU64,
     pub(crate) dispatcher_busy_refused: AtomicU64,
+    pub(crate) store_retries: AtomicU64,
 }
 
 impl Counters {
@@ -116,6 +117,9 @@ pub struct RuntimeCounters {
     pub activations_aborted: u64,
     /// Requests refused with `DispatcherBusy` (the dispatcher's queue was full).
     pub dispatcher_busy_refused: u64,
+    /// Claims and commits tried again after the store failed for a moment
+    /// (`StoreError::Unavailable`), one per try after the first.
+    pub store_retries: u64,
 }
 
 /// The dispatcher's tables at one moment.
@@ -886,6 +890,7 @@ impl RuntimeHandle {
             turns_abandoned: load(&c.turns_abandoned),
             activations_aborted: load(&c.activations_aborted),
             dispatcher_busy_refused: load(&c.dispatcher_busy_refused),
+            store_retries: load(&c.store_retries),
         }
     }
 

@@ -42,6 +42,7 @@ mod signal;
 mod sqlite_store;
 mod state_store;
 mod store_key;
+mod store_retry;
 mod transport;
 mod turn;
 mod typed;
@@ -68,6 +69,7 @@ pub use state_store::{
     check_key, sqlite_file_identity, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreItem,
     StoreOperation, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
+pub use store_retry::{STORE_RETRY_PAUSE_MS_FIRST, STORE_RETRY_PAUSE_MS_MAX};
 pub use transport::{
     Delivery, FrameError, Probe, ProbeSink, RequestFailure, RequestKind, TransportClient, TransportClientStats,
     TransportServer, TransportServerStats, ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX,

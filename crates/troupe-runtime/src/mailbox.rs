@@ -216,9 +216,9 @@ impl Mailbox {
         close_locked(self.state());
     }
 
-    /// Whether it is closed.
-    #[cfg(test)]
-    fn is_closed(&self) -> bool {
+    /// Whether it is closed (an activation stops trying its store again once it is:
+    /// see `store_retry.rs`).
+    pub(crate) fn is_closed(&self) -> bool {
         !self.state().open
     }
 }
@@ -365,6 +365,21 @@ impl MailboxReceiver {
             std::mem::take(&mut state.queue)
         };
         std::mem::take(&mut self.batch).into_iter().chain(queued).collect()
+    }
+
+    /// The deadline of the oldest message not yet handed out, if there is one: what an
+    /// activation's claim is tried again within (see `store_retry.rs`). Cold: only after
+    /// a claim failed for a moment.
+    #[cold]
+    pub(crate) fn first_deadline(&self) -> Option<troupe_core::Deadline> {
+        if let Some(envelope) = self.batch.front() {
+            return Some(envelope.context.deadline());
+        }
+        self.mailbox
+            .state()
+            .queue
+            .front()
+            .map(|envelope| envelope.context.deadline())
     }
 
     /// The mailbox's sending side, for the task to close it from a turn's commit (the

@@ -359,6 +359,12 @@ impl StateStore for MemoryStore {
         Some(self.claim_at_once(actor))
     }
 
+    /// Never: its faults are injected ([`StoreError::Injected`]), not transient. So the
+    /// runtime keeps no copy of a turn's writes for it.
+    fn may_be_unavailable(&self) -> bool {
+        false
+    }
+
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
         self.faults.take(&self.faults.inner.fail_loads, StoreOperation::Load)?;
         Ok(self.lock().visible_state(actor))

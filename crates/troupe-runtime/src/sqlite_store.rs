@@ -35,6 +35,11 @@
 //!   journal mode with `synchronous = FULL`;
 //! - a file written by a newer Troupe (a higher `user_version`) is refused with
 //!   [`StoreError::Backend`] rather than read or migrated by guess;
+//! - an operation that waited for another connection's lock on the file (another
+//!   process, `sqlite3`) longer than the busy timeout (`SQLITE_BUSY_TIMEOUT_MS`) fails
+//!   with [`StoreError::Unavailable`] ("database is locked"), having written nothing,
+//!   and the runtime tries it again within the request's deadline; every other SQLite
+//!   error is [`StoreError::Backend`];
 //! - [`StateStore::scan`] matches prefixes byte for byte, so `%` and `_` in keys are
 //!   ordinary characters, and keys are ordered as bytes, the same order as Rust's `str`.
 //!
@@ -308,10 +313,7 @@ impl SqliteStore {
                 operation,
                 cause: error.to_string(),
             })?
-            .map_err(|error| StoreError::Backend {
-                operation,
-                cause: error.to_string(),
-            })
+            .map_err(|error| operation_error(operation, &error))
     }
 }
 
@@ -447,6 +449,21 @@ fn switch_to_wal(connection: &Connection) -> Result<String, StoreError> {
             }
             Err(error) => return Err(open_error("switching to WAL journal mode", error)),
         }
+    }
+}
+
+/// The error of an operation on an open store: [`StoreError::Unavailable`] if another
+/// connection held the file's lock for longer than the busy timeout
+/// (`SQLITE_BUSY_TIMEOUT_MS`), since the operation may succeed once it lets go (the
+/// transaction was rolled back: nothing of it was written); else
+/// [`StoreError::Backend`].
+fn operation_error(operation: StoreOperation, error: &rusqlite::Error) -> StoreError {
+    let cause = error.to_string();
+    match error.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
+            StoreError::Unavailable { operation, cause }
+        }
+        _ => StoreError::Backend { operation, cause },
     }
 }
 
@@ -1275,5 +1292,121 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_micros(random.unsigned_abs() % 1_000_000)).await;
             let _: u64 = madsim::rand::random();
         }
+    }
+
+    /// Sets the store's busy timeout short, for a test that waits it out.
+    fn wait_for_locks_at_most(store: &SqliteStore, timeout: std::time::Duration) {
+        run_lock(&store.connection)
+            .busy_timeout(timeout)
+            .expect("set the busy timeout");
+    }
+
+    /// Goal: an operation that waits out the busy timeout on another connection's lock
+    /// (another process, `sqlite3`) fails `Unavailable` ("database is locked"), having
+    /// written nothing, and succeeds once the lock is let go; an error that is not a
+    /// lock stays `Backend`. Method: a second connection holds the write lock
+    /// (`BEGIN IMMEDIATE`) while the store claims and commits.
+    #[tokio::test]
+    async fn waiting_out_another_connections_lock_is_unavailable_and_writes_nothing() {
+        let directory = TestDirectory::new("waiting_out_another_connections_lock_is_unavailable_and_writes_nothing");
+        let store = SqliteStore::open(directory.file()).expect("open");
+        wait_for_locks_at_most(&store, std::time::Duration::from_millis(20));
+        let actor = agent("a");
+        let fence = store.claim(&actor).await.expect("claim").fence;
+        let other = Connection::open(directory.file()).expect("open with rusqlite");
+        other.execute_batch("BEGIN IMMEDIATE").expect("take the write lock");
+        let commit = TurnCommit {
+            state: StateChange::Set(Bytes::from_static(b"s")),
+            writes: vec![("k".to_string(), Some(Bytes::from_static(b"v")))],
+        };
+        match store.commit(&actor, fence, commit.clone()).await {
+            Err(
+                error @ StoreError::Unavailable {
+                    operation: StoreOperation::Commit,
+                    ..
+                },
+            ) => {
+                assert!(error.is_transient());
+                assert!(error.to_string().contains("locked"), "{error}");
+            }
+            other => panic!("a commit behind another connection's lock: {other:?}"),
+        }
+        assert!(matches!(
+            store.claim(&agent("b")).await,
+            Err(StoreError::Unavailable {
+                operation: StoreOperation::Claim,
+                ..
+            })
+        ));
+        other.execute_batch("ROLLBACK").expect("let go of the lock");
+        assert_eq!(store.load(&actor).await.expect("load"), None, "nothing written");
+        store
+            .commit(&actor, fence, commit)
+            .await
+            .expect("made once the lock is let go");
+        assert_eq!(store.load(&actor).await.expect("load"), Some(Bytes::from_static(b"s")));
+        assert_eq!(
+            operation_error(StoreOperation::Get, &rusqlite::Error::QueryReturnedNoRows),
+            StoreError::Backend {
+                operation: StoreOperation::Get,
+                cause: rusqlite::Error::QueryReturnedNoRows.to_string(),
+            }
+        );
+    }
+
+    /// Goal: a runtime on a file that another connection holds locked for longer than
+    /// the store waits serves the call once the lock is let go: the commit that met the
+    /// lock is tried again (`RuntimeCounters::store_retries`), and the caller gets its
+    /// answer, not `StorageFailed`. Before, the call failed "database is locked".
+    #[tokio::test]
+    async fn a_call_on_a_file_locked_for_a_while_is_served_once_the_lock_is_let_go() {
+        use crate::{Actor, ActorBox, ActorError, KindConfig, Runtime, Turn};
+
+        struct Counter(u64);
+        impl Actor for Counter {
+            async fn handle(&mut self, _turn: &mut Turn, _payload: Bytes) -> Result<Bytes, ActorError> {
+                self.0 += 1;
+                Ok(Bytes::from(self.0.to_string()))
+            }
+            fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+                Ok(Some(Bytes::from(self.0.to_string())))
+            }
+        }
+
+        let directory = TestDirectory::new("a_call_on_a_file_locked_for_a_while_is_served_once_the_lock_is_let_go");
+        let store = SqliteStore::open(directory.file()).expect("open");
+        wait_for_locks_at_most(&store, std::time::Duration::from_millis(20));
+        let runtime = Runtime::builder()
+            .store(Arc::new(store.clone()))
+            .register(
+                troupe_core::ActorKind::new("counter").expect("a kind"),
+                |_id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                    let count = saved.map_or(0, |bytes| {
+                        std::str::from_utf8(&bytes).expect("utf-8").parse().expect("a count")
+                    });
+                    Ok(ActorBox::new(Counter(count)))
+                },
+                KindConfig::default(),
+            )
+            .expect("register")
+            .start();
+        let id = ActorId::new("counter", "c").expect("an id");
+        let inc = || runtime.invoke_within(&id, Bytes::from_static(b"inc"), std::time::Duration::from_secs(10));
+        assert_eq!(inc().await, Ok(Bytes::from_static(b"1")));
+        let other = Connection::open(directory.file()).expect("open with rusqlite");
+        other.execute_batch("BEGIN IMMEDIATE").expect("take the write lock");
+        let holder = tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            other.execute_batch("ROLLBACK").expect("let go of the lock");
+        });
+        assert_eq!(
+            inc().await,
+            Ok(Bytes::from_static(b"2")),
+            "served once the lock was let go"
+        );
+        holder.await.expect("the holder ended");
+        assert!(runtime.handle().counters().store_retries > 0, "the commit met the lock");
+        assert_eq!(store.load(&id).await.expect("load"), Some(Bytes::from_static(b"2")));
+        runtime.shutdown().await;
     }
 }

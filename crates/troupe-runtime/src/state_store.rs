@@ -234,6 +234,20 @@ pub trait StateStore: Send + Sync + 'static {
         None
     }
 
+    /// Whether this store may fail an operation for a moment, with
+    /// [`StoreError::Unavailable`]. The runtime tries a claim or a commit that failed so
+    /// again, within the deadline of the request it serves; to try a commit again it
+    /// needs the commit's writes, which [`StateStore::commit`] takes, so for a store that
+    /// may be unavailable it keeps a copy of a turn's writes until its commit is made
+    /// (a commit without writes needs no copy). The default is `true`; a store that
+    /// never answers `Unavailable` may answer `false` to spare the copy, as
+    /// [`crate::MemoryStore`] does (it fails only by injected faults, which are not
+    /// transient). A store that answers `false` and then `Unavailable` for a commit with
+    /// writes sees that commit fail at once, as before the runtime tried again.
+    fn may_be_unavailable(&self) -> bool {
+        true
+    }
+
     /// The actor's last committed state blob, or `None` if it has none; a plain read
     /// that claims nothing (for tools that inspect state, not for activations).
     ///

@@ -105,6 +105,45 @@ impl TestServer {
         );
     }
 
+    /// Stops the server (`pg_ctl stop -m fast`: open connections are closed, the data is
+    /// kept); [`TestServer::start_again`] starts it on the same port.
+    pub(crate) fn stop(&self) {
+        let data = self.data().to_string_lossy().into_owned();
+        let timeout = SERVER_START_TIMEOUT_S.to_string();
+        self.run_tool("pg_ctl", &["-D", &data, "-m", "fast", "-w", "-t", &timeout, "stop"]);
+    }
+
+    /// Flushes the server's dirty pages (`CHECKPOINT`), so that a stop right after has
+    /// little to write and takes the server down for less time.
+    pub(crate) async fn checkpoint(&self) {
+        let (client, connection) = tokio_postgres::connect(&self.config("postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("connect to the server's postgres database");
+        let connection = tokio::spawn(connection);
+        client.batch_execute("CHECKPOINT").await.expect("a checkpoint");
+        drop(client);
+        connection.await.expect("the connection task").expect("the connection");
+    }
+
+    /// Starts the server stopped by [`TestServer::stop`] again, on the same port, and
+    /// waits until it accepts connections.
+    pub(crate) fn start_again(&self) {
+        let data = self.data().to_string_lossy().into_owned();
+        let log = self.directory.path().join("server.log").to_string_lossy().into_owned();
+        let socket_directory = self.directory.path().to_string_lossy().into_owned();
+        let options = format!("-p {} -h 127.0.0.1 -k {socket_directory}", self.port);
+        let timeout = SERVER_START_TIMEOUT_S.to_string();
+        self.run_tool(
+            "pg_ctl",
+            &["-D", &data, "-l", &log, "-o", &options, "-w", "-t", &timeout, "start"],
+        );
+    }
+
+    /// The port the server listens on (loopback).
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
     pub(crate) fn data(&self) -> PathBuf {
         self.directory.path().join("data")
     }

@@ -1,0 +1,447 @@
+//! A store that fails for a moment costs a call latency, not an error: the runtime tries
+//! a claim or a commit that failed with `StoreError::Unavailable` again, within the
+//! deadline of the request it serves, and never runs the turn again.
+//!
+//! Method: a store that wraps a `MemoryStore` and fails its first claims or commits as
+//! told (transiently, or not), or applies a commit and then reports it failed (as a
+//! PostgreSQL `COMMIT` whose answer is lost); a counter actor that counts its turns.
+//! Before the runtime tried again, each call below that now succeeds failed at once with
+//! `StorageFailed`. Run with `cargo nextest run -p troupe-runtime --test store_retries`
+//! (and under `--cfg madsim`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::time::Instant;
+use troupe_core::{ActorId, InvokeError};
+use troupe_runtime::{
+    Claimed, Fence, MemoryStore, Runtime, StateStore, StoreError, StoreOperation, TurnCommit, STORE_RETRY_PAUSE_MS_MAX,
+};
+
+#[path = "support/turn_counter.rs"]
+mod turn_counter;
+use turn_counter::{turn_counter_runtime, TURN_COUNTER_KIND};
+
+/// What every wait here is bounded by.
+const HANG: Duration = Duration::from_secs(60);
+
+/// How the wrapped store fails its next operations of one kind.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Failure {
+    /// `Unavailable`, nothing applied.
+    Unavailable,
+    /// `Unavailable` after the commit was applied (its answer lost).
+    AppliedButUnavailable,
+    /// `Backend`, which is not transient.
+    Backend,
+}
+
+/// The failures still to come, per operation, and what was asked.
+#[derive(Default)]
+struct Plan {
+    claims: Vec<Failure>,
+    commits: Vec<Failure>,
+    /// Every claim and commit from now on fails `Unavailable`, until healed.
+    down: bool,
+}
+
+/// A `MemoryStore` that fails as its plan says.
+#[derive(Clone)]
+struct Flaky {
+    inner: MemoryStore,
+    plan: Arc<Mutex<Plan>>,
+    claims_asked: Arc<AtomicU64>,
+    commits_asked: Arc<AtomicU64>,
+}
+
+impl Flaky {
+    fn new() -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            plan: Arc::default(),
+            claims_asked: Arc::default(),
+            commits_asked: Arc::default(),
+        }
+    }
+
+    fn fail_claims(&self, failures: &[Failure]) {
+        self.plan.lock().unwrap().claims.extend_from_slice(failures);
+    }
+
+    fn fail_commits(&self, failures: &[Failure]) {
+        self.plan.lock().unwrap().commits.extend_from_slice(failures);
+    }
+
+    fn set_down(&self, down: bool) {
+        self.plan.lock().unwrap().down = down;
+    }
+
+    fn next_failure(&self, operation: StoreOperation) -> Option<Failure> {
+        let mut plan = self.plan.lock().unwrap();
+        if plan.down {
+            return Some(Failure::Unavailable);
+        }
+        let failures = match operation {
+            StoreOperation::Claim => &mut plan.claims,
+            _ => &mut plan.commits,
+        };
+        (!failures.is_empty()).then(|| failures.remove(0))
+    }
+}
+
+fn failed(operation: StoreOperation, failure: Failure) -> StoreError {
+    let cause = "connection refused".to_string();
+    match failure {
+        Failure::Unavailable | Failure::AppliedButUnavailable => StoreError::Unavailable { operation, cause },
+        Failure::Backend => StoreError::Backend { operation, cause },
+    }
+}
+
+#[async_trait]
+impl StateStore for Flaky {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.claims_asked.fetch_add(1, Ordering::SeqCst);
+        if let Some(failure) = self.next_failure(StoreOperation::Claim) {
+            return Err(failed(StoreOperation::Claim, failure));
+        }
+        self.inner.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.inner.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.commits_asked.fetch_add(1, Ordering::SeqCst);
+        match self.next_failure(StoreOperation::Commit) {
+            None => self.inner.commit(actor, fence, commit).await,
+            Some(Failure::AppliedButUnavailable) => {
+                self.inner.commit(actor, fence, commit).await?;
+                Err(failed(StoreOperation::Commit, Failure::AppliedButUnavailable))
+            }
+            Some(failure) => Err(failed(StoreOperation::Commit, failure)),
+        }
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.inner.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+fn counter(key: &str) -> ActorId {
+    ActorId::new(TURN_COUNTER_KIND, key).unwrap()
+}
+
+async fn inc(runtime: &Runtime, id: &ActorId, within: Duration) -> Result<u64, InvokeError> {
+    let reply = tokio::time::timeout(HANG, runtime.invoke_within(id, Bytes::from_static(b"inc"), within))
+        .await
+        .expect("no answer");
+    reply.map(|bytes| std::str::from_utf8(&bytes).unwrap().parse().unwrap())
+}
+
+/// What the store holds for the counter: its state and its `last` entry.
+async fn stored(store: &Flaky, id: &ActorId) -> (Option<Bytes>, Option<Bytes>) {
+    (
+        store.inner.load(id).await.unwrap(),
+        store.inner.get(id, "last").await.unwrap(),
+    )
+}
+
+fn bytes(text: &str) -> Option<Bytes> {
+    Some(Bytes::copy_from_slice(text.as_bytes()))
+}
+
+/// The scenario of a commit that fails for a moment: `failures` before it is made.
+async fn a_commit_failing_for_a_moment_is_made_once_and_the_call_succeeds(failures: &[Failure]) {
+    let store = Flaky::new();
+    let turns = Arc::new(AtomicU64::new(0));
+    let runtime = turn_counter_runtime(Arc::new(store.clone()), &turns);
+    let id = counter("commit");
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(1));
+    store.fail_commits(failures);
+    let asked_before = store.commits_asked.load(Ordering::SeqCst);
+    assert_eq!(
+        inc(&runtime, &id, Duration::from_secs(10)).await,
+        Ok(2),
+        "the call succeeds after {failures:?}"
+    );
+    assert_eq!(
+        turns.load(Ordering::SeqCst),
+        2,
+        "the turn ran once: only its commit was tried again"
+    );
+    assert_eq!(
+        store.commits_asked.load(Ordering::SeqCst) - asked_before,
+        failures.len() as u64 + 1,
+        "one try per failure, and the one that was made"
+    );
+    assert_eq!(runtime.handle().counters().store_retries, failures.len() as u64);
+    assert_eq!(
+        stored(&store, &id).await,
+        (bytes("2"), bytes("2")),
+        "state and write, once"
+    );
+    // The activation goes on: the next turn counts from the committed state.
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(3));
+    assert_eq!(runtime.handle().counters().activations_started, 1);
+    runtime.shutdown().await;
+}
+
+/// Goal: a commit that fails `Unavailable` three times is tried again and made once, and
+/// the caller gets the turn's answer; the turn ran once. Before: the call failed
+/// `StorageFailed` at the first failure.
+#[tokio::test]
+async fn a_commit_failing_for_a_moment_is_tried_again_and_the_call_succeeds() {
+    a_commit_failing_for_a_moment_is_made_once_and_the_call_succeeds(&[Failure::Unavailable; 3]).await;
+}
+
+/// Goal: the same on worker threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_failing_for_a_moment_is_tried_again_on_worker_threads() {
+    a_commit_failing_for_a_moment_is_made_once_and_the_call_succeeds(&[Failure::Unavailable; 3]).await;
+}
+
+/// Goal: a commit the store applied but whose answer was lost (`Unavailable` after the
+/// writes, as a PostgreSQL `COMMIT` whose connection died) is made again under the same
+/// fence, and the store holds it once: the count is 2, not 3, and the turn ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_applied_unseen_and_made_again_is_held_once() {
+    a_commit_failing_for_a_moment_is_made_once_and_the_call_succeeds(&[
+        Failure::AppliedButUnavailable,
+        Failure::Unavailable,
+    ])
+    .await;
+}
+
+/// Goal: a claim that fails `Unavailable` twice is tried again; the activation starts
+/// and the call succeeds from the stored state. Before: the call failed `StorageFailed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_failing_for_a_moment_is_tried_again_and_the_call_succeeds() {
+    let store = Flaky::new();
+    let turns = Arc::new(AtomicU64::new(0));
+    let runtime = turn_counter_runtime(Arc::new(store.clone()), &turns);
+    let id = counter("claim");
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(1));
+    assert!(runtime.handle().deactivate(&id).await.unwrap(), "deactivated");
+    store.fail_claims(&[Failure::Unavailable; 2]);
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(2));
+    assert_eq!(
+        store.claims_asked.load(Ordering::SeqCst),
+        4,
+        "1, then 1 + 2 tries again"
+    );
+    assert_eq!(runtime.handle().counters().store_retries, 2);
+    assert_eq!(stored(&store, &id).await, (bytes("2"), bytes("2")));
+    runtime.shutdown().await;
+}
+
+/// Goal: a failure that is not transient (`Backend`) fails the call at once, as before:
+/// no try again, for a claim or a commit.
+#[tokio::test]
+async fn a_failure_that_is_not_transient_fails_the_call_at_once() {
+    let store = Flaky::new();
+    let turns = Arc::new(AtomicU64::new(0));
+    let runtime = turn_counter_runtime(Arc::new(store.clone()), &turns);
+    let id = counter("backend");
+    store.fail_claims(&[Failure::Backend]);
+    match inc(&runtime, &id, Duration::from_secs(10)).await {
+        Err(InvokeError::StorageFailed {
+            source:
+                StoreError::Backend {
+                    operation: StoreOperation::Claim,
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("the claim's failure: {other:?}"),
+    }
+    assert_eq!(store.claims_asked.load(Ordering::SeqCst), 1);
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(1));
+    store.fail_commits(&[Failure::Backend]);
+    let started = Instant::now();
+    match inc(&runtime, &id, Duration::from_secs(10)).await {
+        Err(InvokeError::StorageFailed {
+            source:
+                StoreError::Backend {
+                    operation: StoreOperation::Commit,
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("the commit's failure: {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "at once: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(runtime.handle().counters().store_retries, 0);
+    // Rolled back as before; the activation goes on.
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(2));
+    assert_eq!(
+        runtime.handle().counters().activations_started,
+        2,
+        "the failed claim's, then one"
+    );
+    runtime.shutdown().await;
+}
+
+/// Goal: a `MemoryStore`'s injected fault is not transient: the call fails at once and
+/// nothing is tried again (the simulator's storage faults behave as before).
+#[tokio::test]
+async fn an_injected_fault_fails_the_call_at_once() {
+    let store = MemoryStore::new();
+    let turns = Arc::new(AtomicU64::new(0));
+    let runtime = turn_counter_runtime(Arc::new(store.clone()), &turns);
+    let id = counter("injected");
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(1));
+    store.faults().fail_next_commits(1);
+    match inc(&runtime, &id, Duration::from_secs(10)).await {
+        Err(InvokeError::StorageFailed {
+            source: StoreError::Injected { .. },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(runtime.handle().counters().store_retries, 0);
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(2));
+    runtime.shutdown().await;
+}
+
+/// Goal: a store unavailable for longer than the request's deadline ends the call with
+/// `StorageFailed(Unavailable)` by the deadline (not a `Timeout`, not later), after
+/// trying again all along; the activation is closed (the commit may have been applied
+/// unseen), and once the store is back the next call runs in a new activation from what
+/// the store holds. Simulated time: the tries' pauses are exact.
+#[tokio::test(start_paused = true)]
+async fn a_commit_unavailable_past_the_deadline_fails_storage_failed_by_the_deadline() {
+    let store = Flaky::new();
+    let turns = Arc::new(AtomicU64::new(0));
+    let runtime = turn_counter_runtime(Arc::new(store.clone()), &turns);
+    let id = counter("down");
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(1));
+    store.set_down(true);
+    let within = Duration::from_millis(2_000);
+    let started = Instant::now();
+    let result = inc(&runtime, &id, within).await;
+    let took = started.elapsed();
+    match &result {
+        Err(InvokeError::StorageFailed {
+            source:
+                StoreError::Unavailable {
+                    operation: StoreOperation::Commit,
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("not the store's last error: {other:?}"),
+    }
+    assert!(took <= within, "ended by the deadline: {took:?}");
+    assert!(
+        took + Duration::from_millis(STORE_RETRY_PAUSE_MS_MAX) >= within,
+        "tried again until near the deadline: {took:?}"
+    );
+    let retries = runtime.handle().counters().store_retries;
+    // 10, 20, 40, 80, 160, 250 ms ... then halves of what is left: at least 10 tries.
+    assert!(retries >= 10, "{retries} tries again");
+    assert_eq!(turns.load(Ordering::SeqCst), 2, "the turn ran once");
+    store.set_down(false);
+    assert_eq!(
+        inc(&runtime, &id, Duration::from_secs(10)).await,
+        Ok(2),
+        "from the store's state"
+    );
+    assert_eq!(
+        runtime.handle().counters().activations_started,
+        2,
+        "the activation that gave up was closed"
+    );
+    runtime.shutdown().await;
+}
+
+/// Goal: the same for a claim: the store unavailable past the deadline fails the call
+/// with `StorageFailed(Unavailable)` by the deadline, and the next call after the store
+/// is back succeeds.
+#[tokio::test(start_paused = true)]
+async fn a_claim_unavailable_past_the_deadline_fails_storage_failed_by_the_deadline() {
+    let store = Flaky::new();
+    let turns = Arc::new(AtomicU64::new(0));
+    let runtime = turn_counter_runtime(Arc::new(store.clone()), &turns);
+    let id = counter("never-claimed");
+    store.set_down(true);
+    let within = Duration::from_millis(1_500);
+    let started = Instant::now();
+    match inc(&runtime, &id, within).await {
+        Err(InvokeError::StorageFailed {
+            source:
+                StoreError::Unavailable {
+                    operation: StoreOperation::Claim,
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("not the store's last error: {other:?}"),
+    }
+    let took = started.elapsed();
+    assert!(took <= within, "{took:?}");
+    assert!(
+        took + Duration::from_millis(STORE_RETRY_PAUSE_MS_MAX) >= within,
+        "{took:?}"
+    );
+    assert_eq!(turns.load(Ordering::SeqCst), 0);
+    store.set_down(false);
+    assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(1));
+    runtime.shutdown().await;
+}
+
+/// Goal: the tries stop at once when the runtime shuts down (its mailboxes close) or is
+/// dropped (aborted): a call whose deadline is 30 s away, on a store that stays down,
+/// ends within one pause of the shutdown, not at its deadline.
+#[tokio::test(start_paused = true)]
+async fn the_tries_stop_when_the_runtime_shuts_down_or_is_dropped() {
+    for drop_it in [false, true] {
+        let store = Flaky::new();
+        let turns = Arc::new(AtomicU64::new(0));
+        let runtime = turn_counter_runtime(Arc::new(store.clone()), &turns);
+        let id = counter("stopping");
+        assert_eq!(inc(&runtime, &id, Duration::from_secs(10)).await, Ok(1));
+        store.set_down(true);
+        let handle = runtime.handle();
+        let call = tokio::spawn({
+            let id = id.clone();
+            async move {
+                handle
+                    .invoke_within(&id, Bytes::from_static(b"inc"), Duration::from_secs(30))
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        assert!(!call.is_finished(), "still trying while the runtime runs");
+        let stopping = Instant::now();
+        if drop_it {
+            drop(runtime);
+        } else {
+            runtime.shutdown().await;
+        }
+        let result = tokio::time::timeout(HANG, call).await.expect("the call ended").unwrap();
+        let took = stopping.elapsed();
+        assert!(result.is_err(), "{result:?}");
+        assert!(
+            took <= Duration::from_millis(STORE_RETRY_PAUSE_MS_MAX + 50),
+            "drop {drop_it}: the call ended {took:?} after the runtime stopped: {result:?}"
+        );
+    }
+}
