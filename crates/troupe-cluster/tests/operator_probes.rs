@@ -1029,7 +1029,15 @@ async fn a_postgres_restart_under_traffic_loses_nothing_and_the_cluster_serves_a
     assert!(fenced_off.is_empty(), "nodes lost their lease: {fenced_off:?}");
     tokio::time::sleep(Duration::from_millis(POSTGRES_AFTER_RESTART_TRAFFIC_MS)).await;
     fleet
-        .finish_allowing("postgres restart", &["Timeout", "Unreachable", "StorageFailed/Backend"])
+        .finish_allowing(
+            "postgres restart",
+            &[
+                "Timeout",
+                "Unreachable",
+                "StorageFailed/Unavailable",
+                "StorageFailed/Backend",
+            ],
+        )
         .await;
 }
 
