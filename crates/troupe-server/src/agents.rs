@@ -232,7 +232,7 @@ impl From<DirectoryError> for ApiError {
             ),
             DirectoryError::NoSuchAgent { id } => Self::agent_not_found(id),
             DirectoryError::Invalid(_) => Self::unprocessable("invalid_agent", message),
-            DirectoryError::Store(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message),
+            DirectoryError::Store(store) => Self::storage(store, message),
             DirectoryError::Decode { .. } => {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "directory_unreadable", message)
             }

@@ -111,6 +111,27 @@ impl ApiError {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message).retry_after()
     }
 
+    /// 503 `storage_unavailable`, with `Retry-After`: the store failed for a moment
+    /// ([`StoreError::Unavailable`]: its connection refused or closed, its server
+    /// restarting, its file locked by another process) and the runtime's tries within
+    /// the request's deadline did not get through. Nothing was committed, so the same
+    /// request sent again (a message with the same `msg_id`) is safe. Until 2026-12-07
+    /// it was 500 `storage_failed`, which told a client not to retry.
+    pub fn storage_unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "storage_unavailable", message).retry_after()
+    }
+
+    /// The answer to a store failure `error` said as `message`: 503
+    /// `storage_unavailable` if it is transient ([`StoreError::is_transient`]), 500
+    /// `storage_failed` otherwise.
+    pub fn storage(error: &StoreError, message: impl Into<String>) -> Self {
+        if error.is_transient() {
+            Self::storage_unavailable(message)
+        } else {
+            Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message)
+        }
+    }
+
     /// 500 `internal`.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
@@ -150,9 +171,11 @@ impl From<&InvokeError> for ApiError {
                 source: StoreError::Fenced { .. },
                 ..
             } => Self::new(StatusCode::SERVICE_UNAVAILABLE, "fenced", message).retry_after(),
-            InvokeError::StorageFailed { .. } => {
-                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message)
-            }
+            // The store failed for a moment (`Unavailable`) and stayed down past the
+            // request's deadline: 503 `storage_unavailable`. Any other store failure
+            // would fail the same way again: 500 `storage_failed`. An `Unavailable`
+            // from another node arrives as `Backend` (its wire encoding) and is 500.
+            InvokeError::StorageFailed { source, .. } => Self::storage(source, message),
             InvokeError::Unreachable { .. } => Self::new(StatusCode::BAD_GATEWAY, "unreachable", message),
             InvokeError::Shutdown | InvokeError::Cancelled { .. } => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
@@ -207,7 +230,7 @@ impl From<InboxError> for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(error: StoreError) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", error.to_string())
+        Self::storage(&error, error.to_string())
     }
 }
 
@@ -379,4 +402,62 @@ pub(crate) fn page_limit(given: Option<usize>, default: usize, max: usize) -> Re
         ));
     }
     Ok(limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use troupe_core::{ActorId, InvokeError};
+    use troupe_runtime::{StoreError, StoreOperation};
+
+    use super::*;
+
+    fn failed(source: StoreError) -> InvokeError {
+        InvokeError::StorageFailed {
+            target: ActorId::new("agent", "a").expect("an id"),
+            source,
+        }
+    }
+
+    /// Goal: a store down for a moment is 503 `storage_unavailable` with `Retry-After`
+    /// (REST, and OpenAI's shape: `type: server_error`), through every error type that
+    /// carries it; any other store failure stays 500 `storage_failed`. Before
+    /// 2026-12-07 both were 500 `storage_failed`.
+    #[test]
+    fn a_store_down_for_a_moment_is_503_storage_unavailable_and_other_store_failures_stay_500() {
+        let unavailable = StoreError::Unavailable {
+            operation: StoreOperation::Commit,
+            cause: "connection refused".to_string(),
+        };
+        let backend = StoreError::Backend {
+            operation: StoreOperation::Commit,
+            cause: "relation does not exist".to_string(),
+        };
+        for error in [
+            ApiError::from(&failed(unavailable.clone())),
+            ApiError::from(AgentCallError::Invoke(failed(unavailable.clone()))),
+            ApiError::from(InboxError::Invoke(failed(unavailable.clone()))),
+            ApiError::from(unavailable.clone()),
+        ] {
+            assert_eq!(
+                (error.status, error.code, error.retry_after_s),
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "storage_unavailable",
+                    Some(SERVER_RETRY_AFTER_S)
+                ),
+                "{error:?}"
+            );
+            assert!(error.message.contains("connection refused"), "{error:?}");
+            let openai = error.openai().body();
+            assert_eq!(openai["error"]["type"], "server_error");
+            assert_eq!(openai["error"]["code"], "storage_unavailable");
+        }
+        for error in [ApiError::from(&failed(backend.clone())), ApiError::from(backend)] {
+            assert_eq!(
+                (error.status, error.code, error.retry_after_s),
+                (StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", None),
+                "{error:?}"
+            );
+        }
+    }
 }

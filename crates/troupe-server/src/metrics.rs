@@ -46,62 +46,80 @@ impl Metrics {
                 "troupe_http_requests_total{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} {count}"
             );
         }
-        let counters = client.runtime().counters();
+        // Taken apart field by field, with no `..`: a counter added to the runtime
+        // fails this build until it is shown here (`store_retries` was missing from
+        // /metrics until 2026-12-07).
+        let troupe_runtime::RuntimeCounters {
+            activations_started,
+            deactivations_finished,
+            turns_run,
+            turns_failed,
+            expired_dropped,
+            busy_refused,
+            deadlocks_refused,
+            deactivation_saves_failed,
+            turns_abandoned,
+            activations_aborted,
+            dispatcher_busy_refused,
+            store_retries,
+        } = client.runtime().counters();
         let runtime = [
-            (
-                "activations_started",
-                "Activations spawned.",
-                counters.activations_started,
-            ),
+            ("activations_started", "Activations spawned.", activations_started),
             (
                 "deactivations_finished",
                 "Activations that finished deactivating.",
-                counters.deactivations_finished,
+                deactivations_finished,
             ),
             (
                 "turns_run",
                 "Turns that ran to completion, successfully or not.",
-                counters.turns_run,
+                turns_run,
             ),
             (
                 "turns_failed",
                 "Turns that failed, timed out or whose commit failed.",
-                counters.turns_failed,
+                turns_failed,
             ),
             (
                 "expired_dropped",
                 "Requests dropped unrun: deadline passed, or caller gone, before they started.",
-                counters.expired_dropped,
+                expired_dropped,
             ),
             (
                 "busy_refused",
                 "Requests refused because a mailbox was full.",
-                counters.busy_refused,
+                busy_refused,
             ),
             (
                 "deadlocks_refused",
                 "Calls refused with DeadlockDetected.",
-                counters.deadlocks_refused,
+                deadlocks_refused,
             ),
             (
                 "deactivation_saves_failed",
                 "Deactivation saves that failed.",
-                counters.deactivation_saves_failed,
+                deactivation_saves_failed,
             ),
             (
                 "turns_abandoned",
                 "Turns cancelled because their caller stopped waiting.",
-                counters.turns_abandoned,
+                turns_abandoned,
             ),
             (
                 "activations_aborted",
                 "Activations stopped at the end of the shutdown grace.",
-                counters.activations_aborted,
+                activations_aborted,
             ),
             (
                 "dispatcher_busy_refused",
                 "Requests refused because the dispatcher queue was full.",
-                counters.dispatcher_busy_refused,
+                dispatcher_busy_refused,
+            ),
+            (
+                "store_retries",
+                "Claims and commits tried again after the store failed for a moment (connection refused or closed, \
+                 server restarting, file locked), one per try after the first.",
+                store_retries,
             ),
         ];
         for (name, help, value) in runtime {

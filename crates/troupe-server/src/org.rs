@@ -79,7 +79,7 @@ impl From<OrgError> for ApiError {
             OrgError::ManagerCycle { .. } => Self::new(StatusCode::CONFLICT, "manager_cycle", message),
             OrgError::NotPending { .. } => Self::new(StatusCode::CONFLICT, "approval_not_pending", message),
             OrgError::Expired { .. } => Self::new(StatusCode::CONFLICT, "approval_expired", message),
-            OrgError::Store(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "storage_failed", message),
+            OrgError::Store(store) => Self::storage(store, message),
             OrgError::Decode { .. } => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "org_unreadable", message),
             OrgError::Config(_) => Self::unprocessable("invalid_config", message),
         }
