@@ -1,0 +1,275 @@
+//! `troupe node` probed from outside as an operator runs it, on a throwaway etcd and
+//! PostgreSQL (the servers of crates/troupe-etcd's and crates/troupe-postgres's tests):
+//! what a client gets while the PostgreSQL server is down for a moment, what `/metrics`
+//! says about it, and the connection cap (`--max-connections`) on a node. Normal build
+//! only (the node command is not built under madsim).
+//!
+//! Without `/usr/bin/etcd` (Debian `etcd-server`) or the PostgreSQL server binaries
+//! (Debian `postgresql`) the tests fail and name the package; nothing is skipped.
+//!
+//! Run with `cargo nextest run -p troupe-cli --test node_store_unavailable`.
+#![cfg(not(madsim))]
+// Real processes and real time only: the child is polled with the wall clock.
+#![allow(clippy::disallowed_methods)]
+
+#[allow(dead_code)] // the helpers the etcd tests use and these do not
+#[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
+mod etcd_server;
+#[allow(dead_code)] // the helpers the PostgreSQL tests use and these do not
+#[path = "../../troupe-postgres/tests/support/postgres_server.rs"]
+mod postgres_server;
+#[allow(dead_code)] // `http`: these use `http_with_head`
+mod support;
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use etcd_server::TestEtcd;
+use postgres_server::TestServer;
+use serde_json::Value;
+
+/// The longest any one HTTP request of these tests may wait for its answer, in
+/// milliseconds.
+const REQUEST_WAIT_MS_MAX: u64 = 20_000;
+
+/// A `troupe node` child, killed when dropped (a failed assertion leaves no process).
+struct Node {
+    child: Child,
+    stderr: Option<std::thread::JoinHandle<String>>,
+    /// The rest of its stdout, kept open so that its writes never fail.
+    _stdout: std::io::BufReader<std::process::ChildStdout>,
+    addr: String,
+}
+
+impl Node {
+    /// `troupe node` on `etcd` and `database` as node `id`, serving examples/org.toml's
+    /// agents, with a 3 s lease, loopback ports of its own, no token, no model key (the
+    /// scripted model), `extra` flags; up to the HTTP address it prints.
+    fn start(etcd: &str, database: &str, id: &str, extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
+            .args(["node", "--etcd", etcd, "--postgres", database, "--node-id", id])
+            .args([
+                "--lease-ttl-ms",
+                "3000",
+                "--listen",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+            ])
+            // With an organisation the node serves `troupe serve`'s API (/v1/agents,
+            // /metrics); without, only conversations and /health.
+            .args([
+                "--config",
+                &format!("{}/../../examples/org.toml", env!("CARGO_MANIFEST_DIR")),
+            ])
+            .args(extra)
+            .env_remove("TROUPE_TOKEN")
+            .env_remove("OPENAI_API_KEY")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut pipe = child.stderr.take().unwrap();
+        // Read by a thread, so that its logs never fill the pipe.
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        });
+        let Some((stdout, addr)) = support::read_address(&mut child) else {
+            let _ = child.kill();
+            panic!("troupe node printed no address: {}", stderr.join().unwrap());
+        };
+        Self {
+            child,
+            stderr: Some(stderr),
+            _stdout: stdout,
+            addr,
+        }
+    }
+
+    /// One request to the node; the status, the response head and the body.
+    fn request(&self, method: &str, path: &str, body: &str) -> (u16, String, String) {
+        support::http_with_head(&self.addr, method, path, body, REQUEST_WAIT_MS_MAX)
+    }
+
+    /// The value of the sample `name` (no labels) in the node's `/metrics`.
+    fn metric(&self, name: &str) -> Option<u64> {
+        let (status, _, text) = self.request("GET", "/metrics", "");
+        assert_eq!(status, 200, "{text}");
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    /// Kills the node and returns what it wrote to stderr.
+    fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.stderr
+            .take()
+            .map(|stderr| stderr.join().unwrap())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn json(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|error| panic!("not JSON ({error}): {body}"))
+}
+
+/// Goal: while the node's PostgreSQL server is down (longer than the message's
+/// deadline), a message is answered 503 `storage_unavailable` with `Retry-After: 1`, a
+/// condition the client may retry, not 500 `storage_failed` (until 2026-12-07 it was
+/// 500); `/metrics` shows the store tried again (`troupe_runtime_store_retries_total` >
+/// 0; not shown before 2026-12-07); and the same message sent again once the server is
+/// back is answered 200 and is in the agent's history once: the failed turn committed
+/// nothing. Method: `pg_ctl stop -m fast` under a serving node, a message with a 1.5 s
+/// `timeout_ms`, `pg_ctl start`, the message again.
+#[tokio::test]
+async fn a_node_whose_postgres_is_down_answers_503_storage_unavailable_and_the_same_message_later_runs_once() {
+    /// The message's deadline while the store is down, in milliseconds.
+    const DOWN_TIMEOUT_MS: u64 = 1_500;
+    let etcd = TestEtcd::start("node-store-unavailable").await;
+    let postgres = TestServer::start("node-store-unavailable");
+    let database = postgres.create_database("unavailable").await;
+    let node = Node::start(&etcd.endpoint(), &database, "down", &[]);
+    let (status, _, body) = node.request("POST", "/v1/agents", r#"{"id": "echo"}"#);
+    assert_eq!(status, 201, "{body}");
+    let (status, _, body) = node.request("POST", "/v1/agents/echo/messages", r#"{"text": "first"}"#);
+    assert_eq!(status, 200, "{body}");
+
+    postgres.stop();
+    let message = format!(r#"{{"text": "a second note", "timeout_ms": {DOWN_TIMEOUT_MS}}}"#);
+    let asked = Instant::now();
+    let (status, head, body) = node.request("POST", "/v1/agents/echo/messages", &message);
+    eprintln!(
+        "with PostgreSQL stopped: {status} after {} ms: {body}",
+        asked.elapsed().as_millis()
+    );
+    assert_eq!(status, 503, "{head}\n{body}");
+    let error = json(&body);
+    assert_eq!(error["error"]["code"], "storage_unavailable", "{body}");
+    assert!(
+        head.to_ascii_lowercase().contains("\r\nretry-after: 1"),
+        "no Retry-After: 1 in {head}"
+    );
+    let retries = node
+        .metric("troupe_runtime_store_retries_total")
+        .expect("/metrics shows troupe_runtime_store_retries_total");
+    eprintln!("troupe_runtime_store_retries_total {retries}");
+    assert!(retries > 0, "the store was tried again while down: {retries}");
+
+    postgres.start_again();
+    let (status, _, body) = node.request(
+        "POST",
+        "/v1/agents/echo/messages",
+        r#"{"text": "a second note", "timeout_ms": 10000}"#,
+    );
+    assert_eq!(status, 200, "the same message once the server is back: {body}");
+    eprintln!("once the server is back: {body}");
+    let (status, _, body) = node.request("GET", "/v1/agents/echo/history", "");
+    assert_eq!(status, 200, "{body}");
+    let history = json(&body);
+    let asked_second = history["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|message| message["role"] == "user" && message["content"] == "a second note")
+        .count();
+    assert_eq!(asked_second, 1, "the message is in the history once: {history}");
+    let stderr = node.stop();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Goal: `troupe node --max-connections N` serves at most N connections at once, as
+/// `troupe serve` does (tested there in operator_probes.rs; on a node by no test
+/// before): idle connections past the cap are not accepted, a request on one more
+/// connection waits unanswered, and is answered at once when the idle ones go.
+/// Method: `--max-connections 2`, `IDLE` idle connections, then `GET /health`.
+#[tokio::test]
+async fn a_node_serves_at_most_max_connections_and_one_more_waits_until_one_closes() {
+    /// The cap given, in connections.
+    const CAP: usize = 2;
+    /// Idle connections opened: far more than the cap, fewer than the listen backlog
+    /// holds (about 128 here).
+    const IDLE: usize = 64;
+    /// Descriptors the node may open meanwhile besides the cap's (its store's and
+    /// etcd's connections, a log line).
+    const SLACK: usize = 16;
+    /// How long the request on one more connection is given while the idle ones are
+    /// held, in milliseconds: it must not be answered.
+    const HELD_MS: u64 = 1_000;
+    /// How soon it must be answered once they are gone, in milliseconds.
+    const ANSWERED_MS: u64 = 3_000;
+    let etcd = TestEtcd::start("node-connection-cap").await;
+    let postgres = TestServer::start("node-connection-cap");
+    let database = postgres.create_database("cap").await;
+    let node = Node::start(
+        &etcd.endpoint(),
+        &database,
+        "capped",
+        &["--max-connections", &CAP.to_string()],
+    );
+    let pid = node.child.id();
+    let descriptors = || std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
+    let before = descriptors();
+    let idle: Vec<std::net::TcpStream> = (0..IDLE)
+        .map(|_| std::net::TcpStream::connect(&node.addr).unwrap())
+        .collect();
+    // The node accepts what it will.
+    std::thread::sleep(Duration::from_millis(300));
+    let grown = descriptors().saturating_sub(before);
+    eprintln!("{IDLE} idle connections, --max-connections {CAP}: the node's descriptors grew by {grown}");
+    assert!(
+        grown <= CAP + SLACK,
+        "{grown} descriptors more for {IDLE} idle connections with --max-connections {CAP}"
+    );
+
+    let mut waiting = std::net::TcpStream::connect(&node.addr).unwrap();
+    std::io::Write::write_all(
+        &mut waiting,
+        format!(
+            "GET /health HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+            node.addr
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    waiting.set_read_timeout(Some(Duration::from_millis(HELD_MS))).unwrap();
+    let mut first = [0_u8; 1];
+    match waiting.read(&mut first) {
+        Err(error)
+            if matches!(
+                error.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
+        other => panic!("a request past the cap was answered: {other:?}"),
+    }
+    let released = Instant::now();
+    drop(idle);
+    waiting
+        .set_read_timeout(Some(Duration::from_millis(ANSWERED_MS)))
+        .unwrap();
+    let mut answer = String::new();
+    waiting
+        .read_to_string(&mut answer)
+        .expect("answered once the idle connections are gone");
+    let took = released.elapsed();
+    eprintln!("answered {} ms after the idle connections went", took.as_millis());
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        node.metric("troupe_log_lines_dropped_total").is_some(),
+        "the node's /metrics shows troupe_log_lines_dropped_total"
+    );
+    let stderr = node.stop();
+    assert!(stderr.contains("--max-connections"), "the cap's warn line: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
