@@ -51,12 +51,11 @@ use crate::control::Control;
 use crate::envelope::{Envelope, EnvelopeContext, EnvelopeSpan, Payload, Reply, ReplyTo};
 use crate::handle::{Counters, Shared};
 use crate::mailbox::{Mailbox, MailboxReceiver};
-use crate::store_retry::{retry, RetryBounds};
+use crate::store_retry::{retry, RetryBounds, STORE_RETRY_DEACTIVATION_MS_MAX};
 use crate::wait_for_graph::CallId;
 use crate::{
     turn::{TurnHome, TurnWrites},
-    ActorBox, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StoreError, StoreOperation, Turn,
-    TurnCommit,
+    ActorBox, ActorError, Claimed, Fence, RuntimeEvent, RuntimeHandle, StateChange, StoreError, Turn, TurnCommit,
 };
 
 pub(crate) struct ActivationStart {
@@ -589,9 +588,9 @@ async fn claim_failed(
     let bounds = RetryBounds {
         shared,
         deadline: Deadline::min(deadline, latest),
-        mailbox,
+        mailbox: Some(mailbox),
         actor: id,
-        operation: StoreOperation::Claim,
+        operation: "claim",
     };
     retry(bounds, source, || async {
         match shared.store.claim_now(id) {
@@ -636,11 +635,13 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
                 // nothing beyond each actor's last committed turn.
                 Ok(())
             } else {
-                shared
-                    .store
-                    .commit(id, live.fence, commit)
-                    .await
-                    .map_err(|error| error.to_string())
+                match shared.store.commit(id, live.fence, commit.clone()).await {
+                    Err(source) if source.is_transient() => {
+                        Box::pin(deactivation_save_failed(id, shared, live.fence, commit, source)).await
+                    }
+                    saved => saved,
+                }
+                .map_err(|error| error.to_string())
             }
         }
         Err(error) => Err(error.to_string()),
@@ -649,6 +650,35 @@ async fn deactivate(live: &mut Live, shared: &Shared) {
         Counters::add(&shared.counters.deactivation_saves_failed);
         tracing::warn!(actor = %id, %error, "saving state on deactivation failed; the last turn's state stays committed");
     }
+}
+
+/// [`deactivate`]'s save after the store failed it for a moment (`source`): the same
+/// commit, under the same fence, tried again for [`STORE_RETRY_DEACTIVATION_MS_MAX`]
+/// from now (`store_retry.rs`), or until the runtime is aborted (its shutdown grace
+/// over). The mailbox is closed already (that is why the activation deactivates), so
+/// it does not stop the tries; the dispatcher holds the actor's next requests until this
+/// activation reports `Deactivated`, so no second activation claims the actor while its
+/// save is being tried again. A save given up on may have been applied unseen: either
+/// way the store holds a whole state (this save's or the last turn's), which the next
+/// activation claims and reads.
+#[cold]
+#[inline(never)]
+async fn deactivation_save_failed(
+    id: &ActorId,
+    shared: &Shared,
+    fence: Fence,
+    commit: TurnCommit,
+    source: StoreError,
+) -> Result<(), StoreError> {
+    let now = shared.clock.now();
+    let bounds = RetryBounds {
+        shared,
+        deadline: Deadline::from_micros(now.as_micros().saturating_add(STORE_RETRY_DEACTIVATION_MS_MAX * 1_000)),
+        mailbox: None,
+        actor: id,
+        operation: "deactivation save",
+    };
+    retry(bounds, source, || shared.store.commit(id, fence, commit.clone())).await
 }
 
 /// A turn's handler: for bytes or for an in-process value. A keyed request's turn (the
@@ -1440,9 +1470,9 @@ async fn store_commit_failed(
             let bounds = RetryBounds {
                 shared,
                 deadline,
-                mailbox,
+                mailbox: Some(mailbox),
                 actor: id,
-                operation: StoreOperation::Commit,
+                operation: "commit",
             };
             retry(bounds, source, || {
                 let commit = TurnCommit {

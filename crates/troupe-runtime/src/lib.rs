@@ -69,7 +69,7 @@ pub use state_store::{
     check_key, sqlite_file_identity, Claimed, Fence, FencedClaim, StateChange, StateStore, StoreError, StoreItem,
     StoreOperation, TurnCommit, STATE_KEY_LENGTH_MAX, STATE_SCAN_LIMIT_MAX, STATE_VALUE_SIZE_MAX, TURN_WRITES_MAX,
 };
-pub use store_retry::{STORE_RETRY_PAUSE_MS_FIRST, STORE_RETRY_PAUSE_MS_MAX};
+pub use store_retry::{STORE_RETRY_DEACTIVATION_MS_MAX, STORE_RETRY_PAUSE_MS_FIRST, STORE_RETRY_PAUSE_MS_MAX};
 pub use transport::{
     Delivery, FrameError, Probe, ProbeSink, RequestFailure, RequestKind, TransportClient, TransportClientStats,
     TransportServer, TransportServerStats, ACCEPT_RETRY_DELAY_MS, CALL_CHAIN_LENGTH_MAX,

@@ -1,36 +1,42 @@
 //! Trying a store operation again after the store failed for a moment
 //! ([`StoreError::Unavailable`]: a connection refused or closed, a server restarting, a
-//! file locked by another process): the claim that starts an activation and the commit
-//! that ends a turn. Only the store operation is repeated, never the turn, and only on
-//! the failure's branch: a claim or a commit that succeeds at once costs nothing more.
+//! file locked by another process): the claim that starts an activation (it loads the
+//! actor's state too: `StateStore::claim` returns it), the commit that ends a turn, the
+//! save at deactivation, and the reads inside a turn (`Turn::get`, `Turn::scan`,
+//! `Turn::check_fence`). Only the store operation is repeated, never the turn, and only
+//! on the failure's branch: an operation that succeeds at once costs nothing more.
 //!
 //! ```text
 //! try ──ok──► done
 //!  │ Unavailable (any other error: returned at once)
 //!  ▼
-//! runtime aborted, mailbox closed, or under STORE_RETRY_LEFT_MS_MIN of the deadline left?
-//!  │ no                                      yes → the last error
-//!  ▼
+//! runtime aborted, mailbox closed (claim, commit), or under STORE_RETRY_LEFT_MS_MIN of
+//!  │ the deadline left?                      yes → the last error
+//!  ▼ no
 //! pause: STORE_RETRY_PAUSE_MS_FIRST, doubling up to STORE_RETRY_PAUSE_MS_MAX, and at
 //!  │     most half of what is left of the deadline
 //!  ▼
 //! try again (RuntimeCounters::store_retries + 1) ──► as from the top
 //! ```
 //!
-//! Bounds: the deadline is the request's being served (for a claim, the oldest queued
-//! request's): no try starts after it, and a pause never reaches it. A try in flight is
-//! not cut: it ends by the store's own timeouts, as the first try does (a commit already
-//! inside the store when the caller gives up completes, see `activation.rs`). The tries
-//! stop before the next one when the runtime is aborted (the abort also ends a pause at
-//! once: the activation's task is dropped at its next `.await`) or the activation's
-//! mailbox is closed (a shutdown, a deactivation ordered from outside): a closed
-//! mailbox is seen within one pause, at most [`STORE_RETRY_PAUSE_MS_MAX`].
+//! Deadlines: for a claim, the oldest queued request's; for a commit or a read inside a
+//! turn, the turn's request's (a told message's turn: its own); for the save at
+//! deactivation, which serves no request, [`STORE_RETRY_DEACTIVATION_MS_MAX`] from its
+//! first failure. No try starts after the deadline, and a pause never reaches it. A
+//! try in flight is not cut: it ends by the store's own timeouts, as the first try does
+//! (a commit already inside the store when the caller gives up completes, see
+//! `activation.rs`). The tries stop before the next one when the runtime is aborted
+//! (dropped, or its shutdown grace over; the abort also ends a pause at once: the
+//! activation's task is dropped at its next `.await`, so a save being tried again never
+//! stretches a shutdown past its grace) or, for a claim or a commit, when the
+//! activation's mailbox is closed (a shutdown, a deactivation ordered from outside): a
+//! closed mailbox is seen within one pause, at most [`STORE_RETRY_PAUSE_MS_MAX`]. The
+//! save at deactivation and a turn's reads do not look at the mailbox: the save runs
+//! because it is closed, and a turn runs to its end once started, as it does when no
+//! read fails.
 //!
 //! Deliberately not done: no random jitter (runs replay under the simulator; a store's
-//! connection pool already bounds how many of its operations reach the server at
-//! once); reads inside a turn (`Turn::get`, `Turn::scan`, `Turn::check_fence`) are not
-//! tried again (the actor decides what a failed read means to it); nor is the save at
-//! deactivation (it serves no request, so it has no deadline to stay within).
+//! connection pool already bounds how many of its operations reach the server at once).
 
 use std::future::Future;
 use std::time::Duration;
@@ -39,7 +45,7 @@ use troupe_core::{ActorId, Deadline};
 
 use crate::handle::{Counters, Shared};
 use crate::mailbox::Mailbox;
-use crate::{StoreError, StoreOperation};
+use crate::StoreError;
 
 /// The pause before the second try of a store operation that failed for a moment, in
 /// milliseconds; each later pause doubles the one before, up to
@@ -54,6 +60,16 @@ pub const STORE_RETRY_PAUSE_MS_MAX: u64 = 250;
 /// tick with the caller's).
 const STORE_RETRY_LEFT_MS_MIN: u64 = 10;
 
+/// How long the save at deactivation (`on_deactivate`'s change, or a state change no
+/// turn committed) is tried again while the store is unavailable, from its first
+/// failure, in milliseconds. It serves no request, so it has no request's deadline; the
+/// actor's next activation waits for it meanwhile (requests for it are held by the
+/// dispatcher until this activation has ended), so it is short: under the default
+/// shutdown grace, so a shutdown's saves are given up (and counted) before it cuts them.
+pub const STORE_RETRY_DEACTIVATION_MS_MAX: u64 = 2_000;
+
+const _: () = assert!(STORE_RETRY_DEACTIVATION_MS_MAX < crate::runtime::SHUTDOWN_GRACE_MS_DEFAULT);
+const _: () = assert!(STORE_RETRY_DEACTIVATION_MS_MAX >= STORE_RETRY_PAUSE_MS_MAX);
 const _: () = assert!(STORE_RETRY_PAUSE_MS_FIRST > 0);
 const _: () = assert!(STORE_RETRY_PAUSE_MS_FIRST <= STORE_RETRY_PAUSE_MS_MAX);
 const _: () = assert!(STORE_RETRY_LEFT_MS_MIN <= STORE_RETRY_PAUSE_MS_MAX);
@@ -62,19 +78,23 @@ const _: () = assert!(STORE_RETRY_LEFT_MS_MIN <= STORE_RETRY_PAUSE_MS_MAX);
 /// that is not transient.
 pub(crate) struct RetryBounds<'a> {
     pub(crate) shared: &'a Shared,
-    /// The deadline of the request being served.
+    /// The deadline of the request being served (for the save at deactivation: its
+    /// own bound).
     pub(crate) deadline: Deadline,
-    /// The activation's mailbox: closed, the activation is to end, and nothing waits
-    /// for this operation to be tried again.
-    pub(crate) mailbox: &'a Mailbox,
+    /// For a claim or a commit, the activation's mailbox: closed, the activation is to
+    /// end, and nothing waits for this operation to be tried again. `None` for the save
+    /// at deactivation and a turn's reads (see the module's comment).
+    pub(crate) mailbox: Option<&'a Mailbox>,
     /// For the log.
     pub(crate) actor: &'a ActorId,
-    pub(crate) operation: StoreOperation,
+    /// For the log: what is tried ("claim", "commit", "deactivation save", "get",
+    /// "scan", "check_fence").
+    pub(crate) operation: &'static str,
 }
 
 impl RetryBounds<'_> {
     fn stopped(&self) -> bool {
-        self.shared.aborted() || self.mailbox.is_closed()
+        self.shared.aborted() || self.mailbox.is_some_and(Mailbox::is_closed)
     }
 
     /// Waits before the next try; `false` (at once, or after the pause) if none is to
@@ -126,7 +146,7 @@ where
             operation = %bounds.operation,
             tries,
             %error,
-            "the store stayed unavailable: giving up at the request's deadline, or as the activation ends"
+            "the store stayed unavailable: giving up at the deadline, or as the activation or the runtime ends"
         );
     }
     Err(error)

@@ -10,6 +10,7 @@ use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use crate::envelope::EnvelopeContext;
 use crate::idempotency::IDEMPOTENCY_STORE_PREFIX;
 use crate::state_store::{check_key, STATE_SCAN_LIMIT_MAX, TURN_WRITES_MAX};
+use crate::store_retry::{retry, RetryBounds};
 use crate::{Caller, Clock, Fence, RuntimeHandle, StoreError};
 
 /// The context of one turn of one actor.
@@ -255,10 +256,18 @@ impl Turn {
     ///
     /// # Errors
     /// [`StoreError::Fenced`] if the actor was claimed since this activation's claim;
-    /// [`StoreError::Backend`] if the store fails (the commit decides then).
+    /// [`StoreError::Backend`] if the store fails (the commit decides then);
+    /// [`StoreError::Unavailable`] if the store stayed unavailable until this turn's
+    /// deadline (tried again meanwhile, as [`Turn::get`] is).
     pub async fn check_fence(&self) -> Result<(), StoreError> {
         let home = &self.home;
-        let checked = home.handle.shared.store.check_fence(&home.id, home.fence).await;
+        let checked = match home.handle.shared.store.check_fence(&home.id, home.fence).await {
+            Err(source) if source.is_transient() => {
+                let store = &home.handle.shared.store;
+                Box::pin(self.read_failed("check_fence", source, || store.check_fence(&home.id, home.fence))).await
+            }
+            checked => checked,
+        };
         if let Err(refused @ (StoreError::Fenced { .. } | StoreError::NotOwner { .. })) = &checked {
             let _ = home.fence_refused.set(refused.clone());
         }
@@ -339,22 +348,63 @@ impl Turn {
 
     /// The value of `key`: this turn's buffered write if any, else the committed one.
     ///
+    /// A read the store fails for a moment ([`StoreError::Unavailable`]) is tried again
+    /// within this turn's deadline (`store_retry.rs`): a read changes nothing, so asking
+    /// again is safe whatever became of the failed try.
+    ///
     /// # Errors
-    /// [`StoreError`] if the store fails.
+    /// [`StoreError`] if the store fails; [`StoreError::Unavailable`] if it stayed
+    /// unavailable until near this turn's deadline.
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
         if let Some(buffered) = self.writes.as_ref().and_then(|writes| writes.get(key)) {
             return Ok(buffered.clone());
         }
-        self.home.handle.shared.store.get(&self.home.id, key).await
+        let (store, id) = (&self.home.handle.shared.store, &self.home.id);
+        match store.get(id, key).await {
+            Err(source) if source.is_transient() => {
+                Box::pin(self.read_failed("get", source, || store.get(id, key))).await
+            }
+            got => got,
+        }
+    }
+
+    /// A read inside this turn after the store failed it for a moment (`source`): tried
+    /// again while the store is unavailable, until this turn's deadline (for a told
+    /// message's turn, its own), or until the runtime is aborted (`store_retry.rs`).
+    /// Reads are idempotent: trying one again cannot change what the store holds, nor
+    /// what this turn commits. Cold: only after a failure.
+    #[cold]
+    #[inline(never)]
+    async fn read_failed<T, F, Attempt>(
+        &self,
+        operation: &'static str,
+        source: StoreError,
+        read: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Attempt,
+        Attempt: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let bounds = RetryBounds {
+            shared: &self.home.handle.shared,
+            deadline: self.deadline(),
+            mailbox: None,
+            actor: &self.home.id,
+            operation,
+        };
+        retry(bounds, source, read).await
     }
 
     /// Up to `limit` (at most [`STATE_SCAN_LIMIT_MAX`]) entries whose keys start with
     /// `prefix`, after `after`, in key order, with this turn's buffered writes applied.
     /// The page is short only when no more entries exist: committed entries that the
     /// turn deleted are made up for by reading on, in as many store scans as needed.
+    /// Each store scan the store fails for a moment is tried again within this turn's
+    /// deadline, as [`Turn::get`] is (a read: safe to ask again).
     ///
     /// # Errors
-    /// [`StoreError`] if the store fails.
+    /// [`StoreError`] if the store fails; [`StoreError::Unavailable`] if it stayed
+    /// unavailable until near this turn's deadline.
     pub async fn scan(
         &self,
         prefix: &str,
@@ -377,13 +427,14 @@ impl Turn {
         let mut committed: Vec<(String, Bytes)> = Vec::new();
         let mut cursor: Option<String> = after.map(str::to_string);
         loop {
-            let page = self
-                .home
-                .handle
-                .shared
-                .store
-                .scan(&self.home.id, prefix, cursor.as_deref(), page_limit)
-                .await?;
+            let (store, id) = (&self.home.handle.shared.store, &self.home.id);
+            let page = match store.scan(id, prefix, cursor.as_deref(), page_limit).await {
+                Err(source) if source.is_transient() => {
+                    let scan = || store.scan(id, prefix, cursor.as_deref(), page_limit);
+                    Box::pin(self.read_failed("scan", source, scan)).await?
+                }
+                page => page?,
+            };
             let exhausted = page.len() < page_limit;
             if let Some((last, _)) = page.last() {
                 cursor = Some(last.clone());

@@ -18,7 +18,8 @@ use bytes::Bytes;
 use tokio::time::Instant;
 use troupe_core::{ActorId, InvokeError};
 use troupe_runtime::{
-    Claimed, Fence, MemoryStore, Runtime, StateStore, StoreError, StoreOperation, TurnCommit, STORE_RETRY_PAUSE_MS_MAX,
+    Claimed, Fence, MemoryStore, Runtime, StateStore, StoreError, StoreOperation, TurnCommit,
+    STORE_RETRY_DEACTIVATION_MS_MAX, STORE_RETRY_PAUSE_MS_MAX,
 };
 
 #[path = "support/turn_counter.rs"]
@@ -44,7 +45,9 @@ enum Failure {
 struct Plan {
     claims: Vec<Failure>,
     commits: Vec<Failure>,
-    /// Every claim and commit from now on fails `Unavailable`, until healed.
+    /// For the reads inside a turn: `get`, `scan` and `check_fence`.
+    reads: Vec<Failure>,
+    /// Every claim, commit and read from now on fails `Unavailable`, until healed.
     down: bool,
 }
 
@@ -55,6 +58,7 @@ struct Flaky {
     plan: Arc<Mutex<Plan>>,
     claims_asked: Arc<AtomicU64>,
     commits_asked: Arc<AtomicU64>,
+    reads_asked: Arc<AtomicU64>,
 }
 
 impl Flaky {
@@ -64,6 +68,7 @@ impl Flaky {
             plan: Arc::default(),
             claims_asked: Arc::default(),
             commits_asked: Arc::default(),
+            reads_asked: Arc::default(),
         }
     }
 
@@ -73,6 +78,10 @@ impl Flaky {
 
     fn fail_commits(&self, failures: &[Failure]) {
         self.plan.lock().unwrap().commits.extend_from_slice(failures);
+    }
+
+    fn fail_reads(&self, failures: &[Failure]) {
+        self.plan.lock().unwrap().reads.extend_from_slice(failures);
     }
 
     fn set_down(&self, down: bool) {
@@ -86,7 +95,8 @@ impl Flaky {
         }
         let failures = match operation {
             StoreOperation::Claim => &mut plan.claims,
-            _ => &mut plan.commits,
+            StoreOperation::Commit => &mut plan.commits,
+            _ => &mut plan.reads,
         };
         (!failures.is_empty()).then(|| failures.remove(0))
     }
@@ -126,7 +136,20 @@ impl StateStore for Flaky {
         }
     }
 
+    async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        self.reads_asked.fetch_add(1, Ordering::SeqCst);
+        // A fence check is a read: reported as one of the state (`Load`).
+        if let Some(failure) = self.next_failure(StoreOperation::Load) {
+            return Err(failed(StoreOperation::Load, failure));
+        }
+        self.inner.check_fence(actor, fence).await
+    }
+
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.reads_asked.fetch_add(1, Ordering::SeqCst);
+        if let Some(failure) = self.next_failure(StoreOperation::Get) {
+            return Err(failed(StoreOperation::Get, failure));
+        }
         self.inner.get(actor, key).await
     }
 
@@ -137,6 +160,10 @@ impl StateStore for Flaky {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.reads_asked.fetch_add(1, Ordering::SeqCst);
+        if let Some(failure) = self.next_failure(StoreOperation::Scan) {
+            return Err(failed(StoreOperation::Scan, failure));
+        }
         self.inner.scan(actor, prefix, after, limit).await
     }
 }
@@ -443,5 +470,290 @@ async fn the_tries_stop_when_the_runtime_shuts_down_or_is_dropped() {
             took <= Duration::from_millis(STORE_RETRY_PAUSE_MS_MAX + 50),
             "drop {drop_it}: the call ended {took:?} after the runtime stopped: {result:?}"
         );
+    }
+}
+
+/// The kind of [`Saver`].
+const SAVER_KIND: &str = "saver";
+
+/// A counter that also has something to save at deactivation and reads inside its
+/// turns: `inc` adds one (its snapshot, and the key `last`); `on_deactivate` adds
+/// [`SAVED_AT_DEACTIVATION`], which only the save at deactivation stores; `get` reads
+/// `last`, `scan` counts the keys, `fence` checks the activation's fence.
+struct Saver {
+    count: u64,
+}
+
+/// What `on_deactivate` adds to the count: a next activation that counts from above it
+/// read the save made at deactivation.
+const SAVED_AT_DEACTIVATION: u64 = 100;
+
+impl troupe_runtime::Actor for Saver {
+    async fn handle(
+        &mut self,
+        turn: &mut troupe_runtime::Turn,
+        payload: Bytes,
+    ) -> Result<Bytes, troupe_runtime::ActorError> {
+        match &payload[..] {
+            b"inc" => {
+                self.count += 1;
+                let count = Bytes::from(self.count.to_string());
+                turn.put("last", count.clone())?;
+                Ok(count)
+            }
+            b"get" => Ok(turn.get("last").await?.unwrap_or_default()),
+            b"scan" => Ok(Bytes::from(turn.scan("", None, 10).await?.len().to_string())),
+            b"fence" => {
+                turn.check_fence().await?;
+                Ok(Bytes::from_static(b"current"))
+            }
+            _ => Err(troupe_runtime::ActorError::Rejected {
+                reason: "inc, get, scan or fence".to_string(),
+            }),
+        }
+    }
+
+    async fn on_deactivate(&mut self, _id: &ActorId) -> Result<(), troupe_runtime::ActorError> {
+        self.count += SAVED_AT_DEACTIVATION;
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, troupe_runtime::ActorError> {
+        Ok(Some(Bytes::from(self.count.to_string())))
+    }
+}
+
+/// A runtime on `store` with [`Saver`]s registered, and `grace` to shut down in.
+fn saver_runtime(store: &Flaky, grace: Duration) -> Runtime {
+    Runtime::builder()
+        .store(Arc::new(store.clone()))
+        .shutdown_grace(grace)
+        .expect("a grace within bounds")
+        .register(
+            troupe_core::ActorKind::new(SAVER_KIND).unwrap(),
+            |_id: &ActorId, saved: Option<Bytes>| -> Result<troupe_runtime::ActorBox, troupe_runtime::ActorError> {
+                let count = saved.map_or(0, |saved| std::str::from_utf8(&saved).unwrap().parse().unwrap());
+                Ok(troupe_runtime::ActorBox::new(Saver { count }))
+            },
+            troupe_runtime::KindConfig::default(),
+        )
+        .unwrap()
+        .start()
+}
+
+fn saver(key: &str) -> ActorId {
+    ActorId::new(SAVER_KIND, key).unwrap()
+}
+
+async fn ask(runtime: &Runtime, id: &ActorId, what: &'static str, within: Duration) -> Result<String, InvokeError> {
+    let reply = tokio::time::timeout(
+        HANG,
+        runtime.invoke_within(id, Bytes::from_static(what.as_bytes()), within),
+    )
+    .await
+    .expect("no answer");
+    reply.map(|bytes| std::str::from_utf8(&bytes).unwrap().to_string())
+}
+
+/// Goal: a save at deactivation that fails `Unavailable` twice is tried again and made:
+/// the next activation counts from what `on_deactivate` added. Before: the save was
+/// given up at the first failure (`deactivation_saves_failed` 1), and the next
+/// activation counted from the last turn's 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deactivation_save_failing_twice_is_made_and_the_next_activation_reads_it() {
+    let store = Flaky::new();
+    let runtime = saver_runtime(&store, Duration::from_secs(5));
+    let id = saver("save");
+    assert_eq!(ask(&runtime, &id, "inc", Duration::from_secs(10)).await, Ok("1".into()));
+    store.fail_commits(&[Failure::Unavailable; 2]);
+    let asked_before = store.commits_asked.load(Ordering::SeqCst);
+    assert!(runtime.handle().deactivate(&id).await.unwrap(), "deactivated");
+    assert_eq!(
+        store.commits_asked.load(Ordering::SeqCst) - asked_before,
+        3,
+        "two failures, then the save"
+    );
+    let counters = runtime.handle().counters();
+    assert_eq!(counters.deactivation_saves_failed, 0);
+    assert_eq!(counters.store_retries, 2);
+    assert_eq!(
+        ask(&runtime, &id, "inc", Duration::from_secs(10)).await,
+        Ok((SAVED_AT_DEACTIVATION + 2).to_string()),
+        "counted from the save at deactivation"
+    );
+    runtime.shutdown().await;
+}
+
+/// Goal: a save at deactivation on a store that stays unavailable is tried again for
+/// `STORE_RETRY_DEACTIVATION_MS_MAX`, no longer, then given up (counted in
+/// `deactivation_saves_failed`); the next activation, once the store is back, counts
+/// from the last committed turn. Simulated time. Before: given up at once.
+#[tokio::test(start_paused = true)]
+async fn a_deactivation_save_unavailable_past_its_bound_is_given_up_and_the_last_turn_stays() {
+    let store = Flaky::new();
+    let runtime = saver_runtime(&store, Duration::from_secs(5));
+    let id = saver("given-up");
+    assert_eq!(ask(&runtime, &id, "inc", Duration::from_secs(10)).await, Ok("1".into()));
+    store.set_down(true);
+    let started = Instant::now();
+    assert!(runtime.handle().deactivate(&id).await.unwrap(), "deactivated");
+    let took = started.elapsed();
+    let bound = Duration::from_millis(STORE_RETRY_DEACTIVATION_MS_MAX);
+    assert!(took <= bound, "within its bound: {took:?}");
+    assert!(
+        took + Duration::from_millis(STORE_RETRY_PAUSE_MS_MAX) >= bound,
+        "tried again until near its bound: {took:?}"
+    );
+    let counters = runtime.handle().counters();
+    assert_eq!(counters.deactivation_saves_failed, 1);
+    assert!(counters.store_retries >= 8, "{} tries again", counters.store_retries);
+    store.set_down(false);
+    assert_eq!(
+        ask(&runtime, &id, "inc", Duration::from_secs(10)).await,
+        Ok("2".into()),
+        "counted from the last committed turn"
+    );
+    runtime.shutdown().await;
+}
+
+/// Goal: a new request for an actor whose save at deactivation is being tried again is
+/// held until that activation has ended, then served by a new one that reads the save
+/// (never two activations at once). Before: the save was given up at once, and the
+/// request counted from the last turn's 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_during_a_retried_deactivation_save_waits_for_it_and_reads_it() {
+    let store = Flaky::new();
+    let runtime = saver_runtime(&store, Duration::from_secs(5));
+    let id = saver("held");
+    assert_eq!(ask(&runtime, &id, "inc", Duration::from_secs(10)).await, Ok("1".into()));
+    store.set_down(true);
+    let deactivation = tokio::spawn({
+        let handle = runtime.handle();
+        let id = id.clone();
+        async move { handle.deactivate(&id).await }
+    });
+    // Until the first pause has started (the save has failed at least once).
+    while runtime.handle().counters().store_retries == 0 && !deactivation.is_finished() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let request = tokio::spawn({
+        let handle = runtime.handle();
+        let id = id.clone();
+        async move {
+            handle
+                .invoke_within(&id, Bytes::from_static(b"inc"), Duration::from_secs(10))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!request.is_finished(), "held while the save is tried again");
+    assert_eq!(runtime.handle().counters().activations_started, 1);
+    store.set_down(false);
+    assert!(tokio::time::timeout(HANG, deactivation)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap());
+    let reply = tokio::time::timeout(HANG, request).await.unwrap().unwrap().unwrap();
+    assert_eq!(&reply[..], (SAVED_AT_DEACTIVATION + 2).to_string().as_bytes());
+    assert_eq!(runtime.handle().counters().deactivation_saves_failed, 0);
+    assert_eq!(runtime.handle().counters().activations_started, 2);
+    runtime.shutdown().await;
+}
+
+/// Goal: a turn's `get`, `scan` and `check_fence` that fail `Unavailable` twice each are
+/// tried again and answer; the turn ran once each. Before: each turn failed
+/// `StorageFailed(Unavailable)` at the first failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_inside_a_turn_failing_twice_answer() {
+    let store = Flaky::new();
+    let runtime = saver_runtime(&store, Duration::from_secs(5));
+    let id = saver("reads");
+    assert_eq!(ask(&runtime, &id, "inc", Duration::from_secs(10)).await, Ok("1".into()));
+    for (what, answer) in [("get", "1"), ("scan", "1"), ("fence", "current")] {
+        store.fail_reads(&[Failure::Unavailable; 2]);
+        let asked_before = store.reads_asked.load(Ordering::SeqCst);
+        assert_eq!(
+            ask(&runtime, &id, what, Duration::from_secs(10)).await,
+            Ok(answer.to_string()),
+            "{what}"
+        );
+        assert_eq!(store.reads_asked.load(Ordering::SeqCst) - asked_before, 3, "{what}");
+    }
+    assert_eq!(runtime.handle().counters().store_retries, 6);
+    assert_eq!(runtime.handle().counters().activations_started, 1);
+    runtime.shutdown().await;
+}
+
+/// Goal: a `get` on a store unavailable past the request's deadline fails the turn with
+/// `StorageFailed(Unavailable, get)` by the deadline (not a `Timeout`), after trying
+/// again all along; the activation goes on once the store is back. Simulated time.
+/// Before: the turn failed at once.
+#[tokio::test(start_paused = true)]
+async fn a_get_unavailable_past_the_deadline_fails_the_turn_storage_failed() {
+    let store = Flaky::new();
+    let runtime = saver_runtime(&store, Duration::from_secs(5));
+    let id = saver("get-down");
+    assert_eq!(ask(&runtime, &id, "inc", Duration::from_secs(10)).await, Ok("1".into()));
+    store.set_down(true);
+    let within = Duration::from_millis(1_500);
+    let started = Instant::now();
+    match ask(&runtime, &id, "get", within).await {
+        Err(InvokeError::StorageFailed {
+            source:
+                StoreError::Unavailable {
+                    operation: StoreOperation::Get,
+                    ..
+                },
+            ..
+        }) => {}
+        other => panic!("not the store's last error: {other:?}"),
+    }
+    let took = started.elapsed();
+    assert!(took <= within, "by the deadline: {took:?}");
+    assert!(
+        took + Duration::from_millis(STORE_RETRY_PAUSE_MS_MAX) >= within,
+        "tried again until near the deadline: {took:?}"
+    );
+    assert!(runtime.handle().counters().store_retries >= 8);
+    store.set_down(false);
+    assert_eq!(ask(&runtime, &id, "get", Duration::from_secs(10)).await, Ok("1".into()));
+    assert_eq!(runtime.handle().counters().activations_started, 1);
+    runtime.shutdown().await;
+}
+
+/// Goal: a shutdown whose saves at deactivation are being tried again ends within its
+/// grace: cut at the grace's end when the grace is shorter than
+/// `STORE_RETRY_DEACTIVATION_MS_MAX` (nothing half-saved: a new runtime counts from the
+/// last turn), and given up at that bound when the grace is longer. Simulated time.
+/// Before: the save was given up at once, and never tried again.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_with_a_save_being_tried_again_ends_within_its_grace() {
+    for grace_ms in [500, 5_000] {
+        let store = Flaky::new();
+        let runtime = saver_runtime(&store, Duration::from_millis(grace_ms));
+        let id = saver("shutdown");
+        assert_eq!(ask(&runtime, &id, "inc", Duration::from_secs(10)).await, Ok("1".into()));
+        store.set_down(true);
+        let handle = runtime.handle();
+        let started = Instant::now();
+        tokio::time::timeout(HANG, runtime.shutdown()).await.expect("shut down");
+        let took = started.elapsed();
+        let grace = Duration::from_millis(grace_ms);
+        assert!(took <= grace, "grace {grace_ms} ms: shut down in {took:?}");
+        let bound = Duration::from_millis(STORE_RETRY_DEACTIVATION_MS_MAX.min(grace_ms));
+        assert!(
+            took + Duration::from_millis(STORE_RETRY_PAUSE_MS_MAX) >= bound,
+            "grace {grace_ms} ms: the save was tried again until {bound:?}: {took:?}"
+        );
+        assert!(handle.counters().store_retries >= 5, "grace {grace_ms} ms");
+        store.set_down(false);
+        let again = saver_runtime(&store, Duration::from_secs(5));
+        assert_eq!(
+            ask(&again, &id, "inc", Duration::from_secs(10)).await,
+            Ok("2".into()),
+            "grace {grace_ms} ms: from the last committed turn"
+        );
+        again.shutdown().await;
     }
 }
