@@ -162,8 +162,9 @@ pub const CALL_RECORDS_PENDING_MAX: usize = 4_096;
 /// conversation to store its waiting records before the runtime stops.
 pub const CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS: u64 = 5_000;
 /// How long [`crate::AgentSystem::shutdown`] waits, in milliseconds, after the runtime
-/// stopped, for this process's delivery tasks to end (each ends at its next attempt;
-/// one pausing between attempts, or waiting for an approval, wakes up first).
+/// stopped, for this process's delivery tasks to end (each is ended where it waits,
+/// an approval or a pause between attempts among them; this bounds the drop of what
+/// it was running).
 pub const DELIVERY_TASKS_SHUTDOWN_WAIT_MS: u64 = 1_000;
 /// The pause before a failed delivery is retried, in milliseconds.
 pub const AGENT_DELIVERY_RETRY_MS: u64 = 100;

@@ -997,10 +997,10 @@ impl AgentSystem {
     /// Stores the `call_agent` exchanges recorded in this process that still wait in
     /// memory (each conversation within
     /// [`crate::limits::CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS`]), then deactivates every
-    /// agent and stops the runtime, then waits (at most
-    /// [`crate::limits::DELIVERY_TASKS_SHUTDOWN_WAIT_MS`]) for the tasks delivering
-    /// inbox entries and mentions to end: what they had not delivered is still stored,
-    /// and the next start delivers it.
+    /// agent and stops the runtime, then ends the tasks delivering inbox entries and
+    /// mentions, wherever they wait (an approval among them), and waits (at most
+    /// [`crate::limits::DELIVERY_TASKS_SHUTDOWN_WAIT_MS`]) for them to be gone: what
+    /// they had not delivered is still stored, and the next start delivers it.
     pub async fn shutdown(self) {
         let shared = &self.client.shared;
         for conversation in shared.conversations_with_waiting_records() {
@@ -1012,9 +1012,11 @@ impl AgentSystem {
             }
         }
         self.runtime.shutdown().await;
-        // The delivery tasks end at their next attempt (the runtime refuses it
-        // `Shutdown`); waiting for them closes their spans before an exporter's last
-        // flush, and leaves no task of this system running after it.
+        // The delivery tasks end now, wherever they wait (an approval, a pause between
+        // attempts: before, one waiting for an approval ran until its entry's deadline,
+        // and this wait gave up on it); waiting for them closes their spans before an
+        // exporter's last flush, and leaves no task of this system running after it.
+        shared.stop_deliveries();
         let within = Duration::from_millis(crate::limits::DELIVERY_TASKS_SHUTDOWN_WAIT_MS);
         let running = shared.deliveries_ended(within).await;
         if running > 0 {

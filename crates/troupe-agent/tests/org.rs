@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use troupe_agent::limits::{AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_MAX};
+use troupe_agent::limits::{AGENT_TASKS_OPEN_MAX, AGENT_TASK_TIMEOUT_MS_MAX, DELIVERY_TASKS_SHUTDOWN_WAIT_MS};
 use troupe_agent::{
     AgentCallError, AgentEvent, AgentSpec, AgentSystem, Approval, ApprovalState, BehaviourMode, CallApproval,
     ContactKind, InboxError, Link, LinkDirection, LinkRelationship, Membership, NotPermitted, NotPermittedReason,
@@ -851,6 +851,54 @@ async fn a_send_needing_approval_waits_in_the_outbox_across_a_restart() {
     assert_eq!(rejected, 1, "a's model read the denial once");
     assert_eq!(system.pending("a").await.unwrap(), (0, 0));
     system.shutdown().await;
+}
+
+/// Goal: a shutdown ends the tasks delivering sends that wait for an approval where
+/// they wait, instead of waiting its whole bound for them
+/// (`DELIVERY_TASKS_SHUTDOWN_WAIT_MS`) and leaving them running until their sends'
+/// deadlines, minutes later (before: the shutdown took 1,000 ms and warned "delivery
+/// tasks still ran"); what they were to deliver stays in the outbox, and the next start
+/// delivers it once approved. Method: `a` is supervised, delegates and notifies (two
+/// outbox entries pending approval); the shutdown's length is read on the runtime's
+/// clock (simulated time when `paused`); a new system on the same store is approved both.
+async fn a_shutdown_ends_the_deliveries_waiting_for_an_approval_at_once(paused: bool) {
+    let llm = hand_off_script();
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open_in_memory().unwrap());
+    let system = start_on(&llm, &["a", "b"], Arc::clone(&store));
+    supervise(&system, "a").await;
+    system.ask("a", "hand off").await.unwrap();
+    let pending = listed_approvals(&system, 2).await;
+    assert_eq!(system.pending("a").await.unwrap(), (0, 2), "both wait in a's outbox");
+
+    let started = tokio::time::Instant::now();
+    system.shutdown().await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(DELIVERY_TASKS_SHUTDOWN_WAIT_MS),
+        "the shutdown waited {took:?} for the deliveries waiting for an approval (paused: {paused}); \
+         they should have ended at once"
+    );
+
+    let system = start_on(&llm, &["a", "b"], Arc::clone(&store));
+    assert_eq!(system.pending("a").await.unwrap(), (0, 2), "still queued after the restart");
+    system.approve(pending[0].id).await.unwrap();
+    system.approve(pending[1].id).await.unwrap();
+    let waited_from = tokio::time::Instant::now();
+    while llm.requests_of("b").len() < 2 && waited_from.elapsed() < 10 * SECOND {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(llm.requests_of("b").len(), 2, "the task and the notification reached b once approved");
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_ends_the_deliveries_waiting_for_an_approval_at_once_paused() {
+    a_shutdown_ends_the_deliveries_waiting_for_an_approval_at_once(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_ends_the_deliveries_waiting_for_an_approval_at_once_on_the_multi_thread_runtime() {
+    a_shutdown_ends_the_deliveries_waiting_for_an_approval_at_once(false).await;
 }
 
 /// Goal: a send that needs approval can be approved until its own deadline (the

@@ -77,6 +77,13 @@ pub(crate) struct AgentShared {
     /// them to end ([`crate::AgentSystem::shutdown`]).
     deliveries_live: std::sync::atomic::AtomicUsize,
     deliveries_ended: tokio::sync::Notify,
+    /// Set (and `deliveries_stop` woken) by [`crate::AgentSystem::shutdown`] once the
+    /// runtime stopped: every delivery task ends at once, wherever it waits (an
+    /// approval, a pause between attempts), instead of at its next attempt, which may
+    /// be its entry's deadline, minutes later. What it had not delivered is stored, and
+    /// the next start delivers it.
+    deliveries_stopped: std::sync::atomic::AtomicBool,
+    deliveries_stop: tokio::sync::Notify,
 }
 
 /// Counts one delivery task while it lives (dropped when it ends, or is dropped with its
@@ -180,6 +187,8 @@ impl AgentShared {
             mention_deliveries: std::sync::Mutex::default(),
             overdue_wakes: std::sync::Mutex::default(),
             deliveries_live: std::sync::atomic::AtomicUsize::new(0),
+            deliveries_stopped: std::sync::atomic::AtomicBool::new(false),
+            deliveries_stop: tokio::sync::Notify::new(),
             deliveries_ended: tokio::sync::Notify::new(),
         }
     }
@@ -192,9 +201,35 @@ impl AgentShared {
         self.deliveries_live.fetch_add(1, Ordering::AcqRel);
         let live = DeliveryLive(Arc::clone(self));
         tokio::spawn(async move {
-            let _live = live;
-            task.await;
+            let shared = Arc::clone(&live.0);
+            tokio::select! {
+                biased;
+                () = shared.deliveries_stopped() => {}
+                () = task => {}
+            }
+            drop(live);
         });
+    }
+
+    /// Ends every delivery task of this process at once (their futures, and spans, are
+    /// dropped; [`Self::deliveries_ended`] then sees them end). Called once the runtime
+    /// stopped: a task it ends could have committed nothing more anyway.
+    pub(crate) fn stop_deliveries(&self) {
+        self.deliveries_stopped.store(true, Ordering::Release);
+        self.deliveries_stop.notify_waiters();
+    }
+
+    /// Returns once [`Self::stop_deliveries`] was called.
+    async fn deliveries_stopped(&self) {
+        loop {
+            let stop = self.deliveries_stop.notified();
+            tokio::pin!(stop);
+            stop.as_mut().enable();
+            if self.deliveries_stopped.load(Ordering::Acquire) {
+                return;
+            }
+            stop.await;
+        }
     }
 
     /// Waits until no delivery task of this process runs, or `within` has passed;
