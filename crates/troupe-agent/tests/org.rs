@@ -880,14 +880,22 @@ async fn a_shutdown_ends_the_deliveries_waiting_for_an_approval_at_once(paused: 
     );
 
     let system = start_on(&llm, &["a", "b"], Arc::clone(&store));
-    assert_eq!(system.pending("a").await.unwrap(), (0, 2), "still queued after the restart");
+    assert_eq!(
+        system.pending("a").await.unwrap(),
+        (0, 2),
+        "still queued after the restart"
+    );
     system.approve(pending[0].id).await.unwrap();
     system.approve(pending[1].id).await.unwrap();
     let waited_from = tokio::time::Instant::now();
     while llm.requests_of("b").len() < 2 && waited_from.elapsed() < 10 * SECOND {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(llm.requests_of("b").len(), 2, "the task and the notification reached b once approved");
+    assert_eq!(
+        llm.requests_of("b").len(),
+        2,
+        "the task and the notification reached b once approved"
+    );
     system.shutdown().await;
 }
 
