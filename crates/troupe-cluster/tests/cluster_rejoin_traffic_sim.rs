@@ -27,7 +27,7 @@ mod sim_etcd;
 #[path = "support/counter.rs"]
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,7 +42,7 @@ use tokio::time::Instant;
 use troupe_cluster::{ClusterNode, ClusterStats};
 use troupe_core::{ActorId, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
-use troupe_runtime::{MemoryStore, StateStore};
+use troupe_runtime::MemoryStore;
 
 const ETCD_ADDRESS: &str = "10.0.0.1:2379";
 /// The nodes' transport port.
@@ -239,34 +239,10 @@ async fn a_node_that_rejoins_under_traffic_keeps_one_owner_and_every_acknowledge
         .map(|(actor, node, count, _, _)| (actor.clone(), node.clone(), *count))
         .collect();
     check_distinct_acks(&plain);
-    let mut committed: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
-    for entry in shared.log.entries().into_iter().filter(|entry| entry.ok) {
-        if let Some(count) = entry.count {
-            committed.entry(entry.actor).or_default().insert(count);
-        }
-    }
-    for index in 0..ACTORS {
-        let actor = counter(&format!("c{index}"));
-        let stored = shared.store.load(&actor).await.expect("load");
-        let final_count: u64 = stored.map_or(0, |bytes| {
-            std::str::from_utf8(&bytes).expect("text").parse().expect("a count")
-        });
-        let counts = committed.remove(&actor.to_string()).unwrap_or_default();
-        assert_eq!(
-            counts,
-            (1..=final_count).collect::<BTreeSet<_>>(),
-            "{actor}: the committed counts must be exactly 1..={final_count}"
-        );
-        let highest_ack = plain
-            .iter()
-            .filter(|(acked, _, _)| *acked == actor)
-            .map(|(_, _, count)| *count)
-            .max();
-        assert!(
-            highest_ack.unwrap_or(0) <= final_count,
-            "{actor}: acknowledged {highest_ack:?} but the store holds {final_count}"
-        );
-    }
+    shared
+        .log
+        .check_committed_counts(&shared.store, (0..ACTORS).map(|index| counter(&format!("c{index}"))), &plain)
+        .await;
     let stats = shared.stats.lock().expect("stats").clone();
     assert_eq!(
         stats["node-1"].rejoins, 1,

@@ -50,7 +50,7 @@ use tokio::time::Instant;
 use troupe_cluster::ClusterNode;
 use troupe_core::{ActorId, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
-use troupe_runtime::{MemoryStore, StateStore};
+use troupe_runtime::MemoryStore;
 
 const ETCD_ADDRESS: &str = "10.0.0.1:2379";
 /// The nodes' transport port.
@@ -356,34 +356,10 @@ async fn check_invariants(shared: &Shared) {
         record.iter().any(|line| line.ends_with("via a relay's turn")),
         "calls from turns (through the relays) were acknowledged"
     );
-    let mut committed: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
-    for entry in shared.log.entries().into_iter().filter(|entry| entry.ok) {
-        if let Some(count) = entry.count {
-            committed.entry(entry.actor).or_default().insert(count);
-        }
-    }
-    for index in 0..ACTORS {
-        let actor = counter(&format!("c{index}"));
-        let stored = shared.store.load(&actor).await.expect("load");
-        let final_count: u64 = stored.map_or(0, |bytes| {
-            std::str::from_utf8(&bytes).expect("text").parse().expect("a count")
-        });
-        let counts = committed.remove(&actor.to_string()).unwrap_or_default();
-        assert_eq!(
-            counts,
-            (1..=final_count).collect::<BTreeSet<_>>(),
-            "{actor}: the committed counts must be exactly 1..={final_count}"
-        );
-        let highest_ack = acks
-            .iter()
-            .filter(|(acked, _, _)| *acked == actor)
-            .map(|(_, _, count)| *count)
-            .max();
-        assert!(
-            highest_ack.unwrap_or(0) <= final_count,
-            "{actor}: acknowledged {highest_ack:?} but the store holds {final_count}"
-        );
-    }
+    shared
+        .log
+        .check_committed_counts(&shared.store, (0..ACTORS).map(|index| counter(&format!("c{index}"))), &acks)
+        .await;
     let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
     for line in &record {
         if let Some((_, outcome)) = line.split_once(": ") {
