@@ -241,7 +241,11 @@ async fn a_node_that_rejoins_under_traffic_keeps_one_owner_and_every_acknowledge
     check_distinct_acks(&plain);
     shared
         .log
-        .check_committed_counts(&shared.store, (0..ACTORS).map(|index| counter(&format!("c{index}"))), &plain)
+        .check_committed_counts(
+            &shared.store,
+            (0..ACTORS).map(|index| counter(&format!("c{index}"))),
+            &plain,
+        )
         .await;
     let stats = shared.stats.lock().expect("stats").clone();
     assert_eq!(

@@ -358,7 +358,11 @@ async fn check_invariants(shared: &Shared) {
     );
     shared
         .log
-        .check_committed_counts(&shared.store, (0..ACTORS).map(|index| counter(&format!("c{index}"))), &acks)
+        .check_committed_counts(
+            &shared.store,
+            (0..ACTORS).map(|index| counter(&format!("c{index}"))),
+            &acks,
+        )
         .await;
     let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
     for line in &record {
