@@ -15,7 +15,6 @@
 #[allow(dead_code)] // the helpers the etcd tests use and these do not
 #[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
 mod etcd_server;
-#[allow(dead_code)] // the helpers the PostgreSQL tests use and these do not
 #[path = "../../troupe-postgres/tests/support/postgres_server.rs"]
 mod postgres_server;
 #[allow(dead_code)] // `http`: these use `http_with_head`
