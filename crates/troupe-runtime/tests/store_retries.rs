@@ -1,13 +1,18 @@
 //! A store that fails for a moment costs a call latency, not an error: the runtime tries
-//! a claim or a commit that failed with `StoreError::Unavailable` again, within the
-//! deadline of the request it serves, and never runs the turn again.
+//! a claim, a commit, a turn's read (`get`, `scan`, `check_fence`) or the save at
+//! deactivation that failed with `StoreError::Unavailable` again, within the deadline of
+//! the request it serves (the save: within `STORE_RETRY_DEACTIVATION_MS_MAX`), and never
+//! runs the turn again.
 //!
-//! Method: a store that wraps a `MemoryStore` and fails its first claims or commits as
-//! told (transiently, or not), or applies a commit and then reports it failed (as a
-//! PostgreSQL `COMMIT` whose answer is lost); a counter actor that counts its turns.
+//! Method: a store that wraps a `MemoryStore` and fails its first claims, commits or
+//! reads as told (transiently, or not), or applies a commit and then reports it failed
+//! (as a PostgreSQL `COMMIT` whose answer is lost); a counter actor that counts its turns,
+//! and one ([`Saver`]) that saves something at deactivation and reads inside its turns.
 //! Before the runtime tried again, each call below that now succeeds failed at once with
-//! `StorageFailed`. Run with `cargo nextest run -p troupe-runtime --test store_retries`
-//! (and under `--cfg madsim`).
+//! `StorageFailed`, and each save at deactivation was given up at its first failure. Run
+//! with `cargo nextest run -p troupe-runtime --test store_retries` (and under `--cfg
+//! madsim`). Not a real SQLite lock: SQLite waits one out itself for its busy timeout
+//! (5 s) before it reports `Unavailable`, longer than the save's bound.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
