@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use etcd_server::TestEtcd;
 use postgres_server::TestServer;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// The longest any one HTTP request of these tests may wait for its answer, in
 /// milliseconds.
@@ -130,8 +130,9 @@ fn json(body: &str) -> Value {
 /// 500); `/metrics` shows the store tried again (`troupe_runtime_store_retries_total` >
 /// 0; not shown before 2026-12-07); and the same message sent again once the server is
 /// back is answered 200 and is in the agent's history once: the failed turn committed
-/// nothing. Method: `pg_ctl stop -m fast` under a serving node, a message with a 1.5 s
-/// `timeout_ms`, `pg_ctl start`, the message again.
+/// nothing. Streamed (`?stream=true`), the failure is the stream's error event with
+/// status 503 and the same code. Method: `pg_ctl stop -m fast` under a serving node, a message with a 1.5 s
+/// `timeout_ms` (plain, then streamed), `pg_ctl start`, the message again.
 #[tokio::test]
 async fn a_node_whose_postgres_is_down_answers_503_storage_unavailable_and_the_same_message_later_runs_once() {
     /// The message's deadline while the store is down, in milliseconds.
@@ -165,6 +166,21 @@ async fn a_node_whose_postgres_is_down_answers_503_storage_unavailable_and_the_s
         .expect("/metrics shows troupe_runtime_store_retries_total");
     eprintln!("troupe_runtime_store_retries_total {retries}");
     assert!(retries > 0, "the store was tried again while down: {retries}");
+
+    // Streamed, the same failure is the stream's error event, with the same code.
+    let (status, _, stream) = node.request("POST", "/v1/agents/echo/messages?stream=true", &message);
+    assert_eq!(status, 200, "the stream's headers: {stream}");
+    let error_event = stream
+        .lines()
+        .skip_while(|line| *line != "event: error")
+        .find_map(|line| line.strip_prefix("data: "))
+        .unwrap_or_else(|| panic!("no error event in the stream: {stream}"));
+    let error = json(error_event);
+    assert_eq!(
+        (&error["status"], &error["error"]["code"]),
+        (&json!(503), &json!("storage_unavailable")),
+        "{error_event}"
+    );
 
     postgres.start_again();
     let (status, _, body) = node.request(
