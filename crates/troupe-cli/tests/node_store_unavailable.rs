@@ -207,8 +207,10 @@ async fn a_node_whose_postgres_is_down_answers_503_storage_unavailable_and_the_s
 /// Goal: `troupe node --max-connections N` serves at most N connections at once, as
 /// `troupe serve` does (tested there in operator_probes.rs; on a node by no test
 /// before): idle connections past the cap are not accepted, a request on one more
-/// connection waits unanswered, and is answered at once when the idle ones go.
-/// Method: `--max-connections 2`, `IDLE` idle connections, then `GET /health`.
+/// connection waits unanswered, and is answered at once when the idle ones go; the
+/// node's `/metrics` shows `troupe_http_connections_open` (until 2026-12-07 it did not:
+/// only `troupe serve`'s did). Method: `--max-connections 2`, one idle connection and a
+/// scrape; then `IDLE` idle connections, then `GET /health`.
 #[tokio::test]
 async fn a_node_serves_at_most_max_connections_and_one_more_waits_until_one_closes() {
     /// The cap given, in connections.
@@ -233,6 +235,15 @@ async fn a_node_serves_at_most_max_connections_and_one_more_waits_until_one_clos
         "capped",
         &["--max-connections", &CAP.to_string()],
     );
+    // One idle connection and the scrape's own: both counted.
+    let one_idle = std::net::TcpStream::connect(&node.addr).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        node.metric("troupe_http_connections_open"),
+        Some(2),
+        "/metrics counts the idle connection and its own"
+    );
+    drop(one_idle);
     let pid = node.child.id();
     let descriptors = || std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
     let before = descriptors();

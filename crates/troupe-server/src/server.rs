@@ -202,7 +202,11 @@ pub async fn serve_http(
     shutdown: impl Future<Output = ()> + Send + 'static,
     connections_max: usize,
 ) -> std::io::Result<()> {
-    serve_connections(listener, app, shutdown, Arc::new(Connections::new(connections_max))).await
+    let connections = Arc::new(Connections::new(connections_max));
+    // `/metrics` of a [`router`] in `app` finds the count here (`troupe node`'s; until
+    // 2026-12-07 it showed no `troupe_http_connections_open`).
+    let app = app.layer(axum::Extension(Arc::clone(&connections)));
+    serve_connections(listener, app, shutdown, connections).await
 }
 
 /// The connections [`serve_http`] serves: a slot each, at most as many as it allows.
@@ -724,7 +728,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     axum::Json(json!({"status": "ok", "agents": agents})).into_response()
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+async fn metrics(State(state): State<Arc<AppState>>, served: Option<axum::Extension<Arc<Connections>>>) -> Response {
     let open = SERVER_EVENT_STREAMS_MAX - state.event_streams.available_permits();
     let a2a = a2a::sizes(&state).await;
     let streams = state.config.streams_open_max.min(Semaphore::MAX_PERMITS) - state.streams.available_permits();
@@ -732,7 +736,12 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // by every agent route), without a store read: a scrape must not wait on the store.
     let agents = state.client.directory().list().len();
     let dropped = state.config.log_lines_dropped.as_ref().map(|dropped| dropped());
-    let connections = state.connections.get().map(|connections| connections.open());
+    // Counted by `serve`, or by `serve_http` for the router it serves.
+    let connections = state
+        .connections
+        .get()
+        .map(|connections| connections.open())
+        .or_else(|| served.map(|axum::Extension(connections)| connections.open()));
     let text = state
         .metrics
         .render(&state.client, agents, [open, streams], a2a, [dropped, connections]);
