@@ -114,8 +114,9 @@ impl ApiError {
     /// 503 `storage_unavailable`, with `Retry-After`: the store failed for a moment
     /// ([`StoreError::Unavailable`]: its connection refused or closed, its server
     /// restarting, its file locked by another process) and the runtime's tries within
-    /// the request's deadline did not get through. Nothing was committed, so the same
-    /// request sent again (a message with the same `msg_id`) is safe. Until 2026-12-07
+    /// the request's deadline did not get through. Almost always nothing was committed;
+    /// a connection lost after `COMMIT` was sent may have applied it unseen, so only a
+    /// request carrying a `msg_id` is sure to run once when sent again. Until 2026-12-07
     /// it was 500 `storage_failed`, which told a client not to retry.
     pub fn storage_unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "storage_unavailable", message).retry_after()
