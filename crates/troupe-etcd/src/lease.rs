@@ -6,7 +6,9 @@
 //!               an error, a closed stream  →  reopen the stream, again within the request timeout
 //!               no answer within the request timeout  →  a new round on a new stream at once
 //!               etcd says the lease is gone (ttl ≤ 0, NotFound)  →  lost: ExpiredOnServer
-//!               now ≥ valid_until                                 →  lost: NotRenewedInTime
+//!               now ≥ valid_until (mid-round too)                 →  lost: NotRenewedInTime
+//!               lost, whoever found it  →  no more keep-alives (the round in flight is
+//!                                          dropped); revoke, within one request timeout
 //! ```
 //!
 //! The interval is TTL/3, or less so that a renewal is sent while one request timeout
@@ -174,8 +176,17 @@ pub(crate) fn trusted_until(sent: Instant, ttl_s: i64, granted_ttl_s: i64) -> In
     sent + ttl.saturating_sub(slack)
 }
 
-/// Renews `lease` until it is lost; runs as a task of its own, aborted when the
-/// placement is dropped.
+/// Renews `lease` until it is lost, then revokes it; runs as a task of its own,
+/// aborted when the placement is dropped (the lease then ends by its TTL, as a crashed
+/// node's does).
+///
+/// Once the lease is lost, whoever found it (this task at `valid_until`, a write that
+/// waited for a late renewal, a request etcd answered "not found"), the task sends no
+/// more keep-alives at once: the round in flight is dropped with its stream and no new
+/// one is opened. A renewal answered after the loss would otherwise be recorded and
+/// the task would go on renewing a lease the node no longer trusts, so etcd kept it,
+/// and the node's actors unplaceable by any other node, for as long as the node ran.
+/// Then it revokes the lease ([`revoke_lost`]) unless etcd already said it is gone.
 pub(crate) async fn keep_alive(
     standing: Arc<LeaseStanding>,
     mut client: LeaseClient,
@@ -184,15 +195,42 @@ pub(crate) async fn keep_alive(
     interval: Duration,
     request_timeout: Duration,
 ) {
+    let reason = renew_until_lost(&standing, &mut client, lease, granted_ttl_s, interval, request_timeout).await;
+    match reason {
+        // Gone on etcd already; or leaving, which revokes it itself.
+        LeaseLostReason::ExpiredOnServer | LeaseLostReason::Left => {}
+        LeaseLostReason::NotRenewedInTime => revoke_lost(&mut client, lease, request_timeout).await,
+    }
+}
+
+/// Marks the lease lost for `reason` and answers why it is lost (the first reason wins).
+fn lose_now(standing: &LeaseStanding, reason: LeaseLostReason) -> LeaseLostReason {
+    standing.lose(reason.clone());
+    standing.lost().unwrap_or(reason)
+}
+
+/// The keep-alive rounds, until the lease is lost; answers why. Every wait of it also
+/// ends when the lease is lost elsewhere or its validity ends, so that no keep-alive is
+/// sent, and no answer recorded, after the node stopped trusting the lease.
+async fn renew_until_lost(
+    standing: &LeaseStanding,
+    client: &mut LeaseClient,
+    lease: i64,
+    granted_ttl_s: i64,
+    interval: Duration,
+    request_timeout: Duration,
+) -> LeaseLostReason {
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     loop {
         let sent = tokio::time::Instant::now();
+        // Only this task moves `valid_until` on, so it stays put during the round.
+        let valid_until = standing.valid_until();
         // A failed renewal (a dead endpoint, a broken stream) is tried again on a new
         // stream within the request timeout: with one etcd member down, a stream opened
         // on it fails and the next one may reach a live member.
         let renew_until_answered = async {
             loop {
-                match renew(&mut client, lease, granted_ttl_s, &mut stream).await {
+                match renew(client, lease, granted_ttl_s, &mut stream).await {
                     Renewal::Failed => {
                         stream = None;
                         tokio::time::sleep(Duration::from_millis(ETCD_RETRY_PAUSE_MS)).await;
@@ -201,22 +239,31 @@ pub(crate) async fn keep_alive(
                 }
             }
         };
-        let renewal = match tokio::time::timeout(request_timeout, renew_until_answered).await {
-            Ok(renewal) => renewal,
-            Err(_elapsed) => Renewal::Failed,
+        // Biased (tests/determinism_guard.rs): a loss found elsewhere wins; an answer
+        // ready together with the validity's end still counts (it was sent before).
+        let renewal = tokio::select! {
+            biased;
+            reason = standing.wait_lost() => return reason,
+            renewal = tokio::time::timeout(request_timeout, renew_until_answered) => {
+                renewal.unwrap_or(Renewal::Failed)
+            }
+            () = tokio::time::sleep_until(valid_until) => {
+                return lose_now(standing, LeaseLostReason::NotRenewedInTime);
+            }
         };
         // After a renewed round the next comes one interval after this one was sent;
         // after a failed one, at once (after the retry pause): waiting for the interval
         // left a 3 s lease with 500 ms requests no second try before its validity ended.
         let next = match renewal {
             Renewal::Renewed(ttl_s) if ttl_s > 0 => {
+                if let Some(reason) = standing.lost() {
+                    // Lost while the answer was on its way: never trusted again.
+                    return reason;
+                }
                 standing.renewed(trusted_until(sent, ttl_s, granted_ttl_s));
                 sent + interval
             }
-            Renewal::Renewed(_) | Renewal::Gone => {
-                standing.lose(LeaseLostReason::ExpiredOnServer);
-                return;
-            }
+            Renewal::Renewed(_) | Renewal::Gone => return lose_now(standing, LeaseLostReason::ExpiredOnServer),
             Renewal::Failed => {
                 tracing::debug!(lease, "etcd lease renewal failed; retrying on a new stream");
                 stream = None;
@@ -225,16 +272,64 @@ pub(crate) async fn keep_alive(
         };
         let valid_until = standing.valid_until();
         if tokio::time::Instant::now() >= valid_until {
-            standing.lose(LeaseLostReason::NotRenewedInTime);
-            return;
+            return lose_now(standing, LeaseLostReason::NotRenewedInTime);
         }
-        tokio::time::sleep_until(next.min(valid_until)).await;
-        if tokio::time::Instant::now() >= standing.valid_until() && standing.lost().is_none() {
+        tokio::select! {
+            biased;
+            reason = standing.wait_lost() => return reason,
+            () = tokio::time::sleep_until(next.min(valid_until)) => {}
+        }
+        if tokio::time::Instant::now() >= standing.valid_until() {
             // The next renewal may still succeed, but the bound has passed: from here on
             // the server may have expired the lease.
-            standing.lose(LeaseLostReason::NotRenewedInTime);
-            return;
+            return lose_now(standing, LeaseLostReason::NotRenewedInTime);
         }
+    }
+}
+
+/// Revokes a lease the node found lost, best effort, within one request timeout, so
+/// that etcd deletes its membership record and every placement under it now and other
+/// nodes may place its actors at once, instead of one TTL after the last keep-alive
+/// etcd received (with etcd's answers lost or late but the node's requests getting
+/// through, that is up to a TTL after the node stopped trusting the lease, time in
+/// which nobody serves those actors).
+///
+/// Safe: the node stopped using the lease before this runs. Every write under it
+/// starts only while the lease is not lost and ends before `valid_until`
+/// ([`LeaseStanding::wait_for_write`]), a bound computed conservatively (from the send
+/// time of the last renewal etcd confirmed, minus `ETCD_LEASE_EXPIRY_SLACK_MS`), no
+/// later than etcd could expire it anyway; the runtime stops serving on `lease_lost`,
+/// and a commit racing that is refused by the store once another node claimed the actor
+/// with the newer fence its placement carries, exactly as after an expiry. A write
+/// still in flight reaching etcd after the revoke finds the lease gone and is refused.
+/// A revoke that fails (etcd unreachable both ways, or the request timeout passes)
+/// changes nothing: the lease ends by its TTL, as before. A rejoin
+/// (`EtcdPlacement::rejoin_unless_in_use`) aborts this task and revokes the lease
+/// again itself (a second revoke is "not found"), then takes a new lease.
+async fn revoke_lost(client: &mut LeaseClient, lease: i64, request_timeout: Duration) {
+    let revoke = async {
+        loop {
+            match client.revoke(lease).await {
+                Ok(_) => return "revoked",
+                Err(error) if crate::etcd_placement::says_lease_gone(&error) => return "gone already",
+                Err(error) => {
+                    tracing::debug!(%error, lease = format_args!("{lease:x}"), "revoking the lost lease failed; trying again");
+                    tokio::time::sleep(Duration::from_millis(ETCD_RETRY_PAUSE_MS)).await;
+                }
+            }
+        }
+    };
+    match tokio::time::timeout(request_timeout, revoke).await {
+        Ok(outcome) => tracing::info!(
+            lease = format_args!("{lease:x}"),
+            outcome,
+            "the lost etcd lease is revoked"
+        ),
+        Err(_elapsed) => tracing::info!(
+            lease = format_args!("{lease:x}"),
+            timeout_ms = request_timeout.as_millis(),
+            "no answer to the lost etcd lease's revoke in time; it ends by its TTL if the revoke did not reach etcd"
+        ),
     }
 }
 
