@@ -55,6 +55,7 @@ async fn request(
             .await?
             .downcast::<ConvReply>()
             .map_err(|_| ConversationError::Unavailable {
+                store_unavailable: false,
                 cause: "the conversation replied with something other than a ConvReply".to_string(),
             })?
     };
@@ -127,6 +128,7 @@ pub(crate) async fn record_call(
         return match request(turn, &target, ConvCommand::Exchange { question, answer }).await? {
             ConvReply::Posted(_) => Ok(()),
             other => Err(ConversationError::Unavailable {
+                store_unavailable: false,
                 cause: format!("unexpected reply {other:?}"),
             }),
         };
@@ -138,6 +140,7 @@ pub(crate) async fn record_call(
             Ok(())
         }
         RecordQueued::Dropped => Err(ConversationError::Unavailable {
+            store_unavailable: false,
             cause: format!(
                 "{CALL_RECORDS_PENDING_MAX} recorded exchanges already wait for {target}; this one is dropped"
             ),

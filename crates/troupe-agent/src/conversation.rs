@@ -276,13 +276,35 @@ pub enum ConversationError {
     Unavailable {
         /// What failed.
         cause: String,
+        /// Whether the cause is a store that failed for a moment
+        /// ([`troupe_runtime::StoreError::is_transient`], directly or as the
+        /// `StorageFailed` of a call): an HTTP server answers it 503
+        /// `storage_unavailable` rather than `overloaded`. Kept in this process only:
+        /// not encoded (the reply of a conversation on another node decodes it
+        /// `false`, as a `StoreError::Unavailable` from another node decodes as
+        /// `Backend`), so the wire format is the one before the flag.
+        #[serde(skip)]
+        store_unavailable: bool,
     },
+}
+
+impl ConversationError {
+    /// [`ConversationError::Unavailable`] for `cause`, not a store that failed for a
+    /// moment.
+    pub fn unavailable(cause: impl Into<String>) -> Self {
+        Self::Unavailable {
+            cause: cause.into(),
+            store_unavailable: false,
+        }
+    }
 }
 
 impl From<InvokeError> for ConversationError {
     fn from(error: InvokeError) -> Self {
+        let store_unavailable = matches!(&error, InvokeError::StorageFailed { source, .. } if source.is_transient());
         Self::Unavailable {
             cause: error.to_string(),
+            store_unavailable,
         }
     }
 }
@@ -291,6 +313,7 @@ impl From<troupe_runtime::StoreError> for ConversationError {
     fn from(error: troupe_runtime::StoreError) -> Self {
         Self::Unavailable {
             cause: error.to_string(),
+            store_unavailable: error.is_transient(),
         }
     }
 }
@@ -581,6 +604,7 @@ pub(crate) enum ConvReply {
 
 pub(crate) fn decode_conv_reply(bytes: &[u8]) -> Result<ConvReply, ConversationError> {
     bincode::deserialize(bytes).map_err(|error| ConversationError::Unavailable {
+        store_unavailable: false,
         cause: format!("malformed reply: {error}"),
     })
 }
@@ -940,6 +964,7 @@ impl ConversationActor {
                     ConvReply::Created(info)
                 }
                 Err(error) => ConvReply::Error(ConversationError::Unavailable {
+                    store_unavailable: false,
                     cause: error.to_string(),
                 }),
             },
@@ -1483,6 +1508,7 @@ pub(crate) async fn read_committed(
 ) -> Result<Vec<ConversationMessage>, ConversationError> {
     let Some(runtime) = shared.runtime() else {
         return Err(ConversationError::Unavailable {
+            store_unavailable: false,
             cause: "the runtime has not started, or has stopped".to_string(),
         });
     };
@@ -1498,6 +1524,7 @@ pub(crate) async fn read_committed(
     for (key, bytes) in page {
         let entry: Vec<ConversationMessage> =
             crate::agent::decode_log_entry(&bytes).map_err(|error| ConversationError::Unavailable {
+                store_unavailable: false,
                 cause: format!("{key} cannot be decoded: {error}"),
             })?;
         messages.extend(
@@ -1607,6 +1634,99 @@ impl AgentActor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: a conversation error says whether its cause is a store down for a moment
+    /// (directly, or as the `StorageFailed` of a call), and only that; the flag is not
+    /// encoded, so a reply crossing nodes is the bytes it was before the flag (an old
+    /// node decodes it; the receiver reads `false`, as it reads a `StoreError::Unavailable`
+    /// from another node as `Backend`).
+    #[test]
+    fn a_conversation_error_says_a_store_down_for_a_moment_and_its_encoding_is_unchanged() {
+        use troupe_runtime::StoreOperation;
+        let unavailable = StoreError::Unavailable {
+            operation: StoreOperation::Scan,
+            cause: "connection refused".to_string(),
+        };
+        let injected = StoreError::Injected {
+            operation: StoreOperation::Scan,
+        };
+        let target = ActorId::new(CONVERSATION_KIND, "room").unwrap();
+        let flag = |error: &ConversationError| match error {
+            ConversationError::Unavailable { store_unavailable, .. } => *store_unavailable,
+            other => panic!("not Unavailable: {other:?}"),
+        };
+        assert!(flag(&ConversationError::from(unavailable.clone())));
+        assert!(flag(&ConversationError::from(InvokeError::StorageFailed {
+            target: target.clone(),
+            source: unavailable.clone(),
+        })));
+        assert!(!flag(&ConversationError::from(injected.clone())));
+        assert!(!flag(&ConversationError::from(InvokeError::StorageFailed {
+            target: target.clone(),
+            source: injected,
+        })));
+        assert!(!flag(&ConversationError::from(InvokeError::Shutdown)));
+        assert!(!flag(&ConversationError::unavailable("the runtime has stopped")));
+
+        /// `ConversationError` as it was derived before the flag.
+        #[derive(Serialize, Deserialize, Debug, PartialEq)]
+        enum Before {
+            InvalidName {
+                what: String,
+                value: String,
+                reason: String,
+            },
+            InvalidParticipants {
+                reason: String,
+            },
+            UnknownAgent {
+                agent: String,
+            },
+            Conflict {
+                id: String,
+            },
+            NotFound {
+                id: String,
+            },
+            NotParticipant {
+                id: String,
+                sender: Sender,
+            },
+            UnknownMention {
+                id: String,
+                name: String,
+            },
+            TooManyMentions {
+                count: usize,
+                max: usize,
+            },
+            BadText {
+                len: usize,
+                max: usize,
+            },
+            Full {
+                id: String,
+                max: u64,
+            },
+            Unavailable {
+                cause: String,
+            },
+        }
+        let error = ConversationError::from(unavailable);
+        let cause = error.to_string();
+        let bytes = bincode::serialize(&error).unwrap();
+        assert_eq!(
+            bytes,
+            bincode::serialize(&Before::Unavailable { cause: cause.clone() }).unwrap()
+        );
+        assert_eq!(
+            bincode::deserialize::<ConversationError>(&bytes).unwrap(),
+            ConversationError::Unavailable {
+                cause,
+                store_unavailable: false
+            }
+        );
+    }
 
     /// Goal: a relay record keeps its post's trace id; one stored before relays carried
     /// a trace (no field) reads as having none, and one with none is written as before.

@@ -142,6 +142,7 @@ impl AgentClient {
             }
             Err(error) => Err(error),
             Ok(other) => Err(ConversationError::Unavailable {
+                store_unavailable: false,
                 cause: format!("unexpected reply {other:?}"),
             }),
         }
@@ -284,6 +285,7 @@ impl AgentClient {
         {
             ConvReply::Posted(posted) => Ok(posted),
             other => Err(ConversationError::Unavailable {
+                store_unavailable: false,
                 cause: format!("unexpected reply {other:?}"),
             }),
         }
@@ -438,6 +440,7 @@ impl AgentClient {
         }
         match self.runtime.store().load(&target).await? {
             Some(snapshot) => decode_definition(&snapshot).map_err(|cause| ConversationError::Unavailable {
+                store_unavailable: false,
                 cause: format!("the state of {target} cannot be decoded: {cause}"),
             }),
             None => Ok(None),

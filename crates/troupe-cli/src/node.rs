@@ -776,11 +776,15 @@ fn invoke_error_response(error: InvokeError) -> Response {
     match error {
         error @ InvokeError::Rejected { .. } => error_response(StatusCode::BAD_REQUEST, error),
         error @ InvokeError::Timeout { .. } => error_response(StatusCode::GATEWAY_TIMEOUT, error),
-        // The owner died mid-call, or could not be claimed: the message may or may not
-        // be stored; the client decides whether to send it again.
-        error @ (InvokeError::Unreachable { .. } | InvokeError::StorageFailed { .. }) => {
-            error_response(StatusCode::SERVICE_UNAVAILABLE, error)
-        }
+        // The owner died mid-call: the message may or may not be stored; the client
+        // decides whether to send it again.
+        error @ InvokeError::Unreachable { .. } => error_response(StatusCode::SERVICE_UNAVAILABLE, error),
+        // The store failed: answered as `troupe serve` answers it (its error shape,
+        // `{"error": {"code", "message"}}`): a store down for a moment 503
+        // `storage_unavailable` with `Retry-After` (nothing was committed: send it
+        // again), any other store failure 500 `storage_failed`. Until 2026-12-07 both
+        // were 503 `{"error": "..."}` without `Retry-After`.
+        ref error @ InvokeError::StorageFailed { .. } => troupe_server::ApiError::from(error).into_response(),
         // The conversation's mailbox is full: nothing was stored; send it again later.
         error @ InvokeError::Busy { .. } => retry_response(StatusCode::TOO_MANY_REQUESTS, error),
         // The runtime is overloaded or stopping, or the owner's transport connection
@@ -1752,9 +1756,12 @@ mod tests {
     /// Goal: a failed conversation call is answered with the status that says what to
     /// do, `Retry-After` exactly where sending again later helps: a full mailbox 429, an
     /// overloaded or stopping runtime 503, both with `Retry-After:` `NODE_RETRY_AFTER_S`;
-    /// an unreachable owner or a store failure 503 without it (the message may be
-    /// stored; the client decides); a timeout 504, a refusal 400; the body names the
-    /// error. Method: each `InvokeError` through `invoke_error_response`.
+    /// an unreachable owner 503 without it (the message may be stored; the client
+    /// decides); a store failure as `troupe serve` answers it (`{"error": {"code",
+    /// "message"}}`): down for a moment 503 `storage_unavailable` with `Retry-After`,
+    /// otherwise 500 `storage_failed` (until 2026-12-07 both were 503 without it, in the
+    /// node's own shape); a timeout 504, a refusal 400; the body names the error.
+    /// Method: each `InvokeError` through `invoke_error_response`.
     #[tokio::test]
     async fn failed_calls_are_answered_with_their_status_and_retry_after_where_it_helps() {
         use troupe_core::{StoreError, StoreOperation};
@@ -1802,8 +1809,19 @@ mod tests {
                         operation: StoreOperation::Commit,
                     },
                 },
-                StatusCode::SERVICE_UNAVAILABLE,
+                StatusCode::INTERNAL_SERVER_ERROR,
                 None,
+            ),
+            (
+                InvokeError::StorageFailed {
+                    target: target.clone(),
+                    source: StoreError::Unavailable {
+                        operation: StoreOperation::Commit,
+                        cause: "connection refused".to_string(),
+                    },
+                },
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(retry_after.as_str()),
             ),
             (
                 InvokeError::Timeout {
@@ -1824,6 +1842,12 @@ mod tests {
         ];
         for (error, status, expected_retry_after) in cases {
             let text = error.to_string();
+            // A store failure in `troupe serve`'s shape, with its code.
+            let store_code = match &error {
+                InvokeError::StorageFailed { source, .. } if source.is_transient() => Some("storage_unavailable"),
+                InvokeError::StorageFailed { .. } => Some("storage_failed"),
+                _ => None,
+            };
             let response = invoke_error_response(error);
             assert_eq!(response.status(), status, "{text}");
             let retry_after = response
@@ -1833,7 +1857,10 @@ mod tests {
             assert_eq!(retry_after.as_deref(), expected_retry_after, "{text}");
             let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
             let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
-            assert_eq!(body["error"], json!(text));
+            match store_code {
+                Some(code) => assert_eq!(body["error"], json!({"code": code, "message": text})),
+                None => assert_eq!(body["error"], json!(text)),
+            }
         }
     }
 }

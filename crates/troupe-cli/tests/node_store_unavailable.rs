@@ -31,6 +31,10 @@ use serde_json::{json, Value};
 /// The longest any one HTTP request of these tests may wait for its answer, in
 /// milliseconds.
 const REQUEST_WAIT_MS_MAX: u64 = 20_000;
+/// The longest a call of the node's own conversation routes may wait for its answer,
+/// in milliseconds: they take no `timeout_ms`, and a store down runs out their
+/// `NODE_CALL_TIMEOUT_MS` (30 s) before they answer.
+const NODE_CALL_WAIT_MS_MAX: u64 = 45_000;
 
 /// A `troupe node` child, killed when dropped (a failed assertion leaves no process).
 struct Node {
@@ -46,6 +50,13 @@ impl Node {
     /// agents, with a 3 s lease, loopback ports of its own, no token, no model key (the
     /// scripted model), `extra` flags; up to the HTTP address it prints.
     fn start(etcd: &str, database: &str, id: &str, extra: &[&str]) -> Self {
+        let config = format!("{}/../../examples/org.toml", env!("CARGO_MANIFEST_DIR"));
+        Self::spawn(etcd, database, id, Some(&config), extra)
+    }
+
+    /// As [`Node::start`], with the organisation `config` (`--config`), or none: then
+    /// the node serves only its own conversation routes and `/health`.
+    fn spawn(etcd: &str, database: &str, id: &str, config: Option<&str>, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
             .args(["node", "--etcd", etcd, "--postgres", database, "--node-id", id])
             .args([
@@ -58,10 +69,7 @@ impl Node {
             ])
             // With an organisation the node serves `troupe serve`'s API (/v1/agents,
             // /metrics); without, only conversations and /health.
-            .args([
-                "--config",
-                &format!("{}/../../examples/org.toml", env!("CARGO_MANIFEST_DIR")),
-            ])
+            .args(config.map(|config| ["--config", config]).into_iter().flatten())
             .args(extra)
             .env_remove("TROUPE_TOKEN")
             .env_remove("OPENAI_API_KEY")
@@ -92,6 +100,11 @@ impl Node {
     /// One request to the node; the status, the response head and the body.
     fn request(&self, method: &str, path: &str, body: &str) -> (u16, String, String) {
         support::http_with_head(&self.addr, method, path, body, REQUEST_WAIT_MS_MAX)
+    }
+
+    /// As [`Node::request`], waiting up to `wait_ms` for the answer.
+    fn request_within(&self, method: &str, path: &str, body: &str, wait_ms: u64) -> (u16, String, String) {
+        support::http_with_head(&self.addr, method, path, body, wait_ms)
     }
 
     /// The value of the sample `name` (no labels) in the node's `/metrics`.
@@ -297,5 +310,168 @@ async fn a_node_serves_at_most_max_connections_and_one_more_waits_until_one_clos
     );
     let stderr = node.stop();
     assert!(stderr.contains("--max-connections"), "the cap's warn line: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Whether the response head `head` carries `Retry-After: 1`.
+fn retry_after_1(head: &str) -> bool {
+    head.to_ascii_lowercase().contains("\r\nretry-after: 1\r\n")
+        || head.to_ascii_lowercase().ends_with("\r\nretry-after: 1")
+}
+
+/// An A2A JSON-RPC `SendMessage` of `text` as message `message_id`; a notification
+/// (no `id`) if `id` is null.
+fn send_message(id: &Value, message_id: &str, text: &str) -> String {
+    let mut request = json!({
+        "jsonrpc": "2.0",
+        "method": "SendMessage",
+        "params": {"message": {"messageId": message_id, "role": "ROLE_USER", "parts": [{"text": text}]}},
+    });
+    if !id.is_null() {
+        request["id"] = id.clone();
+    }
+    request.to_string()
+}
+
+/// Goal: while a node's PostgreSQL server is down, its A2A route refuses a new task as
+/// every other route says a store down for a moment: a `SendMessage` is 503 with
+/// JSON-RPC code -32000 and `Retry-After: 1`, and the same message sent as a
+/// notification is 503 `storage_unavailable` with `Retry-After: 1` (until 2026-12-07 it
+/// was 503 `overloaded`, which told the client the server was full); once the server
+/// is back, the same message is answered with a completed task. Method: one task while
+/// the store is up (the node takes the agent's A2A records), `pg_ctl stop -m fast`,
+/// both sends of a new message, `pg_ctl start`, the message again.
+#[tokio::test]
+async fn a_nodes_a2a_route_refuses_a_task_503_storage_unavailable_while_its_postgres_is_down() {
+    let etcd = TestEtcd::start("node-a2a-store-unavailable").await;
+    let postgres = TestServer::start("node-a2a-store-unavailable");
+    let database = postgres.create_database("a2a").await;
+    let node = Node::start(&etcd.endpoint(), &database, "a2a-down", &[]);
+    let (status, _, body) = node.request("POST", "/a2a/ana", &send_message(&json!(1), "up", "first"));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        json(&body)["result"]["task"]["status"]["state"],
+        "TASK_STATE_COMPLETED",
+        "{body}"
+    );
+
+    postgres.stop();
+    let asked = Instant::now();
+    let (status, head, body) = node.request("POST", "/a2a/ana", &send_message(&json!(2), "down", "second"));
+    eprintln!(
+        "SendMessage with PostgreSQL stopped: {status} after {} ms: {body}",
+        asked.elapsed().as_millis()
+    );
+    assert_eq!(status, 503, "{head}\n{body}");
+    assert!(retry_after_1(&head), "no Retry-After: 1 in {head}");
+    let answer = json(&body);
+    assert_eq!(
+        (&answer["id"], &answer["error"]["code"]),
+        (&json!(2), &json!(-32000)),
+        "{body}"
+    );
+    let (status, head, body) = node.request("POST", "/a2a/ana", &send_message(&Value::Null, "down", "second"));
+    eprintln!("the same as a notification: {status}: {body}");
+    assert_eq!(status, 503, "{head}\n{body}");
+    assert!(retry_after_1(&head), "no Retry-After: 1 in {head}");
+    assert_eq!(json(&body)["error"]["code"], "storage_unavailable", "{body}");
+
+    postgres.start_again();
+    let (status, _, body) = node.request("POST", "/a2a/ana", &send_message(&json!(3), "down", "second"));
+    assert_eq!(status, 200, "the same message once the server is back: {body}");
+    assert_eq!(
+        json(&body)["result"]["task"]["status"]["state"],
+        "TASK_STATE_COMPLETED",
+        "{body}"
+    );
+    let stderr = node.stop();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Goal: while a node's PostgreSQL server is down, `troupe serve`'s conversation routes
+/// (on a node with `--config`) answer 503 `storage_unavailable` with `Retry-After: 1`,
+/// as its agent routes do (until 2026-12-07 they answered 503 `overloaded`, which told
+/// the client the server was full), and read the messages again once it is back.
+/// Method: a group conversation with a message, `pg_ctl stop -m fast`, its definition
+/// and its messages read, `pg_ctl start`, read again.
+#[tokio::test]
+async fn a_nodes_conversation_routes_answer_503_storage_unavailable_while_its_postgres_is_down() {
+    let etcd = TestEtcd::start("node-conversations-store-unavailable").await;
+    let postgres = TestServer::start("node-conversations-store-unavailable");
+    let database = postgres.create_database("conversations").await;
+    let node = Node::start(&etcd.endpoint(), &database, "conversations-down", &[]);
+    let room = r#"{"id": "room", "kind": "group", "participants": [
+        {"kind": "human", "name": "hugo"}, {"kind": "agent", "name": "ana"}]}"#;
+    let (status, _, body) = node.request("POST", "/v1/conversations", room);
+    assert_eq!(status, 200, "{body}");
+    let note = r#"{"sender": {"kind": "human", "name": "hugo"}, "msg_id": "n1", "text": "a note"}"#;
+    let (status, _, body) = node.request("POST", "/v1/conversations/room/messages", note);
+    assert_eq!(status, 200, "{body}");
+
+    postgres.stop();
+    for path in ["/v1/conversations/room", "/v1/conversations/room/messages"] {
+        let asked = Instant::now();
+        let (status, head, body) = node.request("GET", path, "");
+        eprintln!(
+            "GET {path} with PostgreSQL stopped: {status} after {} ms: {body}",
+            asked.elapsed().as_millis()
+        );
+        assert_eq!(status, 503, "{path}: {head}\n{body}");
+        assert_eq!(json(&body)["error"]["code"], "storage_unavailable", "{path}: {body}");
+        assert!(retry_after_1(&head), "{path}: no Retry-After: 1 in {head}");
+    }
+
+    postgres.start_again();
+    let (status, _, body) = node.request("GET", "/v1/conversations/room/messages", "");
+    assert_eq!(status, 200, "once the server is back: {body}");
+    assert_eq!(json(&body)["messages"][0]["text"], "a note", "{body}");
+    let stderr = node.stop();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Goal: a node without `--config` answers a message to its own conversation route
+/// while its PostgreSQL server is down as `troupe serve` does: 503 in the server's
+/// error shape, `{"error": {"code": "storage_unavailable", "message"}}`, with
+/// `Retry-After: 1` (until 2026-12-07 it was 503 `{"error": "..."}` without
+/// `Retry-After`); the same message (same `id`) sent again once the server is back is
+/// stored once. Method: a message, `pg_ctl stop -m fast`, a second message with an id
+/// (the route takes no `timeout_ms`: the answer comes after `NODE_CALL_TIMEOUT_MS`,
+/// 30 s), `pg_ctl start`, the second message again, the log read.
+#[tokio::test]
+async fn a_node_without_config_answers_its_own_conversation_route_503_storage_unavailable_with_retry_after() {
+    let etcd = TestEtcd::start("node-log-store-unavailable").await;
+    let postgres = TestServer::start("node-log-store-unavailable");
+    let database = postgres.create_database("logs").await;
+    let node = Node::spawn(&etcd.endpoint(), &database, "log-down", None, &[]);
+    let (status, _, body) = node.request("POST", "/v1/conversations/c1/messages", r#"{"text": "first"}"#);
+    assert_eq!(status, 200, "{body}");
+
+    postgres.stop();
+    let second = r#"{"text": "second", "id": "k2"}"#;
+    let asked = Instant::now();
+    let (status, head, body) =
+        node.request_within("POST", "/v1/conversations/c1/messages", second, NODE_CALL_WAIT_MS_MAX);
+    eprintln!(
+        "with PostgreSQL stopped: {status} after {} ms: {body}",
+        asked.elapsed().as_millis()
+    );
+    assert_eq!(status, 503, "{head}\n{body}");
+    assert_eq!(json(&body)["error"]["code"], "storage_unavailable", "{body}");
+    assert!(retry_after_1(&head), "no Retry-After: 1 in {head}");
+
+    postgres.start_again();
+    let (status, _, body) = node.request_within("POST", "/v1/conversations/c1/messages", second, NODE_CALL_WAIT_MS_MAX);
+    assert_eq!(status, 200, "the same message once the server is back: {body}");
+    let (status, _, body) = node.request("GET", "/v1/conversations/c1/messages", "");
+    assert_eq!(status, 200, "{body}");
+    let log = json(&body);
+    let texts: Vec<&str> = log["messages"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no messages in {body}"))
+        .iter()
+        .filter_map(|message| message["text"].as_str())
+        .collect();
+    assert_eq!(texts, ["first", "second"], "{body}");
+    let stderr = node.stop();
     assert!(!stderr.contains("panicked"), "{stderr}");
 }

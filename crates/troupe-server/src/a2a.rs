@@ -268,6 +268,10 @@ struct RpcError {
     message: String,
     /// Set for the retryable errors: 429 or 503 with `Retry-After`.
     status: StatusCode,
+    /// The server's error code of a retryable error (`busy`, `overloaded`,
+    /// `storage_unavailable`): the `code` a notification's refusal is answered with
+    /// ([`notified`]). Empty for the others.
+    refusal: &'static str,
 }
 
 impl RpcError {
@@ -276,6 +280,7 @@ impl RpcError {
             code,
             message: message.into(),
             status: StatusCode::OK,
+            refusal: "",
         }
     }
 
@@ -287,11 +292,41 @@ impl RpcError {
         Self::new(code::TASK_NOT_FOUND, format!("agent {agent:?} has no task {id:?}"))
     }
 
+    /// A refusal the client may retry: 429 `busy` or 503 `overloaded`.
     fn retry(status: StatusCode, message: impl Into<String>) -> Self {
         Self {
             code: code::BUSY,
             message: message.into(),
             status,
+            refusal: if status == StatusCode::TOO_MANY_REQUESTS {
+                "busy"
+            } else {
+                "overloaded"
+            },
+        }
+    }
+
+    /// The server's retryable `error` (with `Retry-After`) as A2A answers it: its
+    /// status (429 or 503) and the JSON-RPC code [`code::BUSY`], as every retryable
+    /// refusal; a notification's refusal carries its code.
+    fn refusal(error: ApiError) -> Self {
+        Self {
+            code: code::BUSY,
+            message: error.message,
+            status: error.status,
+            refusal: error.code,
+        }
+    }
+
+    /// A store that failed with `error`, said as `message`: 503 `storage_unavailable`
+    /// if it failed for a moment ([`StoreError::is_transient`]), as every route of the
+    /// server says it; 503 `overloaded` otherwise, as before 2026-12-07. Both may be
+    /// retried.
+    fn store(error: &StoreError, message: String) -> Self {
+        if error.is_transient() {
+            Self::refusal(ApiError::storage_unavailable(message))
+        } else {
+            Self::retry(StatusCode::SERVICE_UNAVAILABLE, message)
         }
     }
 
@@ -402,8 +437,8 @@ async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), Refused> {
         },
         other => Refused {
             holder: None,
-            error: RpcError::retry(
-                StatusCode::SERVICE_UNAVAILABLE,
+            error: RpcError::store(
+                &other,
                 format!("agent {agent:?}'s A2A tasks cannot be served by this node now: {other}"),
             ),
         },
@@ -685,16 +720,9 @@ fn notified(method: &str, outcome: Result<(), RpcError>) -> Response {
             );
             StatusCode::ACCEPTED.into_response()
         }
-        Err(error) => {
-            let code = if error.status == StatusCode::TOO_MANY_REQUESTS {
-                "busy"
-            } else {
-                "overloaded"
-            };
-            ApiError::new(error.status, code, error.message)
-                .retry_after()
-                .into_response()
-        }
+        Err(error) => ApiError::new(error.status, error.refusal, error.message)
+            .retry_after()
+            .into_response(),
     }
 }
 
@@ -959,8 +987,8 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         reservations += 1;
         if let Err(error) = a2a.store.reserve_numbers(&a2a.tasks, agent).await {
             lost_hold(a2a, agent, &error);
-            return Err(RpcError::retry(
-                StatusCode::SERVICE_UNAVAILABLE,
+            return Err(RpcError::store(
+                &error,
                 format!("agent {agent:?}'s A2A task numbers cannot be reserved now; retry later: {error}"),
             ));
         }
@@ -1001,6 +1029,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
     if let Err(error) = saved {
         lost_hold(a2a, agent, &error);
         let reason = format!("the task could not be stored: {error}");
+        let refused = RpcError::store(&error, reason.clone());
         let now = a2a.app.client.runtime().now();
         a2a.tasks.update(&record.id, |task| {
             task.enter(TaskState::Failed, now);
@@ -1012,7 +1041,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         if let Some(lane) = lane {
             lane.waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         }
-        return Err(RpcError::retry(StatusCode::SERVICE_UNAVAILABLE, reason));
+        return Err(refused);
     }
     if let Some(lane) = lane {
         // A call with Troupe's context runs until the caller's deadline, counted from
@@ -1158,16 +1187,7 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
                     task.reason = Some(format!("{code}: {result}"));
                 }
             }
-            Err(error) => {
-                let state = if matches!(error.code, "refused" | "agent_not_found") {
-                    TaskState::Rejected
-                } else {
-                    TaskState::Failed
-                };
-                task.enter(state, now);
-                task.busy = error.retry_after_s.is_some();
-                task.reason = Some(format!("{}: {}", error.code, error.message));
-            }
+            Err(error) => not_handed_over(task, &error, now),
         }
         true
     });
@@ -1177,6 +1197,24 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
             tracing::warn!(task = %id, %error, "could not store an ended A2A task");
         }
     }
+}
+
+/// Ends `task`, which its agent did not take (or whose outcome could not be read), with
+/// the server's `error`: `rejected` if the agent refused it or does not exist,
+/// `failed` otherwise. An error the client may retry (`Retry-After`) makes it end
+/// `busy`, keeping the refusal, which a blocking send answers as the server does (a
+/// busy agent 429 `busy`, a store down for a moment 503 `storage_unavailable`; until
+/// 2026-12-07 every one was 429).
+fn not_handed_over(task: &mut TaskRecord, error: &ApiError, now: troupe_core::Deadline) {
+    let state = if matches!(error.code, "refused" | "agent_not_found") {
+        TaskState::Rejected
+    } else {
+        TaskState::Failed
+    };
+    task.enter(state, now);
+    task.busy = error.retry_after_s.is_some();
+    task.reason = Some(format!("{}: {}", error.code, error.message));
+    task.refusal = task.busy.then(|| error.clone());
 }
 
 /// Whether the server is shutting down (`serve`'s shutdown began): A2A tasks stop being
@@ -1419,15 +1457,32 @@ async fn send_message(
     }
     let task = watcher.borrow().clone();
     if task.busy {
-        return Err(RpcError::retry(
-            StatusCode::TOO_MANY_REQUESTS,
-            task.reason.unwrap_or_else(|| "busy".to_string()),
-        ));
+        return Err(refused_task(task));
     }
     Ok(success(
         id,
         json!({"task": task_json(&task, accepted.history_length, true)}),
     ))
+}
+
+/// The answer to a blocking send whose task ended with a refusal to retry
+/// ([`TaskRecord::busy`]): the server's refusal it ended with (a busy agent 429, a store
+/// down for a moment 503 `storage_unavailable`, each with [`code::BUSY`] and
+/// `Retry-After`), or 429 if the record does not keep it.
+fn refused_task(task: TaskRecord) -> RpcError {
+    match task.refusal {
+        Some(refusal) => {
+            let mut error = RpcError::refusal(refusal);
+            if let Some(reason) = task.reason {
+                error.message = reason;
+            }
+            error
+        }
+        None => RpcError::retry(
+            StatusCode::TOO_MANY_REQUESTS,
+            task.reason.unwrap_or_else(|| "busy".to_string()),
+        ),
+    }
 }
 
 /// `SendStreamingMessage`: SSE of the task, its status updates, its reply artifact,
@@ -1820,5 +1875,125 @@ mod tests {
         }
         assert!(page_cursor("c1.ff").is_err(), "not UTF-8");
         assert!(page_cursor("c.").is_err(), "no id");
+    }
+
+    /// A task of agent `echo` as `run` holds it when its hand-over is tried.
+    fn working_task() -> TaskRecord {
+        TaskRecord {
+            id: "echo-task-1".to_string(),
+            seq: 1,
+            agent: "echo".to_string(),
+            context_id: "echo-context-1".to_string(),
+            state: TaskState::Working,
+            request: json!({"messageId": "m1", "parts": [{"text": "hi"}]}),
+            reply: None,
+            reply_meta: None,
+            reason: None,
+            chain: Vec::new(),
+            depth: 0,
+            timeout_ms: 1_000,
+            busy: false,
+            refusal: None,
+            trace_id: String::new(),
+            inner: None,
+            node: None,
+            state_since_micros: None,
+        }
+    }
+
+    /// The status, `Retry-After` and JSON body of `response`.
+    async fn read(response: Response) -> (StatusCode, Option<String>, Value) {
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|value| value.to_str().unwrap().to_string());
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        (status, retry_after, serde_json::from_slice(&body).unwrap())
+    }
+
+    /// Goal: a blocking `SendMessage` whose task could not be handed over because the
+    /// store was down for a moment (the agent's inbox write failed with
+    /// `StorageFailed { Unavailable }` past the task's deadline) is answered 503 with
+    /// JSON-RPC code -32000 and `Retry-After`, as every route answers a store down for a
+    /// moment (`storage_unavailable`, the code a notification's refusal carries); a busy
+    /// agent stays 429. Until 2026-12-07 both were 429, from the task's busy flag alone.
+    /// Method: the server's own error of each `InvokeError` ([`ApiError::from`]) through
+    /// the task's end (`not_handed_over`, what `run` does) and the blocking send's
+    /// answer (`refused_task`). Below the route: a stopped PostgreSQL cannot be stopped
+    /// between a task's save and its hand-over, which use the same store (the save
+    /// fails first; that path is tested end to end in
+    /// crates/troupe-cli/tests/node_store_unavailable.rs).
+    #[tokio::test]
+    async fn a_task_not_handed_over_for_a_store_down_for_a_moment_is_answered_503_and_a_busy_agent_429() {
+        let target = troupe_core::ActorId::new("agent", "echo").unwrap();
+        let unavailable = troupe_core::InvokeError::StorageFailed {
+            target: target.clone(),
+            source: StoreError::Unavailable {
+                operation: troupe_core::StoreOperation::Claim,
+                cause: "connection refused".to_string(),
+            },
+        };
+        let busy = troupe_core::InvokeError::Busy { target, capacity: 64 };
+        let retry_after = SERVER_RETRY_AFTER_S.to_string();
+        for (error, status, refusal) in [
+            (unavailable, StatusCode::SERVICE_UNAVAILABLE, "storage_unavailable"),
+            (busy, StatusCode::TOO_MANY_REQUESTS, "busy"),
+        ] {
+            let mut task = working_task();
+            not_handed_over(
+                &mut task,
+                &ApiError::from(&error),
+                troupe_core::Deadline::from_micros(1),
+            );
+            assert!(task.busy, "{error}: a refusal to retry");
+            assert_eq!(task.state, TaskState::Failed, "{error}");
+            let (answered, header, body) = read(refused_task(task.clone()).answer(&json!(7))).await;
+            assert_eq!(
+                (answered, header.as_deref()),
+                (status, Some(retry_after.as_str())),
+                "{error}: {body}"
+            );
+            assert_eq!(body["id"], 7, "{body}");
+            assert_eq!(body["error"]["code"], code::BUSY, "{body}");
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(message.starts_with(refusal), "{error}: {message}");
+            assert!(message.contains(&error.to_string()), "{error}: {message}");
+            // As a notification's refusal: the server's error shape, with the code.
+            let (answered, _, body) = read(notified("SendMessage", Err(refused_task(task)))).await;
+            assert_eq!((answered, &body["error"]["code"]), (status, &json!(refusal)), "{body}");
+        }
+    }
+
+    /// Goal: an A2A task that cannot be stored, or whose numbers cannot be reserved,
+    /// because the store is down for a moment is refused 503 `storage_unavailable`
+    /// (JSON-RPC -32000, `Retry-After`); any other store failure stays 503 `overloaded`
+    /// (until 2026-12-07 both were `overloaded`). Method: `RpcError::store` of each
+    /// `StoreError`, answered as a notification and as a request.
+    #[tokio::test]
+    async fn a_task_store_down_for_a_moment_is_refused_storage_unavailable_and_other_store_failures_overloaded() {
+        let unavailable = StoreError::Unavailable {
+            operation: troupe_core::StoreOperation::Commit,
+            cause: "connection refused".to_string(),
+        };
+        let backend = StoreError::Backend {
+            operation: troupe_core::StoreOperation::Commit,
+            cause: "relation does not exist".to_string(),
+        };
+        for (error, refusal) in [(unavailable, "storage_unavailable"), (backend, "overloaded")] {
+            let refused = || RpcError::store(&error, format!("the task could not be stored: {error}"));
+            let (status, retry_after, body) = read(notified("SendMessage", Err(refused()))).await;
+            assert_eq!(
+                (status, retry_after.as_deref(), &body["error"]["code"]),
+                (StatusCode::SERVICE_UNAVAILABLE, Some("1"), &json!(refusal)),
+                "{error}: {body}"
+            );
+            let (status, _, body) = read(refused().answer(&json!(1))).await;
+            assert_eq!(
+                (status, &body["error"]["code"]),
+                (StatusCode::SERVICE_UNAVAILABLE, &json!(code::BUSY)),
+                "{body}"
+            );
+        }
     }
 }

@@ -128,6 +128,11 @@ pub(crate) struct TaskRecord {
     /// not be stored): a blocking send answers it as a retryable error, and its message
     /// sent again starts a new task.
     pub(crate) busy: bool,
+    /// The server's refusal a `busy` task ended with (its status, code and
+    /// `Retry-After`): a blocking send answers with it. In this process only (not
+    /// stored): a record read back answers a busy end 429, as all did until 2026-12-07.
+    #[serde(skip)]
+    pub(crate) refusal: Option<crate::error::ApiError>,
     /// The trace id its agent's turn runs under (32 lowercase hex digits). Empty in
     /// tasks stored before trace ids crossed servers.
     #[serde(default)]
@@ -666,6 +671,7 @@ impl TaskRegistry {
             depth,
             timeout_ms,
             busy: false,
+            refusal: None,
             trace_id,
             inner: None,
             node: self.node.clone(),
@@ -954,6 +960,7 @@ mod tests {
             depth: 0,
             timeout_ms: 1_000,
             busy: false,
+            refusal: None,
             trace_id: String::new(),
             inner: Some(format!("echo-inner-{seq}")),
             node: None,

@@ -37,7 +37,16 @@ impl From<ConversationError> for ApiError {
             ConversationError::TooManyMentions { .. } => Self::unprocessable("too_many_mentions", message),
             ConversationError::BadText { .. } => Self::unprocessable("invalid_text", message),
             ConversationError::Full { .. } => Self::new(StatusCode::CONFLICT, "conversation_full", message),
-            ConversationError::Unavailable { .. } => Self::overloaded(message),
+            // A store down for a moment is said as every route says it (until
+            // 2026-12-07 it was `overloaded` here); any other cause stays `overloaded`.
+            ConversationError::Unavailable {
+                store_unavailable: true,
+                ..
+            } => Self::storage_unavailable(message),
+            ConversationError::Unavailable {
+                store_unavailable: false,
+                ..
+            } => Self::overloaded(message),
         }
     }
 }
