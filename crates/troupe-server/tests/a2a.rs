@@ -1041,8 +1041,8 @@ async fn a_task_id_is_not_given_again_after_its_agent_is_deleted_and_the_server_
 /// tasks by id, answered it with the other server's task's outcome and ran nothing).
 /// Method: two servers, each its own `AgentSystem`, on one SQLite file; blocking sends
 /// alternate between them: four answered by the agent (each must be answered with its
-/// own text; one the other runtime's claim fenced off is answered 429 `fenced`, to
-/// send again, and is sent again), then enough
+/// own text; one the other runtime's claim fenced off is answered 503 `fenced`, as the
+/// server answers `fenced` (429 until 2026-12-07), to send again, and is sent again), then enough
 /// rejected ones (a chain that holds the agent: no turn, a task
 /// all the same) that each server uses up its first block of numbers and reserves
 /// another, while the other reserves between; every id, and every context id, differs.
@@ -1069,13 +1069,14 @@ async fn two_servers_on_one_store_never_give_one_agents_task_id_twice() {
     for (turn, text) in ["one", "two", "three", "four"].into_iter().enumerate() {
         // The two runtimes fence each other's activation of `echo`: the first turn on
         // a server after the other's is fenced off (nothing committed, the stale
-        // activation closed) and answered 429 `fenced` with Retry-After; the message
-        // sent again (a new task) is answered.
+        // activation closed) and answered 503 `fenced` with Retry-After (the server's
+        // status for it; 429 until 2026-12-07); the message sent again (a new task) is
+        // answered.
         let mut answered = None;
         for _ in 0..SENDS_PER_MESSAGE_MAX {
             let body = json!({"jsonrpc": "2.0", "id": "r1", "method": "SendMessage", "params": send_params(text)});
             let (status, headers, answer) = servers[turn % 2].raw("echo", body.to_string()).await;
-            if status == 429 {
+            if status == 503 {
                 assert!(answer.contains("fenced"), "send {turn}: {answer}");
                 assert!(headers.get("retry-after").is_some(), "send {turn}: {headers:?}");
                 continue;
