@@ -272,38 +272,13 @@ async fn a_node_serves_at_most_max_connections_and_one_more_waits_until_one_clos
         "{grown} descriptors more for {IDLE} idle connections with --max-connections {CAP}"
     );
 
-    let mut waiting = std::net::TcpStream::connect(&node.addr).unwrap();
-    std::io::Write::write_all(
-        &mut waiting,
-        format!(
-            "GET /health HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-            node.addr
-        )
-        .as_bytes(),
-    )
-    .unwrap();
-    waiting.set_read_timeout(Some(Duration::from_millis(HELD_MS))).unwrap();
-    let mut first = [0_u8; 1];
-    match waiting.read(&mut first) {
-        Err(error)
-            if matches!(
-                error.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) => {}
-        other => panic!("a request past the cap was answered: {other:?}"),
-    }
-    let released = Instant::now();
-    drop(idle);
-    waiting
-        .set_read_timeout(Some(Duration::from_millis(ANSWERED_MS)))
-        .unwrap();
-    let mut answer = String::new();
-    waiting
-        .read_to_string(&mut answer)
-        .expect("answered once the idle connections are gone");
-    let took = released.elapsed();
+    let took = support::held_past_the_cap_then_answered(
+        &node.addr,
+        Duration::from_millis(HELD_MS),
+        Duration::from_millis(ANSWERED_MS),
+        || drop(idle),
+    );
     eprintln!("answered {} ms after the idle connections went", took.as_millis());
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(
         node.metric("troupe_log_lines_dropped_total").is_some(),
         "the node's /metrics shows troupe_log_lines_dropped_total"

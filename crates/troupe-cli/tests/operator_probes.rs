@@ -1080,33 +1080,12 @@ fn idle_connections_past_max_connections_wait_and_the_descriptors_stay_bounded()
     );
 
     // One more connection waits behind them, unanswered.
-    let mut waiting = std::net::TcpStream::connect(&addr).unwrap();
-    std::io::Write::write_all(
-        &mut waiting,
-        format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .unwrap();
-    waiting.set_read_timeout(Some(Duration::from_millis(HELD_MS))).unwrap();
-    let mut first = [0_u8; 1];
-    match waiting.read(&mut first) {
-        Err(error)
-            if matches!(
-                error.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) => {}
-        other => panic!("a request past the cap was answered: {other:?}"),
-    }
-    let released = std::time::Instant::now();
-    drop(idle);
-    waiting
-        .set_read_timeout(Some(Duration::from_millis(ANSWERED_MS)))
-        .unwrap();
-    let mut answer = String::new();
-    waiting
-        .read_to_string(&mut answer)
-        .expect("answered once the idle connections are gone");
-    let took = released.elapsed();
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let took = support::held_past_the_cap_then_answered(
+        &addr,
+        Duration::from_millis(HELD_MS),
+        Duration::from_millis(ANSWERED_MS),
+        || drop(idle),
+    );
     assert!(
         took < Duration::from_millis(ANSWERED_MS),
         "answered {took:?} after the idle connections went"

@@ -1,5 +1,6 @@
 //! What the tests that run `troupe serve` as a process share: reading the address it
-//! prints, and one HTTP/1.1 request over a fresh connection.
+//! prints, one HTTP/1.1 request over a fresh connection, and the check that a
+//! connection past the server's cap waits.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -52,4 +53,43 @@ pub(crate) fn http_with_head(
     let status = response[9..12].parse().unwrap();
     let (head, body) = response.split_once("\r\n\r\n").unwrap();
     (status, head.to_string(), body.to_string())
+}
+
+/// Sends `GET /health` on a new connection to `addr`, a server whose connection cap is
+/// taken, and checks that no byte of an answer comes within `held` (the connection
+/// waits unaccepted); then runs `release` (which closes the connections holding the
+/// cap) and checks the request is answered 200 within `answered`. Returns how long
+/// after `release` the answer came.
+#[allow(dead_code)] // the connection-cap tests use it
+#[allow(clippy::disallowed_methods)] // a real process's answer, timed on the wall clock
+pub(crate) fn held_past_the_cap_then_answered(
+    addr: &str,
+    held: Duration,
+    answered: Duration,
+    release: impl FnOnce(),
+) -> Duration {
+    let mut waiting = TcpStream::connect(addr).unwrap();
+    waiting
+        .write_all(format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
+        .unwrap();
+    waiting.set_read_timeout(Some(held)).unwrap();
+    let mut first = [0_u8; 1];
+    match waiting.read(&mut first) {
+        Err(error)
+            if matches!(
+                error.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
+        other => panic!("a request past the cap was answered: {other:?}"),
+    }
+    let released = std::time::Instant::now();
+    release();
+    waiting.set_read_timeout(Some(answered)).unwrap();
+    let mut answer = String::new();
+    waiting
+        .read_to_string(&mut answer)
+        .expect("answered once the idle connections are gone");
+    let took = released.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    took
 }
