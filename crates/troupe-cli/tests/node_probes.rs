@@ -150,18 +150,7 @@ fn node_serving_with(
     std::io::BufReader<std::process::ChildStdout>,
     String,
 ) {
-    let mut child = node_command(etcd, database, id, "warn").args(extra).spawn().unwrap();
-    let mut pipe = child.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = pipe.read_to_string(&mut text);
-        text
-    });
-    let Some((stdout, addr)) = support::read_address(&mut child) else {
-        let _ = child.kill();
-        panic!("troupe node printed no address: {}", stderr.join().unwrap());
-    };
-    (child, stderr, stdout, addr)
+    support::spawn_serving(node_command(etcd, database, id, "warn").args(extra), "troupe node")
 }
 
 /// Sends `signal` (`TERM`, `INT`, `HUP`) to `child`.

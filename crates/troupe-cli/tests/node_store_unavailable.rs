@@ -20,8 +20,7 @@ mod postgres_server;
 #[allow(dead_code)] // `http`: these use `http_with_head`
 mod support;
 
-use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use etcd_server::TestEtcd;
@@ -57,38 +56,26 @@ impl Node {
     /// As [`Node::start`], with the organisation `config` (`--config`), or none: then
     /// the node serves only its own conversation routes and `/health`.
     fn spawn(etcd: &str, database: &str, id: &str, config: Option<&str>, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-            .args(["node", "--etcd", etcd, "--postgres", database, "--node-id", id])
-            .args([
-                "--lease-ttl-ms",
-                "3000",
-                "--listen",
-                "127.0.0.1:0",
-                "--http",
-                "127.0.0.1:0",
-            ])
-            // With an organisation the node serves `troupe serve`'s API (/v1/agents,
-            // /metrics); without, only conversations and /health.
-            .args(config.map(|config| ["--config", config]).into_iter().flatten())
-            .args(extra)
-            .env_remove("TROUPE_TOKEN")
-            .env_remove("OPENAI_API_KEY")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut pipe = child.stderr.take().unwrap();
-        // Read by a thread, so that its logs never fill the pipe.
-        let stderr = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = pipe.read_to_string(&mut text);
-            text
-        });
-        let Some((stdout, addr)) = support::read_address(&mut child) else {
-            let _ = child.kill();
-            panic!("troupe node printed no address: {}", stderr.join().unwrap());
-        };
+        let (child, stderr, stdout, addr) = support::spawn_serving(
+            Command::new(env!("CARGO_BIN_EXE_troupe"))
+                .args(["node", "--etcd", etcd, "--postgres", database, "--node-id", id])
+                .args([
+                    "--lease-ttl-ms",
+                    "3000",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--http",
+                    "127.0.0.1:0",
+                ])
+                // With an organisation the node serves `troupe serve`'s API (/v1/agents,
+                // /metrics); without, only conversations and /health.
+                .args(config.map(|config| ["--config", config]).into_iter().flatten())
+                .args(extra)
+                .env_remove("TROUPE_TOKEN")
+                .env_remove("OPENAI_API_KEY")
+                .env("RUST_LOG", "warn"),
+            "troupe node",
+        );
         Self {
             child,
             stderr: Some(stderr),

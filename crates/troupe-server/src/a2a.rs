@@ -1880,24 +1880,8 @@ mod tests {
     /// A task of agent `echo` as `run` holds it when its hand-over is tried.
     fn working_task() -> TaskRecord {
         TaskRecord {
-            id: "echo-task-1".to_string(),
-            seq: 1,
-            agent: "echo".to_string(),
-            context_id: "echo-context-1".to_string(),
-            state: TaskState::Working,
-            request: json!({"messageId": "m1", "parts": [{"text": "hi"}]}),
-            reply: None,
-            reply_meta: None,
-            reason: None,
-            chain: Vec::new(),
-            depth: 0,
-            timeout_ms: 1_000,
-            busy: false,
-            refusal: None,
-            trace_id: String::new(),
             inner: None,
-            node: None,
-            state_since_micros: None,
+            ..crate::a2a_tasks::tests::record(1, TaskState::Working)
         }
     }
 

@@ -913,7 +913,7 @@ fn let_go(by_message: &mut HashMap<(String, String), String>, id: &str, record: 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
@@ -945,7 +945,8 @@ mod tests {
         assert_eq!(*held.lock().unwrap(), vec![1, 2, 3]);
     }
 
-    fn record(seq: u64, state: TaskState) -> TaskRecord {
+    /// Task `seq` of agent `echo` in `state`, as the tests here and in `a2a.rs` build it.
+    pub(crate) fn record(seq: u64, state: TaskState) -> TaskRecord {
         TaskRecord {
             id: format!("echo-task-{seq}"),
             seq,

@@ -1,10 +1,10 @@
 //! What the tests that run `troupe serve` as a process share: reading the address it
-//! prints, one HTTP/1.1 request over a fresh connection, and the check that a
-//! connection past the server's cap waits.
+//! prints (after starting it with its stderr read by a thread), one HTTP/1.1 request
+//! over a fresh connection, and the check that a connection past the server's cap waits.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, ChildStdout};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 /// Reads the child's stdout up to the `listening on http://ADDR` line; the rest of
@@ -92,4 +92,29 @@ pub(crate) fn held_past_the_cap_then_answered(
     let took = released.elapsed();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     took
+}
+
+/// Starts `command` (a `troupe serve` or `troupe node`; `what` names it in a failure)
+/// with its stdout and stderr piped, its stderr read to the end by a thread so that its
+/// logs never fill the pipe, and waits for the address it prints: the child, the
+/// stderr's reader, the rest of stdout and the address. Panics with the stderr if it
+/// printed no address.
+#[allow(dead_code)] // the tests that start nodes use it
+#[allow(clippy::disallowed_methods)] // a thread in a test, reading a child's pipe
+pub(crate) fn spawn_serving(
+    command: &mut Command,
+    what: &str,
+) -> (Child, std::thread::JoinHandle<String>, BufReader<ChildStdout>, String) {
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut pipe = child.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    });
+    let Some((stdout, addr)) = read_address(&mut child) else {
+        let _ = child.kill();
+        panic!("{what} printed no address: {}", stderr.join().unwrap());
+    };
+    (child, stderr, stdout, addr)
 }
