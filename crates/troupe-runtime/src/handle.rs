@@ -508,6 +508,57 @@ impl RuntimeHandle {
         &self.shared.store
     }
 
+    /// Makes the store operation `attempt` (code outside any turn going to
+    /// [`RuntimeHandle::store`] itself: an API's reads, a server's own records) and,
+    /// while it fails for a moment ([`crate::StoreError::Unavailable`]: a server
+    /// restarting, a connection refused, a file locked), makes it again as the runtime
+    /// makes its own claims, commits and reads again (`store_retry.rs`): after a pause
+    /// of [`crate::STORE_RETRY_PAUSE_MS_FIRST`], doubling up to
+    /// [`crate::STORE_RETRY_PAUSE_MS_MAX`] and never past half of what is left, each try
+    /// after the first counted in [`RuntimeCounters::store_retries`]. `deadline` is
+    /// that of the request the operation serves: no try starts after it (the first is
+    /// made whatever it is), and a try in flight is not cut. The tries stop too once
+    /// the runtime is aborted (dropped, or its shutdown grace over), seen before the
+    /// next try. `operation` and `actor` (the key space) name the operation in the log.
+    ///
+    /// Make again only what may be made twice: a read; a claim (one applied unseen
+    /// costs a fence); a commit whose every try is the same commit under the same fence
+    /// with the same absolute writes (one applied unseen is applied again to the same
+    /// effect, or refused `Fenced` if another claim came since).
+    ///
+    /// # Errors
+    /// The first error that is not transient, at once; the last `Unavailable` when the
+    /// deadline or an abort ends the tries.
+    ///
+    /// # Cancel safety
+    /// Dropping the future drops the try in flight, as dropping `attempt`'s future
+    /// would, and makes no further one.
+    pub async fn retry_store<T, F, Attempt>(
+        &self,
+        deadline: Deadline,
+        operation: &str,
+        actor: &ActorId,
+        mut attempt: F,
+    ) -> Result<T, crate::StoreError>
+    where
+        F: FnMut() -> Attempt,
+        Attempt: Future<Output = Result<T, crate::StoreError>>,
+    {
+        match attempt().await {
+            Err(first) if first.is_transient() => {
+                let bounds = crate::store_retry::RetryBounds {
+                    shared: &self.shared,
+                    deadline,
+                    mailbox: None,
+                    actor,
+                    operation,
+                };
+                Box::pin(crate::store_retry::retry(bounds, first, attempt)).await
+            }
+            done => done,
+        }
+    }
+
     /// Sends `payload` to `target` from outside any actor and waits for the reply until
     /// `deadline`. Activates the actor if it is inactive. A `deadline` further than
     /// [`INVOKE_TIMEOUT_MS_MAX`] away is cut to that much from now (the request's turn

@@ -3,8 +3,11 @@
 //! file locked by another process): the claim that starts an activation (it loads the
 //! actor's state too: `StateStore::claim` returns it), the commit that ends a turn, the
 //! save at deactivation, and the reads inside a turn (`Turn::get`, `Turn::scan`,
-//! `Turn::check_fence`). Only the store operation is repeated, never the turn, and only
-//! on the failure's branch: an operation that succeeds at once costs nothing more.
+//! `Turn::check_fence`); and, through [`crate::RuntimeHandle::retry_store`], the store
+//! operations of code outside any turn that serve a request (an API's reads of a
+//! conversation, a server's own records such as its A2A tasks). Only the store operation
+//! is repeated, never the turn, and only on the failure's branch: an operation that
+//! succeeds at once costs nothing more.
 //!
 //! ```text
 //! try ──ok──► done
@@ -22,7 +25,9 @@
 //! Deadlines: for a claim, the oldest queued request's; for a commit or a read inside a
 //! turn, the turn's request's (a told message's turn: its own); for the save at
 //! deactivation, which serves no request, [`STORE_RETRY_DEACTIVATION_MS_MAX`] from its
-//! first failure. No try starts after the deadline, and a pause never reaches it. A
+//! first failure; for an operation outside a turn, the deadline its caller gives
+//! (`retry_store`'s: the request it serves, or a bound named by the caller where it
+//! serves none). No try starts after the deadline, and a pause never reaches it. A
 //! try in flight is not cut: it ends by the store's own timeouts, as the first try does
 //! (a commit already inside the store when the caller gives up completes, see
 //! `activation.rs`). The tries stop before the next one when the runtime is aborted
@@ -33,7 +38,18 @@
 //! closed mailbox is seen within one pause, at most [`STORE_RETRY_PAUSE_MS_MAX`]. The
 //! save at deactivation and a turn's reads do not look at the mailbox: the save runs
 //! because it is closed, and a turn runs to its end once started, as it does when no
-//! read fails.
+//! read fails. An operation outside a turn has no mailbox either: it stops at its
+//! deadline, or before its next try once the runtime is aborted (its pause is not cut:
+//! it is not an activation's task, so the abort is seen within one pause, at most
+//! [`STORE_RETRY_PAUSE_MS_MAX`]). A graceful shutdown does not stop it: the request it
+//! serves is still being answered.
+//!
+//! What may be tried again is the caller's to judge, as for the runtime's own: a read
+//! (it changes nothing); a claim (one the store applied unseen costs only a fence, the
+//! next claim issues a newer one); a commit only when the same commit, under the same
+//! fence, with the same absolute writes, is made again (one applied unseen is then
+//! either applied again to the same effect, or refused `Fenced` because someone claimed
+//! since), as `activation.rs` makes a turn's.
 //!
 //! Deliberately not done: no random jitter (runs replay under the simulator; a store's
 //! connection pool already bounds how many of its operations reach the server at once).
@@ -88,8 +104,8 @@ pub(crate) struct RetryBounds<'a> {
     /// For the log.
     pub(crate) actor: &'a ActorId,
     /// For the log: what is tried ("claim", "commit", "deactivation save", "get",
-    /// "scan", "check_fence").
-    pub(crate) operation: &'static str,
+    /// "scan", "check_fence", or what a caller of `retry_store` names).
+    pub(crate) operation: &'a str,
 }
 
 impl RetryBounds<'_> {
