@@ -131,23 +131,35 @@ pub enum InvokeError {
 
 impl InvokeError {
     /// Whether retrying the same request later may succeed: busy, overloaded, timed out,
-    /// unreachable, or a turn fenced off by another activation of its actor (a
-    /// [`StoreError::Fenced`] storage failure: the stale activation closes, and a later
-    /// request activates the actor again from its newest committed state). Any other
-    /// storage failure is not: retrying a failed store blindly can make it worse.
+    /// unreachable, or a storage failure that may pass: a turn fenced off by another
+    /// activation of its actor (a [`StoreError::Fenced`] source: the stale activation
+    /// closes, and a later request activates the actor again from its newest committed
+    /// state), or a store that failed for a moment and was still down when the
+    /// request's deadline ran out (a source for which [`StoreError::is_transient`],
+    /// i.e. [`StoreError::Unavailable`]; the runtime tried it again meanwhile). Any
+    /// other storage failure is not: it would fail the same way again, and retrying a
+    /// failed store blindly can make it worse.
+    ///
+    /// An `Unavailable` store on another node arrives as itself (transport protocol
+    /// version 8), so the answer is the same on the node that hosts the actor and on
+    /// the node that called it. Before 2026-12-07 a `StorageFailed` whose source was
+    /// `Unavailable` was not transient.
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Self::Busy { .. }
-                | Self::DispatcherBusy { .. }
-                | Self::ConnectionBusy { .. }
-                | Self::Timeout { .. }
-                | Self::Unreachable { .. }
-                | Self::StorageFailed {
-                    source: StoreError::Fenced { .. },
-                    ..
-                }
-        )
+            | Self::DispatcherBusy { .. }
+            | Self::ConnectionBusy { .. }
+            | Self::Timeout { .. }
+            | Self::Unreachable { .. } => true,
+            Self::StorageFailed { source, .. } => matches!(source, StoreError::Fenced { .. }) || source.is_transient(),
+            Self::ActorNotFound { .. }
+            | Self::ActorFailed { .. }
+            | Self::Rejected { .. }
+            | Self::DeadlockDetected { .. }
+            | Self::Shutdown
+            | Self::Refused(_)
+            | Self::Cancelled { .. } => false,
+        }
     }
 }
 
@@ -223,6 +235,38 @@ mod tests {
             operation: crate::StoreOperation::Commit,
         });
         assert!(!injected.is_transient(), "{injected}");
+    }
+
+    /// Goal: a storage failure whose store failed for a moment (`Unavailable`: the store
+    /// was still down when the request's deadline ran out) is transient, as its source
+    /// is; one whose store failed otherwise is not. Before 2026-12-07 it was not (this
+    /// test failed at its first assertion).
+    #[test]
+    fn a_storage_failure_of_a_store_down_for_a_moment_is_transient() {
+        let target = ActorId::new("agent", "a").unwrap();
+        let failed = |source| InvokeError::StorageFailed {
+            target: target.clone(),
+            source,
+        };
+        let unavailable = failed(StoreError::Unavailable {
+            operation: crate::StoreOperation::Commit,
+            cause: "connection refused".to_string(),
+        });
+        assert!(unavailable.is_transient(), "{unavailable}");
+        for source in [
+            StoreError::Backend {
+                operation: crate::StoreOperation::Commit,
+                cause: "connection refused".to_string(),
+            },
+            StoreError::TooManyWrites { count: 2, limit: 1 },
+            StoreError::NotOwner {
+                actor: target.clone(),
+                owner: None,
+            },
+        ] {
+            let error = failed(source);
+            assert!(!error.is_transient(), "{error}");
+        }
     }
 
     #[test]

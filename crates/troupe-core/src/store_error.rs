@@ -14,12 +14,14 @@
 //! other variant is not transient: the operation would fail the same way again, or (a
 //! fence refused, an owner elsewhere) the activation itself must be replaced.
 //!
-//! **On the wire** `Unavailable` is encoded exactly as [`StoreError::Backend`] with the
-//! same fields (bincode numbers variants, and nodes of one transport protocol version
-//! must decode each other's errors): a node that receives it sees `Backend`, with the
-//! same text. Transience matters only where the store is reached: by the time another
-//! node sees the error, the node that served the request has tried again until the
-//! request's deadline. Every other variant is encoded as it always was.
+//! **On the wire** every variant is encoded as serde derives it, `Unavailable` as itself
+//! (since transport protocol version 8): a node that calls an actor hosted on another
+//! node whose store is down gets `Unavailable`, as the host's own callers do, and
+//! answers it as a store that failed for a moment (503 `storage_unavailable`), not as a
+//! backend failure. `Unavailable` is the last variant, so every other variant keeps its
+//! bincode index and its bytes (bincode numbers variants); a node of version 7 or
+//! earlier, which encoded `Unavailable` as `Backend` and cannot decode the new index,
+//! is refused at the transport's handshake.
 
 use std::fmt;
 
@@ -82,9 +84,9 @@ impl fmt::Display for StoreItem {
 /// the one exception said at [`StoreError::Unavailable`]: a commit whose connection
 /// failed while its last step (PostgreSQL's `COMMIT`) was on its way.
 ///
-/// Encoded by serde as before `Unavailable` existed (see the module documentation);
-/// decoding takes every variant.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Deserialize)]
+/// Serializable (see the module documentation for the wire); a variant added later goes
+/// last, so that the others keep their encoding.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum StoreError {
     /// The backend failed (I/O, lock, database error).
     #[error("{operation} failed: {cause}")]
@@ -160,8 +162,8 @@ pub enum StoreError {
     /// again ([`StoreError::is_transient`]): its connection was refused, reset or closed,
     /// its server is shutting down or starting up, the file is locked by another process
     /// for longer than the store waits, or no pooled connection came in time. Its text
-    /// is [`StoreError::Backend`]'s, and so is its encoding (see the module
-    /// documentation).
+    /// is [`StoreError::Backend`]'s; it crosses nodes as itself (transport protocol
+    /// version 8; see the module documentation).
     ///
     /// What was written: nothing, except for a commit whose connection failed while its
     /// last step was on its way (PostgreSQL's `COMMIT` sent, its answer lost): then the
@@ -194,72 +196,6 @@ impl StoreError {
     }
 }
 
-/// How a [`StoreError`] is encoded: the variants as they were before
-/// [`StoreError::Unavailable`], which is encoded as [`StoreError::Backend`]. Borrowed,
-/// so that encoding copies nothing.
-#[derive(Serialize)]
-#[serde(rename = "StoreError")]
-enum Encoded<'a> {
-    Backend {
-        operation: StoreOperation,
-        cause: &'a str,
-    },
-    Injected {
-        operation: StoreOperation,
-    },
-    TooLarge {
-        what: StoreItem,
-        size: usize,
-        limit: usize,
-    },
-    TooManyWrites {
-        count: usize,
-        limit: usize,
-    },
-    Fenced {
-        actor: &'a ActorId,
-        held: Fence,
-        current: Option<Fence>,
-    },
-    NotOwner {
-        actor: &'a ActorId,
-        owner: &'a Option<String>,
-    },
-    ReservedKey {
-        key: &'a str,
-        prefix: &'a str,
-    },
-}
-
-impl Serialize for StoreError {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let encoded = match self {
-            Self::Backend { operation, cause } | Self::Unavailable { operation, cause } => Encoded::Backend {
-                operation: *operation,
-                cause,
-            },
-            Self::Injected { operation } => Encoded::Injected { operation: *operation },
-            Self::TooLarge { what, size, limit } => Encoded::TooLarge {
-                what: *what,
-                size: *size,
-                limit: *limit,
-            },
-            Self::TooManyWrites { count, limit } => Encoded::TooManyWrites {
-                count: *count,
-                limit: *limit,
-            },
-            Self::Fenced { actor, held, current } => Encoded::Fenced {
-                actor,
-                held: *held,
-                current: *current,
-            },
-            Self::NotOwner { actor, owner } => Encoded::NotOwner { actor, owner },
-            Self::ReservedKey { key, prefix } => Encoded::ReservedKey { key, prefix },
-        };
-        encoded.serialize(serializer)
-    }
-}
-
 fn display_owner(owner: &Option<String>) -> String {
     match owner {
         Some(owner) => format!("it is placed on node {owner}"),
@@ -276,6 +212,8 @@ fn display_newest(current: &Option<Fence>) -> String {
 
 #[cfg(test)]
 mod tests {
+    use bincode::Options;
+
     use super::*;
 
     #[test]
@@ -319,8 +257,8 @@ mod tests {
         }
     }
 
-    /// `StoreError` as it was derived before `Unavailable`: what nodes of the same
-    /// transport protocol version decode.
+    /// `StoreError` as it was derived before `Unavailable` (and as nodes of transport
+    /// protocol version 7 and earlier encoded every variant, `Unavailable` as `Backend`).
     #[derive(Serialize, Deserialize, Debug, PartialEq)]
     #[serde(rename = "StoreError")]
     enum Before {
@@ -355,11 +293,13 @@ mod tests {
         },
     }
 
-    /// Goal: adding `Unavailable` changed no byte on the wire. Method: every variant
-    /// encodes (bincode and JSON) as the enum derived before it did, `Unavailable` as
-    /// `Backend` with its fields, which is what a node decodes it as.
+    /// Goal: encoding `Unavailable` as itself (transport protocol version 8) changed no
+    /// byte of any other variant. Method: every other variant encodes (bincode and
+    /// JSON) as the enum derived before `Unavailable` did, and decodes as itself;
+    /// `Unavailable` takes the next bincode index, 7, which the old enum refuses to
+    /// decode (so a node of version 7 could not read it: it is refused at the handshake).
     #[test]
-    fn unavailable_is_encoded_as_backend_and_every_other_variant_as_before() {
+    fn every_variant_but_unavailable_is_encoded_as_before_and_unavailable_as_the_next_index() {
         let actor = ActorId::new("counter", "c").unwrap();
         let pairs = [
             (
@@ -370,16 +310,6 @@ mod tests {
                 Before::Backend {
                     operation: StoreOperation::Commit,
                     cause: "disk full".to_string(),
-                },
-            ),
-            (
-                StoreError::Unavailable {
-                    operation: StoreOperation::Claim,
-                    cause: "connection refused".to_string(),
-                },
-                Before::Backend {
-                    operation: StoreOperation::Claim,
-                    cause: "connection refused".to_string(),
                 },
             ),
             (
@@ -439,20 +369,82 @@ mod tests {
                 },
             ),
         ];
+        // The transport's frames use bincode's varint configuration; `bincode::serialize`
+        // (fixed-size integers) is checked too.
+        let wire = bincode::DefaultOptions::new();
         for (error, before) in pairs {
             let bytes = bincode::serialize(&error).unwrap();
             assert_eq!(bytes, bincode::serialize(&before).unwrap(), "{error:?}");
             assert_eq!(bincode::deserialize::<Before>(&bytes).unwrap(), before);
+            assert_eq!(bincode::deserialize::<StoreError>(&bytes).unwrap(), error);
+            let framed = wire.serialize(&error).unwrap();
+            assert_eq!(framed, wire.serialize(&before).unwrap(), "{error:?}");
+            assert_eq!(wire.deserialize::<StoreError>(&framed).unwrap(), error);
             let json = serde_json::to_string(&error).unwrap();
             assert_eq!(json, serde_json::to_string(&before).unwrap(), "{error:?}");
-            let decoded = bincode::deserialize::<StoreError>(&bytes).unwrap();
-            match error {
-                StoreError::Unavailable { operation, cause } => {
-                    assert_eq!(decoded, StoreError::Backend { operation, cause });
-                }
-                error => assert_eq!(decoded, error),
-            }
         }
+        let unavailable = StoreError::Unavailable {
+            operation: StoreOperation::Claim,
+            cause: "connection refused".to_string(),
+        };
+        let backend = StoreError::Backend {
+            operation: StoreOperation::Claim,
+            cause: "connection refused".to_string(),
+        };
+        let bytes = bincode::serialize(&unavailable).unwrap();
+        assert_eq!(
+            bytes[..4],
+            7u32.to_le_bytes(),
+            "the variant index after ReservedKey's 6"
+        );
+        assert_eq!(
+            bytes[4..],
+            bincode::serialize(&backend).unwrap()[4..],
+            "the fields as Backend's"
+        );
+        assert!(
+            bincode::deserialize::<Before>(&bytes).is_err(),
+            "the old layout refuses it"
+        );
+        let framed = wire.serialize(&unavailable).unwrap();
+        assert_eq!(framed[0], 7, "the variant index after ReservedKey's 6, one varint byte");
+        assert_eq!(
+            framed[1..],
+            wire.serialize(&backend).unwrap()[1..],
+            "the fields as Backend's"
+        );
+        assert!(
+            wire.deserialize::<Before>(&framed).is_err(),
+            "the old layout refuses it"
+        );
+        assert_eq!(
+            serde_json::to_string(&unavailable).unwrap(),
+            r#"{"Unavailable":{"operation":"Claim","cause":"connection refused"}}"#
+        );
+    }
+
+    /// Goal: a store down for a moment on another node is still `Unavailable` where the
+    /// error lands (transport protocol version 8), so that node answers it as
+    /// transient. Before version 8 it was encoded as `Backend` and decoded as one (this
+    /// test failed: `left: Backend { operation: Claim, .. }`).
+    #[test]
+    fn unavailable_survives_a_bincode_and_json_round_trip_as_itself() {
+        let unavailable = StoreError::Unavailable {
+            operation: StoreOperation::Claim,
+            cause: "connection refused".to_string(),
+        };
+        let bytes = bincode::serialize(&unavailable).unwrap();
+        assert_eq!(bincode::deserialize::<StoreError>(&bytes).unwrap(), unavailable);
+        let json = serde_json::to_string(&unavailable).unwrap();
+        assert_eq!(serde_json::from_str::<StoreError>(&json).unwrap(), unavailable);
+        let failed = crate::InvokeError::StorageFailed {
+            target: ActorId::new("counter", "c").unwrap(),
+            source: unavailable,
+        };
+        let bytes = bincode::serialize(&failed).unwrap();
+        let decoded = bincode::deserialize::<crate::InvokeError>(&bytes).unwrap();
+        assert!(decoded.is_transient(), "{decoded:?}");
+        assert_eq!(decoded, failed);
     }
 
     #[test]

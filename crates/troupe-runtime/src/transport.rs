@@ -264,9 +264,13 @@ pub const CALL_CHAIN_LENGTH_MAX: usize = 64;
 /// (version 5 answered `DispatcherBusy`, which named the wrong queue; a peer of version 5
 /// could not decode the new variant); 7 added the server's last frame `GoingAway`, which
 /// says how many of the connection's requests a stopping server read, so the client
-/// knows the others never ran (a client of version 6 could not decode it). Every node of
-/// a cluster must run the same version: a node of another one cannot call or be called.
-pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 7;
+/// knows the others never ran (a client of version 6 could not decode it); 8 encodes
+/// `StoreError::Unavailable` (a store down for a moment) as itself, a new last variant,
+/// where 7 encoded it as `StoreError::Backend`: a caller on another node now gets the
+/// host's transient store failure, not a backend failure (a node of version 7 could not
+/// decode the new variant). Every node of a cluster must run the same version: a node
+/// of another one cannot call or be called.
+pub(crate) const WIRE_PROTOCOL_VERSION: u16 = 8;
 /// Rounding allowance of the clock handshake, in microseconds: both clocks are read in
 /// whole microseconds, so the offset bound may be this much too generous; it is taken
 /// off every translated deadline.

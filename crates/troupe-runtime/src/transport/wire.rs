@@ -432,20 +432,25 @@ mod tests {
     /// A peer of version 4 knows no idempotency key (added in 5), one of version 5 no
     /// `InvokeError::ConnectionBusy` (added in 6), one of version 6 no `GoingAway`
     /// (added in 7: a client of version 6 could not decode it, and would take a leaving
-    /// node's unread requests for requests that may have run): all are refused at the
-    /// handshake, in either role, with both versions in the refusal.
+    /// node's unread requests for requests that may have run), one of version 7 no
+    /// `StoreError::Unavailable` on the wire (added in 8: it could not decode it, and
+    /// sent it as `Backend`): all are refused at the handshake, in either role, with
+    /// both versions in the refusal.
     #[test]
     fn a_peer_of_an_older_version_is_refused_at_the_handshake() {
-        assert_eq!(WIRE_PROTOCOL_VERSION, 7, "version 7 added ServerMessage::GoingAway");
-        for old in [3, 4, 5, 6] {
+        assert_eq!(
+            WIRE_PROTOCOL_VERSION, 8,
+            "version 8 encodes StoreError::Unavailable as itself"
+        );
+        for old in [3, 4, 5, 6, 7] {
             let mut hello = Hello::new(Deadline::from_micros(1));
             hello.version = old;
             let refusal = hello.refusal().expect("an older client is refused");
-            assert!(refusal.contains(&format!("version {old}, this server 7")), "{refusal}");
+            assert!(refusal.contains(&format!("version {old}, this server 8")), "{refusal}");
             let mut ack = Hello::new(Deadline::from_micros(1)).ack(Deadline::from_micros(2));
             ack.version = old;
             let refusal = ack.clock_sync(Deadline::from_micros(3)).unwrap_err();
-            assert!(refusal.contains(&format!("version {old}, this client 7")), "{refusal}");
+            assert!(refusal.contains(&format!("version {old}, this client 8")), "{refusal}");
         }
     }
 
@@ -473,6 +478,37 @@ mod tests {
         .unwrap();
         assert_eq!(going_away[FRAME_HEADER_SIZE_BYTES], 2, "GoingAway is variant 2");
         assert!(going_away.len() - FRAME_HEADER_SIZE_BYTES <= 10, "{}", going_away.len());
+    }
+
+    /// Goal: a response that says the host's store failed for a moment crosses the wire
+    /// as `StorageFailed { source: Unavailable }` (protocol version 8), so the caller's
+    /// node answers it as transient; version 7 sent it as `Backend` (this test failed:
+    /// `left: ... source: Backend { operation: Commit, cause: "connection refused" }`).
+    /// Method: the frame codec both ways, as the server writes and the client reads.
+    #[tokio::test]
+    async fn a_store_unavailable_on_the_host_crosses_the_wire_as_itself() {
+        use crate::transport::frame::{encode_frame, read_frame};
+        use crate::transport::FRAME_SIZE_MAX_BYTES;
+        use troupe_core::{StoreError, StoreOperation};
+
+        let sent = ServerMessage::Response(WireResponse {
+            request_id: 9,
+            result: Err(InvokeError::StorageFailed {
+                target: actor("c"),
+                source: StoreError::Unavailable {
+                    operation: StoreOperation::Commit,
+                    cause: "connection refused".to_string(),
+                },
+            }),
+        });
+        let frame = encode_frame(&sent).unwrap();
+        let mut reader: &[u8] = &frame;
+        let received: ServerMessage = read_frame(&mut reader, FRAME_SIZE_MAX_BYTES).await.unwrap();
+        assert_eq!(received, sent);
+        let ServerMessage::Response(WireResponse { result: Err(error), .. }) = received else {
+            panic!("not an error response: {received:?}");
+        };
+        assert!(error.is_transient(), "{error}");
     }
 
     #[test]

@@ -1,0 +1,343 @@
+//! A store down for a moment on the node that hosts an actor reaches a caller on
+//! another node as what it is: `StorageFailed { source: StoreError::Unavailable }`,
+//! transient, the same error the host's own callers get (transport protocol version 8).
+//!
+//! Goal: a call across the transport to an actor whose host's store is down ends with
+//! the host's `Unavailable` (the claim's or the commit's), which the caller's node
+//! answers as a store that failed for a moment (503 `storage_unavailable` with
+//! `Retry-After`, as the host itself does), not as a backend failure (500
+//! `storage_failed`, "do not retry"). Before version 8 the wire encoded `Unavailable` as
+//! `StoreError::Backend`, and the caller got `Backend` with the same text.
+//!
+//! Method: the host runs counters (`support/turn_counter.rs`) on a store that fails
+//! every operation `Unavailable` while it is down ([`Outage`]); a [`TransportClient`]
+//! calls them from another node. The host tries the store again until the request's
+//! deadline, then answers the store's last error: a commit's for a counter already
+//! active, a claim's for one that is not. Once the store is back, the next call counts
+//! from the committed state (the failed turn committed nothing). The first section runs
+//! on loopback TCP (both runtime flavours), the second on two simulated nodes.
+//!
+//! Run with `cargo nextest run -p troupe-runtime --test transport_store_unavailable`, and
+//! under simulation with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo
+//! nextest run -p troupe-runtime --test transport_store_unavailable`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use troupe_core::{ActorId, CallContext, InvokeError};
+use troupe_runtime::{
+    Claimed, Clock, Fence, MemoryStore, Runtime, StateStore, StoreError, StoreOperation, TransportClient, TurnCommit,
+};
+
+#[path = "support/turn_counter.rs"]
+mod turn_counter;
+use turn_counter::{turn_counter_runtime, TURN_COUNTER_KIND};
+
+/// The deadline of a call made while the host's store is down, in milliseconds: the
+/// host tries the store again until then.
+const OUTAGE_CALL_MS: u64 = 1_000;
+/// Most calls made on loopback for one case before its answer must have come in time
+/// (see [`outage_call`]).
+const LOOPBACK_ATTEMPTS_MAX: u32 = 3;
+/// The deadline of a call made while the store is up, in milliseconds.
+const CALL_MS: u64 = 10_000;
+/// What the store says while it is down.
+const OUTAGE_CAUSE: &str = "connection refused (the test's outage)";
+
+/// A `MemoryStore` that fails every operation `Unavailable` while it is down, and
+/// counts those failures.
+#[derive(Clone, Default)]
+struct Outage {
+    inner: MemoryStore,
+    down: Arc<AtomicBool>,
+    failed: Arc<AtomicU64>,
+}
+
+impl Outage {
+    fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    fn failures(&self) -> u64 {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// `Unavailable` for `operation` while the store is down.
+    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
+        if !self.down.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.failed.fetch_add(1, Ordering::SeqCst);
+        Err(StoreError::Unavailable {
+            operation,
+            cause: OUTAGE_CAUSE.to_string(),
+        })
+    }
+}
+
+#[async_trait]
+impl StateStore for Outage {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.check(StoreOperation::Claim)?;
+        self.inner.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Load)?;
+        self.inner.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.check(StoreOperation::Commit)?;
+        self.inner.commit(actor, fence, commit).await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Get)?;
+        self.inner.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.check(StoreOperation::Scan)?;
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+/// The host: counters on `store`; every turn run adds one to `turns`.
+fn host(store: &Outage, turns: &Arc<AtomicU64>) -> Runtime {
+    turn_counter_runtime(Arc::new(store.clone()), turns)
+}
+
+fn counter(key: &str) -> ActorId {
+    ActorId::new(TURN_COUNTER_KIND, key).unwrap()
+}
+
+/// One `inc` of `target` through `client`, within `within_ms`.
+async fn inc(client: &TransportClient, clock: Clock, target: &ActorId, within_ms: u64) -> Result<Bytes, InvokeError> {
+    let context = CallContext::root(clock.deadline_in(Duration::from_millis(within_ms)));
+    client.invoke(target, Bytes::from_static(b"inc"), context, None).await
+}
+
+/// Checks that `result` is the host's `Unavailable` for `operation` on `target`, typed
+/// and transient.
+fn assert_unavailable(result: Result<Bytes, InvokeError>, target: &ActorId, operation: StoreOperation) {
+    let error = result.expect_err("the host's store is down");
+    match &error {
+        InvokeError::StorageFailed {
+            target: failed,
+            source:
+                StoreError::Unavailable {
+                    operation: failed_operation,
+                    cause,
+                },
+        } if failed == target && *failed_operation == operation && cause == OUTAGE_CAUSE => {}
+        other => panic!(
+            "{target}: not the host's store failing for a moment at {operation} (StorageFailed {{ source: \
+             Unavailable }}): {other:?}"
+        ),
+    }
+    assert!(error.is_transient(), "{error}");
+}
+
+/// One call to `target` while the host's store is down, which must end with the
+/// host's `Unavailable` at `operation`: at a commit for a counter active when the store
+/// went down (activated first, store up), at its claim for one not active.
+///
+/// The host stops trying the store under `STORE_RETRY_LEFT_MS_MIN` (10 ms) before its
+/// deadline, which is its caller's (translated, never later); an answer that takes
+/// longer than what is left to come back finds the caller gone, which ends `Timeout`.
+/// On the simulator the network is set fast enough that it never does; on a loaded
+/// machine's loopback it can (1 run in about 20 on two shared cores), so a call that
+/// ends `Timeout` is made again, up to `attempts_max` times: any other answer than
+/// `Unavailable` fails the test at once, and so do `attempts_max` timeouts. Returns the
+/// timeouts met.
+async fn outage_call(
+    client: &TransportClient,
+    clock: Clock,
+    store: &Outage,
+    turns: &AtomicU64,
+    target: &ActorId,
+    operation: StoreOperation,
+    attempts_max: u32,
+) -> u32 {
+    let mut timeouts = 0;
+    loop {
+        store.set_down(false);
+        if operation == StoreOperation::Commit {
+            inc(client, clock, target, CALL_MS).await.expect("the store is up");
+        }
+        store.set_down(true);
+        let (failed_before, turns_before) = (store.failures(), turns.load(Ordering::SeqCst));
+        let result = inc(client, clock, target, OUTAGE_CALL_MS).await;
+        if matches!(result, Err(InvokeError::Timeout { .. })) && timeouts + 1 < attempts_max {
+            timeouts += 1;
+            eprintln!("{target}: the host's answer came after the caller's deadline ({timeouts} times); again");
+            continue;
+        }
+        assert_unavailable(result, target, operation);
+        let turns_run = turns.load(Ordering::SeqCst) - turns_before;
+        let expected_turns = u64::from(operation == StoreOperation::Commit);
+        assert_eq!(
+            turns_run, expected_turns,
+            "{target}: only the store operation was tried again"
+        );
+        let failed = store.failures() - failed_before;
+        assert!(
+            failed >= 2,
+            "{target}: the host tried the store again: {failed} failures"
+        );
+        store.set_down(false);
+        return timeouts;
+    }
+}
+
+/// The scenario, with `client` calling the host that runs on `store`: a call to an
+/// active counter while the store is down (its commit fails), one to a counter not
+/// active (its claim fails), then, the store back, both counters count on from their
+/// committed state (the failed turns committed nothing). Returns the timeouts met (see
+/// [`outage_call`]).
+async fn calls_during_the_hosts_outage(
+    client: &TransportClient,
+    clock: Clock,
+    store: &Outage,
+    turns: &AtomicU64,
+    attempts_max: u32,
+) -> u32 {
+    let (active, idle) = (counter("active"), counter("idle"));
+    let commit_timeouts = outage_call(
+        client,
+        clock,
+        store,
+        turns,
+        &active,
+        StoreOperation::Commit,
+        attempts_max,
+    )
+    .await;
+    let claim_timeouts = outage_call(client, clock, store, turns, &idle, StoreOperation::Claim, attempts_max).await;
+    // One count committed before each call made while the store was down.
+    let committed = u64::from(commit_timeouts) + 1;
+    let count = inc(client, clock, &active, CALL_MS).await.expect("the store is back");
+    assert!(
+        count == (committed + 1).to_string().as_bytes(),
+        "counter/active counts on from its committed state, {committed}: {count:?}"
+    );
+    assert_eq!(
+        inc(client, clock, &idle, CALL_MS).await.expect("the store is back"),
+        "1"
+    );
+    commit_timeouts + claim_timeouts
+}
+
+#[cfg(not(madsim))]
+mod loopback {
+    use std::net::SocketAddr;
+
+    use troupe_runtime::TransportServer;
+
+    use super::*;
+
+    async fn run() {
+        let store = Outage::default();
+        let turns = Arc::new(AtomicU64::new(0));
+        let runtime = host(&store, &turns);
+        let address: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let server = TransportServer::bind(address, runtime.handle()).await.unwrap();
+        let clock = Clock::new();
+        let client = TransportClient::new(server.local_address(), clock);
+        let timeouts = calls_during_the_hosts_outage(&client, clock, &store, &turns, LOOPBACK_ATTEMPTS_MAX).await;
+        eprintln!("calls made again after a late answer: {timeouts}");
+        drop(server);
+        runtime.shutdown().await;
+    }
+
+    /// Goal and method: see the file's documentation; the client's callers and the
+    /// host's tasks on two threads.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_to_a_host_whose_store_is_down_fails_unavailable_at_the_caller_on_two_threads() {
+        run().await;
+    }
+
+    /// As above, on one thread.
+    #[tokio::test]
+    async fn a_call_to_a_host_whose_store_is_down_fails_unavailable_at_the_caller() {
+        run().await;
+    }
+}
+
+#[cfg(madsim)]
+mod simulated {
+    use std::net::{IpAddr, SocketAddr};
+
+    use madsim::net::NetSim;
+    use madsim::runtime::Handle;
+    use troupe_runtime::TransportServer;
+
+    use super::*;
+
+    const HOST_IP: &str = "10.0.0.1";
+    const CALLER_IP: &str = "10.0.0.2";
+    const HOST_PORT: u16 = 7_000;
+    /// When the caller starts, in milliseconds after the start: the host is listening.
+    const CALL_AT_MS: u64 = 100;
+    /// The network's latency, in milliseconds a message, lowest and highest (exclusive):
+    /// below the 5 ms at least that the host's answer has left before the caller's
+    /// deadline (see [`outage_call`]). With the simulator's default, 1 to 10 ms, 4 seeds
+    /// in 40 (1 to 40) ended a call `Timeout`.
+    const LATENCY_MS: std::ops::Range<u64> = 1..3;
+
+    fn host_address() -> SocketAddr {
+        SocketAddr::new(HOST_IP.parse().unwrap(), HOST_PORT)
+    }
+
+    /// Goal and method: see the file's documentation, on two simulated nodes, each call
+    /// made once.
+    #[madsim::test]
+    async fn a_call_to_a_host_whose_store_is_down_fails_unavailable_at_the_caller() {
+        NetSim::current().update_config(|config| {
+            config.send_latency = Duration::from_millis(LATENCY_MS.start)..Duration::from_millis(LATENCY_MS.end);
+        });
+        let handle = Handle::current();
+        let store = Outage::default();
+        let turns = Arc::new(AtomicU64::new(0));
+        handle
+            .create_node()
+            .name("host")
+            .ip(HOST_IP.parse::<IpAddr>().unwrap())
+            .init({
+                let (store, turns) = (store.clone(), Arc::clone(&turns));
+                move || {
+                    let (store, turns) = (store.clone(), Arc::clone(&turns));
+                    async move {
+                        let runtime = host(&store, &turns);
+                        let _server = TransportServer::bind(host_address(), runtime.handle()).await.unwrap();
+                        std::future::pending::<()>().await;
+                    }
+                }
+            })
+            .build();
+        let caller = handle
+            .create_node()
+            .name("caller")
+            .ip(CALLER_IP.parse::<IpAddr>().unwrap())
+            .build();
+        caller
+            .spawn(async move {
+                tokio::time::sleep(Duration::from_millis(CALL_AT_MS)).await;
+                let clock = Clock::new();
+                let client = TransportClient::new(host_address(), clock);
+                calls_during_the_hosts_outage(&client, clock, &store, &turns, 1).await;
+            })
+            .await
+            .unwrap();
+    }
+}
