@@ -39,9 +39,6 @@ use turn_counter::{turn_counter_runtime, TURN_COUNTER_KIND};
 /// The deadline of a call made while the host's store is down, in milliseconds: the
 /// host tries the store again until then.
 const OUTAGE_CALL_MS: u64 = 1_000;
-/// Most calls made on loopback for one case before its answer must have come in time
-/// (see [`outage_call`]).
-const LOOPBACK_ATTEMPTS_MAX: u32 = 3;
 /// The deadline of a call made while the store is up, in milliseconds.
 const CALL_MS: u64 = 10_000;
 /// What the store says while it is down.
@@ -245,6 +242,10 @@ mod loopback {
     use troupe_runtime::TransportServer;
 
     use super::*;
+
+    /// Most calls made for one case before its answer must have come in time (see
+    /// [`outage_call`]).
+    const LOOPBACK_ATTEMPTS_MAX: u32 = 3;
 
     async fn run() {
         let store = Outage::default();
