@@ -175,7 +175,7 @@ impl From<&InvokeError> for ApiError {
             // The store failed for a moment (`Unavailable`) and stayed down past the
             // request's deadline: 503 `storage_unavailable`. Any other store failure
             // would fail the same way again: 500 `storage_failed`. An `Unavailable`
-            // from another node arrives as `Backend` (its wire encoding) and is 500.
+            // from another node arrives as itself (transport protocol 8) and is 503.
             InvokeError::StorageFailed { source, .. } => Self::storage(source, message),
             InvokeError::Unreachable { .. } => Self::new(StatusCode::BAD_GATEWAY, "unreachable", message),
             InvokeError::Shutdown | InvokeError::Cancelled { .. } => {
