@@ -1499,12 +1499,14 @@ async fn report_to(runtime: &troupe_runtime::RuntimeHandle, conversation: &Actor
     tracing::warn!(%conversation, seq, "could not report a mention delivery; the next resume delivers it again");
 }
 
-/// Reads the messages `from..=upto` of `conversation` from the store (committed).
+/// Reads the messages `from..=upto` of `conversation` from the store (committed), the
+/// store tried again while unavailable until `deadline`.
 pub(crate) async fn read_committed(
     shared: &AgentShared,
     conversation: &ActorId,
     after: Option<u64>,
     limit: usize,
+    deadline: Deadline,
 ) -> Result<Vec<ConversationMessage>, ConversationError> {
     let Some(runtime) = shared.runtime() else {
         return Err(ConversationError::Unavailable {
@@ -1514,9 +1516,11 @@ pub(crate) async fn read_committed(
     };
     let after_seq = after;
     let after = after.map(message_key);
+    // Tried again while the store is unavailable, until `deadline` (`retry_store`).
     let page = runtime
-        .store()
-        .scan(conversation, "msg/", after.as_deref(), limit)
+        .retry_store(deadline, "scan", conversation, || {
+            runtime.store().scan(conversation, "msg/", after.as_deref(), limit)
+        })
         .await?;
     // An entry holds at least one message: as many entries as messages is enough. A
     // recorded exchange's entry may begin at or before `after`, and end past `limit`.
@@ -1560,7 +1564,7 @@ impl AgentActor {
             let first = seq.saturating_sub(window.messages.max(1) as u64 - 1);
             let after = first.checked_sub(1);
             let span = usize::try_from(seq - first + 1).unwrap_or(window.messages);
-            let messages = read_committed(&self.shared, &target, after, span)
+            let messages = read_committed(&self.shared, &target, after, span, deadline)
                 .await
                 .map_err(|error| ActorError::failed(error.to_string()))?;
             let mut history = conversation_window_within(&me, &messages, window);

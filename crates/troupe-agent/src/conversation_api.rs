@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use troupe_core::{CallContext, TraceId};
+use troupe_core::{CallContext, Deadline, TraceId};
 
 use crate::conversation::{
     check_name, conversation_actor, decode_conv_reply, decode_definition, index_actor, member_prefix, read_committed,
@@ -12,7 +12,30 @@ use crate::conversation::{
 use crate::limits::{AGENT_DELIVERY_ACK_TIMEOUT_MS, CALL_RECORD_SHUTDOWN_FLUSH_TIMEOUT_MS};
 use crate::AgentClient;
 
+/// How long a read of the conversations' store made outside a turn
+/// ([`AgentClient::read_messages`], [`AgentClient::conversation`],
+/// [`AgentClient::conversation_exists`], [`AgentClient::conversations_of_after`],
+/// [`AgentClient::resume_conversations`]) is tried again while the store is unavailable
+/// (`StoreError::Unavailable`: PostgreSQL restarting, a connection refused, SQLite's
+/// file locked), in milliseconds from the call: the API takes no timeout, so none is
+/// known. 10 s rides out a restart of PostgreSQL (1–5 s), as a post's turn (its
+/// commit tried again within its [`crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS`])
+/// does; less than that, because a reader waits on a page that changes nothing, and
+/// a reader told 503 with `Retry-After` soon may read again (the server's request
+/// timeout is far longer: 130 s by default).
+pub const CONVERSATION_READ_STORE_WAIT_MS: u64 = 10_000;
+
+const _: () = assert!(CONVERSATION_READ_STORE_WAIT_MS >= troupe_runtime::STORE_RETRY_PAUSE_MS_MAX);
+const _: () = assert!(CONVERSATION_READ_STORE_WAIT_MS <= crate::limits::AGENT_DELIVERY_ACK_TIMEOUT_MS);
+
 impl AgentClient {
+    /// The deadline of a read of the conversations' store made now
+    /// ([`CONVERSATION_READ_STORE_WAIT_MS`] away).
+    fn read_deadline(&self) -> Deadline {
+        self.runtime
+            .deadline_in(Duration::from_millis(CONVERSATION_READ_STORE_WAIT_MS))
+    }
+
     async fn conversation_request(&self, key: &str, command: ConvCommand) -> Result<ConvReply, ConversationError> {
         self.conversation_request_in(key, command, None).await
     }
@@ -292,7 +315,8 @@ impl AgentClient {
     }
 
     /// Up to `limit` (at most [`CONVERSATION_PAGE_MAX`]) committed messages of
-    /// conversation `id` after seq `after` (from the start if `None`), in order.
+    /// conversation `id` after seq `after` (from the start if `None`), in order. A store
+    /// down for a moment is read again for up to [`CONVERSATION_READ_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// [`ConversationError::InvalidName`], [`ConversationError::Unavailable`].
@@ -303,6 +327,7 @@ impl AgentClient {
         limit: usize,
     ) -> Result<Vec<ConversationMessage>, ConversationError> {
         let target = conversation_actor(id)?;
+        let deadline = self.read_deadline();
         // `call_agent` exchanges this process recorded there and that still wait in
         // memory are stored first, so a call's record is read once the call returned.
         let stored = crate::call_record::store_waiting_records(
@@ -315,17 +340,24 @@ impl AgentClient {
         if let Err(error) = stored {
             tracing::warn!(conversation = %target, %error, "could not store the waiting call records before reading; reading what is stored");
         }
-        read_committed(&self.shared, &target, after, limit.min(CONVERSATION_PAGE_MAX)).await
+        read_committed(&self.shared, &target, after, limit.min(CONVERSATION_PAGE_MAX), deadline).await
     }
 
     /// Whether conversation `id` is recorded in the index (one key read, not a scan of
-    /// its messages): what an API answers "not found" on before reading a page.
+    /// its messages): what an API answers "not found" on before reading a page. A store
+    /// down for a moment is read again for up to [`CONVERSATION_READ_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// [`ConversationError::InvalidName`], [`ConversationError::Unavailable`].
     pub async fn conversation_exists(&self, id: &str) -> Result<bool, ConversationError> {
         conversation_actor(id)?;
-        let found = self.runtime.store().get(&index_actor(), &format!("c/{id}")).await?;
+        let (index, key) = (index_actor(), format!("c/{id}"));
+        let found = self
+            .runtime
+            .retry_store(self.read_deadline(), "get", &index, || {
+                self.runtime.store().get(&index, &key)
+            })
+            .await?;
         Ok(found.is_some())
     }
 
@@ -343,7 +375,9 @@ impl AgentClient {
     /// Up to `limit` (at most [`CONVERSATIONS_LISTED_MAX`]) ids of the conversations agent
     /// `agent` takes part in, after id `after` (from the first if `None`), in id order:
     /// one ranged read of the index. A page shorter than `limit` is the last; otherwise
-    /// the next page is the one after its last id.
+    /// the next page is the one after its last id. A store down for a moment is read
+    /// again for up to [`CONVERSATION_READ_STORE_WAIT_MS`] (the whole page: its reads
+    /// share one deadline).
     ///
     /// An id is listed once the index records it, which `create_conversation` does
     /// first: if a creation stopped there, the id is listed but has no definition yet
@@ -379,13 +413,16 @@ impl AgentClient {
             None => None,
         };
         let limit = limit.min(CONVERSATIONS_LISTED_MAX);
+        let deadline = self.read_deadline();
+        let index = index_actor();
         let mut listed = Vec::new();
         let mut after_key = after_key;
         while listed.len() < limit {
             let page = self
                 .runtime
-                .store()
-                .scan(&index_actor(), &prefix, after_key.as_deref(), limit)
+                .retry_store(deadline, "scan", &index, || {
+                    self.runtime.store().scan(&index, &prefix, after_key.as_deref(), limit)
+                })
                 .await?;
             let last_page = page.len() < limit;
             after_key = page.last().map(|(key, _)| key.clone());
@@ -398,7 +435,7 @@ impl AgentClient {
                 // usual ids, without `/`, are listed as the index holds them. Before,
                 // agent `a` listed `b/x` for agent `a/b`'s `x`
                 // (`tests/conversation_probes.rs`).
-                if (agent.contains('/') || id.contains('/')) && !self.takes_part(agent, id).await? {
+                if (agent.contains('/') || id.contains('/')) && !self.takes_part(agent, id, deadline).await? {
                     continue;
                 }
                 if listed.len() < limit {
@@ -413,14 +450,15 @@ impl AgentClient {
     }
 
     /// Whether conversation `id`'s definition names agent `agent` (`false` for an id no
-    /// conversation can have, or one without a definition).
-    async fn takes_part(&self, agent: &str, id: &str) -> Result<bool, ConversationError> {
+    /// conversation can have, or one without a definition); the store read again until
+    /// `deadline` while unavailable.
+    async fn takes_part(&self, agent: &str, id: &str, deadline: Deadline) -> Result<bool, ConversationError> {
         if conversation_actor(id).is_err() {
             return Ok(false);
         }
         let participant = Participant::Agent(agent.to_string());
         Ok(self
-            .conversation(id)
+            .conversation_until(id, deadline)
             .await?
             .is_some_and(|info| info.participants.contains(&participant)))
     }
@@ -428,17 +466,33 @@ impl AgentClient {
     /// one read of its snapshot, not of its messages. `None` if it has none: never
     /// created, a reserved id (starting with `_`), or a creation that stopped after the
     /// index recorded the id (creating it again with the same definition completes it).
+    /// A store down for a moment is read again for up to
+    /// [`CONVERSATION_READ_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// [`ConversationError::InvalidName`], [`ConversationError::Unavailable`] (the store
     /// failed, or the snapshot cannot be decoded).
     pub async fn conversation(&self, id: &str) -> Result<Option<ConversationInfo>, ConversationError> {
+        self.conversation_until(id, self.read_deadline()).await
+    }
+
+    /// [`AgentClient::conversation`], the store read again until `deadline`.
+    async fn conversation_until(
+        &self,
+        id: &str,
+        deadline: Deadline,
+    ) -> Result<Option<ConversationInfo>, ConversationError> {
         let target = conversation_actor(id)?;
         if id.starts_with('_') {
             // Reserved (the index): never a conversation.
             return Ok(None);
         }
-        match self.runtime.store().load(&target).await? {
+        let store = self.runtime.store();
+        match self
+            .runtime
+            .retry_store(deadline, "load", &target, || store.load(&target))
+            .await?
+        {
             Some(snapshot) => decode_definition(&snapshot).map_err(|cause| ConversationError::Unavailable {
                 store_unavailable: false,
                 cause: format!("the state of {target} cannot be decoded: {cause}"),
@@ -456,21 +510,33 @@ impl AgentClient {
     /// is skipped too, for the next call to look again. One placed here or nowhere is
     /// woken here (which claims it here), as [`AgentClient::resume_pending`] does.
     ///
+    /// A store down for a moment is read again for up to
+    /// [`CONVERSATION_READ_STORE_WAIT_MS`] (all its reads share one deadline).
+    ///
     /// # Errors
     /// [`ConversationError::Unavailable`] if the store fails.
     pub async fn resume_conversations(&self) -> Result<usize, ConversationError> {
         let store = self.runtime.store();
+        let deadline = self.read_deadline();
+        let index = index_actor();
         let mut after: Option<String> = None;
         let mut woken = 0;
         let mut skipped = crate::system::NotResumedHere::default();
         loop {
-            let page = store
-                .scan(&index_actor(), "c/", after.as_deref(), CONVERSATIONS_LISTED_MAX)
+            let page = self
+                .runtime
+                .retry_store(deadline, "scan", &index, || {
+                    store.scan(&index, "c/", after.as_deref(), CONVERSATIONS_LISTED_MAX)
+                })
                 .await?;
             for (key, _) in &page {
                 let Some(id) = key.strip_prefix("c/") else { continue };
                 let Ok(target) = conversation_actor(id) else { continue };
-                if store.scan(&target, "relay/", None, 1).await?.is_empty() {
+                let relays = self
+                    .runtime
+                    .retry_store(deadline, "scan", &target, || store.scan(&target, "relay/", None, 1))
+                    .await?;
+                if relays.is_empty() {
                     continue;
                 }
                 if !skipped.resume_here(&self.runtime, &target).await {

@@ -101,6 +101,7 @@ pub use conversation::{
     CONVERSATION_MESSAGES_MAX, CONVERSATION_NAME_LENGTH_MAX_BYTES, CONVERSATION_PAGE_MAX,
     CONVERSATION_PARTICIPANTS_MAX, CONVERSATION_WINDOW_MESSAGES_MAX, CONVERSATION_WINDOW_TOKENS_MAX,
 };
+pub use conversation_api::CONVERSATION_READ_STORE_WAIT_MS;
 pub use directory_store::{DirectoryError, DIRECTORY_REFRESH_MS, DIRECTORY_STORE_KEY, DIRECTORY_STORE_KIND};
 pub use export_hooks::{set_trace_starter, set_traceparent_source};
 pub use external::{ExternalCancel, ExternalForget, ExternalReply, ExternalTask, ExternalTaskRequest};

@@ -295,16 +295,29 @@ fn send_message(id: &Value, message_id: &str, text: &str) -> String {
     request.to_string()
 }
 
-/// Goal: while a node's PostgreSQL server is down, its A2A route refuses a new task as
-/// every other route says a store down for a moment: a `SendMessage` is 503 with
-/// JSON-RPC code -32000 and `Retry-After: 1`, and the same message sent as a
-/// notification is 503 `storage_unavailable` with `Retry-After: 1` (until 2026-12-07 it
-/// was 503 `overloaded`, which told the client the server was full); once the server
-/// is back, the same message is answered with a completed task. Method: one task while
-/// the store is up (the node takes the agent's A2A records), `pg_ctl stop -m fast`,
-/// both sends of a new message, `pg_ctl start`, the message again.
+/// [`send_message`] from a caller that waits `timeout_ms` (Troupe's call context,
+/// `metadata.troupe.timeout_ms`): the request's deadline, until which the server tries
+/// a store down for a moment again.
+fn send_message_within(id: &Value, message_id: &str, text: &str, timeout_ms: u64) -> String {
+    let mut request: Value = serde_json::from_str(&send_message(id, message_id, text)).unwrap();
+    request["params"]["message"]["metadata"] = json!({"troupe": {"timeout_ms": timeout_ms}});
+    request.to_string()
+}
+
+/// Goal: while a node's PostgreSQL server is down past the request's deadline, its A2A
+/// route refuses a new task as every other route says a store down for a moment: a
+/// `SendMessage` is 503 with JSON-RPC code -32000 and `Retry-After: 1`, and the same
+/// message sent as a notification is 503 `storage_unavailable` with `Retry-After: 1`
+/// (until 2026-12-07 it was 503 `overloaded`, which told the client the server was
+/// full), each once the store was tried again until the deadline the caller gave
+/// (since 2026-12-07; before, at its first failure); once the server is back, the same
+/// message is answered with a completed task. Method: one task while the store is up
+/// (the node takes the agent's A2A records), `pg_ctl stop -m fast`, both sends of a
+/// new message with a `DOWN_TIMEOUT_MS` deadline, `pg_ctl start`, the message again.
 #[tokio::test]
 async fn a_nodes_a2a_route_refuses_a_task_503_storage_unavailable_while_its_postgres_is_down() {
+    /// The caller's time while the store is down, in milliseconds.
+    const DOWN_TIMEOUT_MS: u64 = 1_500;
     let etcd = TestEtcd::start("node-a2a-store-unavailable").await;
     let postgres = TestServer::start("node-a2a-store-unavailable");
     let database = postgres.create_database("a2a").await;
@@ -318,13 +331,26 @@ async fn a_nodes_a2a_route_refuses_a_task_503_storage_unavailable_while_its_post
     );
 
     postgres.stop();
+    let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
     let asked = Instant::now();
-    let (status, head, body) = node.request("POST", "/a2a/ana", &send_message(&json!(2), "down", "second"));
+    let (status, head, body) = node.request(
+        "POST",
+        "/a2a/ana",
+        &send_message_within(&json!(2), "down", "second", DOWN_TIMEOUT_MS),
+    );
+    let took = asked.elapsed();
+    let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
     eprintln!(
-        "SendMessage with PostgreSQL stopped: {status} after {} ms: {body}",
-        asked.elapsed().as_millis()
+        "SendMessage with PostgreSQL stopped, {DOWN_TIMEOUT_MS} ms deadline: {status} after {} ms, {retries} store \
+         retries: {body}",
+        took.as_millis()
     );
     assert_eq!(status, 503, "{head}\n{body}");
+    assert!(
+        took >= Duration::from_millis(DOWN_TIMEOUT_MS / 2) && took < Duration::from_millis(DOWN_TIMEOUT_MS + 2_000),
+        "answered after {took:?}: the store is tried again until the {DOWN_TIMEOUT_MS} ms deadline"
+    );
+    assert!(retries > 0, "the task's save was tried again: {retries}");
     assert!(retry_after_1(&head), "no Retry-After: 1 in {head}");
     let answer = json(&body);
     assert_eq!(
@@ -332,7 +358,11 @@ async fn a_nodes_a2a_route_refuses_a_task_503_storage_unavailable_while_its_post
         (&json!(2), &json!(-32000)),
         "{body}"
     );
-    let (status, head, body) = node.request("POST", "/a2a/ana", &send_message(&Value::Null, "down", "second"));
+    let (status, head, body) = node.request(
+        "POST",
+        "/a2a/ana",
+        &send_message_within(&Value::Null, "down", "second", DOWN_TIMEOUT_MS),
+    );
     eprintln!("the same as a notification: {status}: {body}");
     assert_eq!(status, 503, "{head}\n{body}");
     assert!(retry_after_1(&head), "no Retry-After: 1 in {head}");
@@ -353,9 +383,11 @@ async fn a_nodes_a2a_route_refuses_a_task_503_storage_unavailable_while_its_post
 /// Goal: while a node's PostgreSQL server is down, `troupe serve`'s conversation routes
 /// (on a node with `--config`) answer 503 `storage_unavailable` with `Retry-After: 1`,
 /// as its agent routes do (until 2026-12-07 they answered 503 `overloaded`, which told
-/// the client the server was full), and read the messages again once it is back.
-/// Method: a group conversation with a message, `pg_ctl stop -m fast`, its definition
-/// and its messages read, `pg_ctl start`, read again.
+/// the client the server was full), once the read was tried again for
+/// `CONVERSATION_READ_STORE_WAIT_MS` (since 2026-12-07; before, at its first failure),
+/// and read the messages again once it is back. Method: a group conversation with a
+/// message, `pg_ctl stop -m fast`, its definition and its messages read, `pg_ctl
+/// start`, read again.
 #[tokio::test]
 async fn a_nodes_conversation_routes_answer_503_storage_unavailable_while_its_postgres_is_down() {
     let etcd = TestEtcd::start("node-conversations-store-unavailable").await;
@@ -371,14 +403,23 @@ async fn a_nodes_conversation_routes_answer_503_storage_unavailable_while_its_po
     assert_eq!(status, 200, "{body}");
 
     postgres.stop();
+    let wait = Duration::from_millis(troupe_agent::CONVERSATION_READ_STORE_WAIT_MS);
     for path in ["/v1/conversations/room", "/v1/conversations/room/messages"] {
+        let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
         let asked = Instant::now();
         let (status, head, body) = node.request("GET", path, "");
+        let took = asked.elapsed();
+        let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
         eprintln!(
-            "GET {path} with PostgreSQL stopped: {status} after {} ms: {body}",
-            asked.elapsed().as_millis()
+            "GET {path} with PostgreSQL stopped: {status} after {} ms, {retries} store retries: {body}",
+            took.as_millis()
         );
         assert_eq!(status, 503, "{path}: {head}\n{body}");
+        assert!(
+            took >= wait - Duration::from_millis(500) && took < wait + Duration::from_millis(3_000),
+            "{path}: answered after {took:?}, the reads being tried again for {wait:?}"
+        );
+        assert!(retries > 0, "{path}: the read was tried again: {retries}");
         assert_eq!(json(&body)["error"]["code"], "storage_unavailable", "{path}: {body}");
         assert!(retry_after_1(&head), "{path}: no Retry-After: 1 in {head}");
     }
@@ -387,6 +428,101 @@ async fn a_nodes_conversation_routes_answer_503_storage_unavailable_while_its_po
     let (status, _, body) = node.request("GET", "/v1/conversations/room/messages", "");
     assert_eq!(status, 200, "once the server is back: {body}");
     assert_eq!(json(&body)["messages"][0]["text"], "a note", "{body}");
+    let stderr = node.stop();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Stops `postgres`, runs `during` while it is down, and starts it again `outage` after
+/// the stop (in another thread, while `during` waits for its answer); returns what
+/// `during` returned and how long the server was down (the restart included).
+fn while_briefly_down<T>(postgres: &TestServer, outage: Duration, during: impl FnOnce() -> T) -> (T, Duration) {
+    postgres.stop();
+    let stopped = Instant::now();
+    std::thread::scope(|scope| {
+        let restart = scope.spawn(|| {
+            std::thread::sleep(outage);
+            postgres.start_again();
+            stopped.elapsed()
+        });
+        let done = during();
+        (done, restart.join().expect("the restart"))
+    })
+}
+
+/// Goal: a PostgreSQL restart shorter than the request's deadline costs a node's reads
+/// and A2A tasks some latency, not an error: a conversation's definition and its
+/// messages (read outside any turn, tried again for `CONVERSATION_READ_STORE_WAIT_MS`),
+/// and an A2A `SendMessage` to an agent the node serves no A2A task of yet (its records'
+/// claim and read, its task numbers' read and reservation, the task's record: each tried
+/// again within the request's deadline) are answered 200 once the server is back, and
+/// `/metrics` counts the tries made again. Until 2026-12-07 each failed at once with
+/// 503 `storage_unavailable` (the store went to directly, outside a turn). Method:
+/// `pg_ctl stop -m fast`, each request sent at once, `pg_ctl start` `OUTAGE_MS` after
+/// the stop from another thread.
+#[tokio::test]
+async fn a_nodes_conversation_reads_and_a2a_tasks_during_a_short_postgres_restart_succeed() {
+    /// How long the server stays stopped before it is started again, in milliseconds.
+    const OUTAGE_MS: u64 = 1_500;
+    /// The A2A caller's time, in milliseconds: well past the outage.
+    const A2A_TIMEOUT_MS: u64 = 15_000;
+    let etcd = TestEtcd::start("node-store-restart-reads").await;
+    let postgres = TestServer::start("node-store-restart-reads");
+    let database = postgres.create_database("restart").await;
+    let node = Node::start(&etcd.endpoint(), &database, "restart", &[]);
+    let room = r#"{"id": "room", "kind": "group", "participants": [
+        {"kind": "human", "name": "hugo"}, {"kind": "agent", "name": "ana"}]}"#;
+    let (status, _, body) = node.request("POST", "/v1/conversations", room);
+    assert_eq!(status, 200, "{body}");
+    let note = r#"{"sender": {"kind": "human", "name": "hugo"}, "msg_id": "n1", "text": "a note"}"#;
+    let (status, _, body) = node.request("POST", "/v1/conversations/room/messages", note);
+    assert_eq!(status, 200, "{body}");
+    let outage = Duration::from_millis(OUTAGE_MS);
+
+    for path in ["/v1/conversations/room", "/v1/conversations/room/messages"] {
+        let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
+        let ((status, _, body, took), down) = while_briefly_down(&postgres, outage, || {
+            let asked = Instant::now();
+            let (status, head, body) = node.request("GET", path, "");
+            (status, head, body, asked.elapsed())
+        });
+        let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
+        eprintln!(
+            "GET {path} during a {} ms PostgreSQL outage: {status} after {} ms, {retries} store retries",
+            down.as_millis(),
+            took.as_millis()
+        );
+        assert_eq!(status, 200, "{path}: {body}");
+        assert!(
+            took >= outage,
+            "{path}: answered after {took:?}, inside the {outage:?} outage"
+        );
+        assert!(retries > 0, "{path}: the read was tried again: {retries}");
+        if path.ends_with("/messages") {
+            assert_eq!(json(&body)["messages"][0]["text"], "a note", "{body}");
+        } else {
+            assert_eq!(json(&body)["id"], "room", "{body}");
+        }
+    }
+
+    // `ben`: no A2A task of it yet, so the node claims and reads its records first.
+    let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
+    let send = send_message_within(&json!(1), "restart-1", "hello during a restart", A2A_TIMEOUT_MS);
+    let ((status, _, body, took), down) = while_briefly_down(&postgres, outage, || {
+        let asked = Instant::now();
+        let (status, head, body) = node.request("POST", "/a2a/ben", &send);
+        (status, head, body, asked.elapsed())
+    });
+    let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
+    eprintln!(
+        "A2A SendMessage during a {} ms PostgreSQL outage: {status} after {} ms, {retries} store retries",
+        down.as_millis(),
+        took.as_millis()
+    );
+    assert_eq!(status, 200, "{body}");
+    let task = &json(&body)["result"]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{body}");
+    assert!(took >= outage, "answered after {took:?}, inside the {outage:?} outage");
+    assert!(retries > 0, "the store was tried again: {retries}");
     let stderr = node.stop();
     assert!(!stderr.contains("panicked"), "{stderr}");
 }

@@ -130,7 +130,7 @@ type Shared = State<Arc<A2a>>;
 
 /// The A2A routes over `app`, to merge into the server's router.
 pub(crate) fn routes<S>(app: Arc<AppState>) -> Router<S> {
-    let store = TaskStore::new(Arc::clone(app.client.runtime().store()), app.config.node.clone());
+    let store = TaskStore::new(app.client.runtime().clone(), app.config.node.clone());
     let a2a = Arc::new(A2a {
         tasks: TaskRegistry::new(app.config.a2a_tasks_kept, app.config.node.clone()),
         app,
@@ -172,7 +172,8 @@ pub(crate) async fn forget_agent(app: &AppState, agent: &str) {
 async fn forget(a2a: &A2a, agent: &str) {
     let forgotten = a2a.tasks.forget_agent(agent);
     a2a.held.lock().unwrap_or_else(PoisonError::into_inner).remove(agent);
-    if let Err(error) = a2a.store.forget_agent(agent, &forgotten).await {
+    let deadline = a2a.store.deadline_in(blocking_wait(a2a));
+    if let Err(error) = a2a.store.forget_agent(agent, &forgotten, deadline).await {
         tracing::warn!(%agent, records = forgotten.len(), %error, "could not delete a deleted agent's stored A2A tasks");
     }
 }
@@ -371,7 +372,7 @@ async fn ready(a2a: &Arc<A2a>) {
                 .into_iter()
                 .map(|spec| spec.id)
                 .collect();
-            match a2a.store.load(&agents).await {
+            match a2a.store.load(&agents, a2a.store.background_deadline()).await {
                 Ok(records) => resume(a2a, records),
                 Err(error) => {
                     tracing::error!(%error, "the stored A2A tasks cannot be read; they are not resumed");
@@ -415,8 +416,9 @@ async fn hold(a2a: &Arc<A2a>, agent: &str) -> Result<(), Refused> {
     };
     let taken = cell
         .get_or_try_init(|| async {
-            a2a.store.claim(agent).await?;
-            let records = a2a.store.load(&[agent.to_string()]).await?;
+            let deadline = a2a.store.deadline_in(blocking_wait(a2a));
+            a2a.store.claim(agent, deadline).await?;
+            let records = a2a.store.load(&[agent.to_string()], deadline).await?;
             tracing::info!(%agent, records = records.len(), "this node holds the agent's A2A tasks");
             resume(a2a, records);
             Ok::<(), StoreError>(())
@@ -964,6 +966,9 @@ fn refusal(agent: &str, troupe: &TroupeCallMetadata) -> Option<String> {
 async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskRecord, RpcError> {
     let troupe = accepted.troupe.clone().unwrap_or_default();
     let rejected = refusal(agent, &troupe);
+    // The store is tried again until the request's deadline: its caller's time, within
+    // what the server gives a request.
+    let deadline = a2a.store.deadline_in(accepted.timeout.min(blocking_wait(a2a)));
     let mut reservations = 0;
     let created = loop {
         let created = a2a.tasks.create(
@@ -985,7 +990,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
             break created;
         }
         reservations += 1;
-        if let Err(error) = a2a.store.reserve_numbers(&a2a.tasks, agent).await {
+        if let Err(error) = a2a.store.reserve_numbers(&a2a.tasks, agent, deadline).await {
             lost_hold(a2a, agent, &error);
             return Err(RpcError::store(
                 &error,
@@ -1021,7 +1026,7 @@ async fn start(a2a: &Arc<A2a>, agent: &str, accepted: &Accepted) -> Result<TaskR
         Created::New(record, lane, forgotten) => (record, lane, forgotten),
     };
     // Stored before the client hears of it.
-    let saved = a2a.store.save(&a2a.tasks, &record, &forgotten).await;
+    let saved = a2a.store.save(&a2a.tasks, &record, &forgotten, deadline).await;
     // Let go from memory either way: their agents forget them too.
     for forgotten in forgotten {
         forget_inner(&a2a.app, forgotten);
@@ -1145,7 +1150,8 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
     if !started {
         // Canceled while it waited: store that.
         if let Some(record) = record {
-            if let Err(error) = a2a.store.save(&a2a.tasks, &record, &[]).await {
+            let deadline = a2a.store.background_deadline();
+            if let Err(error) = a2a.store.save(&a2a.tasks, &record, &[], deadline).await {
                 tracing::warn!(task = %id, %error, "could not store an A2A task");
             }
         }
@@ -1192,7 +1198,8 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
         true
     });
     if let Some(record) = record {
-        if let Err(error) = a2a.store.save(&a2a.tasks, &record, &[]).await {
+        let deadline = a2a.store.background_deadline();
+        if let Err(error) = a2a.store.save(&a2a.tasks, &record, &[], deadline).await {
             lost_hold(&a2a, &agent, &error);
             tracing::warn!(task = %id, %error, "could not store an ended A2A task");
         }
@@ -1532,9 +1539,13 @@ async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Res
     match a2a.tasks.cancel(agent, &params.id, a2a.app.client.runtime().now()) {
         CancelOutcome::Canceled(task) => {
             // The lane skips it (and stores it too); stored here before the answer.
-            a2a.store.save(&a2a.tasks, &task, &[]).await.map_err(|error| {
-                RpcError::new(code::INTERNAL_ERROR, format!("the cancel could not be stored: {error}"))
-            })?;
+            let deadline = a2a.store.deadline_in(blocking_wait(a2a));
+            a2a.store
+                .save(&a2a.tasks, &task, &[], deadline)
+                .await
+                .map_err(|error| {
+                    RpcError::new(code::INTERNAL_ERROR, format!("the cancel could not be stored: {error}"))
+                })?;
             Ok(task_json(&task, None, true))
         }
         CancelOutcome::NotCancelable(task) => Err(RpcError::new(

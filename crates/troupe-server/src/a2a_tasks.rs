@@ -50,6 +50,21 @@
 //! agent was busy, or the task could not be stored) is not reused: its message sent
 //! again starts a new task.
 //!
+//! A store down for a moment ([`StoreError::Unavailable`]: PostgreSQL restarting, a
+//! connection refused, SQLite's file locked) is tried again, as the runtime tries its
+//! own operations ([`troupe_runtime::RuntimeHandle::retry_store`]), within the deadline
+//! of the request each operation serves (the caller's: [`TaskStore`]'s methods take it),
+//! or [`A2A_STORE_RETRY_BACKGROUND_MS_MAX`] for those that serve none. Reads and claims
+//! are made again as they are; a commit only as the same commit, under the same fence,
+//! with the same absolute writes (a record's whole JSON, a delete, `seq_next`'s new
+//! value): one the store applied unseen is then applied again to the same effect, or
+//! refused `Fenced` because another writer claimed since, after which the write claims
+//! again as before. So a number block is never given twice: a reservation applied
+//! unseen and then fenced out is read again under a new claim (its numbers are a gap).
+//! The writer's lock is held across a write's tries; a write waiting for it waits no
+//! longer than its own deadline (then it fails `Unavailable`, the store being what held
+//! the write before it).
+//!
 //! Each record keeps when its task entered its state ([`TaskRecord::state_since_micros`],
 //! by the runtime's clock, which is anchored on the wall clock): A2A's
 //! `status.timestamp`. `working` is not stored, so a task read back that had not ended
@@ -68,8 +83,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::watch;
 use troupe_agent::TaskState;
-use troupe_core::{ActorId, Deadline, StoreError};
-use troupe_runtime::{StateChange, StateStore, TurnCommit, TURN_WRITES_MAX};
+use troupe_core::{ActorId, Deadline, StoreError, StoreOperation};
+use troupe_runtime::{Fence, RuntimeHandle, StateChange, StateStore, TurnCommit, TURN_WRITES_MAX};
 
 use crate::limits::{
     A2A_TASKS_WAITING_PER_AGENT_MAX, A2A_TASK_NUMBERS_RESERVED, A2A_TASK_NUMBERS_RESERVE_ATTEMPTS_MAX,
@@ -80,6 +95,17 @@ use crate::limits::{
 pub(crate) const A2A_STORE_KIND: &str = "troupe-a2a";
 /// Records one store scan reads when the server loads its tasks.
 const A2A_LOAD_PAGE: usize = 256;
+/// How long a store operation of the A2A records that serves no request is tried
+/// again while the store is unavailable, in milliseconds from its start: the read of
+/// every record when the server starts, and a task's record stored when it ends (or is
+/// canceled) in its agent's lane. 10 s rides out a restart of PostgreSQL (1–5 s) and
+/// bounds what waits behind it: the lane the ended task still holds (the agent's next
+/// task starts after its record is stored) and the other A2A writes (one writer at a
+/// time). A record not stored is read back as not ended at the next start and handed to
+/// its agent again, which answers with the outcome it holds.
+pub(crate) const A2A_STORE_RETRY_BACKGROUND_MS_MAX: u64 = 10_000;
+
+const _: () = assert!(A2A_STORE_RETRY_BACKGROUND_MS_MAX >= troupe_runtime::STORE_RETRY_PAUSE_MS_MAX);
 
 /// The key of the number below which every task number of an agent has been reserved
 /// (see the module's doc), in the agent's key space: `seq_next`, or `seq_next/{node}` on
@@ -224,6 +250,8 @@ pub(crate) struct Forgotten {
 
 /// The server's A2A records in the store.
 pub(crate) struct TaskStore {
+    /// The runtime whose store holds the records, and which tries them again.
+    runtime: RuntimeHandle,
     store: Arc<dyn StateStore>,
     /// The cluster node the server runs on (`ServerConfig::node`): whose `seq_next`
     /// it writes and reads.
@@ -254,30 +282,93 @@ fn store_id(agent: &str) -> Result<ActorId, StoreError> {
 }
 
 impl TaskStore {
-    /// The records in `store`, of the tasks numbered in `node`'s space (`None`: a
-    /// single server).
-    pub(crate) fn new(store: Arc<dyn StateStore>, node: Option<String>) -> Self {
+    /// The records in `runtime`'s store, of the tasks numbered in `node`'s space
+    /// (`None`: a single server).
+    pub(crate) fn new(runtime: RuntimeHandle, node: Option<String>) -> Self {
         Self {
-            store,
+            store: Arc::clone(runtime.store()),
+            runtime,
             node,
             writer: tokio::sync::Mutex::new(HashMap::new()),
         }
     }
 
-    /// Writes `writes` to `agent`'s key space, `fences` (the writer's lock) held.
+    /// The deadline `wait` from now: that of a request that waits `wait` at most.
+    pub(crate) fn deadline_in(&self, wait: std::time::Duration) -> Deadline {
+        self.runtime.deadline_in(wait)
+    }
+
+    /// The deadline of a store operation that serves no request
+    /// ([`A2A_STORE_RETRY_BACKGROUND_MS_MAX`] from now).
+    pub(crate) fn background_deadline(&self) -> Deadline {
+        self.deadline_in(std::time::Duration::from_millis(A2A_STORE_RETRY_BACKGROUND_MS_MAX))
+    }
+
+    /// The writer's lock, waited for until `deadline` at most.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the deadline comes first: the write holding it
+    /// is being tried again while the store is unavailable.
+    async fn writer(
+        &self,
+        deadline: Deadline,
+    ) -> Result<tokio::sync::MutexGuard<'_, HashMap<String, Fence>>, StoreError> {
+        if let Ok(fences) = self.writer.try_lock() {
+            return Ok(fences);
+        }
+        let left_us = deadline.as_micros().saturating_sub(self.runtime.now().as_micros());
+        tokio::time::timeout(std::time::Duration::from_micros(left_us), self.writer.lock())
+            .await
+            .map_err(|_| StoreError::Unavailable {
+                operation: StoreOperation::Commit,
+                cause: "another write of the A2A task records held the writer past this request's deadline, the store \
+                        being unavailable meanwhile"
+                    .to_string(),
+            })
+    }
+
+    /// A claim of key space `id`, made again while the store is unavailable, until
+    /// `deadline` (a claim applied unseen costs only a fence).
+    async fn claim_retried(&self, id: &ActorId, deadline: Deadline) -> Result<Fence, StoreError> {
+        let claimed = self
+            .runtime
+            .retry_store(deadline, "a2a claim", id, || self.store.claim(id))
+            .await?;
+        Ok(claimed.fence)
+    }
+
+    /// Commits `writes` to key space `id` under `fence`, made again while the store is
+    /// unavailable, until `deadline`: the same commit each time (see the module's doc).
+    async fn commit_retried(
+        &self,
+        id: &ActorId,
+        fence: Fence,
+        writes: &[(String, Option<Bytes>)],
+        deadline: Deadline,
+    ) -> Result<(), StoreError> {
+        self.runtime
+            .retry_store(deadline, "a2a commit", id, || {
+                let commit = TurnCommit {
+                    state: StateChange::Unchanged,
+                    writes: writes.to_vec(),
+                };
+                self.store.commit(id, fence, commit)
+            })
+            .await
+    }
+
+    /// Writes `writes` to `agent`'s key space, `fences` (the writer's lock) held, the
+    /// store tried again until `deadline`.
     async fn write(
         &self,
-        fences: &mut HashMap<String, troupe_runtime::Fence>,
+        fences: &mut HashMap<String, Fence>,
         agent: &str,
         writes: Vec<(String, Option<Bytes>)>,
+        deadline: Deadline,
     ) -> Result<(), StoreError> {
         let id = store_id(agent)?;
-        let commit = |writes| TurnCommit {
-            state: StateChange::Unchanged,
-            writes,
-        };
         if let Some(fence) = fences.get(agent).copied() {
-            match self.store.commit(&id, fence, commit(writes.clone())).await {
+            match self.commit_retried(&id, fence, &writes, deadline).await {
                 Err(StoreError::Fenced { .. }) => {
                     // Claimed by another writer since: claim it back, below.
                     fences.remove(agent);
@@ -289,45 +380,49 @@ impl TaskStore {
                 other => return other,
             }
         }
-        let claimed = self.store.claim(&id).await?;
-        fences.insert(agent.to_string(), claimed.fence);
-        self.store.commit(&id, claimed.fence, commit(writes)).await
+        let fence = self.claim_retried(&id, deadline).await?;
+        fences.insert(agent.to_string(), fence);
+        self.commit_retried(&id, fence, &writes, deadline).await
     }
 
     /// Claims `agent`'s key space, writing nothing: on a cluster node this places it
-    /// here, and is refused ([`StoreError::NotOwner`]) while another node holds it.
-    pub(crate) async fn claim(&self, agent: &str) -> Result<(), StoreError> {
+    /// here, and is refused ([`StoreError::NotOwner`]) while another node holds it. The
+    /// store is tried again until `deadline`.
+    pub(crate) async fn claim(&self, agent: &str, deadline: Deadline) -> Result<(), StoreError> {
         let id = store_id(agent)?;
-        let mut fences = self.writer.lock().await;
-        let claimed = self.store.claim(&id).await?;
-        fences.insert(agent.to_string(), claimed.fence);
+        let mut fences = self.writer(deadline).await?;
+        let fence = self.claim_retried(&id, deadline).await?;
+        fences.insert(agent.to_string(), fence);
         Ok(())
     }
 
     /// Deletes `forgotten` (records the registry let go), then writes `record` if
     /// `registry` still holds it. Checked under the writer's lock: a record whose agent
     /// was deleted meanwhile ([`TaskStore::forget_agent`], which takes the lock after
-    /// the registry let the agent's tasks go) is not written back.
+    /// the registry let the agent's tasks go) is not written back. The store is tried
+    /// again until `deadline`.
     pub(crate) async fn save(
         &self,
         registry: &TaskRegistry,
         record: &TaskRecord,
         forgotten: &[Forgotten],
+        deadline: Deadline,
     ) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(record).map_err(|error| StoreError::Backend {
             operation: troupe_core::StoreOperation::Decode,
             cause: error.to_string(),
         })?;
-        let mut fences = self.writer.lock().await;
+        let mut fences = self.writer(deadline).await?;
         for forgotten in forgotten {
             let key = task_key(forgotten.node.as_deref(), forgotten.seq);
-            self.write(&mut fences, &forgotten.agent, vec![(key, None)]).await?;
+            self.write(&mut fences, &forgotten.agent, vec![(key, None)], deadline)
+                .await?;
         }
         if !registry.holds(&record.id) {
             return Ok(());
         }
         let writes = vec![(task_key(record.node.as_deref(), record.seq), Some(Bytes::from(bytes)))];
-        self.write(&mut fences, &record.agent, writes).await
+        self.write(&mut fences, &record.agent, writes, deadline).await
     }
 
     /// Reserves the next [`A2A_TASK_NUMBERS_RESERVED`] task numbers of `agent` for this
@@ -340,30 +435,37 @@ impl TaskStore {
     /// records from before `seq_next` was kept, and on a cluster node the tasks of other
     /// nodes it took over, so that its new tasks are listed after them). Given under the
     /// writer's lock, so blocks reach the registry in the order they were reserved, each
-    /// above the one before.
+    /// above the one before. The store is tried again until `deadline` (the commit as
+    /// the same commit under the same fence: one applied unseen and then fenced out
+    /// leaves its block unused).
     ///
     /// # Errors
     /// The store's ([`StoreError::Fenced`] after the last attempt, [`StoreError::NotOwner`]
     /// on a cluster node that no longer holds the agent's records); [`StoreError::Backend`]
     /// (`Decode`) if `seq_next` is not a number, (`Commit`) if the numbers ran out.
-    pub(crate) async fn reserve_numbers(&self, registry: &TaskRegistry, agent: &str) -> Result<(), StoreError> {
+    pub(crate) async fn reserve_numbers(
+        &self,
+        registry: &TaskRegistry,
+        agent: &str,
+        deadline: Deadline,
+    ) -> Result<(), StoreError> {
         let id = store_id(agent)?;
         let key = seq_next_key(self.node.as_deref());
-        let mut fences = self.writer.lock().await;
+        let mut fences = self.writer(deadline).await?;
         let mut attempt = 1;
         loop {
             let fence = match fences.get(agent).copied() {
                 Some(fence) => fence,
                 None => {
-                    let claimed = self.store.claim(&id).await?;
-                    fences.insert(agent.to_string(), claimed.fence);
-                    claimed.fence
+                    let fence = self.claim_retried(&id, deadline).await?;
+                    fences.insert(agent.to_string(), fence);
+                    fence
                 }
             };
             // Read after the fence was issued: the commit below succeeds only if nobody
             // claimed the key space since, and so only if nobody wrote it since.
             let from = self
-                .read_seq_next(&id, &key, agent)
+                .read_seq_next(&id, &key, agent, deadline)
                 .await?
                 .max(registry.numbered_past(agent));
             let to = from
@@ -372,11 +474,8 @@ impl TaskStore {
                     operation: troupe_core::StoreOperation::Commit,
                     cause: format!("agent {agent:?}'s A2A task numbers are used up ({key} is {from})"),
                 })?;
-            let commit = TurnCommit {
-                state: StateChange::Unchanged,
-                writes: vec![(key.clone(), Some(Bytes::from(to.to_string())))],
-            };
-            match self.store.commit(&id, fence, commit).await {
+            let writes = [(key.clone(), Some(Bytes::from(to.to_string())))];
+            match self.commit_retried(&id, fence, &writes, deadline).await {
                 Ok(()) => {
                     registry.give_numbers(agent, from..to);
                     return Ok(());
@@ -396,12 +495,17 @@ impl TaskStore {
         }
     }
 
-    /// `seq_next` (`key`) in `agent`'s key space `id`: 0 if it never had a task.
+    /// `seq_next` (`key`) in `agent`'s key space `id`: 0 if it never had a task. The
+    /// store is tried again until `deadline`.
     ///
     /// # Errors
     /// The store's, or [`StoreError::Backend`] (`Decode`) if the value is not a number.
-    async fn read_seq_next(&self, id: &ActorId, key: &str, agent: &str) -> Result<u64, StoreError> {
-        let Some(bytes) = self.store.get(id, key).await? else {
+    async fn read_seq_next(&self, id: &ActorId, key: &str, agent: &str, deadline: Deadline) -> Result<u64, StoreError> {
+        let read = self
+            .runtime
+            .retry_store(deadline, "a2a get", id, || self.store.get(id, key))
+            .await?;
+        let Some(bytes) = read else {
             return Ok(0);
         };
         std::str::from_utf8(&bytes)
@@ -415,16 +519,21 @@ impl TaskStore {
 
     /// Deletes the records of the deleted agent `agent` that the registry let go
     /// (`forgotten`, from [`TaskRegistry::forget_agent`]), and forgets the fence of its
-    /// key space.
-    pub(crate) async fn forget_agent(&self, agent: &str, forgotten: &[Forgotten]) -> Result<(), StoreError> {
-        let mut fences = self.writer.lock().await;
+    /// key space. The store is tried again until `deadline`.
+    pub(crate) async fn forget_agent(
+        &self,
+        agent: &str,
+        forgotten: &[Forgotten],
+        deadline: Deadline,
+    ) -> Result<(), StoreError> {
+        let mut fences = self.writer(deadline).await?;
         let mut deleted = Ok(());
         for chunk in forgotten.chunks(TURN_WRITES_MAX) {
             let writes = chunk
                 .iter()
                 .map(|forgotten| (task_key(forgotten.node.as_deref(), forgotten.seq), None))
                 .collect();
-            deleted = self.write(&mut fences, agent, writes).await;
+            deleted = self.write(&mut fences, agent, writes, deadline).await;
             if deleted.is_err() {
                 break;
             }
@@ -438,14 +547,20 @@ impl TaskStore {
         self.writer.lock().await.keys().cloned().collect()
     }
 
-    /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]).
-    pub(crate) async fn load(&self, agents: &[String]) -> Result<Vec<TaskRecord>, StoreError> {
+    /// Every stored record of `agents`, oldest first (by [`TaskRecord::order`]). The
+    /// store is tried again until `deadline`.
+    pub(crate) async fn load(&self, agents: &[String], deadline: Deadline) -> Result<Vec<TaskRecord>, StoreError> {
         let mut records = Vec::new();
         for agent in agents {
             let id = store_id(agent)?;
             let mut after: Option<String> = None;
             loop {
-                let page = self.store.scan(&id, "task/", after.as_deref(), A2A_LOAD_PAGE).await?;
+                let page = self
+                    .runtime
+                    .retry_store(deadline, "a2a scan", &id, || {
+                        self.store.scan(&id, "task/", after.as_deref(), A2A_LOAD_PAGE)
+                    })
+                    .await?;
                 let Some((last, _)) = page.last() else { break };
                 after = Some(last.clone());
                 for (key, bytes) in &page {
