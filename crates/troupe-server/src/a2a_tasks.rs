@@ -1032,6 +1032,201 @@ pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
+    /// How a [`Flaky`] store fails one commit.
+    #[derive(Clone, Copy, Debug)]
+    enum CommitFailure {
+        /// `Unavailable`, the commit applied all the same (its answer lost).
+        AppliedUnseen,
+        /// As `AppliedUnseen`, and another writer claims the key space before the
+        /// answer (so a try under the old fence is refused `Fenced`).
+        AppliedUnseenThenClaimed,
+    }
+
+    /// A `MemoryStore` whose next commits fail as planned, or every operation while
+    /// `down`; it counts the commits asked.
+    #[derive(Default)]
+    struct Flaky {
+        inner: troupe_runtime::MemoryStore,
+        commits: Mutex<VecDeque<CommitFailure>>,
+        down: std::sync::atomic::AtomicBool,
+        commits_asked: AtomicUsize,
+    }
+
+    impl Flaky {
+        fn unavailable(&self, operation: StoreOperation) -> Result<(), StoreError> {
+            if self.down.load(Ordering::SeqCst) {
+                return Err(StoreError::Unavailable {
+                    operation,
+                    cause: "connection refused".to_string(),
+                });
+            }
+            Ok(())
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl StateStore for Flaky {
+        async fn claim(&self, actor: &ActorId) -> Result<troupe_runtime::Claimed, StoreError> {
+            self.unavailable(StoreOperation::Claim)?;
+            self.inner.claim(actor).await
+        }
+
+        async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+            self.unavailable(StoreOperation::Load)?;
+            self.inner.load(actor).await
+        }
+
+        async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+            self.commits_asked.fetch_add(1, Ordering::SeqCst);
+            self.unavailable(StoreOperation::Commit)?;
+            self.inner.commit(actor, fence, commit).await?;
+            // Planned failures fall on applied commits only.
+            let failure = self.commits.lock().unwrap().pop_front();
+            match failure {
+                None => return Ok(()),
+                Some(CommitFailure::AppliedUnseen) => {}
+                Some(CommitFailure::AppliedUnseenThenClaimed) => {
+                    self.inner.claim(actor).await?;
+                }
+            }
+            Err(StoreError::Unavailable {
+                operation: StoreOperation::Commit,
+                cause: "connection reset while committing".to_string(),
+            })
+        }
+
+        async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+            self.unavailable(StoreOperation::Get)?;
+            self.inner.get(actor, key).await
+        }
+
+        async fn scan(
+            &self,
+            actor: &ActorId,
+            prefix: &str,
+            after: Option<&str>,
+            limit: usize,
+        ) -> Result<Vec<(String, Bytes)>, StoreError> {
+            self.unavailable(StoreOperation::Scan)?;
+            self.inner.scan(actor, prefix, after, limit).await
+        }
+    }
+
+    /// A runtime on `store`, and a server's A2A records on it.
+    fn task_store_on(store: &Arc<Flaky>) -> (troupe_runtime::Runtime, TaskStore) {
+        let runtime = troupe_runtime::Runtime::builder()
+            .store(Arc::clone(store) as Arc<dyn StateStore>)
+            .start();
+        let tasks = TaskStore::new(runtime.handle(), None);
+        (runtime, tasks)
+    }
+
+    /// The numbers `registry` holds for `echo`'s next tasks.
+    fn numbers(registry: &TaskRegistry) -> Option<std::ops::Range<u64>> {
+        registry.lock().numbers.get("echo").cloned()
+    }
+
+    /// `seq_next` of `echo` as stored.
+    async fn seq_next(store: &Flaky) -> u64 {
+        let id = store_id("echo").unwrap();
+        let bytes = store.inner.get(&id, &seq_next_key(None)).await.unwrap().unwrap();
+        std::str::from_utf8(&bytes).unwrap().parse().unwrap()
+    }
+
+    /// Goal: a reservation of task numbers whose commit the store applied but answered
+    /// `Unavailable` is made again as the same commit, under the same fence, and
+    /// succeeds: the block is given once, and another server's next block starts past
+    /// it. One applied unseen and then fenced out (another writer claimed meanwhile) is
+    /// read again under a new claim: its block is a gap, the next one is given. Before
+    /// the store was tried again, the reservation failed `Unavailable` at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reservation_applied_unseen_is_given_once_and_one_fenced_out_meanwhile_is_a_gap() {
+        let block = A2A_TASK_NUMBERS_RESERVED;
+        let store = Arc::new(Flaky::default());
+        let (runtime, tasks) = task_store_on(&store);
+        let registry = TaskRegistry::new(8, None);
+        let deadline = runtime.handle().deadline_in(std::time::Duration::from_secs(5));
+        store.commits.lock().unwrap().push_back(CommitFailure::AppliedUnseen);
+        tasks.reserve_numbers(&registry, "echo", deadline).await.unwrap();
+        assert_eq!(numbers(&registry), Some(0..block));
+        assert_eq!(seq_next(&store).await, block);
+        assert_eq!(
+            store.commits_asked.load(Ordering::SeqCst),
+            2,
+            "the same commit, made again"
+        );
+        assert_eq!(runtime.handle().counters().store_retries, 1);
+
+        // Another server on the store: its block follows.
+        let (_other_runtime, other) = task_store_on(&store);
+        let other_registry = TaskRegistry::new(8, None);
+        other.reserve_numbers(&other_registry, "echo", deadline).await.unwrap();
+        assert_eq!(numbers(&other_registry), Some(block..2 * block));
+
+        // Applied unseen, then another claim: the try under the old fence is refused,
+        // and the reservation is made again from what the store holds.
+        store
+            .commits
+            .lock()
+            .unwrap()
+            .push_back(CommitFailure::AppliedUnseenThenClaimed);
+        tasks.reserve_numbers(&registry, "echo", deadline).await.unwrap();
+        assert_eq!(
+            numbers(&registry),
+            Some(3 * block..4 * block),
+            "the block applied unseen (2 to 3 blocks) is a gap"
+        );
+        assert_eq!(seq_next(&store).await, 4 * block);
+    }
+
+    /// Goal: a task's record is written while the store fails for a moment, and one
+    /// past the deadline fails `Unavailable` by it; a write waiting for the writer's
+    /// lock behind one being tried again waits no longer than its own deadline. Method:
+    /// the store down; a save with a 5 s deadline (it holds the writer's lock), then a
+    /// save with a 300 ms one; the store healed 1 s in.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_save_waits_out_a_short_outage_and_one_behind_it_no_longer_than_its_deadline() {
+        let store = Arc::new(Flaky::default());
+        let (runtime, tasks) = task_store_on(&store);
+        let tasks = Arc::new(tasks);
+        let registry = Arc::new(TaskRegistry::new(8, None));
+        registry.restore(record(0, TaskState::Completed));
+        registry.restore(record(1, TaskState::Completed));
+        let handle = runtime.handle();
+        store.down.store(true, Ordering::SeqCst);
+        let first = tokio::spawn({
+            let (tasks, registry, handle) = (Arc::clone(&tasks), Arc::clone(&registry), handle.clone());
+            async move {
+                let deadline = handle.deadline_in(std::time::Duration::from_secs(5));
+                tasks
+                    .save(&registry, &record(0, TaskState::Completed), &[], deadline)
+                    .await
+            }
+        });
+        // The first save holds the writer's lock, being tried again.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let asked = tokio::time::Instant::now();
+        let deadline = handle.deadline_in(std::time::Duration::from_millis(300));
+        let second = tasks
+            .save(&registry, &record(1, TaskState::Completed), &[], deadline)
+            .await;
+        let took = asked.elapsed();
+        assert!(matches!(second, Err(StoreError::Unavailable { .. })), "{second:?}");
+        assert!(
+            took < std::time::Duration::from_millis(300 + 100),
+            "the second save waited {took:?}, past its 300 ms deadline"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+        assert!(!first.is_finished(), "the first save is still being tried");
+        store.down.store(false, Ordering::SeqCst);
+        first.await.unwrap().unwrap();
+        let id = store_id("echo").unwrap();
+        let stored = store.inner.get(&id, &task_key(None, 0)).await.unwrap();
+        let stored: TaskRecord = serde_json::from_slice(&stored.expect("the record is stored")).unwrap();
+        assert_eq!(stored.id, "echo-task-0");
+        assert!(handle.counters().store_retries > 0);
+    }
+
     /// Goal: a lane serves its tasks in the order their places were taken, whatever
     /// order the tasks are first polled in (the A2A test of a waiting task failed once
     /// in CI when the later of two tasks, both spawned, was polled first and took the
