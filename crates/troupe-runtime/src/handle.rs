@@ -117,8 +117,10 @@ pub struct RuntimeCounters {
     pub activations_aborted: u64,
     /// Requests refused with `DispatcherBusy` (the dispatcher's queue was full).
     pub dispatcher_busy_refused: u64,
-    /// Claims and commits tried again after the store failed for a moment
-    /// (`StoreError::Unavailable`), one per try after the first.
+    /// Store operations tried again after the store failed for a moment
+    /// (`StoreError::Unavailable`), one per try after the first: the runtime's claims,
+    /// commits, saves at deactivation and a turn's reads, and those made through
+    /// [`RuntimeHandle::retry_store`].
     pub store_retries: u64,
 }
 
