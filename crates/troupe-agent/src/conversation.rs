@@ -281,8 +281,9 @@ pub enum ConversationError {
         /// `StorageFailed` of a call): an HTTP server answers it 503
         /// `storage_unavailable` rather than `overloaded`. Kept in this process only:
         /// not encoded (the reply of a conversation on another node decodes it
-        /// `false`, as a `StoreError::Unavailable` from another node decodes as
-        /// `Backend`), so the wire format is the one before the flag.
+        /// `false`, though a `StoreError::Unavailable` from another node decodes as
+        /// itself since transport protocol 8), so the wire format is the one before
+        /// the flag.
         #[serde(skip)]
         store_unavailable: bool,
     },
@@ -1642,8 +1643,7 @@ mod tests {
     /// Goal: a conversation error says whether its cause is a store down for a moment
     /// (directly, or as the `StorageFailed` of a call), and only that; the flag is not
     /// encoded, so a reply crossing nodes is the bytes it was before the flag (an old
-    /// node decodes it; the receiver reads `false`, as it reads a `StoreError::Unavailable`
-    /// from another node as `Backend`).
+    /// node decodes it; the receiver reads `false`).
     #[test]
     fn a_conversation_error_says_a_store_down_for_a_moment_and_its_encoding_is_unchanged() {
         use troupe_runtime::StoreOperation;
