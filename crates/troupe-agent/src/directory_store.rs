@@ -42,7 +42,7 @@ use std::sync::{Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, Deadline, InvokeError, StoreError};
-use troupe_runtime::RuntimeHandle;
+use troupe_runtime::{RuntimeHandle, StateStore};
 
 use crate::agent::AgentShared;
 use crate::{agent_id, AgentClient, AgentSpec, AgentSpecError};
@@ -170,7 +170,9 @@ impl DirectoryStore {
         if self.is_fresh(runtime.now()) {
             return;
         }
-        if let Err(error) = self.refresh(shared, runtime).await {
+        // Not tried again while the store is unavailable: a lookup decides on the
+        // directory as last read rather than wait, and the next lookup reads again.
+        if let Err(error) = self.refresh(shared, runtime, runtime.store().as_ref()).await {
             tracing::warn!(%error, "reading the stored agent directory failed");
         }
     }
@@ -218,32 +220,41 @@ impl DirectoryStore {
         }
     }
 
-    /// Reads the record and applies it if it is newer.
-    pub(crate) async fn refresh(&self, shared: &AgentShared, runtime: &RuntimeHandle) -> Result<(), DirectoryError> {
+    /// Reads the record from `store` (the runtime's, or one that tries it again while
+    /// unavailable: `store_wait.rs`) and applies it if it is newer.
+    pub(crate) async fn refresh(
+        &self,
+        shared: &AgentShared,
+        runtime: &RuntimeHandle,
+        store: &dyn StateStore,
+    ) -> Result<(), DirectoryError> {
         *self.read_at.lock().unwrap_or_else(PoisonError::into_inner) = Some(runtime.now());
         let record: DefinedAgents =
-            crate::shared_record::decode(runtime.store().load(&record_id()).await?.as_ref(), decode_error)?;
+            crate::shared_record::decode(store.load(&record_id()).await?.as_ref(), decode_error)?;
         self.apply(shared, runtime, &record).await;
         Ok(())
     }
 
     /// Applies `change` to the newest record and commits it (again after a fenced
-    /// commit, as the organisation's changes do), then to this process's directory.
+    /// commit, as the organisation's changes do), then to this process's directory. The
+    /// claim and the commit are tried again while the store is unavailable, for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`] from the call (the commit as the same commit
+    /// under the same fence: `store_wait.rs`); the writer's lock is held meanwhile.
     async fn change<T>(
         &self,
         shared: &AgentShared,
         runtime: &RuntimeHandle,
         mut change: impl FnMut(&mut DefinedAgents) -> Result<T, DirectoryError>,
     ) -> Result<T, DirectoryError> {
+        let store = crate::store_wait::WaitingStore::for_api(runtime);
         let _writer = self.writer.lock().await;
-        let store = runtime.store().as_ref();
         let versioned = |record: &mut DefinedAgents| {
             let output = change(record)?;
             record.version += 1;
             Ok(output)
         };
         let (record, output) =
-            crate::shared_record::change(store, &record_id(), decode_error, || {}, versioned).await?;
+            crate::shared_record::change(&store, &record_id(), decode_error, || {}, versioned).await?;
         self.apply(shared, runtime, &record).await;
         Ok(output)
     }
@@ -344,12 +355,16 @@ impl AgentClient {
         Ok(removed)
     }
 
-    /// Reads the stored directory now and applies it.
+    /// Reads the stored directory now and applies it. A store down for a moment is read
+    /// again for up to [`crate::AGENT_API_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// [`DirectoryError::Store`], [`DirectoryError::Decode`].
     pub async fn reload_directory(&self) -> Result<(), DirectoryError> {
-        self.shared.defined.refresh(&self.shared, &self.runtime).await
+        self.shared
+            .defined
+            .refresh(&self.shared, &self.runtime, &self.api_store())
+            .await
     }
 
     /// The directory, after reading the stored one again if this process's read is

@@ -29,7 +29,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
-use troupe_runtime::{ActorError, StoreError, Turn};
+use troupe_runtime::{ActorError, StateStore, StoreError, Turn};
 
 use crate::agent::{agent_id, AgentActor, AgentShared};
 use crate::inbox::{
@@ -435,13 +435,14 @@ impl AgentClient {
     }
 
     /// Agent `agent`'s record of external task `task_id`, as committed (`working` while
-    /// its turn runs in this process).
+    /// its turn runs in this process). A store down for a moment is read again for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`] (both reads share one deadline).
     ///
     /// # Errors
     /// [`StoreError`] if the store fails or the record cannot be decoded.
     pub async fn external_task(&self, agent: &str, task_id: &str) -> Result<Option<ExternalTask>, StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
-        let store = self.runtime.store();
+        let store = self.api_store();
         let Some(bytes) = store.get(&id, &ext_id_key(task_id)).await? else {
             return Ok(None);
         };
@@ -462,7 +463,9 @@ impl AgentClient {
     }
 
     /// Agent `agent`'s external tasks in arrival order, after seq `after` (from the
-    /// first if `None`), at most `limit` (capped at [`AGENT_EXTERNAL_TASKS_PAGE_MAX`]).
+    /// first if `None`), at most `limit` (capped at [`AGENT_EXTERNAL_TASKS_PAGE_MAX`]). A
+    /// store down for a moment is read again for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// As [`AgentClient::external_task`].
@@ -475,8 +478,7 @@ impl AgentClient {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
         let after = after.map(ext_key);
         let page = self
-            .runtime
-            .store()
+            .api_store()
             .scan(&id, "ext/", after.as_deref(), limit.min(AGENT_EXTERNAL_TASKS_PAGE_MAX))
             .await?;
         page.iter().map(|(_, bytes)| self.external_record(bytes)).collect()

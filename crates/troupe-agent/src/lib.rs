@@ -79,6 +79,7 @@ mod resume_sweep;
 mod schema;
 mod scripted_llm;
 mod shared_record;
+mod store_wait;
 mod system;
 mod tool;
 
@@ -154,6 +155,7 @@ pub use schema::{
 /// direct dependency: `#[derive(JsonSchema)] #[schemars(crate = "troupe_agent::schemars")]`.
 pub use schemars;
 pub use scripted_llm::{ScriptAction, ScriptCondition, ScriptRule, ScriptedAnswer, ScriptedLlm};
+pub use store_wait::AGENT_API_STORE_WAIT_MS;
 pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError, LogPage, PendingAgentSystem};
 pub use tool::{
     tool_parameters_schema, Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError,

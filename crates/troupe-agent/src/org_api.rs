@@ -20,31 +20,38 @@ use crate::{
 impl AgentClient {
     /// The organisation as admission sees it now: read from the store the first time,
     /// and again once the copy this process holds is older than
-    /// [`crate::ORG_CACHE_MAX_AGE_MS`] (another process's changes).
+    /// [`crate::ORG_CACHE_MAX_AGE_MS`] (another process's changes). A store down for a
+    /// moment with no copy young enough to keep ([`crate::ORG_CACHE_STALE_MAX_MS`]) is
+    /// read again for up to [`crate::AGENT_API_STORE_WAIT_MS`]; a copy young enough is
+    /// answered at once, as admission decides on it.
     ///
     /// # Errors
     /// [`OrgError::Store`] or [`OrgError::Decode`].
     pub async fn organisation(&self) -> Result<Arc<Organisation>, OrgError> {
-        self.shared
-            .org
-            .current(self.runtime.store().as_ref(), &self.runtime.clock())
-            .await
+        let clock = self.runtime.clock();
+        match self.shared.org.current(self.runtime.store().as_ref(), &clock).await {
+            Err(OrgError::Store(error)) if error.is_transient() => {
+                self.shared.org.current(&self.api_store(), &clock).await
+            }
+            done => done,
+        }
     }
 
     /// Reads the organisation from the store again at once: changes made by another
     /// process on the same store are seen from then on (without it, at most
-    /// [`crate::ORG_CACHE_MAX_AGE_MS`] later).
+    /// [`crate::ORG_CACHE_MAX_AGE_MS`] later). A store down for a moment is read again
+    /// for up to [`crate::AGENT_API_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// As [`AgentClient::organisation`].
     pub async fn reload_org(&self) -> Result<Arc<Organisation>, OrgError> {
-        self.shared
-            .org
-            .reload(self.runtime.store().as_ref(), &self.runtime.clock())
-            .await
+        self.shared.org.reload(&self.api_store(), &self.runtime.clock()).await
     }
 
-    /// Applies `change` and reports it as [`AgentEvent::OrgChanged`] once committed.
+    /// Applies `change` and reports it as [`AgentEvent::OrgChanged`] once committed. The
+    /// claim and the commit are tried again while the store is unavailable, for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`] from the call (the commit as the same commit
+    /// under the same fence: `store_wait.rs`).
     async fn change_org<T>(
         &self,
         mut change: impl FnMut(&mut Organisation) -> Result<T, OrgError>,
@@ -53,7 +60,7 @@ impl AgentClient {
         let output = self
             .shared
             .org
-            .change(self.runtime.store().as_ref(), &self.runtime.clock(), |org| {
+            .change(&self.api_store(), &self.runtime.clock(), |org| {
                 let output = change(org)?;
                 version = org.version();
                 Ok(output)

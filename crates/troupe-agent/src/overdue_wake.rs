@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 
 use troupe_core::{ActorId, Deadline, InvokeError, StoreError};
-use troupe_runtime::RuntimeHandle;
+use troupe_runtime::{RuntimeHandle, StateStore};
 
 use crate::agent::AgentShared;
 use crate::inbox::{AgentCommand, TASK_DUE_INDEX};
@@ -89,13 +89,14 @@ pub(crate) fn disarm_overdue_wake(shared: &AgentShared, id: &ActorId) {
     }
 }
 
-/// Agent `id`'s earliest `task_due/` time (microseconds), read from the store; `None`
+/// Agent `id`'s earliest `task_due/` time (microseconds), read from `store` (the
+/// runtime's, or one that tries it again while unavailable: `store_wait.rs`); `None`
 /// when it has no open delegated task (or its key does not parse: logged).
 ///
 /// # Errors
 /// [`StoreError`] if the read fails.
-pub(crate) async fn earliest_task_due(runtime: &RuntimeHandle, id: &ActorId) -> Result<Option<u64>, StoreError> {
-    let first = runtime.store().scan(id, TASK_DUE_INDEX.prefix, None, 1).await?;
+pub(crate) async fn earliest_task_due(store: &dyn StateStore, id: &ActorId) -> Result<Option<u64>, StoreError> {
+    let first = store.scan(id, TASK_DUE_INDEX.prefix, None, 1).await?;
     let Some((key, _)) = first.first() else {
         return Ok(None);
     };
@@ -212,7 +213,9 @@ fn arm(shared: &Arc<AgentShared>, id: &ActorId, fire_us: u64, arming: Arming) {
 /// due now. A later one is watched again; none ends the watch. A failed read is logged
 /// and ends it (a resume sweep's next round reads it again).
 async fn still_due(shared: &Arc<AgentShared>, runtime: &RuntimeHandle, id: &ActorId) -> bool {
-    match earliest_task_due(runtime, id).await {
+    // Not tried again while the store is unavailable: a failed read ends the watch, and
+    // the resume sweep's next round reads it again (`arm_overdue_wakes`).
+    match earliest_task_due(runtime.store().as_ref(), id).await {
         Ok(Some(due_us)) if due_us > runtime.now().as_micros() => {
             watch_overdue_wake(shared, id, due_us);
             false

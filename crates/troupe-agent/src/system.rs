@@ -734,7 +734,9 @@ impl AgentClient {
     }
 
     /// Agent `agent`'s committed record of task `task_id` it delegated; `None` if there
-    /// is none (an id longer than [`AGENT_TASK_ID_LENGTH_MAX_BYTES`] names none).
+    /// is none (an id longer than [`AGENT_TASK_ID_LENGTH_MAX_BYTES`] names none). A
+    /// store down for a moment is read again for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// As [`AgentClient::conversation_log`].
@@ -744,7 +746,7 @@ impl AgentClient {
             // No delegation has such an id (and its key would not fit in the store's).
             return Ok(None);
         }
-        let Some(bytes) = self.runtime.store().get(&id, &task_key(task_id)).await? else {
+        let Some(bytes) = self.api_store().get(&id, &task_key(task_id)).await? else {
             return Ok(None);
         };
         <TaskStatus as crate::inbox::Record>::decode(&task_key(task_id), &bytes)
@@ -752,13 +754,14 @@ impl AgentClient {
             .map_err(|error| decode_error(error.to_string()))
     }
 
-    /// How many entries agent `agent` has in its inbox and its outbox, committed.
+    /// How many entries agent `agent` has in its inbox and its outbox, committed. A store
+    /// down for a moment is read again for up to [`crate::AGENT_API_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// As [`AgentClient::conversation_log`].
     pub async fn pending(&self, agent: &str) -> Result<(u64, u64), StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
-        let Some(bytes) = self.runtime.store().load(&id).await? else {
+        let Some(bytes) = self.api_store().load(&id).await? else {
             return Ok((0, 0));
         };
         let saved = SavedAgent::decode(&bytes).map_err(decode_error)?;
@@ -779,12 +782,15 @@ impl AgentClient {
     /// node died is taken over once that node's lease has ended. In a single process
     /// nothing is looked up.
     ///
+    /// A store down for a moment is read again for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`] (all its reads share one deadline).
+    ///
     /// # Errors
     /// [`StoreError`] if reading a snapshot fails.
     pub async fn resume_pending(&self) -> Result<usize, StoreError> {
         let mut woken = 0;
         let mut skipped = NotResumedHere::default();
-        let store = self.runtime.store();
+        let store = self.api_store();
         for spec in self.shared.directory.list() {
             let Ok(id) = agent_id(&spec.id) else { continue };
             // The entries themselves, not the snapshot's counters: a plain key read.
@@ -827,14 +833,18 @@ impl AgentClient {
     /// task by then (it died, say). The node that runs the agent arms its own wake-up at
     /// the agent's turns (each activation's first command scans the index).
     ///
+    /// A store down for a moment is read again for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`] (all its reads share one deadline).
+    ///
     /// # Errors
     /// [`StoreError`] if reading a key fails.
     pub(crate) async fn arm_overdue_wakes(&self) -> Result<usize, StoreError> {
         let mut armed = 0;
         let cluster = self.runtime.has_root_call_router();
+        let store = self.api_store();
         for spec in self.shared.directory.list() {
             let Ok(id) = agent_id(&spec.id) else { continue };
-            let Some(due_us) = crate::overdue_wake::earliest_task_due(&self.runtime, &id).await? else {
+            let Some(due_us) = crate::overdue_wake::earliest_task_due(&store, &id).await? else {
                 continue;
             };
             if cluster {
@@ -856,14 +866,16 @@ impl AgentClient {
     }
 
     /// Agent `agent`'s full conversation log from the store, oldest first: every user,
-    /// assistant and tool message of every committed turn.
+    /// assistant and tool message of every committed turn. A store down for a moment is
+    /// read again for up to [`crate::AGENT_API_STORE_WAIT_MS`] (all its reads share one
+    /// deadline).
     ///
     /// # Errors
     /// [`StoreError`] if the store fails or an entry cannot be decoded (operation
     /// [`StoreOperation::Decode`]).
     pub async fn conversation_log(&self, agent: &str) -> Result<Vec<ChatMessage>, StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
-        let store = self.runtime.store();
+        let store = self.api_store();
         let mut messages = Vec::new();
         let mut after: Option<String> = None;
         loop {
@@ -887,7 +899,8 @@ impl AgentClient {
     /// first, with the log's length when read. Reads only the log entries that hold the
     /// page's messages (and the agent's saved counters), so a page of an old agent's
     /// log costs what a page of a new one does; [`AgentClient::conversation_log`] reads
-    /// the whole log.
+    /// the whole log. A store down for a moment is read again for up to
+    /// [`crate::AGENT_API_STORE_WAIT_MS`] (all its reads share one deadline).
     ///
     /// # Errors
     /// As [`AgentClient::conversation_log`].
@@ -898,7 +911,7 @@ impl AgentClient {
         limit: usize,
     ) -> Result<LogPage, StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
-        let store = self.runtime.store();
+        let store = self.api_store();
         let total = match store.load(&id).await? {
             Some(bytes) => SavedAgent::decode(&bytes).map_err(decode_error)?.log_length,
             None => 0,
@@ -925,13 +938,14 @@ impl AgentClient {
     }
 
     /// Agent `agent`'s committed conversation window (what its model sees besides the
-    /// system prompt), oldest first; empty if it never finished a turn.
+    /// system prompt), oldest first; empty if it never finished a turn. A store down for
+    /// a moment is read again for up to [`crate::AGENT_API_STORE_WAIT_MS`].
     ///
     /// # Errors
     /// As [`AgentClient::conversation_log`].
     pub async fn history_window(&self, agent: &str) -> Result<Vec<ChatMessage>, StoreError> {
         let id = agent_id(agent).map_err(|error| decode_error(error.to_string()))?;
-        let store = self.runtime.store();
+        let store = self.api_store();
         let Some(bytes) = store.load(&id).await? else {
             return Ok(Vec::new());
         };

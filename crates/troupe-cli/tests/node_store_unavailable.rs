@@ -573,3 +573,153 @@ async fn a_node_without_config_answers_its_own_conversation_route_503_storage_un
     let stderr = node.stop();
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// The requests of the agent layer's own store operations outside a turn (since
+/// 2026-12-07 tried again while the store is unavailable, for
+/// `AGENT_API_STORE_WAIT_MS`), each with the status it is answered once the store
+/// answers: an agent read (its inbox and outbox lengths: a load), its history (a
+/// load), a task's record (a key read: none, so 404), a link added (the organisation
+/// claimed and committed), an agent defined (the stored directory claimed and
+/// committed).
+const AGENT_LAYER_REQUESTS: [(&str, &str, &str, u16); 5] = [
+    ("GET", "/v1/agents/ana", "", 200),
+    ("GET", "/v1/agents/ana/history", "", 200),
+    ("GET", "/v1/agents/ana/tasks/ana-task-none", "", 404),
+    (
+        "POST",
+        "/v1/links",
+        r#"{"from": "lead", "to": "ben", "relationship": "peer"}"#,
+        201,
+    ),
+    ("POST", "/v1/agents", r#"{"id": "newcomer"}"#, 201),
+];
+
+/// Goal: a PostgreSQL restart shorter than `AGENT_API_STORE_WAIT_MS` costs the agent
+/// layer's own reads and writes outside a turn some latency, not an error: an agent's
+/// record (`GET /v1/agents/{id}`), its history, a task's record, a link added to the
+/// organisation and an agent defined are answered as they are with the store up (200,
+/// 404 for a task there is none of, 201) once the server is back, and `/metrics` counts
+/// the tries made again. Until 2026-12-07 each was 503 `storage_unavailable` at the
+/// first failure (the store gone to directly: `AgentClient::pending`, `task`,
+/// `conversation_log_page`, the organisation's and the directory's `shared_record`
+/// claim). Method: `pg_ctl stop -m fast`, one request sent at once, `pg_ctl start`
+/// `OUTAGE_MS` after the stop from another thread; once per request.
+#[tokio::test]
+async fn a_nodes_agent_records_org_and_directory_changes_during_a_short_postgres_restart_succeed() {
+    /// How long the server stays stopped before it is started again, in milliseconds.
+    const OUTAGE_MS: u64 = 1_500;
+    let etcd = TestEtcd::start("node-store-restart-agents").await;
+    let postgres = TestServer::start("node-store-restart-agents");
+    let database = postgres.create_database("agents").await;
+    let node = Node::start(&etcd.endpoint(), &database, "restart-agents", &[]);
+    // Each route answers with the store up (and the organisation is in the cache).
+    let (status, _, body) = node.request("GET", "/v1/agents/ana", "");
+    assert_eq!(status, 200, "{body}");
+    let outage = Duration::from_millis(OUTAGE_MS);
+
+    // Every request is made (and said) before any is checked: each one's answer shows.
+    let mut answered = Vec::new();
+    for (method, path, body, expected) in AGENT_LAYER_REQUESTS {
+        let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
+        let ((status, answer, took), down) = while_briefly_down(&postgres, outage, || {
+            let asked = Instant::now();
+            let (status, _, answer) = node.request(method, path, body);
+            (status, answer, asked.elapsed())
+        });
+        let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
+        eprintln!(
+            "{method} {path} during a {} ms PostgreSQL outage: {status} after {} ms, {retries} store retries",
+            down.as_millis(),
+            took.as_millis()
+        );
+        answered.push((method, path, expected, status, answer, took, retries));
+    }
+    for (method, path, expected, status, answer, took, retries) in answered {
+        assert_eq!(status, expected, "{method} {path}: {answer}");
+        assert!(
+            took >= outage,
+            "{method} {path}: answered after {took:?}, inside the {outage:?} outage"
+        );
+        assert!(retries > 0, "{method} {path}: the store was tried again: {retries}");
+    }
+    // What was written during the restarts is there, once.
+    let (status, _, body) = node.request("GET", "/v1/links", "");
+    assert_eq!(status, 200, "{body}");
+    let links = json(&body);
+    let added = links["links"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no links in {body}"))
+        .iter()
+        .filter(|link| link["from"] == "lead" && link["to"] == "ben")
+        .count();
+    assert_eq!(added, 1, "{body}");
+    let (status, _, body) = node.request("GET", "/v1/agents/newcomer", "");
+    assert_eq!(status, 200, "{body}");
+    let stderr = node.stop();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Goal: while a node's PostgreSQL server stays down past `AGENT_API_STORE_WAIT_MS`,
+/// the agent layer's reads and writes outside a turn still answer 503
+/// `storage_unavailable` with `Retry-After: 1`, once the store was tried again for
+/// that long (not at once, as until 2026-12-07; not an unbounded wait); once the server
+/// is back they answer as usual. Method: `pg_ctl stop -m fast`, the requests sent at
+/// once from threads of their own, `pg_ctl start`, the requests again.
+#[tokio::test]
+async fn a_nodes_agent_records_and_org_changes_answer_503_storage_unavailable_past_their_wait() {
+    let etcd = TestEtcd::start("node-store-down-agents").await;
+    let postgres = TestServer::start("node-store-down-agents");
+    let database = postgres.create_database("agents").await;
+    let node = Node::start(&etcd.endpoint(), &database, "down-agents", &[]);
+    let (status, _, body) = node.request("GET", "/v1/agents/ana", "");
+    assert_eq!(status, 200, "{body}");
+    let wait = Duration::from_millis(troupe_agent::AGENT_API_STORE_WAIT_MS);
+    let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
+
+    postgres.stop();
+    let answers: Vec<_> = std::thread::scope(|scope| {
+        let asked: Vec<_> = AGENT_LAYER_REQUESTS
+            .iter()
+            .map(|&(method, path, body, _)| {
+                let node = &node;
+                scope.spawn(move || {
+                    let asked = Instant::now();
+                    let answer = node.request(method, path, body);
+                    (method, path, answer, asked.elapsed())
+                })
+            })
+            .collect();
+        asked
+            .into_iter()
+            .map(|asked| asked.join().expect("a request"))
+            .collect()
+    });
+    for (method, path, (status, head, body), took) in answers {
+        eprintln!(
+            "{method} {path} with PostgreSQL stopped: {status} after {} ms: {body}",
+            took.as_millis()
+        );
+        assert_eq!(status, 503, "{method} {path}: {head}\n{body}");
+        assert_eq!(
+            json(&body)["error"]["code"],
+            "storage_unavailable",
+            "{method} {path}: {body}"
+        );
+        assert!(retry_after_1(&head), "{method} {path}: no Retry-After: 1 in {head}");
+        assert!(
+            took >= wait - Duration::from_millis(500) && took < wait + Duration::from_millis(3_000),
+            "{method} {path}: answered after {took:?}, the store being tried again for {wait:?}"
+        );
+    }
+    let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
+    eprintln!("{retries} store retries in all");
+    assert!(retries > 0, "the store was tried again: {retries}");
+
+    postgres.start_again();
+    for (method, path, body, expected) in AGENT_LAYER_REQUESTS {
+        let (status, _, answer) = node.request(method, path, body);
+        assert_eq!(status, expected, "{method} {path} once the server is back: {answer}");
+    }
+    let stderr = node.stop();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
