@@ -1533,7 +1533,9 @@ fn get_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value
 }
 
 /// `CancelTask`: a task still waiting for its turn is canceled; one that runs or has
-/// ended is not cancelable.
+/// ended is not cancelable. A cancel that cannot be stored is answered as every method
+/// answers a store failure ([`RpcError::store`]: a store down for a moment is 503
+/// `storage_unavailable` with `Retry-After`; until 2026-12-07 it was -32603).
 async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
     let params: TaskIdParams = parse(params)?;
     match a2a.tasks.cancel(agent, &params.id, a2a.app.client.runtime().now()) {
@@ -1543,9 +1545,7 @@ async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Res
             a2a.store
                 .save(&a2a.tasks, &task, &[], deadline)
                 .await
-                .map_err(|error| {
-                    RpcError::new(code::INTERNAL_ERROR, format!("the cancel could not be stored: {error}"))
-                })?;
+                .map_err(|error| RpcError::store(&error, format!("the cancel could not be stored: {error}")))?;
             Ok(task_json(&task, None, true))
         }
         CancelOutcome::NotCancelable(task) => Err(RpcError::new(

@@ -1,0 +1,172 @@
+//! A2A `CancelTask` whose cancel cannot be stored because the store is down for a
+//! moment: answered as every other A2A method answers it, 503 with JSON-RPC code
+//! -32000 (`storage_unavailable`) and `Retry-After: 1`, a condition the client may
+//! retry; until 2026-12-07 it was 200 with JSON-RPC -32603 (internal error), which
+//! tells the client nothing may help.
+//!
+//! Method: a real server on loopback over an agent system whose store is a
+//! `MemoryStore` behind a switch that makes every operation fail `Unavailable` on
+//! command; a task waiting behind a running one is canceled while the switch is on.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::body::Bytes;
+use serde_json::{json, Value};
+use troupe_agent::{ScriptRule, ScriptedLlm};
+use troupe_core::ActorId;
+use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_server::ServerConfig;
+
+mod support;
+use support::{Harness, POLL_MS, TEST_WAIT_MS_MAX};
+
+/// The server's request timeout, in milliseconds: the cancel's save is tried again
+/// until it less `A2A_BLOCKING_HEADROOM_MS` (1 s), so a store down throughout is
+/// answered after about 1 s.
+const REQUEST_TIMEOUT_MS: u64 = 2_000;
+/// How long the `slow` agent's model takes, in milliseconds: its first task holds the
+/// lane while the second is canceled.
+const SLOW_TURN_MS: u64 = 3_000;
+
+/// A `MemoryStore` whose every operation fails `Unavailable` while `down` is set.
+struct Switched {
+    inner: MemoryStore,
+    down: Arc<AtomicBool>,
+}
+
+impl Switched {
+    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(StoreError::Unavailable {
+                operation,
+                cause: "connection refused (the test's outage)".to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl StateStore for Switched {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.check(StoreOperation::Claim)?;
+        self.inner.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Load)?;
+        self.inner.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.check(StoreOperation::Commit)?;
+        self.inner.commit(actor, fence, commit).await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.check(StoreOperation::Get)?;
+        self.inner.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.check(StoreOperation::Scan)?;
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+/// One JSON-RPC call to `/a2a/slow`: the status, the `Retry-After` header and the body.
+async fn call(server: &Harness, method: &str, params: Value) -> (u16, Option<String>, Value) {
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+    let response = server
+        .request(reqwest::Method::POST, "/a2a/slow")
+        .header("content-type", "application/json")
+        .header("A2A-Version", "1.0")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("the server answers");
+    let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .map(|value| value.to_str().unwrap().to_string());
+    let text = response.text().await.unwrap();
+    let value = serde_json::from_str(&text).unwrap_or_else(|error| panic!("not JSON ({error}): {text}"));
+    (status, retry_after, value)
+}
+
+/// A task sent to `slow` without waiting for it: its id.
+async fn submit(server: &Harness, text: &str) -> String {
+    let params = json!({
+        "message": {"messageId": text, "role": "ROLE_USER", "parts": [{"text": text}]},
+        "configuration": {"returnImmediately": true},
+    });
+    let (status, _, body) = call(server, "SendMessage", params).await;
+    assert_eq!(status, 200, "{body}");
+    body["result"]["task"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no task id in {body}"))
+        .to_string()
+}
+
+/// Goal: see the module doc. Also: the cancel was decided (the task is canceled, not
+/// run) although it could not be stored, and once the store is back the task reads
+/// canceled. Method: two tasks to `slow` (the first runs for `SLOW_TURN_MS`, the
+/// second waits), the store switched down, `CancelTask` of the second, the store back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_that_cannot_be_stored_for_a_moment_is_answered_503_storage_unavailable() {
+    let down = Arc::new(AtomicBool::new(false));
+    let store = Switched {
+        inner: MemoryStore::new(),
+        down: Arc::clone(&down),
+    };
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::agent("slow")
+            .reply("slow done")
+            .latency(Duration::from_millis(SLOW_TURN_MS)),
+    );
+    let builder = support::agents(llm, &["slow"], KindConfig::default()).store(Arc::new(store));
+    let config = ServerConfig::default().request_timeout(Duration::from_millis(REQUEST_TIMEOUT_MS));
+    let server = Harness::start(builder, config).await;
+    let first = submit(&server, "first").await;
+    let second = submit(&server, "second").await;
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        while call(&server, "GetTask", json!({"id": first})).await.2["result"]["status"]["state"]
+            != "TASK_STATE_WORKING"
+        {
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await
+    .expect("the first task starts");
+
+    down.store(true, Ordering::SeqCst);
+    let asked = tokio::time::Instant::now();
+    let (status, retry_after, body) = call(&server, "CancelTask", json!({"id": second})).await;
+    eprintln!(
+        "CancelTask with the store down: {status} (Retry-After {retry_after:?}) after {} ms: {body}",
+        asked.elapsed().as_millis()
+    );
+    down.store(false, Ordering::SeqCst);
+    assert_eq!(
+        (status, retry_after.as_deref(), &body["error"]["code"]),
+        (503, Some("1"), &json!(-32000)),
+        "{body}"
+    );
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("the cancel could not be stored"), "{message}");
+
+    let (status, _, body) = call(&server, "GetTask", json!({"id": second})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["result"]["status"]["state"], "TASK_STATE_CANCELED", "{body}");
+    server.stop().await;
+}
