@@ -7,6 +7,8 @@
 //! Method: a real server on loopback over an agent system whose store is a
 //! `MemoryStore` behind a switch that makes every operation fail `Unavailable` on
 //! command; a task waiting behind a running one is canceled while the switch is on.
+//! Normal build only (a real server on real TCP), as the other server tests.
+#![cfg(not(madsim))]
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
