@@ -58,7 +58,7 @@ pub use idempotency::{
     IDEMPOTENCY_STORE_PREFIX,
 };
 pub use kind_config::{ConfigError, KindConfig};
-pub use memory_store::{MemoryStore, MemoryStoreFaults};
+pub use memory_store::{MemoryStore, MemoryStoreFaults, MEMORY_STORE_OUTAGE_CAUSE};
 pub use observer::{RuntimeEvent, RuntimeObserver};
 pub use remote::{RemoteWait, RootCallRouter, TellRoute, TurnCall, TurnCallRouter, WaitEdge};
 pub use runtime::{Runtime, RuntimeBuilder, SHUTDOWN_ABORT_WAIT_MS, SHUTDOWN_GRACE_MS_DEFAULT, SHUTDOWN_GRACE_MS_MAX};

@@ -1,7 +1,11 @@
 //! An in-memory [`StateStore`] with fault injection, for tests and the simulator.
 //!
 //! Faults are switched on through [`MemoryStoreFaults`]:
-//! - failing loads, commits or reads (the next `n`, or all until switched off);
+//! - failing loads, commits or reads (the next `n`, or all until switched off) with
+//!   [`StoreError::Injected`], which is not transient;
+//! - an outage: every operation fails [`StoreError::Unavailable`] (a store down for a
+//!   moment, which the runtime tries again within a request's deadline) until switched
+//!   back ([`MemoryStoreFaults::set_unavailable`]);
 //! - write-back mode, which models a disk cache: commits are visible at once but only
 //!   durable after [`MemoryStore::flush`]; [`MemoryStore::crash`] loses what was not
 //!   flushed. The simulator uses it for the "lost unflushed writes" fault.
@@ -182,7 +186,17 @@ struct FaultSwitches {
     fail_reads: AtomicU64,
     write_back: AtomicBool,
     injected: AtomicU64,
+    /// Every operation fails `Unavailable` while set.
+    unavailable: AtomicBool,
+    /// Set by the first [`MemoryStoreFaults::set_unavailable`], never cleared: from then
+    /// on the store answers [`StateStore::may_be_unavailable`] `true`.
+    unavailable_switched: AtomicBool,
 }
+
+/// The cause of every [`StoreError::Unavailable`] a [`MemoryStore`] answers while
+/// switched unavailable.
+pub const MEMORY_STORE_OUTAGE_CAUSE: &str =
+    "the memory store is switched unavailable (MemoryStoreFaults::set_unavailable)";
 
 /// Fail every operation of a kind until switched off.
 const FAIL_ALWAYS: u64 = u64::MAX;
@@ -223,9 +237,35 @@ impl MemoryStoreFaults {
         self.inner.write_back.store(on, Ordering::SeqCst);
     }
 
-    /// How many operations have failed by injection so far.
+    /// Starts (`true`) or ends (`false`) an outage: while it lasts, every claim, load,
+    /// commit, fence check, `get` and `scan` fails [`StoreError::Unavailable`] with
+    /// [`MEMORY_STORE_OUTAGE_CAUSE`] and changes nothing (counted in
+    /// [`MemoryStoreFaults::injected_count`]), as a database server that is restarting
+    /// would answer. The runtime tries such an operation again within the deadline of
+    /// the request it serves. Once this has been called, the store answers
+    /// [`StateStore::may_be_unavailable`] `true` for good, so the runtime keeps each
+    /// turn's writes until their commit is made (a store never switched keeps answering
+    /// `false` and spares that copy).
+    pub fn set_unavailable(&self, down: bool) {
+        self.inner.unavailable_switched.store(true, Ordering::SeqCst);
+        self.inner.unavailable.store(down, Ordering::SeqCst);
+    }
+
+    /// How many operations have failed by injection so far (an outage's included).
     pub fn injected_count(&self) -> u64 {
         self.inner.injected.load(Ordering::SeqCst)
+    }
+
+    /// `Unavailable` for `operation` while an outage lasts.
+    fn outage(&self, operation: StoreOperation) -> Result<(), StoreError> {
+        if !self.inner.unavailable.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.inner.injected.fetch_add(1, Ordering::SeqCst);
+        Err(StoreError::Unavailable {
+            operation,
+            cause: MEMORY_STORE_OUTAGE_CAUSE.to_string(),
+        })
     }
 
     fn write_back(&self) -> bool {
@@ -233,6 +273,7 @@ impl MemoryStoreFaults {
     }
 
     fn take(&self, counter: &AtomicU64, operation: StoreOperation) -> Result<(), StoreError> {
+        self.outage(operation)?;
         let mut current = counter.load(Ordering::SeqCst);
         loop {
             if current == 0 {
@@ -359,10 +400,11 @@ impl StateStore for MemoryStore {
         Some(self.claim_at_once(actor))
     }
 
-    /// Never: its faults are injected ([`StoreError::Injected`]), not transient. So the
-    /// runtime keeps no copy of a turn's writes for it.
+    /// Not until [`MemoryStoreFaults::set_unavailable`] is first called: its other
+    /// faults are injected ([`StoreError::Injected`]), not transient, so the runtime
+    /// keeps no copy of a turn's writes for it.
     fn may_be_unavailable(&self) -> bool {
-        false
+        self.faults.inner.unavailable_switched.load(Ordering::Relaxed)
     }
 
     async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
@@ -396,9 +438,11 @@ impl StateStore for MemoryStore {
         Ok(())
     }
 
-    /// The actor's newest fence, compared under the lock; no fault is injected here
-    /// (a check is advisory: the commit after it still meets the injected faults).
+    /// The actor's newest fence, compared under the lock. Only an outage fails it, as
+    /// `Commit` (the operation PostgreSQL's store names for a fence check; a check is
+    /// advisory: the commit after it still meets the injected faults).
     async fn check_fence(&self, actor: &ActorId, fence: Fence) -> Result<(), StoreError> {
+        self.faults.outage(StoreOperation::Commit)?;
         let current = self.lock().actors.get(actor).and_then(|slot| slot.fence);
         if current == Some(fence) {
             return Ok(());
@@ -704,6 +748,66 @@ mod tests {
             model.visible = model.durable.clone();
             check_reads(&store, &model);
         }
+    }
+
+    /// Goal: an outage switched on fails every operation `Unavailable` (transient) and
+    /// changes nothing; switched off, the store answers as before; `may_be_unavailable`
+    /// turns `true` at the first switch and stays so. Method: one committed actor, the
+    /// outage on, each operation tried, the outage off, the same reads compared.
+    #[test]
+    fn an_outage_fails_every_operation_unavailable_and_changes_nothing() {
+        let store = MemoryStore::new();
+        let id = actor(0);
+        assert!(!store.may_be_unavailable());
+        let fence = ready(store.claim(&id)).unwrap().fence;
+        let commit = TurnCommit {
+            state: StateChange::Set(value(1)),
+            writes: vec![("a/1".to_string(), Some(value(2)))],
+        };
+        ready(store.commit(&id, fence, commit.clone())).unwrap();
+
+        store.faults().set_unavailable(true);
+        assert!(store.may_be_unavailable());
+        let unavailable = |operation| StoreError::Unavailable {
+            operation,
+            cause: MEMORY_STORE_OUTAGE_CAUSE.to_string(),
+        };
+        assert_eq!(ready(store.claim(&id)).unwrap_err(), unavailable(StoreOperation::Claim));
+        assert_eq!(ready(store.load(&id)).unwrap_err(), unavailable(StoreOperation::Load));
+        let other = TurnCommit {
+            state: StateChange::Set(value(9)),
+            writes: vec![("a/1".to_string(), None)],
+        };
+        assert_eq!(
+            ready(store.commit(&id, fence, other)).unwrap_err(),
+            unavailable(StoreOperation::Commit)
+        );
+        assert_eq!(
+            ready(store.check_fence(&id, fence)).unwrap_err(),
+            unavailable(StoreOperation::Commit)
+        );
+        assert_eq!(
+            ready(store.get(&id, "a/1")).unwrap_err(),
+            unavailable(StoreOperation::Get)
+        );
+        assert_eq!(
+            ready(store.scan(&id, "a/", None, 10)).unwrap_err(),
+            unavailable(StoreOperation::Scan)
+        );
+        assert!(unavailable(StoreOperation::Get).is_transient());
+        assert_eq!(store.faults().injected_count(), 6);
+
+        store.faults().set_unavailable(false);
+        assert!(
+            store.may_be_unavailable(),
+            "once switched, the runtime keeps copies for good"
+        );
+        // Nothing changed: the same fence still commits, the state and entry are the first commit's.
+        ready(store.check_fence(&id, fence)).unwrap();
+        assert_eq!(ready(store.load(&id)).unwrap(), Some(value(1)));
+        assert_eq!(ready(store.get(&id, "a/1")).unwrap(), Some(value(2)));
+        ready(store.commit(&id, fence, commit)).unwrap();
+        assert_eq!(store.faults().injected_count(), 6);
     }
 
     /// Goal: commits in write-back mode cost the actor's changed keys, not a copy of the

@@ -10,7 +10,8 @@
 //! `StoreError::Backend`, and the caller got `Backend` with the same text.
 //!
 //! Method: the host runs counters (`support/turn_counter.rs`) on a store that fails
-//! every operation `Unavailable` while it is down ([`Outage`]); a [`TransportClient`]
+//! every operation `Unavailable` while it is down (a `MemoryStore` switched by
+//! `MemoryStoreFaults::set_unavailable`); a [`TransportClient`]
 //! calls them from another node. The host tries the store again until the request's
 //! deadline, then answers the store's last error: a commit's for a counter already
 //! active, a claim's for one that is not. Once the store is back, the next call counts
@@ -21,15 +22,14 @@
 //! under simulation with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo
 //! nextest run -p troupe-runtime --test transport_store_unavailable`.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_core::{ActorId, CallContext, InvokeError};
 use troupe_runtime::{
-    Claimed, Clock, Fence, MemoryStore, Runtime, StateStore, StoreError, StoreOperation, TransportClient, TurnCommit,
+    Clock, MemoryStore, Runtime, StoreError, StoreOperation, TransportClient, MEMORY_STORE_OUTAGE_CAUSE,
 };
 
 #[path = "support/turn_counter.rs"]
@@ -41,76 +41,8 @@ use turn_counter::{turn_counter_runtime, TURN_COUNTER_KIND};
 const OUTAGE_CALL_MS: u64 = 1_000;
 /// The deadline of a call made while the store is up, in milliseconds.
 const CALL_MS: u64 = 10_000;
-/// What the store says while it is down.
-const OUTAGE_CAUSE: &str = "connection refused (the test's outage)";
-
-/// A `MemoryStore` that fails every operation `Unavailable` while it is down, and
-/// counts those failures.
-#[derive(Clone, Default)]
-struct Outage {
-    inner: MemoryStore,
-    down: Arc<AtomicBool>,
-    failed: Arc<AtomicU64>,
-}
-
-impl Outage {
-    fn set_down(&self, down: bool) {
-        self.down.store(down, Ordering::SeqCst);
-    }
-
-    fn failures(&self) -> u64 {
-        self.failed.load(Ordering::SeqCst)
-    }
-
-    /// `Unavailable` for `operation` while the store is down.
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        if !self.down.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        self.failed.fetch_add(1, Ordering::SeqCst);
-        Err(StoreError::Unavailable {
-            operation,
-            cause: OUTAGE_CAUSE.to_string(),
-        })
-    }
-}
-
-#[async_trait]
-impl StateStore for Outage {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await
-    }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
-
 /// The host: counters on `store`; every turn run adds one to `turns`.
-fn host(store: &Outage, turns: &Arc<AtomicU64>) -> Runtime {
+fn host(store: &MemoryStore, turns: &Arc<AtomicU64>) -> Runtime {
     turn_counter_runtime(Arc::new(store.clone()), turns)
 }
 
@@ -136,7 +68,7 @@ fn assert_unavailable(result: Result<Bytes, InvokeError>, target: &ActorId, oper
                     operation: failed_operation,
                     cause,
                 },
-        } if failed == target && *failed_operation == operation && cause == OUTAGE_CAUSE => {}
+        } if failed == target && *failed_operation == operation && cause == MEMORY_STORE_OUTAGE_CAUSE => {}
         other => panic!(
             "{target}: not the host's store failing for a moment at {operation} (StorageFailed {{ source: \
              Unavailable }}): {other:?}"
@@ -160,7 +92,7 @@ fn assert_unavailable(result: Result<Bytes, InvokeError>, target: &ActorId, oper
 async fn outage_call(
     client: &TransportClient,
     clock: Clock,
-    store: &Outage,
+    store: &MemoryStore,
     turns: &AtomicU64,
     target: &ActorId,
     operation: StoreOperation,
@@ -168,12 +100,12 @@ async fn outage_call(
 ) -> u32 {
     let mut timeouts = 0;
     loop {
-        store.set_down(false);
+        store.faults().set_unavailable(false);
         if operation == StoreOperation::Commit {
             inc(client, clock, target, CALL_MS).await.expect("the store is up");
         }
-        store.set_down(true);
-        let (failed_before, turns_before) = (store.failures(), turns.load(Ordering::SeqCst));
+        store.faults().set_unavailable(true);
+        let (failed_before, turns_before) = (store.faults().injected_count(), turns.load(Ordering::SeqCst));
         let result = inc(client, clock, target, OUTAGE_CALL_MS).await;
         if matches!(result, Err(InvokeError::Timeout { .. })) && timeouts + 1 < attempts_max {
             timeouts += 1;
@@ -187,12 +119,12 @@ async fn outage_call(
             turns_run, expected_turns,
             "{target}: only the store operation was tried again"
         );
-        let failed = store.failures() - failed_before;
+        let failed = store.faults().injected_count() - failed_before;
         assert!(
             failed >= 2,
             "{target}: the host tried the store again: {failed} failures"
         );
-        store.set_down(false);
+        store.faults().set_unavailable(false);
         return timeouts;
     }
 }
@@ -205,7 +137,7 @@ async fn outage_call(
 async fn calls_during_the_hosts_outage(
     client: &TransportClient,
     clock: Clock,
-    store: &Outage,
+    store: &MemoryStore,
     turns: &AtomicU64,
     attempts_max: u32,
 ) -> u32 {
@@ -248,7 +180,7 @@ mod loopback {
     const LOOPBACK_ATTEMPTS_MAX: u32 = 3;
 
     async fn run() {
-        let store = Outage::default();
+        let store = MemoryStore::new();
         let turns = Arc::new(AtomicU64::new(0));
         let runtime = host(&store, &turns);
         let address: SocketAddr = "127.0.0.1:0".parse().unwrap();
@@ -308,7 +240,7 @@ mod simulated {
             config.send_latency = Duration::from_millis(LATENCY_MS.start)..Duration::from_millis(LATENCY_MS.end);
         });
         let handle = Handle::current();
-        let store = Outage::default();
+        let store = MemoryStore::new();
         let turns = Arc::new(AtomicU64::new(0));
         handle
             .create_node()

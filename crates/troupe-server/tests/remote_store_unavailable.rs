@@ -19,14 +19,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::body::Bytes;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use troupe_core::{ActorId, ActorKind, CallContext, InvokeError};
 use troupe_runtime::{
-    Actor, ActorBox, ActorError, Claimed, Clock, Fence, KindConfig, Runtime, StateStore, StoreError, StoreOperation,
-    TransportClient, TransportServer, Turn, TurnCommit,
+    Actor, ActorBox, ActorError, Clock, KindConfig, MemoryStore, Runtime, StoreError, StoreOperation, TransportClient,
+    TransportServer, Turn, MEMORY_STORE_OUTAGE_CAUSE,
 };
 use troupe_server::ApiError;
 
@@ -36,48 +35,6 @@ const CALL_MS: u64 = 500;
 /// deadline: the host stops trying its store 5 to 10 ms before it, and on a loaded
 /// machine the answer can take longer to arrive, which ends the call `Timeout`.
 const ATTEMPTS_MAX: u32 = 3;
-/// What the store says.
-const OUTAGE_CAUSE: &str = "connection refused (the test's outage)";
-
-/// A store that is down: every operation fails `Unavailable`.
-struct Down;
-
-fn down(operation: StoreOperation) -> StoreError {
-    StoreError::Unavailable {
-        operation,
-        cause: OUTAGE_CAUSE.to_string(),
-    }
-}
-
-#[async_trait]
-impl StateStore for Down {
-    async fn claim(&self, _actor: &ActorId) -> Result<Claimed, StoreError> {
-        Err(down(StoreOperation::Claim))
-    }
-
-    async fn load(&self, _actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        Err(down(StoreOperation::Load))
-    }
-
-    async fn commit(&self, _actor: &ActorId, _fence: Fence, _commit: TurnCommit) -> Result<(), StoreError> {
-        Err(down(StoreOperation::Commit))
-    }
-
-    async fn get(&self, _actor: &ActorId, _key: &str) -> Result<Option<Bytes>, StoreError> {
-        Err(down(StoreOperation::Get))
-    }
-
-    async fn scan(
-        &self,
-        _actor: &ActorId,
-        _prefix: &str,
-        _after: Option<&str>,
-        _limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        Err(down(StoreOperation::Scan))
-    }
-}
-
 /// Replies with its payload.
 struct Echo;
 
@@ -89,8 +46,11 @@ impl Actor for Echo {
 
 /// The error of a call from another node to an actor on a host whose store is down.
 async fn remote_error() -> InvokeError {
+    // A store that is down throughout: every operation fails `Unavailable`.
+    let store = MemoryStore::new();
+    store.faults().set_unavailable(true);
     let host = Runtime::builder()
-        .store(Arc::new(Down))
+        .store(Arc::new(store))
         .register(
             ActorKind::new("echo").unwrap(),
             |_: &ActorId, _: Option<Bytes>| -> Result<ActorBox, ActorError> { Ok(ActorBox::new(Echo)) },
@@ -144,7 +104,7 @@ async fn a_store_down_for_a_moment_on_another_node_is_answered_503_storage_unava
     assert_eq!(body["error"]["code"], "storage_unavailable", "{body}");
     assert_eq!(
         body["error"]["message"],
-        format!("storage failed for echo/e: claim failed: {OUTAGE_CAUSE}"),
+        format!("storage failed for echo/e: claim failed: {MEMORY_STORE_OUTAGE_CAUSE}"),
         "{body}"
     );
     assert!(
@@ -153,7 +113,7 @@ async fn a_store_down_for_a_moment_on_another_node_is_answered_503_storage_unava
             InvokeError::StorageFailed {
                 source: StoreError::Unavailable { operation: StoreOperation::Claim, cause },
                 ..
-            } if cause == OUTAGE_CAUSE
+            } if cause == MEMORY_STORE_OUTAGE_CAUSE
         ),
         "not the host's store failing for a moment: {error:?}"
     );
