@@ -134,8 +134,8 @@ pub use org::{
     ORG_RULES_PER_AGENT_MAX,
 };
 pub use org_store::{
-    ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS, ORG_STORE_KEY, ORG_STORE_KIND, ORG_WRITE_ATTEMPTS_MAX,
-    ORG_WRITE_RETRY_PAUSE_MS,
+    ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS, ORG_READ_LOCK_WAIT_MS, ORG_STORE_KEY, ORG_STORE_KIND,
+    ORG_WRITE_ATTEMPTS_MAX, ORG_WRITE_RETRY_PAUSE_MS,
 };
 pub use permissions::{
     match_rules, resolve_permission, BehaviourMode, PermissionEffect, PermissionRule, PermissionVerdict, RuleMatch,

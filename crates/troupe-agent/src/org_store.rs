@@ -7,7 +7,9 @@
 //!             ─► commit(fence, new state) ─► cache = new state ─► version watchers woken
 //!             (Fenced: another process changed it meanwhile → pause, claim again:
 //!              `shared_record.rs`)
-//! current():  the cache while it is younger than ORG_CACHE_MAX_AGE_MS, else a load
+//! current():  the cache while it is younger than ORG_CACHE_MAX_AGE_MS, else
+//!             writer lock (waited for ORG_READ_LOCK_WAIT_MS at most while a cache
+//!             younger than ORG_CACHE_STALE_MAX_MS is there to decide on) ─► a load
 //!             from the store (the first time, and after that age)
 //! ```
 //!
@@ -17,10 +19,18 @@
 //!   mid-way empties the cache, so the next read loads what the store holds.
 //! - Another process sharing the store (two processes on one SQLite file or one
 //!   PostgreSQL database) sees a change at most [`ORG_CACHE_MAX_AGE_MS`] after it was
-//!   committed, while its store answers: a read of an older cache loads the
+//!   committed, while its store answers and no change of this process holds the
+//!   writers' lock past [`ORG_READ_LOCK_WAIT_MS`]: a read of an older cache loads the
 //!   organisation again, and a call waiting for an approval looks again at that age, so
 //!   an approval resolved in the other process reaches it too.
 //!   [`crate::AgentClient::reload_org`] reads it at once.
+//! - A read of an older cache waits for the writers' lock at most
+//!   [`ORG_READ_LOCK_WAIT_MS`] while the cache is younger than [`ORG_CACHE_STALE_MAX_MS`]
+//!   (logged), then decides on it: a change waiting out a store that fails for a moment
+//!   (it holds the lock up to `AGENT_API_STORE_WAIT_MS`, `store_wait.rs`) does not hold
+//!   up admission. That cache is the newest this process knows of: a change replaces
+//!   it before it releases the lock, or empties it if it failed (and with no cache the
+//!   read waits for the lock as long as it takes).
 //! - A load that fails keeps the cache (logged) while it is younger than
 //!   [`ORG_CACHE_STALE_MAX_MS`], and the next read tries again; an older cache (or none)
 //!   makes admission refuse with `Unavailable`: no contact is decided on an organisation
@@ -57,6 +67,21 @@ pub const ORG_CACHE_MAX_AGE_MS: u64 = 1_000;
 /// How old a cached organisation may become while the store fails to give a newer one,
 /// in milliseconds; past it, admission refuses (`Unavailable`) until a load succeeds.
 pub const ORG_CACHE_STALE_MAX_MS: u64 = 30_000;
+/// How long a read of a cache older than [`ORG_CACHE_MAX_AGE_MS`] waits for the writers'
+/// lock before it decides on that cache (when it is younger than
+/// [`ORG_CACHE_STALE_MAX_MS`]; with none it waits as long as the lock is held), in
+/// milliseconds. The lock is normally held for one store round trip (a load) or two (a
+/// change's claim and commit): well under 10 ms on PostgreSQL or SQLite, and a change
+/// fenced by another process pauses [`ORG_WRITE_RETRY_PAUSE_MS`] times its attempts (5,
+/// then 10 ms, ...) before it claims again. 100 ms covers these several times over, and
+/// a change that meets one `Unavailable` and succeeds after the first pause (10 ms); a
+/// lock held longer is held by a change waiting out a store that fails (up to
+/// `AGENT_API_STORE_WAIT_MS`, 10 s), whose read would fail too: admission, every turn's
+/// prompt and every `call_agent`, would wait for it and then decide on the same cache.
+pub const ORG_READ_LOCK_WAIT_MS: u64 = 100;
+
+const _: () = assert!(ORG_READ_LOCK_WAIT_MS < ORG_CACHE_MAX_AGE_MS);
+const _: () = assert!(ORG_READ_LOCK_WAIT_MS >= 4 * troupe_runtime::STORE_RETRY_PAUSE_MS_FIRST);
 
 /// The organisation's actor id in the store.
 pub(crate) fn org_store_id() -> ActorId {
@@ -158,9 +183,22 @@ impl OrgStore {
         org
     }
 
+    /// The cached organisation and its age if it is younger than
+    /// [`ORG_CACHE_STALE_MAX_MS`] at `now`: what a read may decide on when the store
+    /// cannot give a newer one.
+    fn kept(&self, now: Deadline) -> Option<(Arc<Organisation>, u64)> {
+        self.cache
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .filter(|cached| cached.age_ms(now) < ORG_CACHE_STALE_MAX_MS)
+            .map(|cached| (Arc::clone(&cached.org), cached.age_ms(now)))
+    }
+
     /// The organisation: the cache while it is younger than [`ORG_CACHE_MAX_AGE_MS`],
     /// else the store (the first time, and to see other processes' changes). A failed
-    /// load keeps a cache younger than [`ORG_CACHE_STALE_MAX_MS`].
+    /// load keeps a cache younger than [`ORG_CACHE_STALE_MAX_MS`], and so does a writers'
+    /// lock held past [`ORG_READ_LOCK_WAIT_MS`] (a change waiting out the store).
     ///
     /// # Errors
     /// The store's error, or [`OrgError::Decode`], when there is no cache young enough
@@ -170,30 +208,38 @@ impl OrgStore {
             return Ok(org);
         }
         // Under the writers' lock: a load never overwrites a newer change, and callers
-        // that find the cache old at once load it once.
-        let _writer = self.writer.lock().await;
+        // that find the cache old at once load it once. A lock held longer than a store
+        // round trip or two is a change being tried again: the cache it would replace
+        // is decided on meanwhile (the newest this process knows of: see the module doc).
+        let lock_wait = Duration::from_millis(ORG_READ_LOCK_WAIT_MS);
+        let _writer = match tokio::time::timeout(lock_wait, self.writer.lock()).await {
+            Ok(writer) => writer,
+            Err(_elapsed) => {
+                if let Some((org, age_ms)) = self.kept(clock.now()) {
+                    tracing::warn!(
+                        age_ms,
+                        waited_ms = ORG_READ_LOCK_WAIT_MS,
+                        "the organisation is being changed and the change has not landed yet (its store may be failing); deciding on the one read before"
+                    );
+                    return Ok(org);
+                }
+                // No cache young enough to decide on: wait for the change, as before.
+                self.writer.lock().await
+            }
+        };
         let now = clock.now();
         if let Some(org) = self.fresh(now) {
             return Ok(org);
         }
         match self.load(store, now).await {
             Ok(org) => Ok(org),
-            Err(error) => {
-                let kept = self
-                    .cache
-                    .read()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .as_ref()
-                    .filter(|cached| cached.age_ms(now) < ORG_CACHE_STALE_MAX_MS)
-                    .map(|cached| (Arc::clone(&cached.org), cached.age_ms(now)));
-                match kept {
-                    Some((org, age_ms)) => {
-                        tracing::warn!(%error, age_ms, "the organisation could not be read again; deciding on the one read before");
-                        Ok(org)
-                    }
-                    None => Err(error),
+            Err(error) => match self.kept(now) {
+                Some((org, age_ms)) => {
+                    tracing::warn!(%error, age_ms, "the organisation could not be read again; deciding on the one read before");
+                    Ok(org)
                 }
-            }
+                None => Err(error),
+            },
         }
     }
 
