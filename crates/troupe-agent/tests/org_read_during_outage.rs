@@ -20,8 +20,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use troupe_agent::{
     AgentCallError, AgentEvent, AgentSpec, AgentSystem, ContactKind, Link, NotPermitted, NotPermittedReason, OrgPolicy,
-    ScriptRule, ScriptedLlm, AGENT_API_STORE_WAIT_MS, ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS,
-    ORG_READ_LOCK_WAIT_MS, ORG_STORE_KIND,
+    ScriptRule, ScriptedLlm, ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS, ORG_READ_LOCK_WAIT_MS, ORG_STORE_KIND,
 };
 use troupe_core::{ActorId, Deadline};
 use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
@@ -306,7 +305,7 @@ async fn concurrent_admissions_on_worker_threads_do_not_wait_for_an_org_change()
         "every ask was answered while the change still tried (they took {took:?})"
     );
     assert!(
-        took < Duration::from_millis(AGENT_API_STORE_WAIT_MS),
+        took < Duration::from_millis(troupe_agent::AGENT_API_STORE_WAIT_MS),
         "the asks took {took:?}"
     );
 
