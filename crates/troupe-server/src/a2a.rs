@@ -46,7 +46,7 @@ use troupe_core::{StoreError, TraceId};
 
 use crate::a2a_tasks::{
     message_id, AdmitError, CancelOutcome, Created, Forgotten, Lane, LaneTurn, ListPlace, TaskCall, TaskRecord,
-    TaskRegistry, TaskStore,
+    TaskRegistry, TaskStart, TaskStore,
 };
 use crate::agents::known;
 use crate::error::ApiError;
@@ -1138,24 +1138,16 @@ async fn run(a2a: Arc<A2a>, id: String, agent: String, ask: Ask, lane: Arc<Lane>
         // stays `submitted` in the store, and the next start resumes it.
         return;
     }
-    let mut started = false;
-    let now = a2a.app.client.runtime().now();
-    let record = a2a.tasks.update(&id, |task| {
-        started = task.state == TaskState::Submitted;
-        if started {
-            task.enter(TaskState::Working, now);
+    loop {
+        match a2a.tasks.start(&id, a2a.app.client.runtime().now()) {
+            TaskStart::Started => break,
+            // Canceled while it waited (the cancel was stored before it read so), or
+            // its agent was deleted: nothing to run or store.
+            TaskStart::NotStarted => return,
+            // A cancel of it is being stored (within its request's deadline): it runs
+            // only if that cancel could not be stored.
+            TaskStart::Wait(cancel) => drop(cancel.lock().await),
         }
-        started
-    });
-    if !started {
-        // Canceled while it waited: store that.
-        if let Some(record) = record {
-            let deadline = a2a.store.background_deadline();
-            if let Err(error) = a2a.store.save(&a2a.tasks, &record, &[], deadline).await {
-                tracing::warn!(task = %id, %error, "could not store an A2A task");
-            }
-        }
-        return;
     }
     let Some(outcome) = outcome(&a2a, &id, &agent, &ask).await else {
         return; // shutting down: resumed at the next start
@@ -1536,31 +1528,71 @@ fn get_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value
 /// ended is not cancelable. A cancel that cannot be stored is answered as every method
 /// answers a store failure ([`RpcError::store`]: a store down for a moment is 503
 /// `storage_unavailable` with `Retry-After`; until 2026-12-07 it was -32603).
-async fn cancel_task(a2a: &A2a, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
+///
+/// Stored before it is published ([`TaskRegistry::cancel`]): until it is stored the
+/// task reads as it was, its watchers are told nothing, and its lane does not start it.
+/// A cancel that could not be stored did not happen: the task is left waiting (and
+/// runs when its turn comes, unless canceled again), so the same `CancelTask` sent
+/// again once the store is back cancels it and is answered as a first cancel is (until
+/// 2026-12-07 the cancel was published first: after the 503 the task read canceled
+/// while the store did not have it, and the cancel sent again was refused -32002).
+/// Only a waiting task is canceled, never handed to its agent: there is no turn to
+/// stop, so nothing the agent did is lost or hidden by the answer. The store write and
+/// its publication run in a task of their own: a client that hangs up meanwhile does
+/// not leave a cancel stored and not published (or the reverse).
+async fn cancel_task(a2a: &Arc<A2a>, agent: &str, params: &Map<String, Value>) -> Result<Value, RpcError> {
     let params: TaskIdParams = parse(params)?;
-    match a2a.tasks.cancel(agent, &params.id, a2a.app.client.runtime().now()) {
-        CancelOutcome::Canceled(task) => {
-            // The lane skips it (and stores it too); stored here before the answer.
-            let deadline = a2a.store.deadline_in(blocking_wait(a2a));
-            a2a.store
-                .save(&a2a.tasks, &task, &[], deadline)
-                .await
-                .map_err(|error| RpcError::store(&error, format!("the cancel could not be stored: {error}")))?;
-            Ok(task_json(&task, None, true))
-        }
-        CancelOutcome::NotCancelable(task) => Err(RpcError::new(
-            code::TASK_NOT_CANCELABLE,
-            if task.state.is_final() {
-                format!("task {:?} has already ended ({})", task.id, task.state.as_str())
-            } else {
+    let deadline = a2a.store.deadline_in(blocking_wait(a2a));
+    loop {
+        let begun = match a2a.tasks.cancel(agent, &params.id, a2a.app.client.runtime().now()) {
+            CancelOutcome::Begun(begun) => begun,
+            // Another cancel of it is being stored (within its own request's deadline,
+            // no later than this one's): ask again once it is finished.
+            CancelOutcome::Pending(other) => {
+                drop(other.lock().await);
+                continue;
+            }
+            CancelOutcome::NotCancelable(task) => return Err(not_cancelable(&task)),
+            CancelOutcome::NotFound => return Err(RpcError::task_not_found(agent, &params.id)),
+        };
+        let a2a = Arc::clone(a2a);
+        let agent = agent.to_string();
+        let stored = tokio::spawn(async move {
+            let saved = a2a.store.save(&a2a.tasks, &begun.record, &[], deadline).await;
+            if let Err(error) = &saved {
+                lost_hold(&a2a, &agent, error);
+            }
+            let task = a2a.tasks.finish_cancel(begun, saved.is_ok());
+            saved.map(|()| task)
+        })
+        .await
+        .map_err(|error| RpcError::new(code::INTERNAL_ERROR, format!("the cancel's store write ended: {error}")))?;
+        let task = stored.map_err(|error| {
+            RpcError::store(
+                &error,
                 format!(
-                    "task {:?} is working: its turn runs to its end (Troupe does not stop a running turn)",
-                    task.id
-                )
-            },
-        )),
-        CancelOutcome::NotFound => Err(RpcError::task_not_found(agent, &params.id)),
+                    "the cancel could not be stored, so the task was not canceled (it still waits for its turn); send \
+                     CancelTask again: {error}"
+                ),
+            )
+        })?;
+        return Ok(task_json(&task, None, true));
     }
+}
+
+/// The refusal of a cancel of `task`, which runs or has ended.
+fn not_cancelable(task: &TaskRecord) -> RpcError {
+    RpcError::new(
+        code::TASK_NOT_CANCELABLE,
+        if task.state.is_final() {
+            format!("task {:?} has already ended ({})", task.id, task.state.as_str())
+        } else {
+            format!(
+                "task {:?} is working: its turn runs to its end (Troupe does not stop a running turn)",
+                task.id
+            )
+        },
+    )
 }
 
 #[derive(Debug, Deserialize)]

@@ -613,12 +613,47 @@ pub(crate) enum AdmitError {
 /// What a cancel found.
 #[derive(Debug)]
 pub(crate) enum CancelOutcome {
-    /// It was waiting and is now canceled.
-    Canceled(TaskRecord),
+    /// It was waiting: the cancel is begun, to be stored, then published or given up
+    /// ([`TaskRegistry::finish_cancel`]). The task reads as it was until then, and does
+    /// not start.
+    Begun(CancelBegun),
+    /// Another cancel of it is being stored: once `lock()` of this resolves, that
+    /// cancel has been published or given up; ask again.
+    Pending(Arc<tokio::sync::Mutex<()>>),
     /// It is running or has ended: it cannot be canceled.
     NotCancelable(TaskRecord),
     /// No such task for this agent.
     NotFound,
+}
+
+/// A cancel decided and not yet stored ([`TaskRegistry::cancel`]). While it lives, its
+/// task reads as it was (`submitted`: watchers are told nothing) and its lane does not
+/// start it ([`TaskStart::Wait`]); [`TaskRegistry::finish_cancel`] publishes it once
+/// stored, or gives it up, leaving the task as it was. So memory never holds a cancel
+/// the store does not (until 2026-12-07 the cancel was published before it was
+/// stored: one that could not be stored read canceled all the same, and the same
+/// cancel sent again was refused as "already ended"). Dropped without being finished,
+/// it is given up (its task may start).
+#[derive(Debug)]
+pub(crate) struct CancelBegun {
+    /// The task as the cancel leaves it (`canceled`, its time and reason): what is
+    /// stored, then published.
+    pub(crate) record: TaskRecord,
+    /// Held until the cancel is finished: what its lane and other cancels wait on.
+    _pending: tokio::sync::OwnedMutexGuard<()>,
+}
+
+/// What a task's lane found when the task's turn came ([`TaskRegistry::start`]).
+#[derive(Debug)]
+pub(crate) enum TaskStart {
+    /// It was waiting and is now `working`: hand it to its agent.
+    Started,
+    /// It is not waiting (canceled, and stored so before it read so) or is gone (its
+    /// agent was deleted): it does not run.
+    NotStarted,
+    /// A cancel of it is being stored: once `lock()` of this resolves, that cancel has
+    /// been published or given up; ask again.
+    Wait(Arc<tokio::sync::Mutex<()>>),
 }
 
 /// One agent's lane.
@@ -667,6 +702,9 @@ struct Inner {
     by_message: HashMap<(String, String), String>,
     /// How many of `tasks` each agent has (no entry for none).
     per_agent: HashMap<String, usize>,
+    /// The tasks a cancel is being stored of ([`CancelBegun`]): each mutex is held until
+    /// that cancel is finished.
+    canceling: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
 }
 
 /// A message's `messageId`, as a task keeps it in its request.
@@ -864,24 +902,87 @@ impl TaskRegistry {
         Some(record)
     }
 
-    /// Cancels task `id` of `agent` if it has not started, as of `now`.
+    /// Begins a cancel of task `id` of `agent` if it has not started, as of `now`: the
+    /// canceled record, to be stored and then published ([`TaskRegistry::finish_cancel`]).
+    /// Decided under the registry's lock, as the lane's start is ([`TaskRegistry::start`]):
+    /// a cancel begun before the start wins (the task waits for it to be stored, and runs
+    /// only if it could not be), a start before the cancel makes it not cancelable.
     pub(crate) fn cancel(&self, agent: &str, id: &str, now: Deadline) -> CancelOutcome {
-        if self.get(agent, id).is_none() {
+        let mut inner = self.lock();
+        let Some(task) = inner
+            .tasks
+            .get(id)
+            .map(|sender| sender.borrow().clone())
+            .filter(|task| task.agent == agent)
+        else {
             return CancelOutcome::NotFound;
+        };
+        if let Some(pending) = inner.canceling.get(id) {
+            return CancelOutcome::Pending(Arc::clone(pending));
         }
-        let mut canceled = false;
-        let record = self.update(id, |task| {
-            if task.state == TaskState::Submitted {
-                task.enter(TaskState::Canceled, now);
-                task.reason = Some("canceled by the client before it started".to_string());
-                canceled = true;
+        if task.state != TaskState::Submitted {
+            return CancelOutcome::NotCancelable(task);
+        }
+        let mut record = task;
+        record.enter(TaskState::Canceled, now);
+        record.reason = Some("canceled by the client before it started".to_string());
+        let pending = Arc::new(tokio::sync::Mutex::new(()));
+        let Ok(guard) = Arc::clone(&pending).try_lock_owned() else {
+            unreachable!("a mutex made here is not locked");
+        };
+        inner.canceling.insert(id.to_string(), pending);
+        CancelOutcome::Begun(CancelBegun {
+            record,
+            _pending: guard,
+        })
+    }
+
+    /// Finishes the cancel `begun`: published (the task reads canceled, its watchers are
+    /// told) if it was `stored`, else given up (the task is left as it was, and may
+    /// start). Returns the canceled record.
+    pub(crate) fn finish_cancel(&self, begun: CancelBegun, stored: bool) -> TaskRecord {
+        let mut inner = self.lock();
+        inner.canceling.remove(&begun.record.id);
+        if stored {
+            if let Some(sender) = inner.tasks.get(&begun.record.id) {
+                sender.send_if_modified(|task| {
+                    // Still waiting: nothing starts it while a cancel is being stored.
+                    let waiting = task.state == TaskState::Submitted;
+                    if waiting {
+                        task.state = begun.record.state;
+                        task.state_since_micros = begun.record.state_since_micros;
+                        task.reason.clone_from(&begun.record.reason);
+                    }
+                    waiting
+                });
             }
-            canceled
+        }
+        drop(inner);
+        // Dropping `begun` after the lock wakes what waits on the cancel.
+        begun.record
+    }
+
+    /// Starts task `id` (its lane's turn came), as of `now`: `working` if it is still
+    /// waiting and no cancel of it is being stored (see [`TaskRegistry::cancel`]).
+    pub(crate) fn start(&self, id: &str, now: Deadline) -> TaskStart {
+        let inner = self.lock();
+        if let Some(pending) = inner.canceling.get(id) {
+            return TaskStart::Wait(Arc::clone(pending));
+        }
+        let Some(sender) = inner.tasks.get(id) else {
+            return TaskStart::NotStarted;
+        };
+        let started = sender.send_if_modified(|task| {
+            let waiting = task.state == TaskState::Submitted;
+            if waiting {
+                task.enter(TaskState::Working, now);
+            }
+            waiting
         });
-        match record {
-            Some(record) if canceled => CancelOutcome::Canceled(record),
-            Some(record) => CancelOutcome::NotCancelable(record),
-            None => CancelOutcome::NotFound,
+        if started {
+            TaskStart::Started
+        } else {
+            TaskStart::NotStarted
         }
     }
 
@@ -1369,5 +1470,84 @@ pub(crate) mod tests {
         assert!(matches!(create(&registry, "new-2"), Err(AdmitError::Full)));
         assert!(registry.watch("echo", "echo-task-1").is_some());
         assert!(registry.watch("echo", "echo-task-4").is_some());
+    }
+
+    /// How long the cancel test below holds a cancel "being stored" while the lane's turn
+    /// has come, in milliseconds: time enough for the lane, on another worker, to start
+    /// the task if it could.
+    const CANCEL_BEING_STORED_MS: u64 = 100;
+
+    /// Goal: a task whose cancel is being stored neither reads canceled nor starts: its
+    /// watchers are told nothing and its lane waits; once the cancel is finished, the
+    /// task is canceled (and never starts) if it was stored, and starts as if never
+    /// canceled if it could not be. Another cancel meanwhile waits for the first
+    /// (`Pending`); one after it finds the task not cancelable either way (canceled, or
+    /// working). On worker threads: the lane's start runs on a spawned task, racing the
+    /// cancel's finish.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_task_whose_cancel_is_being_stored_starts_only_if_the_cancel_could_not_be_stored() {
+        let registry = Arc::new(TaskRegistry::new(16, None));
+        registry.give_numbers("echo", 0..2);
+        let now = Deadline::from_micros(2);
+        for (stored, message) in [(false, "cancel-not-stored"), (true, "cancel-stored")] {
+            let Ok(Created::New(task, _, _)) = create(&registry, message) else {
+                panic!("a task is created");
+            };
+            let mut watcher = registry.watch("echo", &task.id).expect("the task is held");
+            let CancelOutcome::Begun(begun) = registry.cancel("echo", &task.id, now) else {
+                panic!("a waiting task's cancel begins");
+            };
+            assert_eq!(begun.record.state, TaskState::Canceled);
+            assert!(matches!(
+                registry.cancel("echo", &task.id, now),
+                CancelOutcome::Pending(_)
+            ));
+            let lane = {
+                let registry = Arc::clone(&registry);
+                let id = task.id.clone();
+                tokio::spawn(async move {
+                    loop {
+                        match registry.start(&id, now) {
+                            TaskStart::Started => return true,
+                            TaskStart::NotStarted => return false,
+                            TaskStart::Wait(cancel) => drop(cancel.lock().await),
+                        }
+                    }
+                })
+            };
+            tokio::time::sleep(std::time::Duration::from_millis(CANCEL_BEING_STORED_MS)).await;
+            assert!(!lane.is_finished(), "the lane waits while the cancel is being stored");
+            let read = registry.get("echo", &task.id).expect("held");
+            assert_eq!(
+                read.state,
+                TaskState::Submitted,
+                "a cancel not stored yet does not show"
+            );
+            assert!(!watcher.has_changed().unwrap(), "its watchers are told nothing yet");
+
+            let answered = registry.finish_cancel(begun, stored);
+            assert_eq!(answered.state, TaskState::Canceled);
+            let started = tokio::time::timeout(std::time::Duration::from_secs(5), lane)
+                .await
+                .expect("the lane goes on once the cancel is finished")
+                .unwrap();
+            assert_eq!(started, !stored, "stored: {stored}");
+            let expected = if stored {
+                TaskState::Canceled
+            } else {
+                TaskState::Working
+            };
+            assert_eq!(registry.get("echo", &task.id).expect("held").state, expected);
+            assert!(watcher.has_changed().unwrap());
+            assert_eq!(
+                watcher.borrow_and_update().state,
+                expected,
+                "watchers see what is stored"
+            );
+            assert!(matches!(
+                registry.cancel("echo", &task.id, now),
+                CancelOutcome::NotCancelable(_)
+            ));
+        }
     }
 }

@@ -2,7 +2,9 @@
 //! moment: answered as every other A2A method answers it, 503 with JSON-RPC code
 //! -32000 (`storage_unavailable`) and `Retry-After: 1`, a condition the client may
 //! retry; until 2026-12-07 it was 200 with JSON-RPC -32603 (internal error), which
-//! tells the client nothing may help.
+//! tells the client nothing may help. And the cancel did not happen: the task still
+//! waits, and the same cancel sent again once the store is back cancels it (until
+//! 2026-12-07 the task read canceled after the 503 while the store did not have it).
 //!
 //! Method: a real server on loopback over an agent system whose store is a
 //! `MemoryStore` behind a switch that makes every operation fail `Unavailable` on
@@ -120,25 +122,33 @@ async fn submit(server: &Harness, text: &str) -> String {
         .to_string()
 }
 
-/// Goal: see the module doc. Also: the cancel was decided (the task is canceled, not
-/// run) although it could not be stored, and once the store is back the task reads
-/// canceled. Method: two tasks to `slow` (the first runs for `SLOW_TURN_MS`, the
-/// second waits), the store switched down, `CancelTask` of the second, the store back.
+/// Goal: see the module doc; and a cancel that could not be stored did not happen:
+/// the task reads `submitted` (not canceled) after the 503, the same `CancelTask` sent
+/// again once the store is back cancels it and is answered as a first cancel is (200,
+/// the task canceled), and this server and a new one on the same store then read it
+/// canceled. Until 2026-12-07 the cancel was decided in memory before it was stored:
+/// after the 503 the task read canceled, and the cancel sent again was refused -32002
+/// "already ended". Method: two tasks to `slow` (the first runs for `SLOW_TURN_MS`, the
+/// second waits), the store switched down, `CancelTask` of the second, the store back,
+/// `CancelTask` again; the server stopped and a new one started on the same store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancel_that_cannot_be_stored_for_a_moment_is_answered_503_storage_unavailable() {
+async fn a_cancel_that_cannot_be_stored_is_answered_503_and_leaves_the_task_to_be_canceled_again() {
     let down = Arc::new(AtomicBool::new(false));
-    let store = Switched {
+    let store = Arc::new(Switched {
         inner: MemoryStore::new(),
         down: Arc::clone(&down),
+    });
+    let start_on_store = || {
+        let llm = ScriptedLlm::new().rule(
+            ScriptRule::agent("slow")
+                .reply("slow done")
+                .latency(Duration::from_millis(SLOW_TURN_MS)),
+        );
+        let builder = support::agents(llm, &["slow"], KindConfig::default()).store(Arc::clone(&store) as _);
+        let config = ServerConfig::default().request_timeout(Duration::from_millis(REQUEST_TIMEOUT_MS));
+        Harness::start(builder, config)
     };
-    let llm = ScriptedLlm::new().rule(
-        ScriptRule::agent("slow")
-            .reply("slow done")
-            .latency(Duration::from_millis(SLOW_TURN_MS)),
-    );
-    let builder = support::agents(llm, &["slow"], KindConfig::default()).store(Arc::new(store));
-    let config = ServerConfig::default().request_timeout(Duration::from_millis(REQUEST_TIMEOUT_MS));
-    let server = Harness::start(builder, config).await;
+    let server = start_on_store().await;
     let first = submit(&server, "first").await;
     let second = submit(&server, "second").await;
     tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
@@ -167,8 +177,33 @@ async fn a_cancel_that_cannot_be_stored_for_a_moment_is_answered_503_storage_una
     let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("the cancel could not be stored"), "{message}");
 
+    // Not canceled: it still waits behind the first task (which runs for 3 s).
+    let (status, _, body) = call(&server, "GetTask", json!({"id": second})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["result"]["status"]["state"], "TASK_STATE_SUBMITTED",
+        "a cancel that could not be stored must not show: {body}"
+    );
+
+    // Sent again, as `Retry-After` invites: a first cancel's answer.
+    let (status, _, body) = call(&server, "CancelTask", json!({"id": second})).await;
+    assert_eq!(status, 200, "the cancel sent again once the store is back: {body}");
+    assert_eq!(body["result"]["id"], json!(second), "{body}");
+    assert_eq!(body["result"]["status"]["state"], "TASK_STATE_CANCELED", "{body}");
     let (status, _, body) = call(&server, "GetTask", json!({"id": second})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["result"]["status"]["state"], "TASK_STATE_CANCELED", "{body}");
+    let canceled_at = body["result"]["status"]["timestamp"].clone();
     server.stop().await;
+
+    // A new server on the same store reads the cancel back as this one answered it.
+    let restarted = start_on_store().await;
+    let (status, _, body) = call(&restarted, "GetTask", json!({"id": second})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["result"]["status"]["state"], "TASK_STATE_CANCELED",
+        "the cancel is stored: {body}"
+    );
+    assert_eq!(body["result"]["status"]["timestamp"], canceled_at, "{body}");
+    restarted.stop().await;
 }
