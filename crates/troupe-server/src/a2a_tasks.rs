@@ -97,8 +97,8 @@ pub(crate) const A2A_STORE_KIND: &str = "troupe-a2a";
 const A2A_LOAD_PAGE: usize = 256;
 /// How long a store operation of the A2A records that serves no request is tried
 /// again while the store is unavailable, in milliseconds from its start: the read of
-/// every record when the server starts, and a task's record stored when it ends (or is
-/// canceled) in its agent's lane. 10 s rides out a restart of PostgreSQL (1–5 s) and
+/// every record when the server starts, and a task's record stored when it ends in its
+/// agent's lane (a cancel is stored by its request, within that request's deadline). 10 s rides out a restart of PostgreSQL (1–5 s) and
 /// bounds what waits behind it: the lane the ended task still holds (the agent's next
 /// task starts after its record is stored) and the other A2A writes (one writer at a
 /// time). A record not stored is read back as not ended at the next start and handed to
