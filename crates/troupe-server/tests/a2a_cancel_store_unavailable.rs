@@ -7,21 +7,17 @@
 //! 2026-12-07 the task read canceled after the 503 while the store did not have it).
 //!
 //! Method: a real server on loopback over an agent system whose store is a
-//! `MemoryStore` behind a switch that makes every operation fail `Unavailable` on
-//! command; a task waiting behind a running one is canceled while the switch is on.
+//! `MemoryStore` switched unavailable (`MemoryStoreFaults::set_unavailable`: every
+//! operation fails `Unavailable`) on command; a task waiting behind a running one is canceled while the switch is on.
 //! Normal build only (a real server on real TCP), as the other server tests.
 #![cfg(not(madsim))]
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use axum::body::Bytes;
 use serde_json::{json, Value};
 use troupe_agent::{ScriptRule, ScriptedLlm};
-use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, KindConfig, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::{KindConfig, MemoryStore};
 use troupe_server::ServerConfig;
 
 mod support;
@@ -34,58 +30,6 @@ const REQUEST_TIMEOUT_MS: u64 = 2_000;
 /// How long the `slow` agent's model takes, in milliseconds: its first task holds the
 /// lane while the second is canceled.
 const SLOW_TURN_MS: u64 = 3_000;
-
-/// A `MemoryStore` whose every operation fails `Unavailable` while `down` is set.
-struct Switched {
-    inner: MemoryStore,
-    down: Arc<AtomicBool>,
-}
-
-impl Switched {
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        if self.down.load(Ordering::SeqCst) {
-            return Err(StoreError::Unavailable {
-                operation,
-                cause: "connection refused (the test's outage)".to_string(),
-            });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl StateStore for Switched {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await
-    }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
 
 /// One JSON-RPC call to `/a2a/slow`: the status, the `Retry-After` header and the body.
 async fn call(server: &Harness, method: &str, params: Value) -> (u16, Option<String>, Value) {
@@ -133,11 +77,7 @@ async fn submit(server: &Harness, text: &str) -> String {
 /// `CancelTask` again; the server stopped and a new one started on the same store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_that_cannot_be_stored_is_answered_503_and_leaves_the_task_to_be_canceled_again() {
-    let down = Arc::new(AtomicBool::new(false));
-    let store = Arc::new(Switched {
-        inner: MemoryStore::new(),
-        down: Arc::clone(&down),
-    });
+    let store = Arc::new(MemoryStore::new());
     let start_on_store = || {
         let llm = ScriptedLlm::new().rule(
             ScriptRule::agent("slow")
@@ -161,14 +101,14 @@ async fn a_cancel_that_cannot_be_stored_is_answered_503_and_leaves_the_task_to_b
     .await
     .expect("the first task starts");
 
-    down.store(true, Ordering::SeqCst);
+    store.faults().set_unavailable(true);
     let asked = tokio::time::Instant::now();
     let (status, retry_after, body) = call(&server, "CancelTask", json!({"id": second})).await;
     eprintln!(
         "CancelTask with the store down: {status} (Retry-After {retry_after:?}) after {} ms: {body}",
         asked.elapsed().as_millis()
     );
-    down.store(false, Ordering::SeqCst);
+    store.faults().set_unavailable(false);
     assert_eq!(
         (status, retry_after.as_deref(), &body["error"]["code"]),
         (503, Some("1"), &json!(-32000)),
