@@ -23,7 +23,9 @@ impl AgentClient {
     /// [`crate::ORG_CACHE_MAX_AGE_MS`] (another process's changes). A store down for a
     /// moment with no copy young enough to keep ([`crate::ORG_CACHE_STALE_MAX_MS`]) is
     /// read again for up to [`crate::AGENT_API_STORE_WAIT_MS`]; a copy young enough is
-    /// answered at once, as admission decides on it.
+    /// answered as admission decides on it: at once when the store fails, within
+    /// [`crate::ORG_READ_LOCK_WAIT_MS`] when a change of this process holds the writers'
+    /// lock (one waiting out the store).
     ///
     /// # Errors
     /// [`OrgError::Store`] or [`OrgError::Decode`].
