@@ -137,9 +137,7 @@ fn json(body: &str) -> Value {
 async fn a_node_whose_postgres_is_down_answers_503_storage_unavailable_and_the_same_message_later_runs_once() {
     /// The message's deadline while the store is down, in milliseconds.
     const DOWN_TIMEOUT_MS: u64 = 1_500;
-    let etcd = TestEtcd::start("node-store-unavailable").await;
-    let postgres = TestServer::start("node-store-unavailable");
-    let database = postgres.create_database("unavailable").await;
+    let (etcd, postgres, database) = etcd_and_database("node-store-unavailable", "unavailable").await;
     let node = Node::start(&etcd.endpoint(), &database, "down", &[]);
     let (status, _, body) = node.request("POST", "/v1/agents", r#"{"id": "echo"}"#);
     assert_eq!(status, 201, "{body}");
@@ -226,9 +224,8 @@ async fn a_node_serves_at_most_max_connections_and_one_more_waits_until_one_clos
     const HELD_MS: u64 = 1_000;
     /// How soon it must be answered once they are gone, in milliseconds.
     const ANSWERED_MS: u64 = 3_000;
-    let etcd = TestEtcd::start("node-connection-cap").await;
-    let postgres = TestServer::start("node-connection-cap");
-    let database = postgres.create_database("cap").await;
+    // The server lives to the end of the test (dropping it stops it).
+    let (etcd, _postgres, database) = etcd_and_database("node-connection-cap", "cap").await;
     let node = Node::start(
         &etcd.endpoint(),
         &database,
@@ -318,9 +315,7 @@ fn send_message_within(id: &Value, message_id: &str, text: &str, timeout_ms: u64
 async fn a_nodes_a2a_route_refuses_a_task_503_storage_unavailable_while_its_postgres_is_down() {
     /// The caller's time while the store is down, in milliseconds.
     const DOWN_TIMEOUT_MS: u64 = 1_500;
-    let etcd = TestEtcd::start("node-a2a-store-unavailable").await;
-    let postgres = TestServer::start("node-a2a-store-unavailable");
-    let database = postgres.create_database("a2a").await;
+    let (etcd, postgres, database) = etcd_and_database("node-a2a-store-unavailable", "a2a").await;
     let node = Node::start(&etcd.endpoint(), &database, "a2a-down", &[]);
     let (status, _, body) = node.request("POST", "/a2a/ana", &send_message(&json!(1), "up", "first"));
     assert_eq!(status, 200, "{body}");
@@ -390,9 +385,7 @@ async fn a_nodes_a2a_route_refuses_a_task_503_storage_unavailable_while_its_post
 /// start`, read again.
 #[tokio::test]
 async fn a_nodes_conversation_routes_answer_503_storage_unavailable_while_its_postgres_is_down() {
-    let etcd = TestEtcd::start("node-conversations-store-unavailable").await;
-    let postgres = TestServer::start("node-conversations-store-unavailable");
-    let database = postgres.create_database("conversations").await;
+    let (etcd, postgres, database) = etcd_and_database("node-conversations-store-unavailable", "conversations").await;
     let node = Node::start(&etcd.endpoint(), &database, "conversations-down", &[]);
     let room = r#"{"id": "room", "kind": "group", "participants": [
         {"kind": "human", "name": "hugo"}, {"kind": "agent", "name": "ana"}]}"#;
@@ -432,6 +425,55 @@ async fn a_nodes_conversation_routes_answer_503_storage_unavailable_while_its_po
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// A throwaway etcd and PostgreSQL server, both named `name`, and the address of a new
+/// database `database` on the server.
+async fn etcd_and_database(name: &str, database: &str) -> (TestEtcd, TestServer, String) {
+    let etcd = TestEtcd::start(name).await;
+    let postgres = TestServer::start(name);
+    let database = postgres.create_database(database).await;
+    (etcd, postgres, database)
+}
+
+/// One request to `node` sent as its PostgreSQL server is stopped, the server started
+/// again `outage` after the stop ([`while_briefly_down`]): its answer, how long it took,
+/// how long the server was down and the store retries counted meanwhile
+/// (`troupe_runtime_store_retries_total`), said on stderr.
+fn request_while_briefly_down(
+    node: &Node,
+    postgres: &TestServer,
+    outage: Duration,
+    label: &str,
+    (method, path, body): (&str, &str, &str),
+) -> ThroughRestart {
+    let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
+    let (((status, _, answer), took), down) = while_briefly_down(postgres, outage, || {
+        let asked = Instant::now();
+        let answer = node.request(method, path, body);
+        (answer, asked.elapsed())
+    });
+    let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
+    eprintln!(
+        "{label} during a {} ms PostgreSQL outage: {status} after {} ms, {retries} store retries",
+        down.as_millis(),
+        took.as_millis()
+    );
+    ThroughRestart {
+        status,
+        body: answer,
+        took,
+        retries,
+    }
+}
+
+/// What [`request_while_briefly_down`] saw: the answer's status and body, its time, the
+/// store retries counted meanwhile.
+struct ThroughRestart {
+    status: u16,
+    body: String,
+    took: Duration,
+    retries: u64,
+}
+
 /// Stops `postgres`, runs `during` while it is down, and starts it again `outage` after
 /// the stop (in another thread, while `during` waits for its answer); returns what
 /// `during` returned and how long the server was down (the restart included).
@@ -465,9 +507,7 @@ async fn a_nodes_conversation_reads_and_a2a_tasks_during_a_short_postgres_restar
     const OUTAGE_MS: u64 = 1_500;
     /// The A2A caller's time, in milliseconds: well past the outage.
     const A2A_TIMEOUT_MS: u64 = 15_000;
-    let etcd = TestEtcd::start("node-store-restart-reads").await;
-    let postgres = TestServer::start("node-store-restart-reads");
-    let database = postgres.create_database("restart").await;
+    let (etcd, postgres, database) = etcd_and_database("node-store-restart-reads", "restart").await;
     let node = Node::start(&etcd.endpoint(), &database, "restart", &[]);
     let room = r#"{"id": "room", "kind": "group", "participants": [
         {"kind": "human", "name": "hugo"}, {"kind": "agent", "name": "ana"}]}"#;
@@ -479,18 +519,13 @@ async fn a_nodes_conversation_reads_and_a2a_tasks_during_a_short_postgres_restar
     let outage = Duration::from_millis(OUTAGE_MS);
 
     for path in ["/v1/conversations/room", "/v1/conversations/room/messages"] {
-        let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
-        let ((status, _, body, took), down) = while_briefly_down(&postgres, outage, || {
-            let asked = Instant::now();
-            let (status, head, body) = node.request("GET", path, "");
-            (status, head, body, asked.elapsed())
-        });
-        let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
-        eprintln!(
-            "GET {path} during a {} ms PostgreSQL outage: {status} after {} ms, {retries} store retries",
-            down.as_millis(),
-            took.as_millis()
-        );
+        let ThroughRestart {
+            status,
+            body,
+            took,
+            retries,
+            ..
+        } = request_while_briefly_down(&node, &postgres, outage, &format!("GET {path}"), ("GET", path, ""));
         assert_eq!(status, 200, "{path}: {body}");
         assert!(
             took >= outage,
@@ -505,19 +540,14 @@ async fn a_nodes_conversation_reads_and_a2a_tasks_during_a_short_postgres_restar
     }
 
     // `ben`: no A2A task of it yet, so the node claims and reads its records first.
-    let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
     let send = send_message_within(&json!(1), "restart-1", "hello during a restart", A2A_TIMEOUT_MS);
-    let ((status, _, body, took), down) = while_briefly_down(&postgres, outage, || {
-        let asked = Instant::now();
-        let (status, head, body) = node.request("POST", "/a2a/ben", &send);
-        (status, head, body, asked.elapsed())
-    });
-    let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
-    eprintln!(
-        "A2A SendMessage during a {} ms PostgreSQL outage: {status} after {} ms, {retries} store retries",
-        down.as_millis(),
-        took.as_millis()
-    );
+    let ThroughRestart {
+        status,
+        body,
+        took,
+        retries,
+        ..
+    } = request_while_briefly_down(&node, &postgres, outage, "A2A SendMessage", ("POST", "/a2a/ben", &send));
     assert_eq!(status, 200, "{body}");
     let task = &json(&body)["result"]["task"];
     assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{body}");
@@ -537,9 +567,7 @@ async fn a_nodes_conversation_reads_and_a2a_tasks_during_a_short_postgres_restar
 /// 30 s), `pg_ctl start`, the second message again, the log read.
 #[tokio::test]
 async fn a_node_without_config_answers_its_own_conversation_route_503_storage_unavailable_with_retry_after() {
-    let etcd = TestEtcd::start("node-log-store-unavailable").await;
-    let postgres = TestServer::start("node-log-store-unavailable");
-    let database = postgres.create_database("logs").await;
+    let (etcd, postgres, database) = etcd_and_database("node-log-store-unavailable", "logs").await;
     let node = Node::spawn(&etcd.endpoint(), &database, "log-down", None, &[]);
     let (status, _, body) = node.request("POST", "/v1/conversations/c1/messages", r#"{"text": "first"}"#);
     assert_eq!(status, 200, "{body}");
@@ -608,9 +636,7 @@ const AGENT_LAYER_REQUESTS: [(&str, &str, &str, u16); 5] = [
 async fn a_nodes_agent_records_org_and_directory_changes_during_a_short_postgres_restart_succeed() {
     /// How long the server stays stopped before it is started again, in milliseconds.
     const OUTAGE_MS: u64 = 1_500;
-    let etcd = TestEtcd::start("node-store-restart-agents").await;
-    let postgres = TestServer::start("node-store-restart-agents");
-    let database = postgres.create_database("agents").await;
+    let (etcd, postgres, database) = etcd_and_database("node-store-restart-agents", "agents").await;
     let node = Node::start(&etcd.endpoint(), &database, "restart-agents", &[]);
     // Each route answers with the store up (and the organisation is in the cache).
     let (status, _, body) = node.request("GET", "/v1/agents/ana", "");
@@ -620,17 +646,18 @@ async fn a_nodes_agent_records_org_and_directory_changes_during_a_short_postgres
     // Every request is made (and said) before any is checked: each one's answer shows.
     let mut answered = Vec::new();
     for (method, path, body, expected) in AGENT_LAYER_REQUESTS {
-        let retries_before = node.metric("troupe_runtime_store_retries_total").unwrap_or(0);
-        let ((status, answer, took), down) = while_briefly_down(&postgres, outage, || {
-            let asked = Instant::now();
-            let (status, _, answer) = node.request(method, path, body);
-            (status, answer, asked.elapsed())
-        });
-        let retries = node.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
-        eprintln!(
-            "{method} {path} during a {} ms PostgreSQL outage: {status} after {} ms, {retries} store retries",
-            down.as_millis(),
-            took.as_millis()
+        let ThroughRestart {
+            status,
+            body: answer,
+            took,
+            retries,
+            ..
+        } = request_while_briefly_down(
+            &node,
+            &postgres,
+            outage,
+            &format!("{method} {path}"),
+            (method, path, body),
         );
         answered.push((method, path, expected, status, answer, took, retries));
     }
@@ -667,9 +694,7 @@ async fn a_nodes_agent_records_org_and_directory_changes_during_a_short_postgres
 /// once from threads of their own, `pg_ctl start`, the requests again.
 #[tokio::test]
 async fn a_nodes_agent_records_and_org_changes_answer_503_storage_unavailable_past_their_wait() {
-    let etcd = TestEtcd::start("node-store-down-agents").await;
-    let postgres = TestServer::start("node-store-down-agents");
-    let database = postgres.create_database("agents").await;
+    let (etcd, postgres, database) = etcd_and_database("node-store-down-agents", "agents").await;
     let node = Node::start(&etcd.endpoint(), &database, "down-agents", &[]);
     let (status, _, body) = node.request("GET", "/v1/agents/ana", "");
     assert_eq!(status, 200, "{body}");
