@@ -47,7 +47,7 @@ use troupe_core::{truncate_utf8, ActorId, CallContext, CallRefused, Deadline, In
 use troupe_runtime::{Actor, ActorBox, ActorError, ActorFactory, AnyValue, StoreError, Turn};
 
 use crate::agent::{agent_id, AgentActor, AgentShared, Conversation, MentionDelivery};
-use crate::inbox::{encode_reply, from_json, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry};
+use crate::inbox::{from_json, to_json, AgentCommand, EnqueueReply, InboxBody, InboxEntry};
 use crate::limits::{
     AGENT_DELIVERY_ACK_TIMEOUT_MS, AGENT_DELIVERY_RETRY_MS, AGENT_MENTION_DELIVERY_RETRY_MAX_MS,
     AGENT_MESSAGE_SIZE_MAX_BYTES, AGENT_RESUME_BATCH, AGENT_TASK_TIMEOUT_MS_DEFAULT,
@@ -279,11 +279,11 @@ pub enum ConversationError {
         /// Whether the cause is a store that failed for a moment
         /// ([`troupe_runtime::StoreError::is_transient`], directly or as the
         /// `StorageFailed` of a call): an HTTP server answers it 503
-        /// `storage_unavailable` rather than `overloaded`. Kept in this process only:
-        /// not encoded (the reply of a conversation on another node decodes it
-        /// `false`, though a `StoreError::Unavailable` from another node decodes as
-        /// itself since transport protocol 8), so the wire format is the one before
-        /// the flag.
+        /// `storage_unavailable` rather than `overloaded`. Not in this type's own
+        /// (bincode) encoding, which is the one before the flag: a conversation's reply
+        /// carries it after the reply ([`CONV_REPLY_STORE_UNAVAILABLE_TRAILER`], see
+        /// [`encode_conv_reply`]), so it crosses nodes and a node built before it still
+        /// decodes the reply (reading `false`).
         #[serde(skip)]
         store_unavailable: bool,
     },
@@ -603,11 +603,55 @@ pub(crate) enum ConvReply {
     Error(ConversationError),
 }
 
+/// The byte after a [`ConvReply`]'s bincode when it is an
+/// [`ConversationError::Unavailable`] whose cause is a store down for a moment (its
+/// `store_unavailable`, which the bincode of the error leaves out).
+///
+/// Why a trailer and not a field: bincode has no optional fields, so a field (or a new
+/// variant) would make a reply from a node built after it undecodable on one built
+/// before it, and the other way round. `bincode::deserialize` ignores trailing bytes,
+/// so a node built before the trailer decodes the reply as it always did (the flag
+/// `false`, as before), and a reply without one (from such a node) decodes here with the
+/// flag `false`. (Nodes of another transport protocol version do not talk at all; this
+/// keeps the reply readable by any build that speaks the same one.)
+pub(crate) const CONV_REPLY_STORE_UNAVAILABLE_TRAILER: u8 = 1;
+
+/// A conversation's reply as bytes: its bincode, then
+/// [`CONV_REPLY_STORE_UNAVAILABLE_TRAILER`] if it is an error of a store down for a
+/// moment.
+pub(crate) fn encode_conv_reply(reply: &ConvReply) -> Bytes {
+    let mut bytes = bincode::serialize(reply).expect("a conversation reply always serializes");
+    if matches!(
+        reply,
+        ConvReply::Error(ConversationError::Unavailable {
+            store_unavailable: true,
+            ..
+        })
+    ) {
+        bytes.push(CONV_REPLY_STORE_UNAVAILABLE_TRAILER);
+    }
+    Bytes::from(bytes)
+}
+
+/// A reply [`encode_conv_reply`] wrote (or a node built before the trailer: then an
+/// `Unavailable` reads `store_unavailable: false`). Bytes after the reply other than the
+/// trailer are ignored, as `bincode::deserialize` always did.
 pub(crate) fn decode_conv_reply(bytes: &[u8]) -> Result<ConvReply, ConversationError> {
-    bincode::deserialize(bytes).map_err(|error| ConversationError::Unavailable {
+    let malformed = |error: bincode::Error| ConversationError::Unavailable {
         store_unavailable: false,
         cause: format!("malformed reply: {error}"),
-    })
+    };
+    let mut reply: ConvReply = bincode::deserialize(bytes).map_err(malformed)?;
+    if matches!(reply, ConvReply::Error(ConversationError::Unavailable { .. })) {
+        // The reply's own length: bincode's (fixed-width) encoding of what was decoded
+        // is the bytes it was decoded from.
+        let length = usize::try_from(bincode::serialized_size(&reply).map_err(malformed)?).unwrap_or(usize::MAX);
+        let trailer = bytes.get(length..).unwrap_or_default();
+        if let ConvReply::Error(ConversationError::Unavailable { store_unavailable, .. }) = &mut reply {
+            *store_unavailable = trailer.first() == Some(&CONV_REPLY_STORE_UNAVAILABLE_TRAILER);
+        }
+    }
+    Ok(reply)
 }
 
 /// A mention waiting to be delivered.
@@ -739,7 +783,7 @@ impl Actor for ConversationActor {
             .map_err(|cause| ActorError::rejected(format!("not a conversation command: {cause}")))?;
         self.handle_command(turn, command)
             .await
-            .map(|reply| encode_reply(&reply))
+            .map(|reply| encode_conv_reply(&reply))
     }
 
     /// A command from an agent's turn in this process (a recorded `call_agent`
@@ -1641,11 +1685,14 @@ mod tests {
     use super::*;
 
     /// Goal: a conversation error says whether its cause is a store down for a moment
-    /// (directly, or as the `StorageFailed` of a call), and only that; the flag is not
-    /// encoded, so a reply crossing nodes is the bytes it was before the flag (an old
-    /// node decodes it; the receiver reads `false`).
+    /// (directly, or as the `StorageFailed` of a call), and only that; a conversation's
+    /// reply carries the flag across nodes (until 2026-12-07 it decoded `false` on the
+    /// receiver, which answered 503 `overloaded`), and stays readable both ways by a
+    /// node built before: its bytes decode here with the flag `false`, and it decodes
+    /// these (the flag `false`, everything else as sent). A reply without the flag is
+    /// the bytes it was before.
     #[test]
-    fn a_conversation_error_says_a_store_down_for_a_moment_and_its_encoding_is_unchanged() {
+    fn a_conversation_error_says_a_store_down_for_a_moment_and_its_reply_carries_it_compatibly() {
         use troupe_runtime::StoreOperation;
         let unavailable = StoreError::Unavailable {
             operation: StoreOperation::Scan,
@@ -1716,20 +1763,60 @@ mod tests {
                 cause: String,
             },
         }
+        /// `ConvReply` as it was derived before the flag crossed nodes.
+        #[derive(Serialize, Deserialize, Debug, PartialEq)]
+        enum BeforeReply {
+            Created(ConversationInfo),
+            Posted(Posted),
+            Done,
+            Error(Before),
+        }
         let error = ConversationError::from(unavailable);
         let cause = error.to_string();
-        let bytes = bincode::serialize(&error).unwrap();
         assert_eq!(
-            bytes,
-            bincode::serialize(&Before::Unavailable { cause: cause.clone() }).unwrap()
+            bincode::serialize(&error).unwrap(),
+            bincode::serialize(&Before::Unavailable { cause: cause.clone() }).unwrap(),
+            "the error's own encoding is the one before the flag"
+        );
+        let unflagged = ConversationError::Unavailable {
+            cause: cause.clone(),
+            store_unavailable: false,
+        };
+
+        // This build to this build: the flag crosses, set or not.
+        let flagged_reply = ConvReply::Error(error.clone());
+        let bytes = encode_conv_reply(&flagged_reply);
+        assert_eq!(decode_conv_reply(&bytes).unwrap(), flagged_reply);
+        let unflagged_reply = ConvReply::Error(unflagged.clone());
+        assert_eq!(
+            decode_conv_reply(&encode_conv_reply(&unflagged_reply)).unwrap(),
+            unflagged_reply
+        );
+
+        // A node built before: its reply decodes here with the flag `false`, and it
+        // decodes this build's reply, flagged or not, to what it sent (its decoder is
+        // `bincode::deserialize`, which ignores the trailer).
+        let old_bytes = bincode::serialize(&BeforeReply::Error(Before::Unavailable { cause: cause.clone() })).unwrap();
+        assert_eq!(decode_conv_reply(&old_bytes).unwrap(), unflagged_reply);
+        assert_eq!(
+            encode_conv_reply(&unflagged_reply).as_ref(),
+            old_bytes.as_slice(),
+            "a reply without the flag is the bytes it was before"
         );
         assert_eq!(
-            bincode::deserialize::<ConversationError>(&bytes).unwrap(),
-            ConversationError::Unavailable {
-                cause,
-                store_unavailable: false
-            }
+            bincode::deserialize::<BeforeReply>(&bytes).unwrap(),
+            BeforeReply::Error(Before::Unavailable { cause: cause.clone() })
         );
+        assert_eq!(bincode::deserialize::<ConvReply>(&bytes).unwrap(), unflagged_reply);
+
+        // Other replies are as before, and decode as sent.
+        let posted = ConvReply::Posted(Posted {
+            seq: 7,
+            duplicate: false,
+        });
+        let posted_bytes = encode_conv_reply(&posted);
+        assert_eq!(posted_bytes.as_ref(), bincode::serialize(&posted).unwrap().as_slice());
+        assert_eq!(decode_conv_reply(&posted_bytes).unwrap(), posted);
     }
 
     /// Goal: a relay record keeps its post's trace id; one stored before relays carried
