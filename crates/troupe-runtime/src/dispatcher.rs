@@ -113,6 +113,12 @@ enum Next {
     Command(Command),
 }
 
+/// The most messages a new activation opens with, in mailboxes' worth: after a crash,
+/// its mailbox's unrun messages (at most one mailbox's worth) and those held while it
+/// ended (at most another) are carried over; requests past the first mailbox's worth are
+/// refused `Busy`, accepted told messages are not.
+pub(crate) const CARRIED_OVER_MAX_MAILBOXES: usize = 2;
+
 pub(crate) struct Dispatcher {
     handle: RuntimeHandle,
     commands: mpsc::Receiver<Command>,
@@ -535,11 +541,29 @@ impl Dispatcher {
             .config
             .mailbox_capacity;
         // A crashed mailbox's unrun messages and those held since: up to a mailbox's worth
-        // go to the next activation, the newest of the rest are refused as a full mailbox
-        // refuses them.
+        // go to the next activation. Of the rest, a request is refused as a full mailbox
+        // refuses it (its caller sees `Busy`); a told message was accepted already (its
+        // sender was answered `Ok`), so it goes too, up to
+        // `CARRIED_OVER_MAX_MAILBOXES` mailboxes' worth in all: the crashed mailbox held
+        // at most one and the hold at most another. Before, accepted told messages past
+        // the first mailbox's worth were dropped without a word.
         if held.len() > capacity {
+            let carried_max = capacity.saturating_mul(CARRIED_OVER_MAX_MAILBOXES);
             for envelope in held.split_off(capacity) {
-                self.refuse(*envelope, Self::busy(&id, capacity));
+                if envelope.reply.has_caller() {
+                    self.refuse(*envelope, Self::busy(&id, capacity));
+                } else if held.len() < carried_max {
+                    held.push_back(envelope);
+                } else {
+                    // Only after crashes in a row, each with a mailbox and a hold full of
+                    // told messages: bounded, and said.
+                    tracing::warn!(
+                        actor = %id,
+                        carried_max,
+                        "an accepted told message dropped: more than {CARRIED_OVER_MAX_MAILBOXES} mailboxes' worth carried over to the next activation"
+                    );
+                    self.refuse(*envelope, Self::busy(&id, capacity));
+                }
             }
         }
         let IdEntry::Vacant(entry) = self.table.entry(id) else {

@@ -125,15 +125,18 @@ impl Mailbox {
     /// An open mailbox of `capacity` holding `messages` (counted as delivered), and its
     /// receiving side.
     ///
+    /// It may open with more than `capacity` (accepted told messages carried over a
+    /// crash, see `CARRIED_OVER_MAX_MAILBOXES`): it then refuses deliveries as full until
+    /// it has fewer than `capacity`.
+    ///
     /// # Panics
-    /// If `messages` are more than `capacity` (the dispatcher holds at most a mailbox's
-    /// worth for an activation).
+    /// If `messages` are more than `CARRIED_OVER_MAX_MAILBOXES` times `capacity`.
     pub(crate) fn open(
         capacity: usize,
         messages: impl ExactSizeIterator<Item = Box<Envelope>>,
     ) -> (Arc<Self>, MailboxReceiver) {
         assert!(
-            messages.len() <= capacity,
+            messages.len() <= capacity.saturating_mul(crate::dispatcher::CARRIED_OVER_MAX_MAILBOXES),
             "{} messages for a mailbox of {capacity}",
             messages.len()
         );
