@@ -1295,16 +1295,9 @@ impl ConversationActor {
             .runtime()
             .ok_or("the organisation is unavailable: the runtime has stopped")?;
         let listing = crate::org_store::Listing::OnDelivery;
-        crate::org_store::request_approval(
-            &self.shared,
-            &turn.clock(),
-            runtime.store().as_ref(),
-            &contact,
-            listing,
-            None,
-        )
-        .await
-        .map_err(|refused| refused.to_string())
+        crate::org_store::request_approval(&self.shared, &turn.clock(), &runtime, &contact, listing, None)
+            .await
+            .map_err(|refused| refused.to_string())
     }
 
     /// Tells this conversation, from a task of its own, to `Resume` after the relay key

@@ -44,6 +44,7 @@ use troupe_core::{ActorId, Deadline};
 use troupe_runtime::{Clock, RuntimeHandle, StateStore};
 
 use crate::org::{ApprovalState, ContactKind, NotPermitted, NotPermittedReason, OrgError, Organisation, Permitted};
+use crate::store_wait::WaitingStore;
 use crate::AgentEvent;
 
 /// The kind of the organisation's system key space.
@@ -76,12 +77,32 @@ pub const ORG_CACHE_STALE_MAX_MS: u64 = 30_000;
 /// then 10 ms, ...) before it claims again. 100 ms covers these several times over, and
 /// a change that meets one `Unavailable` and succeeds after the first pause (10 ms); a
 /// lock held longer is held by a change waiting out a store that fails (up to
-/// `AGENT_API_STORE_WAIT_MS`, 10 s), whose read would fail too: admission, every turn's
+/// `AGENT_API_STORE_WAIT_MS`, 10 s, or an admission's approval write up to
+/// [`ORG_APPROVAL_STORE_WAIT_MS`]), whose read would fail too: admission, every turn's
 /// prompt and every `call_agent`, would wait for it and then decide on the same cache.
 pub const ORG_READ_LOCK_WAIT_MS: u64 = 100;
 
+/// How long admission's write of an approval (its request, its listing for a person)
+/// tries the organisation's store again while it is unavailable
+/// (`StoreError::Unavailable`), in milliseconds from the write at most: the contact's
+/// deadline ends the tries if it comes sooner. Before 2026-12-07 (third session) one
+/// `Unavailable` refused the contact at once (`NotPermitted`, reason `Unavailable`),
+/// though it had time left. The same 10 s as `AGENT_API_STORE_WAIT_MS` (it rides out a
+/// PostgreSQL restart, 1–5 s), and no more though a delegation's deadline may be 300 s
+/// away: the write holds the organisation's writers' lock (other changes wait for it),
+/// and a send's write is made in its sender's turn.
+pub(crate) const ORG_APPROVAL_STORE_WAIT_MS: u64 = crate::AGENT_API_STORE_WAIT_MS;
+/// How long withdrawing an approval recorded for a send that was then not queued tries
+/// the organisation's store again while it is unavailable, in milliseconds. Best
+/// effort, in the sender's turn (which waits for it): long enough for a store that
+/// fails for a moment, short of a PostgreSQL restart; an approval not withdrawn stays
+/// unlisted until its deadline (no person sees it, nothing waits for it).
+pub(crate) const ORG_WITHDRAW_STORE_WAIT_MS: u64 = 2_000;
+
 const _: () = assert!(ORG_READ_LOCK_WAIT_MS < ORG_CACHE_MAX_AGE_MS);
 const _: () = assert!(ORG_READ_LOCK_WAIT_MS >= 4 * troupe_runtime::STORE_RETRY_PAUSE_MS_FIRST);
+const _: () = assert!(ORG_WITHDRAW_STORE_WAIT_MS >= 4 * troupe_runtime::STORE_RETRY_PAUSE_MS_MAX);
+const _: () = assert!(ORG_WITHDRAW_STORE_WAIT_MS <= ORG_APPROVAL_STORE_WAIT_MS);
 
 /// The organisation's actor id in the store.
 pub(crate) fn org_store_id() -> ActorId {
@@ -404,6 +425,16 @@ fn contact_runtime(shared: &crate::agent::AgentShared, contact: &Contact<'_>) ->
         .ok_or_else(|| unavailable(contact, "the runtime has not started, or has stopped"))
 }
 
+/// The organisation's store for one of admission's approval writes for `contact` (see
+/// [`OrgStore::change`] on why a change may be applied twice, and `store_wait.rs` on
+/// what a try made again makes twice): each operation tried again while unavailable
+/// until the contact's deadline or [`ORG_APPROVAL_STORE_WAIT_MS`] from now, whichever
+/// comes first.
+fn approval_store(runtime: &RuntimeHandle, contact: &Contact<'_>) -> WaitingStore {
+    let bound = runtime.deadline_in(Duration::from_millis(ORG_APPROVAL_STORE_WAIT_MS));
+    WaitingStore::until(runtime, contact.deadline.min(bound))
+}
+
 fn refusal(contact: &Contact<'_>, reason: NotPermittedReason) -> NotPermitted {
     NotPermitted {
         from: contact.from.key().to_string(),
@@ -459,7 +490,7 @@ pub(crate) async fn decide_contact<D>(
             if let Some(deferred) = defer() {
                 return Ok(FirstDecision::Deferred(deferred));
             }
-            let id = request_approval(shared, clock, store, contact, listing, watch).await?;
+            let id = request_approval(shared, clock, &runtime, contact, listing, watch).await?;
             Ok(FirstDecision::Pending { id })
         }
         other => {
@@ -470,18 +501,20 @@ pub(crate) async fn decide_contact<D>(
 }
 
 /// Records a pending [`crate::Approval`] of `contact` (durably, until the contact's
-/// deadline), listed as `listing` says, and reports it as
-/// [`AgentEvent::ApprovalRequested`] when it is listed; returns its id. `watch` is
-/// armed before the write starts and told each id a write carries: a write in flight
-/// when its waiter stops waiting may still land.
+/// deadline) in `runtime`'s store, listed as `listing` says, and reports it as
+/// [`AgentEvent::ApprovalRequested`] when it is listed; returns its id. A store that
+/// fails for a moment is tried again ([`approval_store`]). `watch` is armed before the
+/// write starts and told each id a write carries: a write in flight when its waiter
+/// stops waiting may still land.
 ///
 /// # Errors
 /// [`NotPermitted`] with reason `Unavailable` when the organisation cannot be changed
-/// (or is full of pending approvals).
+/// (the store still unavailable at the end of the tries, or failing otherwise), or is
+/// full of pending approvals.
 pub(crate) async fn request_approval(
     shared: &crate::agent::AgentShared,
     clock: &Clock,
-    store: &dyn StateStore,
+    runtime: &RuntimeHandle,
     contact: &Contact<'_>,
     listing: Listing,
     mut watch: Option<&mut ApprovalWatch<'_>>,
@@ -492,7 +525,7 @@ pub(crate) async fn request_approval(
     }
     let id = shared
         .org
-        .change(store, clock, |org| {
+        .change(&approval_store(runtime, contact), clock, |org| {
             let (message, deadline, now) = (contact.message, contact.deadline, clock.now());
             let id = match listing {
                 Listing::Now => org.request_approval(from, to, kind, message, deadline, now),
@@ -527,19 +560,26 @@ fn emit_requested(shared: &crate::agent::AgentShared, clock: &Clock, contact: &C
 /// and `tried_before` (an earlier attempt's change may have landed though it failed:
 /// reported then rather than never).
 ///
+/// The read is admission's (`current`: a cached copy when the store fails); the write
+/// tries a store that fails for a moment again ([`approval_store`]).
+///
 /// # Errors
 /// [`NotPermitted`] with reason `Unavailable` when the organisation cannot be read or
 /// changed.
 async fn list_approval(
     shared: &crate::agent::AgentShared,
     clock: &Clock,
-    store: &dyn StateStore,
+    runtime: &RuntimeHandle,
     contact: &Contact<'_>,
     id: u64,
     tried_before: bool,
 ) -> Result<(), NotPermitted> {
     let unavailable = |error: OrgError| unavailable(contact, error);
-    let org = shared.org.current(store, clock).await.map_err(unavailable)?;
+    let org = shared
+        .org
+        .current(runtime.store().as_ref(), clock)
+        .await
+        .map_err(unavailable)?;
     let now = clock.now();
     // A resumed delivery, or one listed by an earlier attempt, finds it listed (or
     // resolved, or past its deadline) already: no write then. One this cache does not
@@ -553,7 +593,9 @@ async fn list_approval(
         Some((_, state)) if state != ApprovalState::Pending => false,
         _ => shared
             .org
-            .change(store, clock, |org| Ok(org.list_approval(id, now)))
+            .change(&approval_store(runtime, contact), clock, |org| {
+                Ok(org.list_approval(id, now))
+            })
             .await
             .map_err(unavailable)?,
     };
@@ -564,15 +606,20 @@ async fn list_approval(
 }
 
 /// Withdraws approval `id`, recorded unlisted for a send that then failed a later check
-/// (nothing was queued: [`crate::Organisation::withdraw_approval`]). Best effort: if the
-/// organisation cannot be changed, the approval stays unlisted until its deadline.
+/// (nothing was queued: [`crate::Organisation::withdraw_approval`]). Best effort: a
+/// store that fails for a moment is tried again for [`ORG_WITHDRAW_STORE_WAIT_MS`]; if
+/// the organisation cannot be changed by then, the approval stays unlisted until its
+/// deadline.
 pub(crate) async fn withdraw_approval(shared: &crate::agent::AgentShared, clock: &Clock, id: u64) {
     let Some(runtime) = shared.runtime() else {
         return;
     };
+    let deadline = runtime.deadline_in(Duration::from_millis(ORG_WITHDRAW_STORE_WAIT_MS));
     let withdrawn = shared
         .org
-        .change(runtime.store().as_ref(), clock, |org| Ok(org.withdraw_approval(id)))
+        .change(&WaitingStore::until(&runtime, deadline), clock, |org| {
+            Ok(org.withdraw_approval(id))
+        })
         .await;
     if let Err(error) = withdrawn {
         tracing::warn!(%error, approval = id, "an approval recorded for a send that was not queued could not be withdrawn; it expires at its deadline");
@@ -634,7 +681,7 @@ pub(crate) async fn await_approval_outside_turn(
     let clock = runtime.clock();
     let mut tried_before = false;
     loop {
-        let listed = list_approval(shared, &clock, runtime.store().as_ref(), contact, id, tried_before).await;
+        let listed = list_approval(shared, &clock, runtime, contact, id, tried_before).await;
         tried_before = listed.is_err();
         let waited = match listed {
             Ok(()) => await_approval(shared, &clock, contact, id).await,
