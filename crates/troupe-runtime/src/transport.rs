@@ -11,7 +11,8 @@
 //!    │ ClockSync: server clock bounded from the round trip│   on arrival)
 //!    │ register request_id in the bounded pending map     │ read length → take that many bytes of
 //!    │ deadline translated to the HOST's clock, made      │   the connection's budget → read body
-//!    │ earlier by the bound's error (never later)         │   → spawn one task per request:
+//!    │ earlier by the bound's error and the return        │   → spawn one task per request:
+//!    │ allowance (never later; none left → Timeout now)   │
 //!    │ frame → budget → writer ── Request frame ───────►  │   deadline already passed? → Timeout,
 //!    │ wait for the reply until the LOCAL deadline        │     never runs; rebuild CallContext;
 //!    │                                                    │   RuntimeHandle::invoke / invoke_from
@@ -49,6 +50,16 @@
 //! request whose deadline has passed when it is read, answering `Timeout`; the
 //! dispatcher and the activation check again before the turn starts.
 //!
+//! The host's answer must also travel back before the caller stops waiting, so every
+//! translated deadline is made earlier by the connection's return allowance: the largest
+//! of its last `ROUND_TRIP_SAMPLES` (8) measured round trips (the handshake's and each
+//! refresh's), within [`RETURN_ALLOWANCE_MS_MIN`] (5 ms) and [`RETURN_ALLOWANCE_MS_MAX`]
+//! (100 ms). A request with no more than the allowance left is answered `Timeout` at once
+//! ([`Delivery::NeverSent`]): its host could not answer in time. Without it, a host
+//! ending its work a few milliseconds before its deadline (its store retries stop
+//! 5–10 ms before) answered a caller who had given up whenever the answer's trip was
+//! slower than the handshake's (7 simulated seeds in 200 at 1–10 ms a message).
+//!
 //! Why this design rather than the alternatives: sending the time remaining (what this
 //! transport did first) gives the transit time back to the host, and a request held up
 //! by a partition or retransmissions ran with its whole budget after its caller had
@@ -70,7 +81,7 @@
 //!   latency, loss or partition in between (assuming the two clocks' rates differ by at
 //!   most `CLOCK_DRIFT_PPM_MAX`; `tokio::time` is monotonic and, under madsim, exact).
 //!   It is earlier by the time the handshake's answer took to come back (at most the
-//!   handshake's round trip), plus 1 µs and the drift allowance.
+//!   handshake's round trip), plus 1 µs, the drift allowance and the return allowance.
 //! - Expired work never runs: a request that arrives after its deadline (on the host's
 //!   clock, hence after its caller's deadline) is answered [`InvokeError::Timeout`]
 //!   without starting a turn; that reply reaches a caller who has stopped waiting and is
@@ -229,6 +240,7 @@ mod budget;
 mod client;
 mod clock_sync;
 mod frame;
+mod round_trips;
 mod server;
 mod wire;
 
@@ -284,6 +296,21 @@ pub(crate) const CLOCK_DRIFT_PPM_MAX: u64 = 1_000;
 /// the next request, never on a timer), in milliseconds. Bounds the drift allowance to
 /// about `CLOCK_DRIFT_PPM_MAX` x this, plus the time until the next request.
 pub(crate) const CLOCK_RESYNC_INTERVAL_MS: u64 = 1_000;
+/// Least time a request's host is told to answer before its caller's deadline, beyond
+/// the clock translation's own margin, in milliseconds: what a round trip measured on a
+/// fast link (tens of microseconds on loopback) does not show, the scheduling of the
+/// host's writer, the client's reader and the waiting caller on a loaded machine. See
+/// the `round_trips` module.
+pub const RETURN_ALLOWANCE_MS_MIN: u64 = 5;
+/// Most time a request's host is told to answer before its caller's deadline, in
+/// milliseconds, however slow the connection's recent round trips were (a hello held up
+/// by a stall is one sample; it does not take more than this from every call).
+pub const RETURN_ALLOWANCE_MS_MAX: u64 = 100;
+/// How many of a connection's latest round trips (its handshake's, then each clock
+/// refresh's) its return allowance is the largest of, in samples. Refreshes come at
+/// most one a [`CLOCK_RESYNC_INTERVAL_MS`] while calls are made, so a slow sample is
+/// remembered for at least that many seconds of traffic.
+pub(crate) const ROUND_TRIP_SAMPLES: usize = 8;
 /// Pause after a failed `accept` (for example, out of file descriptors), in milliseconds.
 pub const ACCEPT_RETRY_DELAY_MS: u64 = 10;
 /// Longest a [`TransportServer`] waits, from accepting a connection, for the client's
@@ -362,3 +389,8 @@ const _: () = assert!(HANDSHAKE_TIMEOUT_MS < SERVER_CONNECTION_IDLE_TIMEOUT_MS);
 const _: () = assert!(WRITE_STALL_TIMEOUT_MS >= 1);
 // The drift allowance accumulated between refreshes stays below a millisecond or so.
 const _: () = assert!(CLOCK_DRIFT_PPM_MAX * CLOCK_RESYNC_INTERVAL_MS <= 1_000_000);
+const _: () = assert!(RETURN_ALLOWANCE_MS_MIN >= 1);
+const _: () = assert!(RETURN_ALLOWANCE_MS_MIN <= RETURN_ALLOWANCE_MS_MAX);
+// The allowance leaves most of the shortest deadline a caller would give a remote call.
+const _: () = assert!(RETURN_ALLOWANCE_MS_MAX <= CONNECT_TIMEOUT_MS / 10);
+const _: () = assert!(ROUND_TRIP_SAMPLES >= 1);

@@ -15,6 +15,7 @@ use troupe_core::{ActorId, CallContext, Deadline, InvokeError};
 use super::budget::{BudgetedFrame, ByteBudget};
 use super::clock_sync::ClockSync;
 use super::frame::{encode_frame, read_frame, write_frames, FrameError};
+use super::round_trips::RoundTrips;
 use super::wire::{ClientMessage, GoingAway, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
 use super::{
     CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, CONNECT_TIMEOUT_MS,
@@ -76,6 +77,16 @@ pub struct TransportClientStats {
     /// microseconds; deadlines are sent this much (plus rounding and drift allowance)
     /// earlier than the estimate says.
     pub clock_offset_error_us: Option<u64>,
+    /// The current connection's return allowance, in microseconds: how much earlier
+    /// than its caller's deadline a request's host is told to answer, so the answer has
+    /// time to travel back (the largest of the connection's recent round trips, within
+    /// [`RETURN_ALLOWANCE_MS_MIN`](super::RETURN_ALLOWANCE_MS_MIN) and
+    /// [`RETURN_ALLOWANCE_MS_MAX`](super::RETURN_ALLOWANCE_MS_MAX)); `None` without an
+    /// open connection.
+    pub return_allowance_us: Option<u64>,
+    /// Calls answered `Timeout` at once, never sent, because they had no more time left
+    /// than the return allowance: their host could not have answered in time.
+    pub requests_too_late_to_send: u64,
     /// Bytes of request frames queued and not yet written (at most
     /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)).
     pub bytes_in_flight: usize,
@@ -106,6 +117,7 @@ struct Counters {
     cancels_dropped: AtomicU64,
     connections_server_went_away: AtomicU64,
     requests_not_read: AtomicU64,
+    requests_too_late_to_send: AtomicU64,
 }
 
 /// What the client shares with its connect and connection tasks.
@@ -214,24 +226,49 @@ struct Connection {
     sync: Arc<SyncState>,
 }
 
-/// The connection's clock bound, refreshed by hellos on the open connection.
+/// The connection's clock bound and round trips, refreshed by hellos on the open
+/// connection.
 #[derive(Debug)]
 struct SyncState {
-    current: Mutex<ClockSync>,
+    current: Mutex<SyncSamples>,
     /// A refresh hello is queued or in flight; at most one at a time.
     refreshing: AtomicBool,
 }
 
+/// What the connection's hellos measured.
+#[derive(Debug, Clone, Copy)]
+struct SyncSamples {
+    /// The tightest clock bound (without a return allowance).
+    bound: ClockSync,
+    round_trips: RoundTrips,
+}
+
 impl SyncState {
+    fn new(handshake: ClockSync) -> Self {
+        Self {
+            current: Mutex::new(SyncSamples {
+                bound: handshake,
+                round_trips: RoundTrips::new(handshake.round_trip_us()),
+            }),
+            refreshing: AtomicBool::new(false),
+        }
+    }
+
+    /// The translation for requests sent now: the tightest bound, with the return
+    /// allowance of the recent round trips.
     fn get(&self) -> ClockSync {
-        *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        let samples = *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        samples
+            .bound
+            .with_return_allowance(samples.round_trips.return_allowance_us())
     }
 
     /// Keeps whichever of the current and `fresh` bounds gives more time at `now`
-    /// (both are valid lower bounds).
+    /// (both are valid lower bounds), and `fresh`'s round trip among the recent ones.
     fn offer(&self, fresh: ClockSync, now: Deadline) {
         let mut current = self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        *current = current.tighter(fresh, now);
+        current.bound = current.bound.tighter(fresh, now);
+        current.round_trips.record(fresh.round_trip_us());
         self.refreshing.store(false, Ordering::Relaxed);
     }
 }
@@ -602,6 +639,8 @@ impl TransportClient {
                 })
             }),
             clock_offset_error_us: sync.map(|sync| sync.error_bound_us()),
+            return_allowance_us: sync.map(|sync| sync.return_allowance_us()),
+            requests_too_late_to_send: load(&counters.requests_too_late_to_send),
             bytes_in_flight: counters.bytes_in_flight.load(Ordering::Relaxed),
             cancels_sent: load(&counters.cancels_sent),
             connections_server_went_away: load(&counters.connections_server_went_away),
@@ -617,9 +656,11 @@ impl TransportClient {
     /// records the wait-for edge `caller → target` (when `None`, the end of the context's
     /// chain is taken as the caller; a root context has none). The remote side rebuilds
     /// `context` with the same depth and chain and the same deadline, translated to its
-    /// clock and made earlier by the handshake's error bound: the remote call never has
-    /// more time than this caller, and a request that arrives after its deadline is
-    /// answered [`InvokeError::Timeout`] without running.
+    /// clock and made earlier by the handshake's error bound and by the connection's
+    /// return allowance ([`TransportClientStats::return_allowance_us`]), so that the
+    /// remote side answers early enough for its answer to travel back: the remote call
+    /// never has more time than this caller, and a request that arrives after its
+    /// deadline is answered [`InvokeError::Timeout`] without running.
     ///
     /// Waits for an open connection if there is none (joining the attempt under way, or
     /// starting one that runs on its own for up to
@@ -630,7 +671,8 @@ impl TransportClient {
     ///
     /// # Errors
     /// - [`InvokeError::Timeout`] when the deadline passes first (at once if it already
-    ///   has); the request may still run remotely.
+    ///   has, or if no more than the return allowance is left when the request would be
+    ///   sent: then it is not sent); the request may still run remotely.
     /// - [`InvokeError::Unreachable`] when connecting fails or the connection breaks
     ///   before the reply; the request may or may not have run.
     /// - [`InvokeError::Rejected`] when the request does not fit in a frame; nothing was
@@ -874,6 +916,18 @@ impl TransportClient {
         };
         let now = self.shared.clock.now();
         let sync = connection.clock_sync(now);
+        if context.deadline().as_micros() <= now.as_micros().saturating_add(sync.return_allowance_us()) {
+            // Its host would have to answer before now for the answer to arrive in
+            // time: it could only answer `Timeout` (or answer too late), so it is not sent.
+            self.shared
+                .counters
+                .requests_too_late_to_send
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(RequestFailure::never_sent(InvokeError::Timeout {
+                target: target.clone(),
+                timeout_ms: context.deadline().remaining_ms(now),
+            }));
+        }
         let mut request = WireRequest::new(
             request_id,
             target.clone(),
@@ -1021,10 +1075,7 @@ impl Connection {
     ) -> Arc<Self> {
         let (frames, mut frame_queue) = mpsc::channel::<BudgetedFrame>(WRITE_QUEUE_CAPACITY);
         let pending = Arc::new(Pending::new(clock));
-        let sync = Arc::new(SyncState {
-            current: Mutex::new(sync),
-            refreshing: AtomicBool::new(false),
-        });
+        let sync = Arc::new(SyncState::new(sync));
         let connection = Arc::new(Self {
             frames,
             budget: ByteBudget::for_connection(Arc::clone(&counters.bytes_in_flight)),

@@ -11,9 +11,13 @@
 //!
 //! A deadline is translated with the LOWER end of that interval, minus the rounding of
 //! the two microsecond readings and a clock-rate drift allowance that grows with the
-//! age of the sample. The server therefore sees a deadline that is never later than the
-//! caller's (a request can only get less time, never more), and earlier by exactly the
-//! time the answer took to come back (at most the round trip), plus the allowances.
+//! age of the sample, and minus the connection's return allowance (see
+//! [`RoundTrips`](super::round_trips::RoundTrips), set by
+//! [`ClockSync::with_return_allowance`]). The server therefore sees a deadline that is
+//! never later than the caller's (a request can only get less time, never more), and
+//! earlier by the time the handshake's answer took to come back (at most its round
+//! trip), plus the allowances: the host answers early enough for its answer to travel
+//! back.
 
 use troupe_core::Deadline;
 
@@ -28,6 +32,9 @@ pub(crate) struct ClockSync {
     round_trip_us: u64,
     /// When the handshake's answer arrived, on the client's clock.
     received: Deadline,
+    /// Taken off every translated deadline so the host's answer has time to travel
+    /// back, in microseconds (0 until [`ClockSync::with_return_allowance`]).
+    return_allowance_us: u64,
 }
 
 impl ClockSync {
@@ -40,7 +47,28 @@ impl ClockSync {
             offset_min_us: i128::from(server_now.as_micros()) - i128::from(received.as_micros()),
             round_trip_us: received.as_micros() - sent.as_micros(),
             received,
+            return_allowance_us: 0,
         }
+    }
+
+    /// This bound, taking `return_allowance_us` off every translated deadline (in place
+    /// of the allowance it took before).
+    pub(crate) fn with_return_allowance(self, return_allowance_us: u64) -> Self {
+        Self {
+            return_allowance_us,
+            ..self
+        }
+    }
+
+    /// The time this deadline translation keeps for the host's answer to travel back,
+    /// in microseconds.
+    pub(crate) fn return_allowance_us(&self) -> u64 {
+        self.return_allowance_us
+    }
+
+    /// The handshake's round trip, in microseconds.
+    pub(crate) fn round_trip_us(&self) -> u64 {
+        self.round_trip_us
     }
 
     /// The offset estimate `server - client` (the middle of the interval), in microseconds.
@@ -81,15 +109,17 @@ impl ClockSync {
 
     /// `deadline` (client clock) on the server's clock, conservatively: never later than
     /// the true instant, assuming the two clocks' rates differ by at most
-    /// [`CLOCK_DRIFT_PPM_MAX`] since the handshake. `now` is the client's current time.
-    /// Saturates at both ends of time; a deadline before the server's epoch becomes 0,
-    /// which has passed there.
+    /// [`CLOCK_DRIFT_PPM_MAX`] since the handshake, and earlier by the return allowance.
+    /// `now` is the client's current time. Saturates at both ends of time; a deadline
+    /// before the server's epoch becomes 0, which has passed there.
     pub(crate) fn server_deadline(&self, deadline: Deadline, now: Deadline) -> Deadline {
         if deadline.as_micros() == u64::MAX {
             // The end of time stays the end of time (the server caps it anyway).
             return deadline;
         }
-        let at_us = i128::from(deadline.as_micros()) + self.bound_at_us(now) - i128::from(CLOCK_ROUNDING_US);
+        let at_us = i128::from(deadline.as_micros()) + self.bound_at_us(now)
+            - i128::from(CLOCK_ROUNDING_US)
+            - i128::from(self.return_allowance_us);
         Deadline::from_micros(u64::try_from(at_us.max(0)).unwrap_or(u64::MAX))
     }
 }
@@ -119,6 +149,28 @@ mod tests {
         let translated = sync.server_deadline(deadline, at(10_004_000));
         assert!(translated.as_micros() as i128 <= deadline.as_micros() as i128 + true_offset);
         assert_eq!(translated, at(5_104_000 - 1_000 - CLOCK_ROUNDING_US));
+    }
+
+    #[test]
+    fn the_return_allowance_makes_the_hosts_deadline_earlier_by_exactly_that_much() {
+        // As above: the server's clock 5 s behind, 3 ms out, 1 ms back.
+        let sync = ClockSync::from_handshake(at(10_000_000), at(5_003_000), at(10_004_000));
+        let (deadline, now) = (at(10_104_000), at(10_004_000));
+        let without = sync.server_deadline(deadline, now);
+        let with = sync.with_return_allowance(7_000).server_deadline(deadline, now);
+        assert_eq!(without.as_micros() - with.as_micros(), 7_000);
+        // The true instant on the server is 5_104_000: earlier by the return leg (1 ms),
+        // the rounding and the allowance.
+        assert_eq!(with, at(5_104_000 - 1_000 - CLOCK_ROUNDING_US - 7_000));
+        // Setting it again replaces it; the end of time stays.
+        let replaced = sync.with_return_allowance(7_000).with_return_allowance(2_000);
+        assert_eq!(replaced.return_allowance_us(), 2_000);
+        assert_eq!(replaced.server_deadline(at(u64::MAX), now), at(u64::MAX));
+        // An allowance beyond the server's epoch: passed there, never wrapped.
+        assert_eq!(
+            sync.with_return_allowance(u64::MAX).server_deadline(deadline, now),
+            at(0)
+        );
     }
 
     #[test]
