@@ -526,7 +526,8 @@ impl Dispatcher {
         if held.is_empty() {
             return;
         }
-        if self.shutting_down {
+        if self.handle.shared.aborted() {
+            // The grace period is over (or the runtime dropped): nothing more runs.
             for envelope in held {
                 self.refuse(*envelope, InvokeError::Shutdown);
             }
@@ -566,7 +567,7 @@ impl Dispatcher {
                 }
             }
         }
-        let IdEntry::Vacant(entry) = self.table.entry(id) else {
+        let IdEntry::Vacant(entry) = self.table.entry(id.clone()) else {
             unreachable!("the entry was removed above")
         };
         Self::activate(
@@ -576,6 +577,14 @@ impl Dispatcher {
             capacity,
             held.into_iter(),
         );
+        if self.shutting_down {
+            // Accepted before the shutdown began (held, or in a mailbox that crashed):
+            // they run within the grace period as the requests in open mailboxes do
+            // (`Runtime::shutdown`, step 2), in an activation closed at once, which
+            // deactivates and saves once it has run them. Before, they were refused
+            // `Shutdown`, and an accepted told message was dropped without a word.
+            self.close(&id);
+        }
     }
 
     /// Stops every activation at once (the shutdown grace period is over, or the
@@ -590,9 +599,18 @@ impl Dispatcher {
         if !self.shutting_down {
             self.begin_shutdown(None);
         }
-        for activation in self.table.values() {
+        let mut held = Vec::new();
+        for (_, activation) in self.table.iter_mut() {
             activation.task.abort();
             Counters::add(&self.handle.shared.counters.activations_aborted);
+            if let Some(waiting) = &mut activation.waiting {
+                held.extend(waiting.held.drain(..));
+            }
+        }
+        // Messages held for a next activation that will not come: refused at once, not
+        // when the aborted task next yields.
+        for envelope in held {
+            self.refuse(*envelope, InvokeError::Shutdown);
         }
     }
 
@@ -601,19 +619,12 @@ impl Dispatcher {
         if let Some(reply) = reply {
             self.shutdown = Some(reply);
         }
-        let mut held = Vec::new();
+        // Messages held for a next activation stay held: they were accepted before the
+        // shutdown and run within its grace period (`finish` starts that activation
+        // closed); the grace over, `abort` refuses them.
         let mut routes = self.handle.shared.routes.lock();
         for (id, activation) in self.table.iter_mut() {
             activation.close(id, &mut routes);
-            if let Some(waiting) = &mut activation.waiting {
-                held.extend(waiting.held.drain(..));
-            }
-        }
-        drop(routes);
-        // Refused once the route map's lock is let go: the wait-for graph's lock is
-        // never taken under another.
-        for envelope in held {
-            self.refuse(*envelope, InvokeError::Shutdown);
         }
     }
 }

@@ -65,7 +65,9 @@ impl Runtime {
     ///    [`InvokeError::Shutdown`](troupe_core::InvokeError::Shutdown); every mailbox is closed.
     /// 2. For the grace period ([`RuntimeBuilder::shutdown_grace`], default
     ///    [`SHUTDOWN_GRACE_MS_DEFAULT`] ms): running turns and the requests already in
-    ///    mailboxes finish; each actor then runs `on_deactivate` and saves.
+    ///    mailboxes finish, as do those held for the next activation of an actor that
+    ///    was deactivating (they run in one more activation, closed at once); each actor
+    ///    then runs `on_deactivate` and saves.
     /// 3. When the grace period ends: whatever still runs is cancelled and rolled back;
     ///    its caller, and every request still queued, gets [`InvokeError::Shutdown`](troupe_core::InvokeError::Shutdown);
     ///    `on_deactivate` does not run for those actors.

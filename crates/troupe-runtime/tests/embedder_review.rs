@@ -159,3 +159,81 @@ async fn told_messages_accepted_behind_a_crash_while_deactivating_all_run() {
     assert_eq!(ran, expected, "every accepted told message runs once, in order");
     within("shutdown", runtime.shutdown()).await;
 }
+
+/// Goal: a told message accepted before `shutdown()` runs within the grace period also
+/// when it was held for the next activation (its actor was deactivating when it came),
+/// as one put into an open mailbox does (`Runtime::shutdown`, step 2; `tell` is accepted
+/// once "in the mailbox or held for the next activation"). Method: a `gate` turn holds
+/// the actor; `deactivate` closes its mailbox; one record is told and held (`Ok`);
+/// `shutdown()` begins (grace `GRACE`); the gate opens well within the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_told_message_held_when_shutdown_begins_runs_within_the_grace() {
+    const GRACE: Duration = Duration::from_secs(2);
+    let shared = Arc::new(Shared::default());
+    let shared_for_factory = Arc::clone(&shared);
+    let runtime = Runtime::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .shutdown_grace(GRACE)
+        .unwrap()
+        .register(
+            ActorKind::new("recorder").unwrap(),
+            move |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Recorder {
+                    shared: Arc::clone(&shared_for_factory),
+                }))
+            },
+            KindConfig::default(),
+        )
+        .unwrap()
+        .start();
+    let handle = runtime.handle();
+    let id = ActorId::new("recorder", "r").unwrap();
+    let tell = |text: &'static str| {
+        let handle = handle.clone();
+        let id = id.clone();
+        async move { handle.tell(&id, Bytes::from(text), handle.deadline_in(HANG)).await }
+    };
+    within("the gate's tell", tell("gate")).await.unwrap();
+    let deactivation = tokio::spawn({
+        let (handle, id) = (handle.clone(), id.clone());
+        async move { handle.deactivate(&id).await }
+    });
+    within("the mailbox closed", async {
+        while handle.stats().await.unwrap().deactivating == 0 {
+            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+        }
+    })
+    .await;
+    within("the held tell", tell("rec:held"))
+        .await
+        .expect("held, so accepted");
+    assert_eq!(handle.stats().await.unwrap().held_messages, 1, "held");
+    let started = tokio::time::Instant::now();
+    let shutdown = tokio::spawn(runtime.shutdown());
+    // Shutdown has begun once a new request is refused with it (a request to a kind no
+    // one registered: refused `ActorNotFound` before, and it runs nothing).
+    let nobody = ActorId::new("nobody", "n").unwrap();
+    within("shutdown begun", async {
+        loop {
+            match handle.tell(&nobody, Bytes::new(), handle.deadline_in(HANG)).await {
+                Err(InvokeError::Shutdown) => return,
+                Err(InvokeError::ActorNotFound { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+                }
+                other => panic!("a tell to an unregistered kind: {other:?}"),
+            }
+        }
+    })
+    .await;
+    shared.gate.notify_one();
+    within("shutdown", shutdown).await.unwrap();
+    let took = started.elapsed();
+    let _ = within("the deactivation", deactivation).await.unwrap();
+    assert!(took < GRACE, "shutdown took {took:?}, the whole grace {GRACE:?}");
+    let ran = shared.records.lock().unwrap().clone();
+    assert_eq!(
+        ran,
+        vec!["held".to_string()],
+        "the told message accepted before the shutdown ran within the grace (shutdown took {took:?})"
+    );
+}
