@@ -13,12 +13,13 @@
 //! through node-1 is forwarded to node-2, whose turn's commit fails until the deadline.
 //! Once the store is back, a call through node-1 counts on from the committed count.
 //!
-//! The network's latency is 1 to 3 ms a message: node-2 stops trying its store 5 to 10
-//! ms before its deadline (which is the caller's, translated, never later), and an
-//! answer slower than that finds the caller gone, which ends `Timeout`; with the
-//! simulator's default latency, 1 to 10 ms, that happens on some seeds: 4 in 40 in the
-//! transport's own test (`troupe-runtime`'s `tests/transport_store_unavailable.rs`), none
-//! in 30 (seeds 1 to 30) here, where the call crosses a route first.
+//! The network runs at the simulator's default latency, 1 to 10 ms a message: node-2
+//! stops trying its store 5 to 10 ms before its deadline, which is the caller's,
+//! translated and made earlier by the connection's return allowance (at least
+//! `RETURN_ALLOWANCE_MS_MIN`), so its answer arrives before the caller gives up; a
+//! `Timeout` fails the test. (Until the return allowance this test ran at 1 to 3 ms:
+//! at the default, the transport's own test, `troupe-runtime`'s
+//! `tests/transport_store_unavailable.rs`, ended `Timeout` on 4 seeds in 40.)
 //!
 //! Run with `CARGO_TARGET_DIR=target/madsim RUSTFLAGS="--cfg madsim" cargo nextest run
 //! -p troupe-cluster --test cluster_store_unavailable_sim`.
@@ -37,7 +38,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use madsim::net::NetSim;
 use madsim::runtime::{Handle, NodeHandle};
 use sim_etcd::start_sim_etcd;
 use support::{counter, counter_runtime, parse_reply};
@@ -60,9 +60,6 @@ const REJOIN_DELAY_MS: u64 = 500;
 const CALL_MS: u64 = 5_000;
 /// The deadline of the call made while node-2's store is down, in milliseconds.
 const OUTAGE_CALL_MS: u64 = 1_000;
-/// The network's latency, in milliseconds a message, lowest and highest (exclusive);
-/// see the file's documentation.
-const LATENCY_MS: std::ops::Range<u64> = 1..3;
 /// What node-2's store says while it is down.
 const OUTAGE_CAUSE: &str = "connection refused (the test's outage)";
 
@@ -218,9 +215,6 @@ impl Cluster {
 /// Goal and method: see the file's documentation.
 #[madsim::test]
 async fn a_call_through_another_node_to_an_actor_whose_hosts_store_is_down_fails_unavailable() {
-    NetSim::current().update_config(|config| {
-        config.send_latency = Duration::from_millis(LATENCY_MS.start)..Duration::from_millis(LATENCY_MS.end);
-    });
     let store = MemoryStore::new();
     let outage = Outage {
         inner: store.clone(),
