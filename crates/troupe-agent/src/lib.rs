@@ -159,5 +159,5 @@ pub use store_wait::AGENT_API_STORE_WAIT_MS;
 pub use system::{AgentClient, AgentSystem, AgentSystemBuilder, AgentSystemError, LogPage, PendingAgentSystem};
 pub use tool::{
     tool_parameters_schema, Tool, ToolError, ToolExecutionContext, ToolHandler, ToolRegistry, ToolRegistryError,
-    TOOL_NAME_BYTES_MAX,
+    TOOLS_GONE_KEPT_MAX, TOOL_NAME_BYTES_MAX,
 };

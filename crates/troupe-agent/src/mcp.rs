@@ -74,8 +74,8 @@
 //! simulated.
 
 use std::ffi::{OsStr, OsString};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -211,15 +211,27 @@ pub enum McpError {
 
 type Connection = RunningService<RoleClient, ListWatcher>;
 
-/// The client side of a connection: marks the server's `notifications/tools/list_changed`,
-/// so the next call reads the list again before it is sent.
+/// The slot of a server's [`Link`], set once it is made: its connections' watchers read
+/// the list again through it.
+type LinkSlot = Arc<OnceLock<Weak<Link>>>;
+
+/// The client side of a connection: marks the server's `notifications/tools/list_changed`
+/// (so the next call, or model step of an agent system it is attached to, reads the list
+/// again before it goes on), and starts reading it at once, on a task of its own.
 struct ListWatcher {
     changed: Arc<AtomicBool>,
+    link: LinkSlot,
 }
 
 impl rmcp::ClientHandler for ListWatcher {
     async fn on_tool_list_changed(&self, _context: rmcp::service::NotificationContext<RoleClient>) {
-        self.changed.store(true, Ordering::Relaxed);
+        self.changed.store(true, Ordering::Release);
+        if let Some(link) = self.link.get().and_then(Weak::upgrade) {
+            // Not here: rmcp runs this handler on a task of its own, but a read that
+            // waits for the server holds the link (and its connection) only as long as
+            // the list read's own bound.
+            tokio::spawn(async move { link.refresh().await });
+        }
     }
 }
 
@@ -276,6 +288,13 @@ struct Link {
     tools: std::sync::Mutex<Arc<[rmcp::model::Tool]>>,
     /// Held while reconnecting: calls that find the server dead at once start it once.
     reconnecting: tokio::sync::Mutex<()>,
+    /// Held while the list is read again after the server said it changed: who finds
+    /// it being read waits for that read (a model step then offers the new list).
+    listing: tokio::sync::Mutex<()>,
+    /// Grows each time `tools` is replaced (after the new list is stored).
+    generation: AtomicU64,
+    /// This link, for its connections' [`ListWatcher`]s.
+    slot: LinkSlot,
 }
 
 impl Link {
@@ -296,24 +315,57 @@ impl Link {
 
     fn set_tools(&self, tools: Vec<rmcp::model::Tool>) {
         *self.tools.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = tools.into();
+        // After the list: who reads the generation, then the list, sees a list at least
+        // as new as the generation.
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Reads the list again on `connection` if the server said it changed since it was
+    /// last read, or waits for the read under way; within the connect timeout given at
+    /// first. On failure the last list is kept and the next call or step tries again.
+    async fn read_again_if_changed(&self, connection: &Connected) -> Result<(), McpError> {
+        let reading = self.listing.try_lock().is_err();
+        if !reading && !connection.list_changed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _one_at_a_time = self.listing.lock().await;
+        if !connection.list_changed.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let failed = match tokio::time::timeout(self.timeout, list_tools(&self.name, &connection.service)).await {
+            Ok(Ok(tools)) => {
+                tracing::info!(server = %self.name, tools = tools.len(), "MCP server's tool list read again");
+                self.set_tools(tools);
+                return Ok(());
+            }
+            Ok(Err(error)) => error,
+            Err(_elapsed) => McpError::Timeout {
+                server: self.name.clone(),
+                timeout_ms: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
+            },
+        };
+        // Read again at the next call or step.
+        connection.list_changed.store(true, Ordering::Release);
+        Err(failed)
+    }
+
+    /// Reads the list again if the live connection's server said it changed (see
+    /// [`Link::read_again_if_changed`]); a failure is logged, the last list kept. A
+    /// dead server's list is read when a call starts it again.
+    async fn refresh(&self) {
+        let connection = self.current();
+        if connection.is_dead() {
+            return;
+        }
+        if let Err(error) = self.read_again_if_changed(&connection).await {
+            tracing::warn!(server = %self.name, %error, "MCP server's changed tool list could not be read; the last one is kept");
+        }
     }
 
     /// `Ok` if the server's last list holds tool `remote`; else [`McpError::ToolGone`].
     /// A list the server said changed is read again first (on `connection`).
     async fn offers(&self, connection: &Connected, remote: &str) -> Result<(), McpError> {
-        if connection.list_changed.swap(false, Ordering::Relaxed) {
-            match list_tools(&self.name, &connection.service).await {
-                Ok(tools) => {
-                    tracing::info!(server = %self.name, tools = tools.len(), "MCP server's tool list read again");
-                    self.set_tools(tools);
-                }
-                Err(error) => {
-                    // Read again at the next call.
-                    connection.list_changed.store(true, Ordering::Relaxed);
-                    return Err(error);
-                }
-            }
-        }
+        self.read_again_if_changed(connection).await?;
         let tools = self.tools();
         if tools.iter().any(|tool| tool.name == remote) {
             return Ok(());
@@ -347,7 +399,7 @@ impl Link {
             if attempt > 1 {
                 tokio::time::sleep(Duration::from_millis(MCP_RECONNECT_PAUSE_MS)).await;
             }
-            match open(&self.name, &self.recipe, self.timeout).await {
+            match open(&self.name, &self.recipe, self.timeout, &self.slot).await {
                 Ok((connected, tools)) => {
                     tracing::info!(server = %self.name, attempt, tools = tools.len(), "MCP server connected again");
                     let connected = Arc::new(connected);
@@ -372,7 +424,12 @@ impl Link {
 }
 
 /// Connects to the server `recipe` says, within `timeout`.
-async fn open(name: &str, recipe: &Recipe, timeout: Duration) -> Result<(Connected, Vec<rmcp::model::Tool>), McpError> {
+async fn open(
+    name: &str,
+    recipe: &Recipe,
+    timeout: Duration,
+    link: &LinkSlot,
+) -> Result<(Connected, Vec<rmcp::model::Tool>), McpError> {
     match recipe {
         Recipe::Stdio { program, args } => {
             let mut command = tokio::process::Command::new(program);
@@ -391,6 +448,7 @@ async fn open(name: &str, recipe: &Recipe, timeout: Duration) -> Result<(Connect
             let changed = Arc::new(AtomicBool::new(false));
             let watcher = ListWatcher {
                 changed: changed.clone(),
+                link: Arc::clone(link),
             };
             connect_with(name, timeout, group, output, changed, async move {
                 watcher.serve(transport).await
@@ -404,6 +462,7 @@ async fn open(name: &str, recipe: &Recipe, timeout: Duration) -> Result<(Connect
             let changed = Arc::new(AtomicBool::new(false));
             let watcher = ListWatcher {
                 changed: changed.clone(),
+                link: Arc::clone(link),
             };
             connect_with(name, timeout, ProcessGroup::none(), output, changed, async move {
                 watcher.serve(transport).await
@@ -550,18 +609,21 @@ impl McpServer {
     }
 
     async fn connect(name: String, recipe: Recipe, timeout: Duration) -> Result<Self, McpError> {
-        let (connected, tools) = open(&name, &recipe, timeout).await?;
-        Ok(Self {
+        let slot = LinkSlot::default();
+        let (connected, tools) = open(&name, &recipe, timeout, &slot).await?;
+        let link = Arc::new(Link {
             name: name.clone(),
-            link: Arc::new(Link {
-                name,
-                recipe,
-                timeout,
-                current: std::sync::Mutex::new(Arc::new(connected)),
-                tools: std::sync::Mutex::new(tools.into()),
-                reconnecting: tokio::sync::Mutex::new(()),
-            }),
-        })
+            recipe,
+            timeout,
+            current: std::sync::Mutex::new(Arc::new(connected)),
+            tools: std::sync::Mutex::new(tools.into()),
+            reconnecting: tokio::sync::Mutex::new(()),
+            listing: tokio::sync::Mutex::new(()),
+            generation: AtomicU64::new(0),
+            slot: Arc::clone(&slot),
+        });
+        let _ = slot.set(Arc::downgrade(&link));
+        Ok(Self { name, link })
     }
 
     /// Whether the connection is up, as far as this side knows (a stdio server that
@@ -870,6 +932,43 @@ impl rmcp::transport::Transport<RoleClient> for StdioServer {
             }
         }
         Ok(())
+    }
+}
+
+/// An [`McpServer`] attached to an agent system
+/// (`AgentSystemBuilder::mcp_server_with_prefix`): its tools, as it lists them now, are
+/// those of the system's [`crate::ToolRegistry`].
+pub(crate) struct McpToolSource {
+    server: McpServer,
+    prefix: String,
+}
+
+impl McpToolSource {
+    pub(crate) fn new(server: McpServer, prefix: impl Into<String>) -> Self {
+        Self {
+            server,
+            prefix: prefix.into(),
+        }
+    }
+}
+
+#[async_trait]
+impl crate::tool::ToolSource for McpToolSource {
+    fn describe(&self) -> String {
+        format!("MCP server {:?}", self.server.name)
+    }
+
+    fn generation(&self) -> u64 {
+        self.server.link.generation.load(Ordering::Acquire)
+    }
+
+    fn tools(&self) -> Vec<Tool> {
+        // `tools_with_prefix` has no error today (see `McpServer::tools`).
+        self.server.tools_with_prefix(&self.prefix).unwrap_or_default()
+    }
+
+    async fn refresh(&self) {
+        self.server.link.refresh().await;
     }
 }
 

@@ -131,12 +131,12 @@ pub(crate) fn message_from(shared: &AgentShared, agent: &str, from: &str, text: 
 /// not loaded.
 pub(crate) fn tool_specs_for(shared: &AgentShared, spec: &AgentSpec) -> Arc<[ToolSpec]> {
     let agent = spec.id.as_str();
+    let offered = shared.tools.offered_specs();
     if shared.org.cached().is_none() {
         if spec.tools.is_none() {
-            return Arc::clone(&shared.tool_specs);
+            return offered;
         }
-        return shared
-            .tool_specs
+        return offered
             .iter()
             .filter(|tool| spec.allows_tool(&tool.name))
             .cloned()
@@ -158,8 +158,7 @@ pub(crate) fn tool_specs_for(shared: &AgentShared, spec: &AgentSpec) -> Arc<[Too
     // `call_agent` reaches remote agents too; a task or a notification cannot be sent
     // to one.
     let (asked, sent) = (suffix(true), suffix(false));
-    shared
-        .tool_specs
+    offered
         .iter()
         .filter(|tool| spec.allows_tool(&tool.name))
         .map(|spec| {

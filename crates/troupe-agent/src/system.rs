@@ -59,6 +59,8 @@ pub struct AgentSystemBuilder {
     providers: BTreeMap<String, Arc<dyn LlmClient>>,
     agents: Vec<AgentSpec>,
     tools: Vec<Tool>,
+    /// Attached MCP servers (`mcp_server`), whose tools change as they list them.
+    tool_sources: Vec<Arc<dyn crate::tool::ToolSource>>,
     observers: Vec<Arc<dyn AgentObserver>>,
     kind_config: KindConfig,
     remotes: Vec<crate::RemoteAgent>,
@@ -72,6 +74,7 @@ impl Default for AgentSystemBuilder {
             providers: BTreeMap::new(),
             agents: Vec::new(),
             tools: Vec::new(),
+            tool_sources: Vec::new(),
             observers: Vec::new(),
             kind_config: KindConfig::default(),
             remotes: Vec::new(),
@@ -150,6 +153,36 @@ impl AgentSystemBuilder {
         self
     }
 
+    /// Attaches MCP server `server`: its tools are offered as it lists them, now and
+    /// while the system runs. When it says its list changed
+    /// (`notifications/tools/list_changed`) or is started again, the new list is read
+    /// (at once, and at the latest before the next model step of any agent), and the
+    /// next step offers it: a tool new in it to every agent whose spec lists no tools
+    /// (they have every tool) and to an agent that names it in [`AgentSpec::tools`]; a
+    /// tool it no longer lists leaves every list, and a model that still calls it reads
+    /// [`crate::McpError::ToolGone`]'s text. A step's list is fixed when the step starts.
+    ///
+    /// A name clash among the tools it lists at start (with a built-in, a
+    /// [`AgentSystemBuilder::tool`] or another server's) fails
+    /// [`AgentSystemBuilder::start`] with [`ToolRegistryError::Duplicate`]; a tool new
+    /// later whose name is taken is not offered ([`AgentClient::refused_tools`], a
+    /// warning): the tool that has the name keeps it, and `call_agent` and the other
+    /// built-ins are never shadowed. A server offers at most [`crate::MCP_TOOLS_MAX`]
+    /// tools: a longer list is refused when read, and the last one kept.
+    #[cfg(not(madsim))]
+    pub fn mcp_server(self, server: crate::McpServer) -> Self {
+        self.mcp_server_with_prefix(server, "")
+    }
+
+    /// As [`AgentSystemBuilder::mcp_server`], each tool offered as `{prefix}{name}`
+    /// (see [`crate::McpServer::tools_with_prefix`]).
+    #[cfg(not(madsim))]
+    pub fn mcp_server_with_prefix(mut self, server: crate::McpServer, prefix: &str) -> Self {
+        self.tool_sources
+            .push(Arc::new(crate::mcp::McpToolSource::new(server, prefix)));
+        self
+    }
+
     /// Reports agent events to `observer`.
     pub fn observer(mut self, observer: Arc<dyn AgentObserver>) -> Self {
         self.observers.push(observer);
@@ -195,6 +228,9 @@ impl AgentSystemBuilder {
         tools.register(notify_tool())?;
         for tool in self.tools {
             tools.register(tool)?;
+        }
+        for source in self.tool_sources {
+            tools.add_source(source)?;
         }
         let directory = AgentDirectory::with_catalog(AgentCatalog {
             providers: self.providers.keys().cloned().collect(),
@@ -310,6 +346,20 @@ impl AgentClient {
     /// The runtime the agents run in.
     pub fn runtime(&self) -> &RuntimeHandle {
         &self.runtime
+    }
+
+    /// The names of the tools offered now, sorted: the built-ins, those given to
+    /// [`AgentSystemBuilder::tool`] and those the attached MCP servers list now (each
+    /// agent is offered those of them it may use).
+    pub fn tool_names(&self) -> Vec<String> {
+        self.shared.tools.names()
+    }
+
+    /// The attached MCP servers' tools that are not offered because their name is
+    /// taken, each a [`ToolRegistryError::Clash`] naming it, its server and what has
+    /// the name.
+    pub fn refused_tools(&self) -> Vec<ToolRegistryError> {
+        self.shared.tools.refused()
     }
 
     /// The agent directory of this process; agents added here can be asked at once.

@@ -502,6 +502,22 @@ pub enum ToolRegistryError {
         /// What breaks the rule.
         cause: String,
     },
+    /// A tool new in a source's list (an attached MCP server's, after it said its list
+    /// changed or was started again) has a name already taken: it is not offered, and
+    /// the tool that has the name keeps it (a built-in such as `call_agent` is never
+    /// shadowed).
+    #[error(
+        "the tool {name:?} that {offered_by} lists now is not offered: the name is taken by {taken_by}; attach the \
+         server with a prefix (AgentSystemBuilder::mcp_server_with_prefix) to offer it"
+    )]
+    Clash {
+        /// The name.
+        name: String,
+        /// The source that lists it (`MCP server "files"`).
+        offered_by: String,
+        /// What has the name.
+        taken_by: String,
+    },
 }
 
 /// Checks `name` against the providers' rule for tool names (see
@@ -525,10 +541,99 @@ fn check_tool_name(name: &str) -> Result<(), ToolRegistryError> {
     })
 }
 
-/// Tools by name.
-#[derive(Debug, Clone, Default)]
+/// The most tools kept callable after their source stopped listing them (so a model
+/// that still calls one reads [`crate::McpError::ToolGone`]'s text, not "unknown tool").
+/// Past it, the oldest gone tools are forgotten: a call of one is
+/// [`ToolError::UnknownTool`].
+pub const TOOLS_GONE_KEPT_MAX: usize = 1_024;
+
+/// A source of tools whose list may change while the system runs: an MCP server
+/// attached with `AgentSystemBuilder::mcp_server`.
+#[async_trait]
+pub(crate) trait ToolSource: Send + Sync + 'static {
+    /// What the warnings and errors call it (`MCP server "files"`).
+    fn describe(&self) -> String;
+
+    /// Grows each time the source's list may have changed: read before
+    /// [`ToolSource::tools`], so a change made between the two leaves a stale key.
+    fn generation(&self) -> u64;
+
+    /// The tools it offers now.
+    fn tools(&self) -> Vec<Tool>;
+
+    /// Reads the list again now if the source was told it changed and has not read it
+    /// yet (an MCP server's `notifications/tools/list_changed`); bounded by the source's
+    /// own timeout. A failure is logged and the last list kept.
+    async fn refresh(&self);
+}
+
+/// The tools of the registry's sources as last built: what every model step is
+/// offered, until a source's generation moves.
+struct LiveView {
+    /// The sum of the sources' generations it was built at.
+    generation: u64,
+    /// The sources' tools, by offered name, and the index of the source that owns each.
+    tools: BTreeMap<String, (Arc<Tool>, usize)>,
+    /// Tools a source no longer lists, kept callable (they fail with the source's own
+    /// error), at most [`TOOLS_GONE_KEPT_MAX`], oldest first in `gone_order`.
+    gone: BTreeMap<String, Arc<Tool>>,
+    gone_order: std::collections::VecDeque<String>,
+    /// Every tool's spec, fixed and live, by name.
+    specs: Arc<[ToolSpec]>,
+    /// The sources' tools refused: their name is taken.
+    refused: Vec<ToolRegistryError>,
+}
+
+/// A tool found by name: a fixed one, borrowed, or a source's, shared.
+enum Found<'a> {
+    Fixed(&'a Tool),
+    Live(Arc<Tool>),
+}
+
+impl std::ops::Deref for Found<'_> {
+    type Target = Tool;
+
+    fn deref(&self) -> &Tool {
+        match self {
+            Found::Fixed(tool) => tool,
+            Found::Live(tool) => tool,
+        }
+    }
+}
+
+/// Tools by name: the fixed ones ([`ToolRegistry::register`]) and those of the sources
+/// whose lists change while the system runs (an attached MCP server's).
+///
+/// A source's list is read again when its generation moves: at the next model step of
+/// any agent, through [`ToolRegistry::offered_specs`]. A source's tool whose name is
+/// taken (by a fixed tool, built-ins included, or by another source's tool that had it
+/// first) is not offered: it is listed by [`ToolRegistry::refused`] as
+/// [`ToolRegistryError::Clash`] and logged once; a name never changes owner while its
+/// owner lists it.
+#[derive(Default)]
 pub struct ToolRegistry {
     tools: BTreeMap<String, Tool>,
+    sources: Vec<Arc<dyn ToolSource>>,
+    live: std::sync::Mutex<Option<Arc<LiveView>>>,
+}
+
+impl fmt::Debug for ToolRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolRegistry")
+            .field("tools", &self.names())
+            .field("sources", &self.sources.len())
+            .finish()
+    }
+}
+
+impl Clone for ToolRegistry {
+    fn clone(&self) -> Self {
+        Self {
+            tools: self.tools.clone(),
+            sources: self.sources.clone(),
+            live: std::sync::Mutex::new(None),
+        }
+    }
 }
 
 impl ToolRegistry {
@@ -545,26 +650,194 @@ impl ToolRegistry {
     pub fn register(&mut self, tool: Tool) -> Result<(), ToolRegistryError> {
         check_tool_name(&tool.spec.name)?;
         let name = tool.spec.name.clone();
-        if self.tools.contains_key(&name) {
+        if self.tools.contains_key(&name) || (self.has_sources() && self.live_view().tools.contains_key(&name)) {
             return Err(ToolRegistryError::Duplicate { name });
         }
         self.tools.insert(name, tool);
+        *self.live.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
         Ok(())
     }
 
-    /// The tool called `name`.
+    /// Adds `source`, whose tools are offered as it lists them now and later.
+    ///
+    /// # Errors
+    /// [`ToolRegistryError::Duplicate`] if one of the tools it lists now has the name of
+    /// a tool already here (at start a clash is the embedder's to fix; later, a tool
+    /// new in a source that clashes is refused, see [`ToolRegistry::refused`]).
+    pub(crate) fn add_source(&mut self, source: Arc<dyn ToolSource>) -> Result<(), ToolRegistryError> {
+        let taken = self.names();
+        for tool in source.tools() {
+            check_tool_name(&tool.spec.name)?;
+            if taken.contains(&tool.spec.name) {
+                return Err(ToolRegistryError::Duplicate {
+                    name: tool.spec.name.clone(),
+                });
+            }
+        }
+        self.sources.push(source);
+        *self.live.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        let refused = self.live_view().refused.clone();
+        match refused.into_iter().next() {
+            // Two tools of the source itself that became one name.
+            Some(ToolRegistryError::Clash { name, .. }) => {
+                self.sources.pop();
+                *self.live.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+                Err(ToolRegistryError::Duplicate { name })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether any source's list may change (an MCP server is attached).
+    pub(crate) fn has_sources(&self) -> bool {
+        !self.sources.is_empty()
+    }
+
+    /// Reads again the lists of the sources that were told theirs changed (see
+    /// [`ToolSource::refresh`]): called before a model step, so a change the process
+    /// heard of before the step is in the step's list.
+    pub(crate) async fn refresh_sources(&self) {
+        for source in &self.sources {
+            source.refresh().await;
+        }
+    }
+
+    /// Grows whenever the tools offered may have changed (0 without sources).
+    pub(crate) fn generation(&self) -> u64 {
+        self.sources
+            .iter()
+            .fold(0_u64, |sum, source| sum.wrapping_add(source.generation()))
+    }
+
+    /// The view of the sources' tools at the current generation, built again if a
+    /// source's moved.
+    fn live_view(&self) -> Arc<LiveView> {
+        // Read before the lists (see `ToolSource::generation`).
+        let generation = self.generation();
+        let mut live = self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(view) = live.as_ref() {
+            if view.generation == generation {
+                return Arc::clone(view);
+            }
+        }
+        let view = Arc::new(self.build_view(generation, live.as_deref()));
+        for refused in &view.refused {
+            let known = live.as_ref().is_some_and(|previous| previous.refused.contains(refused));
+            if !known {
+                tracing::warn!(%refused, "a tool new in a source's list is not offered");
+            }
+        }
+        *live = Some(Arc::clone(&view));
+        view
+    }
+
+    fn build_view(&self, generation: u64, previous: Option<&LiveView>) -> LiveView {
+        let lists: Vec<Vec<Tool>> = self.sources.iter().map(|source| source.tools()).collect();
+        let mut tools: BTreeMap<String, (Arc<Tool>, usize)> = BTreeMap::new();
+        let mut refused = Vec::new();
+        // First the names each source held before and still lists (a name keeps its
+        // owner), then the new ones, in the sources' order.
+        for keeping in [true, false] {
+            for (index, list) in lists.iter().enumerate() {
+                for tool in list {
+                    let name = &tool.spec.name;
+                    let held = previous
+                        .and_then(|previous| previous.tools.get(name))
+                        .is_some_and(|(_, owner)| *owner == index);
+                    if held != keeping {
+                        continue;
+                    }
+                    let taken_by = if self.tools.contains_key(name) {
+                        Some("a tool registered when the system was built (built-ins included)".to_owned())
+                    } else if let Some((_, owner)) = tools.get(name) {
+                        Some(self.sources[*owner].describe())
+                    } else if let Err(invalid) = check_tool_name(name) {
+                        refused.push(invalid);
+                        continue;
+                    } else {
+                        None
+                    };
+                    match taken_by {
+                        Some(taken_by) => refused.push(ToolRegistryError::Clash {
+                            name: name.clone(),
+                            offered_by: self.sources[index].describe(),
+                            taken_by,
+                        }),
+                        None => {
+                            tools.insert(name.clone(), (Arc::new(tool.clone()), index));
+                        }
+                    }
+                }
+            }
+        }
+        let (mut gone, mut gone_order) = match previous {
+            Some(previous) => (previous.gone.clone(), previous.gone_order.clone()),
+            None => Default::default(),
+        };
+        gone_order.retain(|name| !tools.contains_key(name));
+        gone.retain(|name, _| !tools.contains_key(name));
+        if let Some(previous) = previous {
+            for (name, (tool, _)) in &previous.tools {
+                if !tools.contains_key(name) && !self.tools.contains_key(name) && !gone.contains_key(name) {
+                    gone.insert(name.clone(), Arc::clone(tool));
+                    gone_order.push_back(name.clone());
+                }
+            }
+        }
+        while gone_order.len() > TOOLS_GONE_KEPT_MAX {
+            if let Some(oldest) = gone_order.pop_front() {
+                gone.remove(&oldest);
+            }
+        }
+        let mut specs: Vec<ToolSpec> = self
+            .tools
+            .values()
+            .map(|tool| tool.spec.clone())
+            .chain(tools.values().map(|(tool, _)| tool.spec.clone()))
+            .collect();
+        specs.sort_by(|a, b| a.name.cmp(&b.name));
+        LiveView {
+            generation,
+            tools,
+            gone,
+            gone_order,
+            specs: specs.into(),
+            refused,
+        }
+    }
+
+    /// Every tool's spec offered now, by name: what a model step is offered (the caller
+    /// filters by the agent's own tools). Shared: built again only when a source's list
+    /// changed.
+    pub(crate) fn offered_specs(&self) -> Arc<[ToolSpec]> {
+        Arc::clone(&self.live_view().specs)
+    }
+
+    /// The tools of the sources not offered because their name is taken, each a
+    /// [`ToolRegistryError::Clash`] (or [`ToolRegistryError::InvalidName`]) naming it,
+    /// its source and what has the name.
+    pub fn refused(&self) -> Vec<ToolRegistryError> {
+        self.live_view().refused.clone()
+    }
+
+    /// The tool called `name` among those registered with [`ToolRegistry::register`]
+    /// (a source's tools are found by [`ToolRegistry::execute`] and listed by
+    /// [`ToolRegistry::specs`]).
     pub fn get(&self, name: &str) -> Option<&Tool> {
         self.tools.get(name)
     }
 
-    /// Every tool's spec, by name.
+    /// Every tool's spec offered now, fixed and the sources', by name.
     pub fn specs(&self) -> Vec<ToolSpec> {
-        self.tools.values().map(|tool| tool.spec.clone()).collect()
+        self.offered_specs().to_vec()
     }
 
-    /// The registered names, sorted.
+    /// The names offered now, fixed and the sources', sorted.
     pub fn names(&self) -> Vec<String> {
-        self.tools.keys().cloned().collect()
+        if self.sources.is_empty() {
+            return self.tools.keys().cloned().collect();
+        }
+        self.offered_specs().iter().map(|spec| spec.name.clone()).collect()
     }
 
     /// Runs the tool `name` with `arguments`.
@@ -604,8 +877,25 @@ impl ToolRegistry {
         self.tool(name)?.execute_in_turn(context, arguments).await
     }
 
-    fn tool(&self, name: &str) -> Result<&Tool, ToolError> {
-        self.tools.get(name).ok_or_else(|| ToolError::UnknownTool {
+    /// The tool called `name`: a fixed one, else a source's offered now, else one a
+    /// source no longer lists (its call fails with the source's error, e.g.
+    /// [`crate::McpError::ToolGone`]'s text).
+    fn tool(&self, name: &str) -> Result<Found<'_>, ToolError> {
+        if let Some(tool) = self.tools.get(name) {
+            return Ok(Found::Fixed(tool));
+        }
+        if !self.sources.is_empty() {
+            let view = self.live_view();
+            if let Some(tool) = view
+                .tools
+                .get(name)
+                .map(|(tool, _)| tool)
+                .or_else(|| view.gone.get(name))
+            {
+                return Ok(Found::Live(Arc::clone(tool)));
+            }
+        }
+        Err(ToolError::UnknownTool {
             name: name.to_string(),
             available: self.names(),
         })

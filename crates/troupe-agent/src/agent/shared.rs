@@ -9,7 +9,7 @@ use troupe_core::Deadline;
 use troupe_runtime::{Clock, RuntimeHandle, WeakRuntimeHandle};
 
 use crate::conversation::PostRequest;
-use crate::{AgentDirectory, AgentEvent, AgentObserver, AgentSpec, LlmClient, ToolRegistry, ToolSpec};
+use crate::{AgentDirectory, AgentEvent, AgentObserver, AgentSpec, LlmClient, ToolRegistry};
 
 /// What every agent of one system shares.
 pub(crate) struct AgentShared {
@@ -18,9 +18,9 @@ pub(crate) struct AgentShared {
     pub(crate) llm: Arc<dyn LlmClient>,
     /// The named model providers, by name.
     pub(crate) providers: BTreeMap<String, Arc<dyn LlmClient>>,
+    /// Its offered specs are shared by every model request until an attached MCP
+    /// server's list changes (`ToolRegistry::offered_specs`).
     pub(crate) tools: ToolRegistry,
-    /// The registry's specs, built once: every model request offers this list.
-    pub(crate) tool_specs: Arc<[ToolSpec]>,
     pub(crate) observers: Vec<Arc<dyn AgentObserver>>,
     /// The organisation: links, permissions, approvals (`org_store.rs`).
     pub(crate) org: crate::org_store::OrgStore,
@@ -168,7 +168,6 @@ impl AgentShared {
             directory,
             llm,
             providers,
-            tool_specs: tools.specs().into(),
             tools,
             observers,
             org: crate::org_store::OrgStore::new(),

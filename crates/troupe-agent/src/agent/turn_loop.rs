@@ -272,6 +272,9 @@ pub(crate) struct PromptCache {
     /// The system message, a part of every prompt (shared, see [`Prompt`]).
     system: Arc<[ChatMessage]>,
     tools: Arc<[ToolSpec]>,
+    /// The tool registry's generation `tools` was built at (an attached MCP server's
+    /// list moves it).
+    tools_generation: u64,
 }
 
 impl PromptCache {
@@ -280,6 +283,7 @@ impl PromptCache {
         // which the next lookup misses (never a new key on old contents).
         let directory = shared.directory.generation();
         let remotes = shared.remotes.generation();
+        let tools_generation = shared.tools.generation();
         let org = shared.org.cached();
         let mut text = spec.system_prompt.clone();
         if !text.is_empty() {
@@ -297,6 +301,7 @@ impl PromptCache {
             org,
             system: Arc::new([ChatMessage::new(Role::System, text)]),
             tools: crate::org_prompt::tool_specs_for(shared, spec),
+            tools_generation,
         }
     }
 
@@ -307,7 +312,10 @@ impl PromptCache {
             (Some(cached), Some(now)) => Arc::ptr_eq(cached, now),
             _ => false,
         };
-        same_org && self.directory == shared.directory.generation() && self.remotes == shared.remotes.generation()
+        same_org
+            && self.directory == shared.directory.generation()
+            && self.remotes == shared.remotes.generation()
+            && self.tools_generation == shared.tools.generation()
     }
 }
 
@@ -415,7 +423,8 @@ impl AgentActor {
         // builds a turn's caller handle only when it is first asked for. What a tool
         // sees is the same either way: the handle is the turn's, made once.
         let mut tools: Option<(ToolExecutionContext, SharedSends)> = None;
-        let specs = &Arc::clone(&self.prompt_parts().tools);
+        let parts = self.prompt_parts();
+        let (mut specs, mut specs_generation) = (Arc::clone(&parts.tools), parts.tools_generation);
         let Some(llm) = self.shared.llm_for(&self.state.spec).cloned() else {
             let provider = self.state.spec.provider.clone().unwrap_or_default();
             return Err(TurnError::Failed(ActorError::failed(format!(
@@ -484,6 +493,17 @@ impl AgentActor {
                         Ok(cap) => cap,
                         Err(error) => return Ok(Some(exhausted(meter.get(), steps, usage, error))),
                     };
+                    // An attached MCP server's changed list is read (or its reading waited
+                    // for) before the step: the step offers the tools listed now, and its
+                    // list stays as it is until the next step.
+                    if self.shared.tools.has_sources() {
+                        self.shared.tools.refresh_sources().await;
+                        let generation = self.shared.tools.generation();
+                        if generation != specs_generation {
+                            specs = crate::org_prompt::tool_specs_for(&self.shared, &self.state.spec);
+                            specs_generation = generation;
+                        }
+                    }
                     steps += 1;
                     let mut messages = Prompt::from(self.system_message());
                     messages.extend_shared(own_history.as_ref().unwrap_or(&self.state.window));
@@ -492,7 +512,7 @@ impl AgentActor {
                         agent: self.id.clone(),
                         model: self.state.spec.model.model.clone(),
                         messages,
-                        tools: Arc::clone(specs),
+                        tools: Arc::clone(&specs),
                         deadline,
                         max_tokens,
                     };
