@@ -7,23 +7,32 @@
 //!
 //! Method: a `MemoryStore` switched unavailable (`MemoryStoreFaults::set_unavailable`)
 //! just before an `ask_as` from a supervised agent (every contact of it needs approval),
-//! and back up by a spawned task [`OUTAGE_MS`] later. The organisation's read is the
-//! cache (fresh, or kept while the load fails); its write is what is tried again.
-//! Both builds: paused time on the normal build, simulated time under madsim; one test
-//! on worker threads (normal build, real time).
+//! and back up by a spawned task [`OUTAGE_MS`] later; for a delegation made in the
+//! sender's turn, a store that fails only the organisation's record while told to (so
+//! the turn itself goes on and meets the outage at the approval's write). The
+//! organisation's read is the cache (fresh, or kept while the load fails); its write is
+//! what is tried again. Both builds: paused time on the normal build, simulated time
+//! under madsim; one test on worker threads (normal build, real time).
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, BehaviourMode, Membership, ScriptRule, ScriptedLlm};
-use troupe_core::Deadline;
-use troupe_runtime::{MemoryStore, StateStore};
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde_json::json;
+use troupe_agent::{
+    AgentEvent, AgentSpec, AgentSystem, BehaviourMode, ContactKind, Membership, ScriptRule, ScriptedLlm, ORG_STORE_KIND,
+};
+use troupe_core::{ActorId, Deadline};
+use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
 
 /// How long the store is down, in milliseconds from the ask.
 const OUTAGE_MS: u64 = 300;
 /// How long the ask may wait for its reply (its deadline, and its approval's).
 const ASK_TIMEOUT: Duration = Duration::from_secs(20);
 /// The most the whole test may take, in milliseconds (of real time on worker threads).
+#[cfg(not(madsim))]
 const TEST_WAIT_MS_MAX: u64 = 15_000;
 
 /// Agents `a` and `b` answering "ok", on `store`, `a` supervised: its every contact
@@ -73,6 +82,7 @@ async fn an_approval_requested_while_the_store_is_down_is_recorded_once_it_is_ba
     let mut asked = tokio::spawn(async move { client.ask_as("a", "b", "status?", ASK_TIMEOUT).await });
     let (id, requested_at) = loop {
         tokio::select! {
+            biased;
             event = events.recv() => {
                 if let AgentEvent::ApprovalRequested { id, at, .. } = event.expect("the events") {
                     break (id, at);
@@ -127,4 +137,149 @@ async fn an_approval_requested_while_the_store_is_down_is_recorded_once_it_is_ba
     )
     .await
     .expect("the test ends in time");
+}
+
+/// A memory store whose organisation's record fails `Unavailable` while `org_down`.
+#[derive(Default)]
+struct OrgOutage {
+    inner: MemoryStore,
+    org_down: AtomicBool,
+    /// How many operations on the organisation's record failed.
+    org_failures: AtomicU64,
+}
+
+impl OrgOutage {
+    fn check(&self, actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
+        if actor.kind().as_str() == ORG_STORE_KIND && self.org_down.load(Ordering::SeqCst) {
+            self.org_failures.fetch_add(1, Ordering::SeqCst);
+            return Err(StoreError::Unavailable {
+                operation,
+                cause: "connection refused (the test's outage)".to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl StateStore for OrgOutage {
+    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.check(actor, StoreOperation::Claim)?;
+        self.inner.claim(actor).await
+    }
+
+    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+        self.check(actor, StoreOperation::Load)?;
+        self.inner.load(actor).await
+    }
+
+    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.check(actor, StoreOperation::Commit)?;
+        self.inner.commit(actor, fence, commit).await
+    }
+
+    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.check(actor, StoreOperation::Get)?;
+        self.inner.get(actor, key).await
+    }
+
+    async fn scan(
+        &self,
+        actor: &ActorId,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<(String, Bytes)>, StoreError> {
+        self.check(actor, StoreOperation::Scan)?;
+        self.inner.scan(actor, prefix, after, limit).await
+    }
+}
+
+/// Goal: a delegation that needs approval, made in its sender's turn while the
+/// organisation's store is down, records its approval once the store is back
+/// ([`OUTAGE_MS`] later) instead of being refused: the sender's model reads "pending
+/// approval N", the approval is listed once its delivery waits for it (one approval:
+/// the write tried again is one record), and once approved the task reaches `b`.
+/// Before the fix the turn answered after 0 ms and the model read "delegate_to_agent
+/// failed: not permitted: a may not delegate to b: the organisation could not be read:
+/// the organisation could not be stored: claim failed: connection refused (the test's
+/// outage)"; nothing was recorded.
+async fn a_delegation_needing_approval_while_the_org_store_is_down_is_recorded_once_it_is_back() {
+    let store = Arc::new(OrgOutage::default());
+    let llm = ScriptedLlm::new()
+        .rule(
+            ScriptRule::agent("a")
+                .on_user_containing("hand off")
+                .call("delegate_to_agent", json!({"agent_id": "b", "message": "do it"})),
+        )
+        .rule(ScriptRule::agent("a").on_tool_result().reply("{tool_result}"))
+        .rule(ScriptRule::any_agent().reply("done"));
+    let system = AgentSystem::builder()
+        .llm(Arc::new(llm.clone()))
+        .store(Arc::clone(&store) as Arc<dyn StateStore>)
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("a", supervised).await.expect("a supervised");
+
+    store.org_down.store(true, Ordering::SeqCst);
+    let outage = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(OUTAGE_MS)).await;
+            store.org_down.store(false, Ordering::SeqCst);
+        })
+    };
+    let start = system.runtime().now();
+    let reply = system.ask("a", "hand off").await.expect("the ask");
+    let answered_ms = ms_between(start, system.runtime().now());
+    let failures = store.org_failures.load(Ordering::SeqCst);
+    eprintln!(
+        "the delegating turn answered after {answered_ms} ms, {failures} organisation operations failed: {}",
+        reply.text
+    );
+    assert!(failures > 0, "the approval's write met the outage");
+    assert!(
+        reply.text.starts_with("task a.0 is pending approval "),
+        "the delegation waits for its approval: {}",
+        reply.text
+    );
+    outage.await.expect("the outage's task");
+
+    let mut pending = Vec::new();
+    for _ in 0..1_000 {
+        pending = system.pending_approvals().await.expect("the pending approvals");
+        if !pending.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(pending.len(), 1, "one approval, requested once: {pending:?}");
+    assert_eq!(pending[0].kind, ContactKind::Delegate);
+    assert!(
+        reply
+            .text
+            .starts_with(&format!("task a.0 is pending approval {}:", pending[0].id)),
+        "{}",
+        reply.text
+    );
+    system.approve(pending[0].id).await.expect("the approval");
+    for _ in 0..1_000 {
+        if !llm.requests_of("b").is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(llm.requests_of("b").len(), 1, "the approved task reached b");
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_delegation_needing_approval_while_the_org_store_is_down_is_recorded_once_it_is_back_paused() {
+    a_delegation_needing_approval_while_the_org_store_is_down_is_recorded_once_it_is_back().await;
 }

@@ -748,3 +748,71 @@ async fn a_nodes_agent_records_and_org_changes_answer_503_storage_unavailable_pa
     let stderr = node.stop();
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// Goal: a message to a conversation that lives on another node, sent while the
+/// PostgreSQL server both nodes share is down, is answered by the node the client asked
+/// 503 `storage_unavailable` with `Retry-After: 1` (the owner's turn fails its store
+/// reads, tried again on the owner until the call's deadline, and says so across the
+/// wire), not 503 `overloaded` (the server full); the same message once the server is
+/// back is stored once. Method: two nodes on one etcd and one database; the group
+/// conversation created and first written through `owner` (which places it there:
+/// checked at the end, a message through `asked` runs a turn on `owner` and none on
+/// `asked`); `pg_ctl stop -m fast`; a message through `asked` (answered after the
+/// call's 30 s, `AGENT_DELIVERY_ACK_TIMEOUT_MS`); `pg_ctl start`; the message again.
+#[tokio::test]
+async fn a_conversation_on_another_node_answers_503_storage_unavailable_while_their_postgres_is_down() {
+    let (etcd, postgres, database) = etcd_and_database("node-remote-conversation-down", "remote_conversations").await;
+    let owner = Node::start(&etcd.endpoint(), &database, "conversation-owner", &[]);
+    let asked = Node::start(&etcd.endpoint(), &database, "conversation-asked", &[]);
+    let room = r#"{"id": "room", "kind": "group", "participants": [
+        {"kind": "human", "name": "hugo"}, {"kind": "agent", "name": "ana"}]}"#;
+    let (status, _, body) = owner.request("POST", "/v1/conversations", room);
+    assert_eq!(status, 200, "{body}");
+    let note = r#"{"sender": {"kind": "human", "name": "hugo"}, "msg_id": "n1", "text": "a note"}"#;
+    let (status, _, body) = owner.request("POST", "/v1/conversations/room/messages", note);
+    assert_eq!(status, 200, "{body}");
+
+    postgres.stop();
+    let second = r#"{"sender": {"kind": "human", "name": "hugo"}, "msg_id": "n2", "text": "a second note"}"#;
+    let retries_before = owner.metric("troupe_runtime_store_retries_total").unwrap_or(0);
+    let sent = Instant::now();
+    let (status, head, body) =
+        asked.request_within("POST", "/v1/conversations/room/messages", second, NODE_CALL_WAIT_MS_MAX);
+    let owner_retries = owner.metric("troupe_runtime_store_retries_total").unwrap_or(0) - retries_before;
+    eprintln!(
+        "a message through the other node with PostgreSQL stopped: {status} after {} ms, {owner_retries} store \
+         retries on the owner: {body}",
+        sent.elapsed().as_millis()
+    );
+    assert_eq!(status, 503, "{head}\n{body}");
+    assert_eq!(json(&body)["error"]["code"], "storage_unavailable", "{body}");
+    assert!(retry_after_1(&head), "no Retry-After: 1 in {head}");
+    assert!(owner_retries > 0, "the owner tried its store again: {owner_retries}");
+
+    postgres.start_again();
+    let turns = |node: &Node| node.metric("troupe_runtime_turns_run_total").unwrap_or(0);
+    let (owner_turns, asked_turns) = (turns(&owner), turns(&asked));
+    let (status, _, body) =
+        asked.request_within("POST", "/v1/conversations/room/messages", second, NODE_CALL_WAIT_MS_MAX);
+    assert_eq!(status, 200, "the same message once the server is back: {body}");
+    assert!(
+        turns(&owner) > owner_turns && turns(&asked) == asked_turns,
+        "the conversation's turn ran on the owner (turns: owner {owner_turns} -> {}, asked {asked_turns} -> {})",
+        turns(&owner),
+        turns(&asked)
+    );
+    let (status, _, body) = asked.request("GET", "/v1/conversations/room/messages", "");
+    assert_eq!(status, 200, "{body}");
+    let log = json(&body);
+    let texts: Vec<&str> = log["messages"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no messages in {body}"))
+        .iter()
+        .filter_map(|message| message["text"].as_str())
+        .collect();
+    assert_eq!(texts, ["a note", "a second note"], "{body}");
+    for node in [asked, owner] {
+        let stderr = node.stop();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
