@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use troupe_core::{ActorId, ActorKind, InvokeError};
-use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, Turn};
+use troupe_runtime::{Actor, ActorBox, ActorError, KindConfig, MemoryStore, Runtime, StateStore, Turn};
 
 /// How long any single await may take before the probe calls it a hang.
 const HANG: Duration = Duration::from_secs(5);
@@ -31,6 +31,8 @@ async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> 
 struct Shared {
     records: Mutex<Vec<String>>,
     gate: tokio::sync::Notify,
+    /// Notified when a `gate` turn has begun (its message is out of the mailbox).
+    at_gate: tokio::sync::Notify,
 }
 
 /// An actor that runs told commands (ASCII): `gate` (waits until the test opens the
@@ -43,8 +45,11 @@ impl Actor for Recorder {
     async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
         let text = std::str::from_utf8(&payload).map_err(|e| ActorError::failed(e.to_string()))?;
         match text.split_once(':') {
-            None if text == "gate" => self.shared.gate.notified().await,
-            None if text == "panic" => panic!("the recorder was told to panic"),
+            None if text == "gate" => {
+                self.shared.at_gate.notify_one();
+                self.shared.gate.notified().await;
+            }
+            None if text == "panic" => panic!("the recorder panics on purpose"),
             Some(("rec", record)) => self.shared.records.lock().unwrap().push(record.to_string()),
             _ => return Err(ActorError::rejected(format!("unknown command {text}"))),
         }
@@ -236,4 +241,267 @@ async fn a_told_message_held_when_shutdown_begins_runs_within_the_grace() {
         vec!["held".to_string()],
         "the told message accepted before the shutdown ran within the grace (shutdown took {took:?})"
     );
+}
+
+/// Silences the panic messages of the turns the probes make panic on purpose (their
+/// message says "on purpose"); other panics are reported as usual.
+fn quiet_planned_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied());
+            let planned = message.is_some_and(|message| message.contains("on purpose"));
+            if !planned {
+                report(info);
+            }
+        }));
+    });
+}
+
+/// Instances of one actor alive now and the most ever alive at once.
+#[derive(Default)]
+struct Live {
+    now_and_most: Mutex<(i64, i64)>,
+}
+
+impl Live {
+    fn built(&self) {
+        let mut live = self.now_and_most.lock().unwrap();
+        live.0 += 1;
+        live.1 = live.1.max(live.0);
+    }
+
+    fn most(&self) -> i64 {
+        self.now_and_most.lock().unwrap().1
+    }
+}
+
+/// A counter whose count is its snapshot: `add` adds one and replies the count;
+/// `panic:<key>` adds a thousand, then panics (the turn never commits).
+struct Crashy {
+    count: u64,
+    live: Arc<Live>,
+}
+
+impl Drop for Crashy {
+    fn drop(&mut self) {
+        self.live.now_and_most.lock().unwrap().0 -= 1;
+    }
+}
+
+impl Actor for Crashy {
+    async fn handle(&mut self, _turn: &mut Turn, payload: Bytes) -> Result<Bytes, ActorError> {
+        if payload.starts_with(b"panic") {
+            self.count += 1_000;
+            tokio::task::yield_now().await;
+            panic!("crashy panics on purpose: {}", String::from_utf8_lossy(&payload));
+        }
+        tokio::task::yield_now().await;
+        self.count += 1;
+        Ok(Bytes::from(self.count.to_string()))
+    }
+
+    fn snapshot(&self) -> Result<Option<Bytes>, ActorError> {
+        Ok(Some(Bytes::from(self.count.to_string())))
+    }
+}
+
+/// A small deterministic generator (xorshift), one per task.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % bound
+    }
+}
+
+/// Goal: turns that panic among many concurrent asks cost only themselves: each
+/// panicking ask fails `ActorFailed` (or `Busy`, not run); every other ask is answered
+/// `Ok` or `Busy` (queued behind a crash, it is served by the next activation), never
+/// failed by someone else's panic; the acknowledged counts are exactly 1..=N (no
+/// panicking turn's change survives, none is applied twice or lost), the store holds N,
+/// and never two instances live at once. Method: 6 tasks × 150 asks at one actor with
+/// a mailbox of 4 (fewer than the tasks), one in eight a panic, each add retried on `Busy` until answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn panicking_turns_among_concurrent_asks_cost_only_themselves() {
+    const TASKS: u64 = 6;
+    const ASKS: u64 = 150;
+    const CAPACITY: usize = 4;
+    quiet_planned_panics();
+    let store = Arc::new(MemoryStore::new());
+    let live = Arc::new(Live::default());
+    let factory_live = Arc::clone(&live);
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .register(
+            ActorKind::new("crashy").unwrap(),
+            move |_id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                factory_live.built();
+                Ok(ActorBox::new(Crashy {
+                    count: saved.map_or(0, |b| std::str::from_utf8(&b).unwrap().parse().unwrap()),
+                    live: Arc::clone(&factory_live),
+                }))
+            },
+            KindConfig::default().with_mailbox_capacity(CAPACITY),
+        )
+        .unwrap()
+        .start();
+    let id = ActorId::new("crashy", "c").unwrap();
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let (handle, id) = (runtime.handle(), id.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(0xA076_1D64_78BD_642F ^ (task + 1));
+            let (mut counts, mut crashes) = (Vec::new(), 0u64);
+            for ask in 0..ASKS {
+                if rng.below(8) == 0 {
+                    let payload = Bytes::from(format!("panic:{task}-{ask}"));
+                    match within("a panic", handle.invoke(&id, payload, handle.deadline_in(HANG))).await {
+                        Err(InvokeError::ActorFailed { .. }) => crashes += 1,
+                        Err(InvokeError::Busy { .. }) => {}
+                        other => panic!("a panicking turn answered {other:?}"),
+                    }
+                    continue;
+                }
+                loop {
+                    let add = handle.invoke(&id, Bytes::from_static(b"add"), handle.deadline_in(HANG));
+                    match within("an add", add).await {
+                        Ok(reply) => {
+                            counts.push(std::str::from_utf8(&reply).unwrap().parse::<u64>().unwrap());
+                            break;
+                        }
+                        Err(InvokeError::Busy { .. }) => tokio::task::yield_now().await,
+                        Err(other) => panic!("an add failed because of another turn: {other:?}"),
+                    }
+                }
+            }
+            (counts, crashes)
+        }));
+    }
+    let (mut counts, mut crashes) = (Vec::new(), 0);
+    for task in tasks {
+        let (mut own, crashed) = within("a task", task).await.unwrap();
+        counts.append(&mut own);
+        crashes += crashed;
+    }
+    let counters = runtime.counters();
+    println!("adds {}, crashes {crashes}, {counters:?}", counts.len());
+    assert!(crashes > 0, "no turn crashed: the probe tested nothing");
+    counts.sort_unstable();
+    let expected: Vec<u64> = (1..=counts.len() as u64).collect();
+    assert_eq!(
+        counts, expected,
+        "each add counted once, no panicking turn's change kept"
+    );
+    assert_eq!(live.most(), 1, "never two instances of one actor");
+    within("shutdown", runtime.shutdown()).await;
+    let stored = store
+        .load(&id)
+        .await
+        .unwrap()
+        .map(|b| String::from_utf8(b.to_vec()).unwrap());
+    assert_eq!(
+        stored,
+        Some(counts.len().to_string()),
+        "the store holds the acknowledged adds"
+    );
+}
+
+/// Polls `future` once (a request is sent in its first poll: into the open mailbox on
+/// the fast path, or onto the dispatcher's queue) and gives it back, to be awaited later.
+/// It must not have finished in that poll.
+async fn sent<F: std::future::Future + Unpin>(mut future: F) -> F {
+    std::future::poll_fn(|cx| {
+        assert!(
+            std::pin::Pin::new(&mut future).poll(cx).is_pending(),
+            "answered at once"
+        );
+        std::task::Poll::Ready(())
+    })
+    .await;
+    future
+}
+
+/// Goal: when a crash leaves more than a mailbox's worth for the next activation (its
+/// unrun messages and those held while it deactivated), the requests past the first
+/// mailbox's worth are refused `Busy` (their callers still wait, and are told), while
+/// every told message, accepted already, runs; all in the order they came. Method:
+/// capacity 4; behind a `gate` turn the mailbox holds `panic`, ask a1, tell t1, ask a2;
+/// `deactivate`; held: tell t2, ask a3, tell t3, ask a4; the gate opens and `panic`
+/// crashes the activation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_a_mailbox_carried_over_a_crash_requests_are_busy_and_tells_run() {
+    const CAPACITY: usize = 4;
+    quiet_planned_panics();
+    let shared = Arc::new(Shared::default());
+    let runtime = start_recorder(&shared, KindConfig::default().with_mailbox_capacity(CAPACITY));
+    let handle = runtime.handle();
+    let id = ActorId::new("recorder", "r").unwrap();
+    let deadline = handle.deadline_in(HANG);
+    let tell = |text: &'static str| handle.tell(&id, Bytes::from(text), deadline);
+    let ask = |text: &'static str| Box::pin(handle.invoke(&id, Bytes::from(text), deadline));
+    within("the gate's tell", tell("gate")).await.unwrap();
+    within("the gate's turn", shared.at_gate.notified()).await;
+    within("panic's tell", tell("panic")).await.unwrap();
+    let a1 = sent(ask("rec:a1")).await;
+    within("t1", tell("rec:t1")).await.unwrap();
+    let a2 = sent(ask("rec:a2")).await;
+    let deactivation = tokio::spawn({
+        let (handle, id) = (handle.clone(), id.clone());
+        async move { handle.deactivate(&id).await }
+    });
+    within("the mailbox closed", async {
+        while handle.stats().await.unwrap().deactivating == 0 {
+            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+        }
+    })
+    .await;
+    within("t2", tell("rec:t2")).await.unwrap();
+    let a3 = sent(ask("rec:a3")).await;
+    within("t3", tell("rec:t3")).await.unwrap();
+    let a4 = sent(ask("rec:a4")).await;
+    within("a4 held", async {
+        while handle.stats().await.unwrap().held_messages < CAPACITY {
+            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+        }
+    })
+    .await;
+    shared.gate.notify_one();
+    within("the deactivation", deactivation).await.unwrap().unwrap();
+    let answers = [
+        within("a1", a1).await,
+        within("a2", a2).await,
+        within("a3", a3).await,
+        within("a4", a4).await,
+    ];
+    let kinds: Vec<&str> = answers
+        .iter()
+        .map(|answer| match answer {
+            Ok(_) => "ok",
+            Err(InvokeError::Busy { .. }) => "busy",
+            Err(_) => "other",
+        })
+        .collect();
+    assert_eq!(kinds, ["ok", "ok", "busy", "busy"], "{answers:?}");
+    let last = within(
+        "the ask behind them",
+        handle.invoke(&id, Bytes::from_static(b"rec:last"), deadline),
+    )
+    .await;
+    assert!(last.is_ok(), "{last:?}");
+    let ran = shared.records.lock().unwrap().clone();
+    assert_eq!(
+        ran,
+        ["a1", "t1", "a2", "t2", "t3", "last"],
+        "told messages all ran, in order"
+    );
+    within("shutdown", runtime.shutdown()).await;
 }
