@@ -505,3 +505,66 @@ async fn past_a_mailbox_carried_over_a_crash_requests_are_busy_and_tells_run() {
     );
     within("shutdown", runtime.shutdown()).await;
 }
+
+/// Goal: requests already in a mailbox when `shutdown()` begins finish within the grace
+/// (`Runtime::shutdown`, step 2) also when a turn before them panics: they never
+/// started, so they run in one more activation, as they would outside a shutdown, and
+/// are answered `Ok`, not `Shutdown`. Method: a `gate` turn holds the actor while
+/// `panic`, two asks and a tell queue behind it; `shutdown()` begins (grace `GRACE`);
+/// the gate opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_queued_behind_a_panic_during_the_grace_are_served() {
+    const GRACE: Duration = Duration::from_secs(2);
+    quiet_planned_panics();
+    let shared = Arc::new(Shared::default());
+    let shared_for_factory = Arc::clone(&shared);
+    let runtime = Runtime::builder()
+        .store(Arc::new(MemoryStore::new()))
+        .shutdown_grace(GRACE)
+        .unwrap()
+        .register(
+            ActorKind::new("recorder").unwrap(),
+            move |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                Ok(ActorBox::new(Recorder {
+                    shared: Arc::clone(&shared_for_factory),
+                }))
+            },
+            KindConfig::default(),
+        )
+        .unwrap()
+        .start();
+    let handle = runtime.handle();
+    let id = ActorId::new("recorder", "r").unwrap();
+    let deadline = handle.deadline_in(HANG);
+    let tell = |text: &'static str| handle.tell(&id, Bytes::from(text), deadline);
+    let ask = |text: &'static str| Box::pin(handle.invoke(&id, Bytes::from(text), deadline));
+    within("the gate's tell", tell("gate")).await.unwrap();
+    within("the gate's turn", shared.at_gate.notified()).await;
+    within("panic's tell", tell("panic")).await.unwrap();
+    let first = sent(ask("rec:q1")).await;
+    within("q2's tell", tell("rec:q2")).await.unwrap();
+    let third = sent(ask("rec:q3")).await;
+    let shutdown = tokio::spawn(runtime.shutdown());
+    let nobody = ActorId::new("nobody", "n").unwrap();
+    within("shutdown begun", async {
+        loop {
+            match handle.tell(&nobody, Bytes::new(), handle.deadline_in(HANG)).await {
+                Err(InvokeError::Shutdown) => return,
+                Err(InvokeError::ActorNotFound { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+                }
+                other => panic!("a tell to an unregistered kind: {other:?}"),
+            }
+        }
+    })
+    .await;
+    shared.gate.notify_one();
+    let answers = (within("q1", first).await, within("q3", third).await);
+    within("shutdown", shutdown).await.unwrap();
+    assert!(
+        matches!(answers, (Ok(_), Ok(_))),
+        "queued behind the panic, within the grace: {answers:?}"
+    );
+    let ran = shared.records.lock().unwrap().clone();
+    assert_eq!(ran, ["q1", "q2", "q3"], "all three ran, in order");
+}
