@@ -338,6 +338,13 @@ impl Link {
                 self.set_tools(tools);
                 return Ok(());
             }
+            Ok(Err(error @ McpError::TooManyTools { .. })) => {
+                // Not read again at each call (a list of hundreds of tools each time):
+                // the last list stays offered and callable until the server says its
+                // list changed again, or is started again.
+                tracing::warn!(server = %self.name, %error, "MCP server's new tool list refused; the last one is kept");
+                return Ok(());
+            }
             Ok(Err(error)) => error,
             Err(_elapsed) => McpError::Timeout {
                 server: self.name.clone(),

@@ -901,3 +901,134 @@ impl ToolRegistry {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    /// A source listing the names it was last given.
+    struct ListSource {
+        name: &'static str,
+        names: std::sync::Mutex<Vec<String>>,
+        generation: AtomicU64,
+    }
+
+    impl ListSource {
+        fn new(name: &'static str) -> Arc<Self> {
+            Arc::new(Self {
+                name,
+                names: std::sync::Mutex::default(),
+                generation: AtomicU64::new(0),
+            })
+        }
+
+        fn list(&self, names: impl IntoIterator<Item = impl Into<String>>) {
+            *self.names.lock().unwrap() = names.into_iter().map(Into::into).collect();
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    #[async_trait]
+    impl ToolSource for ListSource {
+        fn describe(&self) -> String {
+            format!("source {}", self.name)
+        }
+
+        fn generation(&self) -> u64 {
+            self.generation.load(Ordering::Acquire)
+        }
+
+        fn tools(&self) -> Vec<Tool> {
+            self.names
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|name| {
+                    Tool::from_fn(name.clone(), "", serde_json::json!({"type": "object"}), |_, _| async {
+                        Ok(String::new())
+                    })
+                })
+                .collect()
+        }
+
+        async fn refresh(&self) {}
+    }
+
+    fn owner(registry: &ToolRegistry, name: &str) -> Option<usize> {
+        registry.live_view().tools.get(name).map(|(_, owner)| *owner)
+    }
+
+    /// Goal: a name a source lists keeps its owner while the owner lists it, whatever
+    /// the sources' order: a later clash is refused naming both; once the owner drops
+    /// it, the other source's tool takes it. A built-in's name is never taken.
+    #[test]
+    fn a_name_keeps_its_owner_while_the_owner_lists_it() {
+        let (first, second) = (ListSource::new("first"), ListSource::new("second"));
+        let mut registry = ToolRegistry::new();
+        registry
+            .register(Tool::from_fn(
+                "call_agent",
+                "",
+                serde_json::json!({"type": "object"}),
+                |_, _| async { Ok(String::new()) },
+            ))
+            .unwrap();
+        registry.add_source(first.clone()).unwrap();
+        registry.add_source(second.clone()).unwrap();
+        second.list(["x"]);
+        assert_eq!(owner(&registry, "x"), Some(1));
+        first.list(["x", "call_agent"]);
+        assert_eq!(owner(&registry, "x"), Some(1), "the second source had it first");
+        assert_eq!(
+            registry.refused(),
+            [
+                ToolRegistryError::Clash {
+                    name: "x".into(),
+                    offered_by: "source first".into(),
+                    taken_by: "source second".into(),
+                },
+                ToolRegistryError::Clash {
+                    name: "call_agent".into(),
+                    offered_by: "source first".into(),
+                    taken_by: "a tool registered when the system was built (built-ins included)".into(),
+                },
+            ]
+        );
+        assert!(registry.get("call_agent").is_some());
+        second.list(Vec::<String>::new());
+        assert_eq!(owner(&registry, "x"), Some(0), "its owner dropped it");
+        second.list(["x"]);
+        assert_eq!(owner(&registry, "x"), Some(0));
+        assert_eq!(registry.names(), ["call_agent", "x"]);
+    }
+
+    /// Goal: a tool a source stops listing leaves the names offered but stays findable
+    /// (its call fails with the source's own error), at most `TOOLS_GONE_KEPT_MAX` of
+    /// them, the oldest forgotten first; listed again, it is offered again.
+    #[test]
+    fn gone_tools_stay_findable_within_their_limit() {
+        let source = ListSource::new("s");
+        let mut registry = ToolRegistry::new();
+        registry.add_source(source.clone()).unwrap();
+        // Each list is seen (a step reads the names offered) before the next.
+        source.list(["old"]);
+        assert_eq!(registry.names(), ["old"]);
+        source.list(Vec::<String>::new());
+        assert!(registry.names().is_empty());
+        assert!(registry.tool("old").is_ok());
+        source.list((0..TOOLS_GONE_KEPT_MAX).map(|index| format!("t{index}")));
+        assert_eq!(registry.names().len(), TOOLS_GONE_KEPT_MAX);
+        source.list(Vec::<String>::new());
+        assert_eq!(registry.live_view().gone.len(), TOOLS_GONE_KEPT_MAX);
+        assert!(
+            matches!(registry.tool("old"), Err(ToolError::UnknownTool { .. })),
+            "the oldest is forgotten"
+        );
+        assert!(registry.tool("t0").is_ok());
+        source.list(["t0"]);
+        assert_eq!(registry.names(), ["t0"]);
+        assert_eq!(registry.live_view().gone.len(), TOOLS_GONE_KEPT_MAX - 1);
+    }
+}
