@@ -6,7 +6,9 @@
 //!  McpServer::connect_http(url)              (streamable HTTP)
 //!     │  initialize + tools/list, bounded by MCP_CONNECT_TIMEOUT_MS_DEFAULT
 //!     ▼
-//!  McpServer::tools() ─► Vec<Tool>: name, description and input schema from the server
+//!  AgentSystemBuilder::mcp_server(server) ─► its tools, following its list while the
+//!     │                                       system runs (or McpServer::tools(): the
+//!     │                                       list now, as Vec<Tool>)
 //!     │  the model calls one ─► schema check (as every Tool) ─► tools/call
 //!     ▼
 //!  text content joined ─► tool result; isError ─► ToolError::Failed (the model reads it)
@@ -47,12 +49,25 @@
 //!   sent again (it may have run): it fails, and the next call reconnects; a call a
 //!   stdio server never read (writing it failed: the process was gone) is sent again
 //!   once after reconnecting. The server's tool list is read again at each
-//!   reconnection, and at the next call after it sends
-//!   `notifications/tools/list_changed`: a tool it no longer lists fails its calls
-//!   with [`McpError::ToolGone`]'s text, naming it and the tools offered now, without
-//!   being sent; [`McpServer::tools`] and [`McpServer::tool_names`] give the new list
-//!   (a tool new in it is callable once made from them). A tool kept keeps the name and
-//!   schema it was made with.
+//!   reconnection, and when it sends `notifications/tools/list_changed`: at once, on a
+//!   task of its own, and at the latest at the next call (or model step of an agent
+//!   system it is attached to; who finds the list being read waits for that read, at
+//!   most the connect timeout). A tool it no longer lists fails its calls with
+//!   [`McpError::ToolGone`]'s text, naming it and the tools offered now, without being
+//!   sent; [`McpServer::tools`] and [`McpServer::tool_names`] give the new list. A
+//!   new list over [`MCP_TOOLS_MAX`] is refused (a warning) and the last one kept, until
+//!   the server says its list changed again or is started again; a list that could not
+//!   be read (the connection, the timeout) is read again at the next call or step.
+//! - **Attached to an agent system** (`AgentSystemBuilder::mcp_server`, or
+//!   `mcp_server_with_prefix`): the system's tools follow the server's list while it
+//!   runs. Each model step offers the list as read when the step starts (a step's list
+//!   does not change under it); a tool new in it is offered to every agent whose spec
+//!   lists no tools and to those that name it; a tool gone leaves every list. A name
+//!   taken (by a built-in such as `call_agent`, a tool given to the builder, or another
+//!   server's tool that had it first) is refused: `AgentClient::refused_tools` gives
+//!   each as `ToolRegistryError::Clash`. Tools made with [`McpServer::tools`] and given
+//!   to `AgentSystemBuilder::tool` instead stay as made (the list at start); a tool
+//!   kept there keeps the name and schema it was made with.
 //! - **Lifetime.** The connection stays open while the [`McpServer`] or any tool made
 //!   from it is alive; a stdio child process is killed when the connection closes. On
 //!   Unix it leads a process group of its own, and the whole group is killed
@@ -560,8 +575,10 @@ impl Drop for KillGroup {
 /// use std::time::Duration;
 /// use troupe_agent::McpServer;
 /// let server = McpServer::connect_stdio("files", "my-mcp-server", ["--root", "."], Duration::from_secs(10)).await?;
-/// let tools = server.tools()?; // register them with AgentSystemBuilder::tool
-/// # let _ = tools; Ok(()) }
+/// // Its tools, as it lists them now and later (or `server.tools()?`, the list now, for
+/// // `AgentSystemBuilder::tool`).
+/// let builder = troupe_agent::AgentSystem::builder().mcp_server(server);
+/// # let _ = builder; Ok(()) }
 /// ```
 #[derive(Clone)]
 pub struct McpServer {
