@@ -50,11 +50,13 @@
 //! request whose deadline has passed when it is read, answering `Timeout`; the
 //! dispatcher and the activation check again before the turn starts.
 //!
-//! The host's answer must also travel back before the caller stops waiting, so every
-//! translated deadline is made earlier by the connection's return allowance: the largest
-//! of its last `ROUND_TRIP_SAMPLES` (8) measured round trips (the handshake's and each
-//! refresh's), within [`RETURN_ALLOWANCE_MS_MIN`] (5 ms) and [`RETURN_ALLOWANCE_MS_MAX`]
-//! (100 ms). A request with no more than the allowance left is answered `Timeout` at once
+//! The host's answer must also travel back before the caller stops waiting. The
+//! translation keeps one return leg of the handshake, which covers a steady link; for
+//! the rest every translated deadline is made earlier by the connection's return
+//! allowance: [`RETURN_ALLOWANCE_MS_MIN`] (5 ms, scheduling) plus the spread (largest
+//! minus smallest) of its last `ROUND_TRIP_SAMPLES` (8) measured round trips (the
+//! handshake's and each refresh's: the network's jitter), at most
+//! [`RETURN_ALLOWANCE_MS_MAX`] (100 ms). A request with no more than the allowance left is answered `Timeout` at once
 //! ([`Delivery::NeverSent`]): its host could not answer in time. Without it, a host
 //! ending its work a few milliseconds before its deadline (its store retries stop
 //! 5–10 ms before) answered a caller who had given up whenever the answer's trip was
@@ -297,17 +299,18 @@ pub(crate) const CLOCK_DRIFT_PPM_MAX: u64 = 1_000;
 /// about `CLOCK_DRIFT_PPM_MAX` x this, plus the time until the next request.
 pub(crate) const CLOCK_RESYNC_INTERVAL_MS: u64 = 1_000;
 /// Least time a request's host is told to answer before its caller's deadline, beyond
-/// the clock translation's own margin, in milliseconds: what a round trip measured on a
-/// fast link (tens of microseconds on loopback) does not show, the scheduling of the
-/// host's writer, the client's reader and the waiting caller on a loaded machine. See
-/// the `round_trips` module.
+/// the clock translation's own margin, in milliseconds: what no round trip shows (a
+/// loopback one takes tens of microseconds), the scheduling of the host's writer, the
+/// client's reader and the waiting caller on a loaded machine. The connection's
+/// measured jitter (the spread of its recent round trips) is added to it. See the
+/// `round_trips` module.
 pub const RETURN_ALLOWANCE_MS_MIN: u64 = 5;
 /// Most time a request's host is told to answer before its caller's deadline, in
 /// milliseconds, however slow the connection's recent round trips were (a hello held up
 /// by a stall is one sample; it does not take more than this from every call).
 pub const RETURN_ALLOWANCE_MS_MAX: u64 = 100;
 /// How many of a connection's latest round trips (its handshake's, then each clock
-/// refresh's) its return allowance is the largest of, in samples. Refreshes come at
+/// refresh's) its return allowance takes the spread of, in samples. Refreshes come at
 /// most one a [`CLOCK_RESYNC_INTERVAL_MS`] while calls are made, so a slow sample is
 /// remembered for at least that many seconds of traffic.
 pub(crate) const ROUND_TRIP_SAMPLES: usize = 8;

@@ -79,9 +79,10 @@ pub struct TransportClientStats {
     pub clock_offset_error_us: Option<u64>,
     /// The current connection's return allowance, in microseconds: how much earlier
     /// than its caller's deadline a request's host is told to answer, so the answer has
-    /// time to travel back (the largest of the connection's recent round trips, within
-    /// [`RETURN_ALLOWANCE_MS_MIN`](super::RETURN_ALLOWANCE_MS_MIN) and
-    /// [`RETURN_ALLOWANCE_MS_MAX`](super::RETURN_ALLOWANCE_MS_MAX)); `None` without an
+    /// time to travel back, beyond the handshake's return leg the clock translation
+    /// keeps: [`RETURN_ALLOWANCE_MS_MIN`](super::RETURN_ALLOWANCE_MS_MIN) plus the
+    /// spread of the connection's recent round trips, at most
+    /// [`RETURN_ALLOWANCE_MS_MAX`](super::RETURN_ALLOWANCE_MS_MAX); `None` without an
     /// open connection.
     pub return_allowance_us: Option<u64>,
     /// Calls answered `Timeout` at once, never sent, because they had no more time left

@@ -11,15 +11,16 @@
 //! came after the caller had given up on 7 seeds in 200, and the call ended `Timeout`
 //! instead of the host's answer.
 //!
-//! So the client also takes a return allowance off every request's deadline: how much
-//! the connection's last [`ROUND_TRIP_SAMPLES`] measured round trips (the handshake's,
-//! then each clock refresh's, at most one a
+//! So the client also takes a return allowance off every request's deadline:
+//! [`RETURN_ALLOWANCE_MS_MIN`] (the scheduling of the host's writer, the client's reader
+//! and the caller's task, which no round trip shows: a loopback one takes microseconds)
+//! plus how much the connection's last [`ROUND_TRIP_SAMPLES`] measured round trips (the
+//! handshake's, then each clock refresh's, at most one a
 //! [`CLOCK_RESYNC_INTERVAL_MS`](super::CLOCK_RESYNC_INTERVAL_MS) while calls are made)
-//! differ, the largest minus the smallest, at least [`RETURN_ALLOWANCE_MS_MIN`] (the
-//! scheduling of the host's writer, the client's reader and the caller's task, which a
-//! loopback round trip of microseconds does not show; and a connection's first calls,
-//! which have one sample) and at most [`RETURN_ALLOWANCE_MS_MAX`] (one slow sample, such
-//! as a hello held up by a stall, does not take more from every call).
+//! differ, the largest minus the smallest; at most [`RETURN_ALLOWANCE_MS_MAX`] (one slow
+//! sample, such as a hello held up by a stall, does not take more from every call). A
+//! connection's first calls have one sample, no spread: the floor alone until the first
+//! refresh, so a link that slows down right after its handshake is seen at that refresh.
 //!
 //! Why the spread and not the round trip itself: the translation already keeps one
 //! return leg, so on a steady link (any latency) the answer's trip is covered and only
@@ -73,13 +74,13 @@ impl RoundTrips {
         let largest_us = samples.iter().copied().max().unwrap_or(0);
         let smallest_us = samples.iter().copied().min().unwrap_or(0);
         self.allowance_us =
-            (largest_us - smallest_us).clamp(RETURN_ALLOWANCE_MS_MIN * 1_000, RETURN_ALLOWANCE_MS_MAX * 1_000);
+            (RETURN_ALLOWANCE_MS_MIN * 1_000 + (largest_us - smallest_us)).min(RETURN_ALLOWANCE_MS_MAX * 1_000);
     }
 
     /// How much earlier than its caller's deadline (beyond the return leg the clock
     /// translation keeps) a request's host must answer for the answer to arrive in time,
-    /// in microseconds: the spread of the recent round trips, within
-    /// [`RETURN_ALLOWANCE_MS_MIN`] and [`RETURN_ALLOWANCE_MS_MAX`].
+    /// in microseconds: [`RETURN_ALLOWANCE_MS_MIN`] plus the spread of the recent round
+    /// trips, at most [`RETURN_ALLOWANCE_MS_MAX`].
     pub(crate) fn return_allowance_us(&self) -> u64 {
         self.allowance_us
     }
@@ -90,7 +91,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_allowance_is_the_spread_of_the_recent_round_trips_within_its_bounds() {
+    fn the_allowance_is_the_floor_plus_the_spread_of_the_recent_round_trips_up_to_the_ceiling() {
         let min_us = RETURN_ALLOWANCE_MS_MIN * 1_000;
         let max_us = RETURN_ALLOWANCE_MS_MAX * 1_000;
         // One sample, however slow (a steady 100 ms link): no spread, the floor.
@@ -98,10 +99,10 @@ mod tests {
         assert_eq!(round_trips.return_allowance_us(), min_us);
         // A refresh 30 ms slower: the answer may be that much slower than the kept leg.
         round_trips.record(230_000);
-        assert_eq!(round_trips.return_allowance_us(), 30_000);
+        assert_eq!(round_trips.return_allowance_us(), min_us + 30_000);
         // A faster one widens the spread further while the slow one is recent.
         round_trips.record(195_000);
-        assert_eq!(round_trips.return_allowance_us(), 35_000);
+        assert_eq!(round_trips.return_allowance_us(), min_us + 35_000);
         // One held-up sample takes at most the ceiling.
         round_trips.record(4_000_000);
         assert_eq!(round_trips.return_allowance_us(), max_us);
@@ -112,9 +113,9 @@ mod tests {
         }
         round_trips.record(200_000);
         assert_eq!(round_trips.return_allowance_us(), min_us);
-        // Loopback: samples of tens of microseconds give the floor.
+        // Loopback: samples of tens of microseconds add as much to the floor.
         let mut loopback = RoundTrips::new(40);
         loopback.record(900);
-        assert_eq!(loopback.return_allowance_us(), min_us);
+        assert_eq!(loopback.return_allowance_us(), min_us + 860);
     }
 }
