@@ -1769,16 +1769,19 @@ mod simulated {
                 assert_eq!(stats.clock_syncs, 1);
 
                 // The remote turn's deadline, in real (simulated) time, is not after the
-                // caller's, and is earlier by at most the round trip plus allowances.
+                // caller's, and is earlier by at most the round trip plus allowances, the
+                // return allowance (time for the answer to travel back) at least.
                 let remote_deadline = server_epoch + i64::try_from(report.deadline_us).unwrap();
                 assert!(
                     remote_deadline <= caller_deadline,
                     "{remote_deadline} us > {caller_deadline} us"
                 );
                 let shortened_us = caller_deadline - remote_deadline;
+                let return_allowance_us = i64::try_from(stats.return_allowance_us.expect("connected")).unwrap();
                 assert!(
-                    shortened_us <= 2 * i64::try_from(error).unwrap() + 10,
-                    "shortened by {shortened_us} us"
+                    shortened_us >= return_allowance_us
+                        && shortened_us <= 2 * i64::try_from(error).unwrap() + 10 + return_allowance_us,
+                    "shortened by {shortened_us} us, return allowance {return_allowance_us} us"
                 );
 
                 // An old bound is refreshed by the next call (not on a timer).
