@@ -169,22 +169,38 @@ impl Live {
     /// instance still holding it, and the factory's refusal crashed the activation:
     /// `a_rollback_drops_the_failed_instance_before_it_builds_the_next`.)
     ///
-    /// # Panics
-    /// If the factory cannot rebuild from a snapshot the actor itself produced; the
-    /// crash guard then ends the activation.
-    fn roll_back(&mut self, shared: &Shared) {
+    /// # Errors
+    /// If the factory cannot rebuild from a snapshot the actor itself produced (or a
+    /// typed actor's `migrate`, which runs again until a turn commits, fails this
+    /// time): the text of the panic that [`rebuilt`] makes of it once the turn's caller
+    /// has its answer; the crash guard then ends the activation and hands its queued
+    /// requests to the next one.
+    fn roll_back(&mut self, shared: &Shared) -> Result<(), String> {
         let kind = shared
             .kinds
             .get(self.id().kind())
             .expect("activations are spawned for registered kinds only");
         drop(std::mem::replace(&mut self.actor, ActorBox::vacant()));
         match kind.factory.create(self.id(), self.committed.clone()) {
-            Ok(actor) => self.actor = actor,
-            Err(error) => panic!(
+            Ok(actor) => {
+                self.actor = actor;
+                Ok(())
+            }
+            Err(error) => Err(format!(
                 "{} cannot be rebuilt from its own committed snapshot: {error}",
                 self.id()
-            ),
+            )),
         }
+    }
+}
+
+/// Ends the activation (a crash) if its rollback failed. Called after the failed turn's
+/// caller is answered: before, the rollback panicked first, the unwinding dropped the
+/// reply, and the caller saw "the actor's activation ended before it replied" instead
+/// of its turn's own error (`a_flaky_migration_under_concurrent_callers_never_loses_the_stored_state`).
+fn rebuilt(rolled_back: Result<(), String>) {
+    if let Err(message) = rolled_back {
+        panic!("{message}");
     }
 }
 
@@ -1277,8 +1293,9 @@ fn settle_told<'a>(
 /// Counts a failed turn, rolls the actor back and answers the error.
 fn fail(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: ReplyTo, result: Reply) {
     Counters::add(&shared.counters.turns_failed);
-    live.roll_back(shared);
+    let rolled_back = live.roll_back(shared);
     respond(shared, call, edge, reply, result);
+    rebuilt(rolled_back);
 }
 
 /// A turn's commit that has to reach the store before the turn is answered.
@@ -1365,7 +1382,7 @@ fn close_if_fence_refused(live: &mut Live, shared: &Shared, generation: u64, mai
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.
 fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: ReplyTo) {
     Counters::add(&shared.counters.turns_abandoned);
-    live.roll_back(shared);
+    let rolled_back = live.roll_back(shared);
     shared.emit(|| RuntimeEvent::TurnAbandoned {
         actor: live.id().clone(),
         request: call,
@@ -1374,6 +1391,7 @@ fn abandon(live: &mut Live, shared: &Shared, call: CallId, edge: bool, reply: Re
         target: live.id().clone(),
     };
     respond(shared, call, edge, reply, Err(error));
+    rebuilt(rolled_back);
 }
 
 /// The turn's state change and writes, or `None` when nothing changed (the store is

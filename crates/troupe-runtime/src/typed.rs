@@ -389,7 +389,7 @@ impl<'a> StoredState<'a> {
 pub enum StateVersionError {
     /// The actor's type has no conversion from the stored version.
     #[error(
-        "the saved state of {actor} is version {stored} of {state}, which is now version {expected} and does          not migrate version {stored}; it is left as stored, and {actor} cannot be activated until it is          converted: implement TypedActor::migrate for version {stored} in {state}, or deploy the build of          {state} that stored it, or delete the state to start {actor} anew"
+        "the saved state of {actor} is version {stored} of {state}, which is now version {expected} and does not migrate version {stored}; it is left as stored, and {actor} cannot be activated until it is converted: implement TypedActor::migrate for version {stored} in {state}, or deploy the build of {state} that stored it, or delete the state to start {actor} anew"
     )]
     NotMigrated {
         /// The actor.
@@ -403,7 +403,7 @@ pub enum StateVersionError {
     },
     /// The conversion failed.
     #[error(
-        "the saved state of {actor}, version {stored} of {state}, cannot be converted to version {expected}:          {reason}; it is left as stored, and {actor} cannot be activated until {state}'s migrate converts it          (or the state is deleted, to start {actor} anew)"
+        "the saved state of {actor}, version {stored} of {state}, cannot be converted to version {expected}: {reason}; it is left as stored, and {actor} cannot be activated until {state}'s migrate converts it (or the state is deleted, to start {actor} anew)"
     )]
     Unconvertible {
         /// The actor.

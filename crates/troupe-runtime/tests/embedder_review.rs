@@ -86,6 +86,7 @@ fn start_recorder(shared: &Arc<Shared>, config: KindConfig) -> Runtime {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn told_messages_accepted_behind_a_crash_while_deactivating_all_run() {
     const CAPACITY: usize = 4;
+    quiet_planned_panics();
     let shared = Arc::new(Shared::default());
     let runtime = start_recorder(&shared, KindConfig::default().with_mailbox_capacity(CAPACITY));
     let id = ActorId::new("recorder", "r").unwrap();
@@ -567,4 +568,133 @@ async fn requests_queued_behind_a_panic_during_the_grace_are_served() {
     );
     let ran = shared.records.lock().unwrap().clone();
     assert_eq!(ran, ["q1", "q2", "q3"], "all three ran, in order");
+}
+
+/// How many times [`Flaky::migrate`] ran; every odd-numbered run fails.
+static FLAKY_MIGRATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Version 1 of a counter whose version 0 was a bare `u32`. Its migration fails every
+/// other time it runs (a conversion that reaches something flaky); a message `true`
+/// fails its turn (rolled back: the instance is rebuilt from the stored state, which
+/// migrates again).
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Flaky {
+    count: u64,
+}
+
+impl troupe_runtime::TypedActor for Flaky {
+    type Message = bool;
+    type Reply = u64;
+    const STATE_VERSION: u32 = 1;
+
+    fn migrate(stored: troupe_runtime::StoredState<'_>) -> Result<Self, troupe_runtime::StateVersionError> {
+        let run = FLAKY_MIGRATIONS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if run % 2 == 1 {
+            return Err(stored.fail(format!("migration run {run} failed on purpose")));
+        }
+        match stored.version() {
+            0 => Ok(Self {
+                count: u64::from(stored.decode::<u32>()?),
+            }),
+            _ => Err(stored.refuse()),
+        }
+    }
+
+    async fn handle(&mut self, _turn: &mut Turn, fail: bool) -> Result<u64, ActorError> {
+        self.count += 1;
+        if fail {
+            return Err(ActorError::failed("this turn fails on purpose"));
+        }
+        Ok(self.count)
+    }
+}
+
+/// Goal: a migration that fails now and then, under concurrent callers and failed
+/// turns (each rollback migrates again), never lets a turn run on anything but the
+/// converted state: the stored `u32` 100 is never lost to a default (0) state, no
+/// failed turn's change survives, the acknowledged counts are exactly 101..=100+N, and
+/// the store ends at 100+N in the new version. A failed migration's callers get
+/// `ActorFailed` whose text names the actor and reads cleanly (no runs of spaces). Method:
+/// 8 tasks × 25 asks, the first and one in five of the rest a failing turn, each add
+/// retried until `Ok`; the migration's runs 1 (the first activation) and 3 (the
+/// rollback of the first turn) fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flaky_migration_under_concurrent_callers_never_loses_the_stored_state() {
+    const TASKS: u64 = 8;
+    const ASKS: u64 = 25;
+    FLAKY_MIGRATIONS.store(0, std::sync::atomic::Ordering::SeqCst);
+    quiet_planned_panics();
+    let store = Arc::new(MemoryStore::new());
+    let id = ActorId::new("flaky", "f").unwrap();
+    let claimed = store.claim(&id).await.unwrap();
+    let old = troupe_runtime::TurnCommit {
+        state: troupe_runtime::StateChange::Set(Bytes::copy_from_slice(&100u32.to_le_bytes())),
+        writes: Vec::new(),
+    };
+    store.commit(&id, claimed.fence, old).await.unwrap();
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .register_typed::<Flaky>(ActorKind::new("flaky").unwrap(), KindConfig::default())
+        .unwrap()
+        .start();
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let actor = runtime.actor_ref::<Flaky>(id.clone()).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(0xE703_7ED1_A0B4_28DB ^ (task + 1));
+            let (mut counts, mut migration_failures) = (Vec::new(), Vec::new());
+            for ask in 0..ASKS {
+                // Every task's first ask fails its turn: the first turn that ever runs
+                // fails, and its rollback migrates again (run 3, which fails).
+                let fail = ask == 0 || rng.below(5) == 0;
+                loop {
+                    match within("an ask", actor.ask(fail, HANG)).await {
+                        Ok(count) => {
+                            assert!(!fail, "a failing turn answered Ok({count})");
+                            counts.push(count);
+                            break;
+                        }
+                        Err(InvokeError::ActorFailed { cause, .. }) if cause.contains("migration run") => {
+                            migration_failures.push(cause);
+                        }
+                        Err(InvokeError::ActorFailed { cause, .. }) if fail && cause.contains("this turn fails") => {
+                            break;
+                        }
+                        Err(other) => panic!("an ask (fail: {fail}) answered {other:?}"),
+                    }
+                }
+            }
+            (counts, migration_failures)
+        }));
+    }
+    let (mut counts, mut failures) = (Vec::new(), Vec::new());
+    for task in tasks {
+        let (mut own, mut failed) = within("a task", task).await.unwrap();
+        counts.append(&mut own);
+        failures.append(&mut failed);
+    }
+    let migrations = FLAKY_MIGRATIONS.load(std::sync::atomic::Ordering::SeqCst);
+    println!(
+        "adds {}, migrations {migrations}, callers failed by a migration {}",
+        counts.len(),
+        failures.len()
+    );
+    counts.sort_unstable();
+    let expected: Vec<u64> = (101..=100 + counts.len() as u64).collect();
+    assert_eq!(counts, expected, "every add counted once on the converted state");
+    assert!(!failures.is_empty(), "no migration failed: the probe tested nothing");
+    for cause in &failures {
+        assert!(cause.contains("flaky/f"), "the failure names the actor: {cause}");
+        assert!(!cause.contains("  "), "the failure reads cleanly: {cause:?}");
+    }
+    within("shutdown", runtime.shutdown()).await;
+    let actor_state = store.load(&id).await.unwrap().expect("stored");
+    let tag = &actor_state[..troupe_runtime::STATE_VERSION_TAG_BYTES];
+    assert_eq!(&tag[tag.len() - 4..], &1u32.to_le_bytes(), "stored in the new version");
+    let stored: Flaky = bincode::deserialize(&actor_state[troupe_runtime::STATE_VERSION_TAG_BYTES..]).unwrap();
+    assert_eq!(
+        stored.count,
+        100 + counts.len() as u64,
+        "the store holds the acknowledged adds"
+    );
 }
