@@ -21,8 +21,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde_json::json;
+use troupe_agent::limits::AGENT_TASKS_OPEN_MAX;
 use troupe_agent::{
-    AgentEvent, AgentSpec, AgentSystem, BehaviourMode, ContactKind, Membership, ScriptRule, ScriptedLlm, ORG_STORE_KIND,
+    AgentEvent, AgentSpec, AgentSystem, BehaviourMode, ContactKind, InboxError, Membership, ScriptRule, ScriptedLlm,
+    ORG_STORE_KIND,
 };
 use troupe_core::{ActorId, Deadline};
 use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
@@ -144,6 +146,9 @@ async fn an_approval_requested_while_the_store_is_down_is_recorded_once_it_is_ba
 struct OrgOutage {
     inner: MemoryStore,
     org_down: AtomicBool,
+    /// Set: the next commit of the organisation's record that lands sets `org_down`
+    /// (the outage starts just after a write, within one request).
+    down_after_commit: AtomicBool,
     /// How many operations on the organisation's record failed.
     org_failures: AtomicU64,
 }
@@ -175,7 +180,11 @@ impl StateStore for OrgOutage {
 
     async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
         self.check(actor, StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await
+        self.inner.commit(actor, fence, commit).await?;
+        if actor.kind().as_str() == ORG_STORE_KIND && self.down_after_commit.swap(false, Ordering::SeqCst) {
+            self.org_down.store(true, Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
@@ -282,4 +291,84 @@ async fn a_delegation_needing_approval_while_the_org_store_is_down_is_recorded_o
 #[tokio::test(start_paused = true)]
 async fn a_delegation_needing_approval_while_the_org_store_is_down_is_recorded_once_it_is_back_paused() {
     a_delegation_needing_approval_while_the_org_store_is_down_is_recorded_once_it_is_back().await;
+}
+
+/// Goal: an approval recorded for a send that then fails a later check (the sender has
+/// `AGENT_TASKS_OPEN_MAX` delegations open) is withdrawn though the organisation's
+/// store goes down just after the approval's write, for [`OUTAGE_MS`]: the withdrawal
+/// is tried again (for `ORG_WITHDRAW_STORE_WAIT_MS`, 2 s) and lands once the store is
+/// back (the refused send answered after 310 ms). Before the fix it failed at once
+/// (logged; the send answered after 0 ms) and the approval stayed recorded, unlisted,
+/// until its deadline: 65 pending approvals, `AGENT_TASKS_OPEN_MAX` + 1. Method:
+/// `a` supervised delegates `AGENT_TASKS_OPEN_MAX` jobs through the API (each waits for
+/// approval), then one more with the outage armed to start after its approval's commit.
+async fn an_approval_withdrawn_while_the_org_store_is_down_is_withdrawn_once_it_is_back() {
+    let store = Arc::new(OrgOutage::default());
+    let system = AgentSystem::builder()
+        .llm(Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("done"))))
+        .store(Arc::clone(&store) as Arc<dyn StateStore>)
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("a", supervised).await.expect("a supervised");
+    for job in 0..AGENT_TASKS_OPEN_MAX {
+        system
+            .delegate("a", "b", &format!("job {job}"), None)
+            .await
+            .expect("a delegation waiting for approval");
+    }
+
+    // Every delivery lists its approval (a write of the organisation) once its turn
+    // committed: all listed, the next write is the refused send's approval.
+    let max = usize::try_from(AGENT_TASKS_OPEN_MAX).unwrap();
+    for _ in 0..1_000 {
+        if system.pending_approvals().await.expect("the pending approvals").len() == max {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        system.pending_approvals().await.expect("the pending approvals").len(),
+        max
+    );
+
+    store.down_after_commit.store(true, Ordering::SeqCst);
+    let outage = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            while !store.org_down.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(OUTAGE_MS)).await;
+            store.org_down.store(false, Ordering::SeqCst);
+        })
+    };
+    let start = system.runtime().now();
+    let one_more = system.delegate("a", "b", "one job too many", None).await;
+    let answered_ms = ms_between(start, system.runtime().now());
+    let failures = store.org_failures.load(Ordering::SeqCst);
+    eprintln!("the refused delegation answered after {answered_ms} ms, {failures} organisation operations failed");
+    assert!(matches!(one_more, Err(InboxError::OutboxFull { .. })), "{one_more:?}");
+    assert!(failures > 0, "the withdrawal met the outage");
+    outage.await.expect("the outage's task");
+
+    let org = system.organisation().await.expect("the organisation");
+    let recorded = org.pending_approvals();
+    assert!(
+        recorded.iter().all(|approval| approval.message != "one job too many"),
+        "the refused delegation's approval was withdrawn: {} recorded",
+        recorded.len()
+    );
+    assert_eq!(recorded.len(), max);
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_approval_withdrawn_while_the_org_store_is_down_is_withdrawn_once_it_is_back_paused() {
+    an_approval_withdrawn_while_the_org_store_is_down_is_withdrawn_once_it_is_back().await;
 }
