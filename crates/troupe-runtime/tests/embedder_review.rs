@@ -702,3 +702,136 @@ async fn a_flaky_migration_under_concurrent_callers_never_loses_the_stored_state
         "the store holds the acknowledged adds"
     );
 }
+
+/// Goal: commits that fail (an injected fault, refused at once) and store outages that
+/// come and go (tried again until the request's deadline) among concurrent asks never
+/// double an add and never keep a refused one: every acknowledged count is distinct,
+/// the store ends at or above the highest, and above the acknowledged adds by no more
+/// than the adds whose outcome the caller could not know (`Timeout`: the turn may have
+/// committed as the wait ran out); an add refused `StorageFailed` (an injected fault, or
+/// an outage past its deadline: a memory store's outage changes nothing) is never kept. Never two instances at once; the store's answers are the only errors.
+/// Method: 6 tasks add (deadline 40 ms, a pause of up to 2 ms between adds) for as long
+/// as a side task injects a commit fault or an outage of up to 30 ms, 40 times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failing_commits_and_outages_among_concurrent_asks_never_double_or_keep_a_refused_add() {
+    const TASKS: u64 = 6;
+    const ADDS_MAX: u64 = 2_000;
+    const ADD_DEADLINE: Duration = Duration::from_millis(40);
+    const FAULTS: u64 = 40;
+    let store = Arc::new(MemoryStore::new());
+    let live = Arc::new(Live::default());
+    let factory_live = Arc::clone(&live);
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .register(
+            ActorKind::new("crashy").unwrap(),
+            move |_id: &ActorId, saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
+                factory_live.built();
+                Ok(ActorBox::new(Crashy {
+                    count: saved.map_or(0, |b| std::str::from_utf8(&b).unwrap().parse().unwrap()),
+                    live: Arc::clone(&factory_live),
+                }))
+            },
+            KindConfig::default(),
+        )
+        .unwrap()
+        .start();
+    let id = ActorId::new("crashy", "s").unwrap();
+    let faults_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let faults = tokio::spawn({
+        let store = store.clone();
+        let faults_done = Arc::clone(&faults_done);
+        async move {
+            let mut rng = Rng(0x8EBC_6AF0_9C88_C6E3);
+            for _ in 0..FAULTS {
+                tokio::time::sleep(Duration::from_millis(rng.below(10))).await;
+                if rng.below(2) == 0 {
+                    store.faults().fail_next_commits(1);
+                } else {
+                    store.faults().set_unavailable(true);
+                    tokio::time::sleep(Duration::from_millis(rng.below(30))).await;
+                    store.faults().set_unavailable(false);
+                }
+            }
+            faults_done.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let (handle, id, faults_done) = (runtime.handle(), id.clone(), Arc::clone(&faults_done));
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(0x5851_F42D_4C95_7F2D ^ (task + 1));
+            let (mut counts, mut unknown, mut refused) = (Vec::new(), 0u64, 0u64);
+            for _ in 0..ADDS_MAX {
+                if faults_done.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_micros(rng.below(2_000))).await;
+                let add = handle.invoke(&id, Bytes::from_static(b"add"), handle.deadline_in(ADD_DEADLINE));
+                match within("an add", add).await {
+                    Ok(reply) => counts.push(std::str::from_utf8(&reply).unwrap().parse::<u64>().unwrap()),
+                    Err(InvokeError::StorageFailed {
+                        source: troupe_core::StoreError::Injected { .. },
+                        ..
+                    }) => refused += 1,
+                    // A memory store's outage changes nothing: not kept either.
+                    Err(InvokeError::StorageFailed {
+                        source: troupe_core::StoreError::Unavailable { .. },
+                        ..
+                    }) => refused += 1,
+                    // The turn may have committed as the caller's wait ran out.
+                    Err(InvokeError::Timeout { .. }) => unknown += 1,
+                    Err(other) => panic!("an add answered {other:?}"),
+                }
+            }
+            (counts, unknown, refused)
+        }));
+    }
+    let (mut counts, mut unknown, mut refused) = (Vec::new(), 0, 0);
+    for task in tasks {
+        let (mut own, not_known, not_kept) = within("a task", task).await.unwrap();
+        counts.append(&mut own);
+        unknown += not_known;
+        refused += not_kept;
+    }
+    within("the faults", faults).await.unwrap();
+    store.faults().set_unavailable(false);
+    store.faults().heal();
+    let last = within(
+        "the last add",
+        runtime.invoke(&id, Bytes::from_static(b"add"), runtime.deadline_in(HANG)),
+    )
+    .await
+    .expect("the store is back");
+    let last: u64 = std::str::from_utf8(&last).unwrap().parse().unwrap();
+    println!(
+        "acked {}, unknown {unknown}, refused {refused}, last {last}, injected {}, {:?}",
+        counts.len(),
+        store.faults().injected_count(),
+        runtime.counters()
+    );
+    counts.push(last);
+    counts.sort_unstable();
+    let acked = counts.len() as u64;
+    let distinct = {
+        let mut distinct = counts.clone();
+        distinct.dedup();
+        distinct.len() as u64
+    };
+    assert_eq!(distinct, acked, "an acknowledged count was given twice");
+    assert_eq!(counts.last(), Some(&last), "the last add counts on from every other");
+    assert!(
+        (acked..=acked + unknown).contains(&last),
+        "the count {last} is outside [{acked}, {}]: an add refused Injected was kept, or one was lost",
+        acked + unknown
+    );
+    assert!(refused > 0, "no commit was refused: the probe tested nothing");
+    assert_eq!(live.most(), 1, "never two instances of one actor");
+    within("shutdown", runtime.shutdown()).await;
+    let stored = store
+        .load(&id)
+        .await
+        .unwrap()
+        .map(|b| String::from_utf8(b.to_vec()).unwrap());
+    assert_eq!(stored, Some(last.to_string()), "the store holds the last count");
+}
