@@ -258,7 +258,8 @@ impl SyncState {
     /// The translation for requests sent now: the tightest bound, with the return
     /// allowance of the recent round trips.
     fn get(&self) -> ClockSync {
-        let samples = *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Reads the allowance kept with the samples; copies only the bound.
+        let samples = self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         samples
             .bound
             .with_return_allowance(samples.round_trips.return_allowance_us())
