@@ -329,8 +329,7 @@ fn run(mut guard: CrashGuard, handle: RuntimeHandle) -> impl Future<Output = ()>
             let waker = task_waker.as_ref().expect("set just above");
             {
                 let store_commit = 'settled: {
-                    let Some((context, payload, begun)) =
-                        begin(&live, &handle.shared, generation, &mut guard.receiver, &mut now)
+                    let Some((context, payload, begun)) = begin(&live, &handle.shared, &mut guard.receiver, &mut now)
                     else {
                         // Refused unrun (abandoned, expired or fenced): answered already.
                         continue 'messages;
@@ -741,7 +740,6 @@ const TURN_TIMEOUT_US_MAX: u64 = INVOKE_TIMEOUT_MS_MAX * 1_000;
 fn begin(
     live: &Live,
     shared: &Shared,
-    generation: u64,
     receiver: &mut MailboxReceiver,
     now: &mut WakeClock,
 ) -> Option<(EnvelopeContext, Payload, Begun)> {
@@ -774,35 +772,14 @@ fn begin(
             target: live.id().clone(),
             timeout_ms: 0,
         })
-    } else if let Some(fenced) = live.fenced.as_ref() {
+    } else {
         // A stale activation answers nothing from its stale state, not even reads: the
         // requests still in its mailbox fail with the fence; later ones are held for the
-        // next activation. A told message still in it was accepted, and a refusal would
-        // reach nobody (it was dropped so, `told_messages_queued_behind_a_fenced_commit_are_not_lost`):
-        // it never started, so it goes to the next activation, as a crashed one's do.
-        if !reply.has_caller() {
-            let envelope = Box::new(Envelope {
-                payload,
-                context,
-                reply,
-                call,
-                edge,
-                span: parent,
-            });
-            let id = live.id().clone();
-            let _ = shared.control.send(Control::Requeue {
-                id,
-                generation,
-                envelope,
-            });
-            return None;
-        }
-        Some(InvokeError::StorageFailed {
+        // next activation.
+        live.fenced.as_ref().map(|fenced| InvokeError::StorageFailed {
             target: live.id().clone(),
             source: (**fenced).clone(),
         })
-    } else {
-        None
     };
     if let Some(error) = refusal {
         respond(shared, call, edge, reply, Err(error));
@@ -1377,8 +1354,7 @@ fn close_fenced(live: &Live, shared: &Shared, generation: u64, mailbox: &Mailbox
     // mailbox still open and was refused with the fence again (13 of 40 such requests on
     // worker threads, `the_request_after_a_fenced_refusal_is_served_by_a_fresh_activation`).
     // Closed, it is handed to the dispatcher, which has the notice by then and holds the
-    // request for the next activation. What is queued still fails with the fence, unrun
-    // (a told message, accepted already, goes to the next activation: `begin`).
+    // request for the next activation. What is queued still fails with the fence, unrun.
     // (Closed after the notice is sent, so the dispatcher meets this closed mailbox as
     // still open only with a command whose notices it drained just before the notice was
     // sent, and delivers just after the close: that request fails `ActorFailed`, as one

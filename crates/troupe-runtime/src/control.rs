@@ -66,14 +66,6 @@ pub(crate) enum Control {
     /// The store refused the activation's commit for a newer claim: close its mailbox
     /// now (held messages start the next activation).
     Fenced { id: ActorId, generation: u64 },
-    /// A told message the fenced activation `generation` of `id` took from its mailbox
-    /// unrun: accepted already (nobody to answer a refusal), so it goes to the next
-    /// activation, before the messages held since the close.
-    Requeue {
-        id: ActorId,
-        generation: u64,
-        envelope: Box<Envelope>,
-    },
     /// The activation ran `on_deactivate`, saved, and its task is ending.
     Deactivated { id: ActorId, generation: u64 },
     /// The activation's task ended abnormally (a panic, or aborted). `unrun`: the

@@ -58,9 +58,6 @@ struct Activation {
 struct Waiting {
     /// Messages for the next activation, held while this one deactivates.
     held: VecDeque<Box<Envelope>>,
-    /// Told messages a fenced activation took from its mailbox unrun (`Control::Requeue`):
-    /// they came before those held, and go to the next activation first.
-    requeued: VecDeque<Box<Envelope>>,
     /// Callers of `RuntimeHandle::deactivate` waiting for this activation to end.
     deactivation_waiters: Vec<oneshot::Sender<bool>>,
 }
@@ -436,16 +433,6 @@ impl Dispatcher {
                     self.close(&id);
                 }
             }
-            Control::Requeue {
-                id,
-                generation,
-                envelope,
-            } => match self.current(&id, generation) {
-                Some(activation) => activation.waiting().requeued.push_back(envelope),
-                // Not current (its end was applied first: not expected, its notice is
-                // its last): routed anew.
-                None => self.route(id, envelope),
-            },
             Control::IdleCheck {
                 id,
                 generation,
@@ -525,7 +512,6 @@ impl Dispatcher {
             .emit(|| RuntimeEvent::ActivationEnded { actor: id.clone() });
         let Waiting {
             held,
-            requeued,
             deactivation_waiters,
         } = activation.waiting.map(|waiting| *waiting).unwrap_or_default();
         for waiter in deactivation_waiters {
@@ -534,7 +520,6 @@ impl Dispatcher {
         let mut held: VecDeque<Box<Envelope>> = unrun
             .into_iter()
             .map(Box::new)
-            .chain(requeued)
             .chain(held)
             .filter(|envelope| !envelope.reply.is_closed())
             .collect();
@@ -619,7 +604,6 @@ impl Dispatcher {
             activation.task.abort();
             Counters::add(&self.handle.shared.counters.activations_aborted);
             if let Some(waiting) = &mut activation.waiting {
-                held.extend(waiting.requeued.drain(..));
                 held.extend(waiting.held.drain(..));
             }
         }
