@@ -782,6 +782,9 @@ fn begin(
         })
     };
     if let Some(error) = refusal {
+        if matches!(reply, ReplyTo::Nobody) && !matches!(error, InvokeError::Timeout { .. }) {
+            told_lost(live, shared, &error);
+        }
         respond(shared, call, edge, reply, Err(error));
         return None;
     }
@@ -1377,6 +1380,24 @@ fn close_if_fence_refused(live: &mut Live, shared: &Shared, generation: u64, mai
     };
     live.fenced = Some(Box::new(refused.clone()));
     close_fenced(live, shared, generation, mailbox);
+}
+
+/// Counts an accepted told message refused unrun by a fenced or aborted activation
+/// (its sender was answered `Ok` at acceptance, so nobody else learns of it), and warns
+/// when the fence refused it: another runtime on the same store took the actor over,
+/// and this message was queued for the stale activation
+/// (`told_messages_queued_behind_a_fenced_commit_are_not_lost`, still open).
+#[cold]
+#[inline(never)]
+fn told_lost(live: &Live, shared: &Shared, error: &InvokeError) {
+    Counters::add(&shared.counters.told_lost);
+    if matches!(error, InvokeError::StorageFailed { .. }) {
+        tracing::warn!(
+            actor = %live.id(),
+            %error,
+            "a told message accepted by this runtime was not run: another runtime on the same store took the actor over (its commit fenced this activation off); send it again to the actor, which now runs there"
+        );
+    }
 }
 
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.

@@ -32,7 +32,7 @@ use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleStat
 
 use crate::activation::{self, ActivationStart};
 use crate::control::{Command, Control};
-use crate::envelope::Envelope;
+use crate::envelope::{Envelope, ReplyTo};
 use crate::fast_hash::{IdEntry, IdMap, VacantId};
 use crate::handle::{Counters, Route, Routes};
 use crate::mailbox::{Delivery, Mailbox};
@@ -276,6 +276,10 @@ impl Dispatcher {
     /// turn: its caller added the edge when it sent it, and takes no release once it
     /// has a reply).
     fn refuse(&self, envelope: Envelope, error: InvokeError) {
+        if matches!(envelope.reply, ReplyTo::Nobody) && !matches!(error, InvokeError::Timeout { .. }) {
+            // An accepted told message that will not run: its sender was answered `Ok`.
+            Counters::add(&self.handle.shared.counters.told_lost);
+        }
         if envelope.edge {
             self.handle.shared.waits.remove(envelope.call);
         }

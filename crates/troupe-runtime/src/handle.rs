@@ -78,6 +78,7 @@ pub(crate) struct Counters {
     pub(crate) activations_aborted: AtomicU64,
     pub(crate) dispatcher_busy_refused: AtomicU64,
     pub(crate) store_retries: AtomicU64,
+    pub(crate) told_lost: AtomicU64,
 }
 
 impl Counters {
@@ -122,6 +123,14 @@ pub struct RuntimeCounters {
     /// commits, saves at deactivation and a turn's reads, and those made through
     /// [`RuntimeHandle::retry_store`].
     pub store_retries: u64,
+    /// Fire-and-forget messages accepted (their sender was answered `Ok`) and then not
+    /// run, for a reason other than their deadline (counted in `expired_dropped`):
+    /// queued in an activation whose commit another runtime on the same store fenced
+    /// off (the stale activation runs nothing more; a warning names the actor), queued
+    /// or held when the shutdown grace ended, or carried over crashes in a row past
+    /// `CARRIED_OVER_MAX_MAILBOXES` mailboxes' worth. Not counted: those in a mailbox
+    /// whose task the end of the grace dropped, and those lost with the process.
+    pub told_lost: u64,
 }
 
 /// The dispatcher's tables at one moment.
@@ -944,6 +953,7 @@ impl RuntimeHandle {
             activations_aborted: load(&c.activations_aborted),
             dispatcher_busy_refused: load(&c.dispatcher_busy_refused),
             store_retries: load(&c.store_retries),
+            told_lost: load(&c.told_lost),
         }
     }
 

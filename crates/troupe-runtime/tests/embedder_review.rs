@@ -936,3 +936,55 @@ async fn told_messages_queued_behind_a_fenced_commit_are_not_lost() {
     within("shutdown a", a.shutdown()).await;
     within("shutdown b", b.shutdown()).await;
 }
+
+/// What is true until the test above passes: the told messages a fenced activation
+/// refuses are not run, and each is counted in `told_lost` (its sender was answered
+/// `Ok` at acceptance, so nothing else says it). The runtime that took the actor over
+/// loses nothing. Same scenario as above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn told_messages_a_fenced_activation_refuses_are_counted_as_lost() {
+    let store = Arc::new(MemoryStore::new());
+    let (shared_a, shared_b) = (Arc::new(Shared::default()), Arc::new(Shared::default()));
+    let a = start_ledger(&store, &shared_a);
+    let b = start_ledger(&store, &shared_b);
+    let id = ActorId::new("ledger", "l").unwrap();
+    let deadline = a.deadline_in(HANG);
+    within("a: gate", a.tell(&id, Bytes::from_static(b"gate"), deadline))
+        .await
+        .unwrap();
+    within("a: the gate's turn", shared_a.at_gate.notified()).await;
+    for record in ["rec:a1", "rec:a2"] {
+        within("a: a record", a.tell(&id, Bytes::from(record), deadline))
+            .await
+            .unwrap();
+    }
+    assert_eq!(a.counters().told_lost, 0, "nothing lost before the fence");
+    let newer = within("b: b1", b.invoke(&id, Bytes::from_static(b"rec:b1"), deadline)).await;
+    assert_eq!(newer, Ok(Bytes::from_static(b"b1")), "b claims the actor anew");
+    shared_a.gate.notify_one();
+    let list = within("a: get", async {
+        loop {
+            match a.invoke(&id, Bytes::from_static(b"get"), deadline).await {
+                Err(InvokeError::StorageFailed { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+                }
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("a fresh activation answers");
+    assert_eq!(
+        list,
+        Bytes::from_static(b"b1"),
+        "the records told to the stale activation did not run"
+    );
+    assert_eq!(
+        a.counters().told_lost,
+        2,
+        "a1 and a2, accepted and not run, are counted"
+    );
+    assert_eq!(b.counters().told_lost, 0);
+    within("shutdown a", a.shutdown()).await;
+    within("shutdown b", b.shutdown()).await;
+}

@@ -62,6 +62,7 @@ impl Metrics {
             activations_aborted,
             dispatcher_busy_refused,
             store_retries,
+            told_lost,
         } = client.runtime().counters();
         let runtime = [
             ("activations_started", "Activations spawned.", activations_started),
@@ -120,6 +121,13 @@ impl Metrics {
                 "Claims and commits tried again after the store failed for a moment (connection refused or closed, \
                  server restarting, file locked), one per try after the first.",
                 store_retries,
+            ),
+            (
+                "told_lost",
+                "Fire-and-forget messages accepted and then not run for a reason other than their deadline \
+                 (queued behind a commit another runtime on the same store fenced off, or left when the shutdown \
+                 grace ended).",
+                told_lost,
             ),
         ];
         for (name, help, value) in runtime {
