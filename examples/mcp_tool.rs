@@ -3,6 +3,8 @@
 //! official `rmcp` SDK), lists its tools and turns each into a Troupe `Tool`: the model
 //! sees the server's name, description and JSON schema, arguments are validated
 //! against that schema, and a call is bounded by the turn's deadline like any tool.
+//! Attached with `AgentSystemBuilder::mcp_server`, the server's list is followed while
+//! the system runs (docs/mcp.md).
 //! `McpServer::connect_http` does the same for a streamable-HTTP endpoint.
 //!
 //! So the example needs nothing installed, the server is this same program run with
@@ -41,13 +43,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                 .on_tool_result()
                 .reply("That sentence has {tool_result} words."),
         );
-    let mut builder = AgentSystem::builder()
+    // Attached, not copied: the agents follow the server's tool list while the system
+    // runs (a tool it adds later is offered at the next model step, one it drops leaves
+    // the list). `server.tools()` gives a copy of today's list instead.
+    let system = AgentSystem::builder()
         .llm(Arc::new(llm))
-        .agent(AgentSpec::new("editor").role("answers questions about texts"));
-    for tool in server.tools()? {
-        builder = builder.tool(tool);
-    }
-    let system = builder.start()?;
+        .agent(AgentSpec::new("editor").role("answers questions about texts"))
+        .mcp_server(server)
+        .start()?;
     let reply = system
         .ask("editor", "How many words are in 'the quick brown fox jumps'?")
         .await?;
