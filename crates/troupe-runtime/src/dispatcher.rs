@@ -276,14 +276,22 @@ impl Dispatcher {
     /// turn: its caller added the edge when it sent it, and takes no release once it
     /// has a reply).
     fn refuse(&self, envelope: Envelope, error: InvokeError) {
-        if matches!(envelope.reply, ReplyTo::Nobody) && !matches!(error, InvokeError::Timeout { .. }) {
-            // An accepted told message that will not run: its sender was answered `Ok`.
-            Counters::add(&self.handle.shared.counters.told_lost);
-        }
         if envelope.edge {
             self.handle.shared.waits.remove(envelope.call);
         }
         envelope.reply.send(Err(error));
+    }
+
+    /// As [`Dispatcher::refuse`], for a message held for a next activation that will not
+    /// run it: a told one among them was accepted (its sender answered `Ok`), so it is
+    /// counted in `told_lost`. Kept apart from `refuse`, which the routing inlines.
+    #[cold]
+    #[inline(never)]
+    fn refuse_held(&self, envelope: Envelope, error: InvokeError) {
+        if matches!(envelope.reply, ReplyTo::Nobody) {
+            Counters::add(&self.handle.shared.counters.told_lost);
+        }
+        self.refuse(envelope, error);
     }
 
     fn route(&mut self, target: ActorId, envelope: Box<Envelope>) {
@@ -533,7 +541,7 @@ impl Dispatcher {
         if self.handle.shared.aborted() {
             // The grace period is over (or the runtime dropped): nothing more runs.
             for envelope in held {
-                self.refuse(*envelope, InvokeError::Shutdown);
+                self.refuse_held(*envelope, InvokeError::Shutdown);
             }
             return;
         }
@@ -567,7 +575,7 @@ impl Dispatcher {
                         carried_max,
                         "an accepted told message dropped: more than {CARRIED_OVER_MAX_MAILBOXES} mailboxes' worth carried over to the next activation"
                     );
-                    self.refuse(*envelope, Self::busy(&id, capacity));
+                    self.refuse_held(*envelope, Self::busy(&id, capacity));
                 }
             }
         }
@@ -614,7 +622,7 @@ impl Dispatcher {
         // Messages held for a next activation that will not come: refused at once, not
         // when the aborted task next yields.
         for envelope in held {
-            self.refuse(*envelope, InvokeError::Shutdown);
+            self.refuse_held(*envelope, InvokeError::Shutdown);
         }
     }
 

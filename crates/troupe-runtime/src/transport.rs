@@ -12,7 +12,7 @@
 //!    │ register request_id in the bounded pending map     │ read length → take that many bytes of
 //!    │ deadline translated to the HOST's clock, made      │   the connection's budget → read body
 //!    │ earlier by the bound's error and the return        │   → spawn one task per request:
-//!    │ allowance (never later; none left → Timeout now)   │
+//!    │ allowance (never later; at most half the time left)│
 //!    │ frame → budget → writer ── Request frame ───────►  │   deadline already passed? → Timeout,
 //!    │ wait for the reply until the LOCAL deadline        │     never runs; rebuild CallContext;
 //!    │                                                    │   RuntimeHandle::invoke / invoke_from
@@ -56,8 +56,9 @@
 //! allowance: [`RETURN_ALLOWANCE_MS_MIN`] (5 ms, scheduling) plus the spread (largest
 //! minus smallest) of its last `ROUND_TRIP_SAMPLES` (8) measured round trips (the
 //! handshake's and each refresh's: the network's jitter), at most
-//! [`RETURN_ALLOWANCE_MS_MAX`] (100 ms). A request with no more than the allowance left is answered `Timeout` at once
-//! ([`Delivery::NeverSent`]): its host could not answer in time. Without it, a host
+//! [`RETURN_ALLOWANCE_MS_MAX`] (100 ms), and at most
+//! [`RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT`] (half) of the request's time left: a
+//! short call is sent, its host given the other half. Without it, a host
 //! ending its work a few milliseconds before its deadline (its store retries stop
 //! 5–10 ms before) answered a caller who had given up whenever the answer's trip was
 //! slower than the handshake's (7 simulated seeds in 200 at 1–10 ms a message).
@@ -314,6 +315,14 @@ pub const RETURN_ALLOWANCE_MS_MAX: u64 = 100;
 /// most one a [`CLOCK_RESYNC_INTERVAL_MS`] while calls are made, so a slow sample is
 /// remembered for at least that many seconds of traffic.
 pub(crate) const ROUND_TRIP_SAMPLES: usize = 8;
+/// Most of a request's time left that its return allowance takes, in percent: a call
+/// shorter than twice the allowance is still sent, its host given the rest (and an
+/// answer slower than the share kept ends `Timeout`). Not refused unsent: one round trip
+/// that spanned a partition (seconds, capped at [`RETURN_ALLOWANCE_MS_MAX`]) stays among
+/// the samples for the next `ROUND_TRIP_SAMPLES` refreshes, and refusing would fail every
+/// call under that for as long (`dst_partition`'s one-way cut, seed 3: every call of
+/// 80 ms after the heal refused).
+pub const RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT: u64 = 50;
 /// Pause after a failed `accept` (for example, out of file descriptors), in milliseconds.
 pub const ACCEPT_RETRY_DELAY_MS: u64 = 10;
 /// Longest a [`TransportServer`] waits, from accepting a connection, for the client's
@@ -397,3 +406,5 @@ const _: () = assert!(RETURN_ALLOWANCE_MS_MIN <= RETURN_ALLOWANCE_MS_MAX);
 // The allowance leaves most of the shortest deadline a caller would give a remote call.
 const _: () = assert!(RETURN_ALLOWANCE_MS_MAX <= CONNECT_TIMEOUT_MS / 10);
 const _: () = assert!(ROUND_TRIP_SAMPLES >= 1);
+const _: () =
+    assert!(RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT >= 1 && RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT < 100);

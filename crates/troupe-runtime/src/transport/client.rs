@@ -19,7 +19,8 @@ use super::round_trips::RoundTrips;
 use super::wire::{ClientMessage, GoingAway, Hello, Probe, ServerMessage, WireCancel, WireRequest, WireResponse};
 use super::{
     CLIENT_CONNECTION_IDLE_TIMEOUT_MS, CLIENT_REQUESTS_IN_FLIGHT_MAX, CLOCK_RESYNC_INTERVAL_MS, CONNECT_TIMEOUT_MS,
-    FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, WRITE_QUEUE_CAPACITY,
+    FRAME_SIZE_MAX_BYTES, HANDSHAKE_FRAME_SIZE_MAX_BYTES, RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT,
+    WRITE_QUEUE_CAPACITY,
 };
 use crate::{Clock, IdempotencyKey};
 
@@ -85,9 +86,11 @@ pub struct TransportClientStats {
     /// [`RETURN_ALLOWANCE_MS_MAX`](super::RETURN_ALLOWANCE_MS_MAX); `None` without an
     /// open connection.
     pub return_allowance_us: Option<u64>,
-    /// Calls answered `Timeout` at once, never sent, because they had no more time left
-    /// than the return allowance: their host could not have answered in time.
-    pub requests_too_late_to_send: u64,
+    /// Calls sent with less than the return allowance, because the allowance was more
+    /// than [`RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT`](super::RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT)
+    /// of the time they had left: their host was given the rest, and an answer slower
+    /// than the share kept ends `Timeout`.
+    pub requests_allowance_capped: u64,
     /// Bytes of request frames queued and not yet written (at most
     /// [`CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES`](super::CONNECTION_BYTES_IN_FLIGHT_MAX_BYTES)).
     pub bytes_in_flight: usize,
@@ -118,7 +121,7 @@ struct Counters {
     cancels_dropped: AtomicU64,
     connections_server_went_away: AtomicU64,
     requests_not_read: AtomicU64,
-    requests_too_late_to_send: AtomicU64,
+    requests_allowance_capped: AtomicU64,
 }
 
 /// What the client shares with its connect and connection tasks.
@@ -642,7 +645,7 @@ impl TransportClient {
             }),
             clock_offset_error_us: sync.map(|sync| sync.error_bound_us()),
             return_allowance_us: sync.map(|sync| sync.return_allowance_us()),
-            requests_too_late_to_send: load(&counters.requests_too_late_to_send),
+            requests_allowance_capped: load(&counters.requests_allowance_capped),
             bytes_in_flight: counters.bytes_in_flight.load(Ordering::Relaxed),
             cancels_sent: load(&counters.cancels_sent),
             connections_server_went_away: load(&counters.connections_server_went_away),
@@ -673,8 +676,7 @@ impl TransportClient {
     ///
     /// # Errors
     /// - [`InvokeError::Timeout`] when the deadline passes first (at once if it already
-    ///   has, or if no more than the return allowance is left when the request would be
-    ///   sent: then it is not sent); the request may still run remotely.
+    ///   has); the request may still run remotely.
     /// - [`InvokeError::Unreachable`] when connecting fails or the connection breaks
     ///   before the reply; the request may or may not have run.
     /// - [`InvokeError::Rejected`] when the request does not fit in a frame; nothing was
@@ -917,18 +919,20 @@ impl TransportClient {
             counters: Arc::clone(&self.shared.counters),
         };
         let now = self.shared.clock.now();
-        let sync = connection.clock_sync(now);
-        if context.deadline().as_micros() <= now.as_micros().saturating_add(sync.return_allowance_us()) {
-            // Its host would have to answer before now for the answer to arrive in
-            // time: it could only answer `Timeout` (or answer too late), so it is not sent.
+        let mut sync = connection.clock_sync(now);
+        // At most a share of the time left is kept for the answer's trip back: a short
+        // call is still sent, its host given the rest. (Refusing it unsent, as this did
+        // first, refused every call under 100 ms for the 8 refreshes after a partition
+        // healed: a hello held up by the cut is one round trip of seconds, a spread
+        // capped at `RETURN_ALLOWANCE_MS_MAX`; dst_partition, seed 3.)
+        let left_us = context.deadline().as_micros().saturating_sub(now.as_micros());
+        let share_us = left_us / 100 * RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT;
+        if sync.return_allowance_us() > share_us {
+            sync = sync.with_return_allowance(share_us);
             self.shared
                 .counters
-                .requests_too_late_to_send
+                .requests_allowance_capped
                 .fetch_add(1, Ordering::Relaxed);
-            return Err(RequestFailure::never_sent(InvokeError::Timeout {
-                target: target.clone(),
-                timeout_ms: context.deadline().remaining_ms(now),
-            }));
         }
         let mut request = WireRequest::new(
             request_id,

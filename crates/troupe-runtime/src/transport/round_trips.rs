@@ -33,8 +33,9 @@
 //!
 //! The allowance is kept up to date when a sample arrives, so a request pays for it with
 //! one subtraction. It only ever shortens the host's deadline (a request never gets more
-//! time than its caller); a request with no more time left than the allowance is
-//! answered `Timeout` at once and not sent, since its host could not answer in time.
+//! time than its caller), and it takes at most
+//! [`RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT`](super::RETURN_ALLOWANCE_SHARE_OF_LEFT_MAX_PERCENT)
+//! of a request's time left: a short call is sent, its host given the rest.
 
 use super::{RETURN_ALLOWANCE_MS_MAX, RETURN_ALLOWANCE_MS_MIN, ROUND_TRIP_SAMPLES};
 
