@@ -12,18 +12,21 @@
 //! own activations and turns go on. Both builds: paused time on the normal build,
 //! simulated time under madsim; one test on worker threads (normal build, real time).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use troupe_agent::{
     AgentCallError, AgentEvent, AgentSpec, AgentSystem, ContactKind, Link, NotPermitted, NotPermittedReason, OrgPolicy,
-    ScriptRule, ScriptedLlm, ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS, ORG_READ_LOCK_WAIT_MS, ORG_STORE_KIND,
+    ScriptRule, ScriptedLlm, ORG_CACHE_MAX_AGE_MS, ORG_CACHE_STALE_MAX_MS, ORG_READ_LOCK_WAIT_MS,
 };
-use troupe_core::{ActorId, Deadline};
-use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_core::Deadline;
+use troupe_runtime::StateStore;
+
+#[path = "support/org_outage.rs"]
+mod org_outage;
+
+use org_outage::OrgOutage;
 
 /// The most an admission may take past `ORG_READ_LOCK_WAIT_MS`, in milliseconds of
 /// paused or simulated time: the in-memory store and the dispatcher take microseconds.
@@ -33,62 +36,6 @@ const DECISION_SLACK_MS: u64 = 20;
 const CHANGE_HEAD_START_MS: u64 = 50;
 /// How long the test's `ask_as` may wait for its reply.
 const ASK_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// A memory store whose organisation's record fails `Unavailable` while `org_down`.
-#[derive(Default)]
-struct OrgOutage {
-    inner: MemoryStore,
-    org_down: AtomicBool,
-    /// How many operations on the organisation's record failed.
-    org_failures: AtomicU64,
-}
-
-impl OrgOutage {
-    fn check(&self, actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
-        if actor.kind().as_str() == ORG_STORE_KIND && self.org_down.load(Ordering::SeqCst) {
-            self.org_failures.fetch_add(1, Ordering::SeqCst);
-            return Err(StoreError::Unavailable {
-                operation,
-                cause: "connection refused (the test's outage)".to_string(),
-            });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl StateStore for OrgOutage {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(actor, StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(actor, StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(actor, StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await
-    }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(actor, StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(actor, StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
 
 /// Agents `a`, `b` and `c`, each answering "ok"; links required, one link `a ↔ b`.
 /// Returns the system and the organisation's version after that setup.

@@ -14,20 +14,22 @@
 //! what is tried again. Both builds: paused time on the normal build, simulated time
 //! under madsim; one test on worker threads (normal build, real time).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use serde_json::json;
 use troupe_agent::limits::AGENT_TASKS_OPEN_MAX;
 use troupe_agent::{
     AgentEvent, AgentSpec, AgentSystem, BehaviourMode, ContactKind, InboxError, Membership, ScriptRule, ScriptedLlm,
-    ORG_STORE_KIND,
 };
-use troupe_core::{ActorId, Deadline};
-use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_core::Deadline;
+use troupe_runtime::{MemoryStore, StateStore};
+
+#[path = "support/org_outage.rs"]
+mod org_outage;
+
+use org_outage::OrgOutage;
 
 /// How long the store is down, in milliseconds from the ask.
 const OUTAGE_MS: u64 = 300;
@@ -139,69 +141,6 @@ async fn an_approval_requested_while_the_store_is_down_is_recorded_once_it_is_ba
     )
     .await
     .expect("the test ends in time");
-}
-
-/// A memory store whose organisation's record fails `Unavailable` while `org_down`.
-#[derive(Default)]
-struct OrgOutage {
-    inner: MemoryStore,
-    org_down: AtomicBool,
-    /// Set: the next commit of the organisation's record that lands sets `org_down`
-    /// (the outage starts just after a write, within one request).
-    down_after_commit: AtomicBool,
-    /// How many operations on the organisation's record failed.
-    org_failures: AtomicU64,
-}
-
-impl OrgOutage {
-    fn check(&self, actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
-        if actor.kind().as_str() == ORG_STORE_KIND && self.org_down.load(Ordering::SeqCst) {
-            self.org_failures.fetch_add(1, Ordering::SeqCst);
-            return Err(StoreError::Unavailable {
-                operation,
-                cause: "connection refused (the test's outage)".to_string(),
-            });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl StateStore for OrgOutage {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(actor, StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(actor, StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(actor, StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await?;
-        if actor.kind().as_str() == ORG_STORE_KIND && self.down_after_commit.swap(false, Ordering::SeqCst) {
-            self.org_down.store(true, Ordering::SeqCst);
-        }
-        Ok(())
-    }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(actor, StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(actor, StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
 }
 
 /// Goal: a delegation that needs approval, made in its sender's turn while the

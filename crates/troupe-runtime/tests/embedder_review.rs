@@ -58,9 +58,20 @@ impl Actor for Recorder {
 }
 
 fn start_recorder(shared: &Arc<Shared>, config: KindConfig) -> Runtime {
+    start_recorder_with_grace(
+        shared,
+        config,
+        Duration::from_millis(troupe_runtime::SHUTDOWN_GRACE_MS_DEFAULT),
+    )
+}
+
+/// As `start_recorder`, with a shutdown grace of `grace`.
+fn start_recorder_with_grace(shared: &Arc<Shared>, config: KindConfig, grace: Duration) -> Runtime {
     let shared = Arc::clone(shared);
     Runtime::builder()
         .store(Arc::new(MemoryStore::new()))
+        .shutdown_grace(grace)
+        .unwrap()
         .register(
             ActorKind::new("recorder").unwrap(),
             move |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
@@ -176,22 +187,7 @@ async fn told_messages_accepted_behind_a_crash_while_deactivating_all_run() {
 async fn a_told_message_held_when_shutdown_begins_runs_within_the_grace() {
     const GRACE: Duration = Duration::from_secs(2);
     let shared = Arc::new(Shared::default());
-    let shared_for_factory = Arc::clone(&shared);
-    let runtime = Runtime::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .shutdown_grace(GRACE)
-        .unwrap()
-        .register(
-            ActorKind::new("recorder").unwrap(),
-            move |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
-                Ok(ActorBox::new(Recorder {
-                    shared: Arc::clone(&shared_for_factory),
-                }))
-            },
-            KindConfig::default(),
-        )
-        .unwrap()
-        .start();
+    let runtime = start_recorder_with_grace(&shared, KindConfig::default(), GRACE);
     let handle = runtime.handle();
     let id = ActorId::new("recorder", "r").unwrap();
     let tell = |text: &'static str| {
@@ -522,22 +518,7 @@ async fn requests_queued_behind_a_panic_during_the_grace_are_served() {
     const GRACE: Duration = Duration::from_secs(2);
     quiet_planned_panics();
     let shared = Arc::new(Shared::default());
-    let shared_for_factory = Arc::clone(&shared);
-    let runtime = Runtime::builder()
-        .store(Arc::new(MemoryStore::new()))
-        .shutdown_grace(GRACE)
-        .unwrap()
-        .register(
-            ActorKind::new("recorder").unwrap(),
-            move |_id: &ActorId, _saved: Option<Bytes>| -> Result<ActorBox, ActorError> {
-                Ok(ActorBox::new(Recorder {
-                    shared: Arc::clone(&shared_for_factory),
-                }))
-            },
-            KindConfig::default(),
-        )
-        .unwrap()
-        .start();
+    let runtime = start_recorder_with_grace(&shared, KindConfig::default(), GRACE);
     let handle = runtime.handle();
     let id = ActorId::new("recorder", "r").unwrap();
     let deadline = handle.deadline_in(HANG);
