@@ -238,7 +238,8 @@ pub enum NotPermittedReason {
         /// The approval's id.
         id: u64,
     },
-    /// The organisation could not be read from the store.
+    /// The organisation's record could not be read from the store, or a change to it
+    /// (an approval's record) could not be written; the cause says which.
     Unavailable {
         /// The store's error.
         cause: String,
@@ -259,7 +260,7 @@ impl fmt::Display for NotPermittedReason {
             ),
             Self::ApprovalDenied { id } => write!(f, "approval {id} was denied"),
             Self::ApprovalTimedOut { id } => write!(f, "approval {id} was still pending at the deadline"),
-            Self::Unavailable { cause } => write!(f, "the organisation could not be read: {cause}"),
+            Self::Unavailable { cause } => write!(f, "the organisation could not be read or changed: {cause}"),
         }
     }
 }

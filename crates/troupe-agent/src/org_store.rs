@@ -523,14 +523,33 @@ pub(crate) async fn request_approval(
     if let Some(watch) = watch.as_deref_mut() {
         watch.arm(contact);
     }
+    // The ids this request's tries recorded. A try whose commit landed unseen and was
+    // then fenced by another process's claim is made again on the newest record, which
+    // holds that try's approval: it is this contact's, and is answered instead of a
+    // second one (which would stay pending, waited for by nobody, until its deadline).
+    let mut recorded: Vec<u64> = Vec::new();
     let id = shared
         .org
         .change(&approval_store(runtime, contact), clock, |org| {
             let (message, deadline, now) = (contact.message, contact.deadline, clock.now());
+            let earlier = recorded.iter().copied().find(|&id| {
+                org.approval(id).is_some_and(|approval| {
+                    (
+                        approval.from.as_str(),
+                        approval.to.as_str(),
+                        approval.kind,
+                        approval.deadline,
+                    ) == (from, to, kind, Some(deadline))
+                })
+            });
+            if let Some(id) = earlier {
+                return Ok(id);
+            }
             let id = match listing {
                 Listing::Now => org.request_approval(from, to, kind, message, deadline, now),
                 Listing::OnDelivery => org.request_unlisted_approval(from, to, kind, message, deadline, now),
             }?;
+            recorded.push(id);
             if let Some(watch) = watch.as_deref_mut() {
                 watch.writing(id);
             }

@@ -311,3 +311,80 @@ async fn an_approval_withdrawn_while_the_org_store_is_down_is_withdrawn_once_it_
 async fn an_approval_withdrawn_while_the_org_store_is_down_is_withdrawn_once_it_is_back_paused() {
     an_approval_withdrawn_while_the_org_store_is_down_is_withdrawn_once_it_is_back().await;
 }
+
+/// Goal: an approval whose write lands but whose answer is lost, and whose record is
+/// then claimed by another process before the write is tried again, is recorded once:
+/// the write made again (fenced, then decided on the newest record) finds the first
+/// try's approval there and answers its id instead of recording a second. Method: a
+/// store whose next commit of the organisation's record lands, is followed by a claim
+/// of that record, and answers `Unavailable`; `a` (supervised) asks `b`. Before the fix
+/// two approvals were pending for the one ask, the first (nobody waiting for it) left
+/// until its deadline: "one approval for the one ask: [Approval { id: 1, .. }, Approval
+/// { id: 2, .. }]".
+async fn an_approval_whose_write_landed_unseen_and_was_claimed_since_is_recorded_once() {
+    let store = Arc::new(OrgOutage::default());
+    let system = AgentSystem::builder()
+        .llm(Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"))))
+        .store(Arc::clone(&store) as Arc<dyn StateStore>)
+        .agent(AgentSpec::new("a"))
+        .agent(AgentSpec::new("b"))
+        .start()
+        .expect("the system starts");
+    let supervised = Membership {
+        manager: None,
+        mode: BehaviourMode::Supervised,
+    };
+    system.set_membership("a", supervised).await.expect("a supervised");
+    let mut events = system.subscribe();
+
+    store.unseen_then_claimed.store(true, Ordering::SeqCst);
+    let client = system.client();
+    let mut asked = tokio::spawn(async move { client.ask_as("a", "b", "status?", ASK_TIMEOUT).await });
+    let id = loop {
+        tokio::select! {
+            biased;
+            event = events.recv() => {
+                if let AgentEvent::ApprovalRequested { id, .. } = event.expect("the events") {
+                    break id;
+                }
+            }
+            result = &mut asked => panic!("the ask ended before its approval was requested: {:?}", result.expect("the ask's task")),
+        }
+    };
+    assert_eq!(
+        store.org_failures.load(Ordering::SeqCst),
+        1,
+        "the approval's answer was lost once"
+    );
+    assert!(!store.unseen_then_claimed.load(Ordering::SeqCst), "the fault was met");
+
+    let pending = system.pending_approvals().await.expect("the pending approvals");
+    assert_eq!(
+        pending.iter().map(|approval| approval.id).collect::<Vec<_>>(),
+        vec![id],
+        "one approval for the one ask: {pending:?}"
+    );
+    system.approve(id).await.expect("the approval");
+    let reply = asked
+        .await
+        .expect("the ask's task")
+        .unwrap_or_else(|error| panic!("the approved ask: {error}"));
+    assert_eq!(reply.text, "ok");
+    system.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_approval_whose_write_landed_unseen_and_was_claimed_since_is_recorded_once_paused() {
+    an_approval_whose_write_landed_unseen_and_was_claimed_since_is_recorded_once().await;
+}
+
+#[cfg(not(madsim))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_whose_write_landed_unseen_and_was_claimed_since_is_recorded_once_on_worker_threads() {
+    tokio::time::timeout(
+        Duration::from_millis(TEST_WAIT_MS_MAX),
+        an_approval_whose_write_landed_unseen_and_was_claimed_since_is_recorded_once(),
+    )
+    .await
+    .expect("the test ends in time");
+}

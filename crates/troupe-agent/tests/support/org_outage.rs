@@ -20,6 +20,10 @@ pub(crate) struct OrgOutage {
     /// Set: the next commit of the organisation's record that lands sets `org_down`
     /// (the outage starts just after a write, within one request).
     pub(crate) down_after_commit: AtomicBool,
+    /// Set: the next commit of the organisation's record that lands is followed by a
+    /// claim of the record (another process's, in effect) and answers `Unavailable`: a
+    /// commit that landed unseen, whose writer then finds its fence taken.
+    pub(crate) unseen_then_claimed: AtomicBool,
     /// How many operations on the organisation's record failed.
     pub(crate) org_failures: AtomicU64,
 }
@@ -54,6 +58,14 @@ impl StateStore for OrgOutage {
         self.inner.commit(actor, fence, commit).await?;
         if actor.kind().as_str() == ORG_STORE_KIND && self.down_after_commit.swap(false, Ordering::SeqCst) {
             self.org_down.store(true, Ordering::SeqCst);
+        }
+        if actor.kind().as_str() == ORG_STORE_KIND && self.unseen_then_claimed.swap(false, Ordering::SeqCst) {
+            self.inner.claim(actor).await?;
+            self.org_failures.fetch_add(1, Ordering::SeqCst);
+            return Err(StoreError::Unavailable {
+                operation: StoreOperation::Commit,
+                cause: "the answer was lost after the commit landed (the test's fault)".to_string(),
+            });
         }
         Ok(())
     }
