@@ -1,0 +1,620 @@
+//! A demanding embedder's review of the agent layer, from outside: only the public API
+//! and the scripted model that really emits tool calls, on tokio's multi-thread runtime
+//! in real time (SQLite files in a temporary directory where durability matters), where
+//! `embedder_probes.rs`, `task_api_probes.rs` and the other probes do not already look:
+//!
+//! - a process restarted twice (dropped once, shut down once) while many delegations,
+//!   their result turns and notifications are in flight: every acknowledged delegation
+//!   is worked once and its result taken once, every acknowledged notification
+//!   processed once, and both agents' inboxes and outboxes end empty;
+//! - outside callers that give up at spread points in an `a → b → c` chain of
+//!   `call_agent`: later asks still answer, `c` answers no question twice, and each
+//!   pair's direct conversation holds whole exchanges only (question, then its answer),
+//!   in order, the answered ones among them;
+//! - a link removed while a call over it is in flight: that call finishes with its
+//!   answer, the next call over it is refused with a typed error;
+//! - many agents with small mailboxes under hundreds of asks and delegations at once:
+//!   every ask is answered or refused typed (`Busy`, `Timeout`), never hangs; every
+//!   acknowledged delegation completes and its result is taken once.
+//!
+//! Normal build only (real time, SQLite, several threads): `cargo nextest run -p
+//! troupe-agent --test embedder_review`.
+
+#![cfg(not(madsim))]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use troupe_agent::{
+    direct_conversation_id, AgentCallError, AgentSpec, AgentSystem, ChatMessage, ConversationMessage, InboxError, Link,
+    OrgPolicy, Role, ScriptRule, ScriptedLlm, Sender, TaskState, CONVERSATION_PAGE_MAX,
+};
+use troupe_core::InvokeError;
+use troupe_runtime::{KindConfig, MemoryStore, SqliteStore};
+
+/// How long every wait for a state in these tests may take before it fails.
+const SETTLE_WAIT_MS: u64 = 20_000;
+/// How often a wait polls the store.
+const POLL_MS: u64 = 25;
+
+/// User messages of `log` that contain `needle`.
+fn user_messages_containing(log: &[ChatMessage], needle: &str) -> usize {
+    log.iter()
+        .filter(|m| m.role == Role::User && m.content.contains(needle))
+        .count()
+}
+
+/// Polls `check` until it returns `Some`, failing with `what` after `SETTLE_WAIT_MS`.
+async fn settle<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let wait = async {
+        loop {
+            if let Some(found) = check().await {
+                break found;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_millis(SETTLE_WAIT_MS), wait)
+        .await
+        .unwrap_or_else(|_| panic!("not within {SETTLE_WAIT_MS} ms: {what}"))
+}
+
+/// Every message of conversation `id`, paging through it.
+async fn all_messages(system: &AgentSystem, id: &str) -> Vec<ConversationMessage> {
+    let mut messages: Vec<ConversationMessage> = Vec::new();
+    loop {
+        let after = messages.last().map(|m| m.seq);
+        let page = system
+            .read_messages(id, after, CONVERSATION_PAGE_MAX)
+            .await
+            .unwrap_or_else(|error| panic!("{id} reads: {error}"));
+        let full = page.len() == CONVERSATION_PAGE_MAX;
+        messages.extend(page);
+        if !full {
+            break messages;
+        }
+    }
+}
+
+mod restarts {
+    use super::*;
+
+    /// Delegations the coordinator sends before the first restart.
+    const JOBS: usize = 10;
+    /// Notifications with outside ids the analyst is sent before the first restart.
+    const NOTES: usize = 10;
+    /// How long the analyst's model takes on a task or a note in the first two
+    /// processes: a restart finds some worked, some in a turn, some waiting.
+    const WORK_MS: u64 = 60;
+    /// How long the coordinator's model takes on a result in the first two processes:
+    /// a restart finds some result turns in flight.
+    const RESULT_TURN_MS: u64 = 40;
+    /// How long each of the first two processes lives.
+    const PROCESS_LIFE_MS: u64 = 350;
+
+    fn script(work: Duration, result_turn: Duration) -> ScriptedLlm {
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("[task")
+                    .reply("done {input}")
+                    .latency(work),
+            )
+            .rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("[notification")
+                    .reply("noted")
+                    .latency(work),
+            )
+            .rule(
+                ScriptRule::agent("coordinator")
+                    .on_user_containing("you delegated is")
+                    .reply("thanks")
+                    .latency(result_turn),
+            )
+    }
+
+    fn process(path: &std::path::Path, llm: &ScriptedLlm) -> AgentSystem {
+        AgentSystem::builder()
+            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("coordinator"))
+            .agent(AgentSpec::new("analyst"))
+            .start()
+            .expect("the system starts")
+    }
+
+    /// Goal: a process restarted twice on one SQLite file (dropped once, shut down
+    /// once) while many delegations, their result turns and notifications are in
+    /// flight loses and repeats nothing acknowledged: every acknowledged delegation
+    /// ends `completed`, its task is in the analyst's log once and its result in the
+    /// coordinator's log once; every acknowledged notification is in the analyst's log
+    /// once; every inbox and outbox ends empty. Method: the first process delegates
+    /// `JOBS` tasks and sends `NOTES` notifications (the analyst takes `WORK_MS` on
+    /// each, the coordinator `RESULT_TURN_MS` on each result) and is dropped after
+    /// `PROCESS_LIFE_MS`; the second delegates `JOBS` more and is shut down after as
+    /// long; the third (a fast model) finishes the work; the logs are counted once all
+    /// is final and again after the slow models' calls could have ended.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_restarts_mid_flight_lose_and_repeat_nothing_acknowledged() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let slow = script(Duration::from_millis(WORK_MS), Duration::from_millis(RESULT_TURN_MS));
+        let mut tasks: Vec<(String, String)> = Vec::new();
+        let mut notes: Vec<String> = Vec::new();
+
+        let first = process(&path, &slow);
+        for i in 0..JOBS.max(NOTES) {
+            if i < JOBS {
+                let text = format!("job-a{i}.");
+                let task = first
+                    .delegate("coordinator", "analyst", &text, Some(60_000))
+                    .await
+                    .expect("a delegation to an idle system is acknowledged");
+                tasks.push((text, task));
+            }
+            if i < NOTES {
+                let note = format!("note-a{i}.");
+                first
+                    .notify_with_id("analyst", &format!("n-a{i}"), &note, None)
+                    .await
+                    .expect("a notification to an idle system is acknowledged");
+                notes.push(note);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
+        drop(first);
+
+        let second = process(&path, &slow);
+        for i in 0..JOBS {
+            let text = format!("job-b{i}.");
+            let task = second
+                .delegate("coordinator", "analyst", &text, Some(60_000))
+                .await
+                .expect("a delegation after a restart is acknowledged");
+            tasks.push((text, task));
+        }
+        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
+        second.shutdown().await;
+
+        let fast = script(Duration::ZERO, Duration::ZERO);
+        let third = process(&path, &fast);
+        let ids: BTreeSet<&String> = tasks.iter().map(|(_, task)| task).collect();
+        assert_eq!(ids.len(), tasks.len(), "one task id given twice: {tasks:?}");
+        for (text, task) in &tasks {
+            let state = settle(&format!("{text} ({task}) ends"), || async {
+                let status = third.task("coordinator", task).await.unwrap()?;
+                status.state.is_final().then_some(status.state)
+            })
+            .await;
+            assert_eq!(state, TaskState::Completed, "{text} ({task})");
+        }
+        settle("every inbox and outbox is empty", || async {
+            let pending = (
+                third.pending("coordinator").await.unwrap(),
+                third.pending("analyst").await.unwrap(),
+            );
+            (pending == ((0, 0), (0, 0))).then_some(())
+        })
+        .await;
+        // Past the end of any model call the first two processes began.
+        tokio::time::sleep(Duration::from_millis(3 * (WORK_MS + RESULT_TURN_MS))).await;
+        let analyst = third.conversation_log("analyst").await.unwrap();
+        let coordinator = third.conversation_log("coordinator").await.unwrap();
+        for (text, task) in &tasks {
+            assert_eq!(
+                user_messages_containing(&analyst, text),
+                1,
+                "{text} ({task}) in the analyst's log: {analyst:#?}"
+            );
+            let result = format!("[task {task} you delegated is completed]");
+            assert_eq!(
+                user_messages_containing(&coordinator, &result),
+                1,
+                "{text}'s result in the coordinator's log: {coordinator:#?}"
+            );
+        }
+        for note in &notes {
+            assert_eq!(
+                user_messages_containing(&analyst, note),
+                1,
+                "{note} in the analyst's log: {analyst:#?}"
+            );
+        }
+        assert_eq!(
+            third.pending("coordinator").await.unwrap(),
+            (0, 0),
+            "something came back after the settle"
+        );
+        assert_eq!(third.pending("analyst").await.unwrap(), (0, 0));
+        third.shutdown().await;
+    }
+}
+
+mod chain_give_ups {
+    use super::*;
+
+    /// Outside asks of `a`, each given up at its own point.
+    const ASKS: usize = 40;
+    /// How long `c`'s model takes to answer.
+    const C_MS: u64 = 15;
+    /// How long `b`'s and `a`'s models take for each step.
+    const STEP_MS: u64 = 5;
+    /// The longest an outside caller waits before giving up; a few wait for good.
+    const GIVE_UP_MS_MAX: u64 = 400;
+
+    fn script() -> ScriptedLlm {
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("a")
+                    .on_tool_result()
+                    .reply("{tool_result}")
+                    .latency(Duration::from_millis(STEP_MS)),
+            )
+            .rule(
+                ScriptRule::agent("a")
+                    .on_user_containing("q-")
+                    .call("call_agent", json!({"agent_id": "b", "message": "{input}"}))
+                    .latency(Duration::from_millis(STEP_MS)),
+            )
+            .rule(
+                ScriptRule::agent("b")
+                    .on_tool_result()
+                    .reply("{tool_result}")
+                    .latency(Duration::from_millis(STEP_MS)),
+            )
+            .rule(
+                ScriptRule::agent("b")
+                    .on_user_containing("q-")
+                    .call("call_agent", json!({"agent_id": "c", "message": "{input}"}))
+                    .latency(Duration::from_millis(STEP_MS)),
+            )
+            .rule(
+                ScriptRule::agent("c")
+                    .reply("answer to {input}")
+                    .latency(Duration::from_millis(C_MS)),
+            )
+    }
+
+    /// The outside question (`q-…`) a message carries, whatever prefixes the agents
+    /// added on the way (`[message from agent a] …`).
+    fn asked(text: &str) -> &str {
+        text.rfind("q-").map_or(text, |at| &text[at..])
+    }
+
+    /// The exchanges of a direct conversation as (question, answer) texts, failing if
+    /// a question is not followed by the answer replying to it.
+    fn exchanges(id: &str, messages: &[ConversationMessage], asker: &str) -> Vec<(String, String)> {
+        assert!(messages.len() % 2 == 0, "{id}: a half-recorded exchange: {messages:#?}");
+        messages
+            .chunks(2)
+            .map(|pair| {
+                let (question, answer) = (&pair[0], &pair[1]);
+                assert_eq!(question.sender, Sender::Agent(asker.to_string()), "{id}: {pair:#?}");
+                assert_eq!(answer.reply_to, Some(question.seq), "{id}: {pair:#?}");
+                assert!(
+                    answer.text.starts_with("answer to ") && answer.text.ends_with(&question.text),
+                    "{id}: an answer to another question: {pair:#?}"
+                );
+                (asked(&question.text).to_string(), asked(&answer.text).to_string())
+            })
+            .collect()
+    }
+
+    /// Goal: outside callers that give up at spread points of an `a → b → c` chain of
+    /// `call_agent` leave the system whole: a later ask still answers; `c` answers no
+    /// question twice; each pair's direct conversation holds whole exchanges only (a
+    /// question, then the answer replying to it), never one twice, in the order of the
+    /// asker's log; and every ask its caller got the answer to is recorded in both
+    /// pairs. Method: `ASKS` asks of `a` at once, the i-th given up after
+    /// `(i × 37) mod GIVE_UP_MS_MAX` ms (its future dropped; every seventh waits for
+    /// good), while `c` takes `C_MS` per answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn callers_giving_up_mid_chain_leave_whole_exchanges_in_order() {
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(script()))
+            .agent(AgentSpec::new("a"))
+            .agent(AgentSpec::new("b"))
+            .agent(AgentSpec::new("c"))
+            .start()
+            .expect("the system starts");
+        let mut asks = Vec::new();
+        for i in 0..ASKS {
+            let client = system.client();
+            let question = format!("q-{i}.");
+            let give_up = (i % 7 != 0).then(|| Duration::from_millis((i as u64 * 37) % GIVE_UP_MS_MAX));
+            asks.push(tokio::spawn(async move {
+                let ask = client.ask_with_timeout("a", &question, Duration::from_secs(10));
+                let outcome = match give_up {
+                    Some(after) => tokio::time::timeout(after, ask).await.ok(),
+                    None => Some(ask.await),
+                };
+                (question, outcome)
+            }));
+        }
+        let mut answered = BTreeSet::new();
+        let mut outcomes = BTreeMap::<&str, usize>::new();
+        for ask in asks {
+            let (question, outcome) = tokio::time::timeout(Duration::from_secs(15), ask)
+                .await
+                .expect("every ask ends within 15 s")
+                .unwrap();
+            let kind = match outcome {
+                None => "gave up",
+                Some(Ok(reply)) => {
+                    assert!(
+                        reply.text.starts_with("answer to ") && asked(&reply.text) == question,
+                        "{question}: {}",
+                        reply.text
+                    );
+                    answered.insert(question);
+                    "answered"
+                }
+                Some(Err(AgentCallError::Invoke(InvokeError::Busy { .. }))) => "busy",
+                Some(Err(other)) => panic!("{question}: {other}"),
+            };
+            *outcomes.entry(kind).or_default() += 1;
+        }
+        assert!(outcomes.get("gave up").copied().unwrap_or(0) > 0, "{outcomes:?}");
+        let later = tokio::time::timeout(Duration::from_secs(10), system.ask("a", "q-later."))
+            .await
+            .expect("a later ask answers within 10 s")
+            .expect("a later ask answers");
+        assert!(
+            later.text.starts_with("answer to ") && asked(&later.text) == "q-later.",
+            "{}",
+            later.text
+        );
+        answered.insert("q-later.".to_string());
+
+        let c_log = system.conversation_log("c").await.unwrap();
+        let mut c_questions = BTreeMap::<&str, usize>::new();
+        for message in c_log.iter().filter(|m| m.role == Role::User) {
+            *c_questions.entry(asked(&message.content)).or_default() += 1;
+        }
+        assert!(
+            c_questions.values().all(|&n| n == 1),
+            "c answered a question twice: {c_questions:?}"
+        );
+        let a_questions: Vec<String> = system
+            .conversation_log("a")
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|m| m.role == Role::User)
+            .map(|m| asked(&m.content).to_string())
+            .collect();
+        for (asker, callee) in [("a", "b"), ("b", "c")] {
+            let id = direct_conversation_id(asker, callee);
+            let recorded = exchanges(&id, &all_messages(&system, &id).await, asker);
+            let questions: Vec<&String> = recorded.iter().map(|(q, _)| q).collect();
+            let distinct: BTreeSet<&String> = questions.iter().copied().collect();
+            assert_eq!(
+                distinct.len(),
+                questions.len(),
+                "{id}: an exchange twice: {questions:?}"
+            );
+            for question in &answered {
+                assert!(distinct.contains(question), "{id}: answered {question} not recorded");
+            }
+            // The asker's committed turns are in the order their exchanges were.
+            let committed: Vec<&String> = questions.iter().copied().filter(|q| a_questions.contains(q)).collect();
+            let in_log: Vec<&String> = a_questions.iter().filter(|q| distinct.contains(q)).collect();
+            assert_eq!(committed, in_log, "{id}: order differs from a's log");
+        }
+        system.shutdown().await;
+    }
+}
+
+mod revoked_link {
+    use super::*;
+
+    /// How long `b`'s model takes: the link is removed meanwhile.
+    const B_MS: u64 = 300;
+
+    /// Goal: under an enforced organisation, a link removed while a call over it is in
+    /// flight lets that call finish with its answer, and the next call over it is
+    /// refused: the model reads why, and an outside ask as `a` is a typed
+    /// `NotPermitted`; `b` is not asked again. Method: `a`'s model calls `b` (which
+    /// takes `B_MS`); the link `a → b` is removed once `b`'s turn started.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_link_removed_mid_call_lets_it_finish_and_refuses_the_next() {
+        let llm = ScriptedLlm::new()
+            .rule(ScriptRule::agent("a").on_tool_result().reply("a read: {tool_result}"))
+            .rule(
+                ScriptRule::agent("a")
+                    .on_user_containing("go")
+                    .call("call_agent", json!({"agent_id": "b", "message": "work {input}"})),
+            )
+            .rule(
+                ScriptRule::agent("b")
+                    .reply("b did {input}")
+                    .latency(Duration::from_millis(B_MS)),
+            );
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("a"))
+            .agent(AgentSpec::new("b"))
+            .start()
+            .expect("the system starts");
+        system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+        system.add_link(Link::new("a", "b")).await.unwrap();
+        let mut events = system.subscribe();
+        let client = system.client();
+        let in_flight = tokio::spawn(async move { client.ask("a", "go 1").await });
+        let b_started = async {
+            loop {
+                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
+                    if agent.key() == "b" {
+                        break;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), b_started)
+            .await
+            .expect("b's turn starts within 5 s");
+        system.remove_link("a", "b").await.expect("the link is removed");
+        let reply = tokio::time::timeout(Duration::from_secs(5), in_flight)
+            .await
+            .expect("the call in flight ends within 5 s")
+            .unwrap()
+            .expect("the call in flight is answered");
+        assert!(
+            reply.text.starts_with("a read: b did ") && reply.text.ends_with("work go 1"),
+            "{}",
+            reply.text
+        );
+        assert_eq!(llm.requests_of("b").len(), 1);
+
+        let refused = system.ask("a", "go 2").await.expect("a's turn ends");
+        assert!(
+            refused
+                .text
+                .starts_with("a read: error: call_agent failed: call not permitted: a may not ask b"),
+            "{}",
+            refused.text
+        );
+        let outside = system.ask_as("a", "b", "direct", Duration::from_secs(5)).await;
+        assert!(matches!(outside, Err(AgentCallError::NotPermitted(_))), "{outside:?}");
+        assert_eq!(llm.requests_of("b").len(), 1, "b was asked after the link went");
+        system.shutdown().await;
+    }
+}
+
+mod small_mailboxes {
+    use super::*;
+
+    /// Workers, each with a mailbox of `MAILBOX` requests.
+    const WORKERS: usize = 8;
+    const MAILBOX: usize = 2;
+    /// Outside asks spread over the workers, all at once.
+    const ASKS: usize = 240;
+    /// Delegations from the boss spread over the workers, sent as the asks run.
+    const DELEGATIONS: usize = 40;
+    /// How long a worker's model takes.
+    const WORK_MS: u64 = 10;
+
+    /// Goal: hundreds of asks and tens of delegations at once against agents with a
+    /// mailbox of 2: every ask ends within its bound with its own answer or a typed
+    /// `Busy` or `Timeout`, never another error, never a hang; every delegation is
+    /// acknowledged or refused typed; every acknowledged one completes, is worked
+    /// once and its result taken once. Method: `ASKS` asks of `WORKERS` workers at
+    /// once (each given 2 s), and `DELEGATIONS` delegations from `boss` spread over
+    /// them; then the tasks' states and the logs are read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn hundreds_of_asks_and_delegations_get_answers_or_typed_refusals_and_lose_nothing() {
+        let llm = ScriptedLlm::new()
+            .without_recording()
+            .rule(ScriptRule::agent("boss").reply("noted"))
+            .rule(
+                ScriptRule::any_agent()
+                    .reply("answer to {input}")
+                    .latency(Duration::from_millis(WORK_MS)),
+            );
+        let mut builder = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm))
+            .kind_config(KindConfig::default().with_mailbox_capacity(MAILBOX))
+            .agent(AgentSpec::new("boss"));
+        for w in 0..WORKERS {
+            builder = builder.agent(AgentSpec::new(format!("w{w}")));
+        }
+        let system = builder.start().expect("the system starts");
+        let mut asks = Vec::new();
+        for i in 0..ASKS {
+            let client = system.client();
+            asks.push(tokio::spawn(async move {
+                let question = format!("ask-{i}.");
+                let worker = format!("w{}", i % WORKERS);
+                let result = client
+                    .ask_with_timeout(&worker, &question, Duration::from_secs(2))
+                    .await;
+                (question, result)
+            }));
+        }
+        let mut delegations = Vec::new();
+        for i in 0..DELEGATIONS {
+            let client = system.client();
+            delegations.push(tokio::spawn(async move {
+                let text = format!("job-{i}.");
+                let worker = format!("w{}", i % WORKERS);
+                let result = client.delegate("boss", &worker, &text, Some(60_000)).await;
+                (text, worker, result)
+            }));
+        }
+        let mut outcomes = BTreeMap::<&str, usize>::new();
+        for ask in asks {
+            let (question, result) = tokio::time::timeout(Duration::from_secs(10), ask)
+                .await
+                .expect("every ask ends within 10 s")
+                .unwrap();
+            let kind = match result {
+                Ok(reply) => {
+                    assert!(reply.text.starts_with("answer to "), "{question}: {}", reply.text);
+                    assert!(reply.text.contains(&question), "{question}: {}", reply.text);
+                    "answered"
+                }
+                Err(AgentCallError::Invoke(InvokeError::Busy { .. })) => "busy",
+                Err(AgentCallError::Invoke(InvokeError::Timeout { .. })) => "timeout",
+                Err(other) => panic!("{question}: an error neither Busy nor Timeout: {other}"),
+            };
+            *outcomes.entry(kind).or_default() += 1;
+        }
+        let mut acknowledged = Vec::new();
+        let mut refused = Vec::new();
+        for delegation in delegations {
+            let (text, worker, result) = tokio::time::timeout(Duration::from_secs(10), delegation)
+                .await
+                .expect("every delegation ends within 10 s")
+                .unwrap();
+            match result {
+                Ok(task) => acknowledged.push((text, worker, task)),
+                Err(
+                    InboxError::Invoke(InvokeError::Busy { .. })
+                    | InboxError::Full { .. }
+                    | InboxError::OutboxFull { .. },
+                ) => {
+                    *outcomes.entry("delegation refused").or_default() += 1;
+                    refused.push((text, worker));
+                }
+                Err(other) => panic!("{text}: an untyped refusal: {other}"),
+            }
+        }
+        eprintln!("outcomes {outcomes:?}, {} delegations acknowledged", acknowledged.len());
+        assert!(outcomes.get("answered").copied().unwrap_or(0) > 0, "{outcomes:?}");
+        assert!(!acknowledged.is_empty(), "{outcomes:?}");
+        for (text, _, task) in &acknowledged {
+            let state = settle(&format!("{text} ({task}) ends"), || async {
+                let status = system.task("boss", task).await.unwrap()?;
+                status.state.is_final().then_some(status.state)
+            })
+            .await;
+            assert_eq!(state, TaskState::Completed, "{text} ({task})");
+        }
+        settle("the boss's inbox and outbox are empty", || async {
+            (system.pending("boss").await.unwrap() == (0, 0)).then_some(())
+        })
+        .await;
+        let boss = system.conversation_log("boss").await.unwrap();
+        for (text, worker, task) in &acknowledged {
+            let log = system.conversation_log(worker).await.unwrap();
+            assert_eq!(user_messages_containing(&log, text), 1, "{text} in {worker}'s log");
+            let result = format!("[task {task} you delegated is completed]");
+            assert_eq!(user_messages_containing(&boss, &result), 1, "{text}'s result");
+        }
+        for (text, worker) in &refused {
+            let log = system.conversation_log(worker).await.unwrap();
+            assert_eq!(user_messages_containing(&log, text), 0, "refused {text} was worked");
+        }
+        system.shutdown().await;
+    }
+}
