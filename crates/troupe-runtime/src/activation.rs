@@ -329,7 +329,8 @@ fn run(mut guard: CrashGuard, handle: RuntimeHandle) -> impl Future<Output = ()>
             let waker = task_waker.as_ref().expect("set just above");
             {
                 let store_commit = 'settled: {
-                    let Some((context, payload, begun)) = begin(&live, &handle.shared, &mut guard.receiver, &mut now)
+                    let Some((context, payload, begun)) =
+                        begin(&live, &handle.shared, generation, &mut guard.receiver, &mut now)
                     else {
                         // Refused unrun (abandoned, expired or fenced): answered already.
                         continue 'messages;
@@ -735,11 +736,13 @@ const TURN_TIMEOUT_US_MAX: u64 = INVOKE_TIMEOUT_MS_MAX * 1_000;
 /// of its 144 bytes per message). The envelope is taken apart where it is taken out of
 /// the batch, not passed in: passed by value, it was copied once more, and read back
 /// right after being written (see "Twenty-ninth pass" in docs/architecture.md). `now` is
-/// the clock as read in this wake-up of the task, read here if not yet.
+/// the clock as read in this wake-up of the task, read here if not yet. `generation`:
+/// the activation's, for a told message a stale activation gives back ([`stale_message`]).
 #[inline(always)]
 fn begin(
     live: &Live,
     shared: &Shared,
+    generation: u64,
     receiver: &mut MailboxReceiver,
     now: &mut WakeClock,
 ) -> Option<(EnvelopeContext, Payload, Begun)> {
@@ -765,24 +768,29 @@ fn begin(
         // would go on taking messages, and a turn that finishes in its first poll never
         // awaits. No turn starts for a runtime that is gone: what is still queued is
         // answered `Shutdown`, unrun, as the abort answers it once the task is dropped.
-        Some(refused_unrun(live, shared, &reply, InvokeError::Shutdown))
+        Some(refused_unrun(shared, &reply, InvokeError::Shutdown))
     } else if reply.is_closed() || expired() {
         Counters::add(&shared.counters.expired_dropped);
         Some(InvokeError::Timeout {
             target: live.id().clone(),
             timeout_ms: 0,
         })
+    } else if live.fenced.is_some() {
+        // A stale activation runs nothing from its stale state, not even reads: the
+        // requests still in its mailbox fail with the fence, told messages are kept for
+        // this runtime's next activation (`stale_message`); later ones are held for it.
+        let envelope = Envelope {
+            payload,
+            context,
+            reply,
+            call,
+            edge,
+            span: parent,
+        };
+        stale_message(live, shared, generation, envelope);
+        return None;
     } else {
-        // A stale activation answers nothing from its stale state, not even reads: the
-        // requests still in its mailbox fail with the fence; later ones are held for the
-        // next activation.
-        live.fenced.as_ref().map(|fenced| {
-            let error = InvokeError::StorageFailed {
-                target: live.id().clone(),
-                source: (**fenced).clone(),
-            };
-            refused_unrun(live, shared, &reply, error)
-        })
+        None
     };
     if let Some(error) = refusal {
         respond(shared, call, edge, reply, Err(error));
@@ -1357,8 +1365,9 @@ fn close_fenced(live: &Live, shared: &Shared, generation: u64, mailbox: &Mailbox
     // mailbox still open and was refused with the fence again (13 of 40 such requests on
     // worker threads, `the_request_after_a_fenced_refusal_is_served_by_a_fresh_activation`).
     // Closed, it is handed to the dispatcher, which has the notice by then and holds the
-    // request for the next activation. What is queued still fails with the fence, unrun.
-    // (Closed after the notice is sent, so the dispatcher meets this closed mailbox as
+    // request for the next activation. What is queued runs nothing: requests fail with
+    // the fence, told messages are kept for this runtime's next activation
+    // (`stale_message`). (Closed after the notice is sent, so the dispatcher meets this closed mailbox as
     // still open only with a command whose notices it drained just before the notice was
     // sent, and delivers just after the close: that request fails `ActorFailed`, as one
     // meeting a crashed activation.)
@@ -1382,28 +1391,61 @@ fn close_if_fence_refused(live: &mut Live, shared: &Shared, generation: u64, mai
     close_fenced(live, shared, generation, mailbox);
 }
 
-/// `error`, for a message a fenced or aborted activation refuses unrun. A told one was
-/// accepted (its sender answered `Ok`), so nobody else learns of it: it is counted in
-/// `told_lost`, with a warning when the fence refused it (another runtime on the same
-/// store took the actor over, and this message was queued for the stale activation:
-/// `told_messages_queued_behind_a_fenced_commit_are_not_lost`, still open). Out of line
-/// and in these two branches only, so that the inlined `begin` keeps its shape (a cold
+/// `error`, for a message an aborted activation refuses unrun. A told one was accepted
+/// (its sender answered `Ok`), so nobody else learns of it: it is counted in
+/// `told_lost`. Out of line, so that the inlined `begin` keeps its shape (a cold
 /// activation counted 14,578 instructions before `told_lost` and 14,588 with it, in
 /// `bash scripts/instr-count cold` from one checkout).
 #[cold]
 #[inline(never)]
-fn refused_unrun(live: &Live, shared: &Shared, reply: &ReplyTo, error: InvokeError) -> InvokeError {
+fn refused_unrun(shared: &Shared, reply: &ReplyTo, error: InvokeError) -> InvokeError {
     if matches!(reply, ReplyTo::Nobody) {
         Counters::add(&shared.counters.told_lost);
-        if matches!(error, InvokeError::StorageFailed { .. }) {
-            tracing::warn!(
-                actor = %live.id(),
-                %error,
-                "a told message accepted by this runtime was not run: another runtime on the same store took the actor over (its commit fenced this activation off); send it again to the actor, which now runs there"
-            );
-        }
     }
     error
+}
+
+/// A message a stale activation (`live.fenced`: another runtime on the same store
+/// claimed the actor since, a cluster node lost its placement, or the store's answer to
+/// a commit is unknown) takes from its mailbox: it never runs here. A request fails with
+/// the fence (its caller may send it again, and a fresh activation serves it). A told
+/// message was accepted (its sender was answered `Ok`) and nobody would see a refusal,
+/// so it goes back to the dispatcher, which keeps it for this runtime's next activation
+/// of the actor but does not start one for it (`Dispatcher::keep`): handed to a next
+/// activation started at once (6f09540, reverted), it claimed the actor back, fenced the
+/// other runtime, whose queued tells did the same, and troupe-agent's two processes on
+/// one file then failed 5 of 16 runs, every delegation fenced.
+#[cold]
+#[inline(never)]
+fn stale_message(live: &Live, shared: &Shared, generation: u64, envelope: Envelope) {
+    if matches!(envelope.reply, ReplyTo::Nobody) {
+        let id = live.id().clone();
+        let envelope = Box::new(envelope);
+        if shared
+            .control
+            .send(Control::KeepTold {
+                id,
+                generation,
+                envelope,
+            })
+            .is_err()
+        {
+            // The dispatcher is gone (the runtime with it): nothing runs any more.
+            Counters::add(&shared.counters.told_lost);
+        }
+        return;
+    }
+    let source = live
+        .fenced
+        .as_deref()
+        .expect("a stale activation has its refusal")
+        .clone();
+    let error = InvokeError::StorageFailed {
+        target: live.id().clone(),
+        source,
+    };
+    let Envelope { reply, call, edge, .. } = envelope;
+    respond(shared, call, edge, reply, Err(error));
 }
 
 /// Rolls back a turn whose caller stopped waiting; it commits nothing.

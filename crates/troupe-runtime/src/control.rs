@@ -40,7 +40,10 @@ pub(crate) enum Command {
 
 /// Notices from actor tasks and call guards. Their number is bounded by construction:
 /// at most four per activation (activated or failed, one idle check per idle period,
-/// deactivated or crashed) and one shutdown per runtime, so the channel is unbounded.
+/// deactivated or crashed), one per told message a stale activation gives back (at most
+/// its mailbox's capacity: its mailbox is closed when it is found stale), one per timer
+/// of the told messages kept for an actor, and one shutdown per runtime, so the channel
+/// is unbounded.
 /// (Calls send none: their wait-for edges are added and removed under the graph's own
 /// lock, `wait_for_graph::SharedWaits`.)
 ///
@@ -66,6 +69,18 @@ pub(crate) enum Control {
     /// The store refused the activation's commit for a newer claim: close its mailbox
     /// now (held messages start the next activation).
     Fenced { id: ActorId, generation: u64 },
+    /// A told message the stale activation `generation` of `id` (its commit fenced, or
+    /// its store's answer unknown) took from its mailbox unrun. It was accepted (its
+    /// sender was answered `Ok`), so it is kept for this runtime's next activation of
+    /// `id`, which it does not start by itself: see `Dispatcher::keep`.
+    KeepTold {
+        id: ActorId,
+        generation: u64,
+        envelope: Box<Envelope>,
+    },
+    /// The earliest of the times the told messages kept for `id` (under `epoch`) may
+    /// wait has come: those whose time has passed are dropped as expired.
+    KeptExpired { id: ActorId, epoch: u64 },
     /// The activation ran `on_deactivate`, saved, and its task is ending.
     Deactivated { id: ActorId, generation: u64 },
     /// The activation's task ended abnormally (a panic, or aborted). `unrun`: the

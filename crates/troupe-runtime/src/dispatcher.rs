@@ -27,13 +27,13 @@ use std::collections::VecDeque;
 use std::task::Poll;
 
 use tokio::sync::{mpsc, oneshot};
-use troupe_core::limits::ACTIVATIONS_MAX;
-use troupe_core::{ActorId, InvokeError, Lifecycle, LifecycleEvent, LifecycleState};
+use troupe_core::limits::{ACTIVATIONS_MAX, INVOKE_TIMEOUT_MS_MAX};
+use troupe_core::{ActorId, Deadline, InvokeError, Lifecycle, LifecycleEvent, LifecycleState};
 
 use crate::activation::{self, ActivationStart};
 use crate::control::{Command, Control};
 use crate::envelope::{Envelope, ReplyTo};
-use crate::fast_hash::{IdEntry, IdMap, VacantId};
+use crate::fast_hash::{FastMap, IdEntry, IdMap, VacantId};
 use crate::handle::{Counters, Route, Routes};
 use crate::mailbox::{Delivery, Mailbox};
 use crate::observer::RuntimeEvent;
@@ -58,6 +58,11 @@ struct Activation {
 struct Waiting {
     /// Messages for the next activation, held while this one deactivates.
     held: VecDeque<Box<Envelope>>,
+    /// Told messages this activation, found stale, gave back unrun (`Control::KeepTold`),
+    /// each with the time it may wait until: they came before those held, and go first
+    /// to the next activation if one starts when this one ends; else they are kept
+    /// (`Dispatcher::keep`).
+    kept: VecDeque<(Deadline, Box<Envelope>)>,
     /// Callers of `RuntimeHandle::deactivate` waiting for this activation to end.
     deactivation_waiters: Vec<oneshot::Sender<bool>>,
 }
@@ -81,6 +86,13 @@ impl Activation {
 
     fn held_len(&self) -> usize {
         self.waiting.as_ref().map_or(0, |waiting| waiting.held.len())
+    }
+
+    /// Held, and given back by a stale activation (`Waiting::kept`): for the stats.
+    fn waiting_len(&self) -> usize {
+        self.waiting
+            .as_ref()
+            .map_or(0, |waiting| waiting.held.len() + waiting.kept.len())
     }
 
     fn waiting(&mut self) -> &mut Waiting {
@@ -119,12 +131,47 @@ enum Next {
 /// refused `Busy`, accepted told messages are not.
 pub(crate) const CARRIED_OVER_MAX_MAILBOXES: usize = 2;
 
+/// The longest a told message given back by a stale activation is kept for this
+/// runtime's next activation of its actor, in milliseconds, if its own deadline is
+/// later: the longest a turn may take (a told message's turn gets at most that from when
+/// it starts, whatever its deadline).
+pub(crate) const TOLD_KEPT_MS_MAX: u64 = INVOKE_TIMEOUT_MS_MAX;
+
+/// Told messages a stale activation of an actor gave back (its commit was fenced:
+/// another runtime on the same store claimed the actor), kept for this runtime's next
+/// activation of that actor: they run first in it if something else starts it (a new
+/// message for the actor), and each is dropped as expired at its time (`Kept::tells`)
+/// if none does. An actor has kept messages only while it has no activation here: the
+/// next one takes them all.
+struct Kept {
+    /// Oldest first, each with the time it may wait until: its deadline, or
+    /// [`TOLD_KEPT_MS_MAX`] from when it was given back if that is sooner.
+    tells: VecDeque<(Deadline, Box<Envelope>)>,
+    /// Which timer is current: a `Control::KeptExpired` of another epoch is stale.
+    epoch: u64,
+    /// Sends `KeptExpired` at the earliest time among `tells`.
+    timer: tokio::task::AbortHandle,
+}
+
+impl Kept {
+    /// Stops the timer; the messages.
+    fn stop(self) -> VecDeque<(Deadline, Box<Envelope>)> {
+        self.timer.abort();
+        self.tells
+    }
+}
+
 pub(crate) struct Dispatcher {
     handle: RuntimeHandle,
     commands: mpsc::Receiver<Command>,
     control: mpsc::UnboundedReceiver<Control>,
     table: IdMap<Activation>,
     next_generation: u64,
+    /// Told messages kept for actors with no activation here ([`Kept`]): a cold table,
+    /// empty but after a fence. At most [`ACTIVATIONS_MAX`] actors, each at most a
+    /// mailbox's worth (what its stale activation's closed mailbox held).
+    kept: FastMap<ActorId, Kept>,
+    next_kept_epoch: u64,
     shutdown: Option<oneshot::Sender<()>>,
     shutting_down: bool,
 }
@@ -141,6 +188,8 @@ impl Dispatcher {
             control,
             table: IdMap::default(),
             next_generation: 1,
+            kept: FastMap::default(),
+            next_kept_epoch: 1,
             shutdown: None,
             shutting_down: false,
         }
@@ -267,7 +316,8 @@ impl Dispatcher {
             activations: self.table.len(),
             // Closed: deactivating, or about to once it has started.
             deactivating: self.table.values().filter(|a| !a.open).count(),
-            held_messages: self.table.values().map(Activation::held_len).sum(),
+            held_messages: self.table.values().map(Activation::waiting_len).sum::<usize>()
+                + self.kept.values().map(|kept| kept.tells.len()).sum::<usize>(),
             wait_for_edges: self.handle.shared.waits.lock().len(),
         }
     }
@@ -329,13 +379,25 @@ impl Dispatcher {
                     let target = entry.into_key();
                     Some((envelope, InvokeError::Rejected { target, reason }))
                 }
-                IdEntry::Vacant(entry) => {
+                IdEntry::Vacant(entry) if self.kept.is_empty() => {
                     Self::activate(
                         &self.handle,
                         &mut self.next_generation,
                         entry,
                         capacity,
                         std::iter::once(envelope),
+                    );
+                    None
+                }
+                IdEntry::Vacant(entry) => {
+                    let kept = self.kept.remove(entry.key()).map(Kept::stop).unwrap_or_default();
+                    let messages = Self::after_kept(&self.handle, kept, std::iter::once(envelope));
+                    Self::activate(
+                        &self.handle,
+                        &mut self.next_generation,
+                        entry,
+                        capacity,
+                        messages.into_iter(),
                     );
                     None
                 }
@@ -395,6 +457,17 @@ impl Dispatcher {
         Some((envelope, Self::busy(target, capacity)))
     }
 
+    /// The mailbox capacity of `id`'s kind.
+    fn capacity(&self, id: &ActorId) -> usize {
+        self.handle
+            .shared
+            .kinds
+            .get(id.kind())
+            .expect("activations are of registered kinds only")
+            .config
+            .mailbox_capacity
+    }
+
     fn busy(target: &ActorId, capacity: usize) -> InvokeError {
         InvokeError::Busy {
             target: target.clone(),
@@ -445,6 +518,20 @@ impl Dispatcher {
                     self.close(&id);
                 }
             }
+            Control::KeepTold {
+                id,
+                generation,
+                envelope,
+            } => {
+                let until = self.kept_until(&envelope);
+                match self.current(&id, generation) {
+                    Some(activation) => activation.waiting().kept.push_back((until, envelope)),
+                    // Not current (its end was applied first: not expected, a task's
+                    // notice of its end is its last).
+                    None => self.keep(id, VecDeque::from([(until, envelope)])),
+                }
+            }
+            Control::KeptExpired { id, epoch } => self.kept_expired(id, epoch),
             Control::IdleCheck {
                 id,
                 generation,
@@ -524,6 +611,7 @@ impl Dispatcher {
             .emit(|| RuntimeEvent::ActivationEnded { actor: id.clone() });
         let Waiting {
             held,
+            kept,
             deactivation_waiters,
         } = activation.waiting.map(|waiting| *waiting).unwrap_or_default();
         for waiter in deactivation_waiters {
@@ -536,7 +624,18 @@ impl Dispatcher {
             .filter(|envelope| !envelope.reply.is_closed())
             .collect();
         if held.is_empty() {
+            // Nothing new for the actor: the told messages a stale activation gave back
+            // start nothing by themselves (`keep`).
+            if !kept.is_empty() {
+                self.keep(id, kept);
+            }
             return;
+        }
+        if !kept.is_empty() {
+            // Something new starts the next activation: what the stale one gave back was
+            // taken from its mailbox before the rest, so it goes first.
+            debug_assert!(!self.kept.contains_key(&id), "kept twice for {id}");
+            held = Self::after_kept(&self.handle, kept, held);
         }
         if self.handle.shared.aborted() {
             // The grace period is over (or the runtime dropped): nothing more runs.
@@ -545,14 +644,7 @@ impl Dispatcher {
             }
             return;
         }
-        let capacity = self
-            .handle
-            .shared
-            .kinds
-            .get(id.kind())
-            .expect("activations are of registered kinds only")
-            .config
-            .mailbox_capacity;
+        let capacity = self.capacity(&id);
         // A crashed mailbox's unrun messages and those held since: up to a mailbox's worth
         // go to the next activation. Of the rest, a request is refused as a full mailbox
         // refuses it (its caller sees `Busy`); a told message was accepted already (its
@@ -616,14 +708,170 @@ impl Dispatcher {
             activation.task.abort();
             Counters::add(&self.handle.shared.counters.activations_aborted);
             if let Some(waiting) = &mut activation.waiting {
+                held.extend(waiting.kept.drain(..).map(|(_, envelope)| envelope));
                 held.extend(waiting.held.drain(..));
             }
         }
+        held.extend(self.take_kept());
         // Messages held for a next activation that will not come: refused at once, not
         // when the aborted task next yields.
         for envelope in held {
             self.refuse_held(*envelope, InvokeError::Shutdown);
         }
+    }
+
+    /// The time a told message given back by a stale activation now may wait until: its
+    /// deadline, or [`TOLD_KEPT_MS_MAX`] from now if sooner.
+    fn kept_until(&self, envelope: &Envelope) -> Deadline {
+        let now = self.handle.shared.clock.now();
+        let latest = Deadline::from_micros(now.as_micros().saturating_add(TOLD_KEPT_MS_MAX * 1_000));
+        Deadline::min(envelope.context.deadline(), latest)
+    }
+
+    /// Keeps `tells`, told messages a stale activation of `id` gave back unrun, for this
+    /// runtime's next activation of `id`, which they do not start: they run first in it
+    /// if a new message starts it (`route`), and each is dropped as expired at its time
+    /// if none does (`kept_expired`).
+    ///
+    /// Why not start that activation at once, as for messages held during a
+    /// deactivation: the activation was stale because another runtime on the same store
+    /// claimed the actor, and an activation started here claims it back and fences that
+    /// one, whose queued told messages would then start one there, and so on while told
+    /// messages keep coming (6f09540 did so; troupe-agent's two processes on one file
+    /// then failed 5 of 16 runs, every delegation fenced). A new message from outside is
+    /// what starts an activation here anyway, kept messages or not: they add no claim.
+    ///
+    /// Bounded: an actor's kept messages came from its stale activation's mailbox, closed
+    /// when the fence was met (at most its capacity), and at most [`ACTIVATIONS_MAX`]
+    /// actors have kept messages; past that, they are refused, counted in `told_lost`.
+    #[cold]
+    #[inline(never)]
+    fn keep(&mut self, id: ActorId, tells: VecDeque<(Deadline, Box<Envelope>)>) {
+        if self.shutting_down || self.handle.shared.aborted() {
+            // No new message comes now to start an activation.
+            for (_, envelope) in tells {
+                self.refuse_held(*envelope, InvokeError::Shutdown);
+            }
+            return;
+        }
+        let mut tells = match self.kept.remove(&id) {
+            // Not expected (an actor's kept messages go with its next activation): merged.
+            Some(kept) => kept.stop().into_iter().chain(tells).collect(),
+            None => tells,
+        };
+        let capacity = self.capacity(&id);
+        if tells.len() > capacity {
+            // Not expected either (a closed mailbox gave them back): a mailbox's worth at
+            // most, so that the next activation opens with room for its new message.
+            for (_, envelope) in tells.split_off(capacity) {
+                self.refuse_held(*envelope, Self::busy(&id, capacity));
+            }
+        }
+        if self.kept.len() >= ACTIVATIONS_MAX {
+            tracing::warn!(
+                actor = %id,
+                kept = tells.len(),
+                "told messages accepted by this runtime were not run: another runtime on the same store took the actor over, and {ACTIVATIONS_MAX} actors already have told messages kept here; send them again"
+            );
+            let reason = format!("{ACTIVATIONS_MAX} actors already have told messages kept");
+            for (_, envelope) in tells {
+                let error = InvokeError::Rejected {
+                    target: id.clone(),
+                    reason: reason.clone(),
+                };
+                self.refuse_held(*envelope, error);
+            }
+            return;
+        }
+        self.drop_expired(&mut tells);
+        let Some(first) = tells.iter().map(|(until, _)| *until).min() else {
+            return;
+        };
+        tracing::info!(
+            actor = %id,
+            kept = tells.len(),
+            "told messages accepted by this runtime were not run by its stale activation (another runtime on the same store took the actor over): kept until their deadlines for this runtime's next activation of the actor, which they do not start"
+        );
+        let epoch = self.next_kept_epoch;
+        self.next_kept_epoch += 1;
+        let timer = self.kept_timer(id.clone(), epoch, first);
+        self.kept.insert(id, Kept { tells, epoch, timer });
+    }
+
+    /// A timer that sends `KeptExpired { id, epoch }` at `at`.
+    fn kept_timer(&self, id: ActorId, epoch: u64, at: Deadline) -> tokio::task::AbortHandle {
+        let control = self.handle.shared.control.clone();
+        let instant = self.handle.shared.clock.instant_of(at);
+        tokio::spawn(async move {
+            tokio::time::sleep_until(instant).await;
+            let _ = control.send(Control::KeptExpired { id, epoch });
+        })
+        .abort_handle()
+    }
+
+    /// Drops the told messages among `tells` whose time has passed, as expired.
+    fn drop_expired(&self, tells: &mut VecDeque<(Deadline, Box<Envelope>)>) {
+        let clock = &self.handle.shared.clock;
+        tells.retain(|(until, _)| {
+            let passed = clock.has_passed(*until);
+            if passed {
+                Counters::add(&self.handle.shared.counters.expired_dropped);
+            }
+            !passed
+        });
+    }
+
+    /// The timer of `id`'s kept messages fired: drops those whose time has passed, and
+    /// arms it again for the rest.
+    #[cold]
+    #[inline(never)]
+    fn kept_expired(&mut self, id: ActorId, epoch: u64) {
+        let Some(mut kept) = self.kept.remove(&id) else {
+            return;
+        };
+        if kept.epoch != epoch {
+            // A timer aborted after it fired: the current one is another.
+            self.kept.insert(id, kept);
+            return;
+        }
+        self.drop_expired(&mut kept.tells);
+        let Some(next) = kept.tells.iter().map(|(until, _)| *until).min() else {
+            return;
+        };
+        kept.epoch = self.next_kept_epoch;
+        self.next_kept_epoch += 1;
+        kept.timer = self.kept_timer(id.clone(), kept.epoch, next);
+        self.kept.insert(id, kept);
+    }
+
+    /// The messages a new activation opens with: the kept ones still in time (`kept`,
+    /// oldest first), then `then`.
+    #[cold]
+    #[inline(never)]
+    fn after_kept(
+        handle: &RuntimeHandle,
+        kept: VecDeque<(Deadline, Box<Envelope>)>,
+        then: impl IntoIterator<Item = Box<Envelope>>,
+    ) -> VecDeque<Box<Envelope>> {
+        let mut messages = VecDeque::with_capacity(kept.len() + 1);
+        for (until, envelope) in kept {
+            if handle.shared.clock.has_passed(until) {
+                Counters::add(&handle.shared.counters.expired_dropped);
+            } else {
+                messages.push_back(envelope);
+            }
+        }
+        messages.extend(then);
+        messages
+    }
+
+    /// Every kept message, their timers stopped.
+    fn take_kept(&mut self) -> Vec<Box<Envelope>> {
+        let mut taken = Vec::new();
+        for (_, kept) in std::mem::take(&mut self.kept) {
+            taken.extend(kept.stop().into_iter().map(|(_, envelope)| envelope));
+        }
+        taken
     }
 
     fn begin_shutdown(&mut self, reply: Option<oneshot::Sender<()>>) {
@@ -633,7 +881,12 @@ impl Dispatcher {
         }
         // Messages held for a next activation stay held: they were accepted before the
         // shutdown and run within its grace period (`finish` starts that activation
-        // closed); the grace over, `abort` refuses them.
+        // closed); the grace over, `abort` refuses them. Told messages kept for actors
+        // with no activation here start none (`keep`): nothing new comes now, so they
+        // are lost, counted.
+        for envelope in self.take_kept() {
+            self.refuse_held(*envelope, InvokeError::Shutdown);
+        }
         let mut routes = self.handle.shared.routes.lock();
         for (id, activation) in self.table.iter_mut() {
             activation.close(id, &mut routes);

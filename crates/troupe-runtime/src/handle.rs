@@ -125,11 +125,13 @@ pub struct RuntimeCounters {
     pub store_retries: u64,
     /// Fire-and-forget messages accepted (their sender was answered `Ok`) and then not
     /// run, for a reason other than their deadline (counted in `expired_dropped`):
-    /// queued in an activation whose commit another runtime on the same store fenced
-    /// off (the stale activation runs nothing more; a warning names the actor), queued
-    /// or held when the shutdown grace ended, or carried over crashes in a row past
-    /// `CARRIED_OVER_MAX_MAILBOXES` mailboxes' worth. Not counted: those in a mailbox
-    /// whose task the end of the grace dropped, and those lost with the process.
+    /// queued or held when the shutdown grace ended, carried over crashes in a row past
+    /// `CARRIED_OVER_MAX_MAILBOXES` mailboxes' worth, or kept after a fence (queued in an
+    /// activation whose commit another runtime on the same store fenced off: kept for
+    /// the next activation here, which they do not start) when the shutdown began
+    /// before a new message started one, or past `ACTIVATIONS_MAX` actors with kept
+    /// messages. Not counted: those in a mailbox whose task the end of the grace
+    /// dropped, and those lost with the process.
     pub told_lost: u64,
 }
 
@@ -141,7 +143,9 @@ pub struct DispatcherStats {
     /// Of those, how many have a closed mailbox: deactivating, or closed while still
     /// starting (they deactivate once started). New messages for them are held.
     pub deactivating: usize,
-    /// Messages held for actors whose previous activation is still deactivating.
+    /// Messages held for actors whose previous activation is still deactivating, and
+    /// told messages kept for the next activation of actors whose activation was found
+    /// stale (fenced by another runtime on the same store), which start none.
     pub held_messages: usize,
     /// Live calls in the wait-for graph.
     pub wait_for_edges: usize,

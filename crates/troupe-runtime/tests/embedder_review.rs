@@ -869,41 +869,180 @@ fn start_ledger(store: &Arc<MemoryStore>, shared: &Arc<Shared>) -> Runtime {
 
 /// Goal: told messages accepted by an activation that turns out stale (another runtime
 /// on the same store claimed the actor since) are not lost when its commit is fenced:
-/// they never started, as a crashed activation's queued messages never started, and
-/// those are handed to the next activation. Method: runtimes `a` and `b` on one memory
+/// they never started, so they run first, in order, in this runtime's next activation
+/// of the actor, which a new message starts. Method: runtimes `a` and `b` on one memory
 /// store; `a` holds the actor in a `gate` turn with two records told behind it; `b`
 /// records `b1` (a newer claim); the gate opens, `a`'s commit is fenced; then `a` is
-/// asked for the list, from a fresh activation.
+/// asked for the list (again while the stale activation refuses the request with the
+/// fence), which a fresh activation answers. Before: 'left: b"b1" right: b"b1,a1,a2"'
+/// (the two records refused with the fence, dropped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "bug: told messages queued behind a fenced commit are refused with the fence, which for an accepted tell (nobody to answer) drops it. Handing them to the next activation (tried in 6f09540, reverted) made that activation claim the actor again and fence the other process: troupe-agent's two_processes_on_one_file_work_each_acknowledged_task_once then failed 5 of 16 runs, every delegation fenced"]
 async fn told_messages_queued_behind_a_fenced_commit_are_not_lost() {
-    let (list, lost) = records_told_behind_a_fenced_commit().await;
+    let fenced = tells_behind_a_fenced_commit(HANG).await;
+    let list = within("a: get", async {
+        loop {
+            match fenced
+                .a
+                .invoke(&fenced.id, Bytes::from_static(b"get"), fenced.deadline)
+                .await
+            {
+                Err(InvokeError::StorageFailed { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+                }
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("a fresh activation answers");
     assert_eq!(
         list,
         Bytes::from_static(b"b1,a1,a2"),
-        "the records told to the stale activation ran in the fresh one"
+        "the records told to the stale activation ran first in the fresh one"
     );
-    assert_eq!(lost, (0, 0));
+    assert_eq!(fenced.lost(), (0, 0), "(told_lost of a, of b)");
+    fenced.shutdown().await;
 }
 
-/// What is true until the test above passes: the told messages a fenced activation
-/// refuses are not run, and each is counted in `told_lost` (its sender was answered
-/// `Ok` at acceptance, so nothing else says it). The runtime that took the actor over
-/// loses nothing. Same scenario as above.
+/// Goal: the told messages kept after a fence start no activation by themselves, so the
+/// runtime that took the actor over is not fenced back (the ping-pong of 6f09540, where
+/// they started one at once); a new message to the stale runtime then runs them first.
+/// Method: the scenario above; once `a`'s stale activation has ended and its two records
+/// are kept (its stats), 200 ms pass: `a` has no activation and still keeps them, and
+/// `b` records `b2`, its commit not fenced; then `a` records `a3`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn told_messages_a_fenced_activation_refuses_are_counted_as_lost() {
-    let (list, lost) = records_told_behind_a_fenced_commit().await;
+async fn told_messages_kept_after_a_fence_start_no_activation_and_fence_nobody_back() {
+    let fenced = tells_behind_a_fenced_commit(HANG).await;
+    kept_on(&fenced.a, 2).await;
+    tokio::time::sleep(Duration::from_millis(QUIET_MS)).await;
+    let stats = within("a: stats", fenced.a.stats()).await.unwrap();
     assert_eq!(
-        list,
-        Bytes::from_static(b"b1"),
-        "the records told to the stale activation did not run"
+        (stats.activations, stats.held_messages),
+        (0, 2),
+        "a started no activation for its kept records"
     );
-    assert_eq!(lost, (2, 0), "(told_lost of a, of b): a1 and a2, accepted and not run");
+    let b2 = within(
+        "b: b2",
+        fenced
+            .b
+            .invoke(&fenced.id, Bytes::from_static(b"rec:b2"), fenced.deadline),
+    )
+    .await;
+    assert_eq!(b2, Ok(Bytes::from_static(b"b1,b2")), "b still holds the actor");
+    let a3 = within(
+        "a: a3",
+        fenced
+            .a
+            .invoke(&fenced.id, Bytes::from_static(b"rec:a3"), fenced.deadline),
+    )
+    .await;
+    assert_eq!(
+        a3,
+        Ok(Bytes::from_static(b"b1,b2,a1,a2,a3")),
+        "a's next activation ran the kept records first, in order"
+    );
+    assert_eq!(within("a: stats", fenced.a.stats()).await.unwrap().held_messages, 0);
+    assert_eq!(fenced.lost(), (0, 0), "(told_lost of a, of b)");
+    fenced.shutdown().await;
 }
 
-/// The scenario of the two tests above: the list `a` reads from a fresh activation,
-/// and the `told_lost` counters of `a` and `b`.
-async fn records_told_behind_a_fenced_commit() -> (Bytes, (u64, u64)) {
+/// Goal: a told message kept after a fence that no new message comes to run is dropped
+/// at its own deadline, counted as expired (not as lost), without waiting for a next
+/// activation; one that comes after runs without it. Method: the records are told with
+/// a deadline `TOLD_FOR_MS` away; once kept, the test waits (bounded) for `a`'s
+/// `expired_dropped` to grow by two and its held messages to fall to zero, with no
+/// activation, then asks `a` for the list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn told_messages_kept_after_a_fence_are_dropped_as_expired_at_their_deadline() {
+    const TOLD_FOR_MS: u64 = 1_500;
+    let fenced = tells_behind_a_fenced_commit(Duration::from_millis(TOLD_FOR_MS)).await;
+    kept_on(&fenced.a, 2).await;
+    let expired_before = fenced.a.counters().expired_dropped;
+    within("a: the kept records expire", async {
+        loop {
+            let stats = fenced.a.stats().await.unwrap();
+            if stats.held_messages == 0 {
+                assert_eq!(stats.activations, 0, "no activation started for them");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        fenced.a.counters().expired_dropped - expired_before,
+        2,
+        "both kept records dropped as expired"
+    );
+    let list = within(
+        "a: get",
+        fenced.a.invoke(&fenced.id, Bytes::from_static(b"get"), fenced.deadline),
+    )
+    .await;
+    assert_eq!(list, Ok(Bytes::from_static(b"b1")), "the expired records did not run");
+    assert_eq!(fenced.lost(), (0, 0), "expired, not lost");
+    fenced.shutdown().await;
+}
+
+/// Goal: what is still lost, and said: told messages kept after a fence when the runtime
+/// shuts down before a new message started its next activation of the actor (kept
+/// messages start none) are counted in `told_lost` (their senders were answered `Ok` at
+/// acceptance, so nothing else says it). The runtime that took the actor over loses
+/// nothing. Method: the scenario above; once the records are kept, `a` shuts down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn told_messages_kept_after_a_fence_at_shutdown_are_counted_as_lost() {
+    let fenced = tells_behind_a_fenced_commit(HANG).await;
+    kept_on(&fenced.a, 2).await;
+    assert_eq!(fenced.lost(), (0, 0), "kept, not lost yet");
+    let list = within(
+        "b: get",
+        fenced.b.invoke(&fenced.id, Bytes::from_static(b"get"), fenced.deadline),
+    )
+    .await;
+    assert_eq!(list, Ok(Bytes::from_static(b"b1")), "the kept records did not run on b");
+    let FencedTells { a, b, .. } = fenced;
+    let handle_a = (*a).clone();
+    within("shutdown a", a.shutdown()).await;
+    assert_eq!(
+        (handle_a.counters().told_lost, b.counters().told_lost),
+        (2, 0),
+        "(told_lost of a, of b): a1 and a2, accepted and not run"
+    );
+    within("shutdown b", b.shutdown()).await;
+}
+
+/// How long a probe watches for something that must not happen (an activation started
+/// by kept messages), in milliseconds.
+const QUIET_MS: u64 = 200;
+
+/// Two runtimes on one store, and the actor `ledger/l` that `b` took over from `a`'s
+/// activation, whose commit is then fenced with `a1` and `a2` told behind it.
+struct FencedTells {
+    a: Runtime,
+    b: Runtime,
+    id: ActorId,
+    /// For the test's own requests.
+    deadline: troupe_core::Deadline,
+    _shared: (Arc<Shared>, Arc<Shared>),
+}
+
+impl FencedTells {
+    /// The `told_lost` counters of `a` and `b`.
+    fn lost(&self) -> (u64, u64) {
+        (self.a.counters().told_lost, self.b.counters().told_lost)
+    }
+
+    async fn shutdown(self) {
+        within("shutdown a", self.a.shutdown()).await;
+        within("shutdown b", self.b.shutdown()).await;
+    }
+}
+
+/// The scenario of the tests above, up to the gate's opening (the fenced commit follows):
+/// runtimes `a` and `b` on one memory store; `a` holds the actor in a `gate` turn with
+/// `rec:a1` and `rec:a2` told behind it (with a deadline `told_for` away); `b` records
+/// `b1`, a newer claim.
+async fn tells_behind_a_fenced_commit(told_for: Duration) -> FencedTells {
     let store = Arc::new(MemoryStore::new());
     let (shared_a, shared_b) = (Arc::new(Shared::default()), Arc::new(Shared::default()));
     let a = start_ledger(&store, &shared_a);
@@ -914,8 +1053,9 @@ async fn records_told_behind_a_fenced_commit() -> (Bytes, (u64, u64)) {
         .await
         .unwrap();
     within("a: the gate's turn", shared_a.at_gate.notified()).await;
+    let told_deadline = a.deadline_in(told_for);
     for record in ["rec:a1", "rec:a2"] {
-        within("a: a record", a.tell(&id, Bytes::from(record), deadline))
+        within("a: a record", a.tell(&id, Bytes::from(record), told_deadline))
             .await
             .unwrap();
     }
@@ -923,22 +1063,26 @@ async fn records_told_behind_a_fenced_commit() -> (Bytes, (u64, u64)) {
     let newer = within("b: b1", b.invoke(&id, Bytes::from_static(b"rec:b1"), deadline)).await;
     assert_eq!(newer, Ok(Bytes::from_static(b"b1")), "b claims the actor anew");
     shared_a.gate.notify_one();
-    // The gate's commit is fenced; the activation closes. A request sent after that
-    // reaches a fresh activation of `a`, which reads what `b` stored.
-    let list = within("a: get", async {
+    FencedTells {
+        a,
+        b,
+        id,
+        deadline,
+        _shared: (shared_a, shared_b),
+    }
+}
+
+/// Waits (bounded) until `runtime`'s stale activation has ended and `count` told
+/// messages are kept: no activation, `count` held.
+async fn kept_on(runtime: &Runtime, count: usize) {
+    within("the stale activation ends, its told messages kept", async {
         loop {
-            match a.invoke(&id, Bytes::from_static(b"get"), deadline).await {
-                Err(InvokeError::StorageFailed { .. }) => {
-                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
-                }
-                other => return other,
+            let stats = runtime.stats().await.unwrap();
+            if (stats.activations, stats.held_messages) == (0, count) {
+                break;
             }
+            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
         }
     })
-    .await
-    .expect("a fresh activation answers");
-    let lost = (a.counters().told_lost, b.counters().told_lost);
-    within("shutdown a", a.shutdown()).await;
-    within("shutdown b", b.shutdown()).await;
-    (list, lost)
+    .await;
 }
