@@ -618,3 +618,245 @@ mod small_mailboxes {
         system.shutdown().await;
     }
 }
+
+mod abandoned_turns {
+    use super::*;
+
+    /// How long `a`'s model takes to answer after its tool: the caller gives up first.
+    const AFTER_TOOL_MS: u64 = 250;
+    /// How long the outside caller of the abandoned turn waits.
+    const GIVE_UP_MS: u64 = 100;
+
+    /// How the outside caller of the first turn gives up.
+    #[derive(Clone, Copy, Debug)]
+    enum GiveUp {
+        /// `ask_with_timeout`: the turn's own deadline passes.
+        Deadline,
+        /// The ask's future is dropped (its deadline is far).
+        Drop,
+    }
+
+    /// Goal: a send a turn's model made (`delegate_to_agent` or `notify_agent`) in a
+    /// turn that never commits, because its outside caller gave up while the model was
+    /// still answering, is never sent: the target never sees it, and the next turn's
+    /// send, which may take the same task id, is worked once and its result (for a
+    /// task) comes back once and matches it. Method: `a`'s model sends on "first" and
+    /// takes `AFTER_TOOL_MS` to answer the tool's result; the caller gives up after
+    /// `GIVE_UP_MS` (a turn deadline, or its future dropped); then "second" sends again
+    /// and is waited for.
+    async fn an_abandoned_turns_send_is_never_sent(tool: &str, give_up: GiveUp) {
+        let case = format!("{tool} {give_up:?}");
+        let llm = ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("a")
+                    .on_user_containing("you delegated is")
+                    .reply("result seen"),
+            )
+            .rule(
+                ScriptRule::agent("a")
+                    .on_tool_result()
+                    .reply("a sent: {tool_result}")
+                    .latency(Duration::from_millis(AFTER_TOOL_MS)),
+            )
+            .rule(
+                ScriptRule::agent("a")
+                    .on_user_containing("first")
+                    .call(tool, json!({"agent_id": "b", "message": "job-first."})),
+            )
+            .rule(
+                ScriptRule::agent("a")
+                    .on_user_containing("second")
+                    .call(tool, json!({"agent_id": "b", "message": "job-second."})),
+            )
+            .rule(ScriptRule::agent("b").reply("b did {input}"));
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("a"))
+            .agent(AgentSpec::new("b"))
+            .start()
+            .expect("the system starts");
+        match give_up {
+            GiveUp::Deadline => {
+                let first = system
+                    .ask_with_timeout("a", "first", Duration::from_millis(GIVE_UP_MS))
+                    .await;
+                assert!(
+                    matches!(first, Err(AgentCallError::Invoke(InvokeError::Timeout { .. }))),
+                    "{case}: {first:?}"
+                );
+            }
+            GiveUp::Drop => {
+                let first = tokio::time::timeout(Duration::from_millis(GIVE_UP_MS), system.ask("a", "first")).await;
+                assert!(
+                    first.is_err(),
+                    "{case}: the first ask ended before it was dropped: {first:?}"
+                );
+            }
+        }
+        // Past the abandoned turn's model call.
+        tokio::time::sleep(Duration::from_millis(2 * AFTER_TOOL_MS)).await;
+        let second = system.ask("a", "second").await.expect("the second turn ends");
+        assert!(second.text.starts_with("a sent: "), "{case}: {}", second.text);
+        if tool == "delegate_to_agent" {
+            let task = second
+                .text
+                .split("delegated as task ")
+                .nth(1)
+                .and_then(|rest| rest.split(';').next())
+                .unwrap_or_else(|| panic!("{case}: no task id in {:?}", second.text))
+                .to_string();
+            let status = settle(&format!("{case}: {task} ends"), || async {
+                let status = system.task("a", &task).await.unwrap()?;
+                status.state.is_final().then_some(status)
+            })
+            .await;
+            assert_eq!(status.state, TaskState::Completed, "{case}: {status:?}");
+            let results = settle(&format!("{case}: a reads the result"), || async {
+                let log = system.conversation_log("a").await.unwrap();
+                let results: Vec<String> = log
+                    .into_iter()
+                    .filter(|m| m.role == Role::User && m.content.contains("you delegated is"))
+                    .map(|m| m.content)
+                    .collect();
+                (!results.is_empty()).then_some(results)
+            })
+            .await;
+            assert_eq!(results.len(), 1, "{case}: {results:#?}");
+            assert!(
+                results[0].contains(&format!("[task {task} you delegated is completed]"))
+                    && results[0].contains("job-second."),
+                "{case}: the result does not match the task: {results:#?}"
+            );
+        }
+        settle(&format!("{case}: b processed the second send"), || async {
+            let log = system.conversation_log("b").await.unwrap();
+            (user_messages_containing(&log, "job-second.") > 0).then_some(())
+        })
+        .await;
+        // Time for a leaked first send to arrive too.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let b = system.conversation_log("b").await.unwrap();
+        assert_eq!(
+            user_messages_containing(&b, "job-first."),
+            0,
+            "{case}: the abandoned send was sent: {b:#?}"
+        );
+        assert_eq!(user_messages_containing(&b, "job-second."), 1, "{case}: {b:#?}");
+        assert_eq!(system.pending("a").await.unwrap(), (0, 0), "{case}");
+        assert_eq!(system.pending("b").await.unwrap(), (0, 0), "{case}");
+        system.shutdown().await;
+    }
+
+    /// [`an_abandoned_turns_send_is_never_sent`] for each tool and each way to give up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_send_made_in_a_turn_its_caller_gave_up_is_never_sent() {
+        for tool in ["delegate_to_agent", "notify_agent"] {
+            for give_up in [GiveUp::Deadline, GiveUp::Drop] {
+                an_abandoned_turns_send_is_never_sent(tool, give_up).await;
+            }
+        }
+    }
+}
+
+mod cancel_then_restart {
+    use super::*;
+
+    /// How long the analyst's model takes in the first process.
+    const WORK_MS: u64 = 300;
+
+    fn process(path: &std::path::Path, work: Duration) -> AgentSystem {
+        let llm = ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("[task")
+                    .reply("done {input}")
+                    .latency(work),
+            )
+            .rule(ScriptRule::agent("coordinator").reply("seen"));
+        AgentSystem::builder()
+            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
+            .llm(Arc::new(llm))
+            .agent(AgentSpec::new("coordinator"))
+            .agent(AgentSpec::new("analyst"))
+            .start()
+            .expect("the system starts")
+    }
+
+    /// Goal: a task canceled while its worker's turn on it runs, whose process is then
+    /// dropped at once, ends once in the next process on the same SQLite file: one
+    /// final state (`canceled` or `completed`), and the delegator reads exactly one
+    /// final message about it, the one the record says; both agents' inboxes and
+    /// outboxes end empty. Method: the analyst takes `WORK_MS`; the cancellation is
+    /// sent once its turn started, and the process dropped right after.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_task_canceled_mid_work_and_then_restarted_ends_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let first = process(&path, Duration::from_millis(WORK_MS));
+        let mut events = first.subscribe();
+        let task = first
+            .delegate("coordinator", "analyst", "job-1.", Some(60_000))
+            .await
+            .expect("acknowledged");
+        let started = async {
+            loop {
+                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
+                    if agent.key() == "analyst" {
+                        break;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), started)
+            .await
+            .expect("the analyst starts within 5 s");
+        let canceled = first.cancel("coordinator", &task).await;
+        assert!(
+            matches!(
+                canceled,
+                Ok(None) | Ok(Some(TaskState::Canceled | TaskState::Completed))
+            ),
+            "{canceled:?}"
+        );
+        drop(first);
+
+        let second = process(&path, Duration::ZERO);
+        let state = settle(&format!("{task} ends"), || async {
+            let status = second.task("coordinator", &task).await.unwrap()?;
+            status.state.is_final().then_some(status.state)
+        })
+        .await;
+        assert!(matches!(state, TaskState::Canceled | TaskState::Completed), "{state:?}");
+        settle("every inbox and outbox is empty", || async {
+            let pending = (
+                second.pending("coordinator").await.unwrap(),
+                second.pending("analyst").await.unwrap(),
+            );
+            (pending == ((0, 0), (0, 0))).then_some(())
+        })
+        .await;
+        // Past the dropped process's model call.
+        tokio::time::sleep(Duration::from_millis(2 * WORK_MS)).await;
+        let log = second.conversation_log("coordinator").await.unwrap();
+        let finals: Vec<&ChatMessage> = log
+            .iter()
+            .filter(|m| m.role == Role::User && m.content.contains(&format!("[task {task} you delegated is")))
+            .collect();
+        assert_eq!(finals.len(), 1, "{state:?}: {finals:#?}");
+        let named = match state {
+            TaskState::Canceled => "canceled",
+            _ => "completed",
+        };
+        assert!(
+            finals[0].content.contains(&format!("you delegated is {named}")),
+            "the record says {state:?}: {finals:#?}"
+        );
+        assert_eq!(
+            second.task("coordinator", &task).await.unwrap().map(|s| s.state),
+            Some(state),
+            "the state changed after it was final"
+        );
+        second.shutdown().await;
+    }
+}
