@@ -338,9 +338,26 @@ pub(crate) async fn message(
     Ok(with_trace(
         reply
             .map(|reply| Json(reply_json(&agent, &reply)).into_response())
-            .map_err(ApiError::from),
+            .map_err(|error| timed_out_says_what_to_do(ApiError::from(error))),
         trace,
     ))
+}
+
+/// A message's 504 `timeout` (its agent did not answer within `timeout_ms`) saying what
+/// to do: its turn was abandoned, so the same message may be sent again, with a larger
+/// `timeout_ms` or as a stream. Until 2026-12-07 it said only "invocation of agent/a
+/// timed out after 100 ms". It carries no `Retry-After`: RFC 9110 gives that header its
+/// meaning with 503 (how long the service will be unavailable), and here the request's
+/// own budget ran out; no wait makes the same request with the same budget succeed.
+fn timed_out_says_what_to_do(mut error: ApiError) -> ApiError {
+    if error.status == StatusCode::GATEWAY_TIMEOUT && error.code == "timeout" {
+        error.message = format!(
+            "{}; its turn was abandoned: send the message again with a larger timeout_ms (at most \
+             {SERVER_MESSAGE_TIMEOUT_MS_MAX} ms), or with ?stream=true to follow the turn",
+            error.message
+        );
+    }
+    error
 }
 
 /// The response header that names the trace id a request ran under (32 lowercase hex
