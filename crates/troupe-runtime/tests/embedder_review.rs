@@ -1075,14 +1075,15 @@ async fn tells_behind_a_fenced_commit(told_for: Duration) -> FencedTells {
 /// Waits (bounded) until `runtime`'s stale activation has ended and `count` told
 /// messages are kept: no activation, `count` held.
 async fn kept_on(runtime: &Runtime, count: usize) {
-    within("the stale activation ends, its told messages kept", async {
-        loop {
-            let stats = runtime.stats().await.unwrap();
-            if (stats.activations, stats.held_messages) == (0, count) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+    let until = tokio::time::Instant::now() + HANG;
+    let mut seen = (0, 0);
+    while tokio::time::Instant::now() < until {
+        let stats = within("stats", runtime.stats()).await.unwrap();
+        seen = (stats.activations, stats.held_messages);
+        if seen == (0, count) {
+            return;
         }
-    })
-    .await;
+        tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+    }
+    panic!("the stale activation did not end with its {count} told messages kept within {HANG:?}: (activations, held messages) = {seen:?}");
 }
