@@ -1036,3 +1036,116 @@ async fn careless_requests_are_refused_typed_in_the_routes_shape_and_store_nothi
     );
     server.stop().await;
 }
+
+/// Questions posted to the conversation in the hang-up-and-retry test.
+const QUESTIONS: u64 = 20;
+/// The earliest a posting client hangs up, in microseconds.
+const HANG_UP_AFTER_US_MIN: u64 = 200;
+/// The spread of the hang-up times above that, in microseconds: a post is answered in
+/// about a millisecond, so some land before the hang-up and some do not.
+const HANG_UP_AFTER_US_SPREAD: u64 = 3_000;
+
+/// Goal: a client that hangs up while posting a message that mentions an agent, and
+/// then posts it again with the same `msg_id` (as the docs advise), gets the first
+/// post's `seq` back, and the conversation holds the message once and the agent's
+/// reply to it once, whether or not the first post had landed. Method: a direct
+/// conversation of a person and `echo` (model 20 ms, replying "noted"); 20 posts `@echo question n`,
+/// each first sent with a client that hangs up after 0.2-3.2 ms (seeded), then again
+/// with the same `msg_id`; then the conversation read until every question has a
+/// reply, and once more 200 ms later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mention_posted_again_after_a_hang_up_is_kept_and_answered_once() {
+    // A reply that mentions nobody: "heard: {input}" would mention `echo` again.
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::any_agent()
+            .reply("noted")
+            .latency(Duration::from_millis(MODEL_LATENCY_MS)),
+    );
+    let server = Harness::start(agents(llm, &["echo"], KindConfig::default()), ServerConfig::default()).await;
+    let (status, created) = server
+        .post(
+            "/v1/conversations",
+            json!({"id": "desk", "kind": "direct",
+                   "participants": [{"kind": "human", "name": "ann"}, {"kind": "agent", "name": "echo"}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{created}");
+    let leaving = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let mut seeded = Seeded(0xde5c);
+    let mut seqs = BTreeMap::new();
+    let mut landed_first = 0;
+    for n in 0..QUESTIONS {
+        let post = json!({"sender": {"kind": "human", "name": "ann"}, "msg_id": format!("q-{n}"),
+                          "text": format!("@echo question {n}")});
+        let first = leaving
+            .post(format!("{}/v1/conversations/desk/messages", server.base))
+            .header("content-type", "application/json")
+            .body(post.to_string())
+            .timeout(Duration::from_micros(
+                HANG_UP_AFTER_US_MIN + seeded.below(HANG_UP_AFTER_US_SPREAD),
+            ))
+            .send()
+            .await;
+        let (status, again) = server.post("/v1/conversations/desk/messages", post).await;
+        assert_eq!(status, 200, "question {n} posted again: {again}");
+        if again["duplicate"] == true {
+            landed_first += 1;
+        }
+        if let Ok(first) = first {
+            // Answered before the hang-up: then the retry is its duplicate.
+            assert_eq!(first.status().as_u16(), 200);
+            assert_eq!(again["duplicate"], true, "question {n}: {again}");
+        }
+        seqs.insert(again["seq"].as_u64().unwrap_or_else(|| panic!("{again}")), n);
+    }
+    eprintln!("{landed_first} of {QUESTIONS} first posts had landed before the hang-up");
+    assert_eq!(seqs.len() as u64, QUESTIONS, "two questions share a seq: {seqs:?}");
+
+    let read = || async {
+        let (status, page) = server.get("/v1/conversations/desk/messages?limit=500").await;
+        assert_eq!(status, 200, "{page}");
+        page["messages"].as_array().unwrap().clone()
+    };
+    let replies_to = |messages: &[Value]| {
+        let mut replies: BTreeMap<u64, usize> = BTreeMap::new();
+        for message in messages {
+            if let Some(to) = message["reply_to"].as_u64() {
+                *replies.entry(to).or_insert(0) += 1;
+            }
+        }
+        replies
+    };
+    let waited = tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), async {
+        loop {
+            let messages = read().await;
+            if replies_to(&messages).len() as u64 >= QUESTIONS {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "not every question answered: {:?}", read().await);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let messages = read().await;
+    for (seq, n) in &seqs {
+        let questions: Vec<&Value> = messages
+            .iter()
+            .filter(|message| message["text"] == format!("@echo question {n}"))
+            .collect();
+        assert_eq!(
+            questions.len(),
+            1,
+            "question {n} kept {} times: {messages:?}",
+            questions.len()
+        );
+        assert_eq!(questions[0]["seq"], *seq, "question {n}: {messages:?}");
+    }
+    let replies = replies_to(&messages);
+    assert!(
+        seqs.keys().all(|seq| replies.get(seq) == Some(&1)),
+        "replies per question seq {replies:?}, questions {seqs:?}"
+    );
+    assert_eq!(messages.len() as u64, 2 * QUESTIONS, "{messages:?}");
+    server.stop().await;
+}
