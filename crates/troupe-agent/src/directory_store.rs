@@ -287,10 +287,7 @@ impl AgentClient {
     /// Stores `spec` if agent `spec.id` exists (`replace`) or does not (define), as
     /// decided on the newest record.
     async fn store_definition(&self, spec: AgentSpec, replace: bool) -> Result<(), DirectoryError> {
-        spec.validate()?;
-        if let Some(catalog) = self.shared.directory.catalog() {
-            catalog.check(&spec)?;
-        }
+        self.shared.directory.check_definition(&spec).await?;
         let shared = &self.shared;
         let listed = shared.directory.contains(&spec.id);
         shared

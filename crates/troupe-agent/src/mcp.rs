@@ -45,7 +45,13 @@
 //!   bounded by the connect timeout given at first (and the whole by the turn's
 //!   deadline). Calls that find it dead at the same time start it once. When it cannot
 //!   be, the call fails with [`McpError::Reconnect`]'s text (the server and the
-//!   attempts), and the next call tries again. A call the server was lost during is not
+//!   attempts), and the next call tries again. A model step of an agent system the
+//!   server is attached to (and `define_agent` of an agent that names tools) that finds
+//!   it dead starts it again too, so its new list is offered without waiting for a call
+//!   of one of its tools: one attempt, within the connect timeout, at most once per
+//!   [`MCP_DEAD_SERVER_RESTART_INTERVAL_MS`] since it was last started or tried (a
+//!   server that keeps dying is not started in a loop); steps that find it dead at once
+//!   start it once. A call the server was lost during is not
 //!   sent again (it may have run): it fails, and the next call reconnects; a call a
 //!   stdio server never read (writing it failed: the process was gone) is sent again
 //!   once after reconnecting. The server's tool list is read again at each
@@ -138,6 +144,14 @@ pub const MCP_RECONNECT_ATTEMPTS_MAX: u32 = 3;
 pub const MCP_RECONNECT_PAUSE_MS: u64 = 200;
 
 const _: () = assert!(MCP_RECONNECT_ATTEMPTS_MAX >= 1);
+
+/// How long after the last attempt to start (connect to) a server a model step may
+/// start it again when it finds it dead, in milliseconds: a step that finds an attached
+/// server dead (its stdio process exited) starts it again, once, so its list is read
+/// again without waiting for a call of one of its tools; a server that keeps dying, or
+/// cannot be started, is tried at most once per this time by steps (calls of its tools
+/// start it again at once, as they always did).
+pub const MCP_DEAD_SERVER_RESTART_INTERVAL_MS: u64 = 1_000;
 
 /// Why an MCP server could not be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -310,6 +324,9 @@ struct Link {
     generation: AtomicU64,
     /// This link, for its connections' [`ListWatcher`]s.
     slot: LinkSlot,
+    /// When the server was last started (connected), or an attempt to was made: a step
+    /// starts a dead server again only [`MCP_DEAD_SERVER_RESTART_INTERVAL_MS`] after.
+    started_at: std::sync::Mutex<tokio::time::Instant>,
 }
 
 impl Link {
@@ -373,10 +390,12 @@ impl Link {
 
     /// Reads the list again if the live connection's server said it changed (see
     /// [`Link::read_again_if_changed`]); a failure is logged, the last list kept. A
-    /// dead server's list is read when a call starts it again.
+    /// dead server is started again (its list read at connecting) when it is due: see
+    /// [`Link::restart_if_due`].
     async fn refresh(&self) {
         let connection = self.current();
         if connection.is_dead() {
+            self.restart_if_due(&connection).await;
             return;
         }
         if let Err(error) = self.read_again_if_changed(&connection).await {
@@ -408,6 +427,55 @@ impl Link {
         self.reconnect(&current).await
     }
 
+    /// Whether [`MCP_DEAD_SERVER_RESTART_INTERVAL_MS`] passed since the server was last
+    /// started, or an attempt to was made.
+    fn restart_due(&self) -> bool {
+        let started_at = *self
+            .started_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        tokio::time::Instant::now().duration_since(started_at)
+            >= Duration::from_millis(MCP_DEAD_SERVER_RESTART_INTERVAL_MS)
+    }
+
+    /// Starts the dead server `dead` again for a model step (its list is read at
+    /// connecting), so that its tools come back without a call of one: one attempt,
+    /// within the connect timeout, and only when due ([`Link::restart_due`]: a server
+    /// that keeps dying is not started in a loop). Steps that find it dead at once
+    /// start it once: the others wait for that start. A failure is logged; the last
+    /// list stays, and the next call (or due step) tries again.
+    async fn restart_if_due(&self, dead: &Arc<Connected>) {
+        if !self.restart_due() {
+            return;
+        }
+        let _one_at_a_time = self.reconnecting.lock().await;
+        let current = self.current();
+        if !Arc::ptr_eq(&current, dead) || !self.restart_due() {
+            // Started again (or tried) meanwhile, by a call or another step.
+            return;
+        }
+        if let Err(error) = self.start_again(1).await {
+            tracing::warn!(server = %self.name, %error, "MCP server found dead before a model step could not be started again; its last tool list is kept");
+        }
+    }
+
+    /// One attempt to start (connect to) the server again, replacing the connection
+    /// and its list; the caller holds `reconnecting`.
+    async fn start_again(&self, attempt: u32) -> Result<Arc<Connected>, McpError> {
+        *self
+            .started_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::time::Instant::now();
+        let (connected, tools) = open(&self.name, &self.recipe, self.timeout, &self.slot).await?;
+        tracing::info!(server = %self.name, attempt, tools = tools.len(), "MCP server connected again");
+        let connected = Arc::new(connected);
+        // Its tools as it lists them now: a server started again may offer others
+        // (before, the list read at first was kept).
+        self.set_tools(tools);
+        *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = connected.clone();
+        Ok(connected)
+    }
+
     /// Replaces `dead` with a new connection (unless another caller already did), within
     /// [`MCP_RECONNECT_ATTEMPTS_MAX`] attempts.
     async fn reconnect(&self, dead: &Arc<Connected>) -> Result<Arc<Connected>, McpError> {
@@ -421,16 +489,8 @@ impl Link {
             if attempt > 1 {
                 tokio::time::sleep(Duration::from_millis(MCP_RECONNECT_PAUSE_MS)).await;
             }
-            match open(&self.name, &self.recipe, self.timeout, &self.slot).await {
-                Ok((connected, tools)) => {
-                    tracing::info!(server = %self.name, attempt, tools = tools.len(), "MCP server connected again");
-                    let connected = Arc::new(connected);
-                    // Its tools as it lists them now: a server started again may offer
-                    // others (before, the list read at first was kept).
-                    self.set_tools(tools);
-                    *self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = connected.clone();
-                    return Ok(connected);
-                }
+            match self.start_again(attempt).await {
+                Ok(connected) => return Ok(connected),
                 Err(error) => {
                     tracing::warn!(server = %self.name, attempt, %error, "MCP server could not be connected again");
                     cause = error.to_string();
@@ -634,6 +694,7 @@ impl McpServer {
 
     async fn connect(name: String, recipe: Recipe, timeout: Duration) -> Result<Self, McpError> {
         let slot = LinkSlot::default();
+        let started_at = tokio::time::Instant::now();
         let (connected, tools) = open(&name, &recipe, timeout, &slot).await?;
         let link = Arc::new(Link {
             name: name.clone(),
@@ -645,6 +706,7 @@ impl McpServer {
             listing: tokio::sync::Mutex::new(()),
             generation: AtomicU64::new(0),
             slot: Arc::clone(&slot),
+            started_at: std::sync::Mutex::new(started_at),
         });
         let _ = slot.set(Arc::downgrade(&link));
         Ok(Self { name, link })

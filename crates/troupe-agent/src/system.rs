@@ -229,13 +229,14 @@ impl AgentSystemBuilder {
         for tool in self.tools {
             tools.register(tool)?;
         }
-        for source in self.tool_sources {
-            tools.add_source(source)?;
+        for source in &self.tool_sources {
+            tools.add_source(Arc::clone(source))?;
         }
         let directory = AgentDirectory::with_catalog(AgentCatalog {
             providers: self.providers.keys().cloned().collect(),
             tools: tools.names(),
-        });
+        })
+        .with_tool_sources(self.tool_sources);
         for spec in self.agents {
             if directory.contains(&spec.id) {
                 return Err(AgentSpecError::Duplicate { id: spec.id }.into());

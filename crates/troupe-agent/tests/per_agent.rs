@@ -216,6 +216,7 @@ async fn unknown_providers_and_tools_are_refused_with_the_known_names() {
             known: ["call_agent", "delegate_to_agent", "notify_agent", "search"]
                 .map(String::from)
                 .to_vec(),
+            servers: Vec::new(),
         })
     );
 

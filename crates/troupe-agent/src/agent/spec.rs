@@ -154,20 +154,36 @@ pub enum AgentSpecError {
         /// [`AGENT_HISTORY_WINDOW_MAX`].
         max: usize,
     },
-    /// The agent names a tool the system does not have.
+    /// The agent names a tool the system does not have: no tool registered at start
+    /// has its name, and no attached MCP server lists it now.
     #[error(
-        "agent {id:?} names tool {tool:?}, which this system does not have; registered tools: [{}] \
-         (register it with AgentSystemBuilder::tool)",
-        known.join(", ")
+        "agent {id:?} names tool {tool:?}, which this system does not have; registered tools: [{}]{} \
+         (register it with AgentSystemBuilder::tool{})",
+        known.join(", "),
+        unknown_tool_servers_clause(servers),
+        if servers.is_empty() { "" } else { ", or have an attached server list it" }
     )]
     UnknownTool {
         /// The agent.
         id: String,
         /// The tool it names.
         tool: String,
-        /// The tools the system has, by name.
+        /// The tools the system has now, by name: those registered at start and those
+        /// its attached servers list now.
         known: Vec<String>,
+        /// The attached MCP servers (`MCP server "files"`), none of which lists the
+        /// tool now; empty without attached servers.
+        servers: Vec<String>,
     },
+}
+
+/// What [`AgentSpecError::UnknownTool`]'s text says of the attached servers.
+fn unknown_tool_servers_clause(servers: &[String]) -> String {
+    if servers.is_empty() {
+        String::new()
+    } else {
+        format!("; no attached server lists it now ({})", servers.join(", "))
+    }
 }
 
 /// The model providers and tools an agent definition may name: what the directory of a
@@ -187,6 +203,16 @@ impl AgentCatalog {
     /// [`AgentSpecError::UnknownProvider`], [`AgentSpecError::UnknownTool`] (the first
     /// unknown tool).
     pub fn check(&self, spec: &AgentSpec) -> Result<(), AgentSpecError> {
+        self.check_with_sources(spec, &[])
+    }
+
+    /// As [`AgentCatalog::check`], a tool not in the catalog accepted when one of
+    /// `sources` (the attached MCP servers) lists it now.
+    fn check_with_sources(
+        &self,
+        spec: &AgentSpec,
+        sources: &[Arc<dyn crate::tool::ToolSource>],
+    ) -> Result<(), AgentSpecError> {
         if let Some(provider) = &spec.provider {
             if !self.providers.contains(provider) {
                 return Err(AgentSpecError::UnknownProvider {
@@ -196,16 +222,50 @@ impl AgentCatalog {
                 });
             }
         }
+        // The sources' names now, read once, and only if a tool is not in the catalog
+        // (each source builds its tools to list them).
+        let mut listed: Option<Vec<String>> = None;
         for tool in spec.tools.iter().flatten() {
-            if !self.tools.contains(tool) {
-                return Err(AgentSpecError::UnknownTool {
-                    id: spec.id.clone(),
-                    tool: tool.clone(),
-                    known: self.tools.clone(),
-                });
+            if self.tools.contains(tool) {
+                continue;
             }
+            let listed = listed.get_or_insert_with(|| {
+                sources
+                    .iter()
+                    .flat_map(|source| source.tools())
+                    .map(|listed| listed.spec().name.clone())
+                    .collect()
+            });
+            if listed.contains(tool) {
+                continue;
+            }
+            let mut known = self.tools.clone();
+            if !sources.is_empty() {
+                known.extend(listed.iter().cloned());
+                known.sort();
+                known.dedup();
+            }
+            return Err(AgentSpecError::UnknownTool {
+                id: spec.id.clone(),
+                tool: tool.clone(),
+                known,
+                servers: sources.iter().map(|source| source.describe()).collect(),
+            });
         }
         Ok(())
+    }
+}
+
+/// The attached MCP servers a directory also checks tool names against (their lists
+/// change while the system runs).
+#[derive(Clone, Default)]
+struct AttachedSources(Arc<[Arc<dyn crate::tool::ToolSource>]>);
+
+impl std::fmt::Debug for AttachedSources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|source| source.describe()))
+            .finish()
     }
 }
 
@@ -571,6 +631,9 @@ impl AgentSpec {
 pub struct AgentDirectory {
     agents: Arc<RwLock<BTreeMap<String, AgentSpec>>>,
     catalog: Option<Arc<AgentCatalog>>,
+    /// The attached MCP servers: a tool one of them lists now may be named too, though
+    /// it is not in `catalog` (made at start).
+    sources: AttachedSources,
     /// Counts the changes (shared by every clone), so what is derived from the whole
     /// directory (an agent's list of peers) is rebuilt only when it changed.
     generation: Arc<AtomicU64>,
@@ -589,8 +652,44 @@ impl AgentDirectory {
         Self {
             agents: Arc::default(),
             catalog: Some(Arc::new(catalog)),
+            sources: AttachedSources::default(),
             generation: Arc::default(),
         }
+    }
+
+    /// This directory, also accepting a tool that one of `sources` (the system's
+    /// attached MCP servers) lists when a definition is checked.
+    pub(crate) fn with_tool_sources(mut self, sources: Vec<Arc<dyn crate::tool::ToolSource>>) -> Self {
+        self.sources = AttachedSources(sources.into());
+        self
+    }
+
+    /// Checks that every provider and tool `spec` names exists here: in the catalog,
+    /// or (a tool) in an attached server's list now. Nothing is checked without a
+    /// catalog.
+    fn check_names(&self, spec: &AgentSpec) -> Result<(), AgentSpecError> {
+        match &self.catalog {
+            Some(catalog) => catalog.check_with_sources(spec, &self.sources.0),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks `spec` as [`AgentDirectory::upsert`] does, after reading again the list
+    /// of each attached server that said its list changed (or waiting for the read
+    /// under way, at most the server's connect timeout), and starting again a dead one
+    /// when it is due (see `MCP_DEAD_SERVER_RESTART_INTERVAL_MS`): what
+    /// `AgentClient::define_agent` checks, so a tool a server lists now is accepted.
+    ///
+    /// # Errors
+    /// As [`AgentDirectory::upsert`].
+    pub(crate) async fn check_definition(&self, spec: &AgentSpec) -> Result<(), AgentSpecError> {
+        spec.validate()?;
+        if self.catalog.is_some() && spec.tools.is_some() {
+            for source in self.sources.0.iter() {
+                source.refresh().await;
+            }
+        }
+        self.check_names(spec)
     }
 
     /// The providers and tools definitions are checked against, if any.
@@ -601,14 +700,18 @@ impl AgentDirectory {
     /// Adds or replaces an agent; its next turn uses the new definition and keeps its
     /// history.
     ///
+    /// A tool that an attached MCP server lists now may be named, though the system did
+    /// not have it at start. If the server later stops listing it, the definition
+    /// stays: the tool is not offered to the agent while no server lists it (a call of
+    /// it reads `McpError::ToolGone`'s text) and is offered again once one does.
+    ///
     /// # Errors
-    /// [`AgentSpecError`] if the definition is invalid, or names a provider or tool not
-    /// in the directory's catalog.
+    /// [`AgentSpecError`] if the definition is invalid, or names a provider not in the
+    /// directory's catalog, or a tool neither in it nor listed now by an attached
+    /// server ([`AgentSpecError::UnknownTool`], naming the servers).
     pub fn upsert(&self, spec: AgentSpec) -> Result<(), AgentSpecError> {
         spec.validate()?;
-        if let Some(catalog) = &self.catalog {
-            catalog.check(&spec)?;
-        }
+        self.check_names(&spec)?;
         let mut agents = self.agents.write().unwrap();
         agents.insert(spec.id.clone(), spec);
         // Under the lock: a reader that sees the new generation reads the new entry.
