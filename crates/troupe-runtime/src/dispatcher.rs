@@ -866,8 +866,8 @@ impl Dispatcher {
     }
 
     /// Every kept message, their timers stopped.
-    fn take_kept(&mut self) -> Vec<Box<Envelope>> {
-        let mut taken = Vec::new();
+    fn take_kept(&mut self) -> VecDeque<Box<Envelope>> {
+        let mut taken = VecDeque::new();
         for (_, kept) in std::mem::take(&mut self.kept) {
             taken.extend(kept.stop().into_iter().map(|(_, envelope)| envelope));
         }
