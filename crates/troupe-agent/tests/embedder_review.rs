@@ -1045,3 +1045,283 @@ mod removal_and_shutdown {
         );
     }
 }
+
+mod racing_cycles {
+    use super::*;
+
+    /// Rounds, each on a fresh system.
+    const ROUNDS: usize = 15;
+    /// How long each agent's model thinks before it calls the next: the same for all,
+    /// so the three calls race.
+    const THINK_MS: u64 = 30;
+    /// How long a round may take: far below `call_agent`'s 30 s default timeout, which
+    /// a deadlock left undetected would wait out.
+    const ROUND_MS_MAX: u64 = 5_000;
+
+    /// Goal: three independent requests that close a wait-for cycle of three at the
+    /// same moment (`a` calls `b`, `b` calls `c`, `c` calls `a`, each asked from
+    /// outside at once) never hang: the runtime refuses at least one call as a deadlock
+    /// naming the whole cycle, the model of each refused caller reads why, and every
+    /// other call is answered by its callee, all within `ROUND_MS_MAX`. Method:
+    /// `ROUNDS` rounds on fresh systems; each model thinks `THINK_MS` before calling.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn three_requests_closing_a_cycle_at_once_are_refused_not_hung() {
+        let ring = [("a", "b"), ("b", "c"), ("c", "a")];
+        let mut llm = ScriptedLlm::new().without_recording();
+        for (me, next) in ring {
+            llm = llm
+                .rule(
+                    ScriptRule::agent(me)
+                        .on_tool_result()
+                        .reply(format!("{me} got: {{tool_result}}")),
+                )
+                .rule(
+                    ScriptRule::agent(me)
+                        .on_user_containing("question from")
+                        .reply(format!("{me} answers")),
+                )
+                .rule(
+                    ScriptRule::agent(me)
+                        .on_user_containing("start")
+                        .call(
+                            "call_agent",
+                            json!({"agent_id": next, "message": format!("question from {me}")}),
+                        )
+                        .latency(Duration::from_millis(THINK_MS)),
+                );
+        }
+        let mut refusals = 0;
+        for round in 0..ROUNDS {
+            let system = AgentSystem::builder()
+                .store(Arc::new(MemoryStore::new()))
+                .llm(Arc::new(llm.clone()))
+                .agent(AgentSpec::new("a"))
+                .agent(AgentSpec::new("b"))
+                .agent(AgentSpec::new("c"))
+                .start()
+                .expect("the system starts");
+            let asks: Vec<_> = ring
+                .iter()
+                .map(|&(me, next)| {
+                    let client = system.client();
+                    tokio::spawn(async move { (me, next, client.ask(me, "start").await) })
+                })
+                .collect();
+            let mut refused = 0;
+            for ask in asks {
+                let (me, next, reply) = tokio::time::timeout(Duration::from_millis(ROUND_MS_MAX), ask)
+                    .await
+                    .unwrap_or_else(|_| panic!("round {round}: an ask hangs past {ROUND_MS_MAX} ms"))
+                    .unwrap();
+                let text = reply
+                    .unwrap_or_else(|error| panic!("round {round}: {me}: {error}"))
+                    .text;
+                if text.starts_with(&format!("{me} got: error: call_agent failed: call failed: deadlock detected: agent/{me} -> agent/{next} -> ")) {
+                    assert_eq!(text.matches("agent/").count(), 4, "round {round}: not the whole cycle: {text}");
+                    refused += 1;
+                } else {
+                    assert_eq!(text, format!("{me} got: {next} answers"), "round {round}");
+                }
+            }
+            assert!(refused >= 1, "round {round}: the cycle was not refused");
+            assert!(refused < 3, "round {round}: every call was refused, none answered");
+            assert_eq!(
+                system.runtime().counters().deadlocks_refused,
+                refused as u64,
+                "round {round}"
+            );
+            refusals += refused;
+            system.shutdown().await;
+        }
+        eprintln!("{refusals} refusals in {ROUNDS} rounds");
+    }
+}
+
+mod racing_duplicates {
+    use super::*;
+
+    /// Copies of one notification sent at once.
+    const COPIES: usize = 16;
+
+    /// Goal: copies of one notification (one outside id) sent at once from several
+    /// tasks, on a SQLite file, are each acknowledged and the notification is
+    /// processed once, also after a restart on the file and a resend there. Method:
+    /// `COPIES` concurrent `notify_with_id` of `n-1`; the logs are read after the
+    /// processing, then in a new process after one more copy.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_copies_of_one_notification_are_processed_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let process = || {
+            AgentSystem::builder()
+                .store(Arc::new(SqliteStore::open(&path).expect("the store opens")))
+                .llm(Arc::new(
+                    ScriptedLlm::new().without_recording().rule(
+                        ScriptRule::agent("analyst")
+                            .reply("noted")
+                            .latency(Duration::from_millis(20)),
+                    ),
+                ))
+                .agent(AgentSpec::new("analyst"))
+                .start()
+                .expect("the system starts")
+        };
+        let first = process();
+        let sends: Vec<_> = (0..COPIES)
+            .map(|_| {
+                let client = first.client();
+                tokio::spawn(async move { client.notify_with_id("analyst", "n-1", "the disk is full.", None).await })
+            })
+            .collect();
+        for send in sends {
+            tokio::time::timeout(Duration::from_secs(10), send)
+                .await
+                .expect("each copy is answered within 10 s")
+                .unwrap()
+                .expect("each copy is acknowledged");
+        }
+        settle("the notification is processed", || async {
+            let log = first.conversation_log("analyst").await.unwrap();
+            (user_messages_containing(&log, "the disk is full.") > 0).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        first.shutdown().await;
+        let second = process();
+        second
+            .notify_with_id("analyst", "n-1", "the disk is full.", None)
+            .await
+            .expect("a copy after the restart is acknowledged");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let log = second.conversation_log("analyst").await.unwrap();
+        assert_eq!(user_messages_containing(&log, "the disk is full."), 1, "{log:#?}");
+        assert_eq!(second.pending("analyst").await.unwrap(), (0, 0));
+        second.shutdown().await;
+    }
+}
+
+mod deadlines_from_outside {
+    use super::*;
+    use std::sync::Mutex;
+    use troupe_agent::Tool;
+
+    /// The outside caller's whole time for the chain.
+    const ASK_MS: u64 = 2_000;
+    /// What `b` asks for its call to `c` in the second case: less than it has left.
+    const SHORT_CALL_MS: u64 = 500;
+    /// Rounding of the deadlines' millisecond readings.
+    const READING_SLACK_MS: u64 = 2;
+
+    /// A tool that records the time its turn has left and when it read it.
+    fn clock(seen: &Arc<Mutex<Vec<(u64, tokio::time::Instant)>>>) -> Tool {
+        let seen = Arc::clone(seen);
+        Tool::from_fn(
+            "clock",
+            "reads the time left",
+            json!({"type": "object"}),
+            move |context, _arguments| {
+                let seen = Arc::clone(&seen);
+                async move {
+                    let left = context.deadline().remaining_ms(context.now());
+                    seen.lock().unwrap().push((left, tokio::time::Instant::now()));
+                    Ok(format!("{left} ms left"))
+                }
+            },
+        )
+    }
+
+    /// Goal: measured from outside, a callee at the end of a chain never has more
+    /// time than the outside caller has left, whatever its callers asked for: `a` and
+    /// `b` each ask for `call_agent`'s maximum (300 s) under an outside ask of `ASK_MS`,
+    /// and `c`'s tool sees at most what is left of the `ASK_MS` (measured by the test's
+    /// own clock from before the ask); when `b` asks for `SHORT_CALL_MS`, `c` sees at
+    /// most that; a request above the maximum is capped, and still no more than is left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_callee_never_has_more_time_than_the_outside_caller_left() {
+        let max = troupe_core::limits::AGENT_CALL_TIMEOUT_MS_MAX;
+        let llm = ScriptedLlm::new()
+            .rule(ScriptRule::any_agent().on_tool_result().reply("{tool_result}"))
+            .rule(
+                ScriptRule::agent("a")
+                    .on_user_containing("")
+                    .call(
+                        "call_agent",
+                        json!({"agent_id": "b", "message": "{input}", "timeout_ms": max}),
+                    )
+                    .latency(Duration::from_millis(50)),
+            )
+            .rule(
+                ScriptRule::agent("b")
+                    .on_user_containing("long")
+                    .call(
+                        "call_agent",
+                        json!({"agent_id": "c", "message": "time?", "timeout_ms": max}),
+                    )
+                    .latency(Duration::from_millis(50)),
+            )
+            .rule(ScriptRule::agent("b").on_user_containing("short").call(
+                "call_agent",
+                json!({"agent_id": "c", "message": "time?", "timeout_ms": SHORT_CALL_MS}),
+            ))
+            .rule(ScriptRule::agent("b").on_user_containing("over").call(
+                "call_agent",
+                json!({"agent_id": "c", "message": "time?", "timeout_ms": max + 1}),
+            ))
+            .rule(ScriptRule::agent("c").call("clock", json!({})));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm))
+            .agent(AgentSpec::new("a"))
+            .agent(AgentSpec::new("b"))
+            .agent(AgentSpec::new("c"))
+            .tool(clock(&seen))
+            .start()
+            .expect("the system starts");
+
+        let asked = tokio::time::Instant::now();
+        let reply = system
+            .ask_with_timeout("a", "long", Duration::from_millis(ASK_MS))
+            .await
+            .expect("answered");
+        assert!(reply.text.ends_with("ms left"), "{}", reply.text);
+        let (left, at) = seen.lock().unwrap().pop().expect("c's tool ran");
+        let outside_left = ASK_MS.saturating_sub(at.duration_since(asked).as_millis() as u64);
+        assert!(
+            left <= outside_left + READING_SLACK_MS,
+            "c had {left} ms left, the outside caller {outside_left} ms"
+        );
+        assert!(
+            left + 500 >= outside_left,
+            "c had {left} ms of {outside_left}: cut too short"
+        );
+
+        let reply = system
+            .ask_with_timeout("a", "short", Duration::from_millis(ASK_MS))
+            .await
+            .expect("answered");
+        assert!(reply.text.ends_with("ms left"), "{}", reply.text);
+        let (left, _) = seen.lock().unwrap().pop().expect("c's tool ran");
+        assert!(
+            left <= SHORT_CALL_MS,
+            "c had {left} ms of the {SHORT_CALL_MS} b asked for"
+        );
+
+        // Above the maximum: capped at it (admission's documented rule), then at
+        // what the caller has left.
+        let asked = tokio::time::Instant::now();
+        let reply = system
+            .ask_with_timeout("a", "over", Duration::from_millis(ASK_MS))
+            .await
+            .expect("answered");
+        assert!(reply.text.ends_with("ms left"), "{}", reply.text);
+        let (left, at) = seen.lock().unwrap().pop().expect("c's tool ran");
+        let outside_left = ASK_MS.saturating_sub(at.duration_since(asked).as_millis() as u64);
+        assert!(
+            left <= outside_left + READING_SLACK_MS,
+            "c had {left} ms left, the outside caller {outside_left} ms"
+        );
+
+        system.shutdown().await;
+    }
+}
