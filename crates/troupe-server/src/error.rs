@@ -178,9 +178,16 @@ impl From<&InvokeError> for ApiError {
             // from another node arrives as itself (transport protocol 8) and is 503.
             InvokeError::StorageFailed { source, .. } => Self::storage(source, message),
             InvokeError::Unreachable { .. } => Self::new(StatusCode::BAD_GATEWAY, "unreachable", message),
-            InvokeError::Shutdown | InvokeError::Cancelled { .. } => {
-                Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
-            }
+            // The runtime is stopping (or stopped) while the server still serves: a
+            // server started again on this address serves the same request, so say when
+            // to try, as every other 503 does. Until 2026-12-07 it had no `Retry-After`
+            // and said only "the runtime has shut down".
+            InvokeError::Shutdown | InvokeError::Cancelled { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                format!("{message}: this server is stopping; send the request again once it is back"),
+            )
+            .retry_after(),
             InvokeError::ActorNotFound { .. } => Self::internal(message),
         }
     }

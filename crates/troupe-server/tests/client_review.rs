@@ -1149,3 +1149,64 @@ async fn a_mention_posted_again_after_a_hang_up_is_kept_and_answered_once() {
     assert_eq!(messages.len() as u64, 2 * QUESTIONS, "{messages:?}");
     server.stop().await;
 }
+
+/// Goal: every 503 this server sends carries `Retry-After`, also `shutting_down` (the
+/// agent system is stopping while the server still serves, as when an embedder stops
+/// it first, or a process manager restarts the server on the same address): a client
+/// that waits and sends the request again reaches a server that is up, so the server
+/// says when to try, as for its other 503s (RFC 9110 15.6.4, 10.2.3). Method: the agent
+/// system shut down under a running server; a plain message, a chat completion and an
+/// A2A blocking send to its agent. Before the fix each was 503 (the A2A send 200, its
+/// task `failed`) without `Retry-After`: "message: 503 None {"error":{"code":
+/// "shutting_down","message":"the runtime has shut down"}}".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_to_a_stopping_agent_system_is_503_shutting_down_with_retry_after() {
+    let mut server = serve_echo(&["echo"], Duration::ZERO, 64, ServerConfig::default()).await;
+    let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": "before"})).await;
+    assert_eq!(status, 200, "{body}");
+    server.system.take().unwrap().shutdown().await;
+
+    let message = post_with(
+        &server.http,
+        &server.base,
+        "/v1/agents/echo/messages",
+        &json!({"text": "after"}),
+    )
+    .await;
+    let what = format!("message: {} {:?} {}", message.status, message.retry_after, message.text);
+    assert_eq!(message.status, 503, "{what}");
+    rest_error(&what, &message.text, &["shutting_down"]);
+    assert_eq!(message.retry_after.as_deref(), Some("1"), "{what}");
+
+    let chat = json!({"model": "echo", "messages": [{"role": "user", "content": "after"}]});
+    let chat = post_with(&server.http, &server.base, "/v1/chat/completions", &chat).await;
+    let what = format!("chat: {} {:?} {}", chat.status, chat.retry_after, chat.text);
+    assert_eq!(chat.status, 503, "{what}");
+    openai_error(&what, &chat.text, "server_error", &["shutting_down"]);
+    assert_eq!(chat.retry_after.as_deref(), Some("1"), "{what}");
+
+    let send = json!({"message": {"messageId": "m-after", "role": "ROLE_USER", "parts": [{"text": "after"}]}});
+    let a2a = json!({"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": send});
+    let a2a = post_with(&server.http, &server.base, "/a2a/echo", &a2a).await;
+    // A blocking send: the task was not handed over, and the refusal is the server's
+    // (until 2026-12-07 the send was answered 200 with a task `failed`, which tells a
+    // client nothing about sending it again).
+    let what = format!("a2a: {} {:?} {}", a2a.status, a2a.retry_after, a2a.text);
+    assert_eq!((a2a.status, a2a.retry_after.as_deref()), (503, Some("1")), "{what}");
+    let body: Value = serde_json::from_str(&a2a.text).unwrap();
+    assert_eq!(body["error"]["code"], -32000, "{what}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("shutting_down: "),
+        "{what}"
+    );
+
+    let _ = server.stop.take().unwrap().send(());
+    tokio::time::timeout(Duration::from_millis(TEST_WAIT_MS_MAX), server.served.take().unwrap())
+        .await
+        .expect("serve returns")
+        .unwrap()
+        .expect("serve ends cleanly");
+}
