@@ -524,8 +524,15 @@ impl Dispatcher {
                 envelope,
             } => {
                 let until = self.kept_until(&envelope);
+                let capacity = self.capacity(&id);
                 match self.current(&id, generation) {
-                    Some(activation) => activation.waiting().kept.push_back((until, envelope)),
+                    // A mailbox's worth at most (more only from a mailbox that opened with
+                    // more, carried over a crash), so that the next activation opens
+                    // with at most `CARRIED_OVER_MAX_MAILBOXES` mailboxes' worth.
+                    Some(activation) if activation.waiting.as_ref().map_or(0, |w| w.kept.len()) < capacity => {
+                        activation.waiting().kept.push_back((until, envelope));
+                    }
+                    Some(_) => self.refuse_held(*envelope, Self::busy(&id, capacity)),
                     // Not current (its end was applied first: not expected, a task's
                     // notice of its end is its last).
                     None => self.keep(id, VecDeque::from([(until, envelope)])),
@@ -631,15 +638,9 @@ impl Dispatcher {
             }
             return;
         }
-        if !kept.is_empty() {
-            // Something new starts the next activation: what the stale one gave back was
-            // taken from its mailbox before the rest, so it goes first.
-            debug_assert!(!self.kept.contains_key(&id), "kept twice for {id}");
-            held = Self::after_kept(&self.handle, kept, held);
-        }
         if self.handle.shared.aborted() {
             // The grace period is over (or the runtime dropped): nothing more runs.
-            for envelope in held {
+            for envelope in kept.into_iter().map(|(_, envelope)| envelope).chain(held) {
                 self.refuse_held(*envelope, InvokeError::Shutdown);
             }
             return;
@@ -652,8 +653,12 @@ impl Dispatcher {
         // `CARRIED_OVER_MAX_MAILBOXES` mailboxes' worth in all: the crashed mailbox held
         // at most one and the hold at most another. Before, accepted told messages past
         // the first mailbox's worth were dropped without a word.
+        // (Told messages a stale activation gave back come on top, first: they and a
+        // crashed mailbox's unrun messages came from one mailbox, closed at the fence.)
         if held.len() > capacity {
-            let carried_max = capacity.saturating_mul(CARRIED_OVER_MAX_MAILBOXES);
+            let carried_max = capacity
+                .saturating_mul(CARRIED_OVER_MAX_MAILBOXES)
+                .saturating_sub(kept.len());
             for envelope in held.split_off(capacity) {
                 if envelope.reply.has_caller() {
                     self.refuse(*envelope, Self::busy(&id, capacity));
@@ -670,6 +675,12 @@ impl Dispatcher {
                     self.refuse_held(*envelope, Self::busy(&id, capacity));
                 }
             }
+        }
+        if !kept.is_empty() {
+            // Something new starts the next activation: what the stale one gave back was
+            // taken from its mailbox before the rest, so it goes first.
+            debug_assert!(!self.kept.contains_key(&id), "kept twice for {id}");
+            held = Self::after_kept(&self.handle, kept, held);
         }
         let IdEntry::Vacant(entry) = self.table.entry(id.clone()) else {
             unreachable!("the entry was removed above")
