@@ -1439,3 +1439,93 @@ mod two_processes_asking {
         two.shutdown().await;
     }
 }
+
+mod revoked_link_with_tasks {
+    use super::*;
+
+    /// How long the worker's model takes on each task: the second waits behind the
+    /// first while the link is removed.
+    const WORK_MS: u64 = 300;
+
+    /// Goal: under an enforced organisation, tasks acknowledged over a link that is
+    /// then removed (one being worked, one waiting to be delivered or worked) each end
+    /// once, and the delegator reads each end once; a delegation after the removal is
+    /// refused `NotPermitted` and nothing of it is kept. Method: `boss` delegates two
+    /// tasks to `worker` (`WORK_MS` each); the link goes once the first turn started.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn tasks_acknowledged_over_a_removed_link_each_end_once() {
+        let llm = ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("worker")
+                    .reply("done {input}")
+                    .latency(Duration::from_millis(WORK_MS)),
+            )
+            .rule(ScriptRule::agent("boss").reply("seen"));
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("boss"))
+            .agent(AgentSpec::new("worker"))
+            .start()
+            .expect("the system starts");
+        system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
+        system.add_link(Link::new("boss", "worker")).await.unwrap();
+        let mut events = system.subscribe();
+        let first = system
+            .delegate("boss", "worker", "job-1.", Some(60_000))
+            .await
+            .expect("acknowledged");
+        let second = system
+            .delegate("boss", "worker", "job-2.", Some(60_000))
+            .await
+            .expect("acknowledged");
+        let started = async {
+            loop {
+                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
+                    if agent.key() == "worker" {
+                        break;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), started)
+            .await
+            .expect("the worker starts within 5 s");
+        system.remove_link("boss", "worker").await.expect("removed");
+        let third = system.delegate("boss", "worker", "job-3.", Some(60_000)).await;
+        assert!(matches!(third, Err(InboxError::NotPermitted(_))), "{third:?}");
+        let mut states = Vec::new();
+        for task in [&first, &second] {
+            states.push(
+                settle(&format!("{task} ends"), || async {
+                    let status = system.task("boss", task).await.unwrap()?;
+                    status.state.is_final().then_some(status.state)
+                })
+                .await,
+            );
+        }
+        eprintln!("states {states:?}");
+        assert_eq!(states[0], TaskState::Completed, "the task in flight finishes");
+        settle("the boss's inbox and outbox are empty", || async {
+            (system.pending("boss").await.unwrap() == (0, 0)).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(2 * WORK_MS)).await;
+        let boss = system.conversation_log("boss").await.unwrap();
+        for task in [&first, &second] {
+            assert_eq!(
+                user_messages_containing(&boss, &format!("[task {task} you delegated is")),
+                1,
+                "{task}: {boss:#?}"
+            );
+        }
+        let worker = system.conversation_log("worker").await.unwrap();
+        assert_eq!(
+            user_messages_containing(&worker, "job-3."),
+            0,
+            "the refused task was worked"
+        );
+        assert_eq!(system.pending("worker").await.unwrap(), (0, 0));
+        system.shutdown().await;
+    }
+}
