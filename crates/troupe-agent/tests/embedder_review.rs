@@ -291,7 +291,7 @@ mod chain_give_ups {
     /// The exchanges of a direct conversation as (question, answer) texts, failing if
     /// a question is not followed by the answer replying to it.
     fn exchanges(id: &str, messages: &[ConversationMessage], asker: &str) -> Vec<(String, String)> {
-        assert!(messages.len() % 2 == 0, "{id}: a half-recorded exchange: {messages:#?}");
+        assert!(messages.len().is_multiple_of(2), "{id}: a half-recorded exchange: {messages:#?}");
         messages
             .chunks(2)
             .map(|pair| {
