@@ -1541,3 +1541,126 @@ mod revoked_link_with_tasks {
         system.shutdown().await;
     }
 }
+
+mod log_reads_while_writing {
+    use super::*;
+
+    /// Askers driving the agent while its log is read.
+    const ASKERS: usize = 4;
+    /// Asks per asker.
+    const ASKS_EACH: usize = 15;
+    /// Messages per page read.
+    const PAGE: usize = 7;
+
+    /// Goal: an embedder polling an agent's log while the agent commits turns reads
+    /// only what the log holds: every page (`conversation_log_page`, from the end and
+    /// from a cursor) and every whole read (`conversation_log`) is exactly the slice of
+    /// the final log at its place, the length read never shrinks, and a page is never
+    /// longer than asked nor past the length it reports. Method: `ASKERS` tasks ask
+    /// `w` `ASKS_EACH` times each (a tool step per turn, so a turn commits 4 messages)
+    /// while a reader alternates page reads (the last page, then one ending at a
+    /// cursor spread over the log) and whole reads; all reads are compared with the log
+    /// read after the askers end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn log_pages_read_while_turns_commit_are_slices_of_the_final_log() {
+        let echo = troupe_agent::Tool::from_fn(
+            "echo",
+            "echoes",
+            json!({"type": "object"}),
+            |_context, _arguments| async { Ok("echoed".to_string()) },
+        );
+        let llm = ScriptedLlm::new()
+            .without_recording()
+            .rule(
+                ScriptRule::agent("w")
+                    .on_tool_result()
+                    .reply("answer after {tool_result}"),
+            )
+            .rule(
+                ScriptRule::agent("w")
+                    .call("echo", json!({}))
+                    .latency(Duration::from_millis(2)),
+            );
+        let system = AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm))
+            .agent(AgentSpec::new("w"))
+            .tool(echo)
+            .start()
+            .expect("the system starts");
+        let mut askers = Vec::new();
+        for a in 0..ASKERS {
+            let client = system.client();
+            askers.push(tokio::spawn(async move {
+                for i in 0..ASKS_EACH {
+                    let reply = client.ask("w", &format!("q-{a}-{i}.")).await.expect("answered");
+                    assert_eq!(reply.text, "answer after echoed");
+                }
+            }));
+        }
+        let mut pages = Vec::new();
+        let mut wholes = Vec::new();
+        let mut last_total = 0;
+        let mut round = 0u64;
+        while !askers.iter().all(|asker| asker.is_finished()) {
+            let before = (round % 3 == 1).then(|| last_total / 2 + round % 5);
+            let page = system.conversation_log_page("w", before, PAGE).await.unwrap();
+            assert!(
+                page.total >= last_total,
+                "the log shrank: {} after {last_total}",
+                page.total
+            );
+            last_total = page.total;
+            assert!(
+                page.messages.len() <= PAGE,
+                "a page of {} messages",
+                page.messages.len()
+            );
+            assert!(
+                page.start + page.messages.len() as u64 <= page.total,
+                "a page past the length it reports: {} + {} > {}",
+                page.start,
+                page.messages.len(),
+                page.total
+            );
+            pages.push((before, page));
+            if round % 4 == 0 {
+                wholes.push(system.conversation_log("w").await.unwrap());
+            }
+            round += 1;
+            tokio::task::yield_now().await;
+        }
+        for asker in askers {
+            asker.await.unwrap();
+        }
+        let log = system.conversation_log("w").await.unwrap();
+        assert_eq!(log.len(), ASKERS * ASKS_EACH * 4, "each turn commits 4 messages");
+        let same = |a: &[ChatMessage], b: &[ChatMessage]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.role == y.role && x.content == y.content)
+        };
+        for (before, page) in &pages {
+            let start = page.start as usize;
+            let end = start + page.messages.len();
+            assert!(
+                same(&page.messages, &log[start..end]),
+                "the page before {before:?} ({start}..{end} of {}) is not the log's slice: {:#?}",
+                page.total,
+                page.messages
+            );
+            let expected_end = before.unwrap_or(page.total).min(page.total) as usize;
+            assert_eq!(
+                end, expected_end,
+                "the page before {before:?} of {} ends early",
+                page.total
+            );
+        }
+        for whole in &wholes {
+            assert!(
+                same(whole, &log[..whole.len()]),
+                "a whole read is not a prefix of the log"
+            );
+        }
+        eprintln!("{} pages and {} whole reads checked", pages.len(), wholes.len());
+        system.shutdown().await;
+    }
+}
