@@ -16,18 +16,15 @@
 // Real child processes are the point here; never simulated.
 #![allow(clippy::disallowed_methods)]
 
+#[path = "support/mcp_setup.rs"]
+mod mcp_setup;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mcp_setup::{wait_until_disconnected, CONNECT_TIMEOUT, ECHO_SERVER, EXIT_WAIT_MS, POLL_MS};
 use serde_json::json;
 use troupe_agent::{AgentSpec, AgentSystem, McpServer, ScriptRule, ScriptedLlm};
-
-const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long a child gets to be gone (ms).
-const EXIT_WAIT_MS: u64 = 5_000;
-/// How often the test looks at `/proc` meanwhile (ms).
-const POLL_MS: u64 = 20;
 
 /// The pids of this process's live children (not zombies) whose command line holds
 /// `marker`.
@@ -68,20 +65,6 @@ async fn wait_until_no_live_child(marker: &str, when: &str) {
         assert!(
             Instant::now() < deadline,
             "{EXIT_WAIT_MS} ms after {when}, live children are left: {left:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
-    }
-}
-
-/// Waits (at most `EXIT_WAIT_MS`) until `server` knows its connection is gone (its
-/// process's output ended): the next call then starts it again rather than racing the
-/// news of its death (a call the death is noticed during fails, as it may have run).
-async fn wait_until_disconnected(server: &McpServer) {
-    let deadline = Instant::now() + Duration::from_millis(EXIT_WAIT_MS);
-    while server.is_connected() {
-        assert!(
-            Instant::now() < deadline,
-            "{EXIT_WAIT_MS} ms on, the server still looks connected"
         );
         tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
     }

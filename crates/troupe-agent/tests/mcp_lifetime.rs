@@ -11,18 +11,16 @@
 
 #![cfg(all(not(madsim), target_os = "linux"))]
 
+#[path = "support/mcp_setup.rs"]
+mod mcp_setup;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use mcp_setup::{CONNECT_TIMEOUT, ECHO_SERVER, EXIT_WAIT_MS, POLL_MS};
 use serde_json::json;
 use troupe_agent::{AgentSpec, AgentSystem, McpServer, ScriptRule, ScriptedLlm};
 
-const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long a child gets to be gone after its last user went (ms).
-const EXIT_WAIT_MS: u64 = 5_000;
-/// How often the test looks at `/proc` meanwhile (ms).
-const POLL_MS: u64 = 20;
 /// The echo server's process name, as `/proc/PID/stat` shows it (at most 15 bytes).
 const ECHO_COMM: &str = "troupe-mcp-echo";
 

@@ -29,10 +29,13 @@ mod mcp_setup;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mcp_setup::{calling_agents, changing_server, wait_for, wait_until_disconnected, CONNECT_TIMEOUT, ECHO_SERVER};
+use mcp_setup::{
+    attached_system, calling_agents, changing_server, counting_script, starts, upgrading_server, wait_for,
+    wait_until_disconnected, CONNECT_TIMEOUT, ECHO_SERVER,
+};
 use serde_json::json;
 use troupe_agent::{
-    AgentSpec, AgentSpecError, AgentSystem, DirectoryError, LlmRequest, McpError, McpServer, ScriptRule, ScriptedLlm,
+    AgentSpec, AgentSpecError, DirectoryError, LlmRequest, McpError, McpServer, ScriptRule, ScriptedLlm,
     MCP_DEAD_SERVER_RESTART_INTERVAL_MS,
 };
 
@@ -73,12 +76,7 @@ fn growing_agents() -> ScriptedLlm {
 async fn an_agent_defined_later_may_name_a_tool_a_server_lists_now() {
     let (server, _shutdown) = changing_server().await;
     let llm = Arc::new(growing_agents());
-    let system = AgentSystem::builder()
-        .llm(llm.clone())
-        .agent(AgentSpec::new("boss"))
-        .mcp_server(server.clone())
-        .start()
-        .expect("the system starts");
+    let system = attached_system(llm.clone(), &["boss"], &server);
     assert_eq!(system.ask("boss", "grow").await.unwrap().text, "result: set");
     wait_for("fresh listed", || server.tool_names().contains(&"fresh".to_owned())).await;
 
@@ -166,21 +164,6 @@ async fn define_agent_accepts_a_tool_an_attached_server_lists_now_on_worker_thre
     an_agent_defined_later_may_name_a_tool_a_server_lists_now().await;
 }
 
-/// A shell script that counts its starts in `{dir}/starts` (one byte a start) and
-/// runs `first` the first time, `later` after (each a shell command).
-fn counting_script(directory: &std::path::Path, first: &str, later: &str) -> String {
-    let starts = directory.join("starts");
-    format!(
-        "printf x >> '{starts}'; if [ \"$(wc -c < '{starts}')\" -gt 1 ]; then {later}; fi; {first}",
-        starts = starts.display()
-    )
-}
-
-/// How many times the script of [`counting_script`] started.
-fn starts(directory: &std::path::Path) -> usize {
-    std::fs::read(directory.join("starts")).map_or(0, |bytes| bytes.len())
-}
-
 /// The server exits after a call; started again, it is a newer version (no `add`, a
 /// new `multiply`). No tool of it is called after it exited: the next model step
 /// (of an agent asked "hello", which calls no tool) starts it again and is offered its
@@ -189,21 +172,9 @@ fn starts(directory: &std::path::Path) -> usize {
 #[tokio::test]
 async fn a_dead_servers_new_list_is_offered_at_the_next_step_without_a_call() {
     let directory = tempfile::tempdir().unwrap();
-    let script = counting_script(
-        directory.path(),
-        &format!("exec '{ECHO_SERVER}' --mode exit-after-call"),
-        &format!("exec '{ECHO_SERVER}' --mode upgraded"),
-    );
-    let server = McpServer::connect_stdio("tools", "sh", ["-c", &script], CONNECT_TIMEOUT)
-        .await
-        .expect("the first start works");
+    let server = upgrading_server("tools", directory.path()).await;
     let llm = Arc::new(calling_agents().rule(ScriptRule::any_agent().reply("hello")));
-    let system = AgentSystem::builder()
-        .llm(llm.clone())
-        .agent(AgentSpec::new("calc"))
-        .mcp_server(server.clone())
-        .start()
-        .expect("the system starts");
+    let system = attached_system(llm.clone(), &["calc"], &server);
     assert_eq!(system.ask("calc", "add").await.unwrap().text, "result: 5");
     wait_until_disconnected(&server).await;
     tokio::time::sleep(Duration::from_millis(MCP_DEAD_SERVER_RESTART_INTERVAL_MS)).await;
@@ -236,13 +207,8 @@ async fn steps_that_find_a_server_dead_start_it_once_per_interval() {
         .await
         .expect("the first start works");
     let agents = ["a", "b", "c", "d"];
-    let mut builder = AgentSystem::builder()
-        .llm(Arc::new(calling_agents().rule(ScriptRule::any_agent().reply("hello"))))
-        .mcp_server(server.clone());
-    for agent in agents {
-        builder = builder.agent(AgentSpec::new(agent));
-    }
-    let system = builder.start().expect("the system starts");
+    let llm = Arc::new(calling_agents().rule(ScriptRule::any_agent().reply("hello")));
+    let system = attached_system(llm, &agents, &server);
     assert_eq!(system.ask("a", "add").await.unwrap().text, "result: 5");
     wait_until_disconnected(&server).await;
     tokio::time::sleep(Duration::from_millis(MCP_DEAD_SERVER_RESTART_INTERVAL_MS)).await;

@@ -7,7 +7,8 @@
 //! and `call_agent` stays the built-in.
 //!
 //! Method: a real rmcp server in-process, served over streamable HTTP on `127.0.0.1:0`
-//! (rmcp's `StreamableHttpService` under axum): it lists `echo` and `set_extra`, and
+//! (rmcp's `StreamableHttpService` under axum; `ChangingServer` of
+//! `support/mcp_setup.rs`): it lists `echo` and `set_extra`, and
 //! `set_extra {names}` replaces its other tools with tools of those names, then says
 //! its list changed (`notifications/tools/list_changed`) before it answers. Scripted
 //! models. Every wait is bounded.
@@ -18,134 +19,14 @@
 // A real HTTP server on loopback is the point here; never simulated.
 #![allow(clippy::disallowed_methods)]
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+#[path = "support/mcp_setup.rs"]
+mod mcp_setup;
 
-use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig,
-};
-use rmcp::service::{RequestContext, RoleServer};
-use rmcp::ServerHandler;
-use serde_json::{json, Value};
-use troupe_agent::{AgentSpec, AgentSystem, McpServer, ScriptRule, ScriptedLlm, ToolRegistryError, MCP_TOOLS_MAX};
+use std::sync::Arc;
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long a change may take to be seen, in milliseconds.
-const CHANGE_WAIT_MS: u64 = 5_000;
-/// How often the test looks meanwhile, in milliseconds.
-const POLL_MS: u64 = 20;
-
-fn object(value: Value) -> serde_json::Map<String, Value> {
-    match value {
-        Value::Object(map) => map,
-        _ => unreachable!("every schema here is an object"),
-    }
-}
-
-/// Lists `echo`, `set_extra` and the extra tools `set_extra` last named (each answers
-/// `called NAME`).
-#[derive(Clone, Default)]
-struct ChangingServer {
-    extra: Arc<Mutex<Vec<String>>>,
-}
-
-impl ServerHandler for ChangingServer {
-    fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
-    }
-
-    async fn list_tools(
-        &self,
-        _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
-    ) -> Result<ListToolsResult, ErrorData> {
-        let mut tools = vec![
-            rmcp::model::Tool::new(
-                "echo",
-                "Returns the text it is given.",
-                object(json!({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})),
-            ),
-            rmcp::model::Tool::new(
-                "set_extra",
-                "Replaces the extra tools.",
-                object(json!({"type": "object",
-                              "properties": {"names": {"type": "array", "items": {"type": "string"}}},
-                              "required": ["names"]})),
-            ),
-        ];
-        for name in self.extra.lock().unwrap().iter() {
-            tools.push(rmcp::model::Tool::new(
-                name.clone(),
-                "An extra tool.",
-                object(json!({"type": "object"})),
-            ));
-        }
-        Ok(ListToolsResult::with_all_items(tools))
-    }
-
-    async fn call_tool(
-        &self,
-        request: CallToolRequestParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<CallToolResponse, ErrorData> {
-        let arguments = Value::Object(request.arguments.unwrap_or_default());
-        let text = |value: String| Ok(CallToolResult::success(vec![ContentBlock::text(value)]).into());
-        match request.name.as_ref() {
-            "echo" => text(arguments["text"].as_str().unwrap_or_default().to_owned()),
-            "set_extra" => {
-                let names: Vec<String> = serde_json::from_value(arguments["names"].clone()).unwrap_or_default();
-                *self.extra.lock().unwrap() = names;
-                // Said before the answer, as `troupe-mcp-echo --mode grows` does.
-                let _ = context.peer.notify_tool_list_changed().await;
-                text("set".to_owned())
-            }
-            other => text(format!("called {other}")),
-        }
-    }
-}
-
-/// Stops the HTTP server when dropped.
-struct Shutdown(tokio::task::JoinHandle<()>);
-
-impl Drop for Shutdown {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Serves a [`ChangingServer`] over streamable HTTP on loopback; connects to it.
-async fn changing_server() -> (McpServer, Shutdown) {
-    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
-
-    let served = ChangingServer::default();
-    let service: StreamableHttpService<ChangingServer, LocalSessionManager> = StreamableHttpService::new(
-        move || Ok(served.clone()),
-        Default::default(),
-        StreamableHttpServerConfig::default(),
-    );
-    let router = axum::Router::new().nest_service("/mcp", service);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    let server = McpServer::connect_http("live", &format!("http://{address}/mcp"), CONNECT_TIMEOUT)
-        .await
-        .expect("the server connects");
-    (server, Shutdown(task))
-}
-
-/// Waits (bounded) until `done` holds.
-async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let mut waited = 0;
-    while !done() {
-        assert!(waited < CHANGE_WAIT_MS, "{CHANGE_WAIT_MS} ms on, still not {what}");
-        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
-        waited += POLL_MS;
-    }
-}
+use mcp_setup::{attached_system, changing_server, wait_for};
+use serde_json::json;
+use troupe_agent::{ScriptRule, ScriptedLlm, ToolRegistryError, MCP_TOOLS_MAX};
 
 /// A model whose agents call `set_extra` with the names after "set " in the user's
 /// message (comma-separated), `echo` on "echo", and `call_agent` to "helper" on "ask";
@@ -184,12 +65,7 @@ fn setting(names: &[String]) -> ScriptedLlm {
 async fn a_list_over_the_limit_is_refused_and_the_last_one_stays_callable() {
     let (server, _shutdown) = changing_server().await;
     let flood: Vec<String> = (0..=MCP_TOOLS_MAX).map(|index| format!("extra_{index}")).collect();
-    let system = AgentSystem::builder()
-        .llm(Arc::new(setting(&flood)))
-        .agent(AgentSpec::new("calc"))
-        .mcp_server(server.clone())
-        .start()
-        .expect("the system starts");
+    let system = attached_system(Arc::new(setting(&flood)), &["calc"], &server);
     let before = system.tool_names();
     assert_eq!(system.ask("calc", "set").await.unwrap().text, "result: set");
     assert_eq!(system.ask("calc", "echo").await.unwrap().text, "result: hi");
@@ -199,12 +75,7 @@ async fn a_list_over_the_limit_is_refused_and_the_last_one_stays_callable() {
     system.shutdown().await;
 
     // The next change is read.
-    let system = AgentSystem::builder()
-        .llm(Arc::new(setting(&["fresh".to_owned()])))
-        .agent(AgentSpec::new("calc"))
-        .mcp_server(server.clone())
-        .start()
-        .expect("the system starts");
+    let system = attached_system(Arc::new(setting(&["fresh".to_owned()])), &["calc"], &server);
     assert_eq!(system.ask("calc", "set").await.unwrap().text, "result: set");
     wait_for("fresh offered", || system.tool_names().contains(&"fresh".to_owned())).await;
     system.shutdown().await;
@@ -217,13 +88,8 @@ async fn a_list_over_the_limit_is_refused_and_the_last_one_stays_callable() {
 #[tokio::test]
 async fn a_new_tool_named_as_a_built_in_is_refused_and_call_agent_stays_the_built_in() {
     let (server, _shutdown) = changing_server().await;
-    let system = AgentSystem::builder()
-        .llm(Arc::new(setting(&["call_agent".to_owned(), "fresh".to_owned()])))
-        .agent(AgentSpec::new("boss"))
-        .agent(AgentSpec::new("helper"))
-        .mcp_server(server.clone())
-        .start()
-        .expect("the system starts");
+    let llm = Arc::new(setting(&["call_agent".to_owned(), "fresh".to_owned()]));
+    let system = attached_system(llm, &["boss", "helper"], &server);
     assert_eq!(system.ask("boss", "set").await.unwrap().text, "result: set");
     wait_for("fresh offered", || system.tool_names().contains(&"fresh".to_owned())).await;
     assert_eq!(

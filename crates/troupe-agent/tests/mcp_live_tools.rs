@@ -21,45 +21,19 @@
 // Real child processes are the point here; never simulated.
 #![allow(clippy::disallowed_methods)]
 
+#[path = "support/mcp_setup.rs"]
+mod mcp_setup;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use async_trait::async_trait;
+use mcp_setup::{attached_system, calling_agents, upgrading_server, wait_for, CONNECT_TIMEOUT, ECHO_SERVER};
 use serde_json::json;
 use troupe_agent::{
     AgentSpec, AgentSystem, AgentSystemError, ChatMessage, LlmClient, LlmError, LlmReply, LlmRequest, McpError,
-    McpServer, Role, ScriptRule, ScriptedLlm, Tool, ToolCall, ToolRegistryError,
+    McpServer, Role, ScriptedLlm, Tool, ToolCall, ToolRegistryError,
 };
-
-const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long a change may take to be seen, in milliseconds.
-const CHANGE_WAIT_MS: u64 = 5_000;
-/// How often the test looks meanwhile, in milliseconds.
-const POLL_MS: u64 = 20;
-
-/// Agents that call `add {a: 2, b: 3}` on "add", `multiply` on "multiply", `echo` on
-/// "echo", then reply with the result.
-fn calling_agents() -> ScriptedLlm {
-    ScriptedLlm::new()
-        .rule(ScriptRule::any_agent().on_tool_result().reply("result: {tool_result}"))
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("add")
-                .call("add", json!({"a": 2, "b": 3})),
-        )
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("multiply")
-                .call("multiply", json!({"a": 2, "b": 3})),
-        )
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("echo")
-                .call("echo", json!({"text": "hi"})),
-        )
-}
 
 async fn growing_server() -> McpServer {
     McpServer::connect_stdio("growing", ECHO_SERVER, ["--mode", "grows"], CONNECT_TIMEOUT)
@@ -70,16 +44,6 @@ async fn growing_server() -> McpServer {
 /// The tool names of request `request`.
 fn offered(request: &LlmRequest) -> Vec<String> {
     request.tools.iter().map(|tool| tool.name.clone()).collect()
-}
-
-/// Waits (bounded) until `done` holds.
-async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let mut waited = 0;
-    while !done() {
-        assert!(waited < CHANGE_WAIT_MS, "{CHANGE_WAIT_MS} ms on, still not {what}");
-        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
-        waited += POLL_MS;
-    }
 }
 
 /// The server grows `multiply` while the system runs: the agent with every tool is
@@ -148,22 +112,9 @@ async fn a_tool_new_in_an_attached_servers_list_is_offered_and_callable() {
 #[tokio::test]
 async fn a_tool_gone_from_a_restarted_servers_list_leaves_the_offered_list() {
     let directory = tempfile::tempdir().unwrap();
-    let mark = directory.path().join("started");
-    let script = format!(
-        "if [ -e '{mark}' ]; then exec '{ECHO_SERVER}' --mode upgraded; fi; : > '{mark}'; exec '{ECHO_SERVER}' --mode \
-         exit-after-call",
-        mark = mark.display()
-    );
-    let server = McpServer::connect_stdio("tools", "sh", ["-c", &script], CONNECT_TIMEOUT)
-        .await
-        .expect("the first start works");
+    let server = upgrading_server("tools", directory.path()).await;
     let llm = Arc::new(calling_agents());
-    let system = AgentSystem::builder()
-        .llm(llm.clone())
-        .agent(AgentSpec::new("calc"))
-        .mcp_server(server.clone())
-        .start()
-        .expect("the system starts");
+    let system = attached_system(llm.clone(), &["calc"], &server);
     assert_eq!(system.ask("calc", "add").await.unwrap().text, "result: 5");
     wait_for("disconnected", || !server.is_connected()).await;
 
@@ -298,12 +249,7 @@ async fn a_step_running_while_the_list_changes_keeps_its_list_and_the_next_offer
         steps: AtomicUsize::new(0),
         offered: Mutex::new(Vec::new()),
     });
-    let system = AgentSystem::builder()
-        .llm(model.clone())
-        .agent(AgentSpec::new("calc"))
-        .mcp_server(server.clone())
-        .start()
-        .expect("the system starts");
+    let system = attached_system(model.clone(), &["calc"], &server);
     let reply = system.ask("calc", "go").await.unwrap();
     assert_eq!(reply.text, "42");
     assert_eq!(reply.steps, 4);

@@ -19,21 +19,18 @@
 
 #[path = "../src/bin/troupe-mcp-echo/echo.rs"]
 mod echo;
+#[path = "support/mcp_setup.rs"]
+mod mcp_setup;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mcp_setup::{calling_agent, serve_http, CONNECT_TIMEOUT, ECHO_SERVER, EXIT_WAIT_MS, POLL_MS};
 use serde_json::json;
 use troupe_agent::{AgentSpec, AgentSystem, McpError, McpServer, ScriptRule, ScriptedLlm};
 
-const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// How much later than its bound a wait may end (ms).
 const SLACK_MS_MAX: u64 = 1_500;
-/// How long a child gets to be gone after its last user went (ms).
-const EXIT_WAIT_MS: u64 = 5_000;
-/// How often the test looks at `/proc` meanwhile (ms).
-const POLL_MS: u64 = 20;
 
 /// The pids and states of this process's children whose command line holds `marker`
 /// (zombies included: a child killed but never waited for is one).
@@ -86,17 +83,6 @@ async fn misbehaving(mode: &str) -> McpServer {
     McpServer::connect_stdio(mode, ECHO_SERVER, ["--mode", mode], CONNECT_TIMEOUT)
         .await
         .expect("the echo server starts")
-}
-
-/// An agent `calc` that calls `tool` with `arguments`, then replies with the result.
-fn calling_agent(tool: &str, arguments: serde_json::Value) -> ScriptedLlm {
-    ScriptedLlm::new()
-        .rule(ScriptRule::agent("calc").on_user_containing("go").call(tool, arguments))
-        .rule(
-            ScriptRule::agent("calc")
-                .on_tool_result()
-                .reply("result: {tool_result}"),
-        )
 }
 
 fn system_with(llm: Arc<ScriptedLlm>, server: &McpServer, agents: &[&str]) -> AgentSystem {
@@ -366,25 +352,11 @@ async fn a_server_that_prints_a_banner_first_works_or_is_a_typed_error() {
 /// the model reads, long before the turn's deadline.
 #[tokio::test]
 async fn an_http_server_gone_after_connecting_is_a_tool_failure_at_once() {
-    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
-
-    let service: StreamableHttpService<echo::EchoServer, LocalSessionManager> = StreamableHttpService::new(
-        || Ok(echo::EchoServer),
-        Default::default(),
-        StreamableHttpServerConfig::default(),
-    );
-    let router = axum::Router::new().nest_service("/mcp", service);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    let server = McpServer::connect_http("gone-later", &format!("http://{address}/mcp"), CONNECT_TIMEOUT)
+    let (url, shutdown) = serve_http(echo::EchoServer).await;
+    let server = McpServer::connect_http("gone-later", &url, CONNECT_TIMEOUT)
         .await
         .unwrap();
-    task.abort();
-    let _ = task.await;
+    shutdown.stop().await;
 
     let llm = Arc::new(calling_agent("add", json!({"a": 1, "b": 2})));
     let system = system_with(llm, &server, &["calc"]);

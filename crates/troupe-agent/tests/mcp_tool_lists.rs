@@ -17,40 +17,16 @@
 // Real child processes are the point here; never simulated.
 #![allow(clippy::disallowed_methods)]
 
+#[path = "support/mcp_setup.rs"]
+mod mcp_setup;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::json;
-use troupe_agent::{AgentSpec, AgentSystem, McpError, McpServer, ScriptRule, ScriptedLlm};
-
-const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long the server gets to be seen gone, in milliseconds.
-const EXIT_WAIT_MS: u64 = 5_000;
-/// How often the test looks meanwhile, in milliseconds.
-const POLL_MS: u64 = 20;
-
-/// Agents that call `add {a: 2, b: 3}` on "add", `multiply` on "multiply", `echo` on
-/// "echo", then reply with the result.
-fn calling_agents() -> ScriptedLlm {
-    ScriptedLlm::new()
-        .rule(ScriptRule::any_agent().on_tool_result().reply("result: {tool_result}"))
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("add")
-                .call("add", json!({"a": 2, "b": 3})),
-        )
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("multiply")
-                .call("multiply", json!({"a": 2, "b": 3})),
-        )
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("echo")
-                .call("echo", json!({"text": "hi"})),
-        )
-}
+use mcp_setup::{
+    calling_agents, upgrading_server, wait_until_disconnected, CONNECT_TIMEOUT, ECHO_SERVER, EXIT_WAIT_MS, POLL_MS,
+};
+use troupe_agent::{AgentSpec, AgentSystem, McpError, McpServer};
 
 fn system_with(server: &McpServer) -> AgentSystem {
     let mut builder = AgentSystem::builder()
@@ -62,18 +38,6 @@ fn system_with(server: &McpServer) -> AgentSystem {
     builder.start().expect("the system starts")
 }
 
-async fn wait_until_disconnected(server: &McpServer) {
-    let mut waited = 0;
-    while server.is_connected() {
-        assert!(
-            waited < EXIT_WAIT_MS,
-            "{EXIT_WAIT_MS} ms on, the server still looks connected"
-        );
-        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
-        waited += POLL_MS;
-    }
-}
-
 /// A server started again as a newer version: its list is read again; `add`, gone from
 /// it, fails naming itself and the tools offered now (and is not sent); `multiply`,
 /// new, is offered and callable. Before, the list read at first was kept:
@@ -82,15 +46,7 @@ async fn wait_until_disconnected(server: &McpServer) {
 #[tokio::test]
 async fn a_server_started_again_with_other_tools_offers_its_new_list() {
     let directory = tempfile::tempdir().unwrap();
-    let mark = directory.path().join("started");
-    let script = format!(
-        "if [ -e '{mark}' ]; then exec '{ECHO_SERVER}' --mode upgraded; fi; : > '{mark}'; exec '{ECHO_SERVER}' --mode \
-         exit-after-call",
-        mark = mark.display()
-    );
-    let server = McpServer::connect_stdio("tools", "sh", ["-c", &script], CONNECT_TIMEOUT)
-        .await
-        .expect("the first start works");
+    let server = upgrading_server("tools", directory.path()).await;
     assert_eq!(server.tool_names(), ["echo", "add", "sleep", "fail"]);
     let system = system_with(&server);
     assert_eq!(system.ask("calc", "add").await.unwrap().text, "result: 5");

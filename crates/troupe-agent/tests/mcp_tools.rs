@@ -19,15 +19,15 @@
 
 #[path = "../src/bin/troupe-mcp-echo/echo.rs"]
 mod echo;
+#[path = "support/mcp_setup.rs"]
+mod mcp_setup;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mcp_setup::{calling_agent, serve_http, CONNECT_TIMEOUT, ECHO_SERVER};
 use serde_json::json;
 use troupe_agent::{AgentCallError, AgentSpec, AgentSystem, McpError, McpServer, ScriptRule, ScriptedLlm};
-
-const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// How much later than its deadline a turn may end.
 const DEADLINE_SLACK_MS_MAX: u64 = 1_500;
 
@@ -35,17 +35,6 @@ async fn stdio_server() -> McpServer {
     McpServer::connect_stdio("echo", ECHO_SERVER, std::iter::empty::<&str>(), CONNECT_TIMEOUT)
         .await
         .expect("the echo server starts")
-}
-
-/// An agent `calc` that calls `tool` with `arguments`, then replies with the result.
-fn calling_agent(tool: &str, arguments: serde_json::Value) -> ScriptedLlm {
-    ScriptedLlm::new()
-        .rule(ScriptRule::agent("calc").on_user_containing("go").call(tool, arguments))
-        .rule(
-            ScriptRule::agent("calc")
-                .on_tool_result()
-                .reply("result: {tool_result}"),
-        )
 }
 
 #[tokio::test]
@@ -199,39 +188,9 @@ async fn a_silent_program_times_out() {
     assert!(started.elapsed() < Duration::from_millis(300 + DEADLINE_SLACK_MS_MAX));
 }
 
-/// Serves the echo tools over streamable HTTP on loopback; returns the endpoint URL.
-async fn http_server() -> (String, tokio_util_like::Shutdown) {
-    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
-
-    let service: StreamableHttpService<echo::EchoServer, LocalSessionManager> = StreamableHttpService::new(
-        || Ok(echo::EchoServer),
-        Default::default(),
-        StreamableHttpServerConfig::default(),
-    );
-    let router = axum::Router::new().nest_service("/mcp", service);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    (format!("http://{address}/mcp"), tokio_util_like::Shutdown(task))
-}
-
-mod tokio_util_like {
-    /// Stops the HTTP server when dropped.
-    pub(crate) struct Shutdown(pub(crate) tokio::task::JoinHandle<()>);
-
-    impl Drop for Shutdown {
-        fn drop(&mut self) {
-            self.0.abort();
-        }
-    }
-}
-
 #[tokio::test]
 async fn an_agent_calls_a_streamable_http_mcp_tool_end_to_end() {
-    let (url, _shutdown) = http_server().await;
+    let (url, _shutdown) = serve_http(echo::EchoServer).await;
     let server = McpServer::connect_http("echo-http", &url, CONNECT_TIMEOUT)
         .await
         .unwrap();
@@ -323,25 +282,12 @@ impl rmcp::ServerHandler for EndlessPages {
 /// pages read and well before the timeout.
 #[tokio::test]
 async fn a_server_listing_tools_without_end_is_refused_at_the_tool_limit() {
-    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
-
     let handler = EndlessPages::default();
     let pages = Arc::clone(&handler.0);
-    let service: StreamableHttpService<EndlessPages, LocalSessionManager> = StreamableHttpService::new(
-        move || Ok(handler.clone()),
-        Default::default(),
-        StreamableHttpServerConfig::default(),
-    );
-    let router = axum::Router::new().nest_service("/mcp", service);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let _shutdown = tokio_util_like::Shutdown(tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    }));
+    let (url, _shutdown) = serve_http(handler).await;
 
     let started = Instant::now();
-    let error = McpServer::connect_http("endless", &format!("http://{address}/mcp"), CONNECT_TIMEOUT)
+    let error = McpServer::connect_http("endless", &url, CONNECT_TIMEOUT)
         .await
         .unwrap_err();
     let read = pages.load(std::sync::atomic::Ordering::Relaxed);

@@ -1,6 +1,6 @@
 //! What the MCP tests share: the `troupe-mcp-echo` binary and the bounds of their
 //! waits, the scripted agents that call the echo server's tools, a bounded wait for a
-//! condition, and a real rmcp server in-process over streamable HTTP on loopback
+//! condition, a server's disconnection, and a real rmcp server in-process over streamable HTTP on loopback
 //! ([`serve_http`]; [`ChangingServer`], whose list changes on command).
 //!
 //! Included by the test files with `#[path = "support/mcp_setup.rs"] mod mcp_setup;`.
@@ -17,7 +17,7 @@ use rmcp::model::{
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::ServerHandler;
 use serde_json::{json, Value};
-use troupe_agent::{McpServer, ScriptRule, ScriptedLlm};
+use troupe_agent::{AgentSpec, AgentSystem, LlmClient, McpServer, ScriptRule, ScriptedLlm};
 
 /// This crate's test MCP server (a real rmcp server on stdio).
 pub(crate) const ECHO_SERVER: &str = env!("CARGO_BIN_EXE_troupe-mcp-echo");
@@ -50,6 +50,57 @@ pub(crate) fn calling_agents() -> ScriptedLlm {
                 .on_user_containing("echo")
                 .call("echo", json!({"text": "hi"})),
         )
+}
+
+/// An agent `calc` that calls `tool` with `arguments` on "go", then replies with the
+/// result.
+pub(crate) fn calling_agent(tool: &str, arguments: Value) -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::agent("calc").on_user_containing("go").call(tool, arguments))
+        .rule(
+            ScriptRule::agent("calc")
+                .on_tool_result()
+                .reply("result: {tool_result}"),
+        )
+}
+
+/// A system of `agents` (each with every tool) on `llm`, `server` attached
+/// (`AgentSystemBuilder::mcp_server`).
+pub(crate) fn attached_system(llm: Arc<dyn LlmClient>, agents: &[&str], server: &McpServer) -> AgentSystem {
+    let mut builder = AgentSystem::builder().llm(llm).mcp_server(server.clone());
+    for agent in agents {
+        builder = builder.agent(AgentSpec::new(*agent));
+    }
+    builder.start().expect("the system starts")
+}
+
+/// A shell script that counts its starts in `{directory}/starts` (one byte a start)
+/// and runs `first` the first time, `later` after (each a shell command).
+pub(crate) fn counting_script(directory: &std::path::Path, first: &str, later: &str) -> String {
+    let starts = directory.join("starts");
+    format!(
+        "printf x >> '{starts}'; if [ \"$(wc -c < '{starts}')\" -gt 1 ]; then {later}; fi; {first}",
+        starts = starts.display()
+    )
+}
+
+/// How many times the script of [`counting_script`] started.
+pub(crate) fn starts(directory: &std::path::Path) -> usize {
+    std::fs::read(directory.join("starts")).map_or(0, |bytes| bytes.len())
+}
+
+/// `troupe-mcp-echo` as `name`, behind a [`counting_script`] in `directory`: `--mode
+/// exit-after-call` the first time (it exits after its first call), `--mode upgraded`
+/// (no `add`, a new `multiply`) each time after.
+pub(crate) async fn upgrading_server(name: &str, directory: &std::path::Path) -> McpServer {
+    let script = counting_script(
+        directory,
+        &format!("exec '{ECHO_SERVER}' --mode exit-after-call"),
+        &format!("exec '{ECHO_SERVER}' --mode upgraded"),
+    );
+    McpServer::connect_stdio(name, "sh", ["-c", &script], CONNECT_TIMEOUT)
+        .await
+        .expect("the first start works")
 }
 
 /// Waits (bounded by [`CHANGE_WAIT_MS`]) until `done` holds.
@@ -85,6 +136,14 @@ pub(crate) fn object(value: Value) -> serde_json::Map<String, Value> {
 
 /// Stops the HTTP server when dropped.
 pub(crate) struct Shutdown(pub(crate) tokio::task::JoinHandle<()>);
+
+impl Shutdown {
+    /// Stops the HTTP server now and waits until its task has ended.
+    pub(crate) async fn stop(mut self) {
+        self.0.abort();
+        let _ = (&mut self.0).await;
+    }
+}
 
 impl Drop for Shutdown {
     fn drop(&mut self) {
