@@ -1664,3 +1664,74 @@ mod log_reads_while_writing {
         system.shutdown().await;
     }
 }
+
+mod budget_after_a_timed_out_call {
+    use super::*;
+    use troupe_agent::{AskOptions, Budget};
+
+    /// What `boss` gives `slow`, far less than `slow`'s model takes.
+    const SLOW_CALL_MS: u64 = 200;
+
+    fn script() -> ScriptedLlm {
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("boss")
+                    .on_tool_result_containing("timed out")
+                    .call("call_agent", json!({"agent_id": "fast", "message": "second"})),
+            )
+            .rule(ScriptRule::agent("boss").on_tool_result().reply("boss: {tool_result}"))
+            .rule(ScriptRule::agent("boss").on_user_containing("go").call(
+                "call_agent",
+                json!({"agent_id": "slow", "message": "first", "timeout_ms": SLOW_CALL_MS}),
+            ))
+            .rule(
+                ScriptRule::agent("slow")
+                    .reply("slow answer")
+                    .latency(Duration::from_secs(5)),
+            )
+            .rule(ScriptRule::agent("fast").reply("fast answer"))
+    }
+
+    fn start(llm: &ScriptedLlm) -> AgentSystem {
+        AgentSystem::builder()
+            .store(Arc::new(MemoryStore::new()))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("boss"))
+            .agent(AgentSpec::new("slow"))
+            .agent(AgentSpec::new("fast"))
+            .start()
+            .expect("the system starts")
+    }
+
+    /// Goal: the budget reserved for a child call that timed out comes back to its
+    /// parent: under exactly the budget the run spends unlimited, `boss` calls `slow`
+    /// (which times out after `SLOW_CALL_MS`, its model cut), then `fast`, and answers;
+    /// a reservation kept by the timed-out call would leave `fast` or `boss`'s last
+    /// step short (`BudgetExhausted`). Method: one unlimited run measures the spend,
+    /// a second runs under it. Measured: `boss`'s turn ends `BudgetExhausted` "127 of
+    /// 127 tokens spent or reserved", and so it does under every budget tried up to
+    /// 327 (2.5 times the spend); with `slow` answering in time, the same two calls
+    /// pass under exactly their spend (131).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    #[ignore = "limitation (documented in budget.rs): a child call whose spend is unknown (timed out, failed, cancelled) is charged its whole grant, and a call made alone is granted everything left, so under any token budget a call that times out leaves its caller's turn nothing: the next model step is BudgetExhausted"]
+    async fn the_budget_reserved_for_a_timed_out_call_comes_back() {
+        let unlimited = start(&script());
+        let reply = unlimited.ask("boss", "go").await.expect("answered");
+        assert_eq!(reply.text, "boss: fast answer");
+        let spent = reply.spent.tokens;
+        assert!(spent > 0);
+        unlimited.shutdown().await;
+
+        let llm = script();
+        let limited = start(&llm);
+        let reply = limited
+            .ask_with("boss", "go", AskOptions::default().budget(Budget::tokens(spent)))
+            .await;
+        let reply = reply.unwrap_or_else(|error| panic!("under the {spent} tokens it spends unlimited: {error}"));
+        assert_eq!(reply.text, "boss: fast answer");
+        assert_eq!(reply.spent.tokens, spent);
+        let fast_cap = llm.requests_of("fast")[0].max_tokens;
+        eprintln!("spent {spent}, fast's cap {fast_cap:?}");
+        limited.shutdown().await;
+    }
+}
