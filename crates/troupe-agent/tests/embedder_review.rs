@@ -1735,3 +1735,129 @@ mod budget_after_a_timed_out_call {
         limited.shutdown().await;
     }
 }
+
+mod nested_restarts {
+    use super::*;
+
+    /// Delegations the coordinator sends before the first restart.
+    const JOBS: usize = 8;
+    /// How long each model step takes in the first two processes.
+    const STEP_MS: u64 = 40;
+    /// How long each of the first two processes lives.
+    const PROCESS_LIFE_MS: u64 = 300;
+
+    fn script(step: Duration) -> ScriptedLlm {
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("you delegated is")
+                    .reply("relayed")
+                    .latency(step),
+            )
+            .rule(ScriptRule::agent("analyst").on_tool_result().reply("forwarded"))
+            .rule(
+                ScriptRule::agent("analyst")
+                    .on_user_containing("[task")
+                    .call(
+                        "delegate_to_agent",
+                        json!({"agent_id": "researcher", "message": "{input}"}),
+                    )
+                    .latency(step),
+            )
+            .rule(ScriptRule::agent("researcher").reply("found it").latency(step))
+            .rule(
+                ScriptRule::agent("coordinator")
+                    .on_user_containing("you delegated is")
+                    .reply("thanks")
+                    .latency(step),
+            )
+    }
+
+    fn process(path: &std::path::Path, llm: &ScriptedLlm) -> AgentSystem {
+        AgentSystem::builder()
+            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
+            .llm(Arc::new(llm.clone()))
+            .agent(AgentSpec::new("coordinator"))
+            .agent(AgentSpec::new("analyst"))
+            .agent(AgentSpec::new("researcher"))
+            .start()
+            .expect("the system starts")
+    }
+
+    /// Goal: a two-level delegation (coordinator → analyst, whose task turn delegates
+    /// on to researcher) survives two restarts mid-flight (a drop, then a shutdown)
+    /// with every step once: each job is in the researcher's log once, the analyst
+    /// reads each researcher result once and each coordinator task once, the
+    /// coordinator reads each result once, and every inbox and outbox ends empty.
+    /// Method: `JOBS` delegations; every model step takes `STEP_MS` in the first two
+    /// processes, which live `PROCESS_LIFE_MS` each; a third (fast) finishes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_two_level_delegation_survives_two_restarts_with_every_step_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let slow = script(Duration::from_millis(STEP_MS));
+        let first = process(&path, &slow);
+        let mut tasks = Vec::new();
+        for i in 0..JOBS {
+            let text = format!("job-{i}.");
+            let task = first
+                .delegate("coordinator", "analyst", &text, Some(60_000))
+                .await
+                .expect("acknowledged");
+            tasks.push((text, task));
+        }
+        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
+        drop(first);
+        let second = process(&path, &slow);
+        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
+        second.shutdown().await;
+
+        let third = process(&path, &script(Duration::ZERO));
+        for (text, task) in &tasks {
+            let state = settle(&format!("{text} ({task}) ends"), || async {
+                let status = third.task("coordinator", task).await.unwrap()?;
+                status.state.is_final().then_some(status.state)
+            })
+            .await;
+            assert_eq!(state, TaskState::Completed, "{text} ({task})");
+        }
+        settle("every researcher result is read and every box is empty", || async {
+            let analyst = third.conversation_log("analyst").await.unwrap();
+            let results = user_messages_containing(&analyst, "you delegated is");
+            let mut empty = true;
+            for agent in ["coordinator", "analyst", "researcher"] {
+                empty &= third.pending(agent).await.unwrap() == (0, 0);
+            }
+            (results >= JOBS && empty).then_some(())
+        })
+        .await;
+        // Past the end of any model call the first two processes began.
+        tokio::time::sleep(Duration::from_millis(4 * STEP_MS)).await;
+        let researcher = third.conversation_log("researcher").await.unwrap();
+        let analyst = third.conversation_log("analyst").await.unwrap();
+        let coordinator = third.conversation_log("coordinator").await.unwrap();
+        for (text, task) in &tasks {
+            assert_eq!(
+                user_messages_containing(&researcher, text),
+                1,
+                "{text} at the researcher"
+            );
+            assert_eq!(
+                user_messages_containing(&analyst, &format!("[task {task} delegated by agent coordinator]")),
+                1,
+                "{text} ({task}) at the analyst: {analyst:#?}"
+            );
+            assert_eq!(
+                user_messages_containing(&coordinator, &format!("[task {task} you delegated is completed]")),
+                1,
+                "{text}'s result at the coordinator"
+            );
+        }
+        let results = user_messages_containing(&analyst, "you delegated is completed");
+        assert_eq!(
+            results, JOBS,
+            "the analyst read {results} researcher results: {analyst:#?}"
+        );
+        third.shutdown().await;
+    }
+}
