@@ -198,7 +198,7 @@ impl DirectoryStore {
                     }
                 }
                 _ => {
-                    if let Err(error) = shared.directory.upsert(spec.into_owned()) {
+                    if let Err(error) = shared.directory.upsert_stored(spec.into_owned()) {
                         tracing::warn!(agent = %id, %error, "a stored agent definition cannot run in this process; skipped");
                     }
                 }

@@ -35,9 +35,10 @@ use mcp_setup::{
 };
 use serde_json::json;
 use troupe_agent::{
-    AgentSpec, AgentSpecError, DirectoryError, LlmRequest, McpError, McpServer, ScriptRule, ScriptedLlm,
+    AgentSpec, AgentSpecError, AgentSystem, DirectoryError, LlmRequest, McpError, McpServer, ScriptRule, ScriptedLlm,
     MCP_DEAD_SERVER_RESTART_INTERVAL_MS,
 };
+use troupe_runtime::{MemoryStore, StateStore};
 
 /// The tool names of request `request`.
 fn offered(request: &LlmRequest) -> Vec<String> {
@@ -162,6 +163,56 @@ async fn define_agent_accepts_a_tool_an_attached_server_lists_now() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn define_agent_accepts_a_tool_an_attached_server_lists_now_on_worker_threads() {
     an_agent_defined_later_may_name_a_tool_a_server_lists_now().await;
+}
+
+/// `define_agent` stores a definition naming `fresh` while the server lists it; the
+/// server then drops `fresh`, and a second system on the same store (the next start of
+/// the process) reads the definition back: the agent exists there, is offered nothing,
+/// and is offered `fresh` and calls it once the server lists it again. Before, the
+/// stored definition was skipped ("a stored agent definition cannot run in this
+/// process"): asking "user" was refused with `AgentNotFound`.
+#[tokio::test]
+async fn a_stored_definition_naming_a_tool_no_longer_listed_is_kept_at_the_next_start() {
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    let (server, _shutdown) = changing_server().await;
+    let llm = Arc::new(growing_agents());
+    let first = AgentSystem::builder()
+        .store(Arc::clone(&store))
+        .llm(llm.clone())
+        .agent(AgentSpec::new("boss"))
+        .mcp_server(server.clone())
+        .start()
+        .expect("the first system starts");
+    assert_eq!(first.ask("boss", "grow").await.unwrap().text, "result: set");
+    wait_for("fresh listed", || server.tool_names().contains(&"fresh".to_owned())).await;
+    first
+        .define_agent(AgentSpec::new("user").tools(["fresh"]))
+        .await
+        .expect("a tool the server lists now may be named");
+    assert_eq!(first.ask("boss", "shrink").await.unwrap().text, "result: set");
+    wait_for("fresh gone", || !server.tool_names().contains(&"fresh".to_owned())).await;
+    first.shutdown().await;
+
+    let second = AgentSystem::builder()
+        .store(Arc::clone(&store))
+        .llm(llm.clone())
+        .agent(AgentSpec::new("boss"))
+        .mcp_server(server.clone())
+        .start()
+        .expect("the second system starts");
+    assert_eq!(second.ask("user", "hello").await.unwrap().text, "hello");
+    assert!(offered(llm.requests_of("user").last().unwrap()).is_empty());
+    assert_eq!(second.ask("boss", "grow").await.unwrap().text, "result: set");
+    wait_for("fresh listed again", || {
+        server.tool_names().contains(&"fresh".to_owned())
+    })
+    .await;
+    assert_eq!(
+        second.ask("user", "use fresh").await.unwrap().text,
+        "result: called fresh"
+    );
+    assert_eq!(offered(llm.requests_of("user").last().unwrap()), ["fresh"]);
+    second.shutdown().await;
 }
 
 /// The server exits after a call; started again, it is a newer version (no `add`, a

@@ -712,11 +712,46 @@ impl AgentDirectory {
     pub fn upsert(&self, spec: AgentSpec) -> Result<(), AgentSpecError> {
         spec.validate()?;
         self.check_names(&spec)?;
+        self.insert(spec);
+        Ok(())
+    }
+
+    /// As [`AgentDirectory::upsert`], for a definition read from the stored directory
+    /// (`directory_store.rs`: at start, and what another process defined): with attached
+    /// MCP servers, a tool no one lists now is accepted (with a warning), as it was when
+    /// it was defined: a server may list it again, and the agent is offered it then.
+    /// Skipping the definition lost the agent in this process until the record changed
+    /// again. Without attached servers such a tool can never come, and the definition
+    /// is refused as by `upsert`.
+    ///
+    /// # Errors
+    /// As [`AgentDirectory::upsert`], but [`AgentSpecError::UnknownTool`] only without
+    /// attached servers.
+    pub(crate) fn upsert_stored(&self, spec: AgentSpec) -> Result<(), AgentSpecError> {
+        spec.validate()?;
+        match self.check_names(&spec) {
+            Ok(()) => {}
+            // The provider is checked before the tools: it is known.
+            Err(AgentSpecError::UnknownTool { id, tool, servers, .. }) if !servers.is_empty() => {
+                tracing::warn!(
+                    agent = %id,
+                    %tool,
+                    servers = ?servers,
+                    "a stored agent definition names a tool no attached server lists now; defined, and offered the \
+                     tool once a server lists it"
+                );
+            }
+            Err(error) => return Err(error),
+        }
+        self.insert(spec);
+        Ok(())
+    }
+
+    fn insert(&self, spec: AgentSpec) {
         let mut agents = self.agents.write().unwrap();
         agents.insert(spec.id.clone(), spec);
         // Under the lock: a reader that sees the new generation reads the new entry.
         self.generation.fetch_add(1, Ordering::SeqCst);
-        Ok(())
     }
 
     /// Removes agent `id` from the directory and returns its definition. It can no
