@@ -1624,7 +1624,7 @@ mod log_reads_while_writing {
                 page.total
             );
             pages.push((before, page));
-            if round % 4 == 0 {
+            if round.is_multiple_of(4) {
                 wholes.push(system.conversation_log("w").await.unwrap());
             }
             round += 1;
