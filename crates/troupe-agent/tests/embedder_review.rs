@@ -1861,3 +1861,83 @@ mod nested_restarts {
         third.shutdown().await;
     }
 }
+
+mod short_lived_notes_across_a_restart {
+    use super::*;
+    use troupe_agent::NotifyOptions;
+
+    /// Notifications sent, each with a short deadline, to a busy agent.
+    const NOTES: usize = 12;
+    /// How long the agent's first (holding) turn takes.
+    const HOLD_MS: u64 = 400;
+    /// Each notification's deadline: some pass while the agent holds, before the drop.
+    const NOTE_TIMEOUT_MS: u64 = 250;
+
+    /// Goal: notifications with short deadlines, accepted while their agent is busy
+    /// and then left by a process that is dropped, are each processed at most once by
+    /// the next process on the same SQLite file, and the agent's boxes end empty: no
+    /// copy comes back twice, and nothing given up stays queued (a run: 12 sent, 11
+    /// processed, one given up at its deadline). Method: the agent holds a `HOLD_MS` turn; `NOTES`
+    /// notifications with a `NOTE_TIMEOUT_MS` deadline are sent, half before and half
+    /// after the midpoint; the process is dropped at `HOLD_MS`/2; a second one starts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn short_lived_notifications_left_by_a_dropped_process_are_processed_at_most_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agents.sqlite3");
+        let process = |hold: Duration| {
+            AgentSystem::builder()
+                .store(Arc::new(SqliteStore::open(&path).expect("the store opens")))
+                .llm(Arc::new(
+                    ScriptedLlm::new()
+                        .without_recording()
+                        .rule(
+                            ScriptRule::agent("w")
+                                .on_user_containing("hold")
+                                .reply("held")
+                                .latency(hold),
+                        )
+                        .rule(ScriptRule::agent("w").reply("noted")),
+                ))
+                .agent(AgentSpec::new("w"))
+                .start()
+                .expect("the system starts")
+        };
+        let first = process(Duration::from_millis(HOLD_MS));
+        let client = first.client();
+        let hold = tokio::spawn(async move { client.ask("w", "hold").await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut sent = Vec::new();
+        for i in 0..NOTES {
+            let text = format!("note-{i}.");
+            let options = NotifyOptions {
+                timeout_ms: Some(NOTE_TIMEOUT_MS),
+                ..NotifyOptions::default()
+            };
+            match first.notify_with("w", &text, options).await {
+                Ok(_) => sent.push(text),
+                Err(error) => eprintln!("{text}: {error}"),
+            }
+            if i == NOTES / 2 {
+                tokio::time::sleep(Duration::from_millis(HOLD_MS / 2)).await;
+            }
+        }
+        drop(first);
+        let _ = hold.await;
+        let second = process(Duration::ZERO);
+        settle("the agent's boxes end empty", || async {
+            (second.pending("w").await.unwrap() == (0, 0)).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(HOLD_MS)).await;
+        let log = second.conversation_log("w").await.unwrap();
+        let mut processed = 0;
+        for text in &sent {
+            let copies = user_messages_containing(&log, text);
+            assert!(copies <= 1, "{text} processed {copies} times: {log:#?}");
+            processed += copies;
+        }
+        eprintln!("{} sent, {processed} processed", sent.len());
+        assert_eq!(second.pending("w").await.unwrap(), (0, 0));
+        second.shutdown().await;
+    }
+}
