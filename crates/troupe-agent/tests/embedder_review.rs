@@ -24,7 +24,11 @@
 //! - racing copies of one notification id are processed once, across a restart;
 //! - measured from outside, a callee never has more time than the caller left;
 //! - two processes asking one agent on one SQLite file: every answer is stored once;
-//! - tasks acknowledged over a link that is then removed each end once.
+//! - tasks acknowledged over a link that is then removed each end once;
+//! - log pages read while turns commit are slices of the final log;
+//! - the budget reserved for a call that timed out (ignored: a documented limitation);
+//! - a two-level delegation survives two restarts with every step once;
+//! - short-lived notifications left by a dropped process are processed at most once.
 //!
 //! Normal build only (real time, SQLite, several threads): `cargo nextest run -p
 //! troupe-agent --test embedder_review`.
