@@ -46,9 +46,9 @@
 //!   deadline). Calls that find it dead at the same time start it once. When it cannot
 //!   be, the call fails with [`McpError::Reconnect`]'s text (the server and the
 //!   attempts), and the next call tries again. A model step of an agent system the
-//!   server is attached to (and `define_agent` of an agent that names tools) that finds
-//!   it dead starts it again too, so its new list is offered without waiting for a call
-//!   of one of its tools: one attempt, within the connect timeout, at most once per
+//!   server is attached to (and `define_agent` of an agent naming a tool not found)
+//!   that finds it dead starts it again too, so its new list is offered without
+//!   waiting for a call of one of its tools: one attempt, within the connect timeout, at most once per
 //!   [`MCP_DEAD_SERVER_RESTART_INTERVAL_MS`] since it was last started or tried (a
 //!   server that keeps dying is not started in a loop); steps that find it dead at once
 //!   start it once. A call the server was lost during is not

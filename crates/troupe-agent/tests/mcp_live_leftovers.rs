@@ -240,6 +240,30 @@ async fn a_dead_servers_new_list_is_offered_at_the_next_step_without_a_call() {
     system.shutdown().await;
 }
 
+/// The server exits after a call; started again, it lists `multiply`. `define_agent`
+/// of an agent naming `multiply` (which no list read so far holds) starts the dead
+/// server, reads its new list and accepts the definition; the agent calls `multiply`.
+/// Without the second look (tried), it was refused with `UnknownTool` (known: add,
+/// call_agent, …, sleep; servers: MCP server "tools").
+#[tokio::test]
+async fn define_agent_starts_a_dead_server_again_to_look_for_a_tool() {
+    let directory = tempfile::tempdir().unwrap();
+    let server = upgrading_server("tools", directory.path()).await;
+    let llm = Arc::new(calling_agents());
+    let system = attached_system(llm.clone(), &["calc"], &server);
+    assert_eq!(system.ask("calc", "add").await.unwrap().text, "result: 5");
+    wait_until_disconnected(&server).await;
+    tokio::time::sleep(Duration::from_millis(MCP_DEAD_SERVER_RESTART_INTERVAL_MS)).await;
+
+    system
+        .define_agent(AgentSpec::new("times").tools(["multiply"]))
+        .await
+        .expect("the server, started again, lists multiply");
+    assert_eq!(starts(directory.path()), 2);
+    assert_eq!(system.ask("times", "multiply").await.unwrap().text, "result: 6");
+    system.shutdown().await;
+}
+
 /// The server exits after a call and cannot be started again (its script exits at
 /// once). Steps of four agents that find it dead at once start it once; the steps after,
 /// within `MCP_DEAD_SERVER_RESTART_INTERVAL_MS`, do not start it; one step after the

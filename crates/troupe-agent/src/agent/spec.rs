@@ -674,22 +674,27 @@ impl AgentDirectory {
         }
     }
 
-    /// Checks `spec` as [`AgentDirectory::upsert`] does, after reading again the list
-    /// of each attached server that said its list changed (or waiting for the read
-    /// under way, at most the server's connect timeout), and starting again a dead one
-    /// when it is due (see `MCP_DEAD_SERVER_RESTART_INTERVAL_MS`): what
-    /// `AgentClient::define_agent` checks, so a tool a server lists now is accepted.
+    /// Checks `spec` as [`AgentDirectory::upsert`] does; when it names a tool that
+    /// neither the catalog nor an attached server's last list has, checks again after
+    /// reading again the list of each attached server that said its list changed (or
+    /// waiting for the read under way, at most the server's connect timeout), and
+    /// starting again a dead one when it is due (see
+    /// `MCP_DEAD_SERVER_RESTART_INTERVAL_MS`): what `AgentClient::define_agent` checks,
+    /// so a tool a server lists now is accepted.
     ///
     /// # Errors
     /// As [`AgentDirectory::upsert`].
     pub(crate) async fn check_definition(&self, spec: &AgentSpec) -> Result<(), AgentSpecError> {
         spec.validate()?;
-        if self.catalog.is_some() && spec.tools.is_some() {
-            for source in self.sources.0.iter() {
-                source.refresh().await;
+        match self.check_names(spec) {
+            Err(AgentSpecError::UnknownTool { servers, .. }) if !servers.is_empty() => {
+                for source in self.sources.0.iter() {
+                    source.refresh().await;
+                }
+                self.check_names(spec)
             }
+            checked => checked,
         }
-        self.check_names(spec)
     }
 
     /// The providers and tools definitions are checked against, if any.
