@@ -518,6 +518,9 @@ mod small_mailboxes {
     const DELEGATIONS: usize = 40;
     /// How long a worker's model takes.
     const WORK_MS: u64 = 10;
+    /// Tries of a delegation refused `Busy`, and the pause between them.
+    const DELEGATE_TRIES: usize = 40;
+    const DELEGATE_RETRY_PAUSE_MS: u64 = 10;
 
     /// Goal: hundreds of asks and tens of delegations at once against agents with a
     /// mailbox of 2: every ask ends within its bound with its own answer or a typed
@@ -563,7 +566,18 @@ mod small_mailboxes {
             delegations.push(tokio::spawn(async move {
                 let text = format!("job-{i}.");
                 let worker = format!("w{}", i % WORKERS);
-                let result = client.delegate("boss", &worker, &text, Some(60_000)).await;
+                // As an embedder would: a delegation refused `Busy` is sent again.
+                let mut tries = 0;
+                let result = loop {
+                    tries += 1;
+                    let result = client.delegate("boss", &worker, &text, Some(60_000)).await;
+                    match result {
+                        Err(InboxError::Invoke(InvokeError::Busy { .. })) if tries < DELEGATE_TRIES => {
+                            tokio::time::sleep(Duration::from_millis(DELEGATE_RETRY_PAUSE_MS)).await;
+                        }
+                        other => break other,
+                    }
+                };
                 (text, worker, result)
             }));
         }
