@@ -338,7 +338,7 @@ pub(crate) async fn message(
     Ok(with_trace(
         reply
             .map(|reply| Json(reply_json(&agent, &reply)).into_response())
-            .map_err(|error| timed_out_says_what_to_do(ApiError::from(error))),
+            .map_err(|error| timed_out_says_what_to_do(ApiError::from(error), false)),
         trace,
     ))
 }
@@ -349,11 +349,17 @@ pub(crate) async fn message(
 /// timed out after 100 ms". It carries no `Retry-After`: RFC 9110 gives that header its
 /// meaning with 503 (how long the service will be unavailable), and here the request's
 /// own budget ran out; no wait makes the same request with the same budget succeed.
-fn timed_out_says_what_to_do(mut error: ApiError) -> ApiError {
+/// A `streamed` message's error event says the same, less the advice to stream.
+pub(crate) fn timed_out_says_what_to_do(mut error: ApiError, streamed: bool) -> ApiError {
     if error.status == StatusCode::GATEWAY_TIMEOUT && error.code == "timeout" {
+        let or_stream = if streamed {
+            ""
+        } else {
+            ", or with ?stream=true to follow the turn"
+        };
         error.message = format!(
             "{}; its turn was abandoned: send the message again with a larger timeout_ms (at most \
-             {SERVER_MESSAGE_TIMEOUT_MS_MAX} ms), or with ?stream=true to follow the turn",
+             {SERVER_MESSAGE_TIMEOUT_MS_MAX} ms){or_stream}",
             error.message
         );
     }

@@ -121,7 +121,7 @@ impl TurnFollower {
             Ok(Ok(reply)) => Event::default()
                 .event("reply")
                 .data(reply_json(&self.agent, &reply).to_string()),
-            Ok(Err(error)) => error_event(&ApiError::from(error)),
+            Ok(Err(error)) => error_event(&crate::agents::timed_out_says_what_to_do(ApiError::from(error), true)),
             Err(_) => error_event(&ApiError::internal("the turn's task ended without a reply")),
         }
     }

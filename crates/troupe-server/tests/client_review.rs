@@ -721,8 +721,9 @@ const SHORT_TIMEOUT_MS: u64 = 100;
 /// wait makes the same request with the same budget succeed (docs/serve.md, "Errors").
 /// What makes sending it again safe is shown instead: the turn was abandoned, nothing
 /// of it is in the conversation, and the same text sent again with a longer budget is
-/// answered and recorded once. Before the fix the message was only "invocation of
-/// agent/slow timed out after 100 ms".
+/// answered and recorded once. A streamed message's `error` event says the same (less
+/// the advice to stream). Before the fix the message was only "invocation of
+/// agent/slow timed out after 100 ms", streamed or not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_runs_out_of_time_is_504_saying_what_to_do_and_is_safe_to_send_again() {
     let server = serve_echo(
@@ -761,6 +762,34 @@ async fn a_message_that_runs_out_of_time_is_504_saying_what_to_do_and_is_safe_to
         1,
         "{metrics}"
     );
+
+    // Streamed, the error event says the same, less the advice to stream.
+    let streamed = post_with(
+        &server.http,
+        &server.base,
+        "/v1/agents/slow/messages?stream=true",
+        &json!({"text": "one", "timeout_ms": SHORT_TIMEOUT_MS}),
+    )
+    .await;
+    assert_eq!(streamed.status, 200, "{}", streamed.text);
+    let events = parse_sse(&streamed.text);
+    let (name, data) = events.last().unwrap_or_else(|| panic!("no event: {}", streamed.text));
+    assert_eq!(name, "error", "{}", streamed.text);
+    let data: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(
+        (&data["status"], &data["error"]["code"]),
+        (&json!(504), &json!("timeout")),
+        "{data}"
+    );
+    let message = data["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("timeout_ms")
+            && message.contains(&troupe_server::limits::SERVER_MESSAGE_TIMEOUT_MS_MAX.to_string())
+            && !message.contains("stream=true"),
+        "the streamed 504 does not say what to do: {message}"
+    );
+    tokio::time::sleep(Duration::from_millis(2 * SLOW_MODEL_MS)).await;
+    assert_eq!(history(&server, "slow").await, Vec::<(String, String)>::new());
 
     let again = post_with(
         &server.http,
