@@ -90,6 +90,10 @@ const TEST_NAME_UNDERSCORES_MIN: usize = 2;
 /// Fewest test names status.md's tables must yield: fewer means the parser broke.
 const STATUS_TEST_NAMES_MIN: usize = 200;
 
+/// Fewest repository paths README.md and docs/*.md must yield: fewer means the parser
+/// broke.
+const DOC_PATHS_MIN: usize = 300;
+
 /// The repository: its files (paths relative to the root, `/`-separated) and the names
 /// of every `fn` in its Rust sources.
 struct Repository {
@@ -419,9 +423,11 @@ fn status_misses(root: &Path, repository: &Repository, doc: &str, text: &str) ->
     (misses, names_checked)
 }
 
-/// The misses among the repository paths a doc names anywhere outside fenced code.
-fn path_misses(root: &Path, repository: &Repository, doc: &str, text: &str) -> Vec<Miss> {
+/// The misses among the repository paths a doc names anywhere outside fenced code, and
+/// how many paths were checked.
+fn path_misses(root: &Path, repository: &Repository, doc: &str, text: &str) -> (Vec<Miss>, usize) {
     let mut misses = Vec::new();
+    let mut paths_checked = 0;
     for (line, span) in code_spans(text) {
         let Some(first_word) = span.split_whitespace().next() else {
             continue;
@@ -430,6 +436,7 @@ fn path_misses(root: &Path, repository: &Repository, doc: &str, text: &str) -> V
         if !is_path || first_word.contains(['<', '>']) || first_word.contains("...") {
             continue;
         }
+        paths_checked += 1;
         if !repository.has_path(root, first_word) {
             misses.push(Miss {
                 doc: doc.to_owned(),
@@ -439,7 +446,7 @@ fn path_misses(root: &Path, repository: &Repository, doc: &str, text: &str) -> V
             });
         }
     }
-    misses
+    (misses, paths_checked)
 }
 
 fn markdown_docs(root: &Path) -> Vec<String> {
@@ -472,10 +479,18 @@ fn every_test_and_path_the_docs_name_exists() {
         "read only {names_checked} test names in docs/status.md's tables (at least {STATUS_TEST_NAMES_MIN} expected); \
          has the table's layout changed? Update status_misses"
     );
+    let mut paths_checked = 0;
     for doc in markdown_docs(root) {
         let text = fs::read_to_string(root.join(&doc)).unwrap_or_else(|error| panic!("{doc}: {error}"));
-        misses.extend(path_misses(root, &repository, &doc, &text));
+        let (doc_misses, checked) = path_misses(root, &repository, &doc, &text);
+        misses.extend(doc_misses);
+        paths_checked += checked;
     }
+    assert!(
+        paths_checked >= DOC_PATHS_MIN,
+        "read only {paths_checked} repository paths in README.md and docs/*.md (at least {DOC_PATHS_MIN} expected); \
+         has the docs' layout changed? Update path_misses"
+    );
     let report: Vec<String> = misses.iter().map(Miss::to_string).collect();
     assert!(
         report.is_empty(),
