@@ -1270,3 +1270,91 @@ async fn a_request_to_a_stopping_agent_system_is_503_shutting_down_with_retry_af
         .unwrap()
         .expect("serve ends cleanly");
 }
+
+/// Posts of one `msg_id` sent at once in the racing-retries test.
+const SAME_POST_AT_ONCE: usize = 4;
+
+/// Goal: retries that race their first post (a client that sends again before the
+/// first answer came, `SAME_POST_AT_ONCE` at once) are one post: every answer is 200
+/// with the same `seq`, exactly one says `duplicate: false`, the conversation holds the
+/// message once and the mentioned agent answers it once. Method: a direct conversation
+/// of a person and `echo` (model 20 ms, replying "noted"); 10 `msg_id`s, each posted
+/// 4 times at once, the 10 at once too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn posts_of_one_msg_id_sent_at_once_are_one_post_answered_once() {
+    const POSTS: usize = 10;
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::any_agent()
+            .reply("noted")
+            .latency(Duration::from_millis(MODEL_LATENCY_MS)),
+    );
+    let server = Harness::start(agents(llm, &["echo"], KindConfig::default()), ServerConfig::default()).await;
+    let (status, created) = server
+        .post(
+            "/v1/conversations",
+            json!({"id": "race", "kind": "direct",
+                   "participants": [{"kind": "human", "name": "ann"}, {"kind": "agent", "name": "echo"}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{created}");
+    let mut sent = tokio::task::JoinSet::new();
+    for n in 0..POSTS {
+        for _ in 0..SAME_POST_AT_ONCE {
+            let (client, base) = (server.http.clone(), server.base.clone());
+            sent.spawn(async move {
+                let post = json!({"sender": {"kind": "human", "name": "ann"}, "msg_id": format!("r-{n}"),
+                                  "text": format!("@echo race {n}")});
+                (
+                    n,
+                    post_with(&client, &base, "/v1/conversations/race/messages", &post).await,
+                )
+            });
+        }
+    }
+    let mut answers: BTreeMap<usize, Vec<Value>> = BTreeMap::new();
+    while let Some(joined) = sent.join_next().await {
+        let (n, answer) = joined.unwrap();
+        assert_eq!(answer.status, 200, "post {n}: {}", answer.text);
+        answers
+            .entry(n)
+            .or_default()
+            .push(serde_json::from_str(&answer.text).unwrap());
+    }
+    let mut seqs = BTreeMap::new();
+    for (n, bodies) in &answers {
+        let seq = &bodies[0]["seq"];
+        assert!(bodies.iter().all(|body| &body["seq"] == seq), "post {n}: {bodies:?}");
+        let firsts = bodies.iter().filter(|body| body["duplicate"] == false).count();
+        assert_eq!(firsts, 1, "post {n}: {bodies:?}");
+        seqs.insert(seq.as_u64().unwrap(), *n);
+    }
+    assert_eq!(seqs.len(), POSTS, "two posts share a seq: {answers:?}");
+    let messages = server
+        .get_when(
+            "/v1/conversations/race/messages?limit=500",
+            "every post answered",
+            |page| {
+                page["messages"]
+                    .as_array()
+                    .is_some_and(|messages| messages.iter().filter(|m| m["reply_to"].is_u64()).count() >= POSTS)
+            },
+        )
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (status, page) = server.get("/v1/conversations/race/messages?limit=500").await;
+    assert_eq!(status, 200, "{page}");
+    let messages_now = page["messages"].as_array().unwrap();
+    assert_eq!(messages_now.len(), 2 * POSTS, "{page} (first seen {messages})");
+    for (seq, n) in &seqs {
+        let kept = messages_now
+            .iter()
+            .filter(|message| message["text"] == format!("@echo race {n}"))
+            .count();
+        let replies = messages_now
+            .iter()
+            .filter(|message| message["reply_to"] == *seq)
+            .count();
+        assert_eq!((kept, replies), (1, 1), "post {n} at seq {seq}: {page}");
+    }
+    server.stop().await;
+}
