@@ -616,9 +616,17 @@ async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next
     let Some(token) = &state.config.token else {
         return next.run(request).await;
     };
-    if (request.method() == Method::GET && request.uri().path() == "/health")
-        || a2a::is_public(request.method(), request.uri().path())
-        || topology::is_page(request.method(), request.uri().path())
+    // HEAD is GET without the body (RFC 9110 9.3.2), and every GET route answers it: a
+    // public GET is public as HEAD too, as a load balancer's `HEAD /health` expects.
+    // Until 2026-12-07 a HEAD of them was 401 with a token configured.
+    let method = if request.method() == Method::HEAD {
+        Method::GET
+    } else {
+        request.method().clone()
+    };
+    if (method == Method::GET && request.uri().path() == "/health")
+        || a2a::is_public(&method, request.uri().path())
+        || topology::is_page(&method, request.uri().path())
     {
         return next.run(request).await;
     }

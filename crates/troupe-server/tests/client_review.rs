@@ -1358,3 +1358,38 @@ async fn posts_of_one_msg_id_sent_at_once_are_one_post_answered_once() {
     }
     server.stop().await;
 }
+
+/// Goal: what needs no token as `GET` needs none as `HEAD` either (HEAD is GET without
+/// the body, RFC 9110 9.3.2; load balancers check health with it): `HEAD /health`, an
+/// A2A Agent Card and the topology page are 200 with no body and no token, while `HEAD`
+/// of a route that needs the token is still 401. Before the fix `HEAD /health` on a
+/// server with a token was 401 ("assertion failed: HEAD /health, left: 401, right: 200").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_needs_no_token_as_get_needs_none_as_head() {
+    const TOKEN: &str = "client-review-token-0123456789";
+    let server = serve_echo(&["echo"], Duration::ZERO, 64, ServerConfig::default().token(TOKEN)).await;
+    for path in [
+        "/health",
+        "/a2a/echo/.well-known/agent-card.json",
+        "/",
+        "/ui/topology.js",
+    ] {
+        let get = server.request(reqwest::Method::GET, path).send().await.unwrap();
+        assert_eq!(get.status().as_u16(), 200, "GET {path}");
+        let head = server.request(reqwest::Method::HEAD, path).send().await.unwrap();
+        assert_eq!(head.status().as_u16(), 200, "HEAD {path}");
+        assert_eq!(head.text().await.unwrap(), "", "HEAD {path} has no body");
+    }
+    for path in ["/v1/agents", "/metrics", "/v1/agents/echo/history"] {
+        let head = server.request(reqwest::Method::HEAD, path).send().await.unwrap();
+        assert_eq!(head.status().as_u16(), 401, "HEAD {path} without the token");
+        let head = server
+            .request(reqwest::Method::HEAD, path)
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(head.status().as_u16(), 200, "HEAD {path} with the token");
+    }
+    server.stop().await;
+}
