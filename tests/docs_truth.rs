@@ -29,11 +29,13 @@
 //!   - a leading `...`, `…` or `_` names a variant of the row's previous name `P`
 //!     (`..._on_the_multi_thread_runtime`): some `fn` must end with the rest, the part
 //!     of its name before that being a non-empty prefix of `P`.
+//! - a Rust path `a::b::name` (`conversation::tests::a_test`, `Turn::a_method`) is read
+//!   as its last segment `name`, checked as above when it is a test name;
 //! - a **path** when it ends in `.rs`, `.md`, `.py`, `.tla`, `.cfg` or `.sh` and either
 //!   contains `/` or is a bare file name, or starts with `scripts/`. It is found as in
 //!   "Paths" below.
 //!
-//! Anything else (types, `Struct::method`, constants, commands) is not checked.
+//! Anything else (types, constants, commands, one-word or two-word names) is not checked.
 //!
 //! # Paths, in docs/status.md's tests columns and anywhere in README.md and docs/*.md
 //!
@@ -232,6 +234,21 @@ fn trailing_wildcard(span: &str) -> Option<&str> {
         .or_else(|| span.strip_suffix('…'))
 }
 
+/// `name` of a Rust path `a::b::name` (`conversation::tests::a_test`); any other span as
+/// it is.
+fn last_path_segment(span: &str) -> &str {
+    let segments: Vec<&str> = span.split("::").collect();
+    let is_rust_path = segments.len() > 1
+        && segments
+            .iter()
+            .all(|segment| !segment.is_empty() && segment.chars().all(is_identifier_char));
+    if is_rust_path {
+        segments[segments.len() - 1]
+    } else {
+        span
+    }
+}
+
 /// Whether a backticked span in a tests column is taken for a test name.
 fn is_test_name(span: &str) -> bool {
     let core = leading_variant(span).unwrap_or(span);
@@ -394,7 +411,8 @@ fn status_misses(root: &Path, repository: &Repository, doc: &str, text: &str) ->
         }
         let mut previous: Option<String> = None;
         for cell in &cells[1..cells.len() - 1] {
-            for span in cell.split('`').skip(1).step_by(2) {
+            for written in cell.split('`').skip(1).step_by(2) {
+                let span = last_path_segment(written);
                 let miss = |what: String, advice| Miss {
                     doc: doc.to_owned(),
                     line: index + 1,
@@ -575,5 +593,11 @@ fn code_spans_and_cells_are_split_as_markdown_writes_them() {
         vec!["a_b", "c_d"]
     );
     assert_eq!(strip_reference_tail("docs/serve.md#remote"), "docs/serve.md");
+    assert_eq!(last_path_segment("conversation::tests::a_b_c"), "a_b_c");
+    assert_eq!(last_path_segment("tests/x.rs::a_b_c"), "tests/x.rs::a_b_c");
+    assert_eq!(
+        last_path_segment("Fenced { held, current }"),
+        "Fenced { held, current }"
+    );
     assert_eq!(strip_reference_tail("tests/x.rs:12"), "tests/x.rs");
 }
