@@ -42,7 +42,7 @@
 //! In README.md and docs/*.md (status.md included: its prose too), a backticked span
 //! outside fenced code blocks whose first word starts with `crates/`, `tests/`, `docs/`,
 //! `scripts/`, `examples/`, `benches/` or `.ci/` is a repository path. Before the lookup
-//! a `#anchor`, a `::item` and a `:LINE` are cut off; a span with `<` or `>` (a
+//! a `#anchor`, a `::item` and a `:LINE` are cut off; a span with `<`, `>` or `...` (a
 //! placeholder such as `tests/<file>.rs`) is skipped; `{a,b}` expands to one path per
 //! alternative; `*` matches any characters but `/` and must match at least one file.
 //! A path starting with `crates/`, `docs/`, `scripts/`, `examples/`, `benches/` or `.ci/`
@@ -50,13 +50,19 @@
 //! crate's section, `src/sqlite_store.rs`, a bare `clock.rs`) is also found when some
 //! repository file's path ends with `/` and it: the docs name a crate's test files
 //! relative to the crate their section is about. The repository's files are those on
-//! disk under its root, `target/` and `.git/` left out.
+//! disk under its root, `target/` and `.git/` (at any depth) left out.
 //!
 //! # What is not checked
 //!
 //! That a named test sits in the file named beside it, that it is a test rather than a
 //! helper, that it is not `#[ignore]`d, and the builds column: these need a Rust parser
-//! and the test list of both builds, which this text check does not have.
+//! and the test list of both builds, which this text check does not have. Test names
+//! outside status.md's tables (its prose, README.md, the other docs) are not checked:
+//! there they sit beside metric and option names of the same shape
+//! (`troupe_runtime_told_lost_total`); a one-off scan of every backticked snake_case span
+//! with four or more underscores there (2026-12-07) found no stale test name.
+//!
+//! The whole check walks about 550 files and takes about 0.2 s.
 
 use std::collections::BTreeSet;
 use std::fs;
