@@ -61,11 +61,17 @@ pub(crate) struct AgentFactory {
 impl ActorFactory for AgentFactory {
     fn create(&self, id: &ActorId, saved: Option<Bytes>) -> Result<ActorBox, ActorError> {
         self.shared.require_attached(id)?;
-        let Some(spec) = self.shared.directory.get(id.key()) else {
-            return Err(ActorError::rejected(format!(
-                "agent {} is not in the directory",
-                id.key()
-            )));
+        let spec = match self.shared.directory.get(id.key()) {
+            Some(spec) => spec,
+            // A removed agent with stored state: a draining activation (its commands
+            // run no model; see `AgentActor::draining`), so its boxes are not stranded.
+            None if saved.is_some() && self.shared.defined.was_removed(id.key()) => AgentSpec::new(id.key()),
+            None => {
+                return Err(ActorError::rejected(format!(
+                    "agent {} is not in the directory",
+                    id.key()
+                )))
+            }
         };
         let saved = match saved {
             Some(bytes) => Some(
@@ -85,6 +91,7 @@ impl ActorFactory for AgentFactory {
             resumed: false,
             prompt: None,
             spec_generation: None,
+            draining: false,
         }))
     }
 }
@@ -114,6 +121,12 @@ pub(crate) struct AgentActor {
     /// The directory's generation read before `state.spec` was last taken from it
     /// (`None`: not yet in this activation): while it is unchanged, so is the spec.
     spec_generation: Option<u64>,
+    /// Whether this agent was not in the directory at this command's turn (removed):
+    /// the turn runs no model. An ask is refused; an inbox entry not yet worked is
+    /// ended instead (a task rejected back to its sender, once; a notification or a
+    /// result dropped, logged); its outbox is relayed as ever. Read again at each
+    /// command: an agent defined again while its drain runs works the entries left.
+    pub(crate) draining: bool,
 }
 
 impl fmt::Debug for AgentActor {
@@ -209,7 +222,12 @@ impl AgentActor {
             }
             self.spec_generation = Some(generation);
         }
+        self.draining = !self.shared.directory.contains(self.id.key());
         match command {
+            AgentCommand::Ask(_) | AgentCommand::Enqueue(_) if self.draining => Err(ActorError::rejected(format!(
+                "agent {} was removed; define it again to call it",
+                self.id.key()
+            ))),
             AgentCommand::Ask(request) => {
                 let content = match &request.from {
                     Some(from) => {

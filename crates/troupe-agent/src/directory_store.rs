@@ -145,6 +145,10 @@ pub(crate) struct DirectoryStore {
     applied: tokio::sync::Mutex<u64>,
     /// When the record was last read (or a read tried), if ever.
     read_at: Mutex<Option<Deadline>>,
+    /// The agents the record last applied has removed: the agent factory makes a
+    /// draining activation of one of them (`AgentActor::draining`), so its stored
+    /// boxes are relayed and its unworked tasks ended, not stranded.
+    removed: Mutex<BTreeSet<String>>,
 }
 
 impl DirectoryStore {
@@ -153,7 +157,23 @@ impl DirectoryStore {
             writer: tokio::sync::Mutex::new(()),
             applied: tokio::sync::Mutex::new(0),
             read_at: Mutex::new(None),
+            removed: Mutex::new(BTreeSet::new()),
         }
+    }
+
+    /// Whether the record last applied removed agent `id` (and did not define it again).
+    pub(crate) fn was_removed(&self, id: &str) -> bool {
+        self.removed.lock().unwrap_or_else(PoisonError::into_inner).contains(id)
+    }
+
+    /// The agents the record last applied removed (and did not define again).
+    pub(crate) fn removed_ids(&self) -> Vec<String> {
+        self.removed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// Whether the last read (or try) is younger than [`DIRECTORY_REFRESH_MS`] at `now`.
@@ -186,6 +206,12 @@ impl DirectoryStore {
             return;
         }
         *applied = record.version;
+        *self.removed.lock().unwrap_or_else(PoisonError::into_inner) = record
+            .removed
+            .iter()
+            .filter(|id| !record.agents.contains_key(*id))
+            .cloned()
+            .collect();
         for (id, spec) in &record.agents {
             let spec = clip_stored_steps(spec);
             match shared.directory.get(id) {
@@ -347,6 +373,12 @@ impl AgentClient {
             // here (if any) ends after its queued requests.
             if let Ok(id) = agent_id(agent) {
                 self.runtime.deactivate(&id).await?;
+                // Its stored boxes are drained by an activation that runs no model:
+                // results in its outbox delivered, unworked tasks ended rejected.
+                let store = self.api_store();
+                if let Err(error) = self.resume_if_pending(&store, &id).await {
+                    tracing::warn!(agent = %id, %error, "could not start draining a removed agent; the next resume_pending does");
+                }
             }
         }
         Ok(removed)

@@ -916,6 +916,9 @@ impl AgentActor {
         );
         let deadline = entry.context.deadline();
         let expired = deadline.has_passed(turn.now());
+        if self.draining {
+            return self.drain_entry(turn, entry).await;
+        }
         match entry.body {
             InboxBody::Notify { text } => {
                 if !expired {
@@ -1055,6 +1058,42 @@ impl AgentActor {
             InboxBody::Cancel { .. } | InboxBody::External { .. } => {} // handled at enqueue; never stored
         }
         Ok(())
+    }
+
+    /// Ends inbox entry `entry` (taken off the inbox by this turn) of a removed agent
+    /// without running a model (see `AgentActor::draining`): a task goes back to its
+    /// sender `rejected` with [`removed_before_work`]'s reason (an external one ends so
+    /// in its record), in this turn's commit, so once; a notification, mention or task
+    /// result has no one to answer and is dropped, logged.
+    async fn drain_entry(&mut self, turn: &mut Turn, entry: InboxEntry) -> Result<(), ActorError> {
+        let deadline = entry.context.deadline();
+        match entry.body {
+            InboxBody::Task { task_id, .. } => {
+                turn.delete(tasks_in_key(&task_id))?;
+                let reason = removed_before_work(self.id.key());
+                let Some(to) = entry.from else {
+                    return self
+                        .finish_external(turn, &task_id, TaskState::Rejected, reason, None)
+                        .await;
+                };
+                let mut sends = self.pending_sends();
+                let body = InboxBody::TaskUpdate {
+                    task_id,
+                    state: TaskState::Rejected,
+                    text: reason,
+                };
+                sends.push_raw(to, body, result_context(&entry.context, deadline));
+                if let Some((_, out)) = sends.entries.last_mut() {
+                    // Nothing of its grant was spent.
+                    out.entry.budget = entry.budget;
+                }
+                self.flush_sends(turn, sends).await
+            }
+            body => {
+                tracing::warn!(agent = %self.id, msg = %entry.msg_id, kind = ?body.kind(), "dropped an entry of a removed agent");
+                Ok(())
+            }
+        }
     }
 
     /// Starts delivering outbox entry `seq` to its target's inbox, outside this turn (a
@@ -1758,6 +1797,11 @@ async fn deliver(
             at: runtime.now(),
         });
     }
+}
+
+/// The reason a removed agent's unworked task is rejected with.
+pub(crate) fn removed_before_work(agent: &str) -> String {
+    format!("agent {agent} was removed before it worked this task")
 }
 
 /// The reply to a `Delivered` report that found its outbox entry and took it off (an

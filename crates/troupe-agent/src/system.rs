@@ -842,31 +842,66 @@ impl AgentClient {
         let mut woken = 0;
         let mut skipped = NotResumedHere::default();
         let store = self.api_store();
-        for spec in self.shared.directory.list() {
-            let Ok(id) = agent_id(&spec.id) else { continue };
-            // The entries themselves, not the snapshot's counters: a plain key read.
-            let inbox = store.scan(&id, "inbox/", None, 1).await?;
-            let outbox = store.scan(&id, "outbox/", None, 1).await?;
-            if inbox.is_empty() && outbox.is_empty() {
+        // A removed agent's entries too: its draining activation ends them.
+        let ids = self
+            .shared
+            .directory
+            .list()
+            .into_iter()
+            .map(|spec| spec.id.clone())
+            .chain(self.shared.defined.removed_ids());
+        for agent in ids {
+            let Ok(id) = agent_id(&agent) else { continue };
+            if !self.has_pending(&store, &id).await? {
                 continue;
             }
             if !skipped.resume_here(&self.runtime, &id).await {
                 continue;
             }
-            let resume = AgentCommand::Resume {
-                inbox_after: None,
-                outbox_after: None,
-            };
-            let deadline = self
-                .runtime
-                .deadline_in(Duration::from_millis(troupe_core::limits::INVOKE_TIMEOUT_MS_MAX));
-            match self.runtime.tell(&id, resume.encode(), deadline).await {
-                Ok(()) => woken += 1,
-                Err(error) => tracing::warn!(agent = %id, %error, "could not resume"),
+            if self.tell_resume(&id).await {
+                woken += 1;
             }
         }
         skipped.log(woken, "agents with pending entries");
         Ok(woken)
+    }
+
+    /// Whether agent `id` has an entry in its inbox or outbox (the entries themselves,
+    /// not the snapshot's counters: a plain key read).
+    async fn has_pending(&self, store: &dyn troupe_runtime::StateStore, id: &ActorId) -> Result<bool, StoreError> {
+        let inbox = store.scan(id, "inbox/", None, 1).await?;
+        if !inbox.is_empty() {
+            return Ok(true);
+        }
+        Ok(!store.scan(id, "outbox/", None, 1).await?.is_empty())
+    }
+
+    /// Tells agent `id` to resume its pending entries; whether the tell was taken.
+    async fn tell_resume(&self, id: &ActorId) -> bool {
+        let resume = AgentCommand::Resume {
+            inbox_after: None,
+            outbox_after: None,
+        };
+        let deadline = self
+            .runtime
+            .deadline_in(Duration::from_millis(troupe_core::limits::INVOKE_TIMEOUT_MS_MAX));
+        match self.runtime.tell(id, resume.encode(), deadline).await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(agent = %id, %error, "could not resume");
+                false
+            }
+        }
+    }
+
+    /// Resumes agent `id` if it has pending entries (`remove_agent`: its draining
+    /// activation); whether it was told.
+    pub(crate) async fn resume_if_pending(
+        &self,
+        store: &dyn troupe_runtime::StateStore,
+        id: &ActorId,
+    ) -> Result<bool, StoreError> {
+        Ok(self.has_pending(store, id).await? && self.tell_resume(id).await)
     }
 
     /// Arms, for every agent of the directory with an open delegated task (a

@@ -19,7 +19,8 @@
 //! - a send a model made in a turn whose caller gave up is never sent;
 //! - a task canceled mid-work whose process is then dropped ends once;
 //! - a shutdown ends every ask in flight with a typed `Shutdown` within its grace;
-//! - tasks queued at an agent that is removed (ignored: a bug, see the test);
+//! - tasks queued at an agent that is removed end at once: the one being worked
+//!   completed, the others rejected (was a bug: stranded until deadline + 60 s);
 //! - three requests closing a wait-for cycle at once are refused, never hung;
 //! - racing copies of one notification id are processed once, across a restart;
 //! - measured from outside, a callee never has more time than the caller left;
@@ -972,6 +973,30 @@ mod removal_and_shutdown {
             }
         };
         eprintln!("states {states:?}");
+        // The rule: the task being worked at the removal is done and its result
+        // delivered; every other one is rejected, naming the removal (the ones already
+        // in the worker's inbox) or the agent not found (the ones still in the boss's
+        // outbox).
+        for (i, task) in tasks.iter().enumerate() {
+            let status = system.task("boss", task).await.unwrap().expect("the boss's record");
+            let result = status.result.clone().unwrap_or_default();
+            if i == 0 {
+                assert_eq!(status.state, TaskState::Completed, "{task}: {result}");
+                assert!(
+                    result.starts_with("done ") && result.ends_with("job-0."),
+                    "{task}: {result}"
+                );
+            } else {
+                assert_eq!(status.state, TaskState::Rejected, "{task}: {result}");
+                eprintln!("{task}: {result}");
+                assert!(
+                    result == "agent worker was removed before it worked this task"
+                        || result.contains("agent worker was removed; define it again")
+                        || result.contains("not found"),
+                    "{task}: the reason names neither the removal nor the agent not found: {result}"
+                );
+            }
+        }
         tokio::time::sleep(Duration::from_millis(3 * WORK_MS)).await;
         let boss = system.conversation_log("boss").await.unwrap();
         for task in &tasks {
@@ -986,7 +1011,6 @@ mod removal_and_shutdown {
 
     /// [`tasks_queued_at_a_removed_agent_end_within`] with a 60 s task timeout.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    #[ignore = "bug: tasks acknowledged into a removed agent's inbox stay `submitted` until their deadline plus AGENT_TASK_RESULT_GRACE_MS (60 s) and then end `failed`, and the result of the turn that was running at the removal (its work done) stays in the removed agent's outbox, never delivered: nothing activates a removed agent to relay its outbox or reject its inbox"]
     async fn tasks_queued_at_a_removed_agent_end_and_their_delegator_reads_it() {
         tasks_queued_at_a_removed_agent_end_within(60_000, REMOVED_TASKS_END_MS).await;
     }
