@@ -240,6 +240,11 @@ impl DirectoryStore {
                         if let Err(error) = runtime.deactivate(&actor).await {
                             tracing::warn!(%actor, %error, "deactivating a removed agent failed");
                         }
+                        // What it left in its boxes is drained (see `remove_agent`).
+                        let store = runtime.store();
+                        if let Err(error) = crate::system::resume_if_pending(&runtime, store.as_ref(), &actor).await {
+                            tracing::warn!(%actor, %error, "could not start draining a removed agent; the next resume_pending does");
+                        }
                     });
                 }
             }

@@ -842,7 +842,9 @@ impl AgentClient {
         let mut woken = 0;
         let mut skipped = NotResumedHere::default();
         let store = self.api_store();
-        // A removed agent's entries too: its draining activation ends them.
+        // A removed agent's entries too: its draining activation ends them. The stored
+        // directory is read first, so an agent an earlier run removed is known so.
+        self.shared.defined.refresh_if_stale(&self.shared, &self.runtime).await;
         let ids = self
             .shared
             .directory
@@ -852,46 +854,18 @@ impl AgentClient {
             .chain(self.shared.defined.removed_ids());
         for agent in ids {
             let Ok(id) = agent_id(&agent) else { continue };
-            if !self.has_pending(&store, &id).await? {
+            if !has_pending(&store, &id).await? {
                 continue;
             }
             if !skipped.resume_here(&self.runtime, &id).await {
                 continue;
             }
-            if self.tell_resume(&id).await {
+            if tell_resume(&self.runtime, &id).await {
                 woken += 1;
             }
         }
         skipped.log(woken, "agents with pending entries");
         Ok(woken)
-    }
-
-    /// Whether agent `id` has an entry in its inbox or outbox (the entries themselves,
-    /// not the snapshot's counters: a plain key read).
-    async fn has_pending(&self, store: &dyn troupe_runtime::StateStore, id: &ActorId) -> Result<bool, StoreError> {
-        let inbox = store.scan(id, "inbox/", None, 1).await?;
-        if !inbox.is_empty() {
-            return Ok(true);
-        }
-        Ok(!store.scan(id, "outbox/", None, 1).await?.is_empty())
-    }
-
-    /// Tells agent `id` to resume its pending entries; whether the tell was taken.
-    async fn tell_resume(&self, id: &ActorId) -> bool {
-        let resume = AgentCommand::Resume {
-            inbox_after: None,
-            outbox_after: None,
-        };
-        let deadline = self
-            .runtime
-            .deadline_in(Duration::from_millis(troupe_core::limits::INVOKE_TIMEOUT_MS_MAX));
-        match self.runtime.tell(id, resume.encode(), deadline).await {
-            Ok(()) => true,
-            Err(error) => {
-                tracing::warn!(agent = %id, %error, "could not resume");
-                false
-            }
-        }
     }
 
     /// Resumes agent `id` if it has pending entries (`remove_agent`: its draining
@@ -901,7 +875,7 @@ impl AgentClient {
         store: &dyn troupe_runtime::StateStore,
         id: &ActorId,
     ) -> Result<bool, StoreError> {
-        Ok(self.has_pending(store, id).await? && self.tell_resume(id).await)
+        resume_if_pending(&self.runtime, store, id).await
     }
 
     /// Arms, for every agent of the directory with an open delegated task (a
@@ -1218,4 +1192,40 @@ impl NotResumedHere {
             );
         }
     }
+}
+
+/// Whether agent `id` has an entry in its inbox or outbox (the entries themselves, not
+/// the snapshot's counters: a plain key read).
+async fn has_pending(store: &dyn StateStore, id: &ActorId) -> Result<bool, StoreError> {
+    if !store.scan(id, "inbox/", None, 1).await?.is_empty() {
+        return Ok(true);
+    }
+    Ok(!store.scan(id, "outbox/", None, 1).await?.is_empty())
+}
+
+/// Tells agent `id` to resume its pending entries; whether the tell was taken.
+async fn tell_resume(runtime: &RuntimeHandle, id: &ActorId) -> bool {
+    let resume = AgentCommand::Resume {
+        inbox_after: None,
+        outbox_after: None,
+    };
+    let deadline = runtime.deadline_in(Duration::from_millis(INVOKE_TIMEOUT_MS_MAX));
+    match runtime.tell(id, resume.encode(), deadline).await {
+        Ok(()) => true,
+        Err(error) => {
+            tracing::warn!(agent = %id, %error, "could not resume");
+            false
+        }
+    }
+}
+
+/// Resumes agent `id` if it has pending entries in `store`; whether it was told. A
+/// removed agent's (`remove_agent`, or a removal read from the stored directory after
+/// its activation was deactivated) starts its draining activation.
+pub(crate) async fn resume_if_pending(
+    runtime: &RuntimeHandle,
+    store: &dyn StateStore,
+    id: &ActorId,
+) -> Result<bool, StoreError> {
+    Ok(has_pending(store, id).await? && tell_resume(runtime, id).await)
 }
