@@ -12,7 +12,10 @@
 //!                        result "error: ... budget ... exhausted" (the model sees it)
 //!                    ─► call_agent / delegate / notify to C: grant = min(left, this
 //!                        step's share), RESERVED at once (parallel siblings cannot
-//!                        jointly overspend); C's turn runs under the grant
+//!                        jointly overspend); a call_agent alone in its step gets
+//!                        what left less AGENT_CALL_PARENT_RESERVE_PERCENT leaves; a
+//!                        task or a notification 1/AGENT_SEND_GRANT_DIVISOR of its
+//!                        share; C's turn runs under the grant
 //!                    ◄── C's reply reports C's spend (its own calls and its grants,
 //!                        recursively): charge it, release the reservation (refund)
 //! ```
@@ -23,7 +26,14 @@
 //! whole chain, summed, stays within its root's budget as long as each turn keeps its
 //! model calls within the cap it passes (`LlmRequest::max_tokens`) and reports what it
 //! spent. When a child's spend is unknown (it failed, timed out or was cancelled), the
-//! parent charges the whole grant. A delegated task or a notification is charged its
+//! parent charges the whole grant: a model call cut in flight may still be billed up to
+//! its cap, and a remote child's spend so far does not travel back without a reply. So
+//! that such a call never leaves its caller's turn nothing (not even the step that tells
+//! its user the call failed), a call made alone in its step is granted what is left
+//! less [`AGENT_CALL_PARENT_RESERVE_PERCENT`] (the caller keeps the rest); two or more
+//! calls in one step split what is left equally (when one fails, what the others did not
+//! spend comes back). An in-process child cut between its model calls is charged its
+//! whole grant too (its meter is its own; reading its spend so far is not built). A delegated task or a notification is charged its
 //! whole grant at once (its result arrives in a later turn); the result of a task comes
 //! back with what the task left, and the delegator's turn that reads it runs on that.
 
@@ -35,6 +45,32 @@ use troupe_core::ActorId;
 
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_SEND_GRANT_DIVISOR};
 use crate::{AgentCallError, AgentReply};
+
+/// The share of what a turn has left (in percent) that a `call_agent` made alone in its
+/// step is NOT granted: the turn keeps it for its own next steps.
+///
+/// Why a reserve: a child whose spend is unknown (it timed out, failed or was
+/// cancelled) is charged its whole grant, since a model call cut in flight may still be
+/// billed up to its cap, which is what its turn had left. A lone call granted
+/// everything left therefore left its caller's turn nothing, not even the step that
+/// tells its user the call failed (the reviewer's `budget_after_a_timed_out_call`
+/// probe: `BudgetExhausted` under every budget tried up to 3 times the run's spend).
+///
+/// Why 50: the steps after a call read the caller's whole conversation again plus the
+/// call's result, so each costs more than the step that made the call; in the probe,
+/// the caller's steps after the timed-out call (one of them a second call) cost 4.8
+/// times its first step, and with 50 it answers under 1.87 times its unlimited spend,
+/// where 25 needed more than 3 times. 50 is also what a delegated task or a
+/// notification keeps (`AGENT_SEND_GRANT_DIVISOR` = 2, whose grant never comes back
+/// either), and what each of two parallel calls gets. The cost: a chain of lone calls
+/// hands its callee at depth d half of what its caller had left, d times over (3% at
+/// the depth limit 5), so a budget for deep chains must be larger. Parallel calls in
+/// one step (two or more) split what is left equally, without this reserve (when one
+/// of them fails, what the others did not spend comes back).
+pub const AGENT_CALL_PARENT_RESERVE_PERCENT: u64 = 50;
+
+// A lone call is always granted something when anything is left.
+const _: () = assert!(AGENT_CALL_PARENT_RESERVE_PERCENT < 100);
 
 /// What a call may spend, its own model and tool calls and every call it makes
 /// included. `None` is unlimited.
@@ -287,6 +323,10 @@ struct MeterState {
     /// The most one grant may take in the current step: the step's budget left divided
     /// by its number of calls that may grant (`None`: no split).
     share: Budget,
+    /// The most one `call_agent` grant may take in the current step: `share`, less
+    /// [`AGENT_CALL_PARENT_RESERVE_PERCENT`] of what is left when the step makes one
+    /// granting call alone.
+    call_share: Budget,
 }
 
 /// The meter of one turn: its limit, what it spent and what it reserved for calls in
@@ -400,6 +440,14 @@ impl BudgetMeter {
             tokens: left.tokens.map(|tokens| tokens / parts),
             tool_calls: left.tool_calls.map(|calls| calls / parts),
         };
+        state.call_share = if parts == 1 {
+            Budget {
+                tokens: left.tokens.map(less_parent_reserve),
+                tool_calls: left.tool_calls.map(less_parent_reserve),
+            }
+        } else {
+            state.share
+        };
     }
 
     /// Reserves a grant for a call: at most what is left and at most this step's share.
@@ -408,7 +456,9 @@ impl BudgetMeter {
     /// [`BudgetExhausted`] when the grant would hold no token: the call must not be
     /// sent (its turn could not call its model).
     pub(crate) fn grant(&self) -> Result<Budget, BudgetExhausted> {
-        self.grant_part(1)
+        let mut state = self.state();
+        let share = state.call_share;
+        self.reserve_grant(&mut state, share, 1)
     }
 
     /// Reserves a grant for a delegated task or a notification: as [`BudgetMeter::grant`],
@@ -423,13 +473,18 @@ impl BudgetMeter {
 
     fn grant_part(&self, divisor: u64) -> Result<Budget, BudgetExhausted> {
         let mut state = self.state();
+        let share = state.share;
+        self.reserve_grant(&mut state, share, divisor)
+    }
+
+    fn reserve_grant(&self, state: &mut MeterState, share: Budget, divisor: u64) -> Result<Budget, BudgetExhausted> {
         let left = self.limit.after(state.spent.plus(state.reserved));
         let grant = Budget {
-            tokens: min_limit(left.tokens, state.share.tokens).map(|tokens| tokens / divisor),
-            tool_calls: min_limit(left.tool_calls, state.share.tool_calls).map(|calls| calls / divisor),
+            tokens: min_limit(left.tokens, share.tokens).map(|tokens| tokens / divisor),
+            tool_calls: min_limit(left.tool_calls, share.tool_calls).map(|calls| calls / divisor),
         };
         if grant.tokens == Some(0) {
-            return Err(self.exhausted(BudgetResource::Tokens, &state));
+            return Err(self.exhausted(BudgetResource::Tokens, state));
         }
         state.reserved = state.reserved.plus(Spend::all_of(grant));
         Ok(grant)
@@ -465,6 +520,14 @@ pub(crate) fn settle_call(
     let spent = result.as_ref().map_or(Spend::all_of(grant), |reply| reply.spent);
     meter.settle(grant, spent);
     result.and_then(reply_or_exhausted)
+}
+
+/// What a lone `call_agent` may be granted of `left`: all but
+/// [`AGENT_CALL_PARENT_RESERVE_PERCENT`] of it (rounded down, so the reserve never
+/// refuses a call that one token or one tool call could serve).
+fn less_parent_reserve(left: u64) -> u64 {
+    let reserve = u128::from(left) * u128::from(AGENT_CALL_PARENT_RESERVE_PERCENT) / 100;
+    left - u64::try_from(reserve).unwrap_or(left)
 }
 
 fn min_limit(a: Option<u64>, b: Option<u64>) -> Option<u64> {
@@ -555,6 +618,36 @@ mod tests {
             }
         );
         assert_eq!(meter.left(), Budget::tokens(25).with_tool_calls(2));
+    }
+
+    #[test]
+    fn a_lone_call_keeps_the_callers_reserve_and_parallel_calls_split_everything() {
+        let meter = new_meter(Budget::tokens(101).with_tool_calls(5));
+        meter.begin_step(1);
+        // 101 left: the reserve is 50 (rounded down), the call gets 51.
+        assert_eq!(meter.grant().unwrap(), Budget::tokens(51).with_tool_calls(3));
+        // Its spend unknown (timed out): charged whole, and the caller keeps the reserve.
+        meter.settle(
+            Budget::tokens(51).with_tool_calls(3),
+            Spend::all_of(Budget::tokens(51).with_tool_calls(3)),
+        );
+        assert_eq!(meter.left(), Budget::tokens(50).with_tool_calls(2));
+        // One token or tool call left is still granted (the reserve rounds down).
+        let last = new_meter(Budget::tokens(1).with_tool_calls(1));
+        last.begin_step(1);
+        assert_eq!(last.grant().unwrap(), Budget::tokens(1).with_tool_calls(1));
+        // Two calls in a step split what is left, without the reserve.
+        let meter = new_meter(Budget::tokens(100));
+        meter.begin_step(2);
+        assert_eq!(meter.grant().unwrap(), Budget::tokens(50));
+        assert_eq!(meter.grant().unwrap(), Budget::tokens(50));
+        // A lone task keeps its own rule: its share (all left) over the divisor.
+        let meter = new_meter(Budget::tokens(100));
+        meter.begin_step(1);
+        assert_eq!(
+            meter.grant_for_send().unwrap(),
+            Budget::tokens(100 / AGENT_SEND_GRANT_DIVISOR)
+        );
     }
 
     #[test]

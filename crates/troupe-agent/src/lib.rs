@@ -87,7 +87,10 @@ pub use agent::{
     agent_id, AgentCatalog, AgentDirectory, AgentReply, AgentRequest, AgentSpec, AgentSpecError, CallApproval,
     ContextWindow, ModelSettings, AGENT_KIND,
 };
-pub use budget::{AskOptions, Budget, BudgetExhausted, BudgetResource, DelegateOptions, NotifyOptions, Spend};
+pub use budget::{
+    AskOptions, Budget, BudgetExhausted, BudgetResource, DelegateOptions, NotifyOptions, Spend,
+    AGENT_CALL_PARENT_RESERVE_PERCENT,
+};
 pub use call_agent::{
     call_agent, call_agent_schema, AgentCallError, CallAgentArguments, ModelFailed, CALL_AGENT_TOOL_NAME,
 };

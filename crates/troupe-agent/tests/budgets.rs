@@ -16,7 +16,7 @@ use std::sync::Arc;
 use serde_json::json;
 use troupe_agent::{
     agent_id, AgentCallError, AgentEvent, AgentSpec, AgentSystem, AskOptions, Budget, BudgetResource, CallRecorder,
-    LlmClient, ScriptRule, ScriptedLlm,
+    LlmClient, ScriptRule, ScriptedLlm, AGENT_CALL_PARENT_RESERVE_PERCENT,
 };
 
 /// The boss asks both workers at once and answers with their replies.
@@ -370,4 +370,111 @@ async fn a_delegated_task_runs_on_its_grant_and_the_result_on_what_it_left() {
         "the result's turn runs on what the task left"
     );
     system.shutdown().await;
+}
+
+mod a_child_cut_mid_spend {
+    use super::*;
+    use std::time::Duration;
+
+    /// What the boss gives the worker, far less than the worker's second step takes.
+    const WORKER_CALL_MS: u64 = 200;
+    /// How long the worker's second model step takes (it is cut long before).
+    const WORKER_SECOND_STEP_MS: u64 = 5_000;
+
+    /// The boss calls the worker alone; the worker spends a step calling the helper
+    /// (which answers), then its second step outlasts the boss's timeout; the boss then
+    /// tells its user.
+    fn script() -> ScriptedLlm {
+        ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("boss")
+                    .on_tool_result()
+                    .reply("the boss says {tool_result}"),
+            )
+            .rule(ScriptRule::agent("boss").on_user_containing("").call(
+                "call_agent",
+                json!({"agent_id": "worker", "message": "count the stars", "timeout_ms": WORKER_CALL_MS}),
+            ))
+            .rule(
+                ScriptRule::agent("worker")
+                    .on_tool_result()
+                    .reply("the worker counted {tool_result}")
+                    .latency(Duration::from_millis(WORKER_SECOND_STEP_MS)),
+            )
+            .rule(
+                ScriptRule::agent("worker")
+                    .on_user_containing("")
+                    .call("call_agent", json!({"agent_id": "helper", "message": "help me count"})),
+            )
+            .rule(ScriptRule::agent("helper").reply("about two hundred billion"))
+    }
+
+    fn start(llm: &Arc<ScriptedLlm>, recorder: &CallRecorder) -> AgentSystem {
+        AgentSystem::builder()
+            .llm(Arc::clone(llm) as Arc<dyn LlmClient>)
+            .observer(Arc::new(recorder.clone()))
+            .agent(AgentSpec::new("boss"))
+            .agent(AgentSpec::new("worker"))
+            .agent(AgentSpec::new("helper"))
+            .start()
+            .unwrap()
+    }
+
+    /// Goal: a child cut after it has spent part of its grant (one model step and a
+    /// call of its own) leaves its caller the reserve a lone call keeps
+    /// (`AGENT_CALL_PARENT_RESERVE_PERCENT`), so the caller answers its user; and the
+    /// chain's true spend (the tokens the model reported, every agent's) stays within
+    /// the budget, also after the cut model step's time has passed, while the caller
+    /// is charged no less than it (the cut child: its whole grant). Method: an
+    /// unlimited run measures each step; the run under the budget is checked against
+    /// those numbers and the events.
+    #[tokio::test(start_paused = true)]
+    async fn leaves_its_caller_the_reserve_and_the_chain_stays_within_the_budget() {
+        let llm = Arc::new(script());
+        let recorder = CallRecorder::new();
+        let system = start(&llm, &recorder);
+        let reply = system.ask("boss", "how many stars").await.unwrap();
+        assert!(reply.text.contains("timed out"), "{}", reply.text);
+        let costs = steps(&recorder);
+        let (boss, worker, helper) = (&costs["boss"], &costs["worker"], &costs["helper"]);
+        assert_eq!((boss.len(), worker.len(), helper.len()), (2, 1, 1), "{costs:?}");
+        system.shutdown().await;
+
+        // Ample for what the worker and the helper spend, with the reserve kept for the
+        // boss's answer; granted everything left, the boss could not answer at all.
+        let budget = boss[0] + 4 * (boss[1] + worker[0] + helper[0]);
+        let llm = Arc::new(script());
+        let recorder = CallRecorder::new();
+        let system = start(&llm, &recorder);
+        let result = system
+            .ask_with(
+                "boss",
+                "how many stars",
+                AskOptions::default().budget(Budget::tokens(budget)),
+            )
+            .await;
+        let reply = result.unwrap_or_else(|error| panic!("under a budget of {budget}: {error}"));
+        assert!(reply.text.contains("timed out"), "{}", reply.text);
+        let worker_grant = llm.requests_of("worker")[0].max_tokens.expect("the worker's cap");
+        let left = budget - boss[0];
+        assert_eq!(
+            worker_grant,
+            left - left * AGENT_CALL_PARENT_RESERVE_PERCENT / 100,
+            "the lone call's grant"
+        );
+        // The worker's second step started (the worker was cut mid-spend).
+        assert_eq!(llm.requests_of("worker").len(), 2);
+        assert_eq!(reply.spent.tokens, boss[0] + worker_grant + boss[1]);
+        assert!(reply.spent.tokens <= budget, "{} > {budget}", reply.spent.tokens);
+        // Past the cut step's latency: no model call answers late and adds to the spend.
+        tokio::time::sleep(Duration::from_millis(2 * WORKER_SECOND_STEP_MS)).await;
+        let spent: u64 = spend_per_root(&recorder).into_values().sum();
+        assert_eq!(spent, boss[0] + boss[1] + worker[0] + helper[0]);
+        assert!(
+            spent <= reply.spent.tokens,
+            "true spend {spent} > charged {}",
+            reply.spent.tokens
+        );
+        system.shutdown().await;
+    }
 }
