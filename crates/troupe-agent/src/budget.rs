@@ -54,13 +54,15 @@ use crate::{AgentCallError, AgentReply};
 /// billed up to its cap, which is what its turn had left. A lone call granted
 /// everything left therefore left its caller's turn nothing, not even the step that
 /// tells its user the call failed (the reviewer's `budget_after_a_timed_out_call`
-/// probe: `BudgetExhausted` under every budget tried up to 3 times the run's spend).
+/// probe: `BudgetExhausted` under 2 times the run's unlimited spend, and under every
+/// budget the reviewer tried up to 2.5 times).
 ///
 /// Why 50: the steps after a call read the caller's whole conversation again plus the
 /// call's result, so each costs more than the step that made the call; in the probe,
-/// the caller's steps after the timed-out call (one of them a second call) cost 4.8
-/// times its first step, and with 50 it answers under 1.87 times its unlimited spend,
-/// where 25 needed more than 3 times. 50 is also what a delegated task or a
+/// what the caller spent after the timed-out call (two steps of its own and a second
+/// call) came to 4.8 times its first step, and with 50 it answers from 1.87 times its
+/// unlimited spend on, where with 25 it failed under every budget tried up to about 3
+/// times. 50 is also what a delegated task or a
 /// notification keeps (`AGENT_SEND_GRANT_DIVISOR` = 2, whose grant never comes back
 /// either), and what each of two parallel calls gets. The cost: a chain of lone calls
 /// hands its callee at depth d half of what its caller had left, d times over (3% at

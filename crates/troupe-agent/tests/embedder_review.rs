@@ -1754,9 +1754,10 @@ mod budget_after_a_timed_out_call {
     /// spend, where `slow`'s unknown spend counted nothing); but a call made alone is
     /// granted only what `AGENT_CALL_PARENT_RESERVE_PERCENT` leaves, and the caller keeps
     /// the rest for its next steps. Measured (the reserve at 50%): before, `boss`'s turn
-    /// ended `BudgetExhausted` under every budget tried from 127 (its unlimited spend)
-    /// to 377 (3 times); after, it answers from 237 on (1.87 times), spending 127 plus
-    /// `slow`'s grant; under 254 (twice) it spends 240 (`slow` granted 113).
+    /// ended `BudgetExhausted` "254 of 254 tokens" here, and under every budget the
+    /// reviewer tried up to 327 (2.5 times its unlimited spend of 127); after, it
+    /// answers from 237 on (1.87 times), spending 127 plus `slow`'s grant; under 254
+    /// (twice) it spends 243 (`slow` granted 116).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_timed_out_call_leaves_its_caller_enough_to_call_again_and_answer() {
         let unlimited = start(&script());
