@@ -219,7 +219,7 @@ fn coordinator_workers_and_reviewer(store: &Arc<MemoryStore>, recorder: &crate::
 }
 
 /// Goal: a task whose delegatee accepted it and then never answers (here the delegatee
-/// is removed while it works, so its result is never delivered) does not stay open at
+/// loses it while it works, so no result ever comes) does not stay open at
 /// its delegator for good: once its deadline and
 /// [`crate::limits::AGENT_TASK_RESULT_GRACE_MS`] have passed, the delegator's next turn
 /// resolves it `failed` ("no result by the task's deadline ..."), with one
@@ -227,7 +227,7 @@ fn coordinator_workers_and_reviewer(store: &Arc<MemoryStore>, recorder: &crate::
 /// [`crate::limits::AGENT_TASKS_OPEN_MAX`] slots were all held by such tasks delegates
 /// again; a result that comes after that is a `Duplicate`, never shown to the model.
 /// Method: the coordinator delegates a task to each worker (the first by its model, the
-/// rest by the API), all its slots; each worker accepts its task and is removed while
+/// rest by the API), all its slots; each worker accepts its task and loses it while
 /// working on it; one more delegation is refused; virtual time passes the deadline and
 /// the grace; one more delegation (to a reviewer) is accepted and completes; then a
 /// crafted copy of the first task's result comes to the coordinator.
@@ -248,14 +248,8 @@ async fn a_task_whose_delegatee_never_answers_fails_after_its_deadline_and_frees
     // Every worker has accepted its task and works on it; each goes away meanwhile.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "all acknowledged");
-    // All at once: a removal returns once its agent's running turn ended.
-    let removals = (0..AGENT_TASKS_OPEN_MAX).map(|n| {
-        let client = system.client();
-        tokio::spawn(async move { client.remove_agent(&worker(n)).await })
-    });
-    for removal in futures::future::join_all(removals).await {
-        let removed = removal.expect("the removal ran").expect("the removal is stored");
-        assert!(removed.is_some());
+    for n in 0..AGENT_TASKS_OPEN_MAX {
+        lose_the_task_of(&store, n).await;
     }
     let full = system
         .delegate("coordinator", "reviewer", "review early", Some(60_000))
@@ -335,18 +329,27 @@ async fn a_task_whose_delegatee_never_answers_fails_after_its_deadline_and_frees
     system.shutdown().await;
 }
 
+/// Deletes worker `n`'s inbox entry of the task it is working from `store` (which
+/// fences its activation off, so the turn working it cannot commit): the task is lost
+/// with nobody to answer it. (A removed worker no longer strands its tasks: its boxes
+/// are drained, `tests/removed_agent_drain.rs`.)
+async fn lose_the_task_of(store: &MemoryStore, n: u64) {
+    let worker = agent_id(&worker(n)).unwrap();
+    let lost = delete_as_stored(store, &worker, &["inbox/", "tasks_in/"]).await;
+    assert_eq!(lost, 2, "the task's entry and its tasks_in/ key");
+}
+
 /// Delegates "plan alone" (by the API) from the coordinator to worker 0 with a 60 s
-/// timeout, waits for its acknowledgement and removes the worker: the task stays open
-/// with nobody to answer it. Its id.
-async fn delegate_to_a_removed_worker(system: &AgentSystem) -> String {
+/// timeout, waits for its acknowledgement and loses it at the worker
+/// ([`lose_the_task_of`]): the task stays open with nobody to answer it. Its id.
+async fn delegate_to_a_lost_worker(system: &AgentSystem, store: &MemoryStore) -> String {
     let task = system
         .delegate("coordinator", &worker(0), "plan alone", Some(60_000))
         .await
         .expect("delegated");
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(system.pending("coordinator").await.unwrap(), (0, 0), "acknowledged");
-    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
-    assert!(removed.is_some());
+    lose_the_task_of(store, 0).await;
     task
 }
 
@@ -376,8 +379,8 @@ fn restarted_coordinator(store: &Arc<MemoryStore>) -> AgentSystem {
 /// with nothing more sent to its delegator: the delegation armed the delegator's
 /// wake-up for that time. Before, it was resolved only by the delegator's next command,
 /// and `AgentClient::task` said `submitted` for as long as none came. Method: the
-/// coordinator delegates (by the API) a task to a worker, which accepts it and is
-/// removed while working on it; nothing else is sent; the task is read just before its
+/// coordinator delegates (by the API) a task to a worker, which accepts it and loses
+/// it while working on it; nothing else is sent; the task is read just before its
 /// due time and after it.
 #[tokio::test(start_paused = true)]
 async fn an_overdue_task_is_resolved_at_its_due_time_with_no_other_turn_of_its_delegator() {
@@ -385,7 +388,7 @@ async fn an_overdue_task_is_resolved_at_its_due_time_with_no_other_turn_of_its_d
     let store = Arc::new(MemoryStore::new());
     let recorder = crate::CallRecorder::new();
     let system = coordinator_workers_and_reviewer(&store, &recorder);
-    let task = delegate_to_a_removed_worker(&system).await;
+    let task = delegate_to_a_lost_worker(&system, &store).await;
     let due = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
     let due = Duration::from_micros(due.as_micros()) + Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS);
     let now = Duration::from_micros(system.runtime().now().as_micros());
@@ -416,14 +419,14 @@ async fn an_overdue_task_is_resolved_at_its_due_time_with_no_other_turn_of_its_d
 /// earliest `task_due/` key when it starts. Before, the wake-up armed by the delegation
 /// was lost with the process, and the task stayed `submitted` until the agent's next
 /// command. Method: the coordinator delegates a task to a worker, which accepts it and
-/// is removed while working on it; the system stops; a new system (no worker) starts on
+/// loses it while working on it; the system stops; a new system (no worker) starts on
 /// the same store; nothing is sent; the task is read past its due time.
 #[tokio::test(start_paused = true)]
 async fn an_overdue_task_left_open_by_a_restart_is_resolved_at_its_due_time() {
     use crate::limits::AGENT_TASK_RESULT_GRACE_MS;
     let store = Arc::new(MemoryStore::new());
     let system = coordinator_workers_and_reviewer(&store, &crate::CallRecorder::new());
-    let task = delegate_to_a_removed_worker(&system).await;
+    let task = delegate_to_a_lost_worker(&system, &store).await;
     system.shutdown().await;
 
     let system = restarted_coordinator(&store);
@@ -444,7 +447,7 @@ async fn an_overdue_task_left_open_by_a_restart_is_resolved_at_its_due_time() {
 /// from the runtime's start, so the restarted process read the due time late by the first
 /// runtime's age at the delegation (300 s here): the task was still `submitted` a second
 /// after its due time. Method: the first system runs 300 s, then the coordinator delegates
-/// to a worker that accepts and is removed; the due time is taken as an instant on the
+/// to a worker that accepts and loses it; the due time is taken as an instant on the
 /// simulator's clock; the system stops and a new one starts on the same store; the task
 /// is read a second before that instant and a second after it.
 ///
@@ -459,7 +462,7 @@ async fn a_due_time_stored_before_a_restart_keeps_its_real_time() {
     let store = Arc::new(MemoryStore::new());
     let system = coordinator_workers_and_reviewer(&store, &crate::CallRecorder::new());
     tokio::time::sleep(Duration::from_secs(300)).await;
-    let task = delegate_to_a_removed_worker(&system).await;
+    let task = delegate_to_a_lost_worker(&system, &store).await;
     let deadline = system.task("coordinator", &task).await.unwrap().expect("kept").deadline;
     let due = Deadline::after(deadline, Duration::from_millis(AGENT_TASK_RESULT_GRACE_MS));
     let due_at = tokio::time::Instant::now() + due.remaining(system.runtime().now());
@@ -504,8 +507,8 @@ async fn delete_as_stored(store: &MemoryStore, agent: &ActorId, prefixes: &[&str
 /// agent runs again, so an old open task whose delegatee never answers is resolved
 /// failed after its deadline and [`crate::limits::AGENT_TASK_RESULT_GRACE_MS`], and an
 /// old ended record is deleted after [`crate::limits::AGENT_TASK_RECORD_KEPT_MS`].
-/// Method: the coordinator delegates a task that completes and one whose worker is
-/// removed while working; the system stops and the index keys (and the index marker)
+/// Method: the coordinator delegates a task that completes and one whose worker loses
+/// it while working; the system stops and the index keys (and the index marker)
 /// are deleted from the store, as the old version left it; a new system on that store
 /// passes the deadline and grace and delegates (its turn indexes the old records and
 /// resolves the overdue one); then it passes the retention and delegates again.
@@ -529,8 +532,7 @@ async fn task_records_from_before_the_indexes_are_indexed_then_resolved_and_dele
         .await
         .expect("delegated");
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let removed = system.client().remove_agent(&worker(0)).await.expect("removed");
-    assert!(removed.is_some());
+    lose_the_task_of(&store, 0).await;
     system.shutdown().await;
     for prefix in ["task_end/", "task_due/"] {
         let deleted = delete_as_stored(&store, &coordinator, &[prefix]).await;
