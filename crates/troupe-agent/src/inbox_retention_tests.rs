@@ -484,7 +484,6 @@ async fn a_due_time_stored_before_a_restart_keeps_its_real_time() {
 
 /// Deletes from `agent`'s key space every key under `prefixes`, as one commit, and gives
 /// how many went: the store as a version before those keys would have left it.
-#[cfg(not(madsim))]
 async fn delete_as_stored(store: &MemoryStore, agent: &ActorId, prefixes: &[&str]) -> usize {
     let mut writes = Vec::new();
     for prefix in prefixes {
