@@ -819,7 +819,7 @@ async fn failing_commits_and_outages_among_concurrent_asks_never_double_or_keep_
 
 /// An actor whose state is the list of its records (its snapshot, comma-separated), so
 /// every `rec:<x>` turn commits; `gate` waits for the test (and records `gate`); `get`
-/// replies the list.
+/// replies the list; `panic` ends its task (a crash).
 struct Ledger {
     records: Vec<String>,
     shared: Arc<Shared>,
@@ -830,6 +830,7 @@ impl Actor for Ledger {
         let text = std::str::from_utf8(&payload).map_err(|e| ActorError::failed(e.to_string()))?;
         match text.split_once(':') {
             None if text == "get" => {}
+            None if text == "panic" => panic!("the ledger panics on purpose"),
             None if text == "gate" => {
                 self.shared.at_gate.notify_one();
                 self.shared.gate.notified().await;
@@ -846,7 +847,8 @@ impl Actor for Ledger {
     }
 }
 
-fn start_ledger(store: &Arc<MemoryStore>, shared: &Arc<Shared>) -> Runtime {
+/// A runtime on `store` with the ledger kind registered with `config`.
+fn start_ledger_with(store: &Arc<MemoryStore>, shared: &Arc<Shared>, config: KindConfig) -> Runtime {
     let shared = Arc::clone(shared);
     Runtime::builder()
         .store(store.clone())
@@ -861,7 +863,7 @@ fn start_ledger(store: &Arc<MemoryStore>, shared: &Arc<Shared>) -> Runtime {
                     shared: Arc::clone(&shared),
                 }))
             },
-            KindConfig::default(),
+            config,
         )
         .unwrap()
         .start()
@@ -1043,10 +1045,15 @@ impl FencedTells {
 /// `rec:a1` and `rec:a2` told behind it (with a deadline `told_for` away); `b` records
 /// `b1`, a newer claim.
 async fn tells_behind_a_fenced_commit(told_for: Duration) -> FencedTells {
+    tells_behind_a_fenced_commit_with(told_for, KindConfig::default()).await
+}
+
+/// As `tells_behind_a_fenced_commit`, the ledger kind registered with `config` on both.
+async fn tells_behind_a_fenced_commit_with(told_for: Duration, config: KindConfig) -> FencedTells {
     let store = Arc::new(MemoryStore::new());
     let (shared_a, shared_b) = (Arc::new(Shared::default()), Arc::new(Shared::default()));
-    let a = start_ledger(&store, &shared_a);
-    let b = start_ledger(&store, &shared_b);
+    let a = start_ledger_with(&store, &shared_a, config);
+    let b = start_ledger_with(&store, &shared_b, config);
     let id = ActorId::new("ledger", "l").unwrap();
     let deadline = a.deadline_in(HANG);
     within("a: gate", a.tell(&id, Bytes::from_static(b"gate"), deadline))
@@ -1086,4 +1093,168 @@ async fn kept_on(runtime: &Runtime, count: usize) {
         tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
     }
     panic!("the stale activation did not end with its {count} told messages kept within {HANG:?}: (activations, held messages) = {seen:?}");
+}
+
+/// Goal (7efdca2's cap): a stale activation keeps at most a mailbox's worth of told
+/// messages behind its fenced commit; those run first, in order, in this runtime's next
+/// activation, started by a new message (here a request held while the stale activation
+/// ends); the rest are refused and counted in `told_lost`, exactly. More than a
+/// mailbox's worth sit behind the fence only in a mailbox that opened with more, carried
+/// over a crash. Method: capacity `CAPACITY` (3) on `a`; a `gate` turn holds the actor
+/// while `panic`, a second `gate` and `rec:a0` fill its mailbox; `deactivate` closes it
+/// and `rec:a1..a3` are held; the first gate opens (its turn commits `gate`), `panic`
+/// crashes the activation, and the next one opens with `gate, a0..a3` (four tells
+/// behind its gate, one past capacity); `b` records `b1` (a newer claim); `a` is told to
+/// deactivate and asked `rec:a4` (held); the second gate opens, its commit is fenced.
+/// Then `a4` is answered `gate,b1,a0,a1,a2,a4` and `a`'s `told_lost` is 1 (`a3`).
+/// Before 7efdca2: `a4` refused `Busy` (the four kept tells took the mailbox's room).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_a_mailbox_of_told_messages_behind_a_fenced_commit_only_a_mailbox_is_kept() {
+    const CAPACITY: usize = 3;
+    quiet_planned_panics();
+    let store = Arc::new(MemoryStore::new());
+    let (shared_a, shared_b) = (Arc::new(Shared::default()), Arc::new(Shared::default()));
+    let config = KindConfig::default().with_mailbox_capacity(CAPACITY);
+    let a = start_ledger_with(&store, &shared_a, config);
+    let b = start_ledger_with(&store, &shared_b, config);
+    let id = ActorId::new("ledger", "l").unwrap();
+    let deadline = a.deadline_in(HANG);
+    let tell = |text: &'static str| a.tell(&id, Bytes::from_static(text.as_bytes()), deadline);
+    within("a: gate", tell("gate")).await.unwrap();
+    within("a: the first gate's turn", shared_a.at_gate.notified()).await;
+    for text in ["panic", "gate", "rec:a0"] {
+        within("a: into the mailbox", tell(text))
+            .await
+            .unwrap_or_else(|error| panic!("{text}: {error:?}"));
+    }
+    let deactivation = deactivate_in_background(&a, &id).await;
+    for text in ["rec:a1", "rec:a2", "rec:a3"] {
+        within("a: a held tell", tell(text))
+            .await
+            .unwrap_or_else(|error| panic!("{text}: held for the next activation, not {error:?}"));
+    }
+    shared_a.gate.notify_one();
+    within("a: the second gate's turn", shared_a.at_gate.notified()).await;
+    println!(
+        "a's first deactivation: {:?}",
+        within("a: the deactivation", deactivation).await
+    );
+    assert_eq!(a.counters().told_lost, 0, "nothing lost before the fence");
+    let newer = within("b: b1", b.invoke(&id, Bytes::from_static(b"rec:b1"), deadline)).await;
+    assert_eq!(newer, Ok(Bytes::from_static(b"gate,b1")), "b claims the actor anew");
+    let (deactivation, ask) = ask_held_behind_a_deactivation(&a, &id, "rec:a4").await;
+    shared_a.gate.notify_one();
+    let answer = within("a: a4", ask).await.unwrap();
+    assert_eq!(
+        answer,
+        Ok(Bytes::from_static(b"gate,b1,a0,a1,a2,a4")),
+        "the kept three ran first, in order, then the request"
+    );
+    println!(
+        "a's stale deactivation: {:?}",
+        within("a: the deactivation", deactivation).await
+    );
+    assert_eq!(
+        (a.counters().told_lost, b.counters().told_lost),
+        (1, 0),
+        "(told_lost of a, of b): a3, past the mailbox's worth"
+    );
+    assert_eq!(within("a: stats", a.stats()).await.unwrap().held_messages, 0);
+    within("shutdown a", a.shutdown()).await;
+    within("shutdown b", b.shutdown()).await;
+}
+
+/// Goal (7efdca2's room): a request held while a stale activation ends with a full
+/// mailbox's worth of told messages kept behind its fenced commit starts the next
+/// activation and is answered after them, not refused `Busy`: the kept ones come on top
+/// of the mailbox, not in a held request's room. Method: capacity 1; `a` holds the actor
+/// in a `gate` turn with `rec:a1` told behind it (the mailbox full); `b` records `b1`;
+/// `a` is told to deactivate and asked `rec:a2` (held); the gate opens, `a`'s commit is
+/// fenced. Before 7efdca2: `Err(Busy { .. })`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_held_behind_a_mailbox_of_kept_told_messages_is_answered_after_them() {
+    let store = Arc::new(MemoryStore::new());
+    let (shared_a, shared_b) = (Arc::new(Shared::default()), Arc::new(Shared::default()));
+    let config = KindConfig::default().with_mailbox_capacity(1);
+    let a = start_ledger_with(&store, &shared_a, config);
+    let b = start_ledger_with(&store, &shared_b, config);
+    let id = ActorId::new("ledger", "l").unwrap();
+    let deadline = a.deadline_in(HANG);
+    within("a: gate", a.tell(&id, Bytes::from_static(b"gate"), deadline))
+        .await
+        .unwrap();
+    within("a: the gate's turn", shared_a.at_gate.notified()).await;
+    within("a: a1", a.tell(&id, Bytes::from_static(b"rec:a1"), deadline))
+        .await
+        .unwrap();
+    let newer = within("b: b1", b.invoke(&id, Bytes::from_static(b"rec:b1"), deadline)).await;
+    assert_eq!(newer, Ok(Bytes::from_static(b"b1")), "b claims the actor anew");
+    let (deactivation, ask) = ask_held_behind_a_deactivation(&a, &id, "rec:a2").await;
+    shared_a.gate.notify_one();
+    let answer = within("a: a2", ask).await.unwrap();
+    assert_eq!(
+        answer,
+        Ok(Bytes::from_static(b"b1,a1,a2")),
+        "the request started the next activation and ran after the kept tell"
+    );
+    println!(
+        "a's stale deactivation: {:?}",
+        within("a: the deactivation", deactivation).await
+    );
+    assert_eq!(
+        (a.counters().told_lost, b.counters().told_lost),
+        (0, 0),
+        "(told_lost of a, of b)"
+    );
+    within("shutdown a", a.shutdown()).await;
+    within("shutdown b", b.shutdown()).await;
+}
+
+/// Tells `runtime` to deactivate `id` (in a task) and waits (bounded) until its mailbox
+/// is closed: new messages are held for the next activation.
+async fn deactivate_in_background(
+    runtime: &Runtime,
+    id: &ActorId,
+) -> tokio::task::JoinHandle<Result<bool, InvokeError>> {
+    let deactivation = tokio::spawn({
+        let handle = runtime.handle();
+        let id = id.clone();
+        async move { handle.deactivate(&id).await }
+    });
+    within("the mailbox closed", async {
+        while runtime.stats().await.unwrap().deactivating == 0 {
+            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+        }
+    })
+    .await;
+    deactivation
+}
+
+/// Closes `id`'s mailbox on `runtime` (`deactivate_in_background`), then asks `text` in
+/// a task and waits (bounded) until the request is held: the deactivation and the ask.
+async fn ask_held_behind_a_deactivation(
+    runtime: &Runtime,
+    id: &ActorId,
+    text: &'static str,
+) -> (
+    tokio::task::JoinHandle<Result<bool, InvokeError>>,
+    tokio::task::JoinHandle<Result<Bytes, InvokeError>>,
+) {
+    let deactivation = deactivate_in_background(runtime, id).await;
+    let ask = tokio::spawn({
+        let handle = runtime.handle();
+        let id = id.clone();
+        async move {
+            handle
+                .invoke(&id, Bytes::from_static(text.as_bytes()), handle.deadline_in(HANG))
+                .await
+        }
+    });
+    within("the request held", async {
+        while runtime.stats().await.unwrap().held_messages == 0 {
+            tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+        }
+    })
+    .await;
+    (deactivation, ask)
 }
