@@ -197,6 +197,22 @@ impl DirectoryStore {
         }
     }
 
+    /// [`Self::refresh_if_stale`] reading through `store` (one that tries again while
+    /// the store is unavailable, counting each try: `resume_pending`'s).
+    pub(crate) async fn refresh_if_stale_through(
+        &self,
+        shared: &AgentShared,
+        runtime: &RuntimeHandle,
+        store: &dyn StateStore,
+    ) {
+        if self.is_fresh(runtime.now()) {
+            return;
+        }
+        if let Err(error) = self.refresh(shared, runtime, store).await {
+            tracing::warn!(%error, "reading the stored agent directory failed");
+        }
+    }
+
     /// Applies `record` to `shared`'s directory if it is newer than what was applied,
     /// deactivating (without waiting) the agents it removed that are active in this
     /// process.

@@ -844,7 +844,10 @@ impl AgentClient {
         let store = self.api_store();
         // A removed agent's entries too: its draining activation ends them. The stored
         // directory is read first, so an agent an earlier run removed is known so.
-        self.shared.defined.refresh_if_stale(&self.shared, &self.runtime).await;
+        self.shared
+            .defined
+            .refresh_if_stale_through(&self.shared, &self.runtime, &store)
+            .await;
         let ids = self
             .shared
             .directory
