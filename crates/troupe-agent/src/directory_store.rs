@@ -275,11 +275,20 @@ impl DirectoryStore {
         runtime: &RuntimeHandle,
         store: &dyn StateStore,
     ) -> Result<(), DirectoryError> {
-        *self.read_at.lock().unwrap_or_else(PoisonError::into_inner) = Some(runtime.now());
-        let record: DefinedAgents =
-            crate::shared_record::decode(store.load(&record_id()).await?.as_ref(), decode_error)?;
-        self.apply(shared, runtime, &record).await;
-        Ok(())
+        // The try counts from its start, but only once it ended (applied, or failed): a
+        // lookup made while it runs reads too, rather than take the directory as fresh
+        // before this read applied it (`resume_pending`'s read at start ran alongside
+        // the A2A server's first lookup, which then missed an agent defined over REST).
+        let at = runtime.now();
+        let read = async {
+            let record: DefinedAgents =
+                crate::shared_record::decode(store.load(&record_id()).await?.as_ref(), decode_error)?;
+            self.apply(shared, runtime, &record).await;
+            Ok(())
+        }
+        .await;
+        *self.read_at.lock().unwrap_or_else(PoisonError::into_inner) = Some(at);
+        read
     }
 
     /// Applies `change` to the newest record and commits it (again after a fenced
