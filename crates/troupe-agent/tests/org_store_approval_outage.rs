@@ -41,10 +41,10 @@ const TEST_WAIT_MS_MAX: u64 = 15_000;
 
 /// Agents `a` and `b` answering "ok", on `store`, `a` supervised: its every contact
 /// needs approval.
-async fn system(store: &Arc<MemoryStore>) -> AgentSystem {
+async fn system(store: Arc<dyn StateStore>) -> AgentSystem {
     let system = AgentSystem::builder()
         .llm(Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"))))
-        .store(Arc::clone(store) as Arc<dyn StateStore>)
+        .store(store)
         .agent(AgentSpec::new("a"))
         .agent(AgentSpec::new("b"))
         .start()
@@ -62,6 +62,58 @@ fn ms_between(from: Deadline, to: Deadline) -> u64 {
     to.as_micros().saturating_sub(from.as_micros()) / 1_000
 }
 
+/// The ask `a` → `b` ("status?", [`ASK_TIMEOUT`]) started in a task, and the id and time
+/// of the approval it requests; panics, saying after how long, if the ask ends first.
+async fn ask_until_approval_requested(
+    system: &AgentSystem,
+    events: &mut tokio::sync::broadcast::Receiver<AgentEvent>,
+) -> (
+    tokio::task::JoinHandle<Result<troupe_agent::AgentReply, troupe_agent::AgentCallError>>,
+    u64,
+    Deadline,
+) {
+    let start = system.runtime().now();
+    let client = system.client();
+    let mut asked = tokio::spawn(async move { client.ask_as("a", "b", "status?", ASK_TIMEOUT).await });
+    loop {
+        tokio::select! {
+            biased;
+            event = events.recv() => {
+                if let AgentEvent::ApprovalRequested { id, at, .. } = event.expect("the events") {
+                    return (asked, id, at);
+                }
+            }
+            result = &mut asked => panic!(
+                "the ask ended before its approval was requested (after {} ms): {:?}",
+                ms_between(start, system.runtime().now()),
+                result.expect("the ask's task")
+            ),
+        }
+    }
+}
+
+/// Checks that approval `id` is the one pending, approves it, and that `asked` is then
+/// answered "ok".
+async fn approve_the_one_pending(
+    system: &AgentSystem,
+    id: u64,
+    asked: tokio::task::JoinHandle<Result<troupe_agent::AgentReply, troupe_agent::AgentCallError>>,
+) {
+    let pending = system.pending_approvals().await.expect("the pending approvals");
+    assert_eq!(
+        pending.iter().map(|approval| approval.id).collect::<Vec<_>>(),
+        vec![id],
+        "one approval for the one ask: {pending:?}"
+    );
+    assert_eq!((pending[0].from.as_str(), pending[0].to.as_str()), ("a", "b"));
+    system.approve(id).await.expect("the approval");
+    let reply = asked
+        .await
+        .expect("the ask's task")
+        .unwrap_or_else(|error| panic!("the approved ask: {error}"));
+    assert_eq!(reply.text, "ok");
+}
+
 /// Goal: an `ask_as` from `a` (supervised) to `b` made while the store is down records
 /// its approval once the store is back, [`OUTAGE_MS`] later, not refused; exactly one
 /// approval is pending (the write tried again is one record), and once it is approved
@@ -70,7 +122,7 @@ fn ms_between(from: Deadline, to: Deadline) -> u64 {
 /// was requested.
 async fn an_approval_requested_while_the_store_is_down_is_recorded_once_it_is_back() {
     let store = Arc::new(MemoryStore::new());
-    let system = system(&store).await;
+    let system = system(Arc::clone(&store) as Arc<dyn StateStore>).await;
     let mut events = system.subscribe();
 
     let start = system.runtime().now();
@@ -82,23 +134,7 @@ async fn an_approval_requested_while_the_store_is_down_is_recorded_once_it_is_ba
             store.faults().set_unavailable(false);
         })
     };
-    let client = system.client();
-    let mut asked = tokio::spawn(async move { client.ask_as("a", "b", "status?", ASK_TIMEOUT).await });
-    let (id, requested_at) = loop {
-        tokio::select! {
-            biased;
-            event = events.recv() => {
-                if let AgentEvent::ApprovalRequested { id, at, .. } = event.expect("the events") {
-                    break (id, at);
-                }
-            }
-            result = &mut asked => panic!(
-                "the ask ended before its approval was requested (after {} ms): {:?}",
-                ms_between(start, system.runtime().now()),
-                result.expect("the ask's task")
-            ),
-        }
-    };
+    let (asked, id, requested_at) = ask_until_approval_requested(&system, &mut events).await;
     let requested_ms = ms_between(start, requested_at);
     eprintln!(
         "approval {id} requested {requested_ms} ms after the ask, the store down for {OUTAGE_MS} ms, {} operations failed",
@@ -111,19 +147,7 @@ async fn an_approval_requested_while_the_store_is_down_is_recorded_once_it_is_ba
     assert!(store.faults().injected_count() > 0, "the outage was met");
     outage.await.expect("the outage's task");
 
-    let pending = system.pending_approvals().await.expect("the pending approvals");
-    assert_eq!(
-        pending.iter().map(|approval| approval.id).collect::<Vec<_>>(),
-        vec![id],
-        "one approval, requested once: {pending:?}"
-    );
-    assert_eq!((pending[0].from.as_str(), pending[0].to.as_str()), ("a", "b"));
-    system.approve(id).await.expect("the approval");
-    let reply = asked
-        .await
-        .expect("the ask's task")
-        .unwrap_or_else(|error| panic!("the approved ask: {error}"));
-    assert_eq!(reply.text, "ok");
+    approve_the_one_pending(&system, id, asked).await;
     system.shutdown().await;
 }
 
@@ -323,34 +347,11 @@ async fn an_approval_withdrawn_while_the_org_store_is_down_is_withdrawn_once_it_
 /// { id: 2, .. }]".
 async fn an_approval_whose_write_landed_unseen_and_was_claimed_since_is_recorded_once() {
     let store = Arc::new(OrgOutage::default());
-    let system = AgentSystem::builder()
-        .llm(Arc::new(ScriptedLlm::new().rule(ScriptRule::any_agent().reply("ok"))))
-        .store(Arc::clone(&store) as Arc<dyn StateStore>)
-        .agent(AgentSpec::new("a"))
-        .agent(AgentSpec::new("b"))
-        .start()
-        .expect("the system starts");
-    let supervised = Membership {
-        manager: None,
-        mode: BehaviourMode::Supervised,
-    };
-    system.set_membership("a", supervised).await.expect("a supervised");
+    let system = system(Arc::clone(&store) as Arc<dyn StateStore>).await;
     let mut events = system.subscribe();
 
     store.unseen_then_claimed.store(true, Ordering::SeqCst);
-    let client = system.client();
-    let mut asked = tokio::spawn(async move { client.ask_as("a", "b", "status?", ASK_TIMEOUT).await });
-    let id = loop {
-        tokio::select! {
-            biased;
-            event = events.recv() => {
-                if let AgentEvent::ApprovalRequested { id, .. } = event.expect("the events") {
-                    break id;
-                }
-            }
-            result = &mut asked => panic!("the ask ended before its approval was requested: {:?}", result.expect("the ask's task")),
-        }
-    };
+    let (asked, id, _) = ask_until_approval_requested(&system, &mut events).await;
     assert_eq!(
         store.org_failures.load(Ordering::SeqCst),
         1,
@@ -358,18 +359,7 @@ async fn an_approval_whose_write_landed_unseen_and_was_claimed_since_is_recorded
     );
     assert!(!store.unseen_then_claimed.load(Ordering::SeqCst), "the fault was met");
 
-    let pending = system.pending_approvals().await.expect("the pending approvals");
-    assert_eq!(
-        pending.iter().map(|approval| approval.id).collect::<Vec<_>>(),
-        vec![id],
-        "one approval for the one ask: {pending:?}"
-    );
-    system.approve(id).await.expect("the approval");
-    let reply = asked
-        .await
-        .expect("the ask's task")
-        .unwrap_or_else(|error| panic!("the approved ask: {error}"));
-    assert_eq!(reply.text, "ok");
+    approve_the_one_pending(&system, id, asked).await;
     system.shutdown().await;
 }
 
