@@ -1112,23 +1112,17 @@ async fn kept_on(runtime: &Runtime, count: usize) {
 async fn past_a_mailbox_of_told_messages_behind_a_fenced_commit_only_a_mailbox_is_kept() {
     let fenced = over_a_mailbox_behind_a_gate().await;
     let (a, b, id) = (&fenced.a, &fenced.b, &fenced.id);
-    let (deactivation, ask) = ask_held_behind_a_deactivation(a, id, "rec:a4").await;
-    fenced._shared.0.gate.notify_one();
-    let answer = within("a: a4", ask).await.unwrap();
-    assert_eq!(
-        answer,
-        Ok(Bytes::from_static(b"gate,b1,a0,a1,a2,a4")),
-        "the kept three ran first, in order, then the request"
-    );
-    println!(
-        "a's stale deactivation: {:?}",
-        within("a: the deactivation", deactivation).await
-    );
-    assert_eq!(
-        (a.counters().told_lost, b.counters().told_lost),
-        (1, 0),
-        "(told_lost of a, of b): a3, past the mailbox's worth"
-    );
+    open_the_gate_behind_a_held_request(
+        (a, b, id),
+        &fenced._shared.0.gate,
+        "rec:a4",
+        (
+            b"gate,b1,a0,a1,a2,a4",
+            "the kept three ran first, in order, then the request",
+        ),
+        ((1, 0), "(told_lost of a, of b): a3, past the mailbox's worth"),
+    )
+    .await;
     assert_eq!(within("a: stats", a.stats()).await.unwrap().held_messages, 0);
     fenced.shutdown().await;
 }
@@ -1158,25 +1152,41 @@ async fn a_request_held_behind_a_mailbox_of_kept_told_messages_is_answered_after
         .unwrap();
     let newer = within("b: b1", b.invoke(&id, Bytes::from_static(b"rec:b1"), deadline)).await;
     assert_eq!(newer, Ok(Bytes::from_static(b"b1")), "b claims the actor anew");
-    let (deactivation, ask) = ask_held_behind_a_deactivation(&a, &id, "rec:a2").await;
-    shared_a.gate.notify_one();
-    let answer = within("a: a2", ask).await.unwrap();
-    assert_eq!(
-        answer,
-        Ok(Bytes::from_static(b"b1,a1,a2")),
-        "the request started the next activation and ran after the kept tell"
-    );
+    open_the_gate_behind_a_held_request(
+        (&a, &b, &id),
+        &shared_a.gate,
+        "rec:a2",
+        (
+            b"b1,a1,a2",
+            "the request started the next activation and ran after the kept tell",
+        ),
+        ((0, 0), "(told_lost of a, of b)"),
+    )
+    .await;
+    within("shutdown a", a.shutdown()).await;
+    within("shutdown b", b.shutdown()).await;
+}
+
+/// The end both fenced-commit probes share: asks `request` of `a`, held behind its
+/// deactivation of `id`; opens `gate` so that the stale turn commits (fenced); then checks
+/// the answer (`expected`, for the reason `why`) and the `told_lost` counts of `a` and `b`
+/// (`lost`, for the reason `lost_why`). One piece, so the two probes cannot drift apart.
+async fn open_the_gate_behind_a_held_request(
+    (a, b, id): (&Runtime, &Runtime, &ActorId),
+    gate: &tokio::sync::Notify,
+    request: &'static str,
+    (expected, why): (&'static [u8], &str),
+    (lost, lost_why): ((u64, u64), &str),
+) {
+    let (deactivation, ask) = ask_held_behind_a_deactivation(a, id, request).await;
+    gate.notify_one();
+    let answer = within(&format!("a: {request}"), ask).await.unwrap();
+    assert_eq!(answer, Ok(Bytes::from_static(expected)), "{why}");
     println!(
         "a's stale deactivation: {:?}",
         within("a: the deactivation", deactivation).await
     );
-    assert_eq!(
-        (a.counters().told_lost, b.counters().told_lost),
-        (0, 0),
-        "(told_lost of a, of b)"
-    );
-    within("shutdown a", a.shutdown()).await;
-    within("shutdown b", b.shutdown()).await;
+    assert_eq!((a.counters().told_lost, b.counters().told_lost), lost, "{lost_why}");
 }
 
 /// Tells `runtime` to deactivate `id` (in a task) and waits (bounded) until its mailbox
