@@ -41,6 +41,16 @@ async fn serve_echo(ids: &[&str], latency: Duration, mailbox: usize, config: Ser
     Harness::start(agents(llm, ids, kind), config).await
 }
 
+/// The mailbox of the agents of tests that do not probe backpressure, in messages: more
+/// than any of them fills.
+const ROOMY_MAILBOX: usize = 64;
+
+/// [`serve_echo`] with [`ROOMY_MAILBOX`] and the default server configuration: the
+/// set-up most tests here share.
+async fn serve_echo_roomy(ids: &[&str], latency: Duration) -> Harness {
+    serve_echo(ids, latency, ROOMY_MAILBOX, ServerConfig::default()).await
+}
+
 /// A served system of `ids` whose model waits at a gate the test opens.
 async fn serve_gated(ids: &[&str], config: ServerConfig) -> (Harness, Arc<tokio::sync::Semaphore>) {
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
@@ -350,13 +360,7 @@ async fn leave(client: reqwest::Client, base: String, text: String, way: u64, pi
 /// hang-up closes its connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_hang_up_mid_request_or_mid_stream_leave_nothing_behind() {
-    let server = serve_echo(
-        &["echo"],
-        Duration::from_millis(MODEL_LATENCY_MS),
-        64,
-        ServerConfig::default(),
-    )
-    .await;
+    let server = serve_echo_roomy(&["echo"], Duration::from_millis(MODEL_LATENCY_MS)).await;
     // Scraped on connections of their own (closed after): only the scrape's is open.
     assert_eq!(scraped(&server.base, CONNECTIONS_OPEN).await, 1);
     let leaving = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
@@ -471,13 +475,7 @@ const CANCEL_ROUNDS: u64 = 20;
 /// `GetTask` at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a2a_cancels_racing_a_tasks_end_agree_on_one_outcome() {
-    let server = serve_echo(
-        &["echo"],
-        Duration::from_millis(MODEL_LATENCY_MS),
-        64,
-        ServerConfig::default(),
-    )
-    .await;
+    let server = serve_echo_roomy(&["echo"], Duration::from_millis(MODEL_LATENCY_MS)).await;
     let (client, base) = (server.http.clone(), server.base.clone());
     let send = |text: String| {
         json!({
@@ -726,21 +724,9 @@ const SHORT_TIMEOUT_MS: u64 = 100;
 /// agent/slow timed out after 100 ms", streamed or not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_runs_out_of_time_is_504_saying_what_to_do_and_is_safe_to_send_again() {
-    let server = serve_echo(
-        &["slow"],
-        Duration::from_millis(SLOW_MODEL_MS),
-        64,
-        ServerConfig::default(),
-    )
-    .await;
+    let server = serve_echo_roomy(&["slow"], Duration::from_millis(SLOW_MODEL_MS)).await;
     let path = "/v1/agents/slow/messages";
-    let answer = post_with(
-        &server.http,
-        &server.base,
-        path,
-        &json!({"text": "one", "timeout_ms": SHORT_TIMEOUT_MS}),
-    )
-    .await;
+    let answer = send_one(&server, path, SHORT_TIMEOUT_MS).await;
     let what = format!("{} {:?} {}", answer.status, answer.retry_after, answer.text);
     assert_eq!(answer.status, 504, "{what}");
     assert_eq!(rest_error(&what, &answer.text, &["timeout"]), "timeout");
@@ -754,8 +740,7 @@ async fn a_message_that_runs_out_of_time_is_504_saying_what_to_do_and_is_safe_to
         "the 504 does not say what to do: {message}"
     );
     // Past the model's latency: the abandoned turn left nothing.
-    tokio::time::sleep(Duration::from_millis(2 * SLOW_MODEL_MS)).await;
-    assert_eq!(history(&server, "slow").await, Vec::<(String, String)>::new());
+    slow_turn_left_nothing(&server).await;
     let metrics = server.metrics().await;
     assert_eq!(
         support::gauge(&metrics, "troupe_runtime_turns_abandoned_total"),
@@ -764,13 +749,7 @@ async fn a_message_that_runs_out_of_time_is_504_saying_what_to_do_and_is_safe_to
     );
 
     // Streamed, the error event says the same, less the advice to stream.
-    let streamed = post_with(
-        &server.http,
-        &server.base,
-        "/v1/agents/slow/messages?stream=true",
-        &json!({"text": "one", "timeout_ms": SHORT_TIMEOUT_MS}),
-    )
-    .await;
+    let streamed = send_one(&server, "/v1/agents/slow/messages?stream=true", SHORT_TIMEOUT_MS).await;
     assert_eq!(streamed.status, 200, "{}", streamed.text);
     let events = parse_sse(&streamed.text);
     let (name, data) = events.last().unwrap_or_else(|| panic!("no event: {}", streamed.text));
@@ -788,22 +767,28 @@ async fn a_message_that_runs_out_of_time_is_504_saying_what_to_do_and_is_safe_to
             && !message.contains("stream=true"),
         "the streamed 504 does not say what to do: {message}"
     );
-    tokio::time::sleep(Duration::from_millis(2 * SLOW_MODEL_MS)).await;
-    assert_eq!(history(&server, "slow").await, Vec::<(String, String)>::new());
+    slow_turn_left_nothing(&server).await;
 
-    let again = post_with(
-        &server.http,
-        &server.base,
-        path,
-        &json!({"text": "one", "timeout_ms": 4 * SLOW_MODEL_MS}),
-    )
-    .await;
+    let again = send_one(&server, path, 4 * SLOW_MODEL_MS).await;
     assert_eq!(again.status, 200, "{}", again.text);
     let log = history(&server, "slow").await;
     let expected =
         [("user", "one"), ("assistant", "heard: one")].map(|(role, text)| (role.to_string(), text.to_string()));
     assert_eq!(log, expected, "the message sent again is recorded once");
     server.stop().await;
+}
+
+/// POSTs the text "one" with `timeout_ms` to `path` of `server` (the 504 test's message).
+async fn send_one(server: &Harness, path: &str, timeout_ms: u64) -> Answer {
+    let body = json!({"text": "one", "timeout_ms": timeout_ms});
+    post_with(&server.http, &server.base, path, &body).await
+}
+
+/// Waits past the slow model's latency and checks that the abandoned turn of `slow`
+/// left nothing in its conversation.
+async fn slow_turn_left_nothing(server: &Harness) {
+    tokio::time::sleep(Duration::from_millis(2 * SLOW_MODEL_MS)).await;
+    assert_eq!(history(server, "slow").await, Vec::<(String, String)>::new());
 }
 
 /// A request a careless client sends: method, path, `Content-Type` (if any), body;
@@ -848,7 +833,7 @@ fn careless(
 /// ran. Method: one server; the requests below, one after the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn careless_requests_are_refused_typed_in_the_routes_shape_and_store_nothing() {
-    let server = serve_echo(&["echo"], Duration::ZERO, 64, ServerConfig::default()).await;
+    let server = serve_echo_roomy(&["echo"], Duration::ZERO).await;
     let json = Some("application/json");
     let messages = "/v1/agents/echo/messages";
     let chat = "/v1/chat/completions";
@@ -1221,7 +1206,7 @@ async fn a_mention_posted_again_after_a_hang_up_is_kept_and_answered_once() {
 /// "shutting_down","message":"the runtime has shut down"}}".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_to_a_stopping_agent_system_is_503_shutting_down_with_retry_after() {
-    let mut server = serve_echo(&["echo"], Duration::ZERO, 64, ServerConfig::default()).await;
+    let mut server = serve_echo_roomy(&["echo"], Duration::ZERO).await;
     let (status, body) = server.post("/v1/agents/echo/messages", json!({"text": "before"})).await;
     assert_eq!(status, 200, "{body}");
     server.system.take().unwrap().shutdown().await;
@@ -1367,7 +1352,13 @@ async fn posts_of_one_msg_id_sent_at_once_are_one_post_answered_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_needs_no_token_as_get_needs_none_as_head() {
     const TOKEN: &str = "client-review-token-0123456789";
-    let server = serve_echo(&["echo"], Duration::ZERO, 64, ServerConfig::default().token(TOKEN)).await;
+    let server = serve_echo(
+        &["echo"],
+        Duration::ZERO,
+        ROOMY_MAILBOX,
+        ServerConfig::default().token(TOKEN),
+    )
+    .await;
     for path in [
         "/health",
         "/a2a/echo/.well-known/agent-card.json",
