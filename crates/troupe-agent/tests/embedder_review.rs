@@ -46,18 +46,22 @@ use troupe_agent::{
     OrgPolicy, Role, ScriptRule, ScriptedLlm, Sender, TaskState, CONVERSATION_PAGE_MAX,
 };
 use troupe_core::InvokeError;
-use troupe_runtime::{KindConfig, MemoryStore, SqliteStore};
+use troupe_runtime::{KindConfig, MemoryStore};
 
 /// How long every wait for a state in these tests may take before it fails.
 const SETTLE_WAIT_MS: u64 = 20_000;
 /// How often a wait polls the store.
 const POLL_MS: u64 = 25;
 
-/// User messages of `log` that contain `needle`.
-fn user_messages_containing(log: &[ChatMessage], needle: &str) -> usize {
-    log.iter()
-        .filter(|m| m.role == Role::User && m.content.contains(needle))
-        .count()
+#[path = "support/processes.rs"]
+mod processes;
+use processes::{builder_of, on_sqlite, sent_from_each, user_messages_containing};
+
+/// A system of `agents` in memory on the model `llm` (a clone: it shares its state).
+fn in_memory(llm: &ScriptedLlm, agents: &[&str]) -> AgentSystem {
+    builder_of(Arc::new(MemoryStore::new()), llm, agents)
+        .start()
+        .expect("the system starts")
 }
 
 /// Polls `check` until it returns `Some`, failing with `what` after `SETTLE_WAIT_MS`.
@@ -77,6 +81,63 @@ where
     tokio::time::timeout(Duration::from_millis(SETTLE_WAIT_MS), wait)
         .await
         .unwrap_or_else(|_| panic!("not within {SETTLE_WAIT_MS} ms: {what}"))
+}
+
+/// Delegates `text` from `coordinator` to `analyst` (a 60 s task) through `system`:
+/// the text and its task id; fails with `expect` if it is not acknowledged.
+async fn delegated(system: &AgentSystem, text: String, expect: &str) -> (String, String) {
+    let task = system
+        .delegate("coordinator", "analyst", &text, Some(60_000))
+        .await
+        .unwrap_or_else(|error| panic!("{expect}: {error:?}"));
+    (text, task)
+}
+
+/// Waits (bounded) until every inbox and outbox of `agents` is empty, failing with `what`.
+async fn boxes_end_empty(system: &AgentSystem, agents: &[&str], what: &str) {
+    settle(what, || async {
+        for agent in agents {
+            if system.pending(agent).await.unwrap() != (0, 0) {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+}
+
+/// The scenario of the restart tests, on the SQLite file at `path` with `agents`: a
+/// first process on the model `slow` runs `first` (which returns the delegations it
+/// sent: text and task id) and is dropped after `life`; a second on `slow` runs
+/// `second` and is shut down after `life`; a third on `fast` is returned, with all the
+/// delegations, once each of them has ended `completed` (checked).
+async fn restarted_twice(
+    (path, agents): (&std::path::Path, &[&str]),
+    (slow, fast): (&ScriptedLlm, &ScriptedLlm),
+    life: Duration,
+    first: impl AsyncFnOnce(&AgentSystem) -> Vec<(String, String)>,
+    second: impl AsyncFnOnce(&AgentSystem) -> Vec<(String, String)>,
+) -> (AgentSystem, Vec<(String, String)>) {
+    let process = on_sqlite(path, slow, agents);
+    let mut tasks = first(&process).await;
+    tokio::time::sleep(life).await;
+    drop(process);
+
+    let process = on_sqlite(path, slow, agents);
+    tasks.extend(second(&process).await);
+    tokio::time::sleep(life).await;
+    process.shutdown().await;
+
+    let third = on_sqlite(path, fast, agents);
+    for (text, task) in &tasks {
+        let state = settle(&format!("{text} ({task}) ends"), || async {
+            let status = third.task("coordinator", task).await.unwrap()?;
+            status.state.is_final().then_some(status.state)
+        })
+        .await;
+        assert_eq!(state, TaskState::Completed, "{text} ({task})");
+    }
+    (third, tasks)
 }
 
 /// Every message of conversation `id`, paging through it.
@@ -134,16 +195,6 @@ mod restarts {
             )
     }
 
-    fn process(path: &std::path::Path, llm: &ScriptedLlm) -> AgentSystem {
-        AgentSystem::builder()
-            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
-            .llm(Arc::new(llm.clone()))
-            .agent(AgentSpec::new("coordinator"))
-            .agent(AgentSpec::new("analyst"))
-            .start()
-            .expect("the system starts")
-    }
-
     /// Goal: a process restarted twice on one SQLite file (dropped once, shut down
     /// once) while many delegations, their result turns and notifications are in
     /// flight loses and repeats nothing acknowledged: every acknowledged delegation
@@ -160,63 +211,57 @@ mod restarts {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agents.sqlite3");
         let slow = script(Duration::from_millis(WORK_MS), Duration::from_millis(RESULT_TURN_MS));
-        let mut tasks: Vec<(String, String)> = Vec::new();
-        let mut notes: Vec<String> = Vec::new();
-
-        let first = process(&path, &slow);
-        for i in 0..JOBS.max(NOTES) {
-            if i < JOBS {
-                let text = format!("job-a{i}.");
-                let task = first
-                    .delegate("coordinator", "analyst", &text, Some(60_000))
-                    .await
-                    .expect("a delegation to an idle system is acknowledged");
-                tasks.push((text, task));
-            }
-            if i < NOTES {
-                let note = format!("note-a{i}.");
-                first
-                    .notify_with_id("analyst", &format!("n-a{i}"), &note, None)
-                    .await
-                    .expect("a notification to an idle system is acknowledged");
-                notes.push(note);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
-        drop(first);
-
-        let second = process(&path, &slow);
-        for i in 0..JOBS {
-            let text = format!("job-b{i}.");
-            let task = second
-                .delegate("coordinator", "analyst", &text, Some(60_000))
-                .await
-                .expect("a delegation after a restart is acknowledged");
-            tasks.push((text, task));
-        }
-        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
-        second.shutdown().await;
-
         let fast = script(Duration::ZERO, Duration::ZERO);
-        let third = process(&path, &fast);
+        let mut notes: Vec<String> = Vec::new();
+        let first = async |first: &AgentSystem| {
+            let mut tasks = Vec::new();
+            for i in 0..JOBS.max(NOTES) {
+                if i < JOBS {
+                    tasks.push(
+                        delegated(
+                            first,
+                            format!("job-a{i}."),
+                            "a delegation to an idle system is acknowledged",
+                        )
+                        .await,
+                    );
+                }
+                if i < NOTES {
+                    let note = format!("note-a{i}.");
+                    first
+                        .notify_with_id("analyst", &format!("n-a{i}"), &note, None)
+                        .await
+                        .expect("a notification to an idle system is acknowledged");
+                    notes.push(note);
+                }
+            }
+            tasks
+        };
+        let second = async |second: &AgentSystem| {
+            let mut tasks = Vec::new();
+            for i in 0..JOBS {
+                tasks.push(
+                    delegated(
+                        second,
+                        format!("job-b{i}."),
+                        "a delegation after a restart is acknowledged",
+                    )
+                    .await,
+                );
+            }
+            tasks
+        };
+        let (third, tasks) = restarted_twice(
+            (&path, &["coordinator", "analyst"]),
+            (&slow, &fast),
+            Duration::from_millis(PROCESS_LIFE_MS),
+            first,
+            second,
+        )
+        .await;
         let ids: BTreeSet<&String> = tasks.iter().map(|(_, task)| task).collect();
         assert_eq!(ids.len(), tasks.len(), "one task id given twice: {tasks:?}");
-        for (text, task) in &tasks {
-            let state = settle(&format!("{text} ({task}) ends"), || async {
-                let status = third.task("coordinator", task).await.unwrap()?;
-                status.state.is_final().then_some(status.state)
-            })
-            .await;
-            assert_eq!(state, TaskState::Completed, "{text} ({task})");
-        }
-        settle("every inbox and outbox is empty", || async {
-            let pending = (
-                third.pending("coordinator").await.unwrap(),
-                third.pending("analyst").await.unwrap(),
-            );
-            (pending == ((0, 0), (0, 0))).then_some(())
-        })
-        .await;
+        boxes_end_empty(&third, &["coordinator", "analyst"], "every inbox and outbox is empty").await;
         // Past the end of any model call the first two processes began.
         tokio::time::sleep(Duration::from_millis(3 * (WORK_MS + RESULT_TURN_MS))).await;
         let analyst = third.conversation_log("analyst").await.unwrap();
@@ -334,14 +379,7 @@ mod chain_give_ups {
     /// good), while `c` takes `C_MS` per answer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn callers_giving_up_mid_chain_leave_whole_exchanges_in_order() {
-        let system = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(script()))
-            .agent(AgentSpec::new("a"))
-            .agent(AgentSpec::new("b"))
-            .agent(AgentSpec::new("c"))
-            .start()
-            .expect("the system starts");
+        let system = in_memory(&script(), &["a", "b", "c"]);
         let mut asks = Vec::new();
         for i in 0..ASKS {
             let client = system.client();
@@ -455,13 +493,7 @@ mod revoked_link {
                     .reply("b did {input}")
                     .latency(Duration::from_millis(B_MS)),
             );
-        let system = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm.clone()))
-            .agent(AgentSpec::new("a"))
-            .agent(AgentSpec::new("b"))
-            .start()
-            .expect("the system starts");
+        let system = in_memory(&llm, &["a", "b"]);
         system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
         system.add_link(Link::new("a", "b")).await.unwrap();
         let mut events = system.subscribe();
@@ -540,11 +572,8 @@ mod small_mailboxes {
                     .reply("answer to {input}")
                     .latency(Duration::from_millis(WORK_MS)),
             );
-        let mut builder = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm))
-            .kind_config(KindConfig::default().with_mailbox_capacity(MAILBOX))
-            .agent(AgentSpec::new("boss"));
+        let mut builder = builder_of(Arc::new(MemoryStore::new()), &llm, &["boss"])
+            .kind_config(KindConfig::default().with_mailbox_capacity(MAILBOX));
         for w in 0..WORKERS {
             builder = builder.agent(AgentSpec::new(format!("w{w}")));
         }
@@ -700,13 +729,7 @@ mod abandoned_turns {
                     .call(tool, json!({"agent_id": "b", "message": "job-second."})),
             )
             .rule(ScriptRule::agent("b").reply("b did {input}"));
-        let system = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm.clone()))
-            .agent(AgentSpec::new("a"))
-            .agent(AgentSpec::new("b"))
-            .start()
-            .expect("the system starts");
+        let system = in_memory(&llm, &["a", "b"]);
         match give_up {
             GiveUp::Deadline => {
                 let first = system
@@ -805,13 +828,7 @@ mod cancel_then_restart {
                     .latency(work),
             )
             .rule(ScriptRule::agent("coordinator").reply("seen"));
-        AgentSystem::builder()
-            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
-            .llm(Arc::new(llm))
-            .agent(AgentSpec::new("coordinator"))
-            .agent(AgentSpec::new("analyst"))
-            .start()
-            .expect("the system starts")
+        on_sqlite(path, &llm, &["coordinator", "analyst"])
     }
 
     /// Goal: a task canceled while its worker's turn on it runs, whose process is then
@@ -859,14 +876,7 @@ mod cancel_then_restart {
         })
         .await;
         assert!(matches!(state, TaskState::Canceled | TaskState::Completed), "{state:?}");
-        settle("every inbox and outbox is empty", || async {
-            let pending = (
-                second.pending("coordinator").await.unwrap(),
-                second.pending("analyst").await.unwrap(),
-            );
-            (pending == ((0, 0), (0, 0))).then_some(())
-        })
-        .await;
+        boxes_end_empty(&second, &["coordinator", "analyst"], "every inbox and outbox is empty").await;
         // Past the dropped process's model call.
         tokio::time::sleep(Duration::from_millis(2 * WORK_MS)).await;
         let log = second.conversation_log("coordinator").await.unwrap();
@@ -916,13 +926,7 @@ mod removal_and_shutdown {
                     .latency(Duration::from_millis(WORK_MS)),
             )
             .rule(ScriptRule::agent("boss").reply("seen"));
-        let system = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm))
-            .agent(AgentSpec::new("boss"))
-            .agent(AgentSpec::new("worker"))
-            .start()
-            .expect("the system starts");
+        let system = in_memory(&llm, &["boss", "worker"]);
         let mut events = system.subscribe();
         let mut tasks = Vec::new();
         for i in 0..JOBS {
@@ -1039,12 +1043,8 @@ mod removal_and_shutdown {
         let runtime = troupe_runtime::Runtime::builder()
             .shutdown_grace(Duration::from_millis(SHUTDOWN_GRACE_MS))
             .unwrap();
-        let system = AgentSystem::builder()
+        let system = builder_of(Arc::new(MemoryStore::new()), &llm, &["a", "slow"])
             .runtime(runtime)
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm))
-            .agent(AgentSpec::new("a"))
-            .agent(AgentSpec::new("slow"))
             .start()
             .expect("the system starts");
         let mut events = system.subscribe();
@@ -1146,14 +1146,7 @@ mod racing_cycles {
         }
         let mut refusals = 0;
         for round in 0..ROUNDS {
-            let system = AgentSystem::builder()
-                .store(Arc::new(MemoryStore::new()))
-                .llm(Arc::new(llm.clone()))
-                .agent(AgentSpec::new("a"))
-                .agent(AgentSpec::new("b"))
-                .agent(AgentSpec::new("c"))
-                .start()
-                .expect("the system starts");
+            let system = in_memory(&llm, &["a", "b", "c"]);
             let asks: Vec<_> = ring
                 .iter()
                 .map(|&(me, next)| {
@@ -1207,18 +1200,12 @@ mod racing_duplicates {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agents.sqlite3");
         let process = || {
-            AgentSystem::builder()
-                .store(Arc::new(SqliteStore::open(&path).expect("the store opens")))
-                .llm(Arc::new(
-                    ScriptedLlm::new().without_recording().rule(
-                        ScriptRule::agent("analyst")
-                            .reply("noted")
-                            .latency(Duration::from_millis(20)),
-                    ),
-                ))
-                .agent(AgentSpec::new("analyst"))
-                .start()
-                .expect("the system starts")
+            let llm = ScriptedLlm::new().without_recording().rule(
+                ScriptRule::agent("analyst")
+                    .reply("noted")
+                    .latency(Duration::from_millis(20)),
+            );
+            on_sqlite(&path, &llm, &["analyst"])
         };
         let first = process();
         let sends: Vec<_> = (0..COPIES)
@@ -1323,12 +1310,7 @@ mod deadlines_from_outside {
             ))
             .rule(ScriptRule::agent("c").call("clock", json!({})));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let system = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm))
-            .agent(AgentSpec::new("a"))
-            .agent(AgentSpec::new("b"))
-            .agent(AgentSpec::new("c"))
+        let system = builder_of(Arc::new(MemoryStore::new()), &llm, &["a", "b", "c"])
             .tool(clock(&seen))
             .start()
             .expect("the system starts");
@@ -1401,45 +1383,26 @@ mod two_processes_asking {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agents.sqlite3");
         let process = || {
-            AgentSystem::builder()
-                .store(Arc::new(SqliteStore::open(&path).expect("the store opens")))
-                .llm(Arc::new(
-                    ScriptedLlm::new().without_recording().rule(
-                        ScriptRule::agent("w")
-                            .reply("answer to {input}")
-                            .latency(Duration::from_millis(WORK_MS)),
-                    ),
-                ))
-                .agent(AgentSpec::new("w"))
-                .start()
-                .expect("the system starts")
+            let llm = ScriptedLlm::new().without_recording().rule(
+                ScriptRule::agent("w")
+                    .reply("answer to {input}")
+                    .latency(Duration::from_millis(WORK_MS)),
+            );
+            on_sqlite(&path, &llm, &["w"])
         };
         let (one, two) = (process(), process());
-        let mut asks = Vec::new();
-        for (p, system) in [&one, &two].into_iter().enumerate() {
-            for i in 0..ASKS_PER_PROCESS {
-                let client = system.client();
-                let question = format!("q-{p}-{i}.");
-                asks.push(tokio::spawn(async move {
-                    let result = client.ask_with_timeout("w", &question, Duration::from_secs(10)).await;
-                    (question, result)
-                }));
-            }
-        }
+        let (replies, failed) = sent_from_each(
+            &[&one, &two],
+            ASKS_PER_PROCESS,
+            "q",
+            (Duration::from_secs(15), "every ask ends within 15 s"),
+            |client, question| async move { client.ask_with_timeout("w", &question, Duration::from_secs(10)).await },
+        )
+        .await;
         let mut answered = Vec::new();
-        let mut failed = Vec::new();
-        for ask in asks {
-            let (question, result) = tokio::time::timeout(Duration::from_secs(15), ask)
-                .await
-                .expect("every ask ends within 15 s")
-                .unwrap();
-            match result {
-                Ok(reply) => {
-                    assert_eq!(reply.text, format!("answer to {question}"));
-                    answered.push(question);
-                }
-                Err(error) => failed.push((question, error.to_string())),
-            }
+        for (question, reply) in replies {
+            assert_eq!(reply.text, format!("answer to {question}"));
+            answered.push(question);
         }
         eprintln!("{} answered, failed: {failed:?}", answered.len());
         assert!(!answered.is_empty(), "{failed:?}");
@@ -1515,13 +1478,7 @@ mod revoked_link_with_tasks {
                     .latency(Duration::from_millis(WORK_MS)),
             )
             .rule(ScriptRule::agent("boss").reply("seen"));
-        let system = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm.clone()))
-            .agent(AgentSpec::new("boss"))
-            .agent(AgentSpec::new("worker"))
-            .start()
-            .expect("the system starts");
+        let system = in_memory(&llm, &["boss", "worker"]);
         system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
         system.add_link(Link::new("boss", "worker")).await.unwrap();
         let mut events = system.subscribe();
@@ -1623,10 +1580,7 @@ mod log_reads_while_writing {
                     .call("echo", json!({}))
                     .latency(Duration::from_millis(2)),
             );
-        let system = AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm))
-            .agent(AgentSpec::new("w"))
+        let system = builder_of(Arc::new(MemoryStore::new()), &llm, &["w"])
             .tool(echo)
             .start()
             .expect("the system starts");
@@ -1735,14 +1689,7 @@ mod budget_after_a_timed_out_call {
     }
 
     fn start(llm: &ScriptedLlm) -> AgentSystem {
-        AgentSystem::builder()
-            .store(Arc::new(MemoryStore::new()))
-            .llm(Arc::new(llm.clone()))
-            .agent(AgentSpec::new("boss"))
-            .agent(AgentSpec::new("slow"))
-            .agent(AgentSpec::new("fast"))
-            .start()
-            .expect("the system starts")
+        in_memory(llm, &["boss", "slow", "fast"])
     }
 
     /// Goal: a call that timed out does not take its caller's whole budget: `boss`
@@ -1824,17 +1771,6 @@ mod nested_restarts {
             )
     }
 
-    fn process(path: &std::path::Path, llm: &ScriptedLlm) -> AgentSystem {
-        AgentSystem::builder()
-            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
-            .llm(Arc::new(llm.clone()))
-            .agent(AgentSpec::new("coordinator"))
-            .agent(AgentSpec::new("analyst"))
-            .agent(AgentSpec::new("researcher"))
-            .start()
-            .expect("the system starts")
-    }
-
     /// Goal: a two-level delegation (coordinator → analyst, whose task turn delegates
     /// on to researcher) survives two restarts mid-flight (a drop, then a shutdown)
     /// with every step once: each job is in the researcher's log once, the analyst
@@ -1846,32 +1782,21 @@ mod nested_restarts {
     async fn a_two_level_delegation_survives_two_restarts_with_every_step_once() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agents.sqlite3");
-        let slow = script(Duration::from_millis(STEP_MS));
-        let first = process(&path, &slow);
-        let mut tasks = Vec::new();
-        for i in 0..JOBS {
-            let text = format!("job-{i}.");
-            let task = first
-                .delegate("coordinator", "analyst", &text, Some(60_000))
-                .await
-                .expect("acknowledged");
-            tasks.push((text, task));
-        }
-        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
-        drop(first);
-        let second = process(&path, &slow);
-        tokio::time::sleep(Duration::from_millis(PROCESS_LIFE_MS)).await;
-        second.shutdown().await;
-
-        let third = process(&path, &script(Duration::ZERO));
-        for (text, task) in &tasks {
-            let state = settle(&format!("{text} ({task}) ends"), || async {
-                let status = third.task("coordinator", task).await.unwrap()?;
-                status.state.is_final().then_some(status.state)
-            })
-            .await;
-            assert_eq!(state, TaskState::Completed, "{text} ({task})");
-        }
+        let first = async |first: &AgentSystem| {
+            let mut tasks = Vec::new();
+            for i in 0..JOBS {
+                tasks.push(delegated(first, format!("job-{i}."), "acknowledged").await);
+            }
+            tasks
+        };
+        let (third, tasks) = restarted_twice(
+            (&path, &["coordinator", "analyst", "researcher"]),
+            (&script(Duration::from_millis(STEP_MS)), &script(Duration::ZERO)),
+            Duration::from_millis(PROCESS_LIFE_MS),
+            first,
+            async |_: &AgentSystem| Vec::new(),
+        )
+        .await;
         settle("every researcher result is read and every box is empty", || async {
             let analyst = third.conversation_log("analyst").await.unwrap();
             let results = user_messages_containing(&analyst, "you delegated is");
@@ -1936,22 +1861,16 @@ mod short_lived_notes_across_a_restart {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agents.sqlite3");
         let process = |hold: Duration| {
-            AgentSystem::builder()
-                .store(Arc::new(SqliteStore::open(&path).expect("the store opens")))
-                .llm(Arc::new(
-                    ScriptedLlm::new()
-                        .without_recording()
-                        .rule(
-                            ScriptRule::agent("w")
-                                .on_user_containing("hold")
-                                .reply("held")
-                                .latency(hold),
-                        )
-                        .rule(ScriptRule::agent("w").reply("noted")),
-                ))
-                .agent(AgentSpec::new("w"))
-                .start()
-                .expect("the system starts")
+            let llm = ScriptedLlm::new()
+                .without_recording()
+                .rule(
+                    ScriptRule::agent("w")
+                        .on_user_containing("hold")
+                        .reply("held")
+                        .latency(hold),
+                )
+                .rule(ScriptRule::agent("w").reply("noted"));
+            on_sqlite(&path, &llm, &["w"])
         };
         let first = process(Duration::from_millis(HOLD_MS));
         let client = first.client();
@@ -1975,10 +1894,7 @@ mod short_lived_notes_across_a_restart {
         drop(first);
         let _ = hold.await;
         let second = process(Duration::ZERO);
-        settle("the agent's boxes end empty", || async {
-            (second.pending("w").await.unwrap() == (0, 0)).then_some(())
-        })
-        .await;
+        boxes_end_empty(&second, &["w"], "the agent's boxes end empty").await;
         tokio::time::sleep(Duration::from_millis(HOLD_MS)).await;
         let log = second.conversation_log("w").await.unwrap();
         let mut processed = 0;
