@@ -587,17 +587,15 @@ async fn a_remote_agent_is_offered_for_calls_only_and_a_send_to_it_says_why() {
 }
 
 #[cfg(not(madsim))]
+#[path = "support/processes.rs"]
+mod processes;
+
+#[cfg(not(madsim))]
 mod real_time {
     use super::*;
+    use crate::processes::{on_sqlite, sent_from_each, user_messages_containing};
     use std::collections::BTreeMap;
     use troupe_agent::{AgentEvent, ChatMessage, Role, TaskState};
-    use troupe_runtime::SqliteStore;
-
-    fn user_messages_containing(log: &[ChatMessage], needle: &str) -> usize {
-        log.iter()
-            .filter(|m| m.role == Role::User && m.content.contains(needle))
-            .count()
-    }
 
     fn script(latency: Duration) -> ScriptedLlm {
         ScriptedLlm::new()
@@ -615,13 +613,7 @@ mod real_time {
     }
 
     fn process(path: &std::path::Path, llm: &ScriptedLlm) -> AgentSystem {
-        AgentSystem::builder()
-            .store(Arc::new(SqliteStore::open(path).expect("the store opens")))
-            .llm(Arc::new(llm.clone()))
-            .agent(AgentSpec::new("coordinator"))
-            .agent(AgentSpec::new("analyst"))
-            .start()
-            .expect("the system starts")
+        on_sqlite(path, llm, &["coordinator", "analyst"])
     }
 
     /// Waits (bounded) until every task of `tasks` that `coordinator` delegated is final,
@@ -764,30 +756,18 @@ mod real_time {
         let llm = script(Duration::from_millis(100));
         let one = process(&path, &llm);
         let two = process(&path, &llm);
-        let mut sends = Vec::new();
-        for (p, system) in [&one, &two].into_iter().enumerate() {
-            for i in 0..JOBS_PER_PROCESS {
-                let client = system.client();
-                let text = format!("job-{p}-{i}.");
-                sends.push(tokio::spawn(async move {
-                    let sent = client.delegate("coordinator", "analyst", &text, Some(60_000)).await;
-                    let _ = client.resume_pending().await;
-                    (text, sent)
-                }));
-            }
-        }
-        let mut acknowledged = Vec::new();
-        let mut refused = Vec::new();
-        for send in sends {
-            let (text, sent) = tokio::time::timeout(Duration::from_secs(30), send)
-                .await
-                .expect("each delegation answers within 30 s")
-                .unwrap();
-            match sent {
-                Ok(task) => acknowledged.push((text, task)),
-                Err(error) => refused.push((text, error.to_string())),
-            }
-        }
+        let (acknowledged, refused) = sent_from_each(
+            &[&one, &two],
+            JOBS_PER_PROCESS,
+            "job",
+            (Duration::from_secs(30), "each delegation answers within 30 s"),
+            |client, text| async move {
+                let sent = client.delegate("coordinator", "analyst", &text, Some(60_000)).await;
+                let _ = client.resume_pending().await;
+                sent
+            },
+        )
+        .await;
         assert!(!acknowledged.is_empty(), "nothing acknowledged: {refused:?}");
         let tasks: Vec<String> = acknowledged.iter().map(|(_, task)| task.clone()).collect();
         let mut ids = tasks.clone();
