@@ -55,7 +55,7 @@ const POLL_MS: u64 = 25;
 
 #[path = "support/processes.rs"]
 mod processes;
-use processes::{builder_of, on_sqlite, sent_from_each, user_messages_containing};
+use processes::{builder_of, on_sqlite, sent_from_each, sqlite_file, user_messages_containing};
 
 /// A system of `agents` in memory on the model `llm` (a clone: it shares its state).
 fn in_memory(llm: &ScriptedLlm, agents: &[&str]) -> AgentSystem {
@@ -140,6 +140,27 @@ async fn restarted_twice(
     (third, tasks)
 }
 
+/// Waits until `agent` starts a turn, as `events` tell, for at most 5 s (failing with
+/// `expect`).
+async fn turn_started(
+    events: &mut tokio::sync::broadcast::Receiver<troupe_agent::AgentEvent>,
+    agent: &str,
+    expect: &str,
+) {
+    let started = async {
+        loop {
+            if let Ok(troupe_agent::AgentEvent::TurnStarted { agent: started, .. }) = events.recv().await {
+                if started.key() == agent {
+                    break;
+                }
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), started)
+        .await
+        .expect(expect);
+}
+
 /// Every message of conversation `id`, paging through it.
 async fn all_messages(system: &AgentSystem, id: &str) -> Vec<ConversationMessage> {
     let mut messages: Vec<ConversationMessage> = Vec::new();
@@ -208,8 +229,7 @@ mod restarts {
     /// is final and again after the slow models' calls could have ended.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn two_restarts_mid_flight_lose_and_repeat_nothing_acknowledged() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let slow = script(Duration::from_millis(WORK_MS), Duration::from_millis(RESULT_TURN_MS));
         let fast = script(Duration::ZERO, Duration::ZERO);
         let mut notes: Vec<String> = Vec::new();
@@ -499,18 +519,7 @@ mod revoked_link {
         let mut events = system.subscribe();
         let client = system.client();
         let in_flight = tokio::spawn(async move { client.ask("a", "go 1").await });
-        let b_started = async {
-            loop {
-                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
-                    if agent.key() == "b" {
-                        break;
-                    }
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), b_started)
-            .await
-            .expect("b's turn starts within 5 s");
+        turn_started(&mut events, "b", "b's turn starts within 5 s").await;
         system.remove_link("a", "b").await.expect("the link is removed");
         let reply = tokio::time::timeout(Duration::from_secs(5), in_flight)
             .await
@@ -839,26 +848,14 @@ mod cancel_then_restart {
     /// sent once its turn started, and the process dropped right after.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_task_canceled_mid_work_and_then_restarted_ends_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let first = process(&path, Duration::from_millis(WORK_MS));
         let mut events = first.subscribe();
         let task = first
             .delegate("coordinator", "analyst", "job-1.", Some(60_000))
             .await
             .expect("acknowledged");
-        let started = async {
-            loop {
-                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
-                    if agent.key() == "analyst" {
-                        break;
-                    }
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), started)
-            .await
-            .expect("the analyst starts within 5 s");
+        turn_started(&mut events, "analyst", "the analyst starts within 5 s").await;
         let canceled = first.cancel("coordinator", &task).await;
         assert!(
             matches!(
@@ -937,18 +934,7 @@ mod removal_and_shutdown {
                     .expect("acknowledged"),
             );
         }
-        let started = async {
-            loop {
-                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
-                    if agent.key() == "worker" {
-                        break;
-                    }
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), started)
-            .await
-            .expect("the worker starts within 5 s");
+        turn_started(&mut events, "worker", "the worker starts within 5 s").await;
         system.remove_agent("worker").await.expect("removed");
         let ends = async {
             loop {
@@ -1055,18 +1041,7 @@ mod removal_and_shutdown {
                 (agent, client.ask(agent, &format!("q-{i}.")).await)
             }));
         }
-        let started = async {
-            loop {
-                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
-                    if agent.key() == "slow" {
-                        break;
-                    }
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), started)
-            .await
-            .expect("slow starts within 5 s");
+        turn_started(&mut events, "slow", "slow starts within 5 s").await;
         let client = system.client();
         let shutdown = tokio::spawn(system.shutdown());
         for ask in asks {
@@ -1197,8 +1172,7 @@ mod racing_duplicates {
     /// processing, then in a new process after one more copy.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn racing_copies_of_one_notification_are_processed_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let process = || {
             let llm = ScriptedLlm::new().without_recording().rule(
                 ScriptRule::agent("analyst")
@@ -1254,7 +1228,7 @@ mod deadlines_from_outside {
     const READING_SLACK_MS: u64 = 2;
 
     /// A tool that records the time its turn has left and when it read it.
-    fn clock(seen: &Arc<Mutex<Vec<(u64, tokio::time::Instant)>>>) -> Tool {
+    fn clock(seen: &Seen) -> Tool {
         let seen = Arc::clone(seen);
         Tool::from_fn(
             "clock",
@@ -1269,6 +1243,34 @@ mod deadlines_from_outside {
                 }
             },
         )
+    }
+
+    /// What `c`'s clock tool records: the time its turn had left (ms) and when it read it.
+    type Seen = Arc<Mutex<Vec<(u64, tokio::time::Instant)>>>;
+
+    /// Asks `a` `text` from outside with `ASK_MS` and checks that the answer is the
+    /// clock's reading: what `c`'s clock read (time left, and when).
+    async fn ask_and_read_the_clock(system: &AgentSystem, text: &str, seen: &Seen) -> (u64, tokio::time::Instant) {
+        let reply = system
+            .ask_with_timeout("a", text, Duration::from_millis(ASK_MS))
+            .await
+            .expect("answered");
+        assert!(reply.text.ends_with("ms left"), "{}", reply.text);
+        seen.lock().unwrap().pop().expect("c's tool ran")
+    }
+
+    /// [`ask_and_read_the_clock`] measured by the test's clock from before the ask: the
+    /// time `c` had left and what the outside caller had left then, the first checked
+    /// to be no more than the second (within `READING_SLACK_MS`).
+    async fn left_at_c_and_outside(system: &AgentSystem, text: &str, seen: &Seen) -> (u64, u64) {
+        let asked = tokio::time::Instant::now();
+        let (left, at) = ask_and_read_the_clock(system, text, seen).await;
+        let outside_left = ASK_MS.saturating_sub(at.duration_since(asked).as_millis() as u64);
+        assert!(
+            left <= outside_left + READING_SLACK_MS,
+            "c had {left} ms left, the outside caller {outside_left} ms"
+        );
+        (left, outside_left)
     }
 
     /// Goal: measured from outside, a callee at the end of a chain never has more
@@ -1315,29 +1317,13 @@ mod deadlines_from_outside {
             .start()
             .expect("the system starts");
 
-        let asked = tokio::time::Instant::now();
-        let reply = system
-            .ask_with_timeout("a", "long", Duration::from_millis(ASK_MS))
-            .await
-            .expect("answered");
-        assert!(reply.text.ends_with("ms left"), "{}", reply.text);
-        let (left, at) = seen.lock().unwrap().pop().expect("c's tool ran");
-        let outside_left = ASK_MS.saturating_sub(at.duration_since(asked).as_millis() as u64);
-        assert!(
-            left <= outside_left + READING_SLACK_MS,
-            "c had {left} ms left, the outside caller {outside_left} ms"
-        );
+        let (left, outside_left) = left_at_c_and_outside(&system, "long", &seen).await;
         assert!(
             left + 500 >= outside_left,
             "c had {left} ms of {outside_left}: cut too short"
         );
 
-        let reply = system
-            .ask_with_timeout("a", "short", Duration::from_millis(ASK_MS))
-            .await
-            .expect("answered");
-        assert!(reply.text.ends_with("ms left"), "{}", reply.text);
-        let (left, _) = seen.lock().unwrap().pop().expect("c's tool ran");
+        let (left, _) = ask_and_read_the_clock(&system, "short", &seen).await;
         assert!(
             left <= SHORT_CALL_MS,
             "c had {left} ms of the {SHORT_CALL_MS} b asked for"
@@ -1345,18 +1331,7 @@ mod deadlines_from_outside {
 
         // Above the maximum: capped at it (admission's documented rule), then at
         // what the caller has left.
-        let asked = tokio::time::Instant::now();
-        let reply = system
-            .ask_with_timeout("a", "over", Duration::from_millis(ASK_MS))
-            .await
-            .expect("answered");
-        assert!(reply.text.ends_with("ms left"), "{}", reply.text);
-        let (left, at) = seen.lock().unwrap().pop().expect("c's tool ran");
-        let outside_left = ASK_MS.saturating_sub(at.duration_since(asked).as_millis() as u64);
-        assert!(
-            left <= outside_left + READING_SLACK_MS,
-            "c had {left} ms left, the outside caller {outside_left} ms"
-        );
+        left_at_c_and_outside(&system, "over", &seen).await;
 
         system.shutdown().await;
     }
@@ -1380,8 +1355,7 @@ mod two_processes_asking {
     /// each process at once; the log is read (through either process) after all end.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn answers_given_by_two_processes_on_one_file_are_each_in_the_log_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let process = || {
             let llm = ScriptedLlm::new().without_recording().rule(
                 ScriptRule::agent("w")
@@ -1490,18 +1464,7 @@ mod revoked_link_with_tasks {
             .delegate("boss", "worker", "job-2.", Some(60_000))
             .await
             .expect("acknowledged");
-        let started = async {
-            loop {
-                if let Ok(troupe_agent::AgentEvent::TurnStarted { agent, .. }) = events.recv().await {
-                    if agent.key() == "worker" {
-                        break;
-                    }
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), started)
-            .await
-            .expect("the worker starts within 5 s");
+        turn_started(&mut events, "worker", "the worker starts within 5 s").await;
         system.remove_link("boss", "worker").await.expect("removed");
         let third = system.delegate("boss", "worker", "job-3.", Some(60_000)).await;
         assert!(matches!(third, Err(InboxError::NotPermitted(_))), "{third:?}");
@@ -1780,8 +1743,7 @@ mod nested_restarts {
     /// processes, which live `PROCESS_LIFE_MS` each; a third (fast) finishes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn a_two_level_delegation_survives_two_restarts_with_every_step_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let first = async |first: &AgentSystem| {
             let mut tasks = Vec::new();
             for i in 0..JOBS {
@@ -1858,8 +1820,7 @@ mod short_lived_notes_across_a_restart {
     /// after the midpoint; the process is dropped at `HOLD_MS`/2; a second one starts.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn short_lived_notifications_left_by_a_dropped_process_are_processed_at_most_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let process = |hold: Duration| {
             let llm = ScriptedLlm::new()
                 .without_recording()

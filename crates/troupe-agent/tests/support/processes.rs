@@ -7,7 +7,7 @@
 
 use std::fmt::Display;
 use std::future::Future;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +22,14 @@ pub(crate) fn builder_of(store: Arc<dyn StateStore>, llm: &ScriptedLlm, agents: 
         builder = builder.agent(AgentSpec::new(*agent));
     }
     builder
+}
+
+/// A path for a new SQLite file in a new temporary directory, and the directory, which
+/// is removed when it is dropped: hold it (`let (_dir, path) = ...`) for the whole test.
+pub(crate) fn sqlite_file() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agents.sqlite3");
+    (dir, path)
 }
 
 /// A process of `agents` on the SQLite file at `path` and the model `llm`, started.
