@@ -593,7 +593,7 @@ mod processes;
 #[cfg(not(madsim))]
 mod real_time {
     use super::*;
-    use crate::processes::{on_sqlite, sent_from_each, user_messages_containing};
+    use crate::processes::{on_sqlite, sent_from_each, sqlite_file, user_messages_containing};
     use std::collections::BTreeMap;
     use troupe_agent::{AgentEvent, ChatMessage, Role, TaskState};
 
@@ -666,8 +666,7 @@ mod real_time {
     /// the logs are counted.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_task_whose_process_is_dropped_mid_work_completes_once_in_the_next() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let slow = script(Duration::from_secs(2));
         let first = process(&path, &slow);
         let mut events = first.subscribe();
@@ -698,8 +697,7 @@ mod real_time {
     /// SQLite file, and the same id sent again to the new process is a duplicate.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_notification_whose_process_is_dropped_mid_turn_is_processed_once_in_the_next() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let script = |latency: Duration| {
             ScriptedLlm::new().rule(
                 ScriptRule::agent("analyst")
@@ -751,8 +749,7 @@ mod real_time {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_processes_on_one_file_work_each_acknowledged_task_once() {
         const JOBS_PER_PROCESS: usize = 6;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agents.sqlite3");
+        let (_dir, path) = sqlite_file();
         let llm = script(Duration::from_millis(100));
         let one = process(&path, &llm);
         let two = process(&path, &llm);
