@@ -212,21 +212,7 @@ async fn a_told_message_held_when_shutdown_begins_runs_within_the_grace() {
     assert_eq!(handle.stats().await.unwrap().held_messages, 1, "held");
     let started = tokio::time::Instant::now();
     let shutdown = tokio::spawn(runtime.shutdown());
-    // Shutdown has begun once a new request is refused with it (a request to a kind no
-    // one registered: refused `ActorNotFound` before, and it runs nothing).
-    let nobody = ActorId::new("nobody", "n").unwrap();
-    within("shutdown begun", async {
-        loop {
-            match handle.tell(&nobody, Bytes::new(), handle.deadline_in(HANG)).await {
-                Err(InvokeError::Shutdown) => return,
-                Err(InvokeError::ActorNotFound { .. }) => {
-                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
-                }
-                other => panic!("a tell to an unregistered kind: {other:?}"),
-            }
-        }
-    })
-    .await;
+    shutdown_begun(&handle).await;
     shared.gate.notify_one();
     within("shutdown", shutdown).await.unwrap();
     let took = started.elapsed();
@@ -531,19 +517,7 @@ async fn requests_queued_behind_a_panic_during_the_grace_are_served() {
     within("q2's tell", tell("rec:q2")).await.unwrap();
     let third = sent(ask("rec:q3")).await;
     let shutdown = tokio::spawn(runtime.shutdown());
-    let nobody = ActorId::new("nobody", "n").unwrap();
-    within("shutdown begun", async {
-        loop {
-            match handle.tell(&nobody, Bytes::new(), handle.deadline_in(HANG)).await {
-                Err(InvokeError::Shutdown) => return,
-                Err(InvokeError::ActorNotFound { .. }) => {
-                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
-                }
-                other => panic!("a tell to an unregistered kind: {other:?}"),
-            }
-        }
-    })
-    .await;
+    shutdown_begun(&handle).await;
     shared.gate.notify_one();
     let answers = (within("q1", first).await, within("q3", third).await);
     within("shutdown", shutdown).await.unwrap();
@@ -923,21 +897,9 @@ async fn told_messages_kept_after_a_fence_start_no_activation_and_fence_nobody_b
         (0, 2),
         "a started no activation for its kept records"
     );
-    let b2 = within(
-        "b: b2",
-        fenced
-            .b
-            .invoke(&fenced.id, Bytes::from_static(b"rec:b2"), fenced.deadline),
-    )
-    .await;
+    let b2 = fenced.ask(&fenced.b, "b: b2", b"rec:b2").await;
     assert_eq!(b2, Ok(Bytes::from_static(b"b1,b2")), "b still holds the actor");
-    let a3 = within(
-        "a: a3",
-        fenced
-            .a
-            .invoke(&fenced.id, Bytes::from_static(b"rec:a3"), fenced.deadline),
-    )
-    .await;
+    let a3 = fenced.ask(&fenced.a, "a: a3", b"rec:a3").await;
     assert_eq!(
         a3,
         Ok(Bytes::from_static(b"b1,b2,a1,a2,a3")),
@@ -976,11 +938,7 @@ async fn told_messages_kept_after_a_fence_are_dropped_as_expired_at_their_deadli
         2,
         "both kept records dropped as expired"
     );
-    let list = within(
-        "a: get",
-        fenced.a.invoke(&fenced.id, Bytes::from_static(b"get"), fenced.deadline),
-    )
-    .await;
+    let list = fenced.ask(&fenced.a, "a: get", b"get").await;
     assert_eq!(list, Ok(Bytes::from_static(b"b1")), "the expired records did not run");
     assert_eq!(fenced.lost(), (0, 0), "expired, not lost");
     fenced.shutdown().await;
@@ -996,11 +954,7 @@ async fn told_messages_kept_after_a_fence_at_shutdown_are_counted_as_lost() {
     let fenced = tells_behind_a_fenced_commit(HANG).await;
     kept_on(&fenced.a, 2).await;
     assert_eq!(fenced.lost(), (0, 0), "kept, not lost yet");
-    let list = within(
-        "b: get",
-        fenced.b.invoke(&fenced.id, Bytes::from_static(b"get"), fenced.deadline),
-    )
-    .await;
+    let list = fenced.ask(&fenced.b, "b: get", b"get").await;
     assert_eq!(list, Ok(Bytes::from_static(b"b1")), "the kept records did not run on b");
     let FencedTells { a, b, .. } = fenced;
     let handle_a = (*a).clone();
@@ -1029,6 +983,11 @@ struct FencedTells {
 }
 
 impl FencedTells {
+    /// Asks `runtime` (`a` or `b`) `text` of the actor, bounded (`what` names it if it hangs).
+    async fn ask(&self, runtime: &Runtime, what: &str, text: &'static [u8]) -> Result<Bytes, InvokeError> {
+        within(what, runtime.invoke(&self.id, Bytes::from_static(text), self.deadline)).await
+    }
+
     /// The `told_lost` counters of `a` and `b`.
     fn lost(&self) -> (u64, u64) {
         (self.a.counters().told_lost, self.b.counters().told_lost)
@@ -1189,6 +1148,25 @@ async fn open_the_gate_behind_a_held_request(
     assert_eq!((a.counters().told_lost, b.counters().told_lost), lost, "{lost_why}");
 }
 
+/// Waits (bounded) until the shutdown of `handle`'s runtime has begun: until a new
+/// request is refused with it (a request to a kind no one registered: refused
+/// `ActorNotFound` before, and it runs nothing).
+async fn shutdown_begun(handle: &troupe_runtime::RuntimeHandle) {
+    let nobody = ActorId::new("nobody", "n").unwrap();
+    within("shutdown begun", async {
+        loop {
+            match handle.tell(&nobody, Bytes::new(), handle.deadline_in(HANG)).await {
+                Err(InvokeError::Shutdown) => return,
+                Err(InvokeError::ActorNotFound { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(POLL_PAUSE_MS)).await;
+                }
+                other => panic!("a tell to an unregistered kind: {other:?}"),
+            }
+        }
+    })
+    .await;
+}
+
 /// Tells `runtime` to deactivate `id` (in a task) and waits (bounded) until its mailbox
 /// is closed: new messages are held for the next activation.
 async fn deactivate_in_background(
@@ -1301,13 +1279,7 @@ async fn past_a_mailbox_of_told_messages_kept_with_no_message_waiting_only_a_mai
         (1, 0),
         "(told_lost of a, of b): a3, past the mailbox's worth"
     );
-    let a4 = within(
-        "a: a4",
-        fenced
-            .a
-            .invoke(&fenced.id, Bytes::from_static(b"rec:a4"), fenced.deadline),
-    )
-    .await;
+    let a4 = fenced.ask(&fenced.a, "a: a4", b"rec:a4").await;
     assert_eq!(
         a4,
         Ok(Bytes::from_static(b"gate,b1,a0,a1,a2,a4")),
