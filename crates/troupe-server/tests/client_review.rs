@@ -1082,6 +1082,27 @@ async fn careless_requests_are_refused_typed_in_the_routes_shape_and_store_nothi
     server.stop().await;
 }
 
+/// A served system with `echo` (model `MODEL_LATENCY_MS`, replying "noted", a reply that
+/// mentions nobody: "heard: {input}" would mention `echo` again) and a direct
+/// conversation `id` of the person `ann` and `echo`, created.
+async fn serve_a_desk_with_echo(id: &str) -> Harness {
+    let llm = ScriptedLlm::new().rule(
+        ScriptRule::any_agent()
+            .reply("noted")
+            .latency(Duration::from_millis(MODEL_LATENCY_MS)),
+    );
+    let server = Harness::start(agents(llm, &["echo"], KindConfig::default()), ServerConfig::default()).await;
+    let (status, created) = server
+        .post(
+            "/v1/conversations",
+            json!({"id": id, "kind": "direct",
+                   "participants": [{"kind": "human", "name": "ann"}, {"kind": "agent", "name": "echo"}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{created}");
+    server
+}
+
 /// Questions posted to the conversation in the hang-up-and-retry test.
 const QUESTIONS: u64 = 20;
 /// The earliest a posting client hangs up, in microseconds.
@@ -1100,21 +1121,7 @@ const HANG_UP_AFTER_US_SPREAD: u64 = 3_000;
 /// reply, and once more 200 ms later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mention_posted_again_after_a_hang_up_is_kept_and_answered_once() {
-    // A reply that mentions nobody: "heard: {input}" would mention `echo` again.
-    let llm = ScriptedLlm::new().rule(
-        ScriptRule::any_agent()
-            .reply("noted")
-            .latency(Duration::from_millis(MODEL_LATENCY_MS)),
-    );
-    let server = Harness::start(agents(llm, &["echo"], KindConfig::default()), ServerConfig::default()).await;
-    let (status, created) = server
-        .post(
-            "/v1/conversations",
-            json!({"id": "desk", "kind": "direct",
-                   "participants": [{"kind": "human", "name": "ann"}, {"kind": "agent", "name": "echo"}]}),
-        )
-        .await;
-    assert_eq!(status, 200, "{created}");
+    let server = serve_a_desk_with_echo("desk").await;
     let leaving = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let mut seeded = Seeded(0xde5c);
     let mut seqs = BTreeMap::new();
@@ -1268,20 +1275,7 @@ const SAME_POST_AT_ONCE: usize = 4;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn posts_of_one_msg_id_sent_at_once_are_one_post_answered_once() {
     const POSTS: usize = 10;
-    let llm = ScriptedLlm::new().rule(
-        ScriptRule::any_agent()
-            .reply("noted")
-            .latency(Duration::from_millis(MODEL_LATENCY_MS)),
-    );
-    let server = Harness::start(agents(llm, &["echo"], KindConfig::default()), ServerConfig::default()).await;
-    let (status, created) = server
-        .post(
-            "/v1/conversations",
-            json!({"id": "race", "kind": "direct",
-                   "participants": [{"kind": "human", "name": "ann"}, {"kind": "agent", "name": "echo"}]}),
-        )
-        .await;
-    assert_eq!(status, 200, "{created}");
+    let server = serve_a_desk_with_echo("race").await;
     let mut sent = tokio::task::JoinSet::new();
     for n in 0..POSTS {
         for _ in 0..SAME_POST_AT_ONCE {
