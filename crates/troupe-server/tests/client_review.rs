@@ -143,40 +143,45 @@ fn counted(log: &[(String, String)]) -> BTreeMap<(String, String), usize> {
 /// Checks that a refusal is REST's error shape: exactly `{"error": {"code", "message"}}`,
 /// the code one of `codes`, a message saying something; returns the code.
 fn rest_error(what: &str, text: &str, codes: &[&str]) -> String {
+    let body = error_body(what, text, &["code", "message"]);
+    assert_eq!(body.as_object().unwrap().len(), 1, "{what}: {text}");
+    let error = &body["error"];
+    let code = code_among(what, text, error, codes);
+    assert!(!error["message"].as_str().unwrap().is_empty(), "{what}: {text}");
+    code
+}
+
+/// The body of the refusal `text` (named `what` in failures), checked to be JSON with an
+/// `error` object of exactly the keys `keys` (sorted): the start both error shapes share.
+fn error_body(what: &str, text: &str, keys: &[&str]) -> Value {
     let body: Value = serde_json::from_str(text).unwrap_or_else(|error| panic!("{what}: not JSON ({error}): {text}"));
     let error = body["error"]
         .as_object()
         .unwrap_or_else(|| panic!("{what}: no error object: {text}"));
-    let mut keys: Vec<&str> = error.keys().map(String::as_str).collect();
-    keys.sort_unstable();
-    assert_eq!(keys, ["code", "message"], "{what}: {text}");
-    assert_eq!(body.as_object().unwrap().len(), 1, "{what}: {text}");
+    let mut found: Vec<&str> = error.keys().map(String::as_str).collect();
+    found.sort_unstable();
+    assert_eq!(found, keys, "{what}: {text}");
+    body
+}
+
+/// The `code` of the error object `error` of the refusal `text`, checked to be one of
+/// `codes`.
+fn code_among(what: &str, text: &str, error: &Value, codes: &[&str]) -> String {
     let code = error["code"].as_str().unwrap().to_string();
     assert!(
         codes.contains(&code.as_str()),
         "{what}: code {code}, not one of {codes:?}: {text}"
     );
-    assert!(!error["message"].as_str().unwrap().is_empty(), "{what}: {text}");
     code
 }
 
 /// Checks that a refusal is OpenAI's error shape (`message`, `type`, `param`, `code`),
 /// the code one of `codes`; returns the code.
 fn openai_error(what: &str, text: &str, kind: &str, codes: &[&str]) -> String {
-    let body: Value = serde_json::from_str(text).unwrap_or_else(|error| panic!("{what}: not JSON ({error}): {text}"));
-    let error = body["error"]
-        .as_object()
-        .unwrap_or_else(|| panic!("{what}: no error object: {text}"));
-    let mut keys: Vec<&str> = error.keys().map(String::as_str).collect();
-    keys.sort_unstable();
-    assert_eq!(keys, ["code", "message", "param", "type"], "{what}: {text}");
+    let body = error_body(what, text, &["code", "message", "param", "type"]);
+    let error = &body["error"];
     assert_eq!(error["type"], kind, "{what}: {text}");
-    let code = error["code"].as_str().unwrap().to_string();
-    assert!(
-        codes.contains(&code.as_str()),
-        "{what}: code {code}, not one of {codes:?}: {text}"
-    );
-    code
+    code_among(what, text, error, codes)
 }
 
 /// Goal: hundreds of requests at once to one agent with a mailbox of 2 are each
