@@ -161,6 +161,15 @@ async fn turn_started(
         .expect(expect);
 }
 
+/// `boss` and `worker` in memory: `worker` answers "done {input}" after `work`, `boss`
+/// answers "seen".
+fn boss_and_worker(work: Duration) -> AgentSystem {
+    let llm = ScriptedLlm::new()
+        .rule(ScriptRule::agent("worker").reply("done {input}").latency(work))
+        .rule(ScriptRule::agent("boss").reply("seen"));
+    in_memory(&llm, &["boss", "worker"])
+}
+
 /// Every message of conversation `id`, paging through it.
 async fn all_messages(system: &AgentSystem, id: &str) -> Vec<ConversationMessage> {
     let mut messages: Vec<ConversationMessage> = Vec::new();
@@ -916,14 +925,7 @@ mod removal_and_shutdown {
     /// delegations to `worker` (which takes `WORK_MS` each, timeout 60 s); `worker` is
     /// removed once its first turn started.
     async fn tasks_queued_at_a_removed_agent_end_within(timeout_ms: u64, bound_ms: u64) {
-        let llm = ScriptedLlm::new()
-            .rule(
-                ScriptRule::agent("worker")
-                    .reply("done {input}")
-                    .latency(Duration::from_millis(WORK_MS)),
-            )
-            .rule(ScriptRule::agent("boss").reply("seen"));
-        let system = in_memory(&llm, &["boss", "worker"]);
+        let system = boss_and_worker(Duration::from_millis(WORK_MS));
         let mut events = system.subscribe();
         let mut tasks = Vec::new();
         for i in 0..JOBS {
@@ -1445,14 +1447,7 @@ mod revoked_link_with_tasks {
     /// tasks to `worker` (`WORK_MS` each); the link goes once the first turn started.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn tasks_acknowledged_over_a_removed_link_each_end_once() {
-        let llm = ScriptedLlm::new()
-            .rule(
-                ScriptRule::agent("worker")
-                    .reply("done {input}")
-                    .latency(Duration::from_millis(WORK_MS)),
-            )
-            .rule(ScriptRule::agent("boss").reply("seen"));
-        let system = in_memory(&llm, &["boss", "worker"]);
+        let system = boss_and_worker(Duration::from_millis(WORK_MS));
         system.set_org_policy(OrgPolicy::Enforced).await.unwrap();
         system.add_link(Link::new("boss", "worker")).await.unwrap();
         let mut events = system.subscribe();
