@@ -42,13 +42,15 @@ CONSTANTS
     BUG_KEEP_UNBOUNDED,  \* keep every message given back (no mailbox's-worth bound)
     BUG_KEPT_AFTER_NEW,  \* the next activation runs the new message before the kept ones
     BUG_FENCED_COMMITS,  \* a stale activation commits its queued tells (no fence on them)
-    BUG_KEPT_NOT_TAKEN   \* the next activation copies the kept messages, leaves them kept
+    BUG_KEPT_NOT_TAKEN,  \* the next activation copies the kept messages, leaves them kept
+    BUG_KEPT_NO_DEADLINE \* kept messages wait for a new message with no deadline
 
 ASSUME /\ CAPACITY \in Nat \ {0}
        /\ REQUESTS_FENCED_MAX \in Nat
        /\ TellsA \cap TellsB = {}
        /\ \A b \in {START_AT_ONCE, BUG_KEEP_UNBOUNDED, BUG_KEPT_AFTER_NEW,
-                    BUG_FENCED_COMMITS, BUG_KEPT_NOT_TAKEN} : b \in BOOLEAN
+                    BUG_FENCED_COMMITS, BUG_KEPT_NOT_TAKEN, BUG_KEPT_NO_DEADLINE} :
+                  b \in BOOLEAN
 
 \* dispatcher.rs CARRIED_OVER_MAX_MAILBOXES: a next activation opens with at most this
 \* many mailboxes' worth (the stale one's kept messages, then those held meanwhile).
@@ -242,6 +244,7 @@ Deactivate(r) ==
 \* before a new message: dropped as expired (dispatcher.rs kept_expired 839,
 \* drop_expired). Deadlines differ per tell, so any of them may go first.
 Expire(r, i) ==
+    /\ ~BUG_KEPT_NO_DEADLINE
     /\ i \in 1..Len(kept[r])
     /\ expired' = expired \cup {kept[r][i]}
     /\ kept' = [kept EXCEPT ![r] = RemoveAt(@, i)]
