@@ -118,7 +118,7 @@ Commit(t, r) == Append(commits, [tell |-> t, rt |-> r, gen |-> gen[r], epoch |->
 \* - no activation: start one (its task claims the actor: activation.rs 553), which
 \*   opens with the kept messages first, then this one (dispatcher.rs 382-404,
 \*   after_kept 862);
-\* - an open activation: into its mailbox, or refused Busy if full (deliver, 433-438);
+\* - an open activation: into its mailbox, or refused Busy if full (deliver, 438);
 \* - a closed one: held for the next activation, or Busy past a mailbox's worth
 \*   (deliver, 453-457).
 Send(t) ==
@@ -156,9 +156,9 @@ Send(t) ==
 (* Runtime *)
 
 \* A turn of the oldest tell in an open activation's mailbox, committed under its
-\* fence (activation.rs store_commit, 1517). Refused (another claim since): the turn
+\* fence (activation.rs store_commit, 1492). Refused (another claim since): the turn
 \* fails (fail, 1305), the activation is stale and closes its mailbox
-\* (store_commit_failed 1584-1586, StoreCommit::run 1336, close_fenced 1359).
+\* (store_commit_failed 1585, StoreCommit::run 1337, close_fenced 1359).
 Run(r) ==
     /\ act[r] = "open" /\ mbox[r] # <<>>
     /\ LET t == Head(mbox[r]) IN
@@ -185,7 +185,7 @@ FenceFound(r) ==
 
 \* The closed activation takes its next message: a stale one runs nothing
 \* (activation.rs begin, 778-789), a tell goes back to the dispatcher (stale_message,
-\* 1418-1431: Control::KeepTold), which keeps it while under a mailbox's worth and
+\* 1420-1431: Control::KeepTold), which keeps it while under a mailbox's worth and
 \* refuses the rest, told_lost (dispatcher.rs on_control KeepTold, 521-540).
 Drain(r) ==
     /\ act[r] = "closed" /\ mbox[r] # <<>>
@@ -205,9 +205,9 @@ Drain(r) ==
 
 \* The closed activation's task ends (Control::Deactivated: dispatcher.rs finish, 591).
 \* - Messages held meanwhile: they start the next activation (a new claim), the kept
-\*   ones first (after_kept, 679-684).
-\* - None: the kept messages start nothing; the dispatcher keeps them (keep, 636-637
-\*   and 760-810, at most a mailbox's worth: 774-779). START_AT_ONCE: they start the
+\*   ones first (after_kept, 683).
+\* - None: the kept messages start nothing; the dispatcher keeps them (keep, 633-637
+\*   and 760, at most a mailbox's worth: 777). START_AT_ONCE: they start the
 \*   next activation themselves (the reverted 6f09540).
 Finish(r) ==
     /\ act[r] = "closed" /\ mbox[r] = <<>>
