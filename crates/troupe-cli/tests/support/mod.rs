@@ -37,22 +37,34 @@ pub(crate) fn http_with_head(
     body: &str,
     read_timeout_ms: u64,
 ) -> (u16, String, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_millis(read_timeout_ms)))
-        .unwrap();
+    try_http_with_head(addr, method, path, body, read_timeout_ms).unwrap()
+}
+
+/// As [`http_with_head`], returning the I/O error (a stopped or killed server refuses
+/// or resets the connection; an answer that is not HTTP is `InvalidData`) instead of
+/// panicking.
+#[allow(dead_code)]
+pub(crate) fn try_http_with_head(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+    read_timeout_ms: u64,
+) -> std::io::Result<(u16, String, String)> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_millis(read_timeout_ms)))?;
     write!(
         stream,
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n{body}",
         body.len()
-    )
-    .unwrap();
+    )?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let status = response[9..12].parse().unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    (status, head.to_string(), body.to_string())
+    stream.read_to_string(&mut response)?;
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not an HTTP answer: {response:?}"));
+    let status = response.get(9..12).and_then(|code| code.parse().ok()).ok_or_else(bad)?;
+    let (head, body) = response.split_once("\r\n\r\n").ok_or_else(bad)?;
+    Ok((status, head.to_string(), body.to_string()))
 }
 
 /// Sends `GET /health` on a new connection to `addr`, a server whose connection cap is
