@@ -51,8 +51,10 @@
 //! ```
 //!
 //! Provider and tool names can only be checked against a running system:
-//! [`crate::AgentClient::apply_config`] refuses a name the system does not have with a
-//! [`ConfigError::Invalid`] naming the file, line and column, before changing anything.
+//! [`crate::AgentClient::apply_config`] refuses a name the system does not have (a tool:
+//! neither registered at start nor listed now by an attached MCP server, the check of
+//! `AgentClient::define_agent`) with a [`ConfigError::Agent`] naming the file, line and
+//! column, before changing anything.
 //!
 //! [`crate::AgentClient::apply_config`] syncs a config into a running system: declared
 //! agents are upserted into the directory, and the policy, links, memberships and rules
@@ -110,6 +112,26 @@ pub enum ConfigError {
         field: String,
         /// What is wrong and what to do.
         message: String,
+    },
+    /// A declared agent's definition is refused by the system it is applied to: it
+    /// names a model provider or tool the system does not have (a tool neither
+    /// registered at start nor listed now by an attached MCP server), or breaks a limit
+    /// of [`crate::AgentSpec`]. The location is the name's (the provider, the tool) or
+    /// else the agent's `id`.
+    #[error("{}: field `{field}`: {error}", Location(path, *line, *column))]
+    Agent {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// The field, as a path: `agents[0].tools[1]`.
+        field: String,
+        /// Why the system refused the definition (it says what to do):
+        /// [`crate::AgentSpecError::UnknownTool`] names the tool, the tools the system
+        /// has now and the attached servers.
+        error: crate::AgentSpecError,
     },
 }
 
@@ -325,52 +347,49 @@ impl OrgConfig {
     }
 
     /// Checks that every provider and tool the agents name is in `catalog` (a running
-    /// system's, [`crate::AgentDirectory::catalog`]).
+    /// system's, [`crate::AgentDirectory::catalog`]), as [`crate::AgentCatalog::check`]
+    /// does. A running system's [`crate::AgentClient::apply_config`] checks more: a tool
+    /// an attached MCP server lists now is accepted too.
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] naming the file, line and column of the first unknown
-    /// name, and the names the system has.
+    /// [`ConfigError::Agent`] naming the file, line and column of the first unknown
+    /// name, with the catalog's [`crate::AgentSpecError`] (it lists the names the system
+    /// has).
     pub fn check_names(&self, catalog: &crate::AgentCatalog) -> Result<(), ConfigError> {
-        let invalid = |span: std::ops::Range<usize>, field: String, message: String| {
-            let (line, column) = line_column(&self.source.text, span.start);
-            ConfigError::Invalid {
-                path: self.source.path.clone(),
-                line,
-                column,
-                field,
-                message,
-            }
-        };
-        for (index, agent) in self.agents.iter().enumerate() {
-            if let Some(provider) = &agent.provider {
-                if !catalog.providers.contains(provider.get_ref()) {
-                    return Err(invalid(
-                        provider.span(),
-                        format!("agents[{index}].provider"),
-                        format!(
-                            "provider {:?} is not registered; known providers: [{}] \
-                             (register it with AgentSystemBuilder::provider)",
-                            provider.get_ref(),
-                            catalog.providers.join(", ")
-                        ),
-                    ));
-                }
-            }
-            for (position, tool) in agent.tools.iter().flat_map(|tools| tools.get_ref().iter()).enumerate() {
-                if !catalog.tools.contains(tool.get_ref()) {
-                    return Err(invalid(
-                        tool.span(),
-                        format!("agents[{index}].tools[{position}]"),
-                        format!(
-                            "tool {:?} is not registered; registered tools: [{}]",
-                            tool.get_ref(),
-                            catalog.tools.join(", ")
-                        ),
-                    ));
-                }
-            }
+        for (index, spec) in self.agent_specs().iter().enumerate() {
+            catalog.check(spec).map_err(|error| self.refused_agent(index, error))?;
         }
         Ok(())
+    }
+
+    /// `error`, a system's refusal of the definition of declared agent `index`
+    /// ([`OrgConfig::agent_specs`]'s order), located in the file: at the provider or tool
+    /// it names, else at the agent's `id`.
+    pub(crate) fn refused_agent(&self, index: usize, error: crate::AgentSpecError) -> ConfigError {
+        let agent = &self.agents[index];
+        let named = match &error {
+            crate::AgentSpecError::UnknownProvider { .. } => agent
+                .provider
+                .as_ref()
+                .map(|provider| (provider.span(), format!("agents[{index}].provider"))),
+            crate::AgentSpecError::UnknownTool { tool, .. } => agent
+                .tools
+                .iter()
+                .flat_map(|tools| tools.get_ref().iter())
+                .enumerate()
+                .find(|(_, named)| named.get_ref() == tool)
+                .map(|(position, named)| (named.span(), format!("agents[{index}].tools[{position}]"))),
+            _ => None,
+        };
+        let (span, field) = named.unwrap_or_else(|| (agent.id.span(), format!("agents[{index}]")));
+        let (line, column) = line_column(&self.source.text, span.start);
+        ConfigError::Agent {
+            path: self.source.path.clone(),
+            line,
+            column,
+            field,
+            error,
+        }
     }
 
     fn validate(&self, text: &str, path: &Path) -> Result<(), ConfigError> {

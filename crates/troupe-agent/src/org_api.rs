@@ -309,15 +309,25 @@ impl AgentClient {
     /// Each agent's `provider` and `tools` are applied: its turns use that provider's
     /// client and its model is offered (and may run) only those tools.
     ///
+    /// Every declared agent is checked first as [`AgentClient::define_agent`] checks a
+    /// definition: a tool is accepted when the system had it at start or an attached MCP
+    /// server lists it now (a server that said its list changed is read again first).
+    ///
     /// # Errors
-    /// [`OrgError::Config`] (nothing applied) when an agent names a provider or tool the
-    /// system does not have, naming the file, line and column; other [`OrgError`]s
-    /// from the store.
+    /// [`OrgError::Config`] (nothing applied) with [`crate::ConfigError::Agent`] when an
+    /// agent names a provider or tool the system does not have
+    /// ([`crate::AgentSpecError::UnknownTool`] names the attached servers), naming the
+    /// file, line and column; other [`OrgError`]s from the store.
     pub async fn apply_config(&self, config: &crate::OrgConfig) -> Result<(), OrgError> {
-        if let Some(catalog) = self.shared.directory.catalog() {
-            config.check_names(catalog)?;
+        let specs = config.agent_specs();
+        for (index, spec) in specs.iter().enumerate() {
+            self.shared
+                .directory
+                .check_definition(spec)
+                .await
+                .map_err(|error| config.refused_agent(index, error))?;
         }
-        for spec in config.agent_specs() {
+        for spec in specs {
             let id = spec.id.clone();
             self.shared
                 .directory

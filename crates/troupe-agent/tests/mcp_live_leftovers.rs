@@ -30,8 +30,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mcp_setup::{
-    attached_system, calling_agents, changing_server, counting_script, starts, upgrading_server, wait_for,
-    wait_until_disconnected, CONNECT_TIMEOUT, ECHO_SERVER,
+    attached_system, calling_agents, changing_server, counting_script, growing_agents, starts, upgrading_server,
+    wait_for, wait_until_disconnected, CONNECT_TIMEOUT, ECHO_SERVER,
 };
 use serde_json::json;
 use troupe_agent::{
@@ -43,30 +43,6 @@ use troupe_runtime::{MemoryStore, StateStore};
 /// The tool names of request `request`.
 fn offered(request: &LlmRequest) -> Vec<String> {
     request.tools.iter().map(|tool| tool.name.clone()).collect()
-}
-
-/// Agents that make `ChangingServer` list `fresh` on "grow" and nothing extra on
-/// "shrink", call `fresh` on "use fresh", and reply "hello" to anything else; after a
-/// tool, they reply with its result.
-fn growing_agents() -> ScriptedLlm {
-    ScriptedLlm::new()
-        .rule(ScriptRule::any_agent().on_tool_result().reply("result: {tool_result}"))
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("grow")
-                .call("set_extra", json!({"names": ["fresh"]})),
-        )
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("shrink")
-                .call("set_extra", json!({"names": []})),
-        )
-        .rule(
-            ScriptRule::any_agent()
-                .on_user_containing("use fresh")
-                .call("fresh", json!({})),
-        )
-        .rule(ScriptRule::any_agent().reply("hello"))
 }
 
 /// The scenario of the two tests below: `fresh` appears in the server's list; an agent

@@ -277,19 +277,20 @@ async fn unknown_names_in_a_config_file_name_the_file_line_and_column() {
     let table = [
         (
             CONFIG.replace("\"cheap\"", "\"pricey\""),
-            "org.toml:4:12: field `agents[0].provider`: provider \"pricey\" is not registered; known providers: [cheap]",
+            "org.toml:4:12: field `agents[0].provider`: agent \"planner\" names model provider \"pricey\", which \
+             this system does not have; known providers: [cheap]",
         ),
         (
             CONFIG.replace("[\"search\"]", "[\"search\", \"browse\"]"),
-            "org.toml:5:20: field `agents[0].tools[1]`: tool \"browse\" is not registered; registered tools: \
-             [call_agent, delegate_to_agent, notify_agent, search]",
+            "org.toml:5:20: field `agents[0].tools[1]`: agent \"planner\" names tool \"browse\", which this system \
+             does not have; registered tools: [call_agent, delegate_to_agent, notify_agent, search]",
         ),
     ];
     for (text, expected) in table {
         let config = OrgConfig::from_toml(&text, "org.toml").unwrap();
         let error = system.apply_config(&config).await.unwrap_err();
         assert!(
-            matches!(error, OrgError::Config(ConfigError::Invalid { .. })),
+            matches!(error, OrgError::Config(ConfigError::Agent { .. })),
             "{error:?}"
         );
         assert!(error.to_string().starts_with(expected), "{error}");

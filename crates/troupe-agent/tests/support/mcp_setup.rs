@@ -52,6 +52,30 @@ pub(crate) fn calling_agents() -> ScriptedLlm {
         )
 }
 
+/// Agents that make `ChangingServer` list `fresh` on "grow" and nothing extra on
+/// "shrink", call `fresh` on "use fresh", and reply "hello" to anything else; after a
+/// tool, they reply with its result.
+pub(crate) fn growing_agents() -> ScriptedLlm {
+    ScriptedLlm::new()
+        .rule(ScriptRule::any_agent().on_tool_result().reply("result: {tool_result}"))
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("grow")
+                .call("set_extra", json!({"names": ["fresh"]})),
+        )
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("shrink")
+                .call("set_extra", json!({"names": []})),
+        )
+        .rule(
+            ScriptRule::any_agent()
+                .on_user_containing("use fresh")
+                .call("fresh", json!({})),
+        )
+        .rule(ScriptRule::any_agent().reply("hello"))
+}
+
 /// An agent `calc` that calls `tool` with `arguments` on "go", then replies with the
 /// result.
 pub(crate) fn calling_agent(tool: &str, arguments: Value) -> ScriptedLlm {
