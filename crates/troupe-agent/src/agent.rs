@@ -66,6 +66,10 @@ impl ActorFactory for AgentFactory {
             // A removed agent with stored state: a draining activation (its commands
             // run no model; see `AgentActor::draining`), so its boxes are not stranded.
             None if saved.is_some() && self.shared.defined.was_removed(id.key()) => AgentSpec::new(id.key()),
+            // Removed with nothing stored: nothing to drain; refused saying so.
+            None if self.shared.defined.was_removed(id.key()) => {
+                return Err(ActorError::rejected(crate::inbox_turns::removed_refusal(id.key())))
+            }
             None => {
                 return Err(ActorError::rejected(format!(
                     "agent {} is not in the directory",
@@ -224,10 +228,9 @@ impl AgentActor {
         }
         self.draining = !self.shared.directory.contains(self.id.key());
         match command {
-            AgentCommand::Ask(_) | AgentCommand::Enqueue(_) if self.draining => Err(ActorError::rejected(format!(
-                "agent {} was removed; define it again to call it",
-                self.id.key()
-            ))),
+            AgentCommand::Ask(_) | AgentCommand::Enqueue(_) if self.draining => {
+                Err(ActorError::rejected(crate::inbox_turns::removed_refusal(self.id.key())))
+            }
             AgentCommand::Ask(request) => {
                 let content = match &request.from {
                     Some(from) => {

@@ -1734,6 +1734,13 @@ async fn deliver(
                     Duration::from_millis(AGENT_DELIVERY_ACK_TIMEOUT_MS),
                 )
                 .await
+        } else if shared.defined.was_removed(out.to.key()) {
+            // Refused as the removed agent's draining activation refuses an append: the
+            // reason says it was removed and what to do, not that it never existed.
+            Err(InvokeError::Rejected {
+                target: out.to.clone(),
+                reason: removed_refusal(out.to.key()),
+            })
         } else {
             Err(InvokeError::Refused(CallRefused::AgentNotFound {
                 target: out.to.clone(),
@@ -1802,6 +1809,13 @@ async fn deliver(
 /// The reason a removed agent's unworked task is rejected with.
 pub(crate) fn removed_before_work(agent: &str) -> String {
     format!("agent {agent} was removed before it worked this task")
+}
+
+/// The reason a request to a removed agent is refused with (an ask, or an entry for its
+/// inbox: refused by its draining activation, or by its sender's delivery once the
+/// removal is known there), saying what to do.
+pub(crate) fn removed_refusal(agent: &str) -> String {
+    format!("agent {agent} was removed; define it again to call it")
 }
 
 /// The reply to a `Delivered` report that found its outbox entry and took it off (an
