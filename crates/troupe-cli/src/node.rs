@@ -948,8 +948,13 @@ pub enum NodeError {
     /// A flag was refused.
     #[error(transparent)]
     Args(#[from] NodeArgError),
-    /// The PostgreSQL store could not be opened.
-    #[error("cannot open the PostgreSQL store given by --postgres: {0}")]
+    /// The PostgreSQL store could not be opened. Until 2026-12-07 the message ended
+    /// with the server's error and said nothing of what to do.
+    #[error(
+        "cannot open the PostgreSQL store given by --postgres: {0}; check that PostgreSQL runs at the \
+         address --postgres gives and that its role and database exist (troupe creates its tables, not the \
+         database), then start the node again"
+    )]
     Postgres(troupe_core::StoreError),
     /// The actor kinds could not be registered.
     #[error("cannot register the conversation kind: {0}")]
@@ -968,6 +973,21 @@ pub enum NodeError {
     /// The node could not start or join.
     #[error("cannot start the node (--listen, --etcd): {0}")]
     Cluster(#[from] troupe_cluster::ClusterError),
+    /// No etcd answered while the node joined the cluster: nothing listens at --etcd,
+    /// what listens there is not etcd, or it did not answer within the request timeout.
+    /// Until 2026-12-07 this was [`NodeError::Cluster`], whose message named the
+    /// endpoint and the transport error but not what to do.
+    #[error(
+        "--etcd {endpoints}: no etcd answered as the node joined the cluster ({cause}); check that etcd runs \
+         there and that --etcd gives its client address (host:port; etcd serves clients on port 2379 by \
+         default), then start the node again"
+    )]
+    EtcdUnreachable {
+        /// The endpoints given, comma-separated.
+        endpoints: String,
+        /// The join's error.
+        cause: troupe_etcd::PlacementError,
+    },
     /// `flag`'s address (`--listen`, `--http`) could not be listened on; the message
     /// says what to do. Until 2026-12-06 a taken port read "--http ADDR: Address already
     /// in use (os error 98)", or for --listen "cannot start the node (--listen, --etcd):
@@ -1142,6 +1162,12 @@ pub async fn run_node(
             address,
             cause,
         },
+        troupe_cluster::ClusterError::Join(cause @ troupe_etcd::PlacementError::EtcdUnavailable { .. }) => {
+            NodeError::EtcdUnreachable {
+                endpoints: plan.etcd.endpoints.join(","),
+                cause,
+            }
+        }
         error => NodeError::Cluster(error),
     })?;
     // Off by default: a lost lease then ends the node (`fenced_off` below).
