@@ -33,9 +33,8 @@ use mcp_setup::{
     attached_system, calling_agents, changing_server, counting_script, growing_agents, starts, upgrading_server,
     wait_for, wait_until_disconnected, CONNECT_TIMEOUT, ECHO_SERVER,
 };
-use serde_json::json;
 use troupe_agent::{
-    AgentSpec, AgentSpecError, AgentSystem, DirectoryError, LlmRequest, McpError, McpServer, ScriptRule, ScriptedLlm,
+    AgentSpec, AgentSpecError, AgentSystem, DirectoryError, LlmRequest, McpError, McpServer, ScriptRule,
     MCP_DEAD_SERVER_RESTART_INTERVAL_MS,
 };
 use troupe_runtime::{MemoryStore, StateStore};
