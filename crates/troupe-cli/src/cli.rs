@@ -88,7 +88,7 @@ pub struct NodeArgs {
     pub postgres: String,
     /// The address other nodes call this node on (port 0: any free port; the bound
     /// address is published in etcd).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = socket_address)]
     pub listen: SocketAddr,
     /// This node's name in the cluster (ASCII letters, digits, '-', '_', '.').
     /// Default: `node-PID`.
@@ -103,7 +103,7 @@ pub struct NodeArgs {
     pub lease_ttl_ms: u64,
     /// Serve the conversation HTTP API on ADDR (port 0: any free port). A non-loopback
     /// address needs a token. Without it the node serves only other nodes.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = socket_address)]
     pub http: Option<SocketAddr>,
     /// The bearer token every HTTP request but GET /health (and, with --config, the A2A
     /// Agent Cards and the topology page's files) must carry (at least 16 bytes).
@@ -153,6 +153,38 @@ pub struct NodeArgs {
     pub rejoin_after_lost_lease: bool,
 }
 
+/// Parses an `ADDR` flag (`--bind`, `--listen`, `--http`): an IP address and a port.
+/// Its refusal (clap prints it after "invalid value 'TEXT' for '--flag <ADDR>'") says
+/// what to give instead: until 2026-12-07 it was std's "invalid socket address syntax",
+/// also for `localhost:8080` and for a port alone.
+fn socket_address(text: &str) -> Result<SocketAddr, String> {
+    use std::net::IpAddr;
+    const EXAMPLES: &str = "such as 127.0.0.1:8080 or [::1]:8080 (port 0 picks a free one)";
+    text.parse().map_err(|_| {
+        let port_alone = text.strip_prefix(':').unwrap_or(text);
+        let name_and_port = text
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        match text.parse::<IpAddr>() {
+            _ if port_alone.parse::<u16>().is_ok() => {
+                format!(
+                    "a port alone is not an address; give an IP address and the port, such as 127.0.0.1:{port_alone}"
+                )
+            }
+            Ok(IpAddr::V4(_)) => format!("no port; give the address and a port, such as {text}:8080"),
+            // `::1:8080` is an IPv6 address too: the example does not guess the port.
+            Ok(IpAddr::V6(_)) => format!(
+                "read as the IPv6 address {text}, with no port; an IPv6 address and its port are written \
+                 [ADDRESS]:PORT, such as [::1]:8080"
+            ),
+            Err(_) if name_and_port => {
+                format!("host names are not looked up; give an IP address and a port, {EXAMPLES}")
+            }
+            Err(_) => format!("not an IP address and a port; give one {EXAMPLES}"),
+        }
+    })
+}
+
 /// The default cluster name of `troupe node`.
 pub const NODE_CLUSTER_DEFAULT: &str = "troupe";
 /// The default lease of `troupe node`, in milliseconds.
@@ -189,7 +221,7 @@ pub const SERVE_LOG_FLUSH_WAIT_MS: u64 = 2_000;
 pub struct ServeArgs {
     /// The address to listen on (port 0: any free port). A non-loopback address needs a
     /// token.
-    #[arg(long, value_name = "ADDR", default_value = SERVE_BIND_DEFAULT)]
+    #[arg(long, value_name = "ADDR", default_value = SERVE_BIND_DEFAULT, value_parser = socket_address)]
     pub bind: SocketAddr,
     /// Keep the agents' state in DIR/troupe.db (SQLite). Default: a new temporary
     /// directory, removed at exit.

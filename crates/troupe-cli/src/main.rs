@@ -71,10 +71,24 @@ fn open_store(dir: Option<&std::path::Path>, flag: &str, prefix: &str) -> Result
             (temporary.path().to_path_buf(), Some(temporary))
         }
     };
-    std::fs::create_dir_all(&directory).map_err(|error| format!("cannot create {}: {error}", directory.display()))?;
+    // The refusals name the flag and say what to do (until 2026-12-07: "cannot create
+    // DIR: ..." and "cannot open DIR/troupe.db: ...", without the flag).
+    let given = if temporary.is_some() {
+        "the temporary directory".to_string()
+    } else {
+        format!("{flag} {}", directory.display())
+    };
+    std::fs::create_dir_all(&directory).map_err(|error| {
+        format!("{given}: cannot create the directory ({error}); give {flag} a directory you can write")
+    })?;
     let path = directory.join("troupe.db");
-    let store: Arc<dyn StateStore> =
-        Arc::new(SqliteStore::open(&path).map_err(|error| format!("cannot open {}: {error}", path.display()))?);
+    let store: Arc<dyn StateStore> = Arc::new(SqliteStore::open(&path).map_err(|error| {
+        format!(
+            "{given}: cannot use {} as the store ({error}); give {flag} another directory (a new one is made), \
+             or move that file away if it is not a Troupe store",
+            path.display()
+        )
+    })?);
     Ok((store, path, temporary))
 }
 
@@ -128,13 +142,17 @@ async fn demo(args: DemoArgs) -> Result<bool, String> {
     troupe_cli::out!("{}", report.tree);
     troupe_cli::outln!();
     troupe_cli::outln!(
-        "calls: {} ok, {} refused, {} timed out, {} failed; turns run: {}, turns rolled back: {}",
+        "calls: {} ok, {} refused, {} timed out, {} failed; turns run: {}, rolled back: {} failed, {} cancelled \
+         (their caller stopped waiting)",
         report.count("ok"),
         report.count("refused"),
         report.count("timeout"),
         report.count("failed"),
         report.counters.turns_run,
         report.counters.turns_failed,
+        // The archivist's, cut when its caller's 1.5 s ran out: until 2026-12-07 the line
+        // said "turns rolled back: 0" under a tree that shows it cancelled.
+        report.counters.turns_abandoned,
     );
     let logs: Vec<String> = report
         .log_lengths
