@@ -11,18 +11,20 @@
 //! Runs in both builds: `cargo test -p troupe-agent --test inbox` (tokio with paused
 //! time) and under madsim (`RUSTFLAGS="--cfg madsim"`).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+#[path = "support/crash_store.rs"]
+mod crash_store;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
+use crash_store::{CommitKeys, CrashStore};
 use serde_json::json;
 use troupe_agent::{
     AgentEvent, AgentSpec, AgentSystem, CallRecorder, ChatMessage, InboxError, Role, ScriptRule, ScriptedLlm, TaskState,
 };
 use troupe_core::{ActorId, CallRefused};
-use troupe_runtime::{Claimed, Fence, MemoryStore, SqliteStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::{MemoryStore, SqliteStore, StateStore, TurnCommit};
 
 fn start(llm: &ScriptedLlm, agents: &[&str], store: Arc<dyn StateStore>, recorder: &CallRecorder) -> AgentSystem {
     let mut builder = AgentSystem::builder()
@@ -637,102 +639,13 @@ async fn a_task_delivered_by_two_delivery_tasks_is_reported_sent_once() {
     system.shutdown().await;
 }
 
-/// A store that "crashes the process" at its k-th commit: that commit is applied but
-/// reported failed, and every later operation fails.
-struct CrashStore {
-    inner: Arc<dyn StateStore>,
-    commits: AtomicU64,
-    crash_at: u64,
-    crashed: AtomicBool,
-    /// Every applied commit: `agent: key…`, `-key` for a deletion, seqs without padding.
-    log: Mutex<Vec<String>>,
-}
-
-fn short(key: &str, put: bool) -> String {
-    // An ended task's key holds when its record goes, and an open task's when it is
-    // overdue, which depend on the run's timing.
-    for prefix in ["task_end/", "task_due/"] {
-        if let Some(task) = key.strip_prefix(prefix).and_then(|rest| rest.split_once('/')) {
-            return format!("{}{prefix}{}", if put { "" } else { "-" }, task.1);
-        }
-    }
-    let key = match key.rsplit_once('/') {
-        Some((prefix, seq)) if seq.len() == 20 => format!("{prefix}/{}", seq.parse::<u64>().unwrap()),
-        _ => key.to_string(),
-    };
-    if put {
-        key
-    } else {
-        format!("-{key}")
-    }
-}
-
-impl CrashStore {
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        if self.crashed.load(Ordering::SeqCst) {
-            return Err(StoreError::Injected { operation });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl StateStore for CrashStore {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        let keys: Vec<String> = commit
-            .writes
-            .iter()
-            .map(|(key, value)| short(key, value.is_some()))
-            .collect();
-        let record = format!("{}: {}", actor.key(), keys.join(" "));
-        self.inner.commit(actor, fence, commit).await?;
-        self.log.lock().unwrap().push(record);
-        let n = self.commits.fetch_add(1, Ordering::SeqCst) + 1;
-        if n == self.crash_at {
-            self.crashed.store(true, Ordering::SeqCst);
-            return Err(StoreError::Injected {
-                operation: StoreOperation::Commit,
-            });
-        }
-        Ok(())
-    }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
-
 /// Runs delegate + notify with a crash at commit `crash_at` (0: never), restarts on
 /// the same data, and checks the invariants. Returns the commits of the first run.
 async fn run_with_crash(crash_at: u64, data: Arc<dyn StateStore>) -> Vec<String> {
     let llm = delegation_script();
     let recorder = CallRecorder::new();
-    let crash = Arc::new(CrashStore {
-        inner: Arc::clone(&data),
-        commits: AtomicU64::new(0),
-        crash_at,
-        crashed: AtomicBool::new(false),
-        log: Mutex::new(Vec::new()),
-    });
+    let crash = Arc::new(CrashStore::new(Arc::clone(&data), CommitKeys::Short));
+    crash.arm(crash_at);
     let first = start(
         &llm,
         &["coordinator", "analyst"],
@@ -742,7 +655,7 @@ async fn run_with_crash(crash_at: u64, data: Arc<dyn StateStore>) -> Vec<String>
     let asked = first.ask("coordinator", "plan the quarter").await;
     let notified = first.notify_with_id("analyst", "n-1", "fyi budget", None).await;
     settle().await;
-    let commits = crash.log.lock().unwrap().clone();
+    let commits = crash.log();
     drop(first); // the process dies (if it has not already, in effect)
     let second = start(&llm, &["coordinator", "analyst"], data, &recorder);
     settle().await;

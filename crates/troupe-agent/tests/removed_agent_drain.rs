@@ -14,15 +14,15 @@
 //! (tokio with paused time, and the multi-thread runtime), and with
 //! `RUSTFLAGS="--cfg madsim"` on the simulator.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+#[path = "support/crash_store.rs"]
+mod crash_store;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
+use crash_store::{CommitKeys, CrashStore};
 use troupe_agent::{AgentEvent, AgentSpec, AgentSystem, ChatMessage, Role, ScriptRule, ScriptedLlm, TaskState};
-use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, SqliteStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::{SqliteStore, StateStore};
 
 /// Tasks delegated to the worker that is removed.
 const JOBS: usize = 4;
@@ -283,95 +283,12 @@ async fn an_agent_defined_again_while_its_drain_runs_works_the_entries_left() {
     system.shutdown().await;
 }
 
-/// A store that "crashes the process" at its k-th commit counted from when it is
-/// armed: that commit is applied but reported failed, and every later operation fails.
-struct CrashStore {
-    inner: Arc<dyn StateStore>,
-    commits: AtomicU64,
-    /// 0: never.
-    crash_at: AtomicU64,
-    crashed: AtomicBool,
-    /// Every applied commit since armed: `actor: key…`.
-    log: Mutex<Vec<String>>,
-}
-
-impl CrashStore {
-    fn new(inner: Arc<dyn StateStore>) -> Self {
-        Self {
-            inner,
-            commits: AtomicU64::new(0),
-            crash_at: AtomicU64::new(0),
-            crashed: AtomicBool::new(false),
-            log: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// Counts commits from now; crashes at the `crash_at`-th (0: never).
-    fn arm(&self, crash_at: u64) {
-        self.commits.store(0, Ordering::SeqCst);
-        self.log.lock().unwrap().clear();
-        self.crash_at.store(crash_at, Ordering::SeqCst);
-    }
-
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        if self.crashed.load(Ordering::SeqCst) {
-            return Err(StoreError::Injected { operation });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl StateStore for CrashStore {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        let keys: Vec<String> = commit
-            .writes
-            .iter()
-            .map(|(key, value)| format!("{}{key}", if value.is_some() { "" } else { "-" }))
-            .collect();
-        let record = format!("{}: {}", actor.key(), keys.join(" "));
-        self.inner.commit(actor, fence, commit).await?;
-        self.log.lock().unwrap().push(record);
-        let n = self.commits.fetch_add(1, Ordering::SeqCst) + 1;
-        if n == self.crash_at.load(Ordering::SeqCst) {
-            self.crashed.store(true, Ordering::SeqCst);
-            return Err(StoreError::Injected {
-                operation: StoreOperation::Commit,
-            });
-        }
-        Ok(())
-    }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
-
 /// Runs the drain scenario on SQLite file `path`, crashing at the `crash_at`-th commit
 /// from the removal on (0: never), then starts the next process on the same file and
 /// checks the rule there. Returns the commits from the removal on of the first process.
 async fn drain_with_crash(path: &std::path::Path, crash_at: u64) -> Vec<String> {
     let sqlite = Arc::new(SqliteStore::open(path).expect("the store opens")) as Arc<dyn StateStore>;
-    let crash = Arc::new(CrashStore::new(sqlite));
+    let crash = Arc::new(CrashStore::new(sqlite, CommitKeys::AsStored));
     let first = start(
         Arc::clone(&crash) as Arc<dyn StateStore>,
         Duration::from_millis(SQLITE_WORK_MS),
@@ -392,7 +309,7 @@ async fn drain_with_crash(path: &std::path::Path, crash_at: u64) -> Vec<String> 
         assert!(ended.iter().any(|end| end.1 == REMOVED_REASON), "{ended:?}");
         eprintln!("fault-free: worked {worked:?}");
         first.shutdown().await;
-        return crash.log.lock().unwrap().clone();
+        return crash.log();
     }
     // The crash point is reached (the drain runs on after the removal returned). A
     // run's order, and so its number of commits, can differ from the fault-free run's
@@ -400,12 +317,12 @@ async fn drain_with_crash(path: &std::path::Path, crash_at: u64) -> Vec<String> 
     // seed): a run that ends with fewer is dropped after it ended, and the next process
     // is checked the same.
     let crashed = async {
-        while !crash.crashed.load(Ordering::SeqCst) {
+        while !crash.crashed() {
             tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
         }
     };
     let reached = tokio::time::timeout(Duration::from_millis(DRAINED_WITHIN_MS), crashed).await;
-    let commits = crash.log.lock().unwrap().clone();
+    let commits = crash.log();
     if reached.is_err() {
         eprintln!(
             "crash point {crash_at} not reached: this run made {} commits",
