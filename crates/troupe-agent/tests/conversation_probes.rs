@@ -5,16 +5,20 @@
 //! with paused time, and the multi-thread runtime) and under madsim
 //! (`RUSTFLAGS="--cfg madsim"`), but for the multi-thread tests.
 
+#[path = "support/forwarding_store.rs"]
+mod forwarding_store;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use forwarding_store::{forwarding_state_store, ForwardingStore};
 use troupe_agent::{
     AgentSpec, AgentSystem, ConversationError, ConversationKind, Participant, ScriptedLlm, CONVERSATION_KIND,
 };
 use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, TurnCommit};
+use troupe_runtime::{MemoryStore, StateStore, StoreError};
 
 fn start(agents: &[&str]) -> AgentSystem {
     let mut builder = AgentSystem::builder()
@@ -141,12 +145,14 @@ struct RacingReads {
 }
 
 #[async_trait]
-impl StateStore for RacingReads {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.inner.claim(actor).await
+impl ForwardingStore for RacingReads {
+    type Inner = MemoryStore;
+
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
     }
 
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
+    async fn forward_load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
         let room = actor.kind().as_str() == CONVERSATION_KIND && actor.key() == "room";
         if room {
             // Registered before this read counts, so the last reader's wake-up cannot
@@ -163,25 +169,9 @@ impl StateStore for RacingReads {
         }
         self.inner.load(actor).await
     }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.inner.commit(actor, fence, commit).await
-    }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.inner.scan(actor, prefix, after, limit).await
-    }
 }
+
+forwarding_state_store!(RacingReads);
 
 /// Goal: creations of one id that race, each with another agent, all past the check
 /// of an existing definition: one wins, the others are refused `Conflict`, and only

@@ -4,15 +4,19 @@
 //! messages, however long the log (what the server's history endpoint pages with).
 //! Both builds; real agents, the model scripted (it really emits the tool calls).
 
+#[path = "support/forwarding_store.rs"]
+mod forwarding_store;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use forwarding_store::{forwarding_state_store, ForwardingStore};
 use serde_json::json;
 use troupe_agent::{AgentSpec, AgentSystem, ScriptRule, ScriptedLlm};
 use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::{MemoryStore, StateStore, StoreError, StoreOperation};
 
 /// A memory store that counts the log entries its scans return.
 #[derive(Default)]
@@ -22,20 +26,14 @@ struct CountingStore {
 }
 
 #[async_trait]
-impl StateStore for CountingStore {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.inner.claim(actor).await
+impl ForwardingStore for CountingStore {
+    type Inner = MemoryStore;
+
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
     }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.inner.commit(actor, fence, commit).await
-    }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(actor, key).await
-    }
-    async fn scan(
+
+    async fn forward_scan(
         &self,
         actor: &ActorId,
         prefix: &str,
@@ -49,6 +47,8 @@ impl StateStore for CountingStore {
         Ok(page)
     }
 }
+
+forwarding_state_store!(CountingStore);
 
 /// Turns of the boss: every third asks the worker (a log entry of four messages: the
 /// question, the call, its result, the answer), the others answer at once (two).

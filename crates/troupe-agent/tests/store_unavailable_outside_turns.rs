@@ -10,15 +10,18 @@
 //! Both builds; paused time on the normal build, simulated time under madsim; one test
 //! on worker threads (normal build).
 
+#[path = "support/forwarding_store.rs"]
+mod forwarding_store;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
+use forwarding_store::{forwarding_state_store, ForwardingStore};
 use troupe_agent::{AgentSpec, AgentSystem, DirectoryError, Link, OrgError, ScriptedLlm, AGENT_API_STORE_WAIT_MS};
 use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::{MemoryStore, StateStore, StoreError, StoreOperation};
 
 /// A memory store that fails on command.
 #[derive(Default)]
@@ -30,20 +33,6 @@ struct Flaky {
     applied_unseen: AtomicU32,
 }
 
-impl Flaky {
-    /// `Unavailable` if one of the `failing` operations is due.
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        let due = self
-            .failing
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
-            .is_ok();
-        if due {
-            return Err(unavailable(operation));
-        }
-        Ok(())
-    }
-}
-
 fn unavailable(operation: StoreOperation) -> StoreError {
     StoreError::Unavailable {
         operation,
@@ -51,47 +40,38 @@ fn unavailable(operation: StoreOperation) -> StoreError {
     }
 }
 
+/// Takes one from `left` if it is not 0: whether one was due.
+fn take_one(left: &AtomicU32) -> bool {
+    left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+        .is_ok()
+}
+
 #[async_trait]
-impl StateStore for Flaky {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
+impl ForwardingStore for Flaky {
+    type Inner = MemoryStore;
+
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
     }
 
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await?;
-        let unseen = self
-            .applied_unseen
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
-            .is_ok();
-        if unseen {
-            return Err(unavailable(StoreOperation::Commit));
+    /// `Unavailable` if one of the `failing` operations is due.
+    fn gate(&self, _actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
+        if take_one(&self.failing) {
+            return Err(unavailable(operation));
         }
         Ok(())
     }
 
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
+    /// `Unavailable` if one of the `applied_unseen` commits is due.
+    async fn committed(&self, _actor: &ActorId) -> Result<(), StoreError> {
+        if take_one(&self.applied_unseen) {
+            return Err(unavailable(StoreOperation::Commit));
+        }
+        Ok(())
     }
 }
+
+forwarding_state_store!(Flaky);
 
 /// A system of agents `a` and `b` on `store`.
 fn system(store: &Arc<Flaky>) -> AgentSystem {

@@ -18,6 +18,10 @@ use bytes::Bytes;
 use troupe_core::ActorId;
 use troupe_runtime::{Claimed, Fence, StateStore, StoreError, StoreOperation, TurnCommit};
 
+#[path = "forwarding_store.rs"]
+mod forwarding_store;
+use forwarding_store::{forwarding_state_store, ForwardingStore};
+
 pub(crate) struct GateStore {
     inner: Arc<dyn StateStore>,
     pub(crate) dead: AtomicBool,
@@ -203,18 +207,32 @@ impl GateStore {
             .as_ref()
             .map_or(0, |(_, count)| *count)
     }
-
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
-        if self.dead.load(Ordering::SeqCst) {
-            return Err(StoreError::Injected { operation });
-        }
-        Ok(())
-    }
 }
 
 #[async_trait]
-impl StateStore for GateStore {
-    async fn check_fence(&self, _actor: &ActorId, _fence: Fence) -> Result<(), StoreError> {
+impl ForwardingStore for GateStore {
+    type Inner = dyn StateStore;
+
+    fn inner(&self) -> &Self::Inner {
+        &*self.inner
+    }
+
+    /// `dead` refuses every operation; then `refuse_loads` the loads and `refuse_scans`
+    /// the scans, each counted.
+    fn gate(&self, _actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(StoreError::Injected { operation });
+        }
+        let refused = match operation {
+            StoreOperation::Load if self.refuse_loads.load(Ordering::SeqCst) => &self.refused_loads,
+            StoreOperation::Scan if self.refuse_scans.load(Ordering::SeqCst) => &self.refused_scans,
+            _ => return Ok(()),
+        };
+        refused.fetch_add(1, Ordering::SeqCst);
+        Err(StoreError::Injected { operation })
+    }
+
+    async fn forward_check_fence(&self, _actor: &ActorId, _fence: Fence) -> Result<(), StoreError> {
         if self.fail_fence_checks.load(Ordering::SeqCst) {
             self.failed_fence_checks.fetch_add(1, Ordering::SeqCst);
             return Err(StoreError::Injected {
@@ -223,8 +241,8 @@ impl StateStore for GateStore {
         }
         Ok(())
     }
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
+    async fn forward_claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
+        self.gate(actor, StoreOperation::Claim)?;
         if let Some(release) = self.claims.picks(actor) {
             self.claims.wait(release).await;
             let claimed = self.inner.claim(actor).await;
@@ -233,18 +251,8 @@ impl StateStore for GateStore {
         }
         self.inner.claim(actor).await
     }
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        if self.refuse_loads.load(Ordering::SeqCst) {
-            self.refused_loads.fetch_add(1, Ordering::SeqCst);
-            return Err(StoreError::Injected {
-                operation: StoreOperation::Load,
-            });
-        }
-        self.inner.load(actor).await
-    }
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
+    async fn forward_commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+        self.gate(actor, StoreOperation::Commit)?;
         if let Some((pick, count)) = self.counted.lock().unwrap().as_mut() {
             if pick(actor, &commit) {
                 *count += 1;
@@ -272,8 +280,8 @@ impl StateStore for GateStore {
         }
         self.inner.commit(actor, fence, commit).await
     }
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
+    async fn forward_get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.gate(actor, StoreOperation::Get)?;
         if let Some((pick, count)) = self.counted_gets.lock().unwrap().as_mut() {
             if pick(actor, key) {
                 *count += 1;
@@ -300,20 +308,6 @@ impl StateStore for GateStore {
         }
         self.inner.get(actor, key).await
     }
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        if self.refuse_scans.load(Ordering::SeqCst) {
-            self.refused_scans.fetch_add(1, Ordering::SeqCst);
-            return Err(StoreError::Injected {
-                operation: StoreOperation::Scan,
-            });
-        }
-        self.inner.scan(actor, prefix, after, limit).await
-    }
 }
+
+forwarding_state_store!(GateStore);

@@ -7,10 +7,13 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use troupe_agent::ORG_STORE_KIND;
 use troupe_core::ActorId;
-use troupe_runtime::{Claimed, Fence, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::{MemoryStore, StateStore, StoreError, StoreOperation};
+
+#[path = "forwarding_store.rs"]
+mod forwarding_store;
+use forwarding_store::{forwarding_state_store, ForwardingStore};
 
 /// A memory store whose organisation's record fails `Unavailable` while `org_down`.
 #[derive(Default)]
@@ -28,8 +31,15 @@ pub(crate) struct OrgOutage {
     pub(crate) org_failures: AtomicU64,
 }
 
-impl OrgOutage {
-    fn check(&self, actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
+#[async_trait]
+impl ForwardingStore for OrgOutage {
+    type Inner = MemoryStore;
+
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+
+    fn gate(&self, actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
         if actor.kind().as_str() == ORG_STORE_KIND && self.org_down.load(Ordering::SeqCst) {
             self.org_failures.fetch_add(1, Ordering::SeqCst);
             return Err(StoreError::Unavailable {
@@ -39,23 +49,8 @@ impl OrgOutage {
         }
         Ok(())
     }
-}
 
-#[async_trait]
-impl StateStore for OrgOutage {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(actor, StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(actor, StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(actor, StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await?;
+    async fn committed(&self, actor: &ActorId) -> Result<(), StoreError> {
         if actor.kind().as_str() == ORG_STORE_KIND && self.down_after_commit.swap(false, Ordering::SeqCst) {
             self.org_down.store(true, Ordering::SeqCst);
         }
@@ -69,20 +64,6 @@ impl StateStore for OrgOutage {
         }
         Ok(())
     }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(actor, StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(actor, StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
 }
+
+forwarding_state_store!(OrgOutage);
