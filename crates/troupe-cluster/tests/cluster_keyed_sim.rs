@@ -29,6 +29,8 @@
 //! -p troupe-cluster --test cluster_keyed_sim`.
 #![cfg(madsim)]
 
+#[path = "../../troupe-agent/tests/support/forwarding_store.rs"]
+mod forwarding_store;
 #[path = "support/sim_etcd.rs"]
 mod sim_etcd;
 
@@ -38,6 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use forwarding_store::{forwarding_state_store, ForwardingStore};
 use madsim::net::NetSim;
 use madsim::runtime::{Handle, NodeHandle};
 use sim_etcd::start_sim_etcd;
@@ -45,8 +48,8 @@ use troupe_cluster::{ClusterClient, ClusterNode};
 use troupe_core::{ActorId, ActorKind, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
 use troupe_runtime::{
-    Actor, ActorBox, ActorError, Claimed, Fence, FencedClaim, IdempotencyKey, KindConfig, MemoryStore, RuntimeBuilder,
-    RuntimeHandle, StateStore, StoreError, Turn, TurnCommit,
+    Actor, ActorBox, ActorError, Fence, IdempotencyKey, KindConfig, MemoryStore, RuntimeBuilder, RuntimeHandle,
+    StateStore, StoreError, Turn, TurnCommit,
 };
 
 const ETCD_ADDRESS: &str = "10.0.0.1:2379";
@@ -187,43 +190,22 @@ struct StallingStore {
 }
 
 #[async_trait::async_trait]
-impl StateStore for StallingStore {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.inner.claim(actor).await
+impl ForwardingStore for StallingStore {
+    type Inner = MemoryStore;
+
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
     }
 
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
+    async fn forward_commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
         if self.stalled.load(Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_millis(COMMIT_STALL_MS)).await;
         }
         self.inner.commit(actor, fence, commit).await
     }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.inner.scan(actor, prefix, after, limit).await
-    }
 }
 
-#[async_trait::async_trait]
-impl FencedClaim for StallingStore {
-    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
-        self.inner.claim_with_fence(actor, fence).await
-    }
-}
+forwarding_state_store!(StallingStore, fenced);
 
 fn node_ip(index: usize) -> IpAddr {
     format!("10.0.1.{}", index + 1).parse().expect("an IP address")

@@ -25,6 +25,8 @@
 //! -p troupe-cluster --test cluster_store_unavailable_sim`.
 #![cfg(madsim)]
 
+#[path = "../../troupe-agent/tests/support/forwarding_store.rs"]
+mod forwarding_store;
 #[path = "support/sim_etcd.rs"]
 mod sim_etcd;
 #[allow(dead_code)]
@@ -36,15 +38,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
+use forwarding_store::{forwarding_state_store, ForwardingStore};
 use madsim::runtime::{Handle, NodeHandle};
 use sim_etcd::start_sim_etcd;
 use support::{counter, counter_runtime, parse_reply};
 use troupe_cluster::ClusterNode;
 use troupe_core::{ActorId, InvokeError};
 use troupe_etcd::{EtcdConfig, NodeId};
-use troupe_runtime::{Claimed, Fence, FencedClaim, MemoryStore, StateStore, StoreError, StoreOperation, TurnCommit};
+use troupe_runtime::{MemoryStore, StoreError, StoreOperation};
 
 const ETCD_ADDRESS: &str = "10.0.0.1:2379";
 /// The nodes' transport port.
@@ -72,8 +74,14 @@ struct Outage {
     failed: Arc<AtomicU64>,
 }
 
-impl Outage {
-    fn check(&self, operation: StoreOperation) -> Result<(), StoreError> {
+impl ForwardingStore for Outage {
+    type Inner = MemoryStore;
+
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+
+    fn gate(&self, _actor: &ActorId, operation: StoreOperation) -> Result<(), StoreError> {
         if !self.down.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -85,47 +93,7 @@ impl Outage {
     }
 }
 
-#[async_trait]
-impl StateStore for Outage {
-    async fn claim(&self, actor: &ActorId) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim(actor).await
-    }
-
-    async fn load(&self, actor: &ActorId) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Load)?;
-        self.inner.load(actor).await
-    }
-
-    async fn commit(&self, actor: &ActorId, fence: Fence, commit: TurnCommit) -> Result<(), StoreError> {
-        self.check(StoreOperation::Commit)?;
-        self.inner.commit(actor, fence, commit).await
-    }
-
-    async fn get(&self, actor: &ActorId, key: &str) -> Result<Option<Bytes>, StoreError> {
-        self.check(StoreOperation::Get)?;
-        self.inner.get(actor, key).await
-    }
-
-    async fn scan(
-        &self,
-        actor: &ActorId,
-        prefix: &str,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<(String, Bytes)>, StoreError> {
-        self.check(StoreOperation::Scan)?;
-        self.inner.scan(actor, prefix, after, limit).await
-    }
-}
-
-#[async_trait]
-impl FencedClaim for Outage {
-    async fn claim_with_fence(&self, actor: &ActorId, fence: Fence) -> Result<Claimed, StoreError> {
-        self.check(StoreOperation::Claim)?;
-        self.inner.claim_with_fence(actor, fence).await
-    }
-}
+forwarding_state_store!(Outage, fenced);
 
 fn node_ip(index: usize) -> IpAddr {
     format!("10.0.1.{}", index + 1).parse().expect("an IP address")
