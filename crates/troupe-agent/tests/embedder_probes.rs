@@ -593,9 +593,12 @@ mod processes;
 #[cfg(not(madsim))]
 mod real_time {
     use super::*;
-    use crate::processes::{on_sqlite, sent_from_each, sqlite_file, user_messages_containing};
+    use crate::processes::{
+        each_task_worked_once_and_its_result_read_once, on_sqlite, sent_from_each, sqlite_file,
+        user_messages_containing,
+    };
     use std::collections::BTreeMap;
-    use troupe_agent::{AgentEvent, ChatMessage, Role, TaskState};
+    use troupe_agent::{AgentEvent, Role, TaskState};
 
     fn script(latency: Duration) -> ScriptedLlm {
         ScriptedLlm::new()
@@ -779,19 +782,9 @@ mod real_time {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let analyst = one.conversation_log("analyst").await.unwrap();
         let coordinator = one.conversation_log("coordinator").await.unwrap();
-        for (text, task) in &acknowledged {
-            assert_eq!(
-                user_messages_containing(&analyst, text),
-                1,
-                "{text} ({task}) in the analyst's log: {analyst:#?}"
-            );
-            let result = format!("[task {task} you delegated is completed]");
-            let results: Vec<&ChatMessage> = coordinator
-                .iter()
-                .filter(|m| m.role == Role::User && m.content.contains(&result))
-                .collect();
-            assert_eq!(results.len(), 1, "{text}: {results:#?}");
-            assert!(results[0].content.contains(text.as_str()), "{results:#?}");
+        let results = each_task_worked_once_and_its_result_read_once(&analyst, &coordinator, &acknowledged);
+        for ((text, _), result) in acknowledged.iter().zip(results) {
+            assert!(result.content.contains(text.as_str()), "{result:#?}");
         }
         for (text, _) in &refused {
             assert_eq!(user_messages_containing(&analyst, text), 0, "refused {text} was worked");

@@ -55,7 +55,10 @@ const POLL_MS: u64 = 25;
 
 #[path = "support/processes.rs"]
 mod processes;
-use processes::{builder_of, on_sqlite, sent_from_each, sqlite_file, user_messages_containing};
+use processes::{
+    builder_of, each_task_worked_once_and_its_result_read_once, on_sqlite, sent_from_each, sqlite_file,
+    user_messages_containing,
+};
 
 /// A system of `agents` in memory on the model `llm` (a clone: it shares its state).
 fn in_memory(llm: &ScriptedLlm, agents: &[&str]) -> AgentSystem {
@@ -295,19 +298,7 @@ mod restarts {
         tokio::time::sleep(Duration::from_millis(3 * (WORK_MS + RESULT_TURN_MS))).await;
         let analyst = third.conversation_log("analyst").await.unwrap();
         let coordinator = third.conversation_log("coordinator").await.unwrap();
-        for (text, task) in &tasks {
-            assert_eq!(
-                user_messages_containing(&analyst, text),
-                1,
-                "{text} ({task}) in the analyst's log: {analyst:#?}"
-            );
-            let result = format!("[task {task} you delegated is completed]");
-            assert_eq!(
-                user_messages_containing(&coordinator, &result),
-                1,
-                "{text}'s result in the coordinator's log: {coordinator:#?}"
-            );
-        }
+        each_task_worked_once_and_its_result_read_once(&analyst, &coordinator, &tasks);
         for note in &notes {
             assert_eq!(
                 user_messages_containing(&analyst, note),

@@ -45,6 +45,36 @@ pub(crate) fn user_messages_containing(log: &[ChatMessage], needle: &str) -> usi
         .count()
 }
 
+/// Checks that each `(text, task)` of `tasks` is in the analyst's log `analyst` once (the
+/// task worked once) and `task`'s result in the coordinator's log `coordinator` once;
+/// returns the result's message of each, in the order of `tasks`.
+pub(crate) fn each_task_worked_once_and_its_result_read_once<'a>(
+    analyst: &[ChatMessage],
+    coordinator: &'a [ChatMessage],
+    tasks: &[(String, String)],
+) -> Vec<&'a ChatMessage> {
+    let mut read = Vec::new();
+    for (text, task) in tasks {
+        assert_eq!(
+            user_messages_containing(analyst, text),
+            1,
+            "{text} ({task}) in the analyst's log: {analyst:#?}"
+        );
+        let result = format!("[task {task} you delegated is completed]");
+        let results: Vec<&ChatMessage> = coordinator
+            .iter()
+            .filter(|m| m.role == Role::User && m.content.contains(&result))
+            .collect();
+        assert_eq!(
+            results.len(),
+            1,
+            "{text}'s result in the coordinator's log: {coordinator:#?}"
+        );
+        read.push(results[0]);
+    }
+    read
+}
+
 /// Sends `per_process` messages from each of `systems` at once, each in a task of its
 /// own: the `i`th of process `p` has the text `{prefix}-{p}-{i}.` and is sent by
 /// `send(client, text)`. Waits for each at most `wait` (failing with `late`); the texts
