@@ -12,10 +12,11 @@
 //!                        result "error: ... budget ... exhausted" (the model sees it)
 //!                    ─► call_agent / delegate / notify to C: grant = min(left, this
 //!                        step's share), RESERVED at once (parallel siblings cannot
-//!                        jointly overspend); a call_agent alone in its step gets
-//!                        what left less AGENT_CALL_PARENT_RESERVE_PERCENT leaves; a
-//!                        task or a notification 1/AGENT_SEND_GRANT_DIVISOR of its
-//!                        share; C's turn runs under the grant
+//!                        jointly overspend); the step's call_agents, one or more,
+//!                        split equally what is left less
+//!                        AGENT_CALL_PARENT_RESERVE_PERCENT; a task or a notification
+//!                        gets 1/AGENT_SEND_GRANT_DIVISOR of its equal share of all
+//!                        that is left; C's turn runs under the grant
 //!                    ◄── C's reply reports C's spend (its own calls and its grants,
 //!                        recursively): charge it, release the reservation (refund)
 //! ```
@@ -28,14 +29,17 @@
 //! spent. When a child's spend is unknown (it failed, timed out or was cancelled), the
 //! parent charges the whole grant: a model call cut in flight may still be billed up to
 //! its cap, and a remote child's spend so far does not travel back without a reply. So
-//! that such a call never leaves its caller's turn nothing (not even the step that tells
-//! its user the call failed), a call made alone in its step is granted what is left
-//! less [`AGENT_CALL_PARENT_RESERVE_PERCENT`] (the caller keeps the rest); two or more
-//! calls in one step split what is left equally (when one fails, what the others did not
-//! spend comes back). An in-process child cut between its model calls is charged its
-//! whole grant too (its meter is its own; reading its spend so far is not built). A delegated task or a notification is charged its
-//! whole grant at once (its result arrives in a later turn); the result of a task comes
-//! back with what the task left, and the delegator's turn that reads it runs on that.
+//! that such calls never leave their caller's turn nothing (not even the step that tells
+//! its user they failed), the `call_agent`s of one step, alone or in parallel, split
+//! equally what is left less [`AGENT_CALL_PARENT_RESERVE_PERCENT`]: the caller keeps
+//! the rest even when every one of them fails (when only some fail, what the others did
+//! not spend comes back too). A step that mixes calls with delegations or notifications
+//! keeps the reserve as well (each send takes 1/`AGENT_SEND_GRANT_DIVISOR` of its equal
+//! share). An in-process child cut between its model calls is charged its whole grant
+//! too (its meter is its own; reading its spend so far is not built). A delegated task
+//! or a notification is charged its whole grant at once (its result arrives in a later
+//! turn); the result of a task comes back with what the task left, and the delegator's
+//! turn that reads it runs on that.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -46,33 +50,44 @@ use troupe_core::ActorId;
 use crate::limits::{AGENT_ASK_TIMEOUT_MS_DEFAULT, AGENT_SEND_GRANT_DIVISOR};
 use crate::{AgentCallError, AgentReply};
 
-/// The share of what a turn has left (in percent) that a `call_agent` made alone in its
-/// step is NOT granted: the turn keeps it for its own next steps.
+/// The share of what a turn has left (in percent) that the `call_agent`s of one step,
+/// one or several, are NOT granted: the turn keeps it for its own next steps, and the
+/// calls split the rest equally.
 ///
 /// Why a reserve: a child whose spend is unknown (it timed out, failed or was
 /// cancelled) is charged its whole grant, since a model call cut in flight may still be
-/// billed up to its cap, which is what its turn had left. A lone call granted
-/// everything left therefore left its caller's turn nothing, not even the step that
-/// tells its user the call failed (the reviewer's `budget_after_a_timed_out_call`
-/// probe: `BudgetExhausted` under 2 times the run's unlimited spend, and under every
-/// budget the reviewer tried up to 2.5 times).
+/// billed up to its cap, which is what its turn had left. Calls granted everything left
+/// therefore left their caller's turn nothing, not even the step that tells its user
+/// they failed: a lone call (the reviewer's `budget_after_a_timed_out_call` probe:
+/// `BudgetExhausted` under 2 times the run's unlimited spend, and under every budget
+/// the reviewer tried up to 2.5 times), and parallel calls that all time out, which
+/// split everything left equally (`parallel_calls_that_time_out` in
+/// `tests/budgets.rs`: `BudgetExhausted` "238 of 238 tokens" with two calls and "306
+/// of 306" with three, under 2 times the unlimited spend, and under any budget, since
+/// the whole of what was left was reserved and charged).
 ///
 /// Why 50: the steps after a call read the caller's whole conversation again plus the
 /// call's result, so each costs more than the step that made the call; in the probe,
 /// what the caller spent after the timed-out call (two steps of its own and a second
 /// call) came to 4.8 times its first step, and with 50 it answers from 1.87 times its
 /// unlimited spend on, where with 25 it failed under every budget tried up to about 3
-/// times. 50 is also what a delegated task or a
-/// notification keeps (`AGENT_SEND_GRANT_DIVISOR` = 2, whose grant never comes back
-/// either), and what each of two parallel calls gets. The cost: a chain of lone calls
-/// hands its callee at depth d half of what its caller had left, d times over (3% at
-/// the depth limit 5), so a budget for deep chains must be larger. Parallel calls in
-/// one step (two or more) split what is left equally, without this reserve (when one
-/// of them fails, what the others did not spend comes back).
+/// times. Parallel calls keep the same reserve, one rule for all: the step after them
+/// reads every call's result, so it costs no less than after one call; with 50 the
+/// boss of `parallel_calls_that_time_out` answers under 2 times its unlimited spend
+/// with two and with three calls. 50 is also what a delegated task or a notification
+/// keeps (`AGENT_SEND_GRANT_DIVISOR` = 2, whose grant never comes back either), so a
+/// step that mixes calls and sends keeps it too. The cost: a chain of lone calls hands
+/// its callee at depth d half of what its caller had left, d times over (3% at the
+/// depth limit 5), and each of n parallel calls gets 1/(2n) of what is left (half what
+/// an equal split of everything gave), so a budget for deep chains or wide fan-outs
+/// must be larger.
 pub const AGENT_CALL_PARENT_RESERVE_PERCENT: u64 = 50;
 
 // A lone call is always granted something when anything is left.
 const _: () = assert!(AGENT_CALL_PARENT_RESERVE_PERCENT < 100);
+// A send keeps at least the calls' reserve (1/divisor <= (100 - reserve)%), so a step
+// that mixes calls and sends keeps it too.
+const _: () = assert!(AGENT_SEND_GRANT_DIVISOR * (100 - AGENT_CALL_PARENT_RESERVE_PERCENT) >= 100);
 
 /// What a call may spend, its own model and tool calls and every call it makes
 /// included. `None` is unlimited.
@@ -325,9 +340,9 @@ struct MeterState {
     /// The most one grant may take in the current step: the step's budget left divided
     /// by its number of calls that may grant (`None`: no split).
     share: Budget,
-    /// The most one `call_agent` grant may take in the current step: `share`, less
-    /// [`AGENT_CALL_PARENT_RESERVE_PERCENT`] of what is left when the step makes one
-    /// granting call alone.
+    /// The most one `call_agent` grant may take in the current step: what is left less
+    /// [`AGENT_CALL_PARENT_RESERVE_PERCENT`], divided by the step's number of calls that
+    /// may grant.
     call_share: Budget,
 }
 
@@ -433,7 +448,10 @@ impl BudgetMeter {
 
     /// Starts a step whose calls include `granting` calls that may take a grant
     /// (`call_agent`, delegations, notifications): each may take at most an equal share
-    /// of what is left now, so the first of them cannot starve the others.
+    /// of what is left now, so the first of them cannot starve the others; for a
+    /// `call_agent`, an equal share of what is left less
+    /// [`AGENT_CALL_PARENT_RESERVE_PERCENT`], so the turn keeps the reserve even when
+    /// every call is charged its whole grant.
     pub(crate) fn begin_step(&self, granting: usize) {
         let mut state = self.state();
         let left = self.limit.after(state.spent.plus(state.reserved));
@@ -442,13 +460,9 @@ impl BudgetMeter {
             tokens: left.tokens.map(|tokens| tokens / parts),
             tool_calls: left.tool_calls.map(|calls| calls / parts),
         };
-        state.call_share = if parts == 1 {
-            Budget {
-                tokens: left.tokens.map(less_parent_reserve),
-                tool_calls: left.tool_calls.map(less_parent_reserve),
-            }
-        } else {
-            state.share
+        state.call_share = Budget {
+            tokens: left.tokens.map(|tokens| less_parent_reserve(tokens) / parts),
+            tool_calls: left.tool_calls.map(|calls| less_parent_reserve(calls) / parts),
         };
     }
 
@@ -524,9 +538,9 @@ pub(crate) fn settle_call(
     result.and_then(reply_or_exhausted)
 }
 
-/// What a lone `call_agent` may be granted of `left`: all but
-/// [`AGENT_CALL_PARENT_RESERVE_PERCENT`] of it (rounded down, so the reserve never
-/// refuses a call that one token or one tool call could serve).
+/// What the `call_agent`s of one step may be granted of `left`, together: all but
+/// [`AGENT_CALL_PARENT_RESERVE_PERCENT`] of it (the reserve rounded down, so it never
+/// refuses a lone call that one token or one tool call could serve).
 fn less_parent_reserve(left: u64) -> u64 {
     let reserve = u128::from(left) * u128::from(AGENT_CALL_PARENT_RESERVE_PERCENT) / 100;
     left - u64::try_from(reserve).unwrap_or(left)
@@ -589,13 +603,13 @@ mod tests {
         let meter = new_meter(Budget::tokens(100).with_tool_calls(9));
         meter.charge_tokens(10).unwrap();
         meter.begin_step(3);
+        // 90 tokens and 9 tool calls left: the reserve keeps 45 and 4 (rounded down),
+        // the three calls split 45 and 5.
         let grants: Vec<Budget> = (0..3).map(|_| meter.grant().unwrap()).collect();
         for grant in &grants {
-            assert_eq!(*grant, Budget::tokens(30).with_tool_calls(3));
+            assert_eq!(*grant, Budget::tokens(15).with_tool_calls(1));
         }
-        // Everything is reserved: a fourth call in the same step gets nothing.
-        assert_eq!(meter.left(), Budget::tokens(0).with_tool_calls(0));
-        assert_eq!(meter.grant().unwrap_err().resource, BudgetResource::Tokens);
+        assert_eq!(meter.left(), Budget::tokens(45).with_tool_calls(6));
         // Each child reports what it spent; the rest comes back.
         meter.settle(
             grants[0],
@@ -607,23 +621,23 @@ mod tests {
         meter.settle(
             grants[1],
             Spend {
-                tokens: 30,
-                tool_calls: 3,
+                tokens: 15,
+                tool_calls: 0,
             },
         );
         meter.settle(grants[2], Spend::all_of(grants[2])); // unknown: the whole grant
         assert_eq!(
             meter.spent(),
             Spend {
-                tokens: 75,
-                tool_calls: 7
+                tokens: 45,
+                tool_calls: 2
             }
         );
-        assert_eq!(meter.left(), Budget::tokens(25).with_tool_calls(2));
+        assert_eq!(meter.left(), Budget::tokens(55).with_tool_calls(7));
     }
 
     #[test]
-    fn a_lone_call_keeps_the_callers_reserve_and_parallel_calls_split_everything() {
+    fn the_calls_of_a_step_alone_or_parallel_or_mixed_with_sends_keep_the_callers_reserve() {
         let meter = new_meter(Budget::tokens(101).with_tool_calls(5));
         meter.begin_step(1);
         // 101 left: the reserve is 50 (rounded down), the call gets 51.
@@ -638,11 +652,31 @@ mod tests {
         let last = new_meter(Budget::tokens(1).with_tool_calls(1));
         last.begin_step(1);
         assert_eq!(last.grant().unwrap(), Budget::tokens(1).with_tool_calls(1));
-        // Two calls in a step split what is left, without the reserve.
+        // Two and three calls in a step split what the reserve leaves; every one of
+        // them charged whole (all timed out), the caller keeps the reserve.
+        for (calls, each) in [(2, 25), (3, 16)] {
+            let meter = new_meter(Budget::tokens(100));
+            meter.begin_step(calls);
+            let grants: Vec<Budget> = (0..calls).map(|_| meter.grant().unwrap()).collect();
+            for grant in grants {
+                assert_eq!(grant, Budget::tokens(each), "{calls} calls");
+                meter.settle(grant, Spend::all_of(grant));
+            }
+            assert_eq!(meter.left(), Budget::tokens(100 - calls as u64 * each), "{calls} calls");
+            assert!(meter.left().tokens >= Some(100 * AGENT_CALL_PARENT_RESERVE_PERCENT / 100));
+        }
+        // A call and a delegation in one step: the call gets half of what the reserve
+        // leaves, the delegation its half of all left over the divisor; both charged
+        // whole, the caller keeps the reserve.
         let meter = new_meter(Budget::tokens(100));
         meter.begin_step(2);
-        assert_eq!(meter.grant().unwrap(), Budget::tokens(50));
-        assert_eq!(meter.grant().unwrap(), Budget::tokens(50));
+        let call = meter.grant().unwrap();
+        let send = meter.grant_for_send().unwrap();
+        assert_eq!(call, Budget::tokens(25));
+        assert_eq!(send, Budget::tokens(50 / AGENT_SEND_GRANT_DIVISOR));
+        meter.settle(call, Spend::all_of(call));
+        meter.settle(send, Spend::all_of(send));
+        assert!(meter.left().tokens >= Some(100 * AGENT_CALL_PARENT_RESERVE_PERCENT / 100));
         // A lone task keeps its own rule: its share (all left) over the divisor.
         let meter = new_meter(Budget::tokens(100));
         meter.begin_step(1);

@@ -142,52 +142,87 @@ async fn ask(
     (llm, recorder, system, result)
 }
 
-/// Goal: with exactly the budget the run needs, each worker gets half of what the boss
-/// has left after its first step (reserved at once), is charged what it spent, and the
-/// unused part comes back: the boss's last step is capped at exactly what it needs.
+/// What each of `calls` `call_agent`s in one step is granted of `left`: an equal share
+/// of what the caller's reserve (`AGENT_CALL_PARENT_RESERVE_PERCENT`, rounded down)
+/// leaves.
+fn call_share(left: u64, calls: u64) -> u64 {
+    (left - left * AGENT_CALL_PARENT_RESERVE_PERCENT / 100) / calls
+}
+
+/// The least the boss may have left after its first step for the two workers' shares to
+/// cover both of them.
+fn left_covering_both_workers(costs: &Costs) -> u64 {
+    let widest = costs.north.max(costs.south);
+    (widest..).find(|&left| call_share(left, 2) >= widest).unwrap()
+}
+
+/// Goal: with the least budget under which both workers' shares cover them, each
+/// worker gets its equal share of what the boss's reserve leaves after its first step
+/// (reserved at once), is charged what it spent, and the unused part comes back: the
+/// boss's last step is capped at all the workers did not spend. Why not the run's
+/// unlimited spend (as under the equal split of everything left): there the shares
+/// (half of what the reserve leaves each) are under what a worker needs.
 #[tokio::test(start_paused = true)]
 async fn parallel_workers_share_the_bosss_budget_and_the_unused_part_comes_back() {
     let costs = measure().await;
-    let budget = costs.total();
+    let left = left_covering_both_workers(&costs);
+    let budget = costs.boss_call + left;
+    assert!(budget > costs.total(), "{costs:?}: the reserve costs a fan-out budget");
     let (llm, recorder, system, result) = ask(Budget::tokens(budget)).await;
-    let reply = result.unwrap();
-    assert_eq!(reply.spent.tokens, budget);
-    let share = (budget - costs.boss_call) / 2;
+    let reply = result.unwrap_or_else(|error| panic!("under {budget} ({costs:?}): {error}"));
+    assert_eq!(reply.spent.tokens, costs.total());
+    let share = call_share(left, 2);
+    assert_eq!(
+        share,
+        costs.north.max(costs.south),
+        "the least budget: the widest fits exactly"
+    );
     assert_eq!(llm.requests_of("boss")[0].max_tokens, Some(budget));
     assert_eq!(llm.requests_of("north")[0].max_tokens, Some(share));
     assert_eq!(llm.requests_of("south")[0].max_tokens, Some(share));
-    assert_eq!(llm.requests_of("boss")[1].max_tokens, Some(costs.boss_answer));
+    assert_eq!(
+        llm.requests_of("boss")[1].max_tokens,
+        Some(left - costs.north - costs.south),
+        "the shares' unused part came back"
+    );
     assert_eq!(
         spend_per_root(&recorder).into_values().collect::<Vec<_>>(),
-        vec![budget]
+        vec![costs.total()]
     );
     system.shutdown().await;
 }
 
-/// Goal: one token short, the workers still answer but the boss cannot take its last
-/// step: the caller gets the typed error, with what the chain spent, and the boss's
-/// conversation keeps nothing of the turn.
+/// Goal: one token short of the least budget under which the workers' shares cover
+/// them, the workers run out, and the boss's answer (which reads their refusals, longer
+/// than their answers) does not fit in what it kept either: the caller gets the typed
+/// error, with what the chain spent (the boss's first step: the workers spent nothing
+/// and their grants came back), and the boss's conversation keeps nothing of the turn.
 #[tokio::test(start_paused = true)]
 async fn one_token_short_the_root_gets_budget_exhausted() {
     let costs = measure().await;
-    let budget = costs.total() - 1;
+    assert_eq!(costs.north, costs.south, "both workers need the same: both run out");
+    let left = left_covering_both_workers(&costs) - 1;
+    let budget = costs.boss_call + left;
     let (llm, recorder, system, result) = ask(Budget::tokens(budget)).await;
+    let share = call_share(left, 2);
+    assert_eq!(llm.requests_of("north")[0].max_tokens, Some(share));
+    assert_eq!(share, costs.north - 1);
     let Err(AgentCallError::BudgetExhausted(exhausted)) = result else {
         panic!("expected BudgetExhausted, got {result:?}");
     };
     assert_eq!(exhausted.agent, agent_id("boss").unwrap());
     assert_eq!(exhausted.resource, BudgetResource::Tokens);
     assert_eq!(exhausted.limit, budget);
-    assert_eq!(exhausted.spent, costs.boss_call + costs.north + costs.south);
+    assert_eq!(exhausted.spent, costs.boss_call);
     assert_eq!(
         llm.requests_of("boss").len(),
         2,
         "the last step was tried under its cap"
     );
+    assert_eq!(llm.requests_of("boss")[1].max_tokens, Some(left));
     assert_eq!(llm.answers().iter().filter(|a| a.agent.key() == "boss").count(), 1);
     let spent = spend_per_root(&recorder).into_values().collect::<Vec<_>>();
-    assert_eq!(spent, vec![costs.boss_call + costs.north + costs.south]);
-    assert!(spent[0] <= budget);
+    assert_eq!(spent, vec![costs.boss_call]);
     assert!(system.conversation_log("boss").await.unwrap().is_empty());
     system.shutdown().await;
 }
@@ -199,7 +234,7 @@ async fn workers_granted_too_little_run_out_and_the_model_reads_why() {
     let costs = measure().await;
     let budget = costs.boss_call + costs.north;
     let (llm, recorder, system, result) = ask(Budget::tokens(budget)).await;
-    let share = costs.north / 2;
+    let share = call_share(costs.north, 2);
     assert_eq!(llm.requests_of("north")[0].max_tokens, Some(share));
     assert_eq!(llm.requests_of("south")[0].max_tokens, Some(share));
     let seen = llm.tool_results_seen_by("boss");
@@ -457,11 +492,7 @@ mod a_child_cut_mid_spend {
         assert!(reply.text.contains("timed out"), "{}", reply.text);
         let worker_grant = llm.requests_of("worker")[0].max_tokens.expect("the worker's cap");
         let left = budget - boss[0];
-        assert_eq!(
-            worker_grant,
-            left - left * AGENT_CALL_PARENT_RESERVE_PERCENT / 100,
-            "the lone call's grant"
-        );
+        assert_eq!(worker_grant, call_share(left, 1), "the lone call's grant");
         // The worker's second step started (the worker was cut mid-spend).
         assert_eq!(llm.requests_of("worker").len(), 2);
         assert_eq!(reply.spent.tokens, boss[0] + worker_grant + boss[1]);
@@ -476,5 +507,121 @@ mod a_child_cut_mid_spend {
             reply.spent.tokens
         );
         system.shutdown().await;
+    }
+}
+
+mod parallel_calls_that_time_out {
+    use super::*;
+    use std::time::Duration;
+
+    /// What the boss gives each worker, far less than a worker's model takes.
+    const WORKER_CALL_MS: u64 = 200;
+    /// How long a worker's model step takes (it is cut long before).
+    const WORKER_STEP_MS: u64 = 5_000;
+    /// The workers the boss can call, one per parallel call.
+    const WORKERS: [&str; 3] = ["north", "south", "east"];
+
+    /// The boss calls the first `calls` workers at once, in one step; every call times
+    /// out (each worker is cut inside its first model call); the boss then tells its
+    /// user.
+    fn script(calls: usize) -> ScriptedLlm {
+        let mut first_step = ScriptRule::agent("boss").on_user_containing("");
+        for worker in &WORKERS[..calls] {
+            first_step = first_step.call(
+                "call_agent",
+                json!({"agent_id": worker, "message": "count the stars", "timeout_ms": WORKER_CALL_MS}),
+            );
+        }
+        let mut llm = ScriptedLlm::new()
+            .rule(
+                ScriptRule::agent("boss")
+                    .on_tool_result()
+                    .reply("the boss says {tool_result}"),
+            )
+            .rule(first_step);
+        for worker in WORKERS {
+            llm = llm.rule(
+                ScriptRule::agent(worker)
+                    .reply("about two hundred billion")
+                    .latency(Duration::from_millis(WORKER_STEP_MS)),
+            );
+        }
+        llm
+    }
+
+    fn start(llm: &Arc<ScriptedLlm>, recorder: &CallRecorder) -> AgentSystem {
+        let mut builder = AgentSystem::builder()
+            .llm(Arc::clone(llm) as Arc<dyn LlmClient>)
+            .observer(Arc::new(recorder.clone()))
+            .agent(AgentSpec::new("boss"));
+        for worker in WORKERS {
+            builder = builder.agent(AgentSpec::new(worker));
+        }
+        builder.start().unwrap()
+    }
+
+    /// Goal: `calls` parallel `call_agent`s in one step that all time out leave their
+    /// caller's turn the reserve (`AGENT_CALL_PARENT_RESERVE_PERCENT` of what it had
+    /// left), as a lone call does, so the caller tells its user. Method: one unlimited
+    /// run measures the boss's two steps; a second runs under twice that spend; each
+    /// worker's only model call is capped at its grant and charged whole (its spend is
+    /// unknown).
+    async fn leave_their_caller_the_reserve(calls: usize) {
+        let llm = Arc::new(script(calls));
+        let recorder = CallRecorder::new();
+        let system = start(&llm, &recorder);
+        let reply = system.ask("boss", "how many stars").await.unwrap();
+        assert_eq!(reply.text.matches("timed out").count(), calls, "{}", reply.text);
+        let unlimited = reply.spent.tokens;
+        let boss = steps(&recorder)["boss"].clone();
+        assert_eq!(boss.len(), 2, "{boss:?}");
+        assert_eq!(
+            unlimited,
+            boss[0] + boss[1],
+            "a cut worker's unlimited grant counts nothing"
+        );
+        system.shutdown().await;
+
+        let budget = 2 * unlimited;
+        let llm = Arc::new(script(calls));
+        let recorder = CallRecorder::new();
+        let system = start(&llm, &recorder);
+        let result = system
+            .ask_with(
+                "boss",
+                "how many stars",
+                AskOptions::default().budget(Budget::tokens(budget)),
+            )
+            .await;
+        let reply = result.unwrap_or_else(|error| {
+            panic!("{calls} parallel calls, under {budget} tokens (twice the unlimited spend): {error}")
+        });
+        assert_eq!(reply.text.matches("timed out").count(), calls, "{}", reply.text);
+        let grant = call_share(budget - boss[0], calls as u64);
+        for worker in &WORKERS[..calls] {
+            let requests = llm.requests_of(worker);
+            assert_eq!(requests.len(), 1, "{worker} was cut in its first model call");
+            assert_eq!(requests[0].max_tokens, Some(grant), "{worker}'s grant");
+        }
+        assert_eq!(reply.spent.tokens, unlimited + calls as u64 * grant);
+        assert!(reply.spent.tokens <= budget, "{} > {budget}", reply.spent.tokens);
+        system.shutdown().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn two_that_time_out_leave_their_caller_the_reserve() {
+        leave_their_caller_the_reserve(2).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn three_that_time_out_leave_their_caller_the_reserve() {
+        leave_their_caller_the_reserve(3).await;
+    }
+
+    #[cfg(not(madsim))]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_and_three_that_time_out_leave_their_caller_the_reserve_on_the_multi_thread_runtime() {
+        leave_their_caller_the_reserve(2).await;
+        leave_their_caller_the_reserve(3).await;
     }
 }
