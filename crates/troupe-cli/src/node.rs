@@ -967,8 +967,8 @@ pub enum NodeError {
     Org {
         /// The file.
         path: PathBuf,
-        /// Why.
-        cause: troupe_agent::OrgError,
+        /// Why (boxed: `OrgError` is large, and every `NodeError` would carry its size).
+        cause: Box<troupe_agent::OrgError>,
     },
     /// The node could not start or join.
     #[error("cannot start the node (--listen, --etcd): {0}")]
@@ -1185,7 +1185,7 @@ pub async fn run_node(
                         Ok(()) => Ok(agents),
                         Err(cause) => Err(NodeError::Org {
                             path: path.clone(),
-                            cause,
+                            cause: Box::new(cause),
                         }),
                     },
                     None => Ok(agents),

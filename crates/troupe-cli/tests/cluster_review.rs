@@ -15,7 +15,6 @@
 #[allow(dead_code)] // the helpers the etcd tests use and these do not
 #[path = "../../troupe-etcd/tests/support/etcd_server.rs"]
 mod etcd_server;
-#[allow(dead_code)] // the helpers the PostgreSQL tests use and these do not
 #[path = "../../troupe-postgres/tests/support/postgres_server.rs"]
 mod postgres_server;
 #[allow(dead_code)] // the helpers the serve tests use and these do not
@@ -375,7 +374,7 @@ async fn a_rolling_restart_of_every_node_under_appends_loses_nothing_and_keeps_o
             std::thread::sleep(Duration::from_millis(10));
         }
     };
-    for index in 0..ROLLING_NODES {
+    for (index, node) in nodes.iter_mut().enumerate() {
         let name = format!("r{index}");
         wait_for_more_acks(&format!("before {name}'s restart"));
         // The conversations this node owns now (their last acknowledgement's owner).
@@ -389,18 +388,18 @@ async fn a_rolling_restart_of_every_node_under_appends_loses_nothing_and_keeps_o
                     .is_some_and(|ack| ack.owner == name)
             })
             .collect();
-        alive.lock().unwrap().retain(|http| *http != nodes[index].http);
+        alive.lock().unwrap().retain(|http| *http != node.http);
         std::thread::sleep(Duration::from_millis(ROLLING_DRAIN_MS));
         let signalled = Instant::now();
         let sent = Command::new("kill")
-            .args(["-TERM", &nodes[index].child.id().to_string()])
+            .args(["-TERM", &node.child.id().to_string()])
             .status()
             .unwrap();
         assert!(sent.success(), "kill -TERM {name}");
-        let status = exited_within(&mut nodes[index].child, NODE_STOP_MS_MAX);
+        let status = exited_within(&mut node.child, NODE_STOP_MS_MAX);
         let exited_at = Instant::now();
         let exited = exited_at.duration_since(signalled);
-        let stderr = nodes[index].stderr.take().expect("the reader").join().unwrap();
+        let stderr = node.stderr.take().expect("the reader").join().unwrap();
         let Some(status) = status else {
             panic!("{name} still runs {NODE_STOP_MS_MAX} ms after SIGTERM: {stderr}");
         };
@@ -450,7 +449,7 @@ async fn a_rolling_restart_of_every_node_under_appends_loses_nothing_and_keeps_o
             );
         }
         alive.lock().unwrap().push(restarted.http.clone());
-        nodes[index] = restarted;
+        *node = restarted;
     }
     wait_for_more_acks("after the rolling restart");
     stop.store(true, Ordering::SeqCst);
