@@ -320,6 +320,22 @@ async fn fence_log_violations(config: &str) -> (usize, Vec<String>) {
     (rows.len(), violations)
 }
 
+/// How much later than one lease a crashed node's conversations may be answered again,
+/// in milliseconds: etcd checks expiry about every 500 ms, a call retries every 50 ms,
+/// and the machine is shared.
+const CRASH_RECOVERY_SLACK_MS: u64 = 3_000;
+
+/// How a node of the rolling restart is stopped before it is started again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    /// SIGTERM, its exit (code 0) awaited; started again once another node answers for
+    /// its conversations.
+    Graceful,
+    /// SIGKILL (a crash: its lease is left to expire), started again at once under its
+    /// name, as a supervisor does.
+    Crash,
+}
+
 /// Goal: a rolling restart of every node of a 3-node cluster, one at a time (SIGTERM,
 /// wait for its exit, start it again under the same name), under steady appends through
 /// every running node, loses no acknowledged message, and only ever has one owner per
@@ -331,13 +347,30 @@ async fn fence_log_violations(config: &str) -> (usize, Vec<String>) {
 /// claim. Also measured: how long after a stopping node's SIGTERM its conversations are
 /// acknowledged by another node (docs/cluster.md: a stopped node's lease is revoked and
 /// its placements go at once, so no lease has to run out: bound one lease).
-/// Method: etcd and PostgreSQL from the Debian packages; nodes `r0`..`r2`, four client
-/// threads (one conversation each) sending through the running nodes in turn; for each
-/// node: wait for `ROLLING_ACKS_PER_STEP` new acknowledgements per conversation, take it
-/// out of the rotation, SIGTERM it `ROLLING_DRAIN_MS` later, wait for its exit, start it
-/// again and put it back.
+/// Method: [`rolling_restart`] with [`Stop::Graceful`].
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rolling_restart_of_every_node_under_appends_loses_nothing_and_keeps_one_owner() {
+    rolling_restart(Stop::Graceful).await;
+}
+
+/// Goal: as the graceful rolling restart, with each node killed (SIGKILL) and started
+/// again at once under its name, as a supervisor restarts a crashed process: its
+/// conversations are answered again within a lease plus `CRASH_RECOVERY_SLACK_MS` of
+/// the kill (the old incarnation's placements hold until its lease ends), every failed
+/// append is `503`/`504` with a JSON `error`, no acknowledged message is lost, and the
+/// fence log shows one owner at a time (the restarted incarnation claims with newer
+/// fences). Method: [`rolling_restart`] with [`Stop::Crash`].
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rolling_crash_restart_of_every_node_under_appends_loses_nothing_and_keeps_one_owner() {
+    rolling_restart(Stop::Crash).await;
+}
+
+/// The rolling restart: etcd and PostgreSQL from the Debian packages; nodes `r0`..`r2`,
+/// four client threads (one conversation each) sending through the running nodes in
+/// turn; for each node: wait for `ROLLING_ACKS_PER_STEP` new acknowledgements per
+/// conversation, take it out of the rotation, stop it as `stop` says
+/// `ROLLING_DRAIN_MS` later, start it again and put it back; then the checks above.
+async fn rolling_restart(stop_how: Stop) {
     let deadline = Instant::now() + Duration::from_millis(ROLLING_TEST_TIMEOUT_MS);
     let etcd = TestEtcd::start("review-rolling").await;
     let postgres = TestServer::start("review-rolling");
@@ -391,22 +424,37 @@ async fn a_rolling_restart_of_every_node_under_appends_loses_nothing_and_keeps_o
         alive.lock().unwrap().retain(|http| *http != node.http);
         std::thread::sleep(Duration::from_millis(ROLLING_DRAIN_MS));
         let signalled = Instant::now();
+        let signal = match stop_how {
+            Stop::Graceful => "-TERM",
+            Stop::Crash => "-KILL",
+        };
         let sent = Command::new("kill")
-            .args(["-TERM", &node.child.id().to_string()])
+            .args([signal, &node.child.id().to_string()])
             .status()
             .unwrap();
-        assert!(sent.success(), "kill -TERM {name}");
+        assert!(sent.success(), "kill {signal} {name}");
         let status = exited_within(&mut node.child, NODE_STOP_MS_MAX);
         let exited_at = Instant::now();
         let exited = exited_at.duration_since(signalled);
         let stderr = node.stderr.take().expect("the reader").join().unwrap();
         let Some(status) = status else {
-            panic!("{name} still runs {NODE_STOP_MS_MAX} ms after SIGTERM: {stderr}");
+            panic!("{name} still runs {NODE_STOP_MS_MAX} ms after kill {signal}: {stderr}");
         };
-        assert_eq!(status.code(), Some(0), "{name}: {stderr}");
         assert!(!stderr.contains("panicked"), "{name}: {stderr}");
-        // Its conversations answered by another node: how long after the signal.
-        let moved = |ack: &Acked| ack.at > signalled && ack.owner != name;
+        let (moved_within_ms, restarted_early) = match stop_how {
+            Stop::Graceful => {
+                assert_eq!(status.code(), Some(0), "{name}: {stderr}");
+                (LEASE_TTL_MS, None)
+            }
+            Stop::Crash => {
+                let restarted = Node::start(&endpoint, &database, &name, "rolling", &[]);
+                alive.lock().unwrap().push(restarted.http.clone());
+                (LEASE_TTL_MS + CRASH_RECOVERY_SLACK_MS, Some(restarted))
+            }
+        };
+        // Its conversations answered again (gracefully: by another node): how long after
+        // the signal.
+        let moved = |ack: &Acked| ack.at > exited_at && (stop_how == Stop::Crash || ack.owner != name);
         for &conversation in &owned {
             while !logs[conversation].lock().unwrap().acks.iter().any(moved) {
                 assert!(
@@ -424,19 +472,23 @@ async fn a_rolling_restart_of_every_node_under_appends_loses_nothing_and_keeps_o
                 .filter(|(at, _, _)| *at > signalled && *at <= first.at)
                 .collect();
             println!(
-                "{name} (exited {} ms after SIGTERM): c{conversation} acknowledged by {} {} ms after the signal, \
-                 {} failed appends meanwhile",
+                "{name} (exited {} ms after kill {signal}): c{conversation} acknowledged by {} {} ms after the \
+                 signal, {} failed appends meanwhile",
                 exited.as_millis(),
                 first.owner,
                 took.as_millis(),
                 failures.len()
             );
             assert!(
-                took < Duration::from_millis(LEASE_TTL_MS),
-                "c{conversation}: first acknowledgement {} ms after {name}'s SIGTERM, not within a lease \
-                 ({LEASE_TTL_MS} ms): its placement waited for the lease; failures: {failures:?}",
+                took < Duration::from_millis(moved_within_ms),
+                "c{conversation}: first acknowledgement {} ms after {name}'s kill {signal}, not within \
+                 {moved_within_ms} ms; failures: {failures:?}",
                 took.as_millis()
             );
+        }
+        if let Some(restarted) = restarted_early {
+            *node = restarted;
+            continue;
         }
         let restarted = Node::start(&endpoint, &database, &name, "rolling", &[]);
         // Nothing was answered as run by the node while it was gone.
