@@ -8,16 +8,23 @@
 
 use std::process::{Command, Output};
 
+mod support;
+
 /// Runs `troupe ARGS` to its end, without the variables that would change what it does
 /// (a real model, a token, a log filter from the caller's environment).
 fn troupe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_troupe"))
+    troupe_command(args).output().expect("run the troupe binary")
+}
+
+/// `troupe ARGS`, not started, as [`troupe`] runs it.
+fn troupe_command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_troupe"));
+    command
         .args(args)
         .env_remove("OPENAI_API_KEY")
         .env_remove("TROUPE_TOKEN")
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run the troupe binary")
+        .env_remove("RUST_LOG");
+    command
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -207,4 +214,52 @@ fn every_flag_of_serve_help_has_a_row_in_the_docs_flag_table() {
             "--{flag} of `troupe serve --help` has no row in docs/serve.md's flag table"
         );
     }
+}
+
+/// The longest a message to `troupe serve` may take here, in milliseconds.
+const SERVE_ANSWER_WAIT_MS_MAX: u64 = 20_000;
+
+/// Goal: what docs/serve.md says a first user gets from `troupe serve --config
+/// examples/org.toml` on the scripted model: a message is read as the id of the agent to
+/// call (`ana` to `lead`: lead calls ana, which answers `hello from ana`), the call under
+/// the organisation's rules (`pia` to `ben`: refused by the deny rule, as the model's
+/// tool result), and a text that names no agent (`hello`) answered with the refusal
+/// naming it. Before 2026-12-07 the docs did not say, and "hello" (the message
+/// `serve.rs` sends) got "call refused: agent agent/hello not found" unexplained. Method:
+/// serve the example file on 127.0.0.1:0 and send the three messages.
+#[test]
+fn serve_with_a_config_on_the_scripted_model_reads_a_message_as_the_agent_to_call() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/org.toml");
+    let mut command = troupe_command(&["serve", "--scripted", "--bind", "127.0.0.1:0", "--config", config]);
+    let (mut child, stderr, _stdout, addr) = support::spawn_serving(&mut command, "troupe serve");
+    let ask = |agent: &str, text: &str| {
+        let body = serde_json::json!({ "text": text }).to_string();
+        let path = format!("/v1/agents/{agent}/messages");
+        let (status, answer) = support::http(&addr, "POST", &path, &body, SERVE_ANSWER_WAIT_MS_MAX);
+        let reply: serde_json::Value = serde_json::from_str(&answer).unwrap_or_default();
+        (status, reply["text"].as_str().unwrap_or(&answer).to_string())
+    };
+    let answers = [ask("lead", "ana"), ask("ben", "pia"), ask("lead", "hello")];
+    let _ = child.kill();
+    let _ = child.wait();
+    let stderr = stderr.join().unwrap_or_default();
+    assert_eq!(answers[0], (200, "hello from ana".to_string()), "{stderr}");
+    assert_eq!(
+        answers[1],
+        (
+            200,
+            "error: call_agent failed: call not permitted: ben may not ask pia: a permission rule denies it \
+             (explicit deny)"
+                .to_string()
+        ),
+        "{stderr}"
+    );
+    assert_eq!(
+        answers[2],
+        (
+            200,
+            "error: call_agent failed: call refused: agent agent/hello not found".to_string()
+        ),
+        "{stderr}"
+    );
 }
