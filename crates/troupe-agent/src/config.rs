@@ -130,8 +130,9 @@ pub enum ConfigError {
         field: String,
         /// Why the system refused the definition (it says what to do):
         /// [`crate::AgentSpecError::UnknownTool`] names the tool, the tools the system
-        /// has now and the attached servers.
-        error: crate::AgentSpecError,
+        /// has now and the attached servers. Boxed: it is the largest part, and a
+        /// `ConfigError` is returned often.
+        error: Box<crate::AgentSpecError>,
     },
 }
 
@@ -388,7 +389,7 @@ impl OrgConfig {
             line,
             column,
             field,
-            error,
+            error: Box::new(error),
         }
     }
 

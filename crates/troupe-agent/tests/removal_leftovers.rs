@@ -371,17 +371,20 @@ tools = ["echo", "fersh"]
             line,
             column,
             field,
-            error:
-                AgentSpecError::UnknownTool {
-                    id,
-                    tool,
-                    known,
-                    servers,
-                },
+            error: refused,
             ..
         }) = &error
         else {
-            panic!("not UnknownTool in the file: {error:?}");
+            panic!("not a refused agent in the file: {error:?}");
+        };
+        let AgentSpecError::UnknownTool {
+            id,
+            tool,
+            known,
+            servers,
+        } = &**refused
+        else {
+            panic!("not UnknownTool: {refused:?}");
         };
         assert_eq!((*line, *column, field.as_str()), (4, 18, "agents[0].tools[1]"));
         assert_eq!((id.as_str(), tool.as_str()), ("typo", "fersh"));
