@@ -267,6 +267,9 @@ where
     type Rejection = ApiError;
 
     async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        if !is_json(request.headers()) {
+            return Err(not_json(request.headers()));
+        }
         match axum::Json::<T>::from_request(request, state).await {
             Ok(axum::Json(value)) => Ok(Self(value)),
             Err(rejection) => {
@@ -302,12 +305,7 @@ where
 
     async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
         if !is_json(request.headers()) {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "Expected request with `Content-Type: application/json`",
-            )
-            .openai());
+            return Err(not_json(request.headers()).openai());
         }
         let bytes = axum::body::Bytes::from_request(request, state)
             .await
@@ -335,6 +333,25 @@ fn is_json(headers: &axum::http::HeaderMap) -> bool {
     };
     let media = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
     media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
+}
+
+/// 415 `unsupported_media_type`: a body sent without `Content-Type: application/json`
+/// (`headers` lack it), saying what to send and what was sent. Until 2026-12-07 it was
+/// axum's text "Expected request with `Content-Type: application/json`", which named
+/// neither.
+fn not_json(headers: &axum::http::HeaderMap) -> ApiError {
+    let sent = match headers.get(header::CONTENT_TYPE) {
+        None => "no Content-Type was sent".to_string(),
+        Some(value) => format!(
+            "it was sent as `Content-Type: {}`",
+            String::from_utf8_lossy(value.as_bytes())
+        ),
+    };
+    ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media_type",
+        format!("the request body must be JSON sent with `Content-Type: application/json`; {sent}"),
+    )
 }
 
 /// The refusal of a body serde could not read: 400 `invalid_json` for a syntax error
