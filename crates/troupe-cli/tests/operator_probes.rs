@@ -70,7 +70,10 @@ impl Running {
             }
             std::thread::sleep(Duration::from_millis(PROBE_POLL_MS));
         }
-        panic!("troupe did not stop within {PROBE_WAIT_MS_MAX} ms");
+        panic!(
+            "troupe did not stop within {PROBE_WAIT_MS_MAX} ms; where it is:\n{}",
+            where_it_is(self.child.id())
+        );
     }
 
     /// Its stderr (once it has stopped: this waits for the pipe's end).
@@ -80,6 +83,42 @@ impl Running {
             .map(|reader| reader.join().unwrap_or_default())
             .unwrap_or_default()
     }
+}
+
+/// Where process `pid` is, for a probe's failure: its signal masks (`SigCgt` says
+/// whether SIGTERM's handler is installed, `ShdPnd`/`SigPnd` whether one waits
+/// undelivered) and each thread's name, state and kernel wait channel. A process that
+/// does not stop under load is then told apart from one that lost its signal.
+fn where_it_is(pid: u32) -> String {
+    let read = |path: String| std::fs::read_to_string(path).unwrap_or_default();
+    let mut text: String = read(format!("/proc/{pid}/status"))
+        .lines()
+        .filter(|line| line.starts_with("Sig") || line.starts_with("ShdPnd") || line.starts_with("State"))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let task = task.path();
+        let stat = read(format!("{}/stat", task.display()));
+        let wchan = read(format!("{}/wchan", task.display()));
+        text.push_str(&format!(
+            "{} wchan={wchan}\n",
+            stat.split(") ").next().unwrap_or_default()
+        ));
+        text.push_str(&format!(
+            "  state {}\n",
+            stat.split(") ")
+                .nth(1)
+                .unwrap_or_default()
+                .split(' ')
+                .next()
+                .unwrap_or_default()
+        ));
+    }
+    text
 }
 
 fn troupe() -> Command {
