@@ -61,7 +61,7 @@ use crate::{AgentCallError, AgentReply};
 /// they failed: a lone call (the reviewer's `budget_after_a_timed_out_call` probe:
 /// `BudgetExhausted` under 2 times the run's unlimited spend, and under every budget
 /// the reviewer tried up to 2.5 times), and parallel calls that all time out, which
-/// split everything left equally (`parallel_calls_that_time_out` in
+/// until 2026-12-07 split everything left equally (`parallel_calls_that_time_out` in
 /// `tests/budgets.rs`: `BudgetExhausted` "238 of 238 tokens" with two calls and "306
 /// of 306" with three, under 2 times the unlimited spend, and under any budget, since
 /// the whole of what was left was reserved and charged).
