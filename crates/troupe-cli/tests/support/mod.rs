@@ -61,7 +61,12 @@ pub(crate) fn try_http_with_head(
     )?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
-    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not an HTTP answer: {response:?}"));
+    let bad = || {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not an HTTP answer: {response:?}"),
+        )
+    };
     let status = response.get(9..12).and_then(|code| code.parse().ok()).ok_or_else(bad)?;
     let (head, body) = response.split_once("\r\n\r\n").ok_or_else(bad)?;
     Ok((status, head.to_string(), body.to_string()))
