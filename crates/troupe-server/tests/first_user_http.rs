@@ -9,6 +9,9 @@
 //! `Content-Type: application/json`", naming neither the content type sent nor where
 //! to set it. The 405's message names no allowed method (only `Allow` does): axum adds
 //! `Allow` after the server's middleware has shaped the body, so the body cannot read it.
+//!
+//! Normal build only: HTTP is not simulated (the crate is empty under madsim).
+#![cfg(not(madsim))]
 
 mod support;
 
